@@ -1,0 +1,336 @@
+"""Baselines, std, normalisation, the estimator registry and the advantage/reward metrics."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from nemo_like.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageResult,
+    advantage_metrics,
+    compute_advantages,
+    register_advantage_estimator,
+    reward_group_metrics,
+)
+from nemo_like.algorithms.utils import calculate_baseline_and_std_per_prompt, normalize_advantages_with_epsilon
+
+T = torch.tensor
+SQRT_THIRD = math.sqrt(1 / 3)
+
+
+def ones(n: int) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.bool)
+
+
+def assert_close(actual: torch.Tensor, expected: list[float], atol: float = 1e-6) -> None:
+    torch.testing.assert_close(actual.double(), T(expected, dtype=torch.float64), atol=atol, rtol=0)
+
+
+# Two prompts, interleaved: prompt 0 -> rewards [1, 2, 3] (rows 0, 2, 4), prompt 1 -> [0, 0, 1, 1].
+TWO_PROMPT_IDS = T([0, 1, 0, 1, 0, 1, 1])
+TWO_PROMPT_REWARDS = T([1.0, 0.0, 2.0, 0.0, 3.0, 1.0, 1.0])
+
+
+def test_leave_one_out_two_prompts():
+    baseline, std = calculate_baseline_and_std_per_prompt(TWO_PROMPT_IDS, TWO_PROMPT_REWARDS, ones(7), True)
+    # prompt 0: r=1 -> others [2,3]: mean 2.5, std sqrt((.25+.25)/1)=sqrt(.5); r=2 -> [1,3]: 2, sqrt(2);
+    #           r=3 -> [1,2]: 1.5, sqrt(.5).
+    # prompt 1: r=0 -> others [0,1,1]: mean 2/3, var ((4+1+1)/9)/2 = 1/3; r=1 -> [0,0,1]: 1/3, var 1/3.
+    assert_close(baseline, [2.5, 2 / 3, 2.0, 2 / 3, 1.5, 1 / 3, 1 / 3])
+    assert_close(std, [math.sqrt(0.5), SQRT_THIRD, math.sqrt(2), SQRT_THIRD, math.sqrt(0.5), SQRT_THIRD, SQRT_THIRD])
+
+
+def test_group_mean_and_bessel_std_without_leave_one_out():
+    baseline, std = calculate_baseline_and_std_per_prompt(TWO_PROMPT_IDS, TWO_PROMPT_REWARDS, ones(7), False)
+    # prompt 0: mean 2, std sqrt((1+0+1)/2) = 1; prompt 1: mean .5, std sqrt(4*.25/3) = sqrt(1/3).
+    assert_close(baseline, [2.0, 0.5, 2.0, 0.5, 2.0, 0.5, 0.5])
+    assert_close(std, [1.0, SQRT_THIRD, 1.0, SQRT_THIRD, 1.0, SQRT_THIRD, SQRT_THIRD])
+
+
+@pytest.mark.parametrize("loo", [False, True])
+def test_single_generation_per_prompt(loo: bool):
+    rewards = T([0.3, 1.0, 0.0])
+    baseline, std = calculate_baseline_and_std_per_prompt(T([4, 5, 6]), rewards, ones(3), loo)
+    # One valid sample: baseline = its reward, std 0 -> advantage 0.
+    assert_close(baseline, [0.3, 1.0, 0.0])
+    assert_close(std, [0.0, 0.0, 0.0])
+    result = compute_advantages(
+        "grpo", rewards=rewards, prompt_ids=T([4, 5, 6]), valid_mask=ones(3),
+        normalize_rewards=True, use_leave_one_out_baseline=loo,
+    )
+    assert torch.equal(result.advantages, torch.zeros(3))
+
+
+def test_leave_one_out_with_two_samples_has_zero_std():
+    baseline, std = calculate_baseline_and_std_per_prompt(T([0, 0]), T([1.0, 0.0]), ones(2), True)
+    # The baseline is the single other reward; the std of one sample is 0.
+    assert_close(baseline, [0.0, 1.0])
+    assert torch.equal(std, torch.zeros(2))
+
+
+@pytest.mark.parametrize("loo", [False, True])
+def test_identical_rewards_give_exactly_zero_std_and_advantage(loo: bool):
+    # 0.7 is not representable in binary: a moment-based variance would leave a ~1e-17 residue.
+    # (E[r^2] - E[r]^2 over seven 0.7s is -2.2e-16 in float64.)
+    rewards = torch.full((7,), 0.7, dtype=torch.float64)
+    result = compute_advantages(
+        "grpo", rewards=rewards, prompt_ids=torch.zeros(7, dtype=torch.long), valid_mask=ones(7),
+        normalize_rewards=True, use_leave_one_out_baseline=loo,
+    )
+    assert torch.equal(result.std, torch.zeros(7, dtype=torch.float64))
+    assert torch.equal(result.advantages, torch.zeros(7, dtype=torch.float64))
+
+
+def test_zero_std_with_nonzero_advantage_is_not_blown_up():
+    # Leave-one-out, rewards [1, 0, 0, 0]: sample 0's peers are all 0 -> baseline 0, std 0, advantage 1
+    # (dividing by 0 + 1e-6 would give 1e6). The others: baseline 1/3, std of [1,0,0] = sqrt(1/3),
+    # advantage (-1/3) / (sqrt(1/3) + 1e-6) ~= -0.57735.
+    result = compute_advantages(
+        "grpo", rewards=T([1.0, 0.0, 0.0, 0.0]), prompt_ids=torch.zeros(4, dtype=torch.long), valid_mask=ones(4),
+        normalize_rewards=True, use_leave_one_out_baseline=True,
+    )
+    assert_close(result.std, [0.0, SQRT_THIRD, SQRT_THIRD, SQRT_THIRD])
+    assert_close(result.advantages, [1.0, -SQRT_THIRD, -SQRT_THIRD, -SQRT_THIRD], atol=1e-5)
+    assert result.advantages.abs().max() < 2
+
+
+@pytest.mark.parametrize("own, peer", [(0.7, 0.1), (0.0, 0.7), (0.0, 0.9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_zero_std_detection_is_exact_for_non_dyadic_rewards(own: float, peer: float, dtype: torch.dtype):
+    # Rewards [own, peer, peer, peer], leave-one-out: sample 0's peers are all equal -> std exactly 0,
+    # baseline exactly `peer`, advantage own - peer. From group sums, [0, .7, .7, .7] leaves a variance
+    # residue of ~1e-16 (std ~1e-8), which would scale the advantage by ~1e6 / 1.01.
+    rewards = T([own, peer, peer, peer], dtype=dtype)
+    result = compute_advantages(
+        "grpo", rewards=rewards, prompt_ids=torch.zeros(4, dtype=torch.long), valid_mask=ones(4),
+        normalize_rewards=True, use_leave_one_out_baseline=True,
+    )
+    assert result.std[0] == 0.0 and result.baseline[0] == rewards[1]
+    assert result.advantages[0] == rewards[0] - rewards[1]
+
+
+def test_normalize_with_epsilon_skips_zero_std_and_broadcasts_over_tokens():
+    advantages = T([[2.0, 2.0], [-1.0, -1.0], [0.5, 0.5]])
+    std = T([2.0, 0.0, 0.5])
+    out = normalize_advantages_with_epsilon(advantages, std, epsilon=1e-6)
+    # 2 / (2 + 1e-6) ~= 1; std 0 -> unchanged (-1, not -1e6); 0.5 / 0.5 ~= 1.
+    torch.testing.assert_close(out, T([[1.0, 1.0], [-1.0, -1.0], [1.0, 1.0]]), atol=1e-5, rtol=0)
+    assert out[1, 0] == -1.0
+    assert torch.equal(advantages, T([[2.0, 2.0], [-1.0, -1.0], [0.5, 0.5]]))  # input untouched
+
+
+def test_masked_samples_do_not_enter_baselines():
+    rewards = T([1.0, 0.0, 5.0, 0.0, 9.0])
+    prompt_ids = T([0, 0, 0, 0, 1])
+    valid = T([1, 1, 0, 1, 0])
+    baseline, std = calculate_baseline_and_std_per_prompt(prompt_ids, rewards, valid, False)
+    # Prompt 0 valid rewards [1, 0, 0]: mean 1/3, std sqrt((4/9 + 1/9 + 1/9) / 2) = sqrt(1/3); the
+    # invalid 5 is ignored, and itself gets the valid group's values. Prompt 1 has no valid sample:
+    # baseline = its own reward, std 0.
+    assert_close(baseline, [1 / 3, 1 / 3, 1 / 3, 1 / 3, 9.0])
+    assert_close(std, [SQRT_THIRD, SQRT_THIRD, SQRT_THIRD, SQRT_THIRD, 0.0])
+
+    baseline, std = calculate_baseline_and_std_per_prompt(prompt_ids, rewards, valid, True)
+    # Leave-one-out: r=1 -> peers [0, 0]: 0, std 0; r=0 -> peers [1, 0]: .5, std sqrt(.5);
+    # the invalid sample leaves nothing out: 1/3, sqrt(1/3).
+    assert_close(baseline, [0.0, 0.5, 1 / 3, 0.5, 9.0])
+    assert_close(std, [0.0, math.sqrt(0.5), SQRT_THIRD, math.sqrt(0.5), 0.0])
+
+    result = compute_advantages(
+        "grpo", rewards=rewards, prompt_ids=prompt_ids, valid_mask=valid,
+        normalize_rewards=False, use_leave_one_out_baseline=True,
+    )
+    assert_close(result.advantages, [1.0, -0.5, 0.0, -0.5, 0.0])
+
+
+def test_nan_reward_raises_naming_sample_and_group():
+    with pytest.raises(ValueError, match=r"index\(es\) \[1\].*group\(s\) \[7\]"):
+        calculate_baseline_and_std_per_prompt(T([7, 7, 9, 9]), T([0.0, math.nan, 1.0, 0.0]), ones(4), True)
+    # Also when the sample is masked: NaN * 0 is still NaN downstream.
+    with pytest.raises(ValueError, match=r"index\(es\) \[2, 3\]"):
+        calculate_baseline_and_std_per_prompt(
+            T([7, 7, 9, 9]), T([0.0, 1.0, math.inf, -math.inf]), T([1, 1, 0, 0]), False
+        )
+
+
+def test_prompt_rows_are_grouped_by_token_equality():
+    rows = T([[5, 6, 0], [1, 2, 3], [5, 6, 0], [1, 2, 3], [5, 6, 1]])
+    rewards = T([1.0, 0.0, 0.0, 0.0, 1.0])
+    baseline, std = calculate_baseline_and_std_per_prompt(rows, rewards, ones(5), False)
+    # Groups {0, 2} (mean .5, std sqrt(.5)), {1, 3} (0, 0), {4} (alone: its reward, 0).
+    assert_close(baseline, [0.5, 0.0, 0.5, 0.0, 1.0])
+    assert_close(std, [math.sqrt(0.5), 0.0, math.sqrt(0.5), 0.0, 0.0])
+    same = calculate_baseline_and_std_per_prompt(T([0, 1, 0, 1, 2]), rewards, ones(5), False)
+    torch.testing.assert_close(same, (baseline, std))
+
+
+def test_empty_batch():
+    baseline, std = calculate_baseline_and_std_per_prompt(
+        torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0), True
+    )
+    assert baseline.shape == std.shape == (0,)
+
+
+def _slow_reference(prompt_ids, rewards, valid, loo):
+    """Obvious per-sample loops, in float64."""
+    n = len(rewards)
+    baseline, std = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for i in range(n):
+        ref = [
+            float(rewards[j]) for j in range(n)
+            if prompt_ids[j] == prompt_ids[i] and valid[j] and not (loo and valid[i] and j == i)
+        ]
+        baseline[i] = sum(ref) / len(ref) if ref else float(rewards[i])
+        # Equal values: std exactly 0 (the naive formula below can leave a ~1e-17 residue).
+        if len(set(ref)) >= 2:
+            mean = sum(ref) / len(ref)
+            std[i] = math.sqrt(sum((x - mean) ** 2 for x in ref) / (len(ref) - 1))
+    return baseline, std
+
+
+@pytest.mark.parametrize("loo", [False, True])
+@pytest.mark.parametrize("discrete", [False, True])
+def test_vectorised_matches_slow_reference(loo: bool, discrete: bool):
+    gen = torch.Generator().manual_seed(1234 + 2 * loo + discrete)
+    for _ in range(5):
+        n = int(torch.randint(1, 60, (1,), generator=gen))
+        prompt_ids = torch.randint(0, 8, (n,), generator=gen)
+        valid = torch.rand(n, generator=gen) > 0.2
+        if discrete:  # many ties: exercises the exact zero-std paths
+            rewards = torch.randint(0, 3, (n,), generator=gen).double() / 10
+        else:
+            rewards = torch.randn(n, generator=gen, dtype=torch.float64) * 3 + 1
+        baseline, std = calculate_baseline_and_std_per_prompt(prompt_ids, rewards, valid, loo)
+        ref_baseline, ref_std = _slow_reference(prompt_ids, rewards, valid, loo)
+        torch.testing.assert_close(baseline, ref_baseline, atol=1e-10, rtol=0)
+        torch.testing.assert_close(std, ref_std, atol=1e-10, rtol=0)
+        assert torch.equal(std == 0, ref_std == 0)
+
+
+def test_large_batch_is_fast():
+    n = 10_000
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 50, (n // 8, 64), generator=gen).repeat_interleave(8, dim=0)
+    rewards = torch.randint(0, 2, (n,), generator=gen).float()
+    start = time.perf_counter()
+    for loo in (False, True):
+        baseline, std = calculate_baseline_and_std_per_prompt(rows, rewards, ones(n), loo)
+    assert time.perf_counter() - start < 5.0  # ~0.2 s; generous for shared CI cores
+    assert torch.isfinite(baseline).all() and torch.isfinite(std).all()
+
+
+def test_float32_rewards_keep_dtype():
+    baseline, std = calculate_baseline_and_std_per_prompt(TWO_PROMPT_IDS, TWO_PROMPT_REWARDS, ones(7), True)
+    assert baseline.dtype == std.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- registry and estimators
+
+
+def test_registry_names_and_unknown_name():
+    assert {"grpo", "rloo", "dr_grpo"} <= set(ADVANTAGE_ESTIMATORS)
+    with pytest.raises(ValueError, match=r"'ppo'.*\['dr_grpo', 'grpo', 'rloo'"):
+        compute_advantages(
+            "ppo", rewards=T([1.0]), prompt_ids=T([0]), valid_mask=ones(1),
+            normalize_rewards=True, use_leave_one_out_baseline=False,
+        )
+    with pytest.raises(ValueError, match="already registered"):
+        register_advantage_estimator("grpo")(lambda **kw: None)
+
+
+ONE_PROMPT = dict(prompt_ids=torch.zeros(4, dtype=torch.long), valid_mask=ones(4))
+REWARDS_1001 = T([1.0, 0.0, 0.0, 1.0])
+
+
+def test_grpo_normalised_values():
+    result = compute_advantages(
+        "grpo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=True, use_leave_one_out_baseline=False
+    )
+    # mean .5, std sqrt(4 * .25 / 3) = sqrt(1/3): +-.5 / sqrt(1/3) = +-0.8660.
+    assert isinstance(result, AdvantageResult)
+    assert_close(result.advantages, [0.8660254, -0.8660254, -0.8660254, 0.8660254], atol=1e-5)
+
+
+@pytest.mark.parametrize("loo_flag", [False, True])
+def test_rloo_always_leaves_one_out(loo_flag: bool):
+    result = compute_advantages(
+        "rloo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=False, use_leave_one_out_baseline=loo_flag
+    )
+    # r=1 -> peers [0,0,1]: baseline 1/3, A = 2/3; r=0 -> peers [0,1,1]: 2/3, A = -2/3. Not divided.
+    assert_close(result.baseline, [1 / 3, 2 / 3, 2 / 3, 1 / 3])
+    assert_close(result.advantages, [2 / 3, -2 / 3, -2 / 3, 2 / 3])
+
+
+def test_rloo_normalises_only_when_asked():
+    result = compute_advantages(
+        "rloo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=True, use_leave_one_out_baseline=False
+    )
+    # LOO std of [0,0,1] and [0,1,1] is sqrt(1/3): (2/3) / sqrt(1/3) = 2 / sqrt(3) = 1.1547.
+    assert_close(result.advantages, [1.1547005, -1.1547005, -1.1547005, 1.1547005], atol=1e-5)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_dr_grpo_never_divides_by_std(normalize: bool):
+    result = compute_advantages(
+        "dr_grpo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=normalize, use_leave_one_out_baseline=True
+    )
+    # Group mean .5 (leave-one-out ignored), std sqrt(1/3) reported but not used.
+    assert_close(result.advantages, [0.5, -0.5, -0.5, 0.5])
+    assert_close(result.std, [SQRT_THIRD] * 4)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "dr_grpo"])
+def test_invalid_samples_get_zero_advantage(name: str):
+    result = compute_advantages(
+        name, rewards=T([1.0, 0.0, 1.0, 0.0]), prompt_ids=torch.zeros(4, dtype=torch.long),
+        valid_mask=T([1, 1, 0, 0]), normalize_rewards=True, use_leave_one_out_baseline=True,
+    )
+    assert result.advantages[2] == 0 and result.advantages[3] == 0
+    assert torch.isfinite(result.advantages).all()
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_advantage_metrics_over_valid_tokens():
+    advantages = T([[9.0, 1.0, 2.0], [9.0, -3.0, 9.0]])
+    mask = T([[0, 1, 1], [0, 1, 0]])
+    # Valid tokens: 1, 2, -3 -> mean 0, max 2, min -3 (the 9s are masked).
+    assert advantage_metrics(advantages, mask) == {
+        "advantages/mean": 0.0, "advantages/max": 2.0, "advantages/min": -3.0
+    }
+    # A [B] tensor is broadcast over the tokens: 1, 1, 5 -> mean 7/3.
+    assert advantage_metrics(T([1.0, 5.0]), mask)["advantages/mean"] == pytest.approx(7 / 3)
+
+
+def test_advantage_metrics_empty_mask_is_zero():
+    metrics = advantage_metrics(torch.randn(2, 3), torch.zeros(2, 3))
+    assert metrics == {"advantages/mean": 0.0, "advantages/max": 0.0, "advantages/min": 0.0}
+
+
+def test_reward_group_metrics():
+    # Groups: 0 -> [1, 1] (all 1), 1 -> [0, 0] (all 0), 2 -> [0, 1] + an invalid 1 (mixed),
+    # 3 -> [.5, .5] (mixed, zero std), 4 -> only an invalid sample (ignored).
+    prompt_ids = T([0, 0, 1, 1, 2, 2, 2, 3, 3, 4])
+    rewards = T([1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.5, 0.3])
+    valid = T([1, 1, 1, 1, 1, 1, 0, 1, 1, 0])
+    metrics = reward_group_metrics(rewards, prompt_ids, valid)
+    # Valid rewards [1,1,0,0,0,1,.5,.5]: mean .5, squared deviations 6 * .25 = 1.5, Bessel: sqrt(1.5/7).
+    assert metrics["reward_std"] == pytest.approx(math.sqrt(1.5 / 7))
+    assert metrics["frac_reward_zero_std"] == pytest.approx(3 / 4)
+    assert metrics["baseline_reward/pct_0"] == pytest.approx(1 / 4)
+    assert metrics["baseline_reward/pct_1"] == pytest.approx(1 / 4)
+    assert metrics["baseline_reward/pct_mixed"] == pytest.approx(2 / 4)
+
+
+def test_reward_group_metrics_no_valid_sample_is_zero():
+    metrics = reward_group_metrics(T([1.0, 0.0]), T([0, 0]), T([0, 0]))
+    assert set(metrics) == {
+        "reward_std", "frac_reward_zero_std", "baseline_reward/pct_0", "baseline_reward/pct_1",
+        "baseline_reward/pct_mixed",
+    }
+    assert all(v == 0.0 for v in metrics.values())

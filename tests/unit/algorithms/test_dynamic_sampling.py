@@ -1,0 +1,140 @@
+"""DAPO dynamic sampling (group selection, accumulator) and overlong reward shaping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_like.algorithms.dynamic_sampling import (
+    DynamicSamplingAccumulator,
+    apply_overlong_reward_shaping,
+    select_groups_with_signal,
+)
+
+T = torch.tensor
+
+
+def test_select_groups_with_signal():
+    prompt_ids = T([0, 0, 1, 1, 2, 2, 3, 3, 3])
+    rewards = T([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    valid = T([1, 1, 1, 1, 1, 1, 1, 0, 0])
+    # Group 0 differs -> kept; 1 and 2 are constant; 3 has a single valid sample (the 0s are masked).
+    keep = select_groups_with_signal(rewards, prompt_ids, valid)
+    assert keep.tolist() == [True, True, False, False, False, False, False, False, False]
+
+
+def make_batch(prompt_ids: list[int], rewards: list[float], seq_len: int = 3, tag: str = "") -> dict:
+    n = len(prompt_ids)
+    return {
+        "prompt_ids": T(prompt_ids),
+        "rewards": T(rewards),
+        "input_ids": torch.arange(n * seq_len).reshape(n, seq_len),
+        "text": [f"{tag}{i}" for i in range(n)],
+    }
+
+
+def add_batch(acc: DynamicSamplingAccumulator, batch: dict) -> None:
+    keep = select_groups_with_signal(batch["rewards"], batch["prompt_ids"], torch.ones(len(batch["text"])))
+    acc.add(batch, keep)
+
+
+def test_accumulator_fills_fifo_with_whole_groups():
+    acc = DynamicSamplingAccumulator(num_prompts_needed=3, max_gen_batches=4)
+    # Batch a: groups 5 (rows 0, 2: rewards 1, 0 -> kept), 3 (rows 1, 3: 1, 1 -> dropped),
+    # 8 (rows 4, 5: 0, 1 -> kept). Interleaved rows come out group-contiguous, 5 before 8.
+    add_batch(acc, make_batch([5, 3, 5, 3, 8, 8], [1, 1, 0, 1, 0, 1], tag="a"))
+    assert not acc.is_full and acc.num_kept_groups == 2
+    # Batch b: group 1 (rows 0, 1: kept), group 2 (rows 2, 3: kept, surplus), group 4 (constant).
+    add_batch(acc, make_batch([1, 1, 2, 2, 4, 4], [0, 1, 1, 0, 0, 0], tag="b"))
+    assert acc.is_full
+
+    batch, metrics = acc.take()
+    assert batch["text"] == ["a0", "a2", "a4", "a5", "b0", "b1"]
+    assert batch["prompt_ids"].tolist() == [5, 5, 8, 8, 1, 1]
+    assert batch["rewards"].tolist() == [1, 0, 0, 1, 0, 1]
+    assert batch["input_ids"][:, 0].tolist() == [0, 6, 12, 15, 0, 3]
+    assert metrics == {
+        "dynamic_sampling/num_gen_batches": 2.0,
+        "dynamic_sampling/num_discarded_groups": 2.0,
+        "dynamic_sampling/num_kept_groups": 4.0,
+        "dynamic_sampling/num_surplus_groups": 1.0,
+    }
+    # A new round starts from zero.
+    assert not acc.is_full and acc.metrics()["dynamic_sampling/num_gen_batches"] == 0.0
+
+
+def test_accumulator_full_on_first_batch_takes_exactly_needed():
+    acc = DynamicSamplingAccumulator(num_prompts_needed=1, max_gen_batches=1)
+    add_batch(acc, make_batch([0, 0, 1, 1], [0, 1, 1, 0]))
+    batch, metrics = acc.take()
+    assert batch["text"] == ["0", "1"]
+    assert metrics["dynamic_sampling/num_surplus_groups"] == 1.0
+
+
+def test_accumulator_raises_past_max_gen_batches():
+    acc = DynamicSamplingAccumulator(num_prompts_needed=2, max_gen_batches=2)
+    add_batch(acc, make_batch([0, 0, 1, 1], [0, 1, 1, 1]))  # 1 kept, 1 discarded
+    with pytest.raises(RuntimeError, match=r"1/2 prompt groups.*2 generation batches.*"
+                       r"grpo\.dynamic_sampling_max_gen_batches=2.*3 groups were discarded"):
+        add_batch(acc, make_batch([0, 0, 1, 1], [0, 0, 1, 1]))
+
+
+def test_accumulator_filling_on_last_allowed_batch_is_fine():
+    acc = DynamicSamplingAccumulator(num_prompts_needed=2, max_gen_batches=2)
+    add_batch(acc, make_batch([0, 0], [1, 1]))
+    add_batch(acc, make_batch([0, 0, 1, 1], [0, 1, 1, 0]))
+    assert acc.take()[0]["text"] == ["0", "1", "2", "3"]
+
+
+def test_accumulator_unlimited_and_take_before_full():
+    acc = DynamicSamplingAccumulator(num_prompts_needed=1, max_gen_batches=None)
+    for _ in range(20):
+        add_batch(acc, make_batch([0, 0], [1, 1]))
+    with pytest.raises(RuntimeError, match="0/1"):
+        acc.take()
+
+
+def test_accumulator_rejects_split_groups_and_bad_lengths():
+    acc = DynamicSamplingAccumulator(num_prompts_needed=1)
+    with pytest.raises(ValueError, match="whole prompt groups"):
+        acc.add({"i": torch.arange(2)}, T([True, False]), T([0, 0]))
+    with pytest.raises(ValueError, match="'i' has 3 rows"):
+        acc.add({"i": torch.arange(3)}, T([True, True]), T([0, 0]))
+
+
+def test_accumulator_pads_sequence_dim_when_told():
+    acc = DynamicSamplingAccumulator(num_prompts_needed=2, pad_values={"input_ids": -1})
+    add_batch(acc, make_batch([0, 0], [0, 1], seq_len=2))
+    add_batch(acc, make_batch([0, 0], [0, 1], seq_len=3))
+    batch, _ = acc.take()
+    assert batch["input_ids"].tolist() == [[0, 1, -1], [2, 3, -1], [0, 1, 2], [3, 4, 5]]
+
+    acc = DynamicSamplingAccumulator(num_prompts_needed=2)
+    add_batch(acc, make_batch([0, 0], [0, 1], seq_len=2))
+    add_batch(acc, make_batch([0, 0], [0, 1], seq_len=3))
+    with pytest.raises(ValueError, match="'input_ids'.*pad_values"):
+        acc.take()
+
+
+def test_accumulator_with_index_payload_and_prompt_rows():
+    # Payload of indices only; groups defined by [B, L] prompt rows passed separately.
+    rows = T([[7, 7], [1, 2], [7, 7], [1, 2]])
+    acc = DynamicSamplingAccumulator(num_prompts_needed=1)
+    acc.add({"index": torch.arange(4)}, T([False, True, False, True]), rows)
+    assert acc.take()[0]["index"].tolist() == [1, 3]
+
+
+def test_overlong_reward_shaping_values():
+    # L_max 20, buffer 4 -> penalty starts after 16 tokens: -(len - 16) / 4 * 1, clamped to [-1, 0].
+    lengths = T([10, 16, 17, 18, 20, 25])
+    rewards = T([1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    shaped = apply_overlong_reward_shaping(rewards, lengths, 20, 4, 1.0)
+    torch.testing.assert_close(shaped, T([1.0, 1.0, 0.75, -0.5, 0.0, -1.0]))
+    # Penalty 0.5 halves it: len 18 -> -0.25.
+    assert apply_overlong_reward_shaping(T([0.0]), T([18]), 20, 4, 0.5).item() == pytest.approx(-0.25)
+
+
+@pytest.mark.parametrize("buffer, penalty", [(0, 1.0), (30, 1.0), (4, -1.0)])
+def test_overlong_reward_shaping_rejects_bad_config(buffer: int, penalty: float):
+    with pytest.raises(ValueError, match="grpo.reward_shaping"):
+        apply_overlong_reward_shaping(T([0.0]), T([5]), 20, buffer, penalty)
