@@ -1,0 +1,57 @@
+"""``nemo-like train`` and friends. User errors print one clear message, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+from nemo_like.config import ConfigError, load_config, resolve_config_dict
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nemo-like", description="Ray-distributed GRPO trainer.")
+    sub = parser.add_subparsers(dest="command")
+    train = sub.add_parser("train", help="Run GRPO from a recipe (default: the embedded tiny CPU recipe).")
+    add_train_arguments(train)
+    return parser
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="Recipe YAML (default: examples/configs/grpo_tiny_cpu.yaml).")
+    parser.add_argument("--dry-run", action="store_true", help="Print the resolved recipe and exit.")
+    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides: a.b=1, +a.c=2, ++a.b=3, ~a.d")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Validate the recipe, then train (or print it with ``--dry-run``)."""
+    cfg = load_config(args.config, args.overrides)
+    resolved = resolve_config_dict(args.config, args.overrides)
+    if args.dry_run:
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+    from nemo_like.train import train
+
+    train(cfg, resolved)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") or "=" in argv[0] or argv[0].startswith("~"):
+        argv = ["train", *argv]  # `nemo-like` alone, or with overrides only, means train
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_train(args)
+        build_parser().print_help()
+        return 2
+    except ConfigError as exc:
+        print(f"nemo-like: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Load a recipe YAML with ``defaults:`` inheritance and OmegaConf interpolation.
+
+Inheritance rules:
+* ``defaults:`` is a string or a list of parent files, relative to the child file; parents are
+  merged in order and the child last ("later wins").
+* A mapping that contains ``_override_: true`` replaces the parent's mapping instead of merging.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_like.config.errors import ConfigError
+
+_OVERRIDE_MARKER = "_override_"
+
+
+def register_resolvers() -> None:
+    """Register the ``mul``, ``add``, ``div`` and ``max`` interpolation resolvers (idempotent)."""
+    resolvers = {
+        "mul": lambda *xs: _fold(lambda a, b: a * b, xs),
+        "add": lambda *xs: _fold(lambda a, b: a + b, xs),
+        "div": lambda a, b: a / b,
+        "max": lambda *xs: max(xs),
+    }
+    for name, fn in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def _fold(op, xs):
+    result = xs[0]
+    for x in xs[1:]:
+        result = op(result, x)
+    return result
+
+
+def read_yaml_file(path: Path) -> dict[str, Any]:
+    """Parse one YAML file into a dict; errors name the file and the line."""
+    if not path.is_file():
+        raise ConfigError(f"Recipe file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"Invalid YAML in {path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"Recipe {path} must be a YAML mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def merge_dicts(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``child`` into ``base`` (child wins); honour ``_override_: true`` sections."""
+    merged = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict):
+            value = dict(value)
+            replace = bool(value.pop(_OVERRIDE_MARKER, False))
+            if not replace and isinstance(merged.get(key), dict):
+                merged[key] = merge_dicts(merged[key], value)
+            else:
+                merged[key] = _strip_markers(value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _strip_markers(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_markers(v) for k, v in value.items() if k != _OVERRIDE_MARKER}
+    return value
+
+
+def load_recipe_dict(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Load ``path`` and its ``defaults:`` parents into one plain dict (interpolations unresolved)."""
+    path = Path(path).resolve()
+    if path in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, path))
+        raise ConfigError(f"Cyclic 'defaults:' inheritance: {cycle}")
+    data = read_yaml_file(path)
+    parents = data.pop("defaults", None)
+    if parents is None:
+        parents = []
+    elif isinstance(parents, str):
+        parents = [parents]
+    elif not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise ConfigError(f"{path}: 'defaults' must be a file name or a list of file names, got {parents!r}")
+    merged: dict[str, Any] = {}
+    for parent in parents:
+        merged = merge_dicts(merged, load_recipe_dict(path.parent / parent, (*_chain, path)))
+    return merge_dicts(merged, data)
+
+
+def load_recipe(path: str | Path) -> DictConfig:
+    """Load a recipe as an OmegaConf ``DictConfig`` (interpolations resolved later, after overrides)."""
+    register_resolvers()
+    return OmegaConf.create(load_recipe_dict(path))

@@ -1,0 +1,79 @@
+"""Apply command-line overrides written in Hydra's grammar to a recipe.
+
+* ``a.b=1``   changes an existing key (error, with a suggestion, if it does not exist)
+* ``+a.c=2``  adds a new key (error if it already exists)
+* ``++a.b=3`` adds or overwrites
+* ``~a.d``    deletes a key (``~a.d=value`` deletes only if the current value matches)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import OverrideParseException
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from nemo_like.config.errors import ConfigError, did_you_mean
+
+_MISSING = object()
+
+
+def leaf_keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
+    """Yield every dotted key (mappings and leaves) of ``cfg`` without resolving interpolations."""
+    for key in cfg.keys():
+        dotted = f"{prefix}{key}"
+        yield dotted
+        node = cfg._get_node(key)  # noqa: SLF001 - raw node, so interpolations stay unresolved
+        if isinstance(node, DictConfig):
+            yield from leaf_keys(node, dotted + ".")
+
+
+def _exists(cfg: DictConfig, key: str) -> bool:
+    return OmegaConf.select(cfg, key, default=_MISSING, throw_on_missing=False) is not _MISSING
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[Override]:
+    """Parse override strings with Hydra's parser; a syntax error names the override."""
+    parser = OverridesParser.create()
+    parsed = []
+    for text in overrides:
+        try:
+            parsed.extend(parser.parse_overrides([text]))
+        except OverrideParseException as exc:
+            raise ConfigError(f"Cannot parse override '{text}': {exc}") from None
+    return parsed
+
+
+def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """Return ``cfg`` with ``overrides`` applied in order (the input is modified in place too)."""
+    for override in parse_overrides(overrides):
+        key = override.key_or_group
+        text = override.input_line
+        exists = _exists(cfg, key)
+        if override.is_delete():
+            if not exists:
+                raise ConfigError(f"Override '{text}': cannot delete '{key}', it is not in the recipe.{did_you_mean(key, leaf_keys(cfg))}")
+            if override.value() is not None and OmegaConf.select(cfg, key) != override.value():
+                raise ConfigError(f"Override '{text}': '{key}' is {OmegaConf.select(cfg, key)!r}, not {override.value()!r}")
+            _delete(cfg, key)
+            continue
+        value = override.value()
+        if override.is_add() and exists:
+            raise ConfigError(f"Override '{text}': '{key}' already exists; use '{key}=...' to change it or '++{key}=...' to force.")
+        if not override.is_add() and not override.is_force_add() and not exists:
+            raise ConfigError(
+                f"Override '{text}': '{key}' is not a key of the recipe.{did_you_mean(key, leaf_keys(cfg))}"
+                f" (Use '+{key}=...' to add a new key.)"
+            )
+        with open_dict(cfg):
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+    return cfg
+
+
+def _delete(cfg: DictConfig, key: str) -> None:
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    with open_dict(parent):
+        del parent[leaf]

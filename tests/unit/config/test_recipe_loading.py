@@ -1,0 +1,112 @@
+"""Recipe loading: defaults inheritance, _override_, interpolation, overrides and error messages."""
+
+from pathlib import Path
+
+import pytest
+
+from nemo_like.cli import main
+from nemo_like.config import ConfigError, load_config, resolve_config_dict
+from nemo_like.config.loader import load_recipe_dict
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+MATH_1B = REPO / "examples" / "configs" / "grpo_math_1B.yaml"
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_defaults_inheritance_later_wins_and_override_marker(tmp_path):
+    write(tmp_path / "a.yaml", "grpo:\n  max_num_steps: 1\n  seed: 7\npolicy:\n  optimizer:\n    lr: 0.1\n    weight_decay: 0.5\n")
+    write(tmp_path / "b.yaml", "grpo:\n  max_num_steps: 2\n")
+    child = write(
+        tmp_path / "child.yaml",
+        "defaults: [a.yaml, b.yaml]\ngrpo:\n  val_period: 3\npolicy:\n  optimizer:\n    _override_: true\n    lr: 0.2\n",
+    )
+    raw = load_recipe_dict(child)
+    assert raw["grpo"] == {"max_num_steps": 2, "seed": 7, "val_period": 3}  # b beats a, child adds
+    assert raw["policy"]["optimizer"] == {"lr": 0.2}  # replaced, weight_decay gone
+
+
+def test_schema_keys_missing_from_the_recipe_can_be_overridden_without_plus(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "grpo:\n  seed: 1\n")
+    cfg = load_config(recipe, ["grpo.val_greedy=true"])
+    assert cfg.grpo.val_greedy is True and cfg.grpo.seed == 1
+
+
+def test_defaults_as_single_string_relative_to_child(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "base.yaml", "grpo:\n  seed: 3\n")
+    child = write(tmp_path / "sub" / "c.yaml", "defaults: ../base.yaml\n")
+    assert load_recipe_dict(child)["grpo"]["seed"] == 3
+
+
+def test_interpolation_follows_overrides_and_resolvers(tmp_path):
+    raw = resolve_config_dict(TINY, ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2"])
+    assert raw["policy"]["train_global_batch_size"] == 8
+    write(tmp_path / "r.yaml", "x: 6\ny: ${div:${x},4}\nz: ${max:${x},9,2}\nw: ${add:${x},1}\n")
+    raw = resolve_config_dict(tmp_path / "r.yaml")
+    assert (raw["y"], raw["z"], raw["w"]) == (1.5, 9, 7)
+
+
+def test_override_grammar_add_force_delete():
+    raw = resolve_config_dict(TINY, ["+grpo.extra_key=5", "++grpo.seed=9", "++grpo.other=1", "~logger.tensorboard_enabled"])
+    assert raw["grpo"]["extra_key"] == 5 and raw["grpo"]["seed"] == 9 and raw["grpo"]["other"] == 1
+    assert "tensorboard_enabled" not in raw["logger"]
+    with pytest.raises(ConfigError, match="already exists"):
+        resolve_config_dict(TINY, ["+grpo.seed=1"])
+    with pytest.raises(ConfigError, match="not in the recipe"):
+        resolve_config_dict(TINY, ["~grpo.nope"])
+
+
+def test_unknown_override_key_suggests_the_right_one():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["grpo.num_prompt_per_step=4"])
+    assert "grpo.num_prompt_per_step" in str(err.value) and "grpo.num_prompts_per_step" in str(err.value)
+
+
+def test_added_unknown_key_is_rejected_by_the_schema_with_suggestion():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["+policy.generation.max_new_token=3"])
+    assert "policy.generation.max_new_token: unknown key" in str(err.value)
+    assert "policy.generation.max_new_tokens" in str(err.value)
+
+
+def test_wrong_type_names_key_and_type():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["grpo.max_num_steps=abc"])
+    assert "grpo.max_num_steps" in str(err.value) and "integer" in str(err.value)
+
+
+def test_missing_file_and_invalid_yaml_name_the_file_and_line(tmp_path):
+    with pytest.raises(ConfigError, match="not found: .*missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    bad = write(tmp_path / "bad.yaml", "grpo:\n  seed: 1\n  x: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml at line \d+"):
+        load_config(bad)
+
+
+def test_batch_geometry_is_checked():
+    with pytest.raises(ConfigError, match="must divide the rollout size"):
+        load_config(TINY, ["policy.train_global_batch_size=48"])
+    with pytest.raises(ConfigError, match="force_on_policy_ratio requires"):
+        load_config(TINY, ["policy.train_global_batch_size=32", "loss_fn.force_on_policy_ratio=true"])
+
+
+def test_cli_user_errors_exit_2_without_traceback(capsys):
+    assert main(["train", "grpo.max_num_steps=2", "grpo.num_prompt_per_step=4"]) == 2
+    err = capsys.readouterr().err
+    assert "grpo.num_prompts_per_step" in err and "Traceback" not in err
+
+
+def test_cli_dry_run_prints_resolved_overrides(capsys):
+    assert main(["train", "--config", str(TINY), "--dry-run", "grpo.num_prompts_per_step=2"]) == 0
+    out = capsys.readouterr().out
+    assert "num_prompts_per_step: 2" in out and "train_global_batch_size: 16" in out
+
+
+def test_every_shipped_recipe_validates():
+    for recipe in (TINY, MATH_1B):
+        load_config(recipe)
