@@ -1,0 +1,578 @@
+"""Clipped policy-gradient loss for GRPO (PPO-style), with NeMo-RL's options.
+
+Notation, per token ``t`` of a ``[B, S]`` batch aligned with ``input_ids``: ``c`` = log pi_curr
+(with gradient), ``p`` = log pi_prev (the policy the rollout batch was scored with; ``stopgrad(c)``
+when absent or when ``force_on_policy_ratio``), ``g`` = log pi_gen (the generation engine), ``A`` =
+advantage. The loss is composed of small pure functions, one per concern:
+
+1. :func:`ppo_log_ratio` - log of the ratio pi_curr/pi_prev (per token, or per sequence for GSPO);
+2. a surrogate from :data:`SURROGATES` - PPO clip (+ dual clip), unclipped (trust region), CISPO or
+   REINFORCE - giving the per-token policy-gradient loss;
+3. :func:`importance_log_weights` + a truncation from :data:`TRUNCATIONS` - the pi_prev/pi_gen
+   correction, optionally truncated (tis, icepop, seq-mask-tis);
+4. a trust region from :data:`TRUST_REGIONS` - which tokens are kept (dppo_binary_tv);
+5. :func:`reference_kl_per_token` - the KL penalty to the reference policy (k1/k2/k3);
+6. :func:`reduce_per_token` - token- or sequence-level normalisation by global counts.
+
+``docs/guides/grpo.md`` ("Loss function", "Metrics") documents the maths and every metric.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from nemo_like.algorithms.metrics import (
+    DERIVED_METRICS,
+    Reduction,
+    combine_metric_fragments,
+    default_metric_reduction,
+    divergence_metric_fragments,
+)
+from nemo_like.algorithms.utils import masked_mean
+from nemo_like.config.loss import ClippedPGLossConfig
+
+__all__ = [
+    "ClippedPGLossFn",
+    "LossInputs",
+    "combine_metric_fragments",
+    "reduce_per_token",
+    "ppo_log_ratio",
+    "importance_log_weights",
+    "reference_kl_per_token",
+    "dppo_binary_tv_keep_mask",
+    "SURROGATES",
+    "TRUNCATIONS",
+    "TRUST_REGIONS",
+    "KL_ESTIMATORS",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """The tensors of one microbatch, masked so that invalid positions hold 0.
+
+    Zeroing invalid positions (prompt, padding, position 0, masked samples) before any ``exp``
+    keeps garbage there from turning into inf/NaN, and gives those positions an exactly zero
+    gradient.
+    """
+
+    curr: torch.Tensor  # [B, S] log pi_curr, with gradient
+    prev: torch.Tensor  # [B, S] log pi_prev, detached
+    gen: torch.Tensor  # [B, S] log pi_gen, detached
+    ref: torch.Tensor | None  # [B, S] log pi_ref, detached, or None
+    advantages: torch.Tensor  # [B, S]
+    mask: torch.Tensor  # [B, S] float, token_mask * sample_mask[:, None]
+    valid: torch.Tensor  # [B, S] bool, mask > 0
+    sample_mask: torch.Tensor  # [B] float
+    global_valid_toks: torch.Tensor
+    global_valid_seqs: torch.Tensor
+
+    @classmethod
+    def from_data(
+        cls,
+        curr_logprobs: torch.Tensor,
+        data: Mapping[str, torch.Tensor],
+        global_valid_seqs: torch.Tensor | float,
+        global_valid_toks: torch.Tensor | float,
+        force_on_policy_ratio: bool = False,
+    ) -> LossInputs:
+        """Build the inputs from the loss call's arguments (see :class:`ClippedPGLossFn`)."""
+        for key in ("generation_logprobs", "advantages", "token_mask", "sample_mask"):
+            if key not in data:
+                raise KeyError(f"ClippedPGLossFn needs data[{key!r}]")
+        # bf16/fp16 logprobs are upcast: exp() of small differences needs fp32 precision.
+        dtype = torch.promote_types(curr_logprobs.dtype, torch.float32)
+        device = curr_logprobs.device
+        sample_mask = data["sample_mask"].to(dtype)
+        mask = data["token_mask"].to(dtype) * sample_mask[:, None]
+        if mask.shape != curr_logprobs.shape or sample_mask.shape != curr_logprobs.shape[:1]:
+            raise ValueError(
+                f"shape mismatch: curr_logprobs {tuple(curr_logprobs.shape)}, token_mask "
+                f"{tuple(data['token_mask'].shape)}, sample_mask {tuple(sample_mask.shape)}"
+            )
+        valid = mask > 0
+
+        def masked(tensor: torch.Tensor) -> torch.Tensor:
+            return torch.where(valid, tensor.to(dtype), 0.0)
+
+        prev = data.get("prev_logprobs")
+        if force_on_policy_ratio or prev is None:
+            prev = curr_logprobs
+        ref = data.get("reference_policy_logprobs")
+        return cls(
+            curr=masked(curr_logprobs),
+            prev=masked(prev.detach()),
+            gen=masked(data["generation_logprobs"].detach()),
+            ref=None if ref is None else masked(ref.detach()),
+            advantages=masked(data["advantages"].detach()),
+            mask=mask,
+            valid=valid,
+            sample_mask=sample_mask,
+            global_valid_toks=torch.as_tensor(global_valid_toks, dtype=dtype, device=device),
+            global_valid_seqs=torch.as_tensor(global_valid_seqs, dtype=dtype, device=device),
+        )
+
+
+def reduce_per_token(values: torch.Tensor, inputs: LossInputs, token_level: bool) -> torch.Tensor:
+    """Normalise per-token values so that summing over microbatches gives the full-batch mean.
+
+    Token level: ``sum(values * mask) / global_valid_toks``. Sequence level: each sequence's mean
+    over its valid tokens, summed over counted sequences, ``/ global_valid_seqs``.
+    """
+    if token_level:
+        return masked_mean(values, inputs.mask, global_normalization_factor=inputs.global_valid_toks)
+    per_sequence = masked_mean(values, inputs.mask, dim=-1)
+    return masked_mean(
+        per_sequence, inputs.sample_mask, global_normalization_factor=inputs.global_valid_seqs
+    )
+
+
+def _token_mean(values: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    return reduce_per_token(values, inputs, token_level=True)
+
+
+def _as_per_token(values: torch.Tensor) -> torch.Tensor:
+    """Broadcast a per-sequence [B] tensor over tokens; leave [B, S] tensors alone."""
+    return values[:, None] if values.dim() == 1 else values
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Ratio
+# --------------------------------------------------------------------------------------------
+
+
+def ppo_log_ratio(inputs: LossInputs, sequence_level: bool) -> torch.Tensor:
+    """log(pi_curr/pi_prev) per token, or GSPO's per-sequence mean broadcast over valid tokens."""
+    log_ratio = inputs.curr - inputs.prev
+    if not sequence_level:
+        return log_ratio
+    per_sequence = masked_mean(log_ratio, inputs.mask, dim=-1)
+    return torch.where(inputs.valid, per_sequence[:, None].expand_as(log_ratio), 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Surrogates
+# --------------------------------------------------------------------------------------------
+
+
+class Surrogate(NamedTuple):
+    """Per-token policy-gradient loss, the ratio and clamped ratio it used, and where it clipped."""
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    ratio_clamped: torch.Tensor
+    clipped: torch.Tensor  # bool
+
+
+SurrogateFn = Callable[[torch.Tensor, LossInputs, ClippedPGLossConfig], Surrogate]
+
+
+def _clamp_ratio(ratio: torch.Tensor, cfg: ClippedPGLossConfig) -> torch.Tensor:
+    return ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+
+
+def ppo_clip_surrogate(
+    log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig
+) -> Surrogate:
+    """``max(-A r, -A clamp(r))``; with dual clip, capped at ``-A c`` where ``A < 0``.
+
+    Where the clamped branch is strictly larger, the ratio is outside the band on the side the
+    advantage pushes, the clamp is constant there, and the token's gradient is exactly 0.
+    """
+    advantages = inputs.advantages
+    ratio = torch.exp(log_ratio)
+    ratio_clamped = _clamp_ratio(ratio, cfg)
+    unclipped_loss, clipped_loss = -advantages * ratio, -advantages * ratio_clamped
+    clipped = clipped_loss > unclipped_loss
+    loss = torch.where(clipped, clipped_loss, unclipped_loss)
+    if cfg.ratio_clip_c is not None:
+        dual_bound = -advantages * cfg.ratio_clip_c
+        dual_clipped = (advantages < 0) & (dual_bound < loss)
+        loss = torch.where(dual_clipped, dual_bound, loss)
+        clipped = clipped | dual_clipped
+    return Surrogate(loss, ratio, ratio_clamped, clipped)
+
+
+def unclipped_surrogate(
+    log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig
+) -> Surrogate:
+    """``-A r`` without clipping: the trust region decides which tokens count."""
+    ratio = torch.exp(log_ratio)
+    return Surrogate(-inputs.advantages * ratio, ratio, ratio, torch.zeros_like(inputs.valid))
+
+
+def cispo_surrogate(
+    log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig
+) -> Surrogate:
+    """CISPO: ``-A stopgrad(clamp(r)) log pi_curr``; clipped tokens keep a bounded gradient."""
+    ratio = torch.exp(log_ratio)
+    ratio_clamped = _clamp_ratio(ratio.detach(), cfg)
+    loss = -inputs.advantages * ratio_clamped * inputs.curr
+    return Surrogate(loss, ratio, ratio_clamped, ratio.detach() != ratio_clamped)
+
+
+def reinforce_surrogate(
+    log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig
+) -> Surrogate:
+    """REINFORCE (``disable_ppo_ratio``): ``-A log pi_curr``; the ratio is reported, not used."""
+    ratio = torch.exp(log_ratio.detach())
+    return Surrogate(-inputs.advantages * inputs.curr, ratio, ratio, torch.zeros_like(inputs.valid))
+
+
+SURROGATES: dict[str, SurrogateFn] = {
+    "ppo_clip": ppo_clip_surrogate,
+    "unclipped": unclipped_surrogate,
+    "cispo": cispo_surrogate,
+    "reinforce": reinforce_surrogate,
+}
+
+
+def select_surrogate(cfg: ClippedPGLossConfig) -> str:
+    """Name in :data:`SURROGATES` of the surrogate the config asks for."""
+    if cfg.disable_ppo_ratio:
+        return "reinforce"
+    if cfg.use_cispo:
+        return "cispo"
+    if cfg.trust_region_type is not None:
+        return "unclipped"
+    return "ppo_clip"
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Importance-sampling correction pi_prev / pi_gen
+# --------------------------------------------------------------------------------------------
+
+
+def importance_log_weights(inputs: LossInputs, sequence_level: bool) -> torch.Tensor:
+    """log(pi_prev/pi_gen): [B, S] per token, or [B] per sequence (sum over tokens) for GSPO."""
+    log_weights = inputs.prev - inputs.gen
+    return log_weights.sum(dim=-1) if sequence_level else log_weights
+
+
+def _finite_exp(log_values: torch.Tensor) -> torch.Tensor:
+    # An overflowing (or NaN) weight drops its token instead of poisoning the whole batch.
+    return torch.nan_to_num(torch.exp(log_values), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _log_bounds(low: float | None, high: float | None) -> tuple[float, float]:
+    log_low = -math.inf if not low else math.log(low)
+    return log_low, (math.inf if high is None else math.log(high))
+
+
+# (log_weights [B,S] or [B], per-sequence log geometric-mean ratio [B], low, high)
+#   -> (weights, out_of_bounds). Truncation is done in log space so that it cannot overflow.
+TruncationFn = Callable[
+    [torch.Tensor, torch.Tensor, float | None, float | None], tuple[torch.Tensor, torch.Tensor]
+]
+
+
+def no_truncation(
+    log_w: torch.Tensor, seq_log_geo: torch.Tensor, low: float | None, high: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain weights."""
+    return _finite_exp(log_w), torch.zeros_like(log_w, dtype=torch.bool)
+
+
+def tis_truncation(
+    log_w: torch.Tensor, seq_log_geo: torch.Tensor, low: float | None, high: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated IS: clamp each weight to [low (default 0), high]."""
+    log_low, log_high = _log_bounds(low, high)
+    return _finite_exp(log_w.clamp(log_low, log_high)), (log_w < log_low) | (log_w > log_high)
+
+
+def icepop_truncation(
+    log_w: torch.Tensor, seq_log_geo: torch.Tensor, low: float | None, high: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """IcePop: weights outside [low, high] become 0 (the token is masked, not clamped)."""
+    log_low, log_high = _log_bounds(low, high)
+    inside = (log_w >= log_low) & (log_w <= log_high)
+    return torch.where(inside, _finite_exp(log_w), 0.0), ~inside
+
+
+def seq_mask_tis_truncation(
+    log_w: torch.Tensor, seq_log_geo: torch.Tensor, low: float | None, high: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero every weight of a sequence whose geometric-mean ratio is outside [low, high].
+
+    ``out_of_bounds`` is per sequence ([B]).
+    """
+    log_low, log_high = _log_bounds(low, high)
+    keep = (seq_log_geo >= log_low) & (seq_log_geo <= log_high)
+    keep_like_w = keep if log_w.dim() == 1 else keep[:, None]
+    return _finite_exp(log_w) * keep_like_w, ~keep
+
+
+TRUNCATIONS: dict[str | None, TruncationFn] = {
+    None: no_truncation,
+    "tis": tis_truncation,
+    "icepop": icepop_truncation,
+    "seq-mask-tis": seq_mask_tis_truncation,
+}
+
+
+class ImportanceWeights(NamedTuple):
+    """Raw and truncated pi_prev/pi_gen weights ([B, S] or [B]) and the out-of-bounds flags."""
+
+    raw: torch.Tensor
+    truncated: torch.Tensor
+    out_of_bounds: torch.Tensor
+
+
+def importance_weights(inputs: LossInputs, cfg: ClippedPGLossConfig) -> ImportanceWeights:
+    """Detached pi_prev/pi_gen weights, truncated as configured."""
+    log_w = importance_log_weights(inputs, cfg.sequence_level_importance_ratios).detach()
+    seq_log_geo = masked_mean(inputs.prev - inputs.gen, inputs.mask, dim=-1)
+    truncate = TRUNCATIONS[cfg.truncated_importance_sampling_type]
+    truncated, out_of_bounds = truncate(
+        log_w,
+        seq_log_geo,
+        cfg.truncated_importance_sampling_ratio_min,
+        cfg.truncated_importance_sampling_ratio,
+    )
+    return ImportanceWeights(_finite_exp(log_w), truncated, out_of_bounds)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Trust regions
+# --------------------------------------------------------------------------------------------
+
+TrustRegionFn = Callable[[LossInputs, float, float], torch.Tensor]
+
+
+def dppo_binary_tv_keep_mask(inputs: LossInputs, low: float, high: float) -> torch.Tensor:
+    """DPPO binary-TV trust region around pi_gen: which valid tokens are kept.
+
+    The binary total variation between pi_curr and pi_gen on the sampled token is
+    ``|pi_curr(x) - pi_gen(x)|``. A token is dropped only when it already moved past the band in
+    the direction its advantage pushes: ``A > 0`` and ``pi_curr - pi_gen > high``, or ``A < 0`` and
+    ``pi_curr - pi_gen < -low``. Moves against the advantage are always kept (they are corrected).
+    """
+    prob_diff = (torch.exp(inputs.curr) - torch.exp(inputs.gen)).detach()
+    advantages = inputs.advantages
+    dropped = ((advantages > 0) & (prob_diff > high)) | ((advantages < 0) & (prob_diff < -low))
+    return inputs.valid & ~dropped
+
+
+TRUST_REGIONS: dict[str, TrustRegionFn] = {"dppo_binary_tv": dppo_binary_tv_keep_mask}
+
+
+def mismatch_penalty_per_token(inputs: LossInputs) -> torch.Tensor:
+    """``(log pi_curr - log pi_gen)^2``, the quantity ``kl_tau`` weights (Kimi-K2.5 style)."""
+    return (inputs.curr - inputs.gen) ** 2
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Reference KL
+# --------------------------------------------------------------------------------------------
+
+#: Estimators of KL(pi || pi_ref) from ``log_ratio = log pi_ref - log pi`` on a token x ~ pi.
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": lambda log_ratio: -log_ratio,
+    "k2": lambda log_ratio: 0.5 * log_ratio**2,
+    "k3": lambda log_ratio: torch.expm1(log_ratio) - log_ratio,
+}
+
+
+def reference_kl_per_token(inputs: LossInputs, cfg: ClippedPGLossConfig) -> torch.Tensor:
+    """Per-token estimate of KL(pi_curr || pi_ref), importance-weighted, with gradient.
+
+    The weight is ``pi_curr/pi_gen`` with ``use_on_policy_kl_approximation`` (the tokens come from
+    pi_gen), else ``exp(c - stopgrad(c)) = 1``; both carry the score-function gradient, so the
+    gradient estimates grad KL(pi_curr || pi_ref) instead of dropping the term where the
+    sampling distribution depends on the parameters. Where the input clamp is active the weight
+    is detached, so a clamped token gives no KL gradient at all; the output clamp is applied
+    after weighting.
+    """
+    if inputs.ref is None:
+        raise ValueError("reference_kl_per_token needs reference_policy_logprobs")
+    log_ratio = inputs.ref - inputs.curr
+    input_clamped = torch.zeros_like(inputs.valid)
+    if cfg.kl_input_clamp_value is not None:
+        bound = cfg.kl_input_clamp_value
+        input_clamped = log_ratio.detach().abs() > bound
+        log_ratio = log_ratio.clamp(-bound, bound)
+    kl = KL_ESTIMATORS[cfg.reference_policy_kl_type](log_ratio)
+    baseline = inputs.gen if cfg.use_on_policy_kl_approximation else inputs.curr.detach()
+    weights = torch.nan_to_num(torch.exp(inputs.curr - baseline), nan=0.0, posinf=0.0, neginf=0.0)
+    kl = kl * torch.where(input_clamped, weights.detach(), weights)
+    if cfg.kl_output_clamp_value is not None:
+        kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
+    return kl
+
+
+# --------------------------------------------------------------------------------------------
+# The loss
+# --------------------------------------------------------------------------------------------
+
+
+def _masked_extreme(values: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    identity = math.inf if reduction == "min" else -math.inf
+    filled = torch.where(valid, values.detach(), identity)
+    if filled.numel() == 0:
+        return values.new_tensor(identity)
+    return filled.amin() if reduction == "min" else filled.amax()
+
+
+def _approx_entropy(inputs: LossInputs) -> torch.Tensor:
+    """Entropy of pi_curr estimated on pi_gen samples: E_gen[(pi_curr/pi_gen) (-log pi_curr)]."""
+    curr = inputs.curr.detach()
+    return _token_mean(-_finite_exp(curr - inputs.gen) * curr, inputs)
+
+
+def _mean_over(
+    values: torch.Tensor, inputs: LossInputs, sequence_level: bool
+) -> torch.Tensor:
+    """Token mean of [B, S] values, or sequence mean of [B] values (global normalisation)."""
+    if sequence_level:
+        return masked_mean(
+            values, inputs.sample_mask, global_normalization_factor=inputs.global_valid_seqs
+        )
+    return _token_mean(values, inputs)
+
+
+class ClippedPGLossFn:
+    """Clipped policy-gradient loss; see the module docstring and ``docs/guides/grpo.md``.
+
+    Call: ``loss, metrics = loss_fn(curr_logprobs, data, global_valid_seqs, global_valid_toks)``
+    once per microbatch. ``data`` holds ``generation_logprobs``, ``advantages``, ``token_mask``,
+    ``sample_mask`` and optionally ``prev_logprobs`` and ``reference_policy_logprobs`` (required
+    when ``reference_policy_kl_penalty > 0``). Summing the losses of all microbatches gives the
+    full-batch loss; ``metrics`` are fragments to combine with :func:`combine_metric_fragments`
+    and :meth:`metric_reduction`.
+    """
+
+    def __init__(self, cfg: ClippedPGLossConfig | Mapping[str, Any] | None = None) -> None:
+        if cfg is None:
+            cfg = ClippedPGLossConfig()
+        elif not isinstance(cfg, ClippedPGLossConfig):
+            cfg = ClippedPGLossConfig.model_validate(dict(cfg))
+        self.cfg = cfg
+        self.reference_policy_kl_penalty = cfg.reference_policy_kl_penalty
+        self.surrogate_name = select_surrogate(cfg)
+
+    @staticmethod
+    def metric_reduction(name: str) -> Reduction:
+        """How the fragments of metric ``name`` combine: "sum", "min" or "max".
+
+        ``*_min`` keys combine with min, ``*_max`` keys with max, every other fragment with sum.
+        Derived metrics (``rollout_corr/is_eff_sample_size``, ``trust_region/kl_penalty``) are not
+        fragments and raise ValueError; :func:`combine_metric_fragments` recomputes them.
+        """
+        return default_metric_reduction(name)
+
+    @property
+    def derived_metrics(self) -> tuple[str, ...]:
+        """Names that :func:`combine_metric_fragments` adds to the combined metrics."""
+        return tuple(DERIVED_METRICS)
+
+    def __call__(
+        self,
+        curr_logprobs: torch.Tensor,
+        data: Mapping[str, torch.Tensor],
+        global_valid_seqs: torch.Tensor | float,
+        global_valid_toks: torch.Tensor | float,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss of one microbatch (normalised by the global counts) and its metric fragments."""
+        cfg = self.cfg
+        beta = cfg.reference_policy_kl_penalty
+        if beta > 0 and data.get("reference_policy_logprobs") is None:
+            raise ValueError(
+                f"loss_fn.reference_policy_kl_penalty={beta} requires "
+                "data['reference_policy_logprobs'] (compute reference logprobs, or set the penalty to 0)"
+            )
+        inputs = LossInputs.from_data(
+            curr_logprobs, data, global_valid_seqs, global_valid_toks, cfg.force_on_policy_ratio
+        )
+
+        surrogate = SURROGATES[self.surrogate_name](
+            ppo_log_ratio(inputs, cfg.sequence_level_importance_ratios), inputs, cfg
+        )
+        weights = importance_weights(inputs, cfg)
+        per_token = surrogate.loss
+        if cfg.use_importance_sampling_correction:
+            per_token = per_token * _as_per_token(weights.truncated)
+        keep = self._keep_mask(inputs)
+        per_token = torch.where(keep, per_token, 0.0)
+        actor_loss = reduce_per_token(per_token, inputs, cfg.token_level_loss)
+
+        mismatch = torch.where(keep, mismatch_penalty_per_token(inputs), 0.0)
+        loss = actor_loss
+        if cfg.kl_tau > 0:
+            loss = loss + cfg.kl_tau * reduce_per_token(mismatch, inputs, cfg.token_level_loss)
+        kl_penalty = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+        if inputs.ref is not None:
+            kl_penalty = reduce_per_token(
+                reference_kl_per_token(inputs, cfg), inputs, cfg.token_level_loss
+            )
+            if beta > 0:
+                loss = loss + beta * kl_penalty
+
+        fragments = {
+            "loss": loss,
+            "actor_loss": actor_loss,
+            "kl_penalty": kl_penalty,
+            **self._ratio_metrics(inputs, surrogate),
+            **self._importance_metrics(inputs, weights),
+            **self._trust_region_metrics(inputs, keep, mismatch),
+            "approx_entropy": _approx_entropy(inputs),
+            "num_valid_tokens": inputs.mask.sum(),
+            "num_valid_seqs": inputs.sample_mask.sum(),
+            **divergence_metric_fragments(
+                inputs.prev, inputs.gen, inputs.mask, inputs.sample_mask,
+                inputs.global_valid_toks, inputs.global_valid_seqs,
+            ),
+        }
+        names = list(fragments)
+        values = torch.stack([fragments[n].detach().double().reshape(()) for n in names]).tolist()
+        return loss, dict(zip(names, values))
+
+    def _keep_mask(self, inputs: LossInputs) -> torch.Tensor:
+        if self.cfg.trust_region_type is None:
+            return inputs.valid
+        trust_region = TRUST_REGIONS[self.cfg.trust_region_type]
+        return trust_region(inputs, self.cfg.trust_region_low, self.cfg.trust_region_high)
+
+    @staticmethod
+    def _ratio_metrics(inputs: LossInputs, surrogate: Surrogate) -> dict[str, torch.Tensor]:
+        ratio, ratio_clamped = surrogate.ratio.detach(), surrogate.ratio_clamped.detach()
+        return {
+            "probs_ratio": _token_mean(ratio, inputs),
+            "probs_ratio_clamped": _token_mean(ratio_clamped, inputs),
+            "probs_ratio_min": _masked_extreme(ratio, inputs.valid, "min"),
+            "probs_ratio_max": _masked_extreme(ratio, inputs.valid, "max"),
+            "probs_ratio_clamped_min": _masked_extreme(ratio_clamped, inputs.valid, "min"),
+            "probs_ratio_clamped_max": _masked_extreme(ratio_clamped, inputs.valid, "max"),
+            "clip_fraction": _token_mean(surrogate.clipped.to(ratio.dtype), inputs),
+        }
+
+    @staticmethod
+    def _importance_metrics(inputs: LossInputs, weights: ImportanceWeights) -> dict[str, torch.Tensor]:
+        sequence_level = weights.raw.dim() == 1
+        oob = weights.out_of_bounds.to(weights.raw.dtype)
+        return {
+            "sampling_importance_ratio_untruncated": _mean_over(weights.raw, inputs, sequence_level),
+            "sampling_importance_ratio": _mean_over(weights.truncated, inputs, sequence_level),
+            "is_oob_ratio": _mean_over(oob, inputs, oob.dim() == 1),
+        }
+
+    @staticmethod
+    def _trust_region_metrics(
+        inputs: LossInputs, keep: torch.Tensor, mismatch: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        kept = keep.to(inputs.mask.dtype)
+        return {
+            "trust_region/kept_fraction": _token_mean(kept, inputs),
+            "trust_region/masked_fraction": _token_mean(1.0 - kept, inputs),
+            "trust_region/kl_penalty_per_valid_token": _token_mean(mismatch.detach(), inputs),
+        }

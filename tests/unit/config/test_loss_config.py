@@ -1,0 +1,137 @@
+"""ClippedPGLossConfig: defaults, documentation, and rejection of invalid combinations."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from nemo_like.config.loss import ClippedPGLossConfig
+
+TIS = {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0}
+
+
+def test_defaults() -> None:
+    cfg = ClippedPGLossConfig()
+    assert (cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.ratio_clip_c) == (0.2, 0.2, None)
+    assert (cfg.reference_policy_kl_penalty, cfg.reference_policy_kl_type) == (0.0, "k3")
+    assert (cfg.kl_input_clamp_value, cfg.kl_output_clamp_value) == (20.0, 10.0)
+    assert cfg.token_level_loss is True
+    assert not any([
+        cfg.use_on_policy_kl_approximation, cfg.use_importance_sampling_correction,
+        cfg.sequence_level_importance_ratios, cfg.disable_ppo_ratio, cfg.force_on_policy_ratio,
+        cfg.use_cispo,
+    ])
+    assert cfg.truncated_importance_sampling_type is None
+    assert cfg.trust_region_type is None
+    assert (cfg.trust_region_low, cfg.trust_region_high, cfg.kl_tau) == (0.2, 0.2, 0.0)
+
+
+def test_every_field_is_documented() -> None:
+    for name, field in ClippedPGLossConfig.model_fields.items():
+        assert field.description and len(field.description) > 20, name
+
+
+def test_unknown_keys_are_rejected() -> None:
+    with pytest.raises(ValidationError, match="use_kl_in_reward"):
+        ClippedPGLossConfig(use_kl_in_reward=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"ratio_clip_max": 0.28, "ratio_clip_c": 3.0},
+        {"use_cispo": True, "ratio_clip_max": 5.0},
+        {"sequence_level_importance_ratios": True, "token_level_loss": False},
+        {"truncated_importance_sampling_type": "tis", **TIS},
+        {"truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio_min": 0.5, **TIS},
+        {"truncated_importance_sampling_type": "seq-mask-tis",
+         "truncated_importance_sampling_ratio_min": 0.5, **TIS},
+        {"reference_policy_kl_penalty": 0.01, "reference_policy_kl_type": "k1",
+         "use_on_policy_kl_approximation": True},
+        {"trust_region_type": "dppo_binary_tv", "trust_region_high": 0.28, "kl_tau": 1e-3},
+        {"force_on_policy_ratio": True, "use_importance_sampling_correction": True},
+        {"kl_tau": 0.01},
+        # Writing a default out explicitly is fine even where it has no effect.
+        {"trust_region_type": "dppo_binary_tv", "ratio_clip_min": 0.2, "ratio_clip_max": 0.2},
+        {"reference_policy_kl_type": "k3", "kl_input_clamp_value": 20.0},
+    ],
+)
+def test_valid_combinations(kwargs: dict) -> None:
+    ClippedPGLossConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "keys"),
+    [
+        ({"use_cispo": True, "ratio_clip_c": 3.0}, ["use_cispo", "ratio_clip_c"]),
+        ({"use_cispo": True, "disable_ppo_ratio": True}, ["use_cispo", "disable_ppo_ratio"]),
+        ({"use_cispo": True, "force_on_policy_ratio": True}, ["use_cispo", "force_on_policy_ratio"]),
+        ({"use_cispo": True, "token_level_loss": False}, ["use_cispo", "token_level_loss"]),
+        ({"use_cispo": True, "sequence_level_importance_ratios": True, "token_level_loss": False},
+         ["use_cispo", "sequence_level_importance_ratios"]),
+        ({"sequence_level_importance_ratios": True}, ["sequence_level_importance_ratios", "token_level_loss"]),
+        ({"sequence_level_importance_ratios": True, "token_level_loss": False, "disable_ppo_ratio": True},
+         ["sequence_level_importance_ratios", "disable_ppo_ratio"]),
+        ({"disable_ppo_ratio": True, "force_on_policy_ratio": True}, ["disable_ppo_ratio", "force_on_policy_ratio"]),
+        ({"disable_ppo_ratio": True, "ratio_clip_c": 3.0}, ["ratio_clip_c", "disable_ppo_ratio"]),
+        ({"force_on_policy_ratio": True, "ratio_clip_c": 3.0}, ["ratio_clip_c", "force_on_policy_ratio"]),
+        ({"truncated_importance_sampling_type": "tis", "use_importance_sampling_correction": True},
+         ["truncated_importance_sampling_type", "truncated_importance_sampling_ratio"]),
+        ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+         ["truncated_importance_sampling_type", "use_importance_sampling_correction"]),
+        ({"truncated_importance_sampling_ratio": 2.0, "use_importance_sampling_correction": True},
+         ["truncated_importance_sampling_ratio", "truncated_importance_sampling_type"]),
+        ({"truncated_importance_sampling_ratio_min": 0.5}, ["truncated_importance_sampling_ratio_min",
+                                                            "truncated_importance_sampling_type"]),
+        ({"truncated_importance_sampling_type": "icepop", **TIS},
+         ["truncated_importance_sampling_type", "truncated_importance_sampling_ratio_min"]),
+        ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio_min": 3.0, **TIS},
+         ["truncated_importance_sampling_ratio_min", "truncated_importance_sampling_ratio"]),
+        ({"use_on_policy_kl_approximation": True}, ["use_on_policy_kl_approximation", "reference_policy_kl_penalty"]),
+        ({"trust_region_type": "dppo_binary_tv", "use_cispo": True}, ["trust_region_type", "use_cispo"]),
+        ({"trust_region_type": "dppo_binary_tv", "ratio_clip_c": 3.0}, ["trust_region_type", "ratio_clip_c"]),
+        ({"trust_region_type": "dppo_binary_tv", "disable_ppo_ratio": True}, ["trust_region_type", "disable_ppo_ratio"]),
+        ({"trust_region_type": "dppo_binary_tv", "sequence_level_importance_ratios": True, "token_level_loss": False},
+         ["trust_region_type", "sequence_level_importance_ratios"]),
+        # A parameter changed from its default but made ineffective by another key:
+        ({"trust_region_type": "dppo_binary_tv", "ratio_clip_max": 0.28}, ["ratio_clip_max", "trust_region_type"]),
+        ({"force_on_policy_ratio": True, "ratio_clip_min": 0.1}, ["ratio_clip_min", "force_on_policy_ratio"]),
+        ({"disable_ppo_ratio": True, "ratio_clip_max": 0.3}, ["ratio_clip_max", "disable_ppo_ratio"]),
+        ({"trust_region_high": 0.3}, ["trust_region_high", "trust_region_type"]),
+        ({"reference_policy_kl_type": "k1"}, ["reference_policy_kl_type", "reference_policy_kl_penalty"]),
+        ({"kl_output_clamp_value": 5.0}, ["kl_output_clamp_value", "reference_policy_kl_penalty"]),
+    ],
+)
+def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        ClippedPGLossConfig(**kwargs)
+    message = str(excinfo.value)
+    for key in keys:
+        assert f"loss_fn.{key}" in message, (key, message)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"ratio_clip_c": 1.0}, "ratio_clip_c"),
+        ({"ratio_clip_c": 0.5}, "ratio_clip_c"),
+        ({"ratio_clip_min": 1.5}, "ratio_clip_min"),
+        ({"ratio_clip_max": -0.1}, "ratio_clip_max"),
+        ({"reference_policy_kl_penalty": -1.0}, "reference_policy_kl_penalty"),
+        ({"reference_policy_kl_type": "k4"}, "reference_policy_kl_type"),
+        ({"truncated_importance_sampling_type": "clip"}, "truncated_importance_sampling_type"),
+        ({"truncated_importance_sampling_ratio": 0.0}, "truncated_importance_sampling_ratio"),
+        ({"trust_region_high": 1.5}, "trust_region_high"),
+        ({"kl_tau": -0.1}, "kl_tau"),
+    ],
+)
+def test_out_of_range_values(kwargs: dict, key: str) -> None:
+    with pytest.raises(ValidationError, match=key):
+        ClippedPGLossConfig(**kwargs)
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        ClippedPGLossConfig(use_cispo=True, ratio_clip_c=3.0, token_level_loss=False)
+    message = str(excinfo.value)
+    assert "loss_fn.ratio_clip_c" in message and "loss_fn.token_level_loss" in message
