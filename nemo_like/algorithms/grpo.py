@@ -1,0 +1,186 @@
+"""The synchronous GRPO loop. Reads like single-process code; the heavy work runs in Ray actors.
+
+Per step: prompts -> G samples each -> rewards -> group advantages -> (prev, reference logprobs,
+concurrently, each only when needed) -> train -> (next step) lazy refit of the generation weights.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from nemo_like.algorithms.advantages import advantage_metrics, compute_advantages, reward_group_metrics
+from nemo_like.algorithms.setup import GRPOComponents
+from nemo_like.config.schema import MasterConfig
+from nemo_like.data.collate import collate_samples
+from nemo_like.experience.rollouts import collect_rollout, generate_rollout, score_with_environment
+from nemo_like.models.generation.interface import SamplingParams
+from nemo_like.utils.logger import Logger
+from nemo_like.utils.timer import StepTimer
+
+TIMED_PHASES = ("refit", "generation", "reward", "prev_logprobs", "reference_logprobs", "policy_training")
+
+
+def sampling_params(cfg: MasterConfig, greedy: bool = False) -> SamplingParams:
+    g = cfg.policy.generation
+    return SamplingParams(
+        max_new_tokens=g.max_new_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        greedy=greedy,
+        stop_token_ids=tuple(g.stop_token_ids or ()),
+    )
+
+
+def refit_if_stale(parts: GRPOComponents) -> float:
+    """Push the policy's weights to generation when they changed; returns the seconds spent."""
+    if parts.generation.weight_version == parts.policy.weight_version:
+        return 0.0
+    start = time.perf_counter()
+    parts.generation.refit(parts.policy.state_dict_ref(), parts.policy.weight_version)
+    return time.perf_counter() - start
+
+
+def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
+    """Accuracy on the held-out prompts: one response each, decoded as configured."""
+    cfg = parts.cfg
+    params = sampling_params(cfg, greedy=cfg.grpo.val_greedy)
+    expanded, _, samples, texts = generate_rollout(parts.generation, parts.tokenizer, parts.val_prompts, 1, params, seed=10_000_019 * (step + 1))
+    rewards = score_with_environment(parts.environment, texts, expanded)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    return {
+        "validation/accuracy": rewards.mean().item(),
+        "validation/num_samples": float(len(samples)),
+        "validation/mean_response_length": lengths.mean().item(),
+    }
+
+
+def build_train_batch(parts: GRPOComponents, rollout) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Collate samples and attach per-token advantages; returns the batch and advantage metrics."""
+    cfg = parts.cfg
+    batch = collate_samples(rollout.samples, parts.tokenizer.pad_token_id)
+    adv = compute_advantages(
+        cfg.grpo.adv_estimator.name,
+        rewards=rollout.rewards,
+        prompt_ids=rollout.group_ids,
+        valid_mask=batch["sample_mask"],
+        normalize_rewards=cfg.grpo.normalize_rewards,
+        use_leave_one_out_baseline=cfg.grpo.use_leave_one_out_baseline,
+    )
+    batch["advantages"] = adv.advantages.unsqueeze(-1) * batch["token_mask"]
+    metrics = {
+        **advantage_metrics(batch["advantages"], batch["token_mask"]),
+        **reward_group_metrics(rollout.rewards, rollout.group_ids, batch["sample_mask"]),
+    }
+    return batch, metrics
+
+
+def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], timer: StepTimer) -> None:
+    """Prev and reference logprob passes, concurrently on their own actors, each only when planned."""
+    prev_refs = parts.policy.get_logprobs_async(batch) if parts.plan.compute_prev else None
+    ref_refs = parts.reference.get_logprobs_async(batch) if parts.plan.compute_reference else None
+    start = time.perf_counter()
+    if prev_refs is not None:
+        batch["prev_logprobs"] = parts.policy.gather_logprobs(prev_refs, "prev logprobs")
+    timer.add("prev_logprobs", time.perf_counter() - start)
+    start = time.perf_counter()
+    if ref_refs is not None:
+        batch["reference_policy_logprobs"] = parts.reference.gather_logprobs(ref_refs, "reference logprobs")
+    timer.add("reference_logprobs", time.perf_counter() - start)
+
+
+def forward_pass_counts(parts: GRPOComponents) -> dict[str, int]:
+    counts = {"prev_logprobs": parts.policy.forward_pass_counts()["logprobs"]}
+    counts["reference_logprobs"] = parts.reference.forward_pass_counts()["logprobs"] if parts.reference else 0
+    return counts
+
+
+def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, Any]:
+    """One training step; returns its metrics (namespaced)."""
+    cfg = parts.cfg
+    timer.add("refit", refit_if_stale(parts))
+    prompts = parts.train_loader.next_batch()
+    phase_times: dict[str, float] = {}
+    rollout = collect_rollout(
+        parts.generation, parts.environment, parts.tokenizer, prompts, cfg.grpo.num_generations_per_prompt,
+        sampling_params(cfg), seed=cfg.grpo.seed * 1_000_003 + step, timings=phase_times,
+    )
+    for name, seconds in phase_times.items():
+        timer.add(name, seconds)
+    batch, adv_metrics = build_train_batch(parts, rollout)
+    passes_before = forward_pass_counts(parts)
+    run_logprob_passes(parts, batch, timer)
+    passes_after = forward_pass_counts(parts)
+    with timer.phase("policy_training"):
+        result = parts.policy.train(batch)
+    valid_tokens = float(batch["token_mask"].sum())
+    metrics: dict[str, Any] = {f"train/{k}": v for k, v in result.metrics.items()}
+    metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
+    metrics.update(
+        {
+            "train/reward": rollout.rewards.mean().item(),
+            "train/mean_response_length": rollout.response_lengths.mean().item(),
+            "train/truncated_fraction": rollout.truncated.mean().item(),
+            "train/grad_norm": sum(result.grad_norms) / len(result.grad_norms),
+            "train/lr": result.lr,
+            "train/num_valid_tokens": valid_tokens,
+            "train/nonfinite_steps_skipped": float(result.nonfinite_steps_skipped),
+            "train/weight_version": float(parts.policy.weight_version),
+        }
+    )
+    metrics.setdefault("train/kl_penalty", 0.0)
+    for kind in ("prev_logprobs", "reference_logprobs"):
+        metrics[f"performance/forward_passes/{kind}"] = float(passes_after[kind] - passes_before[kind])
+    return metrics
+
+
+def grpo_train(parts: GRPOComponents, logger: Logger) -> list[dict[str, Any]]:
+    """Run ``grpo.max_num_steps`` steps with validation; returns the per-step metric records."""
+    cfg = parts.cfg
+    history: list[dict[str, Any]] = []
+    for reason in parts.plan.reasons:
+        logger.progress.message(f"[plan] {reason}")
+    if cfg.grpo.val_at_start and cfg.grpo.max_num_steps >= 0:
+        val = validate(parts, 0)
+        logger.log(val, step=0)
+        history.append({"step": 0, **val})
+        logger.progress.message(f"[step 0] validation/accuracy={val['validation/accuracy']:.3f}")
+    timer = StepTimer()
+    for step in range(1, cfg.grpo.max_num_steps + 1):
+        if parts.train_loader.epoch >= cfg.grpo.max_num_epochs:
+            break
+        timer.reset()
+        start = time.perf_counter()
+        metrics = grpo_step(parts, step, timer)
+        last = step == cfg.grpo.max_num_steps
+        if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (last and cfg.grpo.val_at_end):
+            timer.add("refit", refit_if_stale(parts))
+            with timer.phase("validation"):
+                metrics.update(validate(parts, step))
+        total = time.perf_counter() - start
+        for phase in (*TIMED_PHASES, "validation"):
+            metrics[f"timing/train/{phase}"] = timer.seconds.get(phase, 0.0)
+        metrics["timing/train/total_step_time"] = total
+        logger.log(metrics, step)
+        history.append({"step": step, **metrics})
+        info = f"reward={metrics['train/reward']:.3f} loss={metrics['train/loss']:.4f}"
+        if "validation/accuracy" in metrics:
+            info += f" val_acc={metrics['validation/accuracy']:.3f}"
+        logger.progress.update(step, info)
+        if cfg.logger.console_timing_period and step % cfg.logger.console_timing_period == 0:
+            logger.progress.message(format_timing(metrics))
+    return history
+
+
+def format_timing(metrics: dict[str, Any]) -> str:
+    """One line: each phase's seconds and share of the step."""
+    total = metrics["timing/train/total_step_time"] or 1e-9
+    parts = [
+        f"{phase} {metrics[f'timing/train/{phase}']:.2f}s ({100 * metrics[f'timing/train/{phase}'] / total:.0f}%)"
+        for phase in (*TIMED_PHASES, "validation")
+        if metrics.get(f"timing/train/{phase}", 0.0) > 0
+    ]
+    return f"[timing] step {total:.2f}s: " + ", ".join(parts)

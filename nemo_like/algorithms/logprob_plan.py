@@ -1,0 +1,54 @@
+"""The one decision of which logprob passes a step needs (shared by the sync and async loops).
+
+* prev logprobs: with one optimizer step per rollout, the prev pass equals the training pass's own
+  logprobs before the update, so it is skipped (``grpo.skip_prev_logprobs: auto``) and the loss uses
+  ``curr_logprobs.detach()``; ``loss_fn.force_on_policy_ratio`` always skips it.
+* reference logprobs: needed only for a non-zero ``loss_fn.reference_policy_kl_penalty``; at 0 the
+  reference model is not even loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nemo_like.config.schema import MasterConfig
+
+
+@dataclass(frozen=True)
+class LogprobPlan:
+    compute_prev: bool
+    compute_reference: bool
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def load_reference_model(self) -> bool:
+        return self.compute_reference
+
+
+def optimizer_steps_per_rollout(cfg: MasterConfig) -> int:
+    return cfg.rollout_batch_size // cfg.policy.train_global_batch_size
+
+
+def decide_logprob_passes(cfg: MasterConfig) -> LogprobPlan:
+    """Which passes to run; ``reasons`` says why each was kept or skipped (logged once at start)."""
+    reasons = []
+    steps = optimizer_steps_per_rollout(cfg)
+    if cfg.loss_fn.force_on_policy_ratio:
+        compute_prev = False
+        reasons.append("prev logprobs skipped: loss_fn.force_on_policy_ratio")
+    elif cfg.grpo.skip_prev_logprobs is False:
+        compute_prev = True
+        reasons.append("prev logprobs computed: grpo.skip_prev_logprobs=false")
+    elif steps == 1:
+        compute_prev = False
+        reasons.append("prev logprobs skipped: one optimizer step per rollout, so prev == current logprobs before the update")
+    else:
+        compute_prev = True
+        reasons.append(f"prev logprobs computed: {steps} optimizer steps per rollout")
+    compute_reference = cfg.loss_fn.reference_policy_kl_penalty != 0
+    reasons.append(
+        "reference logprobs computed: loss_fn.reference_policy_kl_penalty != 0"
+        if compute_reference
+        else "reference model not loaded: loss_fn.reference_policy_kl_penalty == 0"
+    )
+    return LogprobPlan(compute_prev, compute_reference, reasons)

@@ -1,0 +1,66 @@
+"""Build everything a GRPO run needs from a validated config, as one named object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
+from nemo_like.config.schema import MasterConfig
+from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
+from nemo_like.distributed.ray_init import init_ray
+from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
+from nemo_like.environments.arithmetic import ArithmeticEnvironment, import_reward_fn
+from nemo_like.models.generation.hf import HFGeneration
+from nemo_like.models.loading import load_tokenizer
+from nemo_like.models.policy.policy import Policy
+
+
+@dataclass
+class GRPOComponents:
+    """The actors, data and decisions of one run."""
+
+    cfg: MasterConfig
+    tokenizer: object
+    policy: Policy
+    reference: Policy | None
+    generation: HFGeneration
+    environment: RayWorkerGroup
+    train_loader: PromptDataLoader
+    val_prompts: list[PromptRecord]
+    plan: LogprobPlan
+
+    def shutdown(self) -> None:
+        """Kill every actor of the run (the Ray cluster itself stays up)."""
+        for part in (self.generation, self.policy, self.reference, self.environment):
+            if part is not None:
+                part.shutdown()
+
+
+def eos_token_ids(tokenizer) -> list[int]:
+    ids = tokenizer.eos_token_id
+    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
+
+
+def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
+    """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
+    if cfg.env.custom_reward_fn:
+        import_reward_fn(cfg.env.custom_reward_fn)  # fail fast in the driver, not inside an actor
+    init_ray(cfg.cluster)
+    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
+    val = build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)[: cfg.grpo.max_val_samples]
+    plan = decide_logprob_passes(cfg)
+    policy = Policy(cfg, "policy", trainable=True)
+    reference = Policy(cfg, "reference", trainable=False) if plan.load_reference_model else None
+    generation = HFGeneration(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer))
+    environment = RayWorkerGroup(
+        "environment",
+        ArithmeticEnvironment,
+        cfg.env.num_workers,
+        WorkerResources(num_cpus=0.1),
+        {"custom_reward_fn": cfg.env.custom_reward_fn},
+        cfg.cluster.placement_timeout_s,
+    )
+    loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
+    return GRPOComponents(cfg, tokenizer, policy, reference, generation, environment, loader, val, plan)

@@ -1,0 +1,56 @@
+"""Driver-side facade over HF generation workers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import ray
+
+from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, get_with_context
+from nemo_like.models.generation.hf_worker import HFGenerationWorker
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+
+
+class HFGeneration:
+    """Shards prompts across ``num_workers`` HF generation actors."""
+
+    def __init__(self, cfg: MasterConfig, pad_token_id: int, eos_token_ids: list[int], num_workers: int = 1) -> None:
+        pc = cfg.policy
+        init = dict(
+            model_name=pc.model_name,
+            precision=pc.precision,
+            num_threads=pc.num_threads_per_worker,
+            pad_token_id=pad_token_id,
+            eos_token_ids=eos_token_ids,
+        )
+        resources = WorkerResources(
+            num_cpus=pc.num_cpus_per_worker, num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0, num_threads=pc.num_threads_per_worker
+        )
+        self.group = RayWorkerGroup("generation", HFGenerationWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s)
+        self.weight_version = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
+        n = len(self.group)
+        per = -(-len(prompts) // n)
+        shards = [prompts[i * per : (i + 1) * per] for i in range(n)]
+        refs = [
+            w.generate.remote(shard, asdict(params), seed + 1_000_003 * rank)
+            for rank, (w, shard) in enumerate(zip(self.group.workers, shards))
+            if shard
+        ]
+        results = get_with_context(refs, "generation")
+        return [GeneratedSample(**s) for shard in results for s in shard]
+
+    def refit(self, state_dict_ref: ray.ObjectRef, version: int) -> float:
+        """Load the policy's weights into every worker (one object-store copy shared by all)."""
+        start = time.perf_counter()
+        versions = get_with_context(self.group.run_all("update_weights", state_dict_ref), "refit")
+        if set(versions) != {version}:
+            raise RuntimeError(f"refit delivered weight versions {versions}, expected {version}")
+        self.weight_version = version
+        return time.perf_counter() - start
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

@@ -1,0 +1,107 @@
+"""Generation with Hugging Face transformers ``generate`` inside a Ray actor (the light backend)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.loading import load_causal_lm
+
+
+def first_stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
+    """Index of the first stop token in ``tokens``, or ``None``."""
+    for i, tok in enumerate(tokens):
+        if tok in stop_ids:
+            return i
+    return None
+
+
+class HFGenerationWorker:
+    """One replica of the model used for sampling; weights are replaced by :meth:`update_weights`."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_name: str,
+        precision: str,
+        num_threads: int,
+        pad_token_id: int,
+        eos_token_ids: list[int],
+        max_batch_size: int = 256,
+    ) -> None:
+        torch.set_num_threads(num_threads)
+        self.rank = rank
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.model = load_causal_lm(model_name, precision).to(self.device).eval()
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_batch_size = max_batch_size
+        self.weight_version = 0
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: dict, seed: int) -> list[dict]:
+        """Sample one response per prompt; returns :class:`GeneratedSample` fields as dicts."""
+        sp = SamplingParams(**params)
+        out: list[dict] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            torch.manual_seed(seed + start)
+            out.extend(self._generate_chunk(prompts[start : start + self.max_batch_size], sp))
+        return out
+
+    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams) -> list[dict]:
+        from transformers import GenerationConfig
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention[i, width - len(p) :] = 1
+        stop_ids = [*self.eos_token_ids, *sp.stop_token_ids]
+        gen_cfg = GenerationConfig(
+            do_sample=not sp.greedy,
+            temperature=None if sp.greedy else sp.temperature,
+            top_p=None if sp.greedy else sp.top_p,
+            top_k=None if sp.greedy else (sp.top_k or 0),
+            max_new_tokens=sp.max_new_tokens,
+            eos_token_id=stop_ids,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        result = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=gen_cfg
+        )
+        new_tokens = result.sequences[:, width:].cpu()
+        # Raw logits per step -> logprobs of the sampled tokens under softmax(logits / T).
+        temperature = 1.0 if sp.greedy else sp.temperature
+        logits = torch.stack(result.logits, dim=1).float().cpu() / temperature
+        token_lp = logits.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        samples = []
+        stop_set = set(stop_ids)
+        for i, prompt in enumerate(prompts):
+            tokens = new_tokens[i].tolist()
+            stop = first_stop_index(tokens, stop_set)
+            length = len(tokens) if stop is None else stop + 1
+            sample = GeneratedSample(
+                prompt_ids=list(prompt),
+                response_ids=tokens[:length],
+                response_logprobs=token_lp[i, :length].tolist(),
+                truncated=stop is None,
+                weight_version=self.weight_version,
+            )
+            samples.append(asdict(sample))
+        return samples
+
+    def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]]) -> int:
+        """Load a full state dict (tied weights included); returns the new weight version."""
+        version, state = versioned_state
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if not k.endswith("rotary_emb.inv_freq")]:
+            raise RuntimeError(f"Refit manifest mismatch: missing={missing} unexpected={unexpected}")
+        self.weight_version = version
+        return version

@@ -1,0 +1,51 @@
+"""What every generation backend provides, and the sample format it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings; ``greedy`` overrides temperature/top-p/top-k."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class GeneratedSample:
+    """One response. ``response_logprobs[i]`` = log p(response_ids[i] | prompt, response_ids[:i])
+    under the temperature-scaled distribution of the weights that generated it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    truncated: bool  # hit max_new_tokens without a stop token
+    weight_version: int
+
+
+class GenerationInterface(Protocol):
+    """A generation engine behind Ray actors."""
+
+    weight_version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
+        """One sample per prompt (repeat a prompt G times for a group)."""
+
+    def refit(self, state_dict_ref, version: int) -> float:
+        """Load new weights; returns seconds spent."""
+
+    def shutdown(self) -> None:
+        """Release the actors."""
+
+
+def response_logprob_tensor(sample: GeneratedSample) -> torch.Tensor:
+    return torch.tensor(sample.response_logprobs, dtype=torch.float32)

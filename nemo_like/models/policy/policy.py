@@ -1,0 +1,126 @@
+"""Driver-side facade over the policy (or reference) worker group: reads like one local model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn, combine_metric_fragments
+from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, get_with_context
+from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
+
+
+def split_rows(batch: Batch, num_shards: int) -> list[Batch]:
+    """Split per-sample tensors into ``num_shards`` contiguous, equally sized row blocks."""
+    size = batch["input_ids"].shape[0]
+    if size % num_shards:
+        raise ValueError(f"cannot split {size} samples evenly across {num_shards} workers")
+    step = size // num_shards
+    return [slice_batch(batch, i * step, (i + 1) * step) for i in range(num_shards)]
+
+
+@dataclass
+class TrainResult:
+    """What one call of :meth:`Policy.train` reports back."""
+
+    metrics: dict[str, float]
+    grad_norms: list[float]
+    lr: float
+    nonfinite_steps_skipped: int
+    first_step_logprobs: torch.Tensor
+
+
+class Policy:
+    """``policy.dp_size`` data-parallel workers (``trainable``) or one frozen reference worker."""
+
+    def __init__(self, cfg: MasterConfig, name: str = "policy", trainable: bool = True) -> None:
+        pc = cfg.policy
+        self.cfg = cfg
+        self.trainable = trainable
+        num_workers = pc.dp_size if trainable else 1
+        per_rank_gbs = pc.train_global_batch_size // pc.dp_size
+        init = dict(
+            model_name=pc.model_name,
+            precision=pc.precision,
+            temperature=pc.generation.temperature,
+            num_threads=pc.num_threads_per_worker,
+            seed=cfg.grpo.seed,
+            trainable=trainable,
+            loss_config=cfg.loss_fn.model_dump(),
+            optimizer=pc.optimizer.model_dump(),
+            warmup_steps=pc.scheduler.warmup_steps,
+            max_grad_norm=pc.max_grad_norm,
+            train_micro_batch_size=min(pc.train_micro_batch_size, per_rank_gbs),
+            logprob_batch_size=pc.logprob_batch_size,
+        )
+        resources = WorkerResources(
+            num_cpus=pc.num_cpus_per_worker,
+            num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0,
+            num_threads=pc.num_threads_per_worker,
+        )
+        self.group = RayWorkerGroup(name, PolicyWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s)
+        if num_workers > 1:
+            address, port = get_with_context(self.group.run_rank0("rendezvous_address"), f"{name}: rendezvous")
+            get_with_context(self.group.run_all("setup_distributed", address, port), f"{name}: process group")
+        self.name = name
+        self.weight_version = 0
+
+    def get_logprobs_async(self, batch: Batch) -> list[ray.ObjectRef]:
+        """Start a logprob pass sharded over the workers; pass the result to :meth:`gather_logprobs`."""
+        usable = len(self.group) if batch["input_ids"].shape[0] % len(self.group) == 0 else 1
+        shards = split_rows(batch, usable)
+        return [getattr(w, "get_logprobs").remote(s) for w, s in zip(self.group.workers[:usable], shards)]
+
+    def gather_logprobs(self, refs: list[ray.ObjectRef], what: str) -> torch.Tensor:
+        """Wait for a logprob pass and stitch the shards back into one ``[B, S]`` tensor."""
+        return torch.cat(get_with_context(refs, f"{self.name}: {what}"), dim=0)
+
+    def get_logprobs(self, batch: Batch) -> torch.Tensor:
+        """``[B, S]`` logprobs of every sample under the current weights."""
+        return self.gather_logprobs(self.get_logprobs_async(batch), "logprobs")
+
+    def train(self, batch: Batch) -> TrainResult:
+        """Train on a rollout batch: ``rollout / train_global_batch_size`` optimizer steps."""
+        gbs = self.cfg.policy.train_global_batch_size
+        size = batch["input_ids"].shape[0]
+        dp = len(self.group)
+        per_rank_steps: list[list[Batch]] = [[] for _ in range(dp)]
+        for start in range(0, size, gbs):
+            chunk = slice_batch(batch, start, start + gbs)
+            valid = chunk["token_mask"] * chunk["sample_mask"].unsqueeze(-1)
+            chunk["global_valid_toks"] = valid.sum()
+            chunk["global_valid_seqs"] = chunk["sample_mask"].sum()
+            for rank, shard in enumerate(split_rows(chunk, dp)):
+                per_rank_steps[rank].append(shard)
+        results = get_with_context(self.group.run_sharded("train", per_rank_steps), f"{self.name}: training")
+        self.weight_version += 1
+        metrics = combine_metric_fragments([r["metrics"] for r in results], ClippedPGLossFn.metric_reduction)
+        # Rank r's first-step rows are rows [r*per_rank, (r+1)*per_rank) of the first global batch.
+        first = torch.cat([r["first_step_logprobs"] for r in results], dim=0)
+        return TrainResult(
+            metrics=metrics,
+            grad_norms=results[0]["grad_norms"],
+            lr=results[0]["lr"],
+            nonfinite_steps_skipped=results[0]["nonfinite_steps_skipped"],
+            first_step_logprobs=first,
+        )
+
+    def state_dict_ref(self) -> ray.ObjectRef:
+        """Object ref to ``(version, state_dict)`` of rank 0, for the generation workers to load."""
+        return self.group.run_rank0("get_state_dict")
+
+    def forward_pass_counts(self) -> dict[str, int]:
+        """Forward passes by kind, summed over the workers."""
+        counts = get_with_context(self.group.run_all("get_forward_pass_counts"), f"{self.name}: counters")
+        return {k: sum(c[k] for c in counts) for k in counts[0]}
+
+    def parameter_checksums(self) -> list[float]:
+        """One parameter checksum per worker (identical when data parallelism is correct)."""
+        return get_with_context(self.group.run_all("parameter_checksum"), f"{self.name}: checksum")
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

@@ -1,0 +1,39 @@
+"""Run a whole GRPO job from a validated config: set up, train, summarise, shut down."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from nemo_like.algorithms.grpo import grpo_train
+from nemo_like.algorithms.setup import setup_grpo
+from nemo_like.config.schema import MasterConfig
+from nemo_like.utils.logger import Logger
+
+
+def train(cfg: MasterConfig, resolved: dict[str, Any]) -> list[dict[str, Any]]:
+    """Train and return the per-step metric records (also in ``<log_dir>/metrics.jsonl``)."""
+    start = time.perf_counter()
+    logger = Logger(cfg.logger, cfg.grpo.max_num_steps)
+    logger.save_config(cfg.model_dump(mode="json"))
+    logger.progress.message(f"[setup] logging to {logger.metrics_path}")
+    parts = setup_grpo(cfg)
+    logger.progress.message(f"[setup] actors ready in {time.perf_counter() - start:.1f}s")
+    try:
+        history = grpo_train(parts, logger)
+    finally:
+        logger.close()
+        parts.shutdown()
+    print(summarise(history, time.perf_counter() - start), file=sys.stderr)
+    return history
+
+
+def summarise(history: list[dict[str, Any]], seconds: float) -> str:
+    """Validation accuracy at the first and last validated step, and the wall time."""
+    val = [(h["step"], h["validation/accuracy"]) for h in history if "validation/accuracy" in h]
+    line = f"[done] {len(history)} records in {seconds:.0f}s"
+    if len(val) >= 2:
+        (s0, a0), (s1, a1) = val[0], val[-1]
+        line += f"; validation/accuracy {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1}), {100 * (a1 - a0):+.1f} points"
+    return line

@@ -1,0 +1,24 @@
+"""Shared test setup: offline Hugging Face, loopback-only Ray, and one Ray cluster per session."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A private local Ray cluster (2 CPUs, small object store) shared by the tests that need one."""
+    import ray
+
+    from nemo_like.config.schema import ClusterConfig
+    from nemo_like.distributed.ray_init import init_ray
+
+    init_ray(ClusterConfig(num_cpus=2, object_store_memory_mb=256))
+    yield ray
+    ray.shutdown()

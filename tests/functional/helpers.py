@@ -1,0 +1,27 @@
+"""Small builders shared by the end-to-end tests (real model, real tokenizer, real actors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nemo_like.config import MasterConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_RECIPE = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+
+
+def tiny_config(tmp_path: Path, *overrides: str) -> MasterConfig:
+    """The shipped tiny recipe, shrunk for tests: 4 prompts x 4 generations, 32 validation prompts."""
+    base = [
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        "grpo.max_num_steps=2",
+        "grpo.max_val_samples=32",
+        "grpo.val_period=0",
+        "policy.train_micro_batch_size=8",
+        "policy.num_cpus_per_worker=0.25",
+        "data.train.num_problems=256",
+        f"logger.log_dir={tmp_path / 'logs'}",
+        "logger.progress_bar=false",
+    ]
+    return load_config(TINY_RECIPE, [*base, *overrides])

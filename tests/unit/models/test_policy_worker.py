@@ -1,0 +1,79 @@
+"""The policy worker in-process (no Ray): logprob layout and gradient accumulation."""
+
+import torch
+
+from nemo_like.config.schema import EMBEDDED_MODEL
+from nemo_like.models.loading import load_causal_lm
+from nemo_like.models.logprobs import gather_token_logprobs
+from nemo_like.models.policy.worker import PolicyWorker
+
+
+def make_worker(micro_batch_size: int) -> PolicyWorker:
+    return PolicyWorker(
+        rank=0, world_size=1, model_name=EMBEDDED_MODEL, precision="float32", temperature=1.0, num_threads=2, seed=0,
+        loss_config={"reference_policy_kl_penalty": 0.0}, optimizer={"lr": 1e-3}, max_grad_norm=None,
+        train_micro_batch_size=micro_batch_size,
+    )
+
+
+def random_batch(batch: int = 6, seq: int = 12, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded rows of different lengths with a 4-token prompt and a response after it."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 200, (batch, seq), generator=g)
+    lengths = torch.randint(6, seq + 1, (batch,), generator=g)
+    cols = torch.arange(seq)
+    attention = (cols[None, :] < lengths[:, None]).long()
+    token_mask = ((cols[None, :] >= 4) & (attention == 1)).float()
+    return {
+        "input_ids": input_ids * attention,
+        "attention_mask": attention,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(batch),
+        "generation_logprobs": -torch.rand(batch, seq, generator=g) * token_mask,
+        "advantages": torch.randn(batch, 1, generator=g).expand(batch, seq) * token_mask,
+    }
+
+
+def with_global_counts(batch):
+    batch = dict(batch)
+    batch["global_valid_toks"] = (batch["token_mask"] * batch["sample_mask"][:, None]).sum()
+    batch["global_valid_seqs"] = batch["sample_mask"].sum()
+    return batch
+
+
+def test_logprob_layout_matches_a_direct_computation():
+    model = load_causal_lm(EMBEDDED_MODEL).eval()
+    batch = random_batch()
+    worker = make_worker(2)
+    lp = worker.get_logprobs(batch)
+    assert torch.all(lp[:, 0] == 0)
+    # Row 0 on its own, no padding, computed the textbook way.
+    n = int(batch["attention_mask"][0].sum())
+    ids = batch["input_ids"][0:1, :n]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    manual = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(lp[0, 1:n], manual, atol=1e-5, rtol=0)
+    torch.testing.assert_close(gather_token_logprobs(logits, ids)[0, 1:], manual, atol=1e-6, rtol=0)
+    assert torch.all(lp[0, n:] == 0)
+
+
+def test_microbatch_losses_sum_to_the_full_batch_and_give_the_same_update():
+    batch = with_global_counts(random_batch())
+    full, micro = make_worker(6), make_worker(2)
+    r_full = full.train([batch])
+    r_micro = micro.train([batch])
+    assert abs(r_full["metrics"]["loss"] - r_micro["metrics"]["loss"]) < 1e-6
+    assert abs(r_full["grad_norms"][0] - r_micro["grad_norms"][0]) < 1e-5
+    for (name, a), (_, b) in zip(full.model.named_parameters(), micro.model.named_parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+
+
+def test_training_changes_the_weights_and_bumps_the_version():
+    worker = make_worker(3)
+    before = worker.parameter_checksum()
+    result = worker.train([with_global_counts(random_batch())])
+    assert worker.parameter_checksum() != before
+    assert worker.weight_version == 1 and result["nonfinite_steps_skipped"] == 0
+    version, state = worker.get_state_dict()
+    assert version == 1 and "lm_head.weight" in state  # tied head travels with the refit
