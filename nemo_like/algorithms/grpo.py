@@ -12,10 +12,15 @@ from typing import Any
 import torch
 
 from nemo_like.algorithms.advantages import advantage_metrics, compute_advantages, reward_group_metrics
+from nemo_like.algorithms.dynamic_sampling import (
+    DynamicSamplingAccumulator,
+    apply_overlong_reward_shaping,
+    select_groups_with_signal,
+)
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
-from nemo_like.experience.rollouts import collect_rollout, generate_rollout, score_with_environment
+from nemo_like.experience.rollouts import Rollout, collect_rollout, generate_rollout, score_with_environment
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.timer import StepTimer
@@ -78,6 +83,67 @@ def build_train_batch(parts: GRPOComponents, rollout) -> tuple[dict[str, torch.T
     return batch, metrics
 
 
+def shape_rewards(cfg: MasterConfig, rollout: Rollout) -> None:
+    """DAPO overlong shaping of ``rollout.rewards`` in place, when enabled."""
+    shaping = cfg.grpo.reward_shaping
+    if shaping.enabled:
+        rollout.rewards = apply_overlong_reward_shaping(
+            rollout.rewards,
+            rollout.response_lengths,
+            max_response_length=shaping.max_response_length or cfg.policy.generation.max_new_tokens,
+            overlong_buffer_length=shaping.overlong_buffer_length,
+            overlong_buffer_penalty=shaping.overlong_buffer_penalty,
+        )
+
+
+def collect_training_rollout(parts: GRPOComponents, step: int, timer: StepTimer) -> tuple[Rollout, dict[str, float]]:
+    """One step's rollout; with dynamic sampling, keep generating until enough groups carry signal."""
+    cfg = parts.cfg
+    params = sampling_params(cfg)
+    accumulator = (
+        DynamicSamplingAccumulator(cfg.grpo.num_prompts_per_step, cfg.grpo.dynamic_sampling_max_gen_batches)
+        if cfg.grpo.use_dynamic_sampling
+        else None
+    )
+    batch_index = 0
+    while True:
+        phase_times: dict[str, float] = {}
+        rollout = collect_rollout(
+            parts.generation, parts.environment, parts.tokenizer, parts.train_loader.next_batch(),
+            cfg.grpo.num_generations_per_prompt, params, seed=(cfg.grpo.seed * 1_000_003 + step) * 101 + batch_index,
+            timings=phase_times,
+        )
+        for name, seconds in phase_times.items():
+            timer.add(name, seconds)
+        shape_rewards(cfg, rollout)
+        if accumulator is None:
+            return rollout, {}
+        # Group ids unique across generation batches, so groups from different batches never merge.
+        group_ids = rollout.group_ids + batch_index * cfg.grpo.num_prompts_per_step
+        keep = select_groups_with_signal(rollout.rewards, group_ids, torch.ones_like(rollout.rewards))
+        payload = {"prompts": rollout.prompts, "samples": rollout.samples, "texts": rollout.response_texts,
+                   "rewards": rollout.rewards, "group_ids": group_ids}
+        accumulator.add(payload, keep, prompt_ids=group_ids)
+        batch_index += 1
+        if accumulator.is_full:
+            kept, metrics = accumulator.take()
+            _, dense_ids = torch.unique_consecutive(kept["group_ids"], return_inverse=True)
+            return Rollout(kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"]), metrics
+
+
+def mask_high_mismatch_sequences(cfg: MasterConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Drop samples whose training/generation logprobs disagree too much (``grpo.seq_logprob_error_threshold``)."""
+    threshold = cfg.grpo.seq_logprob_error_threshold
+    if threshold is None:
+        return {}
+    mask = batch["token_mask"]
+    gap = (batch["prev_logprobs"] - batch["generation_logprobs"]).abs() * mask
+    seq_error = torch.exp(gap.sum(-1) / mask.sum(-1).clamp(min=1))
+    bad = seq_error > threshold
+    batch["sample_mask"] = batch["sample_mask"] * (~bad).float()
+    return {"seq_logprob_error/masked_fraction": bad.float().mean().item(), "seq_logprob_error/max": seq_error.max().item()}
+
+
 def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], timer: StepTimer) -> None:
     """Prev and reference logprob passes, concurrently on their own actors, each only when planned."""
     prev_refs = parts.policy.get_logprobs_async(batch) if parts.plan.compute_prev else None
@@ -102,18 +168,13 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
     """One training step; returns its metrics (namespaced)."""
     cfg = parts.cfg
     timer.add("refit", refit_if_stale(parts))
-    prompts = parts.train_loader.next_batch()
-    phase_times: dict[str, float] = {}
-    rollout = collect_rollout(
-        parts.generation, parts.environment, parts.tokenizer, prompts, cfg.grpo.num_generations_per_prompt,
-        sampling_params(cfg), seed=cfg.grpo.seed * 1_000_003 + step, timings=phase_times,
-    )
-    for name, seconds in phase_times.items():
-        timer.add(name, seconds)
+    rollout, sampling_metrics = collect_training_rollout(parts, step, timer)
     batch, adv_metrics = build_train_batch(parts, rollout)
     passes_before = forward_pass_counts(parts)
     run_logprob_passes(parts, batch, timer)
     passes_after = forward_pass_counts(parts)
+    adv_metrics.update(sampling_metrics)
+    adv_metrics.update(mask_high_mismatch_sequences(cfg, batch))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
     valid_tokens = float(batch["token_mask"].sum())

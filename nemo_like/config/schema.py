@@ -52,6 +52,14 @@ class GRPOConfig(Section):
     skip_prev_logprobs: Literal["auto", True, False] = Field(
         "auto", description="Skip the prev-logprob pass: auto = when the rollout is trained in one optimizer step and nothing else needs it."
     )
+    skip_reference_policy_logprobs_calculation: bool = Field(
+        False, description="Explicitly skip the reference pass; only valid with loss_fn.reference_policy_kl_penalty == 0 (where it is skipped anyway)."
+    )
+    seq_logprob_error_threshold: float | None = Field(
+        None,
+        gt=1.0,
+        description="Mask samples whose exp(mean |log pi_prev - log pi_gen|) over the response exceeds this (needs the prev-logprob pass).",
+    )
 
 
 class OptimizerConfig(Section):
@@ -175,6 +183,11 @@ class MasterConfig(BaseModel):
                 "loss_fn.force_on_policy_ratio requires policy.train_global_batch_size == grpo.num_prompts_per_step * "
                 f"grpo.num_generations_per_prompt (one optimizer step per rollout); got {gbs} != "
                 f"{self.grpo.num_prompts_per_step} * {self.grpo.num_generations_per_prompt} = {rollout}"
+            )
+        if self.grpo.skip_reference_policy_logprobs_calculation and self.loss_fn.reference_policy_kl_penalty != 0:
+            raise ValueError(
+                "grpo.skip_reference_policy_logprobs_calculation=true needs loss_fn.reference_policy_kl_penalty == 0, "
+                f"got {self.loss_fn.reference_policy_kl_penalty}: the KL penalty is computed from the reference logprobs"
             )
         if self.grpo.skip_prev_logprobs is True and gbs != rollout:
             raise ValueError(
