@@ -12,9 +12,10 @@ Train/validation split
     template, so no validation problem ever appears in a training set.
 
 Sampling
-    ``make_arithmetic_problems`` draws distinct operand tuples of the requested split (a seeded
-    shuffle of the split's pool); only when ``n`` exceeds the pool size does it start another
-    shuffled pass, so tuples repeat only then. The word template is drawn per problem.
+    ``make_arithmetic_problems`` draws the operation uniformly per problem (balanced ``+``/``-``),
+    then the next operand pair from a seeded shuffle of that operation's pool in the requested
+    split (so pairs are distinct until a pool is exhausted; then another shuffled pass starts),
+    then a word template.
 """
 
 from __future__ import annotations
@@ -66,17 +67,17 @@ class ArithmeticProblem:
         answer: the correct integer answer (``a op b``).
         id: unique within one :func:`make_arithmetic_problems` call:
             ``"{split}-{seed}-{index}"``.
-        op: the operation, ``"+"`` or ``"-"``.
-        a: the first operand.
-        b: the second operand.
+        op: the operation, ``"+"`` or ``"-"`` (``None`` for a hand-made problem).
+        a: the first operand of ``a op b`` (``None`` for a hand-made problem).
+        b: the second operand (``None`` for a hand-made problem).
     """
 
     prompt: str
     answer: int
     id: str
-    op: str = "+"
-    a: int = 0
-    b: int = 0
+    op: str | None = None
+    a: int | None = None
+    b: int | None = None
 
 
 def compute_answer(op: str, a: int, b: int) -> int:
@@ -96,20 +97,31 @@ def split_of(op: str, a: int, b: int) -> Split:
     return "validation" if bucket < VALIDATION_PERCENT else "train"
 
 
-@functools.lru_cache(maxsize=8)
-def _pool(split: Split, max_operand: int, ops: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:
-    """All operand tuples of ``split`` in a fixed order (subtraction only with ``a >= b``)."""
-    tuples = []
-    for op in ops:
-        if op not in TEMPLATES:
-            raise ValueError(f"unsupported op {op!r}; expected one of {OPS}")
-        for a in range(max_operand + 1):
-            for b in range(max_operand + 1):
-                if op == "-" and b > a:
-                    continue
-                if split_of(op, a, b) == split:
-                    tuples.append((op, a, b))
-    return tuple(tuples)
+@functools.lru_cache(maxsize=16)
+def _pool(split: Split, op: str, max_operand: int) -> tuple[tuple[int, int], ...]:
+    """All operand pairs ``(a, b)`` of ``op`` in ``split``, in a fixed order (``-`` needs ``a >= b``)."""
+    if op not in TEMPLATES:
+        raise ValueError(f"unsupported op {op!r}; expected one of {OPS}")
+    return tuple(
+        (a, b)
+        for a in range(max_operand + 1)
+        for b in range(max_operand + 1)
+        if not (op == "-" and b > a) and split_of(op, a, b) == split
+    )
+
+
+class _PairStream:
+    """Endless stream of the pairs of one pool: seeded shuffled passes, distinct within a pass."""
+
+    def __init__(self, pool: tuple[tuple[int, int], ...], rng: random.Random) -> None:
+        self._pool, self._rng, self._order = pool, rng, []
+
+    def next(self) -> tuple[int, int]:
+        if not self._order:
+            self._order = list(self._pool)
+            self._rng.shuffle(self._order)
+            self._order.reverse()  # pop() from the end == take from the front of the shuffle
+        return self._order.pop()
 
 
 def make_arithmetic_problems(
@@ -122,40 +134,47 @@ def make_arithmetic_problems(
 ) -> list[ArithmeticProblem]:
     """Generate ``n`` problems of ``split``, deterministically for a given ``seed``.
 
+    Each problem draws its operation uniformly from ``ops`` (so the operations are balanced),
+    then the next operand pair of that operation's seeded shuffled pool, then a word template.
+
     Args:
         n: number of problems (>= 0).
-        seed: RNG seed; the same arguments always give the same list.
+        seed: RNG seed; the same arguments always give the same list, and a longer list starts
+            with the shorter one.
         split: ``"train"`` or ``"validation"``; the two never share an operand tuple.
         max_operand: operands are drawn from ``0..max_operand``.
         ops: operations to draw from.
 
     Returns:
-        ``n`` problems; operand tuples are distinct unless ``n`` exceeds the split's pool size.
+        ``n`` problems; operand tuples are distinct unless an operation's pool is exhausted.
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    pool = _pool(split, max_operand, tuple(ops))
-    if n and not pool:
-        raise ValueError(f"no {split} problems for max_operand={max_operand}, ops={ops}")
+    if not ops:
+        raise ValueError("ops must not be empty")
     rng = random.Random(f"arithmetic/{split}/{seed}")
+    streams = {}
+    for op in ops:
+        pool = _pool(split, op, max_operand)
+        if not pool:
+            raise ValueError(f"no {split} problems for op {op!r} with max_operand={max_operand}")
+        streams[op] = _PairStream(pool, random.Random(f"arithmetic/{split}/{seed}/{op}"))
     problems: list[ArithmeticProblem] = []
-    while len(problems) < n:
-        order = list(pool)
-        rng.shuffle(order)
-        for op, a, b in order[: n - len(problems)]:
-            template = rng.choice(TEMPLATES[op])
-            problems.append(
-                ArithmeticProblem(
-                    prompt=template.format(a=a, b=b),
-                    answer=compute_answer(op, a, b),
-                    id=f"{split}-{seed}-{len(problems)}",
-                    op=op,
-                    a=a,
-                    b=b,
-                )
+    for index in range(n):
+        op = rng.choice(ops)
+        a, b = streams[op].next()
+        problems.append(
+            ArithmeticProblem(
+                prompt=rng.choice(TEMPLATES[op]).format(a=a, b=b),
+                answer=compute_answer(op, a, b),
+                id=f"{split}-{seed}-{index}",
+                op=op,
+                a=a,
+                b=b,
             )
+        )
     return problems
 
 
