@@ -54,7 +54,7 @@ def test_logprob_layout_matches_a_direct_computation():
         logits = model(input_ids=ids).logits
     manual = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     torch.testing.assert_close(lp[0, 1:n], manual, atol=1e-5, rtol=0)
-    torch.testing.assert_close(gather_token_logprobs(logits, ids)[0, 1:], manual, atol=1e-6, rtol=0)
+    torch.testing.assert_close(gather_token_logprobs(logits, ids)[0, 1:], manual, atol=1e-5, rtol=0)
     assert torch.all(lp[0, n:] == 0)
 
 
