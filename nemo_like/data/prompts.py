@@ -52,6 +52,7 @@ class PromptDataLoader:
             raise ConfigError(f"grpo.num_prompts_per_step ({batch_size}) exceeds the {len(records)} training prompts")
         self.records, self.batch_size, self.seed, self.shuffle = records, batch_size, seed, shuffle
         self.epoch, self.index = 0, 0
+        self.consumed = 0
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -68,11 +69,12 @@ class PromptDataLoader:
             self._order = self._epoch_order(self.epoch)
         batch = [self.records[i] for i in self._order[self.index : self.index + self.batch_size]]
         self.index += self.batch_size
+        self.consumed += self.batch_size
         return batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
+        return {"epoch": self.epoch, "index": self.index, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
+        self.epoch, self.index, self.consumed = state["epoch"], state["index"], state["consumed"]
         self._order = self._epoch_order(self.epoch)

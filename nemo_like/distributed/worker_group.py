@@ -18,6 +18,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from nemo_like.distributed.ray_env import worker_env_vars
 
 
+class WorkerFailure(RuntimeError):
+    """A Ray actor died or raised while the driver waited on it; the message names actor and phase."""
+
+
 class PlacementError(RuntimeError):
     """The cluster cannot grant the resources an actor group asked for."""
 
@@ -104,9 +108,13 @@ class RayWorkerGroup:
 
 
 def get_with_context(refs: Any, what: str, timeout_s: float | None = None) -> Any:
-    """``ray.get`` that names the phase when an actor dies, so the error is actionable."""
+    """``ray.get`` that names the phase and the failing actor when an actor dies, so the error is actionable."""
     start = time.monotonic()
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.RayActorError as exc:
-        raise RuntimeError(f"A Ray actor died during '{what}' after {time.monotonic() - start:.1f}s: {exc}") from exc
+        actor = getattr(exc, "actor_id", None)
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise WorkerFailure(
+            f"Ray actor {actor or '(unknown id)'} died during '{what}' after {time.monotonic() - start:.1f}s: {detail}"
+        ) from exc

@@ -109,6 +109,17 @@ class Policy:
             first_step_logprobs=first,
         )
 
+    def save_checkpoint(self, directory: str) -> list[dict[str, Any]]:
+        """Write weights and optimizer state into ``directory``; returns each rank's RNG state."""
+        return get_with_context(self.group.run_all("save_checkpoint", directory), f"{self.name}: checkpoint save")
+
+    def load_checkpoint(self, directory: str, rng_states: list[dict[str, Any]] | None) -> None:
+        """Restore every rank from ``directory`` (RNG states per rank when they match the group size)."""
+        per_rank = rng_states if rng_states is not None and len(rng_states) == len(self.group) else [None] * len(self.group)
+        refs = [w.load_checkpoint.remote(directory, rng) for w, rng in zip(self.group.workers, per_rank)]
+        versions = get_with_context(refs, f"{self.name}: checkpoint load")
+        self.weight_version = versions[0]
+
     def state_dict_ref(self) -> ray.ObjectRef:
         """Object ref to ``(version, state_dict)`` of rank 0, for the generation workers to load."""
         return self.group.run_rank0("get_state_dict")

@@ -179,6 +179,42 @@ class PolicyWorker:
         """``(weight_version, full CPU state dict with tied weights)`` for refitting generation."""
         return self.weight_version, full_state_dict(self.model)
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Rank 0 writes ``policy/`` (HF format) and ``optimizer.pt``; every rank returns its RNG state."""
+        from pathlib import Path
+
+        if self.rank == 0:
+            path = Path(directory)
+            self.model.save_pretrained(path / "policy", safe_serialization=True)
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "weight_version": self.weight_version},
+                path / "optimizer.pt",
+            )
+        return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+    def load_checkpoint(self, directory: str, rng_state: dict[str, Any] | None) -> int:
+        """Load weights, optimizer, scheduler and RNG state saved by :meth:`save_checkpoint`."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        path = Path(directory)
+        weights = load_file(str(path / "policy" / "model.safetensors"))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        if unexpected or set(missing) - tied:
+            raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}")
+        state = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.weight_version = state["weight_version"]
+        if rng_state is not None:
+            torch.set_rng_state(rng_state["torch"])
+            if rng_state.get("cuda") is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng_state["cuda"])
+        return self.weight_version
+
     def parameter_checksum(self) -> float:
         """Sum of all parameters: a cheap check that data-parallel replicas stayed identical."""
         return float(sum(p.detach().double().sum() for p in self.model.parameters()))

@@ -1,0 +1,89 @@
+"""Saving a GRPO run's full state, and resuming it exactly where it stopped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from nemo_like.algorithms.setup import GRPOComponents
+from nemo_like.config.schema import MasterConfig
+from nemo_like.utils.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointManager,
+    driver_rng_state,
+    incompatible_differences,
+    restore_driver_rng_state,
+)
+
+
+def checkpoint_manager(parts: GRPOComponents) -> CheckpointManager | None:
+    ck = parts.cfg.checkpointing
+    if not ck.enabled:
+        return None
+    return CheckpointManager(ck.checkpoint_dir, ck.keep_top_k, ck.metric_name, ck.higher_is_better)
+
+
+def save_run(parts: GRPOComponents, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
+    """Write ``step_<step>/`` with policy weights, optimizer, RNG states, loader position and config."""
+    rng_holder: dict[str, Any] = {}
+
+    def write_contents(tmp: Path) -> None:
+        rng_holder["workers"] = parts.policy.save_checkpoint(str(tmp))
+        torch.save(rng_holder["workers"], tmp / "worker_rng.pt")
+
+    numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+    state = {
+        "weight_version": parts.policy.weight_version,
+        "dataloader": parts.train_loader.state_dict(),
+        "consumed_prompts": parts.train_loader.consumed,
+        "driver_rng": driver_rng_state(),
+        "metrics": numeric,
+    }
+    return manager.save(step, write_contents, state, parts.cfg.model_dump(mode="json"))
+
+
+def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
+    """The checkpoint a run will resume from (``None`` for a fresh start). Removes partial saves and
+    refuses a checkpoint written by an incompatible config, naming the differing keys."""
+    ck = cfg.checkpointing
+    if not ck.enabled:
+        return None
+    manager = CheckpointManager(ck.checkpoint_dir)
+    for path in manager.remove_partial_saves():
+        print(f"[checkpoint] removed an interrupted save: {path}")
+    checkpoint = manager.latest() if ck.resume else None
+    if checkpoint is None:
+        return None
+    saved_config = yaml.safe_load((checkpoint.path / "config.yaml").read_text())
+    diffs = incompatible_differences(saved_config, cfg.model_dump(mode="json"))
+    if diffs:
+        raise CheckpointError(
+            f"Checkpoint {checkpoint.path} was written by an incompatible config; differing keys: "
+            + "; ".join(diffs)
+            + ". Use another checkpointing.checkpoint_dir or set checkpointing.resume=false."
+        )
+    return checkpoint
+
+
+def restore_run(parts: GRPOComponents, checkpoint: CheckpointInfo) -> int:
+    """Load a checkpoint's weights, optimizer, RNG and loader state; returns its step."""
+    rng = torch.load(checkpoint.path / "worker_rng.pt", weights_only=False)
+    parts.policy.load_checkpoint(str(checkpoint.path), rng)
+    parts.train_loader.load_state_dict(checkpoint.state["dataloader"])
+    restore_driver_rng_state(checkpoint.state["driver_rng"])
+    return int(checkpoint.state["step"])
+
+
+def trim_metrics_after(metrics_path: Path, last_step: int) -> None:
+    """Drop records of steps after ``last_step`` (logged after the checkpoint, redone on resume)."""
+    if not metrics_path.exists():
+        return
+    kept = [line for line in metrics_path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    tmp = metrics_path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(metrics_path)

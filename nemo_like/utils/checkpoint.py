@@ -1,0 +1,236 @@
+"""Atomic, resumable checkpoints: ``<checkpoint_dir>/step_N/``.
+
+A save writes everything into a hidden temporary directory, fsyncs every file and the directory,
+then renames it to ``step_N`` and fsyncs the parent. A crash at any point leaves either the old set
+of checkpoints or the old set plus a complete new one; temporary directories are never read and are
+removed at the next start. Layout of ``step_N/``:
+
+* ``policy/``            model weights (safetensors) + config: ``AutoModelForCausalLM.from_pretrained`` loads it
+* ``optimizer.pt``       optimizer and LR-scheduler state (rank 0; data-parallel replicas are identical)
+* ``worker_rng.pt``      the policy workers' torch RNG states
+* ``trainer_state.json`` step, weight version, data-loader position, consumed samples, driver RNG, metrics
+* ``config.yaml``        the resolved config of the run that wrote it
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_PREFIX = ".tmp_step_"
+STATE_FILE = "trainer_state.json"
+
+# Keys whose change makes a checkpoint unusable: the model, the batch geometry, the data stream.
+INCOMPATIBLE_KEYS = (
+    "policy.model_name",
+    "policy.precision",
+    "grpo.num_prompts_per_step",
+    "grpo.num_generations_per_prompt",
+    "policy.train_global_batch_size",
+    "grpo.seed",
+    "data",
+    "loss_fn.reference_policy_kl_penalty",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or cannot be resumed from; the message says why."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    state: dict[str, Any]
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (and ``root`` itself)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _select(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def incompatible_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: saved -> current`` for each incompatible key that differs (learning rate, step limit
+    and logging changes are allowed)."""
+    diffs = []
+    for key in INCOMPATIBLE_KEYS:
+        a, b = _select(saved, key), _select(current, key)
+        if a != b:
+            diffs.append(f"{key}: {a!r} -> {b!r}")
+    return diffs
+
+
+def driver_rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states of the driver process (JSON-serialisable)."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+    }
+
+
+def restore_driver_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+class CheckpointManager:
+    """Saves, ranks, prunes and finds checkpoints under one directory."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        keep_top_k: int | None = None,
+        metric_name: str | None = None,
+        higher_is_better: bool = True,
+    ) -> None:
+        self.root = Path(checkpoint_dir)
+        self.keep_top_k = keep_top_k
+        self.metric_name = metric_name
+        self.higher_is_better = higher_is_better
+
+    # -- discovery -----------------------------------------------------------------------------
+    def valid_checkpoints(self) -> list[CheckpointInfo]:
+        """Complete checkpoints, oldest first. Temporary and unreadable directories are ignored."""
+        found = []
+        if not self.root.is_dir():
+            return found
+        for child in self.root.iterdir():
+            match = STEP_DIR.match(child.name)
+            if not match or not child.is_dir():
+                continue
+            try:
+                state = json.loads((child / STATE_FILE).read_text())
+            except (OSError, ValueError):
+                continue
+            found.append(CheckpointInfo(int(match.group(1)), child, state))
+        return sorted(found, key=lambda c: c.step)
+
+    def latest(self) -> CheckpointInfo | None:
+        checkpoints = self.valid_checkpoints()
+        return checkpoints[-1] if checkpoints else None
+
+    def remove_partial_saves(self) -> list[Path]:
+        """Delete temporary directories left by interrupted saves; returns what was removed."""
+        removed = []
+        if self.root.is_dir():
+            for child in self.root.iterdir():
+                if child.name.startswith(TMP_PREFIX):
+                    shutil.rmtree(child, ignore_errors=True)
+                    removed.append(child)
+        return removed
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(self, step: int, write_contents: Callable[[Path], None], state: dict[str, Any], config: dict[str, Any]) -> Path:
+        """Atomically create ``step_<step>/``: ``write_contents(tmp_dir)`` writes the heavy parts.
+
+        On any failure (a full disk included) the temporary directory is removed, the previous
+        checkpoints are untouched, and a :class:`CheckpointError` says what happened.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{TMP_PREFIX}{step}_{os.getpid()}"
+        final = self.root / f"step_{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir()
+            write_contents(tmp)
+            (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}))
+            fsync_tree(tmp)
+            _pause_for_crash_tests(step)
+            if final.exists():  # re-saving a step (e.g. after resume): replace the old copy
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fsync_dir(self.root)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            reason = "no space left on device" if exc.errno == errno.ENOSPC else str(exc)
+            previous = self.latest()
+            kept = f"the previous checkpoint {previous.path} is kept" if previous else "no earlier checkpoint exists"
+            raise CheckpointError(f"Saving checkpoint step_{step} in {self.root} failed: {reason}; {kept}") from exc
+        self.prune()
+        return final
+
+    def prune(self) -> list[Path]:
+        """Keep the ``keep_top_k`` best checkpoints by ``metric_name`` (or the most recent); the
+        latest one is always kept so that resume continues where the run stopped."""
+        checkpoints = self.valid_checkpoints()
+        if self.keep_top_k is None or len(checkpoints) <= self.keep_top_k:
+            return []
+        latest = checkpoints[-1]
+        ranked = sorted(checkpoints, key=self._rank_key, reverse=True)
+        keep = {c.path for c in ranked[: self.keep_top_k]} | {latest.path}
+        removed = [c.path for c in checkpoints if c.path not in keep]
+        for path in removed:
+            shutil.rmtree(path, ignore_errors=True)
+        return removed
+
+    def _rank_key(self, checkpoint: CheckpointInfo) -> tuple[float, int]:
+        """Higher is better; checkpoints without the metric rank below those with it, then by step."""
+        if self.metric_name is None:
+            return (0.0, checkpoint.step)
+        value = checkpoint.state.get("metrics", {}).get(metric_key(self.metric_name))
+        if value is None:
+            return (float("-inf"), checkpoint.step)
+        return (value if self.higher_is_better else -value, checkpoint.step)
+
+
+def metric_key(metric_name: str) -> str:
+    """``val:accuracy`` -> ``validation/accuracy``; ``train:reward`` -> ``train/reward``."""
+    prefix, _, name = metric_name.partition(":")
+    namespaces = {"val": "validation", "train": "train"}
+    if prefix not in namespaces or not name:
+        raise ValueError(f"checkpointing.metric_name must look like 'val:<metric>' or 'train:<metric>', got {metric_name!r}")
+    return f"{namespaces[prefix]}/{name}"
+
+
+def _pause_for_crash_tests(step: int) -> None:
+    """Crash tests set NEMO_LIKE_CHECKPOINT_PAUSE_S (and _STEP) to hold one save open between its
+    write and its rename, so that a real SIGKILL lands mid-save deterministically."""
+    pause = float(os.environ.get("NEMO_LIKE_CHECKPOINT_PAUSE_S", "0") or 0)
+    pause_step = os.environ.get("NEMO_LIKE_CHECKPOINT_PAUSE_STEP")
+    if pause > 0 and (pause_step is None or int(pause_step) == step):
+        marker = os.environ.get("NEMO_LIKE_CHECKPOINT_PAUSE_MARKER")
+        if marker:
+            Path(marker).write_text("saving")
+        time.sleep(pause)

@@ -1,0 +1,178 @@
+"""Checkpoints on real runs: exact resume, a SIGKILL mid-save, a killed worker, a non-finite guard."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from functional.helpers import TINY_RECIPE, tiny_config
+from nemo_like.algorithms.grpo import NonFiniteTrainingError
+from nemo_like.train import train
+
+pytestmark = pytest.mark.slow
+
+NO_VALIDATION = ("grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.val_period=0")
+
+
+def ckpt_overrides(ckpt_dir: Path, period: int = 3) -> tuple[str, ...]:
+    return ("checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ckpt_dir}", f"checkpointing.save_period={period}",
+            "checkpointing.keep_top_k=null", "checkpointing.metric_name=null")
+
+
+def run(tmp_path, *overrides):
+    cfg = tiny_config(tmp_path, *overrides)
+    return train(cfg, cfg.model_dump(mode="json"))
+
+
+def records(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_six_steps_equal_three_steps_then_three_resumed(ray_cluster, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(straight, "grpo.max_num_steps=6", *NO_VALIDATION, *ckpt_overrides(straight / "ckpt"))
+    first = run(split, "grpo.max_num_steps=3", *NO_VALIDATION, *ckpt_overrides(split / "ckpt"))
+    resumed = run(split, "grpo.max_num_steps=6", *NO_VALIDATION, *ckpt_overrides(split / "ckpt"))
+    assert [h["step"] for h in first] == [1, 2, 3] and [h["step"] for h in resumed] == [4, 5, 6]
+    a, b = records(straight / "logs"), records(split / "logs")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for ra, rb in zip(a, b):
+        for key in ("train/reward", "train/loss", "train/gen_kl", "train/grad_norm"):
+            assert ra[key] == rb[key], (ra["step"], key)  # bitwise: CPU fp32 is deterministic here
+    wa = load_file(str(straight / "ckpt" / "step_6" / "policy" / "model.safetensors"))
+    wb = load_file(str(split / "ckpt" / "step_6" / "policy" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(straight / "ckpt" / "step_6" / "policy")  # a plain HF copy
+
+
+def test_incompatible_checkpoint_is_refused_naming_the_keys(ray_cluster, tmp_path):
+    run(tmp_path, "grpo.max_num_steps=1", *NO_VALIDATION, *ckpt_overrides(tmp_path / "ckpt", 1))
+    from nemo_like.utils.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="grpo.num_generations_per_prompt: 4 -> 2"):
+        run(tmp_path, "grpo.max_num_steps=2", "grpo.num_generations_per_prompt=2", *NO_VALIDATION, *ckpt_overrides(tmp_path / "ckpt", 1))
+
+
+def short_ray_tmp() -> Path:
+    """Ray's socket paths must stay under 107 bytes: pytest's tmp_path is too deep."""
+    return Path(tempfile.mkdtemp(prefix="nlray", dir="/tmp"))
+
+
+def start_cli(tmp_path: Path, ray_tmp: Path, env_extra: dict, *overrides: str) -> subprocess.Popen:
+    args = [
+        sys.executable, "-m", "nemo_like.cli", "train", "--config", str(TINY_RECIPE),
+        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_val_samples=32",
+        "policy.train_micro_batch_size=8", "policy.num_cpus_per_worker=0.25", "data.train.num_problems=256",
+        f"logger.log_dir={tmp_path / 'logs'}", "logger.progress_bar=false", *overrides,
+    ]
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), **env_extra}
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+
+
+def wait_for(predicate, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited early:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(ray_cluster, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    marker = tmp_path / "saving"
+    ray_tmp = short_ray_tmp()
+    proc = start_cli(
+        tmp_path,
+        ray_tmp,
+        {"NEMO_LIKE_CHECKPOINT_PAUSE_S": "60", "NEMO_LIKE_CHECKPOINT_PAUSE_STEP": "2", "NEMO_LIKE_CHECKPOINT_PAUSE_MARKER": str(marker)},
+        "grpo.max_num_steps=3", *NO_VALIDATION, *ckpt_overrides(ckpt, 1),
+    )
+    try:
+        wait_for(marker.exists, 180, proc)
+        assert any(p.name.startswith(".tmp_step_2") for p in ckpt.iterdir())  # the save is in flight
+    finally:
+        kill_group(proc)
+        kill_cluster(ray_tmp)
+    assert (ckpt / "step_1" / "trainer_state.json").exists() and not (ckpt / "step_2").exists()
+    history = run(tmp_path, "grpo.max_num_steps=3", *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
+    assert [h["step"] for h in history] == [2, 3]  # resumed after step 1
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_1", "step_2", "step_3"]  # partial save removed
+
+
+def cluster_pids(ray_tmp: Path, title_prefix: bytes = b"") -> list[int]:
+    """PIDs of the processes of the Ray cluster whose temp dir is ``ray_tmp`` (unique per test)."""
+    pids = []
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit() or int(proc_dir.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc_dir / "cmdline").read_bytes()
+            environ = (proc_dir / "environ").read_bytes()
+        except OSError:
+            continue
+        mine = str(ray_tmp).encode() in cmdline or str(ray_tmp).encode() in environ
+        if mine and cmdline.startswith(title_prefix):
+            pids.append(int(proc_dir.name))
+    return pids
+
+
+def kill_cluster(ray_tmp: Path) -> None:
+    """SIGKILL whatever a killed driver's private cluster left behind."""
+    for pid in cluster_pids(ray_tmp):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_killed_worker_stops_the_run_with_actor_and_phase_and_the_checkpoint_resumes(ray_cluster, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ray_tmp = short_ray_tmp()
+    proc = start_cli(tmp_path, ray_tmp, {}, "grpo.max_num_steps=200", *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
+    try:
+        wait_for(lambda: (ckpt / "step_2").exists(), 180, proc)
+        pids = cluster_pids(ray_tmp, b"ray::PolicyWorker")  # the policy or the reference worker
+        assert pids, "no PolicyWorker process found"
+        os.kill(pids[0], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+        kill_cluster(ray_tmp)
+    assert proc.returncode != 0
+    assert re.search(r"nemo-like: error: Ray actor \w+ died during '(policy|reference): [a-z ]+'", output), output
+    assert "Traceback" not in output
+    last = max(int(p.name.split("_")[1]) for p in ckpt.iterdir() if p.name.startswith("step_"))
+    history = run(tmp_path, f"grpo.max_num_steps={last + 1}", *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
+    assert [h["step"] for h in history] == [last + 1]
+
+
+def test_nonfinite_updates_are_skipped_and_the_run_stops_after_the_limit(ray_cluster, tmp_path):
+    # A huge learning rate makes the weights overflow after the first step: every later gradient is NaN.
+    with pytest.raises(NonFiniteTrainingError, match="grpo.max_consecutive_nonfinite_steps=2"):
+        run(tmp_path, "grpo.max_num_steps=8", "policy.optimizer.lr=1e38", "policy.max_grad_norm=null",
+            "grpo.max_consecutive_nonfinite_steps=2", *NO_VALIDATION)
+    logged = records(tmp_path / "logs")
+    skipped = [r["train/nonfinite_steps_skipped"] for r in logged]
+    assert skipped[-2:] == [1.0, 1.0] and len(logged) < 8
