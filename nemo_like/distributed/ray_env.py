@@ -3,28 +3,98 @@
 Ray's job runtime env and ``ray.init(runtime_env=...)`` do not merge, so we never pass a job-level
 runtime env: driver-side defaults are set in ``os.environ`` before Ray starts, and worker-side
 variables travel with each actor's own ``runtime_env`` (which Ray merges onto the job's).
+
+Two contexts, decided from the environment alone:
+
+* **joining** a cluster: ``$RAY_ADDRESS`` is set, or this process is the driver of a job started by
+  ``ray job submit`` (Ray 2.60 sets ``RAY_JOB_CONFIG_JSON_ENV_VAR`` and ``RAY_ADDRESS=<gcs host:port>``
+  there, but no ``RAY_JOB_ID``). The cluster's own settings win: we set nothing Ray-related, so the
+  driver uses the node IP and the auth mode the cluster was started with.
+* **local**: a private single-machine cluster. Ray is kept on 127.0.0.1, token auth and usage stats
+  are off (:data:`LOCAL_CLUSTER_DEFAULTS`).
+
+Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when ``ray`` is imported, so the defaults are
+applied when this module is imported before ``ray`` (the ``nemo-like`` entry points do so; actor
+processes, where ``ray`` comes first, are left alone), and again by ``init_ray``. Only unset
+variables are filled in: what the user exported always wins.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+from collections.abc import Mapping
 
-# Safe defaults for a local cluster on a single machine (set only when the user has not).
-DRIVER_DEFAULTS = {
+# Set in every driver unless already set.
+DRIVER_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false"}
+
+# Set only when this process will start its own private cluster on this machine.
+LOCAL_CLUSTER_DEFAULTS = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep every Ray socket on 127.0.0.1 (Linux too)
     "RAY_AUTH_MODE": "disabled",  # the CLI clients fail token auth otherwise
     "RAY_USAGE_STATS_ENABLED": "0",
-    "TOKENIZERS_PARALLELISM": "false",
 }
+
+# Set by Ray's job supervisor in the environment of a submitted job's entrypoint (Ray 2.60).
+JOB_CONFIG_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+ADDRESS_VAR = "RAY_ADDRESS"
 
 # Variables forwarded from the driver to every actor when set there.
 FORWARDED_TO_WORKERS = ("HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")
 
 
-def apply_driver_defaults() -> None:
-    """Set :data:`DRIVER_DEFAULTS` in this process unless already set."""
-    for key, value in DRIVER_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+def in_ray_job(environ: Mapping[str, str] | None = None) -> bool:
+    """True inside the entrypoint of a job started with ``ray job submit`` (or the jobs SDK)."""
+    return JOB_CONFIG_VAR in (os.environ if environ is None else environ)
+
+
+def job_submission_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The submission id of the job this process runs in (``raysubmit_...`` or ``--submission-id``)."""
+    raw = (os.environ if environ is None else environ).get(JOB_CONFIG_VAR)
+    if not raw:
+        return None
+    try:
+        return json.loads(raw).get("metadata", {}).get("job_submission_id")
+    except (ValueError, AttributeError):
+        return None
+
+
+def address_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The cluster this process should join according to its environment, or None for a private one.
+
+    ``$RAY_ADDRESS`` when set; ``"auto"`` inside a submitted job without it (``ray.init`` then finds
+    the job's cluster itself).
+    """
+    env = os.environ if environ is None else environ
+    if env.get(ADDRESS_VAR):
+        return env[ADDRESS_VAR]
+    if in_ray_job(env):
+        return "auto"
+    return None
+
+
+_SET_HERE: set[str] = set()  # variables this module filled in (not the user's)
+
+
+def apply_driver_defaults(joining: bool | None = None) -> None:
+    """Fill in unset driver variables; the local-cluster ones only when not joining a cluster.
+
+    ``joining=None`` decides from the environment (:func:`address_from_env`). When a run turns out
+    to join a cluster (``cluster.ray_address`` in the recipe), local-cluster values filled in earlier
+    by this module are taken back, so the driver uses the cluster's auth mode.
+    """
+    if joining is None:
+        joining = address_from_env() is not None
+    if joining:
+        for key in sorted(_SET_HERE & LOCAL_CLUSTER_DEFAULTS.keys()):
+            os.environ.pop(key, None)
+            _SET_HERE.discard(key)
+    defaults = DRIVER_DEFAULTS if joining else {**DRIVER_DEFAULTS, **LOCAL_CLUSTER_DEFAULTS}
+    for key, value in defaults.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            _SET_HERE.add(key)
 
 
 def worker_env_vars(num_threads: int | None = None) -> dict[str, str]:
@@ -33,3 +103,7 @@ def worker_env_vars(num_threads: int | None = None) -> dict[str, str]:
     if num_threads is not None:
         env["OMP_NUM_THREADS"] = str(num_threads)
     return env
+
+
+if "ray" not in sys.modules:  # a driver about to import ray; never inside Ray's own worker processes
+    apply_driver_defaults()

@@ -1,0 +1,126 @@
+"""The run's resource request, the fail-fast capacity check, and how the driver decides where to run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from nemo_like.config import MasterConfig, load_config
+from nemo_like.distributed.capacity import (
+    check_cluster_capacity,
+    declared_resources,
+    required_resources,
+    role_requests,
+    shortfall,
+)
+from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id
+from nemo_like.distributed.worker_group import PlacementError
+
+TINY_RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+CPU_HEAD = {"CPU": 2.0, "memory": 2e10, "object_store_memory": 2.6e8, "node:127.0.0.1": 1.0}
+
+
+def tiny(*overrides: str) -> MasterConfig:
+    return load_config(TINY_RECIPE, list(overrides))
+
+
+def test_tiny_recipe_asks_for_cpu_bundles_only_per_role() -> None:
+    roles = {r.role: (r.count, dict(r.bundle)) for r in role_requests(tiny())}
+    assert roles == {
+        "policy": (1, {"CPU": 0.5}),
+        "reference": (1, {"CPU": 0.5}),  # reference_policy_kl_penalty: 0.01 in the tiny recipe
+        "generation": (1, {"CPU": 0.5}),
+        "environment": (1, {"CPU": 0.1}),
+    }
+    assert required_resources(tiny()) == {"CPU": 1.6}
+
+
+def test_no_reference_role_without_kl_penalty_and_dp_multiplies_the_policy() -> None:
+    cfg = tiny("loss_fn.reference_policy_kl_penalty=0", "policy.dp_size=2", "env.num_workers=3", "policy.num_cpus_per_worker=0.25")
+    assert [r.role for r in role_requests(cfg)] == ["policy", "generation", "environment"]
+    assert required_resources(cfg) == {"CPU": pytest.approx(2 * 0.25 + 0.25 + 3 * 0.1)}
+
+
+def test_gpu_recipe_asks_one_gpu_per_model_worker_and_at_least_the_declared_gpus() -> None:
+    cfg = tiny("cluster.gpus_per_node=8", "policy.dp_size=2")
+    assert all(r.bundle.get("GPU") == 1.0 for r in role_requests(cfg) if r.role != "environment")
+    assert declared_resources(cfg) == {"GPU": 8.0}
+    assert required_resources(cfg)["GPU"] == 8.0  # declared 1 x 8 > 2 policy + 1 reference + 1 generation
+    many = tiny("cluster.gpus_per_node=1", "policy.dp_size=4")
+    assert required_resources(many)["GPU"] == 6.0  # the actors need more than the recipe declares
+
+
+def test_two_nodes_declare_twice_the_gpus_per_node() -> None:
+    assert declared_resources(tiny("cluster.num_nodes=2", "cluster.gpus_per_node=4")) == {"GPU": 8.0}
+    assert declared_resources(tiny("cluster.num_nodes=2")) == {}
+
+
+def test_shortfall_is_per_resource_and_ignores_float_noise() -> None:
+    assert shortfall({"CPU": 0.1 + 0.2}, {"CPU": 0.3}) == {}
+    assert shortfall({"CPU": 1.6, "GPU": 8.0}, CPU_HEAD) == {"GPU": 8.0}
+    assert shortfall({"CPU": 3.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 4.0}) == {"CPU": 1.0}
+
+
+def test_a_request_that_fits_passes() -> None:
+    check_cluster_capacity(required_resources(tiny()), CPU_HEAD)
+    check_cluster_capacity({"CPU": 2.0}, CPU_HEAD)  # exactly the cluster
+
+
+def test_too_many_gpus_fail_with_roles_totals_and_the_shortfall_named() -> None:
+    cfg = tiny("cluster.gpus_per_node=8")
+    with pytest.raises(PlacementError) as err:
+        check_cluster_capacity(required_resources(cfg), CPU_HEAD, role_requests(cfg), declared_resources(cfg))
+    msg = str(err.value)
+    assert "short by GPU 8" in msg
+    assert "policy 1 x CPU 0.5, GPU 1" in msg and "environment 1 x CPU 0.1" in msg
+    assert "cluster.num_nodes x cluster.gpus_per_node = GPU 8" in msg
+    assert "Asked for in total: CPU 1.6, GPU 8." in msg
+    assert "The cluster has in total: CPU 2, GPU 0." in msg
+
+
+def test_too_many_cpus_fail_too() -> None:
+    cfg = tiny("policy.dp_size=4", "policy.num_cpus_per_worker=1")
+    with pytest.raises(PlacementError, match=r"short by CPU 4.1\b"):
+        check_cluster_capacity(required_resources(cfg), CPU_HEAD, role_requests(cfg))
+
+
+# Where the driver runs: decided from the environment alone (see nemo_like/distributed/ray_env.py).
+
+JOB_ENV = {  # what Ray 2.60's job supervisor sets in a submitted entrypoint (measured)
+    "RAY_ADDRESS": "127.0.0.1:6390",
+    "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(
+        {"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip"}, "metadata": {"job_submission_id": "raysubmit_abc"}}
+    ),
+}
+
+
+def test_a_plain_local_run_starts_a_private_cluster() -> None:
+    assert address_from_env({}) is None and not in_ray_job({})
+
+
+def test_a_submitted_job_joins_its_cluster() -> None:
+    assert in_ray_job(JOB_ENV) and address_from_env(JOB_ENV) == "127.0.0.1:6390"
+    assert job_submission_id(JOB_ENV) == "raysubmit_abc"
+    without_address = {k: v for k, v in JOB_ENV.items() if k != "RAY_ADDRESS"}
+    assert address_from_env(without_address) == "auto"
+
+
+def test_ray_address_alone_joins_that_cluster() -> None:
+    assert address_from_env({"RAY_ADDRESS": "10.0.0.1:6379"}) == "10.0.0.1:6379"
+    assert address_from_env({"RAY_ADDRESS": ""}) is None
+    assert job_submission_id({"RAY_JOB_CONFIG_JSON_ENV_VAR": "not json"}) is None
+
+
+def test_local_defaults_fill_gaps_only_and_are_taken_back_when_joining(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    apply_driver_defaults(joining=False)
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
+    apply_driver_defaults(joining=True)  # e.g. cluster.ray_address in the recipe: use the cluster's auth mode
+    assert "RAY_AUTH_MODE" not in os.environ
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # the user's choice always wins
+    apply_driver_defaults(joining=False)
+    apply_driver_defaults(joining=True)
+    assert os.environ["RAY_AUTH_MODE"] == "token"
