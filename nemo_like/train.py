@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from typing import Any
 
+from pathlib import Path
+
+from nemo_like.algorithms.checkpointing import find_resume_checkpoint, trim_metrics_after
 from nemo_like.algorithms.grpo import grpo_train
 from nemo_like.algorithms.setup import setup_grpo
 from nemo_like.config.schema import MasterConfig
@@ -15,18 +19,35 @@ from nemo_like.utils.logger import Logger
 def train(cfg: MasterConfig, resolved: dict[str, Any]) -> list[dict[str, Any]]:
     """Train and return the per-step metric records (also in ``<log_dir>/metrics.jsonl``)."""
     start = time.perf_counter()
+    resume_from = find_resume_checkpoint(cfg)
+    if resume_from is not None:  # steps logged after the checkpoint are redone: drop their records
+        trim_metrics_after(Path(cfg.logger.log_dir) / "metrics.jsonl", resume_from.step)
     logger = Logger(cfg.logger, cfg.grpo.max_num_steps)
     logger.save_config(cfg.model_dump(mode="json"))
     logger.progress.message(f"[setup] logging to {logger.metrics_path}")
     parts = setup_grpo(cfg)
     logger.progress.message(f"[setup] actors ready in {time.perf_counter() - start:.1f}s")
     try:
-        history = grpo_train(parts, logger)
+        history = grpo_train(parts, logger, resume_from)
     finally:
         logger.close()
         parts.shutdown()
     print(summarise(history, time.perf_counter() - start), file=sys.stderr)
+    write_plot(logger.metrics_path)
     return history
+
+
+def write_plot(metrics_path: Path) -> Path | None:
+    """Render the standard metrics panel beside the logs and print its path; a failure only warns."""
+    try:
+        from nemo_like.utils.plot import plot_metrics
+
+        path = plot_metrics(metrics_path)
+    except Exception as exc:  # noqa: BLE001 - the run already succeeded; a missing plot must not fail it
+        warnings.warn(f"could not plot {metrics_path} ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
+        return None
+    print(f"[done] plot: {path}", file=sys.stderr)
+    return path
 
 
 def summarise(history: list[dict[str, Any]], seconds: float) -> str:

@@ -6,6 +6,7 @@ concurrently, each only when needed) -> train -> (next step) lazy refit of the g
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -17,13 +18,21 @@ from nemo_like.algorithms.dynamic_sampling import (
     apply_overlong_reward_shaping,
     select_groups_with_signal,
 )
+from nemo_like.algorithms.checkpointing import checkpoint_manager, restore_run, save_run
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.experience.rollouts import Rollout, collect_rollout, generate_rollout, score_with_environment
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.utils.logger import Logger
+from nemo_like.utils.checkpoint import CheckpointInfo
+from nemo_like.utils.sample_dump import dump_path, format_samples, per_sample_mean, response_token_values, write_sample_dump
+from nemo_like.utils.throughput import throughput_metrics
 from nemo_like.utils.timer import StepTimer
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many consecutive steps had a NaN/inf loss or gradient norm."""
+
 
 TIMED_PHASES = ("refit", "generation", "reward", "prev_logprobs", "reference_logprobs", "policy_training")
 
@@ -56,11 +65,57 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
     expanded, _, samples, texts = generate_rollout(parts.generation, parts.tokenizer, parts.val_prompts, 1, params, seed=10_000_019 * (step + 1))
     rewards = score_with_environment(parts.environment, texts, expanded)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    report_val_samples(parts, step, Rollout(expanded, torch.arange(len(samples)), samples, texts, rewards))
     return {
         "validation/accuracy": rewards.mean().item(),
         "validation/num_samples": float(len(samples)),
         "validation/mean_response_length": lengths.mean().item(),
     }
+
+
+def prompt_texts(parts: GRPOComponents, rollout: Rollout) -> list[str]:
+    """The exact text each sample's prompt gave the model (chat template included)."""
+    return parts.tokenizer.batch_decode([s.prompt_ids for s in rollout.samples], skip_special_tokens=False)
+
+
+def report_val_samples(parts: GRPOComponents, step: int, rollout: Rollout) -> None:
+    """Dump the validation samples (``logger.dump_train_data``) and print the first few (``num_val_samples_to_print``)."""
+    log_cfg = parts.cfg.logger
+    if not (log_cfg.dump_train_data or log_cfg.num_val_samples_to_print):
+        return
+    prompts = prompt_texts(parts, rollout)
+    if log_cfg.dump_train_data:
+        write_sample_dump(dump_path(log_cfg.log_dir, "val", step), step, {
+            "prompt_id": [p.id for p in rollout.prompts], "prompt": prompts, "response": rollout.response_texts,
+            "reward": rollout.rewards, "truncated": [s.truncated for s in rollout.samples],
+            "response_token_ids": [s.response_ids for s in rollout.samples],
+            "generation_logprobs": [s.response_logprobs for s in rollout.samples],
+        })
+    if log_cfg.num_val_samples_to_print:
+        text = format_samples(prompts, rollout.response_texts, rollout.rewards.tolist(), log_cfg.num_val_samples_to_print)
+        print(f"[validation samples, step {step}]\n{text}", file=sys.stderr, flush=True)
+
+
+def dump_train_samples(
+    parts: GRPOComponents, step: int, rollout: Rollout, batch: dict[str, torch.Tensor], first_step_logprobs: torch.Tensor | None
+) -> None:
+    """Write ``train_data_step{step}.jsonl``. Without a prev pass, prev logprobs are back-filled from the
+    training pass's pre-update logprobs (the prev pass is skipped only with one optimizer step per rollout)."""
+    mask = batch["token_mask"]
+    prev = batch.get("prev_logprobs")
+    if prev is None and first_step_logprobs is not None and first_step_logprobs.shape == mask.shape:
+        prev = first_step_logprobs
+    columns: dict[str, Any] = {
+        "prompt_id": [p.id for p in rollout.prompts], "group_id": rollout.group_ids, "prompt": prompt_texts(parts, rollout),
+        "response": rollout.response_texts, "reward": rollout.rewards, "advantage": per_sample_mean(batch["advantages"], mask),
+        "sample_mask": batch["sample_mask"], "truncated": [s.truncated for s in rollout.samples],
+        "response_token_ids": [s.response_ids for s in rollout.samples],
+        "generation_logprobs": response_token_values(batch["generation_logprobs"], mask),
+        "prev_logprobs": response_token_values(prev, mask) if prev is not None else [None] * len(rollout.samples),
+    }
+    if "reference_policy_logprobs" in batch:
+        columns["reference_logprobs"] = response_token_values(batch["reference_policy_logprobs"], mask)
+    write_sample_dump(dump_path(parts.cfg.logger.log_dir, "train", step), step, columns)
 
 
 def build_train_batch(parts: GRPOComponents, rollout) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -96,8 +151,11 @@ def shape_rewards(cfg: MasterConfig, rollout: Rollout) -> None:
         )
 
 
-def collect_training_rollout(parts: GRPOComponents, step: int, timer: StepTimer) -> tuple[Rollout, dict[str, float]]:
-    """One step's rollout; with dynamic sampling, keep generating until enough groups carry signal."""
+def collect_training_rollout(
+    parts: GRPOComponents, step: int, timer: StepTimer, counts: dict[str, float] | None = None
+) -> tuple[Rollout, dict[str, float]]:
+    """One step's rollout; with dynamic sampling, keep generating until enough groups carry signal.
+    ``counts['generated_tokens']`` adds up the response tokens of every generation batch."""
     cfg = parts.cfg
     params = sampling_params(cfg)
     accumulator = (
@@ -115,6 +173,8 @@ def collect_training_rollout(parts: GRPOComponents, step: int, timer: StepTimer)
         )
         for name, seconds in phase_times.items():
             timer.add(name, seconds)
+        if counts is not None:
+            counts["generated_tokens"] = counts.get("generated_tokens", 0.0) + rollout.response_lengths.sum().item()
         shape_rewards(cfg, rollout)
         if accumulator is None:
             return rollout, {}
@@ -168,7 +228,8 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
     """One training step; returns its metrics (namespaced)."""
     cfg = parts.cfg
     timer.add("refit", refit_if_stale(parts))
-    rollout, sampling_metrics = collect_training_rollout(parts, step, timer)
+    counts: dict[str, float] = {}
+    rollout, sampling_metrics = collect_training_rollout(parts, step, timer, counts)
     batch, adv_metrics = build_train_batch(parts, rollout)
     passes_before = forward_pass_counts(parts)
     run_logprob_passes(parts, batch, timer)
@@ -177,6 +238,8 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
     adv_metrics.update(mask_high_mismatch_sequences(cfg, batch))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
+    if cfg.logger.dump_train_data:
+        dump_train_samples(parts, step, rollout, batch, result.first_step_logprobs)
     valid_tokens = float(batch["token_mask"].sum())
     metrics: dict[str, Any] = {f"train/{k}": v for k, v in result.metrics.items()}
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
@@ -190,6 +253,9 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
             "train/num_valid_tokens": valid_tokens,
             "train/nonfinite_steps_skipped": float(result.nonfinite_steps_skipped),
             "train/weight_version": float(parts.policy.weight_version),
+            "performance/num_batch_tokens": float(batch["attention_mask"].sum()),
+            "performance/num_generated_tokens": counts["generated_tokens"],
+            "performance/num_samples": float(len(rollout.samples)),
         }
     )
     metrics.setdefault("train/kl_penalty", 0.0)
@@ -198,19 +264,26 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
     return metrics
 
 
-def grpo_train(parts: GRPOComponents, logger: Logger) -> list[dict[str, Any]]:
-    """Run ``grpo.max_num_steps`` steps with validation; returns the per-step metric records."""
+def grpo_train(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInfo | None = None) -> list[dict[str, Any]]:
+    """Run steps up to ``grpo.max_num_steps`` (after ``resume_from``'s step, if given) with validation
+    and checkpoints; returns the per-step metric records of this invocation."""
     cfg = parts.cfg
     history: list[dict[str, Any]] = []
     for reason in parts.plan.reasons:
         logger.progress.message(f"[plan] {reason}")
-    if cfg.grpo.val_at_start and cfg.grpo.max_num_steps >= 0:
+    manager = checkpoint_manager(parts)
+    last_step = restore_run(parts, resume_from) if resume_from is not None else 0
+    if last_step:
+        logger.progress.message(f"[checkpoint] resumed from {resume_from.path} (step {last_step})")
+    elif cfg.grpo.val_at_start:
         val = validate(parts, 0)
         logger.log(val, step=0)
         history.append({"step": 0, **val})
         logger.progress.message(f"[step 0] validation/accuracy={val['validation/accuracy']:.3f}")
     timer = StepTimer()
-    for step in range(1, cfg.grpo.max_num_steps + 1):
+    nonfinite_streak = 0
+    last_validation: dict[str, Any] = {}
+    for step in range(last_step + 1, cfg.grpo.max_num_steps + 1):
         if parts.train_loader.epoch >= cfg.grpo.max_num_epochs:
             break
         timer.reset()
@@ -221,10 +294,12 @@ def grpo_train(parts: GRPOComponents, logger: Logger) -> list[dict[str, Any]]:
             timer.add("refit", refit_if_stale(parts))
             with timer.phase("validation"):
                 metrics.update(validate(parts, step))
+            last_validation = {k: v for k, v in metrics.items() if k.startswith("validation/")}
         total = time.perf_counter() - start
         for phase in (*TIMED_PHASES, "validation"):
             metrics[f"timing/train/{phase}"] = timer.seconds.get(phase, 0.0)
         metrics["timing/train/total_step_time"] = total
+        metrics.update(throughput_metrics(metrics))
         logger.log(metrics, step)
         history.append({"step": step, **metrics})
         info = f"reward={metrics['train/reward']:.3f} loss={metrics['train/loss']:.4f}"
@@ -233,6 +308,17 @@ def grpo_train(parts: GRPOComponents, logger: Logger) -> list[dict[str, Any]]:
         logger.progress.update(step, info)
         if cfg.logger.console_timing_period and step % cfg.logger.console_timing_period == 0:
             logger.progress.message(format_timing(metrics))
+        nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_steps_skipped"] else 0
+        if nonfinite_streak >= cfg.grpo.max_consecutive_nonfinite_steps:
+            raise NonFiniteTrainingError(
+                f"{nonfinite_streak} consecutive steps had a non-finite loss or gradient norm (their updates were skipped); "
+                f"stopping at step {step} (grpo.max_consecutive_nonfinite_steps={cfg.grpo.max_consecutive_nonfinite_steps}). "
+                "Lower policy.optimizer.lr or check the rewards and the data."
+            )
+        # Log first, then save: a crash in between only repeats this step's log line on resume.
+        if manager is not None and (step % cfg.checkpointing.save_period == 0 or last):
+            path = save_run(parts, manager, step, {**last_validation, **metrics})
+            logger.progress.message(f"[checkpoint] saved {path}")
     return history
 
 

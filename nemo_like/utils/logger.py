@@ -1,9 +1,12 @@
-"""Metrics sinks: ``metrics.jsonl`` (always), the console, and TensorBoard when enabled."""
+"""The run's logger: fans each step's metrics out to every backend, and drives the console progress.
+
+Backends (``nemo_like/utils/log_backends.py``): ``metrics.jsonl`` (always), TensorBoard
+(``logger.tensorboard_enabled``), Weights & Biases (``logger.wandb_enabled``). All get the same
+metric names and step; a backend that fails warns once and is dropped, training goes on.
+"""
 
 from __future__ import annotations
 
-import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -12,48 +15,48 @@ from typing import Any
 import yaml
 
 from nemo_like.config.schema import LoggerConfig
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; keep them visible rather than dropping them
-    return value
+from nemo_like.utils.log_backends import JsonlBackend, LogBackend, start_backends, warn_backend
 
 
 class Logger:
-    """One JSON object per step in ``<log_dir>/metrics.jsonl``; the resolved config beside it."""
+    """One JSON object per step in ``<log_dir>/metrics.jsonl``, the same metrics in the enabled
+    dashboards, and the resolved config beside them (``config.yaml``, TB hparams, W&B config)."""
 
     def __init__(self, cfg: LoggerConfig, total_steps: int) -> None:
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.log_dir / "metrics.jsonl"
-        self._jsonl = self.metrics_path.open("a", buffering=1)
-        self._tb = None
-        if cfg.tensorboard_enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+        self.backends: list[LogBackend] = [JsonlBackend(self.metrics_path), *start_backends(cfg)]
         self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar)
 
     def save_config(self, resolved: dict[str, Any]) -> Path:
+        """Write ``config.yaml`` and hand the config to the backends as hyperparameters."""
         path = self.log_dir / "config.yaml"
         path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+        self._call_all("log_hyperparams", resolved)
         return path
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Send one step's metrics to every backend."""
+        self._call_all("log_metrics", metrics, step)
 
     def close(self) -> None:
+        """Stop the progress display and close every backend."""
         self.progress.close()
-        self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        self._call_all("close")
+
+    def _call_all(self, method: str, *args: Any) -> None:
+        """Call ``method`` on each backend; an optional one that raises warns once and is dropped."""
+        for backend in list(self.backends):
+            if isinstance(backend, JsonlBackend):
+                getattr(backend, method)(*args)  # metrics.jsonl is the record of the run: errors surface
+                continue
+            try:
+                getattr(backend, method)(*args)
+            except Exception as exc:  # noqa: BLE001 - a dashboard failure must not stop training
+                self.backends.remove(backend)
+                warn_backend(f"{backend.name} logging stopped: {method} failed ({type(exc).__name__}: {exc})")
 
 
 class ConsoleProgress:

@@ -171,7 +171,7 @@ def test_a_killed_worker_stops_the_run_with_actor_and_phase_and_the_checkpoint_r
 def test_nonfinite_updates_are_skipped_and_the_run_stops_after_the_limit(ray_cluster, tmp_path):
     # A huge learning rate makes the weights overflow after the first step: every later gradient is NaN.
     with pytest.raises(NonFiniteTrainingError, match="grpo.max_consecutive_nonfinite_steps=2"):
-        run(tmp_path, "grpo.max_num_steps=8", "policy.optimizer.lr=1e38", "policy.max_grad_norm=null",
+        run(tmp_path, "grpo.max_num_steps=8", "policy.optimizer.lr=1e30", "policy.max_grad_norm=null",
             "grpo.max_consecutive_nonfinite_steps=2", *NO_VALIDATION)
     logged = records(tmp_path / "logs")
     skipped = [r["train/nonfinite_steps_skipped"] for r in logged]

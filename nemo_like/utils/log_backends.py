@@ -1,0 +1,177 @@
+"""Metric sinks behind one interface: ``metrics.jsonl``, TensorBoard and Weights & Biases.
+
+Every backend receives the same metric names and the same step. :func:`start_backends` builds the
+enabled optional backends; one that cannot start (package missing, not logged in, no network) is
+reported by one warning and left out, so logging problems never stop a training run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nemo_like.config.schema import LoggerConfig
+
+Scalar = int | float
+
+
+class LogBackend:
+    """One metrics sink. Subclasses override what they support; the defaults do nothing."""
+
+    name = "backend"
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        """Record one step's metrics."""
+
+    def log_hyperparams(self, config: dict[str, Any]) -> None:
+        """Record the resolved config of the run."""
+
+    def close(self) -> None:
+        """Flush and release resources."""
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` made JSON-safe: non-finite floats become strings ('nan', 'inf') instead of invalid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def numeric_metrics(metrics: dict[str, Any]) -> dict[str, Scalar]:
+    """The int/float entries of ``metrics`` (what scalar dashboards can plot)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and ``None`` become strings (hparams want scalars)."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_config(value, prefix=f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+class JsonlBackend(LogBackend):
+    """One JSON object per call in ``<log_dir>/metrics.jsonl`` (always on; appends)."""
+
+    name = "jsonl"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("a", buffering=1)
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        record = {"step": step, **{k: jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardBackend(LogBackend):
+    """Scalars, plus the config as HParams and as text, in ``<log_dir>/tensorboard``."""
+
+    name = "tensorboard"
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+        self.writer = SummaryWriter(str(log_dir))
+        self._session_end = None
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        for key, value in numeric_metrics(metrics).items():
+            self.writer.add_scalar(key, value, step)
+
+    def log_hyperparams(self, config: dict[str, Any]) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        # Written into this run's own event file (SummaryWriter.add_hparams would start a second run).
+        experiment, session_start, self._session_end = hparams(
+            flatten_config(config), {"train/reward": 0.0, "validation/accuracy": 0.0}
+        )
+        file_writer = self.writer._get_file_writer()
+        file_writer.add_summary(experiment)
+        file_writer.add_summary(session_start)
+        self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(config, sort_keys=False) + "```")
+
+    def close(self) -> None:
+        if self._session_end is not None:
+            self.writer._get_file_writer().add_summary(self._session_end)
+        self.writer.close()
+
+
+class WandbBackend(LogBackend):
+    """A Weights & Biases run (``WANDB_MODE=offline`` writes it locally; upload later with ``wandb sync``)."""
+
+    name = "wandb"
+
+    def __init__(self, project: str, name: str | None, log_dir: Path) -> None:
+        import wandb
+
+        self._wandb = wandb
+        run_dir = Path(os.environ.get("WANDB_DIR") or log_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            # console="off": wandb does not wrap stdout/stderr (keeps the live progress bar intact).
+            self.run = wandb.init(project=project, name=name, dir=str(run_dir), settings=wandb.Settings(console="off"))
+        except BaseException:
+            _wandb_teardown(wandb)  # forget the settings cached from the environment
+            raise
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        self.run.log(numeric_metrics(metrics), step=step)
+
+    def log_hyperparams(self, config: dict[str, Any]) -> None:
+        self.run.config.update(config, allow_val_change=True)
+
+    def close(self) -> None:
+        self.run.finish()
+        _wandb_teardown(self._wandb)
+
+
+def _wandb_teardown(wandb: Any) -> None:
+    """Stop wandb's service so a later run in this process reads the environment afresh."""
+    try:
+        wandb.teardown()
+    except Exception:  # noqa: BLE001 - best effort during shutdown
+        pass
+
+
+def optional_backend_factories(cfg: LoggerConfig) -> dict[str, Callable[[], LogBackend]]:
+    """Constructors of the optional backends that ``cfg`` enables, by backend name."""
+    log_dir = Path(cfg.log_dir)
+    factories: dict[str, Callable[[], LogBackend]] = {}
+    if cfg.tensorboard_enabled:
+        factories["TensorBoard"] = lambda: TensorBoardBackend(log_dir / "tensorboard")
+    if cfg.wandb_enabled:
+        factories["Weights & Biases"] = lambda: WandbBackend(cfg.wandb.project, cfg.wandb.name, log_dir)
+    return factories
+
+
+def start_backends(cfg: LoggerConfig) -> list[LogBackend]:
+    """Start the enabled optional backends; each one that fails warns once and is skipped."""
+    started = []
+    for label, factory in optional_backend_factories(cfg).items():
+        try:
+            started.append(factory())
+        except Exception as exc:  # noqa: BLE001 - any start-up failure must not stop training
+            warn_backend(f"{label} logging disabled: it failed to start ({type(exc).__name__}: {exc})")
+    return started
+
+
+def warn_backend(message: str) -> None:
+    """Report a logging-backend problem as a ``RuntimeWarning`` (shown on stderr)."""
+    warnings.warn(message + "; training continues with the other logging backends.", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,143 @@
+"""Training curves from ``metrics.jsonl`` as one PNG (matplotlib, Agg: no display needed).
+
+The standard panel: reward, validation accuracy, loss, gen_kl / token_mult_prob_error, advantages
+(mean, min, max) and step time by phase (stacked). ``nemo-like plot LOG_DIR`` renders it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PHASES = ("refit", "generation", "reward", "prev_logprobs", "reference_logprobs", "policy_training", "validation")
+
+# (title, metrics on the left y axis, metrics on a second, right y axis)
+STANDARD_PANELS: list[tuple[str, list[str], list[str]]] = [
+    ("Reward", ["train/reward"], []),
+    ("Validation accuracy", ["validation/accuracy"], []),
+    ("Loss", ["train/loss"], []),
+    ("Train/generation mismatch", ["train/gen_kl"], ["train/token_mult_prob_error"]),
+    ("Advantages", ["train/advantages/mean", "train/advantages/min", "train/advantages/max"], []),
+]
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of ``metrics.jsonl`` merged per step (a later line wins), sorted by step.
+
+    Non-finite values, stored as strings ('nan', 'inf'), come back as floats.
+    """
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        record = {k: _as_float(v) for k, v in record.items()}
+        by_step.setdefault(int(record["step"]), {}).update(record)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _as_float(value: Any) -> Any:
+    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
+        return float(value)
+    return value
+
+
+def series(records: Sequence[dict[str, Any]], metric: str) -> tuple[list[int], list[float]]:
+    """``(steps, values)`` of the records that hold a numeric ``metric``."""
+    points = [(r["step"], float(r[metric])) for r in records if isinstance(r.get(metric), (int, float))]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _line_panel(ax: Any, records: Sequence[dict[str, Any]], title: str, metrics: Sequence[str], twin: Sequence[str] = ()) -> None:
+    """Lines of ``metrics`` on ``ax`` (and of ``twin`` on a second y axis); 'no data' when none exist."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    plotted = False
+    for metric in metrics:
+        steps, values = series(records, metric)
+        if steps:
+            ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=metric)
+            plotted = True
+    handles, labels = ax.get_legend_handles_labels()
+    if twin:
+        ax2 = ax.twinx()
+        for metric in twin:
+            steps, values = series(records, metric)
+            if steps:
+                ax2.plot(steps, values, color="tab:red", linestyle="--", marker="." if len(steps) < 30 else None, label=metric)
+                plotted = True
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    if not plotted:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+    elif handles:
+        ax.legend(handles, labels, fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def _timing_panel(ax: Any, records: Sequence[dict[str, Any]]) -> None:
+    """Stacked bars: seconds of each phase per training step."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title("Step time by phase (s)", fontsize=10)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    train = [r for r in records if "timing/train/total_step_time" in r]
+    if not train:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+        return
+    steps = [r["step"] for r in train]
+    bottom = [0.0] * len(train)
+    for phase in PHASES:
+        values = [float(r.get(f"timing/train/{phase}", 0.0) or 0.0) for r in train]
+        if any(v > 0 for v in values):
+            ax.bar(steps, values, bottom=bottom, label=phase, width=0.8)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _grid(n_panels: int) -> tuple[Any, list[Any]]:
+    """A figure with ``n_panels`` axes in rows of up to 3 (no pyplot: no global backend state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    cols = min(3, max(n_panels, 1))
+    rows = max(1, math.ceil(n_panels / cols))
+    fig = Figure(figsize=(5 * cols, 3.6 * rows))
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(n_panels)]
+    return fig, axes
+
+
+def plot_metrics(
+    metrics_path: str | Path, out: str | Path | None = None, metrics: Sequence[str] | None = None
+) -> Path:
+    """Render ``metrics_path`` (a ``metrics.jsonl``) to a PNG; returns its path.
+
+    With ``metrics``, one panel per listed metric; otherwise the standard panel. ``out`` defaults
+    to ``metrics.png`` beside the metrics file.
+    """
+    metrics_path = Path(metrics_path)
+    records = read_metrics(metrics_path)
+    out_path = Path(out) if out is not None else metrics_path.with_name("metrics.png")
+    if metrics:
+        fig, axes = _grid(len(metrics))
+        for ax, metric in zip(axes, metrics):
+            _line_panel(ax, records, metric, [metric])
+    else:
+        fig, axes = _grid(len(STANDARD_PANELS) + 1)
+        for ax, (title, left, right) in zip(axes, STANDARD_PANELS):
+            _line_panel(ax, records, title, left, right)
+        _timing_panel(axes[-1], records)
+    fig.suptitle(str(metrics_path.parent), fontsize=10)
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=100)
+    return out_path

@@ -1,0 +1,62 @@
+"""Throughput and time shares of one training step, from its metrics (pure functions, no I/O).
+
+Inputs (keys of the step's metrics dict):
+
+* ``timing/train/<phase>`` seconds and ``timing/train/total_step_time``;
+* ``performance/num_batch_tokens``: prompt + response tokens of the trained batch (no padding);
+* ``performance/num_generated_tokens``: response tokens generated in the step, including the
+  generation batches that dynamic sampling discarded (they cost generation time too);
+* ``performance/num_samples``: samples in the trained batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+TIMING_PREFIX = "timing/train/"
+TOTAL_KEY = "timing/train/total_step_time"
+SHARE_PREFIX = "timing/train/share/"
+
+
+def rate(amount: float, seconds: float) -> float:
+    """``amount / seconds``, or 0.0 when no time was spent (the phase did not run)."""
+    return amount / seconds if seconds > 0 else 0.0
+
+
+def phase_seconds(metrics: Mapping[str, float]) -> dict[str, float]:
+    """``{phase: seconds}`` for every ``timing/train/<phase>`` key except the total and the shares."""
+    return {
+        key[len(TIMING_PREFIX) :]: float(value)
+        for key, value in metrics.items()
+        if key.startswith(TIMING_PREFIX) and key != TOTAL_KEY and not key.startswith(SHARE_PREFIX)
+    }
+
+
+def phase_shares(metrics: Mapping[str, float]) -> dict[str, float]:
+    """``timing/train/share/<phase>``: each phase's fraction (0..1) of the total step time."""
+    total = float(metrics.get(TOTAL_KEY, 0.0))
+    return {f"{SHARE_PREFIX}{phase}": rate(seconds, total) for phase, seconds in phase_seconds(metrics).items()}
+
+
+def throughput_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Tokens and samples per second of one step, and the time share of each phase.
+
+    * ``performance/tokens_per_sec``: batch tokens (prompt + response) / total step time;
+    * ``performance/generation_tokens_per_sec``: generated tokens / generation seconds;
+    * ``performance/training_tokens_per_sec``: batch tokens / policy_training seconds;
+    * ``performance/samples_per_sec``: batch samples / total step time;
+    * ``timing/train/share/<phase>``: see :func:`phase_shares`.
+
+    A rate whose time is zero is reported as 0.0, so every step has the same keys.
+    """
+    total = float(metrics.get(TOTAL_KEY, 0.0))
+    batch_tokens = float(metrics.get("performance/num_batch_tokens", 0.0))
+    return {
+        "performance/tokens_per_sec": rate(batch_tokens, total),
+        "performance/generation_tokens_per_sec": rate(
+            float(metrics.get("performance/num_generated_tokens", 0.0)), float(metrics.get(f"{TIMING_PREFIX}generation", 0.0))
+        ),
+        "performance/training_tokens_per_sec": rate(batch_tokens, float(metrics.get(f"{TIMING_PREFIX}policy_training", 0.0))),
+        "performance/samples_per_sec": rate(float(metrics.get("performance/num_samples", 0.0)), total),
+        **phase_shares(metrics),
+    }

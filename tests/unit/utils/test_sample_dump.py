@@ -1,0 +1,46 @@
+"""Sample dump helpers: response-token slicing, per-sample means, JSONL records."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from nemo_like.utils.sample_dump import (
+    dump_path,
+    format_samples,
+    per_sample_mean,
+    response_token_values,
+    sample_records,
+    write_sample_dump,
+)
+
+
+def test_response_token_values_follow_the_mask_row_by_row():
+    values = torch.tensor([[0.0, -1.0, -2.0, 9.0], [0.0, 9.0, -3.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 0]])
+    assert response_token_values(values, mask) == [[-1.0, -2.0], [-3.0]]
+
+
+def test_per_sample_mean_ignores_masked_positions_and_empty_rows():
+    values = torch.tensor([[5.0, 2.0, 2.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    assert per_sample_mean(values, mask) == [2.0, 0.0]
+
+
+def test_records_are_json_safe_and_columns_must_agree(tmp_path):
+    columns = {"reward": torch.tensor([1.0, 0.0]), "prev_logprobs": [[float("-inf"), -0.5], None], "prompt": ["a", "b"]}
+    records = sample_records(3, columns)
+    assert records[0] == {"step": 3, "index": 0, "reward": 1.0, "prev_logprobs": ["-inf", -0.5], "prompt": "a"}
+    path = write_sample_dump(dump_path(tmp_path, "train", 3), 3, columns)
+    assert path.name == "train_data_step3.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == records and lines[1]["prev_logprobs"] is None
+    assert not math.isnan(lines[0]["reward"])
+    with pytest.raises(ValueError, match="differ in length"):
+        sample_records(0, {"a": [1, 2], "b": [1]})
+
+
+def test_format_samples_shows_prompt_response_and_reward_of_the_first_few():
+    text = format_samples(["p0", "p1", "p2"], ["r0", "r1", "r2"], [1.0, 0.0, 1.0], limit=2)
+    assert "p0" in text and "r1" in text and "reward 0.000" in text and "p2" not in text
