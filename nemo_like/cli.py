@@ -11,12 +11,43 @@ import yaml
 from nemo_like.config import ConfigError, load_config, resolve_config_dict
 
 
+def _run_errors() -> tuple[type[BaseException], ...]:
+    from nemo_like.algorithms.grpo import NonFiniteTrainingError
+    from nemo_like.distributed.worker_group import PlacementError, WorkerFailure
+    from nemo_like.utils.checkpoint import CheckpointError
+
+    return (WorkerFailure, PlacementError, CheckpointError, NonFiniteTrainingError, ConnectionError)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nemo-like", description="Ray-distributed GRPO trainer.")
     sub = parser.add_subparsers(dest="command")
     train = sub.add_parser("train", help="Run GRPO from a recipe (default: the embedded tiny CPU recipe).")
     add_train_arguments(train)
+    plot = sub.add_parser("plot", help="Render a run's metrics.jsonl to a PNG (the standard panel, or --metrics).")
+    add_plot_arguments(plot)
     return parser
+
+
+def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("log_dir", help="A run's logger.log_dir (holding metrics.jsonl), or the metrics.jsonl itself.")
+    parser.add_argument("--metrics", nargs="+", default=None, help="Plot these metrics, one panel each, instead of the standard panel.")
+    parser.add_argument("--out", default=None, help="Output PNG (default: LOG_DIR/metrics.png).")
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    """Render the metrics of a run to a PNG and print its path."""
+    from pathlib import Path
+
+    from nemo_like.utils.plot import plot_metrics
+
+    path = Path(args.log_dir)
+    metrics_path = path if path.is_file() else path / "metrics.jsonl"
+    if not metrics_path.is_file():
+        print(f"nemo-like: error: no metrics.jsonl at {metrics_path}", file=sys.stderr)
+        return 2
+    print(plot_metrics(metrics_path, args.out, args.metrics))
+    return 0
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,14 +74,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") or "=" in argv[0] or argv[0].startswith("~"):
         argv = ["train", *argv]  # `nemo-like` alone, or with overrides only, means train
     args = build_parser().parse_args(argv)
+    RUN_ERRORS = _run_errors()
     try:
         if args.command == "train":
             return run_train(args)
+        if args.command == "plot":
+            return run_plot(args)
         build_parser().print_help()
         return 2
     except ConfigError as exc:
         print(f"nemo-like: error: {exc}", file=sys.stderr)
         return 2
+    except RUN_ERRORS as exc:  # faults with a clear cause: no traceback, non-zero exit
+        print(f"nemo-like: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

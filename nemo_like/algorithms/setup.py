@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
+from nemo_like.distributed.capacity import ensure_cluster_capacity
 from nemo_like.distributed.ray_init import init_ray
 from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
 from nemo_like.environments.arithmetic import ArithmeticEnvironment, import_reward_fn
 from nemo_like.models.generation.hf import HFGeneration
+from nemo_like.models.generation import make_generation
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.models.policy.policy import Policy
 
@@ -46,6 +48,7 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     if cfg.env.custom_reward_fn:
         import_reward_fn(cfg.env.custom_reward_fn)  # fail fast in the driver, not inside an actor
     init_ray(cfg.cluster)
+    ensure_cluster_capacity(cfg)  # fail fast, before any actor waits on a placement group
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
@@ -53,7 +56,7 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     plan = decide_logprob_passes(cfg)
     policy = Policy(cfg, "policy", trainable=True)
     reference = Policy(cfg, "reference", trainable=False) if plan.load_reference_model else None
-    generation = HFGeneration(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer))
+    generation = make_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy)
     environment = RayWorkerGroup(
         "environment",
         ArithmeticEnvironment,

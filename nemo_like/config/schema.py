@@ -55,6 +55,9 @@ class GRPOConfig(Section):
     skip_reference_policy_logprobs_calculation: bool = Field(
         False, description="Explicitly skip the reference pass; only valid with loss_fn.reference_policy_kl_penalty == 0 (where it is skipped anyway)."
     )
+    max_consecutive_nonfinite_steps: int = Field(
+        3, gt=0, description="Stop the run after this many consecutive steps whose loss or gradient norm was NaN/inf (each such optimizer step is skipped)."
+    )
     seq_logprob_error_threshold: float | None = Field(
         None,
         gt=1.0,
@@ -78,14 +81,29 @@ class ColocatedConfig(Section):
     enabled: bool = Field(True, description="Generation shares the training devices (GPU only; ignored on CPU).")
 
 
+class VllmConfig(Section):
+    """vLLM engine settings (used when policy.generation.backend resolves to 'vllm')."""
+
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="GPU only: fraction of the GPU vLLM may use (weights + KV cache); leave room for the colocated policy."
+    )
+    kv_cache_space_gib: int = Field(1, gt=0, description="CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    enforce_eager: bool = Field(True, description="Run eagerly (no CUDA graphs / torch.compile): fast start-up, required on CPU here.")
+
+
 class GenerationConfig(Section):
-    backend: Literal["hf"] = Field("hf", description="Generation engine: 'hf' (transformers).")
+    backend: Literal["auto", "hf", "vllm"] = Field(
+        "auto",
+        description="Generation engine: 'vllm' (vLLM, in-process in a Ray actor), 'hf' (transformers generate), "
+        "'auto' = vllm when the vllm package is importable, else hf (see docs/guides/generation.md).",
+    )
     max_new_tokens: int = Field(16, gt=0, description="Maximum response tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; the policy scales its logits by it too.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (logprobs stay those of the temperature-scaled distribution).")
     top_k: int | None = Field(None, gt=0, description="Top-k sampling; null disables it.")
     stop_token_ids: list[int] | None = Field(None, description="Extra stop tokens besides the tokenizer's eos.")
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
+    vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
 
 
 class PolicyConfig(Section):
@@ -135,11 +153,44 @@ class EnvConfig(Section):
     )
 
 
+class WandbConfig(Section):
+    project: str = Field("nemo-like", description="Weights & Biases project.")
+    name: str | None = Field(None, description="Run name (default: W&B picks one).")
+
+
 class LoggerConfig(Section):
-    log_dir: str = Field("logs/grpo", description="Directory for metrics.jsonl and the resolved config.")
+    log_dir: str = Field("logs/grpo", description="Directory for metrics.jsonl, the resolved config, sample dumps and the plot.")
     progress_bar: bool = Field(True, description="Live progress bar on the console.")
     tensorboard_enabled: bool = Field(False, description="Also write TensorBoard event files under log_dir/tensorboard.")
+    wandb_enabled: bool = Field(
+        False, description="Also log to Weights & Biases (WANDB_MODE=offline works with no network; a failed start only warns)."
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases run settings.")
     console_timing_period: int = Field(10, ge=0, description="Print the per-phase timing breakdown every N steps (0: never).")
+    dump_train_data: bool = Field(
+        False, description="Write every sample of each step (and of each validation) to log_dir/{train,val}_data_step{N}.jsonl."
+    )
+    num_val_samples_to_print: int = Field(0, ge=0, description="Print this many validation samples (prompt, response, reward) to the console.")
+
+
+class CheckpointingConfig(Section):
+    enabled: bool = Field(False, description="Save checkpoints and resume from them.")
+    checkpoint_dir: str = Field("results/grpo", description="Where step_N/ directories are written (shared storage on a cluster).")
+    save_period: int = Field(10, gt=0, description="Save every this many steps (and after the last step).")
+    keep_top_k: int | None = Field(3, gt=0, description="Checkpoints kept, best first by metric_name (the latest is always kept); null keeps all.")
+    metric_name: str | None = Field(
+        "val:accuracy", description="Ranking metric: 'val:<name>' (validation/<name>) or 'train:<name>' (train/<name>); null ranks by step."
+    )
+    higher_is_better: bool = Field(True, description="Direction of metric_name.")
+    resume: bool = Field(True, description="Resume automatically from the latest valid checkpoint in checkpoint_dir.")
+
+    @model_validator(mode="after")
+    def _metric_name_form(self) -> "CheckpointingConfig":
+        if self.metric_name is not None:
+            prefix, _, name = self.metric_name.partition(":")
+            if prefix not in ("val", "train") or not name:
+                raise ValueError(f"checkpointing.metric_name must be 'val:<metric>' or 'train:<metric>', got {self.metric_name!r}")
+        return self
 
 
 class ClusterConfig(Section):
@@ -162,6 +213,7 @@ class MasterConfig(BaseModel):
     data: DataConfig = Field(default_factory=DataConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @property

@@ -66,7 +66,9 @@ class RayWorkerGroup:
         resources: WorkerResources,
         init_kwargs: dict[str, Any],
         placement_timeout_s: float = 60.0,
+        env_vars: dict[str, str] | None = None,
     ) -> None:
+        """``env_vars`` are added to (and override) each actor's :func:`worker_env_vars`."""
         self.name = name
         self._pg = reserve_bundles(name, resources, num_workers, placement_timeout_s)
         remote_cls = ray.remote(actor_cls)
@@ -76,7 +78,7 @@ class RayWorkerGroup:
                 num_cpus=resources.num_cpus,
                 num_gpus=resources.num_gpus,
                 name=None,
-                runtime_env={"env_vars": worker_env_vars(resources.num_threads)},
+                runtime_env={"env_vars": {**worker_env_vars(resources.num_threads), **(env_vars or {})}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
                 max_concurrency=1,
             )

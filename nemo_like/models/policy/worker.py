@@ -222,3 +222,38 @@ class PolicyWorker:
     def get_forward_pass_counts(self) -> dict[str, int]:
         """Forward passes run by this worker so far, by kind."""
         return dict(self.forward_passes)
+
+    # -- GPU weight refit into vLLM (untested on GPU in this repository; see vllm_gpu_refit.py) -----
+    def device_info(self) -> dict[str, Any]:
+        """This worker's node address, Ray GPU ids and CUDA device UUID (None on CPU)."""
+        import ray
+
+        from nemo_like.models.generation.vllm_gpu_refit import device_uuid
+
+        on_gpu = self.device.type == "cuda"
+        return {"node_ip": ray.util.get_node_ip_address(), "gpu_ids": ray.get_gpu_ids(), "uuid": device_uuid() if on_gpu else None}
+
+    def ipc_handles(self) -> tuple[list[str], dict[str, Any]]:
+        """``(names, {device_uuid: {name: CUDA-IPC handle}})`` of every tensor; the tensors stay referenced until the next call."""
+        from nemo_like.models.generation.vllm_gpu_refit import policy_ipc_handles
+
+        self._ipc_tensors = {k: v.detach() for k, v in self.model.state_dict().items()}
+        return list(self._ipc_tensors), policy_ipc_handles(self._ipc_tensors)
+
+    def weight_manifest(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``(name, dtype, shape)`` of every tensor :meth:`broadcast_weights` sends, in order."""
+        from nemo_like.models.generation.vllm_gpu_refit import build_manifest
+
+        return build_manifest(self.model.state_dict())
+
+    def init_weight_broadcast_group(self, address: str, port: int, world_size: int) -> None:
+        """Create the NCCL group (this worker is rank 0) used to broadcast weights to vLLM workers."""
+        from nemo_like.models.generation.vllm_gpu_refit import stateless_nccl_group
+
+        self._weight_group = stateless_nccl_group(address, port, 0, world_size, self.device)
+
+    def broadcast_weights(self) -> int:
+        """Broadcast every tensor of :meth:`weight_manifest` to the vLLM workers; returns the count."""
+        from nemo_like.models.generation.vllm_gpu_refit import policy_broadcast
+
+        return policy_broadcast(self._weight_group, self.model.state_dict())

