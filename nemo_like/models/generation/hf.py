@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
 import ray
 
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, get_with_context
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
 
 
 class HFGeneration:
@@ -32,16 +31,7 @@ class HFGeneration:
         self.weight_version = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
-        n = len(self.group)
-        per = -(-len(prompts) // n)
-        shards = [prompts[i * per : (i + 1) * per] for i in range(n)]
-        refs = [
-            w.generate.remote(shard, asdict(params), seed + 1_000_003 * rank)
-            for rank, (w, shard) in enumerate(zip(self.group.workers, shards))
-            if shard
-        ]
-        results = get_with_context(refs, "generation")
-        return [GeneratedSample(**s) for shard in results for s in shard]
+        return generate_on_group(self.group, prompts, params, seed)
 
     def refit(self, state_dict_ref: ray.ObjectRef, version: int) -> float:
         """Load the policy's weights into every worker (one object-store copy shared by all)."""

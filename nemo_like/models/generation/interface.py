@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
 
 
 @dataclass(frozen=True)
@@ -47,5 +46,19 @@ class GenerationInterface(Protocol):
         """Release the actors."""
 
 
-def response_logprob_tensor(sample: GeneratedSample) -> torch.Tensor:
-    return torch.tensor(sample.response_logprobs, dtype=torch.float32)
+def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
+    """Split ``prompts`` into contiguous shards, one per worker of ``group`` (a ``RayWorkerGroup`` whose
+    actors have ``generate(prompts, params_dict, seed)``), and return the samples in prompt order."""
+    from dataclasses import asdict
+
+    from nemo_like.distributed.worker_group import get_with_context
+
+    n = len(group)
+    per = -(-len(prompts) // n)
+    shards = [prompts[i * per : (i + 1) * per] for i in range(n)]
+    refs = [
+        w.generate.remote(shard, asdict(params), seed + 1_000_003 * rank)
+        for rank, (w, shard) in enumerate(zip(group.workers, shards))
+        if shard
+    ]
+    return [GeneratedSample(**s) for shard in get_with_context(refs, "generation") for s in shard]

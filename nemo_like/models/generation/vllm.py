@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from dataclasses import asdict
 from typing import Any
 
 import ray
@@ -24,7 +23,7 @@ import ray
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, get_with_context
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
 
 INSTALL_HINT = (
@@ -102,16 +101,7 @@ class VLLMGeneration:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         """One sample per prompt, in prompt order (the driver repeats each prompt G times for a group)."""
-        n = len(self.group)
-        per = -(-len(prompts) // n)
-        shards = [prompts[i * per : (i + 1) * per] for i in range(n)]
-        refs = [
-            w.generate.remote(shard, asdict(params), seed + 1_000_003 * rank)
-            for rank, (w, shard) in enumerate(zip(self.group.workers, shards))
-            if shard
-        ]
-        results = get_with_context(refs, "generation")
-        return [GeneratedSample(**s) for shard in results for s in shard]
+        return generate_on_group(self.group, prompts, params, seed)
 
     def refit(self, state_dict_ref: ray.ObjectRef, version: int) -> float:
         """Load the policy's weights into every worker; returns the seconds spent."""
