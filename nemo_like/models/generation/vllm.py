@@ -46,8 +46,9 @@ def require_vllm() -> None:
 
 def engine_env(cfg: MasterConfig) -> dict[str, str]:
     """Environment of a vLLM actor: in-process engine, vLLM's log level (``$VLLM_LOGGING_LEVEL``, default
-    WARNING: its INFO lines would flood the driver's console), and the KV cache size on CPU."""
-    env = {**ENGINE_ENV, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    ERROR: its INFO lines, and on CPU a harmless "RotaryEmbedding: Failed to load weights" warning at every
+    refit, would flood the driver's console), and the KV cache size on CPU."""
+    env = {**ENGINE_ENV, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
     if not cfg.cluster.gpus_per_node:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.policy.generation.vllm_cfg.kv_cache_space_gib)
     return env
