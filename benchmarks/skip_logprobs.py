@@ -30,7 +30,7 @@ def run(skip: str, steps: int, overrides: list[str], log_dir: str) -> list[dict]
             *overrides,
         ],
     )
-    return train(cfg, cfg.model_dump(mode="json"))
+    return train(cfg)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import yaml
 
-from nemo_like.config import ConfigError, load_config, resolve_config_dict
+from nemo_like.config import ConfigError, load_config
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
@@ -59,13 +59,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """Validate the recipe, then train (or print it with ``--dry-run``)."""
     cfg = load_config(args.config, args.overrides)
-    resolved = resolve_config_dict(args.config, args.overrides)
     if args.dry_run:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     from nemo_like.train import train
 
-    train(cfg, resolved)
+    train(cfg)
     return 0
 
 

@@ -16,7 +16,7 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.utils.logger import Logger
 
 
-def train(cfg: MasterConfig, resolved: dict[str, Any]) -> list[dict[str, Any]]:
+def train(cfg: MasterConfig) -> list[dict[str, Any]]:
     """Train and return the per-step metric records (also in ``<log_dir>/metrics.jsonl``)."""
     start = time.perf_counter()
     resume_from = find_resume_checkpoint(cfg)

@@ -240,7 +240,6 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
         result = parts.policy.train(batch)
     if cfg.logger.dump_train_data:
         dump_train_samples(parts, step, rollout, batch, result.first_step_logprobs)
-    valid_tokens = float(batch["token_mask"].sum())
     metrics: dict[str, Any] = {f"train/{k}": v for k, v in result.metrics.items()}
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
     metrics.update(
@@ -250,7 +249,6 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
             "train/truncated_fraction": rollout.truncated.mean().item(),
             "train/grad_norm": sum(result.grad_norms) / len(result.grad_norms),
             "train/lr": result.lr,
-            "train/num_valid_tokens": valid_tokens,
             "train/nonfinite_steps_skipped": float(result.nonfinite_steps_skipped),
             "train/weight_version": float(parts.policy.weight_version),
             "performance/num_batch_tokens": float(batch["attention_mask"].sum()),

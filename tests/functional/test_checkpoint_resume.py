@@ -30,7 +30,7 @@ def ckpt_overrides(ckpt_dir: Path, period: int = 3) -> tuple[str, ...]:
 
 def run(tmp_path, *overrides):
     cfg = tiny_config(tmp_path, *overrides)
-    return train(cfg, cfg.model_dump(mode="json"))
+    return train(cfg)
 
 
 def records(log_dir: Path) -> list[dict]:

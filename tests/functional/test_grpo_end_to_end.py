@@ -26,7 +26,7 @@ def read_jsonl(path):
 
 def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path):
     cfg = tiny_config(tmp_path)
-    history = train(cfg, cfg.model_dump(mode="json"))
+    history = train(cfg)
     log_dir = tmp_path / "logs"
     records = read_jsonl(log_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2] == [h["step"] for h in history]
@@ -44,8 +44,8 @@ def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path
 
 def test_prev_logprob_pass_is_skipped_with_one_optimizer_step_and_the_loss_is_unchanged(ray_cluster, tmp_path):
     common = ("grpo.max_num_steps=1", "grpo.val_at_start=false", "grpo.val_at_end=false")
-    skipped = train(*_cfg(tmp_path / "a", *common, "grpo.skip_prev_logprobs=auto"))
-    computed = train(*_cfg(tmp_path / "b", *common, "grpo.skip_prev_logprobs=false"))
+    skipped = train(tiny_config(tmp_path / "a", *common, "grpo.skip_prev_logprobs=auto"))
+    computed = train(tiny_config(tmp_path / "b", *common, "grpo.skip_prev_logprobs=false"))
     s, c = skipped[-1], computed[-1]
     assert s["performance/forward_passes/prev_logprobs"] == 0 and s["timing/train/prev_logprobs"] == 0
     assert c["performance/forward_passes/prev_logprobs"] > 0
@@ -55,11 +55,7 @@ def test_prev_logprob_pass_is_skipped_with_one_optimizer_step_and_the_loss_is_un
 
 
 def test_zero_kl_penalty_loads_no_reference_model(ray_cluster, tmp_path):
-    history = train(*_cfg(tmp_path, "grpo.max_num_steps=1", "grpo.val_at_start=false", "loss_fn.reference_policy_kl_penalty=0"))
+    history = train(tiny_config(tmp_path, "grpo.max_num_steps=1", "grpo.val_at_start=false", "loss_fn.reference_policy_kl_penalty=0"))
     assert history[-1]["performance/forward_passes/reference_logprobs"] == 0
     assert history[-1]["timing/train/reference_logprobs"] == 0
 
-
-def _cfg(tmp_path, *overrides):
-    cfg = tiny_config(tmp_path, *overrides)
-    return cfg, cfg.model_dump(mode="json")

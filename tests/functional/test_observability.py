@@ -51,7 +51,7 @@ def observed_run(ray_cluster, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         for key, value in wandb_env.items():
             mp.setenv(key, value)
-        history = train(cfg, cfg.model_dump(mode="json"))
+        history = train(cfg)
     return tmp / "logs", Path(wandb_env["WANDB_DIR"]), history
 
 
@@ -190,7 +190,7 @@ def test_a_wandb_backend_that_fails_to_start_only_warns(ray_cluster, tmp_path, m
         "logger.wandb_enabled=true", "logger.tensorboard_enabled=true",
     )
     with pytest.warns(RuntimeWarning, match="Weights & Biases logging disabled"):
-        history = train(cfg, cfg.model_dump(mode="json"))
+        history = train(cfg)
     assert [h["step"] for h in history] == [1]
     assert [r["step"] for r in read_jsonl(tmp_path / "logs" / "metrics.jsonl")] == [1]
     assert list((tmp_path / "logs" / "tensorboard").glob("events.out.tfevents.*"))  # the other sinks went on

@@ -107,7 +107,7 @@ def test_five_step_grpo_run_on_vllm_stays_on_policy(ray_cluster, tmp_path):
     from nemo_like.train import train
 
     cfg = tiny_config(tmp_path, "policy.generation.backend=vllm", "grpo.max_num_steps=5", "grpo.val_at_end=false")
-    history = [r for r in train(cfg, cfg.model_dump(mode="json")) if "train/gen_kl" in r]
+    history = [r for r in train(cfg) if "train/gen_kl" in r]
     assert len(history) == 5
     for record in history:
         assert record["train/gen_kl"] < 0.002, record
