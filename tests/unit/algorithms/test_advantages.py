@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -211,15 +210,14 @@ def test_vectorised_matches_slow_reference(loo: bool, discrete: bool):
         assert torch.equal(std == 0, ref_std == 0)
 
 
-def test_large_batch_is_fast():
+def test_large_batch_stays_finite():
+    """10k samples with [B, 64] prompt rows (speed is measured in benchmarks, never asserted here)."""
     n = 10_000
     gen = torch.Generator().manual_seed(0)
     rows = torch.randint(0, 50, (n // 8, 64), generator=gen).repeat_interleave(8, dim=0)
     rewards = torch.randint(0, 2, (n,), generator=gen).float()
-    start = time.perf_counter()
     for loo in (False, True):
         baseline, std = calculate_baseline_and_std_per_prompt(rows, rewards, ones(n), loo)
-    assert time.perf_counter() - start < 5.0  # ~0.2 s; generous for shared CI cores
     assert torch.isfinite(baseline).all() and torch.isfinite(std).all()
 
 
