@@ -10,7 +10,7 @@ from typing import Any
 from pathlib import Path
 
 from nemo_like.algorithms.checkpointing import find_resume_checkpoint, trim_metrics_after
-from nemo_like.algorithms.grpo import grpo_train
+from nemo_like.algorithms.grpo import async_grpo_train, grpo_train
 from nemo_like.algorithms.setup import setup_grpo
 from nemo_like.config.schema import MasterConfig
 from nemo_like.utils.logger import Logger
@@ -28,7 +28,8 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
     parts = setup_grpo(cfg)
     logger.progress.message(f"[setup] actors ready in {time.perf_counter() - start:.1f}s")
     try:
-        history = grpo_train(parts, logger, resume_from)
+        loop = async_grpo_train if cfg.grpo.async_grpo.enabled else grpo_train
+        history = loop(parts, logger, resume_from)
     finally:
         logger.close()
         parts.shutdown()

@@ -28,23 +28,44 @@ def checkpoint_manager(parts: GRPOComponents) -> CheckpointManager | None:
     return CheckpointManager(ck.checkpoint_dir, ck.keep_top_k, ck.metric_name, ck.higher_is_better)
 
 
-def save_run(parts: GRPOComponents, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
-    """Write ``step_<step>/`` with policy weights, optimizer, RNG states, loader position and config."""
+def save_run(
+    parts: GRPOComponents,
+    manager: CheckpointManager,
+    step: int,
+    metrics: dict[str, Any],
+    loader_state: dict[str, int] | None = None,
+    extra_state: dict[str, Any] | None = None,
+    extra_files: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``step_<step>/`` with policy weights, optimizer, RNG states, loader position and config.
+
+    ``loader_state`` replaces the driver loader's position (async: the collector owns the data);
+    ``extra_state`` goes into the JSON state; each ``extra_files`` value is ``torch.save``d under its name."""
     rng_holder: dict[str, Any] = {}
 
     def write_contents(tmp: Path) -> None:
         rng_holder["workers"] = parts.policy.save_checkpoint(str(tmp))
         torch.save(rng_holder["workers"], tmp / "worker_rng.pt")
+        for name, value in (extra_files or {}).items():
+            torch.save(value, tmp / name)
 
     numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+    loader_state = loader_state if loader_state is not None else parts.train_loader.state_dict()
     state = {
         "weight_version": parts.policy.weight_version,
-        "dataloader": parts.train_loader.state_dict(),
-        "consumed_prompts": parts.train_loader.consumed,
+        "dataloader": loader_state,
+        "consumed_prompts": loader_state["consumed"],
         "driver_rng": driver_rng_state(),
         "metrics": numeric,
+        **(extra_state or {}),
     }
     return manager.save(step, write_contents, state, parts.cfg.model_dump(mode="json"))
+
+
+def load_checkpoint_file(checkpoint: CheckpointInfo, name: str) -> Any:
+    """A file written through ``save_run(extra_files=...)``, or ``None`` when the checkpoint has none."""
+    path = checkpoint.path / name
+    return torch.load(path, weights_only=False) if path.exists() else None
 
 
 def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:

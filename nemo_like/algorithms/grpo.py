@@ -1,14 +1,25 @@
-"""The synchronous GRPO loop. Reads like single-process code; the heavy work runs in Ray actors.
+"""The GRPO loops. They read like single-process code; the heavy work runs in Ray actors.
 
-Per step: prompts -> G samples each -> rewards -> group advantages -> (prev, reference logprobs,
-concurrently, each only when needed) -> train -> (next step) lazy refit of the generation weights.
+``grpo_train`` (sync), per step: prompts -> G samples each -> rewards -> group advantages -> (prev,
+reference logprobs, concurrently, each only when needed) -> train -> (next step) lazy refit of the
+generation weights.
+
+``async_grpo_train``: a trajectory-collector actor generates and scores prompt batches ahead of
+training, paced so no sample is more than ``grpo.async_grpo.max_trajectory_age_steps`` updates old;
+per step the trainer takes its batch from the replay buffer, trains exactly as the sync loop does,
+and refits generation (waiting for the batch in flight, or in flight). See docs/guides/async-grpo.md.
+
+Both share one outer loop (:func:`run_training`): validation, logging, checkpoints, the non-finite
+guard; they differ only in their :class:`SyncSteps` / :class:`AsyncSteps` object.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from collections import Counter
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -18,14 +29,17 @@ from nemo_like.algorithms.dynamic_sampling import (
     apply_overlong_reward_shaping,
     select_groups_with_signal,
 )
-from nemo_like.algorithms.checkpointing import checkpoint_manager, restore_run, save_run
+from nemo_like.algorithms.checkpointing import checkpoint_manager, load_checkpoint_file, restore_run, save_run
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
+from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, thread_oversubscription_warning
+from nemo_like.experience.replay_buffer import DataExhausted
 from nemo_like.experience.rollouts import Rollout, collect_rollout, generate_rollout, score_with_environment
+from nemo_like.experience.trajectory_collector import rollout_seed
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.utils.logger import Logger
-from nemo_like.utils.checkpoint import CheckpointInfo
+from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.sample_dump import dump_path, format_samples, per_sample_mean, response_token_values, write_sample_dump
 from nemo_like.utils.throughput import throughput_metrics
 from nemo_like.utils.timer import StepTimer
@@ -168,7 +182,7 @@ def collect_training_rollout(
         phase_times: dict[str, float] = {}
         rollout = collect_rollout(
             parts.generation, parts.environment, parts.tokenizer, parts.train_loader.next_batch(),
-            cfg.grpo.num_generations_per_prompt, params, seed=(cfg.grpo.seed * 1_000_003 + step) * 101 + batch_index,
+            cfg.grpo.num_generations_per_prompt, params, seed=rollout_seed(cfg.grpo.seed, step, batch_index),
             timings=phase_times,
         )
         for name, seconds in phase_times.items():
@@ -224,17 +238,13 @@ def forward_pass_counts(parts: GRPOComponents) -> dict[str, int]:
     return counts
 
 
-def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, Any]:
-    """One training step; returns its metrics (namespaced)."""
+def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout: Rollout) -> dict[str, Any]:
+    """Advantages, the planned logprob passes, one policy update; returns the step's training metrics."""
     cfg = parts.cfg
-    timer.add("refit", refit_if_stale(parts))
-    counts: dict[str, float] = {}
-    rollout, sampling_metrics = collect_training_rollout(parts, step, timer, counts)
     batch, adv_metrics = build_train_batch(parts, rollout)
     passes_before = forward_pass_counts(parts)
     run_logprob_passes(parts, batch, timer)
     passes_after = forward_pass_counts(parts)
-    adv_metrics.update(sampling_metrics)
     adv_metrics.update(mask_high_mismatch_sequences(cfg, batch))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
@@ -252,7 +262,6 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
             "train/nonfinite_steps_skipped": float(result.nonfinite_steps_skipped),
             "train/weight_version": float(parts.policy.weight_version),
             "performance/num_batch_tokens": float(batch["attention_mask"].sum()),
-            "performance/num_generated_tokens": counts["generated_tokens"],
             "performance/num_samples": float(len(rollout.samples)),
         }
     )
@@ -262,9 +271,155 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
     return metrics
 
 
+def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, Any]:
+    """One sync training step; returns its metrics (namespaced)."""
+    timer.add("refit", refit_if_stale(parts))
+    counts: dict[str, float] = {}
+    rollout, sampling_metrics = collect_training_rollout(parts, step, timer, counts)
+    metrics = train_on_rollout(parts, step, timer, rollout)
+    metrics.update({f"train/{k}": v for k, v in sampling_metrics.items()})
+    metrics["performance/num_generated_tokens"] = counts["generated_tokens"]
+    return metrics
+
+
+def trajectory_age_metrics(ages: list[int], max_age: int) -> dict[str, float]:
+    """Mean and max age of the trained samples (in weight updates) and the fraction at each age 0..max_age."""
+    histogram = Counter(ages)
+    metrics = {
+        "train/avg_trajectory_age": sum(ages) / len(ages),
+        "train/max_trajectory_age": float(max(ages)),
+    }
+    metrics.update({f"train/trajectory_age_fraction/{age}": histogram.get(age, 0) / len(ages) for age in range(max_age + 1)})
+    return metrics
+
+
+def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, timer: StepTimer) -> dict[str, Any]:
+    """One async training step: take the step's groups from the buffer, train, refit generation."""
+    cfg = parts.cfg
+    taken = rollouts.take(step, parts.policy.weight_version)
+    timer.add("waiting_for_data", taken.waited_s)
+    rollout = taken.rollout
+    shape_rewards(cfg, rollout)
+    metrics = train_on_rollout(parts, step, timer, rollout)
+    refit = rollouts.refit()
+    timer.add("refit", refit["refit"])
+    generated = rollouts.generation_stats()
+    metrics.update(trajectory_age_metrics(taken.ages, cfg.grpo.async_grpo.max_trajectory_age_steps))
+    generation_seconds = generated.get("generation_seconds", 0.0)
+    metrics.update(
+        {
+            "async/buffer_size": float(taken.buffer_size),
+            "async/generation_weight_version": float(parts.generation.weight_version),
+            "async/refitted_mid_sequence_fraction": sum(s.refitted_mid_sequence for s in rollout.samples) / len(rollout.samples),
+            "async/generation_seconds": generation_seconds,
+            "async/reward_seconds": generated.get("reward_seconds", 0.0),
+            "async/generation_batches": generated.get("batches", 0.0),
+            "async/generation_tokens_per_sec": generated.get("generated_tokens", 0.0) / generation_seconds if generation_seconds else 0.0,
+            "idle/trainer_waiting_for_data": taken.waited_s,
+            "idle/trainer_waiting_for_refit": refit["trainer_waiting_for_refit"],
+            "idle/generation_paused_for_refit": generated.get("paused_for_refit", 0.0) if not rollouts.in_flight else refit["refit"],
+            "idle/generation_paused_for_checkpoint": generated.get("paused_for_checkpoint", 0.0),
+            "idle/generation_waiting_for_pacing": generated.get("waiting_for_pacing", 0.0),
+            "performance/num_generated_tokens": generated.get("generated_tokens", 0.0),
+        }
+    )
+    return metrics
+
+
+class StepRunner(Protocol):
+    """What differs between the sync and async loops."""
+
+    def start(self, last_step: int, checkpoint: CheckpointInfo | None) -> None: ...
+    def step(self, step: int, timer: StepTimer) -> dict[str, Any]: ...
+    def validate(self, step: int, timer: StepTimer) -> dict[str, float]: ...
+    def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path: ...
+    def close(self) -> None: ...
+
+
+class SyncSteps:
+    """Generate with the latest weights at the start of each step (every sample has age 0)."""
+
+    def __init__(self, parts: GRPOComponents) -> None:
+        self.parts = parts
+
+    def start(self, last_step: int, checkpoint: CheckpointInfo | None) -> None:
+        pass
+
+    def step(self, step: int, timer: StepTimer) -> dict[str, Any]:
+        return grpo_step(self.parts, step, timer)
+
+    def validate(self, step: int, timer: StepTimer) -> dict[str, float]:
+        timer.add("refit", refit_if_stale(self.parts))
+        with timer.phase("validation"):
+            return validate(self.parts, step)
+
+    def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
+        return save_run(self.parts, manager, step, metrics)
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncSteps:
+    """Train on what the trajectory collector generated ahead (see :mod:`nemo_like.experience.async_rollouts`)."""
+
+    def __init__(self, parts: GRPOComponents) -> None:
+        self.parts = parts
+        self.rollouts: AsyncRollouts | None = None
+
+    def start(self, last_step: int, checkpoint: CheckpointInfo | None) -> None:
+        refit_if_stale(self.parts)  # after a resume, generation must start from the restored weights
+        restored = None
+        buffer = load_checkpoint_file(checkpoint, BUFFER_FILE) if checkpoint is not None else None
+        if buffer is not None:
+            restored = {"buffer": buffer, "next_target": checkpoint.state["async"]["next_target"]}
+        self.rollouts = AsyncRollouts(self.parts, last_step, restored)
+
+    def step(self, step: int, timer: StepTimer) -> dict[str, Any]:
+        return async_grpo_step(self.parts, self.rollouts, step, timer)
+
+    def validate(self, step: int, timer: StepTimer) -> dict[str, float]:
+        # Generation already has the latest weights (refitted after training); the generation actor
+        # runs the validation requests between the collector's batches.
+        with timer.phase("validation"):
+            return validate(self.parts, step)
+
+    def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
+        with self.rollouts.paused("checkpoint"):  # nothing half generated: buffer + data position are exact
+            loader_state, state, buffer = self.rollouts.checkpoint_state()
+            return save_run(self.parts, manager, step, metrics, loader_state, state, {BUFFER_FILE: buffer})
+
+    def close(self) -> None:
+        if self.rollouts is not None:
+            self.rollouts.shutdown()
+
+
 def grpo_train(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInfo | None = None) -> list[dict[str, Any]]:
-    """Run steps up to ``grpo.max_num_steps`` (after ``resume_from``'s step, if given) with validation
-    and checkpoints; returns the per-step metric records of this invocation."""
+    """The sync loop: run steps up to ``grpo.max_num_steps`` (after ``resume_from``'s step, if given) with
+    validation and checkpoints; returns the per-step metric records of this invocation."""
+    return run_training(parts, logger, resume_from, SyncSteps(parts))
+
+
+def async_grpo_train(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInfo | None = None) -> list[dict[str, Any]]:
+    """The async loop (``grpo.async_grpo.enabled``): generation runs ahead of training with bounded,
+    versioned staleness; same arguments, records and checkpoints (plus the replay buffer) as :func:`grpo_train`."""
+    import ray
+
+    async_cfg = parts.cfg.grpo.async_grpo
+    logger.progress.message(
+        f"[plan] async: samples at most {async_cfg.max_trajectory_age_steps} update(s) old, refits "
+        + ("in flight (mid-sequence)" if async_cfg.in_flight_weight_updates else "wait for the batch in flight")
+    )
+    warning = thread_oversubscription_warning(parts.cfg, ray.cluster_resources().get("CPU", 0.0))
+    if warning:
+        logger.progress.message(f"[plan] {warning}")
+    return run_training(parts, logger, resume_from, AsyncSteps(parts))
+
+
+def run_training(
+    parts: GRPOComponents, logger: Logger, resume_from: CheckpointInfo | None, runner: StepRunner
+) -> list[dict[str, Any]]:
+    """The outer loop shared by both modes: resume, validate, step, log, guard, checkpoint."""
     cfg = parts.cfg
     history: list[dict[str, Any]] = []
     for reason in parts.plan.reasons:
@@ -274,49 +429,55 @@ def grpo_train(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInf
     if last_step:
         logger.progress.message(f"[checkpoint] resumed from {resume_from.path} (step {last_step})")
     elif cfg.grpo.val_at_start:
-        val = validate(parts, 0)
+        val = runner.validate(0, StepTimer())
         logger.log(val, step=0)
         history.append({"step": 0, **val})
         logger.progress.message(f"[step 0] validation/accuracy={val['validation/accuracy']:.3f}")
     timer = StepTimer()
     nonfinite_streak = 0
     last_validation: dict[str, Any] = {}
-    for step in range(last_step + 1, cfg.grpo.max_num_steps + 1):
-        if parts.train_loader.epoch >= cfg.grpo.max_num_epochs:
-            break
-        timer.reset()
-        start = time.perf_counter()
-        metrics = grpo_step(parts, step, timer)
-        last = step == cfg.grpo.max_num_steps
-        if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (last and cfg.grpo.val_at_end):
-            timer.add("refit", refit_if_stale(parts))
-            with timer.phase("validation"):
-                metrics.update(validate(parts, step))
-            last_validation = {k: v for k, v in metrics.items() if k.startswith("validation/")}
-        total = time.perf_counter() - start
-        for phase in (*TIMED_PHASES, "validation"):
-            metrics[f"timing/train/{phase}"] = timer.seconds.get(phase, 0.0)
-        metrics["timing/train/total_step_time"] = total
-        metrics.update(throughput_metrics(metrics))
-        logger.log(metrics, step)
-        history.append({"step": step, **metrics})
-        info = f"reward={metrics['train/reward']:.3f} loss={metrics['train/loss']:.4f}"
-        if "validation/accuracy" in metrics:
-            info += f" val_acc={metrics['validation/accuracy']:.3f}"
-        logger.progress.update(step, info)
-        if cfg.logger.console_timing_period and step % cfg.logger.console_timing_period == 0:
-            logger.progress.message(format_timing(metrics))
-        nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_steps_skipped"] else 0
-        if nonfinite_streak >= cfg.grpo.max_consecutive_nonfinite_steps:
-            raise NonFiniteTrainingError(
-                f"{nonfinite_streak} consecutive steps had a non-finite loss or gradient norm (their updates were skipped); "
-                f"stopping at step {step} (grpo.max_consecutive_nonfinite_steps={cfg.grpo.max_consecutive_nonfinite_steps}). "
-                "Lower policy.optimizer.lr or check the rewards and the data."
-            )
-        # Log first, then save: a crash in between only repeats this step's log line on resume.
-        if manager is not None and (step % cfg.checkpointing.save_period == 0 or last):
-            path = save_run(parts, manager, step, {**last_validation, **metrics})
-            logger.progress.message(f"[checkpoint] saved {path}")
+    runner.start(last_step, resume_from)
+    try:
+        for step in range(last_step + 1, cfg.grpo.max_num_steps + 1):
+            if parts.train_loader.epoch >= cfg.grpo.max_num_epochs:
+                break
+            timer.reset()
+            start = time.perf_counter()
+            try:
+                metrics = runner.step(step, timer)
+            except DataExhausted as exc:
+                logger.progress.message(f"[done] {exc}")
+                break
+            last = step == cfg.grpo.max_num_steps
+            if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (last and cfg.grpo.val_at_end):
+                metrics.update(runner.validate(step, timer))
+                last_validation = {k: v for k, v in metrics.items() if k.startswith("validation/")}
+            total = time.perf_counter() - start
+            for phase in (*TIMED_PHASES, "validation", *timer.seconds):
+                metrics[f"timing/train/{phase}"] = timer.seconds.get(phase, 0.0)
+            metrics["timing/train/total_step_time"] = total
+            metrics.update(throughput_metrics(metrics))
+            logger.log(metrics, step)
+            history.append({"step": step, **metrics})
+            info = f"reward={metrics['train/reward']:.3f} loss={metrics['train/loss']:.4f}"
+            if "validation/accuracy" in metrics:
+                info += f" val_acc={metrics['validation/accuracy']:.3f}"
+            logger.progress.update(step, info)
+            if cfg.logger.console_timing_period and step % cfg.logger.console_timing_period == 0:
+                logger.progress.message(format_timing(metrics))
+            nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_steps_skipped"] else 0
+            if nonfinite_streak >= cfg.grpo.max_consecutive_nonfinite_steps:
+                raise NonFiniteTrainingError(
+                    f"{nonfinite_streak} consecutive steps had a non-finite loss or gradient norm (their updates were skipped); "
+                    f"stopping at step {step} (grpo.max_consecutive_nonfinite_steps={cfg.grpo.max_consecutive_nonfinite_steps}). "
+                    "Lower policy.optimizer.lr or check the rewards and the data."
+                )
+            # Log first, then save: a crash in between only repeats this step's log line on resume.
+            if manager is not None and (step % cfg.checkpointing.save_period == 0 or last):
+                path = runner.save(manager, step, {**last_validation, **metrics})
+                logger.progress.message(f"[checkpoint] saved {path}")
+    finally:
+        runner.close()
     return history
 
 
@@ -325,7 +486,7 @@ def format_timing(metrics: dict[str, Any]) -> str:
     total = metrics["timing/train/total_step_time"] or 1e-9
     parts = [
         f"{phase} {metrics[f'timing/train/{phase}']:.2f}s ({100 * metrics[f'timing/train/{phase}'] / total:.0f}%)"
-        for phase in (*TIMED_PHASES, "validation")
+        for phase in dict.fromkeys((*TIMED_PHASES, "waiting_for_data", "validation"))
         if metrics.get(f"timing/train/{phase}", 0.0) > 0
     ]
     return f"[timing] step {total:.2f}s: " + ", ".join(parts)

@@ -21,6 +21,7 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import PlacementError
 
 ENV_WORKER_CPUS = 0.1  # the reward actors' reservation (see nemo_like/algorithms/setup.py)
+ASYNC_ACTOR_CPUS = 0.05  # the trajectory collector and the replay buffer (async GRPO): they mostly wait
 _EPS = 1e-6
 
 
@@ -50,6 +51,9 @@ def role_requests(cfg: MasterConfig) -> list[RoleRequest]:
         roles.append(RoleRequest("reference", 1, model_bundle))
     roles.append(RoleRequest("generation", 1, model_bundle))
     roles.append(RoleRequest("environment", cfg.env.num_workers, {"CPU": ENV_WORKER_CPUS}))
+    if cfg.grpo.async_grpo.enabled:
+        roles.append(RoleRequest("trajectory_collector", 1, {"CPU": ASYNC_ACTOR_CPUS}))
+        roles.append(RoleRequest("replay_buffer", 1, {"CPU": ASYNC_ACTOR_CPUS}))
     return roles
 
 

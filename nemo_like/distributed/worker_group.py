@@ -67,8 +67,10 @@ class RayWorkerGroup:
         init_kwargs: dict[str, Any],
         placement_timeout_s: float = 60.0,
         env_vars: dict[str, str] | None = None,
+        max_concurrency: int = 1,
     ) -> None:
-        """``env_vars`` are added to (and override) each actor's :func:`worker_env_vars`."""
+        """``env_vars`` are added to (and override) each actor's :func:`worker_env_vars`; ``max_concurrency > 1``
+        makes threaded actors (methods may run while another call is busy)."""
         self.name = name
         self._pg = reserve_bundles(name, resources, num_workers, placement_timeout_s)
         remote_cls = ray.remote(actor_cls)
@@ -80,7 +82,7 @@ class RayWorkerGroup:
                 name=None,
                 runtime_env={"env_vars": {**worker_env_vars(resources.num_threads), **(env_vars or {})}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-                max_concurrency=1,
+                max_concurrency=max_concurrency,
             )
             self.workers.append(remote_cls.options(**options).remote(rank=rank, world_size=num_workers, **init_kwargs))
 

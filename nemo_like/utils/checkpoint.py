@@ -44,6 +44,8 @@ INCOMPATIBLE_KEYS = (
     "grpo.seed",
     "data",
     "loss_fn.reference_policy_kl_penalty",
+    "grpo.async_grpo.enabled",  # an async checkpoint holds a replay buffer and a data position ahead of training
+    "grpo.async_grpo.max_trajectory_age_steps",
 )
 
 

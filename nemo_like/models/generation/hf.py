@@ -9,7 +9,7 @@ import ray
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, get_with_context
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
 
 
 class HFGeneration:
@@ -27,7 +27,10 @@ class HFGeneration:
         resources = WorkerResources(
             num_cpus=pc.num_cpus_per_worker, num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0, num_threads=pc.num_threads_per_worker
         )
-        self.group = RayWorkerGroup("generation", HFGenerationWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s)
+        self.group = RayWorkerGroup(
+            "generation", HFGenerationWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s,
+            max_concurrency=actor_concurrency(cfg),
+        )
         self.weight_version = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
@@ -41,6 +44,10 @@ class HFGeneration:
             raise RuntimeError(f"refit delivered weight versions {versions}, expected {version}")
         self.weight_version = version
         return time.perf_counter() - start
+
+    def mid_generation_updates(self) -> int:
+        """Refits applied in the middle of a generate call, summed over the workers (in-flight weight updates)."""
+        return sum(get_with_context(self.group.run_all("mid_generation_updates"), "generation: counters"))
 
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -7,6 +7,7 @@ from dataclasses import asdict
 import torch
 
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import load_causal_lm
 
 
@@ -18,8 +19,31 @@ def first_stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
     return None
 
 
+class WeightSwapPoint:
+    """A logits processor that does not change the scores: it is HF ``generate``'s per-step hook, where
+    an in-flight refit is applied. The scores of this step (and so the token sampled now) come from
+    the old weights; the next forward pass uses the new ones."""
+
+    def __init__(self, worker: "HFGenerationWorker", prompt_width: int) -> None:
+        self.worker, self.prompt_width = worker, prompt_width
+        self.swaps: list[tuple[int, int]] = []  # (first response position produced by the new weights, version)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.worker.gate.apply_pending():
+            self.swaps.append((input_ids.shape[1] - self.prompt_width + 1, self.worker.weight_version))
+        return scores
+
+    def version_of_position(self, position: int, start_version: int) -> int:
+        version = start_version
+        for first_position, swapped_to in self.swaps:
+            if position >= first_position:
+                version = swapped_to
+        return version
+
+
 class HFGenerationWorker:
-    """One replica of the model used for sampling; weights are replaced by :meth:`update_weights`."""
+    """One replica of the model used for sampling; weights are replaced by :meth:`update_weights`
+    (mid-generation when the actor runs with ``max_concurrency=2``, see :mod:`.weight_gate`)."""
 
     def __init__(
         self,
@@ -40,20 +64,23 @@ class HFGenerationWorker:
         self.eos_token_ids = list(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.weight_version = 0
+        self.gate = WeightUpdateGate()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: dict, seed: int) -> list[dict]:
         """Sample one response per prompt; returns :class:`GeneratedSample` fields as dicts."""
         sp = SamplingParams(**params)
         out: list[dict] = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            torch.manual_seed(seed + start)
-            out.extend(self._generate_chunk(prompts[start : start + self.max_batch_size], sp))
+        with self.gate.generating_scope():
+            for start in range(0, len(prompts), self.max_batch_size):
+                torch.manual_seed(seed + start)
+                out.extend(self._generate_chunk(prompts[start : start + self.max_batch_size], sp))
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams) -> list[dict]:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
 
+        start_version = self.weight_version
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -73,8 +100,12 @@ class HFGenerationWorker:
             output_logits=True,
             return_dict_in_generate=True,
         )
+        swap_point = WeightSwapPoint(self, width)
         result = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=gen_cfg
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            generation_config=gen_cfg,
+            logits_processor=LogitsProcessorList([swap_point]),
         )
         new_tokens = result.sequences[:, width:].cpu()
         # Raw logits per step -> logprobs of the sampled tokens under softmax(logits / T).
@@ -92,13 +123,22 @@ class HFGenerationWorker:
                 response_ids=tokens[:length],
                 response_logprobs=token_lp[i, :length].tolist(),
                 truncated=stop is None,
-                weight_version=self.weight_version,
+                weight_version=start_version,
+                final_weight_version=swap_point.version_of_position(length - 1, start_version),
             )
             samples.append(asdict(sample))
         return samples
 
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]]) -> int:
-        """Load a full state dict (tied weights included); returns the new weight version."""
+        """Load a full state dict (tied weights included), mid-generation if one is running; returns the new version."""
+        return self.gate.submit(lambda: self._load_weights(versioned_state))
+
+    def mid_generation_updates(self) -> int:
+        """How many refits were applied in the middle of a generate call."""
+        return self.gate.mid_generation_updates
+
+    @torch.no_grad()
+    def _load_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]]) -> int:
         version, state = versioned_state
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if not k.endswith("rotary_emb.inv_freq")]:

@@ -28,7 +28,13 @@ class GeneratedSample:
     response_ids: list[int]
     response_logprobs: list[float]
     truncated: bool  # hit max_new_tokens without a stop token
-    weight_version: int
+    weight_version: int  # the weights the sequence started with (the oldest that produced any of its tokens)
+    final_weight_version: int | None = None  # the weights of its last token (differs after an in-flight refit)
+
+    @property
+    def refitted_mid_sequence(self) -> bool:
+        """Whether an in-flight refit changed the weights while this response was being generated."""
+        return self.final_weight_version is not None and self.final_weight_version != self.weight_version
 
 
 class GenerationInterface(Protocol):
@@ -44,6 +50,12 @@ class GenerationInterface(Protocol):
 
     def shutdown(self) -> None:
         """Release the actors."""
+
+
+def actor_concurrency(cfg) -> int:
+    """2 with in-flight weight updates (a refit call must reach the actor while it generates), else 1."""
+    async_cfg = cfg.grpo.async_grpo
+    return 2 if async_cfg.enabled and async_cfg.in_flight_weight_updates else 1
 
 
 def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:

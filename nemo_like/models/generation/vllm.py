@@ -23,7 +23,7 @@ import ray
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, get_with_context
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
 
 INSTALL_HINT = (
@@ -91,7 +91,10 @@ class VLLMGeneration:
             env.update(self._colocated_env())
         gpus = 1.0 if on_gpu and not self.colocated else 0.0  # colocated: the GPU is the policy's
         resources = WorkerResources(num_cpus=pc.num_cpus_per_worker, num_gpus=gpus, num_threads=pc.num_threads_per_worker)
-        self.group = RayWorkerGroup(name, VLLMGenerationWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s, env)
+        self.group = RayWorkerGroup(
+            name, VLLMGenerationWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s, env,
+            max_concurrency=actor_concurrency(cfg),
+        )
         self.weight_version = 0
         self._broadcast_manifest: list | None = None
 
@@ -141,6 +144,10 @@ class VLLMGeneration:
     def weight_names(self) -> list[str]:
         """The tensor names a refit must deliver."""
         return get_with_context(self.group.run_rank0("weight_names"), "generation: weight names")
+
+    def mid_generation_updates(self) -> int:
+        """Refits applied in the middle of a generate call, summed over the workers (in-flight weight updates)."""
+        return sum(get_with_context(self.group.run_all("mid_generation_updates"), "generation: counters"))
 
     def shutdown(self) -> None:
         """Release the actors."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import resolve_model_path
 
 # Read by vLLM at import time; the facade sets them through the actor's runtime_env.
@@ -68,8 +69,9 @@ def vllm_sampling_params(sp: SamplingParams, stop_ids: list[int], seed: int):
     )
 
 
-def sample_from_output(prompt: list[int], completion: Any, version: int) -> GeneratedSample:
-    """Project format from a vLLM ``CompletionOutput``: the stop token is part of the response."""
+def sample_from_output(prompt: list[int], completion: Any, version: int, final_version: int | None = None) -> GeneratedSample:
+    """Project format from a vLLM ``CompletionOutput``: the stop token is part of the response.
+    ``version``: the weights at the request's start; ``final_version``: at its last token."""
     tokens = list(completion.token_ids)
     logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
     return GeneratedSample(
@@ -78,11 +80,14 @@ def sample_from_output(prompt: list[int], completion: Any, version: int) -> Gene
         response_logprobs=logprobs,
         truncated=completion.finish_reason == "length",
         weight_version=version,
+        final_weight_version=version if final_version is None else final_version,
     )
 
 
 class VLLMGenerationWorker:
-    """One vLLM engine (tensor parallel 1) used for sampling; weights are replaced by :meth:`update_weights`."""
+    """One vLLM engine (tensor parallel 1) used for sampling; weights are replaced by :meth:`update_weights`
+    (between two engine steps of a running generate call when the actor runs with ``max_concurrency=2``,
+    see :mod:`.weight_gate`)."""
 
     def __init__(
         self,
@@ -106,6 +111,8 @@ class VLLMGenerationWorker:
         self.on_gpu = torch.cuda.is_available()
         self.colocated = colocated and self.on_gpu
         self.asleep = False
+        self.gate = WeightUpdateGate()
+        self._prefix_cache_stale = False
         path = resolve_model_path(model_name)
         self.expected_names = expected_weight_names(path)
         self.llm = self._start_engine(path, precision, max_model_len, seed, enforce_eager, gpu_memory_utilization)
@@ -146,26 +153,61 @@ class VLLMGenerationWorker:
                 "temperature-scaled distribution: expect a train/generation mismatch",
                 stacklevel=2,
             )
-        self._wake_up()
         stop_ids = sorted({*self.eos_token_ids, *sp.stop_token_ids})
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         per_request = [vllm_sampling_params(sp, stop_ids, seed + i) for i in range(len(prompts))]
-        outputs = self.llm.generate(requests, per_request, use_tqdm=False)
-        samples = [asdict(sample_from_output(p, out.outputs[0], self.weight_version)) for p, out in zip(prompts, outputs)]
-        self._sleep()
+        with self.gate.generating_scope():
+            self._wake_up()
+            if self._prefix_cache_stale:  # a refit landed mid-generation last time: drop the old-weight blocks now
+                self._prefix_cache_stale = not self.llm.reset_prefix_cache()
+            start_version = self.weight_version
+            self.llm.enqueue(requests, per_request, use_tqdm=False)
+            finished = self._run_engine()
+            # Outputs carry the external ids, which count up in enqueue order (vLLM's own LLM.generate sorts the same way).
+            ordered = [finished[rid] for rid in sorted(finished, key=int)]
+            if len(ordered) != len(prompts):
+                raise RuntimeError(f"vLLM finished {len(ordered)} requests for {len(prompts)} prompts")
+            samples = [
+                asdict(sample_from_output(p, output.outputs[0], start_version, final_version))
+                for p, (output, final_version) in zip(prompts, ordered)
+            ]
+            self._sleep()
         return samples
+
+    def _run_engine(self) -> dict[str, tuple[Any, int]]:
+        """Step the engine until every request finished, applying refits that arrive between steps;
+        returns ``{request_id: (output, weight version of its last token)}``."""
+        engine = self.llm.llm_engine
+        finished: dict[str, tuple[Any, int]] = {}
+        while engine.has_unfinished_requests():
+            if self.gate.apply_pending():
+                self._prefix_cache_stale = True  # running requests hold blocks, so the reset must wait
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = (output, self.weight_version)
+        return finished
 
     # -- weights (CPU and GPU): the full state dict through Ray's object store -----------------------
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]]) -> int:
-        """Reload a full state dict (tied ``lm_head.weight`` included) in place; returns the new weight version."""
+        """Reload a full state dict (tied ``lm_head.weight`` included) in place, between two engine steps if a
+        generate call is running; returns the new weight version."""
         version, state = versioned_state
         check_manifest(self.expected_names, state.keys())
+        return self.gate.submit(lambda: self._reload_weights(version, state))
+
+    def _reload_weights(self, version: int, state: dict[str, torch.Tensor]) -> int:
         self._wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
         return self._finish_refit(version)
 
+    def mid_generation_updates(self) -> int:
+        """How many refits were applied in the middle of a generate call."""
+        return self.gate.mid_generation_updates
+
     def _finish_refit(self, version: int) -> int:
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        # Cached KV blocks were computed with the old weights. With requests running (an in-flight
+        # refit) the reset cannot happen now; the next generate call does it.
+        self._prefix_cache_stale = not self.llm.reset_prefix_cache()
         self.weight_version = version
         return version
 
@@ -181,9 +223,13 @@ class VLLMGenerationWorker:
     def update_weights_from_ipc(self, handles: dict, names: list[str], version: int) -> int:
         """Colocated GPU: load the policy's tensors from CUDA-IPC handles."""
         check_manifest(self.expected_names, names)
-        self._wake_up(tags=["weights"])
-        self.llm.collective_rpc("update_weights_from_ipc_handles", args=(handles,))
-        return self._finish_refit(version)
+
+        def apply() -> int:
+            self._wake_up(tags=["weights"])
+            self.llm.collective_rpc("update_weights_from_ipc_handles", args=(handles,))
+            return self._finish_refit(version)
+
+        return self.gate.submit(apply)
 
     def init_weight_update_group(self, address: str, port: int, world_size: int) -> None:
         """Separate GPUs: join the NCCL group of policy rank 0 (rank 0); this worker is rank ``1 + rank``."""
@@ -192,8 +238,12 @@ class VLLMGenerationWorker:
     def update_weights_from_broadcast(self, manifest: list, version: int) -> int:
         """Separate GPUs: receive the tensors listed in ``manifest`` from policy rank 0."""
         check_manifest(self.expected_names, [name for name, _, _ in manifest])
-        self.llm.collective_rpc("update_weight_from_broadcast", args=(manifest,))
-        return self._finish_refit(version)
+
+        def apply() -> int:
+            self.llm.collective_rpc("update_weight_from_broadcast", args=(manifest,))
+            return self._finish_refit(version)
+
+        return self.gate.submit(apply)
 
     def _sleep(self) -> None:
         """Colocated GPU: release the KV cache and offload weights so training gets the memory back."""

@@ -11,6 +11,7 @@ from nemo_like.config.loader import load_recipe_dict
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 MATH_1B = REPO / "examples" / "configs" / "grpo_math_1B.yaml"
+TINY_ASYNC = REPO / "examples" / "configs" / "grpo_tiny_cpu_async.yaml"
 
 
 def write(path: Path, text: str) -> Path:
@@ -108,5 +109,19 @@ def test_cli_dry_run_prints_resolved_overrides(capsys):
 
 
 def test_every_shipped_recipe_validates():
-    for recipe in (TINY, MATH_1B):
+    shipped = sorted((REPO / "examples" / "configs").glob("*.yaml"))
+    assert {TINY, MATH_1B, TINY_ASYNC} <= set(shipped)
+    for recipe in shipped:
         load_config(recipe)
+
+
+def test_async_refuses_to_start_without_the_importance_sampling_correction():
+    with pytest.raises(ConfigError, match="grpo.async_grpo.enabled=true requires loss_fn.use_importance_sampling_correction=true"):
+        load_config(TINY, ["grpo.async_grpo.enabled=true"])
+    with pytest.raises(ConfigError, match="use_dynamic_sampling"):
+        load_config(TINY_ASYNC, ["grpo.use_dynamic_sampling=true"])
+    with pytest.raises(ConfigError, match="max_trajectory_age_steps"):
+        load_config(TINY_ASYNC, ["grpo.async_grpo.max_trajectory_age_steps=-1"])
+    cfg = load_config(TINY_ASYNC)
+    assert cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.max_trajectory_age_steps == 1
+    assert cfg.loss_fn.use_importance_sampling_correction

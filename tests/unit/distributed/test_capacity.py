@@ -124,3 +124,9 @@ def test_local_defaults_fill_gaps_only_and_are_taken_back_when_joining(monkeypat
     apply_driver_defaults(joining=False)
     apply_driver_defaults(joining=True)
     assert os.environ["RAY_AUTH_MODE"] == "token"
+
+
+def test_async_adds_the_collector_and_buffer_actors() -> None:
+    sync_roles = {r.role for r in role_requests(tiny())}
+    async_roles = {r.role for r in role_requests(tiny("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"))}
+    assert async_roles - sync_roles == {"trajectory_collector", "replay_buffer"}

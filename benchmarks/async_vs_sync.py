@@ -1,0 +1,115 @@
+"""Steps per second of the same recipe run sync and async (``grpo.async_grpo.enabled``), one run each.
+
+Usage: python benchmarks/async_vs_sync.py [--steps 20] [--setting tiny|generation-heavy|both] [overrides ...]
+
+Settings:
+* ``tiny``: the shipped recipe as is (training is the larger share of a sync step);
+* ``generation-heavy``: the same recipe on an *untrained* copy of the tiny architecture (random
+  weights, so it rarely samples the stop token) with up to 48 new tokens: every response runs ~48
+  tokens, decoding is 48 sequential engine steps, and generation becomes the larger share of a sync
+  step while training stays cheap. (Rewards are ~0 there: it measures throughput, not learning.)
+
+For each setting it prints steps/s sync and async and their ratio, then where an async step's time
+went: the trainer waiting for data, the trainer waiting for the batch in flight before a refit, and
+the collector's generation seconds, pause for refit and wait for pacing (all per step, medians).
+The first ``--warmup`` steps of each run (actor warm-up) are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from nemo_like.config import DEFAULT_RECIPE, load_config
+from nemo_like.models.loading import load_tokenizer, resolve_model_path
+from nemo_like.train import train
+
+SETTINGS = {
+    "tiny": [],
+    "generation-heavy": ["policy.generation.max_new_tokens=64", "policy.max_total_sequence_length=112",
+                         "grpo.num_generations_per_prompt=4"],
+}
+
+
+def build_untrained_tiny(directory: Path) -> str:
+    """The shipped tiny model's architecture and tokenizer with fresh random weights, saved to ``directory``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tiny = resolve_model_path("embedded:tiny-arith-qwen2")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny)).save_pretrained(directory)
+    load_tokenizer(tiny).save_pretrained(directory)
+    return str(directory)
+ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
+IDLE_KEYS = (
+    "idle/trainer_waiting_for_data",
+    "idle/trainer_waiting_for_refit",
+    "async/generation_seconds",
+    "idle/generation_paused_for_refit",
+    "idle/generation_waiting_for_pacing",
+)
+
+
+def run(overrides: list[str], steps: int, log_dir: str) -> list[dict]:
+    cfg = load_config(
+        DEFAULT_RECIPE,
+        [
+            f"grpo.max_num_steps={steps}",
+            "grpo.val_at_start=false",
+            "grpo.val_at_end=false",
+            "grpo.val_period=0",
+            "logger.progress_bar=false",
+            "logger.console_timing_period=0",
+            f"logger.log_dir={log_dir}",
+            # Both runs correct for the sampler, so the only difference is async itself.
+            "loss_fn.use_importance_sampling_correction=true",
+            *overrides,
+        ],
+    )
+    return [h for h in train(cfg) if "timing/train/total_step_time" in h]
+
+
+def steps_per_second(history: list[dict]) -> float:
+    return len(history) / sum(h["timing/train/total_step_time"] for h in history)
+
+
+def median(history: list[dict], key: str) -> float:
+    return statistics.median(h.get(key, 0.0) for h in history)
+
+
+def compare(name: str, steps: int, warmup: int, extra: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [*SETTINGS[name], *extra]
+        if name == "generation-heavy":
+            overrides.insert(0, f"policy.model_name={build_untrained_tiny(Path(tmp) / 'untrained-tiny')}")
+        sync = run(overrides, steps, f"{tmp}/sync")[warmup:]
+        async_ = run([*overrides, *ASYNC], steps, f"{tmp}/async")[warmup:]
+    sync_rate, async_rate = steps_per_second(sync), steps_per_second(async_)
+    print(f"== {name} ({len(sync)} steps measured of {steps}) ==")
+    gen_share = median(sync, "timing/train/generation") / median(sync, "timing/train/total_step_time")
+    print(f"sync : {sync_rate:.3f} steps/s (median step {median(sync, 'timing/train/total_step_time'):.3f}s; "
+          f"generation {median(sync, 'timing/train/generation'):.3f}s = {gen_share:.0%} of it, "
+          f"training {median(sync, 'timing/train/policy_training'):.3f}s, mean response {median(sync, 'train/mean_response_length'):.1f} tokens)")
+    print(f"async: {async_rate:.3f} steps/s (median step {median(async_, 'timing/train/total_step_time'):.3f}s; "
+          f"training {median(async_, 'timing/train/policy_training'):.3f}s)")
+    print(f"ratio async/sync steps per second: {async_rate / sync_rate:.3f}")
+    print("async per-step medians: " + ", ".join(f"{k} {median(async_, k):.3f}s" for k in IDLE_KEYS))
+    print(f"async mean trajectory age: {statistics.mean(h['train/avg_trajectory_age'] for h in async_):.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--setting", choices=[*SETTINGS, "both"], default="both")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides applied to both runs")
+    args = parser.parse_args()
+    for name in SETTINGS if args.setting == "both" else [args.setting]:
+        compare(name, args.steps, args.warmup, args.overrides)
+
+
+if __name__ == "__main__":
+    main()

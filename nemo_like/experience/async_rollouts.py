@@ -1,0 +1,177 @@
+"""Driver-side facade over the trajectory collector and replay buffer actors (async GRPO).
+
+The async loop talks to one :class:`AsyncRollouts`: ``take(step)`` waits for the step's groups,
+``refit()`` pushes new weights to generation (waiting for the batch in flight, or in flight),
+``paused(reason)`` holds generation for validation and checkpoints, ``checkpoint_state()`` is what a
+checkpoint stores, ``shutdown()`` stops the actors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ray
+import torch
+
+from nemo_like.distributed.capacity import ASYNC_ACTOR_CPUS
+from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerFailure, WorkerResources, get_with_context
+from nemo_like.experience.replay_buffer import ReplayBufferActor, TrajectoryGroup, trajectory_ages
+from nemo_like.experience.rollouts import Rollout
+from nemo_like.experience.trajectory_collector import TrajectoryCollector
+
+BUFFER_FILE = "replay_buffer.pt"
+
+
+@dataclass
+class TakenRollout:
+    """One step's data from the buffer, with how stale it is and how long the trainer waited for it."""
+
+    rollout: Rollout
+    ages: list[int]
+    waited_s: float
+    buffer_size: int  # groups left in the buffer (generated for later steps)
+
+
+def rollout_from_groups(groups: list[TrajectoryGroup]) -> Rollout:
+    """Concatenate groups into one prompt-major :class:`Rollout` (group ``i`` gets group id ``i``)."""
+    sizes = [len(g.samples) for g in groups]
+    return Rollout(
+        prompts=[g.prompt for g, n in zip(groups, sizes) for _ in range(n)],
+        group_ids=torch.arange(len(groups)).repeat_interleave(torch.tensor(sizes)),
+        samples=[s for g in groups for s in g.samples],
+        response_texts=[t for g in groups for t in g.response_texts],
+        rewards=torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32),
+    )
+
+
+def thread_oversubscription_warning(cfg: Any, cluster_cpus: float) -> str | None:
+    """On CPU, async runs the policy and generation actors at the same time: warn when their threads
+    together exceed the cluster's CPUs (spinning OpenMP threads then make async slower than sync)."""
+    if cfg.cluster.gpus_per_node:
+        return None
+    threads = cfg.policy.num_threads_per_worker
+    concurrent = (cfg.policy.dp_size + 1) * threads  # policy ranks + the generation engine
+    if concurrent <= cluster_cpus:
+        return None
+    return (
+        f"WARNING: async on CPU runs {cfg.policy.dp_size} policy worker(s) and the generation engine at the same time, "
+        f"{concurrent} threads on {cluster_cpus:g} CPUs: oversubscribed threads spin and can make async slower than sync "
+        f"(measured 0.42x on 2 cores); set policy.num_threads_per_worker={max(1, int(cluster_cpus) // (cfg.policy.dp_size + 1))}"
+    )
+
+
+class AsyncRollouts:
+    """Starts the replay buffer and trajectory collector actors; see the module docstring."""
+
+    def __init__(self, parts: Any, last_step: int, restored: dict[str, Any] | None = None) -> None:
+        """``last_step``: the step training resumes after (0 for a fresh run); ``restored``: a checkpoint's
+        ``{"buffer": ..., "next_target": ...}`` (``parts.train_loader`` already holds its data position)."""
+        from nemo_like.algorithms.grpo import sampling_params  # late: grpo imports this module
+
+        cfg = parts.cfg
+        async_cfg = cfg.grpo.async_grpo
+        self.parts = parts
+        self.in_flight = async_cfg.in_flight_weight_updates
+        resources = WorkerResources(num_cpus=ASYNC_ACTOR_CPUS)
+        timeout = cfg.cluster.placement_timeout_s
+        self.buffer_group = RayWorkerGroup(
+            "replay_buffer", ReplayBufferActor, 1, resources,
+            {"groups_per_step": cfg.grpo.num_prompts_per_step, "max_age": async_cfg.max_trajectory_age_steps},
+            timeout, max_concurrency=4,
+        )
+        self.buffer = self.buffer_group.workers[0]
+        if restored is not None:
+            get_with_context(self.buffer.load_state_dict.remote(restored["buffer"]), "replay buffer: restore")
+        loader = parts.train_loader
+        self.collector_group = RayWorkerGroup(
+            "trajectory_collector", TrajectoryCollector, 1, resources,
+            dict(
+                generation_workers=parts.generation.group.workers,
+                environment_workers=parts.environment.workers,
+                buffer=self.buffer,
+                tokenizer_name=cfg.policy.tokenizer_name or cfg.policy.model_name,
+                records=loader.records,
+                loader_args={"batch_size": loader.batch_size, "seed": loader.seed, "shuffle": loader.shuffle},
+                loader_state=loader.state_dict(),
+                sampling=asdict(sampling_params(cfg)),
+                num_generations=cfg.grpo.num_generations_per_prompt,
+                seed=cfg.grpo.seed,
+                max_age=async_cfg.max_trajectory_age_steps,
+                last_step=cfg.grpo.max_num_steps,
+                next_target=restored["next_target"] if restored is not None else last_step + 1,
+                max_num_epochs=cfg.grpo.max_num_epochs,
+                generation_version=parts.generation.weight_version,
+            ),
+            timeout, max_concurrency=4,
+        )
+        self.collector = self.collector_group.workers[0]
+        self._run_ref = self.collector.run.remote()
+
+    # -- data -----------------------------------------------------------------------------------------
+    def take(self, step: int, trainer_version: int) -> TakenRollout:
+        """Wait for ``step``'s groups (raises :class:`DataExhausted` when the data ran out first)."""
+        start = time.perf_counter()
+        ref = self.buffer.take.remote(step, trainer_version)
+        ready, _ = ray.wait([ref, self._run_ref], num_returns=1)
+        if ref not in ready:  # the collector's loop ended (crashed) before the step's data arrived
+            get_with_context(self._run_ref, "trajectory collector")
+            raise WorkerFailure(f"the trajectory collector stopped before producing step {step}'s data")
+        groups = get_with_context(ref, f"replay buffer: take step {step}")
+        waited = time.perf_counter() - start
+        size = get_with_context(self.buffer.size.remote(), "replay buffer: size")
+        return TakenRollout(rollout_from_groups(groups), trajectory_ages(groups, trainer_version), waited, size)
+
+    # -- weights and pauses ---------------------------------------------------------------------------
+    def refit(self) -> dict[str, float]:
+        """Push the policy's new weights to generation; returns the refit's timings."""
+        policy, generation = self.parts.policy, self.parts.generation
+        version = policy.weight_version
+        if self.in_flight:  # generation keeps running; the workers swap weights between two decoding steps
+            seconds = generation.refit(policy.state_dict_ref(), version)
+            get_with_context(self.collector.set_generation_version.remote(version), "trajectory collector: version")
+            return {"refit": seconds, "trainer_waiting_for_refit": 0.0}
+        waited = self._call("pause", "refit")
+        seconds = generation.refit(policy.state_dict_ref(), version)
+        self._call("resume", "refit", version)
+        return {"refit": seconds, "trainer_waiting_for_refit": waited}
+
+    @contextmanager
+    def paused(self, reason: str) -> Iterator[float]:
+        """Hold generation between batches (for validation or a checkpoint); yields the seconds waited."""
+        waited = self._call("pause", reason)
+        try:
+            yield waited
+        finally:
+            self._call("resume", reason)
+
+    def generation_stats(self) -> dict[str, float]:
+        """The collector's counters since the last call (seconds, tokens, batches)."""
+        return self._call("take_stats")
+
+    def checkpoint_state(self) -> tuple[dict[str, int], dict[str, Any], dict[str, Any]]:
+        """``(loader state, JSON state, buffer contents)``; call inside ``paused(...)``."""
+        collector = self._call("state_dict")
+        buffer = get_with_context(self.buffer.state_dict.remote(), "replay buffer: state")
+        return collector["loader"], {"async": {"next_target": collector["pacer"]["next_target"]}}, buffer
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """A control call on the collector that fails (instead of hanging) if the collector's loop crashed."""
+        ref = getattr(self.collector, method).remote(*args)
+        ready, _ = ray.wait([ref, self._run_ref], num_returns=1)
+        if ref not in ready:
+            get_with_context(self._run_ref, "trajectory collector")
+            raise WorkerFailure(f"the trajectory collector stopped during '{method}'")
+        return get_with_context(ref, f"trajectory collector: {method}")
+
+    def shutdown(self) -> None:
+        """Stop the loop and kill both actors."""
+        try:
+            self.collector.stop.remote()
+            ray.wait([self._run_ref], timeout=30)
+        finally:
+            self.collector_group.shutdown()
+            self.buffer_group.shutdown()

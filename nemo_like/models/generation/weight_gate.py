@@ -1,0 +1,66 @@
+"""In-flight weight updates: apply a refit that arrives during a ``generate`` call at the next decoding step.
+
+A generation actor that should accept refits mid-generation runs with ``max_concurrency=2`` (one
+thread generates, the other receives the refit). The refit thread hands its update to the
+:class:`WeightUpdateGate` and waits; the generating thread applies it between two decoding steps
+(:meth:`WeightUpdateGate.apply_pending`), so the engine is never touched by two threads at once.
+Tokens sampled before the swap keep the logprobs of the old weights, tokens after it those of the
+new ones. Without a generation running, an update is applied at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+class WeightUpdateGate:
+    """Serialises weight updates with decoding steps; counts the updates applied mid-generation."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.generate_lock = threading.Lock()  # at most one generate call at a time
+        self.generating = False
+        self.pending: list[dict[str, Any]] = []
+        self.mid_generation_updates = 0
+
+    def submit(self, apply: Callable[[], Any]) -> Any:
+        """Run ``apply`` now when idle, else at the next decoding step; returns its result (or raises its error)."""
+        with self.cond:
+            if not self.generating:
+                return apply()
+            job: dict[str, Any] = {"apply": apply}
+            self.pending.append(job)
+            self.cond.wait_for(lambda: "result" in job or "error" in job)
+        if "error" in job:
+            raise job["error"]
+        return job["result"]
+
+    def apply_pending(self) -> int:
+        """Called by the generating thread between decoding steps; returns how many updates it applied."""
+        with self.cond:
+            jobs, self.pending = self.pending, []
+            for job in jobs:
+                try:
+                    job["result"] = job["apply"]()
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting refit call
+                    job["error"] = exc
+            if jobs:
+                self.mid_generation_updates += len(jobs)
+                self.cond.notify_all()
+            return len(jobs)
+
+    @contextmanager
+    def generating_scope(self) -> Iterator[None]:
+        """Mark a generate call; updates that arrive meanwhile wait for :meth:`apply_pending` (or its end)."""
+        with self.generate_lock:
+            with self.cond:
+                self.generating = True
+            try:
+                yield
+            finally:
+                with self.cond:
+                    self.generating = False
+                self.apply_pending()

@@ -1,0 +1,90 @@
+"""In-flight weight updates: the gate's threading contract, and a real HF generation worker whose
+weights are replaced mid-sequence (tokens before the swap keep the old weights' logprobs)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from nemo_like.config.schema import EMBEDDED_MODEL
+from nemo_like.models.generation.hf_worker import HFGenerationWorker
+from nemo_like.models.generation.interface import SamplingParams
+from nemo_like.models.generation.weight_gate import WeightUpdateGate
+from nemo_like.models.loading import load_causal_lm, load_tokenizer
+
+
+def test_gate_applies_at_once_when_idle():
+    gate = WeightUpdateGate()
+    assert gate.submit(lambda: 7) == 7 and gate.mid_generation_updates == 0
+
+
+def test_gate_defers_an_update_to_the_next_step_boundary_and_returns_its_result():
+    gate = WeightUpdateGate()
+    applied_at: list[int] = []
+    result: dict[str, int] = {}
+    step = {"n": 0}
+    with gate.generating_scope():
+        thread = threading.Thread(target=lambda: result.update(v=gate.submit(lambda: applied_at.append(step["n"]) or 3)))
+        thread.start()
+        while not gate.pending:
+            time.sleep(0.001)
+        assert not applied_at  # not applied while a "decoding step" runs
+        step["n"] = 5
+        assert gate.apply_pending() == 1
+        thread.join(5)
+    assert applied_at == [5] and result == {"v": 3} and gate.mid_generation_updates == 1
+
+
+def test_gate_hands_an_update_error_to_the_caller():
+    gate = WeightUpdateGate()
+    errors: list[BaseException] = []
+
+    def submit():
+        try:
+            gate.submit(lambda: (_ for _ in ()).throw(RuntimeError("bad manifest")))
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    with gate.generating_scope():
+        thread = threading.Thread(target=submit)
+        thread.start()
+        while not gate.pending:
+            time.sleep(0.001)
+    thread.join(5)  # leaving the scope applies what is pending
+    assert [str(e) for e in errors] == ["bad manifest"]
+
+
+def teacher_forced_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_hf_worker_swaps_weights_mid_sequence():
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    never = tokenizer.convert_tokens_to_ids("<|im_start|>")  # a stop id the model does not emit: long responses
+    worker = HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 2, tokenizer.pad_token_id, [never], max_batch_size=256)
+    old_model = load_causal_lm(EMBEDDED_MODEL).eval()
+    new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in old_model.state_dict().items()}
+    prompt = tokenizer("12+34=")["input_ids"]
+    outputs: list[dict] = []
+    params = {**SamplingParams(max_new_tokens=48).__dict__}
+    thread = threading.Thread(target=lambda: outputs.extend(worker.generate([prompt] * 256, params, seed=3)))
+    thread.start()
+    while not worker.gate.generating:
+        time.sleep(0.001)
+    time.sleep(0.05)
+    assert worker.update_weights((1, new_state)) == 1  # returns once applied, between two decoding steps
+    thread.join(120)
+    assert worker.mid_generation_updates() == 1 and len(outputs) == 256
+    sample = outputs[0]
+    assert sample["weight_version"] == 0 and sample["final_weight_version"] == 1
+    old_lp = teacher_forced_logprobs(old_model, prompt, sample["response_ids"])
+    recorded = torch.tensor(sample["response_logprobs"])
+    matches_old = (recorded - old_lp).abs() < 1e-4
+    swap = int((~matches_old).nonzero()[0]) if (~matches_old).any() else len(recorded)
+    assert 0 < swap < len(recorded)  # the swap happened inside the sequence
+    assert matches_old[:swap].all()  # every token before it: the old weights' logprobs
+    assert (recorded[swap:] - old_lp[swap:]).abs().mean() > 1e-2  # after it: other weights produced them
