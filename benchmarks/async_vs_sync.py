@@ -22,9 +22,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from nemo_like.config import DEFAULT_RECIPE, load_config
+from recipe_runs import run_recipe
+
 from nemo_like.models.loading import load_tokenizer, resolve_model_path
-from nemo_like.train import train
 
 SETTINGS = {
     "tiny": [],
@@ -54,22 +54,9 @@ IDLE_KEYS = (
 
 
 def run(overrides: list[str], steps: int, log_dir: str) -> list[dict]:
-    cfg = load_config(
-        DEFAULT_RECIPE,
-        [
-            f"grpo.max_num_steps={steps}",
-            "grpo.val_at_start=false",
-            "grpo.val_at_end=false",
-            "grpo.val_period=0",
-            "logger.progress_bar=false",
-            "logger.console_timing_period=0",
-            f"logger.log_dir={log_dir}",
-            # Both runs correct for the sampler, so the only difference is async itself.
-            "loss_fn.use_importance_sampling_correction=true",
-            *overrides,
-        ],
-    )
-    return [h for h in train(cfg) if "timing/train/total_step_time" in h]
+    # Both runs correct for the sampler, so the only difference is async itself.
+    history = run_recipe(steps, log_dir, ["loss_fn.use_importance_sampling_correction=true", *overrides])
+    return [h for h in history if "timing/train/total_step_time" in h]
 
 
 def steps_per_second(history: list[dict]) -> float:

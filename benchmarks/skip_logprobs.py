@@ -11,26 +11,11 @@ import argparse
 import statistics
 import tempfile
 
-from nemo_like.config import DEFAULT_RECIPE, load_config
-from nemo_like.train import train
+from recipe_runs import run_recipe
 
 
 def run(skip: str, steps: int, overrides: list[str], log_dir: str) -> list[dict]:
-    cfg = load_config(
-        DEFAULT_RECIPE,
-        [
-            f"grpo.max_num_steps={steps}",
-            "grpo.val_at_start=false",
-            "grpo.val_at_end=false",
-            "grpo.val_period=0",
-            "logger.progress_bar=false",
-            "logger.console_timing_period=0",
-            f"logger.log_dir={log_dir}",
-            f"grpo.skip_prev_logprobs={skip}",
-            *overrides,
-        ],
-    )
-    return train(cfg)
+    return run_recipe(steps, log_dir, [f"grpo.skip_prev_logprobs={skip}", *overrides])
 
 
 def main() -> None:

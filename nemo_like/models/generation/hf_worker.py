@@ -24,7 +24,7 @@ class WeightSwapPoint:
     an in-flight refit is applied. The scores of this step (and so the token sampled now) come from
     the old weights; the next forward pass uses the new ones."""
 
-    def __init__(self, worker: "HFGenerationWorker", prompt_width: int) -> None:
+    def __init__(self, worker: HFGenerationWorker, prompt_width: int) -> None:
         self.worker, self.prompt_width = worker, prompt_width
         self.swaps: list[tuple[int, int]] = []  # (first response position produced by the new weights, version)
 

@@ -4,7 +4,6 @@ weights are replaced mid-sequence (tokens before the swap keep the old weights' 
 import threading
 import time
 
-import pytest
 import torch
 
 from nemo_like.config.schema import EMBEDDED_MODEL

@@ -1,0 +1,24 @@
+"""Shared by the benchmarks: run the embedded recipe for a few steps, quietly, without validation."""
+
+from __future__ import annotations
+
+from nemo_like.config import DEFAULT_RECIPE, load_config
+from nemo_like.train import train
+
+
+def run_recipe(steps: int, log_dir: str, overrides: list[str]) -> list[dict]:
+    """Train ``steps`` steps of the embedded recipe with ``overrides``; returns the per-step records."""
+    cfg = load_config(
+        DEFAULT_RECIPE,
+        [
+            f"grpo.max_num_steps={steps}",
+            "grpo.val_at_start=false",
+            "grpo.val_at_end=false",
+            "grpo.val_period=0",
+            "logger.progress_bar=false",
+            "logger.console_timing_period=0",
+            f"logger.log_dir={log_dir}",
+            *overrides,
+        ],
+    )
+    return train(cfg)
