@@ -112,3 +112,47 @@ def test_five_step_grpo_run_on_vllm_stays_on_policy(ray_cluster, tmp_path):
     for record in history:
         assert record["train/gen_kl"] < 0.002, record
         assert record["train/token_mult_prob_error"] < 1.01, record
+
+
+def test_in_flight_refit_lands_between_engine_steps(ray_cluster, tmp_path, tok):
+    """With in-flight updates, a refit sent while vLLM generates is applied between two engine steps:
+    tokens before it carry the old weights' logprobs, tokens after it the new weights'."""
+    import time
+
+    import ray
+
+    from nemo_like.models.generation.vllm import VLLMGeneration
+    from nemo_like.models.loading import load_causal_lm
+    from nemo_like.models.logprobs import sequence_logprobs
+
+    cfg = tiny_config(tmp_path, *VLLM, "grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                      "grpo.async_grpo.in_flight_weight_updates=true", "policy.max_total_sequence_length=96")
+    never = tok.convert_tokens_to_ids("<|im_start|>")  # a stop id the model does not emit: every response is long
+    gen = VLLMGeneration(cfg, tok.pad_token_id, [never], name="in_flight_vllm")
+    try:
+        old = load_causal_lm(cfg.policy.model_name).eval()
+        new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in old.state_dict().items()}
+        batch = prompts(cfg, tok, n=256)
+        params = SamplingParams(max_new_tokens=64, temperature=cfg.policy.generation.temperature)
+        from dataclasses import asdict
+
+        gen.weight_names()  # the engine is up: the generate call below starts at once
+        running = gen.group.workers[0].generate.remote(batch, asdict(params), 11)
+        time.sleep(1.0)  # let it get going (the batch takes several seconds)
+        assert ray.get(gen.group.workers[0].update_weights.remote((1, new_state))) == 1
+        samples = ray.get(running)
+        assert gen.mid_generation_updates() == 1
+        swapped = [s for s in samples if s["final_weight_version"] == 1 and s["weight_version"] == 0]
+        assert swapped, "the refit did not land mid-generation"
+        s = swapped[0]
+        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+        with torch.no_grad():
+            old_lp = sequence_logprobs(old, ids, torch.ones_like(ids), cfg.policy.generation.temperature)[0, len(s["prompt_ids"]) :]
+        recorded = torch.tensor(s["response_logprobs"])
+        matches = (recorded - old_lp).abs() < 1e-3
+        swap = int((~matches).nonzero()[0])
+        assert 0 < swap < len(recorded) and matches[:swap].all()
+        # After the swap: the new weights (on the old weights' KV cache) produced them, not the old ones.
+        assert (recorded[swap:] - old_lp[swap:]).abs().mean() > 1e-2
+    finally:
+        gen.shutdown()
