@@ -118,8 +118,7 @@ class AsyncRollouts:
         ref = self.buffer.take.remote(step, trainer_version)
         ready, _ = ray.wait([ref, self._run_ref], num_returns=1)
         if ref not in ready:  # the collector's loop ended (crashed) before the step's data arrived
-            get_with_context(self._run_ref, "trajectory collector")
-            raise WorkerFailure(f"the trajectory collector stopped before producing step {step}'s data")
+            self._raise_collector_failure(f"before producing step {step}'s data")
         groups = get_with_context(ref, f"replay buffer: take step {step}")
         waited = time.perf_counter() - start
         size = get_with_context(self.buffer.size.remote(), "replay buffer: size")
@@ -163,9 +162,21 @@ class AsyncRollouts:
         ref = getattr(self.collector, method).remote(*args)
         ready, _ = ray.wait([ref, self._run_ref], num_returns=1)
         if ref not in ready:
-            get_with_context(self._run_ref, "trajectory collector")
-            raise WorkerFailure(f"the trajectory collector stopped during '{method}'")
+            self._raise_collector_failure(f"during '{method}'")
         return get_with_context(ref, f"trajectory collector: {method}")
+
+    def _raise_collector_failure(self, when: str) -> None:
+        """The collector's ``run()`` ended: raise a :class:`WorkerFailure` that says why, in one line."""
+        try:
+            get_with_context(self._run_ref, "trajectory collector")
+            cause = "its loop returned"
+        except WorkerFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a RayTaskError wrapping whatever the loop raised
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            cause = lines[-1].strip() if lines else type(exc).__name__
+            raise WorkerFailure(f"the trajectory collector failed {when}: {cause}") from exc
+        raise WorkerFailure(f"the trajectory collector stopped {when}: {cause}")
 
     def shutdown(self) -> None:
         """Stop the loop and kill both actors."""
