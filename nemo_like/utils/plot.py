@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-PHASES = ("refit", "generation", "reward", "prev_logprobs", "reference_logprobs", "policy_training", "validation")
+PHASES = (
+    "refit", "generation", "reward", "waiting_for_data", "prev_logprobs", "reference_logprobs", "policy_training", "validation",
+)
 
 # (title, metrics on the left y axis, metrics on a second, right y axis)
 STANDARD_PANELS: list[tuple[str, list[str], list[str]]] = [
@@ -22,6 +24,12 @@ STANDARD_PANELS: list[tuple[str, list[str], list[str]]] = [
     ("Train/generation mismatch", ["train/gen_kl"], ["train/token_mult_prob_error"]),
     ("Advantages", ["train/advantages/mean", "train/advantages/min", "train/advantages/max"], []),
 ]
+# Added to the standard panels when the run was async (its records have trajectory ages).
+ASYNC_PANEL = (
+    "Async: sample age (updates) / idle (s)",
+    ["train/avg_trajectory_age", "train/max_trajectory_age"],
+    ["idle/trainer_waiting_for_data", "idle/generation_waiting_for_pacing"],
+)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -132,8 +140,11 @@ def plot_metrics(
         for ax, metric in zip(axes, metrics):
             _line_panel(ax, records, metric, [metric])
     else:
-        fig, axes = _grid(len(STANDARD_PANELS) + 1)
-        for ax, (title, left, right) in zip(axes, STANDARD_PANELS):
+        panels = list(STANDARD_PANELS)
+        if any("train/avg_trajectory_age" in r for r in records):
+            panels.append(ASYNC_PANEL)
+        fig, axes = _grid(len(panels) + 1)
+        for ax, (title, left, right) in zip(axes, panels):
             _line_panel(ax, records, title, left, right)
         _timing_panel(axes[-1], records)
     fig.suptitle(str(metrics_path.parent), fontsize=10)

@@ -55,6 +55,9 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
         for key in ("async/buffer_size", "idle/trainer_waiting_for_data", "idle/generation_paused_for_refit",
                     "idle/generation_waiting_for_pacing", "train/avg_trajectory_age"):
             assert key in r and r[key] >= 0.0
+    from matplotlib.image import imread
+
+    assert imread(tmp_path / "logs" / "metrics.png").shape[0] > 1000  # a third row: the async panel
     saved = json.loads((ckpt / "step_2" / "trainer_state.json").read_text())
     import torch
 
