@@ -317,7 +317,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
             "async/generation_tokens_per_sec": generated.get("generated_tokens", 0.0) / generation_seconds if generation_seconds else 0.0,
             "idle/trainer_waiting_for_data": taken.waited_s,
             "idle/trainer_waiting_for_refit": refit["trainer_waiting_for_refit"],
-            "idle/generation_paused_for_refit": generated.get("paused_for_refit", 0.0) if not rollouts.in_flight else refit["refit"],
+            "idle/generation_paused_for_refit": refit["generation_paused_for_refit"],
             "idle/generation_paused_for_checkpoint": generated.get("paused_for_checkpoint", 0.0),
             "idle/generation_waiting_for_pacing": generated.get("waiting_for_pacing", 0.0),
             "performance/num_generated_tokens": generated.get("generated_tokens", 0.0),

@@ -119,24 +119,25 @@ class AsyncRollouts:
         ready, _ = ray.wait([ref, self._run_ref], num_returns=1)
         if ref not in ready:  # the collector's loop ended (crashed) before the step's data arrived
             self._raise_collector_failure(f"before producing step {step}'s data")
-        groups = get_with_context(ref, f"replay buffer: take step {step}")
+        groups, size = get_with_context(ref, f"replay buffer: take step {step}")
         waited = time.perf_counter() - start
-        size = get_with_context(self.buffer.size.remote(), "replay buffer: size")
         return TakenRollout(rollout_from_groups(groups), trajectory_ages(groups, trainer_version), waited, size)
 
     # -- weights and pauses ---------------------------------------------------------------------------
     def refit(self) -> dict[str, float]:
-        """Push the policy's new weights to generation; returns the refit's timings."""
+        """Push the policy's new weights to generation; returns the seconds of the refit, of the trainer's
+        wait for the batch in flight, and of generation held for it (in flight: the refit call's duration,
+        an upper bound, as the workers swap weights between two decoding steps)."""
         policy, generation = self.parts.policy, self.parts.generation
         version = policy.weight_version
-        if self.in_flight:  # generation keeps running; the workers swap weights between two decoding steps
+        if self.in_flight:
             seconds = generation.refit(policy.state_dict_ref(), version)
-            get_with_context(self.collector.set_generation_version.remote(version), "trajectory collector: version")
-            return {"refit": seconds, "trainer_waiting_for_refit": 0.0}
+            self._call("set_generation_version", version)
+            return {"refit": seconds, "trainer_waiting_for_refit": 0.0, "generation_paused_for_refit": seconds}
         waited = self._call("pause", "refit")
         seconds = generation.refit(policy.state_dict_ref(), version)
-        self._call("resume", "refit", version)
-        return {"refit": seconds, "trainer_waiting_for_refit": waited}
+        held = self._call("resume", "refit", version)
+        return {"refit": seconds, "trainer_waiting_for_refit": waited, "generation_paused_for_refit": held}
 
     @contextmanager
     def paused(self, reason: str) -> Iterator[float]:

@@ -121,24 +121,20 @@ class ReplayBufferActor:
             self.cond.notify_all()
             return len(self.buffer)
 
-    def take(self, step: int, trainer_version: int, timeout_s: float | None = None) -> list[TrajectoryGroup] | None:
-        """Wait until ``step`` is ready and take it; ``None`` after ``timeout_s`` seconds."""
+    def take(self, step: int, trainer_version: int, timeout_s: float | None = None) -> tuple[list[TrajectoryGroup], int] | None:
+        """Wait until ``step`` is ready and take it: ``(groups, groups left in the buffer)``; ``None`` after ``timeout_s`` seconds."""
         with self.cond:
             ready = self.cond.wait_for(lambda: self.buffer.ready(step) or self.buffer.finished_reason is not None, timeout_s)
             if not ready:
                 return None
             if not self.buffer.ready(step):
                 raise DataExhausted(f"no data for step {step}: {self.buffer.finished_reason}")
-            return self.buffer.take(step, trainer_version)
+            return self.buffer.take(step, trainer_version), len(self.buffer)
 
     def finish(self, reason: str) -> None:
         with self.cond:
             self.buffer.finish(reason)
             self.cond.notify_all()
-
-    def size(self) -> int:
-        with self.cond:
-            return len(self.buffer)
 
     def state_dict(self) -> dict[str, Any]:
         with self.cond:

@@ -136,7 +136,6 @@ class TrajectoryCollector:
     def _wait_for_next_target(self) -> int | None:
         """Block until a batch may start (not paused, within the age bound); ``None`` once stopped."""
         with self.cond:
-            pacing_since: float | None = None
             while True:
                 if self.stopping:
                     return None
@@ -152,16 +151,13 @@ class TrajectoryCollector:
                     ray.get(self.buffer.finish.remote(f"grpo.max_num_epochs={self.max_num_epochs} reached"))
                 target = None if self.exhausted else self.pacer.reserve(self.version)
                 if target is not None:
-                    if pacing_since is not None:
-                        self.stats["waiting_for_pacing"] += time.perf_counter() - pacing_since
                     self.in_flight = True
                     return target
-                if pacing_since is None and not self.pacer.done and not self.exhausted:
-                    pacing_since = time.perf_counter()
+                held_by_bound = not self.pacer.done and not self.exhausted  # else: nothing left to generate
+                waited_from = time.perf_counter()
                 self.cond.wait()
-                if pacing_since is not None and (self.pause_reasons or self.stopping):
-                    self.stats["waiting_for_pacing"] += time.perf_counter() - pacing_since
-                    pacing_since = None
+                if held_by_bound:
+                    self.stats["waiting_for_pacing"] += time.perf_counter() - waited_from
 
     def _generate_batch(self, target: int) -> None:
         prompts = self.loader.next_batch()

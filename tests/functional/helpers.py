@@ -10,18 +10,20 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_RECIPE = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 
 
+# The functional tests' tiny run: 4 prompts x 4 generations, 2 steps, 32 validation prompts.
+TINY_OVERRIDES = [
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "grpo.max_num_steps=2",
+    "grpo.max_val_samples=32",
+    "grpo.val_period=0",
+    "policy.train_micro_batch_size=8",
+    "policy.num_cpus_per_worker=0.25",
+    "data.train.num_problems=256",
+    "logger.progress_bar=false",
+]
+
+
 def tiny_config(tmp_path: Path, *overrides: str) -> MasterConfig:
-    """The shipped tiny recipe, shrunk for tests: 4 prompts x 4 generations, 32 validation prompts."""
-    base = [
-        "grpo.num_prompts_per_step=4",
-        "grpo.num_generations_per_prompt=4",
-        "grpo.max_num_steps=2",
-        "grpo.max_val_samples=32",
-        "grpo.val_period=0",
-        "policy.train_micro_batch_size=8",
-        "policy.num_cpus_per_worker=0.25",
-        "data.train.num_problems=256",
-        f"logger.log_dir={tmp_path / 'logs'}",
-        "logger.progress_bar=false",
-    ]
-    return load_config(TINY_RECIPE, [*base, *overrides])
+    """The shipped tiny recipe, shrunk for tests (:data:`TINY_OVERRIDES`), logging under ``tmp_path``."""
+    return load_config(TINY_RECIPE, [*TINY_OVERRIDES, f"logger.log_dir={tmp_path / 'logs'}", *overrides])

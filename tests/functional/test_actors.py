@@ -33,25 +33,29 @@ def mean_abs_gap(policy, samples, pad_id):
     return (train_lp[mask] - batch["generation_logprobs"][mask]).abs().mean().item()
 
 
+def check_generation_follows_the_policy(gen, policy, batch_prompts, params, pad_id):
+    """Generation logprobs equal the policy's after each of two train+refit rounds; one more update
+    without a refit leaves generation a version behind, and the gap shows."""
+    samples = gen.generate(batch_prompts, params, seed=1)
+    assert mean_abs_gap(policy, samples, pad_id) < 1e-4
+    for step in range(2):
+        policy.train(train_batch(samples, pad_id))
+        gen.refit(policy.state_dict_ref(), policy.weight_version)
+        samples = gen.generate(batch_prompts, params, seed=2 + step)
+        assert all(s.weight_version == policy.weight_version for s in samples)
+        assert mean_abs_gap(policy, samples, pad_id) < 1e-4
+    policy.train(train_batch(samples, pad_id))
+    stale = gen.generate(batch_prompts, params, seed=9)
+    assert mean_abs_gap(policy, stale, pad_id) > 1e-3
+
+
 def test_generation_logprobs_match_policy_after_each_refit_and_a_missed_refit_shows(ray_cluster, tmp_path):
     cfg = tiny_config(tmp_path, "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0")
     tok = load_tokenizer(cfg.policy.model_name)
     policy = Policy(cfg)
     gen = HFGeneration(cfg, tok.pad_token_id, eos_token_ids(tok))
-    params = SamplingParams(max_new_tokens=8)
     try:
-        samples = gen.generate(prompts(cfg, tok), params, seed=1)
-        assert mean_abs_gap(policy, samples, tok.pad_token_id) < 1e-4
-        for step in range(2):
-            policy.train(train_batch(samples, tok.pad_token_id))
-            gen.refit(policy.state_dict_ref(), policy.weight_version)
-            samples = gen.generate(prompts(cfg, tok), params, seed=2 + step)
-            assert all(s.weight_version == policy.weight_version for s in samples)
-            assert mean_abs_gap(policy, samples, tok.pad_token_id) < 1e-4
-        # Train again but do not refit: generation now lags one version behind, and it shows.
-        policy.train(train_batch(samples, tok.pad_token_id))
-        stale = gen.generate(prompts(cfg, tok), params, seed=9)
-        assert mean_abs_gap(policy, stale, tok.pad_token_id) > 1e-3
+        check_generation_follows_the_policy(gen, policy, prompts(cfg, tok), SamplingParams(max_new_tokens=8), tok.pad_token_id)
     finally:
         gen.shutdown()
         policy.shutdown()

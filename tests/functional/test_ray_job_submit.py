@@ -26,23 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from functional.helpers import TINY_RECIPE
+from functional.helpers import TINY_OVERRIDES, TINY_RECIPE
 
 pytestmark = pytest.mark.slow
 
 RAY = str(Path(sys.executable).with_name("ray"))
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-TINY_RUN = [  # the functional tests' tiny run (functional/helpers.py: tiny_config)
-    "grpo.num_prompts_per_step=4",
-    "grpo.num_generations_per_prompt=4",
-    "grpo.max_num_steps=2",
-    "grpo.max_val_samples=32",
-    "grpo.val_period=0",
-    "policy.train_micro_batch_size=8",
-    "policy.num_cpus_per_worker=0.25",
-    "data.train.num_problems=256",
-    "logger.progress_bar=false",
-]
 
 
 @dataclass
@@ -204,7 +193,7 @@ def test_job_submit_trains_and_an_over_asking_job_fails_fast(ray_head: LocalHead
     working_dir.mkdir()
     shutil.copy(TINY_RECIPE, working_dir / TINY_RECIPE.name)
     log_dir = tmp_path / "logs"
-    train = [sys.executable, "-m", "nemo_like.cli", "train", "--config", TINY_RECIPE.name, *TINY_RUN]  # config: relative to the working dir
+    train = [sys.executable, "-m", "nemo_like.cli", "train", "--config", TINY_RECIPE.name, *TINY_OVERRIDES]  # config: relative to the working dir
 
     start = time.monotonic()
     ray_head.submit("nl-tiny", working_dir, [*train, f"logger.log_dir={log_dir}"])

@@ -38,8 +38,9 @@ class WeightUpdateGate:
             raise job["error"]
         return job["result"]
 
-    def apply_pending(self) -> int:
-        """Called by the generating thread between decoding steps; returns how many updates it applied."""
+    def apply_pending(self, mid_generation: bool = True) -> int:
+        """Called by the generating thread between decoding steps; returns how many updates it applied.
+        ``mid_generation=False``: the generate call has ended (the updates are not counted as in flight)."""
         with self.cond:
             jobs, self.pending = self.pending, []
             for job in jobs:
@@ -48,7 +49,7 @@ class WeightUpdateGate:
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting refit call
                     job["error"] = exc
             if jobs:
-                self.mid_generation_updates += len(jobs)
+                self.mid_generation_updates += len(jobs) if mid_generation else 0
                 self.cond.notify_all()
             return len(jobs)
 
@@ -61,6 +62,6 @@ class WeightUpdateGate:
             try:
                 yield
             finally:
-                with self.cond:
+                with self.cond:  # (a re-entrant lock) apply what arrived late before a new update can go straight in
+                    self.apply_pending(mid_generation=False)
                     self.generating = False
-                self.apply_pending()
