@@ -34,10 +34,9 @@ from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, thread_oversubscription_warning
-from nemo_like.experience.replay_buffer import DataExhausted
-from nemo_like.experience.rollouts import Rollout, collect_rollout, generate_rollout, score_with_environment
-from nemo_like.experience.trajectory_collector import rollout_seed
-from nemo_like.models.generation.interface import SamplingParams
+from nemo_like.data.prompts import DataExhausted
+from nemo_like.experience.rollouts import Rollout, collect_rollout, generate_rollout, rollout_seed, score_with_environment
+from nemo_like.models.generation.interface import sampling_params
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.sample_dump import dump_path, format_samples, per_sample_mean, response_token_values, write_sample_dump
@@ -49,18 +48,6 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 TIMED_PHASES = ("refit", "generation", "reward", "prev_logprobs", "reference_logprobs", "policy_training")
-
-
-def sampling_params(cfg: MasterConfig, greedy: bool = False) -> SamplingParams:
-    g = cfg.policy.generation
-    return SamplingParams(
-        max_new_tokens=g.max_new_tokens,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        top_k=g.top_k,
-        greedy=greedy,
-        stop_token_ids=tuple(g.stop_token_ids or ()),
-    )
 
 
 def refit_if_stale(parts: GRPOComponents) -> float:
@@ -302,25 +289,25 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     shape_rewards(cfg, rollout)
     metrics = train_on_rollout(parts, step, timer, rollout)
     refit = rollouts.refit()
-    timer.add("refit", refit["refit"])
+    timer.add("refit", refit.refit)
     generated = rollouts.generation_stats()
     metrics.update(trajectory_age_metrics(taken.ages, cfg.grpo.async_grpo.max_trajectory_age_steps))
-    generation_seconds = generated.get("generation_seconds", 0.0)
+    seconds = generated.generation_seconds
     metrics.update(
         {
             "async/buffer_size": float(taken.buffer_size),
             "async/generation_weight_version": float(parts.generation.weight_version),
             "async/refitted_mid_sequence_fraction": sum(s.refitted_mid_sequence for s in rollout.samples) / len(rollout.samples),
-            "async/generation_seconds": generation_seconds,
-            "async/reward_seconds": generated.get("reward_seconds", 0.0),
-            "async/generation_batches": generated.get("batches", 0.0),
-            "async/generation_tokens_per_sec": generated.get("generated_tokens", 0.0) / generation_seconds if generation_seconds else 0.0,
+            "async/generation_seconds": seconds,
+            "async/reward_seconds": generated.reward_seconds,
+            "async/generation_batches": float(generated.batches),
+            "async/generation_tokens_per_sec": generated.generated_tokens / seconds if seconds else 0.0,
             "idle/trainer_waiting_for_data": taken.waited_s,
-            "idle/trainer_waiting_for_refit": refit["trainer_waiting_for_refit"],
-            "idle/generation_paused_for_refit": refit["generation_paused_for_refit"],
-            "idle/generation_paused_for_checkpoint": generated.get("paused_for_checkpoint", 0.0),
-            "idle/generation_waiting_for_pacing": generated.get("waiting_for_pacing", 0.0),
-            "performance/num_generated_tokens": generated.get("generated_tokens", 0.0),
+            "idle/trainer_waiting_for_refit": refit.trainer_waiting_for_refit,
+            "idle/generation_paused_for_refit": refit.generation_paused_for_refit,
+            "idle/generation_paused_for_checkpoint": generated.paused_for_checkpoint,
+            "idle/generation_waiting_for_pacing": generated.waiting_for_pacing,
+            "performance/num_generated_tokens": generated.generated_tokens,
         }
     )
     return metrics

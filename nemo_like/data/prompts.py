@@ -10,6 +10,10 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig
 
 
+class DataExhausted(RuntimeError):
+    """The training prompts ran out (``grpo.max_num_epochs`` reached): no further step gets a batch."""
+
+
 @dataclass(frozen=True)
 class PromptRecord:
     """One prompt ready for generation, with what the environment needs to score it."""

@@ -21,7 +21,8 @@ from nemo_like.distributed.capacity import ASYNC_ACTOR_CPUS
 from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerFailure, WorkerResources, get_with_context
 from nemo_like.experience.replay_buffer import ReplayBufferActor, TrajectoryGroup, trajectory_ages
 from nemo_like.experience.rollouts import Rollout
-from nemo_like.experience.trajectory_collector import TrajectoryCollector
+from nemo_like.experience.trajectory_collector import GenerationStats, TrajectoryCollector
+from nemo_like.models.generation.interface import sampling_params
 
 BUFFER_FILE = "replay_buffer.pt"
 
@@ -34,6 +35,17 @@ class TakenRollout:
     ages: list[int]
     waited_s: float
     buffer_size: int  # groups left in the buffer (generated for later steps)
+
+
+@dataclass
+class RefitTiming:
+    """Seconds of one async refit: the load itself, the trainer's wait for the batch in flight, and how
+    long generation was held (in flight: the refit call's duration, an upper bound, as the workers swap
+    weights between two decoding steps)."""
+
+    refit: float
+    trainer_waiting_for_refit: float
+    generation_paused_for_refit: float
 
 
 def rollout_from_groups(groups: list[TrajectoryGroup]) -> Rollout:
@@ -70,8 +82,6 @@ class AsyncRollouts:
     def __init__(self, parts: Any, last_step: int, restored: dict[str, Any] | None = None) -> None:
         """``last_step``: the step training resumes after (0 for a fresh run); ``restored``: a checkpoint's
         ``{"buffer": ..., "next_target": ...}`` (``parts.train_loader`` already holds its data position)."""
-        from nemo_like.algorithms.grpo import sampling_params  # late: grpo imports this module
-
         cfg = parts.cfg
         async_cfg = cfg.grpo.async_grpo
         self.parts = parts
@@ -124,20 +134,18 @@ class AsyncRollouts:
         return TakenRollout(rollout_from_groups(groups), trajectory_ages(groups, trainer_version), waited, size)
 
     # -- weights and pauses ---------------------------------------------------------------------------
-    def refit(self) -> dict[str, float]:
-        """Push the policy's new weights to generation; returns the seconds of the refit, of the trainer's
-        wait for the batch in flight, and of generation held for it (in flight: the refit call's duration,
-        an upper bound, as the workers swap weights between two decoding steps)."""
+    def refit(self) -> RefitTiming:
+        """Push the policy's new weights to generation (waiting for the batch in flight, or in flight)."""
         policy, generation = self.parts.policy, self.parts.generation
         version = policy.weight_version
         if self.in_flight:
             seconds = generation.refit(policy.state_dict_ref(), version)
             self._call("set_generation_version", version)
-            return {"refit": seconds, "trainer_waiting_for_refit": 0.0, "generation_paused_for_refit": seconds}
+            return RefitTiming(seconds, 0.0, seconds)
         waited = self._call("pause", "refit")
         seconds = generation.refit(policy.state_dict_ref(), version)
         held = self._call("resume", "refit", version)
-        return {"refit": seconds, "trainer_waiting_for_refit": waited, "generation_paused_for_refit": held}
+        return RefitTiming(seconds, waited, held)
 
     @contextmanager
     def paused(self, reason: str) -> Iterator[float]:
@@ -148,8 +156,8 @@ class AsyncRollouts:
         finally:
             self._call("resume", reason)
 
-    def generation_stats(self) -> dict[str, float]:
-        """The collector's counters since the last call (seconds, tokens, batches)."""
+    def generation_stats(self) -> GenerationStats:
+        """The collector's counters since the last call."""
         return self._call("take_stats")
 
     def checkpoint_state(self) -> tuple[dict[str, int], dict[str, Any], dict[str, Any]]:

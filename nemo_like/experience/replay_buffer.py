@@ -15,16 +15,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_like.data.prompts import PromptRecord
+from nemo_like.data.prompts import DataExhausted, PromptRecord
 from nemo_like.models.generation.interface import GeneratedSample
 
 
 class ReplayBufferError(RuntimeError):
     """A group would be dropped, handed out of order, or is older than the staleness bound."""
-
-
-class DataExhausted(RuntimeError):
-    """The collector stopped (the data ran out) and the requested step will never get a batch."""
 
 
 @dataclass
@@ -121,12 +117,10 @@ class ReplayBufferActor:
             self.cond.notify_all()
             return len(self.buffer)
 
-    def take(self, step: int, trainer_version: int, timeout_s: float | None = None) -> tuple[list[TrajectoryGroup], int] | None:
-        """Wait until ``step`` is ready and take it: ``(groups, groups left in the buffer)``; ``None`` after ``timeout_s`` seconds."""
+    def take(self, step: int, trainer_version: int) -> tuple[list[TrajectoryGroup], int]:
+        """Wait until ``step`` is ready and take it: ``(groups, groups left in the buffer)``."""
         with self.cond:
-            ready = self.cond.wait_for(lambda: self.buffer.ready(step) or self.buffer.finished_reason is not None, timeout_s)
-            if not ready:
-                return None
+            self.cond.wait_for(lambda: self.buffer.ready(step) or self.buffer.finished_reason is not None)
             if not self.buffer.ready(step):
                 raise DataExhausted(f"no data for step {step}: {self.buffer.finished_reason}")
             return self.buffer.take(step, trainer_version), len(self.buffer)

@@ -32,6 +32,12 @@ class Rollout:
         return torch.tensor([s.truncated for s in self.samples], dtype=torch.float32)
 
 
+def rollout_seed(seed: int, step: int, batch_index: int = 0) -> int:
+    """The sampling seed of a step's generation batch (the sync loop uses the same, so an async run
+    with ``max_trajectory_age_steps: 0`` reproduces the sync run)."""
+    return (seed * 1_000_003 + step) * 101 + batch_index
+
+
 def score_with_environment(env: RayWorkerGroup, texts: list[str], prompts: list[PromptRecord]) -> torch.Tensor:
     """Shard responses over the environment actors and gather one reward per response."""
     n = len(env)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -27,9 +28,27 @@ import ray
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
 from nemo_like.experience.pacing import StalenessPacer
 from nemo_like.experience.replay_buffer import TrajectoryGroup
-from nemo_like.experience.rollouts import Rollout, collect_rollout
+from nemo_like.experience.rollouts import Rollout, collect_rollout, rollout_seed
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
 from nemo_like.models.loading import load_tokenizer
+
+
+@dataclass
+class GenerationStats:
+    """What the collector did since the driver last asked (seconds, tokens, batches)."""
+
+    generation_seconds: float = 0.0
+    reward_seconds: float = 0.0
+    generated_tokens: float = 0.0
+    batches: int = 0
+    waiting_for_pacing: float = 0.0  # held by the staleness bound
+    paused_for_refit: float = 0.0
+    paused_for_checkpoint: float = 0.0
+
+    def add_pause(self, reason: str, seconds: float) -> None:
+        name = f"paused_for_{reason}"
+        if hasattr(self, name):
+            setattr(self, name, getattr(self, name) + seconds)
 
 
 class ActorHandles:
@@ -44,12 +63,6 @@ class ActorHandles:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         return generate_on_group(self, prompts, params, seed)
-
-
-def rollout_seed(seed: int, step: int, batch_index: int = 0) -> int:
-    """The sampling seed of a step's generation batch (the sync loop uses the same, so an async run
-    with ``max_trajectory_age_steps: 0`` reproduces the sync run)."""
-    return (seed * 1_000_003 + step) * 101 + batch_index
 
 
 def split_into_groups(rollout: Rollout, target_step: int) -> list[TrajectoryGroup]:
@@ -112,7 +125,7 @@ class TrajectoryCollector:
         self.stopping = False
         self.exhausted = False
         self.failure: str | None = None
-        self.stats: dict[str, float] = defaultdict(float)
+        self.stats = GenerationStats()
         self._pause_started: dict[str, float] = {}
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -121,7 +134,7 @@ class TrajectoryCollector:
         while True:
             target = self._wait_for_next_target()
             if target is None:
-                return {"batches": self.stats["batches"], "next_target": self.pacer.next_target}
+                return {"batches": self.stats.batches, "next_target": self.pacer.next_target}
             try:
                 self._generate_batch(target)
             except BaseException as exc:
@@ -157,7 +170,7 @@ class TrajectoryCollector:
                 waited_from = time.perf_counter()
                 self.cond.wait()
                 if held_by_bound:
-                    self.stats["waiting_for_pacing"] += time.perf_counter() - waited_from
+                    self.stats.waiting_for_pacing += time.perf_counter() - waited_from
 
     def _generate_batch(self, target: int) -> None:
         prompts = self.loader.next_batch()
@@ -168,10 +181,10 @@ class TrajectoryCollector:
         )
         ray.get(self.buffer.push.remote(split_into_groups(rollout, target)))
         with self.cond:
-            self.stats["generation_seconds"] += timings["generation"]
-            self.stats["reward_seconds"] += timings["reward"]
-            self.stats["generated_tokens"] += float(rollout.response_lengths.sum())
-            self.stats["batches"] += 1
+            self.stats.generation_seconds += timings["generation"]
+            self.stats.reward_seconds += timings["reward"]
+            self.stats.generated_tokens += float(rollout.response_lengths.sum())
+            self.stats.batches += 1
 
     # -- control (called by the driver while run() is busy) ---------------------------------------------
     def pause(self, reason: str) -> float:
@@ -190,7 +203,7 @@ class TrajectoryCollector:
         """Release a :meth:`pause`; returns the seconds generation was held for ``reason``."""
         with self.cond:
             held = time.perf_counter() - self._pause_started.pop(reason)
-            self.stats[f"paused_for_{reason}"] += held
+            self.stats.add_pause(reason, held)
             self.pause_reasons.discard(reason)
             if generation_version is not None:
                 self.version = generation_version
@@ -209,10 +222,10 @@ class TrajectoryCollector:
             self.cond.notify_all()
 
     # -- reporting and state ----------------------------------------------------------------------------
-    def take_stats(self) -> dict[str, float]:
-        """Counters accumulated since the last call (seconds, tokens, batches), then reset."""
+    def take_stats(self) -> GenerationStats:
+        """Counters accumulated since the last call, then reset."""
         with self.cond:
-            stats, self.stats = dict(self.stats), defaultdict(float)
+            stats, self.stats = self.stats, GenerationStats()
             return stats
 
     def state_dict(self) -> dict[str, Any]:

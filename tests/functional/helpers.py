@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from nemo_like.config import MasterConfig, load_config
@@ -27,3 +28,13 @@ TINY_OVERRIDES = [
 def tiny_config(tmp_path: Path, *overrides: str) -> MasterConfig:
     """The shipped tiny recipe, shrunk for tests (:data:`TINY_OVERRIDES`), logging under ``tmp_path``."""
     return load_config(TINY_RECIPE, [*TINY_OVERRIDES, f"logger.log_dir={tmp_path / 'logs'}", *overrides])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every record of a JSONL file (``metrics.jsonl``, sample dumps, ``results.jsonl``)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    """The per-step records a run wrote to ``<log_dir>/metrics.jsonl``."""
+    return read_jsonl(Path(log_dir) / "metrics.jsonl")

@@ -5,7 +5,6 @@ refitting in flight), a dead collector fails loudly, and the tiny recipe learns 
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -19,10 +18,6 @@ pytestmark = pytest.mark.slow
 HF = "policy.generation.backend=hf"
 ASYNC = ("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true")
 COMPARED = ("train/reward", "train/loss", "train/gen_kl", "train/grad_norm", "train/sampling_importance_ratio")
-
-
-def records(log_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def steps_of(history: list[dict]) -> list[dict]:

@@ -1,6 +1,5 @@
 """Checkpoints on real runs: exact resume, a SIGKILL mid-save, a killed worker, a non-finite guard."""
 
-import json
 import os
 import re
 import signal
@@ -14,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from functional.helpers import TINY_RECIPE, tiny_config
+from functional.helpers import TINY_RECIPE, read_metrics, tiny_config
 from nemo_like.algorithms.grpo import NonFiniteTrainingError
 from nemo_like.train import train
 
@@ -33,17 +32,13 @@ def run(tmp_path, *overrides):
     return train(cfg)
 
 
-def records(log_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_six_steps_equal_three_steps_then_three_resumed(ray_cluster, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     run(straight, "grpo.max_num_steps=6", *NO_VALIDATION, *ckpt_overrides(straight / "ckpt"))
     first = run(split, "grpo.max_num_steps=3", *NO_VALIDATION, *ckpt_overrides(split / "ckpt"))
     resumed = run(split, "grpo.max_num_steps=6", *NO_VALIDATION, *ckpt_overrides(split / "ckpt"))
     assert [h["step"] for h in first] == [1, 2, 3] and [h["step"] for h in resumed] == [4, 5, 6]
-    a, b = records(straight / "logs"), records(split / "logs")
+    a, b = read_metrics(straight / "logs"), read_metrics(split / "logs")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     for ra, rb in zip(a, b):
         for key in ("train/reward", "train/loss", "train/gen_kl", "train/grad_norm"):
@@ -173,6 +168,6 @@ def test_nonfinite_updates_are_skipped_and_the_run_stops_after_the_limit(ray_clu
     with pytest.raises(NonFiniteTrainingError, match="grpo.max_consecutive_nonfinite_steps=2"):
         run(tmp_path, "grpo.max_num_steps=8", "policy.optimizer.lr=1e30", "policy.max_grad_norm=null",
             "grpo.max_consecutive_nonfinite_steps=2", *NO_VALIDATION)
-    logged = records(tmp_path / "logs")
+    logged = read_metrics(tmp_path / "logs")
     skipped = [r["train/nonfinite_steps_skipped"] for r in logged]
     assert skipped[-2:] == [1.0, 1.0] and len(logged) < 8

@@ -1,10 +1,9 @@
 """A real GRPO run through the public entry point: actors, generation, reward, training, logging."""
 
-import json
 
 import pytest
 
-from functional.helpers import tiny_config
+from functional.helpers import read_metrics, tiny_config
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
@@ -20,15 +19,11 @@ REQUIRED_STEP_KEYS = [
 ]
 
 
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path):
     cfg = tiny_config(tmp_path)
     history = train(cfg)
     log_dir = tmp_path / "logs"
-    records = read_jsonl(log_dir / "metrics.jsonl")
+    records = read_metrics(log_dir)
     assert [r["step"] for r in records] == [0, 1, 2] == [h["step"] for h in history]
     assert 0.0 <= records[0]["validation/accuracy"] <= 1.0 and records[0]["validation/num_samples"] == 32
     for record in records[1:]:

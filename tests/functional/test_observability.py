@@ -12,15 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from functional.helpers import tiny_config
+from functional.helpers import read_jsonl, read_metrics, tiny_config
 from nemo_like.cli import main as cli_main
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def numeric(record: dict) -> dict[str, float]:
@@ -59,7 +55,7 @@ def test_tensorboard_holds_the_same_scalars_as_metrics_jsonl(observed_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log_dir, _, _ = observed_run
-    records = read_jsonl(log_dir / "metrics.jsonl")
+    records = read_metrics(log_dir)
     acc = EventAccumulator(str(log_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     expected = {(key, r["step"]): value for r in records for key, value in numeric(r).items()}
@@ -107,7 +103,7 @@ def test_wandb_offline_run_holds_the_metrics_and_the_config(observed_run):
             config_keys |= {item.key for item in record.config.update}
         elif kind == "run":
             assert record.run.display_name == "observability-test" and record.run.project == "nemo-like"
-    records = read_jsonl(log_dir / "metrics.jsonl")
+    records = read_metrics(log_dir)
     assert [h["_step"] for h in history] == [r["step"] for r in records] == [0, 1, 2]
     for logged, record in zip(history, records):
         assert {k: v for k, v in logged.items() if not k.startswith("_")} == pytest.approx(numeric(record))
@@ -116,7 +112,7 @@ def test_wandb_offline_run_holds_the_metrics_and_the_config(observed_run):
 
 def test_throughput_and_time_shares_are_logged_every_step(observed_run):
     log_dir, _, history = observed_run
-    for record in read_jsonl(log_dir / "metrics.jsonl")[1:]:
+    for record in read_metrics(log_dir)[1:]:
         for key in ("tokens_per_sec", "generation_tokens_per_sec", "training_tokens_per_sec", "samples_per_sec"):
             assert record[f"performance/{key}"] > 0, key
         assert record["performance/samples_per_sec"] == pytest.approx(16 / record["timing/train/total_step_time"])
@@ -192,5 +188,5 @@ def test_a_wandb_backend_that_fails_to_start_only_warns(ray_cluster, tmp_path, m
     with pytest.warns(RuntimeWarning, match="Weights & Biases logging disabled"):
         history = train(cfg)
     assert [h["step"] for h in history] == [1]
-    assert [r["step"] for r in read_jsonl(tmp_path / "logs" / "metrics.jsonl")] == [1]
+    assert [r["step"] for r in read_metrics(tmp_path / "logs")] == [1]
     assert list((tmp_path / "logs" / "tensorboard").glob("events.out.tfevents.*"))  # the other sinks went on

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from functional.helpers import TINY_OVERRIDES, TINY_RECIPE
+from functional.helpers import TINY_OVERRIDES, TINY_RECIPE, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -211,7 +211,7 @@ def test_job_submit_trains_and_an_over_asking_job_fails_fast(ray_head: LocalHead
     status, _ = ray_head.wait("nl-tiny", timeout_s=240)
     tiny_s = time.monotonic() - start
     assert status == "SUCCEEDED", ray_head.logs("nl-tiny")[-5000:]
-    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(log_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert "validation/accuracy" in records[0] and "train/loss" in records[1] and "train/loss" in records[2]
     print(

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -17,6 +16,19 @@ class SamplingParams:
     top_k: int | None = None
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
+
+
+def sampling_params(cfg: Any, greedy: bool = False) -> SamplingParams:
+    """The recipe's decoding settings (``policy.generation``) as :class:`SamplingParams`."""
+    g = cfg.policy.generation
+    return SamplingParams(
+        max_new_tokens=g.max_new_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        greedy=greedy,
+        stop_token_ids=tuple(g.stop_token_ids or ()),
+    )
 
 
 @dataclass
