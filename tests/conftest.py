@@ -13,12 +13,22 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A private local Ray cluster (2 CPUs, small object store) shared by the tests that need one."""
+    """A private local Ray cluster (2 CPUs, small object store) shared by the tests that need one.
+
+    Runs in the session reuse their actors (``reuse_actors``: a kept actor is re-initialised exactly as a
+    new one), so each functional test pays for actor start-up only when it needs a new kind of actor.
+    ``NEMO_LIKE_TEST_REUSE_ACTORS=0`` starts fresh actors for every run instead.
+    """
+    import contextlib
+
     import ray
 
     from nemo_like.config.schema import ClusterConfig
     from nemo_like.distributed.ray_init import init_ray
+    from nemo_like.distributed.worker_group import reuse_actors
 
     init_ray(ClusterConfig(num_cpus=2, object_store_memory_mb=256))
-    yield ray
+    reuse = os.environ.get("NEMO_LIKE_TEST_REUSE_ACTORS", "1") != "0"
+    with reuse_actors() if reuse else contextlib.nullcontext():
+        yield ray
     ray.shutdown()

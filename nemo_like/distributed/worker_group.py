@@ -2,13 +2,20 @@
 
 The training loop talks to a :class:`RayWorkerGroup` as if it were one object; the group turns a
 call into one remote call per actor and gathers the results.
+
+Inside :func:`reuse_actors`, a group that shuts down is kept alive (idle) instead of killed, and the
+next group asking for the same actors (class, count, resources, environment) re-initialises them in
+place: several runs in one driver process (a sweep, a notebook, the functional tests) pay for
+process start-up and imports once. Only classes that define ``reinit`` (see :class:`Reinitializable`)
+are kept.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -41,10 +48,83 @@ class WorkerResources:
         return bundle
 
 
+class Reinitializable:
+    """Mixin for worker classes whose actors :func:`reuse_actors` may keep between runs.
+
+    ``reinit`` must leave the actor exactly as a fresh one built with the same arguments (the default
+    runs ``__init__`` again); ``reuse_key`` names the constructor arguments a kept actor cannot change
+    in place (the default: none, since ``__init__`` rebuilds everything).
+    """
+
+    def reinit(self, **init_kwargs: Any) -> None:
+        self.__init__(**init_kwargs)
+
+    @classmethod
+    def reuse_key(cls, init_kwargs: dict[str, Any]) -> Hashable:
+        return ()
+
+
+@dataclass
+class _IdleGroup:
+    key: Hashable
+    name: str
+    workers: list[Any]
+    pg: PlacementGroup
+
+
+@dataclass
+class _ActorPool:
+    """Idle actor groups kept for the next run of this driver process (see :func:`reuse_actors`)."""
+
+    active: bool = False
+    idle: list[_IdleGroup] = field(default_factory=list)
+
+    def take(self, key: Hashable) -> _IdleGroup | None:
+        for index, group in enumerate(self.idle):
+            if group.key == key:
+                return self.idle.pop(index)
+        return None
+
+    def evict(self, name: str | None = None) -> None:
+        """Kill the idle groups of role ``name`` (all of them when ``None``) and release their bundles."""
+        keep = []
+        for group in self.idle:
+            if name is None or group.name == name:
+                _kill(group.workers, group.pg)
+            else:
+                keep.append(group)
+        self.idle = keep
+
+
+_POOL = _ActorPool()
+
+
+@contextmanager
+def reuse_actors() -> Iterator[None]:
+    """Keep actor groups alive between runs inside this block (see the module docstring); on exit every
+    idle actor is killed. Runs stay exactly reproducible: a kept actor is re-initialised as a new one."""
+    _POOL.active = True
+    try:
+        yield
+    finally:
+        _POOL.active = False
+        _POOL.evict()
+
+
+def _kill(workers: list[Any], pg: PlacementGroup) -> None:
+    for w in workers:
+        ray.kill(w, no_restart=True)
+    remove_placement_group(pg)
+
+
 def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s: float) -> PlacementGroup:
-    """Create a placement group of ``count`` bundles and wait for it; fail clearly instead of hanging."""
+    """Create a placement group of ``count`` bundles and wait for it; fail clearly instead of hanging.
+    Idle actors kept by :func:`reuse_actors` are killed first if they hold the resources needed."""
     pg = placement_group([resources.bundle()] * count, strategy="PACK", name=name)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    ready, _ = ray.wait([pg.ready()], timeout=min(timeout_s, 2.0) if _POOL.idle else timeout_s)
+    if not ready and _POOL.idle:
+        _POOL.evict()
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
         asked = {k: v * count for k, v in resources.bundle().items()}
@@ -72,6 +152,12 @@ class RayWorkerGroup:
         """``env_vars`` are added to (and override) each actor's :func:`worker_env_vars`; ``max_concurrency > 1``
         makes threaded actors (methods may run while another call is busy)."""
         self.name = name
+        self._key: Hashable | None = None
+        if issubclass(actor_cls, Reinitializable):
+            env_key = tuple(sorted((env_vars or {}).items()))
+            self._key = (name, actor_cls.__qualname__, num_workers, resources, env_key, max_concurrency, actor_cls.reuse_key(init_kwargs))
+            if self._reuse_idle(num_workers, init_kwargs):
+                return
         self._pg = reserve_bundles(name, resources, num_workers, placement_timeout_s)
         remote_cls = ray.remote(actor_cls)
         self.workers = []
@@ -103,12 +189,31 @@ class RayWorkerGroup:
         """Call ``method`` on the first worker only."""
         return getattr(self.workers[0], method).remote(*args, **kwargs)
 
+    def _reuse_idle(self, num_workers: int, init_kwargs: dict[str, Any]) -> bool:
+        """Re-initialise an idle group of the same actors (see :func:`reuse_actors`); False if there is none
+        or one of its actors died meanwhile."""
+        if not _POOL.active:
+            return False
+        idle = _POOL.take(self._key)
+        if idle is None:
+            _POOL.evict(self.name)  # another shape of this role: free its resources for the new one
+            return False
+        refs = [w.reinit.remote(rank=rank, world_size=num_workers, **init_kwargs) for rank, w in enumerate(idle.workers)]
+        try:
+            ray.get(refs)
+        except ray.exceptions.RayActorError:
+            _kill(idle.workers, idle.pg)
+            return False
+        self.workers, self._pg = idle.workers, idle.pg
+        return True
+
     def shutdown(self) -> None:
-        """Kill the actors and release their bundles."""
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
+        """Kill the actors and release their bundles (inside :func:`reuse_actors`: keep them idle)."""
+        if _POOL.active and self._key is not None and self.workers:
+            _POOL.idle.append(_IdleGroup(self._key, self.name, self.workers, self._pg))
+        elif self.workers:
+            _kill(self.workers, self._pg)
         self.workers = []
-        remove_placement_group(self._pg)
 
 
 def get_with_context(refs: Any, what: str, timeout_s: float | None = None) -> Any:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from nemo_like.distributed.worker_group import Reinitializable
 
-class EnvironmentInterface(ABC):
+
+class EnvironmentInterface(Reinitializable, ABC):
     """A reward function behind a Ray actor. Rewards are floats; the arithmetic task uses 0/1."""
 
     @abstractmethod

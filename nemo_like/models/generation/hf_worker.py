@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 import torch
 
+from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import load_causal_lm
@@ -41,7 +42,7 @@ class WeightSwapPoint:
         return version
 
 
-class HFGenerationWorker:
+class HFGenerationWorker(Reinitializable):
     """One replica of the model used for sampling; weights are replaced by :meth:`update_weights`
     (mid-generation when the actor runs with ``max_concurrency=2``, see :mod:`.weight_gate`)."""
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import resolve_model_path
@@ -84,7 +85,7 @@ def sample_from_output(prompt: list[int], completion: Any, version: int, final_v
     )
 
 
-class VLLMGenerationWorker:
+class VLLMGenerationWorker(Reinitializable):
     """One vLLM engine (tensor parallel 1) used for sampling; weights are replaced by :meth:`update_weights`
     (between two engine steps of a running generate call when the actor runs with ``max_concurrency=2``,
     see :mod:`.weight_gate`)."""
@@ -113,9 +114,23 @@ class VLLMGenerationWorker:
         self.asleep = False
         self.gate = WeightUpdateGate()
         self._prefix_cache_stale = False
-        path = resolve_model_path(model_name)
-        self.expected_names = expected_weight_names(path)
-        self.llm = self._start_engine(path, precision, max_model_len, seed, enforce_eager, gpu_memory_utilization)
+        self.model_path = resolve_model_path(model_name)
+        self.expected_names = expected_weight_names(self.model_path)
+        self.llm = self._start_engine(self.model_path, precision, max_model_len, seed, enforce_eager, gpu_memory_utilization)
+
+    @classmethod
+    def reuse_key(cls, init_kwargs: dict[str, Any]) -> Any:
+        """A kept engine serves only a run with the same engine arguments."""
+        return tuple(sorted((k, repr(v)) for k, v in init_kwargs.items() if k not in ("rank", "world_size")))
+
+    def reinit(self, **init_kwargs: Any) -> None:
+        """Same engine arguments (see :meth:`reuse_key`): reload the checkpoint's weights as version 0."""
+        from nemo_like.models.loading import full_state_dict, load_causal_lm
+
+        state = full_state_dict(load_causal_lm(init_kwargs["model_name"], init_kwargs["precision"]))
+        self.gate = WeightUpdateGate()
+        self._prefix_cache_stale = False
+        self._reload_weights(0, state)
 
     def _start_engine(self, path: str, precision: str, max_model_len: int, seed: int, enforce_eager: bool, gpu_mem: float):
         from vllm import LLM

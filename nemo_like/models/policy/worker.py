@@ -12,6 +12,7 @@ import torch
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn, combine_metric_fragments
 from nemo_like.config.loss import ClippedPGLossConfig
+from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.loading import full_state_dict, load_causal_lm
 from nemo_like.models.logprobs import sequence_logprobs
 
@@ -29,7 +30,7 @@ def trim_padding(batch: Batch) -> Batch:
     return {k: (v[:, :length] if torch.is_tensor(v) and v.dim() == 2 else v) for k, v in batch.items()}
 
 
-class PolicyWorker:
+class PolicyWorker(Reinitializable):
     """Holds one replica of the model; ranks of a group share gradients through torch.distributed."""
 
     def __init__(
@@ -95,6 +96,8 @@ class PolicyWorker:
         import torch.distributed as dist
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if dist.is_initialized():  # a re-initialised actor (reuse_actors) joins its new group
+            dist.destroy_process_group()
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size)
         self._dist_ready = True
 
