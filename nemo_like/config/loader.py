@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from nemo_like.config.errors import ConfigError
 
@@ -98,8 +98,3 @@ def load_recipe_dict(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
         merged = merge_dicts(merged, load_recipe_dict(path.parent / parent, (*_chain, path)))
     return merge_dicts(merged, data)
 
-
-def load_recipe(path: str | Path) -> DictConfig:
-    """Load a recipe as an OmegaConf ``DictConfig`` (interpolations resolved later, after overrides)."""
-    register_resolvers()
-    return OmegaConf.create(load_recipe_dict(path))

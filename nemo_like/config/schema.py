@@ -70,9 +70,6 @@ class GRPOConfig(Section):
     skip_prev_logprobs: Literal["auto", True, False] = Field(
         "auto", description="Skip the prev-logprob pass: auto = when the rollout is trained in one optimizer step and nothing else needs it."
     )
-    skip_reference_policy_logprobs_calculation: bool = Field(
-        False, description="Explicitly skip the reference pass; only valid with loss_fn.reference_policy_kl_penalty == 0 (where it is skipped anyway)."
-    )
     max_consecutive_nonfinite_steps: int = Field(
         3, gt=0, description="Stop the run after this many consecutive steps whose loss or gradient norm was NaN/inf (each such optimizer step is skipped)."
     )
@@ -254,11 +251,6 @@ class MasterConfig(BaseModel):
                 "loss_fn.force_on_policy_ratio requires policy.train_global_batch_size == grpo.num_prompts_per_step * "
                 f"grpo.num_generations_per_prompt (one optimizer step per rollout); got {gbs} != "
                 f"{self.grpo.num_prompts_per_step} * {self.grpo.num_generations_per_prompt} = {rollout}"
-            )
-        if self.grpo.skip_reference_policy_logprobs_calculation and self.loss_fn.reference_policy_kl_penalty != 0:
-            raise ValueError(
-                "grpo.skip_reference_policy_logprobs_calculation=true needs loss_fn.reference_policy_kl_penalty == 0, "
-                f"got {self.loss_fn.reference_policy_kl_penalty}: the KL penalty is computed from the reference logprobs"
             )
         if self.grpo.skip_prev_logprobs is True and gbs != rollout:
             raise ValueError(
