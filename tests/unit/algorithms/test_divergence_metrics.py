@@ -163,7 +163,7 @@ def test_monte_carlo_metric_matches_exact_divergence(
     assert abs(observed - target(log_gen, log_train)) < 5 * standard_error + 1e-12
 
 
-def test_seed_policy_kl_estimates_chi2_minus_kl_not_policy_kl(
+def test_k3_with_the_reversed_ratio_estimates_chi2_minus_kl_not_kl_train_gen(
     sampled_fragments: dict[str, dict[str, float]],
 ) -> None:
     """Seed 000's policy_kl has expectation chi^2(gen||train) - KL(gen||train), for every case,
@@ -187,7 +187,7 @@ def test_seed_policy_kl_estimates_chi2_minus_kl_not_policy_kl(
     # ... while our estimator lands on KL(train || gen) (checked above) on the same case.
 
 
-def test_seed_js_estimates_half_kl_minus_kl_to_mixture_not_js() -> None:
+def test_plug_in_js_formula_estimates_half_kl_minus_kl_to_mixture_not_js() -> None:
     """Seed 000's js_divergence has expectation 0.5 KL(gen||train) - KL(gen||M), not JS; on the
     far case it even exceeds JS's upper bound log 2."""
     for log_gen, log_train in CASES.values():
@@ -200,7 +200,7 @@ def test_seed_js_estimates_half_kl_minus_kl_to_mixture_not_js() -> None:
     assert seed_mean > math.log(2) > exact_js(log_gen, log_train)
 
 
-def test_flipping_k3_kl_as_suggested_in_seed_001_review_would_be_wrong() -> None:
+def test_k3_with_the_reversed_ratio_is_neither_kl_direction_on_a_far_case() -> None:
     """The reviewer of seed 001 claimed E_gen[r - log r - 1] is KL(train||gen) and proposed the
     reversed ratio. It is KL(gen||train) (shown above); the reversed form is seed 000's biased
     policy_kl, which on the far case is neither KL."""
