@@ -76,8 +76,12 @@ class _IdleGroup:
 class _ActorPool:
     """Idle actor groups kept for the next run of this driver process (see :func:`reuse_actors`)."""
 
-    active: bool = False
+    depth: int = 0  # nested reuse_actors() blocks
     idle: list[_IdleGroup] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
 
     def take(self, key: Hashable) -> _IdleGroup | None:
         for index, group in enumerate(self.idle):
@@ -101,14 +105,16 @@ _POOL = _ActorPool()
 
 @contextmanager
 def reuse_actors() -> Iterator[None]:
-    """Keep actor groups alive between runs inside this block (see the module docstring); on exit every
-    idle actor is killed. Runs stay exactly reproducible: a kept actor is re-initialised as a new one."""
-    _POOL.active = True
+    """Keep actor groups alive between runs inside this block (see the module docstring); when the
+    outermost block exits every idle actor is killed. Runs stay exactly reproducible: a kept actor is
+    re-initialised as a new one."""
+    _POOL.depth += 1
     try:
         yield
     finally:
-        _POOL.active = False
-        _POOL.evict()
+        _POOL.depth -= 1
+        if not _POOL.active:
+            _POOL.evict()
 
 
 def _kill(workers: list[Any], pg: PlacementGroup) -> None:

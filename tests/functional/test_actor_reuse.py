@@ -1,0 +1,68 @@
+"""Actor reuse between runs of one driver process (``reuse_actors``), on real Ray actors."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import ray
+from ray import cloudpickle
+
+from nemo_like.distributed.worker_group import RayWorkerGroup, Reinitializable, WorkerResources, reuse_actors
+
+pytestmark = pytest.mark.slow
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import the tests package
+
+
+class Counter(Reinitializable):
+    """A small actor with state that a re-initialisation must reset."""
+
+    def __init__(self, rank: int, world_size: int, start: int) -> None:
+        self.rank, self.value = rank, start
+
+    def bump(self) -> tuple[int, int, int]:
+        self.value += 1
+        return os.getpid(), self.rank, self.value
+
+
+class NotReusable:
+    def __init__(self, rank: int, world_size: int) -> None:
+        pass
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def bump_all(group: RayWorkerGroup) -> list[tuple[int, int, int]]:
+    return ray.get(group.run_all("bump"))
+
+
+def test_a_kept_group_is_reinitialised_in_place_and_other_shapes_get_new_actors(ray_cluster):
+    resources = WorkerResources(num_cpus=0.01)
+    with reuse_actors():
+        first = RayWorkerGroup("counter", Counter, 2, resources, {"start": 10})
+        before = bump_all(first)
+        assert [(rank, value) for _, rank, value in before] == [(0, 11), (1, 11)]
+        first.shutdown()
+
+        again = RayWorkerGroup("counter", Counter, 2, resources, {"start": 100})
+        after = bump_all(again)
+        assert [pid for pid, _, _ in after] == [pid for pid, _, _ in before]  # same processes...
+        assert [(rank, value) for _, rank, value in after] == [(0, 101), (1, 101)]  # ...fresh state
+        again.shutdown()
+
+        one = RayWorkerGroup("counter", Counter, 1, resources, {"start": 0})  # another shape: new actor
+        assert bump_all(one)[0][0] not in {pid for pid, _, _ in before}
+        ray.kill(one.workers[0], no_restart=True)
+        one.shutdown()  # a dead actor is kept...
+        fresh = RayWorkerGroup("counter", Counter, 1, resources, {"start": 0})  # ...but never reused
+        assert bump_all(fresh)[0][2] == 1
+        fresh.shutdown()
+
+        plain = RayWorkerGroup("plain", NotReusable, 1, resources, {})
+        plain_pid = ray.get(plain.workers[0].pid.remote())
+        plain.shutdown()  # not Reinitializable: killed, not kept
+        replacement = RayWorkerGroup("plain", NotReusable, 1, resources, {})
+        assert ray.get(replacement.workers[0].pid.remote()) != plain_pid
+        replacement.shutdown()
