@@ -147,7 +147,8 @@ def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[s
     count as a sequence in the sequence-level loss normalisation).
 
     Diagnostics (``rollout_rejection/``), over the tokens / samples counted before rejection:
-    ``token_ratio_{max,min,std}`` of pi_prev/pi_gen, ``token_frac_{above,below}`` the bounds,
+    ``token_ratio_{max,min,std}`` of pi_prev/pi_gen, ``token_frac_{above,below}`` the bounds (0
+    when the bounds are on a k1/k2/k3 value),
     ``seq_stat_{max,min,std}`` of the per-sequence statistic (the ratio exp(...) for sum/mean/max;
     for level 'token' the geometric-mean ratio), ``seq_frac_{above,below}``,
     ``masked_token_fraction`` and ``masked_seq_fraction``. ``{}`` when rejection is off.
@@ -158,8 +159,9 @@ def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[s
     log_ratio = _log_ratio(batch, valid)
     statistic = cfg.sequence_statistic if cfg.level == "sequence" else "mean"
     ratio_stat = statistic in ("sum", "mean", "max")
-    tok_low = _log_bound(cfg.lower, True, -math.inf)
-    tok_high = _log_bound(cfg.upper, True, math.inf)
+    # Token diagnostics compare token ratios with the bounds only when the bounds are ratios.
+    tok_low = _log_bound(cfg.lower, True, -math.inf) if ratio_stat else -math.inf
+    tok_high = _log_bound(cfg.upper, True, math.inf) if ratio_stat else math.inf
     seq_low = _log_bound(cfg.lower, ratio_stat, -math.inf)
     seq_high = _log_bound(cfg.upper, ratio_stat, math.inf)
 
