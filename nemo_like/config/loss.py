@@ -400,14 +400,12 @@ class ClippedPGLossConfig(BaseModel):
                 ("loss_aggregation_normalizer",),
             ),
         ]
-        warnings: list[str] = []
+        warnings: dict[str, str] = {}  # key -> its line: one line per option, first reason wins
         for active, reason, keys in groups:
             for key in keys:
-                line = f"loss_fn.{key} has no effect because {reason} (ignored)"
-                if active and self._changed_from_default(key) and line not in warnings:
-                    if not any(w.startswith(f"loss_fn.{key} has no effect") for w in warnings):
-                        warnings.append(line)
-        return warnings
+                if active and key not in warnings and self._changed_from_default(key):
+                    warnings[key] = f"loss_fn.{key} has no effect because {reason} (ignored)"
+        return list(warnings.values())
 
     def _changed_from_default(self, key: str) -> bool:
         default = type(self).model_fields[key].default

@@ -8,7 +8,10 @@ import math
 import pytest
 import torch
 
-from nemo_like.algorithms.loss_functions import ClippedPGLossFn, combine_metric_fragments
+from nemo_like.algorithms.loss_functions import (
+    ClippedPGLossFn,
+    combine_metric_fragments,
+)
 from nemo_like.algorithms.utils import masked_mean
 from nemo_like.config.loss import LOSS_AGGREGATIONS, ClippedPGLossConfig
 from nemo_like.models.policy.policy import split_rows
@@ -118,7 +121,7 @@ def _batch(num: int = 6, width: int = 9, seed: int = 0) -> dict[str, torch.Tenso
     lengths = torch.randint(1, width - 1, (num,), generator=g)
     positions = torch.arange(width)[None, :]
     token_mask = ((positions >= 1) & (positions <= lengths[:, None])).double()
-    attention = ((positions <= lengths[:, None])).long()
+    attention = (positions <= lengths[:, None]).long()
 
     def logp(scale: float) -> torch.Tensor:
         return -torch.rand(num, width, generator=g, dtype=torch.float64) * scale - 0.05
