@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from nemo_like.algorithms.registry import Registry
 from nemo_like.algorithms.utils import (
     _prompt_group_index,
     calculate_baseline_and_std_per_prompt,
@@ -50,7 +51,9 @@ class AdvantageEstimator(Protocol):
     ) -> AdvantageResult: ...
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+#: ``grpo.adv_estimator.name`` values. A recipe may also name user code as ``module:function``
+#: (an :class:`AdvantageEstimator`), without registering it.
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "grpo.adv_estimator.name")
 
 
 def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
@@ -59,14 +62,7 @@ def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], Ad
     Raises:
         ValueError: if ``name`` is already registered (a silent override would change training math).
     """
-
-    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"Advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
+    return ADVANTAGE_ESTIMATORS.register(name)
 
 
 def compute_advantages(
@@ -82,7 +78,8 @@ def compute_advantages(
     """Run the estimator registered as ``name``.
 
     Args:
-        name: a key of ``ADVANTAGE_ESTIMATORS`` (``grpo``, ``rloo``, ``dr_grpo``, ...).
+        name: a name registered in ``ADVANTAGE_ESTIMATORS`` (``grpo``, ``rloo``, ``dr_grpo``, ...) or a
+            ``module:function`` import path.
         rewards: ``[B]`` rewards (NaN/inf raise ``ValueError``).
         prompt_ids: ``[B]`` group ids or ``[B, L]`` prompt token rows.
         valid_mask: ``[B]`` 0/1; invalid samples enter no baseline and get advantage 0.
@@ -91,14 +88,10 @@ def compute_advantages(
         epsilon: added to positive stds when normalising.
 
     Raises:
-        ValueError: unknown ``name`` (the message lists the registered names).
+        ValueError: unknown ``name`` (the message suggests the closest and lists the registered names).
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"Unknown advantage estimator {name!r} (grpo.adv_estimator.name); "
-            f"registered: {sorted(ADVANTAGE_ESTIMATORS)}"
-        )
-    return ADVANTAGE_ESTIMATORS[name](
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    return estimator(
         rewards=rewards,
         prompt_ids=prompt_ids,
         valid_mask=valid_mask,

@@ -29,6 +29,7 @@ from nemo_like.algorithms.dynamic_sampling import (
     apply_overlong_reward_shaping,
     select_groups_with_signal,
 )
+from nemo_like.algorithms.rejection import apply_driver_masks
 from nemo_like.algorithms.checkpointing import checkpoint_manager, load_checkpoint_file, restore_run, save_run
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
@@ -192,19 +193,6 @@ def collect_training_rollout(
             return Rollout(kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"]), metrics
 
 
-def mask_high_mismatch_sequences(cfg: MasterConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Drop samples whose training/generation logprobs disagree too much (``grpo.seq_logprob_error_threshold``)."""
-    threshold = cfg.grpo.seq_logprob_error_threshold
-    if threshold is None:
-        return {}
-    mask = batch["token_mask"]
-    gap = (batch["prev_logprobs"] - batch["generation_logprobs"]).abs() * mask
-    seq_error = torch.exp(gap.sum(-1) / mask.sum(-1).clamp(min=1))
-    bad = seq_error > threshold
-    batch["sample_mask"] = batch["sample_mask"] * (~bad).float()
-    return {"seq_logprob_error/masked_fraction": bad.float().mean().item(), "seq_logprob_error/max": seq_error.max().item()}
-
-
 def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], timer: StepTimer) -> None:
     """Prev and reference logprob passes, concurrently on their own actors, each only when planned."""
     prev_refs = parts.policy.get_logprobs_async(batch) if parts.plan.compute_prev else None
@@ -232,7 +220,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     passes_before = forward_pass_counts(parts)
     run_logprob_passes(parts, batch, timer)
     passes_after = forward_pass_counts(parts)
-    adv_metrics.update(mask_high_mismatch_sequences(cfg, batch))
+    adv_metrics.update(apply_driver_masks(cfg, batch, rollout.rewards))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
     if cfg.logger.dump_train_data:

@@ -34,6 +34,8 @@ def prev_logprob_consumers(cfg: MasterConfig) -> list[str]:
     consumers = []
     if cfg.grpo.seq_logprob_error_threshold is not None:
         consumers.append("grpo.seq_logprob_error_threshold")
+    if cfg.grpo.rollout_rejection.enabled:
+        consumers.append("grpo.rollout_rejection")
     return consumers
 
 

@@ -12,13 +12,19 @@ advantage. The loss is composed of small pure functions, one per concern:
    correction, optionally truncated (tis, icepop, seq-mask-tis);
 4. a trust region from :data:`TRUST_REGIONS` - which tokens are kept (dppo_binary_tv);
 5. :func:`reference_kl_per_token` - the KL penalty to the reference policy (k1/k2/k3);
-6. :func:`reduce_per_token` - token- or sequence-level normalisation by global counts.
+6. :func:`reduce_per_token` - the loss aggregation (``loss_fn.loss_aggregation``: token-mean,
+   seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-sum), always normalised
+   by counts over the global batch so micro-batching and data parallelism do not change it.
+
+Surrogates, truncations, trust regions and KL estimators live in :class:`Registry` objects: a
+recipe names a registered entry, or user code by ``module:function``.
 
 ``docs/guides/grpo.md`` ("Loss function", "Metrics") documents the maths and every metric.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,8 +39,10 @@ from nemo_like.algorithms.metrics import (
     default_metric_reduction,
     divergence_metric_fragments,
 )
+from nemo_like.algorithms.kl import KL_ESTIMATORS
+from nemo_like.algorithms.registry import Registry
 from nemo_like.algorithms.utils import masked_mean
-from nemo_like.config.loss import ClippedPGLossConfig
+from nemo_like.config.loss import LOSS_AGGREGATIONS, ClippedPGLossConfig
 
 __all__ = [
     "ClippedPGLossFn",
@@ -123,22 +131,57 @@ class LossInputs:
         )
 
 
-def reduce_per_token(values: torch.Tensor, inputs: LossInputs, token_level: bool) -> torch.Tensor:
-    """Normalise per-token values so that summing over microbatches gives the full-batch mean.
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return masked_mean(values, mask, dim=dim, global_normalization_factor=1.0)
 
-    Token level: ``sum(values * mask) / global_valid_toks``. Sequence level: each sequence's mean
-    over its valid tokens, summed over counted sequences, ``/ global_valid_seqs``.
+
+def reduce_per_token(
+    values: torch.Tensor,
+    inputs: LossInputs,
+    aggregation: str | bool,
+    normalizer: float | None = None,
+) -> torch.Tensor:
+    """Aggregate per-token values of one microbatch; summing over microbatches and ranks gives
+    the full-batch value, because every divisor is a global count or a constant.
+
+    With ``N`` valid tokens and ``M`` valid sequences in the global batch, ``T_i`` the valid tokens
+    of sequence ``i`` and ``C`` = ``normalizer``:
+
+    * ``token-mean``: ``sum_i sum_t v / N``
+    * ``seq-mean-token-mean``: ``sum_i (sum_t v / T_i) / M``
+    * ``seq-mean-token-sum``: ``sum_i sum_t v / M``
+    * ``seq-mean-token-sum-norm`` (Dr. GRPO): ``sum_i sum_t v / (M C)``
+    * ``token-sum``: ``sum_i sum_t v``
+
+    ``aggregation`` may also be a bool (NeMo-RL's ``token_level_loss``: True = token-mean,
+    False = seq-mean-token-mean).
     """
-    if token_level:
+    if isinstance(aggregation, bool):
+        aggregation = "token-mean" if aggregation else "seq-mean-token-mean"
+    if aggregation == "token-mean":
         return masked_mean(values, inputs.mask, global_normalization_factor=inputs.global_valid_toks)
-    per_sequence = masked_mean(values, inputs.mask, dim=-1)
+    if aggregation == "token-sum":
+        return _masked_sum(values, inputs.mask)
+    if aggregation == "seq-mean-token-mean":
+        per_sequence = masked_mean(values, inputs.mask, dim=-1)
+    elif aggregation in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        per_sequence = _masked_sum(values, inputs.mask, dim=-1)
+        if aggregation == "seq-mean-token-sum-norm":
+            if normalizer is None:
+                raise ValueError(
+                    "loss_fn.loss_aggregation='seq-mean-token-sum-norm' needs "
+                    "loss_fn.loss_aggregation_normalizer (the constant C, e.g. the maximum response length)"
+                )
+            per_sequence = per_sequence / normalizer
+    else:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {list(LOSS_AGGREGATIONS)}")
     return masked_mean(
         per_sequence, inputs.sample_mask, global_normalization_factor=inputs.global_valid_seqs
     )
 
 
 def _token_mean(values: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-    return reduce_per_token(values, inputs, token_level=True)
+    return reduce_per_token(values, inputs, "token-mean")
 
 
 def _as_per_token(values: torch.Tensor) -> torch.Tensor:
@@ -229,23 +272,18 @@ def reinforce_surrogate(
     return Surrogate(-inputs.advantages * inputs.curr, ratio, ratio, torch.zeros_like(inputs.valid))
 
 
-SURROGATES: dict[str, SurrogateFn] = {
-    "ppo_clip": ppo_clip_surrogate,
-    "unclipped": unclipped_surrogate,
-    "cispo": cispo_surrogate,
-    "reinforce": reinforce_surrogate,
-}
+#: ``loss_fn.surrogate`` names; a user surrogate has the signature of :data:`SurrogateFn`.
+SURROGATES: Registry[SurrogateFn] = Registry("surrogate", "loss_fn.surrogate")
+SURROGATES.add("ppo_clip", ppo_clip_surrogate)
+SURROGATES.add("unclipped", unclipped_surrogate)
+SURROGATES.add("cispo", cispo_surrogate)
+SURROGATES.add("reinforce", reinforce_surrogate)
 
 
 def select_surrogate(cfg: ClippedPGLossConfig) -> str:
-    """Name in :data:`SURROGATES` of the surrogate the config asks for."""
-    if cfg.disable_ppo_ratio:
-        return "reinforce"
-    if cfg.use_cispo:
-        return "cispo"
-    if cfg.trust_region_type is not None:
-        return "unclipped"
-    return "ppo_clip"
+    """Name (or import path) of the surrogate the config asks for: ``loss_fn.surrogate``, else
+    the one selected by ``disable_ppo_ratio`` / ``use_cispo`` / ``trust_region_type``."""
+    return cfg.surrogate_name
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,12 +351,13 @@ def seq_mask_tis_truncation(
     return _finite_exp(log_w) * keep_like_w, ~keep
 
 
-TRUNCATIONS: dict[str | None, TruncationFn] = {
-    None: no_truncation,
-    "tis": tis_truncation,
-    "icepop": icepop_truncation,
-    "seq-mask-tis": seq_mask_tis_truncation,
-}
+#: ``loss_fn.truncated_importance_sampling_type`` names (null = :func:`no_truncation`).
+TRUNCATIONS: Registry[TruncationFn] = Registry(
+    "importance-weight truncation", "loss_fn.truncated_importance_sampling_type"
+)
+TRUNCATIONS.add("tis", tis_truncation)
+TRUNCATIONS.add("icepop", icepop_truncation)
+TRUNCATIONS.add("seq-mask-tis", seq_mask_tis_truncation)
 
 
 class ImportanceWeights(NamedTuple):
@@ -333,7 +372,8 @@ def importance_weights(inputs: LossInputs, cfg: ClippedPGLossConfig) -> Importan
     """Detached pi_prev/pi_gen weights, truncated as configured."""
     log_w = importance_log_weights(inputs, cfg.sequence_level_importance_ratios).detach()
     seq_log_geo = masked_mean(inputs.prev - inputs.gen, inputs.mask, dim=-1)
-    truncate = TRUNCATIONS[cfg.truncated_importance_sampling_type]
+    tis_type = cfg.truncated_importance_sampling_type
+    truncate = no_truncation if tis_type is None else TRUNCATIONS.get(tis_type)
     truncated, out_of_bounds = truncate(
         log_w,
         seq_log_geo,
@@ -364,7 +404,9 @@ def dppo_binary_tv_keep_mask(inputs: LossInputs, low: float, high: float) -> tor
     return inputs.valid & ~dropped
 
 
-TRUST_REGIONS: dict[str, TrustRegionFn] = {"dppo_binary_tv": dppo_binary_tv_keep_mask}
+#: ``loss_fn.trust_region_type`` names; a user trust region returns the [B, S] bool kept mask.
+TRUST_REGIONS: Registry[TrustRegionFn] = Registry("trust region", "loss_fn.trust_region_type")
+TRUST_REGIONS.add("dppo_binary_tv", dppo_binary_tv_keep_mask)
 
 
 def mismatch_penalty_per_token(inputs: LossInputs) -> torch.Tensor:
@@ -375,13 +417,6 @@ def mismatch_penalty_per_token(inputs: LossInputs) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # 5. Reference KL
 # --------------------------------------------------------------------------------------------
-
-#: Estimators of KL(pi || pi_ref) from ``log_ratio = log pi_ref - log pi`` on a token x ~ pi.
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "k1": lambda log_ratio: -log_ratio,
-    "k2": lambda log_ratio: 0.5 * log_ratio**2,
-    "k3": lambda log_ratio: torch.expm1(log_ratio) - log_ratio,
-}
 
 
 def reference_kl_per_token(inputs: LossInputs, cfg: ClippedPGLossConfig) -> torch.Tensor:
@@ -402,7 +437,8 @@ def reference_kl_per_token(inputs: LossInputs, cfg: ClippedPGLossConfig) -> torc
         bound = cfg.kl_input_clamp_value
         input_clamped = log_ratio.detach().abs() > bound
         log_ratio = log_ratio.clamp(-bound, bound)
-    kl = KL_ESTIMATORS[cfg.reference_policy_kl_type](log_ratio)
+    # Estimators of KL(pi || pi_ref) from log_ratio = log pi_ref - log pi on tokens x ~ pi.
+    kl = KL_ESTIMATORS.get(cfg.reference_policy_kl_type)(log_ratio)
     baseline = inputs.gen if cfg.use_on_policy_kl_approximation else inputs.curr.detach()
     weights = torch.nan_to_num(torch.exp(inputs.curr - baseline), nan=0.0, posinf=0.0, neginf=0.0)
     kl = kl * torch.where(input_clamped, weights.detach(), weights)
@@ -460,6 +496,8 @@ class ClippedPGLossFn:
         self.cfg = cfg
         self.reference_policy_kl_penalty = cfg.reference_policy_kl_penalty
         self.surrogate_name = select_surrogate(cfg)
+        self._surrogate = SURROGATES.get(self.surrogate_name)
+        self.aggregation = cfg.aggregation
 
     @staticmethod
     def metric_reduction(name: str) -> Reduction:
@@ -495,7 +533,7 @@ class ClippedPGLossFn:
             curr_logprobs, data, global_valid_seqs, global_valid_toks, cfg.force_on_policy_ratio
         )
 
-        surrogate = SURROGATES[self.surrogate_name](
+        surrogate = self._surrogate(
             ppo_log_ratio(inputs, cfg.sequence_level_importance_ratios), inputs, cfg
         )
         weights = importance_weights(inputs, cfg)
@@ -504,17 +542,19 @@ class ClippedPGLossFn:
             per_token = per_token * _as_per_token(weights.truncated)
         keep = self._keep_mask(inputs)
         per_token = torch.where(keep, per_token, 0.0)
-        actor_loss = reduce_per_token(per_token, inputs, cfg.token_level_loss)
+        aggregate = functools.partial(
+            reduce_per_token, inputs=inputs, aggregation=self.aggregation,
+            normalizer=cfg.loss_aggregation_normalizer,
+        )
+        actor_loss = aggregate(per_token)
 
         mismatch = torch.where(keep, mismatch_penalty_per_token(inputs), 0.0)
         loss = actor_loss
         if cfg.kl_tau > 0:
-            loss = loss + cfg.kl_tau * reduce_per_token(mismatch, inputs, cfg.token_level_loss)
+            loss = loss + cfg.kl_tau * aggregate(mismatch)
         kl_penalty = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
         if inputs.ref is not None:
-            kl_penalty = reduce_per_token(
-                reference_kl_per_token(inputs, cfg), inputs, cfg.token_level_loss
-            )
+            kl_penalty = aggregate(reference_kl_per_token(inputs, cfg))
             if beta > 0:
                 loss = loss + beta * kl_penalty
 
@@ -540,7 +580,7 @@ class ClippedPGLossFn:
     def _keep_mask(self, inputs: LossInputs) -> torch.Tensor:
         if self.cfg.trust_region_type is None:
             return inputs.valid
-        trust_region = TRUST_REGIONS[self.cfg.trust_region_type]
+        trust_region = TRUST_REGIONS.get(self.cfg.trust_region_type)
         return trust_region(inputs, self.cfg.trust_region_low, self.cfg.trust_region_high)
 
     @staticmethod

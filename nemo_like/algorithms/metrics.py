@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from nemo_like.algorithms.kl import kl_k1, kl_k3
 from nemo_like.algorithms.utils import masked_mean
 
 Reduction = Literal["sum", "min", "max"]
@@ -40,7 +41,7 @@ def kl_gen_train_k1(log_ratio: torch.Tensor) -> torch.Tensor:
 
     Unbiased; a single value can be negative, and the variance is high when the policies agree.
     """
-    return -log_ratio
+    return kl_k1(log_ratio)
 
 
 def kl_gen_train_k3(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,7 @@ def kl_gen_train_k3(log_ratio: torch.Tensor) -> torch.Tensor:
     Unbiased because ``E_gen[r] = 1`` (when pi_train puts no mass outside pi_gen's support), and
     every value is >= 0 with lower variance than k1 near r = 1.
     """
-    return torch.expm1(log_ratio) - log_ratio
+    return kl_k3(log_ratio)
 
 
 def kl_train_gen(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -137,7 +138,7 @@ def divergence_metric_fragments(
     def per_seq_mean(values: torch.Tensor) -> torch.Tensor:
         return masked_mean(torch.where(valid, values, 0.0), mask, dim=-1)
 
-    seq_log_ratio_sum = (log_ratio * mask).sum(dim=-1).clamp(
+    seq_log_ratio_sum = torch.where(valid, log_ratio, 0.0).sum(dim=-1).clamp(
         -LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND
     )
     seq_log_ratio_mean = per_seq_mean(log_ratio).clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND)

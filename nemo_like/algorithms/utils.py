@@ -20,7 +20,8 @@ def masked_mean(
 
     Args:
         values: any tensor.
-        mask: same shape as ``values`` (broadcastable), 0/1 (bool or float).
+        mask: same shape as ``values`` (broadcastable), 0/1 (bool or float). Values where the mask
+            is 0 are never read, so NaN/inf there cannot leak into the result.
         dim: reduce over this dimension only; ``None`` reduces over everything.
         global_normalization_factor: divide the masked sum by this instead of the local mask count.
             Pass the global number of valid tokens (or sequences) so that summing the results over
@@ -30,7 +31,10 @@ def masked_mean(
         The masked mean; 0 (not NaN) where the mask is empty.
     """
     mask = mask.to(values.dtype)
-    masked_sum = (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
+    # torch.where, not values * mask: NaN * 0 and inf * 0 are NaN, so garbage at masked positions
+    # (padding logprobs, -inf) would otherwise poison the whole mean.
+    weighted = torch.where(mask != 0, values * mask, torch.zeros((), dtype=values.dtype, device=values.device))
+    masked_sum = weighted.sum() if dim is None else weighted.sum(dim=dim)
     if global_normalization_factor is not None:
         denom = torch.as_tensor(global_normalization_factor, dtype=values.dtype, device=values.device)
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,21 @@ def resolve_config_dict(path: str | Path | None, overrides: Sequence[str] = ()) 
         raise ConfigError(f"Cannot resolve interpolation: {exc}") from None
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> MasterConfig:
-    """Return the validated :class:`MasterConfig`; user mistakes raise :class:`ConfigError`."""
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), warn: bool = True) -> MasterConfig:
+    """Return the validated :class:`MasterConfig`; user mistakes raise :class:`ConfigError`.
+
+    Options that are set but have no effect are not errors: with ``warn`` each is printed to stderr
+    as one ``[config] warning: ...`` line (``nemo-like train`` and ``--dry-run`` both load here).
+    """
     raw = resolve_config_dict(path, overrides)
     try:
-        return MasterConfig.model_validate(raw)
+        cfg = MasterConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+    if warn:
+        for line in cfg.no_effect_warnings():
+            print(f"[config] warning: {line}", file=sys.stderr, flush=True)
+    return cfg
 
 
 def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:

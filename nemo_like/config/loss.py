@@ -3,20 +3,30 @@
 Key names follow NeMo-RL's ``ClippedPGLossConfig`` so that its recipes port over. The field
 descriptions double as user documentation; ``docs/guides/grpo.md`` explains the maths.
 
-Validation policy: a combination is rejected when it is contradictory, or when the user changed a
-parameter (set it to a non-default value) that the rest of the configuration makes ineffective.
-Writing a default value out explicitly is always accepted, so recipes that spell out every key work.
+Validation policy: a combination that is contradictory (options that cannot both hold) is an
+error. A parameter changed from its default that the rest of the configuration makes ineffective
+is only a warning (:meth:`ClippedPGLossConfig.no_effect_warnings`, printed once at start-up).
+
+Plug-in choices (``surrogate``, ``reference_policy_kl_type``, ``truncated_importance_sampling_type``,
+``trust_region_type``) accept any name registered in :mod:`nemo_like.algorithms.loss_functions` /
+:mod:`nemo_like.algorithms.kl`, or a ``module:function`` import path to user code; they are checked
+against the registry here, at config time.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-KLType = Literal["k1", "k2", "k3"]
-TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
-TrustRegionType = Literal["dppo_binary_tv"]
+from nemo_like.config.types import Float
+
+LossAggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"
+]
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+TOKEN_LEVEL_AGGREGATIONS = ("token-mean", "token-sum")
+_LEGACY_TOKEN_LEVEL = {True: "token-mean", False: "seq-mean-token-mean"}
 
 _CLIP_KEYS = ("ratio_clip_min", "ratio_clip_max")
 _KL_PARAM_KEYS = ("reference_policy_kl_type", "kl_input_clamp_value", "kl_output_clamp_value")
@@ -28,13 +38,13 @@ class ClippedPGLossConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    ratio_clip_min: float = Field(
+    ratio_clip_min: Float = Field(
         0.2,
         ge=0.0,
         le=1.0,
         description="PPO epsilon_low: the ratio pi_curr/pi_prev is clamped below at 1 - ratio_clip_min.",
     )
-    ratio_clip_max: float = Field(
+    ratio_clip_max: Float = Field(
         0.2,
         ge=0.0,
         description=(
@@ -42,7 +52,7 @@ class ClippedPGLossConfig(BaseModel):
             "ratio_clip_min for DAPO's clip-higher (e.g. 0.28)."
         ),
     )
-    ratio_clip_c: float | None = Field(
+    ratio_clip_c: Float | None = Field(
         None,
         gt=1.0,
         description=(
@@ -51,7 +61,7 @@ class ClippedPGLossConfig(BaseModel):
             "update. None disables dual clipping."
         ),
     )
-    reference_policy_kl_penalty: float = Field(
+    reference_policy_kl_penalty: Float = Field(
         0.0,
         ge=0.0,
         description=(
@@ -59,20 +69,21 @@ class ClippedPGLossConfig(BaseModel):
             "penalty, and no reference model or reference logprobs are needed."
         ),
     )
-    reference_policy_kl_type: KLType = Field(
+    reference_policy_kl_type: str = Field(
         "k3",
         description=(
             "Per-token estimator of KL(pi_curr || pi_ref), with log_ratio = log pi_ref - log pi_curr: "
             "k1 = -log_ratio (unbiased, can be negative), k2 = log_ratio^2/2 (biased, >= 0), "
-            "k3 = exp(log_ratio) - 1 - log_ratio (unbiased, >= 0)."
+            "k3 = exp(log_ratio) - 1 - log_ratio (unbiased, >= 0). Any name registered in "
+            "nemo_like.algorithms.kl.KL_ESTIMATORS, or 'module:function' (log_ratio -> per-token KL)."
         ),
     )
-    kl_input_clamp_value: float | None = Field(
+    kl_input_clamp_value: Float | None = Field(
         20.0,
         gt=0.0,
         description="Clamp log(pi_ref/pi_curr) to [-v, v] before the KL estimator. None disables.",
     )
-    kl_output_clamp_value: float | None = Field(
+    kl_output_clamp_value: Float | None = Field(
         10.0,
         gt=0.0,
         description=(
@@ -97,21 +108,22 @@ class ClippedPGLossConfig(BaseModel):
             "(async GRPO, fp8 or otherwise mismatched inference)."
         ),
     )
-    truncated_importance_sampling_type: TruncationType | None = Field(
+    truncated_importance_sampling_type: str | None = Field(
         None,
         description=(
             "How the importance weights are truncated: 'tis' clamps them to [min, max]; 'icepop' "
             "zeroes weights outside [min, max]; 'seq-mask-tis' zeroes whole sequences whose "
             "geometric-mean ratio is outside [min, max]. Requires "
-            "use_importance_sampling_correction and truncated_importance_sampling_ratio."
+            "use_importance_sampling_correction and truncated_importance_sampling_ratio. Any name "
+            "registered in loss_functions.TRUNCATIONS, or 'module:function'."
         ),
     )
-    truncated_importance_sampling_ratio: float | None = Field(
+    truncated_importance_sampling_ratio: Float | None = Field(
         None,
         gt=0.0,
         description="Upper bound 'max' of the truncation (e.g. 2.0 or 5.0).",
     )
-    truncated_importance_sampling_ratio_min: float | None = Field(
+    truncated_importance_sampling_ratio_min: Float | None = Field(
         None,
         ge=0.0,
         description=(
@@ -126,11 +138,40 @@ class ClippedPGLossConfig(BaseModel):
             "ratio; importance weights become per-sequence products. Requires token_level_loss=False."
         ),
     )
-    token_level_loss: bool = Field(
-        True,
+    token_level_loss: bool | None = Field(
+        None,
         description=(
-            "True: average over all valid tokens of the global batch. False: average each "
-            "sequence over its tokens, then average sequences over the global batch."
+            "NeMo-RL's switch, kept for its recipes: True = loss_aggregation 'token-mean', False = "
+            "'seq-mean-token-mean'. null follows loss_aggregation. Setting both inconsistently is "
+            "an error."
+        ),
+    )
+    loss_aggregation: LossAggregation | None = Field(
+        None,
+        description=(
+            "How per-token losses become one number (verl's loss_agg_mode), always normalised by "
+            "counts over the whole global batch: 'token-mean' = sum / valid tokens; "
+            "'seq-mean-token-mean' = mean over sequences of each sequence's token mean; "
+            "'seq-mean-token-sum' = mean over sequences of each sequence's token sum; "
+            "'seq-mean-token-sum-norm' = Dr. GRPO: sum / (valid sequences * "
+            "loss_aggregation_normalizer); 'token-sum' = plain sum. null: from token_level_loss "
+            "(default token-mean)."
+        ),
+    )
+    loss_aggregation_normalizer: Float | None = Field(
+        None,
+        gt=0.0,
+        description=(
+            "The constant C of 'seq-mean-token-sum-norm' (Dr. GRPO divides each sequence's token "
+            "sum by the maximum response length). null: policy.generation.max_new_tokens."
+        ),
+    )
+    surrogate: str | None = Field(
+        None,
+        description=(
+            "Policy-gradient surrogate by name: 'ppo_clip', 'unclipped', 'cispo', 'reinforce', any "
+            "name registered in loss_functions.SURROGATES, or 'module:function'. null: chosen by "
+            "use_cispo / disable_ppo_ratio / trust_region_type (ppo_clip otherwise)."
         ),
     )
     disable_ppo_ratio: bool = Field(
@@ -154,28 +195,29 @@ class ClippedPGLossConfig(BaseModel):
             "tokens keep a (bounded) gradient instead of losing it."
         ),
     )
-    trust_region_type: TrustRegionType | None = Field(
+    trust_region_type: str | None = Field(
         None,
         description=(
             "'dppo_binary_tv' replaces ratio clipping by a trust region on probabilities: a token "
             "is dropped when pi_curr - pi_gen moved past the band in the direction its advantage "
             "pushes (above trust_region_high for A > 0, below -trust_region_low for A < 0). "
-            "Kept tokens use the unclipped ratio."
+            "Kept tokens use the unclipped ratio. Any name registered in "
+            "loss_functions.TRUST_REGIONS, or 'module:function' returning the kept-token mask."
         ),
     )
-    trust_region_low: float = Field(
+    trust_region_low: Float = Field(
         0.2,
         gt=0.0,
         le=1.0,
         description="Band below pi_gen: A < 0 tokens with pi_curr - pi_gen < -trust_region_low are dropped.",
     )
-    trust_region_high: float = Field(
+    trust_region_high: Float = Field(
         0.2,
         gt=0.0,
         le=1.0,
         description="Band above pi_gen: A > 0 tokens with pi_curr - pi_gen > trust_region_high are dropped.",
     )
-    kl_tau: float = Field(
+    kl_tau: Float = Field(
         0.0,
         ge=0.0,
         description=(
@@ -185,9 +227,49 @@ class ClippedPGLossConfig(BaseModel):
         ),
     )
 
+    @field_validator("reference_policy_kl_type")
+    @classmethod
+    def _registered_kl_type(cls, name: str) -> str:
+        from nemo_like.algorithms.kl import KL_ESTIMATORS
+
+        return KL_ESTIMATORS.check(name)
+
+    @field_validator("surrogate", "truncated_importance_sampling_type", "trust_region_type")
+    @classmethod
+    def _registered_plugin(cls, name: str | None, info) -> str | None:
+        from nemo_like.algorithms import loss_functions as lf
+
+        registry = {
+            "surrogate": lf.SURROGATES,
+            "truncated_importance_sampling_type": lf.TRUNCATIONS,
+            "trust_region_type": lf.TRUST_REGIONS,
+        }[info.field_name]
+        return None if name is None else registry.check(name)
+
+    @property
+    def aggregation(self) -> str:
+        """The effective loss aggregation (``loss_aggregation``, else from ``token_level_loss``)."""
+        if self.loss_aggregation is not None:
+            return self.loss_aggregation
+        return _LEGACY_TOKEN_LEVEL[True if self.token_level_loss is None else self.token_level_loss]
+
+    @property
+    def surrogate_name(self) -> str:
+        """The surrogate to use: ``surrogate``, else the one the flags select."""
+        return self.surrogate or self._flag_surrogate()
+
+    def _flag_surrogate(self) -> str:
+        if self.disable_ppo_ratio:
+            return "reinforce"
+        if self.use_cispo:
+            return "cispo"
+        if self.trust_region_type is not None:
+            return "unclipped"
+        return "ppo_clip"
+
     @model_validator(mode="after")
     def _check_combinations(self) -> ClippedPGLossConfig:
-        problems = self._contradictions() + self._ineffective_parameters()
+        problems = self._contradictions()
         if problems:
             raise ValueError("invalid loss_fn config: " + "; ".join(problems))
         return self
@@ -196,7 +278,23 @@ class ClippedPGLossConfig(BaseModel):
         tis_type = self.truncated_importance_sampling_type
         tis_max = self.truncated_importance_sampling_ratio
         tis_min = self.truncated_importance_sampling_ratio_min
+        builtin_tis = tis_type in ("tis", "icepop", "seq-mask-tis")
+        token_level = self.aggregation in TOKEN_LEVEL_AGGREGATIONS
+        agg = self.loss_aggregation
+        tll = self.token_level_loss
+        flag_surrogate = "cispo" if self.use_cispo else "reinforce" if self.disable_ppo_ratio else None
         rules: list[tuple[bool, str]] = [
+            (
+                agg is not None and tll is not None and _LEGACY_TOKEN_LEVEL[tll] != agg,
+                f"loss_fn.token_level_loss={str(tll).lower()} means loss_aggregation "
+                f"'{_LEGACY_TOKEN_LEVEL[bool(tll)]}' but loss_fn.loss_aggregation={agg!r}; set only one",
+            ),
+            (
+                self.surrogate is not None and flag_surrogate is not None and self.surrogate != flag_surrogate,
+                f"loss_fn.surrogate={self.surrogate!r} contradicts "
+                f"loss_fn.{'use_cispo' if self.use_cispo else 'disable_ppo_ratio'}=true (which selects "
+                f"{flag_surrogate!r}); set only one",
+            ),
             (
                 self.use_cispo and self.ratio_clip_c is not None,
                 "loss_fn.use_cispo and loss_fn.ratio_clip_c are exclusive (CISPO's weight is "
@@ -216,13 +314,15 @@ class ClippedPGLossConfig(BaseModel):
                 "loss_fn.use_cispo and loss_fn.sequence_level_importance_ratios are exclusive",
             ),
             (
-                self.use_cispo and not self.token_level_loss,
-                "loss_fn.use_cispo requires loss_fn.token_level_loss=True",
+                self.use_cispo and not token_level,
+                "loss_fn.use_cispo requires a token-level loss (loss_fn.token_level_loss=true or "
+                f"loss_fn.loss_aggregation in {list(TOKEN_LEVEL_AGGREGATIONS)}); got {self.aggregation!r}",
             ),
             (
-                self.sequence_level_importance_ratios and self.token_level_loss,
-                "loss_fn.sequence_level_importance_ratios (GSPO) requires "
-                "loss_fn.token_level_loss=False",
+                self.sequence_level_importance_ratios and token_level,
+                "loss_fn.sequence_level_importance_ratios (GSPO) requires a sequence-level loss "
+                "(loss_fn.token_level_loss=false or a 'seq-mean-*' loss_fn.loss_aggregation); got "
+                f"{self.aggregation!r}",
             ),
             (
                 self.sequence_level_importance_ratios and self.disable_ppo_ratio,
@@ -233,15 +333,6 @@ class ClippedPGLossConfig(BaseModel):
                 self.disable_ppo_ratio and self.force_on_policy_ratio,
                 "loss_fn.disable_ppo_ratio and loss_fn.force_on_policy_ratio both replace the "
                 "ratio; choose one (their gradients are identical)",
-            ),
-            (
-                self.ratio_clip_c is not None and self.disable_ppo_ratio,
-                "loss_fn.ratio_clip_c has no effect with loss_fn.disable_ppo_ratio (no ratio)",
-            ),
-            (
-                self.ratio_clip_c is not None and self.force_on_policy_ratio,
-                "loss_fn.ratio_clip_c has no effect with loss_fn.force_on_policy_ratio (the ratio "
-                "is always 1 < c)",
             ),
             (
                 self.trust_region_type is not None and self.use_cispo,
@@ -262,29 +353,9 @@ class ClippedPGLossConfig(BaseModel):
                 "loss_fn.sequence_level_importance_ratios are exclusive",
             ),
             (
-                self.use_on_policy_kl_approximation and self.reference_policy_kl_penalty == 0,
-                "loss_fn.use_on_policy_kl_approximation has no effect with "
-                "loss_fn.reference_policy_kl_penalty=0",
-            ),
-            (
-                tis_type is not None and not self.use_importance_sampling_correction,
-                "loss_fn.truncated_importance_sampling_type requires "
-                "loss_fn.use_importance_sampling_correction=True",
-            ),
-            (
-                tis_type is not None and tis_max is None,
+                builtin_tis and tis_max is None,
                 "loss_fn.truncated_importance_sampling_type requires "
                 "loss_fn.truncated_importance_sampling_ratio",
-            ),
-            (
-                tis_type is None and tis_max is not None,
-                "loss_fn.truncated_importance_sampling_ratio is set but "
-                "loss_fn.truncated_importance_sampling_type is None",
-            ),
-            (
-                tis_type is None and tis_min is not None,
-                "loss_fn.truncated_importance_sampling_ratio_min is set but "
-                "loss_fn.truncated_importance_sampling_type is None",
             ),
             (
                 tis_type in ("icepop", "seq-mask-tis") and tis_min is None,
@@ -299,26 +370,42 @@ class ClippedPGLossConfig(BaseModel):
         ]
         return [message for broken, message in rules if broken]
 
-    def _ineffective_parameters(self) -> list[str]:
+    def no_effect_warnings(self) -> list[str]:
+        """One line per parameter changed from its default that the configuration ignores.
+
+        Writing a default value out explicitly never warns, so recipes that spell out every key
+        stay quiet. Contradictions are errors instead (raised at validation).
+        """
+        tis_type = self.truncated_importance_sampling_type
+        beta_zero = self.reference_policy_kl_penalty == 0
         groups: list[tuple[bool, str, tuple[str, ...]]] = [
-            (self.trust_region_type is not None, "loss_fn.trust_region_type is set", _CLIP_KEYS),
-            (self.disable_ppo_ratio, "loss_fn.disable_ppo_ratio=True", _CLIP_KEYS),
-            (self.force_on_policy_ratio, "loss_fn.force_on_policy_ratio=True", _CLIP_KEYS),
-            (self.trust_region_type is None, "loss_fn.trust_region_type is None", _TRUST_REGION_KEYS),
+            (self.trust_region_type is not None, f"loss_fn.trust_region_type={self.trust_region_type!r}", _CLIP_KEYS),
+            (self.disable_ppo_ratio, "loss_fn.disable_ppo_ratio=true", (*_CLIP_KEYS, "ratio_clip_c")),
+            (self.force_on_policy_ratio, "loss_fn.force_on_policy_ratio=true", (*_CLIP_KEYS, "ratio_clip_c")),
+            (self.trust_region_type is None, "loss_fn.trust_region_type is null", _TRUST_REGION_KEYS),
+            (beta_zero, "loss_fn.reference_policy_kl_penalty=0", (*_KL_PARAM_KEYS, "use_on_policy_kl_approximation")),
             (
-                self.reference_policy_kl_penalty == 0,
-                "loss_fn.reference_policy_kl_penalty=0",
-                _KL_PARAM_KEYS,
+                tis_type is None,
+                "loss_fn.truncated_importance_sampling_type is null",
+                ("truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min"),
+            ),
+            (
+                not self.use_importance_sampling_correction,
+                "loss_fn.use_importance_sampling_correction=false",
+                ("truncated_importance_sampling_type",),
+            ),
+            (
+                self.aggregation != "seq-mean-token-sum-norm",
+                f"loss_fn.loss_aggregation={self.aggregation!r}",
+                ("loss_aggregation_normalizer",),
             ),
         ]
-        problems = []
+        warnings: dict[str, str] = {}  # key -> its line: one line per option, first reason wins
         for active, reason, keys in groups:
-            changed = [k for k in keys if active and self._changed_from_default(k)]
-            if changed:
-                names = " and ".join(f"loss_fn.{k}" for k in changed)
-                verb, pronoun = ("has", "it") if len(changed) == 1 else ("have", "them")
-                problems.append(f"{names} {verb} no effect because {reason}; remove {pronoun}")
-        return problems
+            for key in keys:
+                if active and key not in warnings and self._changed_from_default(key):
+                    warnings[key] = f"loss_fn.{key} has no effect because {reason} (ignored)"
+        return list(warnings.values())
 
     def _changed_from_default(self, key: str) -> bool:
         default = type(self).model_fields[key].default

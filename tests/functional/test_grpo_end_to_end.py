@@ -40,8 +40,14 @@ def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path
 def test_prev_logprob_pass_is_skipped_with_one_optimizer_step_and_the_loss_is_unchanged(ray_cluster, tmp_path):
     common = ("grpo.max_num_steps=1", "grpo.val_at_start=false", "grpo.val_at_end=false")
     skipped = train(tiny_config(tmp_path / "a", *common, "grpo.skip_prev_logprobs=auto"))
-    computed = train(tiny_config(tmp_path / "b", *common, "grpo.skip_prev_logprobs=false"))
+    # The driver-side masks ride along on the computed run: on-policy they must remove nothing.
+    masks = ("grpo.seq_logprob_error_threshold=1.5", "grpo.rollout_rejection.level=token",
+             "grpo.rollout_rejection.lower=0.5", "grpo.rollout_rejection.upper=2.0")
+    computed = train(tiny_config(tmp_path / "b", *common, "grpo.skip_prev_logprobs=false", *masks))
     s, c = skipped[-1], computed[-1]
+    assert c["train/rollout_rejection/masked_token_fraction"] == 0 and c["train/seq_logprob_error/masked_fraction"] == 0
+    assert 0.9 < c["train/rollout_rejection/token_ratio_min"] <= c["train/rollout_rejection/token_ratio_max"] < 1.1
+    assert 1.0 <= c["train/seq_logprob_error/max"] < 1.1
     assert s["performance/forward_passes/prev_logprobs"] == 0 and s["timing/train/prev_logprobs"] == 0
     assert c["performance/forward_passes/prev_logprobs"] > 0
     assert s["performance/forward_passes/reference_logprobs"] > 0  # KL penalty on: reference runs

@@ -1,4 +1,4 @@
-"""ClippedPGLossConfig: defaults, documentation, and rejection of invalid combinations."""
+"""ClippedPGLossConfig: defaults, documentation, rejection of contradictions, no-effect warnings."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def test_defaults() -> None:
     assert (cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.ratio_clip_c) == (0.2, 0.2, None)
     assert (cfg.reference_policy_kl_penalty, cfg.reference_policy_kl_type) == (0.0, "k3")
     assert (cfg.kl_input_clamp_value, cfg.kl_output_clamp_value) == (20.0, 10.0)
-    assert cfg.token_level_loss is True
+    assert cfg.token_level_loss is None and cfg.loss_aggregation is None
+    assert cfg.aggregation == "token-mean"
     assert not any([
         cfg.use_on_policy_kl_approximation, cfg.use_importance_sampling_correction,
         cfg.sequence_level_importance_ratios, cfg.disable_ppo_ratio, cfg.force_on_policy_ratio,
@@ -73,33 +74,26 @@ def test_valid_combinations(kwargs: dict) -> None:
         ({"sequence_level_importance_ratios": True, "token_level_loss": False, "disable_ppo_ratio": True},
          ["sequence_level_importance_ratios", "disable_ppo_ratio"]),
         ({"disable_ppo_ratio": True, "force_on_policy_ratio": True}, ["disable_ppo_ratio", "force_on_policy_ratio"]),
-        ({"disable_ppo_ratio": True, "ratio_clip_c": 3.0}, ["ratio_clip_c", "disable_ppo_ratio"]),
-        ({"force_on_policy_ratio": True, "ratio_clip_c": 3.0}, ["ratio_clip_c", "force_on_policy_ratio"]),
         ({"truncated_importance_sampling_type": "tis", "use_importance_sampling_correction": True},
          ["truncated_importance_sampling_type", "truncated_importance_sampling_ratio"]),
-        ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
-         ["truncated_importance_sampling_type", "use_importance_sampling_correction"]),
-        ({"truncated_importance_sampling_ratio": 2.0, "use_importance_sampling_correction": True},
-         ["truncated_importance_sampling_ratio", "truncated_importance_sampling_type"]),
-        ({"truncated_importance_sampling_ratio_min": 0.5}, ["truncated_importance_sampling_ratio_min",
-                                                            "truncated_importance_sampling_type"]),
         ({"truncated_importance_sampling_type": "icepop", **TIS},
          ["truncated_importance_sampling_type", "truncated_importance_sampling_ratio_min"]),
         ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio_min": 3.0, **TIS},
          ["truncated_importance_sampling_ratio_min", "truncated_importance_sampling_ratio"]),
-        ({"use_on_policy_kl_approximation": True}, ["use_on_policy_kl_approximation", "reference_policy_kl_penalty"]),
         ({"trust_region_type": "dppo_binary_tv", "use_cispo": True}, ["trust_region_type", "use_cispo"]),
         ({"trust_region_type": "dppo_binary_tv", "ratio_clip_c": 3.0}, ["trust_region_type", "ratio_clip_c"]),
         ({"trust_region_type": "dppo_binary_tv", "disable_ppo_ratio": True}, ["trust_region_type", "disable_ppo_ratio"]),
         ({"trust_region_type": "dppo_binary_tv", "sequence_level_importance_ratios": True, "token_level_loss": False},
          ["trust_region_type", "sequence_level_importance_ratios"]),
-        # A parameter changed from its default but made ineffective by another key:
-        ({"trust_region_type": "dppo_binary_tv", "ratio_clip_max": 0.28}, ["ratio_clip_max", "trust_region_type"]),
-        ({"force_on_policy_ratio": True, "ratio_clip_min": 0.1}, ["ratio_clip_min", "force_on_policy_ratio"]),
-        ({"disable_ppo_ratio": True, "ratio_clip_max": 0.3}, ["ratio_clip_max", "disable_ppo_ratio"]),
-        ({"trust_region_high": 0.3}, ["trust_region_high", "trust_region_type"]),
-        ({"reference_policy_kl_type": "k1"}, ["reference_policy_kl_type", "reference_policy_kl_penalty"]),
-        ({"kl_output_clamp_value": 5.0}, ["kl_output_clamp_value", "reference_policy_kl_penalty"]),
+        ({"token_level_loss": True, "loss_aggregation": "seq-mean-token-sum-norm"},
+         ["token_level_loss", "loss_aggregation"]),
+        ({"token_level_loss": False, "loss_aggregation": "token-mean"}, ["token_level_loss", "loss_aggregation"]),
+        ({"token_level_loss": False, "loss_aggregation": "seq-mean-token-sum"}, ["token_level_loss", "loss_aggregation"]),
+        ({"use_cispo": True, "loss_aggregation": "seq-mean-token-sum"}, ["use_cispo", "loss_aggregation"]),
+        ({"sequence_level_importance_ratios": True, "loss_aggregation": "token-sum"},
+         ["sequence_level_importance_ratios", "loss_aggregation"]),
+        ({"surrogate": "ppo_clip", "use_cispo": True}, ["surrogate", "use_cispo"]),
+        ({"surrogate": "cispo", "disable_ppo_ratio": True}, ["surrogate", "disable_ppo_ratio"]),
     ],
 )
 def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> None:
@@ -111,6 +105,53 @@ def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> N
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "ignored", "because"),
+    [
+        # A parameter changed from its default but made ineffective by another key: a warning.
+        ({"trust_region_type": "dppo_binary_tv", "ratio_clip_max": 0.28}, "ratio_clip_max",
+         "loss_fn.trust_region_type='dppo_binary_tv'"),
+        ({"force_on_policy_ratio": True, "ratio_clip_max": 0.28}, "ratio_clip_max", "loss_fn.force_on_policy_ratio=true"),
+        ({"force_on_policy_ratio": True, "ratio_clip_min": 0.1}, "ratio_clip_min", "loss_fn.force_on_policy_ratio=true"),
+        ({"disable_ppo_ratio": True, "ratio_clip_max": 0.3}, "ratio_clip_max", "loss_fn.disable_ppo_ratio=true"),
+        ({"disable_ppo_ratio": True, "ratio_clip_c": 3.0}, "ratio_clip_c", "loss_fn.disable_ppo_ratio=true"),
+        ({"force_on_policy_ratio": True, "ratio_clip_c": 3.0}, "ratio_clip_c", "loss_fn.force_on_policy_ratio=true"),
+        ({"trust_region_high": 0.3}, "trust_region_high", "loss_fn.trust_region_type is null"),
+        ({"reference_policy_kl_type": "k1"}, "reference_policy_kl_type", "loss_fn.reference_policy_kl_penalty=0"),
+        ({"kl_output_clamp_value": 5.0}, "kl_output_clamp_value", "loss_fn.reference_policy_kl_penalty=0"),
+        ({"reference_policy_kl_penalty": 0, "kl_input_clamp_value": 5.0}, "kl_input_clamp_value",
+         "loss_fn.reference_policy_kl_penalty=0"),
+        ({"use_on_policy_kl_approximation": True}, "use_on_policy_kl_approximation",
+         "loss_fn.reference_policy_kl_penalty=0"),
+        ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+         "truncated_importance_sampling_type", "loss_fn.use_importance_sampling_correction=false"),
+        ({"truncated_importance_sampling_ratio": 2.0, "use_importance_sampling_correction": True},
+         "truncated_importance_sampling_ratio", "loss_fn.truncated_importance_sampling_type is null"),
+        ({"truncated_importance_sampling_ratio_min": 0.5}, "truncated_importance_sampling_ratio_min",
+         "loss_fn.truncated_importance_sampling_type is null"),
+        ({"loss_aggregation_normalizer": 512}, "loss_aggregation_normalizer",
+         "loss_fn.loss_aggregation='token-mean'"),
+    ],
+)
+def test_ineffective_options_warn_instead_of_failing(kwargs: dict, ignored: str, because: str) -> None:
+    cfg = ClippedPGLossConfig(**kwargs)  # no error
+    warnings = cfg.no_effect_warnings()
+    assert [w for w in warnings if w.startswith(f"loss_fn.{ignored} has no effect because")] == [
+        f"loss_fn.{ignored} has no effect because {because} (ignored)"
+    ], warnings
+
+
+def test_one_warning_line_per_option() -> None:
+    # ratio_clip_max is ineffective for two reasons at once: still one line.
+    cfg = ClippedPGLossConfig(force_on_policy_ratio=True, trust_region_type="dppo_binary_tv", ratio_clip_max=0.3)
+    assert sum(w.startswith("loss_fn.ratio_clip_max ") for w in cfg.no_effect_warnings()) == 1
+
+
+def test_defaults_written_out_do_not_warn() -> None:
+    cfg = ClippedPGLossConfig(force_on_policy_ratio=True, ratio_clip_max=0.2, kl_input_clamp_value=20.0)
+    assert cfg.no_effect_warnings() == []
+
+
+@pytest.mark.parametrize(
     ("kwargs", "key"),
     [
         ({"ratio_clip_c": 1.0}, "ratio_clip_c"),
@@ -119,6 +160,10 @@ def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> N
         ({"ratio_clip_max": -0.1}, "ratio_clip_max"),
         ({"reference_policy_kl_penalty": -1.0}, "reference_policy_kl_penalty"),
         ({"reference_policy_kl_type": "k4"}, "reference_policy_kl_type"),
+        ({"surrogate": "ppo-clip"}, "surrogate"),
+        ({"trust_region_type": "dppo"}, "trust_region_type"),
+        ({"loss_aggregation": "seq-mean"}, "loss_aggregation"),
+        ({"loss_aggregation_normalizer": 0}, "loss_aggregation_normalizer"),
         ({"truncated_importance_sampling_type": "clip"}, "truncated_importance_sampling_type"),
         ({"truncated_importance_sampling_ratio": 0.0}, "truncated_importance_sampling_ratio"),
         ({"trust_region_high": 1.5}, "trust_region_high"),

@@ -1,0 +1,31 @@
+"""Numeric field types that refuse booleans.
+
+pydantic's lax mode turns ``true`` into ``1.0`` for a float key and ``1`` for an int key, so a
+recipe line like ``reference_policy_kl_penalty: true`` would silently mean a KL weight of 1. Every
+numeric key of the schema uses :data:`Float` or :data:`Int` instead: a boolean is an error naming
+the key and the expected type; an int stays valid where a float is expected (``lr: 1``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
+from pydantic_core import PydanticCustomError
+
+
+def _reject_bool(expected: str) -> BeforeValidator:
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise PydanticCustomError(
+                "bool_for_number",
+                "expected {expected}, not a boolean",
+                {"expected": expected},
+            )
+        return value
+
+    return BeforeValidator(check)
+
+
+Float = Annotated[float, _reject_bool("a number")]
+Int = Annotated[int, _reject_bool("an integer")]

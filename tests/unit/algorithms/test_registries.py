@@ -1,0 +1,104 @@
+"""Plug-in registries: registered names or user code by import path, checked at config time with a
+did-you-mean; one definition of the k1/k2/k3 KL estimators."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nemo_like.algorithms import kl, loss_functions, metrics
+from nemo_like.algorithms.advantages import compute_advantages
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.config import ConfigError, load_config
+from nemo_like.config.loss import ClippedPGLossConfig
+
+PLUGINS = "tests.unit.algorithms.user_plugins"
+PLUGINS_FILE = "tests/unit/algorithms/user_plugins.py"
+
+
+@pytest.mark.parametrize("path", [f"{PLUGINS}:best_of_group_advantages", f"{PLUGINS_FILE}:best_of_group_advantages"])
+def test_user_estimator_by_import_path_is_used_for_advantages(path: str) -> None:
+    cfg = load_config(None, [f"grpo.adv_estimator.name={path}"])
+    assert cfg.grpo.adv_estimator.name == path
+    result = compute_advantages(
+        cfg.grpo.adv_estimator.name,
+        rewards=torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0]),
+        prompt_ids=torch.tensor([0, 0, 0, 1, 1]),
+        valid_mask=torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0]),
+        normalize_rewards=True,
+        use_leave_one_out_baseline=False,
+    )
+    assert result.advantages.tolist() == [0.0, -1.0, -0.5, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("grpo.adv_estimator.name=rlo", "grpo.adv_estimator.name: unknown advantage estimator 'rlo'. Did you mean 'rloo'?"),
+        ("grpo.adv_estimator.name=dr-grpo", "Did you mean 'dr_grpo'?"),
+        ("loss_fn.surrogate=cipso", "loss_fn.surrogate: unknown surrogate 'cipso'. Did you mean 'cispo'?"),
+        ("loss_fn.reference_policy_kl_type=k33", "Did you mean 'k3'?"),
+        ("loss_fn.trust_region_type=dppo_binary", "Did you mean 'dppo_binary_tv'?"),
+        ("loss_fn.truncated_importance_sampling_type=icepo", "Did you mean 'icepop'?"),
+        (f"grpo.adv_estimator.name={PLUGINS}:missing", "grpo.adv_estimator.name: 'tests.unit.algorithms.user_plugins' has no attribute 'missing'"),
+        (f"grpo.adv_estimator.name={PLUGINS}:NOT_CALLABLE", "is not callable"),
+        ("grpo.adv_estimator.name=no_such_pkg.mod:fn", "grpo.adv_estimator.name: cannot import 'no_such_pkg.mod'"),
+    ],
+)
+def test_unknown_names_are_config_errors_with_suggestions(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, [override])
+    assert message in str(excinfo.value)
+
+
+def test_user_kl_estimator_by_import_path_is_used_in_the_loss() -> None:
+    # One token, pi_ref / pi_curr = e^-0.5: |log ratio| = 0.5; penalty 0.1 -> loss = -A + 0.1 * 0.5.
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.1, reference_policy_kl_type=f"{PLUGINS}:abs_log_ratio_kl")
+    curr = torch.tensor([[0.0, math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    data = {
+        "advantages": torch.tensor([[0.0, 2.0]], dtype=torch.float64),
+        "token_mask": torch.tensor([[0.0, 1.0]], dtype=torch.float64),
+        "sample_mask": torch.ones(1, dtype=torch.float64),
+        "generation_logprobs": curr.detach().clone(),
+        "reference_policy_logprobs": curr.detach() - torch.tensor([[0.0, 0.5]], dtype=torch.float64),
+    }
+    loss, fragments = ClippedPGLossFn(cfg)(curr, data, 1, 1)
+    assert loss.item() == pytest.approx(-2.0 + 0.1 * 0.5)
+    assert fragments["kl_penalty"] == pytest.approx(0.5)
+
+
+def test_registering_a_surrogate_makes_it_a_valid_recipe_value() -> None:
+    def negated(log_ratio, inputs, cfg):  # -(-A r): a deliberately different loss
+        plain = loss_functions.unclipped_surrogate(log_ratio, inputs, cfg)
+        return plain._replace(loss=-plain.loss)
+
+    name = "test_negated_unclipped"
+    if name not in loss_functions.SURROGATES:
+        loss_functions.SURROGATES.add(name, negated)
+    with pytest.raises(ValueError, match="already registered"):
+        loss_functions.SURROGATES.add(name, negated)
+    cfg = ClippedPGLossConfig(surrogate=name)
+    curr = torch.tensor([[0.0, math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    data = {
+        "advantages": torch.tensor([[0.0, 3.0]], dtype=torch.float64),
+        "token_mask": torch.tensor([[0.0, 1.0]], dtype=torch.float64),
+        "sample_mask": torch.ones(1, dtype=torch.float64),
+        "generation_logprobs": curr.detach().clone(),
+    }
+    loss, _ = ClippedPGLossFn(cfg)(curr, data, 1, 1)
+    assert loss.item() == pytest.approx(3.0)
+
+
+def test_one_definition_of_each_kl_estimator() -> None:
+    assert loss_functions.KL_ESTIMATORS is kl.KL_ESTIMATORS
+    assert kl.KL_ESTIMATORS.names() == ["k1", "k2", "k3"]
+    log_ratio = torch.linspace(-3, 3, 13, dtype=torch.float64)
+    torch.testing.assert_close(metrics.kl_gen_train_k1(log_ratio), kl.kl_k1(log_ratio), rtol=0, atol=0)
+    torch.testing.assert_close(metrics.kl_gen_train_k3(log_ratio), kl.kl_k3(log_ratio), rtol=0, atol=0)
+    # Exact values: r = e^x -> k1 = -x, k2 = x^2/2, k3 = e^x - 1 - x.
+    x = 0.7
+    t = torch.tensor(x, dtype=torch.float64)
+    assert (kl.kl_k1(t).item(), kl.kl_k2(t).item()) == (pytest.approx(-x), pytest.approx(x * x / 2))
+    assert kl.kl_k3(t).item() == pytest.approx(math.exp(x) - 1 - x, rel=1e-14)

@@ -1,0 +1,246 @@
+"""Driver-side masks: grpo.seq_logprob_error_threshold and grpo.rollout_rejection (hand-computed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from nemo_like.algorithms.logprob_plan import decide_logprob_passes
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.algorithms.rejection import (
+    apply_driver_masks,
+    apply_rollout_rejection,
+    mask_high_mismatch_sequences,
+)
+from nemo_like.config import ConfigError, load_config
+from nemo_like.config.loss import ClippedPGLossConfig
+from nemo_like.config.rejection import RolloutRejectionConfig
+
+LOG = math.log
+
+
+def _batch(log_ratios: list[list[float | None]], sample_mask: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """Rows of per-token log(pi_prev/pi_gen); None = not a response token. Position 0 is the prompt."""
+    width = 1 + max((len(r) for r in log_ratios), default=0)
+    num = len(log_ratios)
+    token_mask = torch.zeros(num, width, dtype=torch.float64)
+    prev = torch.full((num, width), -1.0, dtype=torch.float64)
+    for i, row in enumerate(log_ratios):
+        for t, value in enumerate(row, start=1):
+            if value is not None:
+                token_mask[i, t] = 1.0
+                prev[i, t] = -1.0 + value
+    gen = torch.full((num, width), -1.0, dtype=torch.float64)
+    prev[:, 0] = math.nan  # garbage at the prompt position must never leak in
+    return {
+        "token_mask": token_mask,
+        "sample_mask": torch.tensor(sample_mask if sample_mask is not None else [1.0] * num),
+        "prev_logprobs": prev,
+        "generation_logprobs": gen,
+    }
+
+
+# ---------------------------------------------------------------- seq_logprob_error_threshold
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        _batch([]),  # empty batch
+        _batch([[0.5, 0.5], [2.0]], sample_mask=[0.0, 0.0]),  # all samples masked
+        _batch([[None, None], [None]]),  # no response tokens at all
+    ],
+    ids=["empty", "all-masked", "no-tokens"],
+)
+def test_seq_logprob_error_on_an_empty_batch_reports_zeros(batch: dict[str, torch.Tensor]) -> None:
+    before = batch["sample_mask"].clone()
+    metrics = mask_high_mismatch_sequences(1.5, batch, torch.zeros(len(before)))
+    assert metrics and all(v == 0.0 for v in metrics.values()), metrics
+    assert torch.equal(batch["sample_mask"], before)
+
+
+def test_seq_logprob_error_values_masking_and_metrics() -> None:
+    # Per-sequence error exp(mean |dlogp|):
+    #   s0: |dlogp| = 0, ln 4 -> exp(ln4 / 2) = 2      (masked at threshold 1.5, reward 1)
+    #   s1: 0.1, -0.1        -> exp(0.1) = 1.10517     (kept)
+    #   s2: ln 9             -> 9, but already masked  (ignored everywhere, stays masked)
+    #   s3: no response tokens                          (ignored)
+    #   s4: ln 3             -> 3                       (masked, reward 0)
+    batch = _batch([[0.0, LOG(4)], [0.1, -0.1], [LOG(9)], [None], [-LOG(3)]], sample_mask=[1, 1, 0, 1, 1])
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0])
+    m = mask_high_mismatch_sequences(1.5, batch, rewards)
+    assert batch["sample_mask"].tolist() == [0.0, 1.0, 0.0, 1.0, 0.0]
+    e1 = math.exp(0.1)
+    assert m["seq_logprob_error/max"] == pytest.approx(3.0)  # not 9 (masked sample)
+    assert m["seq_logprob_error/masked_fraction"] == pytest.approx(2 / 3)  # of the 3 eligible samples
+    assert m["seq_logprob_error/num_masked"] == 2.0
+    assert m["seq_logprob_error/masked_correct_fraction"] == pytest.approx(0.5)
+    assert (m["seq_logprob_error/mean_before"], m["seq_logprob_error/min_before"], m["seq_logprob_error/max_before"]) == (
+        pytest.approx((2 + e1 + 3) / 3), pytest.approx(e1), pytest.approx(3.0))
+    assert (m["seq_logprob_error/mean_after"], m["seq_logprob_error/min_after"], m["seq_logprob_error/max_after"]) == (
+        pytest.approx(e1), pytest.approx(e1), pytest.approx(e1))
+
+
+def test_our_statistic_is_below_nemo_rls_by_jensen() -> None:
+    # |dlogp| = 0, 0, 0, ln 4: ours exp(mean) = 4^(1/4) = 1.414 (kept at 1.5);
+    # NeMo-RL's mean(exp) = (1 + 1 + 1 + 4) / 4 = 1.75 (masked at 1.5). Documented in docs/guides/grpo.md.
+    batch = _batch([[0.0, 0.0, 0.0, LOG(4)]])
+    m = mask_high_mismatch_sequences(1.5, batch, torch.ones(1))
+    assert m["seq_logprob_error/max"] == pytest.approx(4 ** 0.25)
+    assert batch["sample_mask"].tolist() == [1.0]
+
+
+# ---------------------------------------------------------------- rollout rejection
+
+
+def test_token_rejection_removes_tokens_from_the_mask_and_the_count() -> None:
+    # ratios: s0 = [1, 3, 0.4], s1 = [2.5] (all rejected -> sample dropped too), s2 = [1.2, 0.9]
+    batch = _batch([[0.0, LOG(3), LOG(0.4)], [LOG(2.5)], [LOG(1.2), LOG(0.9)]])
+    cfg = RolloutRejectionConfig(level="token", lower=0.5, upper=2.0)
+    m = apply_rollout_rejection(cfg, batch)
+    assert batch["token_mask"].tolist() == [[0, 1, 0, 0], [0, 0, 0, 0], [0, 1, 1, 0]]
+    assert batch["sample_mask"].tolist() == [1.0, 0.0, 1.0]
+    assert (batch["token_mask"] * batch["sample_mask"][:, None]).sum() == 3  # was 6
+    assert m["rollout_rejection/masked_token_fraction"] == pytest.approx(3 / 6)
+    assert m["rollout_rejection/masked_seq_fraction"] == pytest.approx(1 / 3)
+    assert m["rollout_rejection/token_frac_above"] == pytest.approx(2 / 6)
+    assert m["rollout_rejection/token_frac_below"] == pytest.approx(1 / 6)
+    ratios = torch.tensor([1, 3, 0.4, 2.5, 1.2, 0.9], dtype=torch.float64)
+    assert m["rollout_rejection/token_ratio_max"] == pytest.approx(3.0)
+    assert m["rollout_rejection/token_ratio_min"] == pytest.approx(0.4)
+    assert m["rollout_rejection/token_ratio_std"] == pytest.approx(ratios.std(unbiased=False).item(), rel=1e-6)
+    # Per-sequence diagnostics use the geometric-mean ratio at token level: s0 = (1.2)^(1/3), s1 = 2.5, s2 = sqrt(1.08).
+    assert m["rollout_rejection/seq_stat_max"] == pytest.approx(2.5)
+    assert m["rollout_rejection/seq_stat_min"] == pytest.approx(1.08 ** 0.5, rel=1e-6)
+    assert m["rollout_rejection/seq_frac_above"] == pytest.approx(1 / 3)
+
+
+# s0: log-ratios [ln 2, ln 2]  -> sum ratio 4, geo mean 2, max token 2, min 2
+# s1: [ln 3, -ln 3]            -> sum 1, mean 1, max token 3, min 1/3
+# s2: [ln 0.8]                 -> 0.8 everywhere
+SEQ_ROWS = [[LOG(2), LOG(2)], [LOG(3), -LOG(3)], [LOG(0.8)]]
+
+
+@pytest.mark.parametrize(
+    ("statistic", "lower", "upper", "kept"),
+    [
+        ("sum", 0.5, 3.0, [0, 1, 1]),  # 4 > 3
+        ("mean", 0.5, 1.5, [0, 1, 1]),  # 2 > 1.5
+        ("mean", 0.9, 2.5, [1, 1, 0]),  # 0.8 < 0.9
+        ("max", 0.5, 2.5, [1, 0, 1]),  # token veto: s1 has 3 > 2.5 and 1/3 < 0.5
+        ("max", 0.25, 2.9, [1, 0, 1]),  # s1: 3 > 2.9 (max), 1/3 >= 0.25
+        # k3 = r - 1 - ln r, mean over tokens: s0 = 1 - ln 2 = 0.307; s1 = (2 - ln3 + (1/3 - 1 + ln 3)) / 2 = 0.667;
+        # s2 = -0.2 - ln 0.8 = 0.0231
+        ("k3", None, 0.5, [1, 0, 1]),
+        ("k3", None, 0.1, [0, 0, 1]),
+        # k1 = -ln r: s0 = -ln 2, s1 = 0, s2 = 0.223
+        ("k1", -0.5, 0.2, [0, 1, 0]),
+        # k2 = (ln r)^2 / 2: s0 = 0.240, s1 = 0.603, s2 = 0.0249
+        ("k2", None, 0.3, [1, 0, 1]),
+    ],
+)
+def test_sequence_rejection_by_statistic(statistic: str, lower: float | None, upper: float, kept: list[int]) -> None:
+    batch = _batch(SEQ_ROWS)
+    cfg = RolloutRejectionConfig(level="sequence", sequence_statistic=statistic, lower=lower, upper=upper)
+    m = apply_rollout_rejection(cfg, batch)
+    assert batch["sample_mask"].tolist() == [float(k) for k in kept]
+    assert batch["token_mask"].sum() == 5  # sequence level leaves token_mask alone; sample_mask drops rows
+    assert m["rollout_rejection/masked_seq_fraction"] == pytest.approx(kept.count(0) / 3)
+
+
+def test_sequence_statistic_values_are_reported() -> None:
+    batch = _batch(SEQ_ROWS)
+    m = apply_rollout_rejection(RolloutRejectionConfig(level="sequence", sequence_statistic="sum", upper=3.0), batch)
+    assert (m["rollout_rejection/seq_stat_max"], m["rollout_rejection/seq_stat_min"]) == (pytest.approx(4.0), pytest.approx(0.8))
+    assert m["rollout_rejection/seq_frac_above"] == pytest.approx(1 / 3)
+    assert m["rollout_rejection/seq_frac_below"] == 0.0
+
+
+def test_rejection_on_an_empty_batch_reports_zeros() -> None:
+    for level in ("token", "sequence"):
+        batch = _batch([[None]], sample_mask=[1.0])
+        m = apply_rollout_rejection(RolloutRejectionConfig(level=level, lower=0.5, upper=2.0), batch)
+        assert all(v == 0.0 for v in m.values()), m
+
+
+def test_rejected_tokens_leave_the_loss_normalisation_unlike_icepop_zeros() -> None:
+    """Combined with TIS: icepop zeroes a token's weight but keeps it in the count; rejection removes it."""
+    # One sequence, 3 tokens, A = 1, ratio pi_curr/pi_prev = 1, IS ratio pi_prev/pi_gen = [1, 1, 4].
+    curr = torch.full((1, 4), LOG(0.2), dtype=torch.float64)
+    prev = curr.clone()
+    gen = prev - torch.tensor([[0.0, 0.0, 0.0, LOG(4)]], dtype=torch.float64)
+    data = {
+        "advantages": torch.tensor([[0.0, 1.0, 1.0, 1.0]], dtype=torch.float64),
+        "token_mask": torch.tensor([[0.0, 1.0, 1.0, 1.0]], dtype=torch.float64),
+        "sample_mask": torch.ones(1, dtype=torch.float64),
+        "prev_logprobs": prev,
+        "generation_logprobs": gen,
+    }
+    cfg = ClippedPGLossConfig(
+        use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=2.0, truncated_importance_sampling_ratio_min=0.5,
+    )
+
+    def loss_of(batch: dict[str, torch.Tensor]) -> float:
+        valid = batch["token_mask"] * batch["sample_mask"][:, None]
+        loss, _ = ClippedPGLossFn(cfg)(curr.clone().requires_grad_(True), batch, batch["sample_mask"].sum(), valid.sum())
+        return loss.item()
+
+    assert loss_of(data) == pytest.approx(-2 / 3)  # icepop: weights [1, 1, 0], still 3 tokens
+    rejected = {k: v.clone() for k, v in data.items()}
+    apply_rollout_rejection(RolloutRejectionConfig(level="token", lower=0.5, upper=2.0), rejected)
+    assert loss_of(rejected) == pytest.approx(-1.0)  # the token left: 2 tokens, mean of -1, -1
+
+
+def test_driver_masks_follow_the_recipe() -> None:
+    cfg = load_config(None, [
+        "grpo.seq_logprob_error_threshold=2.5", "grpo.rollout_rejection.level=token",
+        "grpo.rollout_rejection.upper=2.0",
+    ], warn=False)
+    batch = _batch([[0.0, LOG(4)], [LOG(3), LOG(3)]])  # s1: error 3 > 2.5 -> masked; s0: token ratio 4 > 2 rejected
+    metrics = apply_driver_masks(cfg, batch, torch.tensor([1.0, 0.0]))
+    assert batch["sample_mask"].tolist() == [1.0, 0.0]
+    assert batch["token_mask"][0].tolist() == [0.0, 1.0, 0.0]
+    assert "seq_logprob_error/max" in metrics and "rollout_rejection/token_ratio_max" in metrics
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"level": "token"}, "grpo.rollout_rejection.level='token' needs grpo.rollout_rejection.lower and/or"),
+        ({"level": "token", "lower": 2.0, "upper": 0.5}, "grpo.rollout_rejection.lower (2.0) must be below grpo.rollout_rejection.upper (0.5)"),
+        ({"level": "sequence", "lower": 0.0, "upper": 2.0}, "grpo.rollout_rejection.lower (0.0) must be > 0"),
+        ({"level": "sequence", "sequence_statistic": "k4", "upper": 2.0}, "sequence_statistic"),
+        ({"level": "token", "upper": True}, "expected a number, not a boolean"),
+    ],
+)
+def test_invalid_rejection_configs(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RolloutRejectionConfig(**kwargs)
+
+
+def test_kl_statistics_accept_non_positive_bounds() -> None:
+    RolloutRejectionConfig(level="sequence", sequence_statistic="k1", lower=-0.5, upper=0.5)
+
+
+def test_rejection_needs_the_prev_logprob_pass() -> None:
+    on = ["grpo.rollout_rejection.level=sequence", "grpo.rollout_rejection.upper=2.0"]
+    # The tiny recipe trains in one optimizer step per rollout, where the prev pass is otherwise skipped.
+    assert not decide_logprob_passes(load_config(None, [], warn=False)).compute_prev
+    plan = decide_logprob_passes(load_config(None, on, warn=False))
+    assert plan.compute_prev and any("grpo.rollout_rejection" in r for r in plan.reasons)
+    with pytest.raises(ConfigError, match="grpo.rollout_rejection.level is set, which needs the prev-logprob pass"):
+        load_config(None, [*on, "grpo.skip_prev_logprobs=true"], warn=False)
+
+
+def test_bounds_without_a_level_warn() -> None:
+    cfg = load_config(None, ["grpo.rollout_rejection.upper=2.0"], warn=False)
+    assert cfg.no_effect_warnings() == [
+        "grpo.rollout_rejection.upper has no effect because grpo.rollout_rejection.level is null (ignored)"
+    ]

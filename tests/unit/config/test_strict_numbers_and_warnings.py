@@ -1,0 +1,109 @@
+"""Numeric keys refuse booleans (everywhere in the schema); ineffective options print one warning line."""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from nemo_like.cli import main
+from nemo_like.config import ConfigError, load_config
+from nemo_like.config.schema import MasterConfig
+
+RECIPES = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").glob("*.yaml"))
+
+
+def _numeric_keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, 'number' | 'integer') of every int/float field, recursing into sections."""
+    keys = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else (annotation,)
+        for arg in args:
+            if typing.get_origin(arg) is typing.Annotated:
+                arg = typing.get_args(arg)[0]
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                keys += _numeric_keys(arg, f"{prefix}{name}.")
+            elif arg is float:
+                keys.append((f"{prefix}{name}", "a number"))
+            elif arg is int:
+                keys.append((f"{prefix}{name}", "an integer"))
+    return keys
+
+
+NUMERIC_KEYS = _numeric_keys(MasterConfig)
+
+
+def test_the_walk_finds_the_numeric_keys() -> None:
+    found = dict(NUMERIC_KEYS)
+    assert found["loss_fn.truncated_importance_sampling_ratio"] == "a number"
+    assert found["loss_fn.reference_policy_kl_penalty"] == "a number"
+    assert found["policy.optimizer.lr"] == "a number"
+    assert found["grpo.num_prompts_per_step"] == "an integer"
+    assert found["grpo.rollout_rejection.upper"] == "a number"
+    assert len(found) > 45
+
+
+@pytest.mark.parametrize(("key", "expected"), NUMERIC_KEYS, ids=[k for k, _ in NUMERIC_KEYS])
+def test_a_boolean_is_rejected_for_every_numeric_key(key: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, [f"{key}=true"], warn=False)
+    assert f"{key}: expected {expected}, not a boolean (got True)" in str(excinfo.value)
+
+
+def test_list_and_tuple_elements_refuse_booleans_too() -> None:
+    with pytest.raises(ConfigError, match=r"policy.optimizer.betas.0: expected a number, not a boolean"):
+        load_config(None, ["policy.optimizer.betas=[true,0.99]"], warn=False)
+    with pytest.raises(ConfigError, match=r"policy.generation.stop_token_ids.1: expected an integer"):
+        load_config(None, ["policy.generation.stop_token_ids=[3,false]"], warn=False)
+
+
+def test_ints_are_still_numbers() -> None:
+    cfg = load_config(None, ["policy.optimizer.lr=1", "loss_fn.reference_policy_kl_penalty=0", "loss_fn.ratio_clip_c=3"], warn=False)
+    assert cfg.policy.optimizer.lr == 1.0 and isinstance(cfg.policy.optimizer.lr, float)
+    assert cfg.loss_fn.ratio_clip_c == 3.0
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
+def test_shipped_recipes_load_without_warnings(recipe: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--config", str(recipe), "--dry-run"]) == 0
+    assert "[config] warning" not in capsys.readouterr().err
+
+
+def _recipe(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_force_on_policy_ratio_on_a_clip_higher_recipe_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = _recipe(tmp_path, "defaults: " + str(RECIPES[-1].parent / "grpo_tiny_cpu.yaml") + "\nloss_fn:\n  ratio_clip_max: 0.28\n")
+    for argv in (["--dry-run"], ["--dry-run", "grpo.max_num_steps=1"]):
+        assert main(["train", "--config", recipe, *argv, "loss_fn.force_on_policy_ratio=true"]) == 0
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            "[config] warning: loss_fn.ratio_clip_max has no effect because loss_fn.force_on_policy_ratio=true (ignored)"
+        ]
+
+
+def test_kl_penalty_zero_on_a_recipe_with_kl_clamps_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = _recipe(
+        tmp_path,
+        "loss_fn:\n  reference_policy_kl_penalty: 0.01\n  kl_input_clamp_value: 5.0\n  kl_output_clamp_value: 2.0\n",
+    )
+    assert main(["train", "--config", recipe, "--dry-run", "loss_fn.reference_policy_kl_penalty=0"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "[config] warning: loss_fn.kl_input_clamp_value has no effect because loss_fn.reference_policy_kl_penalty=0 (ignored)",
+        "[config] warning: loss_fn.kl_output_clamp_value has no effect because loss_fn.reference_policy_kl_penalty=0 (ignored)",
+    ]
+
+
+def test_contradictions_stay_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--dry-run", "loss_fn.use_cispo=true", "loss_fn.ratio_clip_c=3"]) == 2
+    assert "loss_fn.use_cispo and loss_fn.ratio_clip_c are exclusive" in capsys.readouterr().err
+    assert main(["train", "--dry-run", "loss_fn.token_level_loss=false", "loss_fn.loss_aggregation=token-sum"]) == 2
+    err = capsys.readouterr().err
+    assert "loss_fn.token_level_loss=false" in err and "loss_fn.loss_aggregation='token-sum'" in err
