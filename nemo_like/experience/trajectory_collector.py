@@ -25,6 +25,7 @@ from typing import Any
 import ray
 
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
+from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.pacing import StalenessPacer
 from nemo_like.experience.replay_buffer import TrajectoryGroup
 from nemo_like.experience.rollouts import Rollout, collect_rollout
@@ -77,7 +78,7 @@ class TrajectoryCollector:
         rank: int,
         world_size: int,
         generation_workers: list[Any],
-        environment_workers: list[Any],
+        environments: EnvironmentHandles,
         buffer: Any,
         tokenizer_name: str,
         records: list[PromptRecord],
@@ -93,7 +94,7 @@ class TrajectoryCollector:
         generation_version: int,
     ) -> None:
         self.generation = ActorHandles(generation_workers)
-        self.environment = ActorHandles(environment_workers)
+        self.environment = environments
         self.buffer = buffer
         self.tokenizer = load_tokenizer(tokenizer_name)
         self.loader = PromptDataLoader(records, **loader_args)
@@ -172,6 +173,8 @@ class TrajectoryCollector:
             self.stats["reward_seconds"] += timings["reward"]
             self.stats["generated_tokens"] += float(rollout.response_lengths.sum())
             self.stats["batches"] += 1
+            for key, value in rollout.env_metrics.items():  # env/<task>/<counter>
+                self.stats[key] += value
 
     # -- control (called by the driver while run() is busy) ---------------------------------------------
     def pause(self, reason: str) -> float:
