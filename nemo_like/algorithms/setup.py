@@ -67,7 +67,7 @@ def load_validation_prompts(cfg: MasterConfig, tokenizer) -> list[PromptRecord]:
 
 def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
-    env_specs = resolve_environments(cfg.env)  # fail fast in the driver, not inside an actor
+    env_specs = resolve_environments(cfg.env_sections)  # fail fast in the driver, not inside an actor
     init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg)  # fail fast, before any actor waits on a placement group
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)

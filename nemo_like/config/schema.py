@@ -334,6 +334,11 @@ class MasterConfig(BaseModel):
         return normalize_env_sections(value)
 
     @property
+    def env_sections(self) -> dict[str, EnvSectionConfig]:
+        """The environments by task; an empty ``env`` (e.g. ``MasterConfig()``) is one default arithmetic one."""
+        return self.env or {"arithmetic": EnvSectionConfig()}
+
+    @property
     def rollout_batch_size(self) -> int:
         """Samples generated per step: prompts x generations."""
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt

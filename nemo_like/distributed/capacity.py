@@ -50,7 +50,7 @@ def role_requests(cfg: MasterConfig) -> list[RoleRequest]:
     if decide_logprob_passes(cfg).load_reference_model:
         roles.append(RoleRequest("reference", 1, model_bundle))
     roles.append(RoleRequest("generation", 1, model_bundle))
-    for task, section in cfg.env.items():
+    for task, section in cfg.env_sections.items():
         roles.append(RoleRequest(f"environment:{task}", section.num_workers, {"CPU": ENV_WORKER_CPUS}))
     if cfg.grpo.async_grpo.enabled:
         roles.append(RoleRequest("trajectory_collector", 1, {"CPU": ASYNC_ACTOR_CPUS}))
