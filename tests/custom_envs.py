@@ -51,3 +51,11 @@ class WrongLength(EnvironmentInterface):
 
 
 not_a_class = LengthParityEnv()
+
+
+class FirstOfFour(EnvironmentInterface):
+    """Reward 1.0 for every 4th response of a batch, else 0.0. With 4 samples per prompt, adjacent, scored
+    by one actor (``num_workers: 1``), exactly the first sample of each prompt is correct: c = 1 of n = 4."""
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        return [1.0 if i % 4 == 0 else 0.0 for i in range(len(responses))]

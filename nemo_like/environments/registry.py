@@ -43,6 +43,22 @@ class EnvSpec:
     class_path: str
     num_workers: int = 1
     kwargs: dict[str, Any] = field(default_factory=dict)
+    import_root: str | None = None  # sys.path entry the driver imported a user class from (given to its actors)
+
+
+def import_root(module_name: str) -> str | None:
+    """The ``sys.path`` entry ``module_name`` was imported from (``/x`` for ``/x/pkg/mod.py`` as ``pkg.mod``),
+    or ``None`` for built-ins and modules without a file."""
+    from pathlib import Path
+
+    import sys
+
+    file = getattr(sys.modules.get(module_name), "__file__", None)
+    if not file:
+        return None
+    path = Path(file).resolve()
+    depth = module_name.count(".") + (2 if path.name == "__init__.py" else 1)
+    return str(path.parents[depth - 1])
 
 
 def import_environment_class(path: str, where: str) -> type[EnvironmentInterface]:
@@ -130,7 +146,8 @@ def resolve_environments(env_cfg: Mapping[str, Any]) -> dict[str, EnvSpec]:
             )
         cls = import_environment_class(path, where)
         kwargs = check_constructor_kwargs(cls, section.model_extra or {}, f"env.{task}")
-        specs[task] = EnvSpec(task, path, section.num_workers, kwargs)
+        root = None if path in BUILTIN_ENVIRONMENTS.values() else import_root(path.partition(":")[0])
+        specs[task] = EnvSpec(task, path, section.num_workers, kwargs, root)
     return specs
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,15 @@ class EnvironmentHandles:
         return list(self.workers)
 
 
+def actor_python_path(root: str | None) -> dict[str, str]:
+    """A user environment imported in the driver from ``root`` must import in its actors too: put ``root``
+    first on their ``PYTHONPATH`` (on a multi-node cluster the path must exist on every node)."""
+    if root is None:
+        return {}
+    current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join([root, *(p for p in current if p != root)])}
+
+
 class Environments:
     """The run's environment actors: one :class:`~nemo_like.distributed.worker_group.RayWorkerGroup` per
     configured task (``env.<task>``), each with its own actors and settings."""
@@ -62,6 +72,7 @@ class Environments:
                 self.groups[task] = RayWorkerGroup(
                     f"environment:{task}", EnvironmentWorker, spec.num_workers, WorkerResources(num_cpus=ENV_WORKER_CPUS),
                     {"task": task, "class_path": spec.class_path, "kwargs": spec.kwargs}, placement_timeout_s,
+                    env_vars=actor_python_path(spec.import_root),
                 )
         except BaseException:
             self.shutdown()
