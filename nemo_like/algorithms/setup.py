@@ -68,6 +68,9 @@ def load_validation_prompts(cfg: MasterConfig, tokenizer) -> list[PromptRecord]:
 def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
     env_specs = resolve_environments(cfg.env_sections)  # fail fast in the driver, not inside an actor
+    if cfg.grpo.val_greedy and cfg.grpo.val_num_generations_per_prompt > 1:
+        warnings.warn("grpo.val_greedy=true with grpo.val_num_generations_per_prompt > 1: greedy samples of a prompt are "
+                      "identical, so validation/pass@k equals validation/accuracy", RuntimeWarning, stacklevel=2)
     init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg)  # fail fast, before any actor waits on a placement group
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
