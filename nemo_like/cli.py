@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     train = sub.add_parser("train", help="Run GRPO from a recipe (default: the embedded tiny CPU recipe).")
     add_train_arguments(train)
+    evaluate = sub.add_parser("eval", help="Evaluate a model or checkpoint on the recipe's validation prompts: accuracy and pass@k.")
+    add_eval_arguments(evaluate)
     plot = sub.add_parser("plot", help="Render a run's metrics.jsonl to a PNG (the standard panel, or --metrics).")
     add_plot_arguments(plot)
     return parser
@@ -56,9 +58,33 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides: a.b=1, +a.c=2, ++a.b=3, ~a.d")
 
 
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="Recipe YAML (its data, env, policy.generation and eval sections).")
+    parser.add_argument("--dry-run", action="store_true", help="Print the resolved recipe and exit.")
+    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. eval.model_path=results/grpo/step_50 eval.pass_k=[1,4]")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Evaluate ``eval.model_path`` (default ``policy.model_name``) and write summary.json / results.jsonl."""
+    from nemo_like.environments.registry import resolve_environments
+
+    cfg = load_config(args.config, args.overrides)
+    resolve_environments(cfg.env_sections)  # a wrong env class or key fails here, before any actor starts
+    if args.dry_run:
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+    from nemo_like.evaluation.run import evaluate
+
+    evaluate(cfg)
+    return 0
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Validate the recipe, then train (or print it with ``--dry-run``)."""
+    from nemo_like.environments.registry import resolve_environments
+
     cfg = load_config(args.config, args.overrides)
+    resolve_environments(cfg.env_sections)  # a wrong env class or key fails here, before any actor starts
     if args.dry_run:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return 0
@@ -77,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return run_train(args)
+        if args.command == "eval":
+            return run_eval(args)
         if args.command == "plot":
             return run_plot(args)
         build_parser().print_help()

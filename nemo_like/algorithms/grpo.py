@@ -36,7 +36,17 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, thread_oversubscription_warning
 from nemo_like.data.prompts import DataExhausted
-from nemo_like.experience.rollouts import Rollout, collect_rollout, generate_rollout, rollout_seed, score_with_environment
+from nemo_like.environments.interface import CORRECT_REWARD
+from nemo_like.evaluation.pass_at_k import correct_counts, mean_pass_at_k
+from nemo_like.experience.rollouts import (
+    Rollout,
+    add_counters,
+    collect_rollout,
+    generate_rollout,
+    rollout_seed,
+    score_with_environment,
+    task_reward_metrics,
+)
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
@@ -61,18 +71,30 @@ def refit_if_stale(parts: GRPOComponents) -> float:
 
 
 def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
-    """Accuracy on the held-out prompts: one response each, decoded as configured."""
+    """Accuracy on the held-out prompts (``grpo.val_num_generations_per_prompt`` responses each, decoded as
+    configured); with several responses per prompt also ``validation/pass@k`` (unbiased estimator)."""
     cfg = parts.cfg
+    n = cfg.grpo.val_num_generations_per_prompt
     params = sampling_params(cfg, greedy=cfg.grpo.val_greedy)
-    expanded, _, samples, texts = generate_rollout(parts.generation, parts.tokenizer, parts.val_prompts, 1, params, seed=10_000_019 * (step + 1))
-    rewards = score_with_environment(parts.environment, texts, expanded)
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    report_val_samples(parts, step, Rollout(expanded, torch.arange(len(samples)), samples, texts, rewards))
-    return {
-        "validation/accuracy": rewards.mean().item(),
+    expanded, group_ids, samples, texts = generate_rollout(
+        parts.generation, parts.tokenizer, parts.val_prompts, n, params, seed=10_000_019 * (step + 1)
+    )
+    scores = score_with_environment(parts.environment, texts, expanded)
+    rollout = Rollout(expanded, group_ids, samples, texts, scores.rewards, scores.metrics)
+    report_val_samples(parts, step, rollout)
+    correct = (scores.rewards >= CORRECT_REWARD).float()
+    metrics = {
+        "validation/accuracy": correct.mean().item(),
+        "validation/reward": scores.rewards.mean().item(),
         "validation/num_samples": float(len(samples)),
-        "validation/mean_response_length": lengths.mean().item(),
+        "validation/mean_response_length": rollout.response_lengths.mean().item(),
     }
+    if n > 1:
+        pass_k = mean_pass_at_k(correct_counts(correct, group_ids), cfg.grpo.resolved_val_pass_k)
+        metrics.update({f"validation/pass@{k}": value for k, value in pass_k.items()})
+    metrics.update(task_reward_metrics(expanded, scores.rewards, parts.environment.tasks, prefix="validation/env"))
+    metrics.update({f"validation/{k}": v for k, v in scores.metrics.items()})
+    return metrics
 
 
 def prompt_texts(parts: GRPOComponents, rollout: Rollout) -> list[str]:
@@ -166,6 +188,7 @@ def collect_training_rollout(
         else None
     )
     batch_index = 0
+    env_counters: dict[str, float] = {}
     while True:
         phase_times: dict[str, float] = {}
         rollout = collect_rollout(
@@ -177,6 +200,7 @@ def collect_training_rollout(
             timer.add(name, seconds)
         if counts is not None:
             counts["generated_tokens"] = counts.get("generated_tokens", 0.0) + rollout.response_lengths.sum().item()
+        add_counters(env_counters, rollout.env_metrics)
         shape_rewards(cfg, rollout)
         if accumulator is None:
             return rollout, {}
@@ -190,7 +214,7 @@ def collect_training_rollout(
         if accumulator.is_full:
             kept, metrics = accumulator.take()
             _, dense_ids = torch.unique_consecutive(kept["group_ids"], return_inverse=True)
-            return Rollout(kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"]), metrics
+            return Rollout(kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"], env_counters), metrics
 
 
 def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], timer: StepTimer) -> None:
@@ -241,6 +265,8 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
         }
     )
     metrics.setdefault("train/kl_penalty", 0.0)
+    metrics.update(task_reward_metrics(rollout.prompts, rollout.rewards, parts.environment.tasks))
+    metrics.update(rollout.env_metrics)
     for kind in ("prev_logprobs", "reference_logprobs"):
         metrics[f"performance/forward_passes/{kind}"] = float(passes_after[kind] - passes_before[kind])
     return metrics
@@ -280,6 +306,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     timer.add("refit", refit.refit)
     generated = rollouts.generation_stats()
     metrics.update(trajectory_age_metrics(taken.ages, cfg.grpo.async_grpo.max_trajectory_age_steps))
+    metrics.update(generated.env_counters)  # env/<task>/<counter> of the batches since the last step
     seconds = generated.generation_seconds
     metrics.update(
         {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
@@ -9,8 +10,8 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
 from nemo_like.distributed.capacity import ensure_cluster_capacity
 from nemo_like.distributed.ray_init import init_ray
-from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
-from nemo_like.environments.arithmetic import ArithmeticEnvironment, import_reward_fn
+from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments, resolve_environments
+from nemo_like.environments.worker import Environments
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.generation import make_generation
 from nemo_like.models.loading import load_tokenizer
@@ -26,16 +27,21 @@ class GRPOComponents:
     policy: Policy
     reference: Policy | None
     generation: HFGeneration
-    environment: RayWorkerGroup
+    environments: Environments
     train_loader: PromptDataLoader
     val_prompts: list[PromptRecord]
     plan: LogprobPlan
 
     def shutdown(self) -> None:
         """Kill every actor of the run (the Ray cluster itself stays up)."""
-        for part in (self.generation, self.policy, self.reference, self.environment):
+        for part in (self.generation, self.policy, self.reference, self.environments):
             if part is not None:
                 part.shutdown()
+
+    @property
+    def environment(self):
+        """The environments' actor handles, by task (what the rollout helpers score with)."""
+        return self.environments.handles
 
 
 def eos_token_ids(tokenizer) -> list[int]:
@@ -43,27 +49,39 @@ def eos_token_ids(tokenizer) -> list[int]:
     return list(ids) if isinstance(ids, (list, tuple)) else [ids]
 
 
+def check_environments(specs: dict[str, EnvSpec], datasets: dict[str, list[PromptRecord]]) -> None:
+    """Every prompt's task must have an environment; an environment no prompt uses only warns."""
+    used: set[str] = set()
+    for split, records in datasets.items():
+        used |= set(check_tasks_have_environments((r.metadata for r in records), specs, f"data ({split} split)"))
+    unused = sorted(set(specs) - used)
+    if unused:
+        warnings.warn(f"env: no prompt has task {unused}; their environment actors will sit idle", RuntimeWarning, stacklevel=2)
+
+
+def load_validation_prompts(cfg: MasterConfig, tokenizer) -> list[PromptRecord]:
+    """The first ``grpo.max_val_samples`` validation prompts (training validation and ``nemo-like eval``)."""
+    max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    return build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)[: cfg.grpo.max_val_samples]
+
+
 def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
-    if cfg.env.custom_reward_fn:
-        import_reward_fn(cfg.env.custom_reward_fn)  # fail fast in the driver, not inside an actor
+    env_specs = resolve_environments(cfg.env_sections)  # fail fast in the driver, not inside an actor
+    if cfg.grpo.val_greedy and cfg.grpo.val_num_generations_per_prompt > 1:
+        warnings.warn("grpo.val_greedy=true with grpo.val_num_generations_per_prompt > 1: greedy samples of a prompt are "
+                      "identical, so validation/pass@k equals validation/accuracy", RuntimeWarning, stacklevel=2)
     init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg)  # fail fast, before any actor waits on a placement group
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
-    val = build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)[: cfg.grpo.max_val_samples]
+    val = load_validation_prompts(cfg, tokenizer)
+    check_environments(env_specs, {"train": train, "validation": val})
     plan = decide_logprob_passes(cfg)
     policy = Policy(cfg, "policy", trainable=True)
     reference = Policy(cfg, "reference", trainable=False) if plan.load_reference_model else None
     generation = make_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy)
-    environment = RayWorkerGroup(
-        "environment",
-        ArithmeticEnvironment,
-        cfg.env.num_workers,
-        WorkerResources(num_cpus=0.1),
-        {"custom_reward_fn": cfg.env.custom_reward_fn},
-        cfg.cluster.placement_timeout_s,
-    )
+    environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
     loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
-    return GRPOComponents(cfg, tokenizer, policy, reference, generation, environment, loader, val, plan)
+    return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan)

@@ -6,7 +6,7 @@ Sections we own forbid unknown keys, so a typo fails at start-up instead of bein
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -72,7 +72,13 @@ class GRPOConfig(Section):
     val_at_start: bool = Field(True, description="Validate before the first step (the step-0 value).")
     val_at_end: bool = Field(True, description="Validate after the last step.")
     val_greedy: bool = Field(False, description="Greedy decoding for validation; false samples with policy.generation settings.")
-    max_val_samples: Int = Field(256, gt=0, description="Validation prompts used (one response each).")
+    max_val_samples: Int = Field(256, gt=0, description="Validation prompts used (the first ones of the validation set).")
+    val_num_generations_per_prompt: Int = Field(
+        1, gt=0, description="Samples per validation prompt; above 1, validation also reports validation/pass@k."
+    )
+    val_pass_k: list[Int] | None = Field(
+        None, description="The ks of validation/pass@k (each <= val_num_generations_per_prompt); default: 1 and val_num_generations_per_prompt."
+    )
     seed: Int = Field(42, description="Seed for data order, sampling and model init.")
     normalize_rewards: bool = Field(True, description="Divide advantages by the per-prompt reward std (+epsilon where std > 0).")
     use_leave_one_out_baseline: bool = Field(False, description="Baseline = mean of the other samples of the prompt.")
@@ -96,6 +102,19 @@ class GRPOConfig(Section):
         description="Remove tokens / samples whose pi_prev/pi_gen mismatch is out of bounds from the loss (docs/guides/grpo.md).",
     )
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+
+    @model_validator(mode="after")
+    def _val_pass_k(self) -> "GRPOConfig":
+        if self.val_pass_k is not None:
+            check_pass_k(self.val_pass_k, self.val_num_generations_per_prompt, "grpo.val_pass_k", "grpo.val_num_generations_per_prompt")
+        return self
+
+    @property
+    def resolved_val_pass_k(self) -> list[int]:
+        """The ks of validation/pass@k: ``val_pass_k``, else 1 and ``val_num_generations_per_prompt``."""
+        if self.val_pass_k is not None:
+            return list(self.val_pass_k)
+        return sorted({1, self.val_num_generations_per_prompt})
 
 
 class OptimizerConfig(Section):
@@ -178,12 +197,50 @@ class DataConfig(Section):
     system_prompt: str | None = Field(None, description="Optional system message prepended to every prompt.")
 
 
-class EnvConfig(Section):
-    name: Literal["arithmetic"] = Field("arithmetic", description="Reward environment.")
-    num_workers: Int = Field(1, gt=0, description="Reward actors; responses are sharded across them.")
-    custom_reward_fn: str | None = Field(
-        None, description="Optional 'module:function' with signature (response_text, answer) -> float replacing the built-in reward."
+class EnvSectionConfig(BaseModel):
+    """One environment (``env.<task>``): the section name is the task it scores (``metadata["task_name"]``).
+
+    Keys besides ``class`` and ``num_workers`` are the environment's own settings, passed to its
+    constructor and checked against it before any actor starts (see docs/guides/data-and-environments.md)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, serialize_by_alias=True)
+
+    env_class: str | None = Field(
+        None,
+        alias="class",
+        description="Environment class: a built-in name ('arithmetic', 'math') or 'module:Class' implementing "
+        "EnvironmentInterface; default: the built-in named like the section.",
     )
+    num_workers: Int = Field(1, gt=0, description="Ray actors of this environment; its responses are sharded across them.")
+
+
+#: Keys of the single-environment shorthand ``env: {name: arithmetic, num_workers: 1, ...}``.
+_SHORTHAND_NAME = "name"
+
+
+def normalize_env_sections(value: Any) -> Any:
+    """Accept the single-environment shorthand ``{name: X, num_workers: N, <X's keys>}`` as ``{X: {...}}``;
+    an empty/missing ``env`` means one arithmetic environment with default settings."""
+    if value is None:
+        return {"arithmetic": {}}
+    if not isinstance(value, dict):
+        return value
+    if not value:
+        return {"arithmetic": {}}
+    nested = {k for k, v in value.items() if isinstance(v, dict) or v is None}
+    flat = set(value) - nested
+    if _SHORTHAND_NAME not in value and not flat:
+        return {task: (section if section is not None else {}) for task, section in value.items()}
+    if nested:
+        raise ValueError(
+            f"env mixes the single-environment shorthand (keys {sorted(flat)}) with per-task sections {sorted(nested)}; "
+            "write one section per task: env: {<task>: {num_workers: ..., ...}}"
+        )
+    section = dict(value)
+    name = section.pop(_SHORTHAND_NAME, "arithmetic")
+    if not isinstance(name, str):
+        raise ValueError(f"env.name must be an environment name, got {name!r}")
+    return {name: section}
 
 
 class WandbConfig(Section):
@@ -235,6 +292,37 @@ class ClusterConfig(Section):
     placement_timeout_s: Float = Field(60.0, gt=0, description="Fail if the actors' resources are not granted within this time.")
 
 
+class EvalConfig(Section):
+    """``nemo-like eval``: sample the validation prompts and report accuracy and pass@k (docs/guides/data-and-environments.md)."""
+
+    model_path: str | None = Field(
+        None,
+        description="Model to evaluate: an HF model directory or hub id, a checkpoint step directory (its policy/ subdir is "
+        "loaded), or the embedded model; default: policy.model_name. The tokenizer stays policy.tokenizer_name.",
+    )
+    num_samples_per_prompt: Int = Field(1, gt=0, description="Samples per prompt (n of the pass@k estimator).")
+    greedy: bool = Field(False, description="Greedy decoding (every sample of a prompt is then the same); false samples with policy.generation settings.")
+    pass_k: list[Int] = Field(default_factory=lambda: [1], description="Report pass@k for each k (1 <= k <= num_samples_per_prompt).")
+    output_dir: str = Field("results/eval", description="Where summary.json and results.jsonl are written.")
+    seed: Int | None = Field(None, description="Sampling seed; default grpo.seed.")
+
+    @model_validator(mode="after")
+    def _k_within_n(self) -> "EvalConfig":
+        check_pass_k(self.pass_k, self.num_samples_per_prompt, "eval.pass_k", "eval.num_samples_per_prompt")
+        return self
+
+
+def check_pass_k(ks: list[int], n: int, key: str, n_key: str) -> None:
+    """Every k in 1..n, no duplicates (pass@k needs at least k samples per prompt)."""
+    if not ks:
+        raise ValueError(f"{key} must list at least one k")
+    if len(set(ks)) != len(ks):
+        raise ValueError(f"{key} has duplicates: {ks}")
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad:
+        raise ValueError(f"{key}: k must be between 1 and {n_key} = {n} (pass@k needs k samples per prompt), got {bad}")
+
+
 class MasterConfig(BaseModel):
     """The whole recipe after inheritance, overrides and interpolation."""
 
@@ -244,10 +332,25 @@ class MasterConfig(BaseModel):
     loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     data: DataConfig = Field(default_factory=DataConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
+    env: dict[str, EnvSectionConfig] = Field(
+        default_factory=dict,
+        description="Environments by task name: env.<task> = {class, num_workers, <env keys>}; samples are routed by "
+        "metadata['task_name']. Empty: one arithmetic environment. The shorthand {name: X, num_workers: N, ...} is one section.",
+    )
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig(), description="`nemo-like eval` settings.")
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_sections(cls, value: Any) -> Any:
+        return normalize_env_sections(value)
+
+    @property
+    def env_sections(self) -> dict[str, EnvSectionConfig]:
+        """The environments by task; an empty ``env`` (e.g. ``MasterConfig()``) is one default arithmetic one."""
+        return self.env or {"arithmetic": EnvSectionConfig()}
 
     @property
     def rollout_batch_size(self) -> int:

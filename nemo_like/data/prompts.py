@@ -41,7 +41,7 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
                 f"Prompt {problem.id} has {len(ids)} tokens, more than policy.max_total_sequence_length - "
                 f"policy.generation.max_new_tokens = {max_prompt_tokens}"
             )
-        records.append(PromptRecord(problem.id, messages, list(ids), {"answer": problem.answer}))
+        records.append(PromptRecord(problem.id, messages, list(ids), {"answer": problem.answer, "task_name": "arithmetic"}))
     return records
 
 

@@ -20,7 +20,7 @@ from nemo_like.algorithms.logprob_plan import decide_logprob_passes
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import PlacementError
 
-ENV_WORKER_CPUS = 0.1  # the reward actors' reservation (see nemo_like/algorithms/setup.py)
+from nemo_like.environments.worker import ENV_WORKER_CPUS  # the reward actors' reservation
 ASYNC_ACTOR_CPUS = 0.05  # the trajectory collector and the replay buffer (async GRPO): they mostly wait
 _EPS = 1e-6
 
@@ -50,7 +50,8 @@ def role_requests(cfg: MasterConfig) -> list[RoleRequest]:
     if decide_logprob_passes(cfg).load_reference_model:
         roles.append(RoleRequest("reference", 1, model_bundle))
     roles.append(RoleRequest("generation", 1, model_bundle))
-    roles.append(RoleRequest("environment", cfg.env.num_workers, {"CPU": ENV_WORKER_CPUS}))
+    for task, section in cfg.env_sections.items():
+        roles.append(RoleRequest(f"environment:{task}", section.num_workers, {"CPU": ENV_WORKER_CPUS}))
     if cfg.grpo.async_grpo.enabled:
         roles.append(RoleRequest("trajectory_collector", 1, {"CPU": ASYNC_ACTOR_CPUS}))
         roles.append(RoleRequest("replay_buffer", 1, {"CPU": ASYNC_ACTOR_CPUS}))
@@ -99,7 +100,7 @@ def check_cluster_capacity(
         lines.append(f"The recipe declares cluster.num_nodes x cluster.gpus_per_node = {_fmt(declared)}.")
     lines.append(f"Asked for in total: {_fmt(required)}.")
     lines.append(f"The cluster has in total: {_fmt({k: available_total.get(k, 0.0) for k in required})}.")
-    lines.append("Lower the request (cluster.gpus_per_node, policy.dp_size, policy.num_cpus_per_worker, env.num_workers) or add nodes.")
+    lines.append("Lower the request (cluster.gpus_per_node, policy.dp_size, policy.num_cpus_per_worker, env.<task>.num_workers) or add nodes.")
     raise PlacementError(" ".join(lines))
 
 

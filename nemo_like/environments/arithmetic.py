@@ -1,11 +1,12 @@
-"""The arithmetic environment: exact-match integer answers (or a user reward by import path)."""
+"""The arithmetic environment: exact-match integer answers (or a user reward function by import path)."""
 
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Callable
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.environments.arithmetic_reward import score_response
@@ -18,26 +19,41 @@ def import_reward_fn(path: str) -> RewardFn:
     """Import ``'package.module:function'``; errors name the path and what was expected."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"env.custom_reward_fn must look like 'module:function', got {path!r}")
+        raise ConfigError(f"custom_reward_fn must look like 'module:function', got {path!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"env.custom_reward_fn: cannot import module '{module_name}': {exc}") from None
+        raise ConfigError(f"custom_reward_fn: cannot import module '{module_name}': {exc}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError(f"env.custom_reward_fn: '{module_name}' has no callable '{attr}'")
+        raise ConfigError(f"custom_reward_fn: '{module_name}' has no callable '{attr}'")
     return fn
 
 
-class ArithmeticEnvironment(EnvironmentInterface):
-    """Scores responses against ``metadata['answer']``."""
+class ArithmeticEnvConfig(BaseModel):
+    """Keys of an arithmetic environment's section (``env.arithmetic``)."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, custom_reward_fn: str | None = None) -> None:
+    model_config = ConfigDict(extra="forbid")
+
+    custom_reward_fn: str | None = Field(
+        None, description="Optional 'module:function' with signature (response_text, answer) -> float replacing the built-in reward."
+    )
+
+    @field_validator("custom_reward_fn")
+    @classmethod
+    def _importable(cls, path: str | None) -> str | None:
+        if path is not None:
+            import_reward_fn(path)  # fail in the driver, not inside an actor
+        return path
+
+
+class ArithmeticEnvironment(EnvironmentInterface):
+    """Scores responses against ``metadata['answer']`` (an int) with :func:`score_response`."""
+
+    config_model = ArithmeticEnvConfig
+
+    def __init__(self, custom_reward_fn: str | None = None) -> None:
         self.reward_fn: RewardFn = import_reward_fn(custom_reward_fn) if custom_reward_fn else score_response
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
-        rewards = [float(self.reward_fn(text, meta["answer"])) for text, meta in zip(responses, metadata)]
-        bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
-        if bad:
-            raise ValueError(f"reward function returned non-finite rewards for responses {bad[:10]}")
-        return rewards
+        return [float(self.reward_fn(text, meta["answer"])) for text, meta in zip(responses, metadata)]

@@ -1,16 +1,59 @@
-"""The environment contract: score responses, one reward per response."""
+"""The environment contract: score responses, one reward per response.
+
+An environment is a plain Python class; the run hosts it in Ray actors (``env.<task>.num_workers`` of
+them, see :mod:`nemo_like.environments.worker`) and sends it the responses of its task only (samples
+are routed by ``metadata["task_name"]``, see :mod:`nemo_like.environments.registry`).
+
+Constructor: receives the keys of its config section (``env.<task>``) other than ``class`` and
+``num_workers`` as keyword arguments. A class may declare ``config_model`` (a pydantic model) to have
+those keys validated in the driver before any actor starts.
+
+Rewards: a sample counts as *correct* (accuracy, pass@k) when its reward is at least
+:data:`CORRECT_REWARD`; shaping bonuses (e.g. a format reward) must stay below it.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from nemo_like.distributed.worker_group import Reinitializable
+from pydantic import BaseModel
+
+#: Reward at or above which a sample counts as correct (accuracy and pass@k).
+CORRECT_REWARD = 1.0
 
 
-class EnvironmentInterface(Reinitializable, ABC):
-    """A reward function behind a Ray actor. Rewards are floats; the arithmetic task uses 0/1."""
+@dataclass(frozen=True)
+class EnvironmentStep:
+    """One environment turn: the reward so far, whether the episode ended, and an optional observation
+    to append as the next user/tool message (multi-turn; ``None`` for single-turn tasks)."""
+
+    reward: float
+    done: bool = True
+    observation: dict[str, str] | None = None
+
+
+class EnvironmentInterface(ABC):
+    """A reward function behind Ray actors. Rewards are finite floats; built-in tasks use 0/1."""
+
+    #: Optional pydantic model validating the constructor's keyword arguments (the env's config section).
+    config_model: ClassVar[type[BaseModel] | None] = None
 
     @abstractmethod
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
-        """Reward of ``responses[i]`` given the prompt's ``metadata[i]``."""
+        """Reward of ``responses[i]`` given the prompt's ``metadata[i]`` (gold answer in ``metadata[i]["answer"]``)."""
+
+    def metrics(self) -> dict[str, float]:
+        """Counters accumulated since the previous call, then reset (e.g. ``{"timeouts": 2.0}``).
+
+        Called right after each :meth:`score` on the same actor; the run logs them summed over actors as
+        ``env/<task>/<name>``. The default reports nothing."""
+        return {}
+
+    def step(self, conversations: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> list[EnvironmentStep]:
+        """Multi-turn hook: one :class:`EnvironmentStep` per conversation (OpenAI-style message lists, the
+        model's last turn at the end). The default is the single-turn case: score the last message with
+        :meth:`score` and end the episode. Multi-turn environments override it; single-turn ones need not."""
+        responses = [conversation[-1]["content"] if conversation else "" for conversation in conversations]
+        return [EnvironmentStep(reward) for reward in self.score(responses, metadata)]

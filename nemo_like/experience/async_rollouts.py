@@ -101,7 +101,7 @@ class AsyncRollouts:
             "trajectory_collector", TrajectoryCollector, 1, resources,
             dict(
                 generation_workers=parts.generation.group.workers,
-                environment_workers=parts.environment.workers,
+                environments=parts.environment,
                 buffer=self.buffer,
                 tokenizer_name=cfg.policy.tokenizer_name or cfg.policy.model_name,
                 records=loader.records,

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from nemo_like.data.prompts import PromptRecord
-from nemo_like.distributed.worker_group import RayWorkerGroup, get_with_context
+from nemo_like.distributed.worker_group import get_with_context
+from nemo_like.environments.registry import route_by_task
+from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams
 
 
@@ -22,6 +24,7 @@ class Rollout:
     samples: list[GeneratedSample]
     response_texts: list[str]
     rewards: torch.Tensor  # [B]
+    env_metrics: dict[str, float] = field(default_factory=dict)  # environments' counters, env/<task>/<name>, summed
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -38,17 +41,54 @@ def rollout_seed(seed: int, step: int, batch_index: int = 0) -> int:
     return (seed * 1_000_003 + step) * 101 + batch_index
 
 
-def score_with_environment(env: RayWorkerGroup, texts: list[str], prompts: list[PromptRecord]) -> torch.Tensor:
-    """Shard responses over the environment actors and gather one reward per response."""
-    n = len(env)
-    per = -(-len(texts) // n)
-    refs = [
-        w.score.remote(texts[i * per : (i + 1) * per], [p.metadata for p in prompts[i * per : (i + 1) * per]])
-        for i, w in enumerate(env.workers)
-        if texts[i * per : (i + 1) * per]
-    ]
-    rewards = [r for shard in get_with_context(refs, "reward") for r in shard]
-    return torch.tensor(rewards, dtype=torch.float32)
+@dataclass
+class Scores:
+    """One reward per response, and the environments' counters for this batch (``env/<task>/<name>``)."""
+
+    rewards: torch.Tensor  # [B]
+    metrics: dict[str, float]
+
+
+def shard(indices: list[int], num_shards: int) -> list[list[int]]:
+    """Split ``indices`` into at most ``num_shards`` contiguous, non-empty, near-equal pieces."""
+    per = -(-len(indices) // num_shards)
+    return [indices[i : i + per] for i in range(0, len(indices), per)]
+
+
+def score_with_environment(envs: EnvironmentHandles, texts: list[str], prompts: list[PromptRecord]) -> Scores:
+    """Route each response to the environment of its task (``metadata["task_name"]``), shard each task's
+    responses over that environment's actors (all tasks concurrently), and gather one reward per response."""
+    metadata = [p.metadata for p in prompts]
+    calls: list[tuple[str, list[int]]] = []
+    refs = []
+    for task, indices in route_by_task(metadata, envs.tasks).items():
+        for worker, rows in zip(envs.workers[task], shard(indices, len(envs.workers[task]))):
+            calls.append((task, rows))
+            refs.append(worker.score.remote([texts[i] for i in rows], [metadata[i] for i in rows]))
+    rewards = torch.zeros(len(texts), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    for (task, rows), (shard_rewards, counters) in zip(calls, get_with_context(refs, "reward")):
+        rewards[rows] = torch.tensor(shard_rewards, dtype=torch.float32)
+        for name, value in counters.items():
+            key = f"env/{task}/{name}"
+            metrics[key] = metrics.get(key, 0.0) + value
+    return Scores(rewards, metrics)
+
+
+def task_reward_metrics(prompts: list[PromptRecord], rewards: torch.Tensor, tasks: list[str], prefix: str = "env") -> dict[str, float]:
+    """Per task: ``{prefix}/<task>/reward`` (mean) and ``{prefix}/<task>/num_samples`` over the given samples."""
+    metrics = {}
+    for task, rows in route_by_task([p.metadata for p in prompts], tasks).items():
+        metrics[f"{prefix}/{task}/reward"] = rewards[rows].mean().item()
+        metrics[f"{prefix}/{task}/num_samples"] = float(len(rows))
+    return metrics
+
+
+def add_counters(total: dict[str, float], counters: dict[str, Any]) -> dict[str, float]:
+    """``total`` += ``counters`` key by key (in place); returns ``total``."""
+    for key, value in counters.items():
+        total[key] = total.get(key, 0.0) + float(value)
+    return total
 
 
 def generate_rollout(
@@ -69,7 +109,7 @@ def generate_rollout(
 
 def collect_rollout(
     generation: GenerationInterface,
-    env: RayWorkerGroup,
+    envs: EnvironmentHandles,
     tokenizer,
     prompts: list[PromptRecord],
     num_generations: int,
@@ -81,9 +121,9 @@ def collect_rollout(
     t0 = time.perf_counter()
     expanded, group_ids, samples, texts = generate_rollout(generation, tokenizer, prompts, num_generations, params, seed)
     t1 = time.perf_counter()
-    rewards = score_with_environment(env, texts, expanded)
+    scores = score_with_environment(envs, texts, expanded)
     if timings is not None:
         timings["generation"] = t1 - t0
         timings["reward"] = time.perf_counter() - t1
-    return Rollout(expanded, group_ids, samples, texts, rewards)
+    return Rollout(expanded, group_ids, samples, texts, scores.rewards, scores.metrics)
 

@@ -20,15 +20,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
+from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.pacing import StalenessPacer
 from nemo_like.experience.replay_buffer import TrajectoryGroup
-from nemo_like.experience.rollouts import Rollout, collect_rollout, rollout_seed
+from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, rollout_seed
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
 from nemo_like.models.loading import load_tokenizer
 
@@ -44,6 +45,7 @@ class GenerationStats:
     waiting_for_pacing: float = 0.0  # held by the staleness bound
     paused_for_refit: float = 0.0
     paused_for_checkpoint: float = 0.0
+    env_counters: dict[str, float] = field(default_factory=dict)  # env/<task>/<counter>
 
     def add_pause(self, reason: str, seconds: float) -> None:
         name = f"paused_for_{reason}"
@@ -90,7 +92,7 @@ class TrajectoryCollector:
         rank: int,
         world_size: int,
         generation_workers: list[Any],
-        environment_workers: list[Any],
+        environments: EnvironmentHandles,
         buffer: Any,
         tokenizer_name: str,
         records: list[PromptRecord],
@@ -106,7 +108,7 @@ class TrajectoryCollector:
         generation_version: int,
     ) -> None:
         self.generation = ActorHandles(generation_workers)
-        self.environment = ActorHandles(environment_workers)
+        self.environment = environments
         self.buffer = buffer
         self.tokenizer = load_tokenizer(tokenizer_name)
         self.loader = PromptDataLoader(records, **loader_args)
@@ -185,6 +187,7 @@ class TrajectoryCollector:
             self.stats.reward_seconds += timings["reward"]
             self.stats.generated_tokens += float(rollout.response_lengths.sum())
             self.stats.batches += 1
+            add_counters(self.stats.env_counters, rollout.env_metrics)  # env/<task>/<counter>
 
     # -- control (called by the driver while run() is busy) ---------------------------------------------
     def pause(self, reason: str) -> float:

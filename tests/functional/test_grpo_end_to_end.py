@@ -20,13 +20,21 @@ REQUIRED_STEP_KEYS = [
 
 
 def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path):
-    cfg = tiny_config(tmp_path)
+    cfg = tiny_config(tmp_path, "grpo.val_num_generations_per_prompt=2")
     history = train(cfg)
     log_dir = tmp_path / "logs"
     records = read_metrics(log_dir)
     assert [r["step"] for r in records] == [0, 1, 2] == [h["step"] for h in history]
-    assert 0.0 <= records[0]["validation/accuracy"] <= 1.0 and records[0]["validation/num_samples"] == 32
+    assert 0.0 <= records[0]["validation/accuracy"] <= 1.0 and records[0]["validation/num_samples"] == 64  # 32 prompts x 2
+    for record in (records[0], records[-1]):
+        # pass@1 is the mean correctness when every prompt has the same n; pass@2 >= pass@1 (binary rewards)
+        assert record["validation/pass@1"] == pytest.approx(record["validation/accuracy"])
+        assert record["validation/pass@1"] <= record["validation/pass@2"] <= 1.0
+        assert record["validation/env/arithmetic/num_samples"] == 64
+        assert record["validation/env/arithmetic/reward"] == pytest.approx(record["validation/reward"])
     for record in records[1:]:
+        # one task: its per-environment metrics are the step's (16 samples = 4 prompts x 4)
+        assert record["env/arithmetic/reward"] == pytest.approx(record["train/reward"]) and record["env/arithmetic/num_samples"] == 16
         missing = [k for k in REQUIRED_STEP_KEYS if k not in record]
         assert not missing, missing
         assert record["train/kl_penalty"] >= 0

@@ -33,20 +33,20 @@ def test_tiny_recipe_asks_for_cpu_bundles_only_per_role() -> None:
         "policy": (1, {"CPU": 0.5}),
         "reference": (1, {"CPU": 0.5}),  # reference_policy_kl_penalty: 0.01 in the tiny recipe
         "generation": (1, {"CPU": 0.5}),
-        "environment": (1, {"CPU": 0.1}),
+        "environment:arithmetic": (1, {"CPU": 0.1}),
     }
     assert required_resources(tiny()) == {"CPU": 1.6}
 
 
 def test_no_reference_role_without_kl_penalty_and_dp_multiplies_the_policy() -> None:
-    cfg = tiny("loss_fn.reference_policy_kl_penalty=0", "policy.dp_size=2", "env.num_workers=3", "policy.num_cpus_per_worker=0.25")
-    assert [r.role for r in role_requests(cfg)] == ["policy", "generation", "environment"]
+    cfg = tiny("loss_fn.reference_policy_kl_penalty=0", "policy.dp_size=2", "env.arithmetic.num_workers=3", "policy.num_cpus_per_worker=0.25")
+    assert [r.role for r in role_requests(cfg)] == ["policy", "generation", "environment:arithmetic"]
     assert required_resources(cfg) == {"CPU": pytest.approx(2 * 0.25 + 0.25 + 3 * 0.1)}
 
 
 def test_gpu_recipe_asks_one_gpu_per_model_worker_and_at_least_the_declared_gpus() -> None:
     cfg = tiny("cluster.gpus_per_node=8", "policy.dp_size=2")
-    assert all(r.bundle.get("GPU") == 1.0 for r in role_requests(cfg) if r.role != "environment")
+    assert all(r.bundle.get("GPU") == 1.0 for r in role_requests(cfg) if not r.role.startswith("environment"))
     assert declared_resources(cfg) == {"GPU": 8.0}
     assert required_resources(cfg)["GPU"] == 8.0  # declared 1 x 8 > 2 policy + 1 reference + 1 generation
     many = tiny("cluster.gpus_per_node=1", "policy.dp_size=4")
@@ -75,7 +75,7 @@ def test_too_many_gpus_fail_with_roles_totals_and_the_shortfall_named() -> None:
         check_cluster_capacity(required_resources(cfg), CPU_HEAD, role_requests(cfg), declared_resources(cfg))
     msg = str(err.value)
     assert "short by GPU 8" in msg
-    assert "policy 1 x CPU 0.5, GPU 1" in msg and "environment 1 x CPU 0.1" in msg
+    assert "policy 1 x CPU 0.5, GPU 1" in msg and "environment:arithmetic 1 x CPU 0.1" in msg
     assert "cluster.num_nodes x cluster.gpus_per_node = GPU 8" in msg
     assert "Asked for in total: CPU 1.6, GPU 8." in msg
     assert "The cluster has in total: CPU 2, GPU 0." in msg

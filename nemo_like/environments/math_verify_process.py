@@ -1,0 +1,170 @@
+"""math-verify in a persistent helper process, with a hard per-answer time limit.
+
+Symbolic comparison can hang: sympy evaluating ``9^{9^{9^{9}}}`` runs for minutes inside C code, where
+math-verify's own ``signal.alarm`` timeout cannot interrupt it (and ``signal`` only works in a main
+thread, which Ray actor calls are not guaranteed to run in). So every answer is checked in a child
+process that this module kills and replaces when an answer takes longer than ``timeout_s``; the run
+never hangs, and the cost of a timeout is one process start (about a second: importing sympy).
+
+Protocol: one JSON line per request on the child's stdin (``{"response": ..., "gold": ...}``), one JSON
+line per reply on its stdout (``{"status": "correct" | "wrong" | "parse_failure" | "gold_parse_failure"}``).
+Run the child as ``python -m nemo_like.environments.math_verify_process``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+#: Reply statuses; ``timeout`` and ``crash`` are decided by the parent.
+STATUSES = ("correct", "wrong", "parse_failure", "gold_parse_failure", "timeout", "crash")
+_READY = "ready"
+
+
+def gold_text(gold: Any) -> str:
+    """The gold answer as math-verify parses it best: LaTeX in ``$...$`` unless already delimited."""
+    text = str(gold).strip()
+    if "$" in text or "\\boxed" in text or "\\(" in text or "\\[" in text:
+        return text
+    return f"${text}$"
+
+
+class MathVerifyProcess:
+    """Client side: a persistent child process checking one answer at a time (started lazily)."""
+
+    def __init__(self, timeout_s: float, start_timeout_s: float = 120.0) -> None:
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self._buffer = b""
+        self.restarts = 0  # processes started after a timeout or crash
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nemo_like.environments.math_verify_process"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env=os.environ.copy(),
+        )
+        self._buffer = b""
+        line = self._read_line(time.monotonic() + self.start_timeout_s)
+        if line is None or json.loads(line).get("status") != _READY:
+            self._kill()
+            raise RuntimeError(f"the math-verify process did not start within {self.start_timeout_s:.0f}s (got {line!r})")
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            for stream in (self.proc.stdin, self.proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+            self.proc = None
+
+    def _read_line(self, deadline: float) -> str | None:
+        """The next reply line, or ``None`` when the deadline passed or the child died."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:  # EOF: the child exited
+                return None
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode()
+
+    def check(self, response: str, gold: Any) -> str:
+        """One of :data:`STATUSES` for ``response`` against ``gold``; never takes much longer than ``timeout_s``."""
+        if self.proc is None:
+            self._start()
+        try:
+            self.proc.stdin.write((json.dumps({"response": response, "gold": gold_text(gold)}) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self._kill()
+            self.restarts += 1
+            return "crash"
+        line = self._read_line(time.monotonic() + self.timeout_s)
+        if line is None:
+            status = "timeout" if self.proc.poll() is None else "crash"
+            self._kill()  # the next check starts a fresh process
+            self.restarts += 1
+            return status
+        return json.loads(line)["status"]
+
+    def close(self) -> None:
+        self._kill()
+
+    def __del__(self) -> None:
+        try:
+            self._kill()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+# -- the child process --------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so a hung check never outlives its environment actor."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort; EOF on stdin also ends the loop
+        pass
+
+
+def verify_answer(response: str, gold: str, gold_cache: dict[str, Any] | None = None) -> str:
+    """``correct`` / ``wrong`` / ``parse_failure`` / ``gold_parse_failure`` (no time limit: run it in the child)."""
+    from math_verify import parse, verify
+
+    cache = gold_cache if gold_cache is not None else {}
+    if gold not in cache:
+        cache[gold] = parse(gold, parsing_timeout=None)
+    gold_parsed = cache[gold]
+    if not gold_parsed:
+        return "gold_parse_failure"
+    predicted = parse(response, parsing_timeout=None)
+    if not predicted:
+        return "parse_failure"
+    return "correct" if verify(gold_parsed, predicted, timeout_seconds=None) else "wrong"
+
+
+def serve() -> None:
+    """Child main loop: answer requests until stdin closes."""
+    import logging
+
+    _die_with_parent()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything a library prints goes to stderr, never into the reply stream
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # "timeout disabled" notices: we enforce our own
+    logging.getLogger("latex2sympy2_extended").setLevel(logging.CRITICAL)
+    import math_verify  # noqa: F401  (import before announcing readiness: a check then costs only its own time)
+
+    out.write(json.dumps({"status": _READY}) + "\n")
+    out.flush()
+    cache: dict[str, Any] = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            status = verify_answer(request["response"], request["gold"], cache)
+        except Exception:  # noqa: BLE001 - a response that breaks the parser is unparsable, not a crash
+            status = "parse_failure"
+        if len(cache) > 4096:
+            cache.clear()
+        out.write(json.dumps({"status": status}) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,1 @@
+"""Evaluation: ``nemo-like eval`` (:mod:`nemo_like.evaluation.run`) and the pass@k estimator (:mod:`nemo_like.evaluation.pass_at_k`)."""

@@ -1,0 +1,190 @@
+"""``nemo-like eval``: sample a model on the recipe's validation prompts, score them with the recipe's
+environments, and report accuracy and pass@k.
+
+It reuses the training run's parts: the validation prompts (:func:`load_validation_prompts`), the
+generation actors (:func:`~nemo_like.models.generation.make_generation`), the environment actors and
+routing (:func:`~nemo_like.experience.rollouts.score_with_environment`). Outputs, in ``eval.output_dir``:
+
+* ``summary.json``: model, prompt and sample counts, accuracy, mean reward, pass@k, per-task accuracy,
+  the environments' counters (timeouts, parse failures) and the seconds taken;
+* ``results.jsonl``: one row per sample (prompt id, sample index, task, reward, correct, response).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.config.schema import ColocatedConfig, MasterConfig
+from nemo_like.environments.interface import CORRECT_REWARD
+from nemo_like.evaluation.pass_at_k import correct_counts, mean_pass_at_k
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def resolve_eval_model(model_path: str) -> str:
+    """The HF model directory to load: a checkpoint step directory means its ``policy/`` subdir, a
+    ``checkpointing.checkpoint_dir`` means its latest valid step; anything else is used as given."""
+    from nemo_like.utils.checkpoint import CheckpointManager
+
+    path = Path(model_path)
+    if not path.exists():
+        if model_path.startswith(("/", ".", "~")):
+            raise ConfigError(f"eval.model_path: {model_path} does not exist")
+        return model_path  # a hub id or the embedded model
+    if (path / "policy" / "config.json").is_file():
+        return str(path / "policy")
+    if (path / "config.json").is_file():
+        return str(path)
+    latest = CheckpointManager(path).latest()
+    if latest is not None:
+        return str(latest.path / "policy")
+    raise ConfigError(
+        f"eval.model_path: {model_path} is neither a model directory (config.json), a checkpoint step directory "
+        "(policy/config.json) nor a checkpoint directory with a valid step_N"
+    )
+
+
+def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
+    """A checkpoint's ``policy/`` holds weights and config but no tokenizer, which vLLM loads from the model
+    directory: give it a directory of links to the model files plus the run's tokenizer."""
+    path = Path(model_dir)
+    if not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES):
+        return model_dir
+    scratch.mkdir(parents=True, exist_ok=True)
+    for item in path.iterdir():
+        link = scratch / item.name
+        if not link.exists():
+            os.symlink(item.resolve(), link)
+    tokenizer.save_pretrained(scratch)
+    return str(scratch)
+
+
+def eval_config(cfg: MasterConfig, model_dir: str) -> MasterConfig:
+    """``cfg`` with generation loading ``model_dir`` and no colocation (there is no policy to share a GPU with)."""
+    generation = cfg.policy.generation.model_copy(update={"colocated": ColocatedConfig(enabled=False)})
+    tokenizer = cfg.policy.tokenizer_name or cfg.policy.model_name
+    policy = cfg.policy.model_copy(update={"model_name": model_dir, "tokenizer_name": tokenizer, "generation": generation})
+    return cfg.model_copy(update={"policy": policy})
+
+
+def summarize(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
+    """Accuracy (mean correctness over samples), mean reward, pass@k (mean over prompts) and per-task accuracy."""
+    correct = [row["correct"] for row in rows]
+    groups = [row["prompt_index"] for row in rows]
+    tasks: dict[str, list[bool]] = {}
+    for row in rows:
+        tasks.setdefault(row["task"], []).append(row["correct"])
+    pass_k = mean_pass_at_k(correct_counts(correct, groups), ks)
+    return {
+        "accuracy": sum(correct) / len(correct),
+        "mean_reward": sum(row["reward"] for row in rows) / len(rows),
+        **{f"pass@{k}": value for k, value in pass_k.items()},
+        "accuracy_per_task": {task: sum(values) / len(values) for task, values in tasks.items()},
+    }
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The console report: one metric per line."""
+    head = (
+        f"eval: {summary['model']} on {summary['num_prompts']} prompts x {summary['num_samples_per_prompt']} samples "
+        f"({'greedy' if summary['greedy'] else 'sampled'})"
+    )
+    lines = [head, f"{'metric':<24}{'value':>10}"]
+    names = ["accuracy", "mean_reward", *(k for k in summary if k.startswith("pass@"))]
+    lines += [f"{name:<24}{summary[name]:>10.4f}" for name in names]
+    if len(summary["accuracy_per_task"]) > 1:
+        lines += [f"{'accuracy/' + task:<24}{value:>10.4f}" for task, value in summary["accuracy_per_task"].items()]
+    lines += [f"{name:<24}{value:>10g}" for name, value in summary["env_metrics"].items() if value]
+    return "\n".join(lines)
+
+
+def evaluate(cfg: MasterConfig) -> dict[str, Any]:
+    """Run the evaluation ``cfg.eval`` describes; returns the summary (also written to ``summary.json``)."""
+    from nemo_like.algorithms.grpo import sampling_params
+    from nemo_like.algorithms.setup import check_environments, eos_token_ids, load_validation_prompts
+    from nemo_like.distributed.capacity import RoleRequest, check_cluster_capacity
+    from nemo_like.distributed.ray_init import init_ray
+    from nemo_like.environments.registry import resolve_environments, task_of
+    from nemo_like.environments.worker import ENV_WORKER_CPUS, Environments
+    from nemo_like.experience.rollouts import generate_rollout, score_with_environment
+    from nemo_like.models.generation import make_generation
+    from nemo_like.models.loading import load_tokenizer
+
+    start = time.perf_counter()
+    ev = cfg.eval
+    if ev.greedy and ev.num_samples_per_prompt > 1:
+        warnings.warn("eval.greedy=true with eval.num_samples_per_prompt > 1: greedy samples of a prompt are identical, "
+                      "so pass@k equals accuracy", RuntimeWarning, stacklevel=2)
+    specs = resolve_environments(cfg.env_sections)
+    model_dir = resolve_eval_model(ev.model_path or cfg.policy.model_name)
+    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    prompts = load_validation_prompts(cfg, tokenizer)
+    check_environments(specs, {"validation": prompts})
+    out = Path(ev.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
+
+    import ray
+
+    init_ray(cfg.cluster)
+    model_bundle = {"CPU": cfg.policy.num_cpus_per_worker, **({"GPU": 1.0} if cfg.cluster.gpus_per_node else {})}
+    roles = [RoleRequest("generation", 1, model_bundle)]
+    roles += [RoleRequest(f"environment:{t}", s.num_workers, {"CPU": ENV_WORKER_CPUS}) for t, s in specs.items()]
+    required: dict[str, float] = {}
+    for role in roles:
+        for key, value in role.total().items():
+            required[key] = required.get(key, 0.0) + value
+    check_cluster_capacity(required, ray.cluster_resources(), roles)
+
+    generation = environments = None
+    try:
+        generation = make_generation(run_cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer))
+        environments = Environments(specs, cfg.cluster.placement_timeout_s)
+        n = ev.num_samples_per_prompt
+        seed = ev.seed if ev.seed is not None else cfg.grpo.seed
+        expanded, group_ids, samples, texts = generate_rollout(
+            generation, tokenizer, prompts, n, sampling_params(run_cfg, greedy=ev.greedy), seed
+        )
+        scores = score_with_environment(environments.handles, texts, expanded)
+    finally:
+        for part in (generation, environments):
+            if part is not None:
+                part.shutdown()
+
+    rows = []
+    for i, (prompt, sample, text) in enumerate(zip(expanded, samples, texts)):
+        reward = float(scores.rewards[i])
+        rows.append({
+            "prompt_id": prompt.id, "prompt_index": int(group_ids[i]), "sample_index": i % n,
+            "task": task_of(prompt.metadata, specs), "reward": reward, "correct": reward >= CORRECT_REWARD,
+            "response": text, "answer": _jsonable(prompt.metadata.get("answer")),
+            "response_tokens": len(sample.response_ids), "truncated": bool(sample.truncated),
+        })
+    summary = {
+        "model": ev.model_path or cfg.policy.model_name, "model_dir": model_dir,
+        "num_prompts": len(prompts), "num_samples_per_prompt": n, "greedy": ev.greedy, "pass_k": list(ev.pass_k),
+        **summarize(rows, list(ev.pass_k)), "env_metrics": scores.metrics,
+        "seconds": time.perf_counter() - start,
+    }
+    with open(out / "results.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_table(summary), file=sys.stderr)
+    print(f"[done] {out / 'summary.json'}, {out / 'results.jsonl'}", file=sys.stderr)
+    return summary
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return str(value)

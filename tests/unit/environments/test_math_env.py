@@ -1,0 +1,115 @@
+"""The math environment for real: math-verify in its helper process, through MathEnvironment.score."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nemo_like.environments.math import MathEnvironment, has_boxed_answer
+
+# (response, gold answer, correct?)
+PAIRS = [
+    # fractions, decimals, a/b
+    ("The answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}", True),
+    ("So we get 0.5", "\\frac{1}{2}", True),
+    ("\\boxed{1/2}", "\\frac{1}{2}", True),
+    ("\\boxed{\\dfrac{3}{4}}", "0.75", True),
+    ("\\boxed{\\frac{2}{4}}", "\\frac12", True),
+    ("\\boxed{0.333}", "\\frac{1}{3}", False),
+    ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}", False),
+    # integers, negatives, plain final numbers
+    ("\\boxed{-7}", "-7", True),
+    ("Therefore the result is -7.", "-7", True),
+    ("\\boxed{7}", "-7", False),
+    ("First 3, then 5, so the answer is 12", "12", True),
+    ("\\boxed{42}", 42, True),
+    ("\\boxed{41}", 42, False),
+    ("\\boxed{1,000}", "1000", True),
+    # radicals, pi, expressions
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),
+    ("\\boxed{\\sqrt{2}}", "\\sqrt{3}", False),
+    ("\\boxed{2\\pi}", "2\\pi", True),
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", True),
+    ("\\boxed{x^2+1}", "(x+1)^2", False),
+    # sets and intervals
+    ("\\boxed{\\{1,2,3\\}}", "\\{3,2,1\\}", True),
+    ("\\boxed{\\{1,2\\}}", "\\{1,2,3\\}", False),
+    ("The solution set is $(0,1]$", "(0,1]", True),
+    ("\\boxed{[0,1]}", "(0,1]", False),
+    ("\\boxed{(-\\infty, 2)}", "(-\\infty,2)", True),
+    ("\\boxed{[2, \\infty)}", "(2,\\infty)", False),
+    # equations and tuples
+    ("$x=5$", "5", True),
+    ("\\boxed{(1, 2)}", "(1,2)", True),
+    ("\\boxed{(2, 1)}", "(1,2)", False),
+    # percent / degrees / text around
+    ("\\boxed{30^\\circ}", "30", True),
+    ("The answer is $\\boxed{\\frac{\\sqrt{3}}{2}}$.", "\\frac{\\sqrt3}{2}", True),
+    # malformed or missing answers
+    ("\\boxed{\\frac{1}{2", "\\frac{1}{2}", False),
+    ("I don't know.", "5", False),
+    ("", "5", False),
+]
+
+
+@pytest.fixture(scope="module")
+def env():
+    environment = MathEnvironment(timeout_s=30.0)  # generous: this test is about answers, not time
+    yield environment
+    environment.close()
+
+
+def test_at_least_30_pairs_scored_as_math_says(env: MathEnvironment) -> None:
+    assert len(PAIRS) >= 30
+    rewards = env.score([r for r, _, _ in PAIRS], [{"answer": g, "task_name": "math"} for _, g, _ in PAIRS])
+    wrong = [(PAIRS[i][0], PAIRS[i][1], PAIRS[i][2], r) for i, r in enumerate(rewards) if r != float(PAIRS[i][2])]
+    assert not wrong, f"(response, gold, expected, reward): {wrong}"
+    counts = env.metrics()
+    assert counts["correct"] == sum(ok for _, _, ok in PAIRS)
+    assert counts["timeouts"] == 0
+    assert counts["parse_failures"] >= 2  # "I don't know." and "" have no answer at all
+    assert env.metrics()["correct"] == 0  # counters reset on read
+
+
+def test_format_reward_only_for_a_wrong_boxed_answer(env: MathEnvironment) -> None:
+    env.format_reward = 0.1
+    try:
+        rewards = env.score(["\\boxed{3}", "\\boxed{4}", "4", "3"], [{"answer": "3"}] * 4)
+    finally:
+        env.format_reward = 0.0
+    assert rewards == [1.0, 0.1, 0.0, 1.0]
+    assert has_boxed_answer("so \\boxed {2}") and not has_boxed_answer("boxed{2}")
+
+
+HANGS = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the power tower: measured > 30 s (still running) without a limit
+
+
+def test_a_hanging_answer_is_cut_off_and_the_rest_of_the_batch_is_scored() -> None:
+    env = MathEnvironment(timeout_s=1.5)
+    try:
+        env.score(["\\boxed{1}"], [{"answer": "1"}])  # start the helper process outside the measured batch
+        env.metrics()
+        responses = ["\\boxed{2}", HANGS, "\\boxed{\\frac{1}{2}}", "no answer here", "\\boxed{3}"]
+        golds = ["2", "1", "0.5", "4", "4"]
+        start = time.monotonic()
+        rewards = env.score(responses, [{"answer": g} for g in golds])
+        elapsed = time.monotonic() - start
+        counts = env.metrics()
+    finally:
+        env.close()
+    assert rewards == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert counts["timeouts"] == 1 and counts["correct"] == 2 and counts["parse_failures"] == 1
+    assert env.checker.restarts == 1
+    print(f"batch with one hanging answer scored in {elapsed:.1f}s (limit 1.5s + one helper restart)")
+
+
+@pytest.mark.slow
+def test_the_hanging_answer_really_hangs_without_the_limit() -> None:
+    """Guard that HANGS is still pathological: with an 8 s limit it is still cut off (not merely slow at 1.5 s)."""
+    env = MathEnvironment(timeout_s=8.0)
+    try:
+        assert env.score([HANGS], [{"answer": "1"}]) == [0.0]
+        assert env.metrics()["timeouts"] == 1
+    finally:
+        env.close()

@@ -1,0 +1,92 @@
+"""Environment config and registry: the env config shapes, built-ins, user classes by import path, the
+errors a wrong class or key gives (in the driver, before any actor), and task routing."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_like.config import ConfigError, load_config
+from nemo_like.config.schema import MasterConfig
+from nemo_like.environments.registry import check_tasks_have_environments, resolve_environments, route_by_task, task_of
+
+
+def envs(env: object) -> dict:
+    return resolve_environments(MasterConfig.model_validate({"env": env}).env)
+
+
+def test_one_section_per_task_with_builtins_by_name_and_by_class() -> None:
+    specs = envs({"arithmetic": {"num_workers": 2}, "math": {"timeout_s": 2}, "gsm8k": {"class": "math", "format_reward": 0.1}})
+    assert {t: (s.class_path.rsplit(":", 1)[1], s.num_workers) for t, s in specs.items()} == {
+        "arithmetic": ("ArithmeticEnvironment", 2), "math": ("MathEnvironment", 1), "gsm8k": ("MathEnvironment", 1),
+    }
+    assert specs["math"].kwargs == {"timeout_s": 2.0, "format_reward": 0.0}  # validated and completed by the env's config model
+    assert specs["gsm8k"].kwargs["format_reward"] == 0.1
+
+
+def test_shorthand_and_empty_env_mean_one_section() -> None:
+    assert MasterConfig.model_validate({"env": {"name": "math", "num_workers": 3, "timeout_s": 1}}).env["math"].num_workers == 3
+    assert list(MasterConfig.model_validate({"env": {"num_workers": 2}}).env) == ["arithmetic"]
+    assert list(MasterConfig().env_sections) == ["arithmetic"]
+    assert list(load_config(None).env) == ["arithmetic"]
+    with pytest.raises(Exception, match="mixes the single-environment shorthand"):
+        MasterConfig.model_validate({"env": {"name": "math", "arithmetic": {}}})
+
+
+def test_a_custom_env_by_import_path_gets_its_section_keys() -> None:
+    spec = envs({"parity": {"class": "custom_envs:LengthParityEnv", "bonus": 0.5}})["parity"]
+    assert spec.class_path == "custom_envs:LengthParityEnv" and spec.kwargs == {"bonus": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"class": "no_such_module_xyz:Env"}, "env.t.class: cannot import module 'no_such_module_xyz'"),
+        ({"class": "custom_envs:LengthParityEnvv"}, "has no attribute 'LengthParityEnvv'. Did you mean 'LengthParityEnv'"),
+        ({"class": "custom_envs:not_a_class"}, "is a LengthParityEnv, not a class"),
+        ({"class": "custom_envs:NotAnEnvironment"}, "does not subclass nemo_like.environments.interface.EnvironmentInterface"),
+        ({"class": "custom_envs:Unfinished"}, r"leaves abstract methods unimplemented: \['score'\]"),
+        ({"class": "custom_envs"}, "must be a built-in environment"),
+        ({"class": "custom_envs:LengthParityEnv", "bonnus": 1}, r"env.t.bonnus: unknown key; LengthParityEnv.__init__ accepts \['bonus'\]. Did you mean 'bonus'"),
+        ({"class": "custom_envs:NeedsThreshold"}, r"requires \['threshold'\]"),
+        ({"class": "math", "timeout": 3}, "env.t.timeout: unknown key. Did you mean 'timeout_s'"),
+        ({"class": "math", "format_reward": 1.0}, "env.t.format_reward: Input should be less than 1"),
+        ({"class": "arithmetic", "custom_reward_fn": "custom_envs:nope"}, "custom_reward_fn: 'custom_envs' has no callable 'nope'"),
+    ],
+)
+def test_custom_env_errors_name_the_key(section: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        envs({"t": section})
+
+
+def test_an_unknown_section_without_class_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="env.maths: 'maths' is not a built-in environment.*Did you mean 'math'"):
+        envs({"maths": {}})
+
+
+def test_routing_by_task_name() -> None:
+    tasks = ["arithmetic", "parity"]
+    metadata = [{"task_name": "parity"}, {"task_name": "arithmetic"}, {"task_name": "parity"}]
+    assert route_by_task(metadata, tasks) == {"parity": [0, 2], "arithmetic": [1]}
+    assert task_of({}, ["math"]) == "math"  # no task_name: the only environment
+    with pytest.raises(ConfigError, match="no metadata\\['task_name'\\] and several environments are configured"):
+        task_of({}, tasks)
+    with pytest.raises(ConfigError, match="samples of task 'math' have no environment: configured environments are arithmetic, parity"):
+        task_of({"task_name": "math"}, tasks)
+    with pytest.raises(ConfigError, match=r"data \(train split\): samples of task 'math'"):
+        check_tasks_have_environments([{"task_name": "math"}], tasks, "data (train split)")
+
+
+def test_setup_checks_the_data_tasks_before_any_actor(monkeypatch) -> None:
+    """setup_grpo raises on a task without environment before Ray or any actor starts."""
+    from nemo_like.algorithms import setup
+
+    def no_ray(*_args, **_kwargs):
+        raise AssertionError("Ray must not start")
+
+    monkeypatch.setattr(setup, "init_ray", lambda *_: None)
+    monkeypatch.setattr(setup, "ensure_cluster_capacity", lambda *_: None)
+    monkeypatch.setattr(setup, "Policy", no_ray)
+    monkeypatch.setattr(setup, "Environments", no_ray)
+    cfg = load_config(None, ["~env", "+env.math.num_workers=1", "data.train.num_problems=16", "grpo.max_val_samples=8"])
+    with pytest.raises(ConfigError, match="samples of task 'arithmetic' have no environment: configured environments are math"):
+        setup.setup_grpo(cfg)
