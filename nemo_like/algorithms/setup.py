@@ -9,8 +9,8 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
 from nemo_like.distributed.capacity import ensure_cluster_capacity
 from nemo_like.distributed.ray_init import init_ray
-from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
-from nemo_like.environments.arithmetic import ArithmeticEnvironment, import_reward_fn
+from nemo_like.distributed.worker_group import RayWorkerGroup
+from nemo_like.environments.arithmetic import ArithmeticEnvironment, environment_resources, import_reward_fn
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.generation import make_generation
 from nemo_like.models.loading import load_tokenizer
@@ -47,21 +47,22 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
     if cfg.env.custom_reward_fn:
         import_reward_fn(cfg.env.custom_reward_fn)  # fail fast in the driver, not inside an actor
-    init_ray(cfg.cluster)
-    ensure_cluster_capacity(cfg)  # fail fast, before any actor waits on a placement group
+    plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
+    mode = init_ray(cfg.cluster)
+    ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
     val = build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)[: cfg.grpo.max_val_samples]
-    plan = decide_logprob_passes(cfg)
     policy = Policy(cfg, "policy", trainable=True)
     reference = Policy(cfg, "reference", trainable=False) if plan.load_reference_model else None
     generation = make_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy)
+    env_role = environment_resources(cfg)
     environment = RayWorkerGroup(
         "environment",
         ArithmeticEnvironment,
-        cfg.env.num_workers,
-        WorkerResources(num_cpus=0.1),
+        env_role.count,
+        env_role.resources,
         {"custom_reward_fn": cfg.env.custom_reward_fn},
         cfg.cluster.placement_timeout_s,
     )

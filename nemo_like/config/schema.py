@@ -265,9 +265,29 @@ class MasterConfig(BaseModel):
                 "grpo.skip_prev_logprobs=true requires one optimizer step per rollout (policy.train_global_batch_size == "
                 f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt); got {gbs} != {rollout}. Use 'auto'."
             )
+        if self.grpo.reward_shaping.enabled:
+            self._check_reward_shaping()
         if self.grpo.async_grpo.enabled:
             self._check_async()
         return self
+
+    def _check_reward_shaping(self) -> None:
+        shaping = self.grpo.reward_shaping
+        if shaping.max_response_length:
+            budget, budget_key = shaping.max_response_length, "grpo.reward_shaping.max_response_length"
+        else:
+            budget, budget_key = self.policy.generation.max_new_tokens, "policy.generation.max_new_tokens"
+        if shaping.overlong_buffer_length == 0:
+            raise ValueError(
+                "grpo.reward_shaping.enabled=true needs grpo.reward_shaping.overlong_buffer_length > 0 (the tokens before "
+                f"{budget_key}={budget} over which the length penalty ramps up); set it, e.g. "
+                f"grpo.reward_shaping.overlong_buffer_length={max(1, budget // 4)}, or set grpo.reward_shaping.enabled=false"
+            )
+        if shaping.overlong_buffer_length > budget:
+            raise ValueError(
+                f"grpo.reward_shaping.overlong_buffer_length={shaping.overlong_buffer_length} is larger than the response budget "
+                f"{budget_key}={budget}; lower it to at most {budget}"
+            )
 
     def _check_async(self) -> None:
         if not self.loss_fn.use_importance_sampling_correction:

@@ -13,47 +13,29 @@ to the per-group placement timeout.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 from nemo_like.distributed import ray_env  # noqa: F401  (first: sets the env defaults before ray is imported)
-from nemo_like.algorithms.logprob_plan import decide_logprob_passes
+from nemo_like.algorithms.logprob_plan import LogprobPlan
 from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed.worker_group import PlacementError
+from nemo_like.distributed.worker_group import PlacementError, RoleResources
+from nemo_like.environments.arithmetic import environment_resources
+from nemo_like.experience.async_rollouts import async_actor_resources
+from nemo_like.models.generation import generation_resources
+from nemo_like.models.policy.policy import policy_resources
 
-ENV_WORKER_CPUS = 0.1  # the reward actors' reservation (see nemo_like/algorithms/setup.py)
-ASYNC_ACTOR_CPUS = 0.05  # the trajectory collector and the replay buffer (async GRPO): they mostly wait
 _EPS = 1e-6
 
 
-@dataclass(frozen=True)
-class RoleRequest:
-    """``count`` actors of one role, each reserving ``bundle`` (one placement-group bundle)."""
-
-    role: str
-    count: int
-    bundle: Mapping[str, float]
-
-    def total(self) -> dict[str, float]:
-        return {k: v * self.count for k, v in self.bundle.items()}
-
-    def describe(self) -> str:
-        return f"{self.role} {self.count} x {_fmt(self.bundle)}"
-
-
-def role_requests(cfg: MasterConfig) -> list[RoleRequest]:
-    """Per role, what ``setup_grpo`` will reserve: CPU bundles, plus 1 GPU each when the recipe has GPUs."""
-    pc = cfg.policy
-    model_bundle = {"CPU": pc.num_cpus_per_worker}
-    if cfg.cluster.gpus_per_node:
-        model_bundle["GPU"] = 1.0
-    roles = [RoleRequest("policy", pc.dp_size, model_bundle)]
-    if decide_logprob_passes(cfg).load_reference_model:
-        roles.append(RoleRequest("reference", 1, model_bundle))
-    roles.append(RoleRequest("generation", 1, model_bundle))
-    roles.append(RoleRequest("environment", cfg.env.num_workers, {"CPU": ENV_WORKER_CPUS}))
+def role_requests(cfg: MasterConfig, plan: LogprobPlan) -> list[RoleResources]:
+    """Every role ``setup_grpo`` will start, as each role states it; ``plan`` (decided once, in setup) says
+    whether the reference model is loaded."""
+    roles = [policy_resources(cfg, trainable=True)]
+    if plan.load_reference_model:
+        roles.append(policy_resources(cfg, trainable=False))
+    roles.append(generation_resources(cfg))
+    roles.append(environment_resources(cfg))
     if cfg.grpo.async_grpo.enabled:
-        roles.append(RoleRequest("trajectory_collector", 1, {"CPU": ASYNC_ACTOR_CPUS}))
-        roles.append(RoleRequest("replay_buffer", 1, {"CPU": ASYNC_ACTOR_CPUS}))
+        roles.extend(async_actor_resources(cfg))
     return roles
 
 
@@ -63,9 +45,9 @@ def declared_resources(cfg: MasterConfig) -> dict[str, float]:
     return {"GPU": float(gpus)} if gpus else {}
 
 
-def required_resources(cfg: MasterConfig) -> dict[str, float]:
-    """The run's total request per resource: the actors' sum, at least what the recipe declares."""
-    total = _sum(r.total() for r in role_requests(cfg))
+def required_resources(cfg: MasterConfig, plan: LogprobPlan) -> dict[str, float]:
+    """The run's total request per resource: the roles' sum, at least what the recipe declares."""
+    total = _sum(r.total() for r in role_requests(cfg, plan))
     for key, value in declared_resources(cfg).items():
         total[key] = max(total.get(key, 0.0), value)
     return total
@@ -84,8 +66,9 @@ def shortfall(required: Mapping[str, float], available_total: Mapping[str, float
 def check_cluster_capacity(
     required: Mapping[str, float],
     available_total: Mapping[str, float],
-    roles: Sequence[RoleRequest] = (),
+    roles: Sequence[RoleResources] = (),
     declared: Mapping[str, float] | None = None,
+    hint: str = "",
 ) -> None:
     """Raise :class:`PlacementError` naming the request (per role and in total) and the cluster's
     resources when ``required`` exceeds ``available_total`` for any resource."""
@@ -99,15 +82,27 @@ def check_cluster_capacity(
         lines.append(f"The recipe declares cluster.num_nodes x cluster.gpus_per_node = {_fmt(declared)}.")
     lines.append(f"Asked for in total: {_fmt(required)}.")
     lines.append(f"The cluster has in total: {_fmt({k: available_total.get(k, 0.0) for k in required})}.")
+    if hint:
+        lines.append(hint)
     lines.append("Lower the request (cluster.gpus_per_node, policy.dp_size, policy.num_cpus_per_worker, env.num_workers) or add nodes.")
     raise PlacementError(" ".join(lines))
 
 
-def ensure_cluster_capacity(cfg: MasterConfig) -> None:
-    """Check the run's request against the connected Ray cluster's total resources (call after ``init_ray``)."""
+def ensure_cluster_capacity(cfg: MasterConfig, plan: LogprobPlan, private_cluster: bool = False) -> None:
+    """Check the run's request against the connected Ray cluster's total resources (call after ``init_ray``).
+
+    ``private_cluster``: this run started its own local cluster, which has exactly this machine's GPUs."""
     import ray
 
-    check_cluster_capacity(required_resources(cfg), ray.cluster_resources(), role_requests(cfg), declared_resources(cfg))
+    hint = ""
+    if private_cluster:
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        hint = (
+            f"This run started a private local Ray cluster with this machine's resources ({gpus:g} GPUs found): set "
+            "cluster.gpus_per_node=0 to run on CPU, or join a cluster that has the GPUs (cluster.ray_address)."
+        )
+    roles = role_requests(cfg, plan)
+    check_cluster_capacity(required_resources(cfg, plan), ray.cluster_resources(), roles, declared_resources(cfg), hint)
 
 
 def _sum(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:

@@ -8,10 +8,19 @@ from collections.abc import Callable
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
+from nemo_like.distributed.worker_group import RoleResources, WorkerResources
 from nemo_like.environments.arithmetic_reward import score_response
 from nemo_like.environments.interface import EnvironmentInterface
 
 RewardFn = Callable[[str, Any], float]
+
+
+ENV_WORKER_CPUS = 0.1  # scoring is cheap: a small reservation per reward actor
+
+
+def environment_resources(cfg) -> RoleResources:
+    """``env.num_workers`` reward actors, a small CPU reservation each."""
+    return RoleResources("environment", cfg.env.num_workers, WorkerResources(num_cpus=ENV_WORKER_CPUS))
 
 
 def import_reward_fn(path: str) -> RewardFn:
