@@ -14,8 +14,8 @@ from nemo_like.algorithms.grpo import async_grpo_train, grpo_train
 from nemo_like.algorithms.setup import setup_grpo
 from nemo_like.config.schema import MasterConfig
 from nemo_like.utils.logger import Logger
-from nemo_like.utils.preflight import check_run_inputs, run_directories
-from nemo_like.utils.run_lock import hold_run_locks
+from nemo_like.utils.preflight import check_run_inputs
+from nemo_like.utils.run_lock import hold_run_locks, run_directories
 
 
 def train(cfg: MasterConfig) -> list[dict[str, Any]]:

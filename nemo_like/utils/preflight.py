@@ -12,14 +12,7 @@ from pathlib import Path
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.models.loading import check_model_source
-
-
-def run_directories(cfg: MasterConfig) -> dict[str, Path]:
-    """``{key: directory}`` the run writes: the log directory, and the checkpoint directory when enabled."""
-    dirs = {"logger.log_dir": Path(cfg.logger.log_dir)}
-    if cfg.checkpointing.enabled:
-        dirs["checkpointing.checkpoint_dir"] = Path(cfg.checkpointing.checkpoint_dir)
-    return dirs
+from nemo_like.utils.run_lock import run_directories
 
 
 def ensure_writable_dir(directory: Path, key: str) -> None:

@@ -23,8 +23,20 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nemo_like.config.schema import MasterConfig
 
 LOCK_FILE = ".nemo_like.lock"
+
+
+def run_directories(cfg: MasterConfig) -> dict[str, Path]:
+    """``{key: directory}`` a run writes and locks: the log directory, and the checkpoint directory when enabled."""
+    dirs = {"logger.log_dir": Path(cfg.logger.log_dir)}
+    if cfg.checkpointing.enabled:
+        dirs["checkpointing.checkpoint_dir"] = Path(cfg.checkpointing.checkpoint_dir)
+    return dirs
 
 
 class RunLockError(RuntimeError):
