@@ -12,11 +12,16 @@ from nemo_like.config import ConfigError, load_config
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
+    from nemo_like.algorithms.dynamic_sampling import DynamicSamplingExhausted
     from nemo_like.algorithms.grpo import NonFiniteTrainingError
     from nemo_like.distributed.worker_group import PlacementError, WorkerFailure
     from nemo_like.utils.checkpoint import CheckpointError
+    from nemo_like.utils.run_lock import RunLockError
 
-    return (WorkerFailure, PlacementError, CheckpointError, NonFiniteTrainingError, ConnectionError)
+    return (
+        WorkerFailure, PlacementError, CheckpointError, NonFiniteTrainingError, DynamicSamplingExhausted, RunLockError,
+        ConnectionError,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

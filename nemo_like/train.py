@@ -14,11 +14,23 @@ from nemo_like.algorithms.grpo import async_grpo_train, grpo_train
 from nemo_like.algorithms.setup import setup_grpo
 from nemo_like.config.schema import MasterConfig
 from nemo_like.utils.logger import Logger
+from nemo_like.utils.preflight import check_run_inputs
+from nemo_like.utils.run_lock import hold_run_locks, run_directories
 
 
 def train(cfg: MasterConfig) -> list[dict[str, Any]]:
-    """Train and return the per-step metric records (also in ``<log_dir>/metrics.jsonl``)."""
+    """Train and return the per-step metric records (also in ``<log_dir>/metrics.jsonl``).
+
+    Before anything starts: the inputs are checked (model source, writable directories) and the run
+    locks its log and checkpoint directories, so a second run on them stops before it resumes or trims
+    anything (see :mod:`nemo_like.utils.run_lock`)."""
     start = time.perf_counter()
+    check_run_inputs(cfg)
+    with hold_run_locks(run_directories(cfg)):
+        return _train_locked(cfg, start)
+
+
+def _train_locked(cfg: MasterConfig, start: float) -> list[dict[str, Any]]:
     resume_from = find_resume_checkpoint(cfg)
     if resume_from is not None:  # steps logged after the checkpoint are redone: drop their records
         trim_metrics_after(Path(cfg.logger.log_dir) / "metrics.jsonl", resume_from.step)

@@ -20,6 +20,12 @@ Payload = Mapping[str, Any]
 MAX_GEN_BATCHES_KEY = "grpo.dynamic_sampling_max_gen_batches"
 
 
+class DynamicSamplingExhausted(RuntimeError):
+    """Too few prompt groups with a learning signal within ``grpo.dynamic_sampling_max_gen_batches``.
+
+    A run error with a clear cause: the CLI prints its message (key and fixes) without a traceback."""
+
+
 def select_groups_with_signal(
     rewards: torch.Tensor, prompt_ids: torch.Tensor, valid_mask: torch.Tensor
 ) -> torch.Tensor:
@@ -103,7 +109,7 @@ class DynamicSamplingAccumulator:
 
         Raises:
             ValueError: lengths differ from ``B`` or ``keep_mask`` splits a group.
-            RuntimeError: this batch reached ``max_gen_batches`` and the batch is still not full.
+            DynamicSamplingExhausted: this batch reached ``max_gen_batches`` and the batch is still not full.
         """
         if prompt_ids is None:
             if "prompt_ids" not in payload:
@@ -121,12 +127,13 @@ class DynamicSamplingAccumulator:
         if kept_sizes:
             self._chunks.append(({k: _index_rows(v, perm) for k, v in payload.items()}, kept_sizes))
         if not self.is_full and self.max_gen_batches is not None and self.num_gen_batches >= self.max_gen_batches:
-            raise RuntimeError(
+            raise DynamicSamplingExhausted(
                 f"Dynamic sampling collected only {self.num_kept_groups}/{self.num_prompts_needed} prompt groups "
                 f"with non-zero reward std after {self.num_gen_batches} generation batches "
                 f"({MAX_GEN_BATCHES_KEY}={self.max_gen_batches}); {self.num_discarded_groups} groups were "
-                f"discarded because all their rewards were equal. Raise {MAX_GEN_BATCHES_KEY}, or check "
-                "that the reward function can tell responses apart (task too easy or too hard?)."
+                "discarded because all their raw rewards were equal (every response right, or every one wrong). "
+                f"Raise {MAX_GEN_BATCHES_KEY}, make the data easier or harder for this model (or check that the "
+                "reward function can tell responses apart), or disable dynamic sampling (grpo.use_dynamic_sampling=false)."
             )
 
     def take(self) -> tuple[dict[str, Any], dict[str, float]]:

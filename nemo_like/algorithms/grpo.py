@@ -162,17 +162,33 @@ def build_train_batch(parts: GRPOComponents, rollout) -> tuple[dict[str, torch.T
     return batch, metrics
 
 
-def shape_rewards(cfg: MasterConfig, rollout: Rollout) -> None:
-    """DAPO overlong shaping of ``rollout.rewards`` in place, when enabled."""
+def shaped_rewards(cfg: MasterConfig, rewards: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
+    """The rewards after DAPO overlong shaping (``grpo.reward_shaping``); unchanged when it is off."""
     shaping = cfg.grpo.reward_shaping
-    if shaping.enabled:
-        rollout.rewards = apply_overlong_reward_shaping(
-            rollout.rewards,
-            rollout.response_lengths,
-            max_response_length=shaping.max_response_length or cfg.policy.generation.max_new_tokens,
-            overlong_buffer_length=shaping.overlong_buffer_length,
-            overlong_buffer_penalty=shaping.overlong_buffer_penalty,
-        )
+    if not shaping.enabled:
+        return rewards
+    return apply_overlong_reward_shaping(
+        rewards,
+        response_lengths,
+        max_response_length=shaping.max_response_length or cfg.policy.generation.max_new_tokens,
+        overlong_buffer_length=shaping.overlong_buffer_length,
+        overlong_buffer_penalty=shaping.overlong_buffer_penalty,
+    )
+
+
+def filter_then_shape(
+    cfg: MasterConfig, raw_rewards: torch.Tensor, response_lengths: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rewards to train on, keep mask)`` for one generation batch; the mask is ``None`` without dynamic sampling.
+
+    DAPO order: groups are kept on the RAW task reward, then shaped. Filtering after shaping would keep a
+    group whose responses all failed but differ in length, and the length penalty alone would then give
+    it full-size (std-normalised) advantages.
+    """
+    keep = None
+    if cfg.grpo.use_dynamic_sampling:
+        keep = select_groups_with_signal(raw_rewards, group_ids, torch.ones_like(raw_rewards))
+    return shaped_rewards(cfg, raw_rewards, response_lengths), keep
 
 
 def collect_training_rollout(
@@ -201,12 +217,11 @@ def collect_training_rollout(
         if counts is not None:
             counts["generated_tokens"] = counts.get("generated_tokens", 0.0) + rollout.response_lengths.sum().item()
         add_counters(env_counters, rollout.env_metrics)
-        shape_rewards(cfg, rollout)
-        if accumulator is None:
-            return rollout, {}
         # Group ids unique across generation batches, so groups from different batches never merge.
         group_ids = rollout.group_ids + batch_index * cfg.grpo.num_prompts_per_step
-        keep = select_groups_with_signal(rollout.rewards, group_ids, torch.ones_like(rollout.rewards))
+        rollout.rewards, keep = filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, group_ids)
+        if accumulator is None:
+            return rollout, {}
         payload = {"prompts": rollout.prompts, "samples": rollout.samples, "texts": rollout.response_texts,
                    "rewards": rollout.rewards, "group_ids": group_ids}
         accumulator.add(payload, keep, prompt_ids=group_ids)
@@ -300,7 +315,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     taken = rollouts.take(step, parts.policy.weight_version)
     timer.add("waiting_for_data", taken.waited_s)
     rollout = taken.rollout
-    shape_rewards(cfg, rollout)
+    rollout.rewards, _ = filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, rollout.group_ids)
     metrics = train_on_rollout(parts, step, timer, rollout)
     refit = rollouts.refit()
     timer.add("refit", refit.refit)

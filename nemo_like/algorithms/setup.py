@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
-from nemo_like.distributed.capacity import ensure_cluster_capacity
+from nemo_like.algorithms.roles import ensure_cluster_capacity
 from nemo_like.distributed.ray_init import init_ray
 from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments, resolve_environments
 from nemo_like.environments.worker import Environments
@@ -71,14 +71,14 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     if cfg.grpo.val_greedy and cfg.grpo.val_num_generations_per_prompt > 1:
         warnings.warn("grpo.val_greedy=true with grpo.val_num_generations_per_prompt > 1: greedy samples of a prompt are "
                       "identical, so validation/pass@k equals validation/accuracy", RuntimeWarning, stacklevel=2)
-    init_ray(cfg.cluster)
-    ensure_cluster_capacity(cfg)  # fail fast, before any actor waits on a placement group
+    plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
+    mode = init_ray(cfg.cluster)
+    ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
     val = load_validation_prompts(cfg, tokenizer)
     check_environments(env_specs, {"train": train, "validation": val})
-    plan = decide_logprob_passes(cfg)
     policy = Policy(cfg, "policy", trainable=True)
     reference = Policy(cfg, "reference", trainable=False) if plan.load_reference_model else None
     generation = make_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy)

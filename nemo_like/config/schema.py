@@ -382,6 +382,8 @@ class MasterConfig(BaseModel):
                 "grpo.rollout_rejection.level is set, which needs the prev-logprob pass, but grpo.skip_prev_logprobs=true; "
                 "use skip_prev_logprobs 'auto' (or false) or turn the rejection off"
             )
+        if self.grpo.reward_shaping.enabled:
+            self._check_reward_shaping()
         if self.grpo.async_grpo.enabled:
             self._check_async()
         if self.loss_fn.aggregation == "seq-mean-token-sum-norm" and self.loss_fn.loss_aggregation_normalizer is None:
@@ -392,6 +394,24 @@ class MasterConfig(BaseModel):
     def no_effect_warnings(self) -> list[str]:
         """One line per option that is set but has no effect here (printed at start-up, never an error)."""
         return [*self.loss_fn.no_effect_warnings(), *self.grpo.rollout_rejection.no_effect_warnings()]
+
+    def _check_reward_shaping(self) -> None:
+        shaping = self.grpo.reward_shaping
+        if shaping.max_response_length:
+            budget, budget_key = shaping.max_response_length, "grpo.reward_shaping.max_response_length"
+        else:
+            budget, budget_key = self.policy.generation.max_new_tokens, "policy.generation.max_new_tokens"
+        if shaping.overlong_buffer_length == 0:
+            raise ValueError(
+                "grpo.reward_shaping.enabled=true needs grpo.reward_shaping.overlong_buffer_length > 0 (the tokens before "
+                f"{budget_key}={budget} over which the length penalty ramps up); set it, e.g. "
+                f"grpo.reward_shaping.overlong_buffer_length={max(1, budget // 4)}, or set grpo.reward_shaping.enabled=false"
+            )
+        if shaping.overlong_buffer_length > budget:
+            raise ValueError(
+                f"grpo.reward_shaping.overlong_buffer_length={shaping.overlong_buffer_length} is larger than the response budget "
+                f"{budget_key}={budget}; lower it to at most {budget}"
+            )
 
     def _check_async(self) -> None:
         if not self.loss_fn.use_importance_sampling_correction:

@@ -1,9 +1,9 @@
-"""What a run will ask the cluster for, checked before any actor starts.
+"""Whether a cluster can grant a run's request, checked before any actor starts.
 
 A placement group that asks for more than the cluster has stays pending forever; instead of waiting
-for ``cluster.placement_timeout_s`` per group, :func:`ensure_cluster_capacity` compares the whole
-run's request with the cluster's total resources right after Ray is up and fails with one message
-that names every role's request and the shortfall.
+for ``cluster.placement_timeout_s`` per group, the run compares its whole request (the roles that
+``nemo_like.algorithms.roles`` lists) with the cluster's total resources right after Ray is up and
+fails with one message that names every role's request and the shortfall.
 
 The check is against the cluster's *total* resources: it catches requests that can never be
 granted (a GPU recipe on a CPU cluster, too many GPUs). Resources that exist but are busy are left
@@ -13,63 +13,19 @@ to the per-group placement timeout.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
-from nemo_like.distributed import ray_env  # noqa: F401  (first: sets the env defaults before ray is imported)
-from nemo_like.algorithms.logprob_plan import decide_logprob_passes
-from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed.worker_group import PlacementError
+from nemo_like.distributed.worker_group import PlacementError, RoleResources
 
-from nemo_like.environments.worker import ENV_WORKER_CPUS  # the reward actors' reservation
-ASYNC_ACTOR_CPUS = 0.05  # the trajectory collector and the replay buffer (async GRPO): they mostly wait
 _EPS = 1e-6
 
 
-@dataclass(frozen=True)
-class RoleRequest:
-    """``count`` actors of one role, each reserving ``bundle`` (one placement-group bundle)."""
-
-    role: str
-    count: int
-    bundle: Mapping[str, float]
-
-    def total(self) -> dict[str, float]:
-        return {k: v * self.count for k, v in self.bundle.items()}
-
-    def describe(self) -> str:
-        return f"{self.role} {self.count} x {_fmt(self.bundle)}"
-
-
-def role_requests(cfg: MasterConfig) -> list[RoleRequest]:
-    """Per role, what ``setup_grpo`` will reserve: CPU bundles, plus 1 GPU each when the recipe has GPUs."""
-    pc = cfg.policy
-    model_bundle = {"CPU": pc.num_cpus_per_worker}
-    if cfg.cluster.gpus_per_node:
-        model_bundle["GPU"] = 1.0
-    roles = [RoleRequest("policy", pc.dp_size, model_bundle)]
-    if decide_logprob_passes(cfg).load_reference_model:
-        roles.append(RoleRequest("reference", 1, model_bundle))
-    roles.append(RoleRequest("generation", 1, model_bundle))
-    for task, section in cfg.env_sections.items():
-        roles.append(RoleRequest(f"environment:{task}", section.num_workers, {"CPU": ENV_WORKER_CPUS}))
-    if cfg.grpo.async_grpo.enabled:
-        roles.append(RoleRequest("trajectory_collector", 1, {"CPU": ASYNC_ACTOR_CPUS}))
-        roles.append(RoleRequest("replay_buffer", 1, {"CPU": ASYNC_ACTOR_CPUS}))
-    return roles
-
-
-def declared_resources(cfg: MasterConfig) -> dict[str, float]:
-    """What the recipe says the cluster has: ``cluster.num_nodes`` x ``cluster.gpus_per_node`` GPUs."""
-    gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-    return {"GPU": float(gpus)} if gpus else {}
-
-
-def required_resources(cfg: MasterConfig) -> dict[str, float]:
-    """The run's total request per resource: the actors' sum, at least what the recipe declares."""
-    total = _sum(r.total() for r in role_requests(cfg))
-    for key, value in declared_resources(cfg).items():
-        total[key] = max(total.get(key, 0.0), value)
-    return total
+def sum_resources(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Add resource dicts key by key."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0.0) + value
+    return {k: round(v, 6) for k, v in total.items()}
 
 
 def shortfall(required: Mapping[str, float], available_total: Mapping[str, float]) -> dict[str, float]:
@@ -85,8 +41,9 @@ def shortfall(required: Mapping[str, float], available_total: Mapping[str, float
 def check_cluster_capacity(
     required: Mapping[str, float],
     available_total: Mapping[str, float],
-    roles: Sequence[RoleRequest] = (),
+    roles: Sequence[RoleResources] = (),
     declared: Mapping[str, float] | None = None,
+    hint: str = "",
 ) -> None:
     """Raise :class:`PlacementError` naming the request (per role and in total) and the cluster's
     resources when ``required`` exceeds ``available_total`` for any resource."""
@@ -100,23 +57,23 @@ def check_cluster_capacity(
         lines.append(f"The recipe declares cluster.num_nodes x cluster.gpus_per_node = {_fmt(declared)}.")
     lines.append(f"Asked for in total: {_fmt(required)}.")
     lines.append(f"The cluster has in total: {_fmt({k: available_total.get(k, 0.0) for k in required})}.")
-    lines.append("Lower the request (cluster.gpus_per_node, policy.dp_size, policy.num_cpus_per_worker, env.<task>.num_workers) or add nodes.")
+    if hint:
+        lines.append(hint)
+    lines.append(
+        "Lower the request (cluster.gpus_per_node, policy.dp_size, policy.num_cpus_per_worker, env.<task>.num_workers) or add nodes."
+    )
     raise PlacementError(" ".join(lines))
 
 
-def ensure_cluster_capacity(cfg: MasterConfig) -> None:
-    """Check the run's request against the connected Ray cluster's total resources (call after ``init_ray``)."""
+def private_cluster_hint() -> str:
+    """What to do when a private local cluster (this machine's resources) is too small."""
     import ray
 
-    check_cluster_capacity(required_resources(cfg), ray.cluster_resources(), role_requests(cfg), declared_resources(cfg))
-
-
-def _sum(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for part in parts:
-        for key, value in part.items():
-            total[key] = total.get(key, 0.0) + value
-    return {k: round(v, 6) for k, v in total.items()}
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    return (
+        f"This run started a private local Ray cluster with this machine's resources ({gpus:g} GPUs found): set "
+        "cluster.gpus_per_node=0 to run on CPU, or join a cluster that has the GPUs (cluster.ray_address)."
+    )
 
 
 def _fmt(resources: Mapping[str, float]) -> str:

@@ -5,7 +5,7 @@ Which cluster a run uses, first match wins:
 1. ``cluster.ray_address`` in the recipe (``auto`` means the cluster already running on this node);
 2. ``$RAY_ADDRESS``;
 3. the job's own cluster when the driver runs as a ``ray job submit`` entrypoint;
-4. otherwise a private local cluster sized by ``cluster.num_cpus`` / ``cluster.gpus_per_node``.
+4. otherwise a private local cluster with ``cluster.num_cpus`` CPUs and this machine's real GPUs.
 
 A plain local run never attaches to some other cluster that happens to run on the machine.
 """
@@ -79,14 +79,17 @@ def _check_reachable(address: str, source: str, timeout_s: float = 10.0) -> None
 
 
 def _start_local(cluster: ClusterConfig) -> None:
-    """A private single-machine cluster; recipe GPUs are declared (``num_nodes`` x ``gpus_per_node``)."""
+    """A private single-machine cluster with this machine's real GPUs (none for a CPU recipe).
+
+    The GPUs are detected, never declared from the recipe: a GPU recipe on a machine without them then
+    fails the capacity check before any actor starts (declaring them let the actors start and die later)."""
     import ray
 
     _warn_if_ray_imported_too_early()
     ray.init(
         address="local",
         num_cpus=cluster.num_cpus or os.cpu_count(),
-        num_gpus=cluster.gpus_per_node * cluster.num_nodes if cluster.gpus_per_node else 0,
+        num_gpus=None if cluster.gpus_per_node else 0,  # None: Ray counts the visible GPUs
         object_store_memory=cluster.object_store_memory_mb * 1024 * 1024,
         include_dashboard=False,
         log_to_driver=True,

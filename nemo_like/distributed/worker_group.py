@@ -123,6 +123,28 @@ def _kill(workers: list[Any], pg: PlacementGroup) -> None:
     remove_placement_group(pg)
 
 
+@dataclass(frozen=True)
+class RoleResources:
+    """What one role of a run reserves: ``count`` actors of ``resources`` each (one bundle per actor).
+
+    Each role states its own next to its code (``policy_resources``, ``generation_resources``, ...); the
+    facade starts its group from it and the capacity check adds the roles up."""
+
+    role: str
+    count: int
+    resources: WorkerResources
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        return self.resources.bundle()
+
+    def total(self) -> dict[str, float]:
+        return {k: v * self.count for k, v in self.bundle.items()}
+
+    def describe(self) -> str:
+        return f"{self.role} {self.count} x " + ", ".join(f"{k} {v:g}" for k, v in self.bundle.items())
+
+
 def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s: float) -> PlacementGroup:
     """Create a placement group of ``count`` bundles and wait for it; fail clearly instead of hanging.
     Idle actors kept by :func:`reuse_actors` are killed first if they hold the resources needed."""

@@ -7,11 +7,19 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_like.distributed.worker_group import Reinitializable
+from nemo_like.distributed.worker_group import Reinitializable, RoleResources, WorkerResources
 from nemo_like.environments.registry import EnvSpec, import_environment_class
 
 #: CPU reserved per environment actor (they mostly wait; the math verifier's process runs beside it).
 ENV_WORKER_CPUS = 0.1
+
+
+def environment_resources(cfg: Any) -> list[RoleResources]:
+    """One role per configured task (``env.<task>``): its ``num_workers`` actors, a small CPU reservation each."""
+    return [
+        RoleResources(f"environment:{task}", section.num_workers, WorkerResources(num_cpus=ENV_WORKER_CPUS))
+        for task, section in cfg.env_sections.items()
+    ]
 
 
 class EnvironmentWorker(Reinitializable):

@@ -107,14 +107,14 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     """Run the evaluation ``cfg.eval`` describes; returns the summary (also written to ``summary.json``)."""
-    from nemo_like.algorithms.grpo import sampling_params
+    from nemo_like.models.generation.interface import sampling_params
     from nemo_like.algorithms.setup import check_environments, eos_token_ids, load_validation_prompts
-    from nemo_like.distributed.capacity import RoleRequest, check_cluster_capacity
+    from nemo_like.distributed.capacity import check_cluster_capacity, sum_resources
     from nemo_like.distributed.ray_init import init_ray
     from nemo_like.environments.registry import resolve_environments, task_of
-    from nemo_like.environments.worker import ENV_WORKER_CPUS, Environments
+    from nemo_like.environments.worker import Environments, environment_resources
     from nemo_like.experience.rollouts import generate_rollout, score_with_environment
-    from nemo_like.models.generation import make_generation
+    from nemo_like.models.generation import generation_resources, make_generation
     from nemo_like.models.loading import load_tokenizer
 
     start = time.perf_counter()
@@ -134,14 +134,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     import ray
 
     init_ray(cfg.cluster)
-    model_bundle = {"CPU": cfg.policy.num_cpus_per_worker, **({"GPU": 1.0} if cfg.cluster.gpus_per_node else {})}
-    roles = [RoleRequest("generation", 1, model_bundle)]
-    roles += [RoleRequest(f"environment:{t}", s.num_workers, {"CPU": ENV_WORKER_CPUS}) for t, s in specs.items()]
-    required: dict[str, float] = {}
-    for role in roles:
-        for key, value in role.total().items():
-            required[key] = required.get(key, 0.0) + value
-    check_cluster_capacity(required, ray.cluster_resources(), roles)
+    roles = [generation_resources(run_cfg), *environment_resources(run_cfg)]
+    check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
 
     generation = environments = None
     try:

@@ -17,14 +17,20 @@ from typing import Any
 import ray
 import torch
 
-from nemo_like.distributed.capacity import ASYNC_ACTOR_CPUS
-from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerFailure, WorkerResources, get_with_context
+from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerFailure, WorkerResources, get_with_context
 from nemo_like.experience.replay_buffer import ReplayBufferActor, TrajectoryGroup, trajectory_ages
 from nemo_like.experience.rollouts import Rollout
 from nemo_like.experience.trajectory_collector import GenerationStats, TrajectoryCollector
 from nemo_like.models.generation.interface import sampling_params
 
 BUFFER_FILE = "replay_buffer.pt"
+ASYNC_ACTOR_CPUS = 0.05  # the trajectory collector and the replay buffer mostly wait
+
+
+def async_actor_resources(cfg: Any) -> list[RoleResources]:
+    """The trajectory collector and the replay buffer: one actor each, a small CPU reservation."""
+    resources = WorkerResources(num_cpus=ASYNC_ACTOR_CPUS)
+    return [RoleResources("trajectory_collector", 1, resources), RoleResources("replay_buffer", 1, resources)]
 
 
 @dataclass
@@ -86,10 +92,10 @@ class AsyncRollouts:
         async_cfg = cfg.grpo.async_grpo
         self.parts = parts
         self.in_flight = async_cfg.in_flight_weight_updates
-        resources = WorkerResources(num_cpus=ASYNC_ACTOR_CPUS)
+        roles = {r.role: r for r in async_actor_resources(cfg)}
         timeout = cfg.cluster.placement_timeout_s
         self.buffer_group = RayWorkerGroup(
-            "replay_buffer", ReplayBufferActor, 1, resources,
+            "replay_buffer", ReplayBufferActor, roles["replay_buffer"].count, roles["replay_buffer"].resources,
             {"groups_per_step": cfg.grpo.num_prompts_per_step, "max_age": async_cfg.max_trajectory_age_steps},
             timeout, max_concurrency=4,
         )
@@ -98,7 +104,7 @@ class AsyncRollouts:
             get_with_context(self.buffer.load_state_dict.remote(restored["buffer"]), "replay buffer: restore")
         loader = parts.train_loader
         self.collector_group = RayWorkerGroup(
-            "trajectory_collector", TrajectoryCollector, 1, resources,
+            "trajectory_collector", TrajectoryCollector, roles["trajectory_collector"].count, roles["trajectory_collector"].resources,
             dict(
                 generation_workers=parts.generation.group.workers,
                 environments=parts.environment,

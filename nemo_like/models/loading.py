@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
 import torch
 
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import EMBEDDED_MODEL
+
+HUB_PROBE_TIMEOUT_S = 5.0
+_TRUE = ("1", "true", "yes", "on")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -16,6 +25,81 @@ def resolve_model_path(model_name: str) -> str:
 
         return default_model_path()
     return model_name
+
+
+def hub_offline() -> bool:
+    """Whether Hugging Face downloads are switched off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    return any(os.environ.get(var, "").strip().lower() in _TRUE for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (``HF_HUB_CACHE``, ``HF_HOME``/hub, ~/.cache)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id: absolute, relative with ./ ../ ~, or existing on disk."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or Path(name).exists()
+
+
+def _hub_endpoint_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> tuple[bool, str]:
+    """Try a TCP connection to the hub endpoint (``HF_ENDPOINT``); ``(reachable, endpoint or the error)``."""
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=timeout_s).close()
+    except OSError as exc:
+        return False, f"{endpoint} is unreachable ({exc})"
+    return True, endpoint
+
+
+def check_model_source(name: str, key: str) -> None:
+    """Fail with one line naming ``key`` when ``name`` can not be loaded here, before anything starts.
+
+    * a local path must be an existing directory;
+    * a hub id must be in the local cache when the machine is offline (``HF_HUB_OFFLINE=1``, or the
+      hub endpoint does not answer within a few seconds); a cached model on an unreachable hub switches
+      the run to offline mode, so no process waits on network retries.
+    """
+    if name == EMBEDDED_MODEL:
+        return
+    if looks_like_path(name):
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            problem = "is a file, not a model directory" if path.exists() else "does not exist"
+            raise ConfigError(
+                f"{key}={name!r}: {path} {problem}. Point {key} at a local model directory (with config.json) "
+                f"or a Hugging Face hub id, or use '{EMBEDDED_MODEL}'"
+            )
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    cache = hub_cache_dir()
+    cached = isinstance(try_to_load_from_cache(name, "config.json", cache_dir=cache), str) or isinstance(
+        try_to_load_from_cache(name, "tokenizer_config.json", cache_dir=cache), str
+    )
+    if cached and hub_offline():
+        return
+    if hub_offline():
+        why = "the machine is offline (HF_HUB_OFFLINE=1)"
+    else:
+        reachable, detail = _hub_endpoint_reachable()
+        if reachable:
+            return  # transformers downloads it (or revalidates the cached copy)
+        if cached:
+            os.environ["HF_HUB_OFFLINE"] = "1"  # forwarded to every actor: load from the cache, no retries
+            print(f"[setup] {detail}: using the cached copy of {name} (HF_HUB_OFFLINE=1)")
+            return
+        why = f"the machine is offline: {detail}"
+    raise ConfigError(
+        f"{key}={name!r} is a Hugging Face hub id, but {why} and the model is not in the local cache ({cache}). "
+        f"Download it where there is network (`huggingface-cli download {name} --local-dir DIR`) and set {key}=DIR "
+        "(a local directory path), or fill the cache (HF_HOME) and keep HF_HUB_OFFLINE=1"
+    )
 
 
 def load_causal_lm(model_name: str, precision: str = "float32"):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nemo_like.distributed.worker_group import RoleResources
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +21,18 @@ def resolve_backend(requested: str) -> tuple[str, str]:
     if requested == "vllm":
         require_vllm()
     return requested, "requested"
+
+
+def generation_resources(cfg) -> "RoleResources":
+    """What the generation engine ``policy.generation.backend`` resolves to reserves (one worker, as built below)."""
+    backend, _ = resolve_backend(cfg.policy.generation.backend)
+    if backend == "vllm":
+        from nemo_like.models.generation.vllm import vllm_generation_resources
+
+        return vllm_generation_resources(cfg)
+    from nemo_like.models.generation.hf import hf_generation_resources
+
+    return hf_generation_resources(cfg)
 
 
 def make_generation(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any = None):

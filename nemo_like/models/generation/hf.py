@@ -7,9 +7,18 @@ import time
 import ray
 
 from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, get_with_context
+from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
+
+
+def hf_generation_resources(cfg: MasterConfig, num_workers: int = 1) -> RoleResources:
+    """HF generation workers: CPUs each, and a GPU of their own on GPU clusters."""
+    pc = cfg.policy
+    resources = WorkerResources(
+        num_cpus=pc.num_cpus_per_worker, num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0, num_threads=pc.num_threads_per_worker
+    )
+    return RoleResources("generation", num_workers, resources)
 
 
 class HFGeneration:
@@ -24,9 +33,7 @@ class HFGeneration:
             pad_token_id=pad_token_id,
             eos_token_ids=eos_token_ids,
         )
-        resources = WorkerResources(
-            num_cpus=pc.num_cpus_per_worker, num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0, num_threads=pc.num_threads_per_worker
-        )
+        resources = hf_generation_resources(cfg, num_workers).resources
         self.group = RayWorkerGroup(
             "generation", HFGenerationWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s,
             max_concurrency=actor_concurrency(cfg),

@@ -22,7 +22,7 @@ import ray
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, get_with_context
+from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
 
@@ -54,6 +54,19 @@ def engine_env(cfg: MasterConfig) -> dict[str, str]:
     return env
 
 
+def is_colocated(cfg: MasterConfig) -> bool:
+    """vLLM shares policy rank 0's GPU: a GPU cluster with ``policy.generation.colocated.enabled``."""
+    return bool(cfg.cluster.gpus_per_node) and cfg.policy.generation.colocated.enabled
+
+
+def vllm_generation_resources(cfg: MasterConfig, num_workers: int = 1) -> RoleResources:
+    """vLLM workers: CPUs each; a GPU of their own on GPU clusters, none when colocated (the GPU is the policy's)."""
+    pc = cfg.policy
+    gpus = 1.0 if cfg.cluster.gpus_per_node and not is_colocated(cfg) else 0.0
+    resources = WorkerResources(num_cpus=pc.num_cpus_per_worker, num_gpus=gpus, num_threads=pc.num_threads_per_worker)
+    return RoleResources("generation", num_workers, resources)
+
+
 class VLLMGeneration:
     """Shards prompts across ``num_workers`` vLLM actors (tensor parallel 1 each)."""
 
@@ -70,7 +83,7 @@ class VLLMGeneration:
         require_vllm()
         pc, g = cfg.policy, cfg.policy.generation
         on_gpu = bool(cfg.cluster.gpus_per_node)
-        self.colocated = on_gpu and g.colocated.enabled
+        self.colocated = is_colocated(cfg)
         if self.colocated and policy is None:
             raise ValueError("colocated vLLM generation on GPU needs the policy (its rank-0 GPU hosts the engine)")
         self.policy = policy
@@ -89,8 +102,7 @@ class VLLMGeneration:
         env = engine_env(cfg)
         if self.colocated:
             env.update(self._colocated_env())
-        gpus = 1.0 if on_gpu and not self.colocated else 0.0  # colocated: the GPU is the policy's
-        resources = WorkerResources(num_cpus=pc.num_cpus_per_worker, num_gpus=gpus, num_threads=pc.num_threads_per_worker)
+        resources = vllm_generation_resources(cfg, num_workers).resources
         self.group = RayWorkerGroup(
             name, VLLMGenerationWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s, env,
             max_concurrency=actor_concurrency(cfg),

@@ -10,7 +10,7 @@ import torch
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn, combine_metric_fragments
 from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, get_with_context
+from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
 
 
@@ -21,6 +21,17 @@ def split_rows(batch: Batch, num_shards: int) -> list[Batch]:
         raise ValueError(f"cannot split {size} samples evenly across {num_shards} workers")
     step = size // num_shards
     return [slice_batch(batch, i * step, (i + 1) * step) for i in range(num_shards)]
+
+
+def policy_resources(cfg: MasterConfig, trainable: bool = True) -> RoleResources:
+    """The policy (``policy.dp_size`` workers) or the reference (one worker): CPUs each, one GPU each on GPU clusters."""
+    pc = cfg.policy
+    resources = WorkerResources(
+        num_cpus=pc.num_cpus_per_worker,
+        num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0,
+        num_threads=pc.num_threads_per_worker,
+    )
+    return RoleResources("policy" if trainable else "reference", pc.dp_size if trainable else 1, resources)
 
 
 @dataclass
@@ -41,7 +52,8 @@ class Policy:
         pc = cfg.policy
         self.cfg = cfg
         self.trainable = trainable
-        num_workers = pc.dp_size if trainable else 1
+        role = policy_resources(cfg, trainable)
+        num_workers = role.count
         per_rank_gbs = pc.train_global_batch_size // pc.dp_size
         init = dict(
             model_name=pc.model_name,
@@ -57,12 +69,7 @@ class Policy:
             train_micro_batch_size=min(pc.train_micro_batch_size, per_rank_gbs),
             logprob_batch_size=pc.logprob_batch_size,
         )
-        resources = WorkerResources(
-            num_cpus=pc.num_cpus_per_worker,
-            num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0,
-            num_threads=pc.num_threads_per_worker,
-        )
-        self.group = RayWorkerGroup(name, PolicyWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s)
+        self.group = RayWorkerGroup(name, PolicyWorker, num_workers, role.resources, init, cfg.cluster.placement_timeout_s)
         if num_workers > 1:
             address, port = get_with_context(self.group.run_rank0("rendezvous_address"), f"{name}: rendezvous")
             get_with_context(self.group.run_all("setup_distributed", address, port), f"{name}: process group")

@@ -138,3 +138,35 @@ def test_overlong_reward_shaping_values():
 def test_overlong_reward_shaping_rejects_bad_config(buffer: int, penalty: float):
     with pytest.raises(ValueError, match="grpo.reward_shaping"):
         apply_overlong_reward_shaping(T([0.0]), T([5]), 20, buffer, penalty)
+
+
+def test_dynamic_sampling_filters_on_the_raw_reward_then_shapes():
+    """DAPO order, through the function the loop runs per generation batch: a group whose raw rewards
+    are all 0 has no signal, even when overlong shaping would give its responses different rewards."""
+    from pathlib import Path
+
+    from nemo_like.algorithms.grpo import filter_then_shape
+    from nemo_like.config import load_config
+
+    recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+    cfg = load_config(recipe, [
+        "grpo.use_dynamic_sampling=true", "grpo.reward_shaping.enabled=true",
+        # L_max 30, buffer 10: no penalty up to 20 tokens, -0.2 at 22, -1 at 30.
+        "grpo.reward_shaping.max_response_length=30", "grpo.reward_shaping.overlong_buffer_length=10",
+    ])
+    raw = T([0.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    lengths = T([10.0, 22.0, 30.0, 10.0, 20.0, 10.0])
+    group_ids = T([0, 0, 0, 1, 1, 1])
+    rewards, keep = filter_then_shape(cfg, raw, lengths, group_ids)
+    assert keep.tolist() == [False, False, False, True, True, True]
+    torch.testing.assert_close(rewards, T([0.0, -0.2, -1.0, 1.0, 0.0, 1.0]))  # shaped, for the kept groups' advantages
+
+    acc = DynamicSamplingAccumulator(num_prompts_needed=1, max_gen_batches=1)
+    acc.add({"rewards": rewards, "group_ids": group_ids}, keep, prompt_ids=group_ids)
+    batch, metrics = acc.take()
+    assert batch["group_ids"].tolist() == [1, 1, 1] and batch["rewards"].tolist() == [1.0, 0.0, 1.0]
+    assert metrics["dynamic_sampling/num_discarded_groups"] == 1.0
+
+    no_sampling = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"use_dynamic_sampling": False})})
+    rewards, keep = filter_then_shape(no_sampling, raw, lengths, group_ids)
+    assert keep is None and rewards[2].item() == -1.0  # shaping alone still applies

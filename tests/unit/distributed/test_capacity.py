@@ -8,14 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from nemo_like.algorithms.logprob_plan import decide_logprob_passes
 from nemo_like.config import MasterConfig, load_config
-from nemo_like.distributed.capacity import (
-    check_cluster_capacity,
-    declared_resources,
-    required_resources,
-    role_requests,
-    shortfall,
-)
+from nemo_like.algorithms import roles as capacity
+from nemo_like.algorithms.roles import declared_resources
+from nemo_like.distributed.capacity import check_cluster_capacity, shortfall
+from nemo_like.models.generation.vllm import vllm_available
 from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id
 from nemo_like.distributed.worker_group import PlacementError
 
@@ -25,6 +23,15 @@ CPU_HEAD = {"CPU": 2.0, "memory": 2e10, "object_store_memory": 2.6e8, "node:127.
 
 def tiny(*overrides: str) -> MasterConfig:
     return load_config(TINY_RECIPE, list(overrides))
+
+
+def role_requests(cfg: MasterConfig):
+    """The roles as setup asks for them: with the logprob plan decided once, from the same config."""
+    return capacity.role_requests(cfg, decide_logprob_passes(cfg))
+
+
+def required_resources(cfg: MasterConfig) -> dict[str, float]:
+    return capacity.required_resources(cfg, decide_logprob_passes(cfg))
 
 
 def test_tiny_recipe_asks_for_cpu_bundles_only_per_role() -> None:
@@ -45,11 +52,11 @@ def test_no_reference_role_without_kl_penalty_and_dp_multiplies_the_policy() -> 
 
 
 def test_gpu_recipe_asks_one_gpu_per_model_worker_and_at_least_the_declared_gpus() -> None:
-    cfg = tiny("cluster.gpus_per_node=8", "policy.dp_size=2")
+    cfg = tiny("cluster.gpus_per_node=8", "policy.dp_size=2", "policy.generation.backend=hf")
     assert all(r.bundle.get("GPU") == 1.0 for r in role_requests(cfg) if not r.role.startswith("environment"))
     assert declared_resources(cfg) == {"GPU": 8.0}
     assert required_resources(cfg)["GPU"] == 8.0  # declared 1 x 8 > 2 policy + 1 reference + 1 generation
-    many = tiny("cluster.gpus_per_node=1", "policy.dp_size=4")
+    many = tiny("cluster.gpus_per_node=1", "policy.dp_size=4", "policy.generation.backend=hf")
     assert required_resources(many)["GPU"] == 6.0  # the actors need more than the recipe declares
 
 
@@ -130,3 +137,34 @@ def test_async_adds_the_collector_and_buffer_actors() -> None:
     sync_roles = {r.role for r in role_requests(tiny())}
     async_roles = {r.role for r in role_requests(tiny("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"))}
     assert async_roles - sync_roles == {"trajectory_collector", "replay_buffer"}
+
+
+ONE_GPU_HEAD = {"CPU": 16.0, "GPU": 1.0}
+
+
+@pytest.mark.skipif(not vllm_available(), reason="colocation is a vLLM feature; vllm is not installed")
+def test_colocated_vllm_shares_the_policy_gpu_so_one_gpu_is_enough() -> None:
+    base = ("cluster.gpus_per_node=1", "policy.generation.backend=vllm", "loss_fn.reference_policy_kl_penalty=0")
+    colocated = tiny(*base, "policy.generation.colocated.enabled=true")
+    roles = {r.role: r.bundle for r in role_requests(colocated)}
+    assert roles["generation"] == {"CPU": 0.5} and roles["policy"] == {"CPU": 0.5, "GPU": 1.0}
+    assert required_resources(colocated)["GPU"] == 1.0
+    check_cluster_capacity(required_resources(colocated), ONE_GPU_HEAD, role_requests(colocated))  # accepted
+
+    separate = tiny(*base, "policy.generation.colocated.enabled=false")
+    assert required_resources(separate)["GPU"] == 2.0  # policy + generation on its own GPU
+    with pytest.raises(PlacementError, match="short by GPU 1"):
+        check_cluster_capacity(required_resources(separate), ONE_GPU_HEAD, role_requests(separate))
+
+
+def test_hf_generation_always_needs_its_own_gpu() -> None:
+    cfg = tiny("cluster.gpus_per_node=1", "policy.generation.backend=hf", "loss_fn.reference_policy_kl_penalty=0")
+    assert required_resources(cfg)["GPU"] == 2.0
+
+
+def test_the_capacity_check_follows_the_plan_it_is_handed() -> None:
+    cfg = tiny()  # KL penalty 0.01: the plan loads the reference model
+    plan = decide_logprob_passes(cfg)
+    no_reference = type(plan)(plan.compute_prev, compute_reference=False)
+    assert "reference" in {r.role for r in capacity.role_requests(cfg, plan)}
+    assert "reference" not in {r.role for r in capacity.role_requests(cfg, no_reference)}

@@ -84,7 +84,7 @@ def test_setup_checks_the_data_tasks_before_any_actor(monkeypatch) -> None:
         raise AssertionError("Ray must not start")
 
     monkeypatch.setattr(setup, "init_ray", lambda *_: None)
-    monkeypatch.setattr(setup, "ensure_cluster_capacity", lambda *_: None)
+    monkeypatch.setattr(setup, "ensure_cluster_capacity", lambda *_, **__: None)
     monkeypatch.setattr(setup, "Policy", no_ray)
     monkeypatch.setattr(setup, "Environments", no_ray)
     cfg = load_config(None, ["~env", "+env.math.num_workers=1", "data.train.num_problems=16", "grpo.max_val_samples=8"])

@@ -1,0 +1,55 @@
+"""The actors a GRPO run starts, as each role states its own resources, and the capacity check over them.
+
+Each role states what it reserves next to its own code (``policy_resources``, ``generation_resources``,
+``environment_resources``, ``async_actor_resources``); the logprob plan (decided once, in setup) says
+whether the reference model is loaded. :func:`ensure_cluster_capacity` adds the roles up and checks
+them against the connected cluster before any actor starts.
+"""
+
+from __future__ import annotations
+
+from nemo_like.algorithms.logprob_plan import LogprobPlan
+from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, sum_resources
+from nemo_like.distributed.worker_group import RoleResources
+from nemo_like.environments.worker import environment_resources
+from nemo_like.experience.async_rollouts import async_actor_resources
+from nemo_like.models.generation import generation_resources
+from nemo_like.models.policy.policy import policy_resources
+
+
+def role_requests(cfg: MasterConfig, plan: LogprobPlan) -> list[RoleResources]:
+    """Every role ``setup_grpo`` will start, as each role states it."""
+    roles = [policy_resources(cfg, trainable=True)]
+    if plan.load_reference_model:
+        roles.append(policy_resources(cfg, trainable=False))
+    roles.append(generation_resources(cfg))
+    roles.extend(environment_resources(cfg))
+    if cfg.grpo.async_grpo.enabled:
+        roles.extend(async_actor_resources(cfg))
+    return roles
+
+
+def declared_resources(cfg: MasterConfig) -> dict[str, float]:
+    """What the recipe says the cluster has: ``cluster.num_nodes`` x ``cluster.gpus_per_node`` GPUs."""
+    gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    return {"GPU": float(gpus)} if gpus else {}
+
+
+def required_resources(cfg: MasterConfig, plan: LogprobPlan) -> dict[str, float]:
+    """The run's total request per resource: the roles' sum, at least what the recipe declares."""
+    total = sum_resources(r.total() for r in role_requests(cfg, plan))
+    for key, value in declared_resources(cfg).items():
+        total[key] = max(total.get(key, 0.0), value)
+    return total
+
+
+def ensure_cluster_capacity(cfg: MasterConfig, plan: LogprobPlan, private_cluster: bool = False) -> None:
+    """Check the run's request against the connected Ray cluster's total resources (call after ``init_ray``).
+
+    ``private_cluster``: this run started its own local cluster, which has exactly this machine's GPUs."""
+    import ray
+
+    hint = private_cluster_hint() if private_cluster else ""
+    roles = role_requests(cfg, plan)
+    check_cluster_capacity(required_resources(cfg, plan), ray.cluster_resources(), roles, declared_resources(cfg), hint)

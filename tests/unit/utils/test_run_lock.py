@@ -1,0 +1,131 @@
+"""One run per directory: the lock train() takes on logger.log_dir and checkpointing.checkpoint_dir,
+held by a real second process (no full training run: the holder takes it through the same code)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+from nemo_like.cli import main
+from nemo_like.config import load_config
+from nemo_like.utils.run_lock import LOCK_FILE, RunLockError, hold_run_locks, run_directories
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from nemo_like.config import load_config
+    from nemo_like.utils.run_lock import hold_run_locks, run_directories
+
+    cfg = load_config(sys.argv[1], sys.argv[2:])
+    with hold_run_locks(run_directories(cfg)):
+        print("held", flush=True)
+        sys.stdin.read()  # hold until the test closes stdin (or kills this process)
+    print("released", flush=True)
+    """
+)
+
+
+def overrides(tmp_path: Path) -> list[str]:
+    return [
+        f"logger.log_dir={tmp_path / 'logs'}", "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        "logger.progress_bar=false",
+    ]
+
+
+def start_holder(tmp_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(TINY), *overrides(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def held_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("held")
+
+
+@pytest.fixture(scope="module")
+def holder(held_dir: Path):
+    """One live holder process shared by the tests that only try to take its lock."""
+    proc = start_holder(held_dir)
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_second_run_on_held_directories_stops_naming_the_holder(held_dir, holder):
+    tmp_path = held_dir
+    cfg = load_config(TINY, overrides(tmp_path))
+    with pytest.raises(RunLockError) as err:
+        with hold_run_locks(run_directories(cfg)):
+            pass
+    msg = str(err.value)
+    assert f"pid {holder.pid} on host {socket.gethostname()}, started " in msg
+    assert f"logger.log_dir={tmp_path / 'logs'}" in msg and "in use by another run" in msg
+
+
+def test_the_cli_stops_before_resuming_or_trimming_the_holders_files(held_dir, holder, capsys):
+    tmp_path = held_dir
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    metrics = "".join(f'{{"step": {s}, "train/loss": 0.5}}\n' for s in (1, 2, 3))
+    (logs / "metrics.jsonl").write_text(metrics)
+    in_progress = ckpt / ".tmp_step_4"  # the holder's save in progress: a resuming run would delete it
+    in_progress.mkdir()
+
+    assert main(["train", "--config", str(TINY), *overrides(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "logger.log_dir" in err and f"pid {holder.pid}" in err and "Traceback" not in err
+    assert (logs / "metrics.jsonl").read_text() == metrics
+    assert in_progress.is_dir()
+
+
+def test_the_checkpoint_dir_is_locked_too(held_dir, tmp_path, holder):
+    cfg = load_config(TINY, [f"logger.log_dir={tmp_path / 'other_logs'}", *overrides(held_dir)[1:]])
+    with pytest.raises(RunLockError, match=rf"checkpointing.checkpoint_dir={held_dir / 'ckpt'} is in use.*pid {holder.pid}"):
+        with hold_run_locks(run_directories(cfg)):
+            pass
+
+
+def test_a_dead_holders_lock_is_taken_over_with_a_warning(tmp_path):
+    proc = start_holder(tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)  # no clean release: the holder record stays behind
+    proc.wait()
+    cfg = load_config(TINY, overrides(tmp_path))
+    with pytest.warns(RuntimeWarning, match=rf"taking over the lock of a run that is gone \(pid {proc.pid} on host"):
+        with hold_run_locks(run_directories(cfg)) as locks:
+            assert {lock.key for lock in locks} == {"logger.log_dir", "checkpointing.checkpoint_dir"}
+            assert f'"pid": {os.getpid()}' in (tmp_path / "logs" / LOCK_FILE).read_text()
+    # Released cleanly: the next run takes it silently.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hold_run_locks(run_directories(cfg)):
+            pass
+
+
+def test_a_cleanly_finished_holder_leaves_no_warning_and_one_dir_gets_one_lock(tmp_path):
+    proc = start_holder(tmp_path)
+    proc.stdin.close()
+    assert proc.stdout.readline().strip() == "released"
+    proc.wait()
+    same = load_config(TINY, [f"logger.log_dir={tmp_path / 'd'}", "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={tmp_path / 'd'}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hold_run_locks(run_directories(load_config(TINY, overrides(tmp_path)))):
+            pass
+        with hold_run_locks(run_directories(same)) as locks:  # log and checkpoint dir are one directory
+            assert len(locks) == 1
