@@ -47,12 +47,14 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
     if cfg.env.custom_reward_fn:
         import_reward_fn(cfg.env.custom_reward_fn)  # fail fast in the driver, not inside an actor
-    init_ray(cfg.cluster)
-    ensure_cluster_capacity(cfg)  # fail fast, before any actor waits on a placement group
+    # Data first: a bad file, column or prompt length fails in seconds, before Ray or any actor starts.
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
     val = build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)[: cfg.grpo.max_val_samples]
+    loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
+    init_ray(cfg.cluster)
+    ensure_cluster_capacity(cfg)  # fail fast, before any actor waits on a placement group
     plan = decide_logprob_passes(cfg)
     policy = Policy(cfg, "policy", trainable=True)
     reference = Policy(cfg, "reference", trainable=False) if plan.load_reference_model else None
@@ -65,5 +67,4 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
         {"custom_reward_fn": cfg.env.custom_reward_fn},
         cfg.cluster.placement_timeout_s,
     )
-    loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
     return GRPOComponents(cfg, tokenizer, policy, reference, generation, environment, loader, val, plan)
