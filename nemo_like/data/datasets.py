@@ -52,6 +52,7 @@ class DatasetSpec:
     prompt_key: str
     answer_key: str
     task_name: str = DEFAULT_TASK
+    task_key: str | None = None
     config: str | None = None
     train_split: str | None = "train"
     validation_split: str | None = None
@@ -68,7 +69,7 @@ _ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SPECS: tuple[DatasetSpec, ...] = (
     # Shipped: scripts/build_math_dataset.py -> nemo_like/assets/math-tiny/ (problem, answer, task).
     DatasetSpec(
-        "math-tiny", None, "problem", "answer",
+        "math-tiny", None, "problem", "answer", task_key="task",
         validation_split="validation",
         local_files={"train": str(_ASSETS / "math-tiny" / "train.jsonl"), "validation": str(_ASSETS / "math-tiny" / "validation.jsonl")},
     ),
@@ -284,14 +285,15 @@ def resolve_columns(data: DataConfig, source: Source, column_names: list[str]) -
     answer = data.answer_key or (spec.answer_key if spec else None)
     if answer is None:
         raise ConfigError(f"{source.label}: set data.answer_key to the column holding the gold answer; the columns are {column_names}")
-    for key, column in (("data.prompt_key", prompt), ("data.answer_key", answer), ("data.task_key", data.task_key)):
+    task = data.task_key or (spec.task_key if spec else None)
+    for key, column in (("data.prompt_key", prompt), ("data.answer_key", answer), ("data.task_key", task)):
         if column is not None and column.split(".")[0] not in column_names:
-            default = " (the dataset spec's default)" if key != "data.task_key" and getattr(data, key.split(".")[1]) is None else ""
+            default = " (the dataset spec's default)" if getattr(data, key.split(".")[1]) is None else ""
             raise ConfigError(
                 f"{source.label}: no column {column.split('.')[0]!r} for {key}={column!r}{default}; the columns are {column_names}. "
                 f"Set {key} to one of them"
             )
-    return Columns(prompt, answer, data.task_key)
+    return Columns(prompt, answer, task)
 
 
 def _nested(row: dict[str, Any], dotted: str, where: str, key: str) -> Any:
@@ -355,9 +357,9 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
         )
     spec, task_default = source.spec, data.default_task_name or (source.spec.task_name if source.spec else DEFAULT_TASK)
     name = Path(source.data_path).name if source.data_path else source.hub_id
+    needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
     problems = []
-    for i in rows:
-        row = ds[i]
+    for i, row in zip(rows, ds.select_columns(needed).select(rows).to_list()):
         where = f"row {i} of {source.label}"
         problems.append(
             Problem(

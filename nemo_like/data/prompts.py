@@ -40,8 +40,7 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
     fmt = prompt_format(data)
     problems = _arithmetic_problems(data, split, fmt) if is_arithmetic(data, split) else load_problems(data, split, fmt)
     records, dropped = [], []
-    for problem in problems:
-        ids = tokenize_messages(tokenizer, problem.messages)
+    for problem, ids in zip(problems, tokenize_conversations(tokenizer, [p.messages for p in problems])):
         if len(ids) > max_prompt_tokens:
             if data.drop_long_prompts:
                 dropped.append(problem.where)
@@ -59,12 +58,18 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
     return records
 
 
-def tokenize_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` through the chat template, ending with the generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+def tokenize_conversations(tokenizer, conversations: list[list[dict[str, str]]], chunk: int = 1024) -> list[list[int]]:
+    """Token ids of each conversation through the chat template, ending with the generation prompt.
+
+    Same ids as ``apply_chat_template(..., tokenize=True)`` (which encodes the rendered text without
+    special tokens), rendered and encoded in batches for speed.
+    """
+    out: list[list[int]] = []
+    for start in range(0, len(conversations), chunk):
+        part = conversations[start : start + chunk]
+        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in part]
+        out.extend(list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+    return out
 
 
 def _arithmetic_problems(data: DataConfig, split: str, fmt) -> list:
