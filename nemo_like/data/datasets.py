@@ -216,7 +216,10 @@ def _load_local(source: Source, key: str):
     except ConfigError:
         raise
     except Exception as exc:  # datasets/pyarrow raise many types for one cause: an unreadable file
-        raise ConfigError(f"{key}: cannot read {str(path)!r}: {_innermost_message(exc)}") from None
+        message = _innermost_message(exc)
+        if "corresponds to no data" in message:  # datasets' wording for a file with a header and no rows
+            raise ConfigError(f"{key}: {str(path)!r} has no rows; it must hold at least one prompt row") from None
+        raise ConfigError(f"{key}: cannot read {str(path)!r}: {message}") from None
     return _pick_split(ds, source, key)
 
 
@@ -356,7 +359,6 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
             f"{source.label}: no {role} rows left after data.validation.split_fraction={data.validation.split_fraction}; change it"
         )
     spec, task_default = source.spec, data.default_task_name or (source.spec.task_name if source.spec else DEFAULT_TASK)
-    name = Path(source.data_path).name if source.data_path else source.hub_id
     needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
     problems = []
     for i, row in zip(rows, ds.select_columns(needed).select(rows).to_list()):
@@ -367,7 +369,7 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
                 messages=_messages(row[columns.prompt], fmt, where, columns.prompt),
                 answer=_answer_text(_nested(row, columns.answer, where, "data.answer_key"), spec, where, "data.answer_key"),
                 task_name=_task_name(row, columns.task, task_default, where),
-                where=f"row {i} of {name}",
+                where=where,
             )
         )
     return problems
