@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
 from nemo_like.distributed.capacity import ensure_cluster_capacity
@@ -43,12 +44,23 @@ def eos_token_ids(tokenizer) -> list[int]:
     return list(ids) if isinstance(ids, (list, tuple)) else [ids]
 
 
+def _driver_tokenizer(cfg: MasterConfig):
+    """The run's tokenizer; an id that cannot be loaded (offline, typo) is a ConfigError naming the key."""
+    name = cfg.policy.tokenizer_name or cfg.policy.model_name
+    try:
+        return load_tokenizer(name)
+    except OSError as exc:
+        key = "policy.tokenizer_name" if cfg.policy.tokenizer_name else "policy.model_name"
+        raise ConfigError(f"cannot load the tokenizer of {key}={name!r} ({str(exc).splitlines()[0]}); on an offline machine "
+                          "point policy.model_name at a local model directory") from None
+
+
 def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
     if cfg.env.custom_reward_fn:
         import_reward_fn(cfg.env.custom_reward_fn)  # fail fast in the driver, not inside an actor
     # Data first: a bad file, column or prompt length fails in seconds, before Ray or any actor starts.
-    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    tokenizer = _driver_tokenizer(cfg)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
     val = build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)[: cfg.grpo.max_val_samples]
