@@ -6,6 +6,7 @@ Sections we own forbid unknown keys, so a typo fails at start-up instead of bein
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -242,7 +243,23 @@ class DataConfig(Section):
             synthetic = name == "arithmetic" and not split.data_path and split.split_fraction is None
             if synthetic and split.num_problems is None:
                 raise ValueError(f"data.{role}.num_problems is required for the arithmetic task (how many problems to generate)")
+        self._warn_unused_dataset_keys()
         return self
+
+    def _warn_unused_dataset_keys(self) -> None:
+        """Column keys set while both splits are the synthetic arithmetic task have no effect: say so."""
+        if any(s.dataset_name not in (None, "arithmetic") or s.data_path or s.split_fraction for s in (self.train, self.validation)):
+            return
+        if self.dataset_name != "arithmetic":
+            return
+        unused = [k for k in ("dataset_config", "prompt_key", "answer_key", "task_key", "default_task_name") if getattr(self, k) is not None]
+        unused += [f"{role}.split" for role, s in (("train", self.train), ("validation", self.validation)) if s.split]
+        if unused:
+            warnings.warn(
+                f"data.{', data.'.join(unused)} has no effect with data.dataset_name=arithmetic (the built-in task has no columns)",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 class EnvConfig(Section):

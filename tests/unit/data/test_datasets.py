@@ -371,3 +371,13 @@ def test_loader_state_carries_a_fingerprint_of_the_prompts(tmp_path, tok):
     legacy = {k: v for k, v in state.items() if k != "fingerprint"}  # checkpoints from before the fingerprint
     changed.load_state_dict(legacy)
     assert changed.index == state["index"]
+
+
+def test_column_keys_warn_when_every_split_is_arithmetic():
+    with pytest.warns(UserWarning, match=r"data.prompt_key, data.train.split has no effect with data.dataset_name=arithmetic"):
+        DataConfig(prompt_key="q", train={"num_problems": 4, "seed": 1, "split": "x"})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DataConfig(prompt_key="q", validation={"dataset_name": "MATH-500"})  # used by the validation split
