@@ -187,8 +187,11 @@ def resolve_source(data: DataConfig, role: str) -> Source:
 
 
 def _innermost_message(exc: BaseException) -> str:
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__
+    """The root cause's message (``datasets`` wraps e.g. a JSON parse error naming the bad line)."""
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
     return str(exc) or type(exc).__name__
 
 
