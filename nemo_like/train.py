@@ -37,7 +37,11 @@ def _train_locked(cfg: MasterConfig, start: float) -> list[dict[str, Any]]:
     logger = Logger(cfg.logger, cfg.grpo.max_num_steps)
     logger.save_config(cfg.model_dump(mode="json"))
     logger.progress.message(f"[setup] logging to {logger.metrics_path}")
-    parts = setup_grpo(cfg)
+    try:
+        parts = setup_grpo(cfg)  # bad data fails here, before any actor starts
+    except BaseException:
+        logger.close()
+        raise
     logger.progress.message(f"[setup] actors ready in {time.perf_counter() - start:.1f}s")
     try:
         loop = async_grpo_train if cfg.grpo.async_grpo.enabled else grpo_train

@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass
 
 from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
 from nemo_like.algorithms.roles import ensure_cluster_capacity
@@ -65,23 +66,35 @@ def load_validation_prompts(cfg: MasterConfig, tokenizer) -> list[PromptRecord]:
     return build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)[: cfg.grpo.max_val_samples]
 
 
+def _driver_tokenizer(cfg: MasterConfig):
+    """The run's tokenizer; an id that cannot be loaded (offline, typo) is a ConfigError naming the key."""
+    name = cfg.policy.tokenizer_name or cfg.policy.model_name
+    try:
+        return load_tokenizer(name)
+    except OSError as exc:
+        key = "policy.tokenizer_name" if cfg.policy.tokenizer_name else "policy.model_name"
+        raise ConfigError(f"cannot load the tokenizer of {key}={name!r} ({str(exc).splitlines()[0]}); on an offline machine "
+                          "point policy.model_name at a local model directory") from None
+
+
 def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
     env_specs = resolve_environments(cfg.env_sections)  # fail fast in the driver, not inside an actor
     if cfg.grpo.val_greedy and cfg.grpo.val_num_generations_per_prompt > 1:
         warnings.warn("grpo.val_greedy=true with grpo.val_num_generations_per_prompt > 1: greedy samples of a prompt are "
                       "identical, so validation/pass@k equals validation/accuracy", RuntimeWarning, stacklevel=2)
-    plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
-    mode = init_ray(cfg.cluster)
-    ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
-    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    # Data first: a bad file, column or prompt length fails in seconds, before Ray or any actor starts.
+    tokenizer = _driver_tokenizer(cfg)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
     val = load_validation_prompts(cfg, tokenizer)
     check_environments(env_specs, {"train": train, "validation": val})
+    loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
+    plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
+    mode = init_ray(cfg.cluster)
+    ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
     policy = Policy(cfg, "policy", trainable=True)
     reference = Policy(cfg, "reference", trainable=False) if plan.load_reference_model else None
     generation = make_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy)
     environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
-    loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
     return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan)

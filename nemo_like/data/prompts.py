@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,12 @@ class DataExhausted(RuntimeError):
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One prompt ready for generation, with what the environment needs to score it."""
+    """One prompt ready for generation, with what the environment needs to score it.
+
+    ``metadata["answer"]`` is the gold answer (an int for the arithmetic task, the dataset's string
+    for datasets, e.g. ``"\\frac{1}{2}"``) and ``metadata["task_name"]`` the task that routes the
+    prompt to an environment ("arithmetic", or the row's task column / the set's default, e.g. "math").
+    """
 
     id: str
     messages: list[dict[str, str]]
@@ -25,24 +31,70 @@ class PromptRecord:
 
 
 def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tokens: int) -> list[PromptRecord]:
-    """Generate the ``split`` prompts of ``data.dataset_name`` and tokenise them."""
-    from nemo_like.data.arithmetic import format_messages, make_arithmetic_problems
+    """The ``split`` prompts of ``data``, rendered by the tokenizer's chat template and tokenised.
+
+    Every record's metadata carries ``answer`` (int for arithmetic, the gold string for datasets)
+    and ``task_name`` (which environment scores it). Raises ConfigError for any bad input, naming
+    the file/row and the key to change; a prompt longer than ``max_prompt_tokens`` is an error
+    unless ``data.drop_long_prompts``.
+    """
+    from nemo_like.data.datasets import is_arithmetic, load_problems
+    from nemo_like.data.templates import prompt_format
+
+    fmt = prompt_format(data)
+    problems = _arithmetic_problems(data, split, fmt) if is_arithmetic(data, split) else load_problems(data, split, fmt)
+    records, dropped = [], []
+    for problem, ids in zip(problems, tokenize_conversations(tokenizer, [p.messages for p in problems])):
+        if len(ids) > max_prompt_tokens:
+            if data.drop_long_prompts:
+                dropped.append(problem.where)
+                continue
+            raise ConfigError(
+                f"The prompt of {problem.where} (data.{split}) has {len(ids)} tokens, more than policy.max_total_sequence_length "
+                f"- policy.generation.max_new_tokens = {max_prompt_tokens}. Raise policy.max_total_sequence_length, or set "
+                "data.drop_long_prompts=true to skip such prompts"
+            )
+        records.append(PromptRecord(problem.id, problem.messages, ids, {"answer": problem.answer, "task_name": problem.task_name}))
+    if dropped:
+        print(f"data.{split}: dropped {len(dropped)} prompts longer than {max_prompt_tokens} tokens (first: {dropped[0]})")
+    if not records:
+        raise ConfigError(f"data.{split}: every prompt is longer than {max_prompt_tokens} tokens; raise policy.max_total_sequence_length")
+    return records
+
+
+def tokenize_conversations(tokenizer, conversations: list[list[dict[str, str]]], chunk: int = 1024) -> list[list[int]]:
+    """Token ids of each conversation through the chat template, ending with the generation prompt.
+
+    Same ids as ``apply_chat_template(..., tokenize=True)`` (which encodes the rendered text without
+    special tokens), rendered and encoded in batches for speed.
+    """
+    out: list[list[int]] = []
+    for start in range(0, len(conversations), chunk):
+        part = conversations[start : start + chunk]
+        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in part]
+        out.extend(list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def _arithmetic_problems(data: DataConfig, split: str, fmt) -> list:
+    """The built-in synthetic task (ids, prompts and integer answers as generated)."""
+    from nemo_like.data.arithmetic import make_arithmetic_problems
+    from nemo_like.data.datasets import ARITHMETIC, Problem
 
     split_cfg = data.train if split == "train" else data.validation
-    problems = make_arithmetic_problems(split_cfg.num_problems, seed=split_cfg.seed, split=split)
-    records = []
-    for problem in problems:
-        messages = format_messages(problem, data.system_prompt)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding
-            ids = ids["input_ids"]
-        if len(ids) > max_prompt_tokens:
-            raise ConfigError(
-                f"Prompt {problem.id} has {len(ids)} tokens, more than policy.max_total_sequence_length - "
-                f"policy.generation.max_new_tokens = {max_prompt_tokens}"
-            )
-        records.append(PromptRecord(problem.id, messages, list(ids), {"answer": problem.answer, "task_name": "arithmetic"}))
-    return records
+    return [
+        Problem(p.id, fmt.messages_for_text(p.prompt), p.answer, ARITHMETIC, f"problem {p.id} of the arithmetic task")
+        for p in make_arithmetic_problems(split_cfg.num_problems, seed=split_cfg.seed, split=split)
+    ]
+
+
+def dataset_fingerprint(records: list[PromptRecord]) -> str:
+    """A short hash of the prompts (ids and tokens): a resumed run checks it sees the same data."""
+    digest = hashlib.sha256()
+    for r in records:
+        digest.update(r.id.encode())
+        digest.update(b"\0" + ",".join(map(str, r.prompt_token_ids)).encode() + b"\n")
+    return digest.hexdigest()[:16]
 
 
 class PromptDataLoader:
@@ -57,6 +109,7 @@ class PromptDataLoader:
         self.records, self.batch_size, self.seed, self.shuffle = records, batch_size, seed, shuffle
         self.epoch, self.index = 0, 0
         self.consumed = 0
+        self.fingerprint = dataset_fingerprint(records)
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -76,9 +129,17 @@ class PromptDataLoader:
         self.consumed += self.batch_size
         return batch
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index, "consumed": self.consumed}
+    def state_dict(self) -> dict[str, int | str]:
+        return {"epoch": self.epoch, "index": self.index, "consumed": self.consumed, "fingerprint": self.fingerprint}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        """Resume at ``state``'s position; the training prompts must be the ones it was saved with."""
+        saved = state.get("fingerprint")
+        if saved is not None and saved != self.fingerprint:
+            raise ConfigError(
+                f"The training prompts differ from the ones the checkpoint was trained on (fingerprint {saved} != "
+                f"{self.fingerprint}): the data config or files changed, so resuming would skip or repeat prompts. "
+                "Restore the data, or start a new run (checkpointing.checkpoint_dir / checkpointing.resume=false)"
+            )
         self.epoch, self.index, self.consumed = state["epoch"], state["index"], state["consumed"]
         self._order = self._epoch_order(self.epoch)

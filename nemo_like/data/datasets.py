@@ -1,0 +1,400 @@
+"""Prompt datasets through Hugging Face ``datasets``: hub names, local files, and specs of known sets.
+
+A *source* is where one split's rows come from: a local file or directory (``data.<split>.data_path``)
+or a hub set (``data.dataset_name`` + config + split). A *spec* names the columns of a known set, so
+a recipe only has to name it. Rows become :class:`Problem`\\ s (messages, gold answer, task name);
+tokenising them is :mod:`nemo_like.data.prompts`' job.
+
+Selection of one split's rows, in order:
+1. carve (validation only, ``data.validation.split_fraction``): a row belongs to validation iff a
+   sha256 of its prompt text falls below the fraction; training keeps the others. Seed- and
+   order-independent, and duplicate rows always land on the same side.
+2. seeded shuffle of the row indices (``data.<split>.seed``), then the first ``num_problems``.
+Every error is a :class:`ConfigError` naming the file/set, the row and the key to change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.config.schema import DataConfig, DatasetSplitConfig
+from nemo_like.data.templates import PromptFormat
+
+ARITHMETIC = "arithmetic"
+#: Task name of rows whose source names none (the math-verify environment's name).
+DEFAULT_TASK = "math"
+#: Local file suffixes and the ``datasets`` builder that reads them.
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def gsm8k_final_answer(solution: str) -> str:
+    """GSM8K's gold answer: the text after the final ``####`` of the worked solution, commas removed."""
+    if "####" not in solution:
+        raise ValueError("no '####' marker in the GSM8K answer")
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Column layout and splits of a known prompt set."""
+
+    name: str
+    hub_id: str | None
+    prompt_key: str
+    answer_key: str
+    task_name: str = DEFAULT_TASK
+    task_key: str | None = None
+    config: str | None = None
+    train_split: str | None = "train"
+    validation_split: str | None = None
+    answer_transform: Callable[[str], str] | None = None
+    #: Shipped files per split (relative to the package); used instead of the hub.
+    local_files: dict[str, str] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()
+
+
+_ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+# Column names as published on the Hugging Face hub dataset cards (checked against the cards'
+# schemas; splits noted where they matter).
+SPECS: tuple[DatasetSpec, ...] = (
+    # Shipped: scripts/build_math_dataset.py -> nemo_like/assets/math-tiny/ (problem, answer, task).
+    DatasetSpec(
+        "math-tiny", None, "problem", "answer", task_key="task",
+        validation_split="validation",
+        local_files={"train": str(_ASSETS / "math-tiny" / "train.jsonl"), "validation": str(_ASSETS / "math-tiny" / "validation.jsonl")},
+    ),
+    # nvidia/OpenMathInstruct-2: problem, generated_solution, expected_answer, problem_source.
+    # Splits train (14M rows), train_1M, train_2M, train_5M; no validation split (NeMo-RL uses train_1M).
+    DatasetSpec("OpenMathInstruct-2", "nvidia/OpenMathInstruct-2", "problem", "expected_answer", train_split="train_1M",
+                aliases=("openmathinstruct2", "openmath")),
+    # BytedTsinghua-SIA/DAPO-Math-17k: data_source, prompt (chat messages [{content, role}] that already
+    # carry the "Answer: $Answer" instruction), ability, reward_model {ground_truth, style}, extra_info
+    # {index}. One 'train' split; each of the ~17k problems is repeated ~100 times (1.79M rows).
+    DatasetSpec("DAPO-Math-17k", "BytedTsinghua-SIA/DAPO-Math-17k", "prompt", "reward_model.ground_truth",
+                aliases=("dapomath17k", "dapo")),
+    # openai/gsm8k, config 'main' (or 'socratic'): question, answer (worked solution ending "#### 72").
+    # Splits train (7,473) and test (1,319).
+    DatasetSpec("gsm8k", "openai/gsm8k", "question", "answer", config="main", validation_split="test",
+                answer_transform=gsm8k_final_answer),
+    # HuggingFaceH4/MATH-500: problem, solution, answer, subject, level, unique_id. One 'test' split,
+    # meant for evaluation, so it has no training split by default.
+    DatasetSpec("MATH-500", "HuggingFaceH4/MATH-500", "problem", "answer", train_split=None, validation_split="test",
+                aliases=("math500",)),
+)
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def find_spec(name: str | None) -> DatasetSpec | None:
+    """The spec called ``name`` (its name, hub id or an alias; case, '-' and '_' ignored), if any."""
+    if not name:
+        return None
+    key = _norm(name)
+    for spec in SPECS:
+        if key in {_norm(spec.name), *(_norm(a) for a in spec.aliases)} or (spec.hub_id and key == _norm(spec.hub_id)):
+            return spec
+    return None
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one split's rows come from (exactly one of ``data_path`` / ``hub_id`` is set)."""
+
+    role: str  # "train" | "validation"
+    spec: DatasetSpec | None
+    data_path: str | None = None
+    hub_id: str | None = None
+    config: str | None = None
+    split: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How errors name this source."""
+        if self.data_path:
+            return self.data_path + (f" (split {self.split!r})" if self.split and Path(self.data_path).is_dir() else "")
+        return f"hub dataset {self.hub_id!r}" + (f" config {self.config!r}" if self.config else "") + f" split {self.split!r}"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt before tokenisation."""
+
+    id: str
+    messages: list[dict[str, str]]
+    answer: str | int  # int only for the built-in arithmetic task
+    task_name: str
+    where: str  # e.g. "row 17 of train.jsonl", for error messages
+
+
+def is_arithmetic(data: DataConfig, role: str) -> bool:
+    """Whether ``role``'s prompts are the built-in synthetic arithmetic task."""
+    split = data.train if role == "train" else data.validation
+    carved = role == "validation" and split.split_fraction is not None
+    return (split.dataset_name or data.dataset_name) == ARITHMETIC and not split.data_path and not carved
+
+
+def resolve_source(data: DataConfig, role: str) -> Source:
+    """The source of ``role`` ('train' or 'validation'); a carved validation split shares train's source.
+
+    A split's own ``dataset_name`` / ``dataset_config`` / ``split`` / ``data_path`` win over the
+    top-level ``data.dataset_name`` / ``data.dataset_config`` and the spec's defaults; the top-level
+    config name applies only to the top-level set.
+    """
+    split_cfg: DatasetSplitConfig = data.train if role == "train" else data.validation
+    if role == "validation" and split_cfg.split_fraction is not None:
+        return resolve_source(data, "train")
+    name = split_cfg.dataset_name or data.dataset_name
+    if name == ARITHMETIC:
+        name = None  # a file for one split of an otherwise arithmetic recipe
+    spec = find_spec(name)
+    if spec:
+        default_split = spec.train_split if role == "train" else spec.validation_split
+    else:
+        default_split = "train" if role == "train" else None
+    split = split_cfg.split or default_split
+    if split_cfg.data_path:
+        return Source(role, spec, data_path=split_cfg.data_path, split=split)
+    if spec and role in spec.local_files and not split_cfg.split:
+        return Source(role, spec, data_path=spec.local_files[role])
+    if not name:
+        raise ConfigError(
+            f"data.{role}: no prompt source. Set data.{role}.data_path (a .jsonl/.json/.parquet/.csv file or a "
+            f"save_to_disk directory) or data.dataset_name"
+            + (", or data.validation.split_fraction to hold out part of the training rows" if role == "validation" else "")
+        )
+    if split is None:
+        what = f"{spec.name} has no {role} split" if spec else f"data.{role}.split is not set for {name!r}"
+        raise ConfigError(
+            f"{what}. Set data.{role}.split (a split of the set) or data.{role}.data_path / data.{role}.dataset_name "
+            "(another source)"
+            + (", or data.validation.split_fraction (hold out part of the training rows)" if role == "validation" else "")
+        )
+    top_config = None if split_cfg.dataset_name else data.dataset_config
+    config = split_cfg.dataset_config or top_config or (spec.config if spec else None)
+    return Source(role, spec, hub_id=spec.hub_id if spec and spec.hub_id else name, config=config, split=split)
+
+
+def _innermost_message(exc: BaseException) -> str:
+    """The root cause's message (``datasets`` wraps e.g. a JSON parse error naming the bad line)."""
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    return str(exc) or type(exc).__name__
+
+
+def _is_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"} for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _load_local(source: Source, key: str):
+    import datasets
+
+    path = Path(source.data_path)
+    if not path.exists():
+        raise ConfigError(f"{key}: {str(path)!r} does not exist (relative paths are resolved from the working directory {os.getcwd()})")
+    try:
+        if path.is_dir():
+            saved = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+            ds = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path))
+        else:
+            builder = FILE_BUILDERS.get("".join(path.suffixes[-1:]).lower())
+            if builder is None:
+                raise ConfigError(f"{key}: {str(path)!r} has an unsupported suffix; expected one of {sorted(FILE_BUILDERS)} or a directory")
+            if path.stat().st_size == 0:
+                raise ConfigError(f"{key}: {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except ConfigError:
+        raise
+    except Exception as exc:  # datasets/pyarrow raise many types for one cause: an unreadable file
+        message = _innermost_message(exc)
+        if "corresponds to no data" in message:  # datasets' wording for a file with a header and no rows
+            raise ConfigError(f"{key}: {str(path)!r} has no rows; it must hold at least one prompt row") from None
+        raise ConfigError(f"{key}: cannot read {str(path)!r}: {message}") from None
+    return _pick_split(ds, source, key)
+
+
+def _pick_split(ds, source: Source, key: str):
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):
+        split = source.split if source.split is not None else (next(iter(ds)) if len(ds) == 1 else None)
+        if split not in ds:
+            role_key = f"data.{source.role}.split"
+            raise ConfigError(f"{key}: {source.data_path!r} holds splits {sorted(ds)}; choose one with {role_key}")
+        return ds[split]
+    return ds
+
+
+def _load_hub(source: Source):
+    import datasets
+
+    try:
+        return datasets.load_dataset(source.hub_id, source.config, split=source.split)
+    except Exception as exc:
+        local = (
+            f"point data.{source.role}.data_path at a local copy (a .jsonl/.parquet/.csv file, or the directory written by "
+            f"datasets.load_dataset({source.hub_id!r}{', ' + repr(source.config) if source.config else ''}, "
+            f"split={source.split!r}).save_to_disk(DIR) on a machine with network)"
+        )
+        if _is_offline():
+            raise ConfigError(
+                f"Cannot load {source.label}: this machine is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set) and the set "
+                f"is not in the local Hugging Face cache. Download it where there is network, or {local}."
+            ) from None
+        raise ConfigError(f"Cannot load {source.label}: {_innermost_message(exc)}. Check data.dataset_name / "
+                          f"data.dataset_config / data.{source.role}.split, or {local}.") from None
+
+
+def load_source(source: Source):
+    """Load the rows of ``source`` as a ``datasets.Dataset`` (ConfigError on any failure)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if source.data_path:
+        return _load_local(source, f"data.{source.role}.data_path")
+    return _load_hub(source)
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which columns of a source hold the prompt, the answer and the task."""
+
+    prompt: str
+    answer: str
+    task: str | None
+
+
+def resolve_columns(data: DataConfig, source: Source, column_names: list[str]) -> Columns:
+    """The columns to read, checked against ``column_names`` (a missing one names the key to set)."""
+    spec = source.spec
+    prompt = data.prompt_key or (spec.prompt_key if spec else None)
+    if prompt is None:
+        if "messages" not in column_names:
+            raise ConfigError(
+                f"{source.label}: set data.prompt_key to the column holding the problem (or chat messages); "
+                f"the columns are {column_names}"
+            )
+        prompt = "messages"
+    answer = data.answer_key or (spec.answer_key if spec else None)
+    if answer is None:
+        raise ConfigError(f"{source.label}: set data.answer_key to the column holding the gold answer; the columns are {column_names}")
+    task = data.task_key or (spec.task_key if spec else None)
+    for key, column in (("data.prompt_key", prompt), ("data.answer_key", answer), ("data.task_key", task)):
+        if column is not None and column.split(".")[0] not in column_names:
+            default = " (the dataset spec's default)" if getattr(data, key.split(".")[1]) is None else ""
+            raise ConfigError(
+                f"{source.label}: no column {column.split('.')[0]!r} for {key}={column!r}{default}; the columns are {column_names}. "
+                f"Set {key} to one of them"
+            )
+    return Columns(prompt, answer, task)
+
+
+def _nested(row: dict[str, Any], dotted: str, where: str, key: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ConfigError(f"{where}: {key}={dotted!r} does not reach a value (no {part!r} in {value!r})")
+        value = value[part]
+    return value
+
+
+def _answer_text(value: Any, spec: DatasetSpec | None, where: str, key: str) -> str:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ConfigError(f"{where}: the gold answer ({key}) is empty")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{where}: the gold answer ({key}) must be a string or a number, got {type(value).__name__}: {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # a JSON/CSV "19" read as 19.0
+    text = str(value).strip()
+    if spec and spec.answer_transform:
+        try:
+            text = spec.answer_transform(text)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: cannot extract the gold answer from {key} ({exc}): {text[-80:]!r}") from None
+    return text
+
+
+def prompt_text_for_split(value: Any) -> str:
+    """Canonical text of a prompt cell, the key of the hash split."""
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def in_validation(prompt: Any, fraction: float) -> bool:
+    """Whether a row with this prompt cell belongs to the carved validation split."""
+    digest = hashlib.sha256(("nemo-like/split|" + prompt_text_for_split(prompt)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def select_rows(prompts: list[Any], role: str, split_cfg: DatasetSplitConfig, fraction: float | None) -> list[int]:
+    """Row indices of ``role``: carved by ``fraction`` (if any), seeded-shuffled, cut to num_problems."""
+    rows = list(range(len(prompts)))
+    if fraction is not None:
+        rows = [i for i in rows if in_validation(prompts[i], fraction) == (role == "validation")]
+    random.Random(f"data/{role}/{split_cfg.seed}").shuffle(rows)
+    return rows[: split_cfg.num_problems] if split_cfg.num_problems else rows
+
+
+def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Problem]:
+    """The ``role`` problems of a dataset source (not arithmetic), selected and formatted."""
+    split_cfg = data.train if role == "train" else data.validation
+    source = resolve_source(data, role)
+    ds = load_source(source)
+    columns = resolve_columns(data, source, list(ds.column_names))
+    if len(ds) == 0:
+        raise ConfigError(f"{source.label} has no rows; data.{role} needs at least one prompt")
+    prompts = list(ds[columns.prompt])
+    rows = select_rows(prompts, role, split_cfg, data.validation.split_fraction)
+    if not rows:
+        raise ConfigError(
+            f"{source.label}: no {role} rows left after data.validation.split_fraction={data.validation.split_fraction}; change it"
+        )
+    spec, task_default = source.spec, data.default_task_name or (source.spec.task_name if source.spec else DEFAULT_TASK)
+    needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
+    problems = []
+    for i, row in zip(rows, ds.select_columns(needed).select(rows).to_list()):
+        where = f"row {i} of {source.label}"
+        problems.append(
+            Problem(
+                id=f"{role}-{i}",
+                messages=_messages(row[columns.prompt], fmt, where, columns.prompt),
+                answer=_answer_text(_nested(row, columns.answer, where, "data.answer_key"), spec, where, "data.answer_key"),
+                task_name=_task_name(row, columns.task, task_default, where),
+                where=where,
+            )
+        )
+    return problems
+
+
+def _messages(value: Any, fmt: PromptFormat, where: str, column: str) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(f"{where}: the prompt (column {column!r}, data.prompt_key) is empty")
+        return fmt.messages_for_text(value)
+    if isinstance(value, list):
+        return fmt.messages_for_chat(value, where)
+    raise ConfigError(
+        f"{where}: the prompt column {column!r} (data.prompt_key) must hold text or a list of chat messages, "
+        f"got {type(value).__name__}: {value!r}"
+    )
+
+
+def _task_name(row: dict[str, Any], task_key: str | None, default: str, where: str) -> str:
+    if task_key is None:
+        return default
+    value = row[task_key]
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}: the task column {task_key!r} (data.task_key) must hold a non-empty string, got {value!r}")
+    return value.strip()

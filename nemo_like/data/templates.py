@@ -1,0 +1,93 @@
+"""Prompt files and chat messages: ``data.prompt_file``, ``data.system_prompt(_file)``.
+
+A prompt file is a Python ``str.format`` template with one positional field ``{}`` that receives the
+problem text (NeMo-RL's convention); literal braces, e.g. in ``\\boxed{{}}``, are written doubled.
+The messages built here are rendered by the model's own chat template (``apply_chat_template``).
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.config.schema import DataConfig
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How one problem becomes chat messages: an optional user template and system message."""
+
+    template: str | None = None
+    system_prompt: str | None = None
+
+    def user_text(self, problem: str) -> str:
+        """The user message for ``problem`` (the template applied, if any)."""
+        return self.template.format(problem) if self.template is not None else problem
+
+    def messages_for_text(self, problem: str) -> list[dict[str, str]]:
+        """Chat messages for a plain-text problem: optional system turn, then the user turn."""
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append({"role": "user", "content": self.user_text(problem)})
+        return messages
+
+    def messages_for_chat(self, chat: list[dict[str, Any]], where: str) -> list[dict[str, str]]:
+        """Apply the format to a row's own chat messages (``where`` names the row in errors).
+
+        The template wraps the last user turn; the system prompt is prepended unless the row
+        already has a system turn, which is an error (two system prompts).
+        """
+        messages = [_check_message(m, where) for m in chat]
+        if not any(m["role"] == "user" for m in messages):
+            raise ConfigError(f"{where}: the chat messages have no 'user' turn")
+        if self.template is not None:
+            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+            messages[last] = {"role": "user", "content": self.user_text(messages[last]["content"])}
+        if self.system_prompt:
+            if any(m["role"] == "system" for m in messages):
+                raise ConfigError(
+                    f"{where}: the row's messages already have a system turn and data.system_prompt(_file) adds another; "
+                    "unset data.system_prompt / data.system_prompt_file"
+                )
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+
+def _check_message(message: Any, where: str) -> dict[str, str]:
+    if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+        raise ConfigError(f"{where}: a chat message must be {{'role': str, 'content': str}}, got {message!r}")
+    return {"role": message["role"], "content": message["content"]}
+
+
+def _read_text(path: str, key: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {path!r} ({exc.strerror or exc}); the path is relative to the working directory") from None
+
+
+def load_prompt_template(path: str) -> str:
+    """Read and check a ``data.prompt_file``: exactly one ``{}`` field and nothing else to fill."""
+    text = _read_text(path, "data.prompt_file")
+    text = text[:-1] if text.endswith("\n") else text  # an editor's final newline is not part of the prompt
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+    except ValueError as exc:
+        raise ConfigError(f"data.prompt_file {path!r} is not a valid template ({exc}); write literal braces as '{{{{' and '}}}}'") from None
+    if fields != [""]:
+        raise ConfigError(
+            f"data.prompt_file {path!r} must contain exactly one '{{}}' (where the problem goes) and no other fields, "
+            f"found {['{' + f + '}' for f in fields] or 'none'}; write literal braces as '{{{{' and '}}}}'"
+        )
+    return text
+
+
+def prompt_format(data: DataConfig) -> PromptFormat:
+    """The prompt format a config asks for (reads the prompt and system-prompt files)."""
+    template = load_prompt_template(data.prompt_file) if data.prompt_file else None
+    system = data.system_prompt
+    if data.system_prompt_file:
+        system = _read_text(data.system_prompt_file, "data.system_prompt_file").strip()
+    return PromptFormat(template, system or None)

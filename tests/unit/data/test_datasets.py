@@ -1,0 +1,383 @@
+"""Prompt datasets through Hugging Face ``datasets``: formats, columns, prompt files, specs, selection, errors.
+
+Every test writes real files into ``tmp_path`` and builds records with the shipped tiny model's real
+tokenizer; nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.config.schema import DataConfig
+from nemo_like.data.datasets import find_spec, gsm8k_final_answer, in_validation, load_source, resolve_source
+from nemo_like.data.prompts import PromptDataLoader, build_prompt_dataset
+from nemo_like.models.loading import load_tokenizer
+
+BUDGET = 56  # the tiny recipe's 64 total - 8 new tokens
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("embedded:tiny-arith-qwen2")
+
+
+def rows(n: int = 30) -> list[dict]:
+    return [{"q": f"What is {i} plus {i + 1}?", "a": str(2 * i + 1), "kind": "math" if i % 2 else "arith"} for i in range(n)]
+
+
+def write_jsonl(path: Path, items: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in items))
+    return path
+
+
+def data_cfg(train_path, val_path=None, **kw) -> DataConfig:
+    kw.setdefault("prompt_key", "q")
+    kw.setdefault("answer_key", "a")
+    val = {"data_path": str(val_path)} if val_path else {"split_fraction": 0.3}
+    return DataConfig(dataset_name=None, train={"data_path": str(train_path), **kw.pop("train", {})}, validation={**val, **kw.pop("validation", {})}, **kw)
+
+
+def build(cfg: DataConfig, tok, split: str = "train", budget: int = BUDGET):
+    return build_prompt_dataset(cfg, tok, split, budget)
+
+
+def chat_ids(tok, messages) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
+
+
+# ---------------------------------------------------------------- formats
+
+
+def _write_format(fmt: str, path: Path, items: list[dict]) -> Path:
+    import datasets
+
+    if fmt == "jsonl":
+        return write_jsonl(path.with_suffix(".jsonl"), items)
+    if fmt == "json":  # one JSON array
+        target = path.with_suffix(".json")
+        target.write_text(json.dumps(items))
+        return target
+    ds = datasets.Dataset.from_list(items)
+    if fmt == "parquet":
+        ds.to_parquet(str(path.with_suffix(".parquet")))
+        return path.with_suffix(".parquet")
+    if fmt == "csv":
+        ds.to_csv(str(path.with_suffix(".csv")), index=False)
+        return path.with_suffix(".csv")
+    if fmt == "saved":
+        ds.save_to_disk(str(path))
+        return path
+    raise AssertionError(fmt)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv", "saved"])
+def test_each_file_format_loads_the_same_records(tmp_path, tok, fmt):
+    train = _write_format(fmt, tmp_path / "train", rows(20))
+    val = write_jsonl(tmp_path / "val.jsonl", rows(5))
+    cfg = data_cfg(train, val, train={"seed": 3})
+    records = build(cfg, tok)
+    assert len(records) == 20
+    by_row = {int(r.id.split("-")[1]): r for r in records}
+    assert sorted(by_row) == list(range(20))
+    for i, r in by_row.items():
+        assert r.messages == [{"role": "user", "content": f"What is {i} plus {i + 1}?"}]
+        assert r.prompt_token_ids == chat_ids(tok, r.messages)
+        assert r.metadata == {"answer": str(2 * i + 1), "task_name": "math"}  # csv's integers come back as the string
+
+
+def test_save_to_disk_dataset_dict_picks_the_split(tmp_path, tok):
+    import datasets
+
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows(10)), "test": datasets.Dataset.from_list(rows(4))})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    cfg = DataConfig(dataset_name=None, prompt_key="q", answer_key="a",
+                     train={"data_path": str(tmp_path / "dd")}, validation={"data_path": str(tmp_path / "dd"), "split": "test"})
+    assert len(build(cfg, tok, "train")) == 10 and len(build(cfg, tok, "validation")) == 4
+    bad = DataConfig(dataset_name=None, prompt_key="q", answer_key="a",
+                     train={"data_path": str(tmp_path / "dd")}, validation={"data_path": str(tmp_path / "dd"), "split": "dev"})
+    with pytest.raises(ConfigError, match=r"holds splits \['test', 'train'\].*data.validation.split"):
+        build(bad, tok, "validation")
+
+
+# ---------------------------------------------------------------- columns, messages, prompt files
+
+
+def test_nested_answer_key_numeric_answer_and_task_column(tmp_path, tok):
+    items = [{"p": f"What is {i} plus 1?", "rm": {"ground_truth": i + 1, "style": "rule"}, "t": "arith" if i < 2 else "math"} for i in range(4)]
+    path = write_jsonl(tmp_path / "t.jsonl", items)
+    cfg = data_cfg(path, path, prompt_key="p", answer_key="rm.ground_truth", task_key="t")
+    recs = sorted(build(cfg, tok), key=lambda r: r.id)
+    assert [r.metadata for r in recs] == [
+        {"answer": "1", "task_name": "arith"}, {"answer": "2", "task_name": "arith"},
+        {"answer": "3", "task_name": "math"}, {"answer": "4", "task_name": "math"},
+    ]
+    cfg2 = data_cfg(path, path, prompt_key="p", answer_key="rm.ground_truth", default_task_name="algebra")
+    assert {r.metadata["task_name"] for r in build(cfg2, tok)} == {"algebra"}
+
+
+def test_messages_column_is_found_and_formatted(tmp_path, tok):
+    items = [{"messages": [{"role": "user", "content": f"What is {i} plus 2?"}], "answer": str(i + 2)} for i in range(6)]
+    path = write_jsonl(tmp_path / "chat.jsonl", items)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Q: {}\n")  # the editor's final newline is dropped
+    cfg = DataConfig(dataset_name=None, answer_key="answer", system_prompt="Be brief.", prompt_file=str(prompt),
+                     train={"data_path": str(path)}, validation={"data_path": str(path)})
+    rec = next(r for r in build(cfg, tok) if r.id == "train-3")
+    assert rec.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: What is 3 plus 2?"}]
+    assert rec.prompt_token_ids == chat_ids(tok, rec.messages)
+    with_system = [{"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}], "answer": "1"}]
+    path2 = write_jsonl(tmp_path / "sys.jsonl", with_system)
+    cfg2 = DataConfig(dataset_name=None, answer_key="answer", system_prompt="Be brief.", train={"data_path": str(path2)},
+                      validation={"data_path": str(path2)})
+    with pytest.raises(ConfigError, match=r"row 0 of .*sys.jsonl.*already have a system turn.*data.system_prompt"):
+        build(cfg2, tok)
+
+
+def test_prompt_file_and_system_prompt_file(tmp_path, tok):
+    path = write_jsonl(tmp_path / "t.jsonl", rows(3))
+    template = tmp_path / "cot.txt"
+    template.write_text("Solve. Put the answer in \\boxed{{}}:\n{}")
+    system = tmp_path / "sys.txt"
+    system.write_text("You are careful.\n")
+    cfg = data_cfg(path, path, prompt_file=str(template), system_prompt_file=str(system))
+    rec = next(r for r in build(cfg, tok, budget=200) if r.id == "train-1")
+    assert rec.messages == [
+        {"role": "system", "content": "You are careful."},
+        {"role": "user", "content": "Solve. Put the answer in \\boxed{}:\nWhat is 1 plus 2?"},
+    ]
+    for text, needle in [("no field here", "exactly one '{}'"), ("{} and {}", "exactly one '{}'"), ("{name}", "exactly one"),
+                         ("\\boxed{} {}", "exactly one"), ("unclosed {", "not a valid template")]:
+        template.write_text(text)
+        with pytest.raises(ConfigError, match=rf"data.prompt_file .*{needle}".replace("{}", r"\{\}")):
+            build(cfg, tok)
+    missing = data_cfg(path, path, system_prompt_file=str(tmp_path / "nope.txt"))
+    with pytest.raises(ConfigError, match=r"data.system_prompt_file: cannot read .*nope.txt"):
+        build(missing, tok)
+    with pytest.raises(ValidationError, match="data.system_prompt and data.system_prompt_file"):
+        data_cfg(path, path, system_prompt="a", system_prompt_file=str(system))
+
+
+# ---------------------------------------------------------------- specs
+
+
+def test_spec_lookup_by_name_hub_id_and_alias():
+    assert find_spec("gsm8k") is find_spec("openai/gsm8k") is find_spec("GSM8K")
+    assert find_spec("OpenMathInstruct-2") is find_spec("nvidia/OpenMathInstruct-2") is find_spec("openmathinstruct2")
+    assert find_spec("DAPO-Math-17k") is find_spec("BytedTsinghua-SIA/DAPO-Math-17k") is find_spec("DAPOMath17K")
+    assert find_spec("MATH-500") is find_spec("math500") is find_spec("HuggingFaceH4/MATH-500")
+    assert find_spec("someone/else") is None and find_spec(None) is None
+    omi = find_spec("openmathinstruct2")
+    assert (omi.prompt_key, omi.answer_key, omi.train_split, omi.task_name) == ("problem", "expected_answer", "train_1M", "math")
+
+
+def test_hub_sources_resolve_split_and_config_without_network():
+    cfg = DataConfig(dataset_name="gsm8k", validation={"seed": 2})
+    train, val = resolve_source(cfg, "train"), resolve_source(cfg, "validation")
+    assert (train.hub_id, train.config, train.split) == ("openai/gsm8k", "main", "train")
+    assert (val.hub_id, val.config, val.split) == ("openai/gsm8k", "main", "test")
+    mixed = DataConfig(dataset_name="OpenMathInstruct-2", dataset_config="x", validation={"dataset_name": "MATH-500"})
+    v = resolve_source(mixed, "validation")
+    assert (v.hub_id, v.config, v.split) == ("HuggingFaceH4/MATH-500", None, "test")  # the top-level config is the train set's
+    assert resolve_source(mixed, "train").config == "x"
+    with pytest.raises(ConfigError, match=r"MATH-500 has no train split.*data.train.split"):
+        resolve_source(DataConfig(dataset_name="math500"), "train")
+    with pytest.raises(ConfigError, match=r"OpenMathInstruct-2 has no validation split.*split_fraction"):
+        resolve_source(DataConfig(dataset_name="OpenMathInstruct-2"), "validation")
+    with pytest.raises(ConfigError, match=r"data.validation.split is not set for 'me/set'"):
+        resolve_source(DataConfig(dataset_name="me/set"), "validation")
+
+
+def test_offline_hub_name_fails_with_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = resolve_source(DataConfig(dataset_name="openai/gsm8k"), "train")
+    with pytest.raises(ConfigError, match=r"offline.*data.train.data_path.*save_to_disk"):
+        load_source(source)
+
+
+def test_gsm8k_spec_extracts_the_final_answer(tmp_path, tok):
+    items = [{"question": "What is 2 plus 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"},
+             {"question": "What is 1000 plus 234?", "answer": "so\n#### 1,234"}]
+    path = write_jsonl(tmp_path / "gsm.jsonl", items)
+    cfg = DataConfig(dataset_name="gsm8k", train={"data_path": str(path)}, validation={"data_path": str(path)})
+    assert sorted(r.metadata["answer"] for r in build(cfg, tok)) == ["1234", "4"]
+    assert gsm8k_final_answer("a #### b #### 7 ") == "7"
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answer": "no marker"}])
+    cfg = DataConfig(dataset_name="gsm8k", train={"data_path": str(bad)}, validation={"data_path": str(bad)})
+    with pytest.raises(ConfigError, match=r"row 0 of .*bad.jsonl.*'####'"):
+        build(cfg, tok)
+
+
+def test_dapo_and_math500_specs_on_local_copies(tmp_path, tok):
+    dapo = [{"data_source": "math_dapo", "prompt": [{"content": f"What is {i} plus 1?", "role": "user"}], "ability": "MATH",
+             "reward_model": {"ground_truth": str(i + 1), "style": "rule-lang"}, "extra_info": {"index": str(i)}} for i in range(5)]
+    math500 = [{"problem": "What is 1 plus 1?", "solution": "...", "answer": "\\frac{4}{2}", "subject": "Algebra", "level": 1,
+                "unique_id": "test/x.json"}]
+    dp, mp = write_jsonl(tmp_path / "dapo.jsonl", dapo), write_jsonl(tmp_path / "m500.jsonl", math500)
+    cfg = DataConfig(dataset_name="DAPO-Math-17k", train={"data_path": str(dp)},
+                     validation={"dataset_name": "MATH-500", "data_path": str(mp)})
+    train = sorted(build(cfg, tok, "train"), key=lambda r: r.id)
+    assert train[2].messages == [{"role": "user", "content": "What is 2 plus 1?"}]
+    assert train[2].metadata == {"answer": "3", "task_name": "math"}
+    assert build(cfg, tok, "validation")[0].metadata == {"answer": "\\frac{4}{2}", "task_name": "math"}
+
+
+def test_shipped_math_tiny_loads_by_name(tok):
+    cfg = DataConfig(dataset_name="math-tiny", train={"seed": 1}, validation={"seed": 2, "num_problems": 50})
+    train, val = build(cfg, tok, "train"), build(cfg, tok, "validation")
+    assert len(train) == 4000 and len(val) == 50
+    assert {r.metadata["task_name"] for r in train} == {"math"}
+    assert all(isinstance(r.metadata["answer"], str) for r in train + val)
+
+
+# ---------------------------------------------------------------- selection
+
+
+def test_seeded_shuffle_is_deterministic_and_num_problems_takes_a_prefix(tmp_path, tok):
+    path = write_jsonl(tmp_path / "t.jsonl", rows(40))
+    ids = lambda **t: [r.id for r in build(data_cfg(path, path, train=t), tok)]  # noqa: E731
+    assert ids(seed=5) == ids(seed=5)
+    assert ids(seed=5) != ids(seed=6) and sorted(ids(seed=5)) == sorted(ids(seed=6))
+    assert ids(seed=5, num_problems=10) == ids(seed=5)[:10]
+    assert len(ids(seed=5, num_problems=1000)) == 40  # a cap, not a demand
+
+
+def test_split_fraction_is_deterministic_disjoint_and_order_free(tmp_path, tok):
+    items = rows(400)
+    items += [dict(items[7]), dict(items[8])]  # duplicates must land with their twins
+    path = write_jsonl(tmp_path / "t.jsonl", items)
+    prompts = lambda recs: [r.messages[0]["content"] for r in recs]  # noqa: E731
+    cfg = data_cfg(path, validation={"split_fraction": 0.25, "seed": 1}, train={"seed": 1})
+    train, val = prompts(build(cfg, tok, "train")), prompts(build(cfg, tok, "validation"))
+    assert set(train).isdisjoint(val) and len(train) + len(val) == len(items)
+    assert 0.18 < len(val) / len(items) < 0.32
+    assert all(in_validation(p, 0.25) for p in val) and not any(in_validation(p, 0.25) for p in train)
+    reversed_path = write_jsonl(tmp_path / "rev.jsonl", items[::-1])
+    other = data_cfg(reversed_path, validation={"split_fraction": 0.25, "seed": 9}, train={"seed": 4})
+    assert sorted(prompts(build(other, tok, "validation"))) == sorted(val)  # by content, not position or seed
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_missing_column_names_it_and_lists_the_columns(tmp_path, tok):
+    path = write_jsonl(tmp_path / "t.jsonl", rows(3))
+    with pytest.raises(ConfigError, match=r"no column 'question' for data.prompt_key='question'; the columns are \['q', 'a', 'kind'\]"):
+        build(data_cfg(path, path, prompt_key="question"), tok)
+    with pytest.raises(ConfigError, match=r"no column 'reward' for data.answer_key='reward.gt'"):
+        build(data_cfg(path, path, answer_key="reward.gt"), tok)
+    with pytest.raises(ConfigError, match=r"no column 'task' for data.task_key"):
+        build(data_cfg(path, path, task_key="task"), tok)
+    with pytest.raises(ConfigError, match=r"set data.prompt_key .*the columns are \['q', 'a', 'kind'\]"):
+        build(data_cfg(path, path, prompt_key=None), tok)
+    gsm = DataConfig(dataset_name="gsm8k", train={"data_path": str(path)}, validation={"data_path": str(path)})
+    with pytest.raises(ConfigError, match=r"no column 'question' for data.prompt_key='question' \(the dataset spec's default\)"):
+        build(gsm, tok)
+
+
+def test_bad_files_name_the_file_and_key(tmp_path, tok):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=r"data.train.data_path: .*empty.jsonl' is empty"):
+        build(data_cfg(empty, empty), tok)
+    header_only = tmp_path / "h.csv"
+    header_only.write_text("q,a\n")
+    with pytest.raises(ConfigError, match=r"data.train.data_path: .*h.csv' has no rows"):
+        build(data_cfg(header_only, header_only), tok)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"q": "x", "a": "1"}\n{"q": "y", "a": \n')
+    with pytest.raises(ConfigError, match=r"data.train.data_path: cannot read .*broken.jsonl"):
+        build(data_cfg(broken, broken), tok)
+    with pytest.raises(ConfigError, match=r"data.validation.data_path: .*nowhere.jsonl' does not exist"):
+        build(data_cfg(broken, tmp_path / "nowhere.jsonl"), tok, "validation")
+    odd = tmp_path / "x.txt"
+    odd.write_text("hi")
+    with pytest.raises(ConfigError, match=r"unsupported suffix"):
+        build(data_cfg(odd, odd), tok)
+
+
+def test_bad_cells_name_the_row(tmp_path, tok):
+    items = rows(5)
+    items[3]["a"] = ""
+    path = write_jsonl(tmp_path / "t.jsonl", items)
+    with pytest.raises(ConfigError, match=r"row 3 of .*t.jsonl: the gold answer \(data.answer_key\) is empty"):
+        build(data_cfg(path, path), tok)
+    items = rows(5)
+    items[1]["kind"] = ""
+    path = write_jsonl(tmp_path / "k.jsonl", items)
+    with pytest.raises(ConfigError, match=r"row 1 of .*k.jsonl: the task column 'kind' \(data.task_key\)"):
+        build(data_cfg(path, path, task_key="kind"), tok)
+
+
+def test_prompt_longer_than_the_budget_names_row_file_and_keys(tmp_path, tok):
+    items = rows(6)
+    items[4]["q"] = "What is " + "1 plus " * 40 + "2?"
+    path = write_jsonl(tmp_path / "long.jsonl", items)
+    with pytest.raises(ConfigError, match=r"row 4 of \S*/long.jsonl \(data.train\) has \d+ tokens.*policy.max_total_sequence_length.*drop_long_prompts"):
+        build(data_cfg(path, path), tok)
+    kept = build(data_cfg(path, path, drop_long_prompts=True), tok)
+    assert sorted(r.id for r in kept) == ["train-0", "train-1", "train-2", "train-3", "train-5"]
+
+
+def test_contradictory_or_incomplete_split_settings():
+    with pytest.raises(ValidationError, match="data.train.split_fraction"):
+        DataConfig(train={"split_fraction": 0.1, "num_problems": 5})
+    with pytest.raises(ValidationError, match="split_fraction carves validation.*keep one"):
+        DataConfig(dataset_name=None, train={"data_path": "a.jsonl"}, validation={"split_fraction": 0.1, "data_path": "b.jsonl"})
+    with pytest.raises(ValidationError, match="does not apply to the arithmetic task"):
+        DataConfig(validation={"split_fraction": 0.1})
+    with pytest.raises(ValidationError, match="data.train.num_problems is required for the arithmetic task"):
+        DataConfig(train={"seed": 1})
+    with pytest.raises(ConfigError, match=r"data.validation: no prompt source.*split_fraction"):
+        resolve_source(DataConfig(dataset_name=None, train={"data_path": "a.jsonl"}), "validation")
+
+
+def test_bad_data_fails_before_ray_starts(tmp_path, monkeypatch, capsys):
+    """The CLI reports a data error without a traceback, and no Ray cluster is started for it."""
+    import nemo_like.algorithms.setup as setup
+    from nemo_like.cli import main
+
+    def no_ray(*_a, **_k):
+        raise AssertionError("init_ray was called before the data was checked")
+
+    monkeypatch.setattr(setup, "init_ray", no_ray)
+    recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_math_tiny_cpu.yaml"
+    rc = main(["train", "--config", str(recipe), f"logger.log_dir={tmp_path / 'logs'}", "logger.progress_bar=false",
+               "data.prompt_key=question"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no column 'question' for data.prompt_key" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- loader state
+
+
+def test_loader_state_carries_a_fingerprint_of_the_prompts(tmp_path, tok):
+    path = write_jsonl(tmp_path / "t.jsonl", rows(12))
+    records = build(data_cfg(path, path), tok)
+    loader = PromptDataLoader(records, 4, seed=0)
+    loader.next_batch()
+    state = loader.state_dict()
+    resumed = PromptDataLoader(records, 4, seed=0)
+    resumed.load_state_dict(state)
+    assert [r.id for r in resumed.next_batch()] == [r.id for r in loader.next_batch()]
+    changed = PromptDataLoader(records[:-1], 4, seed=0)
+    with pytest.raises(ConfigError, match="differ from the ones the checkpoint was trained on"):
+        changed.load_state_dict(state)
+    legacy = {k: v for k, v in state.items() if k != "fingerprint"}  # checkpoints from before the fingerprint
+    changed.load_state_dict(legacy)
+    assert changed.index == state["index"]
+
+
+def test_column_keys_warn_when_every_split_is_arithmetic():
+    with pytest.warns(UserWarning, match=r"data.prompt_key, data.train.split has no effect with data.dataset_name=arithmetic"):
+        DataConfig(prompt_key="q", train={"num_problems": 4, "seed": 1, "split": "x"})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DataConfig(prompt_key="q", validation={"dataset_name": "MATH-500"})  # used by the validation split
