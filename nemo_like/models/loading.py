@@ -21,7 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def resolve_model_path(model_name: str) -> str:
     """Map the embedded-model sentinel to the shipped directory; anything else is passed through."""
     if model_name == EMBEDDED_MODEL:
-        from nemo_like.data.assets import default_model_path
+        from nemo_like.models.assets import default_model_path
 
         return default_model_path()
     return model_name

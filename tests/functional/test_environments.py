@@ -65,7 +65,7 @@ def test_eval_of_a_checkpoint_reports_exact_pass_at_k(ray_cluster, tmp_path, cap
     """A checkpoint step directory (policy/ without tokenizer files), 8 prompts x 4 samples, scored by an
     environment that marks exactly 1 of each prompt's 4 samples correct: pass@1 = 0.25, pass@4 = 1.0."""
     from nemo_like.cli import main
-    from nemo_like.data.assets import default_model_path
+    from nemo_like.models.assets import default_model_path
 
     policy_dir = tmp_path / "ckpt" / "step_3" / "policy"
     policy_dir.mkdir(parents=True)

@@ -14,9 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from nemo_like.data import assets  # noqa: E402
+from nemo_like.models import assets  # noqa: E402
 from nemo_like.data.arithmetic import format_messages, make_arithmetic_problems  # noqa: E402
-from nemo_like.data.assets import default_model_path  # noqa: E402
+from nemo_like.models.assets import default_model_path  # noqa: E402
 from nemo_like.environments.arithmetic_reward import score_response  # noqa: E402
 
 PAD_ID, IM_START_ID, EOS_ID = 0, 1, 2

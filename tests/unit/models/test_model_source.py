@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.data.assets import default_model_path
+from nemo_like.models.assets import default_model_path
 from nemo_like.models.loading import check_model_source
 
 
