@@ -264,3 +264,66 @@ def test_gather_token_logprobs_shifts_and_defaults_to_the_tempered_softmax():
 def test_bad_settings_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingDistribution(**kwargs)
+
+
+# -- the HF generation worker and the policy worker agree on processed logprobs -----------------------
+
+SAMPLING = dict(temperature=0.7, top_k=20, top_p=0.8)
+
+
+@pytest.fixture(scope="module")
+def hf_samples():
+    """Responses sampled by a real HF generation worker (top-k 20, top-p 0.8, T 0.7) on the tiny model."""
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.generation.hf_worker import HFGenerationWorker
+    from nemo_like.models.generation.interface import SamplingParams
+    from nemo_like.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    never = tokenizer.convert_tokens_to_ids("<|im_start|>")  # a stop id the model does not emit: long responses
+    worker = HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 2, tokenizer.pad_token_id, [never])
+    prompts = [tokenizer(f"{a}+{b}=")["input_ids"] for a, b in [(12, 34), (7, 58), (90, 9), (3, 3)]] * 2
+    params = SamplingParams(max_new_tokens=24, **SAMPLING).__dict__
+    return tokenizer.pad_token_id, worker.generate(prompts, dict(params), seed=1)
+
+
+def policy_logprobs_of(samples: list[dict], pad_id: int, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy worker's logprobs of ``samples`` (right-padded) and the generation logprobs, both ``[B, S]``."""
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.policy.worker import PolicyWorker
+
+    worker = PolicyWorker(
+        rank=0, world_size=1, model_name=EMBEDDED_MODEL, precision="float32", num_threads=2, seed=0, trainable=False,
+        **sampling,
+    )
+    width = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    ids = torch.full((len(samples), width), pad_id)
+    attention = torch.zeros(len(samples), width, dtype=torch.long)
+    gen = torch.zeros(len(samples), width)
+    response = torch.zeros(len(samples), width, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        p, r = len(s["prompt_ids"]), len(s["response_ids"])
+        ids[i, : p + r] = torch.tensor(s["prompt_ids"] + s["response_ids"])
+        attention[i, : p + r] = 1
+        gen[i, p : p + r] = torch.tensor(s["response_logprobs"])
+        response[i, p : p + r] = True
+    lp = worker.get_logprobs({"input_ids": ids, "attention_mask": attention})
+    return lp[response], gen[response]
+
+
+def test_hf_generation_and_policy_logprobs_agree_under_truncation(hf_samples):
+    pad_id, samples = hf_samples
+    train, gen = policy_logprobs_of(samples, pad_id, **SAMPLING)
+    assert train.numel() > 100
+    assert (train - gen).abs().max() < 1e-4
+
+
+def test_the_agreement_check_fails_when_the_trainer_ignores_the_truncation(hf_samples):
+    """The check above can fail: a trainer scoring the full tempered softmax (the TRL bug) is far off."""
+    pad_id, samples = hf_samples
+    train, gen = policy_logprobs_of(samples, pad_id, temperature=SAMPLING["temperature"])
+    gap = gen - train  # = -log(kept mass) >= 0 per token
+    assert (gap > -1e-4).all()
+    assert gap.abs().max() > 0.05 and gap.mean() > 1e-3
+    print(f"untruncated trainer: max |gap| {gap.abs().max():.4f}, mean gap {gap.mean():.4f}, "
+          f"mean IS ratio {torch.exp(-gap).mean():.4f}")
