@@ -7,8 +7,9 @@ so the trainer must score tokens the same way, or the importance ratio pi_train 
 about the kept probability mass (huggingface/trl#6789).
 
 :func:`processed_token_logprobs` is that transform. Its truncation rules are those of vLLM's
-``apply_top_k_top_p`` and of transformers' ``TopKLogitsWarper`` / ``TopPLogitsWarper`` (both agree,
-``tests/unit/models/test_processed_logprobs.py`` checks it):
+``apply_top_k_top_p`` and of transformers' ``TopKLogitsWarper`` / ``TopPLogitsWarper`` (they agree
+except how a tie group cut by the nucleus boundary is split, see :func:`sampling_keep_mask`;
+``tests/unit/models/test_processed_logprobs.py`` checks both):
 
 * top-k keeps every token whose scaled logit is >= the k-th largest one (ties at the k-th value are
   all kept, so more than k tokens can survive); ``k >= V`` keeps everything;

@@ -268,7 +268,7 @@ def test_bad_settings_are_rejected(kwargs):
 
 # -- the HF generation worker and the policy worker agree on processed logprobs -----------------------
 
-SAMPLING = dict(temperature=0.7, top_k=20, top_p=0.8)
+SAMPLING = {"temperature": 0.7, "top_k": 20, "top_p": 0.8}
 
 
 @pytest.fixture(scope="module")
