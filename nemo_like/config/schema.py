@@ -151,9 +151,17 @@ class GenerationConfig(Section):
         "'auto' = vllm when the vllm package is importable, else hf (see docs/guides/generation.md).",
     )
     max_new_tokens: Int = Field(16, gt=0, description="Maximum response tokens.")
-    temperature: Float = Field(1.0, gt=0, description="Sampling temperature; the policy scales its logits by it too.")
-    top_p: Float = Field(1.0, gt=0, le=1, description="Nucleus sampling (logprobs stay those of the temperature-scaled distribution).")
-    top_k: Int | None = Field(None, gt=0, description="Top-k sampling; null disables it.")
+    temperature: Float = Field(1.0, gt=0, description="Sampling temperature; the policy and reference score tokens with logits / temperature too.")
+    top_p: Float = Field(
+        1.0, gt=0, le=1,
+        description="Nucleus sampling (1.0 disables it). Generation and the policy/reference logprob and training passes "
+        "all use the truncated, renormalised distribution (processed logprobs, docs/guides/generation.md).",
+    )
+    top_k: Int | None = Field(
+        None, gt=0,
+        description="Top-k sampling, applied before top_p; null disables it. Logprobs everywhere are those of the "
+        "truncated, renormalised distribution (processed logprobs, docs/guides/generation.md).",
+    )
     stop_token_ids: list[Int] | None = Field(None, description="Extra stop tokens besides the tokenizer's eos.")
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")

@@ -19,8 +19,13 @@ REQUIRED_STEP_KEYS = [
 ]
 
 
+# Sampling from a top-k / top-p truncated distribution: every pass scores the same processed distribution.
+TRUNCATED_SAMPLING = ("policy.generation.top_p=0.8", "policy.generation.top_k=20", "policy.generation.temperature=0.8")
+
+
 def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path):
-    cfg = tiny_config(tmp_path, "grpo.val_num_generations_per_prompt=2")
+    # HF generation sampling with top-k, top-p and a temperature (vLLM: test_vllm_backend.py's GRPO run).
+    cfg = tiny_config(tmp_path, "policy.generation.backend=hf", "grpo.val_num_generations_per_prompt=2", *TRUNCATED_SAMPLING)
     history = train(cfg)
     log_dir = tmp_path / "logs"
     records = read_metrics(log_dir)
@@ -38,8 +43,10 @@ def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path
         missing = [k for k in REQUIRED_STEP_KEYS if k not in record]
         assert not missing, missing
         assert record["train/kl_penalty"] >= 0
-        # On-policy: the generation weights are the trained weights (refit each step).
+        # On-policy: the generation weights are the trained weights (refit each step), and generation and
+        # training score tokens under the same truncated, renormalised distribution.
         assert record["train/gen_kl"] < 1e-4 and record["train/token_mult_prob_error"] < 1.001
+        assert 0 <= record["train/outside_sampling_set_frac"] < 0.01
     assert "validation/accuracy" in records[-1]  # validated at the end
     assert records[2]["train/weight_version"] == 2 and records[2]["timing/train/refit"] > 0
     assert (log_dir / "config.yaml").read_text().startswith("grpo:")
@@ -67,4 +74,3 @@ def test_zero_kl_penalty_loads_no_reference_model(ray_cluster, tmp_path):
     history = train(tiny_config(tmp_path, "grpo.max_num_steps=1", "grpo.val_at_start=false", "loss_fn.reference_policy_kl_penalty=0"))
     assert history[-1]["performance/forward_passes/reference_logprobs"] == 0
     assert history[-1]["timing/train/reference_logprobs"] == 0
-

@@ -93,14 +93,18 @@ def test_refit_with_a_wrong_manifest_names_the_keys(ray_cluster, vllm_gen):
 
 
 def test_five_step_grpo_run_on_vllm_stays_on_policy(ray_cluster, tmp_path):
+    """Sampling with top-k, top-p and a temperature: vLLM's processed logprobs and the policy's agree."""
+    from functional.test_grpo_end_to_end import TRUNCATED_SAMPLING
     from nemo_like.train import train
 
-    cfg = tiny_config(tmp_path, "policy.generation.backend=vllm", "grpo.max_num_steps=5", "grpo.val_at_end=false")
+    cfg = tiny_config(tmp_path, "policy.generation.backend=vllm", "grpo.max_num_steps=5", "grpo.val_at_end=false",
+                      *TRUNCATED_SAMPLING)
     history = [r for r in train(cfg) if "train/gen_kl" in r]
     assert len(history) == 5
     for record in history:
         assert record["train/gen_kl"] < 0.002, record
         assert record["train/token_mult_prob_error"] < 1.01, record
+        assert 0 <= record["train/outside_sampling_set_frac"] < 0.01, record
 
 
 def test_in_flight_refit_lands_between_engine_steps(ray_cluster, tmp_path, tok):

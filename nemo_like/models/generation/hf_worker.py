@@ -10,6 +10,7 @@ from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import load_causal_lm
+from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs
 
 
 def first_stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
@@ -18,6 +19,13 @@ def first_stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
         if tok in stop_ids:
             return i
     return None
+
+
+def sampling_distribution(sp: SamplingParams) -> SamplingDistribution:
+    """The distribution ``generate`` samples from under ``sp`` (greedy: the plain softmax of the logits)."""
+    if sp.greedy:
+        return SamplingDistribution()
+    return SamplingDistribution(sp.temperature, sp.top_k, sp.top_p)
 
 
 class WeightSwapPoint:
@@ -109,10 +117,10 @@ class HFGenerationWorker(Reinitializable):
             logits_processor=LogitsProcessorList([swap_point]),
         )
         new_tokens = result.sequences[:, width:].cpu()
-        # Raw logits per step -> logprobs of the sampled tokens under softmax(logits / T).
-        temperature = 1.0 if sp.greedy else sp.temperature
-        logits = torch.stack(result.logits, dim=1).float().cpu() / temperature
-        token_lp = logits.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        # Raw logits per step -> logprobs of the sampled tokens under the distribution generate sampled
+        # from (temperature, top-k, top-p, renormalised), computed as the policy computes them.
+        logits = torch.stack(result.logits, dim=1).cpu()
+        token_lp = processed_token_logprobs(logits, new_tokens, sampling_distribution(sp))
         samples = []
         stop_set = set(stop_ids)
         for i, prompt in enumerate(prompts):

@@ -34,7 +34,8 @@ def sampling_params(cfg: Any, greedy: bool = False) -> SamplingParams:
 @dataclass
 class GeneratedSample:
     """One response. ``response_logprobs[i]`` = log p(response_ids[i] | prompt, response_ids[:i])
-    under the temperature-scaled distribution of the weights that generated it."""
+    under the processed distribution the token was sampled from (temperature, then top-k / top-p,
+    renormalised over the kept tokens) of the weights that generated it."""
 
     prompt_ids: list[int]
     response_ids: list[int]

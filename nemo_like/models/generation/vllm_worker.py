@@ -11,7 +11,6 @@ vLLM is imported only inside the actor, after its runtime env has set the engine
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
@@ -141,7 +140,8 @@ class VLLMGenerationWorker(Reinitializable):
             enforce_eager=enforce_eager,
             max_model_len=max_model_len,
             seed=seed,
-            # Logprobs of the distribution actually sampled from (temperature applied), as the policy computes them.
+            # Logprobs of the distribution actually sampled from (temperature, top-k, top-p, renormalised),
+            # as the policy computes them (nemo_like/models/logprobs.py).
             logprobs_mode="processed_logprobs",
             tensor_parallel_size=1,
         )
@@ -162,12 +162,6 @@ class VLLMGenerationWorker(Reinitializable):
         from vllm.inputs import TokensPrompt
 
         sp = SamplingParams(**params)
-        if not sp.greedy and (sp.top_p < 1.0 or sp.top_k):
-            warnings.warn(
-                "vLLM returns logprobs renormalised over the top-p/top-k set, the policy scores the full "
-                "temperature-scaled distribution: expect a train/generation mismatch",
-                stacklevel=2,
-            )
         stop_ids = sorted({*self.eos_token_ids, *sp.stop_token_ids})
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         per_request = [vllm_sampling_params(sp, stop_ids, seed + i) for i in range(len(prompts))]

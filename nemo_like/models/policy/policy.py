@@ -59,6 +59,8 @@ class Policy:
             model_name=pc.model_name,
             precision=pc.precision,
             temperature=pc.generation.temperature,
+            top_k=pc.generation.top_k,
+            top_p=pc.generation.top_p,
             num_threads=pc.num_threads_per_worker,
             seed=cfg.grpo.seed,
             trainable=trainable,

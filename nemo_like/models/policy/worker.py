@@ -14,7 +14,7 @@ from nemo_like.algorithms.loss_functions import ClippedPGLossFn, combine_metric_
 from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.loading import full_state_dict, load_causal_lm
-from nemo_like.models.logprobs import sequence_logprobs
+from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
 
 Batch = dict[str, torch.Tensor]
 
@@ -49,11 +49,15 @@ class PolicyWorker(Reinitializable):
         max_grad_norm: float | None = None,
         train_micro_batch_size: int = 1,
         logprob_batch_size: int = 64,
+        top_k: int | None = None,
+        top_p: float = 1.0,
     ) -> None:
         torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
-        self.temperature = temperature
+        # Every pass (prev, reference, training) scores tokens under the sampler's processed
+        # distribution: temperature, then top-k / top-p truncation, renormalised (models/logprobs.py).
+        self.sampling = SamplingDistribution(temperature, top_k, top_p)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.model = load_causal_lm(model_name, precision).to(self.device)
         self.trainable = trainable
@@ -120,7 +124,8 @@ class PolicyWorker(Reinitializable):
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         for start in range(0, batch["input_ids"].shape[0], self.logprob_batch_size):
             mb = trim_padding(slice_batch(batch, start, start + self.logprob_batch_size))
-            lp = sequence_logprobs(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device), self.temperature)
+            ids, mask = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+            lp, _ = sequence_logprobs_with_outside(self.model, ids, mask, self.sampling)
             out[start : start + lp.shape[0], : lp.shape[1]] = lp.float().cpu()
             self.forward_passes["logprobs"] += 1
         return out
@@ -146,9 +151,10 @@ class PolicyWorker(Reinitializable):
             for start in range(0, shard["input_ids"].shape[0], self.micro_batch_size):
                 mb = trim_padding(slice_batch(shard, start, start + self.micro_batch_size))
                 mb = {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in mb.items()}
-                curr = sequence_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.temperature)
+                curr, outside = sequence_logprobs_with_outside(self.model, mb["input_ids"], mb["attention_mask"], self.sampling)
                 self.forward_passes["train"] += 1
                 loss, metrics = self.loss_fn(curr, mb, gseqs, gtoks)
+                metrics["outside_sampling_set_frac"] = self._outside_fraction(outside, mb, gtoks)
                 loss.backward()
                 fragments.append(metrics)
                 if step_idx == 0:
@@ -172,6 +178,13 @@ class PolicyWorker(Reinitializable):
             "lr": self.scheduler.get_last_lr()[0],
             "first_step_logprobs": first_step_logprobs,
         }
+
+    @staticmethod
+    def _outside_fraction(outside: torch.Tensor, mb: Batch, global_valid_toks: torch.Tensor) -> float:
+        """This microbatch's fragment of the fraction of loss tokens outside the sampler's kept set
+        (scored over kept set + token, see models/logprobs.py); sums to the global-batch fraction."""
+        mask = mb["token_mask"] * mb["sample_mask"].unsqueeze(-1)
+        return float((outside.float() * mask).sum()) / max(float(global_valid_toks), 1.0)
 
     def _grad_norm(self) -> float:
         norms = [p.grad.detach().float().norm() for p in self.model.parameters() if p.grad is not None]
