@@ -39,7 +39,9 @@ def extract_integer(text: str) -> int | None:
     return int(stripped)
 
 
-def score_response(response_text: str, answer: int) -> float:
-    """1.0 if ``response_text`` parses (see :func:`extract_integer`) to exactly ``answer``, else 0.0."""
+def score_response(response_text: str, answer: int | str) -> float:
+    """1.0 if ``response_text`` parses (see :func:`extract_integer`) to exactly ``answer``, else 0.0.
+    ``answer`` is an int, or a string holding one (dataset rows carry answers as text, e.g. ``"19"``)."""
     value = extract_integer(response_text)
-    return 1.0 if value is not None and value == answer else 0.0
+    expected = answer if isinstance(answer, int) else extract_integer(str(answer))
+    return 1.0 if value is not None and expected is not None and value == expected else 0.0

@@ -1,12 +1,15 @@
 """A real GRPO run through the public entry point: actors, generation, reward, training, logging."""
 
+import json
+from pathlib import Path
 
 import pytest
 
-from functional.helpers import read_metrics, tiny_config
+from functional.helpers import REPO, read_metrics, tiny_config
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
+MATH_TINY = REPO / "nemo_like" / "assets" / "math-tiny"
 
 REQUIRED_STEP_KEYS = [
     "train/reward",
@@ -70,7 +73,30 @@ def test_prev_logprob_pass_is_skipped_with_one_optimizer_step_and_the_loss_is_un
         assert abs(s[key] - c[key]) < 1e-6, key
 
 
-def test_zero_kl_penalty_loads_no_reference_model(ray_cluster, tmp_path):
-    history = train(tiny_config(tmp_path, "grpo.max_num_steps=1", "grpo.val_at_start=false", "loss_fn.reference_policy_kl_penalty=0"))
-    assert history[-1]["performance/forward_passes/reference_logprobs"] == 0
-    assert history[-1]["timing/train/reference_logprobs"] == 0
+def mixed_task_files(tmp_path: Path) -> tuple[Path, Path]:
+    """The shipped math-tiny rows split between two tasks: plain integer answers -> "arithmetic" (exact match),
+    LaTeX / decimal forms -> "math" (math-verify). Only the math environment can score "\\frac{38}{2}" right."""
+    paths = []
+    for split in ("train", "validation"):
+        rows = [json.loads(line) for line in (MATH_TINY / f"{split}.jsonl").read_text().splitlines()]
+        for row in rows:
+            row["task"] = "arithmetic" if row["answer"].isdigit() else "math"
+        paths.append(tmp_path / f"{split}.jsonl")
+        paths[-1].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return paths[0], paths[1]
+
+
+def test_zero_kl_penalty_loads_no_reference_model_and_a_two_task_run_routes_each_sample(ray_cluster, tmp_path):
+    train_file, val_file = mixed_task_files(tmp_path)
+    data = ("data.dataset_name=null", f"data.train.data_path={train_file}", f"data.validation.data_path={val_file}",
+            "data.prompt_key=problem", "data.answer_key=answer", "data.task_key=task", "+env.math.num_workers=1")
+    history = train(tiny_config(tmp_path, "grpo.max_num_steps=1", "loss_fn.reference_policy_kl_penalty=0", *data))
+    last = history[-1]
+    assert last["performance/forward_passes/reference_logprobs"] == 0
+    assert last["timing/train/reference_logprobs"] == 0
+    # Every sample went to its own task's environment: the per-task counts add up to the batch and to the data's split.
+    assert last["env/arithmetic/num_samples"] > 0 and last["env/math/num_samples"] > 0
+    assert last["env/arithmetic/num_samples"] + last["env/math/num_samples"] == last["performance/num_samples"]
+    val = history[0]
+    assert val["validation/env/arithmetic/num_samples"] + val["validation/env/math/num_samples"] == val["validation/num_samples"]
+    assert last["env/math/timeouts"] == 0

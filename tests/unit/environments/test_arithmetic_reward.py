@@ -54,9 +54,14 @@ def test_extract_integer(text: str, expected: int | None) -> None:
         ("-5", -5, 1.0),
         ("5", -5, 0.0),
         ("0", 0, 1.0),
+        ("19", "19", 1.0),  # dataset rows carry the answer as text
+        ("19", " 19 ", 1.0),
+        ("18", "19", 0.0),
+        ("19", "19.0", 0.0),  # not an integer literal: the arithmetic task is exact; math-verify compares values
+        ("19", "nineteen", 0.0),
     ],
 )
-def test_score_response(text: str, answer: int, reward: float) -> None:
+def test_score_response(text: str, answer: int | str, reward: float) -> None:
     assert score_response(text, answer) == reward
 
 
