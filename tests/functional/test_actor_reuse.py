@@ -55,6 +55,8 @@ def test_a_kept_group_is_reinitialised_in_place_and_other_shapes_get_new_actors(
         one = RayWorkerGroup("counter", Counter, 1, resources, {"start": 0})  # another shape: new actor
         assert bump_all(one)[0][0] not in {pid for pid, _, _ in before}
         ray.kill(one.workers[0], no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):  # the kill has landed
+            ray.get(one.workers[0].bump.remote())
         one.shutdown()  # a dead actor is kept...
         fresh = RayWorkerGroup("counter", Counter, 1, resources, {"start": 0})  # ...but never reused
         assert bump_all(fresh)[0][2] == 1

@@ -119,7 +119,7 @@ def test_dynamic_sampling_that_finds_no_signal_stops_with_the_key_and_the_fixes(
         capsys, tmp_path,
         "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=1",
         # operator.is_(response, answer) is always False: every reward is 0, so no group has signal.
-        "env.custom_reward_fn=operator:is_",
+        "+env.arithmetic.custom_reward_fn=operator:is_",
         "grpo.val_at_start=false", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
         "policy.generation.backend=hf", "loss_fn.reference_policy_kl_penalty=0", "policy.num_cpus_per_worker=0.25",
         "data.train.num_problems=16", "grpo.max_val_samples=4",
