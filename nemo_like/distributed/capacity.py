@@ -46,9 +46,10 @@ def role_requests(cfg: MasterConfig) -> list[RoleRequest]:
     model_bundle = {"CPU": pc.num_cpus_per_worker}
     if cfg.cluster.gpus_per_node:
         model_bundle["GPU"] = 1.0
-    roles = [RoleRequest("policy", pc.dp_size, model_bundle)]
+    ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
+    roles = [RoleRequest("policy", ranks, model_bundle)]
     if decide_logprob_passes(cfg).load_reference_model:
-        roles.append(RoleRequest("reference", 1, model_bundle))
+        roles.append(RoleRequest("reference", ranks, model_bundle))
     roles.append(RoleRequest("generation", 1, model_bundle))
     roles.append(RoleRequest("environment", cfg.env.num_workers, {"CPU": ENV_WORKER_CPUS}))
     if cfg.grpo.async_grpo.enabled:

@@ -41,15 +41,15 @@ class WorkerResources:
         return bundle
 
 
-def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s: float) -> PlacementGroup:
-    """Create a placement group of ``count`` bundles and wait for it; fail clearly instead of hanging."""
-    pg = placement_group([resources.bundle()] * count, strategy="PACK", name=name)
+def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s: float, strategy: str = "PACK") -> PlacementGroup:
+    """Create a placement group of ``count`` bundles (Ray placement ``strategy``) and wait for it; fail clearly instead of hanging."""
+    pg = placement_group([resources.bundle()] * count, strategy=strategy, name=name)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
         asked = {k: v * count for k, v in resources.bundle().items()}
         raise PlacementError(
-            f"Cannot place '{name}': asked for {count} x {resources.bundle()} = {asked} within {timeout_s:.0f}s; "
+            f"Cannot place '{name}': asked for {count} x {resources.bundle()} = {asked} ({strategy}) within {timeout_s:.0f}s; "
             f"cluster has {ray.cluster_resources()} in total, {ray.available_resources()} available now"
         )
     return pg
@@ -68,11 +68,13 @@ class RayWorkerGroup:
         placement_timeout_s: float = 60.0,
         env_vars: dict[str, str] | None = None,
         max_concurrency: int = 1,
+        strategy: str = "PACK",
     ) -> None:
         """``env_vars`` are added to (and override) each actor's :func:`worker_env_vars`; ``max_concurrency > 1``
-        makes threaded actors (methods may run while another call is busy)."""
+        makes threaded actors (methods may run while another call is busy); ``strategy`` is the Ray placement
+        strategy of the group's bundles (``cluster.placement_strategy``)."""
         self.name = name
-        self._pg = reserve_bundles(name, resources, num_workers, placement_timeout_s)
+        self._pg = reserve_bundles(name, resources, num_workers, placement_timeout_s, strategy)
         remote_cls = ray.remote(actor_cls)
         self.workers = []
         for rank in range(num_workers):

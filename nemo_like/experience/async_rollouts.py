@@ -131,11 +131,11 @@ class AsyncRollouts:
         policy, generation = self.parts.policy, self.parts.generation
         version = policy.weight_version
         if self.in_flight:
-            seconds = generation.refit(policy.state_dict_ref(), version)
+            seconds = generation.refit(policy.weight_buckets(), version)
             self._call("set_generation_version", version)
             return {"refit": seconds, "trainer_waiting_for_refit": 0.0, "generation_paused_for_refit": seconds}
         waited = self._call("pause", "refit")
-        seconds = generation.refit(policy.state_dict_ref(), version)
+        seconds = generation.refit(policy.weight_buckets(), version)
         held = self._call("resume", "refit", version)
         return {"refit": seconds, "trainer_waiting_for_refit": waited, "generation_paused_for_refit": held}
 
