@@ -63,11 +63,13 @@ def test_generation_logprobs_match_policy_after_each_refit_and_a_missed_refit_sh
 
 def test_two_data_parallel_ranks_equal_one_rank(ray_cluster, tmp_path):
     cfg1 = tiny_config(tmp_path, "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0")
-    cfg2 = tiny_config(tmp_path, "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0", "policy.dp_size=2")
+    cfg2 = tiny_config(
+        tmp_path, "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0", "policy.dp_size=2", "policy.refit_buffer_size_mb=0.5"
+    )
     tok = load_tokenizer(cfg1.policy.model_name)
     gen = HFGeneration(cfg1, tok.pad_token_id, eos_token_ids(tok))
-    samples = gen.generate(prompts(cfg1, tok), SamplingParams(max_new_tokens=8), seed=3)
-    gen.shutdown()
+    params = SamplingParams(max_new_tokens=8)
+    samples = gen.generate(prompts(cfg1, tok), params, seed=3)
     batch = train_batch(samples, tok.pad_token_id)
     single = Policy(cfg1, "single")
     r1 = single.train(batch)
@@ -77,8 +79,14 @@ def test_two_data_parallel_ranks_equal_one_rank(ray_cluster, tmp_path):
     r2 = dp.train(batch)
     checksums = dp.parameter_checksums()
     _, w2 = torch_get(dp.state_dict_ref())
+    # Refit from the two shards: gathered in buckets of <= 0.5 MB (the tiny model is ~4 MB), streamed to generation.
+    buckets = dp.weight_buckets()
+    assert len(buckets.refs) > 4 and sorted(buckets.all_names()) == sorted(w2)
+    gen.refit(buckets, dp.weight_version)
+    assert mean_abs_gap(dp, gen.generate(prompts(cfg1, tok), params, seed=4), tok.pad_token_id) < 1e-4
+    gen.shutdown()
     dp.shutdown()
-    assert checksums[0] == checksums[1]  # replicas stay identical
+    assert checksums[0] == checksums[1]  # every rank sums the same full model over its shards
     assert abs(r1.metrics["loss"] - r2.metrics["loss"]) < 1e-6
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], atol=2e-6, rtol=0, msg=name)
