@@ -332,13 +332,18 @@ class PolicyWorker:
 
     # -- GPU weight refit into vLLM (untested on GPU in this repository; see vllm_gpu_refit.py) -----
     def device_info(self) -> dict[str, Any]:
-        """This worker's node address, Ray GPU ids and CUDA device UUID (None on CPU)."""
+        """This worker's Ray node id and address, Ray GPU ids and CUDA device UUID (None on CPU)."""
         import ray
 
         from nemo_like.models.generation.vllm_gpu_refit import device_uuid
 
         on_gpu = self.device.type == "cuda"
-        return {"node_ip": ray.util.get_node_ip_address(), "gpu_ids": ray.get_gpu_ids(), "uuid": device_uuid() if on_gpu else None}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "gpu_ids": ray.get_gpu_ids(),
+            "uuid": device_uuid() if on_gpu else None,
+        }
 
     def ipc_handles(self) -> tuple[list[str], dict[str, Any]]:
         """``(names, {device_uuid: {name: CUDA-IPC handle}})`` of every tensor; the tensors stay referenced until the next call."""
