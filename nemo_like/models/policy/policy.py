@@ -93,7 +93,10 @@ class Policy:
 
     def get_logprobs_async(self, batch: Batch) -> list[ray.ObjectRef]:
         """Start a logprob pass sharded over the workers; pass the result to :meth:`gather_logprobs`."""
-        return self.group.run_sharded("get_logprobs", split_rows_unevenly(batch, len(self.group)))
+        dp = self.cfg.policy.dp_size
+        tp = len(self.group) // dp  # the ranks of one tensor-parallel group see the same rows
+        shards = split_rows_unevenly(batch, dp)
+        return self.group.run_sharded("get_logprobs", [shards[r // tp] for r in range(len(self.group))])[::tp]
 
     def gather_logprobs(self, refs: list[ray.ObjectRef], what: str) -> torch.Tensor:
         """Wait for a logprob pass and stitch the shards back into one ``[B, S]`` tensor."""

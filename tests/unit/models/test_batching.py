@@ -55,21 +55,26 @@ def rows_of_different_lengths(model) -> dict[str, torch.Tensor]:
     return {"input_ids": ids * mask, "attention_mask": mask}
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @torch.no_grad()
-def test_packed_logprobs_equal_unpacked_and_a_plain_causal_mask_leaks(model):
+def test_packed_logprobs_equal_unpacked_and_a_plain_causal_mask_leaks(model, attention):
     batch = rows_of_different_lengths(model)
-    unpacked = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], TEMPERATURE)
+    model.config._attn_implementation = attention
+    try:
+        unpacked = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], TEMPERATURE)
 
-    def packed_logprobs(block_diagonal: bool) -> torch.Tensor:
-        packed = pack_rows(batch, block_diagonal=block_diagonal)
-        assert packed.input_ids.shape == (1, 39)
-        lp = model_token_logprobs(model, packed.input_ids, packed.attention_mask, packed.position_ids, TEMPERATURE)
-        return unpack_logprobs(lp, packed, batch["input_ids"].shape)
+        def packed_logprobs(block_diagonal: bool) -> torch.Tensor:
+            packed = pack_rows(batch, block_diagonal=block_diagonal)
+            assert packed.input_ids.shape == (1, 39)
+            lp = model_token_logprobs(model, packed.input_ids, packed.attention_mask, packed.position_ids, TEMPERATURE)
+            return unpack_logprobs(lp, packed, batch["input_ids"].shape)
 
-    assert (packed_logprobs(True) - unpacked).abs().max() < 1e-5
-    # Without the block-diagonal mask the later samples attend to the earlier ones: their logprobs change.
-    leak = (packed_logprobs(False) - unpacked).abs()
-    assert leak[0].max() < 1e-5 and leak[1:].max() > 1e-2
+        assert (packed_logprobs(True) - unpacked).abs().max() < 1e-5
+        # Without the block-diagonal mask the later samples attend to the earlier ones: their logprobs change.
+        leak = (packed_logprobs(False) - unpacked).abs()
+        assert leak[0].max() < 1e-5 and leak[1:].max() > 1e-2
+    finally:
+        model.config._attn_implementation = "sdpa"
 
 
 def test_chunked_logprobs_and_gradients_equal_the_full_logits(model):
