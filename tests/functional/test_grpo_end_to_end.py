@@ -24,8 +24,20 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+# The scaled policy: two FSDP2 ranks (policy and reference), packed micro-batches, chunked logprobs and
+# refit in 1 MB buckets; the other tests of this file run the default (one plain rank, fixed micro-batches).
+SCALED = (
+    "policy.dp_size=2",
+    "policy.sequence_packing.enabled=true",
+    "policy.sequence_packing.train_mb_tokens=256",
+    "policy.sequence_packing.logprob_mb_tokens=512",
+    "policy.logprob_chunk_size=32",
+    "policy.refit_buffer_size_mb=1",
+)
+
+
 def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path):
-    cfg = tiny_config(tmp_path)
+    cfg = tiny_config(tmp_path, *SCALED)
     history = train(cfg)
     log_dir = tmp_path / "logs"
     records = read_jsonl(log_dir / "metrics.jsonl")
