@@ -6,6 +6,7 @@ Sections we own forbid unknown keys, so a typo fails at start-up instead of bein
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -325,6 +326,8 @@ class MasterConfig(BaseModel):
             )
         if self.grpo.async_grpo.enabled:
             self._check_async()
+        if self.policy.dtensor_cfg.cpu_offload and not self.cluster.gpus_per_node:
+            warnings.warn("policy.dtensor_cfg.cpu_offload has no effect on CPU (cluster.gpus_per_node is 0)", stacklevel=2)
         if self.policy.dtensor_cfg.tensor_parallel_size > 1 and not self.cluster.gpus_per_node:
             raise ValueError(
                 f"policy.dtensor_cfg.tensor_parallel_size={self.policy.dtensor_cfg.tensor_parallel_size} is GPU-only "
