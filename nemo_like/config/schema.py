@@ -138,7 +138,10 @@ class DTensorConfig(Section):
     cpu_offload: bool = Field(False, description="GPU only: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy).")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute).")
     tensor_parallel_size: int = Field(
-        1, gt=0, description="GPU only: tensor-parallel degree (DTensor) inside each data-parallel group; must be 1 on CPU."
+        1,
+        gt=0,
+        description="Tensor-parallel degree (DTensor: column/row-parallel attention and MLP projections) inside each data-parallel "
+        "group; the policy and the reference run dp_size x tensor_parallel_size workers. Must divide the model's attention and KV heads.",
     )
 
 
@@ -328,11 +331,6 @@ class MasterConfig(BaseModel):
             self._check_async()
         if self.policy.dtensor_cfg.cpu_offload and not self.cluster.gpus_per_node:
             warnings.warn("policy.dtensor_cfg.cpu_offload has no effect on CPU (cluster.gpus_per_node is 0)", stacklevel=2)
-        if self.policy.dtensor_cfg.tensor_parallel_size > 1 and not self.cluster.gpus_per_node:
-            raise ValueError(
-                f"policy.dtensor_cfg.tensor_parallel_size={self.policy.dtensor_cfg.tensor_parallel_size} is GPU-only "
-                "(cluster.gpus_per_node is 0): set it to 1 on CPU and scale with policy.dp_size"
-            )
         return self
 
     def _check_async(self) -> None:

@@ -112,9 +112,18 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # the partial per-shard norms reduced across the mesh
+    # DTensor norms reduce within one mesh; with tensor parallelism some parameters live on the (dp, tp)
+    # mesh and others (norms, embeddings) on dp only, so combine the per-mesh norms by hand.
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    squares = []
+    for group in by_mesh.values():
+        part = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        if isinstance(part, DTensor):
+            part = part.full_tensor()  # the partial per-shard norms reduced across the mesh
+        squares.append(part.float().cpu() ** 2)
+    total = torch.stack(squares).sum().sqrt()
     norm = float(total)
     if max_norm is not None and torch.isfinite(total):
         coef = min(1.0, max_norm / (norm + 1e-6))  # the same rule as torch.nn.utils.clip_grad_norm_

@@ -15,7 +15,7 @@ TINY = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny
     [
         (["policy.sequence_packing.enabled=true", "policy.dynamic_batching.enabled=true"], ["sequence_packing", "dynamic_batching"]),
         (["policy.dp_size=2", "policy.dtensor_cfg.enabled=false"], ["policy.dp_size", "dtensor_cfg.enabled"]),
-        (["policy.dtensor_cfg.tensor_parallel_size=2"], ["tensor_parallel_size", "GPU-only"]),
+        (["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.enabled=false"], ["tensor_parallel_size", "dtensor_cfg.enabled"]),
         (["cluster.placement_strategy=SPREADS"], ["placement_strategy"]),
     ],
 )
@@ -25,8 +25,8 @@ def test_contradictions_are_config_errors(overrides, names):
     assert all(name in str(err.value) for name in names), str(err.value)
 
 
-def test_tensor_parallel_is_accepted_on_gpu_recipes_and_batching_plans_follow_the_keys():
-    cfg = load_config(TINY, ["cluster.gpus_per_node=8", "policy.dtensor_cfg.tensor_parallel_size=2"])
+def test_tensor_parallel_is_accepted_and_batching_plans_follow_the_keys():
+    cfg = load_config(TINY, ["policy.dtensor_cfg.tensor_parallel_size=2"])
     assert cfg.policy.dtensor_cfg.tensor_parallel_size == 2
     packed = load_config(TINY, ["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=256"]).policy
     assert batching_plan(packed, 4) == {"mode": "packed", "train_size": 256, "logprob_size": 1024}

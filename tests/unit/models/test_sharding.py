@@ -1,4 +1,5 @@
-"""FSDP2 data parallelism: two gloo ranks (spawned processes, no Ray) against one plain rank.
+"""FSDP2 data parallelism and DTensor tensor parallelism: two gloo ranks (spawned processes, no Ray)
+against one plain rank.
 
 The same logprobs, the same loss and gradient norm, the same weights after three optimizer steps,
 checkpoints written by two ranks resume exactly (also on one plain rank), and refit buckets carry the
@@ -141,3 +142,28 @@ def test_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
     resumed_single.train([step_batch(STEPS - 1)])
     assert_states_close(resumed_single.get_state_dict()[1], r0["final"], atol=1e-5)
 
+
+
+def _tensor_parallel_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of a (dp=1, tp=2) mesh: both ranks see the same rows."""
+    worker = make_worker(rank, world, dtensor_cfg={"tensor_parallel_size": 2})
+    worker.setup_distributed("127.0.0.1", port)
+    logprobs = worker.get_logprobs(step_batch(99, rows=5))
+    results = [worker.train([step_batch(s)]) for s in range(STEPS)]
+    _, state = worker.get_state_dict()
+    if rank == 0:
+        torch.save({"logprobs": logprobs, "results": results, "state": state}, out)
+
+
+def test_two_tensor_parallel_ranks_equal_one_plain_rank(tmp_path):
+    """DTensor tensor parallelism (column/row-parallel projections) runs on gloo and changes no number."""
+    out = str(tmp_path / "tp.pt")
+    mp.spawn(_tensor_parallel_rank, args=(2, free_port(), out), nprocs=2, join=True)
+    tp = torch.load(out, weights_only=False)
+    single = make_worker()
+    assert (tp["logprobs"] - single.get_logprobs(step_batch(99, rows=5))).abs().max() < 1e-5
+    for step in range(STEPS):
+        ref = single.train([step_batch(step)])
+        assert abs(tp["results"][step]["metrics"]["loss"] - ref["metrics"]["loss"]) <= 1e-5 * max(1.0, abs(ref["metrics"]["loss"]))
+        assert abs(tp["results"][step]["grad_norms"][0] - ref["grad_norms"][0]) <= 1e-5 * ref["grad_norms"][0]
+    assert_states_close(tp["state"], single.get_state_dict()[1], atol=1e-5)
