@@ -66,7 +66,7 @@ def refit_if_stale(parts: GRPOComponents) -> float:
     if parts.generation.weight_version == parts.policy.weight_version:
         return 0.0
     start = time.perf_counter()
-    parts.generation.refit(parts.policy.state_dict_ref(), parts.policy.weight_version)
+    parts.generation.refit(parts.policy.weight_buckets(), parts.policy.weight_version)
     return time.perf_counter() - start
 
 

@@ -33,7 +33,6 @@ from typing import Any, NamedTuple
 import torch
 
 from nemo_like.algorithms.metrics import (
-    DERIVED_METRICS,
     Reduction,
     combine_metric_fragments,
     default_metric_reduction,
@@ -509,10 +508,9 @@ class ClippedPGLossFn:
         """
         return default_metric_reduction(name)
 
-    @property
-    def derived_metrics(self) -> tuple[str, ...]:
-        """Names that :func:`combine_metric_fragments` adds to the combined metrics."""
-        return tuple(DERIVED_METRICS)
+    def combine_metrics(self, fragments: list[dict[str, float]]) -> dict[str, float]:
+        """The batch's metrics from the fragments of its micro-batches (and ranks), derived ones included."""
+        return combine_metric_fragments(fragments, self.metric_reduction)
 
     def __call__(
         self,

@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass
 
 from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
@@ -93,7 +94,7 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
     mode = init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
-    policy = Policy(cfg, "policy", trainable=True)
+    policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn))
     reference = Policy(cfg, "reference", trainable=False) if plan.load_reference_model else None
     generation = make_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy)
     environments = Environments(env_specs, cfg.cluster.placement_timeout_s)

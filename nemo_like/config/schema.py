@@ -167,6 +167,41 @@ class GenerationConfig(Section):
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
 
 
+class DTensorConfig(Section):
+    """FSDP2 / DTensor sharding of the policy and reference workers (see docs/guides/scaling.md)."""
+
+    enabled: bool = Field(
+        True,
+        description="Shard parameters, gradients and optimizer state across the policy.dp_size ranks with FSDP2 "
+        "(torch.distributed.fsdp.fully_shard). With dp_size 1 and tensor_parallel_size 1 there is nothing to shard and the "
+        "plain model is used. false is only valid with dp_size 1.",
+    )
+    cpu_offload: bool = Field(False, description="GPU only: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy).")
+    activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute).")
+    tensor_parallel_size: Int = Field(
+        1,
+        gt=0,
+        description="Tensor-parallel degree (DTensor: column/row-parallel attention and MLP projections) inside each data-parallel "
+        "group; the policy and the reference run dp_size x tensor_parallel_size workers. Must divide the model's attention and KV heads.",
+    )
+
+
+class SequencePackingConfig(Section):
+    """Several samples per row, attention kept inside each sample (see docs/guides/scaling.md)."""
+
+    enabled: bool = Field(False, description="Pack samples into rows of at most train_mb_tokens / logprob_mb_tokens tokens (first-fit decreasing).")
+    train_mb_tokens: Int = Field(512, gt=0, description="Tokens per packed training micro-batch (one row).")
+    logprob_mb_tokens: Int = Field(1024, gt=0, description="Tokens per packed logprob micro-batch (one row).")
+
+
+class DynamicBatchingConfig(Section):
+    """Micro-batches sized by a token budget instead of a sample count (see docs/guides/scaling.md)."""
+
+    enabled: bool = Field(False, description="Group samples of similar length into padded micro-batches of at most the token budget (rows x longest row).")
+    train_mb_tokens: Int = Field(512, gt=0, description="Padded tokens per training micro-batch.")
+    logprob_mb_tokens: Int = Field(1024, gt=0, description="Padded tokens per logprob micro-batch.")
+
+
 class PolicyConfig(Section):
     model_name: str = Field(EMBEDDED_MODEL, description=f"HF model id or local directory; '{EMBEDDED_MODEL}' is the shipped tiny model.")
     tokenizer_name: str | None = Field(None, description="Tokenizer id or directory; defaults to model_name.")
@@ -179,6 +214,18 @@ class PolicyConfig(Section):
     dp_size: Int = Field(1, gt=0, description="Data-parallel policy workers (torch.distributed, gloo on CPU, nccl on GPU).")
     num_cpus_per_worker: Float = Field(0.5, gt=0, description="Ray CPU reservation per policy/reference worker.")
     num_threads_per_worker: Int = Field(2, gt=0, description="torch intra-op threads in each worker.")
+    dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig, description="FSDP2 / DTensor sharding.")
+    sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig, description="Sequence packing.")
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig, description="Token-budget micro-batches.")
+    logprob_chunk_size: Int | None = Field(
+        None,
+        gt=0,
+        description="Compute logprobs (and the loss's logprobs) from hidden states in chunks of this many positions, never holding "
+        "the full [tokens, vocab] logits; null computes the full logits at once.",
+    )
+    refit_buffer_size_mb: Float = Field(
+        512.0, gt=0, description="Refit: the weights are gathered from the shards and sent to generation in buckets of at most this many MB."
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -190,6 +237,15 @@ class PolicyConfig(Section):
             raise ValueError(
                 f"policy.train_global_batch_size ({self.train_global_batch_size}) must be divisible by policy.dp_size ({self.dp_size})"
             )
+        if self.sequence_packing.enabled and self.dynamic_batching.enabled:
+            raise ValueError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are exclusive: enable one of them")
+        if self.dp_size > 1 and not self.dtensor_cfg.enabled:
+            raise ValueError(
+                f"policy.dp_size={self.dp_size} needs policy.dtensor_cfg.enabled=true (data parallelism is FSDP2 sharding); "
+                "set policy.dp_size=1 to train without it"
+            )
+        if self.dtensor_cfg.tensor_parallel_size > 1 and not self.dtensor_cfg.enabled:
+            raise ValueError("policy.dtensor_cfg.tensor_parallel_size > 1 needs policy.dtensor_cfg.enabled=true")
         return self
 
 
@@ -396,6 +452,11 @@ class ClusterConfig(Section):
     object_store_memory_mb: Int = Field(512, gt=0, description="Object store size for a private local cluster.")
     ray_address: str | None = Field(None, description="Join this Ray cluster (default: $RAY_ADDRESS, else start a private local one).")
     placement_timeout_s: Float = Field(60.0, gt=0, description="Fail if the actors' resources are not granted within this time.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="How each actor group's bundles land on nodes (Ray placement strategy): PACK fills a node first, SPREAD "
+        "spreads when it can, STRICT_PACK one node only, STRICT_SPREAD one bundle per node (see docs/guides/cluster.md).",
+    )
 
 
 class EvalConfig(Section):
@@ -499,7 +560,10 @@ class MasterConfig(BaseModel):
 
     def no_effect_warnings(self) -> list[str]:
         """One line per option that is set but has no effect here (printed at start-up, never an error)."""
-        return [*self.loss_fn.no_effect_warnings(), *self.grpo.rollout_rejection.no_effect_warnings()]
+        lines = [*self.loss_fn.no_effect_warnings(), *self.grpo.rollout_rejection.no_effect_warnings()]
+        if self.policy.dtensor_cfg.cpu_offload and not self.cluster.gpus_per_node:
+            lines.append("policy.dtensor_cfg.cpu_offload has no effect on CPU (cluster.gpus_per_node is 0)")
+        return lines
 
     def _check_reward_shaping(self) -> None:
         shaping = self.grpo.reward_shaping

@@ -145,10 +145,10 @@ class RoleResources:
         return f"{self.role} {self.count} x " + ", ".join(f"{k} {v:g}" for k, v in self.bundle.items())
 
 
-def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s: float) -> PlacementGroup:
-    """Create a placement group of ``count`` bundles and wait for it; fail clearly instead of hanging.
-    Idle actors kept by :func:`reuse_actors` are killed first if they hold the resources needed."""
-    pg = placement_group([resources.bundle()] * count, strategy="PACK", name=name)
+def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s: float, strategy: str = "PACK") -> PlacementGroup:
+    """Create a placement group of ``count`` bundles (Ray placement ``strategy``) and wait for it; fail clearly
+    instead of hanging. Idle actors kept by :func:`reuse_actors` are killed first if they hold the resources needed."""
+    pg = placement_group([resources.bundle()] * count, strategy=strategy, name=name)
     ready, _ = ray.wait([pg.ready()], timeout=min(timeout_s, 2.0) if _POOL.idle else timeout_s)
     if not ready and _POOL.idle:
         _POOL.evict()
@@ -157,7 +157,7 @@ def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s
         remove_placement_group(pg)
         asked = {k: v * count for k, v in resources.bundle().items()}
         raise PlacementError(
-            f"Cannot place '{name}': asked for {count} x {resources.bundle()} = {asked} within {timeout_s:.0f}s; "
+            f"Cannot place '{name}': asked for {count} x {resources.bundle()} = {asked} ({strategy}) within {timeout_s:.0f}s; "
             f"cluster has {ray.cluster_resources()} in total, {ray.available_resources()} available now"
         )
     return pg
@@ -176,17 +176,19 @@ class RayWorkerGroup:
         placement_timeout_s: float = 60.0,
         env_vars: dict[str, str] | None = None,
         max_concurrency: int = 1,
+        strategy: str = "PACK",
     ) -> None:
         """``env_vars`` are added to (and override) each actor's :func:`worker_env_vars`; ``max_concurrency > 1``
-        makes threaded actors (methods may run while another call is busy)."""
+        makes threaded actors (methods may run while another call is busy); ``strategy`` is the Ray placement
+        strategy of the group's bundles (``cluster.placement_strategy``)."""
         self.name = name
         self._key: Hashable | None = None
         if issubclass(actor_cls, Reinitializable):
             env_key = tuple(sorted((env_vars or {}).items()))
-            self._key = (name, actor_cls.__qualname__, num_workers, resources, env_key, max_concurrency, actor_cls.reuse_key(init_kwargs))
+            self._key = (name, actor_cls.__qualname__, num_workers, resources, strategy, env_key, max_concurrency, actor_cls.reuse_key(init_kwargs))
             if self._reuse_idle(num_workers, init_kwargs):
                 return
-        self._pg = reserve_bundles(name, resources, num_workers, placement_timeout_s)
+        self._pg = reserve_bundles(name, resources, num_workers, placement_timeout_s, strategy)
         remote_cls = ray.remote(actor_cls)
         self.workers = []
         for rank in range(num_workers):

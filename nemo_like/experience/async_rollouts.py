@@ -145,11 +145,11 @@ class AsyncRollouts:
         policy, generation = self.parts.policy, self.parts.generation
         version = policy.weight_version
         if self.in_flight:
-            seconds = generation.refit(policy.state_dict_ref(), version)
+            seconds = generation.refit(policy.weight_buckets(), version)
             self._call("set_generation_version", version)
             return RefitTiming(seconds, 0.0, seconds)
         waited = self._call("pause", "refit")
-        seconds = generation.refit(policy.state_dict_ref(), version)
+        seconds = generation.refit(policy.weight_buckets(), version)
         held = self._call("resume", "refit", version)
         return RefitTiming(seconds, waited, held)
 

@@ -85,10 +85,11 @@ def sampling_keep_mask(scaled_logits: torch.Tensor, top_k: int | None, top_p: fl
     return ~drop_sorted.scatter(-1, order, drop_sorted)
 
 
-def _chunk_logprobs(
+def token_logprobs_from_logits(
     logits: torch.Tensor, targets: torch.Tensor, dist: SamplingDistribution
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[n, V]`` logits and ``[n]`` targets -> (``[n]`` logprobs, ``[n]`` outside-kept-set flags)."""
+    """``[n, V]`` logits and ``[n]`` targets -> (``[n]`` logprobs, ``[n]`` outside-kept-set flags): the
+    ``logits -> logprobs`` transform that the full and the chunked (:mod:`nemo_like.models.chunked_logprobs`) paths share."""
     scaled = logits.float() / dist.temperature
     index = targets.unsqueeze(-1)
     picked = scaled.gather(-1, index).squeeze(-1)
@@ -116,7 +117,7 @@ def processed_token_logprobs_with_outside(
     # (unbind/split rather than indexing: their backward assembles the gradient once, not per chunk).
     for row_logits, row_targets in zip(logits.unbind(0), targets.unbind(0)):
         for chunk_logits, chunk_targets in zip(row_logits.split(rows), row_targets.split(rows)):
-            lp, out = _chunk_logprobs(chunk_logits, chunk_targets, dist)
+            lp, out = token_logprobs_from_logits(chunk_logits, chunk_targets, dist)
             lps.append(lp)
             outs.append(out)
     if not lps:
@@ -151,17 +152,22 @@ def gather_token_logprobs(
 
 
 def sequence_logprobs_with_outside(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, dist: SamplingDistribution
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    dist: SamplingDistribution,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward ``model`` on right-padded sequences: ``[B, S]`` token logprobs under ``dist`` and the
-    ``[B, S]`` flags of tokens outside the sampler's kept set (both 0 at padding and position 0)."""
+    ``[B, S]`` flags of tokens outside the sampler's kept set (both 0 at padding and position 0).
+    ``chunk_size``: compute them from the hidden states ``chunk_size`` positions at a time (see
+    :mod:`nemo_like.models.chunked_logprobs`); ``None`` materialises the full logits."""
+    from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside
+
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    lp, outside = processed_token_logprobs_with_outside(logits[:, :-1], input_ids[:, 1:], dist)
-    valid = attention_mask[:, 1:].bool()
-    lp = torch.nn.functional.pad(lp * valid, (1, 0), value=0.0)
-    outside = torch.nn.functional.pad(outside & valid, (1, 0), value=False)
-    return lp, outside
+    lp, outside = model_token_logprobs_with_outside(model, input_ids, attention_mask, position_ids, dist, chunk_size)
+    valid = attention_mask.bool()
+    return lp * valid, outside & valid
 
 
 def sequence_logprobs(
@@ -169,9 +175,10 @@ def sequence_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
+    chunk_size: int | None = None,
     top_k: int | None = None,
     top_p: float = 1.0,
 ) -> torch.Tensor:
     """Forward ``model`` on right-padded sequences and return ``[B, S]`` token logprobs."""
     dist = SamplingDistribution(temperature, top_k, top_p)
-    return sequence_logprobs_with_outside(model, input_ids, attention_mask, dist)[0]
+    return sequence_logprobs_with_outside(model, input_ids, attention_mask, dist, chunk_size)[0]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from functional.helpers import tiny_config
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.setup import eos_token_ids
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import build_prompt_dataset
@@ -52,7 +53,7 @@ def check_generation_follows_the_policy(gen, policy, batch_prompts, params, pad_
 def test_generation_logprobs_match_policy_after_each_refit_and_a_missed_refit_shows(ray_cluster, tmp_path):
     cfg = tiny_config(tmp_path, "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0")
     tok = load_tokenizer(cfg.policy.model_name)
-    policy = Policy(cfg)
+    policy = Policy(cfg, loss_fn=ClippedPGLossFn(cfg.loss_fn))
     gen = HFGeneration(cfg, tok.pad_token_id, eos_token_ids(tok))
     try:
         check_generation_follows_the_policy(gen, policy, prompts(cfg, tok), SamplingParams(max_new_tokens=8), tok.pad_token_id)
@@ -63,22 +64,30 @@ def test_generation_logprobs_match_policy_after_each_refit_and_a_missed_refit_sh
 
 def test_two_data_parallel_ranks_equal_one_rank(ray_cluster, tmp_path):
     cfg1 = tiny_config(tmp_path, "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0")
-    cfg2 = tiny_config(tmp_path, "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0", "policy.dp_size=2")
+    cfg2 = tiny_config(
+        tmp_path, "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0", "policy.dp_size=2", "policy.refit_buffer_size_mb=0.5"
+    )
     tok = load_tokenizer(cfg1.policy.model_name)
     gen = HFGeneration(cfg1, tok.pad_token_id, eos_token_ids(tok))
-    samples = gen.generate(prompts(cfg1, tok), SamplingParams(max_new_tokens=8), seed=3)
-    gen.shutdown()
+    params = SamplingParams(max_new_tokens=8)
+    samples = gen.generate(prompts(cfg1, tok), params, seed=3)
     batch = train_batch(samples, tok.pad_token_id)
-    single = Policy(cfg1, "single")
+    single = Policy(cfg1, "single", loss_fn=ClippedPGLossFn(cfg1.loss_fn))
     r1 = single.train(batch)
     _, w1 = torch_get(single.state_dict_ref())
     single.shutdown()
-    dp = Policy(cfg2, "dp")
+    dp = Policy(cfg2, "dp", loss_fn=ClippedPGLossFn(cfg2.loss_fn))
     r2 = dp.train(batch)
     checksums = dp.parameter_checksums()
     _, w2 = torch_get(dp.state_dict_ref())
+    # Refit from the two shards: gathered in buckets of <= 0.5 MB (the tiny model is ~4 MB), streamed to generation.
+    buckets = dp.weight_buckets()
+    assert len(buckets.refs) > 4 and sorted(buckets.all_names()) == sorted(w2)
+    gen.refit(buckets, dp.weight_version)
+    assert mean_abs_gap(dp, gen.generate(prompts(cfg1, tok), params, seed=4), tok.pad_token_id) < 1e-4
+    gen.shutdown()
     dp.shutdown()
-    assert checksums[0] == checksums[1]  # replicas stay identical
+    assert checksums[0] == checksums[1]  # every rank sums the same full model over its shards
     assert abs(r1.metrics["loss"] - r2.metrics["loss"]) < 1e-6
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], atol=2e-6, rtol=0, msg=name)

@@ -26,9 +26,22 @@ REQUIRED_STEP_KEYS = [
 TRUNCATED_SAMPLING = ("policy.generation.top_p=0.8", "policy.generation.top_k=20", "policy.generation.temperature=0.8")
 
 
+# The scaled policy: two FSDP2 ranks (policy and reference), packed micro-batches, chunked logprobs and
+# refit in 1 MB buckets; the other tests of this file run the default (one plain rank, fixed micro-batches).
+SCALED = (
+    "policy.dp_size=2",
+    "policy.sequence_packing.enabled=true",
+    "policy.sequence_packing.train_mb_tokens=256",
+    "policy.sequence_packing.logprob_mb_tokens=512",
+    "policy.logprob_chunk_size=32",
+    "policy.refit_buffer_size_mb=1",
+)
+
+
 def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path):
-    # HF generation sampling with top-k, top-p and a temperature (vLLM: test_vllm_backend.py's GRPO run).
-    cfg = tiny_config(tmp_path, "policy.generation.backend=hf", "grpo.val_num_generations_per_prompt=2", *TRUNCATED_SAMPLING)
+    # The scaled policy (dp 2 FSDP2, packing, chunked logprobs, bucketed refit) with HF generation sampling
+    # under top-k, top-p and a temperature (vLLM: test_vllm_backend.py's GRPO run).
+    cfg = tiny_config(tmp_path, *SCALED, "policy.generation.backend=hf", "grpo.val_num_generations_per_prompt=2", *TRUNCATED_SAMPLING)
     history = train(cfg)
     log_dir = tmp_path / "logs"
     records = read_metrics(log_dir)

@@ -8,6 +8,7 @@ import torch
 
 from functional.helpers import tiny_config
 from functional.test_actors import check_generation_follows_the_policy, prompts
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.setup import eos_token_ids
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.generation.interface import SamplingParams
@@ -61,7 +62,7 @@ def test_greedy_vllm_and_hf_give_identical_tokens(ray_cluster, cfg, tok, vllm_ge
 
 
 def test_vllm_logprobs_match_policy_after_each_refit_and_a_missed_refit_shows(ray_cluster, cfg, tok, vllm_gen):
-    policy = Policy(cfg)
+    policy = Policy(cfg, loss_fn=ClippedPGLossFn(cfg.loss_fn))
     params = SamplingParams(max_new_tokens=8, temperature=cfg.policy.generation.temperature)
     try:
         vllm_gen.refit(policy.state_dict_ref(), policy.weight_version)  # the shared engine may hold other weights

@@ -10,6 +10,7 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
+from nemo_like.models.weight_buckets import WeightBuckets
 
 
 def hf_generation_resources(cfg: MasterConfig, num_workers: int = 1) -> RoleResources:
@@ -43,10 +44,10 @@ class HFGeneration:
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         return generate_on_group(self.group, prompts, params, seed)
 
-    def refit(self, state_dict_ref: ray.ObjectRef, version: int) -> float:
+    def refit(self, weights: WeightBuckets | ray.ObjectRef, version: int) -> float:
         """Load the policy's weights into every worker (one object-store copy shared by all)."""
         start = time.perf_counter()
-        versions = get_with_context(self.group.run_all("update_weights", state_dict_ref), "refit")
+        versions = get_with_context(self.group.run_all("update_weights", weights), "refit")
         if set(versions) != {version}:
             raise RuntimeError(f"refit delivered weight versions {versions}, expected {version}")
         self.weight_version = version

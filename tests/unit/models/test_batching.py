@@ -1,0 +1,159 @@
+"""Micro-batch plans and sequence packing: bin packing by hand, packed attention cannot cross samples,
+and every grouping (fixed, token budget, packed) and chunked logprobs train to the same weights."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.config.loss import ClippedPGLossConfig
+from nemo_like.config.schema import OptimizerConfig
+from nemo_like.config.schema import EMBEDDED_MODEL
+from nemo_like.models.chunked_logprobs import model_token_logprobs
+from nemo_like.models.loading import load_causal_lm
+from nemo_like.models.logprobs import sequence_logprobs
+from nemo_like.models.policy.batching import (
+    first_fit_decreasing,
+    fixed_groups,
+    pack_rows,
+    token_budget_groups,
+    unpack_logprobs,
+)
+from nemo_like.models.policy.worker import PolicyWorker
+
+TEMPERATURE = 0.7
+
+
+def test_first_fit_decreasing_by_hand():
+    # Longest first: 7 -> bin0; 5 -> bin1 (7+5 > 10); 4 -> bin1 (9); 3 -> bin0 (10); 2 -> bin2; 12 (> capacity) alone.
+    lengths = [3, 7, 2, 5, 4, 12]
+    assert first_fit_decreasing(lengths, 10) == [[5], [1, 0], [3, 4], [2]]
+    assert sorted(i for b in first_fit_decreasing(lengths, 10) for i in b) == list(range(6))
+
+
+def test_token_budget_groups_by_hand():
+    # Sorted 9, 8, 5, 4, 2: [9] (2 x 9 > 16), [8, 5] (3 x 8 > 16), [4, 2] then 2 x 4 = 8 <= 16.
+    assert token_budget_groups([5, 9, 2, 8, 4], 16) == [[1], [3, 0], [4, 2]]
+    assert token_budget_groups([5, 9, 2, 8, 4], 4) == [[1], [3], [0], [4], [2]]  # longer than the budget: alone
+    assert fixed_groups(5, 2) == [[0, 1], [2, 3], [4]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_causal_lm(EMBEDDED_MODEL).eval()
+
+
+def rows_of_different_lengths(model) -> dict[str, torch.Tensor]:
+    """Sequences sampled from the model itself: logprobs of a few nats, where float32 resolves 1e-5
+    (random tokens score ~ -36, where one float32 ulp is already 4e-6)."""
+    torch.manual_seed(3)
+    prompt = torch.randint(3, 300, (4, 2))
+    with torch.no_grad():
+        ids = model.generate(prompt, do_sample=True, max_new_tokens=22, min_new_tokens=22, pad_token_id=0)
+    lengths = torch.tensor([23, 3, 11, 2])
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@torch.no_grad()
+def test_packed_logprobs_equal_unpacked_and_a_plain_causal_mask_leaks(model, attention):
+    batch = rows_of_different_lengths(model)
+    model.config._attn_implementation = attention
+    try:
+        unpacked = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], TEMPERATURE)
+
+        def packed_logprobs(block_diagonal: bool) -> torch.Tensor:
+            packed = pack_rows(batch, block_diagonal=block_diagonal)
+            assert packed.input_ids.shape == (1, 39)
+            lp = model_token_logprobs(model, packed.input_ids, packed.attention_mask, packed.position_ids, TEMPERATURE)
+            return unpack_logprobs(lp, packed, batch["input_ids"].shape)
+
+        assert (packed_logprobs(True) - unpacked).abs().max() < 1e-5
+        # Without the block-diagonal mask the later samples attend to the earlier ones: their logprobs change.
+        leak = (packed_logprobs(False) - unpacked).abs()
+        assert leak[0].max() < 1e-5 and leak[1:].max() > 1e-2
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
+def test_chunked_logprobs_and_gradients_equal_the_full_logits(model):
+    batch = rows_of_different_lengths(model)
+    grads = []
+    values = []
+    for chunk in (None, 7):
+        model.zero_grad()
+        with torch.enable_grad():
+            lp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], TEMPERATURE, chunk)
+            (lp * torch.linspace(-1, 1, lp.shape[1])).sum().backward()
+        values.append(lp.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    model.zero_grad()
+    assert (values[0] - values[1]).abs().max() < 1e-5
+    assert (grads[0] - grads[1]).norm() <= 1e-5 * grads[0].norm()
+
+
+def make_worker(**kwargs) -> PolicyWorker:
+    return PolicyWorker(
+        rank=0, world_size=1, model_name=EMBEDDED_MODEL, precision="float32", temperature=TEMPERATURE, num_threads=2, seed=0,
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), optimizer=OptimizerConfig(lr=1e-3, eps=1e-6), max_grad_norm=0.5,
+        train_micro_batch_size=2, logprob_batch_size=3, **kwargs,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def sampled_sequences(rows: int = 32, seq: int = 40) -> torch.Tensor:
+    """Sequences sampled from the tiny model (see :func:`rows_of_different_lengths` for why)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        return load_causal_lm(EMBEDDED_MODEL).generate(
+            torch.randint(3, 300, (rows, 2)), do_sample=True, max_new_tokens=seq - 2, min_new_tokens=seq - 2, pad_token_id=0
+        )
+
+
+def long_tailed_batch(step: int, rows: int = 8, seq: int = 40) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.tensor([40, 6, 7, 5, 22, 6, 8, 9])[torch.randperm(rows, generator=g)]
+    ids = sampled_sequences()[torch.randperm(32, generator=g)[:rows]]
+    cols = torch.arange(seq)
+    attention = (cols[None] < lengths[:, None]).long()
+    token_mask = ((cols[None] >= 3) & (attention == 1)).float()
+    return {
+        "input_ids": ids * attention,
+        "attention_mask": attention,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(rows),
+        "generation_logprobs": -torch.rand(rows, seq, generator=g) * token_mask,
+        "advantages": torch.randn(rows, 1, generator=g).expand(rows, seq) * token_mask,
+        "global_valid_toks": token_mask.sum(),
+        "global_valid_seqs": torch.tensor(float(rows)),
+    }
+
+
+VARIANTS = {
+    "packed": dict(batching={"mode": "packed", "train_size": 48, "logprob_size": 48}),
+    "token_budget": dict(batching={"mode": "token_budget", "train_size": 48, "logprob_size": 48}),
+    "chunked": dict(logprob_chunk_size=16),
+    "activation_checkpointing": dict(dtensor_cfg={"activation_checkpointing": True}),
+}
+
+
+@pytest.mark.slow  # six workers x three optimizer steps: ~15 s of CPU per variant
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_grouping_trains_like_fixed_micro_batches(variant):
+    base, other = make_worker(), make_worker(**VARIANTS[variant])
+    probe = long_tailed_batch(50)
+    assert (base.get_logprobs(probe) - other.get_logprobs(probe)).abs().max() < 1e-5
+    for step in range(3):
+        a, b = base.train([long_tailed_batch(step)]), other.train([long_tailed_batch(step)])
+        assert abs(a["metrics"]["loss"] - b["metrics"]["loss"]) <= 1e-5 * max(1.0, abs(a["metrics"]["loss"]))
+        assert abs(a["grad_norms"][0] - b["grad_norms"][0]) <= 1e-5 * a["grad_norms"][0]
+        # Same weights at step 0: 1e-5. Later the weights already differ by float rounding (~1e-7), which moves logprobs more.
+        torch.testing.assert_close(a["first_step_logprobs"], b["first_step_logprobs"], atol=1e-5 if step == 0 else 1e-4, rtol=0)
+    for (name, x), (_, y) in zip(base.model.named_parameters(), other.model.named_parameters()):
+        assert (x - y).abs().max() < 1e-5, name
+    if variant in ("packed", "token_budget"):  # fewer forward passes than 4 fixed micro-batches of 2
+        assert other.forward_passes["train"] < base.forward_passes["train"]

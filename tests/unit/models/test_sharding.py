@@ -1,0 +1,172 @@
+"""FSDP2 data parallelism and DTensor tensor parallelism: two gloo ranks (spawned processes, no Ray)
+against one plain rank.
+
+The same logprobs, the same loss and gradient norm, the same weights after three optimizer steps,
+checkpoints written by two ranks resume exactly (also on one plain rank), and refit buckets carry the
+full model in bounded pieces. One spawn for all of it: starting the ranks is the expensive part.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.config.loss import ClippedPGLossConfig
+from nemo_like.config.schema import OptimizerConfig
+from nemo_like.config.schema import EMBEDDED_MODEL
+from nemo_like.models.policy.worker import PolicyWorker
+
+pytestmark = pytest.mark.slow  # two processes that each import torch and transformers: ~30 s on this machine
+
+STEPS = 3
+# AdamW's update is ~lr * sign(g) where |g| >> eps: for gradient entries near 0 it would turn float
+# rounding differences (another summation order across ranks) into lr-sized weight differences.
+# eps = 1e-6 keeps those entries in Adam's linear regime, so equal gradients give equal weights.
+MAX_GRAD_NORM = 0.5  # low enough that every step is clipped: clipping must use the global norm
+
+
+def make_worker(rank: int = 0, world_size: int = 1, **kwargs) -> PolicyWorker:
+    options = dict(
+        model_name=EMBEDDED_MODEL, precision="float32", temperature=0.8, num_threads=1, seed=0,
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), optimizer=OptimizerConfig(lr=1e-3, eps=1e-6), max_grad_norm=MAX_GRAD_NORM,
+        train_micro_batch_size=2, logprob_batch_size=2,
+    )
+    options.update(kwargs)
+    return PolicyWorker(rank=rank, world_size=world_size, **options)
+
+
+def step_batch(step: int, rows: int = 8, seq: int = 20) -> dict[str, torch.Tensor]:
+    """Right-padded rows of very different lengths, a 4-token prompt, global counts attached."""
+    g = torch.Generator().manual_seed(100 + step)
+    input_ids = torch.randint(3, 300, (rows, seq), generator=g)
+    lengths = torch.randint(6, seq + 1, (rows,), generator=g)
+    cols = torch.arange(seq)
+    attention = (cols[None, :] < lengths[:, None]).long()
+    token_mask = ((cols[None, :] >= 4) & (attention == 1)).float()
+    batch = {
+        "input_ids": input_ids * attention,
+        "attention_mask": attention,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(rows),
+        "generation_logprobs": -torch.rand(rows, seq, generator=g) * token_mask,
+        "advantages": torch.randn(rows, 1, generator=g).expand(rows, seq) * token_mask,
+    }
+    batch["global_valid_toks"] = token_mask.sum()
+    batch["global_valid_seqs"] = torch.tensor(float(rows))
+    return batch
+
+
+def rank_rows(batch: dict, rank: int, world: int) -> dict:
+    n = batch["input_ids"].shape[0] // world
+    return {k: (v[rank * n : (rank + 1) * n] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, worker_kwargs: dict) -> None:
+    """One FSDP2 rank: logprobs, 3 steps with a checkpoint after step 2, resume, buckets, footprint."""
+    from nemo_like.models.policy import sharding
+
+    worker = make_worker(rank, world, **worker_kwargs)
+    worker.setup_distributed("127.0.0.1", port)
+    probe = step_batch(99, rows=5)  # 5 rows: uneven logprob shards (3 + 2)
+    bounds = [0, 3, 5]
+    logprobs = worker.get_logprobs({k: (v[bounds[rank] : bounds[rank + 1]] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in probe.items()})
+    results = [worker.train([rank_rows(step_batch(s), rank, world)]) for s in range(STEPS - 1)]
+    worker.save_checkpoint(f"{out_dir}/ckpt")
+    results.append(worker.train([rank_rows(step_batch(STEPS - 1), rank, world)]))
+    _, final = worker.get_state_dict()
+    footprint = worker.memory_footprint()
+    worker.load_checkpoint(f"{out_dir}/ckpt", None)
+    worker.train([rank_rows(step_batch(STEPS - 1), rank, world)])
+    _, resumed = worker.get_state_dict()
+    buckets = list(sharding.iter_weight_buckets(worker.model, 200_000, keep=rank == 0))
+    if rank == 0:
+        torch.save(
+            {"logprobs": logprobs, "results": results, "final": final, "resumed": resumed, "buckets": buckets, "footprint": footprint},
+            f"{out_dir}/rank0.pt",
+        )
+    else:
+        torch.save({"logprobs": logprobs, "results": results, "footprint": footprint}, f"{out_dir}/rank1.pt")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(tmp_path, **worker_kwargs) -> tuple[dict, dict]:
+    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path), worker_kwargs), nprocs=2, join=True)
+    return torch.load(tmp_path / "rank0.pt", weights_only=False), torch.load(tmp_path / "rank1.pt", weights_only=False)
+
+
+def assert_states_close(a: dict, b: dict, atol: float) -> None:
+    assert set(a) == set(b)
+    worst = {name: float((a[name] - b[name]).abs().max()) for name in a}
+    assert max(worst.values()) <= atol, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
+    # The two ranks pack their samples (unequal micro-batch counts: the rank with fewer runs filler passes)
+    # and chunk the logprobs; the single rank runs the plain path. Every result must agree.
+    r0, r1 = run_two_ranks(tmp_path, batching={"mode": "packed", "train_size": 24, "logprob_size": 24}, logprob_chunk_size=5)
+    single = make_worker()
+    probe = step_batch(99, rows=5)
+    torch.testing.assert_close(torch.cat([r0["logprobs"], r1["logprobs"]]), single.get_logprobs(probe), atol=1e-5, rtol=0)
+    single_results = [single.train([step_batch(s)]) for s in range(STEPS)]
+    for step, ref in enumerate(single_results):
+        dp_loss = r0["results"][step]["metrics"]["loss"] + r1["results"][step]["metrics"]["loss"]
+        assert abs(dp_loss - ref["metrics"]["loss"]) <= 1e-5 * max(1.0, abs(ref["metrics"]["loss"])), step
+        assert r0["results"][step]["grad_norms"] == r1["results"][step]["grad_norms"]  # one global norm on every rank
+        assert abs(r0["results"][step]["grad_norms"][0] - ref["grad_norms"][0]) <= 1e-5 * ref["grad_norms"][0], step
+        assert ref["grad_norms"][0] > MAX_GRAD_NORM  # clipping was active
+    _, single_state = single.get_state_dict()
+    assert_states_close(r0["final"], single_state, atol=1e-5)
+    # Resuming the two-rank checkpoint replays step 3 exactly.
+    assert_states_close(r0["resumed"], r0["final"], atol=0.0)
+    # Each rank holds half of the parameters, gradients and AdamW moments.
+    full = single.memory_footprint()
+    for key in ("params", "grads", "optimizer"):
+        assert r0["footprint"][key] + r1["footprint"][key] == full[key], key
+        assert r0["footprint"][key] <= 0.55 * full[key], key
+    # Refit buckets: the full model, tied head included, no bucket over the limit unless it is one tensor.
+    seen: dict[str, torch.Tensor] = {}
+    for bucket in r0["buckets"]:
+        assert len(bucket) == 1 or sum(t.numel() * t.element_size() for t in bucket.values()) <= 200_000
+        seen.update(bucket)
+    assert len(r0["buckets"]) > 3 and "lm_head.weight" in seen
+    assert_states_close(seen, r0["resumed"], atol=0.0)
+    # The optimizer state is saved by parameter name: the two-rank checkpoint resumes on one plain rank.
+    resumed_single = make_worker()
+    resumed_single.load_checkpoint(str(tmp_path / "ckpt"), None)
+    resumed_single.train([step_batch(STEPS - 1)])
+    assert_states_close(resumed_single.get_state_dict()[1], r0["final"], atol=1e-5)
+
+
+
+def _tensor_parallel_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of a (dp=1, tp=2) mesh: both ranks see the same rows."""
+    worker = make_worker(rank, world, dtensor_cfg={"tensor_parallel_size": 2})
+    worker.setup_distributed("127.0.0.1", port)
+    logprobs = worker.get_logprobs(step_batch(99, rows=5))
+    results = [worker.train([step_batch(s)]) for s in range(STEPS)]
+    _, state = worker.get_state_dict()
+    if rank == 0:
+        torch.save({"logprobs": logprobs, "results": results, "state": state}, out)
+
+
+def test_two_tensor_parallel_ranks_equal_one_plain_rank(tmp_path):
+    """DTensor tensor parallelism (column/row-parallel projections) runs on gloo and changes no number."""
+    out = str(tmp_path / "tp.pt")
+    mp.spawn(_tensor_parallel_rank, args=(2, free_port(), out), nprocs=2, join=True)
+    tp = torch.load(out, weights_only=False)
+    single = make_worker()
+    assert (tp["logprobs"] - single.get_logprobs(step_batch(99, rows=5))).abs().max() < 1e-5
+    for step in range(STEPS):
+        ref = single.train([step_batch(step)])
+        assert abs(tp["results"][step]["metrics"]["loss"] - ref["metrics"]["loss"]) <= 1e-5 * max(1.0, abs(ref["metrics"]["loss"]))
+        assert abs(tp["results"][step]["grad_norms"][0] - ref["grad_norms"][0]) <= 1e-5 * ref["grad_norms"][0]
+    assert_states_close(tp["state"], single.get_state_dict()[1], atol=1e-5)
