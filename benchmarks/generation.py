@@ -20,14 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import ray  # noqa: E402  (after nemo_like.distributed, which sets Ray's environment defaults)
+
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.config.schema import ClusterConfig, MasterConfig
 from nemo_like.data.prompts import build_prompt_dataset
 from nemo_like.distributed.ray_init import init_ray
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.loading import full_state_dict, load_causal_lm, load_tokenizer, resolve_model_path
-
-import ray  # noqa: E402  (after nemo_like.distributed, which sets Ray's environment defaults)
 
 BACKENDS = ("hf", "vllm")
 
@@ -111,7 +111,9 @@ def main() -> None:
             state = full_state_dict(load_causal_lm(model))
             state_refs = [ray.put((version, state)) for version in (1, 2, 3)]  # as the policy actor publishes it
             for backend in BACKENDS:
-                results[(label, backend)] = measure(recipe(model, backend, args.new_tokens), prompts, args.new_tokens, args.repeats, state_refs)
+                results[(label, backend)] = measure(
+                    recipe(model, backend, args.new_tokens), prompts, args.new_tokens, args.repeats, state_refs
+                )
     report(results, args)
     ray.shutdown()
 

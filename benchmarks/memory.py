@@ -41,8 +41,16 @@ def build_model(directory: Path, **overrides) -> int:
 
     hf_logging.disable_progress_bar()
 
-    cfg = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-               vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
+    cfg = dict(
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     cfg.update(overrides)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**cfg))
@@ -56,10 +64,14 @@ def train_batch(rows: int = 4, seq: int = 64) -> dict[str, torch.Tensor]:
     token_mask = torch.ones(rows, seq)
     token_mask[:, :8] = 0
     return {
-        "input_ids": torch.randint(3, 30000, (rows, seq), generator=g), "attention_mask": mask, "token_mask": token_mask,
-        "sample_mask": torch.ones(rows), "generation_logprobs": -torch.rand(rows, seq, generator=g) * token_mask,
+        "input_ids": torch.randint(3, 30000, (rows, seq), generator=g),
+        "attention_mask": mask,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(rows),
+        "generation_logprobs": -torch.rand(rows, seq, generator=g) * token_mask,
         "advantages": torch.randn(rows, 1, generator=g).expand(rows, seq) * token_mask,
-        "global_valid_toks": token_mask.sum() * 2, "global_valid_seqs": torch.tensor(float(rows * 2)),
+        "global_valid_toks": token_mask.sum() * 2,
+        "global_valid_seqs": torch.tensor(float(rows * 2)),
     }
 
 
@@ -70,9 +82,19 @@ def dp_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     from nemo_like.config.schema import OptimizerConfig
     from nemo_like.models.policy.worker import PolicyWorker
 
-    worker = PolicyWorker(rank=rank, world_size=world, model_name=model_dir, precision="float32", temperature=1.0,
-                          num_threads=1, seed=0, loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), optimizer=OptimizerConfig(), max_grad_norm=1.0,
-                          train_micro_batch_size=4)
+    worker = PolicyWorker(
+        rank=rank,
+        world_size=world,
+        model_name=model_dir,
+        precision="float32",
+        temperature=1.0,
+        num_threads=1,
+        seed=0,
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
+        optimizer=OptimizerConfig(),
+        max_grad_norm=1.0,
+        train_micro_batch_size=4,
+    )
     if world > 1:
         worker.setup_distributed("127.0.0.1", port)
     batch = train_batch(rows=8 // world)
@@ -96,7 +118,6 @@ def chunk_pass(model_dir: str, chunk: int | None, out: str) -> None:
     Path(out).write_text(json.dumps({"peak_above_baseline_mb": peak_rss_mb() - before, "baseline_mb": before}))
 
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,8 +131,23 @@ def dp_comparison(tmp: Path) -> None:
     results = {}
     for world in (1, 2):
         port = free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "--run", "dp_rank", str(r), str(world), str(port), str(model_dir), str(tmp / f"dp{world}_r{r}.json")],
-                                  env={**__import__("os").environ, "PYTHONPATH": str(REPO)}) for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--run",
+                    "dp_rank",
+                    str(r),
+                    str(world),
+                    str(port),
+                    str(model_dir),
+                    str(tmp / f"dp{world}_r{r}.json"),
+                ],
+                env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+            )
+            for r in range(world)
+        ]
         for p in procs:
             if p.wait():
                 raise SystemExit(f"dp {world} rank failed")
@@ -130,13 +166,24 @@ def dp_comparison(tmp: Path) -> None:
 
 def chunk_comparison(tmp: Path) -> None:
     model_dir = tmp / "qwen2-150k"
-    n = build_model(model_dir, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4, vocab_size=150000, tie_word_embeddings=True)
+    n = build_model(
+        model_dir,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=150000,
+        tie_word_embeddings=True,
+    )
     print(f"\nchunked vs full logprobs: random-init Qwen2 with a 150k vocabulary ({n / 1e6:.1f}M parameters), 2 x 1024 tokens, no grad")
     peaks = {}
     for chunk in (None, 256):
         out = tmp / f"chunk_{chunk}.json"
-        subprocess.run([sys.executable, __file__, "--run", "chunk_pass", str(model_dir), str(chunk or 0), str(out)], check=True,
-                       env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+        subprocess.run(
+            [sys.executable, __file__, "--run", "chunk_pass", str(model_dir), str(chunk or 0), str(out)],
+            check=True,
+            env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+        )
         peaks[chunk] = json.loads(out.read_text())["peak_above_baseline_mb"]
     print(f"{'peak above baseline (MB)':<26}{'full':>10}{'chunk 256':>12}{'full/chunked':>14}")
     print(f"{'logprob pass':<26}{peaks[None]:>10.1f}{peaks[256]:>12.1f}{peaks[None] / max(peaks[256], 1e-9):>14.1f}x")

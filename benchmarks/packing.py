@@ -66,16 +66,37 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "qwen2-small"
-        n = build_model(model_dir, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, vocab_size=2048, tie_word_embeddings=True)
+        n = build_model(
+            model_dir,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            vocab_size=2048,
+            tie_word_embeddings=True,
+        )
         batches = [long_tailed_batch(opts.samples, seed) for seed in range(opts.steps + 1)]
         real = batches[0]["attention_mask"].sum().item()
         padded_total = batches[0]["attention_mask"].numel()
-        print(f"random-init Qwen2 {n / 1e6:.1f}M parameters; {opts.samples} samples/step, {real / opts.samples:.0f} real tokens per sample on average, "
-              f"longest {batches[0]['attention_mask'].shape[1]} ({100 * real / padded_total:.0f}% of a fully padded batch is real)")
+        print(
+            f"random-init Qwen2 {n / 1e6:.1f}M parameters; {opts.samples} samples/step, {real / opts.samples:.0f} real tokens per sample on average, "
+            f"longest {batches[0]['attention_mask'].shape[1]} ({100 * real / padded_total:.0f}% of a fully padded batch is real)"
+        )
         speeds = {}
         for mode, batching in MODES.items():
-            worker = PolicyWorker(rank=0, world_size=1, model_name=str(model_dir), precision="float32", temperature=1.0, num_threads=2,
-                                  seed=0, loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), optimizer=OptimizerConfig(), train_micro_batch_size=8, batching=batching)
+            worker = PolicyWorker(
+                rank=0,
+                world_size=1,
+                model_name=str(model_dir),
+                precision="float32",
+                temperature=1.0,
+                num_threads=2,
+                seed=0,
+                loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
+                optimizer=OptimizerConfig(),
+                train_micro_batch_size=8,
+                batching=batching,
+            )
             worker.train([batches[0]])  # warm-up
             best = 0.0
             for batch in batches[1:]:

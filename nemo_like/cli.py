@@ -19,7 +19,12 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     from nemo_like.utils.run_lock import RunLockError
 
     return (
-        WorkerFailure, PlacementError, CheckpointError, NonFiniteTrainingError, DynamicSamplingExhausted, RunLockError,
+        WorkerFailure,
+        PlacementError,
+        CheckpointError,
+        NonFiniteTrainingError,
+        DynamicSamplingExhausted,
+        RunLockError,
         ConnectionError,
     )
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from nemo_like.algorithms.checkpointing import find_resume_checkpoint, trim_metrics_after
 from nemo_like.algorithms.grpo import async_grpo_train, grpo_train

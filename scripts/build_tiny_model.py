@@ -260,8 +260,11 @@ def sft(model: Qwen2ForCausalLM, tok: PreTrainedTokenizerFast, args: argparse.Na
         optim.step()
         optim.zero_grad(set_to_none=True)
         if step % args.log_every == 0 or step == args.sft_steps - 1:
-            print(f"sft step {step:5d}/{args.sft_steps} loss {loss.item():.4f} smoothing {smoothing:.2f} "
-                  f"lr {optim.param_groups[0]['lr']:.2e} ({time.perf_counter() - start:.0f}s)", flush=True)
+            print(
+                f"sft step {step:5d}/{args.sft_steps} loss {loss.item():.4f} smoothing {smoothing:.2f} "
+                f"lr {optim.param_groups[0]['lr']:.2e} ({time.perf_counter() - start:.0f}s)",
+                flush=True,
+            )
         if args.eval_every and (step + 1) % args.eval_every == 0:
             _print_eval(model, tok, step + 1)
             model.train()
@@ -272,19 +275,19 @@ def sft(model: Qwen2ForCausalLM, tok: PreTrainedTokenizerFast, args: argparse.Na
 # evaluation
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model: Qwen2ForCausalLM, tok: PreTrainedTokenizerFast, problems: list[ArithmeticProblem],
-             do_sample: bool, seed: int = 0) -> float:
+def evaluate(
+    model: Qwen2ForCausalLM, tok: PreTrainedTokenizerFast, problems: list[ArithmeticProblem], do_sample: bool, seed: int = 0
+) -> float:
     """Exact-match accuracy of one response per problem: greedy, or sampled at T=1.0 with no
     top-k/top-p (``top_k=0`` overrides the HF default of 50)."""
-    prompts = [tok.apply_chat_template(format_messages(p), add_generation_prompt=True, tokenize=False)
-               for p in problems]
+    prompts = [tok.apply_chat_template(format_messages(p), add_generation_prompt=True, tokenize=False) for p in problems]
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
     if do_sample:
         out = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
     else:
         out = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     return sum(score_response(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
 
 
@@ -315,8 +318,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--log-every", type=int, default=150)
-    p.add_argument("--eval-every", type=int, default=0,
-                   help="also print validation accuracy every N SFT steps (tuning aid; changes no weights)")
+    p.add_argument(
+        "--eval-every", type=int, default=0, help="also print validation accuracy every N SFT steps (tuning aid; changes no weights)"
+    )
     args = p.parse_args(argv)
     if not 0 <= args.smooth_steps <= args.sft_steps:
         p.error("--smooth-steps must be between 0 and --sft-steps")
@@ -328,8 +332,7 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build_info(args: argparse.Namespace, tok: PreTrainedTokenizerFast, n_params: int,
-               greedy: float, sampled: float) -> dict:
+def build_info(args: argparse.Namespace, tok: PreTrainedTokenizerFast, n_params: int, greedy: float, sampled: float) -> dict:
     """The contents of ``build_info.json`` (no timings, so rebuilding gives the same file)."""
     return {
         "script": "scripts/build_tiny_model.py",
@@ -347,11 +350,14 @@ def build_info(args: argparse.Namespace, tok: PreTrainedTokenizerFast, n_params:
         "vocab_size": len(tok),
         "special_tokens": {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS},
         "eval": {
-            "split": "validation", "n": EVAL_N, "problems_seed": EVAL_SEED, "max_new_tokens": MAX_NEW_TOKENS,
-            "greedy_accuracy": greedy, "sampled_accuracy_t1": sampled,
+            "split": "validation",
+            "n": EVAL_N,
+            "problems_seed": EVAL_SEED,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "greedy_accuracy": greedy,
+            "sampled_accuracy_t1": sampled,
         },
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "tokenizers": tokenizers.__version__},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
     }
 
 
@@ -381,8 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     check_saved_tokenizer(args.out, tok)
     info = build_info(args, tok, n_params, greedy, sampled)
     (args.out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(f"saved to {args.out}; SFT {t_sft:.0f}s, total {time.perf_counter() - t0:.0f}s; "
-          f"model.safetensors sha256 {sha256_of(args.out / 'model.safetensors')}")
+    print(
+        f"saved to {args.out}; SFT {t_sft:.0f}s, total {time.perf_counter() - t0:.0f}s; "
+        f"model.safetensors sha256 {sha256_of(args.out / 'model.safetensors')}"
+    )
     return 0
 
 

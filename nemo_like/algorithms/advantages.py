@@ -159,9 +159,7 @@ def rloo_advantages(
     reward scale. Set ``grpo.normalize_rewards: false`` for textbook RLOO.
     """
     del use_leave_one_out_baseline
-    return _baseline_advantages(
-        rewards, prompt_ids, valid_mask, leave_one_out=True, normalize=normalize_rewards, epsilon=epsilon
-    )
+    return _baseline_advantages(rewards, prompt_ids, valid_mask, leave_one_out=True, normalize=normalize_rewards, epsilon=epsilon)
 
 
 @register_advantage_estimator("dr_grpo")
@@ -180,9 +178,7 @@ def dr_grpo_advantages(
     returned for logging only.
     """
     del normalize_rewards, use_leave_one_out_baseline
-    return _baseline_advantages(
-        rewards, prompt_ids, valid_mask, leave_one_out=False, normalize=False, epsilon=epsilon
-    )
+    return _baseline_advantages(rewards, prompt_ids, valid_mask, leave_one_out=False, normalize=False, epsilon=epsilon)
 
 
 def advantage_metrics(advantages_bs: torch.Tensor, token_mask: torch.Tensor) -> dict[str, float]:
@@ -204,9 +200,7 @@ def advantage_metrics(advantages_bs: torch.Tensor, token_mask: torch.Tensor) -> 
     }
 
 
-def reward_group_metrics(
-    rewards: torch.Tensor, prompt_ids: torch.Tensor, valid_mask: torch.Tensor
-) -> dict[str, float]:
+def reward_group_metrics(rewards: torch.Tensor, prompt_ids: torch.Tensor, valid_mask: torch.Tensor) -> dict[str, float]:
     """Reward spread across the batch and within prompt groups; only valid samples count.
 
     Returns:

@@ -26,9 +26,7 @@ class DynamicSamplingExhausted(RuntimeError):
     A run error with a clear cause: the CLI prints its message (key and fixes) without a traceback."""
 
 
-def select_groups_with_signal(
-    rewards: torch.Tensor, prompt_ids: torch.Tensor, valid_mask: torch.Tensor
-) -> torch.Tensor:
+def select_groups_with_signal(rewards: torch.Tensor, prompt_ids: torch.Tensor, valid_mask: torch.Tensor) -> torch.Tensor:
     """Bool ``[B]``: True for every sample (valid or not) of a prompt group whose valid rewards differ.
 
     A group with fewer than 2 valid samples, or with equal rewards, has zero std and is not selected.
@@ -146,9 +144,7 @@ class DynamicSamplingAccumulator:
             RuntimeError: called before ``is_full``.
         """
         if not self.is_full:
-            raise RuntimeError(
-                f"take() called with {self.num_kept_groups}/{self.num_prompts_needed} prompt groups collected"
-            )
+            raise RuntimeError(f"take() called with {self.num_kept_groups}/{self.num_prompts_needed} prompt groups collected")
         parts: list[dict[str, Any]] = []
         groups_left = self.num_prompts_needed
         for rows, sizes in self._chunks:

@@ -24,20 +24,20 @@ from typing import Any, Protocol
 import torch
 
 from nemo_like.algorithms.advantages import advantage_metrics, compute_advantages, reward_group_metrics
+from nemo_like.algorithms.checkpointing import checkpoint_manager, load_checkpoint_file, restore_run, save_run
 from nemo_like.algorithms.dynamic_sampling import (
     DynamicSamplingAccumulator,
     apply_overlong_reward_shaping,
     select_groups_with_signal,
 )
 from nemo_like.algorithms.rejection import apply_driver_masks
-from nemo_like.algorithms.checkpointing import checkpoint_manager, load_checkpoint_file, restore_run, save_run
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
-from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, thread_oversubscription_warning
 from nemo_like.data.prompts import DataExhausted
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.evaluation.pass_at_k import correct_counts, mean_pass_at_k
+from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, thread_oversubscription_warning
 from nemo_like.experience.rollouts import (
     Rollout,
     add_counters,
@@ -48,11 +48,12 @@ from nemo_like.experience.rollouts import (
     task_reward_metrics,
 )
 from nemo_like.models.generation.interface import sampling_params
-from nemo_like.utils.logger import Logger
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
+from nemo_like.utils.logger import Logger
 from nemo_like.utils.sample_dump import dump_path, format_samples, per_sample_mean, response_token_values, write_sample_dump
 from nemo_like.utils.throughput import throughput_metrics
 from nemo_like.utils.timer import StepTimer
+
 
 class NonFiniteTrainingError(RuntimeError):
     """Too many consecutive steps had a NaN/inf loss or gradient norm."""
@@ -109,12 +110,19 @@ def report_val_samples(parts: GRPOComponents, step: int, rollout: Rollout) -> No
         return
     prompts = prompt_texts(parts, rollout)
     if log_cfg.dump_train_data:
-        write_sample_dump(dump_path(log_cfg.log_dir, "val", step), step, {
-            "prompt_id": [p.id for p in rollout.prompts], "prompt": prompts, "response": rollout.response_texts,
-            "reward": rollout.rewards, "truncated": [s.truncated for s in rollout.samples],
-            "response_token_ids": [s.response_ids for s in rollout.samples],
-            "generation_logprobs": [s.response_logprobs for s in rollout.samples],
-        })
+        write_sample_dump(
+            dump_path(log_cfg.log_dir, "val", step),
+            step,
+            {
+                "prompt_id": [p.id for p in rollout.prompts],
+                "prompt": prompts,
+                "response": rollout.response_texts,
+                "reward": rollout.rewards,
+                "truncated": [s.truncated for s in rollout.samples],
+                "response_token_ids": [s.response_ids for s in rollout.samples],
+                "generation_logprobs": [s.response_logprobs for s in rollout.samples],
+            },
+        )
     if log_cfg.num_val_samples_to_print:
         text = format_samples(prompts, rollout.response_texts, rollout.rewards.tolist(), log_cfg.num_val_samples_to_print)
         print(f"[validation samples, step {step}]\n{text}", file=sys.stderr, flush=True)
@@ -130,9 +138,14 @@ def dump_train_samples(
     if prev is None and first_step_logprobs is not None and first_step_logprobs.shape == mask.shape:
         prev = first_step_logprobs
     columns: dict[str, Any] = {
-        "prompt_id": [p.id for p in rollout.prompts], "group_id": rollout.group_ids, "prompt": prompt_texts(parts, rollout),
-        "response": rollout.response_texts, "reward": rollout.rewards, "advantage": per_sample_mean(batch["advantages"], mask),
-        "sample_mask": batch["sample_mask"], "truncated": [s.truncated for s in rollout.samples],
+        "prompt_id": [p.id for p in rollout.prompts],
+        "group_id": rollout.group_ids,
+        "prompt": prompt_texts(parts, rollout),
+        "response": rollout.response_texts,
+        "reward": rollout.rewards,
+        "advantage": per_sample_mean(batch["advantages"], mask),
+        "sample_mask": batch["sample_mask"],
+        "truncated": [s.truncated for s in rollout.samples],
         "response_token_ids": [s.response_ids for s in rollout.samples],
         "generation_logprobs": response_token_values(batch["generation_logprobs"], mask),
         "prev_logprobs": response_token_values(prev, mask) if prev is not None else [None] * len(rollout.samples),
@@ -208,8 +221,13 @@ def collect_training_rollout(
     while True:
         phase_times: dict[str, float] = {}
         rollout = collect_rollout(
-            parts.generation, parts.environment, parts.tokenizer, parts.train_loader.next_batch(),
-            cfg.grpo.num_generations_per_prompt, params, seed=rollout_seed(cfg.grpo.seed, step, batch_index),
+            parts.generation,
+            parts.environment,
+            parts.tokenizer,
+            parts.train_loader.next_batch(),
+            cfg.grpo.num_generations_per_prompt,
+            params,
+            seed=rollout_seed(cfg.grpo.seed, step, batch_index),
             timings=phase_times,
         )
         for name, seconds in phase_times.items():
@@ -222,8 +240,13 @@ def collect_training_rollout(
         rollout.rewards, keep = filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, group_ids)
         if accumulator is None:
             return rollout, {}
-        payload = {"prompts": rollout.prompts, "samples": rollout.samples, "texts": rollout.response_texts,
-                   "rewards": rollout.rewards, "group_ids": group_ids}
+        payload = {
+            "prompts": rollout.prompts,
+            "samples": rollout.samples,
+            "texts": rollout.response_texts,
+            "rewards": rollout.rewards,
+            "group_ids": group_ids,
+        }
         accumulator.add(payload, keep, prompt_ids=group_ids)
         batch_index += 1
         if accumulator.is_full:
@@ -435,9 +458,7 @@ def async_grpo_train(parts: GRPOComponents, logger: Logger, resume_from: Checkpo
     return run_training(parts, logger, resume_from, AsyncSteps(parts))
 
 
-def run_training(
-    parts: GRPOComponents, logger: Logger, resume_from: CheckpointInfo | None, runner: StepRunner
-) -> list[dict[str, Any]]:
+def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInfo | None, runner: StepRunner) -> list[dict[str, Any]]:
     """The outer loop shared by both modes: resume, validate, step, log, guard, checkpoint."""
     cfg = parts.cfg
     history: list[dict[str, Any]] = []

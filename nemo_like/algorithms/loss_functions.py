@@ -32,13 +32,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from nemo_like.algorithms.kl import KL_ESTIMATORS
 from nemo_like.algorithms.metrics import (
     Reduction,
     combine_metric_fragments,
     default_metric_reduction,
     divergence_metric_fragments,
 )
-from nemo_like.algorithms.kl import KL_ESTIMATORS
 from nemo_like.algorithms.registry import Registry
 from nemo_like.algorithms.utils import masked_mean
 from nemo_like.config.loss import LOSS_AGGREGATIONS, ClippedPGLossConfig
@@ -174,9 +174,7 @@ def reduce_per_token(
             per_sequence = per_sequence / normalizer
     else:
         raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {list(LOSS_AGGREGATIONS)}")
-    return masked_mean(
-        per_sequence, inputs.sample_mask, global_normalization_factor=inputs.global_valid_seqs
-    )
+    return masked_mean(per_sequence, inputs.sample_mask, global_normalization_factor=inputs.global_valid_seqs)
 
 
 def _token_mean(values: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
@@ -223,9 +221,7 @@ def _clamp_ratio(ratio: torch.Tensor, cfg: ClippedPGLossConfig) -> torch.Tensor:
     return ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
 
 
-def ppo_clip_surrogate(
-    log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig
-) -> Surrogate:
+def ppo_clip_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> Surrogate:
     """``max(-A r, -A clamp(r))``; with dual clip, capped at ``-A c`` where ``A < 0``.
 
     Where the clamped branch is strictly larger, the ratio is outside the band on the side the
@@ -245,17 +241,13 @@ def ppo_clip_surrogate(
     return Surrogate(loss, ratio, ratio_clamped, clipped)
 
 
-def unclipped_surrogate(
-    log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig
-) -> Surrogate:
+def unclipped_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> Surrogate:
     """``-A r`` without clipping: the trust region decides which tokens count."""
     ratio = torch.exp(log_ratio)
     return Surrogate(-inputs.advantages * ratio, ratio, ratio, torch.zeros_like(inputs.valid))
 
 
-def cispo_surrogate(
-    log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig
-) -> Surrogate:
+def cispo_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> Surrogate:
     """CISPO: ``-A stopgrad(clamp(r)) log pi_curr``; clipped tokens keep a bounded gradient."""
     ratio = torch.exp(log_ratio)
     ratio_clamped = _clamp_ratio(ratio.detach(), cfg)
@@ -263,9 +255,7 @@ def cispo_surrogate(
     return Surrogate(loss, ratio, ratio_clamped, ratio.detach() != ratio_clamped)
 
 
-def reinforce_surrogate(
-    log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig
-) -> Surrogate:
+def reinforce_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> Surrogate:
     """REINFORCE (``disable_ppo_ratio``): ``-A log pi_curr``; the ratio is reported, not used."""
     ratio = torch.exp(log_ratio.detach())
     return Surrogate(-inputs.advantages * inputs.curr, ratio, ratio, torch.zeros_like(inputs.valid))
@@ -308,9 +298,7 @@ def _log_bounds(low: float | None, high: float | None) -> tuple[float, float]:
 
 # (log_weights [B,S] or [B], per-sequence log geometric-mean ratio [B], low, high)
 #   -> (weights, out_of_bounds). Truncation is done in log space so that it cannot overflow.
-TruncationFn = Callable[
-    [torch.Tensor, torch.Tensor, float | None, float | None], tuple[torch.Tensor, torch.Tensor]
-]
+TruncationFn = Callable[[torch.Tensor, torch.Tensor, float | None, float | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 def no_truncation(
@@ -351,9 +339,7 @@ def seq_mask_tis_truncation(
 
 
 #: ``loss_fn.truncated_importance_sampling_type`` names (null = :func:`no_truncation`).
-TRUNCATIONS: Registry[TruncationFn] = Registry(
-    "importance-weight truncation", "loss_fn.truncated_importance_sampling_type"
-)
+TRUNCATIONS: Registry[TruncationFn] = Registry("importance-weight truncation", "loss_fn.truncated_importance_sampling_type")
 TRUNCATIONS.add("tis", tis_truncation)
 TRUNCATIONS.add("icepop", icepop_truncation)
 TRUNCATIONS.add("seq-mask-tis", seq_mask_tis_truncation)
@@ -465,14 +451,10 @@ def _approx_entropy(inputs: LossInputs) -> torch.Tensor:
     return _token_mean(-_finite_exp(curr - inputs.gen) * curr, inputs)
 
 
-def _mean_over(
-    values: torch.Tensor, inputs: LossInputs, sequence_level: bool
-) -> torch.Tensor:
+def _mean_over(values: torch.Tensor, inputs: LossInputs, sequence_level: bool) -> torch.Tensor:
     """Token mean of [B, S] values, or sequence mean of [B] values (global normalisation)."""
     if sequence_level:
-        return masked_mean(
-            values, inputs.sample_mask, global_normalization_factor=inputs.global_valid_seqs
-        )
+        return masked_mean(values, inputs.sample_mask, global_normalization_factor=inputs.global_valid_seqs)
     return _token_mean(values, inputs)
 
 
@@ -527,13 +509,9 @@ class ClippedPGLossFn:
                 f"loss_fn.reference_policy_kl_penalty={beta} requires "
                 "data['reference_policy_logprobs'] (compute reference logprobs, or set the penalty to 0)"
             )
-        inputs = LossInputs.from_data(
-            curr_logprobs, data, global_valid_seqs, global_valid_toks, cfg.force_on_policy_ratio
-        )
+        inputs = LossInputs.from_data(curr_logprobs, data, global_valid_seqs, global_valid_toks, cfg.force_on_policy_ratio)
 
-        surrogate = self._surrogate(
-            ppo_log_ratio(inputs, cfg.sequence_level_importance_ratios), inputs, cfg
-        )
+        surrogate = self._surrogate(ppo_log_ratio(inputs, cfg.sequence_level_importance_ratios), inputs, cfg)
         weights = importance_weights(inputs, cfg)
         per_token = surrogate.loss
         if cfg.use_importance_sampling_correction:
@@ -541,7 +519,9 @@ class ClippedPGLossFn:
         keep = self._keep_mask(inputs)
         per_token = torch.where(keep, per_token, 0.0)
         aggregate = functools.partial(
-            reduce_per_token, inputs=inputs, aggregation=self.aggregation,
+            reduce_per_token,
+            inputs=inputs,
+            aggregation=self.aggregation,
             normalizer=cfg.loss_aggregation_normalizer,
         )
         actor_loss = aggregate(per_token)
@@ -567,8 +547,12 @@ class ClippedPGLossFn:
             "num_valid_tokens": inputs.mask.sum(),
             "num_valid_seqs": inputs.sample_mask.sum(),
             **divergence_metric_fragments(
-                inputs.prev, inputs.gen, inputs.mask, inputs.sample_mask,
-                inputs.global_valid_toks, inputs.global_valid_seqs,
+                inputs.prev,
+                inputs.gen,
+                inputs.mask,
+                inputs.sample_mask,
+                inputs.global_valid_toks,
+                inputs.global_valid_seqs,
             ),
         }
         names = list(fragments)
@@ -605,9 +589,7 @@ class ClippedPGLossFn:
         }
 
     @staticmethod
-    def _trust_region_metrics(
-        inputs: LossInputs, keep: torch.Tensor, mismatch: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _trust_region_metrics(inputs: LossInputs, keep: torch.Tensor, mismatch: torch.Tensor) -> dict[str, torch.Tensor]:
         kept = keep.to(inputs.mask.dtype)
         return {
             "trust_region/kept_fraction": _token_mean(kept, inputs),

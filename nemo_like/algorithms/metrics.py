@@ -138,9 +138,7 @@ def divergence_metric_fragments(
     def per_seq_mean(values: torch.Tensor) -> torch.Tensor:
         return masked_mean(torch.where(valid, values, 0.0), mask, dim=-1)
 
-    seq_log_ratio_sum = torch.where(valid, log_ratio, 0.0).sum(dim=-1).clamp(
-        -LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND
-    )
+    seq_log_ratio_sum = torch.where(valid, log_ratio, 0.0).sum(dim=-1).clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND)
     seq_log_ratio_mean = per_seq_mean(log_ratio).clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND)
     return {
         "gen_kl": token_mean(kl_gen_train_k3(log_ratio)),

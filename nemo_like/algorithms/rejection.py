@@ -65,9 +65,7 @@ def sequence_logprob_error(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(eligible, error, 1.0), eligible
 
 
-def mask_high_mismatch_sequences(
-    threshold: float | None, batch: Batch, rewards: torch.Tensor | None = None
-) -> dict[str, float]:
+def mask_high_mismatch_sequences(threshold: float | None, batch: Batch, rewards: torch.Tensor | None = None) -> dict[str, float]:
     """Zero ``sample_mask`` where the sequence's logprob error exceeds ``threshold``.
 
     Only eligible samples (counted, with response tokens) are judged or enter the statistics, so
@@ -111,9 +109,7 @@ def _log_bound(value: float | None, ratio: bool, default: float) -> float:
     return math.log(value) if ratio else value
 
 
-def sequence_statistic(
-    log_ratio: torch.Tensor, valid: torch.Tensor, statistic: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_statistic(log_ratio: torch.Tensor, valid: torch.Tensor, statistic: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence ``(high, low)`` values compared with the upper / lower bound.
 
     Ratio statistics are returned as log-ratios (bounds are compared in log space, so a long

@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.algorithms.roles import ensure_cluster_capacity
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
-from nemo_like.algorithms.roles import ensure_cluster_capacity
 from nemo_like.distributed.ray_init import init_ray
 from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments, resolve_environments
 from nemo_like.environments.worker import Environments
-from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.generation import make_generation
+from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.models.policy.policy import Policy
 
@@ -74,16 +74,22 @@ def _driver_tokenizer(cfg: MasterConfig):
         return load_tokenizer(name)
     except OSError as exc:
         key = "policy.tokenizer_name" if cfg.policy.tokenizer_name else "policy.model_name"
-        raise ConfigError(f"cannot load the tokenizer of {key}={name!r} ({str(exc).splitlines()[0]}); on an offline machine "
-                          "point policy.model_name at a local model directory") from None
+        raise ConfigError(
+            f"cannot load the tokenizer of {key}={name!r} ({str(exc).splitlines()[0]}); on an offline machine "
+            "point policy.model_name at a local model directory"
+        ) from None
 
 
 def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
     env_specs = resolve_environments(cfg.env_sections)  # fail fast in the driver, not inside an actor
     if cfg.grpo.val_greedy and cfg.grpo.val_num_generations_per_prompt > 1:
-        warnings.warn("grpo.val_greedy=true with grpo.val_num_generations_per_prompt > 1: greedy samples of a prompt are "
-                      "identical, so validation/pass@k equals validation/accuracy", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "grpo.val_greedy=true with grpo.val_num_generations_per_prompt > 1: greedy samples of a prompt are "
+            "identical, so validation/pass@k equals validation/accuracy",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     # Data first: a bad file, column or prompt length fails in seconds, before Ray or any actor starts.
     tokenizer = _driver_tokenizer(cfg)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens

@@ -165,12 +165,8 @@ def _constant_reference_sets(
     """Which reference sets hold a single distinct reward value, and that value (see the caller)."""
     num_groups = g_min.numel()
     lo, hi = g_min[group], g_max[group]
-    count_lo = torch.zeros(num_groups, dtype=torch.long, device=r.device).index_add_(
-        0, group, (valid & (r == lo)).long()
-    )[group]
-    count_hi = torch.zeros(num_groups, dtype=torch.long, device=r.device).index_add_(
-        0, group, (valid & (r == hi)).long()
-    )[group]
+    count_lo = torch.zeros(num_groups, dtype=torch.long, device=r.device).index_add_(0, group, (valid & (r == lo)).long())[group]
+    count_hi = torch.zeros(num_groups, dtype=torch.long, device=r.device).index_add_(0, group, (valid & (r == hi)).long())[group]
     group_constant = lo == hi
     count_valid = torch.zeros(num_groups, dtype=torch.long, device=r.device).index_add_(0, group, valid.long())[group]
     # Two distinct values overall and the left-out sample is the only one of its value.
@@ -182,9 +178,7 @@ def _constant_reference_sets(
     return group_constant | leave_out_constant, common
 
 
-def normalize_advantages_with_epsilon(
-    advantages: torch.Tensor, std: torch.Tensor, epsilon: float = 1e-6
-) -> torch.Tensor:
+def normalize_advantages_with_epsilon(advantages: torch.Tensor, std: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
     """Divide advantages by ``std + epsilon`` where ``std > 0``; leave them unchanged where ``std == 0``.
 
     With a leave-one-out baseline a sample can have a non-zero advantage and a zero std (reward 1 among

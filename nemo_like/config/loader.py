@@ -97,4 +97,3 @@ def load_recipe_dict(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
     for parent in parents:
         merged = merge_dicts(merged, load_recipe_dict(path.parent / parent, (*_chain, path)))
     return merge_dicts(merged, data)
-

@@ -21,9 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from nemo_like.config.types import Float
 
-LossAggregation = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"
-]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 TOKEN_LEVEL_AGGREGATIONS = ("token-mean", "token-sum")
 _LEGACY_TOKEN_LEVEL = {True: "token-mean", False: "seq-mean-token-mean"}
@@ -86,10 +84,7 @@ class ClippedPGLossConfig(BaseModel):
     kl_output_clamp_value: Float | None = Field(
         10.0,
         gt=0.0,
-        description=(
-            "Clamp the (importance-weighted) per-token KL to [-v, v]. Clamped tokens give no KL "
-            "gradient. None disables."
-        ),
+        description=("Clamp the (importance-weighted) per-token KL to [-v, v]. Clamped tokens give no KL gradient. None disables."),
     )
     use_on_policy_kl_approximation: bool = Field(
         False,
@@ -176,9 +171,7 @@ class ClippedPGLossConfig(BaseModel):
     )
     disable_ppo_ratio: bool = Field(
         False,
-        description=(
-            "REINFORCE: the per-token loss is -A * log pi_curr, with no ratio and no clipping."
-        ),
+        description=("REINFORCE: the per-token loss is -A * log pi_curr, with no ratio and no clipping."),
     )
     force_on_policy_ratio: bool = Field(
         False,
@@ -306,8 +299,7 @@ class ClippedPGLossConfig(BaseModel):
             ),
             (
                 self.use_cispo and self.force_on_policy_ratio,
-                "loss_fn.use_cispo and loss_fn.force_on_policy_ratio are exclusive (with a ratio "
-                "of 1 CISPO is plain REINFORCE)",
+                "loss_fn.use_cispo and loss_fn.force_on_policy_ratio are exclusive (with a ratio of 1 CISPO is plain REINFORCE)",
             ),
             (
                 self.use_cispo and self.sequence_level_importance_ratios,
@@ -340,8 +332,7 @@ class ClippedPGLossConfig(BaseModel):
             ),
             (
                 self.trust_region_type is not None and self.ratio_clip_c is not None,
-                "loss_fn.trust_region_type and loss_fn.ratio_clip_c are exclusive (the trust "
-                "region replaces clipping)",
+                "loss_fn.trust_region_type and loss_fn.ratio_clip_c are exclusive (the trust region replaces clipping)",
             ),
             (
                 self.trust_region_type is not None and self.disable_ppo_ratio,
@@ -349,18 +340,15 @@ class ClippedPGLossConfig(BaseModel):
             ),
             (
                 self.trust_region_type is not None and self.sequence_level_importance_ratios,
-                "loss_fn.trust_region_type (a per-token trust region) and "
-                "loss_fn.sequence_level_importance_ratios are exclusive",
+                "loss_fn.trust_region_type (a per-token trust region) and loss_fn.sequence_level_importance_ratios are exclusive",
             ),
             (
                 builtin_tis and tis_max is None,
-                "loss_fn.truncated_importance_sampling_type requires "
-                "loss_fn.truncated_importance_sampling_ratio",
+                "loss_fn.truncated_importance_sampling_type requires loss_fn.truncated_importance_sampling_ratio",
             ),
             (
                 tis_type in ("icepop", "seq-mask-tis") and tis_min is None,
-                f"loss_fn.truncated_importance_sampling_type={tis_type!r} requires "
-                "loss_fn.truncated_importance_sampling_ratio_min",
+                f"loss_fn.truncated_importance_sampling_type={tis_type!r} requires loss_fn.truncated_importance_sampling_ratio_min",
             ),
             (
                 tis_min is not None and tis_max is not None and tis_min > tis_max,

@@ -44,10 +44,7 @@ class RolloutRejectionConfig(BaseModel):
     )
     lower: Float | None = Field(
         None,
-        description=(
-            "Lower bound (inclusive); null: none. For the ratio statistics (token, sum, mean, "
-            "max) a ratio > 0, e.g. 0.5."
-        ),
+        description=("Lower bound (inclusive); null: none. For the ratio statistics (token, sum, mean, max) a ratio > 0, e.g. 0.5."),
     )
     upper: Float | None = Field(
         None,

@@ -43,7 +43,9 @@ class RewardShapingConfig(Section):
     enabled: bool = Field(False, description="DAPO soft overlong punishment on the reward.")
     overlong_buffer_length: Int = Field(0, ge=0, description="Tokens before max_response_length where the penalty ramps up.")
     overlong_buffer_penalty: Float = Field(1.0, ge=0, description="Penalty reached at max_response_length.")
-    max_response_length: Int | None = Field(None, gt=0, description="Response length the penalty is measured against; defaults to policy.generation.max_new_tokens.")
+    max_response_length: Int | None = Field(
+        None, gt=0, description="Response length the penalty is measured against; defaults to policy.generation.max_new_tokens."
+    )
 
 
 class AsyncGRPOConfig(Section):
@@ -78,7 +80,8 @@ class GRPOConfig(Section):
         1, gt=0, description="Samples per validation prompt; above 1, validation also reports validation/pass@k."
     )
     val_pass_k: list[Int] | None = Field(
-        None, description="The ks of validation/pass@k (each <= val_num_generations_per_prompt); default: 1 and val_num_generations_per_prompt."
+        None,
+        description="The ks of validation/pass@k (each <= val_num_generations_per_prompt); default: 1 and val_num_generations_per_prompt.",
     )
     seed: Int = Field(42, description="Seed for data order, sampling and model init.")
     normalize_rewards: bool = Field(True, description="Divide advantages by the per-prompt reward std (+epsilon where std > 0).")
@@ -88,10 +91,13 @@ class GRPOConfig(Section):
     dynamic_sampling_max_gen_batches: Int = Field(10, gt=0, description="Generation batches allowed per step with dynamic sampling.")
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     skip_prev_logprobs: Literal["auto", True, False] = Field(
-        "auto", description="Skip the prev-logprob pass: auto = when the rollout is trained in one optimizer step and nothing else needs it."
+        "auto",
+        description="Skip the prev-logprob pass: auto = when the rollout is trained in one optimizer step and nothing else needs it.",
     )
     max_consecutive_nonfinite_steps: Int = Field(
-        3, gt=0, description="Stop the run after this many consecutive steps whose loss or gradient norm was NaN/inf (each such optimizer step is skipped)."
+        3,
+        gt=0,
+        description="Stop the run after this many consecutive steps whose loss or gradient norm was NaN/inf (each such optimizer step is skipped).",
     )
     seq_logprob_error_threshold: Float | None = Field(
         None,
@@ -105,7 +111,7 @@ class GRPOConfig(Section):
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
 
     @model_validator(mode="after")
-    def _val_pass_k(self) -> "GRPOConfig":
+    def _val_pass_k(self) -> GRPOConfig:
         if self.val_pass_k is not None:
             check_pass_k(self.val_pass_k, self.val_num_generations_per_prompt, "grpo.val_pass_k", "grpo.val_num_generations_per_prompt")
         return self
@@ -151,14 +157,19 @@ class GenerationConfig(Section):
         "'auto' = vllm when the vllm package is importable, else hf (see docs/guides/generation.md).",
     )
     max_new_tokens: Int = Field(16, gt=0, description="Maximum response tokens.")
-    temperature: Float = Field(1.0, gt=0, description="Sampling temperature; the policy and reference score tokens with logits / temperature too.")
+    temperature: Float = Field(
+        1.0, gt=0, description="Sampling temperature; the policy and reference score tokens with logits / temperature too."
+    )
     top_p: Float = Field(
-        1.0, gt=0, le=1,
+        1.0,
+        gt=0,
+        le=1,
         description="Nucleus sampling (1.0 disables it). Generation and the policy/reference logprob and training passes "
         "all use the truncated, renormalised distribution (processed logprobs, docs/guides/generation.md).",
     )
     top_k: Int | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="Top-k sampling, applied before top_p; null disables it. Logprobs everywhere are those of the "
         "truncated, renormalised distribution (processed logprobs, docs/guides/generation.md).",
     )
@@ -176,8 +187,12 @@ class DTensorConfig(Section):
         "(torch.distributed.fsdp.fully_shard). With dp_size 1 and tensor_parallel_size 1 there is nothing to shard and the "
         "plain model is used. false is only valid with dp_size 1.",
     )
-    cpu_offload: bool = Field(False, description="GPU only: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy).")
-    activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute).")
+    cpu_offload: bool = Field(
+        False, description="GPU only: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)."
+    )
     tensor_parallel_size: Int = Field(
         1,
         gt=0,
@@ -189,7 +204,9 @@ class DTensorConfig(Section):
 class SequencePackingConfig(Section):
     """Several samples per row, attention kept inside each sample (see docs/guides/scaling.md)."""
 
-    enabled: bool = Field(False, description="Pack samples into rows of at most train_mb_tokens / logprob_mb_tokens tokens (first-fit decreasing).")
+    enabled: bool = Field(
+        False, description="Pack samples into rows of at most train_mb_tokens / logprob_mb_tokens tokens (first-fit decreasing)."
+    )
     train_mb_tokens: Int = Field(512, gt=0, description="Tokens per packed training micro-batch (one row).")
     logprob_mb_tokens: Int = Field(1024, gt=0, description="Tokens per packed logprob micro-batch (one row).")
 
@@ -197,7 +214,9 @@ class SequencePackingConfig(Section):
 class DynamicBatchingConfig(Section):
     """Micro-batches sized by a token budget instead of a sample count (see docs/guides/scaling.md)."""
 
-    enabled: bool = Field(False, description="Group samples of similar length into padded micro-batches of at most the token budget (rows x longest row).")
+    enabled: bool = Field(
+        False, description="Group samples of similar length into padded micro-batches of at most the token budget (rows x longest row)."
+    )
     train_mb_tokens: Int = Field(512, gt=0, description="Padded tokens per training micro-batch.")
     logprob_mb_tokens: Int = Field(1024, gt=0, description="Padded tokens per logprob micro-batch.")
 
@@ -224,14 +243,16 @@ class PolicyConfig(Section):
         "the full [tokens, vocab] logits; null computes the full logits at once.",
     )
     refit_buffer_size_mb: Float = Field(
-        512.0, gt=0, description="Refit: the weights are gathered from the shards and sent to generation in buckets of at most this many MB."
+        512.0,
+        gt=0,
+        description="Refit: the weights are gathered from the shards and sent to generation in buckets of at most this many MB.",
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
 
     @model_validator(mode="after")
-    def _micro_divides_global(self) -> "PolicyConfig":
+    def _micro_divides_global(self) -> PolicyConfig:
         per_rank = self.train_global_batch_size / self.dp_size
         if per_rank != int(per_rank):
             raise ValueError(
@@ -294,7 +315,8 @@ class DataConfig(Section):
         "else a 'messages' column when there is one.",
     )
     answer_key: str | None = Field(
-        None, description="Column holding the gold answer; dots reach into nested columns (e.g. 'reward_model.ground_truth'). Default: the spec's."
+        None,
+        description="Column holding the gold answer; dots reach into nested columns (e.g. 'reward_model.ground_truth'). Default: the spec's.",
     )
     task_key: str | None = Field(
         None, description="Column naming each row's task (metadata['task_name'], which routes the row to an environment)."
@@ -303,7 +325,8 @@ class DataConfig(Section):
         None, description="Task name of rows without a task column; default: the spec's ('math' for the math sets), else 'math'."
     )
     prompt_file: str | None = Field(
-        None, description="Template file for the user message: Python str.format with one '{}' for the problem text (write literal braces as '{{ }}')."
+        None,
+        description="Template file for the user message: Python str.format with one '{}' for the problem text (write literal braces as '{{ }}').",
     )
     system_prompt_file: str | None = Field(None, description="File whose text is the system message (exclusive with data.system_prompt).")
     drop_long_prompts: bool = Field(
@@ -317,7 +340,7 @@ class DataConfig(Section):
     system_prompt: str | None = Field(None, description="Optional system message prepended to every prompt.")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "DataConfig":
+    def _consistent(self) -> DataConfig:
         if self.system_prompt and self.system_prompt_file:
             raise ValueError("data.system_prompt and data.system_prompt_file are both set; keep one of them")
         if self.train.split_fraction is not None:
@@ -349,7 +372,9 @@ class DataConfig(Section):
             return
         if self.dataset_name != "arithmetic":
             return
-        unused = [k for k in ("dataset_config", "prompt_key", "answer_key", "task_key", "default_task_name") if getattr(self, k) is not None]
+        unused = [
+            k for k in ("dataset_config", "prompt_key", "answer_key", "task_key", "default_task_name") if getattr(self, k) is not None
+        ]
         unused += [f"{role}.split" for role, s in (("train", self.train), ("validation", self.validation)) if s.split]
         if unused:
             warnings.warn(
@@ -422,14 +447,18 @@ class LoggerConfig(Section):
     dump_train_data: bool = Field(
         False, description="Write every sample of each step (and of each validation) to log_dir/{train,val}_data_step{N}.jsonl."
     )
-    num_val_samples_to_print: Int = Field(0, ge=0, description="Print this many validation samples (prompt, response, reward) to the console.")
+    num_val_samples_to_print: Int = Field(
+        0, ge=0, description="Print this many validation samples (prompt, response, reward) to the console."
+    )
 
 
 class CheckpointingConfig(Section):
     enabled: bool = Field(False, description="Save checkpoints and resume from them.")
     checkpoint_dir: str = Field("results/grpo", description="Where step_N/ directories are written (shared storage on a cluster).")
     save_period: Int = Field(10, gt=0, description="Save every this many steps (and after the last step).")
-    keep_top_k: Int | None = Field(3, gt=0, description="Checkpoints kept, best first by metric_name (the latest is always kept); null keeps all.")
+    keep_top_k: Int | None = Field(
+        3, gt=0, description="Checkpoints kept, best first by metric_name (the latest is always kept); null keeps all."
+    )
     metric_name: str | None = Field(
         "val:accuracy", description="Ranking metric: 'val:<name>' (validation/<name>) or 'train:<name>' (train/<name>); null ranks by step."
     )
@@ -437,7 +466,7 @@ class CheckpointingConfig(Section):
     resume: bool = Field(True, description="Resume automatically from the latest valid checkpoint in checkpoint_dir.")
 
     @model_validator(mode="after")
-    def _metric_name_form(self) -> "CheckpointingConfig":
+    def _metric_name_form(self) -> CheckpointingConfig:
         if self.metric_name is not None:
             prefix, _, name = self.metric_name.partition(":")
             if prefix not in ("val", "train") or not name:
@@ -468,13 +497,15 @@ class EvalConfig(Section):
         "loaded), or the embedded model; default: policy.model_name. The tokenizer stays policy.tokenizer_name.",
     )
     num_samples_per_prompt: Int = Field(1, gt=0, description="Samples per prompt (n of the pass@k estimator).")
-    greedy: bool = Field(False, description="Greedy decoding (every sample of a prompt is then the same); false samples with policy.generation settings.")
+    greedy: bool = Field(
+        False, description="Greedy decoding (every sample of a prompt is then the same); false samples with policy.generation settings."
+    )
     pass_k: list[Int] = Field(default_factory=lambda: [1], description="Report pass@k for each k (1 <= k <= num_samples_per_prompt).")
     output_dir: str = Field("results/eval", description="Where summary.json and results.jsonl are written.")
     seed: Int | None = Field(None, description="Sampling seed; default grpo.seed.")
 
     @model_validator(mode="after")
-    def _k_within_n(self) -> "EvalConfig":
+    def _k_within_n(self) -> EvalConfig:
         check_pass_k(self.pass_k, self.num_samples_per_prompt, "eval.pass_k", "eval.num_samples_per_prompt")
         return self
 
@@ -525,7 +556,7 @@ class MasterConfig(BaseModel):
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
 
     @model_validator(mode="after")
-    def _cross_section_checks(self) -> "MasterConfig":
+    def _cross_section_checks(self) -> MasterConfig:
         rollout = self.rollout_batch_size
         gbs = self.policy.train_global_batch_size
         if rollout % gbs != 0:

@@ -103,10 +103,7 @@ def _pool(split: Split, op: str, max_operand: int) -> tuple[tuple[int, int], ...
     if op not in TEMPLATES:
         raise ValueError(f"unsupported op {op!r}; expected one of {OPS}")
     return tuple(
-        (a, b)
-        for a in range(max_operand + 1)
-        for b in range(max_operand + 1)
-        if not (op == "-" and b > a) and split_of(op, a, b) == split
+        (a, b) for a in range(max_operand + 1) for b in range(max_operand + 1) if not (op == "-" and b > a) and split_of(op, a, b) == split
     )
 
 

@@ -69,27 +69,34 @@ _ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SPECS: tuple[DatasetSpec, ...] = (
     # Shipped: scripts/build_math_dataset.py -> nemo_like/assets/math-tiny/ (problem, answer, task).
     DatasetSpec(
-        "math-tiny", None, "problem", "answer", task_key="task",
+        "math-tiny",
+        None,
+        "problem",
+        "answer",
+        task_key="task",
         validation_split="validation",
         local_files={"train": str(_ASSETS / "math-tiny" / "train.jsonl"), "validation": str(_ASSETS / "math-tiny" / "validation.jsonl")},
     ),
     # nvidia/OpenMathInstruct-2: problem, generated_solution, expected_answer, problem_source.
     # Splits train (14M rows), train_1M, train_2M, train_5M; no validation split (NeMo-RL uses train_1M).
-    DatasetSpec("OpenMathInstruct-2", "nvidia/OpenMathInstruct-2", "problem", "expected_answer", train_split="train_1M",
-                aliases=("openmathinstruct2", "openmath")),
+    DatasetSpec(
+        "OpenMathInstruct-2",
+        "nvidia/OpenMathInstruct-2",
+        "problem",
+        "expected_answer",
+        train_split="train_1M",
+        aliases=("openmathinstruct2", "openmath"),
+    ),
     # BytedTsinghua-SIA/DAPO-Math-17k: data_source, prompt (chat messages [{content, role}] that already
     # carry the "Answer: $Answer" instruction), ability, reward_model {ground_truth, style}, extra_info
     # {index}. One 'train' split; each of the ~17k problems is repeated ~100 times (1.79M rows).
-    DatasetSpec("DAPO-Math-17k", "BytedTsinghua-SIA/DAPO-Math-17k", "prompt", "reward_model.ground_truth",
-                aliases=("dapomath17k", "dapo")),
+    DatasetSpec("DAPO-Math-17k", "BytedTsinghua-SIA/DAPO-Math-17k", "prompt", "reward_model.ground_truth", aliases=("dapomath17k", "dapo")),
     # openai/gsm8k, config 'main' (or 'socratic'): question, answer (worked solution ending "#### 72").
     # Splits train (7,473) and test (1,319).
-    DatasetSpec("gsm8k", "openai/gsm8k", "question", "answer", config="main", validation_split="test",
-                answer_transform=gsm8k_final_answer),
+    DatasetSpec("gsm8k", "openai/gsm8k", "question", "answer", config="main", validation_split="test", answer_transform=gsm8k_final_answer),
     # HuggingFaceH4/MATH-500: problem, solution, answer, subject, level, unique_id. One 'test' split,
     # meant for evaluation, so it has no training split by default.
-    DatasetSpec("MATH-500", "HuggingFaceH4/MATH-500", "problem", "answer", train_split=None, validation_split="test",
-                aliases=("math500",)),
+    DatasetSpec("MATH-500", "HuggingFaceH4/MATH-500", "problem", "answer", train_split=None, validation_split="test", aliases=("math500",)),
 )
 
 
@@ -254,8 +261,10 @@ def _load_hub(source: Source):
                 f"Cannot load {source.label}: this machine is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set) and the set "
                 f"is not in the local Hugging Face cache. Download it where there is network, or {local}."
             ) from None
-        raise ConfigError(f"Cannot load {source.label}: {_innermost_message(exc)}. Check data.dataset_name / "
-                          f"data.dataset_config / data.{source.role}.split, or {local}.") from None
+        raise ConfigError(
+            f"Cannot load {source.label}: {_innermost_message(exc)}. Check data.dataset_name / "
+            f"data.dataset_config / data.{source.role}.split, or {local}."
+        ) from None
 
 
 def load_source(source: Source):
@@ -284,8 +293,7 @@ def resolve_columns(data: DataConfig, source: Source, column_names: list[str]) -
     if prompt is None:
         if "messages" not in column_names:
             raise ConfigError(
-                f"{source.label}: set data.prompt_key to the column holding the problem (or chat messages); "
-                f"the columns are {column_names}"
+                f"{source.label}: set data.prompt_key to the column holding the problem (or chat messages); the columns are {column_names}"
             )
         prompt = "messages"
     answer = data.answer_key or (spec.answer_key if spec else None)

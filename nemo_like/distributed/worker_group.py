@@ -185,7 +185,16 @@ class RayWorkerGroup:
         self._key: Hashable | None = None
         if issubclass(actor_cls, Reinitializable):
             env_key = tuple(sorted((env_vars or {}).items()))
-            self._key = (name, actor_cls.__qualname__, num_workers, resources, strategy, env_key, max_concurrency, actor_cls.reuse_key(init_kwargs))
+            self._key = (
+                name,
+                actor_cls.__qualname__,
+                num_workers,
+                resources,
+                strategy,
+                env_key,
+                max_concurrency,
+                actor_cls.reuse_key(init_kwargs),
+            )
             if self._reuse_idle(num_workers, init_kwargs):
                 return
         self._pg = reserve_bundles(name, resources, num_workers, placement_timeout_s, strategy)

@@ -32,7 +32,9 @@ class MathEnvConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    timeout_s: float = Field(5.0, gt=0, description="Per-answer time limit for parsing and verifying; the checker process is killed and restarted past it.")
+    timeout_s: float = Field(
+        5.0, gt=0, description="Per-answer time limit for parsing and verifying; the checker process is killed and restarted past it."
+    )
     format_reward: float = Field(
         0.0, ge=0, lt=1, description="Reward for a wrong answer given in \\boxed{} (below 1, so only correct answers count as correct)."
     )
@@ -57,8 +59,13 @@ class MathEnvironment(EnvironmentInterface):
         rewards = []
         for response, meta in zip(responses, metadata):
             status = self.checker.check(response, meta["answer"])
-            key = {"timeout": "timeouts", "parse_failure": "parse_failures", "gold_parse_failure": "gold_parse_failures",
-                   "crash": "crashes", "correct": "correct"}.get(status)
+            key = {
+                "timeout": "timeouts",
+                "parse_failure": "parse_failures",
+                "gold_parse_failure": "gold_parse_failures",
+                "crash": "crashes",
+                "correct": "correct",
+            }.get(status)
             if key is not None:
                 self._counts[key] += 1
             if status == "correct":

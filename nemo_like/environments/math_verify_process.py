@@ -47,7 +47,10 @@ class MathVerifyProcess:
     def _start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nemo_like.environments.math_verify_process"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env=os.environ.copy(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            env=os.environ.copy(),
         )
         self._buffer = b""
         line = self._read_line(time.monotonic() + self.start_timeout_s)

@@ -49,9 +49,8 @@ class EnvSpec:
 def import_root(module_name: str) -> str | None:
     """The ``sys.path`` entry ``module_name`` was imported from (``/x`` for ``/x/pkg/mod.py`` as ``pkg.mod``),
     or ``None`` for built-ins and modules without a file."""
-    from pathlib import Path
-
     import sys
+    from pathlib import Path
 
     file = getattr(sys.modules.get(module_name), "__file__", None)
     if not file:
@@ -118,7 +117,8 @@ def check_constructor_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -
                     f"{did_you_mean(key, accepted)}"
                 )
     required = [
-        n for n, p in params.items()
+        n
+        for n, p in params.items()
         if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in kwargs
     ]
     if required:

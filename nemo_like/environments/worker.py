@@ -80,8 +80,12 @@ class Environments:
         try:
             for task, spec in specs.items():
                 self.groups[task] = RayWorkerGroup(
-                    f"environment:{task}", EnvironmentWorker, spec.num_workers, WorkerResources(num_cpus=ENV_WORKER_CPUS),
-                    {"task": task, "class_path": spec.class_path, "kwargs": spec.kwargs}, placement_timeout_s,
+                    f"environment:{task}",
+                    EnvironmentWorker,
+                    spec.num_workers,
+                    WorkerResources(num_cpus=ENV_WORKER_CPUS),
+                    {"task": task, "class_path": spec.class_path, "kwargs": spec.kwargs},
+                    placement_timeout_s,
                     env_vars=actor_python_path(spec.import_root),
                 )
         except BaseException:

@@ -107,7 +107,6 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     """Run the evaluation ``cfg.eval`` describes; returns the summary (also written to ``summary.json``)."""
-    from nemo_like.models.generation.interface import sampling_params
     from nemo_like.algorithms.setup import check_environments, eos_token_ids, load_validation_prompts
     from nemo_like.distributed.capacity import check_cluster_capacity, sum_resources
     from nemo_like.distributed.ray_init import init_ray
@@ -115,13 +114,17 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.environments.worker import Environments, environment_resources
     from nemo_like.experience.rollouts import generate_rollout, score_with_environment
     from nemo_like.models.generation import generation_resources, make_generation
+    from nemo_like.models.generation.interface import sampling_params
     from nemo_like.models.loading import load_tokenizer
 
     start = time.perf_counter()
     ev = cfg.eval
     if ev.greedy and ev.num_samples_per_prompt > 1:
-        warnings.warn("eval.greedy=true with eval.num_samples_per_prompt > 1: greedy samples of a prompt are identical, "
-                      "so pass@k equals accuracy", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "eval.greedy=true with eval.num_samples_per_prompt > 1: greedy samples of a prompt are identical, so pass@k equals accuracy",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     specs = resolve_environments(cfg.env_sections)
     model_dir = resolve_eval_model(ev.model_path or cfg.policy.model_name)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
@@ -155,16 +158,29 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     rows = []
     for i, (prompt, sample, text) in enumerate(zip(expanded, samples, texts)):
         reward = float(scores.rewards[i])
-        rows.append({
-            "prompt_id": prompt.id, "prompt_index": int(group_ids[i]), "sample_index": i % n,
-            "task": task_of(prompt.metadata, specs), "reward": reward, "correct": reward >= CORRECT_REWARD,
-            "response": text, "answer": _jsonable(prompt.metadata.get("answer")),
-            "response_tokens": len(sample.response_ids), "truncated": bool(sample.truncated),
-        })
+        rows.append(
+            {
+                "prompt_id": prompt.id,
+                "prompt_index": int(group_ids[i]),
+                "sample_index": i % n,
+                "task": task_of(prompt.metadata, specs),
+                "reward": reward,
+                "correct": reward >= CORRECT_REWARD,
+                "response": text,
+                "answer": _jsonable(prompt.metadata.get("answer")),
+                "response_tokens": len(sample.response_ids),
+                "truncated": bool(sample.truncated),
+            }
+        )
     summary = {
-        "model": ev.model_path or cfg.policy.model_name, "model_dir": model_dir,
-        "num_prompts": len(prompts), "num_samples_per_prompt": n, "greedy": ev.greedy, "pass_k": list(ev.pass_k),
-        **summarize(rows, list(ev.pass_k)), "env_metrics": scores.metrics,
+        "model": ev.model_path or cfg.policy.model_name,
+        "model_dir": model_dir,
+        "num_prompts": len(prompts),
+        "num_samples_per_prompt": n,
+        "greedy": ev.greedy,
+        "pass_k": list(ev.pass_k),
+        **summarize(rows, list(ev.pass_k)),
+        "env_metrics": scores.metrics,
         "seconds": time.perf_counter() - start,
     }
     with open(out / "results.jsonl", "w") as f:

@@ -95,16 +95,23 @@ class AsyncRollouts:
         roles = {r.role: r for r in async_actor_resources(cfg)}
         timeout = cfg.cluster.placement_timeout_s
         self.buffer_group = RayWorkerGroup(
-            "replay_buffer", ReplayBufferActor, roles["replay_buffer"].count, roles["replay_buffer"].resources,
+            "replay_buffer",
+            ReplayBufferActor,
+            roles["replay_buffer"].count,
+            roles["replay_buffer"].resources,
             {"groups_per_step": cfg.grpo.num_prompts_per_step, "max_age": async_cfg.max_trajectory_age_steps},
-            timeout, max_concurrency=4,
+            timeout,
+            max_concurrency=4,
         )
         self.buffer = self.buffer_group.workers[0]
         if restored is not None:
             get_with_context(self.buffer.load_state_dict.remote(restored["buffer"]), "replay buffer: restore")
         loader = parts.train_loader
         self.collector_group = RayWorkerGroup(
-            "trajectory_collector", TrajectoryCollector, roles["trajectory_collector"].count, roles["trajectory_collector"].resources,
+            "trajectory_collector",
+            TrajectoryCollector,
+            roles["trajectory_collector"].count,
+            roles["trajectory_collector"].resources,
             dict(
                 generation_workers=parts.generation.group.workers,
                 environments=parts.environment,
@@ -122,7 +129,8 @@ class AsyncRollouts:
                 max_num_epochs=cfg.grpo.max_num_epochs,
                 generation_version=parts.generation.weight_version,
             ),
-            timeout, max_concurrency=4,
+            timeout,
+            max_concurrency=4,
         )
         self.collector = self.collector_group.workers[0]
         self._run_ref = self.collector.run.remote()

@@ -126,4 +126,3 @@ def collect_rollout(
         timings["generation"] = t1 - t0
         timings["reward"] = time.perf_counter() - t1
     return Rollout(expanded, group_ids, samples, texts, scores.rewards, scores.metrics)
-

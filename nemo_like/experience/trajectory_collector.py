@@ -178,8 +178,14 @@ class TrajectoryCollector:
         prompts = self.loader.next_batch()
         timings: dict[str, float] = {}
         rollout = collect_rollout(
-            self.generation, self.environment, self.tokenizer, prompts, self.num_generations, self.params,
-            seed=rollout_seed(self.seed, target), timings=timings,
+            self.generation,
+            self.environment,
+            self.tokenizer,
+            prompts,
+            self.num_generations,
+            self.params,
+            seed=rollout_seed(self.seed, target),
+            timings=timings,
         )
         ray.get(self.buffer.push.remote(split_into_groups(rollout, target)))
         with self.cond:

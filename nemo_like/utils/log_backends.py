@@ -99,9 +99,7 @@ class TensorBoardBackend(LogBackend):
         from torch.utils.tensorboard.summary import hparams
 
         # Written into this run's own event file (SummaryWriter.add_hparams would start a second run).
-        experiment, session_start, self._session_end = hparams(
-            flatten_config(config), {"train/reward": 0.0, "validation/accuracy": 0.0}
-        )
+        experiment, session_start, self._session_end = hparams(flatten_config(config), {"train/reward": 0.0, "validation/accuracy": 0.0})
         file_writer = self.writer._get_file_writer()
         file_writer.add_summary(experiment)
         file_writer.add_summary(session_start)

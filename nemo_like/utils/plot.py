@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 PHASES = (
-    "refit", "generation", "reward", "waiting_for_data", "prev_logprobs", "reference_logprobs", "policy_training", "validation",
+    "refit",
+    "generation",
+    "reward",
+    "waiting_for_data",
+    "prev_logprobs",
+    "reference_logprobs",
+    "policy_training",
+    "validation",
 )
 
 # (title, metrics on the left y axis, metrics on a second, right y axis)
@@ -124,9 +131,7 @@ def _grid(n_panels: int) -> tuple[Any, list[Any]]:
     return fig, axes
 
 
-def plot_metrics(
-    metrics_path: str | Path, out: str | Path | None = None, metrics: Sequence[str] | None = None
-) -> Path:
+def plot_metrics(metrics_path: str | Path, out: str | Path | None = None, metrics: Sequence[str] | None = None) -> Path:
     """Render ``metrics_path`` (a ``metrics.jsonl``) to a PNG; returns its path.
 
     With ``metrics``, one panel per listed metric; otherwise the standard panel. ``out`` defaults

@@ -86,8 +86,7 @@ class RunLock:
         previous = _read_owner(fd)
         if previous:
             warnings.warn(
-                f"{self.key}={self.directory}: taking over the lock of a run that is gone ({_describe(previous)}; it did not "
-                "exit cleanly)",
+                f"{self.key}={self.directory}: taking over the lock of a run that is gone ({_describe(previous)}; it did not exit cleanly)",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -52,10 +52,7 @@ def sample_records(step: int, columns: Mapping[str, Sequence[Any] | torch.Tensor
     if len(set(sizes.values())) > 1:
         raise ValueError(f"sample dump columns differ in length: {sizes}")
     count = next(iter(sizes.values()), 0)
-    return [
-        {"step": step, "index": i, **{name: _json_safe(col[i]) for name, col in columns.items()}}
-        for i in range(count)
-    ]
+    return [{"step": step, "index": i, **{name: _json_safe(col[i]) for name, col in columns.items()}} for i in range(count)]
 
 
 def write_sample_dump(path: str | Path, step: int, columns: Mapping[str, Sequence[Any] | torch.Tensor]) -> Path:

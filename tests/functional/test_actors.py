@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from functional.helpers import tiny_config
+
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.setup import eos_token_ids
 from nemo_like.data.collate import collate_samples

@@ -7,8 +7,8 @@ import json
 import shutil
 
 import pytest
-
 from functional.helpers import REPO, tiny_config
+
 from nemo_like.config import load_config
 from nemo_like.experience.async_rollouts import BUFFER_FILE
 from nemo_like.train import train
@@ -38,17 +38,31 @@ def test_async_with_age_zero_reproduces_the_sync_run(ray_cluster, tmp_path):
 
 def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, tmp_path):
     ckpt = tmp_path / "ckpt"
-    overrides = (HF, *ASYNC, "grpo.max_num_steps=5", "grpo.val_at_start=false", "grpo.val_at_end=false",
-                 "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ckpt}", "checkpointing.save_period=2",
-                 "checkpointing.keep_top_k=null", "checkpointing.metric_name=null")
+    overrides = (
+        HF,
+        *ASYNC,
+        "grpo.max_num_steps=5",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        "checkpointing.enabled=true",
+        f"checkpointing.checkpoint_dir={ckpt}",
+        "checkpointing.save_period=2",
+        "checkpointing.keep_top_k=null",
+        "checkpointing.metric_name=null",
+    )
     straight = steps_of(train(tiny_config(tmp_path, *overrides)))
     assert [r["step"] for r in straight] == [1, 2, 3, 4, 5]
     ages = [r["train/max_trajectory_age"] for r in straight]
     assert ages[0] == 0.0 and all(a == 1.0 for a in ages[1:])  # step 1 from v0 at v0; later ones one update old
     assert all(r["train/trajectory_age_fraction/1"] == 1.0 for r in straight[1:])
     for r in straight:
-        for key in ("async/buffer_size", "idle/trainer_waiting_for_data", "idle/generation_paused_for_refit",
-                    "idle/generation_waiting_for_pacing", "train/avg_trajectory_age"):
+        for key in (
+            "async/buffer_size",
+            "idle/trainer_waiting_for_data",
+            "idle/generation_paused_for_refit",
+            "idle/generation_waiting_for_pacing",
+            "train/avg_trajectory_age",
+        ):
             assert key in r and r[key] >= 0.0
     from matplotlib.image import imread
 
@@ -91,11 +105,20 @@ def test_async_tiny_recipe_learns_within_five_points_of_sync(ray_cluster, tmp_pa
 def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, tmp_path, async_enabled):
     """The async run here also refits in flight with a bound of 2 (HF; vLLM's in-flight refit is checked in
     test_vllm_backend.py, and the acceptance run above is async on the default backend)."""
-    overrides = [HF, "data.train.num_problems=8", "grpo.max_num_epochs=1", "grpo.max_num_steps=10",
-                 "grpo.val_at_start=false", "loss_fn.use_importance_sampling_correction=true"]
+    overrides = [
+        HF,
+        "data.train.num_problems=8",
+        "grpo.max_num_epochs=1",
+        "grpo.max_num_steps=10",
+        "grpo.val_at_start=false",
+        "loss_fn.use_importance_sampling_correction=true",
+    ]
     if async_enabled:
-        overrides += ["grpo.async_grpo.enabled=true", "grpo.async_grpo.in_flight_weight_updates=true",
-                      "grpo.async_grpo.max_trajectory_age_steps=2"]
+        overrides += [
+            "grpo.async_grpo.enabled=true",
+            "grpo.async_grpo.in_flight_weight_updates=true",
+            "grpo.async_grpo.max_trajectory_age_steps=2",
+        ]
     history = train(tiny_config(tmp_path, *overrides))
     # 8 prompts, 4 per step: steps 1-2 are epoch 0, step 3 starts epoch 1, after which the limit stops the run.
     assert [r["step"] for r in history] == [1, 2, 3]

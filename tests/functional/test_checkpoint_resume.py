@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from functional.helpers import TINY_RECIPE, read_metrics, tiny_config
 from safetensors.torch import load_file
 
-from functional.helpers import TINY_RECIPE, read_metrics, tiny_config
 from nemo_like.algorithms.grpo import NonFiniteTrainingError
 from nemo_like.train import train
 from nemo_like.utils.run_lock import LOCK_FILE
@@ -24,8 +24,13 @@ NO_VALIDATION = ("grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.val_p
 
 
 def ckpt_overrides(ckpt_dir: Path, period: int = 3) -> tuple[str, ...]:
-    return ("checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ckpt_dir}", f"checkpointing.save_period={period}",
-            "checkpointing.keep_top_k=null", "checkpointing.metric_name=null")
+    return (
+        "checkpointing.enabled=true",
+        f"checkpointing.checkpoint_dir={ckpt_dir}",
+        f"checkpointing.save_period={period}",
+        "checkpointing.keep_top_k=null",
+        "checkpointing.metric_name=null",
+    )
 
 
 def run(tmp_path, *overrides):
@@ -67,10 +72,21 @@ def short_ray_tmp() -> Path:
 
 def start_cli(tmp_path: Path, ray_tmp: Path, env_extra: dict, *overrides: str) -> subprocess.Popen:
     args = [
-        sys.executable, "-m", "nemo_like.cli", "train", "--config", str(TINY_RECIPE),
-        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_val_samples=32",
-        "policy.train_micro_batch_size=8", "policy.num_cpus_per_worker=0.25", "data.train.num_problems=256",
-        f"logger.log_dir={tmp_path / 'logs'}", "logger.progress_bar=false", *overrides,
+        sys.executable,
+        "-m",
+        "nemo_like.cli",
+        "train",
+        "--config",
+        str(TINY_RECIPE),
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        "grpo.max_val_samples=32",
+        "policy.train_micro_batch_size=8",
+        "policy.num_cpus_per_worker=0.25",
+        "data.train.num_problems=256",
+        f"logger.log_dir={tmp_path / 'logs'}",
+        "logger.progress_bar=false",
+        *overrides,
     ]
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), **env_extra}
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
@@ -103,7 +119,9 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(ray_cluster,
         tmp_path,
         ray_tmp,
         {"NEMO_LIKE_CHECKPOINT_PAUSE_S": "60", "NEMO_LIKE_CHECKPOINT_PAUSE_STEP": "2", "NEMO_LIKE_CHECKPOINT_PAUSE_MARKER": str(marker)},
-        "grpo.max_num_steps=3", *NO_VALIDATION, *ckpt_overrides(ckpt, 1),
+        "grpo.max_num_steps=3",
+        *NO_VALIDATION,
+        *ckpt_overrides(ckpt, 1),
     )
     try:
         wait_for(marker.exists, 180, proc)
@@ -169,8 +187,14 @@ def test_a_killed_worker_stops_the_run_with_actor_and_phase_and_the_checkpoint_r
 def test_nonfinite_updates_are_skipped_and_the_run_stops_after_the_limit(ray_cluster, tmp_path):
     # A huge learning rate makes the weights overflow after the first step: every later gradient is NaN.
     with pytest.raises(NonFiniteTrainingError, match="grpo.max_consecutive_nonfinite_steps=2"):
-        run(tmp_path, "grpo.max_num_steps=8", "policy.optimizer.lr=1e30", "policy.max_grad_norm=null",
-            "grpo.max_consecutive_nonfinite_steps=2", *NO_VALIDATION)
+        run(
+            tmp_path,
+            "grpo.max_num_steps=8",
+            "policy.optimizer.lr=1e30",
+            "policy.max_grad_norm=null",
+            "grpo.max_consecutive_nonfinite_steps=2",
+            *NO_VALIDATION,
+        )
     logged = read_metrics(tmp_path / "logs")
     skipped = [r["train/nonfinite_steps_skipped"] for r in logged]
     assert skipped[-2:] == [1.0, 1.0] and len(logged) < 8

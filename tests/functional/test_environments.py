@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+from functional.helpers import TINY_RECIPE
 
 from nemo_like.data.prompts import PromptRecord
 from nemo_like.environments.arithmetic_reward import score_response
@@ -14,7 +15,6 @@ from nemo_like.environments.registry import resolve_environments
 from nemo_like.environments.worker import Environments
 from nemo_like.evaluation.pass_at_k import pass_at_k
 from nemo_like.experience.rollouts import score_with_environment
-from functional.helpers import TINY_RECIPE
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +26,15 @@ def record(i: int, task: str, answer) -> PromptRecord:
 def test_each_sample_is_scored_by_the_environment_of_its_task(ray_cluster):
     from nemo_like.config.schema import MasterConfig
 
-    cfg = MasterConfig.model_validate({"env": {
-        "arithmetic": {"num_workers": 1},
-        "parity": {"class": "custom_envs:LengthParityEnv", "num_workers": 2, "bonus": 0.25},
-        "math": {"num_workers": 1, "timeout_s": 2.0},
-    }})
+    cfg = MasterConfig.model_validate(
+        {
+            "env": {
+                "arithmetic": {"num_workers": 1},
+                "parity": {"class": "custom_envs:LengthParityEnv", "num_workers": 2, "bonus": 0.25},
+                "math": {"num_workers": 1, "timeout_s": 2.0},
+            }
+        }
+    )
     environments = Environments(resolve_environments(cfg.env_sections))
     try:
         texts, prompts = [], []
@@ -72,12 +76,21 @@ def test_eval_of_a_checkpoint_reports_exact_pass_at_k(ray_cluster, tmp_path, cap
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         shutil.copy(f"{default_model_path()}/{name}", policy_dir / name)
     out = tmp_path / "eval"
-    rc = main([
-        "eval", "--config", str(TINY_RECIPE),
-        f"eval.model_path={tmp_path / 'ckpt' / 'step_3'}", "eval.num_samples_per_prompt=4", "eval.pass_k=[1,2,4]",
-        f"eval.output_dir={out}", "grpo.max_val_samples=8", "+env.arithmetic.class=custom_envs:FirstOfFour",
-        "policy.generation.backend=hf", "policy.num_cpus_per_worker=0.25",
-    ])
+    rc = main(
+        [
+            "eval",
+            "--config",
+            str(TINY_RECIPE),
+            f"eval.model_path={tmp_path / 'ckpt' / 'step_3'}",
+            "eval.num_samples_per_prompt=4",
+            "eval.pass_k=[1,2,4]",
+            f"eval.output_dir={out}",
+            "grpo.max_val_samples=8",
+            "+env.arithmetic.class=custom_envs:FirstOfFour",
+            "policy.generation.backend=hf",
+            "policy.num_cpus_per_worker=0.25",
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

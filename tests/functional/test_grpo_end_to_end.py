@@ -4,8 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from functional.helpers import REPO, read_metrics, tiny_config
+
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,10 @@ REQUIRED_STEP_KEYS = [
     "train/gen_kl",
     "train/token_mult_prob_error",
     "train/advantages/mean",
-    *[f"timing/train/{p}" for p in ("generation", "reward", "prev_logprobs", "reference_logprobs", "policy_training", "refit", "total_step_time")],
+    *[
+        f"timing/train/{p}"
+        for p in ("generation", "reward", "prev_logprobs", "reference_logprobs", "policy_training", "refit", "total_step_time")
+    ],
 ]
 
 
@@ -72,8 +75,12 @@ def test_prev_logprob_pass_is_skipped_with_one_optimizer_step_and_the_loss_is_un
     common = ("grpo.max_num_steps=1", "grpo.val_at_start=false", "grpo.val_at_end=false")
     skipped = train(tiny_config(tmp_path / "a", *common, "grpo.skip_prev_logprobs=auto"))
     # The driver-side masks ride along on the computed run: on-policy they must remove nothing.
-    masks = ("grpo.seq_logprob_error_threshold=1.5", "grpo.rollout_rejection.level=token",
-             "grpo.rollout_rejection.lower=0.5", "grpo.rollout_rejection.upper=2.0")
+    masks = (
+        "grpo.seq_logprob_error_threshold=1.5",
+        "grpo.rollout_rejection.level=token",
+        "grpo.rollout_rejection.lower=0.5",
+        "grpo.rollout_rejection.upper=2.0",
+    )
     computed = train(tiny_config(tmp_path / "b", *common, "grpo.skip_prev_logprobs=false", *masks))
     s, c = skipped[-1], computed[-1]
     assert c["train/rollout_rejection/masked_token_fraction"] == 0 and c["train/seq_logprob_error/masked_fraction"] == 0
@@ -101,8 +108,15 @@ def mixed_task_files(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_zero_kl_penalty_loads_no_reference_model_and_a_two_task_run_routes_each_sample(ray_cluster, tmp_path):
     train_file, val_file = mixed_task_files(tmp_path)
-    data = ("data.dataset_name=null", f"data.train.data_path={train_file}", f"data.validation.data_path={val_file}",
-            "data.prompt_key=problem", "data.answer_key=answer", "data.task_key=task", "+env.math.num_workers=1")
+    data = (
+        "data.dataset_name=null",
+        f"data.train.data_path={train_file}",
+        f"data.validation.data_path={val_file}",
+        "data.prompt_key=problem",
+        "data.answer_key=answer",
+        "data.task_key=task",
+        "+env.math.num_workers=1",
+    )
     history = train(tiny_config(tmp_path, "grpo.max_num_steps=1", "loss_fn.reference_policy_kl_penalty=0", *data))
     last = history[-1]
     assert last["performance/forward_passes/reference_logprobs"] == 0

@@ -11,8 +11,8 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from functional.helpers import read_jsonl, read_metrics, tiny_config
+
 from nemo_like.cli import main as cli_main
 from nemo_like.train import train
 
@@ -181,9 +181,13 @@ def test_a_wandb_backend_that_fails_to_start_only_warns(ray_cluster, tmp_path, m
     }.items():
         monkeypatch.setenv(key, value)
     cfg = tiny_config(
-        tmp_path, "grpo.max_num_steps=1", "grpo.val_at_start=false", "grpo.val_at_end=false",
+        tmp_path,
+        "grpo.max_num_steps=1",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
         "loss_fn.reference_policy_kl_penalty=0",  # no reference actor: a cheaper run
-        "logger.wandb_enabled=true", "logger.tensorboard_enabled=true",
+        "logger.wandb_enabled=true",
+        "logger.tensorboard_enabled=true",
     )
     with pytest.warns(RuntimeWarning, match="Weights & Biases logging disabled"):
         history = train(cfg)

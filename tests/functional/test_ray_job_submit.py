@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from functional.helpers import TINY_OVERRIDES, TINY_RECIPE, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -193,7 +192,15 @@ def test_job_submit_trains_and_an_over_asking_job_fails_fast(ray_head: LocalHead
     working_dir.mkdir()
     shutil.copy(TINY_RECIPE, working_dir / TINY_RECIPE.name)
     log_dir = tmp_path / "logs"
-    train = [sys.executable, "-m", "nemo_like.cli", "train", "--config", TINY_RECIPE.name, *TINY_OVERRIDES]  # config: relative to the working dir
+    train = [
+        sys.executable,
+        "-m",
+        "nemo_like.cli",
+        "train",
+        "--config",
+        TINY_RECIPE.name,
+        *TINY_OVERRIDES,
+    ]  # config: relative to the working dir
 
     start = time.monotonic()
     ray_head.submit("nl-tiny", working_dir, [*train, f"logger.log_dir={log_dir}"])

@@ -5,9 +5,9 @@ import importlib.util
 
 import pytest
 import torch
-
 from functional.helpers import tiny_config
 from functional.test_actors import check_generation_follows_the_policy, prompts
+
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.setup import eos_token_ids
 from nemo_like.models.generation.hf import HFGeneration
@@ -24,7 +24,12 @@ pytestmark = [
 ]
 
 # T=0.7: vLLM must return the logprobs of the temperature-scaled distribution, as the policy scores them.
-VLLM = ("policy.generation.backend=vllm", "policy.generation.temperature=0.7", "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0")
+VLLM = (
+    "policy.generation.backend=vllm",
+    "policy.generation.temperature=0.7",
+    "policy.optimizer.lr=1e-2",
+    "loss_fn.reference_policy_kl_penalty=0",
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +101,10 @@ def test_refit_with_a_wrong_manifest_names_the_keys(ray_cluster, vllm_gen):
 def test_five_step_grpo_run_on_vllm_stays_on_policy(ray_cluster, tmp_path):
     """Sampling with top-k, top-p and a temperature: vLLM's processed logprobs and the policy's agree."""
     from functional.test_grpo_end_to_end import TRUNCATED_SAMPLING
+
     from nemo_like.train import train
 
-    cfg = tiny_config(tmp_path, "policy.generation.backend=vllm", "grpo.max_num_steps=5", "grpo.val_at_end=false",
-                      *TRUNCATED_SAMPLING)
+    cfg = tiny_config(tmp_path, "policy.generation.backend=vllm", "grpo.max_num_steps=5", "grpo.val_at_end=false", *TRUNCATED_SAMPLING)
     history = [r for r in train(cfg) if "train/gen_kl" in r]
     assert len(history) == 5
     for record in history:
@@ -119,8 +124,14 @@ def test_in_flight_refit_lands_between_engine_steps(ray_cluster, tmp_path, tok):
     from nemo_like.models.loading import load_causal_lm
     from nemo_like.models.logprobs import sequence_logprobs
 
-    cfg = tiny_config(tmp_path, *VLLM, "grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
-                      "grpo.async_grpo.in_flight_weight_updates=true", "policy.max_total_sequence_length=96")
+    cfg = tiny_config(
+        tmp_path,
+        *VLLM,
+        "grpo.async_grpo.enabled=true",
+        "loss_fn.use_importance_sampling_correction=true",
+        "grpo.async_grpo.in_flight_weight_updates=true",
+        "policy.max_total_sequence_length=96",
+    )
     never = tok.convert_tokens_to_ids("<|im_start|>")  # a stop id the model does not emit: every response is long
     gen = VLLMGeneration(cfg, tok.pad_token_id, [never], name="in_flight_vllm")
     try:

@@ -57,8 +57,18 @@ def main(tmp: str, strategy: str) -> None:
         result = policy.train({**random_batch(16)})  # 16 samples / 8 per step = two optimizer steps
         after = policy.parameter_checksums()
         policy.shutdown()
-        print(json.dumps({"nodes": nodes, "cluster_nodes": len(ray.nodes()), "before": before, "after": after,
-                          "grad_norms": result.grad_norms, "loss": result.metrics["loss"]}))
+        print(
+            json.dumps(
+                {
+                    "nodes": nodes,
+                    "cluster_nodes": len(ray.nodes()),
+                    "before": before,
+                    "after": after,
+                    "grad_norms": result.grad_norms,
+                    "loss": result.metrics["loss"],
+                }
+            )
+        )
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -23,7 +23,7 @@ def resolve_backend(requested: str) -> tuple[str, str]:
     return requested, "requested"
 
 
-def generation_resources(cfg) -> "RoleResources":
+def generation_resources(cfg) -> RoleResources:
     """What the generation engine ``policy.generation.backend`` resolves to reserves (one worker, as built below)."""
     backend, _ = resolve_backend(cfg.policy.generation.backend)
     if backend == "vllm":

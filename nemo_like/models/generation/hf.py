@@ -36,7 +36,12 @@ class HFGeneration:
         )
         resources = hf_generation_resources(cfg, num_workers).resources
         self.group = RayWorkerGroup(
-            "generation", HFGenerationWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s,
+            "generation",
+            HFGenerationWorker,
+            num_workers,
+            resources,
+            init,
+            cfg.cluster.placement_timeout_s,
             max_concurrency=actor_concurrency(cfg),
         )
         self.weight_version = 0

@@ -106,7 +106,13 @@ class VLLMGeneration:
             env.update(self._colocated_env())
         resources = vllm_generation_resources(cfg, num_workers).resources
         self.group = RayWorkerGroup(
-            name, VLLMGenerationWorker, num_workers, resources, init, cfg.cluster.placement_timeout_s, env,
+            name,
+            VLLMGenerationWorker,
+            num_workers,
+            resources,
+            init,
+            cfg.cluster.placement_timeout_s,
+            env,
             max_concurrency=actor_concurrency(cfg),
         )
         self.weight_version = 0

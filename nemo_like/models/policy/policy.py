@@ -27,7 +27,11 @@ def batching_plan(pc: Any, micro_batch_size: int) -> dict[str, Any]:
     if pc.sequence_packing.enabled:
         return {"mode": "packed", "train_size": pc.sequence_packing.train_mb_tokens, "logprob_size": pc.sequence_packing.logprob_mb_tokens}
     if pc.dynamic_batching.enabled:
-        return {"mode": "token_budget", "train_size": pc.dynamic_batching.train_mb_tokens, "logprob_size": pc.dynamic_batching.logprob_mb_tokens}
+        return {
+            "mode": "token_budget",
+            "train_size": pc.dynamic_batching.train_mb_tokens,
+            "logprob_size": pc.dynamic_batching.logprob_mb_tokens,
+        }
     return {"mode": "fixed", "train_size": micro_batch_size, "logprob_size": pc.logprob_batch_size}
 
 

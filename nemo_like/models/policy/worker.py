@@ -67,7 +67,13 @@ class PolicyWorker(Reinitializable):
         # distribution: temperature, then top-k / top-p truncation, renormalised (models/logprobs.py).
         self.sampling = SamplingDistribution(temperature, top_k, top_p)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.dtensor_cfg = {"enabled": True, "cpu_offload": False, "activation_checkpointing": False, "tensor_parallel_size": 1, **(dtensor_cfg or {})}
+        self.dtensor_cfg = {
+            "enabled": True,
+            "cpu_offload": False,
+            "activation_checkpointing": False,
+            "tensor_parallel_size": 1,
+            **(dtensor_cfg or {}),
+        }
         self.tp_size = int(self.dtensor_cfg["tensor_parallel_size"])
         if world_size % self.tp_size:
             raise ValueError(f"{world_size} workers cannot form groups of tensor_parallel_size={self.tp_size}")
@@ -76,7 +82,9 @@ class PolicyWorker(Reinitializable):
         if self.dtensor_cfg["activation_checkpointing"] and trainable:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.trainable = trainable
-        self.plan = MicroBatchPlan(**(batching or {"mode": "fixed", "train_size": train_micro_batch_size, "logprob_size": logprob_batch_size}))
+        self.plan = MicroBatchPlan(
+            **(batching or {"mode": "fixed", "train_size": train_micro_batch_size, "logprob_size": logprob_batch_size})
+        )
         self.chunk_size = logprob_chunk_size
         self.max_grad_norm = max_grad_norm
         self.weight_version = 0

@@ -58,8 +58,12 @@ def test_single_generation_per_prompt(loo: bool):
     assert_close(baseline, [0.3, 1.0, 0.0])
     assert_close(std, [0.0, 0.0, 0.0])
     result = compute_advantages(
-        "grpo", rewards=rewards, prompt_ids=T([4, 5, 6]), valid_mask=ones(3),
-        normalize_rewards=True, use_leave_one_out_baseline=loo,
+        "grpo",
+        rewards=rewards,
+        prompt_ids=T([4, 5, 6]),
+        valid_mask=ones(3),
+        normalize_rewards=True,
+        use_leave_one_out_baseline=loo,
     )
     assert torch.equal(result.advantages, torch.zeros(3))
 
@@ -77,8 +81,12 @@ def test_identical_rewards_give_exactly_zero_std_and_advantage(loo: bool):
     # (E[r^2] - E[r]^2 over seven 0.7s is -2.2e-16 in float64.)
     rewards = torch.full((7,), 0.7, dtype=torch.float64)
     result = compute_advantages(
-        "grpo", rewards=rewards, prompt_ids=torch.zeros(7, dtype=torch.long), valid_mask=ones(7),
-        normalize_rewards=True, use_leave_one_out_baseline=loo,
+        "grpo",
+        rewards=rewards,
+        prompt_ids=torch.zeros(7, dtype=torch.long),
+        valid_mask=ones(7),
+        normalize_rewards=True,
+        use_leave_one_out_baseline=loo,
     )
     assert torch.equal(result.std, torch.zeros(7, dtype=torch.float64))
     assert torch.equal(result.advantages, torch.zeros(7, dtype=torch.float64))
@@ -89,8 +97,12 @@ def test_zero_std_with_nonzero_advantage_is_not_blown_up():
     # (dividing by 0 + 1e-6 would give 1e6). The others: baseline 1/3, std of [1,0,0] = sqrt(1/3),
     # advantage (-1/3) / (sqrt(1/3) + 1e-6) ~= -0.57735.
     result = compute_advantages(
-        "grpo", rewards=T([1.0, 0.0, 0.0, 0.0]), prompt_ids=torch.zeros(4, dtype=torch.long), valid_mask=ones(4),
-        normalize_rewards=True, use_leave_one_out_baseline=True,
+        "grpo",
+        rewards=T([1.0, 0.0, 0.0, 0.0]),
+        prompt_ids=torch.zeros(4, dtype=torch.long),
+        valid_mask=ones(4),
+        normalize_rewards=True,
+        use_leave_one_out_baseline=True,
     )
     assert_close(result.std, [0.0, SQRT_THIRD, SQRT_THIRD, SQRT_THIRD])
     assert_close(result.advantages, [1.0, -SQRT_THIRD, -SQRT_THIRD, -SQRT_THIRD], atol=1e-5)
@@ -105,8 +117,12 @@ def test_zero_std_detection_is_exact_for_non_dyadic_rewards(own: float, peer: fl
     # residue of ~1e-16 (std ~1e-8), which would scale the advantage by ~1e6 / 1.01.
     rewards = T([own, peer, peer, peer], dtype=dtype)
     result = compute_advantages(
-        "grpo", rewards=rewards, prompt_ids=torch.zeros(4, dtype=torch.long), valid_mask=ones(4),
-        normalize_rewards=True, use_leave_one_out_baseline=True,
+        "grpo",
+        rewards=rewards,
+        prompt_ids=torch.zeros(4, dtype=torch.long),
+        valid_mask=ones(4),
+        normalize_rewards=True,
+        use_leave_one_out_baseline=True,
     )
     assert result.std[0] == 0.0 and result.baseline[0] == rewards[1]
     assert result.advantages[0] == rewards[0] - rewards[1]
@@ -140,8 +156,12 @@ def test_masked_samples_do_not_enter_baselines():
     assert_close(std, [0.0, math.sqrt(0.5), SQRT_THIRD, math.sqrt(0.5), 0.0])
 
     result = compute_advantages(
-        "grpo", rewards=rewards, prompt_ids=prompt_ids, valid_mask=valid,
-        normalize_rewards=False, use_leave_one_out_baseline=True,
+        "grpo",
+        rewards=rewards,
+        prompt_ids=prompt_ids,
+        valid_mask=valid,
+        normalize_rewards=False,
+        use_leave_one_out_baseline=True,
     )
     assert_close(result.advantages, [1.0, -0.5, 0.0, -0.5, 0.0])
 
@@ -151,9 +171,7 @@ def test_nan_reward_raises_naming_sample_and_group():
         calculate_baseline_and_std_per_prompt(T([7, 7, 9, 9]), T([0.0, math.nan, 1.0, 0.0]), ones(4), True)
     # Also when the sample is masked: NaN * 0 is still NaN downstream.
     with pytest.raises(ValueError, match=r"index\(es\) \[2, 3\]"):
-        calculate_baseline_and_std_per_prompt(
-            T([7, 7, 9, 9]), T([0.0, 1.0, math.inf, -math.inf]), T([1, 1, 0, 0]), False
-        )
+        calculate_baseline_and_std_per_prompt(T([7, 7, 9, 9]), T([0.0, 1.0, math.inf, -math.inf]), T([1, 1, 0, 0]), False)
 
 
 def test_prompt_rows_are_grouped_by_token_equality():
@@ -168,9 +186,7 @@ def test_prompt_rows_are_grouped_by_token_equality():
 
 
 def test_empty_batch():
-    baseline, std = calculate_baseline_and_std_per_prompt(
-        torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0), True
-    )
+    baseline, std = calculate_baseline_and_std_per_prompt(torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0), True)
     assert baseline.shape == std.shape == (0,)
 
 
@@ -179,10 +195,7 @@ def _slow_reference(prompt_ids, rewards, valid, loo):
     n = len(rewards)
     baseline, std = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for i in range(n):
-        ref = [
-            float(rewards[j]) for j in range(n)
-            if prompt_ids[j] == prompt_ids[i] and valid[j] and not (loo and valid[i] and j == i)
-        ]
+        ref = [float(rewards[j]) for j in range(n) if prompt_ids[j] == prompt_ids[i] and valid[j] and not (loo and valid[i] and j == i)]
         baseline[i] = sum(ref) / len(ref) if ref else float(rewards[i])
         # Equal values: std exactly 0 (the naive formula below can leave a ~1e-17 residue).
         if len(set(ref)) >= 2:
@@ -233,8 +246,12 @@ def test_registry_names_and_unknown_name():
     assert {"grpo", "rloo", "dr_grpo"} <= set(ADVANTAGE_ESTIMATORS)
     with pytest.raises(ValueError, match=r"'ppo'.*\['dr_grpo', 'grpo', 'rloo'"):
         compute_advantages(
-            "ppo", rewards=T([1.0]), prompt_ids=T([0]), valid_mask=ones(1),
-            normalize_rewards=True, use_leave_one_out_baseline=False,
+            "ppo",
+            rewards=T([1.0]),
+            prompt_ids=T([0]),
+            valid_mask=ones(1),
+            normalize_rewards=True,
+            use_leave_one_out_baseline=False,
         )
     with pytest.raises(ValueError, match="already registered"):
         register_advantage_estimator("grpo")(lambda **kw: None)
@@ -245,9 +262,7 @@ REWARDS_1001 = T([1.0, 0.0, 0.0, 1.0])
 
 
 def test_grpo_normalised_values():
-    result = compute_advantages(
-        "grpo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=True, use_leave_one_out_baseline=False
-    )
+    result = compute_advantages("grpo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=True, use_leave_one_out_baseline=False)
     # mean .5, std sqrt(4 * .25 / 3) = sqrt(1/3): +-.5 / sqrt(1/3) = +-0.8660.
     assert isinstance(result, AdvantageResult)
     assert_close(result.advantages, [0.8660254, -0.8660254, -0.8660254, 0.8660254], atol=1e-5)
@@ -255,27 +270,21 @@ def test_grpo_normalised_values():
 
 @pytest.mark.parametrize("loo_flag", [False, True])
 def test_rloo_always_leaves_one_out(loo_flag: bool):
-    result = compute_advantages(
-        "rloo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=False, use_leave_one_out_baseline=loo_flag
-    )
+    result = compute_advantages("rloo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=False, use_leave_one_out_baseline=loo_flag)
     # r=1 -> peers [0,0,1]: baseline 1/3, A = 2/3; r=0 -> peers [0,1,1]: 2/3, A = -2/3. Not divided.
     assert_close(result.baseline, [1 / 3, 2 / 3, 2 / 3, 1 / 3])
     assert_close(result.advantages, [2 / 3, -2 / 3, -2 / 3, 2 / 3])
 
 
 def test_rloo_normalises_only_when_asked():
-    result = compute_advantages(
-        "rloo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=True, use_leave_one_out_baseline=False
-    )
+    result = compute_advantages("rloo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=True, use_leave_one_out_baseline=False)
     # LOO std of [0,0,1] and [0,1,1] is sqrt(1/3): (2/3) / sqrt(1/3) = 2 / sqrt(3) = 1.1547.
     assert_close(result.advantages, [1.1547005, -1.1547005, -1.1547005, 1.1547005], atol=1e-5)
 
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_dr_grpo_never_divides_by_std(normalize: bool):
-    result = compute_advantages(
-        "dr_grpo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=normalize, use_leave_one_out_baseline=True
-    )
+    result = compute_advantages("dr_grpo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=normalize, use_leave_one_out_baseline=True)
     # Group mean .5 (leave-one-out ignored), std sqrt(1/3) reported but not used.
     assert_close(result.advantages, [0.5, -0.5, -0.5, 0.5])
     assert_close(result.std, [SQRT_THIRD] * 4)
@@ -284,8 +293,12 @@ def test_dr_grpo_never_divides_by_std(normalize: bool):
 @pytest.mark.parametrize("name", ["grpo", "rloo", "dr_grpo"])
 def test_invalid_samples_get_zero_advantage(name: str):
     result = compute_advantages(
-        name, rewards=T([1.0, 0.0, 1.0, 0.0]), prompt_ids=torch.zeros(4, dtype=torch.long),
-        valid_mask=T([1, 1, 0, 0]), normalize_rewards=True, use_leave_one_out_baseline=True,
+        name,
+        rewards=T([1.0, 0.0, 1.0, 0.0]),
+        prompt_ids=torch.zeros(4, dtype=torch.long),
+        valid_mask=T([1, 1, 0, 0]),
+        normalize_rewards=True,
+        use_leave_one_out_baseline=True,
     )
     assert result.advantages[2] == 0 and result.advantages[3] == 0
     assert torch.isfinite(result.advantages).all()
@@ -298,9 +311,7 @@ def test_advantage_metrics_over_valid_tokens():
     advantages = T([[9.0, 1.0, 2.0], [9.0, -3.0, 9.0]])
     mask = T([[0, 1, 1], [0, 1, 0]])
     # Valid tokens: 1, 2, -3 -> mean 0, max 2, min -3 (the 9s are masked).
-    assert advantage_metrics(advantages, mask) == {
-        "advantages/mean": 0.0, "advantages/max": 2.0, "advantages/min": -3.0
-    }
+    assert advantage_metrics(advantages, mask) == {"advantages/mean": 0.0, "advantages/max": 2.0, "advantages/min": -3.0}
     # A [B] tensor is broadcast over the tokens: 1, 1, 5 -> mean 7/3.
     assert advantage_metrics(T([1.0, 5.0]), mask)["advantages/mean"] == pytest.approx(7 / 3)
 
@@ -328,7 +339,10 @@ def test_reward_group_metrics():
 def test_reward_group_metrics_no_valid_sample_is_zero():
     metrics = reward_group_metrics(T([1.0, 0.0]), T([0, 0]), T([0, 0]))
     assert set(metrics) == {
-        "reward_std", "frac_reward_zero_std", "baseline_reward/pct_0", "baseline_reward/pct_1",
+        "reward_std",
+        "frac_reward_zero_std",
+        "baseline_reward/pct_0",
+        "baseline_reward/pct_1",
         "baseline_reward/pct_mixed",
     }
     assert all(v == 0.0 for v in metrics.values())

@@ -126,9 +126,7 @@ def sampled_fragments() -> dict[str, dict[str, float]]:
     out = {}
     for i, (name, dist) in enumerate(CASES.items()):
         b = _sample_batch(dist, seed=100 + i)
-        frags = M.divergence_metric_fragments(
-            b["train"], b["gen"], b["token_mask"], b["sample_mask"], NUM_TOKENS, NUM_SEQS
-        )
+        frags = M.divergence_metric_fragments(b["train"], b["gen"], b["token_mask"], b["sample_mask"], NUM_TOKENS, NUM_SEQS)
         out[name] = {k: float(v) for k, v in frags.items()}
     return out
 
@@ -151,9 +149,7 @@ def test_estimator_expectation_is_exact_divergence(case: str, metric: str) -> No
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("metric", list(TOKEN_METRICS))
-def test_monte_carlo_metric_matches_exact_divergence(
-    case: str, metric: str, sampled_fragments: dict[str, dict[str, float]]
-) -> None:
+def test_monte_carlo_metric_matches_exact_divergence(case: str, metric: str, sampled_fragments: dict[str, dict[str, float]]) -> None:
     """The metric computed by divergence_metric_fragments on pi_gen samples is within 5 SE."""
     estimator, target = TOKEN_METRICS[metric]
     log_gen, log_train = CASES[case]
@@ -166,9 +162,9 @@ def test_monte_carlo_metric_matches_exact_divergence(
 def test_k3_with_the_reversed_ratio_estimates_chi2_minus_kl_not_kl_train_gen(
     sampled_fragments: dict[str, dict[str, float]],
 ) -> None:
-    """Seed 000's policy_kl has expectation chi^2(gen||train) - KL(gen||train), for every case,
+    """The reversed-ratio k3 (seed 000's policy_kl) has expectation chi^2(gen||train) - KL(gen||train), for every case,
     and on the far case that is many standard errors away from KL(train||gen)."""
-    for case, (log_gen, log_train) in CASES.items():
+    for log_gen, log_train in CASES.values():
         mean, _ = exact_moments(seed_policy_kl, (log_gen, log_train))
         expected = exact_chi2(log_gen, log_train) - exact_kl(log_gen, log_train)
         assert mean == pytest.approx(expected, rel=1e-9)
@@ -221,9 +217,7 @@ def test_chi2_seq_product_form_is_sequence_level_chi2() -> None:
     ids = ids.view(num_seqs, seq_len)
     token_mask = torch.ones(num_seqs, seq_len)
     token_mask[:, 0] = 0
-    frags = M.divergence_metric_fragments(
-        log_train[ids], log_gen[ids], token_mask, torch.ones(num_seqs), token_mask.sum(), num_seqs
-    )
+    frags = M.divergence_metric_fragments(log_train[ids], log_gen[ids], token_mask, torch.ones(num_seqs), token_mask.sum(), num_seqs)
     chi2_token = exact_chi2(log_train, log_gen)
     target = (1 + chi2_token) ** 3 - 1
     # Exact variance of prod r^2 over 3 i.i.d. tokens: E[r^4]^3 - E[r^2]^6.
@@ -259,9 +253,7 @@ def test_worked_example_from_the_guide() -> None:
     assert float(M.chi2_train_gen(log_ratio)) == pytest.approx(r * r - 1, rel=1e-12)
     assert float(M.mult_prob_error(log_ratio)) == pytest.approx(math.exp(10), rel=1e-12)
     assert float(seed_policy_kl(log_ratio)) == pytest.approx(math.exp(10) - 11, rel=1e-12)  # 22015.47
-    assert float(seed_js(log_ratio)) == pytest.approx(
-        math.log((1 + r) / (2 * math.sqrt(r))), rel=1e-12
-    )  # 4.3069 > log 2
+    assert float(seed_js(log_ratio)) == pytest.approx(math.log((1 + r) / (2 * math.sqrt(r))), rel=1e-12)  # 4.3069 > log 2
 
 
 def test_sequence_metrics_by_hand() -> None:
@@ -289,10 +281,15 @@ def test_sequence_metrics_by_hand() -> None:
 
 
 def test_combine_sums_min_max_and_recomputes_derived_metrics() -> None:
-    a = {"x": 1.0, "r_min": 0.5, "r_max": 2.0, "rollout_corr/is_weight_mean": 0.4,
-         "rollout_corr/is_weight_sq_mean": 0.3, "rollout_corr/is_eff_sample_size": 123.0}
-    b = {"x": 2.0, "r_min": math.inf, "r_max": -math.inf, "rollout_corr/is_weight_mean": 0.6,
-         "rollout_corr/is_weight_sq_mean": 0.9}
+    a = {
+        "x": 1.0,
+        "r_min": 0.5,
+        "r_max": 2.0,
+        "rollout_corr/is_weight_mean": 0.4,
+        "rollout_corr/is_weight_sq_mean": 0.3,
+        "rollout_corr/is_eff_sample_size": 123.0,
+    }
+    b = {"x": 2.0, "r_min": math.inf, "r_max": -math.inf, "rollout_corr/is_weight_mean": 0.6, "rollout_corr/is_weight_sq_mean": 0.9}
     out = combine_metric_fragments([a, b], default_metric_reduction)
     assert out["x"] == 3.0
     assert out["r_min"] == 0.5 and out["r_max"] == 2.0
@@ -303,8 +300,7 @@ def test_combine_is_associative_and_reports_empty_min_as_nan() -> None:
     frags = [{"v": 1.0, "v_min": math.inf}, {"v": 2.0, "v_min": math.inf}, {"v": 4.0, "v_min": 3.0}]
     flat = combine_metric_fragments(frags, default_metric_reduction)
     nested = combine_metric_fragments(
-        [combine_metric_fragments(frags[:2], default_metric_reduction),
-         combine_metric_fragments(frags[2:], default_metric_reduction)],
+        [combine_metric_fragments(frags[:2], default_metric_reduction), combine_metric_fragments(frags[2:], default_metric_reduction)],
         default_metric_reduction,
     )
     assert flat == nested == {"v": 7.0, "v_min": 3.0}

@@ -74,8 +74,11 @@ def test_accumulator_full_on_first_batch_takes_exactly_needed():
 def test_accumulator_raises_past_max_gen_batches():
     acc = DynamicSamplingAccumulator(num_prompts_needed=2, max_gen_batches=2)
     add_batch(acc, make_batch([0, 0, 1, 1], [0, 1, 1, 1]))  # 1 kept, 1 discarded
-    with pytest.raises(RuntimeError, match=r"1/2 prompt groups.*2 generation batches.*"
-                       r"grpo\.dynamic_sampling_max_gen_batches=2.*3 groups were discarded"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"1/2 prompt groups.*2 generation batches.*"
+        r"grpo\.dynamic_sampling_max_gen_batches=2.*3 groups were discarded",
+    ):
         add_batch(acc, make_batch([0, 0, 1, 1], [0, 0, 1, 1]))
 
 
@@ -149,11 +152,16 @@ def test_dynamic_sampling_filters_on_the_raw_reward_then_shapes():
     from nemo_like.config import load_config
 
     recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
-    cfg = load_config(recipe, [
-        "grpo.use_dynamic_sampling=true", "grpo.reward_shaping.enabled=true",
-        # L_max 30, buffer 10: no penalty up to 20 tokens, -0.2 at 22, -1 at 30.
-        "grpo.reward_shaping.max_response_length=30", "grpo.reward_shaping.overlong_buffer_length=10",
-    ])
+    cfg = load_config(
+        recipe,
+        [
+            "grpo.use_dynamic_sampling=true",
+            "grpo.reward_shaping.enabled=true",
+            # L_max 30, buffer 10: no penalty up to 20 tokens, -0.2 at 22, -1 at 30.
+            "grpo.reward_shaping.max_response_length=30",
+            "grpo.reward_shaping.overlong_buffer_length=10",
+        ],
+    )
     raw = T([0.0, 0.0, 0.0, 1.0, 0.0, 1.0])
     lengths = T([10.0, 22.0, 30.0, 10.0, 20.0, 10.0])
     group_ids = T([0, 0, 0, 1, 1, 1])

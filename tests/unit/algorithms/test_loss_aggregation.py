@@ -13,8 +13,8 @@ from nemo_like.algorithms.loss_functions import (
 )
 from nemo_like.algorithms.utils import masked_mean
 from nemo_like.config.loss import LOSS_AGGREGATIONS, ClippedPGLossConfig
-from nemo_like.models.policy.policy import split_rows
 from nemo_like.models.policy.batching import take_rows
+from nemo_like.models.policy.policy import split_rows
 
 # ---------------------------------------------------------------- masked_mean
 
@@ -80,8 +80,11 @@ def test_each_aggregation_matches_the_hand_value(mode: str) -> None:
     # d loss / d log pi_curr(t) = -A_t * (weight of t): check token 1 of seq 0 (A = 1) and seq 1 (A = 4).
     (grad,) = torch.autograd.grad(loss, curr)
     weight0, weight1 = {
-        "token-mean": (1 / 4, 1 / 4), "seq-mean-token-mean": (1 / 6, 1 / 2), "seq-mean-token-sum": (1 / 2, 1 / 2),
-        "seq-mean-token-sum-norm": (1 / 16, 1 / 16), "token-sum": (1.0, 1.0),
+        "token-mean": (1 / 4, 1 / 4),
+        "seq-mean-token-mean": (1 / 6, 1 / 2),
+        "seq-mean-token-sum": (1 / 2, 1 / 2),
+        "seq-mean-token-sum-norm": (1 / 16, 1 / 16),
+        "token-sum": (1.0, 1.0),
     }[mode]
     assert grad[0, 1].item() == pytest.approx(-1 * weight0) and grad[1, 1].item() == pytest.approx(-4 * weight1)
 
@@ -162,8 +165,12 @@ def _loss_and_grad(cfg: ClippedPGLossConfig, batch: dict[str, torch.Tensor], sha
 
 CONFIGS = {
     mode: ClippedPGLossConfig(
-        loss_aggregation=mode, loss_aggregation_normalizer=7, reference_policy_kl_penalty=0.05,
-        use_importance_sampling_correction=True, ratio_clip_max=0.28, kl_tau=0.01,
+        loss_aggregation=mode,
+        loss_aggregation_normalizer=7,
+        reference_policy_kl_penalty=0.05,
+        use_importance_sampling_correction=True,
+        ratio_clip_max=0.28,
+        kl_tau=0.01,
     )
     for mode in LOSS_AGGREGATIONS
 }

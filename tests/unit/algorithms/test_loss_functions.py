@@ -145,9 +145,7 @@ def test_disable_ppo_ratio_is_reinforce() -> None:
 @pytest.mark.parametrize("drop_prev", [False, True])
 def test_force_on_policy_ratio_and_missing_prev(drop_prev: bool) -> None:
     # ratio exp(c - sg c) = 1 whatever prev says: loss = mean(-A) = -(2 - 1)/2, grad -A/2
-    curr, data = _batch(
-        [[LOG(0.5), LOG(0.25)]], [[2.0, -1.0]], prev=[[LOG(0.1)] * 2], gen=[[LOG(0.5), LOG(0.25)]]
-    )
+    curr, data = _batch([[LOG(0.5), LOG(0.25)]], [[2.0, -1.0]], prev=[[LOG(0.1)] * 2], gen=[[LOG(0.5), LOG(0.25)]])
     cfg = ClippedPGLossConfig()
     if drop_prev:
         del data["prev_logprobs"]
@@ -180,14 +178,35 @@ def _is_batch() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # tis clamps to [0, 1.5]: [1.5, 0.8]
         ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 1.5}, [1.5, 0.8], 0.5),
         # icepop zeroes outside [0.5, 1.5]: [0, 0.8]
-        ({"truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 1.5,
-          "truncated_importance_sampling_ratio_min": 0.5}, [0.0, 0.8], 0.5),
+        (
+            {
+                "truncated_importance_sampling_type": "icepop",
+                "truncated_importance_sampling_ratio": 1.5,
+                "truncated_importance_sampling_ratio_min": 0.5,
+            },
+            [0.0, 0.8],
+            0.5,
+        ),
         # seq-mask-tis: geometric mean sqrt(2 * 0.8) = 1.265 in [0.5, 1.5] -> sequence kept
-        ({"truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 1.5,
-          "truncated_importance_sampling_ratio_min": 0.5}, [2.0, 0.8], 0.0),
+        (
+            {
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.5,
+                "truncated_importance_sampling_ratio_min": 0.5,
+            },
+            [2.0, 0.8],
+            0.0,
+        ),
         # ... and with max 1.2 the whole sequence is dropped (1 of 1 sequences out of bounds)
-        ({"truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 1.2,
-          "truncated_importance_sampling_ratio_min": 0.5}, [0.0, 0.0], 1.0),
+        (
+            {
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.2,
+                "truncated_importance_sampling_ratio_min": 0.5,
+            },
+            [0.0, 0.0],
+            1.0,
+        ),
     ],
 )
 def test_importance_sampling_correction_and_truncation(options: dict, weights: list[float], oob: float) -> None:
@@ -225,7 +244,8 @@ def test_gspo_importance_weights_are_sequence_products() -> None:
     # prev - gen = [log 2, log .8] in one sequence: weight 1.6 for the whole sequence.
     curr, data = _is_batch()
     cfg = ClippedPGLossConfig(
-        sequence_level_importance_ratios=True, token_level_loss=False,
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
         use_importance_sampling_correction=True,
     )
     loss, m, _ = _run(cfg, curr, data)
@@ -236,8 +256,7 @@ def test_gspo_importance_weights_are_sequence_products() -> None:
 def test_token_versus_sequence_level_normalisation() -> None:
     # on-policy (r = 1), per-token loss = -A. Row 1: one token A = 4; row 2: three tokens A = 1.
     # token level: -(4 + 3)/4 = -1.75 ; sequence level: -(4 + 1)/2 = -2.5
-    curr, data = _batch([[-1.0, 0.0, 0.0], [-1.0, -1.0, -1.0]], [[4.0, 0.0, 0.0], [1.0, 1.0, 1.0]],
-                        token_mask=[[1, 0, 0], [1, 1, 1]])
+    curr, data = _batch([[-1.0, 0.0, 0.0], [-1.0, -1.0, -1.0]], [[4.0, 0.0, 0.0], [1.0, 1.0, 1.0]], token_mask=[[1, 0, 0], [1, 1, 1]])
     token_loss, _, _ = _run(ClippedPGLossConfig(), curr, data)
     seq_loss, _, grad = _run(ClippedPGLossConfig(token_level_loss=False), curr, data)
     assert float(token_loss) == pytest.approx(-1.75)
@@ -342,9 +361,7 @@ def test_dppo_binary_tv_drops_tokens_and_kl_tau_only_on_kept(kl_tau: float) -> N
     kept_sq = [lr**2 for lr, k in zip(log_ratios, TR_KEPT) if k]
     # kept: -A r with r = 1: -2 + 3 + 0.5 - 0.25 = 1.25 ; plus kl_tau * sum kept (c - g)^2, / 6
     assert float(loss) == pytest.approx((1.25 + kl_tau * sum(kept_sq)) / 6)
-    expected_grad = [
-        (-a + 2 * kl_tau * lr) / 6 if k else 0.0 for a, lr, k in zip(TR_ADV[0], log_ratios, TR_KEPT)
-    ]
+    expected_grad = [(-a + 2 * kl_tau * lr) / 6 if k else 0.0 for a, lr, k in zip(TR_ADV[0], log_ratios, TR_KEPT)]
     torch.testing.assert_close(grad, _grad([expected_grad]))
     assert float(grad[0, 0]) == 0.0 and float(grad[0, 2]) == 0.0  # exactly zero
     assert m["trust_region/masked_fraction"] == pytest.approx(2 / 6)
@@ -365,27 +382,32 @@ def test_trust_region_uses_the_unclipped_ratio() -> None:
 CONFIGS = {
     "ppo_default": {},
     "ppo_dual_clip_tis": {
-        "ratio_clip_c": 3.0, "use_importance_sampling_correction": True,
-        "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0,
+        "ratio_clip_c": 3.0,
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
     },
     "icepop_k3_on_policy_kl": {
-        "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
-        "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5,
-        "reference_policy_kl_penalty": 0.05, "use_on_policy_kl_approximation": True,
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio": 2.0,
+        "truncated_importance_sampling_ratio_min": 0.5,
+        "reference_policy_kl_penalty": 0.05,
+        "use_on_policy_kl_approximation": True,
     },
     "gspo_seq_mask_tis": {
-        "sequence_level_importance_ratios": True, "token_level_loss": False,
-        "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
-        "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5,
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "seq-mask-tis",
+        "truncated_importance_sampling_ratio": 2.0,
+        "truncated_importance_sampling_ratio_min": 0.5,
     },
-    "sequence_level_k1": {"token_level_loss": False, "reference_policy_kl_penalty": 0.1,
-                          "reference_policy_kl_type": "k1"},
+    "sequence_level_k1": {"token_level_loss": False, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k1"},
     "cispo": {"use_cispo": True, "use_importance_sampling_correction": True},
     "reinforce": {"disable_ppo_ratio": True},
-    "force_on_policy_k2": {"force_on_policy_ratio": True, "reference_policy_kl_penalty": 0.1,
-                           "reference_policy_kl_type": "k2"},
-    "dppo_kl_tau": {"trust_region_type": "dppo_binary_tv", "kl_tau": 0.1,
-                    "use_importance_sampling_correction": True},
+    "force_on_policy_k2": {"force_on_policy_ratio": True, "reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k2"},
+    "dppo_kl_tau": {"trust_region_type": "dppo_binary_tv", "kl_tau": 0.1, "use_importance_sampling_correction": True},
 }
 
 
@@ -403,9 +425,12 @@ def _random_batch(seed: int, batch: int = 8, seq: int = 12) -> tuple[torch.Tenso
     sample_mask[5] = 0
     advantages = randn(batch, 1).expand(batch, seq).clone()
     data = {
-        "generation_logprobs": gen, "prev_logprobs": prev, "advantages": advantages,
+        "generation_logprobs": gen,
+        "prev_logprobs": prev,
+        "advantages": advantages,
         "reference_policy_logprobs": (prev + 0.2 * randn(batch, seq)).clamp(max=-1e-3),
-        "token_mask": token_mask, "sample_mask": sample_mask,
+        "token_mask": token_mask,
+        "sample_mask": sample_mask,
     }
     return curr.requires_grad_(True), data
 
@@ -452,8 +477,7 @@ def test_microbatches_sum_to_the_full_batch(name: str) -> None:
     combined = combine_metric_fragments(fragments, fn.metric_reduction)
     # Two "data-parallel ranks" combined separately first, then together.
     nested = combine_metric_fragments(
-        [combine_metric_fragments(fragments[:2], fn.metric_reduction),
-         combine_metric_fragments(fragments[2:], fn.metric_reduction)],
+        [combine_metric_fragments(fragments[:2], fn.metric_reduction), combine_metric_fragments(fragments[2:], fn.metric_reduction)],
         fn.metric_reduction,
     )
 

@@ -42,7 +42,10 @@ def test_user_estimator_by_import_path_is_used_for_advantages(path: str) -> None
         ("loss_fn.reference_policy_kl_type=k33", "Did you mean 'k3'?"),
         ("loss_fn.trust_region_type=dppo_binary", "Did you mean 'dppo_binary_tv'?"),
         ("loss_fn.truncated_importance_sampling_type=icepo", "Did you mean 'icepop'?"),
-        (f"grpo.adv_estimator.name={PLUGINS}:missing", "grpo.adv_estimator.name: 'tests.unit.algorithms.user_plugins' has no attribute 'missing'"),
+        (
+            f"grpo.adv_estimator.name={PLUGINS}:missing",
+            "grpo.adv_estimator.name: 'tests.unit.algorithms.user_plugins' has no attribute 'missing'",
+        ),
         (f"grpo.adv_estimator.name={PLUGINS}:NOT_CALLABLE", "is not callable"),
         ("grpo.adv_estimator.name=no_such_pkg.mod:fn", "grpo.adv_estimator.name: cannot import 'no_such_pkg.mod'"),
     ],

@@ -79,9 +79,15 @@ def test_seq_logprob_error_values_masking_and_metrics() -> None:
     assert m["seq_logprob_error/num_masked"] == 2.0
     assert m["seq_logprob_error/masked_correct_fraction"] == pytest.approx(0.5)
     assert (m["seq_logprob_error/mean_before"], m["seq_logprob_error/min_before"], m["seq_logprob_error/max_before"]) == (
-        pytest.approx((2 + e1 + 3) / 3), pytest.approx(e1), pytest.approx(3.0))
+        pytest.approx((2 + e1 + 3) / 3),
+        pytest.approx(e1),
+        pytest.approx(3.0),
+    )
     assert (m["seq_logprob_error/mean_after"], m["seq_logprob_error/min_after"], m["seq_logprob_error/max_after"]) == (
-        pytest.approx(e1), pytest.approx(e1), pytest.approx(e1))
+        pytest.approx(e1),
+        pytest.approx(e1),
+        pytest.approx(e1),
+    )
 
 
 def test_our_statistic_is_below_nemo_rls_by_jensen() -> None:
@@ -89,7 +95,7 @@ def test_our_statistic_is_below_nemo_rls_by_jensen() -> None:
     # NeMo-RL's mean(exp) = (1 + 1 + 1 + 4) / 4 = 1.75 (masked at 1.5). Documented in docs/guides/grpo.md.
     batch = _batch([[0.0, 0.0, 0.0, LOG(4)]])
     m = mask_high_mismatch_sequences(1.5, batch, torch.ones(1))
-    assert m["seq_logprob_error/max"] == pytest.approx(4 ** 0.25)
+    assert m["seq_logprob_error/max"] == pytest.approx(4**0.25)
     assert batch["sample_mask"].tolist() == [1.0]
 
 
@@ -114,7 +120,7 @@ def test_token_rejection_removes_tokens_from_the_mask_and_the_count() -> None:
     assert m["rollout_rejection/token_ratio_std"] == pytest.approx(ratios.std(unbiased=False).item(), rel=1e-6)
     # Per-sequence diagnostics use the geometric-mean ratio at token level: s0 = (1.2)^(1/3), s1 = 2.5, s2 = sqrt(1.08).
     assert m["rollout_rejection/seq_stat_max"] == pytest.approx(2.5)
-    assert m["rollout_rejection/seq_stat_min"] == pytest.approx(1.08 ** 0.5, rel=1e-6)
+    assert m["rollout_rejection/seq_stat_min"] == pytest.approx(1.08**0.5, rel=1e-6)
     assert m["rollout_rejection/seq_frac_above"] == pytest.approx(1 / 3)
 
 
@@ -180,8 +186,10 @@ def test_rejected_tokens_leave_the_loss_normalisation_unlike_icepop_zeros() -> N
         "generation_logprobs": gen,
     }
     cfg = ClippedPGLossConfig(
-        use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
-        truncated_importance_sampling_ratio=2.0, truncated_importance_sampling_ratio_min=0.5,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=2.0,
+        truncated_importance_sampling_ratio_min=0.5,
     )
 
     def loss_of(batch: dict[str, torch.Tensor]) -> float:
@@ -196,10 +204,15 @@ def test_rejected_tokens_leave_the_loss_normalisation_unlike_icepop_zeros() -> N
 
 
 def test_driver_masks_follow_the_recipe() -> None:
-    cfg = load_config(None, [
-        "grpo.seq_logprob_error_threshold=2.5", "grpo.rollout_rejection.level=token",
-        "grpo.rollout_rejection.upper=2.0",
-    ], warn=False)
+    cfg = load_config(
+        None,
+        [
+            "grpo.seq_logprob_error_threshold=2.5",
+            "grpo.rollout_rejection.level=token",
+            "grpo.rollout_rejection.upper=2.0",
+        ],
+        warn=False,
+    )
     batch = _batch([[0.0, LOG(4)], [LOG(3), LOG(3)]])  # s1: error 3 > 2.5 -> masked; s0: token ratio 4 > 2 rejected
     metrics = apply_driver_masks(cfg, batch, torch.tensor([1.0, 0.0]))
     assert batch["sample_mask"].tolist() == [1.0, 0.0]
@@ -214,7 +227,10 @@ def test_driver_masks_follow_the_recipe() -> None:
     ("kwargs", "message"),
     [
         ({"level": "token"}, "grpo.rollout_rejection.level='token' needs grpo.rollout_rejection.lower and/or"),
-        ({"level": "token", "lower": 2.0, "upper": 0.5}, "grpo.rollout_rejection.lower (2.0) must be below grpo.rollout_rejection.upper (0.5)"),
+        (
+            {"level": "token", "lower": 2.0, "upper": 0.5},
+            "grpo.rollout_rejection.lower (2.0) must be below grpo.rollout_rejection.upper (0.5)",
+        ),
         ({"level": "sequence", "lower": 0.0, "upper": 2.0}, "grpo.rollout_rejection.lower (0.0) must be > 0"),
         ({"level": "sequence", "sequence_statistic": "k4", "upper": 2.0}, "sequence_statistic"),
         ({"level": "token", "upper": True}, "expected a number, not a boolean"),
@@ -241,6 +257,4 @@ def test_rejection_needs_the_prev_logprob_pass() -> None:
 
 def test_bounds_without_a_level_warn() -> None:
     cfg = load_config(None, ["grpo.rollout_rejection.upper=2.0"], warn=False)
-    assert cfg.no_effect_warnings() == [
-        "grpo.rollout_rejection.upper has no effect because grpo.rollout_rejection.level is null (ignored)"
-    ]
+    assert cfg.no_effect_warnings() == ["grpo.rollout_rejection.upper has no effect because grpo.rollout_rejection.level is null (ignored)"]

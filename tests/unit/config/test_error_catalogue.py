@@ -34,6 +34,7 @@ def assert_clean(code: int, err: str, expected_code: int, *named: str) -> None:
 
 # -- config time ----------------------------------------------------------------------------------
 
+
 def test_reward_shaping_without_a_buffer_is_a_config_error(capsys, tmp_path):
     code, err = run_cli(capsys, tmp_path, "grpo.reward_shaping.enabled=true")
     assert_clean(code, err, 2, "grpo.reward_shaping.overlong_buffer_length", "policy.generation.max_new_tokens=8")
@@ -44,13 +45,17 @@ def test_a_buffer_longer_than_the_response_budget_is_a_config_error(capsys, tmp_
     code, err = run_cli(capsys, tmp_path, "grpo.reward_shaping.enabled=true", "grpo.reward_shaping.overlong_buffer_length=9")
     assert_clean(code, err, 2, "grpo.reward_shaping.overlong_buffer_length=9", "policy.generation.max_new_tokens=8", "at most 8")
     code, err = run_cli(
-        capsys, tmp_path, "grpo.reward_shaping.enabled=true", "grpo.reward_shaping.overlong_buffer_length=9",
+        capsys,
+        tmp_path,
+        "grpo.reward_shaping.enabled=true",
+        "grpo.reward_shaping.overlong_buffer_length=9",
         "grpo.reward_shaping.max_response_length=6",
     )
     assert_clean(code, err, 2, "grpo.reward_shaping.max_response_length=6", "at most 6")
 
 
 # -- before anything starts: the model and the directories -----------------------------------------
+
 
 def test_a_missing_model_directory_names_the_key_and_the_path(capsys, tmp_path):
     code, err = run_cli(capsys, tmp_path, "policy.model_name=/nonexistent/dir")
@@ -63,8 +68,15 @@ def test_a_hub_id_offline_and_not_cached_says_how_to_use_a_local_copy(capsys, tm
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     code, err = run_cli(capsys, tmp_path, "policy.model_name=Qwen/Qwen2.5-0.5B")
-    assert_clean(code, err, 2, "policy.model_name='Qwen/Qwen2.5-0.5B'", "offline (HF_HUB_OFFLINE=1)", "not in the local cache",
-                 "set policy.model_name=DIR (a local directory path)")
+    assert_clean(
+        code,
+        err,
+        2,
+        "policy.model_name='Qwen/Qwen2.5-0.5B'",
+        "offline (HF_HUB_OFFLINE=1)",
+        "not in the local cache",
+        "set policy.model_name=DIR (a local directory path)",
+    )
 
 
 def test_a_hub_id_with_no_network_fails_at_once_instead_of_hanging(capsys, tmp_path, monkeypatch):
@@ -91,13 +103,26 @@ def test_an_unwritable_run_directory_names_the_key(capsys, tmp_path, key):
 
 # -- run errors that need a cluster (subprocess: they start a private Ray cluster) ------------------
 
+
 def run_cli_subprocess(tmp_path: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("RAY_ADDRESS", None)
     return subprocess.run(
-        [sys.executable, "-m", "nemo_like.cli", "train", "--config", str(TINY), f"logger.log_dir={tmp_path / 'logs'}",
-         "logger.progress_bar=false", *overrides],
-        capture_output=True, text=True, env=env, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "nemo_like.cli",
+            "train",
+            "--config",
+            str(TINY),
+            f"logger.log_dir={tmp_path / 'logs'}",
+            "logger.progress_bar=false",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
     )
 
 
@@ -116,13 +141,27 @@ def test_a_gpu_recipe_on_a_machine_without_gpus_fails_before_any_actor_starts(tm
 @pytest.mark.slow
 def test_dynamic_sampling_that_finds_no_signal_stops_with_the_key_and_the_fixes(ray_cluster, capsys, tmp_path):
     code, err = run_cli(
-        capsys, tmp_path,
-        "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=1",
+        capsys,
+        tmp_path,
+        "grpo.use_dynamic_sampling=true",
+        "grpo.dynamic_sampling_max_gen_batches=1",
         # operator.is_(response, answer) is always False: every reward is 0, so no group has signal.
         "+env.arithmetic.custom_reward_fn=operator:is_",
-        "grpo.val_at_start=false", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
-        "policy.generation.backend=hf", "loss_fn.reference_policy_kl_penalty=0", "policy.num_cpus_per_worker=0.25",
-        "data.train.num_problems=16", "grpo.max_val_samples=4",
+        "grpo.val_at_start=false",
+        "grpo.num_prompts_per_step=2",
+        "grpo.num_generations_per_prompt=2",
+        "policy.generation.backend=hf",
+        "loss_fn.reference_policy_kl_penalty=0",
+        "policy.num_cpus_per_worker=0.25",
+        "data.train.num_problems=16",
+        "grpo.max_val_samples=4",
     )
-    assert_clean(code, err, 1, "grpo.dynamic_sampling_max_gen_batches=1", "Raise grpo.dynamic_sampling_max_gen_batches",
-                 "grpo.use_dynamic_sampling=false", "0/2 prompt groups")
+    assert_clean(
+        code,
+        err,
+        1,
+        "grpo.dynamic_sampling_max_gen_batches=1",
+        "Raise grpo.dynamic_sampling_max_gen_batches",
+        "grpo.use_dynamic_sampling=false",
+        "0/2 prompt groups",
+    )

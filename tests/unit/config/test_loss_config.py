@@ -17,11 +17,16 @@ def test_defaults() -> None:
     assert (cfg.kl_input_clamp_value, cfg.kl_output_clamp_value) == (20.0, 10.0)
     assert cfg.token_level_loss is None and cfg.loss_aggregation is None
     assert cfg.aggregation == "token-mean"
-    assert not any([
-        cfg.use_on_policy_kl_approximation, cfg.use_importance_sampling_correction,
-        cfg.sequence_level_importance_ratios, cfg.disable_ppo_ratio, cfg.force_on_policy_ratio,
-        cfg.use_cispo,
-    ])
+    assert not any(
+        [
+            cfg.use_on_policy_kl_approximation,
+            cfg.use_importance_sampling_correction,
+            cfg.sequence_level_importance_ratios,
+            cfg.disable_ppo_ratio,
+            cfg.force_on_policy_ratio,
+            cfg.use_cispo,
+        ]
+    )
     assert cfg.truncated_importance_sampling_type is None
     assert cfg.trust_region_type is None
     assert (cfg.trust_region_low, cfg.trust_region_high, cfg.kl_tau) == (0.2, 0.2, 0.0)
@@ -45,10 +50,8 @@ def test_unknown_keys_are_rejected() -> None:
         {"sequence_level_importance_ratios": True, "token_level_loss": False},
         {"truncated_importance_sampling_type": "tis", **TIS},
         {"truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio_min": 0.5, **TIS},
-        {"truncated_importance_sampling_type": "seq-mask-tis",
-         "truncated_importance_sampling_ratio_min": 0.5, **TIS},
-        {"reference_policy_kl_penalty": 0.01, "reference_policy_kl_type": "k1",
-         "use_on_policy_kl_approximation": True},
+        {"truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio_min": 0.5, **TIS},
+        {"reference_policy_kl_penalty": 0.01, "reference_policy_kl_type": "k1", "use_on_policy_kl_approximation": True},
         {"trust_region_type": "dppo_binary_tv", "trust_region_high": 0.28, "kl_tau": 1e-3},
         {"force_on_policy_ratio": True, "use_importance_sampling_correction": True},
         {"kl_tau": 0.01},
@@ -68,30 +71,43 @@ def test_valid_combinations(kwargs: dict) -> None:
         ({"use_cispo": True, "disable_ppo_ratio": True}, ["use_cispo", "disable_ppo_ratio"]),
         ({"use_cispo": True, "force_on_policy_ratio": True}, ["use_cispo", "force_on_policy_ratio"]),
         ({"use_cispo": True, "token_level_loss": False}, ["use_cispo", "token_level_loss"]),
-        ({"use_cispo": True, "sequence_level_importance_ratios": True, "token_level_loss": False},
-         ["use_cispo", "sequence_level_importance_ratios"]),
+        (
+            {"use_cispo": True, "sequence_level_importance_ratios": True, "token_level_loss": False},
+            ["use_cispo", "sequence_level_importance_ratios"],
+        ),
         ({"sequence_level_importance_ratios": True}, ["sequence_level_importance_ratios", "token_level_loss"]),
-        ({"sequence_level_importance_ratios": True, "token_level_loss": False, "disable_ppo_ratio": True},
-         ["sequence_level_importance_ratios", "disable_ppo_ratio"]),
+        (
+            {"sequence_level_importance_ratios": True, "token_level_loss": False, "disable_ppo_ratio": True},
+            ["sequence_level_importance_ratios", "disable_ppo_ratio"],
+        ),
         ({"disable_ppo_ratio": True, "force_on_policy_ratio": True}, ["disable_ppo_ratio", "force_on_policy_ratio"]),
-        ({"truncated_importance_sampling_type": "tis", "use_importance_sampling_correction": True},
-         ["truncated_importance_sampling_type", "truncated_importance_sampling_ratio"]),
-        ({"truncated_importance_sampling_type": "icepop", **TIS},
-         ["truncated_importance_sampling_type", "truncated_importance_sampling_ratio_min"]),
-        ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio_min": 3.0, **TIS},
-         ["truncated_importance_sampling_ratio_min", "truncated_importance_sampling_ratio"]),
+        (
+            {"truncated_importance_sampling_type": "tis", "use_importance_sampling_correction": True},
+            ["truncated_importance_sampling_type", "truncated_importance_sampling_ratio"],
+        ),
+        (
+            {"truncated_importance_sampling_type": "icepop", **TIS},
+            ["truncated_importance_sampling_type", "truncated_importance_sampling_ratio_min"],
+        ),
+        (
+            {"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio_min": 3.0, **TIS},
+            ["truncated_importance_sampling_ratio_min", "truncated_importance_sampling_ratio"],
+        ),
         ({"trust_region_type": "dppo_binary_tv", "use_cispo": True}, ["trust_region_type", "use_cispo"]),
         ({"trust_region_type": "dppo_binary_tv", "ratio_clip_c": 3.0}, ["trust_region_type", "ratio_clip_c"]),
         ({"trust_region_type": "dppo_binary_tv", "disable_ppo_ratio": True}, ["trust_region_type", "disable_ppo_ratio"]),
-        ({"trust_region_type": "dppo_binary_tv", "sequence_level_importance_ratios": True, "token_level_loss": False},
-         ["trust_region_type", "sequence_level_importance_ratios"]),
-        ({"token_level_loss": True, "loss_aggregation": "seq-mean-token-sum-norm"},
-         ["token_level_loss", "loss_aggregation"]),
+        (
+            {"trust_region_type": "dppo_binary_tv", "sequence_level_importance_ratios": True, "token_level_loss": False},
+            ["trust_region_type", "sequence_level_importance_ratios"],
+        ),
+        ({"token_level_loss": True, "loss_aggregation": "seq-mean-token-sum-norm"}, ["token_level_loss", "loss_aggregation"]),
         ({"token_level_loss": False, "loss_aggregation": "token-mean"}, ["token_level_loss", "loss_aggregation"]),
         ({"token_level_loss": False, "loss_aggregation": "seq-mean-token-sum"}, ["token_level_loss", "loss_aggregation"]),
         ({"use_cispo": True, "loss_aggregation": "seq-mean-token-sum"}, ["use_cispo", "loss_aggregation"]),
-        ({"sequence_level_importance_ratios": True, "loss_aggregation": "token-sum"},
-         ["sequence_level_importance_ratios", "loss_aggregation"]),
+        (
+            {"sequence_level_importance_ratios": True, "loss_aggregation": "token-sum"},
+            ["sequence_level_importance_ratios", "loss_aggregation"],
+        ),
         ({"surrogate": "ppo_clip", "use_cispo": True}, ["surrogate", "use_cispo"]),
         ({"surrogate": "cispo", "disable_ppo_ratio": True}, ["surrogate", "disable_ppo_ratio"]),
     ],
@@ -108,8 +124,7 @@ def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> N
     ("kwargs", "ignored", "because"),
     [
         # A parameter changed from its default but made ineffective by another key: a warning.
-        ({"trust_region_type": "dppo_binary_tv", "ratio_clip_max": 0.28}, "ratio_clip_max",
-         "loss_fn.trust_region_type='dppo_binary_tv'"),
+        ({"trust_region_type": "dppo_binary_tv", "ratio_clip_max": 0.28}, "ratio_clip_max", "loss_fn.trust_region_type='dppo_binary_tv'"),
         ({"force_on_policy_ratio": True, "ratio_clip_max": 0.28}, "ratio_clip_max", "loss_fn.force_on_policy_ratio=true"),
         ({"force_on_policy_ratio": True, "ratio_clip_min": 0.1}, "ratio_clip_min", "loss_fn.force_on_policy_ratio=true"),
         ({"disable_ppo_ratio": True, "ratio_clip_max": 0.3}, "ratio_clip_max", "loss_fn.disable_ppo_ratio=true"),
@@ -118,18 +133,24 @@ def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> N
         ({"trust_region_high": 0.3}, "trust_region_high", "loss_fn.trust_region_type is null"),
         ({"reference_policy_kl_type": "k1"}, "reference_policy_kl_type", "loss_fn.reference_policy_kl_penalty=0"),
         ({"kl_output_clamp_value": 5.0}, "kl_output_clamp_value", "loss_fn.reference_policy_kl_penalty=0"),
-        ({"reference_policy_kl_penalty": 0, "kl_input_clamp_value": 5.0}, "kl_input_clamp_value",
-         "loss_fn.reference_policy_kl_penalty=0"),
-        ({"use_on_policy_kl_approximation": True}, "use_on_policy_kl_approximation",
-         "loss_fn.reference_policy_kl_penalty=0"),
-        ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
-         "truncated_importance_sampling_type", "loss_fn.use_importance_sampling_correction=false"),
-        ({"truncated_importance_sampling_ratio": 2.0, "use_importance_sampling_correction": True},
-         "truncated_importance_sampling_ratio", "loss_fn.truncated_importance_sampling_type is null"),
-        ({"truncated_importance_sampling_ratio_min": 0.5}, "truncated_importance_sampling_ratio_min",
-         "loss_fn.truncated_importance_sampling_type is null"),
-        ({"loss_aggregation_normalizer": 512}, "loss_aggregation_normalizer",
-         "loss_fn.loss_aggregation='token-mean'"),
+        ({"reference_policy_kl_penalty": 0, "kl_input_clamp_value": 5.0}, "kl_input_clamp_value", "loss_fn.reference_policy_kl_penalty=0"),
+        ({"use_on_policy_kl_approximation": True}, "use_on_policy_kl_approximation", "loss_fn.reference_policy_kl_penalty=0"),
+        (
+            {"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+            "truncated_importance_sampling_type",
+            "loss_fn.use_importance_sampling_correction=false",
+        ),
+        (
+            {"truncated_importance_sampling_ratio": 2.0, "use_importance_sampling_correction": True},
+            "truncated_importance_sampling_ratio",
+            "loss_fn.truncated_importance_sampling_type is null",
+        ),
+        (
+            {"truncated_importance_sampling_ratio_min": 0.5},
+            "truncated_importance_sampling_ratio_min",
+            "loss_fn.truncated_importance_sampling_type is null",
+        ),
+        ({"loss_aggregation_normalizer": 512}, "loss_aggregation_normalizer", "loss_fn.loss_aggregation='token-mean'"),
     ],
 )
 def test_ineffective_options_warn_instead_of_failing(kwargs: dict, ignored: str, because: str) -> None:

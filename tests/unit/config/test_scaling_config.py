@@ -15,7 +15,10 @@ TINY = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny
     [
         (["policy.sequence_packing.enabled=true", "policy.dynamic_batching.enabled=true"], ["sequence_packing", "dynamic_batching"]),
         (["policy.dp_size=2", "policy.dtensor_cfg.enabled=false"], ["policy.dp_size", "dtensor_cfg.enabled"]),
-        (["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.enabled=false"], ["tensor_parallel_size", "dtensor_cfg.enabled"]),
+        (
+            ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.enabled=false"],
+            ["tensor_parallel_size", "dtensor_cfg.enabled"],
+        ),
         (["cluster.placement_strategy=SPREADS"], ["placement_strategy"]),
     ],
 )

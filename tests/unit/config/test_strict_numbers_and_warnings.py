@@ -21,7 +21,11 @@ def _numeric_keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, s
     keys = []
     for name, field in model.model_fields.items():
         annotation = field.annotation
-        args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else (annotation,)
+        args = (
+            typing.get_args(annotation)
+            if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+            else (annotation,)
+        )
         for arg in args:
             if typing.get_origin(arg) is typing.Annotated:
                 arg = typing.get_args(arg)[0]

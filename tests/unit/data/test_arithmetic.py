@@ -65,8 +65,7 @@ def test_split_of_matches_generated_split() -> None:
 
 
 def test_validation_fraction_reasonable() -> None:
-    tuples = [(op, a, b) for op in "+-" for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)
-              if op == "+" or b <= a]
+    tuples = [(op, a, b) for op in "+-" for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1) if op == "+" or b <= a]
     frac = sum(split_of(*t) == "validation" for t in tuples) / len(tuples)
     assert 0.15 < frac < 0.25
 

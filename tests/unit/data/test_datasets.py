@@ -39,7 +39,9 @@ def data_cfg(train_path, val_path=None, **kw) -> DataConfig:
     kw.setdefault("prompt_key", "q")
     kw.setdefault("answer_key", "a")
     val = {"data_path": str(val_path)} if val_path else {"split_fraction": 0.3}
-    return DataConfig(dataset_name=None, train={"data_path": str(train_path), **kw.pop("train", {})}, validation={**val, **kw.pop("validation", {})}, **kw)
+    return DataConfig(
+        dataset_name=None, train={"data_path": str(train_path), **kw.pop("train", {})}, validation={**val, **kw.pop("validation", {})}, **kw
+    )
 
 
 def build(cfg: DataConfig, tok, split: str = "train", budget: int = BUDGET):
@@ -96,11 +98,21 @@ def test_save_to_disk_dataset_dict_picks_the_split(tmp_path, tok):
 
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows(10)), "test": datasets.Dataset.from_list(rows(4))})
     dd.save_to_disk(str(tmp_path / "dd"))
-    cfg = DataConfig(dataset_name=None, prompt_key="q", answer_key="a",
-                     train={"data_path": str(tmp_path / "dd")}, validation={"data_path": str(tmp_path / "dd"), "split": "test"})
+    cfg = DataConfig(
+        dataset_name=None,
+        prompt_key="q",
+        answer_key="a",
+        train={"data_path": str(tmp_path / "dd")},
+        validation={"data_path": str(tmp_path / "dd"), "split": "test"},
+    )
     assert len(build(cfg, tok, "train")) == 10 and len(build(cfg, tok, "validation")) == 4
-    bad = DataConfig(dataset_name=None, prompt_key="q", answer_key="a",
-                     train={"data_path": str(tmp_path / "dd")}, validation={"data_path": str(tmp_path / "dd"), "split": "dev"})
+    bad = DataConfig(
+        dataset_name=None,
+        prompt_key="q",
+        answer_key="a",
+        train={"data_path": str(tmp_path / "dd")},
+        validation={"data_path": str(tmp_path / "dd"), "split": "dev"},
+    )
     with pytest.raises(ConfigError, match=r"holds splits \['test', 'train'\].*data.validation.split"):
         build(bad, tok, "validation")
 
@@ -109,13 +121,17 @@ def test_save_to_disk_dataset_dict_picks_the_split(tmp_path, tok):
 
 
 def test_nested_answer_key_numeric_answer_and_task_column(tmp_path, tok):
-    items = [{"p": f"What is {i} plus 1?", "rm": {"ground_truth": i + 1, "style": "rule"}, "t": "arith" if i < 2 else "math"} for i in range(4)]
+    items = [
+        {"p": f"What is {i} plus 1?", "rm": {"ground_truth": i + 1, "style": "rule"}, "t": "arith" if i < 2 else "math"} for i in range(4)
+    ]
     path = write_jsonl(tmp_path / "t.jsonl", items)
     cfg = data_cfg(path, path, prompt_key="p", answer_key="rm.ground_truth", task_key="t")
     recs = sorted(build(cfg, tok), key=lambda r: r.id)
     assert [r.metadata for r in recs] == [
-        {"answer": "1", "task_name": "arith"}, {"answer": "2", "task_name": "arith"},
-        {"answer": "3", "task_name": "math"}, {"answer": "4", "task_name": "math"},
+        {"answer": "1", "task_name": "arith"},
+        {"answer": "2", "task_name": "arith"},
+        {"answer": "3", "task_name": "math"},
+        {"answer": "4", "task_name": "math"},
     ]
     cfg2 = data_cfg(path, path, prompt_key="p", answer_key="rm.ground_truth", default_task_name="algebra")
     assert {r.metadata["task_name"] for r in build(cfg2, tok)} == {"algebra"}
@@ -126,15 +142,26 @@ def test_messages_column_is_found_and_formatted(tmp_path, tok):
     path = write_jsonl(tmp_path / "chat.jsonl", items)
     prompt = tmp_path / "p.txt"
     prompt.write_text("Q: {}\n")  # the editor's final newline is dropped
-    cfg = DataConfig(dataset_name=None, answer_key="answer", system_prompt="Be brief.", prompt_file=str(prompt),
-                     train={"data_path": str(path)}, validation={"data_path": str(path)})
+    cfg = DataConfig(
+        dataset_name=None,
+        answer_key="answer",
+        system_prompt="Be brief.",
+        prompt_file=str(prompt),
+        train={"data_path": str(path)},
+        validation={"data_path": str(path)},
+    )
     rec = next(r for r in build(cfg, tok) if r.id == "train-3")
     assert rec.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: What is 3 plus 2?"}]
     assert rec.prompt_token_ids == chat_ids(tok, rec.messages)
     with_system = [{"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}], "answer": "1"}]
     path2 = write_jsonl(tmp_path / "sys.jsonl", with_system)
-    cfg2 = DataConfig(dataset_name=None, answer_key="answer", system_prompt="Be brief.", train={"data_path": str(path2)},
-                      validation={"data_path": str(path2)})
+    cfg2 = DataConfig(
+        dataset_name=None,
+        answer_key="answer",
+        system_prompt="Be brief.",
+        train={"data_path": str(path2)},
+        validation={"data_path": str(path2)},
+    )
     with pytest.raises(ConfigError, match=r"row 0 of .*sys.jsonl.*already have a system turn.*data.system_prompt"):
         build(cfg2, tok)
 
@@ -151,8 +178,13 @@ def test_prompt_file_and_system_prompt_file(tmp_path, tok):
         {"role": "system", "content": "You are careful."},
         {"role": "user", "content": "Solve. Put the answer in \\boxed{}:\nWhat is 1 plus 2?"},
     ]
-    for text, needle in [("no field here", "exactly one '{}'"), ("{} and {}", "exactly one '{}'"), ("{name}", "exactly one"),
-                         ("\\boxed{} {}", "exactly one"), ("unclosed {", "not a valid template")]:
+    for text, needle in [
+        ("no field here", "exactly one '{}'"),
+        ("{} and {}", "exactly one '{}'"),
+        ("{name}", "exactly one"),
+        ("\\boxed{} {}", "exactly one"),
+        ("unclosed {", "not a valid template"),
+    ]:
         template.write_text(text)
         with pytest.raises(ConfigError, match=rf"data.prompt_file .*{needle}".replace("{}", r"\{\}")):
             build(cfg, tok)
@@ -201,8 +233,10 @@ def test_offline_hub_name_fails_with_a_clear_error(monkeypatch):
 
 
 def test_gsm8k_spec_extracts_the_final_answer(tmp_path, tok):
-    items = [{"question": "What is 2 plus 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"},
-             {"question": "What is 1000 plus 234?", "answer": "so\n#### 1,234"}]
+    items = [
+        {"question": "What is 2 plus 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"},
+        {"question": "What is 1000 plus 234?", "answer": "so\n#### 1,234"},
+    ]
     path = write_jsonl(tmp_path / "gsm.jsonl", items)
     cfg = DataConfig(dataset_name="gsm8k", train={"data_path": str(path)}, validation={"data_path": str(path)})
     assert sorted(r.metadata["answer"] for r in build(cfg, tok)) == ["1234", "4"]
@@ -214,13 +248,30 @@ def test_gsm8k_spec_extracts_the_final_answer(tmp_path, tok):
 
 
 def test_dapo_and_math500_specs_on_local_copies(tmp_path, tok):
-    dapo = [{"data_source": "math_dapo", "prompt": [{"content": f"What is {i} plus 1?", "role": "user"}], "ability": "MATH",
-             "reward_model": {"ground_truth": str(i + 1), "style": "rule-lang"}, "extra_info": {"index": str(i)}} for i in range(5)]
-    math500 = [{"problem": "What is 1 plus 1?", "solution": "...", "answer": "\\frac{4}{2}", "subject": "Algebra", "level": 1,
-                "unique_id": "test/x.json"}]
+    dapo = [
+        {
+            "data_source": "math_dapo",
+            "prompt": [{"content": f"What is {i} plus 1?", "role": "user"}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": str(i + 1), "style": "rule-lang"},
+            "extra_info": {"index": str(i)},
+        }
+        for i in range(5)
+    ]
+    math500 = [
+        {
+            "problem": "What is 1 plus 1?",
+            "solution": "...",
+            "answer": "\\frac{4}{2}",
+            "subject": "Algebra",
+            "level": 1,
+            "unique_id": "test/x.json",
+        }
+    ]
     dp, mp = write_jsonl(tmp_path / "dapo.jsonl", dapo), write_jsonl(tmp_path / "m500.jsonl", math500)
-    cfg = DataConfig(dataset_name="DAPO-Math-17k", train={"data_path": str(dp)},
-                     validation={"dataset_name": "MATH-500", "data_path": str(mp)})
+    cfg = DataConfig(
+        dataset_name="DAPO-Math-17k", train={"data_path": str(dp)}, validation={"dataset_name": "MATH-500", "data_path": str(mp)}
+    )
     train = sorted(build(cfg, tok, "train"), key=lambda r: r.id)
     assert train[2].messages == [{"role": "user", "content": "What is 2 plus 1?"}]
     assert train[2].metadata == {"answer": "3", "task_name": "math"}
@@ -318,7 +369,9 @@ def test_prompt_longer_than_the_budget_names_row_file_and_keys(tmp_path, tok):
     items = rows(6)
     items[4]["q"] = "What is " + "1 plus " * 40 + "2?"
     path = write_jsonl(tmp_path / "long.jsonl", items)
-    with pytest.raises(ConfigError, match=r"row 4 of \S*/long.jsonl \(data.train\) has \d+ tokens.*policy.max_total_sequence_length.*drop_long_prompts"):
+    with pytest.raises(
+        ConfigError, match=r"row 4 of \S*/long.jsonl \(data.train\) has \d+ tokens.*policy.max_total_sequence_length.*drop_long_prompts"
+    ):
         build(data_cfg(path, path), tok)
     kept = build(data_cfg(path, path, drop_long_prompts=True), tok)
     assert sorted(r.id for r in kept) == ["train-0", "train-1", "train-2", "train-3", "train-5"]
@@ -347,8 +400,9 @@ def test_bad_data_fails_before_ray_starts(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(setup, "init_ray", no_ray)
     recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_math_tiny_cpu.yaml"
-    rc = main(["train", "--config", str(recipe), f"logger.log_dir={tmp_path / 'logs'}", "logger.progress_bar=false",
-               "data.prompt_key=question"])
+    rc = main(
+        ["train", "--config", str(recipe), f"logger.log_dir={tmp_path / 'logs'}", "logger.progress_bar=false", "data.prompt_key=question"]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "no column 'question' for data.prompt_key" in err and "Traceback" not in err
 

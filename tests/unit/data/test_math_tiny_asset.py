@@ -77,8 +77,10 @@ def test_gold_answers_denote_the_problem_value(split, n):
 
 def test_splits_are_disjoint_and_small():
     def keys(split):
-        return {(op, min(a, b), max(a, b)) if op == "+" else (op, a, b)
-                for op, a, b in (parse_problem(r["problem"]) for r in read_rows(SHIPPED / f"{split}.jsonl"))}
+        return {
+            (op, min(a, b), max(a, b)) if op == "+" else (op, a, b)
+            for op, a, b in (parse_problem(r["problem"]) for r in read_rows(SHIPPED / f"{split}.jsonl"))
+        }
 
     assert keys("train").isdisjoint(keys("validation"))
     assert sum(p.stat().st_size for p in SHIPPED.glob("*.jsonl")) < 1_000_000

@@ -49,5 +49,7 @@ def test_arithmetic_accepts_a_system_prompt_file(tiny, tmp_path):
     (tmp_path / "sys.txt").write_text("Answer with a single integer.\n")
     data = cfg.data.model_copy(update={"system_prompt_file": str(tmp_path / "sys.txt")})
     record = build_prompt_dataset(data, tok, "validation", 56)[0]
-    assert record.messages == [{"role": "system", "content": "Answer with a single integer."},
-                               {"role": "user", "content": "What is 42 minus 41?"}]
+    assert record.messages == [
+        {"role": "system", "content": "Answer with a single integer."},
+        {"role": "user", "content": "What is 42 minus 41?"},
+    ]

@@ -14,10 +14,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from nemo_like.models import assets  # noqa: E402
 from nemo_like.data.arithmetic import format_messages, make_arithmetic_problems  # noqa: E402
-from nemo_like.models.assets import default_model_path  # noqa: E402
 from nemo_like.environments.arithmetic_reward import score_response  # noqa: E402
+from nemo_like.models import assets  # noqa: E402
+from nemo_like.models.assets import default_model_path  # noqa: E402
 
 PAD_ID, IM_START_ID, EOS_ID = 0, 1, 2
 
@@ -40,8 +40,14 @@ def model(model_dir: str):
 def test_default_model_path_is_shipped_dir(model_dir: str) -> None:
     path = Path(model_dir)
     assert path.is_absolute() and path.name == "tiny-arith-qwen2" and path.parent.name == "assets"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "build_info.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "build_info.json",
+    ):
         assert (path / name).is_file(), name
     size = sum(f.stat().st_size for f in path.iterdir())
     assert size < 8 * 2**20
@@ -90,12 +96,11 @@ def test_chat_template_and_digit_tokens(tokenizer) -> None:
 
 def test_greedy_decoding_solves_some_validation_problems(model, tokenizer) -> None:
     problems = make_arithmetic_problems(16, 0, "validation")
-    prompts = [tokenizer.apply_chat_template(format_messages(p), add_generation_prompt=True, tokenize=False)
-               for p in problems]
+    prompts = [tokenizer.apply_chat_template(format_messages(p), add_generation_prompt=True, tokenize=False) for p in problems]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**enc, do_sample=False, max_new_tokens=8)
-    new_tokens = out[:, enc["input_ids"].shape[1]:]
+    new_tokens = out[:, enc["input_ids"].shape[1] :]
     texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     correct = sum(score_response(t, p.answer) for t, p in zip(texts, problems))
     assert correct >= 1, list(zip(texts, [p.answer for p in problems]))

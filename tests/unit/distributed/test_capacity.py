@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from nemo_like.algorithms.logprob_plan import decide_logprob_passes
-from nemo_like.config import MasterConfig, load_config
 from nemo_like.algorithms import roles as capacity
+from nemo_like.algorithms.logprob_plan import decide_logprob_passes
 from nemo_like.algorithms.roles import declared_resources
+from nemo_like.config import MasterConfig, load_config
 from nemo_like.distributed.capacity import check_cluster_capacity, shortfall
-from nemo_like.models.generation.vllm import vllm_available
 from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id
 from nemo_like.distributed.worker_group import PlacementError
+from nemo_like.models.generation.vllm import vllm_available
 
 TINY_RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 CPU_HEAD = {"CPU": 2.0, "memory": 2e10, "object_store_memory": 2.6e8, "node:127.0.0.1": 1.0}
@@ -46,7 +46,9 @@ def test_tiny_recipe_asks_for_cpu_bundles_only_per_role() -> None:
 
 
 def test_no_reference_role_without_kl_penalty_and_dp_multiplies_the_policy() -> None:
-    cfg = tiny("loss_fn.reference_policy_kl_penalty=0", "policy.dp_size=2", "env.arithmetic.num_workers=3", "policy.num_cpus_per_worker=0.25")
+    cfg = tiny(
+        "loss_fn.reference_policy_kl_penalty=0", "policy.dp_size=2", "env.arithmetic.num_workers=3", "policy.num_cpus_per_worker=0.25"
+    )
     assert [r.role for r in role_requests(cfg)] == ["policy", "generation", "environment:arithmetic"]
     assert required_resources(cfg) == {"CPU": pytest.approx(2 * 0.25 + 0.25 + 3 * 0.1)}
 

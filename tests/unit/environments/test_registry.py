@@ -17,7 +17,9 @@ def envs(env: object) -> dict:
 def test_one_section_per_task_with_builtins_by_name_and_by_class() -> None:
     specs = envs({"arithmetic": {"num_workers": 2}, "math": {"timeout_s": 2}, "gsm8k": {"class": "math", "format_reward": 0.1}})
     assert {t: (s.class_path.rsplit(":", 1)[1], s.num_workers) for t, s in specs.items()} == {
-        "arithmetic": ("ArithmeticEnvironment", 2), "math": ("MathEnvironment", 1), "gsm8k": ("MathEnvironment", 1),
+        "arithmetic": ("ArithmeticEnvironment", 2),
+        "math": ("MathEnvironment", 1),
+        "gsm8k": ("MathEnvironment", 1),
     }
     assert specs["math"].kwargs == {"timeout_s": 2.0, "format_reward": 0.0}  # validated and completed by the env's config model
     assert specs["gsm8k"].kwargs["format_reward"] == 0.1
@@ -46,7 +48,10 @@ def test_a_custom_env_by_import_path_gets_its_section_keys() -> None:
         ({"class": "custom_envs:NotAnEnvironment"}, "does not subclass nemo_like.environments.interface.EnvironmentInterface"),
         ({"class": "custom_envs:Unfinished"}, r"leaves abstract methods unimplemented: \['score'\]"),
         ({"class": "custom_envs"}, "must be a built-in environment"),
-        ({"class": "custom_envs:LengthParityEnv", "bonnus": 1}, r"env.t.bonnus: unknown key; LengthParityEnv.__init__ accepts \['bonus'\]. Did you mean 'bonus'"),
+        (
+            {"class": "custom_envs:LengthParityEnv", "bonnus": 1},
+            r"env.t.bonnus: unknown key; LengthParityEnv.__init__ accepts \['bonus'\]. Did you mean 'bonus'",
+        ),
         ({"class": "custom_envs:NeedsThreshold"}, r"requires \['threshold'\]"),
         ({"class": "math", "timeout": 3}, "env.t.timeout: unknown key. Did you mean 'timeout_s'"),
         ({"class": "math", "format_reward": 1.0}, "env.t.format_reward: Input should be less than 1"),

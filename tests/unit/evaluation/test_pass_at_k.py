@@ -52,9 +52,9 @@ def test_mean_over_prompts_and_counts_by_group() -> None:
 
 
 def test_summary_accuracy_is_over_samples_and_rewards_below_one_are_not_correct() -> None:
-    rows = [
-        {"prompt_index": 0, "task": "math", "reward": r, "correct": r >= 1.0} for r in (1.0, 0.1, 0.1, 0.0)
-    ] + [{"prompt_index": 1, "task": "arithmetic", "reward": r, "correct": r >= 1.0} for r in (0.0, 0.0, 0.0, 0.0)]
+    rows = [{"prompt_index": 0, "task": "math", "reward": r, "correct": r >= 1.0} for r in (1.0, 0.1, 0.1, 0.0)] + [
+        {"prompt_index": 1, "task": "arithmetic", "reward": r, "correct": r >= 1.0} for r in (0.0, 0.0, 0.0, 0.0)
+    ]
     summary = summarize(rows, [1, 4])
     assert summary["accuracy"] == pytest.approx(1 / 8)
     assert summary["mean_reward"] == pytest.approx(1.2 / 8)

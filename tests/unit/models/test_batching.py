@@ -10,8 +10,7 @@ import torch
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config.loss import ClippedPGLossConfig
-from nemo_like.config.schema import OptimizerConfig
-from nemo_like.config.schema import EMBEDDED_MODEL
+from nemo_like.config.schema import EMBEDDED_MODEL, OptimizerConfig
 from nemo_like.models.chunked_logprobs import model_token_logprobs
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.logprobs import sequence_logprobs
@@ -98,9 +97,19 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(model):
 
 def make_worker(**kwargs) -> PolicyWorker:
     return PolicyWorker(
-        rank=0, world_size=1, model_name=EMBEDDED_MODEL, precision="float32", temperature=TEMPERATURE, num_threads=2, seed=0,
-        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), optimizer=OptimizerConfig(lr=1e-3, eps=1e-6), max_grad_norm=0.5,
-        train_micro_batch_size=2, logprob_batch_size=3, **kwargs,
+        rank=0,
+        world_size=1,
+        model_name=EMBEDDED_MODEL,
+        precision="float32",
+        temperature=TEMPERATURE,
+        num_threads=2,
+        seed=0,
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
+        optimizer=OptimizerConfig(lr=1e-3, eps=1e-6),
+        max_grad_norm=0.5,
+        train_micro_batch_size=2,
+        logprob_batch_size=3,
+        **kwargs,
     )
 
 

@@ -4,8 +4,7 @@ import torch
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config.loss import ClippedPGLossConfig
-from nemo_like.config.schema import OptimizerConfig
-from nemo_like.config.schema import EMBEDDED_MODEL
+from nemo_like.config.schema import EMBEDDED_MODEL, OptimizerConfig
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.logprobs import gather_token_logprobs
 from nemo_like.models.policy.worker import PolicyWorker
@@ -13,8 +12,16 @@ from nemo_like.models.policy.worker import PolicyWorker
 
 def make_worker(micro_batch_size: int) -> PolicyWorker:
     return PolicyWorker(
-        rank=0, world_size=1, model_name=EMBEDDED_MODEL, precision="float32", temperature=1.0, num_threads=2, seed=0,
-        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), optimizer=OptimizerConfig(lr=1e-3), max_grad_norm=None,
+        rank=0,
+        world_size=1,
+        model_name=EMBEDDED_MODEL,
+        precision="float32",
+        temperature=1.0,
+        num_threads=2,
+        seed=0,
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
+        optimizer=OptimizerConfig(lr=1e-3),
+        max_grad_norm=None,
         train_micro_batch_size=micro_batch_size,
     )
 

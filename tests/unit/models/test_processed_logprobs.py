@@ -221,9 +221,18 @@ def test_an_out_of_set_token_gives_finite_losses_and_gradients_in_training():
     from nemo_like.models.policy.worker import PolicyWorker
 
     worker = PolicyWorker(
-        rank=0, world_size=1, model_name=EMBEDDED_MODEL, precision="float32", temperature=0.7, num_threads=2, seed=0,
-        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), optimizer=OptimizerConfig(lr=1e-3), train_micro_batch_size=4,
-        top_k=2, top_p=0.5,
+        rank=0,
+        world_size=1,
+        model_name=EMBEDDED_MODEL,
+        precision="float32",
+        temperature=0.7,
+        num_threads=2,
+        seed=0,
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
+        optimizer=OptimizerConfig(lr=1e-3),
+        train_micro_batch_size=4,
+        top_k=2,
+        top_p=0.5,
     )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 300, (4, 10), generator=g)  # random tokens: most are outside a top-2 / p=0.5 set
@@ -231,7 +240,10 @@ def test_an_out_of_set_token_gives_finite_losses_and_gradients_in_training():
     token_mask = torch.zeros(4, 10)
     token_mask[:, 4:] = 1
     batch = {
-        "input_ids": ids, "attention_mask": mask.long(), "token_mask": token_mask, "sample_mask": torch.ones(4),
+        "input_ids": ids,
+        "attention_mask": mask.long(),
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(4),
         "generation_logprobs": torch.full((4, 10), -0.5) * token_mask,
         "advantages": torch.randn(4, 1, generator=g).expand(4, 10) * token_mask,
     }
@@ -296,7 +308,13 @@ def policy_logprobs_of(samples: list[dict], pad_id: int, **sampling) -> tuple[to
     from nemo_like.models.policy.worker import PolicyWorker
 
     worker = PolicyWorker(
-        rank=0, world_size=1, model_name=EMBEDDED_MODEL, precision="float32", num_threads=2, seed=0, trainable=False,
+        rank=0,
+        world_size=1,
+        model_name=EMBEDDED_MODEL,
+        precision="float32",
+        num_threads=2,
+        seed=0,
+        trainable=False,
         **sampling,
     )
     width = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
@@ -328,5 +346,4 @@ def test_the_agreement_check_fails_when_the_trainer_ignores_the_truncation(hf_sa
     gap = gen - train  # = -log(kept mass) >= 0 per token
     assert (gap > -1e-4).all()
     assert gap.abs().max() > 0.05 and gap.mean() > 1e-3
-    print(f"untruncated trainer: max |gap| {gap.abs().max():.4f}, mean gap {gap.mean():.4f}, "
-          f"mean IS ratio {torch.exp(-gap).mean():.4f}")
+    print(f"untruncated trainer: max |gap| {gap.abs().max():.4f}, mean gap {gap.mean():.4f}, mean IS ratio {torch.exp(-gap).mean():.4f}")

@@ -16,8 +16,7 @@ import torch.multiprocessing as mp
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config.loss import ClippedPGLossConfig
-from nemo_like.config.schema import OptimizerConfig
-from nemo_like.config.schema import EMBEDDED_MODEL
+from nemo_like.config.schema import EMBEDDED_MODEL, OptimizerConfig
 from nemo_like.models.policy.worker import PolicyWorker
 
 pytestmark = pytest.mark.slow  # two processes that each import torch and transformers: ~30 s on this machine
@@ -31,9 +30,16 @@ MAX_GRAD_NORM = 0.5  # low enough that every step is clipped: clipping must use 
 
 def make_worker(rank: int = 0, world_size: int = 1, **kwargs) -> PolicyWorker:
     options = dict(
-        model_name=EMBEDDED_MODEL, precision="float32", temperature=0.8, num_threads=1, seed=0,
-        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), optimizer=OptimizerConfig(lr=1e-3, eps=1e-6), max_grad_norm=MAX_GRAD_NORM,
-        train_micro_batch_size=2, logprob_batch_size=2,
+        model_name=EMBEDDED_MODEL,
+        precision="float32",
+        temperature=0.8,
+        num_threads=1,
+        seed=0,
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
+        optimizer=OptimizerConfig(lr=1e-3, eps=1e-6),
+        max_grad_norm=MAX_GRAD_NORM,
+        train_micro_batch_size=2,
+        logprob_batch_size=2,
     )
     options.update(kwargs)
     return PolicyWorker(rank=rank, world_size=world_size, **options)
@@ -73,7 +79,9 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, worker_kwargs: di
     worker.setup_distributed("127.0.0.1", port)
     probe = step_batch(99, rows=5)  # 5 rows: uneven logprob shards (3 + 2)
     bounds = [0, 3, 5]
-    logprobs = worker.get_logprobs({k: (v[bounds[rank] : bounds[rank + 1]] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in probe.items()})
+    logprobs = worker.get_logprobs(
+        {k: (v[bounds[rank] : bounds[rank + 1]] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in probe.items()}
+    )
     results = [worker.train([rank_rows(step_batch(s), rank, world)]) for s in range(STEPS - 1)]
     worker.save_checkpoint(f"{out_dir}/ckpt")
     results.append(worker.train([rank_rows(step_batch(STEPS - 1), rank, world)]))
@@ -144,7 +152,6 @@ def test_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
     resumed_single.load_checkpoint(str(tmp_path / "ckpt"), None)
     resumed_single.train([step_batch(STEPS - 1)])
     assert_states_close(resumed_single.get_state_dict()[1], r0["final"], atol=1e-5)
-
 
 
 def _tensor_parallel_rank(rank: int, world: int, port: int, out: str) -> None:

@@ -38,7 +38,9 @@ HOLDER = textwrap.dedent(
 
 def overrides(tmp_path: Path) -> list[str]:
     return [
-        f"logger.log_dir={tmp_path / 'logs'}", "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        f"logger.log_dir={tmp_path / 'logs'}",
+        "checkpointing.enabled=true",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
         "logger.progress_bar=false",
     ]
 
@@ -47,7 +49,10 @@ def start_holder(tmp_path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(TINY), *overrides(tmp_path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     assert proc.stdout.readline().strip() == "held"
     return proc
@@ -122,7 +127,9 @@ def test_a_cleanly_finished_holder_leaves_no_warning_and_one_dir_gets_one_lock(t
     proc.stdin.close()
     assert proc.stdout.readline().strip() == "released"
     proc.wait()
-    same = load_config(TINY, [f"logger.log_dir={tmp_path / 'd'}", "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={tmp_path / 'd'}"])
+    same = load_config(
+        TINY, [f"logger.log_dir={tmp_path / 'd'}", "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={tmp_path / 'd'}"]
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with hold_run_locks(run_directories(load_config(TINY, overrides(tmp_path)))):
