@@ -8,59 +8,13 @@ suggests the closest registered name); :meth:`Registry.get` returns the function
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Generic, TypeVar
 
 from nemo_like.config.errors import did_you_mean
+from nemo_like.utils.imports import import_object, is_import_path
 
 T = TypeVar("T")
-
-
-def is_import_path(name: str) -> bool:
-    """Whether ``name`` looks like ``module:object`` rather than a registered name."""
-    return ":" in name
-
-
-def import_object(path: str) -> object:
-    """Import ``'package.module:attr'`` or ``'some/file.py:attr'`` (``attr`` may be dotted).
-
-    Raises:
-        ValueError: malformed path, module not importable, or no such attribute.
-    """
-    module_name, _, attr = path.rpartition(":")
-    if not module_name or not attr:
-        raise ValueError(f"import path must look like 'package.module:object', got {path!r}")
-    try:
-        if module_name.endswith(".py"):
-            module = _import_file(Path(module_name))
-        else:
-            module = importlib.import_module(module_name)
-    except (ImportError, OSError) as exc:
-        raise ValueError(f"cannot import {module_name!r} (from {path!r}): {exc}") from None
-    obj: object = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})")
-        obj = getattr(obj, part)
-    return obj
-
-
-def _import_file(file: Path) -> object:
-    resolved = file.resolve()
-    name = f"_nemo_like_user_{abs(hash(str(resolved)))}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, resolved)
-    if spec is None or spec.loader is None or not resolved.is_file():
-        raise ImportError(f"no Python file at {file}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Registry(Generic[T]):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -11,22 +10,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from nemo_like.config.errors import ConfigError
 from nemo_like.environments.arithmetic_reward import score_response
 from nemo_like.environments.interface import EnvironmentInterface
+from nemo_like.utils.imports import import_object, is_import_path
 
 RewardFn = Callable[[str, Any], float]
 
 
 def import_reward_fn(path: str) -> RewardFn:
-    """Import ``'package.module:function'``; errors name the path and what was expected."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
+    """Import ``'package.module:function'``; errors name the key and what was expected."""
+    if not is_import_path(path):
         raise ConfigError(f"custom_reward_fn must look like 'module:function', got {path!r}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"custom_reward_fn: cannot import module '{module_name}': {exc}") from None
-    fn = getattr(module, attr, None)
+        fn = import_object(path)
+    except ValueError as exc:
+        raise ConfigError(f"custom_reward_fn: {exc}") from None
     if not callable(fn):
-        raise ConfigError(f"custom_reward_fn: '{module_name}' has no callable '{attr}'")
+        raise ConfigError(f"custom_reward_fn: {path!r} is a {type(fn).__name__}, not a function (response_text, answer) -> float")
     return fn
 
 

@@ -15,7 +15,6 @@ Everything here runs in the driver, before any actor starts, so a wrong path or 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from pydantic import ValidationError
 
 from nemo_like.config.errors import ConfigError, did_you_mean
 from nemo_like.environments.interface import EnvironmentInterface
+from nemo_like.utils.imports import import_object
 
 #: Built-in environments: the name usable as a section name or as ``class:``, and its import path.
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
@@ -68,13 +68,9 @@ def import_environment_class(path: str, where: str) -> type[EnvironmentInterface
     if not sep or not module_name or not attr:
         raise ConfigError(f"{where} must be a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}) or 'module:Class', got {path!r}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{where}: cannot import module '{module_name}': {exc}") from None
-    if not hasattr(module, attr):
-        names = [n for n in vars(module) if not n.startswith("_")]
-        raise ConfigError(f"{where}: module '{module_name}' has no attribute '{attr}'.{did_you_mean(attr, names)}")
-    cls = getattr(module, attr)
+        cls = import_object(path)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     if not inspect.isclass(cls):
         raise ConfigError(f"{where}: '{path}' is a {type(cls).__name__}, not a class implementing EnvironmentInterface")
     if not issubclass(cls, EnvironmentInterface):

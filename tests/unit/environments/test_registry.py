@@ -42,7 +42,7 @@ def test_a_custom_env_by_import_path_gets_its_section_keys() -> None:
 @pytest.mark.parametrize(
     ("section", "message"),
     [
-        ({"class": "no_such_module_xyz:Env"}, "env.t.class: cannot import module 'no_such_module_xyz'"),
+        ({"class": "no_such_module_xyz:Env"}, "env.t.class: cannot import 'no_such_module_xyz'"),
         ({"class": "custom_envs:LengthParityEnvv"}, "has no attribute 'LengthParityEnvv'. Did you mean 'LengthParityEnv'"),
         ({"class": "custom_envs:not_a_class"}, "is a LengthParityEnv, not a class"),
         ({"class": "custom_envs:NotAnEnvironment"}, "does not subclass nemo_like.environments.interface.EnvironmentInterface"),
@@ -55,7 +55,7 @@ def test_a_custom_env_by_import_path_gets_its_section_keys() -> None:
         ({"class": "custom_envs:NeedsThreshold"}, r"requires \['threshold'\]"),
         ({"class": "math", "timeout": 3}, "env.t.timeout: unknown key. Did you mean 'timeout_s'"),
         ({"class": "math", "format_reward": 1.0}, "env.t.format_reward: Input should be less than 1"),
-        ({"class": "arithmetic", "custom_reward_fn": "custom_envs:nope"}, "custom_reward_fn: 'custom_envs' has no callable 'nope'"),
+        ({"class": "arithmetic", "custom_reward_fn": "custom_envs:nope"}, "custom_reward_fn: 'custom_envs' has no attribute 'nope'"),
     ],
 )
 def test_custom_env_errors_name_the_key(section: dict, message: str) -> None:
