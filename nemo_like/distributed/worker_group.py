@@ -13,6 +13,7 @@ are kept.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -89,18 +90,20 @@ class _ActorPool:
                 return self.idle.pop(index)
         return None
 
-    def evict(self, name: str | None = None) -> None:
-        """Kill the idle groups of role ``name`` (all of them when ``None``) and release their bundles."""
-        keep = []
-        for group in self.idle:
-            if name is None or group.name == name:
-                _kill(group.workers, group.pg)
-            else:
-                keep.append(group)
-        self.idle = keep
+    def evict(self, name: str | None = None, keep_newest: int = 0) -> None:
+        """Kill the idle groups of role ``name`` (all of them when ``None``) but the ``keep_newest`` most
+        recently kept ones, and release their bundles."""
+        matching = [g for g in self.idle if name is None or g.name == name]
+        doomed = matching[: max(0, len(matching) - keep_newest)]
+        for group in doomed:
+            _kill(group.workers, group.pg)
+        doomed_ids = {id(g) for g in doomed}
+        self.idle = [g for g in self.idle if id(g) not in doomed_ids]
 
 
 _POOL = _ActorPool()
+#: Idle groups kept per role (shapes of the same role, e.g. two generation engines).
+IDLE_GROUPS_PER_ROLE = 2
 
 
 @contextmanager
@@ -148,7 +151,8 @@ class RoleResources:
 def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s: float, strategy: str = "PACK") -> PlacementGroup:
     """Create a placement group of ``count`` bundles (Ray placement ``strategy``) and wait for it; fail clearly
     instead of hanging. Idle actors kept by :func:`reuse_actors` are killed first if they hold the resources needed."""
-    pg = placement_group([resources.bundle()] * count, strategy=strategy, name=name)
+    # A unique name: a kept (idle) group of the same role may still hold its placement group.
+    pg = placement_group([resources.bundle()] * count, strategy=strategy, name=f"{name}-{uuid.uuid4().hex[:8]}")
     ready, _ = ray.wait([pg.ready()], timeout=min(timeout_s, 2.0) if _POOL.idle else timeout_s)
     if not ready and _POOL.idle:
         _POOL.evict()
@@ -235,7 +239,9 @@ class RayWorkerGroup:
             return False
         idle = _POOL.take(self._key)
         if idle is None:
-            _POOL.evict(self.name)  # another shape of this role: free its resources for the new one
+            # Another shape of this role: keep the newest other shape of it too (runs often alternate two,
+            # e.g. the HF and the vLLM engine); placement evicts everything idle if it needs the room.
+            _POOL.evict(self.name, keep_newest=IDLE_GROUPS_PER_ROLE - 1)
             return False
         refs = [w.reinit.remote(rank=rank, world_size=num_workers, **init_kwargs) for rank, w in enumerate(idle.workers)]
         try:
