@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import yaml
 
-from nemo_like.config import ConfigError, load_config
+from nemo_like.config import ConfigError, MasterConfig, load_config
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
@@ -74,33 +74,36 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. eval.model_path=results/grpo/step_50 eval.pass_k=[1,4]")
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    """Evaluate ``eval.model_path`` (default ``policy.model_name``) and write summary.json / results.jsonl."""
+def load_checked_recipe(args: argparse.Namespace) -> MasterConfig | None:
+    """The validated recipe with its environments checked (before any actor starts); ``None`` after printing it
+    for ``--dry-run``."""
     from nemo_like.environments.registry import resolve_environments
 
     cfg = load_config(args.config, args.overrides)
-    resolve_environments(cfg.env_sections)  # a wrong env class or key fails here, before any actor starts
+    resolve_environments(cfg.env_sections)  # a wrong env class or key fails here
     if args.dry_run:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
-        return 0
-    from nemo_like.evaluation.run import evaluate
+        return None
+    return cfg
 
-    evaluate(cfg)
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Evaluate ``eval.model_path`` (default ``policy.model_name``) and write summary.json / results.jsonl."""
+    cfg = load_checked_recipe(args)
+    if cfg is not None:
+        from nemo_like.evaluation.run import evaluate
+
+        evaluate(cfg)
     return 0
 
 
 def run_train(args: argparse.Namespace) -> int:
     """Validate the recipe, then train (or print it with ``--dry-run``)."""
-    from nemo_like.environments.registry import resolve_environments
+    cfg = load_checked_recipe(args)
+    if cfg is not None:
+        from nemo_like.train import train
 
-    cfg = load_config(args.config, args.overrides)
-    resolve_environments(cfg.env_sections)  # a wrong env class or key fails here, before any actor starts
-    if args.dry_run:
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
-        return 0
-    from nemo_like.train import train
-
-    train(cfg)
+        train(cfg)
     return 0
 
 
