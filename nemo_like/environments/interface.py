@@ -26,12 +26,21 @@ CORRECT_REWARD = 1.0
 
 @dataclass(frozen=True)
 class EnvironmentStep:
-    """One environment turn: the reward so far, whether the episode ended, and an optional observation
-    to append as the next user/tool message (multi-turn; ``None`` for single-turn tasks)."""
+    """One environment turn for one sample (NeMo-RL's shape).
+
+    * ``reward``: reward of this turn; a sample's reward is the sum over its turns.
+    * ``terminated``: the episode ended (no further model turn).
+    * ``observation``: message appended before the next model turn, e.g. ``{"role": "tool", "content": "42"}``
+      (``None`` when terminated or when there is nothing to say).
+    * ``metadata``: the sample's updated metadata for the next turn (``None`` keeps it unchanged).
+    * ``stop_strings``: extra stop strings for the sample's next model turn (``None``: the recipe's own).
+    """
 
     reward: float
-    done: bool = True
+    terminated: bool = True
     observation: dict[str, str] | None = None
+    metadata: dict[str, Any] | None = None
+    stop_strings: list[str] | None = None
 
 
 class EnvironmentInterface(ABC):
@@ -51,9 +60,10 @@ class EnvironmentInterface(ABC):
         ``env/<task>/<name>``. The default reports nothing."""
         return {}
 
-    def step(self, conversations: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> list[EnvironmentStep]:
-        """Multi-turn hook: one :class:`EnvironmentStep` per conversation (OpenAI-style message lists, the
-        model's last turn at the end). The default is the single-turn case: score the last message with
-        :meth:`score` and end the episode. Multi-turn environments override it; single-turn ones need not."""
-        responses = [conversation[-1]["content"] if conversation else "" for conversation in conversations]
+    def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> list[EnvironmentStep]:
+        """Multi-turn hook: one :class:`EnvironmentStep` per sample. ``message_logs[i]`` is the sample's
+        conversation so far (OpenAI-style messages, the model's latest turn last); ``metadata[i]`` its
+        metadata (as updated by earlier steps). The default is the single-turn case: score the last message
+        with :meth:`score` and terminate. Multi-turn environments override it; single-turn ones need not."""
+        responses = [conversation[-1]["content"] if conversation else "" for conversation in message_logs]
         return [EnvironmentStep(reward) for reward in self.score(responses, metadata)]
