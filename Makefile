@@ -38,11 +38,16 @@ demo: $(STAMP)
 demo-async: $(STAMP)
 	$(VENV)/bin/nemo-like train --config examples/configs/grpo_tiny_cpu_async.yaml $(ARGS)
 
+# Two pytest-xdist workers: the tests on the shared session Ray cluster run in one of them, in file order
+# (tests/conftest.py groups them), while the unit tier fills the other. PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup)
+
 test: $(STAMP)
-	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -32,3 +32,12 @@ def ray_cluster():
     with reuse_actors() if reuse else contextlib.nullcontext():
         yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test that uses the session
+    Ray cluster runs in one worker, in file order, so the cluster and its kept actors are shared exactly as in
+    a serial run; the other tests (unit tier, tests with their own clusters) fill the other worker."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray_session"))
