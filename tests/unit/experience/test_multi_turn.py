@@ -214,3 +214,23 @@ def test_malformed_environment_steps_are_rejected_with_the_reason():
     ]:
         with pytest.raises(ValueError, match=reason):
             check_step(bad, "env 'x' step")
+
+
+def test_turns_and_environment_kind_disagreeing_is_a_warning():
+    from nemo_like.algorithms.setup import multi_turn_warnings
+    from nemo_like.config import load_config
+    from nemo_like.environments.registry import resolve_environments
+
+    def warnings_for(turns: int) -> list[str]:
+        cfg = load_config(
+            "examples/configs/grpo_tiny_cpu.yaml",
+            [f"grpo.max_rollout_turns={turns}", "policy.max_total_sequence_length=96", "+env.count.class=custom_envs:CountdownEnv"],
+        )
+        return multi_turn_warnings(cfg, resolve_environments(cfg.env_sections))
+
+    assert warnings_for(1) == [
+        "env.count is a multi-turn environment (it overrides step) but grpo.max_rollout_turns=1: the run scores single responses "
+        "with its score(); set grpo.max_rollout_turns > 1 to use its turns"
+    ]
+    (line,) = warnings_for(3)
+    assert line.startswith("grpo.max_rollout_turns=3 has no effect for env.arithmetic")
