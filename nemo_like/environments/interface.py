@@ -33,7 +33,8 @@ class EnvironmentStep:
     * ``observation``: message appended before the next model turn, e.g. ``{"role": "tool", "content": "42"}``
       (``None`` when terminated or when there is nothing to say).
     * ``metadata``: the sample's updated metadata for the next turn (``None`` keeps it unchanged).
-    * ``stop_strings``: extra stop strings for the sample's next model turn (``None``: the recipe's own).
+    * ``stop_strings``: extra stop strings for the sample's next model turn, besides the recipe's own
+      (``policy.generation.stop_strings``); ``None``: only the recipe's.
     """
 
     reward: float

@@ -66,7 +66,7 @@ class Conversation:
     turns: int = 0
     weight_version: int | None = None
     final_weight_version: int | None = None
-    stop_strings: list[str] | None = None
+    stop_strings: list[str] | None = None  # extra stop strings for the next turn (from the last step)
     done: bool = False
     truncated: bool = False
     length_truncated: bool = False
@@ -165,12 +165,21 @@ def observation_tokens(tokenizer, conv: Conversation, observation: dict[str, str
 
 def stop_string_cut(tokenizer, ids: list[int], stop_strings: Sequence[str]) -> int | None:
     """Length of the shortest prefix of ``ids`` whose text contains a stop string (whole tokens kept), or ``None``."""
-    text = ""
+    if not stop_strings or not any(s in decode_exact(tokenizer, ids) for s in stop_strings):
+        return None
     for i in range(len(ids)):
         text = decode_exact(tokenizer, ids[: i + 1])
         if any(s in text for s in stop_strings):
             return i + 1
     return None
+
+
+def apply_stop_strings(tokenizer, sample: GeneratedSample, stop_strings: Sequence[str]) -> GeneratedSample:
+    """``sample`` cut after the token that completes the first stop string (then it is not truncated)."""
+    cut = stop_string_cut(tokenizer, sample.response_ids, stop_strings)
+    if cut is None:
+        return sample
+    return replace(sample, response_ids=sample.response_ids[:cut], response_logprobs=sample.response_logprobs[:cut], truncated=False)
 
 
 def turn_seed(seed: int, turn: int, group: int) -> int:
@@ -181,13 +190,11 @@ def turn_seed(seed: int, turn: int, group: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids: set[int]) -> None:
-    """Append one model turn's sampled ids, logprobs and message (its stop strings applied)."""
+def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids: set[int], recipe_stops: Sequence[str] = ()) -> None:
+    """Append one model turn's sampled ids, logprobs and message, cut at the recipe's stop strings and the ones
+    the sample's last environment step added."""
+    sample = apply_stop_strings(tokenizer, sample, [*recipe_stops, *(conv.stop_strings or ())])
     ids, logprobs, truncated = list(sample.response_ids), list(sample.response_logprobs), sample.truncated
-    if conv.stop_strings:
-        cut = stop_string_cut(tokenizer, ids, conv.stop_strings)
-        if cut is not None:
-            ids, logprobs, truncated = ids[:cut], logprobs[:cut], False
     conv.response_ids += ids
     conv.response_mask += [1] * len(ids)
     conv.response_logprobs += logprobs
@@ -284,7 +291,7 @@ def run_multi_turn(
         start = time.perf_counter()
         samples = generate_turn(generation, active, params, seed, turn, max_total_length)
         for conv, sample in zip(active, samples):
-            append_turn(tokenizer, conv, sample, eos)
+            append_turn(tokenizer, conv, sample, eos, params.stop_strings)
             if conv.truncated and conv.length >= max_total_length:
                 conv.length_truncated = True
         gen_s += time.perf_counter() - start

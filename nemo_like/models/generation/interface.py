@@ -16,6 +16,7 @@ class SamplingParams:
     top_k: int | None = None
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()  # applied by the driver after generation (nemo_like.experience.multi_turn.stop_string_cut)
 
 
 def sampling_params(cfg: Any, greedy: bool = False) -> SamplingParams:
@@ -28,6 +29,7 @@ def sampling_params(cfg: Any, greedy: bool = False) -> SamplingParams:
         top_k=g.top_k,
         greedy=greedy,
         stop_token_ids=tuple(g.stop_token_ids or ()),
+        stop_strings=tuple(g.stop_strings or ()),
     )
 
 

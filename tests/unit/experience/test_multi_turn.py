@@ -21,6 +21,7 @@ from nemo_like.environments.worker import check_step
 from nemo_like.experience.multi_turn import (
     MultiTurnSettings,
     TemplateRewriteError,
+    apply_stop_strings,
     local_stepper,
     multi_turn_metrics,
     run_multi_turn,
@@ -188,6 +189,33 @@ def test_stop_strings_cut_at_a_token_boundary(tokenizer):
     ids = tokenizer("12<x>34", add_special_tokens=False)["input_ids"]
     cut = stop_string_cut(tokenizer, ids, ["<x>"])
     assert tokenizer.decode(ids[:cut]) == "12<x>" and stop_string_cut(tokenizer, ids, ["zz"]) is None
+    sample = GeneratedSample([1], ids, [-0.5] * len(ids), truncated=True, weight_version=0)
+    cut_sample = apply_stop_strings(tokenizer, sample, ["<x>"])  # policy.generation.stop_strings, single-turn too
+    assert cut_sample.response_ids == ids[:cut] and cut_sample.response_logprobs == [-0.5] * cut and not cut_sample.truncated
+
+
+def segments(sample: GeneratedSample) -> list[tuple[int, list[int]]]:
+    """``(mask value, ids)`` runs of a multi-turn response: sampled turns (1) and observations (0)."""
+    runs: list[tuple[int, list[int]]] = []
+    for token, m in zip(sample.response_ids, sample.response_mask):
+        if runs and runs[-1][0] == m:
+            runs[-1][1].append(token)
+        else:
+            runs.append((m, [token]))
+    return runs
+
+
+def test_a_steps_stop_strings_end_the_next_turn_on_whole_tokens(worker, tokenizer, prompts):
+    result, _ = run(worker, tokenizer, prompts[2:], CountdownEnv(turns=3, stop_strings=["1"]), max_new_tokens=8)
+    cut = 0
+    for sample in result.samples:
+        turns = [ids for m, ids in segments(sample) if m == 1]
+        for ids in turns[1:]:  # turns after a step that set the stop string
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            if "1" in text:
+                assert text.endswith("1") and "1" not in tokenizer.decode(ids[:-1]) and ids[-1] != EOS
+                cut += 1
+    assert cut >= 1
 
 
 def test_a_sample_is_as_old_as_its_first_turn(worker, tokenizer, prompts):
