@@ -35,6 +35,9 @@ class EnvironmentStep:
     * ``metadata``: the sample's updated metadata for the next turn (``None`` keeps it unchanged).
     * ``stop_strings``: extra stop strings for the sample's next model turn, besides the recipe's own
       (``policy.generation.stop_strings``); ``None``: only the recipe's.
+    * ``metrics``: per-sample numbers of this step, e.g. ``{"tool_calls": 1.0, "tool_errors": 0.0}``; summed over a
+      sample's steps, the run logs their mean per sample (``multi_turn/<name>_per_sample``) and the share of samples
+      where the sum is non-zero (``multi_turn/<name>_sample_fraction``).
     """
 
     reward: float
@@ -42,6 +45,7 @@ class EnvironmentStep:
     observation: dict[str, str] | None = None
     metadata: dict[str, Any] | None = None
     stop_strings: list[str] | None = None
+    metrics: dict[str, float] | None = None
 
 
 class EnvironmentInterface(ABC):

@@ -67,6 +67,7 @@ class Conversation:
     weight_version: int | None = None
     final_weight_version: int | None = None
     stop_strings: list[str] | None = None  # extra stop strings for the next turn (from the last step)
+    step_metrics: dict[str, float] = field(default_factory=dict)  # EnvironmentStep.metrics summed over the steps
     done: bool = False
     truncated: bool = False
     length_truncated: bool = False
@@ -107,8 +108,9 @@ def multi_turn_settings(cfg: Any, tokenizer) -> MultiTurnSettings | None:
 
 
 def multi_turn_metrics(samples: Sequence[GeneratedSample], rewards: torch.Tensor, prefix: str = "multi_turn") -> dict[str, float]:
-    """Turns per sample (mean, max), the fraction cut by the length limit, and the mean reward of the
-    samples with each turn count (``<prefix>/reward_turns_<k>``)."""
+    """Turns per sample (mean, max), the fraction cut by the length limit, the mean reward of the samples
+    with each turn count (``<prefix>/reward_turns_<k>``), and per step metric name (``EnvironmentStep.metrics``)
+    its mean per sample and the share of samples where it is non-zero."""
     turns = torch.tensor([s.num_turns for s in samples], dtype=torch.float32)
     metrics = {
         f"{prefix}/turns_per_sample_mean": turns.mean().item(),
@@ -119,6 +121,11 @@ def multi_turn_metrics(samples: Sequence[GeneratedSample], rewards: torch.Tensor
     for k in sorted({int(t) for t in turns.tolist()}):
         metrics[f"{prefix}/reward_turns_{k}"] = rewards[turns == k].mean().item()
         metrics[f"{prefix}/fraction_turns_{k}"] = (turns == k).float().mean().item()
+    names = sorted({name for s in samples for name in (s.step_metrics or {})})
+    for name in names:
+        values = [(s.step_metrics or {}).get(name, 0.0) for s in samples]
+        metrics[f"{prefix}/{name}_per_sample"] = sum(values) / len(values)
+        metrics[f"{prefix}/{name}_sample_fraction"] = sum(v != 0 for v in values) / len(values)
     return metrics
 
 
@@ -211,6 +218,8 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids:
 def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: bool, max_total_length: int) -> None:
     """Add the step's reward and decide whether the sample goes on (appending the observation's ids) or ends."""
     conv.reward += float(step.reward)
+    for name, value in (step.metrics or {}).items():
+        conv.step_metrics[name] = conv.step_metrics.get(name, 0.0) + float(value)
     if step.metadata is not None:
         conv.metadata = dict(step.metadata)
     if step.terminated or last_turn or conv.truncated:
@@ -242,6 +251,7 @@ def finished_sample(conv: Conversation) -> GeneratedSample:
         num_turns=conv.turns,
         length_truncated=conv.length_truncated,
         messages=conv.messages[len(conv.prompt.messages) :],
+        step_metrics=dict(conv.step_metrics),
     )
 
 

@@ -55,6 +55,7 @@ class GeneratedSample:
     num_turns: int = 1  # model turns in the sample
     length_truncated: bool = False  # multi-turn: ended because policy.max_total_sequence_length left no room
     messages: list[dict[str, str]] | None = None  # multi-turn: the turns after the prompt (assistant + observations)
+    step_metrics: dict[str, float] | None = None  # multi-turn: the environment steps' per-sample metrics, summed
 
     @property
     def sampled_mask(self) -> list[int]:

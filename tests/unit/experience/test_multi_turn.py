@@ -141,6 +141,14 @@ def test_every_trained_sample_is_prompt_plus_sampled_plus_observation_ids(tokeni
     metrics = multi_turn_metrics(samples, result.rewards)
     assert metrics["multi_turn/turns_per_sample_max"] == 3.0
     assert metrics["multi_turn/turns_per_sample_mean"] == sum(s.num_turns for s in samples) / len(samples)
+    # Per-sample step metrics: one "observations" per non-final step of the episode (1 + answer % 3 steps long).
+    observations = [float(min(s.num_turns, p.metadata["answer"] % 3)) for s, p in zip(samples, prompts)]
+    assert [(s.step_metrics or {}).get("observations", 0.0) for s in samples] == observations
+    assert metrics["multi_turn/observations_per_sample"] == pytest.approx(sum(observations) / len(samples))
+    assert metrics["multi_turn/observations_sample_fraction"] == sum(o > 0 for o in observations) / len(samples)
+    for k in (1, 2, 3):
+        with_k = [r for s, r in zip(samples, result.rewards.tolist()) if s.num_turns == k]
+        assert metrics[f"multi_turn/reward_turns_{k}"] == pytest.approx(sum(with_k) / len(with_k))
 
 
 def test_each_turn_is_a_prefix_of_the_next_and_one_turn_is_the_single_turn_rollout(worker, tokenizer, prompts, three_turns):
@@ -238,6 +246,7 @@ def test_malformed_environment_steps_are_rejected_with_the_reason():
         (EnvironmentStep(float("nan")), "finite"),
         (EnvironmentStep(0.0, False, {"role": "tool"}), "observation"),
         (EnvironmentStep(0.0, False, None, None, "</x>"), "stop_strings"),
+        (EnvironmentStep(0.0, metrics={"calls": float("inf")}), "metrics"),
         ((0.0, True), "EnvironmentStep"),
     ]:
         with pytest.raises(ValueError, match=reason):
