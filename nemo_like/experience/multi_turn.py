@@ -95,7 +95,7 @@ class MultiTurnSettings:
 
     max_turns: int  # grpo.max_rollout_turns
     max_total_length: int  # policy.max_total_sequence_length
-    eos_token_ids: tuple[int, ...]  # the tokenizer's end-of-turn token(s): not part of a turn's message text
+    eos_token_ids: tuple[int, ...]  # end-of-turn tokens (eos + policy.generation.stop_token_ids): not part of a message's text
 
 
 def multi_turn_settings(cfg: Any, tokenizer) -> MultiTurnSettings | None:
@@ -104,7 +104,9 @@ def multi_turn_settings(cfg: Any, tokenizer) -> MultiTurnSettings | None:
         return None
     eos = tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    return MultiTurnSettings(cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length, eos_ids)
+    # Every stop token ends a turn (e.g. <|im_end|> set in stop_token_ids for a base tokenizer whose eos is <|endoftext|>).
+    end_of_turn = tuple(dict.fromkeys([*eos_ids, *(cfg.policy.generation.stop_token_ids or ())]))
+    return MultiTurnSettings(cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length, end_of_turn)
 
 
 def multi_turn_metrics(samples: Sequence[GeneratedSample], rewards: torch.Tensor, prefix: str = "multi_turn") -> dict[str, float]:
