@@ -35,9 +35,10 @@ from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import DataExhausted
+from nemo_like.distributed.threads import oversubscription_warning, thread_split
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.evaluation.pass_at_k import correct_counts, mean_pass_at_k
-from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, thread_oversubscription_warning
+from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
 from nemo_like.experience.rollouts import (
     Rollout,
     add_counters,
@@ -445,16 +446,12 @@ def grpo_train(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInf
 def async_grpo_train(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInfo | None = None) -> list[dict[str, Any]]:
     """The async loop (``grpo.async_grpo.enabled``): generation runs ahead of training with bounded,
     versioned staleness; same arguments, records and checkpoints (plus the replay buffer) as :func:`grpo_train`."""
-    import ray
 
     async_cfg = parts.cfg.grpo.async_grpo
     logger.progress.message(
         f"[plan] async: samples at most {async_cfg.max_trajectory_age_steps} update(s) old, refits "
         + ("in flight (mid-sequence)" if async_cfg.in_flight_weight_updates else "wait for the batch in flight")
     )
-    warning = thread_oversubscription_warning(parts.cfg, ray.cluster_resources().get("CPU", 0.0))
-    if warning:
-        logger.progress.message(f"[plan] {warning}")
     return run_training(parts, logger, resume_from, AsyncSteps(parts))
 
 
@@ -464,6 +461,10 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     history: list[dict[str, Any]] = []
     for reason in parts.plan.reasons:
         logger.progress.message(f"[plan] {reason}")
+    logger.progress.message(f"[plan] {thread_split(cfg).describe()}")
+    warning = oversubscription_warning(cfg)
+    if warning:
+        logger.progress.message(f"[plan] {warning}")
     manager = checkpoint_manager(parts)
     last_step = restore_run(parts, resume_from) if resume_from is not None else 0
     if last_step:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.config.rejection import RolloutRejectionConfig
-from nemo_like.config.types import Float, Int
+from nemo_like.config.types import Float, Int, ThreadCount
 
 EMBEDDED_MODEL = "embedded:tiny-arith-qwen2"
 
@@ -174,6 +174,11 @@ class GenerationConfig(Section):
         "truncated, renormalised distribution (processed logprobs, docs/guides/generation.md).",
     )
     stop_token_ids: list[Int] | None = Field(None, description="Extra stop tokens besides the tokenizer's eos.")
+    num_threads_per_worker: ThreadCount = Field(
+        "auto",
+        description="torch/OpenMP threads of each generation engine (HF or vLLM on CPU); 'auto': the automatic split of "
+        "policy.num_threads_per_worker (docs/guides/scaling.md#threads-per-worker); an integer is used as given.",
+    )
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
 
@@ -232,7 +237,12 @@ class PolicyConfig(Section):
     max_grad_norm: Float | None = Field(1.0, gt=0, description="Gradient clipping by global norm; null disables it.")
     dp_size: Int = Field(1, gt=0, description="Data-parallel policy workers (torch.distributed, gloo on CPU, nccl on GPU).")
     num_cpus_per_worker: Float = Field(0.5, gt=0, description="Ray CPU reservation per policy/reference worker.")
-    num_threads_per_worker: Int = Field(2, gt=0, description="torch intra-op threads in each worker.")
+    num_threads_per_worker: ThreadCount = Field(
+        "auto",
+        description="torch/OpenMP intra-op threads in each policy and reference worker; 'auto' splits each node's CPUs among the "
+        "actors that run at the same time (sync: each phase may use every core; async: generation and training share "
+        "them; rule in docs/guides/scaling.md#threads-per-worker); an integer is used as given.",
+    )
     dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig, description="FSDP2 / DTensor sharding.")
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig, description="Sequence packing.")
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig, description="Token-budget micro-batches.")

@@ -66,22 +66,6 @@ def rollout_from_groups(groups: list[TrajectoryGroup]) -> Rollout:
     )
 
 
-def thread_oversubscription_warning(cfg: Any, cluster_cpus: float) -> str | None:
-    """On CPU, async runs the policy and generation actors at the same time: warn when their threads
-    together exceed the cluster's CPUs (spinning OpenMP threads then make async slower than sync)."""
-    if cfg.cluster.gpus_per_node:
-        return None
-    threads = cfg.policy.num_threads_per_worker
-    concurrent = (cfg.policy.dp_size + 1) * threads  # policy ranks + the generation engine
-    if concurrent <= cluster_cpus:
-        return None
-    return (
-        f"WARNING: async on CPU runs {cfg.policy.dp_size} policy worker(s) and the generation engine at the same time, "
-        f"{concurrent} threads on {cluster_cpus:g} CPUs: oversubscribed threads spin and can make async slower than sync "
-        f"(measured 0.42x on 2 cores); set policy.num_threads_per_worker={max(1, int(cluster_cpus) // (cfg.policy.dp_size + 1))}"
-    )
-
-
 class AsyncRollouts:
     """Starts the replay buffer and trajectory collector actors; see the module docstring."""
 
