@@ -50,6 +50,7 @@ from nemo_like.experience.rollouts import (
 )
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
+from nemo_like.utils.flops import flops_metrics, flops_spec
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.sample_dump import dump_path, format_samples, per_sample_mean, response_token_values, write_sample_dump
 from nemo_like.utils.throughput import throughput_metrics
@@ -465,6 +466,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     warning = oversubscription_warning(cfg)
     if warning:
         logger.progress.message(f"[plan] {warning}")
+    flops = flops_spec(cfg)
     manager = checkpoint_manager(parts)
     last_step = restore_run(parts, resume_from) if resume_from is not None else 0
     if last_step:
@@ -496,6 +498,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                 metrics[f"timing/train/{phase}"] = timer.seconds.get(phase, 0.0)
             metrics["timing/train/total_step_time"] = total
             metrics.update(throughput_metrics(metrics))
+            metrics.update(flops_metrics(metrics, flops))
             logger.log(metrics, step)
             history.append({"step": step, **metrics})
             info = f"reward={metrics['train/reward']:.3f} loss={metrics['train/loss']:.4f}"

@@ -491,6 +491,12 @@ class ClusterConfig(Section):
     object_store_memory_mb: Int = Field(512, gt=0, description="Object store size for a private local cluster.")
     ray_address: str | None = Field(None, description="Join this Ray cluster (default: $RAY_ADDRESS, else start a private local one).")
     placement_timeout_s: Float = Field(60.0, gt=0, description="Fail if the actors' resources are not granted within this time.")
+    peak_flops_per_device: Float | None = Field(
+        None,
+        gt=0,
+        description="Peak FLOP/s of one device for performance/mfu (a GPU; on CPU a whole node). Default: a table of known GPUs "
+        "for the run's precision, or on CPU a matmul probe measured once and cached (docs/guides/logging.md#performance).",
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK",
         description="How each actor group's bundles land on nodes (Ray placement strategy): PACK fills a node first, SPREAD "
