@@ -28,8 +28,9 @@ ASYNC_ACTOR_CPUS = 0.05  # the trajectory collector and the replay buffer mostly
 
 
 def async_actor_resources(cfg: Any) -> list[RoleResources]:
-    """The trajectory collector and the replay buffer: one actor each, a small CPU reservation."""
-    resources = WorkerResources(num_cpus=ASYNC_ACTOR_CPUS)
+    """The trajectory collector and the replay buffer: one actor each, a small CPU reservation and one thread
+    (they only move samples; their torch ops are tiny, so an OpenMP team would only compete with training)."""
+    resources = WorkerResources(num_cpus=ASYNC_ACTOR_CPUS, num_threads=1)
     return [RoleResources("trajectory_collector", 1, resources), RoleResources("replay_buffer", 1, resources)]
 
 

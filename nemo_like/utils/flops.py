@@ -14,7 +14,8 @@ projection ``vocab x hidden`` when it is tied to that table; norms and biases ar
 
 ``performance/mfu`` = all of them / (step seconds x peak FLOP/s per device x devices);
 ``performance/training_mfu`` = training FLOPs / (``policy_training`` seconds x peak x training devices);
-``performance/generation_mfu`` = generation FLOPs / (``generation`` seconds x peak x generation devices).
+``performance/generation_mfu`` = generation FLOPs / (generation seconds x peak x generation devices), with
+the generation seconds of :func:`generation_seconds`.
 
 Devices: on GPU, the policy ranks' GPUs plus the generation engines' (none when colocated); on CPU a
 device is one node with all its cores (every actor of a node shares them), so devices = ``cluster.num_nodes``.
@@ -88,11 +89,17 @@ def step_flops(metrics: Mapping[str, float], n: int) -> dict[str, float]:
     }
 
 
+def generation_seconds(metrics: Mapping[str, float]) -> float:
+    """Seconds the engines generated this step: ``timing/train/generation`` (sync), else the collector's
+    ``async/generation_seconds`` (async: the trainer does not generate)."""
+    return float(metrics.get(f"{TIMING_PREFIX}generation", 0.0)) or float(metrics.get("async/generation_seconds", 0.0))
+
+
 def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, float]:
     """Per-worker token rates, FLOPs and (when the peak is known) MFU of one step; rates over zero seconds are 0.0."""
     flops = step_flops(metrics, spec.matmul_params)
     train_s = float(metrics.get(f"{TIMING_PREFIX}policy_training", 0.0))
-    gen_s = float(metrics.get(f"{TIMING_PREFIX}generation", 0.0))
+    gen_s = generation_seconds(metrics)
     total_s = float(metrics.get(TOTAL_KEY, 0.0))
     tokens = float(metrics.get("performance/num_batch_tokens", 0.0))
     out = {

@@ -74,9 +74,16 @@ def test_mfu_and_per_worker_rates():
     )
 
 
+def test_async_steps_use_the_collectors_generation_seconds():
+    spec = FlopsSpec(1000, 1e5, 1, 1, 1, 1, 1)
+    out = flops_metrics(step(**{"timing/train/generation": 0.0, "async/generation_seconds": 0.5}), spec)
+    assert out["performance/generation_tokens_per_sec_per_worker"] == pytest.approx(40 / 0.5)
+    assert out["performance/generation_mfu"] == pytest.approx(8e4 / (0.5 * 1e5))
+
+
 def test_unknown_peak_logs_no_mfu_and_zero_time_gives_zero():
     spec = FlopsSpec(1000, None, 1, 1, 1, 1, 1)
-    out = flops_metrics(step(**{"timing/train/generation": 0.0}), spec)
+    out = flops_metrics(step(**{"timing/train/generation": 0.0}), spec)  # and no async/generation_seconds
     assert "performance/mfu" not in out and out["performance/generation_tokens_per_sec_per_worker"] == 0.0
     out = flops_metrics(step(**{"timing/train/total_step_time": 0.0}), FlopsSpec(1000, 1e5, 1, 1, 1, 1, 1))
     assert out["performance/mfu"] == 0.0
