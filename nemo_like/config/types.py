@@ -32,6 +32,8 @@ Int = Annotated[int, _reject_bool("an integer")]
 
 
 def _thread_count(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise PydanticCustomError("bool_for_number", "expected an integer, not a boolean")
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         return value
     raise PydanticCustomError("thread_count", "expected a positive integer or 'auto'")

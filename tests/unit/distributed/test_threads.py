@@ -111,7 +111,9 @@ def test_explicit_oversubscription_warns_with_the_automatic_counts():
     assert oversubscription_warning(load_config(SYNC, ["policy.num_threads_per_worker=2"]), cpus=2) is None
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "true", "many"])
+@pytest.mark.parametrize("value", ["0", "-1", "many", "2.5"])
 def test_bad_thread_counts_name_the_key(value):
     with pytest.raises(ConfigError, match=r"policy\.generation\.num_threads_per_worker: expected a positive integer or 'auto'"):
         load_config(SYNC, [f"policy.generation.num_threads_per_worker={value}"])
+    with pytest.raises(ConfigError, match=r"policy\.num_threads_per_worker: expected an integer, not a boolean"):
+        load_config(SYNC, ["policy.num_threads_per_worker=true"])
