@@ -495,7 +495,7 @@ class ClusterConfig(Section):
         None,
         gt=0,
         description="Peak FLOP/s of one device for performance/mfu (a GPU; on CPU a whole node). Default: a table of known GPUs "
-        "for the run's precision, or on CPU a matmul probe measured once and cached (docs/guides/logging.md#performance).",
+        "for the run's precision, or on CPU a matmul probe measured once and cached (docs/guides/logging.md, Performance).",
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK",
