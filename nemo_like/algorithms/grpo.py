@@ -467,6 +467,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     if warning:
         logger.progress.message(f"[plan] {warning}")
     flops = flops_spec(cfg)
+    logger.progress.message(f"[plan] {flops.describe()}")
     manager = checkpoint_manager(parts)
     last_step = restore_run(parts, resume_from) if resume_from is not None else 0
     if last_step:

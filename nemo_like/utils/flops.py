@@ -62,6 +62,12 @@ class FlopsSpec:
     generation_devices: int
     training_workers: int
     generation_workers: int
+    peak_source: str = "cluster.peak_flops_per_device"
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        peak = f"{self.peak_flops_per_device:.3g} FLOP/s per device ({self.peak_source})" if self.peak_flops_per_device else "unknown"
+        return f"MFU: N={self.matmul_params:,} matmul parameters, {self.devices} device(s), peak {peak}"
 
 
 def matmul_params(config: Any) -> int:
@@ -190,17 +196,18 @@ def flops_spec(cfg: Any) -> FlopsSpec:
 
     pc = cfg.policy
     ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
-    peak = cfg.cluster.peak_flops_per_device
+    peak, source = cfg.cluster.peak_flops_per_device, "cluster.peak_flops_per_device"
     if cfg.cluster.gpus_per_node:
         colocated = pc.generation.colocated.enabled
         devices, training, generation = ranks + (0 if colocated else 1), ranks, 1
         if peak is None:
             import torch
 
-            peak = gpu_peak_flops(torch.cuda.get_device_name(0), pc.precision) if torch.cuda.is_available() else None
+            name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU on the driver"
+            peak, source = gpu_peak_flops(name, pc.precision), f"table: {name}, {pc.precision}"
     else:
         devices, training, generation = cfg.cluster.num_nodes, min(cfg.cluster.num_nodes, ranks), 1
         if peak is None:
-            peak = cpu_peak_flops(pc.precision)
+            peak, source = cpu_peak_flops(pc.precision), f"CPU matmul probe, cached in {CACHE_FILE}"
     n = matmul_params(AutoConfig.from_pretrained(resolve_model_path(pc.model_name)))
-    return FlopsSpec(n, peak, devices, training, generation, training_workers=ranks, generation_workers=1)
+    return FlopsSpec(n, peak, devices, training, generation, training_workers=ranks, generation_workers=1, peak_source=source)

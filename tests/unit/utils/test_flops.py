@@ -97,6 +97,10 @@ def test_gpu_table_and_configured_peak():
     spec = flops_spec(cfg)  # CPU: the configured peak, no probe; a device is a node
     assert (spec.peak_flops_per_device, spec.devices, spec.training_devices, spec.training_workers) == (2e12, 1, 1, 2)
     assert spec.matmul_params > 0
+    assert (
+        spec.describe()
+        == f"MFU: N={spec.matmul_params:,} matmul parameters, 1 device(s), peak 2e+12 FLOP/s per device (cluster.peak_flops_per_device)"
+    )
 
 
 def test_cpu_probe_is_measured_once_and_cached(tmp_path):
