@@ -12,7 +12,9 @@ Settings:
 For each setting it prints steps/s sync and async and their ratio, then where an async step's time
 went: the trainer waiting for data, the trainer waiting for the batch in flight before a refit, and
 the collector's generation seconds, pause for refit and wait for pacing (all per step, medians).
-The first ``--warmup`` steps of each run (actor warm-up) are left out.
+The first ``--warmup`` steps of each run (actor warm-up) are left out. Threads per worker are the
+automatic split unless overridden (``policy.num_threads_per_worker=N``; docs/guides/scaling.md), and
+the split each mode used is printed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pathlib import Path
 
 from recipe_runs import run_recipe
 
+from nemo_like.config import DEFAULT_RECIPE, load_config
+from nemo_like.distributed.threads import thread_split
 from nemo_like.models.loading import load_tokenizer, resolve_model_path
 
 SETTINGS = {
@@ -92,6 +96,8 @@ def compare(name: str, steps: int, warmup: int, extra: list[str]) -> None:
         f"training {median(async_, 'timing/train/policy_training'):.3f}s)"
     )
     print(f"ratio async/sync steps per second: {async_rate / sync_rate:.3f}")
+    for mode, extra_mode in (("sync", []), ("async", ASYNC)):
+        print(f"{mode} {thread_split(load_config(DEFAULT_RECIPE, [*SETTINGS[name], *extra, *extra_mode], warn=False)).describe()}")
     print("async per-step medians: " + ", ".join(f"{k} {median(async_, k):.3f}s" for k in IDLE_KEYS))
     print(
         f"async mean trajectory age: {statistics.mean(h['train/avg_trajectory_age'] for h in async_):.2f}; "

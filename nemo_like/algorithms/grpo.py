@@ -35,13 +35,15 @@ from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import DataExhausted
+from nemo_like.distributed.threads import oversubscription_warning, thread_split
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.evaluation.pass_at_k import correct_counts, mean_pass_at_k
-from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, thread_oversubscription_warning
+from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
 from nemo_like.experience.multi_turn import multi_turn_metrics, multi_turn_settings
 from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, rollout_seed, task_reward_metrics
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
+from nemo_like.utils.flops import flops_metrics, flops_spec
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.sample_dump import dump_path, format_samples, per_sample_mean, response_token_values, write_sample_dump
 from nemo_like.utils.throughput import throughput_metrics
@@ -466,16 +468,11 @@ def grpo_train(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInf
 def async_grpo_train(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInfo | None = None) -> list[dict[str, Any]]:
     """The async loop (``grpo.async_grpo.enabled``): generation runs ahead of training with bounded,
     versioned staleness; same arguments, records and checkpoints (plus the replay buffer) as :func:`grpo_train`."""
-    import ray
-
     async_cfg = parts.cfg.grpo.async_grpo
     logger.progress.message(
         f"[plan] async: samples at most {async_cfg.max_trajectory_age_steps} update(s) old, refits "
         + ("in flight (mid-sequence)" if async_cfg.in_flight_weight_updates else "wait for the batch in flight")
     )
-    warning = thread_oversubscription_warning(parts.cfg, ray.cluster_resources().get("CPU", 0.0))
-    if warning:
-        logger.progress.message(f"[plan] {warning}")
     return run_training(parts, logger, resume_from, AsyncSteps(parts))
 
 
@@ -485,6 +482,12 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     history: list[dict[str, Any]] = []
     for reason in parts.plan.reasons:
         logger.progress.message(f"[plan] {reason}")
+    logger.progress.message(f"[plan] {thread_split(cfg).describe()}")
+    warning = oversubscription_warning(cfg)
+    if warning:
+        logger.progress.message(f"[plan] {warning}")
+    flops = flops_spec(cfg)
+    logger.progress.message(f"[plan] {flops.describe()}")
     manager = checkpoint_manager(parts)
     last_step = restore_run(parts, resume_from) if resume_from is not None else 0
     if last_step:
@@ -516,6 +519,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                 metrics[f"timing/train/{phase}"] = timer.seconds.get(phase, 0.0)
             metrics["timing/train/total_step_time"] = total
             metrics.update(throughput_metrics(metrics))
+            metrics.update(flops_metrics(metrics, flops))
             logger.log(metrics, step)
             history.append({"step": step, **metrics})
             info = f"reward={metrics['train/reward']:.3f} loss={metrics['train/loss']:.4f}"

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.config.rejection import RolloutRejectionConfig
-from nemo_like.config.types import Float, Int
+from nemo_like.config.types import Float, Int, ThreadCount
 
 EMBEDDED_MODEL = "embedded:tiny-arith-qwen2"
 
@@ -187,6 +187,11 @@ class GenerationConfig(Section):
         description="Stop strings: a response keeps its sampled tokens up to the first token whose text completes one (whole "
         "tokens, nothing re-tokenised; applied after generation). Multi-turn environments may set their own per turn.",
     )
+    num_threads_per_worker: ThreadCount = Field(
+        "auto",
+        description="torch/OpenMP threads of each generation engine (HF or vLLM on CPU); 'auto': the automatic split of "
+        "policy.num_threads_per_worker (docs/guides/scaling.md#threads-per-worker); an integer is used as given.",
+    )
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
 
@@ -245,7 +250,12 @@ class PolicyConfig(Section):
     max_grad_norm: Float | None = Field(1.0, gt=0, description="Gradient clipping by global norm; null disables it.")
     dp_size: Int = Field(1, gt=0, description="Data-parallel policy workers (torch.distributed, gloo on CPU, nccl on GPU).")
     num_cpus_per_worker: Float = Field(0.5, gt=0, description="Ray CPU reservation per policy/reference worker.")
-    num_threads_per_worker: Int = Field(2, gt=0, description="torch intra-op threads in each worker.")
+    num_threads_per_worker: ThreadCount = Field(
+        "auto",
+        description="torch/OpenMP intra-op threads in each policy and reference worker; 'auto' splits each node's CPUs among the "
+        "actors that run at the same time (sync: each phase may use every core; async: generation and training share "
+        "them; rule in docs/guides/scaling.md#threads-per-worker); an integer is used as given.",
+    )
     dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig, description="FSDP2 / DTensor sharding.")
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig, description="Sequence packing.")
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig, description="Token-budget micro-batches.")
@@ -494,6 +504,12 @@ class ClusterConfig(Section):
     object_store_memory_mb: Int = Field(512, gt=0, description="Object store size for a private local cluster.")
     ray_address: str | None = Field(None, description="Join this Ray cluster (default: $RAY_ADDRESS, else start a private local one).")
     placement_timeout_s: Float = Field(60.0, gt=0, description="Fail if the actors' resources are not granted within this time.")
+    peak_flops_per_device: Float | None = Field(
+        None,
+        gt=0,
+        description="Peak FLOP/s of one device for performance/mfu (a GPU; on CPU a whole node). Default: a table of known GPUs "
+        "for the run's precision, or on CPU a matmul probe measured once and cached (docs/guides/logging.md, Performance).",
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK",
         description="How each actor group's bundles land on nodes (Ray placement strategy): PACK fills a node first, SPREAD "

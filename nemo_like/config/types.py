@@ -8,9 +8,9 @@ the key and the expected type; an int stays valid where a float is expected (``l
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, PlainValidator
 from pydantic_core import PydanticCustomError
 
 
@@ -29,3 +29,15 @@ def _reject_bool(expected: str) -> BeforeValidator:
 
 Float = Annotated[float, _reject_bool("a number")]
 Int = Annotated[int, _reject_bool("an integer")]
+
+
+def _thread_count(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise PydanticCustomError("bool_for_number", "expected an integer, not a boolean")
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise PydanticCustomError("thread_count", "expected a positive integer or 'auto'")
+
+
+# A thread count: a positive integer, or "auto" for the automatic split (nemo_like/distributed/threads.py).
+ThreadCount = Annotated[int | Literal["auto"], PlainValidator(_thread_count)]

@@ -29,8 +29,9 @@ ASYNC_ACTOR_CPUS = 0.05  # the trajectory collector and the replay buffer mostly
 
 
 def async_actor_resources(cfg: Any) -> list[RoleResources]:
-    """The trajectory collector and the replay buffer: one actor each, a small CPU reservation."""
-    resources = WorkerResources(num_cpus=ASYNC_ACTOR_CPUS)
+    """The trajectory collector and the replay buffer: one actor each, a small CPU reservation and one thread
+    (they only move samples; their torch ops are tiny, so an OpenMP team would only compete with training)."""
+    resources = WorkerResources(num_cpus=ASYNC_ACTOR_CPUS, num_threads=1)
     return [RoleResources("trajectory_collector", 1, resources), RoleResources("replay_buffer", 1, resources)]
 
 
@@ -64,22 +65,6 @@ def rollout_from_groups(groups: list[TrajectoryGroup]) -> Rollout:
         samples=[s for g in groups for s in g.samples],
         response_texts=[t for g in groups for t in g.response_texts],
         rewards=torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32),
-    )
-
-
-def thread_oversubscription_warning(cfg: Any, cluster_cpus: float) -> str | None:
-    """On CPU, async runs the policy and generation actors at the same time: warn when their threads
-    together exceed the cluster's CPUs (spinning OpenMP threads then make async slower than sync)."""
-    if cfg.cluster.gpus_per_node:
-        return None
-    threads = cfg.policy.num_threads_per_worker
-    concurrent = (cfg.policy.dp_size + 1) * threads  # policy ranks + the generation engine
-    if concurrent <= cluster_cpus:
-        return None
-    return (
-        f"WARNING: async on CPU runs {cfg.policy.dp_size} policy worker(s) and the generation engine at the same time, "
-        f"{concurrent} threads on {cluster_cpus:g} CPUs: oversubscribed threads spin and can make async slower than sync "
-        f"(measured 0.42x on 2 cores); set policy.num_threads_per_worker={max(1, int(cluster_cpus) // (cfg.policy.dp_size + 1))}"
     )
 
 

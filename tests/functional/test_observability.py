@@ -23,6 +23,9 @@ def numeric(record: dict) -> dict[str, float]:
     return {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
 
 
+PEAK = 1e9  # FLOP/s per device: set, so no CPU probe runs and the MFU is exact arithmetic
+
+
 @pytest.fixture(scope="module")
 def observed_run(ray_cluster, tmp_path_factory):
     """A real 2-step run with every sink on; returns (log_dir, wandb_dir, history)."""
@@ -43,6 +46,7 @@ def observed_run(ray_cluster, tmp_path_factory):
         "logger.wandb.name=observability-test",
         "logger.dump_train_data=true",
         "logger.num_val_samples_to_print=2",
+        f"cluster.peak_flops_per_device={PEAK}",
     )
     with pytest.MonkeyPatch.context() as mp:
         for key, value in wandb_env.items():
@@ -119,6 +123,23 @@ def test_throughput_and_time_shares_are_logged_every_step(observed_run):
         shares = {k: v for k, v in record.items() if k.startswith("timing/train/share/")}
         assert {"generation", "policy_training", "validation"} <= {k.rsplit("/", 1)[1] for k in shares}
         assert 0.5 < sum(shares.values()) <= 1.0 + 1e-9
+
+
+def test_mfu_and_per_worker_rates_follow_the_documented_formulas(observed_run):
+    from transformers import AutoConfig
+
+    from nemo_like.models.loading import resolve_model_path
+    from nemo_like.utils.flops import matmul_params
+
+    log_dir, _, _ = observed_run
+    n = matmul_params(AutoConfig.from_pretrained(resolve_model_path("embedded:tiny-arith-qwen2")))
+    for r in read_metrics(log_dir)[1:]:
+        assert r["performance/forward_passes/prev_logprobs"] == 0 and r["performance/forward_passes/reference_logprobs"] > 0
+        flops = (6 + 2) * n * r["performance/num_batch_tokens"] + 2 * n * r["performance/num_generated_tokens"]
+        assert r["performance/model_flops"] == pytest.approx(flops)
+        assert r["performance/mfu"] == pytest.approx(flops / (r["timing/train/total_step_time"] * PEAK))  # one CPU node
+        assert r["performance/training_tokens_per_sec_per_worker"] == pytest.approx(r["performance/training_tokens_per_sec"])
+        assert r["performance/generation_tokens_per_sec_per_worker"] == pytest.approx(r["performance/generation_tokens_per_sec"])
 
 
 def test_train_dumps_back_fill_prev_logprobs_from_the_training_pass(observed_run):

@@ -7,6 +7,7 @@ import time
 import ray
 
 from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
@@ -17,7 +18,7 @@ def hf_generation_resources(cfg: MasterConfig, num_workers: int = 1) -> RoleReso
     """HF generation workers: CPUs each, and a GPU of their own on GPU clusters."""
     pc = cfg.policy
     resources = WorkerResources(
-        num_cpus=pc.num_cpus_per_worker, num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0, num_threads=pc.num_threads_per_worker
+        num_cpus=pc.num_cpus_per_worker, num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0, num_threads=thread_split(cfg).generation
     )
     return RoleResources("generation", num_workers, resources)
 
@@ -27,14 +28,14 @@ class HFGeneration:
 
     def __init__(self, cfg: MasterConfig, pad_token_id: int, eos_token_ids: list[int], num_workers: int = 1) -> None:
         pc = cfg.policy
+        resources = hf_generation_resources(cfg, num_workers).resources
         init = dict(
             model_name=pc.model_name,
             precision=pc.precision,
-            num_threads=pc.num_threads_per_worker,
+            num_threads=resources.num_threads,
             pad_token_id=pad_token_id,
             eos_token_ids=eos_token_ids,
         )
-        resources = hf_generation_resources(cfg, num_workers).resources
         self.group = RayWorkerGroup(
             "generation",
             HFGenerationWorker,

@@ -23,6 +23,7 @@ import ray
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
@@ -65,7 +66,7 @@ def vllm_generation_resources(cfg: MasterConfig, num_workers: int = 1) -> RoleRe
     """vLLM workers: CPUs each; a GPU of their own on GPU clusters, none when colocated (the GPU is the policy's)."""
     pc = cfg.policy
     gpus = 1.0 if cfg.cluster.gpus_per_node and not is_colocated(cfg) else 0.0
-    resources = WorkerResources(num_cpus=pc.num_cpus_per_worker, num_gpus=gpus, num_threads=pc.num_threads_per_worker)
+    resources = WorkerResources(num_cpus=pc.num_cpus_per_worker, num_gpus=gpus, num_threads=thread_split(cfg).generation)
     return RoleResources("generation", num_workers, resources)
 
 

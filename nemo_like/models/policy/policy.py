@@ -9,6 +9,7 @@ import ray
 import torch
 
 from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
 from nemo_like.models.weight_buckets import WeightBuckets
@@ -48,10 +49,11 @@ def policy_resources(cfg: MasterConfig, trainable: bool = True) -> RoleResources
     """The policy or the reference: ``policy.dp_size x tensor_parallel_size`` workers each (the reference is
     sharded like the policy), CPUs each, one GPU each on GPU clusters."""
     pc = cfg.policy
+    split = thread_split(cfg)
     resources = WorkerResources(
         num_cpus=pc.num_cpus_per_worker,
         num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0,
-        num_threads=pc.num_threads_per_worker,
+        num_threads=split.policy if trainable else split.reference,
     )
     return RoleResources("policy" if trainable else "reference", pc.dp_size * pc.dtensor_cfg.tensor_parallel_size, resources)
 
@@ -89,7 +91,7 @@ class Policy:
             temperature=pc.generation.temperature,
             top_k=pc.generation.top_k,
             top_p=pc.generation.top_p,
-            num_threads=pc.num_threads_per_worker,
+            num_threads=role.resources.num_threads,
             seed=cfg.grpo.seed,
             trainable=trainable,
             loss_fn=loss_fn,

@@ -149,16 +149,3 @@ def test_simulated_collector_and_trainer_keep_the_bound_and_drop_nothing(max_age
     assert max(seen_ages) <= max_age
     if max_age > 0:
         assert max(seen_ages) >= 1  # the collector really ran ahead
-
-
-def test_async_on_too_few_cpus_warns_about_thread_oversubscription():
-    from pathlib import Path
-
-    from nemo_like.config import load_config
-    from nemo_like.experience.async_rollouts import thread_oversubscription_warning
-
-    recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu_async.yaml"
-    assert thread_oversubscription_warning(load_config(recipe), cluster_cpus=2) is None  # 1 thread each
-    warning = thread_oversubscription_warning(load_config(recipe, ["policy.num_threads_per_worker=2"]), cluster_cpus=2)
-    assert warning and "4 threads on 2 CPUs" in warning and "policy.num_threads_per_worker=1" in warning
-    assert thread_oversubscription_warning(load_config(recipe, ["policy.num_threads_per_worker=2"]), cluster_cpus=8) is None

@@ -1,0 +1,213 @@
+"""Model FLOPs utilisation (MFU) and per-worker token rates of one step (formulas: pure functions).
+
+What is counted (``N`` = :func:`matmul_params`, the parameters that take part in a matrix multiply per
+token: every parameter except the input embedding table, whose lookup is no matmul, plus the output
+projection ``vocab x hidden`` when it is tied to that table; norms and biases are included, attention's
+``seq x seq`` products are not):
+
+* training: ``6 N`` per trained token (forward 2N + backward 4N), tokens = ``performance/num_batch_tokens``
+  (prompt + response, no padding);
+* logprob passes: ``2 N`` per trained token for each of the prev and reference passes that ran
+  (``performance/forward_passes/<kind> > 0``);
+* generation: ``2 N`` per generated token (``performance/num_generated_tokens``; the prompt's prefill
+  is not counted).
+
+``performance/mfu`` = all of them / (step seconds x peak FLOP/s per device x devices);
+``performance/training_mfu`` = training FLOPs / (``policy_training`` seconds x peak x training devices);
+``performance/generation_mfu`` = generation FLOPs / (generation seconds x peak x generation devices), with
+the generation seconds of :func:`generation_seconds`.
+
+Devices: on GPU, the policy ranks' GPUs plus the generation engines' (none when colocated); on CPU a
+device is one node with all its cores (every actor of a node shares them), so devices = ``cluster.num_nodes``.
+Peak FLOP/s per device: ``cluster.peak_flops_per_device`` when set; else, on GPU, the dense peak of
+:data:`GPU_PEAK_FLOPS` for the driver's GPU and the run's precision; on CPU, a matmul probe on the
+driver's node with all its cores, measured once and cached (:func:`cpu_peak_flops`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_like.utils.throughput import TIMING_PREFIX, TOTAL_KEY, rate
+
+# Dense (no sparsity) peak FLOP/s by GPU name fragment and precision (vendor data sheets, SXM parts);
+# float32 is plain FP32 (TF32 tensor cores are off by default in torch matmuls).
+GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "B200": {"bfloat16": 2.25e15, "float32": 8.0e13},
+    "H200": {"bfloat16": 9.89e14, "float32": 6.7e13},
+    "H100": {"bfloat16": 9.89e14, "float32": 6.7e13},
+    "A100": {"bfloat16": 3.12e14, "float32": 1.95e13},
+    "L40S": {"bfloat16": 3.62e14, "float32": 9.16e13},
+}
+
+PROBE_SIZE = 1024
+CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nemo_like" / "cpu_peak_flops.json"
+
+
+@dataclass(frozen=True)
+class FlopsSpec:
+    """What turns a step's token counts into FLOPs and utilisation (fixed for a run)."""
+
+    matmul_params: int
+    peak_flops_per_device: float | None  # None: unknown, MFU not logged
+    devices: int
+    training_devices: int
+    generation_devices: int
+    training_workers: int
+    generation_workers: int
+    peak_source: str = "cluster.peak_flops_per_device"
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        peak = f"{self.peak_flops_per_device:.3g} FLOP/s per device ({self.peak_source})" if self.peak_flops_per_device else "unknown"
+        return f"MFU: N={self.matmul_params:,} matmul parameters, {self.devices} device(s), peak {peak}"
+
+
+def matmul_params(config: Any) -> int:
+    """``N`` of the module docstring for an HF model config (built on the meta device, nothing loaded)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # tied weights are one parameter, counted once
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding
+    return total if tied else total - embedding.numel()
+
+
+def step_flops(metrics: Mapping[str, float], n: int) -> dict[str, float]:
+    """``{"training": ..., "logprobs": ..., "generation": ...}`` FLOPs of one step (module docstring)."""
+    tokens = float(metrics.get("performance/num_batch_tokens", 0.0))
+    passes = sum(1 for kind in ("prev_logprobs", "reference_logprobs") if metrics.get(f"performance/forward_passes/{kind}", 0.0) > 0)
+    return {
+        "training": 6.0 * n * tokens,
+        "logprobs": 2.0 * n * tokens * passes,
+        "generation": 2.0 * n * float(metrics.get("performance/num_generated_tokens", 0.0)),
+    }
+
+
+def generation_seconds(metrics: Mapping[str, float]) -> float:
+    """Seconds the engines generated this step: ``timing/train/generation`` (sync), else the collector's
+    ``async/generation_seconds`` (async: the trainer does not generate)."""
+    return float(metrics.get(f"{TIMING_PREFIX}generation", 0.0)) or float(metrics.get("async/generation_seconds", 0.0))
+
+
+def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, float]:
+    """Per-worker token rates, FLOPs and (when the peak is known) MFU of one step; rates over zero seconds are 0.0."""
+    flops = step_flops(metrics, spec.matmul_params)
+    train_s = float(metrics.get(f"{TIMING_PREFIX}policy_training", 0.0))
+    gen_s = generation_seconds(metrics)
+    total_s = float(metrics.get(TOTAL_KEY, 0.0))
+    tokens = float(metrics.get("performance/num_batch_tokens", 0.0))
+    out = {
+        "performance/training_tokens_per_sec_per_worker": rate(tokens, train_s) / spec.training_workers,
+        "performance/generation_tokens_per_sec_per_worker": rate(float(metrics.get("performance/num_generated_tokens", 0.0)), gen_s)
+        / spec.generation_workers,
+        "performance/tokens_per_sec_per_device": rate(tokens, total_s) / spec.devices,
+        "performance/model_flops": sum(flops.values()),
+    }
+    peak = spec.peak_flops_per_device
+    if peak:
+        out["performance/mfu"] = rate(sum(flops.values()), total_s * peak * spec.devices)
+        out["performance/training_mfu"] = rate(flops["training"], train_s * peak * spec.training_devices)
+        out["performance/generation_mfu"] = rate(flops["generation"], gen_s * peak * spec.generation_devices)
+    return out
+
+
+def measure_matmul_flops(dtype: str = "float32", size: int = PROBE_SIZE, seconds: float = 0.5, threads: int | None = None) -> float:
+    """Best FLOP/s of ``size x size`` matmuls in ``dtype`` over about ``seconds`` (``threads``: torch threads, default all cores)."""
+    import torch
+
+    from nemo_like.distributed.threads import local_cores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or local_cores())
+    try:
+        a = torch.randn(size, size, dtype=getattr(torch, dtype))
+        b = torch.randn(size, size, dtype=getattr(torch, dtype))
+        a @ b  # warm-up
+        best, deadline = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2.0 * size**3 / (time.perf_counter() - start))
+        return best
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_key(dtype: str) -> str:
+    """Cache key of a CPU probe: CPU model, cores, torch version and dtype."""
+    import torch
+
+    from nemo_like.distributed.threads import local_cores
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}|{local_cores()} cores|torch {torch.__version__}|{dtype}"
+
+
+def cpu_peak_flops(dtype: str = "float32", cache: Path = CACHE_FILE) -> float:
+    """This node's matmul FLOP/s in ``dtype`` with all cores: :func:`measure_matmul_flops`, cached in ``cache``
+    per :func:`cpu_key` (measured once; delete the file to measure again)."""
+    key = cpu_key(dtype)
+    try:
+        cached = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key not in cached:
+        cached[key] = measure_matmul_flops(dtype)
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(cached, indent=1))
+        except OSError:
+            pass  # read-only home: measure again next run
+    return float(cached[key])
+
+
+def gpu_peak_flops(device_name: str, precision: str) -> float | None:
+    """Dense peak of :data:`GPU_PEAK_FLOPS` for a device name (e.g. ``NVIDIA H100 80GB HBM3``), or None if unknown."""
+    for fragment, peaks in GPU_PEAK_FLOPS.items():
+        if fragment in device_name:
+            return peaks.get(precision)
+    return None
+
+
+def flops_spec(cfg: Any) -> FlopsSpec:
+    """The run's :class:`FlopsSpec` (reads the model's config; may run the CPU probe once)."""
+    from transformers import AutoConfig
+
+    from nemo_like.models.loading import resolve_model_path
+
+    pc = cfg.policy
+    ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
+    peak, source = cfg.cluster.peak_flops_per_device, "cluster.peak_flops_per_device"
+    if cfg.cluster.gpus_per_node:
+        colocated = pc.generation.colocated.enabled
+        devices, training, generation = ranks + (0 if colocated else 1), ranks, 1
+        if peak is None:
+            import torch
+
+            name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU on the driver"
+            peak, source = gpu_peak_flops(name, pc.precision), f"table: {name}, {pc.precision}"
+    else:
+        devices, training, generation = cfg.cluster.num_nodes, min(cfg.cluster.num_nodes, ranks), 1
+        if peak is None:
+            peak, source = cpu_peak_flops(pc.precision), f"CPU matmul probe, cached in {CACHE_FILE}"
+    n = matmul_params(AutoConfig.from_pretrained(resolve_model_path(pc.model_name)))
+    return FlopsSpec(n, peak, devices, training, generation, training_workers=ranks, generation_workers=1, peak_source=source)

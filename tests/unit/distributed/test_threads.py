@@ -1,0 +1,119 @@
+"""The automatic thread split (pure rule, hand-computed cases) and the oversubscription warning."""
+
+from pathlib import Path
+
+import pytest
+
+from nemo_like.config import load_config
+from nemo_like.config.errors import ConfigError
+from nemo_like.distributed.threads import (
+    PhaseActors,
+    ThreadSplit,
+    oversubscription,
+    oversubscription_warning,
+    per_node,
+    phase_actors,
+    split_threads,
+    thread_split,
+)
+
+RECIPES = Path(__file__).resolve().parents[3] / "examples" / "configs"
+SYNC, ASYNC = RECIPES / "grpo_tiny_cpu.yaml", RECIPES / "grpo_tiny_cpu_async.yaml"
+
+
+def threads(split: ThreadSplit) -> tuple[int, int, int]:
+    return split.policy, split.reference, split.generation
+
+
+def test_sync_gives_every_phase_all_cores():
+    # Phases: logprobs {reference 1}, training {policy 1}, generation {1}: nothing overlaps.
+    actors = PhaseActors(policy=1, reference=1, generation=1, prev_pass=False)
+    assert threads(split_threads(2, actors, async_mode=False)) == (2, 2, 2)
+    assert threads(split_threads(16, actors, async_mode=False)) == (16, 16, 16)
+
+
+def test_sync_concurrent_logprob_passes_share_the_cores():
+    # prev pass on: the logprob phase runs 2 policy + 2 reference ranks at once -> 16 // 4 = 4;
+    # the policy's most crowded phase is that one too; generation alone gets 16.
+    actors = PhaseActors(policy=2, reference=2, generation=1, prev_pass=True)
+    assert threads(split_threads(16, actors, async_mode=False)) == (4, 4, 16)
+    # no reference: the policy ranks share only with each other (16 // 2)
+    split = split_threads(16, PhaseActors(2, 0, 1, prev_pass=True), async_mode=False)
+    assert (split.policy, split.generation) == (8, 16)
+
+
+def test_async_generation_and_training_share_the_cores():
+    # Generation runs beside every trainer phase: 1 engine + 1 policy (or 1 reference) rank.
+    actors = PhaseActors(policy=1, reference=1, generation=1, prev_pass=False)
+    assert threads(split_threads(2, actors, async_mode=True)) == (1, 1, 1)
+    assert threads(split_threads(16, actors, async_mode=True)) == (8, 8, 8)
+    # 4 policy ranks on the node: training phase 4 + engine 1 -> 16 // 5 = 3 each
+    assert threads(split_threads(16, PhaseActors(4, 4, 1, prev_pass=False), async_mode=True)) == (3, 3, 3)
+    # prev pass: logprob phase 4 + 4 ranks + engine -> 16 // 9 = 1
+    assert threads(split_threads(16, PhaseActors(4, 4, 1, prev_pass=True), async_mode=True)) == (1, 1, 1)
+
+
+def test_never_below_one_thread():
+    assert threads(split_threads(1, PhaseActors(4, 4, 1, prev_pass=True), async_mode=True)) == (1, 1, 1)
+    with pytest.raises(ValueError, match="cpus must be >= 1"):
+        split_threads(0, PhaseActors(1, 0, 1), async_mode=False)
+
+
+def test_explicit_counts_are_kept_and_auto_fills_the_rest_in_async():
+    actors = PhaseActors(policy=1, reference=1, generation=1)
+    split = split_threads(16, actors, async_mode=True, policy_threads=12)
+    assert threads(split) == (12, 12, 4)  # generation: (16 - 1 x 12) // 1
+    assert split.explicit == ("policy", "reference")
+    split = split_threads(16, actors, async_mode=True, generation_threads=6)
+    assert threads(split) == (10, 10, 6)  # trainer: (16 - 6) // 1
+    assert split.explicit == ("generation",)
+    # sync: an explicit count does not change the other phases
+    assert threads(split_threads(16, actors, async_mode=False, policy_threads=3)) == (3, 3, 16)
+    # explicit oversubscription: auto still gets at least one thread
+    assert threads(split_threads(2, actors, async_mode=True, policy_threads=2)) == (2, 2, 1)
+
+
+def test_oversubscription_needs_multi_threaded_actors():
+    actors = PhaseActors(policy=1, reference=1, generation=1)
+    two_each = ThreadSplit(policy=2, reference=2, generation=2, cpus=2, async_mode=True, explicit=("policy",))
+    assert oversubscription(two_each, actors) == (4, "reference+generation")
+    # three single-threaded actors on 2 CPUs only take turns
+    ones = ThreadSplit(policy=1, reference=1, generation=1, cpus=2, async_mode=True, explicit=())
+    assert oversubscription(ones, PhaseActors(1, 1, 1, prev_pass=True)) is None
+    # sync: phases never overlap
+    assert oversubscription(ThreadSplit(2, 2, 2, cpus=2, async_mode=False, explicit=()), actors) is None
+
+
+def test_actors_spread_over_nodes():
+    assert [per_node(n, 2) for n in (1, 2, 3, 8)] == [1, 1, 2, 4]
+    cfg = load_config(SYNC, ["policy.dp_size=4", "policy.dtensor_cfg.enabled=true", "cluster.num_nodes=2"])
+    assert phase_actors(cfg) == PhaseActors(policy=2, reference=2, generation=1, prev_pass=False)
+    cfg = load_config(SYNC, ["loss_fn.reference_policy_kl_penalty=0"])
+    assert phase_actors(cfg).reference == 0
+
+
+def test_shipped_recipes_use_the_automatic_split():
+    assert threads(thread_split(load_config(SYNC), cpus=2)) == (2, 2, 2)
+    assert threads(thread_split(load_config(ASYNC), cpus=2)) == (1, 1, 1)
+    assert oversubscription_warning(load_config(ASYNC), cpus=2) is None
+    line = thread_split(load_config(ASYNC), cpus=2).describe()
+    assert line == (
+        "threads per worker on 2 CPUs per node (async: generation and training share the cores): "
+        "policy 1 (auto), reference 1 (auto), generation 1 (auto)"
+    )
+
+
+def test_explicit_oversubscription_warns_with_the_automatic_counts():
+    cfg = load_config(ASYNC, ["policy.num_threads_per_worker=2", "policy.generation.num_threads_per_worker=2"])
+    warning = oversubscription_warning(cfg, cpus=2)
+    assert warning and "4 threads on 2 CPUs" in warning and "(here: policy 1, generation 1)" in warning
+    assert oversubscription_warning(cfg, cpus=8) is None
+    assert oversubscription_warning(load_config(SYNC, ["policy.num_threads_per_worker=2"]), cpus=2) is None
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many", "2.5"])
+def test_bad_thread_counts_name_the_key(value):
+    with pytest.raises(ConfigError, match=r"policy\.generation\.num_threads_per_worker: expected a positive integer or 'auto'"):
+        load_config(SYNC, [f"policy.generation.num_threads_per_worker={value}"])
+    with pytest.raises(ConfigError, match=r"policy\.num_threads_per_worker: expected an integer, not a boolean"):
+        load_config(SYNC, ["policy.num_threads_per_worker=true"])

@@ -1,0 +1,111 @@
+"""MFU and per-worker token rates: hand-counted parameters and hand-computed FLOPs (pure functions)."""
+
+import json
+
+import pytest
+from transformers import Qwen2Config
+
+from nemo_like.config import load_config
+from nemo_like.utils.flops import (
+    FlopsSpec,
+    cpu_key,
+    cpu_peak_flops,
+    flops_metrics,
+    flops_spec,
+    gpu_peak_flops,
+    matmul_params,
+    step_flops,
+)
+
+
+def qwen2(tied: bool) -> Qwen2Config:
+    return Qwen2Config(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+        tie_word_embeddings=tied,
+    )
+
+
+def test_matmul_params_by_hand():
+    # One layer, h=8, kv dim 4, mlp 16: q 8*8+8, k 8*4+4, v 8*4+4, o 8*8, mlp 3*8*16, 2 norms of 8 = 608;
+    # final norm 8; output projection 32*8 = 256 (the tied embedding, or lm_head with the embedding left out).
+    assert matmul_params(qwen2(tied=True)) == 608 + 8 + 256
+    assert matmul_params(qwen2(tied=False)) == 608 + 8 + 256
+
+
+def step(**extra: float) -> dict[str, float]:
+    return {
+        "performance/num_batch_tokens": 100.0,
+        "performance/num_generated_tokens": 40.0,
+        "performance/forward_passes/prev_logprobs": 0.0,
+        "performance/forward_passes/reference_logprobs": 2.0,
+        "timing/train/total_step_time": 4.0,
+        "timing/train/policy_training": 1.0,
+        "timing/train/generation": 2.0,
+        **extra,
+    }
+
+
+def test_step_flops_count_training_logprob_passes_and_decoded_tokens():
+    assert step_flops(step(), n=1000) == {"training": 6e5, "logprobs": 2e5, "generation": 8e4}
+    both = step_flops(step(**{"performance/forward_passes/prev_logprobs": 3.0}), n=1000)
+    assert both["logprobs"] == 4e5  # two passes, each 2 N per trained token
+
+
+def test_mfu_and_per_worker_rates():
+    spec = FlopsSpec(
+        1000, peak_flops_per_device=1e5, devices=3, training_devices=2, generation_devices=1, training_workers=2, generation_workers=1
+    )
+    out = flops_metrics(step(), spec)
+    assert out == pytest.approx(
+        {
+            "performance/training_tokens_per_sec_per_worker": 100 / 1.0 / 2,
+            "performance/generation_tokens_per_sec_per_worker": 40 / 2.0 / 1,
+            "performance/tokens_per_sec_per_device": 100 / 4.0 / 3,
+            "performance/model_flops": 6e5 + 2e5 + 8e4,
+            "performance/mfu": (6e5 + 2e5 + 8e4) / (4.0 * 1e5 * 3),
+            "performance/training_mfu": 6e5 / (1.0 * 1e5 * 2),
+            "performance/generation_mfu": 8e4 / (2.0 * 1e5 * 1),
+        }
+    )
+
+
+def test_async_steps_use_the_collectors_generation_seconds():
+    spec = FlopsSpec(1000, 1e5, 1, 1, 1, 1, 1)
+    out = flops_metrics(step(**{"timing/train/generation": 0.0, "async/generation_seconds": 0.5}), spec)
+    assert out["performance/generation_tokens_per_sec_per_worker"] == pytest.approx(40 / 0.5)
+    assert out["performance/generation_mfu"] == pytest.approx(8e4 / (0.5 * 1e5))
+
+
+def test_unknown_peak_logs_no_mfu_and_zero_time_gives_zero():
+    spec = FlopsSpec(1000, None, 1, 1, 1, 1, 1)
+    out = flops_metrics(step(**{"timing/train/generation": 0.0}), spec)  # and no async/generation_seconds
+    assert "performance/mfu" not in out and out["performance/generation_tokens_per_sec_per_worker"] == 0.0
+    out = flops_metrics(step(**{"timing/train/total_step_time": 0.0}), FlopsSpec(1000, 1e5, 1, 1, 1, 1, 1))
+    assert out["performance/mfu"] == 0.0
+
+
+def test_gpu_table_and_configured_peak():
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 9.89e14
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 1.95e13
+    assert gpu_peak_flops("Some Unknown GPU", "bfloat16") is None
+    cfg = load_config(None, ["cluster.peak_flops_per_device=2e12", "policy.dp_size=2", "policy.dtensor_cfg.enabled=true"])
+    spec = flops_spec(cfg)  # CPU: the configured peak, no probe; a device is a node
+    assert (spec.peak_flops_per_device, spec.devices, spec.training_devices, spec.training_workers) == (2e12, 1, 1, 2)
+    assert spec.matmul_params > 0
+    assert (
+        spec.describe()
+        == f"MFU: N={spec.matmul_params:,} matmul parameters, 1 device(s), peak 2e+12 FLOP/s per device (cluster.peak_flops_per_device)"
+    )
+
+
+def test_cpu_probe_is_measured_once_and_cached(tmp_path):
+    cache = tmp_path / "peak.json"
+    cache.write_text(json.dumps({cpu_key("bfloat16"): 123.0}))
+    assert cpu_peak_flops("bfloat16", cache) == 123.0  # read back, not measured
+    measured = cpu_peak_flops("float32", cache)
+    assert measured > 0 and json.loads(cache.read_text()) == {cpu_key("bfloat16"): 123.0, cpu_key("float32"): measured}
