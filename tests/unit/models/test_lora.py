@@ -50,7 +50,9 @@ def test_only_adapters_train_and_the_counts_match_the_hand_count():
 
 
 def test_merged_stream_equals_peft_merge_and_the_adapted_logprobs():
-    cfg = LoraConfig(enabled=True, dim=8, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], exclude_modules=["model.layers.0.mlp.down_proj"])
+    cfg = LoraConfig(
+        enabled=True, dim=8, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], exclude_modules=["model.layers.0.mlp.down_proj"]
+    )
     model = adapted(cfg)
     merged = dict(lora.merged_tensors(model.state_dict().items(), lora.scaling(cfg)))
     plain = load_causal_lm(EMBEDDED_MODEL)
