@@ -256,10 +256,10 @@ class LoraConfig(Section):
     )
 
     def no_effect_warnings(self) -> list[str]:
-        """Keys set while ``enabled`` is false do nothing: say so."""
+        """Keys changed from their defaults while ``enabled`` is false do nothing: say so."""
         if self.enabled:
             return []
-        unused = sorted(self.model_fields_set - {"enabled"})
+        unused = sorted(name for name, field in type(self).model_fields.items() if name != "enabled" and getattr(self, name) != field.default)
         return [f"policy.lora_cfg.{k} has no effect with policy.lora_cfg.enabled=false" for k in unused]
 
 
