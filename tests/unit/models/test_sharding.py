@@ -193,13 +193,14 @@ def _lora_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     probe = rank_rows(step_batch(99, rows=4), rank, world)
     reference = worker.get_logprobs(probe, reference=True)
     _, adapters = worker.get_state_dict("adapter")
+    _, merged = worker.get_state_dict("merged")  # the merged refit's stream, gathered from the shards
     footprint = worker.memory_footprint()
     worker.load_checkpoint(f"{out_dir}/ckpt", None)
     worker.train([rank_rows(step_batch(STEPS - 1), rank, world)])
     _, resumed = worker.get_state_dict("adapter")
     out = {"results": results, "reference": reference, "footprint": footprint}
     if rank == 0:
-        out.update(adapters=adapters, resumed=resumed)
+        out.update(adapters=adapters, resumed=resumed, merged=merged)
     torch.save(out, f"{out_dir}/rank{rank}.pt")
 
 
@@ -218,6 +219,12 @@ def test_lora_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
     assert_states_close(r0["adapters"], single_adapters, atol=1e-5)
     assert max(float(t.abs().max()) for k, t in single_adapters.items() if ".lora_B." in k) > 1e-4  # the adapters trained
     assert_states_close(r0["resumed"], r0["adapters"], atol=0.0)
+    # Merged refit: W + B@A*alpha/dim under exactly the names the vLLM engine's manifest expects.
+    from nemo_like.models.generation.vllm_worker import expected_weight_names
+    from nemo_like.models.loading import resolve_model_path
+
+    assert sorted(r0["merged"]) == expected_weight_names(resolve_model_path(EMBEDDED_MODEL))
+    assert_states_close(r0["merged"], single.get_state_dict("merged")[1], atol=1e-5)
     base = make_worker()  # the plain model: what the adapters-disabled pass must reproduce
     torch.testing.assert_close(torch.cat([r0["reference"], r1["reference"]]), base.get_logprobs(step_batch(99, rows=4)), atol=1e-5, rtol=0)
     # Adapters only: gradients and optimizer state are the adapters' (sharded in halves); <= 5% of full fine-tuning's.
