@@ -259,7 +259,9 @@ class LoraConfig(Section):
         """Keys changed from their defaults while ``enabled`` is false do nothing: say so."""
         if self.enabled:
             return []
-        unused = sorted(name for name, field in type(self).model_fields.items() if name != "enabled" and getattr(self, name) != field.default)
+        unused = sorted(
+            name for name, field in type(self).model_fields.items() if name != "enabled" and getattr(self, name) != field.default
+        )
         return [f"policy.lora_cfg.{k} has no effect with policy.lora_cfg.enabled=false" for k in unused]
 
 
