@@ -38,7 +38,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_arguments(evaluate)
     plot = sub.add_parser("plot", help="Render a run's metrics.jsonl to a PNG (the standard panel, or --metrics).")
     add_plot_arguments(plot)
+    merge = sub.add_parser("merge", help="Write a LoRA checkpoint's adapters merged into its base model as a plain HF model directory.")
+    add_merge_arguments(merge)
     return parser
+
+
+def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="A LoRA run's checkpoint step directory (results/grpo/step_N) or its policy/ adapter directory.")
+    parser.add_argument("--out", required=True, help="Output directory of the merged HF model (weights, config, tokenizer).")
+    parser.add_argument("--base-model", default=None, help="Base model (default: the adapter's base_model_name_or_path).")
+    parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16"], help="dtype of the merged weights.")
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """Merge a LoRA checkpoint into a plain HF model directory and print its path."""
+    from pathlib import Path
+
+    from nemo_like.models.policy.lora import merge_checkpoint
+
+    path = Path(args.checkpoint)
+    adapter_dir = path / "policy" if (path / "policy").is_dir() else path
+    print(merge_checkpoint(adapter_dir, args.out, args.base_model, precision=args.precision))
+    return 0
 
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_eval(args)
         if args.command == "plot":
             return run_plot(args)
+        if args.command == "merge":
+            return run_merge(args)
         build_parser().print_help()
         return 2
     except ConfigError as exc:

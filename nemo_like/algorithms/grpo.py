@@ -319,6 +319,8 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
             "train/lr": result.lr,
             "train/nonfinite_steps_skipped": float(result.nonfinite_steps_skipped),
             "train/weight_version": float(parts.policy.weight_version),
+            "train/trainable_params": float(parts.policy.trainable_params),
+            "train/trainable_fraction": parts.policy.trainable_params / max(parts.policy.total_params, 1),
             "performance/num_batch_tokens": float(batch["attention_mask"].sum()),
             "performance/num_samples": float(len(rollout.samples)),
         }
@@ -341,6 +343,7 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
     metrics = train_on_rollout(parts, step, timer, rollout)
     metrics.update({f"train/{k}": v for k, v in sampling_metrics.items()})
     metrics["performance/num_generated_tokens"] = counts["generated_tokens"]
+    metrics["performance/refit_bytes"] = float(parts.policy.take_refit_bytes())
     return metrics
 
 
@@ -384,6 +387,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
             "idle/generation_paused_for_checkpoint": generated.paused_for_checkpoint,
             "idle/generation_waiting_for_pacing": generated.waiting_for_pacing,
             "performance/num_generated_tokens": generated.generated_tokens,
+            "performance/refit_bytes": float(parts.policy.take_refit_bytes()),
         }
     )
     return metrics

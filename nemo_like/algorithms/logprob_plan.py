@@ -4,7 +4,8 @@
   logprobs before the update, so it is skipped (``grpo.skip_prev_logprobs: auto``) and the loss uses
   ``curr_logprobs.detach()``; ``loss_fn.force_on_policy_ratio`` always skips it.
 * reference logprobs: needed only for a non-zero ``loss_fn.reference_policy_kl_penalty``; at 0 the
-  reference model is not even loaded.
+  reference model is not even loaded. With LoRA (``policy.lora_cfg.enabled``) the reference is the
+  policy's own base model with its adapters disabled: no reference actors are started.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ class LogprobPlan:
     compute_prev: bool
     compute_reference: bool
     reasons: list[str] = field(default_factory=list)
+    reference_from_policy: bool = False  # LoRA: the policy's base model (adapters disabled) is the reference
 
     @property
     def load_reference_model(self) -> bool:
-        return self.compute_reference
+        """Whether reference actors (a second copy of the weights) are started."""
+        return self.compute_reference and not self.reference_from_policy
 
 
 def optimizer_steps_per_rollout(cfg: MasterConfig) -> int:
@@ -62,9 +65,16 @@ def decide_logprob_passes(cfg: MasterConfig) -> LogprobPlan:
         compute_prev = True
         reasons.append(f"prev logprobs computed: {steps} optimizer steps per rollout")
     compute_reference = cfg.loss_fn.reference_policy_kl_penalty != 0
-    reasons.append(
-        "reference logprobs computed: loss_fn.reference_policy_kl_penalty != 0"
-        if compute_reference
-        else "reference model not loaded: loss_fn.reference_policy_kl_penalty == 0"
-    )
-    return LogprobPlan(compute_prev, compute_reference, reasons)
+    from_policy = compute_reference and cfg.policy.lora_cfg.enabled
+    if from_policy:
+        reasons.append(
+            "reference logprobs computed by the policy with its LoRA adapters disabled (policy.lora_cfg.enabled): "
+            "no reference actors, no second copy of the weights"
+        )
+    else:
+        reasons.append(
+            "reference logprobs computed: loss_fn.reference_policy_kl_penalty != 0"
+            if compute_reference
+            else "reference model not loaded: loss_fn.reference_policy_kl_penalty == 0"
+        )
+    return LogprobPlan(compute_prev, compute_reference, reasons, from_policy)

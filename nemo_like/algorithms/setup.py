@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -16,8 +17,9 @@ from nemo_like.environments.registry import EnvSpec, check_tasks_have_environmen
 from nemo_like.environments.worker import Environments
 from nemo_like.models.generation import make_generation
 from nemo_like.models.generation.hf import HFGeneration
-from nemo_like.models.loading import load_tokenizer
-from nemo_like.models.policy.policy import Policy
+from nemo_like.models.loading import load_tokenizer, resolve_model_path
+from nemo_like.models.policy.lora import check_lora_targets, refit_mode
+from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 
 
 @dataclass
@@ -27,7 +29,7 @@ class GRPOComponents:
     cfg: MasterConfig
     tokenizer: object
     policy: Policy
-    reference: Policy | None
+    reference: Policy | AdapterDisabledReference | None
     generation: HFGeneration
     environments: Environments
     train_loader: PromptDataLoader
@@ -102,6 +104,25 @@ def _driver_tokenizer(cfg: MasterConfig):
         ) from None
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def report_lora(cfg: MasterConfig, policy: Policy) -> None:
+    """Print the trainable parameters and how generation receives weights (LoRA: adapters or merged)."""
+    fraction = policy.trainable_params / max(policy.total_params, 1)
+    line = f"[setup] trainable parameters: {policy.trainable_params:,} of {policy.total_params:,} ({100 * fraction:.2f}%)"
+    print(line, file=sys.stderr)
+    if cfg.policy.lora_cfg.enabled:
+        mode, reason = refit_mode(cfg)
+        print(f"[setup] LoRA refit: {mode} ({reason})", file=sys.stderr)
+        adapter_bytes = policy.trainable_params * DTYPE_BYTES[cfg.policy.precision]
+        sent = adapter_bytes if mode == "adapter" else policy.full_refit_bytes
+        print(
+            f"[setup] refit bytes per weight version: {sent:,} (adapters {adapter_bytes:,}, full model {policy.full_refit_bytes:,})",
+            file=sys.stderr,
+        )
+
+
 def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
     env_specs = resolve_environments(cfg.env_sections)  # fail fast in the driver, not inside an actor
@@ -121,11 +142,19 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
+    if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
+        check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
+        refit_mode(cfg)  # an impossible policy.lora_cfg.refit=adapter, too
     plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
     mode = init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
     policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn))
-    reference = Policy(cfg, "reference", trainable=False) if plan.load_reference_model else None
+    reference: Policy | AdapterDisabledReference | None = None
+    if plan.load_reference_model:
+        reference = Policy(cfg, "reference", trainable=False)
+    elif plan.reference_from_policy:
+        reference = AdapterDisabledReference(policy)
+    report_lora(cfg, policy)
     generation = make_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy)
     environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
     return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.config.rejection import RolloutRejectionConfig
@@ -239,6 +239,50 @@ class DynamicBatchingConfig(Section):
     logprob_mb_tokens: Int = Field(1024, gt=0, description="Padded tokens per logprob micro-batch.")
 
 
+class LoraConfig(Section):
+    """LoRA adapters on the policy's linear layers (PEFT; see docs/guides/lora.md). Only the adapters train;
+    the reference policy is the base model with the adapters disabled."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of every weight.")
+    dim: Int = Field(
+        8,
+        gt=0,
+        validation_alias=AliasChoices("dim", "rank"),
+        description="Adapter rank r (NeMo-RL's name; 'rank' is accepted too). vLLM serves ranks up to 512 as adapters.",
+    )
+    alpha: Float = Field(32.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / dim.")
+    dropout: Float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter's input during training. Above 0 the training pass no longer scores tokens like "
+        "generation does (train/gen_kl rises).",
+    )
+    target_modules: list[str] | None = Field(
+        None,
+        description="Linear modules of the decoder blocks that get adapters, by name (e.g. [q_proj, v_proj]) or full path; "
+        "null: every linear layer of the decoder blocks (not the output head).",
+    )
+    exclude_modules: list[str] | None = Field(
+        None, description="Linear modules (names or full paths, e.g. model.layers.0.mlp.down_proj) left without an adapter."
+    )
+    refit: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description="How generation gets new weights: 'adapter' (vLLM serves the adapters as a LoRA request, only the adapters "
+        "travel), 'merged' (W + B@A*alpha/dim through the full-weight refit), 'auto' = adapter when the engine supports it, "
+        "else merged (the choice and its reason are printed at start-up).",
+    )
+
+    def no_effect_warnings(self) -> list[str]:
+        """Keys changed from their defaults while ``enabled`` is false do nothing: say so."""
+        if self.enabled:
+            return []
+        unused = sorted(
+            name for name, field in type(self).model_fields.items() if name != "enabled" and getattr(self, name) != field.default
+        )
+        return [f"policy.lora_cfg.{k} has no effect with policy.lora_cfg.enabled=false" for k in unused]
+
+
 class PolicyConfig(Section):
     model_name: str = Field(EMBEDDED_MODEL, description=f"HF model id or local directory; '{EMBEDDED_MODEL}' is the shipped tiny model.")
     tokenizer_name: str | None = Field(None, description="Tokenizer id or directory; defaults to model_name.")
@@ -270,6 +314,7 @@ class PolicyConfig(Section):
         gt=0,
         description="Refit: the weights are gathered from the shards and sent to generation in buckets of at most this many MB.",
     )
+    lora_cfg: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (docs/guides/lora.md).")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -290,6 +335,11 @@ class PolicyConfig(Section):
             )
         if self.dtensor_cfg.tensor_parallel_size > 1 and not self.dtensor_cfg.enabled:
             raise ValueError("policy.dtensor_cfg.tensor_parallel_size > 1 needs policy.dtensor_cfg.enabled=true")
+        if self.lora_cfg.enabled and self.dtensor_cfg.tensor_parallel_size > 1:
+            raise ValueError(
+                "policy.lora_cfg.enabled=true does not support policy.dtensor_cfg.tensor_parallel_size > 1 (adapters are sharded "
+                "with FSDP2 only); use policy.dp_size for more workers"
+            )
         return self
 
 
@@ -623,6 +673,7 @@ class MasterConfig(BaseModel):
     def no_effect_warnings(self) -> list[str]:
         """One line per option that is set but has no effect here (printed at start-up, never an error)."""
         lines = [*self.loss_fn.no_effect_warnings(), *self.grpo.rollout_rejection.no_effect_warnings()]
+        lines += self.policy.lora_cfg.no_effect_warnings()
         if self.policy.dtensor_cfg.cpu_offload and not self.cluster.gpus_per_node:
             lines.append("policy.dtensor_cfg.cpu_offload has no effect on CPU (cluster.gpus_per_node is 0)")
         return lines

@@ -24,8 +24,10 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.evaluation.pass_at_k import correct_counts, mean_pass_at_k
+from nemo_like.models.policy.lora import merge_checkpoint
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def resolve_eval_model(model_path: str) -> str:
@@ -38,10 +40,11 @@ def resolve_eval_model(model_path: str) -> str:
         if model_path.startswith(("/", ".", "~")):
             raise ConfigError(f"eval.model_path: {model_path} does not exist")
         return model_path  # a hub id or the embedded model
-    if (path / "policy" / "config.json").is_file():
-        return str(path / "policy")
-    if (path / "config.json").is_file():
-        return str(path)
+    for marker in ("config.json", ADAPTER_CONFIG):  # a full checkpoint, or a LoRA one (adapters only)
+        if (path / "policy" / marker).is_file():
+            return str(path / "policy")
+        if (path / marker).is_file():
+            return str(path)
     latest = CheckpointManager(path).latest()
     if latest is not None:
         return str(latest.path / "policy")
@@ -133,6 +136,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     check_environments(specs, {"validation": prompts})
     out = Path(ev.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if (Path(model_dir) / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint: serve its merged model
+        model_dir = str(merge_checkpoint(model_dir, out / "merged_model", tokenizer=cfg.policy.tokenizer_name or cfg.policy.model_name))
     run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
 
     import ray

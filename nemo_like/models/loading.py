@@ -103,12 +103,18 @@ def check_model_source(name: str, key: str) -> None:
 
 
 def load_causal_lm(model_name: str, precision: str = "float32"):
-    """Load a causal LM for training or inference (eager attention: exact and fine on CPU)."""
+    """Load a causal LM for training or inference (eager attention: exact and fine on CPU). A LoRA adapter
+    directory (``adapter_config.json``) loads as its base model with the adapters merged in."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per actor per load is noise in the driver's log
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_name), dtype=DTYPES[precision])
+    path = resolve_model_path(model_name)
+    if (Path(path) / "adapter_config.json").is_file():  # a LoRA checkpoint's policy/: its base model, adapters merged
+        from nemo_like.models.policy.lora import load_merged
+
+        return load_merged(path, precision)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[precision])
     model.config.use_cache = False
     return model
 

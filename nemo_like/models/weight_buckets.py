@@ -16,11 +16,17 @@ import torch
 
 @dataclass
 class WeightBuckets:
-    """``names[i]`` are the tensors of the bucket behind ``refs[i]`` (a ``{name: tensor}`` dict)."""
+    """``names[i]`` are the tensors of the bucket behind ``refs[i]`` (a ``{name: tensor}`` dict).
+
+    ``kind``: ``"full"`` (the model's weights under HF names) or ``"adapter"`` (LoRA adapter tensors under PEFT's
+    saved names, with their ``adapter_config``); ``nbytes``: the tensors' total size."""
 
     version: int
     names: list[list[str]]
     refs: list[Any] = field(repr=False)
+    kind: str = "full"
+    nbytes: int = 0
+    adapter_config: dict[str, Any] | None = None
 
     def all_names(self) -> list[str]:
         """Every tensor name, in order: the refit manifest."""

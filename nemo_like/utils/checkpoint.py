@@ -46,6 +46,12 @@ INCOMPATIBLE_KEYS = (
     "loss_fn.reference_policy_kl_penalty",
     "grpo.async_grpo.enabled",  # an async checkpoint holds a replay buffer and a data position ahead of training
     "grpo.async_grpo.max_trajectory_age_steps",
+    # A LoRA checkpoint holds adapters of this shape on these modules (a full one holds every weight).
+    "policy.lora_cfg.enabled",
+    "policy.lora_cfg.dim",
+    "policy.lora_cfg.alpha",
+    "policy.lora_cfg.target_modules",
+    "policy.lora_cfg.exclude_modules",
 )
 
 

@@ -150,6 +150,8 @@ class HFGenerationWorker(Reinitializable):
 
     @torch.no_grad()
     def _load_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
+        if isinstance(versioned_state, WeightBuckets) and versioned_state.kind != "full":
+            raise RuntimeError(f"HF generation serves plain weights; got a {versioned_state.kind!r} refit (LoRA refits are merged for it)")
         if isinstance(versioned_state, WeightBuckets):
             version, buckets = versioned_state.version, versioned_state.iter_buckets()
         else:

@@ -27,6 +27,7 @@ from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
+from nemo_like.models.policy.lora import refit_mode
 from nemo_like.models.weight_buckets import WeightBuckets
 
 INSTALL_HINT = (
@@ -91,6 +92,7 @@ class VLLMGeneration:
             raise ValueError("colocated vLLM generation on GPU needs the policy (its rank-0 GPU hosts the engine)")
         self.policy = policy
         self.on_gpu = on_gpu
+        self.lora = pc.lora_cfg.enabled  # LoRA refits (adapters or merged weights) go through the object store
         init = dict(
             model_name=pc.model_name,
             precision=pc.precision,
@@ -101,6 +103,7 @@ class VLLMGeneration:
             enforce_eager=g.vllm_cfg.enforce_eager,
             gpu_memory_utilization=g.vllm_cfg.gpu_memory_utilization,
             colocated=self.colocated,
+            lora_cfg=pc.lora_cfg if refit_mode(cfg)[0] == "adapter" else None,
         )
         env = engine_env(cfg)
         if self.colocated:
@@ -132,7 +135,7 @@ class VLLMGeneration:
         """Load the policy's weights into every worker; returns the seconds spent."""
         start = time.perf_counter()
         # A sharded policy (several ranks) has no single rank holding every tensor: it streams gathered buckets.
-        if not self.on_gpu or self.policy is None or len(self.policy.group) > 1:
+        if not self.on_gpu or self.policy is None or len(self.policy.group) > 1 or self.lora:
             refs = self.group.run_all("update_weights", weights)
         elif self.colocated:
             refs = self._refit_ipc(version)

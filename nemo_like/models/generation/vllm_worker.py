@@ -11,8 +11,11 @@ vLLM is imported only inside the actor, after its runtime env has set the engine
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,7 +106,10 @@ class VLLMGenerationWorker(Reinitializable):
         enforce_eager: bool = True,
         gpu_memory_utilization: float = 0.5,
         colocated: bool = False,
+        lora_cfg: Any = None,
     ) -> None:
+        """``lora_cfg``: the policy's ``policy.lora_cfg`` when refits deliver LoRA adapters (the engine then serves
+        them as a LoRA request, a new adapter id per weight version); ``None``: refits deliver full weights."""
         for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)  # in case the actor was started without the runtime env
         self.rank = rank
@@ -116,6 +122,14 @@ class VLLMGenerationWorker(Reinitializable):
         self._prefix_cache_stale = False
         self.model_path = resolve_model_path(model_name)
         self.expected_names = expected_weight_names(self.model_path)
+        self.lora_cfg = lora_cfg
+        self.lora_request: Any = None  # the adapter every request is served with (None: the base weights)
+        self._lora_ids = 0
+        if lora_cfg is not None:
+            from nemo_like.models.policy.lora import expected_adapter_names
+
+            self.expected_adapter_names = expected_adapter_names(self.model_path, lora_cfg)
+            self._adapter_root = tempfile.mkdtemp(prefix="nemo_like_lora_")
         self.llm = self._start_engine(self.model_path, precision, max_model_len, seed, enforce_eager, gpu_memory_utilization)
 
     @classmethod
@@ -130,6 +144,7 @@ class VLLMGenerationWorker(Reinitializable):
         state = full_state_dict(load_causal_lm(init_kwargs["model_name"], init_kwargs["precision"]))
         self.gate = WeightUpdateGate()
         self._prefix_cache_stale = False
+        self._drop_adapter()
         self._reload_weights(0, list(state.items()))
 
     def _start_engine(self, path: str, precision: str, max_model_len: int, seed: int, enforce_eager: bool, gpu_mem: float):
@@ -146,6 +161,10 @@ class VLLMGenerationWorker(Reinitializable):
             logprobs_mode="processed_logprobs",
             tensor_parallel_size=1,
         )
+        if self.lora_cfg is not None:
+            from nemo_like.models.policy.lora import vllm_max_lora_rank
+
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(self.lora_cfg.dim), max_loras=1)
         if self.on_gpu:
             from nemo_like.models.generation.vllm_gpu_refit import EXTENSION_QUALNAME
 
@@ -171,7 +190,7 @@ class VLLMGenerationWorker(Reinitializable):
             if self._prefix_cache_stale:  # a refit landed mid-generation last time: drop the old-weight blocks now
                 self._prefix_cache_stale = not self.llm.reset_prefix_cache()
             start_version = self.weight_version
-            self.llm.enqueue(requests, per_request, use_tqdm=False)
+            self.llm.enqueue(requests, per_request, lora_request=self.lora_request, use_tqdm=False)
             finished = self._run_engine()
             # Outputs carry the external ids, which count up in enqueue order (vLLM's own LLM.generate sorts the same way).
             ordered = [finished[rid] for rid in sorted(finished, key=int)]
@@ -202,6 +221,8 @@ class VLLMGenerationWorker(Reinitializable):
         """Reload the policy's weights in place (a full state dict with the tied ``lm_head.weight``, or
         :class:`WeightBuckets` streamed one bucket at a time), between two engine steps if a generate call is
         running; returns the new weight version."""
+        if isinstance(versioned_state, WeightBuckets) and versioned_state.kind == "adapter":
+            return self._update_adapter(versioned_state)
         if isinstance(versioned_state, WeightBuckets):
             version, names, tensors = versioned_state.version, versioned_state.all_names(), versioned_state.iter_tensors
         else:
@@ -215,6 +236,39 @@ class VLLMGenerationWorker(Reinitializable):
         # The in-process engine runs the call directly, so the iterator streams bucket by bucket.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         return self._finish_refit(version)
+
+    # -- LoRA adapter refit ------------------------------------------------------------------------
+    def _update_adapter(self, buckets: WeightBuckets) -> int:
+        """Serve new LoRA adapters: written as a PEFT adapter directory and loaded as a LoRA request with a new id
+        (vLLM caches adapters by id); the previous adapter is removed."""
+        if self.lora_cfg is None:
+            raise RefitManifestError(
+                "an adapter refit reached a vLLM engine started without LoRA (policy.lora_cfg.refit resolved to merged)"
+            )
+        check_manifest(self.expected_adapter_names, buckets.all_names())
+        return self.gate.submit(lambda: self._load_adapter(buckets))
+
+    def _load_adapter(self, buckets: WeightBuckets) -> int:
+        from vllm.lora.request import LoRARequest
+
+        from nemo_like.models.policy.lora import write_adapter
+
+        self._lora_ids += 1
+        path = write_adapter(Path(self._adapter_root) / f"adapter_{self._lora_ids}", buckets.state_dict(), buckets.adapter_config or {})
+        request = LoRARequest(f"policy-v{buckets.version}", self._lora_ids, str(path))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter of weight version {buckets.version} from {path}")
+        self._drop_adapter()
+        self.lora_request = request
+        return self._finish_refit(buckets.version)
+
+    def _drop_adapter(self) -> None:
+        """Unload the adapter being served (and delete its files): requests then use the base weights."""
+        if self.lora_request is None:
+            return
+        self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+        shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        self.lora_request = None
 
     def mid_generation_updates(self) -> int:
         """How many refits were applied in the middle of a generate call."""

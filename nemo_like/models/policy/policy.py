@@ -11,6 +11,7 @@ import torch
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
+from nemo_like.models.policy.lora import refit_mode
 from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
 from nemo_like.models.weight_buckets import WeightBuckets
 
@@ -101,6 +102,7 @@ class Policy:
             dtensor_cfg=pc.dtensor_cfg.model_dump(),
             batching=batching_plan(pc, micro),
             logprob_chunk_size=pc.logprob_chunk_size,
+            lora_cfg=pc.lora_cfg if trainable else None,
         )
         self.group = RayWorkerGroup(
             name, PolicyWorker, num_workers, role.resources, init, cfg.cluster.placement_timeout_s, strategy=cfg.cluster.placement_strategy
@@ -110,13 +112,20 @@ class Policy:
             get_with_context(self.group.run_all("setup_distributed", address, port), f"{name}: process group")
         self.name = name
         self.weight_version = 0
+        self.refit_mode = refit_mode(cfg)[0] if trainable else "full"
+        self._refit_bytes = 0  # exported since the last take_refit_bytes()
+        counts = get_with_context(self.group.run_rank0("parameter_counts"), f"{name}: parameter counts")
+        self.trainable_params, self.total_params = counts["trainable"], counts["total"]
+        self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends
 
-    def get_logprobs_async(self, batch: Batch) -> list[ray.ObjectRef]:
-        """Start a logprob pass sharded over the workers; pass the result to :meth:`gather_logprobs`."""
+    def get_logprobs_async(self, batch: Batch, reference: bool = False) -> list[ray.ObjectRef]:
+        """Start a logprob pass sharded over the workers; pass the result to :meth:`gather_logprobs`.
+        ``reference=True`` (LoRA): the base model's logprobs, adapters disabled."""
         dp = self.cfg.policy.dp_size
         tp = len(self.group) // dp  # the ranks of one tensor-parallel group see the same rows
         shards = split_rows_unevenly(batch, dp)
-        return self.group.run_sharded("get_logprobs", [shards[r // tp] for r in range(len(self.group))])[::tp]
+        per_worker = [shards[r // tp] for r in range(len(self.group))]
+        return self.group.run_sharded("get_logprobs", per_worker, reference=reference)[::tp]
 
     def gather_logprobs(self, refs: list[ray.ObjectRef], what: str) -> torch.Tensor:
         """Wait for a logprob pass and stitch the shards back into one ``[B, S]`` tensor."""
@@ -171,9 +180,17 @@ class Policy:
         return self.group.run_all("get_state_dict")[0]
 
     def weight_buckets(self) -> WeightBuckets:
-        """Gather the weights into the object store, ``policy.refit_buffer_size_mb`` per bucket, for generation to stream."""
-        refs = self.group.run_all("export_weight_buckets", self.cfg.policy.refit_buffer_size_mb)
-        return get_with_context(refs, f"{self.name}: weight export")[0]
+        """Gather the weights into the object store, ``policy.refit_buffer_size_mb`` per bucket, for generation to
+        stream: every weight, or with LoRA the adapters only or the merged weights (:attr:`refit_mode`)."""
+        refs = self.group.run_all("export_weight_buckets", self.cfg.policy.refit_buffer_size_mb, self.refit_mode)
+        buckets = get_with_context(refs, f"{self.name}: weight export")[0]
+        self._refit_bytes += buckets.nbytes
+        return buckets
+
+    def take_refit_bytes(self) -> int:
+        """Bytes exported for refits since the last call (``performance/refit_bytes`` of a step)."""
+        taken, self._refit_bytes = self._refit_bytes, 0
+        return taken
 
     def memory_footprints(self) -> list[dict[str, int]]:
         """Per rank, the bytes of parameters, gradients and optimizer state it holds."""
@@ -190,3 +207,30 @@ class Policy:
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+class AdapterDisabledReference:
+    """The reference policy of a LoRA run: the policy's own base model with its adapters disabled, so no
+    reference actors and no second copy of the weights. Reads like a reference :class:`Policy`."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.name = "reference (policy, adapters disabled)"
+
+    def get_logprobs_async(self, batch: Batch) -> list[ray.ObjectRef]:
+        """Start the base model's logprob pass on the policy's workers."""
+        return self.policy.get_logprobs_async(batch, reference=True)
+
+    def gather_logprobs(self, refs: list[ray.ObjectRef], what: str) -> torch.Tensor:
+        return self.policy.gather_logprobs(refs, what)
+
+    def get_logprobs(self, batch: Batch) -> torch.Tensor:
+        """``[B, S]`` logprobs of every sample under the base model."""
+        return self.gather_logprobs(self.get_logprobs_async(batch), "reference logprobs")
+
+    def forward_pass_counts(self) -> dict[str, int]:
+        """The reference passes the policy's workers ran (under ``logprobs``, as a reference Policy reports them)."""
+        return {"logprobs": self.policy.forward_pass_counts()["reference_logprobs"]}
+
+    def shutdown(self) -> None:
+        """Nothing to release: the actors are the policy's."""

@@ -13,7 +13,7 @@ process group.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of a Hugging Face causal LM (``model.model.layers``)."""
+    if hasattr(model, "get_base_model"):  # a PEFT model (LoRA): the layers are the wrapped model's
+        model = model.get_base_model()
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if layers is None:
@@ -169,28 +171,53 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool) -> Iterator[dict[str, torch.Tensor]]:
-    """Full CPU tensors of the state dict (tied weights under each name), ``bucket_bytes`` at most per bucket
-    (a single larger tensor is a bucket of its own).
+def iter_full_tensors(
+    model: torch.nn.Module, keep: bool, include: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full CPU tensor)`` of every state-dict entry (tied weights under each name), or of those whose
+    name passes ``include``; ranks with ``keep=False`` get empty tensors.
 
-    Every rank must iterate (each bucket's gather is a collective); ranks with ``keep=False`` get empty
-    buckets and never hold more than one gathered tensor. Order and bucket boundaries are the same on every rank.
-    """
+    Every rank must iterate to the end with the same ``include`` (each gather is a collective) and never holds
+    more than one gathered tensor (tied ones are gathered once and kept until their last name)."""
+    entries = [(n, t) for n, t in model.state_dict(keep_vars=True).items() if include is None or include(n)]
+    uses: dict[int, int] = {}
+    for _, tensor in entries:
+        uses[id(tensor)] = uses.get(id(tensor), 0) + 1
+    tied: dict[int, torch.Tensor] = {}
+    for name, tensor in entries:
+        key = id(tensor)
+        full = tied.get(key)
+        if full is None:
+            with torch.no_grad():
+                local = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                full = local.detach().to("cpu", copy=True) if keep else torch.empty(0)
+        uses[key] -= 1
+        if uses[key]:
+            tied[key] = full
+        else:
+            tied.pop(key, None)
+        yield name, full
+
+
+def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Group ``(name, tensor)`` pairs into dicts of at most ``bucket_bytes`` (a single larger tensor is a bucket
+    of its own); empty tensors (ranks that keep nothing) count zero bytes."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    gathered: dict[int, torch.Tensor] = {}  # tied weights: gather once per bucket
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        nbytes = tensor.numel() * tensor.element_size()  # global size, also for a DTensor shard
-        if size and size + nbytes > bucket_bytes:
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
             yield bucket
-            bucket, size, gathered = {}, 0, {}
-        key = id(tensor)
-        if key not in gathered:
-            with torch.no_grad():
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                gathered[key] = full.detach().to("cpu", copy=True) if keep else torch.empty(0)
-        if keep:
-            bucket[name] = gathered[key]
+            bucket, size = {}, 0
+        bucket[name] = tensor
         size += nbytes
-    if size:
+    if bucket:
         yield bucket
+
+
+def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """Full CPU tensors of the state dict (tied weights under each name), ``bucket_bytes`` at most per bucket.
+
+    Every rank must iterate (each tensor's gather is a collective); ranks with ``keep=False`` get buckets of
+    empty tensors and never hold more than one gathered tensor."""
+    yield from bucketize(iter_full_tensors(model, keep), bucket_bytes)

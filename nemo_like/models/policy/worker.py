@@ -16,6 +16,7 @@ from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
+from nemo_like.models.policy import lora as lora_lib
 from nemo_like.models.policy import sharding
 from nemo_like.models.policy.batching import MicroBatchPlan, pack_rows, take_rows, unpack_logprobs
 
@@ -56,10 +57,12 @@ class PolicyWorker(Reinitializable):
         logprob_chunk_size: int | None = None,
         top_k: int | None = None,
         top_p: float = 1.0,
+        lora_cfg: Any = None,
     ) -> None:
         """``loss_fn``: the run's loss, built once by the driver (trainable workers); ``optimizer``: the validated
         ``policy.optimizer`` section; ``batching``: :class:`MicroBatchPlan` fields (default: fixed micro-batches of
-        ``train_micro_batch_size`` / ``logprob_batch_size`` samples); ``dtensor_cfg``: the ``policy.dtensor_cfg`` keys."""
+        ``train_micro_batch_size`` / ``logprob_batch_size`` samples); ``dtensor_cfg``: the ``policy.dtensor_cfg`` keys;
+        ``lora_cfg``: the validated ``policy.lora_cfg`` section (enabled: only adapters train, see :mod:`.lora`)."""
         torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
@@ -81,6 +84,10 @@ class PolicyWorker(Reinitializable):
         self.model = load_causal_lm(model_name, precision).to(self.device)
         if self.dtensor_cfg["activation_checkpointing"] and trainable:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora_cfg = lora_cfg if lora_cfg is not None and lora_cfg.enabled else None
+        if self.lora_cfg is not None:
+            torch.manual_seed(seed)  # the same adapters on every rank (and in every run with this seed)
+            self.model = lora_lib.apply_lora(self.model, self.lora_cfg)
         self.trainable = trainable
         self.plan = MicroBatchPlan(
             **(batching or {"mode": "fixed", "train_size": train_micro_batch_size, "logprob_size": logprob_batch_size})
@@ -88,7 +95,7 @@ class PolicyWorker(Reinitializable):
         self.chunk_size = logprob_chunk_size
         self.max_grad_norm = max_grad_norm
         self.weight_version = 0
-        self.forward_passes = {"logprobs": 0, "train": 0}
+        self.forward_passes = {"logprobs": 0, "train": 0, "reference_logprobs": 0}
         self._optimizer_cfg = optimizer
         self._warmup_steps = warmup_steps
         if trainable:
@@ -107,7 +114,11 @@ class PolicyWorker(Reinitializable):
             return
         opt = self._optimizer_cfg
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=opt.lr,
+            weight_decay=opt.weight_decay,
+            betas=tuple(opt.betas),
+            eps=opt.eps,
         )
         warmup = self._warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -171,9 +182,18 @@ class PolicyWorker(Reinitializable):
 
     # -- logprobs ----------------------------------------------------------------------------
     @torch.no_grad()
-    def get_logprobs(self, batch: Batch) -> torch.Tensor:
-        """``[B, S]`` logprobs of ``batch['input_ids']`` under the current weights."""
+    def get_logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
+        """``[B, S]`` logprobs of ``batch['input_ids']`` under the current weights; ``reference=True`` (LoRA only):
+        under the base model, adapters disabled (the reference policy without a second copy of the weights)."""
         assert self._dist_ready
+        if not reference:
+            return self._logprobs(batch, "logprobs")
+        if self.lora_cfg is None:
+            raise RuntimeError("reference logprobs from the policy need policy.lora_cfg.enabled (the base model is the reference)")
+        with self.model.disable_adapter():
+            return self._logprobs(batch, "reference_logprobs")
+
+    def _logprobs(self, batch: Batch, counter: str) -> torch.Tensor:
         self.model.eval()
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         groups = self.plan.groups(batch, training=False)
@@ -184,7 +204,7 @@ class PolicyWorker(Reinitializable):
             mb = take_rows(batch, groups[k])
             lp, _ = self._token_logprobs(mb)
             out[torch.tensor(groups[k])[:, None], torch.arange(lp.shape[1])[None, :]] = lp.float().cpu()
-            self.forward_passes["logprobs"] += 1
+            self.forward_passes[counter] += 1
         return out
 
     # -- training ----------------------------------------------------------------------------
@@ -247,16 +267,18 @@ class PolicyWorker(Reinitializable):
         return float((outside.float() * mask).sum()) / max(float(global_valid_toks), 1.0)
 
     # -- weights -----------------------------------------------------------------------------
-    def get_state_dict(self) -> tuple[int, dict[str, torch.Tensor]]:
+    def get_state_dict(self, mode: str = "full") -> tuple[int, dict[str, torch.Tensor]]:
         """``(weight_version, full CPU state dict with tied weights)``: the whole model on rank 0, ``{}`` on the
-        others (a collective: call it on every rank). Refit uses :meth:`export_weight_buckets` instead."""
-        state: dict[str, torch.Tensor] = {}
-        for bucket in sharding.iter_weight_buckets(self.model, 1 << 62, keep=self.rank == 0):
-            state.update(bucket)
-        return self.weight_version, state
+        others (a collective: call it on every rank); ``mode`` as in :meth:`export_weight_buckets` (a LoRA policy's
+        ``full`` is its PEFT state dict). Refit uses :meth:`export_weight_buckets` instead."""
+        keep = self.rank == 0
+        tensors = sharding.iter_full_tensors(self.model, keep) if mode == "full" else self._refit_tensors(mode, keep)
+        state = dict(tensors)
+        return self.weight_version, state if keep else {}
 
-    def export_weight_buckets(self, bucket_mb: float) -> Any:
-        """Gather the weights bucket by bucket (at most ``bucket_mb`` MB each) into Ray's object store.
+    def export_weight_buckets(self, bucket_mb: float, mode: str = "full") -> Any:
+        """Gather the weights bucket by bucket (at most ``bucket_mb`` MB each) into Ray's object store;
+        ``mode`` (see :func:`.lora.refit_mode`): ``full``, ``merged`` or ``adapter``.
 
         A collective: every rank gathers each bucket, only rank 0 keeps it (one bucket at a time:
         ``ray.put`` moves it out of this process). Rank 0 returns a
@@ -268,12 +290,33 @@ class PolicyWorker(Reinitializable):
         keep = self.rank == 0
         names: list[list[str]] = []
         refs: list[Any] = []
-        for bucket in sharding.iter_weight_buckets(self.model, int(bucket_mb * 2**20), keep=keep):
+        nbytes = 0
+        for bucket in sharding.bucketize(self._refit_tensors(mode, keep), int(bucket_mb * 2**20)):
             if keep:
                 names.append(list(bucket))
+                nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
                 refs.append(ray.put(bucket))
                 del bucket
-        return WeightBuckets(self.weight_version, names, refs) if keep else None
+        if not keep:
+            return None
+        adapter_config = lora_lib.adapter_config_dict(self.model) if mode == "adapter" else None
+        return WeightBuckets(
+            self.weight_version, names, refs, kind="adapter" if mode == "adapter" else "full", nbytes=nbytes, adapter_config=adapter_config
+        )
+
+    def _refit_tensors(self, mode: str, keep: bool):
+        """What a refit sends: every weight (``full``), the merged weights under HF names (``merged``), or only the
+        adapter tensors under PEFT's saved names (``adapter``)."""
+        if self.lora_cfg is None:
+            if mode != "full":
+                raise ValueError(f"refit mode {mode!r} needs policy.lora_cfg.enabled")
+            return sharding.iter_full_tensors(self.model, keep)
+        if mode == "adapter":
+            tensors = sharding.iter_full_tensors(self.model, keep, include=lora_lib.is_adapter)
+            return ((lora_lib.saved_name(n), t) for n, t in tensors)
+        if mode == "merged":
+            return lora_lib.merged_tensors(sharding.iter_full_tensors(self.model, keep), lora_lib.scaling(self.lora_cfg))
+        raise ValueError(f"a LoRA policy refits 'adapter' or 'merged' weights, not {mode!r}")
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> dict[str, Any]:
@@ -284,6 +327,8 @@ class PolicyWorker(Reinitializable):
 
         from safetensors.torch import save_file
 
+        if self.lora_cfg is not None:
+            return self._save_adapter_checkpoint(Path(directory))
         weights = sharding.gather_model_state(self.model)
         optim = sharding.gather_optimizer_state(self.model, self.optimizer)
         if self.rank == 0:
@@ -295,11 +340,28 @@ class PolicyWorker(Reinitializable):
             self.model.config.save_pretrained(path)
             if getattr(self.model, "generation_config", None) is not None:
                 self.model.generation_config.save_pretrained(path)
-            torch.save(
-                {"optimizer": optim, "scheduler": self.scheduler.state_dict(), "weight_version": self.weight_version},
-                Path(directory) / "optimizer.pt",
-            )
+            self._save_optimizer(Path(directory), optim)
+        return self._rng_state()
+
+    def _save_optimizer(self, directory: Any, optim: dict[str, Any]) -> None:
+        torch.save(
+            {"optimizer": optim, "scheduler": self.scheduler.state_dict(), "weight_version": self.weight_version},
+            directory / "optimizer.pt",
+        )
+
+    @staticmethod
+    def _rng_state() -> dict[str, Any]:
         return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+    def _save_adapter_checkpoint(self, directory: Any) -> dict[str, Any]:
+        """LoRA: ``policy/`` is a PEFT adapter directory (``PeftModel.from_pretrained`` loads it onto the base model)
+        and ``optimizer.pt`` holds the adapters' optimizer state only."""
+        adapters = dict(self._refit_tensors("adapter", keep=self.rank == 0))
+        optim = sharding.gather_optimizer_state(self.model, self.optimizer)
+        if self.rank == 0:
+            lora_lib.write_adapter(directory / "policy", adapters, lora_lib.adapter_config_dict(self.model))
+            self._save_optimizer(directory, optim)
+        return self._rng_state()
 
     def load_checkpoint(self, directory: str, rng_state: dict[str, Any] | None) -> int:
         """Load weights, optimizer, scheduler and RNG state saved by :meth:`save_checkpoint` (every rank reads the
@@ -309,10 +371,16 @@ class PolicyWorker(Reinitializable):
         from safetensors.torch import load_file
 
         path = Path(directory)
-        weights = load_file(str(path / "policy" / "model.safetensors"))
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        missing, unexpected = sharding.load_model_state(self.model, weights)
-        if unexpected or set(missing) - tied:
+        if self.lora_cfg is not None:
+            saved = load_file(str(path / "policy" / lora_lib.ADAPTER_WEIGHTS))
+            missing, unexpected = sharding.load_model_state(self.model, {lora_lib.model_name(k): v for k, v in saved.items()})
+            missing = [k for k in missing if lora_lib.is_adapter(k)]  # the frozen base comes from policy.model_name
+        else:
+            weights = load_file(str(path / "policy" / "model.safetensors"))
+            tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            missing, unexpected = sharding.load_model_state(self.model, weights)
+            missing = sorted(set(missing) - tied)
+        if unexpected or missing:
             raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}")
         state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
         sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
@@ -350,6 +418,10 @@ class PolicyWorker(Reinitializable):
             for st in self.optimizer.state.values():
                 optim += sum(local_bytes(v) for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
         return {"params": params, "grads": grads, "optimizer": optim}
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Trainable and total parameters of the full model (see :func:`.lora.parameter_counts`)."""
+        return lora_lib.parameter_counts(self.model)
 
     def get_forward_pass_counts(self) -> dict[str, int]:
         """Forward passes run by this worker so far, by kind."""

@@ -1,0 +1,156 @@
+"""LoRA on the shipped tiny model (no Ray): adapter-only trainables, the merged stream equals PEFT's merge and
+the adapted model, the adapter export is exactly the adapters, checkpoints load with PeftModel.from_pretrained,
+config mistakes name the key."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from nemo_like.config import ConfigError
+from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig, MasterConfig
+from nemo_like.models.loading import load_causal_lm, resolve_model_path
+from nemo_like.models.policy import lora
+
+_BASE = []
+
+
+def base_model() -> torch.nn.Module:
+    """A fresh copy of the shipped tiny model (loaded once per module)."""
+    if not _BASE:
+        _BASE.append(load_causal_lm(EMBEDDED_MODEL).eval())
+    return copy.deepcopy(_BASE[0])
+
+
+def adapted(cfg: LoraConfig, seed: int = 0) -> torch.nn.Module:
+    """The tiny model with adapters whose B factors are random (fresh adapters are a no-op: B = 0)."""
+    torch.manual_seed(seed)
+    model = lora.apply_lora(base_model(), cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    return model.eval()
+
+
+def token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float().log_softmax(-1)
+
+
+IDS = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def test_only_adapters_train_and_the_counts_match_the_hand_count():
+    cfg = LoraConfig(enabled=True, dim=4, alpha=8)
+    torch.manual_seed(0)
+    model = lora.apply_lora(base_model(), cfg)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(lora.is_adapter(n) for n in trainable)
+    # Per layer (hidden 128, kv dim 64, mlp 512): r * (in + out) for q, k, v, o, gate, up, down.
+    per_layer = 4 * ((128 + 128) + (128 + 64) * 2 + (128 + 128) + (128 + 512) * 3)
+    counts = lora.parameter_counts(model)
+    assert counts["trainable"] == 4 * per_layer
+    assert counts["total"] == sum(p.numel() for p in base_model().parameters()) + counts["trainable"]
+    # A fresh adapter (B = 0) leaves the model unchanged.
+    torch.testing.assert_close(token_logprobs(model, IDS), token_logprobs(base_model(), IDS), atol=0, rtol=0)
+
+
+def test_merged_stream_equals_peft_merge_and_the_adapted_logprobs():
+    cfg = LoraConfig(
+        enabled=True, dim=8, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], exclude_modules=["model.layers.0.mlp.down_proj"]
+    )
+    model = adapted(cfg)
+    merged = dict(lora.merged_tensors(model.state_dict().items(), lora.scaling(cfg)))
+    plain = base_model()
+    assert set(merged) == set(plain.state_dict())
+    # By hand for one layer: W + alpha / r * B @ A.
+    name = "model.layers.1.self_attn.q_proj"
+    sd = model.state_dict()
+    a, b = sd[f"base_model.model.{name}.lora_A.default.weight"], sd[f"base_model.model.{name}.lora_B.default.weight"]
+    torch.testing.assert_close(merged[f"{name}.weight"], plain.state_dict()[f"{name}.weight"] + 2.0 * b @ a)
+    assert torch.equal(merged["model.layers.0.mlp.down_proj.weight"], plain.state_dict()["model.layers.0.mlp.down_proj.weight"])
+    plain.load_state_dict(merged)
+    expected = token_logprobs(model, IDS)
+    torch.testing.assert_close(token_logprobs(plain, IDS), expected, atol=1e-5, rtol=1e-6)  # float32 rounding of W + BA
+    assert (expected - token_logprobs(base_model(), IDS)).abs().max() > 1e-2  # the adapters matter
+    # PEFT's own merge gives the same weights.
+    peft_merged = adapted(cfg).merge_and_unload().state_dict()
+    for key, value in merged.items():
+        torch.testing.assert_close(value, peft_merged[key], atol=1e-6, rtol=0)
+    # The adapters disabled: the base model exactly (the reference policy of a LoRA run).
+    with model.disable_adapter():
+        torch.testing.assert_close(token_logprobs(model, IDS), token_logprobs(base_model(), IDS), atol=0, rtol=0)
+
+
+def test_adapter_directory_loads_with_peft_and_merges_to_the_adapted_model(tmp_path):
+    from peft import PeftModel
+
+    cfg = LoraConfig(enabled=True, dim=4, alpha=8)
+    model = adapted(cfg)
+    tensors = {lora.saved_name(k): v for k, v in model.state_dict().items() if lora.is_adapter(k)}
+    assert sorted(tensors) == lora.expected_adapter_names(resolve_model_path(EMBEDDED_MODEL), cfg)
+    adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert adapter_bytes == lora.parameter_counts(model)["trainable"] * 4
+    lora.write_adapter(tmp_path / "policy", tensors, lora.adapter_config_dict(model))
+    loaded = PeftModel.from_pretrained(base_model(), str(tmp_path / "policy")).eval()
+    expected = token_logprobs(model, IDS)
+    torch.testing.assert_close(token_logprobs(loaded, IDS), expected, atol=0, rtol=0)
+    out = lora.merge_checkpoint(tmp_path / "policy", tmp_path / "merged")
+    torch.testing.assert_close(token_logprobs(load_causal_lm(str(out)), IDS), expected, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(token_logprobs(load_causal_lm(str(tmp_path / "policy")), IDS), expected, atol=1e-5, rtol=1e-6)
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_unknown_modules_are_errors_naming_the_key_and_the_model_modules():
+    model = base_model()
+    with pytest.raises(ConfigError, match=r"policy.lora_cfg.target_modules: 'qkv' .*'q_proj'"):
+        lora.resolve_target_modules(model, LoraConfig(enabled=True, target_modules=["qkv"]))
+    with pytest.raises(ConfigError, match=r"policy.lora_cfg.exclude_modules: 'lm_head'"):
+        lora.resolve_target_modules(model, LoraConfig(enabled=True, exclude_modules=["lm_head"]))
+    with pytest.raises(ConfigError, match="no adapter is left"):
+        lora.resolve_target_modules(model, LoraConfig(enabled=True, target_modules=["q_proj"], exclude_modules=["q_proj"]))
+    assert lora.resolve_target_modules(model, LoraConfig(enabled=True, target_modules=["o_proj"])) == [
+        f"model.layers.{i}.self_attn.o_proj" for i in range(4)
+    ]
+
+
+def test_config_keys_warnings_and_refit_choice():
+    cfg = MasterConfig.model_validate({"policy": {"lora_cfg": {"rank": 16, "alpha": 8}}})
+    assert cfg.policy.lora_cfg.dim == 16  # 'rank' is accepted for NeMo-RL's 'dim'
+    assert cfg.no_effect_warnings() == [
+        "policy.lora_cfg.alpha has no effect with policy.lora_cfg.enabled=false",
+        "policy.lora_cfg.dim has no effect with policy.lora_cfg.enabled=false",
+    ]
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        MasterConfig.model_validate({"policy": {"lora_cfg": {"enabled": True}, "dtensor_cfg": {"tensor_parallel_size": 2}}})
+    hf = {"policy": {"lora_cfg": {"enabled": True}, "generation": {"backend": "hf"}}}
+    assert lora.refit_mode(MasterConfig.model_validate(hf))[0] == "merged"
+    hf["policy"]["lora_cfg"]["refit"] = "adapter"
+    with pytest.raises(ConfigError, match="policy.lora_cfg.refit=adapter is not possible here: the HF generation backend"):
+        lora.refit_mode(MasterConfig.model_validate(hf))
+    assert lora.refit_mode(MasterConfig())[0] == "full"
+    assert [lora.vllm_max_lora_rank(r) for r in (1, 4, 8, 9, 512, 513)] == [1, 8, 8, 16, 512, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert MasterConfig.model_validate({"policy": {"lora_cfg": {"enabled": True, "dim": 4}}}).no_effect_warnings() == []
+
+
+def test_lora_reference_runs_on_the_policy_so_no_reference_role_is_planned():
+    from nemo_like.algorithms.logprob_plan import decide_logprob_passes
+    from nemo_like.algorithms.roles import required_resources, role_requests
+
+    kl = {"loss_fn": {"reference_policy_kl_penalty": 0.01}}
+    with_lora = MasterConfig.model_validate({**kl, "policy": {"lora_cfg": {"enabled": True}}})
+    full = MasterConfig.model_validate(kl)
+    plan, full_plan = decide_logprob_passes(with_lora), decide_logprob_passes(full)
+    assert plan.compute_reference and plan.reference_from_policy and not plan.load_reference_model
+    assert any("adapters disabled" in r for r in plan.reasons)
+    assert [r.role for r in role_requests(full, full_plan)].count("reference") == 1
+    assert "reference" not in [r.role for r in role_requests(with_lora, plan)]
+    # The capacity check agrees: the LoRA run asks for one policy group's CPUs less.
+    saved = full.policy.dp_size * full.policy.num_cpus_per_worker
+    assert required_resources(full, full_plan)["CPU"] - required_resources(with_lora, plan)["CPU"] == pytest.approx(saved)
