@@ -37,6 +37,7 @@ processed tokens).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -114,7 +115,6 @@ def trl_worker(spec: dict) -> None:
         beta=0.0,
         learning_rate=1e-4,
         max_steps=10_000,
-        logging_steps=1,
         save_strategy="no",
         seed=0,
         dataloader_num_workers=0,
@@ -252,7 +252,7 @@ class OurRun:
         self.parts = setup_grpo(self.cfg)
         self.steps = SyncSteps(self.parts)
         self.steps.start(0, None)
-        self.backend = self.cfg.policy.generation.backend
+        self.backend = "vllm" if type(self.parts.generation).__name__.startswith("VLLM") else "hf"  # what "auto" resolved to
         self.count = 0
 
     def step(self) -> tuple[float, dict[str, float], float]:
@@ -327,9 +327,14 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
 
 
 def len_tokens(model_dir: str, text: str) -> int:
+    return len(tokenizer(model_dir)(text, add_special_tokens=False)["input_ids"])
+
+
+@functools.cache
+def tokenizer(model_dir: str):
     from nemo_like.models.loading import load_tokenizer
 
-    return len(load_tokenizer(model_dir)(text, add_special_tokens=False)["input_ids"])
+    return load_tokenizer(model_dir)
 
 
 def report(results: list[dict]) -> str:
