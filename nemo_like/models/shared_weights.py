@@ -7,7 +7,7 @@ Lifetime of the file: the policy's rank 0 creates it at its first export (or whe
 fresh one, e.g. for a new generation group), and unlinks it at the next export: by then every receiver
 of the previous refit has mapped it (a refit call returns only once every worker loaded it), and a
 mapping stays valid after the unlink. A killed run leaves at most one file behind, named after the
-writer's pid (``nemo_like_refit_<pid>_<n>``).
+writer's pid (``nemo_like_refit_<pid>_<n>``); the next writer on the machine removes it.
 
 Writes never overlap reads: the policy writes only inside an export, which the driver starts after the
 previous refit call returned, and a receiver copies the tensors into its model before its refit call returns.
@@ -107,6 +107,7 @@ class SharedWeightWriter:
 
     def _create(self, entries: list[Entry]) -> None:
         self.unlink()
+        remove_orphans()
         size = max(1, entries[-1].offset + entries[-1].nbytes if entries else 1)
         self.path = str(SHM_DIR / f"nemo_like_refit_{os.getpid()}_{next(_counter)}")
         self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
@@ -127,6 +128,21 @@ class SharedWeightWriter:
         self.unlink()
         self.buffer = None
         self.entries = []
+
+
+def remove_orphans() -> list[str]:
+    """Unlink the buffers of writers that no longer run (a killed run's); returns their paths."""
+    removed = []
+    for path in SHM_DIR.glob("nemo_like_refit_*_*"):
+        try:
+            pid = int(path.name.split("_")[3])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+        except (ValueError, IndexError, PermissionError):
+            continue  # not ours to judge: a malformed name, or another user's live process
+    return removed
 
 
 def layout(tensors: list[tuple[str, torch.Tensor]]) -> list[Entry]:

@@ -76,3 +76,19 @@ def test_a_changed_layout_gets_a_new_buffer_and_a_gone_file_names_itself():
         assert torch.equal(receive(third)["extra"], torch.ones(4))
     finally:
         writer.close()
+
+
+def test_a_dead_writers_buffer_is_removed_by_the_next_writer():
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    orphan = shared_weights.SHM_DIR / f"nemo_like_refit_{int(dead.stdout)}_0"
+    orphan.write_bytes(b"x")
+    writer = SharedWeightWriter()
+    try:
+        live = writer.write(1, tensors(0))  # creating a buffer sweeps the orphans
+        assert not orphan.exists() and os.path.exists(live.path)  # its own (live pid) stays
+    finally:
+        writer.close()
+        orphan.unlink(missing_ok=True)
