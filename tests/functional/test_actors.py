@@ -12,6 +12,7 @@ from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.models.policy.policy import Policy
+from nemo_like.models.shared_weights import SharedWeights
 
 pytestmark = pytest.mark.slow
 
@@ -81,9 +82,17 @@ def test_two_data_parallel_ranks_equal_one_rank(ray_cluster, tmp_path):
     checksums = dp.parameter_checksums()
     _, w2 = torch_get(dp.state_dict_ref())
     # Refit from the two shards: gathered in buckets of <= 0.5 MB (the tiny model is ~4 MB), streamed to generation.
-    buckets = dp.weight_buckets()
+    buckets = dp.weight_buckets(shared_memory=False)
     assert len(buckets.refs) > 4 and sorted(buckets.all_names()) == sorted(w2)
     gen.refit(buckets, dp.weight_version)
+    assert mean_abs_gap(dp, gen.generate(prompts(cfg1, tok), params, seed=4), tok.pad_token_id) < 1e-4
+    # The one-node default: gathered from the shards into a shared-memory buffer, bit for bit.
+    assert dp.shared_memory_refit
+    shared = dp.weight_buckets()
+    assert isinstance(shared, SharedWeights) and shared.refs == []
+    received = shared.state_dict()
+    assert sorted(received) == sorted(w2) and all(torch.equal(received[name], w2[name]) for name in w2)
+    gen.refit(shared, dp.weight_version)
     assert mean_abs_gap(dp, gen.generate(prompts(cfg1, tok), params, seed=4), tok.pad_token_id) < 1e-4
     gen.shutdown()
     dp.shutdown()

@@ -29,8 +29,10 @@ REQUIRED_STEP_KEYS = [
 TRUNCATED_SAMPLING = ("policy.generation.top_p=0.8", "policy.generation.top_k=20", "policy.generation.temperature=0.8")
 
 
-# The scaled policy: two FSDP2 ranks (policy and reference), packed micro-batches, chunked logprobs and
-# refit in 1 MB buckets; the other tests of this file run the default (one plain rank, fixed micro-batches).
+# The scaled policy: two FSDP2 ranks (policy and reference), packed micro-batches, chunked logprobs and a
+# refit gathered from the shards (on this one-node cluster into the shared-memory buffer; the 1 MB object-store
+# buckets serve multi-node clusters, test_actors.py checks them); the other tests of this file run the default
+# (one plain rank, fixed micro-batches).
 SCALED = (
     "policy.dp_size=2",
     "policy.sequence_packing.enabled=true",
@@ -42,7 +44,7 @@ SCALED = (
 
 
 def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path):
-    # The scaled policy (dp 2 FSDP2, packing, chunked logprobs, bucketed refit) with HF generation sampling
+    # The scaled policy (dp 2 FSDP2, packing, chunked logprobs, refit gathered from shards) with HF generation sampling
     # under top-k, top-p and a temperature (vLLM: test_vllm_backend.py's GRPO run).
     cfg = tiny_config(tmp_path, *SCALED, "policy.generation.backend=hf", "grpo.val_num_generations_per_prompt=2", *TRUNCATED_SAMPLING)
     history = train(cfg)

@@ -68,16 +68,29 @@ def vllm_sampling_params(sp: SamplingParams, stop_ids: list[int], seed: int):
         max_tokens=sp.max_new_tokens,
         stop_token_ids=stop_ids,
         logprobs=0,  # only the sampled token's logprob
+        flat_logprobs=True,  # a few flat lists per request instead of a dict and a Logprob object per token
         seed=seed,
         detokenize=False,
     )
+
+
+def sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
+    """Each sampled token's logprob, from vLLM's per-position logprobs: ``FlatLogprobs`` (flat lists: position
+    ``i``'s entries are ``start_indices[i]:end_indices[i]``) or a list of ``{token_id: Logprob}`` dicts."""
+    if not hasattr(logprobs, "start_indices"):
+        return [step[token].logprob for step, token in zip(logprobs, tokens)]
+    out = []
+    for i, token in enumerate(tokens):
+        start, end = logprobs.start_indices[i], logprobs.end_indices[i]
+        out.append(logprobs.logprobs[start + logprobs.token_ids[start:end].index(token)])
+    return out
 
 
 def sample_from_output(prompt: list[int], completion: Any, version: int, final_version: int | None = None) -> GeneratedSample:
     """Project format from a vLLM ``CompletionOutput``: the stop token is part of the response.
     ``version``: the weights at the request's start; ``final_version``: at its last token."""
     tokens = list(completion.token_ids)
-    logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+    logprobs = sampled_logprobs(completion.logprobs, tokens)
     return GeneratedSample(
         prompt_ids=list(prompt),
         response_ids=tokens,

@@ -59,6 +59,16 @@ def policy_resources(cfg: MasterConfig, trainable: bool = True) -> RoleResources
     return RoleResources("policy" if trainable else "reference", pc.dp_size * pc.dtensor_cfg.tensor_parallel_size, resources)
 
 
+def shared_memory_refit_possible(cfg: MasterConfig) -> bool:
+    """Refit through ``/dev/shm`` (:mod:`nemo_like.models.shared_weights`): a CPU cluster of one node, so the
+    policy and every generation worker share its memory."""
+    from nemo_like.models.shared_weights import shared_memory_available
+
+    if cfg.cluster.gpus_per_node or not shared_memory_available():
+        return False
+    return sum(1 for node in ray.nodes() if node.get("Alive")) == 1
+
+
 @dataclass
 class TrainResult:
     """What one call of :meth:`Policy.train` reports back."""
@@ -68,6 +78,7 @@ class TrainResult:
     lr: float
     nonfinite_steps_skipped: int
     first_step_logprobs: torch.Tensor
+    logprob_passes_since_last_update: int = 0  # logprob forward passes (all workers) since the previous train call
 
 
 class Policy:
@@ -117,6 +128,11 @@ class Policy:
         counts = get_with_context(self.group.run_rank0("parameter_counts"), f"{name}: parameter counts")
         self.trainable_params, self.total_params = counts["trainable"], counts["total"]
         self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends
+        self._logprob_passes_seen = 0
+        # Full-weight refits on a one-node CPU cluster go through a shared-memory buffer; LoRA's adapter and merged
+        # refits keep the object-store path.
+        self.shared_memory_refit = trainable and self.refit_mode == "full" and shared_memory_refit_possible(cfg)
+        self._fresh_refit_buffer = True
 
     def get_logprobs_async(self, batch: Batch, reference: bool = False) -> list[ray.ObjectRef]:
         """Start a logprob pass sharded over the workers; pass the result to :meth:`gather_logprobs`.
@@ -150,17 +166,22 @@ class Policy:
                 per_rank_steps[rank].append(shard)
         tp = len(self.group) // dp  # the ranks of one tensor-parallel group see the same data
         per_worker = [per_rank_steps[r // tp] for r in range(len(self.group))]
-        results = get_with_context(self.group.run_sharded("train", per_worker), f"{self.name}: training")[::tp]
+        all_results = get_with_context(self.group.run_sharded("train", per_worker), f"{self.name}: training")
+        results = all_results[::tp]
         self.weight_version += 1
         metrics = self.loss_fn.combine_metrics([r["metrics"] for r in results])
         # Rank r's first-step rows are rows [r*per_rank, (r+1)*per_rank) of the first global batch.
         first = torch.cat([r["first_step_logprobs"] for r in results], dim=0)
+        # Summed over every worker, as forward_pass_counts() does.
+        passes = sum(r["forward_passes"]["logprobs"] for r in all_results)
+        since, self._logprob_passes_seen = passes - self._logprob_passes_seen, passes
         return TrainResult(
             metrics=metrics,
             grad_norms=results[0]["grad_norms"],
             lr=results[0]["lr"],
             nonfinite_steps_skipped=results[0]["nonfinite_steps_skipped"],
             first_step_logprobs=first,
+            logprob_passes_since_last_update=since,
         )
 
     def save_checkpoint(self, directory: str) -> list[dict[str, Any]]:
@@ -179,10 +200,17 @@ class Policy:
         small models: a refit uses :meth:`weight_buckets`)."""
         return self.group.run_all("get_state_dict")[0]
 
-    def weight_buckets(self) -> WeightBuckets:
-        """Gather the weights into the object store, ``policy.refit_buffer_size_mb`` per bucket, for generation to
-        stream: every weight, or with LoRA the adapters only or the merged weights (:attr:`refit_mode`)."""
-        refs = self.group.run_all("export_weight_buckets", self.cfg.policy.refit_buffer_size_mb, self.refit_mode)
+    def weight_buckets(self, shared_memory: bool | None = None) -> WeightBuckets:
+        """The weights for a refit: on a one-node CPU cluster without LoRA written into a shared-memory buffer the
+        generation workers map (:class:`~nemo_like.models.shared_weights.SharedWeights`); otherwise gathered into the
+        object store, ``policy.refit_buffer_size_mb`` per bucket, for generation to stream: every weight, or with LoRA
+        the adapters only or the merged weights (:attr:`refit_mode`). ``shared_memory`` forces one path (``None``: the
+        automatic choice)."""
+        if self.shared_memory_refit if shared_memory is None else shared_memory:
+            refs = self.group.run_all("export_shared_weights", self._fresh_refit_buffer)
+            self._fresh_refit_buffer = False
+        else:
+            refs = self.group.run_all("export_weight_buckets", self.cfg.policy.refit_buffer_size_mb, self.refit_mode)
         buckets = get_with_context(refs, f"{self.name}: weight export")[0]
         self._refit_bytes += buckets.nbytes
         return buckets
@@ -206,6 +234,11 @@ class Policy:
         return get_with_context(self.group.run_all("parameter_checksum"), f"{self.name}: checksum")
 
     def shutdown(self) -> None:
+        if self.trainable:
+            try:  # unlink the refit buffer; a worker that already died took nothing with it but its mapping
+                get_with_context(self.group.run_all("release_shared_weights"), f"{self.name}: release refit buffer", timeout_s=30)
+            except Exception:  # noqa: BLE001 - cleanup on the way out must not hide the run's own error
+                pass
         self.group.shutdown()
 
 

@@ -65,6 +65,7 @@ class PolicyWorker(Reinitializable):
         ``lora_cfg``: the validated ``policy.lora_cfg`` section (enabled: only adapters train, see :mod:`.lora`)."""
         torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
+        self.release_shared_weights()  # a reused actor (reinit) drops its previous run's refit buffer
         self.rank, self.world_size = rank, world_size
         # Every pass (prev, reference, training) scores tokens under the sampler's processed
         # distribution: temperature, then top-k / top-p truncation, renormalised (models/logprobs.py).
@@ -257,6 +258,7 @@ class PolicyWorker(Reinitializable):
             "nonfinite_steps_skipped": skipped,
             "lr": self.scheduler.get_last_lr()[0],
             "first_step_logprobs": first_step_logprobs,
+            "forward_passes": dict(self.forward_passes),
         }
 
     @staticmethod
@@ -317,6 +319,28 @@ class PolicyWorker(Reinitializable):
         if mode == "merged":
             return lora_lib.merged_tensors(sharding.iter_full_tensors(self.model, keep), lora_lib.scaling(self.lora_cfg))
         raise ValueError(f"a LoRA policy refits 'adapter' or 'merged' weights, not {mode!r}")
+
+    def export_shared_weights(self, fresh: bool) -> Any:
+        """Write the weights into this rank's shared-memory refit buffer (one-node CPU clusters, see
+        :mod:`nemo_like.models.shared_weights`); a new buffer file when ``fresh``. A collective when sharded:
+        every rank gathers, rank 0 writes and returns the :class:`SharedWeights`, the others ``None``."""
+        from nemo_like.models.shared_weights import SharedWeightWriter
+
+        if sharding.is_sharded(self.model):
+            tensors = (item for bucket in sharding.iter_weight_buckets(self.model, 1 << 62, keep=self.rank == 0) for item in bucket.items())
+        else:  # the parameters themselves: one copy, straight into the buffer
+            tensors = ((name, t.detach()) for name, t in self.model.state_dict(keep_vars=True).items())
+        tensors = list(tensors)
+        if self.rank != 0:
+            return None
+        if getattr(self, "_shared_writer", None) is None:
+            self._shared_writer = SharedWeightWriter()
+        return self._shared_writer.write(self.weight_version, tensors, fresh=fresh)
+
+    def release_shared_weights(self) -> None:
+        """Unlink the shared-memory refit buffer (the run is over)."""
+        if getattr(self, "_shared_writer", None) is not None:
+            self._shared_writer.close()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> dict[str, Any]:

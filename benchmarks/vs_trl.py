@@ -1,0 +1,401 @@
+"""Side-by-side: TRL's GRPOTrainer against ours, at equal work, alternating step by step in one invocation.
+
+Usage (from the repository root, our venv; TRL lives in its own venv, see below):
+
+    make bench-trl-venv                      # once: .venv-trl with torch 2.13.0 (CPU) + trl 1.16 (benchmark only)
+    python benchmarks/vs_trl.py              # defaults: W1 and W2, our default backend (vllm when installed)
+    python benchmarks/vs_trl.py --workloads W2 --backends vllm,hf --steps 6
+
+Defaults: ``--workloads W1,W2 --backends default --warmup 2 --steps 5 --trl-python .venv-trl/bin/python``;
+expected 4-5 minutes on an idle 2-core machine (an estimate from the issue's step times: it was only run under load).
+
+Workloads (the issue's):
+
+* **W1**: a ~1M-param Qwen2 (hidden 128, 4 layers), 1 prompt x 8 completions x 16 tokens per step;
+* **W2**: a ~10M-param Qwen2 (hidden 384, intermediate 1792, 4 layers), 8 prompts x 8 completions x 64 tokens.
+
+Equal work: both sides load the same Hugging Face model directory (random init, the shipped tiny
+model's tokenizer), whose stop token is never sampled (its logit sits ~40 nats below every other one,
+see :func:`build_model`), so every completion on both sides runs exactly ``max_new_tokens`` tokens.
+Both train on the same prompt texts (our arithmetic prompts, chat template applied), beta 0 (no
+reference model), one optimizer step per rollout over the whole batch, temperature 1, fp32, sync.
+TRL runs with its own defaults otherwise (HF ``generate``; note that TRL 1.x defaults to
+``gradient_checkpointing=True``; ``--trl-no-gradient-checkpointing`` turns it off). Ours runs with the
+recipe's defaults.
+
+How it alternates: TRL runs in a subprocess of ``--trl-python`` (its ``train()`` loop is held between
+steps by a callback that waits for a line on stdin); ours runs in this process (Ray actors, driven step
+by step through the sync loop's own step function). Each pair runs one TRL step and one of ours (in
+alternating order), so both sides see the same machine load. The first ``--warmup`` pairs are left out.
+
+Output: per workload and backend, each side's steady-state median s/step, the ratio pair by pair
+(ours/TRL), our phase breakdown (medians), the 1-minute load average around each pair, and the
+training FLOP floor (6 x params x trained tokens at ``--peak-gflops``; generation's: 2 x params x
+processed tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKLOADS = {
+    "W1": dict(size="1m", prompts=1, generations=8, new_tokens=16),
+    "W2": dict(size="10m", prompts=8, generations=8, new_tokens=64),
+}
+SIZES = {
+    "1m": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+    "10m": dict(hidden_size=384, intermediate_size=1792, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2),
+}
+PROMPT_BUDGET = 32  # prompt tokens the sequence length allows (our arithmetic prompts are ~21)
+TAG = "@@vs_trl@@"  # marks the TRL worker's own lines on its stdout (TRL prints its logs there too)
+OUR_PHASES = ("refit", "generation", "reward", "prev_logprobs", "policy_training")
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRL side: runs inside --trl-python (imports only torch, transformers, datasets, trl)
+# ---------------------------------------------------------------------------------------------------
+def trl_worker(spec: dict) -> None:
+    """Build TRL's GRPOTrainer on ``spec`` and run steps on demand: before each step it reads a line from stdin
+    (``go`` or ``stop``), after each step it prints ``{"trl_step_s": ...}`` as one JSON line."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    batch = spec["prompts"] * spec["generations"]
+    rows = [{"prompt": text, "answer": str(answer)} for text, answer in spec["dataset"]]
+
+    def reward(completions, answer, **kwargs):
+        """1 if the last integer is the answer: rewards that never depend on the (fixed) length."""
+        out = []
+        for c, a in zip(completions, answer):
+            nums = re.findall(r"-?\d+", c if isinstance(c, str) else c[-1]["content"])
+            out.append(1.0 if nums and nums[-1] == a else 0.0)
+        return out
+
+    class Gate(TrainerCallback):
+        def __init__(self) -> None:
+            self.start = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            if sys.stdin.readline().strip() != "go":
+                os._exit(0)  # the driver is done with us
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            print(TAG + json.dumps({"trl_step_s": time.perf_counter() - self.start}), flush=True)
+
+    cfg = GRPOConfig(
+        output_dir=os.path.join(spec["tmp"], "trl-out"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        use_vllm=False,
+        report_to="none",
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=spec["generations"],
+        max_completion_length=spec["new_tokens"],
+        temperature=1.0,
+        beta=0.0,
+        learning_rate=1e-4,
+        max_steps=10_000,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+        gradient_checkpointing=spec["gradient_checkpointing"],
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[reward], args=cfg, train_dataset=Dataset.from_list(rows))
+    trainer.add_callback(Gate())
+    print(
+        TAG + json.dumps({"ready": True, "threads": torch.get_num_threads(), "gradient_checkpointing": cfg.gradient_checkpointing}),
+        flush=True,
+    )
+    trainer.train()
+
+
+class TRLProcess:
+    """The TRL side: a subprocess that runs one GRPO step per :meth:`step` call."""
+
+    def __init__(self, python: str, spec: dict) -> None:
+        self.proc = subprocess.Popen(
+            [python, __file__, "--trl-worker", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": "", "WANDB_MODE": "disabled", "HF_DATASETS_OFFLINE": "1"},
+        )
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the TRL worker exited (code {self.proc.wait()}); see its stderr above")
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG) :])
+
+    def step(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self._read()["trl_step_s"]
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("stop\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared: the model directory and the prompts
+# ---------------------------------------------------------------------------------------------------
+def build_model(directory: Path, size: str) -> tuple[str, int]:
+    """A random Qwen2 of ``size`` with the shipped tiny model's tokenizer whose stop token is never sampled.
+
+    Every input embedding gets a constant ``+2`` in dimension 0 except the stop token's, which gets ``-2``.
+    The residual stream's dimension 0 then dominates after the final RMSNorm (about ``sqrt(hidden)``), so
+    with the tied head every ordinary token's logit gains the same ``~2 sqrt(hidden)`` (no effect on their
+    relative probabilities) and the stop token's loses as much: it sits ~45 (1M) / ~78 (10M) nats lower
+    and no completion ever ends early. The FLOPs are those of a plain random model."""
+    import torch
+    from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from nemo_like.models.loading import load_tokenizer, resolve_model_path
+
+    tiny = resolve_model_path("embedded:tiny-arith-qwen2")
+    base = AutoConfig.from_pretrained(tiny)
+    tok = load_tokenizer(tiny)
+    config = Qwen2Config(
+        vocab_size=base.vocab_size,
+        max_position_embeddings=base.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+        pad_token_id=base.pad_token_id,
+        **SIZES[size],
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = 2.0
+        emb[tok.eos_token_id, 0] = -2.0
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return str(directory), sum(p.numel() for p in model.parameters())
+
+
+def prompt_rows(model_dir: str, count: int) -> list[tuple[str, int]]:
+    """``(prompt text with the chat template applied, answer)`` of our arithmetic training prompts, in order."""
+    from nemo_like.config import DEFAULT_RECIPE, load_config
+    from nemo_like.data.prompts import build_prompt_dataset
+    from nemo_like.models.loading import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    cfg = load_config(DEFAULT_RECIPE, [f"data.train.num_problems={count}"])
+    records = build_prompt_dataset(cfg.data, tok, "train", PROMPT_BUDGET)
+    return [(tok.decode(r.prompt_token_ids, skip_special_tokens=False), r.metadata["answer"]) for r in records]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Our side
+# ---------------------------------------------------------------------------------------------------
+class OurRun:
+    """Our sync GRPO loop on the workload, one step per :meth:`step` call (the loop's own step function)."""
+
+    def __init__(self, model_dir: str, work: dict, backend: str, log_dir: str, extra: list[str]) -> None:
+        from nemo_like.algorithms.grpo import SyncSteps
+        from nemo_like.algorithms.setup import setup_grpo
+        from nemo_like.config import DEFAULT_RECIPE, load_config
+
+        overrides = [
+            f"policy.model_name={model_dir}",
+            f"grpo.num_prompts_per_step={work['prompts']}",
+            f"grpo.num_generations_per_prompt={work['generations']}",
+            f"policy.generation.max_new_tokens={work['new_tokens']}",
+            f"policy.max_total_sequence_length={PROMPT_BUDGET + work['new_tokens']}",
+            "loss_fn.reference_policy_kl_penalty=0",  # beta 0, as TRL's default
+            "grpo.val_at_start=false",
+            "grpo.val_at_end=false",
+            "grpo.val_period=0",
+            "logger.progress_bar=false",
+            "logger.console_timing_period=0",
+            f"logger.log_dir={log_dir}",
+            *([f"policy.generation.backend={backend}"] if backend != "default" else []),
+            *extra,
+        ]
+        self.cfg = load_config(DEFAULT_RECIPE, overrides)
+        self.parts = setup_grpo(self.cfg)
+        self.steps = SyncSteps(self.parts)
+        self.steps.start(0, None)
+        self.backend = "vllm" if type(self.parts.generation).__name__.startswith("VLLM") else "hf"  # what "auto" resolved to
+        self.count = 0
+
+    def step(self) -> tuple[float, dict[str, float], float]:
+        """``(seconds, phase seconds, generated tokens)`` of one sync step."""
+        from nemo_like.utils.timer import StepTimer
+
+        self.count += 1
+        timer = StepTimer()
+        start = time.perf_counter()
+        metrics = self.steps.step(self.count, timer)
+        return time.perf_counter() - start, dict(timer.seconds), metrics["performance/num_generated_tokens"]
+
+    def close(self) -> None:
+        self.parts.shutdown()
+
+
+def load1() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: str, n_params: int, rows) -> dict:
+    """Alternate TRL and our steps on one workload; returns the figures."""
+    spec = {
+        "model_dir": model_dir,
+        "tmp": tmp,
+        "dataset": rows,
+        "threads": args.trl_threads,
+        "gradient_checkpointing": not args.trl_no_gradient_checkpointing,
+        **work,
+    }
+    trl = TRLProcess(args.trl_python, spec)
+    ours = OurRun(model_dir, work, backend, f"{tmp}/ours-{name}-{backend}", args.ours)
+    pairs = []
+    try:
+        for i in range(args.warmup + args.steps):
+            load_before = load1()
+            if i % 2 == 0:
+                t_trl = trl.step()
+                t_ours, phases, tokens = ours.step()
+            else:
+                t_ours, phases, tokens = ours.step()
+                t_trl = trl.step()
+            pairs.append({"trl": t_trl, "ours": t_ours, "phases": phases, "tokens": tokens, "load": (load_before + load1()) / 2})
+            print(
+                f"  [{name} {ours.backend}] pair {i + 1}: TRL {t_trl:.3f}s  ours {t_ours:.3f}s  ratio {t_ours / t_trl:.2f}  "
+                f"load {pairs[-1]['load']:.2f}" + ("  (warm-up)" if i < args.warmup else ""),
+                flush=True,
+            )
+    finally:
+        trl.close()
+        ours.close()
+    steady = pairs[args.warmup :]
+    batch = work["prompts"] * work["generations"]
+    expected = batch * work["new_tokens"]
+    mean_prompt = statistics.mean(len_tokens(model_dir, r[0]) for r in rows[: work["prompts"]])
+    trained_tokens = batch * (mean_prompt + work["new_tokens"])
+    peak = args.peak_gflops * 1e9
+    return {
+        "workload": name,
+        "backend": ours.backend,
+        "trl_info": trl.info,
+        "trl": statistics.median(p["trl"] for p in steady),
+        "ours": statistics.median(p["ours"] for p in steady),
+        "ratios": [p["ours"] / p["trl"] for p in steady],
+        "phases": {k: statistics.median(p["phases"].get(k, 0.0) for p in steady) for k in OUR_PHASES},
+        "tokens_ok": all(p["tokens"] == expected for p in pairs),
+        "load": [p["load"] for p in steady],
+        "params": n_params,
+        "train_floor": 6 * n_params * trained_tokens / peak,
+        "gen_floor": 2 * n_params * (batch * mean_prompt + expected) / peak,
+    }
+
+
+def len_tokens(model_dir: str, text: str) -> int:
+    return len(tokenizer(model_dir)(text, add_special_tokens=False)["input_ids"])
+
+
+@functools.cache
+def tokenizer(model_dir: str):
+    from nemo_like.models.loading import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+def report(results: list[dict]) -> str:
+    lines = [
+        "",
+        "| workload | backend | TRL s/step | ours s/step | ours/TRL (pairs) | median ratio | load (1 min) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ratios = " ".join(f"{x:.2f}" for x in r["ratios"])
+        load = f"{min(r['load']):.1f}-{max(r['load']):.1f}"
+        lines.append(
+            f"| {r['workload']} | {r['backend']} | {r['trl']:.3f} | {r['ours']:.3f} | {ratios} | "
+            f"**{statistics.median(r['ratios']):.2f}** | {load} |"
+        )
+    lines += ["", "Our phases (median s) and FLOP floors (6 x params x trained tokens, 2 x params x generated+prompt tokens):", ""]
+    lines.append(
+        "| workload | backend | " + " | ".join(OUR_PHASES) + " | training floor | generation floor | all completions full length |"
+    )
+    lines.append("|---|---|" + "---|" * len(OUR_PHASES) + "---|---|---|")
+    for r in results:
+        phases = " | ".join(f"{r['phases'][k]:.3f}" for k in OUR_PHASES)
+        lines.append(
+            f"| {r['workload']} ({r['params'] / 1e6:.1f}M) | {r['backend']} | {phases} | {r['train_floor']:.3f} | "
+            f"{r['gen_floor']:.3f} | {r['tokens_ok']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--trl-worker":
+        trl_worker(json.loads(sys.argv[2]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="W1,W2")
+    p.add_argument("--backends", default="default", help="comma list of default, vllm, hf (default: the recipe's choice)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--trl-python", default=".venv-trl/bin/python")
+    p.add_argument("--trl-threads", type=int, default=None, help="torch threads of the TRL process (default: torch's)")
+    p.add_argument("--trl-no-gradient-checkpointing", action="store_true")
+    p.add_argument("--peak-gflops", type=float, default=178.0, help="this machine's fp32 matmul GFLOP/s (the FLOP floors)")
+    p.add_argument("--ours", nargs="*", default=[], help="extra key=value overrides for our side")
+    args = p.parse_args()
+    if not Path(args.trl_python).exists():
+        print(f"error: no TRL python at {args.trl_python}; run `make bench-trl-venv` first (or pass --trl-python)", file=sys.stderr)
+        return 2
+    random.seed(0)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
+        for name in args.workloads.split(","):
+            work = WORKLOADS[name]
+            model_dir, n_params = build_model(Path(tmp) / f"model-{work['size']}", work["size"])
+            rows = prompt_rows(model_dir, 64)
+            for backend in args.backends.split(","):
+                print(f"[{name}] {n_params / 1e6:.2f}M params, {work}, backend {backend}", flush=True)
+                results.append(run_pairs(name, work, backend, args, tmp, model_dir, n_params, rows))
+                print(report(results[-1:]), flush=True)
+    print("\n=== vs TRL: all runs ===" + report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Refit through shared memory: on a one-node CPU cluster the policy writes its weights into a file in
+``/dev/shm`` that the generation workers map once; each refit then costs one copy on each side and no
+serialisation (the object-store path, :mod:`nemo_like.models.weight_buckets`, pickles every bucket
+into Ray's store and out again).
+
+Lifetime of the file: the policy's rank 0 creates it at its first export (or when the facade asks for a
+fresh one, e.g. for a new generation group), and unlinks it at the next export: by then every receiver
+of the previous refit has mapped it (a refit call returns only once every worker loaded it), and a
+mapping stays valid after the unlink. A killed run leaves at most one file behind, named after the
+writer's pid (``nemo_like_refit_<pid>_<n>``); the next writer on the machine removes it.
+
+Writes never overlap reads: the policy writes only inside an export, which the driver starts after the
+previous refit call returned, and a receiver copies the tensors into its model before its refit call returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nemo_like.models.weight_buckets import WeightBuckets
+
+SHM_DIR = Path("/dev/shm")
+ALIGN = 64  # bytes: every tensor starts on a cache line, so a byte view can be reinterpreted as any dtype
+_counter = itertools.count()
+_mapped: dict[str, torch.Tensor] = {}  # receiver side: buffer path -> its mapping (only the newest is kept)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one tensor lives in the buffer."""
+
+    name: str
+    dtype: str  # e.g. "float32"
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class SharedWeights(WeightBuckets):
+    """A refit descriptor (same interface as :class:`WeightBuckets`): the version, the buffer's path and size,
+    and where each tensor lies in it. Tiny: only this travels through Ray."""
+
+    path: str = ""
+    size: int = 0
+    entries: list[Entry] = field(default_factory=list)
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` views of the mapped buffer (valid until the next refit writes it: copy them)."""
+        buffer = map_buffer(self.path, self.size)
+        for e in self.entries:
+            yield e.name, buffer[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+
+    def iter_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+        """One bucket: every tensor (they are views, nothing is copied)."""
+        yield dict(self.iter_tensors())
+
+
+def map_buffer(path: str, size: int) -> torch.Tensor:
+    """The receiver's ``uint8`` mapping of ``path`` (mapped once; older buffers are dropped)."""
+    buffer = _mapped.get(path)
+    if buffer is None:
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"shared refit buffer {path} is gone: it is unlinked after the first refit that used it, so a generation "
+                "worker that missed that refit cannot map it (the policy must export a fresh buffer)"
+            )
+        _mapped.clear()
+        buffer = _mapped[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    return buffer
+
+
+def shared_memory_available() -> bool:
+    """Whether ``/dev/shm`` exists and is writable (Linux)."""
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+class SharedWeightWriter:
+    """The policy side: owns the buffer file and writes each version of the weights into it."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.buffer: torch.Tensor | None = None
+        self.entries: list[Entry] = []
+        self.linked = False
+
+    def write(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], fresh: bool = False) -> SharedWeights:
+        """Copy ``tensors`` into the buffer (a new file when ``fresh``, on the first call, or when the layout
+        changed); returns the descriptor for the receivers."""
+        tensors = list(tensors)
+        entries = layout(tensors)
+        if fresh or self.buffer is None or entries != self.entries:
+            self._create(entries)
+        else:
+            self.unlink()  # every receiver mapped it during the previous refit
+        with torch.no_grad():
+            for (_, t), e in zip(tensors, self.entries):
+                self.buffer[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        names = [e.name for e in self.entries]
+        nbytes = sum(e.nbytes for e in self.entries)
+        return SharedWeights(version, [names], [], nbytes=nbytes, path=self.path, size=self.buffer.numel(), entries=list(self.entries))
+
+    def _create(self, entries: list[Entry]) -> None:
+        self.unlink()
+        remove_orphans()
+        size = max(1, entries[-1].offset + entries[-1].nbytes if entries else 1)
+        self.path = str(SHM_DIR / f"nemo_like_refit_{os.getpid()}_{next(_counter)}")
+        self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
+        self.entries = entries
+        self.linked = True
+
+    def unlink(self) -> None:
+        """Remove the file name (existing mappings stay valid)."""
+        if self.linked and self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.linked = False
+
+    def close(self) -> None:
+        """Unlink the file and drop this side's mapping."""
+        self.unlink()
+        self.buffer = None
+        self.entries = []
+
+
+def remove_orphans() -> list[str]:
+    """Unlink the buffers of writers that no longer run (a killed run's); returns their paths."""
+    removed = []
+    for path in SHM_DIR.glob("nemo_like_refit_*_*"):
+        try:
+            pid = int(path.name.split("_")[3])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+        except (ValueError, IndexError, PermissionError):
+            continue  # not ours to judge: a malformed name, or another user's live process
+    return removed
+
+
+def layout(tensors: list[tuple[str, torch.Tensor]]) -> list[Entry]:
+    """Offsets (``ALIGN``-aligned) of ``tensors`` packed one after the other."""
+    entries, offset = [], 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        entries.append(Entry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return entries

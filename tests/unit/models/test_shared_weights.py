@@ -1,0 +1,94 @@
+"""The shared-memory refit buffer: what a receiver maps is bit for bit what the policy wrote, version after version."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from nemo_like.models import shared_weights
+from nemo_like.models.shared_weights import ALIGN, SharedWeightWriter, layout
+
+pytestmark = pytest.mark.skipif(not shared_weights.shared_memory_available(), reason="no writable /dev/shm")
+
+
+def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("embed.weight", torch.randn(7, 5, generator=g)),
+        ("norm.weight", torch.randn(5, generator=g).to(torch.bfloat16)),  # 10 bytes: the next tensor must still be aligned
+        ("steps", torch.randint(0, 1 << 40, (3,), generator=g)),
+        ("empty", torch.zeros(0)),
+        ("lm_head.weight", torch.randn(7, 5, generator=g)),
+    ]
+
+
+def receive(descriptor) -> dict[str, torch.Tensor]:
+    """What a generation worker loads: the descriptor travels pickled, the tensors are copied out of the mapping."""
+    shared_weights._mapped.clear()  # a receiver process maps the file itself
+    return {name: t.clone() for name, t in pickle.loads(pickle.dumps(descriptor)).iter_tensors()}
+
+
+def test_layout_aligns_every_tensor():
+    entries = layout(tensors(0))
+    assert [e.offset % ALIGN for e in entries] == [0] * len(entries)
+    assert [e.nbytes for e in entries] == [140, 10, 24, 0, 140]
+    # Each tensor starts at the previous end rounded up to 64 bytes; an empty tensor takes no room.
+    assert [e.offset for e in entries] == [0, 192, 256, 320, 320]
+
+
+def test_receiver_gets_exact_values_dtypes_and_shapes_across_versions():
+    writer = SharedWeightWriter()
+    try:
+        first = writer.write(1, tensors(0))
+        assert os.path.exists(first.path) and first.all_names() == [n for n, _ in tensors(0)]
+        got = receive(first)
+        for name, t in tensors(0):
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+        mapped_before = {n: t for n, t in first.iter_tensors()}  # a live mapping, as a worker keeps it
+        second = writer.write(2, tensors(1))
+        assert second.path == first.path and second.version == 2
+        assert not os.path.exists(first.path)  # unlinked once every receiver mapped it (the previous refit)
+        for name, t in tensors(1):  # the old mapping sees the new weights: same buffer, written in place
+            assert torch.equal(mapped_before[name], t), name
+        fresh = writer.write(3, tensors(2), fresh=True)
+        assert fresh.path != first.path and os.path.exists(fresh.path)
+        got = receive(fresh)
+        assert all(torch.equal(got[name], t) for name, t in tensors(2))
+    finally:
+        writer.close()
+    assert not os.path.exists(fresh.path)
+
+
+def test_a_changed_layout_gets_a_new_buffer_and_a_gone_file_names_itself():
+    writer = SharedWeightWriter()
+    try:
+        first = writer.write(1, tensors(0))
+        writer.write(2, tensors(0))  # unlinks the first file
+        shared_weights._mapped.clear()
+        with pytest.raises(FileNotFoundError, match="nemo_like_refit_"):
+            next(first.iter_tensors())
+        bigger = [*tensors(0), ("extra", torch.ones(4))]
+        third = writer.write(3, bigger)
+        assert third.path != first.path
+        assert torch.equal(receive(third)["extra"], torch.ones(4))
+    finally:
+        writer.close()
+
+
+def test_a_dead_writers_buffer_is_removed_by_the_next_writer():
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    orphan = shared_weights.SHM_DIR / f"nemo_like_refit_{int(dead.stdout)}_0"
+    orphan.write_bytes(b"x")
+    writer = SharedWeightWriter()
+    try:
+        live = writer.write(1, tensors(0))  # creating a buffer sweeps the orphans
+        assert not orphan.exists() and os.path.exists(live.path)  # its own (live pid) stays
+    finally:
+        writer.close()
+        orphan.unlink(missing_ok=True)

@@ -1,0 +1,26 @@
+"""vLLM's flat logprobs give the same per-token values as its dict-per-position form."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_like.models.generation.vllm_worker import sampled_logprobs
+
+logprobs_mod = pytest.importorskip("vllm.logprobs")
+
+
+def test_flat_and_dict_logprobs_give_the_sampled_tokens_values():
+    Logprob, FlatLogprobs = logprobs_mod.Logprob, logprobs_mod.FlatLogprobs
+    tokens = [5, 9, 5, 2]
+    # The sampled token is not always first: with top-logprobs a position also holds other tokens.
+    positions = [
+        {5: Logprob(-0.25, 1, None)},
+        {3: Logprob(-0.5, 1, None), 9: Logprob(-1.5, 2, None)},
+        {5: Logprob(-0.125, 1, None)},
+        {7: Logprob(-0.0625, 1, None), 1: Logprob(-3.0, 3, None), 2: Logprob(-2.0, 2, None)},
+    ]
+    flat = FlatLogprobs()
+    flat.extend(positions)
+    expected = [-0.25, -1.5, -0.125, -2.0]
+    assert sampled_logprobs(positions, tokens) == expected
+    assert sampled_logprobs(flat, tokens) == expected
