@@ -44,7 +44,7 @@ class ToolResult:
     error_kind: str | None = None
 
 
-def _builtin(name: str, python_timeout_s: float, python_memory_mb: int, python_max_output_bytes: int) -> Tool:
+def _builtin(name: str, python_timeout_s: float = 5.0, python_memory_mb: int = 256, python_max_output_bytes: int = 4096) -> Tool:
     if name == "calculator":
         from nemo_like.environments.tools.calculator import calculator
 
