@@ -59,3 +59,37 @@ class FirstOfFour(EnvironmentInterface):
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         return [1.0 if i % 4 == 0 else 0.0 for i in range(len(responses))]
+
+
+class CountdownEnv(EnvironmentInterface):
+    """A deterministic multi-turn environment: a sample's episode lasts ``1 + answer % turns`` model turns.
+    Each non-final step answers with a ``{"role": observation_role, "content": "<n> left"}`` observation
+    (and ``stop_strings`` for the next turn, when set); the final step rewards 1.0 when the gold answer
+    appears in the model's last message. ``metadata["steps"]`` counts the steps taken; counters: steps."""
+
+    def __init__(self, turns: int = 3, observation_role: str = "tool", stop_strings: list[str] | None = None) -> None:
+        self.turns, self.role, self.stop_strings = turns, observation_role, stop_strings
+        self.steps = 0
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        return [1.0 if str(m["answer"]) in r else 0.0 for r, m in zip(responses, metadata)]
+
+    def step(self, message_logs, metadata):
+        from nemo_like.environments.interface import EnvironmentStep
+
+        out = []
+        for log, meta in zip(message_logs, metadata):
+            self.steps += 1
+            done_steps = meta.get("steps", 0) + 1
+            remaining = 1 + int(meta["answer"]) % self.turns - done_steps
+            new_meta = {**meta, "steps": done_steps}
+            if remaining <= 0:
+                out.append(EnvironmentStep(self.score([log[-1]["content"]], [meta])[0], True, None, new_meta))
+            else:
+                obs = {"role": self.role, "content": f"{remaining} left"}
+                out.append(EnvironmentStep(0.0, False, obs, new_meta, self.stop_strings))
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        steps, self.steps = self.steps, 0
+        return {"steps": float(steps)}

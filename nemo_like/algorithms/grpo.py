@@ -38,15 +38,8 @@ from nemo_like.data.prompts import DataExhausted
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.evaluation.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, thread_oversubscription_warning
-from nemo_like.experience.rollouts import (
-    Rollout,
-    add_counters,
-    collect_rollout,
-    generate_rollout,
-    rollout_seed,
-    score_with_environment,
-    task_reward_metrics,
-)
+from nemo_like.experience.multi_turn import multi_turn_metrics, multi_turn_settings
+from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, rollout_seed, task_reward_metrics
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.logger import Logger
@@ -77,24 +70,33 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
     cfg = parts.cfg
     n = cfg.grpo.val_num_generations_per_prompt
     params = sampling_params(cfg, greedy=cfg.grpo.val_greedy)
-    expanded, group_ids, samples, texts = generate_rollout(
-        parts.generation, parts.tokenizer, parts.val_prompts, n, params, seed=10_000_019 * (step + 1)
+    multi_turn = multi_turn_settings(cfg, parts.tokenizer)
+    rollout = collect_rollout(
+        parts.generation,
+        parts.environment,
+        parts.tokenizer,
+        parts.val_prompts,
+        n,
+        params,
+        seed=10_000_019 * (step + 1),
+        multi_turn=multi_turn,
     )
-    scores = score_with_environment(parts.environment, texts, expanded)
-    rollout = Rollout(expanded, group_ids, samples, texts, scores.rewards, scores.metrics)
     report_val_samples(parts, step, rollout)
-    correct = (scores.rewards >= CORRECT_REWARD).float()
+    rewards = rollout.rewards
+    correct = (rewards >= CORRECT_REWARD).float()
     metrics = {
         "validation/accuracy": correct.mean().item(),
-        "validation/reward": scores.rewards.mean().item(),
-        "validation/num_samples": float(len(samples)),
+        "validation/reward": rewards.mean().item(),
+        "validation/num_samples": float(len(rollout.samples)),
         "validation/mean_response_length": rollout.response_lengths.mean().item(),
     }
     if n > 1:
-        pass_k = mean_pass_at_k(correct_counts(correct, group_ids), cfg.grpo.resolved_val_pass_k)
+        pass_k = mean_pass_at_k(correct_counts(correct, rollout.group_ids), cfg.grpo.resolved_val_pass_k)
         metrics.update({f"validation/pass@{k}": value for k, value in pass_k.items()})
-    metrics.update(task_reward_metrics(expanded, scores.rewards, parts.environment.tasks, prefix="validation/env"))
-    metrics.update({f"validation/{k}": v for k, v in scores.metrics.items()})
+    metrics.update(task_reward_metrics(rollout.prompts, rewards, parts.environment.tasks, prefix="validation/env"))
+    metrics.update({f"validation/{k}": v for k, v in rollout.env_metrics.items()})
+    if multi_turn is not None:
+        metrics.update(multi_turn_metrics(rollout.samples, rewards, prefix="validation/multi_turn"))
     return metrics
 
 
@@ -121,11 +123,25 @@ def report_val_samples(parts: GRPOComponents, step: int, rollout: Rollout) -> No
                 "truncated": [s.truncated for s in rollout.samples],
                 "response_token_ids": [s.response_ids for s in rollout.samples],
                 "generation_logprobs": [s.response_logprobs for s in rollout.samples],
+                **turn_columns(rollout),
             },
         )
     if log_cfg.num_val_samples_to_print:
         text = format_samples(prompts, rollout.response_texts, rollout.rewards.tolist(), log_cfg.num_val_samples_to_print)
         print(f"[validation samples, step {step}]\n{text}", file=sys.stderr, flush=True)
+
+
+def turn_columns(rollout: Rollout) -> dict[str, list]:
+    """Multi-turn dump columns (none for single-turn samples): each sample's turns as messages, its turn
+    count and the per-token mask of its response (1 sampled, 0 observation)."""
+    if all(s.messages is None for s in rollout.samples):
+        return {}
+    return {
+        "num_turns": [s.num_turns for s in rollout.samples],
+        "turns": [s.messages for s in rollout.samples],
+        "response_mask": [s.sampled_mask for s in rollout.samples],
+        "length_truncated": [s.length_truncated for s in rollout.samples],
+    }
 
 
 def dump_train_samples(
@@ -149,6 +165,7 @@ def dump_train_samples(
         "response_token_ids": [s.response_ids for s in rollout.samples],
         "generation_logprobs": response_token_values(batch["generation_logprobs"], mask),
         "prev_logprobs": response_token_values(prev, mask) if prev is not None else [None] * len(rollout.samples),
+        **turn_columns(rollout),
     }
     if "reference_policy_logprobs" in batch:
         columns["reference_logprobs"] = response_token_values(batch["reference_policy_logprobs"], mask)
@@ -229,6 +246,7 @@ def collect_training_rollout(
             params,
             seed=rollout_seed(cfg.grpo.seed, step, batch_index),
             timings=phase_times,
+            multi_turn=multi_turn_settings(cfg, parts.tokenizer),
         )
         for name, seconds in phase_times.items():
             timer.add(name, seconds)
@@ -305,6 +323,8 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     metrics.setdefault("train/kl_penalty", 0.0)
     metrics.update(task_reward_metrics(rollout.prompts, rollout.rewards, parts.environment.tasks))
     metrics.update(rollout.env_metrics)
+    if cfg.grpo.max_rollout_turns > 1:
+        metrics.update(multi_turn_metrics(rollout.samples, rollout.rewards))
     for kind in ("prev_logprobs", "reference_logprobs"):
         metrics[f"performance/forward_passes/{kind}"] = float(passes_after[kind] - passes_before[kind])
     return metrics

@@ -61,6 +61,28 @@ def check_environments(specs: dict[str, EnvSpec], datasets: dict[str, list[Promp
         warnings.warn(f"env: no prompt has task {unused}; their environment actors will sit idle", RuntimeWarning, stacklevel=2)
 
 
+def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[str]:
+    """``grpo.max_rollout_turns`` and the environments' kind disagree: the setting (or the env's ``step``) has no effect."""
+    from nemo_like.environments.interface import EnvironmentInterface
+    from nemo_like.environments.registry import import_environment_class
+
+    turns = cfg.grpo.max_rollout_turns
+    lines = []
+    for task, spec in specs.items():
+        multi = import_environment_class(spec.class_path, f"env.{task}").step is not EnvironmentInterface.step
+        if multi and turns == 1:
+            lines.append(
+                f"env.{task} is a multi-turn environment (it overrides step) but grpo.max_rollout_turns=1: the run scores "
+                "single responses with its score(); set grpo.max_rollout_turns > 1 to use its turns"
+            )
+        elif not multi and turns > 1:
+            lines.append(
+                f"grpo.max_rollout_turns={turns} has no effect for env.{task}: it is single-turn (no step override), so its "
+                "samples end after one turn"
+            )
+    return lines
+
+
 def load_validation_prompts(cfg: MasterConfig, tokenizer) -> list[PromptRecord]:
     """The first ``grpo.max_val_samples`` validation prompts (training validation and ``nemo-like eval``)."""
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
@@ -96,6 +118,8 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
     val = load_validation_prompts(cfg, tokenizer)
     check_environments(env_specs, {"train": train, "validation": val})
+    for line in multi_turn_warnings(cfg, env_specs):
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
     loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
     plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
     mode = init_ray(cfg.cluster)

@@ -71,6 +71,14 @@ class GRPOConfig(Section):
     num_generations_per_prompt: Int = Field(8, gt=0, description="Samples per prompt (the group size G).")
     max_num_steps: Int = Field(50, ge=0, description="Training steps to run.")
     max_num_epochs: Int = Field(100, gt=0, description="Passes over the training prompts before stopping.")
+    max_rollout_turns: Int = Field(
+        1,
+        gt=0,
+        description="Model turns per sample (multi-turn / tool-using environments, docs/guides/multi-turn.md): generate, "
+        "environment step, append its observation, generate again, until the environment terminates the sample, this many "
+        "turns are done, or policy.max_total_sequence_length is reached (prompt + every turn + every observation; each turn "
+        "samples at most policy.generation.max_new_tokens). 1: single-turn (the environment's score()).",
+    )
     val_period: Int = Field(10, ge=0, description="Validate every this many steps (0: only at start/end).")
     val_at_start: bool = Field(True, description="Validate before the first step (the step-0 value).")
     val_at_end: bool = Field(True, description="Validate after the last step.")
@@ -582,6 +590,8 @@ class MasterConfig(BaseModel):
             )
         if self.grpo.reward_shaping.enabled:
             self._check_reward_shaping()
+        if self.grpo.max_rollout_turns > 1:
+            self._check_multi_turn()
         if self.grpo.async_grpo.enabled:
             self._check_async()
         if self.loss_fn.aggregation == "seq-mean-token-sum-norm" and self.loss_fn.loss_aggregation_normalizer is None:
@@ -612,6 +622,21 @@ class MasterConfig(BaseModel):
             raise ValueError(
                 f"grpo.reward_shaping.overlong_buffer_length={shaping.overlong_buffer_length} is larger than the response budget "
                 f"{budget_key}={budget}; lower it to at most {budget}"
+            )
+
+    def _check_multi_turn(self) -> None:
+        turns = self.grpo.max_rollout_turns
+        if self.grpo.reward_shaping.enabled and not self.grpo.reward_shaping.max_response_length:
+            raise ValueError(
+                f"grpo.reward_shaping.enabled=true with grpo.max_rollout_turns={turns}: the overlong penalty would measure the "
+                "sampled tokens of all turns against one turn's policy.generation.max_new_tokens; set "
+                "grpo.reward_shaping.max_response_length to the sampled-token budget of a whole sample"
+            )
+        if self.policy.max_total_sequence_length <= self.policy.generation.max_new_tokens:
+            raise ValueError(
+                f"grpo.max_rollout_turns={turns} needs room for more than one turn: policy.max_total_sequence_length "
+                f"({self.policy.max_total_sequence_length}) must exceed policy.generation.max_new_tokens "
+                f"({self.policy.generation.max_new_tokens}) plus the prompt"
             )
 
     def _check_async(self) -> None:

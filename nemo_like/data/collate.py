@@ -1,7 +1,8 @@
 """Turn generated samples into the ``[B, S]`` training batch.
 
 Layout per row: prompt tokens then response tokens, right-padded. ``token_mask`` is 1 on response
-tokens (the stop token included) and 0 on the prompt, padding and position 0; per-token tensors
+tokens the policy sampled (the stop token of every turn included) and 0 on the prompt, on multi-turn
+observation tokens (``GeneratedSample.response_mask``), padding and position 0; per-token tensors
 (``generation_logprobs``, ``advantages``, ...) hold at column t the value for token t.
 """
 
@@ -24,7 +25,7 @@ def collate_samples(samples: list[GeneratedSample], pad_token_id: int) -> dict[s
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         attention_mask[i, : p + r] = 1
-        token_mask[i, p : p + r] = 1.0
+        token_mask[i, p : p + r] = 1.0 if s.response_mask is None else torch.tensor(s.response_mask, dtype=torch.float32)
         generation_logprobs[i, p : p + r] = torch.tensor(s.response_logprobs)
     token_mask[:, 0] = 0.0
     return {

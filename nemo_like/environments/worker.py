@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_like.distributed.worker_group import Reinitializable, RoleResources, WorkerResources
+from nemo_like.environments.interface import EnvironmentStep
 from nemo_like.environments.registry import EnvSpec, import_environment_class
 
 #: CPU reserved per environment actor (they mostly wait; the math verifier's process runs beside it).
@@ -41,10 +42,37 @@ class EnvironmentWorker(Reinitializable):
             raise ValueError(f"environment '{self.task}' returned non-finite rewards for responses {bad[:10]}")
         return rewards, {k: float(v) for k, v in self.env.metrics().items()}
 
+    def step(
+        self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]
+    ) -> tuple[list[EnvironmentStep], dict[str, float]]:
+        """One environment turn for each conversation (multi-turn rollouts), checked, with the env's counters."""
+        steps = list(self.env.step(message_logs, metadata))
+        if len(steps) != len(message_logs):
+            raise ValueError(f"environment '{self.task}' step returned {len(steps)} steps for {len(message_logs)} conversations")
+        for i, step in enumerate(steps):
+            check_step(step, f"environment '{self.task}' step, conversation {i}")
+        return steps, {k: float(v) for k, v in self.env.metrics().items()}
+
     def close(self) -> None:
         close = getattr(self.env, "close", None)
         if callable(close):
             close()
+
+
+def check_step(step: Any, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``step`` is a well-formed :class:`EnvironmentStep`."""
+    if not isinstance(step, EnvironmentStep):
+        raise ValueError(f"{where}: expected an EnvironmentStep, got {type(step).__name__}")
+    if not isinstance(step.reward, (int, float)) or not math.isfinite(step.reward):
+        raise ValueError(f"{where}: reward must be a finite number, got {step.reward!r}")
+    obs = step.observation
+    if obs is not None and not (isinstance(obs, dict) and isinstance(obs.get("role"), str) and isinstance(obs.get("content"), str)):
+        raise ValueError(f"{where}: observation must be None or {{'role': str, 'content': str}}, got {obs!r}")
+    if step.metadata is not None and not isinstance(step.metadata, dict):
+        raise ValueError(f"{where}: metadata must be None or a dict, got {type(step.metadata).__name__}")
+    stops = step.stop_strings
+    if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
+        raise ValueError(f"{where}: stop_strings must be None or a list of non-empty strings, got {stops!r}")
 
 
 @dataclass

@@ -18,6 +18,7 @@ import ray
 import torch
 
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerFailure, WorkerResources, get_with_context
+from nemo_like.experience.multi_turn import multi_turn_settings
 from nemo_like.experience.replay_buffer import ReplayBufferActor, TrajectoryGroup, trajectory_ages
 from nemo_like.experience.rollouts import Rollout
 from nemo_like.experience.trajectory_collector import GenerationStats, TrajectoryCollector
@@ -128,6 +129,7 @@ class AsyncRollouts:
                 next_target=restored["next_target"] if restored is not None else last_step + 1,
                 max_num_epochs=cfg.grpo.max_num_epochs,
                 generation_version=parts.generation.weight_version,
+                multi_turn=multi_turn_settings(cfg, parts.tokenizer),
             ),
             timeout,
             max_concurrency=4,

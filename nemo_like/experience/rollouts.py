@@ -12,6 +12,7 @@ from nemo_like.data.prompts import PromptRecord
 from nemo_like.distributed.worker_group import get_with_context
 from nemo_like.environments.registry import route_by_task
 from nemo_like.environments.worker import EnvironmentHandles
+from nemo_like.experience.multi_turn import MultiTurnSettings, ray_stepper, run_multi_turn
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams
 
 
@@ -28,7 +29,8 @@ class Rollout:
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        return torch.tensor([len(s.response_ids) for s in self.samples], dtype=torch.float32)
+        """Tokens the policy sampled per sample (multi-turn: every turn's, observation tokens excluded)."""
+        return torch.tensor([s.num_sampled_tokens for s in self.samples], dtype=torch.float32)
 
     @property
     def truncated(self) -> torch.Tensor:
@@ -116,8 +118,13 @@ def collect_rollout(
     params: SamplingParams,
     seed: int,
     timings: dict[str, float] | None = None,
+    multi_turn: MultiTurnSettings | None = None,
 ) -> Rollout:
-    """Generate and score one step's samples; fills ``timings['generation'|'reward']`` if given."""
+    """Generate and score one step's samples; fills ``timings['generation'|'reward']`` if given.
+    With ``multi_turn`` settings each sample runs the turn loop of :mod:`nemo_like.experience.multi_turn`
+    (its reward: the sum of its environment steps' rewards; ``reward`` timing: the environment steps)."""
+    if multi_turn is not None:
+        return collect_multi_turn_rollout(generation, envs, tokenizer, prompts, num_generations, params, seed, timings, multi_turn)
     t0 = time.perf_counter()
     expanded, group_ids, samples, texts = generate_rollout(generation, tokenizer, prompts, num_generations, params, seed)
     t1 = time.perf_counter()
@@ -126,3 +133,25 @@ def collect_rollout(
         timings["generation"] = t1 - t0
         timings["reward"] = time.perf_counter() - t1
     return Rollout(expanded, group_ids, samples, texts, scores.rewards, scores.metrics)
+
+
+def collect_multi_turn_rollout(
+    generation: GenerationInterface,
+    envs: EnvironmentHandles,
+    tokenizer,
+    prompts: list[PromptRecord],
+    num_generations: int,
+    params: SamplingParams,
+    seed: int,
+    timings: dict[str, float] | None,
+    settings: MultiTurnSettings,
+) -> Rollout:
+    """:func:`collect_rollout` for multi-turn runs: every sample runs its turns against its task's environment actors."""
+    expanded = [p for p in prompts for _ in range(num_generations)]
+    group_ids = torch.arange(len(prompts)).repeat_interleave(num_generations)
+    result = run_multi_turn(generation, ray_stepper(envs), tokenizer, expanded, params, seed, settings)
+    if timings is not None:
+        timings["generation"] = result.generation_seconds
+        timings["reward"] = result.env_seconds
+    metrics = {**result.env_metrics, "multi_turn/env_seconds": result.env_seconds}
+    return Rollout(expanded, group_ids, result.samples, result.texts, result.rewards, metrics)

@@ -27,6 +27,7 @@ import ray
 
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
 from nemo_like.environments.worker import EnvironmentHandles
+from nemo_like.experience.multi_turn import MultiTurnSettings
 from nemo_like.experience.pacing import StalenessPacer
 from nemo_like.experience.replay_buffer import TrajectoryGroup
 from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, rollout_seed
@@ -106,6 +107,7 @@ class TrajectoryCollector:
         next_target: int,
         max_num_epochs: int,
         generation_version: int,
+        multi_turn: MultiTurnSettings | None = None,
     ) -> None:
         self.generation = ActorHandles(generation_workers)
         self.environment = environments
@@ -120,6 +122,7 @@ class TrajectoryCollector:
         self.pacer = StalenessPacer(max_age, last_step, next_target)
         self.max_num_epochs = max_num_epochs
         self.version = generation_version
+        self.multi_turn = multi_turn  # every turn of a batch's samples runs inside the batch: a checkpoint never splits one
         self.cond = threading.Condition()
         self.pause_reasons: set[str] = set()
         self.paused = False
@@ -186,6 +189,7 @@ class TrajectoryCollector:
             self.params,
             seed=rollout_seed(self.seed, target),
             timings=timings,
+            multi_turn=self.multi_turn,
         )
         ray.get(self.buffer.push.remote(split_into_groups(rollout, target)))
         with self.cond:

@@ -35,7 +35,13 @@ def sampling_params(cfg: Any, greedy: bool = False) -> SamplingParams:
 class GeneratedSample:
     """One response. ``response_logprobs[i]`` = log p(response_ids[i] | prompt, response_ids[:i])
     under the processed distribution the token was sampled from (temperature, then top-k / top-p,
-    renormalised over the kept tokens) of the weights that generated it."""
+    renormalised over the kept tokens) of the weights that generated it.
+
+    A multi-turn sample (:mod:`nemo_like.experience.multi_turn`) is one such row too: ``response_ids``
+    holds everything after the prompt (each turn's sampled ids and each observation's ids, in order),
+    ``response_mask[i]`` is 1 where the policy sampled ``response_ids[i]`` and 0 on observation tokens
+    (whose logprobs are 0), and ``messages`` the turns as chat messages. ``response_mask=None`` means
+    every response token was sampled (single-turn)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -43,6 +49,20 @@ class GeneratedSample:
     truncated: bool  # hit max_new_tokens without a stop token
     weight_version: int  # the weights the sequence started with (the oldest that produced any of its tokens)
     final_weight_version: int | None = None  # the weights of its last token (differs after an in-flight refit)
+    response_mask: list[int] | None = None  # multi-turn: 1 = sampled by the policy, 0 = observation token
+    num_turns: int = 1  # model turns in the sample
+    length_truncated: bool = False  # multi-turn: ended because policy.max_total_sequence_length left no room
+    messages: list[dict[str, str]] | None = None  # multi-turn: the turns after the prompt (assistant + observations)
+
+    @property
+    def sampled_mask(self) -> list[int]:
+        """1 per response token the policy sampled (trained), 0 per observation token."""
+        return [1] * len(self.response_ids) if self.response_mask is None else list(self.response_mask)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """How many response tokens the policy sampled (observation tokens excluded)."""
+        return len(self.response_ids) if self.response_mask is None else sum(self.response_mask)
 
     @property
     def refitted_mid_sequence(self) -> bool:

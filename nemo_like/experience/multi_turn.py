@@ -1,0 +1,343 @@
+"""Multi-turn rollouts, token-in / token-out: generate -> environment step -> observation -> generate again.
+
+Each sample is one growing token sequence, built only by appending:
+
+* the prompt's ids (as the data tokenised them),
+* each model turn's **sampled ids**, exactly as the engine returned them (never decoded and re-encoded),
+  the end-of-turn token included; their generation logprobs are kept one per token,
+* each observation's ids: the chat template's rendering of ``conversation + observation`` (with the
+  next assistant generation prompt) minus the rendering the sequence already holds, tokenised once.
+
+The result is one :class:`~nemo_like.models.generation.interface.GeneratedSample` per sample whose
+``response_ids`` are everything after the prompt and whose ``response_mask`` is 1 on sampled ids and 0
+on observation ids, so the training batch, the loss and the logprob passes need no special case.
+
+The template must not rewrite what the sequence already holds (e.g. drop the reasoning of earlier
+assistant turns): the loop checks that every rendering extends the text the sequence encodes and raises
+:class:`TemplateRewriteError` otherwise, rather than training on a context the model never saw.
+
+Turns are batched across the samples still running; a sample ends when its environment says
+``terminated``, when ``max_turns`` model turns are done, when a turn ends without a stop (hit its token
+budget: ``truncated``), or when ``max_total_length`` leaves no room for another token
+(``truncated`` and ``length_truncated``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import torch
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.data.prompts import PromptRecord
+from nemo_like.environments.interface import EnvironmentStep
+from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams
+
+
+class TemplateRewriteError(ConfigError):
+    """The chat template renders the conversation so far differently from the tokens already in the sequence."""
+
+
+class EnvironmentStepper(Protocol):
+    """Runs one environment turn for a batch of conversations: ``(steps, counters)``."""
+
+    def __call__(
+        self, prompts: list[PromptRecord], message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]
+    ) -> tuple[list[EnvironmentStep], dict[str, float]]: ...
+
+
+@dataclass
+class Conversation:
+    """One sample's state during the turn loop."""
+
+    prompt: PromptRecord
+    messages: list[dict[str, str]]  # the whole conversation (prompt messages first)
+    metadata: dict[str, Any]
+    text: str  # the text the sequence's ids encode (the template's rendering, plus sampled text)
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    weight_version: int | None = None
+    final_weight_version: int | None = None
+    stop_strings: list[str] | None = None
+    done: bool = False
+    truncated: bool = False
+    length_truncated: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt.prompt_token_ids) + len(self.response_ids)
+
+
+@dataclass
+class MultiTurnResult:
+    """The finished samples (prompt order), their total rewards, decoded responses and counters."""
+
+    samples: list[GeneratedSample]
+    rewards: torch.Tensor  # [B] sum of each sample's step rewards
+    texts: list[str]  # everything after the prompt, decoded with special tokens (what was trained on)
+    env_metrics: dict[str, float]
+    generation_seconds: float
+    env_seconds: float
+
+
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    """What the turn loop needs from the recipe (picklable: the async trajectory collector gets it too)."""
+
+    max_turns: int  # grpo.max_rollout_turns
+    max_total_length: int  # policy.max_total_sequence_length
+    eos_token_ids: tuple[int, ...]  # the tokenizer's end-of-turn token(s): not part of a turn's message text
+
+
+def multi_turn_settings(cfg: Any, tokenizer) -> MultiTurnSettings | None:
+    """The run's settings, or ``None`` for single-turn runs (``grpo.max_rollout_turns: 1``, today's path exactly)."""
+    if cfg.grpo.max_rollout_turns <= 1:
+        return None
+    eos = tokenizer.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    return MultiTurnSettings(cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length, eos_ids)
+
+
+def multi_turn_metrics(samples: Sequence[GeneratedSample], rewards: torch.Tensor, prefix: str = "multi_turn") -> dict[str, float]:
+    """Turns per sample (mean, max), the fraction cut by the length limit, and the mean reward of the
+    samples with each turn count (``<prefix>/reward_turns_<k>``)."""
+    turns = torch.tensor([s.num_turns for s in samples], dtype=torch.float32)
+    metrics = {
+        f"{prefix}/turns_per_sample_mean": turns.mean().item(),
+        f"{prefix}/turns_per_sample_max": turns.max().item(),
+        f"{prefix}/truncated_by_length_fraction": sum(s.length_truncated for s in samples) / len(samples),
+        f"{prefix}/observation_tokens_per_sample": sum(len(s.response_ids) - s.num_sampled_tokens for s in samples) / len(samples),
+    }
+    for k in sorted({int(t) for t in turns.tolist()}):
+        metrics[f"{prefix}/reward_turns_{k}"] = rewards[turns == k].mean().item()
+        metrics[f"{prefix}/fraction_turns_{k}"] = (turns == k).float().mean().item()
+    return metrics
+
+
+def render(tokenizer, messages: list[dict[str, str]]) -> str:
+    """The chat template's text of ``messages`` followed by the assistant generation prompt."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def decode_exact(tokenizer, ids: list[int]) -> str:
+    """The text of ``ids`` with every token (special ones included), without whitespace clean-up."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def start_conversation(tokenizer, prompt: PromptRecord) -> Conversation:
+    """The state before the first turn; the prompt's ids must be the template's rendering of its messages."""
+    text = render(tokenizer, prompt.messages)
+    if tokenizer(text, add_special_tokens=False)["input_ids"] != list(prompt.prompt_token_ids):
+        raise TemplateRewriteError(
+            f"prompt {prompt.id}: its token ids are not the chat template's rendering of its messages; multi-turn rollouts "
+            "append observations to the template's text, so the prompt must be tokenised by the same template"
+        )
+    return Conversation(prompt, [dict(m) for m in prompt.messages], dict(prompt.metadata), text)
+
+
+def observation_tokens(tokenizer, conv: Conversation, observation: dict[str, str] | None) -> tuple[str, list[int]]:
+    """``(text, ids)`` appended after the model's turn: the template's rendering of the conversation plus
+    ``observation`` (and the next generation prompt) minus the text the sequence already holds.
+
+    Raises :class:`TemplateRewriteError` when that rendering does not start with the sequence's text."""
+    messages = conv.messages + ([observation] if observation is not None else [])
+    full = render(tokenizer, messages)
+    if not full.startswith(conv.text):
+        at = next((i for i, (a, b) in enumerate(zip(full, conv.text)) if a != b), min(len(full), len(conv.text)))
+        raise TemplateRewriteError(
+            f"prompt {conv.prompt.id}, after model turn {conv.turns}: the chat template rewrites the conversation so far "
+            f"(its rendering differs from the tokens already generated at character {at}: template has "
+            f"{full[max(0, at - 20) : at + 20]!r}, sequence has {conv.text[max(0, at - 20) : at + 20]!r}). Multi-turn training "
+            "needs a template whose rendering of earlier turns never changes (e.g. one that does not strip earlier reasoning); "
+            "set policy.tokenizer_name to a tokenizer with such a template"
+        )
+    text = full[len(conv.text) :]
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stop_string_cut(tokenizer, ids: list[int], stop_strings: Sequence[str]) -> int | None:
+    """Length of the shortest prefix of ``ids`` whose text contains a stop string (whole tokens kept), or ``None``."""
+    text = ""
+    for i in range(len(ids)):
+        text = decode_exact(tokenizer, ids[: i + 1])
+        if any(s in text for s in stop_strings):
+            return i + 1
+    return None
+
+
+def turn_seed(seed: int, turn: int, group: int) -> int:
+    """The first turn's first call uses ``seed`` itself (one turn reproduces a single-turn rollout); later calls a hash."""
+    if turn == 0 and group == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{turn}/{group}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids: set[int]) -> None:
+    """Append one model turn's sampled ids, logprobs and message (its stop strings applied)."""
+    ids, logprobs, truncated = list(sample.response_ids), list(sample.response_logprobs), sample.truncated
+    if conv.stop_strings:
+        cut = stop_string_cut(tokenizer, ids, conv.stop_strings)
+        if cut is not None:
+            ids, logprobs, truncated = ids[:cut], logprobs[:cut], False
+    conv.response_ids += ids
+    conv.response_mask += [1] * len(ids)
+    conv.response_logprobs += logprobs
+    conv.text += decode_exact(tokenizer, ids)
+    # The message holds the turn's text without the template's end-of-turn token (the template adds it back).
+    content_ids = ids[:-1] if ids and not truncated and ids[-1] in eos_ids else ids
+    conv.messages.append({"role": "assistant", "content": decode_exact(tokenizer, content_ids)})
+    conv.turns += 1
+    conv.weight_version = sample.weight_version if conv.weight_version is None else min(conv.weight_version, sample.weight_version)
+    conv.final_weight_version = sample.final_weight_version if sample.final_weight_version is not None else sample.weight_version
+    conv.truncated = truncated
+
+
+def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: bool, max_total_length: int) -> None:
+    """Add the step's reward and decide whether the sample goes on (appending the observation's ids) or ends."""
+    conv.reward += float(step.reward)
+    if step.metadata is not None:
+        conv.metadata = dict(step.metadata)
+    if step.terminated or last_turn or conv.truncated:
+        conv.done = True
+        return
+    text, ids = observation_tokens(tokenizer, conv, step.observation)
+    if conv.length + len(ids) >= max_total_length:  # no room for the observation and one more sampled token
+        conv.done = conv.truncated = conv.length_truncated = True
+        return
+    if step.observation is not None:
+        conv.messages.append(dict(step.observation))
+    conv.response_ids += ids
+    conv.response_mask += [0] * len(ids)
+    conv.response_logprobs += [0.0] * len(ids)
+    conv.text += text
+    conv.stop_strings = step.stop_strings
+
+
+def finished_sample(conv: Conversation) -> GeneratedSample:
+    """The conversation as one training row (its turns after the prompt as ``messages``)."""
+    return GeneratedSample(
+        prompt_ids=list(conv.prompt.prompt_token_ids),
+        response_ids=conv.response_ids,
+        response_logprobs=conv.response_logprobs,
+        truncated=conv.truncated,
+        weight_version=conv.weight_version if conv.weight_version is not None else 0,
+        final_weight_version=conv.final_weight_version,
+        response_mask=conv.response_mask,
+        num_turns=conv.turns,
+        length_truncated=conv.length_truncated,
+        messages=conv.messages[len(conv.prompt.messages) :],
+    )
+
+
+def generate_turn(
+    generation: GenerationInterface, active: list[Conversation], params: SamplingParams, seed: int, turn: int, max_total_length: int
+) -> list[GeneratedSample]:
+    """One model turn for every active conversation: each gets at most the tokens left before
+    ``max_total_length`` (samples with the same budget share one generate call)."""
+    by_budget: dict[int, list[int]] = defaultdict(list)
+    for index, conv in enumerate(active):
+        by_budget[min(params.max_new_tokens, max_total_length - conv.length)].append(index)
+    out: list[GeneratedSample | None] = [None] * len(active)
+    for group, (budget, rows) in enumerate(sorted(by_budget.items(), reverse=True)):
+        prompts = [active[i].prompt.prompt_token_ids + active[i].response_ids for i in rows]
+        samples = generation.generate(prompts, replace(params, max_new_tokens=budget), turn_seed(seed, turn, group))
+        for i, sample in zip(rows, samples):
+            out[i] = sample
+    return out  # type: ignore[return-value]
+
+
+def run_multi_turn(
+    generation: GenerationInterface,
+    step_environments: EnvironmentStepper,
+    tokenizer,
+    prompts: list[PromptRecord],
+    params: SamplingParams,
+    seed: int,
+    settings: MultiTurnSettings,
+) -> MultiTurnResult:
+    """Run every sample (one per entry of ``prompts``) to its end; see the module docstring."""
+    max_turns, max_total_length = settings.max_turns, settings.max_total_length
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    convs = [start_conversation(tokenizer, p) for p in prompts]
+    for conv in convs:
+        if conv.length >= max_total_length:
+            raise ConfigError(
+                f"prompt {conv.prompt.id} has {conv.length} tokens, no room under policy.max_total_sequence_length={max_total_length}"
+            )
+    eos = set(settings.eos_token_ids)
+    counters: dict[str, float] = {}
+    gen_s = env_s = 0.0
+    for turn in range(max_turns):
+        active = [c for c in convs if not c.done]
+        if not active:
+            break
+        start = time.perf_counter()
+        samples = generate_turn(generation, active, params, seed, turn, max_total_length)
+        for conv, sample in zip(active, samples):
+            append_turn(tokenizer, conv, sample, eos)
+            if conv.truncated and conv.length >= max_total_length:
+                conv.length_truncated = True
+        gen_s += time.perf_counter() - start
+        start = time.perf_counter()
+        steps, step_counters = step_environments([c.prompt for c in active], [c.messages for c in active], [c.metadata for c in active])
+        env_s += time.perf_counter() - start
+        for name, value in step_counters.items():
+            counters[name] = counters.get(name, 0.0) + value
+        for conv, step in zip(active, steps):
+            apply_step(tokenizer, conv, step, turn == max_turns - 1, max_total_length)
+    samples = [finished_sample(c) for c in convs]
+    texts = [decode_exact(tokenizer, s.response_ids) for s in samples]
+    rewards = torch.tensor([c.reward for c in convs], dtype=torch.float32)
+    return MultiTurnResult(samples, rewards, texts, counters, gen_s, env_s)
+
+
+def local_stepper(envs: dict[str, Any]) -> EnvironmentStepper:
+    """Step in-process environment objects by task (tests and single-process tools); counters as ``env/<task>/<name>``."""
+    from nemo_like.environments.registry import route_by_task
+
+    def step(prompts, message_logs, metadata):
+        steps: list[EnvironmentStep | None] = [None] * len(prompts)
+        counters: dict[str, float] = {}
+        for task, rows in route_by_task([p.metadata for p in prompts], list(envs)).items():
+            for row, result in zip(rows, envs[task].step([message_logs[i] for i in rows], [metadata[i] for i in rows])):
+                steps[row] = result
+            for name, value in envs[task].metrics().items():
+                counters[f"env/{task}/{name}"] = counters.get(f"env/{task}/{name}", 0.0) + float(value)
+        return steps, counters
+
+    return step
+
+
+def ray_stepper(envs: Any) -> Callable:
+    """Step the run's environment actors (:class:`~nemo_like.environments.worker.EnvironmentHandles`): samples
+    routed by their prompt's task, each task's samples sharded over its actors, all concurrently."""
+    from nemo_like.distributed.worker_group import get_with_context
+    from nemo_like.environments.registry import route_by_task
+    from nemo_like.experience.rollouts import shard
+
+    def step(prompts, message_logs, metadata):
+        calls, refs = [], []
+        for task, indices in route_by_task([p.metadata for p in prompts], envs.tasks).items():
+            for worker, rows in zip(envs.workers[task], shard(indices, len(envs.workers[task]))):
+                calls.append((task, rows))
+                refs.append(worker.step.remote([message_logs[i] for i in rows], [metadata[i] for i in rows]))
+        steps: list[EnvironmentStep | None] = [None] * len(prompts)
+        counters: dict[str, float] = {}
+        for (task, rows), (shard_steps, shard_counters) in zip(calls, get_with_context(refs, "environment step")):
+            for row, result in zip(rows, shard_steps):
+                steps[row] = result
+            for name, value in shard_counters.items():
+                counters[f"env/{task}/{name}"] = counters.get(f"env/{task}/{name}", 0.0) + value
+        return steps, counters
+
+    return step

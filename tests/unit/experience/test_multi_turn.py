@@ -1,0 +1,216 @@
+"""Multi-turn rollouts with the real tiny model, tokenizer and HF generation worker, in-process (no Ray).
+
+Token exactness is checked against what the engine actually returned (every generate call is recorded)
+and against hand-written Qwen template text; logprob alignment against a fresh forward pass."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict
+
+import pytest
+import torch
+from custom_envs import CountdownEnv
+
+from nemo_like.config.schema import EMBEDDED_MODEL, MasterConfig
+from nemo_like.data.collate import collate_samples
+from nemo_like.data.prompts import build_prompt_dataset
+from nemo_like.environments.arithmetic import ArithmeticEnvironment
+from nemo_like.environments.interface import EnvironmentStep
+from nemo_like.environments.worker import check_step
+from nemo_like.experience.multi_turn import (
+    MultiTurnSettings,
+    TemplateRewriteError,
+    local_stepper,
+    multi_turn_metrics,
+    run_multi_turn,
+    stop_string_cut,
+)
+from nemo_like.experience.replay_buffer import ReplayBuffer, ReplayBufferError, TrajectoryGroup
+from nemo_like.models.generation.hf_worker import HFGenerationWorker
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.loading import load_causal_lm, load_tokenizer
+from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs
+
+EOS = 2  # <|im_end|> of the tiny model's Qwen-style template
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(EMBEDDED_MODEL)
+
+
+@pytest.fixture(scope="module")
+def worker(tokenizer):
+    return HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 2, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    """Eight samples whose Countdown episodes last 1, 2 or 3 turns (``1 + answer % 3``)."""
+    records = build_prompt_dataset(MasterConfig().data, tokenizer, "train", 100)[:40]
+    by_length = [[r for r in records if r.metadata["answer"] % 3 == k] for k in range(3)]
+    return by_length[0][:2] + by_length[1][:3] + by_length[2][:3]
+
+
+class RecordingGeneration:
+    """The real HF worker behind the GenerationInterface; records every call's inputs and outputs.
+    ``refit_after_calls``: bump the weight version (same weights) after that many calls (in-flight-like)."""
+
+    def __init__(self, worker, refit_after_calls: int | None = None) -> None:
+        self.worker, self.calls, self.refit_after_calls = worker, [], refit_after_calls
+        self.worker.weight_version = 0
+        self.weight_version = 0
+
+    def generate(self, prompts, params, seed):
+        out = [GeneratedSample(**d) for d in self.worker.generate(prompts, asdict(params), seed)]
+        self.calls.append((copy.deepcopy(prompts), copy.deepcopy(out), params))
+        if self.refit_after_calls is not None and len(self.calls) == self.refit_after_calls:
+            self.worker.weight_version += 1
+        return out
+
+
+def run(worker, tokenizer, prompts, env, max_turns=3, max_total=128, max_new_tokens=6, seed=7, generation=None):
+    generation = generation or RecordingGeneration(worker)
+    settings = MultiTurnSettings(max_turns, max_total, (tokenizer.eos_token_id,))
+    result = run_multi_turn(
+        generation, local_stepper({"arithmetic": env}), tokenizer, prompts, SamplingParams(max_new_tokens=max_new_tokens), seed, settings
+    )
+    return result, generation
+
+
+def sampled_turns(generation: RecordingGeneration, prompt_ids: list[int]) -> list[tuple[list[int], GeneratedSample]]:
+    """Every (input, output) the engine produced for inputs that start with ``prompt_ids``."""
+    return [(p, s) for inputs, outs, _ in generation.calls for p, s in zip(inputs, outs) if p[: len(prompt_ids)] == prompt_ids]
+
+
+@pytest.fixture(scope="module")
+def three_turns(worker, tokenizer, prompts):
+    return run(worker, tokenizer, prompts, CountdownEnv(turns=3))
+
+
+def test_every_trained_sample_is_prompt_plus_sampled_plus_observation_ids(tokenizer, prompts, three_turns):
+    result, generation = three_turns
+    samples = result.samples
+    assert {s.num_turns for s in samples} >= {1, 2, 3}  # the data gives every episode length
+    batch = collate_samples(samples, tokenizer.pad_token_id)
+    model = load_causal_lm(EMBEDDED_MODEL).eval()
+    for row, (sample, prompt) in enumerate(zip(samples, prompts)):
+        # Walk the sequence turn by turn: each turn's input is the sequence so far (token in), its sampled
+        # ids are appended unchanged (token out), then the observation's ids as the template writes them.
+        expected, mask, logprobs = list(prompt.prompt_token_ids), [], []
+        for turn in range(sample.num_turns):
+            matches = [(p, s) for p, s in sampled_turns(generation, prompt.prompt_token_ids) if p == expected]
+            assert matches, f"sample {row} turn {turn}: no generate call saw the sequence so far"
+            out = matches[0][1]
+            if turn < sample.num_turns - 1 or not sample.truncated:  # each finished assistant turn ends with end-of-turn
+                assert out.response_ids[-1] == EOS and not out.truncated
+            expected += out.response_ids
+            mask += [1] * len(out.response_ids)
+            logprobs += out.response_logprobs
+            if turn < sample.num_turns - 1:
+                remaining = 1 + prompt.metadata["answer"] % 3 - (turn + 1)
+                obs_text = f"\n<|im_start|>tool\n{remaining} left<|im_end|>\n<|im_start|>assistant\n"  # hand-written Qwen markers
+                obs_ids = tokenizer(obs_text, add_special_tokens=False)["input_ids"]
+                expected += obs_ids
+                mask += [0] * len(obs_ids)
+                logprobs += [0.0] * len(obs_ids)
+        p = len(prompt.prompt_token_ids)
+        assert sample.prompt_ids + sample.response_ids == expected
+        assert sample.response_mask == mask and sample.response_logprobs == logprobs
+        n = len(expected)
+        assert batch["input_ids"][row, :n].tolist() == expected
+        assert batch["token_mask"][row, :n].tolist() == [0.0] * p + [float(m) for m in mask]
+        assert batch["token_mask"][row, n:].sum() == 0
+        eos_positions = [p + i for i, t in enumerate(sample.response_ids) if t == EOS and mask[i]]
+        assert len(eos_positions) == sample.num_turns - sample.truncated and all(batch["token_mask"][row, i] == 1 for i in eos_positions)
+        # The generation logprobs line up with the sampled tokens: a fresh forward pass over the whole
+        # multi-turn sequence gives the same value at every sampled position.
+        with torch.no_grad():
+            logits = model(torch.tensor([expected])).logits[:, :-1]
+        fresh = processed_token_logprobs(logits, torch.tensor([expected[1:]]), SamplingDistribution())[0]
+        sampled = torch.tensor(mask, dtype=torch.bool)
+        torch.testing.assert_close(batch["generation_logprobs"][row, p:n][sampled], fresh[p - 1 : n - 1][sampled], atol=2e-4, rtol=0)
+        assert torch.all(batch["generation_logprobs"][row, p:n][~sampled] == 0)
+    # The environment saw each turn's text (no end-of-turn token) and rewarded the final one.
+    turns = [s.messages for s in samples]
+    assert all(m["role"] in ("assistant", "tool") and "<|im_end|>" not in m["content"] for t in turns for m in t)
+    assert result.env_metrics == {"env/arithmetic/steps": float(sum(s.num_turns for s in samples))}
+    assert sum(s.num_turns > 1 and not s.truncated for s in samples) >= 3
+    metrics = multi_turn_metrics(samples, result.rewards)
+    assert metrics["multi_turn/turns_per_sample_max"] == 3.0
+    assert metrics["multi_turn/turns_per_sample_mean"] == sum(s.num_turns for s in samples) / len(samples)
+
+
+def test_each_turn_is_a_prefix_of_the_next_and_one_turn_is_the_single_turn_rollout(worker, tokenizer, prompts, three_turns):
+    runs = {2: run(worker, tokenizer, prompts, CountdownEnv(turns=3), max_turns=2)[0], 3: three_turns[0]}
+    # One turn of a single-turn environment (default step) = today's rollout.
+    arithmetic = ArithmeticEnvironment()
+    runs[1] = run(worker, tokenizer, prompts, arithmetic, max_turns=1)[0]
+    for k in (1, 2):
+        for short, long in zip(runs[k].samples, runs[k + 1].samples):
+            ids_k, ids_next = short.prompt_ids + short.response_ids, long.prompt_ids + long.response_ids
+            assert ids_next[: len(ids_k)] == ids_k
+            assert long.response_mask[: len(short.response_mask)] == short.response_mask
+    # One turn = today's single-turn rollout: the same sampled ids and the environment's score() as reward.
+    single = [GeneratedSample(**d) for d in worker.generate([p.prompt_token_ids for p in prompts], asdict(SamplingParams(6)), 7)]
+    assert [s.response_ids for s in runs[1].samples] == [s.response_ids for s in single]
+    texts = tokenizer.batch_decode([s.response_ids for s in single], skip_special_tokens=True)
+    assert runs[1].rewards.tolist() == arithmetic.score(texts, [p.metadata for p in prompts])
+
+
+def test_a_template_that_rewrites_earlier_turns_is_an_error_not_training_data(worker, tokenizer, prompts):
+    rewriting = copy.deepcopy(tokenizer)
+    # Like templates that drop earlier reasoning: assistant turns before the last user/tool message render empty.
+    rewriting.chat_template = (
+        "{% for message in messages %}{% if message['role'] == 'assistant' and not loop.last %}"
+        "{{ '<|im_start|>assistant\n<|im_end|>\n' }}{% else %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    with pytest.raises(TemplateRewriteError, match="rewrites the conversation so far"):
+        run(worker, rewriting, prompts[:4], CountdownEnv(turns=3), max_turns=3)
+
+
+def test_length_limit_truncates_and_counts(worker, tokenizer, prompts):
+    limit = max(len(p.prompt_token_ids) for p in prompts) + 12
+    result, _ = run(worker, tokenizer, prompts, CountdownEnv(turns=3), max_turns=3, max_total=limit)
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in result.samples]
+    assert max(lengths) <= limit
+    cut = [s for s in result.samples if s.length_truncated]
+    assert cut and all(s.truncated for s in cut)
+    assert all(s.response_mask[-1] == 1 for s in result.samples)  # a sample never ends on observation tokens
+    frac = multi_turn_metrics(result.samples, result.rewards)["multi_turn/truncated_by_length_fraction"]
+    assert frac == len(cut) / len(result.samples)
+
+
+def test_stop_strings_cut_at_a_token_boundary(tokenizer):
+    ids = tokenizer("12<x>34", add_special_tokens=False)["input_ids"]
+    cut = stop_string_cut(tokenizer, ids, ["<x>"])
+    assert tokenizer.decode(ids[:cut]) == "12<x>" and stop_string_cut(tokenizer, ids, ["zz"]) is None
+
+
+def test_a_sample_is_as_old_as_its_first_turn(worker, tokenizer, prompts):
+    # The weights change after the first generate call: samples with later turns keep the first turn's version.
+    generation = RecordingGeneration(worker, refit_after_calls=1)
+    result, _ = run(worker, tokenizer, prompts, CountdownEnv(turns=3), generation=generation)
+    later = [s for s in result.samples if s.num_turns > 1]
+    assert later and all(s.weight_version == 0 and s.final_weight_version == 1 for s in later)
+    # The buffer's staleness bound counts from there: trained at version 2 with bound 1 -> age 2, refused.
+    buffer = ReplayBuffer(groups_per_step=1, max_age=1)
+    buffer.push([TrajectoryGroup(1, prompts[0], later[:1], ["x"], [0.0])])
+    with pytest.raises(ReplayBufferError, match="ages 2..2"):
+        buffer.take(1, trainer_version=2)
+    worker.weight_version = 0
+
+
+def test_malformed_environment_steps_are_rejected_with_the_reason():
+    check_step(EnvironmentStep(1.0, False, {"role": "tool", "content": "x"}, {"a": 1}, ["</x>"]), "w")
+    for bad, reason in [
+        (EnvironmentStep(float("nan")), "finite"),
+        (EnvironmentStep(0.0, False, {"role": "tool"}), "observation"),
+        (EnvironmentStep(0.0, False, None, None, "</x>"), "stop_strings"),
+        ((0.0, True), "EnvironmentStep"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            check_step(bad, "env 'x' step")
