@@ -19,8 +19,11 @@ builders this reuses); what differs:
        assistant: 9716
 
    and direct answers (``assistant: 9716``) for the rest. A 1M-parameter model cannot multiply, so direct
-   answers are almost always wrong while the tool path is a copy task it learns well: the starting model
-   uses the tool on about ``--tool-fraction`` of samples, and RL can raise that share;
+   answers are almost always wrong while the tool path is a copy task it learns well. The first assistant
+   token is the decision (call or answer); it is trained on only part of the tool trajectories, so the
+   decisions the model sees choose the tool at ``--tool-rate`` while the copy skill trains on
+   ``--tool-fraction`` of the examples: the starting model calls the tool on about ``--tool-rate`` of
+   samples, and RL can raise that share;
 3. evaluation with HF ``generate`` and the real :class:`~nemo_like.environments.tools.environment.ToolEnvironment`
    in a two-turn driver loop (greedy and sampled at T=1.0), recorded in ``build_info.json``.
 
@@ -80,17 +83,30 @@ def trajectory(problem: dict[str, str], use_tool: bool) -> list[dict[str, str]]:
     return messages + [{"role": "assistant", "content": problem["answer"]}]
 
 
-def encode(tok: PreTrainedTokenizerFast, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def encode(tok: PreTrainedTokenizerFast, messages: list[dict[str, str]], train_decision: bool = True) -> tuple[list[int], list[int]]:
     """Token ids of the conversation turn by turn (each turn tokenised once), and the loss mask:
-    1 on assistant contents and their ``<|im_end|>``, 0 elsewhere."""
+    1 on assistant contents and their ``<|im_end|>``, 0 elsewhere; with ``train_decision=False`` also 0 on the
+    first assistant token (the choice between calling the tool and answering)."""
     ids: list[int] = []
     mask: list[int] = []
     for message in messages:
         header = tok.encode(f"<|im_start|>{message['role']}\n", add_special_tokens=False)
         body = tok.encode(message["content"], add_special_tokens=False) + [tok.eos_token_id]
+        body_mask = [1 if message["role"] == "assistant" else 0] * len(body)
+        if message["role"] == "assistant" and not train_decision and 1 not in mask:
+            body_mask[0] = 0
         ids += header + body
-        mask += [0] * len(header) + [1 if message["role"] == "assistant" else 0] * len(body)
+        mask += [0] * len(header) + body_mask
     return ids, mask
+
+
+def decision_keep_probability(tool_fraction: float, tool_rate: float) -> float:
+    """Share of tool trajectories whose first token (the decision) is trained, so that the trained decisions
+    choose the tool at ``tool_rate`` while the copy skill sees ``tool_fraction`` of the examples:
+    ``f q / (f q + 1 - f) = r``."""
+    if tool_rate >= tool_fraction:
+        return 1.0
+    return tool_rate * (1 - tool_fraction) / (tool_fraction * (1 - tool_rate))
 
 
 def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -121,12 +137,18 @@ def sft(model: Qwen2ForCausalLM, tok: PreTrainedTokenizerFast, args: argparse.Na
     """Supervised warm start on the mix (see the module docstring), seeded and single-process."""
     problems = make_multiply_problems(args.sft_steps * args.batch_size, args.seed, "train")
     rng = random.Random(f"tool-mix/{args.seed}")
+    keep = decision_keep_probability(args.tool_fraction, args.tool_rate)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
     model.train()
     start = time.perf_counter()
     for step in range(args.sft_steps):
         chunk = problems[step * args.batch_size : (step + 1) * args.batch_size]
-        batch, labels = collate([encode(tok, trajectory(p, rng.random() < args.tool_fraction)) for p in chunk], tok.pad_token_id)
+        examples = []
+        for problem in chunk:
+            use_tool = rng.random() < args.tool_fraction
+            train_decision = not use_tool or rng.random() < keep
+            examples.append(encode(tok, trajectory(problem, use_tool), train_decision))
+        batch, labels = collate(examples, tok.pad_token_id)
         for group in optim.param_groups:
             group["lr"] = base.lr_at(step, args.sft_steps, args.lr, args.warmup)
         logits = model(**batch).logits[:, :-1]
@@ -198,8 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (the defaults build the shipped model)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--sft-steps", type=int, default=600)
-    p.add_argument("--tool-fraction", type=float, default=0.25, help="share of warm-start examples that use the tool")
+    p.add_argument("--sft-steps", type=int, default=400)
+    p.add_argument("--tool-fraction", type=float, default=0.6, help="share of warm-start examples that use the tool (copy skill)")
+    p.add_argument("--tool-rate", type=float, default=0.25, help="share of trained first-token decisions that call the tool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)

@@ -37,6 +37,7 @@ COUNTERS = (
     "tool_memory_errors",
     "malformed_calls",
     "unknown_tools",
+    "samples",
     "samples_using_tool",
     "final_answers",
     "correct",
@@ -116,6 +117,8 @@ class ToolEnvironment(EnvironmentInterface):
         steps = []
         for log, meta in zip(message_logs, metadata):
             text = _strip_end_markers(log[-1]["content"]) if log else ""
+            if sum(m.get("role") == "assistant" for m in log) <= 1:
+                self._counts["samples"] += 1  # the sample's first turn: share using a tool = samples_using_tool / samples
             if not has_tool_call(text):
                 steps.append(EnvironmentStep(self._final(text, meta), terminated=True))
                 continue

@@ -136,6 +136,7 @@ def test_tool_env_step_tool_turns_final_answers_and_counters() -> None:
         "tool_memory_errors": 0.0,
         "malformed_calls": 1.0,
         "unknown_tools": 1.0,
+        "samples": 6.0,  # first turns: all logs but 1 and 5
         "samples_using_tool": 4.0,  # the first call of logs 0, 4, 6, 7 (logs 1 and 5 called earlier)
         "final_answers": 3.0,
         "correct": 2.0,
