@@ -65,7 +65,8 @@ class CountdownEnv(EnvironmentInterface):
     """A deterministic multi-turn environment: a sample's episode lasts ``1 + answer % turns`` model turns.
     Each non-final step answers with a ``{"role": observation_role, "content": "<n> left"}`` observation
     (and ``stop_strings`` for the next turn, when set); the final step rewards 1.0 when the gold answer
-    appears in the model's last message. ``metadata["steps"]`` counts the steps taken; counters: steps."""
+    appears in the model's last message. ``metadata["steps"]`` counts the steps taken; counters: steps;
+    per-step metrics: ``observations`` (1 per observation given)."""
 
     def __init__(self, turns: int = 3, observation_role: str = "tool", stop_strings: list[str] | None = None) -> None:
         self.turns, self.role, self.stop_strings = turns, observation_role, stop_strings
@@ -87,7 +88,7 @@ class CountdownEnv(EnvironmentInterface):
                 out.append(EnvironmentStep(self.score([log[-1]["content"]], [meta])[0], True, None, new_meta))
             else:
                 obs = {"role": self.role, "content": f"{remaining} left"}
-                out.append(EnvironmentStep(0.0, False, obs, new_meta, self.stop_strings))
+                out.append(EnvironmentStep(0.0, False, obs, new_meta, self.stop_strings, {"observations": 1.0}))
         return out
 
     def metrics(self) -> dict[str, float]:

@@ -141,6 +141,7 @@ def turn_columns(rollout: Rollout) -> dict[str, list]:
         "turns": [s.messages for s in rollout.samples],
         "response_mask": [s.sampled_mask for s in rollout.samples],
         "length_truncated": [s.length_truncated for s in rollout.samples],
+        "step_metrics": [s.step_metrics for s in rollout.samples],
     }
 
 

@@ -182,6 +182,11 @@ class GenerationConfig(Section):
         "truncated, renormalised distribution (processed logprobs, docs/guides/generation.md).",
     )
     stop_token_ids: list[Int] | None = Field(None, description="Extra stop tokens besides the tokenizer's eos.")
+    stop_strings: list[str] | None = Field(
+        None,
+        description="Stop strings: a response keeps its sampled tokens up to the first token whose text completes one (whole "
+        "tokens, nothing re-tokenised; applied after generation). Multi-turn environments may set their own per turn.",
+    )
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
 

@@ -33,7 +33,11 @@ class EnvironmentStep:
     * ``observation``: message appended before the next model turn, e.g. ``{"role": "tool", "content": "42"}``
       (``None`` when terminated or when there is nothing to say).
     * ``metadata``: the sample's updated metadata for the next turn (``None`` keeps it unchanged).
-    * ``stop_strings``: extra stop strings for the sample's next model turn (``None``: the recipe's own).
+    * ``stop_strings``: extra stop strings for the sample's next model turn, besides the recipe's own
+      (``policy.generation.stop_strings``); ``None``: only the recipe's.
+    * ``metrics``: per-sample numbers of this step, e.g. ``{"tool_calls": 1.0, "tool_errors": 0.0}``; summed over a
+      sample's steps, the run logs their mean per sample (``multi_turn/<name>_per_sample``) and the share of samples
+      where the sum is non-zero (``multi_turn/<name>_sample_fraction``).
     """
 
     reward: float
@@ -41,6 +45,7 @@ class EnvironmentStep:
     observation: dict[str, str] | None = None
     metadata: dict[str, Any] | None = None
     stop_strings: list[str] | None = None
+    metrics: dict[str, float] | None = None
 
 
 class EnvironmentInterface(ABC):
@@ -56,14 +61,15 @@ class EnvironmentInterface(ABC):
     def metrics(self) -> dict[str, float]:
         """Counters accumulated since the previous call, then reset (e.g. ``{"timeouts": 2.0}``).
 
-        Called right after each :meth:`score` on the same actor; the run logs them summed over actors as
-        ``env/<task>/<name>``. The default reports nothing."""
+        Called right after each :meth:`score` (or :meth:`step`, in multi-turn runs) on the same actor; the run
+        logs them summed over actors as ``env/<task>/<name>``. The default reports nothing."""
         return {}
 
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> list[EnvironmentStep]:
         """Multi-turn hook: one :class:`EnvironmentStep` per sample. ``message_logs[i]`` is the sample's
         conversation so far (OpenAI-style messages, the model's latest turn last); ``metadata[i]`` its
         metadata (as updated by earlier steps). The default is the single-turn case: score the last message
-        with :meth:`score` and terminate. Multi-turn environments override it; single-turn ones need not."""
+        with :meth:`score` and terminate. Multi-turn environments override it; single-turn ones need not.
+        Used when ``grpo.max_rollout_turns > 1`` (docs/guides/multi-turn.md); with 1 the run calls :meth:`score`."""
         responses = [conversation[-1]["content"] if conversation else "" for conversation in message_logs]
         return [EnvironmentStep(reward) for reward in self.score(responses, metadata)]

@@ -73,6 +73,12 @@ def check_step(step: Any, where: str) -> None:
     stops = step.stop_strings
     if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
         raise ValueError(f"{where}: stop_strings must be None or a list of non-empty strings, got {stops!r}")
+    numbers = step.metrics
+    if numbers is not None and not (
+        isinstance(numbers, dict)
+        and all(isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) for k, v in numbers.items())
+    ):
+        raise ValueError(f"{where}: metrics must be None or a dict of name -> finite number, got {numbers!r}")
 
 
 @dataclass

@@ -112,7 +112,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.distributed.ray_init import init_ray
     from nemo_like.environments.registry import resolve_environments, task_of
     from nemo_like.environments.worker import Environments, environment_resources
-    from nemo_like.experience.rollouts import generate_rollout, score_with_environment
+    from nemo_like.experience.multi_turn import multi_turn_settings
+    from nemo_like.experience.rollouts import collect_rollout
     from nemo_like.models.generation import generation_resources, make_generation
     from nemo_like.models.generation.interface import sampling_params
     from nemo_like.models.loading import load_tokenizer
@@ -146,10 +147,17 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         environments = Environments(specs, cfg.cluster.placement_timeout_s)
         n = ev.num_samples_per_prompt
         seed = ev.seed if ev.seed is not None else cfg.grpo.seed
-        expanded, group_ids, samples, texts = generate_rollout(
-            generation, tokenizer, prompts, n, sampling_params(run_cfg, greedy=ev.greedy), seed
+        rollout = collect_rollout(
+            generation,
+            environments.handles,
+            tokenizer,
+            prompts,
+            n,
+            sampling_params(run_cfg, greedy=ev.greedy),
+            seed,
+            multi_turn=multi_turn_settings(run_cfg, tokenizer),  # grpo.max_rollout_turns > 1: each sample runs its turns
         )
-        scores = score_with_environment(environments.handles, texts, expanded)
+        expanded, group_ids, samples, texts = rollout.prompts, rollout.group_ids, rollout.samples, rollout.response_texts
     finally:
         for part in (generation, environments):
             if part is not None:
@@ -157,7 +165,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
 
     rows = []
     for i, (prompt, sample, text) in enumerate(zip(expanded, samples, texts)):
-        reward = float(scores.rewards[i])
+        reward = float(rollout.rewards[i])
         rows.append(
             {
                 "prompt_id": prompt.id,
@@ -168,8 +176,9 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
                 "correct": reward >= CORRECT_REWARD,
                 "response": text,
                 "answer": _jsonable(prompt.metadata.get("answer")),
-                "response_tokens": len(sample.response_ids),
+                "response_tokens": sample.num_sampled_tokens,
                 "truncated": bool(sample.truncated),
+                **({"num_turns": sample.num_turns, "turns": sample.messages} if sample.messages is not None else {}),
             }
         )
     summary = {
@@ -180,7 +189,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         "greedy": ev.greedy,
         "pass_k": list(ev.pass_k),
         **summarize(rows, list(ev.pass_k)),
-        "env_metrics": scores.metrics,
+        "env_metrics": rollout.env_metrics,
         "seconds": time.perf_counter() - start,
     }
     with open(out / "results.jsonl", "w") as f:

@@ -66,7 +66,8 @@ class Conversation:
     turns: int = 0
     weight_version: int | None = None
     final_weight_version: int | None = None
-    stop_strings: list[str] | None = None
+    stop_strings: list[str] | None = None  # extra stop strings for the next turn (from the last step)
+    step_metrics: dict[str, float] = field(default_factory=dict)  # EnvironmentStep.metrics summed over the steps
     done: bool = False
     truncated: bool = False
     length_truncated: bool = False
@@ -94,7 +95,7 @@ class MultiTurnSettings:
 
     max_turns: int  # grpo.max_rollout_turns
     max_total_length: int  # policy.max_total_sequence_length
-    eos_token_ids: tuple[int, ...]  # the tokenizer's end-of-turn token(s): not part of a turn's message text
+    eos_token_ids: tuple[int, ...]  # end-of-turn tokens (eos + policy.generation.stop_token_ids): not part of a message's text
 
 
 def multi_turn_settings(cfg: Any, tokenizer) -> MultiTurnSettings | None:
@@ -103,12 +104,15 @@ def multi_turn_settings(cfg: Any, tokenizer) -> MultiTurnSettings | None:
         return None
     eos = tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    return MultiTurnSettings(cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length, eos_ids)
+    # Every stop token ends a turn (e.g. <|im_end|> set in stop_token_ids for a base tokenizer whose eos is <|endoftext|>).
+    end_of_turn = tuple(dict.fromkeys([*eos_ids, *(cfg.policy.generation.stop_token_ids or ())]))
+    return MultiTurnSettings(cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length, end_of_turn)
 
 
 def multi_turn_metrics(samples: Sequence[GeneratedSample], rewards: torch.Tensor, prefix: str = "multi_turn") -> dict[str, float]:
-    """Turns per sample (mean, max), the fraction cut by the length limit, and the mean reward of the
-    samples with each turn count (``<prefix>/reward_turns_<k>``)."""
+    """Turns per sample (mean, max), the fraction cut by the length limit, the mean reward of the samples
+    with each turn count (``<prefix>/reward_turns_<k>``), and per step metric name (``EnvironmentStep.metrics``)
+    its mean per sample and the share of samples where it is non-zero."""
     turns = torch.tensor([s.num_turns for s in samples], dtype=torch.float32)
     metrics = {
         f"{prefix}/turns_per_sample_mean": turns.mean().item(),
@@ -119,6 +123,11 @@ def multi_turn_metrics(samples: Sequence[GeneratedSample], rewards: torch.Tensor
     for k in sorted({int(t) for t in turns.tolist()}):
         metrics[f"{prefix}/reward_turns_{k}"] = rewards[turns == k].mean().item()
         metrics[f"{prefix}/fraction_turns_{k}"] = (turns == k).float().mean().item()
+    names = sorted({name for s in samples for name in (s.step_metrics or {})})
+    for name in names:
+        values = [(s.step_metrics or {}).get(name, 0.0) for s in samples]
+        metrics[f"{prefix}/{name}_per_sample"] = sum(values) / len(values)
+        metrics[f"{prefix}/{name}_sample_fraction"] = sum(v != 0 for v in values) / len(values)
     return metrics
 
 
@@ -165,12 +174,21 @@ def observation_tokens(tokenizer, conv: Conversation, observation: dict[str, str
 
 def stop_string_cut(tokenizer, ids: list[int], stop_strings: Sequence[str]) -> int | None:
     """Length of the shortest prefix of ``ids`` whose text contains a stop string (whole tokens kept), or ``None``."""
-    text = ""
+    if not stop_strings or not any(s in decode_exact(tokenizer, ids) for s in stop_strings):
+        return None
     for i in range(len(ids)):
         text = decode_exact(tokenizer, ids[: i + 1])
         if any(s in text for s in stop_strings):
             return i + 1
     return None
+
+
+def apply_stop_strings(tokenizer, sample: GeneratedSample, stop_strings: Sequence[str]) -> GeneratedSample:
+    """``sample`` cut after the token that completes the first stop string (then it is not truncated)."""
+    cut = stop_string_cut(tokenizer, sample.response_ids, stop_strings)
+    if cut is None:
+        return sample
+    return replace(sample, response_ids=sample.response_ids[:cut], response_logprobs=sample.response_logprobs[:cut], truncated=False)
 
 
 def turn_seed(seed: int, turn: int, group: int) -> int:
@@ -181,13 +199,11 @@ def turn_seed(seed: int, turn: int, group: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids: set[int]) -> None:
-    """Append one model turn's sampled ids, logprobs and message (its stop strings applied)."""
+def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids: set[int], recipe_stops: Sequence[str] = ()) -> None:
+    """Append one model turn's sampled ids, logprobs and message, cut at the recipe's stop strings and the ones
+    the sample's last environment step added."""
+    sample = apply_stop_strings(tokenizer, sample, [*recipe_stops, *(conv.stop_strings or ())])
     ids, logprobs, truncated = list(sample.response_ids), list(sample.response_logprobs), sample.truncated
-    if conv.stop_strings:
-        cut = stop_string_cut(tokenizer, ids, conv.stop_strings)
-        if cut is not None:
-            ids, logprobs, truncated = ids[:cut], logprobs[:cut], False
     conv.response_ids += ids
     conv.response_mask += [1] * len(ids)
     conv.response_logprobs += logprobs
@@ -204,6 +220,8 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids:
 def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: bool, max_total_length: int) -> None:
     """Add the step's reward and decide whether the sample goes on (appending the observation's ids) or ends."""
     conv.reward += float(step.reward)
+    for name, value in (step.metrics or {}).items():
+        conv.step_metrics[name] = conv.step_metrics.get(name, 0.0) + float(value)
     if step.metadata is not None:
         conv.metadata = dict(step.metadata)
     if step.terminated or last_turn or conv.truncated:
@@ -235,6 +253,7 @@ def finished_sample(conv: Conversation) -> GeneratedSample:
         num_turns=conv.turns,
         length_truncated=conv.length_truncated,
         messages=conv.messages[len(conv.prompt.messages) :],
+        step_metrics=dict(conv.step_metrics),
     )
 
 
@@ -284,7 +303,7 @@ def run_multi_turn(
         start = time.perf_counter()
         samples = generate_turn(generation, active, params, seed, turn, max_total_length)
         for conv, sample in zip(active, samples):
-            append_turn(tokenizer, conv, sample, eos)
+            append_turn(tokenizer, conv, sample, eos, params.stop_strings)
             if conv.truncated and conv.length >= max_total_length:
                 conv.length_truncated = True
         gen_s += time.perf_counter() - start

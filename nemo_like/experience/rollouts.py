@@ -12,7 +12,7 @@ from nemo_like.data.prompts import PromptRecord
 from nemo_like.distributed.worker_group import get_with_context
 from nemo_like.environments.registry import route_by_task
 from nemo_like.environments.worker import EnvironmentHandles
-from nemo_like.experience.multi_turn import MultiTurnSettings, ray_stepper, run_multi_turn
+from nemo_like.experience.multi_turn import MultiTurnSettings, apply_stop_strings, ray_stepper, run_multi_turn
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams
 
 
@@ -105,6 +105,8 @@ def generate_rollout(
     expanded = [p for p in prompts for _ in range(num_generations)]
     group_ids = torch.arange(len(prompts)).repeat_interleave(num_generations)
     samples = generation.generate([p.prompt_token_ids for p in expanded], params, seed)
+    if params.stop_strings:
+        samples = [apply_stop_strings(tokenizer, s, params.stop_strings) for s in samples]
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     return expanded, group_ids, samples, texts
 

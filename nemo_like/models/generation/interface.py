@@ -16,6 +16,7 @@ class SamplingParams:
     top_k: int | None = None
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()  # applied by the driver after generation (nemo_like.experience.multi_turn.stop_string_cut)
 
 
 def sampling_params(cfg: Any, greedy: bool = False) -> SamplingParams:
@@ -28,6 +29,7 @@ def sampling_params(cfg: Any, greedy: bool = False) -> SamplingParams:
         top_k=g.top_k,
         greedy=greedy,
         stop_token_ids=tuple(g.stop_token_ids or ()),
+        stop_strings=tuple(g.stop_strings or ()),
     )
 
 
@@ -53,6 +55,7 @@ class GeneratedSample:
     num_turns: int = 1  # model turns in the sample
     length_truncated: bool = False  # multi-turn: ended because policy.max_total_sequence_length left no room
     messages: list[dict[str, str]] | None = None  # multi-turn: the turns after the prompt (assistant + observations)
+    step_metrics: dict[str, float] | None = None  # multi-turn: the environment steps' per-sample metrics, summed
 
     @property
     def sampled_mask(self) -> list[int]:

@@ -35,6 +35,18 @@ def assert_clean(code: int, err: str, expected_code: int, *named: str) -> None:
 # -- config time ----------------------------------------------------------------------------------
 
 
+def test_multi_turn_contradictions_are_config_errors(capsys, tmp_path):
+    from nemo_like.config import ConfigError, load_config
+
+    code, err = run_cli(capsys, tmp_path, "grpo.max_rollout_turns=3", "policy.max_total_sequence_length=8")
+    assert_clean(code, err, 2, "grpo.max_rollout_turns=3", "policy.max_total_sequence_length (8)")
+    shaping = ("grpo.reward_shaping.enabled=true", "grpo.reward_shaping.overlong_buffer_length=4")
+    with pytest.raises(ConfigError, match="grpo.reward_shaping.max_response_length"):
+        load_config(TINY, ["grpo.max_rollout_turns=3", "policy.max_total_sequence_length=96", *shaping])
+    with pytest.raises(ConfigError, match="grpo.max_rollout_turns"):
+        load_config(TINY, ["grpo.max_rollout_turns=0"])
+
+
 def test_reward_shaping_without_a_buffer_is_a_config_error(capsys, tmp_path):
     code, err = run_cli(capsys, tmp_path, "grpo.reward_shaping.enabled=true")
     assert_clean(code, err, 2, "grpo.reward_shaping.overlong_buffer_length", "policy.generation.max_new_tokens=8")

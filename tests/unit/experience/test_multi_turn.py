@@ -21,6 +21,7 @@ from nemo_like.environments.worker import check_step
 from nemo_like.experience.multi_turn import (
     MultiTurnSettings,
     TemplateRewriteError,
+    apply_stop_strings,
     local_stepper,
     multi_turn_metrics,
     run_multi_turn,
@@ -140,6 +141,14 @@ def test_every_trained_sample_is_prompt_plus_sampled_plus_observation_ids(tokeni
     metrics = multi_turn_metrics(samples, result.rewards)
     assert metrics["multi_turn/turns_per_sample_max"] == 3.0
     assert metrics["multi_turn/turns_per_sample_mean"] == sum(s.num_turns for s in samples) / len(samples)
+    # Per-sample step metrics: one "observations" per non-final step of the episode (1 + answer % 3 steps long).
+    observations = [float(min(s.num_turns, p.metadata["answer"] % 3)) for s, p in zip(samples, prompts)]
+    assert [(s.step_metrics or {}).get("observations", 0.0) for s in samples] == observations
+    assert metrics["multi_turn/observations_per_sample"] == pytest.approx(sum(observations) / len(samples))
+    assert metrics["multi_turn/observations_sample_fraction"] == sum(o > 0 for o in observations) / len(samples)
+    for k in (1, 2, 3):
+        with_k = [r for s, r in zip(samples, result.rewards.tolist()) if s.num_turns == k]
+        assert metrics[f"multi_turn/reward_turns_{k}"] == pytest.approx(sum(with_k) / len(with_k))
 
 
 def test_each_turn_is_a_prefix_of_the_next_and_one_turn_is_the_single_turn_rollout(worker, tokenizer, prompts, three_turns):
@@ -188,6 +197,33 @@ def test_stop_strings_cut_at_a_token_boundary(tokenizer):
     ids = tokenizer("12<x>34", add_special_tokens=False)["input_ids"]
     cut = stop_string_cut(tokenizer, ids, ["<x>"])
     assert tokenizer.decode(ids[:cut]) == "12<x>" and stop_string_cut(tokenizer, ids, ["zz"]) is None
+    sample = GeneratedSample([1], ids, [-0.5] * len(ids), truncated=True, weight_version=0)
+    cut_sample = apply_stop_strings(tokenizer, sample, ["<x>"])  # policy.generation.stop_strings, single-turn too
+    assert cut_sample.response_ids == ids[:cut] and cut_sample.response_logprobs == [-0.5] * cut and not cut_sample.truncated
+
+
+def segments(sample: GeneratedSample) -> list[tuple[int, list[int]]]:
+    """``(mask value, ids)`` runs of a multi-turn response: sampled turns (1) and observations (0)."""
+    runs: list[tuple[int, list[int]]] = []
+    for token, m in zip(sample.response_ids, sample.response_mask):
+        if runs and runs[-1][0] == m:
+            runs[-1][1].append(token)
+        else:
+            runs.append((m, [token]))
+    return runs
+
+
+def test_a_steps_stop_strings_end_the_next_turn_on_whole_tokens(worker, tokenizer, prompts):
+    result, _ = run(worker, tokenizer, prompts[2:], CountdownEnv(turns=3, stop_strings=["1"]), max_new_tokens=8)
+    cut = 0
+    for sample in result.samples:
+        turns = [ids for m, ids in segments(sample) if m == 1]
+        for ids in turns[1:]:  # turns after a step that set the stop string
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            if "1" in text:
+                assert text.endswith("1") and "1" not in tokenizer.decode(ids[:-1]) and ids[-1] != EOS
+                cut += 1
+    assert cut >= 1
 
 
 def test_a_sample_is_as_old_as_its_first_turn(worker, tokenizer, prompts):
@@ -210,7 +246,28 @@ def test_malformed_environment_steps_are_rejected_with_the_reason():
         (EnvironmentStep(float("nan")), "finite"),
         (EnvironmentStep(0.0, False, {"role": "tool"}), "observation"),
         (EnvironmentStep(0.0, False, None, None, "</x>"), "stop_strings"),
+        (EnvironmentStep(0.0, metrics={"calls": float("inf")}), "metrics"),
         ((0.0, True), "EnvironmentStep"),
     ]:
         with pytest.raises(ValueError, match=reason):
             check_step(bad, "env 'x' step")
+
+
+def test_turns_and_environment_kind_disagreeing_is_a_warning():
+    from nemo_like.algorithms.setup import multi_turn_warnings
+    from nemo_like.config import load_config
+    from nemo_like.environments.registry import resolve_environments
+
+    def warnings_for(turns: int) -> list[str]:
+        cfg = load_config(
+            "examples/configs/grpo_tiny_cpu.yaml",
+            [f"grpo.max_rollout_turns={turns}", "policy.max_total_sequence_length=96", "+env.count.class=custom_envs:CountdownEnv"],
+        )
+        return multi_turn_warnings(cfg, resolve_environments(cfg.env_sections))
+
+    assert warnings_for(1) == [
+        "env.count is a multi-turn environment (it overrides step) but grpo.max_rollout_turns=1: the run scores single responses "
+        "with its score(); set grpo.max_rollout_turns > 1 to use its turns"
+    ]
+    (line,) = warnings_for(3)
+    assert line.startswith("grpo.max_rollout_turns=3 has no effect for env.arithmetic")
