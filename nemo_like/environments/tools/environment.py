@@ -13,7 +13,9 @@ Per step and sample, the model's latest turn (``message_logs[i][-1]``) decides:
 Answer checkers: ``integer`` (the arithmetic task's exact integer match,
 :func:`~nemo_like.environments.arithmetic_reward.score_response`) or ``'module:function'`` with signature
 ``(response_text, answer) -> float``. Nothing here raises on model output; failures are observations and
-counters (:meth:`ToolEnvironment.metrics`).
+counters (:meth:`ToolEnvironment.metrics`). Each step also carries per-sample ``metrics``
+(``tool_calls``, ``tool_errors``), which the rollout logs as ``multi_turn/tool_calls_per_sample`` and
+``multi_turn/tool_calls_sample_fraction`` (the share of samples that called a tool).
 """
 
 from __future__ import annotations
@@ -120,11 +122,14 @@ class ToolEnvironment(EnvironmentInterface):
             if sum(m.get("role") == "assistant" for m in log) <= 1:
                 self._counts["samples"] += 1  # the sample's first turn: share using a tool = samples_using_tool / samples
             if not has_tool_call(text):
-                steps.append(EnvironmentStep(self._final(text, meta), terminated=True))
+                steps.append(EnvironmentStep(self._final(text, meta), terminated=True, metrics={"tool_calls": 0.0, "tool_errors": 0.0}))
                 continue
             if not any(_calls_tool(m) for m in log[:-1]):
                 self._counts["samples_using_tool"] += 1
-            steps.append(EnvironmentStep(0.0, terminated=False, observation={"role": "tool", "content": self._run_calls(text)}))
+            calls, errors = self._counts["tool_calls"], self._counts["tool_errors"]
+            content = self._run_calls(text)
+            per_sample = {"tool_calls": self._counts["tool_calls"] - calls, "tool_errors": self._counts["tool_errors"] - errors}
+            steps.append(EnvironmentStep(0.0, terminated=False, observation={"role": "tool", "content": content}, metrics=per_sample))
         return steps
 
     def _run_calls(self, text: str) -> str:

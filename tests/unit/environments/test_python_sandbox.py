@@ -15,7 +15,8 @@ from nemo_like.environments.tools.registry import ToolError
 
 @pytest.fixture(scope="module")
 def env() -> ToolEnvironment:
-    return ToolEnvironment(tools=["python"], python_timeout_s=1.5, python_memory_mb=128, python_max_output_bytes=1000)
+    # A generous wall limit: calls that should succeed must not time out on a loaded machine.
+    return ToolEnvironment(tools=["python"], python_timeout_s=30, python_memory_mb=128, python_max_output_bytes=1000)
 
 
 def run(env: ToolEnvironment, code: str) -> str:
@@ -35,8 +36,6 @@ def test_runs_code_repl_style_in_a_fresh_scratch_dir(env: ToolEnvironment) -> No
 @pytest.mark.parametrize(
     ("code", "observation"),
     [
-        ("while True:\n    pass", "error: python: time limit of 1.5 s exceeded"),
-        ("import time; time.sleep(30)", "error: python: time limit of 1.5 s exceeded"),
         ("blob = bytearray(512 * 1024 * 1024)", "error: python: memory limit of 128 MB exceeded"),
         ("def f():\n    raise ValueError('bad input')\nf()", "error: python: ValueError: bad input"),
         ("print('x' * 5000)", "error: python: output larger than 1000 bytes"),
@@ -71,12 +70,19 @@ def test_no_writes_outside_the_scratch_dir(env: ToolEnvironment, tmp_path) -> No
     assert counts["tool_errors"] > 0 and counts["tool_timeouts"] >= 0
 
 
-def test_counters_and_the_run_continues_after_failures() -> None:
-    env = ToolEnvironment(tools=["python"], python_timeout_s=1.0, python_memory_mb=128)
-    outputs = [run(env, code) for code in ("while True: pass", "bytearray(1 << 30)", "1/0", "2 + 2")]
+@pytest.mark.parametrize("code", ["while True:\n    pass", "import time; time.sleep(30)"])
+def test_the_wall_clock_limit_kills_the_snippet(code: str) -> None:
+    env = ToolEnvironment(tools=["python"], python_timeout_s=1.5)
+    assert run(env, code) == "error: python: time limit of 1.5 s exceeded"
+    assert env.metrics()["tool_timeouts"] == 1
+
+
+def test_counters_and_the_run_continues_after_failures(env: ToolEnvironment) -> None:
+    env.metrics()  # reset
+    outputs = [run(env, code) for code in ("bytearray(1 << 30)", "1/0", "import socket; socket.socket()", "2 + 2")]
     assert outputs[-1] == "4"
     counts = env.metrics()
-    assert (counts["tool_calls"], counts["tool_errors"], counts["tool_timeouts"], counts["tool_memory_errors"]) == (4, 3, 1, 1)
+    assert (counts["tool_calls"], counts["tool_errors"], counts["tool_timeouts"], counts["tool_memory_errors"]) == (4, 3, 0, 1)
 
 
 def test_sandbox_rejects_bad_arguments_without_starting_a_process() -> None:

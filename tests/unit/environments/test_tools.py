@@ -129,6 +129,9 @@ def test_tool_env_step_tool_turns_final_answers_and_counters() -> None:
     assert steps[5].observation["content"] == "error: unknown tool 'search'; available: calculator"
     assert steps[6].observation["content"] == "error: 5 tool calls in one turn; at most 4"
     assert steps[7].observation["content"] == "calculator: 2\ncalculator: 6"
+    assert [s.metrics for s in steps] == [
+        {"tool_calls": c, "tool_errors": e} for c, e in [(1, 0), (0, 0), (0, 0), (0, 0), (1, 1), (1, 1), (0, 1), (2, 0)]
+    ]
     assert env.metrics() == {
         "tool_calls": 5.0,  # 1 + 1 (malformed) + 1 (unknown) + 2; the over-limit turn runs none
         "tool_errors": 3.0,
