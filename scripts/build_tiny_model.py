@@ -111,7 +111,13 @@ def _tokenizer_corpus(seed: int) -> list[str]:
     return texts
 
 
-def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    seed: int,
+    corpus: list[str] | None = None,
+    vocab_size: int = VOCAB_SIZE,
+    chat_template: str = CHAT_TEMPLATE,
+    extra_tokens: tuple[str, ...] = (),
+) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE tokenizer and wrap it with the chat template and specials.
 
     The normalizer and pre-tokenizer are exactly the ones ``Qwen2Tokenizer`` installs, because
@@ -120,6 +126,9 @@ def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
     loads agree token for token (checked after saving). Its split pattern isolates every digit
     (``\\p{N}``), the same as a ``Digits(individual_digits=True)`` step, so numbers are
     sequences of single-digit tokens.
+
+    The defaults build this model's tokenizer; ``scripts/build_tiny_tool_model.py`` passes its own
+    corpus, vocabulary bound, template and ``extra_tokens`` (added as whole, non-special tokens).
     """
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -132,12 +141,12 @@ def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_tokenizer_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(corpus if corpus is not None else _tokenizer_corpus(seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
@@ -146,7 +155,9 @@ def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
         additional_special_tokens=[IM_START],
         model_max_length=MAX_POSITIONS,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    if extra_tokens:
+        fast.add_tokens(list(extra_tokens))
+    fast.chat_template = chat_template
     return fast
 
 

@@ -77,6 +77,19 @@ SPECS: tuple[DatasetSpec, ...] = (
         validation_split="validation",
         local_files={"train": str(_ASSETS / "math-tiny" / "train.jsonl"), "validation": str(_ASSETS / "math-tiny" / "validation.jsonl")},
     ),
+    # Shipped: scripts/build_multiturn_datasets.py -> nemo_like/assets/multiturn-tasks/ (problem, answer, task).
+    *(
+        DatasetSpec(
+            name,
+            None,
+            "problem",
+            "answer",
+            task_key="task",
+            validation_split="validation",
+            local_files={s: str(_ASSETS / "multiturn-tasks" / name / f"{s}.jsonl") for s in ("train", "validation")},
+        )
+        for name in ("tool-arith", "guess-number")
+    ),
     # nvidia/OpenMathInstruct-2: problem, generated_solution, expected_answer, problem_source.
     # Splits train (14M rows), train_1M, train_2M, train_5M; no validation split (NeMo-RL uses train_1M).
     DatasetSpec(

@@ -30,6 +30,8 @@ from nemo_like.utils.imports import import_object
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "arithmetic": "nemo_like.environments.arithmetic:ArithmeticEnvironment",
     "math": "nemo_like.environments.math:MathEnvironment",
+    "tool": "nemo_like.environments.tools.environment:ToolEnvironment",
+    "guess_number": "nemo_like.environments.games.guess_number:GuessNumberEnvironment",
 }
 #: The metadata key naming a sample's task (the ``env`` section that scores it).
 TASK_KEY = "task_name"

@@ -19,11 +19,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_model_path(model_name: str) -> str:
-    """Map the embedded-model sentinel to the shipped directory; anything else is passed through."""
-    if model_name == EMBEDDED_MODEL:
-        from nemo_like.models.assets import default_model_path
+    """Map ``embedded:<name>`` (the default sentinel or another shipped model) to its directory; anything else is passed through."""
+    if model_name.startswith("embedded:"):
+        from nemo_like.models.assets import embedded_model_path
 
-        return default_model_path()
+        return embedded_model_path(model_name)
     return model_name
 
 
@@ -65,7 +65,13 @@ def check_model_source(name: str, key: str) -> None:
       hub endpoint does not answer within a few seconds); a cached model on an unreachable hub switches
       the run to offline mode, so no process waits on network retries.
     """
-    if name == EMBEDDED_MODEL:
+    if name.startswith("embedded:"):
+        from nemo_like.models.assets import embedded_model_path
+
+        try:
+            embedded_model_path(name)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"{key}: {exc}") from None
         return
     if looks_like_path(name):
         path = Path(name).expanduser()

@@ -1,0 +1,1 @@
+"""Game environments with per-turn feedback (multi-turn): :mod:`.guess_number`."""

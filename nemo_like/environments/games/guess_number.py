@@ -1,0 +1,83 @@
+"""Guess-the-number (built-in ``guess_number``): the model guesses, the environment says higher or lower.
+
+The secret is ``metadata["answer"]`` (an int, or text holding one; the prompt sets come from
+:mod:`nemo_like.data.multiturn_tasks`), so a step is a pure function of the conversation and the metadata.
+Per step and sample, the model's latest turn must be one integer (the arithmetic task's parsing rule,
+:func:`~nemo_like.environments.arithmetic_reward.extract_integer`):
+
+* the secret: reward 1.0, terminated;
+* another integer: observation ``{"role": "user", "content": "higher"}`` (the secret is larger) or ``"lower"``,
+  reward 0, not terminated; the guess count in ``metadata["guesses"]`` goes up by one, and once it reaches
+  ``max_guesses`` the episode terminates with reward 0 (feedback is not sent then);
+* not an integer: terminated, reward 0 (counted as ``malformed``).
+
+A binary search finds any secret in ``low..high`` within ``ceil(log2(high - low + 2))`` guesses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_like.environments.arithmetic_reward import extract_integer
+from nemo_like.environments.interface import EnvironmentInterface, EnvironmentStep
+
+COUNTERS = ("guesses", "solved", "malformed", "out_of_guesses")
+
+
+class GuessNumberConfig(BaseModel):
+    """Keys of a guess-the-number environment's section (``env.<task>`` with ``class: guess_number``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_guesses: int = Field(7, ge=1, description="Guesses allowed per game; the game ends unsolved after this many.")
+    feedback_role: str = Field("user", description="Role of the higher/lower message (the chat template must know it).")
+
+
+def secret_of(meta: dict[str, Any]) -> int:
+    """The game's secret number (``metadata["answer"]``)."""
+    answer = meta["answer"]
+    value = answer if isinstance(answer, int) else extract_integer(str(answer))
+    if value is None:
+        raise ValueError(f"guess_number: metadata['answer'] must be an integer, got {answer!r}")
+    return value
+
+
+class GuessNumberEnvironment(EnvironmentInterface):
+    """See the module docstring."""
+
+    config_model = GuessNumberConfig
+
+    def __init__(self, max_guesses: int = 7, feedback_role: str = "user") -> None:
+        self.max_guesses, self.feedback_role = max_guesses, feedback_role
+        self._counts = dict.fromkeys(COUNTERS, 0.0)
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        """Single-turn use: 1.0 for guessing the secret at the first try."""
+        return [step.reward for step in self.step([[{"role": "assistant", "content": r}] for r in responses], metadata)]
+
+    def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> list[EnvironmentStep]:
+        return [self._one(log[-1]["content"] if log else "", meta) for log, meta in zip(message_logs, metadata)]
+
+    def _one(self, text: str, meta: dict[str, Any]) -> EnvironmentStep:
+        guess = extract_integer(text)
+        if guess is None:
+            self._counts["malformed"] += 1
+            return EnvironmentStep(0.0, terminated=True)
+        self._counts["guesses"] += 1
+        guesses = int(meta.get("guesses", 0)) + 1
+        updated = {**meta, "guesses": guesses}
+        secret = secret_of(meta)
+        if guess == secret:
+            self._counts["solved"] += 1
+            return EnvironmentStep(1.0, terminated=True, metadata=updated)
+        if guesses >= self.max_guesses:
+            self._counts["out_of_guesses"] += 1
+            return EnvironmentStep(0.0, terminated=True, metadata=updated)
+        hint = "higher" if secret > guess else "lower"
+        return EnvironmentStep(0.0, terminated=False, observation={"role": self.feedback_role, "content": hint}, metadata=updated)
+
+    def metrics(self) -> dict[str, float]:
+        counts, self._counts = self._counts, dict.fromkeys(COUNTERS, 0.0)
+        return counts

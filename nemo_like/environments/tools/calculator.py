@@ -1,0 +1,121 @@
+"""The built-in ``calculator`` tool: a safe arithmetic expression evaluator.
+
+The expression is parsed with :mod:`ast` and only these nodes are evaluated: number literals (int or
+float; not bool, str, complex), unary ``+``/``-``, and binary ``+ - * / // % **``, with parentheses.
+Names, calls, attributes, subscripts, comprehensions, lambdas and everything else are rejected before
+anything runs, so nothing but arithmetic can execute. Sizes are bounded so no call can hang or eat memory:
+the text is at most :data:`MAX_EXPRESSION_CHARS` characters, an exponent's magnitude at most
+:data:`MAX_EXPONENT`, and every intermediate integer at most :data:`MAX_RESULT_DIGITS` digits (checked
+*before* a power or a product is computed).
+
+Results: ints as decimal text; floats via ``repr``, except integral floats below 1e15, which print as
+ints (``10/2`` -> ``5``) so a model can copy them as integer answers.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+
+from nemo_like.environments.tools.registry import ToolError
+
+MAX_EXPRESSION_CHARS = 200
+MAX_EXPONENT = 1000
+MAX_RESULT_DIGITS = 1000
+
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+class CalculatorError(ToolError):
+    """The expression is not allowed, too large, or undefined (e.g. division by zero); kind ``bad_expression``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("bad_expression", message)
+
+
+def _digits(value: float) -> float:
+    """Decimal digits of ``|value|`` (a float estimate; 0 for 0)."""
+    return math.log10(abs(value)) + 1 if value else 0.0
+
+
+def _check_size(value: int | float) -> int | float:
+    if isinstance(value, int) and value.bit_length() > MAX_RESULT_DIGITS * 3.33:
+        raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CalculatorError("result is not finite")
+    return value
+
+
+def _power(base: int | float, exponent: int | float) -> int | float:
+    if abs(exponent) > MAX_EXPONENT:
+        raise CalculatorError(f"exponent {exponent} exceeds {MAX_EXPONENT} in magnitude")
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and _digits(base) * exponent > MAX_RESULT_DIGITS + 1:
+        raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
+    if base == 0 and exponent < 0:
+        raise CalculatorError("zero to a negative power")
+    result = base**exponent
+    if isinstance(result, complex):
+        raise CalculatorError("result is complex (a negative number to a fractional power)")
+    return result
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+            raise CalculatorError(f"only numbers are allowed, got {node.value!r}")
+        return _check_size(node.value)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow):
+            return _check_size(_power(left, right))
+        if isinstance(node.op, ast.Mult) and _digits(left) + _digits(right) > MAX_RESULT_DIGITS + 1:
+            raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
+        if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
+            raise CalculatorError("division by zero")
+        try:
+            return _check_size(_BINARY[type(node.op)](left, right))
+        except OverflowError:
+            raise CalculatorError("result is too large") from None
+    raise CalculatorError(f"{type(node).__name__} is not allowed (only numbers, parentheses and + - * / // % **)")
+
+
+def evaluate_expression(expression: str) -> int | float:
+    """The value of an arithmetic ``expression`` (see the module docstring for what is allowed).
+
+    Raises:
+        CalculatorError: anything not allowed, too large, or undefined."""
+    if not isinstance(expression, str):
+        raise CalculatorError(f"expression must be a string, got {type(expression).__name__}")
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise CalculatorError(f"invalid expression: {exc.msg}") from None
+    return _evaluate(tree)
+
+
+def format_number(value: int | float) -> str:
+    """Decimal text of a result (integral floats below 1e15 as ints)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def calculator(expression: str) -> str:
+    """Built-in tool: evaluate an arithmetic expression, e.g. ``calculator(expression="347*28")`` -> ``"9716"``."""
+    return format_number(evaluate_expression(expression))

@@ -1,0 +1,161 @@
+"""The tool environment (built-in ``tool``): the model answers, or first calls tools and reads their results.
+
+Per step and sample, the model's latest turn (``message_logs[i][-1]``) decides:
+
+* it holds a ``<tool_call>`` (well-formed or not): every call is run through the
+  :class:`~nemo_like.environments.tools.registry.ToolRegistry`; the observation is
+  ``{"role": "tool", "content": ...}`` with the result (several calls: one ``name: result`` line each; a failed
+  call's text starts with ``error: ``); reward 0, not terminated. A turn with more than
+  ``max_calls_per_turn`` calls gets one error observation instead;
+* it holds no tool call: it is the final answer, scored by the answer checker against
+  ``metadata["answer"]`` and the episode terminates.
+
+Answer checkers: ``integer`` (the arithmetic task's exact integer match,
+:func:`~nemo_like.environments.arithmetic_reward.score_response`) or ``'module:function'`` with signature
+``(response_text, answer) -> float``. Nothing here raises on model output; failures are observations and
+counters (:meth:`ToolEnvironment.metrics`). Each step also carries per-sample ``metrics``
+(``tool_calls``, ``tool_errors``), which the rollout logs as ``multi_turn/tool_calls_per_sample`` and
+``multi_turn/tool_calls_sample_fraction`` (the share of samples that called a tool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from nemo_like.environments.arithmetic import import_reward_fn
+from nemo_like.environments.arithmetic_reward import _strip_end_markers, score_response
+from nemo_like.environments.interface import CORRECT_REWARD, EnvironmentInterface, EnvironmentStep
+from nemo_like.environments.tools.parsing import ToolCallError, has_tool_call, parse_tool_calls
+from nemo_like.environments.tools.registry import ToolRegistry
+
+#: Counters reported by :meth:`ToolEnvironment.metrics` (every key, every call).
+COUNTERS = (
+    "tool_calls",
+    "tool_errors",
+    "tool_timeouts",
+    "tool_memory_errors",
+    "malformed_calls",
+    "unknown_tools",
+    "samples",
+    "samples_using_tool",
+    "final_answers",
+    "correct",
+)
+ANSWER_CHECKERS = ("integer",)
+
+
+class ToolEnvConfig(BaseModel):
+    """Keys of a tool environment's section (``env.<task>`` with ``class: tool``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tools: list[str] | dict[str, str] = Field(
+        default_factory=lambda: ["calculator"],
+        description="Tools offered: built-in names ('calculator', 'python') and/or 'module:function' / 'file.py:function' paths; "
+        "a mapping {name: spec} names them explicitly.",
+    )
+    answer_checker: str = Field(
+        "integer",
+        description="Scores the final answer: 'integer' (exact integer match) or 'module:function' (response_text, answer) -> float.",
+    )
+    max_calls_per_turn: int = Field(4, ge=1, description="More tool calls than this in one turn give one error observation.")
+    python_timeout_s: float = Field(5.0, gt=0, le=300, description="python tool: wall-clock limit per call (seconds).")
+    python_memory_mb: int = Field(256, ge=32, le=65536, description="python tool: address-space limit of the sandbox process (MiB).")
+    python_max_output_bytes: int = Field(4096, ge=16, le=1 << 20, description="python tool: stdout larger than this is an error.")
+
+    @field_validator("answer_checker")
+    @classmethod
+    def _checker_importable(cls, value: str) -> str:
+        if value not in ANSWER_CHECKERS:
+            import_reward_fn(value)  # a ConfigError in the driver, not in an actor
+        return value
+
+    def model_post_init(self, _context: Any) -> None:
+        ToolRegistry.from_config(self.tools, "tools", **self.sandbox_settings())  # unknown tool names fail in the driver
+
+    def sandbox_settings(self) -> dict[str, Any]:
+        """The python tool's limits, as :meth:`ToolRegistry.from_config` takes them."""
+        return {
+            "python_timeout_s": self.python_timeout_s,
+            "python_memory_mb": self.python_memory_mb,
+            "python_max_output_bytes": self.python_max_output_bytes,
+        }
+
+
+def _calls_tool(message: dict[str, str]) -> bool:
+    return message.get("role") == "assistant" and has_tool_call(message.get("content", ""))
+
+
+class ToolEnvironment(EnvironmentInterface):
+    """See the module docstring."""
+
+    config_model = ToolEnvConfig
+
+    def __init__(self, **kwargs: Any) -> None:
+        cfg = ToolEnvConfig.model_validate(kwargs)
+        self.registry = ToolRegistry.from_config(cfg.tools, "tools", **cfg.sandbox_settings())
+        self.max_calls_per_turn = cfg.max_calls_per_turn
+        self.checker: Callable[[str, Any], float] = (
+            score_response if cfg.answer_checker == "integer" else import_reward_fn(cfg.answer_checker)
+        )
+        self._counts = dict.fromkeys(COUNTERS, 0.0)
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        """Single-turn use: score each response as a final answer (tool calls in it earn nothing)."""
+        return [self._final(text, meta) for text, meta in zip(responses, metadata)]
+
+    def _final(self, text: str, meta: dict[str, Any]) -> float:
+        self._counts["final_answers"] += 1
+        if has_tool_call(text):
+            return 0.0
+        reward = float(self.checker(text, meta["answer"]))
+        self._counts["correct"] += reward >= CORRECT_REWARD
+        return reward
+
+    def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> list[EnvironmentStep]:
+        steps = []
+        for log, meta in zip(message_logs, metadata):
+            text = _strip_end_markers(log[-1]["content"]) if log else ""
+            if sum(m.get("role") == "assistant" for m in log) <= 1:
+                self._counts["samples"] += 1  # the sample's first turn: share using a tool = samples_using_tool / samples
+            if not has_tool_call(text):
+                steps.append(EnvironmentStep(self._final(text, meta), terminated=True, metrics={"tool_calls": 0.0, "tool_errors": 0.0}))
+                continue
+            if not any(_calls_tool(m) for m in log[:-1]):
+                self._counts["samples_using_tool"] += 1
+            calls, errors = self._counts["tool_calls"], self._counts["tool_errors"]
+            content = self._run_calls(text)
+            per_sample = {"tool_calls": self._counts["tool_calls"] - calls, "tool_errors": self._counts["tool_errors"] - errors}
+            steps.append(EnvironmentStep(0.0, terminated=False, observation={"role": "tool", "content": content}, metrics=per_sample))
+        return steps
+
+    def _run_calls(self, text: str) -> str:
+        calls = parse_tool_calls(text)
+        if len(calls) > self.max_calls_per_turn:
+            self._counts["tool_errors"] += 1
+            return f"error: {len(calls)} tool calls in one turn; at most {self.max_calls_per_turn}"
+        lines = []
+        for call in calls:
+            self._counts["tool_calls"] += 1
+            if isinstance(call, ToolCallError):
+                self._counts["tool_errors"] += 1
+                self._counts["malformed_calls"] += 1
+                lines.append(("tool_call", f"error: {call.message}"))
+                continue
+            result = self.registry.call(call.name, call.arguments)
+            if not result.ok:
+                self._counts["tool_errors"] += 1
+                kind_counter = {"timeout": "tool_timeouts", "memory": "tool_memory_errors", "unknown_tool": "unknown_tools"}
+                if result.error_kind in kind_counter:
+                    self._counts[kind_counter[result.error_kind]] += 1
+            lines.append((call.name, result.text if result.ok else f"error: {result.text}"))
+        if len(lines) == 1:
+            return lines[0][1]
+        return "\n".join(f"{name}: {text}" for name, text in lines)
+
+    def metrics(self) -> dict[str, float]:
+        counts, self._counts = self._counts, dict.fromkeys(COUNTERS, 0.0)
+        return counts

@@ -1,0 +1,98 @@
+"""The built-in ``python`` tool: run a snippet in a separate, limited Python process.
+
+Each call starts a fresh interpreter (``python -I -S -B``: no user site, no ``PYTHONPATH``, no
+bytecode writes) in a fresh scratch directory (its working directory, deleted afterwards), with:
+
+* a wall-clock limit (the process group is killed past it) and a CPU-time limit (``RLIMIT_CPU``);
+* a memory limit (``RLIMIT_AS``: address space, so allocations fail with ``MemoryError``);
+* an output cap: stdout beyond ``max_output_bytes`` is an error (``RLIMIT_FSIZE`` also caps every file the
+  snippet writes);
+* no network, no subprocesses, no signals, no ``ctypes`` and no writes outside the scratch dir, enforced by a
+  :pep:`578` audit hook installed before the snippet runs (see ``sandbox_child.py``).
+
+The result is the snippet's stdout, plus the ``repr`` of its last expression (REPL-style). Every failure
+is a :class:`~nemo_like.environments.tools.registry.ToolError` with a ``kind`` for the counters. This is a
+guard against accidents of a model's code, not a security boundary against a hostile one: see
+``docs/guides/tools.md`` for what it does not protect against.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from nemo_like.environments.tools.registry import ToolError
+
+_CHILD = Path(__file__).with_name("sandbox_child.py")
+_MAX_CODE_CHARS = 20_000
+
+
+class PythonSandbox:
+    """Runs code snippets under the limits above. Construct once; each :meth:`run` is independent."""
+
+    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 256, max_output_bytes: int = 4096) -> None:
+        self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
+
+    def run(self, code: str) -> str:
+        """The snippet's output (stdout, then its last expression's repr).
+
+        Raises:
+            ToolError: kinds ``timeout``, ``memory``, ``output_limit``, ``exception`` (the snippet raised),
+                ``bad_arguments`` (not a string, or too long) and ``crash`` (killed by a signal)."""
+        if not isinstance(code, str):
+            raise ToolError("bad_arguments", f"'code' must be a string, got {type(code).__name__}")
+        if len(code) > _MAX_CODE_CHARS:
+            raise ToolError("bad_arguments", f"code longer than {_MAX_CODE_CHARS} characters")
+        work = Path(tempfile.mkdtemp(prefix="nemo_like_tool_"))
+        try:
+            scratch = work / "scratch"
+            scratch.mkdir()
+            with open(work / "stdout", "w+b") as out, open(work / "stderr", "w+b") as err:
+                returncode = self._spawn(code, scratch, out, err)
+                out.seek(0)
+                stdout = out.read(self.max_output_bytes + 1)
+                err.seek(0)
+                stderr = err.read(2000).decode(errors="replace").strip()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        if returncode == "timeout" or returncode == -signal.SIGXCPU:
+            raise ToolError("timeout", f"time limit of {self.timeout_s:g} s exceeded")
+        if returncode == 3 or "MemoryError" in stderr:
+            raise ToolError("memory", f"memory limit of {self.memory_mb} MB exceeded")
+        if returncode == 4 or len(stdout) > self.max_output_bytes:
+            raise ToolError("output_limit", f"output larger than {self.max_output_bytes} bytes")
+        if returncode == 1:
+            raise ToolError("exception", stderr.splitlines()[-1] if stderr else "the code raised")
+        if returncode != 0:
+            raise ToolError("crash", f"the process ended with status {returncode}")
+        return stdout.decode(errors="replace").rstrip("\n")
+
+    def _spawn(self, code: str, scratch: Path, out, err) -> int | str:
+        memory = self.memory_mb * 1024 * 1024
+        cpu = max(1, math.ceil(self.timeout_s))
+        cmd = [sys.executable, "-I", "-S", "-B", str(_CHILD), str(scratch), str(memory), str(cpu), str(self.max_output_bytes + 1)]
+        env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8", "HOME": str(scratch), "TMPDIR": str(scratch)}
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=scratch, env=env, start_new_session=True)
+        try:
+            proc.communicate(code.encode(), timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return "timeout"
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+        return proc.returncode
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

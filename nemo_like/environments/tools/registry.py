@@ -1,0 +1,118 @@
+"""Which tools a :class:`~nemo_like.environments.tools.environment.ToolEnvironment` offers, and how a call runs.
+
+A tool is a Python callable taking keyword arguments (the call's JSON ``arguments``) and returning the
+observation text (a number is turned into text). Built-ins by name: ``calculator``
+(:mod:`.calculator`) and ``python`` (:mod:`.python_sandbox`). Custom tools by import path,
+``"package.module:function"`` or ``"path/to/file.py:function"``, registered under the function's name
+(or the name given in the ``tools`` mapping). Custom tools run inside the environment's process: they are
+trusted code; a tool that raises becomes an error observation, but a tool that hangs blocks the environment.
+
+:meth:`ToolRegistry.call` never raises: every failure (unknown tool, arguments that do not fit the
+signature, the tool raising, a sandbox limit) is returned as a :class:`ToolResult` with ``ok=False``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_like.config.errors import ConfigError, did_you_mean
+from nemo_like.utils.imports import import_object, is_import_path
+
+Tool = Callable[..., Any]
+BUILTIN_TOOLS = ("calculator", "python")
+#: Longest observation text kept from a custom tool (characters).
+MAX_RESULT_CHARS = 4096
+
+
+class ToolError(Exception):
+    """A tool call failed in a known way; ``kind`` is counted (e.g. ``timeout``, ``memory``)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """Outcome of one call: the observation text, and the error kind when it failed."""
+
+    ok: bool
+    text: str
+    error_kind: str | None = None
+
+
+def _builtin(name: str, python_timeout_s: float = 5.0, python_memory_mb: int = 256, python_max_output_bytes: int = 4096) -> Tool:
+    if name == "calculator":
+        from nemo_like.environments.tools.calculator import calculator
+
+        return calculator
+    from nemo_like.environments.tools.python_sandbox import PythonSandbox
+
+    sandbox = PythonSandbox(python_timeout_s, python_memory_mb, python_max_output_bytes)
+
+    def python(code: str) -> str:
+        """Built-in tool: run Python code in a sandboxed process; returns stdout and the last expression's value."""
+        return sandbox.run(code)
+
+    return python
+
+
+def resolve_tool(spec: str, where: str, **sandbox: Any) -> tuple[str, Tool]:
+    """``(name, callable)`` for a built-in name or an import path; :class:`ConfigError` naming ``where`` otherwise."""
+    if spec in BUILTIN_TOOLS:
+        return spec, _builtin(spec, **sandbox)
+    if not is_import_path(spec):
+        raise ConfigError(
+            f"{where}: {spec!r} is not a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor 'module:function' / 'file.py:function'."
+            f"{did_you_mean(spec, BUILTIN_TOOLS)}"
+        )
+    try:
+        fn = import_object(spec)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if not callable(fn):
+        raise ConfigError(f"{where}: {spec!r} is a {type(fn).__name__}, not a function taking the call's arguments as keywords")
+    return getattr(fn, "__name__", spec.rpartition(":")[2].rsplit(".", 1)[-1]), fn
+
+
+class ToolRegistry:
+    """The tools of one environment, by the name the model calls them with."""
+
+    def __init__(self, tools: Mapping[str, Tool]) -> None:
+        self.tools = dict(tools)
+
+    @classmethod
+    def from_config(cls, tools: list[str] | Mapping[str, str], where: str = "tools", **sandbox: Any) -> ToolRegistry:
+        """Build from a list of specs (named by the built-in / function name) or a ``{name: spec}`` mapping."""
+        items = tools.items() if isinstance(tools, Mapping) else [(None, spec) for spec in tools]
+        resolved: dict[str, Tool] = {}
+        for given, spec in items:
+            name, fn = resolve_tool(spec, f"{where}.{given}" if given else where, **sandbox)
+            name = given or name
+            if name in resolved:
+                raise ConfigError(f"{where}: two tools are named {name!r}; give them distinct names with a mapping {{name: spec}}")
+            resolved[name] = fn
+        return cls(resolved)
+
+    def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """Run one call; never raises (see the module docstring)."""
+        tool = self.tools.get(name)
+        if tool is None:
+            return ToolResult(False, f"unknown tool {name!r}; available: {', '.join(sorted(self.tools))}", "unknown_tool")
+        try:
+            inspect.signature(tool).bind(**arguments)
+        except TypeError as exc:
+            return ToolResult(False, f"bad arguments for {name!r}: {exc}", "bad_arguments")
+        except ValueError:
+            pass  # builtins without a signature: let the call decide
+        try:
+            value = tool(**arguments)
+        except ToolError as exc:
+            return ToolResult(False, f"{name}: {exc}", exc.kind)
+        except Exception as exc:  # a tool's own bug or a bad value: an observation, never a failed run
+            return ToolResult(False, f"{name}: {type(exc).__name__}: {exc}", "exception")
+        text = value if isinstance(value, str) else str(value)
+        return ToolResult(True, text[:MAX_RESULT_CHARS])

@@ -1,0 +1,58 @@
+"""Guess-the-number: feedback, termination, rewards and determinism, played by a binary-search agent."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from nemo_like.environments.games.guess_number import GuessNumberEnvironment
+
+
+def play(env: GuessNumberEnvironment, secret: int, low: int = 1, high: int = 100) -> tuple[float, int, list[str]]:
+    """A binary search against the environment; returns the total reward, the guesses made and the feedback."""
+    meta, log, reward, feedback = {"answer": str(secret)}, [{"role": "user", "content": "Guess my number from 1 to 100."}], 0.0, []
+    while True:
+        guess = (low + high) // 2
+        log.append({"role": "assistant", "content": f"{guess}<|im_end|>"})
+        (step,) = env.step([log], [meta])
+        reward += step.reward
+        meta = step.metadata if step.metadata is not None else meta
+        if step.terminated:
+            return reward, meta["guesses"], feedback
+        feedback.append(step.observation["content"])
+        log.append(step.observation)
+        low, high = (guess + 1, high) if step.observation["content"] == "higher" else (low, guess - 1)
+
+
+def test_binary_search_solves_every_secret_within_log2_guesses() -> None:
+    env = GuessNumberEnvironment(max_guesses=7)
+    for secret in range(1, 101):
+        reward, guesses, _ = play(env, secret)
+        assert reward == 1.0 and guesses <= math.ceil(math.log2(101)), secret
+    counts = env.metrics()
+    assert counts["solved"] == 100 and counts["malformed"] == 0 and counts["out_of_guesses"] == 0
+
+
+def test_feedback_for_secret_37() -> None:
+    # 50 -> lower, 25 -> higher, 37 -> correct
+    assert play(GuessNumberEnvironment(), 37) == (1.0, 3, ["lower", "higher"])
+
+
+def test_out_of_guesses_and_malformed_answers_terminate_with_zero_reward() -> None:
+    env = GuessNumberEnvironment(max_guesses=2)
+    assert play(env, 37) == (0.0, 2, ["lower"])  # the second guess (25) was the last one: no feedback after it
+    steps = env.step([[{"role": "assistant", "content": "maybe 40?"}], [{"role": "assistant", "content": ""}]], [{"answer": 4}] * 2)
+    assert [(s.reward, s.terminated, s.observation) for s in steps] == [(0.0, True, None)] * 2
+    assert env.metrics()["malformed"] == 2
+
+
+def test_steps_are_a_pure_function_of_the_turn_and_metadata() -> None:
+    env = GuessNumberEnvironment(feedback_role="environment")
+    log, meta = [{"role": "assistant", "content": "10"}], {"answer": 20, "guesses": 3, "task_name": "guess_number"}
+    first, second = env.step([log], [meta])[0], env.step([log], [meta])[0]
+    assert first == second and first.observation == {"role": "environment", "content": "higher"}
+    assert first.metadata == {"answer": 20, "guesses": 4, "task_name": "guess_number"} and meta["guesses"] == 3  # input not mutated
+    assert env.score(["20", "19"], [{"answer": "20"}] * 2) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="must be an integer"):
+        env.step([log], [{"answer": "twenty"}])

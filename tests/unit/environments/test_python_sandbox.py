@@ -1,0 +1,94 @@
+"""The python tool's sandbox for real (a separate process per call): each limit and refusal becomes an
+error observation through ToolEnvironment, and the next call still works."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from nemo_like.environments.tools.environment import ToolEnvironment
+from nemo_like.environments.tools.parsing import format_tool_call
+from nemo_like.environments.tools.python_sandbox import PythonSandbox
+from nemo_like.environments.tools.registry import ToolError
+
+
+@pytest.fixture(scope="module")
+def env() -> ToolEnvironment:
+    # A generous wall limit: calls that should succeed must not time out on a loaded machine.
+    return ToolEnvironment(tools=["python"], python_timeout_s=30, python_memory_mb=128, python_max_output_bytes=1000)
+
+
+def run(env: ToolEnvironment, code: str) -> str:
+    log = [{"role": "user", "content": "q"}, {"role": "assistant", "content": format_tool_call("python", {"code": code})}]
+    (step,) = env.step([log], [{"answer": 0}])
+    assert not step.terminated and step.reward == 0.0 and step.observation["role"] == "tool"
+    return step.observation["content"]
+
+
+def test_runs_code_repl_style_in_a_fresh_scratch_dir(env: ToolEnvironment) -> None:
+    assert run(env, "x = 6\nprint('hi')\nx * 7") == "hi\n42"
+    assert run(env, "open('notes.txt', 'w').write('abc')\nopen('notes.txt').read()") == "'abc'"
+    assert run(env, "import os\nos.path.exists('notes.txt')") == "False"  # a new scratch dir per call
+    assert run(env, "import math; math.factorial(20)") == "2432902008176640000"
+
+
+@pytest.mark.parametrize(
+    ("code", "observation"),
+    [
+        ("blob = bytearray(512 * 1024 * 1024)", "error: python: memory limit of 128 MB exceeded"),
+        ("def f():\n    raise ValueError('bad input')\nf()", "error: python: ValueError: bad input"),
+        ("print('x' * 5000)", "error: python: output larger than 1000 bytes"),
+        ("import socket\nsocket.socket()", "error: python: PermissionError: sandbox: socket.__new__ is not allowed"),
+        ("import urllib.request\nurllib.request.urlopen('http://example.com')", "is not allowed"),
+        ("import subprocess\nsubprocess.run(['true'])", "error: python: PermissionError: sandbox: subprocess.Popen is not allowed"),
+        ("import os\nos.system('true')", "sandbox: os.system is not allowed"),
+        ("import ctypes", "is not allowed"),
+        ("1 +", "error: python: SyntaxError"),
+    ],
+)
+def test_limits_and_refusals_are_error_observations(env: ToolEnvironment, code: str, observation: str) -> None:
+    assert observation in run(env, code)
+
+
+def test_no_writes_outside_the_scratch_dir(env: ToolEnvironment, tmp_path) -> None:
+    target = tmp_path / "outside.txt"
+    for code in (
+        f"open({str(target)!r}, 'w').write('x')",
+        f"open('../../{target.name}', 'a')",
+        f"import os\nos.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
+        f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')",
+        f"import os\nos.mkdir({str(tmp_path / 'd')!r})",
+        f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+        "import os\nos.symlink('/etc/passwd', 'link')\nopen('link', 'w')",
+    ):
+        observation = run(env, code)
+        assert "sandbox:" in observation and "not allowed" in observation, code
+    assert not target.exists() and not (tmp_path / "d").exists() and tmp_path.exists()
+    assert run(env, "'root:' in open('/etc/passwd').read()") == "True"  # reading is allowed (documented)
+    counts = env.metrics()
+    assert counts["tool_errors"] > 0 and counts["tool_timeouts"] >= 0
+
+
+@pytest.mark.parametrize("code", ["while True:\n    pass", "import time; time.sleep(30)"])
+def test_the_wall_clock_limit_kills_the_snippet(code: str) -> None:
+    env = ToolEnvironment(tools=["python"], python_timeout_s=1.5)
+    assert run(env, code) == "error: python: time limit of 1.5 s exceeded"
+    assert env.metrics()["tool_timeouts"] == 1
+
+
+def test_counters_and_the_run_continues_after_failures(env: ToolEnvironment) -> None:
+    env.metrics()  # reset
+    outputs = [run(env, code) for code in ("bytearray(1 << 30)", "1/0", "import socket; socket.socket()", "2 + 2")]
+    assert outputs[-1] == "4"
+    counts = env.metrics()
+    assert (counts["tool_calls"], counts["tool_errors"], counts["tool_timeouts"], counts["tool_memory_errors"]) == (4, 3, 0, 1)
+
+
+def test_sandbox_rejects_bad_arguments_without_starting_a_process() -> None:
+    sandbox = PythonSandbox()
+    for code, message in ((123, "must be a string"), ("x" * 20_001, "longer than")):
+        with pytest.raises(ToolError, match=message) as err:
+            sandbox.run(code)
+        assert err.value.kind == "bad_arguments"
+    assert os.path.basename(PythonSandbox.__module__)  # importable without side effects

@@ -1,0 +1,156 @@
+"""Tool calling without Ray: <tool_call> parsing, the calculator's safety, the registry (built-ins, custom
+tools by import path) and ToolEnvironment.step (observations, termination, rewards, counters)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nemo_like.config import ConfigError
+from nemo_like.config.schema import MasterConfig
+from nemo_like.environments.registry import resolve_environments
+from nemo_like.environments.tools.calculator import CalculatorError, calculator, evaluate_expression
+from nemo_like.environments.tools.environment import ToolEnvironment
+from nemo_like.environments.tools.parsing import ToolCall, ToolCallError, format_tool_call, parse_tool_calls
+from nemo_like.environments.tools.registry import ToolRegistry
+
+
+def call(name: str, **arguments: object) -> str:
+    return format_tool_call(name, arguments)
+
+
+def test_parsing_well_formed_several_and_malformed_calls() -> None:
+    text = "Let me compute. " + call("calculator", expression="2+3") + "\n" + call("python", code="print(1)")
+    assert parse_tool_calls(text) == [ToolCall("calculator", {"expression": "2+3"}), ToolCall("python", {"code": "print(1)"})]
+    assert parse_tool_calls("just 42") == []
+    # arguments given as a JSON string holding an object (some models emit this)
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>') == [ToolCall("f", {"x": 1})]
+    bad = {
+        "<tool_call>{name: 'calculator'}</tool_call>": "malformed JSON",
+        "<tool_call>[1, 2]</tool_call>": "JSON object",
+        '<tool_call>{"arguments": {}}</tool_call>': "non-empty string 'name'",
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>': "must be a JSON object",
+        '<tool_call>{"name": "f", "arguments": {}, "id": 3}</tool_call>': "unexpected keys",
+        '<tool_call>{"name": "f", "arguments": {}}': "unterminated",
+    }
+    for text, message in bad.items():
+        (parsed,) = parse_tool_calls(text)
+        assert isinstance(parsed, ToolCallError) and message in parsed.message, (text, parsed)
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [("347*28", "9716"), ("2 ** 10", "1024"), ("-(3 - 10) // 2", "3"), ("7 % 3 + 10/4", "3.5"), ("10/2", "5"), ("1e3 * 2", "2000")],
+)
+def test_calculator_evaluates_arithmetic(expression: str, value: str) -> None:
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("__import__('os').system('ls')", "Call is not allowed"),
+        ("x + 1", "Name is not allowed"),
+        ("(1).__class__", "Attribute is not allowed"),
+        ("'a' * 3", "only numbers"),
+        ("True + 1", "only numbers"),
+        ("[1, 2]", "List is not allowed"),
+        ("9 ** 9 ** 9", "exponent"),
+        ("10 ** 999 * 10 ** 999", "more than 1000 digits"),
+        ("99999 ** 1000", "more than 1000 digits"),
+        ("1 / 0", "division by zero"),
+        ("0 ** -1", "zero to a negative power"),
+        ("(-8) ** 0.5", "complex"),
+        ("1 +", "invalid expression"),
+        ("1" * 201, "longer than 200"),
+    ],
+)
+def test_calculator_rejects_everything_but_bounded_arithmetic(expression: str, message: str) -> None:
+    with pytest.raises(CalculatorError, match=message):
+        evaluate_expression(expression)
+
+
+def test_registry_built_ins_custom_tools_by_import_path_and_errors(tmp_path) -> None:
+    (tmp_path / "my_tools.py").write_text("def reverse(text: str) -> str:\n    return text[::-1]\n\ndef boom():\n    raise KeyError('x')\n")
+    registry = ToolRegistry.from_config(["calculator", f"{tmp_path}/my_tools.py:reverse", f"{tmp_path}/my_tools.py:boom"])
+    assert sorted(registry.tools) == ["boom", "calculator", "reverse"]
+    assert registry.call("reverse", {"text": "abc"}).text == "cba"
+    assert registry.call("calculator", {"expression": "6*7"}).text == "42"
+    assert registry.call("reverse", {"txt": "abc"}).error_kind == "bad_arguments"
+    assert registry.call("boom", {}).text == "boom: KeyError: 'x'"
+    assert registry.call("nope", {}).error_kind == "unknown_tool"
+    named = ToolRegistry.from_config({"calc": "calculator", "rev": "nemo_like.environments.tools.calculator:format_number"})
+    assert sorted(named.tools) == ["calc", "rev"] and named.call("rev", {"value": 2.0}).text == "2"
+    with pytest.raises(ConfigError, match="not a built-in tool.*Did you mean 'calculator'"):
+        ToolRegistry.from_config(["calculater"])
+    with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+        ToolRegistry.from_config([f"{tmp_path}/my_tools.py:nope"])
+
+
+def test_tool_env_is_a_registered_builtin_with_validated_keys() -> None:
+    spec = resolve_environments(MasterConfig.model_validate({"env": {"tool": {"tools": ["calculator", "python"]}}}).env)["tool"]
+    assert spec.class_path.endswith(":ToolEnvironment") and spec.kwargs["python_timeout_s"] == 5.0
+    for section, message in [
+        ({"tools": ["calculater"]}, "Did you mean 'calculator'"),
+        ({"python_timeout_s": 0}, "greater than 0"),
+        ({"answer_checker": "nowhere"}, "module:function"),
+        ({"tool": 1}, "unknown key"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            resolve_environments(MasterConfig.model_validate({"env": {"tool": section}}).env)
+
+
+def conversation(*assistant_turns: str) -> list[dict[str, str]]:
+    log = [{"role": "user", "content": "What is 347 times 28?"}]
+    for turn in assistant_turns:
+        log += [{"role": "assistant", "content": turn}, {"role": "tool", "content": "..."}]
+    return log[:-1]
+
+
+def test_tool_env_step_tool_turns_final_answers_and_counters() -> None:
+    env = ToolEnvironment(tools=["calculator"])
+    meta = {"answer": "9716"}
+    logs = [
+        conversation(call("calculator", expression="347*28") + "<|im_end|>"),  # a call: result, not terminated
+        conversation(call("calculator", expression="347*28"), "9716<|im_end|>"),  # answer after the tool: reward 1
+        conversation("9716"),  # direct right answer
+        conversation("9717"),  # direct wrong answer
+        conversation("<tool_call>{oops</tool_call>"),  # malformed: error observation, run continues
+        conversation(call("calculator", expression="347*28"), call("search", query="x")),  # unknown tool, 2nd call of a user
+        conversation(" ".join([call("calculator", expression="1+1")] * 5)),  # too many calls in one turn
+        conversation(call("calculator", expression="1+1") + call("calculator", expression="2*3")),  # two calls: one line each
+    ]
+    steps = env.step(logs, [meta] * len(logs))
+    assert [(s.reward, s.terminated) for s in steps] == [(0.0, False), (1.0, True), (1.0, True), (0.0, True)] + [(0.0, False)] * 4
+    assert steps[0].observation == {"role": "tool", "content": "9716"}
+    assert all(s.observation is None for s in steps[1:4])
+    assert steps[4].observation["content"].startswith("error: malformed JSON")
+    assert steps[5].observation["content"] == "error: unknown tool 'search'; available: calculator"
+    assert steps[6].observation["content"] == "error: 5 tool calls in one turn; at most 4"
+    assert steps[7].observation["content"] == "calculator: 2\ncalculator: 6"
+    assert [s.metrics for s in steps] == [
+        {"tool_calls": c, "tool_errors": e} for c, e in [(1, 0), (0, 0), (0, 0), (0, 0), (1, 1), (1, 1), (0, 1), (2, 0)]
+    ]
+    assert env.metrics() == {
+        "tool_calls": 5.0,  # 1 + 1 (malformed) + 1 (unknown) + 2; the over-limit turn runs none
+        "tool_errors": 3.0,
+        "tool_timeouts": 0.0,
+        "tool_memory_errors": 0.0,
+        "malformed_calls": 1.0,
+        "unknown_tools": 1.0,
+        "samples": 6.0,  # first turns: all logs but 1 and 5
+        "samples_using_tool": 4.0,  # the first call of logs 0, 4, 6, 7 (logs 1 and 5 called earlier)
+        "final_answers": 3.0,
+        "correct": 2.0,
+    }
+    assert env.metrics()["tool_calls"] == 0.0  # reset after reading
+    assert env.score(["9716", call("calculator", expression="1")], [meta, meta]) == [1.0, 0.0]
+
+
+def test_tool_env_custom_answer_checker(tmp_path) -> None:
+    (tmp_path / "checkers.py").write_text("def contains(text, answer):\n    return float(str(answer) in text)\n")
+    env = ToolEnvironment(answer_checker=f"{tmp_path}/checkers.py:contains")
+    (step,) = env.step([conversation("The answer is 9716.")], [{"answer": 9716}])
+    assert step.reward == 1.0 and step.terminated
+    assert json.loads(json.dumps(env.metrics()))["correct"] == 1.0
