@@ -41,3 +41,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("ray_session"))
+
+
+def pytest_runtest_setup(item):
+    """Under pytest-xdist, a worker running tests outside the session-cluster group lowers its own priority
+    (nice 19, once): those tests fill the CPU the session cluster's actors (nice 0, see
+    ``nemo_like.distributed.ray_env``) leave idle instead of stalling their multi-threaded steps."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and item.get_closest_marker("xdist_group") is None and os.nice(0) < 19:
+        os.nice(19 - os.nice(0))
