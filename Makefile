@@ -44,7 +44,7 @@ PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q --durations=25 $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -q -m "not slow" $(XDIST) $(PYTEST_ARGS)

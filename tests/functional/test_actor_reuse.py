@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import ray
@@ -38,6 +39,18 @@ def bump_all(group: RayWorkerGroup) -> list[tuple[int, int, int]]:
     return ray.get(group.run_all("bump"))
 
 
+def wait_until_dead(actor, timeout_s: float = 60) -> None:
+    """Until a call on ``actor`` fails with RayActorError (a kill has landed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.bump.remote())
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        time.sleep(0.1)
+
+
 def test_a_kept_group_is_reinitialised_in_place_and_other_shapes_get_new_actors(ray_cluster):
     resources = WorkerResources(num_cpus=0.01)
     with reuse_actors():
@@ -55,8 +68,7 @@ def test_a_kept_group_is_reinitialised_in_place_and_other_shapes_get_new_actors(
         one = RayWorkerGroup("counter", Counter, 1, resources, {"start": 0})  # another shape: new actor
         assert bump_all(one)[0][0] not in {pid for pid, _, _ in before}
         ray.kill(one.workers[0], no_restart=True)
-        with pytest.raises(ray.exceptions.RayActorError):  # the kill has landed
-            ray.get(one.workers[0].bump.remote())
+        wait_until_dead(one.workers[0])  # ray.kill returns before the actor is gone
         one.shutdown()  # a dead actor is kept...
         fresh = RayWorkerGroup("counter", Counter, 1, resources, {"start": 0})  # ...but never reused
         assert bump_all(fresh)[0][2] == 1
