@@ -46,8 +46,17 @@ class LocalHead:
     jobs: list[str] = field(default_factory=list)
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        """Run ``ray <args>`` against this head's jobs API."""
-        return subprocess.run([RAY, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        """Run ``ray <args>`` against this head's jobs API.
+
+        Output goes to files, not pipes: once seen in CI, ``ray job submit`` exited 0 with its output
+        complete while some process it left behind still held the pipes open, so reading them to
+        EOF hung past the timeout. Waiting on the CLI process alone cannot be held up that way.
+        """
+        with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+            returncode = subprocess.run([RAY, *args], env=self.env, stdout=stdout, stderr=stderr, timeout=timeout).returncode
+            stdout.seek(0)
+            stderr.seek(0)
+            return subprocess.CompletedProcess([RAY, *args], returncode, stdout.read(), stderr.read())
 
     def submit(self, submission_id: str, working_dir: Path, entrypoint: list[str]) -> None:
         """``ray job submit --no-wait`` with a working dir; the job's id is ours, for polling."""
