@@ -161,3 +161,32 @@ def test_in_flight_refit_lands_between_engine_steps(ray_cluster, tmp_path, tok):
         assert (recorded[swap:] - old_lp[swap:]).abs().mean() > 1e-2
     finally:
         gen.shutdown()
+
+
+def test_a_kept_engine_that_saw_nonfinite_weights_serves_the_next_run_cleanly(ray_cluster, cfg, tok):
+    """Actor reuse: a run whose weights overflowed leaves NaN keys and values in the engine's KV cache; the kept
+    engine re-initialised for the next run must not read them back (masked slots weigh 0, and 0 * NaN is NaN)."""
+    import math
+
+    import ray
+
+    from nemo_like.models.generation.vllm import VLLMGeneration
+    from nemo_like.models.loading import full_state_dict, load_causal_lm
+
+    params = SamplingParams(max_new_tokens=8, temperature=cfg.policy.generation.temperature)
+    batch = prompts(cfg, tok, n=16)
+    state = full_state_dict(load_causal_lm(cfg.policy.model_name, cfg.policy.precision))
+    first = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), name="poisoned_vllm")
+    actor_ids = [worker._actor_id for worker in first.group.workers]
+    first.refit(ray.put((1, {name: torch.full_like(t, math.inf) for name, t in state.items()})), 1)
+    poisoned = first.generate(batch, params, seed=0)
+    assert any(not math.isfinite(lp) for s in poisoned for lp in s.response_logprobs)  # the cache now holds NaN
+    first.shutdown()  # kept idle by the session's reuse_actors
+
+    again = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), name="poisoned_vllm")
+    try:
+        assert [worker._actor_id for worker in again.group.workers] == actor_ids  # the same engine, re-initialised
+        clean = again.generate(batch, params, seed=0)
+    finally:
+        again.shutdown()
+    assert all(math.isfinite(lp) for s in clean for lp in s.response_logprobs)

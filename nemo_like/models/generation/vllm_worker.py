@@ -101,6 +101,14 @@ def sample_from_output(prompt: list[int], completion: Any, version: int, final_v
     )
 
 
+def _zero_kv_cache(worker: Any) -> int:
+    """Zero every KV cache tensor of a vLLM worker (run inside the engine by ``collective_rpc``)."""
+    caches = worker.model_runner.kv_caches
+    for cache in caches:
+        cache.zero_()
+    return len(caches)
+
+
 class VLLMGenerationWorker(Reinitializable):
     """One vLLM engine (tensor parallel 1) used for sampling; weights are replaced by :meth:`update_weights`
     (between two engine steps of a running generate call when the actor runs with ``max_concurrency=2``,
@@ -159,6 +167,9 @@ class VLLMGenerationWorker(Reinitializable):
         self._prefix_cache_stale = False
         self._drop_adapter()
         self._reload_weights(0, list(state.items()))
+        # A kept engine's KV cache still holds the last run's keys and values. Attention masks unused slots by
+        # weighting them 0, and 0 * NaN is NaN: a run whose weights overflowed would poison every later one.
+        self.llm.collective_rpc(_zero_kv_cache)
 
     def _start_engine(self, path: str, precision: str, max_model_len: int, seed: int, enforce_eager: bool, gpu_mem: float):
         from vllm import LLM
