@@ -103,9 +103,28 @@ def test_gpu_table_and_configured_peak():
     )
 
 
-def test_cpu_probe_is_measured_once_and_cached(tmp_path):
+def test_cpu_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine: the probe is final
     cache = tmp_path / "peak.json"
     cache.write_text(json.dumps({cpu_key("bfloat16"): 123.0}))
     assert cpu_peak_flops("bfloat16", cache) == 123.0  # read back, not measured
     measured = cpu_peak_flops("float32", cache)
     assert measured > 0 and json.loads(cache.read_text()) == {cpu_key("bfloat16"): 123.0, cpu_key("float32"): measured}
+
+
+def test_a_probe_on_a_busy_machine_is_provisional_and_the_best_later_probe_replaces_it(tmp_path, monkeypatch):
+    from nemo_like.distributed.threads import local_cores
+
+    cache = tmp_path / "peak.json"
+    key = cpu_key("float32")
+    monkeypatch.setattr("os.getloadavg", lambda: (local_cores() * 4.0, 0.0, 0.0))
+    busy = cpu_peak_flops("float32", cache)
+    entry = json.loads(cache.read_text())[key]
+    assert entry["flops"] == busy and "measured at load" in entry["provisional"]
+    cache.write_text(json.dumps({key: {"flops": 1e15, "provisional": "x"}}))  # an earlier, better busy probe is kept
+    assert cpu_peak_flops("float32", cache) == 1e15
+    cache.write_text(json.dumps({key: {"flops": 1.0, "provisional": "x"}}))
+    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
+    quiet = cpu_peak_flops("float32", cache)  # quiet: measured again, and final
+    assert quiet > 1.0 and json.loads(cache.read_text())[key] == quiet
+    assert cpu_peak_flops("float32", cache) == quiet
