@@ -41,7 +41,7 @@ demo-async: $(STAMP)
 # Two pytest-xdist workers: the tests on the shared session Ray cluster run in one of them, in file order
 # (tests/conftest.py groups them), while the unit tier fills the other. PYTEST_WORKERS=0 runs serially.
 PYTEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist load)
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist worksteal)
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q --durations=25 $(XDIST) $(PYTEST_ARGS)

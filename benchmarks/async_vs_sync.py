@@ -11,7 +11,8 @@ Settings:
 
 For each setting it prints steps/s sync and async and their ratio, then where an async step's time
 went: the trainer waiting for data, the trainer waiting for the batch in flight before a refit, and
-the collector's generation seconds, pause for refit and wait for pacing (all per step, medians).
+the collector's generation seconds, pause for refit and wait for pacing (all per step, medians), and the
+best ratio the two sides' busy times allow (sync step / the busier side's seconds per async step).
 The first ``--warmup`` steps of each run (actor warm-up) are left out. Threads per worker are the
 automatic split unless overridden (``policy.num_threads_per_worker=N``; docs/guides/scaling.md), and
 the split each mode used is printed.
@@ -99,6 +100,15 @@ def compare(name: str, steps: int, warmup: int, extra: list[str]) -> None:
     for mode, extra_mode in (("sync", []), ("async", ASYNC)):
         print(f"{mode} {thread_split(load_config(DEFAULT_RECIPE, [*SETTINGS[name], *extra, *extra_mode], warn=False)).describe()}")
     print("async per-step medians: " + ", ".join(f"{k} {median(async_, k):.3f}s" for k in IDLE_KEYS))
+    # With generation and training on separate threads, an async step can take no less than the busier side's
+    # time: the trainer's step minus its wait for data, or the collector's generation seconds.
+    trainer_busy = statistics.median(h["timing/train/total_step_time"] - h.get("idle/trainer_waiting_for_data", 0.0) for h in async_)
+    collector_busy = median(async_, "async/generation_seconds")
+    bound = median(sync, "timing/train/total_step_time") / max(trainer_busy, collector_busy)
+    print(
+        f"async busy per step: trainer {trainer_busy:.3f}s, collector {collector_busy:.3f}s; "
+        f"async/sync if the two overlapped perfectly at these thread counts: {bound:.2f}"
+    )
     print(
         f"async mean trajectory age: {statistics.mean(h['train/avg_trajectory_age'] for h in async_):.2f}; "
         f"samples refitted mid-sequence: {statistics.mean(h['async/refitted_mid_sequence_fraction'] for h in async_):.1%}"

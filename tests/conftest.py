@@ -35,7 +35,7 @@ def ray_cluster():
 
 
 def pytest_runtest_setup(item):
-    """Under pytest-xdist (``make test`` runs ``-n 2 --dist load``), a worker lowers its own priority to nice 19
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist worksteal``), a worker lowers its own priority to nice 19
     (once) when it first runs a test without the session cluster: such tests (the unit tier, tests with their own
     clusters) then fill the CPU that cluster actors (nice 0, see ``nemo_like.distributed.ray_env``) leave idle
     instead of stalling their multi-threaded steps.

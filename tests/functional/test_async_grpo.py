@@ -95,10 +95,10 @@ def test_async_tiny_recipe_learns_within_five_points_of_sync(ray_cluster, tmp_pa
     recipe = REPO / "examples" / "configs" / "grpo_tiny_cpu_async.yaml"
     common = ["grpo.max_val_samples=1024", "grpo.val_period=0", "logger.progress_bar=false"]
     sync = train(load_config(recipe, [*common, "grpo.async_grpo.enabled=false", f"logger.log_dir={tmp_path / 'sync'}"]))
-    run = train(load_config(recipe, [*common, f"logger.log_dir={tmp_path / 'async'}"]))
-    assert sync[-1]["step"] == run[-1]["step"] == 100
+    # Both runs start from the same model on the same validation prompts: the sync run's step-0 validation serves both.
+    run = train(load_config(recipe, [*common, "grpo.val_at_start=false", f"logger.log_dir={tmp_path / 'async'}"]))
+    assert sync[-1]["step"] == run[-1]["step"] == 100 and "validation/accuracy" not in run[0]
     start, sync_end, async_end = sync[0]["validation/accuracy"], sync[-1]["validation/accuracy"], run[-1]["validation/accuracy"]
-    assert run[0]["validation/accuracy"] == start  # same model, same validation prompts and seed
     assert sync_end - start > 0.3  # the sync run learned (a meaningless comparison otherwise)
     assert abs(async_end - sync_end) <= 0.05, (sync_end, async_end)
     assert max(r.get("train/max_trajectory_age", 0.0) for r in run) == 1.0

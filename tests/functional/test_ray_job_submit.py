@@ -209,6 +209,7 @@ def test_job_submit_trains_and_an_over_asking_job_fails_fast(ray_head: LocalHead
         "--config",
         TINY_RECIPE.name,
         *TINY_OVERRIDES,
+        "policy.generation.backend=hf",  # the job system is under test, not the engine: the lighter one starts faster
     ]  # config: relative to the working dir
 
     start = time.monotonic()
