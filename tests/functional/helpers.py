@@ -30,6 +30,17 @@ def tiny_config(tmp_path: Path, *overrides: str) -> MasterConfig:
     return load_config(TINY_RECIPE, [*TINY_OVERRIDES, f"logger.log_dir={tmp_path / 'logs'}", *overrides])
 
 
+def ckpt_overrides(ckpt_dir: Path, period: int = 3) -> tuple[str, ...]:
+    """Checkpoint every ``period`` steps into ``ckpt_dir``, keeping every checkpoint (no best-k by a metric)."""
+    return (
+        "checkpointing.enabled=true",
+        f"checkpointing.checkpoint_dir={ckpt_dir}",
+        f"checkpointing.save_period={period}",
+        "checkpointing.keep_top_k=null",
+        "checkpointing.metric_name=null",
+    )
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Every record of a JSONL file (``metrics.jsonl``, sample dumps, ``results.jsonl``)."""
     return [json.loads(line) for line in Path(path).read_text().splitlines()]

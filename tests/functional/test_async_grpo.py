@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-from functional.helpers import REPO, tiny_config
+from functional.helpers import REPO, ckpt_overrides, tiny_config
 
 from nemo_like.config import load_config
 from nemo_like.experience.async_rollouts import BUFFER_FILE
@@ -47,11 +47,7 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
         "grpo.max_num_steps=5",
         "grpo.val_at_start=false",
         "grpo.val_at_end=false",
-        "checkpointing.enabled=true",
-        f"checkpointing.checkpoint_dir={ckpt}",
-        "checkpointing.save_period=2",
-        "checkpointing.keep_top_k=null",
-        "checkpointing.metric_name=null",
+        *ckpt_overrides(ckpt, 2),
     )
     straight = steps_of(train(tiny_config(tmp_path, *overrides)))
     assert [r["step"] for r in straight] == [1, 2, 3, 4, 5]

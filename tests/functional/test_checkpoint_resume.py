@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from functional.helpers import TINY_RECIPE, read_metrics, tiny_config
+from functional.helpers import TINY_RECIPE, ckpt_overrides, read_metrics, tiny_config
 from safetensors.torch import load_file
 
 from nemo_like.algorithms.grpo import NonFiniteTrainingError
@@ -21,16 +21,6 @@ from nemo_like.utils.run_lock import LOCK_FILE
 pytestmark = pytest.mark.slow
 
 NO_VALIDATION = ("grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.val_period=0")
-
-
-def ckpt_overrides(ckpt_dir: Path, period: int = 3) -> tuple[str, ...]:
-    return (
-        "checkpointing.enabled=true",
-        f"checkpointing.checkpoint_dir={ckpt_dir}",
-        f"checkpointing.save_period={period}",
-        "checkpointing.keep_top_k=null",
-        "checkpointing.metric_name=null",
-    )
 
 
 def run(tmp_path, *overrides):

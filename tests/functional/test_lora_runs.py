@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from functional.helpers import read_metrics, tiny_config
+from functional.helpers import ckpt_overrides, read_metrics, tiny_config
 from safetensors.torch import load_file
 
 from nemo_like.models.loading import load_causal_lm
@@ -20,22 +20,12 @@ LORA = ("policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=4", "policy.lora_cf
 GEN_KL_BOUND = 0.002
 
 
-def ckpt(ckpt_dir) -> tuple[str, ...]:
-    return (
-        "checkpointing.enabled=true",
-        f"checkpointing.checkpoint_dir={ckpt_dir}",
-        "checkpointing.save_period=2",
-        "checkpointing.keep_top_k=null",
-        "checkpointing.metric_name=null",
-    )
-
-
 def test_lora_adapter_refit_resumes_bitwise_and_the_checkpoint_merges(ray_cluster, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train(tiny_config(straight, "grpo.max_num_steps=4", *LORA, *NO_VALIDATION, *ckpt(straight / "ckpt")))
+    train(tiny_config(straight, "grpo.max_num_steps=4", *LORA, *NO_VALIDATION, *ckpt_overrides(straight / "ckpt", 2)))
     # 2 + 2: the 4-step run's step-2 checkpoint (what a 2-step run writes) resumed for steps 3 and 4 elsewhere.
     shutil.copytree(straight / "ckpt" / "step_2", split / "ckpt" / "step_2")
-    resumed = train(tiny_config(split, "grpo.max_num_steps=4", *LORA, *NO_VALIDATION, *ckpt(split / "ckpt")))
+    resumed = train(tiny_config(split, "grpo.max_num_steps=4", *LORA, *NO_VALIDATION, *ckpt_overrides(split / "ckpt", 2)))
     assert [h["step"] for h in resumed] == [3, 4]
     records = read_metrics(straight / "logs")
     for ra, rb in zip(records[2:], read_metrics(split / "logs")):

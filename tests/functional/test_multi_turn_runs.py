@@ -5,7 +5,7 @@ turns, validates multi-turn; the async loop keeps the staleness bound counted fr
 checkpoints only whole samples."""
 
 import torch
-from functional.helpers import read_jsonl, tiny_config
+from functional.helpers import ckpt_overrides, read_jsonl, tiny_config
 
 from nemo_like.experience.async_rollouts import BUFFER_FILE
 from nemo_like.train import train
@@ -60,11 +60,7 @@ def test_async_multi_turn_keeps_the_staleness_bound_and_checkpoints_whole_sample
             "grpo.max_num_steps=3",
             "grpo.val_at_start=false",
             "grpo.val_at_end=false",
-            "checkpointing.enabled=true",
-            f"checkpointing.checkpoint_dir={ckpt}",
-            "checkpointing.save_period=2",
-            "checkpointing.keep_top_k=null",
-            "checkpointing.metric_name=null",
+            *ckpt_overrides(ckpt, 2),
         )
     )
     steps = steps_of(history)
