@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from nemo_like.config import DEFAULT_RECIPE, load_config
+from nemo_like.config import DEFAULT_RECIPE, MasterConfig, load_config
 from nemo_like.train import train
 
 
-def run_recipe(steps: int, log_dir: str, overrides: list[str]) -> list[dict]:
-    """Train ``steps`` steps of the embedded recipe with ``overrides``; returns the per-step records."""
-    cfg = load_config(
+def quiet_config(log_dir: str, overrides: list[str], steps: int | None = None) -> MasterConfig:
+    """The embedded recipe with no validation, no progress bar or timing lines, logging to ``log_dir``, then
+    ``overrides`` (and ``steps`` steps when given)."""
+    return load_config(
         DEFAULT_RECIPE,
         [
-            f"grpo.max_num_steps={steps}",
+            *([f"grpo.max_num_steps={steps}"] if steps is not None else []),
             "grpo.val_at_start=false",
             "grpo.val_at_end=false",
             "grpo.val_period=0",
@@ -21,4 +22,8 @@ def run_recipe(steps: int, log_dir: str, overrides: list[str]) -> list[dict]:
             *overrides,
         ],
     )
-    return train(cfg)
+
+
+def run_recipe(steps: int, log_dir: str, overrides: list[str]) -> list[dict]:
+    """Train ``steps`` steps of the embedded recipe with ``overrides``; returns the per-step records."""
+    return train(quiet_config(log_dir, overrides, steps))

@@ -228,9 +228,10 @@ class OurRun:
     """Our sync GRPO loop on the workload, one step per :meth:`step` call (the loop's own step function)."""
 
     def __init__(self, model_dir: str, work: dict, backend: str, log_dir: str, extra: list[str]) -> None:
+        from recipe_runs import quiet_config
+
         from nemo_like.algorithms.grpo import SyncSteps
         from nemo_like.algorithms.setup import setup_grpo
-        from nemo_like.config import DEFAULT_RECIPE, load_config
 
         overrides = [
             f"policy.model_name={model_dir}",
@@ -239,16 +240,10 @@ class OurRun:
             f"policy.generation.max_new_tokens={work['new_tokens']}",
             f"policy.max_total_sequence_length={PROMPT_BUDGET + work['new_tokens']}",
             "loss_fn.reference_policy_kl_penalty=0",  # beta 0, as TRL's default
-            "grpo.val_at_start=false",
-            "grpo.val_at_end=false",
-            "grpo.val_period=0",
-            "logger.progress_bar=false",
-            "logger.console_timing_period=0",
-            f"logger.log_dir={log_dir}",
             *([f"policy.generation.backend={backend}"] if backend != "default" else []),
             *extra,
         ]
-        self.cfg = load_config(DEFAULT_RECIPE, overrides)
+        self.cfg = quiet_config(log_dir, overrides)
         self.parts = setup_grpo(self.cfg)
         self.steps = SyncSteps(self.parts)
         self.steps.start(0, None)
