@@ -181,7 +181,8 @@ def cpu_peak_flops(dtype: str = "float32", cache: Path = CACHE_FILE) -> float:
     from nemo_like.distributed.threads import local_cores
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    best = max(measure_matmul_flops(dtype), float(entry["flops"]) if isinstance(entry, dict) else 0.0)
+    earlier = entry.get("flops") if isinstance(entry, dict) else None  # anything else (a hand-edited file): measure anew
+    best = max(measure_matmul_flops(dtype), float(earlier) if isinstance(earlier, (int, float)) else 0.0)
     cached[key] = best if load <= local_cores() / 2 else {"flops": best, "provisional": f"measured at load {load:.1f}"}
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
