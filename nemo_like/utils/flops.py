@@ -167,8 +167,9 @@ def cpu_peak_flops(dtype: str = "float32", cache: Path = CACHE_FILE) -> float:
     per :func:`cpu_key`.
 
     A probe taken while the machine was busy (1-minute load average above half its cores) measures the
-    share of the CPU it got, not the peak: such an entry is provisional, and each later run probes again
-    and keeps the best figure until a probe on a quiet machine makes it final (delete the file to start over).
+    share of the CPU it got, not the peak: such an entry is provisional (it records that load), and a later run
+    on a less loaded machine probes again and keeps the best figure, until a probe on a quiet machine makes it
+    final (delete the file to start over). Runs at the same load or busier reuse the entry without probing.
     """
     key = cpu_key(dtype)
     try:
@@ -182,8 +183,13 @@ def cpu_peak_flops(dtype: str = "float32", cache: Path = CACHE_FILE) -> float:
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     earlier = entry.get("flops") if isinstance(entry, dict) else None  # anything else (a hand-edited file): measure anew
-    best = max(measure_matmul_flops(dtype), float(earlier) if isinstance(earlier, (int, float)) else 0.0)
-    cached[key] = best if load <= local_cores() / 2 else {"flops": best, "provisional": f"measured at load {load:.1f}"}
+    earlier = float(earlier) if isinstance(earlier, (int, float)) else 0.0
+    earlier_load = entry.get("load") if isinstance(entry, dict) else None
+    if earlier > 0 and isinstance(earlier_load, (int, float)) and load >= earlier_load:
+        return earlier  # no quieter than at the provisional probe: a new one would read no higher
+    best = max(measure_matmul_flops(dtype), earlier)
+    busy = {"flops": best, "load": round(load, 2), "provisional": f"measured at load {load:.1f}"}
+    cached[key] = best if load <= local_cores() / 2 else busy
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(cached, indent=1))

@@ -130,3 +130,6 @@ def test_a_probe_on_a_busy_machine_is_provisional_and_the_best_later_probe_repla
     assert cpu_peak_flops("float32", cache) == quiet
     cache.write_text(json.dumps({key: {"flops": "fast"}}))  # a hand-edited entry is measured anew, not a traceback
     assert cpu_peak_flops("float32", cache) > 1.0
+    monkeypatch.setattr("os.getloadavg", lambda: (local_cores() * 4.0, 0.0, 0.0))
+    cache.write_text(json.dumps({key: {"flops": 5.0, "load": local_cores() * 2.0, "provisional": "x"}}))
+    assert cpu_peak_flops("float32", cache) == 5.0  # busier than at that probe: reused, not probed again
