@@ -276,10 +276,23 @@ def collect_training_rollout(
             return Rollout(kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"], env_counters), metrics
 
 
+def attach_precomputed_reference(batch: dict[str, torch.Tensor], rollout: Rollout) -> None:
+    """Put the reference logprobs the async collector computed for this rollout into the batch. They came
+    from the same samples collated in the same order, so the width must match the batch's."""
+    lp = rollout.reference_logprobs
+    if lp is None:
+        return
+    if lp.shape != batch["input_ids"].shape:
+        raise ValueError(f"precomputed reference logprobs of shape {tuple(lp.shape)} for a batch of {tuple(batch['input_ids'].shape)}")
+    batch["reference_policy_logprobs"] = lp
+
+
 def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], timer: StepTimer) -> None:
-    """Prev and reference logprob passes, concurrently on their own actors, each only when planned."""
+    """Prev and reference logprob passes, concurrently on their own actors, each only when planned (the
+    reference pass not when the batch already carries its result)."""
     prev_refs = parts.policy.get_logprobs_async(batch) if parts.plan.compute_prev else None
-    ref_refs = parts.reference.get_logprobs_async(batch) if parts.plan.compute_reference else None
+    need_reference = parts.plan.compute_reference and "reference_policy_logprobs" not in batch
+    ref_refs = parts.reference.get_logprobs_async(batch) if need_reference else None
     # The passes overlap, so each is timed from the common start to its own completion.
     start = time.perf_counter()
     if prev_refs is not None:
@@ -290,18 +303,14 @@ def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], ti
         timer.add("reference_logprobs", time.perf_counter() - start)
 
 
-def reference_pass_count(parts: GRPOComponents) -> int:
-    """Logprob forward passes the reference ran so far (0 without a reference: no Ray round trip)."""
-    return parts.reference.forward_pass_counts()["logprobs"] if parts.reference else 0
-
-
 def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout: Rollout) -> dict[str, Any]:
     """Advantages, the planned logprob passes, one policy update; returns the step's training metrics."""
     cfg = parts.cfg
     batch, adv_metrics = build_train_batch(parts, rollout)
-    reference_before = reference_pass_count(parts)
+    attach_precomputed_reference(batch, rollout)
     run_logprob_passes(parts, batch, timer)
-    reference_passes = reference_pass_count(parts) - reference_before
+    # Since the previous step: this step's pass, or (async) the collector's passes on the batches it generated meanwhile.
+    reference_passes = parts.reference.take_logprob_passes() if parts.reference else 0
     adv_metrics.update(apply_driver_masks(cfg, batch, rollout.rewards))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
@@ -379,6 +388,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
             "async/refitted_mid_sequence_fraction": sum(s.refitted_mid_sequence for s in rollout.samples) / len(rollout.samples),
             "async/generation_seconds": seconds,
             "async/reward_seconds": generated.reward_seconds,
+            "async/reference_logprob_seconds": generated.reference_seconds,
             "async/generation_batches": float(generated.batches),
             "async/generation_tokens_per_sec": generated.generated_tokens / seconds if seconds else 0.0,
             "idle/trainer_waiting_for_data": taken.waited_s,

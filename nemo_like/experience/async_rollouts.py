@@ -23,6 +23,7 @@ from nemo_like.experience.replay_buffer import ReplayBufferActor, TrajectoryGrou
 from nemo_like.experience.rollouts import Rollout
 from nemo_like.experience.trajectory_collector import GenerationStats, TrajectoryCollector
 from nemo_like.models.generation.interface import sampling_params
+from nemo_like.models.policy.policy import Policy, ShardedLogprobs
 
 BUFFER_FILE = "replay_buffer.pt"
 ASYNC_ACTOR_CPUS = 0.05  # the trajectory collector and the replay buffer mostly wait
@@ -59,13 +60,24 @@ class RefitTiming:
 def rollout_from_groups(groups: list[TrajectoryGroup]) -> Rollout:
     """Concatenate groups into one prompt-major :class:`Rollout` (group ``i`` gets group id ``i``)."""
     sizes = [len(g.samples) for g in groups]
+    reference = [g.reference_logprobs for g in groups]
     return Rollout(
         prompts=[g.prompt for g, n in zip(groups, sizes) for _ in range(n)],
         group_ids=torch.arange(len(groups)).repeat_interleave(torch.tensor(sizes)),
         samples=[s for g in groups for s in g.samples],
         response_texts=[t for g in groups for t in g.response_texts],
         rewards=torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32),
+        reference_logprobs=None if any(r is None for r in reference) else torch.cat(reference, dim=0),
     )
+
+
+def reference_for_collector(parts: Any) -> ShardedLogprobs | None:
+    """The reference workers, when the collector should run the reference pass on each batch it generates (off
+    the trainer's path: the reference weights never change, so the result is the same whenever it runs). Not
+    with LoRA: its reference is the policy's own workers, which are busy training."""
+    if not parts.plan.compute_reference or not isinstance(parts.reference, Policy):
+        return None
+    return parts.reference.logprob_client
 
 
 class AsyncRollouts:
@@ -115,6 +127,8 @@ class AsyncRollouts:
                 max_num_epochs=cfg.grpo.max_num_epochs,
                 generation_version=parts.generation.weight_version,
                 multi_turn=multi_turn_settings(cfg, parts.tokenizer),
+                reference=reference_for_collector(parts),
+                pad_token_id=parts.tokenizer.pad_token_id,
             ),
             timeout,
             max_concurrency=4,

@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from nemo_like.data.prompts import DataExhausted, PromptRecord
 from nemo_like.models.generation.interface import GeneratedSample
 
@@ -32,6 +34,9 @@ class TrajectoryGroup:
     samples: list[GeneratedSample]
     response_texts: list[str]
     rewards: list[float]
+    # [G, S]: the reference policy's logprobs of these samples, rows of their batch collated whole (S: the batch's
+    # width), when the collector computed them ahead; None: the trainer runs the reference pass.
+    reference_logprobs: torch.Tensor | None = None
 
     @property
     def generation_version(self) -> int:

@@ -26,6 +26,7 @@ class Rollout:
     response_texts: list[str]
     rewards: torch.Tensor  # [B]
     env_metrics: dict[str, float] = field(default_factory=dict)  # environments' counters, env/<task>/<name>, summed
+    reference_logprobs: torch.Tensor | None = None  # [B, S] of the collated samples, when computed ahead (async)
 
     @property
     def response_lengths(self) -> torch.Tensor:

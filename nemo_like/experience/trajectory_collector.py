@@ -3,10 +3,14 @@
 Its :meth:`TrajectoryCollector.run` loop (the actor's long-running call) draws the next prompt batch,
 asks the :class:`~nemo_like.experience.pacing.StalenessPacer` which training step will consume it,
 generates and scores it on the generation and reward actors, and pushes its groups into the replay
-buffer actor. Between batches it honours the driver's requests:
+buffer actor. With a KL penalty (and a reference model of its own) it also starts the reference
+logprob pass on the batch and goes on to the next batch; a pusher thread waits for that pass and puts
+the batch, with its reference logprobs, into the buffer (in order). The reference weights never change,
+so the result is what the trainer's own pass would give, and the pass leaves the trainer's path.
+Between batches it honours the driver's requests:
 
-* ``pause(reason)`` returns once no batch is in flight (a refit that waits for in-flight requests,
-  validation and checkpoints use it); ``resume(version)`` tells it the generation weights' version;
+* ``pause(reason)`` returns once no batch is in flight (a refit waits for the batch's generation, a
+  checkpoint also for its push into the buffer); ``resume(version)`` tells it the generation weights' version;
 * ``set_generation_version(version)`` after an in-flight refit (generation never stopped);
 * ``stop()`` ends the loop.
 
@@ -20,11 +24,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+import torch
 
+from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
 from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.multi_turn import MultiTurnSettings
@@ -33,6 +40,7 @@ from nemo_like.experience.replay_buffer import TrajectoryGroup
 from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, rollout_seed
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
 from nemo_like.models.loading import load_tokenizer
+from nemo_like.models.policy.policy import ShardedLogprobs
 
 
 @dataclass
@@ -41,6 +49,7 @@ class GenerationStats:
 
     generation_seconds: float = 0.0
     reward_seconds: float = 0.0
+    reference_seconds: float = 0.0  # reference logprob passes run on the generated batches
     generated_tokens: float = 0.0
     batches: int = 0
     waiting_for_pacing: float = 0.0  # held by the staleness bound
@@ -68,8 +77,8 @@ class ActorHandles:
         return generate_on_group(self, prompts, params, seed)
 
 
-def split_into_groups(rollout: Rollout, target_step: int) -> list[TrajectoryGroup]:
-    """One :class:`TrajectoryGroup` per prompt of a prompt-major rollout."""
+def split_into_groups(rollout: Rollout, target_step: int, reference_logprobs: torch.Tensor | None = None) -> list[TrajectoryGroup]:
+    """One :class:`TrajectoryGroup` per prompt of a prompt-major rollout (with its rows of ``reference_logprobs``)."""
     groups: dict[int, list[int]] = defaultdict(list)
     for index, group_id in enumerate(rollout.group_ids.tolist()):
         groups[group_id].append(index)
@@ -80,6 +89,7 @@ def split_into_groups(rollout: Rollout, target_step: int) -> list[TrajectoryGrou
             samples=[rollout.samples[i] for i in rows],
             response_texts=[rollout.response_texts[i] for i in rows],
             rewards=[float(rollout.rewards[i]) for i in rows],
+            reference_logprobs=None if reference_logprobs is None else reference_logprobs[rows],
         )
         for _, rows in sorted(groups.items())
     ]
@@ -108,6 +118,8 @@ class TrajectoryCollector:
         max_num_epochs: int,
         generation_version: int,
         multi_turn: MultiTurnSettings | None = None,
+        reference: ShardedLogprobs | None = None,
+        pad_token_id: int = 0,
     ) -> None:
         self.generation = ActorHandles(generation_workers)
         self.environment = environments
@@ -123,10 +135,14 @@ class TrajectoryCollector:
         self.max_num_epochs = max_num_epochs
         self.version = generation_version
         self.multi_turn = multi_turn  # every turn of a batch's samples runs inside the batch: a checkpoint never splits one
+        self.reference = reference  # when set, every batch goes into the buffer with its reference logprobs
+        self.pad_token_id = pad_token_id
         self.cond = threading.Condition()
         self.pause_reasons: set[str] = set()
         self.paused = False
-        self.in_flight = False
+        self.in_flight = False  # a batch is generating
+        self.pushing = 0  # generated batches whose reference pass runs; the pusher puts them into the buffer in order
+        self.pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collector-push")
         self.stopping = False
         self.exhausted = False
         self.failure: str | None = None
@@ -139,6 +155,7 @@ class TrajectoryCollector:
         while True:
             target = self._wait_for_next_target()
             if target is None:
+                self.pusher.shutdown(wait=True)  # every generated batch is in the buffer before the loop ends
                 return {"batches": self.stats.batches, "next_target": self.pacer.next_target}
             try:
                 self._generate_batch(target)
@@ -155,6 +172,8 @@ class TrajectoryCollector:
         """Block until a batch may start (not paused, within the age bound); ``None`` once stopped."""
         with self.cond:
             while True:
+                if self.failure is not None:  # the pusher failed
+                    raise RuntimeError(f"the trajectory collector failed: {self.failure}")
                 if self.stopping:
                     return None
                 if self.pause_reasons:
@@ -165,6 +184,7 @@ class TrajectoryCollector:
                     continue
                 self.paused = False
                 if not self.exhausted and not self.pacer.done and self.loader.epoch >= self.max_num_epochs:
+                    self.cond.wait_for(lambda: self.pushing == 0 or self.failure is not None)  # then "no more groups" is true
                     self.exhausted = True
                     ray.get(self.buffer.finish.remote(f"grpo.max_num_epochs={self.max_num_epochs} reached"))
                 target = None if self.exhausted else self.pacer.reserve(self.version)
@@ -191,22 +211,52 @@ class TrajectoryCollector:
             timings=timings,
             multi_turn=self.multi_turn,
         )
-        ray.get(self.buffer.push.remote(split_into_groups(rollout, target)))
+        reference_refs = None
+        started = time.perf_counter()
+        if self.reference is not None:  # collated as the trainer will collate the step's batch: same rows, same width
+            reference_refs = self.reference.start(collate_samples(rollout.samples, self.pad_token_id))
         with self.cond:
+            self.pushing += 1
+        # The reference pass runs while the next batch generates; one pusher thread keeps the buffer FIFO.
+        self.pusher.submit(self._push, rollout, target, reference_refs, started, timings)
+
+    def _push(self, rollout: Rollout, target: int, reference_refs: list[Any] | None, started: float, timings: dict[str, float]) -> None:
+        """Wait for the batch's reference pass (if any) and put its groups into the buffer."""
+        try:
+            reference = None
+            if reference_refs is not None:
+                reference = self.reference.gather(reference_refs, "reference logprobs (trajectory collector)")
+            reference_seconds = time.perf_counter() - started if reference_refs is not None else 0.0
+            ray.get(self.buffer.push.remote(split_into_groups(rollout, target, reference)))
+        except BaseException as exc:
+            with self.cond:
+                self.failure = f"{type(exc).__name__}: {exc}"
+                self.pushing -= 1
+                self.cond.notify_all()
+            raise
+        with self.cond:
+            self.pushing -= 1
             self.stats.generation_seconds += timings["generation"]
             self.stats.reward_seconds += timings["reward"]
+            self.stats.reference_seconds += reference_seconds
             self.stats.generated_tokens += float(rollout.response_lengths.sum())
             self.stats.batches += 1
             add_counters(self.stats.env_counters, rollout.env_metrics)  # env/<task>/<counter>
+            self.cond.notify_all()
 
     # -- control (called by the driver while run() is busy) ---------------------------------------------
     def pause(self, reason: str) -> float:
-        """Hold the loop between batches; returns the seconds spent waiting for the batch in flight."""
+        """Hold the loop between batches; returns the seconds spent waiting for the batch in flight. A refit
+        waits for the batch's generation only; any other reason (a checkpoint) also for its way into the buffer."""
         start = time.perf_counter()
+
+        def held() -> bool:
+            return not self.in_flight and (self.paused or self.stopping) and (reason == "refit" or self.pushing == 0)
+
         with self.cond:
             self.pause_reasons.add(reason)
             self.cond.notify_all()
-            self.cond.wait_for(lambda: self.failure is not None or (not self.in_flight and (self.paused or self.stopping)))
+            self.cond.wait_for(lambda: self.failure is not None or held())
             if self.failure is not None:
                 raise RuntimeError(f"the trajectory collector failed: {self.failure}")
             self._pause_started[reason] = time.perf_counter()
@@ -244,6 +294,6 @@ class TrajectoryCollector:
     def state_dict(self) -> dict[str, Any]:
         """Loader position and next target; only meaningful while paused (no batch half done)."""
         with self.cond:
-            if self.in_flight:
+            if self.in_flight or self.pushing:
                 raise RuntimeError("collector state requested while a batch is in flight; pause it first")
             return {"loader": self.loader.state_dict(), "pacer": self.pacer.state_dict()}

@@ -1,4 +1,5 @@
-"""Async GRPO end to end (real actors, model, tokenizer): age 0 reproduces the sync loop bit for bit,
+"""Async GRPO end to end (real actors, model, tokenizer): age 0 reproduces the sync loop bit for bit (the
+collector computing the reference logprobs ahead),
 one-step-stale runs keep the bound and log the staleness and idle metrics, a resumed run restores the
 replay buffer and continues exactly, both loops stop alike when the data runs out (the async one
 refitting in flight), a dead collector fails loudly, and the tiny recipe learns as well async as sync."""
@@ -36,6 +37,11 @@ def test_async_with_age_zero_reproduces_the_sync_run(ray_cluster, tmp_path):
         for key in COMPARED:
             assert a[key] == b[key], (a["step"], key)  # same seeds, same weights: bitwise
         assert b["train/max_trajectory_age"] == 0.0
+        # The collector ran the reference pass on the batch it generated (off the trainer's path), with the
+        # same result and the same number of passes as the sync loop's own pass.
+        assert b["timing/train/reference_logprobs"] == 0.0 < a["timing/train/reference_logprobs"]
+        assert b["async/reference_logprob_seconds"] > 0.0
+        assert b["performance/forward_passes/reference_logprobs"] == a["performance/forward_passes/reference_logprobs"] > 0
     assert sync[-1]["validation/accuracy"] == stale0[-1]["validation/accuracy"]
 
 

@@ -24,6 +24,32 @@ def split_rows_unevenly(batch: Batch, num_shards: int) -> list[Batch]:
     return [slice_batch(batch, bounds[i], bounds[i + 1]) for i in range(num_shards)]
 
 
+@dataclass(frozen=True)
+class ShardedLogprobs:
+    """Picklable handle for logprob passes over a policy's (or the reference's) workers: ``dp_size`` row blocks,
+    each sent to every tensor-parallel rank of its data-parallel group. The facade uses it, and so can another
+    actor (the async trajectory collector runs the reference pass on the batches it generates)."""
+
+    workers: tuple[Any, ...]
+    dp_size: int
+    name: str
+
+    def start(self, batch: Batch, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Start the pass; one ref per row block, in row order (pass them to :meth:`gather`)."""
+        tp = len(self.workers) // self.dp_size  # the ranks of one tensor-parallel group see the same rows
+        shards = split_rows_unevenly(batch, self.dp_size)
+        return [w.get_logprobs.remote(shards[r // tp], **kwargs) for r, w in enumerate(self.workers)][::tp]
+
+    def gather(self, refs: list[ray.ObjectRef], what: str) -> torch.Tensor:
+        """Wait for a pass and stitch the row blocks back into one ``[B, S]`` tensor."""
+        return torch.cat(get_with_context(refs, f"{self.name}: {what}"), dim=0)
+
+    def pass_count(self) -> int:
+        """Logprob forward passes (micro-batches) the workers ran so far, summed over the workers."""
+        counts = get_with_context([w.get_forward_pass_counts.remote() for w in self.workers], f"{self.name}: counters")
+        return sum(c["logprobs"] for c in counts)
+
+
 def batching_plan(pc: Any, micro_batch_size: int) -> dict[str, Any]:
     """The :class:`~nemo_like.models.policy.batching.MicroBatchPlan` fields of ``policy`` config ``pc``."""
     if pc.sequence_packing.enabled:
@@ -128,7 +154,8 @@ class Policy:
         counts = get_with_context(self.group.run_rank0("parameter_counts"), f"{name}: parameter counts")
         self.trainable_params, self.total_params = counts["trainable"], counts["total"]
         self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends
-        self._logprob_passes_seen = 0
+        self._logprob_passes_seen = 0  # by train(): the prev passes since the last update
+        self._logprob_passes_taken = 0  # by take_logprob_passes()
         # Full-weight refits on a one-node CPU cluster go through a shared-memory buffer; LoRA's adapter and merged
         # refits keep the object-store path.
         self.shared_memory_refit = trainable and self.refit_mode == "full" and shared_memory_refit_possible(cfg)
@@ -137,15 +164,23 @@ class Policy:
     def get_logprobs_async(self, batch: Batch, reference: bool = False) -> list[ray.ObjectRef]:
         """Start a logprob pass sharded over the workers; pass the result to :meth:`gather_logprobs`.
         ``reference=True`` (LoRA): the base model's logprobs, adapters disabled."""
-        dp = self.cfg.policy.dp_size
-        tp = len(self.group) // dp  # the ranks of one tensor-parallel group see the same rows
-        shards = split_rows_unevenly(batch, dp)
-        per_worker = [shards[r // tp] for r in range(len(self.group))]
-        return self.group.run_sharded("get_logprobs", per_worker, reference=reference)[::tp]
+        return self.logprob_client.start(batch, reference=reference)
 
     def gather_logprobs(self, refs: list[ray.ObjectRef], what: str) -> torch.Tensor:
         """Wait for a logprob pass and stitch the shards back into one ``[B, S]`` tensor."""
-        return torch.cat(get_with_context(refs, f"{self.name}: {what}"), dim=0)
+        return self.logprob_client.gather(refs, what)
+
+    @property
+    def logprob_client(self) -> ShardedLogprobs:
+        """The picklable handle for this model's logprob passes."""
+        return ShardedLogprobs(tuple(self.group.workers), self.cfg.policy.dp_size, self.name)
+
+    def take_logprob_passes(self) -> int:
+        """Logprob forward passes the workers ran since the previous call (the reference's per-step count;
+        in async runs the collector's passes on the batches it generated in between)."""
+        total = self.logprob_client.pass_count()
+        since, self._logprob_passes_taken = total - self._logprob_passes_taken, total
+        return since
 
     def get_logprobs(self, batch: Batch) -> torch.Tensor:
         """``[B, S]`` logprobs of every sample under the current weights."""
@@ -249,6 +284,7 @@ class AdapterDisabledReference:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.name = "reference (policy, adapters disabled)"
+        self._passes_seen = 0
 
     def get_logprobs_async(self, batch: Batch) -> list[ray.ObjectRef]:
         """Start the base model's logprob pass on the policy's workers."""
@@ -264,6 +300,12 @@ class AdapterDisabledReference:
     def forward_pass_counts(self) -> dict[str, int]:
         """The reference passes the policy's workers ran (under ``logprobs``, as a reference Policy reports them)."""
         return {"logprobs": self.policy.forward_pass_counts()["reference_logprobs"]}
+
+    def take_logprob_passes(self) -> int:
+        """Reference passes since the previous call."""
+        total = self.forward_pass_counts()["logprobs"]
+        since, self._passes_seen = total - self._passes_seen, total
+        return since
 
     def shutdown(self) -> None:
         """Nothing to release: the actors are the policy's."""
