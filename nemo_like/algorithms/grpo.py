@@ -287,9 +287,9 @@ def attach_precomputed_reference(batch: dict[str, torch.Tensor], rollout: Rollou
     batch["reference_policy_logprobs"] = lp
 
 
-def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], timer: StepTimer) -> None:
+def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], timer: StepTimer) -> bool:
     """Prev and reference logprob passes, concurrently on their own actors, each only when planned (the
-    reference pass not when the batch already carries its result)."""
+    reference pass not when the batch already carries its result); returns whether the reference pass ran."""
     prev_refs = parts.policy.get_logprobs_async(batch) if parts.plan.compute_prev else None
     need_reference = parts.plan.compute_reference and "reference_policy_logprobs" not in batch
     ref_refs = parts.reference.get_logprobs_async(batch) if need_reference else None
@@ -301,6 +301,7 @@ def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], ti
     if ref_refs is not None:
         batch["reference_policy_logprobs"] = parts.reference.gather_logprobs(ref_refs, "reference logprobs")
         timer.add("reference_logprobs", time.perf_counter() - start)
+    return ref_refs is not None
 
 
 def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout: Rollout) -> dict[str, Any]:
@@ -308,9 +309,10 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     cfg = parts.cfg
     batch, adv_metrics = build_train_batch(parts, rollout)
     attach_precomputed_reference(batch, rollout)
-    run_logprob_passes(parts, batch, timer)
-    # Since the previous step: this step's pass, or (async) the collector's passes on the batches it generated meanwhile.
-    reference_passes = parts.reference.take_logprob_passes() if parts.reference else 0
+    ran_reference = run_logprob_passes(parts, batch, timer)
+    # Asked only when this step ran the pass: in async runs the collector may be using the reference actor right now
+    # (the async step reports the collector's count instead).
+    reference_passes = parts.reference.take_logprob_passes() if ran_reference else 0
     adv_metrics.update(apply_driver_masks(cfg, batch, rollout.rewards))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
@@ -397,6 +399,10 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
             "idle/generation_paused_for_checkpoint": generated.paused_for_checkpoint,
             "idle/generation_waiting_for_pacing": generated.waiting_for_pacing,
             "performance/num_generated_tokens": generated.generated_tokens,
+            # With the reference pass on the collector's side: the passes it ran since the previous step.
+            "performance/forward_passes/reference_logprobs": generated.reference_passes
+            if rollout.reference_logprobs is not None
+            else metrics["performance/forward_passes/reference_logprobs"],
             "performance/refit_bytes": float(parts.policy.take_refit_bytes()),
         }
     )

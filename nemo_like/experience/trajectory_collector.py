@@ -50,6 +50,7 @@ class GenerationStats:
     generation_seconds: float = 0.0
     reward_seconds: float = 0.0
     reference_seconds: float = 0.0  # reference logprob passes run on the generated batches
+    reference_passes: float = 0.0  # their forward passes (micro-batches, summed over the reference workers)
     generated_tokens: float = 0.0
     batches: int = 0
     waiting_for_pacing: float = 0.0  # held by the staleness bound
@@ -137,6 +138,7 @@ class TrajectoryCollector:
         self.multi_turn = multi_turn  # every turn of a batch's samples runs inside the batch: a checkpoint never splits one
         self.reference = reference  # when set, every batch goes into the buffer with its reference logprobs
         self.pad_token_id = pad_token_id
+        self.reference_passes_seen = 0
         self.cond = threading.Condition()
         self.pause_reasons: set[str] = set()
         self.paused = False
@@ -223,10 +225,12 @@ class TrajectoryCollector:
     def _push(self, rollout: Rollout, target: int, reference_refs: list[Any] | None, started: float, timings: dict[str, float]) -> None:
         """Wait for the batch's reference pass (if any) and put its groups into the buffer."""
         try:
-            reference = None
+            reference, reference_seconds, reference_passes = None, 0.0, 0
             if reference_refs is not None:
                 reference = self.reference.gather(reference_refs, "reference logprobs (trajectory collector)")
-            reference_seconds = time.perf_counter() - started if reference_refs is not None else 0.0
+                reference_seconds = time.perf_counter() - started
+                total = self.reference.pass_count()  # only this thread uses the reference actor in an async run
+                reference_passes, self.reference_passes_seen = total - self.reference_passes_seen, total
             ray.get(self.buffer.push.remote(split_into_groups(rollout, target, reference)))
         except BaseException as exc:
             with self.cond:
@@ -239,6 +243,7 @@ class TrajectoryCollector:
             self.stats.generation_seconds += timings["generation"]
             self.stats.reward_seconds += timings["reward"]
             self.stats.reference_seconds += reference_seconds
+            self.stats.reference_passes += reference_passes
             self.stats.generated_tokens += float(rollout.response_lengths.sum())
             self.stats.batches += 1
             add_counters(self.stats.env_counters, rollout.env_metrics)  # env/<task>/<counter>

@@ -176,8 +176,7 @@ class Policy:
         return ShardedLogprobs(tuple(self.group.workers), self.cfg.policy.dp_size, self.name)
 
     def take_logprob_passes(self) -> int:
-        """Logprob forward passes the workers ran since the previous call (the reference's per-step count;
-        in async runs the collector's passes on the batches it generated in between)."""
+        """Logprob forward passes the workers ran since the previous call (the reference's count for a step)."""
         total = self.logprob_client.pass_count()
         since, self._logprob_passes_taken = total - self._logprob_passes_taken, total
         return since
