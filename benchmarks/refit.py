@@ -6,7 +6,8 @@ Builds the model of ``benchmarks/vs_trl.py`` (random init, the tiny model's toke
 directory, starts one policy worker and one generation worker as a run would, then refits
 ``--refits`` times through each path (``Policy.weight_buckets(shared_memory=False/True)`` followed by
 ``generation.refit``), alternating which goes first. Prints the median of each path (the first refit of
-each, which maps or allocates, is left out) and the 1-minute load average.
+each, which maps or allocates, is left out), split into the policy's export and the engine's load, and the
+1-minute load average.
 """
 
 from __future__ import annotations
@@ -51,14 +52,18 @@ def main() -> None:
         policy = Policy(cfg, "policy", loss_fn=ClippedPGLossFn(cfg.loss_fn))
         generation = make_generation(cfg, tok.pad_token_id, eos_token_ids(tok), policy)
         seconds: dict[str, list[float]] = {"object store": [], "shared memory": []}
+        exports: dict[str, list[float]] = {"object store": [], "shared memory": []}
         loads = []
         try:
             for i in range(args.refits):
                 order = [("object store", False), ("shared memory", True)]
                 for name, shared in order if i % 2 == 0 else order[::-1]:
                     start = time.perf_counter()
-                    generation.refit(policy.weight_buckets(shared_memory=shared), policy.weight_version)
+                    buckets = policy.weight_buckets(shared_memory=shared)
+                    exported = time.perf_counter()
+                    generation.refit(buckets, policy.weight_version)
                     seconds[name].append(time.perf_counter() - start)
+                    exports[name].append(exported - start)
                 loads.append(load1())
         finally:
             generation.shutdown()
@@ -67,7 +72,12 @@ def main() -> None:
         f"{args.size} ({n_params / 1e6:.1f}M params, {4 * n_params / 2**20:.0f} MB fp32), backend {args.backend}, load {min(loads):.1f}-{max(loads):.1f}"
     )
     for name, values in seconds.items():
-        print(f"  {name}: median {statistics.median(values[1:]):.4f} s  ({' '.join(f'{v:.4f}' for v in values)})")
+        export = statistics.median(exports[name][1:])
+        load = statistics.median([t - e for t, e in zip(values[1:], exports[name][1:])])
+        print(
+            f"  {name}: median {statistics.median(values[1:]):.4f} s (export {export:.4f} + load {load:.4f})"
+            f"  ({' '.join(f'{v:.4f}' for v in values)})"
+        )
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ layer its fused weight back and re-runs that layer's ``process_weights_after_loa
 the new handle). A model it does not fully understand (a name it cannot place, a shape that differs,
 a quantized layer) is left untouched and the caller falls back to vLLM's own reload.
 
-Measured in-process on the 10M-parameter benchmark model: vLLM's reload ~43 ms, this ~25 ms; the rest is
-the oneDNN handle construction itself. ``tests/functional/test_vllm_backend.py`` checks that both give
-bit-identical generations.
+What remains is mostly building the oneDNN handles themselves (``benchmarks/refit.py`` measures a refit).
+``tests/functional/test_vllm_backend.py`` checks that this loader and vLLM's reload give bit-identical
+generations.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 PLAIN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+STAGING = "_nemo_like_refit_staging"  # a linear layer's fused weight as last written, kept on the module
 
 
 class InPlaceReloadUnsupported(ValueError):
@@ -39,9 +40,20 @@ class ParamUpdate:
 
     module: torch.nn.Module
     name: str
-    value: torch.Tensor
+    parts: list[torch.Tensor]  # stacked along dim 0 (q, k, v / gate, up; one part for an unfused parameter)
     replace: bool
-    fresh: bool  # built here (fused), not a view of the caller's buffer
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
+
+
+def write_rows(destination: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """Copy ``parts`` one after another into the leading rows of ``destination`` (no concatenated temporary)."""
+    row = 0
+    for part in parts:
+        destination[row : row + part.shape[0]].copy_(part)
+        row += part.shape[0]
 
 
 def fused_target(name: str, packed: dict[str, list[str]]) -> tuple[str, str, int, int]:
@@ -74,19 +86,20 @@ def plan_in_place_reload(model: torch.nn.Module, weights: Iterable[tuple[str, to
             raise InPlaceReloadUnsupported(f"no parameter {module_name}.{param} in the vLLM model")
         if any(s is None for s in slots):
             raise InPlaceReloadUnsupported(f"{module_name}.{param}: only some of its packed parts were sent")
-        value = slots[0] if len(slots) == 1 else torch.cat(slots, dim=0)
+        shape = (sum(s.shape[0] for s in slots), *slots[0].shape[1:])
+        dtypes = {s.dtype for s in slots}
         method = getattr(module, "quant_method", None)
         if method is not None and type(method).__name__ not in PLAIN_METHODS:
             raise InPlaceReloadUnsupported(f"{module_name} uses {type(method).__name__}")
         replace = current.numel() == 0 and param == "weight" and hasattr(module, "cpu_linear")
         expected = (module.output_size_per_partition, module.input_size_per_partition) if replace else tuple(current.shape)
-        if padded_vocab_rows(module, value, current):
-            expected = (value.shape[0], *current.shape[1:])  # the rows past the vocabulary stay as loaded (zero)
-        if tuple(value.shape) != expected or value.dtype != current.dtype:
+        if padded_vocab_rows(module, shape, current):
+            expected = (shape[0], *current.shape[1:])  # the rows past the vocabulary stay as loaded (zero)
+        if shape != expected or dtypes != {current.dtype}:
             raise InPlaceReloadUnsupported(
-                f"{module_name}.{param}: got {tuple(value.shape)} {value.dtype}, the engine holds {expected} {current.dtype}"
+                f"{module_name}.{param}: got {shape} {sorted(map(str, dtypes))}, the engine holds {expected} {current.dtype}"
             )
-        updates.append(ParamUpdate(module, param, value, replace, fresh=len(slots) > 1))
+        updates.append(ParamUpdate(module, param, slots, replace))
         covered.add(id(current))
     missing = [n for n, p in model.named_parameters() if id(p) not in covered]
     if missing:
@@ -94,10 +107,10 @@ def plan_in_place_reload(model: torch.nn.Module, weights: Iterable[tuple[str, to
     return updates
 
 
-def padded_vocab_rows(module: torch.nn.Module, value: torch.Tensor, current: torch.Tensor) -> bool:
+def padded_vocab_rows(module: torch.nn.Module, shape: tuple[int, ...], current: torch.Tensor) -> bool:
     """An embedding or LM head whose vocabulary the engine padded (``org_vocab_size`` rows of the checkpoint's)."""
     rows = getattr(module, "org_vocab_size", None)
-    return rows is not None and value.ndim == current.ndim == 2 and value.shape[0] == rows < current.shape[0]
+    return rows is not None and len(shape) == current.ndim == 2 and shape[0] == rows < current.shape[0]
 
 
 @torch.no_grad()
@@ -106,11 +119,16 @@ def apply_in_place_reload(updates: list[ParamUpdate]) -> None:
     repack: dict[int, torch.nn.Module] = {}
     for update in updates:
         if update.replace:
-            # A fresh tensor the layer may keep (the handle copies it, the plain-linear fallback uses it).
-            value = update.value.contiguous() if update.fresh else update.value.clone(memory_format=torch.contiguous_format)
-            setattr(update.module, update.name, torch.nn.Parameter(value, requires_grad=False))
+            # The layer's own staging tensor, kept between refits (no fresh allocation and page faults each time):
+            # the handle packs a copy of it, and a layer that fell back to a plain linear computes with it.
+            staging = getattr(update.module, STAGING, None)
+            if staging is None or tuple(staging.shape) != update.shape:
+                staging = torch.empty(update.shape, dtype=update.parts[0].dtype)
+                setattr(update.module, STAGING, staging)
+            write_rows(staging, update.parts)
+            setattr(update.module, update.name, torch.nn.Parameter(staging, requires_grad=False))
         else:
-            getattr(update.module, update.name)[: update.value.shape[0]].copy_(update.value)
+            write_rows(getattr(update.module, update.name), update.parts)
         if hasattr(update.module, "cpu_linear"):
             repack[id(update.module)] = update.module
     for module in repack.values():

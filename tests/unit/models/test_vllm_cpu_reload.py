@@ -62,4 +62,5 @@ def test_a_packed_module_with_a_missing_part_is_refused():
         plan_in_place_reload(Attn(), weights.items())
     full = {**weights, "v_proj.weight": torch.ones(2, 2)}
     (update,) = plan_in_place_reload(Attn(), full.items())
-    assert update.value.shape == (6, 2) and update.fresh  # fused q, k, v
+    assert update.shape == (6, 2) and len(update.parts) == 3  # q, k, v, in that order
+    assert [p.data_ptr() for p in update.parts] == [full[f"{x}_proj.weight"].data_ptr() for x in "qkv"]
