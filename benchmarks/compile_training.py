@@ -1,0 +1,79 @@
+"""Eager vs ``torch.compile`` for one W2-sized policy update, in-process (no Ray, no framework around it).
+
+Usage: python benchmarks/compile_training.py [--size 10m|1m] [--steps 6] [--threads 2]
+
+Builds the model of ``benchmarks/vs_trl.py`` (random init), then times one update as the policy worker runs it
+for the W2 batch (64 sequences of 21 prompt + 64 response tokens, micro-batches of 32): forward, token
+log-probabilities (log-softmax over the vocabulary, gathered), a policy-gradient surrogate loss, backward and an
+AdamW step. Once with the eager model, once with ``torch.compile(model)`` (inductor, CPU); prints the compile
+time (the first step) and the steady-state median of each, and the FLOP floor at ``--peak-gflops``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from vs_trl import build_model
+
+
+def update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, micro: int) -> None:
+    """One optimizer step over ``ids`` in micro-batches (gradients accumulated)."""
+    optimizer.zero_grad(set_to_none=True)
+    for start in range(0, ids.shape[0], micro):
+        batch = ids[start : start + micro]
+        logits = model(input_ids=batch).logits[:, :-1].float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, batch[:, 1:, None]).squeeze(-1)
+        loss = -(logprobs * 0.1).mean()  # the shape of a policy-gradient surrogate with a constant advantage
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def time_updates(model: torch.nn.Module, ids: torch.Tensor, micro: int, steps: int) -> tuple[float, list[float]]:
+    """``(first step seconds, the later steps' seconds)``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        update(model, optimizer, ids, micro)
+        times.append(time.perf_counter() - start)
+    return times[0], times[1:]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=("1m", "10m"), default="10m")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peak-gflops", type=float, default=178.0)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="compile_") as tmp:
+        model_dir, n_params = build_model(Path(tmp) / "model", args.size)
+        vocab = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
+        torch.manual_seed(0)
+        ids = torch.randint(0, vocab - 1, (64, 21 + 64))
+        floor = 6 * n_params * ids.numel() / (args.peak_gflops * 1e9)
+        print(f"{args.size} ({n_params / 1e6:.1f}M params), batch {tuple(ids.shape)}, micro-batches of 32, {args.threads} threads")
+        print(f"  FLOP floor: {floor:.3f} s")
+        for name in ("eager", "torch.compile"):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model.train()
+            if name == "torch.compile":
+                model = torch.compile(model)
+            first, later = time_updates(model, ids, 32, args.steps)
+            median = statistics.median(later)
+            print(f"  {name}: first step {first:.2f} s, then median {median:.3f} s ({median / floor:.2f}x the floor)")
+
+
+if __name__ == "__main__":
+    main()
