@@ -14,7 +14,9 @@ threads of its most crowded one. An idle actor's OpenMP threads go to sleep afte
 (libgomp's default wait policy), so the phases do not steal from each other.
 
 **async** runs generation during every trainer phase: generation shares the node with the most
-crowded trainer phase, and each trainer role with generation plus its own most crowded phase.
+crowded trainer phase, and each trainer role with generation plus its own most crowded phase. With a
+reference model of its own, the async collector runs the reference pass on each batch it generates, so
+the reference ranks may run beside generation and any trainer phase: they count in every one.
 
 An explicit count (``policy.num_threads_per_worker`` for the policy and reference ranks,
 ``policy.generation.num_threads_per_worker`` for the engine) is used as given; in async, an ``auto``
@@ -67,9 +69,12 @@ class PhaseActors:
     reference: int
     generation: int
     prev_pass: bool = False
+    reference_beside_training: bool = False  # async: the collector's reference pass may overlap any trainer phase
 
     def trainer_phases(self) -> list[dict[str, int]]:
         """Actors per role in each trainer phase (logprobs, training), roles that do not run left out."""
+        if self.reference_beside_training:  # the trainer's phases are the policy's (prev pass, training)
+            return [{role: n for role, n in (("policy", self.policy), ("reference", self.reference)) if n}]
         logprobs = {role: n for role, n in (("policy", self.policy if self.prev_pass else 0), ("reference", self.reference)) if n}
         return [p for p in (logprobs, {"policy": self.policy}) if p]
 
@@ -192,6 +197,7 @@ def phase_actors(cfg: Any) -> PhaseActors:
         reference=per_node(ranks, nodes) if plan.compute_reference else 0,
         generation=per_node(1, nodes),
         prev_pass=plan.compute_prev,
+        reference_beside_training=cfg.grpo.async_grpo.enabled and plan.load_reference_model,
     )
 
 

@@ -53,6 +53,15 @@ def test_async_generation_and_training_share_the_cores():
     assert threads(split_threads(16, PhaseActors(4, 4, 1, prev_pass=True), async_mode=True)) == (1, 1, 1)
 
 
+def test_async_reference_pass_beside_training_counts_in_every_phase():
+    # The collector's reference pass may overlap training and generation: 1 policy + 1 reference + 1 engine.
+    beside = PhaseActors(policy=1, reference=1, generation=1, reference_beside_training=True)
+    assert threads(split_threads(2, beside, async_mode=True)) == (1, 1, 1)
+    assert threads(split_threads(16, beside, async_mode=True)) == (5, 5, 5)  # 16 // 3, not 8 each (24 threads on 16)
+    assert threads(split_threads(16, PhaseActors(4, 4, 1, reference_beside_training=True), async_mode=True)) == (1, 1, 1)
+    assert oversubscription(split_threads(16, beside, async_mode=True), beside) is None
+
+
 def test_never_below_one_thread():
     assert threads(split_threads(1, PhaseActors(4, 4, 1, prev_pass=True), async_mode=True)) == (1, 1, 1)
     with pytest.raises(ValueError, match="cpus must be >= 1"):
@@ -106,7 +115,9 @@ def test_shipped_recipes_use_the_automatic_split():
 def test_explicit_oversubscription_warns_with_the_automatic_counts():
     cfg = load_config(ASYNC, ["policy.num_threads_per_worker=2", "policy.generation.num_threads_per_worker=2"])
     warning = oversubscription_warning(cfg, cpus=2)
-    assert warning and "4 threads on 2 CPUs" in warning and "(here: policy 1, generation 1)" in warning
+    # The async collector's reference pass may run beside training and generation: 2 + 2 + 2 threads.
+    assert warning and "policy+reference+generation run at the same time with 6 threads on 2 CPUs" in warning
+    assert "(here: policy 1, generation 1)" in warning
     assert oversubscription_warning(cfg, cpus=8) is None
     assert oversubscription_warning(load_config(SYNC, ["policy.num_threads_per_worker=2"]), cpus=2) is None
 
