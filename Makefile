@@ -38,8 +38,8 @@ demo: $(STAMP)
 demo-async: $(STAMP)
 	$(VENV)/bin/nemo-like train --config examples/configs/grpo_tiny_cpu_async.yaml $(ARGS)
 
-# Two pytest-xdist workers: the tests on the shared session Ray cluster run in one of them, in file order
-# (tests/conftest.py groups them), while the unit tier fills the other. PYTEST_WORKERS=0 runs serially.
+# Two pytest-xdist workers, each handed the next test when free (worksteal); each starts its own session Ray
+# cluster when it first needs one (tests/conftest.py). PYTEST_WORKERS=0 runs serially.
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist worksteal)
 

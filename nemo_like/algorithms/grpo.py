@@ -399,13 +399,11 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
             "idle/generation_paused_for_checkpoint": generated.paused_for_checkpoint,
             "idle/generation_waiting_for_pacing": generated.waiting_for_pacing,
             "performance/num_generated_tokens": generated.generated_tokens,
-            # With the reference pass on the collector's side: the passes it ran since the previous step.
-            "performance/forward_passes/reference_logprobs": generated.reference_passes
-            if rollout.reference_logprobs is not None
-            else metrics["performance/forward_passes/reference_logprobs"],
             "performance/refit_bytes": float(parts.policy.take_refit_bytes()),
         }
     )
+    if rollout.reference_logprobs is not None:  # the collector ran the reference pass: its passes since the last step
+        metrics["performance/forward_passes/reference_logprobs"] = generated.reference_passes
     return metrics
 
 

@@ -157,7 +157,7 @@ class AsyncRollouts:
             seconds = generation.refit(policy.weight_buckets(), version)
             self._call("set_generation_version", version)
             return RefitTiming(seconds, 0.0, seconds)
-        waited = self._call("pause", "refit")
+        waited = self._call("pause", "refit", False)  # the batch's reference pass may still run: it needs no new weights
         seconds = generation.refit(policy.weight_buckets(), version)
         held = self._call("resume", "refit", version)
         return RefitTiming(seconds, waited, held)

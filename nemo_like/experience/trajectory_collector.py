@@ -41,6 +41,7 @@ from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.models.policy.policy import ShardedLogprobs
+from nemo_like.utils.counters import Increments
 
 
 @dataclass
@@ -138,7 +139,7 @@ class TrajectoryCollector:
         self.multi_turn = multi_turn  # every turn of a batch's samples runs inside the batch: a checkpoint never splits one
         self.reference = reference  # when set, every batch goes into the buffer with its reference logprobs
         self.pad_token_id = pad_token_id
-        self.reference_passes_seen = 0
+        self.reference_passes = Increments()
         self.cond = threading.Condition()
         self.pause_reasons: set[str] = set()
         self.paused = False
@@ -229,8 +230,8 @@ class TrajectoryCollector:
             if reference_refs is not None:
                 reference = self.reference.gather(reference_refs, "reference logprobs (trajectory collector)")
                 reference_seconds = time.perf_counter() - started
-                total = self.reference.pass_count()  # only this thread uses the reference actor in an async run
-                reference_passes, self.reference_passes_seen = total - self.reference_passes_seen, total
+                # Only this thread uses the reference actors in an async run, so the growth is this batch's passes.
+                reference_passes = self.reference_passes.take(self.reference.forward_pass_counts()["logprobs"])
             ray.get(self.buffer.push.remote(split_into_groups(rollout, target, reference)))
         except BaseException as exc:
             with self.cond:
@@ -250,13 +251,14 @@ class TrajectoryCollector:
             self.cond.notify_all()
 
     # -- control (called by the driver while run() is busy) ---------------------------------------------
-    def pause(self, reason: str) -> float:
-        """Hold the loop between batches; returns the seconds spent waiting for the batch in flight. A refit
-        waits for the batch's generation only; any other reason (a checkpoint) also for its way into the buffer."""
+    def pause(self, reason: str, until_pushed: bool = True) -> float:
+        """Hold the loop between batches; returns the seconds spent waiting for the batch in flight.
+        ``until_pushed``: also wait until every generated batch is in the buffer (a checkpoint needs that; a
+        refit only needs generation to stand still)."""
         start = time.perf_counter()
 
         def held() -> bool:
-            return not self.in_flight and (self.paused or self.stopping) and (reason == "refit" or self.pushing == 0)
+            return not self.in_flight and (self.paused or self.stopping) and (not until_pushed or self.pushing == 0)
 
         with self.cond:
             self.pause_reasons.add(reason)

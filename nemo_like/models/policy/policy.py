@@ -14,6 +14,7 @@ from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, Wo
 from nemo_like.models.policy.lora import refit_mode
 from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
 from nemo_like.models.weight_buckets import WeightBuckets
+from nemo_like.utils.counters import Increments
 
 
 def split_rows_unevenly(batch: Batch, num_shards: int) -> list[Batch]:
@@ -44,10 +45,10 @@ class ShardedLogprobs:
         """Wait for a pass and stitch the row blocks back into one ``[B, S]`` tensor."""
         return torch.cat(get_with_context(refs, f"{self.name}: {what}"), dim=0)
 
-    def pass_count(self) -> int:
-        """Logprob forward passes (micro-batches) the workers ran so far, summed over the workers."""
+    def forward_pass_counts(self) -> dict[str, int]:
+        """Forward passes (micro-batches) by kind the workers ran so far, summed over the workers."""
         counts = get_with_context([w.get_forward_pass_counts.remote() for w in self.workers], f"{self.name}: counters")
-        return sum(c["logprobs"] for c in counts)
+        return {k: sum(c[k] for c in counts) for k in counts[0]}
 
 
 def batching_plan(pc: Any, micro_batch_size: int) -> dict[str, Any]:
@@ -154,8 +155,8 @@ class Policy:
         counts = get_with_context(self.group.run_rank0("parameter_counts"), f"{name}: parameter counts")
         self.trainable_params, self.total_params = counts["trainable"], counts["total"]
         self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends
-        self._logprob_passes_seen = 0  # by train(): the prev passes since the last update
-        self._logprob_passes_taken = 0  # by take_logprob_passes()
+        self._prev_passes = Increments()  # read by train(): the prev passes since the last update
+        self._logprob_passes = Increments()  # read by take_logprob_passes()
         # Full-weight refits on a one-node CPU cluster go through a shared-memory buffer; LoRA's adapter and merged
         # refits keep the object-store path.
         self.shared_memory_refit = trainable and self.refit_mode == "full" and shared_memory_refit_possible(cfg)
@@ -177,9 +178,7 @@ class Policy:
 
     def take_logprob_passes(self) -> int:
         """Logprob forward passes the workers ran since the previous call (the reference's count for a step)."""
-        total = self.logprob_client.pass_count()
-        since, self._logprob_passes_taken = total - self._logprob_passes_taken, total
-        return since
+        return self._logprob_passes.take(self.forward_pass_counts()["logprobs"])
 
     def get_logprobs(self, batch: Batch) -> torch.Tensor:
         """``[B, S]`` logprobs of every sample under the current weights."""
@@ -208,7 +207,7 @@ class Policy:
         first = torch.cat([r["first_step_logprobs"] for r in results], dim=0)
         # Summed over every worker, as forward_pass_counts() does.
         passes = sum(r["forward_passes"]["logprobs"] for r in all_results)
-        since, self._logprob_passes_seen = passes - self._logprob_passes_seen, passes
+        since = self._prev_passes.take(passes)
         return TrainResult(
             metrics=metrics,
             grad_norms=results[0]["grad_norms"],
@@ -260,8 +259,7 @@ class Policy:
 
     def forward_pass_counts(self) -> dict[str, int]:
         """Forward passes by kind, summed over the workers."""
-        counts = get_with_context(self.group.run_all("get_forward_pass_counts"), f"{self.name}: counters")
-        return {k: sum(c[k] for c in counts) for k in counts[0]}
+        return self.logprob_client.forward_pass_counts()
 
     def parameter_checksums(self) -> list[float]:
         """The full model's parameter checksum as each worker computes it (over its shards: identical on every rank)."""
@@ -283,7 +281,7 @@ class AdapterDisabledReference:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.name = "reference (policy, adapters disabled)"
-        self._passes_seen = 0
+        self._passes = Increments()
 
     def get_logprobs_async(self, batch: Batch) -> list[ray.ObjectRef]:
         """Start the base model's logprob pass on the policy's workers."""
@@ -302,9 +300,7 @@ class AdapterDisabledReference:
 
     def take_logprob_passes(self) -> int:
         """Reference passes since the previous call."""
-        total = self.forward_pass_counts()["logprobs"]
-        since, self._passes_seen = total - self._passes_seen, total
-        return since
+        return self._passes.take(self.forward_pass_counts()["logprobs"])
 
     def shutdown(self) -> None:
         """Nothing to release: the actors are the policy's."""
