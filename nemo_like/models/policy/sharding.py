@@ -131,8 +131,8 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None)
         coef = min(1.0, max_norm / (norm + 1e-6))  # the same rule as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
             with torch.no_grad():
-                for g in grads:
-                    g.mul_(coef)
+                for group in by_mesh.values():
+                    torch._foreach_mul_(group, coef)  # one kernel launch per mesh, not one per tensor
     return norm
 
 

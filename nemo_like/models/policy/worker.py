@@ -114,12 +114,15 @@ class PolicyWorker(Reinitializable):
         if not self.trainable:
             return
         opt = self._optimizer_cfg
+        # fused: one kernel over all parameters; on a CPU it is 4-6x faster than the per-tensor-list (foreach)
+        # implementation (docs/guides/performance.md), and the same update up to float rounding.
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=opt.lr,
             weight_decay=opt.weight_decay,
             betas=tuple(opt.betas),
             eps=opt.eps,
+            fused=True,
         )
         warmup = self._warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig, OptimizerConfig
+from nemo_like.models.policy import sharding
 from nemo_like.models.policy.worker import PolicyWorker
 
 pytestmark = pytest.mark.slow  # two processes that each import torch and transformers: ~30 s on this machine
@@ -234,3 +235,20 @@ def test_lora_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
     base.train([step_batch(0)])
     full = base.memory_footprint()
     assert lora_total["optimizer"] <= 0.05 * full["optimizer"], (lora_total, full)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5, 1e6])
+def test_clip_grad_norm_matches_torchs_on_plain_parameters(max_norm) -> None:
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(4)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn_like(a)
+        b.grad = a.grad.clone()
+    norm = sharding.clip_grad_norm(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm if max_norm is not None else float("inf"))
+    assert norm == pytest.approx(float(expected), rel=1e-6)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad)
+    if max_norm == 0.5:
+        assert float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ours]))) == pytest.approx(0.5, rel=1e-4)
