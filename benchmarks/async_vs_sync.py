@@ -9,6 +9,10 @@ Settings:
   tokens, decoding is 48 sequential engine steps, and generation becomes the larger share of a sync
   step while training stays cheap. (Rewards are ~0 there: it measures throughput, not learning.)
 
+Both loops run the engine async resolves to (``policy.generation.backend=auto``: vLLM when installed), so the ratio
+measures the loop, not the engine; when a sync run's default engine differs (``inline`` on a CPU cluster, see
+docs/guides/generation.md), that third run is printed too, with async's ratio to it.
+
 For each setting it prints steps/s sync and async and their ratio, then where an async step's time
 went: the trainer waiting for data, the trainer waiting for the batch in flight before a refit, and
 the collector's generation seconds, pause for refit and wait for pacing (all per step, medians), and the
@@ -29,6 +33,7 @@ from recipe_runs import run_recipe
 
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.distributed.threads import thread_split
+from nemo_like.models.generation import resolve_backend
 from nemo_like.models.loading import load_tokenizer, resolve_model_path
 
 SETTINGS = {
@@ -82,10 +87,15 @@ def compare(name: str, steps: int, warmup: int, extra: list[str]) -> None:
         overrides = [*SETTINGS[name], *extra]
         if name == "generation-heavy":
             overrides.insert(0, f"policy.model_name={build_untrained_tiny(Path(tmp) / 'untrained-tiny')}")
-        sync = run(overrides, steps, f"{tmp}/sync")[warmup:]
+        # The loops are compared on the engine async uses; a sync run's default engine may differ (inline on CPU),
+        # and that run is measured too when it does.
+        engine = resolve_backend(load_config(DEFAULT_RECIPE, [*SETTINGS[name], *extra, *ASYNC], warn=False))[0]
+        default = resolve_backend(load_config(DEFAULT_RECIPE, [*SETTINGS[name], *extra], warn=False))[0]
+        sync = run([*overrides, f"policy.generation.backend={engine}"], steps, f"{tmp}/sync")[warmup:]
         async_ = run([*overrides, *ASYNC], steps, f"{tmp}/async")[warmup:]
+        sync_default = run(overrides, steps, f"{tmp}/sync_default")[warmup:] if default != engine else None
     sync_rate, async_rate = steps_per_second(sync), steps_per_second(async_)
-    print(f"== {name} ({len(sync)} steps measured of {steps}) ==")
+    print(f"== {name} ({len(sync)} steps measured of {steps}; both loops with the {engine} engine) ==")
     gen_share = median(sync, "timing/train/generation") / median(sync, "timing/train/total_step_time")
     print(
         f"sync : {sync_rate:.3f} steps/s (median step {median(sync, 'timing/train/total_step_time'):.3f}s; "
@@ -97,6 +107,13 @@ def compare(name: str, steps: int, warmup: int, extra: list[str]) -> None:
         f"training {median(async_, 'timing/train/policy_training'):.3f}s)"
     )
     print(f"ratio async/sync steps per second: {async_rate / sync_rate:.3f}")
+    if sync_default is not None:
+        default_rate = steps_per_second(sync_default)
+        print(
+            f"sync with its default engine ({default}): {default_rate:.3f} steps/s (median step "
+            f"{median(sync_default, 'timing/train/total_step_time'):.3f}s; generation {median(sync_default, 'timing/train/generation'):.3f}s); "
+            f"async/sync({default}) {async_rate / default_rate:.3f}"
+        )
     for mode, extra_mode in (("sync", []), ("async", ASYNC)):
         print(f"{mode} {thread_split(load_config(DEFAULT_RECIPE, [*SETTINGS[name], *extra, *extra_mode], warn=False)).describe()}")
     print("async per-step medians: " + ", ".join(f"{k} {median(async_, k):.3f}s" for k in IDLE_KEYS))

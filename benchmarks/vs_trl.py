@@ -3,7 +3,7 @@
 Usage (from the repository root, our venv; TRL lives in its own venv, see below):
 
     make bench-trl-venv                      # once: .venv-trl with torch 2.13.0 (CPU) + trl 1.16 (benchmark only)
-    python benchmarks/vs_trl.py              # defaults: W1 and W2, our default backend (vllm when installed)
+    python benchmarks/vs_trl.py              # defaults: W1 and W2, our default backend (auto: inline on CPU here)
     python benchmarks/vs_trl.py --workloads W2 --backends vllm,hf --steps 6
 
 Defaults: ``--workloads W1,W2 --backends default --warmup 2 --steps 5 --trl-python .venv-trl/bin/python``;
@@ -247,7 +247,9 @@ class OurRun:
         self.parts = setup_grpo(self.cfg)
         self.steps = SyncSteps(self.parts)
         self.steps.start(0, None)
-        self.backend = "vllm" if type(self.parts.generation).__name__.startswith("VLLM") else "hf"  # what "auto" resolved to
+        from nemo_like.models.generation import resolve_backend
+
+        self.backend = resolve_backend(self.parts.cfg)[0]  # what "auto" resolved to
         self.count = 0
 
     def step(self) -> tuple[float, dict[str, float], float]:

@@ -143,7 +143,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     import ray
 
     init_ray(cfg.cluster)
-    roles = [generation_resources(run_cfg), *environment_resources(run_cfg)]
+    roles = [generation_resources(run_cfg, with_policy=False), *environment_resources(run_cfg)]
     check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
 
     generation = environments = None

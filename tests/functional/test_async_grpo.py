@@ -12,6 +12,7 @@ from functional.helpers import REPO, ckpt_overrides, tiny_config
 
 from nemo_like.config import load_config
 from nemo_like.experience.async_rollouts import BUFFER_FILE
+from nemo_like.models.generation import resolve_backend
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
@@ -92,11 +93,14 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
 
 
 def test_async_tiny_recipe_learns_within_five_points_of_sync(ray_cluster, tmp_path):
-    """The acceptance run: the shipped async recipe (100 steps) against the same recipe run sync, same seed.
-    1024 validation prompts (instead of 256) make the final accuracies a less noisy comparison."""
+    """The acceptance run: the shipped async recipe (100 steps) against the same recipe run sync, same seed, same
+    engine (the one async resolves to; a sync run would default to inline generation on CPU), so the comparison
+    isolates async. 1024 validation prompts (instead of 256) make the final accuracies a less noisy comparison."""
     recipe = REPO / "examples" / "configs" / "grpo_tiny_cpu_async.yaml"
     common = ["grpo.max_val_samples=1024", "grpo.val_period=0", "logger.progress_bar=false"]
-    sync = train(load_config(recipe, [*common, "grpo.async_grpo.enabled=false", f"logger.log_dir={tmp_path / 'sync'}"]))
+    engine = resolve_backend(load_config(recipe, common))[0]
+    sync_overrides = [*common, "grpo.async_grpo.enabled=false", f"policy.generation.backend={engine}"]
+    sync = train(load_config(recipe, [*sync_overrides, f"logger.log_dir={tmp_path / 'sync'}"]))
     # Both runs start from the same model on the same validation prompts: the sync run's step-0 validation serves both.
     run = train(load_config(recipe, [*common, "grpo.val_at_start=false", f"logger.log_dir={tmp_path / 'async'}"]))
     assert sync[-1]["step"] == run[-1]["step"] == 100 and "validation/accuracy" not in run[0]

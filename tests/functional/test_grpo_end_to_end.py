@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from functional.helpers import REPO, read_metrics, tiny_config
 
+from nemo_like.models.generation import resolve_backend
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
@@ -129,3 +130,19 @@ def test_zero_kl_penalty_loads_no_reference_model_and_a_two_task_run_routes_each
     val = history[0]
     assert val["validation/env/arithmetic/num_samples"] + val["validation/env/math/num_samples"] == val["validation/num_samples"]
     assert last["env/math/timeouts"] == 0
+
+
+def test_the_default_cpu_backend_samples_in_the_policy_worker_on_policy_and_never_refits(ray_cluster, tmp_path):
+    # auto -> inline here (sync, CPU, one policy worker): the policy worker samples with the weights it trains, so
+    # there is nothing to refit, and the prev pass (computed here) scores exactly what generation sampled.
+    cfg = tiny_config(tmp_path, "grpo.max_num_steps=3", "grpo.val_at_start=false", "grpo.skip_prev_logprobs=false", *TRUNCATED_SAMPLING)
+    assert resolve_backend(cfg)[0] == "inline"
+    history = train(cfg)
+    steps = [r for r in history if "train/loss" in r]
+    assert [r["train/weight_version"] for r in steps] == [1, 2, 3]
+    for record in steps:
+        assert record["timing/train/refit"] == 0 and record["performance/refit_bytes"] == 0
+        # KV-cached decode vs one full forward of the same weights: equal up to float rounding
+        assert record["train/gen_kl"] < 1e-6 and abs(record["train/token_mult_prob_error"] - 1) < 1e-4
+        assert record["train/outside_sampling_set_frac"] == 0
+    assert 0.0 <= history[-1]["validation/accuracy"] <= 1.0  # validation generates inline too

@@ -1,4 +1,5 @@
-"""Generation backends (HF transformers, vLLM) behind one interface, and the factory that picks one."""
+"""Generation backends (inline in the policy worker, HF transformers, vLLM) behind one interface, and the
+factory that picks one."""
 
 from __future__ import annotations
 
@@ -12,20 +13,39 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def resolve_backend(requested: str) -> tuple[str, str]:
-    """``(backend, reason)``: ``auto`` becomes ``vllm`` when the vllm package is importable, else ``hf``."""
+def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
+    """``(backend, reason)`` for ``policy.generation.backend``. ``auto``: ``inline`` on a CPU cluster when the run
+    allows it (:func:`~.inline.inline_blocker`), else ``vllm`` when the vllm package is importable, else ``hf``.
+    ``with_policy=False``: the caller has no trainable policy (evaluation), so ``inline`` is impossible."""
+    from nemo_like.config.errors import ConfigError
+    from nemo_like.models.generation.inline import inline_blocker
     from nemo_like.models.generation.vllm import require_vllm, vllm_available
 
+    requested = cfg.policy.generation.backend
+    if requested == "inline":
+        blocker = inline_blocker(cfg, with_policy)
+        if blocker is not None:
+            raise ConfigError(f"policy.generation.backend=inline is not possible here: {blocker}; use auto, vllm or hf")
+        return "inline", "requested"
     if requested == "auto":
-        return ("vllm", "auto: vllm is importable") if vllm_available() else ("hf", "auto: vllm is not installed")
+        blocker = "GPU clusters use vLLM" if cfg.cluster.gpus_per_node else inline_blocker(cfg, with_policy)
+        if blocker is None:
+            return "inline", "auto: a sync CPU run with one policy worker samples with the policy's own weights (no refit)"
+        engine = "vllm" if vllm_available() else "hf"
+        return engine, f"auto: not inline ({blocker}); {'vllm is importable' if engine == 'vllm' else 'vllm is not installed'}"
     if requested == "vllm":
         require_vllm()
     return requested, "requested"
 
 
-def generation_resources(cfg) -> RoleResources:
-    """What the generation engine ``policy.generation.backend`` resolves to reserves (one worker, as built below)."""
-    backend, _ = resolve_backend(cfg.policy.generation.backend)
+def generation_resources(cfg, with_policy: bool = True) -> RoleResources:
+    """What the generation engine ``policy.generation.backend`` resolves to reserves (one worker, as built below;
+    none for inline generation)."""
+    backend, _ = resolve_backend(cfg, with_policy)
+    if backend == "inline":
+        from nemo_like.models.generation.inline import inline_generation_resources
+
+        return inline_generation_resources()
     if backend == "vllm":
         from nemo_like.models.generation.vllm import vllm_generation_resources
 
@@ -36,11 +56,16 @@ def generation_resources(cfg) -> RoleResources:
 
 
 def make_generation(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any = None):
-    """The generation engine ``policy.generation.backend`` asks for (``policy`` enables the GPU refit paths)."""
-    backend, reason = resolve_backend(cfg.policy.generation.backend)
+    """The generation engine ``policy.generation.backend`` asks for. ``policy``: the run's trainable policy (inline
+    generation samples in its worker; with vLLM it enables the GPU refit paths); ``None`` for evaluation."""
+    backend, reason = resolve_backend(cfg, with_policy=policy is not None)
     message = f"[setup] generation backend: {backend} ({reason})"
     log.info(message)
     print(message, file=sys.stderr)
+    if backend == "inline":
+        from nemo_like.models.generation.inline import InlineGeneration
+
+        return InlineGeneration(policy, pad_token_id, eos_token_ids)
     if backend == "vllm":
         from nemo_like.models.generation.vllm import VLLMGeneration
 

@@ -218,7 +218,7 @@ def refit_mode(cfg: Any) -> tuple[str, str]:
         return "full", "policy.lora_cfg.enabled=false"
     if lora.refit == "merged":
         return "merged", "policy.lora_cfg.refit=merged"
-    backend, _ = resolve_backend(cfg.policy.generation.backend)
+    backend, _ = resolve_backend(cfg)
     blocker = None
     if backend != "vllm":
         blocker = "the HF generation backend serves plain weights"

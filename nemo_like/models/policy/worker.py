@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from nemo_like.config.schema import OptimizerConfig
 
 Batch = dict[str, torch.Tensor]
+#: Prompts sampled together by inline generation (bounds the KV cache of a large validation batch).
+INLINE_GENERATION_BATCH = 256
 
 
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
@@ -209,6 +211,39 @@ class PolicyWorker(Reinitializable):
             lp, _ = self._token_logprobs(mb)
             out[torch.tensor(groups[k])[:, None], torch.arange(lp.shape[1])[None, :]] = lp.float().cpu()
             self.forward_passes[counter] += 1
+        return out
+
+    # -- inline generation --------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: dict, seed: int, pad_token_id: int, eos_token_ids: list[int]) -> list[dict]:
+        """Sample one response per prompt with this worker's own weights (the inline backend,
+        :mod:`nemo_like.models.generation.inline`); returns :class:`GeneratedSample` fields as dicts."""
+        from dataclasses import asdict
+
+        from nemo_like.models.generation.hf_worker import sampling_distribution
+        from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+        from nemo_like.models.generation.lean_decoder import sample
+
+        if self.world_size != 1 or self.lora_cfg is not None:
+            raise RuntimeError("inline generation needs a single, unsharded policy worker without LoRA")
+        sp = SamplingParams(**params)
+        stop_ids = [*eos_token_ids, *sp.stop_token_ids]
+        self.model.eval()
+        out: list[dict] = []
+        for start in range(0, len(prompts), INLINE_GENERATION_BATCH):
+            chunk = prompts[start : start + INLINE_GENERATION_BATCH]
+            drawn = sample(self.model, chunk, sp.max_new_tokens, sampling_distribution(sp), stop_ids, pad_token_id, seed + start, sp.greedy)
+            for i, prompt in enumerate(chunk):
+                n = drawn.lengths[i]
+                sample_i = GeneratedSample(
+                    prompt_ids=list(prompt),
+                    response_ids=drawn.tokens[i, :n].tolist(),
+                    response_logprobs=drawn.logprobs[i, :n].tolist(),
+                    truncated=not drawn.stopped[i],
+                    weight_version=self.weight_version,
+                    final_weight_version=self.weight_version,
+                )
+                out.append(asdict(sample_i))
         return out
 
     # -- training ----------------------------------------------------------------------------

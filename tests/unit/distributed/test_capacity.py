@@ -39,10 +39,13 @@ def test_tiny_recipe_asks_for_cpu_bundles_only_per_role() -> None:
     assert roles == {
         "policy": (1, {"CPU": 0.5}),
         "reference": (1, {"CPU": 0.5}),  # reference_policy_kl_penalty: 0.01 in the tiny recipe
-        "generation": (1, {"CPU": 0.5}),
+        "generation": (0, {"CPU": 0}),  # auto -> inline: the policy worker samples, no engine actor
         "environment:arithmetic": (1, {"CPU": 0.1}),
     }
-    assert required_resources(tiny()) == {"CPU": 1.6}
+    assert required_resources(tiny()) == {"CPU": 1.1}
+    engine = {r.role: (r.count, dict(r.bundle)) for r in role_requests(tiny("policy.generation.backend=hf"))}
+    assert engine["generation"] == (1, {"CPU": 0.5})
+    assert required_resources(tiny("policy.generation.backend=hf")) == {"CPU": 1.6}
 
 
 def test_no_reference_role_without_kl_penalty_and_dp_multiplies_the_policy() -> None:

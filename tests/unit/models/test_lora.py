@@ -144,8 +144,9 @@ def test_lora_reference_runs_on_the_policy_so_no_reference_role_is_planned():
     from nemo_like.algorithms.roles import required_resources, role_requests
 
     kl = {"loss_fn": {"reference_policy_kl_penalty": 0.01}}
-    with_lora = MasterConfig.model_validate({**kl, "policy": {"lora_cfg": {"enabled": True}}})
-    full = MasterConfig.model_validate(kl)
+    hf = {"backend": "hf"}  # the same engine in both runs (without LoRA, auto would sample inline and reserve none)
+    with_lora = MasterConfig.model_validate({**kl, "policy": {"lora_cfg": {"enabled": True}, "generation": hf}})
+    full = MasterConfig.model_validate({**kl, "policy": {"generation": hf}})
     plan, full_plan = decide_logprob_passes(with_lora), decide_logprob_passes(full)
     assert plan.compute_reference and plan.reference_from_policy and not plan.load_reference_model
     assert any("adapters disabled" in r for r in plan.reasons)

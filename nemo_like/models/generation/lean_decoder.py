@@ -1,0 +1,268 @@
+"""A lean sampling loop for small decoder-only models: KV cache, our own sampler, no ``generate`` machinery.
+
+On a CPU, a small model's decode step is a few dozen tiny kernels, so what surrounds them decides the
+speed: HF ``generate`` (logits processors, stopping criteria, cache objects, mask builders) or a separate
+vLLM engine (scheduler, input preparation, and a weight refit before each step's generation). The
+inline backend (:mod:`.inline`) samples inside the policy worker with the training weights and this loop.
+
+Two step functions share one loop (:func:`sample`):
+
+* :class:`FusedLlamaStep` for the Llama family (``llama``, ``qwen2``, ``mistral`` without a sliding window):
+  the transformer's math written out on the model's own parameters, with the query/key/value and the
+  gate/up projections fused into one matmul each (fused copies are built once per call), a preallocated KV
+  cache, and the model's own rotary embedding module (so every RoPE scaling variant is the model's);
+* :class:`HFModelStep` for anything else: the model's forward with a transformers ``DynamicCache``.
+
+``tests/unit/models/test_lean_decoder.py`` checks the fused step's logits against the model's own forward,
+prefill and decode, with left padding, and the sampler's logprobs against :func:`processed_token_logprobs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nemo_like.models.logprobs import SamplingDistribution, sampling_keep_mask
+
+FUSED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass
+class SampledBatch:
+    """``tokens`` / ``logprobs``: ``[B, N]`` (N = steps run); ``lengths[i]``: tokens of row i up to and including
+    its first stop token (N when none); ``stopped[i]``: whether row i ended with a stop token."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    lengths: list[int]
+    stopped: list[bool]
+
+
+def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, ``[B, P]``: every prompt ends at the same column."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = True
+    return input_ids, mask
+
+
+def fused_step_supported(model: torch.nn.Module) -> bool:
+    """Whether :class:`FusedLlamaStep` computes exactly what ``model`` computes (else :class:`HFModelStep`)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in FUSED_MODEL_TYPES:
+        return False
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
+        return False
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"])):
+        return False  # sliding-window layers
+    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+        return False
+    inner = getattr(model, "model", None)
+    return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb") and hasattr(model, "lm_head")
+
+
+class FusedLlamaStep:
+    """Prefill/decode for a Llama-family ``*ForCausalLM`` on its own parameters (read, never written).
+
+    Per call (:func:`sample`) it builds the fused projection weights, the KV cache and the rotary tables of every
+    position the call can reach (one call of the model's rotary module), so a decode step is little more than
+    its matmuls: few small kernels matter on a CPU, where each costs microseconds whatever its size."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, max_len: int) -> None:
+        cfg = model.config
+        self.model, self.inner = model, model.model
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.layers = []
+        for layer in self.inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            qkv_b = None if biases[0] is None else torch.cat(biases)
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    qkv_w,
+                    qkv_b,
+                    attn.o_proj.weight,
+                    attn.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    gate_up,
+                    mlp.down_proj.weight,
+                )
+            )
+        param = next(model.parameters())
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        self.k_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
+        self.v_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
+        self.intermediate = gate_up.shape[0] // 2
+        self.hidden = cfg.hidden_size
+        self.cos = self.signed_sin = None
+
+    def set_positions(self, positions: torch.Tensor) -> None:
+        """Rotary tables for ``positions`` (``[B, max_len]``: every column the call can fill), from the model's own
+        rotary module. ``rotate_half(x) = roll(x, half) * sign`` (sign ``-1`` on the first half), so the sign is
+        folded into the sine once: RoPE is then ``x * cos + roll(x) * signed_sin``."""
+        dummy = torch.empty(0, dtype=self.k_cache[0].dtype, device=positions.device)
+        cos, sin = self.inner.rotary_emb(dummy, positions)
+        half = self.head_dim // 2
+        sign = torch.ones(self.head_dim, dtype=sin.dtype, device=sin.device)
+        sign[:half] = -1
+        self.cos, self.signed_sin = cos.unsqueeze(1), (sin * sign).unsqueeze(1)  # [B, 1, max_len, head_dim]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Continue with row ``rows[i]`` of the cache and rotary tables as row ``i`` (a shared prefill)."""
+        self.k_cache = [c.index_select(0, rows) for c in self.k_cache]
+        self.v_cache = [c.index_select(0, rows) for c in self.v_cache]
+        self.cos, self.signed_sin = self.cos.index_select(0, rows), self.signed_sin.index_select(0, rows)
+
+    def forward(self, input_ids: torch.Tensor, start: int, attn_mask: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, V]`` of the last column of ``input_ids`` (``[B, T]``, cache columns ``start:start+T``);
+        ``attn_mask``: ``[B, 1, T, start+T]`` bool, True where a query may attend to a key."""
+        batch, width = input_ids.shape
+        end = start + width
+        heads, qk_heads, half = self.heads, self.heads + self.kv_heads, self.head_dim // 2
+        cos, signed_sin = self.cos[:, :, start:end], self.signed_sin[:, :, start:end]
+        h = self.inner.embed_tokens(input_ids)
+        for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up, down) in enumerate(self.layers):
+            qkv = F.linear(F.rms_norm(h, (self.hidden,), ln1, self.eps), qkv_w, qkv_b)
+            qkv = qkv.view(batch, width, qk_heads + self.kv_heads, self.head_dim).transpose(1, 2)
+            qk = qkv[:, :qk_heads]
+            qk = qk * cos + qk.roll(half, dims=-1) * signed_sin  # RoPE on queries and keys at once
+            self.k_cache[i][:, :, start:end] = qk[:, heads:]
+            self.v_cache[i][:, :, start:end] = qkv[:, qk_heads:]
+            attn = F.scaled_dot_product_attention(
+                qk[:, :heads],
+                self.k_cache[i][:, :, :end],
+                self.v_cache[i][:, :, :end],
+                attn_mask=attn_mask,
+                enable_gqa=self.kv_heads != heads,
+            )
+            h = h + F.linear(attn.transpose(1, 2).reshape(batch, width, heads * self.head_dim), o_w, o_b)
+            gate, up = F.linear(F.rms_norm(h, (self.hidden,), ln2, self.eps), gate_up).split(self.intermediate, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, down)
+        last = F.rms_norm(h[:, -1], (self.hidden,), self.inner.norm.weight, self.eps)
+        return self.model.lm_head(last)
+
+
+class HFModelStep:
+    """The same interface on the model's own forward and a transformers ``DynamicCache`` (any architecture)."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, max_len: int) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.cache = model, DynamicCache()
+        self.positions: torch.Tensor | None = None
+
+    def set_positions(self, positions: torch.Tensor) -> None:
+        """``[B, max_len]`` position ids of every column the call can fill."""
+        self.positions = positions
+
+    def forward(self, input_ids: torch.Tensor, start: int, attn_mask: torch.Tensor) -> torch.Tensor:
+        key_valid = attn_mask[:, 0, -1, :]  # the last query row sees every valid key
+        positions = self.positions[:, start : start + input_ids.shape[1]]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=key_valid.long(),
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+
+def draw(logits: torch.Tensor, dist: SamplingDistribution, greedy: bool, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B]`` tokens and their logprobs under the processed distribution (greedy: argmax, plain softmax logprob)."""
+    if greedy:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        tokens = logprobs.argmax(dim=-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits.float() / dist.temperature
+    if dist.truncates:
+        scaled = scaled.masked_fill(~sampling_keep_mask(scaled, dist.top_k, dist.top_p), float("-inf"))
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    probs = logprobs.exp()
+    broken = ~torch.isfinite(probs).all(dim=-1)
+    if bool(broken.any()):
+        # Non-finite weights (a diverged update) give NaN logits: such rows draw uniformly and report a NaN logprob,
+        # so the run goes on to the trainer's non-finite step handling (grpo.max_consecutive_nonfinite_steps)
+        # instead of dying inside the sampler.
+        probs[broken] = 1.0
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dist: SamplingDistribution,
+    stop_token_ids: list[int],
+    pad_token_id: int,
+    seed: int,
+    greedy: bool = False,
+) -> SampledBatch:
+    """Sample up to ``max_new_tokens`` per prompt from ``model`` (left-padded batch, KV cache); stops early when
+    every row has produced a stop token. Tokens after a row's stop token are padding.
+
+    A GRPO batch repeats each prompt G times: with the fused step, each distinct prompt is prefilled once and its
+    KV cache copied to its rows."""
+    device = next(model.parameters()).device
+    fused = fused_step_supported(model)
+    distinct: dict[tuple[int, ...], int] = {}
+    row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+    share_prefill = fused and len(distinct) < len(prompts)
+    input_ids, prompt_mask = left_padded([list(p) for p in distinct] if share_prefill else prompts, pad_token_id)
+    input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
+    width = input_ids.shape[1]
+    max_len = width + max_new_tokens
+    step = (FusedLlamaStep if fused else HFModelStep)(model, input_ids.shape[0], max_len)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    stop_ids = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+
+    # Prefill: causal over the prompt, padding keys masked; each query also sees itself, so padding rows
+    # (never read) stay finite.
+    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+    prefill_mask = (causal & prompt_mask[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
+    prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+    after = prompt_positions[:, -1:] + torch.arange(1, max_new_tokens + 1, device=device)
+    step.set_positions(torch.cat([prompt_positions, after], dim=1))
+    logits = step.forward(input_ids, 0, prefill_mask[:, None])
+    if share_prefill:
+        rows = torch.tensor(row_of, device=device)
+        step.select_rows(rows)
+        logits, prompt_mask = logits[rows], prompt_mask[rows]
+    batch = len(prompts)
+    key_valid = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
+    key_valid[:, :width] = prompt_mask
+
+    tokens, logprobs = [], []
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
+    for t in range(max_new_tokens):
+        token, logprob = draw(logits, dist, greedy, generator)
+        token = token.masked_fill(finished, pad_token_id)
+        tokens.append(token)
+        logprobs.append(logprob.masked_fill(finished, 0.0))
+        just_stopped = ~finished & torch.isin(token, stop_ids)
+        lengths = torch.where(just_stopped, t + 1, lengths)
+        finished |= just_stopped
+        if t == max_new_tokens - 1 or bool(finished.all()):
+            break
+        key_valid[:, width + t] = True
+        logits = step.forward(token[:, None], width + t, key_valid[:, None, None, : width + t + 1])
+    return SampledBatch(
+        tokens=torch.stack(tokens, dim=1).cpu(),
+        logprobs=torch.stack(logprobs, dim=1).cpu(),
+        lengths=lengths.tolist(),
+        stopped=finished.tolist(),
+    )

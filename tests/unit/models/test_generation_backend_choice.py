@@ -1,0 +1,58 @@
+"""Which generation engine ``policy.generation.backend`` resolves to, and the combinations inline refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_like.config import DEFAULT_RECIPE, MasterConfig, load_config
+from nemo_like.config.errors import ConfigError
+from nemo_like.models.generation import generation_resources, resolve_backend
+from nemo_like.models.generation.vllm import vllm_available
+
+ENGINE = "vllm" if vllm_available() else "hf"
+
+
+def recipe(*overrides: str) -> MasterConfig:
+    return load_config(DEFAULT_RECIPE, list(overrides))
+
+
+def test_auto_samples_inline_on_a_sync_cpu_run_with_one_policy_worker_and_reserves_nothing() -> None:
+    cfg = recipe()
+    assert resolve_backend(cfg)[0] == "inline"
+    role = generation_resources(cfg)
+    assert role.count == 0 and role.total() == {"CPU": 0}
+
+
+@pytest.mark.parametrize(
+    "overrides, because",
+    [
+        (("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"), "async"),
+        (("policy.dp_size=2", "policy.train_global_batch_size=64"), "sharded"),
+        (("policy.lora_cfg.enabled=true",), "lora"),
+        (("cluster.gpus_per_node=1",), "GPU"),
+    ],
+)
+def test_auto_uses_an_engine_where_inline_does_not_apply_and_says_why(overrides: tuple[str, ...], because: str) -> None:
+    backend, reason = resolve_backend(recipe(*overrides))
+    assert backend == ENGINE and because.lower() in reason.lower()
+
+
+def test_evaluation_never_resolves_to_inline() -> None:
+    assert resolve_backend(recipe(), with_policy=False)[0] == ENGINE
+    assert generation_resources(recipe(), with_policy=False).count == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"), "grpo.async_grpo.enabled"),
+        (("policy.dp_size=2", "policy.train_global_batch_size=64"), "policy.dp_size"),
+        (("policy.lora_cfg.enabled=true",), "policy.lora_cfg.enabled"),
+    ],
+)
+def test_an_explicit_inline_backend_that_cannot_apply_is_an_error_naming_the_key(overrides: tuple[str, ...], key: str) -> None:
+    with pytest.raises(ConfigError, match="policy.generation.backend=inline") as err:
+        resolve_backend(recipe("policy.generation.backend=inline", *overrides))
+    assert key in str(err.value)
+    with pytest.raises(ConfigError, match="policy.generation.backend=inline"):
+        resolve_backend(recipe("policy.generation.backend=inline"), with_policy=False)

@@ -1,0 +1,134 @@
+"""The lean sampling loop (inline generation) against the model's own forward pass and the sampler's math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from nemo_like.models.generation import lean_decoder
+from nemo_like.models.generation.lean_decoder import fused_step_supported, left_padded, sample
+from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs, sampling_keep_mask
+
+VOCAB = 97
+PROMPTS = [[3, 5, 7, 11, 13, 17], [4, 8], [9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+
+
+def qwen2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(2)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
+
+
+MODELS = {"qwen2": qwen2, "llama": llama, "gpt2": gpt2}
+
+
+def full_forward_logprobs(
+    model: torch.nn.Module, prompts: list[list[int]], tokens: torch.Tensor, dist: SamplingDistribution
+) -> torch.Tensor:
+    """What the trainer computes: one forward over prompt + response, processed logprobs of the response tokens."""
+    ids, mask = left_padded(prompts, 0)
+    full = torch.cat([ids, tokens], dim=1)
+    full_mask = torch.cat([mask.long(), torch.ones_like(tokens)], dim=1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=full_mask, position_ids=positions).logits
+    return processed_token_logprobs(logits[:, ids.shape[1] - 1 : -1], tokens, dist)
+
+
+def test_the_fused_step_serves_the_llama_family_and_nothing_else() -> None:
+    assert fused_step_supported(qwen2()) and fused_step_supported(llama())
+    assert not fused_step_supported(gpt2())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("dist", [SamplingDistribution(), SamplingDistribution(0.7, 20, 0.9)], ids=["plain", "truncated"])
+def test_sampled_logprobs_are_the_full_forward_processed_logprobs(name: str, dist: SamplingDistribution) -> None:
+    """Left-padded prompts of four lengths, two of them repeated (a GRPO group: the fused step prefills a prompt once
+    and copies its cache), KV-cached decode: each sampled token's logprob equals the trainer's processed logprob of
+    that token from one full forward pass (so gen_kl starts at ~0)."""
+    model = MODELS[name]()
+    prompts = [*PROMPTS, PROMPTS[1], PROMPTS[0], PROMPTS[1]]
+    drawn = sample(model, prompts, 12, dist, stop_token_ids=[], pad_token_id=0, seed=3)
+    assert drawn.tokens.shape == (len(prompts), 12) and drawn.lengths == [12] * len(prompts) and not any(drawn.stopped)
+    assert not torch.equal(drawn.tokens[1], drawn.tokens[4])  # a repeated prompt's rows sample independently
+    expected = full_forward_logprobs(model, prompts, drawn.tokens, dist)
+    torch.testing.assert_close(drawn.logprobs, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_the_fused_step_picks_the_same_greedy_tokens_as_the_models_own_forward(name: str, monkeypatch) -> None:
+    model = MODELS[name]()
+    fused = sample(model, PROMPTS, 10, SamplingDistribution(), [], 0, seed=0, greedy=True)
+    monkeypatch.setattr(lean_decoder, "fused_step_supported", lambda m: False)
+    plain = sample(model, PROMPTS, 10, SamplingDistribution(), [], 0, seed=0, greedy=True)
+    assert torch.equal(fused.tokens, plain.tokens)
+    torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=2e-5, rtol=1e-5)
+    # greedy = the argmax of the model's own next-token distribution, token by token
+    ids, mask = left_padded(PROMPTS, 0)
+    full = torch.cat([ids, fused.tokens], dim=1)
+    full_mask = torch.cat([mask.long(), torch.ones_like(fused.tokens)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    assert torch.equal(logits[:, ids.shape[1] - 1 : -1].argmax(-1), fused.tokens)
+
+
+def test_rows_stop_at_their_first_stop_token_and_are_padded_after_it() -> None:
+    model = qwen2()
+    stops = list(range(0, VOCAB, 3))  # a third of the vocabulary: rows stop at different steps
+    prompts = PROMPTS * 4
+    drawn = sample(model, prompts, 20, SamplingDistribution(), stops, pad_token_id=1, seed=5)
+    assert any(drawn.stopped) and len(set(drawn.lengths)) > 1
+    for row, (n, stopped) in enumerate(zip(drawn.lengths, drawn.stopped)):
+        tokens = drawn.tokens[row].tolist()
+        assert all(t not in stops for t in tokens[: n - 1])
+        assert (tokens[n - 1] in stops) == stopped
+        assert all(t == 1 for t in tokens[n:]) and drawn.logprobs[row, n:].abs().sum() == 0
+    if all(drawn.stopped):
+        assert drawn.tokens.shape[1] == max(drawn.lengths)  # stopped early: no step after the last row ended
+
+
+def test_truncated_sampling_never_draws_outside_the_kept_set_and_seeds_reproduce() -> None:
+    model = qwen2()
+    dist = SamplingDistribution(1.0, 3, 1.0)
+    prompts = [PROMPTS[0]] * 64
+    first = sample(model, prompts, 1, dist, [], 0, seed=11)
+    again = sample(model, prompts, 1, dist, [], 0, seed=11)
+    other = sample(model, prompts, 1, dist, [], 0, seed=12)
+    assert torch.equal(first.tokens, again.tokens) and not torch.equal(first.tokens, other.tokens)
+    ids, mask = left_padded(prompts[:1], 0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask.long()).logits[0, -1]
+    kept = sampling_keep_mask(logits[None], 3, 1.0)[0].nonzero().flatten().tolist()
+    assert set(first.tokens.flatten().tolist()) <= set(kept) and len(set(first.tokens.flatten().tolist())) > 1
+
+
+def test_non_finite_weights_sample_uniformly_with_nan_logprobs_instead_of_crashing() -> None:
+    # A diverged update (the trainer's non-finite handling takes it from there, see test_checkpoint_resume.py).
+    model = qwen2()
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    drawn = sample(model, PROMPTS, 3, SamplingDistribution(), [], 0, seed=0)
+    assert drawn.tokens.shape == (len(PROMPTS), 3) and bool(((drawn.tokens >= 0) & (drawn.tokens < VOCAB)).all())
+    assert bool(drawn.logprobs.isnan().all())
