@@ -6,7 +6,9 @@ Builds the model of ``benchmarks/vs_trl.py`` (random init), then times one updat
 for the W2 batch (64 sequences of 21 prompt + 64 response tokens, micro-batches of 32): forward, token
 log-probabilities (log-softmax over the vocabulary, gathered), a policy-gradient surrogate loss, backward and an
 AdamW step. Once with the eager model, once with ``torch.compile(model)`` (inductor, CPU); prints the compile
-time (the first step) and the steady-state median of each, and the FLOP floor at ``--peak-gflops``.
+time (the first step) and the steady-state median of each, and the FLOP floor at ``--peak-gflops``. First it times
+our own update of the same batch (``PolicyWorker.train`` in-process: the loss with its metrics, clipping, fused
+AdamW), so the framework's overhead over the bare update shows.
 """
 
 from __future__ import annotations
@@ -45,6 +47,41 @@ def time_updates(model: torch.nn.Module, ids: torch.Tensor, micro: int, steps: i
     return times[0], times[1:]
 
 
+def time_policy_worker(model_dir: str, ids: torch.Tensor, steps: int, threads: int) -> float:
+    """Median seconds of our own update of ``ids`` (:class:`PolicyWorker` in-process, the default recipe's loss and
+    optimizer settings, micro-batches of 32, the responses being the last 64 tokens)."""
+    from recipe_runs import quiet_config
+
+    from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+    from nemo_like.models.policy.policy import batching_plan
+    from nemo_like.models.policy.worker import PolicyWorker
+
+    cfg = quiet_config(tempfile.gettempdir(), [f"policy.model_name={model_dir}", "loss_fn.reference_policy_kl_penalty=0"])
+    pc = cfg.policy
+    worker = PolicyWorker(
+        0, 1, model_dir, "float32", 1.0, threads, 0, loss_fn=ClippedPGLossFn(cfg.loss_fn), optimizer=pc.optimizer,
+        max_grad_norm=pc.max_grad_norm, dtensor_cfg=pc.dtensor_cfg.model_dump(), batching=batching_plan(pc, 32),
+    )  # fmt: skip
+    token_mask = torch.zeros(ids.shape)
+    token_mask[:, -64:] = 1
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(ids.shape[0]),
+        "generation_logprobs": torch.full(ids.shape, -5.0) * token_mask,
+        "advantages": torch.randn(ids.shape[0], 1) * token_mask,
+        "global_valid_toks": token_mask.sum(),
+        "global_valid_seqs": torch.tensor(float(ids.shape[0])),
+    }
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        worker.train([batch])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=("1m", "10m"), default="10m")
@@ -64,6 +101,8 @@ def main() -> None:
         floor = 6 * n_params * ids.numel() / (args.peak_gflops * 1e9)
         print(f"{args.size} ({n_params / 1e6:.1f}M params), batch {tuple(ids.shape)}, micro-batches of 32, {args.threads} threads")
         print(f"  FLOP floor: {floor:.3f} s")
+        ours = time_policy_worker(model_dir, ids, args.steps, args.threads)
+        print(f"  our PolicyWorker.train (ClippedPGLossFn, metrics, fused AdamW): median {ours:.3f} s ({ours / floor:.2f}x the floor)")
         for name in ("eager", "torch.compile"):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
