@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -63,8 +64,10 @@ def make_generation(cfg, pad_token_id: int, eos_token_ids: list[int], policy: An
     log.info(message)
     print(message, file=sys.stderr)
     if backend == "inline":
-        from nemo_like.models.generation.inline import InlineGeneration
+        from nemo_like.models.generation.inline import InlineGeneration, inline_ignored_keys
 
+        for line in inline_ignored_keys(cfg):
+            warnings.warn(line, RuntimeWarning, stacklevel=2)
         return InlineGeneration(policy, pad_token_id, eos_token_ids)
     if backend == "vllm":
         from nemo_like.models.generation.vllm import VLLMGeneration

@@ -38,6 +38,23 @@ def inline_blocker(cfg: Any, with_policy: bool = True) -> str | None:
     return None
 
 
+def inline_ignored_keys(cfg: Any) -> list[str]:
+    """One line per engine option set in ``cfg`` that inline generation ignores (start-up warnings, not errors:
+    flipping ``policy.generation.backend`` on the command line must not need other edits)."""
+    g = cfg.policy.generation
+    lines = []
+    if g.num_threads_per_worker not in ("auto", None):
+        lines.append(
+            f"policy.generation.num_threads_per_worker={g.num_threads_per_worker} has no effect with inline generation "
+            "(the policy worker samples with its own policy.num_threads_per_worker threads)"
+        )
+    defaults = type(g.vllm_cfg)()
+    for key in sorted(type(g.vllm_cfg).model_fields):
+        if getattr(g.vllm_cfg, key) != getattr(defaults, key):
+            lines.append(f"policy.generation.vllm_cfg.{key} has no effect with inline generation (no vLLM engine starts)")
+    return lines
+
+
 def inline_generation_resources() -> RoleResources:
     """Inline generation reserves nothing: it runs in the policy's worker."""
     return RoleResources("generation", 0, WorkerResources(num_cpus=0, num_gpus=0.0, num_threads=1))

@@ -56,3 +56,13 @@ def test_an_explicit_inline_backend_that_cannot_apply_is_an_error_naming_the_key
     assert key in str(err.value)
     with pytest.raises(ConfigError, match="policy.generation.backend=inline"):
         resolve_backend(recipe("policy.generation.backend=inline"), with_policy=False)
+
+
+def test_engine_options_that_inline_ignores_are_named() -> None:
+    from nemo_like.models.generation.inline import inline_ignored_keys
+
+    assert inline_ignored_keys(recipe()) == []
+    lines = inline_ignored_keys(recipe("policy.generation.num_threads_per_worker=1", "policy.generation.vllm_cfg.kv_cache_space_gib=2"))
+    assert len(lines) == 2
+    assert lines[0].startswith("policy.generation.num_threads_per_worker=1 has no effect with inline generation")
+    assert lines[1].startswith("policy.generation.vllm_cfg.kv_cache_space_gib has no effect with inline generation")
