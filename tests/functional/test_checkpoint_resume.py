@@ -60,8 +60,8 @@ def short_ray_tmp() -> Path:
     return Path(tempfile.mkdtemp(prefix="nlray", dir="/tmp"))
 
 
-# The runs killed below test checkpoints and failure reports, not the engine: the lighter HF engine starts faster.
-HF_ENGINE = "policy.generation.backend=hf"
+# The runs killed below test checkpoints and failure reports, not the engine: they run the CPU default (inline
+# generation in the policy worker: no engine actor to start).
 
 
 def start_cli(tmp_path: Path, ray_tmp: Path, env_extra: dict, *overrides: str) -> subprocess.Popen:
@@ -80,7 +80,6 @@ def start_cli(tmp_path: Path, ray_tmp: Path, env_extra: dict, *overrides: str) -
         "data.train.num_problems=256",
         f"logger.log_dir={tmp_path / 'logs'}",
         "logger.progress_bar=false",
-        HF_ENGINE,
         *overrides,
     ]
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), **env_extra}
@@ -127,7 +126,7 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(ray_cluster,
     assert (ckpt / "step_1" / "trainer_state.json").exists() and not (ckpt / "step_2").exists()
     # The killed driver's run lock is stale: taken over with a warning naming it (see test_run_lock.py).
     with pytest.warns(RuntimeWarning, match=rf"taking over the lock of a run that is gone \(pid {proc.pid} on host"):
-        history = run(tmp_path, "grpo.max_num_steps=3", HF_ENGINE, *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
+        history = run(tmp_path, "grpo.max_num_steps=3", *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
     assert [h["step"] for h in history] == [2, 3]  # resumed after step 1
     assert sorted(p.name for p in ckpt.iterdir() if p.name != LOCK_FILE) == ["step_1", "step_2", "step_3"]  # partial save removed
 
@@ -175,7 +174,7 @@ def test_a_killed_worker_stops_the_run_with_actor_and_phase_and_the_checkpoint_r
     assert re.search(r"nemo-like: error: Ray actor \w+ died during '(policy|reference): [a-z ]+'", output), output
     assert "Traceback" not in output
     last = max(int(p.name.split("_")[1]) for p in ckpt.iterdir() if p.name.startswith("step_"))
-    history = run(tmp_path, f"grpo.max_num_steps={last + 1}", HF_ENGINE, *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
+    history = run(tmp_path, f"grpo.max_num_steps={last + 1}", *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
     assert [h["step"] for h in history] == [last + 1]
 
 

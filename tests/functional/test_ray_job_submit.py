@@ -208,8 +208,7 @@ def test_job_submit_trains_and_an_over_asking_job_fails_fast(ray_head: LocalHead
         "train",
         "--config",
         TINY_RECIPE.name,
-        *TINY_OVERRIDES,
-        "policy.generation.backend=hf",  # the job system is under test, not the engine: the lighter one starts faster
+        *TINY_OVERRIDES,  # the CPU default engine: inline in the policy worker, no engine actor to start
     ]  # config: relative to the working dir
 
     start = time.monotonic()

@@ -79,7 +79,7 @@ class InlineGeneration:
         from dataclasses import asdict
 
         ref = self.policy.group.run_rank0("generate", prompts, asdict(params), seed, self.pad_token_id, self.eos_token_ids)
-        return [GeneratedSample(**s) for s in get_with_context([ref], "generation (inline, in the policy worker)")[0]]
+        return [GeneratedSample(**s) for s in get_with_context([ref], "policy: inline generation")[0]]
 
     def refit(self, weights: Any, version: int) -> float:
         """Nothing to load (never called by the loops: the versions always match)."""
