@@ -8,6 +8,9 @@ them against the connected cluster before any actor starts.
 
 from __future__ import annotations
 
+import os
+import sys
+
 from nemo_like.algorithms.logprob_plan import LogprobPlan
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, sum_resources
@@ -42,6 +45,27 @@ def required_resources(cfg: MasterConfig, plan: LogprobPlan) -> dict[str, float]
     for key, value in declared_resources(cfg).items():
         total[key] = max(total.get(key, 0.0), value)
     return total
+
+
+def ensure_private_cluster_gpus(cfg: MasterConfig, plan: LogprobPlan) -> None:
+    """Before a private local cluster starts: a recipe asking for more GPUs than this machine has fails here, in
+    seconds, with the message the post-start check would give (the cluster would get exactly these GPUs)."""
+    import torch
+
+    from nemo_like.distributed.ray_init import cluster_address
+
+    ray = sys.modules.get("ray")  # not imported here: init_ray sets the driver's environment before Ray loads
+    if (ray is not None and ray.is_initialized()) or cluster_address(cfg.cluster)[0] is not None:
+        return  # joining a cluster: only its own resources count (checked after init_ray)
+    required = required_resources(cfg, plan)
+    if not required.get("GPU"):
+        return
+    gpus = float(torch.cuda.device_count())
+    if required["GPU"] <= gpus:
+        return
+    roles = role_requests(cfg, plan)
+    available = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": gpus}
+    check_cluster_capacity(required, available, roles, declared_resources(cfg), private_cluster_hint(gpus))
 
 
 def ensure_cluster_capacity(cfg: MasterConfig, plan: LogprobPlan, private_cluster: bool = False) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
-from nemo_like.algorithms.roles import ensure_cluster_capacity
+from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
@@ -146,6 +146,7 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
         check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
         refit_mode(cfg)  # an impossible policy.lora_cfg.refit=adapter, too
     plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
+    ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts
     mode = init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
     policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn))

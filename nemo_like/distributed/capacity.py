@@ -65,13 +65,15 @@ def check_cluster_capacity(
     raise PlacementError(" ".join(lines))
 
 
-def private_cluster_hint() -> str:
-    """What to do when a private local cluster (this machine's resources) is too small."""
-    import ray
+def private_cluster_hint(gpus: float | None = None) -> str:
+    """What to do when a private local cluster (this machine's resources) is too small; ``gpus``: this machine's GPU
+    count (default: the running cluster's)."""
+    if gpus is None:
+        import ray
 
-    gpus = ray.cluster_resources().get("GPU", 0.0)
+        gpus = ray.cluster_resources().get("GPU", 0.0)
     return (
-        f"This run started a private local Ray cluster with this machine's resources ({gpus:g} GPUs found): set "
+        f"This run uses a private local Ray cluster with this machine's resources ({gpus:g} GPUs found): set "
         "cluster.gpus_per_node=0 to run on CPU, or join a cluster that has the GPUs (cluster.ray_address)."
     )
 
