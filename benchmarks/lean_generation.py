@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from vs_trl import WORKLOADS, build_model
 
-from nemo_like.models.generation import lean_decoder
 from nemo_like.models.generation.lean_decoder import left_padded, sample
 from nemo_like.models.logprobs import SamplingDistribution
 
@@ -55,12 +54,7 @@ def main() -> None:
         sample(model, prompts, new_tokens, dist, [stop], 0, seed=0)
 
     def lean_model_forward() -> None:
-        original = lean_decoder.fused_step_supported
-        lean_decoder.fused_step_supported = lambda m: False
-        try:
-            sample(model, prompts, new_tokens, dist, [stop], 0, seed=0)
-        finally:
-            lean_decoder.fused_step_supported = original
+        sample(model, prompts, new_tokens, dist, [stop], 0, seed=0, fused=False)
 
     runs = {"hf generate": hf_generate, "lean loop, fused step (inline)": lean_fused, "lean loop, model forward": lean_model_forward}
     times: dict[str, list[float]] = {k: [] for k in runs}

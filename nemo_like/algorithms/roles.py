@@ -63,9 +63,8 @@ def ensure_private_cluster_gpus(cfg: MasterConfig, plan: LogprobPlan) -> None:
     gpus = float(torch.cuda.device_count())
     if required["GPU"] <= gpus:
         return
-    roles = role_requests(cfg, plan)
     available = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": gpus}
-    check_cluster_capacity(required, available, roles, declared_resources(cfg), private_cluster_hint(gpus))
+    _check_against(cfg, plan, available, private_cluster_hint(gpus))
 
 
 def ensure_cluster_capacity(cfg: MasterConfig, plan: LogprobPlan, private_cluster: bool = False) -> None:
@@ -74,6 +73,9 @@ def ensure_cluster_capacity(cfg: MasterConfig, plan: LogprobPlan, private_cluste
     ``private_cluster``: this run started its own local cluster, which has exactly this machine's GPUs."""
     import ray
 
-    hint = private_cluster_hint() if private_cluster else ""
-    roles = role_requests(cfg, plan)
-    check_cluster_capacity(required_resources(cfg, plan), ray.cluster_resources(), roles, declared_resources(cfg), hint)
+    _check_against(cfg, plan, ray.cluster_resources(), private_cluster_hint() if private_cluster else "")
+
+
+def _check_against(cfg: MasterConfig, plan: LogprobPlan, available: dict[str, float], hint: str) -> None:
+    """The run's request (per role, in total, as declared) against ``available``; :class:`PlacementError` if short."""
+    check_cluster_capacity(required_resources(cfg, plan), available, role_requests(cfg, plan), declared_resources(cfg), hint)

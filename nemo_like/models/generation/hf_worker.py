@@ -8,6 +8,7 @@ import torch
 
 from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.lean_decoder import left_padded
 from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs
@@ -91,12 +92,8 @@ class HFGenerationWorker(Reinitializable):
         from transformers import GenerationConfig, LogitsProcessorList
 
         start_version = self.weight_version
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
-            input_ids[i, width - len(p) :] = torch.tensor(p)
-            attention[i, width - len(p) :] = 1
+        input_ids, prompt_mask = left_padded(prompts, self.pad_token_id)  # every prompt ends at the same column
+        width, attention = input_ids.shape[1], prompt_mask.long()
         stop_ids = [*self.eos_token_ids, *sp.stop_token_ids]
         gen_cfg = GenerationConfig(
             do_sample=not sp.greedy,

@@ -210,14 +210,19 @@ def sample(
     pad_token_id: int,
     seed: int,
     greedy: bool = False,
+    fused: bool | None = None,
 ) -> SampledBatch:
     """Sample up to ``max_new_tokens`` per prompt from ``model`` (left-padded batch, KV cache); stops early when
     every row has produced a stop token. Tokens after a row's stop token are padding.
 
     A GRPO batch repeats each prompt G times: with the fused step, each distinct prompt is prefilled once and its
-    KV cache copied to its rows."""
+    KV cache copied to its rows. ``fused``: None picks :class:`FusedLlamaStep` where it applies; False forces the
+    model's own forward (benchmarks and tests compare the two)."""
     device = next(model.parameters()).device
-    fused = fused_step_supported(model)
+    if fused is None:
+        fused = fused_step_supported(model)
+    elif fused and not fused_step_supported(model):
+        raise ValueError(f"the fused step does not serve {type(model).__name__} (see fused_step_supported)")
     distinct: dict[tuple[int, ...], int] = {}
     row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
     share_prefill = fused and len(distinct) < len(prompts)

@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from nemo_like.models.generation import lean_decoder
 from nemo_like.models.generation.lean_decoder import fused_step_supported, left_padded, sample
 from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs, sampling_keep_mask
 
@@ -78,11 +77,10 @@ def test_sampled_logprobs_are_the_full_forward_processed_logprobs(name: str, dis
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama"])
-def test_the_fused_step_picks_the_same_greedy_tokens_as_the_models_own_forward(name: str, monkeypatch) -> None:
+def test_the_fused_step_picks_the_same_greedy_tokens_as_the_models_own_forward(name: str) -> None:
     model = MODELS[name]()
     fused = sample(model, PROMPTS, 10, SamplingDistribution(), [], 0, seed=0, greedy=True)
-    monkeypatch.setattr(lean_decoder, "fused_step_supported", lambda m: False)
-    plain = sample(model, PROMPTS, 10, SamplingDistribution(), [], 0, seed=0, greedy=True)
+    plain = sample(model, PROMPTS, 10, SamplingDistribution(), [], 0, seed=0, greedy=True, fused=False)
     assert torch.equal(fused.tokens, plain.tokens)
     torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=2e-5, rtol=1e-5)
     # greedy = the argmax of the model's own next-token distribution, token by token
