@@ -1,4 +1,5 @@
-"""Generation with Hugging Face transformers ``generate`` inside a Ray actor (the light backend)."""
+"""The light generation backend: a Hugging Face transformers model inside a Ray actor, sampled with our own loop
+(:mod:`.lean_decoder`; HF ``generate`` was slower on every model measured, ``benchmarks/lean_generation.py``)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,11 @@ import torch
 
 from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
-from nemo_like.models.generation.lean_decoder import left_padded
+from nemo_like.models.generation.lean_decoder import sample
 from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import load_causal_lm
-from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs
+from nemo_like.models.logprobs import SamplingDistribution
 from nemo_like.models.weight_buckets import WeightBuckets
-
-
-def first_stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
-    """Index of the first stop token in ``tokens``, or ``None``."""
-    for i, tok in enumerate(tokens):
-        if tok in stop_ids:
-            return i
-    return None
 
 
 def sampling_distribution(sp: SamplingParams) -> SamplingDistribution:
@@ -30,19 +23,20 @@ def sampling_distribution(sp: SamplingParams) -> SamplingDistribution:
     return SamplingDistribution(sp.temperature, sp.top_k, sp.top_p)
 
 
-class WeightSwapPoint:
-    """A logits processor that does not change the scores: it is HF ``generate``'s per-step hook, where
-    an in-flight refit is applied. The scores of this step (and so the token sampled now) come from
-    the old weights; the next forward pass uses the new ones."""
+class SwapLog:
+    """The in-flight refits applied during one sampling call: the worker's hook between two decode steps
+    (``lean_decoder.sample(between_steps=...)``). The token sampled at the step of a swap still comes from the old
+    weights; the next forward pass uses the new ones."""
 
-    def __init__(self, worker: HFGenerationWorker, prompt_width: int) -> None:
-        self.worker, self.prompt_width = worker, prompt_width
+    def __init__(self, worker: HFGenerationWorker) -> None:
+        self.worker = worker
         self.swaps: list[tuple[int, int]] = []  # (first response position produced by the new weights, version)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def __call__(self, step: int) -> bool:
         if self.worker.gate.apply_pending():
-            self.swaps.append((input_ids.shape[1] - self.prompt_width + 1, self.worker.weight_version))
-        return scores
+            self.swaps.append((step + 1, self.worker.weight_version))
+            return True
+        return False
 
     def version_of_position(self, position: int, start_version: int) -> int:
         version = start_version
@@ -84,56 +78,32 @@ class HFGenerationWorker(Reinitializable):
         out: list[dict] = []
         with self.gate.generating_scope():
             for start in range(0, len(prompts), self.max_batch_size):
-                torch.manual_seed(seed + start)
-                out.extend(self._generate_chunk(prompts[start : start + self.max_batch_size], sp))
+                out.extend(self._generate_chunk(prompts[start : start + self.max_batch_size], sp, seed + start))
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams) -> list[dict]:
-        from transformers import GenerationConfig, LogitsProcessorList
-
+    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[dict]:
+        """One batch through our sampling loop (:func:`~.lean_decoder.sample`: the fused step for the Llama family,
+        the model's own forward otherwise); the logprobs are those of the distribution sampled from, computed as
+        the policy computes them; an in-flight refit lands between two decode steps."""
         start_version = self.weight_version
-        input_ids, prompt_mask = left_padded(prompts, self.pad_token_id)  # every prompt ends at the same column
-        width, attention = input_ids.shape[1], prompt_mask.long()
+        swap_log = SwapLog(self)
         stop_ids = [*self.eos_token_ids, *sp.stop_token_ids]
-        gen_cfg = GenerationConfig(
-            do_sample=not sp.greedy,
-            temperature=None if sp.greedy else sp.temperature,
-            top_p=None if sp.greedy else sp.top_p,
-            top_k=None if sp.greedy else (sp.top_k or 0),
-            max_new_tokens=sp.max_new_tokens,
-            eos_token_id=stop_ids,
-            pad_token_id=self.pad_token_id,
-            use_cache=True,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        swap_point = WeightSwapPoint(self, width)
-        result = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention.to(self.device),
-            generation_config=gen_cfg,
-            logits_processor=LogitsProcessorList([swap_point]),
-        )
-        new_tokens = result.sequences[:, width:].cpu()
-        # Raw logits per step -> logprobs of the sampled tokens under the distribution generate sampled
-        # from (temperature, top-k, top-p, renormalised), computed as the policy computes them.
-        logits = torch.stack(result.logits, dim=1).cpu()
-        token_lp = processed_token_logprobs(logits, new_tokens, sampling_distribution(sp))
+        drawn = sample(
+            self.model, prompts, sp.max_new_tokens, sampling_distribution(sp), stop_ids, self.pad_token_id, seed, sp.greedy,
+            between_steps=swap_log,
+        )  # fmt: skip
         samples = []
-        stop_set = set(stop_ids)
         for i, prompt in enumerate(prompts):
-            tokens = new_tokens[i].tolist()
-            stop = first_stop_index(tokens, stop_set)
-            length = len(tokens) if stop is None else stop + 1
-            sample = GeneratedSample(
+            length = drawn.lengths[i]
+            sample_i = GeneratedSample(
                 prompt_ids=list(prompt),
-                response_ids=tokens[:length],
-                response_logprobs=token_lp[i, :length].tolist(),
-                truncated=stop is None,
+                response_ids=drawn.tokens[i, :length].tolist(),
+                response_logprobs=drawn.logprobs[i, :length].tolist(),
+                truncated=not drawn.stopped[i],
                 weight_version=start_version,
-                final_weight_version=swap_point.version_of_position(length - 1, start_version),
+                final_weight_version=swap_log.version_of_position(length - 1, start_version),
             )
-            samples.append(asdict(sample))
+            samples.append(asdict(sample_i))
         return samples
 
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:

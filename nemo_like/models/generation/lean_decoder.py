@@ -19,6 +19,7 @@ prefill and decode, with left padding, and the sampler's logprobs against :func:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,32 +80,36 @@ class FusedLlamaStep:
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        self.layers = []
-        for layer in self.inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-            qkv_b = None if biases[0] is None else torch.cat(biases)
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            self.layers.append(
-                (
-                    layer.input_layernorm.weight,
-                    qkv_w,
-                    qkv_b,
-                    attn.o_proj.weight,
-                    attn.o_proj.bias,
-                    layer.post_attention_layernorm.weight,
-                    gate_up,
-                    mlp.down_proj.weight,
-                )
-            )
+        self.layers: list[tuple] = []
+        self.refresh_weights()
         param = next(model.parameters())
         shape = (batch, self.kv_heads, max_len, self.head_dim)
         self.k_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
         self.v_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
-        self.intermediate = gate_up.shape[0] // 2
+        self.intermediate = self.layers[0][6].shape[0] // 2
         self.hidden = cfg.hidden_size
         self.cos = self.signed_sin = None
+
+    def refresh_weights(self) -> None:
+        """(Re)build the fused projection weights from the model's parameters: at construction, and after the
+        weights were replaced in place mid-call (an in-flight refit, see ``sample(between_steps=...)``)."""
+        layers = []
+        for layer in self.inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                    None if biases[0] is None else torch.cat(biases),
+                    attn.o_proj.weight,
+                    attn.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    mlp.down_proj.weight,
+                )
+            )
+        self.layers = layers
 
     def set_positions(self, positions: torch.Tensor) -> None:
         """Rotary tables for ``positions`` (``[B, max_len]``: every column the call can fill), from the model's own
@@ -161,6 +166,9 @@ class HFModelStep:
         self.model, self.cache = model, DynamicCache()
         self.positions: torch.Tensor | None = None
 
+    def refresh_weights(self) -> None:
+        """Nothing to rebuild: every step runs the model's own forward on its current parameters."""
+
     def set_positions(self, positions: torch.Tensor) -> None:
         """``[B, max_len]`` position ids of every column the call can fill."""
         self.positions = positions
@@ -211,13 +219,18 @@ def sample(
     seed: int,
     greedy: bool = False,
     fused: bool | None = None,
+    between_steps: Callable[[int], bool] | None = None,
 ) -> SampledBatch:
     """Sample up to ``max_new_tokens`` per prompt from ``model`` (left-padded batch, KV cache); stops early when
     every row has produced a stop token. Tokens after a row's stop token are padding.
 
     A GRPO batch repeats each prompt G times: with the fused step, each distinct prompt is prefilled once and its
     KV cache copied to its rows. ``fused``: None picks :class:`FusedLlamaStep` where it applies; False forces the
-    model's own forward (benchmarks and tests compare the two)."""
+    model's own forward (benchmarks and tests compare the two).
+
+    ``between_steps(t)``: called after token ``t`` of every row is drawn, before the forward that produces the
+    logits of token ``t + 1``; it may replace the model's weights in place (an in-flight refit) and returns whether
+    it did, so that tokens ``t + 1`` on come from the new weights (the KV cache of earlier positions is kept)."""
     device = next(model.parameters()).device
     if fused is None:
         fused = fused_step_supported(model)
@@ -263,6 +276,8 @@ def sample(
         finished |= just_stopped
         if t == max_new_tokens - 1 or bool(finished.all()):
             break
+        if between_steps is not None and between_steps(t):
+            step.refresh_weights()
         key_valid[:, width + t] = True
         logits = step.forward(token[:, None], width + t, key_valid[:, None, None, : width + t + 1])
     return SampledBatch(

@@ -66,7 +66,10 @@ def test_hf_worker_swaps_weights_mid_sequence():
     never = tokenizer.convert_tokens_to_ids("<|im_start|>")  # a stop id the model does not emit: long responses
     worker = HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 2, tokenizer.pad_token_id, [never], max_batch_size=256)
     old_model = load_causal_lm(EMBEDDED_MODEL).eval()
-    new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in old_model.state_dict().items()}
+    # Only the projections the fused decode step copies into fused matrices change: a swap that did not rebuild
+    # those copies would go on sampling from the old weights.
+    fused = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    new_state = {k: v + 0.05 * torch.randn_like(v) if any(f in k for f in fused) else v for k, v in old_model.state_dict().items()}
     prompt = tokenizer("12+34=")["input_ids"]
     outputs: list[dict] = []
     params = {**SamplingParams(max_new_tokens=48).__dict__}
