@@ -9,8 +9,8 @@ Settings:
   tokens, decoding is 48 sequential engine steps, and generation becomes the larger share of a sync
   step while training stays cheap. (Rewards are ~0 there: it measures throughput, not learning.)
 
-Both loops run the engine async resolves to (``policy.generation.backend=auto``: vLLM when installed), so the ratio
-measures the loop, not the engine; when a sync run's default engine differs (``inline`` on a CPU cluster, see
+Both loops run the engine async resolves to (``policy.generation.backend=auto``: the HF engine actor on a CPU
+cluster), so the ratio measures the loop, not the engine; when a sync run's default engine differs (``inline`` on a CPU cluster, see
 docs/guides/generation.md), that third run is printed too, with async's ratio to it.
 
 For each setting it prints steps/s sync and async and their ratio, then where an async step's time

@@ -162,9 +162,9 @@ class GenerationConfig(Section):
     backend: Literal["auto", "inline", "hf", "vllm"] = Field(
         "auto",
         description="Generation engine: 'inline' (the policy worker samples with its own weights: no engine actor, no "
-        "refit; sync runs with one policy worker, no LoRA), 'vllm' (vLLM, in-process in a Ray actor), 'hf' (transformers "
-        "generate in a Ray actor); 'auto' = inline on CPU clusters where it applies, else vllm when the vllm package is "
-        "importable, else hf (see docs/guides/generation.md).",
+        "refit; sync runs with one policy worker, no LoRA), 'vllm' (vLLM, in-process in a Ray actor), 'hf' (a transformers "
+        "model in a Ray actor, sampled with our own loop); 'auto' = on CPU clusters inline where it applies, else hf; on "
+        "GPU clusters vllm when the vllm package is importable, else hf (see docs/guides/generation.md).",
     )
     max_new_tokens: Int = Field(16, gt=0, description="Maximum response tokens.")
     temperature: Float = Field(

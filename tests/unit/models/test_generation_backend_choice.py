@@ -9,8 +9,6 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.models.generation import generation_resources, resolve_backend
 from nemo_like.models.generation.vllm import vllm_available
 
-ENGINE = "vllm" if vllm_available() else "hf"
-
 
 def recipe(*overrides: str) -> MasterConfig:
     return load_config(DEFAULT_RECIPE, list(overrides))
@@ -28,17 +26,27 @@ def test_auto_samples_inline_on_a_sync_cpu_run_with_one_policy_worker_and_reserv
     [
         (("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"), "async"),
         (("policy.dp_size=2", "policy.train_global_batch_size=64"), "sharded"),
-        (("policy.lora_cfg.enabled=true",), "lora"),
-        (("cluster.gpus_per_node=1",), "GPU"),
     ],
 )
-def test_auto_uses_an_engine_where_inline_does_not_apply_and_says_why(overrides: tuple[str, ...], because: str) -> None:
+def test_auto_uses_the_hf_engine_on_cpu_where_inline_does_not_apply_and_says_why(overrides: tuple[str, ...], because: str) -> None:
     backend, reason = resolve_backend(recipe(*overrides))
-    assert backend == ENGINE and because.lower() in reason.lower()
+    assert backend == "hf" and because.lower() in reason.lower()
+    assert "policy.generation.backend=vllm" in reason  # how to get vLLM's CPU build instead
+
+
+def test_auto_serves_lora_adapters_with_vllm_on_cpu_when_it_is_installed() -> None:
+    backend, reason = resolve_backend(recipe("policy.lora_cfg.enabled=true"))
+    assert "lora" in reason.lower()
+    assert backend == ("vllm" if vllm_available() else "hf")
+
+
+def test_auto_uses_vllm_on_a_gpu_cluster_when_it_is_installed() -> None:
+    backend, reason = resolve_backend(recipe("cluster.gpus_per_node=1"))
+    assert backend == ("vllm" if vllm_available() else "hf") and "GPU" in reason
 
 
 def test_evaluation_never_resolves_to_inline() -> None:
-    assert resolve_backend(recipe(), with_policy=False)[0] == ENGINE
+    assert resolve_backend(recipe(), with_policy=False)[0] == "hf"
     assert generation_resources(recipe(), with_policy=False).count == 1
 
 
@@ -58,11 +66,16 @@ def test_an_explicit_inline_backend_that_cannot_apply_is_an_error_naming_the_key
         resolve_backend(recipe("policy.generation.backend=inline"), with_policy=False)
 
 
-def test_engine_options_that_inline_ignores_are_named() -> None:
-    from nemo_like.models.generation.inline import inline_ignored_keys
+def test_engine_options_that_the_chosen_engine_ignores_are_named() -> None:
+    from nemo_like.models.generation.inline import ignored_engine_keys
 
-    assert inline_ignored_keys(recipe()) == []
-    lines = inline_ignored_keys(recipe("policy.generation.num_threads_per_worker=1", "policy.generation.vllm_cfg.kv_cache_space_gib=2"))
+    assert ignored_engine_keys(recipe(), "inline") == []
+    cfg = recipe("policy.generation.num_threads_per_worker=1", "policy.generation.vllm_cfg.kv_cache_space_gib=2")
+    lines = ignored_engine_keys(cfg, "inline")
     assert len(lines) == 2
     assert lines[0].startswith("policy.generation.num_threads_per_worker=1 has no effect with inline generation")
     assert lines[1].startswith("policy.generation.vllm_cfg.kv_cache_space_gib has no effect with inline generation")
+    assert ignored_engine_keys(cfg, "hf") == [
+        "policy.generation.vllm_cfg.kv_cache_space_gib has no effect with the hf engine (no vLLM engine starts)"
+    ]
+    assert ignored_engine_keys(cfg, "vllm") == []
