@@ -31,7 +31,9 @@ alternating order), so both sides see the same machine load. The first ``--warmu
 Output: per workload and backend, each side's steady-state median s/step, the ratio pair by pair
 (ours/TRL), our phase breakdown (medians), the 1-minute load average around each pair, and the
 training FLOP floor (6 x params x trained tokens at ``--peak-gflops``; generation's: 2 x params x
-processed tokens).
+processed tokens). The machine's matmul rate moves during the day (by a third on the same day here), so the script
+also probes it between pairs (0.3 s of 1024^2 fp32 matmuls, 2 threads) and prints our training phase against the
+floor at that probed rate.
 """
 
 from __future__ import annotations
@@ -272,6 +274,8 @@ def load1() -> float:
 
 def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: str, n_params: int, rows) -> dict:
     """Alternate TRL and our steps on one workload; returns the figures."""
+    from nemo_like.utils.flops import measure_matmul_flops
+
     spec = {
         "model_dir": model_dir,
         "tmp": tmp,
@@ -282,7 +286,7 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
     }
     trl = TRLProcess(args.trl_python, spec)
     ours = OurRun(model_dir, work, backend, f"{tmp}/ours-{name}-{backend}", args.ours)
-    pairs = []
+    pairs, probes = [], []
     try:
         for i in range(args.warmup + args.steps):
             load_before = load1()
@@ -293,6 +297,7 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
                 t_ours, phases, tokens = ours.step()
                 t_trl = trl.step()
             pairs.append({"trl": t_trl, "ours": t_ours, "phases": phases, "tokens": tokens, "load": (load_before + load1()) / 2})
+            probes.append(measure_matmul_flops(seconds=0.3, threads=2))  # the machine's matmul rate right now
             print(
                 f"  [{name} {ours.backend}] pair {i + 1}: TRL {t_trl:.3f}s  ours {t_ours:.3f}s  ratio {t_ours / t_trl:.2f}  "
                 f"load {pairs[-1]['load']:.2f}" + ("  (warm-up)" if i < args.warmup else ""),
@@ -320,6 +325,8 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
         "params": n_params,
         "train_floor": 6 * n_params * trained_tokens / peak,
         "gen_floor": 2 * n_params * (batch * mean_prompt + expected) / peak,
+        "probed_gflops": statistics.median(probes[args.warmup :]) / 1e9,
+        "train_floor_probed": 6 * n_params * trained_tokens / statistics.median(probes[args.warmup :]),
     }
 
 
@@ -349,14 +356,16 @@ def report(results: list[dict]) -> str:
         )
     lines += ["", "Our phases (median s) and FLOP floors (6 x params x trained tokens, 2 x params x generated+prompt tokens):", ""]
     lines.append(
-        "| workload | backend | " + " | ".join(OUR_PHASES) + " | training floor | generation floor | all completions full length |"
+        "| workload | backend | " + " | ".join(OUR_PHASES) + " | training floor | generation floor | all completions full length "
+        "| matmul GFLOP/s probed between pairs | training / floor at the probed rate |"
     )
-    lines.append("|---|---|" + "---|" * len(OUR_PHASES) + "---|---|---|")
+    lines.append("|---|---|" + "---|" * len(OUR_PHASES) + "---|---|---|---|---|")
     for r in results:
         phases = " | ".join(f"{r['phases'][k]:.3f}" for k in OUR_PHASES)
         lines.append(
             f"| {r['workload']} ({r['params'] / 1e6:.1f}M) | {r['backend']} | {phases} | {r['train_floor']:.3f} | "
-            f"{r['gen_floor']:.3f} | {r['tokens_ok']} |"
+            f"{r['gen_floor']:.3f} | {r['tokens_ok']} | {r['probed_gflops']:.0f} | "
+            f"{r['phases']['policy_training'] / r['train_floor_probed']:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -373,7 +382,9 @@ def main() -> int:
     p.add_argument("--trl-python", default=".venv-trl/bin/python")
     p.add_argument("--trl-threads", type=int, default=None, help="torch threads of the TRL process (default: torch's)")
     p.add_argument("--trl-no-gradient-checkpointing", action="store_true")
-    p.add_argument("--peak-gflops", type=float, default=178.0, help="this machine's fp32 matmul GFLOP/s (the FLOP floors)")
+    p.add_argument(
+        "--peak-gflops", type=float, default=178.0, help="fixed fp32 matmul GFLOP/s of the floors (the rate is also probed between pairs)"
+    )
     p.add_argument("--ours", nargs="*", default=[], help="extra key=value overrides for our side")
     args = p.parse_args()
     if not Path(args.trl_python).exists():
