@@ -18,7 +18,7 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
     """``(backend, reason)`` for ``policy.generation.backend``. ``auto`` on a CPU cluster: ``inline`` when the run
     allows it (:func:`~.inline.inline_blocker`), else ``vllm`` for a LoRA run when the package is importable (it
     serves the adapters: a refit sends only them), else ``hf`` (an engine actor with our sampling loop: it generated
-    the tiny recipe's batches 2.4-2.7x faster than vLLM's CPU build, ``benchmarks/async_vs_sync.py``); on a GPU
+    the tiny recipe's batches 1.5-2.7x faster than vLLM's CPU build, ``benchmarks/async_vs_sync.py``); on a GPU
     cluster ``vllm`` when the package is importable, else ``hf``. ``with_policy=False``: the caller has no trainable
     policy (evaluation), so ``inline`` is impossible."""
     from nemo_like.config.errors import ConfigError

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch
 
 from nemo_like.distributed.worker_group import Reinitializable
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.generation.lean_decoder import sample
 from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import load_causal_lm
@@ -92,19 +90,7 @@ class HFGenerationWorker(Reinitializable):
             self.model, prompts, sp.max_new_tokens, sampling_distribution(sp), stop_ids, self.pad_token_id, seed, sp.greedy,
             between_steps=swap_log,
         )  # fmt: skip
-        samples = []
-        for i, prompt in enumerate(prompts):
-            length = drawn.lengths[i]
-            sample_i = GeneratedSample(
-                prompt_ids=list(prompt),
-                response_ids=drawn.tokens[i, :length].tolist(),
-                response_logprobs=drawn.logprobs[i, :length].tolist(),
-                truncated=not drawn.stopped[i],
-                weight_version=start_version,
-                final_weight_version=swap_log.version_of_position(length - 1, start_version),
-            )
-            samples.append(asdict(sample_i))
-        return samples
+        return drawn.sample_dicts(prompts, start_version, lambda position: swap_log.version_of_position(position, start_version))
 
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
         """Load the policy's weights (a full state dict with tied weights, or :class:`WeightBuckets` streamed one

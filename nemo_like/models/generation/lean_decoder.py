@@ -20,7 +20,7 @@ prefill and decode, with left padding, and the sampler's logprobs against :func:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,25 @@ class SampledBatch:
     logprobs: torch.Tensor
     lengths: list[int]
     stopped: list[bool]
+
+    def sample_dicts(self, prompts: list[list[int]], weight_version: int, final_version: Callable[[int], int] | None = None) -> list[dict]:
+        """:class:`~.interface.GeneratedSample` fields of every row, as dicts (what the workers return over Ray).
+        ``final_version(position)``: the weight version that produced a row's last token (default: ``weight_version``)."""
+        from nemo_like.models.generation.interface import GeneratedSample
+
+        out = []
+        for i, prompt in enumerate(prompts):
+            n = self.lengths[i]
+            sample = GeneratedSample(
+                prompt_ids=list(prompt),
+                response_ids=self.tokens[i, :n].tolist(),
+                response_logprobs=self.logprobs[i, :n].tolist(),
+                truncated=not self.stopped[i],
+                weight_version=weight_version,
+                final_weight_version=weight_version if final_version is None else final_version(n - 1),
+            )
+            out.append(asdict(sample))
+        return out
 
 
 def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -218,10 +218,8 @@ class PolicyWorker(Reinitializable):
     def generate(self, prompts: list[list[int]], params: dict, seed: int, pad_token_id: int, eos_token_ids: list[int]) -> list[dict]:
         """Sample one response per prompt with this worker's own weights (the inline backend,
         :mod:`nemo_like.models.generation.inline`); returns :class:`GeneratedSample` fields as dicts."""
-        from dataclasses import asdict
-
         from nemo_like.models.generation.hf_worker import sampling_distribution
-        from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+        from nemo_like.models.generation.interface import SamplingParams
         from nemo_like.models.generation.lean_decoder import sample
 
         if self.world_size != 1 or self.lora_cfg is not None:
@@ -233,17 +231,7 @@ class PolicyWorker(Reinitializable):
         for start in range(0, len(prompts), INLINE_GENERATION_BATCH):
             chunk = prompts[start : start + INLINE_GENERATION_BATCH]
             drawn = sample(self.model, chunk, sp.max_new_tokens, sampling_distribution(sp), stop_ids, pad_token_id, seed + start, sp.greedy)
-            for i, prompt in enumerate(chunk):
-                n = drawn.lengths[i]
-                sample_i = GeneratedSample(
-                    prompt_ids=list(prompt),
-                    response_ids=drawn.tokens[i, :n].tolist(),
-                    response_logprobs=drawn.logprobs[i, :n].tolist(),
-                    truncated=not drawn.stopped[i],
-                    weight_version=self.weight_version,
-                    final_weight_version=self.weight_version,
-                )
-                out.append(asdict(sample_i))
+            out.extend(drawn.sample_dicts(chunk, self.weight_version))
         return out
 
     # -- training ----------------------------------------------------------------------------
