@@ -58,12 +58,21 @@ class LocalHead:
             stderr.seek(0)
             return subprocess.CompletedProcess([RAY, *args], returncode, stdout.read(), stderr.read())
 
-    def submit(self, submission_id: str, working_dir: Path, entrypoint: list[str]) -> None:
-        """``ray job submit --no-wait`` with a working dir; the job's id is ours, for polling."""
-        out = self.cli(
-            "job", "submit", "--address", self.dashboard_url, "--submission-id", submission_id,
-            "--working-dir", str(working_dir), "--no-wait", "--", *entrypoint,
-        )  # fmt: skip
+    def submit(self, submission_id: str, working_dir: Path, entrypoint: list[str], agent_wait_s: float = 60) -> None:
+        """``ray job submit --no-wait`` with a working dir; the job's id is ours, for polling.
+
+        The jobs API answers before the head's job agent has registered; until then a submission fails with Ray's
+        "No available agent to submit job, please try again later" (seen in CI on a loaded machine), so that one
+        answer is retried for up to ``agent_wait_s``; any other failure fails the test at once."""
+        deadline = time.monotonic() + agent_wait_s
+        while True:
+            out = self.cli(
+                "job", "submit", "--address", self.dashboard_url, "--submission-id", submission_id,
+                "--working-dir", str(working_dir), "--no-wait", "--", *entrypoint,
+            )  # fmt: skip
+            if out.returncode == 0 or "No available agent" not in out.stdout + out.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
         assert out.returncode == 0, out.stdout + out.stderr
         self.jobs.append(submission_id)
 
