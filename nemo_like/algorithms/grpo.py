@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -175,10 +176,8 @@ def dump_train_samples(
     write_sample_dump(dump_path(parts.cfg.logger.log_dir, "train", step), step, columns)
 
 
-def build_train_batch(parts: GRPOComponents, rollout) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Collate samples and attach per-token advantages; returns the batch and advantage metrics."""
-    cfg = parts.cfg
-    batch = collate_samples(rollout.samples, parts.tokenizer.pad_token_id)
+def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
+    """Per-token advantages of the collated ``batch`` from the rollout's rewards; returns the advantage metrics."""
     adv = compute_advantages(
         cfg.grpo.adv_estimator.name,
         rewards=rollout.rewards,
@@ -188,11 +187,10 @@ def build_train_batch(parts: GRPOComponents, rollout) -> tuple[dict[str, torch.T
         use_leave_one_out_baseline=cfg.grpo.use_leave_one_out_baseline,
     )
     batch["advantages"] = adv.advantages.unsqueeze(-1) * batch["token_mask"]
-    metrics = {
+    return {
         **advantage_metrics(batch["advantages"], batch["token_mask"]),
         **reward_group_metrics(rollout.rewards, rollout.group_ids, batch["sample_mask"]),
     }
-    return batch, metrics
 
 
 def shaped_rewards(cfg: MasterConfig, rewards: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
@@ -238,6 +236,8 @@ def collect_training_rollout(
     )
     batch_index = 0
     env_counters: dict[str, float] = {}
+    # The logprob passes need only the tokens: the environments score while they run (train_on_rollout gathers).
+    defer_scoring = cfg.grpo.overlap_scoring and cfg.scoring_overlap_blocker() is None
     while True:
         phase_times: dict[str, float] = {}
         rollout = collect_rollout(
@@ -250,11 +250,14 @@ def collect_training_rollout(
             seed=rollout_seed(cfg.grpo.seed, step, batch_index),
             timings=phase_times,
             multi_turn=multi_turn_settings(cfg, parts.tokenizer),
+            defer_scoring=defer_scoring,
         )
         for name, seconds in phase_times.items():
             timer.add(name, seconds)
         if counts is not None:
             counts["generated_tokens"] = counts.get("generated_tokens", 0.0) + rollout.response_lengths.sum().item()
+        if rollout.pending_scores is not None:
+            return rollout, {}  # scored, and shaped, in train_on_rollout
         add_counters(env_counters, rollout.env_metrics)
         # Group ids unique across generation batches, so groups from different batches never merge.
         group_ids = rollout.group_ids + batch_index * cfg.grpo.num_prompts_per_step
@@ -287,29 +290,48 @@ def attach_precomputed_reference(batch: dict[str, torch.Tensor], rollout: Rollou
     batch["reference_policy_logprobs"] = lp
 
 
-def run_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], timer: StepTimer) -> bool:
-    """Prev and reference logprob passes, concurrently on their own actors, each only when planned (the
-    reference pass not when the batch already carries its result); returns whether the reference pass ran."""
-    prev_refs = parts.policy.get_logprobs_async(batch) if parts.plan.compute_prev else None
+@dataclass
+class LogprobPasses:
+    """The prev and reference logprob passes in flight on their actors (``None``: not run this step)."""
+
+    prev: Any
+    reference: Any
+    start: float
+
+
+def start_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor]) -> LogprobPasses:
+    """Start the planned prev and reference passes, concurrently on their own actors (the reference pass not when
+    the batch already carries its result)."""
+    prev = parts.policy.get_logprobs_async(batch) if parts.plan.compute_prev else None
     need_reference = parts.plan.compute_reference and "reference_policy_logprobs" not in batch
-    ref_refs = parts.reference.get_logprobs_async(batch) if need_reference else None
-    # The passes overlap, so each is timed from the common start to its own completion.
-    start = time.perf_counter()
-    if prev_refs is not None:
-        batch["prev_logprobs"] = parts.policy.gather_logprobs(prev_refs, "prev logprobs")
-        timer.add("prev_logprobs", time.perf_counter() - start)
-    if ref_refs is not None:
-        batch["reference_policy_logprobs"] = parts.reference.gather_logprobs(ref_refs, "reference logprobs")
-        timer.add("reference_logprobs", time.perf_counter() - start)
-    return ref_refs is not None
+    reference = parts.reference.get_logprobs_async(batch) if need_reference else None
+    return LogprobPasses(prev, reference, time.perf_counter())
+
+
+def gather_logprob_passes(parts: GRPOComponents, passes: LogprobPasses, batch: dict[str, torch.Tensor], timer: StepTimer) -> bool:
+    """Put the passes' results into ``batch``; each pass is timed from the common start to its own completion.
+    Returns whether the reference pass ran."""
+    if passes.prev is not None:
+        batch["prev_logprobs"] = parts.policy.gather_logprobs(passes.prev, "prev logprobs")
+        timer.add("prev_logprobs", time.perf_counter() - passes.start)
+    if passes.reference is not None:
+        batch["reference_policy_logprobs"] = parts.reference.gather_logprobs(passes.reference, "reference logprobs")
+        timer.add("reference_logprobs", time.perf_counter() - passes.start)
+    return passes.reference is not None
 
 
 def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout: Rollout) -> dict[str, Any]:
-    """Advantages, the planned logprob passes, one policy update; returns the step's training metrics."""
+    """The planned logprob passes, advantages, one policy update; returns the step's training metrics. Scores still
+    pending (``grpo.overlap_scoring``) are gathered while the passes run, then shaped."""
     cfg = parts.cfg
-    batch, adv_metrics = build_train_batch(parts, rollout)
+    batch = collate_samples(rollout.samples, parts.tokenizer.pad_token_id)
     attach_precomputed_reference(batch, rollout)
-    ran_reference = run_logprob_passes(parts, batch, timer)
+    passes = start_logprob_passes(parts, batch)
+    if rollout.pending_scores is not None:
+        timer.add("reward", rollout.finish_scoring())  # the wait not hidden behind the passes
+        rollout.rewards = shaped_rewards(cfg, rollout.rewards, rollout.response_lengths)
+    adv_metrics = attach_advantages(cfg, batch, rollout)
+    ran_reference = gather_logprob_passes(parts, passes, batch, timer)
     # Asked only when this step ran the pass: in async runs the collector may be using the reference actor right now
     # (the async step reports the collector's count instead).
     reference_passes = parts.reference.take_logprob_passes() if ran_reference else 0

@@ -96,6 +96,11 @@ class GRPOConfig(Section):
     use_leave_one_out_baseline: bool = Field(False, description="Baseline = mean of the other samples of the prompt.")
     adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
     use_dynamic_sampling: bool = Field(False, description="DAPO: drop prompt groups with zero reward std and generate more.")
+    overlap_scoring: bool = Field(
+        True,
+        description="Sync loop, single-turn, without dynamic sampling: the environments score the responses while the prev and "
+        "reference logprob passes run (they need only the tokens); the update is identical. false: score first (ablations).",
+    )
     dynamic_sampling_max_gen_batches: Int = Field(10, gt=0, description="Generation batches allowed per step with dynamic sampling.")
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     skip_prev_logprobs: Literal["auto", True, False] = Field(
@@ -679,7 +684,19 @@ class MasterConfig(BaseModel):
         lines += self.policy.lora_cfg.no_effect_warnings()
         if self.policy.dtensor_cfg.cpu_offload and not self.cluster.gpus_per_node:
             lines.append("policy.dtensor_cfg.cpu_offload has no effect on CPU (cluster.gpus_per_node is 0)")
+        if not self.grpo.overlap_scoring and (blocker := self.scoring_overlap_blocker()):
+            lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")
         return lines
+
+    def scoring_overlap_blocker(self) -> str | None:
+        """Why this run's scoring cannot overlap its logprob passes (the setting that prevents it), or ``None``."""
+        if self.grpo.async_grpo.enabled:
+            return "grpo.async_grpo.enabled=true"
+        if self.grpo.use_dynamic_sampling:
+            return "grpo.use_dynamic_sampling=true"
+        if self.grpo.max_rollout_turns > 1:
+            return f"grpo.max_rollout_turns={self.grpo.max_rollout_turns}"
+        return None
 
     def _check_reward_shaping(self) -> None:
         shaping = self.grpo.reward_shaping

@@ -5,7 +5,7 @@ on one node and gives each ``max(1, cpus // concurrent)`` threads. A step has th
 
 * generation: ``G`` generation workers;
 * logprobs: the policy ranks ``P`` (only when the prev-logprob pass runs) and the reference ranks ``R``,
-  concurrently (``run_logprob_passes``);
+  concurrently (``start_logprob_passes``);
 * training: the ``P`` policy ranks.
 
 **sync** runs the phases one after the other, so an actor shares the node only with the other actors

@@ -27,6 +27,18 @@ class Rollout:
     rewards: torch.Tensor  # [B]
     env_metrics: dict[str, float] = field(default_factory=dict)  # environments' counters, env/<task>/<name>, summed
     reference_logprobs: torch.Tensor | None = None  # [B, S] of the collated samples, when computed ahead (async)
+    pending_scores: PendingScores | None = None  # scoring requested, not yet gathered (``rewards`` are NaN until then)
+
+    def finish_scoring(self) -> float:
+        """Gather the pending scores into ``rewards`` and ``env_metrics``; returns the seconds waited (0 if none were pending)."""
+        if self.pending_scores is None:
+            return 0.0
+        start = time.perf_counter()
+        scores = self.pending_scores.result()
+        self.rewards = scores.rewards
+        add_counters(self.env_metrics, scores.metrics)
+        self.pending_scores = None
+        return time.perf_counter() - start
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -58,9 +70,29 @@ def shard(indices: list[int], num_shards: int) -> list[list[int]]:
     return [indices[i : i + per] for i in range(0, len(indices), per)]
 
 
-def score_with_environment(envs: EnvironmentHandles, texts: list[str], prompts: list[PromptRecord]) -> Scores:
-    """Route each response to the environment of its task (``metadata["task_name"]``), shard each task's
-    responses over that environment's actors (all tasks concurrently), and gather one reward per response."""
+@dataclass
+class PendingScores:
+    """Scoring requests in flight on the environment actors (:func:`request_scores`); :meth:`result` gathers them."""
+
+    size: int
+    calls: list[tuple[str, list[int]]]  # (task, the responses' indices) of each request
+    refs: list
+
+    def result(self) -> Scores:
+        """One reward per response, in response order, and the environments' counters summed per task."""
+        rewards = torch.zeros(self.size, dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        for (task, rows), (shard_rewards, counters) in zip(self.calls, get_with_context(self.refs, "reward")):
+            rewards[rows] = torch.tensor(shard_rewards, dtype=torch.float32)
+            for name, value in counters.items():
+                key = f"env/{task}/{name}"
+                metrics[key] = metrics.get(key, 0.0) + value
+        return Scores(rewards, metrics)
+
+
+def request_scores(envs: EnvironmentHandles, texts: list[str], prompts: list[PromptRecord]) -> PendingScores:
+    """Route each response to the environment of its task (``metadata["task_name"]``) and shard each task's responses
+    over that environment's actors (all tasks concurrently); returns without waiting for the rewards."""
     metadata = [p.metadata for p in prompts]
     calls: list[tuple[str, list[int]]] = []
     refs = []
@@ -68,14 +100,12 @@ def score_with_environment(envs: EnvironmentHandles, texts: list[str], prompts: 
         for worker, rows in zip(envs.workers[task], shard(indices, len(envs.workers[task]))):
             calls.append((task, rows))
             refs.append(worker.score.remote([texts[i] for i in rows], [metadata[i] for i in rows]))
-    rewards = torch.zeros(len(texts), dtype=torch.float32)
-    metrics: dict[str, float] = {}
-    for (task, rows), (shard_rewards, counters) in zip(calls, get_with_context(refs, "reward")):
-        rewards[rows] = torch.tensor(shard_rewards, dtype=torch.float32)
-        for name, value in counters.items():
-            key = f"env/{task}/{name}"
-            metrics[key] = metrics.get(key, 0.0) + value
-    return Scores(rewards, metrics)
+    return PendingScores(len(texts), calls, refs)
+
+
+def score_with_environment(envs: EnvironmentHandles, texts: list[str], prompts: list[PromptRecord]) -> Scores:
+    """:func:`request_scores`, then wait for one reward per response."""
+    return request_scores(envs, texts, prompts).result()
 
 
 def task_reward_metrics(prompts: list[PromptRecord], rewards: torch.Tensor, tasks: list[str], prefix: str = "env") -> dict[str, float]:
@@ -122,20 +152,28 @@ def collect_rollout(
     seed: int,
     timings: dict[str, float] | None = None,
     multi_turn: MultiTurnSettings | None = None,
+    defer_scoring: bool = False,
 ) -> Rollout:
     """Generate and score one step's samples; fills ``timings['generation'|'reward']`` if given.
     With ``multi_turn`` settings each sample runs the turn loop of :mod:`nemo_like.experience.multi_turn`
-    (its reward: the sum of its environment steps' rewards; ``reward`` timing: the environment steps)."""
+    (its reward: the sum of its environment steps' rewards; ``reward`` timing: the environment steps).
+    ``defer_scoring`` (single-turn): return once the scores are requested; the caller gathers them with
+    :meth:`Rollout.finish_scoring` (and times that wait itself)."""
     if multi_turn is not None:
         return collect_multi_turn_rollout(generation, envs, tokenizer, prompts, num_generations, params, seed, timings, multi_turn)
     t0 = time.perf_counter()
     expanded, group_ids, samples, texts = generate_rollout(generation, tokenizer, prompts, num_generations, params, seed)
     t1 = time.perf_counter()
-    scores = score_with_environment(envs, texts, expanded)
+    pending = request_scores(envs, texts, expanded)
+    unscored = torch.full((len(samples),), float("nan"))
+    rollout = Rollout(expanded, group_ids, samples, texts, unscored, {}, pending_scores=pending)
     if timings is not None:
         timings["generation"] = t1 - t0
-        timings["reward"] = time.perf_counter() - t1
-    return Rollout(expanded, group_ids, samples, texts, scores.rewards, scores.metrics)
+    if not defer_scoring:
+        rollout.finish_scoring()
+        if timings is not None:
+            timings["reward"] = time.perf_counter() - t1
+    return rollout
 
 
 def collect_multi_turn_rollout(

@@ -96,6 +96,29 @@ def test_prev_logprob_pass_is_skipped_with_one_optimizer_step_and_the_loss_is_un
         assert abs(s[key] - c[key]) < 1e-6, key
 
 
+def test_scoring_while_the_logprob_passes_run_gives_the_same_update(ray_cluster, tmp_path):
+    """grpo.overlap_scoring (the default): the environments score while the prev and reference passes run, then the
+    rewards are shaped (overlong shaping on, so a deferred reward that skipped it would show); three steps equal the
+    score-first run bitwise."""
+    common = (
+        "grpo.max_num_steps=3",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        "grpo.skip_prev_logprobs=false",
+        "grpo.reward_shaping.enabled=true",
+        "grpo.reward_shaping.overlong_buffer_length=4",
+    )
+    overlapped = train(tiny_config(tmp_path / "overlap", *common))
+    first = train(tiny_config(tmp_path / "first", *common, "grpo.overlap_scoring=false"))
+    assert [r["step"] for r in overlapped] == [r["step"] for r in first] == [1, 2, 3]
+    for a, b in zip(overlapped, first):
+        for key in ("train/reward", "train/loss", "train/kl_penalty", "train/grad_norm", "train/advantages/mean", "train/gen_kl"):
+            assert a[key] == b[key], (a["step"], key)
+    assert all(
+        r["performance/forward_passes/prev_logprobs"] > 0 and r["performance/forward_passes/reference_logprobs"] > 0 for r in overlapped
+    )
+
+
 def mixed_task_files(tmp_path: Path) -> tuple[Path, Path]:
     """The shipped math-tiny rows split between two tasks: plain integer answers -> "arithmetic" (exact match),
     LaTeX / decimal forms -> "math" (math-verify). Only the math environment can score "\\frac{38}{2}" right."""

@@ -111,3 +111,16 @@ def test_contradictions_stay_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--dry-run", "loss_fn.token_level_loss=false", "loss_fn.loss_aggregation=token-sum"]) == 2
     err = capsys.readouterr().err
     assert "loss_fn.token_level_loss=false" in err and "loss_fn.loss_aggregation='token-sum'" in err
+
+
+@pytest.mark.parametrize(
+    "overrides, blocker",
+    [
+        (("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"), "grpo.async_grpo.enabled=true"),
+        (("grpo.use_dynamic_sampling=true",), "grpo.use_dynamic_sampling=true"),
+    ],
+)
+def test_turning_off_scoring_overlap_where_it_never_happens_warns(overrides: tuple[str, ...], blocker: str) -> None:
+    cfg = load_config(None, ["grpo.overlap_scoring=false", *overrides], warn=False)
+    assert f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)" in cfg.no_effect_warnings()
+    assert not any("overlap_scoring" in w for w in load_config(None, ["grpo.overlap_scoring=false"], warn=False).no_effect_warnings())
