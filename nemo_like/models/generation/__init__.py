@@ -47,6 +47,27 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
     return requested, "requested"
 
 
+def ignored_engine_keys(cfg: Any, backend: str) -> list[str]:
+    """One line per engine option set in ``cfg`` that ``backend`` ignores: the vLLM options for ``inline`` and ``hf``,
+    and the engine's thread count for ``inline`` (start-up warnings, not errors: flipping
+    ``policy.generation.backend`` on the command line must not need other edits)."""
+    if backend == "vllm":
+        return []
+    g = cfg.policy.generation
+    lines = []
+    what = "inline generation" if backend == "inline" else "the hf engine"
+    if backend == "inline" and g.num_threads_per_worker not in ("auto", None):
+        lines.append(
+            f"policy.generation.num_threads_per_worker={g.num_threads_per_worker} has no effect with inline generation "
+            "(the policy worker samples with its own policy.num_threads_per_worker threads)"
+        )
+    defaults = type(g.vllm_cfg)()
+    for key in sorted(type(g.vllm_cfg).model_fields):
+        if getattr(g.vllm_cfg, key) != getattr(defaults, key):
+            lines.append(f"policy.generation.vllm_cfg.{key} has no effect with {what} (no vLLM engine starts)")
+    return lines
+
+
 def generation_resources(cfg, with_policy: bool = True) -> RoleResources:
     """What the generation engine ``policy.generation.backend`` resolves to reserves (one worker, as built below;
     none for inline generation)."""
@@ -71,8 +92,6 @@ def make_generation(cfg, pad_token_id: int, eos_token_ids: list[int], policy: An
     message = f"[setup] generation backend: {backend} ({reason})"
     log.info(message)
     print(message, file=sys.stderr)
-    from nemo_like.models.generation.inline import ignored_engine_keys
-
     for line in ignored_engine_keys(cfg, backend):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     if backend == "inline":

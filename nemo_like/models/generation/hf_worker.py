@@ -7,18 +7,10 @@ import torch
 
 from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.generation.interface import SamplingParams
-from nemo_like.models.generation.lean_decoder import sample
+from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import load_causal_lm
-from nemo_like.models.logprobs import SamplingDistribution
 from nemo_like.models.weight_buckets import WeightBuckets
-
-
-def sampling_distribution(sp: SamplingParams) -> SamplingDistribution:
-    """The distribution ``generate`` samples from under ``sp`` (greedy: the plain softmax of the logits)."""
-    if sp.greedy:
-        return SamplingDistribution()
-    return SamplingDistribution(sp.temperature, sp.top_k, sp.top_p)
 
 
 class SwapLog:
@@ -85,11 +77,7 @@ class HFGenerationWorker(Reinitializable):
         the policy computes them; an in-flight refit lands between two decode steps."""
         start_version = self.weight_version
         swap_log = SwapLog(self)
-        stop_ids = [*self.eos_token_ids, *sp.stop_token_ids]
-        drawn = sample(
-            self.model, prompts, sp.max_new_tokens, sampling_distribution(sp), stop_ids, self.pad_token_id, seed, sp.greedy,
-            between_steps=swap_log,
-        )  # fmt: skip
+        drawn = sample_with_params(self.model, prompts, sp, self.eos_token_ids, self.pad_token_id, seed, between_steps=swap_log)
         return drawn.sample_dicts(prompts, start_version, lambda position: swap_log.version_of_position(position, start_version))
 
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:

@@ -38,27 +38,6 @@ def inline_blocker(cfg: Any, with_policy: bool = True) -> str | None:
     return None
 
 
-def ignored_engine_keys(cfg: Any, backend: str) -> list[str]:
-    """One line per engine option set in ``cfg`` that ``backend`` ignores: the vLLM options for ``inline`` and ``hf``,
-    and the engine's thread count for ``inline`` (start-up warnings, not errors: flipping
-    ``policy.generation.backend`` on the command line must not need other edits)."""
-    if backend == "vllm":
-        return []
-    g = cfg.policy.generation
-    lines = []
-    what = "inline generation" if backend == "inline" else "the hf engine"
-    if backend == "inline" and g.num_threads_per_worker not in ("auto", None):
-        lines.append(
-            f"policy.generation.num_threads_per_worker={g.num_threads_per_worker} has no effect with inline generation "
-            "(the policy worker samples with its own policy.num_threads_per_worker threads)"
-        )
-    defaults = type(g.vllm_cfg)()
-    for key in sorted(type(g.vllm_cfg).model_fields):
-        if getattr(g.vllm_cfg, key) != getattr(defaults, key):
-            lines.append(f"policy.generation.vllm_cfg.{key} has no effect with {what} (no vLLM engine starts)")
-    return lines
-
-
 def inline_generation_resources() -> RoleResources:
     """Inline generation reserves nothing: it runs in the policy's worker."""
     return RoleResources("generation", 0, WorkerResources(num_cpus=0, num_gpus=0.0, num_threads=1))

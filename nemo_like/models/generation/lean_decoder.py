@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.logprobs import SamplingDistribution, sampling_keep_mask
 
 FUSED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -43,8 +44,6 @@ class SampledBatch:
     def sample_dicts(self, prompts: list[list[int]], weight_version: int, final_version: Callable[[int], int] | None = None) -> list[dict]:
         """:class:`~.interface.GeneratedSample` fields of every row, as dicts (what the workers return over Ray).
         ``final_version(position)``: the weight version that produced a row's last token (default: ``weight_version``)."""
-        from nemo_like.models.generation.interface import GeneratedSample
-
         out = []
         for i, prompt in enumerate(prompts):
             n = self.lengths[i]
@@ -305,3 +304,27 @@ def sample(
         lengths=lengths.tolist(),
         stopped=finished.tolist(),
     )
+
+
+def sampling_distribution(sp: SamplingParams) -> SamplingDistribution:
+    """The distribution :func:`sample` draws from under ``sp`` (greedy: the plain softmax of the logits)."""
+    if sp.greedy:
+        return SamplingDistribution()
+    return SamplingDistribution(sp.temperature, sp.top_k, sp.top_p)
+
+
+def sample_with_params(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    sp: SamplingParams,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    seed: int,
+    between_steps: Callable[[int], bool] | None = None,
+) -> SampledBatch:
+    """:func:`sample` under a backend's :class:`~.interface.SamplingParams` (stops at the model's eos ids and ``sp``'s stop ids)."""
+    stop_ids = [*eos_token_ids, *sp.stop_token_ids]
+    return sample(
+        model, prompts, sp.max_new_tokens, sampling_distribution(sp), stop_ids, pad_token_id, seed, sp.greedy,
+        between_steps=between_steps,
+    )  # fmt: skip

@@ -218,19 +218,17 @@ class PolicyWorker(Reinitializable):
     def generate(self, prompts: list[list[int]], params: dict, seed: int, pad_token_id: int, eos_token_ids: list[int]) -> list[dict]:
         """Sample one response per prompt with this worker's own weights (the inline backend,
         :mod:`nemo_like.models.generation.inline`); returns :class:`GeneratedSample` fields as dicts."""
-        from nemo_like.models.generation.hf_worker import sampling_distribution
         from nemo_like.models.generation.interface import SamplingParams
-        from nemo_like.models.generation.lean_decoder import sample
+        from nemo_like.models.generation.lean_decoder import sample_with_params
 
         if self.world_size != 1 or self.lora_cfg is not None:
             raise RuntimeError("inline generation needs a single, unsharded policy worker without LoRA")
         sp = SamplingParams(**params)
-        stop_ids = [*eos_token_ids, *sp.stop_token_ids]
         self.model.eval()
         out: list[dict] = []
         for start in range(0, len(prompts), INLINE_GENERATION_BATCH):
             chunk = prompts[start : start + INLINE_GENERATION_BATCH]
-            drawn = sample(self.model, chunk, sp.max_new_tokens, sampling_distribution(sp), stop_ids, pad_token_id, seed + start, sp.greedy)
+            drawn = sample_with_params(self.model, chunk, sp, eos_token_ids, pad_token_id, seed + start)
             out.extend(drawn.sample_dicts(chunk, self.weight_version))
         return out
 

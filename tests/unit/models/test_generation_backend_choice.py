@@ -67,7 +67,7 @@ def test_an_explicit_inline_backend_that_cannot_apply_is_an_error_naming_the_key
 
 
 def test_engine_options_that_the_chosen_engine_ignores_are_named() -> None:
-    from nemo_like.models.generation.inline import ignored_engine_keys
+    from nemo_like.models.generation import ignored_engine_keys
 
     assert ignored_engine_keys(recipe(), "inline") == []
     cfg = recipe("policy.generation.num_threads_per_worker=1", "policy.generation.vllm_cfg.kv_cache_space_gib=2")
