@@ -296,7 +296,6 @@ class LogprobPasses:
 
     prev: Any
     reference: Any
-    start: float
 
 
 def start_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor]) -> LogprobPasses:
@@ -305,18 +304,20 @@ def start_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor]) 
     prev = parts.policy.get_logprobs_async(batch) if parts.plan.compute_prev else None
     need_reference = parts.plan.compute_reference and "reference_policy_logprobs" not in batch
     reference = parts.reference.get_logprobs_async(batch) if need_reference else None
-    return LogprobPasses(prev, reference, time.perf_counter())
+    return LogprobPasses(prev, reference)
 
 
 def gather_logprob_passes(parts: GRPOComponents, passes: LogprobPasses, batch: dict[str, torch.Tensor], timer: StepTimer) -> bool:
-    """Put the passes' results into ``batch``; each pass is timed from the common start to its own completion.
-    Returns whether the reference pass ran."""
+    """Put the passes' results into ``batch``; returns whether the reference pass ran. Each pass is timed from here (the
+    driver starts waiting for them, after any reward wait) to its own completion, so the reward wait and the passes'
+    times never count the same seconds and the phase shares of a step add up to at most 1."""
+    start = time.perf_counter()
     if passes.prev is not None:
         batch["prev_logprobs"] = parts.policy.gather_logprobs(passes.prev, "prev logprobs")
-        timer.add("prev_logprobs", time.perf_counter() - passes.start)
+        timer.add("prev_logprobs", time.perf_counter() - start)
     if passes.reference is not None:
         batch["reference_policy_logprobs"] = parts.reference.gather_logprobs(passes.reference, "reference logprobs")
-        timer.add("reference_logprobs", time.perf_counter() - passes.start)
+        timer.add("reference_logprobs", time.perf_counter() - start)
     return passes.reference is not None
 
 
