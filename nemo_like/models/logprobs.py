@@ -111,15 +111,24 @@ def processed_token_logprobs_with_outside(
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ValueError(f"expected logits [B, S, V] and targets [B, S], got {tuple(logits.shape)} and {tuple(targets.shape)}")
     batch, seq, vocab = logits.shape
-    rows = max(1, chunk_elements // max(vocab, 1))
     lps, outs = [], []
-    # Chunks are views along the sequence of one row: no [B, S, V] copy of the (possibly sliced) logits.
-    # (unbind/split rather than indexing: their backward assembles the gradient once, not per chunk).
-    for row_logits, row_targets in zip(logits.unbind(0), targets.unbind(0)):
-        for chunk_logits, chunk_targets in zip(row_logits.split(rows), row_targets.split(rows)):
-            lp, out = token_logprobs_from_logits(chunk_logits, chunk_targets, dist)
+    rows_per_block = chunk_elements // max(seq * vocab, 1)
+    if rows_per_block >= 1:
+        # Whole rows fit the budget: blocks of rows, each flattened to [rows * S, V] (a bounded copy when the
+        # logits are a slice) and processed in one call, not a call per row.
+        for block_logits, block_targets in zip(logits.split(rows_per_block), targets.split(rows_per_block)):
+            lp, out = token_logprobs_from_logits(block_logits.reshape(-1, vocab), block_targets.reshape(-1), dist)
             lps.append(lp)
             outs.append(out)
+    else:
+        rows = max(1, chunk_elements // max(vocab, 1))
+        # Chunks are views along the sequence of one row: no [B, S, V] copy of the (possibly sliced) logits.
+        # (unbind/split rather than indexing: their backward assembles the gradient once, not per chunk).
+        for row_logits, row_targets in zip(logits.unbind(0), targets.unbind(0)):
+            for chunk_logits, chunk_targets in zip(row_logits.split(rows), row_targets.split(rows)):
+                lp, out = token_logprobs_from_logits(chunk_logits, chunk_targets, dist)
+                lps.append(lp)
+                outs.append(out)
     if not lps:
         empty = logits.new_zeros((batch, seq), dtype=torch.float32)
         return empty, torch.zeros((batch, seq), dtype=torch.bool, device=logits.device)

@@ -258,12 +258,21 @@ def test_an_out_of_set_token_gives_finite_losses_and_gradients_in_training():
     assert 0.5 < out["metrics"]["outside_sampling_set_frac"] <= 1.0
 
 
-def test_chunking_changes_nothing():
-    logits = random_logits(2, 9, 17, seed=2)
-    targets = torch.randint(0, 17, (2, 9))
-    dist = SamplingDistribution(0.9, 4, 0.7)
-    whole = processed_token_logprobs(logits, targets, dist)
-    torch.testing.assert_close(processed_token_logprobs(logits, targets, dist, chunk_elements=17 * 2), whole, atol=0, rtol=0)
+@pytest.mark.parametrize("dist", [SamplingDistribution(0.9, 4, 0.7), SamplingDistribution(1.3)])
+def test_chunking_changes_neither_the_logprobs_nor_their_gradient(dist):
+    """All rows in one call, one row per call (blocks of rows) and two positions per call (chunks within a row)."""
+    base = random_logits(3, 9, 17, seed=2)
+    targets = torch.randint(0, 17, (3, 9), generator=torch.Generator().manual_seed(5))
+    weights = torch.rand(3, 9, generator=torch.Generator().manual_seed(6))
+    results = []
+    for chunk_elements in (1 << 24, 9 * 17, 17 * 2):
+        logits = base.clone().requires_grad_(True)
+        lp = processed_token_logprobs(logits[:, :-1], targets[:, 1:], dist, chunk_elements=chunk_elements)  # a sliced view
+        (lp * weights[:, 1:]).sum().backward()
+        results.append((lp.detach(), logits.grad))
+    for lp, grad in results[1:]:
+        torch.testing.assert_close(lp, results[0][0], atol=0, rtol=0)
+        torch.testing.assert_close(grad, results[0][1], atol=0, rtol=0)
 
 
 def test_gather_token_logprobs_shifts_and_defaults_to_the_tempered_softmax():
