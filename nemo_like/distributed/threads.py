@@ -229,3 +229,13 @@ def oversubscription_warning(cfg: Any, cpus: int | None = None) -> str | None:
         f"leave policy.num_threads_per_worker and policy.generation.num_threads_per_worker at auto "
         f"(here: policy {suggestion.policy}, generation {suggestion.generation})"
     )
+
+
+def apply_thread_count(num_threads: int) -> None:
+    """Run this process's torch (intra-op OpenMP/MKL) work on ``num_threads`` threads, and say so in
+    ``OMP_NUM_THREADS`` for anything it starts later. Called by actors at every (re-)initialisation: a kept actor
+    (``reuse_actors``) may serve a run with another split."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    torch.set_num_threads(num_threads)

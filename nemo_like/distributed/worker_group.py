@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -55,7 +55,15 @@ class Reinitializable:
     ``reinit`` must leave the actor exactly as a fresh one built with the same arguments (the default
     runs ``__init__`` again); ``reuse_key`` names the constructor arguments a kept actor cannot change
     in place (the default: none, since ``__init__`` rebuilds everything).
+
+    ``SETS_THREADS_ON_INIT``: the class applies its thread count itself on (re-)initialisation
+    (:func:`~nemo_like.distributed.threads.apply_thread_count` with the count it is given), so a kept actor
+    may serve a group with another ``WorkerResources.num_threads``: runs that differ only in the thread split
+    (sync vs async, the prev pass on or off) share actors. Off by default: a class whose threads are fixed at
+    process start (an engine that spawns its own processes) keeps them in the key.
     """
+
+    SETS_THREADS_ON_INIT = False
 
     def reinit(self, **init_kwargs: Any) -> None:
         self.__init__(**init_kwargs)
@@ -193,7 +201,7 @@ class RayWorkerGroup:
                 name,
                 actor_cls.__qualname__,
                 num_workers,
-                resources,
+                replace(resources, num_threads=None) if actor_cls.SETS_THREADS_ON_INIT else resources,
                 strategy,
                 env_key,
                 max_concurrency,

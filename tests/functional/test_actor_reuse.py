@@ -80,3 +80,38 @@ def test_a_kept_group_is_reinitialised_in_place_and_other_shapes_get_new_actors(
         replacement = RayWorkerGroup("plain", NotReusable, 1, resources, {})
         assert ray.get(replacement.workers[0].pid.remote()) != plain_pid
         replacement.shutdown()
+
+
+class ThreadedCounter(Reinitializable):
+    """Applies its thread count at every (re-)initialisation, as the policy and HF generation workers do."""
+
+    SETS_THREADS_ON_INIT = True
+
+    def __init__(self, rank: int, world_size: int, num_threads: int) -> None:
+        from nemo_like.distributed.threads import apply_thread_count
+
+        apply_thread_count(num_threads)
+
+    def threads(self) -> tuple[int, int, str]:
+        import torch
+
+        return os.getpid(), torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
+
+
+def test_a_kept_actor_takes_a_new_thread_count_only_when_its_class_applies_it(ray_cluster):
+    with reuse_actors():
+        two = RayWorkerGroup("threaded", ThreadedCounter, 1, WorkerResources(num_cpus=0.01, num_threads=2), {"num_threads": 2})
+        pid, threads, env = ray.get(two.workers[0].threads.remote())
+        assert (threads, env) == (2, "2")
+        two.shutdown()
+        one = RayWorkerGroup("threaded", ThreadedCounter, 1, WorkerResources(num_cpus=0.01, num_threads=1), {"num_threads": 1})
+        assert ray.get(one.workers[0].threads.remote()) == (pid, 1, "1")  # the same process, now on 1 thread
+        one.shutdown()
+
+        # A class that does not apply its threads keeps them in the key: another count gets another actor.
+        fixed = RayWorkerGroup("fixed", Counter, 1, WorkerResources(num_cpus=0.01, num_threads=2), {"start": 0})
+        fixed_pid = bump_all(fixed)[0][0]
+        fixed.shutdown()
+        other = RayWorkerGroup("fixed", Counter, 1, WorkerResources(num_cpus=0.01, num_threads=1), {"start": 0})
+        assert bump_all(other)[0][0] != fixed_pid
+        other.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from nemo_like.distributed.threads import apply_thread_count
 from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.generation.lean_decoder import sample_with_params
@@ -40,6 +41,8 @@ class HFGenerationWorker(Reinitializable):
     """One replica of the model used for sampling; weights are replaced by :meth:`update_weights`
     (mid-generation when the actor runs with ``max_concurrency=2``, see :mod:`.weight_gate`)."""
 
+    SETS_THREADS_ON_INIT = True  # a kept actor takes the next run's thread count (worker_group.Reinitializable)
+
     def __init__(
         self,
         rank: int,
@@ -51,7 +54,7 @@ class HFGenerationWorker(Reinitializable):
         eos_token_ids: list[int],
         max_batch_size: int = 256,
     ) -> None:
-        torch.set_num_threads(num_threads)
+        apply_thread_count(num_threads)
         self.rank = rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.model = load_causal_lm(model_name, precision).to(self.device).eval()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nemo_like.distributed.threads import apply_thread_count
 from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside
 from nemo_like.models.loading import load_causal_lm
@@ -37,6 +38,8 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
 class PolicyWorker(Reinitializable):
     """One rank of the policy (or reference); with ``world_size > 1`` the model is sharded across the group
     once :meth:`setup_distributed` ran."""
+
+    SETS_THREADS_ON_INIT = True  # a kept actor takes the next run's thread count (worker_group.Reinitializable)
 
     def __init__(
         self,
@@ -65,7 +68,7 @@ class PolicyWorker(Reinitializable):
         ``policy.optimizer`` section; ``batching``: :class:`MicroBatchPlan` fields (default: fixed micro-batches of
         ``train_micro_batch_size`` / ``logprob_batch_size`` samples); ``dtensor_cfg``: the ``policy.dtensor_cfg`` keys;
         ``lora_cfg``: the validated ``policy.lora_cfg`` section (enabled: only adapters train, see :mod:`.lora`)."""
-        torch.set_num_threads(num_threads)
+        apply_thread_count(num_threads)
         torch.manual_seed(seed)
         self.release_shared_weights()  # a reused actor (reinit) drops its previous run's refit buffer
         self.rank, self.world_size = rank, world_size
