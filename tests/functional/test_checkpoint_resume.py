@@ -61,7 +61,8 @@ def short_ray_tmp() -> Path:
 
 
 # The runs killed below test checkpoints and failure reports, not the engine: they run the CPU default (inline
-# generation in the policy worker: no engine actor to start).
+# generation in the policy worker: no engine actor to start) without a KL penalty (no reference actor to start).
+NO_REFERENCE = "loss_fn.reference_policy_kl_penalty=0"
 
 
 def start_cli(tmp_path: Path, ray_tmp: Path, env_extra: dict, *overrides: str) -> subprocess.Popen:
@@ -80,6 +81,7 @@ def start_cli(tmp_path: Path, ray_tmp: Path, env_extra: dict, *overrides: str) -
         "data.train.num_problems=256",
         f"logger.log_dir={tmp_path / 'logs'}",
         "logger.progress_bar=false",
+        NO_REFERENCE,
         *overrides,
     ]
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), **env_extra}
@@ -126,7 +128,7 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(ray_cluster,
     assert (ckpt / "step_1" / "trainer_state.json").exists() and not (ckpt / "step_2").exists()
     # The killed driver's run lock is stale: taken over with a warning naming it (see test_run_lock.py).
     with pytest.warns(RuntimeWarning, match=rf"taking over the lock of a run that is gone \(pid {proc.pid} on host"):
-        history = run(tmp_path, "grpo.max_num_steps=3", *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
+        history = run(tmp_path, "grpo.max_num_steps=3", NO_REFERENCE, *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
     assert [h["step"] for h in history] == [2, 3]  # resumed after step 1
     assert sorted(p.name for p in ckpt.iterdir() if p.name != LOCK_FILE) == ["step_1", "step_2", "step_3"]  # partial save removed
 
@@ -163,18 +165,18 @@ def test_a_killed_worker_stops_the_run_with_actor_and_phase_and_the_checkpoint_r
     proc = start_cli(tmp_path, ray_tmp, {}, "grpo.max_num_steps=200", *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
     try:
         wait_for(lambda: (ckpt / "step_2").exists(), 180, proc)
-        pids = cluster_pids(ray_tmp, b"ray::PolicyWorker")  # the policy or the reference worker
-        assert pids, "no PolicyWorker process found"
+        pids = cluster_pids(ray_tmp, b"ray::PolicyWorker")  # the policy worker (no reference without a KL penalty)
+        assert len(pids) == 1, pids
         os.kill(pids[0], signal.SIGKILL)
         output, _ = proc.communicate(timeout=120)
     finally:
         kill_group(proc)
         kill_cluster(ray_tmp)
     assert proc.returncode != 0
-    assert re.search(r"nemo-like: error: Ray actor \w+ died during '(policy|reference): [a-z ]+'", output), output
+    assert re.search(r"nemo-like: error: Ray actor \w+ died during 'policy: [a-z ]+'", output), output
     assert "Traceback" not in output
     last = max(int(p.name.split("_")[1]) for p in ckpt.iterdir() if p.name.startswith("step_"))
-    history = run(tmp_path, f"grpo.max_num_steps={last + 1}", *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
+    history = run(tmp_path, f"grpo.max_num_steps={last + 1}", NO_REFERENCE, *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
     assert [h["step"] for h in history] == [last + 1]
 
 
