@@ -38,7 +38,7 @@ def pytest_runtest_setup(item):
     """Under pytest-xdist (``make test`` runs ``-n 2 --dist worksteal``), a worker lowers its own priority to nice 19
     (once) when it first runs a test without the session cluster: such tests (the unit tier, tests with their own
     clusters) then fill the CPU that cluster actors (nice 0, see ``nemo_like.distributed.ray_env``) leave idle
-    instead of stalling their multi-threaded steps.
+    instead of stalling their multi-threaded steps, on one torch thread (unit tests that build workers ask for one).
 
     Each xdist worker starts its own session cluster when it first needs one, and tests are handed to whichever
     worker is free, so which tests share a cluster and its kept actors changes from run to run: every test must
@@ -46,3 +46,9 @@ def pytest_runtest_setup(item):
     """
     if os.environ.get("PYTEST_XDIST_WORKER") and "ray_cluster" not in getattr(item, "fixturenames", ()) and os.nice(0) < 19:
         os.nice(19 - os.nice(0))
+        # And one torch thread: a 2-thread OpenMP op at nice 19 waits at every barrier for the thread that lost its core
+        # to the other worker's actors (a 0.8 s unit test took 34 s so in a suite run); one thread just runs slower.
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"  # processes the tests spawn (gloo ranks)

@@ -43,7 +43,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def worker(tokenizer):
-    return HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 2, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    return HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 1, tokenizer.pad_token_id, [tokenizer.eos_token_id])
 
 
 @pytest.fixture(scope="module")

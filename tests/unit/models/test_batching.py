@@ -102,7 +102,7 @@ def make_worker(**kwargs) -> PolicyWorker:
         model_name=EMBEDDED_MODEL,
         precision="float32",
         temperature=TEMPERATURE,
-        num_threads=2,
+        num_threads=1,
         seed=0,
         loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
         optimizer=OptimizerConfig(lr=1e-3, eps=1e-6),

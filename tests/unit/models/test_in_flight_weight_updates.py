@@ -64,7 +64,7 @@ def teacher_forced_logprobs(model, prompt: list[int], response: list[int]) -> to
 def test_hf_worker_swaps_weights_mid_sequence():
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     never = tokenizer.convert_tokens_to_ids("<|im_start|>")  # a stop id the model does not emit: long responses
-    worker = HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 2, tokenizer.pad_token_id, [never], max_batch_size=256)
+    worker = HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 1, tokenizer.pad_token_id, [never], max_batch_size=256)
     old_model = load_causal_lm(EMBEDDED_MODEL).eval()
     # Only the projections the fused decode step copies into fused matrices change: a swap that did not rebuild
     # those copies would go on sampling from the old weights.

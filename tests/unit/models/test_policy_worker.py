@@ -17,7 +17,7 @@ def make_worker(micro_batch_size: int) -> PolicyWorker:
         model_name=EMBEDDED_MODEL,
         precision="float32",
         temperature=1.0,
-        num_threads=2,
+        num_threads=1,
         seed=0,
         loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
         optimizer=OptimizerConfig(lr=1e-3),

@@ -226,7 +226,7 @@ def test_an_out_of_set_token_gives_finite_losses_and_gradients_in_training():
         model_name=EMBEDDED_MODEL,
         precision="float32",
         temperature=0.7,
-        num_threads=2,
+        num_threads=1,
         seed=0,
         loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
         optimizer=OptimizerConfig(lr=1e-3),
@@ -305,7 +305,7 @@ def hf_samples():
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     never = tokenizer.convert_tokens_to_ids("<|im_start|>")  # a stop id the model does not emit: long responses
-    worker = HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 2, tokenizer.pad_token_id, [never])
+    worker = HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 1, tokenizer.pad_token_id, [never])
     prompts = [tokenizer(f"{a}+{b}=")["input_ids"] for a, b in [(12, 34), (7, 58), (90, 9), (3, 3)]] * 2
     params = SamplingParams(max_new_tokens=24, **SAMPLING).__dict__
     return tokenizer.pad_token_id, worker.generate(prompts, dict(params), seed=1)
@@ -321,7 +321,7 @@ def policy_logprobs_of(samples: list[dict], pad_id: int, **sampling) -> tuple[to
         world_size=1,
         model_name=EMBEDDED_MODEL,
         precision="float32",
-        num_threads=2,
+        num_threads=1,
         seed=0,
         trainable=False,
         **sampling,
