@@ -49,7 +49,8 @@ def _train_locked(cfg: MasterConfig, start: float) -> list[dict[str, Any]]:
         logger.close()
         parts.shutdown()
     print(summarise(history, time.perf_counter() - start), file=sys.stderr)
-    write_plot(logger.metrics_path)
+    if cfg.logger.plot_at_end:
+        write_plot(logger.metrics_path)
     return history
 
 

@@ -519,6 +519,9 @@ class WandbConfig(Section):
 class LoggerConfig(Section):
     log_dir: str = Field("logs/grpo", description="Directory for metrics.jsonl, the resolved config, sample dumps and the plot.")
     progress_bar: bool = Field(True, description="Live progress bar on the console.")
+    plot_at_end: bool = Field(
+        True, description="Render log_dir/metrics.png when the run ends (about 2 s on a CPU; `nemo-like plot LOG_DIR` draws it later)."
+    )
     tensorboard_enabled: bool = Field(False, description="Also write TensorBoard event files under log_dir/tensorboard.")
     wandb_enabled: bool = Field(
         False, description="Also log to Weights & Biases (WANDB_MODE=offline works with no network; a failed start only warns)."

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_RECIPE = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 
 
-# The functional tests' tiny run: 4 prompts x 4 generations, 2 steps, 32 validation prompts.
+# The functional tests' tiny run: 4 prompts x 4 generations, 2 steps, 32 validation prompts, no plot at the end.
 TINY_OVERRIDES = [
     "grpo.num_prompts_per_step=4",
     "grpo.num_generations_per_prompt=4",
@@ -22,6 +22,7 @@ TINY_OVERRIDES = [
     "policy.num_cpus_per_worker=0.25",
     "data.train.num_problems=256",
     "logger.progress_bar=false",
+    "logger.plot_at_end=false",  # ~2 s per run; the tests that check the plot turn it on
 ]
 
 

@@ -54,6 +54,7 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
         "grpo.max_num_steps=5",
         "grpo.val_at_start=false",
         "grpo.val_at_end=false",
+        "logger.plot_at_end=true",
         *ckpt_overrides(ckpt, 2),
     )
     straight = steps_of(train(tiny_config(tmp_path, *overrides)))
@@ -97,7 +98,7 @@ def test_async_tiny_recipe_learns_within_five_points_of_sync(ray_cluster, tmp_pa
     engine (the one async resolves to; a sync run would default to inline generation on CPU), so the comparison
     isolates async. 1024 validation prompts (instead of 256) make the final accuracies a less noisy comparison."""
     recipe = REPO / "examples" / "configs" / "grpo_tiny_cpu_async.yaml"
-    common = ["grpo.max_val_samples=1024", "grpo.val_period=0", "logger.progress_bar=false"]
+    common = ["grpo.max_val_samples=1024", "grpo.val_period=0", "logger.progress_bar=false", "logger.plot_at_end=false"]
     engine = resolve_backend(load_config(recipe, common))[0]
     sync_overrides = [*common, "grpo.async_grpo.enabled=false", f"policy.generation.backend={engine}"]
     sync = train(load_config(recipe, [*sync_overrides, f"logger.log_dir={tmp_path / 'sync'}"]))

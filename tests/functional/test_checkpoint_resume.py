@@ -81,6 +81,7 @@ def start_cli(tmp_path: Path, ray_tmp: Path, env_extra: dict, *overrides: str) -
         "data.train.num_problems=256",
         f"logger.log_dir={tmp_path / 'logs'}",
         "logger.progress_bar=false",
+        "logger.plot_at_end=false",
         NO_REFERENCE,
         *overrides,
     ]

@@ -46,6 +46,7 @@ def observed_run(ray_cluster, tmp_path_factory):
         "logger.wandb.name=observability-test",
         "logger.dump_train_data=true",
         "logger.num_val_samples_to_print=2",
+        "logger.plot_at_end=true",
         f"cluster.peak_flops_per_device={PEAK}",
     )
     with pytest.MonkeyPatch.context() as mp:

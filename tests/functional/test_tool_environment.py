@@ -29,6 +29,7 @@ def test_tool_calls_round_trip_in_a_real_run(ray_cluster, tmp_path):
             "policy.generation.backend=hf",
             "data.train.num_problems=64",
             "logger.progress_bar=false",
+            "logger.plot_at_end=false",
             "logger.dump_train_data=true",
             f"logger.log_dir={tmp_path / 'logs'}",
         ],
