@@ -231,6 +231,9 @@ def test_job_submit_trains_and_an_over_asking_job_fails_fast(ray_head: LocalHead
         "--config",
         TINY_RECIPE.name,
         *TINY_OVERRIDES,  # the CPU default engine: inline in the policy worker, no engine actor to start
+        # One thread per actor: this test's head inherits the xdist worker's nice 19, where a 2-thread actor stalls at
+        # every OpenMP barrier whose partner thread lost its core to the other worker's cluster (conftest.py).
+        "policy.num_threads_per_worker=1",
     ]  # config: relative to the working dir
 
     start = time.monotonic()

@@ -20,7 +20,17 @@ TINY = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 
 def run_cli(capsys, tmp_path: Path, *overrides: str) -> tuple[int, str]:
     """``nemo-like train`` on the tiny recipe, logging under ``tmp_path`` unless overridden."""
-    code = main(["train", "--config", str(TINY), f"logger.log_dir={tmp_path / 'logs'}", "logger.progress_bar=false", *overrides])
+    code = main(
+        [
+            "train",
+            "--config",
+            str(TINY),
+            f"logger.log_dir={tmp_path / 'logs'}",
+            "logger.progress_bar=false",
+            "logger.plot_at_end=false",
+            *overrides,
+        ]
+    )
     return code, capsys.readouterr().err
 
 
@@ -162,7 +172,6 @@ def test_dynamic_sampling_that_finds_no_signal_stops_with_the_key_and_the_fixes(
         "grpo.val_at_start=false",
         "grpo.num_prompts_per_step=2",
         "grpo.num_generations_per_prompt=2",
-        "policy.generation.backend=hf",
         "loss_fn.reference_policy_kl_penalty=0",
         "policy.num_cpus_per_worker=0.25",
         "data.train.num_problems=16",
