@@ -47,12 +47,14 @@ def tok(cfg):
     return load_tokenizer(cfg.policy.model_name)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def vllm_gen(ray_cluster, cfg, tok):
-    """One vLLM actor shared by the tests of this module (its start-up dominates their cost)."""
+    """A vLLM engine under the name a run gives its own: the session's ``reuse_actors`` keeps it between the tests
+    of this module, re-initialised for each, and the GRPO run and the poisoned-engine test below take it too (engine
+    start-up dominates their cost)."""
     from nemo_like.models.generation.vllm import VLLMGeneration
 
-    gen = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), name="shared_vllm")
+    gen = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok))
     yield gen
     gen.shutdown()
 
@@ -75,7 +77,7 @@ def test_vllm_logprobs_match_policy_after_each_refit_and_a_missed_refit_shows(ra
     policy = Policy(cfg, loss_fn=ClippedPGLossFn(cfg.loss_fn))
     params = SamplingParams(max_new_tokens=8, temperature=cfg.policy.generation.temperature)
     try:
-        vllm_gen.refit(policy.state_dict_ref(), policy.weight_version)  # the shared engine may hold other weights
+        vllm_gen.refit(policy.state_dict_ref(), policy.weight_version)
         check_generation_follows_the_policy(vllm_gen, policy, prompts(cfg, tok), params, tok.pad_token_id)
     finally:
         policy.shutdown()
@@ -118,7 +120,6 @@ def test_the_in_place_cpu_refit_generates_exactly_what_vllms_own_reload_does(ray
     ours, vllms = sample_after_refit(perturbed, True), sample_after_refit(perturbed, False)
     assert ours == vllms  # same tokens, bit-identical logprobs: the same packed weights
     assert ours != original  # the refit changed what the engine computes (qkv/gate-up fused, every layer re-packed)
-    sample_after_refit(state, True)  # leave the shared engine as the other tests expect it
 
 
 def test_refit_with_a_wrong_manifest_names_the_keys(ray_cluster, vllm_gen):
@@ -212,14 +213,14 @@ def test_a_kept_engine_that_saw_nonfinite_weights_serves_the_next_run_cleanly(ra
     params = SamplingParams(max_new_tokens=8, temperature=cfg.policy.generation.temperature)
     batch = prompts(cfg, tok, n=16)
     state = full_state_dict(load_causal_lm(cfg.policy.model_name, cfg.policy.precision))
-    first = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), name="poisoned_vllm")
+    first = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok))  # the engine the tests above kept, if any
     actor_ids = [worker._actor_id for worker in first.group.workers]
     first.refit(ray.put((1, {name: torch.full_like(t, math.inf) for name, t in state.items()})), 1)
     poisoned = first.generate(batch, params, seed=0)
     assert any(not math.isfinite(lp) for s in poisoned for lp in s.response_logprobs)  # the cache now holds NaN
     first.shutdown()  # kept idle by the session's reuse_actors
 
-    again = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), name="poisoned_vllm")
+    again = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok))
     try:
         assert [worker._actor_id for worker in again.group.workers] == actor_ids  # the same engine, re-initialised
         clean = again.generate(batch, params, seed=0)

@@ -145,11 +145,10 @@ class VLLMGenerationWorker(Reinitializable):
         self.asleep = False
         self.gate = WeightUpdateGate()
         self._prefix_cache_stale = False
-        # Our in-place CPU loader (None: not tried yet or works; a string: why vLLM's reload is used instead).
-        self.in_place_reload_unsupported: str | None = None if not self.on_gpu and lora_cfg is None else "GPU or LoRA engine"
+        self.lora_cfg = lora_cfg
+        self._reset_reload_path()
         self.model_path = resolve_model_path(model_name)
         self.expected_names = expected_weight_names(self.model_path)
-        self.lora_cfg = lora_cfg
         self.lora_request: Any = None  # the adapter every request is served with (None: the base weights)
         self._lora_ids = 0
         if lora_cfg is not None:
@@ -158,6 +157,10 @@ class VLLMGenerationWorker(Reinitializable):
             self.expected_adapter_names = expected_adapter_names(self.model_path, lora_cfg)
             self._adapter_root = tempfile.mkdtemp(prefix="nemo_like_lora_")
         self.llm = self._start_engine(self.model_path, precision, max_model_len, seed, enforce_eager, gpu_memory_utilization)
+
+    def _reset_reload_path(self) -> None:
+        # Our in-place CPU loader (None: not tried yet or works; a string: why vLLM's reload is used instead).
+        self.in_place_reload_unsupported: str | None = None if not self.on_gpu and self.lora_cfg is None else "GPU or LoRA engine"
 
     @classmethod
     def reuse_key(cls, init_kwargs: dict[str, Any]) -> Any:
@@ -172,6 +175,7 @@ class VLLMGenerationWorker(Reinitializable):
         self.gate = WeightUpdateGate()
         self._prefix_cache_stale = False
         self._drop_adapter()
+        self._reset_reload_path()  # as a new engine: the in-place loader is tried again
         self._reload_weights(0, list(state.items()))
         # A kept engine's KV cache still holds the last run's keys and values. Attention masks unused slots by
         # weighting them 0, and 0 * NaN is NaN: a run whose weights overflowed would poison every later one.
