@@ -3,7 +3,8 @@ against one plain rank.
 
 The same logprobs, the same loss and gradient norm, the same weights after three optimizer steps,
 checkpoints written by two ranks resume exactly (also on one plain rank), and refit buckets carry the
-full model in bounded pieces. One spawn for all of it: starting the ranks is the expensive part.
+full model in bounded pieces; the same for LoRA adapters on FSDP2. One spawn for all of it: starting the ranks is
+the expensive part.
 """
 
 from __future__ import annotations
@@ -107,21 +108,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(tmp_path, **worker_kwargs) -> tuple[dict, dict]:
-    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path), worker_kwargs), nprocs=2, join=True)
-    return torch.load(tmp_path / "rank0.pt", weights_only=False), torch.load(tmp_path / "rank1.pt", weights_only=False)
-
-
 def assert_states_close(a: dict, b: dict, atol: float) -> None:
     assert set(a) == set(b)
     worst = {name: float((a[name] - b[name]).abs().max()) for name in a}
     assert max(worst.values()) <= atol, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
 
 
-def test_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
-    # The two ranks pack their samples (unequal micro-batch counts: the rank with fewer runs filler passes)
-    # and chunk the logprobs; the single rank runs the plain path. Every result must agree.
-    r0, r1 = run_two_ranks(tmp_path, batching={"mode": "packed", "train_size": 24, "logprob_size": 24}, logprob_chunk_size=5)
+# The two FSDP ranks pack their samples (unequal micro-batch counts: the rank with fewer runs filler passes)
+# and chunk the logprobs; the single rank runs the plain path. Every result must agree.
+FSDP_RANK_KWARGS = dict(batching={"mode": "packed", "train_size": 24, "logprob_size": 24}, logprob_chunk_size=5)
+
+
+def check_fsdp(out_dir) -> None:
+    r0, r1 = (torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     single = make_worker()
     probe = step_batch(99, rows=5)
     torch.testing.assert_close(torch.cat([r0["logprobs"], r1["logprobs"]]), single.get_logprobs(probe), atol=1e-5, rtol=0)
@@ -150,7 +149,7 @@ def test_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
     assert_states_close(seen, r0["resumed"], atol=0.0)
     # The optimizer state is saved by parameter name: the two-rank checkpoint resumes on one plain rank.
     resumed_single = make_worker()
-    resumed_single.load_checkpoint(str(tmp_path / "ckpt"), None)
+    resumed_single.load_checkpoint(str(out_dir / "ckpt"), None)
     resumed_single.train([step_batch(STEPS - 1)])
     assert_states_close(resumed_single.get_state_dict()[1], r0["final"], atol=1e-5)
 
@@ -166,10 +165,8 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, out: str) -> None:
         torch.save({"logprobs": logprobs, "results": results, "state": state}, out)
 
 
-def test_two_tensor_parallel_ranks_equal_one_plain_rank(tmp_path):
+def check_tensor_parallel(out) -> None:
     """DTensor tensor parallelism (column/row-parallel projections) runs on gloo and changes no number."""
-    out = str(tmp_path / "tp.pt")
-    mp.spawn(_tensor_parallel_rank, args=(2, free_port(), out), nprocs=2, join=True)
     tp = torch.load(out, weights_only=False)
     single = make_worker()
     assert (tp["logprobs"] - single.get_logprobs(step_batch(99, rows=5))).abs().max() < 1e-5
@@ -205,11 +202,10 @@ def _lora_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.save(out, f"{out_dir}/rank{rank}.pt")
 
 
-def test_lora_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
+def check_lora(out_dir) -> None:
     """LoRA on FSDP2 (frozen base + trainable adapters in one unit): dp 2 == dp 1 after 3 steps, only the adapters
     get gradients and AdamW moments, the reference is the base model, the checkpoint resumes bitwise."""
-    mp.spawn(_lora_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    r0, r1 = (torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     single = make_worker(lora_cfg=LORA)
     for step in range(STEPS):
         ref = single.train([step_batch(step)])
@@ -235,6 +231,24 @@ def test_lora_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
     base.train([step_batch(0)])
     full = base.memory_footprint()
     assert lora_total["optimizer"] <= 0.05 * full["optimizer"], (lora_total, full)
+
+
+def _all_ranks_main(rank: int, world: int, ports: list[int], out_dir: str) -> None:
+    """One rank of each two-rank setup in turn (each joins a new process group): FSDP2, tensor parallel, LoRA on FSDP2."""
+    _rank_main(rank, world, ports[0], f"{out_dir}/fsdp", FSDP_RANK_KWARGS)
+    _tensor_parallel_rank(rank, world, ports[1], f"{out_dir}/tp.pt")
+    _lora_rank_main(rank, world, ports[2], f"{out_dir}/lora")
+
+
+def test_two_gloo_ranks_equal_one_plain_rank_with_fsdp_tensor_parallel_and_lora(tmp_path):
+    """The three two-rank setups in one spawn (starting the ranks and importing torch and transformers in them is the
+    expensive part), each then checked against one plain rank."""
+    for sub in ("fsdp", "lora"):
+        (tmp_path / sub).mkdir()
+    mp.spawn(_all_ranks_main, args=(2, [free_port() for _ in range(3)], str(tmp_path)), nprocs=2, join=True)
+    check_fsdp(tmp_path / "fsdp")
+    check_tensor_parallel(tmp_path / "tp.pt")
+    check_lora(tmp_path / "lora")
 
 
 @pytest.mark.parametrize("max_norm", [None, 0.5, 1e6])
