@@ -48,7 +48,6 @@ def pytest_runtest_setup(item):
         os.nice(19 - os.nice(0))
         # And one torch thread: a 2-thread OpenMP op at nice 19 waits at every barrier for the thread that lost its core
         # to the other worker's actors (a 0.8 s unit test took 34 s so in a suite run); one thread just runs slower.
-        import torch
+        from nemo_like.distributed.threads import apply_thread_count
 
-        torch.set_num_threads(1)
-        os.environ["OMP_NUM_THREADS"] = "1"  # processes the tests spawn (gloo ranks)
+        apply_thread_count(1)  # OMP_NUM_THREADS too, for the processes the tests spawn (gloo ranks)

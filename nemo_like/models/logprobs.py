@@ -28,6 +28,7 @@ were outside, so callers can count them (``train/outside_sampling_set_frac``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -104,31 +105,34 @@ def token_logprobs_from_logits(
     return picked - kept_lse, outside
 
 
+def _logit_chunks(logits: torch.Tensor, targets: torch.Tensor, chunk_elements: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``([n, V] logits, [n] targets)`` pieces of ``[B, S, V]`` logits, in row-major order, of about ``chunk_elements``
+    logits each. When whole rows fit, a block of rows flattened to ``[rows * S, V]`` (a bounded copy when the logits are
+    a slice), so short rows cost one call per block, not per row; otherwise views along the sequence of one row (no
+    ``[B, S, V]`` copy; unbind/split rather than indexing, so their backward assembles the gradient once)."""
+    _, seq, vocab = logits.shape
+    rows_per_block = chunk_elements // max(seq * vocab, 1)
+    if rows_per_block >= 1:
+        for block_logits, block_targets in zip(logits.split(rows_per_block), targets.split(rows_per_block)):
+            yield block_logits.reshape(-1, vocab), block_targets.reshape(-1)
+        return
+    positions = max(1, chunk_elements // max(vocab, 1))
+    for row_logits, row_targets in zip(logits.unbind(0), targets.unbind(0)):
+        yield from zip(row_logits.split(positions), row_targets.split(positions))
+
+
 def processed_token_logprobs_with_outside(
     logits: torch.Tensor, targets: torch.Tensor, dist: SamplingDistribution, chunk_elements: int = CHUNK_ELEMENTS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`processed_token_logprobs` and a ``[B, S]`` bool: True where the target was outside the kept set."""
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ValueError(f"expected logits [B, S, V] and targets [B, S], got {tuple(logits.shape)} and {tuple(targets.shape)}")
-    batch, seq, vocab = logits.shape
+    batch, seq, _ = logits.shape
     lps, outs = [], []
-    rows_per_block = chunk_elements // max(seq * vocab, 1)
-    if rows_per_block >= 1:
-        # Whole rows fit the budget: blocks of rows, each flattened to [rows * S, V] (a bounded copy when the
-        # logits are a slice) and processed in one call, not a call per row.
-        for block_logits, block_targets in zip(logits.split(rows_per_block), targets.split(rows_per_block)):
-            lp, out = token_logprobs_from_logits(block_logits.reshape(-1, vocab), block_targets.reshape(-1), dist)
-            lps.append(lp)
-            outs.append(out)
-    else:
-        rows = max(1, chunk_elements // max(vocab, 1))
-        # Chunks are views along the sequence of one row: no [B, S, V] copy of the (possibly sliced) logits.
-        # (unbind/split rather than indexing: their backward assembles the gradient once, not per chunk).
-        for row_logits, row_targets in zip(logits.unbind(0), targets.unbind(0)):
-            for chunk_logits, chunk_targets in zip(row_logits.split(rows), row_targets.split(rows)):
-                lp, out = token_logprobs_from_logits(chunk_logits, chunk_targets, dist)
-                lps.append(lp)
-                outs.append(out)
+    for chunk_logits, chunk_targets in _logit_chunks(logits, targets, chunk_elements):
+        lp, out = token_logprobs_from_logits(chunk_logits, chunk_targets, dist)
+        lps.append(lp)
+        outs.append(out)
     if not lps:
         empty = logits.new_zeros((batch, seq), dtype=torch.float32)
         return empty, torch.zeros((batch, seq), dtype=torch.bool, device=logits.device)
