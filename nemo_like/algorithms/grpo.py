@@ -355,6 +355,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
             "train/trainable_params": float(parts.policy.trainable_params),
             "train/trainable_fraction": parts.policy.trainable_params / max(parts.policy.total_params, 1),
             "performance/num_batch_tokens": float(batch["attention_mask"].sum()),
+            "performance/training_forward_tokens_per_token": result.forward_tokens / max(float(batch["attention_mask"].sum()), 1.0),
             "performance/num_samples": float(len(rollout.samples)),
         }
     )

@@ -316,6 +316,13 @@ class PolicyConfig(Section):
         description="Compute logprobs (and the loss's logprobs) from hidden states in chunks of this many positions, never holding "
         "the full [tokens, vocab] logits; null computes the full logits at once.",
     )
+    shared_prompt_forward: Literal["auto", True, False] = Field(
+        "auto",
+        description="Logprob and training forwards run each group's prompt once and skip padding tokens (same logprobs and "
+        "gradients up to float summation order; docs/guides/performance.md#shared-prompt-forward). 'auto': on CPU where it "
+        "applies (a Llama/Qwen2/Mistral model on one unsharded worker, no LoRA, no activation checkpointing); true: also on "
+        "GPU (untested there), an error where it cannot apply; false: the model's own forward.",
+    )
     refit_buffer_size_mb: Float = Field(
         512.0,
         gt=0,
@@ -343,6 +350,22 @@ class PolicyConfig(Section):
             )
         if self.dtensor_cfg.tensor_parallel_size > 1 and not self.dtensor_cfg.enabled:
             raise ValueError("policy.dtensor_cfg.tensor_parallel_size > 1 needs policy.dtensor_cfg.enabled=true")
+        if self.shared_prompt_forward is True:
+            conflicts = [
+                name
+                for name, on in (
+                    ("policy.dp_size > 1", self.dp_size > 1),
+                    ("policy.dtensor_cfg.tensor_parallel_size > 1", self.dtensor_cfg.tensor_parallel_size > 1),
+                    ("policy.lora_cfg.enabled", self.lora_cfg.enabled),
+                    ("policy.dtensor_cfg.activation_checkpointing", self.dtensor_cfg.activation_checkpointing),
+                )
+                if on
+            ]
+            if conflicts:
+                raise ValueError(
+                    f"policy.shared_prompt_forward=true cannot run with {', '.join(conflicts)} (it bypasses the model's own "
+                    "modules); use auto (falls back to the model's forward) or false"
+                )
         if self.lora_cfg.enabled and self.dtensor_cfg.tensor_parallel_size > 1:
             raise ValueError(
                 "policy.lora_cfg.enabled=true does not support policy.dtensor_cfg.tensor_parallel_size > 1 (adapters are sharded "

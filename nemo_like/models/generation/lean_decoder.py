@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.llama_family import rotary_tables
+from nemo_like.models.llama_family import supported as fused_step_supported
 from nemo_like.models.logprobs import SamplingDistribution, sampling_keep_mask
-
-FUSED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
 @dataclass
@@ -68,21 +68,6 @@ def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tens
         input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = True
     return input_ids, mask
-
-
-def fused_step_supported(model: torch.nn.Module) -> bool:
-    """Whether :class:`FusedLlamaStep` computes exactly what ``model`` computes (else :class:`HFModelStep`)."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "model_type", None) not in FUSED_MODEL_TYPES:
-        return False
-    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
-        return False
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"])):
-        return False  # sliding-window layers
-    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
-        return False
-    inner = getattr(model, "model", None)
-    return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb") and hasattr(model, "lm_head")
 
 
 class FusedLlamaStep:
@@ -131,14 +116,9 @@ class FusedLlamaStep:
 
     def set_positions(self, positions: torch.Tensor) -> None:
         """Rotary tables for ``positions`` (``[B, max_len]``: every column the call can fill), from the model's own
-        rotary module. ``rotate_half(x) = roll(x, half) * sign`` (sign ``-1`` on the first half), so the sign is
-        folded into the sine once: RoPE is then ``x * cos + roll(x) * signed_sin``."""
-        dummy = torch.empty(0, dtype=self.k_cache[0].dtype, device=positions.device)
-        cos, sin = self.inner.rotary_emb(dummy, positions)
-        half = self.head_dim // 2
-        sign = torch.ones(self.head_dim, dtype=sin.dtype, device=sin.device)
-        sign[:half] = -1
-        self.cos, self.signed_sin = cos.unsqueeze(1), (sin * sign).unsqueeze(1)  # [B, 1, max_len, head_dim]
+        rotary module, with the sign of ``rotate_half`` folded into the sine (:func:`~..llama_family.rotary_tables`)."""
+        cos, signed_sin = rotary_tables(self.inner.rotary_emb, positions, self.k_cache[0].dtype, self.head_dim)
+        self.cos, self.signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # [B, 1, max_len, head_dim]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Continue with row ``rows[i]`` of the cache and rotary tables as row ``i`` (a shared prefill)."""

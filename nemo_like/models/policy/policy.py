@@ -106,6 +106,7 @@ class TrainResult:
     nonfinite_steps_skipped: int
     first_step_logprobs: torch.Tensor
     logprob_passes_since_last_update: int = 0  # logprob forward passes (all workers) since the previous train call
+    forward_tokens: int = 0  # tokens the training forwards ran through the transformer, all data-parallel ranks
 
 
 class Policy:
@@ -141,6 +142,7 @@ class Policy:
             batching=batching_plan(pc, micro),
             logprob_chunk_size=pc.logprob_chunk_size,
             lora_cfg=pc.lora_cfg if trainable else None,
+            shared_prompt_forward=pc.shared_prompt_forward,
         )
         self.group = RayWorkerGroup(
             name, PolicyWorker, num_workers, role.resources, init, cfg.cluster.placement_timeout_s, strategy=cfg.cluster.placement_strategy
@@ -215,6 +217,7 @@ class Policy:
             nonfinite_steps_skipped=results[0]["nonfinite_steps_skipped"],
             first_step_logprobs=first,
             logprob_passes_since_last_update=since,
+            forward_tokens=sum(r["forward_tokens"] for r in results),
         )
 
     def save_checkpoint(self, directory: str) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ import torch
 
 from nemo_like.distributed.threads import apply_thread_count
 from nemo_like.distributed.worker_group import Reinitializable
+from nemo_like.models import shared_prefix
 from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
@@ -63,11 +64,13 @@ class PolicyWorker(Reinitializable):
         top_k: int | None = None,
         top_p: float = 1.0,
         lora_cfg: Any = None,
+        shared_prompt_forward: str | bool = "auto",
     ) -> None:
         """``loss_fn``: the run's loss, built once by the driver (trainable workers); ``optimizer``: the validated
         ``policy.optimizer`` section; ``batching``: :class:`MicroBatchPlan` fields (default: fixed micro-batches of
         ``train_micro_batch_size`` / ``logprob_batch_size`` samples); ``dtensor_cfg``: the ``policy.dtensor_cfg`` keys;
-        ``lora_cfg``: the validated ``policy.lora_cfg`` section (enabled: only adapters train, see :mod:`.lora`)."""
+        ``lora_cfg``: the validated ``policy.lora_cfg`` section (enabled: only adapters train, see :mod:`.lora`);
+        ``shared_prompt_forward``: ``policy.shared_prompt_forward`` (:meth:`_choose_forward`)."""
         apply_thread_count(num_threads)
         torch.manual_seed(seed)
         self.release_shared_weights()  # a reused actor (reinit) drops its previous run's refit buffer
@@ -99,6 +102,7 @@ class PolicyWorker(Reinitializable):
             **(batching or {"mode": "fixed", "train_size": train_micro_batch_size, "logprob_size": logprob_batch_size})
         )
         self.chunk_size = logprob_chunk_size
+        self.shared_forward = self._choose_forward(shared_prompt_forward)
         self.max_grad_norm = max_grad_norm
         self.weight_version = 0
         self.forward_passes = {"logprobs": 0, "train": 0, "reference_logprobs": 0}
@@ -113,6 +117,23 @@ class PolicyWorker(Reinitializable):
         self._dist_ready = world_size == 1
         if self._dist_ready:
             self._build_optimizer()
+
+    def _choose_forward(self, setting: str | bool) -> bool:
+        """Whether logprobs and training run :func:`~nemo_like.models.shared_prefix.shared_prefix_token_logprobs`
+        (each group's prompt computed once, no padding) instead of the model's own forward. ``auto``: where it applies,
+        on CPU (on GPU it is untested; ``true`` turns it on there); ``true`` where it does not apply is an error."""
+        if setting is False:
+            return False
+        reasons = shared_prefix.blockers(
+            self.model,
+            self.world_size,
+            self.lora_cfg is not None,
+            bool(self.dtensor_cfg["activation_checkpointing"]),
+            self.trainable,
+        )
+        if setting is True and reasons:
+            raise ValueError(f"policy.shared_prompt_forward=true cannot apply: {'; '.join(reasons)} (use auto or false)")
+        return not reasons and (setting is True or self.device.type == "cpu")
 
     def _build_optimizer(self) -> None:
         """AdamW over this rank's (possibly sharded) parameters: built after sharding, so its state is sharded too."""
@@ -177,17 +198,25 @@ class PolicyWorker(Reinitializable):
         return {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long)}
 
     # -- forward -----------------------------------------------------------------------------
-    def _token_logprobs(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[n, S]`` logprobs of a micro-batch (padded rows, or packed into one row and unpacked back) and the
-        ``[n, S]`` flags of tokens outside the sampler's kept set."""
+    def _token_logprobs(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``[n, S]`` logprobs of a micro-batch, the ``[n, S]`` flags of tokens outside the sampler's kept set, and the
+        tokens the forward ran through the transformer: the shared-prompt forward's flat tokens, else padded rows, or
+        rows packed into one row and unpacked back."""
         ids, mask = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+        if self.shared_forward:
+            lp, outside, computed = shared_prefix.shared_prefix_token_logprobs(
+                self.model, ids, mask, mb.get("token_mask"), self.sampling, self.chunk_size
+            )
+            return lp, outside, computed
         if self.plan.mode != "packed":
-            return sequence_logprobs_with_outside(self.model, ids, mask, self.sampling, self.chunk_size)
+            lp, outside = sequence_logprobs_with_outside(self.model, ids, mask, self.sampling, self.chunk_size)
+            return lp, outside, ids.numel()
         packed = pack_rows({"input_ids": ids, "attention_mask": mask}, dtype=next(self.model.parameters()).dtype)
         lp, outside = model_token_logprobs_with_outside(
             self.model, packed.input_ids, packed.attention_mask.to(self.device), packed.position_ids, self.sampling, self.chunk_size
         )
-        return unpack_logprobs(lp, packed, ids.shape), unpack_logprobs(outside.float(), packed, ids.shape).bool()
+        computed = packed.input_ids.numel()
+        return unpack_logprobs(lp, packed, ids.shape), unpack_logprobs(outside.float(), packed, ids.shape).bool(), computed
 
     # -- logprobs ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -211,7 +240,7 @@ class PolicyWorker(Reinitializable):
                 self._token_logprobs(self._filler(batch))
                 continue
             mb = take_rows(batch, groups[k])
-            lp, _ = self._token_logprobs(mb)
+            lp, _, _ = self._token_logprobs(mb)
             out[torch.tensor(groups[k])[:, None], torch.arange(lp.shape[1])[None, :]] = lp.float().cpu()
             self.forward_passes[counter] += 1
         return out
@@ -249,6 +278,7 @@ class PolicyWorker(Reinitializable):
         fragments: list[dict[str, float]] = []
         grad_norms: list[float] = []
         skipped = 0
+        forward_tokens = 0  # tokens the training forwards ran through the transformer (padding included)
         # FSDP2 averages gradients over the dp ranks; the losses are globally normalised, so the sum is wanted.
         grad_scale = float(self.dp_size) if sharding.is_sharded(self.model) else 1.0
         first_step_logprobs = torch.zeros(steps[0]["input_ids"].shape, dtype=torch.float32) if steps else None
@@ -261,8 +291,9 @@ class PolicyWorker(Reinitializable):
                     (self._token_logprobs(self._filler(shard))[0].sum() * 0.0).backward()
                     continue
                 mb = take_rows(shard, groups[k])
-                curr, outside = self._token_logprobs(mb)
+                curr, outside, computed = self._token_logprobs(mb)
                 self.forward_passes["train"] += 1
+                forward_tokens += computed
                 mb = {key: (v.to(self.device) if torch.is_tensor(v) else v) for key, v in mb.items()}
                 loss, metrics = self.loss_fn(curr, mb, gseqs, gtoks)
                 metrics["outside_sampling_set_frac"] = self._outside_fraction(outside, mb, gtoks)
@@ -286,6 +317,7 @@ class PolicyWorker(Reinitializable):
             "lr": self.scheduler.get_last_lr()[0],
             "first_step_logprobs": first_step_logprobs,
             "forward_passes": dict(self.forward_passes),
+            "forward_tokens": forward_tokens,
         }
 
     @staticmethod

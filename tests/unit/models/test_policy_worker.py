@@ -76,7 +76,10 @@ def test_microbatch_losses_sum_to_the_full_batch_and_give_the_same_update():
     assert abs(r_full["metrics"]["loss"] - r_micro["metrics"]["loss"]) < 1e-6
     assert abs(r_full["grad_norms"][0] - r_micro["grad_norms"][0]) < 1e-5
     for (name, a), (_, b) in zip(full.model.named_parameters(), micro.model.named_parameters()):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=0, msg=name)  # the gradients, kept after the step
+        # The weights: Adam moves a weight by ~lr * g / (|g| + eps); the key biases' gradients are 0 up to rounding
+        # (softmax is invariant to a key bias), so there the rounding of each micro-batch split shows at ~1e-6.
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
 
 
 def test_training_changes_the_weights_and_bumps_the_version():

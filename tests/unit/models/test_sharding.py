@@ -42,6 +42,9 @@ def make_worker(rank: int = 0, world_size: int = 1, **kwargs) -> PolicyWorker:
         max_grad_norm=MAX_GRAD_NORM,
         train_micro_batch_size=2,
         logprob_batch_size=2,
+        # Sharded ranks run the model's own forward (FSDP2 gathers in its modules' hooks), so the one-rank reference
+        # does too: the comparison isolates sharding.
+        shared_prompt_forward=False,
     )
     options.update(kwargs)
     return PolicyWorker(rank=rank, world_size=world_size, **options)
