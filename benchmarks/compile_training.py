@@ -8,7 +8,9 @@ log-probabilities (log-softmax over the vocabulary, gathered), a policy-gradient
 AdamW step. Once with the eager model, once with ``torch.compile(model)`` (inductor, CPU); prints the compile
 time (the first step) and the steady-state median of each, and the FLOP floor at ``--peak-gflops``. First it times
 our own update of the same batch (``PolicyWorker.train`` in-process: the loss with its metrics, clipping, fused
-AdamW), so the framework's overhead over the bare update shows.
+AdamW), with the shared-prompt forward (each group's prompt computed once; the CPU default) and with the model's own
+forward, so both what sharing saves and the framework's overhead over the bare update show. The batch is W2's: 8
+prompts x 8 completions.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ def time_updates(model: torch.nn.Module, ids: torch.Tensor, micro: int, steps: i
     return times[0], times[1:]
 
 
-def time_policy_worker(model_dir: str, ids: torch.Tensor, steps: int, threads: int) -> float:
+def time_policy_worker(model_dir: str, ids: torch.Tensor, steps: int, threads: int, shared_prompt_forward: bool) -> float:
     """Median seconds of our own update of ``ids`` (:class:`PolicyWorker` in-process, the default recipe's loss and
-    optimizer settings, micro-batches of 32, the responses being the last 64 tokens)."""
+    optimizer settings, micro-batches of 32, the responses being the last 64 tokens), with the shared-prompt forward
+    or the model's own."""
     from recipe_runs import quiet_config
 
     from nemo_like.algorithms.loss_functions import ClippedPGLossFn
@@ -61,6 +64,7 @@ def time_policy_worker(model_dir: str, ids: torch.Tensor, steps: int, threads: i
     worker = PolicyWorker(
         0, 1, model_dir, "float32", 1.0, threads, 0, loss_fn=ClippedPGLossFn(cfg.loss_fn), optimizer=pc.optimizer,
         max_grad_norm=pc.max_grad_norm, dtensor_cfg=pc.dtensor_cfg.model_dump(), batching=batching_plan(pc, 32),
+        shared_prompt_forward=shared_prompt_forward,
     )  # fmt: skip
     token_mask = torch.zeros(ids.shape)
     token_mask[:, -64:] = 1
@@ -97,12 +101,15 @@ def main() -> None:
         model_dir, n_params = build_model(Path(tmp) / "model", args.size)
         vocab = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
         torch.manual_seed(0)
-        ids = torch.randint(0, vocab - 1, (64, 21 + 64))
+        prompts = torch.randint(0, vocab - 1, (8, 21)).repeat_interleave(8, dim=0)  # 8 prompts x 8 completions, as W2
+        ids = torch.cat([prompts, torch.randint(0, vocab - 1, (64, 64))], dim=1)
         floor = 6 * n_params * ids.numel() / (args.peak_gflops * 1e9)
         print(f"{args.size} ({n_params / 1e6:.1f}M params), batch {tuple(ids.shape)}, micro-batches of 32, {args.threads} threads")
         print(f"  FLOP floor: {floor:.3f} s")
-        ours = time_policy_worker(model_dir, ids, args.steps, args.threads)
-        print(f"  our PolicyWorker.train (ClippedPGLossFn, metrics, fused AdamW): median {ours:.3f} s ({ours / floor:.2f}x the floor)")
+        for shared in (True, False):
+            ours = time_policy_worker(model_dir, ids, args.steps, args.threads, shared)
+            forward = "shared-prompt forward (the CPU default)" if shared else "the model's own forward"
+            print(f"  our PolicyWorker.train, {forward}: median {ours:.3f} s ({ours / floor:.2f}x the floor)")
         for name in ("eager", "torch.compile"):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -33,7 +33,9 @@ Output: per workload and backend, each side's steady-state median s/step, the ra
 training FLOP floor (6 x params x trained tokens at ``--peak-gflops``; generation's: 2 x params x
 processed tokens). The machine's matmul rate moves during the day (by a third on the same day here), so the script
 also probes it between pairs (0.3 s of 1024^2 fp32 matmuls, 2 threads) and prints our training phase against the
-floor at that probed rate.
+floor at that probed rate. The floors count every sequence's tokens (what TRL's forward computes); our forward runs each
+group's prompt once (``policy.shared_prompt_forward``), so the script also prints the tokens it ran per sequence token
+(``performance/training_forward_tokens_per_token``) and our training against the floor of those.
 """
 
 from __future__ import annotations
@@ -254,15 +256,17 @@ class OurRun:
         self.backend = resolve_backend(self.parts.cfg)[0]  # what "auto" resolved to
         self.count = 0
 
-    def step(self) -> tuple[float, dict[str, float], float]:
-        """``(seconds, phase seconds, generated tokens)`` of one sync step."""
+    def step(self) -> tuple[float, dict[str, float], float, float]:
+        """``(seconds, phase seconds, generated tokens, training forward tokens per token)`` of one sync step."""
         from nemo_like.utils.timer import StepTimer
 
         self.count += 1
         timer = StepTimer()
         start = time.perf_counter()
         metrics = self.steps.step(self.count, timer)
-        return time.perf_counter() - start, dict(timer.seconds), metrics["performance/num_generated_tokens"]
+        seconds = time.perf_counter() - start
+        forward_share = metrics["performance/training_forward_tokens_per_token"]
+        return seconds, dict(timer.seconds), metrics["performance/num_generated_tokens"], forward_share
 
     def close(self) -> None:
         self.parts.shutdown()
@@ -292,11 +296,12 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
             load_before = load1()
             if i % 2 == 0:
                 t_trl = trl.step()
-                t_ours, phases, tokens = ours.step()
+                t_ours, phases, tokens, forward_share = ours.step()
             else:
-                t_ours, phases, tokens = ours.step()
+                t_ours, phases, tokens, forward_share = ours.step()
                 t_trl = trl.step()
-            pairs.append({"trl": t_trl, "ours": t_ours, "phases": phases, "tokens": tokens, "load": (load_before + load1()) / 2})
+            load = (load_before + load1()) / 2
+            pairs.append({"trl": t_trl, "ours": t_ours, "phases": phases, "tokens": tokens, "forward": forward_share, "load": load})
             probes.append(measure_matmul_flops(seconds=0.3, threads=2))  # the machine's matmul rate right now
             print(
                 f"  [{name} {ours.backend}] pair {i + 1}: TRL {t_trl:.3f}s  ours {t_ours:.3f}s  ratio {t_ours / t_trl:.2f}  "
@@ -327,6 +332,7 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
         "gen_floor": 2 * n_params * (batch * mean_prompt + expected) / peak,
         "probed_gflops": statistics.median(probes[args.warmup :]) / 1e9,
         "train_floor_probed": 6 * n_params * trained_tokens / statistics.median(probes[args.warmup :]),
+        "forward_share": statistics.median(p["forward"] for p in steady),
     }
 
 
@@ -357,15 +363,17 @@ def report(results: list[dict]) -> str:
     lines += ["", "Our phases (median s) and FLOP floors (6 x params x trained tokens, 2 x params x generated+prompt tokens):", ""]
     lines.append(
         "| workload | backend | " + " | ".join(OUR_PHASES) + " | training floor | generation floor | all completions full length "
-        "| matmul GFLOP/s probed between pairs | training / floor at the probed rate |"
+        "| matmul GFLOP/s probed between pairs | training / floor at the probed rate | training forward tokens per token "
+        "| training / floor of the tokens computed, probed rate |"
     )
-    lines.append("|---|---|" + "---|" * len(OUR_PHASES) + "---|---|---|---|---|")
+    lines.append("|---|---|" + "---|" * len(OUR_PHASES) + "---|---|---|---|---|---|---|")
     for r in results:
         phases = " | ".join(f"{r['phases'][k]:.3f}" for k in OUR_PHASES)
         lines.append(
             f"| {r['workload']} ({r['params'] / 1e6:.1f}M) | {r['backend']} | {phases} | {r['train_floor']:.3f} | "
             f"{r['gen_floor']:.3f} | {r['tokens_ok']} | {r['probed_gflops']:.0f} | "
-            f"{r['phases']['policy_training'] / r['train_floor_probed']:.2f}x |"
+            f"{r['phases']['policy_training'] / r['train_floor_probed']:.2f}x | {r['forward_share']:.2f} | "
+            f"{r['phases']['policy_training'] / (r['train_floor_probed'] * r['forward_share']):.2f}x |"
         )
     return "\n".join(lines)
 
