@@ -94,6 +94,7 @@ def dp_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         optimizer=OptimizerConfig(),
         max_grad_norm=1.0,
         train_micro_batch_size=4,
+        shared_prompt_forward=False,  # sharded ranks run the model's own forward; so does the one-rank baseline
     )
     if world > 1:
         worker.setup_distributed("127.0.0.1", port)

@@ -78,11 +78,23 @@ def prompt_lengths(token_mask: torch.Tensor | None, lengths: list[int]) -> list[
     token short of the row (so every row keeps a token of its own); 0 where nothing is trained or no mask is given."""
     if token_mask is None:
         return [0] * len(lengths)
-    out = []
-    for row, length in zip(token_mask.cpu(), lengths):
-        trained = torch.nonzero(row[:length] > 0)
-        out.append(min(int(trained[0]), length - 1) if len(trained) else 0)
-    return out
+    length = torch.tensor(lengths, dtype=torch.long)
+    trained = (token_mask.cpu() > 0) & (torch.arange(token_mask.shape[1])[None, :] < length[:, None])
+    first = trained.long().argmax(dim=-1)  # the first maximum: the first trained column
+    return torch.where(trained.any(dim=-1), torch.minimum(first, length - 1), 0).tolist()
+
+
+def prompt_groups(ids: torch.Tensor, prompt_len: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``(group of each row, first row of each group)``: rows with the same prompt length and prompt tokens share a
+    group; groups are numbered in order of their first row."""
+    keys = torch.where(torch.arange(ids.shape[1])[None, :] < prompt_len[:, None], ids, -1)
+    _, inverse = torch.unique(torch.cat([prompt_len[:, None], keys], dim=1), dim=0, return_inverse=True)
+    rows = torch.arange(len(ids))
+    first = torch.full((int(inverse.max()) + 1 if len(ids) else 0,), len(ids), dtype=torch.long).scatter_reduce(0, inverse, rows, "amin")
+    order = torch.argsort(first)
+    renumber = torch.empty_like(order)
+    renumber[order] = torch.arange(len(order))
+    return renumber[inverse], first[order].tolist()
 
 
 def flat_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: list[int], share: bool = True) -> FlatLayout:
@@ -91,16 +103,11 @@ def flat_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
     ids = input_ids.cpu()
     rows, seq = ids.shape
     lengths = attention_mask.cpu().long().sum(-1)
-    groups: dict[tuple, int] = {}
-    group_of, first_row = [], []
-    for i in range(rows):
-        key: tuple = tuple(ids[i, : prompt_len[i]].tolist()) if share else (i,)
-        if key not in groups:
-            groups[key] = len(groups)
-            first_row.append(i)
-        group_of.append(groups[key])
-    group = torch.tensor(group_of, dtype=torch.long)
     row_prompt = torch.tensor(prompt_len, dtype=torch.long)
+    if share:
+        group, first_row = prompt_groups(ids, row_prompt)
+    else:
+        group, first_row = torch.arange(rows), list(range(rows))
     g_len = row_prompt[first_row]  # [U]
     own_len = lengths - row_prompt
     width_p, width_t = int(g_len.max()) if len(first_row) else 0, int(own_len.max()) if rows else 0
@@ -198,8 +205,8 @@ def _attention(
 
 def hidden_states(model: torch.nn.Module, layout: FlatLayout) -> torch.Tensor:
     """``[N, H]`` final (normed) hidden states of the flat tokens. The projections run one matmul per weight, as the
-    model's own modules do (concatenated query/key/value and gate/up weights measured no faster here at training
-    sizes, and their concatenation costs a copy per micro-batch)."""
+    model's own modules do (concatenated query/key/value and gate/up weights measured no faster here, interleaved
+    in one process: at 10M parameters within noise, at 1M on one thread gate/up fused 9 % slower)."""
     cfg, inner = model.config, model.model
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
