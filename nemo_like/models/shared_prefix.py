@@ -28,7 +28,7 @@ modules' own forward hooks, and LoRA lives in wrapped modules, both of which thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -212,7 +212,7 @@ def hidden_states(model: torch.nn.Module, layout: FlatLayout) -> torch.Tensor:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     device = inner.embed_tokens.weight.device
     layout_device = {name: getattr(layout, name).to(device) for name in ("group", "prompt_slot", "own_slot")}
-    layout = FlatLayout(**{**layout.__dict__, **layout_device})
+    layout = replace(layout, **layout_device)
     h = inner.embed_tokens(layout.token_ids.to(device))
     cos, signed_sin = rotary_tables(inner.rotary_emb, layout.positions.to(device)[None], h.dtype, head_dim)
     cos, signed_sin = cos[0, :, None], signed_sin[0, :, None]  # [N, 1, d]
