@@ -525,6 +525,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     for reason in parts.plan.reasons:
         logger.progress.message(f"[plan] {reason}")
     logger.progress.message(f"[plan] {thread_split(cfg).describe()}")
+    logger.progress.message(f"[plan] policy logprob and training forward: {parts.policy.forward_description}")
     warning = oversubscription_warning(cfg)
     if warning:
         logger.progress.message(f"[plan] {warning}")

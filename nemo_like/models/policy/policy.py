@@ -157,6 +157,7 @@ class Policy:
         counts = get_with_context(self.group.run_rank0("parameter_counts"), f"{name}: parameter counts")
         self.trainable_params, self.total_params = counts["trainable"], counts["total"]
         self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends
+        self.forward_description = get_with_context(self.group.run_rank0("describe_forward"), f"{name}: forward")
         self._prev_passes = Increments()  # read by train(): the prev passes since the last update
         self._logprob_passes = Increments()  # read by take_logprob_passes()
         # Full-weight refits on a one-node CPU cluster go through a shared-memory buffer; LoRA's adapter and merged

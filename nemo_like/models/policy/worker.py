@@ -123,6 +123,7 @@ class PolicyWorker(Reinitializable):
         (each group's prompt computed once, no padding) instead of the model's own forward. ``auto``: where it applies,
         on CPU (on GPU it is untested; ``true`` turns it on there); ``true`` where it does not apply is an error."""
         if setting is False:
+            self.forward_description = "the model's own (policy.shared_prompt_forward=false)"
             return False
         reasons = shared_prefix.blockers(
             self.model,
@@ -133,7 +134,18 @@ class PolicyWorker(Reinitializable):
         )
         if setting is True and reasons:
             raise ValueError(f"policy.shared_prompt_forward=true cannot apply: {'; '.join(reasons)} (use auto or false)")
-        return not reasons and (setting is True or self.device.type == "cpu")
+        if not reasons and setting is not True and self.device.type != "cpu":
+            reasons = ["auto keeps it off on GPU, where it is untested (policy.shared_prompt_forward=true turns it on)"]
+        self.forward_description = (
+            f"the model's own ({'; '.join(reasons)})"
+            if reasons
+            else f"shared-prompt: each group's prompt once, no padding (policy.shared_prompt_forward={setting})"
+        )
+        return not reasons
+
+    def describe_forward(self) -> str:
+        """How this worker's logprob and training passes run, and why (the run's ``[plan]`` lines)."""
+        return self.forward_description
 
     def _build_optimizer(self) -> None:
         """AdamW over this rank's (possibly sharded) parameters: built after sharding, so its state is sharded too."""
@@ -204,10 +216,7 @@ class PolicyWorker(Reinitializable):
         rows packed into one row and unpacked back."""
         ids, mask = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
         if self.shared_forward:
-            lp, outside, computed = shared_prefix.shared_prefix_token_logprobs(
-                self.model, ids, mask, mb.get("token_mask"), self.sampling, self.chunk_size
-            )
-            return lp, outside, computed
+            return shared_prefix.shared_prefix_token_logprobs(self.model, ids, mask, mb.get("token_mask"), self.sampling, self.chunk_size)
         if self.plan.mode != "packed":
             lp, outside = sequence_logprobs_with_outside(self.model, ids, mask, self.sampling, self.chunk_size)
             return lp, outside, ids.numel()

@@ -159,6 +159,8 @@ def test_a_policy_update_with_shared_prompts_equals_the_models_own_forward():
     )
     shared, own = make_worker("auto"), make_worker(False)
     assert shared.shared_forward and not own.shared_forward
+    assert shared.describe_forward().startswith("shared-prompt: each group's prompt once")
+    assert own.describe_forward() == "the model's own (policy.shared_prompt_forward=false)"
     r_shared, r_own = shared.train([batch]), own.train([batch])
     assert abs(r_shared["metrics"]["loss"] - r_own["metrics"]["loss"]) < 1e-6
     assert r_shared["forward_tokens"] < int(batch["attention_mask"].sum()) < r_own["forward_tokens"]  # padded rows
