@@ -60,15 +60,21 @@ class LocalHead:
             stderr.seek(0)
             return subprocess.CompletedProcess([RAY, *args], returncode, stdout.read(), stderr.read())
 
-    def submit(self, submission_id: str, working_dir: Path, entrypoint: list[str], retry_s: float = 90) -> None:
+    def submit(
+        self, submission_id: str, working_dir: Path, entrypoint: list[str], retry_s: float = 90, refused_restart_s: float = 20
+    ) -> None:
         """``ray job submit --no-wait`` with a working dir; the job's id is ours, for polling.
 
         A head on a loaded machine answers its jobs API before it can take jobs: seen in CI, a submission failed
         with Ray's "No available agent to submit job, please try again later" and, in another run, with the
         dashboard closing the connection during the working-dir upload. Those connection-level answers are retried
         for up to ``retry_s`` (a job that the head did create is not submitted twice); any other failure fails the
-        test at once."""
+        test at once. Also seen in CI: a head whose dashboard had answered at start refused every connection from the
+        first submission on, for the whole retry window. A dashboard that refuses connections for ``refused_restart_s``
+        (or a head process that exited) is replaced once by a fresh head (:meth:`restart`)."""
         deadline = time.monotonic() + retry_s
+        refused_since: float | None = None
+        restarted = False
         while True:
             out = self.cli(
                 "job", "submit", "--address", self.dashboard_url, "--submission-id", submission_id,
@@ -76,10 +82,33 @@ class LocalHead:
             )  # fmt: skip
             if out.returncode == 0 or self.exists(submission_id):
                 break
-            transient = any(mark in out.stdout + out.stderr for mark in HEAD_NOT_READY)
-            assert transient and time.monotonic() < deadline, out.stdout + out.stderr
+            text = out.stdout + out.stderr
+            refused = "Connection refused" in text
+            refused_since = (refused_since or time.monotonic()) if refused else None
+            head_gone = self.process.poll() is not None
+            if not restarted and (head_gone or (refused_since is not None and time.monotonic() - refused_since > refused_restart_s)):
+                print(f"[ray_head] dashboard unreachable (head exited: {head_gone}); starting a fresh head\n{self.log_tail()}")
+                self.restart()
+                restarted, refused_since, deadline = True, None, time.monotonic() + retry_s
+                continue
+            transient = any(mark in text for mark in HEAD_NOT_READY)
+            assert transient and time.monotonic() < deadline, f"{text}\n--- head log ---\n{self.log_tail()}"
             time.sleep(1.0)
         self.jobs.append(submission_id)
+
+    def restart(self) -> None:
+        """Stop this head and everything it started, and become a fresh one (new ports, new temp dir)."""
+        stop_head(self)
+        fresh = start_head()
+        for name in ("process", "temp_dir", "gcs_port", "dashboard_url", "env", "start_s", "jobs"):
+            setattr(self, name, getattr(fresh, name))
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of the head's own log (``ray start --block`` output)."""
+        try:
+            return (self.temp_dir / "head.log").read_text()[-chars:]
+        except OSError:
+            return "(no head log)"
 
     def exists(self, submission_id: str) -> bool:
         """Whether the head knows a job of this id."""
