@@ -69,6 +69,8 @@ def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path
         # training score tokens under the same truncated, renormalised distribution.
         assert record["train/gen_kl"] < 1e-4 and record["train/token_mult_prob_error"] < 1.001
         assert 0 <= record["train/outside_sampling_set_frac"] < 0.01
+        # Sharded ranks run the model's own forward over every token (packed rows: no padding, no sharing).
+        assert record["performance/training_forward_tokens_per_token"] >= 1.0
     assert "validation/accuracy" in records[-1]  # validated at the end
     assert records[2]["train/weight_version"] == 2 and records[2]["timing/train/refit"] > 0
     assert (log_dir / "config.yaml").read_text().startswith("grpo:")
@@ -168,4 +170,7 @@ def test_the_default_cpu_backend_samples_in_the_policy_worker_on_policy_and_neve
         # KV-cached decode vs one full forward of the same weights: equal up to float rounding
         assert record["train/gen_kl"] < 1e-6 and abs(record["train/token_mult_prob_error"] - 1) < 1e-4
         assert record["train/outside_sampling_set_frac"] == 0
+        # The prev pass and the update ran the shared-prompt forward (each group's prompt once): the gen_kl bound
+        # above holds between it and the KV-cached sampler.
+        assert record["performance/training_forward_tokens_per_token"] < 0.9
     assert 0.0 <= history[-1]["validation/accuracy"] <= 1.0  # validation generates inline too
