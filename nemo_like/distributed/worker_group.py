@@ -268,6 +268,12 @@ class RayWorkerGroup:
             _kill(self.workers, self._pg)
         self.workers = []
 
+    def kill(self) -> None:
+        """Kill the actors and release their bundles, never keeping them idle (a group that failed to set up)."""
+        if self.workers:
+            _kill(self.workers, self._pg)
+        self.workers = []
+
 
 def get_with_context(refs: Any, what: str, timeout_s: float | None = None) -> Any:
     """``ray.get`` that names the phase and the failing actor when an actor dies, so the error is actionable."""
@@ -276,7 +282,18 @@ def get_with_context(refs: Any, what: str, timeout_s: float | None = None) -> An
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.RayActorError as exc:
         actor = getattr(exc, "actor_id", None)
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise WorkerFailure(
-            f"Ray actor {actor or '(unknown id)'} died during '{what}' after {time.monotonic() - start:.1f}s: {detail}"
+            f"Ray actor {actor or '(unknown id)'} died during '{what}' after {time.monotonic() - start:.1f}s: {death_reason(exc)}"
         ) from exc
+
+
+def death_reason(exc: BaseException) -> str:
+    """One line saying why an actor died. For an error in its constructor Ray forwards the traceback, whose first
+    line says only that much: the last line, the exception itself (e.g. a config ``ValueError`` naming its key), is
+    what the user needs."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if "error raised in its creation task" in lines[0] and len(lines) > 1:
+        return f"its constructor raised {lines[-1]}"
+    return lines[0]

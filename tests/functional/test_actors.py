@@ -119,3 +119,26 @@ def test_actors_of_a_private_cluster_run_at_the_drivers_priority(ray_cluster):
         return os.nice(0)
 
     assert ray_cluster.get(niceness.remote()) == os.nice(0)  # 15 above it without nemo_like.distributed.ray_env
+
+
+def test_forcing_the_shared_prompt_forward_on_a_non_llama_model_ends_in_one_message_naming_the_key(ray_cluster, tmp_path):
+    # The mistake is found in the worker's constructor (the model family is known only once loaded): the driver's error
+    # must carry the constructor's message, not only Ray's "died in its creation task".
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from nemo_like.distributed.worker_group import WorkerFailure
+    from nemo_like.models.loading import resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path("embedded:tiny-arith-qwen2"))
+    config = GPT2Config(
+        vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4, n_positions=256, bos_token_id=None, eos_token_id=tok.eos_token_id
+    )
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    cfg = tiny_config(
+        tmp_path, f"policy.model_name={tmp_path / 'gpt2'}", "policy.shared_prompt_forward=true", "loss_fn.reference_policy_kl_penalty=0"
+    )
+    with pytest.raises(
+        WorkerFailure, match="its constructor raised ValueError: policy.shared_prompt_forward=true cannot apply: GPT2LMHeadModel"
+    ):
+        Policy(cfg, "gpt2-forced", loss_fn=ClippedPGLossFn(cfg.loss_fn))

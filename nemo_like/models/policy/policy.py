@@ -147,17 +147,21 @@ class Policy:
         self.group = RayWorkerGroup(
             name, PolicyWorker, num_workers, role.resources, init, cfg.cluster.placement_timeout_s, strategy=cfg.cluster.placement_strategy
         )
-        if num_workers > 1:
-            address, port = get_with_context(self.group.run_rank0("rendezvous_address"), f"{name}: rendezvous")
-            get_with_context(self.group.run_all("setup_distributed", address, port), f"{name}: process group")
+        try:  # a worker whose constructor raised (a config it cannot serve) fails the first call: release the group
+            if num_workers > 1:
+                address, port = get_with_context(self.group.run_rank0("rendezvous_address"), f"{name}: rendezvous")
+                get_with_context(self.group.run_all("setup_distributed", address, port), f"{name}: process group")
+            counts = get_with_context(self.group.run_rank0("parameter_counts"), f"{name}: parameter counts")
+            self.forward_description = get_with_context(self.group.run_rank0("describe_forward"), f"{name}: forward")
+        except BaseException:
+            self.group.kill()
+            raise
         self.name = name
         self.weight_version = 0
         self.refit_mode = refit_mode(cfg)[0] if trainable else "full"
         self._refit_bytes = 0  # exported since the last take_refit_bytes()
-        counts = get_with_context(self.group.run_rank0("parameter_counts"), f"{name}: parameter counts")
         self.trainable_params, self.total_params = counts["trainable"], counts["total"]
         self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends
-        self.forward_description = get_with_context(self.group.run_rank0("describe_forward"), f"{name}: forward")
         self._prev_passes = Increments()  # read by train(): the prev passes since the last update
         self._logprob_passes = Increments()  # read by take_logprob_passes()
         # Full-weight refits on a one-node CPU cluster go through a shared-memory buffer; LoRA's adapter and merged
