@@ -342,6 +342,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     if cfg.logger.dump_train_data:
         dump_train_samples(parts, step, rollout, batch, result.first_step_logprobs)
     metrics: dict[str, Any] = {f"train/{k}": v for k, v in result.metrics.items()}
+    batch_tokens = float(batch["attention_mask"].sum())
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
     metrics.update(
         {
@@ -354,8 +355,8 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
             "train/weight_version": float(parts.policy.weight_version),
             "train/trainable_params": float(parts.policy.trainable_params),
             "train/trainable_fraction": parts.policy.trainable_params / max(parts.policy.total_params, 1),
-            "performance/num_batch_tokens": float(batch["attention_mask"].sum()),
-            "performance/training_forward_tokens_per_token": result.forward_tokens / max(float(batch["attention_mask"].sum()), 1.0),
+            "performance/num_batch_tokens": batch_tokens,
+            "performance/training_forward_tokens_per_token": result.forward_tokens / max(batch_tokens, 1.0),
             "performance/num_samples": float(len(rollout.samples)),
         }
     )

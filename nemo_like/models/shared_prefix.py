@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from nemo_like.models.llama_family import rms_norm, rotary_tables
+from nemo_like.models.llama_family import rms_norm, rotary_tables, supported
 from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs_with_outside
 
 
@@ -269,8 +269,6 @@ def shared_prefix_token_logprobs(
 
 def blockers(model: torch.nn.Module, world_size: int, lora: bool, activation_checkpointing: bool, training: bool) -> list[str]:
     """Why :func:`shared_prefix_token_logprobs` cannot stand in for ``model``'s own forward here (empty: it can)."""
-    from nemo_like.models.llama_family import supported
-
     reasons = []
     if not supported(model):
         reasons.append(f"{type(model).__name__} is not a supported Llama-family model (llama, qwen2, mistral without sliding window)")

@@ -21,7 +21,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import pytest
@@ -100,8 +100,8 @@ class LocalHead:
         """Stop this head and everything it started, and become a fresh one (new ports, new temp dir)."""
         stop_head(self)
         fresh = start_head()
-        for name in ("process", "temp_dir", "gcs_port", "dashboard_url", "env", "start_s", "jobs"):
-            setattr(self, name, getattr(fresh, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the head's own log (``ray start --block`` output)."""
