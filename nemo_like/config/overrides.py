@@ -9,13 +9,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
-from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nemo_like.config.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 _MISSING = object()
 
@@ -36,6 +37,10 @@ def _exists(cfg: DictConfig, key: str) -> bool:
 
 def parse_overrides(overrides: Sequence[str]) -> list[Override]:
     """Parse override strings with Hydra's parser; a syntax error names the override."""
+    # Imported here: modules that only read configs (a bare GPU check, the workers) need no Hydra.
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
     parser = OverridesParser.create()
     parsed = []
     for text in overrides:

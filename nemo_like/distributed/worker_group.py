@@ -24,6 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_like.distributed.ray_env import worker_env_vars
+from nemo_like.distributed.reinit import Reinitializable
 
 
 class WorkerFailure(RuntimeError):
@@ -47,30 +48,6 @@ class WorkerResources:
         if self.num_gpus:
             bundle["GPU"] = self.num_gpus
         return bundle
-
-
-class Reinitializable:
-    """Mixin for worker classes whose actors :func:`reuse_actors` may keep between runs.
-
-    ``reinit`` must leave the actor exactly as a fresh one built with the same arguments (the default
-    runs ``__init__`` again); ``reuse_key`` names the constructor arguments a kept actor cannot change
-    in place (the default: none, since ``__init__`` rebuilds everything).
-
-    ``SETS_THREADS_ON_INIT``: the class applies its thread count itself on (re-)initialisation
-    (:func:`~nemo_like.distributed.threads.apply_thread_count` with the count it is given), so a kept actor
-    may serve a group with another ``WorkerResources.num_threads``: runs that differ only in the thread split
-    (sync vs async, the prev pass on or off) share actors. Off by default: a class whose threads are fixed at
-    process start (an engine that spawns its own processes) keeps them in the key.
-    """
-
-    SETS_THREADS_ON_INIT = False
-
-    def reinit(self, **init_kwargs: Any) -> None:
-        self.__init__(**init_kwargs)
-
-    @classmethod
-    def reuse_key(cls, init_kwargs: dict[str, Any]) -> Hashable:
-        return ()
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.distributed.threads import apply_thread_count
-from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.generation.weight_gate import WeightUpdateGate

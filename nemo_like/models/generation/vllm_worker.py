@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from nemo_like.distributed.worker_group import Reinitializable
+from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.generation.vllm_cpu_reload import reload_in_place
 from nemo_like.models.generation.weight_gate import WeightUpdateGate

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.distributed.threads import apply_thread_count
-from nemo_like.distributed.worker_group import Reinitializable
 from nemo_like.models import shared_prefix
 from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside
 from nemo_like.models.loading import load_causal_lm
