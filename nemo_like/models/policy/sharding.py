@@ -84,8 +84,10 @@ def shard_model(
     *,
     cpu_offload: bool = False,
     activation_checkpointing: bool = False,
+    mp_policy: Any = None,
 ) -> torch.nn.Module:
-    """Shard ``model`` in place with FSDP2 over ``mesh['dp']`` (after tensor parallelism over ``mesh['tp']`` if present)."""
+    """Shard ``model`` in place with FSDP2 over ``mesh['dp']`` (after tensor parallelism over ``mesh['tp']`` if present);
+    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (:func:`~nemo_like.models.precision.fsdp_mixed_precision`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     if activation_checkpointing:
@@ -95,6 +97,8 @@ def shard_model(
         apply_tensor_parallel(model, mesh["tp"])
     dp_mesh = mesh["dp"] if "tp" in names else mesh
     kwargs: dict[str, Any] = {"mesh": dp_mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
     if cpu_offload:
         if mesh.device_type == "cpu":
             warnings.warn("policy.dtensor_cfg.cpu_offload has no effect on CPU (the model is in CPU memory already)", stacklevel=2)

@@ -7,13 +7,16 @@ initial weights, logprobs only.
 
 from __future__ import annotations
 
+import gc
 import math
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.distributed.threads import apply_thread_count
+from nemo_like.models import precision as precision_lib
 from nemo_like.models import shared_prefix
 from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside
 from nemo_like.models.loading import load_causal_lm
@@ -34,6 +37,12 @@ INLINE_GENERATION_BATCH = 256
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     """Rows ``start:stop`` of every per-sample tensor in ``batch`` (scalars are kept as they are)."""
     return {k: (v[start:stop] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's part of ``t`` (its local shard for a DTensor)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
 
 
 class PolicyWorker(Reinitializable):
@@ -90,10 +99,14 @@ class PolicyWorker(Reinitializable):
         if world_size % self.tp_size:
             raise ValueError(f"{world_size} workers cannot form groups of tensor_parallel_size={self.tp_size}")
         self.dp_size = world_size // self.tp_size
-        self.model = load_causal_lm(model_name, precision).to(self.device)
+        self.precision = precision
+        self.lora_cfg = lora_cfg if lora_cfg is not None and lora_cfg.enabled else None
+        # Master weights: fp32 whatever the compute precision (models/precision.py). A LoRA base never trains, so it
+        # stays in the compute dtype (the adapters PEFT adds to it are fp32).
+        weights_dtype = "float32" if self.lora_cfg is None else precision
+        self.model = load_causal_lm(model_name, weights_dtype).to(self.device)
         if self.dtensor_cfg["activation_checkpointing"] and trainable:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.lora_cfg = lora_cfg if lora_cfg is not None and lora_cfg.enabled else None
         if self.lora_cfg is not None:
             torch.manual_seed(seed)  # the same adapters on every rank (and in every run with this seed)
             self.model = lora_lib.apply_lora(self.model, self.lora_cfg)
@@ -180,15 +193,22 @@ class PolicyWorker(Reinitializable):
         return ray.util.get_node_ip_address(), port
 
     def setup_distributed(self, address: str, port: int) -> None:
-        """Join the process group (gloo on CPU, nccl on GPU) and shard the model over it (FSDP2)."""
+        """Join the process group (gloo on CPU; NCCL for CUDA tensors and gloo for CPU ones on GPU, see
+        :func:`~nemo_like.models.precision.process_group_backend`) and shard the model over it (FSDP2, bf16 compute
+        over fp32 shards when ``precision`` is bfloat16)."""
         import torch.distributed as dist
 
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        backend = precision_lib.process_group_backend(self.device.type)
         if dist.is_initialized():  # a re-initialised actor (reuse_actors) joins its new group
             dist.destroy_process_group()
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size)
         mesh = sharding.build_mesh(self.dp_size, self.tp_size, self.device.type)
-        sharding.shard_model(self.model, mesh, cpu_offload=bool(self.dtensor_cfg["cpu_offload"]))
+        sharding.shard_model(
+            self.model,
+            mesh,
+            cpu_offload=bool(self.dtensor_cfg["cpu_offload"]),
+            mp_policy=precision_lib.fsdp_mixed_precision(self.precision),
+        )
         self._build_optimizer()
         self._dist_ready = True
 
@@ -198,7 +218,7 @@ class PolicyWorker(Reinitializable):
             return count
         import torch.distributed as dist
 
-        t = torch.tensor([count], dtype=torch.long)
+        t = torch.tensor([count], dtype=torch.long, device=self.device)  # NCCL serves only device tensors
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
@@ -214,13 +234,17 @@ class PolicyWorker(Reinitializable):
         """``[n, S]`` logprobs of a micro-batch, the ``[n, S]`` flags of tokens outside the sampler's kept set, and the
         tokens the forward ran through the transformer: the shared-prompt forward's flat tokens, else padded rows, or
         rows packed into one row and unpacked back."""
+        with precision_lib.compute_context(self.device, self.precision, sharding.is_sharded(self.model)):
+            return self._forward(mb)
+
+    def _forward(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
         ids, mask = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
         if self.shared_forward:
             return shared_prefix.shared_prefix_token_logprobs(self.model, ids, mask, mb.get("token_mask"), self.sampling, self.chunk_size)
         if self.plan.mode != "packed":
             lp, outside = sequence_logprobs_with_outside(self.model, ids, mask, self.sampling, self.chunk_size)
             return lp, outside, ids.numel()
-        packed = pack_rows({"input_ids": ids, "attention_mask": mask}, dtype=next(self.model.parameters()).dtype)
+        packed = pack_rows({"input_ids": ids, "attention_mask": mask}, dtype=precision_lib.compute_dtype(self.precision))
         lp, outside = model_token_logprobs_with_outside(
             self.model, packed.input_ids, packed.attention_mask.to(self.device), packed.position_ids, self.sampling, self.chunk_size
         )
@@ -269,7 +293,8 @@ class PolicyWorker(Reinitializable):
         out: list[dict] = []
         for start in range(0, len(prompts), INLINE_GENERATION_BATCH):
             chunk = prompts[start : start + INLINE_GENERATION_BATCH]
-            drawn = sample_with_params(self.model, chunk, sp, eos_token_ids, pad_token_id, seed + start)
+            with precision_lib.compute_context(self.device, self.precision, sharded=False):  # as the logprob passes
+                drawn = sample_with_params(self.model, chunk, sp, eos_token_ids, pad_token_id, seed + start)
             out.extend(drawn.sample_dicts(chunk, self.weight_version))
         return out
 
@@ -283,6 +308,7 @@ class PolicyWorker(Reinitializable):
         computed in the first step's forward passes (pre-update weights) for logging back-fill.
         """
         assert self.trainable and self._dist_ready
+        self._restore_optimizer_state()
         self.model.train()
         fragments: list[dict[str, float]] = []
         grad_norms: list[float] = []
@@ -328,6 +354,40 @@ class PolicyWorker(Reinitializable):
             "forward_passes": dict(self.forward_passes),
             "forward_tokens": forward_tokens,
         }
+
+    # -- memory handed to a colocated engine -----------------------------------------------------------
+    def release_memory(self, offload_optimizer: bool = True) -> dict[str, int]:
+        """Hand device memory back before a colocated engine wakes (NeMo-RL's offload before refit): free the
+        gradients, move the AdamW state to CPU (``offload_optimizer``; :meth:`train` brings it back) and return the
+        allocator's cached blocks to the driver. Returns the bytes of gradients freed and optimizer state moved,
+        and the device memory reserved before and after (0 on a CPU)."""
+        reserved_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        grads = sum(_local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+        moved = 0
+        if self.trainable:
+            self.optimizer.zero_grad(set_to_none=True)
+            if offload_optimizer and self.device.type != "cpu":
+                moved = self._move_optimizer_state(torch.device("cpu"))
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        reserved_after = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        return {"grads_freed": grads, "optimizer_offloaded": moved, "reserved_before": reserved_before, "reserved_after": reserved_after}
+
+    def _move_optimizer_state(self, device: torch.device) -> int:
+        """Move every optimizer state tensor (moments; not the step counters AdamW keeps on CPU) to ``device``."""
+        moved = 0
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.device != device:
+                    state[key] = value.to(device)
+                    moved += _local_bytes(value)
+        return moved
+
+    def _restore_optimizer_state(self) -> None:
+        """Bring optimizer state offloaded by :meth:`release_memory` back to the parameters' device."""
+        if self.device.type != "cpu":
+            self._move_optimizer_state(self.device)
 
     @staticmethod
     def _outside_fraction(outside: torch.Tensor, mb: Batch, global_valid_toks: torch.Tensor) -> float:
@@ -380,13 +440,19 @@ class PolicyWorker(Reinitializable):
         if self.lora_cfg is None:
             if mode != "full":
                 raise ValueError(f"refit mode {mode!r} needs policy.lora_cfg.enabled")
-            return sharding.iter_full_tensors(self.model, keep)
-        if mode == "adapter":
+            return self._in_engine_dtype(sharding.iter_full_tensors(self.model, keep))
+        if mode == "adapter":  # adapters travel in fp32, as PEFT keeps them (the engine applies them in its dtype)
             tensors = sharding.iter_full_tensors(self.model, keep, include=lora_lib.is_adapter)
             return ((lora_lib.saved_name(n), t) for n, t in tensors)
         if mode == "merged":
-            return lora_lib.merged_tensors(sharding.iter_full_tensors(self.model, keep), lora_lib.scaling(self.lora_cfg))
+            merged = lora_lib.merged_tensors(sharding.iter_full_tensors(self.model, keep), lora_lib.scaling(self.lora_cfg))
+            return self._in_engine_dtype(merged)
         raise ValueError(f"a LoRA policy refits 'adapter' or 'merged' weights, not {mode!r}")
+
+    def _in_engine_dtype(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The master weights cast to the dtype the generation engine holds (bf16 when ``precision`` is bfloat16)."""
+        dtype = precision_lib.refit_dtype(self.precision)
+        return ((name, t.to(dtype)) for name, t in tensors)
 
     def export_shared_weights(self, fresh: bool) -> Any:
         """Write the weights into this rank's shared-memory refit buffer (one-node CPU clusters, see
@@ -395,10 +461,10 @@ class PolicyWorker(Reinitializable):
         from nemo_like.models.shared_weights import SharedWeightWriter
 
         if sharding.is_sharded(self.model):
-            tensors = (item for bucket in sharding.iter_weight_buckets(self.model, 1 << 62, keep=self.rank == 0) for item in bucket.items())
+            tensors = sharding.iter_full_tensors(self.model, keep=self.rank == 0)
         else:  # the parameters themselves: one copy, straight into the buffer
             tensors = ((name, t.detach()) for name, t in self.model.state_dict(keep_vars=True).items())
-        tensors = list(tensors)
+        tensors = list(self._in_engine_dtype(tensors))
         if self.rank != 0:
             return None
         if getattr(self, "_shared_writer", None) is None:
@@ -486,10 +552,10 @@ class PolicyWorker(Reinitializable):
 
     def parameter_checksum(self) -> float:
         """Sum of all parameters (of the full model, summed over the shards: a collective when sharded)."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL serves only device tensors
         for p in self.model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
-            total += local.detach().double().sum().cpu()
+            total += local.detach().double().sum().to(self.device)
         if sharding.is_sharded(self.model):
             import torch.distributed as dist
 
@@ -499,16 +565,12 @@ class PolicyWorker(Reinitializable):
     def memory_footprint(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer state (its shards only)."""
 
-        def local_bytes(t: torch.Tensor) -> int:
-            t = t.to_local() if hasattr(t, "to_local") else t
-            return t.numel() * t.element_size()
-
-        params = sum(local_bytes(p) for p in self.model.parameters())
-        grads = sum(local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+        params = sum(_local_bytes(p) for p in self.model.parameters())
+        grads = sum(_local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
         optim = 0
         if self.trainable:
             for st in self.optimizer.state.values():
-                optim += sum(local_bytes(v) for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+                optim += sum(_local_bytes(v) for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
         return {"params": params, "grads": grads, "optimizer": optim}
 
     def parameter_counts(self) -> dict[str, int]:
@@ -538,14 +600,18 @@ class PolicyWorker(Reinitializable):
         """``(names, {device_uuid: {name: CUDA-IPC handle}})`` of every tensor; the tensors stay referenced until the next call."""
         from nemo_like.models.generation.vllm_gpu_refit import policy_ipc_handles
 
-        self._ipc_tensors = {k: v.detach() for k, v in self.model.state_dict().items()}
+        self._ipc_tensors = self._engine_state()
         return list(self._ipc_tensors), policy_ipc_handles(self._ipc_tensors)
+
+    def _engine_state(self) -> dict[str, torch.Tensor]:
+        """Every state-dict tensor in the engine's dtype (the parameters themselves when the dtypes agree)."""
+        return dict(self._in_engine_dtype((k, v.detach()) for k, v in self.model.state_dict().items()))
 
     def weight_manifest(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """``(name, dtype, shape)`` of every tensor :meth:`broadcast_weights` sends, in order."""
         from nemo_like.models.generation.vllm_gpu_refit import build_manifest
 
-        return build_manifest(self.model.state_dict())
+        return build_manifest(self._engine_state())
 
     def init_weight_broadcast_group(self, address: str, port: int, world_size: int) -> None:
         """Create the NCCL group (this worker is rank 0) used to broadcast weights to vLLM workers."""
@@ -557,4 +623,4 @@ class PolicyWorker(Reinitializable):
         """Broadcast every tensor of :meth:`weight_manifest` to the vLLM workers; returns the count."""
         from nemo_like.models.generation.vllm_gpu_refit import policy_broadcast
 
-        return policy_broadcast(self._weight_group, self.model.state_dict())
+        return policy_broadcast(self._weight_group, self._engine_state())
