@@ -236,22 +236,60 @@ def check_lora(out_dir) -> None:
     assert lora_total["optimizer"] <= 0.05 * full["optimizer"], (lora_total, full)
 
 
+BF16_LR = 5e-6  # the math GPU recipe's learning rate: bf16 parameters would round most of its updates away
+
+
+def _bf16_rank_main(rank: int, world: int, port: int, out: str) -> None:
+    """One FSDP2 rank with ``precision=bfloat16``: bf16 compute through FSDP2's mixed-precision policy, fp32 shards."""
+    worker = make_worker(rank, world, precision="bfloat16", optimizer=OptimizerConfig(lr=BF16_LR))
+    worker.setup_distributed("127.0.0.1", port)
+    _, before = worker.get_state_dict()
+    result = worker.train([rank_rows(step_batch(0), rank, world)])
+    _, after = worker.get_state_dict()
+    dtypes = {str(p.to_local().dtype) for p in worker.model.parameters()} | {
+        str(p.grad.to_local().dtype) for p in worker.model.parameters()
+    }
+    torch.save({"result": result, "before": before, "after": after, "dtypes": dtypes}, f"{out}.rank{rank}")
+
+
+def check_bf16(out) -> None:
+    """Sharded bf16 trains fp32 shards (parameters, gradients), moves as many weights as one fp32 rank does, and
+    agrees with it to bf16 rounding (loss, gradient norm)."""
+    r0, r1 = (torch.load(f"{out}.rank{r}", weights_only=False) for r in (0, 1))
+    assert r0["dtypes"] == r1["dtypes"] == {"torch.float32"}
+    single = make_worker(precision="float32", optimizer=OptimizerConfig(lr=BF16_LR))
+    _, before = single.get_state_dict()
+    ref = single.train([step_batch(0)])
+    _, after = single.get_state_dict()
+
+    def changed(a: dict, b: dict) -> float:
+        return sum(int((a[k] != b[k]).sum()) for k in a) / sum(t.numel() for t in a.values())
+
+    assert changed(r0["before"], r0["after"]) >= 0.9 * changed(before, after) > 0.5
+    dp_loss = r0["result"]["metrics"]["loss"] + r1["result"]["metrics"]["loss"]
+    assert abs(r0["result"]["grad_norms"][0] - ref["grad_norms"][0]) <= 2e-2 * ref["grad_norms"][0]
+    assert abs(dp_loss - ref["metrics"]["loss"]) <= 1e-2 * max(abs(ref["metrics"]["loss"]), 1e-2)
+
+
 def _all_ranks_main(rank: int, world: int, ports: list[int], out_dir: str) -> None:
-    """One rank of each two-rank setup in turn (each joins a new process group): FSDP2, tensor parallel, LoRA on FSDP2."""
+    """One rank of each two-rank setup in turn (each joins a new process group): FSDP2, tensor parallel, LoRA on FSDP2,
+    FSDP2 in bf16."""
     _rank_main(rank, world, ports[0], f"{out_dir}/fsdp", FSDP_RANK_KWARGS)
     _tensor_parallel_rank(rank, world, ports[1], f"{out_dir}/tp.pt")
     _lora_rank_main(rank, world, ports[2], f"{out_dir}/lora")
+    _bf16_rank_main(rank, world, ports[3], f"{out_dir}/bf16")
 
 
-def test_two_gloo_ranks_equal_one_plain_rank_with_fsdp_tensor_parallel_and_lora(tmp_path):
+def test_two_gloo_ranks_equal_one_plain_rank_with_fsdp_tensor_parallel_lora_and_bf16(tmp_path):
     """The three two-rank setups in one spawn (starting the ranks and importing torch and transformers in them is the
     expensive part), each then checked against one plain rank."""
     for sub in ("fsdp", "lora"):
         (tmp_path / sub).mkdir()
-    mp.spawn(_all_ranks_main, args=(2, [free_port() for _ in range(3)], str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_all_ranks_main, args=(2, [free_port() for _ in range(4)], str(tmp_path)), nprocs=2, join=True)
     check_fsdp(tmp_path / "fsdp")
     check_tensor_parallel(tmp_path / "tp.pt")
     check_lora(tmp_path / "lora")
+    check_bf16(tmp_path / "bf16")
 
 
 @pytest.mark.parametrize("max_norm", [None, 0.5, 1e6])
