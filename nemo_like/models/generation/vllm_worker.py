@@ -105,6 +105,13 @@ def sample_from_output(prompt: list[int], completion: Any, version: int, final_v
     )
 
 
+def fully_awake(answer: bool | None, tags: list[str] | None) -> bool:
+    """Whether an engine is fully awake after ``llm.wake_up(tags)`` answered ``answer``: vLLM 0.32 says so
+    (True / False); a vLLM whose ``wake_up`` returns ``None`` is taken as awake once every tag was asked for
+    (``tags`` None), so the worker never believes it sleeps for ever (and then never sleeps again)."""
+    return bool(answer) if answer is not None else tags is None
+
+
 def _zero_kv_cache(worker: Any) -> int:
     """Zero every KV cache tensor of a vLLM worker (run inside the engine by ``collective_rpc``)."""
     caches = worker.model_runner.kv_caches
@@ -179,7 +186,11 @@ class VLLMGenerationWorker(Reinitializable):
         self._reload_weights(0, list(state.items()))
         # A kept engine's KV cache still holds the last run's keys and values. Attention masks unused slots by
         # weighting them 0, and 0 * NaN is NaN: a run whose weights overflowed would poison every later one.
+        # A colocated engine sleeps between generate calls with its KV cache unmapped (sleep level 1): map
+        # everything back before writing into it, and hand the memory back to the policy afterwards.
+        self._wake_up()
         self.llm.collective_rpc(_zero_kv_cache)
+        self._sleep()
 
     def _start_engine(self, path: str, precision: str, max_model_len: int, seed: int, enforce_eager: bool, gpu_mem: float):
         from vllm import LLM
@@ -221,20 +232,22 @@ class VLLMGenerationWorker(Reinitializable):
         per_request = [vllm_sampling_params(sp, stop_ids, seed + i) for i in range(len(prompts))]
         with self.gate.generating_scope():
             self._wake_up()
-            if self._prefix_cache_stale:  # a refit landed mid-generation last time: drop the old-weight blocks now
-                self._prefix_cache_stale = not self.llm.reset_prefix_cache()
-            start_version = self.weight_version
-            self.llm.enqueue(requests, per_request, lora_request=self.lora_request, use_tqdm=False)
-            finished = self._run_engine()
-            # Outputs carry the external ids, which count up in enqueue order (vLLM's own LLM.generate sorts the same way).
-            ordered = [finished[rid] for rid in sorted(finished, key=int)]
-            if len(ordered) != len(prompts):
-                raise RuntimeError(f"vLLM finished {len(ordered)} requests for {len(prompts)} prompts")
-            samples = [
-                asdict(sample_from_output(p, output.outputs[0], start_version, final_version))
-                for p, (output, final_version) in zip(prompts, ordered)
-            ]
-            self._sleep()
+            try:
+                if self._prefix_cache_stale:  # a refit landed mid-generation last time: drop the old-weight blocks now
+                    self._prefix_cache_stale = not self.llm.reset_prefix_cache()
+                start_version = self.weight_version
+                self.llm.enqueue(requests, per_request, lora_request=self.lora_request, use_tqdm=False)
+                finished = self._run_engine()
+                # Outputs carry the external ids, which count up in enqueue order (vLLM's own LLM.generate sorts the same way).
+                ordered = [finished[rid] for rid in sorted(finished, key=int)]
+                if len(ordered) != len(prompts):
+                    raise RuntimeError(f"vLLM finished {len(ordered)} requests for {len(prompts)} prompts")
+                samples = [
+                    asdict(sample_from_output(p, output.outputs[0], start_version, final_version))
+                    for p, (output, final_version) in zip(prompts, ordered)
+                ]
+            finally:
+                self._sleep()  # also after an error: a colocated engine left awake holds the policy's GPU memory
         return samples
 
     def _run_engine(self) -> dict[str, tuple[Any, int]]:
@@ -369,4 +382,4 @@ class VLLMGenerationWorker(Reinitializable):
     def _wake_up(self, tags: list[str] | None = None) -> None:
         """Colocated GPU: map the ``tags`` memory back (all of it by default); already-awake memory is skipped."""
         if self.colocated and self.asleep:
-            self.asleep = not self.llm.wake_up(tags=tags)  # True once fully awake
+            self.asleep = not fully_awake(self.llm.wake_up(tags=tags), tags)
