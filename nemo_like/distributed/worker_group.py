@@ -8,6 +8,10 @@ next group asking for the same actors (class, count, resources, environment) re-
 place: several runs in one driver process (a sweep, a notebook, the functional tests) pay for
 process start-up and imports once. Only classes that define ``reinit`` (see :class:`Reinitializable`)
 are kept.
+
+A group started with ``node_id`` is pinned to that Ray node (``NodeAffinitySchedulingStrategy``, not soft)
+instead of placed in a placement group of its own: a colocated generation engine must run on the node of
+the policy rank whose GPU it shares.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from nemo_like.distributed.ray_env import worker_env_vars
 from nemo_like.distributed.reinit import Reinitializable
@@ -55,7 +59,7 @@ class _IdleGroup:
     key: Hashable
     name: str
     workers: list[Any]
-    pg: PlacementGroup
+    pg: PlacementGroup | None  # None: a node-pinned group (no placement group)
 
 
 @dataclass
@@ -105,10 +109,21 @@ def reuse_actors() -> Iterator[None]:
             _POOL.evict()
 
 
-def _kill(workers: list[Any], pg: PlacementGroup) -> None:
+def _kill(workers: list[Any], pg: PlacementGroup | None) -> None:
     for w in workers:
         ray.kill(w, no_restart=True)
-    remove_placement_group(pg)
+    if pg is not None:
+        remove_placement_group(pg)
+
+
+def actor_scheduling(pg: PlacementGroup | None, rank: int, node_id: str | None) -> Any:
+    """Ray scheduling strategy of actor ``rank``: pinned to ``node_id`` when given (the node must run it; no
+    placement group), else bundle ``rank`` of ``pg``."""
+    if node_id is not None:
+        return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    if pg is None:
+        raise ValueError("an actor needs a placement group or a node id")
+    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
 
 
 @dataclass(frozen=True)
@@ -166,10 +181,12 @@ class RayWorkerGroup:
         env_vars: dict[str, str] | None = None,
         max_concurrency: int = 1,
         strategy: str = "PACK",
+        node_id: str | None = None,
     ) -> None:
         """``env_vars`` are added to (and override) each actor's :func:`worker_env_vars`; ``max_concurrency > 1``
         makes threaded actors (methods may run while another call is busy); ``strategy`` is the Ray placement
-        strategy of the group's bundles (``cluster.placement_strategy``)."""
+        strategy of the group's bundles (``cluster.placement_strategy``). ``node_id``: pin every actor to that Ray
+        node (no placement group is reserved then; Ray keeps an actor pending while the node lacks its resources)."""
         self.name = name
         self._key: Hashable | None = None
         if issubclass(actor_cls, Reinitializable):
@@ -180,13 +197,14 @@ class RayWorkerGroup:
                 num_workers,
                 replace(resources, num_threads=None) if actor_cls.SETS_THREADS_ON_INIT else resources,
                 strategy,
+                node_id,  # a kept pinned group serves only a run pinned to the same node
                 env_key,
                 max_concurrency,
                 actor_cls.reuse_key(init_kwargs),
             )
             if self._reuse_idle(num_workers, init_kwargs):
                 return
-        self._pg = reserve_bundles(name, resources, num_workers, placement_timeout_s, strategy)
+        self._pg = None if node_id is not None else reserve_bundles(name, resources, num_workers, placement_timeout_s, strategy)
         remote_cls = ray.remote(actor_cls)
         self.workers = []
         for rank in range(num_workers):
@@ -195,7 +213,7 @@ class RayWorkerGroup:
                 num_gpus=resources.num_gpus,
                 name=None,
                 runtime_env={"env_vars": {**worker_env_vars(resources.num_threads), **(env_vars or {})}},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+                scheduling_strategy=actor_scheduling(self._pg, rank, node_id),
                 max_concurrency=max_concurrency,
             )
             self.workers.append(remote_cls.options(**options).remote(rank=rank, world_size=num_workers, **init_kwargs))

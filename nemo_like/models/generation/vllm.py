@@ -8,6 +8,9 @@ Refit paths, chosen per call:
 * **CUDA-IPC** (GPU, ``policy.generation.colocated.enabled``, one policy rank): zero-copy handles from policy rank 0;
 * **NCCL broadcast** (GPU, generation on its own GPUs, one policy rank): policy rank 0 broadcasts every tensor.
 
+A colocated engine is pinned to policy rank 0's Ray node and shown its GPU (:func:`colocated_placement`);
+right after start its device UUID is checked against the policy's (:func:`check_colocated_device`).
+
 The two GPU paths are untested on GPU in this repository (see docs/guides/generation.md).
 The driver never imports vLLM; only the actors do.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -63,6 +67,42 @@ def is_colocated(cfg: MasterConfig) -> bool:
     return bool(cfg.cluster.gpus_per_node) and cfg.policy.generation.colocated.enabled
 
 
+@dataclass(frozen=True)
+class ColocatedPlacement:
+    """Where a colocated engine runs: pinned to policy rank 0's Ray node, shown its GPU (``env``); ``uuid``
+    is that GPU's, which the engine must report back."""
+
+    node_id: str
+    node_ip: str
+    uuid: str | None
+    env: dict[str, str]
+
+
+def colocated_placement(info: dict[str, Any]) -> ColocatedPlacement:
+    """The placement of an engine colocated with the policy rank whose ``device_info()`` is ``info``
+    (``{node_id, node_ip, gpu_ids, uuid}``): its node, and its first Ray GPU made visible to a 0-GPU actor
+    (Ray would hide every GPU from it)."""
+    if not info.get("gpu_ids"):
+        raise ValueError(f"cannot colocate vLLM: policy rank 0 on node {info.get('node_ip')} ({info.get('node_id')}) holds no GPU")
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": str(info["gpu_ids"][0])}
+    return ColocatedPlacement(node_id=info["node_id"], node_ip=info.get("node_ip", "?"), uuid=info.get("uuid"), env=env)
+
+
+def check_colocated_device(placement: ColocatedPlacement, engine_uuids: list[str]) -> None:
+    """Raise, naming both GPUs and the node, when a colocated engine does not run on the policy's GPU (instead of
+    a CUDA-IPC failure at the first refit)."""
+    where = f"node {placement.node_ip} (Ray node {placement.node_id}), CUDA_VISIBLE_DEVICES={placement.env['CUDA_VISIBLE_DEVICES']}"
+    if placement.uuid is None:
+        raise RuntimeError(f"cannot colocate vLLM: policy rank 0 on {where} reports no CUDA device")
+    wrong = sorted({u for u in engine_uuids if u != placement.uuid})
+    if wrong:
+        raise RuntimeError(
+            f"colocated vLLM engine is not on policy rank 0's GPU: the engine runs on GPU {', '.join(wrong)}, the policy on GPU "
+            f"{placement.uuid} ({where}); Ray's GPU ids and the engine's CUDA numbering disagree (check CUDA_DEVICE_ORDER), "
+            "or set policy.generation.colocated.enabled=false"
+        )
+
+
 def vllm_generation_resources(cfg: MasterConfig, num_workers: int = 1) -> RoleResources:
     """vLLM workers: CPUs each; a GPU of their own on GPU clusters, none when colocated (the GPU is the policy's)."""
     pc = cfg.policy
@@ -106,8 +146,10 @@ class VLLMGeneration:
             lora_cfg=pc.lora_cfg if refit_mode(cfg)[0] == "adapter" else None,
         )
         env = engine_env(cfg)
+        placement = None
         if self.colocated:
-            env.update(self._colocated_env())
+            placement = colocated_placement(get_with_context(self.policy.group.run_rank0("device_info"), "generation: colocate"))
+            env.update(placement.env)
         resources = vllm_generation_resources(cfg, num_workers).resources
         self.group = RayWorkerGroup(
             name,
@@ -118,14 +160,16 @@ class VLLMGeneration:
             cfg.cluster.placement_timeout_s,
             env,
             max_concurrency=actor_concurrency(cfg),
+            node_id=placement.node_id if placement is not None else None,
         )
+        if placement is not None:
+            try:
+                check_colocated_device(placement, get_with_context(self.group.run_all("device_uuid"), "generation: colocated device check"))
+            except BaseException:
+                self.group.kill()
+                raise
         self.weight_version = 0
         self._broadcast_manifest: list | None = None
-
-    def _colocated_env(self) -> dict[str, str]:
-        """Show the colocated engine policy rank 0's GPU (Ray would hide every GPU from a 0-GPU actor)."""
-        info = get_with_context(self.policy.group.run_rank0("device_info"), "generation: colocate")
-        return {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, info["gpu_ids"][:1]))}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         """One sample per prompt, in prompt order (the driver repeats each prompt G times for a group)."""
