@@ -150,7 +150,16 @@ class SchedulerConfig(Section):
 
 
 class ColocatedConfig(Section):
-    enabled: bool = Field(True, description="Generation shares the training devices (GPU only; ignored on CPU).")
+    enabled: bool = Field(
+        True,
+        description="Generation shares the training devices (GPU only; ignored on CPU): the vLLM engine sleeps while the policy "
+        "trains and the policy hands its memory back before the engine wakes. Sync GRPO only (async overlaps the two).",
+    )
+    offload_optimizer: bool = Field(
+        True,
+        description="Colocated GPU: move the policy's AdamW state to CPU memory before each refit and generation (back at the "
+        "next training step), so the engine's KV cache has room; false keeps it on the GPU (faster, needs the memory).",
+    )
 
 
 class VllmConfig(Section):
@@ -710,6 +719,11 @@ class MasterConfig(BaseModel):
         lines += self.policy.lora_cfg.no_effect_warnings()
         if self.policy.dtensor_cfg.cpu_offload and not self.cluster.gpus_per_node:
             lines.append("policy.dtensor_cfg.cpu_offload has no effect on CPU (cluster.gpus_per_node is 0)")
+        elif self.policy.dtensor_cfg.cpu_offload and self.policy.dp_size * self.policy.dtensor_cfg.tensor_parallel_size == 1:
+            lines.append(
+                "policy.dtensor_cfg.cpu_offload has no effect with one policy worker (policy.dp_size=1, tensor_parallel_size=1: "
+                "nothing is sharded, so FSDP2's CPU offload never runs)"
+            )
         if not self.grpo.overlap_scoring and (blocker := self.scoring_overlap_blocker()):
             lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")
         return lines
@@ -758,6 +772,13 @@ class MasterConfig(BaseModel):
             )
 
     def _check_async(self) -> None:
+        if self.cluster.gpus_per_node and self.policy.generation.colocated.enabled:
+            raise ValueError(
+                "grpo.async_grpo.enabled=true cannot run with policy.generation.colocated.enabled=true on GPUs "
+                f"(cluster.gpus_per_node={self.cluster.gpus_per_node}): async generation runs while the policy trains, and a "
+                "colocated engine shares policy rank 0's GPU, so both would hold it at once. Set "
+                "policy.generation.colocated.enabled=false (generation on GPUs of its own) or turn async off"
+            )
         if not self.loss_fn.use_importance_sampling_correction:
             raise ValueError(
                 "grpo.async_grpo.enabled=true requires loss_fn.use_importance_sampling_correction=true: async samples come from "

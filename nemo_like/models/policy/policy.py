@@ -261,6 +261,13 @@ class Policy:
         taken, self._refit_bytes = self._refit_bytes, 0
         return taken
 
+    def release_memory(self) -> list[dict[str, int]]:
+        """Before a colocated engine wakes: every rank frees its gradients, moves its AdamW state to CPU
+        (``policy.generation.colocated.offload_optimizer``) and empties the CUDA cache; per rank, what it released
+        (:meth:`PolicyWorker.release_memory`)."""
+        offload = self.cfg.policy.generation.colocated.offload_optimizer
+        return get_with_context(self.group.run_all("release_memory", offload), f"{self.name}: release memory")
+
     def memory_footprints(self) -> list[dict[str, int]]:
         """Per rank, the bytes of parameters, gradients and optimizer state it holds."""
         return get_with_context(self.group.run_all("memory_footprint"), f"{self.name}: memory")
