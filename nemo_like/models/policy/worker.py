@@ -374,20 +374,22 @@ class PolicyWorker(Reinitializable):
         reserved_after = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         return {"grads_freed": grads, "optimizer_offloaded": moved, "reserved_before": reserved_before, "reserved_after": reserved_after}
 
-    def _move_optimizer_state(self, device: torch.device) -> int:
-        """Move every optimizer state tensor (moments; not the step counters AdamW keeps on CPU) to ``device``."""
+    def _move_optimizer_state(self, device: torch.device | None) -> int:
+        """Move every optimizer state tensor (the moments; AdamW's step counters stay) to ``device``, or back to its
+        parameter's device (``None``: where FSDP2's CPU offload keeps a shard, that is the CPU). Returns the bytes moved."""
         moved = 0
-        for state in self.optimizer.state.values():
+        for param, state in self.optimizer.state.items():
+            target = device or (param.to_local() if hasattr(param, "to_local") else param).device
             for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.device != device:
-                    state[key] = value.to(device)
+                if torch.is_tensor(value) and value.dim() > 0 and value.device != target:
+                    state[key] = value.to(target)
                     moved += _local_bytes(value)
         return moved
 
     def _restore_optimizer_state(self) -> None:
-        """Bring optimizer state offloaded by :meth:`release_memory` back to the parameters' device."""
+        """Bring optimizer state offloaded by :meth:`release_memory` back beside its parameters."""
         if self.device.type != "cpu":
-            self._move_optimizer_state(self.device)
+            self._move_optimizer_state(None)
 
     @staticmethod
     def _outside_fraction(outside: torch.Tensor, mb: Batch, global_valid_toks: torch.Tensor) -> float:
