@@ -59,11 +59,18 @@ TIMED_PHASES = ("refit", "generation", "reward", "prev_logprobs", "reference_log
 
 
 def refit_if_stale(parts: GRPOComponents) -> float:
-    """Push the policy's weights to generation when they changed; returns the seconds spent."""
+    """Push the policy's weights to generation when they changed; returns the seconds spent.
+
+    Generation gets the policy's exporter, not an export: only a transport that reads the exported buckets calls
+    it (the GPU transports read policy rank 0's tensors), so nothing is gathered to CPU, and no
+    ``performance/refit_bytes`` counted, where nothing uses it. A colocated engine is about to wake on policy rank
+    0's GPU: the policy first releases the memory training left behind (gradients, cached blocks)."""
     if parts.generation.weight_version == parts.policy.weight_version:
         return 0.0
     start = time.perf_counter()
-    parts.generation.refit(parts.policy.weight_buckets(), parts.policy.weight_version)
+    if getattr(parts.generation, "colocated", False):
+        parts.policy.release_memory()
+    parts.generation.refit(parts.policy.weight_buckets, parts.policy.weight_version)
     return time.perf_counter() - start
 
 

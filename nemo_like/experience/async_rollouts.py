@@ -150,15 +150,16 @@ class AsyncRollouts:
 
     # -- weights and pauses ---------------------------------------------------------------------------
     def refit(self) -> RefitTiming:
-        """Push the policy's new weights to generation (waiting for the batch in flight, or in flight)."""
+        """Push the policy's new weights to generation (waiting for the batch in flight, or in flight). Generation
+        gets the policy's exporter and calls it only when its transport uses the exported buckets."""
         policy, generation = self.parts.policy, self.parts.generation
         version = policy.weight_version
         if self.in_flight:
-            seconds = generation.refit(policy.weight_buckets(), version)
+            seconds = generation.refit(policy.weight_buckets, version)
             self._call("set_generation_version", version)
             return RefitTiming(seconds, 0.0, seconds)
         waited = self._call("pause", "refit", False)  # the batch's reference pass may still run: it needs no new weights
-        seconds = generation.refit(policy.weight_buckets(), version)
+        seconds = generation.refit(policy.weight_buckets, version)
         held = self._call("resume", "refit", version)
         return RefitTiming(seconds, waited, held)
 

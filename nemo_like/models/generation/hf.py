@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -50,10 +52,12 @@ class HFGeneration:
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         return generate_on_group(self.group, prompts, params, seed)
 
-    def refit(self, weights: WeightBuckets | ray.ObjectRef, version: int) -> float:
-        """Load the policy's weights into every worker (one object-store copy shared by all)."""
+    def refit(self, weights: WeightBuckets | ray.ObjectRef | Callable[[], Any], version: int) -> float:
+        """Load the policy's weights into every worker (one object-store copy shared by all). ``weights``: the exported
+        weights, or a zero-argument exporter, always called here (every HF refit goes through the export)."""
         start = time.perf_counter()
-        versions = get_with_context(self.group.run_all("update_weights", weights), "refit")
+        exported = weights() if callable(weights) else weights  # as vllm.export_weights
+        versions = get_with_context(self.group.run_all("update_weights", exported), "refit")
         if set(versions) != {version}:
             raise RuntimeError(f"refit delivered weight versions {versions}, expected {version}")
         self.weight_version = version

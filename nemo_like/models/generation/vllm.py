@@ -1,12 +1,16 @@
 """Driver-side facade over vLLM generation workers (same API as :class:`~nemo_like.models.generation.hf.HFGeneration`).
 
-Refit paths, chosen per call:
+Refit transports, decided by :func:`refit_transport` (one place, for the refit and for whether the policy
+exports anything):
 
-* **object store** (CPU, a sharded policy, and GPU when no policy is attached): the policy's weights,
+* **object store** (CPU, a sharded policy, LoRA, and GPU when no policy is attached): the policy's weights,
   gathered from its shards bucket by bucket (``policy.refit_buffer_size_mb``) into one object-store copy
   shared by every worker, are streamed into vLLM's in-place ``reload_weights`` one bucket at a time;
 * **CUDA-IPC** (GPU, ``policy.generation.colocated.enabled``, one policy rank): zero-copy handles from policy rank 0;
 * **NCCL broadcast** (GPU, generation on its own GPUs, one policy rank): policy rank 0 broadcasts every tensor.
+
+:meth:`VLLMGeneration.refit` takes the exported weights or a zero-argument exporter; only the object-store
+transport calls it, so the two GPU transports never gather the weights to CPU.
 
 A colocated engine is pinned to policy rank 0's Ray node and shown its GPU (:func:`colocated_placement`);
 right after start its device UUID is checked against the policy's (:func:`check_colocated_device`).
@@ -20,8 +24,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import ray
 
@@ -65,6 +70,27 @@ def engine_env(cfg: MasterConfig) -> dict[str, str]:
 def is_colocated(cfg: MasterConfig) -> bool:
     """vLLM shares policy rank 0's GPU: a GPU cluster with ``policy.generation.colocated.enabled``."""
     return bool(cfg.cluster.gpus_per_node) and cfg.policy.generation.colocated.enabled
+
+
+RefitTransport = Literal["object_store", "cuda_ipc", "nccl"]
+#: What a refit is given: the exported weights, or a zero-argument callable that exports them when called.
+WeightSource = WeightBuckets | ray.ObjectRef | Callable[[], Any]
+
+
+def refit_transport(on_gpu: bool, colocated: bool, policy_ranks: int, lora: bool) -> RefitTransport:
+    """How a refit reaches the engine. ``policy_ranks``: workers of the attached policy (0: none attached).
+
+    The object store (the policy's exported buckets) on CPU, without a policy, with several policy ranks (no
+    rank holds every tensor) and with LoRA (adapters or merged weights); on GPU with one policy rank CUDA-IPC
+    handles when colocated, else an NCCL broadcast. Only ``"object_store"`` uses an export."""
+    if not on_gpu or policy_ranks != 1 or lora:
+        return "object_store"
+    return "cuda_ipc" if colocated else "nccl"
+
+
+def export_weights(weights: WeightSource) -> Any:
+    """The weights to send: ``weights`` itself, or what it returns when it is an exporter (a callable)."""
+    return weights() if callable(weights) else weights
 
 
 @dataclass(frozen=True)
@@ -171,17 +197,24 @@ class VLLMGeneration:
         self.weight_version = 0
         self._broadcast_manifest: list | None = None
 
+    @property
+    def transport(self) -> RefitTransport:
+        """How :meth:`refit` reaches the engine (see :func:`refit_transport`)."""
+        return refit_transport(self.on_gpu, self.colocated, 0 if self.policy is None else len(self.policy.group), self.lora)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         """One sample per prompt, in prompt order (the driver repeats each prompt G times for a group)."""
         return generate_on_group(self.group, prompts, params, seed)
 
-    def refit(self, weights: WeightBuckets | ray.ObjectRef, version: int) -> float:
-        """Load the policy's weights into every worker; returns the seconds spent."""
+    def refit(self, weights: WeightSource, version: int) -> float:
+        """Load the policy's weights (version ``version``) into every worker; returns the seconds spent. ``weights``:
+        the exported weights or a zero-argument exporter, called only by the object-store transport (the GPU
+        transports read policy rank 0's tensors directly)."""
         start = time.perf_counter()
-        # A sharded policy (several ranks) has no single rank holding every tensor: it streams gathered buckets.
-        if not self.on_gpu or self.policy is None or len(self.policy.group) > 1 or self.lora:
-            refs = self.group.run_all("update_weights", weights)
-        elif self.colocated:
+        transport = self.transport
+        if transport == "object_store":
+            refs = self.group.run_all("update_weights", export_weights(weights))
+        elif transport == "cuda_ipc":
             refs = self._refit_ipc(version)
         else:
             refs = self._refit_broadcast(version)
