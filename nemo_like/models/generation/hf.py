@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
-
-import ray
 
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
-from nemo_like.models.weight_buckets import WeightBuckets
+from nemo_like.models.generation.interface import (
+    GeneratedSample,
+    SamplingParams,
+    WeightSource,
+    actor_concurrency,
+    export_weights,
+    generate_on_group,
+)
 
 
 def hf_generation_resources(cfg: MasterConfig, num_workers: int = 1) -> RoleResources:
@@ -52,12 +54,11 @@ class HFGeneration:
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         return generate_on_group(self.group, prompts, params, seed)
 
-    def refit(self, weights: WeightBuckets | ray.ObjectRef | Callable[[], Any], version: int) -> float:
+    def refit(self, weights: WeightSource, version: int) -> float:
         """Load the policy's weights into every worker (one object-store copy shared by all). ``weights``: the exported
         weights, or a zero-argument exporter, always called here (every HF refit goes through the export)."""
         start = time.perf_counter()
-        exported = weights() if callable(weights) else weights  # as vllm.export_weights
-        versions = get_with_context(self.group.run_all("update_weights", exported), "refit")
+        versions = get_with_context(self.group.run_all("update_weights", export_weights(weights)), "refit")
         if set(versions) != {version}:
             raise RuntimeError(f"refit delivered weight versions {versions}, expected {version}")
         self.weight_version = version

@@ -73,6 +73,15 @@ class GeneratedSample:
         return self.final_weight_version is not None and self.final_weight_version != self.weight_version
 
 
+#: What a refit is handed: the exported weights (buckets, or an object ref to them), or the exporter that makes them.
+WeightSource = Any
+
+
+def export_weights(weights: WeightSource) -> Any:
+    """The weights to send: ``weights`` itself, or what it returns when it is an exporter (a callable)."""
+    return weights() if callable(weights) else weights
+
+
 class GenerationInterface(Protocol):
     """A generation engine behind Ray actors."""
 
@@ -81,8 +90,9 @@ class GenerationInterface(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         """One sample per prompt (repeat a prompt G times for a group)."""
 
-    def refit(self, state_dict_ref, version: int) -> float:
-        """Load new weights; returns seconds spent."""
+    def refit(self, weights: WeightSource, version: int) -> float:
+        """Load weight version ``version``; returns seconds spent. ``weights``: the exported weights, or a zero-argument
+        exporter that a backend calls only when its transport reads an export (:func:`export_weights`)."""
 
     def shutdown(self) -> None:
         """Release the actors."""

