@@ -306,7 +306,12 @@ class PolicyConfig(Section):
     train_micro_batch_size: Int = Field(16, gt=0, description="Samples per forward/backward on one rank.")
     logprob_batch_size: Int = Field(64, gt=0, description="Samples per forward in logprob passes.")
     max_total_sequence_length: Int = Field(128, gt=0, description="Prompt + response tokens; longer prompts are an error.")
-    precision: Literal["float32", "bfloat16"] = Field("float32", description="Parameter and compute dtype.")
+    precision: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Compute dtype. bfloat16: the parameters and AdamW state stay float32 (master weights) and forwards and "
+        "backwards run in bf16 (autocast on one rank, FSDP2's mixed-precision policy when sharded); generation engines hold "
+        "bf16 weights and refits send bf16 (docs/guides/gpu.md).",
+    )
     max_grad_norm: Float | None = Field(1.0, gt=0, description="Gradient clipping by global norm; null disables it.")
     dp_size: Int = Field(1, gt=0, description="Data-parallel policy workers (torch.distributed, gloo on CPU, nccl on GPU).")
     num_cpus_per_worker: Float = Field(0.5, gt=0, description="Ray CPU reservation per policy/reference worker.")
