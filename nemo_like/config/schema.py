@@ -89,7 +89,8 @@ class GRPOConfig(Section):
     )
     val_pass_k: list[Int] | None = Field(
         None,
-        description="The ks of validation/pass@k (each <= val_num_generations_per_prompt); default: 1 and val_num_generations_per_prompt.",
+        description="The ks of validation/pass@k (each <= val_num_generations_per_prompt); default: 1, 2, 4, ... up to "
+        "val_num_generations_per_prompt, and it (the same rule as eval.pass_k).",
     )
     seed: Int = Field(42, description="Seed for data order, sampling and model init.")
     normalize_rewards: bool = Field(True, description="Divide advantages by the per-prompt reward std (+epsilon where std > 0).")
@@ -131,10 +132,10 @@ class GRPOConfig(Section):
 
     @property
     def resolved_val_pass_k(self) -> list[int]:
-        """The ks of validation/pass@k: ``val_pass_k``, else 1 and ``val_num_generations_per_prompt``."""
+        """The ks of validation/pass@k: ``val_pass_k``, else :func:`default_pass_k` of ``val_num_generations_per_prompt``."""
         if self.val_pass_k is not None:
             return list(self.val_pass_k)
-        return sorted({1, self.val_num_generations_per_prompt})
+        return default_pass_k(self.val_num_generations_per_prompt)
 
 
 class OptimizerConfig(Section):
@@ -627,14 +628,35 @@ class EvalConfig(Section):
     greedy: bool = Field(
         False, description="Greedy decoding (every sample of a prompt is then the same); false samples with policy.generation settings."
     )
-    pass_k: list[Int] = Field(default_factory=lambda: [1], description="Report pass@k for each k (1 <= k <= num_samples_per_prompt).")
+    pass_k: list[Int] | None = Field(
+        None,
+        description="Report pass@k for each k (1 <= k <= num_samples_per_prompt); default: 1, 2, 4, ... up to num_samples_per_prompt, "
+        "and num_samples_per_prompt itself (n = 6: [1, 2, 4, 6]).",
+    )
     output_dir: str = Field("results/eval", description="Where summary.json and results.jsonl are written.")
     seed: Int | None = Field(None, description="Sampling seed; default grpo.seed.")
 
     @model_validator(mode="after")
     def _k_within_n(self) -> EvalConfig:
-        check_pass_k(self.pass_k, self.num_samples_per_prompt, "eval.pass_k", "eval.num_samples_per_prompt")
+        if self.pass_k is not None:
+            check_pass_k(self.pass_k, self.num_samples_per_prompt, "eval.pass_k", "eval.num_samples_per_prompt")
         return self
+
+    @property
+    def resolved_pass_k(self) -> list[int]:
+        """The ks of eval's pass@k: ``pass_k``, else :func:`default_pass_k` of ``num_samples_per_prompt``."""
+        if self.pass_k is not None:
+            return list(self.pass_k)
+        return default_pass_k(self.num_samples_per_prompt)
+
+
+def default_pass_k(n: int) -> list[int]:
+    """The ks reported when none are given, for ``n`` samples per prompt: 1, 2, 4, ... up to ``n``, and ``n``
+    itself when it is not a power of two (``n = 1``: [1]; ``n = 6``: [1, 2, 4, 6]; ``n = 8``: [1, 2, 4, 8])."""
+    if n < 1:
+        raise ValueError(f"pass@k needs at least one sample per prompt, got n={n}")
+    ks = [1 << i for i in range(n.bit_length())]
+    return ks if ks[-1] == n else [*ks, n]
 
 
 def check_pass_k(ks: list[int], n: int, key: str, n_key: str) -> None:

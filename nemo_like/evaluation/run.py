@@ -192,8 +192,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         "num_prompts": len(prompts),
         "num_samples_per_prompt": n,
         "greedy": ev.greedy,
-        "pass_k": list(ev.pass_k),
-        **summarize(rows, list(ev.pass_k)),
+        "pass_k": ev.resolved_pass_k,
+        **summarize(rows, ev.resolved_pass_k),
         "env_metrics": rollout.env_metrics,
         "seconds": time.perf_counter() - start,
     }

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from nemo_like.config import ConfigError, load_config
-from nemo_like.evaluation.run import resolve_eval_model
+from nemo_like.config.schema import default_pass_k
+from nemo_like.evaluation.run import resolve_eval_model, summarize
 
 
 def test_model_dir_checkpoint_step_and_checkpoint_root(tmp_path) -> None:
@@ -36,4 +37,46 @@ def test_k_above_n_is_a_config_error() -> None:
         load_config(None, ["eval.num_samples_per_prompt=4", "eval.pass_k=[1,8]"])
     with pytest.raises(ConfigError, match=r"grpo.val_pass_k: k must be between 1 and grpo.val_num_generations_per_prompt = 2"):
         load_config(None, ["grpo.val_num_generations_per_prompt=2", "grpo.val_pass_k=[4]"])
-    assert load_config(None, ["grpo.val_num_generations_per_prompt=4"]).grpo.resolved_val_pass_k == [1, 4]
+    assert load_config(None, ["grpo.val_num_generations_per_prompt=4"]).grpo.resolved_val_pass_k == [1, 2, 4]
+
+
+@pytest.mark.parametrize(
+    ("n", "ks"),
+    [
+        (1, [1]),
+        (2, [1, 2]),
+        (3, [1, 2, 3]),
+        (4, [1, 2, 4]),
+        (6, [1, 2, 4, 6]),
+        (8, [1, 2, 4, 8]),
+        (12, [1, 2, 4, 8, 12]),
+        (16, [1, 2, 4, 8, 16]),
+    ],
+)
+def test_default_pass_k_is_powers_of_two_up_to_n_and_n(n: int, ks: list[int]) -> None:
+    """`nemo-like eval` and training validation report pass@k for the same default ks: 1, 2, 4, ... <= n, and n."""
+    assert default_pass_k(n) == ks
+    cfg = load_config(None, [f"eval.num_samples_per_prompt={n}", f"grpo.val_num_generations_per_prompt={n}"])
+    assert cfg.eval.pass_k is None  # not given: the default applies
+    assert cfg.eval.resolved_pass_k == ks
+    assert cfg.grpo.resolved_val_pass_k == ks
+
+
+def test_explicit_pass_k_wins_over_the_default() -> None:
+    cfg = load_config(
+        None, ["eval.num_samples_per_prompt=8", "eval.pass_k=[1,8]", "grpo.val_num_generations_per_prompt=8", "grpo.val_pass_k=[3]"]
+    )
+    assert cfg.eval.resolved_pass_k == [1, 8]
+    assert cfg.grpo.resolved_val_pass_k == [3]
+
+
+def test_eval_summary_reports_every_default_k() -> None:
+    """summarize() over 2 prompts x 4 samples with the default ks: pass@1, pass@2 and pass@4, each the estimator's value."""
+    ks = load_config(None, ["eval.num_samples_per_prompt=4"]).eval.resolved_pass_k
+    correct = [[True, False, False, False], [False, False, False, False]]  # prompt 0: c=1 of 4; prompt 1: c=0
+    rows = [{"prompt_index": p, "task": "arith", "reward": float(ok), "correct": ok} for p, samples in enumerate(correct) for ok in samples]
+    summary = summarize(rows, ks)
+    assert [key for key in summary if key.startswith("pass@")] == ["pass@1", "pass@2", "pass@4"]
+    assert summary["pass@1"] == pytest.approx((1 / 4 + 0) / 2)
+    assert summary["pass@2"] == pytest.approx((1 / 2 + 0) / 2)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert summary["pass@4"] == pytest.approx((1.0 + 0) / 2)
