@@ -80,7 +80,6 @@ def is_colocated(cfg: MasterConfig) -> bool:
 RefitTransport = Literal["object_store", "cuda_ipc", "nccl"]
 
 
-#: What a refit is given: the exported weights, or a zero-argument callable that exports them when called.
 def refit_transport(on_gpu: bool, colocated: bool, policy_ranks: int, lora: bool) -> RefitTransport:
     """How a refit reaches the engine. ``policy_ranks``: workers of the attached policy (0: none attached).
 
