@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,31 +61,69 @@ class Logger:
                 warn_backend(f"{backend.name} logging stopped: {method} failed ({type(exc).__name__}: {exc})")
 
 
-class ConsoleProgress:
-    """A live bar (step, reward, ETA) on a terminal; one plain line per step elsewhere (CI logs)."""
+ETA_WINDOW = 8  # steps whose durations the ETA averages
 
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total, self.enabled = total, enabled
-        self.start = time.monotonic()
+
+def eta_seconds(step_seconds: Sequence[float], remaining: int, window: int = ETA_WINDOW) -> float | None:
+    """Seconds left: the mean of the last ``window`` step durations times the ``remaining`` steps; ``None``
+    while no step duration is known. Only step durations count, so the start-up before the first step
+    (actors, model loading, the step-0 validation) never inflates it."""
+    if remaining <= 0:
+        return 0.0
+    recent = list(step_seconds)[-window:]
+    if not recent:
+        return None
+    return sum(recent) / len(recent) * remaining
+
+
+def format_seconds(seconds: float) -> str:
+    """``42s``, ``12m05s``, ``3h02m``."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_eta(seconds: float | None) -> str:
+    return "eta ?" if seconds is None else f"eta {format_seconds(seconds)}"
+
+
+class ConsoleProgress:
+    """A live bar (step, reward, ETA) on a terminal; one plain line per step elsewhere (CI logs).
+
+    A step's duration is the time between two consecutive updates, so the first update of a run (or of a
+    resumed run) has none yet and shows ``eta ?``; the ETA is :func:`eta_seconds` of the recent ones."""
+
+    def __init__(self, total: int, enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total, self.enabled, self.clock = total, enabled, clock
+        self.start = clock()
+        self.step_seconds: deque[float] = deque(maxlen=ETA_WINDOW)
+        self._last_update: tuple[int, float] | None = None  # (step, time) of the previous update
         self._rich = None
         if enabled and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
             self._rich = Progress(
-                TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn()
+                TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TextColumn("{task.fields[eta]}")
             )
-            self._task = self._rich.add_task("train", total=total, info="")
+            self._task = self._rich.add_task("train", total=total, info="", eta=format_eta(None))
             self._rich.start()
 
     def update(self, step: int, info: str) -> None:
         if not self.enabled:
             return
+        now = self.clock()
+        if self._last_update is not None and step > self._last_update[0]:
+            last_step, last_time = self._last_update
+            self.step_seconds.append((now - last_time) / (step - last_step))
+        self._last_update = (step, now)
+        eta = format_eta(eta_seconds(self.step_seconds, self.total - step))
         if self._rich is not None:
-            self._rich.update(self._task, completed=step, info=info)
+            self._rich.update(self._task, completed=step, info=info, eta=eta)
             return
-        elapsed = time.monotonic() - self.start
-        eta = elapsed / max(step, 1) * (self.total - step)
-        print(f"[step {step}/{self.total}] {info} | elapsed {elapsed:.0f}s eta {eta:.0f}s", file=sys.stderr, flush=True)
+        print(f"[step {step}/{self.total}] {info} | elapsed {format_seconds(now - self.start)} {eta}", file=sys.stderr, flush=True)
 
     def message(self, text: str) -> None:
         if self._rich is not None:

@@ -1,0 +1,70 @@
+"""The console line's ETA: the recent steps' durations times the steps left, never the start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_like.utils.logger import ETA_WINDOW, ConsoleProgress, eta_seconds, format_eta, format_seconds
+
+
+class SteppedClock:
+    """A clock the test advances by hand (no wall time is read or waited for)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_no_step_duration_means_no_eta() -> None:
+    assert eta_seconds([], remaining=99) is None
+    assert format_eta(None) == "eta ?"
+
+
+def test_eta_is_the_recent_mean_step_time_times_the_steps_left() -> None:
+    assert eta_seconds([0.3], remaining=98) == pytest.approx(29.4)
+    assert eta_seconds([0.2, 0.4, 0.3], remaining=10) == pytest.approx(3.0)
+    assert eta_seconds([0.5], remaining=0) == 0.0
+
+
+def test_only_the_last_window_steps_count() -> None:
+    slow_then_fast = [10.0] * 20 + [1.0] * ETA_WINDOW  # the run sped up (e.g. a compile or cache warm-up at first)
+    assert eta_seconds(slow_then_fast, remaining=5) == pytest.approx(5.0)
+    assert eta_seconds([9.0, 1.0, 1.0, 1.0], remaining=6, window=3) == pytest.approx(6.0)
+
+
+def test_a_long_start_up_does_not_inflate_the_eta(capsys) -> None:
+    """A 20 s start-up, then 0.3 s steps: the ETA is remaining x 0.3 s, not remaining x ~20 s (the old
+    elapsed/step rule printed `eta 2009s` at step 1 of such a run)."""
+    clock = SteppedClock()
+    progress = ConsoleProgress(100, enabled=True, clock=clock)
+    clock.now += 20.0  # actors start, models load, the step-0 validation runs
+    for step in range(1, 11):
+        clock.now += 0.3
+        progress.update(step, f"reward={step}")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 10
+    assert lines[0] == "[step 1/100] reward=1 | elapsed 20s eta ?"  # no step has a measured duration yet
+    assert lines[1] == "[step 2/100] reward=2 | elapsed 21s eta 29s"  # 98 x 0.3 s = 29.4 s
+    assert lines[9] == "[step 10/100] reward=10 | elapsed 23s eta 27s"  # 90 x 0.3 s
+    assert list(progress.step_seconds) == pytest.approx([0.3] * ETA_WINDOW)
+
+
+def test_a_resumed_run_measures_from_its_first_update(capsys) -> None:
+    clock = SteppedClock()
+    progress = ConsoleProgress(50, enabled=True, clock=clock)
+    clock.now += 30.0
+    progress.update(41, "r")  # resumed at step 40: the jump from 0 to 41 is no step duration
+    clock.now += 2.0
+    progress.update(42, "r")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("eta ?")
+    assert lines[1].endswith("eta 16s")  # 8 x 2 s
+
+
+def test_durations_read_like_a_clock() -> None:
+    assert format_seconds(42.4) == "42s"
+    assert format_seconds(725) == "12m05s"
+    assert format_seconds(3 * 3600 + 2 * 60 + 7) == "3h02m"
+    assert format_eta(29.4) == "eta 29s"
