@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 
@@ -29,17 +30,60 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+COMMANDS = {  # name: its line in `nemo-like --help` (and its description in `nemo-like NAME --help`)
+    "train": "Run GRPO from a recipe (default: the embedded tiny CPU recipe).",
+    "eval": "Score a model or checkpoint on the recipe's validation prompts: accuracy and pass@k.",
+    "plot": "Render a run's metrics.jsonl to a PNG (the standard panel, or --metrics).",
+    "merge": "Merge a LoRA checkpoint's adapters into its base model: a plain HF model directory.",
+}
+TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
+
+
+def package_version() -> str:
+    """The installed package's version, else the one in the checkout's pyproject.toml."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nemo-like")
+    except PackageNotFoundError:
+        return pyproject_version(Path(__file__).resolve().parents[1] / "pyproject.toml")
+
+
+def pyproject_version(path: Path) -> str:
+    """``project.version`` of a pyproject.toml; ``unknown`` when it cannot be read."""
+    import tomllib
+
+    try:
+        return str(tomllib.loads(path.read_text())["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
+def top_level_help() -> str:
+    """`nemo-like --help`'s text under the usage line: one line per command, and how to see its options."""
+    width = max(map(len, COMMANDS)) + 2
+    lines = ["Ray-distributed GRPO trainer.", "", "commands:"]
+    lines += [f"  {name:<{width}}{summary}" for name, summary in COMMANDS.items()]
+    lines += [
+        "",
+        "`nemo-like COMMAND --help` lists a command's options (e.g. `nemo-like train --help`).",
+        "`nemo-like KEY=VALUE ...` (or `nemo-like` alone) means `nemo-like train KEY=VALUE ...`.",
+    ]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nemo-like", description="Ray-distributed GRPO trainer.")
-    sub = parser.add_subparsers(dest="command")
-    train = sub.add_parser("train", help="Run GRPO from a recipe (default: the embedded tiny CPU recipe).")
-    add_train_arguments(train)
-    evaluate = sub.add_parser("eval", help="Evaluate a model or checkpoint on the recipe's validation prompts: accuracy and pass@k.")
-    add_eval_arguments(evaluate)
-    plot = sub.add_parser("plot", help="Render a run's metrics.jsonl to a PNG (the standard panel, or --metrics).")
-    add_plot_arguments(plot)
-    merge = sub.add_parser("merge", help="Write a LoRA checkpoint's adapters merged into its base model as a plain HF model directory.")
-    add_merge_arguments(merge)
+    parser = argparse.ArgumentParser(
+        prog="nemo-like",
+        usage="%(prog)s [-h] [--version] COMMAND [ARGS ...]",
+        description=top_level_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    sub = parser.add_subparsers(dest="command", prog="nemo-like", help=argparse.SUPPRESS)  # listed in the description, one line each
+    adders = {"train": add_train_arguments, "eval": add_eval_arguments, "plot": add_plot_arguments, "merge": add_merge_arguments}
+    for name, summary in COMMANDS.items():
+        adders[name](sub.add_parser(name, help=summary, description=summary))
     return parser
 
 
@@ -52,8 +96,6 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA checkpoint into a plain HF model directory and print its path."""
-    from pathlib import Path
-
     from nemo_like.models.policy.lora import merge_checkpoint
 
     path = Path(args.checkpoint)
@@ -70,8 +112,6 @@ def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plot(args: argparse.Namespace) -> int:
     """Render the metrics of a run to a PNG and print its path."""
-    from pathlib import Path
-
     from nemo_like.utils.plot import plot_metrics
 
     path = Path(args.log_dir)
@@ -130,8 +170,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-") or "=" in argv[0] or argv[0].startswith("~"):
-        argv = ["train", *argv]  # `nemo-like` alone, or with overrides only, means train
+    implicit_train = not argv or (argv[0] not in TOP_LEVEL_FLAGS and (argv[0].startswith(("-", "~")) or "=" in argv[0]))
+    if implicit_train:
+        argv = ["train", *argv]  # `nemo-like` alone, or with train's options / overrides only, means train
     args = build_parser().parse_args(argv)
     RUN_ERRORS = _run_errors()
     try:

@@ -1,0 +1,84 @@
+"""The `nemo-like` command line itself: the top-level help lists every command, `--version`, and the
+invocations that mean `train` keep working. The help and version run the installed console script."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from nemo_like.cli import COMMANDS, build_parser, main, package_version, pyproject_version
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(sys.executable).parent / "nemo-like"
+
+
+def nemo_like(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-m", "nemo_like.cli"]
+    return subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_every_command_is_in_commands() -> None:
+    """The help's list is COMMANDS; the parser must have no command outside it."""
+    sub = next(action for action in build_parser()._actions if action.dest == "command")
+    assert sorted(sub.choices) == sorted(COMMANDS) == ["eval", "merge", "plot", "train"]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_top_level_help_lists_every_command_on_one_line(flag: str) -> None:
+    result = nemo_like(flag)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("usage: nemo-like [-h] [--version] COMMAND [ARGS ...]\n"), out
+    for name, summary in COMMANDS.items():
+        lines = [line for line in out.splitlines() if re.match(rf"  {name} +\S", line)]
+        assert lines == [f"  {name:<7}{summary}"], out  # one line, the whole summary on it
+    assert "`nemo-like train --help`" in out
+    assert "--config" not in out  # train's options are not the top-level help any more
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_command_has_its_own_help(name: str) -> None:
+    result = nemo_like(name, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: nemo-like {name} [-h]"), result.stdout
+    assert COMMANDS[name] in " ".join(result.stdout.split())  # its description (wrapped to the terminal)
+
+
+def test_version_prints_the_package_version() -> None:
+    result = nemo_like("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"nemo-like {version('nemo-like')}\n"
+    assert package_version() == version("nemo-like")
+
+
+def test_pyproject_version_is_the_fallback(tmp_path) -> None:
+    checkout = pyproject_version(REPO / "pyproject.toml")
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", checkout), checkout
+    assert checkout == version("nemo-like")  # the installed package is this checkout
+    assert pyproject_version(tmp_path / "missing.toml") == "unknown"
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert pyproject_version(tmp_path / "pyproject.toml") == "unknown"
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    result = nemo_like("bogus")
+    assert result.returncode == 2
+    assert "invalid choice: 'bogus'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--dry-run", "grpo.max_num_steps=3"],  # train's options without the word train
+        ["grpo.max_num_steps=3", "--dry-run"],  # overrides first
+        ["train", "--dry-run", "grpo.max_num_steps=3"],
+    ],
+)
+def test_implicit_train_still_works(argv: list[str], capsys) -> None:
+    assert main(argv) == 0
+    assert "  max_num_steps: 3\n" in capsys.readouterr().out
