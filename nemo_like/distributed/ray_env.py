@@ -10,13 +10,17 @@ Two contexts, decided from the environment alone:
   ``ray job submit`` (Ray 2.60 sets ``RAY_JOB_CONFIG_JSON_ENV_VAR`` and ``RAY_ADDRESS=<gcs host:port>``
   there, but no ``RAY_JOB_ID``). The cluster's own settings win: we set nothing Ray-related, so the
   driver uses the node IP and the auth mode the cluster was started with.
-* **local**: a private single-machine cluster. Ray is kept on 127.0.0.1, token auth and usage stats
-  are off (:data:`LOCAL_CLUSTER_DEFAULTS`).
+* **local**: a private single-machine cluster. Token auth and usage stats are off
+  (:data:`LOCAL_CLUSTER_DEFAULTS`), and the cluster listens on 127.0.0.1 only: ``init_ray`` passes the
+  loopback address to ``ray.init`` itself (``ray_init.local_init_kwargs``), whatever was imported first.
 
-Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when ``ray`` is imported, so the defaults are
-applied when this module is imported before ``ray`` (the ``nemo-like`` entry points do so; actor
-processes, where ``ray`` comes first, are left alone), and again by ``init_ray``. Only unset
-variables are filled in: what the user exported always wins.
+The defaults are applied when this module is imported before ``ray`` (actor processes, where ``ray``
+comes first, are left alone), and again by ``init_ray`` before Ray starts, so Ray's own processes
+inherit them. Only unset variables are filled in: what the user exported wins, except that a private
+cluster stays on the loopback address even under ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` (to use
+other machines, start a cluster with ``ray start`` and join it). Ray reads that variable once, when
+``ray`` is imported, so it alone could not keep the cluster local: ``nemo-like train`` imports ``ray``
+before this module.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ DRIVER_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false"}
 
 # Set only when this process will start its own private cluster on this machine.
 LOCAL_CLUSTER_DEFAULTS = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep every Ray socket on 127.0.0.1 (Linux too)
+    # Ray's processes (agents, workers) importing ray fresh resolve the node to 127.0.0.1; init_ray passes the
+    # loopback address to ray.init itself, since the driver may have imported ray before this was set.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",  # the CLI clients fail token auth otherwise
     "RAY_USAGE_STATS_ENABLED": "0",
     # Ray starts worker processes at nice 15. In a private cluster the actors are the job itself: at nice 15 any

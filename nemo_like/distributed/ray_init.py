@@ -7,14 +7,18 @@ Which cluster a run uses, first match wins:
 3. the job's own cluster when the driver runs as a ``ray job submit`` entrypoint;
 4. otherwise a private local cluster with ``cluster.num_cpus`` CPUs and this machine's real GPUs.
 
-A plain local run never attaches to some other cluster that happens to run on the machine.
+A plain local run never attaches to some other cluster that happens to run on the machine, and its
+private cluster listens on 127.0.0.1 only, whatever was imported first (:func:`local_init_kwargs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
+from typing import Any
 
 from nemo_like.config.schema import ClusterConfig
 from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id
@@ -78,32 +82,64 @@ def _check_reachable(address: str, source: str, timeout_s: float = 10.0) -> None
         ) from exc
 
 
-def _start_local(cluster: ClusterConfig) -> None:
-    """A private single-machine cluster with this machine's real GPUs (none for a CPU recipe).
-
-    The GPUs are detected, never declared from the recipe: a GPU recipe on a machine without them then
-    fails the capacity check before any actor starts (declaring them let the actors start and die later)."""
-    import ray
-
-    _warn_if_ray_imported_too_early()
-    ray.init(
-        address="local",
-        num_cpus=cluster.num_cpus or os.cpu_count(),
-        num_gpus=None if cluster.gpus_per_node else 0,  # None: Ray counts the visible GPUs
-        object_store_memory=cluster.object_store_memory_mb * 1024 * 1024,
-        include_dashboard=False,
-        log_to_driver=True,
-    )
-    log.info("Started a private local Ray cluster: %s", ray.cluster_resources())
+LOOPBACK = "127.0.0.1"  # Ray's processes bind their servers to 127.0.0.1 when the node IP is this address, else to 0.0.0.0
 
 
-def _warn_if_ray_imported_too_early() -> None:
-    """Ray reads the loopback switch at import; say so when it was imported before our defaults."""
+def local_init_kwargs(cluster: ClusterConfig) -> dict[str, Any]:
+    """The ``ray.init`` arguments of a private local cluster: this machine's real GPUs, on the loopback address only.
+
+    The node IP is what Ray's processes (GCS, raylet, agents, every worker) bind their servers to, and the dashboard
+    host is where the dashboard process listens: both are 127.0.0.1, so nothing of a private cluster listens on the
+    network. The GPUs are detected, never declared from the recipe: a GPU recipe on a machine without them then fails
+    the capacity check before any actor starts (declaring them let the actors start and die later)."""
+    return {
+        "address": "local",
+        "num_cpus": cluster.num_cpus or os.cpu_count(),
+        "num_gpus": None if cluster.gpus_per_node else 0,  # None: Ray counts the visible GPUs
+        "object_store_memory": cluster.object_store_memory_mb * 1024 * 1024,
+        "include_dashboard": False,
+        "dashboard_host": LOOPBACK,
+        "_node_ip_address": LOOPBACK,
+        "log_to_driver": True,
+    }
+
+
+@contextlib.contextmanager
+def loopback_honoured() -> Iterator[None]:
+    """While held, ``ray.init`` keeps a loopback ``_node_ip_address`` as given.
+
+    Ray 2.60's ``ray.init`` rewrites ``127.0.0.1`` to the machine's network address
+    (``services.resolve_ip_for_localhost``) unless its switch ``ray_constants.ENABLE_RAY_CLUSTER`` is off, and Ray
+    computes that switch once, from ``$RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, when ``ray`` is first imported: a process
+    that imported ``ray`` before that variable was set (our CLI through ``worker_group``, a notebook) has it on. The
+    switch is held off for the start and restored after; :func:`_start_local` checks the node's address in any case.
+    """
     from ray._private import ray_constants
 
-    wants_loopback = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "").lower() in ("0", "false")
-    if wants_loopback and getattr(ray_constants, "ENABLE_RAY_CLUSTER", False):
-        log.warning(
-            "ray was imported before nemo_like.distributed, so RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is ignored and the "
-            "local cluster binds to the machine's network address; import nemo_like first or export the variable"
+    missing = object()
+    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", missing)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if saved is missing:
+            del ray_constants.ENABLE_RAY_CLUSTER
+        else:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _start_local(cluster: ClusterConfig) -> None:
+    """A private single-machine cluster (:func:`local_init_kwargs`); one that would not be loopback-only is shut down."""
+    import ray
+
+    with loopback_honoured():
+        ray.init(**local_init_kwargs(cluster))
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:
+        ray.shutdown()
+        raise RuntimeError(
+            f"The private local Ray cluster started on {node_ip}, not on the loopback address: it was shut down so that "
+            "it does not listen on the network. This Ray version no longer honours the loopback node address; start a "
+            "cluster with `ray start --head --node-ip-address=127.0.0.1` and join it with cluster.ray_address"
         )
+    log.info("Started a private local Ray cluster on %s: %s", node_ip, ray.cluster_resources())
