@@ -49,6 +49,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
+# GPU checks (docs/guides/gpu.md): tier A (torch + transformers only), then tier B (vllm==0.32.0, ray), <= 10 minutes on
+# one GPU; one line per check, JSON summaries in logs/gpu_check/. Without a CUDA device every check is NOT RUN (exit 0).
+# test-gpu-multi: the checks that need 2 or more GPUs. GPU_CHECK_ARGS: e.g. --only=A2,B4
+.PHONY: test-gpu test-gpu-multi
+test-gpu: $(STAMP)
+	$(PY) tests/gpu/run_gpu_check.py --tier all --allow-no-gpu $(GPU_CHECK_ARGS)
+
+test-gpu-multi: $(STAMP)
+	$(PY) tests/gpu/run_gpu_check.py --tier multi --allow-no-gpu $(GPU_CHECK_ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
