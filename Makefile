@@ -59,9 +59,11 @@ test-gpu: $(STAMP)
 test-gpu-multi: $(STAMP)
 	$(PY) tests/gpu/run_gpu_check.py --tier multi --allow-no-gpu $(GPU_CHECK_ARGS)
 
+# lint-imports: the import contracts in pyproject.toml ([tool.importlinter]: layers, no cycles).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
