@@ -18,7 +18,7 @@ import ast
 import math
 import operator
 
-from nemo_like.environments.tools.registry import ToolError
+from nemo_like.environments.tools.errors import ToolError
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 1000

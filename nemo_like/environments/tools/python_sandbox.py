@@ -11,7 +11,7 @@ bytecode writes) in a fresh scratch directory (its working directory, deleted af
   :pep:`578` audit hook installed before the snippet runs (see ``sandbox_child.py``).
 
 The result is the snippet's stdout, plus the ``repr`` of its last expression (REPL-style). Every failure
-is a :class:`~nemo_like.environments.tools.registry.ToolError` with a ``kind`` for the counters. This is a
+is a :class:`~nemo_like.environments.tools.errors.ToolError` with a ``kind`` for the counters. This is a
 guard against accidents of a model's code, not a security boundary against a hostile one: see
 ``docs/guides/tools.md`` for what it does not protect against.
 """
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nemo_like.environments.tools.registry import ToolError
+from nemo_like.environments.tools.errors import ToolError
 
 _CHILD = Path(__file__).with_name("sandbox_child.py")
 _MAX_CODE_CHARS = 20_000

@@ -19,20 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_like.config.errors import ConfigError, did_you_mean
+from nemo_like.environments.tools.errors import ToolError  # user tools import it from here (docs/guides/tools.md)
 from nemo_like.utils.imports import import_object, is_import_path
 
 Tool = Callable[..., Any]
 BUILTIN_TOOLS = ("calculator", "python")
 #: Longest observation text kept from a custom tool (characters).
 MAX_RESULT_CHARS = 4096
-
-
-class ToolError(Exception):
-    """A tool call failed in a known way; ``kind`` is counted (e.g. ``timeout``, ``memory``)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass(frozen=True)
