@@ -85,8 +85,7 @@ def test_without_a_cuda_device_every_check_is_not_run_and_the_exit_status_says_s
     summary = json.loads((tmp_path / "a.json").read_text())
     assert {c["status"] for c in summary["checks"]} == {"NOT RUN"} and summary["exit_status"] == 3
     assert all(c["imports"] == "ok" for c in summary["checks"]), summary["checks"]
-    allowed = subprocess.run([*command, "--allow-no-gpu"], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    # With --allow-no-gpu (make test-gpu) the same run exits 0: checklib.exit_status, test_verdicts_and_exit_statuses.
 
 
 def test_verdicts_and_exit_statuses():
