@@ -342,12 +342,12 @@ def ray_stepper(envs: Any) -> Callable:
     routed by their prompt's task, each task's samples sharded over its actors, all concurrently."""
     from nemo_like.distributed.worker_group import get_with_context
     from nemo_like.environments.registry import route_by_task
-    from nemo_like.experience.rollouts import shard
+    from nemo_like.utils.sharding import contiguous_shards
 
     def step(prompts, message_logs, metadata):
         calls, refs = [], []
         for task, indices in route_by_task([p.metadata for p in prompts], envs.tasks).items():
-            for worker, rows in zip(envs.workers[task], shard(indices, len(envs.workers[task]))):
+            for worker, rows in zip(envs.workers[task], contiguous_shards(indices, len(envs.workers[task]))):
                 calls.append((task, rows))
                 refs.append(worker.step.remote([message_logs[i] for i in rows], [metadata[i] for i in rows]))
         steps: list[EnvironmentStep | None] = [None] * len(prompts)

@@ -14,6 +14,7 @@ from nemo_like.environments.registry import route_by_task
 from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.multi_turn import MultiTurnSettings, apply_stop_strings, ray_stepper, run_multi_turn
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams
+from nemo_like.utils.sharding import contiguous_shards
 
 
 @dataclass
@@ -64,12 +65,6 @@ class Scores:
     metrics: dict[str, float]
 
 
-def shard(indices: list[int], num_shards: int) -> list[list[int]]:
-    """Split ``indices`` into at most ``num_shards`` contiguous, non-empty, near-equal pieces."""
-    per = -(-len(indices) // num_shards)
-    return [indices[i : i + per] for i in range(0, len(indices), per)]
-
-
 @dataclass
 class PendingScores:
     """Scoring requests in flight on the environment actors (:func:`request_scores`); :meth:`result` gathers them."""
@@ -97,7 +92,7 @@ def request_scores(envs: EnvironmentHandles, texts: list[str], prompts: list[Pro
     calls: list[tuple[str, list[int]]] = []
     refs = []
     for task, indices in route_by_task(metadata, envs.tasks).items():
-        for worker, rows in zip(envs.workers[task], shard(indices, len(envs.workers[task]))):
+        for worker, rows in zip(envs.workers[task], contiguous_shards(indices, len(envs.workers[task]))):
             calls.append((task, rows))
             refs.append(worker.score.remote([texts[i] for i in rows], [metadata[i] for i in rows]))
     return PendingScores(len(texts), calls, refs)

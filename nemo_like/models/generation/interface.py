@@ -110,13 +110,8 @@ def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, s
     from dataclasses import asdict
 
     from nemo_like.distributed.worker_group import get_with_context
+    from nemo_like.utils.sharding import contiguous_shards
 
-    n = len(group)
-    per = -(-len(prompts) // n)
-    shards = [prompts[i * per : (i + 1) * per] for i in range(n)]
-    refs = [
-        w.generate.remote(shard, asdict(params), seed + 1_000_003 * rank)
-        for rank, (w, shard) in enumerate(zip(group.workers, shards))
-        if shard
-    ]
+    shards = contiguous_shards(prompts, len(group))  # rank r generates piece r (its seed depends on r)
+    refs = [w.generate.remote(shard, asdict(params), seed + 1_000_003 * rank) for rank, (w, shard) in enumerate(zip(group.workers, shards))]
     return [GeneratedSample(**s) for shard in get_with_context(refs, "generation") for s in shard]
