@@ -1,7 +1,7 @@
 """Token logprobs without the full ``[tokens, vocab]`` logits: output head + log-softmax per chunk of positions.
 
 The model runs as usual up to its last hidden states; its output head is swapped, for the duration
-of one forward, for a function that computes :func:`~nemo_like.models.logprobs.token_logprobs_from_logits`
+of one forward, for a function that computes :func:`~nemo_like.models.processed_logprobs.token_logprobs_from_logits`
 (the sampler's processed distribution: temperature, top-k, top-p) on ``chunk_size`` positions at a
 time. Training keeps the graph bounded too: :class:`ChunkedTokenLogprobs` saves only the hidden
 states and the head weight and recomputes each chunk's logits in the backward pass. Swapping the
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs_with_outside, token_logprobs_from_logits
+from nemo_like.models.processed_logprobs import SamplingDistribution, processed_token_logprobs_with_outside, token_logprobs_from_logits
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):

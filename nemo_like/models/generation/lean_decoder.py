@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.llama_family import rotary_tables
 from nemo_like.models.llama_family import supported as fused_step_supported
-from nemo_like.models.logprobs import SamplingDistribution, sampling_keep_mask
+from nemo_like.models.processed_logprobs import SamplingDistribution, sampling_keep_mask
 
 
 @dataclass
