@@ -217,6 +217,8 @@ class VLLMGeneration:
         else:
             refs = self._refit_broadcast(version)
         versions = get_with_context(refs, "refit")
+        if transport == "cuda_ipc":  # the engine copied the weights: the policy's bf16 copy behind the handles can go
+            get_with_context(self.policy.group.run_rank0("release_ipc_tensors"), "refit: release IPC tensors")
         if set(versions) != {version}:
             raise RuntimeError(f"refit delivered weight versions {versions}, expected {version}")
         self.weight_version = version

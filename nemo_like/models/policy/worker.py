@@ -364,6 +364,7 @@ class PolicyWorker(Reinitializable):
         reserved_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         grads = sum(_local_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
         moved = 0
+        self._ipc_tensors = None  # a refit's bf16 copy, if one is still held
         if self.trainable:
             self.optimizer.zero_grad(set_to_none=True)
             if offload_optimizer and self.device.type != "cpu":
@@ -599,11 +600,19 @@ class PolicyWorker(Reinitializable):
         }
 
     def ipc_handles(self) -> tuple[list[str], dict[str, Any]]:
-        """``(names, {device_uuid: {name: CUDA-IPC handle}})`` of every tensor; the tensors stay referenced until the next call."""
+        """``(names, {device_uuid: {name: CUDA-IPC handle}})`` of every tensor; the tensors (a bf16 copy when the
+        master weights are fp32) stay referenced until :meth:`release_ipc_tensors` once the engine has copied them."""
         from nemo_like.models.generation.vllm_gpu_refit import policy_ipc_handles
 
         self._ipc_tensors = self._engine_state()
         return list(self._ipc_tensors), policy_ipc_handles(self._ipc_tensors)
+
+    def release_ipc_tensors(self) -> None:
+        """Drop the tensors behind the last IPC handles (the engine has reloaded them into its own memory), so a
+        bf16 copy of the weights does not sit on the GPU through generation."""
+        self._ipc_tensors = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _engine_state(self) -> dict[str, torch.Tensor]:
         """Every state-dict tensor in the engine's dtype (the parameters themselves when the dtypes agree)."""

@@ -89,6 +89,7 @@ class ScriptedPolicy:
             "export_weight_buckets": lambda mb, mode: WeightBuckets(version=VERSION, names=[["w"]], refs=[], nbytes=EXPORT_BYTES),
             "release_memory": lambda offload: {"grads_freed": 0},
             "ipc_handles": lambda: (["w"], {"GPU-0": {}}),
+            "release_ipc_tensors": lambda: None,
             "rendezvous_address": lambda: ("127.0.0.1", 1),
             "init_weight_broadcast_group": lambda address, port, world: None,
             "weight_manifest": lambda: [("w", "float32", (1,))],
@@ -139,7 +140,8 @@ def test_a_colocated_refit_releases_the_policys_memory_before_the_engine_is_touc
     log: list[str] = []
     policy = ScriptedPolicy(1, log)
     refit_if_stale(SimpleNamespace(policy=policy, generation=vllm_generation(policy, on_gpu=True, colocated=True)))
-    assert log == ["release_memory", "ipc_handles", "update_weights_from_ipc"]  # before: no release at all
+    # before: no release at all; after the engine copied the weights, the policy drops the tensors behind the handles
+    assert log == ["release_memory", "ipc_handles", "update_weights_from_ipc", "release_ipc_tensors"]
 
 
 def test_a_generation_on_its_own_gpus_leaves_the_policys_memory_alone(ray_cluster):
