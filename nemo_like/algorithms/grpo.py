@@ -31,6 +31,7 @@ from nemo_like.algorithms.dynamic_sampling import (
     apply_overlong_reward_shaping,
     select_groups_with_signal,
 )
+from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.algorithms.rejection import apply_driver_masks
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
@@ -38,7 +39,6 @@ from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import DataExhausted
 from nemo_like.distributed.threads import oversubscription_warning, thread_split
 from nemo_like.environments.interface import CORRECT_REWARD
-from nemo_like.evaluation.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
 from nemo_like.experience.multi_turn import multi_turn_metrics, multi_turn_settings
 from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, rollout_seed, task_reward_metrics

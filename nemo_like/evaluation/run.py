@@ -20,10 +20,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
-from nemo_like.evaluation.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.models.policy.lora import merge_checkpoint
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
