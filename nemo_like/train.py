@@ -12,8 +12,9 @@ from nemo_like.algorithms.checkpointing import find_resume_checkpoint, trim_metr
 from nemo_like.algorithms.grpo import async_grpo_train, grpo_train
 from nemo_like.algorithms.setup import setup_grpo
 from nemo_like.config.schema import MasterConfig
+from nemo_like.models.loading import check_model_source
 from nemo_like.utils.logger import Logger
-from nemo_like.utils.preflight import check_run_inputs
+from nemo_like.utils.preflight import ensure_writable_dir
 from nemo_like.utils.run_lock import hold_run_locks, run_directories
 
 
@@ -27,6 +28,16 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
     check_run_inputs(cfg)
     with hold_run_locks(run_directories(cfg)):
         return _train_locked(cfg, start)
+
+
+def check_run_inputs(cfg: MasterConfig) -> None:
+    """Before any cluster or actor starts: model and tokenizer sources loadable here, run directories writable
+    (a :class:`~nemo_like.config.errors.ConfigError` naming the key otherwise)."""
+    check_model_source(cfg.policy.model_name, "policy.model_name")
+    if cfg.policy.tokenizer_name and cfg.policy.tokenizer_name != cfg.policy.model_name:
+        check_model_source(cfg.policy.tokenizer_name, "policy.tokenizer_name")
+    for key, directory in run_directories(cfg).items():
+        ensure_writable_dir(directory, key)
 
 
 def _train_locked(cfg: MasterConfig, start: float) -> list[dict[str, Any]]:

@@ -43,6 +43,7 @@ from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
 from nemo_like.experience.multi_turn import multi_turn_metrics, multi_turn_settings
 from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, rollout_seed, task_reward_metrics
 from nemo_like.models.generation.interface import sampling_params
+from nemo_like.models.loading import resolve_model_path
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.flops import flops_metrics, flops_spec
 from nemo_like.utils.logger import Logger
@@ -537,7 +538,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     warning = oversubscription_warning(cfg)
     if warning:
         logger.progress.message(f"[plan] {warning}")
-    flops = flops_spec(cfg)
+    flops = flops_spec(cfg, resolve_model_path(cfg.policy.model_name))
     logger.progress.message(f"[plan] {flops.describe()}")
     manager = checkpoint_manager(parts)
     last_step = restore_run(parts, resume_from) if resume_from is not None else 0

@@ -35,6 +35,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_like.utils.cpus import local_cores  # also importable from here
+
 AUTO = "auto"
 
 
@@ -153,14 +155,6 @@ def oversubscription(split: ThreadSplit, actors: PhaseActors) -> tuple[int, str]
 def per_node(count: int, num_nodes: int) -> int:
     """Actors of a role on one node when ``count`` of them spread evenly over ``num_nodes``."""
     return math.ceil(count / max(1, num_nodes))
-
-
-def local_cores() -> int:
-    """Cores this process may run on (its CPU affinity; ``os.cpu_count()`` where affinity is unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def node_cpus() -> int:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_like.utils.cpus import local_cores
 from nemo_like.utils.throughput import TIMING_PREFIX, TOTAL_KEY, rate
 
 # Dense (no sparsity) peak FLOP/s by GPU name fragment and precision (vendor data sheets, SXM parts);
@@ -127,8 +128,6 @@ def measure_matmul_flops(dtype: str = "float32", size: int = PROBE_SIZE, seconds
     """Best FLOP/s of ``size x size`` matmuls in ``dtype`` over about ``seconds`` (``threads``: torch threads, default all cores)."""
     import torch
 
-    from nemo_like.distributed.threads import local_cores
-
     before = torch.get_num_threads()
     torch.set_num_threads(threads or local_cores())
     try:
@@ -148,8 +147,6 @@ def measure_matmul_flops(dtype: str = "float32", size: int = PROBE_SIZE, seconds
 def cpu_key(dtype: str) -> str:
     """Cache key of a CPU probe: CPU model, cores, torch version and dtype."""
     import torch
-
-    from nemo_like.distributed.threads import local_cores
 
     model = platform.processor() or platform.machine()
     try:
@@ -179,7 +176,6 @@ def cpu_peak_flops(dtype: str = "float32", cache: Path = CACHE_FILE) -> float:
     entry = cached.get(key)
     if isinstance(entry, (int, float)):  # a final figure (also the format before provisional entries)
         return float(entry)
-    from nemo_like.distributed.threads import local_cores
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     earlier = entry.get("flops") if isinstance(entry, dict) else None  # anything else (a hand-edited file): measure anew
@@ -206,11 +202,10 @@ def gpu_peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def flops_spec(cfg: Any) -> FlopsSpec:
-    """The run's :class:`FlopsSpec` (reads the model's config; may run the CPU probe once)."""
+def flops_spec(cfg: Any, model_path: str) -> FlopsSpec:
+    """The run's :class:`FlopsSpec` (reads the config of the model at ``model_path``, the policy's resolved
+    ``model_name``; may run the CPU probe once)."""
     from transformers import AutoConfig
-
-    from nemo_like.models.loading import resolve_model_path
 
     pc = cfg.policy
     ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
@@ -227,5 +222,5 @@ def flops_spec(cfg: Any) -> FlopsSpec:
         devices, training, generation = cfg.cluster.num_nodes, min(cfg.cluster.num_nodes, ranks), 1
         if peak is None:
             peak, source = cpu_peak_flops(pc.precision), f"CPU matmul probe, cached in {CACHE_FILE}"
-    n = matmul_params(AutoConfig.from_pretrained(resolve_model_path(pc.model_name)))
+    n = matmul_params(AutoConfig.from_pretrained(model_path))
     return FlopsSpec(n, peak, devices, training, generation, training_workers=ranks, generation_workers=1, peak_source=source)

@@ -1,7 +1,8 @@
-"""Checks of a run's inputs on this machine, before any cluster or actor starts.
+"""Whether a run's directory can be written, checked on this machine before any cluster or actor starts.
 
-What the schema cannot know: whether the model can be loaded here and whether the run's directories
-can be written. Each failure is a :class:`~nemo_like.config.errors.ConfigError` naming the key.
+:func:`nemo_like.train.check_run_inputs` runs it for every run directory, beside the model-source check
+(:func:`nemo_like.models.loading.check_model_source`). A failure is a :class:`~nemo_like.config.errors.ConfigError`
+naming the key.
 """
 
 from __future__ import annotations
@@ -10,9 +11,6 @@ import tempfile
 from pathlib import Path
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.config.schema import MasterConfig
-from nemo_like.models.loading import check_model_source
-from nemo_like.utils.run_lock import run_directories
 
 
 def ensure_writable_dir(directory: Path, key: str) -> None:
@@ -27,12 +25,3 @@ def ensure_writable_dir(directory: Path, key: str) -> None:
         raise ConfigError(
             f"{key}={str(directory)!r} is not a writable directory: {reason}{where}. Point {key} at a directory this user can create and write."
         ) from None
-
-
-def check_run_inputs(cfg: MasterConfig) -> None:
-    """Model and tokenizer sources loadable here, run directories writable."""
-    check_model_source(cfg.policy.model_name, "policy.model_name")
-    if cfg.policy.tokenizer_name and cfg.policy.tokenizer_name != cfg.policy.model_name:
-        check_model_source(cfg.policy.tokenizer_name, "policy.tokenizer_name")
-    for key, directory in run_directories(cfg).items():
-        ensure_writable_dir(directory, key)

@@ -6,6 +6,7 @@ import pytest
 from transformers import Qwen2Config
 
 from nemo_like.config import load_config
+from nemo_like.models.loading import resolve_model_path
 from nemo_like.utils.flops import (
     FlopsSpec,
     cpu_key,
@@ -94,7 +95,7 @@ def test_gpu_table_and_configured_peak():
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 1.95e13
     assert gpu_peak_flops("Some Unknown GPU", "bfloat16") is None
     cfg = load_config(None, ["cluster.peak_flops_per_device=2e12", "policy.dp_size=2", "policy.dtensor_cfg.enabled=true"])
-    spec = flops_spec(cfg)  # CPU: the configured peak, no probe; a device is a node
+    spec = flops_spec(cfg, resolve_model_path(cfg.policy.model_name))  # CPU: the configured peak, no probe; a device is a node
     assert (spec.peak_flops_per_device, spec.devices, spec.training_devices, spec.training_workers) == (2e12, 1, 1, 2)
     assert spec.matmul_params > 0
     assert (
