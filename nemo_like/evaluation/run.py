@@ -113,7 +113,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.algorithms.setup import check_environments, eos_token_ids, load_validation_prompts
     from nemo_like.distributed.capacity import check_cluster_capacity, sum_resources
     from nemo_like.distributed.ray_init import init_ray
-    from nemo_like.environments.registry import resolve_environments, task_of
+    from nemo_like.environments.registry import resolve_environments
     from nemo_like.environments.worker import Environments, environment_resources
     from nemo_like.experience.multi_turn import multi_turn_settings
     from nemo_like.experience.rollouts import collect_rollout
@@ -162,30 +162,12 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             seed,
             multi_turn=multi_turn_settings(run_cfg, tokenizer),  # grpo.max_rollout_turns > 1: each sample runs its turns
         )
-        expanded, group_ids, samples, texts = rollout.prompts, rollout.group_ids, rollout.samples, rollout.response_texts
     finally:
         for part in (generation, environments):
             if part is not None:
                 part.shutdown()
 
-    rows = []
-    for i, (prompt, sample, text) in enumerate(zip(expanded, samples, texts)):
-        reward = float(rollout.rewards[i])
-        rows.append(
-            {
-                "prompt_id": prompt.id,
-                "prompt_index": int(group_ids[i]),
-                "sample_index": i % n,
-                "task": task_of(prompt.metadata, specs),
-                "reward": reward,
-                "correct": reward >= CORRECT_REWARD,
-                "response": text,
-                "answer": _jsonable(prompt.metadata.get("answer")),
-                "response_tokens": sample.num_sampled_tokens,
-                "truncated": bool(sample.truncated),
-                **({"num_turns": sample.num_turns, "turns": sample.messages} if sample.messages is not None else {}),
-            }
-        )
+    rows = result_rows(rollout, specs, n)
     summary = {
         "model": ev.model_path or cfg.policy.model_name,
         "model_dir": model_dir,
@@ -197,13 +179,43 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         "env_metrics": rollout.env_metrics,
         "seconds": time.perf_counter() - start,
     }
+    write_results(out, rows, summary)
+    return summary
+
+
+def result_rows(rollout: Any, specs: Any, n: int) -> list[dict[str, Any]]:
+    """One ``results.jsonl`` row per sample: its prompt, task, reward, response and lengths (and turns, multi-turn)."""
+    from nemo_like.environments.registry import task_of
+
+    rows = []
+    for i, (prompt, sample, text) in enumerate(zip(rollout.prompts, rollout.samples, rollout.response_texts)):
+        reward = float(rollout.rewards[i])
+        rows.append(
+            {
+                "prompt_id": prompt.id,
+                "prompt_index": int(rollout.group_ids[i]),
+                "sample_index": i % n,
+                "task": task_of(prompt.metadata, specs),
+                "reward": reward,
+                "correct": reward >= CORRECT_REWARD,
+                "response": text,
+                "answer": _jsonable(prompt.metadata.get("answer")),
+                "response_tokens": sample.num_sampled_tokens,
+                "truncated": bool(sample.truncated),
+                **({"num_turns": sample.num_turns, "turns": sample.messages} if sample.messages is not None else {}),
+            }
+        )
+    return rows
+
+
+def write_results(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """``results.jsonl`` and ``summary.json`` in ``out``, and the table on stderr."""
     with open(out / "results.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_table(summary), file=sys.stderr)
     print(f"[done] {out / 'summary.json'}, {out / 'results.jsonl'}", file=sys.stderr)
-    return summary
 
 
 def _jsonable(value: Any) -> Any:
