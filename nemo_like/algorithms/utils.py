@@ -67,6 +67,22 @@ def _raise_on_non_finite_rewards(rewards: torch.Tensor, prompt_ids: torch.Tensor
     )
 
 
+def _check_baseline_shapes(prompt_ids: torch.Tensor, rewards: torch.Tensor, valid_mask: torch.Tensor) -> None:
+    if rewards.dim() != 1 or valid_mask.shape != rewards.shape or prompt_ids.shape[:1] != rewards.shape:
+        raise ValueError(
+            "Expected rewards [B], valid_mask [B] and prompt_ids [B] or [B, L]; got "
+            f"{tuple(rewards.shape)}, {tuple(valid_mask.shape)}, {tuple(prompt_ids.shape)}"
+        )
+
+
+def _group_reduce(x: torch.Tensor, group: torch.Tensor, num_groups: int, op: str, fill: float) -> torch.Tensor:
+    """Per group, ``op`` (``sum``, ``amin``, ``amax``) of the float64 values ``x`` whose group index is ``group``."""
+    init = torch.full((num_groups,), fill, dtype=torch.float64, device=x.device)
+    if op == "sum":
+        return init.index_add_(0, group, x)
+    return init.scatter_reduce_(0, group, x, reduce=op, include_self=True)
+
+
 def calculate_baseline_and_std_per_prompt(
     prompt_ids: torch.Tensor,
     rewards: torch.Tensor,
@@ -104,11 +120,7 @@ def calculate_baseline_and_std_per_prompt(
         ValueError: on shape mismatch, or when a reward is NaN/inf (names the sample indices and groups;
             checked for invalid samples too, since ``NaN * 0`` is still NaN downstream).
     """
-    if rewards.dim() != 1 or valid_mask.shape != rewards.shape or prompt_ids.shape[:1] != rewards.shape:
-        raise ValueError(
-            "Expected rewards [B], valid_mask [B] and prompt_ids [B] or [B, L]; got "
-            f"{tuple(rewards.shape)}, {tuple(valid_mask.shape)}, {tuple(prompt_ids.shape)}"
-        )
+    _check_baseline_shapes(prompt_ids, rewards, valid_mask)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     if rewards.numel() == 0:
         empty = torch.zeros(0, dtype=out_dtype, device=rewards.device)
@@ -123,11 +135,10 @@ def calculate_baseline_and_std_per_prompt(
     v = valid.to(torch.float64)
 
     def group_sum(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, group, x)
+        return _group_reduce(x, group, num_groups, "sum", 0.0)
 
     def group_reduce(x: torch.Tensor, op: str, fill: float) -> torch.Tensor:
-        init = torch.full((num_groups,), fill, dtype=torch.float64, device=r.device)
-        return init.scatter_reduce_(0, group, x, reduce=op, include_self=True)
+        return _group_reduce(x, group, num_groups, op, fill)
 
     # Shift by the group's smallest valid reward: the sums below then cancel less, and a group of equal
     # rewards sums exact zeros.
