@@ -15,7 +15,6 @@ guard; they differ only in their :class:`SyncSteps` / :class:`AsyncSteps` object
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from nemo_like.algorithms.dynamic_sampling import (
 )
 from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.algorithms.rejection import apply_driver_masks
+from nemo_like.algorithms.sample_reports import dump_train_samples, report_val_samples
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
@@ -47,7 +47,6 @@ from nemo_like.models.loading import resolve_model_path
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.flops import flops_metrics, flops_spec
 from nemo_like.utils.logger import Logger
-from nemo_like.utils.sample_dump import dump_path, format_samples, per_sample_mean, response_token_values, write_sample_dump
 from nemo_like.utils.throughput import throughput_metrics
 from nemo_like.utils.timer import StepTimer
 
@@ -109,79 +108,6 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
     if multi_turn is not None:
         metrics.update(multi_turn_metrics(rollout.samples, rewards, prefix="validation/multi_turn"))
     return metrics
-
-
-def prompt_texts(parts: GRPOComponents, rollout: Rollout) -> list[str]:
-    """The exact text each sample's prompt gave the model (chat template included)."""
-    return parts.tokenizer.batch_decode([s.prompt_ids for s in rollout.samples], skip_special_tokens=False)
-
-
-def report_val_samples(parts: GRPOComponents, step: int, rollout: Rollout) -> None:
-    """Dump the validation samples (``logger.dump_train_data``) and print the first few (``num_val_samples_to_print``)."""
-    log_cfg = parts.cfg.logger
-    if not (log_cfg.dump_train_data or log_cfg.num_val_samples_to_print):
-        return
-    prompts = prompt_texts(parts, rollout)
-    if log_cfg.dump_train_data:
-        write_sample_dump(
-            dump_path(log_cfg.log_dir, "val", step),
-            step,
-            {
-                "prompt_id": [p.id for p in rollout.prompts],
-                "prompt": prompts,
-                "response": rollout.response_texts,
-                "reward": rollout.rewards,
-                "truncated": [s.truncated for s in rollout.samples],
-                "response_token_ids": [s.response_ids for s in rollout.samples],
-                "generation_logprobs": [s.response_logprobs for s in rollout.samples],
-                **turn_columns(rollout),
-            },
-        )
-    if log_cfg.num_val_samples_to_print:
-        text = format_samples(prompts, rollout.response_texts, rollout.rewards.tolist(), log_cfg.num_val_samples_to_print)
-        print(f"[validation samples, step {step}]\n{text}", file=sys.stderr, flush=True)
-
-
-def turn_columns(rollout: Rollout) -> dict[str, list]:
-    """Multi-turn dump columns (none for single-turn samples): each sample's turns as messages, its turn
-    count and the per-token mask of its response (1 sampled, 0 observation)."""
-    if all(s.messages is None for s in rollout.samples):
-        return {}
-    return {
-        "num_turns": [s.num_turns for s in rollout.samples],
-        "turns": [s.messages for s in rollout.samples],
-        "response_mask": [s.sampled_mask for s in rollout.samples],
-        "length_truncated": [s.length_truncated for s in rollout.samples],
-        "step_metrics": [s.step_metrics for s in rollout.samples],
-    }
-
-
-def dump_train_samples(
-    parts: GRPOComponents, step: int, rollout: Rollout, batch: dict[str, torch.Tensor], first_step_logprobs: torch.Tensor | None
-) -> None:
-    """Write ``train_data_step{step}.jsonl``. Without a prev pass, prev logprobs are back-filled from the
-    training pass's pre-update logprobs (the prev pass is skipped only with one optimizer step per rollout)."""
-    mask = batch["token_mask"]
-    prev = batch.get("prev_logprobs")
-    if prev is None and first_step_logprobs is not None and first_step_logprobs.shape == mask.shape:
-        prev = first_step_logprobs
-    columns: dict[str, Any] = {
-        "prompt_id": [p.id for p in rollout.prompts],
-        "group_id": rollout.group_ids,
-        "prompt": prompt_texts(parts, rollout),
-        "response": rollout.response_texts,
-        "reward": rollout.rewards,
-        "advantage": per_sample_mean(batch["advantages"], mask),
-        "sample_mask": batch["sample_mask"],
-        "truncated": [s.truncated for s in rollout.samples],
-        "response_token_ids": [s.response_ids for s in rollout.samples],
-        "generation_logprobs": response_token_values(batch["generation_logprobs"], mask),
-        "prev_logprobs": response_token_values(prev, mask) if prev is not None else [None] * len(rollout.samples),
-        **turn_columns(rollout),
-    }
-    if "reference_policy_logprobs" in batch:
-        columns["reference_logprobs"] = response_token_values(batch["reference_policy_logprobs"], mask)
-    write_sample_dump(dump_path(parts.cfg.logger.log_dir, "train", step), step, columns)
 
 
 def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
