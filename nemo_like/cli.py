@@ -138,10 +138,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def load_checked_recipe(args: argparse.Namespace) -> MasterConfig | None:
     """The validated recipe with its environments checked (before any actor starts); ``None`` after printing it
     for ``--dry-run``."""
-    from nemo_like.environments.registry import resolve_environments
+    from nemo_like.algorithms.names import check_plugin_names
 
     cfg = load_config(args.config, args.overrides)
-    resolve_environments(cfg.env_sections)  # a wrong env class or key fails here
+    check_plugin_names(cfg)  # a wrong plug-in name (estimator, loss plug-in, env class, tool) or env key fails here
     if args.dry_run:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return None

@@ -10,6 +10,7 @@ from typing import Any
 
 from nemo_like.algorithms.checkpointing import find_resume_checkpoint, trim_metrics_after
 from nemo_like.algorithms.grpo import async_grpo_train, grpo_train
+from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.setup import setup_grpo
 from nemo_like.config.schema import MasterConfig
 from nemo_like.models.loading import check_model_source
@@ -25,6 +26,7 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
     locks its log and checkpoint directories, so a second run on them stops before it resumes or trims
     anything (see :mod:`nemo_like.utils.run_lock`)."""
     start = time.perf_counter()
+    check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed
     check_run_inputs(cfg)
     with hold_run_locks(run_directories(cfg)):
         return _train_locked(cfg, start)

@@ -13,12 +13,12 @@ from typing import Protocol
 
 import torch
 
-from nemo_like.algorithms.registry import Registry
 from nemo_like.algorithms.utils import (
     _prompt_group_index,
     calculate_baseline_and_std_per_prompt,
     normalize_advantages_with_epsilon,
 )
+from nemo_like.utils.registry import Registry
 
 
 @dataclass

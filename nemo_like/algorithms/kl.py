@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from nemo_like.algorithms.registry import Registry
+from nemo_like.utils.registry import Registry
 
 KLEstimator = Callable[[torch.Tensor], torch.Tensor]
 

@@ -39,9 +39,9 @@ from nemo_like.algorithms.metrics import (
     default_metric_reduction,
     divergence_metric_fragments,
 )
-from nemo_like.algorithms.registry import Registry
 from nemo_like.algorithms.utils import masked_mean
 from nemo_like.config.loss import LOSS_AGGREGATIONS, ClippedPGLossConfig
+from nemo_like.utils.registry import Registry
 
 __all__ = [
     "ClippedPGLossFn",

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
 from nemo_like.distributed.ray_init import init_ray
-from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments, resolve_environments
+from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments
 from nemo_like.environments.worker import Environments
 from nemo_like.models.generation import make_generation
 from nemo_like.models.generation.hf import HFGeneration
@@ -125,7 +126,7 @@ def report_lora(cfg: MasterConfig, policy: Policy) -> None:
 
 def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
-    env_specs = resolve_environments(cfg.env_sections)  # fail fast in the driver, not inside an actor
+    env_specs = check_plugin_names(cfg)  # fail fast in the driver, not inside an actor
     if cfg.grpo.val_greedy and cfg.grpo.val_num_generations_per_prompt > 1:
         warnings.warn(
             "grpo.val_greedy=true with grpo.val_num_generations_per_prompt > 1: greedy samples of a prompt are "

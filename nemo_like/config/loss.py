@@ -9,15 +9,16 @@ is only a warning (:meth:`ClippedPGLossConfig.no_effect_warnings`, printed once 
 
 Plug-in choices (``surrogate``, ``reference_policy_kl_type``, ``truncated_importance_sampling_type``,
 ``trust_region_type``) accept any name registered in :mod:`nemo_like.algorithms.loss_functions` /
-:mod:`nemo_like.algorithms.kl`, or a ``module:function`` import path to user code; they are checked
-against the registry here, at config time.
+:mod:`nemo_like.algorithms.kl`, or a ``module:function`` import path to user code. This module keeps them as
+plain names; they are checked after loading, before any actor starts, by
+:func:`nemo_like.algorithms.names.check_plugin_names`.
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_like.config.types import Float
 
@@ -219,25 +220,6 @@ class ClippedPGLossConfig(BaseModel):
             "all valid tokens when no trust region is set). 0 disables."
         ),
     )
-
-    @field_validator("reference_policy_kl_type")
-    @classmethod
-    def _registered_kl_type(cls, name: str) -> str:
-        from nemo_like.algorithms.kl import KL_ESTIMATORS
-
-        return KL_ESTIMATORS.check(name)
-
-    @field_validator("surrogate", "truncated_importance_sampling_type", "trust_region_type")
-    @classmethod
-    def _registered_plugin(cls, name: str | None, info) -> str | None:
-        from nemo_like.algorithms import loss_functions as lf
-
-        registry = {
-            "surrogate": lf.SURROGATES,
-            "truncated_importance_sampling_type": lf.TRUNCATIONS,
-            "trust_region_type": lf.TRUST_REGIONS,
-        }[info.field_name]
-        return None if name is None else registry.check(name)
 
     @property
     def aggregation(self) -> str:

@@ -31,13 +31,6 @@ class AdvEstimatorConfig(Section):
         "register_advantage_estimator) or user code as 'package.module:function' (see docs/guides/advantages.md).",
     )
 
-    @field_validator("name")
-    @classmethod
-    def _registered(cls, name: str) -> str:
-        from nemo_like.algorithms.advantages import ADVANTAGE_ESTIMATORS
-
-        return ADVANTAGE_ESTIMATORS.check(name)
-
 
 class RewardShapingConfig(Section):
     enabled: bool = Field(False, description="DAPO soft overlong punishment on the reward.")

@@ -7,25 +7,30 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from nemo_like.config.errors import ConfigError
 from nemo_like.environments.arithmetic_reward import score_response
 from nemo_like.environments.interface import EnvironmentInterface
-from nemo_like.utils.imports import import_object, is_import_path
+from nemo_like.utils.registry import PluginNameError, Registry
 
 RewardFn = Callable[[str, Any], float]
 
 
-def import_reward_fn(path: str) -> RewardFn:
-    """Import ``'package.module:function'``; errors name the key and what was expected."""
-    if not is_import_path(path):
-        raise ConfigError(f"custom_reward_fn must look like 'module:function', got {path!r}")
-    try:
-        fn = import_object(path)
-    except ValueError as exc:
-        raise ConfigError(f"custom_reward_fn: {exc}") from None
+def _check_reward_fn(fn: object, path: str, key: str) -> None:
     if not callable(fn):
-        raise ConfigError(f"custom_reward_fn: {path!r} is a {type(fn).__name__}, not a function (response_text, answer) -> float")
-    return fn
+        raise PluginNameError(key, f"{key}: {path!r} is a {type(fn).__name__}, not a function (response_text, answer) -> float")
+
+
+#: Reward functions (``custom_reward_fn``, the tool environment's ``answer_checker``): user code by import path.
+REWARD_FUNCTIONS: Registry[RewardFn] = Registry(
+    "reward function",
+    "custom_reward_fn",
+    validate=_check_reward_fn,
+    unknown=lambda path, key, _names: f"{key} must look like 'module:function', got {path!r}",
+)
+
+
+def import_reward_fn(path: str, key: str = "custom_reward_fn") -> RewardFn:
+    """Import ``'package.module:function'``; errors name the key and what was expected."""
+    return REWARD_FUNCTIONS.get(path, key)
 
 
 class ArithmeticEnvConfig(BaseModel):

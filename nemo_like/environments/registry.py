@@ -24,15 +24,38 @@ from pydantic import ValidationError
 
 from nemo_like.config.errors import ConfigError, did_you_mean
 from nemo_like.environments.interface import EnvironmentInterface
-from nemo_like.utils.imports import import_object
+from nemo_like.utils.registry import PluginNameError, Registry
 
-#: Built-in environments: the name usable as a section name or as ``class:``, and its import path.
-BUILTIN_ENVIRONMENTS: dict[str, str] = {
-    "arithmetic": "nemo_like.environments.arithmetic:ArithmeticEnvironment",
-    "math": "nemo_like.environments.math:MathEnvironment",
-    "tool": "nemo_like.environments.tools.environment:ToolEnvironment",
-    "guess_number": "nemo_like.environments.games.guess_number:GuessNumberEnvironment",
-}
+
+def _check_environment_class(cls: object, path: str, where: str) -> None:
+    """The validator of :data:`ENVIRONMENTS`: a concrete subclass of :class:`EnvironmentInterface`."""
+    if not inspect.isclass(cls):
+        raise PluginNameError(where, f"{where}: '{path}' is a {type(cls).__name__}, not a class implementing EnvironmentInterface")
+    if not issubclass(cls, EnvironmentInterface):
+        missing = "" if callable(getattr(cls, "score", None)) else " (it has no score method)"
+        raise PluginNameError(
+            where,
+            f"{where}: class '{path}' does not subclass nemo_like.environments.interface.EnvironmentInterface{missing}; "
+            "implement score(responses, metadata) -> list[float] on a subclass",
+        )
+    if inspect.isabstract(cls):
+        raise PluginNameError(where, f"{where}: class '{path}' leaves abstract methods unimplemented: {sorted(cls.__abstractmethods__)}")
+
+
+def _unknown_environment(name: str, where: str, names: list[str]) -> str:
+    return f"{where} must be a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}) or 'module:Class', got {name!r}"
+
+
+#: Environments: a built-in name (usable as a section name or as ``class:``) or ``'module:Class'``.
+ENVIRONMENTS: Registry[type[EnvironmentInterface]] = Registry(
+    "environment", "env.<task>.class", validate=_check_environment_class, unknown=_unknown_environment, user_code="'module:Class'"
+)
+ENVIRONMENTS.add_path("arithmetic", "nemo_like.environments.arithmetic:ArithmeticEnvironment")
+ENVIRONMENTS.add_path("math", "nemo_like.environments.math:MathEnvironment")
+ENVIRONMENTS.add_path("tool", "nemo_like.environments.tools.environment:ToolEnvironment")
+ENVIRONMENTS.add_path("guess_number", "nemo_like.environments.games.guess_number:GuessNumberEnvironment")
+#: Built-in environments: name -> import path (the import path is what :class:`EnvSpec` carries to the actors).
+BUILTIN_ENVIRONMENTS: dict[str, str] = {name: ENVIRONMENTS.path_of(name) or "" for name in ENVIRONMENTS}
 #: The metadata key naming a sample's task (the ``env`` section that scores it).
 TASK_KEY = "task_name"
 
@@ -63,27 +86,13 @@ def import_root(module_name: str) -> str | None:
 
 
 def import_environment_class(path: str, where: str) -> type[EnvironmentInterface]:
-    """Import ``'package.module:Class'`` and check it implements :class:`EnvironmentInterface`.
+    """Import ``'package.module:Class'`` (or a built-in name) and check it implements :class:`EnvironmentInterface`.
 
     ``where`` names the config key in errors (e.g. ``env.my_task.class``)."""
     module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{where} must be a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}) or 'module:Class', got {path!r}")
-    try:
-        cls = import_object(path)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    if not inspect.isclass(cls):
-        raise ConfigError(f"{where}: '{path}' is a {type(cls).__name__}, not a class implementing EnvironmentInterface")
-    if not issubclass(cls, EnvironmentInterface):
-        missing = "" if callable(getattr(cls, "score", None)) else " (it has no score method)"
-        raise ConfigError(
-            f"{where}: class '{path}' does not subclass nemo_like.environments.interface.EnvironmentInterface{missing}; "
-            "implement score(responses, metadata) -> list[float] on a subclass"
-        )
-    if inspect.isabstract(cls):
-        raise ConfigError(f"{where}: class '{path}' leaves abstract methods unimplemented: {sorted(cls.__abstractmethods__)}")
-    return cls
+    if sep and (not module_name or not attr):
+        raise PluginNameError(where, _unknown_environment(path, where, ENVIRONMENTS.names()))
+    return ENVIRONMENTS.get(path, where)
 
 
 def check_constructor_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -110,10 +110,10 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     """Run the evaluation ``cfg.eval`` describes; returns the summary (also written to ``summary.json``)."""
+    from nemo_like.algorithms.names import check_plugin_names
     from nemo_like.algorithms.setup import check_environments, eos_token_ids, load_validation_prompts
     from nemo_like.distributed.capacity import check_cluster_capacity, sum_resources
     from nemo_like.distributed.ray_init import init_ray
-    from nemo_like.environments.registry import resolve_environments
     from nemo_like.environments.worker import Environments, environment_resources
     from nemo_like.experience.multi_turn import multi_turn_settings
     from nemo_like.experience.rollouts import collect_rollout
@@ -129,7 +129,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             RuntimeWarning,
             stacklevel=2,
         )
-    specs = resolve_environments(cfg.env_sections)
+    specs = check_plugin_names(cfg)
     model_dir = resolve_eval_model(ev.model_path or cfg.policy.model_name)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     prompts = load_validation_prompts(cfg, tokenizer)

@@ -20,10 +20,9 @@ from typing import Any
 
 from nemo_like.config.errors import ConfigError, did_you_mean
 from nemo_like.environments.tools.errors import ToolError  # user tools import it from here (docs/guides/tools.md)
-from nemo_like.utils.imports import import_object, is_import_path
+from nemo_like.utils.registry import PluginNameError, Registry
 
 Tool = Callable[..., Any]
-BUILTIN_TOOLS = ("calculator", "python")
 #: Longest observation text kept from a custom tool (characters).
 MAX_RESULT_CHARS = 4096
 
@@ -37,11 +36,13 @@ class ToolResult:
     error_kind: str | None = None
 
 
-def _builtin(name: str, python_timeout_s: float = 5.0, python_memory_mb: int = 256, python_max_output_bytes: int = 4096) -> Tool:
-    if name == "calculator":
-        from nemo_like.environments.tools.calculator import calculator
+def _calculator(**_sandbox: Any) -> Tool:
+    from nemo_like.environments.tools.calculator import calculator
 
-        return calculator
+    return calculator
+
+
+def _python(python_timeout_s: float = 5.0, python_memory_mb: int = 256, python_max_output_bytes: int = 4096) -> Tool:
     from nemo_like.environments.tools.python_sandbox import PythonSandbox
 
     sandbox = PythonSandbox(python_timeout_s, python_memory_mb, python_max_output_bytes)
@@ -53,21 +54,31 @@ def _builtin(name: str, python_timeout_s: float = 5.0, python_memory_mb: int = 2
     return python
 
 
+def _check_tool(fn: object, spec: str, where: str) -> None:
+    if not callable(fn):
+        raise PluginNameError(where, f"{where}: {spec!r} is a {type(fn).__name__}, not a function taking the call's arguments as keywords")
+
+
+def _unknown_tool(spec: str, where: str, names: list[str]) -> str:
+    return (
+        f"{where}: {spec!r} is not a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor 'module:function' / 'file.py:function'."
+        f"{did_you_mean(spec, BUILTIN_TOOLS)}"
+    )
+
+
+#: Tools: a built-in name maps to a factory taking the python tool's sandbox limits; an import path
+#: names the tool function itself.
+TOOLS: Registry[Callable[..., Tool]] = Registry("tool", "tools", validate=_check_tool, unknown=_unknown_tool)
+TOOLS.add("calculator", _calculator)
+TOOLS.add("python", _python)
+BUILTIN_TOOLS = tuple(TOOLS)
+
+
 def resolve_tool(spec: str, where: str, **sandbox: Any) -> tuple[str, Tool]:
     """``(name, callable)`` for a built-in name or an import path; :class:`ConfigError` naming ``where`` otherwise."""
-    if spec in BUILTIN_TOOLS:
-        return spec, _builtin(spec, **sandbox)
-    if not is_import_path(spec):
-        raise ConfigError(
-            f"{where}: {spec!r} is not a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor 'module:function' / 'file.py:function'."
-            f"{did_you_mean(spec, BUILTIN_TOOLS)}"
-        )
-    try:
-        fn = import_object(spec)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    if not callable(fn):
-        raise ConfigError(f"{where}: {spec!r} is a {type(fn).__name__}, not a function taking the call's arguments as keywords")
+    if spec in TOOLS:
+        return spec, TOOLS.get(spec, where)(**sandbox)
+    fn = TOOLS.get(spec, where)
     return getattr(fn, "__name__", spec.rpartition(":")[2].rsplit(".", 1)[-1]), fn
 
 

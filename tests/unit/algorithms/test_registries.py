@@ -1,5 +1,5 @@
-"""Plug-in registries: registered names or user code by import path, checked at config time with a
-did-you-mean; one definition of the k1/k2/k3 KL estimators."""
+"""Plug-in registries: registered names or user code by import path, checked after loading (by
+check_plugin_names, before any actor starts) with a did-you-mean; one definition of the k1/k2/k3 KL estimators."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from nemo_like.algorithms import kl, loss_functions, metrics
 from nemo_like.algorithms.advantages import compute_advantages
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.config import ConfigError, load_config
 from nemo_like.config.loss import ClippedPGLossConfig
 
@@ -21,6 +22,7 @@ PLUGINS_FILE = "tests/unit/algorithms/user_plugins.py"
 @pytest.mark.parametrize("path", [f"{PLUGINS}:best_of_group_advantages", f"{PLUGINS_FILE}:best_of_group_advantages"])
 def test_user_estimator_by_import_path_is_used_for_advantages(path: str) -> None:
     cfg = load_config(None, [f"grpo.adv_estimator.name={path}"])
+    check_plugin_names(cfg)
     assert cfg.grpo.adv_estimator.name == path
     result = compute_advantages(
         cfg.grpo.adv_estimator.name,
@@ -52,7 +54,7 @@ def test_user_estimator_by_import_path_is_used_for_advantages(path: str) -> None
 )
 def test_unknown_names_are_config_errors_with_suggestions(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
-        load_config(None, [override])
+        check_plugin_names(load_config(None, [override]))
     assert message in str(excinfo.value)
 
 

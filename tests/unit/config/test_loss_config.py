@@ -180,12 +180,8 @@ def test_defaults_written_out_do_not_warn() -> None:
         ({"ratio_clip_min": 1.5}, "ratio_clip_min"),
         ({"ratio_clip_max": -0.1}, "ratio_clip_max"),
         ({"reference_policy_kl_penalty": -1.0}, "reference_policy_kl_penalty"),
-        ({"reference_policy_kl_type": "k4"}, "reference_policy_kl_type"),
-        ({"surrogate": "ppo-clip"}, "surrogate"),
-        ({"trust_region_type": "dppo"}, "trust_region_type"),
         ({"loss_aggregation": "seq-mean"}, "loss_aggregation"),
         ({"loss_aggregation_normalizer": 0}, "loss_aggregation_normalizer"),
-        ({"truncated_importance_sampling_type": "clip"}, "truncated_importance_sampling_type"),
         ({"truncated_importance_sampling_ratio": 0.0}, "truncated_importance_sampling_ratio"),
         ({"trust_region_high": 1.5}, "trust_region_high"),
         ({"kl_tau": -0.1}, "kl_tau"),
@@ -194,6 +190,25 @@ def test_defaults_written_out_do_not_warn() -> None:
 def test_out_of_range_values(kwargs: dict, key: str) -> None:
     with pytest.raises(ValidationError, match=key):
         ClippedPGLossConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"reference_policy_kl_type": "k4"}, "reference_policy_kl_type"),
+        ({"surrogate": "ppo-clip"}, "surrogate"),
+        ({"trust_region_type": "dppo"}, "trust_region_type"),
+        ({"truncated_importance_sampling_type": "clip", **TIS}, "truncated_importance_sampling_type"),
+    ],
+)
+def test_unknown_plugin_names_fail_the_check_after_loading(overrides: dict, key: str) -> None:
+    # The schema keeps plain names; check_plugin_names (CLI, train, eval) resolves them before any actor starts.
+    from nemo_like.algorithms.names import check_plugin_names
+    from nemo_like.config import ConfigError, load_config
+
+    cfg = load_config(None, [f"loss_fn.{k}={v}" for k, v in overrides.items()], warn=False)
+    with pytest.raises(ConfigError, match=f"loss_fn.{key}: unknown"):
+        check_plugin_names(cfg)
 
 
 def test_all_problems_are_reported_at_once() -> None:
