@@ -12,6 +12,9 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.policy.lora import refit_mode
+from nemo_like.models.policy.loss_protocol import LossFunction
+from nemo_like.models.policy.spec import PolicyWorkerSpec
+from nemo_like.models.policy.spec import batching_plan as batching_plan  # noqa: F401  (re-exported: tests, benchmarks)
 from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
 from nemo_like.models.weight_buckets import WeightBuckets
 from nemo_like.utils.counters import Increments
@@ -49,19 +52,6 @@ class ShardedLogprobs:
         """Forward passes (micro-batches) by kind the workers ran so far, summed over the workers."""
         counts = get_with_context([w.get_forward_pass_counts.remote() for w in self.workers], f"{self.name}: counters")
         return {k: sum(c[k] for c in counts) for k in counts[0]}
-
-
-def batching_plan(pc: Any, micro_batch_size: int) -> dict[str, Any]:
-    """The :class:`~nemo_like.models.policy.batching.MicroBatchPlan` fields of ``policy`` config ``pc``."""
-    if pc.sequence_packing.enabled:
-        return {"mode": "packed", "train_size": pc.sequence_packing.train_mb_tokens, "logprob_size": pc.sequence_packing.logprob_mb_tokens}
-    if pc.dynamic_batching.enabled:
-        return {
-            "mode": "token_budget",
-            "train_size": pc.dynamic_batching.train_mb_tokens,
-            "logprob_size": pc.dynamic_batching.logprob_mb_tokens,
-        }
-    return {"mode": "fixed", "train_size": micro_batch_size, "logprob_size": pc.logprob_batch_size}
 
 
 def split_rows(batch: Batch, num_shards: int) -> list[Batch]:
@@ -113,10 +103,10 @@ class Policy:
     """``policy.dp_size`` x ``tensor_parallel_size`` workers sharing one sharded model: the trainable policy,
     or the frozen reference."""
 
-    def __init__(self, cfg: MasterConfig, name: str = "policy", trainable: bool = True, loss_fn: Any = None) -> None:
-        """``loss_fn``: the run's :class:`~nemo_like.algorithms.loss_functions.ClippedPGLossFn`, built once by the
-        driver (required when ``trainable``; the reference needs none)."""
-        pc = cfg.policy
+    def __init__(self, cfg: MasterConfig, name: str = "policy", trainable: bool = True, loss_fn: LossFunction | None = None) -> None:
+        """``loss_fn``: the run's loss (a :class:`~nemo_like.models.policy.loss_protocol.LossFunction`, e.g. the clipped
+        PG loss), built once by the driver (required when ``trainable``; the reference needs none). Every worker is
+        built from one :class:`~nemo_like.models.policy.spec.PolicyWorkerSpec` of ``cfg``."""
         if trainable and loss_fn is None:
             raise ValueError(f"the trainable policy '{name}' needs the run's loss_fn")
         self.cfg = cfg
@@ -124,26 +114,7 @@ class Policy:
         self.loss_fn = loss_fn
         role = policy_resources(cfg, trainable)
         num_workers = role.count
-        micro = min(pc.train_micro_batch_size, pc.train_global_batch_size // pc.dp_size)
-        init = dict(
-            model_name=pc.model_name,
-            precision=pc.precision,
-            temperature=pc.generation.temperature,
-            top_k=pc.generation.top_k,
-            top_p=pc.generation.top_p,
-            num_threads=role.resources.num_threads,
-            seed=cfg.grpo.seed,
-            trainable=trainable,
-            loss_fn=loss_fn,
-            optimizer=pc.optimizer,
-            warmup_steps=pc.scheduler.warmup_steps,
-            max_grad_norm=pc.max_grad_norm,
-            dtensor_cfg=pc.dtensor_cfg.model_dump(),
-            batching=batching_plan(pc, micro),
-            logprob_chunk_size=pc.logprob_chunk_size,
-            lora_cfg=pc.lora_cfg if trainable else None,
-            shared_prompt_forward=pc.shared_prompt_forward,
-        )
+        init = dict(spec=PolicyWorkerSpec.from_config(cfg, trainable, loss_fn, role.resources.num_threads))
         self.group = RayWorkerGroup(
             name, PolicyWorker, num_workers, role.resources, init, cfg.cluster.placement_timeout_s, strategy=cfg.cluster.placement_strategy
         )

@@ -1,0 +1,95 @@
+"""The policy worker's checkpoints: ``policy/`` (HF weights, or a PEFT adapter directory with LoRA) and
+``optimizer.pt`` (optimizer and scheduler state keyed by parameter name, independent of the sharding), plus the RNG.
+
+A mixin of :class:`~nemo_like.models.policy.worker.PolicyWorker`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_like.models.policy import lora as lora_lib
+from nemo_like.models.policy import sharding
+
+
+class Checkpoints:
+    """Save and load everything a resumed run needs; collectives on a sharded model (call them on every rank)."""
+
+    model: Any
+    lora_cfg: Any
+    rank: int
+    weight_version: int
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+    def save_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Rank 0 writes ``policy/`` (HF format, gathered from the shards) and ``optimizer.pt`` (optimizer state
+        keyed by parameter name, independent of the sharding); every rank returns its RNG state.
+        A collective: call it on every rank."""
+        from safetensors.torch import save_file
+
+        if self.lora_cfg is not None:
+            return self._save_adapter_checkpoint(Path(directory))
+        weights = sharding.gather_model_state(self.model)
+        optim = sharding.gather_optimizer_state(self.model, self.optimizer)
+        if self.rank == 0:
+            path = Path(directory) / "policy"
+            path.mkdir(parents=True, exist_ok=True)
+            if getattr(self.model.config, "tie_word_embeddings", False):
+                weights.pop("lm_head.weight", None)  # HF convention: the tied head is not stored
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+            self.model.config.save_pretrained(path)
+            if getattr(self.model, "generation_config", None) is not None:
+                self.model.generation_config.save_pretrained(path)
+            self._save_optimizer(Path(directory), optim)
+        return self._rng_state()
+
+    def _save_optimizer(self, directory: Any, optim: dict[str, Any]) -> None:
+        torch.save(
+            {"optimizer": optim, "scheduler": self.scheduler.state_dict(), "weight_version": self.weight_version},
+            directory / "optimizer.pt",
+        )
+
+    @staticmethod
+    def _rng_state() -> dict[str, Any]:
+        return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+    def _save_adapter_checkpoint(self, directory: Any) -> dict[str, Any]:
+        """LoRA: ``policy/`` is a PEFT adapter directory (``PeftModel.from_pretrained`` loads it onto the base model)
+        and ``optimizer.pt`` holds the adapters' optimizer state only."""
+        adapters = dict(self._refit_tensors("adapter", keep=self.rank == 0))
+        optim = sharding.gather_optimizer_state(self.model, self.optimizer)
+        if self.rank == 0:
+            lora_lib.write_adapter(directory / "policy", adapters, lora_lib.adapter_config_dict(self.model))
+            self._save_optimizer(directory, optim)
+        return self._rng_state()
+
+    def load_checkpoint(self, directory: str, rng_state: dict[str, Any] | None) -> int:
+        """Load weights, optimizer, scheduler and RNG state saved by :meth:`save_checkpoint` (every rank reads the
+        files and keeps its own shard)."""
+        from safetensors.torch import load_file
+
+        path = Path(directory)
+        if self.lora_cfg is not None:
+            saved = load_file(str(path / "policy" / lora_lib.ADAPTER_WEIGHTS))
+            missing, unexpected = sharding.load_model_state(self.model, {lora_lib.model_name(k): v for k, v in saved.items()})
+            missing = [k for k in missing if lora_lib.is_adapter(k)]  # the frozen base comes from policy.model_name
+        else:
+            weights = load_file(str(path / "policy" / "model.safetensors"))
+            tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            missing, unexpected = sharding.load_model_state(self.model, weights)
+            missing = sorted(set(missing) - tied)
+        if unexpected or missing:
+            raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}")
+        state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+        sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.weight_version = state["weight_version"]
+        if rng_state is not None:
+            torch.set_rng_state(rng_state["torch"])
+            if rng_state.get("cuda") is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng_state["cuda"])
+        return self.weight_version

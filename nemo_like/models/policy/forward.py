@@ -1,0 +1,124 @@
+"""The policy worker's forward passes: logprobs of a batch (policy, or the LoRA base as reference) and inline sampling.
+
+A mixin of :class:`~nemo_like.models.policy.worker.PolicyWorker`; it reads the model and settings the worker built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nemo_like.models import precision as precision_lib
+from nemo_like.models import shared_prefix
+from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside
+from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
+from nemo_like.models.policy import sharding
+from nemo_like.models.policy.batching import MicroBatchPlan, pack_rows, take_rows, unpack_logprobs
+
+Batch = dict[str, torch.Tensor]
+#: Prompts sampled together by inline generation (bounds the KV cache of a large validation batch).
+INLINE_GENERATION_BATCH = 256
+
+
+class ForwardPasses:
+    """Logprob passes over micro-batches, kept in step across the ranks of a sharded model, and inline sampling."""
+
+    model: Any
+    device: torch.device
+    precision: str
+    sampling: SamplingDistribution
+    plan: MicroBatchPlan
+    chunk_size: int | None
+    shared_forward: bool
+    lora_cfg: Any
+    rank: int
+    world_size: int
+    weight_version: int
+    forward_passes: dict[str, int]
+    _dist_ready: bool
+
+    def _agree_on_count(self, count: int) -> int:
+        """The largest ``count`` over the ranks: sharded forwards/backwards are collectives, so every rank runs as many."""
+        if self.world_size == 1:
+            return count
+        import torch.distributed as dist
+
+        t = torch.tensor([count], dtype=torch.long, device=self.device)  # NCCL serves only device tensors
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @staticmethod
+    def _filler(batch: Batch) -> Batch:
+        """A one-row micro-batch run by a rank that has fewer micro-batches than the others (its result is discarded)."""
+        if batch["input_ids"].shape[0]:
+            return take_rows(batch, [0])
+        return {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long)}
+
+    def _token_logprobs(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``[n, S]`` logprobs of a micro-batch, the ``[n, S]`` flags of tokens outside the sampler's kept set, and the
+        tokens the forward ran through the transformer: the shared-prompt forward's flat tokens, else padded rows, or
+        rows packed into one row and unpacked back."""
+        with precision_lib.compute_context(self.device, self.precision, sharding.is_sharded(self.model)):
+            return self._forward(mb)
+
+    def _forward(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        ids, mask = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+        if self.shared_forward:
+            return shared_prefix.shared_prefix_token_logprobs(self.model, ids, mask, mb.get("token_mask"), self.sampling, self.chunk_size)
+        if self.plan.mode != "packed":
+            lp, outside = sequence_logprobs_with_outside(self.model, ids, mask, self.sampling, self.chunk_size)
+            return lp, outside, ids.numel()
+        packed = pack_rows({"input_ids": ids, "attention_mask": mask}, dtype=precision_lib.compute_dtype(self.precision))
+        lp, outside = model_token_logprobs_with_outside(
+            self.model, packed.input_ids, packed.attention_mask.to(self.device), packed.position_ids, self.sampling, self.chunk_size
+        )
+        computed = packed.input_ids.numel()
+        return unpack_logprobs(lp, packed, ids.shape), unpack_logprobs(outside.float(), packed, ids.shape).bool(), computed
+
+    # -- logprobs ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def get_logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
+        """``[B, S]`` logprobs of ``batch['input_ids']`` under the current weights; ``reference=True`` (LoRA only):
+        under the base model, adapters disabled (the reference policy without a second copy of the weights)."""
+        assert self._dist_ready
+        if not reference:
+            return self._logprobs(batch, "logprobs")
+        if self.lora_cfg is None:
+            raise RuntimeError("reference logprobs from the policy need policy.lora_cfg.enabled (the base model is the reference)")
+        with self.model.disable_adapter():
+            return self._logprobs(batch, "reference_logprobs")
+
+    def _logprobs(self, batch: Batch, counter: str) -> torch.Tensor:
+        self.model.eval()
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        groups = self.plan.groups(batch, training=False)
+        for k in range(self._agree_on_count(len(groups))):
+            if k >= len(groups):
+                self._token_logprobs(self._filler(batch))
+                continue
+            mb = take_rows(batch, groups[k])
+            lp, _, _ = self._token_logprobs(mb)
+            out[torch.tensor(groups[k])[:, None], torch.arange(lp.shape[1])[None, :]] = lp.float().cpu()
+            self.forward_passes[counter] += 1
+        return out
+
+    # -- inline generation --------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: dict, seed: int, pad_token_id: int, eos_token_ids: list[int]) -> list[dict]:
+        """Sample one response per prompt with this worker's own weights (the inline backend,
+        :mod:`nemo_like.models.generation.inline`); returns :class:`GeneratedSample` fields as dicts."""
+        from nemo_like.models.generation.interface import SamplingParams
+        from nemo_like.models.generation.lean_decoder import sample_with_params
+
+        if self.world_size != 1 or self.lora_cfg is not None:
+            raise RuntimeError("inline generation needs a single, unsharded policy worker without LoRA")
+        sp = SamplingParams(**params)
+        self.model.eval()
+        out: list[dict] = []
+        for start in range(0, len(prompts), INLINE_GENERATION_BATCH):
+            chunk = prompts[start : start + INLINE_GENERATION_BATCH]
+            with precision_lib.compute_context(self.device, self.precision, sharded=False):  # as the logprob passes
+                drawn = sample_with_params(self.model, chunk, sp, eos_token_ids, pad_token_id, seed + start)
+            out.extend(drawn.sample_dicts(chunk, self.weight_version))
+        return out
