@@ -1,0 +1,111 @@
+"""The run sections: ``logger``, ``checkpointing``, ``cluster``, ``eval``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from nemo_like.config.sections.base import Section, check_pass_k, default_pass_k
+from nemo_like.config.types import Float, Int
+
+
+class WandbConfig(Section):
+    project: str = Field("nemo-like", description="Weights & Biases project.")
+    name: str | None = Field(None, description="Run name (default: W&B picks one).")
+
+
+class LoggerConfig(Section):
+    log_dir: str = Field("logs/grpo", description="Directory for metrics.jsonl, the resolved config, sample dumps and the plot.")
+    progress_bar: bool = Field(True, description="Live progress bar on the console.")
+    plot_at_end: bool = Field(
+        True, description="Render log_dir/metrics.png when the run ends (about 2 s on a CPU; `nemo-like plot LOG_DIR` draws it later)."
+    )
+    tensorboard_enabled: bool = Field(False, description="Also write TensorBoard event files under log_dir/tensorboard.")
+    wandb_enabled: bool = Field(
+        False, description="Also log to Weights & Biases (WANDB_MODE=offline works with no network; a failed start only warns)."
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases run settings.")
+    console_timing_period: Int = Field(10, ge=0, description="Print the per-phase timing breakdown every N steps (0: never).")
+    dump_train_data: bool = Field(
+        False, description="Write every sample of each step (and of each validation) to log_dir/{train,val}_data_step{N}.jsonl."
+    )
+    num_val_samples_to_print: Int = Field(
+        0, ge=0, description="Print this many validation samples (prompt, response, reward) to the console."
+    )
+
+
+class CheckpointingConfig(Section):
+    enabled: bool = Field(False, description="Save checkpoints and resume from them.")
+    checkpoint_dir: str = Field("results/grpo", description="Where step_N/ directories are written (shared storage on a cluster).")
+    save_period: Int = Field(10, gt=0, description="Save every this many steps (and after the last step).")
+    keep_top_k: Int | None = Field(
+        3, gt=0, description="Checkpoints kept, best first by metric_name (the latest is always kept); null keeps all."
+    )
+    metric_name: str | None = Field(
+        "val:accuracy", description="Ranking metric: 'val:<name>' (validation/<name>) or 'train:<name>' (train/<name>); null ranks by step."
+    )
+    higher_is_better: bool = Field(True, description="Direction of metric_name.")
+    resume: bool = Field(True, description="Resume automatically from the latest valid checkpoint in checkpoint_dir.")
+
+    @model_validator(mode="after")
+    def _metric_name_form(self) -> CheckpointingConfig:
+        if self.metric_name is not None:
+            prefix, _, name = self.metric_name.partition(":")
+            if prefix not in ("val", "train") or not name:
+                raise ValueError(f"checkpointing.metric_name must be 'val:<metric>' or 'train:<metric>', got {self.metric_name!r}")
+        return self
+
+
+class ClusterConfig(Section):
+    num_nodes: Int = Field(1, gt=0, description="Nodes to use.")
+    gpus_per_node: Int = Field(0, ge=0, description="GPUs per node; 0 runs on CPU bundles.")
+    num_cpus: Int | None = Field(None, gt=0, description="CPUs for a private local Ray cluster (default: all of this machine).")
+    object_store_memory_mb: Int = Field(512, gt=0, description="Object store size for a private local cluster.")
+    ray_address: str | None = Field(None, description="Join this Ray cluster (default: $RAY_ADDRESS, else start a private local one).")
+    placement_timeout_s: Float = Field(60.0, gt=0, description="Fail if the actors' resources are not granted within this time.")
+    peak_flops_per_device: Float | None = Field(
+        None,
+        gt=0,
+        description="Peak FLOP/s of one device for performance/mfu (a GPU; on CPU a whole node). Default: a table of known GPUs "
+        "for the run's precision, or on CPU a matmul probe measured once and cached (docs/guides/logging.md, Performance).",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="How each actor group's bundles land on nodes (Ray placement strategy): PACK fills a node first, SPREAD "
+        "spreads when it can, STRICT_PACK one node only, STRICT_SPREAD one bundle per node (see docs/guides/cluster.md).",
+    )
+
+
+class EvalConfig(Section):
+    """``nemo-like eval``: sample the validation prompts and report accuracy and pass@k (docs/guides/data-and-environments.md)."""
+
+    model_path: str | None = Field(
+        None,
+        description="Model to evaluate: an HF model directory or hub id, a checkpoint step directory (its policy/ subdir is "
+        "loaded), or the embedded model; default: policy.model_name. The tokenizer stays policy.tokenizer_name.",
+    )
+    num_samples_per_prompt: Int = Field(1, gt=0, description="Samples per prompt (n of the pass@k estimator).")
+    greedy: bool = Field(
+        False, description="Greedy decoding (every sample of a prompt is then the same); false samples with policy.generation settings."
+    )
+    pass_k: list[Int] | None = Field(
+        None,
+        description="Report pass@k for each k (1 <= k <= num_samples_per_prompt); default: 1, 2, 4, ... up to num_samples_per_prompt, "
+        "and num_samples_per_prompt itself (n = 6: [1, 2, 4, 6]).",
+    )
+    output_dir: str = Field("results/eval", description="Where summary.json and results.jsonl are written.")
+    seed: Int | None = Field(None, description="Sampling seed; default grpo.seed.")
+
+    @model_validator(mode="after")
+    def _k_within_n(self) -> EvalConfig:
+        if self.pass_k is not None:
+            check_pass_k(self.pass_k, self.num_samples_per_prompt, "eval.pass_k", "eval.num_samples_per_prompt")
+        return self
+
+    @property
+    def resolved_pass_k(self) -> list[int]:
+        """The ks of eval's pass@k: ``pass_k``, else :func:`default_pass_k` of ``num_samples_per_prompt``."""
+        if self.pass_k is not None:
+            return list(self.pass_k)
+        return default_pass_k(self.num_samples_per_prompt)
