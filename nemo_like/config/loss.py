@@ -250,15 +250,16 @@ class ClippedPGLossConfig(BaseModel):
         return self
 
     def _contradictions(self) -> list[str]:
-        tis_type = self.truncated_importance_sampling_type
-        tis_max = self.truncated_importance_sampling_ratio
-        tis_min = self.truncated_importance_sampling_ratio_min
-        builtin_tis = tis_type in ("tis", "icepop", "seq-mask-tis")
+        rules = [*self._ratio_rules(), *self._trust_region_and_truncation_rules()]
+        return [message for broken, message in rules if broken]
+
+    def _ratio_rules(self) -> list[tuple[bool, str]]:
+        """Contradictions among the aggregation, the surrogate flags and the ratio options."""
         token_level = self.aggregation in TOKEN_LEVEL_AGGREGATIONS
         agg = self.loss_aggregation
         tll = self.token_level_loss
         flag_surrogate = "cispo" if self.use_cispo else "reinforce" if self.disable_ppo_ratio else None
-        rules: list[tuple[bool, str]] = [
+        return [
             (
                 agg is not None and tll is not None and _LEGACY_TOKEN_LEVEL[tll] != agg,
                 f"loss_fn.token_level_loss={str(tll).lower()} means loss_aggregation "
@@ -308,6 +309,15 @@ class ClippedPGLossConfig(BaseModel):
                 "loss_fn.disable_ppo_ratio and loss_fn.force_on_policy_ratio both replace the "
                 "ratio; choose one (their gradients are identical)",
             ),
+        ]
+
+    def _trust_region_and_truncation_rules(self) -> list[tuple[bool, str]]:
+        """Contradictions of the trust region and of importance-weight truncation with the rest."""
+        tis_type = self.truncated_importance_sampling_type
+        tis_max = self.truncated_importance_sampling_ratio
+        tis_min = self.truncated_importance_sampling_ratio_min
+        builtin_tis = tis_type in ("tis", "icepop", "seq-mask-tis")
+        return [
             (
                 self.trust_region_type is not None and self.use_cispo,
                 "loss_fn.trust_region_type and loss_fn.use_cispo are exclusive",
@@ -338,7 +348,6 @@ class ClippedPGLossConfig(BaseModel):
                 f"loss_fn.truncated_importance_sampling_ratio ({tis_max})",
             ),
         ]
-        return [message for broken, message in rules if broken]
 
     def no_effect_warnings(self) -> list[str]:
         """One line per parameter changed from its default that the configuration ignores.
