@@ -33,7 +33,7 @@ from recipe_runs import run_recipe
 
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.distributed.threads import thread_split
-from nemo_like.models.generation import resolve_backend
+from nemo_like.models.generation.choice import resolve_backend
 from nemo_like.models.loading import load_tokenizer, resolve_model_path
 
 SETTINGS = {

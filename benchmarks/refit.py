@@ -32,7 +32,7 @@ def main() -> None:
     from nemo_like.algorithms.setup import eos_token_ids
     from nemo_like.config import DEFAULT_RECIPE, load_config
     from nemo_like.distributed.ray_init import init_ray
-    from nemo_like.models.generation import make_generation
+    from nemo_like.models.engines import build_generation
     from nemo_like.models.loading import load_tokenizer
     from nemo_like.models.policy.policy import Policy
 
@@ -50,7 +50,7 @@ def main() -> None:
         init_ray(cfg.cluster)
         tok = load_tokenizer(model_dir)
         policy = Policy(cfg, "policy", loss_fn=ClippedPGLossFn(cfg.loss_fn))
-        generation = make_generation(cfg, tok.pad_token_id, eos_token_ids(tok), policy)
+        generation = build_generation(cfg, tok.pad_token_id, eos_token_ids(tok), policy)
         seconds: dict[str, list[float]] = {"object store": [], "shared memory": []}
         exports: dict[str, list[float]] = {"object store": [], "shared memory": []}
         loads = []

@@ -96,7 +96,7 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA checkpoint into a plain HF model directory and print its path."""
-    from nemo_like.models.policy.lora import merge_checkpoint
+    from nemo_like.models.lora import merge_checkpoint
 
     path = Path(args.checkpoint)
     adapter_dir = path / "policy" if (path / "policy").is_dir() else path

@@ -2,8 +2,9 @@
 
 Each role states what it reserves next to its own code (``policy_resources``, ``generation_resources``,
 ``environment_resources``, ``async_actor_resources``); the logprob plan (decided once, in setup) says
-whether the reference model is loaded. :func:`ensure_cluster_capacity` adds the roles up and checks
-them against the connected cluster before any actor starts.
+whether the reference model is loaded, and the generation backend (also decided once, in setup: ``choice``,
+resolved here only when not given) which engine reserves what. :func:`ensure_cluster_capacity` adds the roles up
+and checks them against the connected cluster before any actor starts.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from nemo_like.distributed.capacity import check_cluster_capacity, private_clust
 from nemo_like.distributed.worker_group import RoleResources
 from nemo_like.environments.worker import environment_resources
 from nemo_like.experience.async_rollouts import async_actor_resources
-from nemo_like.models.generation import generation_resources
+from nemo_like.models.engines import Choice, generation_resources
 from nemo_like.models.policy.policy import policy_resources
 
 
-def role_requests(cfg: MasterConfig, plan: LogprobPlan) -> list[RoleResources]:
+def role_requests(cfg: MasterConfig, plan: LogprobPlan, choice: Choice | None = None) -> list[RoleResources]:
     """Every role ``setup_grpo`` will start, as each role states it."""
     roles = [policy_resources(cfg, trainable=True)]
     if plan.load_reference_model:
         roles.append(policy_resources(cfg, trainable=False))
-    roles.append(generation_resources(cfg))
+    roles.append(generation_resources(cfg, choice=choice))
     roles.extend(environment_resources(cfg))
     if cfg.grpo.async_grpo.enabled:
         roles.extend(async_actor_resources(cfg))
@@ -39,15 +40,15 @@ def declared_resources(cfg: MasterConfig) -> dict[str, float]:
     return {"GPU": float(gpus)} if gpus else {}
 
 
-def required_resources(cfg: MasterConfig, plan: LogprobPlan) -> dict[str, float]:
+def required_resources(cfg: MasterConfig, plan: LogprobPlan, choice: Choice | None = None) -> dict[str, float]:
     """The run's total request per resource: the roles' sum, at least what the recipe declares."""
-    total = sum_resources(r.total() for r in role_requests(cfg, plan))
+    total = sum_resources(r.total() for r in role_requests(cfg, plan, choice))
     for key, value in declared_resources(cfg).items():
         total[key] = max(total.get(key, 0.0), value)
     return total
 
 
-def ensure_private_cluster_gpus(cfg: MasterConfig, plan: LogprobPlan) -> None:
+def ensure_private_cluster_gpus(cfg: MasterConfig, plan: LogprobPlan, choice: Choice | None = None) -> None:
     """Before a private local cluster starts: a recipe asking for more GPUs than this machine has fails here, in
     seconds, with the message the post-start check would give (the cluster would get exactly these GPUs)."""
     import torch
@@ -57,25 +58,26 @@ def ensure_private_cluster_gpus(cfg: MasterConfig, plan: LogprobPlan) -> None:
     ray = sys.modules.get("ray")  # not imported here: init_ray sets the driver's environment before Ray loads
     if (ray is not None and ray.is_initialized()) or cluster_address(cfg.cluster)[0] is not None:
         return  # joining a cluster: only its own resources count (checked after init_ray)
-    required = required_resources(cfg, plan)
+    required = required_resources(cfg, plan, choice)
     if not required.get("GPU"):
         return
     gpus = float(torch.cuda.device_count())
     if required["GPU"] <= gpus:
         return
     available = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": gpus}
-    _check_against(cfg, plan, available, private_cluster_hint(gpus))
+    _check_against(cfg, plan, available, private_cluster_hint(gpus), choice)
 
 
-def ensure_cluster_capacity(cfg: MasterConfig, plan: LogprobPlan, private_cluster: bool = False) -> None:
+def ensure_cluster_capacity(cfg: MasterConfig, plan: LogprobPlan, private_cluster: bool = False, choice: Choice | None = None) -> None:
     """Check the run's request against the connected Ray cluster's total resources (call after ``init_ray``).
 
     ``private_cluster``: this run started its own local cluster, which has exactly this machine's GPUs."""
     import ray
 
-    _check_against(cfg, plan, ray.cluster_resources(), private_cluster_hint() if private_cluster else "")
+    _check_against(cfg, plan, ray.cluster_resources(), private_cluster_hint() if private_cluster else "", choice)
 
 
-def _check_against(cfg: MasterConfig, plan: LogprobPlan, available: dict[str, float], hint: str) -> None:
+def _check_against(cfg: MasterConfig, plan: LogprobPlan, available: dict[str, float], hint: str, choice: Choice | None = None) -> None:
     """The run's request (per role, in total, as declared) against ``available``; :class:`PlacementError` if short."""
-    check_cluster_capacity(required_resources(cfg, plan), available, role_requests(cfg, plan), declared_resources(cfg), hint)
+    roles = role_requests(cfg, plan, choice)
+    check_cluster_capacity(required_resources(cfg, plan, choice), available, roles, declared_resources(cfg), hint)

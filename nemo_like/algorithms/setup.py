@@ -16,10 +16,11 @@ from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_
 from nemo_like.distributed.ray_init import init_ray
 from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments
 from nemo_like.environments.worker import Environments
-from nemo_like.models.generation import make_generation
+from nemo_like.models.engines import build_generation
+from nemo_like.models.generation.choice import resolve_backend
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.loading import load_tokenizer, resolve_model_path
-from nemo_like.models.policy.lora import check_lora_targets, refit_mode
+from nemo_like.models.lora import check_lora_targets, refit_mode
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 
 
@@ -108,13 +109,14 @@ def _driver_tokenizer(cfg: MasterConfig):
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def report_lora(cfg: MasterConfig, policy: Policy) -> None:
-    """Print the trainable parameters and how generation receives weights (LoRA: adapters or merged)."""
+def report_lora(cfg: MasterConfig, policy: Policy, backend: str) -> None:
+    """Print the trainable parameters and how generation receives weights (LoRA: adapters or merged) from the
+    run's generation ``backend``."""
     fraction = policy.trainable_params / max(policy.total_params, 1)
     line = f"[setup] trainable parameters: {policy.trainable_params:,} of {policy.total_params:,} ({100 * fraction:.2f}%)"
     print(line, file=sys.stderr)
     if cfg.policy.lora_cfg.enabled:
-        mode, reason = refit_mode(cfg)
+        mode, reason = refit_mode(cfg, backend)
         print(f"[setup] LoRA refit: {mode} ({reason})", file=sys.stderr)
         adapter_bytes = policy.trainable_params * DTYPE_BYTES[cfg.policy.precision]
         sent = adapter_bytes if mode == "adapter" else policy.full_refit_bytes
@@ -145,18 +147,20 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
     if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
         check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
-        refit_mode(cfg)  # an impossible policy.lora_cfg.refit=adapter, too
+    choice = resolve_backend(cfg)  # (backend, reason): the generation backend, decided once for the run, passed down
+    if cfg.policy.lora_cfg.enabled:
+        refit_mode(cfg, choice[0])  # an impossible policy.lora_cfg.refit=adapter fails here, too
     plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
-    ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts
+    ensure_private_cluster_gpus(cfg, plan, choice)  # a GPU recipe on a machine without them: fail before Ray starts
     mode = init_ray(cfg.cluster)
-    ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
+    ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local", choice=choice)  # fail fast, before any actor starts
     policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn))
     reference: Policy | AdapterDisabledReference | None = None
     if plan.load_reference_model:
         reference = Policy(cfg, "reference", trainable=False)
     elif plan.reference_from_policy:
         reference = AdapterDisabledReference(policy)
-    report_lora(cfg, policy)
-    generation = make_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy)
+    report_lora(cfg, policy, choice[0])
+    generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, choice=choice)
     environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
     return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan)

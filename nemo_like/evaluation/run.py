@@ -2,7 +2,7 @@
 environments, and report accuracy and pass@k.
 
 It reuses the training run's parts: the validation prompts (:func:`load_validation_prompts`), the
-generation actors (:func:`~nemo_like.models.generation.make_generation`), the environment actors and
+generation actors (:func:`~nemo_like.models.engines.build_generation`), the environment actors and
 routing (:func:`~nemo_like.experience.rollouts.score_with_environment`). Outputs, in ``eval.output_dir``:
 
 * ``summary.json``: model, prompt and sample counts, accuracy, mean reward, pass@k, per-task accuracy,
@@ -24,7 +24,7 @@ from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
-from nemo_like.models.policy.lora import merge_checkpoint
+from nemo_like.models.lora import merge_checkpoint
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -117,7 +117,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.environments.worker import Environments, environment_resources
     from nemo_like.experience.multi_turn import multi_turn_settings
     from nemo_like.experience.rollouts import collect_rollout
-    from nemo_like.models.generation import generation_resources, make_generation
+    from nemo_like.models.engines import build_generation, generation_resources
+    from nemo_like.models.generation.choice import resolve_backend
     from nemo_like.models.generation.interface import sampling_params
     from nemo_like.models.loading import load_tokenizer
 
@@ -143,12 +144,13 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     import ray
 
     init_ray(cfg.cluster)
-    roles = [generation_resources(run_cfg, with_policy=False), *environment_resources(run_cfg)]
+    choice = resolve_backend(run_cfg, with_policy=False)  # decided once: the capacity check and the engine use it
+    roles = [generation_resources(run_cfg, choice=choice), *environment_resources(run_cfg)]
     check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
 
     generation = environments = None
     try:
-        generation = make_generation(run_cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer))
+        generation = build_generation(run_cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), choice=choice)
         environments = Environments(specs, cfg.cluster.placement_timeout_s)
         n = ev.num_samples_per_prompt
         seed = ev.seed if ev.seed is not None else cfg.grpo.seed

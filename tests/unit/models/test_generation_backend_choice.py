@@ -6,7 +6,8 @@ import pytest
 
 from nemo_like.config import DEFAULT_RECIPE, MasterConfig, load_config
 from nemo_like.config.errors import ConfigError
-from nemo_like.models.generation import generation_resources, resolve_backend
+from nemo_like.models.engines import generation_resources
+from nemo_like.models.generation.choice import resolve_backend
 from nemo_like.models.generation.vllm import vllm_available
 
 
@@ -67,7 +68,7 @@ def test_an_explicit_inline_backend_that_cannot_apply_is_an_error_naming_the_key
 
 
 def test_engine_options_that_the_chosen_engine_ignores_are_named() -> None:
-    from nemo_like.models.generation import ignored_engine_keys
+    from nemo_like.models.engines import ignored_engine_keys
 
     assert ignored_engine_keys(recipe(), "inline") == []
     cfg = recipe("policy.generation.num_threads_per_worker=1", "policy.generation.vllm_cfg.kv_cache_space_gib=2")
@@ -79,3 +80,41 @@ def test_engine_options_that_the_chosen_engine_ignores_are_named() -> None:
         "policy.generation.vllm_cfg.kv_cache_space_gib has no effect with the hf engine (no vLLM engine starts)"
     ]
     assert ignored_engine_keys(cfg, "vllm") == []
+
+
+def test_every_backend_the_config_allows_is_one_registration() -> None:
+    from typing import get_args
+
+    from nemo_like.config.schema import GenerationConfig
+    from nemo_like.models.engines import BACKENDS, Backend, register_backend
+
+    allowed = set(get_args(GenerationConfig.model_fields["backend"].annotation)) - {"auto"}
+    assert set(BACKENDS) == allowed
+    with pytest.raises(ValueError, match="registered twice"):
+        register_backend(Backend("hf", BACKENDS["hf"].build, BACKENDS["hf"].resources, described="again"))
+
+
+def test_a_decided_backend_is_not_resolved_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nemo_like.models import engines
+
+    def fail(*_: object, **__: object) -> None:
+        raise AssertionError("resolved again")
+
+    monkeypatch.setattr(engines, "resolve_backend", fail)
+    assert engines.generation_resources(recipe(), choice=("hf", "requested")).count == 1
+    assert engines.generation_resources(recipe(), choice=("inline", "requested")).count == 0
+
+
+def test_the_lora_refit_mode_takes_the_decided_backend() -> None:
+    from nemo_like.models import lora
+    from nemo_like.models.policy import lora as policy_lora
+
+    cfg = recipe("policy.lora_cfg.enabled=true")
+    assert lora.refit_mode(cfg, "hf")[0] == "merged"
+    assert lora.refit_mode(cfg, "vllm")[0] == "adapter"
+    with pytest.raises(ValueError, match="depends on the generation backend"):
+        lora.refit_mode(cfg, None)
+    assert lora.refit_mode(recipe("policy.lora_cfg.enabled=true", "policy.lora_cfg.refit=merged"), None)[0] == "merged"
+    # the old path's cfg-only form (the Policy's) resolves the backend itself
+    assert policy_lora.refit_mode(cfg) == lora.refit_mode(cfg, resolve_backend(cfg)[0])
+    assert policy_lora.merge_checkpoint is lora.merge_checkpoint

@@ -12,8 +12,8 @@ import torch
 
 from nemo_like.config import ConfigError
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig, MasterConfig
+from nemo_like.models import lora
 from nemo_like.models.loading import load_causal_lm, resolve_model_path
-from nemo_like.models.policy import lora
 
 _BASE = []
 
@@ -128,11 +128,11 @@ def test_config_keys_warnings_and_refit_choice():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         MasterConfig.model_validate({"policy": {"lora_cfg": {"enabled": True}, "dtensor_cfg": {"tensor_parallel_size": 2}}})
     hf = {"policy": {"lora_cfg": {"enabled": True}, "generation": {"backend": "hf"}}}
-    assert lora.refit_mode(MasterConfig.model_validate(hf))[0] == "merged"
+    assert lora.refit_mode(MasterConfig.model_validate(hf), "hf")[0] == "merged"
     hf["policy"]["lora_cfg"]["refit"] = "adapter"
     with pytest.raises(ConfigError, match="policy.lora_cfg.refit=adapter is not possible here: the HF generation backend"):
-        lora.refit_mode(MasterConfig.model_validate(hf))
-    assert lora.refit_mode(MasterConfig())[0] == "full"
+        lora.refit_mode(MasterConfig.model_validate(hf), "hf")
+    assert lora.refit_mode(MasterConfig(), None)[0] == "full"
     assert [lora.vllm_max_lora_rank(r) for r in (1, 4, 8, 9, 512, 513)] == [1, 8, 8, 16, 512, None]
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -17,9 +17,9 @@ import ray
 
 from nemo_like.algorithms.grpo import refit_if_stale
 from nemo_like.models.generation.hf import HFGeneration
-from nemo_like.models.generation.inline import InlineGeneration
 from nemo_like.models.generation.interface import export_weights
 from nemo_like.models.generation.vllm import VLLMGeneration, refit_transport
+from nemo_like.models.policy.inline import InlineGeneration
 from nemo_like.models.policy.policy import Policy
 from nemo_like.models.weight_buckets import WeightBuckets
 

