@@ -107,7 +107,7 @@ class ForwardPasses:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: dict, seed: int, pad_token_id: int, eos_token_ids: list[int]) -> list[dict]:
         """Sample one response per prompt with this worker's own weights (the inline backend,
-        :mod:`nemo_like.models.generation.inline`); returns :class:`GeneratedSample` fields as dicts."""
+        :mod:`nemo_like.models.policy.inline`); returns :class:`GeneratedSample` fields as dicts."""
         from nemo_like.models.generation.interface import SamplingParams
         from nemo_like.models.generation.lean_decoder import sample_with_params
 
