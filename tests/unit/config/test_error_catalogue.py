@@ -57,6 +57,16 @@ def test_multi_turn_contradictions_are_config_errors(capsys, tmp_path):
         load_config(TINY, ["grpo.max_rollout_turns=0"])
 
 
+def test_unknown_plugin_names_fail_in_the_cli_before_anything_starts(capsys, tmp_path):
+    # The schema keeps plain names; the CLI checks them after loading (check_plugin_names), --dry-run too.
+    code, err = run_cli(capsys, tmp_path, "grpo.adv_estimator.name=rlo", "loss_fn.surrogate=cipso")
+    assert_clean(code, err, 2, "grpo.adv_estimator.name: unknown advantage estimator 'rlo'. Did you mean 'rloo'?", "Did you mean 'cispo'?")
+    assert not (tmp_path / "logs").exists()  # nothing started
+    code = main(["train", "--dry-run", "--config", str(TINY), "loss_fn.reference_policy_kl_type=k33"])
+    err = capsys.readouterr().err
+    assert_clean(code, err, 2, "loss_fn.reference_policy_kl_type: unknown KL estimator 'k33'. Did you mean 'k3'?")
+
+
 def test_reward_shaping_without_a_buffer_is_a_config_error(capsys, tmp_path):
     code, err = run_cli(capsys, tmp_path, "grpo.reward_shaping.enabled=true")
     assert_clean(code, err, 2, "grpo.reward_shaping.overlong_buffer_length", "policy.generation.max_new_tokens=8")

@@ -1,0 +1,69 @@
+"""The one plug-in registry (nemo_like.utils.registry): registered names, lazily imported built-ins,
+'module:object' and 'file.py:object' user code, did-you-mean, one error type naming the config key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.utils.registry import PluginNameError, Registry
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+NOT_CALLABLE = 3
+
+
+def make() -> Registry:
+    registry: Registry = Registry("widget", "section.widget")
+    registry.add("double", double)
+    registry.add_path("triple", "operator:mul")
+    return registry
+
+
+def test_registered_lazy_and_import_path_names_resolve(tmp_path: Path) -> None:
+    registry = make()
+    assert registry.get("double") is double
+    assert registry.get("triple")(3, 3) == 9  # imported on first use
+    assert registry.get(f"{__name__}:double") is double
+    user = tmp_path / "user_widgets.py"
+    user.write_text("def negate(x):\n    return -x\n")
+    assert registry.get(f"{user}:negate")(2) == -2
+    assert list(registry) == ["double", "triple"] and registry.names() == ["double", "triple"]
+    assert "triple" in registry and registry.path_of("triple") == "operator:mul"
+    assert registry.check("double") == "double"
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("doubel", "section.widget: unknown widget 'doubel'. Did you mean 'double'?"),
+        (f"{__name__}:NOT_CALLABLE", f"section.widget: '{__name__}:NOT_CALLABLE' is not callable"),
+        (f"{__name__}:dubble", "has no attribute 'dubble'. Did you mean 'double'?"),
+        ("no_such_pkg_xyz.mod:fn", "section.widget: cannot import 'no_such_pkg_xyz.mod'"),
+    ],
+)
+def test_errors_are_config_errors_naming_the_key(name: str, message: str) -> None:
+    with pytest.raises(PluginNameError) as excinfo:
+        make().get(name)
+    assert isinstance(excinfo.value, ConfigError) and excinfo.value.key == "section.widget"
+    assert message in str(excinfo.value)
+
+
+def test_the_key_can_be_given_per_lookup_and_messages_customised() -> None:
+    registry: Registry = Registry("gadget", "x", unknown=lambda name, key, names: f"{key}: no {name!r} among {names}")
+    registry.add("a", double)
+    with pytest.raises(PluginNameError, match=r"env.t.class: no 'b' among \['a'\]"):
+        registry.get("b", "env.t.class")
+
+
+def test_names_are_registered_once_and_never_look_like_import_paths() -> None:
+    registry = make()
+    with pytest.raises(ValueError, match="already registered"):
+        registry.add("triple", double)
+    with pytest.raises(ValueError, match="reserved for import paths"):
+        registry.add("a:b", double)
