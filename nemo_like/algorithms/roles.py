@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import sys
 
-from nemo_like.algorithms.logprob_plan import LogprobPlan
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, sum_resources
 from nemo_like.distributed.worker_group import RoleResources
@@ -20,6 +19,7 @@ from nemo_like.environments.worker import environment_resources
 from nemo_like.experience.async_rollouts import async_actor_resources
 from nemo_like.models.engines import Choice, generation_resources
 from nemo_like.models.policy.policy import policy_resources
+from nemo_like.plan.logprob_passes import LogprobPlan
 
 
 def role_requests(cfg: MasterConfig, plan: LogprobPlan, choice: Choice | None = None) -> list[RoleResources]:

@@ -6,7 +6,6 @@ import sys
 import warnings
 from dataclasses import dataclass
 
-from nemo_like.algorithms.logprob_plan import LogprobPlan, decide_logprob_passes
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus
@@ -22,6 +21,7 @@ from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.loading import load_tokenizer, resolve_model_path
 from nemo_like.models.lora import check_lora_targets, refit_mode
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
+from nemo_like.plan.logprob_passes import LogprobPlan, decide_logprob_passes
 
 
 @dataclass

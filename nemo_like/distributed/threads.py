@@ -181,7 +181,7 @@ def explicit_count(value: Any) -> int | None:
 
 def phase_actors(cfg: Any) -> PhaseActors:
     """Actors of each role on one node for the run ``cfg`` describes."""
-    from nemo_like.algorithms.logprob_plan import decide_logprob_passes
+    from nemo_like.plan.logprob_passes import decide_logprob_passes
 
     plan = decide_logprob_passes(cfg)
     nodes = cfg.cluster.num_nodes

@@ -8,7 +8,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from nemo_like.algorithms.logprob_plan import decide_logprob_passes
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.rejection import (
     apply_driver_masks,
@@ -18,6 +17,7 @@ from nemo_like.algorithms.rejection import (
 from nemo_like.config import ConfigError, load_config
 from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.config.rejection import RolloutRejectionConfig
+from nemo_like.plan.logprob_passes import decide_logprob_passes
 
 LOG = math.log
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from nemo_like.algorithms import roles as capacity
-from nemo_like.algorithms.logprob_plan import decide_logprob_passes
 from nemo_like.algorithms.roles import declared_resources
 from nemo_like.config import MasterConfig, load_config
 from nemo_like.distributed.capacity import check_cluster_capacity, shortfall
 from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id
 from nemo_like.distributed.worker_group import PlacementError
 from nemo_like.models.generation.vllm import vllm_available
+from nemo_like.plan.logprob_passes import decide_logprob_passes
 
 TINY_RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 CPU_HEAD = {"CPU": 2.0, "memory": 2e10, "object_store_memory": 2.6e8, "node:127.0.0.1": 1.0}

@@ -140,8 +140,8 @@ def test_config_keys_warnings_and_refit_choice():
 
 
 def test_lora_reference_runs_on_the_policy_so_no_reference_role_is_planned():
-    from nemo_like.algorithms.logprob_plan import decide_logprob_passes
     from nemo_like.algorithms.roles import required_resources, role_requests
+    from nemo_like.plan.logprob_passes import decide_logprob_passes
 
     kl = {"loss_fn": {"reference_policy_kl_penalty": 0.01}}
     hf = {"backend": "hf"}  # the same engine in both runs (without LoRA, auto would sample inline and reserve none)
