@@ -12,7 +12,7 @@ from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.models.policy.policy import Policy
-from nemo_like.models.shared_weights import SharedWeights
+from nemo_like.models.refit.shared_memory import SharedWeights
 
 pytestmark = pytest.mark.slow
 

@@ -123,7 +123,7 @@ def test_the_in_place_cpu_refit_generates_exactly_what_vllms_own_reload_does(ray
 
 
 def test_refit_with_a_wrong_manifest_names_the_keys(ray_cluster, vllm_gen):
-    from nemo_like.models.generation.vllm_worker import RefitManifestError
+    from nemo_like.models.refit.manifest import RefitManifestError
 
     names = vllm_gen.weight_names()
     assert "lm_head.weight" in names  # tied head included

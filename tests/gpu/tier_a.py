@@ -286,7 +286,7 @@ def a4_cuda_ipc(ctx: Context, fig: Figures) -> None:
     import torch.multiprocessing as mp
     from models import tokenizer_vocab
 
-    from nemo_like.models.generation.vllm_gpu_refit import policy_ipc_handles
+    from nemo_like.models.refit.cuda import policy_ipc_handles
 
     precision = "bfloat16"
     engine_dtype = torch.bfloat16  # vLLM loads the model with dtype=policy.precision
@@ -380,7 +380,7 @@ def ipc_consumer(conn, specs: dict[str, tuple[int, ...]], dtype_name: str, devic
     try:
         import torch
 
-        from nemo_like.models.generation.vllm_gpu_refit import VllmRefitExtension, device_uuid
+        from nemo_like.models.refit.cuda import VllmRefitExtension, device_uuid
 
         torch.cuda.set_device(device_index)
         device = torch.device("cuda", device_index)
@@ -462,7 +462,7 @@ CHECKS = [
           imports=("torch", "transformers", "nemo_like.models.loading", "nemo_like.models.logprobs", "nemo_like.models.shared_prefix", "models"),
           why="the shared-prompt forward equals the model's own on CUDA kernels; which one is faster"),
     Check("A4", "CUDA-IPC round trip", "A", 120, a4_cuda_ipc,
-          imports=("torch", "transformers", *WORKER, "nemo_like.models.generation.vllm_gpu_refit", "torch.multiprocessing", "models"),
+          imports=("torch", "transformers", *WORKER, "nemo_like.models.refit.cuda", "torch.multiprocessing", "models"),
           why="the colocated refit's handles, without vLLM: bitwise, tied head, engine dtype, wrong GPU"),
 ]  # fmt: skip
 

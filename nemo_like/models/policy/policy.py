@@ -16,7 +16,9 @@ from nemo_like.models.policy.loss_protocol import LossFunction
 from nemo_like.models.policy.spec import PolicyWorkerSpec
 from nemo_like.models.policy.spec import batching_plan as batching_plan  # noqa: F401  (re-exported: tests, benchmarks)
 from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
-from nemo_like.models.weight_buckets import WeightBuckets
+from nemo_like.models.refit.buckets import WeightBuckets
+from nemo_like.models.refit.shared_memory import shared_memory_available
+from nemo_like.models.refit.transport import shared_memory_refit_possible
 from nemo_like.utils.counters import Increments
 
 
@@ -76,14 +78,9 @@ def policy_resources(cfg: MasterConfig, trainable: bool = True) -> RoleResources
     return RoleResources("policy" if trainable else "reference", pc.dp_size * pc.dtensor_cfg.tensor_parallel_size, resources)
 
 
-def shared_memory_refit_possible(cfg: MasterConfig) -> bool:
-    """Refit through ``/dev/shm`` (:mod:`nemo_like.models.shared_weights`): a CPU cluster of one node, so the
-    policy and every generation worker share its memory."""
-    from nemo_like.models.shared_weights import shared_memory_available
-
-    if cfg.cluster.gpus_per_node or not shared_memory_available():
-        return False
-    return sum(1 for node in ray.nodes() if node.get("Alive")) == 1
+def alive_node_count() -> int:
+    """Ray's live nodes (for :func:`~nemo_like.models.refit.transport.shared_memory_refit_possible`)."""
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
 @dataclass
@@ -137,7 +134,11 @@ class Policy:
         self._logprob_passes = Increments()  # read by take_logprob_passes()
         # Full-weight refits on a one-node CPU cluster go through a shared-memory buffer; LoRA's adapter and merged
         # refits keep the object-store path.
-        self.shared_memory_refit = trainable and self.refit_mode == "full" and shared_memory_refit_possible(cfg)
+        self.shared_memory_refit = (
+            trainable
+            and self.refit_mode == "full"
+            and shared_memory_refit_possible(cfg.cluster.gpus_per_node, shared_memory_available(), alive_node_count())
+        )
         self._fresh_refit_buffer = True
 
     def get_logprobs_async(self, batch: Batch, reference: bool = False) -> list[ray.ObjectRef]:
@@ -214,7 +215,7 @@ class Policy:
 
     def weight_buckets(self, shared_memory: bool | None = None) -> WeightBuckets:
         """The weights for a refit: on a one-node CPU cluster without LoRA written into a shared-memory buffer the
-        generation workers map (:class:`~nemo_like.models.shared_weights.SharedWeights`); otherwise gathered into the
+        generation workers map (:class:`~nemo_like.models.refit.shared_memory.SharedWeights`); otherwise gathered into the
         object store, ``policy.refit_buffer_size_mb`` per bucket, for generation to stream: every weight, or with LoRA
         the adapters only or the merged weights (:attr:`refit_mode`). ``shared_memory`` forces one path (``None``: the
         automatic choice)."""

@@ -1,6 +1,6 @@
 """The policy worker's weight export for refits: object-store buckets, the shared-memory buffer (one-node CPU
 clusters), and on GPU the CUDA-IPC handles and the NCCL broadcast into vLLM (untested on GPU in this repository;
-see :mod:`nemo_like.models.generation.vllm_gpu_refit`).
+see :mod:`nemo_like.models.refit.cuda`).
 
 A mixin of :class:`~nemo_like.models.policy.worker.PolicyWorker`. Ray and the GPU helpers are imported inside the
 methods: the worker module imports without Ray (the GPU checks of ``tests/gpu`` import it bare).
@@ -43,10 +43,10 @@ class WeightExport:
 
         A collective: every rank gathers each bucket, only rank 0 keeps it (one bucket at a time:
         ``ray.put`` moves it out of this process). Rank 0 returns a
-        :class:`~nemo_like.models.weight_buckets.WeightBuckets`; the other ranks ``None``."""
+        :class:`~nemo_like.models.refit.buckets.WeightBuckets`; the other ranks ``None``."""
         import ray
 
-        from nemo_like.models.weight_buckets import WeightBuckets
+        from nemo_like.models.refit.buckets import WeightBuckets
 
         keep = self.rank == 0
         names: list[list[str]] = []
@@ -88,9 +88,9 @@ class WeightExport:
     # -- shared-memory refit (one-node CPU clusters) ------------------------------------------
     def export_shared_weights(self, fresh: bool) -> Any:
         """Write the weights into this rank's shared-memory refit buffer (one-node CPU clusters, see
-        :mod:`nemo_like.models.shared_weights`); a new buffer file when ``fresh``. A collective when sharded:
+        :mod:`nemo_like.models.refit.shared_memory`); a new buffer file when ``fresh``. A collective when sharded:
         every rank gathers, rank 0 writes and returns the :class:`SharedWeights`, the others ``None``."""
-        from nemo_like.models.shared_weights import SharedWeightWriter
+        from nemo_like.models.refit.shared_memory import SharedWeightWriter
 
         if sharding.is_sharded(self.model):
             tensors = sharding.iter_full_tensors(self.model, keep=self.rank == 0)
@@ -108,12 +108,12 @@ class WeightExport:
         if getattr(self, "_shared_writer", None) is not None:
             self._shared_writer.close()
 
-    # -- GPU weight refit into vLLM (untested on GPU in this repository; see vllm_gpu_refit.py) -----
+    # -- GPU weight refit into vLLM (untested on GPU in this repository; see refit/cuda.py) ---------
     def device_info(self) -> dict[str, Any]:
         """This worker's Ray node id and address, Ray GPU ids and CUDA device UUID (None on CPU)."""
         import ray
 
-        from nemo_like.models.generation.vllm_gpu_refit import device_uuid
+        from nemo_like.models.refit.cuda import device_uuid
 
         on_gpu = self.device.type == "cuda"
         return {
@@ -126,7 +126,7 @@ class WeightExport:
     def ipc_handles(self) -> tuple[list[str], dict[str, Any]]:
         """``(names, {device_uuid: {name: CUDA-IPC handle}})`` of every tensor; the tensors (a bf16 copy when the
         master weights are fp32) stay referenced until :meth:`release_ipc_tensors` once the engine has copied them."""
-        from nemo_like.models.generation.vllm_gpu_refit import policy_ipc_handles
+        from nemo_like.models.refit.cuda import policy_ipc_handles
 
         self._ipc_tensors = self._engine_state()
         return list(self._ipc_tensors), policy_ipc_handles(self._ipc_tensors)
@@ -144,18 +144,18 @@ class WeightExport:
 
     def weight_manifest(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """``(name, dtype, shape)`` of every tensor :meth:`broadcast_weights` sends, in order."""
-        from nemo_like.models.generation.vllm_gpu_refit import build_manifest
+        from nemo_like.models.refit.cuda import build_manifest
 
         return build_manifest(self._engine_state())
 
     def init_weight_broadcast_group(self, address: str, port: int, world_size: int) -> None:
         """Create the NCCL group (this worker is rank 0) used to broadcast weights to vLLM workers."""
-        from nemo_like.models.generation.vllm_gpu_refit import stateless_nccl_group
+        from nemo_like.models.refit.cuda import stateless_nccl_group
 
         self._weight_group = stateless_nccl_group(address, port, 0, world_size, self.device)
 
     def broadcast_weights(self) -> int:
         """Broadcast every tensor of :meth:`weight_manifest` to the vLLM workers; returns the count."""
-        from nemo_like.models.generation.vllm_gpu_refit import policy_broadcast
+        from nemo_like.models.refit.cuda import policy_broadcast
 
         return policy_broadcast(self._weight_group, self._engine_state())

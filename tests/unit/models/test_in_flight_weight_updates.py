@@ -9,8 +9,8 @@ import torch
 from nemo_like.config.schema import EMBEDDED_MODEL
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import SamplingParams
-from nemo_like.models.generation.weight_gate import WeightUpdateGate
 from nemo_like.models.loading import load_causal_lm, load_tokenizer
+from nemo_like.models.refit.gate import WeightUpdateGate
 
 
 def test_gate_applies_at_once_when_idle():

@@ -18,10 +18,11 @@ import ray
 from nemo_like.algorithms.grpo import refit_if_stale
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.generation.interface import export_weights
-from nemo_like.models.generation.vllm import VLLMGeneration, refit_transport
+from nemo_like.models.generation.vllm import VLLMGeneration
 from nemo_like.models.policy.inline import InlineGeneration
 from nemo_like.models.policy.policy import Policy
-from nemo_like.models.weight_buckets import WeightBuckets
+from nemo_like.models.refit.buckets import WeightBuckets
+from nemo_like.models.refit.transport import refit_transport, shared_memory_refit_possible
 
 EXPORT_BYTES = 4096
 VERSION = 3
@@ -44,6 +45,19 @@ VERSION = 3
 )
 def test_refit_transport_decision_table(on_gpu, colocated, policy_ranks, lora, transport):
     assert refit_transport(on_gpu, colocated, policy_ranks, lora) == transport
+
+
+@pytest.mark.parametrize(
+    ("gpus_per_node", "shared_memory", "alive_nodes", "possible"),
+    [
+        (0, True, 1, True),  # a one-node CPU cluster with a writable /dev/shm
+        (0, True, 2, False),  # several nodes share no memory
+        (0, False, 1, False),  # no writable /dev/shm
+        (1, True, 1, False),  # GPU clusters refit through the engine's transport
+    ],
+)
+def test_shared_memory_refit_decision_table(gpus_per_node, shared_memory, alive_nodes, possible):
+    assert shared_memory_refit_possible(gpus_per_node, shared_memory, alive_nodes) is possible
 
 
 def test_export_weights_calls_an_exporter_and_passes_exported_weights_through():

@@ -220,8 +220,8 @@ def check_lora(out_dir) -> None:
     assert max(float(t.abs().max()) for k, t in single_adapters.items() if ".lora_B." in k) > 1e-4  # the adapters trained
     assert_states_close(r0["resumed"], r0["adapters"], atol=0.0)
     # Merged refit: W + B@A*alpha/dim under exactly the names the vLLM engine's manifest expects.
-    from nemo_like.models.generation.vllm_worker import expected_weight_names
     from nemo_like.models.loading import resolve_model_path
+    from nemo_like.models.refit.manifest import expected_weight_names
 
     assert sorted(r0["merged"]) == expected_weight_names(resolve_model_path(EMBEDDED_MODEL))
     assert_states_close(r0["merged"], single.get_state_dict("merged")[1], atol=1e-5)

@@ -8,10 +8,10 @@ import pickle
 import pytest
 import torch
 
-from nemo_like.models import shared_weights
-from nemo_like.models.shared_weights import ALIGN, SharedWeightWriter, layout
+from nemo_like.models.refit import shared_memory
+from nemo_like.models.refit.shared_memory import ALIGN, SharedWeightWriter, layout
 
-pytestmark = pytest.mark.skipif(not shared_weights.shared_memory_available(), reason="no writable /dev/shm")
+pytestmark = pytest.mark.skipif(not shared_memory.shared_memory_available(), reason="no writable /dev/shm")
 
 
 def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -27,7 +27,7 @@ def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 def receive(descriptor) -> dict[str, torch.Tensor]:
     """What a generation worker loads: the descriptor travels pickled, the tensors are copied out of the mapping."""
-    shared_weights._mapped.clear()  # a receiver process maps the file itself
+    shared_memory._mapped.clear()  # a receiver process maps the file itself
     return {name: t.clone() for name, t in pickle.loads(pickle.dumps(descriptor)).iter_tensors()}
 
 
@@ -67,7 +67,7 @@ def test_a_changed_layout_gets_a_new_buffer_and_a_gone_file_names_itself():
     try:
         first = writer.write(1, tensors(0))
         writer.write(2, tensors(0))  # unlinks the first file
-        shared_weights._mapped.clear()
+        shared_memory._mapped.clear()
         with pytest.raises(FileNotFoundError, match="nemo_like_refit_"):
             next(first.iter_tensors())
         bigger = [*tensors(0), ("extra", torch.ones(4))]
@@ -83,7 +83,7 @@ def test_a_dead_writers_buffer_is_removed_by_the_next_writer():
     import sys
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
-    orphan = shared_weights.SHM_DIR / f"nemo_like_refit_{int(dead.stdout)}_0"
+    orphan = shared_memory.SHM_DIR / f"nemo_like_refit_{int(dead.stdout)}_0"
     orphan.write_bytes(b"x")
     writer = SharedWeightWriter()
     try:

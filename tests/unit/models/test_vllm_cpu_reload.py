@@ -5,7 +5,7 @@ tests/functional/test_vllm_backend.py."""
 import pytest
 import torch
 
-from nemo_like.models.generation.vllm_cpu_reload import InPlaceReloadUnsupported, fused_target, plan_in_place_reload
+from nemo_like.models.refit.cpu_reload import InPlaceReloadUnsupported, fused_target, plan_in_place_reload
 
 QWEN2_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

@@ -31,7 +31,7 @@ import torch
 Manifest = list[tuple[str, str, tuple[int, ...]]]
 IpcHandles = dict[str, dict[str, tuple[Any, tuple]]]
 
-EXTENSION_QUALNAME = "nemo_like.models.generation.vllm_gpu_refit.VllmRefitExtension"
+EXTENSION_QUALNAME = "nemo_like.models.refit.cuda.VllmRefitExtension"
 _DEVICE_ARG = 6  # position of the device index in torch's rebuild_cuda_tensor arguments
 
 

@@ -1,6 +1,6 @@
 """Refit through shared memory: on a one-node CPU cluster the policy writes its weights into a file in
 ``/dev/shm`` that the generation workers map once; each refit then costs one copy on each side and no
-serialisation (the object-store path, :mod:`nemo_like.models.weight_buckets`, pickles every bucket
+serialisation (the object-store path, :mod:`nemo_like.models.refit.buckets`, pickles every bucket
 into Ray's store and out again).
 
 Lifetime of the file: the policy's rank 0 creates it at its first export (or when the facade asks for a
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_like.models.weight_buckets import WeightBuckets
+from nemo_like.models.refit.buckets import WeightBuckets
 
 SHM_DIR = Path("/dev/shm")
 ALIGN = 64  # bytes: every tensor starts on a cache line, so a byte view can be reinterpreted as any dtype
