@@ -109,14 +109,14 @@ def _driver_tokenizer(cfg: MasterConfig):
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def report_lora(cfg: MasterConfig, policy: Policy, backend: str) -> None:
-    """Print the trainable parameters and how generation receives weights (LoRA: adapters or merged) from the
-    run's generation ``backend``."""
+def report_lora(cfg: MasterConfig, policy: Policy, refit: tuple[str, str]) -> None:
+    """Print the trainable parameters and how generation receives weights (LoRA: adapters or merged): ``refit``, the
+    run's decided ``(mode, reason)``."""
     fraction = policy.trainable_params / max(policy.total_params, 1)
     line = f"[setup] trainable parameters: {policy.trainable_params:,} of {policy.total_params:,} ({100 * fraction:.2f}%)"
     print(line, file=sys.stderr)
     if cfg.policy.lora_cfg.enabled:
-        mode, reason = refit_mode(cfg, backend)
+        mode, reason = refit
         print(f"[setup] LoRA refit: {mode} ({reason})", file=sys.stderr)
         adapter_bytes = policy.trainable_params * DTYPE_BYTES[cfg.policy.precision]
         sent = adapter_bytes if mode == "adapter" else policy.full_refit_bytes
@@ -148,19 +148,19 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
         check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
     choice = resolve_backend(cfg)  # (backend, reason): the generation backend, decided once for the run, passed down
-    if cfg.policy.lora_cfg.enabled:
-        refit_mode(cfg, choice[0])  # an impossible policy.lora_cfg.refit=adapter fails here, too
+    # What a refit sends, decided once from the backend (an impossible policy.lora_cfg.refit=adapter fails here, too).
+    refit = refit_mode(cfg, choice[0])
     plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
     ensure_private_cluster_gpus(cfg, plan, choice)  # a GPU recipe on a machine without them: fail before Ray starts
     mode = init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local", choice=choice)  # fail fast, before any actor starts
-    policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn))
+    policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn), refit_mode=refit[0])
     reference: Policy | AdapterDisabledReference | None = None
     if plan.load_reference_model:
         reference = Policy(cfg, "reference", trainable=False)
     elif plan.reference_from_policy:
         reference = AdapterDisabledReference(policy)
-    report_lora(cfg, policy, choice[0])
+    report_lora(cfg, policy, refit)
     generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, choice=choice)
     environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
     return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan)

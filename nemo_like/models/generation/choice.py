@@ -73,10 +73,9 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
 
 
 def run_refit_mode(cfg: Any) -> tuple[str, str]:
-    """:func:`nemo_like.models.lora.refit_mode` for a caller that has only the config (the
-    :class:`~nemo_like.models.policy.policy.Policy`): the backend is resolved here, and only when the mode
-    depends on it (LoRA with ``policy.lora_cfg.refit`` other than ``merged``). A second resolution per LoRA run:
-    it goes once the Policy takes the decided mode from its caller."""
+    """:func:`nemo_like.models.lora.refit_mode` for a caller that has only the config (a :class:`Policy` built
+    without the run's decided mode, as tests and tools do; a training run passes it from setup): the backend is
+    resolved here, and only when the mode depends on it (LoRA with ``policy.lora_cfg.refit`` other than ``merged``)."""
     from nemo_like.models.lora import refit_mode
 
     lora = cfg.policy.lora_cfg

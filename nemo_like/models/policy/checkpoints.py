@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from nemo_like.models.policy import lora as lora_lib
+from nemo_like.models import lora as lora_lib
 from nemo_like.models.policy import sharding
 
 

@@ -1,5 +1,6 @@
 """Moved to :mod:`nemo_like.models.lora` (the policy and the vLLM engine both use it); this old path keeps working.
-Its ``refit_mode`` takes only the config: :class:`~.policy.Policy` calls it so, and it resolves the backend itself."""
+Its ``refit_mode`` keeps the old config-only form (it resolves the backend itself); the run decides the mode once in
+setup and hands it to the :class:`~.policy.Policy`."""
 
 from nemo_like.models.generation.choice import run_refit_mode
 from nemo_like.models.lora import *  # noqa: F403

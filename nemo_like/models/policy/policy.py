@@ -11,7 +11,7 @@ import torch
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
-from nemo_like.models.policy.lora import refit_mode
+from nemo_like.models.generation.choice import run_refit_mode
 from nemo_like.models.policy.loss_protocol import LossFunction
 from nemo_like.models.policy.spec import PolicyWorkerSpec
 from nemo_like.models.policy.spec import batching_plan as batching_plan  # noqa: F401  (re-exported: tests, benchmarks)
@@ -100,10 +100,19 @@ class Policy:
     """``policy.dp_size`` x ``tensor_parallel_size`` workers sharing one sharded model: the trainable policy,
     or the frozen reference."""
 
-    def __init__(self, cfg: MasterConfig, name: str = "policy", trainable: bool = True, loss_fn: LossFunction | None = None) -> None:
+    def __init__(
+        self,
+        cfg: MasterConfig,
+        name: str = "policy",
+        trainable: bool = True,
+        loss_fn: LossFunction | None = None,
+        refit_mode: str | None = None,
+    ) -> None:
         """``loss_fn``: the run's loss (a :class:`~nemo_like.models.policy.loss_protocol.LossFunction`, e.g. the clipped
-        PG loss), built once by the driver (required when ``trainable``; the reference needs none). Every worker is
-        built from one :class:`~nemo_like.models.policy.spec.PolicyWorkerSpec` of ``cfg``."""
+        PG loss), built once by the driver (required when ``trainable``; the reference needs none). ``refit_mode``: what
+        a refit sends (:func:`nemo_like.models.lora.refit_mode`), as the caller decided it from the run's backend
+        (``None``: decided here from ``cfg``). Every worker is built from one
+        :class:`~nemo_like.models.policy.spec.PolicyWorkerSpec` of ``cfg``."""
         if trainable and loss_fn is None:
             raise ValueError(f"the trainable policy '{name}' needs the run's loss_fn")
         self.cfg = cfg
@@ -126,7 +135,9 @@ class Policy:
             raise
         self.name = name
         self.weight_version = 0
-        self.refit_mode = refit_mode(cfg)[0] if trainable else "full"
+        if not trainable:
+            refit_mode = "full"
+        self.refit_mode = refit_mode if refit_mode is not None else run_refit_mode(cfg)[0]
         self._refit_bytes = 0  # exported since the last take_refit_bytes()
         self.trainable_params, self.total_params = counts["trainable"], counts["total"]
         self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from nemo_like.models import lora as lora_lib
 from nemo_like.models import precision as precision_lib
-from nemo_like.models.policy import lora as lora_lib
 from nemo_like.models.policy import sharding
 
 

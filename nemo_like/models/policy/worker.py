@@ -20,11 +20,11 @@ import torch
 
 from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.distributed.threads import apply_thread_count
+from nemo_like.models import lora as lora_lib
 from nemo_like.models import precision as precision_lib
 from nemo_like.models import shared_prefix
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.logprobs import SamplingDistribution
-from nemo_like.models.policy import lora as lora_lib
 from nemo_like.models.policy import sharding
 from nemo_like.models.policy.checkpoints import Checkpoints
 from nemo_like.models.policy.forward import INLINE_GENERATION_BATCH, Batch, ForwardPasses
