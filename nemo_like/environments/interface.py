@@ -22,6 +22,29 @@ from pydantic import BaseModel
 
 #: Reward at or above which a sample counts as correct (accuracy and pass@k).
 CORRECT_REWARD = 1.0
+#: CPU an environment actor reserves unless its class says otherwise (most environments mostly wait).
+DEFAULT_ENV_CPUS = 0.1
+
+
+@dataclass(frozen=True)
+class HelperActors:
+    """Actors that each environment actor starts for itself (e.g. a judge's generation engine): ``count`` per
+    environment actor, each reserving ``num_cpus`` / ``num_gpus``; the capacity check counts them as role
+    ``<role>:<task>``."""
+
+    role: str
+    count: int
+    num_cpus: float
+    num_gpus: float = 0.0
+
+
+@dataclass(frozen=True)
+class ActorNeeds:
+    """What each actor of an environment reserves, and the helper actors it starts (:meth:`EnvironmentInterface.actor_needs`)."""
+
+    num_cpus: float = DEFAULT_ENV_CPUS
+    num_gpus: float = 0.0
+    helpers: tuple[HelperActors, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +76,12 @@ class EnvironmentInterface(ABC):
 
     #: Optional pydantic model validating the constructor's keyword arguments (the env's config section).
     config_model: ClassVar[type[BaseModel] | None] = None
+
+    @classmethod
+    def actor_needs(cls, settings: dict[str, Any]) -> ActorNeeds:
+        """What each actor hosting this environment reserves, given its validated section ``settings`` (the
+        constructor's keyword arguments). The default: :data:`DEFAULT_ENV_CPUS` and no helper actors."""
+        return ActorNeeds()
 
     @abstractmethod
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:

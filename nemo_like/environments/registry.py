@@ -54,6 +54,7 @@ ENVIRONMENTS.add_path("arithmetic", "nemo_like.environments.arithmetic:Arithmeti
 ENVIRONMENTS.add_path("math", "nemo_like.environments.math:MathEnvironment")
 ENVIRONMENTS.add_path("tool", "nemo_like.environments.tools.environment:ToolEnvironment")
 ENVIRONMENTS.add_path("guess_number", "nemo_like.environments.games.guess_number:GuessNumberEnvironment")
+ENVIRONMENTS.add_path("reward_model", "nemo_like.environments.reward_model:RewardModelEnvironment")
 #: Built-in environments: name -> import path (the import path is what :class:`EnvSpec` carries to the actors).
 BUILTIN_ENVIRONMENTS: dict[str, str] = {name: ENVIRONMENTS.path_of(name) or "" for name in ENVIRONMENTS}
 #: The metadata key naming a sample's task (the ``env`` section that scores it).

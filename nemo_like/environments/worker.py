@@ -8,19 +8,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_like.distributed.worker_group import Reinitializable, RoleResources, WorkerResources
-from nemo_like.environments.interface import EnvironmentStep
-from nemo_like.environments.registry import EnvSpec, import_environment_class
+from nemo_like.environments.interface import DEFAULT_ENV_CPUS, ActorNeeds, EnvironmentStep
+from nemo_like.environments.registry import EnvSpec, import_environment_class, resolve_environments
 
-#: CPU reserved per environment actor (they mostly wait; the math verifier's process runs beside it).
-ENV_WORKER_CPUS = 0.1
+#: CPU reserved per environment actor by default (they mostly wait; the math verifier's process runs beside it).
+ENV_WORKER_CPUS = DEFAULT_ENV_CPUS
+
+
+def actor_needs(spec: EnvSpec) -> ActorNeeds:
+    """What each actor of ``spec`` reserves and starts, as its class states it (:meth:`EnvironmentInterface.actor_needs`)."""
+    cls = import_environment_class(spec.class_path, f"env.{spec.task}")
+    return cls.actor_needs(dict(spec.kwargs))
 
 
 def environment_resources(cfg: Any) -> list[RoleResources]:
-    """One role per configured task (``env.<task>``): its ``num_workers`` actors, a small CPU reservation each."""
-    return [
-        RoleResources(f"environment:{task}", section.num_workers, WorkerResources(num_cpus=ENV_WORKER_CPUS))
-        for task, section in cfg.env_sections.items()
-    ]
+    """Per configured task (``env.<task>``): its ``num_workers`` actors as its class sizes them (a small CPU
+    reservation by default), and the helper actors each of them starts (a judge's engine: ``judge:<task>``)."""
+    roles = []
+    for task, spec in resolve_environments(cfg.env_sections).items():
+        needs = actor_needs(spec)
+        roles.append(RoleResources(f"environment:{task}", spec.num_workers, WorkerResources(needs.num_cpus, needs.num_gpus)))
+        for helper in needs.helpers:
+            resources = WorkerResources(num_cpus=helper.num_cpus, num_gpus=helper.num_gpus)
+            roles.append(RoleResources(f"{helper.role}:{task}", spec.num_workers * helper.count, resources))
+    return roles
 
 
 class EnvironmentWorker(Reinitializable):
@@ -113,11 +124,12 @@ class Environments:
         self.groups = {}
         try:
             for task, spec in specs.items():
+                needs = actor_needs(spec)
                 self.groups[task] = RayWorkerGroup(
                     f"environment:{task}",
                     EnvironmentWorker,
                     spec.num_workers,
-                    WorkerResources(num_cpus=ENV_WORKER_CPUS),
+                    WorkerResources(num_cpus=needs.num_cpus, num_gpus=needs.num_gpus),
                     {"task": task, "class_path": spec.class_path, "kwargs": spec.kwargs},
                     placement_timeout_s,
                     env_vars=actor_python_path(spec.import_root),

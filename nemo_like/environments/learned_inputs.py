@@ -1,0 +1,44 @@
+"""What learned reward sources (reward models, judges) read from a sample: the prompt text and the model path.
+
+The prompt comes from the sample's metadata: ``metadata["prompt"]`` (a string), else the last user message of
+``metadata["messages"]``; a sample with neither is scored with an empty prompt and counted (``prompt_missing``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+#: Learned-reward models shipped under ``nemo_like/assets/`` besides the generation models (``embedded:<name>``).
+SHIPPED_REWARD_MODELS = ("tiny-reward-qwen2",)
+_ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def prompt_of(metadata: Mapping[str, Any]) -> str | None:
+    """The prompt text of a sample, or ``None`` when its metadata carries none (see the module docstring)."""
+    prompt = metadata.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    messages = metadata.get("messages")
+    if isinstance(messages, list):
+        for message in reversed(messages):
+            if isinstance(message, Mapping) and message.get("role") == "user" and isinstance(message.get("content"), str):
+                return message["content"]
+    return None
+
+
+def resolve_reward_model_path(name: str) -> str:
+    """``embedded:tiny-reward-qwen2`` -> its directory under ``nemo_like/assets/``; other ``embedded:`` names, hub ids
+    and paths as the generation models resolve them (:func:`nemo_like.models.loading.resolve_model_path`)."""
+    dirname = name.removeprefix("embedded:")
+    if name.startswith("embedded:") and dirname in SHIPPED_REWARD_MODELS:
+        path = _ASSETS / dirname
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"The shipped model {name} is missing at {path}; rebuild it with: python scripts/build_tiny_reward_model.py"
+            )
+        return str(path)
+    from nemo_like.models.loading import resolve_model_path
+
+    return resolve_model_path(name)

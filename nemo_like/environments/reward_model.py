@@ -1,0 +1,110 @@
+"""The reward-model environment (``class: reward_model``): a Hugging Face sequence-classification model scores each
+(prompt, response) pair; the reward is its score, normalised per sample (:mod:`.score_normalization`).
+
+The model lives in the environment's own actors (``env.<task>.num_workers`` of them, each with ``num_cpus`` /
+``num_gpus``), loaded once, and scores in batches of at most ``max_tokens_per_batch`` padded tokens
+(:mod:`.reward_model_scorer`): a sample's reward does not depend on the batch it came in, the split over actors
+or the order. The prompt comes from the sample's metadata (:func:`.learned_inputs.prompt_of`).
+
+Counters (``env/<task>/<name>``, summed over actors): ``scored``, ``score_sum`` (raw scores), ``truncated``
+(inputs cut to the model's ``max_length`` from the left, keeping the response), ``prompt_missing``, ``batches``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
+from nemo_like.environments.learned_inputs import SHIPPED_REWARD_MODELS, prompt_of, resolve_reward_model_path
+from nemo_like.environments.score_normalization import ScoreNormalization
+
+#: The shipped tiny reward model (``scripts/build_tiny_reward_model.py``).
+TINY_REWARD_MODEL = "embedded:tiny-reward-qwen2"
+COUNTERS = ("scored", "score_sum", "truncated", "prompt_missing", "batches")
+
+
+def check_reward_model_source(name: str, key: str = "model_name") -> str:
+    """Fail in the driver when ``name`` cannot be loaded here (shipped name, local directory, cached hub id)."""
+    if name.startswith("embedded:") and name.removeprefix("embedded:") in SHIPPED_REWARD_MODELS:
+        try:
+            resolve_reward_model_path(name)
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
+        return name
+    from nemo_like.models.loading import check_model_source
+
+    check_model_source(name, key)
+    return name
+
+
+class RewardModelEnvConfig(BaseModel):
+    """Keys of a reward-model section (``env.<task>`` with ``class: reward_model``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = Field(TINY_REWARD_MODEL, description="AutoModelForSequenceClassification: a local directory, hub id or shipped name.")
+    precision: str = Field("float32", pattern="^(float32|bfloat16)$", description="Weights and compute dtype.")
+    label_index: int = Field(0, ge=0, description="Which logit is the score (0 for a num_labels=1 model).")
+    max_tokens_per_batch: int = Field(4096, gt=0, description="Padded tokens (rows x longest row) per forward pass.")
+    max_length: int | None = Field(None, gt=0, description="Longest input; longer ones keep their last tokens. null: the model's limit.")
+    use_chat_template: bool = Field(True, description="Render (prompt, response) as a user and an assistant turn; else concatenate.")
+    normalize: ScoreNormalization = Field(default_factory=ScoreNormalization, description="Raw score -> reward (per sample).")
+    num_cpus: float = Field(0.25, gt=0, description="CPUs each actor of this environment reserves.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs each actor reserves (the model runs on its GPU).")
+    num_threads: int = Field(1, gt=0, description="torch threads of each actor on CPU.")
+
+    @field_validator("model_name")
+    @classmethod
+    def _loadable(cls, name: str) -> str:
+        return check_reward_model_source(name)
+
+
+class RewardModelEnvironment(EnvironmentInterface):
+    """See the module docstring."""
+
+    config_model: ClassVar[type[BaseModel]] = RewardModelEnvConfig
+
+    @classmethod
+    def actor_needs(cls, settings: dict[str, Any]) -> ActorNeeds:
+        cfg = RewardModelEnvConfig.model_validate(settings)
+        return ActorNeeds(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
+
+    def __init__(self, **settings: Any) -> None:
+        import torch
+
+        from nemo_like.environments.reward_model_scorer import RewardModelScorer
+
+        self.cfg = RewardModelEnvConfig.model_validate(settings)
+        if not torch.cuda.is_available():
+            torch.set_num_threads(self.cfg.num_threads)
+        self.scorer = RewardModelScorer(resolve_reward_model_path(self.cfg.model_name), self.cfg.precision, self.cfg.label_index)
+        self.max_length = min(filter(None, (self.cfg.max_length, self.scorer.max_length)), default=None)
+        self._counts = dict.fromkeys(COUNTERS, 0.0)
+
+    def raw_scores(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        """The model's raw score of each (prompt, response) pair (before normalisation)."""
+        sequences = []
+        for response, meta in zip(responses, metadata):
+            prompt = prompt_of(meta)
+            if prompt is None:
+                self._counts["prompt_missing"] += 1
+            ids = self.scorer.encode(prompt or "", response, self.cfg.use_chat_template)
+            if self.max_length is not None and len(ids) > self.max_length:
+                ids = ids[-self.max_length :]
+                self._counts["truncated"] += 1
+            sequences.append(ids or [self.scorer.pad_token_id])
+        scores = self.scorer.score(sequences, self.cfg.max_tokens_per_batch)
+        self._counts["batches"] += self.scorer.batches_run
+        return scores
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        raw = self.raw_scores(responses, metadata)
+        self._counts["scored"] += len(raw)
+        self._counts["score_sum"] += sum(raw)
+        return [self.cfg.normalize(value) for value in raw]
+
+    def metrics(self) -> dict[str, float]:
+        counts, self._counts = self._counts, dict.fromkeys(COUNTERS, 0.0)
+        return counts
