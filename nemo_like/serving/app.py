@@ -1,0 +1,138 @@
+"""The HTTP layer: FastAPI routes, the API-key check and OpenAI-shaped errors.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``POST /v1/sessions``,
+``POST /v1/sessions/{id}/end``. Every request must carry ``Authorization: Bearer <key>`` (checked in constant time
+before the body is read); every failure answers ``{"error": {...}}`` (:mod:`.errors`), and an unexpected exception is a
+500 for that request only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nemo_like.serving.errors import ServingError, bad_request, error_body, unauthorized
+from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest
+from nemo_like.serving.responses import chat_response, completion_response, models_response
+from nemo_like.serving.service import CompletionService
+
+log = logging.getLogger("nemo_like.serving")
+
+SESSION_HEADER = "X-Session-Id"
+
+
+class EndSessionRequest(BaseModel):
+    """``POST /v1/sessions/{id}/end``: the session's reward (0.0 when omitted)."""
+
+    model_config = ConfigDict(extra="forbid")
+    reward: float | None = None
+
+
+class OpenSessionRequest(BaseModel):
+    """``POST /v1/sessions``: an optional id (a random one otherwise) and metadata."""
+
+    model_config = ConfigDict(extra="forbid")
+    session_id: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def _validation_error(exc: RequestValidationError) -> ServingError:
+    """Malformed JSON and schema violations as OpenAI's 400s (the first problem, with its parameter)."""
+    first = exc.errors()[0] if exc.errors() else {}
+    kind, loc = first.get("type", ""), [str(p) for p in first.get("loc", ()) if p != "body"]
+    if kind == "json_invalid":
+        return bad_request("We could not parse the JSON body of your request. The body must be valid JSON.")
+    if kind == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {'.'.join(loc)}", param=".".join(loc) or None)
+    if kind == "missing":
+        return bad_request(f"Missing required parameter: '{'.'.join(loc)}'.", param=".".join(loc) or None)
+    param = ".".join(loc) or None
+    return bad_request(f"Invalid value for '{param}': {first.get('msg', 'invalid')}.", param=param)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServingError)
+    async def serving_error(request: Request, exc: ServingError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = _validation_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("rollout server: %s %s failed", request.method, request.url.path)
+        return JSONResponse(error_body(f"The server failed on this request: {type(exc).__name__}: {exc}", "server_error"), 500)
+
+
+def _install_auth(app: FastAPI, api_key: str) -> None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            error = unauthorized()
+            return JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+
+def create_app(service: CompletionService, api_key: str) -> FastAPI:
+    """The server's ASGI app over ``service``; every route requires ``api_key``."""
+    if not api_key:
+        raise ValueError("the rollout server needs a non-empty API key")
+    app = FastAPI(title="nemo_like rollout server", docs_url=None, redoc_url=None, openapi_url=None)
+    _install_error_handlers(app)
+    _install_auth(app, api_key)
+    created = int(time.time())
+    sessions = service.sessions
+
+    def decode_token(token_id: int) -> str:
+        return service.renderer.decode([token_id])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+        call = await service.chat(body, request.headers.get(SESSION_HEADER))
+        return chat_response(call, body, f"chatcmpl-{uuid.uuid4().hex}", decode_token)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> dict[str, Any]:
+        call = await service.complete(body, request.headers.get(SESSION_HEADER))
+        return completion_response(call, body, f"cmpl-{uuid.uuid4().hex}", decode_token)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return models_response(service.limits.model_name, created, service.limits.max_context)
+
+    @app.post("/v1/sessions")
+    async def open_session(body: OpenSessionRequest) -> dict[str, Any]:
+        try:
+            session_id = sessions.open(body.session_id, body.metadata)
+        except ValueError as exc:
+            raise ServingError(409, str(exc), code="session_exists", param="session_id") from None
+        return {"id": session_id, "object": "session"}
+
+    @app.post("/v1/sessions/{session_id}/end")
+    async def end_session(session_id: str, body: EndSessionRequest | None = None) -> dict[str, Any]:
+        result = sessions.end(session_id, body.reward if body else None)
+        return {
+            "id": session_id, "object": "session", "reward": result.reward, "num_calls": result.num_calls,
+            "rows": len(result.rows), "branched": result.branched, "rejected": result.rejected,
+        }  # fmt: skip
+
+    return app

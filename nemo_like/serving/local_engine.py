@@ -1,0 +1,50 @@
+"""An in-process generation engine (no Ray): the HF model sampled by the same loop as the ``hf`` backend.
+
+For serving a model without a training run (tests, a laptop, a future ``nemo-like serve``): it satisfies
+:class:`~nemo_like.models.generation.interface.GenerationInterface` and returns the same samples, logprobs included,
+as :class:`~nemo_like.models.generation.hf_worker.HFGenerationWorker` (both call
+:func:`~nemo_like.models.generation.lean_decoder.sample_with_params`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, WeightSource, export_weights
+from nemo_like.models.generation.lean_decoder import sample_with_params
+from nemo_like.models.loading import load_causal_lm
+
+
+@dataclass
+class LocalGeneration:
+    """One model replica in this process; call it from one thread at a time (the server's queue does)."""
+
+    model: torch.nn.Module
+    pad_token_id: int
+    eos_token_ids: list[int]
+    weight_version: int = 0
+
+    @classmethod
+    def load(cls, model_name: str, pad_token_id: int, eos_token_ids: list[int], precision: str = "float32") -> LocalGeneration:
+        """Load ``model_name`` (a path, a hub id or ``embedded:<name>``) for sampling."""
+        return cls(load_causal_lm(model_name, precision).eval(), pad_token_id, list(eos_token_ids))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
+        """One sample per prompt, with the logprobs of the distribution each token was drawn from."""
+        drawn = sample_with_params(self.model, prompts, params, self.eos_token_ids, self.pad_token_id, seed)
+        return [GeneratedSample(**d) for d in drawn.sample_dicts(prompts, self.weight_version)]
+
+    @torch.no_grad()
+    def refit(self, weights: WeightSource, version: int) -> float:
+        """Load a full state dict (or an exporter returning one) as weight version ``version``."""
+        start = time.perf_counter()
+        self.model.load_state_dict(export_weights(weights), strict=False)
+        self.weight_version = version
+        return time.perf_counter() - start
+
+    def shutdown(self) -> None:
+        """Nothing to release."""

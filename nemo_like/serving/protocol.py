@@ -1,0 +1,127 @@
+"""Request bodies the server accepts (OpenAI's fields, checked), and the engine's sampling settings they ask for.
+
+Unknown fields are refused (400 ``Unrecognized request argument``), as OpenAI does, and so are known fields this
+server does not implement when set to anything but their no-op value (``stream``, penalties, ``logit_bias``, ...):
+an agent must not believe a setting took effect when it did not. Extension fields: ``top_k`` and
+``return_token_ids`` (the answer then carries ``prompt_token_ids`` and, per choice, ``completion_token_ids`` and
+``completion_logprobs``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_like.models.generation.interface import SamplingParams
+from nemo_like.serving.errors import bad_request, unsupported
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    seed: int | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    return_token_ids: bool = False
+
+    def check_supported(self) -> None:
+        """Raise a 400 for a set parameter this server does not implement."""
+        if self.stream:
+            raise unsupported("stream", "answers are returned whole")
+        if self.stream_options is not None:
+            raise unsupported("stream_options")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise unsupported(name, "it would change the distribution the logprobs are recorded under")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "it would change the distribution the logprobs are recorded under")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise bad_request("'stop' takes at most 4 strings.", param="stop")
+        if any(not s for s in stops):
+            raise bad_request("'stop' strings must not be empty.", param="stop")
+        return tuple(stops)
+
+    def sampling_params(self, max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        """The engine's settings: temperature 0 is greedy; ``top_k`` -1 or 0 means off."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature if temperature > 0 else 1.0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else None,
+            greedy=temperature == 0,
+            stop_token_ids=stop_token_ids,
+            stop_strings=self.stop_strings(),
+        )
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tool_choice not in (None, "auto", "none"):
+            raise unsupported("tool_choice", "only 'auto' and 'none'")
+        if self.top_logprobs:
+            raise unsupported("top_logprobs", "only the sampled token's logprob is returned")
+        if self.response_format not in (None, {"type": "text"}):
+            raise unsupported("response_format", "only {'type': 'text'}")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def parses_tools(self) -> bool:
+        """Whether tool markup in the answer becomes ``tool_calls`` (tools offered, ``tool_choice`` not 'none')."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is one string or one list of token ids."""
+
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=1)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise unsupported("echo")
+        if self.suffix:
+            raise unsupported("suffix")
+        if self.best_of not in (None, 1):
+            raise unsupported("best_of")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise bad_request("'prompt' must not be empty.", param="prompt")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens or 16  # OpenAI's default for completions

@@ -1,0 +1,100 @@
+"""The server renders prompts itself: OpenAI messages -> the model's chat template -> token ids.
+
+Messages are normalised for Hugging Face templates (text parts joined, tool-call arguments as objects); an assistant
+message the server returned is replaced by the raw text the model sampled (:mod:`.continuation`). Text is decoded with
+every special token and no clean-up, so that decoded completions and rendered prompts are the same strings the ids
+encode.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nemo_like.serving.continuation import Continuations, message_key
+from nemo_like.serving.errors import bad_request, unsupported
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _text_content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise unsupported(f"{where}.content", "only text content parts")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"'{where}.content' must be a string, a list of text parts or null.", param=f"{where}.content")
+
+
+def _template_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    """OpenAI tool calls with their argument strings decoded (what Hugging Face templates iterate over)."""
+    if not isinstance(tool_calls, list):
+        raise bad_request(f"'{where}.tool_calls' must be a list.", param=f"{where}.tool_calls")
+    out = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"'{where}.tool_calls' entries need a 'function' with a 'name'.", param=f"{where}.tool_calls")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            raise bad_request(f"'{where}.tool_calls' arguments must be a JSON object string.", param=f"{where}.tool_calls") from None
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def normalize_message(message: Any, index: int, continuations: Continuations | None) -> dict[str, Any]:
+    """One request message as the chat template gets it (raises a 400 naming ``messages[index]`` when malformed)."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise bad_request(f"'{where}' needs a 'role' among {list(ROLES)}.", param=f"{where}.role")
+    role = "system" if message["role"] == "developer" else message["role"]
+    content = _text_content(message.get("content"), where)
+    out: dict[str, Any] = {"role": role, "content": content}
+    if role == "assistant":
+        tool_calls = message.get("tool_calls") or None
+        raw = continuations.raw_text(message_key(message.get("content"), tool_calls)) if continuations else None
+        if raw is not None:
+            return {"role": "assistant", "content": raw}
+        if tool_calls:
+            out["tool_calls"] = _template_tool_calls(tool_calls, where)
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                out[key] = message[key]
+    return out
+
+
+class Renderer:
+    """Tokenizer + chat template (the tokenizer's own, or ``chat_template`` to override it)."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template")
+
+    def tokenize(self, text: str) -> list[int]:
+        """The ids of ``text`` (special-token markup included, no added BOS/EOS)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int] | tuple[int, ...]) -> str:
+        """The text of ``ids`` with every token, special ones included, without whitespace clean-up."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def chat_text(self, messages: list[Any], tools: list[dict[str, Any]] | None, continuations: Continuations | None) -> str:
+        """The template's rendering of ``messages`` followed by the assistant generation prompt."""
+        normalized = [normalize_message(m, i, continuations) for i, m in enumerate(messages)]
+        try:
+            return self.tokenizer.apply_chat_template(
+                normalized, tools=tools or None, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template
+            )
+        except Exception as exc:  # jinja's TemplateError / raise_exception: the request, not the server, is wrong
+            raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None

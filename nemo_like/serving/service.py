@@ -1,0 +1,184 @@
+"""One completion call, without HTTP: check it, render and tokenise the prompt, sample, record it in its session.
+
+The HTTP layer (:mod:`.app`) only parses bodies and formats answers; everything that decides what is sampled and
+recorded happens here, so the training loop's own tests can drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_like.models.generation.interface import GeneratedSample
+from nemo_like.serving.batching import GenerationQueue
+from nemo_like.serving.continuation import message_key
+from nemo_like.serving.errors import ServingError, bad_request
+from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from nemo_like.serving.rendering import Renderer
+from nemo_like.serving.sessions import Session, SessionStore
+from nemo_like.serving.tool_parsers import ParsedTurn, ToolParser
+from nemo_like.serving.trajectory import CallRecord
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask for."""
+
+    model_name: str
+    max_context: int  # prompt + completion tokens
+    max_n: int = 16
+    require_session: bool = False  # refuse calls without a session id (a training run's server)
+
+
+@dataclass
+class SampledChoice:
+    """One choice: the recorded ids and logprobs, the text returned and why it ended."""
+
+    index: int
+    completion_ids: list[int]
+    logprobs: list[float]
+    text: str  # the completion's text, cut before a stop string, without the end-of-turn token
+    finish_reason: str  # "stop", "length" or "tool_calls"
+    weight_version: int
+    parsed: ParsedTurn | None = None  # chat: content and tool calls
+
+
+@dataclass
+class SampledCall:
+    """A call's prompt ids and choices, and the session it was recorded in (None: not recorded)."""
+
+    prompt_ids: list[int]
+    choices: list[SampledChoice] = field(default_factory=list)
+    session_id: str | None = None
+
+
+def _cut_stop_string(text: str, stops: tuple[str, ...]) -> str:
+    positions = [text.find(s) for s in stops if s in text]
+    return text[: min(positions)] if positions else text
+
+
+class CompletionService:
+    """Renders, samples (through the :class:`~.batching.GenerationQueue`) and records calls."""
+
+    def __init__(
+        self,
+        renderer: Renderer,
+        queue: GenerationQueue,
+        sessions: SessionStore,
+        limits: Limits,
+        eos_token_ids: list[int],
+        tool_parser: ToolParser,
+    ) -> None:
+        self.renderer = renderer
+        self.queue = queue
+        self.sessions = sessions
+        self.limits = limits
+        self.eos_token_ids = set(eos_token_ids)
+        self.tool_parser = tool_parser
+
+    def _check(self, req: SamplingFields) -> None:
+        req.check_supported()
+        if req.model != self.limits.model_name:
+            raise ServingError(
+                404, f"The model '{req.model}' does not exist; this server serves '{self.limits.model_name}'.",
+                type="not_found_error", code="model_not_found", param="model",
+            )  # fmt: skip
+        if req.n > self.limits.max_n:
+            raise bad_request(f"'n' must be at most {self.limits.max_n}; got {req.n}.", param="n")
+
+    def _session(self, session_id: str | None) -> tuple[Session | None, int]:
+        if session_id is None:
+            if self.limits.require_session:
+                raise bad_request("This server records sessions: send 'X-Session-Id' or the 'user' field.", param="user")
+            return None, 0
+        return self.sessions.begin_call(session_id)
+
+    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        room = self.limits.max_context - prompt_len
+        if room <= 0 or (requested is not None and requested > room):
+            raise bad_request(
+                f"This model's maximum context length is {self.limits.max_context} tokens. However, you requested "
+                f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the prompt, {requested or 0} for the completion).",
+                param="messages" if room <= 0 else "max_tokens", code="context_length_exceeded",
+            )  # fmt: skip
+        return requested or room
+
+    async def chat(self, req: ChatCompletionRequest, session_id: str | None) -> SampledCall:
+        """Serve one ``/v1/chat/completions`` request."""
+        self._check(req)
+        session, call_index = self._session(session_id or req.user)
+        continuations = session.continuations if session else None
+        text = self.renderer.chat_text(req.messages, req.tools, continuations)
+        ids = continuations.prompt_ids(text, self.renderer.tokenize) if continuations else self.renderer.tokenize(text)
+        call = await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index)
+        for choice in call.choices:
+            choice.parsed = self.tool_parser(choice.text) if req.parses_tools() else ParsedTurn(choice.text)
+            if choice.parsed.tool_calls:
+                choice.finish_reason = "tool_calls"
+            if session is not None:
+                key = message_key(choice.parsed.content, choice.parsed.tool_calls)
+                session.continuations.remember_message(key, self._raw_text(choice.completion_ids))
+        return call
+
+    async def complete(self, req: CompletionRequest, session_id: str | None) -> SampledCall:
+        """Serve one ``/v1/completions`` request (a text prompt, or token ids used as they are)."""
+        self._check(req)
+        session, call_index = self._session(session_id or req.user)
+        if isinstance(req.prompt, str):
+            text = req.prompt
+            ids = session.continuations.prompt_ids(text, self.renderer.tokenize) if session else self.renderer.tokenize(text)
+        else:
+            vocab = self.sessions.vocab_size
+            if vocab is not None and any(t < 0 or t >= vocab for t in req.prompt):
+                raise bad_request(f"'prompt' holds token ids outside the vocabulary [0, {vocab}).", param="prompt")
+            ids, text = list(req.prompt), self.renderer.decode(req.prompt)
+        return await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index)
+
+    def _raw_text(self, completion_ids: list[int]) -> str:
+        """The sampled text the template must render back: the completion without its end-of-turn token."""
+        ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.eos_token_ids else completion_ids
+        return self.renderer.decode(ids)
+
+    async def _sample(
+        self, req: SamplingFields, text: str, ids: list[int], requested: int | None, session: Session | None, call_index: int
+    ) -> SampledCall:
+        params = req.sampling_params(self._max_tokens(len(ids), requested))
+        samples: list[GeneratedSample] = await asyncio.wrap_future(self.queue.submit([ids] * req.n, params, req.seed))
+        call = SampledCall(prompt_ids=list(ids), session_id=session.session_id if session else None)
+        records, texts = [], []
+        for i, sample in enumerate(samples):
+            choice = self._choice(i, sample, params.stop_strings)
+            call.choices.append(choice)
+            records.append(
+                CallRecord(
+                    tuple(ids), tuple(choice.completion_ids), tuple(choice.logprobs), sample.weight_version,
+                    sample.final_weight_version if sample.final_weight_version is not None else sample.weight_version,
+                    truncated=choice.finish_reason == "length", call_index=call_index, choice_index=i,
+                )
+            )  # fmt: skip
+            texts.append((text, self.renderer.decode(choice.completion_ids)))
+        if session is not None:
+            self.sessions.record(session, records, texts)
+        return call
+
+    def _choice(self, index: int, sample: GeneratedSample, stops: tuple[str, ...]) -> SampledChoice:
+        ids, logprobs, finish = list(sample.response_ids), list(sample.response_logprobs), "length" if sample.truncated else "stop"
+        cut = self._stop_cut(ids, stops)
+        if cut is not None:
+            ids, logprobs, finish = ids[:cut], logprobs[:cut], "stop"
+        text = _cut_stop_string(self._raw_text(ids), stops)
+        return SampledChoice(index, ids, logprobs, text, finish, sample.weight_version)
+
+    def _stop_cut(self, ids: list[int], stops: tuple[str, ...]) -> int | None:
+        """Length of the shortest prefix of ``ids`` whose text holds a stop string (whole tokens kept)."""
+        if not stops or not any(s in self.renderer.decode(ids) for s in stops):
+            return None
+        return next(i + 1 for i in range(len(ids)) if any(s in self.renderer.decode(ids[: i + 1]) for s in stops))
+
+
+def response_extras(call: SampledCall, choice: SampledChoice | None = None) -> dict[str, Any]:
+    """The ``return_token_ids`` fields: the prompt's ids (per call) or a choice's ids and logprobs."""
+    if choice is None:
+        return {"prompt_token_ids": call.prompt_ids, "session_id": call.session_id}
+    return {"completion_token_ids": choice.completion_ids, "completion_logprobs": choice.logprobs, "weight_version": choice.weight_version}

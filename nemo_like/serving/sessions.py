@@ -1,0 +1,162 @@
+"""Sessions: one agent rollout's calls, recorded as the engine sampled them, and turned into rows when it ends.
+
+A session is opened by the run (:meth:`SessionStore.open`) or, with ``auto_create``, by its first call. Each call
+appends :class:`~.trajectory.CallRecord` s and feeds the session's :class:`~.continuation.Continuations` (so the
+next call reuses the ids already sampled). :meth:`SessionStore.end` builds the rows (:func:`~.trajectory.session_rows`)
+once; the result stays available to :meth:`SessionStore.take_result` / :meth:`SessionStore.take_finished`.
+Thread-safe: the HTTP handlers and the training loop call it from different threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_like.serving.continuation import Continuations
+from nemo_like.serving.errors import session_ended, session_not_found
+from nemo_like.serving.trajectory import CallRecord, SessionRows, session_rows
+
+
+@dataclass
+class Session:
+    """A session's state while it runs."""
+
+    session_id: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    calls: list[CallRecord] = field(default_factory=list)
+    continuations: Continuations = field(default_factory=Continuations)
+    num_http_calls: int = 0
+    ended: bool = False
+
+
+@dataclass
+class SessionCounters:
+    """Totals since the store started (``agent/*`` metrics)."""
+
+    sessions: int = 0
+    calls: int = 0
+    rows: int = 0
+    branched: int = 0
+    rejected: int = 0
+
+    def as_metrics(self) -> dict[str, float]:
+        """``agent/*`` numbers over the ended sessions."""
+        n = max(self.sessions, 1)
+        return {
+            "agent/sessions": float(self.sessions),
+            "agent/branched_sessions": float(self.branched),
+            "agent/rejected_sessions": float(self.rejected),
+            "agent/rows_per_session": self.rows / n,
+            "agent/calls_per_session": self.calls / n,
+        }
+
+
+class SessionStore:
+    """Open sessions by id, and the results of ended ones until they are taken."""
+
+    def __init__(self, auto_create: bool = True, vocab_size: int | None = None) -> None:
+        self.auto_create = auto_create
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._open: dict[str, Session] = {}
+        self._ended: set[str] = set()
+        self._results: dict[str, SessionRows] = {}
+        self.counters = SessionCounters()
+
+    def open(self, session_id: str | None = None, metadata: dict[str, Any] | None = None) -> str:
+        """Start a session (a fresh random id when ``session_id`` is None) and return its id."""
+        session_id = session_id or uuid.uuid4().hex
+        with self._lock:
+            if session_id in self._open or session_id in self._ended:
+                raise ValueError(f"session {session_id!r} already exists")
+            self._open[session_id] = Session(session_id, dict(metadata or {}))
+        return session_id
+
+    def session(self, session_id: str) -> Session:
+        """The open session ``session_id`` (created if unknown and ``auto_create``).
+
+        Raises:
+            ServingError: 404 for an unknown id (without ``auto_create``), 409 for an ended one."""
+        with self._lock:
+            if session_id in self._ended:
+                raise session_ended(session_id)
+            found = self._open.get(session_id)
+            if found is None:
+                if not self.auto_create:
+                    raise session_not_found(session_id)
+                found = self._open[session_id] = Session(session_id)
+            return found
+
+    def begin_call(self, session_id: str) -> tuple[Session, int]:
+        """The session and the index of the call about to be made in it."""
+        session = self.session(session_id)
+        with self._lock:
+            session.num_http_calls += 1
+            return session, session.num_http_calls - 1
+
+    def record(self, session: Session, records: Sequence[CallRecord], texts: Sequence[tuple[str, str]]) -> None:
+        """Append one HTTP call's records; ``texts[i]`` = (prompt text, completion text) of ``records[i]``.
+
+        Raises:
+            ServingError: 409 when the session ended while the call was running (the records are dropped)."""
+        with self._lock:
+            if session.ended:
+                raise session_ended(session.session_id)
+            for record, (prompt_text, completion_text) in zip(records, texts):
+                session.calls.append(record)
+                session.continuations.add(prompt_text + completion_text, record.full_ids)
+
+    def end(self, session_id: str, reward: float | None = None) -> SessionRows:
+        """End the session and build its rows (reward 0.0 when None); a second end returns the same result.
+
+        Raises:
+            ServingError: 404 for an unknown id, 409 for one whose result was already taken."""
+        with self._lock:
+            if session_id in self._results:
+                return self._results[session_id]
+            if session_id in self._ended:
+                raise session_ended(session_id)
+            session = self._open.pop(session_id, None)
+            if session is None:
+                raise session_not_found(session_id)
+            session.ended = True
+            self._ended.add(session_id)
+            calls = sorted(session.calls, key=lambda c: (c.call_index, c.choice_index))
+        result = session_rows(session_id, calls, 0.0 if reward is None else float(reward), self.vocab_size)
+        with self._lock:
+            self._count(result)
+            self._results[session_id] = result
+        return result
+
+    def _count(self, result: SessionRows) -> None:
+        c = self.counters
+        c.sessions += 1
+        c.calls += result.num_calls
+        c.rows += len(result.rows)
+        c.branched += int(result.branched)
+        c.rejected += int(result.rejected is not None)
+
+    def take_result(self, session_id: str) -> SessionRows | None:
+        """The ended session's result, removed from the store (None if it has not ended or was taken)."""
+        with self._lock:
+            return self._results.pop(session_id, None)
+
+    def take_finished(self) -> list[SessionRows]:
+        """Every ended session's result not taken yet, in the order they ended."""
+        with self._lock:
+            results, self._results = list(self._results.values()), {}
+            return results
+
+    def open_ids(self) -> list[str]:
+        """The ids of the sessions still running."""
+        with self._lock:
+            return list(self._open)
+
+    def metrics(self) -> dict[str, float]:
+        """``agent/sessions``, ``agent/branched_sessions``, ``agent/rejected_sessions``, ``agent/rows_per_session``,
+        ``agent/calls_per_session`` since the store started."""
+        with self._lock:
+            return self.counters.as_metrics()

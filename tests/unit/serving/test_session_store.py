@@ -1,0 +1,71 @@
+"""The session store: creation rules, the 404/409 answers, one result per session, the agent/* counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_like.serving.errors import ServingError
+from nemo_like.serving.sessions import SessionStore
+from nemo_like.serving.trajectory import CallRecord
+
+
+def record(store: SessionStore, session_id: str, prompt: list[int], completion: list[int]) -> None:
+    session, index = store.begin_call(session_id)
+    rec = CallRecord(tuple(prompt), tuple(completion), tuple([-0.5] * len(completion)), 0, 0, call_index=index)
+    store.record(session, [rec], [("p", "c")])
+
+
+def test_calls_are_recorded_per_session_and_end_builds_rows_once():
+    store = SessionStore()
+    record(store, "a", [1, 2], [10, 2])
+    record(store, "b", [1, 3], [11, 2])
+    record(store, "a", [1, 2, 10, 2, 4], [12, 2])
+    result = store.end("a", reward=1.0)
+    assert result.rejected is None and len(result.rows) == 1
+    assert result.rows[0].response_ids == [10, 2, 4, 12, 2]
+    assert store.end("a") is result  # ending twice answers the same result
+    assert store.open_ids() == ["b"]
+    assert [r.session_id for r in store.take_finished()] == ["a"]
+    with pytest.raises(ServingError) as ended:
+        store.begin_call("a")
+    assert ended.value.status == 409
+
+
+def test_unknown_sessions_are_404_without_auto_create_and_ids_are_unique():
+    store = SessionStore(auto_create=False)
+    with pytest.raises(ServingError) as unknown:
+        store.begin_call("nope")
+    assert unknown.value.status == 404 and unknown.value.body()["error"]["code"] == "session_not_found"
+    with pytest.raises(ServingError):
+        store.end("nope")
+    opened = store.open(metadata={"task": "x"})
+    assert store.session(opened).metadata == {"task": "x"}
+    with pytest.raises(ValueError, match="already exists"):
+        store.open(opened)
+
+
+def test_counters_cover_branched_and_rejected_sessions():
+    store = SessionStore(vocab_size=100)
+    record(store, "one", [1], [10, 2])
+    record(store, "branched", [1], [10, 2])
+    record(store, "branched", [5, 10, 2], [11, 2])  # does not extend [1, 10, 2]
+    record(store, "bad", [1], [500])  # outside the vocabulary
+    for session_id in ("one", "branched", "bad"):
+        store.end(session_id, 1.0)
+    assert store.take_result("bad").rejected
+    assert store.metrics() == {
+        "agent/sessions": 3.0,
+        "agent/branched_sessions": 1.0,
+        "agent/rejected_sessions": 1.0,
+        "agent/rows_per_session": 1.0,  # 1 + 2 + 0 rows
+        "agent/calls_per_session": 4 / 3,
+    }
+
+
+def test_a_call_that_finishes_after_its_session_ended_is_dropped():
+    store = SessionStore()
+    session, index = store.begin_call("s")
+    store.end("s")
+    with pytest.raises(ServingError) as late:
+        store.record(session, [CallRecord((1,), (2,), (-0.1,), 0, 0, call_index=index)], [("p", "c")])
+    assert late.value.status == 409
