@@ -42,3 +42,18 @@ def resolve_reward_model_path(name: str) -> str:
     from nemo_like.models.loading import resolve_model_path
 
     return resolve_model_path(name)
+
+
+def check_model_name(name: str, key: str = "model_name") -> str:
+    """Fail in the driver when model ``name`` cannot be loaded here (shipped name, local directory, cached hub id);
+    returns it unchanged (a pydantic validator: the error is a ``ValueError`` naming ``key``)."""
+    if name.startswith("embedded:") and name.removeprefix("embedded:") in SHIPPED_REWARD_MODELS:
+        try:
+            resolve_reward_model_path(name)
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
+        return name
+    from nemo_like.models.loading import check_model_source
+
+    check_model_source(name, key)
+    return name

@@ -16,6 +16,7 @@ Everything here runs in the driver, before any actor starts, so a wrong path or 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,9 @@ ENVIRONMENTS.add_path("math", "nemo_like.environments.math:MathEnvironment")
 ENVIRONMENTS.add_path("tool", "nemo_like.environments.tools.environment:ToolEnvironment")
 ENVIRONMENTS.add_path("guess_number", "nemo_like.environments.games.guess_number:GuessNumberEnvironment")
 ENVIRONMENTS.add_path("reward_model", "nemo_like.environments.reward_model:RewardModelEnvironment")
+ENVIRONMENTS.add_path("judge", "nemo_like.environments.judge:JudgeEnvironment")
+ENVIRONMENTS.add_path("composite", "nemo_like.environments.composite:CompositeEnvironment")
+ENVIRONMENTS.add_path("length_penalty", "nemo_like.environments.length_penalty:LengthPenaltyEnvironment")
 #: Built-in environments: name -> import path (the import path is what :class:`EnvSpec` carries to the actors).
 BUILTIN_ENVIRONMENTS: dict[str, str] = {name: ENVIRONMENTS.path_of(name) or "" for name in ENVIRONMENTS}
 #: The metadata key naming a sample's task (the ``env`` section that scores it).
@@ -154,6 +158,13 @@ def resolve_environments(env_cfg: Mapping[str, Any]) -> dict[str, EnvSpec]:
             )
         cls = import_environment_class(path, where)
         kwargs = check_constructor_kwargs(cls, section.model_extra or {}, f"env.{task}")
+        if getattr(cls, "reports_means", False) and section.num_workers > 1:
+            warnings.warn(
+                f"env.{task}: with num_workers={section.num_workers} the per-source env/{task}/<source>/reward metrics are "
+                "sums of the actors' means; read <source>/reward_sum / <source>/num_samples instead",
+                UserWarning,
+                stacklevel=2,
+            )
         root = None if path in BUILTIN_ENVIRONMENTS.values() else import_root(path.partition(":")[0])
         specs[task] = EnvSpec(task, path, section.num_workers, kwargs, root)
     return specs

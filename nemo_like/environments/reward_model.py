@@ -17,26 +17,12 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
-from nemo_like.environments.learned_inputs import SHIPPED_REWARD_MODELS, prompt_of, resolve_reward_model_path
+from nemo_like.environments.learned_inputs import check_model_name, prompt_of, resolve_reward_model_path
 from nemo_like.environments.score_normalization import ScoreNormalization
 
 #: The shipped tiny reward model (``scripts/build_tiny_reward_model.py``).
 TINY_REWARD_MODEL = "embedded:tiny-reward-qwen2"
 COUNTERS = ("scored", "score_sum", "truncated", "prompt_missing", "batches")
-
-
-def check_reward_model_source(name: str, key: str = "model_name") -> str:
-    """Fail in the driver when ``name`` cannot be loaded here (shipped name, local directory, cached hub id)."""
-    if name.startswith("embedded:") and name.removeprefix("embedded:") in SHIPPED_REWARD_MODELS:
-        try:
-            resolve_reward_model_path(name)
-        except FileNotFoundError as exc:
-            raise ValueError(str(exc)) from None
-        return name
-    from nemo_like.models.loading import check_model_source
-
-    check_model_source(name, key)
-    return name
 
 
 class RewardModelEnvConfig(BaseModel):
@@ -58,7 +44,7 @@ class RewardModelEnvConfig(BaseModel):
     @field_validator("model_name")
     @classmethod
     def _loadable(cls, name: str) -> str:
-        return check_reward_model_source(name)
+        return check_model_name(name)
 
 
 class RewardModelEnvironment(EnvironmentInterface):

@@ -136,7 +136,8 @@ class EnvSectionConfig(BaseModel):
     env_class: str | None = Field(
         None,
         alias="class",
-        description="Environment class: a built-in name ('arithmetic', 'math', 'tool', 'guess_number') or 'module:Class' implementing "
+        description="Environment class: a built-in name ('arithmetic', 'math', 'tool', 'guess_number', 'reward_model', 'judge', "
+        "'composite', 'length_penalty') or 'module:Class' implementing "
         "EnvironmentInterface; default: the built-in named like the section.",
     )
     num_workers: Int = Field(1, gt=0, description="Ray actors of this environment; its responses are sharded across them.")

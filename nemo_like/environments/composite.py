@@ -1,0 +1,139 @@
+"""Reward composition (``class: composite``): a task's reward is the weighted sum of several reward sources, each an
+environment of its own (a built-in name or ``'module:Class'``) with its own settings::
+
+    env:
+      math:
+        class: composite
+        sources:
+          correct: {class: math, weight: 1.0}
+          rm: {class: reward_model, weight: 0.5, normalize: {squash: tanh}}
+          length: {class: length_penalty, weight: 1.0, free_length: 32, penalty_per_unit: 0.01}
+
+``reward = sum_s weight_s * reward_s``. The sources live in the composite's actors (so a reward model source loads
+its model there, a judge source starts its engine from there). Per call, each source logs ``<source>/reward`` (the
+mean of its own, unweighted reward over the call's samples), ``<source>/reward_sum`` and ``<source>/num_samples``
+(sums, exact over actors), and its own counters as ``<source>/<counter>``; the run shows them as
+``env/<task>/<source>/...``. With ``num_workers > 1`` the run adds the actors' ``<source>/reward`` values up (a
+sum of per-actor means): read ``reward_sum / num_samples`` then.
+
+Accuracy and pass@k count a sample as correct when its *composed* reward is at least 1
+(:data:`~nemo_like.environments.interface.CORRECT_REWARD`): keep the other sources' contributions below the
+verifier's margin (or read the verifier's own ``<source>/reward``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
+
+#: Keys of a source besides its environment's own settings.
+SOURCE_KEYS = ("class", "weight")
+
+
+def split_source(name: str, section: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
+    """``(class, weight, the source environment's settings)`` of one source section."""
+    if not isinstance(section, dict):
+        raise ValueError(f"{name}: a source is a section {{class: ..., weight: ..., <its settings>}}, got {section!r}")
+    settings = {k: v for k, v in section.items() if k not in SOURCE_KEYS}
+    path = section.get("class", name)
+    weight = section.get("weight", 1.0)
+    if not isinstance(path, str):
+        raise ValueError(f"{name}.class must be an environment name or 'module:Class', got {path!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise ValueError(f"{name}.weight must be a finite number, got {weight!r}")
+    return path, float(weight), settings
+
+
+def resolve_source(name: str, section: dict[str, Any]) -> tuple[type[EnvironmentInterface], float, dict[str, Any]]:
+    """Import and check one source: its class, weight and checked constructor settings (``ValueError`` naming it)."""
+    from nemo_like.environments.registry import check_constructor_kwargs, import_environment_class
+
+    path, weight, settings = split_source(name, section)
+    cls = import_environment_class(path, f"sources.{name}.class")
+    if issubclass(cls, CompositeEnvironment):
+        raise ValueError(f"sources.{name}: a composite cannot be a source of another composite; list its sources here")
+    return cls, weight, check_constructor_kwargs(cls, settings, f"sources.{name}")
+
+
+class CompositeEnvConfig(BaseModel):
+    """Keys of a composite section."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sources: dict[str, dict[str, Any]] = Field(..., description="Reward sources by name: {class, weight, <the source's settings>}.")
+
+    @field_validator("sources")
+    @classmethod
+    def _check_sources(cls, sources: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        if not sources:
+            raise ValueError("list at least one reward source: sources: {<name>: {class: ..., weight: ...}}")
+        checked = {}
+        for name, section in sources.items():
+            if not name or "/" in name:
+                raise ValueError(f"source name {name!r} must be non-empty and contain no '/' (it names metrics)")
+            source_cls, weight, settings = resolve_source(name, section)
+            if weight == 0:
+                warnings.warn(
+                    f"source {name!r} has weight 0: it is computed and logged but does not change the reward", UserWarning, stacklevel=2
+                )
+            checked[name] = {**settings, "class": section.get("class", name), "weight": weight}
+        return checked
+
+
+class CompositeEnvironment(EnvironmentInterface):
+    """See the module docstring."""
+
+    config_model: ClassVar[type[BaseModel]] = CompositeEnvConfig
+    #: Some counters are per-call means (``<source>/reward``): a sum over several actors is not a mean.
+    reports_means: ClassVar[bool] = True
+
+    @classmethod
+    def actor_needs(cls, settings: dict[str, Any]) -> ActorNeeds:
+        """The sources' needs added up (CPU at least the default's), their helper actors together."""
+        needs = [source_cls.actor_needs(kw) for source_cls, _, kw in (resolve_source(n, s) for n, s in settings["sources"].items())]
+        return ActorNeeds(
+            num_cpus=round(max(ActorNeeds().num_cpus, sum(n.num_cpus for n in needs)), 6),
+            num_gpus=sum(n.num_gpus for n in needs),
+            helpers=tuple(h for n in needs for h in n.helpers),
+        )
+
+    def __init__(self, sources: dict[str, dict[str, Any]]) -> None:
+        self.sources: dict[str, tuple[EnvironmentInterface, float]] = {}
+        for name, section in sources.items():
+            source_cls, weight, settings = resolve_source(name, section)
+            self.sources[name] = (source_cls(**settings), weight)
+        self._counts: dict[str, float] = {}
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        total = [0.0] * len(responses)
+        for name, (env, weight) in self.sources.items():
+            rewards = [float(r) for r in env.score(responses, metadata)]
+            if len(rewards) != len(responses):
+                raise ValueError(f"reward source '{name}' returned {len(rewards)} rewards for {len(responses)} responses")
+            for i, reward in enumerate(rewards):
+                total[i] += weight * reward
+            self._add(f"{name}/reward", sum(rewards) / len(rewards) if rewards else 0.0)
+            self._add(f"{name}/reward_sum", sum(rewards))
+            self._add(f"{name}/num_samples", float(len(rewards)))
+            for key, value in env.metrics().items():
+                self._add(f"{name}/{key}", float(value))
+        return total
+
+    def _add(self, key: str, value: float) -> None:
+        self._counts[key] = self._counts.get(key, 0.0) + value
+
+    def metrics(self) -> dict[str, float]:
+        counts, self._counts = self._counts, {}
+        return counts
+
+    def close(self) -> None:
+        """Close every source that has helper processes or actors."""
+        for env, _ in self.sources.values():
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()

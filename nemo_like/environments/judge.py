@@ -1,0 +1,199 @@
+"""The LLM-as-judge environment (``class: judge``): a judge model reads each (prompt, response) through a template,
+writes a verdict, a parser turns the verdict into a score, and the score (normalised per sample,
+:mod:`.score_normalization`) is the reward.
+
+* Template (:mod:`.judge_template`): ``template`` inline or ``template_file``, a format string or Jinja
+  (``template_format``), rendered as the judge's user turn through its chat template (``use_chat_template``).
+* Engine (:mod:`.judge_engine`): the judge model in its own generation actors (the HF backend's worker), greedy by
+  default, with a ``deadline_s`` per step.
+* Parser (:mod:`.judge_parsers`): ``number``, ``regex``, ``json_field`` or ``'module:function'``, with
+  ``parser_options``.
+* Cache: identical judge prompts within one call (a step's responses of this actor) are judged once.
+* Failures never crash the run: a verdict the parser cannot read, a deadline passed or an engine failure gives the
+  sample ``parse_failure_reward`` and is counted.
+
+Counters (``env/<task>/<name>``, summed over actors): ``judged`` (prompts sent to the engine), ``cache_hits``,
+``parse_failures``, ``template_errors`` (a sample lacking a metadata key the template reads), ``timeouts``, ``engine_errors``, ``engine_restarts``, ``truncated`` (judge prompts cut to fit
+the judge model), ``prompt_missing``, ``scored``, ``score_sum`` (parsed scores, before normalisation).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface, HelperActors
+from nemo_like.environments.judge_engine import JudgeEngine, JudgeEngineSpec
+from nemo_like.environments.judge_parsers import resolve_parser
+from nemo_like.environments.judge_template import JudgeTemplate, TemplateFormat, load_template_text
+from nemo_like.environments.learned_inputs import check_model_name, prompt_of
+from nemo_like.environments.score_normalization import ScoreNormalization
+from nemo_like.models.generation.interface import SamplingParams
+
+COUNTERS = (
+    "judged",
+    "cache_hits",
+    "parse_failures",
+    "template_errors",
+    "timeouts",
+    "engine_errors",
+    "engine_restarts",
+    "truncated",
+    "prompt_missing",
+    "scored",
+    "score_sum",
+)
+
+
+class JudgeEnvConfig(BaseModel):
+    """Keys of a judge section (``env.<task>`` with ``class: judge``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = Field(
+        "embedded:tiny-arith-qwen2", description="The judge model (a causal LM): hub id, local directory or shipped name."
+    )
+    precision: str = Field("float32", pattern="^(float32|bfloat16)$", description="The judge's dtype.")
+    template: str | None = Field(None, description="Inline template (see template_format); null: template_file or the default.")
+    template_file: str | None = Field(None, description="File holding the template (instead of template).")
+    template_format: TemplateFormat = Field("format", description="'format': Python str.format fields; 'jinja': a Jinja template.")
+    use_chat_template: bool = Field(True, description="Send the rendered template as a user turn through the judge's chat template.")
+    parser: str = Field("number", description="Verdict parser: 'number', 'regex', 'json_field' or 'module:function'.")
+    parser_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the parser (regex: pattern, group; ...)."
+    )
+    parse_failure_reward: float = Field(
+        0.0, description="Reward of a sample whose verdict is unreadable, late, or lost to an engine failure."
+    )
+    normalize: ScoreNormalization = Field(default_factory=ScoreNormalization, description="Parsed score -> reward (per sample).")
+    max_new_tokens: int = Field(16, gt=0, description="Longest verdict.")
+    greedy: bool = Field(True, description="Greedy verdicts (deterministic); false samples at temperature.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature when greedy is false.")
+    seed: int = Field(0, description="Sampling seed of the first call (then +1 per call).")
+    deadline_s: float = Field(60.0, gt=0, description="Seconds a step waits for the judge; later verdicts count as timeouts.")
+    max_batch_size: int = Field(16, gt=0, description="Judge prompts per engine call (a deadline keeps the chunks done in time).")
+    num_engine_workers: int = Field(1, gt=0, description="Generation actors of the judge (per environment actor).")
+    engine_num_cpus: float = Field(0.25, gt=0, description="CPUs each judge actor reserves.")
+    engine_num_gpus: float = Field(0.0, ge=0, description="GPUs each judge actor reserves.")
+    engine_num_threads: int = Field(1, gt=0, description="torch threads of each judge actor on CPU.")
+
+    @field_validator("model_name")
+    @classmethod
+    def _loadable(cls, name: str) -> str:
+        return check_model_name(name)
+
+    @model_validator(mode="after")
+    def _check(self) -> JudgeEnvConfig:
+        JudgeTemplate(load_template_text(self.template, self.template_file), self.template_format)
+        resolve_parser(self.parser, self.parser_options)
+        if self.greedy and self.temperature != 1.0:
+            warnings.warn(
+                f"temperature={self.temperature} has no effect with greedy=true (the judge decodes greedily)", UserWarning, stacklevel=2
+            )
+        return self
+
+
+class JudgeEnvironment(EnvironmentInterface):
+    """See the module docstring."""
+
+    config_model: ClassVar[type[BaseModel]] = JudgeEnvConfig
+
+    @classmethod
+    def actor_needs(cls, settings: dict[str, Any]) -> ActorNeeds:
+        cfg = JudgeEnvConfig.model_validate(settings)
+        return ActorNeeds(helpers=(HelperActors("judge", cfg.num_engine_workers, cfg.engine_num_cpus, cfg.engine_num_gpus),))
+
+    def __init__(self, **settings: Any) -> None:
+        from nemo_like.models.loading import load_tokenizer
+
+        self.cfg = cfg = JudgeEnvConfig.model_validate(settings)
+        self.template = JudgeTemplate(load_template_text(cfg.template, cfg.template_file), cfg.template_format)
+        self.parser = resolve_parser(cfg.parser, cfg.parser_options)
+        self.tokenizer = load_tokenizer(cfg.model_name)
+        eos = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
+        spec = JudgeEngineSpec(
+            cfg.model_name,
+            cfg.precision,
+            cfg.num_engine_workers,
+            cfg.engine_num_cpus,
+            cfg.engine_num_gpus,
+            cfg.engine_num_threads,
+            int(self.tokenizer.pad_token_id),
+            tuple(eos),
+        )
+        self.engine = JudgeEngine(spec, cfg.max_batch_size)
+        self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, greedy=cfg.greedy)
+        limit = getattr(self.tokenizer, "model_max_length", None)
+        self.max_prompt_tokens = limit - cfg.max_new_tokens if isinstance(limit, int) and limit < 10**9 else None
+        self._calls = 0
+        self._counts = dict.fromkeys(COUNTERS, 0.0)
+
+    def judge_prompt_ids(self, response: str, metadata: dict[str, Any]) -> list[int]:
+        """The token ids the judge reads for one sample (template, then the judge's chat template)."""
+        prompt = prompt_of(metadata)
+        if prompt is None:
+            self._counts["prompt_missing"] += 1
+        text = self.template.render(prompt or "", response, metadata)
+        tok = self.tokenizer
+        if self.cfg.use_chat_template and tok.chat_template:
+            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        else:
+            ids = list(tok(text)["input_ids"])
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            ids = ids[-self.max_prompt_tokens :]
+            self._counts["truncated"] += 1
+        return ids
+
+    def verdicts(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[str | None]:
+        """The judge's text for each sample (``None``: timed out or lost), each distinct judge prompt judged once."""
+        keys: list[tuple[int, ...] | None] = []
+        for response, meta in zip(responses, metadata):
+            try:
+                keys.append(tuple(self.judge_prompt_ids(response, meta)))
+            except Exception:  # noqa: BLE001 - e.g. {metadata[x]} missing for this sample: a counted judge failure
+                self._counts["template_errors"] += 1
+                keys.append(None)
+        unique = [k for k in dict.fromkeys(keys) if k is not None]
+        self._counts["cache_hits"] += sum(k is not None for k in keys) - len(unique)
+        self._counts["judged"] += len(unique)
+        restarts_before = self.engine.restarts
+        result = self.engine.generate([list(k) for k in unique], self.params, self.cfg.seed + self._calls, self.cfg.deadline_s)
+        self._calls += 1
+        self._counts["timeouts"] += result.timeouts
+        self._counts["engine_errors"] += result.errors
+        self._counts["engine_restarts"] += self.engine.restarts - restarts_before
+        texts = {
+            k: None if ids is None else self.tokenizer.decode(ids, skip_special_tokens=True) for k, ids in zip(unique, result.responses)
+        }
+        return [None if k is None else texts[k] for k in keys]
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        rewards = []
+        for text in self.verdicts(responses, metadata):
+            if text is None:
+                rewards.append(self.cfg.parse_failure_reward)
+                continue
+            try:
+                value = float(self.parser(text, **self.cfg.parser_options))
+                if not math.isfinite(value):
+                    raise ValueError(f"non-finite score {value}")
+            except Exception:  # noqa: BLE001 - any parser failure (plug-ins included) is a counted parse failure
+                self._counts["parse_failures"] += 1
+                rewards.append(self.cfg.parse_failure_reward)
+                continue
+            self._counts["scored"] += 1
+            self._counts["score_sum"] += value
+            rewards.append(self.cfg.normalize(value))
+        return rewards
+
+    def metrics(self) -> dict[str, float]:
+        counts, self._counts = self._counts, dict.fromkeys(COUNTERS, 0.0)
+        return counts
+
+    def close(self) -> None:
+        """Release the judge's actors."""
+        self.engine.shutdown()

@@ -1,0 +1,119 @@
+"""The judge's own generation engine: the HF backend's generation actors (:class:`HFGenerationWorker`) with the
+judge model, called with a deadline.
+
+A call splits the judge prompts into chunks of ``max_batch_size``, dealt round-robin to the actors, and waits at
+most ``deadline_s`` for them: chunks done in time return their responses, the others return ``None`` (timed out).
+After a timeout or an actor failure the actors are killed (a stuck judge must not block the next step) and
+started again on the next call; :attr:`JudgeEngine.restarts` counts those restarts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from nemo_like.models.generation.interface import SamplingParams
+
+
+@dataclass(frozen=True)
+class JudgeEngineSpec:
+    """How to start the judge's actors."""
+
+    model_name: str
+    precision: str
+    num_workers: int
+    num_cpus: float
+    num_gpus: float
+    num_threads: int
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    placement_timeout_s: float = 60.0
+
+
+@dataclass
+class EngineResult:
+    """One call's outcome: response ids per prompt (``None``: no answer in time or the actor failed)."""
+
+    responses: list[list[int] | None]
+    timeouts: int = 0
+    errors: int = 0
+
+
+def chunked(n: int, size: int) -> list[range]:
+    """``range(n)`` cut into consecutive ranges of at most ``size``."""
+    return [range(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+class JudgeEngine:
+    """The judge's generation actors (see the module docstring)."""
+
+    def __init__(self, spec: JudgeEngineSpec, max_batch_size: int = 16) -> None:
+        self.spec = spec
+        self.max_batch_size = max_batch_size
+        self.group: Any = None
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
+        from nemo_like.models.generation.hf_worker import HFGenerationWorker
+
+        s = self.spec
+        init = dict(
+            model_name=s.model_name,
+            precision=s.precision,
+            num_threads=s.num_threads,
+            pad_token_id=s.pad_token_id,
+            eos_token_ids=list(s.eos_token_ids),
+            max_batch_size=self.max_batch_size,
+        )
+        resources = WorkerResources(num_cpus=s.num_cpus, num_gpus=s.num_gpus, num_threads=s.num_threads)
+        self.group = RayWorkerGroup("judge", HFGenerationWorker, s.num_workers, resources, init, s.placement_timeout_s)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int, deadline_s: float) -> EngineResult:
+        """Responses to ``prompts`` (see the module docstring); never raises for a slow or failed actor."""
+        import ray
+
+        result = EngineResult([None] * len(prompts))
+        if not prompts:
+            return result
+        if self.group is None:
+            self._start()
+            self.restarts += 1
+        chunks = chunked(len(prompts), self.max_batch_size)
+        workers = self.group.workers
+        refs = [
+            workers[i % len(workers)].generate.remote([prompts[j] for j in rows], asdict(params), seed + 1_000_003 * i)
+            for i, rows in enumerate(chunks)
+        ]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=deadline_s)
+        done = set(ready)
+        failed = False
+        for ref, rows in zip(refs, chunks):
+            if ref not in done:
+                result.timeouts += len(rows)
+                failed = True
+                continue
+            try:
+                samples = ray.get(ref)
+            except Exception:  # noqa: BLE001 - an actor failure scores as a judge failure, never crashes the run
+                result.errors += len(rows)
+                failed = True
+                continue
+            for j, sample in zip(rows, samples):
+                result.responses[j] = list(sample["response_ids"])
+        if failed:
+            self.kill()
+        return result
+
+    def kill(self) -> None:
+        """Kill the actors now (they start again on the next call)."""
+        if self.group is not None:
+            self.group.kill()
+            self.group = None
+
+    def shutdown(self) -> None:
+        """Release the actors."""
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None

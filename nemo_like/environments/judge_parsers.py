@@ -1,0 +1,97 @@
+"""Judge output parsers: the judge model's text -> a score (a float), or :class:`JudgeParseError`.
+
+A parser is a function ``parse(text, **options) -> float`` registered in :data:`JUDGE_PARSERS` (built-ins
+``number``, ``regex``, ``json_field``) or named by import path (``my_pkg.judges:parse``); ``env.<task>.parser_options``
+are its keyword arguments, checked against its signature at start-up. Any exception it raises counts as a parse
+failure (the sample gets ``parse_failure_reward``), never as a crash.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+from nemo_like.utils.registry import Registry
+
+Parser = Callable[..., float]
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+class JudgeParseError(ValueError):
+    """The judge's text holds no score the parser can read."""
+
+
+def _finite(value: float, text: str) -> float:
+    if not math.isfinite(value):
+        raise JudgeParseError(f"the score in {text[:60]!r} is not finite")
+    return value
+
+
+def parse_number(text: str, which: str = "first") -> float:
+    """The ``first`` (or ``last``) number in the text."""
+    if which not in ("first", "last"):
+        raise ValueError(f"which must be 'first' or 'last', got {which!r}")
+    numbers = _NUMBER.findall(text)
+    if not numbers:
+        raise JudgeParseError(f"no number in {text[:60]!r}")
+    return _finite(float(numbers[0 if which == "first" else -1]), text)
+
+
+def parse_regex(text: str, pattern: str, group: int | str = 1) -> float:
+    """``group`` of the first match of ``pattern`` (``re.search``), as a number."""
+    match = re.search(pattern, text)
+    if match is None:
+        raise JudgeParseError(f"{pattern!r} does not match {text[:60]!r}")
+    try:
+        return _finite(float(match.group(group)), text)
+    except (TypeError, ValueError):
+        raise JudgeParseError(f"group {group!r} of {pattern!r} is not a number in {text[:60]!r}") from None
+
+
+def parse_json_field(text: str, field: str) -> float:
+    """The number at dotted path ``field`` (``a.b``) of the first JSON object in the text (booleans: 1/0)."""
+    start = text.find("{")
+    if start < 0:
+        raise JudgeParseError(f"no JSON object in {text[:60]!r}")
+    try:
+        value: Any = json.JSONDecoder().raw_decode(text[start:])[0]
+    except json.JSONDecodeError as exc:
+        raise JudgeParseError(f"invalid JSON in {text[:60]!r}: {exc.msg}") from None
+    for key in field.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise JudgeParseError(f"no field {field!r} in the judge's JSON")
+        value = value[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        if isinstance(value, bool):
+            return float(value)
+        raise JudgeParseError(f"field {field!r} is a {type(value).__name__}, not a number")
+    try:
+        return _finite(float(value), text)
+    except ValueError:
+        raise JudgeParseError(f"field {field!r} = {value!r} is not a number") from None
+
+
+#: Judge parsers by name (``env.<task>.parser``); user code by ``'module:function'``.
+JUDGE_PARSERS: Registry[Parser] = Registry("judge parser", "env.<task>.parser")
+JUDGE_PARSERS.add("number", parse_number)
+JUDGE_PARSERS.add("regex", parse_regex)
+JUDGE_PARSERS.add("json_field", parse_json_field)
+
+
+def resolve_parser(name: str, options: dict[str, Any], key: str = "parser") -> Parser:
+    """The parser ``name`` with its ``options`` checked against its signature (``ValueError`` naming the key)."""
+    parser = JUDGE_PARSERS.get(name, key)
+    try:
+        inspect.signature(parser).bind("", **options)
+    except TypeError as exc:
+        raise ValueError(f"parser_options {options} do not fit parser {name!r}: {exc}") from None
+    if name == "regex":
+        try:
+            re.compile(options.get("pattern", ""))
+        except re.error as exc:
+            raise ValueError(f"parser_options.pattern is not a regular expression: {exc}") from None
+    return parser

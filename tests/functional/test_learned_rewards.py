@@ -1,0 +1,81 @@
+"""Learned rewards with real actors: the tiny model as an LLM judge (template, parse failures, a deadline, the
+cache, the counters; the judge recovers after the deadline) and a real GRPO run whose reward is composed of four
+sources, each logged on its own in metrics.jsonl."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from functional.helpers import REPO, TINY_OVERRIDES, read_metrics
+
+from nemo_like.config import load_config
+from nemo_like.environments.judge import JudgeEnvironment
+from nemo_like.train import train
+
+pytestmark = pytest.mark.slow
+
+JUDGE = "embedded:tiny-arith-qwen2"
+TEMPLATE = "What is {response} + {answer}?"  # the tiny model answers sums: a one-digit sum parses, a longer one fails
+PATTERN = r"^(\d)$"
+
+
+def plain_greedy_verdict(model, tok, text: str) -> str:
+    """The judge's verdict computed without the environment: chat template + transformers greedy generate."""
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    input_ids = tok(ids, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=8, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_tiny_model_as_judge_template_parse_failure_deadline_and_cache(ray_cluster) -> None:
+    from nemo_like.models.loading import load_causal_lm, load_tokenizer
+
+    env = JudgeEnvironment(
+        model_name=JUDGE,
+        template=TEMPLATE,
+        parser="regex",
+        parser_options={"pattern": PATTERN},
+        normalize={"scale": 0.1},
+        parse_failure_reward=-1.0,
+        max_new_tokens=8,
+    )
+    try:
+        responses = ["3", "30", "3", "2", "30", "3"]  # duplicates: judged once each
+        metadata = [{"answer": 4, "task_name": "t"}] * 5 + [{"answer": 5, "task_name": "t"}]
+        model, tok = load_causal_lm(JUDGE), load_tokenizer(JUDGE)
+        verdicts = [plain_greedy_verdict(model, tok, TEMPLATE.format(response=r, answer=m["answer"])) for r, m in zip(responses, metadata)]
+        assert verdicts[0].isdigit() and len(verdicts[0]) == 1 and len(verdicts[1]) > 1  # one parses, one does not
+        expected = [0.1 * int(v) if len(v) == 1 and v.isdigit() else -1.0 for v in verdicts]
+        rewards = env.score(responses, metadata)
+        assert rewards == pytest.approx(expected)
+        counters = env.metrics()
+        assert counters["judged"] == 4 and counters["cache_hits"] == 2  # (3,4) x3, (30,4) x2, (2,4), (3,5)
+        assert counters["parse_failures"] == sum(r == -1.0 for r in expected) and counters["timeouts"] == 0
+        assert counters["scored"] + counters["parse_failures"] == len(responses)
+
+        env.cfg.deadline_s = 1e-6  # no judge answers within a microsecond: every sample times out, nothing raises
+        assert env.score(responses, metadata) == [-1.0] * len(responses)
+        counters = env.metrics()
+        assert counters["timeouts"] == 4 and counters["scored"] == 0 and counters["parse_failures"] == 0
+
+        env.cfg.deadline_s = 60.0  # the run goes on: the killed engine restarts and judges as before
+        assert env.score(responses, metadata) == pytest.approx(expected)
+        counters = env.metrics()
+        assert counters["engine_restarts"] == 1 and counters["timeouts"] == 0 and counters["judged"] == 4
+    finally:
+        env.close()
+
+
+def test_a_run_logs_each_reward_source_of_a_composed_reward(ray_cluster, tmp_path) -> None:
+    recipe = REPO / "examples" / "configs" / "grpo_tiny_rewards_cpu.yaml"
+    cfg = load_config(recipe, [*TINY_OVERRIDES, "grpo.max_num_steps=1", f"logger.log_dir={tmp_path / 'logs'}"])
+    train(cfg)
+    record = next(r for r in read_metrics(tmp_path / "logs") if "env/arithmetic/correct/reward" in r)
+    weights = {"correct": 1.0, "rm": 0.1, "length": 1.0, "judge": 0.1}
+    for source in weights:
+        assert record[f"env/arithmetic/{source}/num_samples"] == 16.0  # 4 prompts x 4 samples, one actor
+    composed = sum(w * record[f"env/arithmetic/{s}/reward"] for s, w in weights.items())
+    assert record["env/arithmetic/reward"] == pytest.approx(composed, abs=1e-5)  # the mean of a weighted sum
+    assert record["env/arithmetic/judge/judged"] + record["env/arithmetic/judge/cache_hits"] == 16.0
+    assert record["env/arithmetic/rm/scored"] == 16.0 and record["env/arithmetic/judge/timeouts"] == 0.0
