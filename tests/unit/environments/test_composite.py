@@ -1,0 +1,79 @@
+"""Reward composition without actors: the weighted sum of real sources (arithmetic, length penalty), each source's
+reward and counters under its own name, and the section's errors and warnings."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.config.schema import MasterConfig
+from nemo_like.environments.composite import CompositeEnvironment
+from nemo_like.environments.length_penalty import LengthPenaltyEnvironment
+from nemo_like.environments.registry import resolve_environments
+from nemo_like.environments.worker import environment_resources
+
+SOURCES = {
+    "correct": {"class": "arithmetic", "weight": 1.0},
+    "short": {"class": "length_penalty", "weight": 0.5, "free_length": 2, "penalty_per_unit": 0.1},
+}
+
+
+def resolve(section: dict, num_workers: int = 1):
+    cfg = MasterConfig.model_validate({"env": {"arith": {"class": "composite", "num_workers": num_workers, **section}}})
+    return resolve_environments(cfg.env_sections)["arith"]
+
+
+def test_the_reward_is_the_weighted_sum_and_each_source_is_reported() -> None:
+    env = CompositeEnvironment(**resolve({"sources": SOURCES}).kwargs)
+    responses = ["7", "8", "7 is it", "77777777777777777"]
+    rewards = env.score(responses, [{"answer": 7}] * 4)
+    # arithmetic: 1, 0, 0 or 1 (its own parser), 0; length: -0.1 per char beyond 2, at most -1
+    correct = [1.0, 0.0, env.sources["correct"][0].score(["7 is it"], [{"answer": 7}])[0], 0.0]
+    length = [0.0, 0.0, -0.5, -1.0]
+    assert rewards == pytest.approx([c + 0.5 * n for c, n in zip(correct, length)])
+    metrics = env.metrics()
+    assert metrics["correct/reward"] == pytest.approx(sum(correct) / 4)
+    assert metrics["short/reward"] == pytest.approx(-0.375) and metrics["short/reward_sum"] == pytest.approx(-1.5)
+    assert metrics["short/num_samples"] == 4.0 and metrics["short/over_length"] == 2.0  # the source's own counters
+    assert env.metrics() == {}  # reset after each read
+
+
+def test_length_penalty_units() -> None:
+    words = LengthPenaltyEnvironment(unit="words", free_length=2, penalty_per_unit=0.25, max_penalty=0.6)
+    assert words.score(["a b", "a b c", "a b c d e f"], [{}] * 3) == [0.0, -0.25, -0.6]
+
+
+def test_sources_state_their_resources_together() -> None:
+    cfg = MasterConfig.model_validate(
+        {"env": {"arith": {"class": "composite", "sources": {**SOURCES, "j": {"class": "judge", "engine_num_cpus": 0.5}}}}}
+    )
+    roles = {r.role: r for r in environment_resources(cfg)}
+    assert roles["environment:arith"].resources.num_cpus == pytest.approx(0.3)  # three sources at the default 0.1
+    assert roles["judge:arith"].count == 1 and roles["judge:arith"].resources.num_cpus == 0.5
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"sources": {}}, "list at least one reward source"),
+        ({}, "env.arith.sources: Field required"),
+        ({"sources": {"a/b": {"class": "arithmetic"}}}, "contain no '/'"),
+        ({"sources": {"x": {"class": "arithmetc"}}}, "sources.x.class must be a built-in environment"),
+        (
+            {"sources": {"x": {"class": "length_penalty", "free_lenght": 3}}},
+            "sources.x.free_lenght: unknown key. Did you mean 'free_length'",
+        ),
+        ({"sources": {"x": {"class": "arithmetic", "weight": "high"}}}, "x.weight must be a finite number"),
+        ({"sources": {"x": {"class": "composite", "sources": SOURCES}}}, "cannot be a source of another composite"),
+    ],
+)
+def test_bad_sections_name_the_key(section: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve(section)
+
+
+def test_options_that_change_nothing_or_mislead_warn() -> None:
+    with pytest.warns(UserWarning, match="weight 0"):
+        resolve({"sources": {"x": {"class": "arithmetic", "weight": 0}}})
+    with pytest.warns(UserWarning, match="sums of the actors' means"):
+        resolve({"sources": SOURCES}, num_workers=2)

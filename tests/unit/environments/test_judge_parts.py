@@ -1,0 +1,105 @@
+"""The judge's pure parts: template rendering and checks (format and Jinja, inline and file), the parsers and their
+registry, and the section's errors and warnings (no model, no actor)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.config.schema import MasterConfig
+from nemo_like.environments.judge_parsers import JudgeParseError, parse_json_field, parse_number, parse_regex, resolve_parser
+from nemo_like.environments.judge_template import DEFAULT_TEMPLATE, JudgeTemplate, load_template_text
+from nemo_like.environments.registry import resolve_environments
+
+META = {"answer": 7, "task_name": "t", "level": "easy"}
+
+
+def test_format_and_jinja_templates_render_the_same_fields() -> None:
+    fmt = JudgeTemplate("Q: {prompt} A: {response} gold {answer} ({metadata[level]})")
+    jinja = JudgeTemplate("Q: {{ prompt }} A: {{ response }} gold {{ answer }} ({{ metadata.level }})", "jinja")
+    expected = "Q: 3+4? A: 7 gold 7 (easy)"
+    assert fmt.render("3+4?", "7", META) == expected == jinja.render("3+4?", "7", META)
+    assert JudgeTemplate("{answer}|").render("", "", {"task_name": "t"}) == "|"  # no gold answer: empty
+
+
+def test_template_from_a_file_or_the_default(tmp_path) -> None:
+    path = tmp_path / "judge.txt"
+    path.write_text("Rate {response}")
+    assert load_template_text(None, str(path)) == "Rate {response}"
+    assert load_template_text(None, None) == DEFAULT_TEMPLATE
+    with pytest.raises(ValueError, match="not both"):
+        load_template_text("x", str(path))
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_template_text(None, str(tmp_path / "missing.txt"))
+
+
+@pytest.mark.parametrize(
+    ("text", "fmt", "message"),
+    [
+        ("{respons}", "format", r"unknown field\(s\) \['respons'\]"),
+        ("{}", "format", "positional field"),
+        ("{{ reponse }}", "jinja", r"unknown field\(s\) \['reponse'\]"),
+        ("{% if %}", "jinja", "does not parse"),
+    ],
+)
+def test_bad_templates_are_refused(text: str, fmt: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        JudgeTemplate(text, fmt)  # type: ignore[arg-type]
+
+
+def test_parsers() -> None:
+    assert parse_number("Score: 8/10") == 8.0
+    assert parse_number("from 3 to 7.5", which="last") == 7.5
+    assert parse_regex("Verdict: [[6]]", r"\[\[(\d+)\]\]") == 6.0
+    assert parse_json_field('ok {"score": {"value": 0.25}} end', "score.value") == 0.25
+    assert parse_json_field('{"correct": true}', "correct") == 1.0
+    for call in (
+        lambda: parse_number("no digits"),
+        lambda: parse_regex("Verdict: six", r"Verdict: (\d)"),
+        lambda: parse_json_field("{not json", "x"),
+        lambda: parse_json_field('{"a": 1}', "b"),
+        lambda: parse_json_field('{"a": [1]}', "a"),
+        lambda: parse_number("1e999"),
+    ):
+        with pytest.raises(JudgeParseError):
+            call()
+
+
+def test_parser_plugins_come_from_the_registry_or_an_import_path(tmp_path) -> None:
+    assert resolve_parser("regex", {"pattern": "(x)"}) is parse_regex
+    plugin = tmp_path / "my_parser.py"
+    plugin.write_text("def parse(text, scale=1.0):\n    return scale * len(text)\n")
+    parser = resolve_parser(f"{plugin}:parse", {"scale": 2.0})
+    assert parser("abc", scale=2.0) == 6.0
+    with pytest.raises(ValueError, match="do not fit parser"):
+        resolve_parser(f"{plugin}:parse", {"pattern": "x"})
+    with pytest.raises(ConfigError, match="Did you mean 'number'"):
+        resolve_parser("numbr", {})
+    with pytest.raises(ValueError, match="do not fit parser 'regex'"):
+        resolve_parser("regex", {})  # pattern missing
+    with pytest.raises(ValueError, match="not a regular expression"):
+        resolve_parser("regex", {"pattern": "("})
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"template": "x", "template_file": "y"}, "not both"),
+        ({"template": "{verdict}"}, "unknown field"),
+        ({"parser": "json_field"}, "do not fit parser 'json_field'"),
+        ({"parser": "regx", "parser_options": {"pattern": "(1)"}}, "Did you mean 'regex'"),
+        ({"deadline_s": 0}, "env.j.deadline_s"),
+        ({"model_name": "./no/such/judge"}, "env.j.model_name"),
+        ({"parse_failure_reward": "low"}, "env.j.parse_failure_reward"),
+    ],
+)
+def test_bad_judge_sections_name_the_key(section: dict, message: str) -> None:
+    cfg = MasterConfig.model_validate({"env": {"j": {"class": "judge", **section}}})
+    with pytest.raises(ConfigError, match=message):
+        resolve_environments(cfg.env_sections)
+
+
+def test_an_option_without_effect_warns() -> None:
+    cfg = MasterConfig.model_validate({"env": {"j": {"class": "judge", "temperature": 0.5}}})
+    with pytest.warns(UserWarning, match="temperature=0.5 has no effect with greedy=true"):
+        resolve_environments(cfg.env_sections)
