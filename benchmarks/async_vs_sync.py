@@ -32,9 +32,9 @@ from pathlib import Path
 from recipe_runs import run_recipe
 
 from nemo_like.config import DEFAULT_RECIPE, load_config
-from nemo_like.distributed.threads import thread_split
-from nemo_like.models.generation.choice import resolve_backend
+from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.models.loading import load_tokenizer, resolve_model_path
+from nemo_like.plan.backend import resolve_backend
 
 SETTINGS = {
     "tiny": [],
@@ -115,7 +115,9 @@ def compare(name: str, steps: int, warmup: int, extra: list[str]) -> None:
             f"async/sync({default}) {async_rate / default_rate:.3f}"
         )
     for mode, extra_mode in (("sync", []), ("async", ASYNC)):
-        print(f"{mode} {thread_split(load_config(DEFAULT_RECIPE, [*SETTINGS[name], *extra, *extra_mode], warn=False)).describe()}")
+        print(
+            f"{mode} {plan_on_cluster(load_config(DEFAULT_RECIPE, [*SETTINGS[name], *extra, *extra_mode], warn=False)).threads.describe()}"
+        )
     print("async per-step medians: " + ", ".join(f"{k} {median(async_, k):.3f}s" for k in IDLE_KEYS))
     # With generation and training on separate threads, an async step can take no less than the busier side's
     # time: the trainer's step minus its wait for data, or the collector's generation seconds.

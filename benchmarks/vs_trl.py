@@ -251,7 +251,7 @@ class OurRun:
         self.parts = setup_grpo(self.cfg)
         self.steps = SyncSteps(self.parts)
         self.steps.start(0, None)
-        from nemo_like.models.generation.choice import resolve_backend
+        from nemo_like.plan.backend import resolve_backend
 
         self.backend = resolve_backend(self.parts.cfg)[0]  # what "auto" resolved to
         self.count = 0

@@ -37,16 +37,16 @@ from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import DataExhausted
-from nemo_like.distributed.threads import oversubscription_warning, thread_split
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
-from nemo_like.experience.multi_turn import multi_turn_metrics, multi_turn_settings
-from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, rollout_seed, task_reward_metrics
+from nemo_like.experience.multi_turn import multi_turn_metrics
+from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, task_reward_metrics
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.flops import flops_metrics, flops_spec
 from nemo_like.utils.logger import Logger
+from nemo_like.utils.seeds import rollout_seed, validation_seed
 from nemo_like.utils.throughput import throughput_metrics
 from nemo_like.utils.timer import StepTimer
 
@@ -80,7 +80,6 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
     cfg = parts.cfg
     n = cfg.grpo.val_num_generations_per_prompt
     params = sampling_params(cfg, greedy=cfg.grpo.val_greedy)
-    multi_turn = multi_turn_settings(cfg, parts.tokenizer)
     rollout = collect_rollout(
         parts.generation,
         parts.environment,
@@ -88,8 +87,8 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
         parts.val_prompts,
         n,
         params,
-        seed=10_000_019 * (step + 1),
-        multi_turn=multi_turn,
+        seed=validation_seed(step),
+        multi_turn=parts.plan.multi_turn,
     )
     report_val_samples(parts, step, rollout)
     rewards = rollout.rewards
@@ -105,7 +104,7 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
         metrics.update({f"validation/pass@{k}": value for k, value in pass_k.items()})
     metrics.update(task_reward_metrics(rollout.prompts, rewards, parts.environment.tasks, prefix="validation/env"))
     metrics.update({f"validation/{k}": v for k, v in rollout.env_metrics.items()})
-    if multi_turn is not None:
+    if parts.plan.multi_turn is not None:
         metrics.update(multi_turn_metrics(rollout.samples, rewards, prefix="validation/multi_turn"))
     return metrics
 
@@ -170,8 +169,6 @@ def collect_training_rollout(
     )
     batch_index = 0
     env_counters: dict[str, float] = {}
-    # The logprob passes need only the tokens: the environments score while they run (train_on_rollout gathers).
-    defer_scoring = cfg.grpo.overlap_scoring and cfg.scoring_overlap_blocker() is None
     while True:
         phase_times: dict[str, float] = {}
         rollout = collect_rollout(
@@ -183,8 +180,8 @@ def collect_training_rollout(
             params,
             seed=rollout_seed(cfg.grpo.seed, step, batch_index),
             timings=phase_times,
-            multi_turn=multi_turn_settings(cfg, parts.tokenizer),
-            defer_scoring=defer_scoring,
+            multi_turn=parts.plan.multi_turn,
+            defer_scoring=parts.plan.overlap_scoring,  # the environments score while the logprob passes run
         )
         for name, seconds in phase_times.items():
             timer.add(name, seconds)
@@ -235,8 +232,8 @@ class LogprobPasses:
 def start_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor]) -> LogprobPasses:
     """Start the planned prev and reference passes, concurrently on their own actors (the reference pass not when
     the batch already carries its result)."""
-    prev = parts.policy.get_logprobs_async(batch) if parts.plan.compute_prev else None
-    need_reference = parts.plan.compute_reference and "reference_policy_logprobs" not in batch
+    prev = parts.policy.get_logprobs_async(batch) if parts.plan.logprobs.compute_prev else None
+    need_reference = parts.plan.logprobs.compute_reference and "reference_policy_logprobs" not in batch
     reference = parts.reference.get_logprobs_async(batch) if need_reference else None
     return LogprobPasses(prev, reference)
 
@@ -457,13 +454,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     """The outer loop shared by both modes: resume, validate, step, log, guard, checkpoint."""
     cfg = parts.cfg
     history: list[dict[str, Any]] = []
-    for reason in parts.plan.reasons:
-        logger.progress.message(f"[plan] {reason}")
-    logger.progress.message(f"[plan] {thread_split(cfg).describe()}")
-    logger.progress.message(f"[plan] policy logprob and training forward: {parts.policy.forward_description}")
-    warning = oversubscription_warning(cfg)
-    if warning:
-        logger.progress.message(f"[plan] {warning}")
+    for line in parts.plan.lines():
+        logger.progress.message(f"[plan] {line}")
     flops = flops_spec(cfg, resolve_model_path(cfg.policy.model_name))
     logger.progress.message(f"[plan] {flops.describe()}")
     manager = checkpoint_manager(parts)

@@ -1,33 +1,31 @@
 """The actors a GRPO run starts, as each role states its own resources, and the capacity check over them.
 
 Each role states what it reserves next to its own code (``policy_resources``, ``generation_resources``,
-``environment_resources``, ``async_actor_resources``); the logprob plan (decided once, in setup) says
-whether the reference model is loaded, and the generation backend (also decided once, in setup: ``choice``,
-resolved here only when not given) which engine reserves what. :func:`ensure_cluster_capacity` adds the roles up
+``environment_resources``, ``async_actor_resources``); the run plan (decided once, in setup) says whether the
+reference model is loaded, which engine reserves what, and each actor's threads. :func:`ensure_cluster_capacity` adds the roles up
 and checks them against the connected cluster before any actor starts.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, sum_resources
 from nemo_like.distributed.worker_group import RoleResources
 from nemo_like.environments.worker import environment_resources
 from nemo_like.experience.async_rollouts import async_actor_resources
-from nemo_like.models.engines import Choice, generation_resources
+from nemo_like.models.engines import generation_resources
 from nemo_like.models.policy.policy import policy_resources
-from nemo_like.plan.logprob_passes import LogprobPlan
+from nemo_like.plan.run_plan import RunPlan
 
 
-def role_requests(cfg: MasterConfig, plan: LogprobPlan, choice: Choice | None = None) -> list[RoleResources]:
+def role_requests(cfg: MasterConfig, plan: RunPlan) -> list[RoleResources]:
     """Every role ``setup_grpo`` will start, as each role states it."""
-    roles = [policy_resources(cfg, trainable=True)]
-    if plan.load_reference_model:
-        roles.append(policy_resources(cfg, trainable=False))
-    roles.append(generation_resources(cfg, choice=choice))
+    roles = [policy_resources(cfg, True, plan.threads)]
+    if plan.logprobs.load_reference_model:
+        roles.append(policy_resources(cfg, False, plan.threads))
+    roles.append(generation_resources(cfg, plan))
     roles.extend(environment_resources(cfg))
     if cfg.grpo.async_grpo.enabled:
         roles.extend(async_actor_resources(cfg))
@@ -40,44 +38,43 @@ def declared_resources(cfg: MasterConfig) -> dict[str, float]:
     return {"GPU": float(gpus)} if gpus else {}
 
 
-def required_resources(cfg: MasterConfig, plan: LogprobPlan, choice: Choice | None = None) -> dict[str, float]:
+def required_resources(cfg: MasterConfig, plan: RunPlan) -> dict[str, float]:
     """The run's total request per resource: the roles' sum, at least what the recipe declares."""
-    total = sum_resources(r.total() for r in role_requests(cfg, plan, choice))
+    total = sum_resources(r.total() for r in role_requests(cfg, plan))
     for key, value in declared_resources(cfg).items():
         total[key] = max(total.get(key, 0.0), value)
     return total
 
 
-def ensure_private_cluster_gpus(cfg: MasterConfig, plan: LogprobPlan, choice: Choice | None = None) -> None:
+def ensure_private_cluster_gpus(cfg: MasterConfig, plan: RunPlan) -> None:
     """Before a private local cluster starts: a recipe asking for more GPUs than this machine has fails here, in
     seconds, with the message the post-start check would give (the cluster would get exactly these GPUs)."""
     import torch
 
-    from nemo_like.distributed.ray_init import cluster_address
+    from nemo_like.distributed.ray_init import joins_existing_cluster
 
-    ray = sys.modules.get("ray")  # not imported here: init_ray sets the driver's environment before Ray loads
-    if (ray is not None and ray.is_initialized()) or cluster_address(cfg.cluster)[0] is not None:
+    if joins_existing_cluster(cfg.cluster):
         return  # joining a cluster: only its own resources count (checked after init_ray)
-    required = required_resources(cfg, plan, choice)
+    required = required_resources(cfg, plan)
     if not required.get("GPU"):
         return
     gpus = float(torch.cuda.device_count())
     if required["GPU"] <= gpus:
         return
     available = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": gpus}
-    _check_against(cfg, plan, available, private_cluster_hint(gpus), choice)
+    _check_against(cfg, plan, available, private_cluster_hint(gpus))
 
 
-def ensure_cluster_capacity(cfg: MasterConfig, plan: LogprobPlan, private_cluster: bool = False, choice: Choice | None = None) -> None:
+def ensure_cluster_capacity(cfg: MasterConfig, plan: RunPlan, private_cluster: bool = False) -> None:
     """Check the run's request against the connected Ray cluster's total resources (call after ``init_ray``).
 
     ``private_cluster``: this run started its own local cluster, which has exactly this machine's GPUs."""
     import ray
 
-    _check_against(cfg, plan, ray.cluster_resources(), private_cluster_hint() if private_cluster else "", choice)
+    _check_against(cfg, plan, ray.cluster_resources(), private_cluster_hint() if private_cluster else "")
 
 
-def _check_against(cfg: MasterConfig, plan: LogprobPlan, available: dict[str, float], hint: str, choice: Choice | None = None) -> None:
+def _check_against(cfg: MasterConfig, plan: RunPlan, available: dict[str, float], hint: str) -> None:
     """The run's request (per role, in total, as declared) against ``available``; :class:`PlacementError` if short."""
-    roles = role_requests(cfg, plan, choice)
-    check_cluster_capacity(required_resources(cfg, plan, choice), available, roles, declared_resources(cfg), hint)
+    roles = role_requests(cfg, plan)
+    check_cluster_capacity(required_resources(cfg, plan), available, roles, declared_resources(cfg), hint)

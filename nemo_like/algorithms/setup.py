@@ -12,16 +12,16 @@ from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_c
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
-from nemo_like.distributed.ray_init import init_ray
+from nemo_like.distributed.planning import plan_on_cluster
+from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
 from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments
 from nemo_like.environments.worker import Environments
 from nemo_like.models.engines import build_generation
-from nemo_like.models.generation.choice import resolve_backend
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.loading import load_tokenizer, resolve_model_path
-from nemo_like.models.lora import check_lora_targets, refit_mode
+from nemo_like.models.lora import check_lora_targets
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
-from nemo_like.plan.logprob_passes import LogprobPlan, decide_logprob_passes
+from nemo_like.plan.run_plan import RunPlan, eos_ids_of
 
 
 @dataclass
@@ -36,7 +36,7 @@ class GRPOComponents:
     environments: Environments
     train_loader: PromptDataLoader
     val_prompts: list[PromptRecord]
-    plan: LogprobPlan
+    plan: RunPlan  # every run-level decision, made once in setup_grpo
 
     def shutdown(self) -> None:
         """Kill every actor of the run (the Ray cluster itself stays up)."""
@@ -51,8 +51,8 @@ class GRPOComponents:
 
 
 def eos_token_ids(tokenizer) -> list[int]:
-    ids = tokenizer.eos_token_id
-    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    """The tokenizer's end-of-sequence id(s) as a list."""
+    return list(eos_ids_of(tokenizer))
 
 
 def check_environments(specs: dict[str, EnvSpec], datasets: dict[str, list[PromptRecord]]) -> None:
@@ -109,14 +109,14 @@ def _driver_tokenizer(cfg: MasterConfig):
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def report_lora(cfg: MasterConfig, policy: Policy, refit: tuple[str, str]) -> None:
-    """Print the trainable parameters and how generation receives weights (LoRA: adapters or merged): ``refit``, the
-    run's decided ``(mode, reason)``."""
+def report_lora(cfg: MasterConfig, policy: Policy, plan: RunPlan) -> None:
+    """Print the trainable parameters and how generation receives weights (LoRA: adapters or merged, as ``plan``
+    decided)."""
     fraction = policy.trainable_params / max(policy.total_params, 1)
     line = f"[setup] trainable parameters: {policy.trainable_params:,} of {policy.total_params:,} ({100 * fraction:.2f}%)"
     print(line, file=sys.stderr)
     if cfg.policy.lora_cfg.enabled:
-        mode, reason = refit
+        mode, reason = plan.refit.value, plan.refit.reason
         print(f"[setup] LoRA refit: {mode} ({reason})", file=sys.stderr)
         adapter_bytes = policy.trainable_params * DTYPE_BYTES[cfg.policy.precision]
         sent = adapter_bytes if mode == "adapter" else policy.full_refit_bytes
@@ -147,20 +147,22 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
     if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
         check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
-    choice = resolve_backend(cfg)  # (backend, reason): the generation backend, decided once for the run, passed down
-    # What a refit sends, decided once from the backend (an impossible policy.lora_cfg.refit=adapter fails here, too).
-    refit = refit_mode(cfg, choice[0])
-    plan = decide_logprob_passes(cfg)  # the one decision: which roles exist follows from it
-    ensure_private_cluster_gpus(cfg, plan, choice)  # a GPU recipe on a machine without them: fail before Ray starts
+    if joins_existing_cluster(cfg.cluster):  # the plan's thread split needs the joined cluster's node CPUs
+        init_ray(cfg.cluster)
+    # Every run-level decision, made once here and handed down (an impossible requested backend or LoRA refit mode
+    # fails here, before any actor starts).
+    plan = plan_on_cluster(cfg, eos_ids_of(tokenizer))
+    ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts
     mode = init_ray(cfg.cluster)
-    ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local", choice=choice)  # fail fast, before any actor starts
-    policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn), refit_mode=refit[0])
+    ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
+    policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn), plan=plan)
     reference: Policy | AdapterDisabledReference | None = None
-    if plan.load_reference_model:
-        reference = Policy(cfg, "reference", trainable=False)
-    elif plan.reference_from_policy:
+    if plan.logprobs.load_reference_model:
+        reference = Policy(cfg, "reference", trainable=False, plan=plan)
+    elif plan.logprobs.reference_from_policy:
         reference = AdapterDisabledReference(policy)
-    report_lora(cfg, policy, refit)
-    generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, choice=choice)
+    plan = plan.with_forward(policy.forward_description)
+    report_lora(cfg, policy, plan)
+    generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, plan)
     environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
     return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan)

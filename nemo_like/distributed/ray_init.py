@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,14 @@ def cluster_address(cluster: ClusterConfig) -> tuple[str | None, str]:
     if address is None:
         return None, "no cluster address: private local cluster"
     return address, f"Ray job {job_submission_id()}" if in_ray_job() else "$RAY_ADDRESS"
+
+
+def joins_existing_cluster(cluster: ClusterConfig) -> bool:
+    """Whether :func:`init_ray` joins a running cluster (Ray is already initialised, or :func:`cluster_address` names
+    one) rather than starting a private one. Ray is not imported here: :func:`init_ray` sets the driver's
+    environment before Ray loads."""
+    ray = sys.modules.get("ray")
+    return (ray is not None and ray.is_initialized()) or cluster_address(cluster)[0] is not None
 
 
 def init_ray(cluster: ClusterConfig) -> str:

@@ -113,12 +113,11 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.algorithms.names import check_plugin_names
     from nemo_like.algorithms.setup import check_environments, eos_token_ids, load_validation_prompts
     from nemo_like.distributed.capacity import check_cluster_capacity, sum_resources
+    from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.distributed.ray_init import init_ray
     from nemo_like.environments.worker import Environments, environment_resources
-    from nemo_like.experience.multi_turn import multi_turn_settings
     from nemo_like.experience.rollouts import collect_rollout
     from nemo_like.models.engines import build_generation, generation_resources
-    from nemo_like.models.generation.choice import resolve_backend
     from nemo_like.models.generation.interface import sampling_params
     from nemo_like.models.loading import load_tokenizer
 
@@ -144,13 +143,13 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     import ray
 
     init_ray(cfg.cluster)
-    choice = resolve_backend(run_cfg, with_policy=False)  # decided once: the capacity check and the engine use it
-    roles = [generation_resources(run_cfg, choice=choice), *environment_resources(run_cfg)]
+    plan = plan_on_cluster(run_cfg, tuple(eos_token_ids(tokenizer)), with_policy=False)  # decided once, handed down
+    roles = [generation_resources(run_cfg, plan), *environment_resources(run_cfg)]
     check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
 
     generation = environments = None
     try:
-        generation = build_generation(run_cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), choice=choice)
+        generation = build_generation(run_cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), plan=plan)
         environments = Environments(specs, cfg.cluster.placement_timeout_s)
         n = ev.num_samples_per_prompt
         seed = ev.seed if ev.seed is not None else cfg.grpo.seed
@@ -162,7 +161,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             n,
             sampling_params(run_cfg, greedy=ev.greedy),
             seed,
-            multi_turn=multi_turn_settings(run_cfg, tokenizer),  # grpo.max_rollout_turns > 1: each sample runs its turns
+            multi_turn=plan.multi_turn,  # grpo.max_rollout_turns > 1: each sample runs its turns
         )
     finally:
         for part in (generation, environments):

@@ -18,7 +18,6 @@ import ray
 import torch
 
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerFailure, WorkerResources, get_with_context
-from nemo_like.experience.multi_turn import multi_turn_settings
 from nemo_like.experience.replay_buffer import ReplayBufferActor, TrajectoryGroup, trajectory_ages
 from nemo_like.experience.rollouts import Rollout
 from nemo_like.experience.trajectory_collector import GenerationStats, TrajectoryCollector
@@ -75,7 +74,7 @@ def reference_for_collector(parts: Any) -> ShardedLogprobs | None:
     """The reference workers, when the collector should run the reference pass on each batch it generates (off
     the trainer's path: the reference weights never change, so the result is the same whenever it runs). Not
     with LoRA: its reference is the policy's own workers, which are busy training."""
-    if not parts.plan.compute_reference or not isinstance(parts.reference, Policy):
+    if not parts.plan.logprobs.compute_reference or not isinstance(parts.reference, Policy):
         return None
     return parts.reference.logprob_client
 
@@ -126,7 +125,7 @@ class AsyncRollouts:
                 next_target=restored["next_target"] if restored is not None else last_step + 1,
                 max_num_epochs=cfg.grpo.max_num_epochs,
                 generation_version=parts.generation.weight_version,
-                multi_turn=multi_turn_settings(cfg, parts.tokenizer),
+                multi_turn=parts.plan.multi_turn,
                 reference=reference_for_collector(parts),
                 pad_token_id=parts.tokenizer.pad_token_id,
             ),

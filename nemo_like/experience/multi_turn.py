@@ -24,7 +24,6 @@ budget: ``truncated``), or when ``max_total_length`` leaves no room for another 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -37,6 +36,8 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.data.prompts import PromptRecord
 from nemo_like.environments.interface import EnvironmentStep
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams
+from nemo_like.plan.multi_turn import MultiTurnSettings
+from nemo_like.utils.seeds import turn_seed
 
 
 class TemplateRewriteError(ConfigError):
@@ -87,26 +88,6 @@ class MultiTurnResult:
     env_metrics: dict[str, float]
     generation_seconds: float
     env_seconds: float
-
-
-@dataclass(frozen=True)
-class MultiTurnSettings:
-    """What the turn loop needs from the recipe (picklable: the async trajectory collector gets it too)."""
-
-    max_turns: int  # grpo.max_rollout_turns
-    max_total_length: int  # policy.max_total_sequence_length
-    eos_token_ids: tuple[int, ...]  # end-of-turn tokens (eos + policy.generation.stop_token_ids): not part of a message's text
-
-
-def multi_turn_settings(cfg: Any, tokenizer) -> MultiTurnSettings | None:
-    """The run's settings, or ``None`` for single-turn runs (``grpo.max_rollout_turns: 1``, today's path exactly)."""
-    if cfg.grpo.max_rollout_turns <= 1:
-        return None
-    eos = tokenizer.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    # Every stop token ends a turn (e.g. <|im_end|> set in stop_token_ids for a base tokenizer whose eos is <|endoftext|>).
-    end_of_turn = tuple(dict.fromkeys([*eos_ids, *(cfg.policy.generation.stop_token_ids or ())]))
-    return MultiTurnSettings(cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length, end_of_turn)
 
 
 def multi_turn_metrics(samples: Sequence[GeneratedSample], rewards: torch.Tensor, prefix: str = "multi_turn") -> dict[str, float]:
@@ -189,14 +170,6 @@ def apply_stop_strings(tokenizer, sample: GeneratedSample, stop_strings: Sequenc
     if cut is None:
         return sample
     return replace(sample, response_ids=sample.response_ids[:cut], response_logprobs=sample.response_logprobs[:cut], truncated=False)
-
-
-def turn_seed(seed: int, turn: int, group: int) -> int:
-    """The first turn's first call uses ``seed`` itself (one turn reproduces a single-turn rollout); later calls a hash."""
-    if turn == 0 and group == 0:
-        return seed
-    digest = hashlib.sha256(f"{seed}/{turn}/{group}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids: set[int], recipe_stops: Sequence[str] = ()) -> None:
@@ -340,23 +313,10 @@ def local_stepper(envs: dict[str, Any]) -> EnvironmentStepper:
 def ray_stepper(envs: Any) -> Callable:
     """Step the run's environment actors (:class:`~nemo_like.environments.worker.EnvironmentHandles`): samples
     routed by their prompt's task, each task's samples sharded over its actors, all concurrently."""
-    from nemo_like.distributed.worker_group import get_with_context
-    from nemo_like.environments.registry import route_by_task
-    from nemo_like.utils.sharding import contiguous_shards
+    from nemo_like.experience.env_calls import call_environments
 
     def step(prompts, message_logs, metadata):
-        calls, refs = [], []
-        for task, indices in route_by_task([p.metadata for p in prompts], envs.tasks).items():
-            for worker, rows in zip(envs.workers[task], contiguous_shards(indices, len(envs.workers[task]))):
-                calls.append((task, rows))
-                refs.append(worker.step.remote([message_logs[i] for i in rows], [metadata[i] for i in rows]))
-        steps: list[EnvironmentStep | None] = [None] * len(prompts)
-        counters: dict[str, float] = {}
-        for (task, rows), (shard_steps, shard_counters) in zip(calls, get_with_context(refs, "environment step")):
-            for row, result in zip(rows, shard_steps):
-                steps[row] = result
-            for name, value in shard_counters.items():
-                counters[f"env/{task}/{name}"] = counters.get(f"env/{task}/{name}", 0.0) + value
-        return steps, counters
+        routing = [p.metadata for p in prompts]
+        return call_environments(envs, "step", message_logs, metadata, "environment step", routing).gather()
 
     return step

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from nemo_like.data.prompts import PromptRecord
-from nemo_like.distributed.worker_group import get_with_context
 from nemo_like.environments.registry import route_by_task
 from nemo_like.environments.worker import EnvironmentHandles
-from nemo_like.experience.multi_turn import MultiTurnSettings, apply_stop_strings, ray_stepper, run_multi_turn
+from nemo_like.experience.env_calls import PendingEnvCalls, call_environments
+from nemo_like.experience.multi_turn import apply_stop_strings, ray_stepper, run_multi_turn
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams
-from nemo_like.utils.sharding import contiguous_shards
+from nemo_like.plan.multi_turn import MultiTurnSettings
 
 
 @dataclass
@@ -51,12 +51,6 @@ class Rollout:
         return torch.tensor([s.truncated for s in self.samples], dtype=torch.float32)
 
 
-def rollout_seed(seed: int, step: int, batch_index: int = 0) -> int:
-    """The sampling seed of a step's generation batch (the sync loop uses the same, so an async run
-    with ``max_trajectory_age_steps: 0`` reproduces the sync run)."""
-    return (seed * 1_000_003 + step) * 101 + batch_index
-
-
 @dataclass
 class Scores:
     """One reward per response, and the environments' counters for this batch (``env/<task>/<name>``)."""
@@ -69,33 +63,18 @@ class Scores:
 class PendingScores:
     """Scoring requests in flight on the environment actors (:func:`request_scores`); :meth:`result` gathers them."""
 
-    size: int
-    calls: list[tuple[str, list[int]]]  # (task, the responses' indices) of each request
-    refs: list
+    calls: PendingEnvCalls
 
     def result(self) -> Scores:
         """One reward per response, in response order, and the environments' counters summed per task."""
-        rewards = torch.zeros(self.size, dtype=torch.float32)
-        metrics: dict[str, float] = {}
-        for (task, rows), (shard_rewards, counters) in zip(self.calls, get_with_context(self.refs, "reward")):
-            rewards[rows] = torch.tensor(shard_rewards, dtype=torch.float32)
-            for name, value in counters.items():
-                key = f"env/{task}/{name}"
-                metrics[key] = metrics.get(key, 0.0) + value
-        return Scores(rewards, metrics)
+        rewards, metrics = self.calls.gather()
+        return Scores(torch.tensor(rewards, dtype=torch.float32), metrics)
 
 
 def request_scores(envs: EnvironmentHandles, texts: list[str], prompts: list[PromptRecord]) -> PendingScores:
-    """Route each response to the environment of its task (``metadata["task_name"]``) and shard each task's responses
-    over that environment's actors (all tasks concurrently); returns without waiting for the rewards."""
-    metadata = [p.metadata for p in prompts]
-    calls: list[tuple[str, list[int]]] = []
-    refs = []
-    for task, indices in route_by_task(metadata, envs.tasks).items():
-        for worker, rows in zip(envs.workers[task], contiguous_shards(indices, len(envs.workers[task]))):
-            calls.append((task, rows))
-            refs.append(worker.score.remote([texts[i] for i in rows], [metadata[i] for i in rows]))
-    return PendingScores(len(texts), calls, refs)
+    """Score each response with the environment of its task (:func:`~.env_calls.call_environments`, the path the
+    multi-turn steps take too); returns without waiting for the rewards."""
+    return PendingScores(call_environments(envs, "score", texts, [p.metadata for p in prompts], "reward"))
 
 
 def score_with_environment(envs: EnvironmentHandles, texts: list[str], prompts: list[PromptRecord]) -> Scores:
@@ -119,6 +98,12 @@ def add_counters(total: dict[str, float], counters: dict[str, Any]) -> dict[str,
     return total
 
 
+def expand_groups(prompts: list[PromptRecord], num_generations: int) -> tuple[list[PromptRecord], torch.Tensor]:
+    """Each prompt repeated ``num_generations`` times in a row (one group each), and every sample's group index."""
+    expanded = [p for p in prompts for _ in range(num_generations)]
+    return expanded, torch.arange(len(prompts)).repeat_interleave(num_generations)
+
+
 def generate_rollout(
     generation: GenerationInterface,
     tokenizer,
@@ -128,8 +113,7 @@ def generate_rollout(
     seed: int,
 ) -> tuple[list[PromptRecord], torch.Tensor, list[GeneratedSample], list[str]]:
     """Generate ``num_generations`` samples per prompt and decode them."""
-    expanded = [p for p in prompts for _ in range(num_generations)]
-    group_ids = torch.arange(len(prompts)).repeat_interleave(num_generations)
+    expanded, group_ids = expand_groups(prompts, num_generations)
     samples = generation.generate([p.prompt_token_ids for p in expanded], params, seed)
     if params.stop_strings:
         samples = [apply_stop_strings(tokenizer, s, params.stop_strings) for s in samples]
@@ -183,8 +167,7 @@ def collect_multi_turn_rollout(
     settings: MultiTurnSettings,
 ) -> Rollout:
     """:func:`collect_rollout` for multi-turn runs: every sample runs its turns against its task's environment actors."""
-    expanded = [p for p in prompts for _ in range(num_generations)]
-    group_ids = torch.arange(len(prompts)).repeat_interleave(num_generations)
+    expanded, group_ids = expand_groups(prompts, num_generations)
     result = run_multi_turn(generation, ray_stepper(envs), tokenizer, expanded, params, seed, settings)
     if timings is not None:
         timings["generation"] = result.generation_seconds

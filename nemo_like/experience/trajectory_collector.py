@@ -34,14 +34,15 @@ import torch
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
 from nemo_like.environments.worker import EnvironmentHandles
-from nemo_like.experience.multi_turn import MultiTurnSettings
 from nemo_like.experience.pacing import StalenessPacer
 from nemo_like.experience.replay_buffer import TrajectoryGroup
-from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, rollout_seed
+from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.models.policy.policy import ShardedLogprobs
+from nemo_like.plan.multi_turn import MultiTurnSettings
 from nemo_like.utils.counters import Increments
+from nemo_like.utils.seeds import rollout_seed
 
 
 @dataclass

@@ -3,9 +3,10 @@
 Above ``generation/`` and ``policy/``: the ``inline`` backend samples in the policy's own worker
 (:mod:`nemo_like.models.policy.inline`), ``hf`` and ``vllm`` are engine actors (:mod:`nemo_like.models.generation`).
 A backend is one :func:`register_backend` call: how to build it, what it reserves, the config section only it
-reads. Which one a run uses is decided once (:func:`~nemo_like.models.generation.choice.resolve_backend`, the
-``auto`` choice and its reason); callers that decided it pass the decision to :func:`generation_resources` and
-:func:`build_generation` instead of resolving again.
+reads. The backends live in the project's one plug-in registry (:class:`~nemo_like.utils.registry.Registry`), so an
+unknown name gets the same did-you-mean error as every other plug-in. Which one a run uses is part of the run plan
+(:func:`~nemo_like.plan.backend.resolve_backend`, the ``auto`` choice and its reason, decided once in setup);
+:func:`generation_resources` and :func:`build_generation` take the plan.
 """
 
 from __future__ import annotations
@@ -17,41 +18,44 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nemo_like.models.generation.choice import resolve_backend
+from nemo_like.utils.registry import PluginNameError, Registry
 
 if TYPE_CHECKING:
     from nemo_like.distributed.worker_group import RoleResources
+    from nemo_like.plan.run_plan import RunPlan
 
 log = logging.getLogger("nemo_like.models.generation")  # the logger the [setup] backend line has always used
-
-Choice = tuple[str, str]  # (backend, reason), as resolve_backend returns it
 
 
 @dataclass(frozen=True)
 class Backend:
-    """One generation backend. ``build(cfg, pad_token_id, eos_token_ids, policy)``: its
-    :class:`~nemo_like.models.generation.interface.GenerationInterface`; ``resources(cfg)``: what it reserves.
+    """One generation backend. ``build(cfg, pad_token_id, eos_token_ids, policy, plan)``: its
+    :class:`~nemo_like.models.generation.interface.GenerationInterface`; ``resources(cfg, plan)``: what it reserves.
     ``described``: how start-up warnings name it when chosen. ``config_key``: the ``policy.generation`` section only
     this backend reads (its keys set away from their defaults warn under any other backend, naming ``engine``).
     ``engine_threads``: whether it reads ``policy.generation.num_threads_per_worker``."""
 
     name: str
     build: Callable[..., Any]
-    resources: Callable[[Any], RoleResources]
+    resources: Callable[[Any, RunPlan], RoleResources]
     described: str
     config_key: str | None = None
     engine: str | None = None
     engine_threads: bool = True
 
 
-BACKENDS: dict[str, Backend] = {}
+def _require_backend(obj: object, name: str, key: str) -> None:
+    if not isinstance(obj, Backend):
+        raise PluginNameError(key, f"{key}: {name!r} is not a nemo_like.models.engines.Backend")
+
+
+BACKENDS: Registry[Backend] = Registry("generation backend", "policy.generation.backend", validate=_require_backend)
 
 
 def register_backend(backend: Backend) -> Backend:
-    """Add a backend under its name (``policy.generation.backend`` must allow the name)."""
-    if backend.name in BACKENDS:
-        raise ValueError(f"generation backend {backend.name!r} is registered twice")
-    BACKENDS[backend.name] = backend
+    """Add a backend under its name (``policy.generation.backend`` must allow the name); a name taken twice is a
+    ``ValueError``."""
+    BACKENDS.add(backend.name, backend)
     return backend
 
 
@@ -67,7 +71,7 @@ def ignored_engine_keys(cfg: Any, backend: str) -> list[str]:
             f"policy.generation.num_threads_per_worker={g.num_threads_per_worker} has no effect with {chosen.described} "
             "(the policy worker samples with its own policy.num_threads_per_worker threads)"
         )
-    for other in BACKENDS.values():
+    for other in (BACKENDS[name] for name in BACKENDS):
         if other.name == backend or other.config_key is None:
             continue
         section = getattr(g, other.config_key)
@@ -80,63 +84,66 @@ def ignored_engine_keys(cfg: Any, backend: str) -> list[str]:
     return lines
 
 
-def generation_resources(cfg, with_policy: bool = True, choice: Choice | None = None) -> RoleResources:
+def generation_resources(cfg, plan: RunPlan) -> RoleResources:
     """What the run's generation engine reserves (one worker, as :func:`build_generation` builds it; none for inline
-    generation). ``choice``: the backend the caller decided (``None``: resolve it here)."""
-    backend, _ = choice or resolve_backend(cfg, with_policy)
-    return BACKENDS[backend].resources(cfg)
+    generation), for the backend and thread split ``plan`` decided."""
+    return BACKENDS[plan.backend.value].resources(cfg, plan)
 
 
-def build_generation(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any = None, choice: Choice | None = None):
-    """The generation engine ``policy.generation.backend`` asks for. ``policy``: the run's trainable policy (inline
-    generation samples in its worker; with vLLM it enables the GPU refit paths); ``None`` for evaluation.
-    ``choice``: the backend the caller decided (``None``: resolve it here)."""
-    backend, reason = choice or resolve_backend(cfg, with_policy=policy is not None)
-    message = f"[setup] generation backend: {backend} ({reason})"
+def build_generation(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any = None, plan: RunPlan | None = None):
+    """The generation engine the run plan chose. ``policy``: the run's trainable policy (inline generation samples in
+    its worker; with vLLM it enables the GPU refit paths); ``None`` for evaluation. ``plan``: the run's plan (``None``,
+    for a caller outside a run: decided here on the running cluster)."""
+    if plan is None:
+        from nemo_like.distributed.planning import plan_on_cluster
+
+        plan = plan_on_cluster(cfg, tuple(eos_token_ids), with_policy=policy is not None)
+    backend = plan.backend.value
+    message = f"[setup] generation backend: {backend} ({plan.backend.reason})"
     log.info(message)
     print(message, file=sys.stderr)
     for line in ignored_engine_keys(cfg, backend):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
-    return BACKENDS[backend].build(cfg, pad_token_id, eos_token_ids, policy)
+    return BACKENDS[backend].build(cfg, pad_token_id, eos_token_ids, policy, plan)
 
 
 # -- the backends (imported when used: the driver loads only the chosen one) --------------------------------------
 
 
-def _build_inline(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any):
+def _build_inline(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any, plan: RunPlan):
     from nemo_like.models.policy.inline import InlineGeneration
 
     return InlineGeneration(policy, pad_token_id, eos_token_ids)
 
 
-def _inline_resources(cfg) -> RoleResources:
+def _inline_resources(cfg, plan: RunPlan) -> RoleResources:
     from nemo_like.models.policy.inline import inline_generation_resources
 
     return inline_generation_resources()
 
 
-def _build_hf(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any):
+def _build_hf(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any, plan: RunPlan):
     from nemo_like.models.generation.hf import HFGeneration
 
-    return HFGeneration(cfg, pad_token_id, eos_token_ids)
+    return HFGeneration(cfg, pad_token_id, eos_token_ids, plan.threads.generation)
 
 
-def _hf_resources(cfg) -> RoleResources:
+def _hf_resources(cfg, plan: RunPlan) -> RoleResources:
     from nemo_like.models.generation.hf import hf_generation_resources
 
-    return hf_generation_resources(cfg)
+    return hf_generation_resources(cfg, plan.threads.generation)
 
 
-def _build_vllm(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any):
+def _build_vllm(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any, plan: RunPlan):
     from nemo_like.models.generation.vllm import VLLMGeneration
 
-    return VLLMGeneration(cfg, pad_token_id, eos_token_ids, policy=policy)
+    return VLLMGeneration(cfg, pad_token_id, eos_token_ids, plan.threads.generation, policy=policy, refit_mode=plan.refit.value)
 
 
-def _vllm_resources(cfg) -> RoleResources:
+def _vllm_resources(cfg, plan: RunPlan) -> RoleResources:
     from nemo_like.models.generation.vllm import vllm_generation_resources
 
-    return vllm_generation_resources(cfg)
+    return vllm_generation_resources(cfg, plan.threads.generation)
 
 
 register_backend(Backend("inline", _build_inline, _inline_resources, described="inline generation", engine_threads=False))

@@ -11,7 +11,7 @@ train (so only they get gradients and optimizer state). Three views of the weigh
 * the reference policy: the same model under ``disable_adapter()``, no second copy of the weights.
 
 How generation receives new weights (adapters as a vLLM LoRA request, or merged weights) is decided once
-by :func:`refit_mode`, from the generation backend the caller decided.
+by :func:`nemo_like.plan.refit.refit_mode`, part of the run plan.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_NAME",
     "ADAPTER_WEIGHTS",
-    "VLLM_MAX_LORA_RANKS",
     "adapter_config_dict",
     "apply_lora",
     "check_lora_targets",
@@ -44,18 +43,14 @@ __all__ = [
     "model_name",
     "parameter_counts",
     "peft_config",
-    "refit_mode",
     "resolve_target_modules",
     "saved_name",
     "scaling",
-    "vllm_max_lora_rank",
     "write_adapter",
 ]
 
 ADAPTER_NAME = "default"  # PEFT's name for the single adapter; it is dropped from saved names
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-#: The ranks vLLM's ``max_lora_rank`` accepts (vllm/config/lora.py, 0.32); an adapter may be smaller than it.
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -227,38 +222,6 @@ def check_lora_targets(model_path: str, lora_cfg: Any) -> list[str]:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     return resolve_target_modules(skeleton, lora_cfg)
-
-
-def vllm_max_lora_rank(dim: int) -> int | None:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``dim`` (``None``: too large)."""
-    return next((r for r in VLLM_MAX_LORA_RANKS if r >= dim), None)
-
-
-def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
-    """``(mode, reason)``: ``"full"`` (no LoRA), ``"adapter"`` (vLLM serves the adapters as a LoRA request) or
-    ``"merged"`` (merged weights through the full-weight refit). ``backend``: the generation backend the run
-    resolved to (``inline``, ``hf`` or ``vllm``; the caller decides it once); ``None`` only where the mode does not
-    depend on it (no LoRA, or ``policy.lora_cfg.refit=merged``). An explicit ``policy.lora_cfg.refit=adapter``
-    the engine cannot honour is a :class:`ConfigError`."""
-    lora = cfg.policy.lora_cfg
-    if not lora.enabled:
-        return "full", "policy.lora_cfg.enabled=false"
-    if lora.refit == "merged":
-        return "merged", "policy.lora_cfg.refit=merged"
-    if backend is None:
-        raise ValueError(f"the LoRA refit mode (policy.lora_cfg.refit={lora.refit}) depends on the generation backend: pass it")
-    blocker = None
-    if backend != "vllm":
-        blocker = "the HF generation backend serves plain weights"
-    elif cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.in_flight_weight_updates:
-        blocker = "grpo.async_grpo.in_flight_weight_updates=true: a new adapter cannot take over running requests mid-sequence"
-    elif vllm_max_lora_rank(lora.dim) is None:
-        blocker = f"vLLM serves adapters up to rank {VLLM_MAX_LORA_RANKS[-1]}, policy.lora_cfg.dim={lora.dim}"
-    if blocker is None:
-        return "adapter", "vLLM LoRA: the adapters are loaded as a LoRA request, a new adapter id per weight version"
-    if lora.refit == "adapter":
-        raise ConfigError(f"policy.lora_cfg.refit=adapter is not possible here: {blocker}; use policy.lora_cfg.refit=auto or merged")
-    return "merged", f"auto: {blocker}"
 
 
 def merge_checkpoint(

@@ -12,7 +12,7 @@ from functional.helpers import REPO, ckpt_overrides, tiny_config
 
 from nemo_like.config import load_config
 from nemo_like.experience.async_rollouts import BUFFER_FILE
-from nemo_like.models.generation.choice import resolve_backend
+from nemo_like.plan.backend import resolve_backend
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow

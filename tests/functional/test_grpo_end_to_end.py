@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from functional.helpers import REPO, read_metrics, tiny_config
 
-from nemo_like.models.generation.choice import resolve_backend
+from nemo_like.plan.backend import resolve_backend
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow

@@ -13,6 +13,7 @@ from ray import cloudpickle
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.setup import eos_token_ids
+from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.loading import load_tokenizer
@@ -54,13 +55,13 @@ def vllm_gen(ray_cluster, cfg, tok):
     start-up dominates their cost)."""
     from nemo_like.models.generation.vllm import VLLMGeneration
 
-    gen = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok))
+    gen = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), plan_on_cluster(cfg).threads.generation)
     yield gen
     gen.shutdown()
 
 
 def test_greedy_vllm_and_hf_give_identical_tokens(ray_cluster, cfg, tok, vllm_gen):
-    hf = HFGeneration(cfg, tok.pad_token_id, eos_token_ids(tok))
+    hf = HFGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), plan_on_cluster(cfg).threads.generation)
     params = SamplingParams(max_new_tokens=8, greedy=True)
     try:
         ours, theirs = vllm_gen.generate(prompts(cfg, tok), params, seed=0), hf.generate(prompts(cfg, tok), params, seed=0)
@@ -170,7 +171,7 @@ def test_in_flight_refit_lands_between_engine_steps(ray_cluster, tmp_path, tok):
         "policy.max_total_sequence_length=96",
     )
     never = tok.convert_tokens_to_ids("<|im_start|>")  # a stop id the model does not emit: every response is long
-    gen = VLLMGeneration(cfg, tok.pad_token_id, [never], name="in_flight_vllm")
+    gen = VLLMGeneration(cfg, tok.pad_token_id, [never], plan_on_cluster(cfg).threads.generation, name="in_flight_vllm")
     try:
         old = load_causal_lm(cfg.policy.model_name).eval()
         new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in old.state_dict().items()}
@@ -213,14 +214,16 @@ def test_a_kept_engine_that_saw_nonfinite_weights_serves_the_next_run_cleanly(ra
     params = SamplingParams(max_new_tokens=8, temperature=cfg.policy.generation.temperature)
     batch = prompts(cfg, tok, n=16)
     state = full_state_dict(load_causal_lm(cfg.policy.model_name, cfg.policy.precision))
-    first = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok))  # the engine the tests above kept, if any
+    first = VLLMGeneration(
+        cfg, tok.pad_token_id, eos_token_ids(tok), plan_on_cluster(cfg).threads.generation
+    )  # the engine the tests above kept, if any
     actor_ids = [worker._actor_id for worker in first.group.workers]
     first.refit(ray.put((1, {name: torch.full_like(t, math.inf) for name, t in state.items()})), 1)
     poisoned = first.generate(batch, params, seed=0)
     assert any(not math.isfinite(lp) for s in poisoned for lp in s.response_logprobs)  # the cache now holds NaN
     first.shutdown()  # kept idle by the session's reuse_actors
 
-    again = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok))
+    again = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), plan_on_cluster(cfg).threads.generation)
     try:
         assert [worker._actor_id for worker in again.group.workers] == actor_ids  # the same engine, re-initialised
         clean = again.generate(batch, params, seed=0)

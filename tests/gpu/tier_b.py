@@ -248,6 +248,7 @@ def b1_bring_up(ctx: Context, fig: Figures) -> None:
     import ray
 
     from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+    from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.generation.vllm import VLLMGeneration
     from nemo_like.models.policy.policy import Policy
 
@@ -261,7 +262,7 @@ def b1_bring_up(ctx: Context, fig: Figures) -> None:
     fig["gpu_total_gib"] = m0["total"]
     fig["used_before_engine_gib"] = m0["used"]
     start = time.perf_counter()
-    s.gen = VLLMGeneration(engine_config(s.cfg), s.pad, s.eos, policy=s.policy)
+    s.gen = VLLMGeneration(engine_config(s.cfg), s.pad, s.eos, plan_on_cluster(engine_config(s.cfg)).threads.generation, policy=s.policy)
     engine_uuid = ray.get(s.gen.group.run_rank0("device_uuid"))
     fig["engine_up_s"] = time.perf_counter() - start
     policy_uuid = ray.get(s.policy.group.run_rank0("device_info"))["uuid"]
@@ -397,6 +398,7 @@ def b7_throughput(ctx: Context, fig: Figures) -> None:
     import ray
 
     from nemo_like.config import load_config
+    from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.generation.vllm import VLLMGeneration
 
     s = session(ctx)
@@ -409,7 +411,7 @@ def b7_throughput(ctx: Context, fig: Figures) -> None:
                      f"policy.max_total_sequence_length={PROMPT_BUDGET + 256}"]  # fmt: skip
         cfg = load_config(RECIPE, overrides, warn=False)
         start = time.perf_counter()
-        gen = VLLMGeneration(cfg, s.pad, s.eos, policy=s.policy, name=f"b7-{tag}")
+        gen = VLLMGeneration(cfg, s.pad, s.eos, plan_on_cluster(cfg).threads.generation, policy=s.policy, name=f"b7-{tag}")
         try:
             worker = gen.group.workers[0]
             ray.get(worker.__ray_call__.remote(_timed_generate, prompts[:32], asdict(params(16)), 0))  # warm-up
@@ -495,6 +497,7 @@ def stop_process_group(proc: subprocess.Popen) -> str:
 
 # -- B9 ------------------------------------------------------------------------------------------
 def b9_reused_engine(ctx: Context, fig: Figures) -> None:
+    from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.generation.vllm import VLLMGeneration
 
     s = session(ctx)
@@ -504,7 +507,7 @@ def b9_reused_engine(ctx: Context, fig: Figures) -> None:
     s.gen.shutdown()  # inside reuse_actors(): kept idle
     s.gen = None
     start = time.perf_counter()
-    s.gen = VLLMGeneration(engine_config(s.cfg), s.pad, s.eos, policy=s.policy)
+    s.gen = VLLMGeneration(engine_config(s.cfg), s.pad, s.eos, plan_on_cluster(engine_config(s.cfg)).threads.generation, policy=s.policy)
     fig["reinit_s"] = time.perf_counter() - start
     fig["reused"] = s.gen.group.workers[0]._actor_id.hex() == actor
     fig.expect("reused", "==", True, "the kept engine died in reinit and a fresh one was started")

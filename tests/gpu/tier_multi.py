@@ -33,13 +33,14 @@ def m1_nccl_refit(ctx: Context, fig: Figures) -> None:
     import ray
 
     from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+    from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.generation.vllm import VLLMGeneration
     from nemo_like.models.policy.policy import Policy
 
     s = _session(ctx)
     try:
         s.policy = Policy(s.cfg, loss_fn=ClippedPGLossFn(s.cfg.loss_fn))
-        s.gen = VLLMGeneration(s.cfg, s.pad, s.eos, policy=s.policy)
+        s.gen = VLLMGeneration(s.cfg, s.pad, s.eos, plan_on_cluster(s.cfg).threads.generation, policy=s.policy)
         fig["transport"] = s.gen.transport
         fig.expect("transport", "==", "nccl")
         fig["separate_gpus"] = ray.get(s.gen.group.run_rank0("device_uuid")) != ray.get(s.policy.group.run_rank0("device_info"))["uuid"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import (
@@ -18,11 +17,12 @@ from nemo_like.models.generation.interface import (
 )
 
 
-def hf_generation_resources(cfg: MasterConfig, num_workers: int = 1) -> RoleResources:
-    """HF generation workers: CPUs each, and a GPU of their own on GPU clusters."""
+def hf_generation_resources(cfg: MasterConfig, num_threads: int, num_workers: int = 1) -> RoleResources:
+    """HF generation workers: CPUs each, ``num_threads`` torch threads each (the run plan's split), and a GPU of their
+    own on GPU clusters."""
     pc = cfg.policy
     resources = WorkerResources(
-        num_cpus=pc.num_cpus_per_worker, num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0, num_threads=thread_split(cfg).generation
+        num_cpus=pc.num_cpus_per_worker, num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0, num_threads=num_threads
     )
     return RoleResources("generation", num_workers, resources)
 
@@ -30,9 +30,10 @@ def hf_generation_resources(cfg: MasterConfig, num_workers: int = 1) -> RoleReso
 class HFGeneration:
     """Shards prompts across ``num_workers`` HF generation actors."""
 
-    def __init__(self, cfg: MasterConfig, pad_token_id: int, eos_token_ids: list[int], num_workers: int = 1) -> None:
+    def __init__(self, cfg: MasterConfig, pad_token_id: int, eos_token_ids: list[int], num_threads: int, num_workers: int = 1) -> None:
+        """``num_threads``: torch threads per worker (the run plan's ``threads.generation``)."""
         pc = cfg.policy
-        resources = hf_generation_resources(cfg, num_workers).resources
+        resources = hf_generation_resources(cfg, num_threads, num_workers).resources
         init = dict(
             model_name=pc.model_name,
             precision=pc.precision,

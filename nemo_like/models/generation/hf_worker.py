@@ -12,6 +12,7 @@ from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.gate import WeightUpdateGate
+from nemo_like.utils.seeds import chunk_seed
 
 
 class SwapLog:
@@ -71,7 +72,7 @@ class HFGenerationWorker(Reinitializable):
         out: list[dict] = []
         with self.gate.generating_scope():
             for start in range(0, len(prompts), self.max_batch_size):
-                out.extend(self._generate_chunk(prompts[start : start + self.max_batch_size], sp, seed + start))
+                out.extend(self._generate_chunk(prompts[start : start + self.max_batch_size], sp, chunk_seed(seed, start)))
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[dict]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nemo_like.models.refit.interface import WeightReceiver, WeightSource, export_weights  # noqa: F401 (re-exported)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -73,17 +75,8 @@ class GeneratedSample:
         return self.final_weight_version is not None and self.final_weight_version != self.weight_version
 
 
-#: What a refit is handed: the exported weights (buckets, or an object ref to them), or the exporter that makes them.
-WeightSource = Any
-
-
-def export_weights(weights: WeightSource) -> Any:
-    """The weights to send: ``weights`` itself, or what it returns when it is an exporter (a callable)."""
-    return weights() if callable(weights) else weights
-
-
-class GenerationInterface(Protocol):
-    """A generation engine behind Ray actors."""
+class GenerationInterface(WeightReceiver, Protocol):
+    """A generation engine behind Ray actors: a refit's receiver (:mod:`nemo_like.models.refit.interface`) that samples."""
 
     weight_version: int
 
@@ -110,8 +103,9 @@ def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, s
     from dataclasses import asdict
 
     from nemo_like.distributed.worker_group import get_with_context
+    from nemo_like.utils.seeds import worker_seed
     from nemo_like.utils.sharding import contiguous_shards
 
     shards = contiguous_shards(prompts, len(group))  # rank r generates piece r (its seed depends on r)
-    refs = [w.generate.remote(shard, asdict(params), seed + 1_000_003 * rank) for rank, (w, shard) in enumerate(zip(group.workers, shards))]
+    refs = [w.generate.remote(shard, asdict(params), worker_seed(seed, rank)) for rank, (w, shard) in enumerate(zip(group.workers, shards))]
     return [GeneratedSample(**s) for shard in get_with_context(refs, "generation") for s in shard]

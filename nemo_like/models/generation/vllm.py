@@ -29,9 +29,7 @@ from typing import Any
 import ray
 
 from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
-from nemo_like.models.generation.choice import INSTALL_HINT, require_vllm, vllm_available  # noqa: F401 (importable here)
 from nemo_like.models.generation.interface import (
     GeneratedSample,
     SamplingParams,
@@ -41,8 +39,8 @@ from nemo_like.models.generation.interface import (
     generate_on_group,
 )
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
-from nemo_like.models.lora import refit_mode
 from nemo_like.models.refit.transport import RefitTransport, refit_transport
+from nemo_like.plan.backend import INSTALL_HINT, require_vllm, vllm_available  # noqa: F401 (importable here)
 
 
 def engine_env(cfg: MasterConfig) -> dict[str, str]:
@@ -96,11 +94,12 @@ def check_colocated_device(placement: ColocatedPlacement, engine_uuids: list[str
         )
 
 
-def vllm_generation_resources(cfg: MasterConfig, num_workers: int = 1) -> RoleResources:
-    """vLLM workers: CPUs each; a GPU of their own on GPU clusters, none when colocated (the GPU is the policy's)."""
+def vllm_generation_resources(cfg: MasterConfig, num_threads: int, num_workers: int = 1) -> RoleResources:
+    """vLLM workers: CPUs each, ``num_threads`` threads each (the run plan's split); a GPU of their own on GPU
+    clusters, none when colocated (the GPU is the policy's)."""
     pc = cfg.policy
     gpus = 1.0 if cfg.cluster.gpus_per_node and not is_colocated(cfg) else 0.0
-    resources = WorkerResources(num_cpus=pc.num_cpus_per_worker, num_gpus=gpus, num_threads=thread_split(cfg).generation)
+    resources = WorkerResources(num_cpus=pc.num_cpus_per_worker, num_gpus=gpus, num_threads=num_threads)
     return RoleResources("generation", num_workers, resources)
 
 
@@ -112,11 +111,17 @@ class VLLMGeneration:
         cfg: MasterConfig,
         pad_token_id: int,
         eos_token_ids: list[int],
+        num_threads: int,
         num_workers: int = 1,
         policy: Any = None,
         name: str = "generation",
+        refit_mode: str | None = None,
     ) -> None:
-        """``policy`` (the trainable :class:`Policy`) enables the GPU refit paths; ``name`` must be unique per Ray cluster."""
+        """``num_threads``: threads per worker (the run plan's ``threads.generation``); ``policy`` (the trainable
+        :class:`Policy`) enables the GPU refit paths; ``name`` must be unique per Ray cluster; ``refit_mode``: the run
+        plan's (``adapter``: the engine serves LoRA adapters; ``None``: the policy's, ``full`` without one)."""
+        if refit_mode is None:
+            refit_mode = policy.refit_mode if policy is not None else "full"
         require_vllm()
         pc, g = cfg.policy, cfg.policy.generation
         on_gpu = bool(cfg.cluster.gpus_per_node)
@@ -136,14 +141,14 @@ class VLLMGeneration:
             enforce_eager=g.vllm_cfg.enforce_eager,
             gpu_memory_utilization=g.vllm_cfg.gpu_memory_utilization,
             colocated=self.colocated,
-            lora_cfg=pc.lora_cfg if refit_mode(cfg, "vllm")[0] == "adapter" else None,
+            lora_cfg=pc.lora_cfg if refit_mode == "adapter" else None,
         )
         env = engine_env(cfg)
         placement = None
         if self.colocated:
             placement = colocated_placement(get_with_context(self.policy.group.run_rank0("device_info"), "generation: colocate"))
             env.update(placement.env)
-        resources = vllm_generation_resources(cfg, num_workers).resources
+        resources = vllm_generation_resources(cfg, num_threads, num_workers).resources
         self.group = RayWorkerGroup(
             name,
             VLLMGenerationWorker,

@@ -30,6 +30,7 @@ from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.cpu_reload import reload_in_place
 from nemo_like.models.refit.gate import WeightUpdateGate
 from nemo_like.models.refit.manifest import RefitManifestError, check_manifest, expected_weight_names
+from nemo_like.utils.seeds import chunk_seed
 
 # Read by vLLM at import time; the facade sets them through the actor's runtime_env.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -183,7 +184,7 @@ class VLLMGenerationWorker(Reinitializable):
             tensor_parallel_size=1,
         )
         if self.lora_cfg is not None:
-            from nemo_like.models.lora import vllm_max_lora_rank
+            from nemo_like.plan.refit import vllm_max_lora_rank
 
             kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(self.lora_cfg.dim), max_loras=1)
         if self.on_gpu:
@@ -205,7 +206,7 @@ class VLLMGenerationWorker(Reinitializable):
         sp = SamplingParams(**params)
         stop_ids = sorted({*self.eos_token_ids, *sp.stop_token_ids})
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        per_request = [vllm_sampling_params(sp, stop_ids, seed + i) for i in range(len(prompts))]
+        per_request = [vllm_sampling_params(sp, stop_ids, chunk_seed(seed, i)) for i in range(len(prompts))]
         with self.gate.generating_scope():
             self._wake_up()
             try:

@@ -15,6 +15,7 @@ from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside
 from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
 from nemo_like.models.policy import sharding
 from nemo_like.models.policy.batching import MicroBatchPlan, pack_rows, take_rows, unpack_logprobs
+from nemo_like.utils.seeds import chunk_seed
 
 Batch = dict[str, torch.Tensor]
 #: Prompts sampled together by inline generation (bounds the KV cache of a large validation batch).
@@ -119,6 +120,6 @@ class ForwardPasses:
         for start in range(0, len(prompts), INLINE_GENERATION_BATCH):
             chunk = prompts[start : start + INLINE_GENERATION_BATCH]
             with precision_lib.compute_context(self.device, self.precision, sharded=False):  # as the logprob passes
-                drawn = sample_with_params(self.model, chunk, sp, eos_token_ids, pad_token_id, seed + start)
+                drawn = sample_with_params(self.model, chunk, sp, eos_token_ids, pad_token_id, chunk_seed(seed, start))
             out.extend(drawn.sample_dicts(chunk, self.weight_version))
         return out

@@ -9,9 +9,7 @@ import ray
 import torch
 
 from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed.threads import thread_split
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
-from nemo_like.models.generation.choice import run_refit_mode
 from nemo_like.models.policy.loss_protocol import LossFunction
 from nemo_like.models.policy.spec import PolicyWorkerSpec
 from nemo_like.models.policy.spec import batching_plan as batching_plan  # noqa: F401  (re-exported: tests, benchmarks)
@@ -19,6 +17,8 @@ from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
 from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.shared_memory import shared_memory_available
 from nemo_like.models.refit.transport import shared_memory_refit_possible
+from nemo_like.plan.run_plan import RunPlan
+from nemo_like.plan.threads import ThreadSplit
 from nemo_like.utils.counters import Increments
 
 
@@ -65,11 +65,10 @@ def split_rows(batch: Batch, num_shards: int) -> list[Batch]:
     return [slice_batch(batch, i * step, (i + 1) * step) for i in range(num_shards)]
 
 
-def policy_resources(cfg: MasterConfig, trainable: bool = True) -> RoleResources:
+def policy_resources(cfg: MasterConfig, trainable: bool, split: ThreadSplit) -> RoleResources:
     """The policy or the reference: ``policy.dp_size x tensor_parallel_size`` workers each (the reference is
-    sharded like the policy), CPUs each, one GPU each on GPU clusters."""
+    sharded like the policy), CPUs each, threads each as the run plan's ``split`` says, one GPU each on GPU clusters."""
     pc = cfg.policy
-    split = thread_split(cfg)
     resources = WorkerResources(
         num_cpus=pc.num_cpus_per_worker,
         num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0,
@@ -106,19 +105,23 @@ class Policy:
         name: str = "policy",
         trainable: bool = True,
         loss_fn: LossFunction | None = None,
-        refit_mode: str | None = None,
+        plan: RunPlan | None = None,
     ) -> None:
         """``loss_fn``: the run's loss (a :class:`~nemo_like.models.policy.loss_protocol.LossFunction`, e.g. the clipped
-        PG loss), built once by the driver (required when ``trainable``; the reference needs none). ``refit_mode``: what
-        a refit sends (:func:`nemo_like.models.lora.refit_mode`), as the caller decided it from the run's backend
-        (``None``: decided here from ``cfg``). Every worker is built from one
+        PG loss), built once by the driver (required when ``trainable``; the reference needs none). ``plan``: the run's
+        plan (its thread split, and what a refit sends: :func:`nemo_like.plan.refit.refit_mode`); ``None``, for a caller
+        outside a run: decided here on the running cluster. Every worker is built from one
         :class:`~nemo_like.models.policy.spec.PolicyWorkerSpec` of ``cfg``."""
         if trainable and loss_fn is None:
             raise ValueError(f"the trainable policy '{name}' needs the run's loss_fn")
         self.cfg = cfg
         self.trainable = trainable
         self.loss_fn = loss_fn
-        role = policy_resources(cfg, trainable)
+        if plan is None:
+            from nemo_like.distributed.planning import plan_on_cluster
+
+            plan = plan_on_cluster(cfg)
+        role = policy_resources(cfg, trainable, plan.threads)
         num_workers = role.count
         init = dict(spec=PolicyWorkerSpec.from_config(cfg, trainable, loss_fn, role.resources.num_threads))
         self.group = RayWorkerGroup(
@@ -135,9 +138,7 @@ class Policy:
             raise
         self.name = name
         self.weight_version = 0
-        if not trainable:
-            refit_mode = "full"
-        self.refit_mode = refit_mode if refit_mode is not None else run_refit_mode(cfg)[0]
+        self.refit_mode = plan.refit.value if trainable else "full"
         self._refit_bytes = 0  # exported since the last take_refit_bytes()
         self.trainable_params, self.total_params = counts["trainable"], counts["total"]
         self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends

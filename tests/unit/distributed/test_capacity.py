@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from nemo_like.distributed.capacity import check_cluster_capacity, shortfall
 from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id
 from nemo_like.distributed.worker_group import PlacementError
 from nemo_like.models.generation.vllm import vllm_available
-from nemo_like.plan.logprob_passes import decide_logprob_passes
+from nemo_like.plan.logprob_passes import LogprobPlan
+from nemo_like.plan.run_plan import decide_run_plan
 
 TINY_RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 CPU_HEAD = {"CPU": 2.0, "memory": 2e10, "object_store_memory": 2.6e8, "node:127.0.0.1": 1.0}
@@ -27,11 +29,11 @@ def tiny(*overrides: str) -> MasterConfig:
 
 def role_requests(cfg: MasterConfig):
     """The roles as setup asks for them: with the logprob plan decided once, from the same config."""
-    return capacity.role_requests(cfg, decide_logprob_passes(cfg))
+    return capacity.role_requests(cfg, decide_run_plan(cfg, (), 2))
 
 
 def required_resources(cfg: MasterConfig) -> dict[str, float]:
-    return capacity.required_resources(cfg, decide_logprob_passes(cfg))
+    return capacity.required_resources(cfg, decide_run_plan(cfg, (), 2))
 
 
 def test_tiny_recipe_asks_for_cpu_bundles_only_per_role() -> None:
@@ -169,7 +171,7 @@ def test_hf_generation_always_needs_its_own_gpu() -> None:
 
 def test_the_capacity_check_follows_the_plan_it_is_handed() -> None:
     cfg = tiny()  # KL penalty 0.01: the plan loads the reference model
-    plan = decide_logprob_passes(cfg)
-    no_reference = type(plan)(plan.compute_prev, compute_reference=False)
+    plan = decide_run_plan(cfg, (), 2)
+    no_reference = replace(plan, logprobs=LogprobPlan(plan.logprobs.compute_prev, compute_reference=False))
     assert "reference" in {r.role for r in capacity.role_requests(cfg, plan)}
     assert "reference" not in {r.role for r in capacity.role_requests(cfg, no_reference)}

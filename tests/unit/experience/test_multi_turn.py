@@ -19,7 +19,6 @@ from nemo_like.environments.arithmetic import ArithmeticEnvironment
 from nemo_like.environments.interface import EnvironmentStep
 from nemo_like.environments.worker import check_step
 from nemo_like.experience.multi_turn import (
-    MultiTurnSettings,
     TemplateRewriteError,
     apply_stop_strings,
     local_stepper,
@@ -32,6 +31,7 @@ from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.loading import load_causal_lm, load_tokenizer
 from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs
+from nemo_like.plan.multi_turn import MultiTurnSettings
 
 EOS = 2  # <|im_end|> of the tiny model's Qwen-style template
 

@@ -14,6 +14,7 @@ from nemo_like.config import ConfigError
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig, MasterConfig
 from nemo_like.models import lora
 from nemo_like.models.loading import load_causal_lm, resolve_model_path
+from nemo_like.plan import refit as plan_refit
 
 _BASE = []
 
@@ -128,12 +129,12 @@ def test_config_keys_warnings_and_refit_choice():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         MasterConfig.model_validate({"policy": {"lora_cfg": {"enabled": True}, "dtensor_cfg": {"tensor_parallel_size": 2}}})
     hf = {"policy": {"lora_cfg": {"enabled": True}, "generation": {"backend": "hf"}}}
-    assert lora.refit_mode(MasterConfig.model_validate(hf), "hf")[0] == "merged"
+    assert plan_refit.refit_mode(MasterConfig.model_validate(hf), "hf")[0] == "merged"
     hf["policy"]["lora_cfg"]["refit"] = "adapter"
     with pytest.raises(ConfigError, match="policy.lora_cfg.refit=adapter is not possible here: the HF generation backend"):
-        lora.refit_mode(MasterConfig.model_validate(hf), "hf")
-    assert lora.refit_mode(MasterConfig(), None)[0] == "full"
-    assert [lora.vllm_max_lora_rank(r) for r in (1, 4, 8, 9, 512, 513)] == [1, 8, 8, 16, 512, None]
+        plan_refit.refit_mode(MasterConfig.model_validate(hf), "hf")
+    assert plan_refit.refit_mode(MasterConfig(), None)[0] == "full"
+    assert [plan_refit.vllm_max_lora_rank(r) for r in (1, 4, 8, 9, 512, 513)] == [1, 8, 8, 16, 512, None]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert MasterConfig.model_validate({"policy": {"lora_cfg": {"enabled": True, "dim": 4}}}).no_effect_warnings() == []
@@ -141,15 +142,15 @@ def test_config_keys_warnings_and_refit_choice():
 
 def test_lora_reference_runs_on_the_policy_so_no_reference_role_is_planned():
     from nemo_like.algorithms.roles import required_resources, role_requests
-    from nemo_like.plan.logprob_passes import decide_logprob_passes
+    from nemo_like.plan.run_plan import decide_run_plan
 
     kl = {"loss_fn": {"reference_policy_kl_penalty": 0.01}}
     hf = {"backend": "hf"}  # the same engine in both runs (without LoRA, auto would sample inline and reserve none)
     with_lora = MasterConfig.model_validate({**kl, "policy": {"lora_cfg": {"enabled": True}, "generation": hf}})
     full = MasterConfig.model_validate({**kl, "policy": {"generation": hf}})
-    plan, full_plan = decide_logprob_passes(with_lora), decide_logprob_passes(full)
-    assert plan.compute_reference and plan.reference_from_policy and not plan.load_reference_model
-    assert any("adapters disabled" in r for r in plan.reasons)
+    plan, full_plan = decide_run_plan(with_lora, (), 2), decide_run_plan(full, (), 2)
+    assert plan.logprobs.compute_reference and plan.logprobs.reference_from_policy and not plan.logprobs.load_reference_model
+    assert any("adapters disabled" in r for r in plan.logprobs.reasons)
     assert [r.role for r in role_requests(full, full_plan)].count("reference") == 1
     assert "reference" not in [r.role for r in role_requests(with_lora, plan)]
     # The capacity check agrees: the LoRA run asks for one policy group's CPUs less.

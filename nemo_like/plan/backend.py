@@ -1,6 +1,6 @@
 """Which generation backend a run uses: ``policy.generation.backend``'s ``auto`` choice and its reason, decided
-once per run (:func:`resolve_backend`) by the caller that builds the engine (:mod:`nemo_like.models.engines`),
-which passes the decided value down. No backend module is imported here: asking whether vLLM is installed
+once per run (:func:`resolve_backend`, called by :func:`~nemo_like.plan.run_plan.decide_run_plan`); the run plan
+carries it to the engine factory (:mod:`nemo_like.models.engines`). No backend module is imported here: asking whether vLLM is installed
 does not import it."""
 
 from __future__ import annotations
@@ -70,14 +70,3 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
     if requested == "vllm":
         require_vllm()
     return requested, "requested"
-
-
-def run_refit_mode(cfg: Any) -> tuple[str, str]:
-    """:func:`nemo_like.models.lora.refit_mode` for a caller that has only the config (a :class:`Policy` built
-    without the run's decided mode, as tests and tools do; a training run passes it from setup): the backend is
-    resolved here, and only when the mode depends on it (LoRA with ``policy.lora_cfg.refit`` other than ``merged``)."""
-    from nemo_like.models.lora import refit_mode
-
-    lora = cfg.policy.lora_cfg
-    needs_backend = lora.enabled and lora.refit != "merged"
-    return refit_mode(cfg, resolve_backend(cfg)[0] if needs_backend else None)

@@ -7,18 +7,22 @@ import pytest
 from nemo_like.config import DEFAULT_RECIPE, MasterConfig, load_config
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.engines import generation_resources
-from nemo_like.models.generation.choice import resolve_backend
-from nemo_like.models.generation.vllm import vllm_available
+from nemo_like.plan.backend import resolve_backend, vllm_available
+from nemo_like.plan.run_plan import Decision, RunPlan, decide_run_plan
 
 
 def recipe(*overrides: str) -> MasterConfig:
     return load_config(DEFAULT_RECIPE, list(overrides))
 
 
+def plan_of(cfg: MasterConfig, with_policy: bool = True) -> RunPlan:
+    return decide_run_plan(cfg, (), cpus_per_node=2, with_policy=with_policy)
+
+
 def test_auto_samples_inline_on_a_sync_cpu_run_with_one_policy_worker_and_reserves_nothing() -> None:
     cfg = recipe()
     assert resolve_backend(cfg)[0] == "inline"
-    role = generation_resources(cfg)
+    role = generation_resources(cfg, plan_of(cfg))
     assert role.count == 0 and role.total() == {"CPU": 0}
 
 
@@ -48,7 +52,7 @@ def test_auto_uses_vllm_on_a_gpu_cluster_when_it_is_installed() -> None:
 
 def test_evaluation_never_resolves_to_inline() -> None:
     assert resolve_backend(recipe(), with_policy=False)[0] == "hf"
-    assert generation_resources(recipe(), with_policy=False).count == 1
+    assert generation_resources(recipe(), plan_of(recipe(), with_policy=False)).count == 1
 
 
 @pytest.mark.parametrize(
@@ -90,24 +94,33 @@ def test_every_backend_the_config_allows_is_one_registration() -> None:
 
     allowed = set(get_args(GenerationConfig.model_fields["backend"].annotation)) - {"auto"}
     assert set(BACKENDS) == allowed
-    with pytest.raises(ValueError, match="registered twice"):
+    with pytest.raises(ValueError, match="already registered"):
         register_backend(Backend("hf", BACKENDS["hf"].build, BACKENDS["hf"].resources, described="again"))
 
 
-def test_a_decided_backend_is_not_resolved_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_engine_factory_reserves_what_the_plan_decided_not_what_the_config_would_resolve_to() -> None:
+    from dataclasses import replace
+
     from nemo_like.models import engines
 
-    def fail(*_: object, **__: object) -> None:
-        raise AssertionError("resolved again")
+    plan = plan_of(recipe())  # auto -> inline on this recipe
+    assert plan.backend.value == "inline"
+    assert engines.generation_resources(recipe(), replace(plan, backend=Decision("hf", "requested"))).count == 1
+    assert engines.generation_resources(recipe(), plan).count == 0
 
-    monkeypatch.setattr(engines, "resolve_backend", fail)
-    assert engines.generation_resources(recipe(), choice=("hf", "requested")).count == 1
-    assert engines.generation_resources(recipe(), choice=("inline", "requested")).count == 0
+
+def test_an_unknown_backend_name_gets_the_registry_error_naming_the_key() -> None:
+    from nemo_like.models.engines import BACKENDS
+    from nemo_like.utils.registry import PluginNameError
+
+    with pytest.raises(PluginNameError, match=r"policy.generation.backend: unknown generation backend 'vlm'.*Did you mean 'vllm'"):
+        BACKENDS.get("vlm")
 
 
 def test_the_lora_refit_mode_takes_the_decided_backend() -> None:
-    from nemo_like.models import lora
+    from nemo_like.models import lora as models_lora
     from nemo_like.models.policy import lora as policy_lora
+    from nemo_like.plan import refit as lora
 
     cfg = recipe("policy.lora_cfg.enabled=true")
     assert lora.refit_mode(cfg, "hf")[0] == "merged"
@@ -117,4 +130,4 @@ def test_the_lora_refit_mode_takes_the_decided_backend() -> None:
     assert lora.refit_mode(recipe("policy.lora_cfg.enabled=true", "policy.lora_cfg.refit=merged"), None)[0] == "merged"
     # the old path's cfg-only form (the Policy's) resolves the backend itself
     assert policy_lora.refit_mode(cfg) == lora.refit_mode(cfg, resolve_backend(cfg)[0])
-    assert policy_lora.merge_checkpoint is lora.merge_checkpoint
+    assert policy_lora.merge_checkpoint is models_lora.merge_checkpoint

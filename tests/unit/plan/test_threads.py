@@ -6,7 +6,8 @@ import pytest
 
 from nemo_like.config import load_config
 from nemo_like.config.errors import ConfigError
-from nemo_like.distributed.threads import (
+from nemo_like.plan.logprob_passes import decide_logprob_passes
+from nemo_like.plan.threads import (
     PhaseActors,
     ThreadSplit,
     oversubscription,
@@ -23,6 +24,18 @@ SYNC, ASYNC = RECIPES / "grpo_tiny_cpu.yaml", RECIPES / "grpo_tiny_cpu_async.yam
 
 def threads(split: ThreadSplit) -> tuple[int, int, int]:
     return split.policy, split.reference, split.generation
+
+
+def actors_of(cfg) -> PhaseActors:
+    return phase_actors(cfg, decide_logprob_passes(cfg))
+
+
+def split_of(cfg, cpus: int) -> ThreadSplit:
+    return thread_split(cfg, cpus, decide_logprob_passes(cfg))
+
+
+def warning_of(cfg, cpus: int) -> str | None:
+    return oversubscription_warning(cfg, split_of(cfg, cpus), actors_of(cfg))
 
 
 def test_sync_gives_every_phase_all_cores():
@@ -96,16 +109,16 @@ def test_oversubscription_needs_multi_threaded_actors():
 def test_actors_spread_over_nodes():
     assert [per_node(n, 2) for n in (1, 2, 3, 8)] == [1, 1, 2, 4]
     cfg = load_config(SYNC, ["policy.dp_size=4", "policy.dtensor_cfg.enabled=true", "cluster.num_nodes=2"])
-    assert phase_actors(cfg) == PhaseActors(policy=2, reference=2, generation=1, prev_pass=False)
+    assert actors_of(cfg) == PhaseActors(policy=2, reference=2, generation=1, prev_pass=False)
     cfg = load_config(SYNC, ["loss_fn.reference_policy_kl_penalty=0"])
-    assert phase_actors(cfg).reference == 0
+    assert actors_of(cfg).reference == 0
 
 
 def test_shipped_recipes_use_the_automatic_split():
-    assert threads(thread_split(load_config(SYNC), cpus=2)) == (2, 2, 2)
-    assert threads(thread_split(load_config(ASYNC), cpus=2)) == (1, 1, 1)
-    assert oversubscription_warning(load_config(ASYNC), cpus=2) is None
-    line = thread_split(load_config(ASYNC), cpus=2).describe()
+    assert threads(split_of(load_config(SYNC), cpus=2)) == (2, 2, 2)
+    assert threads(split_of(load_config(ASYNC), cpus=2)) == (1, 1, 1)
+    assert warning_of(load_config(ASYNC), cpus=2) is None
+    line = split_of(load_config(ASYNC), cpus=2).describe()
     assert line == (
         "threads per worker on 2 CPUs per node (async: generation and training share the cores): "
         "policy 1 (auto), reference 1 (auto), generation 1 (auto)"
@@ -114,12 +127,12 @@ def test_shipped_recipes_use_the_automatic_split():
 
 def test_explicit_oversubscription_warns_with_the_automatic_counts():
     cfg = load_config(ASYNC, ["policy.num_threads_per_worker=2", "policy.generation.num_threads_per_worker=2"])
-    warning = oversubscription_warning(cfg, cpus=2)
+    warning = warning_of(cfg, cpus=2)
     # The async collector's reference pass may run beside training and generation: 2 + 2 + 2 threads.
     assert warning and "policy+reference+generation run at the same time with 6 threads on 2 CPUs" in warning
     assert "(here: policy 1, generation 1)" in warning
-    assert oversubscription_warning(cfg, cpus=8) is None
-    assert oversubscription_warning(load_config(SYNC, ["policy.num_threads_per_worker=2"]), cpus=2) is None
+    assert warning_of(cfg, cpus=8) is None
+    assert warning_of(load_config(SYNC, ["policy.num_threads_per_worker=2"]), cpus=2) is None
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "many", "2.5"])

@@ -1,0 +1,56 @@
+"""What a refit sends to the generation engine: full weights, LoRA adapters, or LoRA merged into the weights.
+
+Decided once per run (:func:`refit_mode`, called by :func:`~nemo_like.plan.run_plan.decide_run_plan` with the backend
+the plan decided); the run plan hands the mode to the :class:`~nemo_like.models.policy.policy.Policy`. How the bytes
+travel (object store, shared memory, CUDA IPC, NCCL) is :mod:`nemo_like.models.refit.transport`'s choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.plan.backend import resolve_backend
+
+#: The ranks vLLM's ``max_lora_rank`` accepts (vllm/config/lora.py, 0.32); an adapter may be smaller than it.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(dim: int) -> int | None:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``dim`` (``None``: too large)."""
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= dim), None)
+
+
+def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
+    """``(mode, reason)``: ``"full"`` (no LoRA), ``"adapter"`` (vLLM serves the adapters as a LoRA request) or
+    ``"merged"`` (merged weights through the full-weight refit). ``backend``: the generation backend the run
+    resolved to (``inline``, ``hf`` or ``vllm``; the caller decides it once); ``None`` only where the mode does not
+    depend on it (no LoRA, or ``policy.lora_cfg.refit=merged``). An explicit ``policy.lora_cfg.refit=adapter``
+    the engine cannot honour is a :class:`ConfigError`."""
+    lora = cfg.policy.lora_cfg
+    if not lora.enabled:
+        return "full", "policy.lora_cfg.enabled=false"
+    if lora.refit == "merged":
+        return "merged", "policy.lora_cfg.refit=merged"
+    if backend is None:
+        raise ValueError(f"the LoRA refit mode (policy.lora_cfg.refit={lora.refit}) depends on the generation backend: pass it")
+    blocker = None
+    if backend != "vllm":
+        blocker = "the HF generation backend serves plain weights"
+    elif cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.in_flight_weight_updates:
+        blocker = "grpo.async_grpo.in_flight_weight_updates=true: a new adapter cannot take over running requests mid-sequence"
+    elif vllm_max_lora_rank(lora.dim) is None:
+        blocker = f"vLLM serves adapters up to rank {VLLM_MAX_LORA_RANKS[-1]}, policy.lora_cfg.dim={lora.dim}"
+    if blocker is None:
+        return "adapter", "vLLM LoRA: the adapters are loaded as a LoRA request, a new adapter id per weight version"
+    if lora.refit == "adapter":
+        raise ConfigError(f"policy.lora_cfg.refit=adapter is not possible here: {blocker}; use policy.lora_cfg.refit=auto or merged")
+    return "merged", f"auto: {blocker}"
+
+
+def refit_mode_of_config(cfg: Any) -> tuple[str, str]:
+    """:func:`refit_mode` for a caller that has only the config (tests and tools that build a policy outside a run;
+    a run takes the mode from its plan): the backend is resolved here, and only when the mode depends on it."""
+    lora = cfg.policy.lora_cfg
+    needs_backend = lora.enabled and lora.refit != "merged"
+    return refit_mode(cfg, resolve_backend(cfg)[0] if needs_backend else None)

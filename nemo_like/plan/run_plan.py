@@ -1,0 +1,105 @@
+"""The run plan: every run-level decision, made once in setup and handed to the run's components.
+
+:func:`decide_run_plan` is pure: it takes the validated config, the tokenizer's end-of-sequence ids and the CPUs of
+a node, and returns a frozen :class:`RunPlan`. Setup calls it once the cluster is known (the thread split depends
+on the node's CPUs), prints its ``[plan]`` lines, and passes the plan (or the part a component needs) down:
+
+==================  ==================================================  =====================================
+decision            consumers                                           decided by
+==================  ==================================================  =====================================
+logprob passes      which roles start; the step's passes                :func:`.logprob_passes.decide_logprob_passes`
+generation backend  the engine factory (``models/engines.py``)          :func:`.backend.resolve_backend`
+LoRA refit mode     the policy (what a refit sends)                     :func:`.refit.refit_mode`
+thread split        every actor's thread count; the oversubscription    :func:`.threads.thread_split`
+                    warning
+multi-turn          the rollout loops (sync, async collector, eval)     :func:`.multi_turn.multi_turn_settings`
+scoring overlap     the sync step (score while logprob passes run)      ``MasterConfig.scoring_overlap_blocker``
+policy forward      (decided by the policy worker from the loaded       ``PolicyWorker._choose_forward``
+                    model; recorded here with :meth:`RunPlan.with_forward`)
+==================  ==================================================  =====================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from nemo_like.plan.backend import resolve_backend
+from nemo_like.plan.logprob_passes import LogprobPlan, decide_logprob_passes
+from nemo_like.plan.multi_turn import MultiTurnSettings, multi_turn_settings
+from nemo_like.plan.refit import refit_mode
+from nemo_like.plan.threads import PhaseActors, ThreadSplit, oversubscription_warning, phase_actors, thread_split
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A decided value and the reason it was chosen (printed in the ``[plan]`` lines)."""
+
+    value: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run does, decided once (see the module docstring for who decides and who reads each field)."""
+
+    logprobs: LogprobPlan
+    backend: Decision
+    refit: Decision
+    threads: ThreadSplit
+    actors: PhaseActors  # actors of each role on one node (what the thread split was computed from)
+    multi_turn: MultiTurnSettings | None
+    overlap_scoring: bool  # the sync step scores while the logprob passes run
+    oversubscription: str | None = None  # a warning when explicit thread counts oversubscribe a node
+    forward: str | None = None  # the policy's logprob and training forward, as its workers chose it
+
+    def with_forward(self, description: str) -> RunPlan:
+        """This plan with the policy's forward recorded (the workers choose it from the loaded model)."""
+        return replace(self, forward=description)
+
+    def lines(self) -> list[str]:
+        """The ``[plan]`` lines printed once at the start of a run (without the prefix)."""
+        out = list(self.logprobs.reasons)
+        out.append(f"generation backend: {self.backend.value} ({self.backend.reason})")
+        if self.refit.value != "full":
+            out.append(f"LoRA refit: {self.refit.value} ({self.refit.reason})")
+        out.append(self.threads.describe())
+        if self.multi_turn is not None:
+            out.append(
+                f"multi-turn: up to {self.multi_turn.max_turns} model turns per sample, end-of-turn ids {list(self.multi_turn.eos_token_ids)}"
+            )
+        if self.overlap_scoring:
+            out.append("scoring overlaps the logprob passes (grpo.overlap_scoring)")
+        if self.forward is not None:
+            out.append(f"policy logprob and training forward: {self.forward}")
+        if self.oversubscription:
+            out.append(self.oversubscription)
+        return out
+
+
+def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int, with_policy: bool = True) -> RunPlan:
+    """Every run-level decision for the validated config ``cfg``: ``eos_token_ids`` (the tokenizer's, for the turn
+    loop), ``cpus_per_node`` (the smallest node's CPUs, read from the cluster once). ``with_policy=False``: a command
+    without a trainable policy (``nemo-like eval``). Raises :class:`~nemo_like.config.errors.ConfigError` for a
+    requested backend or LoRA refit mode the run cannot honour."""
+    logprobs = decide_logprob_passes(cfg)
+    backend = Decision(*resolve_backend(cfg, with_policy))
+    refit = Decision(*refit_mode(cfg, backend.value)) if with_policy else Decision("full", "no trainable policy")
+    actors = phase_actors(cfg, logprobs)
+    threads = thread_split(cfg, cpus_per_node, logprobs)
+    return RunPlan(
+        logprobs=logprobs,
+        backend=backend,
+        refit=refit,
+        threads=threads,
+        actors=actors,
+        multi_turn=multi_turn_settings(cfg, eos_token_ids),
+        overlap_scoring=bool(cfg.grpo.overlap_scoring) and cfg.scoring_overlap_blocker() is None,
+        oversubscription=oversubscription_warning(cfg, threads, actors),
+    )
+
+
+def eos_ids_of(tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's end-of-sequence id(s) as a tuple (some tokenizers hold a list)."""
+    ids = tokenizer.eos_token_id
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)

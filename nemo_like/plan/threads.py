@@ -1,0 +1,201 @@
+"""How many torch/OpenMP threads each CPU-heavy actor gets: the automatic split of a node's CPUs.
+
+The rule (:func:`split_threads`, a pure function) counts the actors whose work runs *at the same time*
+on one node and gives each ``max(1, cpus // concurrent)`` threads. A step has three phases:
+
+* generation: ``G`` generation workers;
+* logprobs: the policy ranks ``P`` (only when the prev-logprob pass runs) and the reference ranks ``R``,
+  concurrently (``start_logprob_passes``);
+* training: the ``P`` policy ranks.
+
+**sync** runs the phases one after the other, so an actor shares the node only with the other actors
+of its own phase (each phase may use every core); an actor that takes part in several phases gets the
+threads of its most crowded one. An idle actor's OpenMP threads go to sleep after a short spin
+(libgomp's default wait policy), so the phases do not steal from each other.
+
+**async** runs generation during every trainer phase: generation shares the node with the most
+crowded trainer phase, and each trainer role with generation plus its own most crowded phase. With a
+reference model of its own, the async collector runs the reference pass on each batch it generates, so
+the reference ranks may run beside generation and any trainer phase: they count in every one.
+
+An explicit count (``policy.num_threads_per_worker`` for the policy and reference ranks,
+``policy.generation.num_threads_per_worker`` for the engine) is used as given; in async, an ``auto``
+role then gets what the explicit one leaves: ``max(1, (cpus - threads in use by the other side) // its actors)``.
+
+Actors are assumed to spread evenly over ``cluster.num_nodes`` (``ceil(count / num_nodes)`` per node).
+The node's CPUs are read from the cluster once (:func:`nemo_like.distributed.threads.node_cpus`) and passed in;
+the split is part of the run plan (:mod:`nemo_like.plan.run_plan`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_like.plan.logprob_passes import LogprobPlan
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class ThreadSplit:
+    """Threads per actor of each role, and what they were derived from."""
+
+    policy: int
+    reference: int
+    generation: int
+    cpus: int
+    async_mode: bool
+    explicit: tuple[str, ...]  # roles whose count the user set
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+
+        def part(role: str, threads: int) -> str:
+            return f"{role} {threads} ({'explicit' if role in self.explicit else 'auto'})"
+
+        roles = ", ".join(part(r, getattr(self, r)) for r in ("policy", "reference", "generation"))
+        mode = "async: generation and training share the cores" if self.async_mode else "sync: each phase may use every core"
+        return f"threads per worker on {self.cpus} CPUs per node ({mode}): {roles}"
+
+
+@dataclass(frozen=True)
+class PhaseActors:
+    """Actors of each role on one node, and whether the prev-logprob pass runs (then the policy ranks
+    join the reference ranks in the logprob phase)."""
+
+    policy: int
+    reference: int
+    generation: int
+    prev_pass: bool = False
+    reference_beside_training: bool = False  # async: the collector's reference pass may overlap any trainer phase
+
+    def trainer_phases(self) -> list[dict[str, int]]:
+        """Actors per role in each trainer phase (logprobs, training), roles that do not run left out."""
+        if self.reference_beside_training:  # the trainer's phases are the policy's (prev pass, training)
+            return [{role: n for role, n in (("policy", self.policy), ("reference", self.reference)) if n}]
+        logprobs = {role: n for role, n in (("policy", self.policy if self.prev_pass else 0), ("reference", self.reference)) if n}
+        return [p for p in (logprobs, {"policy": self.policy}) if p]
+
+
+def _busiest(phases: list[dict[str, int]], role: str | None = None) -> int:
+    """Total actors of the most crowded phase (among those where ``role`` runs, when given)."""
+    totals = [sum(p.values()) for p in phases if role is None or role in p]
+    return max(totals, default=0)
+
+
+def split_threads(
+    cpus: int,
+    actors: PhaseActors,
+    async_mode: bool,
+    policy_threads: int | None = None,
+    generation_threads: int | None = None,
+) -> ThreadSplit:
+    """Threads per actor for each role (see the module docstring). ``policy_threads`` /
+    ``generation_threads``: explicit counts (None: automatic); the reference follows the policy's."""
+    if cpus < 1:
+        raise ValueError(f"cpus must be >= 1, got {cpus}")
+    phases = actors.trainer_phases()
+    g = actors.generation
+
+    def share(cpus_left: int, concurrent: int) -> int:
+        return max(1, cpus_left // concurrent) if concurrent else max(1, cpus_left)
+
+    auto: dict[str, int] = {}
+    for role in ("policy", "reference"):
+        own = _busiest(phases, role)
+        if not async_mode:
+            auto[role] = share(cpus, own)
+        elif generation_threads is not None:
+            auto[role] = share(cpus - g * generation_threads, own)
+        else:
+            auto[role] = share(cpus, g + own)
+    if not async_mode:
+        auto["generation"] = share(cpus, g)
+    elif policy_threads is not None:
+        auto["generation"] = share(cpus - _busiest(phases) * policy_threads, g)
+    else:
+        auto["generation"] = share(cpus, g + _busiest(phases))
+    explicit = tuple(r for r, v in (("policy", policy_threads), ("reference", policy_threads), ("generation", generation_threads)) if v)
+    return ThreadSplit(
+        policy=policy_threads or auto["policy"],
+        reference=policy_threads or auto["reference"],
+        generation=generation_threads or auto["generation"],
+        cpus=cpus,
+        async_mode=async_mode,
+        explicit=explicit,
+    )
+
+
+def oversubscription(split: ThreadSplit, actors: PhaseActors) -> tuple[int, str] | None:
+    """``(threads, where)`` of the most crowded set of concurrently running actors when their threads exceed
+    the node's CPUs and some of them run more than one thread (single-threaded actors only take turns;
+    multi-threaded OpenMP teams spin while they wait for each other); None otherwise."""
+    worst: tuple[int, str] | None = None
+    for phase in actors.trainer_phases():
+        trainer = sum(n * getattr(split, role) for role, n in phase.items())
+        widest = max(getattr(split, role) for role in phase)
+        name = "+".join(phase)
+        if split.async_mode and actors.generation:
+            trainer += actors.generation * split.generation
+            widest = max(widest, split.generation)
+            name += "+generation"
+        if trainer > split.cpus and widest > 1 and (worst is None or trainer > worst[0]):
+            worst = (trainer, name)
+    if not split.async_mode and actors.generation * split.generation > split.cpus and split.generation > 1:
+        total = actors.generation * split.generation
+        if worst is None or total > worst[0]:
+            worst = (total, "generation")
+    return worst
+
+
+def per_node(count: int, num_nodes: int) -> int:
+    """Actors of a role on one node when ``count`` of them spread evenly over ``num_nodes``."""
+    return math.ceil(count / max(1, num_nodes))
+
+
+def explicit_count(value: Any) -> int | None:
+    """A config value (an int or ``"auto"``) as an explicit count, or None for automatic."""
+    return None if value in (AUTO, None) else int(value)
+
+
+def phase_actors(cfg: Any, logprobs: LogprobPlan) -> PhaseActors:
+    """Actors of each role on one node for the run ``cfg`` describes, with its decided logprob passes."""
+    nodes = cfg.cluster.num_nodes
+    ranks = cfg.policy.dp_size * cfg.policy.dtensor_cfg.tensor_parallel_size
+    return PhaseActors(
+        policy=per_node(ranks, nodes),
+        reference=per_node(ranks, nodes) if logprobs.compute_reference else 0,
+        generation=per_node(1, nodes),
+        prev_pass=logprobs.compute_prev,
+        reference_beside_training=cfg.grpo.async_grpo.enabled and logprobs.load_reference_model,
+    )
+
+
+def thread_split(cfg: Any, cpus: int, logprobs: LogprobPlan) -> ThreadSplit:
+    """The run's split: ``cfg``'s explicit counts, its roles and mode, on ``cpus`` per node."""
+    return split_threads(
+        cpus,
+        phase_actors(cfg, logprobs),
+        cfg.grpo.async_grpo.enabled,
+        explicit_count(cfg.policy.num_threads_per_worker),
+        explicit_count(cfg.policy.generation.num_threads_per_worker),
+    )
+
+
+def oversubscription_warning(cfg: Any, split: ThreadSplit, actors: PhaseActors) -> str | None:
+    """A warning when the run's threads oversubscribe a node (CPU clusters only; see :func:`oversubscription`)."""
+    if cfg.cluster.gpus_per_node:
+        return None
+    found = oversubscription(split, actors)
+    if found is None:
+        return None
+    threads, where = found
+    suggestion = split_threads(split.cpus, actors, split.async_mode)
+    return (
+        f"WARNING: {where} run at the same time with {threads} threads on {split.cpus} CPUs: oversubscribed threads spin "
+        f"and can make a run several times slower (async measured 0.42x the sync speed on 2 cores); "
+        f"leave policy.num_threads_per_worker and policy.generation.num_threads_per_worker at auto "
+        f"(here: policy {suggestion.policy}, generation {suggestion.generation})"
+    )

@@ -1,0 +1,47 @@
+"""Every sampling seed of a run, derived in one place from ``grpo.seed`` and where the sample is drawn.
+
+A run is reproducible because each batch's seed depends only on *what* it samples (step, batch, turn, worker,
+offset in a chunk), never on timing or on which process happened to ask: the async loop with
+``max_trajectory_age_steps: 0`` draws exactly the sync loop's samples, a resumed run the uninterrupted run's, and a
+re-dispatched batch the lost one's. Change a formula here and every seed of that kind changes with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+#: Multipliers that keep seeds of different steps, ranks and validation rounds apart (primes).
+STEP_STRIDE = 1_000_003
+BATCH_STRIDE = 101
+RANK_STRIDE = 1_000_003
+VALIDATION_STRIDE = 10_000_019
+
+
+def rollout_seed(seed: int, step: int, batch_index: int = 0) -> int:
+    """The sampling seed of training step ``step``'s ``batch_index``-th generation batch (the sync loop and the async
+    collector use the same, so an async run with ``max_trajectory_age_steps: 0`` reproduces the sync run)."""
+    return (seed * STEP_STRIDE + step) * BATCH_STRIDE + batch_index
+
+
+def validation_seed(step: int) -> int:
+    """The sampling seed of the validation run after training step ``step`` (0: before training)."""
+    return VALIDATION_STRIDE * (step + 1)
+
+
+def turn_seed(seed: int, turn: int, group: int) -> int:
+    """A multi-turn rollout's generation call ``group`` of turn ``turn``: the first call uses ``seed`` itself (a
+    one-turn rollout reproduces a single-turn one); later calls a hash of the three."""
+    if turn == 0 and group == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{turn}/{group}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def worker_seed(seed: int, rank: int) -> int:
+    """The seed of generation worker ``rank``'s shard of a batch sampled with ``seed``."""
+    return seed + RANK_STRIDE * rank
+
+
+def chunk_seed(seed: int, offset: int) -> int:
+    """The seed of the chunk (or request) that starts at prompt ``offset`` of a worker's batch sampled with ``seed``."""
+    return seed + offset
