@@ -1,8 +1,10 @@
 """Concurrent HTTP calls -> batched engine calls, one at a time.
 
 Handlers submit their prompts (``n`` copies for ``n`` choices) and wait on a future; one thread takes everything
-queued (waiting up to ``window_s`` for more after the first request), groups it by sampling settings and seed, and
-calls ``engine.generate`` once per group (a request that sets ``seed`` is a group of its own). The engine is only ever called from that thread.
+queued (waiting up to ``window_s`` for more after the first request), groups it by sampling settings except
+``max_new_tokens``, and calls ``engine.generate`` once per group with the group's largest ``max_new_tokens`` (a request
+that sets ``seed`` is a group of its own). A request's samples are then cut to its own ``max_new_tokens``: tokens are
+drawn one after another, so the first k tokens of a longer draw are a draw of k tokens, logprobs included. The engine is only ever called from that thread.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from nemo_like.models.generation.interface import GenerationInterface, SamplingParams
+from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams
 
 
 @dataclass
@@ -81,8 +83,10 @@ class GenerationQueue:
             batch, stop = self._take()
             groups: dict[tuple, list[_Request]] = defaultdict(list)
             for request in batch:  # a request with its own seed is sampled alone (reproducible for that seed)
-                groups[(request.params, None if request.seed is None else id(request))].append(request)
-            for (params, _), requests in groups.items():
+                key = replace(request.params, max_new_tokens=0)
+                groups[(key, None if request.seed is None else id(request))].append(request)
+            for (key, _), requests in groups.items():
+                params = replace(key, max_new_tokens=max(r.params.max_new_tokens for r in requests))
                 self._generate(requests, params, requests[0].seed)
 
     def _generate(self, requests: list[_Request], params: SamplingParams, seed: int | None) -> None:
@@ -100,5 +104,18 @@ class GenerationQueue:
         self.stats.requests += len(requests)
         start = 0
         for request in requests:
-            request.future.set_result(samples[start : start + len(request.prompts)])
+            limit = request.params.max_new_tokens
+            request.future.set_result([cut_to(s, limit) for s in samples[start : start + len(request.prompts)]])
             start += len(request.prompts)
+
+
+def cut_to(sample: GeneratedSample, max_new_tokens: int) -> GeneratedSample:
+    """``sample`` with at most ``max_new_tokens`` response tokens (then truncated: it hit its own limit)."""
+    if len(sample.response_ids) <= max_new_tokens:
+        return sample
+    return replace(
+        sample,
+        response_ids=sample.response_ids[:max_new_tokens],
+        response_logprobs=sample.response_logprobs[:max_new_tokens],
+        truncated=True,
+    )

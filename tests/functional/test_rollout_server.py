@@ -1,0 +1,278 @@
+"""The rollout server end to end: the real ``openai`` client over HTTP, a real uvicorn server in this process, the
+shipped tiny tool model sampled by the in-process engine. Token exactness of the rows, branching under a template
+that rewrites history, the API key and loopback binding, concurrent sessions, and the bad-input answers."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from nemo_like.data.collate import collate_samples
+from nemo_like.environments.tools.calculator import calculator
+from nemo_like.models.generation.interface import SamplingParams
+from nemo_like.models.loading import load_tokenizer
+from nemo_like.serving import RolloutServer, ServerConfig
+from nemo_like.serving.local_engine import LocalGeneration
+from nemo_like.serving.trajectory import CallRecord, unsampled_positions
+
+pytestmark = pytest.mark.slow
+MODEL = "embedded:tiny-tool-qwen2"
+THINK_TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_style_think.jinja"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}},
+    }
+]
+PROBLEMS = [f"What is {100 + 7 * i} times {11 + i}?" for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(MODEL)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    torch.set_num_threads(1)
+    return LocalGeneration.load(MODEL, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def server(engine, tokenizer):
+    with RolloutServer(engine, tokenizer, ServerConfig(max_n=4)) as srv:
+        yield srv
+
+
+def client(srv: RolloutServer, session_id: str | None = None) -> openai.OpenAI:
+    headers = {"X-Session-Id": session_id} if session_id else None
+    return openai.OpenAI(base_url=srv.base_url, api_key=srv.api_key, default_headers=headers, max_retries=0)
+
+
+def chat(c: openai.OpenAI, messages: list, **kwargs):
+    extra = {"return_token_ids": True, **kwargs.pop("extra_body", {})}
+    return c.chat.completions.create(model="policy", messages=messages, tools=TOOLS, extra_body=extra, **kwargs)
+
+
+def tool_turn(messages: list, response) -> None:
+    """Append the assistant message as the client returned it, then the calculator's answer (or a nudge)."""
+    message = response.choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    if message.tool_calls:
+        expression = json.loads(message.tool_calls[0].function.arguments).get("expression", "")
+        messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": str(calculator(expression=str(expression)))})
+    else:
+        messages.append({"role": "tool", "content": "no tool was called"})
+
+
+def model_logprobs(engine: LocalGeneration, rows: list, pad_token_id: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the training pass computes: log p(token_t | tokens_<t) at ``temperature`` for every row ([B, S], masked),
+    and the batch's generation logprobs (masked)."""
+    batch = collate_samples([r.to_generated_sample() for r in rows], pad_token_id)
+    with torch.no_grad():
+        logits = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    logprobs = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    trained = torch.nn.functional.pad(logprobs, (1, 0)) * batch["token_mask"]
+    return trained, batch["generation_logprobs"] * batch["token_mask"]
+
+
+def first_call_that_does_not_round_trip(server: RolloutServer, tokenizer, messages: list):
+    """A first call whose sampled ids are not what its text re-encodes to (byte-level BPE is not a bijection; at
+    temperature 2 the tiny model soon samples such ids): ``(session_id, response)``."""
+    for seed in range(40):
+        session_id = f"exact-{seed}"
+        response = chat(client(server, session_id), messages, temperature=2.0, seed=seed, max_tokens=24)
+        ids = response.choices[0].completion_token_ids
+        if tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"] != ids:
+            return session_id, response
+        server.sessions.end(session_id)
+    pytest.fail("no sampled completion in 40 seeds re-encodes differently")
+
+
+def test_a_tool_session_is_one_row_of_exactly_the_sampled_ids(server, engine, tokenizer):
+    messages = [{"role": "user", "content": PROBLEMS[0]}]
+    session_id, first = first_call_that_does_not_round_trip(server, tokenizer, messages)
+    tool_turn(messages, first)
+    second = chat(client(server, session_id), messages, temperature=2.0, seed=1, max_tokens=24)
+    rendered = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
+    assert first.prompt_token_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    (row,) = server.sessions.end(session_id, reward=1.0).rows
+    completions = [r.choices[0].completion_token_ids for r in (first, second)]
+    assert row.prompt_ids == first.prompt_token_ids
+    assert row.input_ids[: len(second.prompt_token_ids)] == second.prompt_token_ids  # call 2 extends call 1 exactly
+    observation = len(second.prompt_token_ids) - len(row.prompt_ids) - len(completions[0])
+    assert row.response_ids == completions[0] + second.prompt_token_ids[-observation:] + completions[1]
+    assert row.response_mask == [1] * len(completions[0]) + [0] * observation + [1] * len(completions[1])
+    recorded = first.choices[0].completion_logprobs + second.choices[0].completion_logprobs
+    assert [lp for lp, m in zip(row.response_logprobs, row.response_mask) if m] == recorded
+    trained, generated = model_logprobs(engine, [row], tokenizer.pad_token_id, temperature=2.0)
+    assert torch.allclose(trained, generated, atol=1e-5)  # the training pass agrees with the server's logprobs
+
+    greedy = chat(client(server), [{"role": "user", "content": PROBLEMS[1]}], temperature=0)
+    (direct,) = engine.generate([greedy.prompt_token_ids], SamplingParams(max_new_tokens=256, greedy=True), seed=0)
+    assert greedy.choices[0].completion_token_ids == direct.response_ids  # the engine's own ids, not re-tokenised text
+
+
+def test_a_template_that_strips_reasoning_branches_the_session(engine, tokenizer):
+    config = ServerConfig(chat_template=THINK_TEMPLATE.read_text())
+    with RolloutServer(engine, tokenizer, config) as srv:
+        c = client(srv, "think")
+        messages = [{"role": "user", "content": PROBLEMS[2]}]
+        responses = [chat(c, messages, temperature=1.0, max_tokens=24)]
+        tool_turn(messages, responses[-1])
+        responses.append(chat(c, messages, temperature=1.0, max_tokens=24))
+        messages += [responses[-1].choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": PROBLEMS[3]}]
+        responses.append(chat(c, messages, temperature=1.0, max_tokens=24))  # earlier turns lose their <think> block
+        result = srv.sessions.end("think", reward=0.5)
+    assert result.rejected is None and [r.calls for r in result.rows] == [[(0, 0), (1, 0)], [(2, 0)]]
+    assert srv.sessions.metrics()["agent/branched_sessions"] == 1.0
+    sampled = [r.choices[0].completion_token_ids for r in responses]
+    assert sum(sum(r.response_mask) for r in result.rows) == sum(len(s) for s in sampled)  # each sampled token once
+    calls = [
+        CallRecord(tuple(r.prompt_token_ids), tuple(s), tuple(r.choices[0].completion_logprobs), 0, 0, call_index=i)
+        for i, (r, s) in enumerate(zip(responses, sampled))
+    ]
+    for row in result.rows:
+        assert unsampled_positions(row.input_ids, [0] * len(row.prompt_ids) + row.response_mask, calls) == []
+    trained, generated = model_logprobs(engine, result.rows, tokenizer.pad_token_id)
+    assert (trained - generated).abs().max().item() < 1e-5
+
+    # The naive single row: call 3's new tokens cut from its prompt by length, as if it extended the first row.
+    naive = list(result.rows[0].input_ids)
+    naive_mask = [0] * len(result.rows[0].prompt_ids) + result.rows[0].response_mask
+    observation = list(responses[2].prompt_token_ids[len(naive) :])
+    naive += observation + sampled[2]
+    naive_mask += [0] * len(observation) + [1] * len(sampled[2])
+    assert unsampled_positions(naive, naive_mask, calls) != []  # it would train on tokens in contexts never sampled
+
+
+def test_every_request_needs_the_key_and_the_server_listens_on_loopback_only(server):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url, api_key="not-the-key", max_retries=0).models.list()
+    for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": server.api_key}):
+        answer = httpx.post(f"{server.base_url}/chat/completions", headers=headers, content=b"{not json")
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+        assert server.api_key not in answer.text
+    assert client(server).models.list().data[0].id == "policy"
+    assert server.base_url.startswith("http://127.0.0.1:")
+    with pytest.raises(ValueError, match="not a loopback address"):
+        RolloutServer(server.queue.engine, server.service.renderer.tokenizer, ServerConfig(host="0.0.0.0"))
+    address = _non_loopback_address()
+    if address is not None:  # the same port on this machine's other address refuses the connection
+        with pytest.raises(OSError):
+            socket.create_connection((address, server.port), timeout=2).close()
+
+
+def _non_loopback_address() -> str | None:
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outgoing interface
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_sixteen_concurrent_sessions_keep_their_own_calls(server):
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def agent(i: int) -> None:
+        session_id = f"concurrent-{i}"
+        try:  # half name the session in the header, half in the `user` field
+            c = client(server, session_id if i % 2 else None)
+            extra = {} if i % 2 else {"user": session_id}
+            messages = [{"role": "user", "content": PROBLEMS[i]}]
+            first = chat(c, messages, temperature=1.0, max_tokens=32, **extra)
+            tool_turn(messages, first)
+            results[session_id] = [first, chat(c, messages, temperature=1.0, max_tokens=32, **extra)]
+        except BaseException as exc:  # reported below with the others
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert errors == [] and len(results) == 16
+    for i in range(16):
+        first, second = results[f"concurrent-{i}"]
+        assert first.session_id == second.session_id == f"concurrent-{i}"
+        (row,) = server.sessions.end(f"concurrent-{i}", reward=float(i)).rows
+        assert PROBLEMS[i] in server.service.renderer.decode(row.prompt_ids)
+        assert row.prompt_ids == first.prompt_token_ids and row.input_ids[: len(second.prompt_token_ids)] == second.prompt_token_ids
+        sampled = first.choices[0].completion_token_ids + second.choices[0].completion_token_ids
+        assert [t for t, m in zip(row.response_ids, row.response_mask) if m] == sampled and row.reward == float(i)
+
+
+def test_completions_endpoint_returns_the_sampled_ids_and_cuts_at_stop_strings(server):
+    c = client(server)
+    text = c.completions.create(
+        model="policy", prompt="What is 12 times 3?", max_tokens=8, logprobs=1, extra_body={"return_token_ids": True}
+    )
+    choice = text.choices[0]
+    assert choice.logprobs.token_logprobs == choice.completion_logprobs and len(choice.completion_token_ids) <= 8
+    ids = c.completions.create(
+        model="policy", prompt=text.prompt_token_ids, max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert ids.prompt_token_ids == text.prompt_token_ids
+    stopped = c.completions.create(
+        model="policy", prompt=text.prompt_token_ids, max_tokens=8, temperature=0, stop=["<"], extra_body={"return_token_ids": True}
+    )
+    assert "<" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+BAD_REQUESTS = [
+    # (body, extra headers, status, error code or param)
+    (b"{not json", {}, 400, None),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}], "n": 5}), {}, 400, "n"),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q" * 300}]}), {}, 400, "context_length_exceeded"),
+    (
+        json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}], "max_tokens": 10_000}),
+        {},
+        400,
+        "context_length_exceeded",
+    ),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}], "stream": True}), {}, 400, "unsupported_parameter"),
+    (
+        json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}], "presence_penalty": 1}),
+        {},
+        400,
+        "unsupported_parameter",
+    ),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}], "frobnicate": 1}), {}, 400, "frobnicate"),
+    (json.dumps({"model": "policy", "messages": []}), {}, 400, "messages"),
+    (json.dumps({"model": "policy"}), {}, 400, "messages"),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}], "temperature": 7}), {}, 400, "temperature"),
+    (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "q"}]}), {}, 404, "model_not_found"),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}]}), {"X-Session-Id": "ended"}, 409, "session_ended"),
+]
+
+
+def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
+    headers = {"Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"}
+    server.sessions.end(server.sessions.open("ended"))
+    for body, extra, status, code in BAD_REQUESTS:
+        answer = httpx.post(f"{server.base_url}/chat/completions", headers={**headers, **extra}, content=body, timeout=60)
+        error = answer.json()["error"]
+        assert answer.status_code == status, (body, answer.text)
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert code is None or code in (error["code"], error["param"]), (body, error)
+    unknown = httpx.post(f"{server.base_url}/sessions/never-opened/end", headers=headers, content=b"{}")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
+    with pytest.raises(openai.BadRequestError) as too_many:
+        chat(client(server), [{"role": "user", "content": "q"}], n=99)
+    assert too_many.value.status_code == 400 and too_many.value.param == "n"
+    ended = httpx.post(f"{server.base_url}/sessions/ended/end", headers=headers, content=b'{"reward": 1.0}')
+    assert ended.status_code == 200 and ended.json()["rejected"] == "the session made no calls"
+    assert chat(client(server), [{"role": "user", "content": "q"}], max_tokens=4).choices[0].message.role == "assistant"
