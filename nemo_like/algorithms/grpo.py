@@ -40,7 +40,7 @@ from nemo_like.data.prompts import DataExhausted
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
 from nemo_like.experience.multi_turn import multi_turn_metrics
-from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, task_reward_metrics
+from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, env_metrics_with_means, task_reward_metrics
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
@@ -103,7 +103,7 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
         pass_k = mean_pass_at_k(correct_counts(correct, rollout.group_ids), cfg.grpo.resolved_val_pass_k)
         metrics.update({f"validation/pass@{k}": value for k, value in pass_k.items()})
     metrics.update(task_reward_metrics(rollout.prompts, rewards, parts.environment.tasks, prefix="validation/env"))
-    metrics.update({f"validation/{k}": v for k, v in rollout.env_metrics.items()})
+    metrics.update({f"validation/{k}": v for k, v in env_metrics_with_means(rollout.env_metrics).items()})
     if parts.plan.multi_turn is not None:
         metrics.update(multi_turn_metrics(rollout.samples, rewards, prefix="validation/multi_turn"))
     return metrics
@@ -293,7 +293,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     )
     metrics.setdefault("train/kl_penalty", 0.0)
     metrics.update(task_reward_metrics(rollout.prompts, rollout.rewards, parts.environment.tasks))
-    metrics.update(rollout.env_metrics)
+    metrics.update(env_metrics_with_means(rollout.env_metrics))
     if cfg.grpo.max_rollout_turns > 1:
         metrics.update(multi_turn_metrics(rollout.samples, rollout.rewards))
     # The policy reports its logprob passes since its previous update with the training result (no extra round trip).
@@ -337,7 +337,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     timer.add("refit", refit.refit)
     generated = rollouts.generation_stats()
     metrics.update(trajectory_age_metrics(taken.ages, cfg.grpo.async_grpo.max_trajectory_age_steps))
-    metrics.update(generated.env_counters)  # env/<task>/<counter> of the batches since the last step
+    metrics.update(env_metrics_with_means(generated.env_counters))  # env/<task>/<counter> of the batches since the last step
     seconds = generated.generation_seconds
     metrics.update(
         {

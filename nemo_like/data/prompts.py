@@ -30,11 +30,16 @@ class PromptRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def last_user_message(messages: list[dict[str, str]]) -> str:
+    """The text of the last user message (what a reward model or a judge reads as the prompt); ``""`` without one."""
+    return next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
+
+
 def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tokens: int) -> list[PromptRecord]:
     """The ``split`` prompts of ``data``, rendered by the tokenizer's chat template and tokenised.
 
     Every record's metadata carries ``answer`` (int for arithmetic, the gold string for datasets)
-    and ``task_name`` (which environment scores it). Raises ConfigError for any bad input, naming
+    and ``task_name`` (which environment scores it), and ``prompt`` (the last user message, for learned rewards). Raises ConfigError for any bad input, naming
     the file/row and the key to change; a prompt longer than ``max_prompt_tokens`` is an error
     unless ``data.drop_long_prompts``.
     """
@@ -54,7 +59,8 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
                 f"- policy.generation.max_new_tokens = {max_prompt_tokens}. Raise policy.max_total_sequence_length, or set "
                 "data.drop_long_prompts=true to skip such prompts"
             )
-        records.append(PromptRecord(problem.id, problem.messages, ids, {"answer": problem.answer, "task_name": problem.task_name}))
+        metadata = {"answer": problem.answer, "task_name": problem.task_name, "prompt": last_user_message(problem.messages)}
+        records.append(PromptRecord(problem.id, problem.messages, ids, metadata))
     if dropped:
         print(f"data.{split}: dropped {len(dropped)} prompts longer than {max_prompt_tokens} tokens (first: {dropped[0]})")
     if not records:

@@ -10,11 +10,10 @@ environment of its own (a built-in name or ``'module:Class'``) with its own sett
           length: {class: length_penalty, weight: 1.0, free_length: 32, penalty_per_unit: 0.01}
 
 ``reward = sum_s weight_s * reward_s``. The sources live in the composite's actors (so a reward model source loads
-its model there, a judge source starts its engine from there). Per call, each source logs ``<source>/reward`` (the
-mean of its own, unweighted reward over the call's samples), ``<source>/reward_sum`` and ``<source>/num_samples``
-(sums, exact over actors), and its own counters as ``<source>/<counter>``; the run shows them as
-``env/<task>/<source>/...``. With ``num_workers > 1`` the run adds the actors' ``<source>/reward`` values up (a
-sum of per-actor means): read ``reward_sum / num_samples`` then.
+its model there, a judge source starts its engine from there). Each source counts ``<source>/reward_sum`` (its own,
+unweighted rewards) and ``<source>/num_samples``, and its own counters as ``<source>/<counter>``; the run sums the
+counters over actors and batches and logs ``env/<task>/<source>/reward`` = ``reward_sum / num_samples``, the mean per
+sample whatever the number of actors (:func:`nemo_like.experience.rollouts.env_metrics_with_means`).
 
 Accuracy and pass@k count a sample as correct when its *composed* reward is at least 1
 (:data:`~nemo_like.environments.interface.CORRECT_REWARD`): keep the other sources' contributions below the
@@ -89,8 +88,6 @@ class CompositeEnvironment(EnvironmentInterface):
     """See the module docstring."""
 
     config_model: ClassVar[type[BaseModel]] = CompositeEnvConfig
-    #: Some counters are per-call means (``<source>/reward``): a sum over several actors is not a mean.
-    reports_means: ClassVar[bool] = True
 
     @classmethod
     def actor_needs(cls, settings: dict[str, Any]) -> ActorNeeds:
@@ -117,7 +114,6 @@ class CompositeEnvironment(EnvironmentInterface):
                 raise ValueError(f"reward source '{name}' returned {len(rewards)} rewards for {len(responses)} responses")
             for i, reward in enumerate(rewards):
                 total[i] += weight * reward
-            self._add(f"{name}/reward", sum(rewards) / len(rewards) if rewards else 0.0)
             self._add(f"{name}/reward_sum", sum(rewards))
             self._add(f"{name}/num_samples", float(len(rewards)))
             for key, value in env.metrics().items():

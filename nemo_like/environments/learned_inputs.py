@@ -10,8 +10,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-#: Learned-reward models shipped under ``nemo_like/assets/`` besides the generation models (``embedded:<name>``).
-SHIPPED_REWARD_MODELS = ("tiny-reward-qwen2",)
 _ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
@@ -29,16 +27,8 @@ def prompt_of(metadata: Mapping[str, Any]) -> str | None:
 
 
 def resolve_reward_model_path(name: str) -> str:
-    """``embedded:tiny-reward-qwen2`` -> its directory under ``nemo_like/assets/``; other ``embedded:`` names, hub ids
-    and paths as the generation models resolve them (:func:`nemo_like.models.loading.resolve_model_path`)."""
-    dirname = name.removeprefix("embedded:")
-    if name.startswith("embedded:") and dirname in SHIPPED_REWARD_MODELS:
-        path = _ASSETS / dirname
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"The shipped model {name} is missing at {path}; rebuild it with: python scripts/build_tiny_reward_model.py"
-            )
-        return str(path)
+    """The local directory of model ``name``: shipped ``embedded:`` models (``embedded:tiny-reward-qwen2`` among them,
+    :data:`nemo_like.models.assets.OTHER_MODELS`), hub ids and paths, as the generation models resolve them."""
     from nemo_like.models.loading import resolve_model_path
 
     return resolve_model_path(name)
@@ -47,12 +37,6 @@ def resolve_reward_model_path(name: str) -> str:
 def check_model_name(name: str, key: str = "model_name") -> str:
     """Fail in the driver when model ``name`` cannot be loaded here (shipped name, local directory, cached hub id);
     returns it unchanged (a pydantic validator: the error is a ``ValueError`` naming ``key``)."""
-    if name.startswith("embedded:") and name.removeprefix("embedded:") in SHIPPED_REWARD_MODELS:
-        try:
-            resolve_reward_model_path(name)
-        except FileNotFoundError as exc:
-            raise ValueError(str(exc)) from None
-        return name
     from nemo_like.models.loading import check_model_source
 
     check_model_source(name, key)

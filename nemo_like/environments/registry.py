@@ -16,7 +16,6 @@ Everything here runs in the driver, before any actor starts, so a wrong path or 
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,13 +157,6 @@ def resolve_environments(env_cfg: Mapping[str, Any]) -> dict[str, EnvSpec]:
             )
         cls = import_environment_class(path, where)
         kwargs = check_constructor_kwargs(cls, section.model_extra or {}, f"env.{task}")
-        if getattr(cls, "reports_means", False) and section.num_workers > 1:
-            warnings.warn(
-                f"env.{task}: with num_workers={section.num_workers} the per-source env/{task}/<source>/reward metrics are "
-                "sums of the actors' means; read <source>/reward_sum / <source>/num_samples instead",
-                UserWarning,
-                stacklevel=2,
-            )
         root = None if path in BUILTIN_ENVIRONMENTS.values() else import_root(path.partition(":")[0])
         specs[task] = EnvSpec(task, path, section.num_workers, kwargs, root)
     return specs

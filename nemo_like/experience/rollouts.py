@@ -91,6 +91,18 @@ def task_reward_metrics(prompts: list[PromptRecord], rewards: torch.Tensor, task
     return metrics
 
 
+def env_metrics_with_means(counters: dict[str, float]) -> dict[str, float]:
+    """``counters`` plus, for every ``<key>/reward_sum`` with a ``<key>/num_samples`` beside it, ``<key>/reward``: their
+    ratio, the mean per sample (counters are sums over actors and batches, so a mean must be derived after summing)."""
+    out = dict(counters)
+    for key, total in counters.items():
+        if key.endswith("/reward_sum"):
+            count = counters.get(key[: -len("reward_sum")] + "num_samples")
+            if count:
+                out[key[: -len("_sum")]] = total / count
+    return out
+
+
 def add_counters(total: dict[str, float], counters: dict[str, Any]) -> dict[str, float]:
     """``total`` += ``counters`` key by key (in place); returns ``total``."""
     for key, value in counters.items():

@@ -29,7 +29,10 @@ def default_model_path() -> str:
 #: Prefix of model names that refer to a model shipped under ``nemo_like/assets/`` (``embedded:<dir name>``).
 EMBEDDED_PREFIX = "embedded:"
 #: Shipped models other than the default, and the command that rebuilds each.
-OTHER_MODELS = {"tiny-tool-qwen2": "python scripts/build_tiny_tool_model.py"}
+OTHER_MODELS = {
+    "tiny-tool-qwen2": "python scripts/build_tiny_tool_model.py",
+    "tiny-reward-qwen2": "python scripts/build_tiny_reward_model.py",  # a sequence-classification model (reward_model env)
+}
 
 
 def embedded_model_path(name: str) -> str:

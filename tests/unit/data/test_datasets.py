@@ -90,7 +90,8 @@ def test_each_file_format_loads_the_same_records(tmp_path, tok, fmt):
     for i, r in by_row.items():
         assert r.messages == [{"role": "user", "content": f"What is {i} plus {i + 1}?"}]
         assert r.prompt_token_ids == chat_ids(tok, r.messages)
-        assert r.metadata == {"answer": str(2 * i + 1), "task_name": "math"}  # csv's integers come back as the string
+        # csv's integers come back as the string; the prompt is the last user message (what learned rewards read)
+        assert r.metadata == {"answer": str(2 * i + 1), "task_name": "math", "prompt": f"What is {i} plus {i + 1}?"}
 
 
 def test_save_to_disk_dataset_dict_picks_the_split(tmp_path, tok):
@@ -128,10 +129,10 @@ def test_nested_answer_key_numeric_answer_and_task_column(tmp_path, tok):
     cfg = data_cfg(path, path, prompt_key="p", answer_key="rm.ground_truth", task_key="t")
     recs = sorted(build(cfg, tok), key=lambda r: r.id)
     assert [r.metadata for r in recs] == [
-        {"answer": "1", "task_name": "arith"},
-        {"answer": "2", "task_name": "arith"},
-        {"answer": "3", "task_name": "math"},
-        {"answer": "4", "task_name": "math"},
+        {"answer": "1", "task_name": "arith", "prompt": "What is 0 plus 1?"},
+        {"answer": "2", "task_name": "arith", "prompt": "What is 1 plus 1?"},
+        {"answer": "3", "task_name": "math", "prompt": "What is 2 plus 1?"},
+        {"answer": "4", "task_name": "math", "prompt": "What is 3 plus 1?"},
     ]
     cfg2 = data_cfg(path, path, prompt_key="p", answer_key="rm.ground_truth", default_task_name="algebra")
     assert {r.metadata["task_name"] for r in build(cfg2, tok)} == {"algebra"}
@@ -274,8 +275,11 @@ def test_dapo_and_math500_specs_on_local_copies(tmp_path, tok):
     )
     train = sorted(build(cfg, tok, "train"), key=lambda r: r.id)
     assert train[2].messages == [{"role": "user", "content": "What is 2 plus 1?"}]
-    assert train[2].metadata == {"answer": "3", "task_name": "math"}
-    assert build(cfg, tok, "validation")[0].metadata == {"answer": "\\frac{4}{2}", "task_name": "math"}
+    assert train[2].metadata == {"answer": "3", "task_name": "math", "prompt": "What is 2 plus 1?"}
+    assert {k: v for k, v in build(cfg, tok, "validation")[0].metadata.items() if k != "prompt"} == {
+        "answer": "\\frac{4}{2}",
+        "task_name": "math",
+    }
 
 
 def test_shipped_math_tiny_loads_by_name(tok):
