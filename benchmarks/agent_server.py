@@ -1,13 +1,15 @@
 """Rollout-server overhead: seconds per turn through HTTP (the real ``openai`` client, the real server) vs the same
 prompts through the engine directly, for sessions of 1 and 8 turns.
 
-Usage: python benchmarks/agent_server.py [--sessions 8] [--turns 1 8] [--max-tokens 12] [--repeats 3]
+Usage: python benchmarks/agent_server.py [--sessions 8] [--turns 1 8] [--max-tokens 12] [--repeats 3] [--client raw openai]
 
-Each of ``--sessions`` agents (threads) runs a session of T turns against the shipped tiny tool model (greedy, so a
+Each of ``--sessions`` agents (threads of this process, each with its own client and open connection) runs a session of T turns against the shipped tiny tool model (greedy, so a
 replay samples the same tokens): call, append the answer and a tool message, call again. The HTTP time is the wall
 time of all sessions together. The replay then sends, per turn, every session's recorded prompt ids of that turn as
 one ``engine.generate`` batch with the same settings; its time is the engine's share. Overhead = HTTP / engine - 1
-(rendering, tokenising, HTTP, JSON, batching window, recording). Medians over ``--repeats``.
+(rendering, tokenising, HTTP, JSON, recording, batches split by arrival times, and the client's own Python, which runs
+in this process too). ``raw``: plain JSON over ``httpx``; ``openai``: the ``openai`` package. Medians over
+``--repeats``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import threading
 import time
 
+import httpx
 import openai
 import torch
 
@@ -28,24 +31,50 @@ from nemo_like.serving.local_engine import LocalGeneration
 MODEL = "embedded:tiny-tool-qwen2"
 
 
-def run_sessions(server: RolloutServer, sessions: int, turns: int, max_tokens: int) -> tuple[float, list[list[list[int]]]]:
-    """Wall seconds of ``sessions`` concurrent agents of ``turns`` turns; per session, the prompt ids of each turn."""
-    prompts: list[list[list[int]]] = [[] for _ in range(sessions)]
+class RawClient:
+    """The same call as plain JSON over one kept-alive ``httpx`` connection (a client that costs ~nothing)."""
+
+    def __init__(self, server: RolloutServer) -> None:
+        self.http = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {server.api_key}"})
+
+    def chat(self, messages: list, max_tokens: int) -> tuple[list[int], str]:
+        body = {"model": "policy", "messages": messages, "temperature": 0, "max_tokens": max_tokens, "return_token_ids": True}
+        reply = self.http.post("/chat/completions", json=body).json()
+        return reply["prompt_token_ids"], reply["choices"][0]["message"]["content"] or ""
+
+
+class OpenAIClient:
+    """The call through the ``openai`` package (what agents use; its own Python costs a few ms per call)."""
+
+    def __init__(self, server: RolloutServer) -> None:
+        self.client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
+
+    def chat(self, messages: list, max_tokens: int) -> tuple[list[int], str]:
+        reply = self.client.chat.completions.create(
+            model="policy", messages=messages, temperature=0, max_tokens=max_tokens, extra_body={"return_token_ids": True}
+        )
+        return reply.prompt_token_ids, reply.choices[0].message.content or ""
+
+
+def run_sessions(clients: list, turns: int, max_tokens: int) -> tuple[float, list[list[list[int]]]]:
+    """Wall seconds of one concurrent agent per client, ``turns`` turns each (clients, threads and connections are
+    ready before the clock starts); per session, the prompt ids of each turn."""
+    prompts: list[list[list[int]]] = [[] for _ in clients]
+    ready = threading.Barrier(len(clients) + 1)
 
     def agent(i: int) -> None:
-        client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
         messages = [{"role": "user", "content": f"What is {120 + i} times {13 + i}?"}]
+        ready.wait()
         for _ in range(turns):
-            reply = client.chat.completions.create(
-                model="policy", messages=messages, temperature=0, max_tokens=max_tokens, extra_body={"return_token_ids": True}
-            )
-            prompts[i].append(reply.prompt_token_ids)
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""}, {"role": "tool", "content": "42"}]
+            prompt_ids, content = clients[i].chat(messages, max_tokens)
+            prompts[i].append(prompt_ids)
+            messages += [{"role": "assistant", "content": content}, {"role": "tool", "content": "42"}]
 
-    threads = [threading.Thread(target=agent, args=(i,)) for i in range(sessions)]
-    start = time.perf_counter()
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(len(clients))]
     for t in threads:
         t.start()
+    ready.wait()
+    start = time.perf_counter()
     for t in threads:
         t.join()
     return time.perf_counter() - start, prompts
@@ -67,24 +96,26 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--client", choices=["raw", "openai"], nargs="+", default=["raw", "openai"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(MODEL)
     engine = LocalGeneration.load(MODEL, tokenizer.pad_token_id, [tokenizer.eos_token_id])
     with RolloutServer(engine, tokenizer, ServerConfig(auto_create_sessions=True)) as server:
-        run_sessions(server, 2, 1, args.max_tokens)  # warm-up
-        for turns in args.turns:
-            http, direct = [], []
+        for kind, turns in [(k, t) for k in args.client for t in args.turns]:
+            clients = [(RawClient if kind == "raw" else OpenAIClient)(server) for _ in range(args.sessions)]
+            run_sessions(clients, 1, args.max_tokens)  # warm-up: every client opens its connection
+            http, direct, engine_calls = [], [], server.queue.stats.engine_calls
             for _ in range(args.repeats):
-                seconds, prompts = run_sessions(server, args.sessions, turns, args.max_tokens)
+                seconds, prompts = run_sessions(clients, turns, args.max_tokens)
                 http.append(seconds)
                 direct.append(replay(engine, prompts, args.max_tokens))
             h, d = statistics.median(http), statistics.median(direct)
             calls = args.sessions * turns
             print(
-                f"{turns} turn(s), {args.sessions} sessions: HTTP {1000 * h / turns:.1f} ms/turn, engine {1000 * d / turns:.1f} ms/turn, "
+                f"{kind:6s} client, {turns} turn(s), {args.sessions} sessions: HTTP {1000 * h / turns:.1f} ms/turn, engine {1000 * d / turns:.1f} ms/turn, "
                 f"{1000 * h / calls:.2f} ms/call; overhead {100 * (h / d - 1):+.0f}% "
-                f"(engine calls {server.queue.stats.engine_calls}, prompts {server.queue.stats.prompts})"
+                f"(server engine calls per turn {(server.queue.stats.engine_calls - engine_calls) / (turns * args.repeats):.1f}, replay 1)"
             )
 
 

@@ -80,16 +80,23 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"The server failed on this request: {type(exc).__name__}: {exc}", "server_error"), 500)
 
 
-def _install_auth(app: FastAPI, api_key: str) -> None:
-    expected = f"Bearer {api_key}".encode()
+class RequireKey:
+    """ASGI middleware: answer 401 unless ``Authorization: Bearer <key>`` matches (constant-time), before any route
+    or body parsing runs (a plain ASGI layer: no per-request task as in Starlette's ``BaseHTTPMiddleware``)."""
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            error = unauthorized()
-            return JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = unauthorized()
+                response = JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(service: CompletionService, api_key: str) -> FastAPI:
@@ -98,7 +105,7 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
         raise ValueError("the rollout server needs a non-empty API key")
     app = FastAPI(title="nemo_like rollout server", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
-    _install_auth(app, api_key)
+    app.add_middleware(RequireKey, api_key=api_key)
     created = int(time.time())
     sessions = service.sessions
 

@@ -44,7 +44,7 @@ class ServerConfig:
     require_session: bool = False
     auto_create_sessions: bool = True
     max_batch: int = 64
-    batch_window_s: float = 0.002
+    batch_window_s: float = 0.0
     seed: int = 0
 
 
@@ -100,7 +100,7 @@ class RolloutServer:
     def start(self, timeout_s: float = 30.0) -> RolloutServer:
         """Bind (a free port for ``port`` 0), serve on a daemon thread, and return once it accepts connections."""
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # proto set: asyncio then sets TCP_NODELAY
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.config.host, self.config.port))
         self.port = sock.getsockname()[1]
