@@ -3,6 +3,16 @@ every call is recorded token for token in a session that ends as training rows (
 
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.sessions import SessionStore
-from nemo_like.serving.trajectory import CallRecord, SessionRows, TrainingRow, session_rows
+from nemo_like.serving.trajectory import CallRecord, RowBatch, SessionRows, TrainingRow, rows_for_training, session_rows
 
-__all__ = ["CallRecord", "RolloutServer", "ServerConfig", "SessionRows", "SessionStore", "TrainingRow", "session_rows"]
+__all__ = [
+    "CallRecord",
+    "RolloutServer",
+    "RowBatch",
+    "ServerConfig",
+    "SessionRows",
+    "SessionStore",
+    "TrainingRow",
+    "rows_for_training",
+    "session_rows",
+]

@@ -214,3 +214,26 @@ def session_rows(session_id: str, calls: Sequence[CallRecord], reward: float, vo
     if problems:
         return SessionRows(session_id, reward, [], len(calls), rejected="; ".join(problems))
     return SessionRows(session_id, reward, rows, len(calls))
+
+
+@dataclass
+class RowBatch:
+    """Ended sessions flattened for the trainer: one sample per row, each row's reward (its session's) and the index
+    of its session in ``sessions``. Rejected sessions contribute no row. Compute advantages per session (a branched
+    session must not weigh more in its group's baseline) and give every row its session's: ``session_of_row``."""
+
+    samples: list[GeneratedSample]
+    rewards: list[float]
+    session_of_row: list[int]
+    sessions: list[SessionRows]
+
+
+def rows_for_training(results: Sequence[SessionRows]) -> RowBatch:
+    """The rows of ``results`` as :class:`GeneratedSample` s (``data.collate.collate_samples`` makes the batch)."""
+    batch = RowBatch([], [], [], list(results))
+    for index, result in enumerate(results):
+        for row in result.rows:
+            batch.samples.append(row.to_generated_sample())
+            batch.rewards.append(row.reward)
+            batch.session_of_row.append(index)
+    return batch

@@ -31,7 +31,7 @@ TOOLS = [
         "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}},
     }
 ]
-PROBLEMS = [f"What is {100 + 7 * i} times {11 + i}?" for i in range(16)]
+PROBLEMS = [f"What is {100 + 7 * i} times {11 + i}?" for i in range(64)]
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ def _non_loopback_address() -> str | None:
     return None if address.startswith("127.") or address == "0.0.0.0" else address
 
 
-def test_sixteen_concurrent_sessions_keep_their_own_calls(server):
+def test_sixty_four_concurrent_sessions_keep_their_own_calls(server):
     results: dict[str, list] = {}
     errors: list[BaseException] = []
 
@@ -199,13 +199,16 @@ def test_sixteen_concurrent_sessions_keep_their_own_calls(server):
         except BaseException as exc:  # reported below with the others
             errors.append(exc)
 
-    threads = [threading.Thread(target=agent, args=(i,)) for i in range(16)]
+    before = (server.queue.stats.engine_calls, server.queue.stats.prompts)
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(64)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
-    assert errors == [] and len(results) == 16
-    for i in range(16):
+    assert errors == [] and len(results) == 64
+    engine_calls, prompts = server.queue.stats.engine_calls - before[0], server.queue.stats.prompts - before[1]
+    assert prompts == 128 and engine_calls < prompts  # concurrent calls shared engine batches
+    for i in range(64):
         first, second = results[f"concurrent-{i}"]
         assert first.session_id == second.session_id == f"concurrent-{i}"
         (row,) = server.sessions.end(f"concurrent-{i}", reward=float(i)).rows
@@ -270,6 +273,13 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
         assert code is None or code in (error["code"], error["param"]), (body, error)
     unknown = httpx.post(f"{server.base_url}/sessions/never-opened/end", headers=headers, content=b"{}")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
+    server.sessions.auto_create = False  # a training run's server: only the sessions it opened
+    try:
+        with pytest.raises(openai.NotFoundError) as stranger:
+            chat(client(server, "stranger"), [{"role": "user", "content": "q"}], max_tokens=4)
+        assert stranger.value.code == "session_not_found"
+    finally:
+        server.sessions.auto_create = True
     with pytest.raises(openai.BadRequestError) as too_many:
         chat(client(server), [{"role": "user", "content": "q"}], n=99)
     assert too_many.value.status_code == 400 and too_many.value.param == "n"

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from nemo_like.data.collate import collate_samples
-from nemo_like.serving.trajectory import CallRecord, build_rows, record_problems, session_rows, unsampled_positions
+from nemo_like.serving.trajectory import CallRecord, build_rows, record_problems, rows_for_training, session_rows, unsampled_positions
 
 
 def call(prompt: list[int], completion: list[int], index: int, version: int = 0, choice: int = 0) -> CallRecord:
@@ -82,3 +82,13 @@ def test_inconsistent_records_reject_the_session(bad, problem):
 
 def test_a_session_without_calls_is_rejected():
     assert session_rows("s", [], 1.0).rejected == "the session made no calls"
+
+
+def test_rows_for_training_keep_each_rows_session():
+    branched = session_rows("b", [call([1, 2], [10, 2], 0), call([1, 9, 10, 2, 5], [11, 2], 1)], reward=0.5)
+    single = session_rows("s", [call([3], [12, 2], 0)], reward=1.0)
+    rejected = session_rows("r", [], reward=1.0)
+    batch = rows_for_training([branched, rejected, single])
+    assert batch.session_of_row == [0, 0, 2] and batch.rewards == [0.5, 0.5, 1.0]
+    assert [s.response_mask for s in batch.samples] == [[1, 1], [1, 1], [1, 1]]
+    assert batch.samples[1].prompt_ids == [1, 9, 10, 2, 5]
