@@ -38,6 +38,8 @@ def check_run_inputs(cfg: MasterConfig) -> None:
     check_model_source(cfg.policy.model_name, "policy.model_name")
     if cfg.policy.tokenizer_name and cfg.policy.tokenizer_name != cfg.policy.model_name:
         check_model_source(cfg.policy.tokenizer_name, "policy.tokenizer_name")
+    if cfg.teacher.model_name is not None:
+        check_model_source(cfg.teacher.model_name, "teacher.model_name")
     for key, directory in run_directories(cfg).items():
         ensure_writable_dir(directory, key)
 

@@ -25,6 +25,7 @@ import torch
 
 from nemo_like.algorithms.advantages import advantage_metrics, compute_advantages, reward_group_metrics
 from nemo_like.algorithms.checkpointing import checkpoint_manager, load_checkpoint_file, restore_run, save_run
+from nemo_like.algorithms.distillation import apply_distillation
 from nemo_like.algorithms.dynamic_sampling import (
     DynamicSamplingAccumulator,
     apply_overlong_reward_shaping,
@@ -223,10 +224,11 @@ def attach_precomputed_reference(batch: dict[str, torch.Tensor], rollout: Rollou
 
 @dataclass
 class LogprobPasses:
-    """The prev and reference logprob passes in flight on their actors (``None``: not run this step)."""
+    """The prev, reference and teacher logprob passes in flight on their actors (``None``: not run this step)."""
 
     prev: Any
     reference: Any
+    teacher: Any = None
 
 
 def start_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor]) -> LogprobPasses:
@@ -235,7 +237,8 @@ def start_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor]) 
     prev = parts.policy.get_logprobs_async(batch) if parts.plan.logprobs.compute_prev else None
     need_reference = parts.plan.logprobs.compute_reference and "reference_policy_logprobs" not in batch
     reference = parts.reference.get_logprobs_async(batch) if need_reference else None
-    return LogprobPasses(prev, reference)
+    teacher = parts.teacher.get_logprobs_async(batch) if parts.plan.logprobs.compute_teacher else None
+    return LogprobPasses(prev, reference, teacher)
 
 
 def gather_logprob_passes(parts: GRPOComponents, passes: LogprobPasses, batch: dict[str, torch.Tensor], timer: StepTimer) -> bool:
@@ -249,6 +252,9 @@ def gather_logprob_passes(parts: GRPOComponents, passes: LogprobPasses, batch: d
     if passes.reference is not None:
         batch["reference_policy_logprobs"] = parts.reference.gather_logprobs(passes.reference, "reference logprobs")
         timer.add("reference_logprobs", time.perf_counter() - start)
+    if passes.teacher is not None:
+        batch["teacher_logprobs"] = parts.teacher.gather_logprobs(passes.teacher, "teacher logprobs")
+        timer.add("teacher_logprobs", time.perf_counter() - start)
     return passes.reference is not None
 
 
@@ -267,12 +273,15 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     # Asked only when this step ran the pass: in async runs the collector may be using the reference actor right now
     # (the async step reports the collector's count instead).
     reference_passes = parts.reference.take_logprob_passes() if ran_reference else 0
+    if "teacher_logprobs" in batch:
+        adv_metrics.update(apply_distillation(cfg, batch))
     adv_metrics.update(apply_driver_masks(cfg, batch, rollout.rewards))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
     if cfg.logger.dump_train_data:
         dump_train_samples(parts, step, rollout, batch, result.first_step_logprobs)
     metrics: dict[str, Any] = {f"train/{k}": v for k, v in result.metrics.items()}
+    metrics.update({k: adv_metrics.pop(k) for k in [k for k in adv_metrics if k.startswith("distillation/")]})
     batch_tokens = float(batch["attention_mask"].sum())
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
     metrics.update(

@@ -6,6 +6,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 
+from nemo_like.algorithms.distillation import check_teacher_tokenizer, teacher_config
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus
@@ -37,10 +38,11 @@ class GRPOComponents:
     train_loader: PromptDataLoader
     val_prompts: list[PromptRecord]
     plan: RunPlan  # every run-level decision, made once in setup_grpo
+    teacher: Policy | None = None  # on-policy distillation's teacher (teacher.model_name)
 
     def shutdown(self) -> None:
         """Kill every actor of the run (the Ray cluster itself stays up)."""
-        for part in (self.generation, self.policy, self.reference, self.environments):
+        for part in (self.generation, self.policy, self.reference, self.teacher, self.environments):
             if part is not None:
                 part.shutdown()
 
@@ -93,13 +95,14 @@ def load_validation_prompts(cfg: MasterConfig, tokenizer) -> list[PromptRecord]:
     return build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)[: cfg.grpo.max_val_samples]
 
 
-def _driver_tokenizer(cfg: MasterConfig):
-    """The run's tokenizer; an id that cannot be loaded (offline, typo) is a ConfigError naming the key."""
+def _driver_tokenizer(cfg: MasterConfig, section: str = "policy"):
+    """The run's tokenizer (``section="teacher"``: ``cfg`` is :func:`teacher_config`'s); an id that cannot be loaded
+    (offline, typo) is a ConfigError naming the key."""
     name = cfg.policy.tokenizer_name or cfg.policy.model_name
     try:
         return load_tokenizer(name)
     except OSError as exc:
-        key = "policy.tokenizer_name" if cfg.policy.tokenizer_name else "policy.model_name"
+        key = f"{section}.tokenizer_name" if cfg.policy.tokenizer_name else f"{section}.model_name"
         raise ConfigError(
             f"cannot load the tokenizer of {key}={name!r} ({str(exc).splitlines()[0]}); on an offline machine "
             "point policy.model_name at a local model directory"
@@ -145,6 +148,9 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
+    if cfg.teacher.model_name is not None:  # a teacher with another tokenizer fails here, before any actor starts
+        tcfg = teacher_config(cfg)
+        check_teacher_tokenizer(tokenizer, cfg.policy.model_name, _driver_tokenizer(tcfg, "teacher"), cfg.teacher.model_name)
     if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
         check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
     if joins_existing_cluster(cfg.cluster):  # the plan's thread split needs the joined cluster's node CPUs
@@ -161,8 +167,9 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
         reference = Policy(cfg, "reference", trainable=False, plan=plan)
     elif plan.logprobs.reference_from_policy:
         reference = AdapterDisabledReference(policy)
+    teacher = Policy(teacher_config(cfg), "teacher", trainable=False, plan=plan) if plan.logprobs.compute_teacher else None
     plan = plan.with_forward(policy.forward_description)
     report_lora(cfg, policy, plan)
     generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, plan)
     environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
-    return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan)
+    return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan, teacher)

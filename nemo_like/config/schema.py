@@ -26,6 +26,7 @@ from nemo_like.config.sections.data import (  # noqa: F401  (re-exported)
     EnvSectionConfig,
     normalize_env_sections,
 )
+from nemo_like.config.sections.distillation import DistillationConfig, TeacherConfig  # noqa: F401  (re-exported)
 from nemo_like.config.sections.grpo import (  # noqa: F401  (re-exported)
     AdvEstimatorConfig,
     AsyncGRPOConfig,
@@ -82,6 +83,8 @@ __all__ = [
     "ClusterConfig",
     "EvalConfig",
     "MasterConfig",
+    "TeacherConfig",
+    "DistillationConfig",
     "ClippedPGLossConfig",
     "RolloutRejectionConfig",
     "Float",
@@ -108,6 +111,8 @@ class MasterConfig(BaseModel):
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="On-policy distillation's teacher model.")
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
 
     @field_validator("env", mode="before")
     @classmethod
@@ -155,6 +160,13 @@ class MasterConfig(BaseModel):
             self._check_multi_turn()
         if self.grpo.async_grpo.enabled:
             self._check_async()
+        if self.teacher.model_name is None and self.distillation.task_advantage_weight == 0:
+            raise ValueError(
+                "distillation.task_advantage_weight=0 leaves no training signal without a teacher: set teacher.model_name "
+                "(distil from it) or give the task reward a weight"
+            )
+        if self.teacher.model_name is not None and self.distillation.advantage_weight == 0 and self.distillation.task_advantage_weight == 0:
+            raise ValueError("distillation.advantage_weight=0 and distillation.task_advantage_weight=0: every advantage would be 0")
         if self.loss_fn.aggregation == "seq-mean-token-sum-norm" and self.loss_fn.loss_aggregation_normalizer is None:
             # Dr. GRPO's constant: the maximum response length.
             self.loss_fn.loss_aggregation_normalizer = float(self.policy.generation.max_new_tokens)
@@ -171,6 +183,14 @@ class MasterConfig(BaseModel):
                 "policy.dtensor_cfg.cpu_offload has no effect with one policy worker (policy.dp_size=1, tensor_parallel_size=1: "
                 "nothing is sharded, so FSDP2's CPU offload never runs)"
             )
+        if self.teacher.model_name is None:
+            changed = [k for k in ("advantage_weight", "task_advantage_weight") if getattr(self.distillation, k) != 1.0]
+            changed += [f"teacher.{k}" for k in ("tokenizer_name", "precision") if getattr(self.teacher, k) is not None]
+            for key in changed:
+                name = key if key.startswith("teacher.") else f"distillation.{key}"
+                lines.append(f"{name} has no effect with teacher.model_name=null (no teacher)")
+        elif self.distillation.advantage_weight == 0:
+            lines.append("teacher.model_name is set but distillation.advantage_weight=0: the teacher is loaded and its signal unused")
         if not self.grpo.overlap_scoring and (blocker := self.scoring_overlap_blocker()):
             lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")
         return lines

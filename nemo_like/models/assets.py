@@ -32,6 +32,7 @@ EMBEDDED_PREFIX = "embedded:"
 OTHER_MODELS = {
     "tiny-tool-qwen2": "python scripts/build_tiny_tool_model.py",
     "tiny-reward-qwen2": "python scripts/build_tiny_reward_model.py",  # a sequence-classification model (reward_model env)
+    "tiny-arith-teacher": "python scripts/build_tiny_teacher.py",  # the tiny model after the default recipe's 100 steps
 }
 
 

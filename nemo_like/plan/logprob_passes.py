@@ -4,7 +4,10 @@
   logprobs before the update, so it is skipped (``grpo.skip_prev_logprobs: auto``) and the loss uses
   ``curr_logprobs.detach()``; ``loss_fn.force_on_policy_ratio`` always skips it.
 * reference logprobs: needed only for a non-zero ``loss_fn.reference_policy_kl_penalty``; at 0 the
-  reference model is not even loaded. With LoRA (``policy.lora_cfg.enabled``) the reference is the
+  reference model is not even loaded.
+* teacher logprobs: with ``teacher.model_name`` set (on-policy distillation); the distillation advantage compares
+  them with the prev logprobs, which are then computed (the same forward as the teacher's, so a teacher equal to the
+  student gives exactly 0). With LoRA (``policy.lora_cfg.enabled``) the reference is the
   policy's own base model with its adapters disabled: no reference actors are started.
 """
 
@@ -21,6 +24,7 @@ class LogprobPlan:
     compute_reference: bool
     reasons: list[str] = field(default_factory=list)
     reference_from_policy: bool = False  # LoRA: the policy's base model (adapters disabled) is the reference
+    compute_teacher: bool = False  # teacher.model_name: the teacher scores the sampled tokens
 
     @property
     def load_reference_model(self) -> bool:
@@ -39,6 +43,8 @@ def prev_logprob_consumers(cfg: MasterConfig) -> list[str]:
         consumers.append("grpo.seq_logprob_error_threshold")
     if cfg.grpo.rollout_rejection.enabled:
         consumers.append("grpo.rollout_rejection")
+    if cfg.teacher.model_name is not None and cfg.distillation.advantage_weight > 0:
+        consumers.append("the distillation advantage (teacher.model_name)")
     return consumers
 
 
@@ -77,4 +83,7 @@ def decide_logprob_passes(cfg: MasterConfig) -> LogprobPlan:
             if compute_reference
             else "reference model not loaded: loss_fn.reference_policy_kl_penalty == 0"
         )
-    return LogprobPlan(compute_prev, compute_reference, reasons, from_policy)
+    compute_teacher = cfg.teacher.model_name is not None
+    if compute_teacher:
+        reasons.append(f"teacher logprobs computed: teacher.model_name={cfg.teacher.model_name} (on-policy distillation)")
+    return LogprobPlan(compute_prev, compute_reference, reasons, from_policy, compute_teacher)

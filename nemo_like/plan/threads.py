@@ -48,6 +48,7 @@ class ThreadSplit:
     cpus: int
     async_mode: bool
     explicit: tuple[str, ...]  # roles whose count the user set
+    teacher: int = 0  # threads per teacher rank (0: no teacher)
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -55,7 +56,8 @@ class ThreadSplit:
         def part(role: str, threads: int) -> str:
             return f"{role} {threads} ({'explicit' if role in self.explicit else 'auto'})"
 
-        roles = ", ".join(part(r, getattr(self, r)) for r in ("policy", "reference", "generation"))
+        names = ("policy", "reference", "generation", "teacher") if self.teacher else ("policy", "reference", "generation")
+        roles = ", ".join(part(r, getattr(self, r)) for r in names)
         mode = "async: generation and training share the cores" if self.async_mode else "sync: each phase may use every core"
         return f"threads per worker on {self.cpus} CPUs per node ({mode}): {roles}"
 
@@ -70,12 +72,14 @@ class PhaseActors:
     generation: int
     prev_pass: bool = False
     reference_beside_training: bool = False  # async: the collector's reference pass may overlap any trainer phase
+    teacher: int = 0  # teacher ranks (on-policy distillation): they run in the trainer's logprob phase
 
     def trainer_phases(self) -> list[dict[str, int]]:
         """Actors per role in each trainer phase (logprobs, training), roles that do not run left out."""
+        teacher = (("teacher", self.teacher),)
         if self.reference_beside_training:  # the trainer's phases are the policy's (prev pass, training)
-            return [{role: n for role, n in (("policy", self.policy), ("reference", self.reference)) if n}]
-        logprobs = {role: n for role, n in (("policy", self.policy if self.prev_pass else 0), ("reference", self.reference)) if n}
+            return [{role: n for role, n in (("policy", self.policy), ("reference", self.reference), *teacher) if n}]
+        logprobs = {role: n for role, n in (("policy", self.policy if self.prev_pass else 0), ("reference", self.reference), *teacher) if n}
         return [p for p in (logprobs, {"policy": self.policy}) if p]
 
 
@@ -103,7 +107,7 @@ def split_threads(
         return max(1, cpus_left // concurrent) if concurrent else max(1, cpus_left)
 
     auto: dict[str, int] = {}
-    for role in ("policy", "reference"):
+    for role in ("policy", "reference", "teacher"):
         own = _busiest(phases, role)
         if not async_mode:
             auto[role] = share(cpus, own)
@@ -117,14 +121,24 @@ def split_threads(
         auto["generation"] = share(cpus - _busiest(phases) * policy_threads, g)
     else:
         auto["generation"] = share(cpus, g + _busiest(phases))
-    explicit = tuple(r for r, v in (("policy", policy_threads), ("reference", policy_threads), ("generation", generation_threads)) if v)
+    explicit = tuple(
+        r
+        for r, v in (
+            ("policy", policy_threads),
+            ("reference", policy_threads),
+            ("generation", generation_threads),
+            ("teacher", policy_threads),
+        )
+        if v
+    )
     return ThreadSplit(
         policy=policy_threads or auto["policy"],
         reference=policy_threads or auto["reference"],
         generation=generation_threads or auto["generation"],
         cpus=cpus,
         async_mode=async_mode,
-        explicit=explicit,
+        explicit=explicit if actors.teacher else tuple(r for r in explicit if r != "teacher"),
+        teacher=(policy_threads or auto["teacher"]) if actors.teacher else 0,
     )
 
 
@@ -170,6 +184,7 @@ def phase_actors(cfg: Any, logprobs: LogprobPlan) -> PhaseActors:
         generation=per_node(1, nodes),
         prev_pass=logprobs.compute_prev,
         reference_beside_training=cfg.grpo.async_grpo.enabled and logprobs.load_reference_model,
+        teacher=per_node(ranks, nodes) if logprobs.compute_teacher else 0,
     )
 
 

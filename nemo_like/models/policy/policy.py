@@ -65,16 +65,18 @@ def split_rows(batch: Batch, num_shards: int) -> list[Batch]:
     return [slice_batch(batch, i * step, (i + 1) * step) for i in range(num_shards)]
 
 
-def policy_resources(cfg: MasterConfig, trainable: bool, split: ThreadSplit) -> RoleResources:
-    """The policy or the reference: ``policy.dp_size x tensor_parallel_size`` workers each (the reference is
-    sharded like the policy), CPUs each, threads each as the run plan's ``split`` says, one GPU each on GPU clusters."""
+def policy_resources(cfg: MasterConfig, trainable: bool, split: ThreadSplit, name: str = "policy") -> RoleResources:
+    """The policy, the reference or the teacher (``name="teacher"``, frozen): ``policy.dp_size x tensor_parallel_size``
+    workers each (frozen models are sharded like the policy), CPUs each, threads each as the run plan's ``split`` says,
+    one GPU each on GPU clusters."""
     pc = cfg.policy
+    role = "policy" if trainable else ("teacher" if name == "teacher" else "reference")
     resources = WorkerResources(
         num_cpus=pc.num_cpus_per_worker,
         num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0,
-        num_threads=split.policy if trainable else split.reference,
+        num_threads={"policy": split.policy, "reference": split.reference, "teacher": split.teacher}[role],
     )
-    return RoleResources("policy" if trainable else "reference", pc.dp_size * pc.dtensor_cfg.tensor_parallel_size, resources)
+    return RoleResources(role, pc.dp_size * pc.dtensor_cfg.tensor_parallel_size, resources)
 
 
 def alive_node_count() -> int:
@@ -121,7 +123,7 @@ class Policy:
             from nemo_like.distributed.planning import plan_on_cluster
 
             plan = plan_on_cluster(cfg)
-        role = policy_resources(cfg, trainable, plan.threads)
+        role = policy_resources(cfg, trainable, plan.threads, name)
         num_workers = role.count
         init = dict(spec=PolicyWorkerSpec.from_config(cfg, trainable, loss_fn, role.resources.num_threads))
         self.group = RayWorkerGroup(

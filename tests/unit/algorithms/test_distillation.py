@@ -1,0 +1,108 @@
+"""The distillation advantage against hand-computed values, its config rules, the plan and the tokenizer check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_like.algorithms.distillation import apply_distillation, check_teacher_tokenizer, teacher_config
+from nemo_like.config import DEFAULT_RECIPE, load_config
+from nemo_like.config.errors import ConfigError
+from nemo_like.models.assets import default_model_path, embedded_model_path
+from nemo_like.models.loading import load_tokenizer
+from nemo_like.plan.run_plan import decide_run_plan
+
+TEACHER = "teacher.model_name=embedded:tiny-arith-teacher"
+
+
+def recipe(*overrides: str):
+    return load_config(DEFAULT_RECIPE, list(overrides), warn=False)
+
+
+def fixed_batch() -> dict[str, torch.Tensor]:
+    # Two samples, four positions: the prompt (position 0) and padding are masked out; sample 1 is masked as a whole.
+    token_mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.float32)
+    return {
+        "token_mask": token_mask,
+        "sample_mask": torch.tensor([1.0, 0.0]),
+        "advantages": torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, -1.0, -1.0, -1.0]]) * token_mask,
+        "prev_logprobs": torch.tensor([[0.0, -1.0, -2.0, -9.0], [0.0, -0.5, -0.5, -0.5]]),
+        "teacher_logprobs": torch.tensor([[0.0, -0.25, -3.0, -1.0], [0.0, -1.5, -0.5, -2.5]]),
+    }
+
+
+def test_the_advantage_is_the_weighted_task_advantage_plus_the_teacher_gap_on_sampled_tokens() -> None:
+    batch = fixed_batch()
+    metrics = apply_distillation(recipe(TEACHER, "distillation.advantage_weight=2", "distillation.task_advantage_weight=0.5"), batch)
+    # Sample 0, token 1: 0.5 * 0.5 + 2 * (-0.25 - -1) = 1.75; token 2: 0.25 + 2 * (-3 - -2) = -1.75; masked: 0.
+    expected = torch.tensor([[0.0, 1.75, -1.75, 0.0], [0.0, -0.5, -0.5, -0.5]])
+    torch.testing.assert_close(batch["advantages"], expected, rtol=0, atol=0)
+    # Over sample 0's two sampled tokens: log pi_S - log pi_T = (-1 + 0.25, -2 + 3) -> mean 0.125.
+    assert metrics["distillation/teacher_kl"] == pytest.approx(0.125)
+    assert metrics["distillation/teacher_logprob_mean"] == pytest.approx(-1.625)
+    assert metrics["distillation/student_logprob_mean"] == pytest.approx(-1.5)
+    assert metrics["distillation/advantage_mean"] == pytest.approx(-0.25)
+
+
+def test_a_teacher_equal_to_the_student_adds_exactly_nothing() -> None:
+    batch = fixed_batch()
+    batch["teacher_logprobs"] = batch["prev_logprobs"].clone()
+    task = batch["advantages"].clone()
+    metrics = apply_distillation(recipe(TEACHER), batch)
+    assert torch.equal(batch["advantages"], task) and metrics["distillation/teacher_kl"] == 0.0
+
+
+def test_the_k1_estimate_matches_the_exact_reverse_kl_over_the_full_vocabulary() -> None:
+    # One position, a 6-token vocabulary: sampling many tokens from pi_S and averaging log pi_S - log pi_T (what
+    # distillation/teacher_kl reports) converges to sum_v pi_S(v) (log pi_S(v) - log pi_T(v)).
+    gen = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(6, generator=gen).log_softmax(-1), torch.randn(6, generator=gen).log_softmax(-1)
+    exact = float((student.exp() * (student - teacher)).sum())
+    tokens = torch.multinomial(student.exp(), 200_000, replacement=True, generator=gen)
+    n = tokens.numel()
+    batch = {
+        "token_mask": torch.ones(1, n),
+        "advantages": torch.zeros(1, n),
+        "prev_logprobs": student[tokens].unsqueeze(0),
+        "teacher_logprobs": teacher[tokens].unsqueeze(0),
+    }
+    assert apply_distillation(recipe(TEACHER), batch)["distillation/teacher_kl"] == pytest.approx(exact, abs=5e-3)
+
+
+def test_task_weight_zero_without_a_teacher_is_an_error_and_unused_options_warn() -> None:
+    with pytest.raises(ValueError, match="distillation.task_advantage_weight=0 leaves no training signal without a teacher"):
+        recipe("distillation.task_advantage_weight=0")
+    assert (
+        "distillation.advantage_weight has no effect with teacher.model_name=null (no teacher)"
+        in recipe("distillation.advantage_weight=2").no_effect_warnings()
+    )
+    assert any("its signal unused" in line for line in recipe(TEACHER, "distillation.advantage_weight=0").no_effect_warnings())
+
+
+def test_the_plan_runs_the_prev_and_teacher_passes_and_reserves_teacher_ranks() -> None:
+    from nemo_like.algorithms.roles import role_requests
+
+    cfg = recipe(TEACHER, "loss_fn.reference_policy_kl_penalty=0")
+    plan = decide_run_plan(cfg, (), 2)
+    assert plan.logprobs.compute_teacher and plan.logprobs.compute_prev
+    assert any("needed by the distillation advantage" in r for r in plan.logprobs.reasons)
+    assert plan.threads.teacher == 1 and "teacher 1 (auto)" in plan.threads.describe()
+    assert [r.role for r in role_requests(cfg, plan)].count("teacher") == 1
+    assert decide_run_plan(recipe(), (), 2).threads.teacher == 0  # no teacher: the split and its line are unchanged
+    assert "teacher" not in decide_run_plan(recipe(), (), 2).threads.describe()
+
+
+def test_the_teacher_runs_with_its_own_model_and_the_students_other_settings() -> None:
+    cfg = recipe(TEACHER, "teacher.precision=bfloat16", "policy.lora_cfg.enabled=true")
+    t = teacher_config(cfg)
+    assert t.policy.model_name == "embedded:tiny-arith-teacher" and t.policy.precision == "bfloat16"
+    assert not t.policy.lora_cfg.enabled and t.policy.dp_size == cfg.policy.dp_size
+    assert cfg.policy.model_name != t.policy.model_name  # the student's config is untouched
+
+
+def test_a_teacher_with_another_tokenizer_is_an_error_naming_both() -> None:
+    student = load_tokenizer(default_model_path())
+    check_teacher_tokenizer(student, "embedded:tiny-arith-qwen2", load_tokenizer(embedded_model_path("embedded:tiny-arith-teacher")), "t")
+    other = load_tokenizer(embedded_model_path("embedded:tiny-tool-qwen2"))
+    with pytest.raises(ConfigError, match="teacher.model_name='embedded:tiny-tool-qwen2' has a tokenizer .* cross-tokenizer"):
+        check_teacher_tokenizer(student, "embedded:tiny-arith-qwen2", other, "embedded:tiny-tool-qwen2")
