@@ -56,6 +56,17 @@ def check_teacher_tokenizer(student_tokenizer: Any, student_name: str, teacher_t
         )
 
 
+def start_teacher_pass(teacher: Any, batch: dict[str, torch.Tensor]) -> Any:
+    """Start the teacher's pass over ``batch`` on its workers (a frozen :class:`~nemo_like.models.policy.policy.Policy`
+    of the teacher's model); :func:`gather_teacher_pass` waits for it."""
+    return teacher.get_logprobs_async(batch)
+
+
+def gather_teacher_pass(teacher: Any, pending: Any) -> dict[str, torch.Tensor]:
+    """The batch entries the teacher's pass adds: ``teacher_logprobs`` ([B, S], the teacher's logprob of each token)."""
+    return {"teacher_logprobs": teacher.gather_logprobs(pending, "teacher logprobs")}
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float((values * mask).sum() / mask.sum().clamp(min=1))
 

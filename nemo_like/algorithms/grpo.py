@@ -25,7 +25,7 @@ import torch
 
 from nemo_like.algorithms.advantages import advantage_metrics, compute_advantages, reward_group_metrics
 from nemo_like.algorithms.checkpointing import checkpoint_manager, load_checkpoint_file, restore_run, save_run
-from nemo_like.algorithms.distillation import apply_distillation
+from nemo_like.algorithms.distillation import apply_distillation, gather_teacher_pass, start_teacher_pass
 from nemo_like.algorithms.dynamic_sampling import (
     DynamicSamplingAccumulator,
     apply_overlong_reward_shaping,
@@ -237,7 +237,7 @@ def start_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor]) 
     prev = parts.policy.get_logprobs_async(batch) if parts.plan.logprobs.compute_prev else None
     need_reference = parts.plan.logprobs.compute_reference and "reference_policy_logprobs" not in batch
     reference = parts.reference.get_logprobs_async(batch) if need_reference else None
-    teacher = parts.teacher.get_logprobs_async(batch) if parts.plan.logprobs.compute_teacher else None
+    teacher = start_teacher_pass(parts.teacher, batch) if parts.plan.logprobs.compute_teacher else None
     return LogprobPasses(prev, reference, teacher)
 
 
@@ -253,7 +253,7 @@ def gather_logprob_passes(parts: GRPOComponents, passes: LogprobPasses, batch: d
         batch["reference_policy_logprobs"] = parts.reference.gather_logprobs(passes.reference, "reference logprobs")
         timer.add("reference_logprobs", time.perf_counter() - start)
     if passes.teacher is not None:
-        batch["teacher_logprobs"] = parts.teacher.gather_logprobs(passes.teacher, "teacher logprobs")
+        batch.update(gather_teacher_pass(parts.teacher, passes.teacher))
         timer.add("teacher_logprobs", time.perf_counter() - start)
     return passes.reference is not None
 
@@ -273,7 +273,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     # Asked only when this step ran the pass: in async runs the collector may be using the reference actor right now
     # (the async step reports the collector's count instead).
     reference_passes = parts.reference.take_logprob_passes() if ran_reference else 0
-    if "teacher_logprobs" in batch:
+    if passes.teacher is not None:
         adv_metrics.update(apply_distillation(cfg, batch))
     adv_metrics.update(apply_driver_masks(cfg, batch, rollout.rewards))
     with timer.phase("policy_training"):
