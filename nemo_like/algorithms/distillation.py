@@ -26,22 +26,54 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 
 
-def teacher_config(cfg: MasterConfig) -> MasterConfig:
-    """The run config whose ``policy`` section describes the teacher's workers: its model, tokenizer and precision, no
-    LoRA; everything else (sharding, batching, temperature: it scores under the student's sampling distribution) as
-    the student's."""
+def teacher_config(cfg: MasterConfig, model_name: str | None = None) -> MasterConfig:
+    """The run config whose ``policy`` section describes a teacher's workers (``model_name``, default
+    ``teacher.model_name``): its model, tokenizer and precision, no LoRA; everything else (sharding, batching,
+    temperature: it scores under the student's sampling distribution) as the student's."""
     t = cfg.teacher
-    if t.model_name is None:
-        raise ValueError("teacher_config needs teacher.model_name")
+    name = model_name or t.model_name
+    if name is None:
+        raise ValueError("teacher_config needs teacher.model_name or a model of teacher.by_task")
     policy = cfg.policy.model_copy(
         update={
-            "model_name": t.model_name,
-            "tokenizer_name": t.tokenizer_name,
+            "model_name": name,
+            "tokenizer_name": t.tokenizer_name if name == t.model_name else None,
             "precision": t.precision or cfg.policy.precision,
             "lora_cfg": cfg.policy.lora_cfg.model_copy(update={"enabled": False}),
         }
     )
     return cfg.model_copy(update={"policy": policy})
+
+
+class Teachers:
+    """The run's teacher models, each a frozen :class:`~nemo_like.models.policy.policy.Policy` of its own workers, and
+    which one scores each sample (by its prompt's task: ``teacher.by_task``, else ``teacher.model_name``)."""
+
+    def __init__(self, cfg: MasterConfig, plan: Any) -> None:
+        from nemo_like.models.policy.policy import Policy
+
+        self.cfg = cfg
+        self.models: dict[str, Any] = {}
+        try:
+            for i, name in enumerate(cfg.teacher.models()):
+                self.models[name] = Policy(teacher_config(cfg, name), "teacher" if i == 0 else f"teacher{i}", trainable=False, plan=plan)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def rows_by_model(self, tasks: list[str]) -> dict[str, list[int]]:
+        """The batch rows each teacher scores (rows whose task has no teacher are in none)."""
+        rows: dict[str, list[int]] = {}
+        for row, task in enumerate(tasks):
+            model = self.cfg.teacher.model_for(task)
+            if model is not None:
+                rows.setdefault(model, []).append(row)
+        return rows
+
+    def shutdown(self) -> None:
+        """Release every teacher's workers."""
+        for policy in self.models.values():
+            policy.shutdown()
 
 
 def check_teacher_tokenizer(student_tokenizer: Any, student_name: str, teacher_tokenizer: Any, teacher_name: str) -> None:
@@ -56,15 +88,30 @@ def check_teacher_tokenizer(student_tokenizer: Any, student_name: str, teacher_t
         )
 
 
-def start_teacher_pass(teacher: Any, batch: dict[str, torch.Tensor]) -> Any:
-    """Start the teacher's pass over ``batch`` on its workers (a frozen :class:`~nemo_like.models.policy.policy.Policy`
-    of the teacher's model); :func:`gather_teacher_pass` waits for it."""
-    return teacher.get_logprobs_async(batch)
+def start_teacher_pass(teachers: Teachers, batch: dict[str, torch.Tensor], tasks: list[str]) -> Any:
+    """Start each teacher's pass over the rows it scores (``tasks``: each row's task), concurrently on their workers;
+    :func:`gather_teacher_pass` waits for them."""
+    from nemo_like.models.policy.batching import take_rows
+
+    pending = []
+    for model, rows in teachers.rows_by_model(tasks).items():
+        part = batch if len(rows) == len(tasks) else take_rows(batch, rows)
+        pending.append((model, rows, teachers.models[model].get_logprobs_async(part)))
+    return batch["input_ids"].shape, pending
 
 
-def gather_teacher_pass(teacher: Any, pending: Any) -> dict[str, torch.Tensor]:
-    """The batch entries the teacher's pass adds: ``teacher_logprobs`` ([B, S], the teacher's logprob of each token)."""
-    return {"teacher_logprobs": teacher.gather_logprobs(pending, "teacher logprobs")}
+def gather_teacher_pass(teachers: Teachers, started: Any) -> dict[str, torch.Tensor]:
+    """The batch entries the teachers' passes add: ``teacher_logprobs`` ([B, S], each token's logprob under its row's
+    teacher; 0 where none) and ``teacher_mask`` ([B], 1 for rows a teacher scored)."""
+    shape, pending = started
+    logprobs = torch.zeros(shape, dtype=torch.float32)
+    mask = torch.zeros(shape[0], dtype=torch.float32)
+    for model, rows, refs in pending:
+        scored = teachers.models[model].gather_logprobs(refs, f"teacher logprobs ({model})")
+        index = torch.tensor(rows)
+        logprobs[index, : scored.shape[1]] = scored  # a subset of rows comes back without its trailing padding
+        mask[index] = 1.0
+    return {"teacher_logprobs": logprobs, "teacher_mask": mask}
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -74,10 +121,12 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 def apply_distillation(cfg: MasterConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """Add the teacher's per-token signal to ``batch["advantages"]`` (in place, see the module docstring) and return
     the ``distillation/*`` metrics. ``batch`` holds ``teacher_logprobs`` and ``prev_logprobs`` ([B, S], aligned with
-    ``input_ids``) and ``token_mask`` (1 on sampled tokens)."""
+    ``input_ids``), ``token_mask`` (1 on sampled tokens) and optionally ``teacher_mask`` ([B], 0 for rows without a
+    teacher: their advantage keeps only the weighted task term)."""
     mask = batch["token_mask"].float()
-    if "sample_mask" in batch:
-        mask = mask * batch["sample_mask"].float().unsqueeze(-1)
+    for rows in ("sample_mask", "teacher_mask"):  # rows masked out, rows no teacher scored (teacher.by_task)
+        if rows in batch:
+            mask = mask * batch[rows].float().unsqueeze(-1)
     teacher, student = batch["teacher_logprobs"], batch["prev_logprobs"]
     gap = (teacher - student) * mask
     d = cfg.distillation

@@ -231,13 +231,14 @@ class LogprobPasses:
     teacher: Any = None
 
 
-def start_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor]) -> LogprobPasses:
+def start_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], rollout: Rollout) -> LogprobPasses:
     """Start the planned prev and reference passes, concurrently on their own actors (the reference pass not when
     the batch already carries its result)."""
     prev = parts.policy.get_logprobs_async(batch) if parts.plan.logprobs.compute_prev else None
     need_reference = parts.plan.logprobs.compute_reference and "reference_policy_logprobs" not in batch
     reference = parts.reference.get_logprobs_async(batch) if need_reference else None
-    teacher = start_teacher_pass(parts.teacher, batch) if parts.plan.logprobs.compute_teacher else None
+    tasks = [p.metadata.get("task_name", "") for p in rollout.prompts]
+    teacher = start_teacher_pass(parts.teacher, batch, tasks) if parts.plan.logprobs.compute_teacher else None
     return LogprobPasses(prev, reference, teacher)
 
 
@@ -264,7 +265,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     cfg = parts.cfg
     batch = collate_samples(rollout.samples, parts.tokenizer.pad_token_id)
     attach_precomputed_reference(batch, rollout)
-    passes = start_logprob_passes(parts, batch)
+    passes = start_logprob_passes(parts, batch, rollout)
     if rollout.pending_scores is not None:
         timer.add("reward", rollout.finish_scoring())  # the wait not hidden behind the passes
         rollout.rewards = shaped_rewards(cfg, rollout.rewards, rollout.response_lengths)

@@ -25,8 +25,8 @@ def role_requests(cfg: MasterConfig, plan: RunPlan) -> list[RoleResources]:
     roles = [policy_resources(cfg, True, plan.threads)]
     if plan.logprobs.load_reference_model:
         roles.append(policy_resources(cfg, False, plan.threads))
-    if plan.logprobs.compute_teacher:
-        roles.append(policy_resources(cfg, False, plan.threads, "teacher"))
+    if plan.logprobs.compute_teacher:  # one group of frozen workers per teacher model
+        roles.extend(policy_resources(cfg, False, plan.threads, "teacher") for _ in cfg.teacher.models())
     roles.append(generation_resources(cfg, plan))
     roles.extend(environment_resources(cfg))
     if cfg.grpo.async_grpo.enabled:

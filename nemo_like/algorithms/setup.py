@@ -6,7 +6,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 
-from nemo_like.algorithms.distillation import check_teacher_tokenizer, teacher_config
+from nemo_like.algorithms.distillation import Teachers, check_teacher_tokenizer, teacher_config
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus
@@ -38,7 +38,7 @@ class GRPOComponents:
     train_loader: PromptDataLoader
     val_prompts: list[PromptRecord]
     plan: RunPlan  # every run-level decision, made once in setup_grpo
-    teacher: Policy | None = None  # on-policy distillation's teacher (teacher.model_name)
+    teacher: Teachers | None = None  # on-policy distillation's teachers (teacher.model_name, teacher.by_task)
 
     def shutdown(self) -> None:
         """Kill every actor of the run (the Ray cluster itself stays up)."""
@@ -148,9 +148,8 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
-    if cfg.teacher.model_name is not None:  # a teacher with another tokenizer fails here, before any actor starts
-        tcfg = teacher_config(cfg)
-        check_teacher_tokenizer(tokenizer, cfg.policy.model_name, _driver_tokenizer(tcfg, "teacher"), cfg.teacher.model_name)
+    for name in cfg.teacher.models():  # a teacher with another tokenizer fails here, before any actor starts
+        check_teacher_tokenizer(tokenizer, cfg.policy.model_name, _driver_tokenizer(teacher_config(cfg, name), "teacher"), name)
     if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
         check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
     if joins_existing_cluster(cfg.cluster):  # the plan's thread split needs the joined cluster's node CPUs
@@ -167,7 +166,7 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
         reference = Policy(cfg, "reference", trainable=False, plan=plan)
     elif plan.logprobs.reference_from_policy:
         reference = AdapterDisabledReference(policy)
-    teacher = Policy(teacher_config(cfg), "teacher", trainable=False, plan=plan) if plan.logprobs.compute_teacher else None
+    teacher = Teachers(cfg, plan) if plan.logprobs.compute_teacher else None
     plan = plan.with_forward(policy.forward_description)
     report_lora(cfg, policy, plan)
     generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, plan)

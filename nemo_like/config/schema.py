@@ -160,12 +160,12 @@ class MasterConfig(BaseModel):
             self._check_multi_turn()
         if self.grpo.async_grpo.enabled:
             self._check_async()
-        if self.teacher.model_name is None and self.distillation.task_advantage_weight == 0:
+        if not self.teacher.enabled and self.distillation.task_advantage_weight == 0:
             raise ValueError(
                 "distillation.task_advantage_weight=0 leaves no training signal without a teacher: set teacher.model_name "
                 "(distil from it) or give the task reward a weight"
             )
-        if self.teacher.model_name is not None and self.distillation.advantage_weight == 0 and self.distillation.task_advantage_weight == 0:
+        if self.teacher.enabled and self.distillation.advantage_weight == 0 and self.distillation.task_advantage_weight == 0:
             raise ValueError("distillation.advantage_weight=0 and distillation.task_advantage_weight=0: every advantage would be 0")
         if self.loss_fn.aggregation == "seq-mean-token-sum-norm" and self.loss_fn.loss_aggregation_normalizer is None:
             # Dr. GRPO's constant: the maximum response length.
@@ -183,7 +183,7 @@ class MasterConfig(BaseModel):
                 "policy.dtensor_cfg.cpu_offload has no effect with one policy worker (policy.dp_size=1, tensor_parallel_size=1: "
                 "nothing is sharded, so FSDP2's CPU offload never runs)"
             )
-        if self.teacher.model_name is None:
+        if not self.teacher.enabled:
             changed = [k for k in ("advantage_weight", "task_advantage_weight") if getattr(self.distillation, k) != 1.0]
             changed += [f"teacher.{k}" for k in ("tokenizer_name", "precision") if getattr(self.teacher, k) is not None]
             for key in changed:

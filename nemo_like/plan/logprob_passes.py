@@ -43,7 +43,7 @@ def prev_logprob_consumers(cfg: MasterConfig) -> list[str]:
         consumers.append("grpo.seq_logprob_error_threshold")
     if cfg.grpo.rollout_rejection.enabled:
         consumers.append("grpo.rollout_rejection")
-    if cfg.teacher.model_name is not None and cfg.distillation.advantage_weight > 0:
+    if cfg.teacher.enabled and cfg.distillation.advantage_weight > 0:
         consumers.append("the distillation advantage (teacher.model_name)")
     return consumers
 
@@ -83,7 +83,8 @@ def decide_logprob_passes(cfg: MasterConfig) -> LogprobPlan:
             if compute_reference
             else "reference model not loaded: loss_fn.reference_policy_kl_penalty == 0"
         )
-    compute_teacher = cfg.teacher.model_name is not None
+    compute_teacher = cfg.teacher.enabled
     if compute_teacher:
-        reasons.append(f"teacher logprobs computed: teacher.model_name={cfg.teacher.model_name} (on-policy distillation)")
+        models = ", ".join(cfg.teacher.models())
+        reasons.append(f"teacher logprobs computed by {models} (on-policy distillation: teacher.model_name, teacher.by_task)")
     return LogprobPlan(compute_prev, compute_reference, reasons, from_policy, compute_teacher)

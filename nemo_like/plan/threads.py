@@ -184,7 +184,7 @@ def phase_actors(cfg: Any, logprobs: LogprobPlan) -> PhaseActors:
         generation=per_node(1, nodes),
         prev_pass=logprobs.compute_prev,
         reference_beside_training=cfg.grpo.async_grpo.enabled and logprobs.load_reference_model,
-        teacher=per_node(ranks, nodes) if logprobs.compute_teacher else 0,
+        teacher=per_node(ranks * len(cfg.teacher.models()), nodes) if logprobs.compute_teacher else 0,
     )
 
 

@@ -135,6 +135,7 @@ def mixed_task_files(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_zero_kl_penalty_loads_no_reference_model_and_a_two_task_run_routes_each_sample(ray_cluster, tmp_path):
+    # Folded in: a teacher for one task only (teacher.by_task): its pass scores the math rows alone.
     train_file, val_file = mixed_task_files(tmp_path)
     data = (
         "data.dataset_name=null",
@@ -145,7 +146,8 @@ def test_zero_kl_penalty_loads_no_reference_model_and_a_two_task_run_routes_each
         "data.task_key=task",
         "+env.math.num_workers=1",
     )
-    history = train(tiny_config(tmp_path, "grpo.max_num_steps=1", "loss_fn.reference_policy_kl_penalty=0", *data))
+    teacher = ("+teacher.by_task.math=embedded:tiny-arith-teacher",)
+    history = train(tiny_config(tmp_path, "grpo.max_num_steps=1", "loss_fn.reference_policy_kl_penalty=0", *data, *teacher))
     last = history[-1]
     assert last["performance/forward_passes/reference_logprobs"] == 0
     assert last["timing/train/reference_logprobs"] == 0
@@ -155,6 +157,8 @@ def test_zero_kl_penalty_loads_no_reference_model_and_a_two_task_run_routes_each
     val = history[0]
     assert val["validation/env/arithmetic/num_samples"] + val["validation/env/math/num_samples"] == val["validation/num_samples"]
     assert last["env/math/timeouts"] == 0
+    # The teacher scored only the math rows: its signal is a finite, negative-logprob average over them.
+    assert last["distillation/teacher_logprob_mean"] < 0 and last["timing/train/teacher_logprobs"] > 0
 
 
 def test_the_default_cpu_backend_samples_in_the_policy_worker_on_policy_and_never_refits(ray_cluster, tmp_path):

@@ -8,7 +8,7 @@ log pi_S(x_t))`` (stop-gradient: the per-token reverse-KL signal), added to the 
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from nemo_like.config.sections.base import Section
 from nemo_like.config.types import Float
@@ -22,6 +22,31 @@ class TeacherConfig(Section):
     )
     tokenizer_name: str | None = Field(None, description="The teacher's tokenizer; defaults to teacher.model_name.")
     precision: str | None = Field(None, description="The teacher's precision (float32 or bfloat16); null: policy.precision.")
+    by_task: dict[str, str | None] = Field(
+        default_factory=dict,
+        description="Several teachers: task name -> teacher model for that task's samples (null: no teacher for it); tasks "
+        "not listed take teacher.model_name (null there: no teacher signal). Every teacher shares the student's tokenizer.",
+    )
+
+    @model_validator(mode="after")
+    def _by_task_names(self) -> TeacherConfig:
+        if self.by_task and self.tokenizer_name is not None:
+            raise ValueError("teacher.tokenizer_name applies to teacher.model_name only; with teacher.by_task each teacher uses its own")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any sample has a teacher."""
+        return self.model_name is not None or any(m is not None for m in self.by_task.values())
+
+    def models(self) -> list[str]:
+        """Every distinct teacher model, in a fixed order (teacher.model_name first)."""
+        names = [self.model_name, *self.by_task.values()]
+        return list(dict.fromkeys(n for n in names if n is not None))
+
+    def model_for(self, task: str) -> str | None:
+        """The teacher of ``task``'s samples (``None``: none)."""
+        return self.by_task[task] if task in self.by_task else self.model_name
 
 
 class DistillationConfig(Section):

@@ -44,6 +44,30 @@ def test_the_advantage_is_the_weighted_task_advantage_plus_the_teacher_gap_on_sa
     assert metrics["distillation/advantage_mean"] == pytest.approx(-0.25)
 
 
+def test_rows_without_a_teacher_keep_only_the_weighted_task_advantage() -> None:
+    batch = fixed_batch()
+    batch["sample_mask"] = torch.tensor([1.0, 1.0])
+    batch["teacher_mask"] = torch.tensor([0.0, 1.0])  # teacher.by_task: no teacher for sample 0's task
+    apply_distillation(recipe(TEACHER, "distillation.task_advantage_weight=0.5"), batch)
+    # Sample 0: 0.5 * task; sample 1: 0.5 * task + (teacher - student) on its three sampled tokens.
+    expected = torch.tensor([[0.0, 0.25, 0.25, 0.0], [0.0, -0.5 - 1.0, -0.5 + 0.0, -0.5 - 2.0]])
+    torch.testing.assert_close(batch["advantages"], expected, rtol=0, atol=0)
+
+
+def test_teachers_by_task_route_each_task_and_each_model_gets_its_own_workers() -> None:
+    from nemo_like.algorithms.roles import role_requests
+
+    cfg = recipe("+teacher.by_task.math=embedded:tiny-arith-teacher", "+teacher.by_task.arithmetic=embedded:tiny-arith-qwen2")
+    assert cfg.teacher.enabled and cfg.teacher.models() == ["embedded:tiny-arith-teacher", "embedded:tiny-arith-qwen2"]
+    assert cfg.teacher.model_for("math") == "embedded:tiny-arith-teacher" and cfg.teacher.model_for("other") is None
+    plan = decide_run_plan(cfg, (), 2)
+    assert plan.actors.teacher == 2 and [r.role for r in role_requests(cfg, plan)].count("teacher") == 2
+    with pytest.raises(ValueError, match="teacher.tokenizer_name applies to teacher.model_name only"):
+        recipe("+teacher.by_task.math=x", "teacher.tokenizer_name=y")
+    with pytest.raises(ValueError, match="leaves no training signal"):
+        recipe("+teacher.by_task.math=null", "distillation.task_advantage_weight=0")
+
+
 def test_a_teacher_equal_to_the_student_adds_exactly_nothing() -> None:
     batch = fixed_batch()
     batch["teacher_logprobs"] = batch["prev_logprobs"].clone()
