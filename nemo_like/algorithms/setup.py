@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from nemo_like.algorithms.distillation import Teachers, check_teacher_tokenizer, teacher_config
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
@@ -17,6 +18,7 @@ from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
 from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments
 from nemo_like.environments.worker import Environments
+from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
 from nemo_like.models.engines import build_generation
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.loading import load_tokenizer, resolve_model_path
@@ -39,9 +41,12 @@ class GRPOComponents:
     val_prompts: list[PromptRecord]
     plan: RunPlan  # every run-level decision, made once in setup_grpo
     teacher: Teachers | None = None  # on-policy distillation's teachers (teacher.model_name, teacher.by_task)
+    agents: Any = None  # agent tasks: the rollout server and the sessions' driver side (experience/agent_rollouts.py)
 
     def shutdown(self) -> None:
-        """Kill every actor of the run (the Ray cluster itself stays up)."""
+        """Stop the rollout server, kill every actor of the run (the Ray cluster itself stays up)."""
+        if self.agents is not None:
+            self.agents.server.stop()
         for part in (self.generation, self.policy, self.reference, self.teacher, self.environments):
             if part is not None:
                 part.shutdown()
@@ -158,6 +163,7 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     # fails here, before any actor starts).
     plan = plan_on_cluster(cfg, eos_ids_of(tokenizer))
     ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts
+    agent_settings = load_agents(env_specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
     mode = init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
     policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn), plan=plan)
@@ -171,4 +177,8 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     report_lora(cfg, policy, plan)
     generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, plan)
     environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
-    return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan, teacher)
+    agents = None
+    if plan.agent_tasks:  # the rollout server on the driver, sampling with the run's engine (docs/guides/agents.md)
+        agents = start_agent_rollouts(cfg, tokenizer, generation, eos_token_ids(tokenizer), agent_settings)
+        environments.handles = AgentHandles(environments.handles.workers, agents)
+    return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan, teacher, agents)

@@ -58,6 +58,7 @@ ENVIRONMENTS.add_path("reward_model", "nemo_like.environments.reward_model:Rewar
 ENVIRONMENTS.add_path("judge", "nemo_like.environments.judge:JudgeEnvironment")
 ENVIRONMENTS.add_path("composite", "nemo_like.environments.composite:CompositeEnvironment")
 ENVIRONMENTS.add_path("length_penalty", "nemo_like.environments.length_penalty:LengthPenaltyEnvironment")
+ENVIRONMENTS.add_path("agent", "nemo_like.environments.agent:AgentEnvironment")
 #: Built-in environments: name -> import path (the import path is what :class:`EnvSpec` carries to the actors).
 BUILTIN_ENVIRONMENTS: dict[str, str] = {name: ENVIRONMENTS.path_of(name) or "" for name in ENVIRONMENTS}
 #: The metadata key naming a sample's task (the ``env`` section that scores it).

@@ -29,6 +29,7 @@ class Rollout:
     env_metrics: dict[str, float] = field(default_factory=dict)  # environments' counters, env/<task>/<name>, summed
     reference_logprobs: torch.Tensor | None = None  # [B, S] of the collated samples, when computed ahead (async)
     pending_scores: PendingScores | None = None  # scoring requested, not yet gathered (``rewards`` are NaN until then)
+    session_of_row: torch.Tensor | None = None  # [B] agent tasks: each row's session (a branched session has several rows)
 
     def finish_scoring(self) -> float:
         """Gather the pending scores into ``rewards`` and ``env_metrics``; returns the seconds waited (0 if none were pending)."""
@@ -149,7 +150,12 @@ def collect_rollout(
     With ``multi_turn`` settings each sample runs the turn loop of :mod:`nemo_like.experience.multi_turn`
     (its reward: the sum of its environment steps' rewards; ``reward`` timing: the environment steps).
     ``defer_scoring`` (single-turn): return once the scores are requested; the caller gathers them with
-    :meth:`Rollout.finish_scoring` (and times that wait itself)."""
+    :meth:`Rollout.finish_scoring` (and times that wait itself).
+    Agent tasks (``envs.agents``, :mod:`nemo_like.experience.agent_rollouts`): each sample is a session of the user's
+    agent against the run's rollout server, and the sessions' rows are the samples."""
+    agents = getattr(envs, "agents", None)
+    if agents is not None and agents.serves(prompts, envs.tasks):
+        return agents.collect(envs, prompts, num_generations, seed, timings)
     if multi_turn is not None:
         return collect_multi_turn_rollout(generation, envs, tokenizer, prompts, num_generations, params, seed, timings, multi_turn)
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ thread split        every actor's thread count; the oversubscription    :func:`.
                     warning
 multi-turn          the rollout loops (sync, async collector, eval)     :func:`.multi_turn.multi_turn_settings`
 scoring overlap     the sync step (score while logprob passes run)      ``MasterConfig.scoring_overlap_blocker``
+agent tasks         setup (start the rollout server), the rollouts      :func:`agent_tasks`
 policy forward      (decided by the policy worker from the loaded       ``PolicyWorker._choose_forward``
                     model; recorded here with :meth:`RunPlan.with_forward`)
 ==================  ==================================================  =====================================
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nemo_like.config.errors import ConfigError
 from nemo_like.plan.backend import resolve_backend
 from nemo_like.plan.logprob_passes import LogprobPlan, decide_logprob_passes
 from nemo_like.plan.multi_turn import MultiTurnSettings, multi_turn_settings
@@ -52,6 +54,7 @@ class RunPlan:
     overlap_scoring: bool  # the sync step scores while the logprob passes run
     oversubscription: str | None = None  # a warning when explicit thread counts oversubscribe a node
     forward: str | None = None  # the policy's logprob and training forward, as its workers chose it
+    agent_tasks: tuple[str, ...] = ()  # env sections with class 'agent': rolled out by the user's agent over HTTP
 
     def with_forward(self, description: str) -> RunPlan:
         """This plan with the policy's forward recorded (the workers choose it from the loaded model)."""
@@ -74,6 +77,8 @@ class RunPlan:
             out.append(f"policy logprob and training forward: {self.forward}")
         if self.oversubscription:
             out.append(self.oversubscription)
+        if self.agent_tasks:
+            out.append(f"agent tasks {list(self.agent_tasks)}: rolled out by their agents through a rollout server on 127.0.0.1")
         return out
 
 
@@ -96,7 +101,28 @@ def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int
         multi_turn=multi_turn_settings(cfg, eos_token_ids),
         overlap_scoring=bool(cfg.grpo.overlap_scoring) and cfg.scoring_overlap_blocker() is None,
         oversubscription=oversubscription_warning(cfg, threads, actors),
+        agent_tasks=agent_tasks(cfg),
     )
+
+
+def agent_tasks(cfg: Any) -> tuple[str, ...]:
+    """The tasks whose environment is ``class: agent``. An agent run is sync only, and every task must be an agent
+    task (a batch is rolled out one way). Raises :class:`ConfigError` naming the keys otherwise."""
+    sections = dict(getattr(cfg, "env", None) or {})
+    tasks = tuple(task for task, section in sections.items() if getattr(section, "env_class", None) == "agent")
+    if not tasks:
+        return ()
+    if cfg.grpo.async_grpo.enabled:
+        raise ConfigError(
+            f"grpo.async_grpo.enabled=true: env.{tasks[0]} is an agent task (class: agent), which runs in sync runs only; "
+            "set grpo.async_grpo.enabled=false"
+        )
+    others = sorted(set(sections) - set(tasks))
+    if others:
+        raise ConfigError(
+            f"env.{others[0]}: a run with agent tasks ({', '.join(tasks)}) cannot also have other tasks; expected only class: agent sections"
+        )
+    return tasks
 
 
 def eos_ids_of(tokenizer: Any) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from nemo_like.serving.continuation import message_key
 from nemo_like.serving.errors import ServingError, bad_request
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from nemo_like.serving.rendering import Renderer
-from nemo_like.serving.sessions import Session, SessionStore
+from nemo_like.serving.sessions import Session, SessionStore, check_budget, session_call_seed
 from nemo_like.serving.tool_parsers import ParsedTurn, ToolParser
 from nemo_like.serving.trajectory import CallRecord
 
@@ -144,7 +144,10 @@ class CompletionService:
         self, req: SamplingFields, text: str, ids: list[int], requested: int | None, session: Session | None, call_index: int
     ) -> SampledCall:
         params = req.sampling_params(self._max_tokens(len(ids), requested))
-        samples: list[GeneratedSample] = await asyncio.wrap_future(self.queue.submit([ids] * req.n, params, req.seed))
+        if session is not None:
+            check_budget(session)
+        seed = req.seed if req.seed is not None or session is None else session_call_seed(session, call_index)
+        samples: list[GeneratedSample] = await asyncio.wrap_future(self.queue.submit([ids] * req.n, params, seed))
         call = SampledCall(prompt_ids=list(ids), session_id=session.session_id if session else None)
         records, texts = [], []
         for i, sample in enumerate(samples):

@@ -16,8 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_like.serving.continuation import Continuations
-from nemo_like.serving.errors import session_ended, session_not_found
+from nemo_like.serving.errors import bad_request, session_ended, session_not_found
 from nemo_like.serving.trajectory import CallRecord, SessionRows, session_rows
+from nemo_like.utils.seeds import agent_call_seed
+
+#: Session metadata the run sets when it opens a session: every call's sampling seed derives from ``SEED_KEY``
+#: (:func:`~nemo_like.utils.seeds.agent_call_seed`); once the session sampled ``BUDGET_KEY`` tokens, calls are refused.
+SEED_KEY = "seed"
+BUDGET_KEY = "token_budget"
 
 
 @dataclass
@@ -30,6 +36,31 @@ class Session:
     continuations: Continuations = field(default_factory=Continuations)
     num_http_calls: int = 0
     ended: bool = False
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens sampled in this session so far (every call, every choice)."""
+        return sum(len(c.completion_ids) for c in self.calls)
+
+
+def session_call_seed(session: Session, call_index: int) -> int | None:
+    """The seed of call ``call_index`` of a session opened with a seed (``SEED_KEY``); ``None`` without one."""
+    base = session.metadata.get(SEED_KEY)
+    return None if base is None else agent_call_seed(int(base), call_index)
+
+
+def check_budget(session: Session) -> None:
+    """Refuse a call once the session has sampled its token budget (``BUDGET_KEY``), if it has one.
+
+    Raises:
+        ServingError: 400 ``session_budget_exceeded``."""
+    budget = session.metadata.get(BUDGET_KEY)
+    if budget is not None and session.sampled_tokens >= int(budget):
+        raise bad_request(
+            f"This session has sampled {session.sampled_tokens} tokens, its budget is {int(budget)}.",
+            param="max_tokens",
+            code="session_budget_exceeded",
+        )
 
 
 @dataclass

@@ -45,3 +45,17 @@ def worker_seed(seed: int, rank: int) -> int:
 def chunk_seed(seed: int, offset: int) -> int:
     """The seed of the chunk (or request) that starts at prompt ``offset`` of a worker's batch sampled with ``seed``."""
     return seed + offset
+
+
+def agent_session_seed(seed: int, sample: int) -> int:
+    """The seed of the agent session that rolls out sample ``sample`` (its index in the batch) of a batch sampled with
+    ``seed``: every call of the session derives its own from it (:func:`agent_call_seed`)."""
+    digest = hashlib.sha256(f"agent/{seed}/{sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def agent_call_seed(session_seed: int, call: int) -> int:
+    """The sampling seed of call ``call`` (0, 1, ... in arrival order) of the session seeded ``session_seed``: a
+    deterministic agent then makes the same calls, sampled the same, on a rerun whatever the other sessions do."""
+    digest = hashlib.sha256(f"agent-call/{session_seed}/{call}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF

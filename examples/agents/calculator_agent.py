@@ -1,0 +1,56 @@
+"""A calculator agent written with the ``openai`` client: the agent of ``examples/configs/grpo_agent_tiny_cpu.yaml``.
+
+The loop: ask the model; if it called a tool, run it (our calculator, ``nemo_like/environments/tools``) and send the
+result back as a ``tool`` message; ask again; stop when the model answers without a tool call or after ``MAX_CALLS``
+calls. It returns the conversation; the task's verifier (``env.tool.verifier: tool``) scores the final answer.
+
+The run calls ``solve(base_url, api_key, session_id, prompt, metadata)`` once per sample; the session id goes in the
+``X-Session-Id`` header (the server records every call of the session token for token). The same function runs
+against ``nemo-like serve`` (any session id, e.g. ``"debug"``) or any other OpenAI-compatible endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from openai import OpenAI
+
+from nemo_like.environments.tools.registry import ToolRegistry
+
+MAX_CALLS = 2  # the tiny tool model's episode: call the calculator, then answer
+MAX_TOKENS = 16  # per call, as the multi-turn recipe (policy.generation.max_new_tokens)
+TOOLS = ToolRegistry.from_config(["calculator"])
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
+
+
+def run_tool(call: Any) -> str:
+    """One tool call of the model's turn -> the text of the ``tool`` message (an error is an observation too)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as exc:
+        return f"error: {exc}"
+    result = TOOLS.call(call.function.name, arguments if isinstance(arguments, dict) else {})
+    return result.text if result.ok else f"error: {result.text}"
+
+
+def solve(base_url: str, api_key: str, session_id: str, prompt: list[dict[str, str]], metadata: dict[str, Any]) -> list[dict[str, Any]]:
+    """Roll out one episode; returns the messages (the last assistant message holds the answer)."""
+    client = OpenAI(base_url=base_url, api_key=api_key, default_headers={"X-Session-Id": session_id}, max_retries=0)
+    messages: list[dict[str, Any]] = list(prompt)
+    for _ in range(MAX_CALLS):
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_SCHEMA], max_tokens=MAX_TOKENS)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call)})
+    return messages

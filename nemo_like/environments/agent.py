@@ -1,0 +1,126 @@
+"""``env.<task>: {class: agent, agent: "my_pkg.agents:solve", ...}``: the task is rolled out by the user's own agent.
+
+The run (``nemo_like/experience/agent_rollouts.py``) calls the agent function once per sample, on the driver, with
+``(base_url, api_key, session_id, prompt, metadata)``: an OpenAI-compatible server sampling from the model being
+trained (``nemo_like/serving/``), the session the calls must name, the prompt's chat messages and its metadata. The
+function (sync or ``async``) returns either a reward (a number) or the messages of its episode (a list of OpenAI-style
+messages, or the final answer as a string), which the task's ``verifier`` scores. This class holds the settings and
+the function, and, in its environment actor, scores returned messages with the verifier
+(``docs/guides/agents.md``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.environments.interface import EnvironmentInterface
+from nemo_like.environments.registry import ENVIRONMENTS, check_constructor_kwargs
+from nemo_like.utils.imports import import_object
+
+#: Failure kinds counted as ``agent/failures/<kind>``.
+FAILURE_KINDS = ("error", "deadline", "budget", "bad_return", "rejected")
+
+
+class AgentConfig(BaseModel):
+    """The ``env.<task>`` section of an agent task (besides ``class`` and ``num_workers``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent: str = Field(description="The agent function, 'package.module:function' or 'path/to/file.py:function'.")
+    verifier: str | None = Field(
+        None, description="Environment scoring returned messages: a built-in name ('tool', 'arithmetic', 'math', ...) or 'module:Class'."
+    )
+    verifier_kwargs: dict[str, Any] = Field(default_factory=dict, description="The verifier's own settings.")
+    max_concurrency: int = Field(16, ge=1, description="Sessions running at once.")
+    deadline_s: float = Field(60.0, gt=0, description="Seconds a session may run; past it the session fails ('deadline').")
+    max_tokens_per_session: int = Field(1024, ge=1, description="Sampled tokens a session may use; over it the session fails ('budget').")
+    failure_reward: float = Field(0.0, description="Reward of a failed session's rows.")
+    seeded_calls: bool = Field(
+        True, description="Sample every call with its own seed (utils/seeds.py agent_call_seed): reproducible, but calls are not batched."
+    )
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """An agent task's settings and its function, as the driver runs them."""
+
+    task: str
+    config: AgentConfig
+    function: Callable[..., Any]
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.function)
+
+
+def load_agent_settings(task: str, kwargs: dict[str, Any]) -> AgentSettings:
+    """Validate ``env.<task>``'s settings and import its agent function (and check its verifier) in the driver.
+
+    Raises:
+        ConfigError: naming ``env.<task>.agent`` or ``env.<task>.verifier`` and what was expected."""
+    config = AgentConfig.model_validate(kwargs)
+    where = f"env.{task}.agent"
+    try:
+        function = import_object(config.agent)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"{where}: cannot import {config.agent!r} ({exc}); expected 'package.module:function'") from None
+    if not callable(function):
+        raise ConfigError(f"{where}: {config.agent!r} is a {type(function).__name__}, not a function")
+    params = inspect.signature(function).parameters
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 5 and not any(p.kind is p.VAR_POSITIONAL for p in params.values()):
+        raise ConfigError(f"{where}: {config.agent!r} must accept (base_url, api_key, session_id, prompt, metadata)")
+    if config.verifier is not None:
+        verifier = ENVIRONMENTS.get(config.verifier, f"env.{task}.verifier")
+        check_constructor_kwargs(verifier, config.verifier_kwargs, f"env.{task}.verifier_kwargs")
+    return AgentSettings(task, config, function)
+
+
+class AgentEnvironment(EnvironmentInterface):
+    """The environment actor of an agent task: scores the final answers of returned messages with the verifier."""
+
+    config_model = AgentConfig
+
+    def __init__(self, **settings: Any) -> None:
+        self.config = AgentConfig.model_validate(settings)
+        self.verifier: EnvironmentInterface | None = None
+        if self.config.verifier is not None:
+            cls = ENVIRONMENTS.get(self.config.verifier, "env.<task>.verifier")
+            self.verifier = cls(**check_constructor_kwargs(cls, self.config.verifier_kwargs, "env.<task>.verifier_kwargs"))
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        """The verifier's reward of each final answer (an agent task without a verifier must return rewards)."""
+        if self.verifier is None:
+            raise ValueError("this agent task has no verifier (env.<task>.verifier), so its agent must return a reward")
+        return self.verifier.score(responses, metadata)
+
+    def metrics(self) -> dict[str, float]:
+        return self.verifier.metrics() if self.verifier is not None else {}
+
+    def close(self) -> None:
+        close = getattr(self.verifier, "close", None)
+        if callable(close):
+            close()
+
+
+def final_answer(messages: Any) -> str:
+    """The text to verify from what an agent returned: a string as is, else the last assistant message's content.
+
+    Raises:
+        TypeError: ``messages`` is neither a string nor a list of messages."""
+    if isinstance(messages, str):
+        return messages
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"an agent must return a reward, a string or a list of messages, got {type(messages).__name__}")
+    for message in reversed(messages):
+        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+        if role == "assistant":
+            content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+            return content or ""
+    return ""

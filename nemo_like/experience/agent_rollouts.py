@@ -1,0 +1,286 @@
+"""Agent tasks (``env.<task>: {class: agent, ...}``): each sample is one session of the user's agent against the run's
+rollout server, and the session's rows become the step's samples.
+
+Per batch (:meth:`AgentRollouts.collect`): every sample opens a session (seeded from the batch's seed and its index,
+:func:`~nemo_like.utils.seeds.agent_session_seed`, with the task's token budget), the agent function runs with
+``(base_url, api_key, session_id, prompt messages, metadata)`` (at most ``max_concurrency`` at once, each within
+``deadline_s``), the session ends as soon as the function returns (a late call is refused), and what it returned is
+its reward or the messages the task's verifier scores (the agent environment's actors). A session that raised, ran
+past its deadline, sampled over its budget, returned something else, or whose records failed the server's checks
+fails: its rows (or, with none, one placeholder row with nothing masked in) get ``failure_reward`` and it is counted
+in ``agent/failures/<kind>``; the run continues. The server lives in ``nemo_like/serving`` (above this layer), so it
+is passed in (:class:`AgentServer`) and started by name (:func:`start_agent_rollouts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from nemo_like.data.prompts import PromptRecord
+from nemo_like.environments.agent import FAILURE_KINDS, AgentSettings, final_answer, load_agent_settings
+from nemo_like.environments.registry import EnvSpec, task_of
+from nemo_like.environments.worker import EnvironmentHandles
+from nemo_like.experience.env_calls import call_environments
+from nemo_like.experience.rollouts import Rollout, expand_groups
+from nemo_like.models.generation.interface import GeneratedSample
+from nemo_like.utils.imports import import_object
+from nemo_like.utils.seeds import agent_session_seed
+
+#: The rollout server and its settings, imported by name when an agent run starts (``nemo_like.serving`` sits above
+#: the loops in the layers, so the loops name it like a plug-in instead of importing it).
+SERVER_CLASS = "nemo_like.serving.server:RolloutServer"
+SERVER_CONFIG = "nemo_like.serving.server:ServerConfig"
+SEED_KEY, BUDGET_KEY = "seed", "token_budget"  # the session metadata the server reads (nemo_like/serving/sessions.py)
+
+
+class AgentServer(Protocol):
+    """What the run needs of :class:`nemo_like.serving.RolloutServer`."""
+
+    base_url: str
+    api_key: str
+    sessions: Any  # SessionStore: open(metadata=...) -> id, end(id) -> SessionRows, take_result(id)
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class SessionOutcome:
+    """What one session's agent did: a reward, an answer to verify, or a failure kind."""
+
+    reward: float | None = None
+    answer: str | None = None
+    failure: str | None = None
+    detail: str = ""
+
+
+def outcome_of(value: Any, has_verifier: bool) -> SessionOutcome:
+    """Interpret an agent's return value: a finite number is the reward; a string or messages are verified."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            return SessionOutcome(failure="bad_return", detail=f"the reward {value!r} is not finite")
+        return SessionOutcome(reward=float(value))
+    try:
+        answer = final_answer(value)
+    except TypeError as exc:
+        return SessionOutcome(failure="bad_return", detail=str(exc))
+    if not has_verifier:
+        return SessionOutcome(failure="bad_return", detail="the agent returned messages but env.<task>.verifier is not set")
+    return SessionOutcome(answer=answer)
+
+
+def _in_thread(fn: Callable[..., Any], args: tuple) -> asyncio.Future:
+    """Run a sync agent on its own daemon thread (one that hangs past its deadline is abandoned, not joined)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - the agent's failure is the session's
+            value, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the batch is over (its loop closed): a late agent's result is dropped
+            pass
+
+    threading.Thread(target=run, name="agent-session", daemon=True).start()
+    return future
+
+
+async def run_session(settings: AgentSettings, args: tuple, semaphore: asyncio.Semaphore, end: Callable[[], None]) -> SessionOutcome:
+    """Call the agent within its deadline; ``end`` (ending the session) runs as soon as it returns or fails."""
+    cfg = settings.config
+    async with semaphore:
+        try:
+            call = settings.function(*args) if settings.is_async else _in_thread(settings.function, args)
+            value = await asyncio.wait_for(call, cfg.deadline_s)
+            outcome = outcome_of(value, cfg.verifier is not None)
+        except TimeoutError:
+            outcome = SessionOutcome(failure="deadline", detail=f"still running after deadline_s={cfg.deadline_s}")
+        except Exception as exc:  # noqa: BLE001 - any error of user code fails only its session
+            outcome = SessionOutcome(failure="error", detail=f"{type(exc).__name__}: {exc}")
+        finally:
+            end()
+    return outcome
+
+
+def placeholder_row(prompt: PromptRecord, pad_token_id: int, weight_version: int) -> GeneratedSample:
+    """The row of a failed session without rows: its prompt and one pad token, nothing masked in (it counts in its
+    group's baseline with ``failure_reward``, and trains no token)."""
+    return GeneratedSample(list(prompt.prompt_token_ids), [pad_token_id], [0.0], False, weight_version, weight_version, response_mask=[0])
+
+
+def per_session(
+    rewards: torch.Tensor, group_ids: torch.Tensor, session_of_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows -> sessions for advantages: each session's reward and group, and each row's session index (compute the
+    advantages over sessions, then ``advantages[row_index]``), so a branched session weighs once in its group."""
+    sessions, row_index = torch.unique(session_of_row, return_inverse=True)
+    rows = torch.arange(len(row_index))
+    first = torch.full((len(sessions),), len(row_index), dtype=torch.long).scatter_reduce_(0, row_index, rows, reduce="amin")
+    return rewards[first], group_ids[first], row_index
+
+
+@dataclass
+class _Session:
+    index: int
+    session_id: str
+    prompt: PromptRecord
+    settings: AgentSettings
+    outcome: SessionOutcome | None = None
+    result: Any = None  # SessionRows
+
+
+class AgentRollouts:
+    """The driver side of agent tasks: runs sessions against ``server`` and turns them into a :class:`Rollout`."""
+
+    def __init__(self, server: AgentServer, settings: dict[str, AgentSettings], tokenizer: Any, engine: Any) -> None:
+        self.server = server
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.engine = engine  # the generation engine the server samples with (its weight version)
+
+    def serves(self, prompts: list[PromptRecord], tasks: list[str]) -> bool:
+        """Whether the batch is an agent batch (every prompt of an agent run is of an agent task)."""
+        return any(task_of(p.metadata, tasks) in self.settings for p in prompts)
+
+    def _open(self, index: int, prompt: PromptRecord, task: str, seed: int) -> _Session:
+        settings = self.settings[task]
+        meta = {SEED_KEY: agent_session_seed(seed, index)} if settings.config.seeded_calls else {}
+        meta[BUDGET_KEY] = settings.config.max_tokens_per_session
+        return _Session(index, self.server.sessions.open(metadata=meta), prompt, settings)
+
+    def _end(self, session: _Session) -> None:
+        self.server.sessions.end(session.session_id)
+        session.result = self.server.sessions.take_result(session.session_id)
+
+    async def _run_all(self, sessions: list[_Session]) -> None:
+        limits = {task: asyncio.Semaphore(s.config.max_concurrency) for task, s in self.settings.items()}
+        url, key = self.server.base_url, self.server.api_key
+
+        async def one(s: _Session) -> None:
+            args = (url, key, s.session_id, [dict(m) for m in s.prompt.messages], dict(s.prompt.metadata))
+            s.outcome = await run_session(s.settings, args, limits[s.settings.task], lambda: self._end(s))
+
+        await asyncio.gather(*(one(s) for s in sessions))
+
+    def collect(
+        self,
+        envs: EnvironmentHandles,
+        prompts: list[PromptRecord],
+        num_generations: int,
+        seed: int,
+        timings: dict[str, float] | None = None,
+    ) -> Rollout:
+        """``num_generations`` sessions per prompt; their rows as the batch (prompt-major, a session's rows adjacent)."""
+        expanded, group_ids = expand_groups(prompts, num_generations)
+        t0 = time.perf_counter()
+        sessions = [self._open(i, p, task_of(p.metadata, envs.tasks), seed) for i, p in enumerate(expanded)]
+        asyncio.run(self._run_all(sessions))
+        t1 = time.perf_counter()
+        metrics = self._verify(envs, sessions)
+        if timings is not None:
+            timings["generation"], timings["reward"] = t1 - t0, time.perf_counter() - t1
+        return self._rollout(sessions, group_ids, metrics)
+
+    def _verify(self, envs: EnvironmentHandles, sessions: list[_Session]) -> dict[str, float]:
+        """Score the answers of sessions that returned messages (the agent task's environment actors)."""
+        todo = [s for s in sessions if s.outcome.answer is not None and s.outcome.failure is None]
+        if not todo:
+            return {}
+        pending = call_environments(envs, "score", [s.outcome.answer for s in todo], [s.prompt.metadata for s in todo], "reward")
+        rewards, counters = pending.gather()
+        for s, reward in zip(todo, rewards):
+            s.outcome.reward = float(reward)
+        return counters
+
+    def _classify(self, s: _Session) -> str | None:
+        """The session's failure kind (None: it succeeded)."""
+        budget = s.settings.config.max_tokens_per_session
+        used = sum(sum(r.response_mask) for r in s.result.rows) if s.result is not None else 0
+        if used > budget or (s.outcome.failure == "error" and used >= budget):
+            return "budget"
+        if s.outcome.failure is not None:
+            return s.outcome.failure
+        if s.result is None or s.result.rejected is not None:
+            return "rejected"
+        return None
+
+    def _rollout(self, sessions: list[_Session], group_ids: torch.Tensor, metrics: dict[str, float]) -> Rollout:
+        prompts, groups, samples, texts, rewards, owners = [], [], [], [], [], []
+        failures = dict.fromkeys(FAILURE_KINDS, 0.0)
+        version = int(self.engine.weight_version)
+        for s in sessions:
+            kind = self._classify(s)
+            if kind is not None:
+                failures[kind] += 1
+            reward = s.settings.config.failure_reward if kind is not None else s.outcome.reward
+            rows = [replace(r.to_generated_sample(), num_turns=len(r.calls)) for r in (s.result.rows if s.result else [])]
+            for sample in rows or [placeholder_row(s.prompt, self.tokenizer.pad_token_id, version)]:
+                prompts.append(s.prompt)
+                groups.append(int(group_ids[s.index]))
+                samples.append(sample)
+                texts.append(s.outcome.answer if s.outcome.answer is not None else self._decode(sample))
+                rewards.append(reward)
+                owners.append(s.index)
+        metrics.update(self._counters(sessions, failures, len(samples)))
+        return Rollout(
+            prompts, torch.tensor(groups), samples, texts, torch.tensor(rewards, dtype=torch.float32), metrics,
+            session_of_row=torch.tensor(owners),
+        )  # fmt: skip
+
+    def _decode(self, sample: GeneratedSample) -> str:
+        return self.tokenizer.decode([t for t, m in zip(sample.response_ids, sample.sampled_mask) if m], skip_special_tokens=True)
+
+    @staticmethod
+    def _counters(sessions: list[_Session], failures: dict[str, float], num_rows: int) -> dict[str, float]:
+        n = len(sessions)
+        results = [s.result for s in sessions if s.result is not None]
+        out = {
+            "agent/sessions": float(n),
+            "agent/rows_per_session": num_rows / max(n, 1),
+            "agent/branched_sessions": float(sum(r.branched for r in results)),
+            "agent/rejected_sessions": float(sum(r.rejected is not None for r in results)),
+            "agent/calls_per_session": sum(r.num_calls for r in results) / max(n, 1),
+            "agent/failures": sum(failures.values()),
+        }
+        out.update({f"agent/failures/{kind}": count for kind, count in failures.items()})
+        return out
+
+
+@dataclass
+class AgentHandles(EnvironmentHandles):
+    """The run's environment handles plus the driver side of its agent tasks (``agents``); the rollout helpers hand
+    agent batches to it (:func:`nemo_like.experience.rollouts.collect_rollout`)."""
+
+    agents: AgentRollouts | None = None
+
+
+def load_agents(specs: dict[str, EnvSpec], tasks: tuple[str, ...]) -> dict[str, AgentSettings]:
+    """Every agent task's function and limits, imported and checked in the driver before any actor starts."""
+    return {task: load_agent_settings(task, specs[task].kwargs) for task in tasks}
+
+
+def start_agent_rollouts(
+    cfg: Any, tokenizer: Any, engine: Any, eos_token_ids: list[int], settings: dict[str, AgentSettings]
+) -> AgentRollouts:
+    """Start the rollout server on the driver (127.0.0.1, a free port, a random key) over ``engine``, sampling with
+    its current weights, for the agent tasks' ``settings`` (:func:`load_agents`)."""
+    server_class, config_class = import_object(SERVER_CLASS), import_object(SERVER_CONFIG)
+    config = config_class(
+        auto_create_sessions=False, require_session=True, max_context=cfg.policy.max_total_sequence_length, seed=cfg.grpo.seed
+    )
+    server = server_class(engine, tokenizer, config, eos_token_ids=list(eos_token_ids)).start()
+    return AgentRollouts(server, settings, tokenizer, engine)
