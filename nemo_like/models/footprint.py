@@ -1,0 +1,84 @@
+"""The inputs of the memory planner (:mod:`nemo_like.plan.memory`) for a model, read without loading any weight: its
+parameter shapes on the meta device (with LoRA adapters when enabled), what each holds per element, and its shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.models.loading import resolve_model_path
+from nemo_like.plan.memory import DTYPE_BYTES, ModelShape, ParameterSpec
+
+
+def model_config_path(model_name: str, config_path: str | None = None) -> Path:
+    """The ``config.json`` describing ``model_name``: ``config_path`` (a file or a directory holding one) when given,
+    else the model's own (a local directory, a shipped or cached model). A model whose config is not on this machine
+    is a ConfigError saying how to pass one."""
+    if config_path is not None:
+        path = Path(config_path)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ConfigError(f"--model-config {config_path}: no config.json there")
+        return path
+    try:
+        return Path(resolve_model_path(model_name)) / "config.json"
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"policy.model_name={model_name!r}: its config.json is not on this machine ({str(exc).splitlines()[0]}); pass "
+            "--model-config PATH (the model's config.json, e.g. examples/cluster/model_configs/) to plan without it"
+        ) from None
+
+
+def model_footprint(
+    model_name: str, precision: str, lora_cfg: Any = None, config_path: str | None = None
+) -> tuple[list[ParameterSpec], ModelShape]:
+    """Every parameter of ``model_name`` as a policy worker holds it: float32 masters; with ``lora_cfg`` enabled the
+    base in the compute dtype (``precision``) and float32 adapters, only the adapters trainable. ``config_path``: a
+    ``config.json`` to use instead of the model's (:func:`model_config_path`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = model_config_path(model_name, config_path)
+    config = AutoConfig.for_model(**json.loads(path.read_text()))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        lora = lora_cfg is not None and lora_cfg.enabled
+        if lora:
+            from nemo_like.models.lora import apply_lora
+
+            model = apply_lora(model, lora_cfg)
+    base_bytes = DTYPE_BYTES[precision] if lora else 4
+    specs = [ParameterSpec(tuple(p.shape), p.requires_grad, 4 if p.requires_grad else base_bytes) for p in model.parameters()]
+    shape = ModelShape.from_hf_config(json.loads(path.read_text()))
+    return specs, shape
+
+
+def memory_report(
+    cfg: Any, device_gib: float | None, peak_flops: float | None, mfu: float, config_path: str | None = None
+) -> tuple[list[str], bool | None]:
+    """``nemo-like plan``'s lines (the run plan's decisions, then memory per role and device, the fit, the step time)
+    and whether the run fits ``device_gib`` per device (per node on a CPU cluster; ``None``: not checked). The thread
+    split assumes this machine's cores; nothing starts."""
+    import os
+
+    from nemo_like.plan.memory import GIB, plan_memory, step_estimate
+    from nemo_like.plan.run_plan import decide_run_plan
+    from nemo_like.utils.flops import matmul_params
+
+    run_plan = decide_run_plan(cfg, (), os.cpu_count() or 1)
+    params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
+    teacher = None
+    if run_plan.logprobs.compute_teacher:
+        teacher = model_footprint(cfg.teacher.models()[0], cfg.teacher.precision or cfg.policy.precision)
+    step = None
+    if peak_flops:
+        from transformers import AutoConfig
+
+        n = matmul_params(AutoConfig.for_model(**json.loads(model_config_path(cfg.policy.model_name, config_path).read_text())))
+        passes = sum((run_plan.logprobs.compute_prev, run_plan.logprobs.compute_reference, run_plan.logprobs.compute_teacher))
+        step = step_estimate(cfg, passes, n, peak_flops, mfu)
+    memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teacher, step)
+    return [*run_plan.lines(), *memory.lines()], memory.fits

@@ -1,0 +1,283 @@
+"""Memory and step time of a run before anything starts: per role and per device, from the config, the run plan and
+the model's parameter shapes (pure; ``nemo-like plan`` gathers the inputs with :mod:`nemo_like.models.footprint`).
+
+What is exact and what is estimated:
+
+* **parameters, gradients, AdamW state** per rank are exact: FSDP2 shards every parameter along dim 0 into
+  ``world`` pieces of ``ceil(dim0 / world)`` rows (rank 0 holds the largest), masters in float32, a LoRA base in the
+  compute dtype with float32 adapters, gradients and two AdamW moments for trainable parameters only. A test compares
+  them with :meth:`PolicyWorker.memory_footprint`.
+* **activations** are an estimate of the peak of one training micro-batch (tokens x layers x what a Llama-family
+  layer saves for backward: ``8H + 4 K D + 4I`` values per token, the attention kernel keeping no score matrix),
+  plus the float32 logits and their gradient (``tokens x vocab x 8`` bytes, or ``chunk x vocab x 8`` with
+  ``policy.logprob_chunk_size``); with activation checkpointing one layer's worth plus each layer's input.
+* **KV cache** of a vLLM engine: ``2 x layers x kv_heads x head_dim x bytes`` per token; the budget is
+  ``gpu_memory_utilization x device`` minus the weights (GPU), or ``kv_cache_space_gib`` (CPU).
+* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters) at
+  a stated peak and MFU; an upper bound on tokens (every sequence at ``policy.max_total_sequence_length``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """One parameter of the model: its shape, whether it trains, and its bytes per element as the worker holds it."""
+
+    shape: tuple[int, ...]
+    trainable: bool
+    bytes_per_element: int
+
+    def shard_bytes(self, world: int) -> int:
+        """Bytes rank 0 holds when FSDP2 shards it over ``world`` ranks (dim 0, ``ceil(dim0 / world)`` rows)."""
+        if not self.shape:
+            return self.bytes_per_element
+        rows = math.ceil(self.shape[0] / world) if world > 1 else self.shape[0]
+        return rows * math.prod(self.shape[1:]) * self.bytes_per_element
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What activations and the KV cache depend on (a Llama-family decoder's HF config)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
+        """From a ``config.json``'s fields."""
+        heads = config["num_attention_heads"]
+        return cls(
+            layers=config["num_hidden_layers"],
+            hidden=config["hidden_size"],
+            intermediate=config.get("intermediate_size", 4 * config["hidden_size"]),
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab=config["vocab_size"],
+        )
+
+    def layer_values_per_token(self) -> int:
+        """Values one layer saves for backward per token (see the module docstring)."""
+        return 8 * self.hidden + 4 * self.kv_heads * self.head_dim + 4 * self.intermediate
+
+    def kv_bytes_per_token(self, bytes_per_value: int) -> int:
+        """KV-cache bytes per token of one sequence."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """Bytes one worker of a role holds, by kind (``workers``: how many such workers the role starts)."""
+
+    role: str
+    workers: int
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    kv_cache: int = 0
+    note: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    def line(self) -> str:
+        """One ``[plan]`` line."""
+        parts = [f"{k} {v / GIB:.3f}" for k, v in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer))]
+        parts += [f"activations ~{self.activations / GIB:.3f}"]
+        if self.kv_cache:
+            parts.append(f"kv cache {self.kv_cache / GIB:.3f}")
+        note = f" ({self.note})" if self.note else ""
+        return f"memory {self.role} x{self.workers}: {self.total / GIB:.3f} GiB per worker = " + " + ".join(parts) + f" GiB{note}"
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """FLOPs of one step by phase and the seconds they take at ``peak_flops x mfu`` (an upper bound on tokens)."""
+
+    flops: dict[str, float]
+    peak_flops: float
+    mfu: float
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.flops.values()) / (self.peak_flops * self.mfu)
+
+    def line(self) -> str:
+        phases = ", ".join(f"{k} {v / (self.peak_flops * self.mfu):.2f}s" for k, v in self.flops.items())
+        return f"step time at most ~{self.seconds:.2f}s at {self.peak_flops:.3g} FLOP/s x MFU {self.mfu}: {phases}"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every role's memory, what each device holds, and whether it fits ``device_bytes`` (None: not checked)."""
+
+    roles: list[RoleMemory]
+    per_device: dict[str, int]
+    device_bytes: float | None
+    advice: list[str] = field(default_factory=list)
+    step: StepEstimate | None = None
+
+    @property
+    def fits(self) -> bool | None:
+        if self.device_bytes is None:
+            return None
+        return max(self.per_device.values()) <= self.device_bytes
+
+    def lines(self) -> list[str]:
+        """The planner's lines (also printed as ``[plan]`` lines by ``nemo-like plan``)."""
+        out = [r.line() for r in self.roles]
+        for device, used in self.per_device.items():
+            budget = "" if self.device_bytes is None else f" of {self.device_bytes / GIB:.1f} GiB"
+            out.append(f"memory on {device}: {used / GIB:.3f} GiB{budget}")
+        if self.fits is not None:
+            out.append("fits: yes" if self.fits else "fits: NO; " + "; ".join(self.advice))
+        if self.step is not None:
+            out.append(self.step.line())
+        return out
+
+
+def _training_activations(cfg: Any, shape: ModelShape, value_bytes: int) -> int:
+    pc = cfg.policy
+    tokens = micro_batch_tokens(cfg, training=True)
+    per_layer = tokens * shape.layer_values_per_token() * value_bytes
+    if pc.dtensor_cfg.activation_checkpointing:
+        layers = tokens * shape.hidden * value_bytes * shape.layers + per_layer
+    else:
+        layers = per_layer * shape.layers
+    logit_rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
+    return layers + logit_rows * shape.vocab * 8
+
+
+def _logprob_activations(cfg: Any, shape: ModelShape, value_bytes: int) -> int:
+    tokens = micro_batch_tokens(cfg, training=False)
+    chunk = cfg.policy.logprob_chunk_size
+    logit_rows = min(tokens, chunk) if chunk else tokens
+    return tokens * shape.layer_values_per_token() * value_bytes + logit_rows * shape.vocab * 4
+
+
+def micro_batch_tokens(cfg: Any, training: bool) -> int:
+    """Tokens of the largest micro-batch of a training (or logprob) pass: packed / token-budget sizes, else rows x
+    ``policy.max_total_sequence_length``."""
+    pc = cfg.policy
+    if pc.sequence_packing.enabled:
+        return pc.sequence_packing.train_mb_tokens if training else pc.sequence_packing.logprob_mb_tokens
+    if pc.dynamic_batching.enabled:
+        return pc.dynamic_batching.train_mb_tokens if training else pc.dynamic_batching.logprob_mb_tokens
+    rows = min(pc.train_micro_batch_size, pc.train_global_batch_size // pc.dp_size) if training else pc.logprob_batch_size
+    return rows * pc.max_total_sequence_length
+
+
+def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role: str = "policy") -> RoleMemory:
+    """One rank of the trainable policy (``role="policy"``) or of a frozen copy (``"reference"``, ``"teacher"``)."""
+    pc = cfg.policy
+    world = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
+    value_bytes = DTYPE_BYTES[pc.precision]
+    if role != "policy":  # frozen copies load float32 weights whatever the precision
+        held = sum(ParameterSpec(p.shape, False, 4).shard_bytes(world) for p in params)
+        return RoleMemory(role, world, params=held, activations=_logprob_activations(cfg, shape, value_bytes), note="logprobs only")
+    held = sum(p.shard_bytes(world) for p in params)
+    trainable = [ParameterSpec(p.shape, True, 4) for p in params if p.trainable]
+    grads = sum(p.shard_bytes(world) for p in trainable)
+    activations = max(_training_activations(cfg, shape, value_bytes), _logprob_activations(cfg, shape, value_bytes))
+    return RoleMemory(role, world, params=held, grads=grads, optimizer=2 * grads, activations=activations)
+
+
+def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape, device_bytes: float | None) -> RoleMemory:
+    """The generation engine's worker: nothing of its own for ``inline`` (the policy samples), the HF engine's weights
+    and the KV cache of one batch, or vLLM's weights and KV-cache budget (and how many full-length sequences fit)."""
+    pc, g = cfg.policy, cfg.policy.generation
+    on_gpu = bool(cfg.cluster.gpus_per_node)
+    if backend == "inline":
+        return RoleMemory("generation", 0, note="inline: the policy worker samples")
+    value_bytes = 2 if on_gpu or pc.precision == "bfloat16" else 4
+    weights = parameters * value_bytes
+    per_sequence = shape.kv_bytes_per_token(value_bytes) * pc.max_total_sequence_length
+    if backend == "hf":
+        batch = cfg.rollout_batch_size
+        return RoleMemory("generation", 1, params=weights, kv_cache=batch * per_sequence, note=f"hf engine, KV of {batch} sequences")
+    if on_gpu and device_bytes is not None:
+        budget = max(0, int(g.vllm_cfg.gpu_memory_utilization * device_bytes) - weights)
+    else:
+        budget = int(g.vllm_cfg.kv_cache_space_gib * GIB) if not on_gpu else 0
+    sequences = budget // per_sequence if per_sequence else 0
+    note = f"vLLM, KV budget holds {sequences} sequences of {pc.max_total_sequence_length} tokens"
+    return RoleMemory("generation", 1, params=weights, kv_cache=budget, note=note)
+
+
+def step_estimate(cfg: Any, logprob_passes: int, matmul_parameters: int, peak_flops: float, mfu: float) -> StepEstimate:
+    """FLOPs of one step (every sequence at its maximum length: an upper bound) and their seconds."""
+    pc = cfg.policy
+    sequences = cfg.rollout_batch_size
+    tokens = sequences * pc.max_total_sequence_length
+    n = matmul_parameters
+    # prefill and decode both cost 2N per token: the generation phase touches every token once
+    flops = {"generation": 2.0 * n * tokens, "logprob passes": 2.0 * n * tokens * logprob_passes, "training": 6.0 * n * tokens}
+    return StepEstimate(flops, peak_flops, mfu)
+
+
+def plan_memory(
+    cfg: Any,
+    run_plan: Any,
+    params: list[ParameterSpec],
+    shape: ModelShape,
+    device_bytes: float | None = None,
+    teacher: tuple[list[ParameterSpec], ModelShape] | None = None,
+    step: StepEstimate | None = None,
+) -> MemoryPlan:
+    """Every role of the run ``run_plan`` describes, what each device (GPU) or node (CPU) holds, and whether it fits
+    ``device_bytes``; ``teacher``: the teacher's parameters and shape when the run distils."""
+    roles = [policy_memory(cfg, params, shape)]
+    if run_plan.logprobs.load_reference_model:
+        roles.append(policy_memory(cfg, params, shape, "reference"))
+    if run_plan.logprobs.compute_teacher and teacher is not None:
+        roles.append(policy_memory(cfg, teacher[0], teacher[1], "teacher"))
+    parameters = sum(math.prod(p.shape) for p in params)
+    roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes))
+    per_device = devices(cfg, roles)
+    advice = []
+    if device_bytes is not None and max(per_device.values()) > device_bytes:
+        advice = fit_advice(cfg)
+    return MemoryPlan(roles, per_device, device_bytes, advice, step)
+
+
+def devices(cfg: Any, roles: list[RoleMemory]) -> dict[str, int]:
+    """What each device holds: on GPUs every worker has its own (a colocated engine shares policy rank 0's); on a CPU
+    cluster every worker of a node shares the node's memory (workers spread evenly over ``cluster.num_nodes``)."""
+    by_role = {r.role: r for r in roles}
+    if cfg.cluster.gpus_per_node:
+        out = {f"{r.role} GPU": r.total for r in roles if r.workers}
+        if cfg.policy.generation.colocated.enabled and "generation GPU" in out:
+            out["policy GPU"] = out.get("policy GPU", 0) + out.pop("generation GPU")
+        return out
+    nodes = max(1, cfg.cluster.num_nodes)
+    total = sum(r.total * math.ceil(r.workers / nodes) for r in by_role.values())
+    return {"each node (RAM)": total}
+
+
+def fit_advice(cfg: Any) -> list[str]:
+    """What to change when a device is over its memory, the cheapest first."""
+    pc = cfg.policy
+    advice = []
+    if not pc.dtensor_cfg.activation_checkpointing:
+        advice.append("set policy.dtensor_cfg.activation_checkpointing=true")
+    if not pc.logprob_chunk_size:
+        advice.append("set policy.logprob_chunk_size (e.g. 1024) so logits are never materialised for every token")
+    advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices")
+    if not pc.lora_cfg.enabled:
+        advice.append("train LoRA adapters (policy.lora_cfg.enabled=true): no full gradients or AdamW state")
+    return advice

@@ -1,0 +1,96 @@
+"""The memory planner: parameters, gradients and AdamW state per rank equal what a real policy worker holds (full and
+LoRA, one rank and FSDP2 shards); the estimates follow their formulas; the fit check gives advice."""
+
+from __future__ import annotations
+
+import pytest
+from unit.models.test_policy_worker import random_batch, with_global_counts
+
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.config import DEFAULT_RECIPE, load_config
+from nemo_like.config.loss import ClippedPGLossConfig
+from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig, OptimizerConfig
+from nemo_like.models.footprint import model_footprint
+from nemo_like.models.policy.worker import PolicyWorker
+from nemo_like.plan.memory import GIB, ParameterSpec, micro_batch_tokens, plan_memory, policy_memory, step_estimate
+from nemo_like.plan.run_plan import decide_run_plan
+
+
+def recipe(*overrides: str):
+    return load_config(DEFAULT_RECIPE, list(overrides), warn=False)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_parameters_gradients_and_adamw_state_equal_a_real_workers(lora: bool) -> None:
+    lora_cfg = LoraConfig(enabled=True, dim=4) if lora else None
+    cfg = recipe(*(["policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=4"] if lora else []))
+    worker = PolicyWorker(
+        rank=0,
+        world_size=1,
+        model_name=EMBEDDED_MODEL,
+        precision="float32",
+        temperature=1.0,
+        num_threads=1,
+        seed=0,
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
+        optimizer=OptimizerConfig(lr=1e-3),
+        max_grad_norm=None,
+        train_micro_batch_size=6,
+        lora_cfg=lora_cfg,
+    )
+    worker.train([with_global_counts(random_batch())])  # gradients and AdamW moments now exist
+    measured = worker.memory_footprint()
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32", cfg.policy.lora_cfg)
+    planned = policy_memory(cfg, params, shape)
+    assert (planned.params, planned.grads, planned.optimizer) == (measured["params"], measured["grads"], measured["optimizer"])
+
+
+def test_fsdp2_shards_are_ceil_rows_of_dim_zero() -> None:
+    spec = ParameterSpec((359, 128), True, 4)
+    assert spec.shard_bytes(1) == 359 * 128 * 4
+    assert spec.shard_bytes(2) == 180 * 128 * 4  # rank 0 holds ceil(359 / 2) rows
+    assert ParameterSpec((), False, 4).shard_bytes(2) == 4
+
+
+def test_activations_follow_their_formula_and_chunking_bounds_the_logits() -> None:
+    cfg = recipe()
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    tokens = micro_batch_tokens(cfg, training=True)
+    expected = tokens * shape.layer_values_per_token() * 4 * shape.layers + tokens * shape.vocab * 8
+    base = policy_memory(cfg, params, shape)
+    assert base.activations == max(expected, micro_batch_tokens(cfg, False) * (shape.layer_values_per_token() * 4 + shape.vocab * 4))
+    chunked = policy_memory(recipe("policy.logprob_chunk_size=16"), params, shape)
+    checkpointed = policy_memory(recipe("policy.dtensor_cfg.activation_checkpointing=true"), params, shape)
+    assert chunked.activations < base.activations and checkpointed.activations < base.activations
+
+
+def test_the_plan_lists_each_role_and_advises_when_a_gpu_is_too_small() -> None:
+    cfg = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf")
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    run_plan = decide_run_plan(cfg, (), 2)
+    roomy = plan_memory(cfg, run_plan, params, shape, device_bytes=80 * GIB)
+    assert [r.role for r in roomy.roles] == ["policy", "reference", "generation"] and roomy.fits
+    tight = plan_memory(cfg, run_plan, params, shape, device_bytes=1024**2)
+    assert tight.fits is False and any("activation_checkpointing" in line for line in tight.lines())
+
+
+def test_vllm_kv_budget_counts_full_length_sequences() -> None:
+    cfg = recipe("cluster.gpus_per_node=1", "policy.generation.backend=hf")
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    run_plan = decide_run_plan(cfg, (), 2)
+    vllm_plan = type(run_plan.backend)("vllm", "test")
+    from dataclasses import replace
+
+    memory = plan_memory(cfg, replace(run_plan, backend=vllm_plan), params, shape, device_bytes=GIB)
+    engine = memory.roles[-1]
+    per_sequence = shape.kv_bytes_per_token(2) * cfg.policy.max_total_sequence_length
+    assert engine.kv_cache == int(cfg.policy.generation.vllm_cfg.gpu_memory_utilization * GIB) - engine.params
+    assert f"holds {engine.kv_cache // per_sequence} sequences" in engine.note
+
+
+def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> None:
+    cfg = recipe()
+    tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
+    step = step_estimate(cfg, logprob_passes=1, matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
+    assert step.flops == {"generation": 2000.0 * tokens, "logprob passes": 2000.0 * tokens, "training": 6000.0 * tokens}
+    assert step.seconds == pytest.approx(10000.0 * tokens / 5e8)
