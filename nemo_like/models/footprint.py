@@ -57,18 +57,14 @@ def model_footprint(
 
 
 def memory_report(
-    cfg: Any, device_gib: float | None, peak_flops: float | None, mfu: float, config_path: str | None = None
+    cfg: Any, run_plan: Any, device_gib: float | None, peak_flops: float | None, mfu: float, config_path: str | None = None
 ) -> tuple[list[str], bool | None]:
     """``nemo-like plan``'s lines (the run plan's decisions, then memory per role and device, the fit, the step time)
-    and whether the run fits ``device_gib`` per device (per node on a CPU cluster; ``None``: not checked). The thread
-    split assumes this machine's cores; nothing starts."""
-    import os
-
+    and whether the run fits ``device_gib`` per device (per node on a CPU cluster; ``None``: not checked); nothing
+    starts. ``run_plan``: the run's :class:`~nemo_like.plan.run_plan.RunPlan`."""
     from nemo_like.plan.memory import GIB, plan_memory, step_estimate
-    from nemo_like.plan.run_plan import decide_run_plan
     from nemo_like.utils.flops import matmul_params
 
-    run_plan = decide_run_plan(cfg, (), os.cpu_count() or 1)
     params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
     teacher = None
     if run_plan.logprobs.compute_teacher:

@@ -95,7 +95,7 @@ DECIDERS = {
     "multi_turn_settings": set(),
     "oversubscription_warning": set(),
     "decide_run_plan": {"nemo_like/distributed/planning.py"},
-    "plan_on_cluster": {"nemo_like/algorithms/setup.py", "nemo_like/evaluation/run.py"},
+    "plan_on_cluster": {"nemo_like/algorithms/setup.py", "nemo_like/evaluation/run.py", "nemo_like/cli.py"},  # cli: `nemo-like plan`
 }
 # Components that may decide a plan themselves when a caller outside a run builds them without one (tests, tools).
 STANDALONE_DEFAULTS = {"nemo_like/models/engines.py", "nemo_like/models/policy/policy.py"}
