@@ -35,6 +35,7 @@ COMMANDS = {  # name: its line in `nemo-like --help` (and its description in `ne
     "eval": "Score a model or checkpoint on the recipe's validation prompts: accuracy and pass@k.",
     "plot": "Render a run's metrics.jsonl to a PNG (the standard panel, or --metrics).",
     "merge": "Merge a LoRA checkpoint's adapters into its base model: a plain HF model directory.",
+    "serve": "Serve the recipe's model (or eval.model_path) over an OpenAI-compatible API on 127.0.0.1, without training.",
 }
 TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
 
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", prog="nemo-like", help=argparse.SUPPRESS)  # listed in the description, one line each
     adders = {"train": add_train_arguments, "eval": add_eval_arguments, "plot": add_plot_arguments, "merge": add_merge_arguments}
+    adders |= {"serve": add_serve_arguments}
     for name, summary in COMMANDS.items():
         adders[name](sub.add_parser(name, help=summary, description=summary))
     return parser
@@ -148,6 +150,21 @@ def load_checked_recipe(args: argparse.Namespace) -> MasterConfig | None:
     return cfg
 
 
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default=None, help="Recipe YAML (its policy model, tokenizer and context; eval.model_path to serve a checkpoint)."
+    )
+    parser.add_argument("--port", type=int, default=0, help="Port on 127.0.0.1 (default: a free one).")
+    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. eval.model_path=results/grpo/step_50")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Print the server's base URL and key, serve until Ctrl-C (``docs/guides/agents.md``)."""
+    from nemo_like.serving.standalone import serve
+
+    return serve(load_config(args.config, args.overrides), args.port)
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluate ``eval.model_path`` (default ``policy.model_name``) and write summary.json / results.jsonl."""
     cfg = load_checked_recipe(args)
@@ -184,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_plot(args)
         if args.command == "merge":
             return run_merge(args)
+        if args.command == "serve":
+            return run_serve(args)
         build_parser().print_help()
         return 2
     except ConfigError as exc:

@@ -122,15 +122,14 @@ def placeholder_row(prompt: PromptRecord, pad_token_id: int, weight_version: int
     return GeneratedSample(list(prompt.prompt_token_ids), [pad_token_id], [0.0], False, weight_version, weight_version, response_mask=[0])
 
 
-def per_session(
-    rewards: torch.Tensor, group_ids: torch.Tensor, session_of_row: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows -> sessions for advantages: each session's reward and group, and each row's session index (compute the
-    advantages over sessions, then ``advantages[row_index]``), so a branched session weighs once in its group."""
-    sessions, row_index = torch.unique(session_of_row, return_inverse=True)
+def per_session(session_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows -> sessions for advantages: the first row of each session (index the per-row rewards, groups and sample
+    mask with it to get one entry per session) and each row's session (index the sessions' advantages with it), so a
+    branched session weighs once in its group's baseline and every one of its rows takes its advantage."""
+    _, row_index = torch.unique(session_of_row, return_inverse=True)
     rows = torch.arange(len(row_index))
-    first = torch.full((len(sessions),), len(row_index), dtype=torch.long).scatter_reduce_(0, row_index, rows, reduce="amin")
-    return rewards[first], group_ids[first], row_index
+    first = torch.full((int(row_index.max()) + 1 if len(rows) else 0,), len(rows), dtype=torch.long)
+    return first.scatter_reduce_(0, row_index, rows, reduce="amin"), row_index
 
 
 @dataclass

@@ -1,0 +1,65 @@
+"""``nemo-like serve --config RECIPE [overrides]``: the rollout server without training, on the recipe's model.
+
+Serves ``eval.model_path`` when set (a model directory, a checkpoint step directory or a checkpoint directory's latest
+step), else ``policy.model_name``, in this process (:class:`~.local_engine.LocalGeneration`), on 127.0.0.1, with a
+random key, so an agent can be written and debugged against the model before a run trains it (any session id works:
+sessions are created by their first call). Prints the base URL and the key, serves until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from nemo_like.config.errors import ConfigError
+from nemo_like.models.loading import load_tokenizer
+from nemo_like.serving.local_engine import LocalGeneration
+from nemo_like.serving.server import RolloutServer, ServerConfig
+
+
+def served_model(cfg: Any) -> str:
+    """The model to serve: ``eval.model_path`` (resolved to its ``policy/`` weights for a checkpoint) or
+    ``policy.model_name``. Raises :class:`ConfigError` naming ``eval.model_path`` for a path that holds no model."""
+    model_path = getattr(cfg.eval, "model_path", None)
+    if model_path is None:
+        return cfg.policy.model_name
+    path = Path(model_path)
+    if not path.exists():
+        if model_path.startswith(("/", ".", "~")):
+            raise ConfigError(f"eval.model_path: {model_path} does not exist")
+        return model_path
+    for candidate in (path / "policy", path):
+        if (candidate / "config.json").is_file():
+            return str(candidate)
+    steps = sorted((p for p in path.glob("step_*") if (p / "policy" / "config.json").is_file()), key=lambda p: int(p.name[5:]))
+    if steps:
+        return str(steps[-1] / "policy")
+    raise ConfigError(f"eval.model_path: {model_path} holds no model (config.json), checkpoint step (policy/config.json) nor step_N")
+
+
+def build_server(cfg: Any, port: int = 0) -> RolloutServer:
+    """The server over the recipe's model (not started): the recipe's tokenizer, context (``policy.max_total_sequence_length``)
+    and seed; sessions are created by their first call."""
+    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    eos = tokenizer.eos_token_id
+    eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    engine = LocalGeneration.load(served_model(cfg), tokenizer.pad_token_id, eos_ids, cfg.policy.precision)
+    config = ServerConfig(port=port, max_context=cfg.policy.max_total_sequence_length, seed=cfg.grpo.seed)
+    return RolloutServer(engine, tokenizer, config, eos_token_ids=eos_ids)
+
+
+def serve(cfg: Any, port: int = 0, stop: threading.Event | None = None) -> int:
+    """Serve until Ctrl-C (or ``stop`` is set); prints ``base_url`` and ``api_key`` lines to stdout first."""
+    server = build_server(cfg, port).start()
+    print(f"base_url: {server.base_url}", flush=True)
+    print(f"api_key: {server.api_key}", flush=True)
+    print(f"model: {server.config.model_name} (serving {served_model(cfg)}); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        (stop or threading.Event()).wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0

@@ -1,0 +1,161 @@
+"""Agent tasks' pure parts (outcomes, failures, deadlines, per-session advantages, settings, plan) and the seeded,
+budgeted sessions and ``nemo-like serve`` against the real server over the shipped tiny tool model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from nemo_like.config import ConfigError, load_config
+from nemo_like.environments.agent import AgentConfig, AgentSettings, final_answer, load_agent_settings
+from nemo_like.experience.agent_rollouts import outcome_of, per_session, run_session
+from nemo_like.plan.run_plan import agent_tasks
+from nemo_like.serving.standalone import build_server, serve
+from nemo_like.utils.seeds import agent_call_seed, agent_session_seed
+
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_agent_tiny_cpu.yaml"
+AGENT = "examples/agents/calculator_agent.py:solve"
+ASYNC = ("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true")
+
+
+def test_an_agent_return_is_a_reward_an_answer_to_verify_or_a_failure() -> None:
+    assert outcome_of(1, True).reward == 1.0 and outcome_of(0.5, False).reward == 0.5
+    assert outcome_of(float("nan"), True).failure == "bad_return"
+    assert outcome_of(True, True).failure == "bad_return"  # a bool is not a reward
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "9716"}, {"role": "tool", "content": "x"}]
+    assert outcome_of(messages, True).answer == "9716"
+    assert outcome_of("42", True).answer == "42"
+    assert outcome_of(messages, False).failure == "bad_return"  # messages need env.<task>.verifier
+    assert outcome_of({"a": 1}, True).failure == "bad_return"
+    assert final_answer([{"role": "user", "content": "q"}]) == ""
+
+
+def settings(fn, **limits) -> AgentSettings:
+    return AgentSettings("t", AgentConfig(agent="x:y", verifier="tool", **limits), fn)
+
+
+def run(fn, **limits):
+    ended = []
+
+    async def go():
+        return await run_session(settings(fn, **limits), (1, 2, 3, 4, 5), asyncio.Semaphore(1), lambda: ended.append(True))
+
+    return asyncio.run(go()), ended
+
+
+def test_a_session_that_raises_hangs_or_returns_ends_its_session_once() -> None:
+    def raises(*args):
+        raise RuntimeError("bug")
+
+    outcome, ended = run(raises)
+    assert outcome.failure == "error" and "RuntimeError: bug" in outcome.detail and ended == [True]
+    hang = threading.Event()
+    outcome, ended = run(lambda *args: hang.wait(10), deadline_s=0.2)
+    assert outcome.failure == "deadline" and ended == [True]
+    hang.set()
+
+    async def slow(*args):
+        await asyncio.sleep(10)
+
+    outcome, _ = run(slow, deadline_s=0.2)
+    assert outcome.failure == "deadline"
+
+    async def fine(base_url, api_key, session_id, prompt, metadata):
+        return float(base_url + metadata)
+
+    outcome, ended = run(fine)
+    assert outcome.reward == 6.0 and outcome.failure is None and ended == [True]
+
+
+def test_a_branched_session_weighs_once_in_its_group() -> None:
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    owners = torch.tensor([0, 0, 1, 2, 2, 3])  # session 0 has two rows, session 2 two
+    first, row_index = per_session(owners)
+    assert rewards[first].tolist() == [1.0, 0.0, 0.5, 0.5] and groups[first].tolist() == [0, 0, 1, 1]
+    assert row_index.tolist() == [0, 0, 1, 2, 2, 3]
+    session_advantages = torch.tensor([0.5, -0.5, 0.0, 0.0])
+    assert session_advantages[row_index].tolist() == [0.5, 0.5, -0.5, 0.0, 0.0, 0.0]
+
+
+def test_agent_seeds_depend_only_on_the_batch_sample_and_call() -> None:
+    assert agent_session_seed(7, 3) == agent_session_seed(7, 3) != agent_session_seed(7, 4)
+    assert agent_call_seed(5, 0) == agent_call_seed(5, 0) != agent_call_seed(5, 1)
+    assert 0 <= agent_call_seed(agent_session_seed(1, 2), 3) < 2**31
+
+
+def test_agent_settings_errors_name_the_key() -> None:
+    assert load_agent_settings("tool", {"agent": AGENT, "verifier": "tool"}).function.__name__ == "solve"
+    with pytest.raises(ConfigError, match=r"env\.tool\.agent: cannot import"):
+        load_agent_settings("tool", {"agent": "no_such_pkg.mod:solve"})
+    with pytest.raises(ConfigError, match=r"env\.tool\.agent: .*must accept \(base_url, api_key, session_id, prompt, metadata\)"):
+        load_agent_settings("tool", {"agent": "examples/agents/calculator_agent.py:run_tool"})
+    with pytest.raises(ConfigError, match=r"env\.tool\.verifier"):
+        load_agent_settings("tool", {"agent": AGENT, "verifier": "toool"})
+
+
+def test_the_plan_decides_agent_tasks_once_and_refuses_mixed_or_async_runs(tmp_path) -> None:
+    assert agent_tasks(load_config(RECIPE, [])) == ("tool",)
+    with pytest.raises(ConfigError, match=r"grpo\.async_grpo\.enabled=true: env\.tool is an agent task"):
+        agent_tasks(load_config(RECIPE, [*ASYNC]))
+    with pytest.raises(ConfigError, match=r"env\.arithmetic: a run with agent tasks"):
+        agent_tasks(load_config(RECIPE, ["+env.arithmetic.num_workers=1"]))
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = build_server(load_config(RECIPE, [])).start()
+    yield srv
+    srv.stop()
+
+
+def sample(srv, session_id: str, max_tokens: int = 16) -> list[int]:
+    client = openai.OpenAI(base_url=srv.base_url, api_key=srv.api_key, default_headers={"X-Session-Id": session_id}, max_retries=0)
+    reply = client.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": "What is 347 times 28?"}],
+        max_tokens=max_tokens,
+        extra_body={"return_token_ids": True},
+    )
+    return reply.choices[0].model_extra["completion_token_ids"]
+
+
+def test_a_seeded_session_samples_the_same_calls_again_and_stops_at_its_budget(server) -> None:
+    first = [server.sessions.open(metadata={"seed": 11}) for _ in range(3)]
+    draws = [[sample(server, sid) for _ in range(2)] for sid in first]
+    assert draws[0] == draws[1] == draws[2]  # same session seed: same draws call by call, whatever else runs
+    other = server.sessions.open(metadata={"seed": 12})
+    assert [sample(server, other) for _ in range(2)] != draws[0]
+    budgeted = server.sessions.open(metadata={"seed": 11, "token_budget": 4})
+    sample(server, budgeted, max_tokens=8)
+    with pytest.raises(openai.BadRequestError, match="its budget is 4") as refused:
+        sample(server, budgeted)
+    assert refused.value.code == "session_budget_exceeded"
+
+
+def test_nemo_like_serve_prints_a_url_and_key_that_answer_until_stopped() -> None:
+    stop, out = threading.Event(), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        thread = threading.Thread(target=serve, args=(load_config(RECIPE, []),), kwargs={"stop": stop})
+        thread.start()
+        for _ in range(600):
+            if "api_key:" in out.getvalue():
+                break
+            time.sleep(0.05)
+    lines = dict(line.split(": ", 1) for line in out.getvalue().splitlines())
+    assert lines["base_url"].startswith("http://127.0.0.1:")
+    answer = httpx.get(f"{lines['base_url']}/models", headers={"Authorization": f"Bearer {lines['api_key']}"})
+    assert answer.status_code == 200 and answer.json()["data"][0]["id"] == "policy"
+    assert httpx.get(f"{lines['base_url']}/models").status_code == 401
+    stop.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
