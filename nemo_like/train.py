@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 import warnings
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +15,13 @@ from nemo_like.algorithms.grpo import async_grpo_train, grpo_train
 from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.setup import setup_grpo
 from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed import faults
+from nemo_like.distributed.watchdog import RunStalled, StallWatchdog
 from nemo_like.models.loading import check_model_source
+from nemo_like.utils.deadline import resolve_deadline
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.preflight import ensure_writable_dir
+from nemo_like.utils.run_control import RunControl, RunInterrupted, activate
 from nemo_like.utils.run_lock import hold_run_locks, run_directories
 
 
@@ -24,12 +30,40 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
 
     Before anything starts: the inputs are checked (model source, writable directories) and the run
     locks its log and checkpoint directories, so a second run on them stops before it resumes or trims
-    anything (see :mod:`nemo_like.utils.run_lock`)."""
+    anything (see :mod:`nemo_like.utils.run_lock`).
+
+    SIGTERM, SIGINT and ``checkpointing.save_before`` stop the run after the current step and a checkpoint, raising
+    :class:`~nemo_like.utils.run_control.RunInterrupted` (a ``SystemExit``: 143, 130 or 75) after printing how to resume;
+    the stall watchdog's abort raises :class:`~nemo_like.distributed.watchdog.RunStalled` (70). See
+    docs/guides/fault-tolerance.md."""
     start = time.perf_counter()
     check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed
     check_run_inputs(cfg)
-    with hold_run_locks(run_directories(cfg)):
-        return _train_locked(cfg, start)
+    deadline, source = resolve_deadline(cfg.checkpointing.save_before, time.time())
+    control = RunControl(deadline)
+    if deadline is not None:
+        print(
+            f"[stop] saving and stopping before {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(deadline))} ({source})", file=sys.stderr
+        )
+    activate(control)
+    faults.arm(cfg.cluster.fault_injection)
+    control.install_signal_handlers()
+    try:
+        with hold_run_locks(run_directories(cfg)):
+            return _train_locked(cfg, start, control)
+    except RunInterrupted as stop:
+        print(stop_message(cfg, stop), file=sys.stderr, flush=True)
+        raise
+    except RunStalled:
+        print(
+            f"nemo-like: error: the run stalled and was aborted (cluster.fault_tolerance.on_stall=abort); {last_checkpoint_line(cfg)}",
+            file=sys.stderr,
+        )
+        raise
+    finally:
+        control.restore_signal_handlers()
+        faults.disarm()
+        activate(None)
 
 
 def check_run_inputs(cfg: MasterConfig) -> None:
@@ -44,7 +78,45 @@ def check_run_inputs(cfg: MasterConfig) -> None:
         ensure_writable_dir(directory, key)
 
 
-def _train_locked(cfg: MasterConfig, start: float) -> list[dict[str, Any]]:
+def stop_message(cfg: MasterConfig, stop: RunInterrupted) -> str:
+    """The lines a stopped run ends with: why, what was saved, the exit status and the exact command that resumes."""
+    saved = f"checkpoint {stop.checkpoint}" if stop.checkpoint else "no checkpoint (checkpointing.enabled=false)"
+    line = f"[stop] stopped after step {stop.step} ({stop.reason.what}); {saved}; exit status {stop.reason.status}"
+    if not stop.checkpoint:
+        return line + "\n[stop] a rerun starts afresh: set checkpointing.enabled=true to make runs resumable"
+    return line + f"\n[stop] resume with: {resume_command(cfg)}"
+
+
+def resume_command(cfg: MasterConfig, argv: list[str] | None = None) -> str:
+    """This process's own command line (it resumes: ``checkpointing.resume`` is on by default), with
+    ``checkpointing.resume=true`` appended when it was turned off."""
+    args = list(sys.argv if argv is None else argv)
+    name = Path(args[0]).name
+    if name in ("cli.py", "__main__.py"):
+        head = [sys.executable, "-m", "nemo_like.cli"]
+    else:
+        head = [args[0]] if name == "nemo-like" else [sys.executable, args[0]]
+    extra = [] if cfg.checkpointing.resume else ["checkpointing.resume=true"]
+    return shlex.join([*head, *args[1:], *extra])
+
+
+def last_checkpoint_line(cfg: MasterConfig) -> str:
+    """Where the next start resumes from, for an aborted run."""
+    if not cfg.checkpointing.enabled:
+        return "checkpointing is off: a rerun starts afresh"
+    latest = find_resume_checkpoint_quietly(cfg)
+    return f"the next start resumes from {latest}" if latest else "no checkpoint yet: a rerun starts afresh"
+
+
+def find_resume_checkpoint_quietly(cfg: MasterConfig) -> str | None:
+    """The latest complete checkpoint's path, without removing anything."""
+    from nemo_like.utils.checkpoint import CheckpointManager
+
+    latest = CheckpointManager(cfg.checkpointing.checkpoint_dir).latest()
+    return None if latest is None else str(latest.path)
+
+
+def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[dict[str, Any]]:
     resume_from = find_resume_checkpoint(cfg)
     if resume_from is not None:  # steps logged after the checkpoint are redone: drop their records
         trim_metrics_after(Path(cfg.logger.log_dir) / "metrics.jsonl", resume_from.step)
@@ -56,10 +128,15 @@ def _train_locked(cfg: MasterConfig, start: float) -> list[dict[str, Any]]:
     except BaseException:
         logger.close()
         raise
+    control.install_signal_handlers()  # again: ray.init replaced SIGTERM's handler with one that aborts (status 134)
     logger.progress.message(f"[setup] actors ready in {time.perf_counter() - start:.1f}s")
+    ft = cfg.cluster.fault_tolerance
     try:
-        loop = async_grpo_train if cfg.grpo.async_grpo.enabled else grpo_train
-        history = loop(parts, logger, resume_from)
+        with ExitStack() as stack:
+            control.last_progress = time.monotonic()
+            stack.enter_context(StallWatchdog(control, ft.stall_timeout_s, ft.on_stall) if ft.stall_timeout_s else nullcontext())
+            loop = async_grpo_train if cfg.grpo.async_grpo.enabled else grpo_train
+            history = loop(parts, logger, resume_from)
     finally:
         logger.close()
         parts.shutdown()

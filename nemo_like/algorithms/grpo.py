@@ -461,8 +461,11 @@ def async_grpo_train(parts: GRPOComponents, logger: Logger, resume_from: Checkpo
 
 
 def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInfo | None, runner: StepRunner) -> list[dict[str, Any]]:
-    """The outer loop shared by both modes: resume, validate, step, log, guard, checkpoint."""
-    cfg = parts.cfg
+    """The outer loop shared by both modes: resume, validate, step, log, guard, checkpoint; a stop request (SIGTERM,
+    SIGINT, ``checkpointing.save_before``) saves after the current step and raises ``RunInterrupted``."""
+    from nemo_like.utils.run_control import RunInterrupted, run_control
+
+    cfg, control = parts.cfg, run_control()
     history: list[dict[str, Any]] = []
     for line in parts.plan.lines():
         logger.progress.message(f"[plan] {line}")
@@ -485,6 +488,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
         for step in range(last_step + 1, cfg.grpo.max_num_steps + 1):
             timer.reset()
             start = time.perf_counter()
+            control.step_started(step)
             try:
                 metrics = runner.step(step, timer)
             except DataExhausted as exc:
@@ -515,10 +519,15 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                     f"stopping at step {step} (grpo.max_consecutive_nonfinite_steps={cfg.grpo.max_consecutive_nonfinite_steps}). "
                     "Lower policy.optimizer.lr or check the rewards and the data."
                 )
+            control.step_finished()
+            stop, path = control.stop_reason(), None
             # Log first, then save: a crash in between only repeats this step's log line on resume.
-            if manager is not None and (step % cfg.checkpointing.save_period == 0 or last):
+            if manager is not None and (step % cfg.checkpointing.save_period == 0 or last or stop is not None):
                 path = runner.save(manager, step, {**last_validation, **metrics})
+                control.save_finished()
                 logger.progress.message(f"[checkpoint] saved {path}")
+            if stop is not None and not last:
+                raise RunInterrupted(stop, step, None if path is None else str(path))
     finally:
         runner.close()
     return history

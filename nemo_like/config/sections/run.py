@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nemo_like.config.sections.base import Section, check_pass_k, default_pass_k
 from nemo_like.config.types import Float, Int
@@ -47,6 +48,26 @@ class CheckpointingConfig(Section):
     )
     higher_is_better: bool = Field(True, description="Direction of metric_name.")
     resume: bool = Field(True, description="Resume automatically from the latest valid checkpoint in checkpoint_dir.")
+    save_before: str | None = Field(
+        None,
+        description="Save and stop (exit status 75) before this deadline, early enough for the slowest recent step plus save: "
+        "seconds from the start (e.g. 3600), an ISO time (2026-12-02T18:00:00, local time without a zone), or 'auto' "
+        "($SLURM_JOB_END_TIME when set, else none). null: no deadline (docs/guides/fault-tolerance.md).",
+    )
+
+    @field_validator("save_before", mode="before")
+    @classmethod
+    def _seconds_as_text(cls, value: object) -> object:
+        if isinstance(value, bool):
+            raise ValueError(f"checkpointing.save_before: expected seconds, an ISO time or 'auto', not a boolean (got {value})")
+        return str(value) if isinstance(value, (int, float)) else value
+
+    @model_validator(mode="after")
+    def _save_before_form(self) -> CheckpointingConfig:
+        check_save_before(self.save_before)
+        if self.save_before is not None and str(self.save_before).strip().lower() != "auto" and not self.enabled:
+            raise ValueError("checkpointing.save_before needs checkpointing.enabled=true (the run saves before the deadline)")
+        return self
 
     @model_validator(mode="after")
     def _metric_name_form(self) -> CheckpointingConfig:
@@ -55,6 +76,54 @@ class CheckpointingConfig(Section):
             if prefix not in ("val", "train") or not name:
                 raise ValueError(f"checkpointing.metric_name must be 'val:<metric>' or 'train:<metric>', got {self.metric_name!r}")
         return self
+
+
+def check_save_before(spec: str | float | None) -> None:
+    """``checkpointing.save_before``'s forms: 'auto', seconds from the start, or an ISO time (``ValueError`` otherwise)."""
+    if spec is None or str(spec).strip().lower() == "auto":
+        return
+    try:
+        float(spec)
+        return
+    except ValueError:
+        pass
+    try:
+        datetime.fromisoformat(str(spec).strip())
+    except ValueError:
+        raise ValueError(
+            f"checkpointing.save_before must be 'auto', seconds from the start (e.g. 3600) or an ISO time "
+            f"(e.g. 2026-12-02T18:00:00), got {spec!r}"
+        ) from None
+
+
+class FaultToleranceConfig(Section):
+    """What the run does about a hung call (docs/guides/fault-tolerance.md)."""
+
+    stall_timeout_s: Float | None = Field(
+        None,
+        gt=0,
+        description="Stall watchdog: when no step starts or ends for this many seconds, print every actor's current call and "
+        "Python stack (py-spy), then act per on_stall. null: off. Set it well above the slowest step plus a save.",
+    )
+    on_stall: Literal["warn", "abort"] = Field(
+        "warn",
+        description="After a stall report: 'warn' keeps waiting (reporting again each stall_timeout_s), 'abort' exits with status 70.",
+    )
+
+
+class FaultInjectionConfig(Section):
+    """A deterministic fault for tests (docs/guides/fault-tolerance.md); also ``$NEMO_LIKE_FAULT_INJECTION`` as JSON."""
+
+    role: Literal["generation"] = Field(
+        "generation", description="Whose call fails: 'generation' (an engine, or the policy worker when it samples inline)."
+    )
+    step: Int = Field(1, gt=0, description="The training step whose call fails.")
+    phase: Literal["generate"] = Field("generate", description="Which call: 'generate' (the step's rollout generation).")
+    action: Literal["hang", "kill", "raise"] | None = Field(
+        None,
+        description="null: no fault (the default). 'hang': the actor sleeps forever before the call; 'kill': its process exits "
+        "(os._exit); 'raise': it raises.",
+    )
 
 
 class ClusterConfig(Section):
@@ -74,6 +143,11 @@ class ClusterConfig(Section):
         "PACK",
         description="How each actor group's bundles land on nodes (Ray placement strategy): PACK fills a node first, SPREAD "
         "spreads when it can, STRICT_PACK one node only, STRICT_SPREAD one bundle per node (see docs/guides/cluster.md).",
+    )
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig, description="Stall watchdog settings.")
+    fault_injection: FaultInjectionConfig = Field(
+        default_factory=FaultInjectionConfig,
+        description="Tests only: make one actor call hang, die or raise at a given step (action null: none; no cost when unset).",
     )
 
 

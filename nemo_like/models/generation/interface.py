@@ -102,10 +102,12 @@ def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, s
     actors have ``generate(prompts, params_dict, seed)``), and return the samples in prompt order."""
     from dataclasses import asdict
 
+    from nemo_like.distributed.faults import inject
     from nemo_like.distributed.worker_group import get_with_context
     from nemo_like.utils.seeds import worker_seed
     from nemo_like.utils.sharding import contiguous_shards
 
+    inject("generation", "generate", group.workers)  # tests only (cluster.fault_injection); a no-op when unset
     shards = contiguous_shards(prompts, len(group))  # rank r generates piece r (its seed depends on r)
     refs = [w.generate.remote(shard, asdict(params), worker_seed(seed, rank)) for rank, (w, shard) in enumerate(zip(group.workers, shards))]
     return [GeneratedSample(**s) for shard in get_with_context(refs, "generation") for s in shard]

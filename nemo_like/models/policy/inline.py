@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nemo_like.distributed.faults import inject
 from nemo_like.distributed.worker_group import RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 
@@ -46,6 +47,7 @@ class InlineGeneration:
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         from dataclasses import asdict
 
+        inject("generation", "generate", self.policy.group.workers)  # tests only (cluster.fault_injection); a no-op when unset
         ref = self.policy.group.run_rank0("generate", prompts, asdict(params), seed, self.pad_token_id, self.eos_token_ids)
         return [GeneratedSample(**s) for s in get_with_context([ref], "policy: inline generation")[0]]
 

@@ -1,0 +1,90 @@
+"""Deterministic fault injection for tests: make one actor call hang, die or raise at a given step.
+
+Armed from ``cluster.fault_injection`` (or ``$NEMO_LIKE_FAULT_INJECTION``, the same keys as JSON, e.g.
+``{"role": "generation", "step": 3, "action": "hang"}``; ``cluster.fault_injection.action`` null, the default, is none) by ``nemo_like/train.py``. The hook points
+(``models/generation/interface.py`` ``generate_on_group``, ``models/policy/inline.py``) call :func:`inject`
+before they submit their call; when nothing is armed that is one ``None`` check. When the armed role, phase and
+step match, the fault is queued on the target actor itself (Ray's ``__ray_call__``), just ahead of the real call,
+so the real call then waits behind it inside the actor, exactly as a hung or dead engine would make it:
+
+* ``hang``: the actor sleeps forever (:func:`_hang_forever`, visible in its stack);
+* ``kill``: the actor's process exits (``os._exit(1)``): the call fails with Ray's actor-died error;
+* ``raise``: the actor raises :class:`InjectedFault`, re-raised in the driver.
+
+Each armed fault fires once per run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from nemo_like.config.sections.run import FaultInjectionConfig
+from nemo_like.utils.run_control import run_control
+
+ENV_VAR = "NEMO_LIKE_FAULT_INJECTION"
+_ARMED: FaultInjectionConfig | None = None
+
+
+class InjectedFault(RuntimeError):
+    """The error an injected ``raise`` fault raises (it names the config key that asked for it)."""
+
+
+def arm(spec: FaultInjectionConfig | None) -> FaultInjectionConfig | None:
+    """Arm ``spec``, else the one in ``$NEMO_LIKE_FAULT_INJECTION``; returns what is armed (``None``: nothing)."""
+    global _ARMED
+    if spec is not None and spec.action is None:
+        spec = None
+    if spec is None and os.environ.get(ENV_VAR):
+        try:
+            spec = FaultInjectionConfig(**json.loads(os.environ[ENV_VAR]))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"${ENV_VAR} must be a JSON object with the keys of cluster.fault_injection: {exc}") from exc
+    _ARMED = spec
+    return spec
+
+
+def disarm() -> None:
+    """Nothing armed (the end of a run)."""
+    global _ARMED
+    _ARMED = None
+
+
+def inject(role: str, phase: str, workers: list[Any]) -> None:
+    """Queue the armed fault on ``workers[0]`` when ``role``, ``phase`` and the current step match (then disarm)."""
+    global _ARMED
+    spec = _ARMED
+    if spec is None or spec.role != role or spec.phase != phase or run_control().step != spec.step or not workers:
+        return
+    _ARMED = None
+    assert spec.action is not None
+    print(f"[fault] injecting '{spec.action}' into {role} ({phase}) at step {spec.step} (cluster.fault_injection)", flush=True)
+    ref = workers[0].__ray_call__.remote(_ACTIONS[spec.action], f"{role}/{phase} at step {spec.step}")
+    if spec.action == "raise":
+        import ray
+
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            raise InjectedFault(f"cluster.fault_injection: {role} {phase} raised at step {spec.step}") from exc
+
+
+def _hang_forever(actor: Any, where: str) -> None:
+    """Runs inside the actor: never returns (the stall watchdog's test case)."""
+    while True:
+        time.sleep(3600)
+
+
+def _exit_process(actor: Any, where: str) -> None:
+    """Runs inside the actor: the process dies as if killed."""
+    os._exit(1)
+
+
+def _raise_fault(actor: Any, where: str) -> None:
+    """Runs inside the actor: an ordinary exception."""
+    raise InjectedFault(f"injected fault: {where} (cluster.fault_injection)")
+
+
+_ACTIONS = {"hang": _hang_forever, "kill": _exit_process, "raise": _raise_fault}

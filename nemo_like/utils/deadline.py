@@ -1,0 +1,38 @@
+"""``checkpointing.save_before``: when a run must have saved and stopped (docs/guides/fault-tolerance.md).
+
+Accepted forms: ``auto`` (the scheduler's job end: ``SLURM_JOB_END_TIME``, Unix seconds, when set; else no
+deadline), a number of seconds from the run's start (``3600``, ``"5400.5"``), or an ISO 8601 time
+(``2026-12-02T18:00:00``; without a zone it is this machine's local time).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+
+from nemo_like.config.sections.run import check_save_before
+
+SCHEDULER_END_VARIABLES = ("SLURM_JOB_END_TIME",)
+
+
+def resolve_deadline(spec: str | float | None, started_at: float, environ: dict[str, str] | None = None) -> tuple[float | None, str]:
+    """The deadline as ``time.time()`` seconds (``None``: none) and where it came from, for the ``[stop]`` line."""
+    if spec is None:
+        return None, "no deadline"
+    env = os.environ if environ is None else environ
+    text = str(spec).strip()
+    if text.lower() == "auto":
+        for name in SCHEDULER_END_VARIABLES:
+            value = env.get(name, "").strip()
+            if value:
+                try:
+                    return float(value), f"${name}={value}"
+                except ValueError:
+                    raise ValueError(f"checkpointing.save_before=auto: ${name}={value!r} is not Unix seconds") from None
+        return None, "checkpointing.save_before=auto: no scheduler end time in the environment"
+    try:
+        return started_at + float(text), f"checkpointing.save_before={text}s after the start"
+    except ValueError:
+        pass
+    check_save_before(text)
+    return datetime.fromisoformat(text).timestamp(), f"checkpointing.save_before={text}"

@@ -1,0 +1,140 @@
+"""Stopping a run on purpose: SIGTERM, SIGINT and a wall-clock deadline, and the progress the stall watchdog reads.
+
+One :class:`RunControl` per training run (:func:`run_control` returns the active one; an inert default outside a run).
+The loop (``algorithms/grpo.py`` ``run_training``) tells it when a step starts and ends and how long each save took,
+and asks :meth:`RunControl.stop_reason` after each step: a first SIGTERM or SIGINT, or a deadline that the next step
+plus a save would overrun, makes the loop save a checkpoint and raise :class:`RunInterrupted` (a ``SystemExit`` whose
+code is the documented exit status). The current step is finished, never abandoned: a step is the unit the checkpoint
+restores exactly (weights, optimizer, loader position, RNG), so stopping between two steps is what keeps the resumed
+run bitwise equal to an uninterrupted one. A second SIGINT (or SIGTERM) exits at once: checkpoints are written
+atomically, so the last complete one is always intact. See docs/guides/fault-tolerance.md.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from types import FrameType
+
+# Exit statuses (documented in docs/guides/fault-tolerance.md).
+EXIT_SIGTERM = 143  # 128 + SIGTERM: stopped by SIGTERM after saving
+EXIT_SIGINT = 130  # 128 + SIGINT: stopped by Ctrl-C after saving (a second one exits at once, same status)
+EXIT_DEADLINE = 75  # EX_TEMPFAIL: stopped before checkpointing.save_before after saving; rerun to continue
+EXIT_STALLED = 70  # EX_SOFTWARE: the stall watchdog aborted the run (cluster.fault_tolerance.on_stall=abort)
+
+_STATUS = {signal.SIGTERM: EXIT_SIGTERM, signal.SIGINT: EXIT_SIGINT}
+
+
+@dataclass(frozen=True)
+class StopReason:
+    """Why the run stops early: ``what`` for the message, ``status`` the process exit status."""
+
+    what: str
+    status: int
+
+
+class RunInterrupted(SystemExit):
+    """Raised by the loop after the stop checkpoint; exits the process with :attr:`code` (the documented status)."""
+
+    def __init__(self, reason: StopReason, step: int, checkpoint: str | None) -> None:
+        super().__init__(reason.status)
+        self.reason, self.step, self.checkpoint = reason, step, checkpoint
+
+
+class RunControl:
+    """Stop requests, the deadline, and step/save timing of one run (thread-safe enough: flags and floats)."""
+
+    def __init__(self, deadline: float | None = None, history: int = 3) -> None:
+        self.deadline = deadline  # time.time() seconds, or None
+        self.requested: StopReason | None = None
+        self.step = 0  # the step in progress (0: before the first)
+        self.last_progress = time.monotonic()
+        self.step_started_at = self.step_ended_at = self.last_progress
+        self._steps: deque[float] = deque(maxlen=history)
+        self._saves: deque[float] = deque(maxlen=history)
+        self._previous: dict[int, object] = {}
+
+    # -- progress, read by the stall watchdog and the fault injector ---------------------------------------------
+    def step_started(self, step: int) -> None:
+        self.step = step
+        self.last_progress = self.step_started_at = time.monotonic()
+
+    def step_finished(self) -> None:
+        now = time.monotonic()
+        self._steps.append(now - self.step_started_at)
+        self.last_progress = self.step_ended_at = now
+
+    def save_finished(self) -> None:
+        """A checkpoint was written since :meth:`step_finished` (its duration feeds :meth:`seconds_needed`)."""
+        now = time.monotonic()
+        self._saves.append(now - self.step_ended_at)
+        self.last_progress = now
+
+    # -- stopping ---------------------------------------------------------------------------------------------------
+    def seconds_needed(self) -> float:
+        """Time to keep before the deadline: the slowest recent step plus the slowest recent save (before any save,
+        the slowest step stands for it), plus 10%."""
+        step = max(self._steps, default=0.0)
+        save = max(self._saves, default=step)
+        return 1.1 * (step + save)
+
+    def stop_reason(self) -> StopReason | None:
+        """A signal received, or a deadline that one more step and a save would overrun; else ``None``."""
+        if self.requested is not None:
+            return self.requested
+        if self.deadline is not None and time.time() + self.seconds_needed() >= self.deadline:
+            left = self.deadline - time.time()
+            return StopReason(
+                f"checkpointing.save_before: {left:.0f}s left, a step and a save need {self.seconds_needed():.0f}s", EXIT_DEADLINE
+            )
+        return None
+
+    def install_signal_handlers(self) -> None:
+        """Handle SIGTERM and SIGINT in this (main) thread. Call it again after ``ray.init``: Ray's C++ failure handler
+        takes SIGTERM (it prints the signal and aborts: exit status 134)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in _STATUS:
+            previous = signal.signal(signum, self._on_signal)
+            if previous is not self._on_signal:
+                self._previous.setdefault(signum, previous)
+
+    def restore_signal_handlers(self) -> None:
+        """Put back what :meth:`install_signal_handlers` replaced first (Python's defaults for a CLI run)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None:  # the second one: leave now, the last atomic checkpoint is intact
+            print(f"[stop] second {name}: exiting now without saving (the last complete checkpoint is kept)", file=sys.stderr, flush=True)
+            os._exit(self.requested.status if self.requested.status in _STATUS.values() else _STATUS[signal.Signals(signum)])
+        self.requested = StopReason(name, _STATUS[signal.Signals(signum)])
+        print(
+            f"[stop] {name} received during step {self.step}: finishing it, saving a checkpoint, then exiting with status "
+            f"{self.requested.status} (send it again to exit at once without saving)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+_ACTIVE = RunControl()
+
+
+def run_control() -> RunControl:
+    """The running training's control (an inert one outside a run: no deadline, no handlers)."""
+    return _ACTIVE
+
+
+def activate(control: RunControl | None) -> None:
+    """Make ``control`` the active one (``None``: a fresh inert one)."""
+    global _ACTIVE
+    _ACTIVE = control if control is not None else RunControl()

@@ -1,0 +1,210 @@
+"""Stopping and stalling on real runs (docs/guides/fault-tolerance.md): real CLI subprocesses, real signals, real actors.
+
+* SIGTERM at a random moment: a checkpoint of the last logged step, exit status 143, one resume line; resuming
+  reproduces the uninterrupted run bitwise (the approach of test_checkpoint_resume.py).
+* ``checkpointing.save_before=auto`` with ``$SLURM_JOB_END_TIME``: saved before the deadline, exit status 75.
+* A generation call made to hang (``cluster.fault_injection``): the watchdog reports the driver's call, the actor and
+  its stack within ``stall_timeout_s + 10 s``; a first SIGINT cannot finish the hung step, a second exits at once (130);
+  with ``on_stall=abort`` the run exits 70 with the report.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from functional.helpers import TINY_OVERRIDES, TINY_RECIPE, ckpt_overrides, read_metrics, tiny_config
+
+from nemo_like.train import train
+
+pytestmark = pytest.mark.slow
+
+# Tiny, fast runs: no validation (its cost is not under test), no reference actor, inline generation in the policy.
+FAST = ("grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.val_period=0", "loss_fn.reference_policy_kl_penalty=0")
+COMPARED = ("train/reward", "train/loss", "train/grad_norm", "train/gen_kl")
+
+
+class Run:
+    """``nemo-like train`` in its own session and its own Ray temp dir; output lines collected with arrival times."""
+
+    def __init__(self, tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> None:
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="nlft", dir="/tmp"))  # Ray's socket paths must stay short
+        self.args = [sys.executable, "-m", "nemo_like.cli", "train", "--config", str(TINY_RECIPE), *TINY_OVERRIDES]
+        self.args += [f"logger.log_dir={tmp_path / 'logs'}", *FAST, *overrides]
+        full_env = {**os.environ, "RAY_TMPDIR": str(self.ray_tmp), **(env or {})}
+        self.proc = subprocess.Popen(
+            self.args, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        self.lines: list[tuple[float, str]] = []
+        self.ended_at: float | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+        self.proc.wait()
+        self.ended_at = time.monotonic()
+
+    @property
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait_for_line(self, pattern: str, timeout_s: float, after: float = 0.0) -> float:
+        """When the first line matching ``pattern`` (printed after ``after``) arrived; fails if the run ends or the time
+        runs out first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for at, line in list(self.lines):
+                if at >= after and re.search(pattern, line):
+                    return at
+            if self.ended_at is not None:
+                raise AssertionError(f"run ended (status {self.proc.returncode}) before {pattern!r}:\n{self.output}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} within {timeout_s}s:\n{self.output}")
+
+    def wait_for(self, predicate, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if self.ended_at is not None or time.monotonic() > deadline:
+                raise AssertionError(f"condition not met (status {self.proc.returncode}):\n{self.output}")
+            time.sleep(0.05)
+
+    def signal(self, signum: int) -> float:
+        os.kill(self.proc.pid, signum)  # the driver only, as Slurm's --signal=B: or a plain kill sends it
+        return time.monotonic()
+
+    def finish(self, timeout_s: float) -> int:
+        self._reader.join(timeout=timeout_s)
+        assert self.ended_at is not None, f"still running after {timeout_s}s:\n{self.output}"
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        """SIGKILL whatever is left: the driver's session and its private cluster's processes."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for proc_dir in Path("/proc").iterdir():
+            if proc_dir.name.isdigit():
+                try:
+                    if str(self.ray_tmp).encode() in (proc_dir / "environ").read_bytes() + (proc_dir / "cmdline").read_bytes():
+                        os.kill(int(proc_dir.name), signal.SIGKILL)
+                except OSError:
+                    pass
+
+
+def checkpoint_steps(ckpt: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in ckpt.glob("step_*") if (p / "trainer_state.json").exists())
+
+
+def test_sigterm_at_a_random_moment_saves_exits_143_and_resumes_bitwise(ray_cluster, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = Run(tmp_path, "grpo.max_num_steps=200", *ckpt_overrides(ckpt, 100))  # save_period far away: only the stop saves
+    try:
+        metrics = tmp_path / "logs" / "metrics.jsonl"
+        run.wait_for(lambda: metrics.exists() and metrics.read_text().strip() != "", 240)
+        delay = random.Random().uniform(0.0, 1.0)
+        print(f"SIGTERM {delay:.2f}s after the first step")
+        time.sleep(delay)
+        sent = run.signal(signal.SIGTERM)
+        status = run.finish(120)
+    finally:
+        run.cleanup()
+    seconds = run.ended_at - sent
+    print(f"SIGTERM -> exit: {seconds:.1f}s, status {status}")
+    assert status == 143, run.output
+    assert "Traceback" not in run.output and "SIGABRT" not in run.output
+    logged = [r["step"] for r in read_metrics(tmp_path / "logs")]
+    stopped = logged[-1]
+    assert checkpoint_steps(ckpt) == [stopped]  # the step in progress was finished, then saved
+    match = re.search(r"\[stop\] resume with: (.+)", run.output)
+    assert match and f"checkpointing.checkpoint_dir={ckpt}" in match.group(1), run.output
+    # Resume in this process (the session cluster): the same recipe, two more steps.
+    total = stopped + 2
+    resumed = train(tiny_config(tmp_path, f"grpo.max_num_steps={total}", *FAST, *ckpt_overrides(ckpt, 100)))
+    assert [h["step"] for h in resumed] == [stopped + 1, stopped + 2]
+    straight_dir = tmp_path / "straight"
+    train(tiny_config(straight_dir, f"grpo.max_num_steps={total}", *FAST))
+    a, b = read_metrics(straight_dir / "logs"), read_metrics(tmp_path / "logs")
+    assert [r["step"] for r in b] == list(range(1, total + 1))
+    for ra, rb in zip(a, b, strict=True):
+        for key in COMPARED:
+            assert ra[key] == rb[key], (ra["step"], key)  # bitwise
+
+
+def test_save_before_auto_reads_slurm_end_time_and_stops_in_time(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    end = time.time() + 25
+    run = Run(
+        tmp_path,
+        "grpo.max_num_steps=100000",
+        "checkpointing.save_before=auto",
+        *ckpt_overrides(ckpt, 100000),
+        env={"SLURM_JOB_END_TIME": str(int(end))},
+    )
+    try:
+        status = run.finish(120)
+    finally:
+        run.cleanup()
+    assert status == 75, run.output
+    assert "$SLURM_JOB_END_TIME" in run.output and "resume with:" in run.output
+    steps = checkpoint_steps(ckpt)
+    assert steps == [read_metrics(tmp_path / "logs")[-1]["step"]] and steps[0] > 1
+    assert (ckpt / f"step_{steps[0]}").stat().st_mtime < int(end)  # saved before the deadline
+
+
+STALL = "cluster.fault_tolerance.stall_timeout_s=4"
+
+
+def test_a_hung_generation_is_reported_and_a_second_sigint_exits_at_once(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # Step 2 hangs, so step 1's checkpoint exists. (A slow first step on a loaded machine may be reported too: warn.)
+    run = Run(
+        tmp_path,
+        "grpo.max_num_steps=5",
+        "cluster.fault_injection.step=2",
+        "cluster.fault_injection.action=hang",
+        STALL,
+        *ckpt_overrides(ckpt, 1),
+    )
+    try:
+        injected = run.wait_for_line(r"\[fault\] injecting 'hang'", 240)
+        first = run.wait_for_line(r"\[stall\] no progress", 4 + 10 + 20, after=injected)
+        reported = run.wait_for_line(r"\[stall\] end of report", 30, after=first)
+        run.signal(signal.SIGINT)
+        run.wait_for_line(r"\[stop\] SIGINT received during step 2", 10)
+        second = run.signal(signal.SIGINT)
+        status = run.finish(30)
+    finally:
+        run.cleanup()
+    print(f"hang -> report: {reported - injected:.1f}s; second SIGINT -> exit: {run.ended_at - second:.1f}s")
+    assert first - injected <= 4 + 10 and reported - injected <= 4 + 10
+    out = "\n".join(line for at, line in run.lines if first <= at <= reported)  # the hang's report
+    assert "[stall] driver" in out and "waiting on 'policy: inline generation'" in out, out
+    assert re.search(r"\[stall\] actor PolicyWorker \w+ \(pid \d+.*\): in PolicyWorker.__ray_call__, at _hang_forever", out), out
+    assert "_hang_forever (nemo_like/distributed/faults.py" in out  # the py-spy stack
+    assert status == 130 and run.ended_at - second < 10, run.output
+    assert checkpoint_steps(ckpt) == [1]  # the hung step 2 never saved; step 1 is intact
+
+
+def test_on_stall_abort_exits_70_with_the_report(tmp_path):
+    # Step 1 hangs: nothing runs between the watchdog's start and the hang, so no slow step can be reported first.
+    run = Run(tmp_path, "grpo.max_num_steps=5", "cluster.fault_injection.action=hang", STALL, "cluster.fault_tolerance.on_stall=abort")
+    try:
+        status = run.finish(240)
+    finally:
+        run.cleanup()
+    assert status == 70, run.output
+    assert "[stall] actor PolicyWorker" in run.output and "_hang_forever (nemo_like/distributed/faults.py" in run.output
+    assert "nemo-like: error: the run stalled and was aborted (cluster.fault_tolerance.on_stall=abort)" in run.output
+    assert "Traceback" not in run.output

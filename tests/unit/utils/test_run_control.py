@@ -1,0 +1,62 @@
+"""Stop requests (real signals to this process), the deadline's forms and when the run decides to stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from nemo_like.config import ConfigError, load_config
+from nemo_like.utils.deadline import resolve_deadline
+from nemo_like.utils.run_control import EXIT_DEADLINE, EXIT_SIGINT, EXIT_SIGTERM, RunControl, RunInterrupted, StopReason
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, EXIT_SIGTERM), (signal.SIGINT, EXIT_SIGINT)])
+def test_a_first_signal_requests_a_stop_with_its_status(signum, status, capsys):
+    control = RunControl()
+    before = signal.getsignal(signum)
+    control.install_signal_handlers()
+    try:
+        control.step_started(7)
+        assert control.stop_reason() is None
+        os.kill(os.getpid(), signum)  # handled in this (main) thread at the next bytecode
+        time.sleep(0.01)
+        reason = control.stop_reason()
+        assert reason is not None and reason.status == status and reason.what == signal.Signals(signum).name
+    finally:
+        control.restore_signal_handlers()
+    assert signal.getsignal(signum) is before
+    assert "received during step 7" in capsys.readouterr().err
+
+
+def test_run_interrupted_exits_with_the_reasons_status():
+    stop = RunInterrupted(StopReason("SIGTERM", 143), 3, "/ck/step_3")
+    assert isinstance(stop, SystemExit) and stop.code == 143 and stop.step == 3
+
+
+def test_the_deadline_keeps_the_slowest_step_and_save_in_hand():
+    control = RunControl(deadline=time.time() + 100)
+    control._steps.extend([1.0, 30.0, 2.0])
+    assert control.stop_reason() is None  # no save yet: the slowest step stands for it: 1.1 * (30 + 30) = 66 < 100
+    control._saves.append(70.0)
+    assert control.seconds_needed() == pytest.approx(1.1 * (30 + 70))
+    reason = control.stop_reason()
+    assert reason is not None and reason.status == EXIT_DEADLINE and "checkpointing.save_before" in reason.what
+
+
+def test_deadline_forms():
+    assert resolve_deadline(None, 50.0) == (None, "no deadline")
+    assert resolve_deadline("90", 50.0)[0] == 140.0
+    assert resolve_deadline("auto", 0.0, {"SLURM_JOB_END_TIME": "1234567"})[0] == 1234567.0
+    assert resolve_deadline("auto", 0.0, {})[0] is None  # no scheduler: no deadline
+    iso = resolve_deadline("2030-01-02T03:04:05+00:00", 0.0)[0]
+    assert iso == 1893553445.0
+
+
+def test_bad_save_before_names_the_key():
+    with pytest.raises(ConfigError, match="checkpointing.save_before must be 'auto'"):
+        load_config(None, ["checkpointing.enabled=true", "checkpointing.save_before=tomorrow"])
+    with pytest.raises(ConfigError, match="checkpointing.save_before needs checkpointing.enabled=true"):
+        load_config(None, ["checkpointing.save_before=60"])
