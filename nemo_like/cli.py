@@ -35,6 +35,7 @@ COMMANDS = {  # name: its line in `nemo-like --help` (and its description in `ne
     "eval": "Score a model or checkpoint on the recipe's validation prompts: accuracy and pass@k.",
     "plot": "Render a run's metrics.jsonl to a PNG (the standard panel, or --metrics).",
     "merge": "Merge a LoRA checkpoint's adapters into its base model: a plain HF model directory.",
+    "plan": "Before launching: every run-level decision, memory per role and device, whether it fits, step time.",
     "serve": "Serve the recipe's model (or eval.model_path) over an OpenAI-compatible API on 127.0.0.1, without training.",
 }
 TOP_LEVEL_FLAGS = ("-h", "--help", "--version")
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", prog="nemo-like", help=argparse.SUPPRESS)  # listed in the description, one line each
     adders = {"train": add_train_arguments, "eval": add_eval_arguments, "plot": add_plot_arguments, "merge": add_merge_arguments}
-    adders |= {"serve": add_serve_arguments}
+    adders |= {"serve": add_serve_arguments, "plan": add_plan_arguments}
     for name, summary in COMMANDS.items():
         adders[name](sub.add_parser(name, help=summary, description=summary))
     return parser
@@ -158,6 +159,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. eval.model_path=results/grpo/step_50")
 
 
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="Recipe YAML (default: examples/configs/grpo_tiny_cpu.yaml).")
+    parser.add_argument(
+        "--device-memory-gib", type=float, default=None, help="Memory of one GPU (or of one node on a CPU cluster): check the fit."
+    )
+    parser.add_argument("--peak-tflops", type=float, default=None, help="Peak dense TFLOP/s of one device: estimate the step time.")
+    parser.add_argument("--mfu", type=float, default=0.4, help="Model FLOPs utilisation assumed for the step time (default 0.4).")
+    parser.add_argument("--model-config", default=None, help="The model's config.json when the model is not on this machine.")
+    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, as for train")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the run plan and the memory plan; exit 3 when a device is over ``--device-memory-gib``."""
+    from nemo_like.distributed.planning import plan_on_cluster
+    from nemo_like.models.footprint import memory_report
+
+    cfg = load_config(args.config, args.overrides)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
+    lines, fits = memory_report(cfg, plan_on_cluster(cfg), args.device_memory_gib, peak, args.mfu, args.model_config)
+    for line in lines:
+        print(f"[plan] {line}")
+    return 3 if fits is False else 0
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Print the server's base URL and key, serve until Ctrl-C (``docs/guides/agents.md``)."""
     from nemo_like.serving.standalone import serve
@@ -203,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_merge(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "plan":
+            return run_plan(args)
         build_parser().print_help()
         return 2
     except ConfigError as exc:

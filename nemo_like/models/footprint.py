@@ -25,12 +25,16 @@ def model_config_path(model_name: str, config_path: str | None = None) -> Path:
             raise ConfigError(f"--model-config {config_path}: no config.json there")
         return path
     try:
-        return Path(resolve_model_path(model_name)) / "config.json"
+        path = Path(resolve_model_path(model_name)) / "config.json"
+        reason = "no such file"
     except (OSError, ValueError) as exc:
+        path, reason = None, str(exc).splitlines()[0]
+    if path is None or not path.is_file():
         raise ConfigError(
-            f"policy.model_name={model_name!r}: its config.json is not on this machine ({str(exc).splitlines()[0]}); pass "
-            "--model-config PATH (the model's config.json, e.g. examples/cluster/model_configs/) to plan without it"
-        ) from None
+            f"policy.model_name={model_name!r}: its config.json is not on this machine ({reason}); pass --model-config PATH "
+            "(the model's config.json, e.g. one of examples/cluster/model_configs/) to plan without the model"
+        )
+    return path
 
 
 def model_footprint(

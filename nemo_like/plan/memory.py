@@ -9,8 +9,9 @@ What is exact and what is estimated:
   them with :meth:`PolicyWorker.memory_footprint`.
 * **activations** are an estimate of the peak of one training micro-batch (tokens x layers x what a Llama-family
   layer saves for backward: ``8H + 4 K D + 4I`` values per token, the attention kernel keeping no score matrix),
-  plus the float32 logits and their gradient (``tokens x vocab x 8`` bytes, or ``chunk x vocab x 8`` with
-  ``policy.logprob_chunk_size``); with activation checkpointing one layer's worth plus each layer's input.
+  plus the float32 logits, their log-softmax and its gradient (``tokens x vocab x 12`` bytes, or ``chunk x vocab x 12``
+  with ``policy.logprob_chunk_size``); with activation checkpointing one layer's worth plus each layer's input.
+  ``python benchmarks/plan_memory.py`` compares it with measured training steps on a CPU.
 * **KV cache** of a vLLM engine: ``2 x layers x kv_heads x head_dim x bytes`` per token; the budget is
   ``gpu_memory_utilization x device`` minus the weights (GPU), or ``kv_cache_space_gib`` (CPU).
 * **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters) at
@@ -142,7 +143,7 @@ class MemoryPlan:
         """The planner's lines (also printed as ``[plan]`` lines by ``nemo-like plan``)."""
         out = [r.line() for r in self.roles]
         for device, used in self.per_device.items():
-            budget = "" if self.device_bytes is None else f" of {self.device_bytes / GIB:.1f} GiB"
+            budget = "" if self.device_bytes is None else f" of {self.device_bytes / GIB:.3g} GiB"
             out.append(f"memory on {device}: {used / GIB:.3f} GiB{budget}")
         if self.fits is not None:
             out.append("fits: yes" if self.fits else "fits: NO; " + "; ".join(self.advice))
@@ -160,14 +161,14 @@ def _training_activations(cfg: Any, shape: ModelShape, value_bytes: int) -> int:
     else:
         layers = per_layer * shape.layers
     logit_rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
-    return layers + logit_rows * shape.vocab * 8
+    return layers + logit_rows * shape.vocab * 12  # float32 logits, their log-softmax and its gradient
 
 
 def _logprob_activations(cfg: Any, shape: ModelShape, value_bytes: int) -> int:
     tokens = micro_batch_tokens(cfg, training=False)
     chunk = cfg.policy.logprob_chunk_size
     logit_rows = min(tokens, chunk) if chunk else tokens
-    return tokens * shape.layer_values_per_token() * value_bytes + logit_rows * shape.vocab * 4
+    return tokens * shape.layer_values_per_token() * value_bytes + logit_rows * shape.vocab * 8  # logits + log-softmax
 
 
 def micro_batch_tokens(cfg: Any, training: bool) -> int:
