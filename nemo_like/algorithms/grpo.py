@@ -39,6 +39,7 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import DataExhausted
 from nemo_like.environments.interface import CORRECT_REWARD
+from nemo_like.experience.agent_rollouts import per_session
 from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
 from nemo_like.experience.multi_turn import multi_turn_metrics
 from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, env_metrics_with_means, task_reward_metrics
@@ -111,16 +112,23 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
 
 
 def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
-    """Per-token advantages of the collated ``batch`` from the rollout's rewards; returns the advantage metrics."""
+    """Per-token advantages of the collated ``batch`` from the rollout's rewards; returns the advantage metrics. Agent
+    tasks: advantages are computed per session (a branched session weighs once in its group's baseline) and every
+    row of a session takes its session's."""
+    rewards, groups, valid, row_index = rollout.rewards, rollout.group_ids, batch["sample_mask"], None
+    if rollout.session_of_row is not None:
+        first, row_index = per_session(rollout.session_of_row)
+        rewards, groups, valid = rewards[first], groups[first], valid[first]
     adv = compute_advantages(
         cfg.grpo.adv_estimator.name,
-        rewards=rollout.rewards,
-        prompt_ids=rollout.group_ids,
-        valid_mask=batch["sample_mask"],
+        rewards=rewards,
+        prompt_ids=groups,
+        valid_mask=valid,
         normalize_rewards=cfg.grpo.normalize_rewards,
         use_leave_one_out_baseline=cfg.grpo.use_leave_one_out_baseline,
     )
-    batch["advantages"] = adv.advantages.unsqueeze(-1) * batch["token_mask"]
+    per_row = adv.advantages if row_index is None else adv.advantages[row_index]
+    batch["advantages"] = per_row.unsqueeze(-1) * batch["token_mask"]
     return {
         **advantage_metrics(batch["advantages"], batch["token_mask"]),
         **reward_group_metrics(rollout.rewards, rollout.group_ids, batch["sample_mask"]),

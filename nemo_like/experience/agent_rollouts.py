@@ -8,8 +8,8 @@ Per batch (:meth:`AgentRollouts.collect`): every sample opens a session (seeded 
 its reward or the messages the task's verifier scores (the agent environment's actors). A session that raised, ran
 past its deadline, sampled over its budget, returned something else, or whose records failed the server's checks
 fails: its rows (or, with none, one placeholder row with nothing masked in) get ``failure_reward`` and it is counted
-in ``agent/failures/<kind>``; the run continues. The server lives in ``nemo_like/serving`` (above this layer), so it
-is passed in (:class:`AgentServer`) and started by name (:func:`start_agent_rollouts`).
+in ``agent/failures/<kind>``; the run continues. The server is :class:`nemo_like.serving.server.RolloutServer` (the
+layer just below this one), started by :func:`start_agent_rollouts`.
 """
 
 from __future__ import annotations
@@ -31,13 +31,9 @@ from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.env_calls import call_environments
 from nemo_like.experience.rollouts import Rollout, expand_groups
 from nemo_like.models.generation.interface import GeneratedSample
-from nemo_like.utils.imports import import_object
+from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.utils.seeds import agent_session_seed
 
-#: The rollout server and its settings, imported by name when an agent run starts (``nemo_like.serving`` sits above
-#: the loops in the layers, so the loops name it like a plug-in instead of importing it).
-SERVER_CLASS = "nemo_like.serving.server:RolloutServer"
-SERVER_CONFIG = "nemo_like.serving.server:ServerConfig"
 SEED_KEY, BUDGET_KEY = "seed", "token_budget"  # the session metadata the server reads (nemo_like/serving/sessions.py)
 
 
@@ -277,9 +273,8 @@ def start_agent_rollouts(
 ) -> AgentRollouts:
     """Start the rollout server on the driver (127.0.0.1, a free port, a random key) over ``engine``, sampling with
     its current weights, for the agent tasks' ``settings`` (:func:`load_agents`)."""
-    server_class, config_class = import_object(SERVER_CLASS), import_object(SERVER_CONFIG)
-    config = config_class(
+    config = ServerConfig(
         auto_create_sessions=False, require_session=True, max_context=cfg.policy.max_total_sequence_length, seed=cfg.grpo.seed
     )
-    server = server_class(engine, tokenizer, config, eos_token_ids=list(eos_token_ids)).start()
+    server = RolloutServer(engine, tokenizer, config, eos_token_ids=list(eos_token_ids)).start()
     return AgentRollouts(server, settings, tokenizer, engine)

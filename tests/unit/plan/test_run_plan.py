@@ -94,6 +94,7 @@ DECIDERS = {
     "phase_actors": set(),
     "multi_turn_settings": set(),
     "oversubscription_warning": set(),
+    "agent_tasks": set(),
     "decide_run_plan": {"nemo_like/distributed/planning.py"},
     "plan_on_cluster": {"nemo_like/algorithms/setup.py", "nemo_like/evaluation/run.py", "nemo_like/cli.py"},  # cli: `nemo-like plan`
 }
