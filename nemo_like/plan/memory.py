@@ -249,20 +249,20 @@ def plan_memory(
         roles.append(policy_memory(cfg, teacher[0], teacher[1], "teacher"))
     parameters = sum(math.prod(p.shape) for p in params)
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes))
-    per_device = devices(cfg, roles)
+    per_device = devices(cfg, roles, colocated=run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled)
     advice = []
     if device_bytes is not None and max(per_device.values()) > device_bytes:
         advice = fit_advice(cfg)
     return MemoryPlan(roles, per_device, device_bytes, advice, step)
 
 
-def devices(cfg: Any, roles: list[RoleMemory]) -> dict[str, int]:
-    """What each device holds: on GPUs every worker has its own (a colocated engine shares policy rank 0's); on a CPU
+def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False) -> dict[str, int]:
+    """What each device holds: on GPUs every worker has its own (a ``colocated`` vLLM engine shares policy rank 0's); on a CPU
     cluster every worker of a node shares the node's memory (workers spread evenly over ``cluster.num_nodes``)."""
     by_role = {r.role: r for r in roles}
     if cfg.cluster.gpus_per_node:
         out = {f"{r.role} GPU": r.total for r in roles if r.workers}
-        if cfg.policy.generation.colocated.enabled and "generation GPU" in out:
+        if colocated and "generation GPU" in out:
             out["policy GPU"] = out.get("policy GPU", 0) + out.pop("generation GPU")
         return out
     nodes = max(1, cfg.cluster.num_nodes)
