@@ -25,7 +25,7 @@ def nemo_like(*args: str) -> subprocess.CompletedProcess[str]:
 def test_every_command_is_in_commands() -> None:
     """The help's list is COMMANDS; the parser must have no command outside it."""
     sub = next(action for action in build_parser()._actions if action.dest == "command")
-    assert sorted(sub.choices) == sorted(COMMANDS) == ["eval", "merge", "plot", "serve", "train"]
+    assert sorted(sub.choices) == sorted(COMMANDS) == ["eval", "merge", "plan", "plot", "serve", "train"]
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
