@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
+import threading
 import time
 import warnings
-from contextlib import ExitStack, nullcontext
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +81,27 @@ def check_run_inputs(cfg: MasterConfig) -> None:
         ensure_writable_dir(directory, key)
 
 
+@contextmanager
+def stop_signals_held(control: RunControl) -> Iterator[None]:
+    """Hold SIGTERM and SIGINT while the cluster and the actors start, then handle what arrived.
+
+    Processes inherit a blocked-signal mask across ``exec``: the private cluster's processes (GCS, raylet, agents, the
+    workers it forks) then ignore a SIGTERM or Ctrl-C sent to the driver's whole process group (Slurm's ``srun``, a
+    terminal), which would otherwise kill the GCS under the driver while it saves. ``ray.init`` also replaces SIGTERM's
+    handler with Ray's (it prints the signal and aborts: status 134), so the run's handlers are installed again after
+    it, before a held signal is let through."""
+    held = {signal.SIGTERM, signal.SIGINT}
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        if main:
+            control.install_signal_handlers()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+
+
 def stop_message(cfg: MasterConfig, stop: RunInterrupted) -> str:
     """The lines a stopped run ends with: why, what was saved, the exit status and the exact command that resumes."""
     saved = f"checkpoint {stop.checkpoint}" if stop.checkpoint else "no checkpoint (checkpointing.enabled=false)"
@@ -124,11 +148,11 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
     logger.save_config(cfg.model_dump(mode="json"))
     logger.progress.message(f"[setup] logging to {logger.metrics_path}")
     try:
-        parts = setup_grpo(cfg)  # bad data fails here, before any actor starts
+        with stop_signals_held(control):  # Ray's processes started here inherit the mask: a signal to the group spares them
+            parts = setup_grpo(cfg)  # bad data fails here, before any actor starts
     except BaseException:
         logger.close()
         raise
-    control.install_signal_handlers()  # again: ray.init replaced SIGTERM's handler with one that aborts (status 134)
     logger.progress.message(f"[setup] actors ready in {time.perf_counter() - start:.1f}s")
     ft = cfg.cluster.fault_tolerance
     try:
