@@ -1,0 +1,75 @@
+"""The stall report's pieces that need no cluster, and arming a fault from the config or the environment."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from nemo_like.config.sections.run import FaultInjectionConfig
+from nemo_like.distributed import faults
+from nemo_like.distributed.watchdog import driver_section, innermost_call
+
+DUMP = """Process 2219: ray::PolicyWorker.__ray_call__
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 2219 (idle): "MainThread"
+    _hang_forever (nemo_like/distributed/faults.py:74)
+    Class.__ray_call__ (ray/actor.py:2903)
+    Worker.main_loop (ray/_private/worker.py:1069)
+Thread 2253 (idle): "PythonGCThread"
+    Condition.wait (threading.py:327)""".splitlines()
+
+
+def test_the_actor_call_is_the_task_title_and_the_main_threads_innermost_frame():
+    assert innermost_call(DUMP) == "PolicyWorker.__ray_call__, at _hang_forever (nemo_like/distributed/faults.py:74)"
+    idle = ["Process 9: ray::EnvironmentWorker", 'Thread 9 (idle): "MainThread"', "    Worker.main_loop (ray/_private/worker.py:1069)"]
+    assert innermost_call(idle) == "idle (no call running), at Worker.main_loop (ray/_private/worker.py:1069)"
+
+
+def get_with_context(refs, what, timeout_s=None):  # the name and locals the report reads, as in distributed/worker_group.py
+    start = time.monotonic()
+    refs.wait(timeout=5)
+    return what, start
+
+
+def test_the_driver_section_names_the_call_it_waits_in_and_for_how_long():
+    release = threading.Event()
+    waiter = threading.Thread(target=get_with_context, args=(release, "policy: inline generation"))
+    waiter.start()
+    time.sleep(0.2)
+    try:
+        lines = driver_section(waiter.ident)
+    finally:
+        release.set()
+        waiter.join()
+    assert lines[0].startswith("[stall] driver (pid") and "waiting on 'policy: inline generation' for 0." in lines[0]
+    assert any("in get_with_context" in line for line in lines[1:])
+
+
+def test_a_fault_is_armed_from_the_config_or_the_environment(monkeypatch):
+    try:
+        assert faults.arm(FaultInjectionConfig()) is None  # action null: nothing armed
+        monkeypatch.setenv(faults.ENV_VAR, '{"step": 3, "action": "kill"}')
+        armed = faults.arm(FaultInjectionConfig())
+        assert armed is not None and (armed.step, armed.action, armed.role) == (3, "kill", "generation")
+        monkeypatch.setenv(faults.ENV_VAR, '{"step": 3, "action": "explode"}')
+        with pytest.raises(ValueError, match="NEMO_LIKE_FAULT_INJECTION must be a JSON object with the keys of cluster.fault_injection"):
+            faults.arm(None)
+    finally:
+        faults.disarm()
+
+
+def test_nothing_armed_or_another_step_injects_nothing():
+    class NoCalls:  # any attribute access would fail: inject must not touch the worker
+        def __getattr__(self, name):
+            raise AssertionError(name)
+
+    faults.disarm()
+    faults.inject("generation", "generate", [NoCalls()])
+    faults.arm(FaultInjectionConfig(step=5, action="hang"))
+    try:
+        faults.inject("generation", "generate", [NoCalls()])  # the active step is 0, not 5
+    finally:
+        faults.disarm()
