@@ -99,8 +99,9 @@ def stall_report(control: RunControl, idle_s: float, timeout_s: float, main_thre
     """The whole report: the driver's call and stack, then every actor's."""
     lines = [f"[stall] no progress for {idle_s:.0f}s (cluster.fault_tolerance.stall_timeout_s={timeout_s:g}) during step {control.step}"]
     lines += driver_section(main_thread_id)
+    calls = running_calls()
     for actor in job_actors():
-        lines += actor_section(actor)
+        lines += actor_section(actor, calls, local_node_id())
     lines.append("[stall] end of report")
     return "\n".join(lines)
 
@@ -147,14 +148,24 @@ def running_calls() -> dict[str, tuple[str, float]]:
     return {t.actor_id: (t.name, (now_ms - (t.start_time_ms or now_ms)) / 1000) for t in tasks if getattr(t, "actor_id", None)}
 
 
-def actor_section(actor: dict[str, Any]) -> list[str]:
-    """One actor: class, id, pid, the call it is in, and its Python stack (py-spy, on this node)."""
+def local_node_id() -> str | None:
+    """This driver's Ray node id (py-spy reaches only the processes of this node)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - a report must not fail
+        return None
+
+
+def actor_section(actor: dict[str, Any], calls: dict[str, tuple[str, float]], node_id: str | None) -> list[str]:
+    """One actor: class, id, pid, the call it is in, and its Python stack (py-spy, for actors on this node)."""
     if "error" in actor:
         return [f"[stall] {actor['error']}"]
-    actor_id, pid = actor["ActorID"], actor.get("Pid")
-    head = f"[stall] actor {actor['ActorClassName']} {actor_id[:12]} (pid {pid}, node {actor['Address']['IPAddress']})"
-    stack = py_spy_stack(pid)
-    calls = running_calls()
+    actor_id, pid, address = actor["ActorID"], actor.get("Pid"), actor.get("Address", {})
+    head = f"[stall] actor {actor['ActorClassName']} {actor_id[:12]} (pid {pid}, node {address.get('IPAddress')})"
+    on_this_node = node_id is None or address.get("NodeID") == node_id
+    stack = py_spy_stack(pid) if on_this_node else ["(no stack: the actor runs on another node; py-spy dump --pid there)"]
     if actor_id in calls:
         name, seconds = calls[actor_id]
         call = f"in {name} for {seconds:.1f}s"
