@@ -45,9 +45,9 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
     deadline, source = resolve_deadline(cfg.checkpointing.save_before, time.time())
     control = RunControl(deadline)
     if deadline is not None:
-        print(
-            f"[stop] saving and stopping before {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(deadline))} ({source})", file=sys.stderr
-        )
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(deadline))
+        late = "; it has already passed: the run stops after its first step" if deadline <= time.time() else ""
+        print(f"[stop] saving and stopping before {when} ({source}){late}", file=sys.stderr)
     activate(control)
     faults.arm(cfg.cluster.fault_injection)
     control.install_signal_handlers()
