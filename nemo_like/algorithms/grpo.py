@@ -530,7 +530,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             control.step_finished()
             stop, path = control.stop_reason(), None
             # Log first, then save: a crash in between only repeats this step's log line on resume.
-            if manager is not None and (step % cfg.checkpointing.save_period == 0 or last or stop is not None):
+            if manager is not None and (step % cfg.checkpointing.save_period == 0 or last or stop is not None or control.wants_save()):
                 path = runner.save(manager, step, {**last_validation, **metrics})
                 control.save_finished()
                 logger.progress.message(f"[checkpoint] saved {path}")

@@ -38,10 +38,12 @@ def test_run_interrupted_exits_with_the_reasons_status():
 
 def test_the_deadline_keeps_the_slowest_step_and_save_in_hand():
     control = RunControl(deadline=time.time() + 100)
+    assert control.wants_save()  # a save is measured as soon as possible
     control._steps.extend([1.0, 30.0, 2.0])
-    assert control.stop_reason() is None  # no save yet: the slowest step stands for it: 1.1 * (30 + 30) = 66 < 100
+    assert control.stop_reason() is None  # no save yet: the slowest step stands for it: 1.25 * (30 + 30) + 5 = 80 < 100
     control._saves.append(70.0)
-    assert control.seconds_needed() == pytest.approx(1.1 * (30 + 70))
+    assert not control.wants_save() and not RunControl().wants_save()
+    assert control.seconds_needed() == pytest.approx(1.25 * (30 + 70) + 5)
     reason = control.stop_reason()
     assert reason is not None and reason.status == EXIT_DEADLINE and "checkpointing.save_before" in reason.what
 
