@@ -5,8 +5,8 @@
 * ``checkpointing.save_before=auto`` with ``$SLURM_JOB_END_TIME`` (in this process): saved before the deadline,
   ``RunInterrupted`` with status 75.
 * A generation call made to hang (``cluster.fault_injection``): the watchdog reports the driver's call, the actor and
-  its stack within ``stall_timeout_s + 10 s``; a first SIGINT cannot finish the hung step, a second exits at once (130);
-  with ``on_stall=abort`` the run exits 70 with the report.
+  its stack within ``stall_timeout_s + 10 s``, and with ``on_stall=abort`` the run exits 70 with the report, the last
+  checkpoint intact.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def test_save_before_auto_reads_slurm_end_time_and_stops_in_time(ray_cluster, tm
     assert stopped.value.code == 75 and "checkpointing.save_before" in stopped.value.reason.what
     steps = checkpoint_steps(ckpt)
     # Two saves: after the first step (to measure a save) and the deadline's, of the last logged step.
-    assert steps == [1, read_metrics(tmp_path / "logs")[-1]["step"]] and steps[-1] == stopped.value.step
+    # (On a slow machine the deadline may already be near after step 1: then both saves are step 1's.)
+    assert steps == sorted({1, read_metrics(tmp_path / "logs")[-1]["step"]}) and steps[-1] == stopped.value.step
     margin = int(end) - (ckpt / f"step_{steps[-1]}").stat().st_mtime
     print(f"save_before: step_{steps[-1]} saved {margin:.1f}s before the deadline")
     assert margin > 0  # saved before the deadline
@@ -164,48 +165,36 @@ def test_save_before_auto_reads_slurm_end_time_and_stops_in_time(ray_cluster, tm
 STALL = "cluster.fault_tolerance.stall_timeout_s=4"
 
 
-def test_a_hung_generation_is_reported_and_a_second_sigint_exits_at_once(tmp_path):
+def test_a_hung_generation_is_reported_with_its_stack_and_abort_exits_70_keeping_the_last_checkpoint(tmp_path):
+    # Step 2 hangs, so step 1's checkpoint exists; on_stall=abort ends the run with the report. (A second signal
+    # exiting at once is tested on the handler itself: tests/unit/utils/test_run_control.py.)
     ckpt = tmp_path / "ckpt"
-    # Step 2 hangs, so step 1's checkpoint exists. (A slow first step on a loaded machine may be reported too: warn.)
     run = Run(
         tmp_path,
         "grpo.max_num_steps=5",
         "cluster.fault_injection.step=2",
         "cluster.fault_injection.action=hang",
         STALL,
+        "cluster.fault_tolerance.on_stall=abort",
         *ckpt_overrides(ckpt, 1),
     )
     try:
         injected = run.wait_for_line(r"\[fault\] injecting 'hang'", 240)
         first = run.wait_for_line(r"\[stall\] no progress", 4 + 10 + 20, after=injected)
         reported = run.wait_for_line(r"\[stall\] end of report", 30, after=first)
-        run.signal(signal.SIGINT)
-        run.wait_for_line(r"\[stop\] SIGINT received during step 2", 10)
-        second = run.signal(signal.SIGINT)
-        status = run.finish(30)
+        status = run.finish(120)
     finally:
         run.cleanup()
-    print(f"hang -> report: {reported - injected:.1f}s; second SIGINT -> exit: {run.ended_at - second:.1f}s")
+    print(f"hang -> report: {reported - injected:.1f}s")
     assert first - injected <= 4 + 10 and reported - injected <= 4 + 10
     out = "\n".join(line for at, line in run.lines if first <= at <= reported)  # the hang's report
     assert "[stall] driver" in out and "waiting on 'policy: inline generation'" in out, out
     assert re.search(r"\[stall\] actor PolicyWorker \w+ \(pid \d+.*\): in PolicyWorker.__ray_call__, at _hang_forever", out), out
     assert "_hang_forever (nemo_like/distributed/faults.py" in out  # the py-spy stack
-    assert status == 130 and run.ended_at - second < 10, run.output
-    assert checkpoint_steps(ckpt) == [1]  # the hung step 2 never saved; step 1 is intact
-
-
-def test_on_stall_abort_exits_70_with_the_report(tmp_path):
-    # Step 1 hangs: nothing runs between the watchdog's start and the hang, so no slow step can be reported first.
-    run = Run(tmp_path, "grpo.max_num_steps=5", "cluster.fault_injection.action=hang", STALL, "cluster.fault_tolerance.on_stall=abort")
-    try:
-        status = run.finish(240)
-    finally:
-        run.cleanup()
     assert status == 70, run.output
-    assert "[stall] actor PolicyWorker" in run.output and "_hang_forever (nemo_like/distributed/faults.py" in run.output
     assert "nemo-like: error: the run stalled and was aborted (cluster.fault_tolerance.on_stall=abort)" in run.output
     assert "Traceback" not in run.output
+    assert checkpoint_steps(ckpt) == [1]  # the hung step 2 never saved; step 1 is intact
 
 
 def test_an_injected_kill_of_the_generation_actor_stops_the_run_naming_the_call(tmp_path):

@@ -62,3 +62,33 @@ def test_bad_save_before_names_the_key():
         load_config(None, ["checkpointing.enabled=true", "checkpointing.save_before=tomorrow"])
     with pytest.raises(ConfigError, match="checkpointing.save_before needs checkpointing.enabled=true"):
         load_config(None, ["checkpointing.save_before=60"])
+
+
+SECOND_SIGNAL = """
+import sys, time
+from nemo_like.utils.run_control import RunControl
+control = RunControl()
+control.install_signal_handlers()
+control.step_started(3)
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_second_signal_exits_at_once_with_the_first_ones_status():
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SECOND_SIGNAL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)  # the first: a stop request; the process keeps running (the step would finish)
+        time.sleep(0.3)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)  # the second: exit now
+        status = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert status == EXIT_SIGINT and "SIGINT received during step 3" in err and "second SIGINT: exiting now" in err, err
