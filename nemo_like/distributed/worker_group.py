@@ -148,6 +148,13 @@ class RoleResources:
         return f"{self.role} {self.count} x " + ", ".join(f"{k} {v:g}" for k, v in self.bundle.items())
 
 
+def release_idle_actors() -> None:
+    """Kill the idle groups :func:`reuse_actors` keeps, freeing their bundles. For actors that place groups of their
+    own from inside another actor (a judge's engine inside an environment actor): there, this driver's pool cannot
+    evict, so a placement would wait for bundles that idle groups hold."""
+    _POOL.evict()
+
+
 def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s: float, strategy: str = "PACK") -> PlacementGroup:
     """Create a placement group of ``count`` bundles (Ray placement ``strategy``) and wait for it; fail clearly
     instead of hanging. Idle actors kept by :func:`reuse_actors` are killed first if they hold the resources needed."""

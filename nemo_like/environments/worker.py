@@ -119,8 +119,10 @@ class Environments:
     configured task (``env.<task>``), each with its own actors and settings."""
 
     def __init__(self, specs: dict[str, EnvSpec], placement_timeout_s: float = 60.0) -> None:
-        from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
+        from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources, release_idle_actors
 
+        if any(actor_needs(spec).helpers for spec in specs.values()):
+            release_idle_actors()  # their helper groups are placed from inside the environment actors
         self.groups = {}
         try:
             for task, spec in specs.items():

@@ -268,8 +268,10 @@ class Policy:
 
     def shutdown(self) -> None:
         if self.trainable:
-            try:  # unlink the refit buffer; a worker that already died took nothing with it but its mapping
-                get_with_context(self.group.run_all("release_shared_weights"), f"{self.name}: release refit buffer", timeout_s=30)
+            # Unlink the refit buffer: milliseconds on a healthy worker; a hung one (a stalled run being aborted) is
+            # given 5 s, not the run's exit. A worker that already died took nothing with it but its mapping.
+            try:
+                get_with_context(self.group.run_all("release_shared_weights"), f"{self.name}: release refit buffer", timeout_s=5)
             except Exception:  # noqa: BLE001 - cleanup on the way out must not hide the run's own error
                 pass
         self.group.shutdown()
