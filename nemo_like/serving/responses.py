@@ -23,6 +23,18 @@ def _chat_logprobs(choice: SampledChoice, decode_token: Any) -> dict[str, Any]:
     }
 
 
+def _response_body(kind: str, call: SampledCall, req: Any, response_id: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """The OpenAI response object of ``kind`` around its ``choices``; with ``return_token_ids`` each choice and the
+    body carry the ids (:func:`response_extras`)."""
+    if req.return_token_ids:
+        for entry, choice in zip(choices, call.choices):
+            entry.update(response_extras(call, choice))
+    body = {"id": response_id, "object": kind, "created": int(time.time()), "model": req.model, "choices": choices, "usage": _usage(call)}
+    if req.return_token_ids:
+        body.update(response_extras(call))
+    return body
+
+
 def chat_response(call: SampledCall, req: ChatCompletionRequest, response_id: str, decode_token: Any = str) -> dict[str, Any]:
     """A ``chat.completion`` object; ``decode_token(id)`` names tokens in ``logprobs``."""
     choices = []
@@ -37,20 +49,8 @@ def chat_response(call: SampledCall, req: ChatCompletionRequest, response_id: st
             "finish_reason": choice.finish_reason,
             "logprobs": _chat_logprobs(choice, decode_token) if req.logprobs else None,
         }
-        if req.return_token_ids:
-            entry.update(response_extras(call, choice))
         choices.append(entry)
-    body = {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": req.model,
-        "choices": choices,
-        "usage": _usage(call),
-    }
-    if req.return_token_ids:
-        body.update(response_extras(call))
-    return body
+    return _response_body("chat.completion", call, req, response_id, choices)
 
 
 def completion_response(call: SampledCall, req: CompletionRequest, response_id: str, decode_token: Any = str) -> dict[str, Any]:
@@ -66,20 +66,8 @@ def completion_response(call: SampledCall, req: CompletionRequest, response_id: 
                 at += len(token)
             logprobs = {"tokens": tokens, "token_logprobs": choice.logprobs, "top_logprobs": None, "text_offset": offsets}
         entry: dict[str, Any] = {"index": choice.index, "text": choice.text, "finish_reason": choice.finish_reason, "logprobs": logprobs}
-        if req.return_token_ids:
-            entry.update(response_extras(call, choice))
         choices.append(entry)
-    body = {
-        "id": response_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": req.model,
-        "choices": choices,
-        "usage": _usage(call),
-    }
-    if req.return_token_ids:
-        body.update(response_extras(call))
-    return body
+    return _response_body("text_completion", call, req, response_id, choices)
 
 
 def models_response(model_name: str, created: int, max_context: int) -> dict[str, Any]:

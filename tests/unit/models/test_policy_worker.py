@@ -10,7 +10,8 @@ from nemo_like.models.logprobs import gather_token_logprobs
 from nemo_like.models.policy.worker import PolicyWorker
 
 
-def make_worker(micro_batch_size: int) -> PolicyWorker:
+def make_worker(micro_batch_size: int, **overrides) -> PolicyWorker:
+    """A one-rank fp32 worker of the shipped model (``overrides``: other PolicyWorker keywords, e.g. ``lora_cfg``)."""
     return PolicyWorker(
         rank=0,
         world_size=1,
@@ -23,6 +24,7 @@ def make_worker(micro_batch_size: int) -> PolicyWorker:
         optimizer=OptimizerConfig(lr=1e-3),
         max_grad_norm=None,
         train_micro_batch_size=micro_batch_size,
+        **overrides,
     )
 
 

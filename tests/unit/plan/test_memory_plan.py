@@ -4,14 +4,11 @@ LoRA, one rank and FSDP2 shards); the estimates follow their formulas; the fit c
 from __future__ import annotations
 
 import pytest
-from unit.models.test_policy_worker import random_batch, with_global_counts
+from unit.models.test_policy_worker import make_worker, random_batch, with_global_counts
 
-from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config import DEFAULT_RECIPE, load_config
-from nemo_like.config.loss import ClippedPGLossConfig
-from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig, OptimizerConfig
+from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
 from nemo_like.models.footprint import model_footprint
-from nemo_like.models.policy.worker import PolicyWorker
 from nemo_like.plan.memory import GIB, ParameterSpec, micro_batch_tokens, plan_memory, policy_memory, step_estimate
 from nemo_like.plan.run_plan import decide_run_plan
 
@@ -24,20 +21,7 @@ def recipe(*overrides: str):
 def test_parameters_gradients_and_adamw_state_equal_a_real_workers(lora: bool) -> None:
     lora_cfg = LoraConfig(enabled=True, dim=4) if lora else None
     cfg = recipe(*(["policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=4"] if lora else []))
-    worker = PolicyWorker(
-        rank=0,
-        world_size=1,
-        model_name=EMBEDDED_MODEL,
-        precision="float32",
-        temperature=1.0,
-        num_threads=1,
-        seed=0,
-        loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
-        optimizer=OptimizerConfig(lr=1e-3),
-        max_grad_norm=None,
-        train_micro_batch_size=6,
-        lora_cfg=lora_cfg,
-    )
+    worker = make_worker(6, lora_cfg=lora_cfg)
     worker.train([with_global_counts(random_batch())])  # gradients and AdamW moments now exist
     measured = worker.memory_footprint()
     params, shape = model_footprint(EMBEDDED_MODEL, "float32", cfg.policy.lora_cfg)
