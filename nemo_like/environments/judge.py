@@ -23,13 +23,13 @@ import math
 import warnings
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface, HelperActors
 from nemo_like.environments.judge_engine import JudgeEngine, JudgeEngineSpec
 from nemo_like.environments.judge_parsers import resolve_parser
 from nemo_like.environments.judge_template import JudgeTemplate, TemplateFormat, load_template_text
-from nemo_like.environments.learned_inputs import check_model_name, prompt_of
+from nemo_like.environments.learned_inputs import ModelName, prompt_of
 from nemo_like.environments.score_normalization import ScoreNormalization
 from nemo_like.models.generation.interface import SamplingParams
 
@@ -53,7 +53,7 @@ class JudgeEnvConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_name: str = Field(
+    model_name: ModelName = Field(
         "embedded:tiny-arith-qwen2", description="The judge model (a causal LM): hub id, local directory or shipped name."
     )
     precision: str = Field("float32", pattern="^(float32|bfloat16)$", description="The judge's dtype.")
@@ -79,11 +79,6 @@ class JudgeEnvConfig(BaseModel):
     engine_num_cpus: float = Field(0.25, gt=0, description="CPUs each judge actor reserves.")
     engine_num_gpus: float = Field(0.0, ge=0, description="GPUs each judge actor reserves.")
     engine_num_threads: int = Field(1, gt=0, description="torch threads of each judge actor on CPU.")
-
-    @field_validator("model_name")
-    @classmethod
-    def _loadable(cls, name: str) -> str:
-        return check_model_name(name)
 
     @model_validator(mode="after")
     def _check(self) -> JudgeEnvConfig:

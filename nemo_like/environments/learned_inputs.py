@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
 
 _ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -41,3 +43,7 @@ def check_model_name(name: str, key: str = "model_name") -> str:
 
     check_model_source(name, key)
     return name
+
+
+#: A learned reward's ``model_name`` key: checked loadable when the section is validated (:func:`check_model_name`).
+ModelName = Annotated[str, AfterValidator(check_model_name)]

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
-from nemo_like.environments.learned_inputs import check_model_name, prompt_of, resolve_reward_model_path
+from nemo_like.environments.learned_inputs import ModelName, prompt_of, resolve_reward_model_path
 from nemo_like.environments.score_normalization import ScoreNormalization
 
 #: The shipped tiny reward model (``scripts/build_tiny_reward_model.py``).
@@ -30,7 +30,9 @@ class RewardModelEnvConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_name: str = Field(TINY_REWARD_MODEL, description="AutoModelForSequenceClassification: a local directory, hub id or shipped name.")
+    model_name: ModelName = Field(
+        TINY_REWARD_MODEL, description="AutoModelForSequenceClassification: a local directory, hub id or shipped name."
+    )
     precision: str = Field("float32", pattern="^(float32|bfloat16)$", description="Weights and compute dtype.")
     label_index: int = Field(0, ge=0, description="Which logit is the score (0 for a num_labels=1 model).")
     max_tokens_per_batch: int = Field(4096, gt=0, description="Padded tokens (rows x longest row) per forward pass.")
@@ -40,11 +42,6 @@ class RewardModelEnvConfig(BaseModel):
     num_cpus: float = Field(0.25, gt=0, description="CPUs each actor of this environment reserves.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs each actor reserves (the model runs on its GPU).")
     num_threads: int = Field(1, gt=0, description="torch threads of each actor on CPU.")
-
-    @field_validator("model_name")
-    @classmethod
-    def _loadable(cls, name: str) -> str:
-        return check_model_name(name)
 
 
 class RewardModelEnvironment(EnvironmentInterface):

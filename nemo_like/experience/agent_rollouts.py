@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -35,16 +35,6 @@ from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.utils.seeds import agent_session_seed
 
 SEED_KEY, BUDGET_KEY = "seed", "token_budget"  # the session metadata the server reads (nemo_like/serving/sessions.py)
-
-
-class AgentServer(Protocol):
-    """What the run needs of :class:`nemo_like.serving.RolloutServer`."""
-
-    base_url: str
-    api_key: str
-    sessions: Any  # SessionStore: open(metadata=...) -> id, end(id) -> SessionRows, take_result(id)
-
-    def stop(self) -> None: ...
 
 
 @dataclass
@@ -141,7 +131,7 @@ class _Session:
 class AgentRollouts:
     """The driver side of agent tasks: runs sessions against ``server`` and turns them into a :class:`Rollout`."""
 
-    def __init__(self, server: AgentServer, settings: dict[str, AgentSettings], tokenizer: Any, engine: Any) -> None:
+    def __init__(self, server: RolloutServer, settings: dict[str, AgentSettings], tokenizer: Any, engine: Any) -> None:
         self.server = server
         self.settings = settings
         self.tokenizer = tokenizer

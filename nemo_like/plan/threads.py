@@ -121,23 +121,17 @@ def split_threads(
         auto["generation"] = share(cpus - _busiest(phases) * policy_threads, g)
     else:
         auto["generation"] = share(cpus, g + _busiest(phases))
-    explicit = tuple(
-        r
-        for r, v in (
-            ("policy", policy_threads),
-            ("reference", policy_threads),
-            ("generation", generation_threads),
-            ("teacher", policy_threads),
-        )
-        if v
-    )
+    roles = [("policy", policy_threads), ("reference", policy_threads), ("generation", generation_threads)]
+    if actors.teacher:
+        roles.append(("teacher", policy_threads))
+    explicit = tuple(r for r, v in roles if v)
     return ThreadSplit(
         policy=policy_threads or auto["policy"],
         reference=policy_threads or auto["reference"],
         generation=generation_threads or auto["generation"],
         cpus=cpus,
         async_mode=async_mode,
-        explicit=explicit if actors.teacher else tuple(r for r in explicit if r != "teacher"),
+        explicit=explicit,
         teacher=(policy_threads or auto["teacher"]) if actors.teacher else 0,
     )
 
