@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -100,6 +101,14 @@ async def run_session(settings: AgentSettings, args: tuple, semaphore: asyncio.S
         finally:
             end()
     return outcome
+
+
+def report_failures(failures: dict[str, float], causes: dict[str, str], num_sessions: int) -> None:
+    """One stderr line per batch with failed sessions: each kind's count and the first session's cause, so a bug in
+    the agent is visible without reading the metrics (the run goes on; the counts are in ``agent/failures/<kind>``)."""
+    parts = [f"{kind} x{int(n)} (first: {causes[kind]})" for kind, n in failures.items() if n]
+    if parts:
+        print(f"[agent] {int(sum(failures.values()))} of {num_sessions} sessions failed: " + "; ".join(parts), file=sys.stderr, flush=True)
 
 
 def placeholder_row(prompt: PromptRecord, pad_token_id: int, weight_version: int) -> GeneratedSample:
@@ -206,11 +215,13 @@ class AgentRollouts:
     def _rollout(self, sessions: list[_Session], group_ids: torch.Tensor, metrics: dict[str, float]) -> Rollout:
         prompts, groups, samples, texts, rewards, owners = [], [], [], [], [], []
         failures = dict.fromkeys(FAILURE_KINDS, 0.0)
+        causes: dict[str, str] = {}
         version = int(self.engine.weight_version)
         for s in sessions:
             kind = self._classify(s)
             if kind is not None:
                 failures[kind] += 1
+                causes.setdefault(kind, self._cause(s, kind))
             reward = s.settings.config.failure_reward if kind is not None else s.outcome.reward
             rows = [replace(r.to_generated_sample(), num_turns=len(r.calls)) for r in (s.result.rows if s.result else [])]
             for sample in rows or [placeholder_row(s.prompt, self.tokenizer.pad_token_id, version)]:
@@ -221,10 +232,20 @@ class AgentRollouts:
                 rewards.append(reward)
                 owners.append(s.index)
         metrics.update(self._counters(sessions, failures, len(samples)))
+        report_failures(failures, causes, len(sessions))
         return Rollout(
             prompts, torch.tensor(groups), samples, texts, torch.tensor(rewards, dtype=torch.float32), metrics,
             session_of_row=torch.tensor(owners),
         )  # fmt: skip
+
+    @staticmethod
+    def _cause(s: _Session, kind: str) -> str:
+        """Why the session failed, in words (the first such session's cause goes in the batch's report)."""
+        if kind == "rejected" and s.result is not None and s.result.rejected is not None:
+            return str(s.result.rejected)
+        if kind == "budget":
+            return f"sampled more than max_tokens_per_session={s.settings.config.max_tokens_per_session} tokens"
+        return s.outcome.detail or "no result"
 
     def _decode(self, sample: GeneratedSample) -> str:
         return self.tokenizer.decode([t for t, m in zip(sample.response_ids, sample.sampled_mask) if m], skip_special_tokens=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 
 from nemo_like.config.errors import did_you_mean
@@ -44,15 +45,25 @@ def import_object(path: str) -> object:
     return obj
 
 
+#: Held while a file module executes: agent sessions run on threads and import their helpers by file path at the
+#: same moment, and a module is in ``sys.modules`` before its body has run (re-entrant: a file may import another).
+_FILE_IMPORT_LOCK = threading.RLock()
+
+
 def _import_file(file: Path) -> object:
     resolved = file.resolve()
     name = f"_nemo_like_user_{abs(hash(str(resolved)))}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, resolved)
-    if spec is None or spec.loader is None or not resolved.is_file():
-        raise ImportError(f"no Python file at {file}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    with _FILE_IMPORT_LOCK:
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, resolved)
+        if spec is None or spec.loader is None or not resolved.is_file():
+            raise ImportError(f"no Python file at {file}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]  # a failed import is retried next time, not served half-run
+            raise
+        return module

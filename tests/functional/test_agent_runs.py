@@ -72,7 +72,7 @@ AGENT_RUN = (
 )
 
 
-def test_agent_run_trains_on_the_served_tokens_and_survives_failing_agents(ray_cluster, tmp_path):
+def test_agent_run_trains_on_the_served_tokens_and_survives_failing_agents(ray_cluster, tmp_path, capfd):
     recorded = import_object(f"{THIS}:recording_agent").__globals__["RECORDED"]  # the module the run imports
     history = train(load_config(RECIPE, [*AGENT_RUN, f"logger.log_dir={tmp_path}"]))
     steps = [r for r in history if "train/reward" in r]
@@ -82,6 +82,8 @@ def test_agent_run_trains_on_the_served_tokens_and_survives_failing_agents(ray_c
         assert r["agent/rows_per_session"] == 1 and r["agent/branched_sessions"] == 0
         assert r["train/gen_kl"] < 1e-6  # the training pass's logprobs of the served tokens are the server's
     assert "validation/accuracy" in read_metrics(tmp_path)[-1]
+    report = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[agent]")]
+    assert len(report) >= 2 and all("error x1 (first: RuntimeError: a bug in the agent)" in line for line in report[:2])
     served = dict(expected_row(calls) for calls in recorded.values())
     for step in (1, 2):
         rows = read_jsonl(tmp_path / f"train_data_step{step}.jsonl")

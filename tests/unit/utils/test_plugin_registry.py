@@ -67,3 +67,34 @@ def test_names_are_registered_once_and_never_look_like_import_paths() -> None:
         registry.add("triple", double)
     with pytest.raises(ValueError, match="reserved for import paths"):
         registry.add("a:b", double)
+
+
+def test_a_file_imported_from_many_threads_at_once_is_run_once_and_seen_whole(tmp_path: Path) -> None:
+    """Agent sessions import their helpers by file path on concurrent threads: none may see the module half-run (the
+    CI failure this pins: ``calculator_agent.py has no attribute 'CALCULATOR_SCHEMA'`` in 6 of 8 sessions)."""
+    import threading
+
+    from nemo_like.utils.imports import import_object
+
+    runs = tmp_path / "runs.txt"
+    slow = tmp_path / "slow_module.py"
+    slow.write_text(f"import time\nopen({str(runs)!r}, 'a').write('x')\ntime.sleep(0.3)\nLAST = 'defined at the end'\n")
+    found, start = [], threading.Barrier(8)
+
+    def load() -> None:
+        start.wait()
+        found.append(import_object(f"{slow}:LAST"))
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert found == ["defined at the end"] * 8 and runs.read_text() == "x"
+
+    broken = tmp_path / "broken_once.py"
+    broken.write_text("raise ImportError('not yet')\n")
+    with pytest.raises(ValueError, match="not yet"):
+        import_object(f"{broken}:X")
+    broken.write_text("X = 1\n")
+    assert import_object(f"{broken}:X") == 1  # a failed import is retried, not served half-run
