@@ -11,7 +11,7 @@ so the real call then waits behind it inside the actor, exactly as a hung or dea
 * ``kill``: the actor's process exits (``os._exit(1)``): the call fails with Ray's actor-died error;
 * ``raise``: the actor raises :class:`InjectedFault`, re-raised in the driver.
 
-Each armed fault fires once per run.
+An armed fault fires ``times`` times (default once), then disarms.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from nemo_like.utils.run_control import run_control
 
 ENV_VAR = "NEMO_LIKE_FAULT_INJECTION"
 _ARMED: FaultInjectionConfig | None = None
+_FIRED = 0  # faults fired since the spec was armed
 
 
 class InjectedFault(RuntimeError):
@@ -34,7 +35,7 @@ class InjectedFault(RuntimeError):
 
 def arm(spec: FaultInjectionConfig | None) -> FaultInjectionConfig | None:
     """Arm ``spec``, else the one in ``$NEMO_LIKE_FAULT_INJECTION``; returns what is armed (``None``: nothing)."""
-    global _ARMED
+    global _ARMED, _FIRED
     if spec is not None and spec.action is None:
         spec = None
     if spec is None and os.environ.get(ENV_VAR):
@@ -42,7 +43,7 @@ def arm(spec: FaultInjectionConfig | None) -> FaultInjectionConfig | None:
             spec = FaultInjectionConfig(**json.loads(os.environ[ENV_VAR]))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"${ENV_VAR} must be a JSON object with the keys of cluster.fault_injection: {exc}") from exc
-    _ARMED = spec
+    _ARMED, _FIRED = spec, 0
     return spec
 
 
@@ -53,22 +54,26 @@ def disarm() -> None:
 
 
 def inject(role: str, phase: str, workers: list[Any]) -> None:
-    """Queue the armed fault on ``workers[0]`` when ``role``, ``phase`` and the current step match (then disarm)."""
-    global _ARMED
+    """Queue the armed fault on ``workers[0]`` when ``role`` and ``phase`` match at or after the armed step (it fires
+    ``times`` times in all, then disarms)."""
+    global _ARMED, _FIRED
     spec = _ARMED
-    if spec is None or spec.role != role or spec.phase != phase or run_control().step != spec.step or not workers:
+    if spec is None or spec.role != role or spec.phase != phase or run_control().step < spec.step or not workers:
         return
-    _ARMED = None
+    _FIRED += 1
+    if _FIRED >= spec.times:
+        _ARMED = None
     assert spec.action is not None
-    print(f"[fault] injecting '{spec.action}' into {role} ({phase}) at step {spec.step} (cluster.fault_injection)", flush=True)
-    ref = workers[0].__ray_call__.remote(_ACTIONS[spec.action], f"{role}/{phase} at step {spec.step}")
+    step = run_control().step
+    print(f"[fault] injecting '{spec.action}' into {role} ({phase}) at step {step} (cluster.fault_injection)", flush=True)
+    ref = workers[0].__ray_call__.remote(_ACTIONS[spec.action], f"{role}/{phase} at step {step}")
     if spec.action == "raise":
         import ray
 
         try:
             ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
-            raise InjectedFault(f"cluster.fault_injection: {role} {phase} raised at step {spec.step}") from exc
+            raise InjectedFault(f"cluster.fault_injection: {role} {phase} raised at step {step}") from exc
 
 
 def _hang_forever(actor: Any, where: str) -> None:

@@ -97,7 +97,30 @@ def check_save_before(spec: str | float | None) -> None:
 
 
 class FaultToleranceConfig(Section):
-    """What the run does about a hung call (docs/guides/fault-tolerance.md)."""
+    """What the run does about a dead or hung actor (docs/guides/fault-tolerance.md)."""
+
+    max_actor_restarts: Int = Field(
+        3,
+        ge=0,
+        description="Dead generation or environment actors replaced in place over the run, per role (the lost calls are re-sent with "
+        "the same seeds, so the step's results are unchanged); one more death stops the run listing every cause. 0: stop at the first.",
+    )
+    max_retries_per_batch: Int = Field(
+        2, ge=0, description="Times one batch's calls are re-sent after an actor death or a call_timeout_s before the run stops."
+    )
+    call_timeout_s: Float | None = Field(
+        None,
+        gt=0,
+        description="Per-call deadline of generation and environment calls: a call still running after it counts as a death (the "
+        "actor is restarted and the call re-sent). null: no deadline (the stall watchdog still reports hangs).",
+    )
+    max_restarts: Int = Field(
+        2,
+        ge=0,
+        description="A dead policy or reference worker (not recoverable in place: its optimizer shard is gone): the run stops its "
+        "actors, starts them again and resumes from the last checkpoint in the same process, at most this many times. Needs "
+        "checkpointing.enabled; 0: stop at the first such death.",
+    )
 
     stall_timeout_s: Float | None = Field(
         None,
@@ -114,16 +137,30 @@ class FaultToleranceConfig(Section):
 class FaultInjectionConfig(Section):
     """A deterministic fault for tests (docs/guides/fault-tolerance.md); also ``$NEMO_LIKE_FAULT_INJECTION`` as JSON."""
 
-    role: Literal["generation"] = Field(
-        "generation", description="Whose call fails: 'generation' (an engine, or the policy worker when it samples inline)."
+    role: Literal["generation", "environment", "policy"] = Field(
+        "generation",
+        description="Whose call fails: 'generation' (an engine, or the policy worker when it samples inline), 'environment' (an "
+        "environment actor), 'policy' (a policy worker).",
     )
     step: Int = Field(1, gt=0, description="The training step whose call fails.")
-    phase: Literal["generate"] = Field("generate", description="Which call: 'generate' (the step's rollout generation).")
+    phase: Literal["generate", "score", "train"] = Field(
+        "generate",
+        description="Which call: 'generate' (the step's rollout generation; role generation), 'score' (the rewards; role "
+        "environment), 'train' (the optimizer step; role policy).",
+    )
     action: Literal["hang", "kill", "raise"] | None = Field(
         None,
         description="null: no fault (the default). 'hang': the actor sleeps forever before the call; 'kill': its process exits "
         "(os._exit); 'raise': it raises.",
     )
+    times: Int = Field(1, gt=0, description="How many calls of that role and phase fail, from the step on (2: the retry fails too).")
+
+    @model_validator(mode="after")
+    def _phase_of_role(self) -> FaultInjectionConfig:
+        phases = {"generation": "generate", "environment": "score", "policy": "train"}
+        if self.phase != phases[self.role]:
+            raise ValueError(f"cluster.fault_injection.phase of role {self.role!r} is {phases[self.role]!r}, got {self.phase!r}")
+        return self
 
 
 class ClusterConfig(Section):
