@@ -9,6 +9,7 @@ import ray
 import torch
 
 from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.faults import inject
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.policy.loss_protocol import LossFunction
 from nemo_like.models.policy.spec import PolicyWorkerSpec
@@ -192,6 +193,7 @@ class Policy:
                 per_rank_steps[rank].append(shard)
         tp = len(self.group) // dp  # the ranks of one tensor-parallel group see the same data
         per_worker = [per_rank_steps[r // tp] for r in range(len(self.group))]
+        inject("policy", "train", self.group.workers)  # tests only (cluster.fault_injection); a no-op when unset
         all_results = get_with_context(self.group.run_sharded("train", per_worker), f"{self.name}: training")
         results = all_results[::tp]
         self.weight_version += 1
