@@ -32,7 +32,13 @@ from nemo_like.distributed.reinit import Reinitializable
 
 
 class WorkerFailure(RuntimeError):
-    """A Ray actor died or raised while the driver waited on it; the message names actor and phase."""
+    """A Ray actor died or raised while the driver waited on it; the message names actor and phase. ``role``: the role
+    the phase names (its text before ':', e.g. ``policy`` in ``'policy: training'``), ``actor_id``: the dead actor's id,
+    when known (the driver's run restarts tell a policy or reference death from others by them)."""
+
+    def __init__(self, message: str, role: str | None = None, actor_id: str | None = None) -> None:
+        super().__init__(message)
+        self.role, self.actor_id = role, actor_id
 
 
 class PlacementError(RuntimeError):
@@ -285,7 +291,9 @@ def get_with_context(refs: Any, what: str, timeout_s: float | None = None) -> An
     except ray.exceptions.RayActorError as exc:
         actor = getattr(exc, "actor_id", None)
         raise WorkerFailure(
-            f"Ray actor {actor or '(unknown id)'} died during '{what}' after {time.monotonic() - start:.1f}s: {death_reason(exc)}"
+            f"Ray actor {actor or '(unknown id)'} died during '{what}' after {time.monotonic() - start:.1f}s: {death_reason(exc)}",
+            role=what.split(":")[0].strip(),
+            actor_id=actor,
         ) from exc
 
 
