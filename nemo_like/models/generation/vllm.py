@@ -44,12 +44,17 @@ from nemo_like.plan.backend import INSTALL_HINT, require_vllm, vllm_available  #
 
 
 def engine_env(cfg: MasterConfig) -> dict[str, str]:
+    """Environment of the run's vLLM actors (:func:`vllm_actor_env` with the run's GPUs and KV cache size)."""
+    return vllm_actor_env(bool(cfg.cluster.gpus_per_node), cfg.policy.generation.vllm_cfg.kv_cache_space_gib)
+
+
+def vllm_actor_env(on_gpu: bool, kv_cache_space_gib: float) -> dict[str, str]:
     """Environment of a vLLM actor: in-process engine, vLLM's log level (``$VLLM_LOGGING_LEVEL``, default
     ERROR: its INFO lines, and on CPU a harmless "RotaryEmbedding: Failed to load weights" warning at every
     refit, would flood the driver's console), and the KV cache size on CPU."""
     env = {**ENGINE_ENV, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
-    if not cfg.cluster.gpus_per_node:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.policy.generation.vllm_cfg.kv_cache_space_gib)
+    if not on_gpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
     return env
 
 
