@@ -1,0 +1,100 @@
+"""The token-level KL term to a teacher: value and gradient of the chunked and unchunked functions against a plain
+float64 full-vocabulary computation, for every support and direction, and its bounds."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from nemo_like.models.teacher_kl import KLTerm, chunked_teacher_kl, teacher_kl_from_logits
+
+N, H, V = 13, 8, 40  # 13 positions: chunks of 5 leave a 3-row tail
+TERMS = [KLTerm(d, "full") for d in ("forward", "reverse")] + [
+    KLTerm(d, s, 6) for d, s in itertools.product(("forward", "reverse"), ("teacher_top_k", "student_top_k"))
+]
+
+
+def reference_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, term: KLTerm) -> torch.Tensor:
+    """Written out plainly: probabilities over the vocabulary, the support's top-k tokens and a tail of 1 - their mass."""
+    ps, pt = student_logits.softmax(-1), teacher_logits.softmax(-1)
+    if term.support != "full":
+        source = teacher_logits if term.support == "teacher_top_k" else student_logits
+        top = source.detach().topk(term.top_k, dim=-1).indices
+        ps_k, pt_k = ps.gather(-1, top), pt.gather(-1, top)
+        if term.top_k < ps.shape[-1]:
+            ps_k = torch.cat([ps_k, 1 - ps_k.sum(-1, keepdim=True)], -1)
+            pt_k = torch.cat([pt_k, 1 - pt_k.sum(-1, keepdim=True)], -1)
+        ps, pt = ps_k, pt_k
+    if term.direction == "forward":
+        return (pt * (pt.log() - ps.log())).sum(-1)
+    return (ps * (ps.log() - pt.log())).sum(-1)
+
+
+def inputs(seed: int = 0, dtype: torch.dtype = torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g, dtype=dtype)
+    weight, bias = torch.randn(V, H, generator=g, dtype=dtype) * 0.7, torch.randn(V, generator=g, dtype=dtype)
+    t_hidden, t_weight = torch.randn(N, H + 3, generator=g, dtype=dtype), torch.randn(V, H + 3, generator=g, dtype=dtype) * 0.7
+    upstream = torch.rand(N, generator=g, dtype=dtype)  # per-token weights (a mask times the loss scale)
+    return hidden, weight, bias, t_hidden, t_weight, upstream
+
+
+def ours(term: KLTerm, chunk: int | None, hidden, weight, bias, t_hidden, t_weight, upstream):
+    h, w, b = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    if chunk is None:
+        kl = teacher_kl_from_logits(torch.nn.functional.linear(h, w, b), t_hidden @ t_weight.T, term)
+    else:
+        kl = chunked_teacher_kl(h, w, b, t_hidden, t_weight, None, term, chunk)
+    (kl * upstream).sum().backward()
+    return kl.detach(), h.grad, w.grad, b.grad
+
+
+def reference(term: KLTerm, hidden, weight, bias, t_hidden, t_weight, upstream):
+    h, w, b = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    kl = reference_kl(h @ w.T + b, t_hidden @ t_weight.T, term)
+    (kl * upstream).sum().backward()
+    return kl.detach(), h.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("term", TERMS, ids=lambda t: f"{t.support}-{t.direction}")
+def test_value_and_gradient_match_a_float64_full_vocabulary_reference(term: KLTerm) -> None:
+    args = inputs()
+    expected = reference(term, *args)
+    assert bool((expected[0] > 0).all())
+    for chunk in (None, 1, 5, N, 64):  # unchunked, one row, uneven (13 = 5 + 5 + 3), exact, larger than the batch
+        got = ours(term, chunk, *args)
+        for name, a, b in zip(("value", "d hidden", "d weight", "d bias"), got, expected):
+            assert (a - b).abs().max() < 1e-6, (chunk, name, float((a - b).abs().max()))
+    # float32 inputs (the training dtype) stay close to the float64 reference too
+    got32 = ours(term, 5, *(x.float() for x in args))
+    for a, b in zip(got32, expected):
+        assert (a.double() - b).abs().max() < 1e-5
+
+
+def test_top_k_of_the_whole_vocabulary_is_the_full_kl_and_top_k_bounds_it() -> None:
+    hidden, weight, bias, t_hidden, t_weight, upstream = inputs(1)
+    s, t = hidden @ weight.T + bias, t_hidden @ t_weight.T
+    for direction in ("forward", "reverse"):
+        full = teacher_kl_from_logits(s, t, KLTerm(direction, "full"))
+        for support in ("teacher_top_k", "student_top_k"):
+            whole = teacher_kl_from_logits(s, t, KLTerm(direction, support, V))
+            assert (whole - full).abs().max() < 1e-12
+            for k in (1, 3, 20):
+                part = teacher_kl_from_logits(s, t, KLTerm(direction, support, k))
+                assert bool((part >= 0).all()) and bool((part <= full + 1e-12).all()), (direction, support, k)
+
+
+@pytest.mark.parametrize("term", TERMS, ids=lambda t: f"{t.support}-{t.direction}")
+def test_a_teacher_equal_to_the_student_gives_exactly_zero_value_and_gradient(term: KLTerm) -> None:
+    hidden, weight, bias, _, _, upstream = (x.float() for x in inputs(2))
+    for chunk in (None, 5):
+        h, w, b = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+        if chunk is None:
+            kl = teacher_kl_from_logits(torch.nn.functional.linear(h, w, b), torch.nn.functional.linear(hidden, weight, bias), term)
+        else:
+            kl = chunked_teacher_kl(h, w, b, hidden, weight, bias, term, chunk)
+        (kl * upstream).sum().backward()
+        assert bool((kl == 0).all())
+        assert all(bool((g == 0).all()) for g in (h.grad, w.grad, b.grad)), chunk
