@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -79,16 +79,38 @@ class JudgeEnvConfig(BaseModel):
     engine_num_cpus: float = Field(0.25, gt=0, description="CPUs each judge actor reserves.")
     engine_num_gpus: float = Field(0.0, ge=0, description="GPUs each judge actor reserves.")
     engine_num_threads: int = Field(1, gt=0, description="torch threads of each judge actor on CPU.")
+    engine_backend: Literal["hf", "vllm"] = Field(
+        "hf", description="The judge's engine: 'hf' (transformers generate) or 'vllm' (vLLM, its CPU build here; faster for long verdicts)."
+    )
+    engine_max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="Longest judge prompt + verdict in tokens (longer prompts are cut from the left, counted as "
+        "'truncated'); null: the judge tokenizer's model_max_length. vLLM sizes its engine with it.",
+    )
+    engine_kv_cache_space_gib: int = Field(1, gt=0, description="vLLM on CPU: KV cache of each judge actor (GiB).")
+    engine_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM on GPU: share of the device each judge actor takes.")
 
     @model_validator(mode="after")
     def _check(self) -> JudgeEnvConfig:
         JudgeTemplate(load_template_text(self.template, self.template_file), self.template_format)
         resolve_parser(self.parser, self.parser_options)
+        if self.engine_backend == "hf":
+            for key in ("engine_kv_cache_space_gib", "engine_gpu_memory_utilization"):
+                if key in self.model_fields_set:
+                    warnings.warn(f"{key} has no effect with engine_backend='hf' (a vLLM setting)", UserWarning, stacklevel=2)
         if self.greedy and self.temperature != 1.0:
             warnings.warn(
                 f"temperature={self.temperature} has no effect with greedy=true (the judge decodes greedily)", UserWarning, stacklevel=2
             )
         return self
+
+
+def judge_context(cfg: JudgeEnvConfig, tokenizer_limit: Any) -> int | None:
+    """Tokens the judge reads and writes: ``engine_max_model_len``, else the tokenizer's stated limit (``None``: none)."""
+    if cfg.engine_max_model_len is not None:
+        return cfg.engine_max_model_len
+    return tokenizer_limit if isinstance(tokenizer_limit, int) and tokenizer_limit < 10**9 else None
 
 
 class JudgeEnvironment(EnvironmentInterface):
@@ -109,6 +131,11 @@ class JudgeEnvironment(EnvironmentInterface):
         self.parser = resolve_parser(cfg.parser, cfg.parser_options)
         self.tokenizer = load_tokenizer(cfg.model_name)
         eos = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
+        context = judge_context(cfg, getattr(self.tokenizer, "model_max_length", None))
+        if cfg.engine_backend == "vllm" and context is None:
+            raise ValueError(
+                f"the judge {cfg.model_name!r} does not state its context length: set engine_max_model_len for engine_backend='vllm'"
+            )
         spec = JudgeEngineSpec(
             cfg.model_name,
             cfg.precision,
@@ -118,11 +145,14 @@ class JudgeEnvironment(EnvironmentInterface):
             cfg.engine_num_threads,
             int(self.tokenizer.pad_token_id),
             tuple(eos),
+            backend=cfg.engine_backend,
+            max_model_len=context,
+            kv_cache_space_gib=cfg.engine_kv_cache_space_gib,
+            gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
         )
         self.engine = JudgeEngine(spec, cfg.max_batch_size)
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, greedy=cfg.greedy)
-        limit = getattr(self.tokenizer, "model_max_length", None)
-        self.max_prompt_tokens = limit - cfg.max_new_tokens if isinstance(limit, int) and limit < 10**9 else None
+        self.max_prompt_tokens = context - cfg.max_new_tokens if context is not None else None
         self._calls = 0
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 

@@ -1,5 +1,6 @@
-"""The judge's own generation engine: the HF backend's generation actors (:class:`HFGenerationWorker`) with the
-judge model, called with a deadline.
+"""The judge's own generation engine: generation actors of either backend (``hf``: :class:`HFGenerationWorker`;
+``vllm``: :class:`VLLMGenerationWorker`) with the judge model, called with a deadline. Both serve the same
+``generate(prompts, params, seed)``, and greedy verdicts (the default) are the same tokens on either.
 
 A call splits the judge prompts into chunks of ``max_batch_size``, dealt round-robin to the actors, and waits at
 most ``deadline_s`` for them: chunks done in time return their responses, the others return ``None`` (timed out).
@@ -28,6 +29,41 @@ class JudgeEngineSpec:
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
     placement_timeout_s: float = 60.0
+    backend: str = "hf"  # or "vllm"
+    max_model_len: int = 2048  # vLLM: the longest judge prompt + verdict
+    kv_cache_space_gib: int = 1  # vLLM on CPU: the KV cache (GiB, an integer: VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = 0.3  # vLLM on GPU: its share of the device
+
+
+def engine_actor(spec: JudgeEngineSpec, max_batch_size: int) -> tuple[type, dict[str, Any], dict[str, str] | None]:
+    """The judge's actor class, its constructor arguments (after ``rank, world_size``) and environment, per backend."""
+    if spec.backend == "hf":
+        from nemo_like.models.generation.hf_worker import HFGenerationWorker
+
+        init = dict(
+            model_name=spec.model_name,
+            precision=spec.precision,
+            num_threads=spec.num_threads,
+            pad_token_id=spec.pad_token_id,
+            eos_token_ids=list(spec.eos_token_ids),
+            max_batch_size=max_batch_size,
+        )
+        return HFGenerationWorker, init, None
+    if spec.backend == "vllm":
+        from nemo_like.models.generation.vllm import vllm_actor_env
+        from nemo_like.models.generation.vllm_worker import VLLMGenerationWorker
+
+        init = dict(
+            model_name=spec.model_name,
+            precision=spec.precision,
+            max_model_len=spec.max_model_len,
+            seed=0,  # every call passes its own seeds
+            pad_token_id=spec.pad_token_id,
+            eos_token_ids=list(spec.eos_token_ids),
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+        )
+        return VLLMGenerationWorker, init, vllm_actor_env(spec.num_gpus > 0, spec.kv_cache_space_gib)
+    raise ValueError(f"judge engine_backend must be 'hf' or 'vllm', got {spec.backend!r}")
 
 
 @dataclass
@@ -56,19 +92,11 @@ class JudgeEngine:
 
     def _start(self) -> None:
         from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
-        from nemo_like.models.generation.hf_worker import HFGenerationWorker
 
         s = self.spec
-        init = dict(
-            model_name=s.model_name,
-            precision=s.precision,
-            num_threads=s.num_threads,
-            pad_token_id=s.pad_token_id,
-            eos_token_ids=list(s.eos_token_ids),
-            max_batch_size=self.max_batch_size,
-        )
+        actor_cls, init, env = engine_actor(s, self.max_batch_size)
         resources = WorkerResources(num_cpus=s.num_cpus, num_gpus=s.num_gpus, num_threads=s.num_threads)
-        self.group = RayWorkerGroup("judge", HFGenerationWorker, s.num_workers, resources, init, s.placement_timeout_s)
+        self.group = RayWorkerGroup("judge", actor_cls, s.num_workers, resources, init, s.placement_timeout_s, env)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int, deadline_s: float) -> EngineResult:
         """Responses to ``prompts`` (see the module docstring); never raises for a slow or failed actor."""

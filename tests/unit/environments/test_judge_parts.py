@@ -91,6 +91,8 @@ def test_parser_plugins_come_from_the_registry_or_an_import_path(tmp_path) -> No
         ({"deadline_s": 0}, "env.j.deadline_s"),
         ({"model_name": "./no/such/judge"}, "env.j.model_name"),
         ({"parse_failure_reward": "low"}, "env.j.parse_failure_reward"),
+        ({"engine_backend": "sglang"}, "env.j.engine_backend"),
+        ({"engine_kv_cache_space_gib": 0.5}, "env.j.engine_kv_cache_space_gib"),
     ],
 )
 def test_bad_judge_sections_name_the_key(section: dict, message: str) -> None:
@@ -103,3 +105,29 @@ def test_an_option_without_effect_warns() -> None:
     cfg = MasterConfig.model_validate({"env": {"j": {"class": "judge", "temperature": 0.5}}})
     with pytest.warns(UserWarning, match="temperature=0.5 has no effect with greedy=true"):
         resolve_environments(cfg.env_sections)
+    cfg = MasterConfig.model_validate({"env": {"j": {"class": "judge", "engine_gpu_memory_utilization": 0.5}}})
+    with pytest.warns(UserWarning, match="engine_gpu_memory_utilization has no effect with engine_backend='hf'"):
+        resolve_environments(cfg.env_sections)
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_each_judge_backend_starts_its_engines_actor_with_arguments_it_accepts(backend: str) -> None:
+    """The judge's engine is the run's generation actor class of that backend: its arguments must bind to that class's
+    constructor as the worker group calls it (rank, world size first), and vLLM gets the run's engine environment."""
+    import inspect
+
+    from nemo_like.environments.judge_engine import JudgeEngineSpec, engine_actor
+    from nemo_like.models.generation.hf_worker import HFGenerationWorker
+    from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
+
+    spec = JudgeEngineSpec(
+        "embedded:tiny-arith-qwen2", "float32", 1, 0.25, 0.0, 1, 0, (1,), backend=backend, max_model_len=512, kv_cache_space_gib=2
+    )
+    actor_cls, init, env = engine_actor(spec, max_batch_size=8)
+    assert actor_cls is {"hf": HFGenerationWorker, "vllm": VLLMGenerationWorker}[backend]
+    inspect.signature(actor_cls.__init__).bind(None, 0, 1, **init)  # raises TypeError on a missing or unknown argument
+    if backend == "vllm":
+        assert init["max_model_len"] == 512 and env is not None and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+        assert ENGINE_ENV.items() <= env.items()
+    else:
+        assert env is None and init["max_batch_size"] == 8
