@@ -29,7 +29,7 @@ from nemo_like.config.schema import MasterConfig
 def teacher_config(cfg: MasterConfig, model_name: str | None = None) -> MasterConfig:
     """The run config whose ``policy`` section describes a teacher's workers (``model_name``, default
     ``teacher.model_name``): its model, tokenizer and precision, no LoRA; everything else (sharding, batching,
-    temperature: it scores under the student's sampling distribution) as the student's."""
+    temperature: it scores under the student's sampling distribution, the forward) as the student's."""
     t = cfg.teacher
     name = model_name or t.model_name
     if name is None:
@@ -40,6 +40,9 @@ def teacher_config(cfg: MasterConfig, model_name: str | None = None) -> MasterCo
             "tokenizer_name": t.tokenizer_name if name == t.model_name else None,
             "precision": t.precision or cfg.policy.precision,
             "lora_cfg": cfg.policy.lora_cfg.model_copy(update={"enabled": False}),
+            # With the KL term the student's workers run the model's own forward (it needs the logits); the teacher's run
+            # it too, so the teacher and prev passes stay the same computation (a teacher equal to the student gives 0).
+            "shared_prompt_forward": False if cfg.distillation.kl_weight > 0 else cfg.policy.shared_prompt_forward,
         }
     )
     return cfg.model_copy(update={"policy": policy})

@@ -26,7 +26,12 @@ from nemo_like.config.sections.data import (  # noqa: F401  (re-exported)
     EnvSectionConfig,
     normalize_env_sections,
 )
-from nemo_like.config.sections.distillation import DistillationConfig, TeacherConfig  # noqa: F401  (re-exported)
+from nemo_like.config.sections.distillation import (  # noqa: F401  (re-exported)
+    DistillationConfig,
+    TeacherConfig,
+    distillation_errors,
+    distillation_warnings,
+)
 from nemo_like.config.sections.grpo import (  # noqa: F401  (re-exported)
     AdvEstimatorConfig,
     AsyncGRPOConfig,
@@ -160,13 +165,8 @@ class MasterConfig(BaseModel):
             self._check_multi_turn()
         if self.grpo.async_grpo.enabled:
             self._check_async()
-        if not self.teacher.enabled and self.distillation.task_advantage_weight == 0:
-            raise ValueError(
-                "distillation.task_advantage_weight=0 leaves no training signal without a teacher: set teacher.model_name "
-                "(distil from it) or give the task reward a weight"
-            )
-        if self.teacher.enabled and self.distillation.advantage_weight == 0 and self.distillation.task_advantage_weight == 0:
-            raise ValueError("distillation.advantage_weight=0 and distillation.task_advantage_weight=0: every advantage would be 0")
+        if error := distillation_errors(self.teacher, self.distillation):
+            raise ValueError(error)
         if self.loss_fn.aggregation == "seq-mean-token-sum-norm" and self.loss_fn.loss_aggregation_normalizer is None:
             # Dr. GRPO's constant: the maximum response length.
             self.loss_fn.loss_aggregation_normalizer = float(self.policy.generation.max_new_tokens)
@@ -183,14 +183,7 @@ class MasterConfig(BaseModel):
                 "policy.dtensor_cfg.cpu_offload has no effect with one policy worker (policy.dp_size=1, tensor_parallel_size=1: "
                 "nothing is sharded, so FSDP2's CPU offload never runs)"
             )
-        if not self.teacher.enabled:
-            changed = [k for k in ("advantage_weight", "task_advantage_weight") if getattr(self.distillation, k) != 1.0]
-            changed += [f"teacher.{k}" for k in ("tokenizer_name", "precision") if getattr(self.teacher, k) is not None]
-            for key in changed:
-                name = key if key.startswith("teacher.") else f"distillation.{key}"
-                lines.append(f"{name} has no effect with teacher.model_name=null (no teacher)")
-        elif self.distillation.advantage_weight == 0:
-            lines.append("teacher.model_name is set but distillation.advantage_weight=0: the teacher is loaded and its signal unused")
+        lines += distillation_warnings(self.teacher, self.distillation)
         if not self.grpo.overlap_scoring and (blocker := self.scoring_overlap_blocker()):
             lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")
         return lines

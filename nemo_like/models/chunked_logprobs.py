@@ -7,17 +7,23 @@ time. Training keeps the graph bounded too: :class:`ChunkedTokenLogprobs` saves 
 states and the head weight and recomputes each chunk's logits in the backward pass. Swapping the
 head *inside* the model's forward keeps FSDP2's hooks in charge of gathering the head weight (a
 sharded root module only unshards its parameters inside its own forward).
+
+With a teacher (the KL loss term, :mod:`nemo_like.models.teacher_kl`), the teacher's forward keeps its last hidden
+states and output head (:func:`teacher_head_inputs`), and the student's swapped head adds each position's KL to the
+teacher beside its logprob (:func:`model_token_logprobs_and_teacher_kl`), chunked the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from nemo_like.models.processed_logprobs import SamplingDistribution, processed_token_logprobs_with_outside, token_logprobs_from_logits
+from nemo_like.models.teacher_kl import KLTerm, chunked_teacher_kl, teacher_kl_from_logits
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -78,14 +84,72 @@ def chunked_token_logprobs(
     return F.pad(picked.view(b, s - 1), (1, 0), value=0.0), F.pad(outside.view(b, s - 1), (1, 0), value=False)
 
 
+@dataclass
+class TeacherOutputs:
+    """A frozen teacher's forward over a batch, as the KL term needs it: its ``[B, S, V]`` logits (unchunked), or its
+    ``[B, S, H]`` last hidden states and output head (chunked: the logits are computed a chunk at a time)."""
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def teacher_head_inputs(
+    teacher: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    chunk_size: int | None,
+    copy_head: bool,
+) -> TeacherOutputs:
+    """Run ``teacher`` (no gradient) on the student's exact inputs; ``copy_head``: copy the head's weights out of the
+    forward (a sharded model frees its gathered parameters once its forward returns)."""
+    if chunk_size is None:
+        return TeacherOutputs(logits=teacher(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits)
+    head = teacher.get_output_embeddings()
+    out = TeacherOutputs()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        weight, bias = head.weight.detach(), head.bias.detach() if head.bias is not None else None
+        out.hidden = hidden
+        out.weight = weight.clone() if copy_head else weight
+        out.bias = bias.clone() if copy_head and bias is not None else bias
+        return hidden[..., :1]  # the caller reads ``out``; the model's "logits" are discarded
+
+    head.forward = forward
+    try:
+        teacher(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    finally:
+        del head.forward
+    return out
+
+
 @contextmanager
-def _chunked_head(model: torch.nn.Module, input_ids: torch.Tensor, dist: SamplingDistribution, chunk: int) -> Iterator[None]:
-    """Make the model's output head return ``[B, S, 2]``: token logprobs and outside flags instead of logits."""
+def _chunked_head(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    dist: SamplingDistribution,
+    chunk: int,
+    teacher: TeacherOutputs | None = None,
+    term: KLTerm | None = None,
+) -> Iterator[None]:
+    """Make the model's output head return ``[B, S, 2]``: token logprobs and outside flags instead of logits (and, with
+    ``teacher``, ``[B, S, 3]``: each position's KL to the teacher under ``term`` last; column 0 = 0)."""
     head = model.get_output_embeddings()
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         lp, outside = chunked_token_logprobs(hidden, head.weight, head.bias, input_ids, dist, chunk)
-        return torch.stack([lp, outside.to(lp.dtype)], dim=-1)
+        columns = [lp, outside.to(lp.dtype)]
+        if teacher is not None:
+            b, s, h = hidden.shape
+            t_hidden = teacher.hidden[:, :-1].reshape(b * (s - 1), -1)
+            kl = chunked_teacher_kl(
+                hidden[:, :-1].reshape(-1, h), head.weight, head.bias, t_hidden, teacher.weight, teacher.bias, term, chunk
+            )
+            columns.append(F.pad(kl.view(b, s - 1), (1, 0), value=0.0).to(lp.dtype))
+        return torch.stack(columns, dim=-1)
 
     head.forward = forward
     try:
@@ -128,3 +192,28 @@ def model_token_logprobs(
 ) -> torch.Tensor:
     """The logprobs of :func:`model_token_logprobs_with_outside`."""
     return model_token_logprobs_with_outside(model, input_ids, attention_mask, position_ids, dist, chunk_size)[0]
+
+
+def model_token_logprobs_and_teacher_kl(
+    model: torch.nn.Module,
+    teacher: TeacherOutputs,
+    term: KLTerm,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    dist: SamplingDistribution | float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`model_token_logprobs_with_outside` and the ``[B, S]`` per-position KL to ``teacher`` (the
+    :func:`teacher_head_inputs` of the same inputs; entry t compares the distributions of token t, column 0 = 0,
+    unmasked), differentiable with respect to the student. The KL uses the raw distributions (see
+    :mod:`nemo_like.models.teacher_kl`), the logprobs ``dist``."""
+    dist = _as_distribution(dist)
+    if chunk_size is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        lp, outside = processed_token_logprobs_with_outside(logits[:, :-1], input_ids[:, 1:], dist)
+        kl = teacher_kl_from_logits(logits[:, :-1], teacher.logits[:, :-1], term)
+        return F.pad(lp, (1, 0), value=0.0), F.pad(outside, (1, 0), value=False), F.pad(kl, (1, 0), value=0.0)
+    with _chunked_head(model, input_ids, dist, chunk_size, teacher, term):
+        packed = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    return packed[..., 0], packed[..., 1].bool(), packed[..., 2]

@@ -3,15 +3,19 @@
 The student (the policy) samples; the teacher scores the student's sampled tokens (a frozen copy of another model,
 sharded like the reference); each sampled token's advantage gets ``distillation.advantage_weight x (log pi_T(x_t) -
 log pi_S(x_t))`` (stop-gradient: the per-token reverse-KL signal), added to the task reward's advantage scaled by
-``distillation.task_advantage_weight``. docs/guides/distillation.md has the derivation and the metrics.
+``distillation.task_advantage_weight``. ``distillation.kl_weight > 0`` adds a token-level KL loss term to the teacher
+(:mod:`nemo_like.models.teacher_kl`: forward or reverse, over the full vocabulary or a top-k support), computed in the
+policy worker against a frozen copy of the teacher. docs/guides/distillation.md has the derivation and the metrics.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from nemo_like.config.sections.base import Section
-from nemo_like.config.types import Float
+from nemo_like.config.types import Float, Int
 
 
 class TeacherConfig(Section):
@@ -60,3 +64,72 @@ class DistillationConfig(Section):
         ge=0,
         description="Weight of the task reward's advantage (0: distil from the teacher alone, no task reward).",
     )
+    kl_weight: Float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the token-level KL loss term to the teacher (0: off, nothing extra runs): kl_weight x the mean over "
+        "sampled tokens of KL(teacher || student) (forward) or KL(student || teacher) (reverse), added to the policy loss.",
+    )
+    kl_direction: Literal["forward", "reverse"] = Field(
+        "forward",
+        description="forward: KL(teacher || student), mode-covering (GKD); reverse: KL(student || teacher), mode-seeking.",
+    )
+    kl_support: Literal["full", "teacher_top_k", "student_top_k"] = Field(
+        "full",
+        description="The KL's support: the full vocabulary (chunked by policy.logprob_chunk_size), or the kl_top_k tokens most "
+        "likely under the teacher / the student plus one tail bucket for the rest of the mass (a lower bound of the full KL).",
+    )
+    kl_top_k: Int | None = Field(None, gt=0, description="k of a top-k kl_support (required there).")
+
+    @model_validator(mode="after")
+    def _kl_keys(self) -> DistillationConfig:
+        if self.kl_support != "full" and self.kl_top_k is None:
+            raise ValueError(f"distillation.kl_support={self.kl_support} needs distillation.kl_top_k (the support's size)")
+        return self
+
+    def kl_warnings(self) -> list[str]:
+        """KL-term keys set without effect in this combination."""
+        if self.kl_weight == 0:
+            changed = [
+                f"{k}={getattr(self, k)}"
+                for k, default in (("kl_direction", "forward"), ("kl_support", "full"))
+                if getattr(self, k) != default
+            ]
+            changed += [f"kl_top_k={self.kl_top_k}"] if self.kl_top_k is not None else []
+            return [f"distillation.{c} has no effect with distillation.kl_weight=0 (the KL term is off)" for c in changed]
+        if self.kl_support == "full" and self.kl_top_k is not None:
+            return [f"distillation.kl_top_k={self.kl_top_k} has no effect with distillation.kl_support=full"]
+        return []
+
+
+def distillation_errors(teacher: TeacherConfig, d: DistillationConfig) -> str | None:
+    """The first contradiction between the ``teacher`` and ``distillation`` sections (``None``: none)."""
+    if not teacher.enabled and d.kl_weight > 0:
+        return f"distillation.kl_weight={d.kl_weight} needs a teacher: set teacher.model_name (or set kl_weight to 0)"
+    if not teacher.enabled and d.task_advantage_weight == 0:
+        return (
+            "distillation.task_advantage_weight=0 leaves no training signal without a teacher: set teacher.model_name "
+            "(distil from it) or give the task reward a weight"
+        )
+    if d.kl_weight > 0 and teacher.by_task:
+        return (
+            "distillation.kl_weight>0 with teacher.by_task is not supported: the KL term runs one teacher copy inside the "
+            "policy workers for every row; use teacher.model_name alone (or kl_weight=0 for per-task teachers)"
+        )
+    if teacher.enabled and d.advantage_weight == 0 and d.task_advantage_weight == 0 and d.kl_weight == 0:
+        return "distillation.advantage_weight=0 and distillation.task_advantage_weight=0: every advantage would be 0"
+    return None
+
+
+def distillation_warnings(teacher: TeacherConfig, d: DistillationConfig) -> list[str]:
+    """Options of the two sections that are set but have no effect."""
+    lines = d.kl_warnings()
+    if not teacher.enabled:
+        changed = [k for k in ("advantage_weight", "task_advantage_weight") if getattr(d, k) != 1.0]
+        changed += [f"teacher.{k}" for k in ("tokenizer_name", "precision") if getattr(teacher, k) is not None]
+        for key in changed:
+            name = key if key.startswith("teacher.") else f"distillation.{key}"
+            lines.append(f"{name} has no effect with teacher.model_name=null (no teacher)")
+    elif d.advantage_weight == 0 and d.kl_weight == 0:
+        lines.append("teacher.model_name is set but distillation.advantage_weight=0: the teacher is loaded and its signal unused")
+    return lines

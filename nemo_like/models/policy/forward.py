@@ -11,7 +11,7 @@ import torch
 
 from nemo_like.models import precision as precision_lib
 from nemo_like.models import shared_prefix
-from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside
+from nemo_like.models.chunked_logprobs import model_token_logprobs_and_teacher_kl, model_token_logprobs_with_outside, teacher_head_inputs
 from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
 from nemo_like.models.policy import sharding
 from nemo_like.models.policy.batching import MicroBatchPlan, pack_rows, take_rows, unpack_logprobs
@@ -33,6 +33,8 @@ class ForwardPasses:
     chunk_size: int | None
     shared_forward: bool
     lora_cfg: Any
+    teacher_model: Any  # the KL term's frozen teacher copy (None: no KL term)
+    teacher_kl: Any  # its TeacherKLSettings
     rank: int
     world_size: int
     weight_version: int
@@ -76,6 +78,29 @@ class ForwardPasses:
         )
         computed = packed.input_ids.numel()
         return unpack_logprobs(lp, packed, ids.shape), unpack_logprobs(outside.float(), packed, ids.shape).bool(), computed
+
+    def _token_logprobs_and_teacher_kl(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """:meth:`_token_logprobs` and the ``[n, S]`` per-token KL to the teacher copy (the KL loss term), both from one
+        student forward; the teacher runs first, without gradient, on the same (padded or packed) inputs."""
+        ids, mask = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+        if self.plan.mode == "packed":
+            packed = pack_rows({"input_ids": ids, "attention_mask": mask}, dtype=precision_lib.compute_dtype(self.precision))
+            inputs = (packed.input_ids, packed.attention_mask.to(self.device), packed.position_ids)
+        else:
+            inputs = (ids, mask, (mask.long().cumsum(-1) - 1).clamp(min=0))
+        teacher_sharded = sharding.is_sharded(self.teacher_model)
+        with precision_lib.compute_context(self.device, self.teacher_kl.precision, teacher_sharded):
+            teacher = teacher_head_inputs(self.teacher_model, *inputs, self.chunk_size, copy_head=teacher_sharded)
+        with precision_lib.compute_context(self.device, self.precision, sharding.is_sharded(self.model)):
+            lp, outside, kl = model_token_logprobs_and_teacher_kl(
+                self.model, teacher, self.teacher_kl.term, *inputs, self.sampling, self.chunk_size
+            )
+        if self.plan.mode != "packed":
+            valid = mask.bool()
+            return lp * valid, outside & valid, ids.numel(), kl * valid
+        shape = ids.shape
+        unpacked = unpack_logprobs(lp, packed, shape), unpack_logprobs(outside.float(), packed, shape).bool()
+        return *unpacked, packed.input_ids.numel(), unpack_logprobs(kl, packed, shape)
 
     # -- logprobs ----------------------------------------------------------------------------
     @torch.no_grad()

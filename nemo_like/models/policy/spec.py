@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from nemo_like.models.policy.batching import MicroBatchPlan
 from nemo_like.models.policy.loss_protocol import LossFunction
+from nemo_like.models.teacher_kl import KLTerm
 
 if TYPE_CHECKING:
     from nemo_like.config.schema import LoraConfig, MasterConfig, OptimizerConfig
@@ -28,13 +29,26 @@ class ShardingSettings:
 
 
 @dataclass(frozen=True)
+class TeacherKLSettings:
+    """The token-level KL loss term to a teacher (``distillation.kl_*``): a frozen copy of ``model_name`` loaded in every
+    policy worker (sharded like the policy), run on each training micro-batch; the loss gains ``weight x`` the global
+    token mean of :func:`~nemo_like.models.teacher_kl.token_kl` under ``term``."""
+
+    model_name: str
+    precision: str
+    weight: float
+    term: KLTerm
+
+
+@dataclass(frozen=True)
 class PolicyWorkerSpec:
     """One rank's build instructions; ``rank`` and ``world_size`` come separately (they differ per actor).
 
     ``trainable=False``: a reference worker (frozen initial weights, logprobs only; needs no loss or optimizer).
     ``loss_fn``: the run's loss, built once by the driver; ``optimizer``: the validated ``policy.optimizer`` section;
     ``lora``: the ``policy.lora_cfg`` section when enabled, else ``None`` (only adapters train, see :mod:`.lora`);
-    ``shared_prompt_forward``: ``policy.shared_prompt_forward`` (``"auto"``, ``True`` or ``False``)."""
+    ``shared_prompt_forward``: ``policy.shared_prompt_forward`` (``"auto"``, ``True`` or ``False``); ``teacher_kl``: the
+    KL loss term to a teacher (``None``: off, no teacher copy)."""
 
     model_name: str
     precision: str
@@ -53,10 +67,13 @@ class PolicyWorkerSpec:
     top_p: float = 1.0
     lora: LoraConfig | None = None
     shared_prompt_forward: str | bool = "auto"
+    teacher_kl: TeacherKLSettings | None = None
 
     def __post_init__(self) -> None:
         if self.trainable and (self.loss_fn is None or self.optimizer is None):
             raise ValueError("a trainable PolicyWorker needs the run's loss_fn and optimizer config")
+        if self.teacher_kl is not None and not self.trainable:
+            raise ValueError("the teacher KL term is a training loss: a frozen worker takes no teacher_kl")
 
     @classmethod
     def from_kwargs(
@@ -105,7 +122,17 @@ class PolicyWorkerSpec:
             logprob_chunk_size=pc.logprob_chunk_size,
             lora_cfg=pc.lora_cfg if trainable else None,
             shared_prompt_forward=pc.shared_prompt_forward,
+            teacher_kl=teacher_kl_settings(cfg) if trainable else None,
         )
+
+
+def teacher_kl_settings(cfg: MasterConfig) -> TeacherKLSettings | None:
+    """The KL term of run config ``cfg`` (``None`` with ``distillation.kl_weight=0``)."""
+    d, t = cfg.distillation, cfg.teacher
+    if d.kl_weight == 0 or t.model_name is None:
+        return None
+    term = KLTerm(d.kl_direction, d.kl_support, d.kl_top_k if d.kl_support != "full" else None)
+    return TeacherKLSettings(t.model_name, t.precision or cfg.policy.precision, float(d.kl_weight), term)
 
 
 def batching_plan(pc: Any, micro_batch_size: int) -> dict[str, Any]:

@@ -38,6 +38,8 @@ class TrainingStep:
     dp_size: int
     max_grad_norm: float | None
     loss_fn: LossFunction
+    teacher_model: Any
+    teacher_kl: Any
     weight_version: int
     forward_passes: dict[str, int]
     _dist_ready: bool
@@ -109,21 +111,44 @@ class TrainingStep:
         forward_tokens = 0
         for k in range(self._agree_on_count(len(groups))):
             if k >= len(groups):
-                (self._token_logprobs(self._filler(shard))[0].sum() * 0.0).backward()
+                filler = self._filler(shard)
+                if self.teacher_model is None:
+                    (self._token_logprobs(filler)[0].sum() * 0.0).backward()
+                else:  # the teacher copy's forward is a collective too when sharded
+                    lp, _, _, kl = self._token_logprobs_and_teacher_kl(filler)
+                    ((lp.sum() + kl.sum()) * 0.0).backward()
                 continue
             mb = take_rows(shard, groups[k])
-            curr, outside, computed = self._token_logprobs(mb)
+            kl = None
+            if self.teacher_model is None:
+                curr, outside, computed = self._token_logprobs(mb)
+            else:
+                curr, outside, computed, kl = self._token_logprobs_and_teacher_kl(mb)
             self.forward_passes["train"] += 1
             forward_tokens += computed
             mb = {key: (v.to(self.device) if torch.is_tensor(v) else v) for key, v in mb.items()}
             loss, metrics = self.loss_fn(curr, mb, gseqs, gtoks)
             metrics["outside_sampling_set_frac"] = self._outside_fraction(outside, mb, gtoks)
+            if kl is not None:
+                loss = loss + self._add_teacher_kl(kl, mb, gtoks, metrics)
             (loss * grad_scale).backward()
             fragments.append(metrics)
             if logprobs_out is not None:
                 rows = torch.tensor(groups[k])[:, None]
                 logprobs_out[rows, torch.arange(curr.shape[1])[None, :]] = curr.detach().float().cpu()
         return forward_tokens
+
+    def _add_teacher_kl(self, kl: torch.Tensor, mb: Batch, global_valid_toks: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+        """The KL loss term's part of this micro-batch: ``kl_weight x sum(KL_t over its loss tokens) / global_valid_toks``
+        (global token normalisation: the micro-batches and ranks add up to the global-batch mean, whatever the loss's
+        own aggregation). Adds its fragments to ``metrics``: ``loss`` (now with the term) and ``distillation/kl_loss``
+        (the unweighted token mean)."""
+        mask = mb["token_mask"] * mb["sample_mask"].unsqueeze(-1)
+        mean = (kl * mask).sum() / torch.as_tensor(global_valid_toks, device=kl.device).clamp(min=1)
+        term = self.teacher_kl.weight * mean
+        metrics["loss"] += float(term.detach())
+        metrics["distillation/kl_loss"] = float(mean.detach())
+        return term
 
     @staticmethod
     def _outside_fraction(outside: torch.Tensor, mb: Batch, global_valid_toks: torch.Tensor) -> float:

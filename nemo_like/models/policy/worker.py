@@ -6,7 +6,8 @@ initial weights, logprobs only.
 
 The class is assembled from one mixin per job; this module builds the model and joins the process group:
 
-- :mod:`.forward`: logprob passes (and inline sampling with the worker's own weights);
+- :mod:`.forward`: logprob passes (and inline sampling with the worker's own weights), and with the KL loss term to a
+  teacher (``spec.teacher_kl``) the frozen teacher copy's forward beside the training forward;
 - :mod:`.training`: the optimizer, ``train`` and ``release_memory``;
 - :mod:`.weight_export`: what a refit sends and how (object store, shared memory, CUDA IPC, NCCL);
 - :mod:`.checkpoints`: ``save_checkpoint`` / ``load_checkpoint``.
@@ -66,10 +67,14 @@ class PolicyWorker(ForwardPasses, TrainingStep, WeightExport, Checkpoints, Reini
         if world_size % self.tp_size:
             raise ValueError(f"{world_size} workers cannot form groups of tensor_parallel_size={self.tp_size}")
         self.dp_size = world_size // self.tp_size
+        if spec.teacher_kl is not None and self.tp_size > 1:
+            raise ValueError("the teacher KL term (distillation.kl_weight>0) does not support tensor_parallel_size>1 yet")
         self.precision = spec.precision
         self.lora_cfg = spec.lora
         self.trainable = spec.trainable
         self.model = self._load_model()
+        self.teacher_kl = spec.teacher_kl
+        self.teacher_model = self._load_teacher() if spec.teacher_kl is not None else None
         self.plan = spec.batching
         self.chunk_size = spec.logprob_chunk_size
         self.shared_forward = self._choose_forward(spec.shared_prompt_forward)
@@ -99,6 +104,13 @@ class PolicyWorker(ForwardPasses, TrainingStep, WeightExport, Checkpoints, Reini
             model = lora_lib.apply_lora(model, self.lora_cfg)
         return model
 
+    def _load_teacher(self) -> Any:
+        """The KL term's frozen teacher copy (fp32 weights, as a teacher's own workers load it; computed in
+        ``teacher_kl.precision``), in eval mode, no gradients."""
+        teacher = load_causal_lm(self.spec.teacher_kl.model_name, "float32").to(self.device)
+        teacher.requires_grad_(False)
+        return teacher.eval()
+
     def _choose_forward(self, setting: str | bool) -> bool:
         """Whether logprobs and training run :func:`~nemo_like.models.shared_prefix.shared_prefix_token_logprobs`
         (each group's prompt computed once, no padding) instead of the model's own forward. ``auto``: where it applies,
@@ -113,6 +125,8 @@ class PolicyWorker(ForwardPasses, TrainingStep, WeightExport, Checkpoints, Reini
             self.spec.sharding.activation_checkpointing,
             self.trainable,
         )
+        if self.teacher_model is not None:
+            reasons.append("the teacher KL term (distillation.kl_weight>0) needs the student's logits at every position")
         if setting is True and reasons:
             raise ValueError(f"policy.shared_prompt_forward=true cannot apply: {'; '.join(reasons)} (use auto or false)")
         if not reasons and setting is not True and self.device.type != "cpu":
@@ -157,6 +171,13 @@ class PolicyWorker(ForwardPasses, TrainingStep, WeightExport, Checkpoints, Reini
             cpu_offload=self.spec.sharding.cpu_offload,
             mp_policy=precision_lib.fsdp_mixed_precision(self.precision),
         )
+        if self.teacher_model is not None:  # the KL term's teacher copy, sharded like the policy
+            sharding.shard_model(
+                self.teacher_model,
+                mesh,
+                cpu_offload=self.spec.sharding.cpu_offload,
+                mp_policy=precision_lib.fsdp_mixed_precision(self.teacher_kl.precision),
+            )
         self._build_optimizer()
         self._dist_ready = True
 

@@ -130,3 +130,28 @@ def test_a_teacher_with_another_tokenizer_is_an_error_naming_both() -> None:
     other = load_tokenizer(embedded_model_path("embedded:tiny-tool-qwen2"))
     with pytest.raises(ConfigError, match="teacher.model_name='embedded:tiny-tool-qwen2' has a tokenizer .* cross-tokenizer"):
         check_teacher_tokenizer(student, "embedded:tiny-arith-qwen2", other, "embedded:tiny-tool-qwen2")
+
+
+def test_the_kl_term_keys_contradictions_are_errors_and_unused_keys_warn() -> None:
+    from nemo_like.models.policy.spec import PolicyWorkerSpec
+
+    with pytest.raises(ValueError, match="distillation.kl_weight=0.5 needs a teacher"):
+        recipe("distillation.kl_weight=0.5")
+    with pytest.raises(ValueError, match="distillation.kl_support=teacher_top_k needs distillation.kl_top_k"):
+        recipe(TEACHER, "distillation.kl_weight=1", "distillation.kl_support=teacher_top_k")
+    with pytest.raises(ValueError, match="teacher.by_task is not supported"):
+        recipe("+teacher.by_task.math=embedded:tiny-arith-teacher", "distillation.kl_weight=1")
+    assert "distillation.kl_top_k=8 has no effect with distillation.kl_support=full" in (
+        recipe(TEACHER, "distillation.kl_weight=1", "distillation.kl_top_k=8").no_effect_warnings()
+    )
+    assert any(
+        "distillation.kl_direction=reverse has no effect with distillation.kl_weight=0" in line
+        for line in recipe(TEACHER, "distillation.kl_direction=reverse").no_effect_warnings()
+    )
+    # The KL term alone is a training signal: no advantage weights needed.
+    cfg = recipe(TEACHER, "distillation.kl_weight=1", "distillation.advantage_weight=0", "distillation.task_advantage_weight=0")
+    assert cfg.no_effect_warnings() == recipe().no_effect_warnings()
+    spec = PolicyWorkerSpec.from_config(cfg, True, object(), 1)  # type: ignore[arg-type]
+    assert spec.teacher_kl is not None and spec.teacher_kl.model_name == "embedded:tiny-arith-teacher"
+    assert PolicyWorkerSpec.from_config(recipe(TEACHER), True, object(), 1).teacher_kl is None  # off by default  # type: ignore[arg-type]
+    assert teacher_config(cfg).policy.shared_prompt_forward is False  # the teacher runs the student's forward

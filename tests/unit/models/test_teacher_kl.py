@@ -98,3 +98,72 @@ def test_a_teacher_equal_to_the_student_gives_exactly_zero_value_and_gradient(te
         (kl * upstream).sum().backward()
         assert bool((kl == 0).all())
         assert all(bool((g == 0).all()) for g in (h.grad, w.grad, b.grad)), chunk
+
+
+# -- in the policy worker's training forward --------------------------------------------------------------------
+TEACHER = "embedded:tiny-arith-teacher"
+
+
+def kl_worker(teacher: str, term: KLTerm, chunk: int | None, mode: str = "fixed", weight: float = 0.5):
+    from unit.models.test_policy_worker import make_worker
+
+    from nemo_like.models.policy.spec import TeacherKLSettings
+
+    batching = {"mode": mode, "train_size": 4 if mode == "fixed" else 40, "logprob_size": 4 if mode == "fixed" else 40}
+    worker = make_worker(4, batching=batching, logprob_chunk_size=chunk, teacher_kl=TeacherKLSettings(teacher, "float32", weight, term))
+    for group in worker.optimizer.param_groups:
+        group["weight_decay"] = 0.0  # a zero gradient must leave every weight as it is
+    return worker
+
+
+def policy_batch(advantages: bool = False) -> dict[str, torch.Tensor]:
+    from unit.models.test_policy_worker import random_batch, with_global_counts
+
+    batch = random_batch(6, 12, seed=3)
+    batch["sample_mask"] = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])  # a masked row adds nothing
+    if not advantages:
+        batch["advantages"] = torch.zeros_like(batch["advantages"])
+    return with_global_counts(batch)
+
+
+def test_the_workers_kl_term_and_its_gradient_match_a_plain_computation_in_every_forward() -> None:
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.assets import embedded_model_path
+    from nemo_like.models.loading import load_causal_lm
+
+    term, weight = KLTerm("reverse", "teacher_top_k", 5), 0.5
+    batch = policy_batch()
+    # Plain: each row on its own, unpadded, both models' full logits, the float64 reference KL above.
+    student, teacher = load_causal_lm(EMBEDDED_MODEL), load_causal_lm(embedded_model_path(TEACHER))
+    total = torch.zeros((), dtype=torch.float64)
+    for row in range(6):
+        n = int(batch["attention_mask"][row].sum())
+        ids = batch["input_ids"][row : row + 1, :n]
+        with torch.no_grad():
+            t_logits = teacher(input_ids=ids).logits[0, :-1].double()
+        kl = reference_kl(student(input_ids=ids).logits[0, :-1].double(), t_logits, term)
+        total = total + (kl * (batch["token_mask"][row, 1:n] * batch["sample_mask"][row])).sum()
+    (weight * total / batch["global_valid_toks"]).backward()
+    expected_grads = {name: p.grad for name, p in student.named_parameters()}
+    expected_value = float(total.detach() / batch["global_valid_toks"])
+    for chunk, mode in ((None, "fixed"), (7, "packed")):  # padded rows unchunked; packed into one row, chunks of 7
+        worker = kl_worker(TEACHER, term, chunk, mode, weight)
+        worker.model.train()
+        worker.optimizer.zero_grad(set_to_none=False)
+        fragments: list[dict[str, float]] = []
+        worker._accumulate_gradients(batch, fragments, None)
+        assert sum(f["distillation/kl_loss"] for f in fragments) == pytest.approx(expected_value, rel=1e-6), (chunk, mode)
+        for name, p in worker.model.named_parameters():  # advantages are 0: the KL term is the only gradient
+            error = float((p.grad.double() - expected_grads[name]).abs().max())
+            assert error <= 1e-4 * float(expected_grads[name].abs().max()) + 1e-8, (chunk, mode, name)
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_a_teacher_equal_to_the_student_gives_a_zero_kl_term_and_changes_no_weight(chunk: int | None) -> None:
+    from nemo_like.config.schema import EMBEDDED_MODEL
+
+    worker = kl_worker(EMBEDDED_MODEL, KLTerm("reverse", "student_top_k", 5), chunk)
+    before = {name: p.detach().clone() for name, p in worker.model.named_parameters()}
+    result = worker.train([policy_batch()])
+    assert result["metrics"]["distillation/kl_loss"] == 0.0 and result["grad_norms"] == [0.0]
+    assert all(torch.equal(before[name], p) for name, p in worker.model.named_parameters())
