@@ -38,6 +38,7 @@ from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import DataExhausted
+from nemo_like.distributed import supervision
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.experience.agent_rollouts import per_session
 from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
@@ -474,6 +475,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     from nemo_like.utils.run_control import RunInterrupted, run_control
 
     cfg, control = parts.cfg, run_control()
+    faults = supervision.begin_run(cfg.cluster.fault_tolerance)  # dead generation/environment actors: budgets, counters
     history: list[dict[str, Any]] = []
     for line in parts.plan.lines():
         logger.progress.message(f"[plan] {line}")
@@ -507,6 +509,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                 metrics.update(runner.validate(step, timer))
                 last_validation = {k: v for k, v in metrics.items() if k.startswith("validation/")}
             total = time.perf_counter() - start
+            metrics.update(faults.metrics())  # faults/*: only once an actor has died
             for phase in (*TIMED_PHASES, "validation", *timer.seconds):
                 metrics[f"timing/train/{phase}"] = timer.seconds.get(phase, 0.0)
             metrics["timing/train/total_step_time"] = total

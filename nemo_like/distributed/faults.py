@@ -1,9 +1,11 @@
 """Deterministic fault injection for tests: make one actor call hang, die or raise at a given step.
 
-Armed from ``cluster.fault_injection`` (or ``$NEMO_LIKE_FAULT_INJECTION``, the same keys as JSON, e.g.
-``{"role": "generation", "step": 3, "action": "hang"}``; ``cluster.fault_injection.action`` null, the default, is none) by ``nemo_like/train.py``. The hook points
-(``models/generation/interface.py`` ``generate_on_group``, ``models/policy/inline.py``) call :func:`inject`
-before they submit their call; when nothing is armed that is one ``None`` check. When the armed role, phase and
+Armed from ``cluster.fault_injection`` and ``$NEMO_LIKE_FAULT_INJECTION`` (the same keys as JSON, e.g.
+``{"role": "generation", "step": 3, "action": "hang"}``, or a list of such objects; both may be set: every spec is
+armed; ``cluster.fault_injection.action`` null, the default, is none) by ``nemo_like/train.py``. The hook points
+(``models/generation/interface.py`` ``generate_on_group``, ``models/policy/inline.py``, the policy's training call,
+``experience/env_calls.py`` for the environments' ``score`` and ``step`` calls) call :func:`inject` before they
+submit their call; when nothing is armed that is one emptiness check. When the armed role, phase and
 step match, the fault is queued on the target actor itself (Ray's ``__ray_call__``), just ahead of the real call,
 so the real call then waits behind it inside the actor, exactly as a hung or dead engine would make it:
 
@@ -25,46 +27,60 @@ from nemo_like.config.sections.run import FaultInjectionConfig
 from nemo_like.utils.run_control import run_control
 
 ENV_VAR = "NEMO_LIKE_FAULT_INJECTION"
-_ARMED: FaultInjectionConfig | None = None
-_FIRED = 0  # faults fired since the spec was armed
+
+
+class _Armed:
+    """One armed spec and how many times it has fired."""
+
+    def __init__(self, spec: FaultInjectionConfig) -> None:
+        self.spec, self.fired = spec, 0
+
+
+_ARMED: list[_Armed] = []  # empty: nothing armed (the hooks' one check)
 
 
 class InjectedFault(RuntimeError):
     """The error an injected ``raise`` fault raises (it names the config key that asked for it)."""
 
 
-def arm(spec: FaultInjectionConfig | None) -> FaultInjectionConfig | None:
-    """Arm ``spec``, else the one in ``$NEMO_LIKE_FAULT_INJECTION``; returns what is armed (``None``: nothing)."""
-    global _ARMED, _FIRED
-    if spec is not None and spec.action is None:
-        spec = None
-    if spec is None and os.environ.get(ENV_VAR):
+def arm(spec: FaultInjectionConfig | None) -> list[FaultInjectionConfig]:
+    """Arm ``spec`` and every spec in ``$NEMO_LIKE_FAULT_INJECTION`` (a JSON object, or a list of them: several
+    faults in one run, e.g. one per role); returns what is armed (empty: nothing)."""
+    global _ARMED
+    specs = [] if spec is None or spec.action is None else [spec]
+    if os.environ.get(ENV_VAR):
         try:
-            spec = FaultInjectionConfig(**json.loads(os.environ[ENV_VAR]))
+            loaded = json.loads(os.environ[ENV_VAR])
+            specs += [FaultInjectionConfig(**item) for item in (loaded if isinstance(loaded, list) else [loaded])]
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"${ENV_VAR} must be a JSON object with the keys of cluster.fault_injection: {exc}") from exc
-    _ARMED, _FIRED = spec, 0
-    return spec
+            raise ValueError(
+                f"${ENV_VAR} must be a JSON object (or a list of them) with the keys of cluster.fault_injection: {exc}"
+            ) from exc
+    _ARMED = [_Armed(s) for s in specs if s.action is not None]
+    return [a.spec for a in _ARMED]
 
 
 def disarm() -> None:
     """Nothing armed (the end of a run)."""
     global _ARMED
-    _ARMED = None
+    _ARMED = []
 
 
 def inject(role: str, phase: str, workers: list[Any]) -> None:
-    """Queue the armed fault on ``workers[0]`` when ``role`` and ``phase`` match at or after the armed step (it fires
+    """Queue an armed fault on ``workers[0]`` when ``role`` and ``phase`` match at or after its step (each spec fires
     ``times`` times in all, then disarms)."""
-    global _ARMED, _FIRED
-    spec = _ARMED
-    if spec is None or spec.role != role or spec.phase != phase or run_control().step < spec.step or not workers:
+    global _ARMED
+    if not _ARMED or not workers:
         return
-    _FIRED += 1
-    if _FIRED >= spec.times:
-        _ARMED = None
-    assert spec.action is not None
     step = run_control().step
+    armed = next((a for a in _ARMED if a.spec.role == role and a.spec.phase == phase and step >= a.spec.step), None)
+    if armed is None:
+        return
+    spec = armed.spec
+    armed.fired += 1
+    if armed.fired >= spec.times:
+        _ARMED = [a for a in _ARMED if a is not armed]
+    assert spec.action is not None
     print(f"[fault] injecting '{spec.action}' into {role} ({phase}) at step {step} (cluster.fault_injection)", flush=True)
     ref = workers[0].__ray_call__.remote(_ACTIONS[spec.action], f"{role}/{phase} at step {step}")
     if spec.action == "raise":

@@ -202,6 +202,8 @@ class RayWorkerGroup:
         node (no placement group is reserved then; Ray keeps an actor pending while the node lacks its resources)."""
         self.name = name
         self._key: Hashable | None = None
+        # How each actor is made (a dead one is replaced with the same: :meth:`replace`).
+        self._spawn = (actor_cls, num_workers, resources, dict(init_kwargs), env_vars, max_concurrency, node_id)
         if issubclass(actor_cls, Reinitializable):
             env_key = tuple(sorted((env_vars or {}).items()))
             self._key = (
@@ -218,18 +220,31 @@ class RayWorkerGroup:
             if self._reuse_idle(num_workers, init_kwargs):
                 return
         self._pg = None if node_id is not None else reserve_bundles(name, resources, num_workers, placement_timeout_s, strategy)
-        remote_cls = ray.remote(actor_cls)
-        self.workers = []
-        for rank in range(num_workers):
-            options = dict(
-                num_cpus=resources.num_cpus,
-                num_gpus=resources.num_gpus,
-                name=None,
-                runtime_env={"env_vars": {**worker_env_vars(resources.num_threads), **(env_vars or {})}},
-                scheduling_strategy=actor_scheduling(self._pg, rank, node_id),
-                max_concurrency=max_concurrency,
-            )
-            self.workers.append(remote_cls.options(**options).remote(rank=rank, world_size=num_workers, **init_kwargs))
+        self.workers = [self._start(rank) for rank in range(num_workers)]
+
+    def _start(self, rank: int) -> Any:
+        """A new actor ``rank`` of this group (its bundle of the group's placement group, or the pinned node)."""
+        actor_cls, num_workers, resources, init_kwargs, env_vars, max_concurrency, node_id = self._spawn
+        options = dict(
+            num_cpus=resources.num_cpus,
+            num_gpus=resources.num_gpus,
+            name=None,
+            runtime_env={"env_vars": {**worker_env_vars(resources.num_threads), **(env_vars or {})}},
+            scheduling_strategy=actor_scheduling(self._pg, rank, node_id),
+            max_concurrency=max_concurrency,
+        )
+        return ray.remote(actor_cls).options(**options).remote(rank=rank, world_size=num_workers, **init_kwargs)
+
+    def replace(self, rank: int) -> Any:
+        """Kill actor ``rank`` (dead or hung) and start a fresh one in its place: the same class, construction arguments,
+        resources and bundle (:mod:`nemo_like.distributed.supervision`). ``workers`` is updated in place, so every
+        holder of this list sees the new handle. Returns it (its constructor may still be running)."""
+        try:
+            ray.kill(self.workers[rank], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.workers[rank] = self._start(rank)
+        return self.workers[rank]
 
     def __len__(self) -> int:
         return len(self.workers)

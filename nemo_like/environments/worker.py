@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_like.distributed.supervision import Replaceable
 from nemo_like.distributed.worker_group import Reinitializable, RoleResources, WorkerResources
 from nemo_like.environments.interface import DEFAULT_ENV_CPUS, ActorNeeds, EnvironmentStep
 from nemo_like.environments.registry import EnvSpec, import_environment_class, resolve_environments
@@ -99,10 +100,16 @@ class EnvironmentHandles:
     :func:`nemo_like.experience.rollouts.score_with_environment`."""
 
     workers: dict[str, list[Any]]
+    # Driver side only (not pickled): each task's group, whose dead actors the driver replaces in place
+    # (:mod:`nemo_like.distributed.supervision`); ``None`` inside another actor, where a death is an error.
+    replaceable: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def tasks(self) -> list[str]:
         return list(self.workers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "replaceable": None}
 
 
 def actor_python_path(root: str | None) -> dict[str, str]:
@@ -139,7 +146,9 @@ class Environments:
         except BaseException:
             self.shutdown()
             raise
-        self.handles = EnvironmentHandles({task: list(group.workers) for task, group in self.groups.items()})
+        # The groups' own lists: a replaced actor (distributed/supervision.py) is seen through the handles too.
+        self.handles = EnvironmentHandles({task: group.workers for task, group in self.groups.items()})
+        self.handles.replaceable = {task: Replaceable("environment", group) for task, group in self.groups.items()}
 
     def shutdown(self) -> None:
         """Close each environment (its helper processes), then kill the actors."""

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -24,6 +25,8 @@ from pathlib import Path
 import pytest
 from functional.helpers import TINY_OVERRIDES, TINY_RECIPE, ckpt_overrides, read_metrics, tiny_config
 
+from nemo_like.distributed import faults
+from nemo_like.distributed.supervision import ActorRestartsExhausted
 from nemo_like.train import train
 from nemo_like.utils.run_control import RunInterrupted
 
@@ -187,16 +190,50 @@ def test_a_hung_generation_is_reported_with_its_stack_and_abort_exits_70(tmp_pat
     assert "Traceback" not in run.output
 
 
-def test_an_injected_kill_of_the_generation_actor_stops_the_run_naming_the_call(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run = Run(
-        tmp_path, "grpo.max_num_steps=3", "cluster.fault_injection.step=2", "cluster.fault_injection.action=kill", *ckpt_overrides(ckpt, 1)
+# The HF engine is an actor of its own (the default CPU run samples inside the policy worker, whose death restarts the
+# run instead: test_checkpoint_resume.py). Two steps: the refit before step 2 gives the replacement weights to reload.
+REPLACED = (*FAST, "policy.generation.backend=hf", "grpo.max_num_steps=2")
+
+
+def test_killed_generation_and_environment_actors_are_replaced_and_every_step_is_unchanged(ray_cluster, tmp_path, monkeypatch):
+    straight = train(tiny_config(tmp_path / "straight", *REPLACED))
+    # Two faults in one run: an environment actor dies under step 1's scoring ($NEMO_LIKE_FAULT_INJECTION), the HF
+    # engine under step 2's generation (cluster.fault_injection).
+    monkeypatch.setenv(faults.ENV_VAR, json.dumps({"role": "environment", "phase": "score", "step": 1, "action": "kill"}))
+    kill_generation = ("cluster.fault_injection.step=2", "cluster.fault_injection.action=kill")
+    started = time.monotonic()
+    replaced = train(tiny_config(tmp_path / "replaced", *REPLACED, *kill_generation))
+    print(f"faulted run: {time.monotonic() - started:.1f}s, {replaced[-1]['faults/seconds_lost']:.2f}s lost to 2 replacements")
+    assert [r["step"] for r in replaced] == [1, 2]
+    first, last = replaced
+    assert first["faults/actor_restarts/environment"] == 1 and "faults/actor_restarts/generation" not in first
+    assert (last["faults/actor_restarts/environment"], last["faults/actor_restarts/generation"]) == (1, 1)
+    assert last["faults/retried_batches"] == 2 and last["faults/seconds_lost"] > 0
+    assert not any(k.startswith("faults/") for r in straight for k in r)  # no death: no counters
+    compared = [k for k in straight[0] if k.startswith("train/")]
+    assert set(COMPARED) - {"train/gen_kl"} <= set(compared)
+    for a, b in zip(straight, replaced, strict=True):
+        for key in compared:
+            assert a[key] == b[key], (a["step"], key)  # bitwise
+
+
+def test_a_death_past_max_actor_restarts_stops_the_run_listing_every_cause(ray_cluster, tmp_path):
+    # The retry's actor dies too (times=2): with one replacement allowed, the second death stops the run.
+    kill_twice = ("role=environment", "phase=score", "action=kill", "times=2")
+    cfg = tiny_config(
+        tmp_path,
+        *FAST,
+        "grpo.max_num_steps=1",
+        "cluster.fault_tolerance.max_actor_restarts=1",
+        *(f"cluster.fault_injection.{k}" for k in kill_twice),
     )
-    try:
-        status = run.finish(240)
-    finally:
-        run.cleanup()
-    # Replacing a dead actor (issue 30, parts 1-2) is not built: the run stops, the last checkpoint is intact.
-    assert status == 1, run.output
-    assert re.search(r"nemo-like: error: Ray actor \w+ died during 'policy: inline generation'", run.output), run.output
-    assert checkpoint_steps(ckpt) == [1]
+    with pytest.raises(ActorRestartsExhausted) as stopped:
+        train(cfg)
+    message = str(stopped.value)
+    print(message)
+    assert "cluster.fault_tolerance.max_actor_restarts=1 for role 'environment'" in message
+    deaths = re.findall(
+        r"^  (\d)\. step 1, environment:arithmetic rank 0 \(actor \w+\) during 'reward'(, re-send 1)?: (.+)$", message, re.M
+    )
+    assert [(n, retry) for n, retry, _ in deaths] == [("1", ""), ("2", ", re-send 1")], message
+    assert all(cause.strip() for _, _, cause in deaths)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.supervision import Replaceable
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import (
@@ -14,6 +15,8 @@ from nemo_like.models.generation.interface import (
     actor_concurrency,
     export_weights,
     generate_on_group,
+    load_served_weights,
+    refit_group,
 )
 
 
@@ -51,17 +54,19 @@ class HFGeneration:
             max_concurrency=actor_concurrency(cfg),
         )
         self.weight_version = 0
+        # A dead worker is replaced in place and loads the weights the others serve (distributed/supervision.py).
+        self._served: tuple[WeightSource | None, int] = (None, 0)  # what the last refit was handed, and its version
+        self.replaceable = Replaceable("generation", self.group, lambda worker: load_served_weights(worker, *self._served))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
-        return generate_on_group(self.group, prompts, params, seed)
+        return generate_on_group(self.group, prompts, params, seed, self.replaceable)
 
     def refit(self, weights: WeightSource, version: int) -> float:
         """Load the policy's weights into every worker (one object-store copy shared by all). ``weights``: the exported
         weights, or a zero-argument exporter, always called here (every HF refit goes through the export)."""
         start = time.perf_counter()
-        versions = get_with_context(self.group.run_all("update_weights", export_weights(weights)), "refit")
-        if set(versions) != {version}:
-            raise RuntimeError(f"refit delivered weight versions {versions}, expected {version}")
+        self._served = (weights, version)
+        refit_group(self.replaceable, export_weights(weights), version)
         self.weight_version = version
         return time.perf_counter() - start
 

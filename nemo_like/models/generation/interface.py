@@ -97,17 +97,84 @@ def actor_concurrency(cfg) -> int:
     return 2 if async_cfg.enabled and async_cfg.in_flight_weight_updates else 1
 
 
-def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
+def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, seed: int, replaceable=None) -> list[GeneratedSample]:
     """Split ``prompts`` into contiguous shards, one per worker of ``group`` (a ``RayWorkerGroup`` whose
-    actors have ``generate(prompts, params_dict, seed)``), and return the samples in prompt order."""
+    actors have ``generate(prompts, params_dict, seed)``), and return the samples in prompt order. ``replaceable``
+    (a :class:`~nemo_like.distributed.supervision.Replaceable` of ``group``): a worker that dies is replaced and its
+    shard sent again with the same seed (:mod:`nemo_like.distributed.supervision`); ``None``: a death is an error."""
     from dataclasses import asdict
+    from functools import partial
 
-    from nemo_like.distributed.faults import inject
+    from nemo_like.distributed.supervision import Call, dispatch, gather
     from nemo_like.distributed.worker_group import get_with_context
     from nemo_like.utils.seeds import worker_seed
     from nemo_like.utils.sharding import contiguous_shards
 
-    inject("generation", "generate", group.workers)  # tests only (cluster.fault_injection); a no-op when unset
     shards = contiguous_shards(prompts, len(group))  # rank r generates piece r (its seed depends on r)
-    refs = [w.generate.remote(shard, asdict(params), worker_seed(seed, rank)) for rank, (w, shard) in enumerate(zip(group.workers, shards))]
-    return [GeneratedSample(**s) for shard in get_with_context(refs, "generation") for s in shard]
+    fields = asdict(params)
+    submits = [partial(_submit_generate, shard, fields, worker_seed(seed, rank), rank == 0) for rank, shard in enumerate(shards)]
+    if replaceable is None:
+        out = get_with_context([submit(w) for submit, w in zip(submits, group.workers)], "generation")
+    else:
+        calls = [Call(replaceable, rank, submit) for rank, submit in enumerate(submits)]
+        out = gather(calls, dispatch(calls), "generation")
+    return [GeneratedSample(**s) for shard in out for s in shard]
+
+
+def _submit_generate(shard: list[list[int]], params: dict, seed: int, first: bool, worker: Any) -> Any:
+    """One worker's generate call (sent again unchanged to a replacement); the fault-injection hook before the first
+    shard's (tests only: ``cluster.fault_injection``; a no-op when unset)."""
+    if first:
+        from nemo_like.distributed.faults import inject
+
+        inject("generation", "generate", [worker])
+    return worker.generate.remote(shard, params, seed)
+
+
+def load_served_weights(worker: Any, weights: WeightSource | None, version: int) -> None:
+    """Bring a replacement engine (a fresh actor) to the weights its group serves, version ``version``, before it
+    serves: ``weights`` is what the last refit was handed (``None``: never refitted, the fresh actor's own model is
+    version 0). The version it reports must be ``version``: a replacement never serves stale (or newer) weights."""
+    from nemo_like.distributed.worker_group import WorkerFailure, get_with_context
+
+    if weights is None:
+        loaded = get_with_context(worker.__ray_call__.remote(_weight_version), "generation: replacement start")
+    else:
+        loaded = get_with_context(worker.update_weights.remote(_export_for_replacement(weights)), "generation: replacement refit")
+    if loaded != version:
+        raise WorkerFailure(
+            f"a replaced generation engine would serve weight version {loaded}, but its group serves version {version}: "
+            "refusing a stale engine (the policy's weights moved on since the last refit)"
+        )
+
+
+def _export_for_replacement(weights: WeightSource) -> Any:
+    """The served weights once more, for one new engine: the policy's exporter is asked for the object-store path
+    (the shared-memory buffer of the last refit is unlinked once that refit is done: only its receivers mapped it)."""
+    import inspect
+
+    if callable(weights) and "shared_memory" in inspect.signature(weights).parameters:
+        return weights(shared_memory=False)
+    return export_weights(weights)
+
+
+def _weight_version(actor: Any) -> int:
+    return actor.weight_version
+
+
+def refit_group(replaceable: Any, exported: Any, version: int) -> None:
+    """Send ``exported`` weights (version ``version``) to every worker of ``replaceable``'s group (a dead one is
+    replaced and loads them too); every worker must report ``version``."""
+    from functools import partial
+
+    from nemo_like.distributed.supervision import Call, gather
+
+    group = replaceable.group
+    calls = [Call(replaceable, rank, partial(_submit_refit, exported)) for rank in range(len(group))]
+    versions = gather(calls, group.run_all("update_weights", exported), "refit")  # one object-store copy for all
+    if set(versions) != {version}:
+        raise RuntimeError(f"refit delivered weight versions {versions}, expected {version}")
+
+
+def _submit_refit(exported: Any, worker: Any) -> Any:
+    return worker.update_weights.remote(exported)

@@ -29,7 +29,8 @@ from typing import Any
 import ray
 
 from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
+from nemo_like.distributed.supervision import Replaceable
+from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerFailure, WorkerResources, get_with_context
 from nemo_like.models.generation.interface import (
     GeneratedSample,
     SamplingParams,
@@ -37,6 +38,8 @@ from nemo_like.models.generation.interface import (
     actor_concurrency,
     export_weights,
     generate_on_group,
+    load_served_weights,
+    refit_group,
 )
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
 from nemo_like.models.refit.transport import RefitTransport, refit_transport
@@ -48,7 +51,7 @@ def engine_env(cfg: MasterConfig) -> dict[str, str]:
     return vllm_actor_env(bool(cfg.cluster.gpus_per_node), cfg.policy.generation.vllm_cfg.kv_cache_space_gib)
 
 
-def vllm_actor_env(on_gpu: bool, kv_cache_space_gib: float) -> dict[str, str]:
+def vllm_actor_env(on_gpu: bool, kv_cache_space_gib: int) -> dict[str, str]:
     """Environment of a vLLM actor: in-process engine, vLLM's log level (``$VLLM_LOGGING_LEVEL``, default
     ERROR: its INFO lines, and on CPU a harmless "RotaryEmbedding: Failed to load weights" warning at every
     refit, would flood the driver's console), and the KV cache size on CPU."""
@@ -173,6 +176,14 @@ class VLLMGeneration:
                 raise
         self.weight_version = 0
         self._broadcast_manifest: list | None = None
+        # A dead worker is replaced in place and loads the weights the others serve (distributed/supervision.py).
+        self._served: tuple[WeightSource | None, int] = (None, 0)  # what the last refit was handed, and its version
+        self.replaceable = Replaceable("generation", self.group, self._prepare_replacement)
+
+    def _prepare_replacement(self, worker: Any) -> None:
+        if self.transport != "object_store" and self._served[0] is not None:
+            raise WorkerFailure(f"a dead vLLM engine is replaced only with the object-store refit; this run refits over {self.transport}")
+        load_served_weights(worker, *self._served)
 
     @property
     def transport(self) -> RefitTransport:
@@ -181,7 +192,7 @@ class VLLMGeneration:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         """One sample per prompt, in prompt order (the driver repeats each prompt G times for a group)."""
-        return generate_on_group(self.group, prompts, params, seed)
+        return generate_on_group(self.group, prompts, params, seed, self.replaceable)
 
     def refit(self, weights: WeightSource, version: int) -> float:
         """Load the policy's weights (version ``version``) into every worker; returns the seconds spent. ``weights``:
@@ -189,9 +200,12 @@ class VLLMGeneration:
         transports read policy rank 0's tensors directly)."""
         start = time.perf_counter()
         transport = self.transport
+        self._served = (weights, version)
         if transport == "object_store":
-            refs = self.group.run_all("update_weights", export_weights(weights))
-        elif transport == "cuda_ipc":
+            refit_group(self.replaceable, export_weights(weights), version)
+            self.weight_version = version
+            return time.perf_counter() - start
+        if transport == "cuda_ipc":
             refs = self._refit_ipc(version)
         else:
             refs = self._refit_broadcast(version)

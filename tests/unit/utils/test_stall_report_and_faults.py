@@ -48,14 +48,18 @@ def test_the_driver_section_names_the_call_it_waits_in_and_for_how_long():
     assert any("in get_with_context" in line for line in lines[1:])
 
 
-def test_a_fault_is_armed_from_the_config_or_the_environment(monkeypatch):
+def test_faults_are_armed_from_the_config_and_the_environment(monkeypatch):
     try:
-        assert faults.arm(FaultInjectionConfig()) is None  # action null: nothing armed
+        assert faults.arm(FaultInjectionConfig()) == []  # action null: nothing armed
         monkeypatch.setenv(faults.ENV_VAR, '{"step": 3, "action": "kill"}')
-        armed = faults.arm(FaultInjectionConfig())
-        assert armed is not None and (armed.step, armed.action, armed.role) == (3, "kill", "generation")
+        [armed] = faults.arm(FaultInjectionConfig())
+        assert (armed.step, armed.action, armed.role) == (3, "kill", "generation")
+        # Both at once (one fault per role in one run): the config's and a list in the environment.
+        monkeypatch.setenv(faults.ENV_VAR, '[{"role": "environment", "phase": "score", "action": "kill"}]')
+        both = faults.arm(FaultInjectionConfig(step=2, action="kill"))
+        assert [(f.role, f.step) for f in both] == [("generation", 2), ("environment", 1)]
         monkeypatch.setenv(faults.ENV_VAR, '{"step": 3, "action": "explode"}')
-        with pytest.raises(ValueError, match="NEMO_LIKE_FAULT_INJECTION must be a JSON object with the keys of cluster.fault_injection"):
+        with pytest.raises(ValueError, match="NEMO_LIKE_FAULT_INJECTION must be a JSON object .or a list of them. with the keys"):
             faults.arm(None)
     finally:
         faults.disarm()
