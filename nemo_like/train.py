@@ -16,11 +16,14 @@ from typing import Any
 from nemo_like.algorithms.checkpointing import find_resume_checkpoint, trim_metrics_after
 from nemo_like.algorithms.grpo import async_grpo_train, grpo_train
 from nemo_like.algorithms.names import check_plugin_names
-from nemo_like.algorithms.setup import setup_grpo
+from nemo_like.algorithms.restarts import RESTARTS_METRIC, Death, check_restart, dead_role, restart_checkpoint, restart_line
+from nemo_like.algorithms.setup import GRPOComponents, setup_grpo
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed import faults
 from nemo_like.distributed.watchdog import RunStalled, StallWatchdog
+from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.models.loading import check_model_source
+from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.deadline import resolve_deadline
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.preflight import ensure_writable_dir
@@ -134,17 +137,53 @@ def last_checkpoint_line(cfg: MasterConfig) -> str:
 
 def find_resume_checkpoint_quietly(cfg: MasterConfig) -> str | None:
     """The latest complete checkpoint's path, without removing anything."""
-    from nemo_like.utils.checkpoint import CheckpointManager
-
     latest = CheckpointManager(cfg.checkpointing.checkpoint_dir).latest()
     return None if latest is None else str(latest.path)
 
 
 def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[dict[str, Any]]:
-    resume_from = find_resume_checkpoint(cfg)
+    """Train; a dead policy or reference worker restarts the run from its last checkpoint in this process, at most
+    ``cluster.fault_tolerance.max_restarts`` times (:mod:`nemo_like.algorithms.restarts`)."""
+    run_started = time.time()  # checkpoints written since then are this run's: a restart may resume from them
+    started_from = resume_from = find_resume_checkpoint(cfg)
+    metrics_path = Path(cfg.logger.log_dir) / "metrics.jsonl"
     if resume_from is not None:  # steps logged after the checkpoint are redone: drop their records
-        trim_metrics_after(Path(cfg.logger.log_dir) / "metrics.jsonl", resume_from.step)
-    logger = Logger(cfg.logger, cfg.grpo.max_num_steps)
+        trim_metrics_after(metrics_path, resume_from.step)
+    metrics_start = metrics_path.stat().st_size if metrics_path.exists() else 0  # what earlier runs logged
+    deaths: list[Death] = []
+    kept: list[dict[str, Any]] = []  # records of the attempts before a restart, up to the step it resumed from
+    resumed_step = resume_from.step if resume_from is not None else None  # None: a fresh start
+    while True:
+        logger = Logger(cfg.logger, cfg.grpo.max_num_steps, resumed_step)
+        if deaths:
+            logger.extra[RESTARTS_METRIC] = float(len(deaths))
+            report_first_step(logger, deaths[-1], len(deaths))
+        outcome = _train_attempt(cfg, start, control, resume_from, logger, deaths)
+        if not isinstance(outcome, Death):
+            history = kept + outcome
+            break
+        check_restart(outcome, deaths, cfg.cluster.fault_tolerance.max_restarts, cfg.checkpointing.enabled)
+        deaths.append(outcome)
+        manager = CheckpointManager(cfg.checkpointing.checkpoint_dir)
+        for path in manager.remove_partial_saves():
+            print(f"[checkpoint] removed an interrupted save: {path}", file=sys.stderr)
+        resume_from = restart_checkpoint(manager.valid_checkpoints(), run_started, started_from)
+        resumed_step = resume_from.step if resume_from is not None else -1  # -1: nothing this run logged is kept
+        trim_metrics_after(metrics_path, resumed_step, from_byte=metrics_start)
+        kept = [r for r in kept + logger.records if r["step"] <= resumed_step]
+        print(restart_line(outcome, len(deaths), cfg.cluster.fault_tolerance.max_restarts, resume_from), file=sys.stderr, flush=True)
+    print(summarise(history, time.perf_counter() - start), file=sys.stderr)
+    if cfg.logger.plot_at_end:
+        write_plot(logger.metrics_path)
+    return history
+
+
+def _train_attempt(
+    cfg: MasterConfig, start: float, control: RunControl, resume_from: CheckpointInfo | None, logger: Logger, deaths: list[Death]
+) -> list[dict[str, Any]] | Death:
+    """Set the run up and train: the records, or the :class:`Death` of a policy or reference worker (every actor of
+    the attempt is stopped either way; any other error propagates)."""
+    since = time.perf_counter() if deaths else start
     logger.save_config(cfg.model_dump(mode="json"))
     logger.progress.message(f"[setup] logging to {logger.metrics_path}")
     try:
@@ -153,21 +192,48 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
     except BaseException:
         logger.close()
         raise
-    logger.progress.message(f"[setup] actors ready in {time.perf_counter() - start:.1f}s")
+    ready = f"[setup] actors ready in {time.perf_counter() - since:.1f}s"
+    logger.progress.message(ready if not deaths else ready + f" (restart {len(deaths)})")
     ft = cfg.cluster.fault_tolerance
+    actor_ids = restartable_actor_ids(parts)
     try:
         with ExitStack() as stack:
             control.last_progress = time.monotonic()
             stack.enter_context(StallWatchdog(control, ft.stall_timeout_s, ft.on_stall) if ft.stall_timeout_s else nullcontext())
             loop = async_grpo_train if cfg.grpo.async_grpo.enabled else grpo_train
-            history = loop(parts, logger, resume_from)
+            return loop(parts, logger, resume_from)
+    except WorkerFailure as exc:
+        role = dead_role(exc, actor_ids)
+        if role is None:
+            raise
+        return Death(role, control.step, str(exc), exc, time.monotonic())
     finally:
         logger.close()
-        parts.shutdown()
-    print(summarise(history, time.perf_counter() - start), file=sys.stderr)
-    if cfg.logger.plot_at_end:
-        write_plot(logger.metrics_path)
-    return history
+        parts.shutdown()  # the actors (a dead one included), their placement groups, refit buffers, the rollout server
+
+
+def report_first_step(logger: Logger, death: Death, restarts: int) -> None:
+    """Print, with the first step the restarted run logs, how long after the death it came."""
+    log = logger.log
+
+    def log_and_report(metrics: dict[str, Any], step: int) -> None:
+        log(metrics, step)
+        if step > 0 and logger.log is log_and_report:
+            logger.log = log  # type: ignore[method-assign]
+            seconds = time.monotonic() - death.at
+            logger.progress.message(f"[restart] step {step} done {seconds:.1f}s after the death (restart {restarts})")
+
+    logger.log = log_and_report  # type: ignore[method-assign]
+
+
+def restartable_actor_ids(parts: GRPOComponents) -> dict[str, set[str]]:
+    """The Ray actor ids of the policy's and the reference's workers (a LoRA run's reference has none of its own)."""
+    ids: dict[str, set[str]] = {}
+    for role, part in (("policy", parts.policy), ("reference", parts.reference)):
+        group = getattr(part, "group", None)
+        if group is not None:
+            ids[role] = {worker._actor_id.hex() for worker in group.workers}
+    return ids
 
 
 def write_plot(metrics_path: Path) -> Path | None:

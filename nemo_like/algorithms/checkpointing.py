@@ -100,11 +100,21 @@ def restore_run(parts: GRPOComponents, checkpoint: CheckpointInfo) -> int:
     return int(checkpoint.state["step"])
 
 
-def trim_metrics_after(metrics_path: Path, last_step: int) -> None:
-    """Drop records of steps after ``last_step`` (logged after the checkpoint, redone on resume)."""
+def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int = 0) -> None:
+    """Drop records of steps after ``last_step`` (logged after the checkpoint, redone on resume). The file's first
+    ``from_byte`` bytes (what earlier runs wrote, for a run restarting in process) are kept as they are; a torn last
+    line (a process killed mid-write) is dropped too."""
     if not metrics_path.exists():
         return
-    kept = [line for line in metrics_path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    data = metrics_path.read_bytes()
+    kept = [line for line in data[from_byte:].decode().splitlines() if (step := _step_of(line)) is not None and step <= last_step]
     tmp = metrics_path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_bytes(data[:from_byte] + "".join(line + "\n" for line in kept).encode())
     tmp.replace(metrics_path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -85,10 +85,11 @@ class TensorBoardBackend(LogBackend):
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
+        """``purge_step``: a resumed run's first step; TensorBoard hides what earlier runs logged from that step on."""
         from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
 
-        self.writer = SummaryWriter(str(log_dir))
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
         self._session_end = None
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
@@ -148,21 +149,22 @@ def _wandb_teardown(wandb: Any) -> None:
         pass
 
 
-def optional_backend_factories(cfg: LoggerConfig) -> dict[str, Callable[[], LogBackend]]:
-    """Constructors of the optional backends that ``cfg`` enables, by backend name."""
+def optional_backend_factories(cfg: LoggerConfig, purge_step: int | None = None) -> dict[str, Callable[[], LogBackend]]:
+    """Constructors of the optional backends that ``cfg`` enables, by backend name (``purge_step``: see
+    :class:`TensorBoardBackend`)."""
     log_dir = Path(cfg.log_dir)
     factories: dict[str, Callable[[], LogBackend]] = {}
     if cfg.tensorboard_enabled:
-        factories["TensorBoard"] = lambda: TensorBoardBackend(log_dir / "tensorboard")
+        factories["TensorBoard"] = lambda: TensorBoardBackend(log_dir / "tensorboard", purge_step)
     if cfg.wandb_enabled:
         factories["Weights & Biases"] = lambda: WandbBackend(cfg.wandb.project, cfg.wandb.name, log_dir)
     return factories
 
 
-def start_backends(cfg: LoggerConfig) -> list[LogBackend]:
+def start_backends(cfg: LoggerConfig, purge_step: int | None = None) -> list[LogBackend]:
     """Start the enabled optional backends; each one that fails warns once and is skipped."""
     started = []
-    for label, factory in optional_backend_factories(cfg).items():
+    for label, factory in optional_backend_factories(cfg, purge_step).items():
         try:
             started.append(factory())
         except Exception as exc:  # noqa: BLE001 - any start-up failure must not stop training

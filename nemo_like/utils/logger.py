@@ -24,13 +24,18 @@ class Logger:
     """One JSON object per step in ``<log_dir>/metrics.jsonl``, the same metrics in the enabled
     dashboards, and the resolved config beside them (``config.yaml``, TB hparams, W&B config)."""
 
-    def __init__(self, cfg: LoggerConfig, total_steps: int) -> None:
+    def __init__(self, cfg: LoggerConfig, total_steps: int, resumed_step: int | None = None) -> None:
+        """``resumed_step``: the checkpoint's step a resumed run continues after (TensorBoard then hides the later steps
+        an earlier run logged: they are redone; ``metrics.jsonl`` is trimmed by the caller)."""
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.log_dir / "metrics.jsonl"
-        self.backends: list[LogBackend] = [JsonlBackend(self.metrics_path), *start_backends(cfg)]
+        purge_step = None if resumed_step is None else resumed_step + 1
+        self.backends: list[LogBackend] = [JsonlBackend(self.metrics_path), *start_backends(cfg, purge_step)]
         self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar)
+        self.extra: dict[str, Any] = {}  # added to every record from now on (e.g. faults/run_restarts after a restart)
+        self.records: list[dict[str, Any]] = []  # what this logger logged, as {"step": step, **metrics}
 
     def save_config(self, resolved: dict[str, Any]) -> Path:
         """Write ``config.yaml`` and hand the config to the backends as hyperparameters."""
@@ -40,8 +45,10 @@ class Logger:
         return path
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Send one step's metrics to every backend."""
+        """Send one step's metrics, with :attr:`extra` added to them (in place), to every backend."""
+        metrics.update(self.extra)
         self._call_all("log_metrics", metrics, step)
+        self.records.append({"step": step, **metrics})
 
     def close(self) -> None:
         """Stop the progress display and close every backend."""

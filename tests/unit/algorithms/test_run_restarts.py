@@ -1,0 +1,141 @@
+"""Run restarts after a dead policy or reference worker: the decisions (nemo_like/algorithms/restarts.py), the metrics
+trim, and the driver's loop (nemo_like/train.py) with the attempts faked (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_like import train as train_module
+from nemo_like.algorithms.checkpointing import trim_metrics_after
+from nemo_like.algorithms.restarts import Death, RunRestartError, check_restart, dead_role, restart_checkpoint
+from nemo_like.config import load_config
+from nemo_like.distributed.worker_group import WorkerFailure
+from nemo_like.utils.checkpoint import CheckpointInfo
+from nemo_like.utils.run_control import RunControl
+
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+IDS = {"policy": {"p0", "p1"}, "reference": {"r0"}}
+
+
+def died(what: str, actor_id: str | None) -> WorkerFailure:
+    return WorkerFailure(f"Ray actor {actor_id} died during '{what}'", role=what.split(":")[0].strip(), actor_id=actor_id)
+
+
+def test_a_policy_or_reference_death_is_restartable_and_others_are_not():
+    assert dead_role(died("policy: training", "p1"), IDS) == "policy"
+    assert dead_role(died("reference: logprobs", "r0"), IDS) == "reference"
+    assert dead_role(died("refit: IPC handles", "p0"), IDS) == "policy"  # a call on the policy's workers, named otherwise
+    assert dead_role(died("generation", "g0"), IDS) is None  # another role's actor: replaced in place, or the run stops
+    assert dead_role(died("policy: training", "g0"), IDS) is None  # the actor id decides when known
+    assert dead_role(died("policy: inline generation", None), IDS) == "policy"  # else the phase's role
+    assert dead_role(died("reference (policy, adapters disabled): reference logprobs", None), {}) == "reference"
+    assert dead_role(WorkerFailure("the trajectory collector failed"), IDS) is None
+    assert dead_role(RunRestartError("out of restarts", role="policy"), IDS) is None
+    assert dead_role(RuntimeError("policy: training"), IDS) is None
+
+
+def test_a_restart_needs_checkpointing_and_stops_past_max_restarts_listing_every_cause():
+    cause = died("policy: training", "p0")
+    first, second = Death("policy", 5, "first cause", cause), Death("reference", 7, "second cause", cause)
+    check_restart(first, [], max_restarts=2, checkpointing=True)
+    check_restart(second, [first], max_restarts=2, checkpointing=True)
+    with pytest.raises(RunRestartError, match=r"policy worker died in step 5: first cause.*checkpointing.enabled=true") as off:
+        check_restart(first, [], max_restarts=2, checkpointing=False)
+    assert off.value.__cause__ is cause
+    with pytest.raises(RunRestartError, match=r"after 1 restart\(s\) \(cluster.fault_tolerance.max_restarts=1\)") as out:
+        check_restart(second, [first], max_restarts=1, checkpointing=True)
+    assert "1. policy worker died in step 5: first cause; 2. reference worker died in step 7: second cause" in str(out.value)
+    with pytest.raises(RunRestartError, match="with restarts off"):
+        check_restart(first, [], max_restarts=0, checkpointing=True)
+
+
+def checkpoint(root: Path, step: int, mtime: float) -> CheckpointInfo:
+    path = root / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    os.utime(path / "trainer_state.json", (mtime, mtime))
+    return CheckpointInfo(step, path, {"step": step})
+
+
+def test_a_restart_resumes_from_this_runs_newest_checkpoint_else_the_one_it_started_from(tmp_path):
+    now = time.time()
+    old_later_run = checkpoint(tmp_path, 9, now - 100)  # left by another run (checkpointing.resume=false): never taken
+    started = checkpoint(tmp_path, 3, now - 50)
+    assert restart_checkpoint([started, old_later_run], now, started) is started
+    assert restart_checkpoint([started, old_later_run], now, None) is None  # step 0, as a fresh start
+    own = checkpoint(tmp_path, 4, now + 1)
+    assert restart_checkpoint([started, own, old_later_run], now, started) is own
+
+
+def test_trimming_metrics_keeps_earlier_runs_bytes_and_drops_later_steps_and_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    earlier = "".join(json.dumps({"step": s, "x": s}) + "\n" for s in (1, 7))  # another run's records stay as they are
+    path.write_text(earlier + "".join(json.dumps({"step": s}) + "\n" for s in (0, 1, 2, 3)) + '{"step": 4, "x')
+    trim_metrics_after(path, 2, from_byte=len(earlier))
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 7, 0, 1, 2]
+    trim_metrics_after(path, -1, from_byte=len(earlier))  # a restart from step 0 drops all this run logged
+    assert path.read_text() == earlier
+
+
+def fake_run(tmp_path: Path, monkeypatch, attempts, *overrides: str):
+    """``train._train_locked`` with each attempt replaced by ``attempts[i](logger, resume_from)``."""
+    cfg = load_config(
+        RECIPE,
+        [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", "logger.progress_bar=false"]
+        + ["logger.plot_at_end=false", *overrides],
+    )
+    calls = iter(attempts)
+    seen = []
+
+    def attempt(cfg, start, control, resume_from, logger, deaths):
+        seen.append(resume_from.step if resume_from else 0)
+        try:
+            return next(calls)(logger, resume_from)
+        finally:
+            logger.close()
+
+    monkeypatch.setattr(train_module, "_train_attempt", attempt)
+    return train_module._train_locked(cfg, time.perf_counter(), RunControl()), seen
+
+
+def logs(*steps: int, death_step: int | None = None):
+    def attempt(logger, resume_from):
+        for step in steps:
+            logger.log({"train/reward": float(step)}, step)
+        if death_step is None:
+            return [dict(r) for r in logger.records]
+        return Death("policy", death_step, f"killed in step {death_step}", died("policy: training", "p0"))
+
+    return attempt
+
+
+def test_the_driver_restarts_from_step_0_without_a_checkpoint_and_logs_each_step_once(tmp_path, monkeypatch, capsys):
+    history, seen = fake_run(
+        tmp_path, monkeypatch, [logs(0, 1, 2, death_step=3), logs(0, 1, 2, 3)], "checkpointing.enabled=true", "grpo.max_num_steps=3"
+    )
+    assert seen == [0, 0]
+    assert (
+        "[restart] the policy worker died in step 3: killed in step 3; restarting the run's actors (restart 1 of" in capsys.readouterr().err
+    )
+    lines = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2, 3] == [h["step"] for h in history]
+    assert all(r["faults/run_restarts"] == 1.0 for r in lines)
+
+
+def test_the_driver_stops_with_a_clear_error_when_checkpointing_is_off_or_restarts_run_out(tmp_path, monkeypatch):
+    with pytest.raises(RunRestartError, match=r"needs checkpointing.enabled=true") as off:
+        fake_run(tmp_path / "off", monkeypatch, [logs(1, death_step=2)], "checkpointing.enabled=false")
+    assert "killed in step 2" in str(off.value)
+    with pytest.raises(RunRestartError, match=r"max_restarts=1\); the run stops. Causes: 1\. .*step 2.*; 2\. .*step 1"):
+        fake_run(
+            tmp_path / "out",
+            monkeypatch,
+            [logs(1, death_step=2), logs(death_step=1)],
+            "checkpointing.enabled=true",
+            "cluster.fault_tolerance.max_restarts=1",
+        )
