@@ -110,7 +110,7 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
     sessions = service.sessions
 
     def decode_token(token_id: int) -> str:
-        return service.renderer.decode([token_id])
+        return service.renderer.decode_continuation([token_id])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:

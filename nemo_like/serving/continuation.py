@@ -3,7 +3,8 @@
 An agent sends back the whole conversation as text; re-tokenising it would change ids (BPE is not a bijection) and
 the training row would hold tokens the model never sampled. So per session the server keeps, for every completion,
 the text its ids encode (the rendered prompt plus the decoded completion) and those ids. A new rendering that starts
-with one of these texts becomes those ids plus the tokenised remainder (:meth:`Continuations.prompt_ids`): the prompt
+with one of these texts becomes those ids plus the tokenised remainder (:meth:`Continuations.prompt_ids`; encoded as a
+continuation, so a SentencePiece tokenizer adds no word-start space to it): the prompt
 then extends the earlier call exactly, and the session stays one row. A rendering that starts with none of them (the
 template rewrote history) is tokenised whole and the session branches (:mod:`.trajectory`).
 
@@ -49,13 +50,16 @@ class Continuations:
         with self._lock:
             return self._raw.get(key)
 
-    def prompt_ids(self, text: str, tokenize: Callable[[str], list[int]]) -> list[int]:
+    def prompt_ids(
+        self, text: str, tokenize: Callable[[str], list[int]], tokenize_rest: Callable[[str], list[int]] | None = None
+    ) -> list[int]:
         """The ids of the rendered prompt ``text``: the longest remembered text that starts it, with its ids, plus the
-        remainder tokenised; the whole text tokenised when none starts it."""
+        remainder tokenised by ``tokenize_rest`` (as a continuation: no SentencePiece word marker of its own; default
+        ``tokenize``); the whole text tokenised when none starts it."""
         with self._lock:
             candidates = [(t, ids) for t, ids in self._encoded if text.startswith(t)]
         if not candidates:
             return tokenize(text)
         prefix_text, prefix_ids = max(candidates, key=lambda c: len(c[0]))
         rest = text[len(prefix_text) :]
-        return list(prefix_ids) + (tokenize(rest) if rest else [])
+        return list(prefix_ids) + ((tokenize_rest or tokenize)(rest) if rest else [])

@@ -80,10 +80,44 @@ class Renderer:
         self.chat_template = chat_template
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template")
+        self._anchor = self._atomic_special_token()
 
     def tokenize(self, text: str) -> list[int]:
         """The ids of ``text`` (special-token markup included, no added BOS/EOS)."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def tokenize_continuation(self, text: str) -> list[int]:
+        """The ids of ``text`` where it continues earlier ids (the rest of a session's prompt after the ids it reuses).
+
+        Encoded on its own, a SentencePiece tokenizer starts ``text`` with its ``▁`` word marker, a space the rendered
+        prompt does not have. So ``text`` is encoded behind an atomic special token (one id however it is followed),
+        whose id is then dropped: the ids of ``text`` in context. Byte-level BPE gives the same ids either way."""
+        if self._anchor is not None:
+            anchor_id, anchor_text = self._anchor
+            ids = self.tokenize(anchor_text + text)
+            if ids and ids[0] == anchor_id:
+                return ids[1:]
+        return self.tokenize(text)
+
+    def decode_continuation(self, ids: list[int] | tuple[int, ...]) -> str:
+        """The text ``ids`` add after earlier tokens (a completion after its prompt): decoded on their own, a
+        SentencePiece tokenizer drops the space of a first ``▁`` piece, which the model sampled as part of the text.
+        Decoded behind the atomic special token instead, whose text is then cut off."""
+        if self._anchor is not None:
+            anchor_id, _ = self._anchor
+            anchor_text = self.decode([anchor_id])
+            text = self.decode([anchor_id, *ids])
+            if text.startswith(anchor_text):
+                return text[len(anchor_text) :]
+        return self.decode(ids)
+
+    def _atomic_special_token(self) -> tuple[int, str] | None:
+        """A special token that encodes to its one id alone and in front of text (``None``: the tokenizer has none)."""
+        for token in getattr(self.tokenizer, "all_special_tokens", []) or []:
+            ids = self.tokenize(token)
+            if len(ids) == 1 and self.tokenize(token + "a")[:1] == ids:
+                return ids[0], token
+        return None
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
         """The text of ``ids`` with every token, special ones included, without whitespace clean-up."""

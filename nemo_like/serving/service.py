@@ -110,7 +110,11 @@ class CompletionService:
         session, call_index = self._session(session_id or req.user)
         continuations = session.continuations if session else None
         text = self.renderer.chat_text(req.messages, req.tools, continuations)
-        ids = continuations.prompt_ids(text, self.renderer.tokenize) if continuations else self.renderer.tokenize(text)
+        ids = (
+            continuations.prompt_ids(text, self.renderer.tokenize, self.renderer.tokenize_continuation)
+            if continuations
+            else self.renderer.tokenize(text)
+        )
         call = await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index)
         for choice in call.choices:
             choice.parsed = self.tool_parser(choice.text) if req.parses_tools() else ParsedTurn(choice.text)
@@ -127,7 +131,11 @@ class CompletionService:
         session, call_index = self._session(session_id or req.user)
         if isinstance(req.prompt, str):
             text = req.prompt
-            ids = session.continuations.prompt_ids(text, self.renderer.tokenize) if session else self.renderer.tokenize(text)
+            ids = (
+                session.continuations.prompt_ids(text, self.renderer.tokenize, self.renderer.tokenize_continuation)
+                if session
+                else self.renderer.tokenize(text)
+            )
         else:
             vocab = self.sessions.vocab_size
             if vocab is not None and any(t < 0 or t >= vocab for t in req.prompt):
@@ -138,7 +146,7 @@ class CompletionService:
     def _raw_text(self, completion_ids: list[int]) -> str:
         """The sampled text the template must render back: the completion without its end-of-turn token."""
         ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.eos_token_ids else completion_ids
-        return self.renderer.decode(ids)
+        return self.renderer.decode_continuation(ids)
 
     async def _sample(
         self, req: SamplingFields, text: str, ids: list[int], requested: int | None, session: Session | None, call_index: int
@@ -160,7 +168,7 @@ class CompletionService:
                     truncated=choice.finish_reason == "length", call_index=call_index, choice_index=i,
                 )
             )  # fmt: skip
-            texts.append((text, self.renderer.decode(choice.completion_ids)))
+            texts.append((text, self.renderer.decode_continuation(choice.completion_ids)))
         if session is not None:
             self.sessions.record(session, records, texts)
         return call
@@ -175,9 +183,10 @@ class CompletionService:
 
     def _stop_cut(self, ids: list[int], stops: tuple[str, ...]) -> int | None:
         """Length of the shortest prefix of ``ids`` whose text holds a stop string (whole tokens kept)."""
-        if not stops or not any(s in self.renderer.decode(ids) for s in stops):
+        decode = self.renderer.decode_continuation
+        if not stops or not any(s in decode(ids) for s in stops):
             return None
-        return next(i + 1 for i in range(len(ids)) if any(s in self.renderer.decode(ids[: i + 1]) for s in stops))
+        return next(i + 1 for i in range(len(ids)) if any(s in decode(ids[: i + 1]) for s in stops))
 
 
 def response_extras(call: SampledCall, choice: SampledChoice | None = None) -> dict[str, Any]:

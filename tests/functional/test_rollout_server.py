@@ -24,7 +24,11 @@ from nemo_like.serving.trajectory import CallRecord, unsampled_positions
 
 pytestmark = pytest.mark.slow
 MODEL = "embedded:tiny-tool-qwen2"
-THINK_TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_style_think.jinja"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+THINK_TEMPLATE = FIXTURES / "qwen3_style_think.jinja"
+SYSTEM_TEMPLATE = FIXTURES / "system_before_last_user.jinja"  # rewrites where the system message goes
+SENTENCEPIECE = FIXTURES / "tiny_sentencepiece"  # scripts/build_sentencepiece_fixture.py
+CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 TOOLS = [
     {
         "type": "function",
@@ -152,6 +156,66 @@ def test_a_template_that_strips_reasoning_branches_the_session(engine, tokenizer
     naive += observation + sampled[2]
     naive_mask += [0] * len(observation) + [1] * len(sampled[2])
     assert unsampled_positions(naive, naive_mask, calls) != []  # it would train on tokens in contexts never sampled
+
+
+def test_a_template_that_rewrites_the_system_message_branches_the_session(engine, tokenizer):
+    with RolloutServer(engine, tokenizer, ServerConfig(chat_template=SYSTEM_TEMPLATE.read_text())) as srv:
+        c = client(srv, "system")
+        messages = [{"role": "system", "content": "You are a calculator."}, {"role": "user", "content": PROBLEMS[4]}]
+        responses = [chat(c, messages, temperature=1.0, max_tokens=16)]
+        messages += [responses[0].choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": PROBLEMS[5]}]
+        responses.append(chat(c, messages, temperature=1.0, max_tokens=16))  # the system text moved to the new user turn
+        result = srv.sessions.end("system", reward=1.0)
+    first_rendering = responses[0].prompt_token_ids + responses[0].choices[0].completion_token_ids
+    assert responses[1].prompt_token_ids[: len(first_rendering)] != first_rendering
+    assert result.rejected is None and [r.calls for r in result.rows] == [[(0, 0)], [(1, 0)]]
+    sampled = [r.choices[0].completion_token_ids for r in responses]
+    assert [r.response_ids[: len(s)] for r, s in zip(result.rows, sampled)] == sampled and all(all(r.response_mask) for r in result.rows)
+    trained, generated = model_logprobs(engine, result.rows, tokenizer.pad_token_id)
+    assert (trained - generated).abs().max().item() < 1e-5
+
+
+def test_a_sentencepiece_session_keeps_the_spaces_the_model_sampled(tmp_path):
+    """SentencePiece marks a word start with ``▁``; a text encoded or decoded on its own gains or loses that space.
+    Served: a completion's text is its text after the prompt, and a prompt that reuses a session's ids encodes the
+    rest as their continuation, so the ids spell exactly the text the client sent (an extra ``▁`` otherwise)."""
+    from transformers import LlamaTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    sp = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=False, legacy=False, pad_token="<pad>")
+    sp.chat_template = CHATML
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(sp), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # a random model that samples word pieces (not bytes or markup): readable text to send back
+        model.lm_head.weight.mul_(20)
+        for i, piece in enumerate(sp.convert_ids_to_tokens(list(range(len(sp))))):
+            if piece.startswith("<") or i < 4:
+                model.lm_head.weight[i] = 0
+    engine = LocalGeneration(model.eval(), sp.pad_token_id, [sp.eos_token_id])
+    with RolloutServer(engine, sp, ServerConfig(max_context=256)) as srv:
+        c = client(srv, "sp")
+        first_prompt = "What is 12 times 3? The answer is"
+        first = c.completions.create(
+            model="policy", prompt=first_prompt, max_tokens=8, temperature=1.0, seed=3, extra_body={"return_token_ids": True}
+        )
+        completion = first.choices[0].model_extra["completion_token_ids"]
+        assert sp.convert_ids_to_tokens(completion)[0].startswith("▁")  # the sampled text starts with a space ...
+        assert first.choices[0].text == sp.decode(first.prompt_token_ids + completion)[len(first_prompt) :]  # ... returned
+        second_prompt = first_prompt + first.choices[0].text + ". Let me check."
+        second = c.completions.create(
+            model="policy", prompt=second_prompt, max_tokens=8, temperature=1.0, seed=4, extra_body={"return_token_ids": True}
+        )
+        result = srv.sessions.end("sp", reward=1.0)
+    reused = first.prompt_token_ids + completion
+    assert second.prompt_token_ids[: len(reused)] == reused and len(result.rows) == 1  # one row: call 2 extends call 1
+    assert sp.decode(second.prompt_token_ids) == second_prompt  # the ids spell the prompt the client sent
+    naive = reused + sp(". Let me check.", add_special_tokens=False)["input_ids"]  # the rest encoded on its own
+    assert sp.decode(naive) != second_prompt  # it would hold a space the client never sent
+    trained, generated = model_logprobs(engine, result.rows, sp.pad_token_id)
+    assert (trained - generated).abs().max().item() < 1e-5
 
 
 def test_every_request_needs_the_key_and_the_server_listens_on_loopback_only(server):
