@@ -1,5 +1,5 @@
-"""On-policy distillation through real runs: a teacher equal to the student is a no-op, and data parallelism does not
-change a distillation step."""
+"""On-policy distillation through real runs: a teacher equal to the student is a no-op (the advantage and the KL loss
+term), and data parallelism does not change a distillation step (with the KL term on, chunked)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,23 @@ from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
 DISTIL = ("distillation.task_advantage_weight=0", "loss_fn.reference_policy_kl_penalty=0")
+KL_LOSS = "train/distillation/kl_loss"
 
 
 def test_a_teacher_equal_to_the_student_gives_zero_advantages_and_changes_no_weight(ray_cluster, tmp_path):
     ckpt = tmp_path / "ckpt"
-    cfg = tiny_config(tmp_path, "grpo.max_num_steps=1", "teacher.model_name=embedded:tiny-arith-qwen2", *DISTIL, *ckpt_overrides(ckpt, 1))
+    kl = (
+        "distillation.kl_weight=1",
+        "distillation.kl_direction=reverse",
+        "distillation.kl_support=student_top_k",
+        "distillation.kl_top_k=4",
+    )
+    cfg = tiny_config(
+        tmp_path, "grpo.max_num_steps=1", "teacher.model_name=embedded:tiny-arith-qwen2", *DISTIL, *kl, *ckpt_overrides(ckpt, 1)
+    )
     (record,) = [r for r in train(cfg) if r["step"] == 1]
     assert record["distillation/teacher_kl"] == 0.0 and record["distillation/advantage_mean"] == 0.0
+    assert record[KL_LOSS] == 0.0  # the KL loss term: exactly 0, and (below) its gradient too
     assert record["distillation/teacher_logprob_mean"] == record["distillation/student_logprob_mean"] < 0
     before = load_file(f"{default_model_path()}/model.safetensors")
     after = load_file(f"{ckpt}/step_1/policy/model.safetensors")
@@ -31,13 +41,16 @@ def test_a_teacher_equal_to_the_student_gives_zero_advantages_and_changes_no_wei
 def test_two_data_parallel_ranks_distil_like_one(ray_cluster, tmp_path):
     # The HF engine samples for both runs (inline sampling needs one policy worker), and both run the model's own
     # forward (the sharded ranks do), so the two runs differ only in the sharding of the student and the teacher.
-    common = ("teacher.model_name=embedded:tiny-arith-teacher", *DISTIL, "grpo.max_num_steps=3", "policy.generation.backend=hf")
+    # The KL loss term is on too (full vocabulary, forward, chunked): each rank's policy worker holds a sharded teacher copy.
+    kl = ("distillation.kl_weight=0.5", "policy.logprob_chunk_size=16")
+    common = ("teacher.model_name=embedded:tiny-arith-teacher", *DISTIL, *kl, "grpo.max_num_steps=3", "policy.generation.backend=hf")
     one = train(tiny_config(tmp_path / "dp1", *common, "policy.shared_prompt_forward=false"))
     two = train(tiny_config(tmp_path / "dp2", *common, "policy.dp_size=2"))
     steps = [(a, b) for a, b in zip(one, two) if a["step"] > 0]
     assert len(steps) == 3
     for a, b in steps:
-        for key in ("train/loss", "train/grad_norm", "distillation/teacher_kl"):
+        assert a[KL_LOSS] > 0
+        for key in ("train/loss", "train/grad_norm", "distillation/teacher_kl", KL_LOSS):
             # fp32 sums in another order (two shards): within 1e-5, relative for the grad norm (about 11 here)
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), (a["step"], key)
     assert embedded_model_path("embedded:tiny-arith-teacher")  # the shipped teacher is where the recipe says
