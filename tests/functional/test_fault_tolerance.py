@@ -217,23 +217,27 @@ def test_killed_generation_and_environment_actors_are_replaced_and_every_step_is
             assert a[key] == b[key], (a["step"], key)  # bitwise
 
 
-def test_a_death_past_max_actor_restarts_stops_the_run_listing_every_cause(ray_cluster, tmp_path):
-    # The retry's actor dies too (times=2): with one replacement allowed, the second death stops the run.
-    kill_twice = ("role=environment", "phase=score", "action=kill", "times=2")
+def test_a_death_past_max_actor_restarts_stops_the_run_listing_every_cause(ray_cluster, tmp_path, monkeypatch):
+    # Step 1's scoring hangs (cluster.fault_injection): past call_timeout_s the actor is killed and replaced; the
+    # re-sent call's actor is then killed ($NEMO_LIKE_FAULT_INJECTION): with one replacement allowed, the run stops.
+    monkeypatch.setenv(faults.ENV_VAR, json.dumps({"role": "environment", "phase": "score", "action": "kill"}))
+    hang = ("role=environment", "phase=score", "action=hang")
+    budget = ("max_actor_restarts=1", "call_timeout_s=3")
     cfg = tiny_config(
         tmp_path,
         *FAST,
         "grpo.max_num_steps=1",
-        "cluster.fault_tolerance.max_actor_restarts=1",
-        *(f"cluster.fault_injection.{k}" for k in kill_twice),
+        *(f"cluster.fault_tolerance.{k}" for k in budget),
+        *(f"cluster.fault_injection.{k}" for k in hang),
     )
     with pytest.raises(ActorRestartsExhausted) as stopped:
         train(cfg)
     message = str(stopped.value)
     print(message)
-    assert "cluster.fault_tolerance.max_actor_restarts=1 for role 'environment'" in message
+    assert message.startswith("an actor died past cluster.fault_tolerance.max_actor_restarts=1 for role 'environment'")
     deaths = re.findall(
         r"^  (\d)\. step 1, environment:arithmetic rank 0 \(actor \w+\) during 'reward'(, re-send 1)?: (.+)$", message, re.M
     )
     assert [(n, retry) for n, retry, _ in deaths] == [("1", ""), ("2", ", re-send 1")], message
-    assert all(cause.strip() for _, _, cause in deaths)
+    assert deaths[0][2] == "no answer within cluster.fault_tolerance.call_timeout_s=3s (killed as hung)"
+    assert "died" in deaths[1][2], message

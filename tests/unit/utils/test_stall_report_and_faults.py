@@ -77,3 +77,30 @@ def test_nothing_armed_or_another_step_injects_nothing():
         faults.inject("generation", "generate", [NoCalls()])  # the active step is 0, not 5
     finally:
         faults.disarm()
+
+
+def test_a_fault_fires_times_times_from_its_step_then_disarms(monkeypatch):
+    from nemo_like.utils import run_control as rc
+
+    queued = []
+
+    class Worker:  # records what inject queues on it (Ray's __ray_call__)
+        class __ray_call__:  # noqa: N801 - Ray's name
+            @staticmethod
+            def remote(action, where):
+                queued.append(where)
+
+    control = rc.RunControl()
+    rc.activate(control)
+    try:
+        faults.arm(FaultInjectionConfig(role="environment", phase="score", step=2, action="kill", times=2))
+        control.step = 1
+        faults.inject("environment", "score", [Worker()])  # before its step
+        control.step = 2
+        faults.inject("generation", "generate", [Worker()])  # another role
+        for _ in range(3):
+            faults.inject("environment", "score", [Worker()])
+        assert queued == ["environment/score at step 2", "environment/score at step 2"]  # twice, then disarmed
+    finally:
+        faults.disarm()
+        rc.activate(None)

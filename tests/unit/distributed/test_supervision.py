@@ -1,0 +1,79 @@
+"""The supervisor's bookkeeping (no Ray): budgets per role and per batch, the error that lists every death, the
+counters the loop logs. Replacing real actors is tested end to end in tests/functional/test_fault_tolerance.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_like.config.sections.run import FaultToleranceConfig
+from nemo_like.distributed.supervision import ActorRestartsExhausted, Death, FaultLedger, Replaceable, begin_run, ledger
+from nemo_like.distributed.worker_group import WorkerFailure
+
+
+def death(role: str = "generation", attempt: int = 0, cause: str = "The actor died unexpectedly", step: int = 2) -> Death:
+    return Death(role, f"{role} rank 0 (actor ab12)", "generation" if role == "generation" else "reward", cause, step, attempt)
+
+
+def test_the_ledger_takes_its_budgets_from_the_config_and_a_run_starts_a_fresh_one():
+    ft = FaultToleranceConfig(max_actor_restarts=5, max_retries_per_batch=1, call_timeout_s=30)
+    run = begin_run(ft)
+    assert ledger() is run and (run.max_actor_restarts, run.max_retries_per_batch, run.call_timeout_s) == (5, 1, 30)
+    run.record(death())
+    assert begin_run(None).deaths == [] and ledger().max_actor_restarts == 3  # the defaults
+
+
+def test_each_role_has_its_own_restart_budget_over_the_run():
+    run = FaultLedger(max_actor_restarts=1)
+    run.record(death("generation"))
+    run.record(death("environment"))  # another role: its own budget
+    assert run.restarts == {"generation": 1, "environment": 1}
+    with pytest.raises(ActorRestartsExhausted) as stopped:
+        run.record(death("generation", cause="OOM killed", step=7))
+    message = str(stopped.value)
+    assert message.startswith("an actor died past cluster.fault_tolerance.max_actor_restarts=1 for role 'generation'")
+    # Every death of the run, in order, each with its step, actor, phase and cause.
+    assert message.splitlines()[1:] == [
+        "  1. step 2, generation rank 0 (actor ab12) during 'generation': The actor died unexpectedly",
+        "  2. step 2, environment rank 0 (actor ab12) during 'reward': The actor died unexpectedly",
+        "  3. step 7, generation rank 0 (actor ab12) during 'generation': OOM killed",
+    ]
+    assert run.restarts["generation"] == 1  # the refused replacement is not counted
+
+
+def test_a_batch_is_re_sent_at_most_max_retries_per_batch_times():
+    run = FaultLedger(max_actor_restarts=10, max_retries_per_batch=2)
+    run.record(death(attempt=0))
+    run.record(death(attempt=1))
+    with pytest.raises(ActorRestartsExhausted, match=r"max_retries_per_batch=2") as stopped:
+        run.record(death(attempt=2))
+    assert ", re-send 2: " in str(stopped.value)
+    zero = FaultLedger(max_actor_restarts=0)
+    with pytest.raises(ActorRestartsExhausted, match="max_actor_restarts=0"):
+        zero.record(death())  # 0: the first death stops the run
+
+
+def test_the_exhausted_error_is_a_worker_failure_the_cli_prints():
+    assert issubclass(ActorRestartsExhausted, WorkerFailure)
+
+
+def test_counters_appear_once_an_actor_died():
+    run = FaultLedger()
+    assert run.metrics() == {}  # a run without deaths logs no faults/* keys (its metrics stay the same)
+    run.record(death("environment"))
+    run.retried_batches, run.seconds_lost = 1, 1.5
+    assert run.metrics() == {"faults/actor_restarts/environment": 1.0, "faults/retried_batches": 1.0, "faults/seconds_lost": 1.5}
+
+
+def test_a_replacement_is_prepared_before_it_serves():
+    prepared = []
+
+    class Group:
+        name, workers = "generation", ["old"]
+
+        def replace(self, rank):
+            self.workers[rank] = "new"
+            return "new"
+
+    target = Replaceable("generation", Group(), prepared.append)
+    assert target.replace(0) == "new" and prepared == ["new"]
+    assert target.describe(0) == "generation rank 0 (actor ?)"  # not an actor handle: no id
