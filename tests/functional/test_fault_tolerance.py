@@ -6,6 +6,9 @@
   ``RunInterrupted`` with status 75.
 * A generation call made to hang (``cluster.fault_injection``): the watchdog reports the driver's call, the actor and
   its stack within ``stall_timeout_s + 10 s``, and with ``on_stall=abort`` the run exits 70 with the report.
+* The HF engine and an environment actor killed in one run (in this process): both replaced, every step bitwise equal
+  to a straight run's; past ``max_actor_restarts`` (a hang past ``call_timeout_s``, then a kill) the run stops
+  listing both deaths.
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ STALL = "cluster.fault_tolerance.stall_timeout_s=4"
 def test_a_hung_generation_is_reported_with_its_stack_and_abort_exits_70(tmp_path):
     # Step 1 hangs: nothing runs between the watchdog's start and the hang, so a slow step on a loaded machine cannot be
     # reported (and aborted) first. (A second signal exiting at once is tested on the handler itself:
-    # tests/unit/utils/test_run_control.py; the last checkpoint surviving a dead step: the injected-kill test below.)
+    # tests/unit/utils/test_run_control.py; a dead policy worker: test_checkpoint_resume.py.)
     run = Run(tmp_path, "grpo.max_num_steps=5", "cluster.fault_injection.action=hang", STALL, "cluster.fault_tolerance.on_stall=abort")
     try:
         injected = run.wait_for_line(r"\[fault\] injecting 'hang'", 240)

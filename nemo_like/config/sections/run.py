@@ -145,8 +145,8 @@ class FaultInjectionConfig(Section):
     step: Int = Field(1, gt=0, description="The training step whose call fails.")
     phase: Literal["generate", "score", "train"] = Field(
         "generate",
-        description="Which call: 'generate' (the step's rollout generation; role generation), 'score' (the rewards; role "
-        "environment), 'train' (the optimizer step; role policy).",
+        description="Which call: 'generate' (the step's rollout generation; role generation), 'score' (the rewards, and multi-turn "
+        "environment steps; role environment), 'train' (the optimizer step; role policy).",
     )
     action: Literal["hang", "kill", "raise"] | None = Field(
         None,
@@ -181,7 +181,10 @@ class ClusterConfig(Section):
         description="How each actor group's bundles land on nodes (Ray placement strategy): PACK fills a node first, SPREAD "
         "spreads when it can, STRICT_PACK one node only, STRICT_SPREAD one bundle per node (see docs/guides/cluster.md).",
     )
-    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig, description="Stall watchdog settings.")
+    fault_tolerance: FaultToleranceConfig = Field(
+        default_factory=FaultToleranceConfig,
+        description="Dead and hung actors: replacement budgets and the call deadline, run restarts, the stall watchdog.",
+    )
     fault_injection: FaultInjectionConfig = Field(
         default_factory=FaultInjectionConfig,
         description="Tests only: make one actor call hang, die or raise at a given step (action null: none; no cost when unset).",
