@@ -21,7 +21,7 @@ What is exact and what is estimated:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 GIB = 1024**3
@@ -198,6 +198,26 @@ def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role
     return RoleMemory(role, world, params=held, grads=grads, optimizer=2 * grads, activations=activations)
 
 
+def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec], shape: ModelShape) -> RoleMemory:
+    """A policy rank with the KL loss term's frozen teacher copy (``distillation.kl_weight > 0``): the teacher's float32
+    weights sharded like the policy's, and per training micro-batch its last hidden states (chunked) or full float32
+    logits (unchunked), plus the KL's per-chunk float32 temporaries (both models' logits, probabilities, gradient)."""
+    pc = cfg.policy
+    world = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
+    tokens = micro_batch_tokens(cfg, training=True)
+    held = sum(ParameterSpec(p.shape, False, 4).shard_bytes(world) for p in params)
+    rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
+    kept = tokens * shape.hidden * DTYPE_BYTES[pc.precision] if pc.logprob_chunk_size else tokens * shape.vocab * 4
+    activations = kept + rows * shape.vocab * 4 * 6
+    note = f"{policy.note}; " if policy.note else ""
+    return replace(
+        policy,
+        params=policy.params + held,
+        activations=policy.activations + activations,
+        note=f"{note}with the teacher copy of the KL term: {held / GIB:.3f} GiB of weights",
+    )
+
+
 def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape, device_bytes: float | None) -> RoleMemory:
     """The generation engine's worker: nothing of its own for ``inline`` (the policy samples), the HF engine's weights
     and the KV cache of one batch, or vLLM's weights and KV-cache budget (and how many full-length sequences fit)."""
@@ -243,6 +263,8 @@ def plan_memory(
     """Every role of the run ``run_plan`` describes, what each device (GPU) or node (CPU) holds, and whether it fits
     ``device_bytes``; ``teacher``: the teacher's parameters and shape when the run distils."""
     roles = [policy_memory(cfg, params, shape)]
+    if cfg.distillation.kl_weight > 0 and teacher is not None:
+        roles[0] = with_teacher_copy(cfg, roles[0], *teacher)
     if run_plan.logprobs.load_reference_model:
         roles.append(policy_memory(cfg, params, shape, "reference"))
     if run_plan.logprobs.compute_teacher and teacher is not None:

@@ -167,3 +167,28 @@ def test_a_teacher_equal_to_the_student_gives_a_zero_kl_term_and_changes_no_weig
     result = worker.train([policy_batch()])
     assert result["metrics"]["distillation/kl_loss"] == 0.0 and result["grad_norms"] == [0.0]
     assert all(torch.equal(before[name], p) for name, p in worker.model.named_parameters())
+
+
+def test_the_memory_planner_counts_the_teacher_copy_a_real_policy_worker_holds() -> None:
+    from nemo_like.config import DEFAULT_RECIPE, load_config
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.footprint import model_footprint
+    from nemo_like.plan.memory import plan_memory
+    from nemo_like.plan.run_plan import decide_run_plan
+
+    cfg = load_config(DEFAULT_RECIPE, [f"teacher.model_name={TEACHER}", "distillation.kl_weight=1"], warn=False)
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    teacher = model_footprint(TEACHER, "float32")
+    run_plan = decide_run_plan(cfg, (), 2)
+    with_term = plan_memory(cfg, run_plan, params, shape, teacher=teacher).roles[0]
+    without = plan_memory(
+        cfg.model_copy(update={"distillation": cfg.distillation.model_copy(update={"kl_weight": 0.0})}),
+        run_plan,
+        params,
+        shape,
+        teacher=teacher,
+    ).roles[0]
+    worker = kl_worker(TEACHER, KLTerm(), None)
+    held = sum(p.numel() * p.element_size() for p in worker.teacher_model.parameters())
+    assert with_term.params - without.params == held and with_term.activations > without.activations
+    assert "teacher copy of the KL term" in with_term.line()
