@@ -1,4 +1,5 @@
-"""Checkpoints on real runs: exact resume, a SIGKILL mid-save, a killed worker, a non-finite guard."""
+"""Checkpoints on real runs: exact resume (across runs, and through a run restart after a killed policy worker), a SIGKILL
+mid-save, a non-finite guard."""
 
 import os
 import re
@@ -28,17 +29,38 @@ def run(tmp_path, *overrides):
     return train(cfg)
 
 
-def test_six_steps_equal_three_steps_then_three_resumed(ray_cluster, tmp_path):
+def test_six_steps_equal_three_steps_then_three_resumed_through_a_killed_policy_worker(ray_cluster, tmp_path, capfd):
+    """Resume across runs, and a run restart in process: the resumed run's policy worker dies (injected kill, its
+    process exits) in step 6, after it saved step 4 and logged step 5; the run restarts its actors from step_4, redoes
+    5 and 6, and every step equals the straight run's bitwise, each logged once."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     run(straight, "grpo.max_num_steps=6", *NO_VALIDATION, *ckpt_overrides(straight / "ckpt"))
     first = run(split, "grpo.max_num_steps=3", *NO_VALIDATION, *ckpt_overrides(split / "ckpt"))
-    resumed = run(split, "grpo.max_num_steps=6", *NO_VALIDATION, *ckpt_overrides(split / "ckpt"))
+    capfd.readouterr()
+    kill = ("cluster.fault_injection.role=policy", "cluster.fault_injection.phase=train", "cluster.fault_injection.step=6")
+    resumed = run(
+        split, "grpo.max_num_steps=6", *NO_VALIDATION, *ckpt_overrides(split / "ckpt", 2), *kill, "cluster.fault_injection.action=kill"
+    )
+    err = capfd.readouterr().err
+    print("\n".join(line for line in err.splitlines() if line.startswith(("[restart]", "[setup] actors ready"))))
+    assert re.search(
+        r"\[restart\] the policy worker died in step 6: Ray actor \w+ died during 'policy: training'.*restart 1 of "
+        r"cluster.fault_tolerance.max_restarts=2\), resuming from \S+step_4 \(step 4\)",
+        err,
+    ), err
     assert [h["step"] for h in first] == [1, 2, 3] and [h["step"] for h in resumed] == [4, 5, 6]
     a, b = read_metrics(straight / "logs"), read_metrics(split / "logs")
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]  # step 5 of the killed attempt was dropped, redone once
+    assert [r.get("faults/run_restarts") for r in b] == [None, None, None, None, 1.0, 1.0]
+    assert [h.get("faults/run_restarts") for h in resumed] == [None, 1.0, 1.0]
+    compared = 0
     for ra, rb in zip(a, b):
-        for key in ("train/reward", "train/loss", "train/gen_kl", "train/grad_norm"):
+        keys = sorted(k for k in ra if k.startswith("train/"))
+        assert {"train/reward", "train/loss", "train/gen_kl", "train/grad_norm"} <= set(keys)
+        for key in keys:
             assert ra[key] == rb[key], (ra["step"], key)  # bitwise: CPU fp32 is deterministic here
+            compared += 1
+    print(f"bitwise equal: {compared} train/ values over 6 steps")
     wa = load_file(str(straight / "ckpt" / "step_6" / "policy" / "model.safetensors"))
     wb = load_file(str(split / "ckpt" / "step_6" / "policy" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -158,27 +180,6 @@ def kill_cluster(ray_tmp: Path) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def test_a_killed_worker_stops_the_run_with_actor_and_phase_and_the_checkpoint_resumes(ray_cluster, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ray_tmp = short_ray_tmp()
-    proc = start_cli(tmp_path, ray_tmp, {}, "grpo.max_num_steps=200", *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
-    try:
-        wait_for(lambda: (ckpt / "step_2").exists(), 180, proc)
-        pids = cluster_pids(ray_tmp, b"ray::PolicyWorker")  # the policy worker (no reference without a KL penalty)
-        assert len(pids) == 1, pids
-        os.kill(pids[0], signal.SIGKILL)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        kill_group(proc)
-        kill_cluster(ray_tmp)
-    assert proc.returncode != 0
-    assert re.search(r"nemo-like: error: Ray actor \w+ died during 'policy: [a-z ]+'", output), output
-    assert "Traceback" not in output
-    last = max(int(p.name.split("_")[1]) for p in ckpt.iterdir() if p.name.startswith("step_"))
-    history = run(tmp_path, f"grpo.max_num_steps={last + 1}", NO_REFERENCE, *NO_VALIDATION, *ckpt_overrides(ckpt, 1))
-    assert [h["step"] for h in history] == [last + 1]
 
 
 def test_nonfinite_updates_are_skipped_and_the_run_stops_after_the_limit(ray_cluster, tmp_path):
