@@ -84,13 +84,49 @@ def test_vllm_logprobs_match_policy_after_each_refit_and_a_missed_refit_shows(ra
         policy.shutdown()
 
 
-def test_seeded_sampling_is_reproducible_and_big_batches_work(ray_cluster, cfg, tok, vllm_gen):
+def test_seeded_sampling_is_reproducible_big_batches_work_and_the_server_records_vllms_tokens(ray_cluster, cfg, tok, vllm_gen):
     params = SamplingParams(max_new_tokens=8, temperature=cfg.policy.generation.temperature)
     batch = prompts(cfg, tok, n=256) * 2  # > 4096 prompt tokens: more than one engine step of prefill
     first, again = vllm_gen.generate(batch, params, seed=5), vllm_gen.generate(batch[:16], params, seed=5)
     assert len(first) == len(batch) and [s.prompt_ids for s in first] == batch
     assert [s.response_ids for s in first[:16]] == [s.response_ids for s in again]
     assert len({tuple(s.response_ids) for s in first[:16]}) > 1  # per-request seeds differ
+    check_a_served_session_on_vllm(cfg, tok, vllm_gen)
+
+
+def check_a_served_session_on_vllm(cfg, tok, vllm_gen) -> None:
+    """The rollout server in front of the vLLM engine (issue 29): a two-call chat session through the real ``openai``
+    client is one row holding exactly the ids vLLM sampled, with its logprobs, and the policy's forward of that row
+    (the training pass's logprobs, at the run's temperature) agrees with them as vLLM's own logprobs do."""
+    import openai
+
+    from nemo_like.data.collate import collate_samples
+    from nemo_like.models.loading import load_causal_lm
+    from nemo_like.serving import RolloutServer, ServerConfig
+
+    temperature = cfg.policy.generation.temperature
+    with RolloutServer(vllm_gen, tok, ServerConfig()) as srv:
+        c = openai.OpenAI(base_url=srv.base_url, api_key=srv.api_key, default_headers={"X-Session-Id": "vllm"}, max_retries=0)
+        messages, replies = [{"role": "user", "content": "What is 12 + 30?"}], []
+        for follow_up in ("And 7 + 5?", None):
+            reply = c.chat.completions.create(
+                model="policy", messages=messages, max_tokens=8, temperature=temperature, extra_body={"return_token_ids": True}
+            )
+            replies.append(reply)
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+            if follow_up:
+                messages.append({"role": "user", "content": follow_up})
+        (row,) = srv.sessions.end("vllm", reward=1.0).rows
+    served = [(r.choices[0].model_extra["completion_token_ids"], r.choices[0].model_extra["completion_logprobs"]) for r in replies]
+    assert [ids for ids, _ in served] == [row.response_ids[: len(served[0][0])], row.response_ids[-len(served[1][0]) :]]
+    assert [lp for lp, m in zip(row.response_logprobs, row.response_mask) if m] == served[0][1] + served[1][1]
+    batch = collate_samples([row.to_generated_sample()], tok.pad_token_id)
+    with torch.no_grad():
+        logits = load_causal_lm(cfg.policy.model_name, "float32")(input_ids=batch["input_ids"]).logits.float()
+    trained = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    mask = batch["token_mask"][:, 1:].bool()
+    gap = (trained[mask] - batch["generation_logprobs"][:, 1:][mask]).abs()
+    assert int(mask.sum()) == sum(len(ids) for ids, _ in served) and gap.max().item() < 1e-4, gap.max().item()
 
 
 def _reload_on_engine(engine, state: dict, version: int, in_place: bool):
