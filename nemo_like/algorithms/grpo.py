@@ -290,7 +290,8 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
         result = parts.policy.train(batch)
     if cfg.logger.dump_train_data:
         dump_train_samples(parts, step, rollout, batch, result.first_step_logprobs)
-    metrics: dict[str, Any] = {f"train/{k}": v for k, v in result.metrics.items()}
+    # distillation/kl_loss (the teacher KL term) keeps its own namespace, beside the other distillation/ metrics
+    metrics: dict[str, Any] = {(k if k.startswith("distillation/") else f"train/{k}"): v for k, v in result.metrics.items()}
     metrics.update({k: adv_metrics.pop(k) for k in [k for k in adv_metrics if k.startswith("distillation/")]})
     batch_tokens = float(batch["attention_mask"].sum())
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})

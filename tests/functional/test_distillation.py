@@ -13,7 +13,7 @@ from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
 DISTIL = ("distillation.task_advantage_weight=0", "loss_fn.reference_policy_kl_penalty=0")
-KL_LOSS = "train/distillation/kl_loss"
+KL_LOSS = "distillation/kl_loss"
 
 
 def test_a_teacher_equal_to_the_student_gives_zero_advantages_and_changes_no_weight(ray_cluster, tmp_path):
