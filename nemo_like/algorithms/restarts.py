@@ -39,7 +39,7 @@ class Death:
     at: float = field(default=0.0, compare=False)  # when the driver saw it (time.monotonic)
 
     def describe(self) -> str:
-        return f"{self.role} worker died in step {self.step}: {self.cause}"
+        return f"{self.role} worker died in step {self.step}: {self.cause.rstrip('.')}"
 
 
 def dead_role(exc: BaseException, actor_ids: Mapping[str, Collection[str]]) -> str | None:
