@@ -139,3 +139,22 @@ def test_the_driver_stops_with_a_clear_error_when_checkpointing_is_off_or_restar
             "checkpointing.enabled=true",
             "cluster.fault_tolerance.max_restarts=1",
         )
+
+
+def test_a_resumed_runs_tensorboard_hides_the_steps_it_redoes(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nemo_like.utils.log_backends import TensorBoardBackend
+
+    first = TensorBoardBackend(tmp_path)
+    for step in range(1, 6):
+        first.log_metrics({"train/reward": float(step)}, step)
+    first.close()
+    resumed = TensorBoardBackend(tmp_path, purge_step=4)  # resumed after step 3: steps 4 and 5 are redone
+    for step in range(4, 7):
+        resumed.log_metrics({"train/reward": 10.0 + step}, step)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/reward")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]
