@@ -60,6 +60,21 @@ def arm(spec: FaultInjectionConfig | None) -> list[FaultInjectionConfig]:
     return [a.spec for a in _ARMED]
 
 
+def hand_over(roles: tuple[str, ...]) -> list[FaultInjectionConfig]:
+    """Disarm here the armed faults of ``roles`` and return them, each with the times it has left, for the process
+    that makes those calls to arm (:func:`arm_specs`): the async trajectory collector generates and scores."""
+    global _ARMED
+    taken = [a for a in _ARMED if a.spec.role in roles]
+    _ARMED = [a for a in _ARMED if a.spec.role not in roles]
+    return [a.spec.model_copy(update={"times": a.spec.times - a.fired}) for a in taken]
+
+
+def arm_specs(specs: list[FaultInjectionConfig]) -> None:
+    """Arm exactly ``specs`` in this process (handed over by :func:`hand_over`)."""
+    global _ARMED
+    _ARMED = [_Armed(s) for s in specs if s.action is not None]
+
+
 def disarm() -> None:
     """Nothing armed (the end of a run)."""
     global _ARMED

@@ -109,17 +109,26 @@ def ledger() -> FaultLedger:
 class Replaceable:
     """One role's actor group as the supervisor sees it: ``group`` (a
     :class:`~nemo_like.distributed.worker_group.RayWorkerGroup`), the budget's ``role`` and, for roles whose fresh
-    actor must be brought up to date before it serves (a generation engine: the weights), ``prepare(worker)``."""
+    actor must be brought up to date before it serves (a generation engine: the weights), ``prepare(worker)``.
+    (Inside the async trajectory collector a stand-in with the same ``group``, ``role``, ``describe`` and
+    ``replace_dead`` asks the driver, which owns the groups and the budgets.)"""
 
     role: str
     group: Any
     prepare: Callable[[Any], None] | None = None
 
     def replace(self, rank: int) -> Any:
+        """A fresh actor in place of ``rank``, made ready to serve."""
         worker = self.group.replace(rank)
         if self.prepare is not None:
             self.prepare(worker)
         return worker
+
+    def replace_dead(self, rank: int, death: Death) -> Any:
+        """Record ``death`` in the run's ledger (raises past a budget), then :meth:`replace`."""
+        _LEDGER.record(death)
+        print(f"[fault] {death.actor} died during '{death.phase}' ({death.cause}); replacing it", flush=True)
+        return self.replace(rank)
 
     def describe(self, rank: int) -> str:
         worker = self.group.workers[rank]
@@ -177,9 +186,7 @@ def _recover(calls: Sequence[Call], refs: list[Any], what: str, started: float) 
         targets = {id(c.target): c.target for c in calls}
         for (target_id, rank), cause in failed.items():
             target = targets[target_id]
-            run.record(Death(target.role, target.describe(rank), what, cause, run_control().step, attempt))
-            print(f"[fault] {target.describe(rank)} died during '{what}' ({cause}); replacing it", flush=True)
-            target.replace(rank)
+            target.replace_dead(rank, Death(target.role, target.describe(rank), what, cause, run_control().step, attempt))
         if attempt == 0:
             run.retried_batches += 1
         attempt += 1

@@ -17,6 +17,8 @@ from typing import Any
 import ray
 import torch
 
+from nemo_like.distributed import faults
+from nemo_like.distributed.supervision import ActorRestartsExhausted, ledger
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerFailure, WorkerResources, get_with_context
 from nemo_like.experience.replay_buffer import ReplayBufferActor, TrajectoryGroup, trajectory_ages
 from nemo_like.experience.rollouts import Rollout
@@ -128,20 +130,24 @@ class AsyncRollouts:
                 multi_turn=parts.plan.multi_turn,
                 reference=reference_for_collector(parts),
                 pad_token_id=parts.tokenizer.pad_token_id,
+                fault_tolerance=cfg.cluster.fault_tolerance,
+                armed_faults=faults.hand_over(("generation", "environment")),  # tests: the collector makes those calls
             ),
             timeout,
-            max_concurrency=4,
+            max_concurrency=6,  # run, control calls, the driver's long poll for replacements and its answers
         )
         self.collector = self.collector_group.workers[0]
         self._run_ref = self.collector.run.remote()
+        # A generation or environment actor dying under the collector's calls: the collector asks, the driver (which
+        # owns the groups, the budgets and the served weights) replaces it while it waits on the collector.
+        self._request_ref: ray.ObjectRef | None = self.collector.next_replacement_request.remote()
 
     # -- data -----------------------------------------------------------------------------------------
     def take(self, step: int, trainer_version: int) -> TakenRollout:
         """Wait for ``step``'s groups (raises :class:`DataExhausted` when the data ran out first)."""
         start = time.perf_counter()
         ref = self.buffer.take.remote(step, trainer_version)
-        ready, _ = ray.wait([ref, self._run_ref], num_returns=1)
-        if ref not in ready:  # the collector's loop ended (crashed) before the step's data arrived
+        if not self._wait_for(ref):  # the collector's loop ended (crashed) before the step's data arrived
             self._raise_collector_failure(f"before producing step {step}'s data")
         groups, size = get_with_context(ref, f"replay buffer: take step {step}")
         waited = time.perf_counter() - start
@@ -172,8 +178,13 @@ class AsyncRollouts:
             self._call("resume", reason)
 
     def generation_stats(self) -> GenerationStats:
-        """The collector's counters since the last call."""
-        return self._call("take_stats")
+        """The collector's counters since the last call (its re-sent batches go into the run's fault counters)."""
+        stats = self._call("take_stats")
+        if stats.retried_batches or stats.seconds_lost:
+            faults_ledger = ledger()
+            faults_ledger.retried_batches += stats.retried_batches
+            faults_ledger.seconds_lost += stats.seconds_lost
+        return stats
 
     def checkpoint_state(self) -> tuple[dict[str, int], dict[str, Any], dict[str, Any]]:
         """``(loader state, JSON state, buffer contents)``; call inside ``paused(...)``."""
@@ -184,10 +195,41 @@ class AsyncRollouts:
     def _call(self, method: str, *args: Any) -> Any:
         """A control call on the collector that fails (instead of hanging) if the collector's loop crashed."""
         ref = getattr(self.collector, method).remote(*args)
-        ready, _ = ray.wait([ref, self._run_ref], num_returns=1)
-        if ref not in ready:
+        if not self._wait_for(ref):
             self._raise_collector_failure(f"during '{method}'")
         return get_with_context(ref, f"trajectory collector: {method}")
+
+    def _wait_for(self, ref: ray.ObjectRef) -> bool:
+        """Wait for ``ref``, replacing the actors the collector reports dead meanwhile; False when the collector's loop
+        ended first."""
+        while True:
+            waiting = [ref, self._run_ref] + ([self._request_ref] if self._request_ref is not None else [])
+            ready, _ = ray.wait(waiting, num_returns=1)
+            if ref in ready:
+                return True
+            if self._run_ref in ready:
+                return False
+            self._replace_for_collector()
+
+    def _replace_for_collector(self) -> None:
+        """Serve the collector's request: replace the dead actor (the run's budgets apply) and send it the new handle."""
+        request = get_with_context(self._request_ref, "trajectory collector: replacement request")
+        self._request_ref = None if request is None else self.collector.next_replacement_request.remote()
+        if request is None:  # the collector is stopping
+            return
+        if request["role"] == "generation":
+            target = self.parts.generation.replaceable
+        else:
+            target = self.parts.environment.replaceable[request["task"]]
+        current = target.group.workers[request["rank"]]
+        try:
+            if current._actor_id.hex() == request["dead"]:
+                current = target.replace_dead(request["rank"], request["death"])
+            # else: the driver's own call found it dead first and replaced it already
+        except ActorRestartsExhausted as exc:
+            self.collector.answer_replacement.remote(request["id"], None, str(exc))
+            raise
+        self.collector.answer_replacement.remote(request["id"], current, None)
 
     def _raise_collector_failure(self, when: str) -> None:
         """The collector's ``run()`` ended: raise a :class:`WorkerFailure` that says why, in one line."""

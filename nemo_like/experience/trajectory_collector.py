@@ -21,6 +21,7 @@ half done).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import defaultdict
@@ -33,6 +34,8 @@ import torch
 
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
+from nemo_like.distributed import faults
+from nemo_like.distributed.supervision import ActorRestartsExhausted, Death, begin_run, ledger
 from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.pacing import StalenessPacer
 from nemo_like.experience.replay_buffer import TrajectoryGroup
@@ -42,6 +45,7 @@ from nemo_like.models.loading import load_tokenizer
 from nemo_like.models.policy.policy import ShardedLogprobs
 from nemo_like.plan.multi_turn import MultiTurnSettings
 from nemo_like.utils.counters import Increments
+from nemo_like.utils.run_control import run_control
 from nemo_like.utils.seeds import rollout_seed
 
 
@@ -59,6 +63,8 @@ class GenerationStats:
     paused_for_refit: float = 0.0
     paused_for_checkpoint: float = 0.0
     env_counters: dict[str, float] = field(default_factory=dict)  # env/<task>/<counter>
+    retried_batches: int = 0  # batches whose calls were re-sent to a replaced actor (faults/retried_batches)
+    seconds_lost: float = 0.0  # and the seconds that cost (faults/seconds_lost)
 
     def add_pause(self, reason: str, seconds: float) -> None:
         name = f"paused_for_{reason}"
@@ -68,16 +74,44 @@ class GenerationStats:
 
 class ActorHandles:
     """Actor handles that quack like a :class:`~nemo_like.distributed.worker_group.RayWorkerGroup`
-    (``workers``, ``len``) so the rollout helpers run unchanged inside another actor."""
+    (``workers``, ``len``) so the rollout helpers run unchanged inside another actor. ``target``: who replaces a
+    dead one (:class:`DriverReplaced`; ``None``: a death is an error)."""
 
-    def __init__(self, workers: list[Any]) -> None:
+    def __init__(self, workers: list[Any], name: str = "generation") -> None:
         self.workers = list(workers)
+        self.name = name
+        self.target: DriverReplaced | None = None
 
     def __len__(self) -> int:
         return len(self.workers)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
-        return generate_on_group(self, prompts, params, seed)
+        return generate_on_group(self, prompts, params, seed, self.target)
+
+
+class DriverReplaced:
+    """Inside the collector, a role's actors (``group``: their handles, updated in place) whose dead actor the driver
+    replaces: it owns the groups, the budgets and the served weights (:mod:`nemo_like.distributed.supervision`). It
+    stands where a :class:`~nemo_like.distributed.supervision.Replaceable` stands in the driver."""
+
+    def __init__(self, collector: TrajectoryCollector, role: str, group: Any, task: str | None = None) -> None:
+        self.collector, self.role, self.group, self.task = collector, role, group, task
+
+    def describe(self, rank: int) -> str:
+        actor_id = getattr(self.group.workers[rank], "_actor_id", None)
+        return f"{self.group.name} rank {rank} (actor {actor_id.hex()[:12] if actor_id is not None else '?'})"
+
+    def replace_dead(self, rank: int, death: Death) -> Any:
+        dead = self.group.workers[rank]._actor_id.hex()
+        self.group.workers[rank] = self.collector.request_replacement(self.role, self.task, rank, death, dead)
+        return self.group.workers[rank]
+
+
+class EnvironmentGroup:
+    """One task's environment actors inside the collector (the handles' own list, so a replacement shows there)."""
+
+    def __init__(self, task: str, workers: list[Any]) -> None:
+        self.name, self.workers = f"environment:{task}", workers
 
 
 def split_into_groups(rollout: Rollout, target_step: int, reference_logprobs: torch.Tensor | None = None) -> list[TrajectoryGroup]:
@@ -123,9 +157,18 @@ class TrajectoryCollector:
         multi_turn: MultiTurnSettings | None = None,
         reference: ShardedLogprobs | None = None,
         pad_token_id: int = 0,
+        fault_tolerance: Any = None,
+        armed_faults: list[Any] | None = None,
     ) -> None:
+        begin_run(fault_tolerance)  # this process's call deadline and its re-send counters (reported with the stats)
+        faults.arm_specs(armed_faults or [])  # tests: the generation and environment faults fire here, by batch target step
         self.generation = ActorHandles(generation_workers)
+        self.generation.target = DriverReplaced(self, "generation", self.generation)
         self.environment = environments
+        environments.replaceable = {
+            task: DriverReplaced(self, "environment", EnvironmentGroup(task, workers), task)
+            for task, workers in environments.workers.items()
+        }
         self.buffer = buffer
         self.tokenizer = load_tokenizer(tokenizer_name)
         self.loader = PromptDataLoader(records, **loader_args)
@@ -152,6 +195,11 @@ class TrajectoryCollector:
         self.failure: str | None = None
         self.stats = GenerationStats()
         self._pause_started: dict[str, float] = {}
+        # Dead actors: requests to the driver (``next_replacement_request``) and its answers (``answer_replacement``).
+        self.replacements = threading.Condition()
+        self.requests: list[dict[str, Any]] = []
+        self.answers: dict[int, tuple[Any, str | None]] = {}
+        self._request_ids = itertools.count()
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -203,6 +251,7 @@ class TrajectoryCollector:
 
     def _generate_batch(self, target: int) -> None:
         prompts = self.loader.next_batch()
+        run_control().step = target  # this process's step: the one its batch is for (fault injection, deaths' reports)
         timings: dict[str, float] = {}
         rollout = collect_rollout(
             self.generation,
@@ -291,12 +340,44 @@ class TrajectoryCollector:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
+        with self.replacements:
+            self.replacements.notify_all()
+
+    # -- dead actors: the driver replaces them (it owns the groups, the budgets and the weights) ------------------
+    def request_replacement(self, role: str, task: str | None, rank: int, death: Death, dead_actor: str) -> Any:
+        """Called by the loop's thread: ask the driver for a replacement of a dead actor; returns its handle."""
+        with self.replacements:
+            request_id = next(self._request_ids)
+            self.requests.append({"id": request_id, "role": role, "task": task, "rank": rank, "death": death, "dead": dead_actor})
+            self.replacements.notify_all()
+            self.replacements.wait_for(lambda: request_id in self.answers or self.stopping)
+            if request_id not in self.answers:
+                raise RuntimeError(f"the run stopped while {death.actor} was being replaced")
+            handle, error = self.answers.pop(request_id)
+        if error is not None:
+            raise ActorRestartsExhausted(error)
+        return handle
+
+    def next_replacement_request(self) -> dict[str, Any] | None:
+        """The driver's long poll: the next replacement request (``None`` once stopping)."""
+        with self.replacements:
+            self.replacements.wait_for(lambda: bool(self.requests) or self.stopping)
+            return self.requests.pop(0) if self.requests else None
+
+    def answer_replacement(self, request_id: int, handle: Any, error: str | None = None) -> None:
+        """The driver's answer: the replacement's handle, or why there is none (the run stops)."""
+        with self.replacements:
+            self.answers[request_id] = (handle, error)
+            self.replacements.notify_all()
 
     # -- reporting and state ----------------------------------------------------------------------------
     def take_stats(self) -> GenerationStats:
         """Counters accumulated since the last call, then reset."""
         with self.cond:
             stats, self.stats = self.stats, GenerationStats()
+            faults = ledger()  # re-sends of this process's calls since the last call
+            stats.retried_batches, stats.seconds_lost = faults.retried_batches, faults.seconds_lost
+            faults.retried_batches, faults.seconds_lost = 0, 0.0
             return stats
 
     def state_dict(self) -> dict[str, Any]:

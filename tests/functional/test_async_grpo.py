@@ -26,14 +26,20 @@ def steps_of(history: list[dict]) -> list[dict]:
     return [r for r in history if "train/reward" in r]
 
 
-def test_async_with_age_zero_reproduces_the_sync_run(ray_cluster, tmp_path):
+def test_async_with_age_zero_reproduces_the_sync_run_through_dead_actors(ray_cluster, tmp_path, monkeypatch):
     # The automatic split gives sync 2 threads per actor and async 1 on 2 cores, and reductions can round
     # differently with another thread count: bitwise equality needs the same explicit counts in both.
     threads = ("policy.num_threads_per_worker=1", "policy.generation.num_threads_per_worker=1")
     common = (HF, "grpo.max_num_steps=3", "loss_fn.use_importance_sampling_correction=true", *threads)
     sync = train(tiny_config(tmp_path / "sync", *common))
+    # The async run loses an environment actor under step 2's scoring and the HF engine under step 3's generation (both
+    # called by the trajectory collector; the driver replaces them): it still equals the sync run bitwise.
+    kills = [{"role": "environment", "phase": "score", "step": 2, "action": "kill"}, {"role": "generation", "step": 3, "action": "kill"}]
+    monkeypatch.setenv("NEMO_LIKE_FAULT_INJECTION", json.dumps(kills))
     stale0 = train(tiny_config(tmp_path / "async", *common, "grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=0"))
     assert [r["step"] for r in sync] == [r["step"] for r in stale0] == [0, 1, 2, 3]
+    restarts = [(r.get("faults/actor_restarts/environment"), r.get("faults/actor_restarts/generation")) for r in steps_of(stale0)]
+    assert restarts == [(None, None), (1.0, None), (1.0, 1.0)] and stale0[-1]["faults/retried_batches"] == 2
     for a, b in zip(steps_of(sync), steps_of(stale0)):
         for key in COMPARED:
             assert a[key] == b[key], (a["step"], key)  # same seeds, same weights: bitwise

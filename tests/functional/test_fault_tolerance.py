@@ -194,8 +194,9 @@ def test_a_hung_generation_is_reported_with_its_stack_and_abort_exits_70(tmp_pat
 
 
 # The HF engine is an actor of its own (the default CPU run samples inside the policy worker, whose death restarts the
-# run instead: test_checkpoint_resume.py). Two steps: the refit before step 2 gives the replacement weights to reload.
-REPLACED = (*FAST, "policy.generation.backend=hf", "grpo.max_num_steps=2")
+# run instead: test_checkpoint_resume.py). Three steps: the engine dies after step 2's refit (its replacement reloads
+# those weights) and the replacement takes step 3's refit.
+REPLACED = (*FAST, "policy.generation.backend=hf", "grpo.max_num_steps=3")
 
 
 def test_killed_generation_and_environment_actors_are_replaced_and_every_step_is_unchanged(ray_cluster, tmp_path, monkeypatch):
@@ -207,8 +208,8 @@ def test_killed_generation_and_environment_actors_are_replaced_and_every_step_is
     started = time.monotonic()
     replaced = train(tiny_config(tmp_path / "replaced", *REPLACED, *kill_generation))
     print(f"faulted run: {time.monotonic() - started:.1f}s, {replaced[-1]['faults/seconds_lost']:.2f}s lost to 2 replacements")
-    assert [r["step"] for r in replaced] == [1, 2]
-    first, last = replaced
+    assert [r["step"] for r in replaced] == [1, 2, 3]  # step 3: the replaced engine takes the next refit too
+    first, last = replaced[0], replaced[-1]
     assert first["faults/actor_restarts/environment"] == 1 and "faults/actor_restarts/generation" not in first
     assert (last["faults/actor_restarts/environment"], last["faults/actor_restarts/generation"]) == (1, 1)
     assert last["faults/retried_batches"] == 2 and last["faults/seconds_lost"] > 0

@@ -131,30 +131,38 @@ def _submit_generate(shard: list[list[int]], params: dict, seed: int, first: boo
     return worker.generate.remote(shard, params, seed)
 
 
-def load_served_weights(worker: Any, weights: WeightSource | None, version: int) -> None:
+def load_served_weights(worker: Any, weights: WeightSource | None, exported: Any | None, version: int) -> None:
     """Bring a replacement engine (a fresh actor) to the weights its group serves, version ``version``, before it
-    serves: ``weights`` is what the last refit was handed (``None``: never refitted, the fresh actor's own model is
-    version 0). The version it reports must be ``version``: a replacement never serves stale (or newer) weights."""
+    serves. ``exported``: what the last refit sent, kept by the facade until the next refit (object-store buckets stay
+    in the store; ``None``: never refitted, the fresh actor's own model is version 0); ``weights``: what that refit was
+    handed. A shared-memory export whose file is gone (it is unlinked at the policy's next export: only the engines of
+    the first refit map it) is exported again through the object store. The version the engine reports must be
+    ``version``: a replacement never serves stale (or newer) weights."""
+    import os
+
     from nemo_like.distributed.worker_group import WorkerFailure, get_with_context
 
-    if weights is None:
+    if exported is None:
         loaded = get_with_context(worker.__ray_call__.remote(_weight_version), "generation: replacement start")
     else:
-        loaded = get_with_context(worker.update_weights.remote(_export_for_replacement(weights)), "generation: replacement refit")
+        path = getattr(exported, "path", None)
+        payload = export_for(weights, object_store=True) if path and not os.path.exists(path) else exported
+        loaded = get_with_context(worker.update_weights.remote(payload), "generation: replacement refit")
     if loaded != version:
         raise WorkerFailure(
             f"a replaced generation engine would serve weight version {loaded}, but its group serves version {version}: "
-            "refusing a stale engine (the policy's weights moved on since the last refit)"
+            "refusing a stale engine (the policy's weights moved on before the lost batch was sent again)"
         )
 
 
-def _export_for_replacement(weights: WeightSource) -> Any:
-    """The served weights once more, for one new engine: the policy's exporter is asked for the object-store path
-    (the shared-memory buffer of the last refit is unlinked once that refit is done: only its receivers mapped it)."""
-    import inspect
+def export_for(weights: WeightSource, object_store: bool = False) -> Any:
+    """:func:`export_weights`; with ``object_store`` the policy's exporter is asked for the object-store path instead
+    of its shared-memory buffer (an engine that was not there at the buffer's first refit cannot map it)."""
+    if object_store and callable(weights):
+        import inspect
 
-    if callable(weights) and "shared_memory" in inspect.signature(weights).parameters:
-        return weights(shared_memory=False)
+        if "shared_memory" in inspect.signature(weights).parameters:
+            return weights(shared_memory=False)
     return export_weights(weights)
 
 

@@ -36,7 +36,7 @@ from nemo_like.models.generation.interface import (
     SamplingParams,
     WeightSource,
     actor_concurrency,
-    export_weights,
+    export_for,
     generate_on_group,
     load_served_weights,
     refit_group,
@@ -177,13 +177,16 @@ class VLLMGeneration:
         self.weight_version = 0
         self._broadcast_manifest: list | None = None
         # A dead worker is replaced in place and loads the weights the others serve (distributed/supervision.py).
-        self._served: tuple[WeightSource | None, int] = (None, 0)  # what the last refit was handed, and its version
+        # The last refit: what it was handed, what it sent (kept until the next) and the version.
+        self._served: tuple[WeightSource | None, Any, int] = (None, None, 0)
+        self._object_store_refits = False  # after a replacement: its engine cannot map the policy's shared-memory buffer
         self.replaceable = Replaceable("generation", self.group, self._prepare_replacement)
 
     def _prepare_replacement(self, worker: Any) -> None:
-        if self.transport != "object_store" and self._served[0] is not None:
+        if self.transport != "object_store" and self.weight_version != 0:
             raise WorkerFailure(f"a dead vLLM engine is replaced only with the object-store refit; this run refits over {self.transport}")
         load_served_weights(worker, *self._served)
+        self._object_store_refits = True
 
     @property
     def transport(self) -> RefitTransport:
@@ -200,9 +203,10 @@ class VLLMGeneration:
         transports read policy rank 0's tensors directly)."""
         start = time.perf_counter()
         transport = self.transport
-        self._served = (weights, version)
         if transport == "object_store":
-            refit_group(self.replaceable, export_weights(weights), version)
+            exported = export_for(weights, self._object_store_refits)
+            self._served = (weights, exported, version)
+            refit_group(self.replaceable, exported, version)
             self.weight_version = version
             return time.perf_counter() - start
         if transport == "cuda_ipc":

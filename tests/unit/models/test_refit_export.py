@@ -133,7 +133,8 @@ def vllm_generation(policy: ScriptedPolicy, on_gpu: bool, colocated: bool, lora:
     generation.on_gpu, generation.colocated, generation.policy, generation.lora = on_gpu, colocated, policy, lora
     generation.group = ScriptedGroup(1, engine_answers(), policy.group.log)
     generation.weight_version, generation._broadcast_manifest = 0, None
-    generation._served, generation.replaceable = (None, 0), Replaceable("generation", generation.group)
+    generation._served, generation._object_store_refits = (None, None, 0), False
+    generation.replaceable = Replaceable("generation", generation.group)
     return generation
 
 
@@ -190,7 +191,8 @@ def test_the_hf_backend_always_exports(ray_cluster):
     policy = ScriptedPolicy(1, log)
     generation = HFGeneration.__new__(HFGeneration)
     generation.group, generation.weight_version = ScriptedGroup(1, engine_answers(), log), 0
-    generation._served, generation.replaceable = (None, 0), Replaceable("generation", generation.group)
+    generation._served, generation._object_store_refits = (None, None, 0), False
+    generation.replaceable = Replaceable("generation", generation.group)
 
     refit_if_stale(SimpleNamespace(policy=policy, generation=generation))
 
