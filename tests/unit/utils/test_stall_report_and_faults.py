@@ -104,3 +104,15 @@ def test_a_fault_fires_times_times_from_its_step_then_disarms(monkeypatch):
     finally:
         faults.disarm()
         rc.activate(None)
+
+
+def test_an_async_run_hands_its_generation_and_environment_faults_to_the_collector():
+    faults.arm(FaultInjectionConfig(role="environment", phase="score", step=2, action="kill", times=3))
+    try:
+        faults._ARMED[0].fired = 1  # fired once already in the driver
+        [handed] = faults.hand_over(("generation", "environment"))
+        assert (handed.role, handed.step, handed.times) == ("environment", 2, 2) and faults._ARMED == []
+        faults.arm_specs([handed])  # in the collector's process
+        assert [a.spec for a in faults._ARMED] == [handed]
+    finally:
+        faults.disarm()
