@@ -71,7 +71,7 @@ def memory_report(
 
     params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
     teacher = None
-    if run_plan.logprobs.compute_teacher:
+    if run_plan.logprobs.compute_teacher or cfg.distillation.kl_weight > 0:  # teacher actors, or the KL term's copy
         teacher = model_footprint(cfg.teacher.models()[0], cfg.teacher.precision or cfg.policy.precision)
     step = None
     if peak_flops:

@@ -5,9 +5,10 @@
   ``curr_logprobs.detach()``; ``loss_fn.force_on_policy_ratio`` always skips it.
 * reference logprobs: needed only for a non-zero ``loss_fn.reference_policy_kl_penalty``; at 0 the
   reference model is not even loaded.
-* teacher logprobs: with ``teacher.model_name`` set (on-policy distillation); the distillation advantage compares
-  them with the prev logprobs, which are then computed (the same forward as the teacher's, so a teacher equal to the
-  student gives exactly 0). With LoRA (``policy.lora_cfg.enabled``) the reference is the
+* teacher logprobs: with ``teacher.model_name`` set and ``distillation.advantage_weight > 0`` (on-policy
+  distillation); the distillation advantage compares them with the prev logprobs, which are then computed (the same
+  forward as the teacher's, so a teacher equal to the student gives exactly 0). The KL loss term
+  (``distillation.kl_weight``) needs neither: its teacher copy runs inside the policy workers. With LoRA (``policy.lora_cfg.enabled``) the reference is the
   policy's own base model with its adapters disabled: no reference actors are started.
 """
 
@@ -24,7 +25,7 @@ class LogprobPlan:
     compute_reference: bool
     reasons: list[str] = field(default_factory=list)
     reference_from_policy: bool = False  # LoRA: the policy's base model (adapters disabled) is the reference
-    compute_teacher: bool = False  # teacher.model_name: the teacher scores the sampled tokens
+    compute_teacher: bool = False  # teacher.model_name and distillation.advantage_weight > 0: the teacher scores the sampled tokens
 
     @property
     def load_reference_model(self) -> bool:
@@ -83,8 +84,12 @@ def decide_logprob_passes(cfg: MasterConfig) -> LogprobPlan:
             if compute_reference
             else "reference model not loaded: loss_fn.reference_policy_kl_penalty == 0"
         )
-    compute_teacher = cfg.teacher.enabled
+    # The teacher's actors serve the distillation advantage; the KL loss term (distillation.kl_weight) runs its own
+    # teacher copy inside the policy workers.
+    compute_teacher = cfg.teacher.enabled and cfg.distillation.advantage_weight > 0
     if compute_teacher:
         models = ", ".join(cfg.teacher.models())
         reasons.append(f"teacher logprobs computed by {models} (on-policy distillation: teacher.model_name, teacher.by_task)")
+    elif cfg.teacher.enabled:
+        reasons.append("teacher actors not started: distillation.advantage_weight=0 (no distillation advantage)")
     return LogprobPlan(compute_prev, compute_reference, reasons, from_policy, compute_teacher)

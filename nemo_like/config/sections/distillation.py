@@ -131,5 +131,8 @@ def distillation_warnings(teacher: TeacherConfig, d: DistillationConfig) -> list
             name = key if key.startswith("teacher.") else f"distillation.{key}"
             lines.append(f"{name} has no effect with teacher.model_name=null (no teacher)")
     elif d.advantage_weight == 0 and d.kl_weight == 0:
-        lines.append("teacher.model_name is set but distillation.advantage_weight=0: the teacher is loaded and its signal unused")
+        lines.append(
+            "teacher.model_name is set but distillation.advantage_weight=0 and distillation.kl_weight=0: its signal unused "
+            "(no teacher runs)"
+        )
     return lines

@@ -151,6 +151,9 @@ def test_the_kl_term_keys_contradictions_are_errors_and_unused_keys_warn() -> No
     # The KL term alone is a training signal: no advantage weights needed.
     cfg = recipe(TEACHER, "distillation.kl_weight=1", "distillation.advantage_weight=0", "distillation.task_advantage_weight=0")
     assert cfg.no_effect_warnings() == recipe().no_effect_warnings()
+    plan = decide_run_plan(cfg, (), 2)  # no advantage: no teacher actors (the term's teacher copy is in the policy workers)
+    assert not plan.logprobs.compute_teacher and plan.threads.teacher == 0
+    assert "teacher actors not started: distillation.advantage_weight=0 (no distillation advantage)" in plan.logprobs.reasons
     spec = PolicyWorkerSpec.from_config(cfg, True, object(), 1)  # type: ignore[arg-type]
     assert spec.teacher_kl is not None and spec.teacher_kl.model_name == "embedded:tiny-arith-teacher"
     assert PolicyWorkerSpec.from_config(recipe(TEACHER), True, object(), 1).teacher_kl is None  # off by default  # type: ignore[arg-type]
