@@ -52,6 +52,12 @@ test-fast: $(STAMP)
 # GPU checks (docs/guides/gpu.md): tier A (torch + transformers only), then tier B (vllm==0.32.0, ray), <= 10 minutes on
 # one GPU; one line per check, JSON summaries in logs/gpu_check/. Without a CUDA device every check is NOT RUN (exit 0).
 # test-gpu-multi: the checks that need 2 or more GPUs. GPU_CHECK_ARGS: e.g. --only=A2,B4
+# test-cluster: examples/cluster/slurm_grpo.sbatch under stand-in srun/scontrol: two Ray nodes on this machine, a
+# training run, the walltime SIGTERM (about 2 minutes; not part of `make test`).
+.PHONY: test-cluster
+test-cluster: $(STAMP)
+	NEMO_LIKE_CLUSTER_TESTS=1 $(PY) -m pytest tests/cluster -q -s $(PYTEST_ARGS)
+
 .PHONY: test-gpu test-gpu-multi
 test-gpu: $(STAMP)
 	$(PY) tests/gpu/run_gpu_check.py --tier all --allow-no-gpu $(GPU_CHECK_ARGS)
