@@ -16,7 +16,7 @@ from typing import Any
 from nemo_like.algorithms.checkpointing import find_resume_checkpoint, trim_metrics_after
 from nemo_like.algorithms.grpo import async_grpo_train, grpo_train
 from nemo_like.algorithms.names import check_plugin_names
-from nemo_like.algorithms.restarts import RESTARTS_METRIC, Death, check_restart, dead_role, restart_checkpoint, restart_line
+from nemo_like.algorithms.restarts import RESTARTS_METRIC, WorkerDeath, check_restart, dead_role, restart_checkpoint, restart_line
 from nemo_like.algorithms.setup import GRPOComponents, setup_grpo
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed import faults
@@ -150,7 +150,7 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
     if resume_from is not None:  # steps logged after the checkpoint are redone: drop their records
         trim_metrics_after(metrics_path, resume_from.step)
     metrics_start = metrics_path.stat().st_size if metrics_path.exists() else 0  # what earlier runs logged
-    deaths: list[Death] = []
+    deaths: list[WorkerDeath] = []
     kept: list[dict[str, Any]] = []  # records of the attempts before a restart, up to the step it resumed from
     resumed_step = resume_from.step if resume_from is not None else None  # None: a fresh start
     while True:
@@ -159,7 +159,7 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
             logger.extra[RESTARTS_METRIC] = float(len(deaths))
             report_first_step(logger, deaths[-1], len(deaths))
         outcome = _train_attempt(cfg, start, control, resume_from, logger, deaths)
-        if not isinstance(outcome, Death):
+        if not isinstance(outcome, WorkerDeath):
             history = kept + outcome
             break
         check_restart(outcome, deaths, cfg.cluster.fault_tolerance.max_restarts, cfg.checkpointing.enabled)
@@ -179,9 +179,9 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
 
 
 def _train_attempt(
-    cfg: MasterConfig, start: float, control: RunControl, resume_from: CheckpointInfo | None, logger: Logger, deaths: list[Death]
-) -> list[dict[str, Any]] | Death:
-    """Set the run up and train: the records, or the :class:`Death` of a policy or reference worker (every actor of
+    cfg: MasterConfig, start: float, control: RunControl, resume_from: CheckpointInfo | None, logger: Logger, deaths: list[WorkerDeath]
+) -> list[dict[str, Any]] | WorkerDeath:
+    """Set the run up and train: the records, or the :class:`WorkerDeath` of a policy or reference worker (every actor of
     the attempt is stopped either way; any other error propagates)."""
     since = time.perf_counter() if deaths else start
     logger.save_config(cfg.model_dump(mode="json"))
@@ -206,13 +206,13 @@ def _train_attempt(
         role = dead_role(exc, actor_ids)
         if role is None:
             raise
-        return Death(role, control.step, str(exc), exc, time.monotonic())
+        return WorkerDeath(role, control.step, str(exc), exc, time.monotonic())
     finally:
         logger.close()
         parts.shutdown()  # the actors (a dead one included), their placement groups, refit buffers, the rollout server
 
 
-def report_first_step(logger: Logger, death: Death, restarts: int) -> None:
+def report_first_step(logger: Logger, death: WorkerDeath, restarts: int) -> None:
     """Print, with the first step the restarted run logs, how long after the death it came."""
     log = logger.log
 

@@ -29,7 +29,7 @@ class RunRestartError(WorkerFailure):
 
 
 @dataclass(frozen=True)
-class Death:
+class WorkerDeath:
     """One death of a policy or reference worker: whose, in which step (0: before the first) and the error's text."""
 
     role: str
@@ -62,7 +62,7 @@ def dead_role(exc: BaseException, actor_ids: Mapping[str, Collection[str]]) -> s
     return named if named in RESTARTABLE_ROLES else None
 
 
-def check_restart(death: Death, earlier: Sequence[Death], max_restarts: int, checkpointing: bool) -> None:
+def check_restart(death: WorkerDeath, earlier: Sequence[WorkerDeath], max_restarts: int, checkpointing: bool) -> None:
     """Raise :class:`RunRestartError` unless the run may restart after ``death`` (``earlier``: the deaths it already
     restarted after)."""
     if not checkpointing:
@@ -100,7 +100,7 @@ def _mtime(checkpoint: CheckpointInfo) -> float:
         return float("-inf")
 
 
-def restart_line(death: Death, attempt: int, max_restarts: int, checkpoint: CheckpointInfo | None) -> str:
+def restart_line(death: WorkerDeath, attempt: int, max_restarts: int, checkpoint: CheckpointInfo | None) -> str:
     """The ``[restart]`` line: cause, role, step, attempt k of max_restarts and where the run resumes."""
     resumes = f"resuming from {checkpoint.path} (step {checkpoint.step})" if checkpoint else "no checkpoint yet: starting again from step 0"
     return (

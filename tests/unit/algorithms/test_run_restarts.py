@@ -12,7 +12,7 @@ import pytest
 
 from nemo_like import train as train_module
 from nemo_like.algorithms.checkpointing import trim_metrics_after
-from nemo_like.algorithms.restarts import Death, RunRestartError, check_restart, dead_role, restart_checkpoint
+from nemo_like.algorithms.restarts import RunRestartError, WorkerDeath, check_restart, dead_role, restart_checkpoint
 from nemo_like.config import load_config
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.utils.checkpoint import CheckpointInfo
@@ -41,7 +41,7 @@ def test_a_policy_or_reference_death_is_restartable_and_others_are_not():
 
 def test_a_restart_needs_checkpointing_and_stops_past_max_restarts_listing_every_cause():
     cause = died("policy: training", "p0")
-    first, second = Death("policy", 5, "first cause", cause), Death("reference", 7, "second cause", cause)
+    first, second = WorkerDeath("policy", 5, "first cause", cause), WorkerDeath("reference", 7, "second cause", cause)
     check_restart(first, [], max_restarts=2, checkpointing=True)
     check_restart(second, [first], max_restarts=2, checkpointing=True)
     with pytest.raises(RunRestartError, match=r"policy worker died in step 5: first cause.*checkpointing.enabled=true") as off:
@@ -109,7 +109,7 @@ def logs(*steps: int, death_step: int | None = None):
             logger.log({"train/reward": float(step)}, step)
         if death_step is None:
             return [dict(r) for r in logger.records]
-        return Death("policy", death_step, f"killed in step {death_step}", died("policy: training", "p0"))
+        return WorkerDeath("policy", death_step, f"killed in step {death_step}", died("policy: training", "p0"))
 
     return attempt
 
