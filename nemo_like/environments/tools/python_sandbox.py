@@ -44,7 +44,8 @@ class PythonSandbox:
 
         Raises:
             ToolError: kinds ``timeout``, ``memory``, ``output_limit``, ``exception`` (the snippet raised),
-                ``bad_arguments`` (not a string, or too long) and ``crash`` (killed by a signal)."""
+                ``bad_arguments`` (not a string, or too long) and ``crash`` (killed by a signal; a process killed
+                by SIGKILL from outside is run once more first)."""
         if not isinstance(code, str):
             raise ToolError("bad_arguments", f"'code' must be a string, got {type(code).__name__}")
         if len(code) > _MAX_CODE_CHARS:
@@ -55,6 +56,15 @@ class PythonSandbox:
             scratch.mkdir()
             with open(work / "stdout", "w+b") as out, open(work / "stderr", "w+b") as err:
                 returncode = self._spawn(code, scratch, out, err)
+                if returncode == -signal.SIGKILL:  # killed from outside (not our time limit, which kills the group
+                    # itself: "timeout"): the snippet never finished, so run it once more in a fresh process, as a dead
+                    # environment actor's calls are re-sent (the same code gives the same answer: the run is unchanged)
+                    for f in (out, err):
+                        f.seek(0)
+                        f.truncate()
+                    shutil.rmtree(scratch, ignore_errors=True)
+                    scratch.mkdir()
+                    returncode = self._spawn(code, scratch, out, err)
                 out.seek(0)
                 stdout = out.read(self.max_output_bytes + 1)
                 err.seek(0)

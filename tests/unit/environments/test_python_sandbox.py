@@ -92,3 +92,28 @@ def test_sandbox_rejects_bad_arguments_without_starting_a_process() -> None:
             sandbox.run(code)
         assert err.value.kind == "bad_arguments"
     assert os.path.basename(PythonSandbox.__module__)  # importable without side effects
+
+
+def test_a_sandbox_process_killed_from_outside_is_run_once_more(monkeypatch) -> None:
+    """SIGKILL of the sandbox's process (an operator, the OOM killer): the snippet is run again in a fresh process, so
+    the tool's answer, and the run, are the uninterrupted ones; a second kill is a ``crash``."""
+    import signal
+
+    spawns = []
+    real_spawn = PythonSandbox._spawn
+
+    def killed_first(self, code, scratch, out, err):
+        spawns.append(code)
+        if len(spawns) in kills:
+            out.write(b"partial output of the killed process")
+            return -signal.SIGKILL
+        return real_spawn(self, code, scratch, out, err)
+
+    monkeypatch.setattr(PythonSandbox, "_spawn", killed_first)
+    kills = {1}
+    assert PythonSandbox().run("print('a'); 6 * 7") == "a\n42" and len(spawns) == 2  # nothing of the killed run shows
+    spawns.clear()
+    kills = {1, 2}
+    with pytest.raises(ToolError, match="status -9") as err:
+        PythonSandbox().run("6 * 7")
+    assert err.value.kind == "crash" and len(spawns) == 2
