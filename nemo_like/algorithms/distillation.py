@@ -121,6 +121,16 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float((values * mask).sum() / mask.sum().clamp(min=1))
 
 
+def teacher_kl_estimate(student: torch.Tensor, teacher: torch.Tensor, sampler: torch.Tensor | None, mask: torch.Tensor) -> float:
+    """The per-token reverse KL(pi_S || pi_T) at the sampled prefixes: the mean over sampled tokens of
+    ``w (log pi_S - log pi_T)`` with ``w = pi_S(x) / pi_gen(x)``, unbiased when the tokens were drawn from ``pi_gen``
+    (``sampler``: its logprobs). ``w`` is 1 for on-policy samples (sync, one update per rollout: prev == generation up
+    to float rounding) and corrects samples of older weights (async runs), whose plain k1 mean is the KL under the
+    wrong distribution (``tests/unit/algorithms/test_distillation_advantage.py``)."""
+    weight = torch.exp(student - sampler) * mask if sampler is not None else mask
+    return _masked_mean(weight * (student - teacher), mask)
+
+
 def apply_distillation(cfg: MasterConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """Add the teacher's per-token signal to ``batch["advantages"]`` (in place, see the module docstring) and return
     the ``distillation/*`` metrics. ``batch`` holds ``teacher_logprobs`` and ``prev_logprobs`` ([B, S], aligned with
@@ -135,7 +145,7 @@ def apply_distillation(cfg: MasterConfig, batch: dict[str, torch.Tensor]) -> dic
     d = cfg.distillation
     batch["advantages"] = d.task_advantage_weight * batch["advantages"] + d.advantage_weight * gap
     return {
-        "distillation/teacher_kl": _masked_mean(student - teacher, mask),
+        "distillation/teacher_kl": teacher_kl_estimate(student, teacher, batch.get("generation_logprobs"), mask),
         "distillation/teacher_logprob_mean": _masked_mean(teacher, mask),
         "distillation/student_logprob_mean": _masked_mean(student, mask),
         "distillation/advantage_mean": _masked_mean(d.advantage_weight * gap, mask),

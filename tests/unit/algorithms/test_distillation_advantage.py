@@ -93,6 +93,29 @@ def test_the_k1_estimate_matches_the_exact_reverse_kl_over_the_full_vocabulary()
     assert apply_distillation(recipe(TEACHER), batch)["distillation/teacher_kl"] == pytest.approx(exact, abs=5e-3)
 
 
+def test_tokens_of_older_weights_are_importance_weighted_to_the_exact_reverse_kl() -> None:
+    # An async batch: tokens drawn from pi_gen (older weights), not from the student. The plain k1 mean estimates
+    # sum_v pi_gen(v) (log pi_S(v) - log pi_T(v)), the wrong distribution's average; weighted by pi_S / pi_gen it is the
+    # exact reverse KL of the student again.
+    gen = torch.Generator().manual_seed(0)
+    student, teacher = (torch.randn(6, generator=gen).log_softmax(-1) for _ in range(2))
+    sampler = (2 * torch.randn(6, generator=gen)).log_softmax(-1)  # far from the student: weights up to ~e^2
+    exact = float((student.exp() * (student - teacher)).sum())
+    tokens = torch.multinomial(sampler.exp(), 200_000, replacement=True, generator=gen)
+    n = tokens.numel()
+    batch = {
+        "token_mask": torch.ones(1, n),
+        "advantages": torch.zeros(1, n),
+        "prev_logprobs": student[tokens].unsqueeze(0),
+        "teacher_logprobs": teacher[tokens].unsqueeze(0),
+        "generation_logprobs": sampler[tokens].unsqueeze(0),
+    }
+    plain = float((student[tokens] - teacher[tokens]).mean())
+    assert abs(plain - exact) > 1.0  # the unweighted mean is far off (-1.11 against 0.53): the test tells them apart
+    # The estimator's standard error here is 0.011 (200k tokens): 0.06 is five of them.
+    assert apply_distillation(recipe(TEACHER), batch)["distillation/teacher_kl"] == pytest.approx(exact, abs=0.06)
+
+
 def test_task_weight_zero_without_a_teacher_is_an_error_and_unused_options_warn() -> None:
     with pytest.raises(ValueError, match="distillation.task_advantage_weight=0 leaves no training signal without a teacher"):
         recipe("distillation.task_advantage_weight=0")
