@@ -19,7 +19,7 @@ from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.restarts import RESTARTS_METRIC, WorkerDeath, check_restart, dead_role, restart_checkpoint, restart_line
 from nemo_like.algorithms.setup import GRPOComponents, setup_grpo
 from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed import faults
+from nemo_like.distributed import faults, supervision
 from nemo_like.distributed.watchdog import RunStalled, StallWatchdog
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.models.loading import check_model_source
@@ -151,6 +151,7 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
         trim_metrics_after(metrics_path, resume_from.step)
     metrics_start = metrics_path.stat().st_size if metrics_path.exists() else 0  # what earlier runs logged
     deaths: list[WorkerDeath] = []
+    supervision.begin_run(cfg.cluster.fault_tolerance)  # actor replacements: one budget over every restarted attempt
     kept: list[dict[str, Any]] = []  # records of the attempts before a restart, up to the step it resumed from
     resumed_step = resume_from.step if resume_from is not None else None  # None: a fresh start
     while True:
@@ -227,12 +228,14 @@ def report_first_step(logger: Logger, death: WorkerDeath, restarts: int) -> None
 
 
 def restartable_actor_ids(parts: GRPOComponents) -> dict[str, set[str]]:
-    """The Ray actor ids of the policy's and the reference's workers (a LoRA run's reference has none of its own)."""
+    """The Ray actor ids of the policy's, the reference's and the teachers' workers (a LoRA run's reference has none
+    of its own)."""
     ids: dict[str, set[str]] = {}
-    for role, part in (("policy", parts.policy), ("reference", parts.reference)):
+    teachers = list(parts.teacher.models.values()) if parts.teacher is not None else []
+    for role, part in (("policy", parts.policy), ("reference", parts.reference), *(("teacher", t) for t in teachers)):
         group = getattr(part, "group", None)
         if group is not None:
-            ids[role] = {worker._actor_id.hex() for worker in group.workers}
+            ids.setdefault(role, set()).update(worker._actor_id.hex() for worker in group.workers)
     return ids
 
 

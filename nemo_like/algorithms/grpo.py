@@ -476,7 +476,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     from nemo_like.utils.run_control import RunInterrupted, run_control
 
     cfg, control = parts.cfg, run_control()
-    faults = supervision.begin_run(cfg.cluster.fault_tolerance)  # dead generation/environment actors: budgets, counters
+    faults = supervision.ledger()  # dead generation/environment actors: budgets and counters of the whole run (train.py)
     history: list[dict[str, Any]] = []
     for line in parts.plan.lines():
         logger.progress.message(f"[plan] {line}")

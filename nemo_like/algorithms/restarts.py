@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.utils.checkpoint import CheckpointInfo
 
-#: The roles whose worker's death restarts the run (on a CPU sync run the policy worker also samples).
-RESTARTABLE_ROLES = ("policy", "reference")
+#: The roles whose worker's death restarts the run (on a CPU sync run the policy worker also samples; a teacher is a
+#: frozen model sharded like the reference).
+RESTARTABLE_ROLES = ("policy", "reference", "teacher")
 #: The metric counting the restarts so far (in every record logged after the first one).
 RESTARTS_METRIC = "faults/run_restarts"
 

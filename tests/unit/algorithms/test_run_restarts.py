@@ -30,6 +30,7 @@ def test_a_policy_or_reference_death_is_restartable_and_others_are_not():
     assert dead_role(died("policy: training", "p1"), IDS) == "policy"
     assert dead_role(died("reference: logprobs", "r0"), IDS) == "reference"
     assert dead_role(died("refit: IPC handles", "p0"), IDS) == "policy"  # a call on the policy's workers, named otherwise
+    assert dead_role(died("teacher logprobs (embedded:tiny-arith-teacher)", "t0"), {**IDS, "teacher": {"t0"}}) == "teacher"
     assert dead_role(died("generation", "g0"), IDS) is None  # another role's actor: replaced in place, or the run stops
     assert dead_role(died("policy: training", "g0"), IDS) is None  # the actor id decides when known
     assert dead_role(died("policy: inline generation", None), IDS) == "policy"  # else the phase's role
