@@ -117,7 +117,7 @@ class FaultToleranceConfig(Section):
     max_restarts: Int = Field(
         2,
         ge=0,
-        description="A dead policy or reference worker (not recoverable in place: its optimizer shard is gone): the run stops its "
+        description="A dead policy, reference or teacher worker (not recoverable in place: a policy rank's optimizer shard is gone): the run stops its "
         "actors, starts them again and resumes from the last checkpoint in the same process, at most this many times. Needs "
         "checkpointing.enabled; 0: stop at the first such death.",
     )

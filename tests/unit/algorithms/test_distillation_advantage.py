@@ -83,6 +83,12 @@ def test_the_k1_estimate_matches_the_exact_reverse_kl_over_the_full_vocabulary()
     student, teacher = torch.randn(6, generator=gen).log_softmax(-1), torch.randn(6, generator=gen).log_softmax(-1)
     exact = float((student.exp() * (student - teacher)).sum())
     tokens = torch.multinomial(student.exp(), 200_000, replacement=True, generator=gen)
+    batch = sampled_batch(tokens, student, teacher)
+    assert apply_distillation(recipe(TEACHER), batch)["distillation/teacher_kl"] == pytest.approx(exact, abs=5e-3)
+
+
+def sampled_batch(tokens: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, sampler: torch.Tensor | None = None) -> dict:
+    """One row of sampled ``tokens`` with their student, teacher (and sampler's) logprobs from full distributions."""
     n = tokens.numel()
     batch = {
         "token_mask": torch.ones(1, n),
@@ -90,7 +96,9 @@ def test_the_k1_estimate_matches_the_exact_reverse_kl_over_the_full_vocabulary()
         "prev_logprobs": student[tokens].unsqueeze(0),
         "teacher_logprobs": teacher[tokens].unsqueeze(0),
     }
-    assert apply_distillation(recipe(TEACHER), batch)["distillation/teacher_kl"] == pytest.approx(exact, abs=5e-3)
+    if sampler is not None:
+        batch["generation_logprobs"] = sampler[tokens].unsqueeze(0)
+    return batch
 
 
 def test_tokens_of_older_weights_are_importance_weighted_to_the_exact_reverse_kl() -> None:
@@ -102,14 +110,7 @@ def test_tokens_of_older_weights_are_importance_weighted_to_the_exact_reverse_kl
     sampler = (2 * torch.randn(6, generator=gen)).log_softmax(-1)  # far from the student: weights up to ~e^2
     exact = float((student.exp() * (student - teacher)).sum())
     tokens = torch.multinomial(sampler.exp(), 200_000, replacement=True, generator=gen)
-    n = tokens.numel()
-    batch = {
-        "token_mask": torch.ones(1, n),
-        "advantages": torch.zeros(1, n),
-        "prev_logprobs": student[tokens].unsqueeze(0),
-        "teacher_logprobs": teacher[tokens].unsqueeze(0),
-        "generation_logprobs": sampler[tokens].unsqueeze(0),
-    }
+    batch = sampled_batch(tokens, student, teacher, sampler)
     plain = float((student[tokens] - teacher[tokens]).mean())
     assert abs(plain - exact) > 1.0  # the unweighted mean is far off (-1.11 against 0.53): the test tells them apart
     # The estimator's standard error here is 0.011 (200k tokens): 0.06 is five of them.
