@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
+import sys
 from pathlib import Path
+
+import psutil  # ships with Ray
 
 from nemo_like.config import MasterConfig, load_config
 
@@ -50,3 +55,43 @@ def read_jsonl(path: Path) -> list[dict]:
 def read_metrics(log_dir: Path) -> list[dict]:
     """The per-step records a run wrote to ``<log_dir>/metrics.jsonl``."""
     return read_jsonl(Path(log_dir) / "metrics.jsonl")
+
+
+# -- a CLI run's sockets (tests/functional/test_fault_tolerance.py, test_local_cluster_address.py) --------------
+#: What the CLI printed when ray was imported first and the private cluster bound the network address (the old bug).
+OLD_WARNING = "ray was imported before nemo_like.distributed"
+
+
+def is_loopback(ip: str) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4-mapped loopback (``::ffff:127.0.0.1``, how Ray's gRPC servers show in ``ss``)."""
+    address = ipaddress.ip_address(ip.split("%")[0])
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+def cli_command() -> list[str]:
+    """The installed ``nemo-like`` console script beside this interpreter (what a user runs), else ``-m nemo_like.cli``."""
+    script = Path(sys.executable).with_name("nemo-like")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "nemo_like.cli"]
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def listeners(procs: list[psutil.Process]) -> dict[tuple[int, str, int], str]:
+    """{(pid, ip, port): process name} of every TCP socket in LISTEN state owned by these processes.
+
+    One machine-wide table per call: reading each process's own sockets costs a parse of /proc/net per process."""
+    names = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            names[proc.pid] = proc.name()
+    return {
+        (conn.pid, conn.laddr.ip, conn.laddr.port): names[conn.pid]
+        for conn in psutil.net_connections(kind="tcp")
+        if conn.status == psutil.CONN_LISTEN and conn.pid in names
+    }

@@ -26,7 +26,18 @@ import time
 from pathlib import Path
 
 import pytest
-from functional.helpers import TINY_OVERRIDES, TINY_RECIPE, ckpt_overrides, read_metrics, tiny_config
+from functional.helpers import (
+    OLD_WARNING,
+    TINY_OVERRIDES,
+    TINY_RECIPE,
+    ckpt_overrides,
+    cli_command,
+    is_loopback,
+    listeners,
+    read_metrics,
+    tiny_config,
+    tree,
+)  # fmt: skip
 
 from nemo_like.distributed import faults
 from nemo_like.distributed.supervision import ActorRestartsExhausted
@@ -43,11 +54,15 @@ COMPARED = ("train/reward", "train/loss", "train/grad_norm", "train/gen_kl")
 class Run:
     """``nemo-like train`` in its own session and its own Ray temp dir; output lines collected with arrival times."""
 
-    def __init__(self, tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp_path: Path, *overrides: str, env: dict[str, str] | None = None, as_a_user: bool = False) -> None:
+        """``as_a_user``: the installed ``nemo-like`` script with only PATH and HOME set (none of the Makefile's exports),
+        as the README's "Running your own recipe" runs it; else ``python -m nemo_like.cli`` with this process's env."""
         self.ray_tmp = Path(tempfile.mkdtemp(prefix="nlft", dir="/tmp"))  # Ray's socket paths must stay short
-        self.args = [sys.executable, "-m", "nemo_like.cli", "train", "--config", str(TINY_RECIPE), *TINY_OVERRIDES]
+        cli = cli_command() if as_a_user else [sys.executable, "-m", "nemo_like.cli"]
+        self.args = [*cli, "train", "--config", str(TINY_RECIPE), *TINY_OVERRIDES]
         self.args += [f"logger.log_dir={tmp_path / 'logs'}", *FAST, *overrides]
-        full_env = {**os.environ, "RAY_TMPDIR": str(self.ray_tmp), **(env or {})}
+        base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", str(tmp_path)), "HF_HUB_OFFLINE": "1"}
+        full_env = {**(base if as_a_user else os.environ), "RAY_TMPDIR": str(self.ray_tmp), **(env or {})}
         self.proc = subprocess.Popen(
             self.args, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
@@ -79,12 +94,15 @@ class Run:
             time.sleep(0.05)
         raise AssertionError(f"no {pattern!r} within {timeout_s}s:\n{self.output}")
 
-    def wait_for(self, predicate, timeout_s: float) -> None:
+    def wait_for(self, predicate, timeout_s: float, every=None) -> None:
+        """Wait until ``predicate()``; ``every()`` (if given) runs at each poll."""
         deadline = time.monotonic() + timeout_s
         while not predicate():
             if self.ended_at is not None or time.monotonic() > deadline:
                 raise AssertionError(f"condition not met (status {self.proc.returncode}):\n{self.output}")
-            time.sleep(0.05)
+            if every is not None:
+                every()
+            time.sleep(0.05 if every is None else 0.5)
 
     def signal(self, signum: int) -> float:
         os.kill(self.proc.pid, signum)  # the driver only, as Slurm's --signal=B: or a plain kill sends it
@@ -115,11 +133,19 @@ def checkpoint_steps(ckpt: Path) -> list[int]:
 
 
 def test_sigterm_at_a_random_moment_saves_exits_143_and_resumes_bitwise(ray_cluster, tmp_path):
+    """Run as a user runs it (the installed script, no Makefile exports), which also checks that every socket of its
+    private cluster listens on the loopback address only (tests/functional/test_local_cluster_address.py has why)."""
     ckpt = tmp_path / "ckpt"
-    run = Run(tmp_path, "grpo.max_num_steps=200", *ckpt_overrides(ckpt, 100))  # save_period far away: only the stop saves
+    run = Run(tmp_path, "grpo.max_num_steps=200", *ckpt_overrides(ckpt, 100), as_a_user=True)  # only the stop saves
+    found: dict[tuple[int, str, int], str] = {}  # (pid, ip, port) -> process name, while the run was polled
+
+    def record_listeners() -> None:
+        found.update(listeners(tree(run.proc.pid)))
+
     try:
         metrics = tmp_path / "logs" / "metrics.jsonl"
-        run.wait_for(lambda: metrics.exists() and metrics.read_text().strip() != "", 240)
+        run.wait_for(lambda: metrics.exists() and metrics.read_text().strip() != "", 240, every=record_listeners)
+        record_listeners()
         delay = random.Random().uniform(0.0, 1.0)
         print(f"SIGTERM {delay:.2f}s after the first step")
         time.sleep(delay)
@@ -131,6 +157,11 @@ def test_sigterm_at_a_random_moment_saves_exits_143_and_resumes_bitwise(ray_clus
     print(f"SIGTERM -> exit: {seconds:.1f}s, status {status}")
     assert status == 143, run.output
     assert "Traceback" not in run.output and "SIGABRT" not in run.output
+    names = set(found.values())  # the GCS, the raylet and at least one worker listened while polled
+    assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::") for n in names), found
+    exposed = sorted((name, ip, port, pid) for (pid, ip, port), name in found.items() if not is_loopback(ip))
+    assert not exposed, f"listening beyond the loopback address: {exposed}"
+    assert OLD_WARNING not in run.output
     logged = [r["step"] for r in read_metrics(tmp_path / "logs")]
     stopped = logged[-1]
     assert checkpoint_steps(ckpt) == [stopped]  # the step in progress was finished, then saved
