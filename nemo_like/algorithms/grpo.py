@@ -44,6 +44,7 @@ from nemo_like.experience.agent_rollouts import per_session
 from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
 from nemo_like.experience.multi_turn import multi_turn_metrics
 from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, env_metrics_with_means, task_reward_metrics
+from nemo_like.models.footprint import planned_memory_lines
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
@@ -478,7 +479,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     cfg, control = parts.cfg, run_control()
     faults = supervision.ledger()  # dead generation/environment actors: budgets and counters of the whole run (train.py)
     history: list[dict[str, Any]] = []
-    for line in parts.plan.lines():
+    for line in [*parts.plan.lines(), *planned_memory_lines(cfg, parts.plan)]:  # the lines `nemo-like plan` prints
         logger.progress.message(f"[plan] {line}")
     flops = flops_spec(cfg, resolve_model_path(cfg.policy.model_name))
     logger.progress.message(f"[plan] {flops.describe()}")

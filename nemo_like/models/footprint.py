@@ -60,6 +60,22 @@ def model_footprint(
     return specs, shape
 
 
+def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:
+    """The memory planner's lines for a run that is starting (per role and device, as ``nemo-like plan`` prints them,
+    without a device budget or a step time); a model whose shape cannot be read gives one line saying why (the plan
+    never stops a run)."""
+    from nemo_like.plan.memory import plan_memory
+
+    try:
+        params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg)
+        teacher = None
+        if run_plan.logprobs.compute_teacher or cfg.distillation.kl_weight > 0:
+            teacher = model_footprint(cfg.teacher.models()[0], cfg.teacher.precision or cfg.policy.precision)
+    except Exception as exc:  # noqa: BLE001 - an estimate, never a reason to stop
+        return [f"memory: not estimated ({type(exc).__name__}: {exc})"]
+    return plan_memory(cfg, run_plan, params, shape, None, teacher, None).lines()
+
+
 def memory_report(
     cfg: Any, run_plan: Any, device_gib: float | None, peak_flops: float | None, mfu: float, config_path: str | None = None
 ) -> tuple[list[str], bool | None]:

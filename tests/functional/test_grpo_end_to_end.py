@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from functional.helpers import REPO, read_metrics, tiny_config
 
+from nemo_like.distributed.planning import plan_on_cluster
+from nemo_like.models.footprint import planned_memory_lines
 from nemo_like.plan.backend import resolve_backend
 from nemo_like.train import train
 
@@ -44,11 +46,15 @@ SCALED = (
 )
 
 
-def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path):
+def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path, capfd):
     # The scaled policy (dp 2 FSDP2, packing, chunked logprobs, refit gathered from shards) with HF generation sampling
     # under top-k, top-p and a temperature (vLLM: test_vllm_backend.py's GRPO run).
     cfg = tiny_config(tmp_path, *SCALED, "policy.generation.backend=hf", "grpo.val_num_generations_per_prompt=2", *TRUNCATED_SAMPLING)
     history = train(cfg)
+    # The run prints the memory planner's lines, the numbers `nemo-like plan` gives for the same recipe and cluster.
+    printed = [line.removeprefix("[plan] ") for line in capfd.readouterr().err.splitlines() if line.startswith("[plan] memory")]
+    assert printed and printed == planned_memory_lines(cfg, plan_on_cluster(cfg)), printed
+    assert any(line.startswith("memory policy x2:") for line in printed)  # dp 2: two policy workers
     log_dir = tmp_path / "logs"
     records = read_metrics(log_dir)
     assert [r["step"] for r in records] == [0, 1, 2] == [h["step"] for h in history]
