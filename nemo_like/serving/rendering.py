@@ -81,6 +81,7 @@ class Renderer:
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template")
         self._anchor = self._atomic_special_token()
+        self._anchor_decoded = self.decode([self._anchor[0]]) if self._anchor is not None else ""  # its text as decoded
 
     def tokenize(self, text: str) -> list[int]:
         """The ids of ``text`` (special-token markup included, no added BOS/EOS)."""
@@ -104,11 +105,9 @@ class Renderer:
         SentencePiece tokenizer drops the space of a first ``▁`` piece, which the model sampled as part of the text.
         Decoded behind the atomic special token instead, whose text is then cut off."""
         if self._anchor is not None:
-            anchor_id, _ = self._anchor
-            anchor_text = self.decode([anchor_id])
-            text = self.decode([anchor_id, *ids])
-            if text.startswith(anchor_text):
-                return text[len(anchor_text) :]
+            text = self.decode([self._anchor[0], *ids])
+            if text.startswith(self._anchor_decoded):
+                return text[len(self._anchor_decoded) :]
         return self.decode(ids)
 
     def _atomic_special_token(self) -> tuple[int, str] | None:

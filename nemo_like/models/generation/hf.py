@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.supervision import Replaceable
@@ -12,12 +11,10 @@ from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import (
     GeneratedSample,
     SamplingParams,
+    ServedWeights,
     WeightSource,
     actor_concurrency,
-    export_for,
     generate_on_group,
-    load_served_weights,
-    refit_group,
 )
 
 
@@ -56,14 +53,8 @@ class HFGeneration:
         )
         self.weight_version = 0
         # A dead worker is replaced in place and loads the weights the others serve (distributed/supervision.py).
-        # The last refit: what it was handed, what it sent (kept until the next) and the version.
-        self._served: tuple[WeightSource | None, Any, int] = (None, None, 0)
-        self._object_store_refits = False  # after a replacement: its engine cannot map the policy's shared-memory buffer
-        self.replaceable = Replaceable("generation", self.group, self._prepare_replacement)
-
-    def _prepare_replacement(self, worker: Any) -> None:
-        load_served_weights(worker, *self._served)
-        self._object_store_refits = True
+        self.served = ServedWeights()
+        self.replaceable = Replaceable("generation", self.group, self.served.load_into)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         return generate_on_group(self.group, prompts, params, seed, self.replaceable)
@@ -72,9 +63,7 @@ class HFGeneration:
         """Load the policy's weights into every worker (one object-store copy shared by all). ``weights``: the exported
         weights, or a zero-argument exporter, always called here (every HF refit goes through the export)."""
         start = time.perf_counter()
-        exported = export_for(weights, self._object_store_refits)
-        self._served = (weights, exported, version)
-        refit_group(self.replaceable, exported, version)
+        self.served.refit(self.replaceable, weights, version)
         self.weight_version = version
         return time.perf_counter() - start
 

@@ -155,6 +155,29 @@ def load_served_weights(worker: Any, weights: WeightSource | None, exported: Any
         )
 
 
+class ServedWeights:
+    """What an engine group serves: the last refit's source (``weights``), what it sent (``exported``, kept until the
+    next refit, so a replacement can load it) and its ``version``. After a replacement every refit of the group goes
+    through the object store (the new engine cannot map the policy's existing shared-memory buffer)."""
+
+    def __init__(self) -> None:
+        self.weights: WeightSource | None = None
+        self.exported: Any = None
+        self.version = 0
+        self.object_store_only = False
+
+    def refit(self, replaceable: Any, weights: WeightSource, version: int) -> None:
+        """Export ``weights`` (version ``version``) and load them into every worker of ``replaceable``'s group."""
+        exported = export_for(weights, self.object_store_only)
+        self.weights, self.exported, self.version = weights, exported, version
+        refit_group(replaceable, exported, version)
+
+    def load_into(self, worker: Any) -> None:
+        """Bring a replacement engine to the served weights (:func:`load_served_weights`)."""
+        load_served_weights(worker, self.weights, self.exported, self.version)
+        self.object_store_only = True
+
+
 def export_for(weights: WeightSource, object_store: bool = False) -> Any:
     """:func:`export_weights`; with ``object_store`` the policy's exporter is asked for the object-store path instead
     of its shared-memory buffer (an engine that was not there at the buffer's first refit cannot map it)."""

@@ -34,12 +34,10 @@ from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, Wo
 from nemo_like.models.generation.interface import (
     GeneratedSample,
     SamplingParams,
+    ServedWeights,
     WeightSource,
     actor_concurrency,
-    export_for,
     generate_on_group,
-    load_served_weights,
-    refit_group,
 )
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
 from nemo_like.models.refit.transport import RefitTransport, refit_transport
@@ -177,16 +175,13 @@ class VLLMGeneration:
         self.weight_version = 0
         self._broadcast_manifest: list | None = None
         # A dead worker is replaced in place and loads the weights the others serve (distributed/supervision.py).
-        # The last refit: what it was handed, what it sent (kept until the next) and the version.
-        self._served: tuple[WeightSource | None, Any, int] = (None, None, 0)
-        self._object_store_refits = False  # after a replacement: its engine cannot map the policy's shared-memory buffer
+        self.served = ServedWeights()
         self.replaceable = Replaceable("generation", self.group, self._prepare_replacement)
 
     def _prepare_replacement(self, worker: Any) -> None:
         if self.transport != "object_store" and self.weight_version != 0:
             raise WorkerFailure(f"a dead vLLM engine is replaced only with the object-store refit; this run refits over {self.transport}")
-        load_served_weights(worker, *self._served)
-        self._object_store_refits = True
+        self.served.load_into(worker)
 
     @property
     def transport(self) -> RefitTransport:
@@ -204,9 +199,7 @@ class VLLMGeneration:
         start = time.perf_counter()
         transport = self.transport
         if transport == "object_store":
-            exported = export_for(weights, self._object_store_refits)
-            self._served = (weights, exported, version)
-            refit_group(self.replaceable, exported, version)
+            self.served.refit(self.replaceable, weights, version)
             self.weight_version = version
             return time.perf_counter() - start
         if transport == "cuda_ipc":

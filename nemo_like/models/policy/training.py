@@ -110,20 +110,12 @@ class TrainingStep:
         groups = self.plan.groups(shard, training=True)
         forward_tokens = 0
         for k in range(self._agree_on_count(len(groups))):
-            if k >= len(groups):
-                filler = self._filler(shard)
-                if self.teacher_model is None:
-                    (self._token_logprobs(filler)[0].sum() * 0.0).backward()
-                else:  # the teacher copy's forward is a collective too when sharded
-                    lp, _, _, kl = self._token_logprobs_and_teacher_kl(filler)
-                    ((lp.sum() + kl.sum()) * 0.0).backward()
+            if k >= len(groups):  # the teacher copy's forward, if any, is a collective too when sharded
+                lp, _, _, kl = self._training_forward(self._filler(shard))
+                ((lp.sum() if kl is None else lp.sum() + kl.sum()) * 0.0).backward()
                 continue
             mb = take_rows(shard, groups[k])
-            kl = None
-            if self.teacher_model is None:
-                curr, outside, computed = self._token_logprobs(mb)
-            else:
-                curr, outside, computed, kl = self._token_logprobs_and_teacher_kl(mb)
+            curr, outside, computed, kl = self._training_forward(mb)
             self.forward_passes["train"] += 1
             forward_tokens += computed
             mb = {key: (v.to(self.device) if torch.is_tensor(v) else v) for key, v in mb.items()}
@@ -137,6 +129,13 @@ class TrainingStep:
                 rows = torch.tensor(groups[k])[:, None]
                 logprobs_out[rows, torch.arange(curr.shape[1])[None, :]] = curr.detach().float().cpu()
         return forward_tokens
+
+    def _training_forward(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+        """:meth:`_token_logprobs` of a training micro-batch, and its per-token KL to the teacher copy when the KL loss
+        term is on (``None`` otherwise)."""
+        if self.teacher_model is None:
+            return (*self._token_logprobs(mb), None)
+        return self._token_logprobs_and_teacher_kl(mb)
 
     def _add_teacher_kl(self, kl: torch.Tensor, mb: Batch, global_valid_toks: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
         """The KL loss term's part of this micro-batch: ``kl_weight x sum(KL_t over its loss tokens) / global_valid_toks``

@@ -18,7 +18,7 @@ import ray
 from nemo_like.algorithms.grpo import refit_if_stale
 from nemo_like.distributed.supervision import Replaceable
 from nemo_like.models.generation.hf import HFGeneration
-from nemo_like.models.generation.interface import export_weights
+from nemo_like.models.generation.interface import ServedWeights, export_weights
 from nemo_like.models.generation.vllm import VLLMGeneration
 from nemo_like.models.policy.inline import InlineGeneration
 from nemo_like.models.policy.policy import Policy
@@ -133,7 +133,7 @@ def vllm_generation(policy: ScriptedPolicy, on_gpu: bool, colocated: bool, lora:
     generation.on_gpu, generation.colocated, generation.policy, generation.lora = on_gpu, colocated, policy, lora
     generation.group = ScriptedGroup(1, engine_answers(), policy.group.log)
     generation.weight_version, generation._broadcast_manifest = 0, None
-    generation._served, generation._object_store_refits = (None, None, 0), False
+    generation.served = ServedWeights()
     generation.replaceable = Replaceable("generation", generation.group)
     return generation
 
@@ -191,7 +191,7 @@ def test_the_hf_backend_always_exports(ray_cluster):
     policy = ScriptedPolicy(1, log)
     generation = HFGeneration.__new__(HFGeneration)
     generation.group, generation.weight_version = ScriptedGroup(1, engine_answers(), log), 0
-    generation._served, generation._object_store_refits = (None, None, 0), False
+    generation.served = ServedWeights()
     generation.replaceable = Replaceable("generation", generation.group)
 
     refit_if_stale(SimpleNamespace(policy=policy, generation=generation))
