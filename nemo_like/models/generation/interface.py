@@ -75,13 +75,23 @@ class GeneratedSample:
         return self.final_weight_version is not None and self.final_weight_version != self.weight_version
 
 
+#: A generate call's seed: one int for the batch (each backend derives its chunks' and requests' seeds from it), or one
+#: seed per prompt (``seed[i]`` for ``prompts[i]``; an engine whose class sets ``PER_PROMPT_SEEDS = True`` takes it).
+Seeds = int | list[int]
+
+
 class GenerationInterface(WeightReceiver, Protocol):
-    """A generation engine behind Ray actors: a refit's receiver (:mod:`nemo_like.models.refit.interface`) that samples."""
+    """A generation engine behind Ray actors: a refit's receiver (:mod:`nemo_like.models.refit.interface`) that samples.
+
+    An engine class that sets ``PER_PROMPT_SEEDS = True`` takes a list of seeds in :meth:`generate`: prompt ``i`` is
+    then sampled with its own random stream, seeded ``seed[i]``, so its sample does not depend on what else is in the
+    batch (the rollout server batches seeded calls this way, ``nemo_like/serving/batching.py``); one prompt with
+    ``[s]`` gets the sample it gets with ``s``."""
 
     weight_version: int
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
-        """One sample per prompt (repeat a prompt G times for a group)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: Seeds) -> list[GeneratedSample]:
+        """One sample per prompt (repeat a prompt G times for a group); ``seed``: see :data:`Seeds`."""
 
     def refit(self, weights: WeightSource, version: int) -> float:
         """Load weight version ``version``; returns seconds spent. ``weights``: the exported weights, or a zero-argument
@@ -97,11 +107,13 @@ def actor_concurrency(cfg) -> int:
     return 2 if async_cfg.enabled and async_cfg.in_flight_weight_updates else 1
 
 
-def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, seed: int, replaceable=None) -> list[GeneratedSample]:
+def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, seed: Seeds, replaceable=None) -> list[GeneratedSample]:
     """Split ``prompts`` into contiguous shards, one per worker of ``group`` (a ``RayWorkerGroup`` whose
-    actors have ``generate(prompts, params_dict, seed)``), and return the samples in prompt order. ``replaceable``
-    (a :class:`~nemo_like.distributed.supervision.Replaceable` of ``group``): a worker that dies is replaced and its
-    shard sent again with the same seed (:mod:`nemo_like.distributed.supervision`); ``None``: a death is an error."""
+    actors have ``generate(prompts, params_dict, seed)``), and return the samples in prompt order. An int ``seed``
+    gives rank r the seed ``worker_seed(seed, r)``; a list of per-prompt seeds is split with the prompts, so every
+    prompt keeps its own. ``replaceable`` (a :class:`~nemo_like.distributed.supervision.Replaceable` of ``group``): a
+    worker that dies is replaced and its shard sent again with the same seed (:mod:`nemo_like.distributed.supervision`);
+    ``None``: a death is an error."""
     from dataclasses import asdict
     from functools import partial
 
@@ -111,8 +123,12 @@ def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, s
     from nemo_like.utils.sharding import contiguous_shards
 
     shards = contiguous_shards(prompts, len(group))  # rank r generates piece r (its seed depends on r)
+    if isinstance(seed, (list, tuple)):
+        seeds = [list(piece) for piece in contiguous_shards(prompt_seeds(seed, len(prompts)), len(group))]
+    else:
+        seeds = [worker_seed(seed, rank) for rank in range(len(shards))]
     fields = asdict(params)
-    submits = [partial(_submit_generate, shard, fields, worker_seed(seed, rank), rank == 0) for rank, shard in enumerate(shards)]
+    submits = [partial(_submit_generate, shard, fields, seeds[rank], rank == 0) for rank, shard in enumerate(shards)]
     if replaceable is None:
         out = get_with_context([submit(w) for submit, w in zip(submits, group.workers)], "generation")
     else:
@@ -121,7 +137,27 @@ def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, s
     return [GeneratedSample(**s) for shard in out for s in shard]
 
 
-def _submit_generate(shard: list[list[int]], params: dict, seed: int, first: bool, worker: Any) -> Any:
+def prompt_seeds(seed: Seeds, num_prompts: int) -> list[int]:
+    """The seed of every prompt of a batch of ``num_prompts`` sampled with ``seed``: an int gives prompt ``i``
+    ``chunk_seed(seed, i)`` (how vLLM seeds its requests); a list is checked to hold one seed per prompt."""
+    from nemo_like.utils.seeds import chunk_seed
+
+    if not isinstance(seed, (list, tuple)):
+        return [chunk_seed(seed, i) for i in range(num_prompts)]
+    if len(seed) != num_prompts:
+        raise ValueError(f"{len(seed)} seeds for {num_prompts} prompts: a list of seeds needs one per prompt")
+    return [int(s) for s in seed]
+
+
+def chunk_seeds(seed: Seeds, start: int, stop: int) -> Seeds:
+    """The seed of prompts ``start:stop`` of a batch sampled with ``seed``, for a backend that samples a batch in
+    chunks: an int gives the chunk ``chunk_seed(seed, start)``; a list of per-prompt seeds, the chunk's own entries."""
+    from nemo_like.utils.seeds import chunk_seed
+
+    return list(seed[start:stop]) if isinstance(seed, (list, tuple)) else chunk_seed(seed, start)
+
+
+def _submit_generate(shard: list[list[int]], params: dict, seed: Seeds, first: bool, worker: Any) -> Any:
     """One worker's generate call (sent again unchanged to a replacement); the fault-injection hook before the first
     shard's (tests only: ``cluster.fault_injection``; a no-op when unset)."""
     if first:
@@ -135,9 +171,10 @@ def load_served_weights(worker: Any, weights: WeightSource | None, exported: Any
     """Bring a replacement engine (a fresh actor) to the weights its group serves, version ``version``, before it
     serves. ``exported``: what the last refit sent, kept by the facade until the next refit (object-store buckets stay
     in the store; ``None``: never refitted, the fresh actor's own model is version 0); ``weights``: what that refit was
-    handed. A shared-memory export whose file is gone (it is unlinked at the policy's next export: only the engines of
-    the first refit map it) is exported again through the object store. The version the engine reports must be
-    ``version``: a replacement never serves stale (or newer) weights."""
+    handed. A shared-memory export is mapped from the policy's buffer, which holds the last refit's weights until the
+    next refit (its header's version is checked by the engine); if its file is gone (the policy replaced the buffer),
+    the weights are exported again through the object store. The version the engine reports must be ``version``: a
+    replacement never serves stale (or newer) weights."""
     import os
 
     from nemo_like.distributed.worker_group import WorkerFailure, get_with_context
@@ -146,7 +183,7 @@ def load_served_weights(worker: Any, weights: WeightSource | None, exported: Any
         loaded = get_with_context(worker.__ray_call__.remote(_weight_version), "generation: replacement start")
     else:
         path = getattr(exported, "path", None)
-        payload = export_for(weights, object_store=True) if path and not os.path.exists(path) else exported
+        payload = export_to_object_store(weights) if path and not os.path.exists(path) else exported
         loaded = get_with_context(worker.update_weights.remote(payload), "generation: replacement refit")
     if loaded != version:
         raise WorkerFailure(
@@ -157,31 +194,28 @@ def load_served_weights(worker: Any, weights: WeightSource | None, exported: Any
 
 class ServedWeights:
     """What an engine group serves: the last refit's source (``weights``), what it sent (``exported``, kept until the
-    next refit, so a replacement can load it) and its ``version``. After a replacement every refit of the group goes
-    through the object store (the new engine cannot map the policy's existing shared-memory buffer)."""
+    next refit, so a replacement can load it) and its ``version``."""
 
     def __init__(self) -> None:
         self.weights: WeightSource | None = None
         self.exported: Any = None
         self.version = 0
-        self.object_store_only = False
 
     def refit(self, replaceable: Any, weights: WeightSource, version: int) -> None:
         """Export ``weights`` (version ``version``) and load them into every worker of ``replaceable``'s group."""
-        exported = export_for(weights, self.object_store_only)
+        exported = export_weights(weights)
         self.weights, self.exported, self.version = weights, exported, version
         refit_group(replaceable, exported, version)
 
     def load_into(self, worker: Any) -> None:
         """Bring a replacement engine to the served weights (:func:`load_served_weights`)."""
         load_served_weights(worker, self.weights, self.exported, self.version)
-        self.object_store_only = True
 
 
-def export_for(weights: WeightSource, object_store: bool = False) -> Any:
-    """:func:`export_weights`; with ``object_store`` the policy's exporter is asked for the object-store path instead
-    of its shared-memory buffer (an engine that was not there at the buffer's first refit cannot map it)."""
-    if object_store and callable(weights):
+def export_to_object_store(weights: WeightSource) -> Any:
+    """:func:`export_weights`, asking the policy's exporter for the object-store path instead of its shared-memory
+    buffer (for an engine that cannot map that buffer: its file is gone)."""
+    if callable(weights):
         import inspect
 
         if "shared_memory" in inspect.signature(weights).parameters:
