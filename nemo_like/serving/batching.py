@@ -1,10 +1,25 @@
 """Concurrent HTTP calls -> batched engine calls, one at a time.
 
 Handlers submit their prompts (``n`` copies for ``n`` choices) and wait on a future; one thread takes everything
-queued (waiting up to ``window_s`` for more after the first request), groups it by sampling settings except
-``max_new_tokens``, and calls ``engine.generate`` once per group with the group's largest ``max_new_tokens`` (a request
-that sets ``seed`` is a group of its own). A request's samples are then cut to its own ``max_new_tokens``: tokens are
-drawn one after another, so the first k tokens of a longer draw are a draw of k tokens, logprobs included. The engine is only ever called from that thread.
+queued, groups it by sampling settings except ``max_new_tokens``, and calls ``engine.generate`` once per group with the
+group's largest ``max_new_tokens``. A request's samples are then cut to its own ``max_new_tokens``: tokens are drawn
+one after another, so the first k tokens of a longer draw are a draw of k tokens, logprobs included. The engine is only
+ever called from that thread.
+
+Seeds. A request with its own ``seed`` (a seeded session's call, or the request's ``seed`` field) samples the same
+tokens whatever it is batched with: with an engine that takes one seed per prompt (``PER_PROMPT_SEEDS``, see
+:class:`~nemo_like.models.generation.interface.GenerationInterface`), choice ``j`` of it is seeded
+``chunk_seed(seed, j)`` inside the shared batch (choice 0 of a request is sampled as that request alone with
+``seed``); another engine samples it alone, with ``seed``. Requests without a seed take the queue's running seed (one
+int per engine call; in a batch with seeded requests, one seed per prompt).
+
+When to call. The thread calls the engine as soon as a request waits, unless more calls are known to be on their way:
+callers answered by an earlier engine call that have not called again (an agent's next turn follows its answer within
+milliseconds; they are counted, not identified). Then it waits for them, at most ``wait_ratio`` times the recent engine
+call's duration and never more than ``max_wait_s``: a small model's engine call costs about the same for 1 or 8 rows,
+so a wait shorter than a call saves a call. Callers that have not come back when that wait ends (a slow tool, an
+ended session) are no longer expected. A lone caller never waits: its next call is the one expected. ``window_s``: an
+extra fixed wait after the first request, for everyone (the server's default is 0).
 """
 
 from __future__ import annotations
@@ -17,7 +32,7 @@ from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams
+from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams, Seeds, prompt_seeds
 
 
 @dataclass
@@ -30,22 +45,41 @@ class _Request:
 
 @dataclass
 class BatchStats:
-    """Engine calls made and prompts sampled (how much batching the concurrent calls got)."""
+    """Engine calls made and prompts sampled (how much batching the concurrent calls got), and the waits for callers
+    expected back (``waits``: batches that waited; ``waited_s``: their seconds in all; ``late``: waits that ended
+    with some expected callers not back)."""
 
     engine_calls: int = 0
     prompts: int = 0
     requests: int = 0
+    waits: int = 0
+    waited_s: float = 0.0
+    late: int = 0
 
 
 class GenerationQueue:
     """Owns the engine's calling thread; :meth:`submit` is safe from any thread."""
 
-    def __init__(self, engine: GenerationInterface, seed: int = 0, max_batch: int = 64, window_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        engine: GenerationInterface,
+        seed: int = 0,
+        max_batch: int = 64,
+        window_s: float = 0.002,
+        wait_ratio: float = 0.5,
+        max_wait_s: float = 0.05,
+    ) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self.window_s = window_s
+        self.wait_ratio = wait_ratio
+        self.max_wait_s = max_wait_s
+        self.per_prompt_seeds = bool(getattr(engine, "PER_PROMPT_SEEDS", False))
         self.stats = BatchStats()
         self._seeds = itertools.count(seed * 1_000_003)
+        self._lock = threading.Lock()
+        self._expected = 0  # callers answered that have not called again
+        self._engine_s = 0.0  # recent engine call seconds (moving average)
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="rollout-server-engine", daemon=True)
         self._thread.start()
@@ -53,6 +87,8 @@ class GenerationQueue:
     def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> Future:
         """A future of one :class:`GeneratedSample` per prompt (``seed``: the request's own, else the queue's next)."""
         request = _Request([list(p) for p in prompts], params, seed)
+        with self._lock:
+            self._expected = max(0, self._expected - 1)
         self._queue.put(request)
         return request.future
 
@@ -65,16 +101,34 @@ class GenerationQueue:
         first = self._queue.get()
         if first is None:
             return [], True
-        batch, size, deadline = [first], len(first.prompts), time.monotonic() + self.window_s
+        batch, size, start = [first], len(first.prompts), time.monotonic()
+        window_end, patience_end = start + self.window_s, start + min(self.max_wait_s, self.wait_ratio * self._engine_s)
+        waited = False
         while size < self.max_batch:
             try:
-                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                item = self._queue.get_nowait()
             except queue.Empty:
-                break
+                with self._lock:
+                    expecting = self._expected > 0
+                now, deadline = time.monotonic(), max(window_end, patience_end) if expecting else window_end
+                if now >= deadline:
+                    if expecting:  # the callers still expected are slow (a tool, an ended session): stop waiting for them
+                        with self._lock:
+                            self._expected = 0
+                        self.stats.late += 1
+                    break
+                waited |= expecting
+                try:
+                    item = self._queue.get(timeout=deadline - now)
+                except queue.Empty:
+                    continue
             if item is None:
                 return batch, True
             batch.append(item)
             size += len(item.prompts)
+        if waited:
+            self.stats.waits += 1
+            self.stats.waited_s += time.monotonic() - start
         return batch, False
 
     def _run(self) -> None:
@@ -82,31 +136,49 @@ class GenerationQueue:
         while not stop:
             batch, stop = self._take()
             groups: dict[tuple, list[_Request]] = defaultdict(list)
-            for request in batch:  # a request with its own seed is sampled alone (reproducible for that seed)
+            for request in batch:  # without per-prompt seeds, a seeded request is sampled alone (its seed as the batch's)
                 key = replace(request.params, max_new_tokens=0)
-                groups[(key, None if request.seed is None else id(request))].append(request)
+                alone = request.seed is not None and not self.per_prompt_seeds
+                groups[(key, id(request) if alone else None)].append(request)
             for (key, _), requests in groups.items():
                 params = replace(key, max_new_tokens=max(r.params.max_new_tokens for r in requests))
-                self._generate(requests, params, requests[0].seed)
+                self._generate(requests, params, self._batch_seed(requests))
 
-    def _generate(self, requests: list[_Request], params: SamplingParams, seed: int | None) -> None:
+    def _batch_seed(self, requests: list[_Request]) -> Seeds:
+        """The engine call's seed: the queue's next for unseeded requests; a seeded request alone, its own; else one
+        seed per prompt (a seeded request's choice j: ``chunk_seed(seed, j)``; an unseeded prompt: the queue's next)."""
+        if all(r.seed is None for r in requests):
+            return next(self._seeds)
+        if not self.per_prompt_seeds:
+            return requests[0].seed  # grouped alone (_run)
+        seeds: list[int] = []
+        for r in requests:
+            seeds.extend(prompt_seeds(r.seed, len(r.prompts)) if r.seed is not None else [next(self._seeds) for _ in r.prompts])
+        return seeds
+
+    def _generate(self, requests: list[_Request], params: SamplingParams, seed: Seeds) -> None:
         prompts = [p for r in requests for p in r.prompts]
+        start = time.monotonic()
         try:
-            samples = self.engine.generate(prompts, params, next(self._seeds) if seed is None else seed)
+            samples = self.engine.generate(prompts, params, seed)
             if len(samples) != len(prompts):
                 raise RuntimeError(f"the engine returned {len(samples)} samples for {len(prompts)} prompts")
         except Exception as exc:  # every waiting handler answers 500; the thread keeps serving
             for request in requests:
                 request.future.set_exception(exc)
             return
+        seconds = time.monotonic() - start
+        self._engine_s = seconds if not self.stats.engine_calls else 0.5 * (self._engine_s + seconds)
         self.stats.engine_calls += 1
         self.stats.prompts += len(prompts)
         self.stats.requests += len(requests)
-        start = 0
+        with self._lock:  # before the answers: a caller may call again before this thread runs another line
+            self._expected += len(requests)
+        at = 0
         for request in requests:
             limit = request.params.max_new_tokens
-            request.future.set_result([cut_to(s, limit) for s in samples[start : start + len(request.prompts)]])
-            start += len(request.prompts)
+            request.future.set_result([cut_to(s, limit) for s in samples[at : at + len(request.prompts)]])
+            at += len(request.prompts)
 
 
 def cut_to(sample: GeneratedSample, max_new_tokens: int) -> GeneratedSample:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, WeightSource, export_weights
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, Seeds, WeightSource, export_weights
 from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.loading import load_causal_lm
 
@@ -27,14 +27,17 @@ class LocalGeneration:
     eos_token_ids: list[int]
     weight_version: int = 0
 
+    PER_PROMPT_SEEDS = True  # generate takes one seed per prompt (lean_decoder.sample)
+
     @classmethod
     def load(cls, model_name: str, pad_token_id: int, eos_token_ids: list[int], precision: str = "float32") -> LocalGeneration:
         """Load ``model_name`` (a path, a hub id or ``embedded:<name>``) for sampling."""
         return cls(load_causal_lm(model_name, precision).eval(), pad_token_id, list(eos_token_ids))
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
-        """One sample per prompt, with the logprobs of the distribution each token was drawn from."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: Seeds) -> list[GeneratedSample]:
+        """One sample per prompt, with the logprobs of the distribution each token was drawn from; ``seed``: the
+        batch's, or one per prompt."""
         drawn = sample_with_params(self.model, prompts, params, self.eos_token_ids, self.pad_token_id, seed)
         return [GeneratedSample(**d) for d in drawn.sample_dicts(prompts, self.weight_version)]
 

@@ -11,6 +11,7 @@ from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import (
     GeneratedSample,
     SamplingParams,
+    Seeds,
     ServedWeights,
     WeightSource,
     actor_concurrency,
@@ -30,6 +31,8 @@ def hf_generation_resources(cfg: MasterConfig, num_threads: int, num_workers: in
 
 class HFGeneration:
     """Shards prompts across ``num_workers`` HF generation actors."""
+
+    PER_PROMPT_SEEDS = True  # the workers' sampler takes one seed per prompt (lean_decoder.sample)
 
     def __init__(self, cfg: MasterConfig, pad_token_id: int, eos_token_ids: list[int], num_threads: int, num_workers: int = 1) -> None:
         """``num_threads``: torch threads per worker (the run plan's ``threads.generation``)."""
@@ -56,7 +59,7 @@ class HFGeneration:
         self.served = ServedWeights()
         self.replaceable = Replaceable("generation", self.group, self.served.load_into)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: Seeds) -> list[GeneratedSample]:
         return generate_on_group(self.group, prompts, params, seed, self.replaceable)
 
     def refit(self, weights: WeightSource, version: int) -> float:

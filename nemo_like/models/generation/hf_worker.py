@@ -7,12 +7,11 @@ import torch
 
 from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.distributed.threads import apply_thread_count
-from nemo_like.models.generation.interface import SamplingParams
+from nemo_like.models.generation.interface import SamplingParams, Seeds, chunk_seeds
 from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.gate import WeightUpdateGate
-from nemo_like.utils.seeds import chunk_seed
 
 
 class SwapLog:
@@ -43,6 +42,7 @@ class HFGenerationWorker(Reinitializable):
     (mid-generation when the actor runs with ``max_concurrency=2``, see :mod:`nemo_like.models.refit.gate`)."""
 
     SETS_THREADS_ON_INIT = True  # a kept actor takes the next run's thread count (worker_group.Reinitializable)
+    PER_PROMPT_SEEDS = True  # generate takes one seed per prompt (lean_decoder.sample)
 
     def __init__(
         self,
@@ -66,16 +66,18 @@ class HFGenerationWorker(Reinitializable):
         self.gate = WeightUpdateGate()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: dict, seed: int) -> list[dict]:
-        """Sample one response per prompt; returns :class:`GeneratedSample` fields as dicts."""
+    def generate(self, prompts: list[list[int]], params: dict, seed: Seeds) -> list[dict]:
+        """Sample one response per prompt; returns :class:`GeneratedSample` fields as dicts. ``seed``: the batch's, or
+        one per prompt (``interface.Seeds``)."""
         sp = SamplingParams(**params)
         out: list[dict] = []
         with self.gate.generating_scope():
             for start in range(0, len(prompts), self.max_batch_size):
-                out.extend(self._generate_chunk(prompts[start : start + self.max_batch_size], sp, chunk_seed(seed, start)))
+                stop = start + self.max_batch_size
+                out.extend(self._generate_chunk(prompts[start:stop], sp, chunk_seeds(seed, start, stop)))
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[dict]:
+    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams, seed: Seeds) -> list[dict]:
         """One batch through our sampling loop (:func:`~.lean_decoder.sample`: the fused step for the Llama family,
         the model's own forward otherwise); the logprobs are those of the distribution sampled from, computed as
         the policy computes them; an in-flight refit lands between two decode steps."""

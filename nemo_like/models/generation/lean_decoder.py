@@ -185,8 +185,21 @@ class HFModelStep:
         return out.logits[:, -1]
 
 
-def draw(logits: torch.Tensor, dist: SamplingDistribution, greedy: bool, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B]`` tokens and their logprobs under the processed distribution (greedy: argmax, plain softmax logprob)."""
+def draw_per_row(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """``[B]`` tokens, row ``i`` drawn from ``probs[i]`` with ``generators[i]`` alone: the draw of
+    ``torch.multinomial(probs[i : i + 1], 1, generator=generators[i])`` (the exponential race torch runs for one
+    sample, ``argmax(p / q)`` with ``q ~ Exp(1)``), with each row's noise from its own generator and one argmax for all."""
+    noise = torch.empty_like(probs)
+    for row, generator in zip(noise, generators):
+        row.exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def draw(
+    logits: torch.Tensor, dist: SamplingDistribution, greedy: bool, generator: torch.Generator | list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B]`` tokens and their logprobs under the processed distribution (greedy: argmax, plain softmax logprob).
+    ``generator``: one for the batch, or one per row (:func:`draw_per_row`)."""
     if greedy:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         tokens = logprobs.argmax(dim=-1)
@@ -202,7 +215,10 @@ def draw(logits: torch.Tensor, dist: SamplingDistribution, greedy: bool, generat
         # so the run goes on to the trainer's non-finite step handling (grpo.max_consecutive_nonfinite_steps)
         # instead of dying inside the sampler.
         probs[broken] = 1.0
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if isinstance(generator, torch.Generator):
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    else:
+        tokens = draw_per_row(probs, generator)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -214,7 +230,7 @@ def sample(
     dist: SamplingDistribution,
     stop_token_ids: list[int],
     pad_token_id: int,
-    seed: int,
+    seed: int | list[int],
     greedy: bool = False,
     fused: bool | None = None,
     between_steps: Callable[[int], bool] | None = None,
@@ -225,6 +241,10 @@ def sample(
     A GRPO batch repeats each prompt G times: with the fused step, each distinct prompt is prefilled once and its
     KV cache copied to its rows. ``fused``: None picks :class:`FusedLlamaStep` where it applies; False forces the
     model's own forward (benchmarks and tests compare the two).
+
+    ``seed``: an int seeds one generator for the batch; a list gives row ``i`` its own generator seeded ``seed[i]``
+    (:func:`draw_per_row`), so a row draws the tokens it draws alone with that seed, whatever else is in the batch
+    (its logits agree to float rounding); one row with ``[s]`` draws what it draws with ``s``.
 
     ``between_steps(t)``: called after token ``t`` of every row is drawn, before the forward that produces the
     logits of token ``t + 1``; it may replace the model's weights in place (an in-flight refit) and returns whether
@@ -242,7 +262,12 @@ def sample(
     width = input_ids.shape[1]
     max_len = width + max_new_tokens
     step = (FusedLlamaStep if fused else HFModelStep)(model, input_ids.shape[0], max_len)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != len(prompts):
+            raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: a list of seeds needs one per prompt")
+        generator = [torch.Generator(device=device).manual_seed(int(s)) for s in seed]
+    else:
+        generator = torch.Generator(device=device).manual_seed(seed)
     stop_ids = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
     # Prefill: causal over the prompt, padding keys masked; each query also sees itself, so padding rows
@@ -299,7 +324,7 @@ def sample_with_params(
     sp: SamplingParams,
     eos_token_ids: list[int],
     pad_token_id: int,
-    seed: int,
+    seed: int | list[int],
     between_steps: Callable[[int], bool] | None = None,
 ) -> SampledBatch:
     """:func:`sample` under a backend's :class:`~.interface.SamplingParams` (stops at the model's eos ids and ``sp``'s stop ids)."""

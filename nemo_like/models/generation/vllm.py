@@ -34,6 +34,7 @@ from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, Wo
 from nemo_like.models.generation.interface import (
     GeneratedSample,
     SamplingParams,
+    Seeds,
     ServedWeights,
     WeightSource,
     actor_concurrency,
@@ -112,6 +113,8 @@ def vllm_generation_resources(cfg: MasterConfig, num_threads: int, num_workers: 
 class VLLMGeneration:
     """Shards prompts across ``num_workers`` vLLM actors (tensor parallel 1 each)."""
 
+    PER_PROMPT_SEEDS = True  # vLLM seeds every request (generate takes one seed per prompt)
+
     def __init__(
         self,
         cfg: MasterConfig,
@@ -188,8 +191,9 @@ class VLLMGeneration:
         """How :meth:`refit` reaches the engine (see :func:`~nemo_like.models.refit.transport.refit_transport`)."""
         return refit_transport(self.on_gpu, self.colocated, 0 if self.policy is None else len(self.policy.group), self.lora)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
-        """One sample per prompt, in prompt order (the driver repeats each prompt G times for a group)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: Seeds) -> list[GeneratedSample]:
+        """One sample per prompt, in prompt order (the driver repeats each prompt G times for a group); ``seed``: the
+        batch's, or one per prompt."""
         return generate_on_group(self.group, prompts, params, seed, self.replaceable)
 
     def refit(self, weights: WeightSource, version: int) -> float:

@@ -24,13 +24,12 @@ from typing import Any
 import torch
 
 from nemo_like.distributed.reinit import Reinitializable
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, Seeds, prompt_seeds
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.cpu_reload import reload_in_place
 from nemo_like.models.refit.gate import WeightUpdateGate
 from nemo_like.models.refit.manifest import RefitManifestError, check_manifest, expected_weight_names
-from nemo_like.utils.seeds import chunk_seed
 
 # Read by vLLM at import time; the facade sets them through the actor's runtime_env.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -199,14 +198,15 @@ class VLLMGenerationWorker(Reinitializable):
         return LLM(**kwargs)
 
     # -- generation ----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: dict, seed: int) -> list[dict]:
-        """Sample one response per prompt (request ``i`` is seeded ``seed + i``); returns sample dicts in prompt order."""
+    def generate(self, prompts: list[list[int]], params: dict, seed: Seeds) -> list[dict]:
+        """Sample one response per prompt (request ``i`` is seeded ``seed + i``, or ``seed[i]`` for a list of per-prompt
+        seeds); returns sample dicts in prompt order."""
         from vllm.inputs import TokensPrompt
 
         sp = SamplingParams(**params)
         stop_ids = sorted({*self.eos_token_ids, *sp.stop_token_ids})
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        per_request = [vllm_sampling_params(sp, stop_ids, chunk_seed(seed, i)) for i in range(len(prompts))]
+        per_request = [vllm_sampling_params(sp, stop_ids, s) for s in prompt_seeds(seed, len(prompts))]
         with self.gate.generating_scope():
             self._wake_up()
             try:

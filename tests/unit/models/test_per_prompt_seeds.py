@@ -1,0 +1,80 @@
+"""Per-prompt seeds (``generate(prompts, params, seed=[...])``): each row samples what it samples alone with its seed,
+whatever else is in the batch; an int seed samples exactly as before. On the shipped tiny tool model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_like.models.generation.hf_worker import HFGenerationWorker
+from nemo_like.models.generation.interface import SamplingParams, chunk_seeds, prompt_seeds
+from nemo_like.models.generation.lean_decoder import draw_per_row, sample_with_params
+from nemo_like.models.loading import load_causal_lm, load_tokenizer
+
+MODEL = "embedded:tiny-tool-qwen2"
+TEXTS = ["What is 347 times 28?", "12 * 5", "Compute 9 times 81 please, then add 4"]
+HOT = SamplingParams(max_new_tokens=10, temperature=3.0, top_k=50, top_p=0.95)  # a flat distribution: seeds matter
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = load_tokenizer(MODEL)
+    model = load_causal_lm(MODEL, "float32").eval()
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+    return model, tokenizer, prompts
+
+
+def run(tiny, prompts, params, seed):
+    model, tokenizer, _ = tiny
+    drawn = sample_with_params(model, prompts, params, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed)
+    return drawn.sample_dicts(prompts, 0)
+
+
+def test_an_int_seed_samples_exactly_as_before(tiny) -> None:
+    _, _, prompts = tiny
+    batch = [*prompts, prompts[0]]
+    # Recorded with the committed sampler before per-prompt seeds existed (63b715c): the int path is unchanged.
+    assert [s["response_ids"] for s in run(tiny, batch, HOT, 1234)] == [
+        [25, 19, 21, 27, 22, 314, 20, 24, 18, 27],
+        [2],
+        [24, 201, 20, 24, 19, 20, 25, 22, 2],
+        [21, 2],
+    ]
+
+
+def test_each_row_samples_what_it_samples_alone_with_its_seed(tiny) -> None:
+    _, _, prompts = tiny
+    batch, seeds = [*prompts, prompts[0]], [11, 22, 33, 44]  # the last row: the first prompt again, another seed
+    for params in (HOT, SamplingParams(max_new_tokens=6, greedy=True)):
+        together = run(tiny, batch, params, seeds)
+        for prompt, seed, row in zip(batch, seeds, together):
+            (alone,) = run(tiny, [prompt], params, [seed])
+            (alone_int,) = run(tiny, [prompt], params, seed)  # one row: [s] and s are the same draw
+            assert row["response_ids"] == alone["response_ids"] == alone_int["response_ids"]
+            assert row["truncated"] == alone["truncated"]
+            torch.testing.assert_close(row["response_logprobs"], alone["response_logprobs"], rtol=0, atol=1e-5)
+    hot = run(tiny, batch, HOT, seeds)
+    assert hot[0]["response_ids"] != hot[3]["response_ids"]  # the same prompt with another seed: another draw
+    assert [s["response_ids"] for s in run(tiny, batch[::-1], HOT, seeds[::-1])] == [s["response_ids"] for s in hot][::-1]
+    with pytest.raises(ValueError, match="3 seeds for 4 prompts"):
+        run(tiny, batch, HOT, seeds[:3])
+
+
+def test_the_per_row_draw_is_torch_multinomial_row_by_row() -> None:
+    torch.manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(5, 315), dim=-1)
+    seeds = [3, 1, 4, 1, 5]
+    expected = [int(torch.multinomial(probs[i : i + 1], 1, generator=torch.Generator().manual_seed(s))) for i, s in enumerate(seeds)]
+    assert draw_per_row(probs, [torch.Generator().manual_seed(s) for s in seeds]).tolist() == expected
+
+
+def test_seed_lists_follow_their_prompts_through_chunks_and_shards(tiny) -> None:
+    assert prompt_seeds(7, 3) == [7, 8, 9] and prompt_seeds([5, 1], 2) == [5, 1]
+    assert chunk_seeds(7, 4, 8) == 11 and chunk_seeds([1, 2, 3, 4], 2, 4) == [3, 4]
+    with pytest.raises(ValueError, match="one per prompt"):
+        prompt_seeds([1, 2], 3)
+    model, tokenizer, prompts = tiny
+    worker = HFGenerationWorker(0, 1, MODEL, "float32", 1, tokenizer.pad_token_id, [tokenizer.eos_token_id], max_batch_size=2)
+    fields = {"max_new_tokens": 10, "temperature": 3.0, "top_k": 50, "top_p": 0.95}
+    chunked = worker.generate(prompts, fields, [11, 22, 33])  # chunks of 2 and 1: each keeps its prompts' seeds
+    assert [s["response_ids"] for s in chunked] == [s["response_ids"] for s in run(tiny, prompts, HOT, [11, 22, 33])]

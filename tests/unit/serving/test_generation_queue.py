@@ -1,0 +1,145 @@
+"""The rollout server's generation queue: seeded calls share one engine call and sample what they sample alone; the
+thread waits for callers it answered (not for a lone caller, and not past its patience)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.loading import load_tokenizer
+from nemo_like.serving.batching import GenerationQueue
+from nemo_like.serving.local_engine import LocalGeneration
+
+MODEL = "embedded:tiny-tool-qwen2"
+HOT = SamplingParams(max_new_tokens=10, temperature=3.0, top_k=50, top_p=0.95)  # a flat distribution: seeds matter
+
+
+class Held:
+    """An engine (``engine``, or one that answers one pad token per prompt when None) whose generate calls are recorded
+    and held at ``gate`` until it is set, so that requests queue up behind a running call (``entered``: one is held)."""
+
+    def __init__(self, engine=None, per_prompt_seeds: bool = True) -> None:
+        self.engine, self.calls = engine, []
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gate.set()
+        self.PER_PROMPT_SEEDS = per_prompt_seeds
+
+    def generate(self, prompts, params, seed):
+        self.entered.set()
+        self.gate.wait(30)
+        self.calls.append((len(prompts), seed))
+        if self.engine is not None:
+            return self.engine.generate(prompts, params, seed)
+        time.sleep(0.002)  # a call takes a little while: the patience is a multiple of it
+        return [GeneratedSample(list(p), [0], [0.0], False, 0) for p in prompts]
+
+    def hold(self, queue: GenerationQueue, *request) -> Future:
+        """Submit ``request`` and return once the engine thread holds it (the next submissions queue up)."""
+        self.gate.clear()
+        self.entered.clear()
+        future = queue.submit(*request)
+        assert self.entered.wait(30)
+        return future
+
+
+@pytest.fixture(scope="module")
+def local():
+    tokenizer = load_tokenizer(MODEL)
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ["What is 347 times 28?", "12 * 5", "9 times 81, then add 4"]]
+    return LocalGeneration.load(MODEL, tokenizer.pad_token_id, [tokenizer.eos_token_id]), prompts
+
+
+def tokens(samples):
+    return [s.response_ids for s in samples]
+
+
+def test_concurrent_seeded_calls_share_one_engine_call_and_sample_what_they_sample_alone(local) -> None:
+    engine, prompts = local
+    held = Held(engine)
+    queue = GenerationQueue(held, window_s=0.0)
+    try:
+        requests = [([prompts[0]], HOT, 11), ([prompts[1]] * 2, HOT, 22), ([prompts[2]], HOT, 33), ([prompts[0]], HOT, 44)]
+        requests.append(([prompts[2]], SamplingParams(max_new_tokens=4, temperature=3.0, top_k=50, top_p=0.95), 33))
+        alone = [tokens(queue.submit(*r).result(60)) for r in requests]
+        assert [n for n, _ in held.calls] == [1, 2, 1, 1, 1]  # one engine call each
+        held.calls.clear()
+        blocker = held.hold(queue, [prompts[1]], HOT, 5)
+        futures = [queue.submit(*r) for r in requests]  # queued behind the held call
+        held.gate.set()
+        together = [tokens(f.result(60)) for f in futures]
+        blocker.result(60)
+    finally:
+        queue.close()
+    assert together == alone  # each call's tokens, whatever it was batched with
+    assert [n for n, _ in held.calls] == [1, 6]  # the held call, then every queued call in one engine call
+    assert held.calls[1][1] == [11, 22, 23, 33, 44, 33]  # choice j of a call seeded s: s + j
+    assert alone[1] == tokens(engine.generate([prompts[1]] * 2, HOT, [22, 23]))
+    assert alone[0] != alone[3]  # the same prompt with another seed: another draw
+    assert alone[4][0] == alone[2][0][:4]  # a shorter limit cuts the same draw
+
+
+def test_an_engine_without_per_prompt_seeds_samples_each_seeded_call_alone(local) -> None:
+    engine, prompts = local
+    held = Held(engine, per_prompt_seeds=False)
+    queue = GenerationQueue(held, seed=7, window_s=0.0)
+    try:
+        blocker = held.hold(queue, [prompts[1]], HOT)
+        futures = [queue.submit([p], HOT, seed) for p, seed in zip(prompts, [1, 2, 3])] + [queue.submit([prompts[0]], HOT)]
+        held.gate.set()
+        for f in [blocker, *futures]:
+            f.result(60)
+    finally:
+        queue.close()
+    assert held.calls == [(1, 7_000_021), (1, 1), (1, 2), (1, 3), (1, 7_000_022)]  # int seeds, as before
+
+
+def test_the_thread_waits_for_the_callers_it_answered_but_never_for_a_lone_caller() -> None:
+    held = Held()
+    queue = GenerationQueue(held, window_s=0.0, wait_ratio=1e6, max_wait_s=30.0)  # patience: 30 s, never reached here
+    params = SamplingParams(max_new_tokens=1)
+    try:
+        for _ in range(5):  # one caller, one call after another: it is the call expected, nothing to wait for
+            queue.submit([[1]], params).result(10)
+        assert queue.stats.waits == 0
+        a = held.hold(queue, [[1]], params)
+        b, c = queue.submit([[2]], params), queue.submit([[3]], params)  # queued behind a's call
+        held.gate.set()
+        a.result(10)
+        time.sleep(0.05)
+        assert not b.done() and not c.done()  # waiting for a's caller, answered and expected back
+        calls = len(held.calls)
+        rounds = [[queue.submit([[1]], params), b, c]]
+        for f in rounds[0]:
+            f.result(10)
+        rounds.append([queue.submit([[1]], params), queue.submit([[2]], params)])
+        time.sleep(0.05)
+        assert not any(f.done() for f in rounds[1])  # the third caller is expected too
+        rounds[1].append(queue.submit([[3]], params))
+        for f in rounds[1]:
+            f.result(10)
+        assert [n for n, _ in held.calls[calls:]] == [3, 3] and queue.stats.waits == 2 and queue.stats.late == 0
+    finally:
+        queue.close()
+
+
+def test_callers_that_do_not_come_back_are_waited_for_once_and_then_no_longer_expected() -> None:
+    held = Held()
+    queue = GenerationQueue(held, window_s=0.0, wait_ratio=1e6, max_wait_s=0.05)
+    params = SamplingParams(max_new_tokens=1)
+    try:
+        a = held.hold(queue, [[1]], params)
+        others = [queue.submit([[i]], params) for i in range(3)]
+        held.gate.set()
+        for f in [a, *others]:
+            f.result(10)
+        waits, late = queue.stats.waits, queue.stats.late
+        queue.submit([[1]], params).result(10)  # two of the three callers answered last never come back: one patience
+        assert (queue.stats.waits, queue.stats.late) == (waits + 1, late + 1)
+        queue.submit([[1]], params).result(10)  # no longer expected: no wait
+        assert (queue.stats.waits, queue.stats.late) == (waits + 1, late + 1)
+    finally:
+        queue.close()
