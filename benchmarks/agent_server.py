@@ -1,23 +1,34 @@
 """Rollout-server overhead: seconds per turn through HTTP (the real ``openai`` client, the real server) vs the same
 prompts through the engine directly, for sessions of 1 and 8 turns.
 
-Usage: python benchmarks/agent_server.py [--sessions 8] [--turns 1 8] [--max-tokens 12] [--repeats 3] [--client raw openai]
+Usage: python benchmarks/agent_server.py [--sessions 8] [--turns 1 8] [--max-tokens 12] [--repeats 5]
+       [--client raw openai] [--mode greedy seeded]
 
-Each of ``--sessions`` agents (threads of this process, each with its own client and open connection) runs a session of T turns against the shipped tiny tool model (greedy, so a
-replay samples the same tokens): call, append the answer and a tool message, call again. The HTTP time is the wall
-time of all sessions together. The replay then sends, per turn, every session's recorded prompt ids of that turn as
-one ``engine.generate`` batch with the same settings; its time is the engine's share. Overhead = HTTP / engine - 1
-(rendering, tokenising, HTTP, JSON, recording, batches split by arrival times, and the client's own Python, which runs
-in this process too). ``raw``: plain JSON over ``httpx``; ``openai``: the ``openai`` package. Medians over
-``--repeats``.
+Each of ``--sessions`` agents (threads of this process, each with its own client and open connection) runs a session
+of T turns against the shipped tiny tool model: call, append the answer and a tool message, call again. The HTTP time
+is the wall time of all sessions together. Right after it, the replay sends, per turn, every session's recorded prompt
+ids of that turn as one ``engine.generate`` batch with the same settings; its time is the engine's share. Overhead =
+HTTP / engine - 1, per repeat (each HTTP run beside its own replay), printed as the median [min, max] over
+``--repeats``: rendering, tokenising, HTTP, JSON, recording, batches split by arrival times, and the client's own
+Python, which runs in this process too, as a training run's agents run in the driver beside the server.
+
+``--mode greedy``: temperature 0, no session (each call renders and tokenises its whole history). ``--mode seeded``:
+what a training run does: each session is opened with a seed (call k samples with ``agent_call_seed(seed, k)``), calls
+carry ``X-Session-Id`` (the server reuses the session's ids), temperature 1; the replay samples each turn's prompts in
+one engine call with the same per-prompt seeds and must draw exactly the served tokens (checked). ``raw``: plain JSON
+over ``httpx``; ``openai``: the ``openai`` package.
+
+An engine without per-prompt seeds (before they existed) replays seeded turns with one int seed: timed, not compared.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -26,21 +37,28 @@ import torch
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.serving import RolloutServer, ServerConfig
+from nemo_like.serving.app import SESSION_HEADER
 from nemo_like.serving.local_engine import LocalGeneration
+from nemo_like.utils.seeds import agent_call_seed
 
 MODEL = "embedded:tiny-tool-qwen2"
+TEMPERATURE = {"greedy": 0.0, "seeded": 1.0}
 
 
 class RawClient:
-    """The same call as plain JSON over one kept-alive ``httpx`` connection (a client that costs ~nothing)."""
+    """The same call as plain JSON over one kept-alive ``httpx`` connection (a client that costs little)."""
 
     def __init__(self, server: RolloutServer) -> None:
         self.http = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {server.api_key}"})
 
-    def chat(self, messages: list, max_tokens: int) -> tuple[list[int], str]:
-        body = {"model": "policy", "messages": messages, "temperature": 0, "max_tokens": max_tokens, "return_token_ids": True}
+    def use_session(self, session_id: str) -> None:
+        self.http.headers[SESSION_HEADER] = session_id
+
+    def chat(self, messages: list, max_tokens: int, temperature: float) -> tuple[list[int], list[int], str]:
+        body = {"model": "policy", "messages": messages, "temperature": temperature, "max_tokens": max_tokens, "return_token_ids": True}
         reply = self.http.post("/chat/completions", json=body).json()
-        return reply["prompt_token_ids"], reply["choices"][0]["message"]["content"] or ""
+        choice = reply["choices"][0]
+        return reply["prompt_token_ids"], choice["completion_token_ids"], choice["message"]["content"] or ""
 
 
 class OpenAIClient:
@@ -49,25 +67,29 @@ class OpenAIClient:
     def __init__(self, server: RolloutServer) -> None:
         self.client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
 
-    def chat(self, messages: list, max_tokens: int) -> tuple[list[int], str]:
+    def use_session(self, session_id: str) -> None:
+        self.client = self.client.with_options(default_headers={SESSION_HEADER: session_id})  # the same connection
+
+    def chat(self, messages: list, max_tokens: int, temperature: float) -> tuple[list[int], list[int], str]:
         reply = self.client.chat.completions.create(
-            model="policy", messages=messages, temperature=0, max_tokens=max_tokens, extra_body={"return_token_ids": True}
+            model="policy", messages=messages, temperature=temperature, max_tokens=max_tokens, extra_body={"return_token_ids": True}
         )
-        return reply.prompt_token_ids, reply.choices[0].message.content or ""
+        choice = reply.choices[0]
+        return reply.prompt_token_ids, choice.model_extra["completion_token_ids"], choice.message.content or ""
 
 
-def run_sessions(clients: list, turns: int, max_tokens: int) -> tuple[float, list[list[list[int]]]]:
+def run_sessions(clients: list, turns: int, max_tokens: int, temperature: float) -> tuple[float, list[list[tuple[list[int], list[int]]]]]:
     """Wall seconds of one concurrent agent per client, ``turns`` turns each (clients, threads and connections are
-    ready before the clock starts); per session, the prompt ids of each turn."""
-    prompts: list[list[list[int]]] = [[] for _ in clients]
+    ready before the clock starts); per session, the (prompt ids, completion ids) of each turn."""
+    calls: list[list[tuple[list[int], list[int]]]] = [[] for _ in clients]
     ready = threading.Barrier(len(clients) + 1)
 
     def agent(i: int) -> None:
         messages = [{"role": "user", "content": f"What is {120 + i} times {13 + i}?"}]
         ready.wait()
         for _ in range(turns):
-            prompt_ids, content = clients[i].chat(messages, max_tokens)
-            prompts[i].append(prompt_ids)
+            prompt_ids, completion_ids, content = clients[i].chat(messages, max_tokens, temperature)
+            calls[i].append((prompt_ids, completion_ids))
             messages += [{"role": "assistant", "content": content}, {"role": "tool", "content": "42"}]
 
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(len(clients))]
@@ -77,16 +99,40 @@ def run_sessions(clients: list, turns: int, max_tokens: int) -> tuple[float, lis
     start = time.perf_counter()
     for t in threads:
         t.join()
-    return time.perf_counter() - start, prompts
+    return time.perf_counter() - start, calls
 
 
-def replay(engine: LocalGeneration, prompts: list[list[list[int]]], max_tokens: int) -> float:
-    """Seconds for the engine alone: one batch per turn of every session's prompt at that turn."""
-    params = SamplingParams(max_new_tokens=max_tokens, greedy=True)
-    start = time.perf_counter()
-    for turn in range(len(prompts[0])):
-        engine.generate([p[turn] for p in prompts], params, seed=0)
-    return time.perf_counter() - start
+def replay(engine: LocalGeneration, calls: list, max_tokens: int, session_seeds: list[int] | None) -> tuple[float, int]:
+    """Seconds for the engine alone (one batch per turn of every session's prompt at that turn), and how many sampled
+    tokens differ from the served ones (seeded mode with per-prompt seeds; 0 otherwise: not compared)."""
+    params = SamplingParams(max_new_tokens=max_tokens, greedy=session_seeds is None, temperature=1.0)
+    compare = session_seeds is not None and getattr(engine, "PER_PROMPT_SEEDS", False)
+    differ, seconds = 0, 0.0
+    for turn in range(len(calls[0])):
+        prompts = [c[turn][0] for c in calls]
+        seed = [agent_call_seed(s, turn) for s in session_seeds] if compare else 0
+        start = time.perf_counter()
+        samples = engine.generate(prompts, params, seed)
+        seconds += time.perf_counter() - start
+        if compare:
+            differ += sum(s.response_ids[: len(c[turn][1])] != c[turn][1] for s, c in zip(samples, calls))
+    return seconds, differ
+
+
+def new_sessions(server: RolloutServer, clients: list, mode: str, numbers: Iterator[int]) -> list[int] | None:
+    """Seeded mode: a fresh seeded session per client (as a run opens one per sample), and their seeds."""
+    if mode == "greedy":
+        return None
+    seeds = [next(numbers) for _ in clients]
+    for client, seed in zip(clients, seeds):
+        client.use_session(server.sessions.open(metadata={"seed": seed}))
+    return seeds
+
+
+def spread(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
+    """``median [min, max]`` of ``values`` times ``scale``."""
+    v = sorted(x * scale for x in values)
+    return f"{statistics.median(v):{fmt}} [{v[0]:{fmt}}, {v[-1]:{fmt}}]"
 
 
 def main() -> None:
@@ -94,28 +140,40 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--client", choices=["raw", "openai"], nargs="+", default=["raw", "openai"])
+    parser.add_argument("--mode", choices=["greedy", "seeded"], nargs="+", default=["greedy", "seeded"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(MODEL)
     engine = LocalGeneration.load(MODEL, tokenizer.pad_token_id, [tokenizer.eos_token_id])
     with RolloutServer(engine, tokenizer, ServerConfig(auto_create_sessions=True)) as server:
-        for kind, turns in [(k, t) for k in args.client for t in args.turns]:
+        stats, opened = server.queue.stats, itertools.count(1000)
+        for mode, kind, turns in [(m, k, t) for m in args.mode for k in args.client for t in args.turns]:
+            temperature = TEMPERATURE[mode]
             clients = [(RawClient if kind == "raw" else OpenAIClient)(server) for _ in range(args.sessions)]
-            run_sessions(clients, 1, args.max_tokens)  # warm-up: every client opens its connection
-            http, direct, engine_calls = [], [], server.queue.stats.engine_calls
+
+            new_sessions(server, clients, mode, opened)
+            run_sessions(clients, 1, args.max_tokens, temperature)  # warm-up: every client opens its connection
+            http, direct, overhead, differ = [], [], [], 0
+            calls_before, waits_before = stats.engine_calls, getattr(stats, "waits", 0)
             for _ in range(args.repeats):
-                seconds, prompts = run_sessions(clients, turns, args.max_tokens)
-                http.append(seconds)
-                direct.append(replay(engine, prompts, args.max_tokens))
-            h, d = statistics.median(http), statistics.median(direct)
-            calls = args.sessions * turns
+                seeds = new_sessions(server, clients, mode, opened)
+                seconds, calls = run_sessions(clients, turns, args.max_tokens, temperature)
+                engine_s, bad = replay(engine, calls, args.max_tokens, seeds)
+                http.append(seconds / turns)
+                direct.append(engine_s / turns)
+                overhead.append(seconds / engine_s - 1)
+                differ += bad
+            per_turn = (stats.engine_calls - calls_before) / (turns * args.repeats)
             print(
-                f"{kind:6s} client, {turns} turn(s), {args.sessions} sessions: HTTP {1000 * h / turns:.1f} ms/turn, engine {1000 * d / turns:.1f} ms/turn, "
-                f"{1000 * h / calls:.2f} ms/call; overhead {100 * (h / d - 1):+.0f}% "
-                f"(server engine calls per turn {(server.queue.stats.engine_calls - engine_calls) / (turns * args.repeats):.1f}, replay 1)"
+                f"{mode:6s} {kind:6s} client, {turns} turn(s), {args.sessions} sessions: HTTP {spread(http, 1000)} ms/turn, "
+                f"engine {spread(direct, 1000)} ms/turn; overhead {spread(overhead, 100, '+.0f')}% "
+                f"(server engine calls per turn {per_turn:.2f}, replay 1; waits for callers {getattr(stats, 'waits', 0) - waits_before}"
+                + (f"; replayed tokens that differ from the served ones: {differ}" if mode == "seeded" else "")
+                + ")",
+                flush=True,
             )
 
 
