@@ -25,10 +25,9 @@ extra fixed wait after the first request, for everyone (the server's default is 
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -77,64 +76,75 @@ class GenerationQueue:
         self.per_prompt_seeds = bool(getattr(engine, "PER_PROMPT_SEEDS", False))
         self.stats = BatchStats()
         self._seeds = itertools.count(seed * 1_000_003)
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._pending: deque[_Request | None] = deque()  # None: close
+        self._pending_prompts = 0
         self._expected = 0  # callers answered that have not called again
+        self._wake_on = "any"  # what wakes the engine thread: "any" arrival, only the "last" expected one, or "full"
         self._engine_s = 0.0  # recent engine call seconds (moving average)
-        self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="rollout-server-engine", daemon=True)
         self._thread.start()
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> Future:
         """A future of one :class:`GeneratedSample` per prompt (``seed``: the request's own, else the queue's next)."""
         request = _Request([list(p) for p in prompts], params, seed)
-        with self._lock:
+        with self._cond:
             self._expected = max(0, self._expected - 1)
-        self._queue.put(request)
+            self._pending.append(request)
+            self._pending_prompts += len(request.prompts)
+            full = self._pending_prompts >= self.max_batch
+            # While the thread waits for expected callers, only the last of them (or a full batch) wakes it: each
+            # wake-up is a thread switch, which costs as much as the rest of a small call on a busy CPU.
+            if self._wake_on == "any" or full or (self._wake_on == "last" and self._expected == 0):
+                self._cond.notify()
         return request.future
 
     def close(self) -> None:
         """Stop the thread once the queued requests are served."""
-        self._queue.put(None)
+        with self._cond:
+            self._pending.append(None)
+            self._cond.notify()
         self._thread.join(timeout=60)
 
     def _take(self) -> tuple[list[_Request], bool]:
-        first = self._queue.get()
-        if first is None:
-            return [], True
-        batch, size, start = [first], len(first.prompts), time.monotonic()
-        window_end, patience_end = start + self.window_s, start + min(self.max_wait_s, self.wait_ratio * self._engine_s)
-        waited = False
-        while size < self.max_batch:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                with self._lock:
-                    expecting = self._expected > 0
+        with self._cond:
+            while not self._pending:
+                self._wake_on = "any"
+                self._cond.wait()
+            start = time.monotonic()
+            window_end, patience_end = start + self.window_s, start + min(self.max_wait_s, self.wait_ratio * self._engine_s)
+            waited = False
+            while self._pending_prompts < self.max_batch and None not in self._pending:
+                expecting = self._expected > 0
                 now, deadline = time.monotonic(), max(window_end, patience_end) if expecting else window_end
                 if now >= deadline:
                     if expecting:  # the callers still expected are slow (a tool, an ended session): stop waiting for them
-                        with self._lock:
-                            self._expected = 0
+                        self._expected = 0
                         self.stats.late += 1
                     break
                 waited |= expecting
-                try:
-                    item = self._queue.get(timeout=deadline - now)
-                except queue.Empty:
-                    continue
-            if item is None:
-                return batch, True
-            batch.append(item)
-            size += len(item.prompts)
+                self._wake_on = "last" if expecting else "full"
+                self._cond.wait(deadline - now)
+            self._wake_on = "any"
+            batch: list[_Request] = []
+            size = 0
+            while self._pending and self._pending[0] is not None and (not batch or size < self.max_batch):
+                request = self._pending.popleft()
+                batch.append(request)
+                size += len(request.prompts)
+            self._pending_prompts -= size
+            stop = bool(self._pending) and self._pending[0] is None
         if waited:
             self.stats.waits += 1
             self.stats.waited_s += time.monotonic() - start
-        return batch, False
+        return batch, stop
 
     def _run(self) -> None:
         stop = False
         while not stop:
             batch, stop = self._take()
+            if not batch:
+                continue
             groups: dict[tuple, list[_Request]] = defaultdict(list)
             for request in batch:  # without per-prompt seeds, a seeded request is sampled alone (its seed as the batch's)
                 key = replace(request.params, max_new_tokens=0)
@@ -172,7 +182,7 @@ class GenerationQueue:
         self.stats.engine_calls += 1
         self.stats.prompts += len(prompts)
         self.stats.requests += len(requests)
-        with self._lock:  # before the answers: a caller may call again before this thread runs another line
+        with self._cond:  # before the answers: a caller may call again before this thread runs another line
             self._expected += len(requests)
         at = 0
         for request in requests:
