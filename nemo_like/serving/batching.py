@@ -18,8 +18,9 @@ callers answered by an earlier engine call that have not called again (an agent'
 milliseconds; they are counted, not identified). Then it waits for them, at most ``wait_ratio`` times the recent engine
 call's duration and never more than ``max_wait_s``: a small model's engine call costs about the same for 1 or 8 rows,
 so a wait shorter than a call saves a call. Callers that have not come back when that wait ends (a slow tool, an
-ended session) are no longer expected. A lone caller never waits: its next call is the one expected. ``window_s``: an
-extra fixed wait after the first request, for everyone (the server's default is 0).
+ended session) are no longer expected. A lone caller never waits: its next call is the one expected. Nor do seeded
+calls to an engine without per-prompt seeds (they are sampled one by one anyway). ``window_s``: an extra fixed wait
+after the first request, for everyone (the server's default is 0).
 """
 
 from __future__ import annotations
@@ -114,8 +115,10 @@ class GenerationQueue:
             start = time.monotonic()
             window_end, patience_end = start + self.window_s, start + min(self.max_wait_s, self.wait_ratio * self._engine_s)
             waited = False
+            # Waiting can only merge calls the engine can sample together: not seeded ones without per-prompt seeds.
+            mergeable = self.per_prompt_seeds or self._pending[0] is None or self._pending[0].seed is None
             while self._pending_prompts < self.max_batch and None not in self._pending:
-                expecting = self._expected > 0
+                expecting = mergeable and self._expected > 0
                 now, deadline = time.monotonic(), max(window_end, patience_end) if expecting else window_end
                 if now >= deadline:
                     if expecting:  # the callers still expected are slow (a tool, an ended session): stop waiting for them

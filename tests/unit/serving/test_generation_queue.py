@@ -95,6 +95,7 @@ def test_an_engine_without_per_prompt_seeds_samples_each_seeded_call_alone(local
     finally:
         queue.close()
     assert held.calls == [(1, 7_000_021), (1, 1), (1, 2), (1, 3), (1, 7_000_022)]  # int seeds, as before
+    assert queue.stats.waits == 0  # nothing to merge seeded calls into: no wait for callers
 
 
 def test_the_thread_waits_for_the_callers_it_answered_but_never_for_a_lone_caller() -> None:
