@@ -3,6 +3,8 @@ whatever else is in the batch; an int seed samples exactly as before. On the shi
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -78,3 +80,30 @@ def test_seed_lists_follow_their_prompts_through_chunks_and_shards(tiny) -> None
     fields = {"max_new_tokens": 10, "temperature": 3.0, "top_k": 50, "top_p": 0.95}
     chunked = worker.generate(prompts, fields, [11, 22, 33])  # chunks of 2 and 1: each keeps its prompts' seeds
     assert [s["response_ids"] for s in chunked] == [s["response_ids"] for s in run(tiny, prompts, HOT, [11, 22, 33])]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="generate builds vLLM's request objects")
+def test_vllm_requests_are_seeded_with_the_per_prompt_seeds() -> None:
+    from nemo_like.models.generation.vllm_worker import VLLMGenerationWorker
+
+    class Engine:  # records the requests' seeds and finishes none (the worker then refuses the call)
+        def __init__(self) -> None:
+            self.seeds, self.llm_engine = [], self
+
+        def enqueue(self, requests, params, **kwargs) -> None:
+            self.seeds.append([p.seed for p in params])
+
+        def has_unfinished_requests(self) -> bool:
+            return False
+
+    engine = Engine()
+
+    class Worker(VLLMGenerationWorker):
+        def _start_engine(self, *args):
+            return engine
+
+    worker = Worker(0, 1, MODEL, "float32", 64, 0, pad_token_id=0, eos_token_ids=[1])
+    for seed in (5, [9, 4, 7]):
+        with pytest.raises(RuntimeError, match="finished 0 requests for 3 prompts"):
+            worker.generate([[5, 6], [7], [8, 9]], {"max_new_tokens": 4}, seed)
+    assert engine.seeds == [[5, 6, 7], [9, 4, 7]]  # an int: request i seeded seed + i (as before); a list: its own
