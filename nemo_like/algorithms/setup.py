@@ -180,5 +180,7 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     agents = None
     if plan.agent_tasks:  # the rollout server on the driver, sampling with the run's engine (docs/guides/agents.md)
         agents = start_agent_rollouts(cfg, tokenizer, generation, eos_token_ids(tokenizer), agent_settings)
-        environments.handles = AgentHandles(environments.handles.workers, agents)
+        handles = AgentHandles(environments.handles.workers, agents)
+        handles.replaceable = environments.handles.replaceable  # the verifier's dead actors are replaced too
+        environments.handles = handles
     return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan, teacher, agents)

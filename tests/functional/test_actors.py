@@ -97,12 +97,28 @@ def test_two_data_parallel_ranks_equal_one_rank(ray_cluster, tmp_path):
     assert sorted(received) == sorted(w2) and all(torch.equal(received[name], w2[name]) for name in w2)
     gen.refit(shared, dp.weight_version)
     assert mean_abs_gap(dp, gen.generate(prompts(cfg1, tok), params, seed=4), tok.pad_token_id) < 1e-4
+    # An engine replaced after the policy trained past the served weights (as in an async run with older samples):
+    # it maps the policy's buffer, written in place by the second export, and serves exactly the served version.
+    dp.train(batch)
+    gen.refit(dp.weight_buckets, dp.weight_version)  # the facade's export: the buffer's second version
+    served, before = gen.served.version, gen.generate(prompts(cfg1, tok), params, seed=5)
+    dp.train(batch)  # the policy moves on; nothing exported
+    gen.replaceable.replace(0)
+    assert ray_get_version(gen) == served and gen.generate(prompts(cfg1, tok), params, seed=5) == before
+    gen.refit(dp.weight_buckets, dp.weight_version)  # the replacement takes later refits from the same buffer
+    assert dp.take_refit_bytes() > 0 and mean_abs_gap(dp, gen.generate(prompts(cfg1, tok), params, seed=4), tok.pad_token_id) < 1e-4
     gen.shutdown()
     dp.shutdown()
     assert checksums[0] == checksums[1]  # every rank sums the same full model over its shards
     assert abs(r1.metrics["loss"] - r2.metrics["loss"]) < 1e-6
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], atol=2e-6, rtol=0, msg=name)
+
+
+def ray_get_version(gen) -> int:
+    import ray
+
+    return ray.get(gen.group.workers[0].__ray_call__.remote(lambda actor: actor.weight_version))
 
 
 def torch_get(ref):

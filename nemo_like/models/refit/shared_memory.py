@@ -4,10 +4,15 @@ serialisation (the object-store path, :mod:`nemo_like.models.refit.buckets`, pic
 into Ray's store and out again).
 
 Lifetime of the file: the policy's rank 0 creates it at its first export (or when the facade asks for a
-fresh one, e.g. for a new generation group), and unlinks it at the next export: by then every receiver
-of the previous refit has mapped it (a refit call returns only once every worker loaded it), and a
-mapping stays valid after the unlink. A killed run leaves at most one file behind, named after the
-writer's pid (``nemo_like_refit_<pid>_<n>``); the next writer on the machine removes it.
+fresh one) and writes every later export into it in place; it stays linked until the writer closes it or
+replaces it (a new layout), so an engine that starts mid-run (a replacement for a dead one) can map it and
+load the weights its group serves: the buffer holds exactly the last refit's weights until the next refit
+writes it. A killed run leaves at most one file behind, named after the writer's pid
+(``nemo_like_refit_<pid>_<n>``); the next writer on the machine removes it.
+
+Every buffer starts with a header holding the version of the weights in it, written after the tensors; a
+receiver checks it against its descriptor's version, so an engine can never load weights newer (or older)
+than the refit it was sent.
 
 Writes never overlap reads: the policy writes only inside an export, which the driver starts after the
 previous refit call returned, and a receiver copies the tensors into its model before its refit call returns.
@@ -27,6 +32,7 @@ from nemo_like.models.refit.buckets import WeightBuckets
 
 SHM_DIR = Path("/dev/shm")
 ALIGN = 64  # bytes: every tensor starts on a cache line, so a byte view can be reinterpreted as any dtype
+HEADER = ALIGN  # bytes before the first tensor: the int64 version of the weights in the buffer
 _counter = itertools.count()
 _mapped: dict[str, torch.Tensor] = {}  # receiver side: buffer path -> its mapping (only the newest is kept)
 
@@ -52,8 +58,15 @@ class SharedWeights(WeightBuckets):
     entries: list[Entry] = field(default_factory=list)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` views of the mapped buffer (valid until the next refit writes it: copy them)."""
+        """``(name, tensor)`` views of the mapped buffer (valid until the next refit writes it: copy them). Raises
+        :class:`StaleRefitBuffer` when the buffer holds another version than this descriptor's."""
         buffer = map_buffer(self.path, self.size)
+        held = buffer_version(buffer)
+        if held != self.version:
+            raise StaleRefitBuffer(
+                f"shared refit buffer {self.path} holds weight version {held}, but this refit is version {self.version}: "
+                "the policy wrote another refit into it since"
+            )
         for e in self.entries:
             yield e.name, buffer[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
 
@@ -62,14 +75,23 @@ class SharedWeights(WeightBuckets):
         yield dict(self.iter_tensors())
 
 
+class StaleRefitBuffer(RuntimeError):
+    """A shared refit buffer no longer holds the version its descriptor names."""
+
+
+def buffer_version(buffer: torch.Tensor) -> int:
+    """The weight version stamped in a buffer's header."""
+    return int(buffer[:8].view(torch.int64)[0])
+
+
 def map_buffer(path: str, size: int) -> torch.Tensor:
     """The receiver's ``uint8`` mapping of ``path`` (mapped once; older buffers are dropped)."""
     buffer = _mapped.get(path)
     if buffer is None:
         if not os.path.exists(path):
             raise FileNotFoundError(
-                f"shared refit buffer {path} is gone: it is unlinked after the first refit that used it, so a generation "
-                "worker that missed that refit cannot map it (the policy must export a fresh buffer)"
+                f"shared refit buffer {path} is gone: the policy replaced it (a new layout) or the run ended, so this "
+                "descriptor cannot be loaded (the policy must export again)"
             )
         _mapped.clear()
         buffer = _mapped[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
@@ -97,11 +119,10 @@ class SharedWeightWriter:
         entries = layout(tensors)
         if fresh or self.buffer is None or entries != self.entries:
             self._create(entries)
-        else:
-            self.unlink()  # every receiver mapped it during the previous refit
         with torch.no_grad():
             for (_, t), e in zip(tensors, self.entries):
                 self.buffer[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            self.buffer[:8].view(torch.int64)[0] = version  # last: the stamp names complete contents
         names = [e.name for e in self.entries]
         nbytes = sum(e.nbytes for e in self.entries)
         return SharedWeights(version, [names], [], nbytes=nbytes, path=self.path, size=self.buffer.numel(), entries=list(self.entries))
@@ -109,7 +130,7 @@ class SharedWeightWriter:
     def _create(self, entries: list[Entry]) -> None:
         self.unlink()
         remove_orphans()
-        size = max(1, entries[-1].offset + entries[-1].nbytes if entries else 1)
+        size = entries[-1].offset + entries[-1].nbytes if entries else HEADER
         self.path = str(SHM_DIR / f"nemo_like_refit_{os.getpid()}_{next(_counter)}")
         self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
         self.entries = entries
@@ -147,8 +168,8 @@ def remove_orphans() -> list[str]:
 
 
 def layout(tensors: list[tuple[str, torch.Tensor]]) -> list[Entry]:
-    """Offsets (``ALIGN``-aligned) of ``tensors`` packed one after the other."""
-    entries, offset = [], 0
+    """Offsets (``ALIGN``-aligned) of ``tensors`` packed one after the other, after the ``HEADER``."""
+    entries, offset = [], HEADER
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
         entries.append(Entry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))

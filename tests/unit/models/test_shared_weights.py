@@ -35,8 +35,9 @@ def test_layout_aligns_every_tensor():
     entries = layout(tensors(0))
     assert [e.offset % ALIGN for e in entries] == [0] * len(entries)
     assert [e.nbytes for e in entries] == [140, 10, 24, 0, 140]
-    # Each tensor starts at the previous end rounded up to 64 bytes; an empty tensor takes no room.
-    assert [e.offset for e in entries] == [0, 192, 256, 320, 320]
+    # After the 64-byte header (the version), each tensor starts at the previous end rounded up to 64 bytes; an
+    # empty tensor takes no room.
+    assert [e.offset for e in entries] == [64, 256, 320, 384, 384]
 
 
 def test_receiver_gets_exact_values_dtypes_and_shapes_across_versions():
@@ -50,11 +51,11 @@ def test_receiver_gets_exact_values_dtypes_and_shapes_across_versions():
         mapped_before = {n: t for n, t in first.iter_tensors()}  # a live mapping, as a worker keeps it
         second = writer.write(2, tensors(1))
         assert second.path == first.path and second.version == 2
-        assert not os.path.exists(first.path)  # unlinked once every receiver mapped it (the previous refit)
         for name, t in tensors(1):  # the old mapping sees the new weights: same buffer, written in place
             assert torch.equal(mapped_before[name], t), name
         fresh = writer.write(3, tensors(2), fresh=True)
         assert fresh.path != first.path and os.path.exists(fresh.path)
+        assert not os.path.exists(first.path)  # a replaced buffer's file is removed
         got = receive(fresh)
         assert all(torch.equal(got[name], t) for name, t in tensors(2))
     finally:
@@ -62,18 +63,35 @@ def test_receiver_gets_exact_values_dtypes_and_shapes_across_versions():
     assert not os.path.exists(fresh.path)
 
 
+def test_an_engine_started_after_several_refits_maps_the_served_version_and_never_another():
+    """A replacement engine (a new process) maps the buffer mid-run: it holds the last refit's weights, and a
+    descriptor of any other version is refused (the header's stamp), whatever the policy trained since."""
+    writer = SharedWeightWriter()
+    try:
+        writer.write(1, tensors(0))
+        writer.write(2, tensors(1))
+        served = writer.write(3, tensors(2))
+        assert os.path.exists(served.path)  # still linked after the third write in place
+        got = receive(served)
+        assert all(torch.equal(got[name], t) for name, t in tensors(2))
+        older = shared_memory.SharedWeights(2, served.names, [], path=served.path, size=served.size, entries=served.entries)
+        with pytest.raises(shared_memory.StaleRefitBuffer, match="holds weight version 3, but this refit is version 2"):
+            receive(older)
+    finally:
+        writer.close()
+
+
 def test_a_changed_layout_gets_a_new_buffer_and_a_gone_file_names_itself():
     writer = SharedWeightWriter()
     try:
         first = writer.write(1, tensors(0))
-        writer.write(2, tensors(0))  # unlinks the first file
+        bigger = [*tensors(0), ("extra", torch.ones(4))]
+        second = writer.write(2, bigger)  # a new layout: a new file; the first one's is removed
+        assert second.path != first.path
         shared_memory._mapped.clear()
         with pytest.raises(FileNotFoundError, match="nemo_like_refit_"):
             next(first.iter_tensors())
-        bigger = [*tensors(0), ("extra", torch.ones(4))]
-        third = writer.write(3, bigger)
-        assert third.path != first.path
-        assert torch.equal(receive(third)["extra"], torch.ones(4))
+        assert torch.equal(receive(second)["extra"], torch.ones(4))
     finally:
         writer.close()
 
