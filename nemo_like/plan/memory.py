@@ -10,8 +10,15 @@ What is exact and what is estimated:
 * **activations** are an estimate of the peak of one training micro-batch (tokens x layers x what a Llama-family
   layer saves for backward: ``8H + 4 K D + 4I`` values per token, the attention kernel keeping no score matrix),
   plus the float32 logits, their log-softmax and its gradient (``tokens x vocab x 12`` bytes, or ``chunk x vocab x 12``
-  with ``policy.logprob_chunk_size``); with activation checkpointing one layer's worth plus each layer's input.
-  ``python benchmarks/plan_memory.py`` compares it with measured training steps on a CPU.
+  with ``policy.logprob_chunk_size``); with activation checkpointing each layer's input plus the larger of the logits'
+  share and one layer's recomputed activations (the backward recomputes a layer after the output head's backward has
+  freed the logits: the two never coexist).
+* **FSDP2's unsharded root** (``dp_size > 1``): every rank all-gathers the parameters outside the decoder layers
+  (embeddings, final norm, an untied output head) into full-size buffers at the start of each forward and, the root
+  not being resharded after its forward, holds them until its backward ends (a logprob pass: until the pass ends), at
+  the compute dtype. The decoder layers are unsharded one at a time and resharded after use; at the step's peak (the
+  output head's backward) none is. Counted with the activations (``unsharded root`` in the line).
+  ``python benchmarks/plan_memory.py`` compares both with measured training steps on a CPU, at dp 1 and dp 2.
 * **KV cache** of a vLLM engine: ``2 x layers x kv_heads x head_dim x bytes`` per token; the budget is
   ``gpu_memory_utilization x device`` minus the weights (GPU), or ``kv_cache_space_gib`` (CPU).
 * **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters) at
@@ -35,6 +42,7 @@ class ParameterSpec:
     shape: tuple[int, ...]
     trainable: bool
     bytes_per_element: int
+    root: bool = False  # outside the decoder layers (embeddings, final norm, output head): FSDP2's root unit
 
     def shard_bytes(self, world: int) -> int:
         """Bytes rank 0 holds when FSDP2 shards it over ``world`` ranks (dim 0, ``ceil(dim0 / world)`` rows)."""
@@ -91,15 +99,18 @@ class RoleMemory:
     activations: int = 0
     kv_cache: int = 0
     note: str = ""
+    unsharded_root: int = 0  # FSDP2 (dp > 1): the root unit's full parameters, held through the forward and backward
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+        return self.params + self.grads + self.optimizer + self.activations + self.unsharded_root + self.kv_cache
 
     def line(self) -> str:
         """One ``[plan]`` line."""
         parts = [f"{k} {v / GIB:.3f}" for k, v in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer))]
         parts += [f"activations ~{self.activations / GIB:.3f}"]
+        if self.unsharded_root:
+            parts.append(f"unsharded root {self.unsharded_root / GIB:.3f}")
         if self.kv_cache:
             parts.append(f"kv cache {self.kv_cache / GIB:.3f}")
         note = f" ({self.note})" if self.note else ""
@@ -156,12 +167,11 @@ def _training_activations(cfg: Any, shape: ModelShape, value_bytes: int) -> int:
     pc = cfg.policy
     tokens = micro_batch_tokens(cfg, training=True)
     per_layer = tokens * shape.layer_values_per_token() * value_bytes
-    if pc.dtensor_cfg.activation_checkpointing:
-        layers = tokens * shape.hidden * value_bytes * shape.layers + per_layer
-    else:
-        layers = per_layer * shape.layers
     logit_rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
-    return layers + logit_rows * shape.vocab * 12  # float32 logits, their log-softmax and its gradient
+    logits = logit_rows * shape.vocab * 12  # float32 logits, their log-softmax and its gradient
+    if pc.dtensor_cfg.activation_checkpointing:  # each layer's input; a layer is recomputed after the logits are freed
+        return tokens * shape.hidden * value_bytes * shape.layers + max(per_layer, logits)
+    return per_layer * shape.layers + logits
 
 
 def _logprob_activations(cfg: Any, shape: ModelShape, value_bytes: int) -> int:
@@ -183,19 +193,30 @@ def micro_batch_tokens(cfg: Any, training: bool) -> int:
     return rows * pc.max_total_sequence_length
 
 
+def unsharded_root_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
+    """What FSDP2 all-gathers on every rank for the root unit (the parameters outside the decoder layers) and holds from
+    the start of a forward to the end of its backward: their full size at the compute dtype (FSDP2's mixed-precision
+    policy gathers bf16 copies under ``precision: bfloat16``). Nothing at ``dp_size`` 1, where the model is not sharded."""
+    if cfg.policy.dp_size <= 1:
+        return 0
+    return sum(math.prod(p.shape) for p in params if p.root) * DTYPE_BYTES[cfg.policy.precision]
+
+
 def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role: str = "policy") -> RoleMemory:
     """One rank of the trainable policy (``role="policy"``) or of a frozen copy (``"reference"``, ``"teacher"``)."""
     pc = cfg.policy
     world = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
     value_bytes = DTYPE_BYTES[pc.precision]
+    root = unsharded_root_bytes(cfg, params)
     if role != "policy":  # frozen copies load float32 weights whatever the precision
         held = sum(ParameterSpec(p.shape, False, 4).shard_bytes(world) for p in params)
-        return RoleMemory(role, world, params=held, activations=_logprob_activations(cfg, shape, value_bytes), note="logprobs only")
+        activations = _logprob_activations(cfg, shape, value_bytes)
+        return RoleMemory(role, world, params=held, activations=activations, unsharded_root=root, note="logprobs only")
     held = sum(p.shard_bytes(world) for p in params)
     trainable = [ParameterSpec(p.shape, True, 4) for p in params if p.trainable]
     grads = sum(p.shard_bytes(world) for p in trainable)
     activations = max(_training_activations(cfg, shape, value_bytes), _logprob_activations(cfg, shape, value_bytes))
-    return RoleMemory(role, world, params=held, grads=grads, optimizer=2 * grads, activations=activations)
+    return RoleMemory(role, world, params=held, grads=grads, optimizer=2 * grads, activations=activations, unsharded_root=root)
 
 
 def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec], shape: ModelShape) -> RoleMemory:

@@ -9,7 +9,7 @@ from unit.models.test_policy_worker import make_worker, random_batch, with_globa
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
 from nemo_like.models.footprint import model_footprint
-from nemo_like.plan.memory import GIB, ParameterSpec, micro_batch_tokens, plan_memory, policy_memory, step_estimate
+from nemo_like.plan.memory import GIB, ModelShape, ParameterSpec, micro_batch_tokens, plan_memory, policy_memory, step_estimate
 from nemo_like.plan.run_plan import decide_run_plan
 
 
@@ -46,6 +46,32 @@ def test_activations_follow_their_formula_and_chunking_bounds_the_logits() -> No
     chunked = policy_memory(recipe("policy.logprob_chunk_size=16"), params, shape)
     checkpointed = policy_memory(recipe("policy.dtensor_cfg.activation_checkpointing=true"), params, shape)
     assert chunked.activations < base.activations and checkpointed.activations < base.activations
+
+
+def test_checkpointing_keeps_each_layer_input_and_the_larger_of_the_logits_and_one_recomputed_layer() -> None:
+    cfg = recipe("policy.dtensor_cfg.activation_checkpointing=true", "policy.logprob_batch_size=1")
+    params, tiny = model_footprint(EMBEDDED_MODEL, "float32")
+    # 32 rows x 64 tokens = 2048 tokens. The tiny model (H 128, 2 KV heads of 32, I 512, 4 layers, vocab 359): one layer
+    # saves 8*128 + 4*64 + 4*512 = 3328 values a token, 2048 * 3328 * 4 = 27,262,976 bytes, more than the logits'
+    # 2048 * 359 * 12 = 8,822,784; the layer inputs 2048 * 128 * 4 * 4 = 4,194,304.
+    assert policy_memory(cfg, params, tiny).activations == 4_194_304 + 27_262_976
+    # A wide vocabulary: the logits' 2048 * 1000 * 12 = 24,576,000 bytes outweigh a layer's 2048 * (64 + 16 + 64) * 4 =
+    # 1,179,648; inputs 2048 * 8 * 4 * 2 = 131,072. The layer is recomputed after the logits are freed: not added.
+    wide = ModelShape(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=1000)
+    assert policy_memory(cfg, params, wide).activations == 131_072 + 24_576_000
+
+
+def test_fsdp2_holds_the_root_unit_unsharded_on_every_rank_above_dp_1() -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    assert [p.shape for p in params if p.root] == [(359, 128), (128,)]  # tied embeddings/head and the final norm
+    one, two = policy_memory(recipe(), params, shape), policy_memory(recipe("policy.dp_size=2"), params, shape)
+    assert one.unsharded_root == 0 and "unsharded root" not in one.line()
+    assert two.unsharded_root == (359 * 128 + 128) * 4 == 184_320  # full size, fp32
+    assert two.total == two.params + two.grads + two.optimizer + two.activations + 184_320
+    assert "unsharded root 0.000" in two.line()
+    bf16 = policy_memory(recipe("policy.dp_size=2", "policy.precision=bfloat16"), params, shape)
+    assert bf16.unsharded_root == 92_160  # FSDP2's mixed-precision policy gathers bf16 copies
+    assert policy_memory(recipe("policy.dp_size=2"), params, shape, "reference").unsharded_root == 184_320
 
 
 def test_the_plan_lists_each_role_and_advises_when_a_gpu_is_too_small() -> None:
