@@ -9,12 +9,18 @@ its reward or the messages the task's verifier scores (the agent environment's a
 past its deadline, sampled over its budget, returned something else, or whose records failed the server's checks
 fails: its rows (or, with none, one placeholder row with nothing masked in) get ``failure_reward`` and it is counted
 in ``agent/failures/<kind>``; the run continues. The server is :class:`nemo_like.serving.server.RolloutServer` (the
-layer just below this one), started by :func:`start_agent_rollouts`.
+layer just below this one), started by :func:`start_agent_rollouts`, over an :class:`EngineGate`.
+
+Async runs (``docs/guides/async-grpo.md``): the trajectory collector runs :meth:`AgentRollouts.collect` on a driver
+thread ahead of training, and a refit may land between two of a session's calls, never inside an engine call (the
+:class:`EngineGate`). Every row of a session carries the weight version of the session's first call (its oldest), so
+its age, the staleness bound and the replay buffer's check count from there (:func:`session_samples`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import sys
 import threading
@@ -34,6 +40,8 @@ from nemo_like.experience.rollouts import Rollout, expand_groups
 from nemo_like.models.generation.interface import GeneratedSample
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.utils.seeds import agent_session_seed
+
+AGENT_THREAD = "agent-session"  # the name of a sync agent's thread (abandoned past its deadline; joined briefly at close)
 
 SEED_KEY, BUDGET_KEY = "seed", "token_budget"  # the session metadata the server reads (nemo_like/serving/sessions.py)
 
@@ -63,8 +71,9 @@ def outcome_of(value: Any, has_verifier: bool) -> SessionOutcome:
     return SessionOutcome(answer=answer)
 
 
-def _in_thread(fn: Callable[..., Any], args: tuple) -> asyncio.Future:
-    """Run a sync agent on its own daemon thread (one that hangs past its deadline is abandoned, not joined)."""
+def _in_thread(fn: Callable[..., Any], args: tuple, threads: set[threading.Thread] | None = None) -> asyncio.Future:
+    """Run a sync agent on its own daemon thread (one that hangs past its deadline is abandoned, not joined);
+    ``threads``: where the thread is kept while it runs (:meth:`AgentRollouts.close` joins them briefly)."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -77,21 +86,34 @@ def _in_thread(fn: Callable[..., Any], args: tuple) -> asyncio.Future:
             value, error = fn(*args), None
         except BaseException as exc:  # noqa: BLE001 - the agent's failure is the session's
             value, error = None, exc
+        finally:
+            if threads is not None:
+                threads.discard(threading.current_thread())
         try:
             loop.call_soon_threadsafe(settle, value, error)
         except RuntimeError:  # the batch is over (its loop closed): a late agent's result is dropped
             pass
 
-    threading.Thread(target=run, name="agent-session", daemon=True).start()
+    thread = threading.Thread(target=run, name=AGENT_THREAD, daemon=True)
+    if threads is not None:
+        threads.add(thread)
+    thread.start()
     return future
 
 
-async def run_session(settings: AgentSettings, args: tuple, semaphore: asyncio.Semaphore, end: Callable[[], None]) -> SessionOutcome:
-    """Call the agent within its deadline; ``end`` (ending the session) runs as soon as it returns or fails."""
+async def run_session(
+    settings: AgentSettings,
+    args: tuple,
+    semaphore: asyncio.Semaphore,
+    end: Callable[[], None],
+    threads: set[threading.Thread] | None = None,
+) -> SessionOutcome:
+    """Call the agent within its deadline; ``end`` (ending the session) runs as soon as it returns or fails.
+    ``threads``: where a sync agent's thread is kept while it runs."""
     cfg = settings.config
     async with semaphore:
         try:
-            call = settings.function(*args) if settings.is_async else _in_thread(settings.function, args)
+            call = settings.function(*args) if settings.is_async else _in_thread(settings.function, args, threads)
             value = await asyncio.wait_for(call, cfg.deadline_s)
             outcome = outcome_of(value, cfg.verifier is not None)
         except TimeoutError:
@@ -117,6 +139,25 @@ def placeholder_row(prompt: PromptRecord, pad_token_id: int, weight_version: int
     return GeneratedSample(list(prompt.prompt_token_ids), [pad_token_id], [0.0], False, weight_version, weight_version, response_mask=[0])
 
 
+def session_version(result: Any) -> int | None:
+    """The weight version of a session's first call (``None``: it made none): what its age counts from. Versions only
+    grow, so it is also the oldest weights that produced any of its tokens, in every row (a branched session's later
+    rows start at later calls)."""
+    versions = [v for row in (result.rows if result is not None else []) for v in row.weight_versions]
+    return min(versions) if versions else None
+
+
+def session_samples(result: Any, open_version: int) -> list[GeneratedSample]:
+    """A session's rows as samples, every one carrying the session's version (:func:`session_version`; a session
+    without rows: ``open_version``, the engine's when it opened), so a session whose calls span a refit is counted
+    from its first call, and ``final_weight_version`` (its last call's) marks it as spanning versions."""
+    rows = result.rows if result is not None else []
+    version = session_version(result)
+    return [
+        replace(r.to_generated_sample(), num_turns=len(r.calls), weight_version=open_version if version is None else version) for r in rows
+    ]
+
+
 def per_session(session_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows -> sessions for advantages: the first row of each session (index the per-row rewards, groups and sample
     mask with it to get one entry per session) and each row's session (index the sessions' advantages with it), so a
@@ -133,6 +174,7 @@ class _Session:
     session_id: str
     prompt: PromptRecord
     settings: AgentSettings
+    open_version: int = 0  # the engine's weight version when the session opened (a row-less session's version)
     outcome: SessionOutcome | None = None
     result: Any = None  # SessionRows
 
@@ -145,6 +187,10 @@ class AgentRollouts:
         self.settings = settings
         self.tokenizer = tokenizer
         self.engine = engine  # the generation engine the server samples with (its weight version)
+        self._lock = threading.Lock()
+        self._running: set[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = set()  # batches in flight (cancel())
+        self._threads: set[threading.Thread] = set()  # sync agents' threads still running (close())
+        self._closed = False
 
     def serves(self, prompts: list[PromptRecord], tasks: list[str]) -> bool:
         """Whether the batch is an agent batch (every prompt of an agent run is of an agent task)."""
@@ -154,7 +200,8 @@ class AgentRollouts:
         settings = self.settings[task]
         meta = {SEED_KEY: agent_session_seed(seed, index)} if settings.config.seeded_calls else {}
         meta[BUDGET_KEY] = settings.config.max_tokens_per_session
-        return _Session(index, self.server.sessions.open(metadata=meta), prompt, settings)
+        version = int(self.engine.weight_version)
+        return _Session(index, self.server.sessions.open(metadata=meta), prompt, settings, open_version=version)
 
     def _end(self, session: _Session) -> None:
         self.server.sessions.end(session.session_id)
@@ -166,9 +213,39 @@ class AgentRollouts:
 
         async def one(s: _Session) -> None:
             args = (url, key, s.session_id, [dict(m) for m in s.prompt.messages], dict(s.prompt.metadata))
-            s.outcome = await run_session(s.settings, args, limits[s.settings.task], lambda: self._end(s))
+            s.outcome = await run_session(s.settings, args, limits[s.settings.task], lambda: self._end(s), self._threads)
 
-        await asyncio.gather(*(one(s) for s in sessions))
+        running = (asyncio.get_running_loop(), asyncio.current_task())
+        with self._lock:
+            if self._closed:
+                raise AgentRolloutsClosed("the run is stopping: no new agent sessions")
+            self._running.add(running)
+        try:
+            await asyncio.gather(*(one(s) for s in sessions))
+        finally:
+            with self._lock:
+                self._running.discard(running)
+
+    def cancel(self) -> None:
+        """Stop every batch in flight and refuse new ones (the run is stopping): each running session is ended (its
+        agent's next call gets 409, so a sync agent's thread returns), and :meth:`collect` raises
+        :class:`AgentRolloutsClosed` in the thread that called it."""
+        with self._lock:
+            self._closed = True
+            running = list(self._running)
+        for loop, task in running:
+            with contextlib.suppress(RuntimeError):  # its loop already closed: the batch is over
+                loop.call_soon_threadsafe(task.cancel)
+
+    def close(self, join_s: float = 2.0) -> int:
+        """:meth:`cancel`, then give the sync agents' threads ``join_s`` seconds to return (they are daemon threads: one
+        stuck in user code is left behind, and cannot call the server once it stops); returns how many are left."""
+        self.cancel()
+        deadline = time.monotonic() + join_s
+        left = list(self._threads)
+        for thread in left:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return sum(t.is_alive() for t in left)
 
     def collect(
         self,
@@ -182,7 +259,10 @@ class AgentRollouts:
         expanded, group_ids = expand_groups(prompts, num_generations)
         t0 = time.perf_counter()
         sessions = [self._open(i, p, task_of(p.metadata, envs.tasks), seed) for i, p in enumerate(expanded)]
-        asyncio.run(self._run_all(sessions))
+        try:
+            asyncio.run(self._run_all(sessions))
+        except asyncio.CancelledError:
+            raise AgentRolloutsClosed("the run is stopping: the agent batch in flight was cancelled") from None
         t1 = time.perf_counter()
         metrics = self._verify(envs, sessions)
         if timings is not None:
@@ -216,15 +296,14 @@ class AgentRollouts:
         prompts, groups, samples, texts, rewards, owners = [], [], [], [], [], []
         failures = dict.fromkeys(FAILURE_KINDS, 0.0)
         causes: dict[str, str] = {}
-        version = int(self.engine.weight_version)
         for s in sessions:
             kind = self._classify(s)
             if kind is not None:
                 failures[kind] += 1
                 causes.setdefault(kind, self._cause(s, kind))
             reward = s.settings.config.failure_reward if kind is not None else s.outcome.reward
-            rows = [replace(r.to_generated_sample(), num_turns=len(r.calls)) for r in (s.result.rows if s.result else [])]
-            for sample in rows or [placeholder_row(s.prompt, self.tokenizer.pad_token_id, version)]:
+            rows = session_samples(s.result, s.open_version)
+            for sample in rows or [placeholder_row(s.prompt, self.tokenizer.pad_token_id, s.open_version)]:
                 prompts.append(s.prompt)
                 groups.append(int(group_ids[s.index]))
                 samples.append(sample)
@@ -266,6 +345,69 @@ class AgentRollouts:
         return out
 
 
+class AgentRolloutsClosed(RuntimeError):
+    """The run is stopping (:meth:`AgentRollouts.cancel`): no agent batch runs any more."""
+
+
+class EngineGate:
+    """The rollout server's engine, with refits kept out of its calls: the server's engine thread calls
+    :meth:`generate`; the async loop's refit (not in flight) calls :meth:`hold`, which waits for the engine call in
+    flight and holds the next ones until :meth:`release`. So every engine call samples with one weight version, and a
+    refit lands between two calls of a session, never inside one (as the ordinary async path's refit waits for the
+    batch in flight, :mod:`nemo_like.experience.trajectory_collector`). Without a hold (sync runs, validation) it
+    only passes calls through; every other attribute is the engine's (``weight_version``, what the server's queue
+    asks of it), so the server samples exactly as over the bare engine."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.cond = threading.Condition()
+        self.calls = 0  # engine calls in flight
+        self.held_since: float | None = None
+        self.closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def generate(self, *args: Any, **kwargs: Any) -> list[GeneratedSample]:
+        """``engine.generate(prompts, params, seed)`` once no refit holds the gate."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.held_since is None or self.closed)
+            if self.closed:
+                raise AgentRolloutsClosed("the run is stopping: the rollout server samples no more")
+            self.calls += 1
+        try:
+            return self.engine.generate(*args, **kwargs)
+        finally:
+            with self.cond:
+                self.calls -= 1
+                self.cond.notify_all()
+
+    def hold(self) -> float:
+        """Hold new engine calls and wait for the one in flight; returns the seconds waited."""
+        start = time.perf_counter()
+        with self.cond:
+            if self.held_since is not None:
+                raise RuntimeError("the engine gate is already held")
+            self.held_since = start
+            self.cond.wait_for(lambda: self.calls == 0)
+        return time.perf_counter() - start
+
+    def release(self) -> float:
+        """Let engine calls through again; returns the seconds they were held."""
+        with self.cond:
+            held, self.held_since = time.perf_counter() - (self.held_since or time.perf_counter()), None
+            self.cond.notify_all()
+        return held
+
+    def close(self) -> None:
+        """Fail the calls waiting at the gate and any later one (the run is stopping)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
 @dataclass
 class AgentHandles(EnvironmentHandles):
     """The run's environment handles plus the driver side of its agent tasks (``agents``); the rollout helpers hand
@@ -287,5 +429,6 @@ def start_agent_rollouts(
     config = ServerConfig(
         auto_create_sessions=False, require_session=True, max_context=cfg.policy.max_total_sequence_length, seed=cfg.grpo.seed
     )
-    server = RolloutServer(engine, tokenizer, config, eos_token_ids=list(eos_token_ids)).start()
-    return AgentRollouts(server, settings, tokenizer, engine)
+    gate = EngineGate(engine)  # a pass-through until an async refit holds it
+    server = RolloutServer(gate, tokenizer, config, eos_token_ids=list(eos_token_ids)).start()
+    return AgentRollouts(server, settings, tokenizer, gate)

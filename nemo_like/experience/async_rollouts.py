@@ -4,10 +4,17 @@ The async loop talks to one :class:`AsyncRollouts`: ``take(step)`` waits for the
 ``refit()`` pushes new weights to generation (waiting for the batch in flight, or in flight),
 ``paused(reason)`` holds generation for validation and checkpoints, ``checkpoint_state()`` is what a
 checkpoint stores, ``shutdown()`` stops the actors.
+
+A run with agent tasks runs the collector on a driver thread instead (:class:`DriverCollectorThread`): its batches are
+agent sessions against the driver's rollout server (``docs/guides/agents.md``). Its refits (unless in flight) hold
+the server's engine between two calls rather than waiting for the batch in flight, so a session may span a refit;
+its rows count their age from the session's first call.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,12 +24,13 @@ from typing import Any
 import ray
 import torch
 
+from nemo_like.data.prompts import PromptDataLoader
 from nemo_like.distributed import faults
 from nemo_like.distributed.supervision import ActorRestartsExhausted, ledger
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerFailure, WorkerResources, get_with_context
 from nemo_like.experience.replay_buffer import ReplayBufferActor, TrajectoryGroup, trajectory_ages
 from nemo_like.experience.rollouts import Rollout
-from nemo_like.experience.trajectory_collector import GenerationStats, TrajectoryCollector
+from nemo_like.experience.trajectory_collector import AgentTrajectoryGroup, DriverTrajectoryCollector, GenerationStats, TrajectoryCollector
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.policy.policy import Policy, ShardedLogprobs
 
@@ -59,9 +67,17 @@ class RefitTiming:
 
 
 def rollout_from_groups(groups: list[TrajectoryGroup]) -> Rollout:
-    """Concatenate groups into one prompt-major :class:`Rollout` (group ``i`` gets group id ``i``)."""
+    """Concatenate groups into one prompt-major :class:`Rollout` (group ``i`` gets group id ``i``). Agent groups
+    (:class:`AgentTrajectoryGroup`) keep each row's session (numbered apart per group) and their batch's ``agent/*``
+    counters."""
     sizes = [len(g.samples) for g in groups]
     reference = [g.reference_logprobs for g in groups]
+    session_of_row, env_metrics = None, {}
+    if groups and all(isinstance(g, AgentTrajectoryGroup) for g in groups):
+        stride = max(max((max(g.session_of_row, default=0) for g in groups), default=0) + 1, 1)
+        session_of_row = torch.tensor([i * stride + s for i, g in enumerate(groups) for s in g.session_of_row], dtype=torch.long)
+        for g in groups:
+            env_metrics.update(g.batch_metrics)
     return Rollout(
         prompts=[g.prompt for g, n in zip(groups, sizes) for _ in range(n)],
         group_ids=torch.arange(len(groups)).repeat_interleave(torch.tensor(sizes)),
@@ -69,6 +85,8 @@ def rollout_from_groups(groups: list[TrajectoryGroup]) -> Rollout:
         response_texts=[t for g in groups for t in g.response_texts],
         rewards=torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32),
         reference_logprobs=None if any(r is None for r in reference) else torch.cat(reference, dim=0),
+        env_metrics=env_metrics,
+        session_of_row=session_of_row,
     )
 
 
@@ -106,6 +124,30 @@ class AsyncRollouts:
         if restored is not None:
             get_with_context(self.buffer.load_state_dict.remote(restored["buffer"]), "replay buffer: restore")
         loader = parts.train_loader
+        loop_args = dict(
+            sampling=asdict(sampling_params(cfg)),
+            num_generations=cfg.grpo.num_generations_per_prompt,
+            seed=cfg.grpo.seed,
+            max_age=async_cfg.max_trajectory_age_steps,
+            last_step=cfg.grpo.max_num_steps,
+            next_target=restored["next_target"] if restored is not None else last_step + 1,
+            max_num_epochs=cfg.grpo.max_num_epochs,
+            generation_version=parts.generation.weight_version,
+            multi_turn=parts.plan.multi_turn,
+            reference=reference_for_collector(parts),
+            pad_token_id=parts.tokenizer.pad_token_id,
+        )
+        self.agents = getattr(parts, "agents", None)  # agent tasks: the collector runs on a driver thread
+        self.local: DriverCollectorThread | None = None
+        self._request_ref: ray.ObjectRef | None = None
+        if self.agents is not None:
+            own_loader = PromptDataLoader(loader.records, loader.batch_size, loader.seed, loader.shuffle)
+            own_loader.load_state_dict(loader.state_dict())  # the collector's position, as the actor's
+            collector = DriverTrajectoryCollector(
+                parts.generation, parts.environment, self.buffer, parts.tokenizer, own_loader, **loop_args
+            )
+            self.local = DriverCollectorThread(collector)
+            return
         self.collector_group = RayWorkerGroup(
             "trajectory_collector",
             TrajectoryCollector,
@@ -119,17 +161,7 @@ class AsyncRollouts:
                 records=loader.records,
                 loader_args={"batch_size": loader.batch_size, "seed": loader.seed, "shuffle": loader.shuffle},
                 loader_state=loader.state_dict(),
-                sampling=asdict(sampling_params(cfg)),
-                num_generations=cfg.grpo.num_generations_per_prompt,
-                seed=cfg.grpo.seed,
-                max_age=async_cfg.max_trajectory_age_steps,
-                last_step=cfg.grpo.max_num_steps,
-                next_target=restored["next_target"] if restored is not None else last_step + 1,
-                max_num_epochs=cfg.grpo.max_num_epochs,
-                generation_version=parts.generation.weight_version,
-                multi_turn=parts.plan.multi_turn,
-                reference=reference_for_collector(parts),
-                pad_token_id=parts.tokenizer.pad_token_id,
+                **loop_args,
                 fault_tolerance=cfg.cluster.fault_tolerance,
                 armed_faults=faults.hand_over(("generation", "environment")),  # tests: the collector makes those calls
             ),
@@ -140,7 +172,7 @@ class AsyncRollouts:
         self._run_ref = self.collector.run.remote()
         # A generation or environment actor dying under the collector's calls: the collector asks, the driver (which
         # owns the groups, the budgets and the served weights) replaces it while it waits on the collector.
-        self._request_ref: ray.ObjectRef | None = self.collector.next_replacement_request.remote()
+        self._request_ref = self.collector.next_replacement_request.remote()
 
     # -- data -----------------------------------------------------------------------------------------
     def take(self, step: int, trainer_version: int) -> TakenRollout:
@@ -163,6 +195,15 @@ class AsyncRollouts:
             seconds = generation.refit(policy.weight_buckets, version)
             self._call("set_generation_version", version)
             return RefitTiming(seconds, 0.0, seconds)
+        if self.agents is not None:  # between two engine calls: a session in flight goes on with the new weights
+            gate = self.agents.engine
+            waited = gate.hold()
+            try:
+                seconds = generation.refit(policy.weight_buckets, version)
+            finally:
+                held = gate.release()
+            self._call("set_generation_version", version)
+            return RefitTiming(seconds, waited, held)
         waited = self._call("pause", "refit", False)  # the batch's reference pass may still run: it needs no new weights
         seconds = generation.refit(policy.weight_buckets, version)
         held = self._call("resume", "refit", version)
@@ -194,6 +235,14 @@ class AsyncRollouts:
 
     def _call(self, method: str, *args: Any) -> Any:
         """A control call on the collector that fails (instead of hanging) if the collector's loop crashed."""
+        if self.local is not None:
+            try:
+                return getattr(self.local.collector, method)(*args)
+            except RuntimeError:
+                if self.local.collector.failure is None:
+                    raise
+                self.local.thread.join(5)  # the loop is ending: let it record what it raised
+                self._raise_collector_failure(f"during '{method}'")
         ref = getattr(self.collector, method).remote(*args)
         if not self._wait_for(ref):
             self._raise_collector_failure(f"during '{method}'")
@@ -202,6 +251,11 @@ class AsyncRollouts:
     def _wait_for(self, ref: ray.ObjectRef) -> bool:
         """Wait for ``ref``, replacing the actors the collector reports dead meanwhile; False when the collector's loop
         ended first."""
+        if self.local is not None:  # the driver's own objects replace dead actors: only the thread can end first
+            while not ray.wait([ref], timeout=0.2)[0]:
+                if not self.local.thread.is_alive():
+                    return bool(ray.wait([ref], timeout=0)[0])
+            return True
         while True:
             waiting = [ref, self._run_ref] + ([self._request_ref] if self._request_ref is not None else [])
             ready, _ = ray.wait(waiting, num_returns=1)
@@ -233,6 +287,16 @@ class AsyncRollouts:
 
     def _raise_collector_failure(self, when: str) -> None:
         """The collector's ``run()`` ended: raise a :class:`WorkerFailure` that says why, in one line."""
+        if self.local is not None:
+            error = self.local.error
+            if error is None:
+                cause = self.local.collector.failure or "its loop returned"
+                raise WorkerFailure(f"the trajectory collector stopped {when}: {cause}")
+            if isinstance(error, WorkerFailure):
+                raise error
+            lines = [line for line in str(error).splitlines() if line.strip()]  # a RayTaskError: its cause is the last
+            cause = lines[-1].strip() if len(lines) > 1 else f"{type(error).__name__}: {error}"
+            raise WorkerFailure(f"the trajectory collector failed {when}: {cause}") from error
         try:
             get_with_context(self._run_ref, "trajectory collector")
             cause = "its loop returned"
@@ -245,10 +309,46 @@ class AsyncRollouts:
         raise WorkerFailure(f"the trajectory collector stopped {when}: {cause}")
 
     def shutdown(self) -> None:
-        """Stop the loop and kill both actors."""
+        """Stop the loop and kill both actors (an agent run: stop the collector's thread, cancelling the agent batch in
+        flight, and give its agents' threads a moment to return; the rollout server stops with the run's parts)."""
+        if self.local is not None:
+            try:
+                self.local.stop(timeout_s=30)
+            finally:
+                self.buffer_group.shutdown()
+            return
         try:
             self.collector.stop.remote()
             ray.wait([self._run_ref], timeout=30)
         finally:
             self.collector_group.shutdown()
             self.buffer_group.shutdown()
+
+
+class DriverCollectorThread:
+    """A :class:`DriverTrajectoryCollector`'s ``run()`` on a daemon thread of the driver; what it raised is kept in
+    :attr:`error` (a stop's cancellation is not an error)."""
+
+    def __init__(self, collector: DriverTrajectoryCollector) -> None:
+        self.collector = collector
+        self.error: BaseException | None = None
+        self.result: dict[str, Any] | None = None
+        self.thread = threading.Thread(target=self._run, name="trajectory-collector", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self.collector.run()
+        except BaseException as exc:  # noqa: BLE001 - reported by the trainer's next wait (AsyncRollouts)
+            if not self.collector.stopping:
+                self.error = exc
+
+    def stop(self, timeout_s: float) -> None:
+        """End the loop (cancelling an agent batch in flight), wait for the thread, and for the agents' threads briefly."""
+        self.collector.stop()
+        self.thread.join(timeout_s)
+        agents = getattr(self.collector.environment, "agents", None)
+        if agents is not None:
+            left = agents.close()
+            if left:
+                print(f"[agent] {left} agent thread(s) still running at shutdown were left behind (daemon threads)", file=sys.stderr)

@@ -17,6 +17,10 @@ Between batches it honours the driver's requests:
 It is a threaded actor: those calls run while ``run`` is busy. It owns the training prompt loader,
 so its position is the run's data position (saved in checkpoints while paused, when no batch is
 half done).
+
+A run with agent tasks runs the same loop on a driver thread (:class:`DriverTrajectoryCollector`): its batches are
+agent sessions against the driver's rollout server, and its groups carry each row's session and the batch's
+``agent/*`` counters (:class:`AgentTrajectoryGroup`).
 """
 
 from __future__ import annotations
@@ -114,13 +118,25 @@ class EnvironmentGroup:
         self.name, self.workers = f"environment:{task}", workers
 
 
+@dataclass
+class AgentTrajectoryGroup(TrajectoryGroup):
+    """One prompt's agent sessions: ``session_of_row[i]`` is the session (its index in the batch) of sample ``i`` (a
+    branched session has several rows and weighs once in its group's baseline), and the batch's first group carries
+    the batch's ``agent/*`` counters (``batch_metrics``), reported by the step that trains the batch."""
+
+    session_of_row: list[int] = field(default_factory=list)
+    batch_metrics: dict[str, float] = field(default_factory=dict)
+
+
 def split_into_groups(rollout: Rollout, target_step: int, reference_logprobs: torch.Tensor | None = None) -> list[TrajectoryGroup]:
-    """One :class:`TrajectoryGroup` per prompt of a prompt-major rollout (with its rows of ``reference_logprobs``)."""
+    """One :class:`TrajectoryGroup` per prompt of a prompt-major rollout (with its rows of ``reference_logprobs``); an
+    agent batch's (``rollout.session_of_row`` set) are :class:`AgentTrajectoryGroup` s."""
     groups: dict[int, list[int]] = defaultdict(list)
     for index, group_id in enumerate(rollout.group_ids.tolist()):
         groups[group_id].append(index)
-    return [
-        TrajectoryGroup(
+    out: list[TrajectoryGroup] = []
+    for _, rows in sorted(groups.items()):
+        fields = dict(
             target_step=target_step,
             prompt=rollout.prompts[rows[0]],
             samples=[rollout.samples[i] for i in rows],
@@ -128,8 +144,25 @@ def split_into_groups(rollout: Rollout, target_step: int, reference_logprobs: to
             rewards=[float(rollout.rewards[i]) for i in rows],
             reference_logprobs=None if reference_logprobs is None else reference_logprobs[rows],
         )
-        for _, rows in sorted(groups.items())
-    ]
+        if rollout.session_of_row is None:
+            out.append(TrajectoryGroup(**fields))
+        else:
+            out.append(AgentTrajectoryGroup(**fields, session_of_row=[int(rollout.session_of_row[i]) for i in rows]))
+    return out
+
+
+def agent_batch_counters(rollout: Rollout) -> tuple[dict[str, float], dict[str, float]]:
+    """An agent batch's counters split in two: its ``agent/*`` counters (ratios among them, so they go with the batch to
+    the step that trains it instead of being summed over the batches generated between two steps), plus
+    ``agent/sessions_across_refits`` (sessions whose calls were sampled by more than one weight version: a refit
+    landed between two of their calls, or inside one with in-flight updates); and the rest (the verifier's
+    ``env/<task>/...`` sums, reported like any environment's)."""
+    agent = {k: v for k, v in rollout.env_metrics.items() if k.startswith("agent/")}
+    rest = {k: v for k, v in rollout.env_metrics.items() if not k.startswith("agent/")}
+    owners = rollout.session_of_row.tolist() if rollout.session_of_row is not None else []
+    spanning = {o for o, s in zip(owners, rollout.samples) if s.refitted_mid_sequence}
+    agent["agent/sessions_across_refits"] = float(len(spanning))
+    return agent, rest
 
 
 class TrajectoryCollector:
@@ -162,18 +195,45 @@ class TrajectoryCollector:
     ) -> None:
         begin_run(fault_tolerance)  # this process's call deadline and its re-send counters (reported with the stats)
         faults.arm_specs(armed_faults or [])  # tests: the generation and environment faults fire here, by batch target step
-        self.generation = ActorHandles(generation_workers)
-        self.generation.target = DriverReplaced(self, "generation", self.generation)
-        self.environment = environments
+        generation = ActorHandles(generation_workers)
+        generation.target = DriverReplaced(self, "generation", generation)
         environments.replaceable = {
             task: DriverReplaced(self, "environment", EnvironmentGroup(task, workers), task)
             for task, workers in environments.workers.items()
         }
-        self.buffer = buffer
-        self.tokenizer = load_tokenizer(tokenizer_name)
-        self.loader = PromptDataLoader(records, **loader_args)
+        loader = PromptDataLoader(records, **loader_args)
         if loader_state is not None:
-            self.loader.load_state_dict(loader_state)
+            loader.load_state_dict(loader_state)
+        self._setup(
+            generation, environments, buffer, load_tokenizer(tokenizer_name), loader, sampling, num_generations, seed, max_age,
+            last_step, next_target, max_num_epochs, generation_version, multi_turn, reference, pad_token_id,
+        )  # fmt: skip
+
+    def _setup(
+        self,
+        generation: Any,
+        environments: EnvironmentHandles,
+        buffer: Any,
+        tokenizer: Any,
+        loader: PromptDataLoader,
+        sampling: dict[str, Any],
+        num_generations: int,
+        seed: int,
+        max_age: int,
+        last_step: int,
+        next_target: int,
+        max_num_epochs: int,
+        generation_version: int,
+        multi_turn: MultiTurnSettings | None,
+        reference: ShardedLogprobs | None,
+        pad_token_id: int,
+    ) -> None:
+        """The state of the loop, wherever it runs (a Ray actor, or a driver thread: :class:`DriverTrajectoryCollector`)."""
+        self.generation = generation
+        self.environment = environments
+        self.buffer = buffer
+        self.tokenizer = tokenizer
+        self.loader = loader
         self.params = SamplingParams(**sampling)
         self.num_generations = num_generations
         self.seed = seed
@@ -251,7 +311,7 @@ class TrajectoryCollector:
 
     def _generate_batch(self, target: int) -> None:
         prompts = self.loader.next_batch()
-        run_control().step = target  # this process's step: the one its batch is for (fault injection, deaths' reports)
+        self._mark_step(target)
         timings: dict[str, float] = {}
         rollout = collect_rollout(
             self.generation,
@@ -273,6 +333,10 @@ class TrajectoryCollector:
         # The reference pass runs while the next batch generates; one pusher thread keeps the buffer FIFO.
         self.pusher.submit(self._push, rollout, target, reference_refs, started, timings)
 
+    def _mark_step(self, target: int) -> None:
+        """This process's step: the one its batch is for (fault injection, deaths' reports)."""
+        run_control().step = target
+
     def _push(self, rollout: Rollout, target: int, reference_refs: list[Any] | None, started: float, timings: dict[str, float]) -> None:
         """Wait for the batch's reference pass (if any) and put its groups into the buffer."""
         try:
@@ -282,7 +346,10 @@ class TrajectoryCollector:
                 reference_seconds = time.perf_counter() - started
                 # Only this thread uses the reference actors in an async run, so the growth is this batch's passes.
                 reference_passes = self.reference_passes.take(self.reference.forward_pass_counts()["logprobs"])
-            ray.get(self.buffer.push.remote(split_into_groups(rollout, target, reference)))
+            groups, counters = split_into_groups(rollout, target, reference), rollout.env_metrics
+            if rollout.session_of_row is not None:  # an agent batch (DriverTrajectoryCollector)
+                groups[0].batch_metrics, counters = agent_batch_counters(rollout)
+            ray.get(self.buffer.push.remote(groups))
         except BaseException as exc:
             with self.cond:
                 self.failure = f"{type(exc).__name__}: {exc}"
@@ -297,7 +364,7 @@ class TrajectoryCollector:
             self.stats.reference_passes += reference_passes
             self.stats.generated_tokens += float(rollout.response_lengths.sum())
             self.stats.batches += 1
-            add_counters(self.stats.env_counters, rollout.env_metrics)  # env/<task>/<counter>
+            add_counters(self.stats.env_counters, counters)  # env/<task>/<counter>
             self.cond.notify_all()
 
     # -- control (called by the driver while run() is busy) ---------------------------------------------
@@ -386,3 +453,46 @@ class TrajectoryCollector:
             if self.in_flight or self.pushing:
                 raise RuntimeError("collector state requested while a batch is in flight; pause it first")
             return {"loader": self.loader.state_dict(), "pacer": self.pacer.state_dict()}
+
+
+class DriverTrajectoryCollector(TrajectoryCollector):
+    """The collector of a run with agent tasks, run by :class:`~nemo_like.experience.async_rollouts.AsyncRollouts` on
+    a driver thread. The agent functions and the rollout server live in the driver (``docs/guides/agents.md``), so
+    its batches are the driver's :class:`~nemo_like.experience.agent_rollouts.AgentRollouts` batches (``environments``
+    is the run's :class:`~nemo_like.experience.agent_rollouts.AgentHandles`), and its calls go through the driver's
+    own generation and environment objects (a dead actor is replaced in place, as in a sync run). Same loop, pacing,
+    buffer and control calls as the actor; a refit does not pause it but holds the server's engine between two calls
+    (:class:`~nemo_like.experience.agent_rollouts.EngineGate`)."""
+
+    def __init__(
+        self, generation: Any, environments: EnvironmentHandles, buffer: Any, tokenizer: Any, loader: PromptDataLoader, **loop: Any
+    ) -> None:
+        """``loop``: :meth:`TrajectoryCollector._setup`'s other arguments (``sampling`` ... ``pad_token_id``)."""
+        self._setup(generation, environments, buffer, tokenizer, loader, **loop)
+
+    def _mark_step(self, target: int) -> None:
+        """Nothing: in the driver, the run control's step is the trainer's."""
+
+    def run(self) -> dict[str, Any]:
+        try:
+            return super().run()
+        except BaseException as exc:
+            with self.cond:  # a control call waiting on the loop (pause) fails instead of hanging
+                self.failure = self.failure or f"{type(exc).__name__}: {exc}"
+                self.cond.notify_all()
+            raise
+        finally:
+            self.pusher.shutdown(wait=False, cancel_futures=True)
+
+    def stop(self) -> None:
+        """End the loop and cancel the agent batch in flight (its sessions end; its agents' next calls are refused)."""
+        super().stop()
+        agents = getattr(self.environment, "agents", None)
+        if agents is not None:
+            agents.cancel()
+
+    def take_stats(self) -> GenerationStats:
+        """Counters since the last call (the re-sends of this thread's calls are already in the driver's ledger)."""
+        with self.cond:
+            stats, self.stats = self.stats, GenerationStats()
+            return stats

@@ -106,17 +106,13 @@ def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int
 
 
 def agent_tasks(cfg: Any) -> tuple[str, ...]:
-    """The tasks whose environment is ``class: agent``. An agent run is sync only, and every task must be an agent
-    task (a batch is rolled out one way). Raises :class:`ConfigError` naming the keys otherwise."""
+    """The tasks whose environment is ``class: agent``. Every task of such a run must be an agent task (a batch is
+    rolled out one way); sync and async runs alike (docs/guides/agents.md). Raises :class:`ConfigError` naming the
+    keys otherwise."""
     sections = dict(getattr(cfg, "env", None) or {})
     tasks = tuple(task for task, section in sections.items() if getattr(section, "env_class", None) == "agent")
     if not tasks:
         return ()
-    if cfg.grpo.async_grpo.enabled:
-        raise ConfigError(
-            f"grpo.async_grpo.enabled=true: env.{tasks[0]} is an agent task (class: agent), which runs in sync runs only; "
-            "set grpo.async_grpo.enabled=false"
-        )
     others = sorted(set(sections) - set(tasks))
     if others:
         raise ConfigError(
