@@ -222,6 +222,15 @@ def draw(
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def seeded_generators(seed: int | list[int], num_prompts: int, device: torch.device) -> torch.Generator | list[torch.Generator]:
+    """One generator seeded ``seed`` for the batch, or (a list of seeds) one per prompt seeded ``seed[i]``."""
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != num_prompts:
+            raise ValueError(f"{len(seed)} seeds for {num_prompts} prompts: a list of seeds needs one per prompt")
+        return [torch.Generator(device=device).manual_seed(int(s)) for s in seed]
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -242,9 +251,8 @@ def sample(
     KV cache copied to its rows. ``fused``: None picks :class:`FusedLlamaStep` where it applies; False forces the
     model's own forward (benchmarks and tests compare the two).
 
-    ``seed``: an int seeds one generator for the batch; a list gives row ``i`` its own generator seeded ``seed[i]``
-    (:func:`draw_per_row`), so a row draws the tokens it draws alone with that seed, whatever else is in the batch
-    (its logits agree to float rounding); one row with ``[s]`` draws what it draws with ``s``.
+    ``seed``: an int seeds one generator for the batch; a list gives row ``i`` its own (:func:`draw_per_row`), so a
+    row draws what it draws alone with that seed, whatever else is in the batch (its logits agree to float rounding).
 
     ``between_steps(t)``: called after token ``t`` of every row is drawn, before the forward that produces the
     logits of token ``t + 1``; it may replace the model's weights in place (an in-flight refit) and returns whether
@@ -262,12 +270,7 @@ def sample(
     width = input_ids.shape[1]
     max_len = width + max_new_tokens
     step = (FusedLlamaStep if fused else HFModelStep)(model, input_ids.shape[0], max_len)
-    if isinstance(seed, (list, tuple)):
-        if len(seed) != len(prompts):
-            raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: a list of seeds needs one per prompt")
-        generator = [torch.Generator(device=device).manual_seed(int(s)) for s in seed]
-    else:
-        generator = torch.Generator(device=device).manual_seed(seed)
+    generator = seeded_generators(seed, len(prompts), device)
     stop_ids = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 
     # Prefill: causal over the prompt, padding keys masked; each query also sees itself, so padding rows
