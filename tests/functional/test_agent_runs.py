@@ -89,7 +89,7 @@ def spanning_agent(base_url: str, api_key: str, session_id: str, prompt: list[di
 
 AGENT_RUN = (
     f"env.tool.agent={THIS}:recording_agent",
-    "env.tool.deadline_s=4.0",
+    "env.tool.deadline_s=6.0",  # the hung agent waits 30 s; the others take ~1 s (up to ~4 s on a loaded 2-core CI machine)
     "grpo.num_prompts_per_step=2",
     "grpo.num_generations_per_prompt=4",
     "grpo.max_num_steps=2",
