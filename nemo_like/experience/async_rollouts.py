@@ -30,7 +30,13 @@ from nemo_like.distributed.supervision import ActorRestartsExhausted, ledger
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerFailure, WorkerResources, get_with_context
 from nemo_like.experience.replay_buffer import ReplayBufferActor, TrajectoryGroup, trajectory_ages
 from nemo_like.experience.rollouts import Rollout
-from nemo_like.experience.trajectory_collector import AgentTrajectoryGroup, DriverTrajectoryCollector, GenerationStats, TrajectoryCollector
+from nemo_like.experience.trajectory_collector import (
+    AgentTrajectoryGroup,
+    CollectorSettings,
+    DriverTrajectoryCollector,
+    GenerationStats,
+    TrajectoryCollector,
+)
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.policy.policy import Policy, ShardedLogprobs
 
@@ -124,7 +130,7 @@ class AsyncRollouts:
         if restored is not None:
             get_with_context(self.buffer.load_state_dict.remote(restored["buffer"]), "replay buffer: restore")
         loader = parts.train_loader
-        loop_args = dict(
+        settings = CollectorSettings(
             sampling=asdict(sampling_params(cfg)),
             num_generations=cfg.grpo.num_generations_per_prompt,
             seed=cfg.grpo.seed,
@@ -143,9 +149,7 @@ class AsyncRollouts:
         if self.agents is not None:
             own_loader = PromptDataLoader(loader.records, loader.batch_size, loader.seed, loader.shuffle)
             own_loader.load_state_dict(loader.state_dict())  # the collector's position, as the actor's
-            collector = DriverTrajectoryCollector(
-                parts.generation, parts.environment, self.buffer, parts.tokenizer, own_loader, **loop_args
-            )
+            collector = DriverTrajectoryCollector(parts.generation, parts.environment, self.buffer, parts.tokenizer, own_loader, settings)
             self.local = DriverCollectorThread(collector)
             return
         self.collector_group = RayWorkerGroup(
@@ -161,7 +165,7 @@ class AsyncRollouts:
                 records=loader.records,
                 loader_args={"batch_size": loader.batch_size, "seed": loader.seed, "shuffle": loader.shuffle},
                 loader_state=loader.state_dict(),
-                **loop_args,
+                settings=settings,
                 fault_tolerance=cfg.cluster.fault_tolerance,
                 armed_faults=faults.hand_over(("generation", "environment")),  # tests: the collector makes those calls
             ),

@@ -165,6 +165,23 @@ def agent_batch_counters(rollout: Rollout) -> tuple[dict[str, float], dict[str, 
     return agent, rest
 
 
+@dataclass(frozen=True)
+class CollectorSettings:
+    """What the collector's loop is told once, wherever it runs (a Ray actor, or a driver thread)."""
+
+    sampling: dict[str, Any]  # SamplingParams' fields
+    num_generations: int
+    seed: int
+    max_age: int  # grpo.async_grpo.max_trajectory_age_steps
+    last_step: int
+    next_target: int  # the first step to generate for (a resumed run: the checkpoint's)
+    max_num_epochs: int
+    generation_version: int  # the engines' weight version at the start
+    multi_turn: MultiTurnSettings | None = None
+    reference: ShardedLogprobs | None = None  # set: every batch goes into the buffer with its reference logprobs
+    pad_token_id: int = 0
+
+
 class TrajectoryCollector:
     """See the module docstring. Construct through Ray with ``max_concurrency >= 3``."""
 
@@ -179,17 +196,7 @@ class TrajectoryCollector:
         records: list[PromptRecord],
         loader_args: dict[str, Any],
         loader_state: dict[str, int] | None,
-        sampling: dict[str, Any],
-        num_generations: int,
-        seed: int,
-        max_age: int,
-        last_step: int,
-        next_target: int,
-        max_num_epochs: int,
-        generation_version: int,
-        multi_turn: MultiTurnSettings | None = None,
-        reference: ShardedLogprobs | None = None,
-        pad_token_id: int = 0,
+        settings: CollectorSettings,
         fault_tolerance: Any = None,
         armed_faults: list[Any] | None = None,
     ) -> None:
@@ -204,10 +211,7 @@ class TrajectoryCollector:
         loader = PromptDataLoader(records, **loader_args)
         if loader_state is not None:
             loader.load_state_dict(loader_state)
-        self._setup(
-            generation, environments, buffer, load_tokenizer(tokenizer_name), loader, sampling, num_generations, seed, max_age,
-            last_step, next_target, max_num_epochs, generation_version, multi_turn, reference, pad_token_id,
-        )  # fmt: skip
+        self._setup(generation, environments, buffer, load_tokenizer(tokenizer_name), loader, settings)
 
     def _setup(
         self,
@@ -216,17 +220,7 @@ class TrajectoryCollector:
         buffer: Any,
         tokenizer: Any,
         loader: PromptDataLoader,
-        sampling: dict[str, Any],
-        num_generations: int,
-        seed: int,
-        max_age: int,
-        last_step: int,
-        next_target: int,
-        max_num_epochs: int,
-        generation_version: int,
-        multi_turn: MultiTurnSettings | None,
-        reference: ShardedLogprobs | None,
-        pad_token_id: int,
+        settings: CollectorSettings,
     ) -> None:
         """The state of the loop, wherever it runs (a Ray actor, or a driver thread: :class:`DriverTrajectoryCollector`)."""
         self.generation = generation
@@ -234,15 +228,15 @@ class TrajectoryCollector:
         self.buffer = buffer
         self.tokenizer = tokenizer
         self.loader = loader
-        self.params = SamplingParams(**sampling)
-        self.num_generations = num_generations
-        self.seed = seed
-        self.pacer = StalenessPacer(max_age, last_step, next_target)
-        self.max_num_epochs = max_num_epochs
-        self.version = generation_version
-        self.multi_turn = multi_turn  # every turn of a batch's samples runs inside the batch: a checkpoint never splits one
-        self.reference = reference  # when set, every batch goes into the buffer with its reference logprobs
-        self.pad_token_id = pad_token_id
+        self.params = SamplingParams(**settings.sampling)
+        self.num_generations = settings.num_generations
+        self.seed = settings.seed
+        self.pacer = StalenessPacer(settings.max_age, settings.last_step, settings.next_target)
+        self.max_num_epochs = settings.max_num_epochs
+        self.version = settings.generation_version
+        self.multi_turn = settings.multi_turn  # a batch's turns all run inside the batch: a checkpoint never splits one
+        self.reference = settings.reference  # when set, every batch goes into the buffer with its reference logprobs
+        self.pad_token_id = settings.pad_token_id
         self.reference_passes = Increments()
         self.cond = threading.Condition()
         self.pause_reasons: set[str] = set()
@@ -465,10 +459,15 @@ class DriverTrajectoryCollector(TrajectoryCollector):
     (:class:`~nemo_like.experience.agent_rollouts.EngineGate`)."""
 
     def __init__(
-        self, generation: Any, environments: EnvironmentHandles, buffer: Any, tokenizer: Any, loader: PromptDataLoader, **loop: Any
+        self,
+        generation: Any,
+        environments: EnvironmentHandles,
+        buffer: Any,
+        tokenizer: Any,
+        loader: PromptDataLoader,
+        settings: CollectorSettings,
     ) -> None:
-        """``loop``: :meth:`TrajectoryCollector._setup`'s other arguments (``sampling`` ... ``pad_token_id``)."""
-        self._setup(generation, environments, buffer, tokenizer, loader, **loop)
+        self._setup(generation, environments, buffer, tokenizer, loader, settings)
 
     def _mark_step(self, target: int) -> None:
         """Nothing: in the driver, the run control's step is the trainer's."""
