@@ -86,41 +86,20 @@ LOGPROB_PASSES = ("prev_logprobs", "reference_logprobs", "teacher_logprobs")
 def build_model(directory: Path, hidden: int) -> tuple[str, int]:
     """A random-init Qwen2 of width ``hidden`` (4 layers) with the shipped tiny model's tokenizer, whose stop token is
     never sampled (see the module docstring); returns its directory and parameter count."""
-    import torch
-    from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from nemo_like.models.loading import load_tokenizer, resolve_model_path
+    from vs_trl import save_random_qwen2, tiny_model_config
 
     hf_logging.disable_progress_bar()
-    tiny = resolve_model_path("embedded:tiny-arith-qwen2")
-    base = AutoConfig.from_pretrained(tiny)
-    tok = load_tokenizer(tiny)
-    heads = max(base.num_attention_heads, hidden // 64)  # hidden 128: the tiny model's 4 heads of 32
-    config = Qwen2Config(
-        vocab_size=base.vocab_size,
+    heads = max(tiny_model_config().num_attention_heads, hidden // 64)  # hidden 128: the tiny model's 4 heads of 32
+    return save_random_qwen2(
+        directory,
         hidden_size=hidden,
         intermediate_size=4 * hidden,
         num_hidden_layers=LAYERS,
         num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=base.bos_token_id,
-        eos_token_id=base.eos_token_id,
-        pad_token_id=base.pad_token_id,
     )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        emb = model.get_input_embeddings().weight
-        emb[:, 0] = 2.0
-        emb[tok.eos_token_id, 0] = -2.0
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return str(directory), sum(p.numel() for p in model.parameters())
 
 
 def overrides_for(point: dict, model_dir: str) -> list[str]:

@@ -176,7 +176,14 @@ class TRLProcess:
 # Shared: the model directory and the prompts
 # ---------------------------------------------------------------------------------------------------
 def build_model(directory: Path, size: str) -> tuple[str, int]:
-    """A random Qwen2 of ``size`` with the shipped tiny model's tokenizer whose stop token is never sampled.
+    """A random Qwen2 of ``size`` (:data:`SIZES`): :func:`save_random_qwen2`."""
+    return save_random_qwen2(directory, **SIZES[size])
+
+
+def save_random_qwen2(directory: Path, **shape) -> tuple[str, int]:
+    """A random Qwen2 of ``shape`` (``Qwen2Config`` fields; the vocabulary, special tokens and, unless given,
+    ``max_position_embeddings`` are the shipped tiny model's) with its tokenizer, whose stop token is never sampled;
+    returns its directory and parameter count.
 
     Every input embedding gets a constant ``+2`` in dimension 0 except the stop token's, which gets ``-2``.
     The residual stream's dimension 0 then dominates after the final RMSNorm (about ``sqrt(hidden)``), so
@@ -184,21 +191,17 @@ def build_model(directory: Path, size: str) -> tuple[str, int]:
     relative probabilities) and the stop token's loses as much: it sits ~45 (1M) / ~78 (10M) nats lower
     and no completion ever ends early. The FLOPs are those of a plain random model."""
     import torch
-    from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from nemo_like.models.loading import load_tokenizer, resolve_model_path
-
-    tiny = resolve_model_path("embedded:tiny-arith-qwen2")
-    base = AutoConfig.from_pretrained(tiny)
-    tok = load_tokenizer(tiny)
+    base, tok = tiny_model_config(), tiny_tokenizer()
     config = Qwen2Config(
         vocab_size=base.vocab_size,
-        max_position_embeddings=base.max_position_embeddings,
+        max_position_embeddings=shape.pop("max_position_embeddings", base.max_position_embeddings),
         tie_word_embeddings=True,
         bos_token_id=base.bos_token_id,
         eos_token_id=base.eos_token_id,
         pad_token_id=base.pad_token_id,
-        **SIZES[size],
+        **shape,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
@@ -211,6 +214,22 @@ def build_model(directory: Path, size: str) -> tuple[str, int]:
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return str(directory), sum(p.numel() for p in model.parameters())
+
+
+def tiny_model_config():
+    """The shipped tiny model's ``config.json`` (its vocabulary and heads size the benchmark models)."""
+    from transformers import AutoConfig
+
+    from nemo_like.models.loading import resolve_model_path
+
+    return AutoConfig.from_pretrained(resolve_model_path("embedded:tiny-arith-qwen2"))
+
+
+def tiny_tokenizer():
+    """The shipped tiny model's tokenizer."""
+    from nemo_like.models.loading import load_tokenizer, resolve_model_path
+
+    return load_tokenizer(resolve_model_path("embedded:tiny-arith-qwen2"))
 
 
 def prompt_rows(model_dir: str, count: int) -> list[tuple[str, int]]:
