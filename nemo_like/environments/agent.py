@@ -42,7 +42,9 @@ class AgentConfig(BaseModel):
     max_tokens_per_session: int = Field(1024, ge=1, description="Sampled tokens a session may use; over it the session fails ('budget').")
     failure_reward: float = Field(0.0, description="Reward of a failed session's rows.")
     seeded_calls: bool = Field(
-        True, description="Sample every call with its own seed (utils/seeds.py agent_call_seed): reproducible, but calls are not batched."
+        True,
+        description="Sample every call with its own seed (utils/seeds.py agent_call_seed): reproducible; batched with other"
+        " sessions' calls on engines with per-prompt seeds (hf, vllm), one by one on the inline engine.",
     )
 
 
