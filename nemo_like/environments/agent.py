@@ -43,8 +43,8 @@ class AgentConfig(BaseModel):
     failure_reward: float = Field(0.0, description="Reward of a failed session's rows.")
     seeded_calls: bool = Field(
         True,
-        description="Sample every call with its own seed (utils/seeds.py agent_call_seed): reproducible; batched with other"
-        " sessions' calls on engines with per-prompt seeds (hf, vllm), one by one on the inline engine.",
+        description="Sample every call with its own seed (utils/seeds.py agent_call_seed): reproducible, and still batched"
+        " with other sessions' calls (one seed per prompt).",
     )
 
 

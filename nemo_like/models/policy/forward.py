@@ -15,7 +15,6 @@ from nemo_like.models.chunked_logprobs import model_token_logprobs_and_teacher_k
 from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
 from nemo_like.models.policy import sharding
 from nemo_like.models.policy.batching import MicroBatchPlan, pack_rows, take_rows, unpack_logprobs
-from nemo_like.utils.seeds import chunk_seed
 
 Batch = dict[str, torch.Tensor]
 #: Prompts sampled together by inline generation (bounds the KV cache of a large validation batch).
@@ -131,10 +130,13 @@ class ForwardPasses:
 
     # -- inline generation --------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: dict, seed: int, pad_token_id: int, eos_token_ids: list[int]) -> list[dict]:
+    def generate(
+        self, prompts: list[list[int]], params: dict, seed: int | list[int], pad_token_id: int, eos_token_ids: list[int]
+    ) -> list[dict]:
         """Sample one response per prompt with this worker's own weights (the inline backend,
-        :mod:`nemo_like.models.policy.inline`); returns :class:`GeneratedSample` fields as dicts."""
-        from nemo_like.models.generation.interface import SamplingParams
+        :mod:`nemo_like.models.policy.inline`); returns :class:`GeneratedSample` fields as dicts. ``seed``: one for the
+        batch, or one per prompt (:func:`~nemo_like.models.generation.interface.chunk_seeds`)."""
+        from nemo_like.models.generation.interface import SamplingParams, chunk_seeds
         from nemo_like.models.generation.lean_decoder import sample_with_params
 
         if self.world_size != 1 or self.lora_cfg is not None:
@@ -145,6 +147,7 @@ class ForwardPasses:
         for start in range(0, len(prompts), INLINE_GENERATION_BATCH):
             chunk = prompts[start : start + INLINE_GENERATION_BATCH]
             with precision_lib.compute_context(self.device, self.precision, sharded=False):  # as the logprob passes
-                drawn = sample_with_params(self.model, chunk, sp, eos_token_ids, pad_token_id, chunk_seed(seed, start))
+                seeds = chunk_seeds(seed, start, start + len(chunk))
+                drawn = sample_with_params(self.model, chunk, sp, eos_token_ids, pad_token_id, seeds)
             out.extend(drawn.sample_dicts(chunk, self.weight_version))
         return out

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from nemo_like.distributed.faults import inject
 from nemo_like.distributed.worker_group import RoleResources, WorkerResources, get_with_context
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, Seeds
 
 if TYPE_CHECKING:
     from nemo_like.models.policy.policy import Policy
@@ -32,6 +32,8 @@ def inline_generation_resources() -> RoleResources:
 class InlineGeneration:
     """:class:`~nemo_like.models.generation.interface.GenerationInterface` over the policy's own worker."""
 
+    PER_PROMPT_SEEDS = True  # the worker's sampler takes one seed per prompt (lean_decoder.sample)
+
     def __init__(self, policy: Policy, pad_token_id: int, eos_token_ids: list[int]) -> None:
         if policy is None or len(policy.group) != 1:
             raise ValueError("inline generation needs the trainable policy, with exactly one worker")
@@ -44,7 +46,7 @@ class InlineGeneration:
         """Always the policy's: the weights that generate are the weights that train."""
         return self.policy.weight_version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: Seeds) -> list[GeneratedSample]:
         from dataclasses import asdict
 
         inject("generation", "generate", self.policy.group.workers)  # tests only (cluster.fault_injection); a no-op when unset

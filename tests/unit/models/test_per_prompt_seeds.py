@@ -8,10 +8,15 @@ import importlib.util
 import pytest
 import torch
 
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.config.loss import ClippedPGLossConfig
+from nemo_like.config.schema import OptimizerConfig
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import SamplingParams, chunk_seeds, prompt_seeds
 from nemo_like.models.generation.lean_decoder import draw_per_row, sample_with_params
 from nemo_like.models.loading import load_causal_lm, load_tokenizer
+from nemo_like.models.policy.inline import InlineGeneration
+from nemo_like.models.policy.worker import PolicyWorker
 
 MODEL = "embedded:tiny-tool-qwen2"
 TEXTS = ["What is 347 times 28?", "12 * 5", "Compute 9 times 81 please, then add 4"]
@@ -77,7 +82,17 @@ def test_seed_lists_follow_their_prompts_through_chunks_and_shards(tiny) -> None
     worker = HFGenerationWorker(0, 1, MODEL, "float32", 1, tokenizer.pad_token_id, [tokenizer.eos_token_id], max_batch_size=2)
     fields = {"max_new_tokens": 10, "temperature": 3.0, "top_k": 50, "top_p": 0.95}
     chunked = worker.generate(prompts, fields, [11, 22, 33])  # chunks of 2 and 1: each keeps its prompts' seeds
-    assert [s["response_ids"] for s in chunked] == [s["response_ids"] for s in run(tiny, prompts, HOT, [11, 22, 33])]
+    expected = [s["response_ids"] for s in run(tiny, prompts, HOT, [11, 22, 33])]
+    assert [s["response_ids"] for s in chunked] == expected
+    # The inline engine (the policy's own worker samples): the same seeds, the same draws; an int seed as before.
+    policy = PolicyWorker(
+        rank=0, world_size=1, model_name=MODEL, precision="float32", temperature=1.0, num_threads=1, seed=0,
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig()), optimizer=OptimizerConfig(), max_grad_norm=None, train_micro_batch_size=4,
+    )  # fmt: skip
+    inline = policy.generate(prompts, fields, [11, 22, 33], tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    assert [s["response_ids"] for s in inline] == expected and InlineGeneration.PER_PROMPT_SEEDS
+    by_int = policy.generate(prompts, fields, 7, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    assert [s["response_ids"] for s in by_int] == [s["response_ids"] for s in run(tiny, prompts, HOT, 7)]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="generate builds vLLM's request objects")
