@@ -20,27 +20,24 @@ over ``httpx``; ``openai``: the ``openai`` package.
 
 An engine without per-prompt seeds (before they existed) replays seeded turns with one int seed: timed, not compared.
 
-Measured 2026-12-02 on the shared 2-core CPU (load average 6-16: other jobs ran throughout), this command run 6 times
-interleaved at 63b715c (before: seeded calls sampled one by one, batches split by arrival) and 5a316b8 (after);
-overhead = median of the 6 runs' medians [lowest, highest run median], engine calls per turn (the replay: 1)::
+Measured 2026-12-02 on the quiet 2-core CPU (load 0.7-2), ``--turns 8``, one invocation's median per cell: 63b715c
+(before: seeded calls sampled one by one, batches split by arrival; run through ``PYTHONPATH``) and the per-prompt
+seeds interleaved in two pairs, plus three more runs of the latter; engine calls per turn (the replay: 1)::
 
     python benchmarks/agent_server.py --repeats 5
 
-    8 sessions x 8 turns   before                      after
-    greedy, raw client     +82% [+25, +115], 2.10      +34% [+5, +76], 1.05
-    greedy, openai client  +111% [+73, +146], 2.09     +104% [+56, +140], 1.23
-    seeded, raw client     +138% [+83, +150], 8.00     +6% [-4, +66], 1.15
-    seeded, openai client  +208% [+67, +304], 8.00    +92% [+49, +144], 1.14
-    8 sessions x 1 turn
-    greedy, raw / openai   +161% / +152%, 2.00         +146% / +108%, 1-2
-    seeded, raw / openai   +314% / +330%, 8.00         +164% / +172%, 1.7-2
+    8 sessions x 8 turns   before (2 runs)     after (5 runs)
+    greedy, raw client     +62%, +81%; 2.0     +31% to +66%; 1.0-1.1
+    greedy, openai client  +107%, +109%; 2.0   +84% to +126%; 1.0-1.3
+    seeded, raw client     +232%, +198%; 8.0   +31% to +82%; 1.0-1.15
+    seeded, openai client  +251%, +223%; 8.0   +98% to +141%; 1.0-1.3
 
 Seeded replays drew exactly the served tokens (0 differ) in every run. What remains is Python that the engine waits
 for: one call costs 0.95 ms through a raw client and 1.9 ms through the ``openai`` package (sequential calls, an
 engine that answers at once), of which the server's own part is 0.27-0.38 ms (in-process ASGI; a 1- to 15-message
 history, most of it tokenising the whole history when there is no session); 8 sessions' calls of a turn run one after
-another under the GIL while a tiny-model turn samples in 35-55 ms, and the first turn's calls arrive before any answer
-(nothing expected yet) and split into two batches.
+another under the GIL while a tiny-model turn samples in ~40 ms. ``sys.setswitchinterval`` at 0.5 ms instead of 5 ms
+changed nothing measurable.
 """
 
 from __future__ import annotations
