@@ -63,6 +63,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vs_trl import load1, save_random_qwen2, tiny_model_config
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -87,7 +89,6 @@ def build_model(directory: Path, hidden: int) -> tuple[str, int]:
     """A random-init Qwen2 of width ``hidden`` (4 layers) with the shipped tiny model's tokenizer, whose stop token is
     never sampled (see the module docstring); returns its directory and parameter count."""
     from transformers.utils import logging as hf_logging
-    from vs_trl import save_random_qwen2, tiny_model_config
 
     hf_logging.disable_progress_bar()
     heads = max(tiny_model_config().num_attention_heads, hidden // 64)  # hidden 128: the tiny model's 4 heads of 32
@@ -131,10 +132,6 @@ def output_to(path: Path):
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
-
-
-def load1() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
 
 
 class ForeignCpu:

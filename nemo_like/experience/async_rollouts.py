@@ -80,7 +80,7 @@ def rollout_from_groups(groups: list[TrajectoryGroup]) -> Rollout:
     reference = [g.reference_logprobs for g in groups]
     session_of_row, env_metrics = None, {}
     if groups and all(isinstance(g, AgentTrajectoryGroup) for g in groups):
-        stride = max(max((max(g.session_of_row, default=0) for g in groups), default=0) + 1, 1)
+        stride = 1 + max((s for g in groups for s in g.session_of_row), default=0)  # group i's sessions: i * stride + s
         session_of_row = torch.tensor([i * stride + s for i, g in enumerate(groups) for s in g.session_of_row], dtype=torch.long)
         for g in groups:
             env_metrics.update(g.batch_metrics)
@@ -291,26 +291,22 @@ class AsyncRollouts:
 
     def _raise_collector_failure(self, when: str) -> None:
         """The collector's ``run()`` ended: raise a :class:`WorkerFailure` that says why, in one line."""
+        error: BaseException | None
         if self.local is not None:
-            error = self.local.error
-            if error is None:
-                cause = self.local.collector.failure or "its loop returned"
-                raise WorkerFailure(f"the trajectory collector stopped {when}: {cause}")
-            if isinstance(error, WorkerFailure):
-                raise error
-            lines = [line for line in str(error).splitlines() if line.strip()]  # a RayTaskError: its cause is the last
-            cause = lines[-1].strip() if len(lines) > 1 else f"{type(error).__name__}: {error}"
-            raise WorkerFailure(f"the trajectory collector failed {when}: {cause}") from error
-        try:
-            get_with_context(self._run_ref, "trajectory collector")
-            cause = "its loop returned"
-        except WorkerFailure:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a RayTaskError wrapping whatever the loop raised
-            lines = [line for line in str(exc).splitlines() if line.strip()]
-            cause = lines[-1].strip() if lines else type(exc).__name__
-            raise WorkerFailure(f"the trajectory collector failed {when}: {cause}") from exc
-        raise WorkerFailure(f"the trajectory collector stopped {when}: {cause}")
+            error, stopped = self.local.error, self.local.collector.failure or "its loop returned"
+        else:
+            try:
+                get_with_context(self._run_ref, "trajectory collector")
+                error, stopped = None, "its loop returned"
+            except WorkerFailure:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a RayTaskError wrapping whatever the loop raised
+                error = exc
+        if error is None:
+            raise WorkerFailure(f"the trajectory collector stopped {when}: {stopped}")
+        if isinstance(error, WorkerFailure):
+            raise error
+        raise WorkerFailure(f"the trajectory collector failed {when}: {loop_failure_cause(error)}") from error
 
     def shutdown(self) -> None:
         """Stop the loop and kill both actors (an agent run: stop the collector's thread, cancelling the agent batch in
@@ -327,6 +323,13 @@ class AsyncRollouts:
         finally:
             self.collector_group.shutdown()
             self.buffer_group.shutdown()
+
+
+def loop_failure_cause(error: BaseException) -> str:
+    """One line for what the collector's loop raised: the last line of a multi-line error (a RayTaskError carries the
+    traceback, its cause last), else the exception's type and message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {error}"
 
 
 class DriverCollectorThread:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, prompt_seeds
 from nemo_like.models.llama_family import rotary_tables
 from nemo_like.models.llama_family import supported as fused_step_supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, sampling_keep_mask
@@ -225,9 +225,7 @@ def draw(
 def seeded_generators(seed: int | list[int], num_prompts: int, device: torch.device) -> torch.Generator | list[torch.Generator]:
     """One generator seeded ``seed`` for the batch, or (a list of seeds) one per prompt seeded ``seed[i]``."""
     if isinstance(seed, (list, tuple)):
-        if len(seed) != num_prompts:
-            raise ValueError(f"{len(seed)} seeds for {num_prompts} prompts: a list of seeds needs one per prompt")
-        return [torch.Generator(device=device).manual_seed(int(s)) for s in seed]
+        return [torch.Generator(device=device).manual_seed(s) for s in prompt_seeds(seed, num_prompts)]
     return torch.Generator(device=device).manual_seed(seed)
 
 
