@@ -117,11 +117,13 @@ class BlockingEngine:
         self.inside = threading.Event()
         self.proceed = threading.Event()
         self.calls = 0
+        self.returning = threading.Event()  # set as a call returns
 
     def generate(self, prompts, params, seed):
         self.calls += 1
         self.inside.set()
         assert self.proceed.wait(10)
+        self.returning.set()
         return [GeneratedSample(list(p), [1], [-0.1], False, self.weight_version) for p in prompts]
 
 
@@ -133,19 +135,19 @@ def test_the_engine_gate_keeps_a_refit_out_of_an_engine_call():
     first.start()
     assert engine.inside.wait(10)
     held, waited = [], []
-    holder = threading.Thread(target=lambda: waited.append(gate.hold()))
+    holder = threading.Thread(target=lambda: waited.append((gate.hold(), engine.returning.is_set())))
     holder.start()
     time.sleep(0.2)
     assert holder.is_alive()  # the refit waits for the call in flight
     engine.proceed.set()
     holder.join(10)
     first.join(10)
-    assert waited and waited[0] >= 0.15
+    assert waited and waited[0][1]  # hold() returned only once the call in flight had returned
     second = threading.Thread(target=lambda: held.append(gate.generate([[2]], None, 0)))
     second.start()
     time.sleep(0.2)
     assert engine.calls == 1 and second.is_alive()  # no engine call while held
-    assert gate.release() >= 0.15
+    gate.release()
     second.join(10)
     assert engine.calls == 2 and held[0][0].prompt_ids == [2]
     gate.close()
@@ -180,10 +182,9 @@ def test_a_stopping_run_cancels_the_agent_batch_in_flight_and_ends_its_sessions(
     collector.start()
     assert started.acquire(timeout=10) and started.acquire(timeout=10)  # both sessions' agents are running
     assert len(store.open_ids()) == 2
-    start = time.perf_counter()
     agents.cancel()
     collector.join(10)
-    assert not collector.is_alive() and raised and time.perf_counter() - start < 5
+    assert not collector.is_alive() and raised
     assert store.open_ids() == []  # the sessions ended: the agents' next calls are refused (409)
     assert agents.close(join_s=0.1) == 2  # their threads still run user code (daemon threads, left behind)
     release.set()
