@@ -70,7 +70,10 @@ class RawClient:
     def __init__(self, server: RolloutServer) -> None:
         self.http = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {server.api_key}"})
 
+    session_id: str | None = None
+
     def use_session(self, session_id: str) -> None:
+        self.session_id = session_id
         self.http.headers[SESSION_HEADER] = session_id
 
     def chat(self, messages: list, max_tokens: int, temperature: float) -> tuple[list[int], list[int], str]:
@@ -86,7 +89,10 @@ class OpenAIClient:
     def __init__(self, server: RolloutServer) -> None:
         self.client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
 
+    session_id: str | None = None
+
     def use_session(self, session_id: str) -> None:
+        self.session_id = session_id
         self.client = self.client.with_options(default_headers={SESSION_HEADER: session_id})  # the same connection
 
     def chat(self, messages: list, max_tokens: int, temperature: float) -> tuple[list[int], list[int], str]:
@@ -97,19 +103,28 @@ class OpenAIClient:
         return reply.prompt_token_ids, choice.model_extra["completion_token_ids"], choice.message.content or ""
 
 
-def run_sessions(clients: list, turns: int, max_tokens: int, temperature: float) -> tuple[float, list[list[tuple[list[int], list[int]]]]]:
+def run_sessions(
+    server: RolloutServer, clients: list, turns: int, max_tokens: int, temperature: float
+) -> tuple[float, list[list[tuple[list[int], list[int]]]]]:
     """Wall seconds of one concurrent agent per client, ``turns`` turns each (clients, threads and connections are
-    ready before the clock starts); per session, the (prompt ids, completion ids) of each turn."""
+    ready before the clock starts); per session, the (prompt ids, completion ids) of each turn. A client with a session
+    is started and ended as a run does it (:class:`~nemo_like.experience.agent_rollouts.AgentRollouts`): the server
+    expects its calls from the start, and the session ends when the agent returns."""
     calls: list[list[tuple[list[int], list[int]]]] = [[] for _ in clients]
     ready = threading.Barrier(len(clients) + 1)
 
     def agent(i: int) -> None:
         messages = [{"role": "user", "content": f"What is {120 + i} times {13 + i}?"}]
+        session_id = clients[i].session_id
+        if session_id is not None:
+            server.expect_calls(session_id)
         ready.wait()
         for _ in range(turns):
             prompt_ids, completion_ids, content = clients[i].chat(messages, max_tokens, temperature)
             calls[i].append((prompt_ids, completion_ids))
             messages += [{"role": "assistant", "content": content}, {"role": "tool", "content": "42"}]
+        if session_id is not None:
+            server.sessions.end(session_id)
 
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(len(clients))]
     for t in threads:
@@ -174,12 +189,12 @@ def main() -> None:
             clients = [(RawClient if kind == "raw" else OpenAIClient)(server) for _ in range(args.sessions)]
 
             new_sessions(server, clients, mode, opened)
-            run_sessions(clients, 1, args.max_tokens, temperature)  # warm-up: every client opens its connection
+            run_sessions(server, clients, 1, args.max_tokens, temperature)  # warm-up: every client opens its connection
             http, direct, overhead, differ = [], [], [], 0
             calls_before, waits_before = stats.engine_calls, getattr(stats, "waits", 0)
             for _ in range(args.repeats):
                 seeds = new_sessions(server, clients, mode, opened)
-                seconds, calls = run_sessions(clients, turns, args.max_tokens, temperature)
+                seconds, calls = run_sessions(server, clients, turns, args.max_tokens, temperature)
                 engine_s, bad = replay(engine, calls, args.max_tokens, seeds)
                 http.append(seconds / turns)
                 direct.append(engine_s / turns)

@@ -107,11 +107,14 @@ async def run_session(
     semaphore: asyncio.Semaphore,
     end: Callable[[], None],
     threads: set[threading.Thread] | None = None,
+    start: Callable[[], None] | None = None,
 ) -> SessionOutcome:
-    """Call the agent within its deadline; ``end`` (ending the session) runs as soon as it returns or fails.
-    ``threads``: where a sync agent's thread is kept while it runs."""
+    """Call the agent within its deadline; ``start`` runs just before it (its calls are on their way), ``end`` (ending
+    the session) as soon as it returns or fails. ``threads``: where a sync agent's thread is kept while it runs."""
     cfg = settings.config
     async with semaphore:
+        if start is not None:
+            start()
         try:
             call = settings.function(*args) if settings.is_async else _in_thread(settings.function, args, threads)
             value = await asyncio.wait_for(call, cfg.deadline_s)
@@ -213,7 +216,9 @@ class AgentRollouts:
 
         async def one(s: _Session) -> None:
             args = (url, key, s.session_id, [dict(m) for m in s.prompt.messages], dict(s.prompt.metadata))
-            s.outcome = await run_session(s.settings, args, limits[s.settings.task], lambda: self._end(s), self._threads)
+            s.outcome = await run_session(
+                s.settings, args, limits[s.settings.task], lambda: self._end(s), self._threads, lambda: self.server.expect_calls(s.session_id)
+            )
 
         running = (asyncio.get_running_loop(), asyncio.current_task())
         with self._lock:

@@ -15,9 +15,12 @@ int per engine call; in a batch with seeded requests, one seed per prompt).
 
 When to call. The thread calls the engine as soon as a request waits, unless more calls are known to be on their way:
 callers answered by an earlier engine call that have not called again (an agent's next turn follows its answer within
-milliseconds; they are counted, not identified). Then it waits for them, at most ``wait_ratio`` times the recent engine
+milliseconds), and agents just started (:meth:`GenerationQueue.expect`: their first call is on its way, so a batch of
+sessions starting together is sampled in one engine call, not split by arrival into a batch and a straggler that then
+lags one call behind to the end). A caller is its session (``caller``), identified, so a session that ends is no longer
+waited for (:meth:`GenerationQueue.forget`); calls without a session are counted, not identified. Then it waits for them, at most ``wait_ratio`` times the recent engine
 call's duration and never more than ``max_wait_s``: a small model's engine call costs about the same for 1 or 8 rows,
-so a wait shorter than a call saves a call. Callers that have not come back when that wait ends (a slow tool, an
+so a wait shorter than a call saves a call (before the first call, ``max_wait_s``). Callers that have not come back when that wait ends (a slow tool, an
 ended session) are no longer expected. A lone caller never waits: its next call is the one expected. Nor do seeded
 calls to an engine without per-prompt seeds (they are sampled one by one anyway). ``window_s``: an extra fixed wait
 after the first request, for everyone (the server's default is 0).
@@ -29,6 +32,7 @@ import itertools
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -40,6 +44,7 @@ class _Request:
     prompts: list[list[int]]
     params: SamplingParams
     seed: int | None
+    caller: Hashable | None = None
     future: Future = field(default_factory=Future)
 
 
@@ -80,25 +85,46 @@ class GenerationQueue:
         self._cond = threading.Condition()
         self._pending: deque[_Request | None] = deque()  # None: close
         self._pending_prompts = 0
-        self._expected = 0  # callers answered that have not called again
+        self._expected_callers: set[Hashable] = set()  # sessions answered or started that have not called (again)
+        self._expected_anonymous = 0  # the same, for calls without a session
         self._wake_on = "any"  # what wakes the engine thread: "any" arrival, only the "last" expected one, or "full"
         self._engine_s = 0.0  # recent engine call seconds (moving average)
         self._thread = threading.Thread(target=self._run, name="rollout-server-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> Future:
-        """A future of one :class:`GeneratedSample` per prompt (``seed``: the request's own, else the queue's next)."""
-        request = _Request([list(p) for p in prompts], params, seed)
+    def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, caller: Hashable | None = None) -> Future:
+        """A future of one :class:`GeneratedSample` per prompt (``seed``: the request's own, else the queue's next;
+        ``caller``: the session calling, None for a call without one)."""
+        request = _Request([list(p) for p in prompts], params, seed, caller)
         with self._cond:
-            self._expected = max(0, self._expected - 1)
+            if caller is None:
+                self._expected_anonymous = max(0, self._expected_anonymous - 1)
+            else:
+                self._expected_callers.discard(caller)
             self._pending.append(request)
             self._pending_prompts += len(request.prompts)
             full = self._pending_prompts >= self.max_batch
             # While the thread waits for expected callers, only the last of them (or a full batch) wakes it: each
             # wake-up is a thread switch, which costs as much as the rest of a small call on a busy CPU.
-            if self._wake_on == "any" or full or (self._wake_on == "last" and self._expected == 0):
+            if self._wake_on == "any" or full or (self._wake_on == "last" and not self._expected()):
                 self._cond.notify()
         return request.future
+
+    def expect(self, caller: Hashable) -> None:
+        """``caller`` (a session whose agent starts now) will call soon: a batch waits for it as for an answered one."""
+        with self._cond:
+            self._expected_callers.add(caller)
+
+    def forget(self, caller: Hashable) -> None:
+        """``caller`` will not call again (its session ended): a batch waiting for it stops waiting."""
+        with self._cond:
+            if caller in self._expected_callers:
+                self._expected_callers.discard(caller)
+                if self._wake_on == "last" and not self._expected():
+                    self._cond.notify()
+
+    def _expected(self) -> int:
+        return len(self._expected_callers) + self._expected_anonymous
 
     def close(self) -> None:
         """Stop the thread once the queued requests are served."""
@@ -113,16 +139,18 @@ class GenerationQueue:
                 self._wake_on = "any"
                 self._cond.wait()
             start = time.monotonic()
-            window_end, patience_end = start + self.window_s, start + min(self.max_wait_s, self.wait_ratio * self._engine_s)
+            patience = min(self.max_wait_s, self.wait_ratio * self._engine_s) if self.stats.engine_calls else self.max_wait_s
+            window_end, patience_end = start + self.window_s, start + patience
             waited = False
             # Waiting can only merge calls the engine can sample together: not seeded ones without per-prompt seeds.
             mergeable = self.per_prompt_seeds or self._pending[0] is None or self._pending[0].seed is None
             while self._pending_prompts < self.max_batch and None not in self._pending:
-                expecting = mergeable and self._expected > 0
+                expecting = mergeable and self._expected() > 0
                 now, deadline = time.monotonic(), max(window_end, patience_end) if expecting else window_end
                 if now >= deadline:
                     if expecting:  # the callers still expected are slow (a tool, an ended session): stop waiting for them
-                        self._expected = 0
+                        self._expected_callers.clear()
+                        self._expected_anonymous = 0
                         self.stats.late += 1
                     break
                 waited |= expecting
@@ -186,7 +214,11 @@ class GenerationQueue:
         self.stats.prompts += len(prompts)
         self.stats.requests += len(requests)
         with self._cond:  # before the answers: a caller may call again before this thread runs another line
-            self._expected += len(requests)
+            for request in requests:
+                if request.caller is None:
+                    self._expected_anonymous += 1
+                else:
+                    self._expected_callers.add(request.caller)
         at = 0
         for request in requests:
             limit = request.params.max_new_tokens

@@ -79,8 +79,8 @@ class RolloutServer:
         self.config = config
         self.api_key = config.api_key or secrets.token_urlsafe(32)
         eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
-        self.sessions = SessionStore(auto_create=config.auto_create_sessions, vocab_size=len(tokenizer))
         self.queue = GenerationQueue(engine, config.seed, config.max_batch, config.batch_window_s)
+        self.sessions = SessionStore(auto_create=config.auto_create_sessions, vocab_size=len(tokenizer), on_end=self.queue.forget)
         limits = Limits(config.model_name, _max_context(tokenizer, config.max_context), config.max_n, config.require_session)
         renderer = Renderer(tokenizer, config.chat_template)
         self.service = CompletionService(renderer, self.queue, self.sessions, limits, eos, TOOL_PARSERS.get(config.tool_parser))
@@ -96,6 +96,12 @@ class RolloutServer:
             raise RuntimeError("the server is not started")
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         return f"http://{host}:{self.port}/v1"
+
+    def expect_calls(self, session_id: str) -> None:
+        """The agent of ``session_id`` starts now: the engine waits briefly for its first call, so sessions that start
+        together are sampled together (:class:`~nemo_like.serving.batching.GenerationQueue`); ending the session
+        withdraws it."""
+        self.queue.expect(session_id)
 
     def start(self, timeout_s: float = 30.0) -> RolloutServer:
         """Bind (a free port for ``port`` 0), serve on a daemon thread, and return once it accepts connections."""

@@ -155,7 +155,8 @@ class CompletionService:
         if session is not None:
             check_budget(session)
         seed = req.seed if req.seed is not None or session is None else session_call_seed(session, call_index)
-        samples: list[GeneratedSample] = await asyncio.wrap_future(self.queue.submit([ids] * req.n, params, seed))
+        caller = session.session_id if session else None
+        samples: list[GeneratedSample] = await asyncio.wrap_future(self.queue.submit([ids] * req.n, params, seed, caller))
         call = SampledCall(prompt_ids=list(ids), session_id=session.session_id if session else None)
         records, texts = [], []
         for i, sample in enumerate(samples):

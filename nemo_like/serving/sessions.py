@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,9 +88,10 @@ class SessionCounters:
 class SessionStore:
     """Open sessions by id, and the results of ended ones until they are taken."""
 
-    def __init__(self, auto_create: bool = True, vocab_size: int | None = None) -> None:
+    def __init__(self, auto_create: bool = True, vocab_size: int | None = None, on_end: Callable[[str], None] | None = None) -> None:
         self.auto_create = auto_create
         self.vocab_size = vocab_size
+        self.on_end = on_end  # told each session id once it ends (the generation queue stops waiting for its calls)
         self._lock = threading.Lock()
         self._open: dict[str, Session] = {}
         self._ended: set[str] = set()
@@ -156,6 +157,8 @@ class SessionStore:
             session.ended = True
             self._ended.add(session_id)
             calls = sorted(session.calls, key=lambda c: (c.call_index, c.choice_index))
+        if self.on_end is not None:
+            self.on_end(session_id)
         result = session_rows(session_id, calls, 0.0 if reward is None else float(reward), self.vocab_size)
         with self._lock:
             self._count(result)

@@ -165,7 +165,8 @@ def test_a_stopping_run_cancels_the_agent_batch_in_flight_and_ends_its_sessions(
         return 1.0
 
     store = SessionStore(auto_create=False)
-    server = SimpleNamespace(sessions=store, base_url="http://127.0.0.1:1/v1", api_key="k")
+    expected: list[str] = []  # sessions whose agents started (the server waits for their first calls)
+    server = SimpleNamespace(sessions=store, base_url="http://127.0.0.1:1/v1", api_key="k", expect_calls=expected.append)
     settings = {"t": AgentSettings("t", AgentConfig(agent="x:y", deadline_s=30.0), hangs)}
     agents = AgentRollouts(server, settings, SimpleNamespace(pad_token_id=0), SimpleNamespace(weight_version=0))
     envs = SimpleNamespace(tasks=["t"])
@@ -181,7 +182,7 @@ def test_a_stopping_run_cancels_the_agent_batch_in_flight_and_ends_its_sessions(
     collector = threading.Thread(target=collect)
     collector.start()
     assert started.acquire(timeout=10) and started.acquire(timeout=10)  # both sessions' agents are running
-    assert len(store.open_ids()) == 2
+    assert len(store.open_ids()) == 2 and sorted(expected) == sorted(store.open_ids())
     agents.cancel()
     collector.join(10)
     assert not collector.is_alive() and raised

@@ -144,3 +144,28 @@ def test_callers_that_do_not_come_back_are_waited_for_once_and_then_no_longer_ex
         assert (queue.stats.waits, queue.stats.late) == (waits + 1, late + 1)
     finally:
         queue.close()
+
+
+def test_sessions_started_together_share_their_first_engine_call_and_an_ended_session_is_not_waited_for() -> None:
+    held = Held()
+    queue = GenerationQueue(held, window_s=0.0, wait_ratio=1e6, max_wait_s=30.0)  # patience: 30 s, never reached here
+    params = SamplingParams(max_new_tokens=1)
+    try:
+        for session in "abc":  # their agents start: first calls on their way
+            queue.expect(session)
+        first = [queue.submit([[1]], params, None, "a"), queue.submit([[2]], params, None, "b")]
+        time.sleep(0.05)
+        assert not any(f.done() for f in first)  # c's first call is expected
+        first.append(queue.submit([[3]], params, None, "c"))
+        for f in first:
+            f.result(10)
+        assert [n for n, _ in held.calls] == [3]  # not [1, 2] (a batch and stragglers a call behind)
+        second = [queue.submit([[1]], params, None, "a"), queue.submit([[2]], params, None, "b")]
+        time.sleep(0.05)
+        assert not any(f.done() for f in second)  # c was answered: expected back
+        queue.forget("c")  # c's session ended instead
+        for f in second:
+            f.result(10)
+        assert [n for n, _ in held.calls] == [3, 2] and queue.stats.late == 0
+    finally:
+        queue.close()

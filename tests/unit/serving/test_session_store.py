@@ -16,7 +16,8 @@ def record(store: SessionStore, session_id: str, prompt: list[int], completion: 
 
 
 def test_calls_are_recorded_per_session_and_end_builds_rows_once():
-    store = SessionStore()
+    ended_ids: list[str] = []
+    store = SessionStore(on_end=ended_ids.append)
     record(store, "a", [1, 2], [10, 2])
     record(store, "b", [1, 3], [11, 2])
     record(store, "a", [1, 2, 10, 2, 4], [12, 2])
@@ -24,6 +25,7 @@ def test_calls_are_recorded_per_session_and_end_builds_rows_once():
     assert result.rejected is None and len(result.rows) == 1
     assert result.rows[0].response_ids == [10, 2, 4, 12, 2]
     assert store.end("a") is result  # ending twice answers the same result
+    assert ended_ids == ["a"]  # told once (the generation queue stops waiting for its calls)
     assert store.open_ids() == ["b"]
     assert [r.session_id for r in store.take_finished()] == ["a"]
     with pytest.raises(ServingError) as ended:
