@@ -216,9 +216,8 @@ class AgentRollouts:
 
         async def one(s: _Session) -> None:
             args = (url, key, s.session_id, [dict(m) for m in s.prompt.messages], dict(s.prompt.metadata))
-            s.outcome = await run_session(
-                s.settings, args, limits[s.settings.task], lambda: self._end(s), self._threads, lambda: self.server.expect_calls(s.session_id)
-            )
+            start, end = (lambda: self.server.expect_calls(s.session_id)), (lambda: self._end(s))
+            s.outcome = await run_session(s.settings, args, limits[s.settings.task], end, self._threads, start)
 
         running = (asyncio.get_running_loop(), asyncio.current_task())
         with self._lock:
