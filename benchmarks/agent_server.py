@@ -43,10 +43,13 @@ changed nothing measurable.
 from __future__ import annotations
 
 import argparse
+import http.client
 import itertools
+import json
 import statistics
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 
 import httpx
@@ -83,6 +86,30 @@ class RawClient:
         return reply["prompt_token_ids"], choice["completion_token_ids"], choice["message"]["content"] or ""
 
 
+class StdlibClient:
+    """The same call through ``http.client`` (the standard library) on one kept-alive connection: about the least a
+    Python client can cost, so what remains of the overhead is the server's own."""
+
+    session_id: str | None = None
+
+    def __init__(self, server: RolloutServer) -> None:
+        url = urllib.parse.urlsplit(server.base_url)
+        self.connection = http.client.HTTPConnection(url.hostname, url.port)
+        self.path = f"{url.path}/chat/completions"
+        self.headers = {"Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"}
+
+    def use_session(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.headers[SESSION_HEADER] = session_id
+
+    def chat(self, messages: list, max_tokens: int, temperature: float) -> tuple[list[int], list[int], str]:
+        body = {"model": "policy", "messages": messages, "temperature": temperature, "max_tokens": max_tokens, "return_token_ids": True}
+        self.connection.request("POST", self.path, json.dumps(body), self.headers)
+        reply = json.loads(self.connection.getresponse().read())
+        choice = reply["choices"][0]
+        return reply["prompt_token_ids"], choice["completion_token_ids"], choice["message"]["content"] or ""
+
+
 class OpenAIClient:
     """The call through the ``openai`` package (what agents use; its own Python costs a few ms per call)."""
 
@@ -101,6 +128,9 @@ class OpenAIClient:
         )
         choice = reply.choices[0]
         return reply.prompt_token_ids, choice.model_extra["completion_token_ids"], choice.message.content or ""
+
+
+CLIENTS = {"stdlib": StdlibClient, "raw": RawClient, "openai": OpenAIClient}
 
 
 def run_sessions(
@@ -176,7 +206,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--client", choices=["raw", "openai"], nargs="+", default=["raw", "openai"])
+    parser.add_argument("--client", choices=list(CLIENTS), nargs="+", default=list(CLIENTS))
     parser.add_argument("--mode", choices=["greedy", "seeded"], nargs="+", default=["greedy", "seeded"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -186,7 +216,7 @@ def main() -> None:
         stats, opened = server.queue.stats, itertools.count(1000)
         for mode, kind, turns in [(m, k, t) for m in args.mode for k in args.client for t in args.turns]:
             temperature = TEMPERATURE[mode]
-            clients = [(RawClient if kind == "raw" else OpenAIClient)(server) for _ in range(args.sessions)]
+            clients = [CLIENTS[kind](server) for _ in range(args.sessions)]
 
             new_sessions(server, clients, mode, opened)
             run_sessions(server, clients, 1, args.max_tokens, temperature)  # warm-up: every client opens its connection

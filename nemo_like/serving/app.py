@@ -112,15 +112,17 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
     def decode_token(token_id: int) -> str:
         return service.renderer.decode_continuation([token_id])
 
+    # The answers are JSON-native dicts, returned as a JSONResponse: a returned dict would go through FastAPI's
+    # response-model validation and jsonable_encoder, ~0.15 ms a call for ids and logprobs that are already plain lists.
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse:
         call = await service.chat(body, request.headers.get(SESSION_HEADER))
-        return chat_response(call, body, f"chatcmpl-{uuid.uuid4().hex}", decode_token)
+        return JSONResponse(chat_response(call, body, f"chatcmpl-{uuid.uuid4().hex}", decode_token))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> dict[str, Any]:
+    async def completions(body: CompletionRequest, request: Request) -> JSONResponse:
         call = await service.complete(body, request.headers.get(SESSION_HEADER))
-        return completion_response(call, body, f"cmpl-{uuid.uuid4().hex}", decode_token)
+        return JSONResponse(completion_response(call, body, f"cmpl-{uuid.uuid4().hex}", decode_token))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
