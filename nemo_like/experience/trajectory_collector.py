@@ -458,16 +458,8 @@ class DriverTrajectoryCollector(TrajectoryCollector):
     buffer and control calls as the actor; a refit does not pause it but holds the server's engine between two calls
     (:class:`~nemo_like.experience.agent_rollouts.EngineGate`)."""
 
-    def __init__(
-        self,
-        generation: Any,
-        environments: EnvironmentHandles,
-        buffer: Any,
-        tokenizer: Any,
-        loader: PromptDataLoader,
-        settings: CollectorSettings,
-    ) -> None:
-        self._setup(generation, environments, buffer, tokenizer, loader, settings)
+    # Built from the driver's own objects: only the loop's state (the actor's __init__ builds those objects from names).
+    __init__ = TrajectoryCollector._setup
 
     def _mark_step(self, target: int) -> None:
         """Nothing: in the driver, the run control's step is the trainer's."""
