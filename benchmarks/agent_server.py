@@ -2,7 +2,7 @@
 prompts through the engine directly, for sessions of 1 and 8 turns.
 
 Usage: python benchmarks/agent_server.py [--sessions 8] [--turns 1 8] [--max-tokens 12] [--repeats 5]
-       [--client raw openai] [--mode greedy seeded]
+       [--client stdlib raw openai] [--mode greedy seeded]
 
 Each of ``--sessions`` agents (threads of this process, each with its own client and open connection) runs a session
 of T turns against the shipped tiny tool model: call, append the answer and a tool message, call again. The HTTP time
@@ -16,28 +16,29 @@ Python, which runs in this process too, as a training run's agents run in the dr
 what a training run does: each session is opened with a seed (call k samples with ``agent_call_seed(seed, k)``), calls
 carry ``X-Session-Id`` (the server reuses the session's ids), temperature 1; the replay samples each turn's prompts in
 one engine call with the same per-prompt seeds and must draw exactly the served tokens (checked). ``raw``: plain JSON
-over ``httpx``; ``openai``: the ``openai`` package.
+over ``httpx``; ``openai``: the ``openai`` package; ``stdlib``: ``http.client`` (about the least a client costs).
 
 An engine without per-prompt seeds (before they existed) replays seeded turns with one int seed: timed, not compared.
 
-Measured 2026-12-02 on the quiet 2-core CPU (load 0.7-2), ``--turns 8``, one invocation's median per cell: 63b715c
-(before: seeded calls sampled one by one, batches split by arrival; run through ``PYTHONPATH``) and the per-prompt
-seeds interleaved in two pairs, plus three more runs of the latter; engine calls per turn (the replay: 1)::
+Measured 2026-12-03 on the quiet 2-core CPU (load 0.3-0.7), ``--turns 8``, one invocation's median per cell, this
+version and 8acecaf (before agents' first calls were expected and before answers skipped FastAPI's response encoding;
+run through ``PYTHONPATH``) interleaved in two pairs; engine calls per turn after the overhead (the replay: 1)::
 
-    python benchmarks/agent_server.py --repeats 5
+    python benchmarks/agent_server.py --repeats 5 --turns 8
 
-    8 sessions x 8 turns   before (2 runs)     after (5 runs)
-    greedy, raw client     +62%, +81%; 2.0     +31% to +66%; 1.0-1.1
-    greedy, openai client  +107%, +109%; 2.0   +84% to +126%; 1.0-1.3
-    seeded, raw client     +232%, +198%; 8.0   +31% to +82%; 1.0-1.15
-    seeded, openai client  +251%, +223%; 8.0   +98% to +141%; 1.0-1.3
+    8 sessions x 8 turns    8acecaf             now
+    seeded, stdlib client   -                   +30%, +20% (3 more runs: +28 +35 +22); 1.0
+    seeded, raw client      +39%, +44%; 1.0     +42%, +41%; 1.0
+    seeded, openai client   +100%, +94%; 1.1    +88%, +83%; 1.0
+    greedy, stdlib client   -                   +32%, +34%; 1.0
+    greedy, raw client      +66%, +45%; 1.1     +40%, +49%; 1.0
+    greedy, openai client   +77%, +82%; 1.0     +88%, +81%; 1.0
 
 Seeded replays drew exactly the served tokens (0 differ) in every run. What remains is Python that the engine waits
-for: one call costs 0.95 ms through a raw client and 1.9 ms through the ``openai`` package (sequential calls, an
-engine that answers at once), of which the server's own part is 0.27-0.38 ms (in-process ASGI; a 1- to 15-message
-history, most of it tokenising the whole history when there is no session); 8 sessions' calls of a turn run one after
-another under the GIL while a tiny-model turn samples in ~40 ms. ``sys.setswitchinterval`` at 0.5 ms instead of 5 ms
-changed nothing measurable.
+for: 8 sessions' calls of a turn run one after another under the GIL while a tiny-model turn samples in ~30 ms. One
+call (sequential, an engine that answers at once, a 9-message history) costs 0.9-1.1 ms through ``stdlib``, 1.1-1.5 ms
+through ``raw`` and 3.0-3.6 ms through ``openai``; the server's completion service takes 0.45 ms of it. The history
+of these figures is in docs/guides/agents.md#concurrency-and-batching.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class StdlibClient:
 
     def chat(self, messages: list, max_tokens: int, temperature: float) -> tuple[list[int], list[int], str]:
         body = {"model": "policy", "messages": messages, "temperature": temperature, "max_tokens": max_tokens, "return_token_ids": True}
-        self.connection.request("POST", self.path, json.dumps(body), self.headers)
+        self.connection.request("POST", self.path, json.dumps(body).encode(), self.headers)  # bytes: one send with the headers
         reply = json.loads(self.connection.getresponse().read())
         choice = reply["choices"][0]
         return reply["prompt_token_ids"], choice["completion_token_ids"], choice["message"]["content"] or ""
