@@ -68,30 +68,46 @@ MODEL = "embedded:tiny-tool-qwen2"
 TEMPERATURE = {"greedy": 0.0, "seeded": 1.0}
 
 
-class RawClient:
-    """The same call as plain JSON over one kept-alive ``httpx`` connection (a client that costs little)."""
+def chat_body(messages: list, max_tokens: int, temperature: float) -> dict:
+    """The JSON body every client sends (with ``return_token_ids``: the ids the replay needs)."""
+    return {"model": "policy", "messages": messages, "temperature": temperature, "max_tokens": max_tokens, "return_token_ids": True}
 
-    def __init__(self, server: RolloutServer) -> None:
-        self.http = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {server.api_key}"})
+
+def reply_ids(reply: dict) -> tuple[list[int], list[int], str]:
+    """A JSON reply's prompt ids, first choice's completion ids and content."""
+    choice = reply["choices"][0]
+    return reply["prompt_token_ids"], choice["completion_token_ids"], choice["message"]["content"] or ""
+
+
+class Client:
+    """What the clients share: the session they call in (``session_id``), sent as ``X-Session-Id``."""
 
     session_id: str | None = None
 
     def use_session(self, session_id: str) -> None:
         self.session_id = session_id
+        self._send_session_header(session_id)
+
+    def _send_session_header(self, session_id: str) -> None:
+        raise NotImplementedError
+
+
+class RawClient(Client):
+    """The same call as plain JSON over one kept-alive ``httpx`` connection (a client that costs little)."""
+
+    def __init__(self, server: RolloutServer) -> None:
+        self.http = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {server.api_key}"})
+
+    def _send_session_header(self, session_id: str) -> None:
         self.http.headers[SESSION_HEADER] = session_id
 
     def chat(self, messages: list, max_tokens: int, temperature: float) -> tuple[list[int], list[int], str]:
-        body = {"model": "policy", "messages": messages, "temperature": temperature, "max_tokens": max_tokens, "return_token_ids": True}
-        reply = self.http.post("/chat/completions", json=body).json()
-        choice = reply["choices"][0]
-        return reply["prompt_token_ids"], choice["completion_token_ids"], choice["message"]["content"] or ""
+        return reply_ids(self.http.post("/chat/completions", json=chat_body(messages, max_tokens, temperature)).json())
 
 
-class StdlibClient:
+class StdlibClient(Client):
     """The same call through ``http.client`` (the standard library) on one kept-alive connection: about the least a
     Python client can cost, so what remains of the overhead is the server's own."""
-
-    session_id: str | None = None
 
     def __init__(self, server: RolloutServer) -> None:
         url = urllib.parse.urlsplit(server.base_url)
@@ -99,28 +115,22 @@ class StdlibClient:
         self.path = f"{url.path}/chat/completions"
         self.headers = {"Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"}
 
-    def use_session(self, session_id: str) -> None:
-        self.session_id = session_id
+    def _send_session_header(self, session_id: str) -> None:
         self.headers[SESSION_HEADER] = session_id
 
     def chat(self, messages: list, max_tokens: int, temperature: float) -> tuple[list[int], list[int], str]:
-        body = {"model": "policy", "messages": messages, "temperature": temperature, "max_tokens": max_tokens, "return_token_ids": True}
-        self.connection.request("POST", self.path, json.dumps(body).encode(), self.headers)  # bytes: one send with the headers
-        reply = json.loads(self.connection.getresponse().read())
-        choice = reply["choices"][0]
-        return reply["prompt_token_ids"], choice["completion_token_ids"], choice["message"]["content"] or ""
+        body = json.dumps(chat_body(messages, max_tokens, temperature)).encode()  # bytes: one send with the headers
+        self.connection.request("POST", self.path, body, self.headers)
+        return reply_ids(json.loads(self.connection.getresponse().read()))
 
 
-class OpenAIClient:
+class OpenAIClient(Client):
     """The call through the ``openai`` package (what agents use; its own Python costs a few ms per call)."""
 
     def __init__(self, server: RolloutServer) -> None:
         self.client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0)
 
-    session_id: str | None = None
-
-    def use_session(self, session_id: str) -> None:
-        self.session_id = session_id
+    def _send_session_header(self, session_id: str) -> None:
         self.client = self.client.with_options(default_headers={SESSION_HEADER: session_id})  # the same connection
 
     def chat(self, messages: list, max_tokens: int, temperature: float) -> tuple[list[int], list[int], str]:

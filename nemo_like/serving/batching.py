@@ -106,7 +106,7 @@ class GenerationQueue:
             full = self._pending_prompts >= self.max_batch
             # While the thread waits for expected callers, only the last of them (or a full batch) wakes it: each
             # wake-up is a thread switch, which costs as much as the rest of a small call on a busy CPU.
-            if self._wake_on == "any" or full or (self._wake_on == "last" and not self._expected()):
+            if self._wake_on == "any" or full or self._last_expected_came():
                 self._cond.notify()
         return request.future
 
@@ -120,11 +120,15 @@ class GenerationQueue:
         with self._cond:
             if caller in self._expected_callers:
                 self._expected_callers.discard(caller)
-                if self._wake_on == "last" and not self._expected():
+                if self._last_expected_came():
                     self._cond.notify()
 
     def _expected(self) -> int:
         return len(self._expected_callers) + self._expected_anonymous
+
+    def _last_expected_came(self) -> bool:
+        """The thread waits for expected callers and none is left (called with the lock held)."""
+        return self._wake_on == "last" and not self._expected()
 
     def close(self) -> None:
         """Stop the thread once the queued requests are served."""

@@ -157,7 +157,7 @@ class CompletionService:
         seed = req.seed if req.seed is not None or session is None else session_call_seed(session, call_index)
         caller = session.session_id if session else None
         samples: list[GeneratedSample] = await asyncio.wrap_future(self.queue.submit([ids] * req.n, params, seed, caller))
-        call = SampledCall(prompt_ids=list(ids), session_id=session.session_id if session else None)
+        call = SampledCall(prompt_ids=list(ids), session_id=caller)
         records, texts = [], []
         for i, sample in enumerate(samples):
             choice = self._choice(i, sample, params.stop_strings)
