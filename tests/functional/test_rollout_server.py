@@ -16,6 +16,7 @@ import torch
 
 from nemo_like.data.collate import collate_samples
 from nemo_like.environments.tools.calculator import calculator
+from nemo_like.environments.tools.errors import ToolError
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.serving import RolloutServer, ServerConfig
@@ -66,12 +67,17 @@ def chat(c: openai.OpenAI, messages: list, **kwargs):
 
 
 def tool_turn(messages: list, response) -> None:
-    """Append the assistant message as the client returned it, then the calculator's answer (or a nudge)."""
+    """Append the assistant message as the client returned it, then the calculator's answer, its error (the sampled
+    expression may not parse; an error is an observation too) or a nudge."""
     message = response.choices[0].message
     messages.append(message.model_dump(exclude_none=True))
     if message.tool_calls:
         expression = json.loads(message.tool_calls[0].function.arguments).get("expression", "")
-        messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": str(calculator(expression=str(expression)))})
+        try:
+            answer = calculator(expression=str(expression))
+        except ToolError as exc:
+            answer = f"error: {exc}"
+        messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": answer})
     else:
         messages.append({"role": "tool", "content": "no tool was called"})
 
