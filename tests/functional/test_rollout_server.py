@@ -136,11 +136,11 @@ def test_a_template_that_strips_reasoning_branches_the_session(engine, tokenizer
     with RolloutServer(engine, tokenizer, config) as srv:
         c = client(srv, "think")
         messages = [{"role": "user", "content": PROBLEMS[2]}]
-        responses = [chat(c, messages, temperature=1.0, max_tokens=24)]
+        responses = [chat(c, messages, temperature=1.0, max_tokens=24, seed=1)]  # seeded: CI draws the same tokens
         tool_turn(messages, responses[-1])
-        responses.append(chat(c, messages, temperature=1.0, max_tokens=24))
+        responses.append(chat(c, messages, temperature=1.0, max_tokens=24, seed=2))
         messages += [responses[-1].choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": PROBLEMS[3]}]
-        responses.append(chat(c, messages, temperature=1.0, max_tokens=24))  # earlier turns lose their <think> block
+        responses.append(chat(c, messages, temperature=1.0, max_tokens=24, seed=3))  # earlier turns lose their <think> block
         result = srv.sessions.end("think", reward=0.5)
     assert result.rejected is None and [r.calls for r in result.rows] == [[(0, 0), (1, 0)], [(2, 0)]]
     assert srv.sessions.metrics()["agent/branched_sessions"] == 1.0
@@ -168,9 +168,9 @@ def test_a_template_that_rewrites_the_system_message_branches_the_session(engine
     with RolloutServer(engine, tokenizer, ServerConfig(chat_template=SYSTEM_TEMPLATE.read_text())) as srv:
         c = client(srv, "system")
         messages = [{"role": "system", "content": "You are a calculator."}, {"role": "user", "content": PROBLEMS[4]}]
-        responses = [chat(c, messages, temperature=1.0, max_tokens=16)]
+        responses = [chat(c, messages, temperature=1.0, max_tokens=16, seed=1)]
         messages += [responses[0].choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": PROBLEMS[5]}]
-        responses.append(chat(c, messages, temperature=1.0, max_tokens=16))  # the system text moved to the new user turn
+        responses.append(chat(c, messages, temperature=1.0, max_tokens=16, seed=2))  # the system text moved to the new user turn
         result = srv.sessions.end("system", reward=1.0)
     first_rendering = responses[0].prompt_token_ids + responses[0].choices[0].completion_token_ids
     assert responses[1].prompt_token_ids[: len(first_rendering)] != first_rendering
@@ -263,9 +263,9 @@ def test_sixty_four_concurrent_sessions_keep_their_own_calls(server):
             c = client(server, session_id if i % 2 else None)
             extra = {} if i % 2 else {"user": session_id}
             messages = [{"role": "user", "content": PROBLEMS[i]}]
-            first = chat(c, messages, temperature=1.0, max_tokens=32, **extra)
+            first = chat(c, messages, temperature=1.0, max_tokens=32, seed=i, **extra)  # per-prompt seeds: same draws in CI
             tool_turn(messages, first)
-            results[session_id] = [first, chat(c, messages, temperature=1.0, max_tokens=32, **extra)]
+            results[session_id] = [first, chat(c, messages, temperature=1.0, max_tokens=32, seed=64 + i, **extra)]
         except BaseException as exc:  # reported below with the others
             errors.append(exc)
 
