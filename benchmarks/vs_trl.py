@@ -7,7 +7,7 @@ Usage (from the repository root, our venv; TRL lives in its own venv, see below)
     python benchmarks/vs_trl.py --workloads W2 --backends vllm,hf --steps 6
 
 Defaults: ``--workloads W1,W2 --backends default --warmup 2 --steps 5 --trl-python .venv-trl/bin/python``;
-expected 4-5 minutes on an idle 2-core machine (an estimate from the issue's step times: it was only run under load).
+about 110 s on an idle 2-core machine (three invocations on 2026-12-03), longer under load.
 
 Workloads (the issue's):
 
