@@ -1,0 +1,79 @@
+"""Float32 linear on this CPU: torch's ``F.linear`` (BLAS: MKL in the pinned wheel) against oneDNN's matmul
+(``torch.ops.mkldnn._linear_pointwise``, what :mod:`nemo_like.models.cpu_linear` sends sampling's larger products to),
+same inputs, alternating, side by side in one run.
+
+Usage: python benchmarks/cpu_linear.py [--threads 2] [--repeats 7]
+
+Shapes ``M x K -> N``: the decode and prefill products of the vs-TRL W2 model (10M, hidden 384, 64 rows), of the
+tiny recipe's model (hidden 128) and of W1 (8 rows), and a 1024^3 square. Prints each side's median microseconds and
+GFLOP/s, the ratio (oneDNN / F.linear time) and whether :func:`~nemo_like.models.cpu_linear.uses_onednn` takes oneDNN
+for that product under ``torch.no_grad()`` (its threshold: ``ONEDNN_MIN_MACS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from nemo_like.models.cpu_linear import onednn_linear_available, uses_onednn
+
+SHAPES = [
+    ("W2 decode, gate/up", 64, 384, 3584),
+    ("W2 decode, down", 64, 1792, 384),
+    ("W2 decode, qkv", 64, 384, 640),
+    ("W2 prefill, gate/up", 8 * 22, 384, 3584),
+    ("tiny decode, qkv", 64, 128, 256),
+    ("tiny decode, gate/up", 64, 128, 1024),
+    ("W1 decode, gate/up", 8, 128, 1024),
+    ("W1 decode, qkv", 8, 128, 256),
+    ("square 1024^3", 1024, 1024, 1024),
+]
+
+
+def seconds_per_call(fn, budget_s: float = 0.2) -> float:
+    """Median of 5 timed batches of calls, each batch about ``budget_s / 5`` long."""
+    fn()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < budget_s / 5:
+        fn()
+        calls += 1
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not onednn_linear_available():
+        raise SystemExit("oneDNN's linear op is not used on this machine (x86-64 with a oneDNN torch build only)")
+    print(f"{args.threads} threads, median of {args.repeats} alternating rounds")
+    print(f"{'product':22s} {'M x K -> N':>18s} {'F.linear us':>12s} {'oneDNN us':>10s} {'GFLOP/s':>13s} {'ratio':>6s}  taken")
+    with torch.no_grad():
+        for name, m, k, n in SHAPES:
+            x, w = torch.randn(m, k), torch.randn(n, k)
+            plain, onednn = [], []
+            for _ in range(args.repeats):
+                plain.append(seconds_per_call(functools.partial(F.linear, x, w)))
+                onednn.append(seconds_per_call(functools.partial(torch.ops.mkldnn._linear_pointwise, x, w, None, "none", [], "")))
+            p, o, flop = statistics.median(plain), statistics.median(onednn), 2 * m * k * n
+            print(
+                f"{name:22s} {f'{m} x {k} -> {n}':>18s} {p * 1e6:12.1f} {o * 1e6:10.1f} "
+                f"{flop / p / 1e9:6.0f}/{flop / o / 1e9:<6.0f} {o / p:6.2f}  {'oneDNN' if uses_onednn(x, w) else 'F.linear'}"
+            )
+
+
+if __name__ == "__main__":
+    main()

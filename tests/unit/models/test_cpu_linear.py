@@ -1,0 +1,63 @@
+"""oneDNN linear for sampling on an x86 CPU: the same product as ``F.linear`` to float32 rounding, taken only where it
+is measured to win and no gradient is recorded; the lean decoder samples the same with it as without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from nemo_like.models import cpu_linear
+from nemo_like.models.cpu_linear import ONEDNN_MIN_MACS, linear, onednn_linear_available, uses_onednn
+from nemo_like.models.generation.lean_decoder import sample
+from nemo_like.models.processed_logprobs import SamplingDistribution
+
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN's linear op is used on x86-64 only")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(64, 384, 3584), (3, 50, 128, 512), (1344, 1792, 384)], ids=["decode", "3d", "prefill"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_linear_is_f_linear_to_float32_rounding(shape: tuple[int, ...], with_bias: bool) -> None:
+    torch.manual_seed(0)
+    *rows, k, n = shape
+    x, weight = torch.randn(*rows, k), torch.randn(n, k) / k**0.5
+    bias = torch.randn(n) if with_bias else None
+    with torch.no_grad():
+        assert uses_onednn(x, weight)
+        got, expected = linear(x, weight, bias), F.linear(x, weight, bias)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_small_products_gradients_and_other_dtypes_keep_f_linear() -> None:
+    big, weight = torch.randn(64, 384), torch.randn(3584, 384, requires_grad=True)
+    with torch.no_grad():
+        assert not uses_onednn(torch.randn(8, 128), torch.randn(1024, 128))  # 1.0M multiply-accumulates: below
+        assert not uses_onednn(big.bfloat16(), weight.detach().bfloat16())
+        assert 8 * 128 * 1024 < ONEDNN_MIN_MACS <= 64 * 128 * 384
+    assert not uses_onednn(big, weight)  # autograd records: oneDNN's op has no backward
+    out = linear(big, weight)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    torch.testing.assert_close(weight.grad, big.sum(0).expand(3584, -1))
+
+
+@needs_onednn
+def test_the_lean_decoder_samples_the_same_with_onednn_as_with_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every matmul of the fused step through oneDNN (threshold 0) against none (the threshold out of reach): the
+    same greedy tokens, logprobs to float32 rounding, and the same seeded draws at temperature 1."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    prompts = [[3, 5, 7, 11], [4, 8], [9, 10, 11, 12, 13, 14]] * 4
+    runs = {}
+    for name, threshold in (("onednn", 0), ("torch", 1 << 62)):
+        monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", threshold)
+        runs[name] = [sample(model, prompts, 10, SamplingDistribution(), [], 0, seed=7, greedy=g) for g in (True, False)]
+    for onednn, plain in zip(runs["onednn"], runs["torch"]):
+        assert torch.equal(onednn.tokens, plain.tokens)
+        torch.testing.assert_close(onednn.logprobs, plain.logprobs, rtol=1e-5, atol=2e-5)
