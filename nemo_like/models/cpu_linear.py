@@ -1,13 +1,14 @@
-"""Inference-time linear layers on an x86 CPU through oneDNN instead of torch's BLAS (MKL).
+"""Float32 linear layers on an x86 CPU through oneDNN instead of torch's BLAS (MKL), forward and backward.
 
-On this project's CPU machines (AMD EPYC, 2 cores) ``F.linear`` in float32 runs at ~160-185 GFLOP/s whatever the
+On this project's CPU machines (AMD EPYC, 2 cores) ``F.linear`` in float32 runs at ~160-190 GFLOP/s whatever the
 shape, while oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op Inductor's CPU backend emits) runs the
-same product at ~340-430 GFLOP/s, to float32 rounding (relative difference ~1e-6):
-``python benchmarks/cpu_linear.py`` measures both side by side. On small products oneDNN's per-call cost (~15-25 us)
-loses, so products under :data:`ONEDNN_MIN_MACS` multiply-accumulates keep ``F.linear``.
+same product at ~350-400 GFLOP/s, to float32 rounding (relative difference ~1e-6): ``python benchmarks/cpu_linear.py``
+measures both side by side. On small products oneDNN's per-call cost (~15-25 us) loses, so products under
+:data:`ONEDNN_MIN_MACS` multiply-accumulates keep ``F.linear``.
 
-The op has no autograd, so :func:`linear` takes oneDNN only where no gradient is recorded (sampling); everywhere else,
-and for other devices, dtypes or machines, it is ``F.linear``.
+The op has no autograd formula; :class:`OneDNNLinear` gives it one (the input and weight gradients are two more
+oneDNN products), so training's forward and backward both gain. Only plain float32 CPU tensors outside autocast take
+it: DTensor (sharded) parameters, other dtypes and devices, and other machines keep ``F.linear``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import platform
 import torch
 import torch.nn.functional as F
 
-ONEDNN_MIN_MACS = 1 << 21  # measured crossover: 64x128x384 (3.1M) already gains, 8x128x1024 (1.0M) loses
+ONEDNN_MIN_MACS = 1 << 21  # measured crossover: 64x128x256 (2.1M) breaks even, 8x128x256 (0.26M) loses 1.9x
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @functools.cache
@@ -31,20 +33,50 @@ def onednn_linear_available() -> bool:
     )
 
 
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """``x @ weight.T + bias`` through oneDNN, with its gradients through oneDNN too: ``dx = dy @ weight`` and
+    ``dweight = dy.T @ x`` (flattened over the leading dimensions), ``dbias = sum(dy)``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: D102
+        x, weight = ctx.saved_tensors
+        grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        need_x, need_w, need_b = ctx.needs_input_grad
+        grad_x = _onednn(grad_2d, weight.t(), None).view(x.shape) if need_x else None
+        grad_w = _onednn(grad_2d.t(), x_2d.t(), None) if need_w else None
+        grad_b = grad_2d.sum(0) if ctx.has_bias and need_b else None
+        return grad_x, grad_w, grad_b
+
+
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` sends this product to oneDNN: float32 CPU tensors, no gradient recorded, and at least
-    :data:`ONEDNN_MIN_MACS` multiply-accumulates."""
+    """Whether :func:`linear` sends this product to oneDNN: plain (not DTensor) float32 CPU tensors, no CPU autocast,
+    and at least :data:`ONEDNN_MIN_MACS` multiply-accumulates."""
     return (
-        x.device.type == "cpu"
+        type(x) in _PLAIN
+        and type(weight) in _PLAIN
+        and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
-        and not torch.is_grad_enabled()
         and (x.numel() // max(x.shape[-1], 1)) * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_MACS
+        and not torch.is_autocast_enabled("cpu")
         and onednn_linear_available()
     )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; through oneDNN where :func:`uses_onednn` says so."""
-    if uses_onednn(x, weight):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    """``F.linear(x, weight, bias)``; through oneDNN (forward and backward) where :func:`uses_onednn` says so."""
+    if not uses_onednn(x, weight):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return OneDNNLinear.apply(x, weight, bias)
+    return _onednn(x, weight, bias)

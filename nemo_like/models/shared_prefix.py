@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from nemo_like.models.cpu_linear import linear
 from nemo_like.models.llama_family import rms_norm, rotary_tables, supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, processed_token_logprobs_with_outside
 
@@ -221,14 +222,14 @@ def hidden_states(model: torch.nn.Module, layout: FlatLayout) -> torch.Tensor:
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         x = rms_norm(h, layer.input_layernorm)
-        q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(-1, heads, head_dim)
-        k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(-1, kv_heads, head_dim)
-        v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(-1, kv_heads, head_dim)
+        q = linear(x, attn.q_proj.weight, attn.q_proj.bias).view(-1, heads, head_dim)
+        k = linear(x, attn.k_proj.weight, attn.k_proj.bias).view(-1, kv_heads, head_dim)
+        v = linear(x, attn.v_proj.weight, attn.v_proj.bias).view(-1, kv_heads, head_dim)
         q = q * cos + q.roll(half, dims=-1) * signed_sin
         k = k * cos + k.roll(half, dims=-1) * signed_sin
-        h = h + F.linear(_attention(q, k, v, layout, masks), attn.o_proj.weight, attn.o_proj.bias)
+        h = h + linear(_attention(q, k, v, layout, masks), attn.o_proj.weight, attn.o_proj.bias)
         x = rms_norm(h, layer.post_attention_layernorm)
-        h = h + F.linear(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight), mlp.down_proj.weight)
+        h = h + linear(F.silu(linear(x, mlp.gate_proj.weight)) * linear(x, mlp.up_proj.weight), mlp.down_proj.weight)
     return rms_norm(h, inner.norm)
 
 
@@ -255,7 +256,7 @@ def shared_prefix_token_logprobs(
     targets = layout.head_target.to(device)
     head = model.get_output_embeddings()
     if chunk_size is None:
-        logits = F.linear(scored, head.weight, head.bias)
+        logits = linear(scored, head.weight, head.bias)
         lp, outside = processed_token_logprobs_with_outside(logits[None], targets[None], dist)
         lp, outside = lp[0], outside[0]
     else:

@@ -158,7 +158,8 @@ BASELINES = {"activation_checkpointing": dict(shared_prompt_forward=False)}
 def test_every_grouping_trains_like_fixed_micro_batches(variant):
     base, other = make_worker(**BASELINES.get(variant, {})), make_worker(**VARIANTS[variant])
     probe = long_tailed_batch(50)
-    assert (base.get_logprobs(probe) - other.get_logprobs(probe)).abs().max() < 1e-5
+    # float32 rounding scales with the value: 1e-5 on the typical logprob, relative 1e-6 on the long tail's (~ -37)
+    torch.testing.assert_close(base.get_logprobs(probe), other.get_logprobs(probe), atol=1e-5, rtol=1e-6)
     for step in range(3):
         a, b = base.train([long_tailed_batch(step)]), other.train([long_tailed_batch(step)])
         assert abs(a["metrics"]["loss"] - b["metrics"]["loss"]) <= 1e-5 * max(1.0, abs(a["metrics"]["loss"]))

@@ -31,17 +31,37 @@ def test_onednn_linear_is_f_linear_to_float32_rounding(shape: tuple[int, ...], w
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_small_products_gradients_and_other_dtypes_keep_f_linear() -> None:
-    big, weight = torch.randn(64, 384), torch.randn(3584, 384, requires_grad=True)
-    with torch.no_grad():
-        assert not uses_onednn(torch.randn(8, 128), torch.randn(1024, 128))  # 1.0M multiply-accumulates: below
-        assert not uses_onednn(big.bfloat16(), weight.detach().bfloat16())
-        assert 8 * 128 * 1024 < ONEDNN_MIN_MACS <= 64 * 128 * 384
-    assert not uses_onednn(big, weight)  # autograd records: oneDNN's op has no backward
-    out = linear(big, weight)
-    assert out.grad_fn is not None
-    out.sum().backward()
-    torch.testing.assert_close(weight.grad, big.sum(0).expand(3584, -1))
+def test_small_products_other_dtypes_and_autocast_keep_f_linear() -> None:
+    big, weight = torch.randn(64, 384), torch.randn(3584, 384)
+    assert not uses_onednn(torch.randn(8, 128), torch.randn(256, 128))  # 0.26M multiply-accumulates: below
+    assert not uses_onednn(big.bfloat16(), weight.bfloat16())
+    assert 8 * 128 * 256 < ONEDNN_MIN_MACS <= 64 * 128 * 256
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # F.linear runs in bfloat16 here: so must we
+        assert not uses_onednn(big, weight)
+        assert linear(big, weight).dtype == torch.bfloat16
+
+
+@needs_onednn
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_gradients_are_f_linears_to_float32_rounding(with_bias: bool) -> None:
+    """Training's path: input, weight and bias gradients through :class:`OneDNNLinear` against autograd's F.linear,
+    on a 3-D input (the leading dimensions flattened in the backward) with a weight that is a transposed view."""
+    torch.manual_seed(1)
+    x = torch.randn(4, 96, 384, requires_grad=True)
+    weight = torch.randn(384, 1792).t().requires_grad_()  # [1792, 384], not contiguous
+    bias = torch.randn(1792, requires_grad=True) if with_bias else None
+    upstream = torch.randn(4, 96, 1792)
+    grads = {}
+    for name, fn in (("onednn", linear), ("torch", F.linear)):
+        leaves = [t for t in (x, weight, bias) if t is not None]
+        for t in leaves:
+            t.grad = None
+        out = fn(x, weight, bias)
+        assert (out.grad_fn.name() == "OneDNNLinearBackward") == (name == "onednn")
+        out.backward(upstream)
+        grads[name] = [t.grad.clone() for t in leaves]
+    for got, expected in zip(grads["onednn"], grads["torch"]):  # sums of 384 to 1792 products: float32 rounding
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 @needs_onednn

@@ -79,9 +79,12 @@ def test_microbatch_losses_sum_to_the_full_batch_and_give_the_same_update():
     assert abs(r_full["grad_norms"][0] - r_micro["grad_norms"][0]) < 1e-5
     for (name, a), (_, b) in zip(full.model.named_parameters(), micro.model.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=0, msg=name)  # the gradients, kept after the step
-        # The weights: Adam moves a weight by ~lr * g / (|g| + eps); the key biases' gradients are 0 up to rounding
-        # (softmax is invariant to a key bias), so there the rounding of each micro-batch split shows at ~1e-6.
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+        # The weights: Adam's first step moves a weight by lr * g / (|g| + eps), eps = 1e-8, so where |g| is itself
+        # ~1e-8 (the key biases' gradients are 0 up to rounding: softmax ignores a key bias) the rounding of each
+        # micro-batch split moves the step by a good part of lr. Where |g| >> eps the steps agree to 1e-5.
+        clear = a.grad.abs() > 1e-6
+        torch.testing.assert_close(a[clear], b[clear], atol=1e-5, rtol=0, msg=name)
+        assert (a - b).abs().max() <= 2e-3, name  # elsewhere: at most two steps of lr = 1e-3 apart
 
 
 def test_training_changes_the_weights_and_bumps_the_version():
