@@ -1,12 +1,12 @@
 """Float32 linear on this CPU: torch's ``F.linear`` (BLAS: MKL in the pinned wheel) against oneDNN's matmul
-(``torch.ops.mkldnn._linear_pointwise``, what :mod:`nemo_like.models.cpu_linear` sends sampling's larger products to),
+(``torch.ops.mkldnn._linear_pointwise``, what :mod:`nemo_like.utils.cpu_linear` sends larger products to),
 same inputs, alternating, side by side in one run.
 
 Usage: python benchmarks/cpu_linear.py [--threads 2] [--repeats 7]
 
 Shapes ``M x K -> N``: the decode and prefill products of the vs-TRL W2 model (10M, hidden 384, 64 rows), of the
 tiny recipe's model (hidden 128) and of W1 (8 rows), and a 1024^3 square. Prints each side's median microseconds and
-GFLOP/s, the ratio (oneDNN / F.linear time) and whether :func:`~nemo_like.models.cpu_linear.uses_onednn` takes oneDNN
+GFLOP/s, the ratio (oneDNN / F.linear time) and whether :func:`~nemo_like.utils.cpu_linear.uses_onednn` takes oneDNN
 for that product under ``torch.no_grad()`` (its threshold: ``ONEDNN_MIN_MACS``).
 """
 
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nemo_like.models.cpu_linear import onednn_linear_available, uses_onednn
+from nemo_like.utils.cpu_linear import onednn_linear_available, uses_onednn
 
 SHAPES = [
     ("W2 decode, gate/up", 64, 384, 3584),

@@ -33,9 +33,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from nemo_like.models.cpu_linear import linear
 from nemo_like.models.llama_family import rms_norm, rotary_tables, supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, processed_token_logprobs_with_outside
+from nemo_like.utils.cpu_linear import linear
 
 
 @dataclass

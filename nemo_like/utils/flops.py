@@ -125,19 +125,23 @@ def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, fl
 
 
 def measure_matmul_flops(dtype: str = "float32", size: int = PROBE_SIZE, seconds: float = 0.5, threads: int | None = None) -> float:
-    """Best FLOP/s of ``size x size`` matmuls in ``dtype`` over about ``seconds`` (``threads``: torch threads, default all cores)."""
+    """Best FLOP/s of ``size x size`` matmuls in ``dtype`` over about ``seconds`` (``threads``: torch threads, default
+    all cores), through :func:`~nemo_like.utils.cpu_linear.linear`: the GEMM our passes run (oneDNN for float32 on an
+    x86 CPU, ~2x torch's BLAS there), so a floor or an MFU is measured against what the code can reach."""
     import torch
+
+    from nemo_like.utils.cpu_linear import linear
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads or local_cores())
     try:
         a = torch.randn(size, size, dtype=getattr(torch, dtype))
         b = torch.randn(size, size, dtype=getattr(torch, dtype))
-        a @ b  # warm-up
+        linear(a, b)  # warm-up (a @ b.T: the same 2 * size^3 FLOPs as a @ b)
         best, deadline = 0.0, time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             start = time.perf_counter()
-            a @ b
+            linear(a, b)
             best = max(best, 2.0 * size**3 / (time.perf_counter() - start))
         return best
     finally:
@@ -156,7 +160,10 @@ def cpu_key(dtype: str) -> str:
                 break
     except OSError:
         pass
-    return f"{model}|{local_cores()} cores|torch {torch.__version__}|{dtype}"
+    from nemo_like.utils.cpu_linear import onednn_linear_available
+
+    gemm = "onednn" if dtype == "float32" and onednn_linear_available() else "blas"  # probes before oneDNN: BLAS only
+    return f"{model}|{local_cores()} cores|torch {torch.__version__}|{dtype}|{gemm}"
 
 
 def cpu_peak_flops(dtype: str = "float32", cache: Path = CACHE_FILE) -> float:

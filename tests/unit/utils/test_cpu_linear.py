@@ -1,5 +1,5 @@
-"""oneDNN linear for sampling on an x86 CPU: the same product as ``F.linear`` to float32 rounding, taken only where it
-is measured to win and no gradient is recorded; the lean decoder samples the same with it as without it."""
+"""oneDNN linear on an x86 CPU: the same product and gradients as ``F.linear`` to float32 rounding, taken only where it
+is measured to win; the lean decoder samples the same with it as without it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from nemo_like.models import cpu_linear
-from nemo_like.models.cpu_linear import ONEDNN_MIN_MACS, linear, onednn_linear_available, uses_onednn
 from nemo_like.models.generation.lean_decoder import sample
 from nemo_like.models.processed_logprobs import SamplingDistribution
+from nemo_like.utils import cpu_linear
+from nemo_like.utils.cpu_linear import ONEDNN_MIN_MACS, linear, onednn_linear_available, uses_onednn
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN's linear op is used on x86-64 only")
 
