@@ -34,7 +34,10 @@ run through ``PYTHONPATH``) interleaved in two pairs; engine calls per turn afte
     greedy, raw client      +66%, +45%; 1.1     +40%, +49%; 1.0
     greedy, openai client   +77%, +82%; 1.0     +88%, +81%; 1.0
 
-Seeded replays drew exactly the served tokens (0 differ) in every run. What remains is Python that the engine waits
+Back to back with the commit before the matmuls ran through oneDNN (fcdc3fe against 40bed55, one invocation each):
+the engine's turn went from ~22 to ~16 ms and the server's milliseconds stayed, so seeded stdlib +16% -> +32%, raw
++53% -> +50%, openai +85% -> +114% (docs/guides/agents.md). Seeded replays drew exactly the served tokens (0 differ)
+in every run. What remains is Python that the engine waits
 for: 8 sessions' calls of a turn run one after another under the GIL while a tiny-model turn samples in ~30 ms. One
 call (sequential, an engine that answers at once, a 9-message history) costs 0.9-1.1 ms through ``stdlib``, 1.1-1.5 ms
 through ``raw`` and 3.0-3.6 ms through ``openai``; the server's completion service takes 0.45 ms of it. The history
