@@ -12,6 +12,7 @@ from nemo_like.config.schema import EMBEDDED_MODEL, OptimizerConfig
 from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
 from nemo_like.models.policy.worker import PolicyWorker
 from nemo_like.models.shared_prefix import blockers, flat_layout, prompt_lengths, shared_prefix_token_logprobs
+from nemo_like.utils import cpu_linear
 
 VOCAB = 61
 
@@ -67,7 +68,12 @@ DISTRIBUTIONS = [SamplingDistribution(), SamplingDistribution(temperature=0.7, t
 @pytest.mark.parametrize("dist", DISTRIBUTIONS, ids=["plain", "top-k-top-p"])
 @pytest.mark.parametrize("chunk", [None, 5], ids=["full-logits", "chunked"])
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "flat-only"])
-def test_logprobs_and_gradients_equal_the_models_own_forward(make_model, dist, chunk, share):
+@pytest.mark.parametrize("gemm", ["torch", "onednn"])
+def test_logprobs_and_gradients_equal_the_models_own_forward(make_model, dist, chunk, share, gemm, monkeypatch):
+    if gemm == "onednn":  # every product of the shared forward through OneDNNLinear (these models are below its threshold)
+        if not cpu_linear.onednn_linear_available():
+            pytest.skip("oneDNN's linear op is used on x86-64 only")
+        monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", 0)
     model, batch = make_model(), grpo_like_batch()
     weights = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(3))
     own_lp, own_outside = sequence_logprobs_with_outside(model, batch["input_ids"], batch["attention_mask"], dist, chunk)
