@@ -12,7 +12,9 @@ about 110 s on an idle 2-core machine (three invocations on 2026-12-03), longer 
 Workloads (the issue's):
 
 * **W1**: a ~1M-param Qwen2 (hidden 128, 4 layers), 1 prompt x 8 completions x 16 tokens per step;
-* **W2**: a ~10M-param Qwen2 (hidden 384, intermediate 1792, 4 layers), 8 prompts x 8 completions x 64 tokens.
+* **W2**: a ~10M-param Qwen2 (hidden 384, intermediate 1792, 4 layers), 8 prompts x 8 completions x 64 tokens;
+* **W3** (``--workloads W3``, not a default: ~5 minutes): a ~35M-param Qwen2 (hidden 768, intermediate 3072, 4 layers,
+  inside ``benchmarks/scaling.py``'s range), 8 prompts x 8 completions x 128 tokens.
 
 Equal work: both sides load the same Hugging Face model directory (random init, the shipped tiny
 model's tokenizer), whose stop token is never sampled (its logit sits ~40 nats below every other one,
@@ -56,10 +58,12 @@ from pathlib import Path
 WORKLOADS = {
     "W1": dict(size="1m", prompts=1, generations=8, new_tokens=16),
     "W2": dict(size="10m", prompts=8, generations=8, new_tokens=64),
+    "W3": dict(size="35m", prompts=8, generations=8, new_tokens=128),  # larger, from the scaling range; not a default
 }
 SIZES = {
     "1m": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
     "10m": dict(hidden_size=384, intermediate_size=1792, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2),
+    "35m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4),
 }
 PROMPT_BUDGET = 32  # prompt tokens the sequence length allows (our arithmetic prompts are ~21)
 TAG = "@@vs_trl@@"  # marks the TRL worker's own lines on its stdout (TRL prints its logs there too)
