@@ -2,12 +2,16 @@
 (``torch.ops.mkldnn._linear_pointwise``, what :mod:`nemo_like.utils.cpu_linear` sends larger products to),
 same inputs, alternating, side by side in one run.
 
-Usage: python benchmarks/cpu_linear.py [--threads 2] [--repeats 7]
+Usage: python benchmarks/cpu_linear.py [--threads 2] [--repeats 7]   (about 2.5 minutes on a 2-core machine)
 
 Shapes ``M x K -> N``: the decode and prefill products of the vs-TRL W2 model (10M, hidden 384, 64 rows), of the
 tiny recipe's model (hidden 128) and of W1 (8 rows), and a 1024^3 square. Prints each side's median microseconds and
 GFLOP/s, the ratio (oneDNN / F.linear time) and whether :func:`~nemo_like.utils.cpu_linear.uses_onednn` takes oneDNN
 for that product under ``torch.no_grad()`` (its threshold: ``ONEDNN_MIN_MACS``).
+
+A second table times the weight gradient ``dy.T @ x`` of training's products (``M`` = tokens of a W2 / W3 training
+forward): through oneDNN on the transposed operands (which it first copies into its own layout) against BLAS's
+``torch.mm``, which reads them transposed in place; :class:`~nemo_like.utils.cpu_linear.OneDNNLinear` takes BLAS.
 """
 
 from __future__ import annotations
@@ -32,6 +36,15 @@ SHAPES = [
     ("W1 decode, gate/up", 8, 128, 1024),
     ("W1 decode, qkv", 8, 128, 256),
     ("square 1024^3", 1024, 1024, 1024),
+]
+# Weight gradients dW = dy.T @ x: (name, tokens M, in features K, out features N).
+WEIGHT_GRAD_SHAPES = [
+    ("W2 train, gate/up", 8 * 21 + 64 * 64, 384, 1792),
+    ("W2 train, down", 8 * 21 + 64 * 64, 1792, 384),
+    ("W2 train, q/o", 8 * 21 + 64 * 64, 384, 384),
+    ("W3 train, gate/up", 8 * 21 + 64 * 128, 768, 3072),
+    ("W3 train, down", 8 * 21 + 64 * 128, 3072, 768),
+    ("W3 train, q/o", 8 * 21 + 64 * 128, 768, 768),
 ]
 
 
@@ -72,6 +85,23 @@ def main() -> None:
             print(
                 f"{name:22s} {f'{m} x {k} -> {n}':>18s} {p * 1e6:12.1f} {o * 1e6:10.1f} "
                 f"{flop / p / 1e9:6.0f}/{flop / o / 1e9:<6.0f} {o / p:6.2f}  {'oneDNN' if uses_onednn(x, w) else 'F.linear'}"
+            )
+        print(f"\nweight gradient dy.T @ x, median of {args.repeats} alternating rounds")
+        print(f"{'product':22s} {'tokens x K -> N':>18s} {'torch.mm us':>12s} {'oneDNN us':>10s} {'GFLOP/s':>13s} {'ratio':>6s}")
+        for name, m, k, n in WEIGHT_GRAD_SHAPES:
+            x, dy = torch.randn(m, k), torch.randn(m, n)
+            blas, onednn = [], []
+            for _ in range(args.repeats):
+                blas.append(seconds_per_call(functools.partial(torch.mm, dy.t(), x), budget_s=0.5))
+                onednn.append(
+                    seconds_per_call(
+                        functools.partial(torch.ops.mkldnn._linear_pointwise, dy.t(), x.t(), None, "none", [], ""), budget_s=0.5
+                    )
+                )
+            b, o, flop = statistics.median(blas), statistics.median(onednn), 2 * m * k * n
+            print(
+                f"{name:22s} {f'{m} x {k} -> {n}':>18s} {b * 1e6:12.0f} {o * 1e6:10.0f} "
+                f"{flop / b / 1e9:6.0f}/{flop / o / 1e9:<6.0f} {o / b:6.2f}"
             )
 
 

@@ -6,8 +6,11 @@ same product at ~350-400 GFLOP/s, to float32 rounding (relative difference ~1e-6
 measures both side by side. On small products oneDNN's per-call cost (~15-25 us) loses, so products under
 :data:`ONEDNN_MIN_MACS` multiply-accumulates keep ``F.linear``.
 
-The op has no autograd formula; :class:`OneDNNLinear` gives it one (the input and weight gradients are two more
-oneDNN products), so training's forward and backward both gain. Only plain float32 CPU tensors outside autocast take
+The op has no autograd formula; :class:`OneDNNLinear` gives it one: the input gradient is one more oneDNN product, the
+weight gradient ``dy.T @ x`` goes to BLAS, which reads both transposed operands in place (oneDNN would first copy the
+``tokens x out`` gradient into a transposed layout). At the vs-TRL W2 and W3 training shapes oneDNN took 0.91-1.45x
+BLAS's time on that product (1.03-1.39x at W3, 2026-12-03; ``python benchmarks/cpu_linear.py`` prints both), and a W3
+training forward and backward ran 9 % faster with BLAS's (W2: 2 %, within noise). Only plain float32 CPU tensors outside autocast take
 it: DTensor (sharded) parameters, other dtypes and devices, and other machines keep ``F.linear``.
 """
 
@@ -38,8 +41,8 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 class OneDNNLinear(torch.autograd.Function):
-    """``x @ weight.T + bias`` through oneDNN, with its gradients through oneDNN too: ``dx = dy @ weight`` and
-    ``dweight = dy.T @ x`` (flattened over the leading dimensions), ``dbias = sum(dy)``."""
+    """``x @ weight.T + bias`` through oneDNN, and its gradients: ``dx = dy @ weight`` through oneDNN, ``dweight = dy.T @ x``
+    (flattened over the leading dimensions) through BLAS (see the module docstring), ``dbias = sum(dy)``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # noqa: D102
@@ -54,7 +57,7 @@ class OneDNNLinear(torch.autograd.Function):
         grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         need_x, need_w, need_b = ctx.needs_input_grad
         grad_x = _onednn(grad_2d, weight.t(), None).view(x.shape) if need_x else None
-        grad_w = _onednn(grad_2d.t(), x_2d.t(), None) if need_w else None
+        grad_w = torch.mm(grad_2d.t(), x_2d) if need_w else None
         grad_b = grad_2d.sum(0) if ctx.has_bias and need_b else None
         return grad_x, grad_w, grad_b
 
