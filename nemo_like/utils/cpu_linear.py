@@ -62,22 +62,41 @@ class OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` sends this product to oneDNN: plain (not DTensor) float32 CPU tensors, no CPU autocast,
-    and at least :data:`ONEDNN_MIN_MACS` multiply-accumulates."""
+def _onednn_serves(rows: int, weight: torch.Tensor) -> bool:
+    """Whether a product of ``rows`` rows with the plain float32 CPU ``weight`` goes to oneDNN (no CPU autocast)."""
     return (
-        type(x) in _PLAIN
-        and type(weight) in _PLAIN
-        and x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
-        and (x.numel() // max(x.shape[-1], 1)) * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_MACS
+        type(weight) in _PLAIN
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and rows * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_MACS
         and not torch.is_autocast_enabled("cpu")
         and onednn_linear_available()
     )
 
 
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` sends this product to oneDNN: plain (not DTensor) float32 CPU tensors, no CPU autocast,
+    and at least :data:`ONEDNN_MIN_MACS` multiply-accumulates."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return type(x) in _PLAIN and x.device.type == "cpu" and x.dtype == torch.float32 and _onednn_serves(rows, weight)
+
+
+def prepacked(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` reordered once into oneDNN's own blocked layout, for products of about ``rows`` rows (any row count
+    works), where :func:`linear` would send such products to oneDNN; else ``weight`` itself. Inference only (no
+    gradient flows into a packed copy). oneDNN otherwise reorders a plain weight on every call: a sampler that
+    multiplies by the same weights at every decode step packs them once (10-20 % off each decode product at the
+    W2 / W3 shapes; ``python benchmarks/cpu_linear.py`` prints both)."""
+    if not _onednn_serves(rows, weight):
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; through oneDNN (forward and backward) where :func:`uses_onednn` says so."""
+    """``F.linear(x, weight, bias)``; through oneDNN (forward and backward) where :func:`uses_onednn` says so, and
+    always for a :func:`prepacked` weight."""
+    if weight.is_mkldnn:
+        return _onednn(x, weight, bias)
     if not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):

@@ -11,7 +11,8 @@ Two step functions share one loop (:func:`sample`):
   the transformer's math written out on the model's own parameters, with the query/key/value and the
   gate/up projections fused into one matmul each (fused copies are built once per call), a preallocated KV
   cache, and the model's own rotary embedding module (so every RoPE scaling variant is the model's); on an x86 CPU
-  its larger float32 matmuls run through oneDNN (:mod:`~nemo_like.utils.cpu_linear`, about 2x torch's BLAS there);
+  its larger float32 matmuls run through oneDNN (:mod:`~nemo_like.utils.cpu_linear`, 1.3-2x torch's BLAS there), on
+  weights packed once per call into oneDNN's layout;
 * :class:`HFModelStep` for anything else: the model's forward with a transformers ``DynamicCache``.
 
 ``tests/unit/models/test_lean_decoder.py`` checks the fused step's logits against the model's own forward,
@@ -30,7 +31,7 @@ from nemo_like.models.generation.interface import GeneratedSample, SamplingParam
 from nemo_like.models.llama_family import rotary_tables
 from nemo_like.models.llama_family import supported as fused_step_supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, sampling_keep_mask
-from nemo_like.utils.cpu_linear import linear
+from nemo_like.utils.cpu_linear import linear, prepacked
 
 
 @dataclass
@@ -75,23 +76,26 @@ def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tens
 class FusedLlamaStep:
     """Prefill/decode for a Llama-family ``*ForCausalLM`` on its own parameters (read, never written).
 
-    Per call (:func:`sample`) it builds the fused projection weights, the KV cache and the rotary tables of every
-    position the call can reach (one call of the model's rotary module), so a decode step is little more than
-    its matmuls: few small kernels matter on a CPU, where each costs microseconds whatever its size."""
+    Per call (:func:`sample`) it builds the fused projection weights (packed for oneDNN where it takes the decode
+    products of ``decode_rows`` rows: :func:`~nemo_like.utils.cpu_linear.prepacked`; a packed copy of the weights
+    lives for the call), the KV cache and the rotary tables of every position the call can reach (one call of the
+    model's rotary module), so a decode step is little more than its matmuls: few small kernels matter on a CPU,
+    where each costs microseconds whatever its size."""
 
-    def __init__(self, model: torch.nn.Module, batch: int, max_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, batch: int, max_len: int, decode_rows: int | None = None) -> None:
         cfg = model.config
         self.model, self.inner = model, model.model
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
+        self.decode_rows = decode_rows or batch
         self.layers: list[tuple] = []
         self.refresh_weights()
         param = next(model.parameters())
         shape = (batch, self.kv_heads, max_len, self.head_dim)
         self.k_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
         self.v_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
-        self.intermediate = self.layers[0][6].shape[0] // 2
+        self.intermediate = model.model.layers[0].mlp.gate_proj.weight.shape[0]
         self.hidden = cfg.hidden_size
         self.cos = self.signed_sin = None
 
@@ -99,22 +103,25 @@ class FusedLlamaStep:
         """(Re)build the fused projection weights from the model's parameters: at construction, and after the
         weights were replaced in place mid-call (an in-flight refit, see ``sample(between_steps=...)``)."""
         layers = []
+        rows = self.decode_rows
         for layer in self.inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
             layers.append(
                 (
                     layer.input_layernorm.weight,
-                    torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                    prepacked(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), rows),
                     None if biases[0] is None else torch.cat(biases),
-                    attn.o_proj.weight,
+                    prepacked(attn.o_proj.weight, rows),
                     attn.o_proj.bias,
                     layer.post_attention_layernorm.weight,
-                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                    mlp.down_proj.weight,
+                    prepacked(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rows),
+                    prepacked(mlp.down_proj.weight, rows),
                 )
             )
         self.layers = layers
+        head = self.model.lm_head
+        self.head = (prepacked(head.weight, rows), head.bias) if isinstance(head, torch.nn.Linear) else None
 
     def set_positions(self, positions: torch.Tensor) -> None:
         """Rotary tables for ``positions`` (``[B, max_len]``: every column the call can fill), from the model's own
@@ -154,8 +161,7 @@ class FusedLlamaStep:
             gate, up = linear(F.rms_norm(h, (self.hidden,), ln2, self.eps), gate_up).split(self.intermediate, dim=-1)
             h = h + linear(F.silu(gate) * up, down)
         last = F.rms_norm(h[:, -1], (self.hidden,), self.inner.norm.weight, self.eps)
-        head = self.model.lm_head
-        return linear(last, head.weight, head.bias) if isinstance(head, torch.nn.Linear) else head(last)
+        return linear(last, *self.head) if self.head is not None else self.model.lm_head(last)
 
 
 class HFModelStep:
@@ -270,7 +276,7 @@ def sample(
     input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
     width = input_ids.shape[1]
     max_len = width + max_new_tokens
-    step = (FusedLlamaStep if fused else HFModelStep)(model, input_ids.shape[0], max_len)
+    step = FusedLlamaStep(model, input_ids.shape[0], max_len, len(prompts)) if fused else HFModelStep(model, input_ids.shape[0], max_len)
     generator = seeded_generators(seed, len(prompts), device)
     stop_ids = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 

@@ -3,6 +3,8 @@ is measured to win; the lean decoder samples the same with it as without it."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from nemo_like.models.generation.lean_decoder import sample
 from nemo_like.models.processed_logprobs import SamplingDistribution
 from nemo_like.utils import cpu_linear
-from nemo_like.utils.cpu_linear import ONEDNN_MIN_MACS, linear, onednn_linear_available, uses_onednn
+from nemo_like.utils.cpu_linear import ONEDNN_MIN_MACS, linear, onednn_linear_available, prepacked, uses_onednn
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN's linear op is used on x86-64 only")
 
@@ -81,3 +83,42 @@ def test_the_lean_decoder_samples_the_same_with_onednn_as_with_f_linear(monkeypa
     for onednn, plain in zip(runs["onednn"], runs["torch"]):
         assert torch.equal(onednn.tokens, plain.tokens)
         torch.testing.assert_close(onednn.logprobs, plain.logprobs, rtol=1e-5, atol=2e-5)
+
+
+@needs_onednn
+def test_packed_weights_equal_plain_ones_and_an_in_flight_refit_reaches_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused step packs its weights once per call (:func:`prepacked`): products through a packed weight equal the
+    plain one's, small products keep the plain weight, and a refit in the middle of a call (weights replaced in place,
+    ``between_steps`` returns True) reaches the packed copies: greedy tokens after it are what F.linear gives, and
+    differ from a call without the refit."""
+    weight, x = torch.randn(1280, 384), torch.randn(64, 384)
+    packed = prepacked(weight, 64)
+    assert packed.is_mkldnn and torch.equal(linear(x, packed), linear(x, weight))
+    assert not prepacked(torch.randn(256, 128), 8).is_mkldnn  # 0.26M multiply-accumulates: stays plain
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    model, updated = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()  # two random inits: the refit's weights
+    prompts = [[3, 5, 7, 11], [4, 8], [9, 10, 11, 12, 13, 14]] * 4
+
+    def run(threshold: int, refit_at: int | None) -> object:
+        monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", threshold)
+        served = copy.deepcopy(model)
+
+        def refit(t: int) -> bool:
+            if t != refit_at:
+                return False
+            with torch.no_grad():
+                for p, q in zip(served.parameters(), updated.parameters()):
+                    p.copy_(q)
+            return True
+
+        return sample(served, prompts, 10, SamplingDistribution(), [], 0, seed=7, greedy=True, between_steps=refit)
+
+    packed_run, plain_run, without_refit = run(0, 3), run(1 << 62, 3), run(0, None)
+    assert torch.equal(packed_run.tokens, plain_run.tokens)
+    torch.testing.assert_close(packed_run.logprobs, plain_run.logprobs, rtol=1e-5, atol=2e-5)
+    assert torch.equal(packed_run.tokens[:, :4], without_refit.tokens[:, :4])
+    assert not torch.equal(packed_run.tokens[:, 4:], without_refit.tokens[:, 4:])
