@@ -2,12 +2,14 @@
 (``torch.ops.mkldnn._linear_pointwise``, what :mod:`nemo_like.utils.cpu_linear` sends larger products to),
 same inputs, alternating, side by side in one run.
 
-Usage: python benchmarks/cpu_linear.py [--threads 2] [--repeats 7]   (about 2.5 minutes on a 2-core machine)
+Usage: python benchmarks/cpu_linear.py [--threads 2] [--repeats 7]   (about 3 minutes on a 2-core machine)
 
-Shapes ``M x K -> N``: the decode and prefill products of the vs-TRL W2 model (10M, hidden 384, 64 rows), of the
-tiny recipe's model (hidden 128) and of W1 (8 rows), and a 1024^3 square. Prints each side's median microseconds and
-GFLOP/s, the ratio (oneDNN / F.linear time) and whether :func:`~nemo_like.utils.cpu_linear.uses_onednn` takes oneDNN
-for that product under ``torch.no_grad()`` (its threshold: ``ONEDNN_MIN_MACS``).
+Shapes ``M x K -> N``: the decode and prefill products of the vs-TRL W2 model (10M, hidden 384, 64 rows), W3's decode
+products (35M, hidden 768), those of the tiny recipe's model (hidden 128) and of W1 (8 rows), and a 1024^3 square.
+Prints each side's median microseconds and GFLOP/s, oneDNN's time on a weight packed once into its own layout
+(:func:`~nemo_like.utils.cpu_linear.prepacked`, what the lean decoder's decode products use), the ratio (oneDNN /
+F.linear time, unpacked) and whether :func:`~nemo_like.utils.cpu_linear.uses_onednn` takes oneDNN for that product
+under ``torch.no_grad()`` (its threshold: ``ONEDNN_MIN_MACS``).
 
 A second table times the weight gradient ``dy.T @ x`` of training's products (``M`` = tokens of a W2 / W3 training
 forward): through oneDNN on the transposed operands (which it first copies into its own layout) against BLAS's
@@ -31,6 +33,8 @@ SHAPES = [
     ("W2 decode, down", 64, 1792, 384),
     ("W2 decode, qkv", 64, 384, 640),
     ("W2 prefill, gate/up", 8 * 22, 384, 3584),
+    ("W3 decode, gate/up", 64, 768, 6144),
+    ("W3 decode, down", 64, 3072, 768),
     ("tiny decode, qkv", 64, 128, 256),
     ("tiny decode, gate/up", 64, 128, 1024),
     ("W1 decode, gate/up", 8, 128, 1024),
@@ -73,18 +77,24 @@ def main() -> None:
     if not onednn_linear_available():
         raise SystemExit("oneDNN's linear op is not used on this machine (x86-64 with a oneDNN torch build only)")
     print(f"{args.threads} threads, median of {args.repeats} alternating rounds")
-    print(f"{'product':22s} {'M x K -> N':>18s} {'F.linear us':>12s} {'oneDNN us':>10s} {'GFLOP/s':>13s} {'ratio':>6s}  taken")
+    print(
+        f"{'product':22s} {'M x K -> N':>18s} {'F.linear us':>12s} {'oneDNN us':>10s} {'packed us':>10s} {'GFLOP/s':>17s} "
+        f"{'ratio':>6s}  taken"
+    )
     with torch.no_grad():
         for name, m, k, n in SHAPES:
             x, w = torch.randn(m, k), torch.randn(n, k)
-            plain, onednn = [], []
+            packed_w = torch.ops.mkldnn._reorder_linear_weight(w, m)  # what cpu_linear.prepacked builds
+            plain, onednn, packed = [], [], []
             for _ in range(args.repeats):
                 plain.append(seconds_per_call(functools.partial(F.linear, x, w)))
                 onednn.append(seconds_per_call(functools.partial(torch.ops.mkldnn._linear_pointwise, x, w, None, "none", [], "")))
-            p, o, flop = statistics.median(plain), statistics.median(onednn), 2 * m * k * n
+                packed.append(seconds_per_call(functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed_w, None, "none", [], "")))
+            p, o, pk, flop = statistics.median(plain), statistics.median(onednn), statistics.median(packed), 2 * m * k * n
             print(
-                f"{name:22s} {f'{m} x {k} -> {n}':>18s} {p * 1e6:12.1f} {o * 1e6:10.1f} "
-                f"{flop / p / 1e9:6.0f}/{flop / o / 1e9:<6.0f} {o / p:6.2f}  {'oneDNN' if uses_onednn(x, w) else 'F.linear'}"
+                f"{name:22s} {f'{m} x {k} -> {n}':>18s} {p * 1e6:12.1f} {o * 1e6:10.1f} {pk * 1e6:10.1f} "
+                f"{f'{flop / p / 1e9:.0f}/{flop / o / 1e9:.0f}/{flop / pk / 1e9:.0f}':>17s} {o / p:6.2f}  "
+                f"{'oneDNN' if uses_onednn(x, w) else 'F.linear'}"
             )
         print(f"\nweight gradient dy.T @ x, median of {args.repeats} alternating rounds")
         print(f"{'product':22s} {'tokens x K -> N':>18s} {'torch.mm us':>12s} {'oneDNN us':>10s} {'GFLOP/s':>13s} {'ratio':>6s}")
