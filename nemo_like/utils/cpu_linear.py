@@ -23,6 +23,10 @@ import torch
 import torch.nn.functional as F
 
 ONEDNN_MIN_MACS = 1 << 21  # measured crossover: 64x128x256 (2.1M) breaks even, 8x128x256 (0.26M) loses 1.9x
+# Packing a weight (prepacked) costs ~125-210 us on small weights (360 us on W2's gate/up) and saves 0-6 us per
+# product up to 2^23 multiply-accumulates (64 rows x 128 -> 256 ... 1024: the tiny model's products; its sampling with
+# gate/up packed: 2 % slower), ~25-110 us above (64 x 384 -> 384 ... 3584, W2's: paid back within 3-6 decode steps).
+PACK_MIN_MACS = 1 << 23  # packs products of more than this
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -83,11 +87,11 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def prepacked(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """``weight`` reordered once into oneDNN's own blocked layout, for products of about ``rows`` rows (any row count
-    works), where :func:`linear` would send such products to oneDNN; else ``weight`` itself. Inference only (no
-    gradient flows into a packed copy). oneDNN otherwise reorders a plain weight on every call: a sampler that
-    multiplies by the same weights at every decode step packs them once (10-20 % off each decode product at the
-    W2 / W3 shapes; ``python benchmarks/cpu_linear.py`` prints both)."""
-    if not _onednn_serves(rows, weight):
+    works), where :func:`linear` would send such products to oneDNN and they exceed :data:`PACK_MIN_MACS`; else
+    ``weight`` itself. Inference only (no gradient flows into a packed copy). oneDNN otherwise reorders a plain weight
+    on every call: a sampler that multiplies by the same weights at every decode step packs them once (8-14 % off each
+    decode product at the W2 / W3 shapes; ``python benchmarks/cpu_linear.py`` prints both)."""
+    if not _onednn_serves(rows, weight) or rows * weight.shape[0] * weight.shape[1] <= PACK_MIN_MACS:
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 

@@ -79,6 +79,7 @@ def test_the_lean_decoder_samples_the_same_with_onednn_as_with_f_linear(monkeypa
     runs = {}
     for name, threshold in (("onednn", 0), ("torch", 1 << 62)):
         monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", threshold)
+        monkeypatch.setattr(cpu_linear, "PACK_MIN_MACS", threshold - 1)  # oneDNN's products on packed weights
         runs[name] = [sample(model, prompts, 10, SamplingDistribution(), [], 0, seed=7, greedy=g) for g in (True, False)]
     for onednn, plain in zip(runs["onednn"], runs["torch"]):
         assert torch.equal(onednn.tokens, plain.tokens)
@@ -94,7 +95,7 @@ def test_packed_weights_equal_plain_ones_and_an_in_flight_refit_reaches_them(mon
     weight, x = torch.randn(1280, 384), torch.randn(64, 384)
     packed = prepacked(weight, 64)
     assert packed.is_mkldnn and torch.equal(linear(x, packed), linear(x, weight))
-    assert not prepacked(torch.randn(256, 128), 8).is_mkldnn  # 0.26M multiply-accumulates: stays plain
+    assert not prepacked(torch.randn(1024, 128), 64).is_mkldnn  # 2^23 multiply-accumulates: packing would not pay
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
@@ -105,6 +106,7 @@ def test_packed_weights_equal_plain_ones_and_an_in_flight_refit_reaches_them(mon
 
     def run(threshold: int, refit_at: int | None) -> object:
         monkeypatch.setattr(cpu_linear, "ONEDNN_MIN_MACS", threshold)
+        monkeypatch.setattr(cpu_linear, "PACK_MIN_MACS", threshold - 1)
         served = copy.deepcopy(model)
 
         def refit(t: int) -> bool:
