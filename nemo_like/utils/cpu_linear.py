@@ -2,7 +2,7 @@
 
 On this project's CPU machines (AMD EPYC, 2 cores) ``F.linear`` in float32 runs at ~160-190 GFLOP/s whatever the
 shape, while oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op Inductor's CPU backend emits) runs the
-same product at ~350-400 GFLOP/s, to float32 rounding (relative difference ~1e-6): ``python benchmarks/cpu_linear.py``
+same product at ~350-400 GFLOP/s (in the machine's slow stretches ~125-130 against ~175-190), to float32 rounding (relative difference ~1e-6): ``python benchmarks/cpu_linear.py``
 measures both side by side. On small products oneDNN's per-call cost (~15-25 us) loses, so products under
 :data:`ONEDNN_MIN_MACS` multiply-accumulates keep ``F.linear``.
 
@@ -10,8 +10,8 @@ The op has no autograd formula; :class:`OneDNNLinear` gives it one: the input gr
 weight gradient ``dy.T @ x`` goes to BLAS, which reads both transposed operands in place (oneDNN would first copy the
 ``tokens x out`` gradient into a transposed layout). At the vs-TRL W2 and W3 training shapes oneDNN took 0.91-1.45x
 BLAS's time on that product (1.03-1.39x at W3, 2026-12-03; ``python benchmarks/cpu_linear.py`` prints both), and a W3
-training forward and backward ran 9 % faster with BLAS's (W2: 2 %, within noise). Only plain float32 CPU tensors outside autocast take
-it: DTensor (sharded) parameters, other dtypes and devices, and other machines keep ``F.linear``.
+training forward and backward ran 9 % faster with BLAS's (W2: 2 %, within noise). Only plain float32 CPU tensors
+outside autocast take it: DTensor (sharded) parameters, other dtypes and devices, and other machines keep ``F.linear``.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def prepacked(weight: torch.Tensor, rows: int) -> torch.Tensor:
     ``weight`` itself. Inference only (no gradient flows into a packed copy). oneDNN otherwise reorders a plain weight
     on every call: a sampler that multiplies by the same weights at every decode step packs them once (8-14 % off each
     decode product at the W2 / W3 shapes; ``python benchmarks/cpu_linear.py`` prints both)."""
-    if not _onednn_serves(rows, weight) or rows * weight.shape[0] * weight.shape[1] <= PACK_MIN_MACS:
+    if rows * weight.shape[0] * weight.shape[1] <= PACK_MIN_MACS or not _onednn_serves(rows, weight):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 

@@ -95,7 +95,7 @@ class FusedLlamaStep:
         shape = (batch, self.kv_heads, max_len, self.head_dim)
         self.k_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
         self.v_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
-        self.intermediate = model.model.layers[0].mlp.gate_proj.weight.shape[0]
+        self.intermediate = self.inner.layers[0].mlp.gate_proj.weight.shape[0]  # gate/up may be packed: read the module
         self.hidden = cfg.hidden_size
         self.cos = self.signed_sin = None
 
