@@ -204,11 +204,64 @@ def draw_per_row(probs: torch.Tensor, generators: list[torch.Generator]) -> torc
     return (probs / noise).argmax(dim=-1)
 
 
+def uniforms(generator: torch.Generator | list[torch.Generator], rows: int, device: torch.device) -> torch.Tensor:
+    """``[rows, 1]`` float64 uniforms in [0, 1): from one generator for the batch, or row ``i``'s from ``generator[i]``
+    alone (the same call a batch of one row makes, so a row draws what it draws alone, whatever else is in the batch)."""
+    if isinstance(generator, torch.Generator):
+        return torch.rand(rows, 1, generator=generator, dtype=torch.float64, device=device)
+    return torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64, device=device) for g in generator])
+
+
+# Up to this vocabulary size a token is drawn by the exponential race (``torch.multinomial``): one Exp(1) variate per
+# entry, ~20 ns each on a CPU, which costs little here and keeps every seeded draw of the small models (the tiny
+# recipes, their recorded figures, resumed runs) what it was. Larger vocabularies draw by inverse CDF (one uniform a
+# row): at 64 rows of a 151,936-token vocabulary the race takes ~330-400 ms a decode step on a 2-core CPU.
+RACE_MAX_VOCAB = 4096
+INVERSE_CDF_BLOCK = 1024  # vocabularies larger than this are searched in two levels: blocks, then a block's tokens
+
+
+def _pick(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the first index whose cumulative weight (float64) exceeds ``u * total`` (``[B, 1]``), and where in that
+    entry's own mass the target fell (``[B, 1]``, in [0, 1)). An entry of zero weight is never picked: its cumulative
+    weight equals its predecessor's, and the target stays below the total."""
+    cdf = weights.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, target, right=True)
+    before = torch.where(index > 0, cdf.gather(1, (index - 1).clamp(min=0)), torch.zeros_like(target))
+    return index, (target - before) / (cdf.gather(1, index) - before)
+
+
+def inverse_cdf_tokens(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``[B]`` tokens, row ``i``'s drawn with probability ``probs[i, j] / probs[i].sum()`` given ``u[i]`` ~ U[0, 1)
+    (``[B, 1]``, float64): the first token whose cumulative mass exceeds ``u * total``; never one of zero mass.
+
+    Cumulative sums are float64: float32's rounding over a 150k vocabulary would move ~1e-5 of mass between tokens.
+    Above :data:`INVERSE_CDF_BLOCK` tokens, two levels: a block is picked by its float32 mass (an error of ~1e-7 of
+    that mass, float32's own precision), then a token inside it from the same uniform's position within the block's
+    mass, over the block's float64 cumulative sum; a float64 pass over the whole vocabulary would cost 50x more.
+
+    One uniform per row, where ``torch.multinomial`` draws one Exp(1) variate per vocabulary entry (the race
+    ``argmax(p / q)``): ``python benchmarks/sampler.py`` prints both."""
+    rows, vocab = probs.shape
+    if vocab <= INVERSE_CDF_BLOCK:
+        return _pick(probs, u)[0].squeeze(-1)
+    whole = vocab // INVERSE_CDF_BLOCK * INVERSE_CDF_BLOCK
+    block_mass = probs[:, :whole].reshape(rows, -1, INVERSE_CDF_BLOCK).sum(dim=-1)
+    if whole < vocab:
+        block_mass = torch.cat([block_mass, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    block, within = _pick(block_mass, u)
+    ids = block * INVERSE_CDF_BLOCK + torch.arange(INVERSE_CDF_BLOCK, device=probs.device)
+    inside = probs.gather(1, ids.clamp(max=vocab - 1)) * (ids < vocab)  # the last block's missing tokens weigh 0
+    return ids.gather(1, _pick(inside, within)[0]).squeeze(-1)
+
+
 def draw(
     logits: torch.Tensor, dist: SamplingDistribution, greedy: bool, generator: torch.Generator | list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B]`` tokens and their logprobs under the processed distribution (greedy: argmax, plain softmax logprob).
-    ``generator``: one for the batch, or one per row (:func:`draw_per_row`)."""
+    ``generator``: one for the batch, or one per row. Up to :data:`RACE_MAX_VOCAB` tokens, the exponential race
+    (``torch.multinomial``, or :func:`draw_per_row`); above, :func:`inverse_cdf_tokens` with :func:`uniforms`."""
     if greedy:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         tokens = logprobs.argmax(dim=-1)
@@ -218,13 +271,15 @@ def draw(
         scaled = scaled.masked_fill(~sampling_keep_mask(scaled, dist.top_k, dist.top_p), float("-inf"))
     logprobs = torch.log_softmax(scaled, dim=-1)
     probs = logprobs.exp()
-    broken = ~torch.isfinite(probs).all(dim=-1)
+    broken = ~torch.isfinite(probs.sum(dim=-1))  # probabilities are in [0, 1] or NaN: one reduction finds a NaN
     if bool(broken.any()):
         # Non-finite weights (a diverged update) give NaN logits: such rows draw uniformly and report a NaN logprob,
         # so the run goes on to the trainer's non-finite step handling (grpo.max_consecutive_nonfinite_steps)
         # instead of dying inside the sampler.
         probs[broken] = 1.0
-    if isinstance(generator, torch.Generator):
+    if probs.shape[-1] > RACE_MAX_VOCAB:
+        tokens = inverse_cdf_tokens(probs, uniforms(generator, probs.shape[0], probs.device))
+    elif isinstance(generator, torch.Generator):
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     else:
         tokens = draw_per_row(probs, generator)
@@ -258,7 +313,7 @@ def sample(
     KV cache copied to its rows. ``fused``: None picks :class:`FusedLlamaStep` where it applies; False forces the
     model's own forward (benchmarks and tests compare the two).
 
-    ``seed``: an int seeds one generator for the batch; a list gives row ``i`` its own (:func:`draw_per_row`), so a
+    ``seed``: an int seeds one generator for the batch; a list gives row ``i`` its own (:func:`draw_per_row`, :func:`uniforms`), so a
     row draws what it draws alone with that seed, whatever else is in the batch (its logits agree to float rounding).
 
     ``between_steps(t)``: called after token ``t`` of every row is drawn, before the forward that produces the

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from nemo_like.models.generation.lean_decoder import fused_step_supported, left_padded, sample
+from nemo_like.models.generation.lean_decoder import INVERSE_CDF_BLOCK, fused_step_supported, inverse_cdf_tokens, left_padded, sample
 from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs, sampling_keep_mask
 
 VOCAB = 97
@@ -130,3 +130,46 @@ def test_non_finite_weights_sample_uniformly_with_nan_logprobs_instead_of_crashi
     drawn = sample(model, PROMPTS, 3, SamplingDistribution(), [], 0, seed=0)
     assert drawn.tokens.shape == (len(PROMPTS), 3) and bool(((drawn.tokens >= 0) & (drawn.tokens < VOCAB)).all())
     assert bool(drawn.logprobs.isnan().all())
+
+
+def test_the_inverse_cdf_draw_picks_the_token_whose_mass_holds_u_and_never_one_of_zero_mass() -> None:
+    probs = torch.tensor([[0.0, 0.125, 0.0, 0.375, 0.0625, 0.4375, 0.0]])  # binary fractions; cumulative: 0 .125 .125 .5 .5625 1 1
+    below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    cases = [(0.0, 1), (0.1, 1), (0.125, 3), (0.3, 3), (0.5, 4), (0.55, 4), (0.5625, 5), (0.99, 5), (below_one.item(), 5)]
+    cases.append((1.0, 5))  # outside U[0, 1), as a rounded position within a block can be: still the last token of mass
+    for u, token in cases:
+        assert inverse_cdf_tokens(probs, torch.tensor([[u]], dtype=torch.float64)).item() == token, u
+    # Unnormalised weights (the sampler's uniform fallback for a non-finite row sets every weight to 1) draw the same.
+    assert inverse_cdf_tokens(3 * probs, torch.tensor([[0.55]], dtype=torch.float64)).item() == 4
+
+
+def test_the_inverse_cdf_draw_samples_the_distribution() -> None:
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.35, 0.05, 0.5, 0.0])
+    n = 200_000
+    u = torch.rand(n, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    counts = torch.bincount(inverse_cdf_tokens(probs.expand(n, -1), u), minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0
+    kept = probs > 0
+    expected = n * probs[kept].double()
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3, chi2  # 3 degrees of freedom: P(chi2 > 16.3) = 0.001
+
+
+def test_a_large_vocabulary_is_drawn_in_two_levels_as_the_float64_cumulative_sum_draws_it() -> None:
+    vocab = 3 * INVERSE_CDF_BLOCK + 200  # three whole blocks and a short last one
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(vocab, generator=gen) ** 8  # uneven mass
+    probs[INVERSE_CDF_BLOCK : 2 * INVERSE_CDF_BLOCK] = 0  # a whole block of zero mass
+    probs[-150:-1] = 0  # most of the short block's tail; its last token keeps some mass
+    probs[:5] = 0
+    probs /= probs.sum()
+    n = 20_000
+    u = torch.rand(n, 1, generator=gen, dtype=torch.float64)
+    tokens = inverse_cdf_tokens(probs.expand(n, -1), u)
+    cdf = probs.double().cumsum(0)  # one level, float64 over the whole vocabulary
+    exact = torch.searchsorted(cdf, (u * cdf[-1]).squeeze(-1), right=True)
+    assert int((tokens != exact).sum()) <= 2  # they may differ where u is within float32 rounding of a block boundary
+    assert bool((probs[tokens] > 0).all())
+    edges = inverse_cdf_tokens(probs[None].expand(2, -1), torch.tensor([[0.0], [1 - 2**-53]], dtype=torch.float64))
+    nonzero = probs.nonzero().flatten()
+    assert edges.tolist() == [nonzero[0].item(), nonzero[-1].item()]

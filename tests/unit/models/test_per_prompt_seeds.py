@@ -13,10 +13,18 @@ from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.config.schema import OptimizerConfig
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import SamplingParams, chunk_seeds, prompt_seeds
-from nemo_like.models.generation.lean_decoder import draw_per_row, sample_with_params
+from nemo_like.models.generation.lean_decoder import (
+    RACE_MAX_VOCAB,
+    draw,
+    draw_per_row,
+    inverse_cdf_tokens,
+    sample_with_params,
+    uniforms,
+)
 from nemo_like.models.loading import load_causal_lm, load_tokenizer
 from nemo_like.models.policy.inline import InlineGeneration
 from nemo_like.models.policy.worker import PolicyWorker
+from nemo_like.models.processed_logprobs import SamplingDistribution
 
 MODEL = "embedded:tiny-tool-qwen2"
 TEXTS = ["What is 347 times 28?", "12 * 5", "Compute 9 times 81 please, then add 4"]
@@ -71,6 +79,29 @@ def test_the_per_row_draw_is_torch_multinomial_row_by_row() -> None:
     seeds = [3, 1, 4, 1, 5]
     expected = [int(torch.multinomial(probs[i : i + 1], 1, generator=torch.Generator().manual_seed(s))) for i, s in enumerate(seeds)]
     assert draw_per_row(probs, [torch.Generator().manual_seed(s) for s in seeds]).tolist() == expected
+
+
+def test_a_rows_uniform_is_its_own_generators_draw_alone() -> None:
+    seeds = [3, 1, 4, 1, 5]
+    cpu = torch.device("cpu")
+    batch = uniforms([torch.Generator().manual_seed(s) for s in seeds], len(seeds), cpu)
+    alone = torch.cat([uniforms(torch.Generator().manual_seed(s), 1, cpu) for s in seeds])
+    assert torch.equal(batch, alone) and batch.dtype == torch.float64
+    assert batch[1] == batch[3] and len(set(batch.flatten().tolist())) == 4  # equal seeds, equal draws; others differ
+
+
+def test_a_large_vocabulary_row_draws_what_it_draws_alone_and_one_seed_in_a_list_is_that_int_seed() -> None:
+    logits = 2 * torch.randn(4, RACE_MAX_VOCAB + 1000, generator=torch.Generator().manual_seed(0))  # inverse-CDF draws
+    dist, seeds = SamplingDistribution(1.0, None, 1.0), [7, 8, 9, 7]
+    batch, batch_logprobs = draw(logits, dist, False, [torch.Generator().manual_seed(s) for s in seeds])
+    u = uniforms([torch.Generator().manual_seed(s) for s in seeds], len(seeds), torch.device("cpu"))
+    assert torch.equal(batch, inverse_cdf_tokens(torch.log_softmax(logits, dim=-1).exp(), u))  # not the race
+    for i, seed in enumerate(seeds):
+        alone, alone_logprob = draw(logits[i : i + 1], dist, False, [torch.Generator().manual_seed(seed)])
+        assert alone.item() == batch[i].item() and torch.allclose(alone_logprob, batch_logprobs[i : i + 1])
+    as_int, _ = draw(logits[:1], dist, False, torch.Generator().manual_seed(7))
+    assert as_int.item() == batch[0].item()
+    assert len(set(batch.tolist())) > 1
 
 
 def test_seed_lists_follow_their_prompts_through_chunks_and_shards(tiny) -> None:
