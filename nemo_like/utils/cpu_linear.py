@@ -101,7 +101,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     always for a :func:`prepacked` weight."""
     if weight.is_mkldnn:
         return _onednn(x, weight, bias)
-    if not uses_onednn(x, weight):
+    # The size test first: most products of a small model stop here, and this function runs for every one of them.
+    if x.numel() // max(x.shape[-1], 1) * weight.shape[0] * weight.shape[-1] < ONEDNN_MIN_MACS or not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return OneDNNLinear.apply(x, weight, bias)
