@@ -53,6 +53,12 @@ class SamplingDistribution:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
+    def scale(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits / temperature`` in float32; at temperature 1 the float32 logits themselves (``x / 1`` is ``x``
+        bit for bit, gradient included), which spares a pass over ``[tokens, V]`` (a real vocabulary's largest)."""
+        logits = logits.float()
+        return logits if self.temperature == 1.0 else logits / self.temperature
+
     @property
     def truncates(self) -> bool:
         """Whether top-k or top-p removes any token (otherwise the plain tempered softmax)."""
@@ -91,7 +97,7 @@ def token_logprobs_from_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[n, V]`` logits and ``[n]`` targets -> (``[n]`` logprobs, ``[n]`` outside-kept-set flags): the
     ``logits -> logprobs`` transform that the full and the chunked (:mod:`nemo_like.models.chunked_logprobs`) paths share."""
-    scaled = logits.float() / dist.temperature
+    scaled = dist.scale(logits)
     index = targets.unsqueeze(-1)
     picked = scaled.gather(-1, index).squeeze(-1)
     if not dist.truncates:

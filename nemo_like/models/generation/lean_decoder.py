@@ -266,7 +266,7 @@ def draw(
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         tokens = logprobs.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = logits.float() / dist.temperature
+    scaled = dist.scale(logits)
     if dist.truncates:
         scaled = scaled.masked_fill(~sampling_keep_mask(scaled, dist.top_k, dist.top_p), float("-inf"))
     logprobs = torch.log_softmax(scaled, dim=-1)

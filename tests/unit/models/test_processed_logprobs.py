@@ -17,6 +17,7 @@ from nemo_like.models.logprobs import (
     processed_token_logprobs_with_outside,
     sampling_keep_mask,
 )
+from nemo_like.models.processed_logprobs import token_logprobs_from_logits
 
 # (temperature, top_k, top_p): each rule alone, combined, and the degenerate ends.
 SETTINGS = [
@@ -356,3 +357,20 @@ def test_the_agreement_check_fails_when_the_trainer_ignores_the_truncation(hf_sa
     assert (gap > -1e-4).all()
     assert gap.abs().max() > 0.05 and gap.mean() > 1e-3
     print(f"untruncated trainer: max |gap| {gap.abs().max():.4f}, mean gap {gap.mean():.4f}, mean IS ratio {torch.exp(-gap).mean():.4f}")
+
+
+def test_scaling_at_temperature_one_is_the_float32_logits_bit_for_bit_gradient_included() -> None:
+    logits = (3 * torch.randn(4, 50, generator=torch.Generator().manual_seed(0))).requires_grad_()
+    targets = torch.randint(0, 50, (4,), generator=torch.Generator().manual_seed(1))
+    for temperature in (1.0, 0.7):
+        dist = SamplingDistribution(temperature)
+        scaled = dist.scale(logits)
+        assert torch.equal(scaled, logits.float() / temperature)
+        assert (scaled is logits) == (temperature == 1.0)  # no copy at temperature 1
+        (grad,) = torch.autograd.grad(token_logprobs_from_logits(logits, targets, dist)[0].sum(), logits)
+        divided = logits.float() / temperature
+        expected_lp = divided.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(divided, dim=-1)
+        (expected,) = torch.autograd.grad(expected_lp.sum(), logits)
+        assert torch.equal(grad, expected)
+    half = SamplingDistribution().scale(logits.detach().half())
+    assert half.dtype == torch.float32
