@@ -2,9 +2,10 @@
 
 On this project's CPU machines (AMD EPYC, 2 cores) ``F.linear`` in float32 runs at ~160-190 GFLOP/s whatever the
 shape, while oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op Inductor's CPU backend emits) runs the
-same product at ~350-400 GFLOP/s (in the machine's slow stretches ~125-130 against ~175-190), to float32 rounding (relative difference ~1e-6): ``python benchmarks/cpu_linear.py``
-measures both side by side. On small products oneDNN's per-call cost (~15-25 us) loses, so products under
-:data:`ONEDNN_MIN_MACS` multiply-accumulates keep ``F.linear``.
+same product at ~350-400 GFLOP/s (in the machine's slow stretches ~125-130 against ~175-190), to float32 rounding
+(relative difference ~1e-6): ``python benchmarks/cpu_linear.py`` measures both side by side. On small products
+oneDNN's per-call cost (~15-25 us) loses, so products under :data:`ONEDNN_MIN_MACS` multiply-accumulates keep
+``F.linear``.
 
 The op has no autograd formula; :class:`OneDNNLinear` gives it one: the input gradient is one more oneDNN product, the
 weight gradient ``dy.T @ x`` goes to BLAS, which reads both transposed operands in place (oneDNN would first copy the
@@ -67,12 +68,13 @@ class OneDNNLinear(torch.autograd.Function):
 
 
 def _onednn_serves(rows: int, weight: torch.Tensor) -> bool:
-    """Whether a product of ``rows`` rows with the plain float32 CPU ``weight`` goes to oneDNN (no CPU autocast)."""
+    """Whether a product of ``rows`` rows with the plain float32 CPU ``weight`` goes to oneDNN (no CPU autocast). The
+    size test comes first: most products of a small model stop there, and :func:`linear` asks for every one."""
     return (
-        type(weight) in _PLAIN
+        rows * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_MACS
+        and type(weight) in _PLAIN
         and weight.device.type == "cpu"
         and weight.dtype == torch.float32
-        and rows * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_MACS
         and not torch.is_autocast_enabled("cpu")
         and onednn_linear_available()
     )
@@ -82,7 +84,7 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` sends this product to oneDNN: plain (not DTensor) float32 CPU tensors, no CPU autocast,
     and at least :data:`ONEDNN_MIN_MACS` multiply-accumulates."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return type(x) in _PLAIN and x.device.type == "cpu" and x.dtype == torch.float32 and _onednn_serves(rows, weight)
+    return _onednn_serves(rows, weight) and type(x) in _PLAIN and x.device.type == "cpu" and x.dtype == torch.float32
 
 
 def prepacked(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -101,8 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     always for a :func:`prepacked` weight."""
     if weight.is_mkldnn:
         return _onednn(x, weight, bias)
-    # The size test first: most products of a small model stop here, and this function runs for every one of them.
-    if x.numel() // max(x.shape[-1], 1) * weight.shape[0] * weight.shape[-1] < ONEDNN_MIN_MACS or not uses_onednn(x, weight):
+    if not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return OneDNNLinear.apply(x, weight, bias)

@@ -313,8 +313,9 @@ def sample(
     KV cache copied to its rows. ``fused``: None picks :class:`FusedLlamaStep` where it applies; False forces the
     model's own forward (benchmarks and tests compare the two).
 
-    ``seed``: an int seeds one generator for the batch; a list gives row ``i`` its own (:func:`draw_per_row`, :func:`uniforms`), so a
-    row draws what it draws alone with that seed, whatever else is in the batch (its logits agree to float rounding).
+    ``seed``: an int seeds one generator for the batch; a list gives row ``i`` its own (:func:`draw_per_row`,
+    :func:`uniforms`), so a row draws what it draws alone with that seed, whatever else is in the batch (its logits
+    agree to float rounding).
 
     ``between_steps(t)``: called after token ``t`` of every row is drawn, before the forward that produces the
     logits of token ``t + 1``; it may replace the model's weights in place (an in-flight refit) and returns whether
