@@ -15,6 +15,7 @@ model wrote, not as the template's re-serialisation of the parsed JSON.
 
 from __future__ import annotations
 
+import bisect
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -32,13 +33,13 @@ class Continuations:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._encoded: list[tuple[str, tuple[int, ...]]] = []
+        self._encoded: list[tuple[str, tuple[int, ...]]] = []  # longest text first; equal lengths in the order added
         self._raw: dict[str, str] = {}
 
     def add(self, text: str, ids: Sequence[int]) -> None:
         """Remember that ``ids`` (a prompt plus its completion) encode ``text``."""
         with self._lock:
-            self._encoded.append((text, tuple(ids)))
+            bisect.insort(self._encoded, (text, tuple(ids)), key=lambda entry: -len(entry[0]))
 
     def remember_message(self, key: str, raw_text: str) -> None:
         """The assistant message with :func:`message_key` ``key`` was sampled as ``raw_text``."""
@@ -56,10 +57,12 @@ class Continuations:
         """The ids of the rendered prompt ``text``: the longest remembered text that starts it, with its ids, plus the
         remainder tokenised by ``tokenize_rest`` (as a continuation: no SentencePiece word marker of its own; default
         ``tokenize``); the whole text tokenised when none starts it."""
+        # Longest first, so the first match is the one: in a session that only extends, the latest completion, found
+        # with one comparison instead of one per earlier call.
         with self._lock:
-            candidates = [(t, ids) for t, ids in self._encoded if text.startswith(t)]
-        if not candidates:
+            match = next(((t, ids) for t, ids in self._encoded if len(t) <= len(text) and text.startswith(t)), None)
+        if match is None:
             return tokenize(text)
-        prefix_text, prefix_ids = max(candidates, key=lambda c: len(c[0]))
+        prefix_text, prefix_ids = match
         rest = text[len(prefix_text) :]
         return list(prefix_ids) + ((tokenize_rest or tokenize)(rest) if rest else [])

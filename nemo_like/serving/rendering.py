@@ -4,6 +4,11 @@ Messages are normalised for Hugging Face templates (text parts joined, tool-call
 message the server returned is replaced by the raw text the model sampled (:mod:`.continuation`). Text is decoded with
 every special token and no clean-up, so that decoded completions and rendered prompts are the same strings the ids
 encode.
+
+A fast tokenizer's encode and decode run on its Rust ``tokenizers.Tokenizer`` directly: for a short text the Python
+wrapper costs about as much again as the encoding itself, a few times per call, and a server call is mostly such Python.
+The wrapper's answers are checked against the direct ones on probe strings when the renderer is built
+(:func:`direct_backend`); a tokenizer whose wrapper does anything more keeps going through it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,31 @@ from nemo_like.serving.continuation import Continuations, message_key
 from nemo_like.serving.errors import bad_request, unsupported
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+#: Strings the direct path must encode and decode as the wrapper does: capitals, spaces at both ends and doubled, new lines,
+#: non-ASCII text, markup around and between special tokens (each special token is probed too).
+PROBES = (" Hello  WORLD ", "\n\nline\tend\n", "ünïcödé 中文 ✓", 'a<b>c</b> {"k": [1, 2]}', "x = 3.14*2 -> 6.28")
+
+
+def direct_backend(tokenizer: Any) -> Any | None:
+    """The Rust ``tokenizers.Tokenizer`` behind a fast ``tokenizer`` if calling it directly (``encode(text,
+    add_special_tokens=False).ids`` and ``decode(ids, skip_special_tokens=False)``) gives the wrapper's ids and text on
+    :data:`PROBES` and every special token alone, before and after text; None otherwise (a slow tokenizer, or a wrapper
+    that adds processing of its own)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None or not hasattr(backend, "encode") or not hasattr(backend, "decode"):
+        return None
+    specials = list(getattr(tokenizer, "all_special_tokens", []) or [])
+    probes = [*PROBES, *specials, *(f"a{t} b{t}" for t in specials), "".join(PROBES) + "".join(specials)]
+    try:
+        for text in probes:
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            decoded = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if backend.encode(text, add_special_tokens=False).ids != ids or backend.decode(ids, skip_special_tokens=False) != decoded:
+                return None
+    except Exception:  # a backend without these signatures: stay on the wrapper
+        return None
+    return backend
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -80,11 +110,17 @@ class Renderer:
         self.chat_template = chat_template
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template")
+        self._direct = direct_backend(tokenizer)
         self._anchor = self._atomic_special_token()
         self._anchor_decoded = self.decode([self._anchor[0]]) if self._anchor is not None else ""  # its text as decoded
 
     def tokenize(self, text: str) -> list[int]:
         """The ids of ``text`` (special-token markup included, no added BOS/EOS)."""
+        direct = self._direct
+        # Truncation or a fixed padding length may have been left on the shared backend by another caller: the
+        # wrapper would reset them for this call, so take the wrapper then.
+        if direct is not None and direct.truncation is None and (direct.padding is None or direct.padding["length"] is None):
+            return direct.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def tokenize_continuation(self, text: str) -> list[int]:
@@ -120,6 +156,8 @@ class Renderer:
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
         """The text of ``ids`` with every token, special ones included, without whitespace clean-up."""
+        if self._direct is not None:
+            return self._direct.decode(list(ids), skip_special_tokens=False)
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def chat_text(self, messages: list[Any], tools: list[dict[str, Any]] | None, continuations: Continuations | None) -> str:

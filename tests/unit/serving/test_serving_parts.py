@@ -4,15 +4,18 @@ message rendering, and request checks."""
 from __future__ import annotations
 
 import json
+import random
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from transformers import LlamaTokenizer
 
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.serving.continuation import Continuations, message_key
 from nemo_like.serving.errors import ServingError
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest
-from nemo_like.serving.rendering import Renderer
+from nemo_like.serving.rendering import Renderer, direct_backend
 from nemo_like.serving.server import is_loopback
 from nemo_like.serving.tool_parsers import TOOL_PARSERS, parse_hermes
 
@@ -86,6 +89,82 @@ def test_request_checks_and_sampling_settings():
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}], frobnicate=1)
     assert CompletionRequest(model="m", prompt=[1, 2]).requested_max_tokens() == 16
+
+
+SENTENCEPIECE = Path(__file__).parents[2] / "fixtures" / "tiny_sentencepiece"
+CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def shipped_and_sentencepiece() -> list:
+    sp = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=False, legacy=False, pad_token="<pad>")
+    return [load_tokenizer("embedded:tiny-tool-qwen2"), sp]
+
+
+def random_texts(tokenizer, count: int, seed: int) -> list[str]:
+    """Text the probes do not hold: runs of letters, digits, spaces, new lines, non-ASCII, markup and special tokens."""
+    rng = random.Random(seed)
+    pieces = ["a", "Zq", "  ", " ", "\n", "\t", "42", "é", "中", "🙂", "<", "/>", "{", '"', "’", *tokenizer.all_special_tokens]
+    return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 30))) for _ in range(count)]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["byte-level-bpe", "sentencepiece"])
+def test_the_renderer_encodes_and_decodes_on_the_rust_backend_as_the_wrapper_does(index):
+    tokenizer = shipped_and_sentencepiece()[index]
+    renderer = Renderer(tokenizer, CHATML)
+    assert renderer._direct is not None  # both fast tokenizers pass the probes: the direct path is what is tested here
+    for text in random_texts(tokenizer, 300, seed=index):
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert renderer.tokenize(text) == ids, text
+        assert renderer.decode(ids) == tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        assert renderer.tokenize_continuation(text) == Renderer(tokenizer, CHATML).tokenize_continuation(text)
+    # Truncation left on the shared backend by another caller: the wrapper resets it for its call, so must we.
+    tokenizer.backend_tokenizer.enable_truncation(max_length=2)
+    try:
+        long_text = "a b c d e f g h"
+        assert renderer.tokenize(long_text) == list(tokenizer(long_text, add_special_tokens=False)["input_ids"])
+        assert len(renderer.tokenize(long_text)) > 2
+    finally:
+        tokenizer.backend_tokenizer.no_truncation()
+
+
+def test_the_direct_path_adds_no_bos_where_the_tokenizer_would():
+    with_bos = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=True, legacy=False, pad_token="<pad>")
+    renderer = Renderer(with_bos, CHATML)
+    assert renderer._direct is not None and with_bos("hi")["input_ids"][0] == with_bos.bos_token_id
+    assert renderer.tokenize("hi") == list(with_bos("hi", add_special_tokens=False)["input_ids"])
+    assert with_bos.bos_token_id not in renderer.tokenize("hi")
+
+
+def test_a_wrapper_that_processes_text_itself_keeps_the_wrapper():
+    tokenizer = load_tokenizer("embedded:tiny-tool-qwen2")
+    assert direct_backend(tokenizer) is tokenizer.backend_tokenizer
+
+    class Lowercasing(type(tokenizer)):
+        def __call__(self, text, **kwargs):
+            return super().__call__(text.lower(), **kwargs)
+
+    tokenizer.__class__ = Lowercasing
+    assert direct_backend(tokenizer) is None
+    renderer = Renderer(tokenizer)
+    assert renderer.tokenize("Hello World") == list(tokenizer("Hello World", add_special_tokens=False)["input_ids"])
+
+
+def test_the_longest_remembered_prefix_is_reused_whatever_the_order_it_was_remembered_in():
+    continuations = Continuations()
+
+    def tokenize(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    continuations.add("ab", [1])
+    continuations.add("abcd", [2])
+    continuations.add("abc", [3])
+    continuations.add("ab", [4])  # the same text again: the first one remembered stays the one reused
+    continuations.add("abcdefgh", [5])  # longer than the prompts below: never a prefix of them
+    assert continuations.prompt_ids("abcdX", tokenize) == [2, ord("X")]
+    assert continuations.prompt_ids("abcX", tokenize) == [3, ord("X")]
+    assert continuations.prompt_ids("abX", tokenize) == [1, ord("X")]
+    assert continuations.prompt_ids("abcd", tokenize) == [2]
+    assert continuations.prompt_ids("xyz", tokenize) == tokenize("xyz")
 
 
 def test_loopback_addresses():
