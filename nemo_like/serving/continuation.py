@@ -11,6 +11,13 @@ template rewrote history) is tokenised whole and the session branches (:mod:`.tr
 It also maps every assistant message the server returned to the raw text the model sampled
 (:meth:`Continuations.raw_text`), so a message whose tool calls were parsed out is rendered back as the markup the
 model wrote, not as the template's re-serialisation of the parsed JSON.
+
+An agent sends its whole history at every call, so whatever touches every message at every call costs a session time
+quadratic in its turns (a peer measured re-rendering at 56% of generation time at 128 turns, trl#6250). Normalising
+the messages for the template is paid once per message: the previous call's messages and their normalised forms are
+kept (:meth:`Continuations.normalized`), and a message equal to the one sent at the same position last time, whose
+raw-text lookup still gives the same answer, is not normalised again. (Parsing the body and rendering the template
+still read the whole history: ``benchmarks/long_sessions.py``.)
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import bisect
 import json
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -28,6 +36,18 @@ def message_key(content: str | None, tool_calls: Sequence[dict[str, Any]] | None
     return json.dumps([content or "", calls])
 
 
+@dataclass(frozen=True)
+class RawLookup:
+    """What normalising an assistant message asked: the raw text remembered for ``key`` (None: none was)."""
+
+    key: str
+    raw_text: str | None
+
+
+#: Normalise one message (message, its index) -> (the template's form, the raw-text lookup it depended on or None).
+Normalize = Callable[[Any, int], tuple[dict[str, Any], RawLookup | None]]
+
+
 class Continuations:
     """Per session: (text, ids) of every completion so far, and returned assistant messages -> their raw text."""
 
@@ -35,6 +55,8 @@ class Continuations:
         self._lock = threading.Lock()
         self._encoded: list[tuple[str, tuple[int, ...]]] = []  # longest text first; equal lengths in the order added
         self._raw: dict[str, str] = {}
+        self._last_sent: list[Any] = []  # the messages of the last chat call
+        self._last_normalized: list[tuple[dict[str, Any], RawLookup | None]] = []  # theirs: (normalised, lookup)
 
     def add(self, text: str, ids: Sequence[int]) -> None:
         """Remember that ``ids`` (a prompt plus its completion) encode ``text``."""
@@ -50,6 +72,25 @@ class Continuations:
         """The raw sampled text of a returned message, or None for a message the server did not return."""
         with self._lock:
             return self._raw.get(key)
+
+    def normalized(self, messages: Sequence[Any], normalize: Normalize) -> list[dict[str, Any]]:
+        """``normalize(message, index)[0]`` of every message; the previous call's result is reused for a message equal
+        to the one at the same index then, unless its raw-text lookup would now answer differently."""
+        messages = list(messages)
+        with self._lock:
+            last_sent, last = self._last_sent, self._last_normalized
+            # Usually the history is the last call's, extended: one comparison of the lists, then only the lookups.
+            common = len(last_sent) if messages[: len(last_sent)] == last_sent else 0
+            reuse = [
+                index < len(last)
+                and (index < common or messages[index] == last_sent[index])
+                and (last[index][1] is None or self._raw.get(last[index][1].key) == last[index][1].raw_text)
+                for index in range(len(messages))
+            ]
+        entries = [last[index] if reuse[index] else normalize(message, index) for index, message in enumerate(messages)]
+        with self._lock:
+            self._last_sent, self._last_normalized = messages, entries
+        return [form for form, _ in entries]
 
     def prompt_ids(
         self, text: str, tokenize: Callable[[str], list[int]], tokenize_rest: Callable[[str], list[int]] | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nemo_like.serving.continuation import Continuations, message_key
+from nemo_like.serving.continuation import Continuations, RawLookup, message_key
 from nemo_like.serving.errors import bad_request, unsupported
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -82,24 +82,32 @@ def _template_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
 
 def normalize_message(message: Any, index: int, continuations: Continuations | None) -> dict[str, Any]:
     """One request message as the chat template gets it (raises a 400 naming ``messages[index]`` when malformed)."""
+    return _normalize(message, index, continuations)[0]
+
+
+def _normalize(message: Any, index: int, continuations: Continuations | None) -> tuple[dict[str, Any], RawLookup | None]:
+    """:func:`normalize_message`, and for an assistant message in a session the raw-text lookup it depended on."""
     where = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise bad_request(f"'{where}' needs a 'role' among {list(ROLES)}.", param=f"{where}.role")
     role = "system" if message["role"] == "developer" else message["role"]
     content = _text_content(message.get("content"), where)
     out: dict[str, Any] = {"role": role, "content": content}
+    lookup = None
     if role == "assistant":
         tool_calls = message.get("tool_calls") or None
-        raw = continuations.raw_text(message_key(message.get("content"), tool_calls)) if continuations else None
-        if raw is not None:
-            return {"role": "assistant", "content": raw}
+        if continuations is not None:
+            key = message_key(message.get("content"), tool_calls)
+            lookup = RawLookup(key, continuations.raw_text(key))
+            if lookup.raw_text is not None:
+                return {"role": "assistant", "content": lookup.raw_text}, lookup
         if tool_calls:
             out["tool_calls"] = _template_tool_calls(tool_calls, where)
     if role == "tool":
         for key in ("tool_call_id", "name"):
             if isinstance(message.get(key), str):
                 out[key] = message[key]
-    return out
+    return out, lookup
 
 
 class Renderer:
@@ -162,7 +170,10 @@ class Renderer:
 
     def chat_text(self, messages: list[Any], tools: list[dict[str, Any]] | None, continuations: Continuations | None) -> str:
         """The template's rendering of ``messages`` followed by the assistant generation prompt."""
-        normalized = [normalize_message(m, i, continuations) for i, m in enumerate(messages)]
+        if continuations is None:
+            normalized = [normalize_message(m, i, None) for i, m in enumerate(messages)]
+        else:  # a session's history is normalised once, not again at every call
+            normalized = continuations.normalized(messages, lambda m, i: _normalize(m, i, continuations))
         try:
             return self.tokenizer.apply_chat_template(
                 normalized, tools=tools or None, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template

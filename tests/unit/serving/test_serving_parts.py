@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from transformers import LlamaTokenizer
 
 from nemo_like.models.loading import load_tokenizer
-from nemo_like.serving.continuation import Continuations, message_key
+from nemo_like.serving.continuation import Continuations, RawLookup, message_key
 from nemo_like.serving.errors import ServingError
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nemo_like.serving.rendering import Renderer, direct_backend
@@ -165,6 +165,48 @@ def test_the_longest_remembered_prefix_is_reused_whatever_the_order_it_was_remem
     assert continuations.prompt_ids("abX", tokenize) == [1, ord("X")]
     assert continuations.prompt_ids("abcd", tokenize) == [2]
     assert continuations.prompt_ids("xyz", tokenize) == tokenize("xyz")
+
+
+def test_a_sessions_history_is_normalised_once_unless_a_message_or_its_raw_text_changes():
+    continuations = Continuations()
+    normalised: list[int] = []
+
+    def normalize(message, index):
+        normalised.append(index)
+        key = message["content"] if message["role"] == "assistant" else None
+        lookup = RawLookup(key, continuations.raw_text(key)) if key is not None else None
+        return {**message, "raw": lookup.raw_text if lookup else None}, lookup
+
+    user, answer, tool = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"}, {"role": "tool", "content": "7"}
+    history = [user, answer, tool]
+    assert continuations.normalized([user], normalize) == [{**user, "raw": None}] and normalised == [0]
+    assert [m["raw"] for m in continuations.normalized(history, normalize)] == [None, None, None] and normalised == [0, 1, 2]
+    again = [dict(m) for m in history] + [{"role": "assistant", "content": "a2"}]  # equal copies, as a new request parses them
+    continuations.normalized(again, normalize)
+    assert normalised == [0, 1, 2, 3]
+    continuations.remember_message("a1", "<raw a1>")  # the lookup message 1 depended on answers differently now
+    forms = continuations.normalized(again, normalize)
+    assert normalised == [0, 1, 2, 3, 1] and forms[1]["raw"] == "<raw a1>"
+    edited = [user, answer, {"role": "tool", "content": "8"}, again[3]]  # a client that rewrote one message
+    assert continuations.normalized(edited, normalize)[2]["content"] == "8" and normalised == [0, 1, 2, 3, 1, 2]
+    shorter = [user, {"role": "user", "content": "other"}]  # not an extension: equal messages by index are reused
+    assert continuations.normalized(shorter, normalize)[1]["content"] == "other" and normalised == [0, 1, 2, 3, 1, 2, 1]
+
+
+def test_a_renderings_text_does_not_depend_on_what_earlier_calls_normalised(renderer):
+    continuations = Continuations()
+    messages: list[dict] = [{"role": "system", "content": "s"}, {"role": "user", "content": "What is 2*3?"}]
+    for turn in range(6):
+        calls = [{"id": f"call_{turn}", "type": "function", "function": {"name": "calc", "arguments": '{"e": "2*3"}'}}]
+        messages = messages + [{"role": "assistant", "content": f"turn {turn}", "tool_calls": calls}, {"role": "tool", "content": "6"}]
+        if turn % 2 == 0:  # some answers were the server's (rendered as their raw text), some the client's own
+            continuations.remember_message(message_key(f"turn {turn}", calls), f"<raw {turn}>")
+        if turn == 3:
+            continuations.remember_message(message_key("turn 0", messages[2]["tool_calls"]), "<raw 0, again>")
+        fresh = Continuations()
+        fresh._raw = dict(continuations._raw)
+        assert renderer.chat_text(messages, None, continuations) == renderer.chat_text(messages, None, fresh)
+    assert "<raw 0, again>" in renderer.chat_text(messages, None, continuations)
 
 
 def test_loopback_addresses():
