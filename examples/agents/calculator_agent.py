@@ -12,6 +12,8 @@ against ``nemo-like serve`` (any session id, e.g. ``"debug"``) or any other Open
 from __future__ import annotations
 
 import json
+import threading
+from functools import lru_cache
 from typing import Any
 
 from openai import OpenAI
@@ -41,12 +43,31 @@ def run_tool(call: Any) -> str:
     return result.text if result.ok else f"error: {result.text}"
 
 
+_CLIENT_LOCK = threading.Lock()  # sessions start together: without it each would build its own client at first
+
+
+@lru_cache(maxsize=8)
+def _client(base_url: str, api_key: str) -> OpenAI:
+    return OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+
+
+def client_for(base_url: str, api_key: str) -> OpenAI:
+    """One client per server, shared by every session (thread-safe): building an ``OpenAI`` client costs tens of
+    milliseconds of CPU (its HTTP client's TLS setup), as much as several calls to a small model, so a client per
+    session would spend more on clients than on the rollout. Each call names its session in a header instead."""
+    with _CLIENT_LOCK:
+        return _client(base_url, api_key)
+
+
 def solve(base_url: str, api_key: str, session_id: str, prompt: list[dict[str, str]], metadata: dict[str, Any]) -> list[dict[str, Any]]:
     """Roll out one episode; returns the messages (the last assistant message holds the answer)."""
-    client = OpenAI(base_url=base_url, api_key=api_key, default_headers={"X-Session-Id": session_id}, max_retries=0)
+    client = client_for(base_url, api_key)
+    session = {"X-Session-Id": session_id}
     messages: list[dict[str, Any]] = list(prompt)
     for _ in range(MAX_CALLS):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_SCHEMA], max_tokens=MAX_TOKENS)
+        reply = client.chat.completions.create(
+            model="policy", messages=messages, tools=[CALCULATOR_SCHEMA], max_tokens=MAX_TOKENS, extra_headers=session
+        )
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:

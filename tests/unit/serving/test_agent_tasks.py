@@ -20,6 +20,7 @@ from nemo_like.environments.agent import AgentConfig, AgentSettings, final_answe
 from nemo_like.experience.agent_rollouts import outcome_of, per_session, run_session
 from nemo_like.plan.run_plan import agent_tasks
 from nemo_like.serving.standalone import build_server, serve
+from nemo_like.utils.imports import import_object
 from nemo_like.utils.seeds import agent_call_seed, agent_session_seed
 
 RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_agent_tiny_cpu.yaml"
@@ -126,6 +127,29 @@ def sample(srv, session_id: str, max_tokens: int = 16) -> list[int]:
         extra_body={"return_token_ids": True},
     )
     return reply.choices[0].model_extra["completion_token_ids"]
+
+
+def test_the_demo_agent_shares_one_client_and_each_call_lands_in_its_own_session(server) -> None:
+    """The demo agent builds one OpenAI client per server (a client costs ~35 ms to build) and names its session per
+    call: concurrent sessions on the shared client must each record exactly their own calls."""
+    solve, clients = import_object(AGENT), import_object(AGENT.replace(":solve", ":_client"))
+    clients.cache_clear()
+    sessions = [server.sessions.open(metadata={"seed": 40 + i}) for i in range(4)]
+    prompt = [{"role": "user", "content": "What is 347 times 28?"}]
+    returned: dict[str, list] = {}
+    threads = [
+        threading.Thread(target=lambda sid=sid: returned.update({sid: solve(server.base_url, server.api_key, sid, prompt, {})}))
+        for sid in sessions
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert (clients.cache_info().misses, clients.cache_info().hits) == (1, 3)  # one client built, though they started together
+    for sid in sessions:
+        calls = sum(m["role"] == "assistant" for m in returned[sid])
+        result = server.sessions.end(sid)
+        assert calls >= 1 and result.num_calls == calls, (sid, calls, result.num_calls)
 
 
 def test_a_seeded_session_samples_the_same_calls_again_and_stops_at_its_budget(server) -> None:
