@@ -134,6 +134,28 @@ def report_lora(cfg: MasterConfig, policy: Policy, plan: RunPlan) -> None:
         )
 
 
+def start_policy_and_reference(cfg: MasterConfig, plan: RunPlan) -> tuple[Policy, Policy | AdapterDisabledReference | None]:
+    """The trainable policy and, where the plan loads one, the reference model, their workers started together (each
+    worker's start is mostly imports and loading the model, and the reference does not need the policy's); then both
+    waited for. A failure releases both groups."""
+    policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn), plan=plan, wait=False)
+    reference: Policy | AdapterDisabledReference | None = None
+    try:
+        if plan.logprobs.load_reference_model:
+            reference = Policy(cfg, "reference", trainable=False, plan=plan, wait=False)
+        policy.wait_ready()
+        if isinstance(reference, Policy):
+            reference.wait_ready()
+    except BaseException:
+        for started in (policy, reference):
+            if isinstance(started, Policy):
+                started.group.kill()
+        raise
+    if reference is None and plan.logprobs.reference_from_policy:
+        reference = AdapterDisabledReference(policy)
+    return policy, reference
+
+
 def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
     env_specs = check_plugin_names(cfg)  # fail fast in the driver, not inside an actor
@@ -166,12 +188,7 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     agent_settings = load_agents(env_specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
     mode = init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
-    policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn), plan=plan)
-    reference: Policy | AdapterDisabledReference | None = None
-    if plan.logprobs.load_reference_model:
-        reference = Policy(cfg, "reference", trainable=False, plan=plan)
-    elif plan.logprobs.reference_from_policy:
-        reference = AdapterDisabledReference(policy)
+    policy, reference = start_policy_and_reference(cfg, plan)
     teacher = Teachers(cfg, plan) if plan.logprobs.compute_teacher else None
     plan = plan.with_forward(policy.forward_description)
     report_lora(cfg, policy, plan)

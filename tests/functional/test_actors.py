@@ -159,3 +159,34 @@ def test_forcing_the_shared_prompt_forward_on_a_non_llama_model_ends_in_one_mess
         WorkerFailure, match="its constructor raised ValueError: policy.shared_prompt_forward=true cannot apply: GPT2LMHeadModel"
     ):
         Policy(cfg, "gpt2-forced", loss_fn=ClippedPGLossFn(cfg.loss_fn))
+
+
+def test_a_failed_start_of_the_policy_releases_the_reference_started_beside_it(ray_cluster, tmp_path, monkeypatch):
+    """setup starts the policy's and the reference's workers together (the order is checked in
+    test_grpo_end_to_end.py's two-step run): when the policy's start fails, the reference's group is released too."""
+    import ray
+
+    from nemo_like.algorithms.setup import start_policy_and_reference
+
+    cfg = tiny_config(tmp_path)  # the tiny recipe's KL penalty loads a reference model
+    plan = plan_on_cluster(cfg)
+    assert plan.logprobs.load_reference_model
+    real_init = Policy.__init__
+    groups = []
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        groups.append(self.group)
+
+    def failing_wait(self):
+        raise RuntimeError(f"the {self.name} could not start")
+
+    monkeypatch.setattr(Policy, "__init__", recording_init)
+    monkeypatch.setattr(Policy, "wait_ready", failing_wait)
+    with pytest.raises(RuntimeError, match="the policy could not start"):
+        start_policy_and_reference(cfg, plan)
+    assert len(groups) == 2
+    for group in groups:  # both released: their actors are gone
+        for worker in group.workers:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(worker.__ray_ready__.remote(), timeout=30)

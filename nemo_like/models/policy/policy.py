@@ -109,12 +109,15 @@ class Policy:
         trainable: bool = True,
         loss_fn: LossFunction | None = None,
         plan: RunPlan | None = None,
+        *,
+        wait: bool = True,
     ) -> None:
         """``loss_fn``: the run's loss (a :class:`~nemo_like.models.policy.loss_protocol.LossFunction`, e.g. the clipped
         PG loss), built once by the driver (required when ``trainable``; the reference needs none). ``plan``: the run's
         plan (its thread split, and what a refit sends: :func:`nemo_like.plan.refit.refit_mode`); ``None``, for a caller
         outside a run: decided here on the running cluster. Every worker is built from one
-        :class:`~nemo_like.models.policy.spec.PolicyWorkerSpec` of ``cfg``."""
+        :class:`~nemo_like.models.policy.spec.PolicyWorkerSpec` of ``cfg``. ``wait=False``: return once the workers are
+        spawned; :meth:`wait_ready` then waits for them (so that several models' workers start at the same time)."""
         if trainable and loss_fn is None:
             raise ValueError(f"the trainable policy '{name}' needs the run's loss_fn")
         self.cfg = cfg
@@ -130,21 +133,11 @@ class Policy:
         self.group = RayWorkerGroup(
             name, PolicyWorker, num_workers, role.resources, init, cfg.cluster.placement_timeout_s, strategy=cfg.cluster.placement_strategy
         )
-        try:  # a worker whose constructor raised (a config it cannot serve) fails the first call: release the group
-            if num_workers > 1:
-                address, port = get_with_context(self.group.run_rank0("rendezvous_address"), f"{name}: rendezvous")
-                get_with_context(self.group.run_all("setup_distributed", address, port), f"{name}: process group")
-            counts = get_with_context(self.group.run_rank0("parameter_counts"), f"{name}: parameter counts")
-            self.forward_description = get_with_context(self.group.run_rank0("describe_forward"), f"{name}: forward")
-        except BaseException:
-            self.group.kill()
-            raise
         self.name = name
+        self._ready = False
         self.weight_version = 0
         self.refit_mode = plan.refit.value if trainable else "full"
         self._refit_bytes = 0  # exported since the last take_refit_bytes()
-        self.trainable_params, self.total_params = counts["trainable"], counts["total"]
-        self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends
         self._prev_passes = Increments()  # read by train(): the prev passes since the last update
         self._logprob_passes = Increments()  # read by take_logprob_passes()
         # Full-weight refits on a one-node CPU cluster go through a shared-memory buffer; LoRA's adapter and merged
@@ -155,6 +148,29 @@ class Policy:
             and shared_memory_refit_possible(cfg.cluster.gpus_per_node, shared_memory_available(), alive_node_count())
         )
         self._fresh_refit_buffer = True
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> Policy:
+        """Wait until every worker is built (and, with several, joined in one process group); read the parameter
+        counts and the forward the workers chose. A worker whose constructor raised (a config it cannot serve) fails
+        here, and the group is released. Returns ``self``; a second call returns at once."""
+        if self._ready:
+            return self
+        name = self.name
+        try:
+            if len(self.group) > 1:
+                address, port = get_with_context(self.group.run_rank0("rendezvous_address"), f"{name}: rendezvous")
+                get_with_context(self.group.run_all("setup_distributed", address, port), f"{name}: process group")
+            counts = get_with_context(self.group.run_rank0("parameter_counts"), f"{name}: parameter counts")
+            self.forward_description = get_with_context(self.group.run_rank0("describe_forward"), f"{name}: forward")
+        except BaseException:
+            self.group.kill()
+            raise
+        self.trainable_params, self.total_params = counts["trainable"], counts["total"]
+        self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends
+        self._ready = True
+        return self
 
     def get_logprobs_async(self, batch: Batch, reference: bool = False) -> list[ray.ObjectRef]:
         """Start a logprob pass sharded over the workers; pass the result to :meth:`gather_logprobs`.
