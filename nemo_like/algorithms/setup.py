@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from dataclasses import dataclass
@@ -134,26 +135,27 @@ def report_lora(cfg: MasterConfig, policy: Policy, plan: RunPlan) -> None:
         )
 
 
-def start_policy_and_reference(cfg: MasterConfig, plan: RunPlan) -> tuple[Policy, Policy | AdapterDisabledReference | None]:
-    """The trainable policy and, where the plan loads one, the reference model, their workers started together (each
-    worker's start is mostly imports and loading the model, and the reference does not need the policy's); then both
-    waited for. A failure releases both groups."""
+def spawn_policy_and_reference(cfg: MasterConfig, plan: RunPlan) -> tuple[Policy, Policy | None]:
+    """The trainable policy's workers and, where the plan loads one, the reference model's, spawned and not waited for
+    (:meth:`Policy.wait_ready`): each start is mostly imports and loading the model, and neither needs the other."""
     policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn), plan=plan, wait=False)
-    reference: Policy | AdapterDisabledReference | None = None
     try:
-        if plan.logprobs.load_reference_model:
-            reference = Policy(cfg, "reference", trainable=False, plan=plan, wait=False)
-        policy.wait_ready()
-        if isinstance(reference, Policy):
-            reference.wait_ready()
+        reference = Policy(cfg, "reference", trainable=False, plan=plan, wait=False) if plan.logprobs.load_reference_model else None
     except BaseException:
-        for started in (policy, reference):
-            if isinstance(started, Policy):
-                started.group.kill()
+        policy.group.kill()
         raise
-    if reference is None and plan.logprobs.reference_from_policy:
-        reference = AdapterDisabledReference(policy)
     return policy, reference
+
+
+def release_on_failure(models: tuple[Policy | None, ...], parts: list[Any]) -> None:
+    """After a failed set-up: kill the spawned models' workers and shut the other started parts down (their errors
+    are not allowed to hide the one being raised)."""
+    for model in models:
+        if model is not None:
+            model.group.kill()
+    for part in parts:
+        with contextlib.suppress(Exception):
+            part.shutdown()
 
 
 def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
@@ -188,12 +190,28 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     agent_settings = load_agents(env_specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
     mode = init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
-    policy, reference = start_policy_and_reference(cfg, plan)
-    teacher = Teachers(cfg, plan) if plan.logprobs.compute_teacher else None
+    # Every role's workers start at the same time, taking their resources in the order they always did (policy,
+    # reference, teacher, generation, environments); only then are the policy's and the reference's waited for.
+    policy, spawned_reference = spawn_policy_and_reference(cfg, plan)
+    started: list[Any] = []  # shut down if set-up fails from here on
+    try:
+        teacher = Teachers(cfg, plan) if plan.logprobs.compute_teacher else None
+        started.append(teacher)
+        generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, plan)
+        started.append(generation)
+        environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
+        started.append(environments)
+        for model in (policy, spawned_reference):
+            if model is not None:
+                model.wait_ready()
+    except BaseException:
+        release_on_failure((policy, spawned_reference), [p for p in started if p is not None])
+        raise
+    reference: Policy | AdapterDisabledReference | None = spawned_reference
+    if reference is None and plan.logprobs.reference_from_policy:
+        reference = AdapterDisabledReference(policy)
     plan = plan.with_forward(policy.forward_description)
     report_lora(cfg, policy, plan)
-    generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, plan)
-    environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
     agents = None
     if plan.agent_tasks:  # the rollout server on the driver, sampling with the run's engine (docs/guides/agents.md)
         agents = start_agent_rollouts(cfg, tokenizer, generation, eos_token_ids(tokenizer), agent_settings)

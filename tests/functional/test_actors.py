@@ -161,32 +161,42 @@ def test_forcing_the_shared_prompt_forward_on_a_non_llama_model_ends_in_one_mess
         Policy(cfg, "gpt2-forced", loss_fn=ClippedPGLossFn(cfg.loss_fn))
 
 
-def test_a_failed_start_of_the_policy_releases_the_reference_started_beside_it(ray_cluster, tmp_path, monkeypatch):
-    """setup starts the policy's and the reference's workers together (the order is checked in
-    test_grpo_end_to_end.py's two-step run): when the policy's start fails, the reference's group is released too."""
+def test_a_failed_start_of_the_policy_releases_every_actor_started_beside_it(ray_cluster, tmp_path, monkeypatch):
+    """setup starts every role's workers together (the order is checked in test_grpo_end_to_end.py's two-step run):
+    when the policy's start fails, the reference's and the environments' actors started beside it are released too."""
     import ray
 
-    from nemo_like.algorithms.setup import start_policy_and_reference
+    from nemo_like.algorithms import setup as grpo_setup
+    from nemo_like.distributed import worker_group
 
     cfg = tiny_config(tmp_path)  # the tiny recipe's KL penalty loads a reference model
-    plan = plan_on_cluster(cfg)
-    assert plan.logprobs.load_reference_model
-    real_init = Policy.__init__
-    groups = []
+    assert plan_on_cluster(cfg).logprobs.load_reference_model
+    real_init, real_environments = Policy.__init__, grpo_setup.Environments
+    workers, environment_workers = [], []
 
     def recording_init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
-        groups.append(self.group)
+        workers.extend(self.group.workers)
+
+    def recording_environments(*args, **kwargs):
+        environments = real_environments(*args, **kwargs)
+        environment_workers.extend(w for group in environments.groups.values() for w in group.workers)
+        return environments
 
     def failing_wait(self):
         raise RuntimeError(f"the {self.name} could not start")
 
     monkeypatch.setattr(Policy, "__init__", recording_init)
+    monkeypatch.setattr(grpo_setup, "Environments", recording_environments)
     monkeypatch.setattr(Policy, "wait_ready", failing_wait)
     with pytest.raises(RuntimeError, match="the policy could not start"):
-        start_policy_and_reference(cfg, plan)
-    assert len(groups) == 2
-    for group in groups:  # both released: their actors are gone
-        for worker in group.workers:
+        grpo_setup.setup_grpo(cfg)
+    assert len(workers) == 2 and environment_workers  # the policy's, the reference's, the environments' actors
+    for worker in workers:  # the models' workers are gone
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.__ray_ready__.remote(), timeout=30)
+    idle = {w for group in worker_group._POOL.idle for w in group.workers}
+    for worker in environment_workers:  # the environments' actors were shut down: killed, or idle for reuse in tests
+        if worker not in idle:
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(worker.__ray_ready__.remote(), timeout=30)
