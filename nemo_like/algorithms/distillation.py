@@ -52,17 +52,31 @@ class Teachers:
     """The run's teacher models, each a frozen :class:`~nemo_like.models.policy.policy.Policy` of its own workers, and
     which one scores each sample (by its prompt's task: ``teacher.by_task``, else ``teacher.model_name``)."""
 
-    def __init__(self, cfg: MasterConfig, plan: Any) -> None:
+    def __init__(self, cfg: MasterConfig, plan: Any, *, wait: bool = True) -> None:
+        """``wait=False``: return once every teacher's workers are spawned; :meth:`wait_ready` waits for them."""
         from nemo_like.models.policy.policy import Policy
 
         self.cfg = cfg
         self.models: dict[str, Any] = {}
         try:
             for i, name in enumerate(cfg.teacher.models()):
-                self.models[name] = Policy(teacher_config(cfg, name), "teacher" if i == 0 else f"teacher{i}", trainable=False, plan=plan)
+                role = "teacher" if i == 0 else f"teacher{i}"
+                self.models[name] = Policy(teacher_config(cfg, name), role, trainable=False, plan=plan, wait=False)
         except BaseException:
             self.shutdown()
             raise
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> Teachers:
+        """Wait for every teacher's workers (their starts overlap); a failure releases every teacher."""
+        try:
+            for model in self.models.values():
+                model.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
 
     def rows_by_model(self, tasks: list[str]) -> dict[str, list[int]]:
         """The batch rows each teacher scores (rows whose task has no teacher are in none)."""

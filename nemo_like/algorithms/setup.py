@@ -195,13 +195,13 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     policy, spawned_reference = spawn_policy_and_reference(cfg, plan)
     started: list[Any] = []  # shut down if set-up fails from here on
     try:
-        teacher = Teachers(cfg, plan) if plan.logprobs.compute_teacher else None
+        teacher = Teachers(cfg, plan, wait=False) if plan.logprobs.compute_teacher else None
         started.append(teacher)
         generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, plan)
         started.append(generation)
         environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
         started.append(environments)
-        for model in (policy, spawned_reference):
+        for model in (policy, spawned_reference, teacher):
             if model is not None:
                 model.wait_ready()
     except BaseException:

@@ -9,6 +9,7 @@ from functional.helpers import ckpt_overrides, tiny_config
 from safetensors.torch import load_file
 
 from nemo_like.models.assets import default_model_path, embedded_model_path
+from nemo_like.models.policy.policy import Policy
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
@@ -16,7 +17,11 @@ DISTIL = ("distillation.task_advantage_weight=0", "loss_fn.reference_policy_kl_p
 KL_LOSS = "distillation/kl_loss"
 
 
-def test_a_teacher_equal_to_the_student_gives_zero_advantages_and_changes_no_weight(ray_cluster, tmp_path):
+def test_a_teacher_equal_to_the_student_gives_zero_advantages_and_changes_no_weight(ray_cluster, tmp_path, monkeypatch):
+    spawned, waited = [], []  # setup starts the teacher's workers before it waits for the policy's
+    real_init, real_wait = Policy.__init__, Policy.wait_ready
+    monkeypatch.setattr(Policy, "__init__", lambda self, *a, **k: (real_init(self, *a, **k), spawned.append(self.name))[0])
+    monkeypatch.setattr(Policy, "wait_ready", lambda self: (waited.append((self.name, list(spawned))), real_wait(self))[1])
     ckpt = tmp_path / "ckpt"
     kl = (
         "distillation.kl_weight=1",
@@ -28,6 +33,7 @@ def test_a_teacher_equal_to_the_student_gives_zero_advantages_and_changes_no_wei
         tmp_path, "grpo.max_num_steps=1", "teacher.model_name=embedded:tiny-arith-qwen2", *DISTIL, *kl, *ckpt_overrides(ckpt, 1)
     )
     (record,) = [r for r in train(cfg) if r["step"] == 1]
+    assert waited[:2] == [("policy", ["policy", "teacher"]), ("teacher", ["policy", "teacher"])]  # no reference: KL 0
     assert record["distillation/teacher_kl"] == 0.0 and record["distillation/advantage_mean"] == 0.0
     assert record[KL_LOSS] == 0.0  # the KL loss term: exactly 0, and (below) its gradient too
     assert record["distillation/teacher_logprob_mean"] == record["distillation/student_logprob_mean"] < 0
