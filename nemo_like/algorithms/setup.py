@@ -135,18 +135,6 @@ def report_lora(cfg: MasterConfig, policy: Policy, plan: RunPlan) -> None:
         )
 
 
-def spawn_policy_and_reference(cfg: MasterConfig, plan: RunPlan) -> tuple[Policy, Policy | None]:
-    """The trainable policy's workers and, where the plan loads one, the reference model's, spawned and not waited for
-    (:meth:`Policy.wait_ready`): each start is mostly imports and loading the model, and neither needs the other."""
-    policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn), plan=plan, wait=False)
-    try:
-        reference = Policy(cfg, "reference", trainable=False, plan=plan, wait=False) if plan.logprobs.load_reference_model else None
-    except BaseException:
-        policy.group.kill()
-        raise
-    return policy, reference
-
-
 def release_on_failure(models: tuple[Policy | None, ...], parts: list[Any]) -> None:
     """After a failed set-up: kill the spawned models' workers and shut the other started parts down (their errors
     are not allowed to hide the one being raised)."""
@@ -191,10 +179,14 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     mode = init_ray(cfg.cluster)
     ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
     # Every role's workers start at the same time, taking their resources in the order they always did (policy,
-    # reference, teacher, generation, environments); only then are the policy's and the reference's waited for.
-    policy, spawned_reference = spawn_policy_and_reference(cfg, plan)
+    # reference, teachers, generation, environments); only then are the models' workers waited for (each start is
+    # mostly imports and loading a model, and none needs another's).
+    policy = Policy(cfg, "policy", trainable=True, loss_fn=ClippedPGLossFn(cfg.loss_fn), plan=plan, wait=False)
+    spawned_reference: Policy | None = None
     started: list[Any] = []  # shut down if set-up fails from here on
     try:
+        if plan.logprobs.load_reference_model:
+            spawned_reference = Policy(cfg, "reference", trainable=False, plan=plan, wait=False)
         teacher = Teachers(cfg, plan, wait=False) if plan.logprobs.compute_teacher else None
         started.append(teacher)
         generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, plan)

@@ -95,3 +95,34 @@ def listeners(procs: list[psutil.Process]) -> dict[tuple[int, str, int], str]:
         for conn in psutil.net_connections(kind="tcp")
         if conn.status == psutil.CONN_LISTEN and conn.pid in names
     }
+
+
+def record_model_starts(monkeypatch, environments_owner=None) -> list[tuple[str, list[str]]]:
+    """Record, for each model waited for (``Policy.wait_ready``), the models (and, with ``environments_owner``, the
+    module whose ``Environments`` set-up calls, ``"environments"``) spawned by then. The real classes still run."""
+    from nemo_like.models.policy.policy import Policy
+
+    spawned: list[str] = []
+    waited: list[tuple[str, list[str]]] = []
+    real_init, real_wait = Policy.__init__, Policy.wait_ready
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        spawned.append(self.name)
+
+    def recording_wait(self):
+        waited.append((self.name, list(spawned)))
+        return real_wait(self)
+
+    monkeypatch.setattr(Policy, "__init__", recording_init)
+    monkeypatch.setattr(Policy, "wait_ready", recording_wait)
+    if environments_owner is not None:
+        real_environments = environments_owner.Environments
+
+        def recording_environments(*args, **kwargs):
+            environments = real_environments(*args, **kwargs)
+            spawned.append("environments")
+            return environments
+
+        monkeypatch.setattr(environments_owner, "Environments", recording_environments)
+    return waited

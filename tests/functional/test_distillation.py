@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from functional.helpers import ckpt_overrides, tiny_config
+from functional.helpers import ckpt_overrides, record_model_starts, tiny_config
 from safetensors.torch import load_file
 
 from nemo_like.models.assets import default_model_path, embedded_model_path
-from nemo_like.models.policy.policy import Policy
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
@@ -18,10 +17,7 @@ KL_LOSS = "distillation/kl_loss"
 
 
 def test_a_teacher_equal_to_the_student_gives_zero_advantages_and_changes_no_weight(ray_cluster, tmp_path, monkeypatch):
-    spawned, waited = [], []  # setup starts the teacher's workers before it waits for the policy's
-    real_init, real_wait = Policy.__init__, Policy.wait_ready
-    monkeypatch.setattr(Policy, "__init__", lambda self, *a, **k: (real_init(self, *a, **k), spawned.append(self.name))[0])
-    monkeypatch.setattr(Policy, "wait_ready", lambda self: (waited.append((self.name, list(spawned))), real_wait(self))[1])
+    waited = record_model_starts(monkeypatch)  # setup starts the teacher's workers before it waits for the policy's
     ckpt = tmp_path / "ckpt"
     kl = (
         "distillation.kl_weight=1",

@@ -4,12 +4,11 @@ import json
 from pathlib import Path
 
 import pytest
-from functional.helpers import REPO, read_metrics, tiny_config
+from functional.helpers import REPO, read_metrics, record_model_starts, tiny_config
 
 from nemo_like.algorithms import setup as grpo_setup
 from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.models.footprint import planned_memory_lines
-from nemo_like.models.policy.policy import Policy
 from nemo_like.plan.backend import resolve_backend
 from nemo_like.train import train
 
@@ -52,11 +51,7 @@ def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path
     # The scaled policy (dp 2 FSDP2, packing, chunked logprobs, refit gathered from shards) with HF generation sampling
     # under top-k, top-p and a temperature (vLLM: test_vllm_backend.py's GRPO run).
     cfg = tiny_config(tmp_path, *SCALED, "policy.generation.backend=hf", "grpo.val_num_generations_per_prompt=2", *TRUNCATED_SAMPLING)
-    spawned, waited = [], []  # setup starts every role's workers before it waits for the policy's
-    real_init, real_wait, real_environments = Policy.__init__, Policy.wait_ready, grpo_setup.Environments
-    monkeypatch.setattr(Policy, "__init__", lambda self, *a, **k: (real_init(self, *a, **k), spawned.append(self.name))[0])
-    monkeypatch.setattr(Policy, "wait_ready", lambda self: (waited.append((self.name, list(spawned))), real_wait(self))[1])
-    monkeypatch.setattr(grpo_setup, "Environments", lambda *a, **k: (real_environments(*a, **k), spawned.append("environments"))[0])
+    waited = record_model_starts(monkeypatch, grpo_setup)  # setup starts every role's workers before it waits for any
     history = train(cfg)
     everything = ["policy", "reference", "environments"]
     assert waited[:2] == [("policy", everything), ("reference", everything)]
