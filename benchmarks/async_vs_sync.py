@@ -1,25 +1,28 @@
-"""Steps per second of the same recipe run sync and async (``grpo.async_grpo.enabled``), one run each.
+"""Steps per second of the same recipe run sync and async (``grpo.async_grpo.enabled``), in interleaved pairs of runs.
 
-Usage: python benchmarks/async_vs_sync.py [--steps 20] [--setting tiny|generation-heavy|both] [overrides ...]
+Usage: python benchmarks/async_vs_sync.py [--steps 20] [--pairs 3] [--setting tiny|generation-heavy|both] [overrides ...]
 
 Settings:
 * ``tiny``: the shipped recipe as is (training is the larger share of a sync step);
 * ``generation-heavy``: the same recipe on an *untrained* copy of the tiny architecture (random
-  weights, so it rarely samples the stop token) with up to 48 new tokens: every response runs ~48
-  tokens, decoding is 48 sequential engine steps, and generation becomes the larger share of a sync
-  step while training stays cheap. (Rewards are ~0 there: it measures throughput, not learning.)
+  weights, so it rarely samples the stop token) with up to 64 new tokens and 4 samples per prompt: responses run
+  ~57 tokens, decoding is up to 64 sequential engine steps, and generation becomes about half of a sync step while
+  training stays cheap. (Rewards are ~0 there: it measures throughput, not learning.)
 
-Both loops run the engine async resolves to (``policy.generation.backend=auto``: the HF engine actor on a CPU
-cluster), so the ratio measures the loop, not the engine; when a sync run's default engine differs (``inline`` on a CPU cluster, see
-docs/guides/generation.md), that third run is printed too, with async's ratio to it.
+The headline is async against the sync loop a user runs without it: the same recipe with its default engine
+(``policy.generation.backend=auto``: inline generation on a CPU cluster, see docs/guides/generation.md). A single pair
+of runs moves by 0.1-0.3 with the machine's speed, so ``--pairs`` pairs run alternately, sync first in odd pairs and
+async first in even ones (a machine that speeds up or slows down during the invocation favours neither side), and the
+script prints each pair's ratio and their median [min, max]. When async's engine differs from sync's default (the HF
+engine actor on a CPU cluster), one more sync run on async's engine follows the pairs, so that the loop can be told
+apart from the engine.
 
-For each setting it prints steps/s sync and async and their ratio, then where an async step's time
-went: the trainer waiting for data, the trainer waiting for the batch in flight before a refit, and
-the collector's generation seconds, pause for refit and wait for pacing (all per step, medians), and the
-best ratio the two sides' busy times allow (sync step / the busier side's seconds per async step).
-The first ``--warmup`` steps of each run (actor warm-up) are left out. Threads per worker are the
-automatic split unless overridden (``policy.num_threads_per_worker=N``; docs/guides/scaling.md), and
-the split each mode used is printed.
+Then, over every measured step of the async runs: where an async step's time went (the trainer waiting for data,
+the trainer waiting for the batch in flight before a refit, the collector's generation seconds, pause for refit and
+wait for pacing; medians), and the best ratio the two sides' busy times allow (a sync step / the busier side's seconds
+per async step). The first ``--warmup`` steps of each run (actor warm-up) are left out. Threads per worker are the
+automatic split unless overridden (``policy.num_threads_per_worker=N``; docs/guides/scaling.md), and the split each
+mode used is printed.
 """
 
 from __future__ import annotations
@@ -82,37 +85,49 @@ def median(history: list[dict], key: str) -> float:
     return statistics.median(h.get(key, 0.0) for h in history)
 
 
-def compare(name: str, steps: int, warmup: int, extra: list[str]) -> None:
+def compare(name: str, steps: int, warmup: int, extra: list[str], pairs: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [*SETTINGS[name], *extra]
         if name == "generation-heavy":
             overrides.insert(0, f"policy.model_name={build_untrained_tiny(Path(tmp) / 'untrained-tiny')}")
-        # The loops are compared on the engine async uses; a sync run's default engine may differ (inline on CPU),
-        # and that run is measured too when it does.
+        # The headline compares async with the sync loop a user runs without it (its default engine: inline on a CPU
+        # cluster), in interleaved pairs; sync on async's own engine runs once after them when the two engines differ.
         engine = resolve_backend(load_config(DEFAULT_RECIPE, [*SETTINGS[name], *extra, *ASYNC], warn=False))[0]
         default = resolve_backend(load_config(DEFAULT_RECIPE, [*SETTINGS[name], *extra], warn=False))[0]
-        sync = run([*overrides, f"policy.generation.backend={engine}"], steps, f"{tmp}/sync")[warmup:]
-        async_ = run([*overrides, *ASYNC], steps, f"{tmp}/async")[warmup:]
-        sync_default = run(overrides, steps, f"{tmp}/sync_default")[warmup:] if default != engine else None
-    sync_rate, async_rate = steps_per_second(sync), steps_per_second(async_)
-    print(f"== {name} ({len(sync)} steps measured of {steps}; both loops with the {engine} engine) ==")
+        runs: dict[str, list[list[dict]]] = {"sync": [], "async": []}
+        for pair in range(pairs):
+            order = ("sync", "async") if pair % 2 == 0 else ("async", "sync")  # ABBA: a drifting machine cancels out
+            for mode in order:
+                history = run([*overrides, *(ASYNC if mode == "async" else [])], steps, f"{tmp}/{mode}{pair}")[warmup:]
+                runs[mode].append(history)
+        same_engine = (
+            run([*overrides, f"policy.generation.backend={engine}"], steps, f"{tmp}/sync_engine")[warmup:] if default != engine else None
+        )
+    sync_runs, async_runs = runs["sync"], runs["async"]
+    ratios = [steps_per_second(a) / steps_per_second(s) for s, a in zip(sync_runs, async_runs)]
+    sync, async_ = [h for r in sync_runs for h in r], [h for r in async_runs for h in r]  # every measured step, pooled
+    print(f"== {name} ({len(sync_runs[0])} steps measured of {steps} per run; {pairs} interleaved pair(s) of runs) ==")
     gen_share = median(sync, "timing/train/generation") / median(sync, "timing/train/total_step_time")
     print(
-        f"sync : {sync_rate:.3f} steps/s (median step {median(sync, 'timing/train/total_step_time'):.3f}s; "
-        f"generation {median(sync, 'timing/train/generation'):.3f}s = {gen_share:.0%} of it, "
-        f"training {median(sync, 'timing/train/policy_training'):.3f}s, mean response {median(sync, 'train/mean_response_length'):.1f} tokens)"
+        f"sync ({default} engine, the default): " + " ".join(f"{steps_per_second(r):.3f}" for r in sync_runs) + " steps/s "
+        f"(median step {median(sync, 'timing/train/total_step_time'):.3f}s; generation {median(sync, 'timing/train/generation'):.3f}s "
+        f"= {gen_share:.0%} of it, training {median(sync, 'timing/train/policy_training'):.3f}s, "
+        f"mean response {median(sync, 'train/mean_response_length'):.1f} tokens)"
     )
     print(
-        f"async: {async_rate:.3f} steps/s (median step {median(async_, 'timing/train/total_step_time'):.3f}s; "
-        f"training {median(async_, 'timing/train/policy_training'):.3f}s)"
+        f"async ({engine} engine): " + " ".join(f"{steps_per_second(r):.3f}" for r in async_runs) + " steps/s "
+        f"(median step {median(async_, 'timing/train/total_step_time'):.3f}s; training {median(async_, 'timing/train/policy_training'):.3f}s)"
     )
-    print(f"ratio async/sync steps per second: {async_rate / sync_rate:.3f}")
-    if sync_default is not None:
-        default_rate = steps_per_second(sync_default)
+    print(
+        f"async/sync({default}) per pair: "
+        + " ".join(f"{r:.3f}" for r in ratios)
+        + f"; median {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
+    )
+    if same_engine is not None:
         print(
-            f"sync with its default engine ({default}): {default_rate:.3f} steps/s (median step "
-            f"{median(sync_default, 'timing/train/total_step_time'):.3f}s; generation {median(sync_default, 'timing/train/generation'):.3f}s); "
-            f"async/sync({default}) {async_rate / default_rate:.3f}"
+            f"sync on async's engine ({engine}), one run after the pairs: {steps_per_second(same_engine):.3f} steps/s (median step "
+            f"{median(same_engine, 'timing/train/total_step_time'):.3f}s; generation {median(same_engine, 'timing/train/generation'):.3f}s); "
+            f"async (pooled) / it: {steps_per_second(async_) / steps_per_second(same_engine):.3f}"
         )
     for mode, extra_mode in (("sync", []), ("async", ASYNC)):
         print(
@@ -126,7 +141,7 @@ def compare(name: str, steps: int, warmup: int, extra: list[str]) -> None:
     bound = median(sync, "timing/train/total_step_time") / max(trainer_busy, collector_busy)
     print(
         f"async busy per step: trainer {trainer_busy:.3f}s, collector {collector_busy:.3f}s; "
-        f"async/sync if the two overlapped perfectly at these thread counts: {bound:.2f}"
+        f"async/sync({default}) if the two overlapped perfectly at these thread counts: {bound:.2f}"
     )
     print(
         f"async mean trajectory age: {statistics.mean(h['train/avg_trajectory_age'] for h in async_):.2f}; "
@@ -139,10 +154,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--setting", choices=[*SETTINGS, "both"], default="both")
+    parser.add_argument("--pairs", type=int, default=3, help="interleaved (sync, async) pairs of runs per setting")
     parser.add_argument("overrides", nargs="*", help="recipe overrides applied to both runs")
     args = parser.parse_args()
     for name in SETTINGS if args.setting == "both" else [args.setting]:
-        compare(name, args.steps, args.warmup, args.overrides)
+        compare(name, args.steps, args.warmup, args.overrides, args.pairs)
 
 
 if __name__ == "__main__":
