@@ -47,6 +47,15 @@ def direct_backend(tokenizer: Any) -> Any | None:
     return backend
 
 
+def _encodes_one_text_as_is(backend: Any) -> bool:
+    """Whether the shared Rust backend encodes one text without truncating or padding it. Another caller of the
+    wrapper may have left truncation, a fixed padding length or a padding multiple on it (the wrapper sets them per
+    call and resets them on its next call); padding to the longest of a batch (the default of many tokenizer files)
+    leaves one text as it is."""
+    padding = backend.padding
+    return backend.truncation is None and (padding is None or (padding["length"] is None and padding["pad_to_multiple_of"] is None))
+
+
 def _text_content(content: Any, where: str) -> str:
     if content is None:
         return ""
@@ -125,9 +134,7 @@ class Renderer:
     def tokenize(self, text: str) -> list[int]:
         """The ids of ``text`` (special-token markup included, no added BOS/EOS)."""
         direct = self._direct
-        # Truncation or a fixed padding length may have been left on the shared backend by another caller: the
-        # wrapper would reset them for this call, so take the wrapper then.
-        if direct is not None and direct.truncation is None and (direct.padding is None or direct.padding["length"] is None):
+        if direct is not None and _encodes_one_text_as_is(direct):
             return direct.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

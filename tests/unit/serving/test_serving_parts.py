@@ -125,6 +125,10 @@ def test_the_renderer_encodes_and_decodes_on_the_rust_backend_as_the_wrapper_doe
         assert len(renderer.tokenize(long_text)) > 2
     finally:
         tokenizer.backend_tokenizer.no_truncation()
+    # Padding to a multiple left on it the same way (a wrapper call with pad_to_multiple_of sets it until its next call).
+    tokenizer(["a", "a b c"], padding=True, pad_to_multiple_of=8)
+    assert tokenizer.backend_tokenizer.padding["pad_to_multiple_of"] == 8
+    assert renderer.tokenize("a b c") == list(tokenizer("a b c", add_special_tokens=False)["input_ids"])
 
 
 def test_the_direct_path_adds_no_bos_where_the_tokenizer_would():
