@@ -157,6 +157,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="interleaved (sync, async) pairs of runs per setting")
     parser.add_argument("overrides", nargs="*", help="recipe overrides applied to both runs")
     args = parser.parse_args()
+    if args.pairs < 1 or args.steps <= args.warmup:
+        parser.error(
+            f"--pairs must be at least 1 and --steps above --warmup (got --pairs {args.pairs}, --steps {args.steps}, --warmup {args.warmup})"
+        )
     for name in SETTINGS if args.setting == "both" else [args.setting]:
         compare(name, args.steps, args.warmup, args.overrides, args.pairs)
 
