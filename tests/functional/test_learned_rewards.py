@@ -4,6 +4,8 @@ sources, each logged on its own in metrics.jsonl."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from functional.helpers import REPO, TINY_OVERRIDES, read_metrics
@@ -54,7 +56,11 @@ def test_tiny_model_as_judge_template_parse_failure_deadline_and_cache(ray_clust
         assert counters["parse_failures"] == sum(r == -1.0 for r in expected) and counters["timeouts"] == 0
         assert counters["scored"] + counters["parse_failures"] == len(responses)
 
-        env.cfg.deadline_s = 1e-6  # no judge answers within a microsecond: every sample times out, nothing raises
+        # A stuck judge: its actor (one call at a time) sleeps, so the next verdicts queue behind the sleep and miss the
+        # deadline whatever the machine's load. (A sub-millisecond deadline is no such guarantee: Ray waits in whole
+        # milliseconds, and a descheduled driver can find a fast judge's answer already there.)
+        env.engine.group.workers[0].__ray_call__.remote(lambda worker: time.sleep(120))
+        env.cfg.deadline_s = 0.5  # every sample times out, nothing raises, the stuck actor is killed
         assert env.score(responses, metadata) == [-1.0] * len(responses)
         counters = env.metrics()
         assert counters["timeouts"] == 4 and counters["scored"] == 0 and counters["parse_failures"] == 0
