@@ -73,7 +73,11 @@ class JudgeEnvConfig(BaseModel):
     greedy: bool = Field(True, description="Greedy verdicts (deterministic); false samples at temperature.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature when greedy is false.")
     seed: int = Field(0, description="Sampling seed of the first call (then +1 per call).")
-    deadline_s: float = Field(60.0, gt=0, description="Seconds a step waits for the judge; later verdicts count as timeouts.")
+    deadline_s: float = Field(
+        60.0,
+        ge=0.001,
+        description="Seconds a step waits for the judge (Ray waits in whole milliseconds); later verdicts count as timeouts.",
+    )
     max_batch_size: int = Field(16, gt=0, description="Judge prompts per engine call (a deadline keeps the chunks done in time).")
     num_engine_workers: int = Field(1, gt=0, description="Generation actors of the judge (per environment actor).")
     engine_num_cpus: float = Field(0.25, gt=0, description="CPUs each judge actor reserves.")

@@ -89,6 +89,7 @@ def test_parser_plugins_come_from_the_registry_or_an_import_path(tmp_path) -> No
         ({"parser": "json_field"}, "do not fit parser 'json_field'"),
         ({"parser": "regx", "parser_options": {"pattern": "(1)"}}, "Did you mean 'regex'"),
         ({"deadline_s": 0}, "env.j.deadline_s"),
+        ({"deadline_s": 1e-6}, "env.j.deadline_s"),  # below Ray's millisecond: a wait of 0, not a microsecond
         ({"model_name": "./no/such/judge"}, "env.j.model_name"),
         ({"parse_failure_reward": "low"}, "env.j.parse_failure_reward"),
         ({"engine_backend": "sglang"}, "env.j.engine_backend"),
