@@ -37,14 +37,14 @@ SOURCE_KEYS = ("class", "weight")
 def split_source(name: str, section: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
     """``(class, weight, the source environment's settings)`` of one source section."""
     if not isinstance(section, dict):
-        raise ValueError(f"{name}: a source is a section {{class: ..., weight: ..., <its settings>}}, got {section!r}")
+        raise ValueError(f"sources.{name}: a source is a section {{class: ..., weight: ..., <its settings>}}, got {section!r}")
     settings = {k: v for k, v in section.items() if k not in SOURCE_KEYS}
     path = section.get("class", name)
     weight = section.get("weight", 1.0)
     if not isinstance(path, str):
-        raise ValueError(f"{name}.class must be an environment name or 'module:Class', got {path!r}")
+        raise ValueError(f"sources.{name}.class must be an environment name or 'module:Class', got {path!r}")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-        raise ValueError(f"{name}.weight must be a finite number, got {weight!r}")
+        raise ValueError(f"sources.{name}.weight must be a finite number, got {weight!r}")
     return path, float(weight), settings
 
 

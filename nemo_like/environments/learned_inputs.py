@@ -1,7 +1,7 @@
 """What learned reward sources (reward models, judges) read from a sample: the prompt text and the model path.
 
-The prompt comes from the sample's metadata: ``metadata["prompt"]`` (a string), else the last user message of
-``metadata["messages"]``; a sample with neither is scored with an empty prompt and counted (``prompt_missing``).
+The prompt comes from the sample's metadata: ``metadata["prompt"]`` (a string), else the text of the last user message of
+``metadata["messages"]`` (a string, or its text parts joined); a sample with neither is scored with an empty prompt and counted (``prompt_missing``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,22 @@ def prompt_of(metadata: Mapping[str, Any]) -> str | None:
     messages = metadata.get("messages")
     if isinstance(messages, list):
         for message in reversed(messages):
-            if isinstance(message, Mapping) and message.get("role") == "user" and isinstance(message.get("content"), str):
-                return message["content"]
+            if isinstance(message, Mapping) and message.get("role") == "user":
+                return message_text(message.get("content"))
+    return None
+
+
+def message_text(content: Any) -> str | None:
+    """A message's text: a string, or the joined ``text`` parts of OpenAI-style content parts (``None`` without any)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [
+            part["text"]
+            for part in content
+            if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        ]
+        return "".join(texts) if texts else None
     return None
 
 

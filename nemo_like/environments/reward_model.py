@@ -7,11 +7,12 @@ The model lives in the environment's own actors (``env.<task>.num_workers`` of t
 or the order. The prompt comes from the sample's metadata (:func:`.learned_inputs.prompt_of`).
 
 Counters (``env/<task>/<name>``, summed over actors): ``scored``, ``score_sum`` (raw scores), ``truncated``
-(inputs cut to the model's ``max_length`` from the left, keeping the response), ``prompt_missing``, ``batches``.
+(inputs cut to the model's ``max_length`` from the left, keeping the response and a leading CLS/BOS), ``prompt_missing``, ``batches``.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,6 +65,13 @@ class RewardModelEnvironment(EnvironmentInterface):
             torch.set_num_threads(self.cfg.num_threads)
         self.scorer = RewardModelScorer(resolve_reward_model_path(self.cfg.model_name), self.cfg.precision, self.cfg.label_index)
         self.max_length = min(filter(None, (self.cfg.max_length, self.scorer.max_length)), default=None)
+        if self.cfg.use_chat_template and not self.scorer.tokenizer.chat_template:
+            warnings.warn(
+                f"use_chat_template has no effect: the reward model {self.cfg.model_name}'s tokenizer has no chat template "
+                "(prompt and response are concatenated with its special tokens)",
+                UserWarning,
+                stacklevel=2,
+            )
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 
     def raw_scores(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
@@ -75,7 +83,7 @@ class RewardModelEnvironment(EnvironmentInterface):
                 self._counts["prompt_missing"] += 1
             ids = self.scorer.encode(prompt or "", response, self.cfg.use_chat_template)
             if self.max_length is not None and len(ids) > self.max_length:
-                ids = ids[-self.max_length :]
+                ids = self.scorer.truncate(ids, self.max_length)
                 self._counts["truncated"] += 1
             sequences.append(ids or [self.scorer.pad_token_id])
         scores = self.scorer.score(sequences, self.cfg.max_tokens_per_batch)

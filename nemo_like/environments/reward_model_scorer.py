@@ -4,8 +4,13 @@ Batches: the sequences sorted by length (longest first, ties by position), packe
 padded size (rows x longest row) stays within ``max_tokens_per_batch`` (a longer sequence goes alone). Rows are
 right-padded: a real token attends only to the real tokens before it and keeps its own position, so each score is
 the score of an unpadded forward of that sequence alone (up to float rounding, below 1e-5 in fp32), whatever the
-batch, its split and its order. The score is the model's pooled logit ``label_index``; the model pools its last
-non-pad token, as ``AutoModelForSequenceClassification`` does for a single sequence.
+batch, its split and its order. The score is the model's pooled logit ``label_index``: a decoder model pools its last
+non-pad token, as ``AutoModelForSequenceClassification`` does for a single sequence; an encoder pools its first token.
+
+A model whose config names no pad token pools the last token of a single sequence. Batched, it must be told which
+positions are padding, so each call pads with an id that none of its sequences contains: a sequence that ends with the
+tokenizer's pad or eos (a template whose turns end with eos, on a tokenizer whose pad is eos) is still pooled at its
+own last token, not the one before it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,20 @@ def token_budget_batches(lengths: Sequence[int], max_tokens_per_batch: int) -> l
     return batches
 
 
+#: Hugging Face's ``model_max_length`` when a tokenizer does not state one (``VERY_LARGE_INTEGER``, 1e30).
+UNSET_TOKENIZER_LIMIT = 10**18
+
+
+def model_max_length(config: object, tokenizer: object) -> int | None:
+    """The longest input the model takes: ``max_position_embeddings``, capped by the tokenizer's ``model_max_length``
+    where it states one (RoBERTa has 514 positions for 512 tokens: its positions start after the padding index)."""
+    limits = [int(getattr(config, "max_position_embeddings", 0) or 0)]
+    stated = getattr(tokenizer, "model_max_length", None)
+    if isinstance(stated, int) and 0 < stated < UNSET_TOKENIZER_LIMIT:
+        limits.append(stated)
+    return min((n for n in limits if n > 0), default=None)
+
+
 class RewardModelScorer:
     """A loaded reward model (``AutoModelForSequenceClassification``) and its tokenizer; :meth:`score` maps token
     sequences to raw scores. ``path``: a resolved local directory or hub id."""
@@ -49,25 +68,47 @@ class RewardModelScorer:
         if not 0 <= label_index < num_labels:
             raise ValueError(f"label_index={label_index} but the reward model {path} has {num_labels} label(s)")
         self.label_index = label_index
+        self.pads_by_config = self.model.config.pad_token_id is not None  # else: a pad id no sequence of the call holds
         pad = self.model.config.pad_token_id
         if pad is None:
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
             if pad is None:
                 raise ValueError(f"the reward model {path} has no pad token (config.pad_token_id, tokenizer pad/eos): cannot batch")
-            self.model.config.pad_token_id = pad
-        self.pad_token_id = int(pad)
-        self.max_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
+        self.pad_token_id = int(pad)  # fills an empty input
+        self.vocab_rows = int(self.model.get_input_embeddings().num_embeddings)
+        self.max_length = model_max_length(self.model.config, self.tokenizer)
         self.batches_run = 0  # forward passes of the latest score() call
 
     def encode(self, prompt: str, response: str, use_chat_template: bool) -> list[int]:
         """Token ids of one (prompt, response) pair: the chat template over a user and an assistant turn (no
-        generation prompt), or the plain concatenation with the tokenizer's special tokens."""
+        generation prompt), or (no template asked for, or the tokenizer has none) the plain concatenation with the
+        tokenizer's special tokens."""
         tok = self.tokenizer
-        if use_chat_template:
+        if use_chat_template and tok.chat_template:
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
             text = tok.apply_chat_template(messages, tokenize=False)
             return list(tok(text, add_special_tokens=False)["input_ids"])
         return list(tok(prompt + response)["input_ids"])
+
+    def truncate(self, ids: list[int], max_length: int) -> list[int]:
+        """``ids`` cut to ``max_length`` by dropping tokens after the first, which is kept when it is the tokenizer's
+        CLS or BOS (an encoder's classifier reads CLS), so the response at the end survives."""
+        if len(ids) <= max_length:
+            return ids
+        tok = self.tokenizer
+        keep = 1 if max_length > 1 and ids[0] in {tok.cls_token_id, tok.bos_token_id} - {None} else 0
+        return ids[:keep] + ids[len(ids) - (max_length - keep) :]
+
+    def batch_pad_id(self, sequences: Sequence[Sequence[int]]) -> int:
+        """The id this call pads with: the config's pad, or (none configured) the highest id no sequence holds."""
+        if self.pads_by_config:
+            return self.pad_token_id
+        used = set().union(*map(set, sequences))
+        free = next((i for i in range(self.vocab_rows - 1, -1, -1) if i not in used), None)
+        if free is None:
+            raise ValueError("every token id occurs in this batch: no id is left to pad with (set the model's config.pad_token_id)")
+        self.model.config.pad_token_id = free  # the classification head pools the last position not holding it
+        return free
 
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]], max_tokens_per_batch: int) -> list[float]:
@@ -75,9 +116,10 @@ class RewardModelScorer:
         scores = [0.0] * len(sequences)
         batches = token_budget_batches([len(s) for s in sequences], max_tokens_per_batch)
         self.batches_run = len(batches)
+        pad = self.batch_pad_id(sequences)
         for batch in batches:
             longest = len(sequences[batch[0]])
-            ids = torch.full((len(batch), longest), self.pad_token_id, dtype=torch.long)
+            ids = torch.full((len(batch), longest), pad, dtype=torch.long)
             mask = torch.zeros((len(batch), longest), dtype=torch.long)
             for row, index in enumerate(batch):
                 seq = sequences[index]

@@ -65,7 +65,7 @@ def test_sources_state_their_resources_together() -> None:
             {"sources": {"x": {"class": "length_penalty", "free_lenght": 3}}},
             "sources.x.free_lenght: unknown key. Did you mean 'free_length'",
         ),
-        ({"sources": {"x": {"class": "arithmetic", "weight": "high"}}}, "x.weight must be a finite number"),
+        ({"sources": {"x": {"class": "arithmetic", "weight": "high"}}}, "sources.x.weight must be a finite number"),
         ({"sources": {"x": {"class": "composite", "sources": SOURCES}}}, "cannot be a source of another composite"),
     ],
 )

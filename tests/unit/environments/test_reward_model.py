@@ -3,8 +3,11 @@ scores (< 1e-5) whatever the token budget (batch split) and the order; normalisa
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +94,102 @@ def test_long_inputs_keep_their_last_tokens_and_are_counted(env, batch) -> None:
     assert short.metrics()["truncated"] == 1.0
 
 
+def tiny_rm_copy(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(resolve_reward_model_path(TINY_REWARD_MODEL), tmp_path / "rm"))
+
+
+def test_a_model_without_a_configured_pad_pools_each_sequence_at_its_own_last_token(tmp_path: Path) -> None:
+    """Config without pad_token_id, tokenizer pad = eos, a template whose turns end with eos (as Llama-3's end with
+    <|eot_id|>): batched scores equal single forwards, which pool the final eos (padding with eos read the token
+    before it: -1.0004 against 0.2993 for the first pair)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    directory = tiny_rm_copy(tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    config["pad_token_id"] = None
+    (directory / "config.json").write_text(json.dumps(config))
+    tok_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tok_config["pad_token"] = "<|im_end|>"  # the eos
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    template = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' }}{% endfor %}"
+    (directory / "chat_template.jinja").write_text(template)
+
+    env = RewardModelEnvironment(model_name=str(directory))
+    responses, metadata = ["7", "The answer is 42", "8"], [{"prompt": p} for p in PROMPTS[:3]]
+    tok = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    assert model.config.pad_token_id is None and tok.pad_token_id == tok.eos_token_id
+    plain = []
+    with torch.no_grad():
+        for response, meta in zip(responses, metadata):
+            ids = env.scorer.encode(meta["prompt"], response, use_chat_template=True)
+            assert ids[-1] == tok.eos_token_id  # the sequence ends with the tokenizer's pad
+            plain.append(model(input_ids=torch.tensor([ids])).logits[0, 0].item())
+    env.cfg.max_tokens_per_batch = 10**6  # one batch: the shorter rows are padded
+    assert env.raw_scores(responses, metadata) == pytest.approx(plain, abs=1e-5)
+    assert env.scorer.batches_run == 1 and env.scorer.model.config.pad_token_id not in {tok.eos_token_id, *env.scorer.encode("", "7", True)}
+
+
+def build_encoder_reward_model(directory: Path, family: str, positions: int, tokenizer_limit: int) -> Path:
+    """A tiny random BERT or RoBERTa sequence classifier (their classifier reads the first token, CLS) with a word-level
+    tokenizer that wraps a text in [CLS] ... [SEP] and has no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        PreTrainedTokenizerFast,
+        RobertaConfig,
+        RobertaForSequenceClassification,
+    )
+
+    words = ["[CLS]", "[PAD]", "[SEP]", "[UNK]", *"0123456789", *"abcdefghijklmnopqrstuvwxyz", "?", "+"]
+    vocab = {w: i for i, w in enumerate(words)}  # [PAD] is 1: RoBERTa's padding index
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 0), ("[SEP]", 2)])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        model_max_length=tokenizer_limit,
+    )
+    tok.save_pretrained(directory)
+    torch.manual_seed(0)
+    shape = dict(vocab_size=len(words), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    shape.update(max_position_embeddings=positions, pad_token_id=1, num_labels=1)
+    model = (
+        BertForSequenceClassification(BertConfig(**shape)) if family == "bert" else RobertaForSequenceClassification(RobertaConfig(**shape))
+    )
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_an_encoder_reward_model_keeps_its_cls_token_when_cut_and_concatenates_without_a_template(tmp_path: Path) -> None:
+    directory = build_encoder_reward_model(tmp_path / "bert", "bert", positions=512, tokenizer_limit=512)
+    with pytest.warns(UserWarning, match="use_chat_template has no effect"):  # the default asks for a template it lacks
+        env = RewardModelEnvironment(model_name=str(directory), max_length=8)
+    prompt, response = "what is 3 + 4 ? ", "a b c d e f g h i 7"
+    ids = env.scorer.encode(prompt, response, use_chat_template=True)
+    tok = env.scorer.tokenizer
+    assert ids == tok(prompt + response)["input_ids"] and ids[0] == tok.cls_token_id and len(ids) > 8
+    kept = ids[:1] + ids[-7:]  # CLS, then the response's end: what the classifier must read
+    assert env.raw_scores([response], [{"prompt": prompt}]) == pytest.approx(env.scorer.score([kept], 4096), abs=1e-6)
+    assert env.scorer.score([kept], 4096) != pytest.approx(env.scorer.score([ids[-8:]], 4096), abs=1e-4)  # CLS matters
+    assert env.metrics()["truncated"] == 1.0
+
+
+def test_the_tokenizer_limit_caps_the_input_below_roberta_s_position_table(tmp_path: Path) -> None:
+    """RoBERTa's positions start after its padding index: 66 positions hold 64 tokens, as roberta-base's 514 hold 512."""
+    directory = build_encoder_reward_model(tmp_path / "roberta", "roberta", positions=66, tokenizer_limit=64)
+    env = RewardModelEnvironment(model_name=str(directory), use_chat_template=False)
+    assert env.max_length == 64
+    response = " ".join("7" * 100)
+    (score,) = env.raw_scores([response], [{"prompt": ""}])  # an input cut to 66 tokens indexed past the table
+    assert math.isfinite(score) and env.metrics()["truncated"] == 1.0
+
+
 def test_token_budget_batches_cover_every_index_once_within_the_budget() -> None:
     lengths = [5, 9, 1, 9, 3, 30, 4]
     for budget in (1, 10, 18, 27, 1000):
@@ -113,6 +212,12 @@ def test_prompt_from_metadata() -> None:
     assert prompt_of({"prompt": "p"}) == "p"
     assert prompt_of({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) == "a"
     assert prompt_of({"answer": 3}) is None
+    parts = [
+        {"role": "user", "content": "old"},
+        {"role": "user", "content": [{"type": "text", "text": "new"}, {"type": "text", "text": "er"}]},
+    ]
+    assert prompt_of({"messages": parts}) == "newer"  # the last user turn's text parts, not an older turn
+    assert prompt_of({"messages": [parts[0], {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}) is None
 
 
 @pytest.mark.parametrize(
