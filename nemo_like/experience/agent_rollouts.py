@@ -115,13 +115,17 @@ async def run_session(
     async with semaphore:
         if start is not None:
             start()
+        deadline = asyncio.timeout(cfg.deadline_s)
         try:
-            call = settings.function(*args) if settings.is_async else _in_thread(settings.function, args, threads)
-            value = await asyncio.wait_for(call, cfg.deadline_s)
+            async with deadline:
+                value = await (settings.function(*args) if settings.is_async else _in_thread(settings.function, args, threads))
             outcome = outcome_of(value, cfg.verifier is not None)
-        except TimeoutError:
-            outcome = SessionOutcome(failure="deadline", detail=f"still running after deadline_s={cfg.deadline_s}")
-        except Exception as exc:  # noqa: BLE001 - any error of user code fails only its session
+        except TimeoutError as exc:
+            if deadline.expired():
+                outcome = SessionOutcome(failure="deadline", detail=f"still running after deadline_s={cfg.deadline_s}")
+            else:  # the agent's own timeout (an HTTP read, say), raised before the deadline: an error of its own
+                outcome = SessionOutcome(failure="error", detail=f"{type(exc).__name__}: {exc}")
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error of user code (sys.exit too) fails only its session
             outcome = SessionOutcome(failure="error", detail=f"{type(exc).__name__}: {exc}")
         finally:
             end()
@@ -298,6 +302,7 @@ class AgentRollouts:
 
     def _rollout(self, sessions: list[_Session], group_ids: torch.Tensor, metrics: dict[str, float]) -> Rollout:
         prompts, groups, samples, texts, rewards, owners = [], [], [], [], [], []
+        session_row_count = 0  # rows built from the sessions' calls (a failed session's placeholder is not one)
         failures = dict.fromkeys(FAILURE_KINDS, 0.0)
         causes: dict[str, str] = {}
         for s in sessions:
@@ -307,6 +312,7 @@ class AgentRollouts:
                 causes.setdefault(kind, self._cause(s, kind))
             reward = s.settings.config.failure_reward if kind is not None else s.outcome.reward
             rows = session_samples(s.result, s.open_version)
+            session_row_count += len(rows)
             for sample in rows or [placeholder_row(s.prompt, self.tokenizer.pad_token_id, s.open_version)]:
                 prompts.append(s.prompt)
                 groups.append(int(group_ids[s.index]))
@@ -314,7 +320,7 @@ class AgentRollouts:
                 texts.append(s.outcome.answer if s.outcome.answer is not None else self._decode(sample))
                 rewards.append(reward)
                 owners.append(s.index)
-        metrics.update(self._counters(sessions, failures, len(samples)))
+        metrics.update(self._counters(sessions, failures, session_row_count))
         report_failures(failures, causes, len(sessions))
         return Rollout(
             prompts, torch.tensor(groups), samples, texts, torch.tensor(rewards, dtype=torch.float32), metrics,

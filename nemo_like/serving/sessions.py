@@ -85,6 +85,14 @@ class SessionCounters:
         }
 
 
+@dataclass
+class _PendingEnd:
+    """An end in progress: set ``done`` once its rows are built (``result``; ``None`` if building them failed)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    result: SessionRows | None = None
+
+
 class SessionStore:
     """Open sessions by id, and the results of ended ones until they are taken."""
 
@@ -96,6 +104,7 @@ class SessionStore:
         self._open: dict[str, Session] = {}
         self._ended: set[str] = set()
         self._results: dict[str, SessionRows] = {}
+        self._building: dict[str, _PendingEnd] = {}  # ended sessions whose rows are being built
         self.counters = SessionCounters()
 
     def open(self, session_id: str | None = None, metadata: dict[str, Any] | None = None) -> str:
@@ -142,28 +151,43 @@ class SessionStore:
                 session.continuations.add(prompt_text + completion_text, record.full_ids)
 
     def end(self, session_id: str, reward: float | None = None) -> SessionRows:
-        """End the session and build its rows (reward 0.0 when None); a second end returns the same result.
+        """End the session and build its rows (reward 0.0 when None); a second end returns the same result, also one
+        that arrives while the first is still building the rows (the agent's own end racing the run's).
 
         Raises:
             ServingError: 404 for an unknown id, 409 for one whose result was already taken."""
         with self._lock:
             if session_id in self._results:
                 return self._results[session_id]
-            if session_id in self._ended:
+            pending = self._building.get(session_id)
+            if pending is None:
+                if session_id in self._ended:
+                    raise session_ended(session_id)
+                session = self._open.pop(session_id, None)
+                if session is None:
+                    raise session_not_found(session_id)
+                session.ended = True
+                self._ended.add(session_id)
+                calls = sorted(session.calls, key=lambda c: (c.call_index, c.choice_index))
+                building = self._building[session_id] = _PendingEnd()
+        if pending is not None:  # another caller is building the rows: its result is this call's too
+            pending.done.wait()
+            if pending.result is None:
                 raise session_ended(session_id)
-            session = self._open.pop(session_id, None)
-            if session is None:
-                raise session_not_found(session_id)
-            session.ended = True
-            self._ended.add(session_id)
-            calls = sorted(session.calls, key=lambda c: (c.call_index, c.choice_index))
-        if self.on_end is not None:
-            self.on_end(session_id)
-        result = session_rows(session_id, calls, 0.0 if reward is None else float(reward), self.vocab_size)
-        with self._lock:
-            self._count(result)
-            self._results[session_id] = result
-        return result
+            return pending.result
+        try:
+            if self.on_end is not None:
+                self.on_end(session_id)
+            result = session_rows(session_id, calls, 0.0 if reward is None else float(reward), self.vocab_size)
+            with self._lock:
+                self._count(result)
+                self._results[session_id] = result
+            building.result = result
+            return result
+        finally:
+            with self._lock:
+                self._building.pop(session_id, None)
+            building.done.set()
 
     def _count(self, result: SessionRows) -> None:
         c = self.counters

@@ -193,3 +193,27 @@ def test_a_stopping_run_cancels_the_agent_batch_in_flight_and_ends_its_sessions(
     assert not [t for t in threading.enumerate() if t.name == AGENT_THREAD]
     with pytest.raises(AgentRolloutsClosed):  # no new batch once the run stops
         agents.collect(envs, prompts, 1, seed=0)
+
+
+def test_rows_per_session_counts_the_rows_of_sessions_not_a_failed_sessions_placeholder():
+    """One session makes a call and returns; the other raises before calling: one row of session data for two
+    sessions (0.5, as the session store counts), though the batch holds two rows (the failed one's placeholder)."""
+    store = SessionStore(auto_create=False, vocab_size=100)
+
+    def agent(base_url, api_key, session_id, prompt, metadata):
+        if metadata["fails"]:
+            raise RuntimeError("before any call")
+        session, index = store.begin_call(session_id)
+        store.record(session, [call([1, 2], [10, 2], index, 0)], [("p", "c")])
+        return 1.0
+
+    server = SimpleNamespace(sessions=store, base_url="http://127.0.0.1:1/v1", api_key="k", expect_calls=lambda session_id: None)
+    settings = {"t": AgentSettings("t", AgentConfig(agent="x:y", deadline_s=30.0), agent)}
+    tokenizer = SimpleNamespace(pad_token_id=0, decode=lambda ids, **kwargs: "")
+    agents = AgentRollouts(server, settings, tokenizer, SimpleNamespace(weight_version=0))
+    prompts = [PromptRecord(f"p{i}", [{"role": "user", "content": "q"}], [1, 2], {"task_name": "t", "fails": i == 1}) for i in range(2)]
+    rollout = agents.collect(SimpleNamespace(tasks=["t"]), prompts, 1, seed=0)
+    assert len(rollout.samples) == 2 and rollout.rewards.tolist() == [1.0, 0.0]
+    assert rollout.env_metrics["agent/rows_per_session"] == 0.5 == store.metrics()["agent/rows_per_session"]
+    assert rollout.env_metrics["agent/failures/error"] == 1.0
+    agents.close(join_s=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import sys
 import threading
 import time
 from pathlib import Path
@@ -75,6 +76,19 @@ def test_a_session_that_raises_hangs_or_returns_ends_its_session_once() -> None:
 
     outcome, ended = run(fine)
     assert outcome.reward == 6.0 and outcome.failure is None and ended == [True]
+
+    def own_timeout(*args):  # the agent's HTTP read timed out, long before its deadline: its own error
+        raise TimeoutError("read timed out")
+
+    outcome, ended = run(own_timeout, deadline_s=30.0)
+    assert (outcome.failure, outcome.detail) == ("error", "TimeoutError: read timed out") and ended == [True]
+
+    async def exits(*args):
+        raise SystemExit(2)
+
+    for agent in (exits, lambda *args: sys.exit(3)):  # sys.exit in an agent fails its session, not the whole batch
+        outcome, ended = run(agent)
+        assert outcome.failure == "error" and outcome.detail.startswith("SystemExit") and ended == [True]
 
 
 def test_a_branched_session_weighs_once_in_its_group() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from nemo_like.serving.errors import ServingError
@@ -71,3 +73,29 @@ def test_a_call_that_finishes_after_its_session_ended_is_dropped():
     with pytest.raises(ServingError) as late:
         store.record(session, [CallRecord((1,), (2,), (-0.1,), 0, 0, call_index=index)], [("p", "c")])
     assert late.value.status == 409
+
+
+def test_an_end_that_arrives_while_the_first_builds_the_rows_gets_the_same_result():
+    """The agent's own POST .../end racing the run's end: the second waits for the rows instead of answering 409
+    (which failed the run's whole agent batch)."""
+    building, finish = threading.Event(), threading.Event()
+
+    def on_end(session_id: str) -> None:  # runs between "ended" and "rows stored": hold the first end there
+        building.set()
+        assert finish.wait(10)
+
+    store = SessionStore(on_end=on_end)
+    record(store, "a", [1, 2], [10, 2])
+    results = []
+    first = threading.Thread(target=lambda: results.append(store.end("a", reward=1.0)))
+    first.start()
+    assert building.wait(10)
+    second = threading.Thread(target=lambda: results.append(store.end("a")))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # waiting for the first end's rows, not answering 409
+    finish.set()
+    first.join(10)
+    second.join(10)
+    assert len(results) == 2 and results[0] is results[1] and results[0].rows[0].reward == 1.0
+    assert store.metrics()["agent/sessions"] == 1.0  # counted once
