@@ -29,7 +29,7 @@ from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface, H
 from nemo_like.environments.judge_engine import JudgeEngine, JudgeEngineSpec
 from nemo_like.environments.judge_parsers import resolve_parser
 from nemo_like.environments.judge_template import JudgeTemplate, TemplateFormat, load_template_text
-from nemo_like.environments.learned_inputs import ModelName, prompt_of
+from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prompt_of
 from nemo_like.environments.score_normalization import ScoreNormalization
 from nemo_like.models.generation.interface import SamplingParams
 
@@ -173,7 +173,7 @@ class JudgeEnvironment(EnvironmentInterface):
         else:
             ids = list(tok(text)["input_ids"])
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            ids = ids[-self.max_prompt_tokens :]
+            ids = cut_from_left(ids, self.max_prompt_tokens, tok)
             self._counts["truncated"] += 1
         return ids
 

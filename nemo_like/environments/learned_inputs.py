@@ -42,6 +42,16 @@ def message_text(content: Any) -> str | None:
     return None
 
 
+def cut_from_left(ids: list[int], limit: int, tokenizer: Any) -> list[int]:
+    """``ids`` cut to ``limit`` tokens by dropping tokens after the first, which is kept when it is the tokenizer's CLS
+    or BOS (an encoder's classifier reads CLS; a decoder expects its BOS), so the response at the end survives."""
+    if len(ids) <= limit:
+        return ids
+    leading = {getattr(tokenizer, "cls_token_id", None), getattr(tokenizer, "bos_token_id", None)} - {None}
+    keep = 1 if limit > 1 and ids[0] in leading else 0
+    return ids[:keep] + ids[len(ids) - (limit - keep) :]
+
+
 def resolve_reward_model_path(name: str) -> str:
     """The local directory of model ``name``: shipped ``embedded:`` models (``embedded:tiny-reward-qwen2`` among them,
     :data:`nemo_like.models.assets.OTHER_MODELS`), hub ids and paths, as the generation models resolve them."""

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
-from nemo_like.environments.learned_inputs import ModelName, prompt_of, resolve_reward_model_path
+from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prompt_of, resolve_reward_model_path
 from nemo_like.environments.score_normalization import ScoreNormalization
 
 #: The shipped tiny reward model (``scripts/build_tiny_reward_model.py``).
@@ -83,7 +83,7 @@ class RewardModelEnvironment(EnvironmentInterface):
                 self._counts["prompt_missing"] += 1
             ids = self.scorer.encode(prompt or "", response, self.cfg.use_chat_template)
             if self.max_length is not None and len(ids) > self.max_length:
-                ids = self.scorer.truncate(ids, self.max_length)
+                ids = cut_from_left(ids, self.max_length, self.scorer.tokenizer)
                 self._counts["truncated"] += 1
             sequences.append(ids or [self.scorer.pad_token_id])
         scores = self.scorer.score(sequences, self.cfg.max_tokens_per_batch)

@@ -90,15 +90,6 @@ class RewardModelScorer:
             return list(tok(text, add_special_tokens=False)["input_ids"])
         return list(tok(prompt + response)["input_ids"])
 
-    def truncate(self, ids: list[int], max_length: int) -> list[int]:
-        """``ids`` cut to ``max_length`` by dropping tokens after the first, which is kept when it is the tokenizer's
-        CLS or BOS (an encoder's classifier reads CLS), so the response at the end survives."""
-        if len(ids) <= max_length:
-            return ids
-        tok = self.tokenizer
-        keep = 1 if max_length > 1 and ids[0] in {tok.cls_token_id, tok.bos_token_id} - {None} else 0
-        return ids[:keep] + ids[len(ids) - (max_length - keep) :]
-
     def batch_pad_id(self, sequences: Sequence[Sequence[int]]) -> int:
         """The id this call pads with: the config's pad, or (none configured) the highest id no sequence holds."""
         if self.pads_by_config:

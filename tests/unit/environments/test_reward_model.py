@@ -14,7 +14,7 @@ import torch
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
-from nemo_like.environments.learned_inputs import prompt_of, resolve_reward_model_path
+from nemo_like.environments.learned_inputs import cut_from_left, prompt_of, resolve_reward_model_path
 from nemo_like.environments.registry import resolve_environments
 from nemo_like.environments.reward_model import TINY_REWARD_MODEL, RewardModelEnvironment
 from nemo_like.environments.reward_model_scorer import token_budget_batches
@@ -178,6 +178,18 @@ def test_an_encoder_reward_model_keeps_its_cls_token_when_cut_and_concatenates_w
     assert env.raw_scores([response], [{"prompt": prompt}]) == pytest.approx(env.scorer.score([kept], 4096), abs=1e-6)
     assert env.scorer.score([kept], 4096) != pytest.approx(env.scorer.score([ids[-8:]], 4096), abs=1e-4)  # CLS matters
     assert env.metrics()["truncated"] == 1.0
+
+
+def test_a_cut_keeps_a_leading_cls_or_bos_and_otherwise_the_last_tokens(env, tmp_path: Path) -> None:
+    encoder = RewardModelEnvironment(
+        model_name=str(build_encoder_reward_model(tmp_path / "bert", "bert", 512, 512)), use_chat_template=False
+    )
+    cls = encoder.scorer.tokenizer.cls_token_id
+    assert cut_from_left([cls, 5, 6, 7, 8, 2], 3, encoder.scorer.tokenizer) == [cls, 8, 2]
+    assert cut_from_left([cls, 5, 6, 7, 8, 2], 1, encoder.scorer.tokenizer) == [2]  # no room for CLS and a token
+    assert cut_from_left([5, 6, 7, 8, 2], 3, encoder.scorer.tokenizer) == [7, 8, 2]
+    assert cut_from_left([5, 6, 7], 3, encoder.scorer.tokenizer) == [5, 6, 7]
+    assert env.scorer.tokenizer.bos_token_id is None and cut_from_left([0, 5, 6, 7], 2, env.scorer.tokenizer) == [6, 7]
 
 
 def test_the_tokenizer_limit_caps_the_input_below_roberta_s_position_table(tmp_path: Path) -> None:
