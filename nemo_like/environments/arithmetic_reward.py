@@ -36,7 +36,10 @@ def extract_integer(text: str) -> int | None:
     stripped = _strip_end_markers(text)
     if not _INTEGER.fullmatch(stripped):
         return None
-    return int(stripped)
+    try:
+        return int(stripped)
+    except ValueError:  # more digits than Python converts (4300): no answer of ours is that long
+        return None
 
 
 def score_response(response_text: str, answer: int | str) -> float:

@@ -59,11 +59,21 @@ def _check_size(value: int | float) -> int | float:
 def _power(base: int | float, exponent: int | float) -> int | float:
     if abs(exponent) > MAX_EXPONENT:
         raise CalculatorError(f"exponent {exponent} exceeds {MAX_EXPONENT} in magnitude")
-    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and _digits(base) * exponent > MAX_RESULT_DIGITS + 1:
+    # |base| ** exponent has floor(exponent * log10|base|) + 1 digits: refuse before computing one too long.
+    if (
+        isinstance(base, int)
+        and isinstance(exponent, int)
+        and exponent > 0
+        and base
+        and (_digits(base) - 1) * exponent + 1 > MAX_RESULT_DIGITS + 1
+    ):
         raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
     if base == 0 and exponent < 0:
         raise CalculatorError("zero to a negative power")
-    result = base**exponent
+    try:
+        result = base**exponent
+    except OverflowError:  # a float power out of range (10.0 ** 400, (10 ** 400) ** -1)
+        raise CalculatorError("result is too large") from None
     if isinstance(result, complex):
         raise CalculatorError("result is complex (a negative number to a fractional power)")
     return result

@@ -46,6 +46,8 @@ def _parse_one(body: str) -> ToolCall | ToolCallError:
         payload = json.loads(body)
     except json.JSONDecodeError as exc:
         return ToolCallError(f"malformed JSON in <tool_call>: {exc.msg} at char {exc.pos}")
+    except (ValueError, RecursionError) as exc:  # nesting past the parser's depth, an integer past 4300 digits
+        return ToolCallError(f"unreadable JSON in <tool_call>: {type(exc).__name__}: {str(exc)[:120]}")
     if not isinstance(payload, dict):
         return ToolCallError(f"a tool call must be a JSON object with 'name' and 'arguments', got {type(payload).__name__}")
     name = payload.get("name")
@@ -55,7 +57,7 @@ def _parse_one(body: str) -> ToolCall | ToolCallError:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             return ToolCallError(f"'arguments' of {name!r} is a string that is not a JSON object")
     if not isinstance(arguments, dict):
         return ToolCallError(f"'arguments' of {name!r} must be a JSON object, got {type(arguments).__name__}")

@@ -34,6 +34,7 @@ from nemo_like.environments.arithmetic_reward import extract_integer, score_resp
         ("--3", None),
         ("١٩", None),  # non-ASCII digits do not count
         ("<|im_end|>19", None),
+        ("9" * 5000, None),  # more digits than int() converts: not an answer, not a crash
     ],
 )
 def test_extract_integer(text: str, expected: int | None) -> None:

@@ -33,6 +33,9 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
         '<tool_call>{"name": "f", "arguments": [1]}</tool_call>': "must be a JSON object",
         '<tool_call>{"name": "f", "arguments": {}, "id": 3}</tool_call>': "unexpected keys",
         '<tool_call>{"name": "f", "arguments": {}}': "unterminated",
+        "<tool_call>" + "[" * 5000 + "</tool_call>": "RecursionError",  # a model stuck on '[' must not crash the actor
+        '<tool_call>{"name": "f", "arguments": {"x": ' + "9" * 5000 + "}}</tool_call>": "ValueError",  # past 4300 digits
+        '<tool_call>{"name": "f", "arguments": "' + "[" * 5000 + '"}</tool_call>': "not a JSON object",
     }
     for text, message in bad.items():
         (parsed,) = parse_tool_calls(text)
@@ -41,7 +44,16 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
 
 @pytest.mark.parametrize(
     ("expression", "value"),
-    [("347*28", "9716"), ("2 ** 10", "1024"), ("-(3 - 10) // 2", "3"), ("7 % 3 + 10/4", "3.5"), ("10/2", "5"), ("1e3 * 2", "2000")],
+    [
+        ("347*28", "9716"),
+        ("2 ** 10", "1024"),
+        ("-(3 - 10) // 2", "3"),
+        ("7 % 3 + 10/4", "3.5"),
+        ("10/2", "5"),
+        ("1e3 * 2", "2000"),
+        ("2 ** 1000", str(2**1000)),
+        ("10 ** 999", str(10**999)),
+    ],  # 302 and 1000 digits: within the limit
 )
 def test_calculator_evaluates_arithmetic(expression: str, value: str) -> None:
     assert calculator(expression) == value
@@ -62,6 +74,8 @@ def test_calculator_evaluates_arithmetic(expression: str, value: str) -> None:
         ("1 / 0", "division by zero"),
         ("0 ** -1", "zero to a negative power"),
         ("(-8) ** 0.5", "complex"),
+        ("10.0 ** 400", "too large"),
+        ("(10 ** 400) ** -1", "too large"),
         ("1 +", "invalid expression"),
         ("1" * 201, "longer than 200"),
     ],
