@@ -80,7 +80,16 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
     checkpoint = manager.latest() if ck.resume else None
     if checkpoint is None:
         return None
-    saved_config = yaml.safe_load((checkpoint.path / "config.yaml").read_text())
+    config_file = checkpoint.path / "config.yaml"
+    try:
+        saved_config = yaml.safe_load(config_file.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CheckpointError(
+            f"Checkpoint {checkpoint.path} cannot be resumed: {config_file} cannot be read ({exc}). "
+            "Move the checkpoint away or set checkpointing.resume=false."
+        ) from exc
+    if not isinstance(saved_config, dict):
+        raise CheckpointError(f"Checkpoint {checkpoint.path} cannot be resumed: {config_file} holds no config mapping")
     diffs = incompatible_differences(saved_config, cfg.model_dump(mode="json"))
     if diffs:
         raise CheckpointError(

@@ -47,7 +47,7 @@ from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout
 from nemo_like.models.footprint import planned_memory_lines
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.loading import resolve_model_path
-from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
+from nemo_like.utils.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
 from nemo_like.utils.flops import flops_metrics, flops_spec
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.seeds import rollout_seed, validation_seed
@@ -404,7 +404,7 @@ class SyncSteps:
         pass
 
     def step(self, step: int, timer: StepTimer) -> dict[str, Any]:
-        if self.parts.train_loader.epoch >= self.parts.cfg.grpo.max_num_epochs:
+        if self.parts.train_loader.next_batch_epoch >= self.parts.cfg.grpo.max_num_epochs:
             raise DataExhausted(f"grpo.max_num_epochs={self.parts.cfg.grpo.max_num_epochs} reached")
         return grpo_step(self.parts, step, timer)
 
@@ -420,6 +420,18 @@ class SyncSteps:
         pass
 
 
+def restored_async_state(checkpoint: CheckpointInfo) -> dict[str, Any]:
+    """The replay buffer and pacing target an async checkpoint holds (:class:`CheckpointError` naming the file if it
+    lacks the buffer: its data position is ahead of training by the buffered batches, which would be skipped)."""
+    buffer = load_checkpoint_file(checkpoint, BUFFER_FILE)
+    if buffer is None:
+        raise CheckpointError(
+            f"Checkpoint {checkpoint.path} has no {BUFFER_FILE}: an async run resumes its replay buffer from it "
+            "(without it the batches generated ahead of training would be skipped). Resume from a complete checkpoint."
+        )
+    return {"buffer": buffer, "next_target": checkpoint.state["async"]["next_target"]}
+
+
 class AsyncSteps:
     """Train on what the trajectory collector generated ahead (see :mod:`nemo_like.experience.async_rollouts`)."""
 
@@ -428,11 +440,8 @@ class AsyncSteps:
         self.rollouts: AsyncRollouts | None = None
 
     def start(self, last_step: int, checkpoint: CheckpointInfo | None) -> None:
+        restored = restored_async_state(checkpoint) if checkpoint is not None else None
         refit_if_stale(self.parts)  # after a resume, generation must start from the restored weights
-        restored = None
-        buffer = load_checkpoint_file(checkpoint, BUFFER_FILE) if checkpoint is not None else None
-        if buffer is not None:
-            restored = {"buffer": buffer, "next_target": checkpoint.state["async"]["next_target"]}
         self.rollouts = AsyncRollouts(self.parts, last_step, restored)
 
     def step(self, step: int, timer: StepTimer) -> dict[str, Any]:
@@ -495,6 +504,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     timer = StepTimer()
     nonfinite_streak = 0
     last_validation: dict[str, Any] = {}
+    saved_step = last_step
     runner.start(last_step, resume_from)
     try:
         for step in range(last_step + 1, cfg.grpo.max_num_steps + 1):
@@ -505,6 +515,10 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                 metrics = runner.step(step, timer)
             except DataExhausted as exc:
                 logger.progress.message(f"[done] {exc}")
+                if manager is not None and saved_step < step - 1:  # the steps since the last save would be lost
+                    last_metrics = {k: v for k, v in history[-1].items() if k != "step"}
+                    path = runner.save(manager, step - 1, {**last_validation, **last_metrics})
+                    logger.progress.message(f"[checkpoint] saved {path}")
                 break
             last = step == cfg.grpo.max_num_steps
             if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (last and cfg.grpo.val_at_end):
@@ -537,6 +551,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             # Log first, then save: a crash in between only repeats this step's log line on resume.
             if manager is not None and (step % cfg.checkpointing.save_period == 0 or last or stop is not None or control.wants_save()):
                 path = runner.save(manager, step, {**last_validation, **metrics})
+                saved_step = step
                 control.save_finished()
                 logger.progress.message(f"[checkpoint] saved {path}")
             if stop is not None and not last:

@@ -124,6 +124,11 @@ class PromptDataLoader:
             random.Random(f"{self.seed}/{epoch}").shuffle(order)
         return order
 
+    @property
+    def next_batch_epoch(self) -> int:
+        """The epoch the next batch comes from (the next one once this epoch has no full batch left)."""
+        return self.epoch + 1 if self.index + self.batch_size > len(self._order) else self.epoch
+
     def next_batch(self) -> list[PromptRecord]:
         """The next ``batch_size`` prompts (an incomplete tail of an epoch is skipped)."""
         if self.index + self.batch_size > len(self._order):

@@ -289,7 +289,7 @@ class TrajectoryCollector:
                     self.cond.wait()
                     continue
                 self.paused = False
-                if not self.exhausted and not self.pacer.done and self.loader.epoch >= self.max_num_epochs:
+                if not self.exhausted and not self.pacer.done and self.loader.next_batch_epoch >= self.max_num_epochs:
                     self.cond.wait_for(lambda: self.pushing == 0 or self.failure is not None)  # then "no more groups" is true
                     self.exhausted = True
                     ray.get(self.buffer.finish.remote(f"grpo.max_num_epochs={self.max_num_epochs} reached"))

@@ -21,6 +21,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +140,8 @@ class CheckpointManager:
 
     # -- discovery -----------------------------------------------------------------------------
     def valid_checkpoints(self) -> list[CheckpointInfo]:
-        """Complete checkpoints, oldest first. Temporary and unreadable directories are ignored."""
+        """Complete checkpoints, oldest first. Temporary directories are ignored; an unreadable ``step_N`` (its
+        state file damaged) is skipped with a warning naming it."""
         found = []
         if not self.root.is_dir():
             return found
@@ -149,7 +151,8 @@ class CheckpointManager:
                 continue
             try:
                 state = json.loads((child / STATE_FILE).read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError) as exc:
+                warnings.warn(f"[checkpoint] skipping {child}: its {STATE_FILE} cannot be read ({exc})", UserWarning, stacklevel=2)
                 continue
             found.append(CheckpointInfo(int(match.group(1)), child, state))
         return sorted(found, key=lambda c: c.step)
@@ -186,31 +189,38 @@ class CheckpointManager:
             (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}))
             fsync_tree(tmp)
             _pause_for_crash_tests(step)
-            if final.exists():  # re-saving a step (e.g. after resume): replace the old copy
-                shutil.rmtree(final)
+            # Re-saving a step (e.g. after resume): the old copy leaves by one rename to a temporary name, so a crash
+            # never leaves a half-deleted step_N that reads as complete (the next start removes temporary names).
+            old = self.root / f"{TMP_PREFIX}{step}_{os.getpid()}_replaced"
+            if final.exists():
+                os.rename(final, old)
             os.rename(tmp, final)
             fsync_dir(self.root)
+            shutil.rmtree(old, ignore_errors=True)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             reason = "no space left on device" if exc.errno == errno.ENOSPC else str(exc)
             previous = self.latest()
             kept = f"the previous checkpoint {previous.path} is kept" if previous else "no earlier checkpoint exists"
             raise CheckpointError(f"Saving checkpoint step_{step} in {self.root} failed: {reason}; {kept}") from exc
-        self.prune()
+        self.prune(keep_also=final)
         return final
 
-    def prune(self) -> list[Path]:
-        """Keep the ``keep_top_k`` best checkpoints by ``metric_name`` (or the most recent); the
-        latest one is always kept so that resume continues where the run stopped."""
+    def prune(self, keep_also: Path | None = None) -> list[Path]:
+        """Keep the ``keep_top_k`` best checkpoints by ``metric_name`` (or the most recent); the latest one and
+        ``keep_also`` (the one just written: a fresh run's step_10 beside another run's step_100) are always kept.
+        Each removed checkpoint is first renamed to a temporary name, so a crash mid-delete leaves no half of it."""
         checkpoints = self.valid_checkpoints()
         if self.keep_top_k is None or len(checkpoints) <= self.keep_top_k:
             return []
         latest = checkpoints[-1]
         ranked = sorted(checkpoints, key=self._rank_key, reverse=True)
-        keep = {c.path for c in ranked[: self.keep_top_k]} | {latest.path}
+        keep = {c.path for c in ranked[: self.keep_top_k]} | {latest.path} | ({keep_also} if keep_also else set())
         removed = [c.path for c in checkpoints if c.path not in keep]
         for path in removed:
-            shutil.rmtree(path, ignore_errors=True)
+            doomed = self.root / f"{TMP_PREFIX}{path.name.removeprefix('step_')}_{os.getpid()}_pruned"
+            os.rename(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
         return removed
 
     def _rank_key(self, checkpoint: CheckpointInfo) -> tuple[float, int]:

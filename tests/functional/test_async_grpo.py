@@ -120,7 +120,8 @@ def test_async_tiny_recipe_learns_within_five_points_of_sync(ray_cluster, tmp_pa
 @pytest.mark.parametrize("async_enabled", [False, True])
 def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, tmp_path, async_enabled):
     """The async run here also refits in flight with a bound of 2 (HF; vLLM's in-flight refit is checked in
-    test_vllm_backend.py, and the acceptance run above is async on the default backend)."""
+    test_vllm_backend.py, and the acceptance run above is async on the default backend). The run that stops for want of
+    data saves its last step, though the save period is not reached."""
     overrides = [
         HF,
         "data.train.num_problems=8",
@@ -128,6 +129,7 @@ def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, t
         "grpo.max_num_steps=10",
         "grpo.val_at_start=false",
         "loss_fn.use_importance_sampling_correction=true",
+        *ckpt_overrides(tmp_path / "ckpt", period=5),
     ]
     if async_enabled:
         overrides += [
@@ -136,8 +138,9 @@ def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, t
             "grpo.async_grpo.max_trajectory_age_steps=2",
         ]
     history = train(tiny_config(tmp_path, *overrides))
-    # 8 prompts, 4 per step: steps 1-2 are epoch 0, step 3 starts epoch 1, after which the limit stops the run.
-    assert [r["step"] for r in history] == [1, 2, 3]
+    # 8 prompts, 4 per step: steps 1-2 are epoch 0, the one epoch allowed; step 3 would start epoch 1.
+    assert [r["step"] for r in history] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_2"]
     if async_enabled:
         assert all(0.0 <= r["train/max_trajectory_age"] <= 2.0 for r in history)
         assert all(r["idle/trainer_waiting_for_refit"] == 0.0 for r in history)  # in flight: the trainer never waits

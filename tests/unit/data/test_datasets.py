@@ -431,6 +431,17 @@ def test_loader_state_carries_a_fingerprint_of_the_prompts(tmp_path, tok):
     assert changed.index == state["index"]
 
 
+def test_the_loader_says_which_epoch_its_next_batch_comes_from(tmp_path, tok):
+    """grpo.max_num_epochs=1 over 10 prompts in batches of 4 allows 2 steps: the third batch would start epoch 1."""
+    path = write_jsonl(tmp_path / "t.jsonl", rows(10))
+    loader = PromptDataLoader(build(data_cfg(path, path), tok), 4, seed=0)
+    epochs = []
+    for _ in range(3):
+        epochs.append((loader.next_batch_epoch, loader.epoch))
+        loader.next_batch()
+    assert epochs == [(0, 0), (0, 0), (1, 0)] and loader.epoch == 1  # the incomplete tail (2 prompts) is skipped
+
+
 def test_column_keys_warn_when_every_split_is_arithmetic():
     with pytest.warns(UserWarning, match=r"data.prompt_key, data.train.split has no effect with data.dataset_name=arithmetic"):
         DataConfig(prompt_key="q", train={"num_problems": 4, "seed": 1, "split": "x"})

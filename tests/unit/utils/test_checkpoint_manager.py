@@ -29,10 +29,12 @@ def test_save_is_atomic_and_partial_dirs_are_ignored_and_cleaned(tmp_path):
     partial = tmp_path / ".tmp_step_2_999"
     partial.mkdir()
     (partial / "blob.bin").write_bytes(b"half")
-    broken = tmp_path / "step_3"  # a step dir without trainer_state.json is not a checkpoint
+    broken = tmp_path / "step_3"  # a step dir without trainer_state.json is not a checkpoint: skipped, named
     broken.mkdir()
-    assert [c.step for c in manager.valid_checkpoints()] == [1]
-    assert manager.latest().step == 1
+    with pytest.warns(UserWarning, match=r"skipping .*step_3: its trainer_state.json cannot be read"):
+        assert [c.step for c in manager.valid_checkpoints()] == [1]
+    with pytest.warns(UserWarning):
+        assert manager.latest().step == 1
     assert manager.remove_partial_saves() == [partial] and not partial.exists()
 
 
@@ -58,6 +60,38 @@ def test_keep_top_k_by_metric_always_keeps_the_latest(tmp_path):
     for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2)]:
         lower.save(step, write_blob(1), {"metrics": {"train/loss": loss}}, {})
     assert [c.step for c in lower.valid_checkpoints()] == [2, 3]
+
+
+def test_a_fresh_run_keeps_the_checkpoint_it_just_wrote_beside_another_runs_later_ones(tmp_path):
+    """checkpointing.resume=false into a directory holding another run's step_80..100: the new step_10 is kept (it
+    was deleted as soon as written: "the latest" was the other run's step_100)."""
+    other = CheckpointManager(tmp_path, keep_top_k=3)
+    for step in (80, 90, 100):
+        other.save(step, write_blob(1), {"metrics": {}}, {"run": "old"})
+    fresh = CheckpointManager(tmp_path, keep_top_k=3)
+    path = fresh.save(10, write_blob(1), {"metrics": {}}, {"run": "new"})
+    assert path.exists() and [c.step for c in fresh.valid_checkpoints()] == [10, 80, 90, 100]  # the top 3, and the new one
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())  # the pruned one left no half behind
+
+
+def test_re_saving_a_step_replaces_it_by_renames_so_no_half_deleted_copy_reads_as_complete(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(5, write_blob(10), {"metrics": {}, "copy": 1}, {})
+    removed_while_visible = []
+    real_rmtree = shutil.rmtree
+
+    def rmtree_watching(path, *args, **kwargs):  # what a crash inside the delete would leave behind
+        removed_while_visible.append(os.path.basename(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    shutil.rmtree = rmtree_watching
+    try:
+        manager.save(5, write_blob(10), {"metrics": {}, "copy": 2}, {})
+    finally:
+        shutil.rmtree = real_rmtree
+    assert "step_5" not in removed_while_visible  # the old copy is deleted under a temporary name only
+    assert [(c.step, c.state["copy"]) for c in manager.valid_checkpoints()] == [(5, 2)]
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
 
 
 def test_metric_key_and_incompatible_differences():
@@ -88,3 +122,18 @@ def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
         shutil.rmtree(mount, ignore_errors=True)
+
+
+def test_resume_names_a_damaged_config_and_an_async_checkpoint_without_its_buffer(tmp_path):
+    from nemo_like.algorithms.checkpointing import find_resume_checkpoint
+    from nemo_like.algorithms.grpo import restored_async_state
+    from nemo_like.config import load_config
+
+    manager = CheckpointManager(tmp_path / "ck")
+    manager.save(3, write_blob(1), {"metrics": {}, "async": {"next_target": 5}}, {"a": 1})
+    (tmp_path / "ck" / "step_3" / "config.yaml").write_text("grpo: [unclosed")
+    cfg = load_config(None, ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}", "checkpointing.resume=true"])
+    with pytest.raises(CheckpointError, match=r"step_3/config.yaml cannot be read"):
+        find_resume_checkpoint(cfg)
+    with pytest.raises(CheckpointError, match=r"step_3 has no replay_buffer.pt: an async run resumes its replay buffer"):
+        restored_async_state(manager.latest())  # its loader position is ahead by the buffered batches: never skip them
