@@ -8,6 +8,7 @@ Inheritance rules:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,32 @@ from omegaconf import OmegaConf
 from nemo_like.config.errors import ConfigError
 
 _OVERRIDE_MARKER = "_override_"
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with two fixes for recipes: ``1e-4`` is a float (YAML 1.2, as OmegaConf and command-line
+    overrides read it; YAML 1.1 wants a dot, so ``lr: 1e-4`` was the string '1e-4'), and a key given twice in one
+    mapping is an error naming both lines (YAML 1.1 lets the later one win silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merge keys may be overridden by later keys
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first at line {seen[key]})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),  # 1e-4, 5E3, 2.5e+2 (dotted forms YAML 1.1 reads)
+    list("-+0123456789"),
+)
 
 
 def register_resolvers() -> None:
@@ -44,7 +71,7 @@ def read_yaml_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"Recipe file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

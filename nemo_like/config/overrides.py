@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -32,7 +32,14 @@ def leaf_keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
 
 
 def _exists(cfg: DictConfig, key: str) -> bool:
-    return OmegaConf.select(cfg, key, default=_MISSING, throw_on_missing=False) is not _MISSING
+    """Whether ``key`` is in ``cfg``, read from the raw nodes: a value whose interpolation fails to resolve (an unset
+    ``${oc.env:...}``) still exists and can be overridden."""
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return False
+        node = node._get_node(part)  # noqa: SLF001 - the raw node: its interpolation stays unresolved
+    return True
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[Override]:
@@ -72,8 +79,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
                 f"Override '{text}': '{key}' is not a key of the recipe.{did_you_mean(key, leaf_keys(cfg))}"
                 f" (Use '+{key}=...' to add a new key.)"
             )
-        with open_dict(cfg):
-            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+        with open_dict(cfg):  # a mapping merges into the section, as Hydra does; '~key' then '+key=...' replaces it
+            OmegaConf.update(cfg, key, value, merge=True, force_add=True)
     return cfg
 
 

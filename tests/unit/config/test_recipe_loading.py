@@ -89,6 +89,25 @@ def test_missing_file_and_invalid_yaml_name_the_file_and_line(tmp_path):
         load_config(bad)
 
 
+def test_yaml_reads_scientific_floats_and_refuses_a_key_given_twice(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "policy:\n  optimizer:\n    lr: 1e-4\nx: ${mul:${policy.optimizer.lr},10}\ny: '1e-4'\n")
+    raw = resolve_config_dict(recipe)
+    assert raw["policy"]["optimizer"]["lr"] == 1e-4 and raw["x"] == pytest.approx(1e-3)  # YAML 1.1 read '1e-4' as text
+    assert raw["y"] == "1e-4"  # quoted stays text
+    twice = write(tmp_path / "twice.yaml", "grpo:\n  seed: 1\n  max_num_steps: 3\n  seed: 2\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml at line 4.*'seed' is given twice \(first at line 2\)"):
+        load_config(twice)
+
+
+def test_a_mapping_override_merges_into_its_section_and_a_broken_interpolation_can_be_overridden(tmp_path, monkeypatch):
+    raw = resolve_config_dict(TINY, ["policy.generation={temperature:0.5}"])
+    assert raw["policy"]["generation"]["temperature"] == 0.5
+    assert raw["policy"]["generation"]["max_new_tokens"] == resolve_config_dict(TINY)["policy"]["generation"]["max_new_tokens"]
+    monkeypatch.delenv("NEMO_LIKE_UNSET_FOR_TEST", raising=False)
+    recipe = write(tmp_path / "r.yaml", f"defaults: {TINY}\nlogger:\n  log_dir: ${{oc.env:NEMO_LIKE_UNSET_FOR_TEST}}\n")
+    assert load_config(recipe, [f"logger.log_dir={tmp_path / 'logs'}"]).logger.log_dir == str(tmp_path / "logs")
+
+
 def test_batch_geometry_is_checked():
     with pytest.raises(ConfigError, match="must divide the rollout size"):
         load_config(TINY, ["policy.train_global_batch_size=48"])
