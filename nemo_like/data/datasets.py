@@ -188,6 +188,10 @@ def resolve_source(data: DataConfig, role: str) -> Source:
         return Source(role, spec, data_path=split_cfg.data_path, split=split)
     if spec and role in spec.local_files and not split_cfg.split:
         return Source(role, spec, data_path=spec.local_files[role])
+    if spec and spec.local_files and not spec.hub_id:  # a shipped set: its splits are its files
+        if split not in spec.local_files:
+            raise ConfigError(f"data.{role}.split={split!r}: {spec.name} ships the splits {sorted(spec.local_files)}; choose one of them")
+        return Source(role, spec, data_path=spec.local_files[split])
     if not name:
         raise ConfigError(
             f"data.{role}: no prompt source. Set data.{role}.data_path (a .jsonl/.json/.parquet/.csv file or a "
@@ -213,6 +217,25 @@ def _innermost_message(exc: BaseException) -> str:
         seen.add(id(inner))
         exc = inner
     return str(exc) or type(exc).__name__
+
+
+def first_bad_json_line(path: Path) -> str | None:
+    """``line N: <what is wrong>`` for the first line of a JSONL file that is not one JSON object (blank lines are
+    allowed), or ``None``. The ``datasets`` loader's own message points into pandas' fallback parser, at a byte
+    offset of the wrong line."""
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return f"line {number}, column {exc.colno}: not valid JSON ({exc.msg})"
+            except ValueError as exc:  # e.g. an integer of more digits than Python converts
+                return f"line {number}: not valid JSON ({exc})"
+            if not isinstance(row, dict):
+                return f"line {number}: a JSON {type(row).__name__}, expected an object (one row per line)"
+    return None
 
 
 def _is_offline() -> bool:
@@ -242,6 +265,8 @@ def _load_local(source: Source, key: str):
         message = _innermost_message(exc)
         if "corresponds to no data" in message:  # datasets' wording for a file with a header and no rows
             raise ConfigError(f"{key}: {str(path)!r} has no rows; it must hold at least one prompt row") from None
+        if path.is_file() and path.suffix.lower() == ".jsonl":
+            message = first_bad_json_line(path) or message
         raise ConfigError(f"{key}: cannot read {str(path)!r}: {message}") from None
     return _pick_split(ds, source, key)
 
@@ -313,12 +338,15 @@ def resolve_columns(data: DataConfig, source: Source, column_names: list[str]) -
     if answer is None:
         raise ConfigError(f"{source.label}: set data.answer_key to the column holding the gold answer; the columns are {column_names}")
     task = data.task_key or (spec.task_key if spec else None)
+    # Only the answer may be a dotted path into a column's nested value (answer.value); prompt and task name columns.
     for key, column in (("data.prompt_key", prompt), ("data.answer_key", answer), ("data.task_key", task)):
-        if column is not None and column.split(".")[0] not in column_names:
+        name = column.split(".")[0] if column is not None and key == "data.answer_key" else column
+        if name is not None and name not in column_names:
             default = " (the dataset spec's default)" if getattr(data, key.split(".")[1]) is None else ""
+            nested = " (only data.answer_key may be a dotted path into a column)" if "." in name else ""
             raise ConfigError(
-                f"{source.label}: no column {column.split('.')[0]!r} for {key}={column!r}{default}; the columns are {column_names}. "
-                f"Set {key} to one of them"
+                f"{source.label}: no column {name!r} for {key}={column!r}{default}; the columns are {column_names}. "
+                f"Set {key} to one of them{nested}"
             )
     return Columns(prompt, answer, task)
 

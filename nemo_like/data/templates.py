@@ -42,6 +42,11 @@ class PromptFormat:
         messages = [_check_message(m, where) for m in chat]
         if not any(m["role"] == "user" for m in messages):
             raise ConfigError(f"{where}: the chat messages have no 'user' turn")
+        if messages[-1]["role"] == "assistant":  # an SFT-style row: its answer would sit in the prompt
+            raise ConfigError(
+                f"{where}: the chat messages end with an 'assistant' turn, so the prompt would hold the answer; a prompt "
+                "ends where the model answers (drop the rows' last turn, or point data.prompt_key at the question)"
+            )
         if self.template is not None:
             last = max(i for i, m in enumerate(messages) if m["role"] == "user")
             messages[last] = {"role": "user", "content": self.user_text(messages[last]["content"])}

@@ -346,8 +346,12 @@ def test_bad_files_name_the_file_and_key(tmp_path, tok):
         build(data_cfg(header_only, header_only), tok)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"q": "x", "a": "1"}\n{"q": "y", "a": \n')
-    with pytest.raises(ConfigError, match=r"data.train.data_path: cannot read .*broken.jsonl"):
+    with pytest.raises(ConfigError, match=r"data.train.data_path: cannot read .*broken.jsonl'?: line 2, column \d+: not valid JSON"):
         build(data_cfg(broken, broken), tok)
+    deep = tmp_path / "deep.jsonl"  # the bad line far into the file, and not the last (pandas' message named line 1)
+    deep.write_text("".join(f'{{"q": "x{i}", "a": "{i}"}}\n' for i in range(40)) + '{"q": "y" "a": "1"}\n' + '{"q": "z", "a": "2"}\n')
+    with pytest.raises(ConfigError, match=r"deep.jsonl'?: line 41, column 11: not valid JSON \(Expecting ',' delimiter\)"):
+        build(data_cfg(deep, deep), tok)
     with pytest.raises(ConfigError, match=r"data.validation.data_path: .*nowhere.jsonl' does not exist"):
         build(data_cfg(broken, tmp_path / "nowhere.jsonl"), tok, "validation")
     odd = tmp_path / "x.txt"
@@ -367,6 +371,19 @@ def test_bad_cells_name_the_row(tmp_path, tok):
     path = write_jsonl(tmp_path / "k.jsonl", items)
     with pytest.raises(ConfigError, match=r"row 1 of .*k.jsonl: the task column 'kind' \(data.task_key\)"):
         build(data_cfg(path, path, task_key="kind"), tok)
+    sft = [
+        {"m": [{"role": "user", "content": f"What is {i} plus 1?"}, {"role": "assistant", "content": f"{i + 1}"}], "a": str(i + 1)}
+        for i in range(5)
+    ]
+    path = write_jsonl(tmp_path / "sft.jsonl", sft)  # SFT-style rows: the gold answer would sit in the prompt
+    with pytest.raises(ConfigError, match=r"row \d of .*sft.jsonl: the chat messages end with an 'assistant' turn"):
+        build(data_cfg(path, path, prompt_key="m"), tok)
+    nested = write_jsonl(tmp_path / "n.jsonl", [{**r, "meta": {"task": "t", "a": r["a"]}} for r in rows(5)])
+    for key in ("prompt_key", "task_key"):  # only the answer reads a dotted path into a column
+        with pytest.raises(ConfigError, match=rf"no column 'meta.x' for data.{key}='meta.x'.*only data.answer_key may be a dotted path"):
+            build(data_cfg(nested, nested, **{key: "meta.x"}), tok)
+    built = build(data_cfg(nested, nested, answer_key="meta.a"), tok)
+    assert built and all(r.metadata["answer"] == str(2 * int(r.id.split("-")[1]) + 1) for r in built)
 
 
 def test_prompt_longer_than_the_budget_names_row_file_and_keys(tmp_path, tok):
@@ -379,6 +396,14 @@ def test_prompt_longer_than_the_budget_names_row_file_and_keys(tmp_path, tok):
         build(data_cfg(path, path), tok)
     kept = build(data_cfg(path, path, drop_long_prompts=True), tok)
     assert sorted(r.id for r in kept) == ["train-0", "train-1", "train-2", "train-3", "train-5"]
+
+
+def test_a_split_of_a_shipped_set_is_its_file_never_a_hub_lookup():
+    named = resolve_source(DataConfig(dataset_name="math-tiny", validation={"num_problems": 3, "split": "validation"}), "validation")
+    default = resolve_source(DataConfig(dataset_name="math-tiny", validation={"num_problems": 3}), "validation")
+    assert named.data_path == default.data_path and named.data_path.endswith("math-tiny/validation.jsonl") and named.hub_id is None
+    with pytest.raises(ConfigError, match=r"data.validation.split='test': math-tiny ships the splits \['train', 'validation'\]"):
+        resolve_source(DataConfig(dataset_name="math-tiny", validation={"num_problems": 3, "split": "test"}), "validation")
 
 
 def test_contradictory_or_incomplete_split_settings():
