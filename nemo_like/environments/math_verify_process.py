@@ -88,15 +88,22 @@ class MathVerifyProcess:
 
     def check(self, response: str, gold: Any) -> str:
         """One of :data:`STATUSES` for ``response`` against ``gold``; never takes much longer than ``timeout_s``."""
-        if self.proc is None:
-            self._start()
-        try:
-            self.proc.stdin.write((json.dumps({"response": response, "gold": gold_text(gold)}) + "\n").encode())
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            self._kill()
-            self.restarts += 1
-            return "crash"
+        request = (json.dumps({"response": response, "gold": gold_text(gold)}) + "\n").encode()
+        for attempt in range(2):
+            if self.proc is not None and self.proc.poll() is not None:  # died while idle: not this answer's doing
+                self._kill()
+                self.restarts += 1
+            if self.proc is None:
+                self._start()
+            try:
+                self.proc.stdin.write(request)
+                self.proc.stdin.flush()
+                break
+            except BrokenPipeError:  # it died before reading this answer: start a fresh one and send it again
+                self._kill()
+                self.restarts += 1
+                if attempt:
+                    return "crash"
         line = self._read_line(time.monotonic() + self.timeout_s)
         if line is None:
             status = "timeout" if self.proc.poll() is None else "crash"
@@ -117,7 +124,9 @@ class MathVerifyProcess:
 
 # -- the child process --------------------------------------------------------------------------------
 def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent dies, so a hung check never outlives its environment actor."""
+    """Linux: get SIGKILL when the parent dies, so a hung check never outlives its environment actor. (The kernel sends
+    it when the *thread* that started the child exits: the parent then finds its idle helper dead and starts another
+    before the next answer, which is not scored as a crash.)"""
     try:
         import ctypes
         import signal

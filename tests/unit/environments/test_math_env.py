@@ -104,6 +104,21 @@ def test_a_hanging_answer_is_cut_off_and_the_rest_of_the_batch_is_scored() -> No
     print(f"batch with one hanging answer scored in {elapsed:.1f}s (limit 1.5s + one helper restart)")
 
 
+def test_a_helper_that_died_while_idle_costs_no_answer_its_reward() -> None:
+    """Killed between checks (out of memory, or the kernel's parent-death signal when the thread that started it
+    exits): the next answer is checked by a fresh helper, not scored as a crash."""
+    env = MathEnvironment(timeout_s=30.0)
+    try:
+        assert env.score(["\\boxed{2}"], [{"answer": "2"}]) == [1.0]
+        env.checker.proc.kill()
+        env.checker.proc.wait()
+        assert env.score(["\\boxed{3}"], [{"answer": "3"}]) == [1.0]
+        counts = env.metrics()
+    finally:
+        env.close()
+    assert counts["crashes"] == 0 and counts["correct"] == 2 and env.checker.restarts == 1
+
+
 @pytest.mark.slow
 def test_the_hanging_answer_really_hangs_without_the_limit() -> None:
     """Guard that HANGS is still pathological: with a 4 s limit it is still cut off (not merely slow at 1.5 s)."""
