@@ -3,7 +3,9 @@
 For a token ``x ~ p`` and ``log_ratio = log q(x) - log p(x)`` (``r = exp(log_ratio)``):
 
 * ``k1 = -log r``: unbiased for KL(p || q); single values can be negative;
-* ``k2 = (log r)^2 / 2``: biased, >= 0, low variance; its gradient is that of the reverse KL;
+* ``k2 = (log r)^2 / 2``: biased, >= 0, low variance; its own (pathwise) gradient ``(log p - log q) grad log p``
+  has the reverse KL's gradient as its expectation under p, so the loss uses it without the score-function term
+  (:data:`PATHWISE_KL_ESTIMATORS`): with that term it would differentiate ``E_p[k2]``, not the KL;
 * ``k3 = r - 1 - log r``: unbiased (``E_p[r] = 1``), >= 0; ``expm1`` keeps it >= 0 in fp32 near 0.
 
 The loss uses them for KL(pi_curr || pi_ref) (p = pi_curr, q = pi_ref), the divergence metrics
@@ -19,6 +21,10 @@ import torch
 from nemo_like.utils.registry import Registry
 
 KLEstimator = Callable[[torch.Tensor], torch.Tensor]
+
+#: Estimators whose plain gradient already estimates grad KL(p || q) (the loss detaches their importance weight);
+#: every other one gets the score-function term, which makes the gradient that of ``E_p[estimator]``.
+PATHWISE_KL_ESTIMATORS = frozenset({"k2"})
 
 #: ``loss_fn.reference_policy_kl_type`` names (and ``module:function`` paths for user estimators).
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", "loss_fn.reference_policy_kl_type")

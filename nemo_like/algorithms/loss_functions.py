@@ -32,10 +32,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from nemo_like.algorithms.kl import KL_ESTIMATORS
+from nemo_like.algorithms.kl import KL_ESTIMATORS, PATHWISE_KL_ESTIMATORS
 from nemo_like.algorithms.metrics import (
     Reduction,
     combine_metric_fragments,
+    combine_optimizer_steps,
     default_metric_reduction,
     divergence_metric_fragments,
 )
@@ -408,9 +409,11 @@ def reference_kl_per_token(inputs: LossInputs, cfg: ClippedPGLossConfig) -> torc
     """Per-token estimate of KL(pi_curr || pi_ref), importance-weighted, with gradient.
 
     The weight is ``pi_curr/pi_gen`` with ``use_on_policy_kl_approximation`` (the tokens come from
-    pi_gen), else ``exp(c - stopgrad(c)) = 1``; both carry the score-function gradient, so the
+    pi_gen), else ``exp(c - stopgrad(c)) = 1``; for k1 and k3 (unbiased) it carries the score-function gradient, so the
     gradient estimates grad KL(pi_curr || pi_ref) instead of dropping the term where the
-    sampling distribution depends on the parameters. Where the input clamp is active the weight
+    sampling distribution depends on the parameters. k2 is biased: with that term its gradient would be
+    grad E[k2]; its plain gradient ``(c - ref) grad c`` is the reverse KL's, so its weight is detached
+    (:data:`~nemo_like.algorithms.kl.PATHWISE_KL_ESTIMATORS`). Where the input clamp is active the weight
     is detached, so a clamped token gives no KL gradient at all; the output clamp is applied
     after weighting.
     """
@@ -426,7 +429,8 @@ def reference_kl_per_token(inputs: LossInputs, cfg: ClippedPGLossConfig) -> torc
     kl = KL_ESTIMATORS.get(cfg.reference_policy_kl_type)(log_ratio)
     baseline = inputs.gen if cfg.use_on_policy_kl_approximation else inputs.curr.detach()
     weights = torch.nan_to_num(torch.exp(inputs.curr - baseline), nan=0.0, posinf=0.0, neginf=0.0)
-    kl = kl * torch.where(input_clamped, weights.detach(), weights)
+    pathwise = cfg.reference_policy_kl_type in PATHWISE_KL_ESTIMATORS
+    kl = kl * (weights.detach() if pathwise else torch.where(input_clamped, weights.detach(), weights))
     if cfg.kl_output_clamp_value is not None:
         kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
     return kl
@@ -493,6 +497,10 @@ class ClippedPGLossFn:
     def combine_metrics(self, fragments: list[dict[str, float]]) -> dict[str, float]:
         """The batch's metrics from the fragments of its micro-batches (and ranks), derived ones included."""
         return combine_metric_fragments(fragments, self.metric_reduction)
+
+    def combine_steps(self, per_step: list[dict[str, float]]) -> dict[str, float]:
+        """A train call's metrics from its optimizer steps' (:func:`~nemo_like.algorithms.metrics.combine_optimizer_steps`)."""
+        return combine_optimizer_steps(per_step, self.metric_reduction)
 
     def __call__(
         self,

@@ -209,6 +209,33 @@ def _reduce(values: list[float], reduction: str) -> float:
     return min(informative) if reduction == "min" else max(informative)
 
 
+#: Fragment keys that count things: summed over a train call's optimizer steps (every other summed fragment is a mean
+#: or a fraction over its own step's global batch, so the steps' values are averaged).
+COUNT_METRICS = frozenset({"num_valid_tokens", "num_valid_seqs"})
+
+
+def combine_optimizer_steps(per_step: list[dict[str, float]], reduction_for: Callable[[str], str]) -> dict[str, float]:
+    """One train call's metrics from its optimizer steps' metrics (each combined over its micro-batches): a mean or a
+    fraction is the mean of the steps' values, a count (:data:`COUNT_METRICS`) their sum, a min or max over them all;
+    derived metrics are recomputed from the combined inputs. Averaging is linear, so per-rank results of this still
+    add up over data-parallel ranks as one step's fragments do."""
+    if len(per_step) == 1:
+        return dict(per_step[0])
+    names = dict.fromkeys(k for metrics in per_step for k in metrics if k not in DERIVED_METRICS)
+    combined: dict[str, float] = {}
+    for name in names:
+        values = [float(m[name]) for m in per_step if name in m]
+        reduction = reduction_for(name)
+        if reduction != "sum":
+            combined[name] = _reduce(values, reduction)
+        else:
+            combined[name] = math.fsum(values) if name in COUNT_METRICS else math.fsum(values) / len(values)
+    for name, (inputs, derive) in DERIVED_METRICS.items():
+        if all(i in combined for i in inputs):
+            combined[name] = float(derive(*(combined[i] for i in inputs)))
+    return combined
+
+
 def combine_metric_fragments(
     fragments: list[dict[str, float]],
     reduction_for: Callable[[str], str],

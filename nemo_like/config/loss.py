@@ -253,12 +253,21 @@ class ClippedPGLossConfig(BaseModel):
         rules = [*self._ratio_rules(), *self._trust_region_and_truncation_rules()]
         return [message for broken, message in rules if broken]
 
+    def _chosen(self, surrogate: str, flag: str) -> tuple[bool, str]:
+        """Whether ``surrogate`` is the one in use, and the key that chose it (its flag, or ``loss_fn.surrogate``)."""
+        if getattr(self, flag):
+            return True, f"loss_fn.{flag}"
+        return self.surrogate == surrogate, f"loss_fn.surrogate={surrogate!r}"
+
     def _ratio_rules(self) -> list[tuple[bool, str]]:
         """Contradictions among the aggregation, the surrogate flags and the ratio options."""
         token_level = self.aggregation in TOKEN_LEVEL_AGGREGATIONS
         agg = self.loss_aggregation
         tll = self.token_level_loss
         flag_surrogate = "cispo" if self.use_cispo else "reinforce" if self.disable_ppo_ratio else None
+        # The surrogate in use, however chosen (a flag or loss_fn.surrogate), and the key that chose it.
+        cispo, cispo_key = self._chosen("cispo", "use_cispo")
+        reinforce, reinforce_key = self._chosen("reinforce", "disable_ppo_ratio")
         return [
             (
                 agg is not None and tll is not None and _LEGACY_TOKEN_LEVEL[tll] != agg,
@@ -272,8 +281,8 @@ class ClippedPGLossConfig(BaseModel):
                 f"{flag_surrogate!r}); set only one",
             ),
             (
-                self.use_cispo and self.ratio_clip_c is not None,
-                "loss_fn.use_cispo and loss_fn.ratio_clip_c are exclusive (CISPO's weight is "
+                cispo and self.ratio_clip_c is not None,
+                f"{cispo_key} and loss_fn.ratio_clip_c are exclusive (CISPO's weight is "
                 "already clamped to at most 1 + ratio_clip_max and its loss is not a ratio)",
             ),
             (
@@ -281,16 +290,16 @@ class ClippedPGLossConfig(BaseModel):
                 "loss_fn.use_cispo and loss_fn.disable_ppo_ratio are exclusive (CISPO needs the ratio)",
             ),
             (
-                self.use_cispo and self.force_on_policy_ratio,
-                "loss_fn.use_cispo and loss_fn.force_on_policy_ratio are exclusive (with a ratio of 1 CISPO is plain REINFORCE)",
+                cispo and self.force_on_policy_ratio,
+                f"{cispo_key} and loss_fn.force_on_policy_ratio are exclusive (with a ratio of 1 CISPO is plain REINFORCE)",
             ),
             (
-                self.use_cispo and self.sequence_level_importance_ratios,
-                "loss_fn.use_cispo and loss_fn.sequence_level_importance_ratios are exclusive",
+                cispo and self.sequence_level_importance_ratios,
+                f"{cispo_key} and loss_fn.sequence_level_importance_ratios are exclusive",
             ),
             (
-                self.use_cispo and not token_level,
-                "loss_fn.use_cispo requires a token-level loss (loss_fn.token_level_loss=true or "
+                cispo and not token_level,
+                f"{cispo_key} requires a token-level loss (loss_fn.token_level_loss=true or "
                 f"loss_fn.loss_aggregation in {list(TOKEN_LEVEL_AGGREGATIONS)}); got {self.aggregation!r}",
             ),
             (
@@ -300,14 +309,12 @@ class ClippedPGLossConfig(BaseModel):
                 f"{self.aggregation!r}",
             ),
             (
-                self.sequence_level_importance_ratios and self.disable_ppo_ratio,
-                "loss_fn.sequence_level_importance_ratios and loss_fn.disable_ppo_ratio are "
-                "exclusive (there is no ratio to make sequence-level)",
+                self.sequence_level_importance_ratios and reinforce,
+                f"loss_fn.sequence_level_importance_ratios and {reinforce_key} are exclusive (there is no ratio to make sequence-level)",
             ),
             (
-                self.disable_ppo_ratio and self.force_on_policy_ratio,
-                "loss_fn.disable_ppo_ratio and loss_fn.force_on_policy_ratio both replace the "
-                "ratio; choose one (their gradients are identical)",
+                reinforce and self.force_on_policy_ratio,
+                f"{reinforce_key} and loss_fn.force_on_policy_ratio both replace the ratio; choose one (their gradients are identical)",
             ),
         ]
 
@@ -317,18 +324,20 @@ class ClippedPGLossConfig(BaseModel):
         tis_max = self.truncated_importance_sampling_ratio
         tis_min = self.truncated_importance_sampling_ratio_min
         builtin_tis = tis_type in ("tis", "icepop", "seq-mask-tis")
+        cispo, cispo_key = self._chosen("cispo", "use_cispo")
+        reinforce, reinforce_key = self._chosen("reinforce", "disable_ppo_ratio")
         return [
             (
-                self.trust_region_type is not None and self.use_cispo,
-                "loss_fn.trust_region_type and loss_fn.use_cispo are exclusive",
+                self.trust_region_type is not None and cispo,
+                f"loss_fn.trust_region_type and {cispo_key} are exclusive",
             ),
             (
                 self.trust_region_type is not None and self.ratio_clip_c is not None,
                 "loss_fn.trust_region_type and loss_fn.ratio_clip_c are exclusive (the trust region replaces clipping)",
             ),
             (
-                self.trust_region_type is not None and self.disable_ppo_ratio,
-                "loss_fn.trust_region_type and loss_fn.disable_ppo_ratio are exclusive",
+                self.trust_region_type is not None and reinforce,
+                f"loss_fn.trust_region_type and {reinforce_key} are exclusive",
             ),
             (
                 self.trust_region_type is not None and self.sequence_level_importance_ratios,
@@ -357,9 +366,10 @@ class ClippedPGLossConfig(BaseModel):
         """
         tis_type = self.truncated_importance_sampling_type
         beta_zero = self.reference_policy_kl_penalty == 0
+        reinforce, reinforce_key = self._chosen("reinforce", "disable_ppo_ratio")
         groups: list[tuple[bool, str, tuple[str, ...]]] = [
             (self.trust_region_type is not None, f"loss_fn.trust_region_type={self.trust_region_type!r}", _CLIP_KEYS),
-            (self.disable_ppo_ratio, "loss_fn.disable_ppo_ratio=true", (*_CLIP_KEYS, "ratio_clip_c")),
+            (reinforce, f"{reinforce_key}=true" if self.disable_ppo_ratio else reinforce_key, (*_CLIP_KEYS, "ratio_clip_c")),
             (self.force_on_policy_ratio, "loss_fn.force_on_policy_ratio=true", (*_CLIP_KEYS, "ratio_clip_c")),
             (self.trust_region_type is None, "loss_fn.trust_region_type is null", _TRUST_REGION_KEYS),
             (beta_zero, "loss_fn.reference_policy_kl_penalty=0", (*_KL_PARAM_KEYS, "use_on_policy_kl_approximation")),

@@ -29,5 +29,10 @@ class LossFunction(Protocol):
         ...
 
     def combine_metrics(self, fragments: list[dict[str, float]], /) -> dict[str, Any]:
-        """One rank's metrics of a :meth:`PolicyWorker.train` call from its micro-batches' fragments."""
+        """One optimizer step's metrics on one rank from its micro-batches' fragments (or the ranks' results summed)."""
+        ...
+
+    def combine_steps(self, per_step: list[dict[str, float]], /) -> dict[str, Any]:
+        """One rank's metrics of a :meth:`PolicyWorker.train` call from its optimizer steps' metrics (means averaged over
+        the steps, counts summed), so that the ranks' results still combine with :meth:`combine_metrics`."""
         ...

@@ -75,14 +75,16 @@ class TrainingStep:
         assert self.trainable and self._dist_ready
         self._restore_optimizer_state()
         self.model.train()
-        fragments: list[dict[str, float]] = []
+        per_step: list[dict[str, float]] = []  # each optimizer step's metrics (its fragments combined)
         grad_norms: list[float] = []
         skipped = 0
         forward_tokens = 0  # tokens the training forwards ran through the transformer (padding included)
         first_step_logprobs = torch.zeros(steps[0]["input_ids"].shape, dtype=torch.float32) if steps else None
         for step_idx, shard in enumerate(steps):
             self.optimizer.zero_grad(set_to_none=False)
+            fragments: list[dict[str, float]] = []
             forward_tokens += self._accumulate_gradients(shard, fragments, first_step_logprobs if step_idx == 0 else None)
+            per_step.append(self.loss_fn.combine_metrics(fragments))
             grad_norm = sharding.clip_grad_norm(list(self.model.parameters()), self.max_grad_norm)
             if math.isfinite(grad_norm):
                 self.optimizer.step()
@@ -92,7 +94,7 @@ class TrainingStep:
             grad_norms.append(grad_norm)
         self.weight_version += 1
         return {
-            "metrics": self.loss_fn.combine_metrics(fragments),
+            "metrics": self.loss_fn.combine_steps(per_step) if per_step else {},
             "grad_norms": grad_norms,
             "nonfinite_steps_skipped": skipped,
             "lr": self.scheduler.get_last_lr()[0],

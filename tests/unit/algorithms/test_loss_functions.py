@@ -291,11 +291,41 @@ def test_reference_kl_estimators(kl_type: str, per_token: list[float]) -> None:
     loss, m, grad = _run(cfg, *_kl_batch())
     assert m["kl_penalty"] == pytest.approx(sum(per_token) / 2)
     assert float(loss) == pytest.approx(0.1 * sum(per_token) / 2)
-    # Weight exp(c - sg c) keeps the score-function term: d/dc [w k] = k + dk/dc.
-    #   k1: -x + 1 ; k2: x^2/2 - x ; k3: (e^x - 1 - x) + (1 - e^x) = -x   (x = ref - curr)
+    # Weight exp(c - sg c) keeps the score-function term for the unbiased k1 and k3: d/dc [w k] = k + dk/dc.
+    #   k1: -x + 1 ; k3: (e^x - 1 - x) + (1 - e^x) = -x   (x = ref - curr)
+    # k2 is biased: its own gradient dk2/dc = -x is the reverse KL's (the weight is detached); with the score-function
+    # term it would be x^2/2 - x, the gradient of E[k2] (test_k2_gradient_is_the_reverse_kl_gradient_in_expectation).
     x = [LOG(2), -LOG(2)]
-    d = {"k1": [-v + 1 for v in x], "k2": [v * v / 2 - v for v in x], "k3": [-v for v in x]}[kl_type]
+    d = {"k1": [-v + 1 for v in x], "k2": [-v for v in x], "k3": [-v for v in x]}[kl_type]
     torch.testing.assert_close(grad, _grad([[0.1 * v / 2 for v in d]]))
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+def test_each_kl_estimators_gradient_is_the_reverse_kl_gradient_in_expectation(kl_type: str) -> None:
+    """Exact expectation over a 6-token vocabulary, on-policy: sum_x pi(x) * (the loss's gradient when x is sampled)
+    equals grad KL(pi || pi_ref) for every estimator (k2 was off by E[k2 grad log pi] with the score-function term)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(6, dtype=torch.float64).log_softmax(-1)
+    log_pi = logits.log_softmax(-1)
+    (exact,) = torch.autograd.grad((log_pi.exp() * (log_pi - ref)).sum(), logits)
+    fn = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=1.0, reference_policy_kl_type=kl_type))
+    expected = torch.zeros(6, dtype=torch.float64)
+    for token in range(6):  # a one-token response (position 0 is the masked prompt), advantage 0: only the KL term
+        lp = logits.log_softmax(-1)[token]
+        curr = torch.stack([lp.new_zeros(()), lp]).reshape(1, 2)
+        row = lambda value: torch.tensor([[0.0, float(value)]], dtype=torch.float64)  # noqa: E731
+        data = {
+            "advantages": row(0.0),
+            "token_mask": row(1.0),
+            "sample_mask": torch.ones(1, dtype=torch.float64),
+            "generation_logprobs": row(lp),
+            "reference_policy_logprobs": row(ref[token]),
+        }
+        loss, _ = fn(curr, data, 1.0, 1.0)
+        (grad,) = torch.autograd.grad(loss, logits)
+        expected += log_pi[token].exp().detach() * grad
+    torch.testing.assert_close(expected, exact, atol=1e-12, rtol=1e-9)
 
 
 def test_on_policy_kl_approximation_weights_by_curr_over_gen() -> None:

@@ -110,6 +110,19 @@ def test_valid_combinations(kwargs: dict) -> None:
         ),
         ({"surrogate": "ppo_clip", "use_cispo": True}, ["surrogate", "use_cispo"]),
         ({"surrogate": "cispo", "disable_ppo_ratio": True}, ["surrogate", "disable_ppo_ratio"]),
+        # The same surrogates chosen by name break the same rules (they were accepted, ratio_clip_c silently ignored).
+        ({"surrogate": "cispo", "ratio_clip_c": 3.0}, ["surrogate='cispo'", "ratio_clip_c"]),
+        ({"surrogate": "cispo", "loss_aggregation": "seq-mean-token-mean"}, ["surrogate='cispo'", "loss_aggregation"]),
+        (
+            {"surrogate": "cispo", "sequence_level_importance_ratios": True, "token_level_loss": False},
+            ["surrogate='cispo'", "sequence_level_importance_ratios"],
+        ),
+        ({"surrogate": "cispo", "trust_region_type": "dppo_binary_tv"}, ["surrogate='cispo'", "trust_region_type"]),
+        (
+            {"surrogate": "reinforce", "sequence_level_importance_ratios": True, "token_level_loss": False},
+            ["sequence_level_importance_ratios", "surrogate='reinforce'"],
+        ),
+        ({"surrogate": "reinforce", "force_on_policy_ratio": True}, ["surrogate='reinforce'", "force_on_policy_ratio"]),
     ],
 )
 def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> None:
@@ -129,6 +142,7 @@ def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> N
         ({"force_on_policy_ratio": True, "ratio_clip_min": 0.1}, "ratio_clip_min", "loss_fn.force_on_policy_ratio=true"),
         ({"disable_ppo_ratio": True, "ratio_clip_max": 0.3}, "ratio_clip_max", "loss_fn.disable_ppo_ratio=true"),
         ({"disable_ppo_ratio": True, "ratio_clip_c": 3.0}, "ratio_clip_c", "loss_fn.disable_ppo_ratio=true"),
+        ({"surrogate": "reinforce", "ratio_clip_max": 0.3}, "ratio_clip_max", "loss_fn.surrogate='reinforce'"),
         ({"force_on_policy_ratio": True, "ratio_clip_c": 3.0}, "ratio_clip_c", "loss_fn.force_on_policy_ratio=true"),
         ({"trust_region_high": 0.3}, "trust_region_high", "loss_fn.trust_region_type is null"),
         ({"reference_policy_kl_type": "k1"}, "reference_policy_kl_type", "loss_fn.reference_policy_kl_penalty=0"),

@@ -1,5 +1,6 @@
 """The policy worker in-process (no Ray): logprob layout and gradient accumulation."""
 
+import pytest
 import torch
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
@@ -21,10 +22,9 @@ def make_worker(micro_batch_size: int, **overrides) -> PolicyWorker:
         num_threads=1,
         seed=0,
         loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
-        optimizer=OptimizerConfig(lr=1e-3),
         max_grad_norm=None,
         train_micro_batch_size=micro_batch_size,
-        **overrides,
+        **{"optimizer": OptimizerConfig(lr=1e-3), **overrides},
     )
 
 
@@ -95,3 +95,21 @@ def test_training_changes_the_weights_and_bumps_the_version():
     assert worker.weight_version == 1 and result["nonfinite_steps_skipped"] == 0
     version, state = worker.get_state_dict()
     assert version == 1 and "lm_head.weight" in state  # tied head travels with the refit
+
+
+def test_metrics_of_several_optimizer_steps_are_means_over_the_steps_not_sums() -> None:
+    """A rollout of two global batches takes two optimizer steps in one train call: a mean or a fraction is the mean of
+    the steps' values (it was their sum: an on-policy probs_ratio of 2.0, an effective sample size of 2), counts add."""
+    steps, alone = [], []
+    for seed in (0, 1):
+        worker = make_worker(6, optimizer=OptimizerConfig(lr=1e-9))  # the weights barely move between the steps
+        batch = random_batch(seed=seed)
+        batch["generation_logprobs"] = worker.get_logprobs(batch) * batch["token_mask"]  # on-policy
+        batch["prev_logprobs"] = batch["generation_logprobs"].clone()
+        steps.append(with_global_counts(batch))
+        alone.append(worker.train([steps[-1]])["metrics"])
+    both = make_worker(6, optimizer=OptimizerConfig(lr=1e-9)).train(steps)["metrics"]
+    for key in ("probs_ratio", "rollout_corr/is_eff_sample_size", "trust_region/kept_fraction", "loss", "approx_entropy"):
+        assert both[key] == pytest.approx((alone[0][key] + alone[1][key]) / 2, rel=1e-5, abs=1e-6), key
+    assert both["probs_ratio"] == pytest.approx(1.0, abs=1e-5) and both["rollout_corr/is_eff_sample_size"] <= 1.0 + 1e-6
+    assert both["num_valid_tokens"] == alone[0]["num_valid_tokens"] + alone[1]["num_valid_tokens"]
