@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nemo_like.serving.errors import ServingError, bad_request, error_body, unauthorized
@@ -34,7 +34,7 @@ class EndSessionRequest(BaseModel):
     """``POST /v1/sessions/{id}/end``: the session's reward (0.0 when omitted)."""
 
     model_config = ConfigDict(extra="forbid")
-    reward: float | None = None
+    reward: float | None = Field(None, allow_inf_nan=False)
 
 
 class OpenSessionRequest(BaseModel):
@@ -129,7 +129,8 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
         return models_response(service.limits.model_name, created, service.limits.max_context)
 
     @app.post("/v1/sessions")
-    async def open_session(body: OpenSessionRequest) -> dict[str, Any]:
+    async def open_session(body: OpenSessionRequest | None = None) -> dict[str, Any]:
+        body = body or OpenSessionRequest()
         try:
             session_id = sessions.open(body.session_id, body.metadata)
         except ValueError as exc:

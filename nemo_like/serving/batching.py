@@ -33,8 +33,9 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Hashable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams, Seeds, prompt_seeds
 
@@ -210,7 +211,7 @@ class GenerationQueue:
                 raise RuntimeError(f"the engine returned {len(samples)} samples for {len(prompts)} prompts")
         except Exception as exc:  # every waiting handler answers 500; the thread keeps serving
             for request in requests:
-                request.future.set_exception(exc)
+                _settle(request.future, error=exc)
             return
         seconds = time.monotonic() - start
         self._engine_s = seconds if not self.stats.engine_calls else 0.5 * (self._engine_s + seconds)
@@ -226,8 +227,17 @@ class GenerationQueue:
         at = 0
         for request in requests:
             limit = request.params.max_new_tokens
-            request.future.set_result([cut_to(s, limit) for s in samples[at : at + len(request.prompts)]])
+            _settle(request.future, [cut_to(s, limit) for s in samples[at : at + len(request.prompts)]])
             at += len(request.prompts)
+
+
+def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Answer a handler's future, unless the handler gave up meanwhile (a client gone, the server stopping: its future
+    was cancelled; answering it would raise in this thread and end it)."""
+    try:
+        future.set_exception(error) if error is not None else future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def cut_to(sample: GeneratedSample, max_new_tokens: int) -> GeneratedSample:

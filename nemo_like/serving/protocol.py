@@ -29,7 +29,7 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**62)  # choice j samples with seed + j: keep every one a valid engine seed
     user: str | None = None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None

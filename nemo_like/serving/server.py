@@ -107,21 +107,28 @@ class RolloutServer:
         """Bind (a free port for ``port`` 0), serve on a daemon thread, and return once it accepts connections."""
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # proto set: asyncio then sets TCP_NODELAY
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.config.host, self.config.port))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])), name="rollout-server", daemon=True)
-        self._thread.start()
-        ready = threading.Event()
-        for _ in range(int(timeout_s / 0.01)):
-            if self._server.started or not self._thread.is_alive():
-                ready.set()
-                break
-            ready.wait(0.01)
-        if not self._server.started:
-            raise RuntimeError(f"the rollout server did not start on {self.config.host}:{self.port}")
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.config.host, self.config.port))
+            self.port = sock.getsockname()[1]
+            config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+            self._server = uvicorn.Server(config)
+            self._thread = threading.Thread(
+                target=lambda: asyncio.run(self._server.serve(sockets=[sock])), name="rollout-server", daemon=True
+            )
+            self._thread.start()
+            ready = threading.Event()
+            for _ in range(int(timeout_s / 0.01)):
+                if self._server.started or not self._thread.is_alive():
+                    ready.set()
+                    break
+                ready.wait(0.01)
+            if not self._server.started:
+                raise RuntimeError(f"the rollout server did not start on {self.config.host}:{self.port}")
+        except BaseException:  # a port in use, a server that never came up: release the socket and the engine thread
+            self.stop()
+            sock.close()
+            raise
         return self
 
     def stop(self) -> None:

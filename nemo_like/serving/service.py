@@ -94,13 +94,13 @@ class CompletionService:
             return None, 0
         return self.sessions.begin_call(session_id)
 
-    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
+    def _max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
         room = self.limits.max_context - prompt_len
         if room <= 0 or (requested is not None and requested > room):
             raise bad_request(
                 f"This model's maximum context length is {self.limits.max_context} tokens. However, you requested "
                 f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the prompt, {requested or 0} for the completion).",
-                param="messages" if room <= 0 else "max_tokens", code="context_length_exceeded",
+                param=prompt_param if room <= 0 else "max_tokens", code="context_length_exceeded",
             )  # fmt: skip
         return requested or room
 
@@ -115,7 +115,7 @@ class CompletionService:
             if continuations
             else self.renderer.tokenize(text)
         )
-        call = await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index)
+        call = await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index, "messages")
         for choice in call.choices:
             choice.parsed = self.tool_parser(choice.text) if req.parses_tools() else ParsedTurn(choice.text)
             if choice.parsed.tool_calls:
@@ -141,7 +141,9 @@ class CompletionService:
             if vocab is not None and any(t < 0 or t >= vocab for t in req.prompt):
                 raise bad_request(f"'prompt' holds token ids outside the vocabulary [0, {vocab}).", param="prompt")
             ids, text = list(req.prompt), self.renderer.decode(req.prompt)
-        return await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index)
+        if not ids:  # "" tokenises to nothing: there is no position to sample from
+            raise bad_request("'prompt' must not be empty.", param="prompt")
+        return await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index, "prompt")
 
     def _raw_text(self, completion_ids: list[int]) -> str:
         """The sampled text the template must render back: the completion without its end-of-turn token."""
@@ -149,12 +151,21 @@ class CompletionService:
         return self.renderer.decode_continuation(ids)
 
     async def _sample(
-        self, req: SamplingFields, text: str, ids: list[int], requested: int | None, session: Session | None, call_index: int
+        self,
+        req: SamplingFields,
+        text: str,
+        ids: list[int],
+        requested: int | None,
+        session: Session | None,
+        call_index: int,
+        prompt_param: str,
     ) -> SampledCall:
-        params = req.sampling_params(self._max_tokens(len(ids), requested))
+        params = req.sampling_params(self._max_tokens(len(ids), requested, prompt_param))
         if session is not None:
             check_budget(session)
-        seed = req.seed if req.seed is not None or session is None else session_call_seed(session, call_index)
+        # A run's session samples with its own seeds: an agent's 'seed' would make a GRPO group's sessions identical.
+        session_seed = session_call_seed(session, call_index) if session is not None else None
+        seed = session_seed if session_seed is not None else req.seed
         caller = session.session_id if session else None
         samples: list[GeneratedSample] = await asyncio.wrap_future(self.queue.submit([ids] * req.n, params, seed, caller))
         call = SampledCall(prompt_ids=list(ids), session_id=caller)

@@ -196,3 +196,45 @@ def test_nemo_like_serve_prints_a_url_and_key_that_answer_until_stopped() -> Non
     stop.set()
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_bad_seeds_prompts_and_rewards_are_400s_and_a_sessions_seed_beats_the_agents(server) -> None:
+    """A seed past the engine's range failed the whole engine batch (500, also for the well-formed calls beside it);
+    an empty completions prompt was a 500; a NaN reward was accepted; an agent's own seed made a group's sessions
+    identical."""
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "What is 347 times 28?"}], "max_tokens": 4}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as http:
+        reply = http.post("/chat/completions", json={**chat, "seed": 2**64})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "seed"
+        reply = http.post("/completions", json={"model": "policy", "prompt": "", "max_tokens": 2})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+        too_long = http.post("/completions", json={"model": "policy", "prompt": [5] * 100_000, "max_tokens": 2})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"  # not 'messages'
+        opened = http.post("/sessions")  # no body: both fields are optional
+        assert opened.status_code == 200
+        nan_end = http.post(
+            f"/sessions/{opened.json()['id']}/end", content=b'{"reward": NaN}', headers={"Content-Type": "application/json"}
+        )
+        assert nan_end.status_code == 400 and nan_end.json()["error"]["param"] == "reward"
+    sessions = [server.sessions.open(metadata={"seed": 70 + i}) for i in range(4)]
+    drawn = []
+    for sid in sessions:  # each agent passes the same seed: the sessions' own seeds still decide
+        client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key, default_headers={"X-Session-Id": sid}, max_retries=0)
+        reply = client.chat.completions.create(
+            model="policy", messages=chat["messages"], max_tokens=8, seed=42, extra_body={"return_token_ids": True}
+        )
+        drawn.append(tuple(reply.choices[0].model_extra["completion_token_ids"]))
+        server.sessions.end(sid)
+    assert len(set(drawn)) > 1
+
+
+def test_a_server_that_cannot_bind_releases_its_socket_and_engine_thread(server) -> None:
+    from nemo_like.serving.server import RolloutServer, ServerConfig
+
+    engine_threads = lambda: sum(t.name == "rollout-server-engine" for t in threading.enumerate())  # noqa: E731
+    before = engine_threads()
+    clash = RolloutServer(server.queue.engine, server.service.renderer.tokenizer, ServerConfig(port=server.port))
+    with pytest.raises(OSError):
+        clash.start()
+    assert engine_threads() == before

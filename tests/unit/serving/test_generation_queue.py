@@ -169,3 +169,20 @@ def test_sessions_started_together_share_their_first_engine_call_and_an_ended_se
         assert [n for n, _ in held.calls] == [3, 2] and queue.stats.late == 0
     finally:
         queue.close()
+
+
+def test_a_caller_that_gave_up_mid_call_does_not_end_the_engine_thread() -> None:
+    """A handler cancelled while its call runs (the client gone, the server stopping): answering its future raised
+    InvalidStateError in the engine thread and ended it."""
+    held = Held()
+    queue = GenerationQueue(held, window_s=0.0, wait_ratio=1e6, max_wait_s=0.05)
+    params = SamplingParams(max_new_tokens=1)
+    try:
+        abandoned = held.hold(queue, [[1]], params)
+        assert abandoned.cancel()  # pending to the caller: the asyncio side cancels it so
+        abandoned_too = queue.submit([[2]], params)  # queued behind it, then given up as well
+        abandoned_too.cancel()
+        held.gate.set()
+        assert queue.submit([[3]], params).result(10)[0].prompt_ids == [3]  # the thread still serves
+    finally:
+        queue.close()
