@@ -103,6 +103,12 @@ def run_merge(args: argparse.Namespace) -> int:
 
     path = Path(args.checkpoint)
     adapter_dir = path / "policy" if (path / "policy").is_dir() else path
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a file; the merged model is a directory")
+    if args.base_model is not None:
+        from nemo_like.models.loading import check_model_source
+
+        check_model_source(args.base_model, "--base-model")
     print(merge_checkpoint(adapter_dir, args.out, args.base_model, precision=args.precision))
     return 0
 
@@ -122,6 +128,16 @@ def run_plot(args: argparse.Namespace) -> int:
     if not metrics_path.is_file():
         print(f"nemo-like: error: no metrics.jsonl at {metrics_path}", file=sys.stderr)
         return 2
+    from nemo_like.utils.plot import read_metrics
+
+    try:
+        records = read_metrics(metrics_path)
+    except ValueError as exc:  # a line that is not JSON (not a torn last line): named with its number
+        raise ConfigError(str(exc)) from None
+    present = {key for record in records for key in record}
+    missing = [m for m in args.metrics or [] if m not in present]
+    if missing:
+        raise ConfigError(f"--metrics: {missing} not in {metrics_path}; it holds {sorted(present - {'step'})}")
     print(plot_metrics(metrics_path, args.out, args.metrics))
     return 0
 
@@ -175,6 +191,11 @@ def run_plan(args: argparse.Namespace) -> int:
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.footprint import memory_report
 
+    for flag, value, low_open, high in (("--mfu", args.mfu, 0.0, 1.0), ("--peak-tflops", args.peak_tflops, 0.0, None),
+                                         ("--device-memory-gib", args.device_memory_gib, 0.0, None)):  # fmt: skip
+        if value is not None and (value <= low_open or (high is not None and value > high)):
+            expected = f"in (0, {high:g}]" if high is not None else "above 0"
+            raise ConfigError(f"{flag} must be {expected}, got {value:g}")
     cfg = load_config(args.config, args.overrides)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     lines, fits = memory_report(cfg, plan_on_cluster(cfg), args.device_memory_gib, peak, args.mfu, args.model_config)

@@ -59,7 +59,7 @@ class NonFiniteTrainingError(RuntimeError):
     """Too many consecutive steps had a NaN/inf loss or gradient norm."""
 
 
-TIMED_PHASES = ("refit", "generation", "reward", "prev_logprobs", "reference_logprobs", "policy_training")
+TIMED_PHASES = ("refit", "generation", "reward", "prev_logprobs", "reference_logprobs", "teacher_logprobs", "policy_training")
 
 
 def refit_if_stale(parts: GRPOComponents) -> float:
@@ -253,19 +253,28 @@ def start_logprob_passes(parts: GRPOComponents, batch: dict[str, torch.Tensor], 
 
 
 def gather_logprob_passes(parts: GRPOComponents, passes: LogprobPasses, batch: dict[str, torch.Tensor], timer: StepTimer) -> bool:
-    """Put the passes' results into ``batch``; returns whether the reference pass ran. Each pass is timed from here (the
-    driver starts waiting for them, after any reward wait) to its own completion, so the reward wait and the passes'
-    times never count the same seconds and the phase shares of a step add up to at most 1."""
+    """Put the passes' results into ``batch``; returns whether the reference pass ran. The passes run concurrently, so
+    each is timed as the driver's wait for it after the previous one (prev, then reference, then teacher): a pass that
+    finished while the driver waited for an earlier one adds nothing. The reward wait and the passes' times never count
+    the same seconds, and the phase shares of a step add up to at most 1 (timing each from one start counted the
+    overlap twice: shares summed to 1.05-1.07)."""
     start = time.perf_counter()
+
+    def waited(phase: str) -> None:
+        nonlocal start
+        now = time.perf_counter()
+        timer.add(phase, now - start)
+        start = now
+
     if passes.prev is not None:
         batch["prev_logprobs"] = parts.policy.gather_logprobs(passes.prev, "prev logprobs")
-        timer.add("prev_logprobs", time.perf_counter() - start)
+        waited("prev_logprobs")
     if passes.reference is not None:
         batch["reference_policy_logprobs"] = parts.reference.gather_logprobs(passes.reference, "reference logprobs")
-        timer.add("reference_logprobs", time.perf_counter() - start)
+        waited("reference_logprobs")
     if passes.teacher is not None:
         batch.update(gather_teacher_pass(parts.teacher, passes.teacher))
-        timer.add("teacher_logprobs", time.perf_counter() - start)
+        waited("teacher_logprobs")
     return passes.reference is not None
 
 

@@ -37,8 +37,9 @@ def resolve_eval_model(model_path: str) -> str:
 
     path = Path(model_path)
     if not path.exists():
-        if model_path.startswith(("/", ".", "~")):
-            raise ConfigError(f"eval.model_path: {model_path} does not exist")
+        from nemo_like.models.loading import check_model_source
+
+        check_model_source(model_path, "eval.model_path")  # a missing path, or a hub id this machine cannot load
         return model_path  # a hub id or the embedded model
     for marker in ("config.json", ADAPTER_CONFIG):  # a full checkpoint, or a LoRA one (adapters only)
         if (path / "policy" / marker).is_file():

@@ -42,8 +42,9 @@ def hub_cache_dir() -> Path:
 
 
 def looks_like_path(name: str) -> bool:
-    """A local path rather than a hub id: absolute, relative with ./ ../ ~, or existing on disk."""
-    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or Path(name).exists()
+    """A local path rather than a hub id: absolute, relative with ./ ../ ~, existing on disk, or with more than one '/'
+    (a hub id is ``name`` or ``org/name``: ``results/grpo/step_50`` can only be a path)."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1 or Path(name).exists()
 
 
 def _hub_endpoint_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> tuple[bool, str]:

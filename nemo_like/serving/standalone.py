@@ -27,8 +27,9 @@ def served_model(cfg: Any) -> str:
         return cfg.policy.model_name
     path = Path(model_path)
     if not path.exists():
-        if model_path.startswith(("/", ".", "~")):
-            raise ConfigError(f"eval.model_path: {model_path} does not exist")
+        from nemo_like.models.loading import check_model_source
+
+        check_model_source(model_path, "eval.model_path")  # a missing path, or a hub id this machine cannot load
         return model_path
     for candidate in (path / "policy", path):
         if (candidate / "config.json").is_file():

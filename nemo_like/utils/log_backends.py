@@ -63,6 +63,17 @@ def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def drop_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (a process killed mid-write) off ``path``, so the next record starts a line
+    of its own instead of continuing the torn one."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class JsonlBackend(LogBackend):
     """One JSON object per call in ``<log_dir>/metrics.jsonl`` (always on; appends)."""
 
@@ -70,6 +81,7 @@ class JsonlBackend(LogBackend):
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        drop_torn_tail(path)
         self._file = path.open("a", buffering=1)
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:

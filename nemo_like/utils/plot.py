@@ -19,6 +19,7 @@ PHASES = (
     "waiting_for_data",
     "prev_logprobs",
     "reference_logprobs",
+    "teacher_logprobs",
     "policy_training",
     "validation",
 )
@@ -40,17 +41,33 @@ ASYNC_PANEL = (
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of ``metrics.jsonl`` merged per step (a later line wins), sorted by step.
+    """Records of the last run in ``metrics.jsonl``, merged per step (a later line wins), sorted by step.
 
-    Non-finite values, stored as strings ('nan', 'inf'), come back as floats.
+    A fresh run in the same ``logger.log_dir`` appends to the file and starts its steps again: the last run is what
+    follows the last place where the step goes down (a resumed run goes on from its checkpoint's step, and the lines
+    past it were trimmed, so it stays one run). A torn last line (a process killed mid-write) is skipped; any other line
+    that is not JSON raises ``ValueError`` naming the file and line. Non-finite values, stored as strings ('nan',
+    'inf'), come back as floats.
     """
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in Path(path).read_text().splitlines():
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    runs: list[dict[int, dict[str, Any]]] = [{}]
+    last_step = None
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        record = json.loads(line)
-        record = {k: _as_float(v) for k, v in record.items()}
-        by_step.setdefault(int(record["step"]), {}).update(record)
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # torn: the writer died mid-line
+            raise ValueError(f"{path}: line {number} is not JSON ({exc})") from None
+        step = int(record["step"])
+        if last_step is not None and step < last_step:
+            runs.append({})
+        last_step = step
+        runs[-1].setdefault(step, {}).update({k: _as_float(v) for k, v in record.items()})
+    by_step = runs[-1]
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -129,6 +129,10 @@ def test_scoring_while_the_logprob_passes_run_gives_the_same_update(ray_cluster,
     assert all(
         r["performance/forward_passes/prev_logprobs"] > 0 and r["performance/forward_passes/reference_logprobs"] > 0 for r in overlapped
     )
+    # The two passes ran concurrently: timed as waits one after the other, the shares add up to at most 1 (timing both
+    # from one start counted the overlap twice: 1.05-1.07).
+    for r in (*overlapped, *first):
+        assert sum(v for k, v in r.items() if k.startswith("timing/train/share/")) <= 1.0 + 1e-9, r["step"]
 
 
 def mixed_task_files(tmp_path: Path) -> tuple[Path, Path]:

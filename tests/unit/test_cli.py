@@ -82,3 +82,23 @@ def test_unknown_command_is_a_usage_error() -> None:
 def test_implicit_train_still_works(argv: list[str], capsys) -> None:
     assert main(argv) == 0
     assert "  max_num_steps: 3\n" in capsys.readouterr().out
+
+
+def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path, capsys) -> None:
+    """Each gave a traceback (exit 1), or exit 0 having done nothing: an unknown metric plotted an empty panel, --mfu 0
+    divided by zero, --out naming a file 'merged' into nothing, a missing checkpoint path went to the Hub as a repo id."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "train/reward": 0.5}\n')
+    (tmp_path / "afile").write_text("")
+    cases = [
+        (["plot", str(metrics), "--metrics", "train/rewrd"], "--metrics: ['train/rewrd'] not in"),
+        (["plan", "--mfu", "0", "--peak-tflops", "100"], "--mfu must be in (0, 1], got 0"),
+        (["plan", "--device-memory-gib", "-5"], "--device-memory-gib must be above 0"),
+        (["merge", str(tmp_path), "--out", str(tmp_path / "afile")], "is a file; the merged model is a directory"),
+        (["eval", "eval.model_path=results/grpo/step_50"], "eval.model_path='results/grpo/step_50'"),
+        (["serve", "eval.model_path=results/grpo/step_50"], "does not exist"),
+    ]
+    for args, message in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)

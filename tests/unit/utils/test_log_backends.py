@@ -47,3 +47,25 @@ def test_tensorboard_backend_writes_scalars_and_config(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("train/reward")] == [(1, 0.25), (2, 0.5)]
     assert "config/text_summary" in acc.Tags()["tensors"]
     assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")
+
+
+def test_a_torn_last_line_is_cut_before_appending_and_the_plot_reads_the_last_run(tmp_path) -> None:
+    """A process killed mid-write left '{"step": 2, "train/lo' without its newline: the next run's first record was
+    written onto it (one invalid line), and `nemo-like plot` failed on it. A fresh run in the same directory starts its
+    steps again: the plot shows it alone, not its steps merged with an earlier run's."""
+    from nemo_like.utils.log_backends import JsonlBackend
+    from nemo_like.utils.plot import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "validation/accuracy": 0.2}\n{"step": 1, "train/reward": 0.5}\n{"step": 2, "train/lo')
+    assert [r["step"] for r in read_metrics(path)] == [0, 1]  # the torn line is skipped
+    backend = JsonlBackend(path)  # a fresh run: validation at step 0, then step 1
+    backend.log_metrics({"validation/accuracy": 0.3}, step=0)
+    backend.log_metrics({"train/reward": 0.25}, step=1)
+    backend.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 0, 1]  # every line JSON; the torn bytes are gone
+    assert read_metrics(path) == [{"step": 0, "validation/accuracy": 0.3}, {"step": 1, "train/reward": 0.25}]  # this run
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):
+        read_metrics(path)
