@@ -23,7 +23,7 @@ from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start
 from nemo_like.models.engines import build_generation
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.loading import load_tokenizer, resolve_model_path
-from nemo_like.models.lora import check_lora_targets
+from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 from nemo_like.plan.run_plan import RunPlan, eos_ids_of
 
@@ -127,12 +127,10 @@ def report_lora(cfg: MasterConfig, policy: Policy, plan: RunPlan) -> None:
     if cfg.policy.lora_cfg.enabled:
         mode, reason = plan.refit.value, plan.refit.reason
         print(f"[setup] LoRA refit: {mode} ({reason})", file=sys.stderr)
-        adapter_bytes = policy.trainable_params * DTYPE_BYTES[cfg.policy.precision]
-        sent = adapter_bytes if mode == "adapter" else policy.full_refit_bytes
-        print(
-            f"[setup] refit bytes per weight version: {sent:,} (adapters {adapter_bytes:,}, full model {policy.full_refit_bytes:,})",
-            file=sys.stderr,
-        )
+        sizes = refit_bytes(policy.trainable_params, policy.full_refit_bytes, cfg.policy.precision)
+        adapter_bytes, full_bytes = sizes["adapter"], sizes["full"]
+        sent = adapter_bytes if mode == "adapter" else full_bytes
+        print(f"[setup] refit bytes per weight version: {sent:,} (adapters {adapter_bytes:,}, full model {full_bytes:,})", file=sys.stderr)
 
 
 def release_on_failure(models: tuple[Policy | None, ...], parts: list[Any]) -> None:

@@ -39,10 +39,30 @@ class RecipeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# Implicit types: YAML 1.1's, less two that surprise in a recipe. A timestamp ('save_before: 2026-12-02T18:00:00')
+# became a datetime OmegaConf cannot hold (a traceback); it stays the text the key's own parser reads. Base-60 numbers
+# ('18:00:00' = 64800) go too: such a value stays text, which the key then refuses.
+_DROPPED_TAGS = {"tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _DROPPED_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
 RecipeLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),  # 1e-4, 5E3, 2.5e+2 (dotted forms YAML 1.1 reads)
-    list("-+0123456789"),
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)[eE][-+]?[0-9]+
+        |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),  # YAML 1.1's forms (less base 60), and 1e-4 / 5E3 / 2.5e2: exponents need no dot or sign (YAML 1.2)
+    list("-+0123456789."),
 )
 
 

@@ -52,9 +52,11 @@ class StallWatchdog:
         self._report: str | None = None
         self.aborted = False
         self._previous: object = None
+        self._interrupts_main = False  # abort through the main thread's SIGUSR1 handler (installed in __enter__)
 
     def __enter__(self) -> StallWatchdog:
-        if self.on_stall == "abort" and threading.current_thread() is threading.main_thread():
+        self._interrupts_main = self.on_stall == "abort" and threading.current_thread() is threading.main_thread()
+        if self._interrupts_main:
             self._previous = signal.signal(signal.SIGUSR1, self._raise_in_main)
         self._thread.start()
         return self
@@ -84,6 +86,8 @@ class StallWatchdog:
     def _abort(self) -> None:
         print(f"[stall] cluster.fault_tolerance.on_stall=abort: stopping the run (exit status {EXIT_STALLED})", file=sys.stderr, flush=True)
         self.aborted = True
+        if not self._interrupts_main:  # run off the main thread: no SIGUSR1 handler to interrupt it (the signal's
+            os._exit(EXIT_STALLED)  # default action would kill the process with another status)
         os.kill(os.getpid(), signal.SIGUSR1)
         if not self._stop.wait(ABORT_GRACE_S):
             print(f"[stall] the driver did not stop within {ABORT_GRACE_S:.0f}s: exiting now", file=sys.stderr, flush=True)

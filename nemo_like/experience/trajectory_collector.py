@@ -290,7 +290,12 @@ class TrajectoryCollector:
                     continue
                 self.paused = False
                 if not self.exhausted and not self.pacer.done and self.loader.next_batch_epoch >= self.max_num_epochs:
-                    self.cond.wait_for(lambda: self.pushing == 0 or self.failure is not None)  # then "no more groups" is true
+                    # "No more groups" is true once the pushes in flight land. A failed push, a stop or a pause that
+                    # arrives meanwhile is handled first (the loop checks them again): marking the data exhausted
+                    # then would report a lost batch as the data's end, and wait past the pause's one notify.
+                    self.cond.wait_for(lambda: self.pushing == 0 or self.failure is not None or self.stopping or bool(self.pause_reasons))
+                    if self.pushing or self.failure is not None or self.stopping or self.pause_reasons:
+                        continue
                     self.exhausted = True
                     ray.get(self.buffer.finish.remote(f"grpo.max_num_epochs={self.max_num_epochs} reached"))
                 target = None if self.exhausted else self.pacer.reserve(self.version)

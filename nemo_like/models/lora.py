@@ -25,6 +25,7 @@ import torch
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.loading import ADAPTER_CONFIG, load_merged, load_tokenizer
+from nemo_like.models.precision import refit_dtype
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -200,6 +201,15 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
         trainable += p.numel() if p.requires_grad else 0
     sent = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if not is_adapter(n))
     return {"trainable": trainable, "total": total, "full_refit_bytes": sent}
+
+
+def refit_bytes(trainable_params: int, full_master_bytes: int, precision: str) -> dict[str, int]:
+    """What one refit sends (:mod:`nemo_like.models.policy.weight_export`): ``adapter``, the adapters in fp32 (as PEFT
+    keeps them); ``full``, the whole (merged) model cast from its fp32 masters (``full_master_bytes``, as
+    :func:`parameter_counts` counts them) to the engine's dtype."""
+    master_itemsize = torch.empty((), dtype=torch.float32).element_size()
+    engine_itemsize = torch.empty((), dtype=refit_dtype(precision)).element_size()
+    return {"adapter": trainable_params * master_itemsize, "full": full_master_bytes // master_itemsize * engine_itemsize}
 
 
 def expected_adapter_names(model_path: str, lora_cfg: Any) -> list[str]:

@@ -7,10 +7,15 @@ deadline), a number of seconds from the run's start (``3600``, ``"5400.5"``), or
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import datetime
 
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.sections.run import check_save_before
+
+#: Unix seconds a scheduler's end time may name (the year 5138: beyond, no datetime can show it).
+MAX_UNIX_SECONDS = 1e11
 
 SCHEDULER_END_VARIABLES = ("SLURM_JOB_END_TIME",)
 
@@ -26,9 +31,12 @@ def resolve_deadline(spec: str | float | None, started_at: float, environ: dict[
             value = env.get(name, "").strip()
             if value:
                 try:
-                    return float(value), f"${name}={value}"
+                    end = float(value)
                 except ValueError:
-                    raise ValueError(f"checkpointing.save_before=auto: ${name}={value!r} is not Unix seconds") from None
+                    end = math.nan
+                if not 0 < end < MAX_UNIX_SECONDS:  # nan, inf, 1e400, garbage: not a time
+                    raise ConfigError(f"checkpointing.save_before=auto: ${name}={value!r} is not Unix seconds") from None
+                return end, f"${name}={value}"
         return None, "checkpointing.save_before=auto: no scheduler end time in the environment"
     try:
         return started_at + float(text), f"checkpointing.save_before={text}s after the start"

@@ -18,6 +18,7 @@ import yaml
 
 from nemo_like.config.schema import LoggerConfig
 from nemo_like.utils.log_backends import JsonlBackend, LogBackend, start_backends, warn_backend
+from nemo_like.utils.run_control import new_threads_spared_stop_signals
 
 
 class Logger:
@@ -32,8 +33,9 @@ class Logger:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.log_dir / "metrics.jsonl"
         purge_step = None if resumed_step is None else resumed_step + 1
-        self.backends: list[LogBackend] = [JsonlBackend(self.metrics_path), *start_backends(cfg, purge_step)]
-        self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar)
+        with new_threads_spared_stop_signals():  # their threads must never take a run's SIGTERM / SIGINT
+            self.backends: list[LogBackend] = [JsonlBackend(self.metrics_path), *start_backends(cfg, purge_step)]
+            self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar)
         self.extra: dict[str, Any] = {}  # added to every record from now on (e.g. faults/run_restarts after a restart)
         self.records: list[dict[str, Any]] = []  # what this logger logged, as {"step": step, **metrics}
 

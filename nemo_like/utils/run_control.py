@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 
@@ -142,3 +144,19 @@ def activate(control: RunControl | None) -> None:
     """Make ``control`` the active one (``None``: a fresh inert one)."""
     global _ACTIVE
     _ACTIVE = control if control is not None else RunControl()
+
+
+@contextmanager
+def new_threads_spared_stop_signals() -> Iterator[None]:
+    """Threads started inside (a logger's: rich's refresh, TensorBoard's and W&B's writers) keep SIGTERM and SIGINT
+    blocked for good, so the kernel delivers those signals to the main thread, where the run's handlers are. Otherwise
+    a signal during ``ray.init`` could land in such a thread while Ray's own handler is installed, which aborts (134)
+    instead of the deferred stop. A thread inherits its creator's signal mask; the main thread's is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Literal
 
@@ -78,15 +79,22 @@ class CheckpointingConfig(Section):
         return self
 
 
+#: Seconds from the start a ``save_before`` may name (about 30 years; more is no deadline a run could meet).
+MAX_SAVE_BEFORE_S = 1e9
+
+
 def check_save_before(spec: str | float | None) -> None:
     """``checkpointing.save_before``'s forms: 'auto', seconds from the start, or an ISO time (``ValueError`` otherwise)."""
     if spec is None or str(spec).strip().lower() == "auto":
         return
     try:
-        float(spec)
-        return
+        seconds = float(spec)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds) or abs(seconds) >= MAX_SAVE_BEFORE_S:  # nan never stops a run; inf cannot be a time
+            raise ValueError(f"checkpointing.save_before: {spec!r} seconds from the start is not a time a run can stop at")
+        return
     try:
         datetime.fromisoformat(str(spec).strip())
     except ValueError:

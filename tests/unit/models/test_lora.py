@@ -156,3 +156,22 @@ def test_lora_reference_runs_on_the_policy_so_no_reference_role_is_planned():
     # The capacity check agrees: the LoRA run asks for one policy group's CPUs less.
     saved = full.policy.dp_size * full.policy.num_cpus_per_worker
     assert required_resources(full, full_plan)["CPU"] - required_resources(with_lora, plan)["CPU"] == pytest.approx(saved)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_refit_size_the_run_prints_is_what_a_refit_sends(precision: str) -> None:
+    """Adapters travel in fp32 and a merged model in the engine's dtype: under bf16 the printed sizes were half and
+    double what the export streams (the adapters counted at 2 bytes, the merged model at its fp32 masters')."""
+    from nemo_like.models.policy.weight_export import WeightExport
+
+    cfg = LoraConfig(enabled=True, dim=4, alpha=8)
+    model = lora.apply_lora(load_causal_lm(EMBEDDED_MODEL), cfg)
+    export = WeightExport()
+    export.model, export.device, export.precision, export.lora_cfg, export.rank, export.weight_version = (
+        model, torch.device("cpu"), precision, cfg, 0, 1,
+    )  # fmt: skip
+    counts = lora.parameter_counts(model)
+    printed = lora.refit_bytes(counts["trainable"], counts["full_refit_bytes"], precision)
+    for mode, key in (("adapter", "adapter"), ("merged", "full")):
+        sent = sum(t.numel() * t.element_size() for _, t in export._refit_tensors(mode, True))
+        assert printed[key] == sent, (mode, printed[key], sent)

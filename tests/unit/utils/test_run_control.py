@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +64,23 @@ def test_bad_save_before_names_the_key():
         load_config(None, ["checkpointing.enabled=true", "checkpointing.save_before=tomorrow"])
     with pytest.raises(ConfigError, match="checkpointing.save_before needs checkpointing.enabled=true"):
         load_config(None, ["checkpointing.save_before=60"])
+    for value in ("nan", "inf", "1e+30"):  # nan never stopped a run; inf and 1e30 crashed it at the start
+        with pytest.raises(ConfigError, match=rf"checkpointing.save_before: '{re.escape(value)}' seconds from the start is not a time"):
+            load_config(None, ["checkpointing.enabled=true", f"checkpointing.save_before={value}"])
+    for value in ("nan", "1e400", "garbage", "-5"):  # a traceback (or no deadline at all) before
+        with pytest.raises(ConfigError, match=rf"\$SLURM_JOB_END_TIME='{value}' is not Unix seconds"):
+            resolve_deadline("auto", 0.0, {"SLURM_JOB_END_TIME": value})
+
+
+def test_a_recipe_names_save_before_as_an_iso_time_unquoted(tmp_path):
+    """YAML 1.1 made 2026-12-02T18:00:00 a datetime OmegaConf cannot hold (a traceback), and 18:00:00 the base-60
+    number 64800 (18 hours after the start)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("checkpointing:\n  enabled: true\n  save_before: 2030-01-02T03:04:05+00:00\n")
+    assert load_config(recipe, []).checkpointing.save_before == "2030-01-02T03:04:05+00:00"
+    recipe.write_text("checkpointing:\n  enabled: true\n  save_before: 18:00:00\n")
+    with pytest.raises(ConfigError, match=r"checkpointing.save_before must be 'auto'.*got '18:00:00'"):
+        load_config(recipe, [])
 
 
 SECOND_SIGNAL = """
@@ -92,3 +111,32 @@ def test_a_second_signal_exits_at_once_with_the_first_ones_status():
         proc.kill()
     err = proc.stderr.read()
     assert status == EXIT_SIGINT and "SIGINT received during step 3" in err and "second SIGINT: exiting now" in err, err
+
+
+def _blocked_signals(native_id: int) -> set[int]:
+    """The signals blocked in a thread of this process (Linux: /proc/self/task/<tid>/status, SigBlk)."""
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+    return {number for number in range(1, 65) if mask >> (number - 1) & 1}
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread signal masks from /proc (Linux)")
+def test_a_loggers_threads_never_take_the_runs_stop_signals(tmp_path):
+    """TensorBoard's writer thread started unblocked: a SIGTERM during ray.init then landed in it, under Ray's handler,
+    which aborts the driver (134) instead of the deferred stop (143)."""
+    import threading
+
+    from nemo_like.config.schema import LoggerConfig
+    from nemo_like.utils.logger import Logger
+
+    main_before = _blocked_signals(threading.get_native_id())
+    before = set(threading.enumerate())
+    logger = Logger(LoggerConfig(log_dir=str(tmp_path), tensorboard_enabled=True, progress_bar=False), 3)
+    try:
+        started = [t for t in threading.enumerate() if t not in before and t.native_id is not None]
+        assert started  # TensorBoard's writer
+        for thread in started:
+            assert {signal.SIGTERM, signal.SIGINT} <= _blocked_signals(thread.native_id), thread.name
+        assert _blocked_signals(threading.get_native_id()) == main_before  # the main thread's mask is as it was
+    finally:
+        logger.close()

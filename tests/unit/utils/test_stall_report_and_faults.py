@@ -116,3 +116,24 @@ def test_an_async_run_hands_its_generation_and_environment_faults_to_the_collect
         assert [a.spec for a in faults._ARMED] == [handed]
     finally:
         faults.disarm()
+
+
+def test_an_abort_off_the_main_thread_exits_70(tmp_path):
+    """on_stall=abort with train() off the main thread: no SIGUSR1 handler is installed there, and the signal's default
+    action killed the process (status -10) instead of the documented 70."""
+    import subprocess
+    import sys
+
+    child = (
+        "import threading, time\n"
+        "from nemo_like.utils.run_control import RunControl\n"
+        "from nemo_like.distributed.watchdog import StallWatchdog\n"
+        "def run():\n"
+        "    with StallWatchdog(RunControl(), 0.5, 'abort'):\n"
+        "        time.sleep(60)\n"
+        "thread = threading.Thread(target=run)\n"
+        "thread.start()\n"
+        "thread.join()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 70, (result.returncode, result.stderr[-500:])

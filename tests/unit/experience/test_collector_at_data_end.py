@@ -1,0 +1,116 @@
+"""The trajectory collector's loop when the data runs out while its last batch is still being pushed (its reference
+pass running): a pause or a stop that arrives then is served, and a push that fails is a failure, not the data's end.
+The real loop (through :class:`DriverTrajectoryCollector`, the same loop the actor runs), the real replay buffer actor
+and data loader; the engine and the reference pass are small stand-ins (a batch of fixed samples, a pass that can be
+held or fail)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+import ray
+import torch
+
+from nemo_like.data.prompts import PromptDataLoader, PromptRecord
+from nemo_like.experience.replay_buffer import ReplayBufferActor
+from nemo_like.experience.rollouts import Rollout
+from nemo_like.experience.trajectory_collector import CollectorSettings, DriverTrajectoryCollector
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
+
+
+class Agents:
+    """Stands in for generation (``collect_rollout``'s agent branch): two fixed response tokens per sample."""
+
+    weight_version = 0
+
+    def serves(self, prompts, tasks) -> bool:
+        return True
+
+    def collect(self, envs, prompts, num_generations, seed, timings) -> Rollout:
+        expanded = [p for p in prompts for _ in range(num_generations)]
+        samples = [GeneratedSample(list(p.prompt_token_ids), [5, 6], [-0.1, -0.2], False, 0, 0) for p in expanded]
+        if timings is not None:
+            timings["generation"], timings["reward"] = 0.0, 0.0
+        groups = torch.arange(len(prompts)).repeat_interleave(num_generations)
+        return Rollout(expanded, groups, samples, ["x"] * len(expanded), torch.ones(len(expanded)), {})
+
+    def cancel(self) -> None:
+        pass
+
+
+class Reference:
+    """A reference pass whose second batch is held until ``release`` (and then fails when ``fail`` is set)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.release, self.fail, self.calls = threading.Event(), fail, 0
+
+    def start(self, batch, **kwargs):
+        return batch
+
+    def gather(self, batch, what):
+        self.calls += 1
+        if self.calls == 2:
+            assert self.release.wait(30)
+            if self.fail:
+                raise RuntimeError("reference worker died")
+        return torch.zeros(batch["input_ids"].shape)
+
+    def forward_pass_counts(self) -> dict[str, int]:
+        return {"logprobs": 0}
+
+
+def collector_at_data_end(reference: Reference) -> tuple[DriverTrajectoryCollector, object, threading.Thread]:
+    """4 prompts, 2 a batch, one epoch: two batches. Returns once step 1 is taken and the loop waits at the data's end
+    for batch 2's push (its reference pass held)."""
+    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 1)
+    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(4)], 2, seed=0)
+    settings = CollectorSettings(
+        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=1, last_step=10,
+        next_target=1, max_num_epochs=1, generation_version=0, reference=reference, pad_token_id=0,
+    )  # fmt: skip
+    collector = DriverTrajectoryCollector(None, SimpleNamespace(agents=Agents(), tasks=["t"]), buffer, None, loader, settings)
+    loop = threading.Thread(target=collector.run, daemon=True)
+    loop.start()
+    ray.get(buffer.take.remote(1, 0))
+    deadline = time.monotonic() + 30
+    while not (loader.next_batch_epoch >= 1 and collector.pushing == 1 and not collector.in_flight):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return collector, buffer, loop
+
+
+def test_a_pause_or_stop_at_the_data_end_is_served(ray_cluster) -> None:
+    """The loop waited for the last push, then slept without looking at the pause (whose one notify it had used): the
+    trainer's refit or checkpoint pause never returned and the run hung; a stop was lost the same way."""
+    reference = Reference()
+    collector, buffer, loop = collector_at_data_end(reference)
+    paused = threading.Thread(target=collector.pause, args=("refit", False), daemon=True)
+    paused.start()
+    paused.join(10)
+    assert not paused.is_alive()  # granted: nothing is generating
+    collector.resume("refit", None)
+    reference.release.set()  # batch 2's push lands; the data is now at its end
+    groups, _ = ray.get(buffer.take.remote(2, 0), timeout=30)
+    assert len(groups) == 2
+    collector.stop()
+    loop.join(10)
+    assert not loop.is_alive()
+
+
+def test_a_failed_last_push_is_a_failure_not_the_data_end(ray_cluster) -> None:
+    """The loop marked the data exhausted after a failed push: the trainer's take raised DataExhausted, a normal end,
+    and the lost batch and its error went unreported."""
+    from nemo_like.data.prompts import DataExhausted
+
+    reference = Reference(fail=True)
+    collector, buffer, loop = collector_at_data_end(reference)
+    reference.release.set()
+    loop.join(30)
+    assert not loop.is_alive() and "reference worker died" in str(collector.failure)
+    with pytest.raises(Exception) as taken:  # the buffer was never told the data ended: no step 2 arrives
+        ray.get(buffer.take.remote(2, 0), timeout=3)
+    assert not isinstance(taken.value, DataExhausted)
