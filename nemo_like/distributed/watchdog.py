@@ -103,9 +103,12 @@ def stall_report(control: RunControl, idle_s: float, timeout_s: float, main_thre
     """The whole report: the driver's call and stack, then every actor's."""
     lines = [f"[stall] no progress for {idle_s:.0f}s (cluster.fault_tolerance.stall_timeout_s={timeout_s:g}) during step {control.step}"]
     lines += driver_section(main_thread_id)
-    calls = running_calls()
-    for actor in job_actors():
-        lines += actor_section(actor, calls, local_node_id())
+    import ray
+
+    if ray.is_initialized():  # Ray's state calls would otherwise start a cluster (tens of seconds) to report nothing
+        calls = running_calls()
+        for actor in job_actors():
+            lines += actor_section(actor, calls, local_node_id())
     lines.append("[stall] end of report")
     return "\n".join(lines)
 
