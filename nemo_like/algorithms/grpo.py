@@ -43,7 +43,13 @@ from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.experience.agent_rollouts import per_session
 from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
 from nemo_like.experience.multi_turn import multi_turn_metrics
-from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout, env_metrics_with_means, task_reward_metrics
+from nemo_like.experience.rollouts import (
+    Rollout,
+    add_batch_counters,
+    collect_rollout,
+    env_metrics_with_means,
+    task_reward_metrics,
+)
 from nemo_like.models.footprint import planned_memory_lines
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.loading import resolve_model_path
@@ -200,7 +206,7 @@ def collect_training_rollout(
             counts["generated_tokens"] = counts.get("generated_tokens", 0.0) + rollout.response_lengths.sum().item()
         if rollout.pending_scores is not None:
             return rollout, {}  # scored, and shaped, in train_on_rollout
-        add_counters(env_counters, rollout.env_metrics)
+        add_batch_counters(env_counters, rollout.env_metrics)
         # Group ids unique across generation batches, so groups from different batches never merge.
         group_ids = rollout.group_ids + batch_index * cfg.grpo.num_prompts_per_step
         rollout.rewards, keep = filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, group_ids)
@@ -213,12 +219,17 @@ def collect_training_rollout(
             "rewards": rollout.rewards,
             "group_ids": group_ids,
         }
+        if rollout.session_of_row is not None:  # agent rows: each batch's sessions numbered apart, as its groups are
+            sessions_per_batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt  # ids 0.. of a batch
+            payload["session_of_row"] = rollout.session_of_row + batch_index * sessions_per_batch
         accumulator.add(payload, keep, prompt_ids=group_ids)
         batch_index += 1
         if accumulator.is_full:
             kept, metrics = accumulator.take()
             _, dense_ids = torch.unique_consecutive(kept["group_ids"], return_inverse=True)
-            return Rollout(kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"], env_counters), metrics
+            rollout = Rollout(kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"], env_counters)
+            rollout.session_of_row = kept.get("session_of_row")
+            return rollout, metrics
 
 
 def attach_precomputed_reference(batch: dict[str, torch.Tensor], rollout: Rollout) -> None:

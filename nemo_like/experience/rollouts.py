@@ -104,6 +104,21 @@ def env_metrics_with_means(counters: dict[str, float]) -> dict[str, float]:
     return out
 
 
+#: Agent counters that are a batch's means per session: batches added up weigh them by their ``agent/sessions``.
+PER_SESSION_COUNTERS = ("agent/rows_per_session", "agent/calls_per_session")
+
+
+def add_batch_counters(total: dict[str, float], counters: dict[str, Any]) -> dict[str, float]:
+    """:func:`add_counters` for a step's generation batches (dynamic sampling's refills): sums, except the per-session
+    means, which average over every batch's sessions (a sum multiplied them by the number of batches)."""
+    before, added = total.get("agent/sessions", 0.0), float(counters.get("agent/sessions", 0.0))
+    for key in PER_SESSION_COUNTERS:
+        if key in counters:
+            sessions = before + added
+            total[key] = (total.get(key, 0.0) * before + float(counters[key]) * added) / sessions if sessions else 0.0
+    return add_counters(total, {k: v for k, v in counters.items() if k not in PER_SESSION_COUNTERS})
+
+
 def add_counters(total: dict[str, float], counters: dict[str, Any]) -> dict[str, float]:
     """``total`` += ``counters`` key by key (in place); returns ``total``."""
     for key, value in counters.items():

@@ -19,8 +19,15 @@ VALIDATION_STRIDE = 10_000_019
 
 def rollout_seed(seed: int, step: int, batch_index: int = 0) -> int:
     """The sampling seed of training step ``step``'s ``batch_index``-th generation batch (the sync loop and the async
-    collector use the same, so an async run with ``max_trajectory_age_steps: 0`` reproduces the sync run)."""
-    return (seed * STEP_STRIDE + step) * BATCH_STRIDE + batch_index
+    collector use the same, so an async run with ``max_trajectory_age_steps: 0`` reproduces the sync run).
+
+    A batch's request ``i`` samples with this seed + ``i`` (:func:`chunk_seed`), so consecutive seeds for the refill
+    batches of dynamic sampling would make refill ``b + 1``'s request ``i`` repeat batch ``b``'s request ``i + 1``: the
+    same sample again wherever a prompt comes back within the step. Refills take a hash instead."""
+    if batch_index == 0:
+        return (seed * STEP_STRIDE + step) * BATCH_STRIDE
+    digest = hashlib.sha256(f"refill/{seed}/{step}/{batch_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def validation_seed(step: int) -> int:

@@ -178,3 +178,61 @@ def test_dynamic_sampling_filters_on_the_raw_reward_then_shapes():
     no_sampling = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"use_dynamic_sampling": False})})
     rewards, keep = filter_then_shape(no_sampling, raw, lengths, group_ids)
     assert keep is None and rewards[2].item() == -1.0  # shaping alone still applies
+
+
+def test_agent_rows_keep_their_sessions_through_refills_and_per_session_counters_average(monkeypatch) -> None:
+    """Agent tasks with dynamic sampling: the kept rows lost their sessions (advantages then weighed a branched
+    session's three rows as three samples: 0.5 / -1.5 instead of 0.707 / -0.707), and the per-session means were summed
+    over the generation batches. Generation stands in as a batch of fixed agent rows: 2 prompts x 2 sessions, prompt 0's
+    first session branched into 3 rows; the first batch has no signal, the refill has."""
+    from types import SimpleNamespace
+
+    import nemo_like.algorithms.grpo as grpo
+    from nemo_like.config.schema import MasterConfig
+    from nemo_like.data.prompts import PromptDataLoader, PromptRecord
+    from nemo_like.experience.rollouts import Rollout
+    from nemo_like.models.generation.interface import GeneratedSample
+    from nemo_like.utils.timer import StepTimer
+
+    batches = iter([[0.0] * 6, [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]])
+
+    def agent_batch(*args, **kwargs) -> Rollout:
+        groups, owners = [0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 2, 3]
+        prompts = [PromptRecord(f"p{g}", [], [1], {"task_name": "agent"}) for g in groups]
+        samples = [GeneratedSample([1], [2], [0.0], False, 0) for _ in owners]
+        counters = {"agent/sessions": 4.0, "agent/rows_per_session": 1.5}
+        return Rollout(
+            prompts, torch.tensor(groups), samples, ["x"] * 6, torch.tensor(next(batches)), counters, session_of_row=torch.tensor(owners)
+        )
+
+    monkeypatch.setattr(grpo, "collect_rollout", agent_batch)
+    cfg = MasterConfig.model_validate(
+        {"grpo": {"use_dynamic_sampling": True, "num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+         "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 1}}
+    )  # fmt: skip
+    loader = PromptDataLoader([PromptRecord(f"p{i}", [], [1], {"task_name": "agent"}) for i in range(2)], 2, 0, False)
+    parts = SimpleNamespace(cfg=cfg, generation=None, environment=None, tokenizer=None, train_loader=loader,
+                            plan=SimpleNamespace(multi_turn=None, overlap_scoring=False))  # fmt: skip
+    rollout, metrics = grpo.collect_training_rollout(parts, 1, StepTimer())
+    assert metrics["dynamic_sampling/num_gen_batches"] == 2.0
+    assert rollout.session_of_row.tolist() == [4, 4, 4, 5, 6, 7]  # the refill's sessions, numbered apart from batch 0's
+    batch = {"sample_mask": torch.ones(6), "token_mask": torch.ones(6, 1)}
+    grpo.attach_advantages(cfg, batch, rollout)
+    a = 2**-0.5
+    torch.testing.assert_close(batch["advantages"].squeeze(-1), torch.tensor([a, a, a, -a, a, -a]), rtol=1e-3, atol=1e-3)
+    assert rollout.env_metrics["agent/sessions"] == 8.0 and rollout.env_metrics["agent/rows_per_session"] == 1.5
+
+
+def test_refill_batches_never_repeat_an_earlier_batchs_request_seeds() -> None:
+    """Request i of a batch samples with its seed + i: with consecutive batch seeds, refill b + 1's request i repeated
+    batch b's request i + 1 (the same sample again wherever a prompt came back within the step)."""
+    from nemo_like.models.generation.interface import prompt_seeds
+    from nemo_like.utils.seeds import rollout_seed
+
+    requests = 64
+    seen: set[int] = set()
+    for batch in range(20):
+        seeds = set(prompt_seeds(rollout_seed(42, 7, batch), requests))
+        assert not seeds & seen, batch
+        seen |= seeds
+    assert rollout_seed(42, 7, 0) == (42 * 1_000_003 + 7) * 101  # batch 0 keeps its seed: runs without refills unchanged
