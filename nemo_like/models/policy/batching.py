@@ -107,10 +107,10 @@ def block_causal_mask(segment: torch.Tensor, dtype: torch.dtype, block_diagonal:
     """``[1, 1, T, T]`` additive mask: token i sees token j iff j <= i and (with ``block_diagonal``) both
     belong to the same segment."""
     t = segment.shape[0]
-    allowed = torch.ones(t, t, dtype=torch.bool).tril()
+    allowed = torch.ones(t, t, dtype=torch.bool, device=segment.device).tril()  # on the segments' device (a GPU's)
     if block_diagonal:
         allowed &= segment[:, None] == segment[None, :]
-    mask = torch.zeros(t, t, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = torch.zeros(t, t, dtype=dtype, device=segment.device).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
 

@@ -170,3 +170,15 @@ def test_every_grouping_trains_like_fixed_micro_batches(variant):
         assert (x - y).abs().max() < 1e-5, name
     if variant in ("packed", "token_budget"):  # fewer forward passes than 4 fixed micro-batches of 2
         assert other.forward_passes["train"] < base.forward_passes["train"]
+
+
+def test_the_packed_attention_mask_is_built_on_the_segments_device() -> None:
+    """The worker moves a micro-batch to its device before packing: the mask was built on the CPU and mixed with the
+    device's segment ids, which fails on a GPU (the meta device stands in for one here)."""
+    from nemo_like.models.policy.batching import block_causal_mask
+
+    segment = torch.tensor([0, 0, 0, 1, 1])
+    on_cpu = block_causal_mask(segment, torch.float32)
+    on_device = block_causal_mask(segment.to("meta"), torch.float32)
+    assert on_device.device.type == "meta" and on_device.shape == on_cpu.shape == (1, 1, 5, 5)
+    assert bool((on_cpu[0, 0, 3, :3] == torch.finfo(torch.float32).min).all()) and bool((on_cpu[0, 0, 4, 3:] == 0).all())
