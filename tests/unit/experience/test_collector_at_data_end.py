@@ -6,6 +6,7 @@ held or fail)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import asdict
@@ -73,7 +74,12 @@ def collector_at_data_end(reference: Reference) -> tuple[DriverTrajectoryCollect
         next_target=1, max_num_epochs=1, generation_version=0, reference=reference, pad_token_id=0,
     )  # fmt: skip
     collector = DriverTrajectoryCollector(None, SimpleNamespace(agents=Agents(), tasks=["t"]), buffer, None, loader, settings)
-    loop = threading.Thread(target=collector.run, daemon=True)
+
+    def run() -> None:
+        with contextlib.suppress(RuntimeError):  # a failed push ends the loop with it: the test reads collector.failure
+            collector.run()
+
+    loop = threading.Thread(target=run, daemon=True)
     loop.start()
     ray.get(buffer.take.remote(1, 0))
     deadline = time.monotonic() + 30
