@@ -27,7 +27,7 @@ from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.deadline import resolve_deadline
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.preflight import ensure_writable_dir
-from nemo_like.utils.run_control import RunControl, RunInterrupted, activate
+from nemo_like.utils.run_control import STOP_SIGNALS, RunControl, RunInterrupted, activate
 from nemo_like.utils.run_lock import hold_run_locks, run_directories
 
 
@@ -93,16 +93,15 @@ def stop_signals_held(control: RunControl) -> Iterator[None]:
     terminal), which would otherwise kill the GCS under the driver while it saves. ``ray.init`` also replaces SIGTERM's
     handler with Ray's (it prints the signal and aborts: status 134), so the run's handlers are installed again after
     it, before a held signal is let through."""
-    held = {signal.SIGTERM, signal.SIGINT}
     main = threading.current_thread() is threading.main_thread()
     if main:
-        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
         if main:
             control.install_signal_handlers()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def stop_message(cfg: MasterConfig, stop: RunInterrupted) -> str:

@@ -227,8 +227,10 @@ def collect_training_rollout(
         if accumulator.is_full:
             kept, metrics = accumulator.take()
             _, dense_ids = torch.unique_consecutive(kept["group_ids"], return_inverse=True)
-            rollout = Rollout(kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"], env_counters)
-            rollout.session_of_row = kept.get("session_of_row")
+            rollout = Rollout(
+                kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"], env_counters,
+                session_of_row=kept.get("session_of_row"),
+            )  # fmt: skip
             return rollout, metrics
 
 

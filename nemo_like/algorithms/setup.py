@@ -115,9 +115,6 @@ def _driver_tokenizer(cfg: MasterConfig, section: str = "policy"):
         ) from None
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-
-
 def report_lora(cfg: MasterConfig, policy: Policy, plan: RunPlan) -> None:
     """Print the trainable parameters and how generation receives weights (LoRA: adapters or merged, as ``plan``
     decided)."""

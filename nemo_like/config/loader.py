@@ -21,9 +21,10 @@ _OVERRIDE_MARKER = "_override_"
 
 
 class RecipeLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with two fixes for recipes: ``1e-4`` is a float (YAML 1.2, as OmegaConf and command-line
-    overrides read it; YAML 1.1 wants a dot, so ``lr: 1e-4`` was the string '1e-4'), and a key given twice in one
-    mapping is an error naming both lines (YAML 1.1 lets the later one win silently)."""
+    """PyYAML's safe loader, fixed for recipes: ``1e-4`` is a float (YAML 1.2, as OmegaConf and command-line overrides
+    read it; YAML 1.1 wants a dot, so ``lr: 1e-4`` was the string '1e-4'); ISO times and base-60 numbers stay text (the
+    implicit resolvers below); and a key given twice in one mapping is an error naming both lines (YAML 1.1 lets the
+    later one win silently)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}

@@ -293,8 +293,8 @@ class TrajectoryCollector:
                     # "No more groups" is true once the pushes in flight land. A failed push, a stop or a pause that
                     # arrives meanwhile is handled first (the loop checks them again): marking the data exhausted
                     # then would report a lost batch as the data's end, and wait past the pause's one notify.
-                    self.cond.wait_for(lambda: self.pushing == 0 or self.failure is not None or self.stopping or bool(self.pause_reasons))
-                    if self.pushing or self.failure is not None or self.stopping or self.pause_reasons:
+                    self.cond.wait_for(lambda: self.pushing == 0 or self._interrupted())
+                    if self.pushing or self._interrupted():
                         continue
                     self.exhausted = True
                     ray.get(self.buffer.finish.remote(f"grpo.max_num_epochs={self.max_num_epochs} reached"))
@@ -367,6 +367,10 @@ class TrajectoryCollector:
             self.cond.notify_all()
 
     # -- control (called by the driver while run() is busy) ---------------------------------------------
+    def _interrupted(self) -> bool:
+        """A failed push, a stop or a pause is waiting for the loop (call with ``cond`` held)."""
+        return self.failure is not None or self.stopping or bool(self.pause_reasons)
+
     def pause(self, reason: str, until_pushed: bool = True) -> float:
         """Hold the loop between batches; returns the seconds spent waiting for the batch in flight.
         ``until_pushed``: also wait until every generated batch is in the buffer (a checkpoint needs that; a

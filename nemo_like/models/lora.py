@@ -207,9 +207,8 @@ def refit_bytes(trainable_params: int, full_master_bytes: int, precision: str) -
     """What one refit sends (:mod:`nemo_like.models.policy.weight_export`): ``adapter``, the adapters in fp32 (as PEFT
     keeps them); ``full``, the whole (merged) model cast from its fp32 masters (``full_master_bytes``, as
     :func:`parameter_counts` counts them) to the engine's dtype."""
-    master_itemsize = torch.empty((), dtype=torch.float32).element_size()
-    engine_itemsize = torch.empty((), dtype=refit_dtype(precision)).element_size()
-    return {"adapter": trainable_params * master_itemsize, "full": full_master_bytes // master_itemsize * engine_itemsize}
+    master = torch.float32.itemsize
+    return {"adapter": trainable_params * master, "full": full_master_bytes // master * refit_dtype(precision).itemsize}
 
 
 def expected_adapter_names(model_path: str, lora_cfg: Any) -> list[str]:

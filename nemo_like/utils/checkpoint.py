@@ -191,12 +191,11 @@ class CheckpointManager:
             _pause_for_crash_tests(step)
             # Re-saving a step (e.g. after resume): the old copy leaves by one rename to a temporary name, so a crash
             # never leaves a half-deleted step_N that reads as complete (the next start removes temporary names).
-            old = self.root / f"{TMP_PREFIX}{step}_{os.getpid()}_replaced"
-            if final.exists():
-                os.rename(final, old)
+            old = self._set_aside(final, "replaced") if final.exists() else None
             os.rename(tmp, final)
             fsync_dir(self.root)
-            shutil.rmtree(old, ignore_errors=True)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             reason = "no space left on device" if exc.errno == errno.ENOSPC else str(exc)
@@ -218,10 +217,15 @@ class CheckpointManager:
         keep = {c.path for c in ranked[: self.keep_top_k]} | {latest.path} | ({keep_also} if keep_also else set())
         removed = [c.path for c in checkpoints if c.path not in keep]
         for path in removed:
-            doomed = self.root / f"{TMP_PREFIX}{path.name.removeprefix('step_')}_{os.getpid()}_pruned"
-            os.rename(path, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            shutil.rmtree(self._set_aside(path, "pruned"), ignore_errors=True)
         return removed
+
+    def _set_aside(self, checkpoint: Path, why: str) -> Path:
+        """Rename ``step_N`` to a temporary name (never read, removed at the next start) before it is deleted, so a
+        crash mid-delete leaves no half checkpoint that reads as complete; returns the new path."""
+        aside = self.root / f"{TMP_PREFIX}{checkpoint.name.removeprefix('step_')}_{os.getpid()}_{why}"
+        os.rename(checkpoint, aside)
+        return aside
 
     def _rank_key(self, checkpoint: CheckpointInfo) -> tuple[float, int]:
         """Higher is better; checkpoints without the metric rank below those with it, then by step."""

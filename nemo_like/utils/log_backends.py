@@ -66,12 +66,23 @@ def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def drop_torn_tail(path: Path) -> None:
     """Cut a last line without its newline (a process killed mid-write) off ``path``, so the next record starts a line
     of its own instead of continuing the torn one."""
-    if not path.exists() or path.stat().st_size == 0:
+    size = path.stat().st_size if path.exists() else 0
+    if size == 0:
         return
     with path.open("rb+") as f:
-        data = f.read()
-        if not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
+        f.seek(size - 1)
+        if f.read(1) == b"\n":  # the usual case: only the last byte is read
+            return
+        end = size - 1
+        while end > 0:  # back to the torn line's start, a block at a time (a record is one line)
+            start = max(0, end - 65536)
+            f.seek(start)
+            cut = f.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            end = start
+        f.truncate(0)  # the file is one torn line
 
 
 class JsonlBackend(LogBackend):

@@ -152,10 +152,15 @@ def plot_metrics(metrics_path: str | Path, out: str | Path | None = None, metric
     """Render ``metrics_path`` (a ``metrics.jsonl``) to a PNG; returns its path.
 
     With ``metrics``, one panel per listed metric; otherwise the standard panel. ``out`` defaults
-    to ``metrics.png`` beside the metrics file.
+    to ``metrics.png`` beside the metrics file. ``ValueError`` for a line that is not JSON or a listed metric the file
+    does not hold.
     """
     metrics_path = Path(metrics_path)
     records = read_metrics(metrics_path)
+    present = {key for record in records for key in record}
+    missing = [m for m in metrics or [] if m not in present]
+    if missing:
+        raise ValueError(f"--metrics: {missing} not in {metrics_path}; it holds {sorted(present - {'step'})}")
     out_path = Path(out) if out is not None else metrics_path.with_name("metrics.png")
     if metrics:
         fig, axes = _grid(len(metrics))

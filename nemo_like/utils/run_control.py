@@ -146,6 +146,10 @@ def activate(control: RunControl | None) -> None:
     _ACTIVE = control if control is not None else RunControl()
 
 
+#: The signals that request a stop (the run's handlers turn them into a save and an exit status).
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
 @contextmanager
 def new_threads_spared_stop_signals() -> Iterator[None]:
     """Threads started inside (a logger's: rich's refresh, TensorBoard's and W&B's writers) keep SIGTERM and SIGINT
@@ -155,7 +159,7 @@ def new_threads_spared_stop_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
