@@ -21,38 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
-from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
+from nemo_like.models.loading import ADAPTER_CONFIG
 from nemo_like.models.lora import merge_checkpoint
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
-ADAPTER_CONFIG = "adapter_config.json"
-
-
-def resolve_eval_model(model_path: str) -> str:
-    """The HF model directory to load: a checkpoint step directory means its ``policy/`` subdir, a
-    ``checkpointing.checkpoint_dir`` means its latest valid step; anything else is used as given."""
-    from nemo_like.utils.checkpoint import CheckpointManager
-
-    path = Path(model_path)
-    if not path.exists():
-        from nemo_like.models.loading import check_model_source
-
-        check_model_source(model_path, "eval.model_path")  # a missing path, or a hub id this machine cannot load
-        return model_path  # a hub id or the embedded model
-    for marker in ("config.json", ADAPTER_CONFIG):  # a full checkpoint, or a LoRA one (adapters only)
-        if (path / "policy" / marker).is_file():
-            return str(path / "policy")
-        if (path / marker).is_file():
-            return str(path)
-    latest = CheckpointManager(path).latest()
-    if latest is not None:
-        return str(latest.path / "policy")
-    raise ConfigError(
-        f"eval.model_path: {model_path} is neither a model directory (config.json), a checkpoint step directory "
-        "(policy/config.json) nor a checkpoint directory with a valid step_N"
-    )
 
 
 def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
@@ -120,7 +94,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.experience.rollouts import collect_rollout
     from nemo_like.models.engines import build_generation, generation_resources
     from nemo_like.models.generation.interface import sampling_params
-    from nemo_like.models.loading import load_tokenizer
+    from nemo_like.models.loading import load_tokenizer, resolve_checkpoint_model
 
     start = time.perf_counter()
     ev = cfg.eval
@@ -131,7 +105,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             stacklevel=2,
         )
     specs = check_plugin_names(cfg)
-    model_dir = resolve_eval_model(ev.model_path or cfg.policy.model_name)
+    model_dir = resolve_checkpoint_model(ev.model_path or cfg.policy.model_name, "eval.model_path")
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     prompts = load_validation_prompts(cfg, tokenizer)
     check_environments(specs, {"validation": prompts})

@@ -110,6 +110,31 @@ def check_model_source(name: str, key: str) -> None:
     )
 
 
+def resolve_checkpoint_model(model_path: str, key: str) -> str:
+    """The model directory ``model_path`` names, for ``nemo-like eval`` and ``nemo-like serve``: a model directory
+    (``config.json``) or a LoRA one (``adapter_config.json``) as given, a checkpoint step directory's ``policy/``,
+    a ``checkpointing.checkpoint_dir``'s latest valid step's ``policy/``; a hub id or the embedded model as given.
+    A path that holds none of these is a :class:`ConfigError` naming ``key``."""
+    from nemo_like.utils.checkpoint import CheckpointManager
+
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        check_model_source(model_path, key)  # a missing path, or a hub id this machine cannot load
+        return model_path  # a hub id or the embedded model
+    for marker in ("config.json", ADAPTER_CONFIG):  # a full checkpoint, or a LoRA one (adapters only)
+        if (path / "policy" / marker).is_file():
+            return str(path / "policy")
+        if (path / marker).is_file():
+            return str(path)
+    latest = CheckpointManager(path).latest()
+    if latest is not None:
+        return str(latest.path / "policy")
+    raise ConfigError(
+        f"{key}: {model_path} is neither a model directory (config.json), a checkpoint step directory "
+        "(policy/config.json) nor a checkpoint directory with a valid step_N"
+    )
+
+
 def load_causal_lm(model_name: str, precision: str = "float32"):
     """Load a causal LM for training or inference (eager attention: exact and fine on CPU). A LoRA adapter
     directory (``adapter_config.json``) loads as its base model with the adapters merged in."""

@@ -10,34 +10,18 @@ from __future__ import annotations
 
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
-from nemo_like.config.errors import ConfigError
-from nemo_like.models.loading import load_tokenizer
+from nemo_like.models.loading import load_tokenizer, resolve_checkpoint_model
 from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
 
 
 def served_model(cfg: Any) -> str:
-    """The model to serve: ``eval.model_path`` (resolved to its ``policy/`` weights for a checkpoint) or
-    ``policy.model_name``. Raises :class:`ConfigError` naming ``eval.model_path`` for a path that holds no model."""
+    """The model to serve: ``eval.model_path`` (resolved as ``nemo-like eval`` resolves it: a checkpoint's ``policy/``
+    weights or LoRA adapters, a checkpoint directory's latest valid step) or ``policy.model_name``."""
     model_path = getattr(cfg.eval, "model_path", None)
-    if model_path is None:
-        return cfg.policy.model_name
-    path = Path(model_path)
-    if not path.exists():
-        from nemo_like.models.loading import check_model_source
-
-        check_model_source(model_path, "eval.model_path")  # a missing path, or a hub id this machine cannot load
-        return model_path
-    for candidate in (path / "policy", path):
-        if (candidate / "config.json").is_file():
-            return str(candidate)
-    steps = sorted((p for p in path.glob("step_*") if (p / "policy" / "config.json").is_file()), key=lambda p: int(p.name[5:]))
-    if steps:
-        return str(steps[-1] / "policy")
-    raise ConfigError(f"eval.model_path: {model_path} holds no model (config.json), checkpoint step (policy/config.json) nor step_N")
+    return cfg.policy.model_name if model_path is None else resolve_checkpoint_model(model_path, "eval.model_path")
 
 
 def build_server(cfg: Any, port: int = 0) -> RolloutServer:

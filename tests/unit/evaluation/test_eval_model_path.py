@@ -1,4 +1,4 @@
-"""Which directory `nemo-like eval` loads for eval.model_path."""
+"""Which directory `nemo-like eval` and `nemo-like serve` load for eval.model_path (one resolver for both)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import pytest
 
 from nemo_like.config import ConfigError, load_config
 from nemo_like.config.schema import default_pass_k
-from nemo_like.evaluation.run import resolve_eval_model, summarize
+from nemo_like.evaluation.run import summarize
+from nemo_like.models.loading import resolve_checkpoint_model
+from nemo_like.serving.standalone import served_model
+
+
+def resolve_eval_model(model_path: str) -> str:
+    return resolve_checkpoint_model(model_path, "eval.model_path")
 
 
 def test_model_dir_checkpoint_step_and_checkpoint_root(tmp_path) -> None:
@@ -23,6 +29,28 @@ def test_model_dir_checkpoint_step_and_checkpoint_root(tmp_path) -> None:
     assert resolve_eval_model(str(tmp_path / "ckpt" / "step_2")) == str(tmp_path / "ckpt" / "step_2" / "policy")
     assert resolve_eval_model(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt" / "step_10" / "policy")  # the latest
     assert resolve_eval_model("embedded:tiny-arith-qwen2") == "embedded:tiny-arith-qwen2"
+
+
+def test_serve_resolves_a_lora_checkpoint_and_the_latest_valid_step_as_eval_does(tmp_path) -> None:
+    """`nemo-like serve` refused a LoRA checkpoint (it looked for policy/config.json only) and took the highest
+    step_N directory whether or not it was a complete checkpoint; it now resolves the path as `nemo-like eval` does."""
+    for step in (3, 5):
+        (tmp_path / "ckpt" / f"step_{step}" / "policy").mkdir(parents=True)
+        (tmp_path / "ckpt" / f"step_{step}" / "policy" / "adapter_config.json").write_text("{}")
+        (tmp_path / "ckpt" / f"step_{step}" / "trainer_state.json").write_text(json.dumps({"metrics": {}}))
+    (tmp_path / "ckpt" / "step_9" / "policy").mkdir(parents=True)  # an incomplete step: no trainer_state.json
+    (tmp_path / "ckpt" / "step_9" / "policy" / "config.json").write_text("{}")
+
+    def serve_path(model_path: str) -> str:
+        return served_model(load_config(None, [f"eval.model_path={model_path}"]))
+
+    assert serve_path(str(tmp_path / "ckpt" / "step_3")) == str(tmp_path / "ckpt" / "step_3" / "policy")
+    with pytest.warns(UserWarning, match=r"skipping .*step_9"):
+        served = serve_path(str(tmp_path / "ckpt"))
+    assert served == str(tmp_path / "ckpt" / "step_5" / "policy")
+    assert served_model(load_config(None, [])) == load_config(None, []).policy.model_name
+    with pytest.raises(ConfigError, match=r"eval.model_path: .* neither a model directory"):
+        serve_path(str(tmp_path))
 
 
 def test_bad_paths_are_config_errors(tmp_path) -> None:
