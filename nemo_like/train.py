@@ -162,9 +162,14 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
         if not isinstance(outcome, WorkerDeath):
             history = kept + outcome
             break
+        manager = CheckpointManager(cfg.checkpointing.checkpoint_dir)
+        stop = control.stop_reason()
+        if stop is not None:  # asked to stop (a signal, the deadline): restarting would spend the grace time on setup
+            latest = restart_checkpoint(manager.valid_checkpoints(), run_started, started_from) if cfg.checkpointing.enabled else None
+            print(f"[restart] the {outcome.describe()}; not restarting: the run was asked to stop ({stop.what})", file=sys.stderr)
+            raise RunInterrupted(stop, max(outcome.step - 1, 0), None if latest is None else str(latest.path)) from outcome.error
         check_restart(outcome, deaths, cfg.cluster.fault_tolerance.max_restarts, cfg.checkpointing.enabled)
         deaths.append(outcome)
-        manager = CheckpointManager(cfg.checkpointing.checkpoint_dir)
         for path in manager.remove_partial_saves():
             print(f"[checkpoint] removed an interrupted save: {path}", file=sys.stderr)
         resume_from = restart_checkpoint(manager.valid_checkpoints(), run_started, started_from)

@@ -16,7 +16,7 @@ from nemo_like.algorithms.restarts import RunRestartError, WorkerDeath, check_re
 from nemo_like.config import load_config
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.utils.checkpoint import CheckpointInfo
-from nemo_like.utils.run_control import RunControl
+from nemo_like.utils.run_control import RunControl, RunInterrupted, StopReason
 
 RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 IDS = {"policy": {"p0", "p1"}, "reference": {"r0"}}
@@ -83,7 +83,7 @@ def test_trimming_metrics_keeps_earlier_runs_bytes_and_drops_later_steps_and_a_t
     assert path.read_text() == earlier
 
 
-def fake_run(tmp_path: Path, monkeypatch, attempts, *overrides: str):
+def fake_run(tmp_path: Path, monkeypatch, attempts, *overrides: str, control: RunControl | None = None):
     """``train._train_locked`` with each attempt replaced by ``attempts[i](logger, resume_from)``."""
     cfg = load_config(
         RECIPE,
@@ -101,7 +101,7 @@ def fake_run(tmp_path: Path, monkeypatch, attempts, *overrides: str):
             logger.close()
 
     monkeypatch.setattr(train_module, "_train_attempt", attempt)
-    return train_module._train_locked(cfg, time.perf_counter(), RunControl()), seen
+    return train_module._train_locked(cfg, time.perf_counter(), control or RunControl()), seen
 
 
 def logs(*steps: int, death_step: int | None = None):
@@ -140,6 +140,26 @@ def test_the_driver_stops_with_a_clear_error_when_checkpointing_is_off_or_restar
             "checkpointing.enabled=true",
             "cluster.fault_tolerance.max_restarts=1",
         )
+
+
+def test_a_death_after_a_stop_request_stops_the_run_instead_of_restarting_it(tmp_path, monkeypatch, capsys):
+    """A SIGTERM (preemption's grace period) then a dead policy worker: the run stops with the signal's status and
+    names its last checkpoint; it used to restart every actor first and honour the stop only after a resumed step."""
+    control = RunControl()
+    control.requested = StopReason("SIGTERM", 143)
+
+    def saved_then_died(logger, resume_from):
+        step_2 = tmp_path / "ckpt" / "step_2"
+        step_2.mkdir(parents=True)
+        (step_2 / "trainer_state.json").write_text(json.dumps({"step": 2, "metrics": {}}))
+        return logs(1, 2, death_step=3)(logger, resume_from)
+
+    with pytest.raises(RunInterrupted) as stopped:
+        fake_run(tmp_path, monkeypatch, [saved_then_died, logs(3)], "checkpointing.enabled=true", control=control)
+    assert (stopped.value.code, stopped.value.step, stopped.value.checkpoint) == (143, 2, str(tmp_path / "ckpt" / "step_2"))
+    assert "[restart] the policy worker died in step 3: killed in step 3; not restarting: the run was asked to stop (SIGTERM)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_resumed_runs_tensorboard_hides_the_steps_it_redoes(tmp_path):
