@@ -94,3 +94,10 @@ class CountdownEnv(EnvironmentInterface):
     def metrics(self) -> dict[str, float]:
         steps, self.steps = self.steps, 0
         return {"steps": float(steps)}
+
+
+class NanForQuestionMarks(EnvironmentInterface):
+    """A buggy reward: NaN for a response with a '?', else 0.0."""
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        return [float("nan") if "?" in r else 0.0 for r in responses]

@@ -51,7 +51,11 @@ class EnvironmentWorker(Reinitializable):
             raise ValueError(f"environment '{self.task}' returned {len(rewards)} rewards for {len(responses)} responses")
         bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
         if bad:
-            raise ValueError(f"environment '{self.task}' returned non-finite rewards for responses {bad[:10]}")
+            first = bad[0]
+            raise ValueError(
+                f"environment '{self.task}' returned non-finite rewards for {len(bad)} of {len(responses)} responses, e.g. "
+                f"{rewards[first]} for response {_preview(responses[first])} (metadata {_preview(metadata[first])})"
+            )
         return rewards, {k: float(v) for k, v in self.env.metrics().items()}
 
     def step(
@@ -69,6 +73,12 @@ class EnvironmentWorker(Reinitializable):
         close = getattr(self.env, "close", None)
         if callable(close):
             close()
+
+
+def _preview(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters: enough to find a sample in the data."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_step(step: Any, where: str) -> None:

@@ -95,3 +95,19 @@ def test_setup_checks_the_data_tasks_before_any_actor(monkeypatch) -> None:
     cfg = load_config(None, ["~env", "+env.math.num_workers=1", "data.train.num_problems=16", "grpo.max_val_samples=8"])
     with pytest.raises(ConfigError, match="samples of task 'arithmetic' have no environment: configured environments are math"):
         setup.setup_grpo(cfg)
+
+
+def test_a_non_finite_reward_names_the_response_and_its_metadata() -> None:
+    """The error used to name positions in the actor's shard (``responses [1]``), which point at no sample a user can
+    find; it now quotes the first offending response and its metadata, and counts them."""
+    from nemo_like.environments.worker import EnvironmentWorker
+
+    worker = EnvironmentWorker(0, 1, "buggy", "custom_envs:NanForQuestionMarks", {})
+    responses = ["12", "what is 3+4?" + " padding" * 40, "7", "?"]
+    metadata = [{"answer": 12}, {"answer": 7, "id": "q-31"}, {"answer": 7}, {"answer": 1}]
+    with pytest.raises(
+        ValueError,
+        match=r"non-finite rewards for 2 of 4 responses, e.g. nan for response 'what is 3\+4\? padding.*\.\.\. "
+        r"\(metadata \{'answer': 7, 'id': 'q-31'\}\)",
+    ):
+        worker.score(responses, metadata)
