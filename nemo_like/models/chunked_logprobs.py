@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nemo_like.models.precision import AutocastState
 from nemo_like.models.processed_logprobs import SamplingDistribution, processed_token_logprobs_with_outside, token_logprobs_from_logits
 from nemo_like.models.teacher_kl import KLTerm, chunked_teacher_kl, teacher_kl_from_logits
 
@@ -39,7 +40,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 logits, targets[start : start + chunk], dist
             )
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.dist, ctx.chunk = dist, chunk
+        ctx.dist, ctx.chunk, ctx.autocast = dist, chunk, AutocastState.current(hidden.device)
         ctx.mark_non_differentiable(outside)
         return out, outside
 
@@ -54,7 +55,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         b = bias.detach().requires_grad_(need_b) if bias is not None else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[start : start + ctx.chunk].detach().requires_grad_(need_h)
-            with torch.enable_grad():
+            with torch.enable_grad(), ctx.autocast():  # the forward's compute dtype: the same function's gradient
                 lp, _ = token_logprobs_from_logits(F.linear(h, w, b), targets[start : start + ctx.chunk], ctx.dist)
             inputs = [t for t, need in ((h, need_h), (w, need_w), (b, need_b and b is not None)) if need]
             grads = iter(torch.autograd.grad(lp, inputs, grad_out[start : start + ctx.chunk]))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +50,24 @@ def compute_context(device: torch.device, precision: str, sharded: bool) -> Iter
         return
     with torch.autocast(device.type, dtype=compute_dtype(precision)):
         yield
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The autocast a custom autograd function's forward ran under, for its backward to run under too (autograd calls
+    ``backward`` outside the forward's ``torch.autocast``, so a backward that recomputes a forward product, as the
+    chunked logprob heads do, would otherwise do it in fp32: another function's gradient, and slow on a GPU)."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+    @classmethod
+    def current(cls, device: torch.device) -> AutocastState:
+        return cls(device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+
+    def __call__(self) -> torch.autocast:
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 
 
 def fsdp_mixed_precision(precision: str):

@@ -38,6 +38,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from nemo_like.models.precision import AutocastState
+
 Direction = Literal["forward", "reverse"]
 Support = Literal["full", "teacher_top_k", "student_top_k"]
 
@@ -149,7 +151,7 @@ class ChunkedTeacherKL(torch.autograd.Function):
             teacher = F.linear(t_hidden[rows], t_weight, t_bias)
             out[rows], _ = token_kl(student, teacher, term)
         ctx.save_for_backward(hidden, weight, bias, t_hidden, t_weight, t_bias)
-        ctx.term, ctx.chunk = term, chunk
+        ctx.term, ctx.chunk, ctx.autocast = term, chunk, AutocastState.current(hidden.device)
         return out
 
     @staticmethod
@@ -162,14 +164,15 @@ class ChunkedTeacherKL(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             h = hidden[rows]
-            student = F.linear(h, weight, bias)
-            teacher = F.linear(t_hidden[rows], t_weight, t_bias)
-            _, grad = token_kl(student, teacher, ctx.term, with_grad=True)
-            grad = grad * grad_kl[rows].unsqueeze(-1)  # dL/dlogits of this chunk
-            if grad_h is not None:
-                grad_h[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_w is not None:
-                grad_w += (grad.T.to(h.dtype) @ h).to(weight.dtype)
+            with ctx.autocast():  # the forward's compute dtype: its logits, and the products autograd would run
+                student = F.linear(h, weight, bias)
+                teacher = F.linear(t_hidden[rows], t_weight, t_bias)
+                _, grad = token_kl(student, teacher, ctx.term, with_grad=True)
+                grad = grad * grad_kl[rows].unsqueeze(-1)  # dL/dlogits of this chunk
+                if grad_h is not None:
+                    grad_h[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+                if grad_w is not None:
+                    grad_w += (grad.T.to(h.dtype) @ h).to(weight.dtype)
             if grad_b is not None:
                 grad_b += grad.sum(0).to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None

@@ -127,3 +127,39 @@ def test_release_memory_frees_gradients_and_training_after_it_is_unchanged():
         worker.train([batch])
     for (name, a), (_, b) in zip(plain.model.named_parameters(), released.model.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_chunked_heads_differentiate_in_the_forwards_autocast_dtype():
+    """Autograd runs a custom function's backward outside the forward's ``torch.autocast``: the chunked logprob and
+    teacher-KL heads recompute their logits there, so under bf16 they returned the fp32 function's gradient (an
+    unchunked bf16 forward's differs by 9e-3 on these hidden states) and ran the LM head's backward in fp32. Each row's
+    hidden-state gradient depends only on its own chunk, so it must equal the unchunked bf16 path's bitwise."""
+    import torch.nn.functional as F
+
+    from nemo_like.models.chunked_logprobs import ChunkedTokenLogprobs
+    from nemo_like.models.processed_logprobs import SamplingDistribution, token_logprobs_from_logits
+    from nemo_like.models.teacher_kl import KLTerm, chunked_teacher_kl, teacher_kl_from_logits
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(64, 48, generator=gen), 0.3 * torch.randn(500, 48, generator=gen)
+    t_hidden, t_weight = torch.randn(64, 48, generator=gen), 0.3 * torch.randn(500, 48, generator=gen)
+    targets, upstream = torch.randint(0, 500, (64,), generator=gen), torch.randn(64, generator=gen)
+    dist, term = SamplingDistribution(), KLTerm()
+    heads = {
+        "logprobs, unchunked": lambda h, w: token_logprobs_from_logits(F.linear(h, w), targets, dist)[0],
+        "logprobs, chunked": lambda h, w: ChunkedTokenLogprobs.apply(h, w, None, targets, dist, 16)[0],
+        "teacher KL, unchunked": lambda h, w: teacher_kl_from_logits(F.linear(h, w), F.linear(t_hidden, t_weight), term),
+        "teacher KL, chunked": lambda h, w: chunked_teacher_kl(h, w, None, t_hidden, t_weight, None, term, 16),
+    }
+
+    def hidden_grad(head, dtype: torch.dtype | None) -> torch.Tensor:
+        h = hidden.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):  # the forward only, as training
+            out = head(h, weight.clone().requires_grad_())
+        (out * upstream).sum().backward()
+        return h.grad
+
+    for name in ("logprobs", "teacher KL"):
+        bf16 = hidden_grad(heads[f"{name}, unchunked"], torch.bfloat16)
+        assert (bf16 - hidden_grad(heads[f"{name}, unchunked"], None)).abs().max() > 1e-3, name  # bf16 is visible
+        torch.testing.assert_close(hidden_grad(heads[f"{name}, chunked"], torch.bfloat16), bf16, atol=0, rtol=0, msg=name)
