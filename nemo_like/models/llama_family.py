@@ -31,10 +31,20 @@ def supported(model: torch.nn.Module) -> bool:
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     """The model's RMSNorm module applied as it computes it: in float32, the weight applied after casting back."""
-    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    return rms_norm_with(x, norm.weight, norm_eps(norm))
+
+
+def norm_eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon (``variance_epsilon`` in transformers' Llama family, ``eps`` in torch's)."""
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+
+
+def rms_norm_with(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the Llama family computes it: normalised in float32, cast back to ``x``'s dtype, then scaled by
+    ``weight`` (in bf16 a fused ``F.rms_norm(x, ..., weight)`` rounds differently: logits off by 0.1, other tokens)."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def rotary_tables(

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, prompt_seeds
-from nemo_like.models.llama_family import rotary_tables
+from nemo_like.models.llama_family import rms_norm_with, rotary_tables
 from nemo_like.models.llama_family import supported as fused_step_supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, sampling_keep_mask
 from nemo_like.utils.cpu_linear import linear, prepacked
@@ -96,7 +96,6 @@ class FusedLlamaStep:
         self.k_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
         self.v_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
         self.intermediate = self.inner.layers[0].mlp.gate_proj.weight.shape[0]  # gate/up may be packed: read the module
-        self.hidden = cfg.hidden_size
         self.cos = self.signed_sin = None
 
     def refresh_weights(self) -> None:
@@ -144,7 +143,7 @@ class FusedLlamaStep:
         cos, signed_sin = self.cos[:, :, start:end], self.signed_sin[:, :, start:end]
         h = self.inner.embed_tokens(input_ids)
         for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up, down) in enumerate(self.layers):
-            qkv = linear(F.rms_norm(h, (self.hidden,), ln1, self.eps), qkv_w, qkv_b)
+            qkv = linear(rms_norm_with(h, ln1, self.eps), qkv_w, qkv_b)
             qkv = qkv.view(batch, width, qk_heads + self.kv_heads, self.head_dim).transpose(1, 2)
             qk = qkv[:, :qk_heads]
             qk = qk * cos + qk.roll(half, dims=-1) * signed_sin  # RoPE on queries and keys at once
@@ -158,9 +157,9 @@ class FusedLlamaStep:
                 enable_gqa=self.kv_heads != heads,
             )
             h = h + linear(attn.transpose(1, 2).reshape(batch, width, heads * self.head_dim), o_w, o_b)
-            gate, up = linear(F.rms_norm(h, (self.hidden,), ln2, self.eps), gate_up).split(self.intermediate, dim=-1)
+            gate, up = linear(rms_norm_with(h, ln2, self.eps), gate_up).split(self.intermediate, dim=-1)
             h = h + linear(F.silu(gate) * up, down)
-        last = F.rms_norm(h[:, -1], (self.hidden,), self.inner.norm.weight, self.eps)
+        last = rms_norm_with(h[:, -1], self.inner.norm.weight, self.eps)
         return linear(last, *self.head) if self.head is not None else self.model.lm_head(last)
 
 

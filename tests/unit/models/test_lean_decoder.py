@@ -173,3 +173,19 @@ def test_a_large_vocabulary_is_drawn_in_two_levels_as_the_float64_cumulative_sum
     edges = inverse_cdf_tokens(probs[None].expand(2, -1), torch.tensor([[0.0], [1 - 2**-53]], dtype=torch.float64))
     nonzero = probs.nonzero().flatten()
     assert edges.tolist() == [nonzero[0].item(), nonzero[-1].item()]
+
+
+def test_in_bfloat16_the_fused_step_is_the_models_own_forward() -> None:
+    """A bf16 engine (``policy.precision: bfloat16``): the fused step normalised with ``F.rms_norm(h, weight)``, which
+    rounds differently from the model's RMSNorm (float32, cast back, then the weight): on the shipped model its logits
+    were off by 0.125 and greedy rows left the model's path within 8 tokens. It must pick the model's tokens."""
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.loading import load_causal_lm
+
+    model = load_causal_lm(EMBEDDED_MODEL, "bfloat16").eval()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    prompts = [[5, 17, 30, 12, 9], [40, 41], [7, 8, 9, 10, 11, 12, 13], [60, 3, 61], [22, 23, 24, 25]]
+    fused = sample(model, prompts, 48, SamplingDistribution(), [], 0, seed=0, greedy=True)
+    plain = sample(model, prompts, 48, SamplingDistribution(), [], 0, seed=0, greedy=True, fused=False)
+    assert torch.equal(fused.tokens, plain.tokens)
+    torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=0, rtol=0)
