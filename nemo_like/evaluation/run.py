@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -35,11 +36,10 @@ def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
     path = Path(model_dir)
     if not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES):
         return model_dir
-    scratch.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(scratch, ignore_errors=True)  # an earlier eval's links: the default output_dir is shared by every eval
+    scratch.mkdir(parents=True)
     for item in path.iterdir():
-        link = scratch / item.name
-        if not link.exists():
-            os.symlink(item.resolve(), link)
+        os.symlink(item.resolve(), scratch / item.name)
     tokenizer.save_pretrained(scratch)
     return str(scratch)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +110,28 @@ def test_eval_summary_reports_every_default_k() -> None:
     assert summary["pass@1"] == pytest.approx((1 / 4 + 0) / 2)
     assert summary["pass@2"] == pytest.approx((1 / 2 + 0) / 2)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
     assert summary["pass@4"] == pytest.approx((1.0 + 0) / 2)
+
+
+def test_eval_links_the_checkpoint_it_was_given_not_an_earlier_evals(tmp_path) -> None:
+    """Every eval links its checkpoint into ``output_dir/model/`` (with the tokenizer, for vLLM); an existing link was
+    kept, so with the default output_dir evaluating step_100 after step_50 served step_50's weights, and crashed
+    when retention had deleted step_50 (a dangling link)."""
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.evaluation.run import with_tokenizer
+    from nemo_like.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    for step in (50, 100):
+        policy = tmp_path / "ckpt" / f"step_{step}" / "policy"
+        policy.mkdir(parents=True)
+        (policy / "config.json").write_text("{}")
+        (policy / "model.safetensors").write_text(f"weights of step {step}")
+    scratch = tmp_path / "results" / "eval" / "model"
+    served = with_tokenizer(str(tmp_path / "ckpt" / "step_50" / "policy"), tokenizer, scratch)
+    assert (Path(served) / "model.safetensors").read_text() == "weights of step 50"
+    served = with_tokenizer(str(tmp_path / "ckpt" / "step_100" / "policy"), tokenizer, scratch)
+    assert (Path(served) / "model.safetensors").read_text() == "weights of step 100"
+    assert (Path(served) / "tokenizer.json").is_file()
+    shutil.rmtree(tmp_path / "ckpt" / "step_100")  # retention deleted it: the next eval must not trip on its links
+    served = with_tokenizer(str(tmp_path / "ckpt" / "step_50" / "policy"), tokenizer, scratch)
+    assert (Path(served) / "model.safetensors").read_text() == "weights of step 50"
