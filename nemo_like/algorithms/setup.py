@@ -22,10 +22,10 @@ from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
 from nemo_like.models.engines import build_generation
 from nemo_like.models.generation.hf import HFGeneration
-from nemo_like.models.loading import load_tokenizer, resolve_model_path
+from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer, resolve_model_path
 from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
-from nemo_like.plan.run_plan import RunPlan, eos_ids_of
+from nemo_like.plan.run_plan import RunPlan
 
 
 @dataclass
@@ -56,11 +56,6 @@ class GRPOComponents:
     def environment(self):
         """The environments' actor handles, by task (what the rollout helpers score with)."""
         return self.environments.handles
-
-
-def eos_token_ids(tokenizer) -> list[int]:
-    """The tokenizer's end-of-sequence id(s) as a list."""
-    return list(eos_ids_of(tokenizer))
 
 
 def check_environments(specs: dict[str, EnvSpec], datasets: dict[str, list[PromptRecord]]) -> None:
@@ -168,7 +163,8 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
         init_ray(cfg.cluster)
     # Every run-level decision, made once here and handed down (an impossible requested backend or LoRA refit mode
     # fails here, before any actor starts).
-    plan = plan_on_cluster(cfg, eos_ids_of(tokenizer))
+    eos_ids = end_of_sequence_ids(tokenizer, cfg.policy.model_name)  # the tokenizer's and the generation config's
+    plan = plan_on_cluster(cfg, tuple(eos_ids))
     ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts
     agent_settings = load_agents(env_specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
     mode = init_ray(cfg.cluster)
@@ -184,7 +180,7 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
             spawned_reference = Policy(cfg, "reference", trainable=False, plan=plan, wait=False)
         teacher = Teachers(cfg, plan, wait=False) if plan.logprobs.compute_teacher else None
         started.append(teacher)
-        generation = build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), policy, plan)
+        generation = build_generation(cfg, tokenizer.pad_token_id, eos_ids, policy, plan)
         started.append(generation)
         environments = Environments(env_specs, cfg.cluster.placement_timeout_s)
         started.append(environments)
@@ -201,7 +197,7 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     report_lora(cfg, policy, plan)
     agents = None
     if plan.agent_tasks:  # the rollout server on the driver, sampling with the run's engine (docs/guides/agents.md)
-        agents = start_agent_rollouts(cfg, tokenizer, generation, eos_token_ids(tokenizer), agent_settings)
+        agents = start_agent_rollouts(cfg, tokenizer, generation, eos_ids, agent_settings)
         handles = AgentHandles(environments.handles.workers, agents)
         handles.replaceable = environments.handles.replaceable  # the verifier's dead actors are replaced too
         environments.handles = handles

@@ -86,7 +86,7 @@ def format_table(summary: dict[str, Any]) -> str:
 def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     """Run the evaluation ``cfg.eval`` describes; returns the summary (also written to ``summary.json``)."""
     from nemo_like.algorithms.names import check_plugin_names
-    from nemo_like.algorithms.setup import check_environments, eos_token_ids, load_validation_prompts
+    from nemo_like.algorithms.setup import check_environments, load_validation_prompts
     from nemo_like.distributed.capacity import check_cluster_capacity, sum_resources
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.distributed.ray_init import init_ray
@@ -94,7 +94,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.experience.rollouts import collect_rollout
     from nemo_like.models.engines import build_generation, generation_resources
     from nemo_like.models.generation.interface import sampling_params
-    from nemo_like.models.loading import load_tokenizer, resolve_checkpoint_model
+    from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer, resolve_checkpoint_model
 
     start = time.perf_counter()
     ev = cfg.eval
@@ -118,13 +118,14 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     import ray
 
     init_ray(cfg.cluster)
-    plan = plan_on_cluster(run_cfg, tuple(eos_token_ids(tokenizer)), with_policy=False)  # decided once, handed down
+    eos_ids = end_of_sequence_ids(tokenizer, model_dir)
+    plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False)  # decided once, handed down
     roles = [generation_resources(run_cfg, plan), *environment_resources(run_cfg)]
     check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
 
     generation = environments = None
     try:
-        generation = build_generation(run_cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer), plan=plan)
+        generation = build_generation(run_cfg, tokenizer.pad_token_id, eos_ids, plan=plan)
         environments = Environments(specs, cfg.cluster.placement_timeout_s)
         n = ev.num_samples_per_prompt
         seed = ev.seed if ev.seed is not None else cfg.grpo.seed

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -175,6 +177,44 @@ def load_tokenizer(name: str):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def end_of_sequence_ids(tokenizer: Any, model_name: str) -> list[int]:
+    """The ids that end a response: the tokenizer's eos and the ``eos_token_id`` of the model's
+    ``generation_config.json`` (an int or a list: Llama-3-Instruct lists ``<|eot_id|>``, Qwen2.5-Instruct
+    ``<|endoftext|>`` beside ``<|im_end|>``), which transformers' ``generate`` and vLLM stop on too. Decided once per run
+    and handed to every engine, the multi-turn plan and the rollout server."""
+    ids = [*_as_ids(tokenizer.eos_token_id), *_as_ids(_generation_config(model_name).get("eos_token_id"))]
+    return list(dict.fromkeys(ids))
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _generation_config(model_name: str) -> dict[str, Any]:
+    """``generation_config.json`` of a local model directory, a LoRA checkpoint's base model or a cached hub model;
+    ``{}`` when there is none (many models ship none)."""
+    path = Path(resolve_model_path(model_name)).expanduser()
+    if (path / ADAPTER_CONFIG).is_file():
+        return _generation_config(json.loads((path / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+    if path.is_dir():
+        found: Any = path / "generation_config.json"
+    elif looks_like_path(model_name):
+        return {}
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model_name, "generation_config.json", cache_dir=hub_cache_dir())
+    if not isinstance(found, (str, Path)) or not Path(found).is_file():
+        return {}
+    try:
+        config = json.loads(Path(found).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{found}: cannot read the model's generation config ({exc})") from None
+    return config if isinstance(config, dict) else {}
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -119,9 +119,3 @@ def agent_tasks(cfg: Any) -> tuple[str, ...]:
             f"env.{others[0]}: a run with agent tasks ({', '.join(tasks)}) cannot also have other tasks; expected only class: agent sections"
         )
     return tasks
-
-
-def eos_ids_of(tokenizer: Any) -> tuple[int, ...]:
-    """The tokenizer's end-of-sequence id(s) as a tuple (some tokenizers hold a list)."""
-    ids = tokenizer.eos_token_id
-    return tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)

@@ -12,7 +12,7 @@ import sys
 import threading
 from typing import Any
 
-from nemo_like.models.loading import load_tokenizer, resolve_checkpoint_model
+from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer, resolve_checkpoint_model
 from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
 
@@ -28,9 +28,9 @@ def build_server(cfg: Any, port: int = 0) -> RolloutServer:
     """The server over the recipe's model (not started): the recipe's tokenizer, context (``policy.max_total_sequence_length``)
     and seed; sessions are created by their first call."""
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
-    eos = tokenizer.eos_token_id
-    eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-    engine = LocalGeneration.load(served_model(cfg), tokenizer.pad_token_id, eos_ids, cfg.policy.precision)
+    model = served_model(cfg)
+    eos_ids = end_of_sequence_ids(tokenizer, model)
+    engine = LocalGeneration.load(model, tokenizer.pad_token_id, eos_ids, cfg.policy.precision)
     config = ServerConfig(port=port, max_context=cfg.policy.max_total_sequence_length, seed=cfg.grpo.seed)
     return RolloutServer(engine, tokenizer, config, eos_token_ids=eos_ids)
 

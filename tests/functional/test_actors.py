@@ -5,13 +5,12 @@ import torch
 from functional.helpers import tiny_config
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
-from nemo_like.algorithms.setup import eos_token_ids
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import build_prompt_dataset
 from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.generation.interface import SamplingParams
-from nemo_like.models.loading import load_tokenizer
+from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer
 from nemo_like.models.policy.policy import Policy
 from nemo_like.models.refit.shared_memory import SharedWeights
 
@@ -56,7 +55,7 @@ def test_generation_logprobs_match_policy_after_each_refit_and_a_missed_refit_sh
     cfg = tiny_config(tmp_path, "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0")
     tok = load_tokenizer(cfg.policy.model_name)
     policy = Policy(cfg, loss_fn=ClippedPGLossFn(cfg.loss_fn))
-    gen = HFGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), plan_on_cluster(cfg).threads.generation)
+    gen = HFGeneration(cfg, tok.pad_token_id, end_of_sequence_ids(tok, cfg.policy.model_name), plan_on_cluster(cfg).threads.generation)
     try:
         check_generation_follows_the_policy(gen, policy, prompts(cfg, tok), SamplingParams(max_new_tokens=8), tok.pad_token_id)
     finally:
@@ -72,7 +71,7 @@ def test_two_data_parallel_ranks_equal_one_rank(ray_cluster, tmp_path):
         tmp_path, "policy.optimizer.lr=1e-2", "loss_fn.reference_policy_kl_penalty=0", "policy.dp_size=2", "policy.refit_buffer_size_mb=0.5"
     )
     tok = load_tokenizer(cfg1.policy.model_name)
-    gen = HFGeneration(cfg1, tok.pad_token_id, eos_token_ids(tok), plan_on_cluster(cfg1).threads.generation)
+    gen = HFGeneration(cfg1, tok.pad_token_id, end_of_sequence_ids(tok, cfg1.policy.model_name), plan_on_cluster(cfg1).threads.generation)
     params = SamplingParams(max_new_tokens=8)
     samples = gen.generate(prompts(cfg1, tok), params, seed=3)
     batch = train_batch(samples, tok.pad_token_id)

@@ -12,11 +12,10 @@ from functional.test_actors import check_generation_follows_the_policy, prompts
 from ray import cloudpickle
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
-from nemo_like.algorithms.setup import eos_token_ids
 from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.generation.interface import SamplingParams
-from nemo_like.models.loading import load_tokenizer
+from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer
 from nemo_like.models.policy.policy import Policy
 
 pytestmark = [
@@ -55,13 +54,13 @@ def vllm_gen(ray_cluster, cfg, tok):
     start-up dominates their cost)."""
     from nemo_like.models.generation.vllm import VLLMGeneration
 
-    gen = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), plan_on_cluster(cfg).threads.generation)
+    gen = VLLMGeneration(cfg, tok.pad_token_id, end_of_sequence_ids(tok, cfg.policy.model_name), plan_on_cluster(cfg).threads.generation)
     yield gen
     gen.shutdown()
 
 
 def test_greedy_vllm_and_hf_give_identical_tokens(ray_cluster, cfg, tok, vllm_gen):
-    hf = HFGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), plan_on_cluster(cfg).threads.generation)
+    hf = HFGeneration(cfg, tok.pad_token_id, end_of_sequence_ids(tok, cfg.policy.model_name), plan_on_cluster(cfg).threads.generation)
     params = SamplingParams(max_new_tokens=8, greedy=True)
     try:
         ours, theirs = vllm_gen.generate(prompts(cfg, tok), params, seed=0), hf.generate(prompts(cfg, tok), params, seed=0)
@@ -69,7 +68,7 @@ def test_greedy_vllm_and_hf_give_identical_tokens(ray_cluster, cfg, tok, vllm_ge
         hf.shutdown()
     assert [s.response_ids for s in ours] == [s.response_ids for s in theirs]
     assert [s.truncated for s in ours] == [s.truncated for s in theirs]
-    assert any(not s.truncated and s.response_ids[-1] in eos_token_ids(tok) for s in ours)  # stop token kept
+    assert any(not s.truncated and s.response_ids[-1] in end_of_sequence_ids(tok, cfg.policy.model_name) for s in ours)  # stop token kept
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-4, rtol=0)
 
@@ -251,7 +250,7 @@ def test_a_kept_engine_that_saw_nonfinite_weights_serves_the_next_run_cleanly(ra
     batch = prompts(cfg, tok, n=16)
     state = full_state_dict(load_causal_lm(cfg.policy.model_name, cfg.policy.precision))
     first = VLLMGeneration(
-        cfg, tok.pad_token_id, eos_token_ids(tok), plan_on_cluster(cfg).threads.generation
+        cfg, tok.pad_token_id, end_of_sequence_ids(tok, cfg.policy.model_name), plan_on_cluster(cfg).threads.generation
     )  # the engine the tests above kept, if any
     actor_ids = [worker._actor_id for worker in first.group.workers]
     first.refit(ray.put((1, {name: torch.full_like(t, math.inf) for name, t in state.items()})), 1)
@@ -259,7 +258,7 @@ def test_a_kept_engine_that_saw_nonfinite_weights_serves_the_next_run_cleanly(ra
     assert any(not math.isfinite(lp) for s in poisoned for lp in s.response_logprobs)  # the cache now holds NaN
     first.shutdown()  # kept idle by the session's reuse_actors
 
-    again = VLLMGeneration(cfg, tok.pad_token_id, eos_token_ids(tok), plan_on_cluster(cfg).threads.generation)
+    again = VLLMGeneration(cfg, tok.pad_token_id, end_of_sequence_ids(tok, cfg.policy.model_name), plan_on_cluster(cfg).threads.generation)
     try:
         assert [worker._actor_id for worker in again.group.workers] == actor_ids  # the same engine, re-initialised
         clean = again.generate(batch, params, seed=0)

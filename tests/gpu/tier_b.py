@@ -137,12 +137,11 @@ class Session:
 
         from ray import cloudpickle
 
-        from nemo_like.algorithms.setup import eos_token_ids
         from nemo_like.config import load_config
         from nemo_like.data.prompts import build_prompt_dataset
         from nemo_like.distributed.ray_init import init_ray
         from nemo_like.distributed.worker_group import reuse_actors
-        from nemo_like.models.loading import load_tokenizer
+        from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer
 
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
         self.model_dir = cached_model(ctx, "0.5B")
@@ -151,7 +150,7 @@ class Session:
         self.cfg = load_config(RECIPE, self.overrides, warn=False)
         self.tok = load_tokenizer(self.model_dir)
         self.pad = self.tok.pad_token_id
-        self.eos = eos_token_ids(self.tok)
+        self.eos = end_of_sequence_ids(self.tok, self.model_dir)
         records = build_prompt_dataset(self.cfg.data, self.tok, "train", PROMPT_BUDGET)
         self.prompts = [r.prompt_token_ids for r in records]
         self.stack = contextlib.ExitStack()

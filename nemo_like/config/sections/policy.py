@@ -70,7 +70,11 @@ class GenerationConfig(Section):
         description="Top-k sampling, applied before top_p; null disables it. Logprobs everywhere are those of the "
         "truncated, renormalised distribution (processed logprobs, docs/guides/generation.md).",
     )
-    stop_token_ids: list[Int] | None = Field(None, description="Extra stop tokens besides the tokenizer's eos.")
+    stop_token_ids: list[Int] | None = Field(
+        None,
+        description="Extra stop tokens besides the end-of-sequence ids: the tokenizer's eos and the eos_token_id(s) of the model's "
+        "generation_config.json (every backend stops on both, as transformers and vLLM do).",
+    )
     stop_strings: list[str] | None = Field(
         None,
         description="Stop strings: a response keeps its sampled tokens up to the first token whose text completes one (whole "

@@ -55,3 +55,35 @@ def test_a_cached_hub_id_on_an_unreachable_hub_switches_the_run_offline(tmp_path
     fill_cache(tmp_path, "org/cached-model")
     check_model_source("org/cached-model", "policy.model_name")
     assert os.environ["HF_HUB_OFFLINE"] == "1"  # forwarded to the actors: no network retries there
+
+
+def test_end_of_sequence_ids_add_the_generation_configs_to_the_tokenizers(tmp_path, monkeypatch) -> None:
+    """Instruct models list more end ids in generation_config.json than the tokenizer's eos (Llama-3-Instruct
+    ``<|eot_id|>``, Qwen2.5-Instruct ``<|endoftext|>``); transformers and vLLM stop on them, and the HF engine, the
+    turn loop and the rollout server ran on to max_new_tokens. The tokenizer's id stays first; no id twice."""
+    import json
+    import shutil
+
+    from nemo_like.config import load_config
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer, resolve_model_path
+    from nemo_like.serving.standalone import build_server
+
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    assert end_of_sequence_ids(tokenizer, EMBEDDED_MODEL) == [tokenizer.eos_token_id] == [2]  # the shipped model: 2 in both
+    model = tmp_path / "instruct"
+    shutil.copytree(resolve_model_path(EMBEDDED_MODEL), model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [23, 2]}))
+    assert end_of_sequence_ids(tokenizer, str(model)) == [2, 23]
+    adapter = tmp_path / "step_3" / "policy"  # a LoRA checkpoint: its base model's generation config
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(model)}))
+    assert end_of_sequence_ids(tokenizer, str(adapter)) == [2, 23]
+    (model / "generation_config.json").unlink()
+    assert end_of_sequence_ids(tokenizer, str(model)) == [2]  # none shipped: the tokenizer's
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    server = build_server(load_config(None, [f"policy.model_name={model}", f"policy.tokenizer_name={EMBEDDED_MODEL}"]))
+    assert server.queue.engine.eos_token_ids == [2, 7] and server.service.eos_token_ids == {2, 7}  # `nemo-like serve` stops on it
+    (model / "generation_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"generation_config.json: cannot read the model's generation config"):
+        end_of_sequence_ids(tokenizer, str(model))
