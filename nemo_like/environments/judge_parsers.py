@@ -18,7 +18,8 @@ from typing import Any
 from nemo_like.utils.registry import Registry
 
 Parser = Callable[..., float]
-_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+# A sign counts only where it cannot be a hyphen: not after a letter, digit or point ("GPT-4" is 4, "7-8" is 7 and 8).
+_NUMBER = re.compile(r"(?:(?<![\w.])[-+])?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 class JudgeParseError(ValueError):
@@ -54,13 +55,7 @@ def parse_regex(text: str, pattern: str, group: int | str = 1) -> float:
 
 def parse_json_field(text: str, field: str) -> float:
     """The number at dotted path ``field`` (``a.b``) of the first JSON object in the text (booleans: 1/0)."""
-    start = text.find("{")
-    if start < 0:
-        raise JudgeParseError(f"no JSON object in {text[:60]!r}")
-    try:
-        value: Any = json.JSONDecoder().raw_decode(text[start:])[0]
-    except json.JSONDecodeError as exc:
-        raise JudgeParseError(f"invalid JSON in {text[:60]!r}: {exc.msg}") from None
+    value: Any = _first_json_object(text)
     for key in field.split("."):
         if not isinstance(value, dict) or key not in value:
             raise JudgeParseError(f"no field {field!r} in the judge's JSON")
@@ -73,6 +68,22 @@ def parse_json_field(text: str, field: str) -> float:
         return _finite(float(value), text)
     except ValueError:
         raise JudgeParseError(f"field {field!r} = {value!r} is not a number") from None
+
+
+def _first_json_object(text: str) -> Any:
+    """The first ``{`` of ``text`` that opens a JSON object, decoded (braces in the judge's reasoning, e.g. LaTeX's
+    ``\\frac{1}{2}``, come before it)."""
+    decoder, start, error = json.JSONDecoder(), text.find("{"), "no JSON object"
+    while start >= 0:
+        try:
+            value = decoder.raw_decode(text, start)[0]
+        except json.JSONDecodeError as exc:
+            error = f"invalid JSON: {exc.msg}"
+        else:
+            if isinstance(value, dict):
+                return value
+        start = text.find("{", start + 1)
+    raise JudgeParseError(f"{error} in {text[:60]!r}")
 
 
 #: Judge parsers by name (``env.<task>.parser``); user code by ``'module:function'``.

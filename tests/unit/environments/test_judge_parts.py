@@ -53,6 +53,12 @@ def test_parsers() -> None:
     assert parse_regex("Verdict: [[6]]", r"\[\[(\d+)\]\]") == 6.0
     assert parse_json_field('ok {"score": {"value": 0.25}} end', "score.value") == 0.25
     assert parse_json_field('{"correct": true}', "correct") == 1.0
+    # a hyphen is not a minus sign (a negative reward from a non-negative verdict), a sign after a space or colon is
+    assert parse_number("As GPT-4, I rate it 7") == 4.0 and parse_number("Score: 7-8", which="last") == 8.0
+    assert parse_number("score:-3") == -3.0 and parse_number("delta -0.5 (+2)", which="last") == 2.0
+    # braces before the JSON object (LaTeX in the judge's reasoning) do not hide it
+    assert parse_json_field('Since \\frac{1}{2} = 0.5, the verdict: {"score": 1}', "score") == 1.0
+    assert parse_json_field('{1} then {"score": 0.5} and {"score": 0}', "score") == 0.5
     for call in (
         lambda: parse_number("no digits"),
         lambda: parse_regex("Verdict: six", r"Verdict: (\d)"),
