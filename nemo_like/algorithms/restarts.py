@@ -65,19 +65,19 @@ def dead_role(exc: BaseException, actor_ids: Mapping[str, Collection[str]]) -> s
 
 def check_restart(death: WorkerDeath, earlier: Sequence[WorkerDeath], max_restarts: int, checkpointing: bool) -> None:
     """Raise :class:`RunRestartError` unless the run may restart after ``death`` (``earlier``: the deaths it already
-    restarted after)."""
-    if not checkpointing:
-        raise RunRestartError(
-            f"a {death.describe()}. A dead {death.role} rank cannot be replaced in place (its optimizer state and weights "
-            "are gone): the run restarts from its last checkpoint, which needs checkpointing.enabled=true (and a "
-            "checkpoint: set checkpointing.save_period to bound the steps redone). Checkpointing is off, so the run stops"
-        ) from death.error
+    restarted after). The budget is checked first: with restarts off, turning checkpointing on would not help."""
     if len(earlier) >= max_restarts:
         deaths = [*earlier, death]
         listed = "; ".join(f"{i}. {d.describe()}" for i, d in enumerate(deaths, 1))
         used = f"after {len(earlier)} restart(s)" if earlier else "with restarts off"
         raise RunRestartError(
             f"a {death.role} worker died {used} (cluster.fault_tolerance.max_restarts={max_restarts}); the run stops. Causes: {listed}"
+        ) from death.error
+    if not checkpointing:
+        raise RunRestartError(
+            f"a {death.describe()}. A dead {death.role} rank cannot be replaced in place (its optimizer state and weights "
+            "are gone): the run restarts from its last checkpoint, which needs checkpointing.enabled=true (and a "
+            "checkpoint: set checkpointing.save_period to bound the steps redone). Checkpointing is off, so the run stops"
         ) from death.error
 
 

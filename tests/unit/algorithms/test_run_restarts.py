@@ -53,6 +53,8 @@ def test_a_restart_needs_checkpointing_and_stops_past_max_restarts_listing_every
     assert "1. policy worker died in step 5: first cause; 2. reference worker died in step 7: second cause" in str(out.value)
     with pytest.raises(RunRestartError, match="with restarts off"):
         check_restart(first, [], max_restarts=0, checkpointing=True)
+    with pytest.raises(RunRestartError, match="with restarts off"):  # not "turn checkpointing on": that would not help
+        check_restart(first, [], max_restarts=0, checkpointing=False)
 
 
 def checkpoint(root: Path, step: int, mtime: float) -> CheckpointInfo:
