@@ -113,16 +113,23 @@ def stall_report(control: RunControl, idle_s: float, timeout_s: float, main_thre
     return "\n".join(lines)
 
 
+#: The driver's waits on actor calls: function name -> its local holding the wait's start (``time.monotonic``); each
+#: has the phase in ``what``. ``get_with_context`` (policy, reference, collector calls) and the supervised calls of
+#: replaceable actors (generation engines, environments: ``supervision.gather`` and its ``_recover``).
+WAITING_CALLS = {"get_with_context": "start", "gather": "started", "_recover": "started"}
+
+
 def driver_section(main_thread_id: int | None) -> list[str]:
-    """The driver's main thread: the ``get_with_context`` call it waits in (and for how long), and its stack."""
+    """The driver's main thread: the actor call it waits in (:data:`WAITING_CALLS`; for how long), and its stack."""
     frame = sys._current_frames().get(main_thread_id or -1)
     if frame is None:
         return ["[stall] driver: main thread not found"]
     call = "no actor call (the driver itself is busy)"
     walker: FrameType | None = frame
     while walker is not None:
-        if walker.f_code.co_name == "get_with_context" and "what" in walker.f_locals:
-            started = walker.f_locals.get("start")
+        start_name = WAITING_CALLS.get(walker.f_code.co_name)
+        if start_name is not None and "what" in walker.f_locals:
+            started = walker.f_locals.get(start_name)
             waited = f" for {time.monotonic() - started:.1f}s" if isinstance(started, float) else ""
             call = f"waiting on '{walker.f_locals['what']}'{waited}"
             break

@@ -48,6 +48,32 @@ def test_the_driver_section_names_the_call_it_waits_in_and_for_how_long():
     assert any("in get_with_context" in line for line in lines[1:])
 
 
+def gather(calls, refs, what):  # as supervision.gather: generation engines and environments are waited on here
+    started = time.monotonic()
+    refs.wait(timeout=5)
+    return what, started
+
+
+def test_a_wait_on_a_replaceable_actor_is_named_too():
+    """A hung generation engine or environment is waited on in ``supervision.gather`` (or its ``_recover``), not in
+    ``get_with_context``: the report said the driver was busy in exactly the hang the watchdog is for."""
+    from nemo_like.distributed import supervision, worker_group
+    from nemo_like.distributed.watchdog import WAITING_CALLS
+
+    for function in (supervision.gather, supervision._recover, worker_group.get_with_context):  # the real names and locals
+        assert {"what", WAITING_CALLS[function.__name__]} <= set(function.__code__.co_varnames), function
+    release = threading.Event()
+    waiter = threading.Thread(target=gather, args=([], release, "generation"))
+    waiter.start()
+    time.sleep(0.2)
+    try:
+        lines = driver_section(waiter.ident)
+    finally:
+        release.set()
+        waiter.join()
+    assert "waiting on 'generation' for 0." in lines[0], lines[0]
+
+
 def test_faults_are_armed_from_the_config_and_the_environment(monkeypatch):
     try:
         assert faults.arm(FaultInjectionConfig()) == []  # action null: nothing armed
