@@ -280,6 +280,9 @@ class RayWorkerGroup:
         except ray.exceptions.RayActorError:
             _kill(idle.workers, idle.pg)
             return False
+        except BaseException:  # a setting this run's workers refuse: the group is out of the pool, so nothing else frees it
+            _kill(idle.workers, idle.pg)
+            raise
         self.workers, self._pg = idle.workers, idle.pg
         return True
 

@@ -115,3 +115,32 @@ def test_a_kept_actor_takes_a_new_thread_count_only_when_its_class_applies_it(ra
         other = RayWorkerGroup("fixed", Counter, 1, WorkerResources(num_cpus=0.01, num_threads=1), {"start": 0})
         assert bump_all(other)[0][0] != fixed_pid
         other.shutdown()
+
+
+def test_a_kept_group_that_refuses_a_runs_settings_is_killed_and_frees_its_bundles(ray_cluster):
+    """A run whose settings a kept group's re-initialisation refuses (a bad key in one run of a sweep): the group was
+    out of the pool and only a dead actor was cleaned up, so its actors and placement group leaked; every later run of
+    the process then failed to place."""
+    resources = WorkerResources(num_cpus=0.01)
+    with reuse_actors():
+        kept = RayWorkerGroup("picky", PickyCounter, 2, resources, {"start": 1})
+        workers, pg = kept.workers, kept._pg
+        kept.shutdown()
+        with pytest.raises(ray.exceptions.RayTaskError, match="start must be >= 0"):
+            RayWorkerGroup("picky", PickyCounter, 2, resources, {"start": -1})
+        for worker in workers:
+            wait_until_dead(worker)
+        deadline = time.monotonic() + 30
+        while ray.util.placement_group_table(pg)["state"] != "REMOVED":
+            assert time.monotonic() < deadline, ray.util.placement_group_table(pg)
+            time.sleep(0.1)
+        again = RayWorkerGroup("picky", PickyCounter, 2, resources, {"start": 5})  # new actors, good settings
+        assert [value for _, _, value in bump_all(again)] == [6, 6]
+        again.shutdown()
+
+
+class PickyCounter(Counter):
+    def __init__(self, rank: int, world_size: int, start: int) -> None:
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        super().__init__(rank, world_size, start)
