@@ -288,6 +288,7 @@ class VLLMGenerationWorker(Reinitializable):
 
         from nemo_like.models.lora import write_adapter
 
+        self._wake_up(tags=["weights"])  # vLLM's LoRA slots live in the weights' memory, unmapped while a colocated engine sleeps
         self._lora_ids += 1
         path = write_adapter(Path(self._adapter_root) / f"adapter_{self._lora_ids}", buckets.state_dict(), buckets.adapter_config or {})
         request = LoRARequest(f"policy-v{buckets.version}", self._lora_ids, str(path))
@@ -301,6 +302,7 @@ class VLLMGenerationWorker(Reinitializable):
         """Unload the adapter being served (and delete its files): requests then use the base weights."""
         if self.lora_request is None:
             return
+        self._wake_up(tags=["weights"])  # removing an adapter clears its slot in the weights' memory
         self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
         shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
         self.lora_request = None

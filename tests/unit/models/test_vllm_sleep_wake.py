@@ -154,3 +154,85 @@ def test_a_vllm_whose_wake_up_returns_none_never_leaves_the_worker_believing_it_
 )
 def test_fully_awake_reads_vllms_answer_and_takes_none_as_awake_after_a_full_wake(answer, tags, awake):
     assert fully_awake(answer, tags) is awake
+
+
+class LoraEngine(SleepModeEngine):
+    """With vLLM 0.32's LoRA manager: adapter slots are allocated inside ``load_model``, under the weights' memory
+    pool (``v1/worker/gpu_worker.py``), and ``add_lora`` / ``remove_lora`` write into them at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.llm_engine = self
+        self.adapters: set[int] = set()
+
+    def add_lora(self, request: Any) -> bool:
+        if "weights" in self.sleeping:
+            raise UnmappedMemoryError("LoRA slots written while the weights are unmapped")
+        self.calls.append(("add_lora", request.lora_int_id))
+        self.adapters.add(request.lora_int_id)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        if "weights" in self.sleeping:
+            raise UnmappedMemoryError("LoRA slot cleared while the weights are unmapped")
+        self.calls.append(("remove_lora", lora_id))
+        self.adapters.discard(lora_id)
+        return True
+
+
+class LoraColocatedWorker(ColocatedWorker):
+    def __init__(self, engine: SleepModeEngine) -> None:
+        from nemo_like.config.schema import LoraConfig
+
+        self._engine = engine
+        VLLMGenerationWorker.__init__(
+            self,
+            0,
+            1,
+            EMBEDDED_MODEL,
+            "float32",
+            64,
+            0,
+            pad_token_id=0,
+            eos_token_ids=[1],
+            colocated=True,
+            lora_cfg=LoraConfig(enabled=True),
+        )
+        self.on_gpu = self.colocated = True
+
+
+class LocalBuckets:
+    """An adapter refit's buckets already in this process (the transport is not what is tested here)."""
+
+    def __new__(cls, version: int, tensors: dict[str, torch.Tensor]) -> Any:
+        from nemo_like.models.refit.buckets import WeightBuckets
+
+        class Local(WeightBuckets):
+            def iter_buckets(self):
+                yield tensors
+
+        return Local(version, [list(tensors)], [None], kind="adapter", adapter_config={"r": 8})
+
+
+def test_an_adapter_refit_of_a_sleeping_colocated_engine_wakes_its_weights_first():
+    """The default GPU LoRA run (colocated, adapter refits): every generate call leaves the engine asleep, and the
+    adapter refit called add_lora / remove_lora without waking it: a write into unmapped memory (an illegal address on
+    a GPU; or, had it survived, a wake that restores the old adapter)."""
+    engine = LoraEngine()
+    worker = LoraColocatedWorker(engine)
+    tensors = {name: torch.zeros(2, 2) for name in worker.expected_adapter_names}
+    for version in (1, 2):
+        worker._sleep()  # as every generate call leaves a colocated engine
+        assert worker.update_weights(LocalBuckets(version, tensors)) == version
+    assert engine.adapters == {2} and worker.lora_request.lora_int_id == 2
+    assert [c for c in engine.calls if c[0] in ("wake_up", "add_lora", "remove_lora")] == [
+        ("wake_up", ("weights",)),
+        ("add_lora", 1),
+        ("wake_up", ("weights",)),
+        ("add_lora", 2),
+        ("wake_up", ("weights",)),  # the KV cache still sleeps, so the worker asks again (vLLM skips awake memory)
+        ("remove_lora", 1),
+    ]
+    worker._sleep()
+    worker.reinit(rank=0, world_size=1, **INIT, lora_cfg=worker.lora_cfg)  # a kept engine drops the adapter while asleep
+    assert engine.adapters == set() and worker.lora_request is None
