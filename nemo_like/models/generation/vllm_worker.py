@@ -47,6 +47,9 @@ def vllm_sampling_params(sp: SamplingParams, stop_ids: list[int], seed: int):
         top_k=0 if sp.greedy else (sp.top_k or 0),  # 0 disables top-k in vLLM 0.32
         max_tokens=sp.max_new_tokens,
         stop_token_ids=stop_ids,
+        # ``stop_ids`` holds the run's end-of-sequence ids (tokenizer and generation config, decided once for every
+        # backend): vLLM's own eos handling, which adds the generation config's ids itself, stays out of it.
+        ignore_eos=True,
         logprobs=0,  # only the sampled token's logprob
         flat_logprobs=True,  # a few flat lists per request instead of a dict and a Logprob object per token
         seed=seed,

@@ -24,3 +24,15 @@ def test_flat_and_dict_logprobs_give_the_sampled_tokens_values():
     expected = [-0.25, -1.5, -0.125, -2.0]
     assert sampled_logprobs(positions, tokens) == expected
     assert sampled_logprobs(flat, tokens) == expected
+
+
+def test_a_request_stops_on_the_runs_end_ids_and_no_others():
+    """vLLM adds the model's generation-config eos ids to every request (``update_from_generation_config``, called by
+    its input processor): the run's end-of-sequence ids, the same for every backend, must be the only stop ids."""
+    pytest.importorskip("vllm")
+    from nemo_like.models.generation.interface import SamplingParams
+    from nemo_like.models.generation.vllm_worker import vllm_sampling_params
+
+    params = vllm_sampling_params(SamplingParams(max_new_tokens=8), [2, 20], seed=0)
+    params.update_from_generation_config({"eos_token_id": [2, 31]}, eos_token_id=2)  # as vLLM 0.32 does per request
+    assert sorted(params.stop_token_ids) == [2, 20] and params.eos_token_id is None
