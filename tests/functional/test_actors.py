@@ -1,6 +1,7 @@
 """Real Ray actors: generation/policy logprob agreement across refits, and data parallelism."""
 
 import pytest
+import ray
 import torch
 from functional.helpers import tiny_config
 
@@ -106,6 +107,32 @@ def test_two_data_parallel_ranks_equal_one_rank(ray_cluster, tmp_path):
     assert ray_get_version(gen) == served and gen.generate(prompts(cfg1, tok), params, seed=5) == before
     gen.refit(dp.weight_buckets, dp.weight_version)  # the replacement takes later refits from the same buffer
     assert dp.take_refit_bytes() > 0 and mean_abs_gap(dp, gen.generate(prompts(cfg1, tok), params, seed=4), tok.pad_token_id) < 1e-4
+
+    # A /dev/shm without room for the weights (Docker's 64 MB; here rank 0 may write no file past 1 MiB): the export is
+    # refused before any page is written (it was a SIGBUS that killed the worker) and the refit takes the object store.
+    def _limit_file_size(worker, soft: int | tuple) -> tuple:
+        """In a policy worker: cap the size of the files it writes (``RLIMIT_FSIZE``'s soft limit; SIGXFSZ ignored, so a
+        write past it fails with EFBIG); a tuple restores the limits. Returns the limits before."""
+        import resource
+        import signal
+
+        before = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if isinstance(soft, tuple):
+            resource.setrlimit(resource.RLIMIT_FSIZE, soft)
+            return before
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, before[1]))
+        return before
+
+    limits = ray.get(dp.group.workers[0].__ray_call__.remote(_limit_file_size, 1 << 20))
+    try:
+        dp._fresh_refit_buffer = True  # a new buffer, as after a restart
+        fallback = dp.weight_buckets()
+        assert not dp.shared_memory_refit and not isinstance(fallback, SharedWeights) and len(fallback.refs) >= 1
+        gen.refit(fallback, dp.weight_version)
+        assert mean_abs_gap(dp, gen.generate(prompts(cfg1, tok), params, seed=4), tok.pad_token_id) < 1e-4
+    finally:
+        ray.get(dp.group.workers[0].__ray_call__.remote(_limit_file_size, limits))
     gen.shutdown()
     dp.shutdown()
     assert checksums[0] == checksums[1]  # every rank sums the same full model over its shards

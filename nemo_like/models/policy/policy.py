@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from nemo_like.models.policy.spec import PolicyWorkerSpec
 from nemo_like.models.policy.spec import batching_plan as batching_plan  # noqa: F401  (re-exported: tests, benchmarks)
 from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
 from nemo_like.models.refit.buckets import WeightBuckets
-from nemo_like.models.refit.shared_memory import shared_memory_available
+from nemo_like.models.refit.shared_memory import SharedMemoryRefused, shared_memory_available
 from nemo_like.models.refit.transport import shared_memory_refit_possible
 from nemo_like.plan.run_plan import RunPlan
 from nemo_like.plan.threads import ThreadSplit
@@ -257,6 +258,10 @@ class Policy:
         else:
             refs = self.group.run_all("export_weight_buckets", self.cfg.policy.refit_buffer_size_mb, self.refit_mode)
         buckets = get_with_context(refs, f"{self.name}: weight export")[0]
+        if isinstance(buckets, SharedMemoryRefused):  # /dev/shm too small: every later refit takes the object store
+            print(f"[refit] {buckets.reason}; refits go through Ray's object store instead", file=sys.stderr, flush=True)
+            self.shared_memory_refit = False
+            return self.weight_buckets()
         self._refit_bytes += buckets.nbytes
         return buckets
 

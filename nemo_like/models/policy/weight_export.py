@@ -89,8 +89,9 @@ class WeightExport:
     def export_shared_weights(self, fresh: bool) -> Any:
         """Write the weights into this rank's shared-memory refit buffer (one-node CPU clusters, see
         :mod:`nemo_like.models.refit.shared_memory`); a new buffer file when ``fresh``. A collective when sharded:
-        every rank gathers, rank 0 writes and returns the :class:`SharedWeights`, the others ``None``."""
-        from nemo_like.models.refit.shared_memory import SharedWeightWriter
+        every rank gathers, rank 0 writes and returns the :class:`SharedWeights` (a :class:`SharedMemoryRefused` when
+        ``/dev/shm`` has no room for them), the others ``None``."""
+        from nemo_like.models.refit.shared_memory import SharedMemoryFull, SharedMemoryRefused, SharedWeightWriter
 
         if sharding.is_sharded(self.model):
             tensors = sharding.iter_full_tensors(self.model, keep=self.rank == 0)
@@ -101,7 +102,11 @@ class WeightExport:
             return None
         if getattr(self, "_shared_writer", None) is None:
             self._shared_writer = SharedWeightWriter()
-        return self._shared_writer.write(self.weight_version, tensors, fresh=fresh)
+        try:
+            return self._shared_writer.write(self.weight_version, tensors, fresh=fresh)
+        except SharedMemoryFull as exc:
+            self._shared_writer.close()
+            return SharedMemoryRefused(str(exc))
 
     def release_shared_weights(self) -> None:
         """Unlink the shared-memory refit buffer (the run is over)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,36 @@ def map_buffer(path: str, size: int) -> torch.Tensor:
     return buffer
 
 
+class SharedMemoryFull(RuntimeError):
+    """``/dev/shm`` cannot hold the refit buffer (Docker's default is 64 MB)."""
+
+
+@dataclass(frozen=True)
+class SharedMemoryRefused:
+    """What a policy rank returns instead of :class:`SharedWeights` when ``/dev/shm`` has no room: the policy then
+    refits through the object store (``reason`` says why)."""
+
+    reason: str
+
+
+def reserve(path: str, size: int) -> None:
+    """Create ``path`` with ``size`` bytes allocated up front. A tmpfs file is sparse: without the reservation a full
+    ``/dev/shm`` shows only when a page is first written, as a SIGBUS that kills the process. Raises
+    :class:`SharedMemoryFull` (and leaves no file) when the space is not there."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.unlink(path)
+        free = shutil.disk_usage(SHM_DIR).free
+        raise SharedMemoryFull(
+            f"{SHM_DIR} cannot hold the {size / 2**20:.1f} MiB refit buffer ({exc.strerror}; {free / 2**20:.1f} MiB free); "
+            "enlarge it (Docker: --shm-size)",
+        ) from None
+    finally:
+        os.close(fd)
+
+
 def shared_memory_available() -> bool:
     """Whether ``/dev/shm`` exists and is writable (Linux)."""
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
@@ -131,7 +162,9 @@ class SharedWeightWriter:
         self.unlink()
         remove_orphans()
         size = entries[-1].offset + entries[-1].nbytes if entries else HEADER
-        self.path = str(SHM_DIR / f"nemo_like_refit_{os.getpid()}_{next(_counter)}")
+        path = str(SHM_DIR / f"nemo_like_refit_{os.getpid()}_{next(_counter)}")
+        reserve(path, size)
+        self.path = path
         self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
         self.entries = entries
         self.linked = True

@@ -110,3 +110,34 @@ def test_a_dead_writers_buffer_is_removed_by_the_next_writer():
     finally:
         writer.close()
         orphan.unlink(missing_ok=True)
+
+
+FULL_SHM_CHILD = r"""
+import glob, os, resource, signal, sys
+sys.path.insert(0, "tests")
+from unit.models.test_policy_worker import make_worker
+from nemo_like.models.refit import shared_memory
+
+worker = make_worker(4)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # no file may pass 1 MiB: the 4 MiB model cannot fit
+refused = worker.export_shared_weights(fresh=True)
+print(type(refused).__name__, refused.reason)
+print("left behind:", glob.glob(str(shared_memory.SHM_DIR / f"nemo_like_refit_{os.getpid()}_*")))
+"""
+
+
+def test_a_refit_buffer_that_does_not_fit_is_refused_before_any_write(tmp_path):
+    """A tmpfs file is sparse: a ``/dev/shm`` smaller than the weights (Docker's default is 64 MB) let the buffer be
+    created, then killed the policy worker with SIGBUS at the first page written. The space is now reserved up front
+    and the rank answers SharedMemoryRefused (the policy then refits through the object store); no file is left."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", FULL_SHM_CHILD], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = done.stdout.strip().splitlines()[-2:]
+    assert first.startswith("SharedMemoryRefused /dev/shm cannot hold the 4.1 MiB refit buffer"), first
+    assert "enlarge it (Docker: --shm-size)" in first and second == "left behind: []"
