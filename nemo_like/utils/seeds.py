@@ -21,7 +21,7 @@ def rollout_seed(seed: int, step: int, batch_index: int = 0) -> int:
     """The sampling seed of training step ``step``'s ``batch_index``-th generation batch (the sync loop and the async
     collector use the same, so an async run with ``max_trajectory_age_steps: 0`` reproduces the sync run).
 
-    A batch's request ``i`` samples with this seed + ``i`` (:func:`chunk_seed`), so consecutive seeds for the refill
+    A batch's request ``i < BATCH_STRIDE`` samples with this seed + ``i`` (:func:`chunk_seed`), so consecutive seeds for the refill
     batches of dynamic sampling would make refill ``b + 1``'s request ``i`` repeat batch ``b``'s request ``i + 1``: the
     same sample again wherever a prompt comes back within the step. Refills take a hash instead."""
     if batch_index == 0:
@@ -50,8 +50,15 @@ def worker_seed(seed: int, rank: int) -> int:
 
 
 def chunk_seed(seed: int, offset: int) -> int:
-    """The seed of the chunk (or request) that starts at prompt ``offset`` of a worker's batch sampled with ``seed``."""
-    return seed + offset
+    """The seed of the chunk (or request) that starts at prompt ``offset`` of a worker's batch sampled with ``seed``.
+
+    ``seed + offset`` below :data:`BATCH_STRIDE`, where consecutive steps' batch seeds stay apart; past it, ``seed +
+    offset`` would be the next step's seed for offset ``offset - BATCH_STRIDE`` (step ``s + 1``'s request ``j`` drew
+    step ``s``'s request ``j + 101``'s numbers: 80% of a 512-request vLLM batch), so those offsets take a hash."""
+    if offset < BATCH_STRIDE:
+        return seed + offset
+    digest = hashlib.sha256(f"chunk/{seed}/{offset}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def agent_session_seed(seed: int, sample: int) -> int:

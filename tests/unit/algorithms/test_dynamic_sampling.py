@@ -236,3 +236,19 @@ def test_refill_batches_never_repeat_an_earlier_batchs_request_seeds() -> None:
         assert not seeds & seen, batch
         seen |= seeds
     assert rollout_seed(42, 7, 0) == (42 * 1_000_003 + 7) * 101  # batch 0 keeps its seed: runs without refills unchanged
+
+
+def test_big_batches_of_consecutive_steps_never_share_a_request_seed() -> None:
+    """Steps' batch seeds are BATCH_STRIDE (101) apart and request i samples with seed + i: in a batch of more than 101
+    requests (vLLM's per-request seeds; grpo_math_1B sends 512) step s + 1's request j drew step s's request j + 101's
+    numbers. Offsets from 101 on are hashed; below it every seed is as before (the CPU recipes' 64-request batches)."""
+    from nemo_like.models.generation.interface import prompt_seeds
+    from nemo_like.utils.seeds import chunk_seed, rollout_seed
+
+    seen: set[int] = set()
+    for step in range(1, 30):
+        seeds = prompt_seeds(rollout_seed(3, step), 512)
+        assert len(set(seeds)) == 512 and not set(seeds) & seen, step
+        seen |= set(seeds)
+    base = rollout_seed(3, 1)
+    assert [chunk_seed(base, i) for i in range(101)] == [base + i for i in range(101)]
