@@ -70,3 +70,18 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
     if requested == "vllm":
         require_vllm()
     return requested, "requested"
+
+
+#: vLLM 0.32 refuses a request above this temperature (``SamplingParams._verify_args``).
+VLLM_MAX_TEMPERATURE = 2.0
+
+
+def check_backend_settings(cfg: Any, backend: str) -> None:
+    """Settings the chosen backend refuses, as a :class:`ConfigError` before any actor starts (vLLM raised them at the
+    first generate call, after Ray, the policy and the engine had started)."""
+    temperature = cfg.policy.generation.temperature
+    if backend == "vllm" and temperature > VLLM_MAX_TEMPERATURE:
+        raise ConfigError(
+            f"policy.generation.temperature={temperature:g}: vLLM samples at most temperature {VLLM_MAX_TEMPERATURE:g}; "
+            "lower it, or use policy.generation.backend=hf"
+        )

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.plan.backend import resolve_backend
+from nemo_like.plan.backend import check_backend_settings, resolve_backend
 from nemo_like.plan.logprob_passes import LogprobPlan, decide_logprob_passes
 from nemo_like.plan.multi_turn import MultiTurnSettings, multi_turn_settings
 from nemo_like.plan.refit import refit_mode
@@ -89,6 +89,7 @@ def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int
     requested backend or LoRA refit mode the run cannot honour."""
     logprobs = decide_logprob_passes(cfg)
     backend = Decision(*resolve_backend(cfg, with_policy))
+    check_backend_settings(cfg, backend.value)
     refit = Decision(*refit_mode(cfg, backend.value)) if with_policy else Decision("full", "no trainable policy")
     actors = phase_actors(cfg, logprobs)
     threads = thread_split(cfg, cpus_per_node, logprobs)

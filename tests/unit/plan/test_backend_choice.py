@@ -131,3 +131,17 @@ def test_the_lora_refit_mode_takes_the_decided_backend() -> None:
     # the old path's cfg-only form (the Policy's) resolves the backend itself
     assert policy_lora.refit_mode(cfg) == lora.refit_mode(cfg, resolve_backend(cfg)[0])
     assert policy_lora.merge_checkpoint is models_lora.merge_checkpoint
+
+
+@pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
+def test_a_temperature_vllm_refuses_is_a_config_error_before_any_actor_starts() -> None:
+    """vLLM 0.32 refuses temperature > 2 per request: the run used to start Ray, the policy and the engine and fail
+    at the first generate call. Our own sampler takes any positive temperature."""
+    from vllm import SamplingParams as VSamplingParams
+
+    with pytest.raises(Exception, match=r"temperature must be in \[0, 2\]"):  # the rule, read from vLLM itself
+        VSamplingParams(temperature=2.5)
+    with pytest.raises(ConfigError, match=r"policy.generation.temperature=2.5: vLLM samples at most temperature 2"):
+        plan_of(recipe("policy.generation.backend=vllm", "policy.generation.temperature=2.5"))
+    assert plan_of(recipe("policy.generation.backend=vllm", "policy.generation.temperature=2")).backend.value == "vllm"
+    assert plan_of(recipe("policy.generation.backend=hf", "policy.generation.temperature=2.5")).backend.value == "hf"
