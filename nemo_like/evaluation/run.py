@@ -94,7 +94,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.experience.rollouts import collect_rollout
     from nemo_like.models.engines import build_generation, generation_resources
     from nemo_like.models.generation.interface import sampling_params
-    from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer, resolve_checkpoint_model
+    from nemo_like.models.loading import check_context_length, end_of_sequence_ids, load_tokenizer, resolve_checkpoint_model
 
     start = time.perf_counter()
     ev = cfg.eval
@@ -106,6 +106,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         )
     specs = check_plugin_names(cfg)
     model_dir = resolve_checkpoint_model(ev.model_path or cfg.policy.model_name, "eval.model_path")
+    check_context_length(model_dir, cfg.policy.max_total_sequence_length)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     prompts = load_validation_prompts(cfg, tokenizer)
     check_environments(specs, {"validation": prompts})

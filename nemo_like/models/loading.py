@@ -179,6 +179,37 @@ def load_tokenizer(name: str):
     return tok
 
 
+def model_context_length(model_name: str) -> int | None:
+    """The longest sequence the model's positions cover: ``max_position_embeddings`` (times a RoPE scaling factor,
+    as vLLM derives ``max_model_len``), or ``None`` when its config states none. A LoRA checkpoint: its base model's."""
+    from transformers import AutoConfig
+
+    path = Path(resolve_model_path(model_name)).expanduser()
+    if (path / ADAPTER_CONFIG).is_file():
+        return model_context_length(json.loads((path / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+    config = AutoConfig.from_pretrained(str(path) if path.is_dir() else model_name)
+    positions = getattr(config, "max_position_embeddings", None)
+    if not positions:
+        return None
+    scaling = getattr(config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("su", "longrope", "llama3") or "factor" not in scaling:  # these already state their extended length
+        return int(positions)
+    original = scaling.get("original_max_position_embeddings", positions) if kind == "yarn" else positions
+    return int(original * scaling["factor"])
+
+
+def check_context_length(model_name: str, length: int, key: str = "policy.max_total_sequence_length") -> None:
+    """A :class:`ConfigError` naming ``key`` when ``length`` tokens pass the model's positions (a RoPE model would
+    extrapolate silently on our engines; vLLM refuses such a ``max_model_len``)."""
+    limit = model_context_length(model_name)
+    if limit is not None and length > limit:
+        raise ConfigError(
+            f"{key}={length} is longer than {model_name}'s context ({limit} positions: max_position_embeddings in its "
+            f"config.json); lower {key} (prompt + response tokens) to at most {limit}"
+        )
+
+
 def end_of_sequence_ids(tokenizer: Any, model_name: str) -> list[int]:
     """The ids that end a response: the tokenizer's eos and the ``eos_token_id`` of the model's
     ``generation_config.json`` (an int or a list: Llama-3-Instruct lists ``<|eot_id|>``, Qwen2.5-Instruct

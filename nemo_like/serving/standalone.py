@@ -12,7 +12,7 @@ import sys
 import threading
 from typing import Any
 
-from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer, resolve_checkpoint_model
+from nemo_like.models.loading import check_context_length, end_of_sequence_ids, load_tokenizer, resolve_checkpoint_model
 from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
 
@@ -29,6 +29,7 @@ def build_server(cfg: Any, port: int = 0) -> RolloutServer:
     and seed; sessions are created by their first call."""
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     model = served_model(cfg)
+    check_context_length(model, cfg.policy.max_total_sequence_length)  # the server's context
     eos_ids = end_of_sequence_ids(tokenizer, model)
     engine = LocalGeneration.load(model, tokenizer.pad_token_id, eos_ids, cfg.policy.precision)
     config = ServerConfig(port=port, max_context=cfg.policy.max_total_sequence_length, seed=cfg.grpo.seed)

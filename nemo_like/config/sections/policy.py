@@ -182,7 +182,12 @@ class PolicyConfig(Section):
     train_global_batch_size: Int = Field(64, gt=0, description="Samples per optimizer step (all data-parallel ranks).")
     train_micro_batch_size: Int = Field(16, gt=0, description="Samples per forward/backward on one rank.")
     logprob_batch_size: Int = Field(64, gt=0, description="Samples per forward in logprob passes.")
-    max_total_sequence_length: Int = Field(128, gt=0, description="Prompt + response tokens; longer prompts are an error.")
+    max_total_sequence_length: Int = Field(
+        128,
+        gt=0,
+        description="Prompt + response tokens; longer prompts are an error. At most the model's context "
+        "(max_position_embeddings, RoPE scaling included): checked before any actor starts.",
+    )
     precision: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="Compute dtype. bfloat16: the parameters and AdamW state stay float32 (master weights) and forwards and "

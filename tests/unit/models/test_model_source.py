@@ -87,3 +87,36 @@ def test_end_of_sequence_ids_add_the_generation_configs_to_the_tokenizers(tmp_pa
     (model / "generation_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"generation_config.json: cannot read the model's generation config"):
         end_of_sequence_ids(tokenizer, str(model))
+
+
+def test_a_sequence_longer_than_the_models_positions_is_a_config_error_naming_the_key(tmp_path) -> None:
+    """The shipped model has 256 positions; ``policy.max_total_sequence_length=1024`` was accepted and our engines
+    extrapolated RoPE past them without a word (vLLM refuses such a max_model_len). RoPE scaling extends the limit."""
+    import json
+    import shutil
+
+    from nemo_like.config import load_config
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.loading import check_context_length, model_context_length, resolve_model_path
+    from nemo_like.serving.standalone import build_server
+
+    assert model_context_length(EMBEDDED_MODEL) == 256
+    check_context_length(EMBEDDED_MODEL, 256)
+    with pytest.raises(ConfigError, match=r"policy.max_total_sequence_length=1024 is longer than embedded:tiny-arith-qwen2's context \(256"):
+        check_context_length(EMBEDDED_MODEL, 1024)
+    with pytest.raises(ConfigError, match=r"policy.max_total_sequence_length=300"):  # `nemo-like serve` checks it too
+        build_server(load_config(None, ["policy.max_total_sequence_length=300"]))
+    from nemo_like.algorithms.setup import setup_grpo
+
+    with pytest.raises(ConfigError, match=r"policy.max_total_sequence_length=300"):  # a run: before Ray or any actor
+        setup_grpo(load_config(None, ["policy.max_total_sequence_length=300", f"logger.log_dir={tmp_path / 'logs'}"]))
+    scaled = tmp_path / "yarn"
+    shutil.copytree(resolve_model_path(EMBEDDED_MODEL), scaled)
+    config = json.loads((scaled / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    (scaled / "config.json").write_text(json.dumps(config))
+    assert model_context_length(str(scaled)) == 1024
+    adapter = tmp_path / "policy"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(scaled)}))
+    assert model_context_length(str(adapter)) == 1024
