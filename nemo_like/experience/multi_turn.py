@@ -35,7 +35,7 @@ import torch
 from nemo_like.config.errors import ConfigError
 from nemo_like.data.prompts import PromptRecord
 from nemo_like.environments.interface import EnvironmentStep
-from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams
+from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams, stop_string_prefix
 from nemo_like.plan.multi_turn import MultiTurnSettings
 from nemo_like.utils.seeds import turn_seed
 
@@ -155,13 +155,7 @@ def observation_tokens(tokenizer, conv: Conversation, observation: dict[str, str
 
 def stop_string_cut(tokenizer, ids: list[int], stop_strings: Sequence[str]) -> int | None:
     """Length of the shortest prefix of ``ids`` whose text contains a stop string (whole tokens kept), or ``None``."""
-    if not stop_strings or not any(s in decode_exact(tokenizer, ids) for s in stop_strings):
-        return None
-    for i in range(len(ids)):
-        text = decode_exact(tokenizer, ids[: i + 1])
-        if any(s in text for s in stop_strings):
-            return i + 1
-    return None
+    return stop_string_prefix(ids, lambda prefix: decode_exact(tokenizer, prefix), stop_strings)
 
 
 def apply_stop_strings(tokenizer, sample: GeneratedSample, stop_strings: Sequence[str]) -> GeneratedSample:

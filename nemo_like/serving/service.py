@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_like.models.generation.interface import GeneratedSample
+from nemo_like.models.generation.interface import GeneratedSample, stop_string_prefix
 from nemo_like.serving.batching import GenerationQueue
 from nemo_like.serving.continuation import message_key
 from nemo_like.serving.errors import ServingError, bad_request
@@ -195,10 +195,7 @@ class CompletionService:
 
     def _stop_cut(self, ids: list[int], stops: tuple[str, ...]) -> int | None:
         """Length of the shortest prefix of ``ids`` whose text holds a stop string (whole tokens kept)."""
-        decode = self.renderer.decode_continuation
-        if not stops or not any(s in decode(ids) for s in stops):
-            return None
-        return next(i + 1 for i in range(len(ids)) if any(s in decode(ids[: i + 1]) for s in stops))
+        return stop_string_prefix(ids, self.renderer.decode_continuation, stops)
 
 
 def response_extras(call: SampledCall, choice: SampledChoice | None = None) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,7 +19,7 @@ class SamplingParams:
     top_k: int | None = None
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()  # applied by the driver after generation (nemo_like.experience.multi_turn.stop_string_cut)
+    stop_strings: tuple[str, ...] = ()  # applied by the driver after generation (stop_string_prefix)
 
 
 def sampling_params(cfg: Any, greedy: bool = False) -> SamplingParams:
@@ -99,6 +100,27 @@ class GenerationInterface(WeightReceiver, Protocol):
 
     def shutdown(self) -> None:
         """Release the actors."""
+
+
+def stop_string_prefix(ids: Sequence[int], decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str]) -> int | None:
+    """Length of the shortest prefix of ``ids`` whose text (``decode``) holds one of ``stop_strings`` (whole tokens
+    kept), or ``None``. A prefix's text only grows with the prefix, so a binary search finds it in ``log2(len(ids))``
+    decodes (decoding every prefix cost 0.65 s for one 2,000-token response)."""
+
+    def holds(length: int) -> bool:
+        text = decode(ids[:length])
+        return any(s in text for s in stop_strings)
+
+    if not stop_strings or not ids or not holds(len(ids)):
+        return None
+    low, high = 1, len(ids)  # holds(high); the answer is in [low, high]
+    while low < high:
+        middle = (low + high) // 2
+        if holds(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def actor_concurrency(cfg) -> int:
