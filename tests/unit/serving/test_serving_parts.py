@@ -11,13 +11,14 @@ import pytest
 from pydantic import ValidationError
 from transformers import LlamaTokenizer
 
+from nemo_like.environments.tools.parsing import ToolCallError, parse_tool_calls
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.serving.continuation import Continuations, RawLookup, message_key
 from nemo_like.serving.errors import ServingError
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nemo_like.serving.rendering import Renderer, direct_backend
 from nemo_like.serving.server import is_loopback
-from nemo_like.serving.tool_parsers import TOOL_PARSERS, parse_hermes
+from nemo_like.serving.tool_parsers import TOOL_PARSERS, ParsedTurn, parse_hermes
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,20 @@ def test_hermes_markup_becomes_openai_tool_calls_and_malformed_markup_stays_text
     broken = '<tool_call>{"name": "calculator", "arguments": </tool_call>'
     assert parse_hermes(broken).content == broken and parse_hermes(broken).tool_calls == []
     assert TOOL_PARSERS.get("hermes") is parse_hermes and "none" in TOOL_PARSERS
+
+
+def test_hermes_reads_a_last_call_cut_before_its_closing_tag_and_keeps_the_contents_whitespace():
+    """An agent's ``stop=["</tool_call>"]`` cuts the text before the closing tag: vLLM's parser still returns the call.
+    The tool environment's parser keeps calling an unclosed tag an error (a turn cut by the token limit)."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}'
+    stopped = parse_hermes("Let me see.\n" + call)
+    assert stopped.content == "Let me see.\n" and [c["function"]["name"] for c in stopped.tool_calls] == ["calculator"]
+    two = parse_hermes(call + "</tool_call>\n" + call.replace("2*3", "4*5"))
+    assert [json.loads(c["function"]["arguments"]) for c in two.tool_calls] == [{"expression": "2*3"}, {"expression": "4*5"}]
+    assert two.content is None
+    cut = '<tool_call>{"name": "calculator", "arguments": {"expre'  # cut by the token limit: not a call
+    assert parse_hermes(cut) == ParsedTurn(cut)
+    assert isinstance(parse_tool_calls(call)[0], ToolCallError)  # the tool environment stays strict
 
 
 def test_a_rendering_that_extends_an_earlier_completion_reuses_its_ids(renderer):
