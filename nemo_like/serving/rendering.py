@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nemo_like.serving.continuation import Continuations, RawLookup, message_key
+from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import bad_request, unsupported
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -106,8 +106,8 @@ def _normalize(message: Any, index: int, continuations: Continuations | None) ->
     if role == "assistant":
         tool_calls = message.get("tool_calls") or None
         if continuations is not None:
-            key = message_key(message.get("content"), tool_calls)
-            lookup = RawLookup(key, continuations.raw_text(key))
+            keys = message_keys(message.get("content"), tool_calls)
+            lookup = RawLookup(keys, continuations.raw_text(keys))
             if lookup.raw_text is not None:
                 return {"role": "assistant", "content": lookup.raw_text}, lookup
         if tool_calls:

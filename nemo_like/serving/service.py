@@ -12,7 +12,7 @@ from typing import Any
 
 from nemo_like.models.generation.interface import GeneratedSample
 from nemo_like.serving.batching import GenerationQueue
-from nemo_like.serving.continuation import message_key
+from nemo_like.serving.continuation import message_keys
 from nemo_like.serving.errors import ServingError, bad_request
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from nemo_like.serving.rendering import Renderer
@@ -121,8 +121,8 @@ class CompletionService:
             if choice.parsed.tool_calls:
                 choice.finish_reason = "tool_calls"
             if session is not None:
-                key = message_key(choice.parsed.content, choice.parsed.tool_calls)
-                session.continuations.remember_message(key, self._raw_text(choice.completion_ids))
+                keys = message_keys(choice.parsed.content, choice.parsed.tool_calls)
+                session.continuations.remember_message(keys, self._raw_text(choice.completion_ids))
         return call
 
     async def complete(self, req: CompletionRequest, session_id: str | None) -> SampledCall:

@@ -3,8 +3,10 @@ message rendering, and request checks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,12 +14,17 @@ from pydantic import ValidationError
 from transformers import LlamaTokenizer
 
 from nemo_like.environments.tools.parsing import ToolCallError, parse_tool_calls
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.loading import load_tokenizer
-from nemo_like.serving.continuation import Continuations, RawLookup, message_key
+from nemo_like.serving.batching import GenerationQueue
+from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import ServingError
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nemo_like.serving.rendering import Renderer, direct_backend
+from nemo_like.serving.responses import chat_response
 from nemo_like.serving.server import is_loopback
+from nemo_like.serving.service import CompletionService, Limits
+from nemo_like.serving.sessions import SessionStore
 from nemo_like.serving.tool_parsers import TOOL_PARSERS, ParsedTurn, parse_hermes
 
 
@@ -69,10 +76,92 @@ def test_a_returned_message_renders_as_the_raw_sampled_text(renderer):
     continuations = Continuations()
     calls = [{"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}]
     raw = '<tool_call>{"name":"calculator","arguments":{"expression":"2*3"}}</tool_call>'
-    continuations.remember_message(message_key(None, calls), raw)
+    continuations.remember_message(message_keys(None, calls), raw)
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls}]
     assert raw in renderer.chat_text(messages, None, continuations)
     assert raw not in renderer.chat_text(messages, None, Continuations())  # an unknown message is rendered as sent
+
+
+def test_messages_with_the_same_content_and_calls_each_render_as_the_text_they_were_sampled_as(renderer):
+    """The server's call ids are unique: two returned messages with the same content and calls, sampled with other
+    whitespace, keep their own raw text (keyed without the ids, the second overwrote the first); a message whose ids
+    the client rewrote still finds a raw text by its content and calls."""
+    continuations = Continuations()
+
+    def returned(call_id: str) -> dict:
+        call = {"id": call_id, "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "3*4"}'}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+    first, second = returned("call_1"), returned("call_2")
+    raw_first = '<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>'
+    raw_second = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>'
+    continuations.remember_message(message_keys(None, first["tool_calls"]), raw_first)
+    continuations.remember_message(message_keys(None, second["tool_calls"]), raw_second)
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": "12"}
+    text = renderer.chat_text([{"role": "user", "content": "3*4?"}, first, tool, second, tool], None, continuations)
+    assert raw_first in text and raw_second in text and text.index(raw_first) < text.index(raw_second)
+    assert continuations.raw_text(message_keys(None, returned("renamed")["tool_calls"])) == raw_second
+    assert len(set(message_keys(None, first["tool_calls"]) + message_keys(None, second["tool_calls"]))) == 3
+
+
+class Scripted:
+    """An engine that answers each prompt with the next of ``texts``, encoded by the tokenizer, then end of turn: what
+    the model samples is fixed, so a test can make it sample the same call twice with other whitespace."""
+
+    PER_PROMPT_SEEDS = True
+
+    def __init__(self, tokenizer, texts: list[str]) -> None:
+        self.tokenizer, self.texts = tokenizer, list(texts)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed) -> list[GeneratedSample]:
+        samples = []
+        for prompt in prompts:
+            ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            samples.append(GeneratedSample(list(prompt), ids, [-0.5] * len(ids), False, 0, 0))
+        return samples
+
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture
+def scripted_service() -> Iterator:
+    """``serve(texts) -> (service, store)``: the real service, queue, sessions and shipped tokenizer over a
+    :class:`Scripted` engine."""
+    queues: list[GenerationQueue] = []
+
+    def serve(texts: list[str]) -> tuple[CompletionService, SessionStore]:
+        tokenizer = load_tokenizer("embedded:tiny-tool-qwen2")
+        queues.append(GenerationQueue(Scripted(tokenizer, texts), window_s=0.0))
+        store = SessionStore(vocab_size=len(tokenizer))
+        limits = Limits("policy", max_context=512)
+        service = CompletionService(Renderer(tokenizer), queues[-1], store, limits, [tokenizer.eos_token_id], parse_hermes)
+        return service, store
+
+    yield serve
+    for queue in queues:
+        queue.close()
+
+
+def served_chat(service: CompletionService, session_id: str | None, **fields) -> dict:
+    """One chat call through the service; the OpenAI answer with ``prompt_token_ids``."""
+    request = ChatCompletionRequest(model="policy", tools=TOOLS, return_token_ids=True, **fields)
+    return chat_response(asyncio.run(service.chat(request, session_id)), request, "chatcmpl-test")
+
+
+def test_a_session_that_makes_the_same_call_twice_with_other_whitespace_stays_one_row(scripted_service):
+    call = '{"name": "calculator", "arguments": {"expression": "3*4"}}'
+    service, store = scripted_service([f"<tool_call>{call}</tool_call>", f"<tool_call>\n{call}\n</tool_call>", "12"])
+    messages: list[dict] = [{"role": "user", "content": "3*4?"}]
+    for _ in range(2):
+        message = served_chat(service, "s", messages=messages)["choices"][0]["message"]
+        messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "12"}]
+    assert messages[1] == {**messages[3], "tool_calls": messages[1]["tool_calls"]}  # equal but for the call ids
+    last = served_chat(service, "s", messages=messages)
+    prompt = service.renderer.decode(last["prompt_token_ids"])
+    assert f"<tool_call>{call}</tool_call>" in prompt and f"<tool_call>\n{call}\n</tool_call>" in prompt
+    (row,) = store.end("s", 1.0).rows  # each call extends the last: one row
+    assert row.calls == [(0, 0), (1, 0), (2, 0)]
 
 
 @pytest.mark.parametrize(
@@ -193,7 +282,7 @@ def test_a_sessions_history_is_normalised_once_unless_a_message_or_its_raw_text_
     def normalize(message, index):
         normalised.append(index)
         key = message["content"] if message["role"] == "assistant" else None
-        lookup = RawLookup(key, continuations.raw_text(key)) if key is not None else None
+        lookup = RawLookup((key,), continuations.raw_text([key])) if key is not None else None
         return {**message, "raw": lookup.raw_text if lookup else None}, lookup
 
     user, answer, tool = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"}, {"role": "tool", "content": "7"}
@@ -203,7 +292,7 @@ def test_a_sessions_history_is_normalised_once_unless_a_message_or_its_raw_text_
     again = [dict(m) for m in history] + [{"role": "assistant", "content": "a2"}]  # equal copies, as a new request parses them
     continuations.normalized(again, normalize)
     assert normalised == [0, 1, 2, 3]
-    continuations.remember_message("a1", "<raw a1>")  # the lookup message 1 depended on answers differently now
+    continuations.remember_message(["a1"], "<raw a1>")  # the lookup message 1 depended on answers differently now
     forms = continuations.normalized(again, normalize)
     assert normalised == [0, 1, 2, 3, 1] and forms[1]["raw"] == "<raw a1>"
     edited = [user, answer, {"role": "tool", "content": "8"}, again[3]]  # a client that rewrote one message
@@ -219,9 +308,9 @@ def test_a_renderings_text_does_not_depend_on_what_earlier_calls_normalised(rend
         calls = [{"id": f"call_{turn}", "type": "function", "function": {"name": "calc", "arguments": '{"e": "2*3"}'}}]
         messages = messages + [{"role": "assistant", "content": f"turn {turn}", "tool_calls": calls}, {"role": "tool", "content": "6"}]
         if turn % 2 == 0:  # some answers were the server's (rendered as their raw text), some the client's own
-            continuations.remember_message(message_key(f"turn {turn}", calls), f"<raw {turn}>")
+            continuations.remember_message(message_keys(f"turn {turn}", calls), f"<raw {turn}>")
         if turn == 3:
-            continuations.remember_message(message_key("turn 0", messages[2]["tool_calls"]), "<raw 0, again>")
+            continuations.remember_message(message_keys("turn 0", messages[2]["tool_calls"]), "<raw 0, again>")
         fresh = Continuations()
         fresh._raw = dict(continuations._raw)
         assert renderer.chat_text(messages, None, continuations) == renderer.chat_text(messages, None, fresh)
