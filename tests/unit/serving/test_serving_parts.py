@@ -164,6 +164,24 @@ def test_a_session_that_makes_the_same_call_twice_with_other_whitespace_stays_on
     assert row.calls == [(0, 0), (1, 0), (2, 0)]
 
 
+def test_parallel_tool_calls_false_returns_the_first_call_and_the_history_holds_only_it(scripted_service):
+    """As vLLM: only the first call is returned. The message sent back renders as the client holds it (the second
+    call's markup, sampled and recorded, is not put back into the history), so the session branches."""
+    first, second = (f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}</tool_call>' for e in ("3*4", "5*6"))
+    service, store = scripted_service([first + second, first + second, "12"])
+    question = [{"role": "user", "content": "3*4 and 5*6?"}]
+    both = served_chat(service, None, messages=question)["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in both] == [{"expression": "3*4"}, {"expression": "5*6"}]
+    answer = served_chat(service, "s", messages=question, parallel_tool_calls=False)["choices"][0]
+    (call,) = answer["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"expression": "3*4"} and answer["finish_reason"] == "tool_calls"
+    history = [*question, answer["message"], {"role": "tool", "tool_call_id": call["id"], "content": "12"}]
+    prompt = service.renderer.decode(served_chat(service, "s", messages=history)["prompt_token_ids"])
+    assert "5*6" not in prompt.split("3*4 and 5*6?")[1]
+    result = store.end("s", 1.0)
+    assert result.rejected is None and len(result.rows) == 2  # both calls' sampled ids masked in once each
+
+
 @pytest.mark.parametrize(
     "messages, param",
     [
