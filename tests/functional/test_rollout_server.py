@@ -200,13 +200,15 @@ def test_a_template_that_rewrites_the_system_message_branches_the_session(engine
     assert (trained - generated).abs().max().item() < 1e-5
 
 
-def test_a_sentencepiece_session_keeps_the_spaces_the_model_sampled(tmp_path):
+@pytest.mark.parametrize("legacy", [False, True], ids=["sentencepiece", "legacy-sentencepiece"])
+def test_a_sentencepiece_session_keeps_the_spaces_the_model_sampled(legacy):
     """SentencePiece marks a word start with ``▁``; a text encoded or decoded on its own gains or loses that space.
     Served: a completion's text is its text after the prompt, and a prompt that reuses a session's ids encodes the
-    rest as their continuation, so the ids spell exactly the text the client sent (an extra ``▁`` otherwise)."""
+    rest as their continuation, so the ids spell exactly the text the client sent (an extra ``▁`` otherwise). A legacy
+    tokenizer adds the ``▁`` even behind a special token: the server encodes the rest without it."""
     from transformers import LlamaTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    sp = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=False, legacy=False, pad_token="<pad>")
+    sp = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=False, legacy=legacy, pad_token="<pad>")
     sp.chat_template = CHATML
     torch.manual_seed(0)
     config = Qwen2Config(

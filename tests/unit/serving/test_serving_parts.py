@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from transformers import LlamaTokenizer
+from transformers import LlamaTokenizer, PreTrainedTokenizerFast
 
 from nemo_like.environments.tools.parsing import ToolCallError, parse_tool_calls
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
@@ -251,6 +251,46 @@ def test_the_renderer_encodes_and_decodes_on_the_rust_backend_as_the_wrapper_doe
     tokenizer(["a", "a b c"], padding=True, pad_to_multiple_of=8)
     assert tokenizer.backend_tokenizer.padding["pad_to_multiple_of"] == 8
     assert renderer.tokenize("a b c") == list(tokenizer("a b c", add_special_tokens=False)["input_ids"])
+
+
+def legacy_sentencepiece(prepend_normalizer: bool):
+    """The fixture with ``legacy=True`` (Metaspace ``prepend_scheme: "always"``), or rebuilt as Llama-2's
+    ``tokenizer.json`` is (a ``Prepend("▁")`` normalizer, no pre-tokenizer): both put a ``▁`` in front of every text
+    between special tokens."""
+    sp = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=False, legacy=True, pad_token="<pad>")
+    if not prepend_normalizer:
+        return sp
+    spec = json.loads(sp.backend_tokenizer.to_str())
+    to_marker = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    spec.update(pre_tokenizer=None, normalizer={"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, to_marker]})
+    backend = type(sp.backend_tokenizer).from_str(json.dumps(spec))
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, additional_special_tokens=["<|im_start|>", "<|im_end|>"], **specials)
+
+
+@pytest.mark.parametrize("prepend_normalizer", [False, True], ids=["metaspace-always", "prepend-normalizer"])
+def test_a_legacy_sentencepiece_tokenizer_encodes_a_continuation_without_a_space_it_does_not_have(prepend_normalizer):
+    legacy = legacy_sentencepiece(prepend_normalizer)
+    renderer, current = Renderer(legacy, CHATML), Renderer(shipped_and_sentencepiece()[1], CHATML)
+    behind_anchor = legacy.convert_ids_to_tokens(legacy("<s>.a", add_special_tokens=False)["input_ids"])
+    assert behind_anchor[:2] == ["<s>", "\u2581"]  # the space the server must not encode
+    for text in [". Let me check.", "a b", " a", *random_texts(legacy, 200, seed=2)]:
+        ids = renderer.tokenize_continuation(text)
+        assert renderer.decode_continuation(ids) == text, text
+        assert ids == current.tokenize_continuation(text), text  # what the non-legacy tokenizer encodes
+    assert renderer.tokenize("a b") == legacy("a b", add_special_tokens=False)["input_ids"]  # whole prompts: unchanged
+    assert Renderer(load_tokenizer("embedded:tiny-tool-qwen2"))._rest_backend is None  # byte-level BPE needs nothing
+
+
+def test_a_legacy_tokenizer_the_server_cannot_correct_is_logged(caplog):
+    class Wrapped(LlamaTokenizer):  # not fast: no Rust backend of its own to copy
+        is_fast = False
+
+    legacy = legacy_sentencepiece(prepend_normalizer=False)
+    legacy.__class__ = Wrapped
+    with caplog.at_level("WARNING", logger="nemo_like.serving"):
+        renderer = Renderer(legacy, CHATML)
+    assert renderer._rest_backend is None and "word-start space" in caplog.text
 
 
 def test_the_direct_path_adds_no_bos_where_the_tokenizer_would():
