@@ -147,11 +147,10 @@ def placeholder_row(prompt: PromptRecord, pad_token_id: int, weight_version: int
 
 
 def session_version(result: Any) -> int | None:
-    """The weight version of a session's first call (``None``: it made none): what its age counts from. Versions only
-    grow, so it is also the oldest weights that produced any of its tokens, in every row (a branched session's later
-    rows start at later calls)."""
-    versions = [v for row in (result.rows if result is not None else []) for v in row.weight_versions]
-    return min(versions) if versions else None
+    """The weight version of a session's first call (``None``: it made none): what its age counts from
+    (:attr:`SessionRows.weight_version <nemo_like.serving.trajectory.SessionRows.weight_version>`, which
+    ``rows_for_training`` gives every row too)."""
+    return result.weight_version if result is not None else None
 
 
 def session_samples(result: Any, open_version: int) -> list[GeneratedSample]:

@@ -9,8 +9,8 @@ then extends the earlier call exactly, and the session stays one row. A renderin
 template rewrote history) is tokenised whole and the session branches (:mod:`.trajectory`).
 
 It also maps every assistant message the server returned to the raw text the model sampled
-(:meth:`Continuations.raw_text`), so a message whose tool calls were parsed out is rendered back as the markup the
-model wrote, not as the template's re-serialisation of the parsed JSON.
+(:meth:`Continuations.raw_text`, keyed by :func:`message_keys`), so a message whose tool calls were parsed out is
+rendered back as the markup the model wrote, not as the template's re-serialisation of the parsed JSON.
 
 An agent sends its whole history at every call, so whatever touches every message at every call costs a session time
 quadratic in its turns (a peer measured re-rendering at 56% of generation time at 128 turns, trl#6250). Normalising
@@ -30,17 +30,34 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def message_key(content: str | None, tool_calls: Sequence[dict[str, Any]] | None) -> str:
-    """A returned assistant message's identity: its content and its tool calls' names and argument strings."""
-    calls = [[c.get("function", {}).get("name"), c.get("function", {}).get("arguments")] for c in tool_calls or ()]
-    return json.dumps([content or "", calls])
+def _call_fields(call: Any) -> tuple[Any, Any, Any]:
+    """A tool call's id, name and argument string (None where a malformed entry lacks them: the renderer refuses it)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    function = function if isinstance(function, dict) else {}
+    return (call.get("id") if isinstance(call, dict) else None), function.get("name"), function.get("arguments")
+
+
+def message_keys(content: str | None, tool_calls: Sequence[dict[str, Any]] | None) -> tuple[str, ...]:
+    """A returned assistant message's identities, most specific first: its content and its tool calls' ids, names and
+    argument strings; then the same without the ids (only the first when it has no call ids).
+
+    The server's call ids are unique, so two messages with the same content and calls, sampled as different raw text
+    (other whitespace; another turn or another choice of ``n``), each keep their own; the id-less key still finds the
+    raw text of a message whose client rewrote the ids."""
+    fields = [_call_fields(call) for call in tool_calls or ()] if isinstance(tool_calls, list) else []
+    without_ids = json.dumps([content or "", [[name, arguments] for _, name, arguments in fields]])
+    ids = [call_id for call_id, _, _ in fields]
+    if not any(ids):
+        return (without_ids,)
+    return json.dumps([content or "", [[call_id, name, arguments] for call_id, name, arguments in fields]]), without_ids
 
 
 @dataclass(frozen=True)
 class RawLookup:
-    """What normalising an assistant message asked: the raw text remembered for ``key`` (None: none was)."""
+    """What normalising an assistant message asked: the raw text remembered for the first of ``keys`` that has one
+    (None: none had)."""
 
-    key: str
+    keys: tuple[str, ...]
     raw_text: str | None
 
 
@@ -63,15 +80,20 @@ class Continuations:
         with self._lock:
             bisect.insort(self._encoded, (text, tuple(ids)), key=lambda entry: -len(entry[0]))
 
-    def remember_message(self, key: str, raw_text: str) -> None:
-        """The assistant message with :func:`message_key` ``key`` was sampled as ``raw_text``."""
+    def remember_message(self, keys: Sequence[str], raw_text: str) -> None:
+        """The assistant message with :func:`message_keys` ``keys`` was sampled as ``raw_text``."""
         with self._lock:
-            self._raw[key] = raw_text
+            for key in keys:
+                self._raw[key] = raw_text
 
-    def raw_text(self, key: str) -> str | None:
-        """The raw sampled text of a returned message, or None for a message the server did not return."""
+    def raw_text(self, keys: Sequence[str]) -> str | None:
+        """The raw sampled text of a returned message (the first of its ``keys`` remembered), or None for a message the
+        server did not return."""
         with self._lock:
-            return self._raw.get(key)
+            return self._find(keys)
+
+    def _find(self, keys: Sequence[str]) -> str | None:
+        return next((self._raw[key] for key in keys if key in self._raw), None)
 
     def normalized(self, messages: Sequence[Any], normalize: Normalize) -> list[dict[str, Any]]:
         """``normalize(message, index)[0]`` of every message; the previous call's result is reused for a message equal
@@ -84,7 +106,7 @@ class Continuations:
             reuse = [
                 index < len(last)
                 and (index < common or messages[index] == last_sent[index])
-                and (last[index][1] is None or self._raw.get(last[index][1].key) == last[index][1].raw_text)
+                and (last[index][1] is None or self._find(last[index][1].keys) == last[index][1].raw_text)
                 for index in range(len(messages))
             ]
         entries = [last[index] if reuse[index] else normalize(message, index) for index, message in enumerate(messages)]

@@ -14,12 +14,20 @@ The wrapper's answers are checked against the direct ones on probe strings when 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
-from nemo_like.serving.continuation import Continuations, RawLookup, message_key
+from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import bad_request, unsupported
 
+log = logging.getLogger("nemo_like.serving")
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+#: Texts a session's prompt may continue with: encoded as a continuation, each must decode back as it is (a legacy
+#: SentencePiece tokenizer adds a word-start ``▁`` in front of ``.a`` even behind the anchor).
+CONTINUATION_PROBES = (".a", "a b", " a", "x\ny")
+WORD_START = "\u2581"  # SentencePiece's word-start marker
 
 #: Strings the direct path must encode and decode as the wrapper does: capitals, spaces at both ends and doubled, new lines,
 #: non-ASCII text, markup around and between special tokens (each special token is probed too).
@@ -54,6 +62,41 @@ def _encodes_one_text_as_is(backend: Any) -> bool:
     leaves one text as it is."""
     padding = backend.padding
     return backend.truncation is None and (padding is None or (padding["length"] is None and padding["pad_to_multiple_of"] is None))
+
+
+def _without_word_start(node: Any) -> tuple[Any, bool]:
+    """A normalizer or pre-tokenizer spec (a ``tokenizer.json`` entry) that adds no ``▁`` in front of a text: Metaspace
+    prepends nothing and a ``Prepend`` of ``▁`` is dropped (None when that is all it was); and whether it changed."""
+    if not isinstance(node, dict):
+        return node, False
+    if node.get("type") == "Prepend" and node.get("prepend") == WORD_START:
+        return None, True
+    if node.get("type") == "Metaspace" and node.get("prepend_scheme") != "never":
+        return {**node, "prepend_scheme": "never"}, True
+    for field in ("normalizers", "pretokenizers"):  # a Sequence
+        if isinstance(node.get(field), list):
+            parts = [_without_word_start(part) for part in node[field]]
+            if any(changed for _, changed in parts):
+                return {**node, field: [part for part, _ in parts if part is not None]}, True
+    return node, False
+
+
+def continuation_backend(backend: Any) -> Any | None:
+    """A copy of a SentencePiece-style Rust ``backend`` that adds no word-start ``▁`` to a text (None: it adds none).
+
+    A legacy one (Metaspace ``prepend_scheme: "always"``, or a ``Prepend`` normalizer as in Llama-2's
+    ``tokenizer.json``) adds it in front of every stretch of text between special tokens, so the text behind the
+    anchor of :meth:`Renderer.tokenize_continuation` gets a space it does not have. Behind the anchor the text never
+    starts the input, so a copy that never adds the marker encodes it as its continuation."""
+    spec = json.loads(backend.to_str())
+    normalizer, normalizer_changed = _without_word_start(spec.get("normalizer"))
+    pre_tokenizer, pre_tokenizer_changed = _without_word_start(spec.get("pre_tokenizer"))
+    if not (normalizer_changed or pre_tokenizer_changed):
+        return None
+    copy = type(backend).from_str(json.dumps({**spec, "normalizer": normalizer, "pre_tokenizer": pre_tokenizer}))
+    copy.no_truncation()
+    copy.no_padding()
+    return copy
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -106,8 +149,8 @@ def _normalize(message: Any, index: int, continuations: Continuations | None) ->
     if role == "assistant":
         tool_calls = message.get("tool_calls") or None
         if continuations is not None:
-            key = message_key(message.get("content"), tool_calls)
-            lookup = RawLookup(key, continuations.raw_text(key))
+            keys = message_keys(message.get("content"), tool_calls)
+            lookup = RawLookup(keys, continuations.raw_text(keys))
             if lookup.raw_text is not None:
                 return {"role": "assistant", "content": lookup.raw_text}, lookup
         if tool_calls:
@@ -130,6 +173,9 @@ class Renderer:
         self._direct = direct_backend(tokenizer)
         self._anchor = self._atomic_special_token()
         self._anchor_decoded = self.decode([self._anchor[0]]) if self._anchor is not None else ""  # its text as decoded
+        self._rest_backend: Any | None = None  # encodes behind the anchor when the tokenizer's own adds a '▁' there
+        if self._anchor is not None and not self._continues_exactly():
+            self._rest_backend = self._exact_continuation_backend()
 
     def tokenize(self, text: str) -> list[int]:
         """The ids of ``text`` (special-token markup included, no added BOS/EOS)."""
@@ -143,13 +189,36 @@ class Renderer:
 
         Encoded on its own, a SentencePiece tokenizer starts ``text`` with its ``▁`` word marker, a space the rendered
         prompt does not have. So ``text`` is encoded behind an atomic special token (one id however it is followed),
-        whose id is then dropped: the ids of ``text`` in context. Byte-level BPE gives the same ids either way."""
+        whose id is then dropped: the ids of ``text`` in context. Byte-level BPE gives the same ids either way. A legacy
+        SentencePiece tokenizer adds the ``▁`` behind the special token too: then a :func:`continuation_backend` copy
+        encodes it (decided when the renderer is built)."""
         if self._anchor is not None:
             anchor_id, anchor_text = self._anchor
-            ids = self.tokenize(anchor_text + text)
+            rest = self._rest_backend
+            ids = rest.encode(anchor_text + text, add_special_tokens=False).ids if rest else self.tokenize(anchor_text + text)
             if ids and ids[0] == anchor_id:
                 return ids[1:]
         return self.tokenize(text)
+
+    def _continues_exactly(self) -> bool:
+        """Whether every :data:`CONTINUATION_PROBES` text, encoded as a continuation, decodes back as it is."""
+        return all(self.decode_continuation(self.tokenize_continuation(text)) == text for text in CONTINUATION_PROBES)
+
+    def _exact_continuation_backend(self) -> Any | None:
+        """A :func:`continuation_backend` that makes continuations exact, or None (logged: prompt ids after a reused
+        prefix may then hold a space the client did not send, on masked-out tokens only)."""
+        candidate = continuation_backend(self._direct) if self._direct is not None else None
+        self._rest_backend = candidate  # tried by the probes
+        exact = candidate is not None and self._continues_exactly()
+        self._rest_backend = None
+        if exact:
+            return candidate
+        log.warning(
+            "This tokenizer adds a word-start space to a text behind a special token (a legacy SentencePiece "
+            "tokenizer?) and the server found no exact way around it: a session's later prompts may encode a space the "
+            "client did not send (in prompt tokens only, never in sampled ones)."
+        )
+        return None
 
     def decode_continuation(self, ids: list[int] | tuple[int, ...]) -> str:
         """The text ``ids`` add after earlier tokens (a completion after its prompt): decoded on their own, a

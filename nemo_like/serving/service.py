@@ -12,7 +12,7 @@ from typing import Any
 
 from nemo_like.models.generation.interface import GeneratedSample, stop_string_prefix
 from nemo_like.serving.batching import GenerationQueue
-from nemo_like.serving.continuation import message_key
+from nemo_like.serving.continuation import message_keys
 from nemo_like.serving.errors import ServingError, bad_request
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from nemo_like.serving.rendering import Renderer
@@ -117,13 +117,22 @@ class CompletionService:
         )
         call = await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index, "messages")
         for choice in call.choices:
-            choice.parsed = self.tool_parser(choice.text) if req.parses_tools() else ParsedTurn(choice.text)
+            choice.parsed, whole = self._parse(req, choice.text)
             if choice.parsed.tool_calls:
                 choice.finish_reason = "tool_calls"
-            if session is not None:
-                key = message_key(choice.parsed.content, choice.parsed.tool_calls)
-                session.continuations.remember_message(key, self._raw_text(choice.completion_ids))
+            if session is not None and whole:
+                keys = message_keys(choice.parsed.content, choice.parsed.tool_calls)
+                session.continuations.remember_message(keys, self._raw_text(choice.completion_ids))
         return call
+
+    def _parse(self, req: ChatCompletionRequest, text: str) -> tuple[ParsedTurn, bool]:
+        """A choice's content and tool calls, and whether they are all the model wrote. With ``parallel_tool_calls:
+        false`` only the first call is returned (as vLLM does); the raw text then holds calls the message does not,
+        so the message is not mapped to it: sent back, it renders as the template writes it (the session branches)."""
+        parsed = self.tool_parser(text) if req.parses_tools() else ParsedTurn(text)
+        if req.parallel_tool_calls is False and len(parsed.tool_calls) > 1:
+            return ParsedTurn(parsed.content, parsed.tool_calls[:1]), False
+        return parsed, True
 
     async def complete(self, req: CompletionRequest, session_id: str | None) -> SampledCall:
         """Serve one ``/v1/completions`` request (a text prompt, or token ids used as they are)."""

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_like.environments.tools.parsing import OPEN_TAG, ToolCall, parse_tool_calls
+from nemo_like.environments.tools.parsing import CLOSE_TAG, OPEN_TAG, ToolCall, parse_tool_calls
 from nemo_like.utils.registry import Registry
 
 
@@ -37,15 +37,27 @@ def openai_tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
+def _close_trailing_call(text: str) -> str:
+    """``text`` with a closing tag added when its last ``<tool_call>`` is not closed: the call an agent's
+    ``stop=["</tool_call>"]`` cut before its closing tag (an unclosed call whose JSON does not parse still fails)."""
+    tail = text[text.rindex(OPEN_TAG) + len(OPEN_TAG) :]
+    return text if CLOSE_TAG in tail else text + CLOSE_TAG
+
+
 @TOOL_PARSERS.register("hermes")
 def parse_hermes(text: str) -> ParsedTurn:
-    """Hermes/Qwen markup: every ``<tool_call>`` must parse, else the whole text stays ``content`` (as vLLM does)."""
+    """Hermes/Qwen markup, as vLLM's ``hermes`` parser reads it: every ``<tool_call>`` must parse, else the whole text
+    stays ``content``; a last call without its closing tag counts when its JSON parses (``stop=["</tool_call>"]``);
+    ``content`` is the text before the first call, whitespace kept (None when empty).
+
+    Only the server is this lenient: the tool environment's :func:`parse_tool_calls` keeps calling an unclosed tag an
+    error (a turn cut by the token limit)."""
     if OPEN_TAG not in text:
         return ParsedTurn(text)
-    calls = parse_tool_calls(text)
+    calls = parse_tool_calls(_close_trailing_call(text))
     if not calls or not all(isinstance(c, ToolCall) for c in calls):
         return ParsedTurn(text)
-    before = text[: text.index(OPEN_TAG)].strip()
+    before = text[: text.index(OPEN_TAG)]
     return ParsedTurn(before or None, [openai_tool_call(c.name, c.arguments) for c in calls])
 
 

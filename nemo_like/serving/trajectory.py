@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nemo_like.models.generation.interface import GeneratedSample
 
@@ -199,6 +199,14 @@ class SessionRows:
     def branched(self) -> bool:
         return len(self.rows) > 1
 
+    @property
+    def weight_version(self) -> int | None:
+        """The weight version of the session's first call (None: no rows), what every row's age counts from: versions
+        only grow, so it is also the oldest weights that produced any of its tokens (a branched session's later rows
+        start at later calls)."""
+        versions = [v for row in self.rows for v in row.weight_versions]
+        return min(versions) if versions else None
+
 
 def session_rows(session_id: str, calls: Sequence[CallRecord], reward: float, vocab_size: int | None = None) -> SessionRows:
     """The checked rows of a session: rejected (no rows) when it has no calls, when its records are inconsistent
@@ -229,11 +237,14 @@ class RowBatch:
 
 
 def rows_for_training(results: Sequence[SessionRows]) -> RowBatch:
-    """The rows of ``results`` as :class:`GeneratedSample` s (``data.collate.collate_samples`` makes the batch)."""
+    """The rows of ``results`` as :class:`GeneratedSample` s (``data.collate.collate_samples`` makes the batch), each
+    with its session's :attr:`~SessionRows.weight_version` (a branched session's later rows included) and its number of
+    calls as ``num_turns``, as a training run's agent rollouts give them."""
     batch = RowBatch([], [], [], list(results))
     for index, result in enumerate(results):
         for row in result.rows:
-            batch.samples.append(row.to_generated_sample())
+            sample = row.to_generated_sample()
+            batch.samples.append(replace(sample, num_turns=len(row.calls), weight_version=result.weight_version))
             batch.rewards.append(row.reward)
             batch.session_of_row.append(index)
     return batch

@@ -131,6 +131,25 @@ def test_a_tool_session_is_one_row_of_exactly_the_sampled_ids(server, engine, to
     assert greedy.choices[0].completion_token_ids == direct.response_ids  # the engine's own ids, not re-tokenised text
 
 
+def test_an_agent_that_stops_at_the_closing_tag_gets_its_tool_call_and_stays_one_row(server, tokenizer):
+    """``stop=["</tool_call>"]`` (common in agents) cuts the text before the closing tag: the call is still returned,
+    as vLLM does, the recorded ids keep the tag, and the message sent back renders as them (one row)."""
+    c, messages = client(server, "stop-at-tag"), [{"role": "user", "content": "What is 121 times 13?"}]
+    first = chat(c, messages, temperature=0, max_tokens=40, stop=["</tool_call>"])
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls] == [
+        ("calculator", {"expression": "121*13"})
+    ]
+    assert tokenizer.decode(choice.completion_token_ids).endswith("</tool_call>")  # the sampled ids, unchanged
+    tool_turn(messages, first)
+    second = chat(c, messages, temperature=0, max_tokens=8)
+    (row,) = server.sessions.end("stop-at-tag", reward=1.0).rows
+    assert second.prompt_token_ids[: len(row.prompt_ids) + len(choice.completion_token_ids)] == (
+        first.prompt_token_ids + choice.completion_token_ids
+    )
+
+
 def test_a_template_that_strips_reasoning_branches_the_session(engine, tokenizer):
     config = ServerConfig(chat_template=THINK_TEMPLATE.read_text())
     with RolloutServer(engine, tokenizer, config) as srv:
@@ -181,13 +200,15 @@ def test_a_template_that_rewrites_the_system_message_branches_the_session(engine
     assert (trained - generated).abs().max().item() < 1e-5
 
 
-def test_a_sentencepiece_session_keeps_the_spaces_the_model_sampled(tmp_path):
+@pytest.mark.parametrize("legacy", [False, True], ids=["sentencepiece", "legacy-sentencepiece"])
+def test_a_sentencepiece_session_keeps_the_spaces_the_model_sampled(legacy):
     """SentencePiece marks a word start with ``▁``; a text encoded or decoded on its own gains or loses that space.
     Served: a completion's text is its text after the prompt, and a prompt that reuses a session's ids encodes the
-    rest as their continuation, so the ids spell exactly the text the client sent (an extra ``▁`` otherwise)."""
+    rest as their continuation, so the ids spell exactly the text the client sent (an extra ``▁`` otherwise). A legacy
+    tokenizer adds the ``▁`` even behind a special token: the server encodes the rest without it."""
     from transformers import LlamaTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    sp = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=False, legacy=False, pad_token="<pad>")
+    sp = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=False, legacy=legacy, pad_token="<pad>")
     sp.chat_template = CHATML
     torch.manual_seed(0)
     config = Qwen2Config(

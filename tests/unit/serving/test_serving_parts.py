@@ -3,21 +3,29 @@ message rendering, and request checks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from transformers import LlamaTokenizer
+from transformers import LlamaTokenizer, PreTrainedTokenizerFast
 
+from nemo_like.environments.tools.parsing import ToolCallError, parse_tool_calls
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.loading import load_tokenizer
-from nemo_like.serving.continuation import Continuations, RawLookup, message_key
+from nemo_like.serving.batching import GenerationQueue
+from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import ServingError
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nemo_like.serving.rendering import Renderer, direct_backend
+from nemo_like.serving.responses import chat_response
 from nemo_like.serving.server import is_loopback
-from nemo_like.serving.tool_parsers import TOOL_PARSERS, parse_hermes
+from nemo_like.serving.service import CompletionService, Limits
+from nemo_like.serving.sessions import SessionStore
+from nemo_like.serving.tool_parsers import TOOL_PARSERS, ParsedTurn, parse_hermes
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +42,20 @@ def test_hermes_markup_becomes_openai_tool_calls_and_malformed_markup_stays_text
     broken = '<tool_call>{"name": "calculator", "arguments": </tool_call>'
     assert parse_hermes(broken).content == broken and parse_hermes(broken).tool_calls == []
     assert TOOL_PARSERS.get("hermes") is parse_hermes and "none" in TOOL_PARSERS
+
+
+def test_hermes_reads_a_last_call_cut_before_its_closing_tag_and_keeps_the_contents_whitespace():
+    """An agent's ``stop=["</tool_call>"]`` cuts the text before the closing tag: vLLM's parser still returns the call.
+    The tool environment's parser keeps calling an unclosed tag an error (a turn cut by the token limit)."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}'
+    stopped = parse_hermes("Let me see.\n" + call)
+    assert stopped.content == "Let me see.\n" and [c["function"]["name"] for c in stopped.tool_calls] == ["calculator"]
+    two = parse_hermes(call + "</tool_call>\n" + call.replace("2*3", "4*5"))
+    assert [json.loads(c["function"]["arguments"]) for c in two.tool_calls] == [{"expression": "2*3"}, {"expression": "4*5"}]
+    assert two.content is None
+    cut = '<tool_call>{"name": "calculator", "arguments": {"expre'  # cut by the token limit: not a call
+    assert parse_hermes(cut) == ParsedTurn(cut)
+    assert isinstance(parse_tool_calls(call)[0], ToolCallError)  # the tool environment stays strict
 
 
 def test_a_rendering_that_extends_an_earlier_completion_reuses_its_ids(renderer):
@@ -54,10 +76,110 @@ def test_a_returned_message_renders_as_the_raw_sampled_text(renderer):
     continuations = Continuations()
     calls = [{"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}]
     raw = '<tool_call>{"name":"calculator","arguments":{"expression":"2*3"}}</tool_call>'
-    continuations.remember_message(message_key(None, calls), raw)
+    continuations.remember_message(message_keys(None, calls), raw)
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls}]
     assert raw in renderer.chat_text(messages, None, continuations)
     assert raw not in renderer.chat_text(messages, None, Continuations())  # an unknown message is rendered as sent
+
+
+def test_messages_with_the_same_content_and_calls_each_render_as_the_text_they_were_sampled_as(renderer):
+    """The server's call ids are unique: two returned messages with the same content and calls, sampled with other
+    whitespace, keep their own raw text (keyed without the ids, the second overwrote the first); a message whose ids
+    the client rewrote still finds a raw text by its content and calls."""
+    continuations = Continuations()
+
+    def returned(call_id: str) -> dict:
+        call = {"id": call_id, "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "3*4"}'}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+    first, second = returned("call_1"), returned("call_2")
+    raw_first = '<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>'
+    raw_second = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>'
+    continuations.remember_message(message_keys(None, first["tool_calls"]), raw_first)
+    continuations.remember_message(message_keys(None, second["tool_calls"]), raw_second)
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": "12"}
+    text = renderer.chat_text([{"role": "user", "content": "3*4?"}, first, tool, second, tool], None, continuations)
+    assert raw_first in text and raw_second in text and text.index(raw_first) < text.index(raw_second)
+    assert continuations.raw_text(message_keys(None, returned("renamed")["tool_calls"])) == raw_second
+    assert len(set(message_keys(None, first["tool_calls"]) + message_keys(None, second["tool_calls"]))) == 3
+
+
+class Scripted:
+    """An engine that answers each prompt with the next of ``texts``, encoded by the tokenizer, then end of turn: what
+    the model samples is fixed, so a test can make it sample the same call twice with other whitespace."""
+
+    PER_PROMPT_SEEDS = True
+
+    def __init__(self, tokenizer, texts: list[str]) -> None:
+        self.tokenizer, self.texts = tokenizer, list(texts)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed) -> list[GeneratedSample]:
+        samples = []
+        for prompt in prompts:
+            ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            samples.append(GeneratedSample(list(prompt), ids, [-0.5] * len(ids), False, 0, 0))
+        return samples
+
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture
+def scripted_service() -> Iterator:
+    """``serve(texts) -> (service, store)``: the real service, queue, sessions and shipped tokenizer over a
+    :class:`Scripted` engine."""
+    queues: list[GenerationQueue] = []
+
+    def serve(texts: list[str]) -> tuple[CompletionService, SessionStore]:
+        tokenizer = load_tokenizer("embedded:tiny-tool-qwen2")
+        queues.append(GenerationQueue(Scripted(tokenizer, texts), window_s=0.0))
+        store = SessionStore(vocab_size=len(tokenizer))
+        limits = Limits("policy", max_context=512)
+        service = CompletionService(Renderer(tokenizer), queues[-1], store, limits, [tokenizer.eos_token_id], parse_hermes)
+        return service, store
+
+    yield serve
+    for queue in queues:
+        queue.close()
+
+
+def served_chat(service: CompletionService, session_id: str | None, **fields) -> dict:
+    """One chat call through the service; the OpenAI answer with ``prompt_token_ids``."""
+    request = ChatCompletionRequest(model="policy", tools=TOOLS, return_token_ids=True, **fields)
+    return chat_response(asyncio.run(service.chat(request, session_id)), request, "chatcmpl-test")
+
+
+def test_a_session_that_makes_the_same_call_twice_with_other_whitespace_stays_one_row(scripted_service):
+    call = '{"name": "calculator", "arguments": {"expression": "3*4"}}'
+    service, store = scripted_service([f"<tool_call>{call}</tool_call>", f"<tool_call>\n{call}\n</tool_call>", "12"])
+    messages: list[dict] = [{"role": "user", "content": "3*4?"}]
+    for _ in range(2):
+        message = served_chat(service, "s", messages=messages)["choices"][0]["message"]
+        messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "12"}]
+    assert messages[1] == {**messages[3], "tool_calls": messages[1]["tool_calls"]}  # equal but for the call ids
+    last = served_chat(service, "s", messages=messages)
+    prompt = service.renderer.decode(last["prompt_token_ids"])
+    assert f"<tool_call>{call}</tool_call>" in prompt and f"<tool_call>\n{call}\n</tool_call>" in prompt
+    (row,) = store.end("s", 1.0).rows  # each call extends the last: one row
+    assert row.calls == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_parallel_tool_calls_false_returns_the_first_call_and_the_history_holds_only_it(scripted_service):
+    """As vLLM: only the first call is returned. The message sent back renders as the client holds it (the second
+    call's markup, sampled and recorded, is not put back into the history), so the session branches."""
+    first, second = (f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}</tool_call>' for e in ("3*4", "5*6"))
+    service, store = scripted_service([first + second, first + second, "12"])
+    question = [{"role": "user", "content": "3*4 and 5*6?"}]
+    both = served_chat(service, None, messages=question)["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in both] == [{"expression": "3*4"}, {"expression": "5*6"}]
+    answer = served_chat(service, "s", messages=question, parallel_tool_calls=False)["choices"][0]
+    (call,) = answer["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"expression": "3*4"} and answer["finish_reason"] == "tool_calls"
+    history = [*question, answer["message"], {"role": "tool", "tool_call_id": call["id"], "content": "12"}]
+    prompt = service.renderer.decode(served_chat(service, "s", messages=history)["prompt_token_ids"])
+    assert "5*6" not in prompt.split("3*4 and 5*6?")[1]
+    result = store.end("s", 1.0)
+    assert result.rejected is None and len(result.rows) == 2  # both calls' sampled ids masked in once each
 
 
 @pytest.mark.parametrize(
@@ -131,6 +253,46 @@ def test_the_renderer_encodes_and_decodes_on_the_rust_backend_as_the_wrapper_doe
     assert renderer.tokenize("a b c") == list(tokenizer("a b c", add_special_tokens=False)["input_ids"])
 
 
+def legacy_sentencepiece(prepend_normalizer: bool):
+    """The fixture with ``legacy=True`` (Metaspace ``prepend_scheme: "always"``), or rebuilt as Llama-2's
+    ``tokenizer.json`` is (a ``Prepend("▁")`` normalizer, no pre-tokenizer): both put a ``▁`` in front of every text
+    between special tokens."""
+    sp = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=False, legacy=True, pad_token="<pad>")
+    if not prepend_normalizer:
+        return sp
+    spec = json.loads(sp.backend_tokenizer.to_str())
+    to_marker = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    spec.update(pre_tokenizer=None, normalizer={"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, to_marker]})
+    backend = type(sp.backend_tokenizer).from_str(json.dumps(spec))
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, additional_special_tokens=["<|im_start|>", "<|im_end|>"], **specials)
+
+
+@pytest.mark.parametrize("prepend_normalizer", [False, True], ids=["metaspace-always", "prepend-normalizer"])
+def test_a_legacy_sentencepiece_tokenizer_encodes_a_continuation_without_a_space_it_does_not_have(prepend_normalizer):
+    legacy = legacy_sentencepiece(prepend_normalizer)
+    renderer, current = Renderer(legacy, CHATML), Renderer(shipped_and_sentencepiece()[1], CHATML)
+    behind_anchor = legacy.convert_ids_to_tokens(legacy("<s>.a", add_special_tokens=False)["input_ids"])
+    assert behind_anchor[:2] == ["<s>", "\u2581"]  # the space the server must not encode
+    for text in [". Let me check.", "a b", " a", *random_texts(legacy, 200, seed=2)]:
+        ids = renderer.tokenize_continuation(text)
+        assert renderer.decode_continuation(ids) == text, text
+        assert ids == current.tokenize_continuation(text), text  # what the non-legacy tokenizer encodes
+    assert renderer.tokenize("a b") == legacy("a b", add_special_tokens=False)["input_ids"]  # whole prompts: unchanged
+    assert Renderer(load_tokenizer("embedded:tiny-tool-qwen2"))._rest_backend is None  # byte-level BPE needs nothing
+
+
+def test_a_legacy_tokenizer_the_server_cannot_correct_is_logged(caplog):
+    class Wrapped(LlamaTokenizer):  # not fast: no Rust backend of its own to copy
+        is_fast = False
+
+    legacy = legacy_sentencepiece(prepend_normalizer=False)
+    legacy.__class__ = Wrapped
+    with caplog.at_level("WARNING", logger="nemo_like.serving"):
+        renderer = Renderer(legacy, CHATML)
+    assert renderer._rest_backend is None and "word-start space" in caplog.text
+
+
 def test_the_direct_path_adds_no_bos_where_the_tokenizer_would():
     with_bos = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=True, legacy=False, pad_token="<pad>")
     renderer = Renderer(with_bos, CHATML)
@@ -178,7 +340,7 @@ def test_a_sessions_history_is_normalised_once_unless_a_message_or_its_raw_text_
     def normalize(message, index):
         normalised.append(index)
         key = message["content"] if message["role"] == "assistant" else None
-        lookup = RawLookup(key, continuations.raw_text(key)) if key is not None else None
+        lookup = RawLookup((key,), continuations.raw_text([key])) if key is not None else None
         return {**message, "raw": lookup.raw_text if lookup else None}, lookup
 
     user, answer, tool = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"}, {"role": "tool", "content": "7"}
@@ -188,7 +350,7 @@ def test_a_sessions_history_is_normalised_once_unless_a_message_or_its_raw_text_
     again = [dict(m) for m in history] + [{"role": "assistant", "content": "a2"}]  # equal copies, as a new request parses them
     continuations.normalized(again, normalize)
     assert normalised == [0, 1, 2, 3]
-    continuations.remember_message("a1", "<raw a1>")  # the lookup message 1 depended on answers differently now
+    continuations.remember_message(["a1"], "<raw a1>")  # the lookup message 1 depended on answers differently now
     forms = continuations.normalized(again, normalize)
     assert normalised == [0, 1, 2, 3, 1] and forms[1]["raw"] == "<raw a1>"
     edited = [user, answer, {"role": "tool", "content": "8"}, again[3]]  # a client that rewrote one message
@@ -204,9 +366,9 @@ def test_a_renderings_text_does_not_depend_on_what_earlier_calls_normalised(rend
         calls = [{"id": f"call_{turn}", "type": "function", "function": {"name": "calc", "arguments": '{"e": "2*3"}'}}]
         messages = messages + [{"role": "assistant", "content": f"turn {turn}", "tool_calls": calls}, {"role": "tool", "content": "6"}]
         if turn % 2 == 0:  # some answers were the server's (rendered as their raw text), some the client's own
-            continuations.remember_message(message_key(f"turn {turn}", calls), f"<raw {turn}>")
+            continuations.remember_message(message_keys(f"turn {turn}", calls), f"<raw {turn}>")
         if turn == 3:
-            continuations.remember_message(message_key("turn 0", messages[2]["tool_calls"]), "<raw 0, again>")
+            continuations.remember_message(message_keys("turn 0", messages[2]["tool_calls"]), "<raw 0, again>")
         fresh = Continuations()
         fresh._raw = dict(continuations._raw)
         assert renderer.chat_text(messages, None, continuations) == renderer.chat_text(messages, None, fresh)

@@ -92,3 +92,15 @@ def test_rows_for_training_keep_each_rows_session():
     assert batch.session_of_row == [0, 0, 2] and batch.rewards == [0.5, 0.5, 1.0]
     assert [s.response_mask for s in batch.samples] == [[1, 1], [1, 1], [1, 1]]
     assert batch.samples[1].prompt_ids == [1, 9, 10, 2, 5]
+
+
+def test_rows_for_training_count_every_row_of_a_session_from_its_first_call():
+    """The guide's staleness rule, as a training run's agent rollouts apply it: a branched session's later row,
+    whose own first call came at a later version, still carries the session's first call's version."""
+    calls = [call([1, 2], [10, 2], 0, version=3), call([1, 2, 10, 2, 5], [11, 2], 1, version=3), call([1, 9], [12, 2], 2, version=4)]
+    branched = session_rows("b", calls, reward=0.5)
+    assert [row.weight_version for row in branched.rows] == [3, 4] and branched.weight_version == 3
+    batch = rows_for_training([branched])
+    assert [s.weight_version for s in batch.samples] == [3, 3] and [s.final_weight_version for s in batch.samples] == [3, 4]
+    assert [s.num_turns for s in batch.samples] == [2, 1]
+    assert session_rows("r", [], reward=1.0).weight_version is None
