@@ -102,7 +102,9 @@ def test_a_sequence_longer_than_the_models_positions_is_a_config_error_naming_th
 
     assert model_context_length(EMBEDDED_MODEL) == 256
     check_context_length(EMBEDDED_MODEL, 256)
-    with pytest.raises(ConfigError, match=r"policy.max_total_sequence_length=1024 is longer than embedded:tiny-arith-qwen2's context \(256"):
+    with pytest.raises(
+        ConfigError, match=r"policy.max_total_sequence_length=1024 is longer than embedded:tiny-arith-qwen2's context \(256"
+    ):
         check_context_length(EMBEDDED_MODEL, 1024)
     with pytest.raises(ConfigError, match=r"policy.max_total_sequence_length=300"):  # `nemo-like serve` checks it too
         build_server(load_config(None, ["policy.max_total_sequence_length=300"]))
