@@ -308,11 +308,12 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     reference_passes = parts.reference.take_logprob_passes() if ran_reference else 0
     if passes.teacher is not None:
         adv_metrics.update(apply_distillation(cfg, batch))
+    sampled_mask = batch["token_mask"]  # the driver's masks below replace it, leaving this one as sampled
     adv_metrics.update(apply_driver_masks(cfg, batch, rollout.rewards))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
     if cfg.logger.dump_train_data:
-        dump_train_samples(parts, step, rollout, batch, result.first_step_logprobs)
+        dump_train_samples(parts, step, rollout, batch, result.first_step_logprobs, sampled_mask)
     # distillation/kl_loss (the teacher KL term) keeps its own namespace, beside the other distillation/ metrics
     metrics: dict[str, Any] = {(k if k.startswith("distillation/") else f"train/{k}"): v for k, v in result.metrics.items()}
     metrics.update({k: adv_metrics.pop(k) for k in [k for k in adv_metrics if k.startswith("distillation/")]})

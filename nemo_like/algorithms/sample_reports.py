@@ -59,11 +59,19 @@ def turn_columns(rollout: Rollout) -> dict[str, list]:
 
 
 def dump_train_samples(
-    parts: GRPOComponents, step: int, rollout: Rollout, batch: dict[str, torch.Tensor], first_step_logprobs: torch.Tensor | None
+    parts: GRPOComponents,
+    step: int,
+    rollout: Rollout,
+    batch: dict[str, torch.Tensor],
+    first_step_logprobs: torch.Tensor | None,
+    sampled_mask: torch.Tensor,
 ) -> None:
     """Write ``train_data_step{step}.jsonl``. Without a prev pass, prev logprobs are back-filled from the
-    training pass's pre-update logprobs (the prev pass is skipped only with one optimizer step per rollout)."""
-    mask = batch["token_mask"]
+    training pass's pre-update logprobs (the prev pass is skipped only with one optimizer step per rollout).
+    ``sampled_mask``: the sampled tokens, before the driver's masks (rollout rejection) took any out of training: the
+    per-token columns hold a value for every sampled token, the rejected ones included (``trained_token_mask`` says
+    which were trained on)."""
+    mask = sampled_mask
     prev = batch.get("prev_logprobs")
     if prev is None and first_step_logprobs is not None and first_step_logprobs.shape == mask.shape:
         prev = first_step_logprobs
@@ -79,6 +87,7 @@ def dump_train_samples(
         "response_token_ids": [s.response_ids for s in rollout.samples],
         "generation_logprobs": response_token_values(batch["generation_logprobs"], mask),
         "prev_logprobs": response_token_values(prev, mask) if prev is not None else [None] * len(rollout.samples),
+        "trained_token_mask": [[int(v) for v in row] for row in response_token_values(batch["token_mask"], mask)],
         **turn_columns(rollout),
     }
     if "reference_policy_logprobs" in batch:

@@ -258,3 +258,45 @@ def test_rejection_needs_the_prev_logprob_pass() -> None:
 def test_bounds_without_a_level_warn() -> None:
     cfg = load_config(None, ["grpo.rollout_rejection.upper=2.0"], warn=False)
     assert cfg.no_effect_warnings() == ["grpo.rollout_rejection.upper has no effect because grpo.rollout_rejection.level is null (ignored)"]
+
+
+def test_the_sample_dump_keeps_a_rejected_tokens_logprobs_and_marks_it_untrained(tmp_path) -> None:
+    """Token-level rejection replaced token_mask before the dump, which filtered the logprob columns by it: the lists
+    came out shorter than response_token_ids and misaligned, without the drifted token one would look for."""
+    import json
+    from types import SimpleNamespace
+
+    from nemo_like.algorithms.rejection import apply_driver_masks
+    from nemo_like.algorithms.sample_reports import dump_train_samples
+    from nemo_like.data.collate import collate_samples
+    from nemo_like.data.prompts import PromptRecord
+    from nemo_like.experience.rollouts import Rollout
+    from nemo_like.models.generation.interface import GeneratedSample
+    from nemo_like.models.loading import load_tokenizer
+
+    cfg = load_config(
+        None,
+        [
+            f"logger.log_dir={tmp_path}",
+            "grpo.rollout_rejection.level=token",
+            "grpo.rollout_rejection.lower=0.5",
+            "grpo.rollout_rejection.upper=2.0",
+        ],
+    )
+    tokenizer = load_tokenizer(cfg.policy.model_name)
+    sample = GeneratedSample(
+        prompt_ids=[5, 6, 7], response_ids=[20, 21, 22, 2], response_logprobs=[-0.1, -0.2, -0.3, -0.4], truncated=False, weight_version=0
+    )
+    rollout = Rollout([PromptRecord("p-0", [], [5, 6, 7], {})], torch.tensor([0]), [sample], ["x"], torch.tensor([1.0]))
+    batch = collate_samples([sample], tokenizer.pad_token_id)
+    batch["prev_logprobs"] = batch["generation_logprobs"].clone()
+    batch["prev_logprobs"][0, 4] = -1.5  # token 21 drifted: ratio exp(-0.2 + 1.5) = 3.7 > 2.0
+    batch["advantages"] = batch["token_mask"].clone()
+    sampled = batch["token_mask"]
+    apply_driver_masks(cfg, batch, rollout.rewards)
+    assert batch["token_mask"].sum() == 3  # the drifted token is out of training
+    dump_train_samples(SimpleNamespace(cfg=cfg, tokenizer=tokenizer), 1, rollout, batch, None, sampled)
+    row = json.loads((tmp_path / "train_data_step1.jsonl").read_text().splitlines()[0])
+    assert row["response_token_ids"] == [20, 21, 22, 2]
+    assert row["generation_logprobs"] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    assert row["prev_logprobs"] == pytest.approx([-0.1, -1.5, -0.3, -0.4]) and row["trained_token_mask"] == [1, 0, 1, 1]
