@@ -127,6 +127,25 @@ def teacher_head_inputs(
     return out
 
 
+Head = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def common_vocabulary(student: Head, teacher: Head) -> tuple[Head, Head]:
+    """Both output heads (weight, bias) cut to the rows they share. Models of one family pad their vocabularies to
+    different sizes (Qwen2.5-0.5B: 151,936 rows, 7B: 152,064; both tokenizers: 151,665 tokens), and the shared
+    tokenizer's ids all lie in the first ``min`` rows: the KL term compares the two distributions over them (each
+    renormalised without its padding rows, which no token id reaches)."""
+    vocab = min(student[0].shape[0], teacher[0].shape[0])
+
+    def cut(head: Head) -> Head:
+        weight, bias = head
+        if weight.shape[0] == vocab:
+            return head
+        return weight[:vocab], None if bias is None else bias[:vocab]
+
+    return cut(student), cut(teacher)
+
+
 @contextmanager
 def _chunked_head(
     model: torch.nn.Module,
@@ -146,9 +165,8 @@ def _chunked_head(
         if teacher is not None:
             b, s, h = hidden.shape
             t_hidden = teacher.hidden[:, :-1].reshape(b * (s - 1), -1)
-            kl = chunked_teacher_kl(
-                hidden[:, :-1].reshape(-1, h), head.weight, head.bias, t_hidden, teacher.weight, teacher.bias, term, chunk
-            )
+            (weight, bias), (t_weight, t_bias) = common_vocabulary((head.weight, head.bias), (teacher.weight, teacher.bias))
+            kl = chunked_teacher_kl(hidden[:, :-1].reshape(-1, h), weight, bias, t_hidden, t_weight, t_bias, term, chunk)
             columns.append(F.pad(kl.view(b, s - 1), (1, 0), value=0.0).to(lp.dtype))
         return torch.stack(columns, dim=-1)
 
@@ -213,7 +231,8 @@ def model_token_logprobs_and_teacher_kl(
     if chunk_size is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         lp, outside = processed_token_logprobs_with_outside(logits[:, :-1], input_ids[:, 1:], dist)
-        kl = teacher_kl_from_logits(logits[:, :-1], teacher.logits[:, :-1], term)
+        vocab = min(logits.shape[-1], teacher.logits.shape[-1])  # see common_vocabulary
+        kl = teacher_kl_from_logits(logits[:, :-1, :vocab], teacher.logits[:, :-1, :vocab], term)
         return F.pad(lp, (1, 0), value=0.0), F.pad(outside, (1, 0), value=False), F.pad(kl, (1, 0), value=0.0)
     with _chunked_head(model, input_ids, dist, chunk_size, teacher, term):
         packed = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits

@@ -169,6 +169,28 @@ def test_a_teacher_equal_to_the_student_gives_a_zero_kl_term_and_changes_no_weig
     assert all(torch.equal(before[name], p) for name, p in worker.model.named_parameters())
 
 
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_a_teacher_with_a_padded_vocabulary_is_compared_over_the_shared_rows(chunk: int | None, tmp_path) -> None:
+    """One family pads its vocabulary to different sizes (Qwen2.5-0.5B: 151,936 rows, 7B: 152,064) and shares the
+    tokenizer: the KL term failed mid-training with a shape error. Over the shared rows, the student itself with 25
+    padding rows added is the student: the term is exactly 0 and changes no weight."""
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.loading import load_causal_lm, load_tokenizer
+
+    padded = load_causal_lm(EMBEDDED_MODEL)
+    vocab = padded.get_output_embeddings().weight.shape[0]
+    padded.resize_token_embeddings(vocab + 25, mean_resizing=False)
+    with torch.no_grad():
+        padded.get_output_embeddings().weight[vocab:] = torch.randn(25, padded.config.hidden_size)  # mass on padding rows
+    padded.save_pretrained(tmp_path)
+    load_tokenizer(EMBEDDED_MODEL).save_pretrained(tmp_path)
+    worker = kl_worker(str(tmp_path), KLTerm("forward", "full"), chunk)
+    before = {name: p.detach().clone() for name, p in worker.model.named_parameters()}
+    result = worker.train([policy_batch()])
+    assert result["metrics"]["distillation/kl_loss"] == pytest.approx(0.0, abs=1e-6) and result["grad_norms"][0] < 1e-5
+    assert all(torch.allclose(before[name], p, atol=1e-7) for name, p in worker.model.named_parameters())
+
+
 def test_the_memory_planner_counts_the_teacher_copy_a_real_policy_worker_holds() -> None:
     from nemo_like.config import DEFAULT_RECIPE, load_config
     from nemo_like.config.schema import EMBEDDED_MODEL
