@@ -91,6 +91,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.distributed.ray_init import init_ray
     from nemo_like.environments.worker import Environments, environment_resources
+    from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
     from nemo_like.experience.rollouts import collect_rollout
     from nemo_like.models.engines import build_generation, generation_resources
     from nemo_like.models.generation.interface import sampling_params
@@ -124,15 +125,20 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     roles = [generation_resources(run_cfg, plan), *environment_resources(run_cfg)]
     check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
 
-    generation = environments = None
+    agent_settings = load_agents(specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
+    generation = environments = agents = None
     try:
         generation = build_generation(run_cfg, tokenizer.pad_token_id, eos_ids, plan=plan)
         environments = Environments(specs, cfg.cluster.placement_timeout_s)
+        handles = environments.handles
+        if plan.agent_tasks:  # agent tasks are rolled out by their agents, through a rollout server, as in training
+            agents = start_agent_rollouts(run_cfg, tokenizer, generation, eos_ids, agent_settings)
+            handles = AgentHandles(environments.handles.workers, agents)
         n = ev.num_samples_per_prompt
         seed = ev.seed if ev.seed is not None else cfg.grpo.seed
         rollout = collect_rollout(
             generation,
-            environments.handles,
+            handles,
             tokenizer,
             prompts,
             n,
@@ -141,6 +147,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             multi_turn=plan.multi_turn,  # grpo.max_rollout_turns > 1: each sample runs its turns
         )
     finally:
+        if agents is not None:
+            agents.server.stop()
         for part in (generation, environments):
             if part is not None:
                 part.shutdown()

@@ -207,3 +207,15 @@ def check_async_agent_run(log_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     names = {"trajectory-collector", "rollout-server", "rollout-server-engine", "agent-session"}
     left = [t.name for t in set(threading.enumerate()) - before if t.name in names]
     assert not left, f"threads left after the run: {left}"
+
+
+def test_nemo_like_eval_rolls_agent_tasks_out_through_their_agents(ray_cluster, tmp_path):
+    """`nemo-like eval` on an agent recipe sampled the bare model for one turn and scored that (0.0 accuracy on the
+    demo, whose agent calls the calculator): it must run each sample's session through the recipe's agent."""
+    from nemo_like.evaluation.run import evaluate
+
+    cfg = load_config(RECIPE, ["grpo.max_val_samples=4", "eval.num_samples_per_prompt=2", f"eval.output_dir={tmp_path}"])
+    summary = evaluate(cfg)
+    metrics = summary["env_metrics"]
+    assert metrics["agent/sessions"] == 8 and metrics["agent/failures"] == 0 and metrics["agent/calls_per_session"] >= 1
+    assert len(read_jsonl(tmp_path / "results.jsonl")) == 8 and summary["accuracy_per_task"].keys() == {"tool"}
