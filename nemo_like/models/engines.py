@@ -31,15 +31,15 @@ log = logging.getLogger("nemo_like.models.generation")  # the logger the [setup]
 class Backend:
     """One generation backend. ``build(cfg, pad_token_id, eos_token_ids, policy, plan)``: its
     :class:`~nemo_like.models.generation.interface.GenerationInterface`; ``resources(cfg, plan)``: what it reserves.
-    ``described``: how start-up warnings name it when chosen. ``config_key``: the ``policy.generation`` section only
-    this backend reads (its keys set away from their defaults warn under any other backend, naming ``engine``).
+    ``described``: how start-up warnings name it when chosen. ``config_keys``: the ``policy.generation`` sections only
+    this backend reads (their keys set away from their defaults warn under any other backend, naming ``engine``).
     ``engine_threads``: whether it reads ``policy.generation.num_threads_per_worker``."""
 
     name: str
     build: Callable[..., Any]
     resources: Callable[[Any, RunPlan], RoleResources]
     described: str
-    config_key: str | None = None
+    config_keys: tuple[str, ...] = ()
     engine: str | None = None
     engine_threads: bool = True
 
@@ -59,6 +59,11 @@ def register_backend(backend: Backend) -> Backend:
     return backend
 
 
+#: Backend-only keys whose non-default value asks for what the other backends do anyway: no warning for them
+#: (``colocated.enabled=false``: an HF engine always has a device of its own; async GPU runs must set it).
+SAME_EFFECT_ELSEWHERE = frozenset({"colocated.enabled"})
+
+
 def ignored_engine_keys(cfg: Any, backend: str) -> list[str]:
     """One line per engine option set in ``cfg`` that ``backend`` ignores: the vLLM options for ``inline`` and ``hf``,
     and the engine's thread count for ``inline`` (start-up warnings, not errors: flipping
@@ -72,15 +77,18 @@ def ignored_engine_keys(cfg: Any, backend: str) -> list[str]:
             "(the policy worker samples with its own policy.num_threads_per_worker threads)"
         )
     for other in (BACKENDS[name] for name in BACKENDS):
-        if other.name == backend or other.config_key is None:
+        if other.name == backend:
             continue
-        section = getattr(g, other.config_key)
-        defaults = type(section)()
-        for key in sorted(type(section).model_fields):
-            if getattr(section, key) != getattr(defaults, key):
-                lines.append(
-                    f"policy.generation.{other.config_key}.{key} has no effect with {chosen.described} (no {other.engine} engine starts)"
-                )
+        for config_key in other.config_keys:
+            section = getattr(g, config_key)
+            defaults = type(section)()
+            for key in sorted(type(section).model_fields):
+                if f"{config_key}.{key}" in SAME_EFFECT_ELSEWHERE:
+                    continue
+                if getattr(section, key) != getattr(defaults, key):
+                    lines.append(
+                        f"policy.generation.{config_key}.{key} has no effect with {chosen.described} (no {other.engine} engine starts)"
+                    )
     return lines
 
 
@@ -148,4 +156,6 @@ def _vllm_resources(cfg, plan: RunPlan) -> RoleResources:
 
 register_backend(Backend("inline", _build_inline, _inline_resources, described="inline generation", engine_threads=False))
 register_backend(Backend("hf", _build_hf, _hf_resources, described="the hf engine"))
-register_backend(Backend("vllm", _build_vllm, _vllm_resources, described="the vLLM engine", config_key="vllm_cfg", engine="vLLM"))
+register_backend(
+    Backend("vllm", _build_vllm, _vllm_resources, described="the vLLM engine", config_keys=("vllm_cfg", "colocated"), engine="vLLM")
+)

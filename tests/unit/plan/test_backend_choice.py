@@ -84,6 +84,13 @@ def test_engine_options_that_the_chosen_engine_ignores_are_named() -> None:
         "policy.generation.vllm_cfg.kv_cache_space_gib has no effect with the hf engine (no vLLM engine starts)"
     ]
     assert ignored_engine_keys(cfg, "vllm") == []
+    # The colocated engine's options are vLLM's too (an hf engine always has a device of its own, so asking for one,
+    # colocated.enabled=false, as async GPU runs must, is no surprise and stays quiet).
+    colocated = recipe("policy.generation.colocated.offload_optimizer=false", "policy.generation.colocated.enabled=false")
+    assert ignored_engine_keys(colocated, "hf") == [
+        "policy.generation.colocated.offload_optimizer has no effect with the hf engine (no vLLM engine starts)"
+    ]
+    assert ignored_engine_keys(colocated, "vllm") == []
 
 
 def test_every_backend_the_config_allows_is_one_registration() -> None:
