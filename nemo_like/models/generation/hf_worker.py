@@ -111,6 +111,8 @@ class HFGenerationWorker(Reinitializable):
                 raise RuntimeError(f"Refit manifest mismatch: unexpected={sorted(unexpected)}")
             self.model.load_state_dict(bucket, strict=False)
             received.update(bucket)
+        if isinstance(versioned_state, WeightBuckets):
+            versioned_state.check_intact()  # a shared-memory buffer rewritten while it was copied: refuse the mix
         missing = [k for k in expected - received if not k.endswith("rotary_emb.inv_freq")]
         if missing:
             raise RuntimeError(f"Refit manifest mismatch: missing={sorted(missing)} unexpected=[]")

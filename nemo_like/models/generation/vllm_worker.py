@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -252,18 +252,22 @@ class VLLMGenerationWorker(Reinitializable):
             return self._update_adapter(versioned_state)
         if isinstance(versioned_state, WeightBuckets):
             version, names, tensors = versioned_state.version, versioned_state.all_names(), versioned_state.iter_tensors
+            check_intact = versioned_state.check_intact  # a shared-memory buffer rewritten while it was copied: refuse it
         else:
             version, state = versioned_state
-            names, tensors = list(state), lambda: iter(state.items())
+            names, tensors, check_intact = list(state), lambda: iter(state.items()), lambda: None
         check_manifest(self.expected_names, names)
-        return self.gate.submit(lambda: self._reload_weights(version, tensors()))
+        return self.gate.submit(lambda: self._reload_weights(version, tensors(), check_intact))
 
-    def _reload_weights(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def _reload_weights(
+        self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], check_intact: Callable[[], None] = lambda: None
+    ) -> int:
         self._wake_up(tags=["weights"])
         if self.in_place_reload_unsupported is None:
             items = list(tensors)
             self.in_place_reload_unsupported = self.llm.collective_rpc(reload_in_place, args=(items,))[0]
             if self.in_place_reload_unsupported is None:
+                check_intact()
                 return self._finish_refit(version)
             print(
                 f"[vllm] refits use vLLM's layer-wise reload_weights (in-place CPU loader: {self.in_place_reload_unsupported})",
@@ -273,6 +277,7 @@ class VLLMGenerationWorker(Reinitializable):
             tensors = iter(items)
         # The in-process engine runs the call directly, so the iterator streams bucket by bucket.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        check_intact()
         return self._finish_refit(version)
 
     # -- LoRA adapter refit ------------------------------------------------------------------------

@@ -44,6 +44,10 @@ class WeightBuckets:
         for bucket in self.iter_buckets():
             yield from bucket.items()
 
+    def check_intact(self) -> None:
+        """Raise when the weights changed while a receiver read them; object-store buckets never do (see
+        :meth:`SharedWeights.check_intact <nemo_like.models.refit.shared_memory.SharedWeights.check_intact>`)."""
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor at once (tests and small models)."""
         return dict(self.iter_tensors())

@@ -34,6 +34,7 @@ from nemo_like.models.refit.buckets import WeightBuckets
 SHM_DIR = Path("/dev/shm")
 ALIGN = 64  # bytes: every tensor starts on a cache line, so a byte view can be reinterpreted as any dtype
 HEADER = ALIGN  # bytes before the first tensor: the int64 version of the weights in the buffer
+WRITING = -1  # the header's version while the writer overwrites the tensors
 _counter = itertools.count()
 _mapped: dict[str, torch.Tensor] = {}  # receiver side: buffer path -> its mapping (only the newest is kept)
 
@@ -74,6 +75,17 @@ class SharedWeights(WeightBuckets):
     def iter_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         """One bucket: every tensor (they are views, nothing is copied)."""
         yield dict(self.iter_tensors())
+
+    def check_intact(self) -> None:
+        """After a receiver copied the views: raise :class:`StaleRefitBuffer` unless the buffer still holds this
+        version (the writer stamps the header ``WRITING`` before it overwrites a tensor, so a copy that overlapped a
+        newer export, e.g. a replacement engine loading while an async run refits, is caught, not served)."""
+        held = buffer_version(map_buffer(self.path, self.size))
+        if held != self.version:
+            raise StaleRefitBuffer(
+                f"shared refit buffer {self.path} was rewritten (it holds {'a write in progress' if held == WRITING else f'version {held}'}) "
+                f"while weight version {self.version} was read from it: the copy may mix two versions"
+            )
 
 
 class StaleRefitBuffer(RuntimeError):
@@ -151,6 +163,7 @@ class SharedWeightWriter:
         if fresh or self.buffer is None or entries != self.entries:
             self._create(entries)
         with torch.no_grad():
+            self.buffer[:8].view(torch.int64)[0] = WRITING  # first: a reader never takes half-written contents for a version
             for (_, t), e in zip(tensors, self.entries):
                 self.buffer[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(t)
             self.buffer[:8].view(torch.int64)[0] = version  # last: the stamp names complete contents

@@ -141,3 +141,26 @@ def test_a_refit_buffer_that_does_not_fit_is_refused_before_any_write(tmp_path):
     first, second = done.stdout.strip().splitlines()[-2:]
     assert first.startswith("SharedMemoryRefused /dev/shm cannot hold the 4.1 MiB refit buffer"), first
     assert "enlarge it (Docker: --shm-size)" in first and second == "left behind: []"
+
+
+def test_a_read_that_overlaps_a_newer_write_is_refused_not_served():
+    """A replacement engine can load the served version while an async run's policy writes the next one into the same
+    buffer. The header was stamped only after the tensors, so a read during the write passed its version check and
+    copied a mix of two versions; the header now says a write is in progress first, and receivers check it again
+    after their copy (``check_intact``)."""
+    writer = SharedWeightWriter()
+    try:
+        served = writer.write(1, tensors(0))
+        views = dict(served.iter_tensors())  # a receiver has taken its views and is copying...
+        served.check_intact()  # ...nothing changed yet
+        writer.buffer[:8].view(torch.int64)[0] = shared_memory.WRITING  # the writer's first act, as in write()
+        with pytest.raises(shared_memory.StaleRefitBuffer, match="rewritten \\(it holds a write in progress\\)"):
+            served.check_intact()
+        with pytest.raises(shared_memory.StaleRefitBuffer):
+            dict(served.iter_tensors())  # a read that starts now is refused at once
+        writer.write(2, tensors(1))
+        assert not torch.equal(views["embed.weight"], tensors(0)[0][1])  # the views did change under the reader
+        with pytest.raises(shared_memory.StaleRefitBuffer, match="holds version 2"):
+            served.check_intact()
+    finally:
+        writer.close()
