@@ -319,6 +319,11 @@ def sample(
     ``between_steps(t)``: called after token ``t`` of every row is drawn, before the forward that produces the
     logits of token ``t + 1``; it may replace the model's weights in place (an in-flight refit) and returns whether
     it did, so that tokens ``t + 1`` on come from the new weights (the KV cache of earlier positions is kept)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    empty = [i for i, prompt in enumerate(prompts) if not prompt]
+    if empty:
+        raise ValueError(f"prompts {empty[:10]} are empty: a row needs at least one token to condition on")
     device = next(model.parameters()).device
     if fused is None:
         fused = fused_step_supported(model)

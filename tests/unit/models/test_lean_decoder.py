@@ -189,3 +189,12 @@ def test_in_bfloat16_the_fused_step_is_the_models_own_forward() -> None:
     plain = sample(model, prompts, 48, SamplingDistribution(), [], 0, seed=0, greedy=True, fused=False)
     assert torch.equal(fused.tokens, plain.tokens)
     torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=0, rtol=0)
+
+
+def test_no_token_to_draw_or_none_to_condition_on_is_a_clear_error() -> None:
+    """``max_new_tokens=0`` failed inside torch.stack ('expects a non-empty TensorList') and an empty prompt with a shape
+    error; both are caller errors the message should name."""
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1, got 0"):
+        sample(qwen2(), PROMPTS, 0, SamplingDistribution(), [], 0, seed=0)
+    with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+        sample(qwen2(), [[3, 4], [], [5]], 4, SamplingDistribution(), [], 0, seed=0)
