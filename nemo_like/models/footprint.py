@@ -1,6 +1,6 @@
 """The inputs of the memory planner (:mod:`nemo_like.plan.memory`) for a model, read without loading any weight: its
 parameter shapes on the meta device (with LoRA adapters when enabled), what each holds per element, which belong to
-FSDP2's root unit (outside the decoder layers), and its shape."""
+FSDP2's root unit (outside the decoder layers), which dim tensor parallelism splits, and its shape."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def model_footprint(
     ``config.json`` to use instead of the model's (:func:`model_config_path`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from nemo_like.models.policy.sharding import decoder_layers
+    from nemo_like.models.policy.sharding import decoder_layers, tensor_parallel_dims
 
     path = model_config_path(model_name, config_path)
     config = AutoConfig.for_model(**json.loads(path.read_text()))
@@ -59,8 +59,11 @@ def model_footprint(
             model = apply_lora(model, lora_cfg)
     base_bytes = DTYPE_BYTES[precision] if lora else 4
     in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    tp_dims = tensor_parallel_dims(model)
     specs = [
-        ParameterSpec(tuple(p.shape), p.requires_grad, 4 if p.requires_grad else base_bytes, root=id(p) not in in_layers)
+        ParameterSpec(
+            tuple(p.shape), p.requires_grad, 4 if p.requires_grad else base_bytes, root=id(p) not in in_layers, tp_dim=tp_dims.get(id(p))
+        )
         for p in model.parameters()
     ]
     shape = ModelShape.from_hf_config(json.loads(path.read_text()))

@@ -3,10 +3,13 @@ the model's parameter shapes (pure; ``nemo-like plan`` gathers the inputs with :
 
 What is exact and what is estimated:
 
-* **parameters, gradients, AdamW state** per rank are exact: FSDP2 shards every parameter along dim 0 into
-  ``world`` pieces of ``ceil(dim0 / world)`` rows (rank 0 holds the largest), masters in float32, a LoRA base in the
-  compute dtype with float32 adapters, gradients and two AdamW moments for trainable parameters only. A test compares
-  them with :meth:`PolicyWorker.memory_footprint`.
+* **parameters, gradients, AdamW state** per rank are exact: tensor parallelism (``tensor_parallel_size`` t) splits
+  the decoder layers' projections into t pieces (column-wise along dim 0, row-wise along dim 1,
+  :data:`~nemo_like.models.policy.sharding.TENSOR_PARALLEL_STYLES`), then FSDP2 shards every parameter (a projection's
+  piece, any other parameter whole: embeddings, norms, the output head) along dim 0 into ``dp_size`` pieces of
+  ``ceil(dim0 / dp_size)`` rows (rank 0 holds the largest); masters in float32, a LoRA base in the compute dtype with
+  float32 adapters, gradients and two AdamW moments for trainable parameters only. Tests compare them with
+  :meth:`PolicyWorker.memory_footprint` (dp 1 and 2, tp 2).
 * **activations** are an estimate of the peak of one training micro-batch (tokens x layers x what a Llama-family
   layer saves for backward: ``8H + 4 K D + 4I`` values per token, the attention kernel keeping no score matrix),
   plus the float32 logits, their log-softmax and its gradient (``tokens x vocab x 12`` bytes, or ``chunk x vocab x 12``
@@ -43,13 +46,28 @@ class ParameterSpec:
     trainable: bool
     bytes_per_element: int
     root: bool = False  # outside the decoder layers (embeddings, final norm, output head): FSDP2's root unit
+    tp_dim: int | None = None  # the dim tensor parallelism splits (a projection's); None: whole on every tp rank
 
-    def shard_bytes(self, world: int) -> int:
-        """Bytes rank 0 holds when FSDP2 shards it over ``world`` ranks (dim 0, ``ceil(dim0 / world)`` rows)."""
-        if not self.shape:
+    def tp_shape(self, tp: int) -> tuple[int, ...]:
+        """Its shape on tp rank 0: ``ceil(dim / tp)`` along :attr:`tp_dim` (the whole shape when not split)."""
+        if tp <= 1 or self.tp_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tp_dim] = math.ceil(shape[self.tp_dim] / tp)
+        return tuple(shape)
+
+    def shard_bytes(self, dp: int, tp: int = 1) -> int:
+        """Bytes rank 0 holds: its tensor-parallel piece (:meth:`tp_shape`) sharded by FSDP2 over the ``dp`` ranks
+        (dim 0, ``ceil(dim0 / dp)`` rows). A parameter tensor parallelism does not split is sharded over dp only."""
+        shape = self.tp_shape(tp)
+        if not shape:
             return self.bytes_per_element
-        rows = math.ceil(self.shape[0] / world) if world > 1 else self.shape[0]
-        return rows * math.prod(self.shape[1:]) * self.bytes_per_element
+        rows = math.ceil(shape[0] / dp) if dp > 1 else shape[0]
+        return rows * math.prod(shape[1:]) * self.bytes_per_element
+
+    def as_held(self, trainable: bool, bytes_per_element: int) -> ParameterSpec:
+        """The same parameter held otherwise (a frozen float32 copy, a float32 gradient)."""
+        return replace(self, trainable=trainable, bytes_per_element=bytes_per_element)
 
 
 @dataclass(frozen=True)
@@ -205,18 +223,24 @@ def unsharded_root_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
 def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role: str = "policy") -> RoleMemory:
     """One rank of the trainable policy (``role="policy"``) or of a frozen copy (``"reference"``, ``"teacher"``)."""
     pc = cfg.policy
-    world = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
+    dp, tp = pc.dp_size, pc.dtensor_cfg.tensor_parallel_size
     value_bytes = DTYPE_BYTES[pc.precision]
     root = unsharded_root_bytes(cfg, params)
     if role != "policy":  # frozen copies load float32 weights whatever the precision
-        held = sum(ParameterSpec(p.shape, False, 4).shard_bytes(world) for p in params)
+        held = frozen_copy_bytes(cfg, params)
         activations = _logprob_activations(cfg, shape, value_bytes)
-        return RoleMemory(role, world, params=held, activations=activations, unsharded_root=root, note="logprobs only")
-    held = sum(p.shard_bytes(world) for p in params)
-    trainable = [ParameterSpec(p.shape, True, 4) for p in params if p.trainable]
-    grads = sum(p.shard_bytes(world) for p in trainable)
+        return RoleMemory(role, dp * tp, params=held, activations=activations, unsharded_root=root, note="logprobs only")
+    held = sum(p.shard_bytes(dp, tp) for p in params)
+    grads = sum(p.as_held(True, 4).shard_bytes(dp, tp) for p in params if p.trainable)
     activations = max(_training_activations(cfg, shape, value_bytes), _logprob_activations(cfg, shape, value_bytes))
-    return RoleMemory(role, world, params=held, grads=grads, optimizer=2 * grads, activations=activations, unsharded_root=root)
+    return RoleMemory(role, dp * tp, params=held, grads=grads, optimizer=2 * grads, activations=activations, unsharded_root=root)
+
+
+def frozen_copy_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
+    """Bytes one rank holds of a frozen copy of a model (reference, teacher): float32 weights (whatever the
+    precision) sharded like the policy's."""
+    pc = cfg.policy
+    return sum(p.as_held(False, 4).shard_bytes(pc.dp_size, pc.dtensor_cfg.tensor_parallel_size) for p in params)
 
 
 def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec], shape: ModelShape) -> RoleMemory:
@@ -224,9 +248,8 @@ def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec],
     weights sharded like the policy's, and per training micro-batch its last hidden states (chunked) or full float32
     logits (unchunked), plus the KL's per-chunk float32 temporaries (both models' logits, probabilities, gradient)."""
     pc = cfg.policy
-    world = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
     tokens = micro_batch_tokens(cfg, training=True)
-    held = sum(ParameterSpec(p.shape, False, 4).shard_bytes(world) for p in params)
+    held = frozen_copy_bytes(cfg, params)
     rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
     kept = tokens * shape.hidden * DTYPE_BYTES[pc.precision] if pc.logprob_chunk_size else tokens * shape.vocab * 4
     activations = kept + rows * shape.vocab * 4 * 6

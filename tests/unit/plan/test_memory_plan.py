@@ -36,6 +36,21 @@ def test_fsdp2_shards_are_ceil_rows_of_dim_zero() -> None:
     assert ParameterSpec((), False, 4).shard_bytes(2) == 4
 
 
+def test_tensor_parallel_splits_the_projections_and_fsdp2_shards_the_rest_over_dp_only() -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    split = sum(p.shard_bytes(1) for p in params if p.tp_dim is not None)  # q/k/v/o, gate/up/down (and q/k/v biases)
+    whole = sum(p.shard_bytes(1) for p in params if p.tp_dim is None)  # embeddings (tied head), norms
+    tp2 = policy_memory(recipe("policy.dtensor_cfg.tensor_parallel_size=2"), params, shape)
+    assert tp2.params == whole + split // 2 == 2_156_544  # what each rank of a real (dp 1, tp 2) gloo worker holds
+    assert (tp2.grads, tp2.optimizer, tp2.workers) == (2_156_544, 2 * 2_156_544, 2)
+    # dp 2 x tp 2: the embeddings' 359 rows in ceil(359 / 2) = 180 on rank 0, a q_proj's 128 rows in 64, then 32
+    both = policy_memory(recipe("policy.dp_size=2", "policy.dtensor_cfg.tensor_parallel_size=2"), params, shape)
+    assert both.params == sum(p.shard_bytes(2, 2) for p in params)
+    assert ParameterSpec((359, 128), True, 4).shard_bytes(2, 2) == 180 * 128 * 4
+    assert ParameterSpec((128, 128), True, 4, tp_dim=0).shard_bytes(2, 2) == 32 * 128 * 4
+    assert ParameterSpec((128, 512), True, 4, tp_dim=1).shard_bytes(2, 2) == 64 * 256 * 4
+
+
 def test_activations_follow_their_formula_and_chunking_bounds_the_logits() -> None:
     cfg = recipe()
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
