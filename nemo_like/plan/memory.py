@@ -22,8 +22,9 @@ What is exact and what is estimated:
   the compute dtype. The decoder layers are unsharded one at a time and resharded after use; at the step's peak (the
   output head's backward) none is. Counted with the activations (``unsharded root`` in the line).
   ``python benchmarks/plan_memory.py`` compares both with measured training steps on a CPU, at dp 1 and dp 2.
-* **KV cache** of a vLLM engine: ``2 x layers x kv_heads x head_dim x bytes`` per token; the budget is
-  ``gpu_memory_utilization x device`` minus the weights (GPU), or ``kv_cache_space_gib`` (CPU).
+* **KV cache** of a generation engine: ``2 x layers x kv_heads x head_dim x bytes`` per token at ``policy.precision``
+  (the engines load the model at that dtype); vLLM's budget is ``gpu_memory_utilization x device`` minus the weights
+  (GPU), or ``kv_cache_space_gib`` (CPU); the HF engine holds the sequences it samples at once.
 * **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters) at
   a stated peak and MFU; an upper bound on tokens (every sequence at ``policy.max_total_sequence_length``).
 """
@@ -33,6 +34,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -264,17 +267,20 @@ def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec],
 
 def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape, device_bytes: float | None) -> RoleMemory:
     """The generation engine's worker: nothing of its own for ``inline`` (the policy samples), the HF engine's weights
-    and the KV cache of one batch, or vLLM's weights and KV-cache budget (and how many full-length sequences fit)."""
+    and the KV cache of the sequences it samples at once (a rollout batch, in batches of at most
+    :data:`~nemo_like.plan.backend.HF_MAX_BATCH_SIZE`), or vLLM's weights and KV-cache budget (and how many full-length
+    sequences fit). Both engines load the model, and keep its keys and values, at ``policy.precision``."""
     pc, g = cfg.policy, cfg.policy.generation
     on_gpu = bool(cfg.cluster.gpus_per_node)
     if backend == "inline":
         return RoleMemory("generation", 0, note="inline: the policy worker samples")
-    value_bytes = 2 if on_gpu or pc.precision == "bfloat16" else 4
+    value_bytes = DTYPE_BYTES[pc.precision]
     weights = parameters * value_bytes
     per_sequence = shape.kv_bytes_per_token(value_bytes) * pc.max_total_sequence_length
     if backend == "hf":
-        batch = cfg.rollout_batch_size
-        return RoleMemory("generation", 1, params=weights, kv_cache=batch * per_sequence, note=f"hf engine, KV of {batch} sequences")
+        batch = min(cfg.rollout_batch_size, HF_MAX_BATCH_SIZE)
+        note = f"hf engine, KV of {batch} sequences at once"
+        return RoleMemory("generation", 1, params=weights, kv_cache=batch * per_sequence, note=note)
     if on_gpu and device_bytes is not None:
         budget = max(0, int(g.vllm_cfg.gpu_memory_utilization * device_bytes) - weights)
     else:

@@ -9,7 +9,17 @@ from unit.models.test_policy_worker import make_worker, random_batch, with_globa
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
 from nemo_like.models.footprint import model_footprint
-from nemo_like.plan.memory import GIB, ModelShape, ParameterSpec, micro_batch_tokens, plan_memory, policy_memory, step_estimate
+from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
+from nemo_like.plan.memory import (
+    GIB,
+    ModelShape,
+    ParameterSpec,
+    generation_memory,
+    micro_batch_tokens,
+    plan_memory,
+    policy_memory,
+    step_estimate,
+)
 from nemo_like.plan.run_plan import decide_run_plan
 
 
@@ -108,9 +118,25 @@ def test_vllm_kv_budget_counts_full_length_sequences() -> None:
 
     memory = plan_memory(cfg, replace(run_plan, backend=vllm_plan), params, shape, device_bytes=GIB)
     engine = memory.roles[-1]
-    per_sequence = shape.kv_bytes_per_token(2) * cfg.policy.max_total_sequence_length
+    per_sequence = shape.kv_bytes_per_token(4) * cfg.policy.max_total_sequence_length  # float32: the engine's dtype
     assert engine.kv_cache == int(cfg.policy.generation.vllm_cfg.gpu_memory_utilization * GIB) - engine.params
     assert f"holds {engine.kv_cache // per_sequence} sequences" in engine.note
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_gpu_engines_hold_weights_and_kv_at_the_policys_precision_and_hf_only_its_batch(precision: str) -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    parameters = sum(p.shard_bytes(1) for p in params) // 4
+    value_bytes = {"float32": 4, "bfloat16": 2}[precision]
+    per_sequence = shape.kv_bytes_per_token(value_bytes) * 64  # the tiny recipe's max_total_sequence_length
+    # 64 prompts x 8 responses = 512 sequences: the HF engine samples them in batches of HF_MAX_BATCH_SIZE (256)
+    cfg = recipe("cluster.gpus_per_node=1", f"policy.precision={precision}", "grpo.num_prompts_per_step=64")
+    hf = generation_memory(cfg, "hf", parameters, shape, 80 * GIB)
+    assert hf.params == parameters * value_bytes and hf.kv_cache == HF_MAX_BATCH_SIZE * per_sequence == 256 * per_sequence
+    small = generation_memory(recipe("cluster.gpus_per_node=1", f"policy.precision={precision}"), "hf", parameters, shape, 80 * GIB)
+    assert small.kv_cache == 64 * per_sequence  # a rollout batch of 8 x 8 at once
+    vllm = generation_memory(cfg, "vllm", parameters, shape, 80 * GIB)
+    assert vllm.params == parameters * value_bytes and f"holds {vllm.kv_cache // per_sequence} sequences" in vllm.note
 
 
 def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> None:
