@@ -121,6 +121,7 @@ class RoleMemory:
     kv_cache: int = 0
     note: str = ""
     unsharded_root: int = 0  # FSDP2 (dp > 1): the root unit's full parameters, held through the forward and backward
+    kv_sequences: int | None = None  # vLLM: full-length sequences its KV budget holds (None: not known)
 
     @property
     def total(self) -> int:
@@ -157,19 +158,22 @@ class StepEstimate:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Every role's memory, what each device holds, and whether it fits ``device_bytes`` (None: not checked)."""
+    """Every role's memory, what each device holds, and whether it fits ``device_bytes`` (None: not checked):
+    ``problems`` says what does not fit (a device over by how much, an engine that holds no sequence), ``advice`` what
+    to change."""
 
     roles: list[RoleMemory]
     per_device: dict[str, int]
     device_bytes: float | None
     advice: list[str] = field(default_factory=list)
     step: StepEstimate | None = None
+    problems: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool | None:
-        if self.device_bytes is None:
-            return None
-        return max(self.per_device.values()) <= self.device_bytes
+        if self.problems:
+            return False
+        return None if self.device_bytes is None else True
 
     def lines(self) -> list[str]:
         """The planner's lines (also printed as ``[plan]`` lines by ``nemo-like plan``)."""
@@ -178,7 +182,7 @@ class MemoryPlan:
             budget = "" if self.device_bytes is None else f" of {self.device_bytes / GIB:.3g} GiB"
             out.append(f"memory on {device}: {used / GIB:.3f} GiB{budget}")
         if self.fits is not None:
-            out.append("fits: yes" if self.fits else "fits: NO; " + "; ".join(self.advice))
+            out.append("fits: yes" if self.fits else "fits: NO: " + "; ".join(self.problems + self.advice))
         if self.step is not None:
             out.append(self.step.line())
         return out
@@ -281,13 +285,14 @@ def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape
         batch = min(cfg.rollout_batch_size, HF_MAX_BATCH_SIZE)
         note = f"hf engine, KV of {batch} sequences at once"
         return RoleMemory("generation", 1, params=weights, kv_cache=batch * per_sequence, note=note)
-    if on_gpu and device_bytes is not None:
-        budget = max(0, int(g.vllm_cfg.gpu_memory_utilization * device_bytes) - weights)
-    else:
-        budget = int(g.vllm_cfg.kv_cache_space_gib * GIB) if not on_gpu else 0
+    share = g.vllm_cfg.gpu_memory_utilization
+    if on_gpu and device_bytes is None:
+        note = f"vLLM, KV budget {share:g} x the device's memory - the weights: the device's size is not given"
+        return RoleMemory("generation", 1, params=weights, note=note)
+    budget = max(0, int(share * device_bytes) - weights) if on_gpu else int(g.vllm_cfg.kv_cache_space_gib * GIB)
     sequences = budget // per_sequence if per_sequence else 0
     note = f"vLLM, KV budget holds {sequences} sequences of {pc.max_total_sequence_length} tokens"
-    return RoleMemory("generation", 1, params=weights, kv_cache=budget, note=note)
+    return RoleMemory("generation", 1, params=weights, kv_cache=budget, note=note, kv_sequences=sequences)
 
 
 def step_estimate(cfg: Any, logprob_passes: int, matmul_parameters: int, peak_flops: float, mfu: float) -> StepEstimate:
@@ -321,11 +326,13 @@ def plan_memory(
         roles.append(policy_memory(cfg, teacher[0], teacher[1], "teacher"))
     parameters = sum(math.prod(p.shape) for p in params)
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes))
-    per_device = devices(cfg, roles, colocated=run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled)
-    advice = []
-    if device_bytes is not None and max(per_device.values()) > device_bytes:
-        advice = fit_advice(cfg)
-    return MemoryPlan(roles, per_device, device_bytes, advice, step)
+    colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
+    per_device = devices(cfg, roles, colocated)
+    over = over_budget(per_device, device_bytes)
+    engine = engine_problems(roles)
+    advice = fit_advice(cfg) if over else []
+    advice += kv_advice(cfg) if engine else []
+    return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine])
 
 
 def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False) -> dict[str, int]:
@@ -340,6 +347,33 @@ def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False) -> dict[
     nodes = max(1, cfg.cluster.num_nodes)
     total = sum(r.total * math.ceil(r.workers / nodes) for r in by_role.values())
     return {"each node (RAM)": total}
+
+
+def over_budget(per_device: dict[str, int], device_bytes: float | None) -> dict[str, str]:
+    """Each device over ``device_bytes``, and by how much."""
+    if device_bytes is None:
+        return {}
+    return {
+        device: f"{device} over by {(used - device_bytes) / GIB:.3f} GiB ({used / GIB:.3f} of {device_bytes / GIB:.3g} GiB)"
+        for device, used in per_device.items()
+        if used > device_bytes
+    }
+
+
+def engine_problems(roles: list[RoleMemory]) -> list[str]:
+    """A vLLM engine whose KV budget cannot hold one full-length sequence: it could not serve a single request."""
+    return [f"the vLLM engine's KV budget ({r.kv_cache / GIB:.3f} GiB) holds no full-length sequence" for r in roles if r.kv_sequences == 0]
+
+
+def kv_advice(cfg: Any) -> list[str]:
+    """What to change when the vLLM engine's KV budget holds no full-length sequence."""
+    pc, vllm = cfg.policy, cfg.policy.generation.vllm_cfg
+    budget = (
+        f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g})"
+        if cfg.cluster.gpus_per_node
+        else f"raise policy.generation.vllm_cfg.kv_cache_space_gib (now {vllm.kv_cache_space_gib})"
+    )
+    return [f"{budget} or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"]
 
 
 def fit_advice(cfg: Any) -> list[str]:

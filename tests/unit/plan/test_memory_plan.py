@@ -3,6 +3,8 @@ LoRA, one rank and FSDP2 shards); the estimates follow their formulas; the fit c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from unit.models.test_policy_worker import make_worker, random_batch, with_global_counts
 
@@ -109,18 +111,38 @@ def test_the_plan_lists_each_role_and_advises_when_a_gpu_is_too_small() -> None:
     assert tight.fits is False and any("activation_checkpointing" in line for line in tight.lines())
 
 
+def with_vllm(cfg):
+    """The run plan of ``cfg`` with a vLLM engine (whether or not vllm is installed here)."""
+    run_plan = decide_run_plan(cfg, (), 2)
+    return replace(run_plan, backend=type(run_plan.backend)("vllm", "test"))
+
+
 def test_vllm_kv_budget_counts_full_length_sequences() -> None:
     cfg = recipe("cluster.gpus_per_node=1", "policy.generation.backend=hf")
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
-    run_plan = decide_run_plan(cfg, (), 2)
-    vllm_plan = type(run_plan.backend)("vllm", "test")
-    from dataclasses import replace
-
-    memory = plan_memory(cfg, replace(run_plan, backend=vllm_plan), params, shape, device_bytes=GIB)
+    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=GIB)
     engine = memory.roles[-1]
     per_sequence = shape.kv_bytes_per_token(4) * cfg.policy.max_total_sequence_length  # float32: the engine's dtype
     assert engine.kv_cache == int(cfg.policy.generation.vllm_cfg.gpu_memory_utilization * GIB) - engine.params
     assert f"holds {engine.kv_cache // per_sequence} sequences" in engine.note
+
+
+def test_a_vllm_engine_whose_kv_budget_holds_no_full_length_sequence_does_not_fit() -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    # 0.000049 x 80 GiB = 4,209,067 bytes, less the float32 weights' 4,124,672: 84,395 bytes of KV budget, under one
+    # sequence of 64 tokens (2 x 4 layers x 2 KV heads x 32 x 4 bytes x 64 = 131,072)
+    share = "policy.generation.vllm_cfg.gpu_memory_utilization=0.000049"
+    cfg = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", share)
+    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=80 * GIB)
+    engine = memory.roles[-1]
+    assert engine.kv_cache == 84_395 and engine.kv_sequences == 0 and "holds 0 sequences" in engine.note
+    assert max(memory.per_device.values()) < 80 * GIB and memory.fits is False
+    assert memory.lines()[-1] == (
+        "fits: NO: the vLLM engine's KV budget (0.000 GiB) holds no full-length sequence; raise "
+        "policy.generation.vllm_cfg.gpu_memory_utilization (now 4.9e-05) or lower policy.max_total_sequence_length (now 64)"
+    )
+    roomy = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
+    assert plan_memory(roomy, with_vllm(roomy), params, shape, device_bytes=80 * GIB).fits is True
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
@@ -154,7 +176,8 @@ def test_the_plan_command_prints_the_plan_checks_the_fit_and_names_a_missing_mod
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("[plan] prev logprobs") and "[plan] fits: yes" in out and out[-1].startswith("[plan] step time at most")
     assert main(["plan", "--device-memory-gib", "0.01"]) == 3  # the tiny run does not fit in 10 MiB
-    assert "fits: NO; set policy.dtensor_cfg.activation_checkpointing=true" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fits: NO: each node (RAM) over by " in out and "GiB); set policy.dtensor_cfg.activation_checkpointing=true" in out
     gpu_recipe = "examples/configs/grpo_gsm8k_0.5B_1gpu.yaml"
     assert main(["plan", "--config", gpu_recipe]) == 2
     assert "pass --model-config PATH" in capsys.readouterr().err
