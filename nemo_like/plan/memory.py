@@ -160,7 +160,7 @@ class StepEstimate:
 class MemoryPlan:
     """Every role's memory, what each device holds, and whether it fits ``device_bytes`` (None: not checked):
     ``problems`` says what does not fit (a device over by how much, an engine that holds no sequence), ``advice`` what
-    to change."""
+    to change; ``device_notes``: how a device's figure was reached (a colocated engine's GPU)."""
 
     roles: list[RoleMemory]
     per_device: dict[str, int]
@@ -168,6 +168,7 @@ class MemoryPlan:
     advice: list[str] = field(default_factory=list)
     step: StepEstimate | None = None
     problems: list[str] = field(default_factory=list)
+    device_notes: dict[str, str] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool | None:
@@ -180,7 +181,8 @@ class MemoryPlan:
         out = [r.line() for r in self.roles]
         for device, used in self.per_device.items():
             budget = "" if self.device_bytes is None else f" of {self.device_bytes / GIB:.3g} GiB"
-            out.append(f"memory on {device}: {used / GIB:.3f} GiB{budget}")
+            note = f" ({self.device_notes[device]})" if device in self.device_notes else ""
+            out.append(f"memory on {device}: {used / GIB:.3f} GiB{budget}{note}")
         if self.fits is not None:
             out.append("fits: yes" if self.fits else "fits: NO: " + "; ".join(self.problems + self.advice))
         if self.step is not None:
@@ -328,21 +330,48 @@ def plan_memory(
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes))
     colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
     per_device = devices(cfg, roles, colocated)
+    notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
     over = over_budget(per_device, device_bytes)
     engine = engine_problems(roles)
-    advice = fit_advice(cfg) if over else []
+    advice = fit_advice(cfg, colocated and "policy GPU" in over) if over else []
     advice += kv_advice(cfg) if engine else []
-    return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine])
+    return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
+
+
+def kept_while_generating(cfg: Any, policy: RoleMemory) -> int:
+    """What a policy rank keeps on its GPU while a colocated engine generates: before the engine wakes it frees its
+    gradients and activations and, with ``policy.generation.colocated.offload_optimizer``, moves its AdamW state to
+    CPU memory (``TrainingStep.release_memory``): its parameters (and the optimizer state when kept)."""
+    kept_optimizer = 0 if cfg.policy.generation.colocated.offload_optimizer else policy.optimizer
+    return policy.params + kept_optimizer
+
+
+def colocated_peak(cfg: Any, policy: RoleMemory, generation: RoleMemory) -> int:
+    """Policy rank 0's GPU with a colocated vLLM engine: the larger of its training peak and, while the engine
+    generates, what the rank keeps plus the engine's whole share (weights and KV budget). The two never coexist."""
+    return max(policy.total, kept_while_generating(cfg, policy) + generation.total)
+
+
+def colocated_note(cfg: Any, roles: list[RoleMemory]) -> str:
+    """How the colocated GPU's figure was reached (the ``memory on policy GPU`` line)."""
+    by_role = {r.role: r for r in roles}
+    kept, engine = kept_while_generating(cfg, by_role["policy"]), by_role["generation"].total
+    return (
+        f"colocated vLLM engine: the larger of training {by_role['policy'].total / GIB:.3f} and generating "
+        f"{kept / GIB:.3f} kept by the policy + {engine / GIB:.3f} for the engine"
+    )
 
 
 def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False) -> dict[str, int]:
-    """What each device holds: on GPUs every worker has its own (a ``colocated`` vLLM engine shares policy rank 0's); on a CPU
-    cluster every worker of a node shares the node's memory (workers spread evenly over ``cluster.num_nodes``)."""
+    """What each device holds: on GPUs every worker has its own (a ``colocated`` vLLM engine shares policy rank 0's:
+    :func:`colocated_peak`); on a CPU cluster every worker of a node shares the node's memory (workers spread evenly
+    over ``cluster.num_nodes``)."""
     by_role = {r.role: r for r in roles}
     if cfg.cluster.gpus_per_node:
         out = {f"{r.role} GPU": r.total for r in roles if r.workers}
-        if colocated and "generation GPU" in out:
-            out["policy GPU"] = out.get("policy GPU", 0) + out.pop("generation GPU")
+        if colocated and "generation GPU" in out and "policy" in by_role:
+            out.pop("generation GPU")
+            out["policy GPU"] = colocated_peak(cfg, by_role["policy"], by_role["generation"])
         return out
     nodes = max(1, cfg.cluster.num_nodes)
     total = sum(r.total * math.ceil(r.workers / nodes) for r in by_role.values())
@@ -376,10 +405,19 @@ def kv_advice(cfg: Any) -> list[str]:
     return [f"{budget} or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"]
 
 
-def fit_advice(cfg: Any) -> list[str]:
-    """What to change when a device is over its memory, the cheapest first."""
+def fit_advice(cfg: Any, colocated_over: bool = False) -> list[str]:
+    """What to change when a device is over its memory, the cheapest first; ``colocated_over``: the GPU a colocated
+    vLLM engine shares is among them."""
     pc = cfg.policy
     advice = []
+    if colocated_over:
+        colocated = pc.generation.colocated
+        advice.append(
+            f"lower policy.generation.vllm_cfg.gpu_memory_utilization (now {pc.generation.vllm_cfg.gpu_memory_utilization:g}): "
+            "the colocated engine takes that share of policy rank 0's GPU while it generates"
+        )
+        if not colocated.offload_optimizer:
+            advice.append("set policy.generation.colocated.offload_optimizer=true so AdamW state leaves the GPU while the engine generates")
     if not pc.dtensor_cfg.activation_checkpointing:
         advice.append("set policy.dtensor_cfg.activation_checkpointing=true")
     if not pc.logprob_chunk_size:

@@ -145,6 +145,30 @@ def test_a_vllm_engine_whose_kv_budget_holds_no_full_length_sequence_does_not_fi
     assert plan_memory(roomy, with_vllm(roomy), params, shape, device_bytes=80 * GIB).fits is True
 
 
+@pytest.mark.parametrize("offload", [True, False])
+def test_a_colocated_gpu_holds_the_larger_of_training_and_what_the_policy_keeps_while_the_engine_generates(offload: bool) -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    cfg = recipe("cluster.gpus_per_node=1", f"policy.generation.colocated.offload_optimizer={str(offload).lower()}")
+    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=GIB)
+    policy, engine = memory.roles[0], memory.roles[-1]
+    # gradients and activations are freed before the engine wakes, the AdamW state moved to CPU memory when offloaded
+    kept = policy.params + (0 if offload else policy.optimizer)
+    assert engine.total == GIB // 2 > policy.total and "generation GPU" not in memory.per_device
+    assert memory.per_device["policy GPU"] == kept + engine.total < policy.total + engine.total
+    assert "the larger of training" in memory.lines()[len(memory.roles)] and memory.fits
+    # the whole GPU for the engine: policy rank 0's GPU is over by what the policy keeps while it generates
+    full = recipe(
+        "cluster.gpus_per_node=1",
+        f"policy.generation.colocated.offload_optimizer={str(offload).lower()}",
+        "policy.generation.vllm_cfg.gpu_memory_utilization=1.0",
+    )
+    over = plan_memory(full, with_vllm(full), params, shape, device_bytes=GIB)
+    fit = over.lines()[-1]
+    assert over.fits is False and fit.startswith(f"fits: NO: policy GPU over by {kept / GIB:.3f} GiB")
+    assert "lower policy.generation.vllm_cfg.gpu_memory_utilization (now 1)" in fit
+    assert ("set policy.generation.colocated.offload_optimizer=true" in fit) is not offload
+
+
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_gpu_engines_hold_weights_and_kv_at_the_policys_precision_and_hf_only_its_batch(precision: str) -> None:
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
