@@ -70,6 +70,16 @@ def model_footprint(
     return specs, shape
 
 
+def matmul_parameters(model_name: str, config_path: str | None = None) -> int:
+    """N of :func:`~nemo_like.utils.flops.matmul_params` for ``model_name`` (its ``config.json``:
+    :func:`model_config_path`; nothing loaded)."""
+    from transformers import AutoConfig
+
+    from nemo_like.utils.flops import matmul_params
+
+    return matmul_params(AutoConfig.for_model(**json.loads(model_config_path(model_name, config_path).read_text())))
+
+
 def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:
     """The memory planner's lines for a run that is starting (per role and device, as ``nemo-like plan`` prints them,
     without a device budget or a step time); a model whose shape cannot be read gives one line saying why (the plan
@@ -93,7 +103,6 @@ def memory_report(
     and whether the run fits ``device_gib`` per device (per node on a CPU cluster; ``None``: not checked); nothing
     starts. ``run_plan``: the run's :class:`~nemo_like.plan.run_plan.RunPlan`."""
     from nemo_like.plan.memory import GIB, plan_memory, step_estimate
-    from nemo_like.utils.flops import matmul_params
 
     params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
     teacher = None
@@ -101,10 +110,7 @@ def memory_report(
         teacher = model_footprint(cfg.teacher.models()[0], cfg.teacher.precision or cfg.policy.precision)
     step = None
     if peak_flops:
-        from transformers import AutoConfig
-
-        n = matmul_params(AutoConfig.for_model(**json.loads(model_config_path(cfg.policy.model_name, config_path).read_text())))
-        passes = sum((run_plan.logprobs.compute_prev, run_plan.logprobs.compute_reference, run_plan.logprobs.compute_teacher))
-        step = step_estimate(cfg, passes, n, peak_flops, mfu)
+        n = matmul_parameters(cfg.policy.model_name, config_path)
+        step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu)
     memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teacher, step)
     return [*run_plan.lines(), *memory.lines()], memory.fits

@@ -25,17 +25,21 @@ What is exact and what is estimated:
 * **KV cache** of a generation engine: ``2 x layers x kv_heads x head_dim x bytes`` per token at ``policy.precision``
   (the engines load the model at that dtype); vLLM's budget is ``gpu_memory_utilization x device`` minus the weights
   (GPU), or ``kv_cache_space_gib`` (CPU); the HF engine holds the sequences it samples at once.
-* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters) at
-  a stated peak and MFU; an upper bound on tokens (every sequence at ``policy.max_total_sequence_length``).
+* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters) at a
+  stated peak per device and MFU, each phase spread over the devices
+  that run it (:func:`step_estimate`); an upper bound on tokens (every sequence at ``policy.max_total_sequence_length``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
+from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE
+
+if TYPE_CHECKING:
+    from nemo_like.plan.logprob_passes import LogprobPlan
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -139,21 +143,32 @@ class RoleMemory:
         return f"memory {self.role} x{self.workers}: {self.total / GIB:.3f} GiB per worker = " + " + ".join(parts) + f" GiB{note}"
 
 
+def _devices(count: int) -> str:
+    return f"{count} device" if count == 1 else f"{count} devices"
+
+
 @dataclass(frozen=True)
 class StepEstimate:
-    """FLOPs of one step by phase and the seconds they take at ``peak_flops x mfu`` (an upper bound on tokens)."""
+    """FLOPs of one step by phase, the devices each phase's FLOPs are spread over (``devices``: 1 where a phase is not
+    listed), and the seconds they take at ``peak_flops x mfu`` per device (an upper bound on tokens; the phases one after
+    another, the logprob passes too, though they run concurrently on their own ranks)."""
 
     flops: dict[str, float]
     peak_flops: float
     mfu: float
+    devices: dict[str, int] = field(default_factory=dict)
+
+    def phase_seconds(self, phase: str) -> float:
+        """Seconds of ``phase``: its FLOPs over its devices at ``peak_flops x mfu`` each."""
+        return self.flops[phase] / (self.devices.get(phase, 1) * self.peak_flops * self.mfu)
 
     @property
     def seconds(self) -> float:
-        return sum(self.flops.values()) / (self.peak_flops * self.mfu)
+        return sum(self.phase_seconds(phase) for phase in self.flops)
 
     def line(self) -> str:
-        phases = ", ".join(f"{k} {v / (self.peak_flops * self.mfu):.2f}s" for k, v in self.flops.items())
-        return f"step time at most ~{self.seconds:.2f}s at {self.peak_flops:.3g} FLOP/s x MFU {self.mfu}: {phases}"
+        phases = ", ".join(f"{k} {self.phase_seconds(k):.2f}s on {_devices(self.devices.get(k, 1))}" for k in self.flops)
+        return f"step time at most ~{self.seconds:.2f}s at {self.peak_flops:.3g} FLOP/s per device x MFU {self.mfu}: {phases}"
 
 
 @dataclass(frozen=True)
@@ -286,26 +301,37 @@ def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape
     if backend == "hf":
         batch = min(cfg.rollout_batch_size, HF_MAX_BATCH_SIZE)
         note = f"hf engine, KV of {batch} sequences at once"
-        return RoleMemory("generation", 1, params=weights, kv_cache=batch * per_sequence, note=note)
+        return RoleMemory("generation", GENERATION_ENGINES, params=weights, kv_cache=batch * per_sequence, note=note)
     share = g.vllm_cfg.gpu_memory_utilization
     if on_gpu and device_bytes is None:
         note = f"vLLM, KV budget {share:g} x the device's memory - the weights: the device's size is not given"
-        return RoleMemory("generation", 1, params=weights, note=note)
+        return RoleMemory("generation", GENERATION_ENGINES, params=weights, note=note)
     budget = max(0, int(share * device_bytes) - weights) if on_gpu else int(g.vllm_cfg.kv_cache_space_gib * GIB)
     sequences = budget // per_sequence if per_sequence else 0
     note = f"vLLM, KV budget holds {sequences} sequences of {pc.max_total_sequence_length} tokens"
-    return RoleMemory("generation", 1, params=weights, kv_cache=budget, note=note, kv_sequences=sequences)
+    return RoleMemory("generation", GENERATION_ENGINES, params=weights, kv_cache=budget, note=note, kv_sequences=sequences)
 
 
-def step_estimate(cfg: Any, logprob_passes: int, matmul_parameters: int, peak_flops: float, mfu: float) -> StepEstimate:
-    """FLOPs of one step (every sequence at its maximum length: an upper bound) and their seconds."""
+def step_estimate(cfg: Any, logprobs: LogprobPlan, matmul_parameters: int, peak_flops: float, mfu: float) -> StepEstimate:
+    """FLOPs of one step by phase (every sequence at its maximum length: an upper bound), each on the devices that run
+    it: generation on the :data:`~nemo_like.plan.backend.GENERATION_ENGINES` engines (the inline backend: the one
+    policy worker), the prev pass and training on the policy's ``dp_size x tensor_parallel_size`` ranks, the reference
+    pass on as many reference ranks (the policy's own with LoRA), a teacher pass on each teacher's as many ranks."""
     pc = cfg.policy
-    sequences = cfg.rollout_batch_size
-    tokens = sequences * pc.max_total_sequence_length
+    tokens = cfg.rollout_batch_size * pc.max_total_sequence_length
+    ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
     n = matmul_parameters
     # prefill and decode both cost 2N per token: the generation phase touches every token once
-    flops = {"generation": 2.0 * n * tokens, "logprob passes": 2.0 * n * tokens * logprob_passes, "training": 6.0 * n * tokens}
-    return StepEstimate(flops, peak_flops, mfu)
+    phases: dict[str, tuple[float, int]] = {"generation": (2.0 * n * tokens, GENERATION_ENGINES)}
+    if logprobs.compute_prev:
+        phases["prev logprobs"] = (2.0 * n * tokens, ranks)
+    if logprobs.compute_reference:
+        phases["reference logprobs"] = (2.0 * n * tokens, ranks)
+    if logprobs.compute_teacher:
+        phases["teacher logprobs"] = (2.0 * n * tokens, ranks)
+    phases["training"] = (6.0 * n * tokens, ranks)
+    flops = {phase: f for phase, (f, _) in phases.items()}
+    return StepEstimate(flops, peak_flops, mfu, {phase: d for phase, (_, d) in phases.items()})
 
 
 def plan_memory(

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_like.plan.backend import GENERATION_ENGINES
 from nemo_like.plan.logprob_passes import LogprobPlan
 
 AUTO = "auto"
@@ -175,7 +176,7 @@ def phase_actors(cfg: Any, logprobs: LogprobPlan) -> PhaseActors:
     return PhaseActors(
         policy=per_node(ranks, nodes),
         reference=per_node(ranks, nodes) if logprobs.compute_reference else 0,
-        generation=per_node(1, nodes),
+        generation=per_node(GENERATION_ENGINES, nodes),
         prev_pass=logprobs.compute_prev,
         reference_beside_training=cfg.grpo.async_grpo.enabled and logprobs.load_reference_model,
         teacher=per_node(ranks * len(cfg.teacher.models()), nodes) if logprobs.compute_teacher else 0,

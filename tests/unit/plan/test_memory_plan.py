@@ -12,6 +12,7 @@ from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
 from nemo_like.models.footprint import model_footprint
 from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
+from nemo_like.plan.logprob_passes import decide_logprob_passes
 from nemo_like.plan.memory import (
     GIB,
     ModelShape,
@@ -186,11 +187,36 @@ def test_gpu_engines_hold_weights_and_kv_at_the_policys_precision_and_hf_only_it
 
 
 def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> None:
-    cfg = recipe()
+    cfg = recipe("grpo.skip_prev_logprobs=false")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
-    step = step_estimate(cfg, logprob_passes=1, matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
-    assert step.flops == {"generation": 2000.0 * tokens, "logprob passes": 2000.0 * tokens, "training": 6000.0 * tokens}
-    assert step.seconds == pytest.approx(10000.0 * tokens / 5e8)
+    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
+    scored = 2000.0 * tokens
+    assert step.flops == {"generation": scored, "prev logprobs": scored, "reference logprobs": scored, "training": 6000.0 * tokens}
+    assert step.seconds == pytest.approx(12000.0 * tokens / 5e8)  # one policy rank, one reference rank, one engine
+
+
+@pytest.mark.parametrize("dp, tp", [(4, 1), (2, 2)])
+def test_step_estimate_spreads_each_phase_over_the_ranks_or_engines_that_run_it(dp: int, tp: int) -> None:
+    cfg = recipe("grpo.skip_prev_logprobs=false", f"policy.dp_size={dp}", f"policy.dtensor_cfg.tensor_parallel_size={tp}")
+    tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
+    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
+    assert step.devices == {"generation": 1, "prev logprobs": 4, "reference logprobs": 4, "training": 4}
+    # the one engine generates every token; the policy and reference ranks split the passes and the training
+    assert step.seconds == pytest.approx((2000.0 + (2000.0 + 2000.0 + 6000.0) / 4) * tokens / 5e8)
+    assert "training " in step.line() and "s on 4 devices" in step.line() and "generation " in step.line()
+
+
+def test_the_plan_commands_training_time_falls_with_more_policy_ranks() -> None:
+    import re
+
+    from nemo_like.models.footprint import memory_report
+
+    def training_seconds(dp: int) -> float:
+        cfg = recipe(f"policy.dp_size={dp}", "policy.generation.backend=hf")
+        lines, _ = memory_report(cfg, decide_run_plan(cfg, (), 2), None, peak_flops=1e9, mfu=0.5)
+        return float(re.search(r"training ([0-9.]+)s", lines[-1]).group(1))
+
+    assert training_seconds(1) > 10 and training_seconds(4) == pytest.approx(training_seconds(1) / 4, rel=0.01)
 
 
 def test_the_plan_command_prints_the_plan_checks_the_fit_and_names_a_missing_model_config(capsys) -> None:
