@@ -25,14 +25,15 @@ What is exact and what is estimated:
 * **KV cache** of a generation engine: ``2 x layers x kv_heads x head_dim x bytes`` per token at ``policy.precision``
   (the engines load the model at that dtype); vLLM's budget is ``gpu_memory_utilization x device`` minus the weights
   (GPU), or ``kv_cache_space_gib`` (CPU); the HF engine holds the sequences it samples at once.
-* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters) at a
-  stated peak per device and MFU, each phase spread over the devices
+* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters of the
+  model that runs the phase: a teacher's own) at a stated peak per device and MFU, each phase spread over the devices
   that run it (:func:`step_estimate`); an upper bound on tokens (every sequence at ``policy.max_total_sequence_length``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -312,14 +313,26 @@ def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape
     return RoleMemory("generation", GENERATION_ENGINES, params=weights, kv_cache=budget, note=note, kv_sequences=sequences)
 
 
-def step_estimate(cfg: Any, logprobs: LogprobPlan, matmul_parameters: int, peak_flops: float, mfu: float) -> StepEstimate:
+def step_estimate(
+    cfg: Any,
+    logprobs: LogprobPlan,
+    matmul_parameters: int,
+    peak_flops: float,
+    mfu: float,
+    teacher_parameters: Mapping[str, int] | None = None,
+) -> StepEstimate:
     """FLOPs of one step by phase (every sequence at its maximum length: an upper bound), each on the devices that run
     it: generation on the :data:`~nemo_like.plan.backend.GENERATION_ENGINES` engines (the inline backend: the one
     policy worker), the prev pass and training on the policy's ``dp_size x tensor_parallel_size`` ranks, the reference
-    pass on as many reference ranks (the policy's own with LoRA), a teacher pass on each teacher's as many ranks."""
+    pass on as many reference ranks (the policy's own with LoRA), a teacher pass on each teacher's as many ranks.
+    ``matmul_parameters``: the policy's N; ``teacher_parameters``: each teacher model's N (by name). The teachers score
+    disjoint rows (``teacher.by_task``) at the same time, so their pass is bounded by the largest scoring every row;
+    the KL loss term's teacher copy (``distillation.kl_weight``) runs a forward of ``teacher.model_name`` per trained
+    token on the policy ranks."""
     pc = cfg.policy
     tokens = cfg.rollout_batch_size * pc.max_total_sequence_length
     ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
+    teachers = teacher_parameters or {}
     n = matmul_parameters
     # prefill and decode both cost 2N per token: the generation phase touches every token once
     phases: dict[str, tuple[float, int]] = {"generation": (2.0 * n * tokens, GENERATION_ENGINES)}
@@ -328,8 +341,10 @@ def step_estimate(cfg: Any, logprobs: LogprobPlan, matmul_parameters: int, peak_
     if logprobs.compute_reference:
         phases["reference logprobs"] = (2.0 * n * tokens, ranks)
     if logprobs.compute_teacher:
-        phases["teacher logprobs"] = (2.0 * n * tokens, ranks)
+        phases["teacher logprobs"] = (2.0 * max(teachers[m] for m in cfg.teacher.models()) * tokens, ranks)
     phases["training"] = (6.0 * n * tokens, ranks)
+    if cfg.distillation.kl_weight > 0 and cfg.teacher.model_name is not None:
+        phases["teacher copy (KL term)"] = (2.0 * teachers[cfg.teacher.model_name] * tokens, ranks)
     flops = {phase: f for phase, (f, _) in phases.items()}
     return StepEstimate(flops, peak_flops, mfu, {phase: d for phase, (_, d) in phases.items()})
 

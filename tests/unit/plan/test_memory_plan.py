@@ -4,6 +4,7 @@ LoRA, one rank and FSDP2 shards); the estimates follow their formulas; the fit c
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from unit.models.test_policy_worker import make_worker, random_batch, with_global_counts
@@ -204,6 +205,34 @@ def test_step_estimate_spreads_each_phase_over_the_ranks_or_engines_that_run_it(
     # the one engine generates every token; the policy and reference ranks split the passes and the training
     assert step.seconds == pytest.approx((2000.0 + (2000.0 + 2000.0 + 6000.0) / 4) * tokens / 5e8)
     assert "training " in step.line() and "s on 4 devices" in step.line() and "generation " in step.line()
+
+
+def test_teacher_passes_cost_each_teachers_own_parameters() -> None:
+    cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", "+teacher.by_task.math=big")
+    tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
+    teachers = {"embedded:tiny-arith-teacher": 3000, "big": 7000}
+    step = step_estimate(cfg, decide_logprob_passes(cfg), 1000, 1e9, 0.5, teachers)
+    # the teachers score disjoint rows at the same time: at most the largest one scoring every row
+    assert step.flops["teacher logprobs"] == 2.0 * 7000 * tokens and step.devices["teacher logprobs"] == 1
+    kl = recipe("teacher.model_name=embedded:tiny-arith-teacher", "distillation.kl_weight=0.5", "distillation.advantage_weight=0")
+    step = step_estimate(kl, decide_logprob_passes(kl), 1000, 1e9, 0.5, {"embedded:tiny-arith-teacher": 3000})
+    assert "teacher logprobs" not in step.flops and step.flops["teacher copy (KL term)"] == 2.0 * 3000 * tokens
+
+
+def test_the_plan_command_costs_a_teacher_with_its_own_config(tmp_path) -> None:
+    import json
+
+    from nemo_like.models.footprint import matmul_parameters, memory_report
+    from nemo_like.models.loading import resolve_model_path
+
+    student = json.loads((Path(resolve_model_path(EMBEDDED_MODEL)) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**student, "intermediate_size": 8 * student["intermediate_size"]}))
+    cfg = recipe(f"teacher.model_name={tmp_path}")
+    n, teacher_n = matmul_parameters(EMBEDDED_MODEL), matmul_parameters(str(tmp_path))
+    assert teacher_n > 3 * n
+    lines, _ = memory_report(cfg, decide_run_plan(cfg, (), 2), None, peak_flops=1e9, mfu=0.5)
+    seconds = 2.0 * teacher_n * cfg.rollout_batch_size * cfg.policy.max_total_sequence_length / 5e8
+    assert f"teacher logprobs {seconds:.2f}s on 1 device" in lines[-1]
 
 
 def test_the_plan_commands_training_time_falls_with_more_policy_ranks() -> None:
