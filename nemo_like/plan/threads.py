@@ -5,7 +5,8 @@ on one node and gives each ``max(1, cpus // concurrent)`` threads. A step has th
 
 * generation: ``G`` generation workers;
 * logprobs: the policy ranks ``P`` (only when the prev-logprob pass runs) and the reference ranks ``R``,
-  concurrently (``start_logprob_passes``);
+  concurrently (``start_logprob_passes``); ``R`` is 0 with LoRA, where the policy computes the reference logprobs
+  with its adapters disabled and no reference actors start;
 * training: the ``P`` policy ranks.
 
 **sync** runs the phases one after the other, so an actor shares the node only with the other actors
@@ -175,7 +176,7 @@ def phase_actors(cfg: Any, logprobs: LogprobPlan) -> PhaseActors:
     ranks = cfg.policy.dp_size * cfg.policy.dtensor_cfg.tensor_parallel_size
     return PhaseActors(
         policy=per_node(ranks, nodes),
-        reference=per_node(ranks, nodes) if logprobs.compute_reference else 0,
+        reference=per_node(ranks, nodes) if logprobs.load_reference_model else 0,  # LoRA: the policy is the reference
         generation=per_node(GENERATION_ENGINES, nodes),
         prev_pass=logprobs.compute_prev,
         reference_beside_training=cfg.grpo.async_grpo.enabled and logprobs.load_reference_model,
