@@ -114,4 +114,4 @@ def memory_report(
         teachers = {name: matmul_parameters(name) for name in cfg.teacher.models()} if teacher is not None else {}
         step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teachers)
     memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teacher, step)
-    return [*run_plan.lines(), *memory.lines()], memory.fits
+    return [*run_plan.lines(this_machine=True), *memory.lines()], memory.fits

@@ -52,8 +52,9 @@ class ThreadSplit:
     explicit: tuple[str, ...]  # roles whose count the user set
     teacher: int = 0  # threads per teacher rank (0: no teacher)
 
-    def describe(self) -> str:
-        """One line for the start-up log."""
+    def describe(self, this_machine: bool = False) -> str:
+        """One line for the start-up log; ``this_machine``: the CPUs were read on the machine that plans, not on a
+        running cluster's nodes (``nemo-like plan``): the line says so."""
 
         def part(role: str, threads: int) -> str:
             return f"{role} {threads} ({'explicit' if role in self.explicit else 'auto'})"
@@ -61,6 +62,8 @@ class ThreadSplit:
         names = ("policy", "reference", "generation", "teacher") if self.teacher else ("policy", "reference", "generation")
         roles = ", ".join(part(r, getattr(self, r)) for r in names)
         mode = "async: generation and training share the cores" if self.async_mode else "sync: each phase may use every core"
+        if this_machine:
+            return f"threads per worker on {self.cpus} CPUs of this machine ({mode}): {roles}; a run splits its nodes' own CPUs"
         return f"threads per worker on {self.cpus} CPUs per node ({mode}): {roles}"
 
 

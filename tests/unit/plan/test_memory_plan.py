@@ -254,6 +254,13 @@ def test_the_plan_command_prints_the_plan_checks_the_fit_and_names_a_missing_mod
     assert main(["plan", "--device-memory-gib", "64", "--peak-tflops", "0.2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("[plan] prev logprobs") and "[plan] fits: yes" in out and out[-1].startswith("[plan] step time at most")
+    # the split is this machine's: the run's nodes may have other CPUs
+    assert any(
+        line.startswith("[plan] threads per worker on")
+        and "CPUs of this machine" in line
+        and line.endswith("; a run splits its nodes' own CPUs")
+        for line in out
+    )
     assert main(["plan", "--device-memory-gib", "0.01"]) == 3  # the tiny run does not fit in 10 MiB
     out = capsys.readouterr().out
     assert "fits: NO: each node (RAM) over by " in out and "GiB); set policy.dtensor_cfg.activation_checkpointing=true" in out
