@@ -24,6 +24,7 @@ import torch
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
+from nemo_like.utils.flops import TEACHER_TOKENS
 
 
 def teacher_config(cfg: MasterConfig, model_name: str | None = None) -> MasterConfig:
@@ -129,6 +130,14 @@ def gather_teacher_pass(teachers: Teachers, started: Any) -> dict[str, torch.Ten
         logprobs[index, : scored.shape[1]] = scored  # a subset of rows comes back without its trailing padding
         mask[index] = 1.0
     return {"teacher_logprobs": logprobs, "teacher_mask": mask}
+
+
+def teacher_token_counts(models: list[str], started: Any, attention_mask: torch.Tensor) -> dict[str, float]:
+    """``performance/num_teacher_tokens/<i>``: the tokens (prompt + response) the ``i``-th of ``models`` (the run's
+    teacher models, ``teacher.models()`` order) scored in the pass ``started`` (:func:`start_teacher_pass`); what the
+    step's MFU counts at each teacher's own parameter count (:func:`~nemo_like.utils.flops.step_flops`)."""
+    _, pending = started
+    return {f"{TEACHER_TOKENS}/{models.index(model)}": float(attention_mask[torch.tensor(rows)].sum()) for model, rows, _ in pending}
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

@@ -25,7 +25,7 @@ import torch
 
 from nemo_like.algorithms.advantages import advantage_metrics, compute_advantages, reward_group_metrics
 from nemo_like.algorithms.checkpointing import checkpoint_manager, load_checkpoint_file, restore_run, save_run
-from nemo_like.algorithms.distillation import apply_distillation, gather_teacher_pass, start_teacher_pass
+from nemo_like.algorithms.distillation import apply_distillation, gather_teacher_pass, start_teacher_pass, teacher_token_counts
 from nemo_like.algorithms.dynamic_sampling import (
     DynamicSamplingAccumulator,
     apply_overlong_reward_shaping,
@@ -343,6 +343,8 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     # The policy reports its logprob passes since its previous update with the training result (no extra round trip).
     metrics["performance/forward_passes/prev_logprobs"] = float(result.logprob_passes_since_last_update)
     metrics["performance/forward_passes/reference_logprobs"] = float(reference_passes)
+    if passes.teacher is not None:
+        metrics.update(teacher_token_counts(list(parts.teacher.models), passes.teacher, batch["attention_mask"]))
     return metrics
 
 
@@ -513,7 +515,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     history: list[dict[str, Any]] = []
     for line in [*parts.plan.lines(), *planned_memory_lines(cfg, parts.plan)]:  # the lines `nemo-like plan` prints
         logger.progress.message(f"[plan] {line}")
-    flops = flops_spec(cfg, resolve_model_path(cfg.policy.model_name))
+    teachers = cfg.teacher.models() if parts.plan.logprobs.compute_teacher or cfg.distillation.kl_weight > 0 else []
+    flops = flops_spec(cfg, resolve_model_path(cfg.policy.model_name), parts.plan, [resolve_model_path(m) for m in teachers])
     logger.progress.message(f"[plan] {flops.describe()}")
     manager = checkpoint_manager(parts)
     last_step = restore_run(parts, resume_from) if resume_from is not None else 0

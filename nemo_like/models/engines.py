@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nemo_like.plan.backend import GENERATION_ENGINES
 from nemo_like.utils.registry import PluginNameError, Registry
 
 if TYPE_CHECKING:
@@ -93,8 +94,8 @@ def ignored_engine_keys(cfg: Any, backend: str) -> list[str]:
 
 
 def generation_resources(cfg, plan: RunPlan) -> RoleResources:
-    """What the run's generation engine reserves (one worker, as :func:`build_generation` builds it; none for inline
-    generation), for the backend and thread split ``plan`` decided."""
+    """What the run's generation engine reserves (``GENERATION_ENGINES`` workers, as :func:`build_generation` builds
+    them; none for inline generation), for the backend and thread split ``plan`` decided."""
     return BACKENDS[plan.backend.value].resources(cfg, plan)
 
 
@@ -133,25 +134,27 @@ def _inline_resources(cfg, plan: RunPlan) -> RoleResources:
 def _build_hf(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any, plan: RunPlan):
     from nemo_like.models.generation.hf import HFGeneration
 
-    return HFGeneration(cfg, pad_token_id, eos_token_ids, plan.threads.generation)
+    return HFGeneration(cfg, pad_token_id, eos_token_ids, plan.threads.generation, GENERATION_ENGINES)
 
 
 def _hf_resources(cfg, plan: RunPlan) -> RoleResources:
     from nemo_like.models.generation.hf import hf_generation_resources
 
-    return hf_generation_resources(cfg, plan.threads.generation)
+    return hf_generation_resources(cfg, plan.threads.generation, GENERATION_ENGINES)
 
 
 def _build_vllm(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any, plan: RunPlan):
     from nemo_like.models.generation.vllm import VLLMGeneration
 
-    return VLLMGeneration(cfg, pad_token_id, eos_token_ids, plan.threads.generation, policy=policy, refit_mode=plan.refit.value)
+    return VLLMGeneration(
+        cfg, pad_token_id, eos_token_ids, plan.threads.generation, GENERATION_ENGINES, policy=policy, refit_mode=plan.refit.value
+    )
 
 
 def _vllm_resources(cfg, plan: RunPlan) -> RoleResources:
     from nemo_like.models.generation.vllm import vllm_generation_resources
 
-    return vllm_generation_resources(cfg, plan.threads.generation)
+    return vllm_generation_resources(cfg, plan.threads.generation, GENERATION_ENGINES)
 
 
 register_backend(Backend("inline", _build_inline, _inline_resources, described="inline generation", engine_threads=False))

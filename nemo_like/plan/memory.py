@@ -3,10 +3,13 @@ the model's parameter shapes (pure; ``nemo-like plan`` gathers the inputs with :
 
 What is exact and what is estimated:
 
-* **parameters, gradients, AdamW state** per rank are exact: FSDP2 shards every parameter along dim 0 into
-  ``world`` pieces of ``ceil(dim0 / world)`` rows (rank 0 holds the largest), masters in float32, a LoRA base in the
-  compute dtype with float32 adapters, gradients and two AdamW moments for trainable parameters only. A test compares
-  them with :meth:`PolicyWorker.memory_footprint`.
+* **parameters, gradients, AdamW state** per rank are exact: tensor parallelism (``tensor_parallel_size`` t) splits
+  the decoder layers' projections into t pieces (column-wise along dim 0, row-wise along dim 1,
+  :data:`~nemo_like.models.policy.sharding.TENSOR_PARALLEL_STYLES`), then FSDP2 shards every parameter (a projection's
+  piece, any other parameter whole: embeddings, norms, the output head) along dim 0 into ``dp_size`` pieces of
+  ``ceil(dim0 / dp_size)`` rows (rank 0 holds the largest); masters in float32, a LoRA base in the compute dtype with
+  float32 adapters, gradients and two AdamW moments for trainable parameters only. Tests compare them with
+  :meth:`PolicyWorker.memory_footprint` (dp 1 and 2, tp 2).
 * **activations** are an estimate of the peak of one training micro-batch (tokens x layers x what a Llama-family
   layer saves for backward: ``8H + 4 K D + 4I`` values per token, the attention kernel keeping no score matrix),
   plus the float32 logits, their log-softmax and its gradient (``tokens x vocab x 12`` bytes, or ``chunk x vocab x 12``
@@ -19,17 +22,25 @@ What is exact and what is estimated:
   the compute dtype. The decoder layers are unsharded one at a time and resharded after use; at the step's peak (the
   output head's backward) none is. Counted with the activations (``unsharded root`` in the line).
   ``python benchmarks/plan_memory.py`` compares both with measured training steps on a CPU, at dp 1 and dp 2.
-* **KV cache** of a vLLM engine: ``2 x layers x kv_heads x head_dim x bytes`` per token; the budget is
-  ``gpu_memory_utilization x device`` minus the weights (GPU), or ``kv_cache_space_gib`` (CPU).
-* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters) at
-  a stated peak and MFU; an upper bound on tokens (every sequence at ``policy.max_total_sequence_length``).
+* **KV cache** of a generation engine: ``2 x layers x kv_heads x head_dim x bytes`` per token at ``policy.precision``
+  (the engines load the model at that dtype); vLLM's budget is ``gpu_memory_utilization x device`` minus the weights
+  (GPU), or ``kv_cache_space_gib`` (CPU); the HF engine holds the sequences it samples at once.
+* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters of the
+  model that runs the phase: a teacher's own) at a stated peak per device and MFU, each phase spread over the devices
+  that run it (:func:`step_estimate`); an upper bound on tokens (every sequence at ``policy.max_total_sequence_length``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE
+
+if TYPE_CHECKING:
+    from nemo_like.plan.logprob_passes import LogprobPlan
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -43,13 +54,28 @@ class ParameterSpec:
     trainable: bool
     bytes_per_element: int
     root: bool = False  # outside the decoder layers (embeddings, final norm, output head): FSDP2's root unit
+    tp_dim: int | None = None  # the dim tensor parallelism splits (a projection's); None: whole on every tp rank
 
-    def shard_bytes(self, world: int) -> int:
-        """Bytes rank 0 holds when FSDP2 shards it over ``world`` ranks (dim 0, ``ceil(dim0 / world)`` rows)."""
-        if not self.shape:
+    def tp_shape(self, tp: int) -> tuple[int, ...]:
+        """Its shape on tp rank 0: ``ceil(dim / tp)`` along :attr:`tp_dim` (the whole shape when not split)."""
+        if tp <= 1 or self.tp_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tp_dim] = math.ceil(shape[self.tp_dim] / tp)
+        return tuple(shape)
+
+    def shard_bytes(self, dp: int, tp: int = 1) -> int:
+        """Bytes rank 0 holds: its tensor-parallel piece (:meth:`tp_shape`) sharded by FSDP2 over the ``dp`` ranks
+        (dim 0, ``ceil(dim0 / dp)`` rows). A parameter tensor parallelism does not split is sharded over dp only."""
+        shape = self.tp_shape(tp)
+        if not shape:
             return self.bytes_per_element
-        rows = math.ceil(self.shape[0] / world) if world > 1 else self.shape[0]
-        return rows * math.prod(self.shape[1:]) * self.bytes_per_element
+        rows = math.ceil(shape[0] / dp) if dp > 1 else shape[0]
+        return rows * math.prod(shape[1:]) * self.bytes_per_element
+
+    def as_held(self, trainable: bool, bytes_per_element: int) -> ParameterSpec:
+        """The same parameter held otherwise (a frozen float32 copy, a float32 gradient)."""
+        return replace(self, trainable=trainable, bytes_per_element=bytes_per_element)
 
 
 @dataclass(frozen=True)
@@ -100,6 +126,7 @@ class RoleMemory:
     kv_cache: int = 0
     note: str = ""
     unsharded_root: int = 0  # FSDP2 (dp > 1): the root unit's full parameters, held through the forward and backward
+    kv_sequences: int | None = None  # vLLM: full-length sequences its KV budget holds (None: not known)
 
     @property
     def total(self) -> int:
@@ -117,47 +144,63 @@ class RoleMemory:
         return f"memory {self.role} x{self.workers}: {self.total / GIB:.3f} GiB per worker = " + " + ".join(parts) + f" GiB{note}"
 
 
+def _devices(count: int) -> str:
+    return f"{count} device" if count == 1 else f"{count} devices"
+
+
 @dataclass(frozen=True)
 class StepEstimate:
-    """FLOPs of one step by phase and the seconds they take at ``peak_flops x mfu`` (an upper bound on tokens)."""
+    """FLOPs of one step by phase, the devices each phase's FLOPs are spread over (``devices``: 1 where a phase is not
+    listed), and the seconds they take at ``peak_flops x mfu`` per device (an upper bound on tokens; the phases one after
+    another, the logprob passes too, though they run concurrently on their own ranks)."""
 
     flops: dict[str, float]
     peak_flops: float
     mfu: float
+    devices: dict[str, int] = field(default_factory=dict)
+
+    def phase_seconds(self, phase: str) -> float:
+        """Seconds of ``phase``: its FLOPs over its devices at ``peak_flops x mfu`` each."""
+        return self.flops[phase] / (self.devices.get(phase, 1) * self.peak_flops * self.mfu)
 
     @property
     def seconds(self) -> float:
-        return sum(self.flops.values()) / (self.peak_flops * self.mfu)
+        return sum(self.phase_seconds(phase) for phase in self.flops)
 
     def line(self) -> str:
-        phases = ", ".join(f"{k} {v / (self.peak_flops * self.mfu):.2f}s" for k, v in self.flops.items())
-        return f"step time at most ~{self.seconds:.2f}s at {self.peak_flops:.3g} FLOP/s x MFU {self.mfu}: {phases}"
+        phases = ", ".join(f"{k} {self.phase_seconds(k):.2f}s on {_devices(self.devices.get(k, 1))}" for k in self.flops)
+        return f"step time at most ~{self.seconds:.2f}s at {self.peak_flops:.3g} FLOP/s per device x MFU {self.mfu}: {phases}"
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Every role's memory, what each device holds, and whether it fits ``device_bytes`` (None: not checked)."""
+    """Every role's memory, what each device holds, and whether it fits ``device_bytes`` (None: not checked):
+    ``problems`` says what does not fit (a device over by how much, an engine that holds no sequence), ``advice`` what
+    to change; ``device_notes``: how a device's figure was reached (a colocated engine's GPU)."""
 
     roles: list[RoleMemory]
     per_device: dict[str, int]
     device_bytes: float | None
     advice: list[str] = field(default_factory=list)
     step: StepEstimate | None = None
+    problems: list[str] = field(default_factory=list)
+    device_notes: dict[str, str] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool | None:
-        if self.device_bytes is None:
-            return None
-        return max(self.per_device.values()) <= self.device_bytes
+        if self.problems:
+            return False
+        return None if self.device_bytes is None else True
 
     def lines(self) -> list[str]:
         """The planner's lines (also printed as ``[plan]`` lines by ``nemo-like plan``)."""
         out = [r.line() for r in self.roles]
         for device, used in self.per_device.items():
             budget = "" if self.device_bytes is None else f" of {self.device_bytes / GIB:.3g} GiB"
-            out.append(f"memory on {device}: {used / GIB:.3f} GiB{budget}")
+            note = f" ({self.device_notes[device]})" if device in self.device_notes else ""
+            out.append(f"memory on {device}: {used / GIB:.3f} GiB{budget}{note}")
         if self.fits is not None:
-            out.append("fits: yes" if self.fits else "fits: NO; " + "; ".join(self.advice))
+            out.append("fits: yes" if self.fits else "fits: NO: " + "; ".join(self.problems + self.advice))
         if self.step is not None:
             out.append(self.step.line())
         return out
@@ -205,18 +248,24 @@ def unsharded_root_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
 def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role: str = "policy") -> RoleMemory:
     """One rank of the trainable policy (``role="policy"``) or of a frozen copy (``"reference"``, ``"teacher"``)."""
     pc = cfg.policy
-    world = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
+    dp, tp = pc.dp_size, pc.dtensor_cfg.tensor_parallel_size
     value_bytes = DTYPE_BYTES[pc.precision]
     root = unsharded_root_bytes(cfg, params)
     if role != "policy":  # frozen copies load float32 weights whatever the precision
-        held = sum(ParameterSpec(p.shape, False, 4).shard_bytes(world) for p in params)
+        held = frozen_copy_bytes(cfg, params)
         activations = _logprob_activations(cfg, shape, value_bytes)
-        return RoleMemory(role, world, params=held, activations=activations, unsharded_root=root, note="logprobs only")
-    held = sum(p.shard_bytes(world) for p in params)
-    trainable = [ParameterSpec(p.shape, True, 4) for p in params if p.trainable]
-    grads = sum(p.shard_bytes(world) for p in trainable)
+        return RoleMemory(role, dp * tp, params=held, activations=activations, unsharded_root=root, note="logprobs only")
+    held = sum(p.shard_bytes(dp, tp) for p in params)
+    grads = sum(p.as_held(True, 4).shard_bytes(dp, tp) for p in params if p.trainable)
     activations = max(_training_activations(cfg, shape, value_bytes), _logprob_activations(cfg, shape, value_bytes))
-    return RoleMemory(role, world, params=held, grads=grads, optimizer=2 * grads, activations=activations, unsharded_root=root)
+    return RoleMemory(role, dp * tp, params=held, grads=grads, optimizer=2 * grads, activations=activations, unsharded_root=root)
+
+
+def frozen_copy_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
+    """Bytes one rank holds of a frozen copy of a model (reference, teacher): float32 weights (whatever the
+    precision) sharded like the policy's."""
+    pc = cfg.policy
+    return sum(p.as_held(False, 4).shard_bytes(pc.dp_size, pc.dtensor_cfg.tensor_parallel_size) for p in params)
 
 
 def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec], shape: ModelShape) -> RoleMemory:
@@ -224,9 +273,8 @@ def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec],
     weights sharded like the policy's, and per training micro-batch its last hidden states (chunked) or full float32
     logits (unchunked), plus the KL's per-chunk float32 temporaries (both models' logits, probabilities, gradient)."""
     pc = cfg.policy
-    world = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
     tokens = micro_batch_tokens(cfg, training=True)
-    held = sum(ParameterSpec(p.shape, False, 4).shard_bytes(world) for p in params)
+    held = frozen_copy_bytes(cfg, params)
     rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
     kept = tokens * shape.hidden * DTYPE_BYTES[pc.precision] if pc.logprob_chunk_size else tokens * shape.vocab * 4
     activations = kept + rows * shape.vocab * 4 * 6
@@ -241,35 +289,64 @@ def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec],
 
 def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape, device_bytes: float | None) -> RoleMemory:
     """The generation engine's worker: nothing of its own for ``inline`` (the policy samples), the HF engine's weights
-    and the KV cache of one batch, or vLLM's weights and KV-cache budget (and how many full-length sequences fit)."""
+    and the KV cache of the sequences it samples at once (a rollout batch, in batches of at most
+    :data:`~nemo_like.plan.backend.HF_MAX_BATCH_SIZE`), or vLLM's weights and KV-cache budget (and how many full-length
+    sequences fit). Both engines load the model, and keep its keys and values, at ``policy.precision``."""
     pc, g = cfg.policy, cfg.policy.generation
     on_gpu = bool(cfg.cluster.gpus_per_node)
     if backend == "inline":
         return RoleMemory("generation", 0, note="inline: the policy worker samples")
-    value_bytes = 2 if on_gpu or pc.precision == "bfloat16" else 4
+    value_bytes = DTYPE_BYTES[pc.precision]
     weights = parameters * value_bytes
     per_sequence = shape.kv_bytes_per_token(value_bytes) * pc.max_total_sequence_length
     if backend == "hf":
-        batch = cfg.rollout_batch_size
-        return RoleMemory("generation", 1, params=weights, kv_cache=batch * per_sequence, note=f"hf engine, KV of {batch} sequences")
-    if on_gpu and device_bytes is not None:
-        budget = max(0, int(g.vllm_cfg.gpu_memory_utilization * device_bytes) - weights)
-    else:
-        budget = int(g.vllm_cfg.kv_cache_space_gib * GIB) if not on_gpu else 0
+        batch = min(cfg.rollout_batch_size, HF_MAX_BATCH_SIZE)
+        note = f"hf engine, KV of {batch} sequences at once"
+        return RoleMemory("generation", GENERATION_ENGINES, params=weights, kv_cache=batch * per_sequence, note=note)
+    share = g.vllm_cfg.gpu_memory_utilization
+    if on_gpu and device_bytes is None:
+        note = f"vLLM, KV budget {share:g} x the device's memory - the weights: the device's size is not given"
+        return RoleMemory("generation", GENERATION_ENGINES, params=weights, note=note)
+    budget = max(0, int(share * device_bytes) - weights) if on_gpu else int(g.vllm_cfg.kv_cache_space_gib * GIB)
     sequences = budget // per_sequence if per_sequence else 0
     note = f"vLLM, KV budget holds {sequences} sequences of {pc.max_total_sequence_length} tokens"
-    return RoleMemory("generation", 1, params=weights, kv_cache=budget, note=note)
+    return RoleMemory("generation", GENERATION_ENGINES, params=weights, kv_cache=budget, note=note, kv_sequences=sequences)
 
 
-def step_estimate(cfg: Any, logprob_passes: int, matmul_parameters: int, peak_flops: float, mfu: float) -> StepEstimate:
-    """FLOPs of one step (every sequence at its maximum length: an upper bound) and their seconds."""
+def step_estimate(
+    cfg: Any,
+    logprobs: LogprobPlan,
+    matmul_parameters: int,
+    peak_flops: float,
+    mfu: float,
+    teacher_parameters: Mapping[str, int] | None = None,
+) -> StepEstimate:
+    """FLOPs of one step by phase (every sequence at its maximum length: an upper bound), each on the devices that run
+    it: generation on the :data:`~nemo_like.plan.backend.GENERATION_ENGINES` engines (the inline backend: the one
+    policy worker), the prev pass and training on the policy's ``dp_size x tensor_parallel_size`` ranks, the reference
+    pass on as many reference ranks (the policy's own with LoRA), a teacher pass on each teacher's as many ranks.
+    ``matmul_parameters``: the policy's N; ``teacher_parameters``: each teacher model's N (by name). The teachers score
+    disjoint rows (``teacher.by_task``) at the same time, so their pass is bounded by the largest scoring every row;
+    the KL loss term's teacher copy (``distillation.kl_weight``) runs a forward of ``teacher.model_name`` per trained
+    token on the policy ranks."""
     pc = cfg.policy
-    sequences = cfg.rollout_batch_size
-    tokens = sequences * pc.max_total_sequence_length
+    tokens = cfg.rollout_batch_size * pc.max_total_sequence_length
+    ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
+    teachers = teacher_parameters or {}
     n = matmul_parameters
     # prefill and decode both cost 2N per token: the generation phase touches every token once
-    flops = {"generation": 2.0 * n * tokens, "logprob passes": 2.0 * n * tokens * logprob_passes, "training": 6.0 * n * tokens}
-    return StepEstimate(flops, peak_flops, mfu)
+    phases: dict[str, tuple[float, int]] = {"generation": (2.0 * n * tokens, GENERATION_ENGINES)}
+    if logprobs.compute_prev:
+        phases["prev logprobs"] = (2.0 * n * tokens, ranks)
+    if logprobs.compute_reference:
+        phases["reference logprobs"] = (2.0 * n * tokens, ranks)
+    if logprobs.compute_teacher:
+        phases["teacher logprobs"] = (2.0 * max(teachers[m] for m in cfg.teacher.models()) * tokens, ranks)
+    phases["training"] = (6.0 * n * tokens, ranks)
+    if cfg.distillation.kl_weight > 0 and cfg.teacher.model_name is not None:
+        phases["teacher copy (KL term)"] = (2.0 * teachers[cfg.teacher.model_name] * tokens, ranks)
+    flops = {phase: f for phase, (f, _) in phases.items()}
+    return StepEstimate(flops, peak_flops, mfu, {phase: d for phase, (_, d) in phases.items()})
 
 
 def plan_memory(
@@ -292,31 +369,96 @@ def plan_memory(
         roles.append(policy_memory(cfg, teacher[0], teacher[1], "teacher"))
     parameters = sum(math.prod(p.shape) for p in params)
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes))
-    per_device = devices(cfg, roles, colocated=run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled)
-    advice = []
-    if device_bytes is not None and max(per_device.values()) > device_bytes:
-        advice = fit_advice(cfg)
-    return MemoryPlan(roles, per_device, device_bytes, advice, step)
+    colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
+    per_device = devices(cfg, roles, colocated)
+    notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
+    over = over_budget(per_device, device_bytes)
+    engine = engine_problems(roles)
+    advice = fit_advice(cfg, colocated and "policy GPU" in over) if over else []
+    advice += kv_advice(cfg) if engine else []
+    return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
+
+
+def kept_while_generating(cfg: Any, policy: RoleMemory) -> int:
+    """What a policy rank keeps on its GPU while a colocated engine generates: before the engine wakes it frees its
+    gradients and activations and, with ``policy.generation.colocated.offload_optimizer``, moves its AdamW state to
+    CPU memory (``TrainingStep.release_memory``): its parameters (and the optimizer state when kept)."""
+    kept_optimizer = 0 if cfg.policy.generation.colocated.offload_optimizer else policy.optimizer
+    return policy.params + kept_optimizer
+
+
+def colocated_peak(cfg: Any, policy: RoleMemory, generation: RoleMemory) -> int:
+    """Policy rank 0's GPU with a colocated vLLM engine: the larger of its training peak and, while the engine
+    generates, what the rank keeps plus the engine's whole share (weights and KV budget). The two never coexist."""
+    return max(policy.total, kept_while_generating(cfg, policy) + generation.total)
+
+
+def colocated_note(cfg: Any, roles: list[RoleMemory]) -> str:
+    """How the colocated GPU's figure was reached (the ``memory on policy GPU`` line)."""
+    by_role = {r.role: r for r in roles}
+    kept, engine = kept_while_generating(cfg, by_role["policy"]), by_role["generation"].total
+    return (
+        f"colocated vLLM engine: the larger of training {by_role['policy'].total / GIB:.3f} and generating "
+        f"{kept / GIB:.3f} kept by the policy + {engine / GIB:.3f} for the engine"
+    )
 
 
 def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False) -> dict[str, int]:
-    """What each device holds: on GPUs every worker has its own (a ``colocated`` vLLM engine shares policy rank 0's); on a CPU
-    cluster every worker of a node shares the node's memory (workers spread evenly over ``cluster.num_nodes``)."""
+    """What each device holds: on GPUs every worker has its own (a ``colocated`` vLLM engine shares policy rank 0's:
+    :func:`colocated_peak`); on a CPU cluster every worker of a node shares the node's memory (workers spread evenly
+    over ``cluster.num_nodes``)."""
     by_role = {r.role: r for r in roles}
     if cfg.cluster.gpus_per_node:
         out = {f"{r.role} GPU": r.total for r in roles if r.workers}
-        if colocated and "generation GPU" in out:
-            out["policy GPU"] = out.get("policy GPU", 0) + out.pop("generation GPU")
+        if colocated and "generation GPU" in out and "policy" in by_role:
+            out.pop("generation GPU")
+            out["policy GPU"] = colocated_peak(cfg, by_role["policy"], by_role["generation"])
         return out
     nodes = max(1, cfg.cluster.num_nodes)
     total = sum(r.total * math.ceil(r.workers / nodes) for r in by_role.values())
     return {"each node (RAM)": total}
 
 
-def fit_advice(cfg: Any) -> list[str]:
-    """What to change when a device is over its memory, the cheapest first."""
+def over_budget(per_device: dict[str, int], device_bytes: float | None) -> dict[str, str]:
+    """Each device over ``device_bytes``, and by how much."""
+    if device_bytes is None:
+        return {}
+    return {
+        device: f"{device} over by {(used - device_bytes) / GIB:.3f} GiB ({used / GIB:.3f} of {device_bytes / GIB:.3g} GiB)"
+        for device, used in per_device.items()
+        if used > device_bytes
+    }
+
+
+def engine_problems(roles: list[RoleMemory]) -> list[str]:
+    """A vLLM engine whose KV budget cannot hold one full-length sequence: it could not serve a single request."""
+    return [f"the vLLM engine's KV budget ({r.kv_cache / GIB:.3f} GiB) holds no full-length sequence" for r in roles if r.kv_sequences == 0]
+
+
+def kv_advice(cfg: Any) -> list[str]:
+    """What to change when the vLLM engine's KV budget holds no full-length sequence."""
+    pc, vllm = cfg.policy, cfg.policy.generation.vllm_cfg
+    budget = (
+        f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g})"
+        if cfg.cluster.gpus_per_node
+        else f"raise policy.generation.vllm_cfg.kv_cache_space_gib (now {vllm.kv_cache_space_gib})"
+    )
+    return [f"{budget} or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"]
+
+
+def fit_advice(cfg: Any, colocated_over: bool = False) -> list[str]:
+    """What to change when a device is over its memory, the cheapest first; ``colocated_over``: the GPU a colocated
+    vLLM engine shares is among them."""
     pc = cfg.policy
     advice = []
+    if colocated_over:
+        colocated = pc.generation.colocated
+        advice.append(
+            f"lower policy.generation.vllm_cfg.gpu_memory_utilization (now {pc.generation.vllm_cfg.gpu_memory_utilization:g}): "
+            "the colocated engine takes that share of policy rank 0's GPU while it generates"
+        )
+        if not colocated.offload_optimizer:
+            advice.append("set policy.generation.colocated.offload_optimizer=true so AdamW state leaves the GPU while the engine generates")
     if not pc.dtensor_cfg.activation_checkpointing:
         advice.append("set policy.dtensor_cfg.activation_checkpointing=true")
     if not pc.logprob_chunk_size:

@@ -60,13 +60,14 @@ class RunPlan:
         """This plan with the policy's forward recorded (the workers choose it from the loaded model)."""
         return replace(self, forward=description)
 
-    def lines(self) -> list[str]:
-        """The ``[plan]`` lines printed once at the start of a run (without the prefix)."""
+    def lines(self, this_machine: bool = False) -> list[str]:
+        """The ``[plan]`` lines printed once at the start of a run (without the prefix); ``this_machine``: the thread
+        split was computed from the planning machine's CPUs (``nemo-like plan``, before any cluster starts)."""
         out = list(self.logprobs.reasons)
         out.append(f"generation backend: {self.backend.value} ({self.backend.reason})")
         if self.refit.value != "full":
             out.append(f"LoRA refit: {self.refit.value} ({self.refit.reason})")
-        out.append(self.threads.describe())
+        out.append(self.threads.describe(this_machine))
         if self.multi_turn is not None:
             out.append(
                 f"multi-turn: up to {self.multi_turn.max_turns} model turns per sample, end-of-turn ids {list(self.multi_turn.eos_token_ids)}"

@@ -5,7 +5,8 @@ on one node and gives each ``max(1, cpus // concurrent)`` threads. A step has th
 
 * generation: ``G`` generation workers;
 * logprobs: the policy ranks ``P`` (only when the prev-logprob pass runs) and the reference ranks ``R``,
-  concurrently (``start_logprob_passes``);
+  concurrently (``start_logprob_passes``); ``R`` is 0 with LoRA, where the policy computes the reference logprobs
+  with its adapters disabled and no reference actors start;
 * training: the ``P`` policy ranks.
 
 **sync** runs the phases one after the other, so an actor shares the node only with the other actors
@@ -33,6 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_like.plan.backend import GENERATION_ENGINES
 from nemo_like.plan.logprob_passes import LogprobPlan
 
 AUTO = "auto"
@@ -50,8 +52,9 @@ class ThreadSplit:
     explicit: tuple[str, ...]  # roles whose count the user set
     teacher: int = 0  # threads per teacher rank (0: no teacher)
 
-    def describe(self) -> str:
-        """One line for the start-up log."""
+    def describe(self, this_machine: bool = False) -> str:
+        """One line for the start-up log; ``this_machine``: the CPUs were read on the machine that plans, not on a
+        running cluster's nodes (``nemo-like plan``): the line says so."""
 
         def part(role: str, threads: int) -> str:
             return f"{role} {threads} ({'explicit' if role in self.explicit else 'auto'})"
@@ -59,6 +62,8 @@ class ThreadSplit:
         names = ("policy", "reference", "generation", "teacher") if self.teacher else ("policy", "reference", "generation")
         roles = ", ".join(part(r, getattr(self, r)) for r in names)
         mode = "async: generation and training share the cores" if self.async_mode else "sync: each phase may use every core"
+        if this_machine:
+            return f"threads per worker on {self.cpus} CPUs of this machine ({mode}): {roles}; a run splits its nodes' own CPUs"
         return f"threads per worker on {self.cpus} CPUs per node ({mode}): {roles}"
 
 
@@ -174,8 +179,8 @@ def phase_actors(cfg: Any, logprobs: LogprobPlan) -> PhaseActors:
     ranks = cfg.policy.dp_size * cfg.policy.dtensor_cfg.tensor_parallel_size
     return PhaseActors(
         policy=per_node(ranks, nodes),
-        reference=per_node(ranks, nodes) if logprobs.compute_reference else 0,
-        generation=per_node(1, nodes),
+        reference=per_node(ranks, nodes) if logprobs.load_reference_model else 0,  # LoRA: the policy is the reference
+        generation=per_node(GENERATION_ENGINES, nodes),
         prev_pass=logprobs.compute_prev,
         reference_beside_training=cfg.grpo.async_grpo.enabled and logprobs.load_reference_model,
         teacher=per_node(ranks * len(cfg.teacher.models()), nodes) if logprobs.compute_teacher else 0,

@@ -6,9 +6,11 @@ projection ``vocab x hidden`` when it is tied to that table; norms and biases ar
 ``seq x seq`` products are not):
 
 * training: ``6 N`` per trained token (forward 2N + backward 4N), tokens = ``performance/num_batch_tokens``
-  (prompt + response, no padding);
+  (prompt + response, no padding), plus ``2 N_teacher`` per trained token with the KL term's teacher copy
+  (``distillation.kl_weight > 0``: one teacher forward per training micro-batch);
 * logprob passes: ``2 N`` per trained token for each of the prev and reference passes that ran
-  (``performance/forward_passes/<kind> > 0``);
+  (``performance/forward_passes/<kind> > 0``), and ``2 N_i`` per token the ``i``-th teacher model scored
+  (``performance/num_teacher_tokens/<i>``, ``teacher.models()`` order; ``N_i`` that teacher's own);
 * generation: ``2 N`` per generated token (``performance/num_generated_tokens``; the prompt's prefill
   is not counted).
 
@@ -17,7 +19,8 @@ projection ``vocab x hidden`` when it is tied to that table; norms and biases ar
 ``performance/generation_mfu`` = generation FLOPs / (generation seconds x peak x generation devices), with
 the generation seconds of :func:`generation_seconds`.
 
-Devices: on GPU, the policy ranks' GPUs plus the generation engines' (none when colocated); on CPU a
+Devices: on GPU, the policy ranks' GPUs, the reference ranks' (when a reference model is loaded), each teacher
+model's ranks (when the teacher pass runs) and the generation engine's (none for a colocated vLLM engine); on CPU a
 device is one node with all its cores (every actor of a node shares them), so devices = ``cluster.num_nodes``.
 Peak FLOP/s per device: ``cluster.peak_flops_per_device`` when set; else, on GPU, the dense peak of
 :data:`GPU_PEAK_FLOPS` for the driver's GPU and the run's precision; on CPU, a matmul probe on the
@@ -30,7 +33,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,9 @@ GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
     "L40S": {"bfloat16": 3.62e14, "float32": 9.16e13},
 }
 
+#: ``<prefix>/<i>``: the tokens (prompt + response) the ``i``-th teacher model (``teacher.models()`` order) scored in a step
+TEACHER_TOKENS = "performance/num_teacher_tokens"
+
 PROBE_SIZE = 1024
 CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nemo_like" / "cpu_peak_flops.json"
 
@@ -64,6 +70,8 @@ class FlopsSpec:
     training_workers: int
     generation_workers: int
     peak_source: str = "cluster.peak_flops_per_device"
+    teacher_matmul_params: tuple[int, ...] = ()  # N of each teacher model whose logprob pass runs (teacher.models() order)
+    kl_teacher_matmul_params: int = 0  # N of the KL term's teacher copy in the policy ranks (0: no KL term)
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -85,13 +93,15 @@ def matmul_params(config: Any) -> int:
     return total if tied else total - embedding.numel()
 
 
-def step_flops(metrics: Mapping[str, float], n: int) -> dict[str, float]:
-    """``{"training": ..., "logprobs": ..., "generation": ...}`` FLOPs of one step (module docstring)."""
+def step_flops(metrics: Mapping[str, float], n: int, teachers: Sequence[int] = (), kl_teacher: int = 0) -> dict[str, float]:
+    """``{"training": ..., "logprobs": ..., "generation": ...}`` FLOPs of one step (module docstring); ``teachers``:
+    each teacher model's N (``teacher.models()`` order), ``kl_teacher``: the KL term's teacher copy's (0: none)."""
     tokens = float(metrics.get("performance/num_batch_tokens", 0.0))
     passes = sum(1 for kind in ("prev_logprobs", "reference_logprobs") if metrics.get(f"performance/forward_passes/{kind}", 0.0) > 0)
+    scored = sum(2.0 * t * float(metrics.get(f"{TEACHER_TOKENS}/{i}", 0.0)) for i, t in enumerate(teachers))
     return {
-        "training": 6.0 * n * tokens,
-        "logprobs": 2.0 * n * tokens * passes,
+        "training": (6.0 * n + 2.0 * kl_teacher) * tokens,
+        "logprobs": 2.0 * n * tokens * passes + scored,
         "generation": 2.0 * n * float(metrics.get("performance/num_generated_tokens", 0.0)),
     }
 
@@ -104,7 +114,7 @@ def generation_seconds(metrics: Mapping[str, float]) -> float:
 
 def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, float]:
     """Per-worker token rates, FLOPs and (when the peak is known) MFU of one step; rates over zero seconds are 0.0."""
-    flops = step_flops(metrics, spec.matmul_params)
+    flops = step_flops(metrics, spec.matmul_params, spec.teacher_matmul_params, spec.kl_teacher_matmul_params)
     train_s = float(metrics.get(f"{TIMING_PREFIX}policy_training", 0.0))
     gen_s = generation_seconds(metrics)
     total_s = float(metrics.get(TOTAL_KEY, 0.0))
@@ -209,17 +219,19 @@ def gpu_peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def flops_spec(cfg: Any, model_path: str) -> FlopsSpec:
-    """The run's :class:`FlopsSpec` (reads the config of the model at ``model_path``, the policy's resolved
-    ``model_name``; may run the CPU probe once)."""
+def flops_spec(cfg: Any, model_path: str, plan: Any, teacher_paths: Sequence[str] = ()) -> FlopsSpec:
+    """The run's :class:`FlopsSpec` for its :class:`~nemo_like.plan.run_plan.RunPlan` ``plan`` (which roles start,
+    which engine) (reads the config of the model at ``model_path``, the policy's resolved ``model_name``, and of each
+    teacher model at ``teacher_paths``, ``teacher.models()`` resolved, when a teacher pass or the KL term runs; may run
+    the CPU probe once)."""
     from transformers import AutoConfig
 
     pc = cfg.policy
     ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
     peak, source = cfg.cluster.peak_flops_per_device, "cluster.peak_flops_per_device"
     if cfg.cluster.gpus_per_node:
-        colocated = pc.generation.colocated.enabled
-        devices, training, generation = ranks + (0 if colocated else 1), ranks, 1
+        colocated = plan.backend.value == "vllm" and pc.generation.colocated.enabled
+        devices, training, generation = ranks + frozen_ranks(cfg, plan.logprobs) + (0 if colocated else 1), ranks, 1
         if peak is None:
             import torch
 
@@ -230,4 +242,25 @@ def flops_spec(cfg: Any, model_path: str) -> FlopsSpec:
         if peak is None:
             peak, source = cpu_peak_flops(pc.precision), f"CPU matmul probe, cached in {CACHE_FILE}"
     n = matmul_params(AutoConfig.from_pretrained(model_path))
-    return FlopsSpec(n, peak, devices, training, generation, training_workers=ranks, generation_workers=1, peak_source=source)
+    teachers = tuple(matmul_params(AutoConfig.from_pretrained(path)) for path in teacher_paths)
+    kl_teacher = teachers[0] if cfg.distillation.kl_weight > 0 and teachers else 0  # teacher.model_name, first of the models
+    return FlopsSpec(
+        n,
+        peak,
+        devices,
+        training,
+        generation,
+        training_workers=ranks,
+        generation_workers=1,
+        peak_source=source,
+        teacher_matmul_params=teachers if plan.logprobs.compute_teacher else (),
+        kl_teacher_matmul_params=kl_teacher,
+    )
+
+
+def frozen_ranks(cfg: Any, logprobs: Any) -> int:
+    """Devices of the frozen models a run starts, each sharded like the policy over ``dp_size x tensor_parallel_size``
+    ranks: the reference (when loaded: not with LoRA) and each teacher model (when the teacher pass runs)."""
+    ranks = cfg.policy.dp_size * cfg.policy.dtensor_cfg.tensor_parallel_size
+    models = int(logprobs.load_reference_model) + (len(cfg.teacher.models()) if logprobs.compute_teacher else 0)
+    return ranks * models

@@ -33,6 +33,17 @@ def test_a_teacher_equal_to_the_student_gives_zero_advantages_and_changes_no_wei
     assert record["distillation/teacher_kl"] == 0.0 and record["distillation/advantage_mean"] == 0.0
     assert record[KL_LOSS] == 0.0  # the KL loss term: exactly 0, and (below) its gradient too
     assert record["distillation/teacher_logprob_mean"] == record["distillation/student_logprob_mean"] < 0
+    # The one teacher scored every row. The model FLOPs count its pass and the KL term's teacher forward (2N per token
+    # each; the teacher is the student's architecture) beside training (6N), the prev pass (2N) and generation (2N).
+    from transformers import AutoConfig
+
+    from nemo_like.utils.flops import matmul_params
+
+    tokens = record["performance/num_batch_tokens"]
+    assert record["performance/num_teacher_tokens/0"] == tokens > 0 and record["performance/forward_passes/prev_logprobs"] > 0
+    n = matmul_params(AutoConfig.from_pretrained(embedded_model_path("embedded:tiny-arith-qwen2")))
+    expected = (6 + 2) * n * tokens + 2 * n * tokens + 2 * n * tokens + 2 * n * record["performance/num_generated_tokens"]
+    assert record["performance/model_flops"] == pytest.approx(expected)
     before = load_file(f"{default_model_path()}/model.safetensors")
     after = load_file(f"{ckpt}/step_1/policy/model.safetensors")
     assert before.keys() == after.keys()

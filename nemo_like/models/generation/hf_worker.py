@@ -12,6 +12,7 @@ from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.gate import WeightUpdateGate
+from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
 
 
 class SwapLog:
@@ -53,7 +54,7 @@ class HFGenerationWorker(Reinitializable):
         num_threads: int,
         pad_token_id: int,
         eos_token_ids: list[int],
-        max_batch_size: int = 256,
+        max_batch_size: int = HF_MAX_BATCH_SIZE,
     ) -> None:
         apply_thread_count(num_threads)
         self.rank = rank

@@ -52,9 +52,42 @@ def build_mesh(dp_size: int, tp_size: int, device_type: str):
     return init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
 
 
+#: Megatron-style tensor parallelism of a decoder layer (Qwen2/Llama layout): each projection split column-wise (its
+#: output features) or row-wise (its input features). Everything else (embeddings, norms, the output head) is whole on
+#: every tp rank and sharded by FSDP2 over the dp ranks only.
+TENSOR_PARALLEL_STYLES = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def tensor_parallel_dims(model: torch.nn.Module) -> dict[int, int]:
+    """``{id(parameter): dim}`` of every parameter tensor parallelism splits, along that dim: a column-wise
+    projection's weight and bias along dim 0, a row-wise one's weight along dim 1 (its bias stays whole); parameters not
+    listed (and those of a layer without such a projection) are whole on every tp rank."""
+    dims: dict[int, int] = {}
+    for layer in decoder_layers(model):
+        for module_name, style in TENSOR_PARALLEL_STYLES.items():
+            try:
+                module = layer.get_submodule(module_name)
+            except AttributeError:
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                if style == "colwise":
+                    dims[id(param)] = 0
+                elif name == "weight":
+                    dims[id(param)] = 1
+    return dims
+
+
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
     """GPU only, untested on GPU here: Megatron-style column/row sharding of attention and MLP projections
-    (Qwen2/Llama layout). Heads are split across the tp ranks, so num_attention_heads and
+    (:data:`TENSOR_PARALLEL_STYLES`). Heads are split across the tp ranks, so num_attention_heads and
     num_key_value_heads must be divisible by the tp degree."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -65,15 +98,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
             f"policy.dtensor_cfg.tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_attention_heads} "
             f"and num_key_value_heads={cfg.num_key_value_heads}"
         )
-    plan = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[style]() for name, style in TENSOR_PARALLEL_STYLES.items()}
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, plan)
 

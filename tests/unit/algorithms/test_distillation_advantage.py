@@ -68,6 +68,15 @@ def test_teachers_by_task_route_each_task_and_each_model_gets_its_own_workers() 
         recipe("+teacher.by_task.math=null", "distillation.task_advantage_weight=0")
 
 
+def test_each_teacher_models_scored_tokens_are_counted_for_the_mfu() -> None:
+    from nemo_like.algorithms.distillation import teacher_token_counts
+
+    attention = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    models = ["embedded:tiny-arith-teacher", "embedded:tiny-arith-qwen2"]
+    started = ((3, 4), [("embedded:tiny-arith-qwen2", [0, 2], None)])  # row 1's task has no teacher, the first scored none
+    assert teacher_token_counts(models, started, attention) == {"performance/num_teacher_tokens/1": 7.0}
+
+
 def test_a_teacher_equal_to_the_student_adds_exactly_nothing() -> None:
     batch = fixed_batch()
     batch["teacher_logprobs"] = batch["prev_logprobs"].clone()

@@ -165,12 +165,20 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, out: str) -> None:
     results = [worker.train([step_batch(s)]) for s in range(STEPS)]
     _, state = worker.get_state_dict()
     if rank == 0:
-        torch.save({"logprobs": logprobs, "results": results, "state": state}, out)
+        torch.save({"logprobs": logprobs, "results": results, "state": state, "footprint": worker.memory_footprint()}, out)
 
 
 def check_tensor_parallel(out) -> None:
-    """DTensor tensor parallelism (column/row-parallel projections) runs on gloo and changes no number."""
+    """DTensor tensor parallelism (column/row-parallel projections) runs on gloo and changes no number; each rank
+    holds what the memory planner says (the projections halved, embeddings and norms whole)."""
+    from nemo_like.config import DEFAULT_RECIPE, load_config
+    from nemo_like.models.footprint import model_footprint
+    from nemo_like.plan.memory import policy_memory
+
     tp = torch.load(out, weights_only=False)
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    planned = policy_memory(load_config(DEFAULT_RECIPE, ["policy.dtensor_cfg.tensor_parallel_size=2"], warn=False), params, shape)
+    assert tp["footprint"] == {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer}
     single = make_worker()
     assert (tp["logprobs"] - single.get_logprobs(step_batch(99, rows=5))).abs().max() < 1e-5
     for step in range(STEPS):

@@ -3,13 +3,27 @@ LoRA, one rank and FSDP2 shards); the estimates follow their formulas; the fit c
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 from unit.models.test_policy_worker import make_worker, random_batch, with_global_counts
 
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
 from nemo_like.models.footprint import model_footprint
-from nemo_like.plan.memory import GIB, ModelShape, ParameterSpec, micro_batch_tokens, plan_memory, policy_memory, step_estimate
+from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
+from nemo_like.plan.logprob_passes import decide_logprob_passes
+from nemo_like.plan.memory import (
+    GIB,
+    ModelShape,
+    ParameterSpec,
+    generation_memory,
+    micro_batch_tokens,
+    plan_memory,
+    policy_memory,
+    step_estimate,
+)
 from nemo_like.plan.run_plan import decide_run_plan
 
 
@@ -34,6 +48,21 @@ def test_fsdp2_shards_are_ceil_rows_of_dim_zero() -> None:
     assert spec.shard_bytes(1) == 359 * 128 * 4
     assert spec.shard_bytes(2) == 180 * 128 * 4  # rank 0 holds ceil(359 / 2) rows
     assert ParameterSpec((), False, 4).shard_bytes(2) == 4
+
+
+def test_tensor_parallel_splits_the_projections_and_fsdp2_shards_the_rest_over_dp_only() -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    split = sum(p.shard_bytes(1) for p in params if p.tp_dim is not None)  # q/k/v/o, gate/up/down (and q/k/v biases)
+    whole = sum(p.shard_bytes(1) for p in params if p.tp_dim is None)  # embeddings (tied head), norms
+    tp2 = policy_memory(recipe("policy.dtensor_cfg.tensor_parallel_size=2"), params, shape)
+    assert tp2.params == whole + split // 2 == 2_156_544  # what each rank of a real (dp 1, tp 2) gloo worker holds
+    assert (tp2.grads, tp2.optimizer, tp2.workers) == (2_156_544, 2 * 2_156_544, 2)
+    # dp 2 x tp 2: the embeddings' 359 rows in ceil(359 / 2) = 180 on rank 0, a q_proj's 128 rows in 64, then 32
+    both = policy_memory(recipe("policy.dp_size=2", "policy.dtensor_cfg.tensor_parallel_size=2"), params, shape)
+    assert both.params == sum(p.shard_bytes(2, 2) for p in params)
+    assert ParameterSpec((359, 128), True, 4).shard_bytes(2, 2) == 180 * 128 * 4
+    assert ParameterSpec((128, 128), True, 4, tp_dim=0).shard_bytes(2, 2) == 32 * 128 * 4
+    assert ParameterSpec((128, 512), True, 4, tp_dim=1).shard_bytes(2, 2) == 64 * 256 * 4
 
 
 def test_activations_follow_their_formula_and_chunking_bounds_the_logits() -> None:
@@ -84,26 +113,139 @@ def test_the_plan_lists_each_role_and_advises_when_a_gpu_is_too_small() -> None:
     assert tight.fits is False and any("activation_checkpointing" in line for line in tight.lines())
 
 
+def with_vllm(cfg):
+    """The run plan of ``cfg`` with a vLLM engine (whether or not vllm is installed here)."""
+    run_plan = decide_run_plan(cfg, (), 2)
+    return replace(run_plan, backend=type(run_plan.backend)("vllm", "test"))
+
+
 def test_vllm_kv_budget_counts_full_length_sequences() -> None:
     cfg = recipe("cluster.gpus_per_node=1", "policy.generation.backend=hf")
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
-    run_plan = decide_run_plan(cfg, (), 2)
-    vllm_plan = type(run_plan.backend)("vllm", "test")
-    from dataclasses import replace
-
-    memory = plan_memory(cfg, replace(run_plan, backend=vllm_plan), params, shape, device_bytes=GIB)
+    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=GIB)
     engine = memory.roles[-1]
-    per_sequence = shape.kv_bytes_per_token(2) * cfg.policy.max_total_sequence_length
+    per_sequence = shape.kv_bytes_per_token(4) * cfg.policy.max_total_sequence_length  # float32: the engine's dtype
     assert engine.kv_cache == int(cfg.policy.generation.vllm_cfg.gpu_memory_utilization * GIB) - engine.params
     assert f"holds {engine.kv_cache // per_sequence} sequences" in engine.note
 
 
+def test_a_vllm_engine_whose_kv_budget_holds_no_full_length_sequence_does_not_fit() -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    # 0.000049 x 80 GiB = 4,209,067 bytes, less the float32 weights' 4,124,672: 84,395 bytes of KV budget, under one
+    # sequence of 64 tokens (2 x 4 layers x 2 KV heads x 32 x 4 bytes x 64 = 131,072)
+    share = "policy.generation.vllm_cfg.gpu_memory_utilization=0.000049"
+    cfg = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", share)
+    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=80 * GIB)
+    engine = memory.roles[-1]
+    assert engine.kv_cache == 84_395 and engine.kv_sequences == 0 and "holds 0 sequences" in engine.note
+    assert max(memory.per_device.values()) < 80 * GIB and memory.fits is False
+    assert memory.lines()[-1] == (
+        "fits: NO: the vLLM engine's KV budget (0.000 GiB) holds no full-length sequence; raise "
+        "policy.generation.vllm_cfg.gpu_memory_utilization (now 4.9e-05) or lower policy.max_total_sequence_length (now 64)"
+    )
+    roomy = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
+    assert plan_memory(roomy, with_vllm(roomy), params, shape, device_bytes=80 * GIB).fits is True
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_a_colocated_gpu_holds_the_larger_of_training_and_what_the_policy_keeps_while_the_engine_generates(offload: bool) -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    cfg = recipe("cluster.gpus_per_node=1", f"policy.generation.colocated.offload_optimizer={str(offload).lower()}")
+    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=GIB)
+    policy, engine = memory.roles[0], memory.roles[-1]
+    # gradients and activations are freed before the engine wakes, the AdamW state moved to CPU memory when offloaded
+    kept = policy.params + (0 if offload else policy.optimizer)
+    assert engine.total == GIB // 2 > policy.total and "generation GPU" not in memory.per_device
+    assert memory.per_device["policy GPU"] == kept + engine.total < policy.total + engine.total
+    assert "the larger of training" in memory.lines()[len(memory.roles)] and memory.fits
+    # the whole GPU for the engine: policy rank 0's GPU is over by what the policy keeps while it generates
+    full = recipe(
+        "cluster.gpus_per_node=1",
+        f"policy.generation.colocated.offload_optimizer={str(offload).lower()}",
+        "policy.generation.vllm_cfg.gpu_memory_utilization=1.0",
+    )
+    over = plan_memory(full, with_vllm(full), params, shape, device_bytes=GIB)
+    fit = over.lines()[-1]
+    assert over.fits is False and fit.startswith(f"fits: NO: policy GPU over by {kept / GIB:.3f} GiB")
+    assert "lower policy.generation.vllm_cfg.gpu_memory_utilization (now 1)" in fit
+    assert ("set policy.generation.colocated.offload_optimizer=true" in fit) is not offload
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_gpu_engines_hold_weights_and_kv_at_the_policys_precision_and_hf_only_its_batch(precision: str) -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    parameters = sum(p.shard_bytes(1) for p in params) // 4
+    value_bytes = {"float32": 4, "bfloat16": 2}[precision]
+    per_sequence = shape.kv_bytes_per_token(value_bytes) * 64  # the tiny recipe's max_total_sequence_length
+    # 64 prompts x 8 responses = 512 sequences: the HF engine samples them in batches of HF_MAX_BATCH_SIZE (256)
+    cfg = recipe("cluster.gpus_per_node=1", f"policy.precision={precision}", "grpo.num_prompts_per_step=64")
+    hf = generation_memory(cfg, "hf", parameters, shape, 80 * GIB)
+    assert hf.params == parameters * value_bytes and hf.kv_cache == HF_MAX_BATCH_SIZE * per_sequence == 256 * per_sequence
+    small = generation_memory(recipe("cluster.gpus_per_node=1", f"policy.precision={precision}"), "hf", parameters, shape, 80 * GIB)
+    assert small.kv_cache == 64 * per_sequence  # a rollout batch of 8 x 8 at once
+    vllm = generation_memory(cfg, "vllm", parameters, shape, 80 * GIB)
+    assert vllm.params == parameters * value_bytes and f"holds {vllm.kv_cache // per_sequence} sequences" in vllm.note
+
+
 def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> None:
-    cfg = recipe()
+    cfg = recipe("grpo.skip_prev_logprobs=false")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
-    step = step_estimate(cfg, logprob_passes=1, matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
-    assert step.flops == {"generation": 2000.0 * tokens, "logprob passes": 2000.0 * tokens, "training": 6000.0 * tokens}
-    assert step.seconds == pytest.approx(10000.0 * tokens / 5e8)
+    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
+    scored = 2000.0 * tokens
+    assert step.flops == {"generation": scored, "prev logprobs": scored, "reference logprobs": scored, "training": 6000.0 * tokens}
+    assert step.seconds == pytest.approx(12000.0 * tokens / 5e8)  # one policy rank, one reference rank, one engine
+
+
+@pytest.mark.parametrize("dp, tp", [(4, 1), (2, 2)])
+def test_step_estimate_spreads_each_phase_over_the_ranks_or_engines_that_run_it(dp: int, tp: int) -> None:
+    cfg = recipe("grpo.skip_prev_logprobs=false", f"policy.dp_size={dp}", f"policy.dtensor_cfg.tensor_parallel_size={tp}")
+    tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
+    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
+    assert step.devices == {"generation": 1, "prev logprobs": 4, "reference logprobs": 4, "training": 4}
+    # the one engine generates every token; the policy and reference ranks split the passes and the training
+    assert step.seconds == pytest.approx((2000.0 + (2000.0 + 2000.0 + 6000.0) / 4) * tokens / 5e8)
+    assert "training " in step.line() and "s on 4 devices" in step.line() and "generation " in step.line()
+
+
+def test_teacher_passes_cost_each_teachers_own_parameters() -> None:
+    cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", "+teacher.by_task.math=big")
+    tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
+    teachers = {"embedded:tiny-arith-teacher": 3000, "big": 7000}
+    step = step_estimate(cfg, decide_logprob_passes(cfg), 1000, 1e9, 0.5, teachers)
+    # the teachers score disjoint rows at the same time: at most the largest one scoring every row
+    assert step.flops["teacher logprobs"] == 2.0 * 7000 * tokens and step.devices["teacher logprobs"] == 1
+    kl = recipe("teacher.model_name=embedded:tiny-arith-teacher", "distillation.kl_weight=0.5", "distillation.advantage_weight=0")
+    step = step_estimate(kl, decide_logprob_passes(kl), 1000, 1e9, 0.5, {"embedded:tiny-arith-teacher": 3000})
+    assert "teacher logprobs" not in step.flops and step.flops["teacher copy (KL term)"] == 2.0 * 3000 * tokens
+
+
+def test_the_plan_command_costs_a_teacher_with_its_own_config(tmp_path) -> None:
+    import json
+
+    from nemo_like.models.footprint import matmul_parameters, memory_report
+    from nemo_like.models.loading import resolve_model_path
+
+    student = json.loads((Path(resolve_model_path(EMBEDDED_MODEL)) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**student, "intermediate_size": 8 * student["intermediate_size"]}))
+    cfg = recipe(f"teacher.model_name={tmp_path}")
+    n, teacher_n = matmul_parameters(EMBEDDED_MODEL), matmul_parameters(str(tmp_path))
+    assert teacher_n > 3 * n
+    lines, _ = memory_report(cfg, decide_run_plan(cfg, (), 2), None, peak_flops=1e9, mfu=0.5)
+    seconds = 2.0 * teacher_n * cfg.rollout_batch_size * cfg.policy.max_total_sequence_length / 5e8
+    assert f"teacher logprobs {seconds:.2f}s on 1 device" in lines[-1]
+
+
+def test_the_plan_commands_training_time_falls_with_more_policy_ranks() -> None:
+    import re
+
+    from nemo_like.models.footprint import memory_report
+
+    def training_seconds(dp: int) -> float:
+        cfg = recipe(f"policy.dp_size={dp}", "policy.generation.backend=hf")
+        lines, _ = memory_report(cfg, decide_run_plan(cfg, (), 2), None, peak_flops=1e9, mfu=0.5)
+        return float(re.search(r"training ([0-9.]+)s", lines[-1]).group(1))
+
+    assert training_seconds(1) > 10 and training_seconds(4) == pytest.approx(training_seconds(1) / 4, rel=0.01)
 
 
 def test_the_plan_command_prints_the_plan_checks_the_fit_and_names_a_missing_model_config(capsys) -> None:
@@ -112,8 +254,16 @@ def test_the_plan_command_prints_the_plan_checks_the_fit_and_names_a_missing_mod
     assert main(["plan", "--device-memory-gib", "64", "--peak-tflops", "0.2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("[plan] prev logprobs") and "[plan] fits: yes" in out and out[-1].startswith("[plan] step time at most")
+    # the split is this machine's: the run's nodes may have other CPUs
+    assert any(
+        line.startswith("[plan] threads per worker on")
+        and "CPUs of this machine" in line
+        and line.endswith("; a run splits its nodes' own CPUs")
+        for line in out
+    )
     assert main(["plan", "--device-memory-gib", "0.01"]) == 3  # the tiny run does not fit in 10 MiB
-    assert "fits: NO; set policy.dtensor_cfg.activation_checkpointing=true" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fits: NO: each node (RAM) over by " in out and "GiB); set policy.dtensor_cfg.activation_checkpointing=true" in out
     gpu_recipe = "examples/configs/grpo_gsm8k_0.5B_1gpu.yaml"
     assert main(["plan", "--config", gpu_recipe]) == 2
     assert "pass --model-config PATH" in capsys.readouterr().err

@@ -114,6 +114,17 @@ def test_actors_spread_over_nodes():
     assert actors_of(cfg).reference == 0
 
 
+def test_a_lora_reference_is_the_policy_so_no_reference_ranks_share_the_cores():
+    # LoRA: the policy computes the reference logprobs with its adapters disabled; no reference actors start
+    lora = ["policy.lora_cfg.enabled=true", "grpo.skip_prev_logprobs=false"]
+    cfg = load_config(SYNC, lora)
+    assert decide_logprob_passes(cfg).compute_reference and actors_of(cfg).reference == 0
+    assert split_of(cfg, cpus=8).policy == 8  # sync: the policy rank alone in every trainer phase
+    async_lora = [*lora, "grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
+    assert split_of(load_config(SYNC, async_lora), cpus=8).policy == 4  # beside the one engine
+    assert split_of(load_config(SYNC, lora[1:]), cpus=8).policy == 4  # full fine-tuning: beside its reference rank
+
+
 def test_shipped_recipes_use_the_automatic_split():
     assert threads(split_of(load_config(SYNC), cpus=2)) == (2, 2, 2)
     assert threads(split_of(load_config(ASYNC), cpus=2)) == (1, 1, 1)

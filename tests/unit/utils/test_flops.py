@@ -1,12 +1,14 @@
 """MFU and per-worker token rates: hand-counted parameters and hand-computed FLOPs (pure functions)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from transformers import Qwen2Config
 
 from nemo_like.config import load_config
 from nemo_like.models.loading import resolve_model_path
+from nemo_like.plan.run_plan import decide_run_plan
 from nemo_like.utils.flops import (
     FlopsSpec,
     cpu_key,
@@ -57,6 +59,37 @@ def test_step_flops_count_training_logprob_passes_and_decoded_tokens():
     assert both["logprobs"] == 4e5  # two passes, each 2 N per trained token
 
 
+def test_teacher_passes_count_each_teachers_scored_tokens_at_its_own_parameters():
+    teachers = step(**{"performance/num_teacher_tokens/0": 100.0, "performance/num_teacher_tokens/1": 30.0})
+    flops = step_flops(teachers, n=1000, teachers=(3000, 5000))
+    assert flops["logprobs"] == 2e5 + 2 * 3000 * 100 + 2 * 5000 * 30 and flops["training"] == 6e5
+    assert step_flops(step(), n=1000, kl_teacher=3000)["training"] == (6000 + 2 * 3000) * 100  # the KL term's teacher forward
+
+
+def gpu_spec(*overrides: str, backend: str = "hf") -> FlopsSpec:
+    cfg = load_config(
+        None, ["cluster.gpus_per_node=8", "cluster.peak_flops_per_device=1e15", "policy.dtensor_cfg.enabled=true", *overrides]
+    )
+    plan = decide_run_plan(cfg, (), 2)
+    plan = replace(plan, backend=replace(plan.backend, value=backend))  # whether or not vllm is installed here
+    teachers = [resolve_model_path(m) for m in cfg.teacher.models()]
+    return flops_spec(cfg, resolve_model_path(cfg.policy.model_name), plan, teachers)
+
+
+def test_gpu_devices_are_every_role_that_holds_one():
+    # grpo_math_1B's layout: 4 policy ranks, 4 reference ranks, vLLM colocated on policy rank 0's GPU
+    assert gpu_spec("policy.dp_size=4", backend="vllm").devices == 8
+    assert gpu_spec("policy.dp_size=4", "policy.generation.colocated.enabled=false", backend="vllm").devices == 9
+    assert gpu_spec("policy.dp_size=4").devices == 9  # an HF engine is never colocated: a GPU of its own
+    assert gpu_spec("policy.dp_size=4", "loss_fn.reference_policy_kl_penalty=0", backend="vllm").devices == 4
+    assert gpu_spec("policy.dp_size=2", "policy.lora_cfg.enabled=true", backend="vllm").devices == 2  # LoRA: no reference actors
+    # two teacher models, each on its own 2 ranks: 2 policy + 2 reference + 2 x 2 teacher + 1 engine
+    two = gpu_spec("policy.dp_size=2", "teacher.model_name=embedded:tiny-arith-teacher", "+teacher.by_task.math=embedded:tiny-arith-qwen2")
+    assert two.devices == 9 and two.teacher_matmul_params == (two.matmul_params, two.matmul_params) and two.training_devices == 2
+    kl = gpu_spec("teacher.model_name=embedded:tiny-arith-teacher", "distillation.advantage_weight=0", "distillation.kl_weight=1")
+    assert (kl.devices, kl.teacher_matmul_params, kl.kl_teacher_matmul_params) == (3, (), kl.matmul_params)
+
+
 def test_mfu_and_per_worker_rates():
     spec = FlopsSpec(
         1000, peak_flops_per_device=1e5, devices=3, training_devices=2, generation_devices=1, training_workers=2, generation_workers=1
@@ -95,7 +128,7 @@ def test_gpu_table_and_configured_peak():
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 1.95e13
     assert gpu_peak_flops("Some Unknown GPU", "bfloat16") is None
     cfg = load_config(None, ["cluster.peak_flops_per_device=2e12", "policy.dp_size=2", "policy.dtensor_cfg.enabled=true"])
-    spec = flops_spec(cfg, resolve_model_path(cfg.policy.model_name))  # CPU: the configured peak, no probe; a device is a node
+    spec = flops_spec(cfg, resolve_model_path(cfg.policy.model_name), decide_run_plan(cfg, (), 2))  # CPU: a device is a node
     assert (spec.peak_flops_per_device, spec.devices, spec.training_devices, spec.training_workers) == (2e12, 1, 1, 2)
     assert spec.matmul_params > 0
     assert (
