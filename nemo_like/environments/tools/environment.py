@@ -20,7 +20,9 @@ counters (:meth:`ToolEnvironment.metrics`). Each step also carries per-sample ``
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -62,6 +64,12 @@ class ToolEnvConfig(BaseModel):
         description="Scores the final answer: 'integer' (exact integer match) or 'module:function' (response_text, answer) -> float.",
     )
     max_calls_per_turn: int = Field(4, ge=1, description="More tool calls than this in one turn give one error observation.")
+    max_parallel_calls: int = Field(
+        8,
+        ge=1,
+        description="Samples whose tool calls run at the same time (each python call is a process of its own); a sample's "
+        "own calls run in order. A user tool ('module:function') must be thread-safe, or set 1.",
+    )
     python_timeout_s: float = Field(5.0, gt=0, le=300, description="python tool: wall-clock limit per call (seconds).")
     python_memory_mb: int = Field(256, ge=32, le=65536, description="python tool: address-space limit of the sandbox process (MiB).")
     python_max_output_bytes: int = Field(4096, ge=16, le=1 << 20, description="python tool: stdout larger than this is an error.")
@@ -98,6 +106,7 @@ class ToolEnvironment(EnvironmentInterface):
         cfg = ToolEnvConfig.model_validate(kwargs)
         self.registry = ToolRegistry.from_config(cfg.tools, "tools", **cfg.sandbox_settings())
         self.max_calls_per_turn = cfg.max_calls_per_turn
+        self.max_parallel_calls = cfg.max_parallel_calls
         self.checker: Callable[[str, Any], float] = (
             score_response if cfg.answer_checker == "integer" else import_reward_fn(cfg.answer_checker)
         )
@@ -116,7 +125,11 @@ class ToolEnvironment(EnvironmentInterface):
         return reward
 
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> list[EnvironmentStep]:
-        steps = []
+        """One turn of every sample: final answers are scored; the samples' tool turns run concurrently, at most
+        ``max_parallel_calls`` at a time (a python call is a process of its own: one at a time, a batch whose snippets
+        loop until their timeout took minutes)."""
+        steps: list[EnvironmentStep | None] = []
+        tool_turns: list[tuple[int, str]] = []
         for log, meta in zip(message_logs, metadata):
             text = _strip_end_markers(log[-1]["content"]) if log else ""
             if sum(m.get("role") == "assistant" for m in log) <= 1:
@@ -126,35 +139,43 @@ class ToolEnvironment(EnvironmentInterface):
                 continue
             if not any(_calls_tool(m) for m in log[:-1]):
                 self._counts["samples_using_tool"] += 1
-            calls, errors = self._counts["tool_calls"], self._counts["tool_errors"]
-            content = self._run_calls(text)
-            per_sample = {"tool_calls": self._counts["tool_calls"] - calls, "tool_errors": self._counts["tool_errors"] - errors}
-            steps.append(EnvironmentStep(0.0, terminated=False, observation={"role": "tool", "content": content}, metrics=per_sample))
-        return steps
+            tool_turns.append((len(steps), text))
+            steps.append(None)
+        if tool_turns:
+            with ThreadPoolExecutor(min(self.max_parallel_calls, len(tool_turns))) as pool:
+                outcomes = list(pool.map(self._run_calls, [text for _, text in tool_turns]))
+            for (index, _), (content, counts) in zip(tool_turns, outcomes):
+                for key, value in counts.items():
+                    self._counts[key] += value
+                per_sample = {"tool_calls": counts["tool_calls"], "tool_errors": counts["tool_errors"]}
+                steps[index] = EnvironmentStep(0.0, terminated=False, observation={"role": "tool", "content": content}, metrics=per_sample)
+        return [step for step in steps if step is not None]
 
-    def _run_calls(self, text: str) -> str:
+    def _run_calls(self, text: str) -> tuple[str, Counter[str]]:
+        """The observation for one turn's calls and the counters they add (summed by :meth:`step`, in sample order)."""
+        counts: Counter[str] = Counter(tool_calls=0, tool_errors=0)
         calls = parse_tool_calls(text)
         if len(calls) > self.max_calls_per_turn:
-            self._counts["tool_errors"] += 1
-            return f"error: {len(calls)} tool calls in one turn; at most {self.max_calls_per_turn}"
+            counts["tool_errors"] += 1
+            return f"error: {len(calls)} tool calls in one turn; at most {self.max_calls_per_turn}", counts
         lines = []
         for call in calls:
-            self._counts["tool_calls"] += 1
+            counts["tool_calls"] += 1
             if isinstance(call, ToolCallError):
-                self._counts["tool_errors"] += 1
-                self._counts["malformed_calls"] += 1
+                counts["tool_errors"] += 1
+                counts["malformed_calls"] += 1
                 lines.append(("tool_call", f"error: {call.message}"))
                 continue
             result = self.registry.call(call.name, call.arguments)
             if not result.ok:
-                self._counts["tool_errors"] += 1
+                counts["tool_errors"] += 1
                 kind_counter = {"timeout": "tool_timeouts", "memory": "tool_memory_errors", "unknown_tool": "unknown_tools"}
                 if result.error_kind in kind_counter:
-                    self._counts[kind_counter[result.error_kind]] += 1
+                    counts[kind_counter[result.error_kind]] += 1
             lines.append((call.name, result.text if result.ok else f"error: {result.text}"))
         if len(lines) == 1:
-            return lines[0][1]
-        return "\n".join(f"{name}: {text}" for name, text in lines)
+            return lines[0][1], counts
+        return "\n".join(f"{name}: {text}" for name, text in lines), counts
 
     def metrics(self) -> dict[str, float]:
         counts, self._counts = self._counts, dict.fromkeys(COUNTERS, 0.0)

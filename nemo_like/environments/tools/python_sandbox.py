@@ -68,12 +68,12 @@ class PythonSandbox:
                 out.seek(0)
                 stdout = out.read(self.max_output_bytes + 1)
                 err.seek(0)
-                stderr = err.read(2000).decode(errors="replace").strip()
+                stderr = err.read().decode(errors="replace").strip()  # at most ~4 KB: the child caps it
         finally:
             shutil.rmtree(work, ignore_errors=True)
         if returncode == "timeout" or returncode == -signal.SIGXCPU:
             raise ToolError("timeout", f"time limit of {self.timeout_s:g} s exceeded")
-        if returncode == 3 or "MemoryError" in stderr:
+        if returncode == 3 or (returncode == 1 and stderr.splitlines()[-1:] and stderr.splitlines()[-1].startswith("MemoryError")):
             raise ToolError("memory", f"memory limit of {self.memory_mb} MB exceeded")
         if returncode == 4 or len(stdout) > self.max_output_bytes:
             raise ToolError("output_limit", f"output larger than {self.max_output_bytes} bytes")
@@ -95,8 +95,7 @@ class PythonSandbox:
             _kill_group(proc)
             return "timeout"
         finally:
-            if proc.poll() is None:
-                _kill_group(proc)
+            _kill_group(proc)  # always: a process the snippet left behind must not outlive the call
         return proc.returncode
 
 

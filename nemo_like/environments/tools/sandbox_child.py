@@ -10,6 +10,7 @@ import ast
 import errno
 import os
 import resource
+import signal
 import sys
 
 #: Audit events refused outright (prefix match): network, new processes, signals, native code.
@@ -24,6 +25,9 @@ _BLOCKED_PREFIXES = (
     "os.forkpty",
     "os.kill",
     "os.killpg",
+    "os.pidfd_open",
+    "signal.pthread_kill",
+    "resource.prlimit",
     "pty.",
     "ctypes.",
     "_winapi.",
@@ -54,13 +58,17 @@ _PATH_EVENTS = {
     "shutil.copytree": (1,),
     "shutil.make_archive": (0,),
     "shutil.unpack_archive": (1,),
+    "sqlite3.connect": (0,),
 }
+_REPORT_CHARS = 1000  # the error report's share of the stderr file (set from the file-size limit in main)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
 def _install_guard(scratch):
     root = os.path.realpath(scratch)
     realpath, fspath, isinstance_, str_, bytes_, int_ = os.path.realpath, os.fspath, isinstance, str, bytes, int
+    # Held by the hook, not read from this module's globals, which the snippet can reach (sys.modules["__main__"]).
+    blocked, path_events, write_flags = tuple(_BLOCKED_PREFIXES), dict(_PATH_EVENTS), _WRITE_FLAGS
 
     def inside(path):
         if isinstance_(path, int_) or path is None:
@@ -72,19 +80,30 @@ def _install_guard(scratch):
         return full == root or full.startswith(root + os.sep)
 
     def hook(event, args):
-        if event.startswith(_BLOCKED_PREFIXES):
+        if event.startswith(blocked):
             raise PermissionError(f"sandbox: {event} is not allowed")
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None))[:3]
-            writing = (isinstance_(mode, str_) and any(c in mode for c in "wax+")) or (isinstance_(flags, int_) and flags & _WRITE_FLAGS)
+            writing = (isinstance_(mode, str_) and any(c in mode for c in "wax+")) or (isinstance_(flags, int_) and flags & write_flags)
             if writing and not inside(path):
                 raise PermissionError(f"sandbox: writing outside the scratch dir is not allowed: {path!r}")
-        elif event in _PATH_EVENTS:
-            for index in _PATH_EVENTS[event]:
+        elif event in path_events:
+            if event.startswith("os.") and isinstance_(args[-1], int_) and args[-1] != -1:  # dir_fd: relative to another dir
+                raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
+            for index in path_events[event]:
                 if index < len(args) and not inside(args[index]):
                     raise PermissionError(f"sandbox: {event} outside the scratch dir is not allowed: {args[index]!r}")
 
     sys.addaudithook(hook)
+    # Calls that raise no audit event: signalling through a pidfd (the parent is an environment actor), and new
+    # processes through _posixsubprocess (multiprocessing's spawn), named pipes and device nodes.
+    import _posixsubprocess
+    import subprocess  # imported now, so it holds no fork_exec of its own after this
+
+    subprocess._fork_exec = None
+    for module, name in ((os, "pidfd_open"), (os, "mkfifo"), (os, "mknod"), (signal, "pidfd_send_signal"), (_posixsubprocess, "fork_exec")):
+        if hasattr(module, name):
+            delattr(module, name)
 
 
 def _run(code):
@@ -107,8 +126,17 @@ def main():
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     os.chdir(scratch)
     _install_guard(scratch)
+    # The stderr file counts against RLIMIT_FSIZE like any other: a snippet's own stderr (debug prints, tracebacks)
+    # keeps half of it, at most 1000 characters (4 bytes each at most), and the error report the other half.
+    global _REPORT_CHARS
+    _REPORT_CHARS = min(1000, (file_size - 1) // 8)
+    sys.stderr = _CappedText(sys.stderr, _REPORT_CHARS)
     try:
         _run(code)
+        sys.stdout.flush()
+    except SystemExit as exc:  # sys.exit() / sys.exit(0) end a snippet normally
+        if exc.code not in (None, 0):
+            _report(exc)
         sys.stdout.flush()
     except MemoryError:
         os._exit(3)
@@ -120,10 +148,31 @@ def main():
         _report(exc)
 
 
+class _CappedText:
+    """A text stream that keeps the first ``limit`` characters written to it and drops the rest."""
+
+    def __init__(self, stream, limit):
+        self.stream, self.left = stream, limit
+
+    def write(self, text):
+        kept = text[: max(self.left, 0)]
+        self.left -= len(kept)
+        if kept:
+            self.stream.write(kept)
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def _report(exc):
     try:
-        sys.stderr.write(f"{type(exc).__name__}: {exc}"[:2000])
-        sys.stderr.flush()
+        stream = sys.__stderr__
+        stream.write("\n" + f"{type(exc).__name__}: {exc}"[: _REPORT_CHARS - 1])  # the last line: what the parent reports
+        stream.flush()
     finally:
         os._exit(1)
 

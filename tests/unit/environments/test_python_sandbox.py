@@ -70,6 +70,35 @@ def test_no_writes_outside_the_scratch_dir(env: ToolEnvironment, tmp_path) -> No
     assert counts["tool_errors"] > 0 and counts["tool_timeouts"] >= 0
 
 
+def test_the_holes_a_review_found_are_closed(env: ToolEnvironment, tmp_path) -> None:
+    """Each of these reached past the guard: a signal to the parent (the environment actor) through a pidfd or a CPU
+    limit set on it, writes through a directory descriptor, a named pipe or sqlite outside the scratch dir, a shell
+    through multiprocessing's spawn (no audit event), and the guard's own lists emptied from the snippet."""
+    outside = str(tmp_path / "victim")
+    for code in (
+        "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), 0)",
+        "import os, resource\nresource.prlimit(os.getppid(), resource.RLIMIT_CPU, (1, 1))",
+        f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\nos.mkdir('victim', dir_fd=fd)",
+        f"import os\nos.mkfifo({outside!r})",
+        f"import sqlite3\nsqlite3.connect({outside!r})",
+        "import multiprocessing, os\nmultiprocessing.get_context('spawn').Process(target=os.getpid).start()",
+        "import sys, socket\nsys.modules['__main__']._BLOCKED_PREFIXES = ()\nsocket.socket()",
+    ):
+        assert run(env, code).startswith("error: python: "), code
+    assert not (tmp_path / "victim").exists()
+
+
+def test_a_snippet_that_ends_normally_is_an_answer_whatever_it_says_on_stderr(env: ToolEnvironment) -> None:
+    """sys.exit() / sys.exit(0) were reported as errors ('SystemExit: 0'), a large stderr (debug prints) as an output
+    limit or a crash, and a MemoryError handled and printed by the snippet as a memory-limit error: each lost the answer."""
+    assert run(env, "import sys\nprint(9716)\nsys.exit(0)") == "9716"
+    assert run(env, "import sys\nprint(9716)\nsys.exit()") == "9716"
+    assert run(env, "import sys\nsys.stderr.write('debug ' * 5000)\nprint(9716)") == "9716"
+    handled = "try:\n    bytearray(1 << 30)\nexcept MemoryError:\n    import traceback; traceback.print_exc()\nprint(9716)"
+    assert run(env, handled) == "9716"
+    assert run(env, "import sys\nsys.exit(3)") == "error: python: SystemExit: 3"
+
+
 @pytest.mark.parametrize("code", ["while True:\n    pass", "import time; time.sleep(30)"])
 def test_the_wall_clock_limit_kills_the_snippet(code: str) -> None:
     env = ToolEnvironment(tools=["python"], python_timeout_s=1.5)

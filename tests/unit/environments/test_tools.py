@@ -162,6 +162,24 @@ def test_tool_env_step_tool_turns_final_answers_and_counters() -> None:
     assert env.score(["9716", call("calculator", expression="1")], [meta, meta]) == [1.0, 0.0]
 
 
+def test_tool_turns_of_a_batch_run_concurrently_and_report_in_sample_order(tmp_path) -> None:
+    """Each sample's tool turn waits at a 4-party barrier: run one at a time (as before), the first would wait alone
+    until the barrier's timeout broke it and every call failed; with max_parallel_calls=4 all four meet. A sample's
+    results and counters stay its own, in sample order; max_parallel_calls=1 keeps user tools one at a time."""
+    (tmp_path / "meeting.py").write_text(
+        "import threading\nBARRIER = threading.Barrier(4, timeout=20)\n"
+        "def meet(tag: str) -> str:\n    BARRIER.wait()\n    return tag.upper()\n"
+    )
+    tool = f"{tmp_path}/meeting.py:meet"
+    env = ToolEnvironment(tools={"meet": tool}, max_parallel_calls=4)
+    logs = [conversation(call("meet", tag=f"s{i}")) for i in range(4)] + [conversation("9716")]
+    steps = env.step(logs, [{"answer": "9716"}] * 5)
+    assert [s.observation["content"] for s in steps[:4]] == ["S0", "S1", "S2", "S3"] and steps[4].reward == 1.0
+    assert [s.metrics for s in steps[:4]] == [{"tool_calls": 1, "tool_errors": 0}] * 4
+    assert env.metrics()["tool_calls"] == 4.0
+    assert ToolEnvironment(tools={"meet": tool}, max_parallel_calls=1).max_parallel_calls == 1
+
+
 def test_tool_env_custom_answer_checker(tmp_path) -> None:
     (tmp_path / "checkers.py").write_text("def contains(text, answer):\n    return float(str(answer) in text)\n")
     env = ToolEnvironment(answer_checker=f"{tmp_path}/checkers.py:contains")
