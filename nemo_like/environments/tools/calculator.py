@@ -8,8 +8,8 @@ the text is at most :data:`MAX_EXPRESSION_CHARS` characters, an exponent's magni
 :data:`MAX_EXPONENT`, and every intermediate integer at most :data:`MAX_RESULT_DIGITS` digits (checked
 *before* a power or a product is computed).
 
-Results: ints as decimal text; floats via ``repr``, except integral floats below 1e15, which print as
-ints (``10/2`` -> ``5``) so a model can copy them as integer answers.
+Results: ints as decimal text (an int divided exactly by an int is an int, every digit kept); floats via ``repr``,
+except integral floats below 1e15, which print as ints (``10/2.0`` -> ``5``) so a model can copy them as integer answers.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def _digits(value: float) -> float:
 
 
 def _check_size(value: int | float) -> int | float:
-    if isinstance(value, int) and value.bit_length() > MAX_RESULT_DIGITS * 3.33:
+    # An int of at most 3321 bits has at most 1000 digits; past that, count them (10**1000, 3322 bits, has 1001).
+    if isinstance(value, int) and value.bit_length() > 3321 and len(str(abs(value))) > MAX_RESULT_DIGITS:
         raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
     if isinstance(value, float) and not math.isfinite(value):
         raise CalculatorError("result is not finite")
@@ -96,6 +97,8 @@ def _evaluate(node: ast.AST) -> int | float:
             raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
         if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
             raise CalculatorError("division by zero")
+        if isinstance(node.op, ast.Div) and isinstance(left, int) and isinstance(right, int) and left % right == 0:
+            return left // right  # exact: a float would lose digits past 2**53 (123456789012345678/2)
         try:
             return _check_size(_BINARY[type(node.op)](left, right))
         except OverflowError:

@@ -53,6 +53,8 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
         ("1e3 * 2", "2000"),
         ("2 ** 1000", str(2**1000)),
         ("10 ** 999", str(10**999)),
+        ("123456789012345678 / 2", "61728394506172839"),  # exact: every digit (a float gave 61728394506172840)
+        ("7 / 2", "3.5"),
     ],  # 302 and 1000 digits: within the limit
 )
 def test_calculator_evaluates_arithmetic(expression: str, value: str) -> None:
@@ -70,6 +72,7 @@ def test_calculator_evaluates_arithmetic(expression: str, value: str) -> None:
         ("[1, 2]", "List is not allowed"),
         ("9 ** 9 ** 9", "exponent"),
         ("10 ** 999 * 10 ** 999", "more than 1000 digits"),
+        ("10 ** 1000", "more than 1000 digits"),  # 1001 digits: the limit counted bits (3330 allow 1003 digits)
         ("99999 ** 1000", "more than 1000 digits"),
         ("1 / 0", "division by zero"),
         ("0 ** -1", "zero to a negative power"),
