@@ -87,6 +87,7 @@ class Checkpoints:
         state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
         sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.apply_optimizer_settings()  # the saved lr, weight decay, betas and eps came back with the state: this run's
         self.weight_version = state["weight_version"]
         if rng_state is not None:
             torch.set_rng_state(rng_state["torch"])

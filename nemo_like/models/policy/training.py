@@ -64,6 +64,17 @@ class TrainingStep:
             self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)) if warmup else 1.0
         )
 
+    def apply_optimizer_settings(self) -> None:
+        """The configured lr, weight decay, betas and eps over a restored optimizer and schedule: a resumed run may
+        change them (docs/guides/checkpointing.md); the moments and the step count stay the checkpoint's."""
+        opt = self.spec.optimizer
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps)
+        self.scheduler.base_lrs = [opt.lr for _ in self.optimizer.param_groups]
+        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["lr"] = opt.lr * factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # what get_last_lr() reports
+
     def train(self, steps: list[Batch]) -> dict[str, Any]:
         """Run one optimizer step per element of ``steps`` (this rank's shard of each global batch).
 

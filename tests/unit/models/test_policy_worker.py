@@ -113,3 +113,21 @@ def test_metrics_of_several_optimizer_steps_are_means_over_the_steps_not_sums() 
         assert both[key] == pytest.approx((alone[0][key] + alone[1][key]) / 2, rel=1e-5, abs=1e-6), key
     assert both["probs_ratio"] == pytest.approx(1.0, abs=1e-5) and both["rollout_corr/is_eff_sample_size"] <= 1.0 + 1e-6
     assert both["num_valid_tokens"] == alone[0]["num_valid_tokens"] + alone[1]["num_valid_tokens"]
+
+
+def test_a_resumed_worker_trains_with_this_runs_optimizer_settings(tmp_path) -> None:
+    """Loading the optimizer and scheduler state brought back the saved lr (and weight decay, betas, eps): a run
+    resumed with policy.optimizer.lr lowered (as the non-finite guard advises, and the guide allows) kept the old lr.
+    The moments and the schedule's position are the checkpoint's; the hyperparameters are this run's."""
+    first = make_worker(4, optimizer=OptimizerConfig(lr=1e-3))
+    for seed in (0, 1):
+        first.train([with_global_counts(random_batch(seed=seed))])
+    first.save_checkpoint(str(tmp_path))
+    resumed = make_worker(4, optimizer=OptimizerConfig(lr=1e-5, weight_decay=0.5, betas=[0.8, 0.9], eps=1e-6), warmup_steps=10)
+    resumed.load_checkpoint(str(tmp_path), None)
+    group = resumed.optimizer.param_groups[0]
+    assert resumed.scheduler.last_epoch == 2 and resumed.optimizer.state[group["params"][0]]["step"] == 2  # the checkpoint's
+    assert (group["weight_decay"], group["betas"], group["eps"]) == (0.5, (0.8, 0.9), 1e-6)
+    assert group["lr"] == pytest.approx(1e-5 * 3 / 11) and resumed.scheduler.get_last_lr() == [group["lr"]]  # warmup step 2
+    result = resumed.train([with_global_counts(random_batch(seed=2))])
+    assert result["lr"] == pytest.approx(1e-5 * 4 / 11)
