@@ -19,6 +19,7 @@ from nemo_like.models.policy.worker import Batch, PolicyWorker, slice_batch
 from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.shared_memory import SharedMemoryRefused, shared_memory_available
 from nemo_like.models.refit.transport import shared_memory_refit_possible
+from nemo_like.plan.logprob_passes import optimizer_steps_per_rollout
 from nemo_like.plan.run_plan import RunPlan
 from nemo_like.plan.threads import ThreadSplit
 from nemo_like.utils.counters import Increments
@@ -58,13 +59,23 @@ class ShardedLogprobs:
         return {k: sum(c[k] for c in counts) for k in counts[0]}
 
 
-def split_rows(batch: Batch, num_shards: int) -> list[Batch]:
-    """Split per-sample tensors into ``num_shards`` contiguous, equally sized row blocks."""
+def optimizer_step_shards(batch: Batch, num_steps: int, dp_size: int) -> list[list[Batch]]:
+    """``[rank][step]`` row blocks of one train call: the rows cut into ``num_steps`` contiguous global batches whose
+    sizes differ by at most one, each carrying its ``global_valid_toks`` / ``global_valid_seqs`` and split across the
+    ``dp_size`` ranks the same way (a rank may get no row; it then runs filler forwards, see ``_agree_on_count``).
+    An agent rollout has more rows than planned when sessions branched and fewer when some were rejected: it still
+    takes the planned number of steps (fixed ``train_global_batch_size`` slices gave branched rows a small extra,
+    unclipped step, or failed to split across two ranks), never a step without a row."""
     size = batch["input_ids"].shape[0]
-    if size % num_shards:
-        raise ValueError(f"cannot split {size} samples evenly across {num_shards} workers")
-    step = size // num_shards
-    return [slice_batch(batch, i * step, (i + 1) * step) for i in range(num_shards)]
+    steps = min(num_steps, size)
+    per_rank: list[list[Batch]] = [[] for _ in range(dp_size)]
+    for chunk in split_rows_unevenly(batch, steps) if steps else []:
+        valid = chunk["token_mask"] * chunk["sample_mask"].unsqueeze(-1)
+        chunk["global_valid_toks"] = valid.sum()
+        chunk["global_valid_seqs"] = chunk["sample_mask"].sum()
+        for rank, shard in enumerate(split_rows_unevenly(chunk, dp_size)):
+            per_rank[rank].append(shard)
+    return per_rank
 
 
 def policy_resources(cfg: MasterConfig, trainable: bool, split: ThreadSplit, name: str = "policy") -> RoleResources:
@@ -94,7 +105,7 @@ class TrainResult:
     grad_norms: list[float]
     lr: float
     nonfinite_steps_skipped: int
-    first_step_logprobs: torch.Tensor
+    first_step_logprobs: torch.Tensor | None  # None when the batch had no row
     logprob_passes_since_last_update: int = 0  # logprob forward passes (all workers) since the previous train call
     forward_tokens: int = 0  # tokens the training forwards ran through the transformer, all data-parallel ranks
 
@@ -196,18 +207,10 @@ class Policy:
         return self.gather_logprobs(self.get_logprobs_async(batch), "logprobs")
 
     def train(self, batch: Batch) -> TrainResult:
-        """Train on a rollout batch: ``rollout / train_global_batch_size`` optimizer steps."""
-        gbs = self.cfg.policy.train_global_batch_size
-        size = batch["input_ids"].shape[0]
+        """Train on a rollout batch: the planned ``rollout / train_global_batch_size`` optimizer steps
+        (:func:`optimizer_step_shards`)."""
         dp = self.cfg.policy.dp_size
-        per_rank_steps: list[list[Batch]] = [[] for _ in range(dp)]
-        for start in range(0, size, gbs):
-            chunk = slice_batch(batch, start, start + gbs)
-            valid = chunk["token_mask"] * chunk["sample_mask"].unsqueeze(-1)
-            chunk["global_valid_toks"] = valid.sum()
-            chunk["global_valid_seqs"] = chunk["sample_mask"].sum()
-            for rank, shard in enumerate(split_rows(chunk, dp)):
-                per_rank_steps[rank].append(shard)
+        per_rank_steps = optimizer_step_shards(batch, optimizer_steps_per_rollout(self.cfg), dp)
         tp = len(self.group) // dp  # the ranks of one tensor-parallel group see the same data
         per_worker = [per_rank_steps[r // tp] for r in range(len(self.group))]
         inject("policy", "train", self.group.workers)  # tests only (cluster.fault_injection); a no-op when unset
@@ -215,8 +218,8 @@ class Policy:
         results = all_results[::tp]
         self.weight_version += 1
         metrics = self.loss_fn.combine_metrics([r["metrics"] for r in results])
-        # Rank r's first-step rows are rows [r*per_rank, (r+1)*per_rank) of the first global batch.
-        first = torch.cat([r["first_step_logprobs"] for r in results], dim=0)
+        # The ranks' first-step rows are contiguous blocks of the first global batch, in rank order.
+        first = torch.cat([r["first_step_logprobs"] for r in results], dim=0) if per_rank_steps[0] else None
         # Summed over every worker, as forward_pass_counts() does.
         passes = sum(r["forward_passes"]["logprobs"] for r in all_results)
         since = self._prev_passes.take(passes)

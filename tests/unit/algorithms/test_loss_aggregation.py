@@ -14,7 +14,7 @@ from nemo_like.algorithms.loss_functions import (
 from nemo_like.algorithms.utils import masked_mean
 from nemo_like.config.loss import LOSS_AGGREGATIONS, ClippedPGLossConfig
 from nemo_like.models.policy.batching import take_rows
-from nemo_like.models.policy.policy import split_rows
+from nemo_like.models.policy.policy import optimizer_step_shards
 
 # ---------------------------------------------------------------- masked_mean
 
@@ -196,7 +196,9 @@ def test_micro_batches_and_data_parallel_ranks_sum_to_the_full_batch(mode: str) 
 
 
 def test_split_rows_matches_the_by_hand_dp_split() -> None:
-    """The DP shards above are the ones the policy makes (contiguous equal row blocks)."""
+    """The DP shards above are the ones the policy makes (contiguous equal row blocks, the whole batch's counts)."""
     batch = {k: v for k, v in _batch().items() if k != "curr"}
-    shards = split_rows(batch, 2)
-    torch.testing.assert_close(shards[1]["prev_logprobs"], batch["prev_logprobs"][3:6])
+    (first,), (second,) = optimizer_step_shards(batch, 1, 2)
+    torch.testing.assert_close(second["prev_logprobs"], batch["prev_logprobs"][3:6])
+    valid = batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)
+    assert float(first["global_valid_toks"]) == float(second["global_valid_toks"]) == float(valid.sum())

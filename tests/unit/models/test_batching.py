@@ -21,6 +21,7 @@ from nemo_like.models.policy.batching import (
     token_budget_groups,
     unpack_logprobs,
 )
+from nemo_like.models.policy.policy import optimizer_step_shards
 from nemo_like.models.policy.worker import PolicyWorker
 
 TEMPERATURE = 0.7
@@ -182,3 +183,36 @@ def test_the_packed_attention_mask_is_built_on_the_segments_device() -> None:
     on_device = block_causal_mask(segment.to("meta"), torch.float32)
     assert on_device.device.type == "meta" and on_device.shape == on_cpu.shape == (1, 1, 5, 5)
     assert bool((on_cpu[0, 0, 3, :3] == torch.finfo(torch.float32).min).all()) and bool((on_cpu[0, 0, 4, 3:] == 0).all())
+
+
+def _rows(n: int) -> dict[str, torch.Tensor]:
+    """``n`` distinct rows: row i's tokens are all i, its first (i % 3) + 1 positions loss tokens."""
+    token_mask = torch.zeros(n, 4)
+    for i in range(n):
+        token_mask[i, : i % 3 + 1] = 1
+    return {"input_ids": torch.arange(n)[:, None].repeat(1, 4), "token_mask": token_mask, "sample_mask": torch.ones(n)}
+
+
+@pytest.mark.parametrize(
+    ("rows", "steps", "dp", "step_sizes", "rank_sizes"),
+    [
+        (16, 2, 2, [8, 8], [[4, 4], [4, 4]]),  # as planned: the train_global_batch_size slices
+        (17, 2, 2, [8, 9], [[4, 4], [4, 5]]),  # a branched session's extra row: still two steps, split unevenly
+        (17, 1, 2, [17], [[8], [9]]),  # one step (fixed slices made a second, one-row step; two ranks failed)
+        (13, 2, 1, [6, 7], [[6, 7]]),  # three sessions rejected
+        (1, 2, 2, [1], [[0], [1]]),  # fewer rows than steps: no step without a row; a rank may have none
+        (0, 2, 2, [], [[], []]),
+    ],
+)
+def test_a_train_call_takes_the_planned_optimizer_steps_whatever_its_row_count(rows, steps, dp, step_sizes, rank_sizes) -> None:
+    batch = _rows(rows)
+    per_rank = optimizer_step_shards(batch, steps, dp)
+    assert [[s["input_ids"].shape[0] for s in rank] for rank in per_rank] == rank_sizes
+    assert [sum(rank[k]["input_ids"].shape[0] for rank in per_rank) for k in range(len(step_sizes))] == step_sizes
+    in_order = [s["input_ids"][:, 0] for k in range(len(step_sizes)) for s in (rank[k] for rank in per_rank)]
+    assert torch.equal(torch.cat(in_order) if in_order else torch.zeros(0, dtype=torch.long), torch.arange(rows))
+    for k in range(len(step_sizes)):  # every shard of a step carries the step's global counts
+        step_rows = torch.cat([rank[k]["input_ids"][:, 0] for rank in per_rank])
+        expected = batch["token_mask"][step_rows].sum()
+        assert all(float(rank[k]["global_valid_toks"]) == float(expected) for rank in per_rank)
+        assert all(float(rank[k]["global_valid_seqs"]) == len(step_rows) for rank in per_rank)
