@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
 from nemo_like.config.sections.base import EMBEDDED_MODEL, Section
 from nemo_like.config.types import Float, Int, ThreadCount
 
+#: An Adam decay rate: 1 never forgets (beta2 = 1 never updates the second moment: division by ~eps), > 1 diverges.
+AdamBeta = Annotated[Float, Field(ge=0, lt=1)]
+
 
 class OptimizerConfig(Section):
     name: Literal["adamw"] = Field("adamw", description="Optimizer (AdamW).")
     lr: Float = Field(1e-5, gt=0, description="Peak learning rate.")
     weight_decay: Float = Field(0.0, ge=0, description="Decoupled weight decay.")
-    betas: tuple[Float, Float] = Field((0.9, 0.999), description="Adam's (beta1, beta2).")
+    betas: tuple[AdamBeta, AdamBeta] = Field((0.9, 0.999), description="Adam's (beta1, beta2), each in [0, 1).")
     eps: Float = Field(1e-8, gt=0, description="Adam's epsilon.")
 
 

@@ -65,6 +65,17 @@ def test_list_and_tuple_elements_refuse_booleans_too() -> None:
         load_config(None, ["policy.generation.stop_token_ids=[3,false]"], warn=False)
 
 
+@pytest.mark.parametrize(
+    ("betas", "message"),
+    [("[0.9,1.0]", r"betas.1: Input should be less than 1"), ("[-0.1,0.99]", r"betas.0: .*greater than or equal to 0")],
+)
+def test_adam_betas_outside_zero_to_one_are_refused_by_key(betas: str, message: str) -> None:
+    """beta2 = 1 never updates the second moment (steps divide by ~eps), > 1 diverges: refused, naming the element."""
+    with pytest.raises(ConfigError, match=rf"policy.optimizer.{message}"):
+        load_config(None, [f"policy.optimizer.betas={betas}"], warn=False)
+    assert load_config(None, ["policy.optimizer.betas=[0,0.5]"], warn=False).policy.optimizer.betas == (0.0, 0.5)
+
+
 def test_ints_are_still_numbers() -> None:
     cfg = load_config(None, ["policy.optimizer.lr=1", "loss_fn.reference_policy_kl_penalty=0", "loss_fn.ratio_clip_c=3"], warn=False)
     assert cfg.policy.optimizer.lr == 1.0 and isinstance(cfg.policy.optimizer.lr, float)
