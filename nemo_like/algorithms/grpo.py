@@ -541,9 +541,16 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                 metrics = runner.step(step, timer)
             except DataExhausted as exc:
                 logger.progress.message(f"[done] {exc}")
-                if manager is not None and saved_step < step - 1:  # the steps since the last save would be lost
+                final = step - 1  # the last step: grpo.max_num_epochs ended the run before grpo.max_num_steps
+                if cfg.grpo.val_at_end and final > last_step and not any(k.startswith("validation/") for k in history[-1]):
+                    val = runner.validate(final, StepTimer())
+                    logger.log(val, final)  # a validation-only record of the last step, as step 0's is
+                    history[-1].update(val)
+                    last_validation = {k: v for k, v in val.items() if k.startswith("validation/")}
+                    logger.progress.message(f"[step {final}] validation/accuracy={val['validation/accuracy']:.3f}")
+                if manager is not None and saved_step < final:  # the steps since the last save would be lost
                     last_metrics = {k: v for k, v in history[-1].items() if k != "step"}
-                    path = runner.save(manager, step - 1, {**last_validation, **last_metrics})
+                    path = runner.save(manager, final, {**last_validation, **last_metrics})
                     logger.progress.message(f"[checkpoint] saved {path}")
                 break
             last = step == cfg.grpo.max_num_steps

@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from functional.helpers import REPO, ckpt_overrides, tiny_config
+from functional.helpers import REPO, ckpt_overrides, read_metrics, tiny_config
 
 from nemo_like.config import load_config
 from nemo_like.experience.async_rollouts import BUFFER_FILE
@@ -141,6 +141,12 @@ def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, t
     # 8 prompts, 4 per step: steps 1-2 are epoch 0, the one epoch allowed; step 3 would start epoch 1.
     assert [r["step"] for r in history] == [1, 2]
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_2"]
+    # The run ended before grpo.max_num_steps, and still validates its last step (grpo.val_at_end): logged as its own
+    # record of step 2, and in the checkpoint's metrics (before, a run ended by its epochs had no final validation).
+    records = read_metrics(tmp_path / "logs")
+    assert [r["step"] for r in records if "validation/accuracy" in r] == [2] and "validation/accuracy" in history[-1]
+    saved = json.loads((tmp_path / "ckpt" / "step_2" / "trainer_state.json").read_text())
+    assert saved["metrics"]["validation/accuracy"] == history[-1]["validation/accuracy"]
     if async_enabled:
         assert all(0.0 <= r["train/max_trajectory_age"] <= 2.0 for r in history)
         assert all(r["idle/trainer_waiting_for_refit"] == 0.0 for r in history)  # in flight: the trainer never waits
