@@ -109,17 +109,35 @@ def restore_run(parts: GRPOComponents, checkpoint: CheckpointInfo) -> int:
     return int(checkpoint.state["step"])
 
 
-def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int = 0) -> None:
+def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int | None = None) -> None:
     """Drop records of steps after ``last_step`` (logged after the checkpoint, redone on resume). The file's first
-    ``from_byte`` bytes (what earlier runs wrote, for a run restarting in process) are kept as they are; a torn last
-    line (a process killed mid-write) is dropped too."""
+    ``from_byte`` bytes (what earlier runs wrote) are kept as they are; ``None``: everything before the last run in
+    the file (:func:`last_run_start`: another run in the same ``logger.log_dir`` went past the checkpoint's step, and
+    its records are not this run's to drop). A torn last line (a process killed mid-write) is dropped too."""
     if not metrics_path.exists():
         return
     data = metrics_path.read_bytes()
-    kept = [line for line in data[from_byte:].decode().splitlines() if (step := _step_of(line)) is not None and step <= last_step]
+    start = last_run_start(data) if from_byte is None else from_byte
+    kept = [line for line in data[start:].decode().splitlines() if (step := _step_of(line)) is not None and step <= last_step]
     tmp = metrics_path.with_suffix(".jsonl.tmp")
-    tmp.write_bytes(data[:from_byte] + "".join(line + "\n" for line in kept).encode())
+    tmp.write_bytes(data[:start] + "".join(line + "\n" for line in kept).encode())
     tmp.replace(metrics_path)
+
+
+def last_run_start(data: bytes) -> int:
+    """The byte offset where the last run of a ``metrics.jsonl`` begins: its line after the last place where the
+    step goes down (a fresh run appends and starts its steps again; a resumed one goes on from its checkpoint's
+    step), as :func:`nemo_like.utils.plot.read_metrics` reads it."""
+    start = offset = 0
+    previous = None
+    for line in data.splitlines(keepends=True):
+        step = _step_of(line.decode(errors="replace"))
+        if step is not None:
+            if previous is not None and step < previous:
+                start = offset
+            previous = step
+        offset += len(line)
+    return start
 
 
 def _step_of(line: str) -> int | None:

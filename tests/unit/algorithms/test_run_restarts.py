@@ -85,6 +85,20 @@ def test_trimming_metrics_keeps_earlier_runs_bytes_and_drops_later_steps_and_a_t
     assert path.read_text() == earlier
 
 
+def test_a_resume_trims_only_the_last_run_of_a_shared_metrics_file(tmp_path):
+    """A log_dir holding an earlier, longer run (steps 1-7) and this run's steps 0-4: resuming this run from its step-2
+    checkpoint drops this run's steps 3-4 only (the whole file was trimmed: the earlier run lost its steps 3-7)."""
+    path = tmp_path / "metrics.jsonl"
+    earlier = "".join(json.dumps({"step": s, "run": "a"}) + "\n" for s in range(1, 8))
+    path.write_text(earlier + "".join(json.dumps({"step": s, "run": "b"}) + "\n" for s in (0, 1, 2, 2, 3, 4)))
+    trim_metrics_after(path, 2)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["run"], r["step"]) for r in records] == [("a", s) for s in range(1, 8)] + [("b", s) for s in (0, 1, 2, 2)]
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "x')  # one run, torn
+    trim_metrics_after(path, 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
 def fake_run(tmp_path: Path, monkeypatch, attempts, *overrides: str, control: RunControl | None = None):
     """``train._train_locked`` with each attempt replaced by ``attempts[i](logger, resume_from)``."""
     cfg = load_config(
