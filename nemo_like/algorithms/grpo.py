@@ -53,7 +53,7 @@ from nemo_like.experience.rollouts import (
 from nemo_like.models.footprint import planned_memory_lines
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.loading import resolve_model_path
-from nemo_like.utils.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager
+from nemo_like.utils.checkpoint import VALIDATED_AT_STEP, CheckpointError, CheckpointInfo, CheckpointManager
 from nemo_like.utils.flops import flops_metrics, flops_spec
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.seeds import rollout_seed, validation_seed
@@ -520,6 +520,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     logger.progress.message(f"[plan] {flops.describe()}")
     manager = checkpoint_manager(parts)
     last_step = restore_run(parts, resume_from) if resume_from is not None else 0
+    # The latest validation/* values, saved with each checkpoint until the next validation (best-k ranks by them).
+    last_validation: dict[str, Any] = validation_of(resume_from.state.get("metrics", {})) if last_step else {}
     if last_step:
         logger.progress.message(f"[checkpoint] resumed from {resume_from.path} (step {last_step})")
     elif cfg.grpo.val_at_start:
@@ -529,7 +531,6 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
         logger.progress.message(f"[step 0] validation/accuracy={val['validation/accuracy']:.3f}")
     timer = StepTimer()
     nonfinite_streak = 0
-    last_validation: dict[str, Any] = {}
     saved_step = last_step
     runner.start(last_step, resume_from)
     try:
@@ -546,7 +547,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                     val = runner.validate(final, StepTimer())
                     logger.log(val, final)  # a validation-only record of the last step, as step 0's is
                     history[-1].update(val)
-                    last_validation = {k: v for k, v in val.items() if k.startswith("validation/")}
+                    last_validation = validation_of(val, final)
                     logger.progress.message(f"[step {final}] validation/accuracy={val['validation/accuracy']:.3f}")
                 if manager is not None and saved_step < final:  # the steps since the last save would be lost
                     last_metrics = {k: v for k, v in history[-1].items() if k != "step"}
@@ -556,7 +557,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             last = step == cfg.grpo.max_num_steps
             if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (last and cfg.grpo.val_at_end):
                 metrics.update(runner.validate(step, timer))
-                last_validation = {k: v for k, v in metrics.items() if k.startswith("validation/")}
+                last_validation = validation_of(metrics, step)
             total = time.perf_counter() - start
             metrics.update(faults.metrics())  # faults/*: only once an actor has died
             for phase in (*TIMED_PHASES, "validation", *timer.seconds):
@@ -592,6 +593,13 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     finally:
         runner.close()
     return history
+
+
+def validation_of(metrics: dict[str, Any], step: int | None = None) -> dict[str, Any]:
+    """The ``validation/*`` values of ``metrics``, with the step they measured when given (a checkpoint's metrics
+    already carry it)."""
+    values = {k: v for k, v in metrics.items() if k.startswith("validation/")}
+    return values if step is None else {**values, VALIDATED_AT_STEP: float(step)}
 
 
 def format_timing(metrics: dict[str, Any]) -> str:

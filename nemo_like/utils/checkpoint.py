@@ -34,6 +34,9 @@ import yaml
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp_step_"
 STATE_FILE = "trainer_state.json"
+#: In a checkpoint's metrics: the step whose weights its ``validation/*`` values measured (they carry on into the
+#: checkpoints saved until the next validation, so that best-k by a validation metric can rank them).
+VALIDATED_AT_STEP = "validation/measured_at_step"
 
 # Keys whose change makes a checkpoint unusable: the model, the batch geometry, the data stream.
 INCOMPATIBLE_KEYS = (
@@ -227,14 +230,17 @@ class CheckpointManager:
         os.rename(checkpoint, aside)
         return aside
 
-    def _rank_key(self, checkpoint: CheckpointInfo) -> tuple[float, int]:
-        """Higher is better; checkpoints without the metric rank below those with it, then by step."""
+    def _rank_key(self, checkpoint: CheckpointInfo) -> tuple[float, bool, int]:
+        """Higher is better; checkpoints without the metric rank below those with it; on a tie the checkpoint whose
+        own weights the validation measured (it carries on into later saves until the next one), then the later."""
         if self.metric_name is None:
-            return (0.0, checkpoint.step)
-        value = checkpoint.state.get("metrics", {}).get(metric_key(self.metric_name))
+            return (0.0, False, checkpoint.step)
+        metrics = checkpoint.state.get("metrics", {})
+        value = metrics.get(metric_key(self.metric_name))
         if value is None:
-            return (float("-inf"), checkpoint.step)
-        return (value if self.higher_is_better else -value, checkpoint.step)
+            return (float("-inf"), False, checkpoint.step)
+        measured_here = metrics.get(VALIDATED_AT_STEP) == checkpoint.step
+        return (value if self.higher_is_better else -value, measured_here, checkpoint.step)
 
 
 def metric_key(metric_name: str) -> str:

@@ -14,6 +14,7 @@ from nemo_like.config import load_config
 from nemo_like.experience.async_rollouts import BUFFER_FILE
 from nemo_like.plan.backend import resolve_backend
 from nemo_like.train import train
+from nemo_like.utils.checkpoint import VALIDATED_AT_STEP
 
 pytestmark = pytest.mark.slow
 
@@ -91,8 +92,14 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
     # Crash after step 2: only step_2 survives; the rerun resumes from it with the buffer it held.
     for later in ("step_4", "step_5"):
         shutil.rmtree(ckpt / later)
+    # As if step 2 had been validated: the resumed run carries that validation into its saves until its next one (it
+    # started from none: a resumed run's checkpoints lacked the metric that best-k ranks by).
+    saved["metrics"].update({"validation/accuracy": 0.125, VALIDATED_AT_STEP: 2.0})
+    (ckpt / "step_2" / "trainer_state.json").write_text(json.dumps(saved))
     resumed = steps_of(train(tiny_config(tmp_path, *overrides)))
     assert [r["step"] for r in resumed] == [3, 4, 5]
+    carried = json.loads((ckpt / "step_4" / "trainer_state.json").read_text())["metrics"]
+    assert (carried["validation/accuracy"], carried[VALIDATED_AT_STEP]) == (0.125, 2.0)
     for a, b in zip(straight[2:], resumed):
         for key in COMPARED:
             assert a[key] == b[key], (a["step"], key)

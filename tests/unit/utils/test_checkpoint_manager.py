@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from nemo_like.utils.checkpoint import (
+    VALIDATED_AT_STEP,
     CheckpointError,
     CheckpointManager,
     incompatible_differences,
@@ -60,6 +61,16 @@ def test_keep_top_k_by_metric_always_keeps_the_latest(tmp_path):
     for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2)]:
         lower.save(step, write_blob(1), {"metrics": {"train/loss": loss}}, {})
     assert [c.step for c in lower.valid_checkpoints()] == [2, 3]
+
+
+def test_a_tie_keeps_the_checkpoint_whose_weights_the_validation_measured(tmp_path):
+    """Validation at step 2 (0.8) carries on into the saves of steps 3 and 4 until the next one: best-1 by it keeps
+    step 2, the validated weights (a tie went to the later step, weights never validated), and the latest."""
+    manager = CheckpointManager(tmp_path, keep_top_k=1, metric_name="val:accuracy")
+    for step, measured in [(1, 1), (2, 2), (3, 2), (4, 2)]:
+        acc = {1: 0.5, 2: 0.8}[measured]
+        manager.save(step, write_blob(1), {"metrics": {"validation/accuracy": acc, VALIDATED_AT_STEP: float(measured)}}, {})
+    assert [c.step for c in manager.valid_checkpoints()] == [2, 4]
 
 
 def test_a_fresh_run_keeps_the_checkpoint_it_just_wrote_beside_another_runs_later_ones(tmp_path):
