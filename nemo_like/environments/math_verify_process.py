@@ -24,6 +24,11 @@ from typing import Any
 #: Reply statuses; ``timeout`` and ``crash`` are decided by the parent.
 STATUSES = ("correct", "wrong", "parse_failure", "gold_parse_failure", "timeout", "crash")
 _READY = "ready"
+#: Checked once before a helper says it is ready: a fresh process's first fraction and first root against a decimal
+#: cost 0.10-0.13 s and 0.16-0.25 s on a quiet core (lazy set-up in sympy and the LaTeX parser; 6-16 ms once warm),
+#: many times that on a loaded one, charged to the first answers after each restart (a correct \frac{1}{2} timed
+#: out at 1.5 s in a loaded CI run). Expected statuses: correct, wrong, correct (tests/unit/environments).
+WARM_UP = (("\\boxed{\\frac{1}{2}}", "$0.5$"), ("\\boxed{\\sqrt{3}}", "$1.7$"), ("\\boxed{x+1}", "$1+x$"))
 
 
 def gold_text(gold: Any) -> str:
@@ -163,6 +168,11 @@ def serve() -> None:
     logging.getLogger("latex2sympy2_extended").setLevel(logging.CRITICAL)
     import math_verify  # noqa: F401  (import before announcing readiness: a check then costs only its own time)
 
+    for response, gold in WARM_UP:  # sympy and the LaTeX parser set up lazily: ~0.4 s on a quiet core, not the first answer's
+        try:
+            verify_answer(response, gold)
+        except Exception:  # noqa: BLE001 - a warm-up, not an answer
+            pass
     out.write(json.dumps({"status": _READY}) + "\n")
     out.flush()
     cache: dict[str, Any] = {}

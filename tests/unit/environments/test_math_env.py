@@ -7,6 +7,7 @@ import time
 import pytest
 
 from nemo_like.environments.math import MathEnvironment, has_boxed_answer
+from nemo_like.environments.math_verify_process import WARM_UP, verify_answer
 
 # (response, gold answer, correct?)
 PAIRS = [
@@ -102,6 +103,11 @@ def test_a_hanging_answer_is_cut_off_and_the_rest_of_the_batch_is_scored() -> No
     assert counts["timeouts"] == 1 and counts["correct"] == 2 and counts["parse_failures"] == 1
     assert env.checker.restarts == 1
     print(f"batch with one hanging answer scored in {elapsed:.1f}s (limit 1.5s + one helper restart)")
+
+
+def test_the_helpers_warm_up_runs_the_parsers_first_answers_would_pay_for() -> None:
+    """A warm-up that failed to parse would warm nothing: each pair reaches the verifier's comparison."""
+    assert [verify_answer(response, gold) for response, gold in WARM_UP] == ["correct", "wrong", "correct"]
 
 
 def test_a_helper_that_died_while_idle_costs_no_answer_its_reward() -> None:
