@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_like.utils.cpus import local_cores
-from nemo_like.utils.throughput import TIMING_PREFIX, TOTAL_KEY, rate
+from nemo_like.utils.throughput import TIMING_PREFIX, TOTAL_KEY, generation_seconds, rate
 
 # Dense (no sparsity) peak FLOP/s by GPU name fragment and precision (vendor data sheets, SXM parts);
 # float32 is plain FP32 (TF32 tensor cores are off by default in torch matmuls).
@@ -104,12 +104,6 @@ def step_flops(metrics: Mapping[str, float], n: int, teachers: Sequence[int] = (
         "logprobs": 2.0 * n * tokens * passes + scored,
         "generation": 2.0 * n * float(metrics.get("performance/num_generated_tokens", 0.0)),
     }
-
-
-def generation_seconds(metrics: Mapping[str, float]) -> float:
-    """Seconds the engines generated this step: ``timing/train/generation`` (sync), else the collector's
-    ``async/generation_seconds`` (async: the trainer does not generate)."""
-    return float(metrics.get(f"{TIMING_PREFIX}generation", 0.0)) or float(metrics.get("async/generation_seconds", 0.0))
 
 
 def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, float]:

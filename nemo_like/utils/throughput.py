@@ -23,6 +23,12 @@ def rate(amount: float, seconds: float) -> float:
     return amount / seconds if seconds > 0 else 0.0
 
 
+def generation_seconds(metrics: Mapping[str, float]) -> float:
+    """Seconds the engines generated this step: ``timing/train/generation`` (sync), else the collector's
+    ``async/generation_seconds`` (async: the trainer does not generate)."""
+    return float(metrics.get(f"{TIMING_PREFIX}generation", 0.0)) or float(metrics.get("async/generation_seconds", 0.0))
+
+
 def phase_seconds(metrics: Mapping[str, float]) -> dict[str, float]:
     """``{phase: seconds}`` for every ``timing/train/<phase>`` key except the total and the shares."""
     return {
@@ -42,7 +48,8 @@ def throughput_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """Tokens and samples per second of one step, and the time share of each phase.
 
     * ``performance/tokens_per_sec``: batch tokens (prompt + response) / total step time;
-    * ``performance/generation_tokens_per_sec``: generated tokens / generation seconds;
+    * ``performance/generation_tokens_per_sec``: generated tokens / generation seconds (:func:`generation_seconds`:
+      async steps take the collector's, it was 0 there);
     * ``performance/training_tokens_per_sec``: batch tokens / policy_training seconds;
     * ``performance/samples_per_sec``: batch samples / total step time;
     * ``timing/train/share/<phase>``: see :func:`phase_shares`.
@@ -54,7 +61,7 @@ def throughput_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     return {
         "performance/tokens_per_sec": rate(batch_tokens, total),
         "performance/generation_tokens_per_sec": rate(
-            float(metrics.get("performance/num_generated_tokens", 0.0)), float(metrics.get(f"{TIMING_PREFIX}generation", 0.0))
+            float(metrics.get("performance/num_generated_tokens", 0.0)), generation_seconds(metrics)
         ),
         "performance/training_tokens_per_sec": rate(batch_tokens, float(metrics.get(f"{TIMING_PREFIX}policy_training", 0.0))),
         "performance/samples_per_sec": rate(float(metrics.get("performance/num_samples", 0.0)), total),

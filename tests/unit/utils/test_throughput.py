@@ -27,6 +27,13 @@ def test_rates_use_the_documented_numerators_and_denominators():
     assert out["performance/samples_per_sec"] == pytest.approx(16 / 6)
 
 
+def test_an_async_step_rates_generation_by_the_collectors_seconds():
+    """The trainer of an async run does not generate (timing/train/generation is 0): the rate was always 0 there."""
+    metrics = step_metrics(generation=0.0, policy_training=3.0, total_step_time=6.0)
+    metrics["async/generation_seconds"] = 2.5
+    assert throughput_metrics(metrics)["performance/generation_tokens_per_sec"] == pytest.approx(300 / 2.5)
+
+
 def test_shares_cover_every_phase_and_sum_to_the_timed_fraction():
     metrics = step_metrics(refit=0.5, generation=1.5, policy_training=3.0, prev_logprobs=0.0, total_step_time=6.0)
     shares = phase_shares(metrics)
