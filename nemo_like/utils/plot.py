@@ -77,6 +77,11 @@ def _as_float(value: Any) -> Any:
     return value
 
 
+#: Dashed lines on a panel's right axis, one colour each (the async panel has two idle lines), apart from the left
+#: axis's default cycle (tab:blue, tab:orange, tab:green, ...).
+TWIN_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink")
+
+
 def series(records: Sequence[dict[str, Any]], metric: str) -> tuple[list[int], list[float]]:
     """``(steps, values)`` of the records that hold a numeric ``metric``."""
     points = [(r["step"], float(r[metric])) for r in records if isinstance(r.get(metric), (int, float))]
@@ -99,10 +104,17 @@ def _line_panel(ax: Any, records: Sequence[dict[str, Any]], title: str, metrics:
     handles, labels = ax.get_legend_handles_labels()
     if twin:
         ax2 = ax.twinx()
-        for metric in twin:
+        for i, metric in enumerate(twin):
             steps, values = series(records, metric)
             if steps:
-                ax2.plot(steps, values, color="tab:red", linestyle="--", marker="." if len(steps) < 30 else None, label=metric)
+                ax2.plot(
+                    steps,
+                    values,
+                    color=TWIN_COLORS[i % len(TWIN_COLORS)],
+                    linestyle="--",
+                    marker="." if len(steps) < 30 else None,
+                    label=metric,
+                )
                 plotted = True
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2

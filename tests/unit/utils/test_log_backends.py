@@ -69,3 +69,18 @@ def test_a_torn_last_line_is_cut_before_appending_and_the_plot_reads_the_last_ru
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):
         read_metrics(path)
+
+
+def test_the_async_panels_right_axis_lines_have_their_own_colours() -> None:
+    """Both idle lines of the async panel were drawn in tab:red: the legend could not tell them apart."""
+    from matplotlib.colors import to_hex
+
+    from nemo_like.utils.plot import ASYNC_PANEL, _grid, _line_panel
+
+    title, left, right = ASYNC_PANEL
+    records = [{"step": s, **{m: float(s + i) for i, m in enumerate([*left, *right])}} for s in (1, 2, 3)]
+    fig, (ax,) = _grid(1)
+    _line_panel(ax, records, title, left, right)
+    twin = [a for a in fig.axes if a is not ax]
+    colours = [to_hex(line.get_color()) for a in (ax, *twin) for line in a.get_lines()]
+    assert len(colours) == len(left) + len(right) == len(set(colours))
