@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_like.environments.tools.parsing import CLOSE_TAG, OPEN_TAG, ToolCall, parse_tool_calls
+from nemo_like.environments.tools.parsing import CLOSE_TAG, OPEN_TAG, ToolCall, parse_tool_calls, tool_call_bodies
 from nemo_like.utils.registry import Registry
 
 
@@ -40,8 +40,7 @@ def openai_tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 def _close_trailing_call(text: str) -> str:
     """``text`` with a closing tag added when its last ``<tool_call>`` is not closed: the call an agent's
     ``stop=["</tool_call>"]`` cut before its closing tag (an unclosed call whose JSON does not parse still fails)."""
-    tail = text[text.rindex(OPEN_TAG) + len(OPEN_TAG) :]
-    return text if CLOSE_TAG in tail else text + CLOSE_TAG
+    return text + CLOSE_TAG if tool_call_bodies(text)[1] else text
 
 
 @TOOL_PARSERS.register("hermes")

@@ -18,7 +18,8 @@ from typing import Any
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
-_CALL = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,45 @@ def _parse_one(body: str) -> ToolCall | ToolCallError:
     return ToolCall(name, arguments)
 
 
+def _close_after_json(text: str, start: int) -> int | None:
+    """When a JSON value starts at ``start``: where the closing tag after it is (only whitespace between), or -1 when
+    only whitespace follows it to the end (a call cut before its tag); ``None`` otherwise. A ``</tool_call>`` inside
+    one of the value's strings (code that prints it) does not end the call."""
+    try:
+        _, end = _DECODER.raw_decode(text, _SPACE.match(text, start).end())
+    except (ValueError, RecursionError):
+        return None
+    close = _SPACE.match(text, end).end()
+    if close == len(text):
+        return -1
+    return close if text.startswith(CLOSE_TAG, close) else None
+
+
+def tool_call_bodies(text: str) -> tuple[list[str], bool]:
+    """The text inside each ``<tool_call>...</tool_call>`` of ``text`` in order, and whether the last opening tag is
+    left unclosed. A call ends at the closing tag after its JSON value, else (malformed JSON) at the next closing tag."""
+    bodies: list[str] = []
+    position = 0
+    while (opened := text.find(OPEN_TAG, position)) != -1:
+        start = opened + len(OPEN_TAG)
+        close = _close_after_json(text, start)
+        if close is None:
+            close = text.find(CLOSE_TAG, start)
+        if close == -1:
+            return bodies, True
+        bodies.append(text[start:close])
+        position = close + len(CLOSE_TAG)
+    return bodies, False
+
+
 def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
     """Every ``<tool_call>...</tool_call>`` of ``text`` in order, each parsed or an error.
 
     An opening tag without its closing tag (e.g. generation cut by the token limit) is one error.
     Returns ``[]`` when the text calls no tool."""
-    calls: list[ToolCall | ToolCallError] = [_parse_one(match.group(1).strip()) for match in _CALL.finditer(text)]
-    if text.count(OPEN_TAG) > len(calls):
+    bodies, unterminated = tool_call_bodies(text)
+    calls: list[ToolCall | ToolCallError] = [_parse_one(body.strip()) for body in bodies]
+    if unterminated:
         calls.append(ToolCallError(f"unterminated {OPEN_TAG} (no {CLOSE_TAG})"))
     return calls
 

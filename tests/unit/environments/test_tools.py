@@ -14,6 +14,7 @@ from nemo_like.environments.tools.calculator import CalculatorError, calculator,
 from nemo_like.environments.tools.environment import ToolEnvironment
 from nemo_like.environments.tools.parsing import ToolCall, ToolCallError, format_tool_call, parse_tool_calls
 from nemo_like.environments.tools.registry import ToolRegistry
+from nemo_like.serving.tool_parsers import parse_hermes
 
 
 def call(name: str, **arguments: object) -> str:
@@ -40,6 +41,14 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
     for text, message in bad.items():
         (parsed,) = parse_tool_calls(text)
         assert isinstance(parsed, ToolCallError) and message in parsed.message, (text, parsed)
+    # Code that prints the closing tag: the call ends at the tag after its JSON (the first tag cut the JSON in two)
+    code = 'print("<tool_call>{}</tool_call>")'
+    assert parse_tool_calls(call("python", code=code) + " then " + call("calculator", expression="1+1")) == [
+        ToolCall("python", {"code": code}),
+        ToolCall("calculator", {"expression": "1+1"}),
+    ]
+    assert parse_hermes(call("python", code=code)).tool_calls[0]["function"]["arguments"] == json.dumps({"code": code})
+    assert parse_hermes('<tool_call>{"name": "python", "arguments": {"code": "' + code.replace('"', '\\"') + '"}}').tool_calls  # stop-cut
 
 
 @pytest.mark.parametrize(
