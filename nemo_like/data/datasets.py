@@ -393,7 +393,10 @@ def select_rows(prompts: list[Any], role: str, split_cfg: DatasetSplitConfig, fr
     if fraction is not None:
         rows = [i for i in rows if in_validation(prompts[i], fraction) == (role == "validation")]
     random.Random(f"data/{role}/{split_cfg.seed}").shuffle(rows)
-    return rows[: split_cfg.num_problems] if split_cfg.num_problems else rows
+    if split_cfg.num_problems and len(rows) > split_cfg.num_problems:  # said: the default (20000 / 256) cuts silently otherwise
+        print(f"data.{role}: using {split_cfg.num_problems} of {len(rows)} rows (data.{role}.num_problems; null uses all)")
+        return rows[: split_cfg.num_problems]
+    return rows
 
 
 def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Problem]:

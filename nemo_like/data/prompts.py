@@ -119,10 +119,17 @@ class PromptDataLoader:
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.records)))
+        """Epoch ``epoch``'s order. Each epoch trains ``len - len % batch_size`` prompts (no partial batch). Shuffled:
+        a fresh seeded permutation, so the prompts left out change. Unshuffled: the rows in file order, continuing
+        where the previous epoch stopped (one cyclic stream), so the tail one epoch leaves out heads the next (it
+        started at row 0 every time: the same tail was never trained)."""
+        n = len(self.records)
         if self.shuffle:
+            order = list(range(n))
             random.Random(f"{self.seed}/{epoch}").shuffle(order)
-        return order
+            return order
+        start = epoch * (n - n % self.batch_size) % n
+        return [*range(start, n), *range(start)]
 
     @property
     def next_batch_epoch(self) -> int:

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig
 from nemo_like.data.datasets import find_spec, gsm8k_final_answer, in_validation, load_source, resolve_source
-from nemo_like.data.prompts import PromptDataLoader, build_prompt_dataset
+from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
 from nemo_like.models.loading import load_tokenizer
 
 BUDGET = 56  # the tiny recipe's 64 total - 8 new tokens
@@ -465,6 +465,35 @@ def test_the_loader_says_which_epoch_its_next_batch_comes_from(tmp_path, tok):
         epochs.append((loader.next_batch_epoch, loader.epoch))
         loader.next_batch()
     assert epochs == [(0, 0), (0, 0), (1, 0)] and loader.epoch == 1  # the incomplete tail (2 prompts) is skipped
+
+
+def test_a_dataset_cut_by_num_problems_says_so(tmp_path, tok, capsys) -> None:
+    """data.train.num_problems (20000 by default, for the arithmetic task) cut a larger file without a word."""
+    path = write_jsonl(tmp_path / "t.jsonl", rows(12))
+    assert len(build(data_cfg(path, path, train={"num_problems": 5}), tok)) == 5
+    assert "data.train: using 5 of 12 rows (data.train.num_problems; null uses all)" in capsys.readouterr().out
+    assert len(build(data_cfg(path, path, train={"num_problems": 12}), tok)) == 12
+    assert "using" not in capsys.readouterr().out
+
+
+def test_an_unshuffled_loader_trains_every_prompt_the_tail_heading_the_next_epoch() -> None:
+    """10 prompts in batches of 4, data.shuffle=false: each epoch trains 8 (no partial batch), continuing in file order
+    where the last one stopped, so the two it leaves out head the next epoch (every epoch began at row 0: p8 and p9
+    were never trained). Resumed mid-epoch, the order is the same."""
+    records = [PromptRecord(f"p{i}", [], [1], {}) for i in range(10)]
+    loader = PromptDataLoader(records, 4, seed=0, shuffle=False)
+    batches = [[r.id for r in loader.next_batch()] for _ in range(5)]
+    assert batches == [
+        ["p0", "p1", "p2", "p3"],
+        ["p4", "p5", "p6", "p7"],
+        ["p8", "p9", "p0", "p1"],
+        ["p2", "p3", "p4", "p5"],
+        ["p6", "p7", "p8", "p9"],
+    ]
+    assert loader.epoch == 2
+    resumed = PromptDataLoader(records, 4, seed=0, shuffle=False)
+    resumed.load_state_dict({**loader.state_dict()})
+    assert [r.id for r in resumed.next_batch()] == [r.id for r in loader.next_batch()] == ["p0", "p1", "p2", "p3"]
 
 
 def test_column_keys_warn_when_every_split_is_arithmetic():
