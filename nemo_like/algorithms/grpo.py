@@ -186,13 +186,20 @@ def collect_training_rollout(
     )
     batch_index = 0
     env_counters: dict[str, float] = {}
+    loader, at_start = parts.train_loader, parts.train_loader.state_dict()
     while True:
+        if batch_index and loader.next_batch_epoch >= cfg.grpo.max_num_epochs:  # a refill must not start another epoch
+            loader.load_state_dict(at_start)  # the step is not trained: a resume with more epochs draws its prompts again
+            raise DataExhausted(
+                f"grpo.max_num_epochs={cfg.grpo.max_num_epochs} reached while dynamic sampling refilled step {step} "
+                f"({batch_index} generation batch(es) had too few groups with reward variance)"
+            )
         phase_times: dict[str, float] = {}
         rollout = collect_rollout(
             parts.generation,
             parts.environment,
             parts.tokenizer,
-            parts.train_loader.next_batch(),
+            loader.next_batch(),
             cfg.grpo.num_generations_per_prompt,
             params,
             seed=rollout_seed(cfg.grpo.seed, step, batch_index),

@@ -223,6 +223,39 @@ def test_agent_rows_keep_their_sessions_through_refills_and_per_session_counters
     assert rollout.env_metrics["agent/sessions"] == 8.0 and rollout.env_metrics["agent/rows_per_session"] == 1.5
 
 
+def test_a_refill_never_starts_an_epoch_past_max_num_epochs(monkeypatch) -> None:
+    """grpo.max_num_epochs=1, 4 prompts, 2 per step, no group with signal: step 1's refill takes the epoch's second
+    batch, the next would start epoch 1 (refills drew it: a one-epoch run trained second-epoch prompts, a prompt could
+    come twice in one step). The run ends there, the loader back where the step began."""
+    from types import SimpleNamespace
+
+    import nemo_like.algorithms.grpo as grpo
+    from nemo_like.config.schema import MasterConfig
+    from nemo_like.data.prompts import DataExhausted, PromptDataLoader, PromptRecord
+    from nemo_like.experience.rollouts import Rollout
+    from nemo_like.models.generation.interface import GeneratedSample
+    from nemo_like.utils.timer import StepTimer
+
+    drawn: list[list[str]] = []
+
+    def no_signal(generation, environment, tokenizer, prompts, *args, **kwargs) -> Rollout:
+        drawn.append([p.id for p in prompts])
+        samples = [GeneratedSample([1], [2], [0.0], False, 0) for _ in range(4)]
+        return Rollout([p for p in prompts for _ in range(2)], torch.tensor([0, 0, 1, 1]), samples, ["x"] * 4, torch.zeros(4), {})
+
+    monkeypatch.setattr(grpo, "collect_rollout", no_signal)
+    cfg = MasterConfig.model_validate(
+        {"grpo": {"use_dynamic_sampling": True, "num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_epochs": 1},
+         "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 1}}
+    )  # fmt: skip
+    loader = PromptDataLoader([PromptRecord(f"p{i}", [], [1], {}) for i in range(4)], 2, 0, False)
+    parts = SimpleNamespace(cfg=cfg, generation=None, environment=None, tokenizer=None, train_loader=loader,
+                            plan=SimpleNamespace(multi_turn=None, overlap_scoring=False))  # fmt: skip
+    with pytest.raises(DataExhausted, match=r"grpo.max_num_epochs=1 reached while dynamic sampling refilled step 1 \(2 generation"):
+        grpo.collect_training_rollout(parts, 1, StepTimer())
+    assert drawn == [["p0", "p1"], ["p2", "p3"]] and (loader.epoch, loader.index, loader.consumed) == (0, 0, 0)
+
+
 def test_refill_batches_never_repeat_an_earlier_batchs_request_seeds() -> None:
     """Request i of a batch samples with its seed + i: with consecutive batch seeds, refill b + 1's request i repeated
     batch b's request i + 1 (the same sample again wherever a prompt came back within the step)."""
