@@ -139,7 +139,7 @@ def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout
     batch["advantages"] = per_row.unsqueeze(-1) * batch["token_mask"]
     return {
         **advantage_metrics(batch["advantages"], batch["token_mask"]),
-        **reward_group_metrics(rollout.rewards, rollout.group_ids, batch["sample_mask"]),
+        **reward_group_metrics(rollout.raw_rewards, rollout.group_ids, batch["sample_mask"]),
     }
 
 
@@ -216,6 +216,7 @@ def collect_training_rollout(
         add_batch_counters(env_counters, rollout.env_metrics)
         # Group ids unique across generation batches, so groups from different batches never merge.
         group_ids = rollout.group_ids + batch_index * cfg.grpo.num_prompts_per_step
+        rollout.task_rewards = rollout.rewards
         rollout.rewards, keep = filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, group_ids)
         if accumulator is None:
             return rollout, {}
@@ -224,6 +225,7 @@ def collect_training_rollout(
             "samples": rollout.samples,
             "texts": rollout.response_texts,
             "rewards": rollout.rewards,
+            "task_rewards": rollout.task_rewards,
             "group_ids": group_ids,
         }
         if rollout.session_of_row is not None:  # agent rows: each batch's sessions numbered apart, as its groups are
@@ -236,7 +238,7 @@ def collect_training_rollout(
             _, dense_ids = torch.unique_consecutive(kept["group_ids"], return_inverse=True)
             rollout = Rollout(
                 kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"], env_counters,
-                session_of_row=kept.get("session_of_row"),
+                session_of_row=kept.get("session_of_row"), task_rewards=kept["task_rewards"],
             )  # fmt: skip
             return rollout, metrics
 
@@ -307,6 +309,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     passes = start_logprob_passes(parts, batch, rollout)
     if rollout.pending_scores is not None:
         timer.add("reward", rollout.finish_scoring())  # the wait not hidden behind the passes
+        rollout.task_rewards = rollout.rewards
         rollout.rewards = shaped_rewards(cfg, rollout.rewards, rollout.response_lengths)
     adv_metrics = attach_advantages(cfg, batch, rollout)
     ran_reference = gather_logprob_passes(parts, passes, batch, timer)
@@ -316,7 +319,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     if passes.teacher is not None:
         adv_metrics.update(apply_distillation(cfg, batch))
     sampled_mask = batch["token_mask"]  # the driver's masks below replace it, leaving this one as sampled
-    adv_metrics.update(apply_driver_masks(cfg, batch, rollout.rewards))
+    adv_metrics.update(apply_driver_masks(cfg, batch, rollout.raw_rewards))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
     if cfg.logger.dump_train_data:
@@ -328,7 +331,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
     metrics.update(
         {
-            "train/reward": rollout.rewards.mean().item(),
+            "train/reward": rollout.raw_rewards.mean().item(),
             "train/mean_response_length": rollout.response_lengths.mean().item(),
             "train/truncated_fraction": rollout.truncated.mean().item(),
             "train/grad_norm": sum(result.grad_norms) / len(result.grad_norms),
@@ -342,11 +345,13 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
             "performance/num_samples": float(len(rollout.samples)),
         }
     )
+    if cfg.grpo.reward_shaping.enabled:  # what the advantages used; train/reward stays the task's
+        metrics["train/shaped_reward"] = rollout.rewards.mean().item()
     metrics.setdefault("train/kl_penalty", 0.0)
-    metrics.update(task_reward_metrics(rollout.prompts, rollout.rewards, parts.environment.tasks))
+    metrics.update(task_reward_metrics(rollout.prompts, rollout.raw_rewards, parts.environment.tasks))
     metrics.update(env_metrics_with_means(rollout.env_metrics))
     if cfg.grpo.max_rollout_turns > 1:
-        metrics.update(multi_turn_metrics(rollout.samples, rollout.rewards))
+        metrics.update(multi_turn_metrics(rollout.samples, rollout.raw_rewards))
     # The policy reports its logprob passes since its previous update with the training result (no extra round trip).
     metrics["performance/forward_passes/prev_logprobs"] = float(result.logprob_passes_since_last_update)
     metrics["performance/forward_passes/reference_logprobs"] = float(reference_passes)
@@ -384,6 +389,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     taken = rollouts.take(step, parts.policy.weight_version)
     timer.add("waiting_for_data", taken.waited_s)
     rollout = taken.rollout
+    rollout.task_rewards = rollout.rewards
     rollout.rewards, _ = filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, rollout.group_ids)
     metrics = train_on_rollout(parts, step, timer, rollout)
     refit = rollouts.refit()

@@ -22,6 +22,7 @@ import torch
 from nemo_like.algorithms.kl import KL_ESTIMATORS
 from nemo_like.config.rejection import RolloutRejectionConfig
 from nemo_like.config.schema import MasterConfig
+from nemo_like.environments.interface import CORRECT_REWARD
 
 Batch = dict[str, torch.Tensor]
 
@@ -74,7 +75,8 @@ def mask_high_mismatch_sequences(threshold: float | None, batch: Batch, rewards:
     Returns:
         ``seq_logprob_error/`` metrics: ``masked_fraction`` (of eligible samples), ``max`` (over
         eligible samples), ``{mean,min,max}_before`` / ``_after`` masking, ``num_masked`` and
-        ``masked_correct_fraction`` (share of the masked samples with reward > 0; 0 when none).
+        ``masked_correct_fraction`` (share of the masked samples whose task reward, before any shaping, reaches
+        the correct-answer reward; 0 when none: a format reward of 0.1 made a wrong answer count as correct).
         ``{}`` when ``threshold`` is None.
     """
     if threshold is None:
@@ -85,7 +87,7 @@ def mask_high_mismatch_sequences(threshold: float | None, batch: Batch, rewards:
     num_eligible, num_bad = int(eligible.sum()), int(bad.sum())
     correct = 0.0
     if rewards is not None and num_bad:
-        correct = (rewards.double()[bad] > 0).double().mean().item()
+        correct = (rewards.double()[bad] >= CORRECT_REWARD).double().mean().item()
     before, after = _summary(error[eligible]), _summary(error[eligible & ~bad])
     metrics = {
         "seq_logprob_error/masked_fraction": num_bad / num_eligible if num_eligible else 0.0,

@@ -80,7 +80,8 @@ def dump_train_samples(
         "group_id": rollout.group_ids,
         "prompt": prompt_texts(parts, rollout),
         "response": rollout.response_texts,
-        "reward": rollout.rewards,
+        "reward": rollout.raw_rewards,  # the task's, as train/reward
+        "shaped_reward": rollout.rewards,  # what the advantages used (equal unless grpo.reward_shaping)
         "advantage": per_sample_mean(batch["advantages"], mask),
         "sample_mask": batch["sample_mask"],
         "truncated": [s.truncated for s in rollout.samples],

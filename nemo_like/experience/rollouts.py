@@ -30,6 +30,13 @@ class Rollout:
     reference_logprobs: torch.Tensor | None = None  # [B, S] of the collated samples, when computed ahead (async)
     pending_scores: PendingScores | None = None  # scoring requested, not yet gathered (``rewards`` are NaN until then)
     session_of_row: torch.Tensor | None = None  # [B] agent tasks: each row's session (a branched session has several rows)
+    task_rewards: torch.Tensor | None = None  # [B] the environments' rewards once ``rewards`` are shaped (DAPO overlong)
+
+    @property
+    def raw_rewards(self) -> torch.Tensor:
+        """The environments' rewards before any shaping: what ``train/reward``, the group and task metrics report
+        (``rewards``, which the advantages use, may be shaped)."""
+        return self.rewards if self.task_rewards is None else self.task_rewards
 
     def finish_scoring(self) -> float:
         """Gather the pending scores into ``rewards`` and ``env_metrics``; returns the seconds waited (0 if none were pending)."""
