@@ -187,6 +187,7 @@ def collect_training_rollout(
     batch_index = 0
     env_counters: dict[str, float] = {}
     loader, at_start = parts.train_loader, parts.train_loader.state_dict()
+    generated: list[tuple[torch.Tensor, torch.Tensor]] = []  # every generation batch's (task rewards, group ids)
     while True:
         if batch_index and loader.next_batch_epoch >= cfg.grpo.max_num_epochs:  # a refill must not start another epoch
             loader.load_state_dict(at_start)  # the step is not trained: a resume with more epochs draws its prompts again
@@ -232,15 +233,30 @@ def collect_training_rollout(
             sessions_per_batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt  # ids 0.. of a batch
             payload["session_of_row"] = rollout.session_of_row + batch_index * sessions_per_batch
         accumulator.add(payload, keep, prompt_ids=group_ids)
+        generated.append((rollout.task_rewards, group_ids))
         batch_index += 1
         if accumulator.is_full:
             kept, metrics = accumulator.take()
+            metrics.update(generated_group_metrics(generated))
             _, dense_ids = torch.unique_consecutive(kept["group_ids"], return_inverse=True)
             rollout = Rollout(
                 kept["prompts"], dense_ids, kept["samples"], kept["texts"], kept["rewards"], env_counters,
                 session_of_row=kept.get("session_of_row"), task_rewards=kept["task_rewards"],
             )  # fmt: skip
             return rollout, metrics
+
+
+def generated_group_metrics(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """``dynamic_sampling/generated_*``: the reward and group saturation of every generation batch of a step, the
+    discarded groups included (the trained groups all have reward variance, so their pct_0 / pct_1 are always 0)."""
+    rewards = torch.cat([r for r, _ in batches])
+    groups = reward_group_metrics(rewards, torch.cat([g for _, g in batches]), torch.ones_like(rewards))
+    return {
+        "dynamic_sampling/generated_reward": rewards.mean().item(),
+        "dynamic_sampling/generated_frac_reward_zero_std": groups["frac_reward_zero_std"],
+        "dynamic_sampling/generated_pct_0": groups["baseline_reward/pct_0"],
+        "dynamic_sampling/generated_pct_1": groups["baseline_reward/pct_1"],
+    }
 
 
 def attach_precomputed_reference(batch: dict[str, torch.Tensor], rollout: Rollout) -> None:

@@ -57,6 +57,9 @@ def test_dynamic_sampling_keeps_the_task_rewards_of_the_kept_groups(monkeypatch)
     _, rollout, metrics = _rollout(monkeypatch, ("use_dynamic_sampling", True))
     assert metrics["dynamic_sampling/num_gen_batches"] == 2.0  # one group with raw-reward signal per batch
     assert rollout.raw_rewards.tolist() == RAW[4:] * 2 and rollout.rewards.tolist() == SHAPED_1 * 2
+    # What was generated, the solved (discarded) groups included: the trained groups alone always show pct_1 = 0
+    assert metrics["dynamic_sampling/generated_reward"] == 0.625 and metrics["dynamic_sampling/generated_pct_1"] == 0.5
+    assert metrics["dynamic_sampling/generated_pct_0"] == 0.0 and metrics["dynamic_sampling/generated_frac_reward_zero_std"] == 0.5
 
 
 def test_the_mismatch_masks_correct_fraction_counts_correct_answers_not_positive_rewards() -> None:
