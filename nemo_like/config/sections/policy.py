@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import Field, model_validator
 
 from nemo_like.config.sections.base import EMBEDDED_MODEL, Section
 from nemo_like.config.types import Float, Int, ThreadCount
@@ -143,8 +143,7 @@ class LoraConfig(Section):
     dim: Int = Field(
         8,
         gt=0,
-        validation_alias=AliasChoices("dim", "rank"),
-        description="Adapter rank r (NeMo-RL's name; 'rank' is accepted too). vLLM serves ranks up to 512 as adapters.",
+        description="Adapter rank r (NeMo-RL's name). vLLM serves ranks up to 512 as adapters.",
     )
     alpha: Float = Field(32.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / dim.")
     dropout: Float = Field(

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from nemo_like.config import ConfigError
+from nemo_like.config import ConfigError, load_config
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig, MasterConfig
 from nemo_like.models import lora
 from nemo_like.models.loading import load_causal_lm, resolve_model_path
@@ -120,8 +120,11 @@ def test_unknown_modules_are_errors_naming_the_key_and_the_model_modules():
 
 
 def test_config_keys_warnings_and_refit_choice():
-    cfg = MasterConfig.model_validate({"policy": {"lora_cfg": {"rank": 16, "alpha": 8}}})
-    assert cfg.policy.lora_cfg.dim == 16  # 'rank' is accepted for NeMo-RL's 'dim'
+    cfg = MasterConfig.model_validate({"policy": {"lora_cfg": {"dim": 16, "alpha": 8}}})
+    assert cfg.policy.lora_cfg.dim == 16
+    # A 'rank' alias passed model_validate but never a recipe (the defaults' 'dim' won, 'rank' was an unknown key): gone
+    with pytest.raises(ConfigError, match=r"rank"):
+        load_config(None, ["++policy.lora_cfg.rank=16"], warn=False)
     assert cfg.no_effect_warnings() == [
         "policy.lora_cfg.alpha has no effect with policy.lora_cfg.enabled=false",
         "policy.lora_cfg.dim has no effect with policy.lora_cfg.enabled=false",
