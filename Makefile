@@ -53,7 +53,7 @@ test-fast: $(STAMP)
 # one GPU; one line per check, JSON summaries in logs/gpu_check/. Without a CUDA device every check is NOT RUN (exit 0).
 # test-gpu-multi: the checks that need 2 or more GPUs. GPU_CHECK_ARGS: e.g. --only=A2,B4
 # test-cluster: examples/cluster/slurm_grpo.sbatch under stand-in srun/scontrol: two Ray nodes on this machine, a
-# training run, the walltime SIGTERM (about 2 minutes; not part of `make test`).
+# training run, the walltime SIGTERM (70-86 s measured on the 2-core machine; not part of `make test`).
 .PHONY: test-cluster
 test-cluster: $(STAMP)
 	NEMO_LIKE_CLUSTER_TESTS=1 $(PY) -m pytest tests/cluster -q -s $(PYTEST_ARGS)

@@ -4,7 +4,7 @@ Stand-ins for ``srun`` and ``scontrol`` (``tests/cluster/standins/``) run each j
 script starts a real Ray head and a second real Ray node here, submits the real training run with ``ray job
 submit``, and gets SIGTERM as ``#SBATCH --signal=B:TERM@300`` delivers it (to the batch shell only). The run must
 save and stop: the script's trap hands the signal to the job (``ray job stop``), the driver finishes its step, writes
-the checkpoint and exits. About 2 minutes; not part of ``make test`` (set ``NEMO_LIKE_CLUSTER_TESTS=1`` to run it).
+the checkpoint and exits. 70-86 s on the 2-core machine; not part of ``make test`` (set ``NEMO_LIKE_CLUSTER_TESTS=1`` to run it).
 """
 
 from __future__ import annotations
