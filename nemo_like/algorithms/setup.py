@@ -14,7 +14,7 @@ from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
-from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
+from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset, validation_overlap_warning
 from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
 from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments
@@ -151,6 +151,8 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
     val = load_validation_prompts(cfg, tokenizer)
+    if overlap := validation_overlap_warning(train, val):
+        warnings.warn(overlap, RuntimeWarning, stacklevel=2)
     check_environments(env_specs, {"train": train, "validation": val})
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)

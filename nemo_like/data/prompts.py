@@ -94,6 +94,20 @@ def _arithmetic_problems(data: DataConfig, split: str, fmt) -> list:
     ]
 
 
+def validation_overlap_warning(train: list[PromptRecord], validation: list[PromptRecord]) -> str | None:
+    """A warning when validation prompts are also training prompts (the same last user message), e.g. validation
+    pointed at the training split or file without ``data.validation.split_fraction``; ``None`` when they are apart."""
+    seen = {r.metadata.get("prompt") for r in train}
+    shared = sum(r.metadata.get("prompt") in seen for r in validation)
+    if not shared:
+        return None
+    return (
+        f"{shared} of {len(validation)} validation prompts are also training prompts: validation/accuracy then measures "
+        "recall of trained prompts too. Hold rows out with data.validation.split_fraction, or point data.validation at "
+        "another split or file"
+    )
+
+
 def dataset_fingerprint(records: list[PromptRecord]) -> str:
     """A short hash of the prompts (ids and tokens): a resumed run checks it sees the same data."""
     digest = hashlib.sha256()

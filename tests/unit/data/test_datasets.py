@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig
 from nemo_like.data.datasets import find_spec, gsm8k_final_answer, in_validation, load_source, resolve_source
-from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset
+from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset, validation_overlap_warning
 from nemo_like.models.loading import load_tokenizer
 
 BUDGET = 56  # the tiny recipe's 64 total - 8 new tokens
@@ -474,6 +474,17 @@ def test_a_dataset_cut_by_num_problems_says_so(tmp_path, tok, capsys) -> None:
     assert "data.train: using 5 of 12 rows (data.train.num_problems; null uses all)" in capsys.readouterr().out
     assert len(build(data_cfg(path, path, train={"num_problems": 12}), tok)) == 12
     assert "using" not in capsys.readouterr().out
+
+
+def test_validation_read_from_the_training_rows_is_named(tmp_path, tok) -> None:
+    """data.validation.data_path pointed at the training file (no split_fraction): every validation prompt was a
+    training prompt, without a word. The hash carve keeps them apart."""
+    path = write_jsonl(tmp_path / "t.jsonl", rows(12))
+    same = data_cfg(path, path)
+    warning = validation_overlap_warning(build(same, tok), build(same, tok, "validation"))
+    assert warning is not None and warning.startswith("12 of 12 validation prompts are also training prompts")
+    carved = data_cfg(path, validation={"split_fraction": 0.5})
+    assert validation_overlap_warning(build(carved, tok), build(carved, tok, "validation")) is None
 
 
 def test_an_unshuffled_loader_trains_every_prompt_the_tail_heading_the_next_epoch() -> None:
