@@ -53,7 +53,16 @@ def eval_config(cfg: MasterConfig, model_dir: str) -> MasterConfig:
 
 
 def summarize(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
-    """Accuracy (mean correctness over samples), mean reward, pass@k (mean over prompts) and per-task accuracy."""
+    """Accuracy (mean correctness over samples), mean reward, pass@k (mean over prompts) and per-task accuracy. A
+    sample is a row, except in agent tasks (rows with a ``session``): a session that branched into several rows (each
+    with the session's reward) counts once, by its first row, and ``num_rows`` counts the rows."""
+    sessions = any("session" in row for row in rows)
+    num_rows = len(rows)
+    if sessions:
+        first: dict[tuple[int, int], dict[str, Any]] = {}
+        for row in rows:
+            first.setdefault((row["prompt_index"], row["session"]), row)
+        rows = list(first.values())
     correct = [row["correct"] for row in rows]
     groups = [row["prompt_index"] for row in rows]
     tasks: dict[str, list[bool]] = {}
@@ -65,6 +74,7 @@ def summarize(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
         "mean_reward": sum(row["reward"] for row in rows) / len(rows),
         **{f"pass@{k}": value for k, value in pass_k.items()},
         "accuracy_per_task": {task: sum(values) / len(values) for task, values in tasks.items()},
+        **({"num_rows": num_rows} if sessions else {}),
     }
 
 
@@ -170,17 +180,27 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
 
 
 def result_rows(rollout: Any, specs: Any, n: int) -> list[dict[str, Any]]:
-    """One ``results.jsonl`` row per sample: its prompt, task, reward, response and lengths (and turns, multi-turn)."""
+    """One ``results.jsonl`` row per sample: its prompt, task, reward, response and lengths (and turns, multi-turn).
+    Agent tasks: one row per row of a session, with its ``session`` and, as ``sample_index``, the session's index
+    among its prompt's sessions (a session that branched has several rows with the same index)."""
     from nemo_like.environments.registry import task_of
 
+    sessions = rollout.session_of_row.tolist() if rollout.session_of_row is not None else None
+    sample_of_session: dict[int, dict[int, int]] = {}  # prompt index -> session -> its index among the prompt's sessions
     rows = []
     for i, (prompt, sample, text) in enumerate(zip(rollout.prompts, rollout.samples, rollout.response_texts)):
         reward = float(rollout.rewards[i])
+        group = int(rollout.group_ids[i])
+        if sessions is None:
+            index = {"sample_index": i % n}
+        else:
+            of_prompt = sample_of_session.setdefault(group, {})
+            index = {"session": sessions[i], "sample_index": of_prompt.setdefault(sessions[i], len(of_prompt))}
         rows.append(
             {
                 "prompt_id": prompt.id,
-                "prompt_index": int(rollout.group_ids[i]),
-                "sample_index": i % n,
+                "prompt_index": group,
+                **index,
                 "task": task_of(prompt.metadata, specs),
                 "reward": reward,
                 "correct": reward >= CORRECT_REWARD,
