@@ -86,7 +86,8 @@ def refit_if_stale(parts: GRPOComponents) -> float:
 
 def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
     """Accuracy on the held-out prompts (``grpo.val_num_generations_per_prompt`` responses each, decoded as
-    configured); with several responses per prompt also ``validation/pass@k`` (unbiased estimator)."""
+    configured); with several responses per prompt also ``validation/pass@k`` (unbiased estimator). Agent tasks count
+    sessions, not rows (:func:`validation_metrics`)."""
     cfg = parts.cfg
     n = cfg.grpo.val_num_generations_per_prompt
     params = sampling_params(cfg, greedy=cfg.grpo.val_greedy)
@@ -101,21 +102,35 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
         multi_turn=parts.plan.multi_turn,
     )
     report_val_samples(parts, step, rollout)
-    rewards = rollout.rewards
+    metrics = validation_metrics(rollout, parts.environment.tasks, cfg.grpo.resolved_val_pass_k if n > 1 else [])
+    metrics.update({f"validation/{k}": v for k, v in env_metrics_with_means(rollout.env_metrics).items()})
+    if parts.plan.multi_turn is not None:
+        metrics.update(multi_turn_metrics(rollout.samples, rollout.rewards, prefix="validation/multi_turn"))
+    return metrics
+
+
+def validation_metrics(rollout: Rollout, tasks: list[str], pass_k: list[int]) -> dict[str, float]:
+    """A validation rollout's scores: ``validation/accuracy``, ``/reward``, ``/num_samples``, ``/pass@k`` (each k of
+    ``pass_k``; none when empty) and ``validation/env/<task>/reward`` and ``/num_samples``, over its samples; and
+    ``validation/mean_response_length`` over its rows. A sample is a row, except in agent tasks
+    (``rollout.session_of_row`` set), where it is a session: a session that branched into several rows (each with the
+    session's reward) counts once, by its first row, and ``validation/num_rows`` counts the rows."""
+    prompts, rewards, groups = rollout.prompts, rollout.rewards, rollout.group_ids
+    if rollout.session_of_row is not None:
+        first, _ = per_session(rollout.session_of_row)
+        prompts, rewards, groups = [prompts[i] for i in first.tolist()], rewards[first], groups[first]
     correct = (rewards >= CORRECT_REWARD).float()
     metrics = {
         "validation/accuracy": correct.mean().item(),
         "validation/reward": rewards.mean().item(),
-        "validation/num_samples": float(len(rollout.samples)),
+        "validation/num_samples": float(len(rewards)),
         "validation/mean_response_length": rollout.response_lengths.mean().item(),
     }
-    if n > 1:
-        pass_k = mean_pass_at_k(correct_counts(correct, rollout.group_ids), cfg.grpo.resolved_val_pass_k)
-        metrics.update({f"validation/pass@{k}": value for k, value in pass_k.items()})
-    metrics.update(task_reward_metrics(rollout.prompts, rewards, parts.environment.tasks, prefix="validation/env"))
-    metrics.update({f"validation/{k}": v for k, v in env_metrics_with_means(rollout.env_metrics).items()})
-    if parts.plan.multi_turn is not None:
-        metrics.update(multi_turn_metrics(rollout.samples, rewards, prefix="validation/multi_turn"))
+    if rollout.session_of_row is not None:
+        metrics["validation/num_rows"] = float(len(rollout.samples))
+    if pass_k:
+        metrics.update({f"validation/pass@{k}": value for k, value in mean_pass_at_k(correct_counts(correct, groups), pass_k).items()})
+    metrics.update(task_reward_metrics(prompts, rewards, tasks, prefix="validation/env"))
     return metrics
 
 

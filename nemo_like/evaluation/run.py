@@ -5,9 +5,11 @@ It reuses the training run's parts: the validation prompts (:func:`load_validati
 generation actors (:func:`~nemo_like.models.engines.build_generation`), the environment actors and
 routing (:func:`~nemo_like.experience.rollouts.score_with_environment`). Outputs, in ``eval.output_dir``:
 
-* ``summary.json``: model, prompt and sample counts, accuracy, mean reward, pass@k, per-task accuracy,
-  the environments' counters (timeouts, parse failures) and the seconds taken;
-* ``results.jsonl``: one row per sample (prompt id, sample index, task, reward, correct, response).
+* ``summary.json``: model, the checkpoint directory evaluated, seed, sampling settings, prompt and sample counts,
+  accuracy, mean reward, pass@k, per-task accuracy, the environments' counters (timeouts, parse failures) and the
+  seconds taken;
+* ``results.jsonl``: one row per sample (prompt id, sample index, task, reward, correct, response);
+* ``config.yaml``: the resolved config, as training writes it beside its logs.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import shutil
 import sys
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
@@ -53,7 +58,16 @@ def eval_config(cfg: MasterConfig, model_dir: str) -> MasterConfig:
 
 
 def summarize(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
-    """Accuracy (mean correctness over samples), mean reward, pass@k (mean over prompts) and per-task accuracy."""
+    """Accuracy (mean correctness over samples), mean reward, pass@k (mean over prompts) and per-task accuracy. A
+    sample is a row, except in agent tasks (rows with a ``session``): a session that branched into several rows (each
+    with the session's reward) counts once, by its first row, and ``num_rows`` counts the rows."""
+    sessions = any("session" in row for row in rows)
+    num_rows = len(rows)
+    if sessions:
+        first: dict[tuple[int, int], dict[str, Any]] = {}
+        for row in rows:
+            first.setdefault((row["prompt_index"], row["session"]), row)
+        rows = list(first.values())
     correct = [row["correct"] for row in rows]
     groups = [row["prompt_index"] for row in rows]
     tasks: dict[str, list[bool]] = {}
@@ -65,6 +79,7 @@ def summarize(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
         "mean_reward": sum(row["reward"] for row in rows) / len(rows),
         **{f"pass@{k}": value for k, value in pass_k.items()},
         "accuracy_per_task": {task: sum(values) / len(values) for task, values in tasks.items()},
+        **({"num_rows": num_rows} if sessions else {}),
     }
 
 
@@ -107,12 +122,14 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         )
     specs = check_plugin_names(cfg)
     model_dir = resolve_checkpoint_model(ev.model_path or cfg.policy.model_name, "eval.model_path")
+    checkpoint_dir = os.path.abspath(model_dir) if Path(model_dir).is_dir() else None  # before a LoRA merge; hub id: None
     check_context_length(model_dir, cfg.policy.max_total_sequence_length)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     prompts = load_validation_prompts(cfg, tokenizer)
     check_environments(specs, {"validation": prompts})
     out = Path(ev.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     if (Path(model_dir) / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint: serve its merged model
         model_dir = str(merge_checkpoint(model_dir, out / "merged_model", tokenizer=cfg.policy.tokenizer_name or cfg.policy.model_name))
     run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
@@ -126,6 +143,9 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
 
     agent_settings = load_agents(specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
+    n = ev.num_samples_per_prompt
+    seed = ev.seed if ev.seed is not None else cfg.grpo.seed
+    params = sampling_params(run_cfg, greedy=ev.greedy)
     generation = environments = agents = None
     try:
         generation = build_generation(run_cfg, tokenizer.pad_token_id, eos_ids, plan=plan)
@@ -134,15 +154,13 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         if plan.agent_tasks:  # agent tasks are rolled out by their agents, through a rollout server, as in training
             agents = start_agent_rollouts(run_cfg, tokenizer, generation, eos_ids, agent_settings)
             handles = AgentHandles(environments.handles.workers, agents)
-        n = ev.num_samples_per_prompt
-        seed = ev.seed if ev.seed is not None else cfg.grpo.seed
         rollout = collect_rollout(
             generation,
             handles,
             tokenizer,
             prompts,
             n,
-            sampling_params(run_cfg, greedy=ev.greedy),
+            params,
             seed,
             multi_turn=plan.multi_turn,  # grpo.max_rollout_turns > 1: each sample runs its turns
         )
@@ -157,9 +175,12 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     summary = {
         "model": ev.model_path or cfg.policy.model_name,
         "model_dir": model_dir,
+        "checkpoint_dir": checkpoint_dir,
         "num_prompts": len(prompts),
         "num_samples_per_prompt": n,
         "greedy": ev.greedy,
+        "seed": seed,
+        "sampling": {key: list(v) if isinstance(v, tuple) else v for key, v in asdict(params).items()},
         "pass_k": ev.resolved_pass_k,
         **summarize(rows, ev.resolved_pass_k),
         "env_metrics": rollout.env_metrics,
@@ -170,17 +191,27 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
 
 
 def result_rows(rollout: Any, specs: Any, n: int) -> list[dict[str, Any]]:
-    """One ``results.jsonl`` row per sample: its prompt, task, reward, response and lengths (and turns, multi-turn)."""
+    """One ``results.jsonl`` row per sample: its prompt, task, reward, response and lengths (and turns, multi-turn).
+    Agent tasks: one row per row of a session, with its ``session`` and, as ``sample_index``, the session's index
+    among its prompt's sessions (a session that branched has several rows with the same index)."""
     from nemo_like.environments.registry import task_of
 
+    sessions = rollout.session_of_row.tolist() if rollout.session_of_row is not None else None
+    sample_of_session: dict[int, dict[int, int]] = {}  # prompt index -> session -> its index among the prompt's sessions
     rows = []
     for i, (prompt, sample, text) in enumerate(zip(rollout.prompts, rollout.samples, rollout.response_texts)):
         reward = float(rollout.rewards[i])
+        group = int(rollout.group_ids[i])
+        if sessions is None:
+            index = {"sample_index": i % n}
+        else:
+            of_prompt = sample_of_session.setdefault(group, {})
+            index = {"session": sessions[i], "sample_index": of_prompt.setdefault(sessions[i], len(of_prompt))}
         rows.append(
             {
                 "prompt_id": prompt.id,
-                "prompt_index": int(rollout.group_ids[i]),
-                "sample_index": i % n,
+                "prompt_index": group,
+                **index,
                 "task": task_of(prompt.metadata, specs),
                 "reward": reward,
                 "correct": reward >= CORRECT_REWARD,

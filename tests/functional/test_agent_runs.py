@@ -218,4 +218,9 @@ def test_nemo_like_eval_rolls_agent_tasks_out_through_their_agents(ray_cluster, 
     summary = evaluate(cfg)
     metrics = summary["env_metrics"]
     assert metrics["agent/sessions"] == 8 and metrics["agent/failures"] == 0 and metrics["agent/calls_per_session"] >= 1
-    assert len(read_jsonl(tmp_path / "results.jsonl")) == 8 and summary["accuracy_per_task"].keys() == {"tool"}
+    rows = read_jsonl(tmp_path / "results.jsonl")
+    assert len(rows) == 8 and summary["accuracy_per_task"].keys() == {"tool"}
+    # Each row names its session; sample_index numbers a prompt's sessions (not its rows), and the summary counts sessions.
+    sessions = {(r["prompt_index"], r["session"]): r["sample_index"] for r in rows}
+    assert len(sessions) == 8 and sorted(sessions.values()) == [0, 0, 0, 0, 1, 1, 1, 1] and summary["num_rows"] == 8
+    assert summary["checkpoint_dir"] is None and summary["seed"] == cfg.grpo.seed  # the embedded model: no directory

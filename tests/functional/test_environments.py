@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import yaml
 from functional.helpers import TINY_RECIPE
 
 from nemo_like.data.prompts import PromptRecord
@@ -67,7 +68,9 @@ def test_each_sample_is_scored_by_the_environment_of_its_task(ray_cluster):
 
 def test_eval_of_a_checkpoint_reports_exact_pass_at_k(ray_cluster, tmp_path, capsys):
     """A checkpoint step directory (policy/ without tokenizer files), 8 prompts x 4 samples, scored by an
-    environment that marks exactly 1 of each prompt's 4 samples correct: pass@1 = 0.25, pass@4 = 1.0."""
+    environment that marks exactly 1 of each prompt's 4 samples correct: pass@1 = 0.25, pass@4 = 1.0. The summary
+    records what the numbers depend on: the seed, the sampling settings and the checkpoint directory evaluated (none
+    of them was recorded), and config.yaml the resolved config."""
     from nemo_like.cli import main
     from nemo_like.models.assets import default_model_path
 
@@ -86,6 +89,9 @@ def test_eval_of_a_checkpoint_reports_exact_pass_at_k(ray_cluster, tmp_path, cap
             "eval.pass_k=[1,2,4]",
             f"eval.output_dir={out}",
             "grpo.max_val_samples=8",
+            "eval.seed=5",
+            "policy.generation.temperature=0.7",
+            "policy.generation.top_k=5",
             "+env.arithmetic.class=custom_envs:FirstOfFour",
             "policy.generation.backend=hf",
             "policy.num_cpus_per_worker=0.25",
@@ -95,6 +101,12 @@ def test_eval_of_a_checkpoint_reports_exact_pass_at_k(ray_cluster, tmp_path, cap
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert summary["model_dir"] == str(policy_dir) and (out / "model" / "tokenizer_config.json").is_file()
+    assert summary["checkpoint_dir"] == str(policy_dir) and summary["seed"] == 5
+    sampling = {k: summary["sampling"][k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "greedy")}
+    assert sampling == {"max_new_tokens": 8, "temperature": 0.7, "top_p": 1.0, "top_k": 5, "greedy": False}
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["eval"]["seed"] == 5 and config["eval"]["model_path"] == str(tmp_path / "ckpt" / "step_3")
+    assert config["policy"]["generation"]["top_k"] == 5 and config["env"]["arithmetic"]["class"] == "custom_envs:FirstOfFour"
     assert len(rows) == 32 and {r["sample_index"] for r in rows} == {0, 1, 2, 3}
     by_prompt: dict[str, list[bool]] = {}
     for row in rows:

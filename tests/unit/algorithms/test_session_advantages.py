@@ -1,13 +1,22 @@
 """Agent tasks: a branched session (several rows) weighs once in its group's baseline, and each of its rows takes its
-session's advantage."""
+session's advantage; validation and `nemo-like eval` count it as one sample."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
+from nemo_like.algorithms import grpo
 from nemo_like.algorithms.grpo import attach_advantages
 from nemo_like.config import DEFAULT_RECIPE, load_config
+from nemo_like.data.prompts import PromptRecord
+from nemo_like.evaluation.run import result_rows, summarize
 from nemo_like.experience.rollouts import Rollout
+from nemo_like.models.generation.interface import GeneratedSample
+
+BRANCHED_SESSIONS = torch.tensor([0, 0, 0, 1, 2, 3])
 
 
 def test_a_branched_session_counts_once_in_its_groups_baseline() -> None:
@@ -22,3 +31,60 @@ def test_a_branched_session_counts_once_in_its_groups_baseline() -> None:
     plain = Rollout([], torch.zeros(4, dtype=torch.long), [], [], rewards)
     attach_advantages(cfg, batch, plain)
     torch.testing.assert_close(batch["advantages"][:, 0], torch.tensor([0.5, 0.5, -0.5, -0.5]))
+
+
+def branched_rollout(session_of_row: torch.Tensor | None = BRANCHED_SESSIONS) -> Rollout:
+    """Two prompts x two agent sessions: prompt 0's session 0 is correct and branched into 3 rows, its session 1 wrong
+    (reward 0.5); prompt 1's sessions 2 and 3 are wrong. Per session: accuracy 1/4, reward 1.5/4, pass@1 1/4,
+    pass@2 1/2; per row it would be 3/6, 3.5/6, 3/8 and 1/2."""
+    prompts = [PromptRecord(f"p{i}", [], [1], {"answer": i, "task_name": "arithmetic"}) for i in (0, 1)]
+    groups = [0, 0, 0, 0, 1, 1]
+    return Rollout(
+        [prompts[g] for g in groups],
+        torch.tensor(groups),
+        [GeneratedSample([1], [5] * length, [-0.1] * length, False, 0) for length in (1, 2, 3, 4, 5, 6)],
+        ["42", "42", "42", "7", "7", "7"],
+        torch.tensor([1.0, 1.0, 1.0, 0.5, 0.0, 0.0]),
+        session_of_row=session_of_row,
+    )
+
+
+def test_validation_counts_a_branched_session_once(monkeypatch) -> None:
+    """validate() counted every row of a branched session as a sample: a correct session with 3 rows was 3 correct
+    samples (accuracy 0.5 and pass@1 0.375 here instead of 0.25)."""
+    cfg = load_config(DEFAULT_RECIPE, ["grpo.val_num_generations_per_prompt=2"], warn=False)
+    parts = SimpleNamespace(
+        cfg=cfg,
+        generation=None,
+        environment=SimpleNamespace(tasks=["arithmetic"]),
+        tokenizer=None,
+        val_prompts=[],
+        plan=SimpleNamespace(multi_turn=None),
+    )
+    monkeypatch.setattr(grpo, "report_val_samples", lambda *args: None)
+    monkeypatch.setattr(grpo, "collect_rollout", lambda *args, **kwargs: branched_rollout())
+    metrics = grpo.validate(parts, 0)
+    assert metrics["validation/accuracy"] == 0.25 and metrics["validation/reward"] == pytest.approx(1.5 / 4)
+    assert metrics["validation/pass@1"] == 0.25 and metrics["validation/pass@2"] == 0.5
+    assert metrics["validation/num_samples"] == 4 and metrics["validation/num_rows"] == 6
+    assert metrics["validation/env/arithmetic/reward"] == pytest.approx(1.5 / 4) and metrics["validation/env/arithmetic/num_samples"] == 4
+    assert metrics["validation/mean_response_length"] == 3.5  # over the rows
+    # Without sessions (every other task) each row is a sample, as before, and there is no num_rows.
+    monkeypatch.setattr(grpo, "collect_rollout", lambda *args, **kwargs: branched_rollout(None))
+    rows = grpo.validate(parts, 0)
+    assert rows["validation/accuracy"] == 0.5 and rows["validation/pass@1"] == pytest.approx(3 / 8) and rows["validation/num_samples"] == 6
+    assert "validation/num_rows" not in rows
+
+
+def test_eval_counts_a_branched_session_once_and_numbers_rows_by_session() -> None:
+    """`nemo-like eval` counted rows as samples (accuracy 0.5 here) and numbered them ``i % n`` (0,1,0,1,0,1: the three
+    rows of one session read as different samples)."""
+    rows = result_rows(branched_rollout(), {"arithmetic": None}, 2)
+    assert [(r["session"], r["sample_index"]) for r in rows] == [(0, 0), (0, 0), (0, 0), (1, 1), (2, 0), (3, 1)]
+    summary = summarize(rows, [1, 2])
+    assert summary["accuracy"] == 0.25 and summary["mean_reward"] == pytest.approx(1.5 / 4)
+    assert summary["pass@1"] == 0.25 and summary["pass@2"] == 0.5 and summary["num_rows"] == 6
+    assert summary["accuracy_per_task"] == {"arithmetic": 0.25}
+    plain = result_rows(branched_rollout(None), {"arithmetic": None}, 2)  # every other task: a row is a sample
+    assert [r["sample_index"] for r in plain] == [0, 1, 0, 1, 0, 1] and not any("session" in r for r in plain)
+    assert summarize(plain, [1, 2])["accuracy"] == 0.5 and "num_rows" not in summarize(plain, [1, 2])
