@@ -134,14 +134,21 @@ def validation_metrics(rollout: Rollout, tasks: list[str], pass_k: list[int]) ->
     return metrics
 
 
+def session_rewards(rollout: Rollout) -> torch.Tensor:
+    """The task rewards one per sample: per row, or agent tasks per session (a branched session's rows share one)."""
+    if rollout.session_of_row is None:
+        return rollout.raw_rewards
+    return rollout.raw_rewards[per_session(rollout.session_of_row)[0]]
+
+
 def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
     """Per-token advantages of the collated ``batch`` from the rollout's rewards; returns the advantage metrics. Agent
     tasks: advantages are computed per session (a branched session weighs once in its group's baseline) and every
     row of a session takes its session's."""
-    rewards, groups, valid, row_index = rollout.rewards, rollout.group_ids, batch["sample_mask"], None
+    rewards, raw, groups, valid, row_index = rollout.rewards, rollout.raw_rewards, rollout.group_ids, batch["sample_mask"], None
     if rollout.session_of_row is not None:
         first, row_index = per_session(rollout.session_of_row)
-        rewards, groups, valid = rewards[first], groups[first], valid[first]
+        rewards, raw, groups, valid = rewards[first], raw[first], groups[first], valid[first]
     adv = compute_advantages(
         cfg.grpo.adv_estimator.name,
         rewards=rewards,
@@ -154,7 +161,7 @@ def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout
     batch["advantages"] = per_row.unsqueeze(-1) * batch["token_mask"]
     return {
         **advantage_metrics(batch["advantages"], batch["token_mask"]),
-        **reward_group_metrics(rollout.raw_rewards, rollout.group_ids, batch["sample_mask"]),
+        **reward_group_metrics(raw, groups, valid),  # per session too: a branched session is one sample of its group
     }
 
 
@@ -362,7 +369,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
     metrics.update(
         {
-            "train/reward": rollout.raw_rewards.mean().item(),
+            "train/reward": session_rewards(rollout).mean().item(),
             "train/mean_response_length": rollout.response_lengths.mean().item(),
             "train/truncated_fraction": rollout.truncated.mean().item(),
             "train/grad_norm": sum(result.grad_norms) / len(result.grad_norms),

@@ -25,9 +25,12 @@ def test_a_branched_session_counts_once_in_its_groups_baseline() -> None:
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
     rollout = Rollout([], torch.zeros(4, dtype=torch.long), [], [], rewards, session_of_row=torch.tensor([7, 7, 8, 9]))
     batch = {"token_mask": torch.ones(4, 2), "sample_mask": torch.ones(4)}
-    attach_advantages(cfg, batch, rollout)
+    metrics = attach_advantages(cfg, batch, rollout)
     # Per session: mean reward 1/3, so session 7's rows get 2/3 each, the others -1/3 (per row it would be 0.5 / -0.5).
     torch.testing.assert_close(batch["advantages"][:, 0], torch.tensor([2 / 3, 2 / 3, -1 / 3, -1 / 3]))
+    # The reward spread and train/reward count sessions too (per row: std 0.577, reward 0.5)
+    assert metrics["reward_std"] == pytest.approx(torch.tensor([1.0, 0.0, 0.0]).std().item())
+    assert grpo.session_rewards(rollout).mean().item() == pytest.approx(1 / 3)
     plain = Rollout([], torch.zeros(4, dtype=torch.long), [], [], rewards)
     attach_advantages(cfg, batch, plain)
     torch.testing.assert_close(batch["advantages"][:, 0], torch.tensor([0.5, 0.5, -0.5, -0.5]))
