@@ -72,6 +72,7 @@ class Conversation:
     done: bool = False
     truncated: bool = False
     length_truncated: bool = False
+    end_text: str = ""  # the text of the end-of-turn token the last turn ended on (left out of its message)
 
     @property
     def length(self) -> int:
@@ -177,6 +178,7 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids:
     conv.text += decode_exact(tokenizer, ids)
     # The message holds the turn's text without the template's end-of-turn token (the template adds it back).
     content_ids = ids[:-1] if ids and not truncated and ids[-1] in eos_ids else ids
+    conv.end_text = decode_exact(tokenizer, ids[len(content_ids) :])
     conv.messages.append({"role": "assistant", "content": decode_exact(tokenizer, content_ids)})
     conv.turns += 1
     conv.weight_version = sample.weight_version if conv.weight_version is None else min(conv.weight_version, sample.weight_version)
@@ -194,7 +196,16 @@ def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: 
     if step.terminated or last_turn or conv.truncated:
         conv.done = True
         return
-    text, ids = observation_tokens(tokenizer, conv, step.observation)
+    try:
+        text, ids = observation_tokens(tokenizer, conv, step.observation)
+    except TemplateRewriteError:
+        if not ended_on_a_foreign_end_token(tokenizer, conv):
+            raise
+        # e.g. Qwen's <|endoftext|> beside <|im_end|> (generation_config.json, or a base model's eos): the template writes
+        # the turn back with its own end token, so nothing can follow this text; the episode ends here, counted
+        conv.done = True
+        conv.step_metrics[FOREIGN_END] = conv.step_metrics.get(FOREIGN_END, 0.0) + 1.0
+        return
     if conv.length + len(ids) >= max_total_length:  # no room for the observation and one more sampled token
         conv.done = conv.truncated = conv.length_truncated = True
         return
@@ -205,6 +216,20 @@ def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: 
     conv.response_logprobs += [0.0] * len(ids)
     conv.text += text
     conv.stop_strings = step.stop_strings
+
+
+#: Step counter (``train/multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): episodes ended because a turn ended on an end-of-turn id the chat
+#: template does not write back, so the conversation could not go on (it failed the whole rollout before).
+FOREIGN_END = "foreign_end_of_turn"
+
+
+def ended_on_a_foreign_end_token(tokenizer, conv: Conversation) -> bool:
+    """Whether the last turn ended on an end-of-turn token whose text the template replaces with its own: the rendering
+    of the conversation still starts with the sequence's text up to that token."""
+    if not conv.end_text:
+        return False
+    rendering = render(tokenizer, conv.messages)  # the turn as the template writes it back
+    return not rendering.startswith(conv.text) and rendering.startswith(conv.text[: len(conv.text) - len(conv.end_text)])
 
 
 def finished_sample(conv: Conversation) -> GeneratedSample:

@@ -181,6 +181,35 @@ def test_a_template_that_rewrites_earlier_turns_is_an_error_not_training_data(wo
         run(worker, rewriting, prompts[:4], CountdownEnv(turns=3), max_turns=3)
 
 
+def test_a_turn_ended_on_an_end_token_the_template_does_not_write_ends_its_episode(tokenizer, prompts):
+    """<|endoftext|> as an end-of-turn id beside <|im_end|> (Qwen2.5-Instruct's generation_config; a base model's eos):
+    the template writes the turn back with <|im_end|>, so the next observation cannot extend the sequence (two-turn
+    episodes here). The episode
+    ends there, counted (it raised TemplateRewriteError for the whole rollout); a turn ended on <|im_end|> goes on."""
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert eot != EOS
+
+    class Scripted:
+        weight_version = 0
+
+        def generate(self, batch, params, seed):  # the first sample's turn ends on <|endoftext|>, the others' on <|im_end|>
+            return [GeneratedSample(list(q), [11, 12, eot if i == 0 else EOS], [-0.1] * 3, False, 0) for i, q in enumerate(batch)]
+
+    settings = MultiTurnSettings(2, 128, (EOS, eot))
+    result = run_multi_turn(
+        Scripted(),
+        local_stepper({"arithmetic": CountdownEnv(turns=3)}),
+        tokenizer,
+        prompts[2:5],
+        SamplingParams(max_new_tokens=4),
+        0,
+        settings,
+    )
+    turns = [sum(1 for a, b in zip([0, *s.response_mask], s.response_mask) if b and not a) for s in result.samples]
+    assert turns == [1, 2, 2]
+    assert multi_turn_metrics(result.samples, result.rewards)["multi_turn/foreign_end_of_turn_sample_fraction"] == 1 / 3
+
+
 def test_length_limit_truncates_and_counts(worker, tokenizer, prompts):
     limit = max(len(p.prompt_token_ids) for p in prompts) + 12
     result, _ = run(worker, tokenizer, prompts, CountdownEnv(turns=3), max_turns=3, max_total=limit)
