@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nemo_like.distributed.supervision import Replaceable
@@ -67,6 +67,7 @@ class EnvironmentWorker(Reinitializable):
             raise ValueError(f"environment '{self.task}' step returned {len(steps)} steps for {len(message_logs)} conversations")
         for i, step in enumerate(steps):
             check_step(step, f"environment '{self.task}' step, conversation {i}")
+        steps = [as_python_numbers(step) for step in steps]
         return steps, {k: float(v) for k, v in self.env.metrics().items()}
 
     def close(self) -> None:
@@ -81,11 +82,28 @@ def _preview(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def is_finite_number(value: Any) -> bool:
+    """A finite real that ``float()`` takes: Python, numpy or one-element torch numbers (``score`` took them all;
+    ``step`` refused a numpy float32 reward as "not a finite number")."""
+    if isinstance(value, (str, bytes)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+        return False
+
+
+def as_python_numbers(step: EnvironmentStep) -> EnvironmentStep:
+    """``step`` with its reward and metric values as Python floats (checked by :func:`check_step`)."""
+    metrics = None if step.metrics is None else {k: float(v) for k, v in step.metrics.items()}
+    return replace(step, reward=float(step.reward), metrics=metrics)
+
+
 def check_step(step: Any, where: str) -> None:
     """Raise ``ValueError`` naming ``where`` unless ``step`` is a well-formed :class:`EnvironmentStep`."""
     if not isinstance(step, EnvironmentStep):
         raise ValueError(f"{where}: expected an EnvironmentStep, got {type(step).__name__}")
-    if not isinstance(step.reward, (int, float)) or not math.isfinite(step.reward):
+    if not is_finite_number(step.reward):
         raise ValueError(f"{where}: reward must be a finite number, got {step.reward!r}")
     obs = step.observation
     if obs is not None and not (isinstance(obs, dict) and isinstance(obs.get("role"), str) and isinstance(obs.get("content"), str)):
@@ -97,8 +115,7 @@ def check_step(step: Any, where: str) -> None:
         raise ValueError(f"{where}: stop_strings must be None or a list of non-empty strings, got {stops!r}")
     numbers = step.metrics
     if numbers is not None and not (
-        isinstance(numbers, dict)
-        and all(isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) for k, v in numbers.items())
+        isinstance(numbers, dict) and all(isinstance(k, str) and is_finite_number(v) for k, v in numbers.items())
     ):
         raise ValueError(f"{where}: metrics must be None or a dict of name -> finite number, got {numbers!r}")
 

@@ -107,7 +107,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.distributed.ray_init import init_ray
     from nemo_like.environments.worker import Environments, environment_resources
     from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
-    from nemo_like.experience.rollouts import collect_rollout
+    from nemo_like.experience.rollouts import collect_rollout, env_metrics_with_means
     from nemo_like.models.engines import build_generation, generation_resources
     from nemo_like.models.generation.interface import sampling_params
     from nemo_like.models.loading import check_context_length, end_of_sequence_ids, load_tokenizer, resolve_checkpoint_model
@@ -183,7 +183,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         "sampling": {key: list(v) if isinstance(v, tuple) else v for key, v in asdict(params).items()},
         "pass_k": ev.resolved_pass_k,
         **summarize(rows, ev.resolved_pass_k),
-        "env_metrics": rollout.env_metrics,
+        "env_metrics": env_metrics_with_means(rollout.env_metrics),  # per-source means of a composed reward, as training logs
         "seconds": time.perf_counter() - start,
     }
     write_results(out, rows, summary)

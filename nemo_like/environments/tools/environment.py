@@ -45,8 +45,15 @@ COUNTERS = (
     "samples_using_tool",
     "final_answers",
     "correct",
+    "checker_errors",
 )
 ANSWER_CHECKERS = ("integer",)
+
+
+def _own_turns(log: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The messages after the prompt's: after its last user message (tool results are role ``tool``)."""
+    last_user = max((i for i, m in enumerate(log) if m.get("role") == "user"), default=-1)
+    return log[last_user + 1 :]
 
 
 class ToolEnvConfig(BaseModel):
@@ -120,7 +127,13 @@ class ToolEnvironment(EnvironmentInterface):
         self._counts["final_answers"] += 1
         if has_tool_call(text):
             return 0.0
-        reward = float(self.checker(text, meta["answer"]))
+        try:
+            reward = float(self.checker(text, meta["answer"]))
+        except Exception as exc:  # noqa: BLE001 - a user checker failing on a model's text scores it 0, counted
+            if not self._counts["checker_errors"]:
+                print(f"[env] answer_checker raised {type(exc).__name__}: {str(exc)[:200]} (scored 0; counted in checker_errors)")
+            self._counts["checker_errors"] += 1
+            return 0.0
         self._counts["correct"] += reward >= CORRECT_REWARD
         return reward
 
@@ -132,12 +145,13 @@ class ToolEnvironment(EnvironmentInterface):
         tool_turns: list[tuple[int, str]] = []
         for log, meta in zip(message_logs, metadata):
             text = _strip_end_markers(log[-1]["content"]) if log else ""
-            if sum(m.get("role") == "assistant" for m in log) <= 1:
+            own = _own_turns(log)  # not the prompt's messages (a few-shot tool exchange kept both counters at 0)
+            if sum(m.get("role") == "assistant" for m in own) <= 1:
                 self._counts["samples"] += 1  # the sample's first turn: share using a tool = samples_using_tool / samples
             if not has_tool_call(text):
                 steps.append(EnvironmentStep(self._final(text, meta), terminated=True, metrics={"tool_calls": 0.0, "tool_errors": 0.0}))
                 continue
-            if not any(_calls_tool(m) for m in log[:-1]):
+            if not any(_calls_tool(m) for m in own[:-1]):
                 self._counts["samples_using_tool"] += 1
             tool_turns.append((len(steps), text))
             steps.append(None)

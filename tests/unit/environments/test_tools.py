@@ -169,6 +169,7 @@ def test_tool_env_step_tool_turns_final_answers_and_counters() -> None:
         "samples_using_tool": 4.0,  # the first call of logs 0, 4, 6, 7 (logs 1 and 5 called earlier)
         "final_answers": 3.0,
         "correct": 2.0,
+        "checker_errors": 0.0,
     }
     assert env.metrics()["tool_calls"] == 0.0  # reset after reading
     assert env.score(["9716", call("calculator", expression="1")], [meta, meta]) == [1.0, 0.0]
@@ -192,9 +193,30 @@ def test_tool_turns_of_a_batch_run_concurrently_and_report_in_sample_order(tmp_p
     assert ToolEnvironment(tools={"meet": tool}, max_parallel_calls=1).max_parallel_calls == 1
 
 
+def test_tool_use_counters_skip_a_few_shot_exchange_in_the_prompt() -> None:
+    """A prompt demonstrating a tool call (assistant call, tool result, assistant answer, then the question): the
+    counters read the whole log, so no turn was a first turn or a first call (samples_using_tool / samples was 0/0)."""
+    shot = [{"role": "user", "content": "What is 2 times 3?"}, {"role": "assistant", "content": call("calculator", expression="2*3")},
+            {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"}]  # fmt: skip
+    env = ToolEnvironment()
+    first = [*shot, *conversation(call("calculator", expression="347*28"))]
+    second = [*first, {"role": "tool", "content": "9716"}, {"role": "assistant", "content": "9716"}]
+    env.step([first], [{"answer": 9716}])
+    env.step([second], [{"answer": 9716}])
+    counters = env.metrics()
+    assert (counters["samples"], counters["samples_using_tool"], counters["correct"]) == (1.0, 1.0, 1.0)
+
+
 def test_tool_env_custom_answer_checker(tmp_path) -> None:
     (tmp_path / "checkers.py").write_text("def contains(text, answer):\n    return float(str(answer) in text)\n")
     env = ToolEnvironment(answer_checker=f"{tmp_path}/checkers.py:contains")
     (step,) = env.step([conversation("The answer is 9716.")], [{"answer": 9716}])
     assert step.reward == 1.0 and step.terminated
     assert json.loads(json.dumps(env.metrics()))["correct"] == 1.0
+    # A checker that raises on a model's text (int("about 5")) scores it 0, counted: it stopped the training step
+    (tmp_path / "strict.py").write_text("def exact(text, answer):\n    return float(int(text.strip()) == int(answer))\n")
+    strict = ToolEnvironment(answer_checker=f"{tmp_path}/strict.py:exact")
+    steps = strict.step([conversation("5"), conversation("about 5")], [{"answer": 5}, {"answer": 5}])
+    assert [s.reward for s in steps] == [1.0, 0.0] and all(s.terminated for s in steps)
+    counters = strict.metrics()
+    assert counters["checker_errors"] == 1.0 and counters["correct"] == 1.0

@@ -296,10 +296,22 @@ def test_malformed_environment_steps_are_rejected_with_the_reason():
         (EnvironmentStep(0.0, False, {"role": "tool"}), "observation"),
         (EnvironmentStep(0.0, False, None, None, "</x>"), "stop_strings"),
         (EnvironmentStep(0.0, metrics={"calls": float("inf")}), "metrics"),
+        (EnvironmentStep("1.0"), "finite"),
+        (EnvironmentStep(torch.ones(2)), "finite"),
         ((0.0, True), "EnvironmentStep"),
     ]:
         with pytest.raises(ValueError, match=reason):
             check_step(bad, "env 'x' step")
+    # numpy and one-element torch numbers are numbers (score() took them; step() refused a numpy float32 reward)
+    import numpy as np
+
+    from nemo_like.environments.worker import as_python_numbers
+
+    step = EnvironmentStep(np.float32(0.5), metrics={"calls": np.int64(2), "t": torch.tensor(1.5)})
+    check_step(step, "w")
+    step = as_python_numbers(step)
+    assert type(step.reward) is float and step.reward == 0.5 and step.metrics == {"calls": 2.0, "t": 1.5}
+    assert all(type(v) is float for v in step.metrics.values())
 
 
 def test_turns_and_environment_kind_disagreeing_is_a_warning():
