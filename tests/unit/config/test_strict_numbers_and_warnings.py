@@ -135,3 +135,16 @@ def test_turning_off_scoring_overlap_where_it_never_happens_warns(overrides: tup
     cfg = load_config(None, ["grpo.overlap_scoring=false", *overrides], warn=False)
     assert f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)" in cfg.no_effect_warnings()
     assert not any("overlap_scoring" in w for w in load_config(None, ["grpo.overlap_scoring=false"], warn=False).no_effect_warnings())
+
+
+def test_in_flight_refits_at_age_bound_zero_warn() -> None:
+    """At max_trajectory_age_steps=0 no batch is generating when a refit comes: in-flight updates never happen."""
+    common = [
+        "grpo.async_grpo.enabled=true",
+        "loss_fn.use_importance_sampling_correction=true",
+        "grpo.async_grpo.in_flight_weight_updates=true",
+    ]
+    zero = load_config(None, [*common, "grpo.async_grpo.max_trajectory_age_steps=0"], warn=False).no_effect_warnings()
+    assert any(w.startswith("grpo.async_grpo.in_flight_weight_updates=true has no effect") for w in zero)
+    one = load_config(None, [*common, "grpo.async_grpo.max_trajectory_age_steps=1"], warn=False).no_effect_warnings()
+    assert not any("in_flight_weight_updates" in w for w in one)
