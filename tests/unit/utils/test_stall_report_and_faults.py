@@ -34,16 +34,21 @@ def get_with_context(refs, what, timeout_s=None):  # the name and locals the rep
     return what, start
 
 
-def test_the_driver_section_names_the_call_it_waits_in_and_for_how_long():
+def section_of_a_waiting_thread(wait) -> list[str]:
+    """The stall report's driver section taken while a thread runs ``wait(release)`` (it returns once released)."""
     release = threading.Event()
-    waiter = threading.Thread(target=get_with_context, args=(release, "policy: inline generation"))
+    waiter = threading.Thread(target=wait, args=(release,))
     waiter.start()
     time.sleep(0.2)
     try:
-        lines = driver_section(waiter.ident)
+        return driver_section(waiter.ident)
     finally:
         release.set()
         waiter.join()
+
+
+def test_the_driver_section_names_the_call_it_waits_in_and_for_how_long():
+    lines = section_of_a_waiting_thread(lambda release: get_with_context(release, "policy: inline generation"))
     assert lines[0].startswith("[stall] driver (pid") and "waiting on 'policy: inline generation' for 0." in lines[0]
     assert any("in get_with_context" in line for line in lines[1:])
 
@@ -62,15 +67,7 @@ def test_a_wait_on_a_replaceable_actor_is_named_too():
 
     for function in (supervision.gather, supervision._recover, worker_group.get_with_context):  # the real names and locals
         assert {"what", WAITING_CALLS[function.__name__]} <= set(function.__code__.co_varnames), function
-    release = threading.Event()
-    waiter = threading.Thread(target=gather, args=([], release, "generation"))
-    waiter.start()
-    time.sleep(0.2)
-    try:
-        lines = driver_section(waiter.ident)
-    finally:
-        release.set()
-        waiter.join()
+    lines = section_of_a_waiting_thread(lambda release: gather([], release, "generation"))
     assert "waiting on 'generation' for 0." in lines[0], lines[0]
 
 
