@@ -366,6 +366,11 @@ def _answer_text(value: Any, spec: DatasetSpec | None, where: str, key: str) -> 
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ConfigError(f"{where}: the gold answer ({key}) must be a string or a number, got {type(value).__name__}: {value!r}")
     if isinstance(value, float) and value.is_integer():
+        if abs(value) >= 2**53:  # a column of ints and floats is read as doubles: 12345678901234567 came back ...68
+            raise ConfigError(
+                f"{where}: the gold answer ({key}) {value!r} was read as a float, which cannot hold every integer past 2**53 "
+                "(the column mixes integers and decimals); store the answers as strings"
+            )
         value = int(value)  # a JSON/CSV "19" read as 19.0
     text = str(value).strip()
     if spec and spec.answer_transform:

@@ -467,6 +467,16 @@ def test_the_loader_says_which_epoch_its_next_batch_comes_from(tmp_path, tok):
     assert epochs == [(0, 0), (0, 0), (1, 0)] and loader.epoch == 1  # the incomplete tail (2 prompts) is skipped
 
 
+def test_a_large_integer_answer_read_as_a_float_is_refused(tmp_path, tok) -> None:
+    """An answer column mixing integers and decimals is read as doubles: 12345678901234567 became ...568 silently."""
+    items = [{"q": "1+1?", "a": 2}, {"q": "big", "a": 12345678901234567}, {"q": "half", "a": 0.5}]
+    path = write_jsonl(tmp_path / "t.jsonl", items)
+    with pytest.raises(ConfigError, match=r"read as a float, which cannot hold every integer past 2\*\*53"):
+        build(data_cfg(path, path), tok)
+    small = write_jsonl(tmp_path / "s.jsonl", [{"q": "1+1?", "a": 2}, {"q": "half", "a": 0.5}])
+    assert sorted(r.metadata["answer"] for r in build(data_cfg(small, small), tok)) == ["0.5", "2"]
+
+
 def test_a_dataset_cut_by_num_problems_says_so(tmp_path, tok, capsys) -> None:
     """data.train.num_problems (20000 by default, for the arithmetic task) cut a larger file without a word."""
     path = write_jsonl(tmp_path / "t.jsonl", rows(12))
