@@ -64,8 +64,8 @@ class TakenRollout:
 @dataclass
 class RefitTiming:
     """Seconds of one async refit: the load itself, the trainer's wait for the batch in flight, and how
-    long generation was held (in flight: the refit call's duration, an upper bound, as the workers swap
-    weights between two decoding steps)."""
+    long generation was held (in flight: the refit call's duration when a batch was generating, an upper bound, as
+    the workers swap weights between two decoding steps; 0 when none was)."""
 
     refit: float
     trainer_waiting_for_refit: float
@@ -196,9 +196,11 @@ class AsyncRollouts:
         policy, generation = self.parts.policy, self.parts.generation
         version = policy.weight_version
         if self.in_flight:
+            generating = self._call("is_generating")
             seconds = generation.refit(policy.weight_buckets, version)
-            self._call("set_generation_version", version)
-            return RefitTiming(seconds, 0.0, seconds)
+            generating = self._call("set_generation_version", version) or generating
+            # Generation stood still only if a batch was generating: an idle collector's wait is waiting_for_pacing's
+            return RefitTiming(seconds, 0.0, seconds if generating else 0.0)
         if self.agents is not None:  # between two engine calls: a session in flight goes on with the new weights
             gate = self.agents.engine
             waited = gate.hold()

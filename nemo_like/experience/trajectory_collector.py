@@ -400,11 +400,17 @@ class TrajectoryCollector:
             self.cond.notify_all()
             return held
 
-    def set_generation_version(self, generation_version: int) -> None:
-        """The generation weights changed without a pause (in-flight refit)."""
+    def set_generation_version(self, generation_version: int) -> bool:
+        """The generation weights changed without a pause (in-flight refit); returns whether a batch is generating."""
         with self.cond:
             self.version = generation_version
             self.cond.notify_all()
+            return self.in_flight
+
+    def is_generating(self) -> bool:
+        """Whether a batch is generating now (an in-flight refit then swaps its weights between two decoding steps)."""
+        with self.cond:
+            return self.in_flight
 
     def stop(self) -> None:
         with self.cond:

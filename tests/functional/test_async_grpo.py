@@ -158,6 +158,9 @@ def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, t
         assert all(0.0 <= r["train/max_trajectory_age"] <= 2.0 for r in history)
         assert all(r["idle/trainer_waiting_for_refit"] == 0.0 for r in history)  # in flight: the trainer never waits
         assert all(0.0 <= r["async/refitted_mid_sequence_fraction"] <= 1.0 for r in history)
+        # Step 2's refit finds the data spent and the collector idle: generation was not held (it reported the refit's
+        # duration whenever nothing was generating, double-counting idle/generation_waiting_for_pacing)
+        assert history[-1]["idle/generation_paused_for_refit"] == 0.0
 
 
 def test_a_dead_collector_stops_the_trainer_with_a_clear_error(ray_cluster, tmp_path):
