@@ -239,8 +239,8 @@ def collect_training_rollout(
         add_batch_counters(env_counters, rollout.env_metrics)
         # Group ids unique across generation batches, so groups from different batches never merge.
         group_ids = rollout.group_ids + batch_index * cfg.grpo.num_prompts_per_step
-        rollout.task_rewards = rollout.rewards
-        rollout.rewards, keep = filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, group_ids)
+        shaped, keep = filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, group_ids)
+        rollout.set_shaped_rewards(shaped)
         if accumulator is None:
             return rollout, {}
         payload = {
@@ -347,8 +347,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     passes = start_logprob_passes(parts, batch, rollout)
     if rollout.pending_scores is not None:
         timer.add("reward", rollout.finish_scoring())  # the wait not hidden behind the passes
-        rollout.task_rewards = rollout.rewards
-        rollout.rewards = shaped_rewards(cfg, rollout.rewards, rollout.response_lengths)
+        rollout.set_shaped_rewards(shaped_rewards(cfg, rollout.rewards, rollout.response_lengths))
     adv_metrics = attach_advantages(cfg, batch, rollout)
     ran_reference = gather_logprob_passes(parts, passes, batch, timer)
     # Asked only when this step ran the pass: in async runs the collector may be using the reference actor right now
@@ -427,8 +426,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     taken = rollouts.take(step, parts.policy.weight_version)
     timer.add("waiting_for_data", taken.waited_s)
     rollout = taken.rollout
-    rollout.task_rewards = rollout.rewards
-    rollout.rewards, _ = filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, rollout.group_ids)
+    rollout.set_shaped_rewards(filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, rollout.group_ids)[0])
     metrics = train_on_rollout(parts, step, timer, rollout)
     refit = rollouts.refit()
     timer.add("refit", refit.refit)
@@ -594,7 +592,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             except DataExhausted as exc:
                 logger.progress.message(f"[done] {exc}")
                 final = step - 1  # the last step: grpo.max_num_epochs ended the run before grpo.max_num_steps
-                if cfg.grpo.val_at_end and final > last_step and not any(k.startswith("validation/") for k in history[-1]):
+                if cfg.grpo.val_at_end and final > last_step and not validation_of(history[-1]):
                     val = runner.validate(final, StepTimer())
                     logger.log(val, final)  # a validation-only record of the last step, as step 0's is
                     history[-1].update(val)

@@ -88,7 +88,7 @@ def dump_train_samples(
         "response_token_ids": [s.response_ids for s in rollout.samples],
         "generation_logprobs": response_token_values(batch["generation_logprobs"], mask),
         "prev_logprobs": response_token_values(prev, mask) if prev is not None else [None] * len(rollout.samples),
-        "trained_token_mask": [[int(v) for v in row] for row in response_token_values(batch["token_mask"], mask)],
+        "trained_token_mask": response_token_values(batch["token_mask"].long(), mask),
         **turn_columns(rollout),
     }
     if "reference_policy_logprobs" in batch:

@@ -186,12 +186,7 @@ class MasterConfig(BaseModel):
         lines += distillation_warnings(self.teacher, self.distillation)
         if not self.grpo.overlap_scoring and (blocker := self.scoring_overlap_blocker()):
             lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")
-        async_cfg = self.grpo.async_grpo
-        if async_cfg.enabled and async_cfg.in_flight_weight_updates and async_cfg.max_trajectory_age_steps == 0:
-            lines.append(
-                "grpo.async_grpo.in_flight_weight_updates=true has no effect with grpo.async_grpo.max_trajectory_age_steps=0 "
-                "(a batch for the next step starts only once generation holds the new weights: none is in flight at a refit)"
-            )
+        lines += self.grpo.async_grpo.no_effect_warnings()
         return lines
 
     def scoring_overlap_blocker(self) -> str | None:

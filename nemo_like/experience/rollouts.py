@@ -32,6 +32,10 @@ class Rollout:
     session_of_row: torch.Tensor | None = None  # [B] agent tasks: each row's session (a branched session has several rows)
     task_rewards: torch.Tensor | None = None  # [B] the environments' rewards once ``rewards`` are shaped (DAPO overlong)
 
+    def set_shaped_rewards(self, shaped: torch.Tensor) -> None:
+        """Replace ``rewards`` with their shaped values, keeping the environments' as ``task_rewards``."""
+        self.task_rewards, self.rewards = self.rewards, shaped
+
     @property
     def raw_rewards(self) -> torch.Tensor:
         """The environments' rewards before any shaping: what ``train/reward``, the group and task metrics report

@@ -152,17 +152,21 @@ def load_causal_lm(model_name: str, precision: str = "float32"):
     return model
 
 
+def adapter_base_model(adapter_dir: str | Path) -> str:
+    """The base model a LoRA adapter directory names (``base_model_name_or_path`` of its adapter config)."""
+    return json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+
+
 def load_merged(adapter_dir: str | Path, precision: str = "float32", base_model: str | None = None) -> torch.nn.Module:
     """The plain model of a PEFT adapter directory (a LoRA checkpoint's ``policy/``): its base model
     (``base_model_name_or_path`` unless ``base_model`` is given) with the adapters merged in."""
-    import json
 
     from peft import PeftModel
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / ADAPTER_CONFIG).is_file():
         raise ConfigError(f"{adapter_dir} holds no LoRA adapter ({ADAPTER_CONFIG} is missing)")
-    base = base_model or json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    base = base_model or adapter_base_model(adapter_dir)
     model = PeftModel.from_pretrained(load_causal_lm(base, precision), str(adapter_dir))
     merged = model.merge_and_unload()
     merged.config.use_cache = False
@@ -186,7 +190,7 @@ def model_context_length(model_name: str) -> int | None:
 
     path = Path(resolve_model_path(model_name)).expanduser()
     if (path / ADAPTER_CONFIG).is_file():
-        return model_context_length(json.loads((path / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+        return model_context_length(adapter_base_model(path))
     config = AutoConfig.from_pretrained(str(path) if path.is_dir() else model_name)
     positions = getattr(config, "max_position_embeddings", None)
     if not positions:
@@ -230,7 +234,7 @@ def _generation_config(model_name: str) -> dict[str, Any]:
     ``{}`` when there is none (many models ship none)."""
     path = Path(resolve_model_path(model_name)).expanduser()
     if (path / ADAPTER_CONFIG).is_file():
-        return _generation_config(json.loads((path / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+        return _generation_config(adapter_base_model(path))
     if path.is_dir():
         found: Any = path / "generation_config.json"
     elif looks_like_path(model_name):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.models.loading import ADAPTER_CONFIG, load_merged, load_tokenizer
+from nemo_like.models.loading import ADAPTER_CONFIG, adapter_base_model, load_merged, load_tokenizer
 from nemo_like.models.precision import refit_dtype
 
 __all__ = [
@@ -238,12 +238,11 @@ def merge_checkpoint(
 ) -> Path:
     """Write a plain HF model directory for serving (merged weights, config, generation config, and the tokenizer
     of ``tokenizer`` / the base model) from a LoRA adapter directory (a checkpoint's ``policy/``)."""
-    import json
 
     merged = load_merged(adapter_dir, precision, base_model)
     out = Path(output_dir)
     merged.config.use_cache = True
     merged.save_pretrained(out)
-    base = base_model or json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    base = base_model or adapter_base_model(adapter_dir)
     load_tokenizer(tokenizer or base).save_pretrained(out)
     return out

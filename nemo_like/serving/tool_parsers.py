@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_like.environments.tools.parsing import CLOSE_TAG, OPEN_TAG, ToolCall, parse_tool_calls, tool_call_bodies
+from nemo_like.environments.tools.parsing import OPEN_TAG, ToolCall, parse_tool_calls
 from nemo_like.utils.registry import Registry
 
 
@@ -37,12 +37,6 @@ def openai_tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
-def _close_trailing_call(text: str) -> str:
-    """``text`` with a closing tag added when its last ``<tool_call>`` is not closed: the call an agent's
-    ``stop=["</tool_call>"]`` cut before its closing tag (an unclosed call whose JSON does not parse still fails)."""
-    return text + CLOSE_TAG if tool_call_bodies(text)[1] else text
-
-
 @TOOL_PARSERS.register("hermes")
 def parse_hermes(text: str) -> ParsedTurn:
     """Hermes/Qwen markup, as vLLM's ``hermes`` parser reads it: every ``<tool_call>`` must parse, else the whole text
@@ -53,7 +47,7 @@ def parse_hermes(text: str) -> ParsedTurn:
     error (a turn cut by the token limit)."""
     if OPEN_TAG not in text:
         return ParsedTurn(text)
-    calls = parse_tool_calls(_close_trailing_call(text))
+    calls = parse_tool_calls(text, keep_unclosed=True)  # a call stop=["</tool_call>"] cut before its tag still counts
     if not calls or not all(isinstance(c, ToolCall) for c in calls):
         return ParsedTurn(text)
     before = text[: text.index(OPEN_TAG)]

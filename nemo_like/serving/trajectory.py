@@ -204,8 +204,7 @@ class SessionRows:
         """The weight version of the session's first call (None: no rows), what every row's age counts from: versions
         only grow, so it is also the oldest weights that produced any of its tokens (a branched session's later rows
         start at later calls)."""
-        versions = [v for row in self.rows for v in row.weight_versions]
-        return min(versions) if versions else None
+        return min((row.weight_version for row in self.rows), default=None)
 
 
 def session_rows(session_id: str, calls: Sequence[CallRecord], reward: float, vocab_size: int | None = None) -> SessionRows:
@@ -242,9 +241,9 @@ def rows_for_training(results: Sequence[SessionRows]) -> RowBatch:
     calls as ``num_turns``, as a training run's agent rollouts give them."""
     batch = RowBatch([], [], [], list(results))
     for index, result in enumerate(results):
+        version = result.weight_version
         for row in result.rows:
-            sample = row.to_generated_sample()
-            batch.samples.append(replace(sample, num_turns=len(row.calls), weight_version=result.weight_version))
+            batch.samples.append(replace(row.to_generated_sample(), weight_version=version))
             batch.rewards.append(row.reward)
             batch.session_of_row.append(index)
     return batch

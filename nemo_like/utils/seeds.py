@@ -17,6 +17,11 @@ RANK_STRIDE = 1_000_003
 VALIDATION_STRIDE = 10_000_019
 
 
+def _hashed_seed(key: str) -> int:
+    """A 31-bit seed hashed from ``key`` (the keys below are fixed: a changed key changes every seed of its kind)."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
 def rollout_seed(seed: int, step: int, batch_index: int = 0) -> int:
     """The sampling seed of training step ``step``'s ``batch_index``-th generation batch (the sync loop and the async
     collector use the same, so an async run with ``max_trajectory_age_steps: 0`` reproduces the sync run).
@@ -26,8 +31,7 @@ def rollout_seed(seed: int, step: int, batch_index: int = 0) -> int:
     same sample again wherever a prompt comes back within the step. Refills take a hash instead."""
     if batch_index == 0:
         return (seed * STEP_STRIDE + step) * BATCH_STRIDE
-    digest = hashlib.sha256(f"refill/{seed}/{step}/{batch_index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return _hashed_seed(f"refill/{seed}/{step}/{batch_index}")
 
 
 def validation_seed(step: int) -> int:
@@ -40,8 +44,7 @@ def turn_seed(seed: int, turn: int, group: int) -> int:
     one-turn rollout reproduces a single-turn one); later calls a hash of the three."""
     if turn == 0 and group == 0:
         return seed
-    digest = hashlib.sha256(f"{seed}/{turn}/{group}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return _hashed_seed(f"{seed}/{turn}/{group}")
 
 
 def worker_seed(seed: int, rank: int) -> int:
@@ -57,19 +60,16 @@ def chunk_seed(seed: int, offset: int) -> int:
     step ``s``'s request ``j + 101``'s numbers: 80% of a 512-request vLLM batch), so those offsets take a hash."""
     if offset < BATCH_STRIDE:
         return seed + offset
-    digest = hashlib.sha256(f"chunk/{seed}/{offset}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return _hashed_seed(f"chunk/{seed}/{offset}")
 
 
 def agent_session_seed(seed: int, sample: int) -> int:
     """The seed of the agent session that rolls out sample ``sample`` (its index in the batch) of a batch sampled with
     ``seed``: every call of the session derives its own from it (:func:`agent_call_seed`)."""
-    digest = hashlib.sha256(f"agent/{seed}/{sample}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return _hashed_seed(f"agent/{seed}/{sample}")
 
 
 def agent_call_seed(session_seed: int, call: int) -> int:
     """The sampling seed of call ``call`` (0, 1, ... in arrival order) of the session seeded ``session_seed``: a
     deterministic agent then makes the same calls, sampled the same, on a rerun whatever the other sessions do."""
-    digest = hashlib.sha256(f"agent-call/{session_seed}/{call}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return _hashed_seed(f"agent-call/{session_seed}/{call}")

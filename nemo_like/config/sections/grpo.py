@@ -45,6 +45,15 @@ class AsyncGRPOConfig(Section):
         "(sequences keep the per-token logprobs of the weights that produced each token). false: the refit waits for the batch.",
     )
 
+    def no_effect_warnings(self) -> list[str]:
+        """One line per option set here that has no effect in this combination."""
+        if self.enabled and self.in_flight_weight_updates and self.max_trajectory_age_steps == 0:
+            return [
+                "grpo.async_grpo.in_flight_weight_updates=true has no effect with grpo.async_grpo.max_trajectory_age_steps=0 "
+                "(a batch for the next step starts only once generation holds the new weights: none is in flight at a refit)"
+            ]
+        return []
+
 
 class GRPOConfig(Section):
     num_prompts_per_step: Int = Field(8, gt=0, description="Distinct prompts per step.")

@@ -48,9 +48,11 @@ def _digits(value: float) -> float:
     return math.log10(abs(value)) + 1 if value else 0.0
 
 
+_INT_LIMIT = 10**MAX_RESULT_DIGITS  # the smallest int with more than MAX_RESULT_DIGITS digits
+
+
 def _check_size(value: int | float) -> int | float:
-    # An int of at most 3321 bits has at most 1000 digits; past that, count them (10**1000, 3322 bits, has 1001).
-    if isinstance(value, int) and value.bit_length() > 3321 and len(str(abs(value))) > MAX_RESULT_DIGITS:
+    if isinstance(value, int) and abs(value) >= _INT_LIMIT:
         raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
     if isinstance(value, float) and not math.isfinite(value):
         raise CalculatorError("result is not finite")

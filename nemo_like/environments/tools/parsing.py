@@ -82,9 +82,10 @@ def _close_after_json(text: str, start: int) -> int | None:
     return close if text.startswith(CLOSE_TAG, close) else None
 
 
-def tool_call_bodies(text: str) -> tuple[list[str], bool]:
+def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str], bool]:
     """The text inside each ``<tool_call>...</tool_call>`` of ``text`` in order, and whether the last opening tag is
-    left unclosed. A call ends at the closing tag after its JSON value, else (malformed JSON) at the next closing tag."""
+    left unclosed. A call ends at the closing tag after its JSON value, else (malformed JSON) at the next closing tag.
+    ``keep_unclosed``: an unclosed last call is a body too, running to the end (then never reported unclosed)."""
     bodies: list[str] = []
     position = 0
     while (opened := text.find(OPEN_TAG, position)) != -1:
@@ -93,18 +94,21 @@ def tool_call_bodies(text: str) -> tuple[list[str], bool]:
         if close is None:
             close = text.find(CLOSE_TAG, start)
         if close == -1:
-            return bodies, True
+            if keep_unclosed:
+                bodies.append(text[start:])
+            return bodies, not keep_unclosed
         bodies.append(text[start:close])
         position = close + len(CLOSE_TAG)
     return bodies, False
 
 
-def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
+def parse_tool_calls(text: str, keep_unclosed: bool = False) -> list[ToolCall | ToolCallError]:
     """Every ``<tool_call>...</tool_call>`` of ``text`` in order, each parsed or an error.
 
-    An opening tag without its closing tag (e.g. generation cut by the token limit) is one error.
+    An opening tag without its closing tag (e.g. generation cut by the token limit) is one error, unless
+    ``keep_unclosed`` (the server's reading of a call an agent's stop string cut: parsed like a closed one).
     Returns ``[]`` when the text calls no tool."""
-    bodies, unterminated = tool_call_bodies(text)
+    bodies, unterminated = tool_call_bodies(text, keep_unclosed)
     calls: list[ToolCall | ToolCallError] = [_parse_one(body.strip()) for body in bodies]
     if unterminated:
         calls.append(ToolCallError(f"unterminated {OPEN_TAG} (no {CLOSE_TAG})"))

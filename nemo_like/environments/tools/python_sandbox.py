@@ -73,12 +73,13 @@ class PythonSandbox:
             shutil.rmtree(work, ignore_errors=True)
         if returncode == "timeout" or returncode == -signal.SIGXCPU:
             raise ToolError("timeout", f"time limit of {self.timeout_s:g} s exceeded")
-        if returncode == 3 or (returncode == 1 and stderr.splitlines()[-1:] and stderr.splitlines()[-1].startswith("MemoryError")):
+        last_line = stderr.splitlines()[-1] if stderr else ""  # stripped: a non-empty one ends in a non-empty line
+        if returncode == 3 or (returncode == 1 and last_line.startswith("MemoryError")):
             raise ToolError("memory", f"memory limit of {self.memory_mb} MB exceeded")
         if returncode == 4 or len(stdout) > self.max_output_bytes:
             raise ToolError("output_limit", f"output larger than {self.max_output_bytes} bytes")
         if returncode == 1:
-            raise ToolError("exception", stderr.splitlines()[-1] if stderr else "the code raised")
+            raise ToolError("exception", last_line or "the code raised")
         if returncode != 0:
             raise ToolError("crash", f"the process ended with status {returncode}")
         return stdout.decode(errors="replace").rstrip("\n")

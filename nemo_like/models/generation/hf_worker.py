@@ -101,9 +101,9 @@ class HFGenerationWorker(Reinitializable):
         if isinstance(versioned_state, WeightBuckets) and versioned_state.kind != "full":
             raise RuntimeError(f"HF generation serves plain weights; got a {versioned_state.kind!r} refit (LoRA refits are merged for it)")
         if isinstance(versioned_state, WeightBuckets):
-            version, buckets = versioned_state.version, versioned_state.iter_buckets()
+            version, buckets, check_intact = versioned_state.version, versioned_state.iter_buckets(), versioned_state.check_intact
         else:
-            version, buckets = versioned_state[0], iter([versioned_state[1]])
+            version, buckets, check_intact = versioned_state[0], iter([versioned_state[1]]), lambda: None
         expected = set(self.model.state_dict())
         received: set[str] = set()
         for bucket in buckets:
@@ -112,8 +112,7 @@ class HFGenerationWorker(Reinitializable):
                 raise RuntimeError(f"Refit manifest mismatch: unexpected={sorted(unexpected)}")
             self.model.load_state_dict(bucket, strict=False)
             received.update(bucket)
-        if isinstance(versioned_state, WeightBuckets):
-            versioned_state.check_intact()  # a shared-memory buffer rewritten while it was copied: refuse the mix
+        check_intact()  # a shared-memory buffer rewritten while it was copied: refuse the mix
         missing = [k for k in expected - received if not k.endswith("rotary_emb.inv_freq")]
         if missing:
             raise RuntimeError(f"Refit manifest mismatch: missing={sorted(missing)} unexpected=[]")
