@@ -22,6 +22,10 @@ from pydantic import BaseModel
 
 #: Reward at or above which a sample counts as correct (accuracy and pass@k).
 CORRECT_REWARD = 1.0
+#: Key of the metadata a multi-turn step receives: ``True`` when the run ends the sample after this step whatever the
+#: environment answers (the last of ``grpo.max_rollout_turns``, or a turn cut by its token budget), so an observation
+#: would never be read (the tool environment then does not run the turn's calls). Not kept in the sample's metadata.
+FINAL_TURN = "final_turn"
 #: CPU an environment actor reserves unless its class says otherwise (most environments mostly wait).
 DEFAULT_ENV_CPUS = 0.1
 
@@ -97,7 +101,7 @@ class EnvironmentInterface(ABC):
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> list[EnvironmentStep]:
         """Multi-turn hook: one :class:`EnvironmentStep` per sample. ``message_logs[i]`` is the sample's
         conversation so far (OpenAI-style messages, the model's latest turn last); ``metadata[i]`` its
-        metadata (as updated by earlier steps). The default is the single-turn case: score the last message
+        metadata (as updated by earlier steps), with ``metadata[i][FINAL_TURN]`` set (:data:`FINAL_TURN`). The default is the single-turn case: score the last message
         with :meth:`score` and terminate. Multi-turn environments override it; single-turn ones need not.
         Used when ``grpo.max_rollout_turns > 1`` (docs/guides/multi-turn.md); with 1 the run calls :meth:`score`."""
         responses = [conversation[-1]["content"] if conversation else "" for conversation in message_logs]

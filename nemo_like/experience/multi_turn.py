@@ -34,7 +34,7 @@ import torch
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.data.prompts import PromptRecord
-from nemo_like.environments.interface import EnvironmentStep
+from nemo_like.environments.interface import FINAL_TURN, EnvironmentStep
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams, stop_string_prefix
 from nemo_like.plan.multi_turn import MultiTurnSettings
 from nemo_like.utils.seeds import turn_seed
@@ -192,8 +192,8 @@ def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: 
     for name, value in (step.metrics or {}).items():
         conv.step_metrics[name] = conv.step_metrics.get(name, 0.0) + float(value)
     if step.metadata is not None:
-        conv.metadata = dict(step.metadata)
-    if step.terminated or last_turn or conv.truncated:
+        conv.metadata = {k: v for k, v in step.metadata.items() if k != FINAL_TURN}
+    if step.terminated or last_turn or conv.truncated:  # FINAL_TURN told the environment so before its step
         conv.done = True
         return
     try:
@@ -300,12 +300,14 @@ def run_multi_turn(
                 conv.length_truncated = True
         gen_s += time.perf_counter() - start
         start = time.perf_counter()
-        steps, step_counters = step_environments([c.prompt for c in active], [c.messages for c in active], [c.metadata for c in active])
+        last_turn = turn == max_turns - 1
+        metadata = [{**c.metadata, FINAL_TURN: last_turn or c.truncated} for c in active]  # apply_step's end rule
+        steps, step_counters = step_environments([c.prompt for c in active], [c.messages for c in active], metadata)
         env_s += time.perf_counter() - start
         for name, value in step_counters.items():
             counters[name] = counters.get(name, 0.0) + value
         for conv, step in zip(active, steps):
-            apply_step(tokenizer, conv, step, turn == max_turns - 1, max_total_length)
+            apply_step(tokenizer, conv, step, last_turn, max_total_length)
     samples = [finished_sample(c) for c in convs]
     texts = [decode_exact(tokenizer, s.response_ids) for s in samples]
     rewards = torch.tensor([c.reward for c in convs], dtype=torch.float32)

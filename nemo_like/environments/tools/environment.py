@@ -6,7 +6,9 @@ Per step and sample, the model's latest turn (``message_logs[i][-1]``) decides:
   :class:`~nemo_like.environments.tools.registry.ToolRegistry`; the observation is
   ``{"role": "tool", "content": ...}`` with the result (several calls: one ``name: result`` line each; a failed
   call's text starts with ``error: ``); reward 0, not terminated. A turn with more than
-  ``max_calls_per_turn`` calls gets one error observation instead;
+  ``max_calls_per_turn`` calls gets one error observation instead. In the sample's final turn
+  (``metadata[FINAL_TURN]``: the run ends the sample after this step) the calls are not run, since no turn would
+  read their results: reward 0, terminated, counted in ``tool_turns_not_run``;
 * it holds no tool call: it is the final answer, scored by the answer checker against
   ``metadata["answer"]`` and the episode terminates.
 
@@ -29,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_like.environments.arithmetic import import_reward_fn
 from nemo_like.environments.arithmetic_reward import _strip_end_markers, score_response
-from nemo_like.environments.interface import CORRECT_REWARD, EnvironmentInterface, EnvironmentStep
+from nemo_like.environments.interface import CORRECT_REWARD, FINAL_TURN, EnvironmentInterface, EnvironmentStep
 from nemo_like.environments.tools.parsing import ToolCallError, has_tool_call, parse_tool_calls
 from nemo_like.environments.tools.registry import ToolRegistry
 
@@ -46,6 +48,7 @@ COUNTERS = (
     "final_answers",
     "correct",
     "checker_errors",
+    "tool_turns_not_run",
 )
 ANSWER_CHECKERS = ("integer",)
 
@@ -153,6 +156,11 @@ class ToolEnvironment(EnvironmentInterface):
                 continue
             if not any(_calls_tool(m) for m in own[:-1]):
                 self._counts["samples_using_tool"] += 1
+            if meta.get(FINAL_TURN):  # the run ends this sample now: nothing would read the results
+                self._counts["tool_turns_not_run"] += 1
+                not_run = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_turns_not_run": 1.0}
+                steps.append(EnvironmentStep(0.0, terminated=True, metrics=not_run))
+                continue
             tool_turns.append((len(steps), text))
             steps.append(None)
         if tool_turns:

@@ -9,6 +9,7 @@ import pytest
 
 from nemo_like.config import ConfigError
 from nemo_like.config.schema import MasterConfig
+from nemo_like.environments.interface import FINAL_TURN
 from nemo_like.environments.registry import resolve_environments
 from nemo_like.environments.tools.calculator import CalculatorError, calculator, evaluate_expression
 from nemo_like.environments.tools.environment import ToolEnvironment
@@ -170,6 +171,7 @@ def test_tool_env_step_tool_turns_final_answers_and_counters() -> None:
         "final_answers": 3.0,
         "correct": 2.0,
         "checker_errors": 0.0,
+        "tool_turns_not_run": 0.0,  # no sample was in its final turn (metadata without FINAL_TURN)
     }
     assert env.metrics()["tool_calls"] == 0.0  # reset after reading
     assert env.score(["9716", call("calculator", expression="1")], [meta, meta]) == [1.0, 0.0]
@@ -191,6 +193,24 @@ def test_tool_turns_of_a_batch_run_concurrently_and_report_in_sample_order(tmp_p
     assert [s.metrics for s in steps[:4]] == [{"tool_calls": 1, "tool_errors": 0}] * 4
     assert env.metrics()["tool_calls"] == 4.0
     assert ToolEnvironment(tools={"meet": tool}, max_parallel_calls=1).max_parallel_calls == 1
+
+
+def test_a_tool_turn_in_the_samples_final_turn_is_not_run(tmp_path) -> None:
+    """metadata[FINAL_TURN]: the run ends the sample after this step, so its calls' results would never be read. They
+    are not run (a python snippet looping to its timeout cost seconds for nothing): reward 0, terminated, counted; a
+    final answer in the final turn is scored as ever."""
+    ran = tmp_path / "ran.txt"
+    (tmp_path / "tally.py").write_text(f"def note(tag: str) -> str:\n    open({str(ran)!r}, 'a').write(tag)\n    return tag\n")
+    env = ToolEnvironment(tools={"note": f"{tmp_path}/tally.py:note"})
+    logs = [conversation(call("note", tag="a")), conversation(call("note", tag="b")), conversation("9716")]
+    metas = [{"answer": "9716", FINAL_TURN: final} for final in (False, True, True)]
+    steps = env.step(logs, metas)
+    assert [(s.reward, s.terminated) for s in steps] == [(0.0, False), (0.0, True), (1.0, True)]
+    assert steps[0].observation == {"role": "tool", "content": "a"} and steps[1].observation is None
+    assert steps[1].metrics == {"tool_calls": 0.0, "tool_errors": 0.0, "tool_turns_not_run": 1.0}
+    assert ran.read_text() == "a"
+    counters = env.metrics()
+    assert (counters["tool_calls"], counters["tool_turns_not_run"], counters["samples_using_tool"]) == (1.0, 1.0, 2.0)
 
 
 def test_tool_use_counters_skip_a_few_shot_exchange_in_the_prompt() -> None:

@@ -16,7 +16,7 @@ from nemo_like.config.schema import EMBEDDED_MODEL, MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import build_prompt_dataset
 from nemo_like.environments.arithmetic import ArithmeticEnvironment
-from nemo_like.environments.interface import EnvironmentStep
+from nemo_like.environments.interface import FINAL_TURN, EnvironmentStep
 from nemo_like.environments.worker import check_step
 from nemo_like.experience.multi_turn import (
     TemplateRewriteError,
@@ -208,6 +208,34 @@ def test_a_turn_ended_on_an_end_token_the_template_does_not_write_ends_its_episo
     turns = [sum(1 for a, b in zip([0, *s.response_mask], s.response_mask) if b and not a) for s in result.samples]
     assert turns == [1, 2, 2]
     assert multi_turn_metrics(result.samples, result.rewards)["multi_turn/foreign_end_of_turn_sample_fraction"] == 1 / 3
+
+
+def test_an_environment_is_told_which_step_ends_its_sample(worker, tokenizer, prompts):
+    """``metadata[FINAL_TURN]`` is True exactly on the steps after which the loop ends the sample whatever the
+    environment answers: the last allowed turn and a turn cut by its token budget (the tool environment then does not
+    run the calls); an environment that returns the metadata it got does not carry the flag into the next step."""
+    seen: dict[str, list[tuple[bool, bool, int]]] = {}  # prompt id -> (final_turn, terminated, tokens so far) per step
+    inner = local_stepper({"arithmetic": CountdownEnv(turns=3)})  # episodes of 1-3 turns; it returns {**metadata, ...}
+
+    def stepper(records, logs, metadata):
+        steps, counters = inner(records, logs, metadata)
+        for record, meta, step in zip(records, metadata, steps):
+            seen.setdefault(record.id, []).append((meta[FINAL_TURN], step.terminated, meta.get("steps", 0)))
+        return steps, counters
+
+    settings = MultiTurnSettings(2, 512, (tokenizer.eos_token_id,))
+    result = run_multi_turn(RecordingGeneration(worker), stepper, tokenizer, prompts, SamplingParams(max_new_tokens=3), 7, settings)
+    kinds = set()
+    for sample, prompt in zip(result.samples, prompts):
+        steps = seen[prompt.id]
+        assert [n for *_, n in steps] == list(range(len(steps)))  # the env's metadata went on, one step each
+        assert all(not final and not terminated for final, terminated, _ in steps[:-1])  # every earlier step went on
+        final, terminated, _ = steps[-1]
+        assert final or terminated
+        if final:
+            assert len(steps) == 2 or sample.truncated  # the last allowed turn, or the turn hit its budget
+            kinds.add("last turn" if len(steps) == 2 and not sample.truncated else "budget")
+    assert kinds == {"last turn", "budget"}, seen  # both ends occur here (3-turn episodes; 3-token turns)
 
 
 def test_length_limit_truncates_and_counts(worker, tokenizer, prompts):
