@@ -112,7 +112,7 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
 def validation_metrics(rollout: Rollout, tasks: list[str], pass_k: list[int]) -> dict[str, float]:
     """A validation rollout's scores: ``validation/accuracy``, ``/reward``, ``/num_samples``, ``/pass@k`` (each k of
     ``pass_k``; none when empty) and ``validation/env/<task>/reward`` and ``/num_samples``, over its samples; and
-    ``validation/mean_response_length`` over its rows. A sample is a row, except in agent tasks
+    ``validation/mean_response_length`` (:func:`sample_response_lengths`). A sample is a row, except in agent tasks
     (``rollout.session_of_row`` set), where it is a session: a session that branched into several rows (each with the
     session's reward) counts once, by its first row, and ``validation/num_rows`` counts the rows."""
     prompts, rewards, groups = rollout.prompts, rollout.rewards, rollout.group_ids
@@ -124,7 +124,7 @@ def validation_metrics(rollout: Rollout, tasks: list[str], pass_k: list[int]) ->
         "validation/accuracy": correct.mean().item(),
         "validation/reward": rewards.mean().item(),
         "validation/num_samples": float(len(rewards)),
-        "validation/mean_response_length": rollout.response_lengths.mean().item(),
+        "validation/mean_response_length": sample_response_lengths(rollout).mean().item(),
     }
     if rollout.session_of_row is not None:
         metrics["validation/num_rows"] = float(len(rollout.samples))
@@ -139,6 +139,15 @@ def session_rewards(rollout: Rollout) -> torch.Tensor:
     if rollout.session_of_row is None:
         return rollout.raw_rewards
     return rollout.raw_rewards[per_session(rollout.session_of_row)[0]]
+
+
+def sample_response_lengths(rollout: Rollout) -> torch.Tensor:
+    """Tokens the policy sampled per sample: per row, or in agent tasks per session, the sum over its rows (a branched
+    session's rows hold disjoint sampled tokens; per row, its mean counted a 3-row session as three short samples)."""
+    if rollout.session_of_row is None:
+        return rollout.response_lengths
+    first, row_index = per_session(rollout.session_of_row)
+    return torch.zeros(len(first)).index_add_(0, row_index, rollout.response_lengths)
 
 
 def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
@@ -369,7 +378,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     metrics.update(
         {
             "train/reward": session_rewards(rollout).mean().item(),
-            "train/mean_response_length": rollout.response_lengths.mean().item(),
+            "train/mean_response_length": sample_response_lengths(rollout).mean().item(),
             "train/truncated_fraction": rollout.truncated.mean().item(),
             "train/grad_norm": sum(result.grad_norms) / len(result.grad_norms),
             "train/lr": result.lr,

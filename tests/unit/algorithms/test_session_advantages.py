@@ -71,12 +71,13 @@ def test_validation_counts_a_branched_session_once(monkeypatch) -> None:
     assert metrics["validation/pass@1"] == 0.25 and metrics["validation/pass@2"] == 0.5
     assert metrics["validation/num_samples"] == 4 and metrics["validation/num_rows"] == 6
     assert metrics["validation/env/arithmetic/reward"] == pytest.approx(1.5 / 4) and metrics["validation/env/arithmetic/num_samples"] == 4
-    assert metrics["validation/mean_response_length"] == 3.5  # over the rows
+    # Sampled tokens per session: rows 1+2+3 are one session, then 4, 5, 6 (per row the mean was 3.5)
+    assert metrics["validation/mean_response_length"] == 21 / 4
     # Without sessions (every other task) each row is a sample, as before, and there is no num_rows.
     monkeypatch.setattr(grpo, "collect_rollout", lambda *args, **kwargs: branched_rollout(None))
     rows = grpo.validate(parts, 0)
     assert rows["validation/accuracy"] == 0.5 and rows["validation/pass@1"] == pytest.approx(3 / 8) and rows["validation/num_samples"] == 6
-    assert "validation/num_rows" not in rows
+    assert "validation/num_rows" not in rows and rows["validation/mean_response_length"] == 3.5
 
 
 def test_eval_counts_a_branched_session_once_and_numbers_rows_by_session() -> None:
