@@ -23,8 +23,9 @@ from pydantic import BaseModel
 #: Reward at or above which a sample counts as correct (accuracy and pass@k).
 CORRECT_REWARD = 1.0
 #: Key of the metadata a multi-turn step receives: ``True`` when the run ends the sample after this step whatever the
-#: environment answers (the last of ``grpo.max_rollout_turns``, or a turn cut by its token budget), so an observation
-#: would never be read (the tool environment then does not run the turn's calls). Not kept in the sample's metadata.
+#: environment answers (the last of ``grpo.max_rollout_turns``, a turn cut by its token budget, or a sequence with no
+#: room left for an observation and one more sampled token), so an observation would never be read (the tool
+#: environment then does not run the turn's calls). Not kept in the sample's metadata.
 FINAL_TURN = "final_turn"
 #: CPU an environment actor reserves unless its class says otherwise (most environments mostly wait).
 DEFAULT_ENV_CPUS = 0.1

@@ -186,6 +186,12 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids:
     conv.truncated = truncated
 
 
+def ends_after_step(conv: Conversation, last_turn: bool, max_total_length: int) -> bool:
+    """Whether :func:`apply_step` ends the sample whatever its environment answers: its last allowed turn, a turn cut
+    by its token budget, or no room left for an observation (at least one token) plus one sampled token."""
+    return last_turn or conv.truncated or conv.length + 1 >= max_total_length
+
+
 def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: bool, max_total_length: int) -> None:
     """Add the step's reward and decide whether the sample goes on (appending the observation's ids) or ends."""
     conv.reward += float(step.reward)
@@ -193,7 +199,7 @@ def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: 
         conv.step_metrics[name] = conv.step_metrics.get(name, 0.0) + float(value)
     if step.metadata is not None:
         conv.metadata = {k: v for k, v in step.metadata.items() if k != FINAL_TURN}
-    if step.terminated or last_turn or conv.truncated:  # FINAL_TURN told the environment so before its step
+    if step.terminated or last_turn or conv.truncated:  # ends_after_step told the environment so before its step
         conv.done = True
         return
     try:
@@ -301,7 +307,7 @@ def run_multi_turn(
         gen_s += time.perf_counter() - start
         start = time.perf_counter()
         last_turn = turn == max_turns - 1
-        metadata = [{**c.metadata, FINAL_TURN: last_turn or c.truncated} for c in active]  # apply_step's end rule
+        metadata = [{**c.metadata, FINAL_TURN: ends_after_step(c, last_turn, max_total_length)} for c in active]
         steps, step_counters = step_environments([c.prompt for c in active], [c.messages for c in active], metadata)
         env_s += time.perf_counter() - start
         for name, value in step_counters.items():

@@ -8,7 +8,8 @@ Per step and sample, the model's latest turn (``message_logs[i][-1]``) decides:
   call's text starts with ``error: ``); reward 0, not terminated. A turn with more than
   ``max_calls_per_turn`` calls gets one error observation instead. In the sample's final turn
   (``metadata[FINAL_TURN]``: the run ends the sample after this step) the calls are not run, since no turn would
-  read their results: reward 0, terminated, counted in ``tool_turns_not_run``;
+  read their results: reward 0, no observation, counted in ``tool_turns_not_run`` (and in ``tool_calls``: the model
+  made them);
 * it holds no tool call: it is the final answer, scored by the answer checker against
   ``metadata["answer"]`` and the episode terminates.
 
@@ -156,10 +157,14 @@ class ToolEnvironment(EnvironmentInterface):
                 continue
             if not any(_calls_tool(m) for m in own[:-1]):
                 self._counts["samples_using_tool"] += 1
-            if meta.get(FINAL_TURN):  # the run ends this sample now: nothing would read the results
+            if meta.get(FINAL_TURN):  # the run ends this sample after this step: nothing would read the results
+                # The calls the model made still count (tool_calls, as in samples_using_tool); the run, not this
+                # environment, ends the sample (so a sample out of room is still counted as length-truncated).
+                made = float(len(parse_tool_calls(text)))
+                self._counts["tool_calls"] += made
                 self._counts["tool_turns_not_run"] += 1
-                not_run = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_turns_not_run": 1.0}
-                steps.append(EnvironmentStep(0.0, terminated=True, metrics=not_run))
+                not_run = {"tool_calls": made, "tool_errors": 0.0, "tool_turns_not_run": 1.0}
+                steps.append(EnvironmentStep(0.0, terminated=False, metrics=not_run))
                 continue
             tool_turns.append((len(steps), text))
             steps.append(None)

@@ -212,30 +212,36 @@ def test_a_turn_ended_on_an_end_token_the_template_does_not_write_ends_its_episo
 
 def test_an_environment_is_told_which_step_ends_its_sample(worker, tokenizer, prompts):
     """``metadata[FINAL_TURN]`` is True exactly on the steps after which the loop ends the sample whatever the
-    environment answers: the last allowed turn and a turn cut by its token budget (the tool environment then does not
-    run the calls); an environment that returns the metadata it got does not carry the flag into the next step."""
-    seen: dict[str, list[tuple[bool, bool, int]]] = {}  # prompt id -> (final_turn, terminated, tokens so far) per step
-    inner = local_stepper({"arithmetic": CountdownEnv(turns=3)})  # episodes of 1-3 turns; it returns {**metadata, ...}
-
-    def stepper(records, logs, metadata):
-        steps, counters = inner(records, logs, metadata)
-        for record, meta, step in zip(records, metadata, steps):
-            seen.setdefault(record.id, []).append((meta[FINAL_TURN], step.terminated, meta.get("steps", 0)))
-        return steps, counters
-
-    settings = MultiTurnSettings(2, 512, (tokenizer.eos_token_id,))
-    result = run_multi_turn(RecordingGeneration(worker), stepper, tokenizer, prompts, SamplingParams(max_new_tokens=3), 7, settings)
+    environment answers: the last allowed turn, a turn cut by its token budget, a sequence with no room for an
+    observation and one more token (the tool environment then does not run the calls); an environment that returns
+    the metadata it got does not carry the flag into the next step."""
+    longest = max(len(p.prompt_token_ids) for p in prompts)
     kinds = set()
-    for sample, prompt in zip(result.samples, prompts):
-        steps = seen[prompt.id]
-        assert [n for *_, n in steps] == list(range(len(steps)))  # the env's metadata went on, one step each
-        assert all(not final and not terminated for final, terminated, _ in steps[:-1])  # every earlier step went on
-        final, terminated, _ = steps[-1]
-        assert final or terminated
-        if final:
-            assert len(steps) == 2 or sample.truncated  # the last allowed turn, or the turn hit its budget
-            kinds.add("last turn" if len(steps) == 2 and not sample.truncated else "budget")
-    assert kinds == {"last turn", "budget"}, seen  # both ends occur here (3-turn episodes; 3-token turns)
+    for max_total in (512, longest + 4):  # the second leaves the longest prompts room for one short turn only
+        seen: dict[str, list[tuple[bool, bool, int]]] = {}  # prompt id -> (final_turn, terminated, steps before) per step
+        inner = local_stepper({"arithmetic": CountdownEnv(turns=3)})  # episodes of 1-3 turns; returns {**metadata, ...}
+
+        def stepper(records, logs, metadata, seen=seen, inner=inner):
+            steps, counters = inner(records, logs, metadata)
+            for record, meta, step in zip(records, metadata, steps):
+                seen.setdefault(record.id, []).append((meta[FINAL_TURN], step.terminated, meta.get("steps", 0)))
+            return steps, counters
+
+        settings = MultiTurnSettings(2, max_total, (tokenizer.eos_token_id,))
+        params = SamplingParams(max_new_tokens=3)
+        result = run_multi_turn(RecordingGeneration(worker), stepper, tokenizer, prompts, params, 7, settings)
+        for sample, prompt in zip(result.samples, prompts):
+            steps = seen[prompt.id]
+            assert [n for *_, n in steps] == list(range(len(steps)))  # the env's metadata went on, one step each
+            assert all(not final and not terminated for final, terminated, _ in steps[:-1])  # every earlier step went on
+            final, terminated, _ = steps[-1]
+            # else the observation the environment chose did not fit: an end that depends on its answer
+            assert final or terminated or sample.length_truncated, (max_total, prompt.id, steps)
+            if final:
+                kind = "length" if sample.length_truncated else "budget" if sample.truncated else "last turn"
+                assert kind != "last turn" or len(steps) == 2
+                kinds.add(kind)
+    assert kinds == {"last turn", "budget", "length"}  # each end occurs here (3-turn episodes; 3-token turns)
 
 
 def test_length_limit_truncates_and_counts(worker, tokenizer, prompts):
