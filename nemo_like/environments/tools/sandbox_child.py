@@ -36,6 +36,12 @@ _BLOCKED_PREFIXES = (
     "http.",
     "ftplib.",
     "smtplib.",
+    # The guard's own objects (its hook's closure cells) are reachable through the collector's lists and other
+    # threads' frames; rewriting them switched the guard off.
+    "gc.get_",
+    "sys._current_frames",
+    "sys.settrace",
+    "sys.setprofile",
 )
 #: Audit events whose path arguments must stay inside the scratch dir (index of each path argument).
 _PATH_EVENTS = {
@@ -60,6 +66,23 @@ _PATH_EVENTS = {
     "shutil.unpack_archive": (1,),
     "sqlite3.connect": (0,),
 }
+#: Index of each ``dir_fd`` argument of the ``os.*`` path events (rename and link have a source's and a destination's;
+#: a path relative to another directory's descriptor is refused). Checking only the last argument let ``src_dir_fd``
+#: through and refused ``os.truncate``'s length.
+_DIR_FD_ARGS = {
+    "os.remove": (1,),
+    "os.rename": (2, 3),
+    "os.rmdir": (1,),
+    "os.mkdir": (2,),
+    "os.chmod": (2,),
+    "os.chown": (3,),
+    "os.link": (2, 3),
+    "os.symlink": (2,),
+    "os.utime": (3,),
+}
+#: Path events that accept an open descriptor as the path (``os.fchmod`` is ``os.chmod`` with an int): the descriptor's
+#: file must be inside the scratch dir.
+_FD_PATH_EVENTS = ("os.chmod", "os.chown", "os.utime", "os.truncate", "os.chflags", "os.setxattr", "os.removexattr")
 _REPORT_CHARS = 1000  # the error report's share of the stderr file (set from the file-size limit in main)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
@@ -69,10 +92,13 @@ def _install_guard(scratch):
     realpath, fspath, isinstance_, str_, bytes_, int_ = os.path.realpath, os.fspath, isinstance, str, bytes, int
     # Held by the hook, not read from this module's globals, which the snippet can reach (sys.modules["__main__"]).
     blocked, path_events, write_flags = tuple(_BLOCKED_PREFIXES), dict(_PATH_EVENTS), _WRITE_FLAGS
+    dir_fd_args, fd_path_events = dict(_DIR_FD_ARGS), tuple(_FD_PATH_EVENTS)
 
-    def inside(path):
-        if isinstance_(path, int_) or path is None:
-            return True  # an already open descriptor (stdout, stderr)
+    def inside(path, event=""):
+        if path is None:
+            return True
+        if isinstance_(path, int_):  # an open descriptor: open() of stdout/stderr; fchmod-like calls on its file
+            return event not in fd_path_events or inside(realpath(f"/proc/self/fd/{path}"))
         path = fspath(path)
         if isinstance_(path, bytes_):
             path = path.decode(errors="replace")
@@ -88,10 +114,11 @@ def _install_guard(scratch):
             if writing and not inside(path):
                 raise PermissionError(f"sandbox: writing outside the scratch dir is not allowed: {path!r}")
         elif event in path_events:
-            if event.startswith("os.") and isinstance_(args[-1], int_) and args[-1] != -1:  # dir_fd: relative to another dir
-                raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
+            for index in dir_fd_args.get(event, ()):
+                if index < len(args) and isinstance_(args[index], int_) and args[index] != -1:  # relative to another dir
+                    raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
             for index in path_events[event]:
-                if index < len(args) and not inside(args[index]):
+                if index < len(args) and not inside(args[index], event):
                     raise PermissionError(f"sandbox: {event} outside the scratch dir is not allowed: {args[index]!r}")
 
     sys.addaudithook(hook)

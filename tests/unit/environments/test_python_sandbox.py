@@ -88,6 +88,32 @@ def test_the_holes_a_review_found_are_closed(env: ToolEnvironment, tmp_path) -> 
     assert not (tmp_path / "victim").exists()
 
 
+def test_source_descriptors_descriptor_paths_and_the_guards_own_objects_are_guarded(env: ToolEnvironment, tmp_path) -> None:
+    """A second review's holes: ``os.rename``/``os.link`` with ``src_dir_fd`` moved or hard-linked (then overwrote) an
+    outside file (only the last argument, ``dst_dir_fd``, was checked), ``os.fchmod`` chmodded one through a read-only
+    descriptor, and the hook found through ``gc`` had its closure rewritten (every guard off). And ``os.truncate``'s
+    length was taken for a ``dir_fd``: truncating a scratch file was refused."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in ("moved.txt", "linked.txt", "mode.txt"):
+        (victim / name).write_text("original\n")
+    (victim / "mode.txt").chmod(0o644)
+    opened = f"import os\nd = os.open({str(victim)!r}, os.O_RDONLY)\n"
+    hook = "next(f for f in gc.get_objects() if type(f).__name__ == 'function' and f.__name__ == 'hook')"
+    for code in (
+        opened + "os.rename('moved.txt', 'stolen.txt', src_dir_fd=d)",
+        opened + "os.link('linked.txt', 'h.txt', src_dir_fd=d)\nopen('h.txt', 'w').write('overwritten')",
+        f"import os\nos.fchmod(os.open({str(victim / 'mode.txt')!r}, os.O_RDONLY), 0)",
+        f"import gc, os\nhook = {hook}\nfor cell in hook.__closure__:\n    cell.cell_contents = ()\nos.system('true')",
+    ):
+        observation = run(env, code)
+        assert "sandbox:" in observation and "not allowed" in observation, code
+    assert sorted(p.name for p in victim.iterdir()) == ["linked.txt", "mode.txt", "moved.txt"]
+    assert (victim / "linked.txt").read_text() == "original\n" and (victim / "mode.txt").stat().st_mode & 0o777 == 0o644
+    inside = "import os\nopen('f', 'w').write('abc')\nos.truncate('f', 1)\nfd = os.open('f', os.O_RDONLY)\nos.fchmod(fd, 0o600)\n"
+    assert run(env, inside + "open('f').read(), oct(os.stat('f').st_mode & 0o777)") == "('a', '0o600')"
+
+
 def test_a_snippet_that_ends_normally_is_an_answer_whatever_it_says_on_stderr(env: ToolEnvironment) -> None:
     """sys.exit() / sys.exit(0) were reported as errors ('SystemExit: 0'), a large stderr (debug prints) as an output
     limit or a crash, and a MemoryError handled and printed by the snippet as a memory-limit error: each lost the answer."""
