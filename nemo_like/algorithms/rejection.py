@@ -214,4 +214,13 @@ def apply_driver_masks(cfg: MasterConfig, batch: Batch, rewards: torch.Tensor) -
     (after the prev-logprob pass, before ``policy.train`` counts valid tokens and sequences)."""
     metrics = mask_high_mismatch_sequences(cfg.grpo.seq_logprob_error_threshold, batch, rewards)
     metrics.update(apply_rollout_rejection(cfg.grpo.rollout_rejection, batch))
+    drop_rows_without_tokens(batch)
     return metrics
+
+
+def drop_rows_without_tokens(batch: Batch) -> None:
+    """Remove from ``sample_mask`` every row with no token to train on (a failed agent session's placeholder row,
+    which still took part in its group's baseline): counted as a sequence it diluted every seq-mean loss and
+    ``train/num_valid_seqs``, and its empty mean logprob added exp(0) = 1 to the per-sequence perplexities."""
+    empty = ~(batch["token_mask"] > 0).any(dim=-1)
+    batch["sample_mask"] = torch.where(empty, torch.zeros_like(batch["sample_mask"]), batch["sample_mask"])

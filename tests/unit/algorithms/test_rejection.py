@@ -220,6 +220,34 @@ def test_driver_masks_follow_the_recipe() -> None:
     assert "seq_logprob_error/max" in metrics and "rollout_rejection/token_ratio_max" in metrics
 
 
+def test_a_failed_agent_sessions_placeholder_row_leaves_the_loss_normalisation() -> None:
+    """The placeholder row of a failed session (one pad token, nothing to train on) was collated with sample_mask 1:
+    with a real 4-token row beside it, seq-mean-token-mean's loss halved (-1.0 -> -0.5), num_valid_seqs was 2 and the
+    per-sequence perplexities fell from e^2 towards 1 (4.19)."""
+    from nemo_like.data.collate import collate_samples
+    from nemo_like.data.prompts import PromptRecord
+    from nemo_like.experience.agent_rollouts import placeholder_row
+    from nemo_like.models.generation.interface import GeneratedSample
+
+    real = GeneratedSample([5, 6, 7], [11, 12, 13, 2], [-2.0] * 4, False, 0, 0)
+    placeholder = placeholder_row(PromptRecord("p0", [], [5, 6, 7]), pad_token_id=0, weight_version=0)
+    cfg = load_config(None, [], warn=False)
+
+    def metrics_of(samples: list[GeneratedSample]) -> dict[str, float]:
+        batch = collate_samples(samples, pad_token_id=0)
+        apply_driver_masks(cfg, batch, torch.zeros(len(samples)))
+        curr = torch.where(batch["token_mask"] > 0, torch.tensor(-2.0), torch.tensor(0.0))  # the engine's logprobs
+        batch["advantages"] = batch["token_mask"].clone()
+        valid_tokens = (batch["token_mask"] * batch["sample_mask"][:, None]).sum()  # as optimizer_step_shards counts
+        loss_fn = ClippedPGLossFn({"loss_aggregation": "seq-mean-token-mean"})
+        return loss_fn(curr.clone().requires_grad_(True), batch, batch["sample_mask"].sum(), valid_tokens)[1]
+
+    alone, beside = metrics_of([real]), metrics_of([real, placeholder])
+    for key in ("loss", "num_valid_seqs", "rollout_corr/training_ppl", "rollout_corr/rollout_ppl"):
+        assert beside[key] == pytest.approx(alone[key]), key
+    assert alone["num_valid_seqs"] == 1 and alone["rollout_corr/training_ppl"] == pytest.approx(math.exp(2.0))
+
+
 # ---------------------------------------------------------------- configuration
 
 
