@@ -69,14 +69,17 @@ def check_environments(specs: dict[str, EnvSpec], datasets: dict[str, list[Promp
 
 
 def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[str]:
-    """``grpo.max_rollout_turns`` and the environments' kind disagree: the setting (or the env's ``step``) has no effect."""
+    """``grpo.max_rollout_turns`` and the environments' kind disagree: the setting (or the env's ``step``) has no effect;
+    and each environment's own no-effect lines (:meth:`EnvironmentInterface.config_warnings`)."""
     from nemo_like.environments.interface import EnvironmentInterface
     from nemo_like.environments.registry import import_environment_class
 
     turns = cfg.grpo.max_rollout_turns
     lines = []
     for task, spec in specs.items():
-        multi = import_environment_class(spec.class_path, f"env.{task}").step is not EnvironmentInterface.step
+        env_class = import_environment_class(spec.class_path, f"env.{task}")
+        lines += env_class.config_warnings(task, spec.kwargs, turns)
+        multi = env_class.step is not EnvironmentInterface.step
         if multi and turns == 1:
             lines.append(
                 f"env.{task} is a multi-turn environment (it overrides step) but grpo.max_rollout_turns=1: the run scores "

@@ -88,6 +88,12 @@ class EnvironmentInterface(ABC):
         constructor's keyword arguments). The default: :data:`DEFAULT_ENV_CPUS` and no helper actors."""
         return ActorNeeds()
 
+    @classmethod
+    def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:
+        """Lines for keys of the section ``env.<task>`` (``settings``: the constructor's keyword arguments as the recipe
+        sets them) that have no effect in this run (printed at start-up, never an error). The default: none."""
+        return []
+
     @abstractmethod
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         """Reward of ``responses[i]`` given the prompt's ``metadata[i]`` (gold answer in ``metadata[i]["answer"]``)."""

@@ -11,6 +11,10 @@ Per step and sample, the model's latest turn must be one integer (the arithmetic
   ``max_guesses`` the episode terminates with reward 0 (feedback is not sent then);
 * not an integer: terminated, reward 0 (counted as ``malformed``).
 
+A wrong guess in the sample's final turn (``metadata[FINAL_TURN]``: ``grpo.max_rollout_turns`` reached, or the turn
+cut by its budget) is counted as ``turn_limit``: the game ends unsolved there, before ``max_guesses``. A recipe whose
+``grpo.max_rollout_turns`` is below ``max_guesses`` gets a start-up warning.
+
 A binary search finds any secret in ``low..high`` within ``ceil(log2(high - low + 2))`` guesses.
 """
 
@@ -21,9 +25,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_like.environments.arithmetic_reward import extract_integer
-from nemo_like.environments.interface import EnvironmentInterface, EnvironmentStep
+from nemo_like.environments.interface import FINAL_TURN, EnvironmentInterface, EnvironmentStep
 
-COUNTERS = ("guesses", "solved", "malformed", "out_of_guesses")
+COUNTERS = ("guesses", "solved", "malformed", "out_of_guesses", "turn_limit")
 
 
 class GuessNumberConfig(BaseModel):
@@ -48,6 +52,17 @@ class GuessNumberEnvironment(EnvironmentInterface):
     """See the module docstring."""
 
     config_model = GuessNumberConfig
+
+    @classmethod
+    def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:
+        """``max_guesses`` above ``grpo.max_rollout_turns``: the turn limit ends the games first."""
+        max_guesses = GuessNumberConfig.model_validate(settings).max_guesses
+        if max_guesses <= max_rollout_turns:
+            return []
+        return [
+            f"env.{task}.max_guesses={max_guesses} has no effect beyond grpo.max_rollout_turns={max_rollout_turns}: games end "
+            f"unsolved at the turn limit first (counted in env/{task}/turn_limit); set grpo.max_rollout_turns >= {max_guesses}"
+        ]
 
     def __init__(self, max_guesses: int = 7, feedback_role: str = "user") -> None:
         self.max_guesses, self.feedback_role = max_guesses, feedback_role
@@ -75,6 +90,9 @@ class GuessNumberEnvironment(EnvironmentInterface):
         if guesses >= self.max_guesses:
             self._counts["out_of_guesses"] += 1
             return EnvironmentStep(0.0, terminated=True, metadata=updated)
+        if meta.get(FINAL_TURN):  # the run ends the game here: no hint would be read
+            self._counts["turn_limit"] += 1
+            return EnvironmentStep(0.0, terminated=False, metadata=updated)
         hint = "higher" if secret > guess else "lower"
         return EnvironmentStep(0.0, terminated=False, observation={"role": self.feedback_role, "content": hint}, metadata=updated)
 

@@ -123,6 +123,17 @@ class ToolEnvironment(EnvironmentInterface):
         )
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 
+    @classmethod
+    def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:
+        """The ``python_*`` limits set while no tool is the built-in ``python`` sandbox."""
+        cfg = ToolEnvConfig.model_validate(settings)
+        limits = sorted(k for k in cfg.model_fields_set if k.startswith("python_"))
+        names = cfg.tools.values() if isinstance(cfg.tools, dict) else cfg.tools
+        if not limits or "python" in names:
+            return []
+        keys = ", ".join(f"env.{task}.{k}" for k in limits)
+        return [f"{keys} has no effect: env.{task}.tools has no 'python' tool (the limits are the python sandbox's)"]
+
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         """Single-turn use: score each response as a final answer (tool calls in it earn nothing)."""
         return [self._final(text, meta) for text, meta in zip(responses, metadata)]

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from nemo_like.environments.games.guess_number import GuessNumberEnvironment
+from nemo_like.environments.interface import FINAL_TURN
 
 
 def play(env: GuessNumberEnvironment, secret: int, low: int = 1, high: int = 100) -> tuple[float, int, list[str]]:
@@ -45,6 +46,20 @@ def test_out_of_guesses_and_malformed_answers_terminate_with_zero_reward() -> No
     steps = env.step([[{"role": "assistant", "content": "maybe 40?"}], [{"role": "assistant", "content": ""}]], [{"answer": 4}] * 2)
     assert [(s.reward, s.terminated, s.observation) for s in steps] == [(0.0, True, None)] * 2
     assert env.metrics()["malformed"] == 2
+
+
+def test_a_game_cut_by_the_turn_limit_is_counted_and_a_too_short_limit_warns() -> None:
+    """A wrong guess in the sample's final turn (metadata[FINAL_TURN]) ended the game counted in neither solved nor
+    out_of_guesses; max_guesses above grpo.max_rollout_turns had no effect, silently."""
+    env = GuessNumberEnvironment(max_guesses=7)
+    log = [{"role": "assistant", "content": "50"}]
+    wrong, right = env.step([log, log], [{"answer": 37, FINAL_TURN: True}, {"answer": 50, FINAL_TURN: True}])
+    assert (wrong.reward, wrong.observation, right.reward, right.terminated) == (0.0, None, 1.0, True)
+    counts = env.metrics()
+    assert (counts["turn_limit"], counts["solved"], counts["out_of_guesses"]) == (1.0, 1.0, 0.0)
+    (line,) = GuessNumberEnvironment.config_warnings("game", {"max_guesses": 7}, 2)
+    assert line.startswith("env.game.max_guesses=7 has no effect beyond grpo.max_rollout_turns=2")
+    assert GuessNumberEnvironment.config_warnings("game", {}, 7) == []  # the default 7 fits 7 turns
 
 
 def test_steps_are_a_pure_function_of_the_turn_and_metadata() -> None:

@@ -215,6 +215,13 @@ def test_a_tool_turn_in_the_samples_final_turn_is_not_run(tmp_path) -> None:
     assert (counters["tool_calls"], counters["tool_turns_not_run"], counters["samples_using_tool"]) == (2.0, 1.0, 2.0)
 
 
+def test_python_limits_without_the_python_tool_warn() -> None:
+    (line,) = ToolEnvironment.config_warnings("tool", {"tools": ["calculator"], "python_timeout_s": 60, "python_memory_mb": 512}, 3)
+    assert line.startswith("env.tool.python_memory_mb, env.tool.python_timeout_s has no effect: env.tool.tools has no 'python'")
+    assert ToolEnvironment.config_warnings("tool", {"tools": {"py": "python"}, "python_timeout_s": 60}, 3) == []
+    assert ToolEnvironment.config_warnings("tool", {"tools": ["calculator"]}, 3) == []
+
+
 def test_tool_use_counters_skip_a_few_shot_exchange_in_the_prompt() -> None:
     """A prompt demonstrating a tool call (assistant call, tool result, assistant answer, then the question): the
     counters read the whole log, so no turn was a first turn or a first call (samples_using_tool / samples was 0/0)."""

@@ -366,3 +366,11 @@ def test_turns_and_environment_kind_disagreeing_is_a_warning():
     ]
     (line,) = warnings_for(3)
     assert line.startswith("grpo.max_rollout_turns=3 has no effect for env.arithmetic")
+    # An environment's own no-effect lines (EnvironmentInterface.config_warnings) join them
+    cfg = load_config(
+        "examples/configs/grpo_tiny_cpu.yaml",
+        ["grpo.max_rollout_turns=2", "policy.max_total_sequence_length=96", "+env.game.class=guess_number"],
+    )
+    assert any(
+        w.startswith("env.game.max_guesses=7 has no effect") for w in multi_turn_warnings(cfg, resolve_environments(cfg.env_sections))
+    )
