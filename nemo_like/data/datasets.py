@@ -360,7 +360,8 @@ def _nested(row: dict[str, Any], dotted: str, where: str, key: str) -> Any:
     return value
 
 
-def _answer_text(value: Any, spec: DatasetSpec | None, where: str, key: str) -> str:
+def _answer_text(value: Any, transform: Callable[[str], str] | None, where: str, key: str) -> str:
+    """The gold answer of one cell as text, through ``transform`` (a spec's extraction) when given."""
     if value is None or (isinstance(value, str) and not value.strip()):
         raise ConfigError(f"{where}: the gold answer ({key}) is empty")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -373,9 +374,9 @@ def _answer_text(value: Any, spec: DatasetSpec | None, where: str, key: str) -> 
             )
         value = int(value)  # a JSON/CSV "19" read as 19.0
     text = str(value).strip()
-    if spec and spec.answer_transform:
+    if transform is not None:
         try:
-            text = spec.answer_transform(text)
+            text = transform(text)
         except ValueError as exc:
             raise ConfigError(f"{where}: cannot extract the gold answer from {key} ({exc}): {text[-80:]!r}") from None
     return text
@@ -419,6 +420,8 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
             f"{source.label}: no {role} rows left after data.validation.split_fraction={data.validation.split_fraction}; change it"
         )
     spec, task_default = source.spec, data.default_task_name or (source.spec.task_name if source.spec else DEFAULT_TASK)
+    # The spec's extraction (GSM8K's '####') is for its own answer column; an explicit data.answer_key elsewhere wins.
+    transform = spec.answer_transform if spec and columns.answer == spec.answer_key else None
     needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
     problems = []
     for i, row in zip(rows, ds.select_columns(needed).select(rows).to_list()):
@@ -427,7 +430,7 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
             Problem(
                 id=f"{role}-{i}",
                 messages=_messages(row[columns.prompt], fmt, where, columns.prompt),
-                answer=_answer_text(_nested(row, columns.answer, where, "data.answer_key"), spec, where, "data.answer_key"),
+                answer=_answer_text(_nested(row, columns.answer, where, "data.answer_key"), transform, where, "data.answer_key"),
                 task_name=_task_name(row, columns.task, task_default, where),
                 where=where,
             )

@@ -293,6 +293,22 @@ def test_shipped_math_tiny_loads_by_name(tok):
 # ---------------------------------------------------------------- selection
 
 
+def test_an_explicit_answer_key_skips_the_spec_answer_transform(tmp_path, tok):
+    # A GSM8K export that carries the final answer in its own column: data.answer_key names it, so the spec's '####'
+    # extraction (for its 'answer' column) must not run on it (it did, and failed on the bare '72').
+    item = {"question": "What is 48 plus 24?", "answer": "48+24 = 72\n#### 72", "final": "72"}
+    path = write_jsonl(tmp_path / "gsm.jsonl", [item])
+    cfg = DataConfig(dataset_name="gsm8k", answer_key="final", train={"data_path": str(path)}, validation={"data_path": str(path)})
+    assert [r.metadata["answer"] for r in build(cfg, tok)] == ["72"]
+    # Naming the spec's own column explicitly still extracts.
+    cfg = cfg.model_copy(update={"answer_key": "answer"})
+    assert [r.metadata["answer"] for r in build(cfg, tok)] == ["72"]
+    item["final"] = "the answer is #### 5"  # not extracted from another column: kept as written
+    write_jsonl(path, [item])
+    cfg = cfg.model_copy(update={"answer_key": "final"})
+    assert [r.metadata["answer"] for r in build(cfg, tok)] == ["the answer is #### 5"]
+
+
 def test_seeded_shuffle_is_deterministic_and_num_problems_takes_a_prefix(tmp_path, tok):
     path = write_jsonl(tmp_path / "t.jsonl", rows(40))
     ids = lambda **t: [r.id for r in build(data_cfg(path, path, train=t), tok)]  # noqa: E731
