@@ -9,7 +9,8 @@ Selection of one split's rows, in order:
 1. carve (validation only, ``data.validation.split_fraction``): a row belongs to validation iff a
    sha256 of its prompt text falls below the fraction; training keeps the others. Seed- and
    order-independent, and duplicate rows always land on the same side.
-2. seeded shuffle of the row indices (``data.<split>.seed``), then the first ``num_problems``.
+2. seeded shuffle of the row indices (``data.<split>.seed``), then the first ``num_problems``. Training with
+   ``data.shuffle`` false keeps file order instead (the first ``num_problems`` rows); validation is always shuffled.
 Every error is a :class:`ConfigError` naming the file/set, the row and the key to change.
 """
 
@@ -393,12 +394,14 @@ def in_validation(prompt: Any, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
-def select_rows(prompts: list[Any], role: str, split_cfg: DatasetSplitConfig, fraction: float | None) -> list[int]:
-    """Row indices of ``role``: carved by ``fraction`` (if any), seeded-shuffled, cut to num_problems."""
+def select_rows(prompts: list[Any], role: str, split_cfg: DatasetSplitConfig, fraction: float | None, shuffle: bool = True) -> list[int]:
+    """Row indices of ``role``: carved by ``fraction`` (if any), seeded-shuffled (in file order when not ``shuffle``),
+    cut to num_problems."""
     rows = list(range(len(prompts)))
     if fraction is not None:
         rows = [i for i in rows if in_validation(prompts[i], fraction) == (role == "validation")]
-    random.Random(f"data/{role}/{split_cfg.seed}").shuffle(rows)
+    if shuffle:
+        random.Random(f"data/{role}/{split_cfg.seed}").shuffle(rows)
     if split_cfg.num_problems and len(rows) > split_cfg.num_problems:  # said: the default (20000 / 256) cuts silently otherwise
         print(f"data.{role}: using {split_cfg.num_problems} of {len(rows)} rows (data.{role}.num_problems; null uses all)")
         return rows[: split_cfg.num_problems]
@@ -414,7 +417,8 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
     if len(ds) == 0:
         raise ConfigError(f"{source.label} has no rows; data.{role} needs at least one prompt")
     prompts = list(ds[columns.prompt])
-    rows = select_rows(prompts, role, split_cfg, data.validation.split_fraction)
+    # data.shuffle=false trains in file order (a curriculum); validation's selection stays seeded.
+    rows = select_rows(prompts, role, split_cfg, data.validation.split_fraction, shuffle=data.shuffle or role != "train")
     if not rows:
         raise ConfigError(
             f"{source.label}: no {role} rows left after data.validation.split_fraction={data.validation.split_fraction}; change it"

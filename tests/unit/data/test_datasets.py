@@ -318,6 +318,19 @@ def test_seeded_shuffle_is_deterministic_and_num_problems_takes_a_prefix(tmp_pat
     assert len(ids(seed=5, num_problems=1000)) == 40  # a cap, not a demand
 
 
+def test_unshuffled_training_keeps_file_order_and_num_problems_the_first_rows(tmp_path, tok):
+    # data.shuffle=false promises training in file order (a curriculum); the rows used to be seeded-shuffled anyway.
+    path = write_jsonl(tmp_path / "t.jsonl", rows(12))
+    order = lambda split="train", **t: [r.id for r in build(data_cfg(path, path, shuffle=False, train=t), tok, split)]  # noqa: E731
+    assert order() == [f"train-{i}" for i in range(12)]
+    assert order(num_problems=5) == [f"train-{i}" for i in range(5)]
+    loader = PromptDataLoader(build(data_cfg(path, path, shuffle=False), tok), 4, seed=0, shuffle=False)
+    assert [r.id for r in loader.next_batch()] == ["train-0", "train-1", "train-2", "train-3"]
+    # Validation's selection stays seeded.
+    seeded = [r.id for r in build(data_cfg(path, path), tok, "validation")]
+    assert order("validation") == seeded != [f"validation-{i}" for i in range(12)]
+
+
 def test_split_fraction_is_deterministic_disjoint_and_order_free(tmp_path, tok):
     items = rows(400)
     items += [dict(items[7]), dict(items[8])]  # duplicates must land with their twins
