@@ -16,6 +16,7 @@ Every error is a :class:`ConfigError` naming the file/set, the row and the key t
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -239,6 +240,29 @@ def first_bad_json_line(path: Path) -> str | None:
     return None
 
 
+def csv_header(path: Path, key: str) -> list[str]:
+    """The column names of a CSV file, after checking that every record has as many fields as the header (an unquoted
+    comma shifts a row's columns; pandas silently made the extra first field an index). Blank lines are skipped."""
+    with path.open(encoding="utf-8-sig", errors="replace", newline="") as handle:
+        reader = csv.reader(handle)
+        header: list[str] | None = None
+        line = 1
+        for record in reader:
+            if record:
+                if header is None:
+                    header = record
+                    if len(set(header)) < len(header):
+                        twice = sorted({name for name in header if header.count(name) > 1})
+                        raise ConfigError(f"{key}: {str(path)!r}: the header names the columns {twice} more than once")
+                elif len(record) != len(header):
+                    raise ConfigError(
+                        f"{key}: {str(path)!r} line {line} has {len(record)} fields, the header has {len(header)}; "
+                        'quote fields that contain commas ("What is 1,000 + 2?")'
+                    )
+            line = reader.line_num + 1  # the next record's first line (a quoted field may span lines)
+    return header or []
+
+
 def _is_offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"} for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
@@ -259,7 +283,11 @@ def _load_local(source: Source, key: str):
                 raise ConfigError(f"{key}: {str(path)!r} has an unsupported suffix; expected one of {sorted(FILE_BUILDERS)} or a directory")
             if path.stat().st_size == 0:
                 raise ConfigError(f"{key}: {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
-            ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+            kwargs: dict[str, Any] = {}
+            if builder == "csv":  # every cell as written: no type guessing (02108 -> 2108, 3.10 -> 3.1, "NA" -> empty)
+                strings = {name: datasets.Value("string") for name in csv_header(path, key)}
+                kwargs = {"features": datasets.Features(strings), "keep_default_na": False, "index_col": False}
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
     except ConfigError:
         raise
     except Exception as exc:  # datasets/pyarrow raise many types for one cause: an unreadable file

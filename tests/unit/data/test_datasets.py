@@ -389,6 +389,32 @@ def test_bad_files_name_the_file_and_key(tmp_path, tok):
         build(data_cfg(odd, odd), tok)
 
 
+def test_csv_cells_are_read_as_written(tmp_path, tok):
+    # pandas' type guessing changed answers: 02108 -> 2108, 3.10 -> 3.1, NA / None -> empty (an error).
+    path = tmp_path / "qa.csv"
+    path.write_text('question,answer\nZip?,02108\nPrice?,3.10\nWhich? A) none,None\nCode?,NA\n"What is 1,000 + 2?",1002\n')
+    records = sorted(build(data_cfg(path, path, prompt_key="question", answer_key="answer"), tok), key=lambda r: r.id)
+    assert [r.metadata["answer"] for r in records] == ["02108", "3.10", "None", "NA", "1002"]
+    assert records[4].messages[-1]["content"] == "What is 1,000 + 2?"
+
+
+def test_a_csv_row_with_an_unquoted_comma_names_the_line(tmp_path, tok):
+    # Every row has one field too many: pandas made the first field an index and shifted the columns, silently.
+    path = tmp_path / "qa.csv"
+    path.write_text("question,answer\nWhat is 1,000 + 2?,1002\nWhat is 2,000 + 2?,2002\n")
+    with pytest.raises(ConfigError, match=r"qa.csv' line 2 has 3 fields, the header has 2; quote fields that contain commas"):
+        build(data_cfg(path, path, prompt_key="question", answer_key="answer"), tok)
+    # A later row, after a quoted field over two lines and a blank line: its own line number.
+    path.write_text('question,answer\n"Two\nlines",2\n\nWhat is 1,000 + 2?,1002\nWhat is 2+2?,4\n')
+    with pytest.raises(
+        ConfigError, match=r"data.train.data_path: .*qa.csv' line 5 has 3 fields, the header has 2; quote fields that contain commas"
+    ):
+        build(data_cfg(path, path, prompt_key="question", answer_key="answer"), tok)
+    path.write_text("question,answer\nWhat is 2+2?\n")
+    with pytest.raises(ConfigError, match=r"qa.csv' line 2 has 1 fields, the header has 2"):
+        build(data_cfg(path, path, prompt_key="question", answer_key="answer"), tok)
+
+
 def test_bad_cells_name_the_row(tmp_path, tok):
     items = rows(5)
     items[3]["a"] = ""
