@@ -4,6 +4,8 @@
 * ``+a.c=2``  adds a new key (error if it already exists)
 * ``++a.b=3`` adds or overwrites
 * ``~a.d``    deletes a key (``~a.d=value`` deletes only if the current value matches)
+
+A sweep (``a=1,2``, ``range()``, ``choice()``) is an error: quote a value with a comma (``a='x, y'``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from nemo_like.config.errors import ConfigError, did_you_mean
 
@@ -63,6 +66,11 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     for override in parse_overrides(overrides):
         key = override.key_or_group
         text = override.input_line
+        if override.is_sweep_override():
+            raise ConfigError(
+                f"Override '{text}': a comma, range() or choice() makes a sweep, which nemo-like does not run; "
+                f"quote the value ({key}='a, b') or write a list ({key}=[1,2])"
+            )
         exists = _exists(cfg, key)
         if override.is_delete():
             if not exists:
@@ -79,8 +87,11 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
                 f"Override '{text}': '{key}' is not a key of the recipe.{did_you_mean(key, leaf_keys(cfg))}"
                 f" (Use '+{key}=...' to add a new key.)"
             )
-        with open_dict(cfg):  # a mapping merges into the section, as Hydra does; '~key' then '+key=...' replaces it
-            OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+        try:
+            with open_dict(cfg):  # a mapping merges into the section, as Hydra does; '~key' then '+key=...' replaces it
+                OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+        except (OmegaConfBaseException, ValueError) as exc:  # e.g. an index past a list, a name as a list index
+            raise ConfigError(f"Override '{text}': cannot set '{key}' to {value!r}: {str(exc).splitlines()[0]}") from None
     return cfg
 
 

@@ -9,12 +9,14 @@ Selection of one split's rows, in order:
 1. carve (validation only, ``data.validation.split_fraction``): a row belongs to validation iff a
    sha256 of its prompt text falls below the fraction; training keeps the others. Seed- and
    order-independent, and duplicate rows always land on the same side.
-2. seeded shuffle of the row indices (``data.<split>.seed``), then the first ``num_problems``.
+2. seeded shuffle of the row indices (``data.<split>.seed``), then the first ``num_problems``. Training with
+   ``data.shuffle`` false keeps file order instead (the first ``num_problems`` rows); validation is always shuffled.
 Every error is a :class:`ConfigError` naming the file/set, the row and the key to change.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -238,6 +240,29 @@ def first_bad_json_line(path: Path) -> str | None:
     return None
 
 
+def csv_header(path: Path, key: str) -> list[str]:
+    """The column names of a CSV file, after checking that every record has as many fields as the header (an unquoted
+    comma shifts a row's columns; pandas silently made the extra first field an index). Blank lines are skipped."""
+    with path.open(encoding="utf-8-sig", errors="replace", newline="") as handle:
+        reader = csv.reader(handle)
+        header: list[str] | None = None
+        line = 1
+        for record in reader:
+            if record:
+                if header is None:
+                    header = record
+                    if len(set(header)) < len(header):
+                        twice = sorted({name for name in header if header.count(name) > 1})
+                        raise ConfigError(f"{key}: {str(path)!r}: the header names the columns {twice} more than once")
+                elif len(record) != len(header):
+                    raise ConfigError(
+                        f"{key}: {str(path)!r} line {line} has {len(record)} fields, the header has {len(header)}; "
+                        'quote fields that contain commas ("What is 1,000 + 2?")'
+                    )
+            line = reader.line_num + 1  # the next record's first line (a quoted field may span lines)
+    return header or []
+
+
 def _is_offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"} for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
@@ -258,7 +283,11 @@ def _load_local(source: Source, key: str):
                 raise ConfigError(f"{key}: {str(path)!r} has an unsupported suffix; expected one of {sorted(FILE_BUILDERS)} or a directory")
             if path.stat().st_size == 0:
                 raise ConfigError(f"{key}: {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
-            ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+            kwargs: dict[str, Any] = {}
+            if builder == "csv":  # every cell as written: no type guessing (02108 -> 2108, 3.10 -> 3.1, "NA" -> empty)
+                strings = {name: datasets.Value("string") for name in csv_header(path, key)}
+                kwargs = {"features": datasets.Features(strings), "keep_default_na": False, "index_col": False}
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
     except ConfigError:
         raise
     except Exception as exc:  # datasets/pyarrow raise many types for one cause: an unreadable file
@@ -360,7 +389,8 @@ def _nested(row: dict[str, Any], dotted: str, where: str, key: str) -> Any:
     return value
 
 
-def _answer_text(value: Any, spec: DatasetSpec | None, where: str, key: str) -> str:
+def _answer_text(value: Any, transform: Callable[[str], str] | None, where: str, key: str) -> str:
+    """The gold answer of one cell as text, through ``transform`` (a spec's extraction) when given."""
     if value is None or (isinstance(value, str) and not value.strip()):
         raise ConfigError(f"{where}: the gold answer ({key}) is empty")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -373,9 +403,9 @@ def _answer_text(value: Any, spec: DatasetSpec | None, where: str, key: str) -> 
             )
         value = int(value)  # a JSON/CSV "19" read as 19.0
     text = str(value).strip()
-    if spec and spec.answer_transform:
+    if transform is not None:
         try:
-            text = spec.answer_transform(text)
+            text = transform(text)
         except ValueError as exc:
             raise ConfigError(f"{where}: cannot extract the gold answer from {key} ({exc}): {text[-80:]!r}") from None
     return text
@@ -392,12 +422,14 @@ def in_validation(prompt: Any, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
-def select_rows(prompts: list[Any], role: str, split_cfg: DatasetSplitConfig, fraction: float | None) -> list[int]:
-    """Row indices of ``role``: carved by ``fraction`` (if any), seeded-shuffled, cut to num_problems."""
+def select_rows(prompts: list[Any], role: str, split_cfg: DatasetSplitConfig, fraction: float | None, shuffle: bool = True) -> list[int]:
+    """Row indices of ``role``: carved by ``fraction`` (if any), seeded-shuffled (in file order when not ``shuffle``),
+    cut to num_problems."""
     rows = list(range(len(prompts)))
     if fraction is not None:
         rows = [i for i in rows if in_validation(prompts[i], fraction) == (role == "validation")]
-    random.Random(f"data/{role}/{split_cfg.seed}").shuffle(rows)
+    if shuffle:
+        random.Random(f"data/{role}/{split_cfg.seed}").shuffle(rows)
     if split_cfg.num_problems and len(rows) > split_cfg.num_problems:  # said: the default (20000 / 256) cuts silently otherwise
         print(f"data.{role}: using {split_cfg.num_problems} of {len(rows)} rows (data.{role}.num_problems; null uses all)")
         return rows[: split_cfg.num_problems]
@@ -413,12 +445,15 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
     if len(ds) == 0:
         raise ConfigError(f"{source.label} has no rows; data.{role} needs at least one prompt")
     prompts = list(ds[columns.prompt])
-    rows = select_rows(prompts, role, split_cfg, data.validation.split_fraction)
+    # data.shuffle=false trains in file order (a curriculum); validation's selection stays seeded.
+    rows = select_rows(prompts, role, split_cfg, data.validation.split_fraction, shuffle=data.shuffle or role != "train")
     if not rows:
         raise ConfigError(
             f"{source.label}: no {role} rows left after data.validation.split_fraction={data.validation.split_fraction}; change it"
         )
     spec, task_default = source.spec, data.default_task_name or (source.spec.task_name if source.spec else DEFAULT_TASK)
+    # The spec's extraction (GSM8K's '####') is for its own answer column; an explicit data.answer_key elsewhere wins.
+    transform = spec.answer_transform if spec and columns.answer == spec.answer_key else None
     needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
     problems = []
     for i, row in zip(rows, ds.select_columns(needed).select(rows).to_list()):
@@ -427,7 +462,7 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
             Problem(
                 id=f"{role}-{i}",
                 messages=_messages(row[columns.prompt], fmt, where, columns.prompt),
-                answer=_answer_text(_nested(row, columns.answer, where, "data.answer_key"), spec, where, "data.answer_key"),
+                answer=_answer_text(_nested(row, columns.answer, where, "data.answer_key"), transform, where, "data.answer_key"),
                 task_name=_task_name(row, columns.task, task_default, where),
                 where=where,
             )

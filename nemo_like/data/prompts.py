@@ -46,6 +46,7 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
     from nemo_like.data.datasets import is_arithmetic, load_problems
     from nemo_like.data.templates import prompt_format
 
+    check_chat_template(tokenizer)
     fmt = prompt_format(data)
     problems = _arithmetic_problems(data, split, fmt) if is_arithmetic(data, split) else load_problems(data, split, fmt)
     records, dropped = [], []
@@ -66,6 +67,18 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
     if not records:
         raise ConfigError(f"data.{split}: every prompt is longer than {max_prompt_tokens} tokens; raise policy.max_total_sequence_length")
     return records
+
+
+def check_chat_template(tokenizer) -> None:
+    """ConfigError when ``tokenizer`` has no chat template (a base model's): every prompt is rendered with it."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    raise ConfigError(
+        f"The tokenizer {name!r} (policy.tokenizer_name, or policy.model_name when that is unset) has no chat template, "
+        "and prompts are rendered with the tokenizer's chat template. Point policy.tokenizer_name (or policy.model_name) "
+        "at a tokenizer that has one, e.g. the instruct/chat version of the model"
+    )
 
 
 def tokenize_conversations(tokenizer, conversations: list[list[dict[str, str]]], chunk: int = 1024) -> list[list[int]]:

@@ -77,7 +77,11 @@ class DataConfig(Section):
     )
     train: DatasetSplitConfig = Field(default_factory=lambda: DatasetSplitConfig(num_problems=20000, seed=1))
     validation: DatasetSplitConfig = Field(default_factory=lambda: DatasetSplitConfig(num_problems=256, seed=2))
-    shuffle: bool = Field(True, description="Shuffle the training prompts each epoch (seeded by grpo.seed).")
+    shuffle: bool = Field(
+        True,
+        description="Shuffle the training prompts each epoch (seeded by grpo.seed). false: train the rows in file order "
+        "(data.train.num_problems keeps the first N; data.train.seed is unused).",
+    )
     system_prompt: str | None = Field(None, description="Optional system message prepended to every prompt.")
 
     @model_validator(mode="after")

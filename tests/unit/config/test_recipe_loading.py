@@ -3,10 +3,12 @@
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from nemo_like.cli import main
 from nemo_like.config import ConfigError, load_config, resolve_config_dict
 from nemo_like.config.loader import load_recipe_dict
+from nemo_like.config.overrides import apply_overrides
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
@@ -125,6 +127,27 @@ def test_cli_dry_run_prints_resolved_overrides(capsys):
     assert main(["train", "--config", str(TINY), "--dry-run", "grpo.num_prompts_per_step=2"]) == 0
     out = capsys.readouterr().out
     assert "num_prompts_per_step: 2" in out and "train_global_batch_size: 16" in out
+
+
+@pytest.mark.parametrize(
+    "override", ["data.system_prompt=Think step by step, then answer.", "grpo.val_pass_k=1,2", "data.train.seed=range(1,3)"]
+)
+def test_a_sweep_override_is_a_config_error_naming_it_and_quoting_works(capsys, override):
+    # Hydra's grammar reads a comma, range() or choice() as a sweep; OmegaConf used to fail on it with a traceback.
+    assert main(["train", "--config", str(TINY), "--dry-run", override]) == 2
+    err = capsys.readouterr().err
+    assert f"Override '{override}'" in err and "sweep" in err and "quote the value" in err and "Traceback" not in err
+    # The advice works: the argv a shell passes for "data.system_prompt='Think step by step, then answer.'".
+    assert main(["train", "--config", str(TINY), "--dry-run", "data.system_prompt='Think step by step, then answer.'"]) == 0
+    assert "system_prompt: Think step by step, then answer." in capsys.readouterr().out
+
+
+def test_an_override_omegaconf_cannot_apply_is_a_config_error_naming_it():
+    cfg = OmegaConf.create({"sizes": [1, 2]})
+    with pytest.raises(ConfigError, match=r"Override '\+\+sizes.5=3': cannot set 'sizes.5'.*index out of range"):
+        apply_overrides(cfg, ["++sizes.5=3"])
+    with pytest.raises(ConfigError, match=r"Override '\+\+sizes.x=3': cannot set 'sizes.x'"):
+        apply_overrides(cfg, ["++sizes.x=3"])
 
 
 def test_every_shipped_recipe_validates():

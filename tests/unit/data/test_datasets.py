@@ -293,6 +293,22 @@ def test_shipped_math_tiny_loads_by_name(tok):
 # ---------------------------------------------------------------- selection
 
 
+def test_an_explicit_answer_key_skips_the_spec_answer_transform(tmp_path, tok):
+    # A GSM8K export that carries the final answer in its own column: data.answer_key names it, so the spec's '####'
+    # extraction (for its 'answer' column) must not run on it (it did, and failed on the bare '72').
+    item = {"question": "What is 48 plus 24?", "answer": "48+24 = 72\n#### 72", "final": "72"}
+    path = write_jsonl(tmp_path / "gsm.jsonl", [item])
+    cfg = DataConfig(dataset_name="gsm8k", answer_key="final", train={"data_path": str(path)}, validation={"data_path": str(path)})
+    assert [r.metadata["answer"] for r in build(cfg, tok)] == ["72"]
+    # Naming the spec's own column explicitly still extracts.
+    cfg = cfg.model_copy(update={"answer_key": "answer"})
+    assert [r.metadata["answer"] for r in build(cfg, tok)] == ["72"]
+    item["final"] = "the answer is #### 5"  # not extracted from another column: kept as written
+    write_jsonl(path, [item])
+    cfg = cfg.model_copy(update={"answer_key": "final"})
+    assert [r.metadata["answer"] for r in build(cfg, tok)] == ["the answer is #### 5"]
+
+
 def test_seeded_shuffle_is_deterministic_and_num_problems_takes_a_prefix(tmp_path, tok):
     path = write_jsonl(tmp_path / "t.jsonl", rows(40))
     ids = lambda **t: [r.id for r in build(data_cfg(path, path, train=t), tok)]  # noqa: E731
@@ -300,6 +316,19 @@ def test_seeded_shuffle_is_deterministic_and_num_problems_takes_a_prefix(tmp_pat
     assert ids(seed=5) != ids(seed=6) and sorted(ids(seed=5)) == sorted(ids(seed=6))
     assert ids(seed=5, num_problems=10) == ids(seed=5)[:10]
     assert len(ids(seed=5, num_problems=1000)) == 40  # a cap, not a demand
+
+
+def test_unshuffled_training_keeps_file_order_and_num_problems_the_first_rows(tmp_path, tok):
+    # data.shuffle=false promises training in file order (a curriculum); the rows used to be seeded-shuffled anyway.
+    path = write_jsonl(tmp_path / "t.jsonl", rows(12))
+    order = lambda split="train", **t: [r.id for r in build(data_cfg(path, path, shuffle=False, train=t), tok, split)]  # noqa: E731
+    assert order() == [f"train-{i}" for i in range(12)]
+    assert order(num_problems=5) == [f"train-{i}" for i in range(5)]
+    loader = PromptDataLoader(build(data_cfg(path, path, shuffle=False), tok), 4, seed=0, shuffle=False)
+    assert [r.id for r in loader.next_batch()] == ["train-0", "train-1", "train-2", "train-3"]
+    # Validation's selection stays seeded.
+    seeded = [r.id for r in build(data_cfg(path, path), tok, "validation")]
+    assert order("validation") == seeded != [f"validation-{i}" for i in range(12)]
 
 
 def test_split_fraction_is_deterministic_disjoint_and_order_free(tmp_path, tok):
@@ -358,6 +387,32 @@ def test_bad_files_name_the_file_and_key(tmp_path, tok):
     odd.write_text("hi")
     with pytest.raises(ConfigError, match=r"unsupported suffix"):
         build(data_cfg(odd, odd), tok)
+
+
+def test_csv_cells_are_read_as_written(tmp_path, tok):
+    # pandas' type guessing changed answers: 02108 -> 2108, 3.10 -> 3.1, NA / None -> empty (an error).
+    path = tmp_path / "qa.csv"
+    path.write_text('question,answer\nZip?,02108\nPrice?,3.10\nWhich? A) none,None\nCode?,NA\n"What is 1,000 + 2?",1002\n')
+    records = sorted(build(data_cfg(path, path, prompt_key="question", answer_key="answer"), tok), key=lambda r: r.id)
+    assert [r.metadata["answer"] for r in records] == ["02108", "3.10", "None", "NA", "1002"]
+    assert records[4].messages[-1]["content"] == "What is 1,000 + 2?"
+
+
+def test_a_csv_row_with_an_unquoted_comma_names_the_line(tmp_path, tok):
+    # Every row has one field too many: pandas made the first field an index and shifted the columns, silently.
+    path = tmp_path / "qa.csv"
+    path.write_text("question,answer\nWhat is 1,000 + 2?,1002\nWhat is 2,000 + 2?,2002\n")
+    with pytest.raises(ConfigError, match=r"qa.csv' line 2 has 3 fields, the header has 2; quote fields that contain commas"):
+        build(data_cfg(path, path, prompt_key="question", answer_key="answer"), tok)
+    # A later row, after a quoted field over two lines and a blank line: its own line number.
+    path.write_text('question,answer\n"Two\nlines",2\n\nWhat is 1,000 + 2?,1002\nWhat is 2+2?,4\n')
+    with pytest.raises(
+        ConfigError, match=r"data.train.data_path: .*qa.csv' line 5 has 3 fields, the header has 2; quote fields that contain commas"
+    ):
+        build(data_cfg(path, path, prompt_key="question", answer_key="answer"), tok)
+    path.write_text("question,answer\nWhat is 2+2?\n")
+    with pytest.raises(ConfigError, match=r"qa.csv' line 2 has 1 fields, the header has 2"):
+        build(data_cfg(path, path, prompt_key="question", answer_key="answer"), tok)
 
 
 def test_bad_cells_name_the_row(tmp_path, tok):

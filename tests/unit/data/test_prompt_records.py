@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_like.config import load_config
+from nemo_like.config import ConfigError, load_config
+from nemo_like.config.schema import EMBEDDED_MODEL
 from nemo_like.data.prompts import build_prompt_dataset
 from nemo_like.models.loading import load_tokenizer
 
@@ -53,3 +54,19 @@ def test_arithmetic_accepts_a_system_prompt_file(tiny, tmp_path):
         {"role": "system", "content": "Answer with a single integer."},
         {"role": "user", "content": "What is 42 minus 41?"},
     ]
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_config_error_naming_the_keys(tiny, tmp_path):
+    cfg, tok = tiny
+    # A base model's tokenizer: the tiny model's, saved without its chat template (it used to end in transformers'
+    # ValueError traceback from apply_chat_template).
+    base = load_tokenizer(EMBEDDED_MODEL)
+    base.chat_template = None
+    base.save_pretrained(tmp_path / "base")
+    no_template = load_tokenizer(str(tmp_path / "base"))
+    assert not no_template.chat_template
+    with pytest.raises(
+        ConfigError, match=r"policy\.tokenizer_name.*has no chat template.*rendered with the tokenizer.s chat template"
+    ) as err:
+        build_prompt_dataset(cfg.data, no_template, "validation", 56)
+    assert str(tmp_path / "base") in str(err.value) and "policy.model_name" in str(err.value)
