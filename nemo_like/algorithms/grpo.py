@@ -588,7 +588,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
         history.append({"step": 0, **val})
         logger.progress.message(f"[step 0] validation/accuracy={val['validation/accuracy']:.3f}")
     timer = StepTimer()
-    nonfinite_streak = 0
+    # Carried in the checkpoints' metrics: a resumed (or requeued) run stops where the uninterrupted one would.
+    nonfinite_streak = int(resume_from.state.get("metrics", {}).get(NONFINITE_STREAK, 0)) if last_step else 0
     saved_step = last_step
     runner.start(last_step, resume_from)
     try:
@@ -616,6 +617,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (last and cfg.grpo.val_at_end):
                 metrics.update(runner.validate(step, timer))
                 last_validation = validation_of(metrics, step)
+            nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_steps_skipped"] else 0
+            metrics[NONFINITE_STREAK] = float(nonfinite_streak)
             total = time.perf_counter() - start
             metrics.update(faults.metrics())  # faults/*: only once an actor has died
             for phase in (*TIMED_PHASES, "validation", *timer.seconds):
@@ -631,7 +634,6 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             logger.progress.update(step, info)
             if cfg.logger.console_timing_period and step % cfg.logger.console_timing_period == 0:
                 logger.progress.message(format_timing(metrics))
-            nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_steps_skipped"] else 0
             if nonfinite_streak >= cfg.grpo.max_consecutive_nonfinite_steps:
                 raise NonFiniteTrainingError(
                     f"{nonfinite_streak} consecutive steps had a non-finite loss or gradient norm (their updates were skipped); "
@@ -651,6 +653,11 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     finally:
         runner.close()
     return history
+
+
+#: Metric: consecutive steps up to this one whose update was skipped as non-finite (grpo.max_consecutive_nonfinite_steps
+#: stops the run when it reaches that); saved with each checkpoint, so a resume continues the count.
+NONFINITE_STREAK = "train/nonfinite_streak"
 
 
 def validation_of(metrics: dict[str, Any], step: int | None = None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import re
@@ -46,7 +47,11 @@ INCOMPATIBLE_KEYS = (
     "grpo.num_generations_per_prompt",
     "policy.train_global_batch_size",
     "grpo.seed",
-    "data",
+    # The training stream (data.validation may change: its size and source only shape the validation passes; its
+    # split_fraction carves the training rows, so it stays). The loader's fingerprint also checks the prompts.
+    *(f"data.{key}" for key in ("dataset_name", "dataset_config", "prompt_key", "answer_key", "task_key", "default_task_name")),
+    *(f"data.{key}" for key in ("prompt_file", "system_prompt_file", "system_prompt", "drop_long_prompts", "train", "shuffle")),
+    "data.validation.split_fraction",
     "loss_fn.reference_policy_kl_penalty",
     "grpo.async_grpo.enabled",  # an async checkpoint holds a replay buffer and a data position ahead of training
     "grpo.async_grpo.max_trajectory_age_steps",
@@ -199,9 +204,9 @@ class CheckpointManager:
             fsync_dir(self.root)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - the workers' writers fail as RayTaskError(RuntimeError), not OSError
+            reason = save_failure_reason(exc, self.root)  # before the removal frees the space
             shutil.rmtree(tmp, ignore_errors=True)
-            reason = "no space left on device" if exc.errno == errno.ENOSPC else str(exc)
             previous = self.latest()
             kept = f"the previous checkpoint {previous.path} is kept" if previous else "no earlier checkpoint exists"
             raise CheckpointError(f"Saving checkpoint step_{step} in {self.root} failed: {reason}; {kept}") from exc
@@ -237,10 +242,32 @@ class CheckpointManager:
             return (0.0, False, checkpoint.step)
         metrics = checkpoint.state.get("metrics", {})
         value = metrics.get(metric_key(self.metric_name))
-        if value is None:
+        if value is None or not math.isfinite(value):  # a NaN (a skipped non-finite step's loss) sorted anywhere
             return (float("-inf"), False, checkpoint.step)
         measured_here = metrics.get(VALIDATED_AT_STEP) == checkpoint.step
         return (value if self.higher_is_better else -value, measured_here, checkpoint.step)
+
+
+#: Free bytes below which a failed save is reported as a full disk (the writers' errors do not always say so:
+#: ``torch.save`` raises a RuntimeError such as "unexpected pos" on a full device).
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def save_failure_reason(exc: BaseException, root: Path) -> str:
+    """Why a checkpoint save failed, for its error message: "no space left on device" when an ENOSPC is anywhere in
+    the exception's chain or the checkpoint directory's device is (nearly) full, else the exception's first line."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) or "No space left on device" in str(seen):
+            return "no space left on device"
+        seen = seen.__cause__ or seen.__context__
+    try:
+        if shutil.disk_usage(root).free < NEARLY_FULL_BYTES:
+            return "no space left on device"
+    except OSError:
+        pass
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
 def metric_key(metric_name: str) -> str:

@@ -182,17 +182,16 @@ def kill_cluster(ray_tmp: Path) -> None:
             pass
 
 
-def test_nonfinite_updates_are_skipped_and_the_run_stops_after_the_limit(ray_cluster, tmp_path):
-    # A huge learning rate makes the weights overflow after the first step: every later gradient is NaN.
-    with pytest.raises(NonFiniteTrainingError, match="grpo.max_consecutive_nonfinite_steps=2"):
-        run(
-            tmp_path,
-            "grpo.max_num_steps=8",
-            "policy.optimizer.lr=1e30",
-            "policy.max_grad_norm=null",
-            "grpo.max_consecutive_nonfinite_steps=2",
-            *NO_VALIDATION,
-        )
+def test_nonfinite_updates_are_skipped_and_the_run_stops_after_the_limit_across_a_resume(ray_cluster, tmp_path):
+    """A huge learning rate makes the weights overflow after the first step: every later gradient is NaN. The run is
+    split after step 2 (one skipped step): the resumed run carries the count (train/nonfinite_streak, saved with the
+    checkpoint) and stops at step 3, as the whole run would; it used to restart the count and stop at step 4 (a
+    requeued run reset it every time)."""
+    nan = ("policy.optimizer.lr=1e30", "policy.max_grad_norm=null", "grpo.max_consecutive_nonfinite_steps=2", *NO_VALIDATION)
+    run(tmp_path, "grpo.max_num_steps=2", *nan, *ckpt_overrides(tmp_path / "ckpt", 1))
+    with pytest.raises(NonFiniteTrainingError, match="stopping at step 3 .*grpo.max_consecutive_nonfinite_steps=2"):
+        run(tmp_path, "grpo.max_num_steps=8", *nan, *ckpt_overrides(tmp_path / "ckpt", 1))
     logged = read_metrics(tmp_path / "logs")
-    skipped = [r["train/nonfinite_steps_skipped"] for r in logged]
-    assert skipped[-2:] == [1.0, 1.0] and len(logged) < 8
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert [r["train/nonfinite_steps_skipped"] for r in logged] == [0.0, 1.0, 1.0]
+    assert [r["train/nonfinite_streak"] for r in logged] == [0.0, 1.0, 2.0]

@@ -51,6 +51,15 @@ def test_a_failing_writer_keeps_the_previous_checkpoint(tmp_path):
     assert [c.step for c in manager.valid_checkpoints()] == [1]
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
 
+    def fail_in_a_worker(tmp):  # the policy workers' writers fail as RayTaskError(RuntimeError): it escaped, temp kept
+        (tmp / "half.pt").write_bytes(b"x")
+        raise RuntimeError("ray::PolicyWorker.save_checkpoint()\nRuntimeError: [enforce fail at inline_container.cc] unexpected pos")
+
+    with pytest.raises(CheckpointError, match="step_2 .* failed: RuntimeError: .*unexpected pos; the previous checkpoint"):
+        manager.save(2, fail_in_a_worker, {"metrics": {}}, {})
+    assert [c.step for c in manager.valid_checkpoints()] == [1]
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
 
 def test_keep_top_k_by_metric_always_keeps_the_latest(tmp_path):
     manager = CheckpointManager(tmp_path, keep_top_k=2, metric_name="val:accuracy")
@@ -61,6 +70,12 @@ def test_keep_top_k_by_metric_always_keeps_the_latest(tmp_path):
     for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2)]:
         lower.save(step, write_blob(1), {"metrics": {"train/loss": loss}}, {})
     assert [c.step for c in lower.valid_checkpoints()] == [2, 3]
+    # A NaN (what a skipped non-finite step logs as train/loss) ranks below every number: NaN compares false with
+    # everything, so the sort put it anywhere and the best checkpoint (step 5) was deleted.
+    nan = CheckpointManager(tmp_path / "n", keep_top_k=1, metric_name="train:loss", higher_is_better=False)
+    for step, loss in enumerate([float("nan"), 0.55, float("nan"), float("nan"), 0.32, float("nan"), float("nan")], start=1):
+        nan.save(step, write_blob(1), {"metrics": {"train/loss": loss}}, {})
+    assert [c.step for c in nan.valid_checkpoints()] == [5, 7]
 
 
 def test_a_tie_keeps_the_checkpoint_whose_weights_the_validation_measured(tmp_path):
@@ -115,6 +130,12 @@ def test_metric_key_and_incompatible_differences():
     assert any(d.startswith("policy.model_name") for d in diffs)
     assert any(d.startswith("grpo.num_prompts_per_step") for d in diffs)
     assert not any("lr" in d or "max_num_steps" in d for d in diffs)
+    # Validation data may change on resume (the shipped recipes tie data.validation.num_problems to
+    # grpo.max_val_samples: any validation change was refused); the training stream and the carved fraction may not.
+    data = {"train": {"num_problems": 100}, "validation": {"num_problems": 256, "split_fraction": None}, "shuffle": True}
+    assert incompatible_differences({"data": data}, {"data": {**data, "validation": {"num_problems": 64, "split_fraction": None}}}) == []
+    for changed in ({"train": {"num_problems": 50}}, {"shuffle": False}, {"validation": {"num_problems": 256, "split_fraction": 0.1}}):
+        assert incompatible_differences({"data": data}, {"data": {**data, **changed}}), changed
 
 
 def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
@@ -129,6 +150,15 @@ def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
         with pytest.raises(CheckpointError, match="no space left on device.*step_1 is kept"):
             manager.save(2, write_blob(1024 * 1024), {"metrics": {}}, {})
         assert [c.step for c in manager.valid_checkpoints()] == [1]
+        import torch
+
+        def torch_save(tmp):  # what the policy workers write: torch.save raises a RuntimeError ("unexpected pos")
+            torch.save({"w": torch.zeros(256 * 1024)}, tmp / "optimizer.pt")
+
+        with pytest.raises(CheckpointError, match="no space left on device.*step_1 is kept"):
+            manager.save(2, torch_save, {"metrics": {}}, {})
+        assert [c.step for c in manager.valid_checkpoints()] == [1]
+        assert not any(p.name.startswith(".tmp") for p in (mount / "ckpt").iterdir())
         assert json.loads((mount / "ckpt" / "step_1" / "trainer_state.json").read_text())["step"] == 1
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
