@@ -75,6 +75,9 @@ def test_incompatible_checkpoint_is_refused_naming_the_keys(ray_cluster, tmp_pat
 
     with pytest.raises(CheckpointError, match="grpo.num_generations_per_prompt: 4 -> 2"):
         run(tmp_path, "grpo.max_num_steps=2", "grpo.num_generations_per_prompt=2", *NO_VALIDATION, *ckpt_overrides(tmp_path / "ckpt", 1))
+    # Validation settings may change (the recipe ties data.validation.num_problems to grpo.max_val_samples: it was refused)
+    resumed = run(tmp_path, "grpo.max_num_steps=2", "grpo.max_val_samples=16", *NO_VALIDATION, *ckpt_overrides(tmp_path / "ckpt", 1))
+    assert [r["step"] for r in resumed] == [2]
 
 
 def short_ray_tmp() -> Path:
