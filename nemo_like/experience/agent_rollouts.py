@@ -372,6 +372,7 @@ class EngineGate:
         self.cond = threading.Condition()
         self.calls = 0  # engine calls in flight
         self.held_since: float | None = None
+        self.blocked_since: float | None = None  # when the first engine call started waiting at the held gate
         self.closed = False
 
     def __getattr__(self, name: str) -> Any:
@@ -382,6 +383,8 @@ class EngineGate:
     def generate(self, *args: Any, **kwargs: Any) -> list[GeneratedSample]:
         """``engine.generate(prompts, params, seed)`` once no refit holds the gate."""
         with self.cond:
+            if self.held_since is not None and self.blocked_since is None:
+                self.blocked_since = time.perf_counter()
             self.cond.wait_for(lambda: self.held_since is None or self.closed)
             if self.closed:
                 raise AgentRolloutsClosed("the run is stopping: the rollout server samples no more")
@@ -404,9 +407,11 @@ class EngineGate:
         return time.perf_counter() - start
 
     def release(self) -> float:
-        """Let engine calls through again; returns the seconds they were held."""
+        """Let engine calls through again; returns the seconds engine calls were held: from the first call that waited
+        at the gate, 0 when none did (an idle collector's wait is ``waiting_for_pacing``'s, not counted twice)."""
         with self.cond:
-            held, self.held_since = time.perf_counter() - (self.held_since or time.perf_counter()), None
+            held = time.perf_counter() - self.blocked_since if self.blocked_since is not None else 0.0
+            self.held_since = self.blocked_since = None
             self.cond.notify_all()
         return held
 

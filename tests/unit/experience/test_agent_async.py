@@ -143,13 +143,17 @@ def test_the_engine_gate_keeps_a_refit_out_of_an_engine_call():
     holder.join(10)
     first.join(10)
     assert waited and waited[0][1]  # hold() returned only once the call in flight had returned
+    time.sleep(0.2)  # held with no call waiting: counted in waiting_for_pacing already, not as paused for the refit
+    before_call = time.perf_counter()
     second = threading.Thread(target=lambda: held.append(gate.generate([[2]], None, 0)))
     second.start()
     time.sleep(0.2)
     assert engine.calls == 1 and second.is_alive()  # no engine call while held
-    gate.release()
+    paused = gate.release()
+    assert 0.0 < paused <= time.perf_counter() - before_call  # from the call that waited, not from the hold
     second.join(10)
     assert engine.calls == 2 and held[0][0].prompt_ids == [2]
+    assert gate.hold() >= 0.0 and gate.release() == 0.0  # no call waited at all: 0
     gate.close()
     with pytest.raises(AgentRolloutsClosed):
         gate.generate([[3]], None, 0)
