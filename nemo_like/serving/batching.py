@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams, Seeds, prompt_seeds
+from nemo_like.utils.seeds import serving_seed
 
 
 @dataclass
@@ -82,7 +83,7 @@ class GenerationQueue:
         self.max_wait_s = max_wait_s
         self.per_prompt_seeds = bool(getattr(engine, "PER_PROMPT_SEEDS", False))
         self.stats = BatchStats()
-        self._seeds = itertools.count(seed * 1_000_003)
+        self._seed, self._calls = seed, itertools.count()  # unseeded calls: serving_seed(seed, call index)
         self._cond = threading.Condition()
         self._pending: deque[_Request | None] = deque()  # None: close
         self._pending_prompts = 0
@@ -194,13 +195,16 @@ class GenerationQueue:
         """The engine call's seed: the queue's next for unseeded requests; a seeded request alone, its own; else one
         seed per prompt (a seeded request's choice j: ``chunk_seed(seed, j)``; an unseeded prompt: the queue's next)."""
         if all(r.seed is None for r in requests):
-            return next(self._seeds)
+            return self._next_seed()
         if not self.per_prompt_seeds:
             return requests[0].seed  # grouped alone (_run)
         seeds: list[int] = []
         for r in requests:
-            seeds.extend(prompt_seeds(r.seed, len(r.prompts)) if r.seed is not None else [next(self._seeds) for _ in r.prompts])
+            seeds.extend(prompt_seeds(r.seed, len(r.prompts)) if r.seed is not None else [self._next_seed() for _ in r.prompts])
         return seeds
+
+    def _next_seed(self) -> int:
+        return serving_seed(self._seed, next(self._calls))
 
     def _generate(self, requests: list[_Request], params: SamplingParams, seed: Seeds) -> None:
         prompts = [p for r in requests for p in r.prompts]

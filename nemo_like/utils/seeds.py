@@ -34,6 +34,14 @@ def rollout_seed(seed: int, step: int, batch_index: int = 0) -> int:
     return _hashed_seed(f"refill/{seed}/{step}/{batch_index}")
 
 
+def serving_seed(seed: int, call_index: int) -> int:
+    """The seed of the rollout server's ``call_index``-th engine call for unseeded requests (and of each unseeded prompt
+    of a mixed batch). Engines seed a call's request ``i`` with the call's seed + ``i`` (:func:`chunk_seed`), so a
+    counter (seed, seed + 1, ...) made call ``c + 1``'s first request draw exactly call ``c``'s second: independent
+    requests, or a group's sessions, came out identical. A hash per call instead."""
+    return _hashed_seed(f"serve/{seed}/{call_index}")
+
+
 def validation_seed(step: int) -> int:
     """The sampling seed of the validation run after training step ``step`` (0: before training)."""
     return VALIDATION_STRIDE * (step + 1)

@@ -364,6 +364,12 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
         assert code is None or code in (error["code"], error["param"]), (body, error)
     unknown = httpx.post(f"{server.base_url}/sessions/never-opened/end", headers=headers, content=b"{}")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
+    # The metadata keys the server reads must be integers: {"seed": "experiment-7"} made every call of it a 500
+    for key, value in (("seed", "experiment-7"), ("token_budget", "unlimited"), ("seed", -1), ("token_budget", True)):
+        opened = httpx.post(f"{server.base_url}/sessions", headers=headers, json={"metadata": {key: value}})
+        assert opened.status_code == 400 and opened.json()["error"]["param"] == f"metadata.{key}", opened.text
+    seeded = httpx.post(f"{server.base_url}/sessions", headers=headers, json={"metadata": {"seed": 7, "note": "x"}})
+    assert seeded.status_code == 200
     server.sessions.auto_create = False  # a training run's server: only the sessions it opened
     try:
         with pytest.raises(openai.NotFoundError) as stranger:

@@ -13,6 +13,7 @@ from nemo_like.models.generation.interface import GeneratedSample, SamplingParam
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.serving.batching import GenerationQueue
 from nemo_like.serving.local_engine import LocalGeneration
+from nemo_like.utils.seeds import serving_seed
 
 MODEL = "embedded:tiny-tool-qwen2"
 HOT = SamplingParams(max_new_tokens=10, temperature=3.0, top_k=50, top_p=0.95)  # a flat distribution: seeds matter
@@ -94,8 +95,23 @@ def test_an_engine_without_per_prompt_seeds_samples_each_seeded_call_alone(local
             f.result(60)
     finally:
         queue.close()
-    assert held.calls == [(1, 7_000_021), (1, 1), (1, 2), (1, 3), (1, 7_000_022)]  # int seeds, as before
+    assert held.calls == [(1, serving_seed(7, 0)), (1, 1), (1, 2), (1, 3), (1, serving_seed(7, 1))]  # int seeds, as before
     assert queue.stats.waits == 0  # nothing to merge seeded calls into: no wait for callers
+
+
+def test_consecutive_unseeded_calls_share_no_seed(local) -> None:
+    """Engines seed a call's request i with its seed + i (vLLM): the queue's counter (seed, seed + 1, ...) gave call
+    c + 1's first request call c's second seed, so independent n=2 requests on one prompt drew the same completion."""
+    engine, prompts = local
+    held = Held(engine, per_prompt_seeds=False)
+    queue = GenerationQueue(held, seed=7, window_s=0.0)
+    try:
+        draws = [tokens(queue.submit([prompts[0]] * 2, HOT).result(60)) for _ in range(4)]
+    finally:
+        queue.close()
+    used = [set(range(seed, seed + n)) for n, seed in held.calls]  # what a seed + i engine draws with
+    assert all(not (a & b) for i, a in enumerate(used) for b in used[i + 1 :]), held.calls
+    assert len({tuple(d) for draw in draws for d in draw}) == 8  # eight different completions (a flat distribution)
 
 
 def test_the_thread_waits_for_the_callers_it_answered_but_never_for_a_lone_caller() -> None:
