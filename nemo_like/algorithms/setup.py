@@ -122,7 +122,7 @@ def report_lora(cfg: MasterConfig, policy: Policy, plan: RunPlan) -> None:
     if cfg.policy.lora_cfg.enabled:
         mode, reason = plan.refit.value, plan.refit.reason
         print(f"[setup] LoRA refit: {mode} ({reason})", file=sys.stderr)
-        sizes = refit_bytes(policy.trainable_params, policy.full_refit_bytes, cfg.policy.precision)
+        sizes = refit_bytes(policy.trainable_params, policy.full_refit_elements, cfg.policy.precision)
         adapter_bytes, full_bytes = sizes["adapter"], sizes["full"]
         sent = adapter_bytes if mode == "adapter" else full_bytes
         print(f"[setup] refit bytes per weight version: {sent:,} (adapters {adapter_bytes:,}, full model {full_bytes:,})", file=sys.stderr)

@@ -193,22 +193,22 @@ def merge_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tenso
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     """``trainable`` and ``total`` parameters of the full model (global sizes, also when sharded), and
-    ``full_refit_bytes``: what a full or merged refit sends (every state-dict entry but the adapters, tied
-    weights under each name)."""
+    ``full_refit_elements``: what a full or merged refit sends, in elements (every state-dict entry but the adapters,
+    tied weights under each name; counted in elements because a LoRA policy's frozen base is held in the compute
+    dtype, a full policy's in fp32)."""
     total = trainable = 0
     for p in model.parameters():
         total += p.numel()
         trainable += p.numel() if p.requires_grad else 0
-    sent = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if not is_adapter(n))
-    return {"trainable": trainable, "total": total, "full_refit_bytes": sent}
+    sent = sum(t.numel() for n, t in model.state_dict().items() if not is_adapter(n))
+    return {"trainable": trainable, "total": total, "full_refit_elements": sent}
 
 
-def refit_bytes(trainable_params: int, full_master_bytes: int, precision: str) -> dict[str, int]:
+def refit_bytes(trainable_params: int, full_refit_elements: int, precision: str) -> dict[str, int]:
     """What one refit sends (:mod:`nemo_like.models.policy.weight_export`): ``adapter``, the adapters in fp32 (as PEFT
-    keeps them); ``full``, the whole (merged) model cast from its fp32 masters (``full_master_bytes``, as
-    :func:`parameter_counts` counts them) to the engine's dtype."""
-    master = torch.float32.itemsize
-    return {"adapter": trainable_params * master, "full": full_master_bytes // master * refit_dtype(precision).itemsize}
+    keeps them); ``full``, the whole (merged) model (``full_refit_elements``, as :func:`parameter_counts` counts them)
+    in the engine's dtype."""
+    return {"adapter": trainable_params * torch.float32.itemsize, "full": full_refit_elements * refit_dtype(precision).itemsize}
 
 
 def expected_adapter_names(model_path: str, lora_cfg: Any) -> list[str]:

@@ -180,7 +180,7 @@ class Policy:
             self.group.kill()
             raise
         self.trainable_params, self.total_params = counts["trainable"], counts["total"]
-        self.full_refit_bytes = counts["full_refit_bytes"]  # what a full (or merged) refit sends
+        self.full_refit_elements = counts["full_refit_elements"]  # what a full (or merged) refit sends
         self._ready = True
         return self
 

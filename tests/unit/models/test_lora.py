@@ -164,17 +164,18 @@ def test_lora_reference_runs_on_the_policy_so_no_reference_role_is_planned():
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_the_refit_size_the_run_prints_is_what_a_refit_sends(precision: str) -> None:
     """Adapters travel in fp32 and a merged model in the engine's dtype: under bf16 the printed sizes were half and
-    double what the export streams (the adapters counted at 2 bytes, the merged model at its fp32 masters')."""
+    double what the export streams (the adapters counted at 2 bytes, the merged model at its fp32 masters'); and the
+    base loaded as the policy worker loads it (a LoRA policy's frozen base in the compute dtype) was counted at half."""
     from nemo_like.models.policy.weight_export import WeightExport
 
     cfg = LoraConfig(enabled=True, dim=4, alpha=8)
-    model = lora.apply_lora(load_causal_lm(EMBEDDED_MODEL), cfg)
+    model = lora.apply_lora(load_causal_lm(EMBEDDED_MODEL, precision), cfg)  # as PolicyWorker._load_model does
     export = WeightExport()
     export.model, export.device, export.precision, export.lora_cfg, export.rank, export.weight_version = (
         model, torch.device("cpu"), precision, cfg, 0, 1,
     )  # fmt: skip
     counts = lora.parameter_counts(model)
-    printed = lora.refit_bytes(counts["trainable"], counts["full_refit_bytes"], precision)
+    printed = lora.refit_bytes(counts["trainable"], counts["full_refit_elements"], precision)
     for mode, key in (("adapter", "adapter"), ("merged", "full")):
         sent = sum(t.numel() * t.element_size() for _, t in export._refit_tensors(mode, True))
         assert printed[key] == sent, (mode, printed[key], sent)
