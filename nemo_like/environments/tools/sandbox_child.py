@@ -43,42 +43,31 @@ _BLOCKED_PREFIXES = (
     "sys.settrace",
     "sys.setprofile",
 )
-#: Audit events whose path arguments must stay inside the scratch dir (index of each path argument).
+#: Audit events whose path arguments must stay inside the scratch dir: ``(path argument indices, dir_fd argument
+#: indices)``. A path relative to another directory's descriptor is refused (rename and link have a source's and a
+#: destination's ``dir_fd``: checking only the last argument let ``src_dir_fd`` through and refused ``os.truncate``'s
+#: length).
 _PATH_EVENTS = {
-    "os.remove": (0,),
-    "os.rename": (0, 1),
-    "os.rmdir": (0,),
-    "os.mkdir": (0,),
-    "os.chmod": (0,),
-    "os.chown": (0,),
-    "os.link": (0, 1),
-    "os.symlink": (0, 1),
-    "os.truncate": (0,),
-    "os.utime": (0,),
-    "os.chflags": (0,),
-    "os.setxattr": (0,),
-    "os.removexattr": (0,),
-    "shutil.rmtree": (0,),
-    "shutil.copyfile": (1,),
-    "shutil.move": (1,),
-    "shutil.copytree": (1,),
-    "shutil.make_archive": (0,),
-    "shutil.unpack_archive": (1,),
-    "sqlite3.connect": (0,),
-}
-#: Index of each ``dir_fd`` argument of the ``os.*`` path events (rename and link have a source's and a destination's;
-#: a path relative to another directory's descriptor is refused). Checking only the last argument let ``src_dir_fd``
-#: through and refused ``os.truncate``'s length.
-_DIR_FD_ARGS = {
-    "os.remove": (1,),
-    "os.rename": (2, 3),
-    "os.rmdir": (1,),
-    "os.mkdir": (2,),
-    "os.chmod": (2,),
-    "os.chown": (3,),
-    "os.link": (2, 3),
-    "os.symlink": (2,),
-    "os.utime": (3,),
+    "os.remove": ((0,), (1,)),
+    "os.rename": ((0, 1), (2, 3)),
+    "os.rmdir": ((0,), (1,)),
+    "os.mkdir": ((0,), (2,)),
+    "os.chmod": ((0,), (2,)),
+    "os.chown": ((0,), (3,)),
+    "os.link": ((0, 1), (2, 3)),
+    "os.symlink": ((0, 1), (2,)),
+    "os.truncate": ((0,), ()),
+    "os.utime": ((0,), (3,)),
+    "os.chflags": ((0,), ()),
+    "os.setxattr": ((0,), ()),
+    "os.removexattr": ((0,), ()),
+    "shutil.rmtree": ((0,), ()),
+    "shutil.copyfile": ((1,), ()),
+    "shutil.move": ((1,), ()),
+    "shutil.copytree": ((1,), ()),
+    "shutil.make_archive": ((0,), ()),
+    "shutil.unpack_archive": ((1,), ()),
+    "sqlite3.connect": ((0,), ()),
 }
 #: Path events that accept an open descriptor as the path (``os.fchmod`` is ``os.chmod`` with an int): the descriptor's
 #: file must be inside the scratch dir.
@@ -92,7 +81,7 @@ def _install_guard(scratch):
     realpath, fspath, isinstance_, str_, bytes_, int_ = os.path.realpath, os.fspath, isinstance, str, bytes, int
     # Held by the hook, not read from this module's globals, which the snippet can reach (sys.modules["__main__"]).
     blocked, path_events, write_flags = tuple(_BLOCKED_PREFIXES), dict(_PATH_EVENTS), _WRITE_FLAGS
-    dir_fd_args, fd_path_events = dict(_DIR_FD_ARGS), tuple(_FD_PATH_EVENTS)
+    fd_path_events = tuple(_FD_PATH_EVENTS)
 
     def inside(path, event=""):
         if path is None:
@@ -114,10 +103,11 @@ def _install_guard(scratch):
             if writing and not inside(path):
                 raise PermissionError(f"sandbox: writing outside the scratch dir is not allowed: {path!r}")
         elif event in path_events:
-            for index in dir_fd_args.get(event, ()):
+            paths, dir_fds = path_events[event]
+            for index in dir_fds:
                 if index < len(args) and isinstance_(args[index], int_) and args[index] != -1:  # relative to another dir
                     raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
-            for index in path_events[event]:
+            for index in paths:
                 if index < len(args) and not inside(args[index], event):
                     raise PermissionError(f"sandbox: {event} outside the scratch dir is not allowed: {args[index]!r}")
 
