@@ -187,6 +187,7 @@ class MasterConfig(BaseModel):
         if not self.grpo.overlap_scoring and (blocker := self.scoring_overlap_blocker()):
             lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")
         lines += self.grpo.async_grpo.no_effect_warnings()
+        lines += self.data.no_effect_warnings()
         return lines
 
     def scoring_overlap_blocker(self) -> str | None:

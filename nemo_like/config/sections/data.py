@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_like.config.sections.base import Section
 from nemo_like.config.types import Float, Int
+
+#: Suffixes of the single-file prompt sources (one file is one split).
+SINGLE_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 class DatasetSplitConfig(Section):
@@ -83,6 +87,21 @@ class DataConfig(Section):
         "(data.train.num_problems keeps the first N; data.train.seed is unused).",
     )
     system_prompt: str | None = Field(None, description="Optional system message prepended to every prompt.")
+
+    def no_effect_warnings(self) -> list[str]:
+        """A split's ``split`` / ``dataset_config`` set while its ``data_path`` is one file (whose rows are the split)."""
+        lines = []
+        for role in ("train", "validation"):
+            split_cfg: DatasetSplitConfig = getattr(self, role)
+            if not split_cfg.data_path or Path(split_cfg.data_path).suffix.lower() not in SINGLE_FILE_SUFFIXES:
+                continue
+            for key in ("split", "dataset_config"):
+                if getattr(split_cfg, key) is not None:
+                    lines.append(
+                        f"data.{role}.{key} has no effect: data.{role}.data_path={split_cfg.data_path!r} is one file, "
+                        "whose rows are the split (a save_to_disk directory holds splits to choose from)"
+                    )
+        return lines
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:

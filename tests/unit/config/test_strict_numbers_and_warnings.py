@@ -148,3 +148,16 @@ def test_in_flight_refits_at_age_bound_zero_warn() -> None:
     assert any(w.startswith("grpo.async_grpo.in_flight_weight_updates=true has no effect") for w in zero)
     one = load_config(None, [*common, "grpo.async_grpo.max_trajectory_age_steps=1"], warn=False).no_effect_warnings()
     assert not any("in_flight_weight_updates" in w for w in one)
+
+
+def test_a_split_or_config_for_a_single_local_file_warns(tmp_path: Path) -> None:
+    """One .jsonl file is one split: data.<split>.split and .dataset_config were ignored silently."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1+1?", "answer": "2"}\n')
+    common = [f"data.train.data_path={rows}", "data.prompt_key=question", "data.answer_key=answer"]
+    lines = load_config(None, [*common, "data.train.split=test", "data.train.dataset_config=main"], warn=False).no_effect_warnings()
+    assert [w.split(":")[0] for w in lines if w.startswith("data.")] == [
+        "data.train.split has no effect",
+        "data.train.dataset_config has no effect",
+    ]
+    assert not any(w.startswith("data.") for w in load_config(None, common, warn=False).no_effect_warnings())
