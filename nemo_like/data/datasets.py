@@ -29,13 +29,13 @@ from typing import Any
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig, DatasetSplitConfig
+from nemo_like.config.sections.data import FILE_BUILDERS
 from nemo_like.data.templates import PromptFormat
 
 ARITHMETIC = "arithmetic"
 #: Task name of rows whose source names none (the math-verify environment's name).
 DEFAULT_TASK = "math"
 #: Local file suffixes and the ``datasets`` builder that reads them.
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def gsm8k_final_answer(solution: str) -> str:

@@ -108,8 +108,8 @@ class EnvironmentInterface(ABC):
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> list[EnvironmentStep]:
         """Multi-turn hook: one :class:`EnvironmentStep` per sample. ``message_logs[i]`` is the sample's
         conversation so far (OpenAI-style messages, the model's latest turn last); ``metadata[i]`` its
-        metadata (as updated by earlier steps), with ``metadata[i][FINAL_TURN]`` set (:data:`FINAL_TURN`). The default is the single-turn case: score the last message
-        with :meth:`score` and terminate. Multi-turn environments override it; single-turn ones need not.
+        metadata (as updated by earlier steps), with ``metadata[i][FINAL_TURN]`` set (:data:`FINAL_TURN`). The
+        default is the single-turn case: score the last message with :meth:`score` and terminate. Multi-turn environments override it; single-turn ones need not.
         Used when ``grpo.max_rollout_turns > 1`` (docs/guides/multi-turn.md); with 1 the run calls :meth:`score`."""
         responses = [conversation[-1]["content"] if conversation else "" for conversation in message_logs]
         return [EnvironmentStep(reward) for reward in self.score(responses, metadata)]

@@ -24,7 +24,6 @@ from nemo_like.serving.errors import ServingError, bad_request, error_body, unau
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nemo_like.serving.responses import chat_response, completion_response, models_response
 from nemo_like.serving.service import CompletionService
-from nemo_like.serving.sessions import BUDGET_KEY, SEED_KEY
 
 log = logging.getLogger("nemo_like.serving")
 
@@ -132,7 +131,6 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
     @app.post("/v1/sessions")
     async def open_session(body: OpenSessionRequest | None = None) -> dict[str, Any]:
         body = body or OpenSessionRequest()
-        check_session_settings(body.metadata)
         try:
             session_id = sessions.open(body.session_id, body.metadata)
         except ValueError as exc:
@@ -148,19 +146,3 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
         }  # fmt: skip
 
     return app
-
-
-def check_session_settings(metadata: dict[str, Any] | None) -> None:
-    """The session metadata keys the server reads (``seed``: the calls' seeds derive from it; ``token_budget``: calls
-    are refused once the session sampled that many tokens) must be non-negative integers when a client sets them
-    (``{"seed": "experiment-7"}`` made every call of the session a 500).
-
-    Raises:
-        ServingError: 400 naming ``metadata.<key>``."""
-    for key in (SEED_KEY, BUDGET_KEY):
-        value = (metadata or {}).get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise bad_request(
-                f"metadata.{key} must be a non-negative integer (the server reads it: see the session endpoints), got {value!r}",
-                param=f"metadata.{key}",
-            )

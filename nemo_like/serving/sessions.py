@@ -43,6 +43,21 @@ class Session:
         return sum(len(c.completion_ids) for c in self.calls)
 
 
+def check_session_settings(metadata: dict[str, Any] | None) -> None:
+    """The metadata keys the server reads (``SEED_KEY``, ``BUDGET_KEY``) must be non-negative integers when set
+    (``{"seed": "experiment-7"}`` made every call of the session a 500).
+
+    Raises:
+        ServingError: 400 naming ``metadata.<key>``."""
+    for key in (SEED_KEY, BUDGET_KEY):
+        value = (metadata or {}).get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise bad_request(
+                f"metadata.{key} must be a non-negative integer (the server reads it: see the session endpoints), got {value!r}",
+                param=f"metadata.{key}",
+            )
+
+
 def session_call_seed(session: Session, call_index: int) -> int | None:
     """The seed of call ``call_index`` of a session opened with a seed (``SEED_KEY``); ``None`` without one."""
     base = session.metadata.get(SEED_KEY)
@@ -109,6 +124,7 @@ class SessionStore:
 
     def open(self, session_id: str | None = None, metadata: dict[str, Any] | None = None) -> str:
         """Start a session (a fresh random id when ``session_id`` is None) and return its id."""
+        check_session_settings(metadata)
         session_id = session_id or uuid.uuid4().hex
         with self._lock:
             if session_id in self._open or session_id in self._ended:

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from nemo_like.config.sections.base import Section
 from nemo_like.config.types import Float, Int
 
-#: Suffixes of the single-file prompt sources (one file is one split).
-SINGLE_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+#: The single-file prompt sources (one file is one split): suffix -> the ``datasets`` builder that reads it.
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 class DatasetSplitConfig(Section):
@@ -93,7 +93,7 @@ class DataConfig(Section):
         lines = []
         for role in ("train", "validation"):
             split_cfg: DatasetSplitConfig = getattr(self, role)
-            if not split_cfg.data_path or Path(split_cfg.data_path).suffix.lower() not in SINGLE_FILE_SUFFIXES:
+            if not split_cfg.data_path or Path(split_cfg.data_path).suffix.lower() not in FILE_BUILDERS:
                 continue
             for key in ("split", "dataset_config"):
                 if getattr(split_cfg, key) is not None:
