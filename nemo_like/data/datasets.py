@@ -263,6 +263,38 @@ def csv_header(path: Path, key: str) -> list[str]:
     return header or []
 
 
+def _csv_kwargs(header: list[str]) -> dict[str, Any]:
+    """The CSV builder's settings that keep every cell as written: no type guessing (02108 -> 2108, 3.10 -> 3.1,
+    "NA" -> empty) and no index column."""
+    import datasets
+
+    strings = datasets.Features({name: datasets.Value("string") for name in header})
+    return {"features": strings, "keep_default_na": False, "index_col": False}
+
+
+def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
+    """For a directory whose data files are all CSV (``datasets`` reads it with its CSV builder, one split per file
+    name), the same no-guessing settings as a single CSV file; they need one header across the files. Else none."""
+    data_files = [
+        file
+        for file in sorted(path.rglob("*"))
+        if file.is_file()
+        and file.suffix.lower() in FILE_BUILDERS
+        and not any(part.startswith((".", "__")) for part in file.relative_to(path).parts)
+    ]
+    if not data_files or any(FILE_BUILDERS[file.suffix.lower()] != "csv" for file in data_files):
+        return {}
+    headers = {file: csv_header(file, key) for file in data_files}
+    first = data_files[0]
+    for file, header in headers.items():
+        if header != headers[first]:
+            raise ConfigError(
+                f"{key}: the CSV files of {str(path)!r} need one header; {str(first)!r} has {headers[first]}, "
+                f"{str(file)!r} has {header}"
+            )
+    return _csv_kwargs(headers[first])
+
+
 def _is_offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"} for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
@@ -276,17 +308,14 @@ def _load_local(source: Source, key: str):
     try:
         if path.is_dir():
             saved = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-            ds = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path))
+            ds = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path), **_csv_directory_kwargs(path, key))
         else:
             builder = FILE_BUILDERS.get("".join(path.suffixes[-1:]).lower())
             if builder is None:
                 raise ConfigError(f"{key}: {str(path)!r} has an unsupported suffix; expected one of {sorted(FILE_BUILDERS)} or a directory")
             if path.stat().st_size == 0:
                 raise ConfigError(f"{key}: {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
-            kwargs: dict[str, Any] = {}
-            if builder == "csv":  # every cell as written: no type guessing (02108 -> 2108, 3.10 -> 3.1, "NA" -> empty)
-                strings = {name: datasets.Value("string") for name in csv_header(path, key)}
-                kwargs = {"features": datasets.Features(strings), "keep_default_na": False, "index_col": False}
+            kwargs = _csv_kwargs(csv_header(path, key)) if builder == "csv" else {}
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
     except ConfigError:
         raise

@@ -396,6 +396,17 @@ def test_csv_cells_are_read_as_written(tmp_path, tok):
     records = sorted(build(data_cfg(path, path, prompt_key="question", answer_key="answer"), tok), key=lambda r: r.id)
     assert [r.metadata["answer"] for r in records] == ["02108", "3.10", "None", "NA", "1002"]
     assert records[4].messages[-1]["content"] == "What is 1,000 + 2?"
+    # A directory of CSV files (one split per file name) is read the same way, and its files need one header.
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    (folder / "train.csv").write_text("question,answer\nZip?,02108\nCode?,NA\n")
+    (folder / "test.csv").write_text("question,answer\nPrice?,3.10\n")
+    cfg = data_cfg(folder, folder, prompt_key="question", answer_key="answer", train={"split": "train"}, validation={"split": "test"})
+    assert sorted(r.metadata["answer"] for r in build(cfg, tok)) == ["02108", "NA"]
+    assert [r.metadata["answer"] for r in build(cfg, tok, "validation")] == ["3.10"]
+    (folder / "test.csv").write_text("prompt,answer\nPrice?,3.10\n")
+    with pytest.raises(ConfigError, match=r"data.train.data_path: the CSV files of .*splits' need one header"):
+        build(cfg, tok)
 
 
 def test_a_csv_row_with_an_unquoted_comma_names_the_line(tmp_path, tok):
