@@ -89,8 +89,16 @@ class DataConfig(Section):
     system_prompt: str | None = Field(None, description="Optional system message prepended to every prompt.")
 
     def no_effect_warnings(self) -> list[str]:
-        """A split's ``split`` / ``dataset_config`` set while its ``data_path`` is one file (whose rows are the split)."""
+        """A split's ``split`` / ``dataset_config`` set while its ``data_path`` is one file (whose rows are the split);
+        ``data.train.seed`` set (not the default 1) while ``data.shuffle`` is false and the rows come from a dataset
+        (the seed only shuffles its rows; the arithmetic generator still uses it)."""
         lines = []
+        arithmetic = not self.train.data_path and (self.train.dataset_name or self.dataset_name) == "arithmetic"
+        if not self.shuffle and not arithmetic and "seed" in self.train.model_fields_set and self.train.seed != 1:
+            lines.append(
+                f"data.train.seed={self.train.seed} has no effect: data.shuffle=false trains the rows in file order "
+                "(the seed only shuffles them)"
+            )
         for role in ("train", "validation"):
             split_cfg: DatasetSplitConfig = getattr(self, role)
             if not split_cfg.data_path or Path(split_cfg.data_path).suffix.lower() not in FILE_BUILDERS:

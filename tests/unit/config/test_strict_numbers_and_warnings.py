@@ -161,3 +161,20 @@ def test_a_split_or_config_for_a_single_local_file_warns(tmp_path: Path) -> None
         "data.train.dataset_config has no effect",
     ]
     assert not any(w.startswith("data.") for w in load_config(None, common, warn=False).no_effect_warnings())
+
+
+def test_a_train_seed_without_shuffle_warns(tmp_path: Path) -> None:
+    """data.shuffle=false trains a dataset's rows in file order: a data.train.seed set beside it shuffles nothing."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1+1?", "answer": "2"}\n')
+    common = [f"data.train.data_path={rows}", "data.prompt_key=question", "data.answer_key=answer", "data.shuffle=false"]
+
+    def data_lines(overrides: list[str]) -> list[str]:
+        return [w for w in load_config(None, overrides, warn=False).no_effect_warnings() if w.startswith("data.train.seed")]
+
+    assert data_lines([*common, "data.train.seed=7"]) == [
+        "data.train.seed=7 has no effect: data.shuffle=false trains the rows in file order (the seed only shuffles them)"
+    ]
+    assert data_lines(common) == []  # the default seed: nothing was set
+    assert data_lines([*common[:3], "data.train.seed=7"]) == []  # shuffled: the seed picks the order
+    assert data_lines(["data.shuffle=false", "data.train.seed=7"]) == []  # the arithmetic generator's seed
