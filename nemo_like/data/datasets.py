@@ -289,8 +289,7 @@ def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
     for file, header in headers.items():
         if header != headers[first]:
             raise ConfigError(
-                f"{key}: the CSV files of {str(path)!r} need one header; {str(first)!r} has {headers[first]}, "
-                f"{str(file)!r} has {header}"
+                f"{key}: the CSV files of {str(path)!r} need one header; {str(first)!r} has {headers[first]}, {str(file)!r} has {header}"
             )
     return _csv_kwargs(headers[first])
 
