@@ -248,7 +248,7 @@ class TrajectoryCollector:
         self.exhausted = False
         self.failure: str | None = None
         self.stats = GenerationStats()
-        self._pause_started: dict[str, float] = {}
+        self._pause_started: dict[str, tuple[float, bool]] = {}  # reason -> (since, nothing left to generate)
         # Dead actors: requests to the driver (``next_replacement_request``) and its answers (``answer_replacement``).
         self.replacements = threading.Condition()
         self.requests: list[dict[str, Any]] = []
@@ -367,6 +367,10 @@ class TrajectoryCollector:
             self.cond.notify_all()
 
     # -- control (called by the driver while run() is busy) ---------------------------------------------
+    def _nothing_left_to_generate(self) -> bool:
+        """Every step's batch is generated, or the data is spent (call with ``cond`` held)."""
+        return self.stopping or self.exhausted or self.pacer.done or self.loader.next_batch_epoch >= self.max_num_epochs
+
     def _interrupted(self) -> bool:
         """A failed push, a stop or a pause is waiting for the loop (call with ``cond`` held)."""
         return self.failure is not None or self.stopping or bool(self.pause_reasons)
@@ -386,13 +390,15 @@ class TrajectoryCollector:
             self.cond.wait_for(lambda: self.failure is not None or held())
             if self.failure is not None:
                 raise RuntimeError(f"the trajectory collector failed: {self.failure}")
-            self._pause_started[reason] = time.perf_counter()
+            self._pause_started[reason] = (time.perf_counter(), self._nothing_left_to_generate())
         return time.perf_counter() - start
 
     def resume(self, reason: str, generation_version: int | None = None) -> float:
-        """Release a :meth:`pause`; returns the seconds generation was held for ``reason``."""
+        """Release a :meth:`pause`; returns the seconds generation was held for ``reason`` (0 when the loop had nothing
+        left to generate: the data or the steps were spent, so nothing was held)."""
         with self.cond:
-            held = time.perf_counter() - self._pause_started.pop(reason)
+            started, idle = self._pause_started.pop(reason)
+            held = 0.0 if idle else time.perf_counter() - started
             self.stats.add_pause(reason, held)
             self.pause_reasons.discard(reason)
             if generation_version is not None:

@@ -98,7 +98,10 @@ def test_a_pause_or_stop_at_the_data_end_is_served(ray_cluster) -> None:
     paused.start()
     paused.join(10)
     assert not paused.is_alive()  # granted: nothing is generating
-    collector.resume("refit", None)
+    time.sleep(0.05)
+    # The data is spent (batch 2 was the last): generation was not held, though the pause lasted (it reported the
+    # pause's length as idle/generation_paused_for_refit).
+    assert collector.resume("refit", None) == 0.0 and collector.stats.paused_for_refit == 0.0
     reference.release.set()  # batch 2's push lands; the data is now at its end
     groups, _ = ray.get(buffer.take.remote(2, 0), timeout=30)
     assert len(groups) == 2
