@@ -117,6 +117,32 @@ def judge_context(cfg: JudgeEnvConfig, tokenizer_limit: Any) -> int | None:
     return tokenizer_limit if isinstance(tokenizer_limit, int) and tokenizer_limit < 10**9 else None
 
 
+def judge_engine_spec(cfg: JudgeEnvConfig, tokenizer: Any, context: int | None) -> JudgeEngineSpec:
+    """The judge engine's settings. It stops on the judge's end-of-sequence ids as the run's own engines do: the
+    tokenizer's eos and its ``generation_config.json``'s (Gemma-it and Llama-3-Instruct end a turn with a token listed
+    only there; without it a verdict ran past its turn, and ``19`` + junk parsed as ``1919``)."""
+    from nemo_like.models.loading import end_of_sequence_ids
+
+    if cfg.engine_backend == "vllm" and context is None:
+        raise ValueError(
+            f"the judge {cfg.model_name!r} does not state its context length: set engine_max_model_len for engine_backend='vllm'"
+        )
+    return JudgeEngineSpec(
+        cfg.model_name,
+        cfg.precision,
+        cfg.num_engine_workers,
+        cfg.engine_num_cpus,
+        cfg.engine_num_gpus,
+        cfg.engine_num_threads,
+        int(tokenizer.pad_token_id),
+        tuple(end_of_sequence_ids(tokenizer, cfg.model_name)),
+        backend=cfg.engine_backend,
+        max_model_len=context,
+        kv_cache_space_gib=cfg.engine_kv_cache_space_gib,
+        gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
+    )
+
+
 class JudgeEnvironment(EnvironmentInterface):
     """See the module docstring."""
 
@@ -134,27 +160,8 @@ class JudgeEnvironment(EnvironmentInterface):
         self.template = JudgeTemplate(load_template_text(cfg.template, cfg.template_file), cfg.template_format)
         self.parser = resolve_parser(cfg.parser, cfg.parser_options)
         self.tokenizer = load_tokenizer(cfg.model_name)
-        eos = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
         context = judge_context(cfg, getattr(self.tokenizer, "model_max_length", None))
-        if cfg.engine_backend == "vllm" and context is None:
-            raise ValueError(
-                f"the judge {cfg.model_name!r} does not state its context length: set engine_max_model_len for engine_backend='vllm'"
-            )
-        spec = JudgeEngineSpec(
-            cfg.model_name,
-            cfg.precision,
-            cfg.num_engine_workers,
-            cfg.engine_num_cpus,
-            cfg.engine_num_gpus,
-            cfg.engine_num_threads,
-            int(self.tokenizer.pad_token_id),
-            tuple(eos),
-            backend=cfg.engine_backend,
-            max_model_len=context,
-            kv_cache_space_gib=cfg.engine_kv_cache_space_gib,
-            gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
-        )
-        self.engine = JudgeEngine(spec, cfg.max_batch_size)
+        self.engine = JudgeEngine(judge_engine_spec(cfg, self.tokenizer, context), cfg.max_batch_size)
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, greedy=cfg.greedy)
         self.max_prompt_tokens = context - cfg.max_new_tokens if context is not None else None
         self._calls = 0

@@ -138,3 +138,27 @@ def test_each_judge_backend_starts_its_engines_actor_with_arguments_it_accepts(b
         assert ENGINE_ENV.items() <= env.items()
     else:
         assert env is None and init["max_batch_size"] == 8
+
+
+def test_the_judge_engine_stops_where_the_judges_turn_ends(tmp_path) -> None:
+    """A chat judge whose turn-end token is listed only in generation_config.json (Gemma-it, Llama-3-Instruct): the
+    judge engine stopped on the tokenizer's eos alone, so a verdict ran past its turn ("19" + junk parsed as 1919)."""
+    import json
+    import shutil
+
+    from nemo_like.environments.judge import JudgeEnvConfig, judge_engine_spec
+    from nemo_like.models.loading import load_tokenizer, resolve_model_path
+
+    judge = tmp_path / "gemma_like_judge"
+    shutil.copytree(resolve_model_path("embedded:tiny-arith-qwen2"), judge)
+    tokenizer_config = json.loads((judge / "tokenizer_config.json").read_text())
+    (judge / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "<|endoftext|>"}))
+    generation_config = json.loads((judge / "generation_config.json").read_text())
+    (judge / "generation_config.json").write_text(json.dumps({**generation_config, "eos_token_id": [0, 2]}))
+    tokenizer = load_tokenizer(str(judge))
+    assert tokenizer.eos_token_id == 0 and tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
+    spec = judge_engine_spec(JudgeEnvConfig(model_name=str(judge)), tokenizer, 64)
+    assert spec.eos_token_ids == (0, 2)
+    vllm = JudgeEnvConfig(model_name=str(judge), engine_backend="vllm")
+    with pytest.raises(ValueError, match="does not state its context length: set engine_max_model_len"):
+        judge_engine_spec(vllm, tokenizer, None)
