@@ -102,7 +102,15 @@ def resolve_parser(name: str, options: dict[str, Any], key: str = "parser") -> P
         raise ValueError(f"parser_options {options} do not fit parser {name!r}: {exc}") from None
     if name == "regex":
         try:
-            re.compile(options.get("pattern", ""))
+            compiled = re.compile(options.get("pattern", ""))
         except re.error as exc:
             raise ValueError(f"parser_options.pattern is not a regular expression: {exc}") from None
+        group = options.get("group", 1)
+        named = isinstance(group, str) and group in compiled.groupindex
+        if not named and not (isinstance(group, int) and 0 <= group <= compiled.groups):
+            raise ValueError(
+                f"parser_options.group {group!r} is not a group of parser_options.pattern {compiled.pattern!r} (it has "
+                f"{compiled.groups} numbered group(s){', named ' + str(sorted(compiled.groupindex)) if compiled.groupindex else ''}); "
+                "the verdict is read from that group"
+            )
     return parser

@@ -85,6 +85,13 @@ def test_parser_plugins_come_from_the_registry_or_an_import_path(tmp_path) -> No
         resolve_parser("regex", {})  # pattern missing
     with pytest.raises(ValueError, match="not a regular expression"):
         resolve_parser("regex", {"pattern": "("})
+    # A group the pattern lacks passed start-up, then every verdict was a parse failure (IndexError) for the whole run.
+    with pytest.raises(ValueError, match=r"parser_options.group 1 is not a group of parser_options.pattern 'Score: \*\\\\d\+' \(it has 0"):
+        resolve_parser("regex", {"pattern": r"Score: *\d+"})
+    with pytest.raises(ValueError, match=r"group 'score' is not a group .* named \['s'\]"):
+        resolve_parser("regex", {"pattern": r"Score: *(?P<s>\d+)", "group": "score"})
+    assert resolve_parser("regex", {"pattern": r"Score: *(?P<s>\d+)", "group": "s"})("Score: 8", r"Score: *(?P<s>\d+)", "s") == 8.0
+    assert resolve_parser("regex", {"pattern": r"Score: *\d+", "group": 0}) is parse_regex  # the whole match
 
 
 @pytest.mark.parametrize(
