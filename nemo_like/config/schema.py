@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from nemo_like.config.errors import did_you_mean
 from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.config.rejection import RolloutRejectionConfig
 from nemo_like.config.sections.base import (  # noqa: F401  (re-exported)
@@ -167,6 +168,12 @@ class MasterConfig(BaseModel):
             self._check_async()
         if error := distillation_errors(self.teacher, self.distillation):
             raise ValueError(error)
+        for task in self.teacher.by_task:  # a misspelt task's teacher never scores a row: distillation silently off
+            if task not in self.env_sections:
+                raise ValueError(
+                    f"teacher.by_task.{task}: no task of that name; the run's tasks (env.<task>) are "
+                    f"{sorted(self.env_sections)}.{did_you_mean(task, self.env_sections)}"
+                )
         if self.loss_fn.aggregation == "seq-mean-token-sum-norm" and self.loss_fn.loss_aggregation_normalizer is None:
             # Dr. GRPO's constant: the maximum response length.
             self.loss_fn.loss_aggregation_normalizer = float(self.policy.generation.max_new_tokens)

@@ -57,15 +57,20 @@ def test_rows_without_a_teacher_keep_only_the_weighted_task_advantage() -> None:
 def test_teachers_by_task_route_each_task_and_each_model_gets_its_own_workers() -> None:
     from nemo_like.algorithms.roles import role_requests
 
-    cfg = recipe("+teacher.by_task.math=embedded:tiny-arith-teacher", "+teacher.by_task.arithmetic=embedded:tiny-arith-qwen2")
+    math = "+env.math.num_workers=1"
+    cfg = recipe("+teacher.by_task.math=embedded:tiny-arith-teacher", "+teacher.by_task.arithmetic=embedded:tiny-arith-qwen2", math)
     assert cfg.teacher.enabled and cfg.teacher.models() == ["embedded:tiny-arith-teacher", "embedded:tiny-arith-qwen2"]
     assert cfg.teacher.model_for("math") == "embedded:tiny-arith-teacher" and cfg.teacher.model_for("other") is None
     plan = decide_run_plan(cfg, (), 2)
     assert plan.actors.teacher == 2 and [r.role for r in role_requests(cfg, plan)].count("teacher") == 2
     with pytest.raises(ValueError, match="teacher.tokenizer_name applies to teacher.model_name only"):
-        recipe("+teacher.by_task.math=x", "teacher.tokenizer_name=y")
+        recipe("+teacher.by_task.math=x", "teacher.tokenizer_name=y", math)
     with pytest.raises(ValueError, match="leaves no training signal"):
-        recipe("+teacher.by_task.math=null", "distillation.task_advantage_weight=0")
+        recipe("+teacher.by_task.math=null", "distillation.task_advantage_weight=0", math)
+    # A task the run does not have (a typo) would never be scored: distillation silently off, teacher_kl reading 0.
+    with pytest.raises(ValueError, match=r"teacher.by_task.arithmetc: no task of that name; the run's tasks \(env.<task>\) are "
+                       r"\['arithmetic'\]. Did you mean 'arithmetic'\?"):  # fmt: skip
+        recipe("+teacher.by_task.arithmetc=embedded:tiny-arith-teacher")
 
 
 def test_each_teacher_models_scored_tokens_are_counted_for_the_mfu() -> None:

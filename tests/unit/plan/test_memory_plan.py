@@ -208,7 +208,7 @@ def test_step_estimate_spreads_each_phase_over_the_ranks_or_engines_that_run_it(
 
 
 def test_teacher_passes_cost_each_teachers_own_parameters() -> None:
-    cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", "+teacher.by_task.math=big")
+    cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", "+teacher.by_task.math=big", "+env.math.num_workers=1")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
     teachers = {"embedded:tiny-arith-teacher": 3000, "big": 7000}
     step = step_estimate(cfg, decide_logprob_passes(cfg), 1000, 1e9, 0.5, teachers)

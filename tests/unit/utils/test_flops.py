@@ -84,7 +84,12 @@ def test_gpu_devices_are_every_role_that_holds_one():
     assert gpu_spec("policy.dp_size=4", "loss_fn.reference_policy_kl_penalty=0", backend="vllm").devices == 4
     assert gpu_spec("policy.dp_size=2", "policy.lora_cfg.enabled=true", backend="vllm").devices == 2  # LoRA: no reference actors
     # two teacher models, each on its own 2 ranks: 2 policy + 2 reference + 2 x 2 teacher + 1 engine
-    two = gpu_spec("policy.dp_size=2", "teacher.model_name=embedded:tiny-arith-teacher", "+teacher.by_task.math=embedded:tiny-arith-qwen2")
+    two = gpu_spec(
+        "policy.dp_size=2",
+        "teacher.model_name=embedded:tiny-arith-teacher",
+        "+teacher.by_task.math=embedded:tiny-arith-qwen2",
+        "+env.math.num_workers=1",
+    )
     assert two.devices == 9 and two.teacher_matmul_params == (two.matmul_params, two.matmul_params) and two.training_devices == 2
     kl = gpu_spec("teacher.model_name=embedded:tiny-arith-teacher", "distillation.advantage_weight=0", "distillation.kl_weight=1")
     assert (kl.devices, kl.teacher_matmul_params, kl.kl_teacher_matmul_params) == (3, (), kl.matmul_params)
