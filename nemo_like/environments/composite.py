@@ -17,7 +17,8 @@ sample whatever the number of actors (:func:`nemo_like.experience.rollouts.env_m
 
 Accuracy and pass@k count a sample as correct when its *composed* reward is at least 1
 (:data:`~nemo_like.environments.interface.CORRECT_REWARD`): keep the other sources' contributions below the
-verifier's margin (or read the verifier's own ``<source>/reward``).
+verifier's margin, a penalty (a length penalty, a negative weight) included, or read the verifier's own
+``<source>/reward``.
 """
 
 from __future__ import annotations
