@@ -27,12 +27,13 @@ class Logger:
 
     def __init__(self, cfg: LoggerConfig, total_steps: int, resumed_step: int | None = None) -> None:
         """``resumed_step``: the checkpoint's step a resumed run continues after (TensorBoard then hides the later steps
-        an earlier run logged: they are redone; ``metrics.jsonl`` is trimmed by the caller)."""
+        an earlier run logged: they are redone; ``metrics.jsonl`` is trimmed by the caller); ``None``, a fresh run, hides
+        every step earlier runs logged in this ``log_dir`` (one curve per run, as the plot draws the last run alone)."""
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.log_dir / "metrics.jsonl"
-        purge_step = None if resumed_step is None else resumed_step + 1
+        purge_step = 0 if resumed_step is None else resumed_step + 1
         with new_threads_spared_stop_signals():  # their threads must never take a run's SIGTERM / SIGINT
             self.backends: list[LogBackend] = [JsonlBackend(self.metrics_path), *start_backends(cfg, purge_step)]
             self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar)

@@ -47,6 +47,14 @@ def test_tensorboard_backend_writes_scalars_and_config(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("train/reward")] == [(1, 0.25), (2, 0.5)]
     assert "config/text_summary" in acc.Tags()["tensors"]
     assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")
+    # A fresh run in the same log_dir: its curve alone, as metrics.jsonl's plot draws it (TensorBoard showed the earlier
+    # run's steps 1-2 and then this run's step 1 again, one curve going back).
+    again = Logger(cfg, total_steps=1)
+    again.log({"train/reward": 0.75}, step=1)
+    again.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/reward")] == [(1, 0.75)]
 
 
 def test_a_torn_last_line_is_cut_before_appending_and_the_plot_reads_the_last_run(tmp_path) -> None:
