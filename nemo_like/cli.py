@@ -160,11 +160,38 @@ def load_checked_recipe(args: argparse.Namespace) -> MasterConfig | None:
     return cfg
 
 
+def port_number(text: str) -> int:
+    """``--port``: an integer in 0..65535 (0: a free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {port}")
+    return port
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Fail before a model loads when ``host:port`` cannot be listened on (taken, or privileged)."""
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                f"--port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); choose another, or 0 for a free one"
+            ) from None
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", default=None, help="Recipe YAML (its policy model, tokenizer and context; eval.model_path to serve a checkpoint)."
     )
-    parser.add_argument("--port", type=int, default=0, help="Port on 127.0.0.1 (default: a free one).")
+    parser.add_argument("--port", type=port_number, default=0, help="Port on 127.0.0.1 (default: a free one).")
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. eval.model_path=results/grpo/step_50")
 
 
@@ -201,7 +228,9 @@ def run_serve(args: argparse.Namespace) -> int:
     """Print the server's base URL and key, serve until Ctrl-C (``docs/guides/agents.md``)."""
     from nemo_like.serving.standalone import serve
 
-    return serve(load_config(args.config, args.overrides), args.port)
+    cfg = load_config(args.config, args.overrides)
+    check_port_free(args.port)
+    return serve(cfg, args.port)
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -98,7 +98,21 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["eval", "eval.model_path=results/grpo/step_50"], "eval.model_path='results/grpo/step_50'"),
         (["serve", "eval.model_path=results/grpo/step_50"], "does not exist"),
     ]
-    for args, message in cases:
-        assert main(args) == 2, args
-        err = capsys.readouterr().err
-        assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    # A port in use (or privileged) raised OSError after the model had loaded: a traceback.
+    cases.append((["serve", "--port", str(port)], f"--port {port}: cannot listen on 127.0.0.1:{port} (Address already in use)"))
+    try:
+        for args, message in cases:
+            assert main(args) == 2, args
+            err = capsys.readouterr().err
+            assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
+    finally:
+        taken.close()
+    with pytest.raises(SystemExit) as out_of_range:  # argparse's own error (OverflowError from bind() before)
+        main(["serve", "--port", "70000"])
+    assert out_of_range.value.code == 2 and "expected a port number 0..65535, got 70000" in capsys.readouterr().err
