@@ -90,6 +90,28 @@ def ignored_engine_keys(cfg: Any, backend: str) -> list[str]:
                     lines.append(
                         f"policy.generation.{config_key}.{key} has no effect with {chosen.described} (no {other.engine} engine starts)"
                     )
+    if backend == "vllm":
+        lines += vllm_keys_for_the_other_device(cfg)
+    return lines
+
+
+#: vLLM options that apply on one kind of device only (the engine reads them there alone).
+VLLM_GPU_ONLY = ("vllm_cfg.gpu_memory_utilization", "colocated.offload_optimizer")
+VLLM_CPU_ONLY = ("vllm_cfg.kv_cache_space_gib",)
+
+
+def vllm_keys_for_the_other_device(cfg: Any) -> list[str]:
+    """One line per vLLM option set in ``cfg`` that only the other kind of cluster reads: the GPU memory share and the
+    colocated optimizer offload on a CPU cluster, the CPU KV-cache size on a GPU one."""
+    on_gpu = bool(cfg.cluster.gpus_per_node)
+    g = cfg.policy.generation
+    lines = []
+    for dotted in VLLM_CPU_ONLY if on_gpu else VLLM_GPU_ONLY:
+        section_name, key = dotted.split(".")
+        section = getattr(g, section_name)
+        if getattr(section, key) != getattr(type(section)(), key):
+            where = "a GPU cluster (it sizes the CPU engine's KV cache)" if on_gpu else "a CPU cluster (GPU only)"
+            lines.append(f"policy.generation.{dotted}={getattr(section, key)} has no effect with the vLLM engine on {where}")
     return lines
 
 

@@ -90,7 +90,21 @@ def test_engine_options_that_the_chosen_engine_ignores_are_named() -> None:
     assert ignored_engine_keys(colocated, "hf") == [
         "policy.generation.colocated.offload_optimizer has no effect with the hf engine (no vLLM engine starts)"
     ]
-    assert ignored_engine_keys(colocated, "vllm") == []
+    # On a CPU cluster the vLLM engine reads neither the colocated offload nor the GPU memory share; on a GPU cluster
+    # it does not read the CPU KV-cache size (each was ignored silently).
+    assert ignored_engine_keys(colocated, "vllm") == [
+        "policy.generation.colocated.offload_optimizer=False has no effect with the vLLM engine on a CPU cluster (GPU only)"
+    ]
+    share = recipe("policy.generation.vllm_cfg.gpu_memory_utilization=0.9")
+    assert ignored_engine_keys(share, "vllm") == [
+        "policy.generation.vllm_cfg.gpu_memory_utilization=0.9 has no effect with the vLLM engine on a CPU cluster (GPU only)"
+    ]
+    gpu = ("cluster.gpus_per_node=1", "policy.precision=bfloat16")
+    assert ignored_engine_keys(recipe(*gpu, "policy.generation.vllm_cfg.gpu_memory_utilization=0.9"), "vllm") == []
+    assert ignored_engine_keys(recipe(*gpu, "policy.generation.vllm_cfg.kv_cache_space_gib=2"), "vllm") == [
+        "policy.generation.vllm_cfg.kv_cache_space_gib=2 has no effect with the vLLM engine on a GPU cluster (it sizes the "
+        "CPU engine's KV cache)"
+    ]
 
 
 def test_every_backend_the_config_allows_is_one_registration() -> None:
