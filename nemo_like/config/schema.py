@@ -195,6 +195,11 @@ class MasterConfig(BaseModel):
             lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")
         lines += self.grpo.async_grpo.no_effect_warnings()
         lines += self.data.no_effect_warnings()
+        if self.grpo.val_pass_k is not None and self.grpo.val_num_generations_per_prompt == 1:
+            lines.append(
+                f"grpo.val_pass_k={self.grpo.val_pass_k} has no effect with grpo.val_num_generations_per_prompt=1 "
+                "(validation/pass@1 is validation/accuracy then; raise the generations to log pass@k)"
+            )
         return lines
 
     def scoring_overlap_blocker(self) -> str | None:

@@ -178,3 +178,14 @@ def test_a_train_seed_without_shuffle_warns(tmp_path: Path) -> None:
     assert data_lines(common) == []  # the default seed: nothing was set
     assert data_lines([*common[:3], "data.train.seed=7"]) == []  # shuffled: the seed picks the order
     assert data_lines(["data.shuffle=false", "data.train.seed=7"]) == []  # the arithmetic generator's seed
+
+
+def test_val_pass_k_with_one_validation_sample_warns() -> None:
+    """One sample per validation prompt logs no validation/pass@k (accuracy is pass@1): a val_pass_k set there did nothing."""
+    lines = load_config(None, ["grpo.val_pass_k=[1]"], warn=False).no_effect_warnings()
+    assert [w for w in lines if w.startswith("grpo.val_pass_k")] == [
+        "grpo.val_pass_k=[1] has no effect with grpo.val_num_generations_per_prompt=1 (validation/pass@1 is "
+        "validation/accuracy then; raise the generations to log pass@k)"
+    ]
+    two = load_config(None, ["grpo.val_pass_k=[1,2]", "grpo.val_num_generations_per_prompt=2"], warn=False)
+    assert not [w for w in two.no_effect_warnings() if w.startswith("grpo.val_pass_k")]
