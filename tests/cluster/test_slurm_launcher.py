@@ -70,7 +70,7 @@ def test_the_slurm_script_starts_two_nodes_trains_and_saves_on_the_walltime_sign
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_CPUS_PER_TASK": "1",
-        "RECIPE": "examples/configs/grpo_tiny_cpu.yaml",
+        "RECIPE": str(ROOT / "examples/configs/grpo_tiny_cpu.yaml"),  # absolute (a relative one is read from REPO)
         "RUN_ROOT": str(tmp_path),
         "GCS_PORT": str(gcs_port),
         "DASHBOARD_PORT": str(dashboard_port),
