@@ -5,6 +5,7 @@ FSDP2's root unit (outside the decoder layers), which dim tensor parallelism spl
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +111,11 @@ def memory_report(
         teacher = model_footprint(cfg.teacher.models()[0], cfg.teacher.precision or cfg.policy.precision)
     step = None
     if peak_flops:
+        from nemo_like.utils.flops import training_flops_per_token
+
         n = matmul_parameters(cfg.policy.model_name, config_path)
         teachers = {name: matmul_parameters(name) for name in cfg.teacher.models()} if teacher is not None else {}
-        step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teachers)
+        lora = sum(math.prod(p.shape) for p in params if p.trainable) if cfg.policy.lora_cfg.enabled else None
+        step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teachers, trained_token_flops=training_flops_per_token(n, lora))
     memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teacher, step)
     return [*run_plan.lines(this_machine=True), *memory.lines()], memory.fits

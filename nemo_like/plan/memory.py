@@ -25,8 +25,8 @@ What is exact and what is estimated:
 * **KV cache** of a generation engine: ``2 x layers x kv_heads x head_dim x bytes`` per token at ``policy.precision``
   (the engines load the model at that dtype); vLLM's budget is ``gpu_memory_utilization x device`` minus the weights
   (GPU), or ``kv_cache_space_gib`` (CPU); the HF engine holds the sequences it samples at once.
-* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters of the
-  model that runs the phase: a teacher's own) at a stated peak per device and MFU, each phase spread over the devices
+* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, ``4N + 6 N_lora`` with LoRA,
+  N the matmul parameters of the model that runs the phase: a teacher's own) at a stated peak per device and MFU, each phase spread over the devices
   that run it (:func:`step_estimate`); an upper bound on tokens (every sequence at ``policy.max_total_sequence_length``).
 """
 
@@ -320,12 +320,16 @@ def step_estimate(
     peak_flops: float,
     mfu: float,
     teacher_parameters: Mapping[str, int] | None = None,
+    *,
+    trained_token_flops: float,
 ) -> StepEstimate:
     """FLOPs of one step by phase (every sequence at its maximum length: an upper bound), each on the devices that run
     it: generation on the :data:`~nemo_like.plan.backend.GENERATION_ENGINES` engines (the inline backend: the one
     policy worker), the prev pass and training on the policy's ``dp_size x tensor_parallel_size`` ranks, the reference
     pass on as many reference ranks (the policy's own with LoRA), a teacher pass on each teacher's as many ranks.
-    ``matmul_parameters``: the policy's N; ``teacher_parameters``: each teacher model's N (by name). The teachers score
+    ``matmul_parameters``: the policy's N; ``trained_token_flops``: the FLOPs of one trained token (the run's own
+    formula, :func:`~nemo_like.utils.flops.training_flops_per_token`: 6N, with LoRA 4N + 6 N_lora);
+    ``teacher_parameters``: each teacher model's N (by name). The teachers score
     disjoint rows (``teacher.by_task``) at the same time, so their pass is bounded by the largest scoring every row;
     the KL loss term's teacher copy (``distillation.kl_weight``) runs a forward of ``teacher.model_name`` per trained
     token on the policy ranks."""
@@ -342,7 +346,7 @@ def step_estimate(
         phases["reference logprobs"] = (2.0 * n * tokens, ranks)
     if logprobs.compute_teacher:
         phases["teacher logprobs"] = (2.0 * max(teachers[m] for m in cfg.teacher.models()) * tokens, ranks)
-    phases["training"] = (6.0 * n * tokens, ranks)
+    phases["training"] = (trained_token_flops * tokens, ranks)
     if cfg.distillation.kl_weight > 0 and cfg.teacher.model_name is not None:
         phases["teacher copy (KL term)"] = (2.0 * teachers[cfg.teacher.model_name] * tokens, ranks)
     flops = {phase: f for phase, (f, _) in phases.items()}

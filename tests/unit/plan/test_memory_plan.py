@@ -190,7 +190,7 @@ def test_gpu_engines_hold_weights_and_kv_at_the_policys_precision_and_hf_only_it
 def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> None:
     cfg = recipe("grpo.skip_prev_logprobs=false")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
-    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
+    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5, trained_token_flops=6000.0)
     scored = 2000.0 * tokens
     assert step.flops == {"generation": scored, "prev logprobs": scored, "reference logprobs": scored, "training": 6000.0 * tokens}
     assert step.seconds == pytest.approx(12000.0 * tokens / 5e8)  # one policy rank, one reference rank, one engine
@@ -200,7 +200,7 @@ def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> 
 def test_step_estimate_spreads_each_phase_over_the_ranks_or_engines_that_run_it(dp: int, tp: int) -> None:
     cfg = recipe("grpo.skip_prev_logprobs=false", f"policy.dp_size={dp}", f"policy.dtensor_cfg.tensor_parallel_size={tp}")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
-    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
+    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5, trained_token_flops=6000.0)
     assert step.devices == {"generation": 1, "prev logprobs": 4, "reference logprobs": 4, "training": 4}
     # the one engine generates every token; the policy and reference ranks split the passes and the training
     assert step.seconds == pytest.approx((2000.0 + (2000.0 + 2000.0 + 6000.0) / 4) * tokens / 5e8)
@@ -211,11 +211,11 @@ def test_teacher_passes_cost_each_teachers_own_parameters() -> None:
     cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", "+teacher.by_task.math=big")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
     teachers = {"embedded:tiny-arith-teacher": 3000, "big": 7000}
-    step = step_estimate(cfg, decide_logprob_passes(cfg), 1000, 1e9, 0.5, teachers)
+    step = step_estimate(cfg, decide_logprob_passes(cfg), 1000, 1e9, 0.5, teachers, trained_token_flops=6000.0)
     # the teachers score disjoint rows at the same time: at most the largest one scoring every row
     assert step.flops["teacher logprobs"] == 2.0 * 7000 * tokens and step.devices["teacher logprobs"] == 1
     kl = recipe("teacher.model_name=embedded:tiny-arith-teacher", "distillation.kl_weight=0.5", "distillation.advantage_weight=0")
-    step = step_estimate(kl, decide_logprob_passes(kl), 1000, 1e9, 0.5, {"embedded:tiny-arith-teacher": 3000})
+    step = step_estimate(kl, decide_logprob_passes(kl), 1000, 1e9, 0.5, {"embedded:tiny-arith-teacher": 3000}, trained_token_flops=6000.0)
     assert "teacher logprobs" not in step.flops and step.flops["teacher copy (KL term)"] == 2.0 * 3000 * tokens
 
 
@@ -246,6 +246,18 @@ def test_the_plan_commands_training_time_falls_with_more_policy_ranks() -> None:
         return float(re.search(r"training ([0-9.]+)s", lines[-1]).group(1))
 
     assert training_seconds(1) > 10 and training_seconds(4) == pytest.approx(training_seconds(1) / 4, rel=0.01)
+
+
+def test_the_plan_commands_lora_training_is_charged_about_4n_per_token() -> None:
+    import re
+
+    from nemo_like.models.footprint import matmul_parameters, memory_report
+
+    cfg = recipe("policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=4", "policy.generation.backend=hf")
+    lines, _ = memory_report(cfg, decide_run_plan(cfg, (), 2), None, peak_flops=1e9, mfu=0.5)
+    seconds = float(re.search(r"training ([0-9.]+)s", lines[-1]).group(1))
+    four_n = 4.0 * matmul_parameters(EMBEDDED_MODEL) * cfg.rollout_batch_size * cfg.policy.max_total_sequence_length / 5e8
+    assert four_n < seconds < 1.2 * four_n  # the frozen base gets no weight gradients: not 6N
 
 
 def test_the_plan_command_prints_the_plan_checks_the_fit_and_names_a_missing_model_config(capsys) -> None:
