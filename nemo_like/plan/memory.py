@@ -377,9 +377,9 @@ def plan_memory(
     per_device = devices(cfg, roles, colocated)
     notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
     over = over_budget(per_device, device_bytes)
-    engine = engine_problems(roles)
+    engine = engine_problems(cfg, roles, device_bytes)
     advice = fit_advice(cfg, colocated and "policy GPU" in over) if over else []
-    advice += kv_advice(cfg) if engine else []
+    advice += kv_advice(cfg, roles, device_bytes) if engine else []
     return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
 
 
@@ -434,14 +434,44 @@ def over_budget(per_device: dict[str, int], device_bytes: float | None) -> dict[
     }
 
 
-def engine_problems(roles: list[RoleMemory]) -> list[str]:
-    """A vLLM engine whose KV budget cannot hold one full-length sequence: it could not serve a single request."""
-    return [f"the vLLM engine's KV budget ({r.kv_cache / GIB:.3f} GiB) holds no full-length sequence" for r in roles if r.kv_sequences == 0]
+def weights_over_share(cfg: Any, engine: RoleMemory, device_bytes: float | None) -> float:
+    """Bytes by which a vLLM engine's weights exceed its share of a GPU (``gpu_memory_utilization x device``): no KV
+    budget is left at all (0: they fit, or not on a GPU cluster, where the budget is ``kv_cache_space_gib``)."""
+    if not cfg.cluster.gpus_per_node or device_bytes is None:
+        return 0.0
+    return max(0.0, engine.params - cfg.policy.generation.vllm_cfg.gpu_memory_utilization * device_bytes)
 
 
-def kv_advice(cfg: Any) -> list[str]:
-    """What to change when the vLLM engine's KV budget holds no full-length sequence."""
+def engine_problems(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> list[str]:
+    """A vLLM engine whose KV budget cannot hold one full-length sequence: it could not serve a single request (its
+    weights alone over its share of the GPU, by how much, when that is why)."""
+    out = []
+    for r in roles:
+        if r.kv_sequences != 0:
+            continue
+        short = weights_over_share(cfg, r, device_bytes)
+        if short:
+            share = cfg.policy.generation.vllm_cfg.gpu_memory_utilization
+            out.append(
+                f"the vLLM engine's weights ({r.params / GIB:.3f} GiB) exceed policy.generation.vllm_cfg.gpu_memory_utilization "
+                f"x device = {share * device_bytes / GIB:.3f} GiB (short {short / GIB:.3f} GiB)"
+            )
+        else:
+            out.append(f"the vLLM engine's KV budget ({r.kv_cache / GIB:.3f} GiB) holds no full-length sequence")
+    return out
+
+
+def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> list[str]:
+    """What to change when the vLLM engine's KV budget holds no full-length sequence; when its weights alone exceed
+    its share of the GPU a shorter sequence cannot help: only a larger share or device."""
     pc, vllm = cfg.policy, cfg.policy.generation.vllm_cfg
+    engine = next(r for r in roles if r.kv_sequences == 0)
+    if weights_over_share(cfg, engine, device_bytes):
+        needed = engine.params / device_bytes
+        return [
+            f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g}) above {needed:.3g} "
+            "(the weights' share of the device) or use a device with more memory"
+        ]
     budget = (
         f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g})"
         if cfg.cluster.gpus_per_node

@@ -147,6 +147,18 @@ def test_a_vllm_engine_whose_kv_budget_holds_no_full_length_sequence_does_not_fi
     assert plan_memory(roomy, with_vllm(roomy), params, shape, device_bytes=80 * GIB).fits is True
 
 
+def test_a_vllm_share_smaller_than_the_weights_says_by_how_much_and_advises_no_shorter_sequence() -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    # 0.00004 x 80 GiB = 3,435,974 bytes, under the float32 weights' 4,124,672: short 688,698 bytes (0.001 GiB)
+    share = "policy.generation.vllm_cfg.gpu_memory_utilization=0.00004"
+    cfg = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", share)
+    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=80 * GIB)
+    fit = memory.lines()[-1]
+    assert memory.fits is False and "max_total_sequence_length" not in fit
+    assert "the vLLM engine's weights (0.004 GiB) exceed policy.generation.vllm_cfg.gpu_memory_utilization x device = 0.003 GiB" in fit
+    assert "(short 0.001 GiB)" in fit and "above 4.8e-05" in fit and "a device with more memory" in fit
+
+
 @pytest.mark.parametrize("offload", [True, False])
 def test_a_colocated_gpu_holds_the_larger_of_training_and_what_the_policy_keeps_while_the_engine_generates(offload: bool) -> None:
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
