@@ -22,6 +22,10 @@ What is exact and what is estimated:
   the compute dtype. The decoder layers are unsharded one at a time and resharded after use; at the step's peak (the
   output head's backward) none is. Counted with the activations (``unsharded root`` in the line).
   ``python benchmarks/plan_memory.py`` compares both with measured training steps on a CPU, at dp 1 and dp 2.
+* **inline sampling** (the inline backend: the one policy worker samples): the KV cache of
+  ``min(rollout batch, INLINE_GENERATION_BATCH)`` full-length sequences in the parameters' dtype plus their next
+  token's float32 logits, held beside the parameters, gradients and AdamW state; the worker's activations are the
+  larger of that and the training / logprob passes' (:func:`with_inline_sampling`).
 * **KV cache** of a generation engine: ``2 x layers x kv_heads x head_dim x bytes`` per token at ``policy.precision``
   (the engines load the model at that dtype); vLLM's budget is ``gpu_memory_utilization x device`` minus the weights
   (GPU), or ``kv_cache_space_gib`` (CPU); the HF engine holds the sequences it samples at once.
@@ -37,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE
+from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE_GENERATION_BATCH
 
 if TYPE_CHECKING:
     from nemo_like.plan.logprob_passes import LogprobPlan
@@ -287,6 +291,22 @@ def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec],
     )
 
 
+def with_inline_sampling(cfg: Any, policy: RoleMemory, params: list[ParameterSpec], shape: ModelShape) -> RoleMemory:
+    """The one policy worker of the inline backend, which also samples: holding its parameters, gradients (kept
+    between steps) and AdamW state, it samples up to :data:`~nemo_like.plan.backend.INLINE_GENERATION_BATCH` sequences
+    at once (a rollout batch at most), with their KV cache in the parameters' dtype (the lean decoder allocates it like
+    the model's first parameter) and the float32 logits of their next token. Its activation-time peak is the larger of
+    that and the training / logprob passes' activations."""
+    batch = min(cfg.rollout_batch_size, INLINE_GENERATION_BATCH)
+    kv = batch * shape.kv_bytes_per_token(params[0].bytes_per_element) * cfg.policy.max_total_sequence_length
+    logits = batch * shape.vocab * 4
+    note = (
+        f"activations: the larger of training {policy.activations / GIB:.3f} and inline sampling {(kv + logits) / GIB:.3f} "
+        f"(kv cache of {batch} sequences {kv / GIB:.3f} + logits {logits / GIB:.3f})"
+    )
+    return replace(policy, activations=max(policy.activations, kv + logits), note=f"{policy.note}; {note}" if policy.note else note)
+
+
 def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape, device_bytes: float | None) -> RoleMemory:
     """The generation engine's worker: nothing of its own for ``inline`` (the policy samples), the HF engine's weights
     and the KV cache of the sequences it samples at once (a rollout batch, in batches of at most
@@ -367,6 +387,8 @@ def plan_memory(
     roles = [policy_memory(cfg, params, shape)]
     if cfg.distillation.kl_weight > 0 and teacher is not None:
         roles[0] = with_teacher_copy(cfg, roles[0], *teacher)
+    if run_plan.backend.value == "inline":
+        roles[0] = with_inline_sampling(cfg, roles[0], params, shape)
     if run_plan.logprobs.load_reference_model:
         roles.append(policy_memory(cfg, params, shape, "reference"))
     if run_plan.logprobs.compute_teacher and teacher is not None:

@@ -113,6 +113,23 @@ def test_the_plan_lists_each_role_and_advises_when_a_gpu_is_too_small() -> None:
     assert tight.fits is False and any("activation_checkpointing" in line for line in tight.lines())
 
 
+def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples_at_once() -> None:
+    # 64 prompts x 8 = 512 sequences of 1024 tokens, sampled 256 at a time; the tiny model's float32 KV is
+    # 2 x 4 layers x 2 KV heads x 32 x 4 bytes = 2048 bytes a token: 256 x 2048 x 1024 = 512 MiB, + logits 256 x 359 x 4
+    long = ["grpo.num_prompts_per_step=64", "policy.max_total_sequence_length=1024", "policy.generation.max_new_tokens=960"]
+    small = ["policy.train_micro_batch_size=1", "policy.logprob_batch_size=1", "policy.dtensor_cfg.activation_checkpointing=true"]
+    cfg = recipe(*long, *small, "policy.logprob_chunk_size=256")
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    run_plan = decide_run_plan(cfg, (), 2)
+    assert run_plan.backend.value == "inline"
+    policy = plan_memory(cfg, run_plan, params, shape).roles[0]
+    training = policy_memory(cfg, params, shape)
+    sampling = 256 * 2048 * 1024 + 256 * 359 * 4
+    assert sampling > training.activations and policy.activations == sampling
+    assert policy.total == training.total - training.activations + sampling
+    assert "inline sampling 0.500 (kv cache of 256 sequences 0.500 + logits 0.000)" in policy.line()
+
+
 def with_vllm(cfg):
     """The run plan of ``cfg`` with a vLLM engine (whether or not vllm is installed here)."""
     run_plan = decide_run_plan(cfg, (), 2)
