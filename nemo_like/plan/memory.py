@@ -379,20 +379,22 @@ def plan_memory(
     params: list[ParameterSpec],
     shape: ModelShape,
     device_bytes: float | None = None,
-    teacher: tuple[list[ParameterSpec], ModelShape] | None = None,
+    teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]] | None = None,
     step: StepEstimate | None = None,
 ) -> MemoryPlan:
     """Every role of the run ``run_plan`` describes, what each device (GPU) or node (CPU) holds, and whether it fits
-    ``device_bytes``; ``teacher``: the teacher's parameters and shape when the run distils."""
+    ``device_bytes``; ``teachers``: each teacher model's parameters and shape (by name, every one of
+    ``teacher.models()``) when the run distils."""
+    teachers = teachers or {}
     roles = [policy_memory(cfg, params, shape)]
-    if cfg.distillation.kl_weight > 0 and teacher is not None:
-        roles[0] = with_teacher_copy(cfg, roles[0], *teacher)
+    if cfg.distillation.kl_weight > 0 and teachers:  # the KL term's copy: teacher.model_name, first of the models
+        roles[0] = with_teacher_copy(cfg, roles[0], *teachers[cfg.teacher.models()[0]])
     if run_plan.backend.value == "inline":
         roles[0] = with_inline_sampling(cfg, roles[0], params, shape)
     if run_plan.logprobs.load_reference_model:
         roles.append(policy_memory(cfg, params, shape, "reference"))
-    if run_plan.logprobs.compute_teacher and teacher is not None:
-        roles.append(policy_memory(cfg, teacher[0], teacher[1], "teacher"))
+    if run_plan.logprobs.compute_teacher and teachers:
+        roles += [policy_memory(cfg, *teachers[name], role) for name, role in teacher_roles(cfg).items()]
     parameters = sum(math.prod(p.shape) for p in params)
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes))
     colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
@@ -403,6 +405,13 @@ def plan_memory(
     advice = fit_advice(cfg, colocated and "policy GPU" in over) if over else []
     advice += kv_advice(cfg, roles, device_bytes) if engine else []
     return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
+
+
+def teacher_roles(cfg: Any) -> dict[str, str]:
+    """The planned role of each teacher model (``teacher.models()`` order): the run starts one group of frozen workers
+    per model (``algorithms.roles.role_requests``); ``teacher`` when there is one, ``teacher:<model>`` each otherwise."""
+    models = cfg.teacher.models()
+    return {name: "teacher" if len(models) == 1 else f"teacher:{name}" for name in models}
 
 
 def kept_while_generating(cfg: Any, policy: RoleMemory) -> int:

@@ -264,6 +264,43 @@ def test_the_plan_command_costs_a_teacher_with_its_own_config(tmp_path) -> None:
     assert f"teacher logprobs {seconds:.2f}s on 1 device" in lines[-1]
 
 
+def test_by_task_teachers_are_each_planned_as_the_run_starts_them(tmp_path) -> None:
+    import json
+
+    from nemo_like.algorithms.roles import role_requests
+    from nemo_like.models.footprint import memory_report
+    from nemo_like.models.loading import resolve_model_path
+
+    student = json.loads((Path(resolve_model_path(EMBEDDED_MODEL)) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**student, "intermediate_size": 8 * student["intermediate_size"]}))
+    cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", f"+teacher.by_task.math={tmp_path}")
+    run_plan = decide_run_plan(cfg, (), 2)
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    small, big = model_footprint("embedded:tiny-arith-teacher", "float32"), model_footprint(str(tmp_path), "float32")
+    memory = plan_memory(cfg, run_plan, params, shape, None, {"embedded:tiny-arith-teacher": small, str(tmp_path): big})
+    planned = [r for r in memory.roles if r.role.startswith("teacher")]
+    started = [r for r in role_requests(cfg, run_plan) if r.role == "teacher"]
+    assert [r.workers for r in planned] == [r.count for r in started] == [1, 1]
+    assert [r.role for r in planned] == ["teacher:embedded:tiny-arith-teacher", f"teacher:{tmp_path}"]
+    assert planned[1].params > planned[0].params  # each at its own size
+    lines, _ = memory_report(cfg, run_plan, None, None, 0.4)
+    assert sum(line.startswith("memory teacher:") for line in lines) == 2
+
+
+def test_a_teacher_not_on_this_machine_is_named_by_its_key_and_planned_with_teacher_config(capsys) -> None:
+    from nemo_like.cli import main
+
+    teacher, config = "Qwen/Qwen2.5-7B-Instruct", "examples/cluster/model_configs/Qwen2.5-0.5B-Instruct.json"
+    assert main(["plan", f"teacher.model_name={teacher}"]) == 2
+    err = capsys.readouterr().err
+    assert f"teacher.model_name={teacher!r}: its config.json is not on this machine" in err
+    assert f"pass --teacher-config {teacher}=PATH" in err and "policy.model_name" not in err
+    assert main(["plan", f"+teacher.by_task.math={teacher}"]) == 2
+    assert f"teacher.by_task.math={teacher!r}" in capsys.readouterr().err
+    assert main(["plan", "--teacher-config", f"{teacher}={config}", f"teacher.model_name={teacher}"]) == 0
+    assert "[plan] memory teacher x1:" in capsys.readouterr().out
+
+
 def test_the_plan_commands_training_time_falls_with_more_policy_ranks() -> None:
     import re
 
