@@ -63,11 +63,16 @@ def model_footprint(
 
             model = apply_lora(model, lora_cfg)
     base_bytes = DTYPE_BYTES[precision] if lora else 4
-    in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    layer_of = {id(p): i for i, layer in enumerate(decoder_layers(model)) for p in layer.parameters()}
     tp_dims = tensor_parallel_dims(model)
     specs = [
         ParameterSpec(
-            tuple(p.shape), p.requires_grad, 4 if p.requires_grad else base_bytes, root=id(p) not in in_layers, tp_dim=tp_dims.get(id(p))
+            tuple(p.shape),
+            p.requires_grad,
+            4 if p.requires_grad else base_bytes,
+            root=id(p) not in layer_of,
+            tp_dim=tp_dims.get(id(p)),
+            layer=layer_of.get(id(p)),
         )
         for p in model.parameters()
     ]

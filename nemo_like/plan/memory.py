@@ -26,6 +26,9 @@ What is exact and what is estimated:
   ``min(rollout batch, INLINE_GENERATION_BATCH)`` full-length sequences in the parameters' dtype plus their next
   token's float32 logits, held beside the parameters, gradients and AdamW state; the worker's activations are the
   larger of that and the training / logprob passes' (:func:`with_inline_sampling`).
+* **CPU offload** (``policy.dtensor_cfg.cpu_offload`` where it runs: ``MasterConfig.offloads_to_cpu``): parameters,
+  gradients and AdamW state in host RAM; the device holds the activations, the unsharded root and the largest
+  decoder layer, unsharded while it computes.
 * **KV cache** of a generation engine: ``2 x layers x kv_heads x head_dim x bytes`` per token at ``policy.precision``
   (the engines load the model at that dtype); vLLM's budget is ``gpu_memory_utilization x device`` minus the weights
   (GPU), or ``kv_cache_space_gib`` (CPU); the HF engine holds the sequences it samples at once.
@@ -59,6 +62,7 @@ class ParameterSpec:
     bytes_per_element: int
     root: bool = False  # outside the decoder layers (embeddings, final norm, output head): FSDP2's root unit
     tp_dim: int | None = None  # the dim tensor parallelism splits (a projection's); None: whole on every tp rank
+    layer: int | None = None  # the decoder layer it belongs to (None: the root unit's)
 
     def tp_shape(self, tp: int) -> tuple[int, ...]:
         """Its shape on tp rank 0: ``ceil(dim / tp)`` along :attr:`tp_dim` (the whole shape when not split)."""
@@ -131,21 +135,34 @@ class RoleMemory:
     note: str = ""
     unsharded_root: int = 0  # FSDP2 (dp > 1): the root unit's full parameters, held through the forward and backward
     kv_sequences: int | None = None  # vLLM: full-length sequences its KV budget holds (None: not known)
+    offloaded: bool = False  # FSDP2's CPU offload: params, grads and AdamW state in host RAM, not on the device
+    unsharded_layer: int = 0  # with CPU offload: the largest decoder layer, unsharded on the GPU while it computes
+
+    @property
+    def held(self) -> int:
+        """Parameters, gradients and AdamW state: on the device, or in host RAM when :attr:`offloaded`."""
+        return self.params + self.grads + self.optimizer
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.unsharded_root + self.kv_cache
+        """What the worker's device holds at its peak."""
+        on_device = self.activations + self.unsharded_root + self.unsharded_layer + self.kv_cache
+        return on_device if self.offloaded else on_device + self.held
 
     def line(self) -> str:
         """One ``[plan]`` line."""
-        parts = [f"{k} {v / GIB:.3f}" for k, v in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer))]
-        parts += [f"activations ~{self.activations / GIB:.3f}"]
+        held = [f"{k} {v / GIB:.3f}" for k, v in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer))]
+        parts = ([] if self.offloaded else held) + [f"activations ~{self.activations / GIB:.3f}"]
         if self.unsharded_root:
             parts.append(f"unsharded root {self.unsharded_root / GIB:.3f}")
+        if self.unsharded_layer:
+            parts.append(f"largest layer unsharded {self.unsharded_layer / GIB:.3f}")
         if self.kv_cache:
             parts.append(f"kv cache {self.kv_cache / GIB:.3f}")
+        host = f"; host RAM (cpu_offload): {self.held / GIB:.3f} GiB = " + " + ".join(held) if self.offloaded else ""
         note = f" ({self.note})" if self.note else ""
-        return f"memory {self.role} x{self.workers}: {self.total / GIB:.3f} GiB per worker = " + " + ".join(parts) + f" GiB{note}"
+        where = "per worker on its device" if self.offloaded else "per worker"
+        return f"memory {self.role} x{self.workers}: {self.total / GIB:.3f} GiB {where} = " + " + ".join(parts) + f" GiB{host}{note}"
 
 
 def _devices(count: int) -> str:
@@ -249,20 +266,35 @@ def unsharded_root_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
     return sum(math.prod(p.shape) for p in params if p.root) * DTYPE_BYTES[cfg.policy.precision]
 
 
+def largest_layer_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
+    """The largest decoder layer's parameters as FSDP2 unshards them on a rank while the layer computes: its
+    tensor-parallel piece at full size, at the compute dtype."""
+    tp = cfg.policy.dtensor_cfg.tensor_parallel_size
+    layers: dict[int, int] = {}
+    for p in params:
+        if p.layer is not None:
+            layers[p.layer] = layers.get(p.layer, 0) + math.prod(p.tp_shape(tp))
+    return max(layers.values(), default=0) * DTYPE_BYTES[cfg.policy.precision]
+
+
 def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role: str = "policy") -> RoleMemory:
-    """One rank of the trainable policy (``role="policy"``) or of a frozen copy (``"reference"``, ``"teacher"``)."""
+    """One rank of the trainable policy (``role="policy"``) or of a frozen copy (``"reference"``, ``"teacher"``).
+    With FSDP2's CPU offload (:meth:`~nemo_like.config.schema.MasterConfig.offloads_to_cpu`) its parameters,
+    gradients and AdamW state are in host RAM and the device holds the activations, the unsharded root and the
+    largest decoder layer, unsharded while it computes."""
     pc = cfg.policy
     dp, tp = pc.dp_size, pc.dtensor_cfg.tensor_parallel_size
     value_bytes = DTYPE_BYTES[pc.precision]
     root = unsharded_root_bytes(cfg, params)
+    offload = {"offloaded": True, "unsharded_layer": largest_layer_bytes(cfg, params)} if cfg.offloads_to_cpu() else {}
     if role != "policy":  # frozen copies load float32 weights whatever the precision
         held = frozen_copy_bytes(cfg, params)
         activations = _logprob_activations(cfg, shape, value_bytes)
-        return RoleMemory(role, dp * tp, params=held, activations=activations, unsharded_root=root, note="logprobs only")
+        return RoleMemory(role, dp * tp, params=held, activations=activations, unsharded_root=root, note="logprobs only", **offload)
     held = sum(p.shard_bytes(dp, tp) for p in params)
     grads = sum(p.as_held(True, 4).shard_bytes(dp, tp) for p in params if p.trainable)
     activations = max(_training_activations(cfg, shape, value_bytes), _logprob_activations(cfg, shape, value_bytes))
-    return RoleMemory(role, dp * tp, params=held, grads=grads, optimizer=2 * grads, activations=activations, unsharded_root=root)
+    return RoleMemory(role, dp * tp, params=held, grads=grads, optimizer=2 * grads, activations=activations, unsharded_root=root, **offload)
 
 
 def frozen_copy_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
@@ -402,7 +434,7 @@ def plan_memory(
     notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
     over = over_budget(per_device, device_bytes)
     engine = engine_problems(cfg, roles, device_bytes)
-    advice = fit_advice(cfg, colocated and "policy GPU" in over) if over else []
+    advice = fit_advice(cfg, colocated and "policy GPU" in over, "policy GPU" in over) if over else []
     advice += kv_advice(cfg, roles, device_bytes) if engine else []
     return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
 
@@ -418,6 +450,8 @@ def kept_while_generating(cfg: Any, policy: RoleMemory) -> int:
     """What a policy rank keeps on its GPU while a colocated engine generates: before the engine wakes it frees its
     gradients and activations and, with ``policy.generation.colocated.offload_optimizer``, moves its AdamW state to
     CPU memory (``TrainingStep.release_memory``): its parameters (and the optimizer state when kept)."""
+    if policy.offloaded:  # FSDP2's CPU offload: nothing of the policy's stays on the GPU
+        return 0
     kept_optimizer = 0 if cfg.policy.generation.colocated.offload_optimizer else policy.optimizer
     return policy.params + kept_optimizer
 
@@ -511,9 +545,9 @@ def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> 
     return [f"{budget} or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"]
 
 
-def fit_advice(cfg: Any, colocated_over: bool = False) -> list[str]:
+def fit_advice(cfg: Any, colocated_over: bool = False, policy_gpu_over: bool = False) -> list[str]:
     """What to change when a device is over its memory, the cheapest first; ``colocated_over``: the GPU a colocated
-    vLLM engine shares is among them."""
+    vLLM engine shares is among them; ``policy_gpu_over``: a policy GPU is."""
     pc = cfg.policy
     advice = []
     if colocated_over:
@@ -524,6 +558,11 @@ def fit_advice(cfg: Any, colocated_over: bool = False) -> list[str]:
         )
         if not colocated.offload_optimizer:
             advice.append("set policy.generation.colocated.offload_optimizer=true so AdamW state leaves the GPU while the engine generates")
+    if policy_gpu_over and cfg.cluster.gpus_per_node and not pc.dtensor_cfg.cpu_offload:
+        advice.append(
+            "set policy.dtensor_cfg.cpu_offload=true (with more than one policy worker) to keep parameters, gradients and "
+            "AdamW state in host RAM"
+        )
     if not pc.dtensor_cfg.activation_checkpointing:
         advice.append("set policy.dtensor_cfg.activation_checkpointing=true")
     if not pc.logprob_chunk_size:

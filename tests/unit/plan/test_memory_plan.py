@@ -130,6 +130,31 @@ def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples
     assert "inline sampling 0.500 (kv cache of 256 sequences 0.500 + logits 0.000)" in policy.line()
 
 
+def test_cpu_offload_keeps_params_grads_and_adamw_state_in_host_ram_and_turns_a_refusal_into_a_fit() -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    base = [
+        "cluster.gpus_per_node=2",
+        "policy.dp_size=2",
+        "policy.generation.backend=hf",
+        "policy.logprob_batch_size=1",
+        "grpo.num_prompts_per_step=1",
+    ]
+    small = ["policy.train_micro_batch_size=1", "policy.dtensor_cfg.activation_checkpointing=true"]
+    cfg, offload = recipe(*base, *small), recipe(*base, *small, "policy.dtensor_cfg.cpu_offload=true")
+    on_gpu = plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape, device_bytes=8 * 1024**2)
+    assert on_gpu.fits is False and "set policy.dtensor_cfg.cpu_offload=true" in on_gpu.lines()[-1]
+    offloaded = plan_memory(offload, decide_run_plan(offload, (), 2), params, shape, device_bytes=8 * 1024**2)
+    policy = offloaded.roles[0]
+    # one decoder layer of the tiny model, float32: q 128x128 + 128, k and v 64x128 + 64, o 128x128, gate/up/down
+    # 512x128, 2 norms of 128 = 246,272 values
+    assert policy.offloaded and policy.unsharded_layer == 246_272 * 4
+    assert policy.total == policy.activations + policy.unsharded_root + policy.unsharded_layer
+    assert "host RAM (cpu_offload)" in policy.line() and offloaded.fits is True
+    # one policy worker shards nothing: FSDP2's offload never runs, and neither does the plan's
+    one = recipe("cluster.gpus_per_node=1", "policy.generation.backend=hf", "policy.dtensor_cfg.cpu_offload=true")
+    assert not policy_memory(one, params, shape).offloaded
+
+
 def with_vllm(cfg):
     """The run plan of ``cfg`` with a vLLM engine (whether or not vllm is installed here)."""
     run_plan = decide_run_plan(cfg, (), 2)
