@@ -203,6 +203,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="Peak dense TFLOP/s of one device: estimate the step time.")
     parser.add_argument("--mfu", type=float, default=0.4, help="Model FLOPs utilisation assumed for the step time (default 0.4).")
     parser.add_argument("--model-config", default=None, help="The model's config.json when the model is not on this machine.")
+    parser.add_argument(
+        "--teacher-config",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="A teacher model's config.json when that model is not on this machine (NAME as in teacher.model_name or "
+        "teacher.by_task); repeat for each.",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, as for train")
 
 
@@ -216,9 +224,15 @@ def run_plan(args: argparse.Namespace) -> int:
         if value is not None and (value <= low_open or (high is not None and value > high)):
             expected = f"in (0, {high:g}]" if high is not None else "above 0"
             raise ConfigError(f"{flag} must be {expected}, got {value:g}")
+    teacher_configs = {}
+    for item in args.teacher_config:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--teacher-config {item}: expected NAME=PATH (a teacher model and its config.json)")
+        teacher_configs[name] = path
     cfg = load_config(args.config, args.overrides)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
-    lines, fits = memory_report(cfg, plan_on_cluster(cfg), args.device_memory_gib, peak, args.mfu, args.model_config)
+    lines, fits = memory_report(cfg, plan_on_cluster(cfg), args.device_memory_gib, peak, args.mfu, args.model_config, teacher_configs)
     for line in lines:
         print(f"[plan] {line}")
     return 3 if fits is False else 0

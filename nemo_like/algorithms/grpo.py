@@ -574,7 +574,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     for line in [*parts.plan.lines(), *planned_memory_lines(cfg, parts.plan)]:  # the lines `nemo-like plan` prints
         logger.progress.message(f"[plan] {line}")
     teachers = cfg.teacher.models() if parts.plan.logprobs.compute_teacher or cfg.distillation.kl_weight > 0 else []
-    flops = flops_spec(cfg, resolve_model_path(cfg.policy.model_name), parts.plan, [resolve_model_path(m) for m in teachers])
+    lora = parts.policy.trainable_params if cfg.policy.lora_cfg.enabled else None  # the adapters: LoRA trains only them
+    flops = flops_spec(cfg, resolve_model_path(cfg.policy.model_name), parts.plan, [resolve_model_path(m) for m in teachers], lora)
     logger.progress.message(f"[plan] {flops.describe()}")
     manager = checkpoint_manager(parts)
     last_step = restore_run(parts, resume_from) if resume_from is not None else 0

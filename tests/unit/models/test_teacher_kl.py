@@ -202,13 +202,13 @@ def test_the_memory_planner_counts_the_teacher_copy_a_real_policy_worker_holds()
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
     teacher = model_footprint(TEACHER, "float32")
     run_plan = decide_run_plan(cfg, (), 2)
-    with_term = plan_memory(cfg, run_plan, params, shape, teacher=teacher).roles[0]
+    with_term = plan_memory(cfg, run_plan, params, shape, teachers={TEACHER: teacher}).roles[0]
     without = plan_memory(
         cfg.model_copy(update={"distillation": cfg.distillation.model_copy(update={"kl_weight": 0.0})}),
         run_plan,
         params,
         shape,
-        teacher=teacher,
+        teachers={TEACHER: teacher},
     ).roles[0]
     worker = kl_worker(TEACHER, KLTerm(), None)
     held = sum(p.numel() * p.element_size() for p in worker.teacher_model.parameters())

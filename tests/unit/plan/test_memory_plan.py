@@ -113,6 +113,48 @@ def test_the_plan_lists_each_role_and_advises_when_a_gpu_is_too_small() -> None:
     assert tight.fits is False and any("activation_checkpointing" in line for line in tight.lines())
 
 
+def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples_at_once() -> None:
+    # 64 prompts x 8 = 512 sequences of 1024 tokens, sampled 256 at a time; the tiny model's float32 KV is
+    # 2 x 4 layers x 2 KV heads x 32 x 4 bytes = 2048 bytes a token: 256 x 2048 x 1024 = 512 MiB, + logits 256 x 359 x 4
+    long = ["grpo.num_prompts_per_step=64", "policy.max_total_sequence_length=1024", "policy.generation.max_new_tokens=960"]
+    small = ["policy.train_micro_batch_size=1", "policy.logprob_batch_size=1", "policy.dtensor_cfg.activation_checkpointing=true"]
+    cfg = recipe(*long, *small, "policy.logprob_chunk_size=256")
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    run_plan = decide_run_plan(cfg, (), 2)
+    assert run_plan.backend.value == "inline"
+    policy = plan_memory(cfg, run_plan, params, shape).roles[0]
+    training = policy_memory(cfg, params, shape)
+    sampling = 256 * 2048 * 1024 + 256 * 359 * 4
+    assert sampling > training.activations and policy.activations == sampling
+    assert policy.total == training.total - training.activations + sampling
+    assert "inline sampling 0.500 (kv cache of 256 sequences 0.500 + logits 0.000)" in policy.line()
+
+
+def test_cpu_offload_keeps_params_grads_and_adamw_state_in_host_ram_and_turns_a_refusal_into_a_fit() -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    base = [
+        "cluster.gpus_per_node=2",
+        "policy.dp_size=2",
+        "policy.generation.backend=hf",
+        "policy.logprob_batch_size=1",
+        "grpo.num_prompts_per_step=1",
+    ]
+    small = ["policy.train_micro_batch_size=1", "policy.dtensor_cfg.activation_checkpointing=true"]
+    cfg, offload = recipe(*base, *small), recipe(*base, *small, "policy.dtensor_cfg.cpu_offload=true")
+    on_gpu = plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape, device_bytes=8 * 1024**2)
+    assert on_gpu.fits is False and "set policy.dtensor_cfg.cpu_offload=true" in on_gpu.lines()[-1]
+    offloaded = plan_memory(offload, decide_run_plan(offload, (), 2), params, shape, device_bytes=8 * 1024**2)
+    policy = offloaded.roles[0]
+    # one decoder layer of the tiny model, float32: q 128x128 + 128, k and v 64x128 + 64, o 128x128, gate/up/down
+    # 512x128, 2 norms of 128 = 246,272 values
+    assert policy.offloaded and policy.unsharded_layer == 246_272 * 4
+    assert policy.total == policy.activations + policy.unsharded_root + policy.unsharded_layer
+    assert "host RAM (cpu_offload)" in policy.line() and offloaded.fits is True
+    # one policy worker shards nothing: FSDP2's offload never runs, and neither does the plan's
+    one = recipe("cluster.gpus_per_node=1", "policy.generation.backend=hf", "policy.dtensor_cfg.cpu_offload=true")
+    assert not policy_memory(one, params, shape).offloaded
+
+
 def with_vllm(cfg):
     """The run plan of ``cfg`` with a vLLM engine (whether or not vllm is installed here)."""
     run_plan = decide_run_plan(cfg, (), 2)
@@ -145,6 +187,18 @@ def test_a_vllm_engine_whose_kv_budget_holds_no_full_length_sequence_does_not_fi
     )
     roomy = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
     assert plan_memory(roomy, with_vllm(roomy), params, shape, device_bytes=80 * GIB).fits is True
+
+
+def test_a_vllm_share_smaller_than_the_weights_says_by_how_much_and_advises_no_shorter_sequence() -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    # 0.00004 x 80 GiB = 3,435,974 bytes, under the float32 weights' 4,124,672: short 688,698 bytes (0.001 GiB)
+    share = "policy.generation.vllm_cfg.gpu_memory_utilization=0.00004"
+    cfg = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", share)
+    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=80 * GIB)
+    fit = memory.lines()[-1]
+    assert memory.fits is False and "max_total_sequence_length" not in fit
+    assert "the vLLM engine's weights (0.004 GiB) exceed policy.generation.vllm_cfg.gpu_memory_utilization x device = 0.003 GiB" in fit
+    assert "(short 0.001 GiB)" in fit and "above 4.8e-05" in fit and "a device with more memory" in fit
 
 
 @pytest.mark.parametrize("offload", [True, False])
@@ -190,7 +244,7 @@ def test_gpu_engines_hold_weights_and_kv_at_the_policys_precision_and_hf_only_it
 def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> None:
     cfg = recipe("grpo.skip_prev_logprobs=false")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
-    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
+    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5, trained_token_flops=6000.0)
     scored = 2000.0 * tokens
     assert step.flops == {"generation": scored, "prev logprobs": scored, "reference logprobs": scored, "training": 6000.0 * tokens}
     assert step.seconds == pytest.approx(12000.0 * tokens / 5e8)  # one policy rank, one reference rank, one engine
@@ -200,7 +254,7 @@ def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> 
 def test_step_estimate_spreads_each_phase_over_the_ranks_or_engines_that_run_it(dp: int, tp: int) -> None:
     cfg = recipe("grpo.skip_prev_logprobs=false", f"policy.dp_size={dp}", f"policy.dtensor_cfg.tensor_parallel_size={tp}")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
-    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5)
+    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5, trained_token_flops=6000.0)
     assert step.devices == {"generation": 1, "prev logprobs": 4, "reference logprobs": 4, "training": 4}
     # the one engine generates every token; the policy and reference ranks split the passes and the training
     assert step.seconds == pytest.approx((2000.0 + (2000.0 + 2000.0 + 6000.0) / 4) * tokens / 5e8)
@@ -211,11 +265,11 @@ def test_teacher_passes_cost_each_teachers_own_parameters() -> None:
     cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", "+teacher.by_task.math=big", "+env.math.num_workers=1")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
     teachers = {"embedded:tiny-arith-teacher": 3000, "big": 7000}
-    step = step_estimate(cfg, decide_logprob_passes(cfg), 1000, 1e9, 0.5, teachers)
+    step = step_estimate(cfg, decide_logprob_passes(cfg), 1000, 1e9, 0.5, teachers, trained_token_flops=6000.0)
     # the teachers score disjoint rows at the same time: at most the largest one scoring every row
     assert step.flops["teacher logprobs"] == 2.0 * 7000 * tokens and step.devices["teacher logprobs"] == 1
     kl = recipe("teacher.model_name=embedded:tiny-arith-teacher", "distillation.kl_weight=0.5", "distillation.advantage_weight=0")
-    step = step_estimate(kl, decide_logprob_passes(kl), 1000, 1e9, 0.5, {"embedded:tiny-arith-teacher": 3000})
+    step = step_estimate(kl, decide_logprob_passes(kl), 1000, 1e9, 0.5, {"embedded:tiny-arith-teacher": 3000}, trained_token_flops=6000.0)
     assert "teacher logprobs" not in step.flops and step.flops["teacher copy (KL term)"] == 2.0 * 3000 * tokens
 
 
@@ -235,6 +289,43 @@ def test_the_plan_command_costs_a_teacher_with_its_own_config(tmp_path) -> None:
     assert f"teacher logprobs {seconds:.2f}s on 1 device" in lines[-1]
 
 
+def test_by_task_teachers_are_each_planned_as_the_run_starts_them(tmp_path) -> None:
+    import json
+
+    from nemo_like.algorithms.roles import role_requests
+    from nemo_like.models.footprint import memory_report
+    from nemo_like.models.loading import resolve_model_path
+
+    student = json.loads((Path(resolve_model_path(EMBEDDED_MODEL)) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**student, "intermediate_size": 8 * student["intermediate_size"]}))
+    cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", f"+teacher.by_task.math={tmp_path}")
+    run_plan = decide_run_plan(cfg, (), 2)
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    small, big = model_footprint("embedded:tiny-arith-teacher", "float32"), model_footprint(str(tmp_path), "float32")
+    memory = plan_memory(cfg, run_plan, params, shape, None, {"embedded:tiny-arith-teacher": small, str(tmp_path): big})
+    planned = [r for r in memory.roles if r.role.startswith("teacher")]
+    started = [r for r in role_requests(cfg, run_plan) if r.role == "teacher"]
+    assert [r.workers for r in planned] == [r.count for r in started] == [1, 1]
+    assert [r.role for r in planned] == ["teacher:embedded:tiny-arith-teacher", f"teacher:{tmp_path}"]
+    assert planned[1].params > planned[0].params  # each at its own size
+    lines, _ = memory_report(cfg, run_plan, None, None, 0.4)
+    assert sum(line.startswith("memory teacher:") for line in lines) == 2
+
+
+def test_a_teacher_not_on_this_machine_is_named_by_its_key_and_planned_with_teacher_config(capsys) -> None:
+    from nemo_like.cli import main
+
+    teacher, config = "Qwen/Qwen2.5-7B-Instruct", "examples/cluster/model_configs/Qwen2.5-0.5B-Instruct.json"
+    assert main(["plan", f"teacher.model_name={teacher}"]) == 2
+    err = capsys.readouterr().err
+    assert f"teacher.model_name={teacher!r}: its config.json is not on this machine" in err
+    assert f"pass --teacher-config {teacher}=PATH" in err and "policy.model_name" not in err
+    assert main(["plan", f"+teacher.by_task.math={teacher}"]) == 2
+    assert f"teacher.by_task.math={teacher!r}" in capsys.readouterr().err
+    assert main(["plan", "--teacher-config", f"{teacher}={config}", f"teacher.model_name={teacher}"]) == 0
+    assert "[plan] memory teacher x1:" in capsys.readouterr().out
+
+
 def test_the_plan_commands_training_time_falls_with_more_policy_ranks() -> None:
     import re
 
@@ -246,6 +337,18 @@ def test_the_plan_commands_training_time_falls_with_more_policy_ranks() -> None:
         return float(re.search(r"training ([0-9.]+)s", lines[-1]).group(1))
 
     assert training_seconds(1) > 10 and training_seconds(4) == pytest.approx(training_seconds(1) / 4, rel=0.01)
+
+
+def test_the_plan_commands_lora_training_is_charged_about_4n_per_token() -> None:
+    import re
+
+    from nemo_like.models.footprint import matmul_parameters, memory_report
+
+    cfg = recipe("policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=4", "policy.generation.backend=hf")
+    lines, _ = memory_report(cfg, decide_run_plan(cfg, (), 2), None, peak_flops=1e9, mfu=0.5)
+    seconds = float(re.search(r"training ([0-9.]+)s", lines[-1]).group(1))
+    four_n = 4.0 * matmul_parameters(EMBEDDED_MODEL) * cfg.rollout_batch_size * cfg.policy.max_total_sequence_length / 5e8
+    assert four_n < seconds < 1.2 * four_n  # the frozen base gets no weight gradients: not 6N
 
 
 def test_the_plan_command_prints_the_plan_checks_the_fit_and_names_a_missing_model_config(capsys) -> None:

@@ -66,6 +66,13 @@ def test_teacher_passes_count_each_teachers_scored_tokens_at_its_own_parameters(
     assert step_flops(step(), n=1000, kl_teacher=3000)["training"] == (6000 + 2 * 3000) * 100  # the KL term's teacher forward
 
 
+def test_lora_training_charges_no_weight_gradients_for_the_frozen_base():
+    # forward and input gradients 2 (N + N_lora) each, weight gradients 2 N_lora: 4 N + 6 N_lora per trained token
+    assert step_flops(step(), n=1000, lora_params=10)["training"] == (4000 + 60) * 100
+    spec = FlopsSpec(1000, 1e3, 1, 1, 1, 1, 1, lora_params=10)
+    assert flops_metrics(step(), spec)["performance/training_mfu"] == pytest.approx((4000 + 60) * 100 / 1e3)
+
+
 def gpu_spec(*overrides: str, backend: str = "hf") -> FlopsSpec:
     cfg = load_config(
         None, ["cluster.gpus_per_node=8", "cluster.peak_flops_per_device=1e15", "policy.dtensor_cfg.enabled=true", *overrides]
