@@ -298,7 +298,7 @@ def test_by_task_teachers_are_each_planned_as_the_run_starts_them(tmp_path) -> N
 
     student = json.loads((Path(resolve_model_path(EMBEDDED_MODEL)) / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**student, "intermediate_size": 8 * student["intermediate_size"]}))
-    cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", f"+teacher.by_task.math={tmp_path}")
+    cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", f"+teacher.by_task.math={tmp_path}", "+env.math.num_workers=1")
     run_plan = decide_run_plan(cfg, (), 2)
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
     small, big = model_footprint("embedded:tiny-arith-teacher", "float32"), model_footprint(str(tmp_path), "float32")
@@ -320,7 +320,7 @@ def test_a_teacher_not_on_this_machine_is_named_by_its_key_and_planned_with_teac
     err = capsys.readouterr().err
     assert f"teacher.model_name={teacher!r}: its config.json is not on this machine" in err
     assert f"pass --teacher-config {teacher}=PATH" in err and "policy.model_name" not in err
-    assert main(["plan", f"+teacher.by_task.math={teacher}"]) == 2
+    assert main(["plan", f"+teacher.by_task.math={teacher}", "+env.math.num_workers=1"]) == 2
     assert f"teacher.by_task.math={teacher!r}" in capsys.readouterr().err
     assert main(["plan", "--teacher-config", f"{teacher}={config}", f"teacher.model_name={teacher}"]) == 0
     assert "[plan] memory teacher x1:" in capsys.readouterr().out
