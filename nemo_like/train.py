@@ -106,11 +106,18 @@ def stop_signals_held(control: RunControl) -> Iterator[None]:
 
 def stop_message(cfg: MasterConfig, stop: RunInterrupted) -> str:
     """The lines a stopped run ends with: why, what was saved, the exit status and the exact command that resumes."""
-    saved = f"checkpoint {stop.checkpoint}" if stop.checkpoint else "no checkpoint (checkpointing.enabled=false)"
+    if stop.checkpoint:
+        saved = f"checkpoint {stop.checkpoint}"
+    elif cfg.checkpointing.enabled:  # e.g. a policy death after the signal, before the first save
+        saved = "no checkpoint written yet"
+    else:
+        saved = "no checkpoint (checkpointing.enabled=false)"
     line = f"[stop] stopped after step {stop.step} ({stop.reason.what}); {saved}; exit status {stop.reason.status}"
-    if not stop.checkpoint:
-        return line + "\n[stop] a rerun starts afresh: set checkpointing.enabled=true to make runs resumable"
-    return line + f"\n[stop] resume with: {resume_command(cfg)}"
+    if stop.checkpoint:
+        return line + f"\n[stop] resume with: {resume_command(cfg)}"
+    if cfg.checkpointing.enabled:
+        return line + "\n[stop] a rerun starts from step 0"
+    return line + "\n[stop] a rerun starts afresh: set checkpointing.enabled=true to make runs resumable"
 
 
 def resume_command(cfg: MasterConfig, argv: list[str] | None = None) -> str:
