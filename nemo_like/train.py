@@ -24,7 +24,7 @@ from nemo_like.distributed.watchdog import RunStalled, StallWatchdog
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.models.loading import check_model_source
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
-from nemo_like.utils.deadline import resolve_deadline
+from nemo_like.utils.deadline import resolve_run_deadline
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.preflight import ensure_writable_dir
 from nemo_like.utils.run_control import STOP_SIGNALS, RunControl, RunInterrupted, activate
@@ -45,7 +45,7 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
     start = time.perf_counter()
     check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed
     check_run_inputs(cfg)
-    deadline, source = resolve_deadline(cfg.checkpointing.save_before, time.time())
+    deadline, source = resolve_run_deadline(cfg.checkpointing, time.time())  # auto + Slurm + checkpointing off: a ConfigError
     control = RunControl(deadline)
     if deadline is not None:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(deadline))

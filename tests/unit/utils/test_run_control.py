@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nemo_like.config import ConfigError, load_config
-from nemo_like.utils.deadline import resolve_deadline
+from nemo_like.utils.deadline import resolve_deadline, resolve_run_deadline
 from nemo_like.utils.run_control import EXIT_DEADLINE, EXIT_SIGINT, EXIT_SIGTERM, RunControl, RunInterrupted, StopReason
 
 
@@ -70,6 +70,27 @@ def test_bad_save_before_names_the_key():
     for value in ("nan", "1e400", "garbage", "-5"):  # a traceback (or no deadline at all) before
         with pytest.raises(ConfigError, match=rf"\$SLURM_JOB_END_TIME='{value}' is not Unix seconds"):
             resolve_deadline("auto", 0.0, {"SLURM_JOB_END_TIME": value})
+
+
+def test_save_before_auto_with_a_slurm_deadline_and_checkpointing_off_is_refused_before_setup(tmp_path, monkeypatch):
+    """It was accepted: the run stopped with 75 having saved nothing, and a requeued job restarted from step 0 forever."""
+    from nemo_like import train as train_module
+
+    recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+    overrides = ["checkpointing.enabled=false", "checkpointing.save_before=auto", f"logger.log_dir={tmp_path / 'logs'}"]
+    off = load_config(recipe, [*overrides, f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"])  # harmless as a config
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 3600))
+    set_up = []
+    monkeypatch.setattr(train_module, "_train_locked", lambda *args: set_up.append(args) or [])
+    with pytest.raises(ConfigError, match=r"checkpointing.save_before=auto found a deadline .*checkpointing.enabled=false"):
+        train_module.train(off)
+    assert not set_up
+    slurm = {"SLURM_JOB_END_TIME": str(int(time.time()) + 3600)}
+    with pytest.raises(ConfigError, match=r"checkpointing.save_before=auto found a deadline .*checkpointing.enabled=false"):
+        resolve_run_deadline(off.checkpointing, time.time(), slurm)
+    assert resolve_run_deadline(off.checkpointing, time.time(), {}) == (None, resolve_deadline("auto", 0.0, {})[1])  # no scheduler
+    on = load_config(None, ["checkpointing.enabled=true", "checkpointing.save_before=auto"])
+    assert resolve_run_deadline(on.checkpointing, time.time(), slurm)[0] == float(slurm["SLURM_JOB_END_TIME"])
 
 
 def test_a_recipe_names_save_before_as_an_iso_time_unquoted(tmp_path):
