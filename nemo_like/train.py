@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -85,23 +85,32 @@ def check_run_inputs(cfg: MasterConfig) -> None:
 
 
 @contextmanager
-def stop_signals_held(control: RunControl) -> Iterator[None]:
-    """Hold SIGTERM and SIGINT while the cluster and the actors start, then handle what arrived.
+def stop_signals_held(control: RunControl) -> Iterator[Callable[[], None]]:
+    """Hold SIGTERM and SIGINT until Ray has started: until the yielded ``release`` is called (``setup_grpo`` calls it
+    right after ``ray.init``, before any model loads or actor starts) or the block ends; then handle what arrived.
 
     Processes inherit a blocked-signal mask across ``exec``: the private cluster's processes (GCS, raylet, agents, the
     workers it forks) then ignore a SIGTERM or Ctrl-C sent to the driver's whole process group (Slurm's ``srun``, a
     terminal), which would otherwise kill the GCS under the driver while it saves. ``ray.init`` also replaces SIGTERM's
     handler with Ray's (it prints the signal and aborts: status 134), so the run's handlers are installed again after
-    it, before a held signal is let through."""
-    main = threading.current_thread() is threading.main_thread()
-    if main:
+    it, before a held signal is let through. The mask is taken before setup's data and tokenizer work too, so that the
+    threads started there inherit it and none can take a signal while Ray's handler is installed. After the release a
+    second signal exits at once, also while models load or an actor's constructor hangs."""
+    held = threading.current_thread() is threading.main_thread()
+    if held:
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        if main:
+
+    def release() -> None:
+        nonlocal held
+        if held:
+            held = False
             control.install_signal_handlers()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+    try:
+        yield release
+    finally:
+        release()
 
 
 def stop_message(cfg: MasterConfig, stop: RunInterrupted) -> str:
@@ -199,8 +208,8 @@ def _train_attempt(
     logger.save_config(cfg.model_dump(mode="json"))
     logger.progress.message(f"[setup] logging to {logger.metrics_path}")
     try:
-        with stop_signals_held(control):  # Ray's processes started here inherit the mask: a signal to the group spares them
-            parts = setup_grpo(cfg)  # bad data fails here, before any actor starts
+        with stop_signals_held(control) as release:  # Ray's processes inherit the mask: a signal to the group spares them
+            parts = setup_grpo(cfg, ray_started=release)  # bad data fails here, before any actor starts
     except BaseException:
         logger.close()
         raise

@@ -134,6 +134,54 @@ def test_a_second_signal_exits_at_once_with_the_first_ones_status():
     assert status == EXIT_SIGINT and "SIGINT received during step 3" in err and "second SIGINT: exiting now" in err, err
 
 
+SLOW_SETUP = """
+import signal, sys, time
+from pathlib import Path
+from nemo_like import train
+from nemo_like.config import load_config
+from nemo_like.utils.logger import Logger
+from nemo_like.utils.run_control import STOP_SIGNALS, RunControl, activate
+cfg = load_config(Path(sys.argv[2]), [f"logger.log_dir={sys.argv[1]}", "logger.progress_bar=false", "logger.plot_at_end=false"])
+control = RunControl()
+activate(control)
+control.install_signal_handlers()
+
+def slow_setup(cfg, ray_started=None):
+    print(f"ray starting; signals held: {STOP_SIGNALS <= signal.pthread_sigmask(signal.SIG_BLOCK, [])}", flush=True)
+    if ray_started is not None:
+        ray_started()
+    print("models loading", flush=True)
+    time.sleep(30)  # loading models, starting actors: minutes on a cluster, forever under a hung constructor
+    sys.exit(3)
+
+train.setup_grpo = slow_setup
+train._train_attempt(cfg, time.perf_counter(), control, None, Logger(cfg.logger, cfg.grpo.max_num_steps, None), [])
+"""
+
+
+def test_a_second_signal_exits_at_once_while_models_load_and_ray_starts_with_them_held(tmp_path):
+    """The whole of setup ran with SIGTERM and SIGINT blocked: two Ctrl-C's there merged into one pending stop request,
+    and a slow or hung setup could not be interrupted but by SIGKILL."""
+    import subprocess
+    import sys
+
+    recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+    args = [sys.executable, "-c", SLOW_SETUP, str(tmp_path / "logs"), str(recipe)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ray starting; signals held: True"  # Ray's processes inherit the mask
+        assert proc.stdout.readline().strip() == "models loading"
+        proc.send_signal(signal.SIGINT)  # the first: a stop request (after the first step)
+        time.sleep(0.3)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)  # the second: exit now, setup or not
+        status = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert status == EXIT_SIGINT and "second SIGINT: exiting now" in err, err
+
+
 def _blocked_signals(native_id: int) -> set[int]:
     """The signals blocked in a thread of this process (Linux: /proc/self/task/<tid>/status, SigBlk)."""
     status = Path(f"/proc/self/task/{native_id}/status").read_text()
