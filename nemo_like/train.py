@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from nemo_like.distributed.watchdog import RunStalled, StallWatchdog
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.models.loading import check_model_source
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
-from nemo_like.utils.deadline import resolve_deadline
+from nemo_like.utils.deadline import resolve_run_deadline
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.preflight import ensure_writable_dir
 from nemo_like.utils.run_control import STOP_SIGNALS, RunControl, RunInterrupted, activate
@@ -45,7 +45,7 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
     start = time.perf_counter()
     check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed
     check_run_inputs(cfg)
-    deadline, source = resolve_deadline(cfg.checkpointing.save_before, time.time())
+    deadline, source = resolve_run_deadline(cfg.checkpointing, time.time())  # auto + Slurm + checkpointing off: a ConfigError
     control = RunControl(deadline)
     if deadline is not None:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(deadline))
@@ -85,32 +85,48 @@ def check_run_inputs(cfg: MasterConfig) -> None:
 
 
 @contextmanager
-def stop_signals_held(control: RunControl) -> Iterator[None]:
-    """Hold SIGTERM and SIGINT while the cluster and the actors start, then handle what arrived.
+def stop_signals_held(control: RunControl) -> Iterator[Callable[[], None]]:
+    """Hold SIGTERM and SIGINT until Ray has started: until the yielded ``release`` is called (``setup_grpo`` calls it
+    right after ``ray.init``, before any model loads or actor starts) or the block ends; then handle what arrived.
 
     Processes inherit a blocked-signal mask across ``exec``: the private cluster's processes (GCS, raylet, agents, the
     workers it forks) then ignore a SIGTERM or Ctrl-C sent to the driver's whole process group (Slurm's ``srun``, a
     terminal), which would otherwise kill the GCS under the driver while it saves. ``ray.init`` also replaces SIGTERM's
     handler with Ray's (it prints the signal and aborts: status 134), so the run's handlers are installed again after
-    it, before a held signal is let through."""
-    main = threading.current_thread() is threading.main_thread()
-    if main:
+    it, before a held signal is let through. The mask is taken before setup's data and tokenizer work too, so that the
+    threads started there inherit it and none can take a signal while Ray's handler is installed. After the release a
+    second signal exits at once, also while models load or an actor's constructor hangs."""
+    held = threading.current_thread() is threading.main_thread()
+    if held:
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        if main:
+
+    def release() -> None:
+        nonlocal held
+        if held:
+            held = False
             control.install_signal_handlers()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+    try:
+        yield release
+    finally:
+        release()
 
 
 def stop_message(cfg: MasterConfig, stop: RunInterrupted) -> str:
     """The lines a stopped run ends with: why, what was saved, the exit status and the exact command that resumes."""
-    saved = f"checkpoint {stop.checkpoint}" if stop.checkpoint else "no checkpoint (checkpointing.enabled=false)"
+    if stop.checkpoint:
+        saved = f"checkpoint {stop.checkpoint}"
+    elif cfg.checkpointing.enabled:  # e.g. a policy death after the signal, before the first save
+        saved = "no checkpoint written yet"
+    else:
+        saved = "no checkpoint (checkpointing.enabled=false)"
     line = f"[stop] stopped after step {stop.step} ({stop.reason.what}); {saved}; exit status {stop.reason.status}"
-    if not stop.checkpoint:
-        return line + "\n[stop] a rerun starts afresh: set checkpointing.enabled=true to make runs resumable"
-    return line + f"\n[stop] resume with: {resume_command(cfg)}"
+    if stop.checkpoint:
+        return line + f"\n[stop] resume with: {resume_command(cfg)}"
+    if cfg.checkpointing.enabled:
+        return line + "\n[stop] a rerun starts from step 0"
+    return line + "\n[stop] a rerun starts afresh: set checkpointing.enabled=true to make runs resumable"
 
 
 def resume_command(cfg: MasterConfig, argv: list[str] | None = None) -> str:
@@ -192,8 +208,8 @@ def _train_attempt(
     logger.save_config(cfg.model_dump(mode="json"))
     logger.progress.message(f"[setup] logging to {logger.metrics_path}")
     try:
-        with stop_signals_held(control):  # Ray's processes started here inherit the mask: a signal to the group spares them
-            parts = setup_grpo(cfg)  # bad data fails here, before any actor starts
+        with stop_signals_held(control) as release:  # Ray's processes inherit the mask: a signal to the group spares them
+            parts = setup_grpo(cfg, ray_started=release)  # bad data fails here, before any actor starts
     except BaseException:
         logger.close()
         raise

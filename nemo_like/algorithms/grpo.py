@@ -649,6 +649,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                 saved_step = step
                 control.save_finished()
                 logger.progress.message(f"[checkpoint] saved {path}")
+                if stop is None:  # a signal during the save: this checkpoint is of the last step, stop without another
+                    stop = control.requested
             if stop is not None and not last:
                 raise RunInterrupted(stop, step, None if path is None else str(path))
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,8 +140,11 @@ def release_on_failure(models: tuple[Policy | None, ...], parts: list[Any]) -> N
             part.shutdown()
 
 
-def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
-    """Start Ray (or join it), load data, start the policy, reference, generation and reward actors."""
+def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None) -> GRPOComponents:
+    """Start Ray (or join it), load data, start the policy, reference, generation and reward actors.
+
+    ``ray_started`` is called once Ray is up, before any model loads or actor starts (``train.py`` lets SIGTERM and
+    SIGINT through there: see ``stop_signals_held``)."""
     env_specs = check_plugin_names(cfg)  # fail fast in the driver, not inside an actor
     if cfg.grpo.val_greedy and cfg.grpo.val_num_generations_per_prompt > 1:
         warnings.warn(
@@ -174,6 +178,8 @@ def setup_grpo(cfg: MasterConfig) -> GRPOComponents:
     ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts
     agent_settings = load_agents(env_specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
     mode = init_ray(cfg.cluster)
+    if ray_started is not None:
+        ray_started()
     ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
     # Every role's workers start at the same time, taking their resources in the order they always did (policy,
     # reference, teachers, generation, environments); only then are the models' workers waited for (each start is

@@ -3,7 +3,8 @@
 A save writes everything into a hidden temporary directory, fsyncs every file and the directory,
 then renames it to ``step_N`` and fsyncs the parent. A crash at any point leaves either the old set
 of checkpoints or the old set plus a complete new one; temporary directories are never read and are
-removed at the next start. Layout of ``step_N/``:
+removed at the next start (except a re-saved ``step_N`` caught between its two renames: its complete copy is renamed
+back to ``step_N`` first, see :meth:`CheckpointManager.remove_partial_saves`). Layout of ``step_N/``:
 
 * ``policy/``            model weights (safetensors) + config: ``AutoModelForCausalLM.from_pretrained`` loads it
 * ``optimizer.pt``       optimizer and LR-scheduler state (rank 0; data-parallel replicas are identical)
@@ -21,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -34,6 +36,8 @@ import yaml
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp_step_"
+#: A ``step_N`` set aside by a re-save of step N (``_set_aside``): ``.tmp_step_<N>_<pid>_replaced``.
+REPLACED_DIR = re.compile(r"^\.tmp_step_(\d+)_(\d+)_replaced$")
 STATE_FILE = "trainer_state.json"
 #: In a checkpoint's metrics: the step whose weights its ``validation/*`` values measured (they carry on into the
 #: checkpoints saved until the next validation, so that best-k by a validation metric can rank them).
@@ -131,6 +135,16 @@ def restore_driver_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
+def is_complete(path: Path) -> bool:
+    """A checkpoint directory is complete when its ``trainer_state.json`` (written last) reads as JSON, as
+    :meth:`CheckpointManager.valid_checkpoints` decides."""
+    try:
+        json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 class CheckpointManager:
     """Saves, ranks, prunes and finds checkpoints under one directory."""
 
@@ -170,14 +184,38 @@ class CheckpointManager:
         return checkpoints[-1] if checkpoints else None
 
     def remove_partial_saves(self) -> list[Path]:
-        """Delete temporary directories left by interrupted saves; returns what was removed."""
+        """Delete temporary directories left by interrupted saves; returns what was removed.
+
+        A re-save of ``step_N`` killed between its two renames (the old copy set aside as ``.tmp_step_N_<pid>_replaced``,
+        the new one not yet renamed in) leaves no ``step_N``: it is restored first, from the new copy when it is complete
+        (it was fsynced before the old one was set aside), else from the old one, and the restore is printed."""
+        if not self.root.is_dir():
+            return []
+        self._restore_interrupted_resaves()
         removed = []
-        if self.root.is_dir():
-            for child in self.root.iterdir():
-                if child.name.startswith(TMP_PREFIX):
-                    shutil.rmtree(child, ignore_errors=True)
-                    removed.append(child)
+        for child in self.root.iterdir():
+            if child.name.startswith(TMP_PREFIX):
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
         return removed
+
+    def _restore_interrupted_resaves(self) -> None:
+        """Rename back to ``step_N`` a complete copy of each step whose re-save was interrupted between its renames."""
+        for aside in sorted(self.root.glob(f"{TMP_PREFIX}*_replaced")):
+            match = REPLACED_DIR.match(aside.name)
+            if not match:
+                continue
+            final = self.root / f"step_{match.group(1)}"
+            if final.exists():  # the new copy made it in: the old one is only waiting to be deleted
+                continue
+            new = self.root / f"{TMP_PREFIX}{match.group(1)}_{match.group(2)}"
+            source = next((copy for copy in (new, aside) if is_complete(copy)), None)
+            if source is None:
+                continue
+            os.rename(source, final)
+            fsync_dir(self.root)
+            which = "the new copy" if source == new else "the previous copy (the new one is incomplete)"
+            print(f"[checkpoint] restored {final} from {which} of an interrupted re-save: {source.name}", file=sys.stderr, flush=True)
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int, write_contents: Callable[[Path], None], state: dict[str, Any], config: dict[str, Any]) -> Path:
@@ -198,7 +236,8 @@ class CheckpointManager:
             fsync_tree(tmp)
             _pause_for_crash_tests(step)
             # Re-saving a step (e.g. after resume): the old copy leaves by one rename to a temporary name, so a crash
-            # never leaves a half-deleted step_N that reads as complete (the next start removes temporary names).
+            # never leaves a half-deleted step_N that reads as complete (the next start removes temporary names, after
+            # restoring step_N should the crash fall between this rename and the next).
             old = self._set_aside(final, "replaced") if final.exists() else None
             os.rename(tmp, final)
             fsync_dir(self.root)

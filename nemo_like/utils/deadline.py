@@ -12,7 +12,7 @@ import os
 from datetime import datetime
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.config.sections.run import check_save_before
+from nemo_like.config.sections.run import CheckpointingConfig, check_save_before
 
 #: Unix seconds a scheduler's end time may name (the year 5138: beyond, no datetime can show it).
 MAX_UNIX_SECONDS = 1e11
@@ -44,3 +44,21 @@ def resolve_deadline(spec: str | float | None, started_at: float, environ: dict[
         pass
     check_save_before(text)
     return datetime.fromisoformat(text).timestamp(), f"checkpointing.save_before={text}"
+
+
+def resolve_run_deadline(
+    checkpointing: CheckpointingConfig, started_at: float, environ: dict[str, str] | None = None
+) -> tuple[float | None, str]:
+    """:func:`resolve_deadline` for a run about to start: a deadline with checkpointing off is a :class:`ConfigError`.
+
+    The config check lets ``auto`` through with checkpointing off (a shared recipe outside a scheduler has no deadline
+    and nothing to save); only here, once ``auto`` has found the scheduler's end time, is it known that the run would
+    stop with 75 ("requeue me") having saved nothing, so that a requeued job would restart from step 0 every time."""
+    deadline, source = resolve_deadline(checkpointing.save_before, started_at, environ)
+    if deadline is not None and not checkpointing.enabled:
+        raise ConfigError(
+            f"checkpointing.save_before={checkpointing.save_before} found a deadline ({source}) but checkpointing.enabled=false: "
+            "the run would stop before it (exit 75) having saved nothing, and a requeued job would restart from step 0 "
+            "every time. Set checkpointing.enabled=true, or checkpointing.save_before=null"
+        )
+    return deadline, source

@@ -66,6 +66,7 @@ class CheckpointingConfig(Section):
     @model_validator(mode="after")
     def _save_before_form(self) -> CheckpointingConfig:
         check_save_before(self.save_before)
+        # 'auto' may have no deadline (no scheduler): it is checked when it resolves, at the run's start (resolve_run_deadline).
         if self.save_before is not None and str(self.save_before).strip().lower() != "auto" and not self.enabled:
             raise ValueError("checkpointing.save_before needs checkpointing.enabled=true (the run saves before the deadline)")
         return self

@@ -178,6 +178,18 @@ def test_a_death_after_a_stop_request_stops_the_run_instead_of_restarting_it(tmp
     )
 
 
+def test_a_stop_without_a_checkpoint_says_checkpointing_is_off_only_when_it_is(tmp_path):
+    """A death after SIGTERM before the first save, checkpointing on: the message said 'checkpointing.enabled=false'
+    and told the user to turn on what was already on."""
+    stop = RunInterrupted(StopReason("SIGTERM", 143), 1, None)
+    on = load_config(RECIPE, ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={tmp_path}"])
+    message = train_module.stop_message(on, stop)
+    assert "enabled=false" not in message and "set checkpointing.enabled=true" not in message
+    assert "no checkpoint written yet" in message and "a rerun starts from step 0" in message
+    off = load_config(RECIPE, ["checkpointing.enabled=false", f"checkpointing.checkpoint_dir={tmp_path}"])
+    assert "no checkpoint (checkpointing.enabled=false)" in train_module.stop_message(off, stop)
+
+
 def test_a_resumed_runs_tensorboard_hides_the_steps_it_redoes(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -120,6 +120,44 @@ def test_re_saving_a_step_replaces_it_by_renames_so_no_half_deleted_copy_reads_a
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
 
 
+def test_a_resave_killed_between_its_two_renames_keeps_step_n(tmp_path, monkeypatch, capsys):
+    """The old step_N set aside, the new copy not yet renamed in: both carried temporary names and the next start
+    deleted both, losing a checkpoint that was complete before and after the save."""
+    manager = CheckpointManager(tmp_path)
+    for step in (2, 4):
+        manager.save(step, write_blob(10), {"metrics": {}, "copy": 1}, {})
+    real_rename = os.rename
+
+    class Killed(BaseException):
+        pass
+
+    def rename_killed_before_the_new_copy(src, dst):
+        if os.path.basename(dst) == "step_4" and not str(src).endswith("_replaced"):
+            raise Killed  # SIGKILL between the two renames: the old copy is already aside
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename_killed_before_the_new_copy)
+    with pytest.raises(Killed):
+        manager.save(4, write_blob(10), {"metrics": {}, "copy": 2}, {})
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert not (tmp_path / "step_4").exists()
+
+    removed = CheckpointManager(tmp_path).remove_partial_saves()
+    latest = CheckpointManager(tmp_path).latest()
+    assert latest is not None and latest.step == 4 and latest.state["copy"] == 2  # the new copy: it was complete
+    assert [p.name for p in removed] == [f".tmp_step_4_{os.getpid()}_replaced"]
+    assert "restored" in capsys.readouterr().err
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+    # The new copy incomplete (no state file): the set-aside old copy is restored instead. A pruned copy stays deleted.
+    (tmp_path / "step_4").rename(tmp_path / ".tmp_step_4_77_replaced")
+    (tmp_path / ".tmp_step_4_77").mkdir()
+    (tmp_path / "step_2").rename(tmp_path / ".tmp_step_2_77_pruned")
+    CheckpointManager(tmp_path).remove_partial_saves()
+    assert [(c.step, c.state["copy"]) for c in CheckpointManager(tmp_path).valid_checkpoints()] == [(4, 2)]
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+
 def test_metric_key_and_incompatible_differences():
     assert metric_key("val:accuracy") == "validation/accuracy" and metric_key("train:reward") == "train/reward"
     with pytest.raises(ValueError):

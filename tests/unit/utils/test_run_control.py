@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nemo_like.config import ConfigError, load_config
-from nemo_like.utils.deadline import resolve_deadline
+from nemo_like.utils.deadline import resolve_deadline, resolve_run_deadline
 from nemo_like.utils.run_control import EXIT_DEADLINE, EXIT_SIGINT, EXIT_SIGTERM, RunControl, RunInterrupted, StopReason
 
 
@@ -72,6 +72,27 @@ def test_bad_save_before_names_the_key():
             resolve_deadline("auto", 0.0, {"SLURM_JOB_END_TIME": value})
 
 
+def test_save_before_auto_with_a_slurm_deadline_and_checkpointing_off_is_refused_before_setup(tmp_path, monkeypatch):
+    """It was accepted: the run stopped with 75 having saved nothing, and a requeued job restarted from step 0 forever."""
+    from nemo_like import train as train_module
+
+    recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+    overrides = ["checkpointing.enabled=false", "checkpointing.save_before=auto", f"logger.log_dir={tmp_path / 'logs'}"]
+    off = load_config(recipe, [*overrides, f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"])  # harmless as a config
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 3600))
+    set_up = []
+    monkeypatch.setattr(train_module, "_train_locked", lambda *args: set_up.append(args) or [])
+    with pytest.raises(ConfigError, match=r"checkpointing.save_before=auto found a deadline .*checkpointing.enabled=false"):
+        train_module.train(off)
+    assert not set_up
+    slurm = {"SLURM_JOB_END_TIME": str(int(time.time()) + 3600)}
+    with pytest.raises(ConfigError, match=r"checkpointing.save_before=auto found a deadline .*checkpointing.enabled=false"):
+        resolve_run_deadline(off.checkpointing, time.time(), slurm)
+    assert resolve_run_deadline(off.checkpointing, time.time(), {}) == (None, resolve_deadline("auto", 0.0, {})[1])  # no scheduler
+    on = load_config(None, ["checkpointing.enabled=true", "checkpointing.save_before=auto"])
+    assert resolve_run_deadline(on.checkpointing, time.time(), slurm)[0] == float(slurm["SLURM_JOB_END_TIME"])
+
+
 def test_a_recipe_names_save_before_as_an_iso_time_unquoted(tmp_path):
     """YAML 1.1 made 2026-12-02T18:00:00 a datetime OmegaConf cannot hold (a traceback), and 18:00:00 the base-60
     number 64800 (18 hours after the start)."""
@@ -111,6 +132,54 @@ def test_a_second_signal_exits_at_once_with_the_first_ones_status():
         proc.kill()
     err = proc.stderr.read()
     assert status == EXIT_SIGINT and "SIGINT received during step 3" in err and "second SIGINT: exiting now" in err, err
+
+
+SLOW_SETUP = """
+import signal, sys, time
+from pathlib import Path
+from nemo_like import train
+from nemo_like.config import load_config
+from nemo_like.utils.logger import Logger
+from nemo_like.utils.run_control import STOP_SIGNALS, RunControl, activate
+cfg = load_config(Path(sys.argv[2]), [f"logger.log_dir={sys.argv[1]}", "logger.progress_bar=false", "logger.plot_at_end=false"])
+control = RunControl()
+activate(control)
+control.install_signal_handlers()
+
+def slow_setup(cfg, ray_started=None):
+    print(f"ray starting; signals held: {STOP_SIGNALS <= signal.pthread_sigmask(signal.SIG_BLOCK, [])}", flush=True)
+    if ray_started is not None:
+        ray_started()
+    print("models loading", flush=True)
+    time.sleep(30)  # loading models, starting actors: minutes on a cluster, forever under a hung constructor
+    sys.exit(3)
+
+train.setup_grpo = slow_setup
+train._train_attempt(cfg, time.perf_counter(), control, None, Logger(cfg.logger, cfg.grpo.max_num_steps, None), [])
+"""
+
+
+def test_a_second_signal_exits_at_once_while_models_load_and_ray_starts_with_them_held(tmp_path):
+    """The whole of setup ran with SIGTERM and SIGINT blocked: two Ctrl-C's there merged into one pending stop request,
+    and a slow or hung setup could not be interrupted but by SIGKILL."""
+    import subprocess
+    import sys
+
+    recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+    args = [sys.executable, "-c", SLOW_SETUP, str(tmp_path / "logs"), str(recipe)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ray starting; signals held: True"  # Ray's processes inherit the mask
+        assert proc.stdout.readline().strip() == "models loading"
+        proc.send_signal(signal.SIGINT)  # the first: a stop request (after the first step)
+        time.sleep(0.3)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)  # the second: exit now, setup or not
+        status = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert status == EXIT_SIGINT and "second SIGINT: exiting now" in err, err
 
 
 def _blocked_signals(native_id: int) -> set[int]:

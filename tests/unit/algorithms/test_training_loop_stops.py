@@ -1,0 +1,91 @@
+"""The outer training loop's stops (nemo_like/algorithms/grpo.py ``run_training``) with the steps and saves faked
+(no Ray, no model): which step a stop request ends the run after, and which checkpoint it names."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from nemo_like.algorithms import grpo
+from nemo_like.config import load_config
+from nemo_like.utils import run_control as rc
+from nemo_like.utils.checkpoint import CheckpointManager
+from nemo_like.utils.logger import Logger
+
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+
+
+class FakeSteps:
+    """Steps that only record themselves; saves that make an empty ``step_N`` and may send a signal meanwhile."""
+
+    def __init__(self, signal_during_save_of: int | None) -> None:
+        self.events: list[str] = []
+        self.signal_during_save_of = signal_during_save_of
+
+    def start(self, *args: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def validate(self, *args: Any) -> dict[str, float]:
+        return {}
+
+    def step(self, step: int, timer: Any) -> dict[str, float]:
+        self.events.append(f"step {step}")
+        return {"train/reward": 0.0, "train/loss": 0.0, "train/nonfinite_steps_skipped": 0.0}
+
+    def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
+        self.events.append(f"save {step}")
+        if step == self.signal_during_save_of:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice lands while step_N is being written
+            time.sleep(0.05)
+        path = manager.root / f"step_{step}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def test_a_signal_during_a_periodic_save_stops_right_after_that_save(tmp_path, monkeypatch):
+    """The stop used to be sampled only before the save: one more step and one more save ran first."""
+    cfg = load_config(
+        RECIPE,
+        [
+            f"logger.log_dir={tmp_path / 'logs'}",
+            f"checkpointing.checkpoint_dir={tmp_path / 'ck'}",
+            "checkpointing.enabled=true",
+            "checkpointing.save_period=2",
+            "grpo.max_num_steps=6",
+            "grpo.val_at_start=false",
+            "grpo.val_period=0",
+            "grpo.val_at_end=false",
+            "logger.progress_bar=false",
+            "logger.plot_at_end=false",
+        ],
+    )
+    monkeypatch.setattr(grpo, "planned_memory_lines", lambda *a, **k: [])
+    monkeypatch.setattr(grpo, "flops_spec", lambda *a, **k: SimpleNamespace(describe=lambda: ""))
+    monkeypatch.setattr(grpo, "flops_metrics", lambda *a, **k: {})
+    monkeypatch.setattr(grpo, "throughput_metrics", lambda *a, **k: {})
+    monkeypatch.setattr(grpo, "resolve_model_path", lambda p: p)
+    runner = FakeSteps(signal_during_save_of=2)
+    parts = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)))
+    control = rc.RunControl()
+    rc.activate(control)
+    control.install_signal_handlers()
+    logger = Logger(cfg.logger, cfg.grpo.max_num_steps, None)
+    try:
+        with pytest.raises(rc.RunInterrupted) as stopped:
+            grpo.run_training(parts, logger, None, runner)  # type: ignore[arg-type]
+    finally:
+        control.restore_signal_handlers()
+        rc.activate(None)
+        logger.close()
+    assert runner.events == ["step 1", "step 2", "save 2"]
+    assert stopped.value.code == rc.EXIT_SIGTERM and stopped.value.step == 2
+    assert Path(stopped.value.checkpoint).name == "step_2"
