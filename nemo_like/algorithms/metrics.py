@@ -229,7 +229,9 @@ def combine_optimizer_steps(per_step: list[dict[str, float]], reduction_for: Cal
         if reduction != "sum":
             combined[name] = _reduce(values, reduction)
         else:
-            combined[name] = math.fsum(values) if name in COUNT_METRICS else math.fsum(values) / len(values)
+            # Over every step, a step this rank had no row in included (its share of that step's mean is 0): each
+            # step's fragments are normalised by the step's global counts, so the ranks' results still add up.
+            combined[name] = math.fsum(values) if name in COUNT_METRICS else math.fsum(values) / len(per_step)
     for name, (inputs, derive) in DERIVED_METRICS.items():
         if all(i in combined for i in inputs):
             combined[name] = float(derive(*(combined[i] for i in inputs)))

@@ -202,3 +202,39 @@ def test_split_rows_matches_the_by_hand_dp_split() -> None:
     torch.testing.assert_close(second["prev_logprobs"], batch["prev_logprobs"][3:6])
     valid = batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)
     assert float(first["global_valid_toks"]) == float(second["global_valid_toks"]) == float(valid.sum())
+
+
+def test_a_rank_without_rows_in_one_optimizer_step_averages_over_every_step() -> None:
+    """3 rows, 2 optimizer steps, 2 ranks: rank 0 has no row in step 1. Its train metrics were averaged over the one
+    step it had rows in, so summed over ranks every mean was inflated (an on-policy probs_ratio of 1.25)."""
+    torch.manual_seed(0)
+    rows, width = 3, 5
+    logprobs = -torch.rand(rows, width, dtype=torch.float64)
+    batch = {
+        "input_ids": torch.zeros(rows, width, dtype=torch.long),
+        "token_mask": torch.ones(rows, width, dtype=torch.float64),
+        "sample_mask": torch.ones(rows, dtype=torch.float64),
+        "advantages": torch.randn(rows, width, dtype=torch.float64),
+        "generation_logprobs": logprobs.clone(),
+        "prev_logprobs": logprobs.clone(),
+    }
+    fn = ClippedPGLossFn()
+
+    def train_metrics(dp: int) -> dict[str, float]:
+        per_rank = optimizer_step_shards(batch, 2, dp)
+        results = []
+        for steps in per_rank:  # as PolicyWorker.train: each step's fragments combined, then the steps
+            per_step = []
+            for shard in steps:
+                fragments = []
+                if shard["input_ids"].shape[0]:
+                    fragments.append(fn(shard["prev_logprobs"], shard, shard["global_valid_seqs"], shard["global_valid_toks"])[1])
+                per_step.append(fn.combine_metrics(fragments))
+            results.append(fn.combine_steps(per_step))
+        return fn.combine_metrics(results)  # as Policy.train, over ranks
+
+    assert [[s["input_ids"].shape[0] for s in steps] for steps in optimizer_step_shards(batch, 2, 2)] == [[0, 1], [1, 1]]
+    one, two = train_metrics(1), train_metrics(2)
+    assert two["probs_ratio"] == pytest.approx(1.0, abs=1e-12)
+    for key in ("loss", "actor_loss", "probs_ratio", "approx_entropy", "num_valid_tokens"):
+        assert two[key] == pytest.approx(one[key], rel=1e-12, abs=1e-14), key
