@@ -332,8 +332,9 @@ class ClippedPGLossConfig(BaseModel):
                 f"loss_fn.trust_region_type and {cispo_key} are exclusive",
             ),
             (
-                self.trust_region_type is not None and self.ratio_clip_c is not None,
-                "loss_fn.trust_region_type and loss_fn.ratio_clip_c are exclusive (the trust region replaces clipping)",
+                self.trust_region_type is not None and self.ratio_clip_c is not None and self.surrogate_name == "unclipped",
+                "loss_fn.trust_region_type and loss_fn.ratio_clip_c are exclusive (the trust region replaces clipping; "
+                "loss_fn.surrogate='ppo_clip' keeps the clip, dual clip included, inside the trust region)",
             ),
             (
                 self.trust_region_type is not None and reinforce,
@@ -367,8 +368,12 @@ class ClippedPGLossConfig(BaseModel):
         tis_type = self.truncated_importance_sampling_type
         beta_zero = self.reference_policy_kl_penalty == 0
         reinforce, reinforce_key = self._chosen("reinforce", "disable_ppo_ratio")
+        # The surrogate in use decides whether the clip options count (loss_fn.surrogate='ppo_clip' keeps the clip beside
+        # a trust region; 'unclipped' chosen by name ignores it without one); a plug-in surrogate may read them all.
+        unclipped = self.surrogate_name == "unclipped"
+        unclipped_by = "loss_fn.surrogate='unclipped'" if self.surrogate else f"loss_fn.trust_region_type={self.trust_region_type!r}"
         groups: list[tuple[bool, str, tuple[str, ...]]] = [
-            (self.trust_region_type is not None, f"loss_fn.trust_region_type={self.trust_region_type!r}", _CLIP_KEYS),
+            (unclipped, unclipped_by, (*_CLIP_KEYS, "ratio_clip_c")),
             (reinforce, f"{reinforce_key}=true" if self.disable_ppo_ratio else reinforce_key, (*_CLIP_KEYS, "ratio_clip_c")),
             (self.force_on_policy_ratio, "loss_fn.force_on_policy_ratio=true", (*_CLIP_KEYS, "ratio_clip_c")),
             (self.trust_region_type is None, "loss_fn.trust_region_type is null", _TRUST_REGION_KEYS),

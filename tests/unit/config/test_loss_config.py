@@ -230,3 +230,42 @@ def test_all_problems_are_reported_at_once() -> None:
         ClippedPGLossConfig(use_cispo=True, ratio_clip_c=3.0, token_level_loss=False)
     message = str(excinfo.value)
     assert "loss_fn.ratio_clip_c" in message and "loss_fn.token_level_loss" in message
+
+
+def _loss_on_ratios_outside_the_band(cfg: ClippedPGLossConfig) -> float:
+    """The loss of one row whose ratios (vs prev) are e^0.8 (A=+1), e^-1 (A=-1) and e^1.5 (A=-1): outside the clip
+    band on both sides, and above a dual clip of 3 where the advantage is negative."""
+    import torch
+
+    from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+
+    def row(*values: float) -> torch.Tensor:
+        return torch.tensor([[0.0, *values]], dtype=torch.float64)
+
+    prev = row(-1.0, -2.0, -3.0)
+    data = {
+        "advantages": row(1.0, -1.0, -1.0),
+        "token_mask": row(1, 1, 1),
+        "sample_mask": torch.ones(1, dtype=torch.float64),
+        "generation_logprobs": prev.clone(),
+        "prev_logprobs": prev.clone(),
+    }
+    curr = row(-0.2, -3.0, -1.5)
+    return ClippedPGLossFn(cfg)(curr, data, 1.0, 3.0)[0].item()
+
+
+@pytest.mark.parametrize("surrogate", ["ppo_clip", "unclipped", "cispo", "reinforce"])
+@pytest.mark.parametrize("trust_region", [None, "dppo_binary_tv"])
+@pytest.mark.parametrize(("key", "value"), [("ratio_clip_max", 0.5), ("ratio_clip_min", 0.5), ("ratio_clip_c", 3.0)])
+def test_a_clip_option_warns_exactly_when_it_leaves_the_loss_unchanged(surrogate, trust_region, key, value) -> None:
+    """The warnings followed the flags, not the surrogate chosen by name: 'unclipped' ignored the clip silently, and
+    'ppo_clip' beside a trust region was told its clip was ignored while it changed the loss."""
+    region = {"trust_region_type": trust_region, "trust_region_low": 1.0, "trust_region_high": 1.0} if trust_region else {}
+    base = {"surrogate": surrogate, **region}
+    try:
+        changed = ClippedPGLossConfig(**base, **{key: value})
+    except ValidationError:
+        return  # a contradiction (e.g. CISPO with a trust region): an error, not a warning
+    warned = any(line.startswith(f"loss_fn.{key} has no effect") for line in changed.no_effect_warnings())
+    unchanged = _loss_on_ratios_outside_the_band(changed) == _loss_on_ratios_outside_the_band(ClippedPGLossConfig(**base))
+    assert warned == unchanged, (changed.no_effect_warnings(), unchanged)
