@@ -86,9 +86,13 @@ class ForwardPasses:
             inputs = (packed.input_ids, packed.attention_mask.to(self.device), packed.position_ids)
         else:
             inputs = (ids, mask, (mask.long().cumsum(-1) - 1).clamp(min=0))
+        teacher_inputs = inputs
+        if self.plan.mode == "packed":  # the packed mask in the teacher's own compute dtype (SDPA refuses a mismatch)
+            teacher_mask = packed.attention_mask.to(self.device, precision_lib.compute_dtype(self.teacher_kl.precision))
+            teacher_inputs = (packed.input_ids, teacher_mask, packed.position_ids)
         teacher_sharded = sharding.is_sharded(self.teacher_model)
         with precision_lib.compute_context(self.device, self.teacher_kl.precision, teacher_sharded):
-            teacher = teacher_head_inputs(self.teacher_model, *inputs, self.chunk_size, copy_head=teacher_sharded)
+            teacher = teacher_head_inputs(self.teacher_model, *teacher_inputs, self.chunk_size, copy_head=teacher_sharded)
         with precision_lib.compute_context(self.device, self.precision, sharding.is_sharded(self.model)):
             lp, outside, kl = model_token_logprobs_and_teacher_kl(
                 self.model, teacher, self.teacher_kl.term, *inputs, self.sampling, self.chunk_size

@@ -12,12 +12,13 @@ from nemo_like.models.policy.worker import PolicyWorker
 
 
 def make_worker(micro_batch_size: int, **overrides) -> PolicyWorker:
-    """A one-rank fp32 worker of the shipped model (``overrides``: other PolicyWorker keywords, e.g. ``lora_cfg``)."""
+    """A one-rank worker of the shipped model, fp32 unless ``precision`` is given (``overrides``: other PolicyWorker
+    keywords, e.g. ``lora_cfg``)."""
     return PolicyWorker(
         rank=0,
         world_size=1,
         model_name=EMBEDDED_MODEL,
-        precision="float32",
+        precision=overrides.pop("precision", "float32"),
         temperature=1.0,
         num_threads=1,
         seed=0,

@@ -104,13 +104,23 @@ def test_a_teacher_equal_to_the_student_gives_exactly_zero_value_and_gradient(te
 TEACHER = "embedded:tiny-arith-teacher"
 
 
-def kl_worker(teacher: str, term: KLTerm, chunk: int | None, mode: str = "fixed", weight: float = 0.5):
+def kl_worker(
+    teacher: str,
+    term: KLTerm,
+    chunk: int | None,
+    mode: str = "fixed",
+    weight: float = 0.5,
+    precisions: tuple[str, str] = ("float32", "float32"),
+):
+    """A worker with the KL term to ``teacher``; ``precisions``: the policy's and the teacher's."""
     from unit.models.test_policy_worker import make_worker
 
     from nemo_like.models.policy.spec import TeacherKLSettings
 
     batching = {"mode": mode, "train_size": 4 if mode == "fixed" else 40, "logprob_size": 4 if mode == "fixed" else 40}
-    worker = make_worker(4, batching=batching, logprob_chunk_size=chunk, teacher_kl=TeacherKLSettings(teacher, "float32", weight, term))
+    policy_precision, teacher_precision = precisions
+    settings = TeacherKLSettings(teacher, teacher_precision, weight, term)
+    worker = make_worker(4, batching=batching, logprob_chunk_size=chunk, teacher_kl=settings, precision=policy_precision)
     for group in worker.optimizer.param_groups:
         group["weight_decay"] = 0.0  # a zero gradient must leave every weight as it is
     return worker
@@ -156,6 +166,21 @@ def test_the_workers_kl_term_and_its_gradient_match_a_plain_computation_in_every
         for name, p in worker.model.named_parameters():  # advantages are 0: the KL term is the only gradient
             error = float((p.grad.double() - expected_grads[name]).abs().max())
             assert error <= 1e-4 * float(expected_grads[name].abs().max()) + 1e-8, (chunk, mode, name)
+
+
+@pytest.mark.parametrize("precisions", [("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_packed_rows_give_the_kl_term_of_padded_rows_when_the_teacher_runs_at_another_precision(precisions) -> None:
+    """A bf16 policy with an fp32 teacher crashed in packed training: the teacher got the packed attention mask in the
+    policy's compute dtype, which SDPA refuses beside fp32 queries."""
+    term, batch = KLTerm("reverse", "teacher_top_k", 5), policy_batch()
+    values = {}
+    for mode in ("fixed", "packed"):
+        worker = kl_worker(TEACHER, term, None, mode, precisions=precisions)
+        worker.model.train()
+        fragments: list[dict[str, float]] = []
+        worker._accumulate_gradients(batch, fragments, None)
+        values[mode] = sum(f["distillation/kl_loss"] for f in fragments)
+    assert values["packed"] == pytest.approx(values["fixed"], rel=2e-2)  # bf16 rounding apart
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
