@@ -167,6 +167,8 @@ def load_merged(adapter_dir: str | Path, precision: str = "float32", base_model:
     if not (adapter_dir / ADAPTER_CONFIG).is_file():
         raise ConfigError(f"{adapter_dir} holds no LoRA adapter ({ADAPTER_CONFIG} is missing)")
     base = base_model or adapter_base_model(adapter_dir)
+    if base_model is None:  # a base that is not here fails in one line (it went to the hub as a repo id)
+        check_model_source(base, f"{adapter_dir / ADAPTER_CONFIG} base_model_name_or_path (override it with --base-model)")
     model = PeftModel.from_pretrained(load_causal_lm(base, precision), str(adapter_dir))
     merged = model.merge_and_unload()
     merged.config.use_cache = False

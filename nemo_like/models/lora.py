@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.models.loading import ADAPTER_CONFIG, adapter_base_model, load_merged, load_tokenizer
+from nemo_like.models.loading import ADAPTER_CONFIG, adapter_base_model, load_merged, load_tokenizer, looks_like_path
 from nemo_like.models.precision import refit_dtype
 
 __all__ = [
@@ -123,11 +123,17 @@ def model_name(saved: str) -> str:
 
 
 def adapter_config_dict(model: torch.nn.Module) -> dict[str, Any]:
-    """The adapter's ``adapter_config.json`` content (JSON-ready)."""
+    """The adapter's ``adapter_config.json`` content (JSON-ready). A base model loaded from a relative local path is
+    recorded absolute: read back from another directory (``nemo-like merge``, ``eval``, ``serve``) the relative path
+    named another model there, or a hub id."""
     import json
 
     config = model.peft_config[ADAPTER_NAME]
-    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    content = json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    base = content.get("base_model_name_or_path")
+    if isinstance(base, str) and looks_like_path(base) and Path(base).expanduser().exists():
+        content["base_model_name_or_path"] = str(Path(base).expanduser().resolve())
+    return content
 
 
 def write_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:

@@ -179,3 +179,41 @@ def test_the_refit_size_the_run_prints_is_what_a_refit_sends(precision: str) -> 
     for mode, key in (("adapter", "adapter"), ("merged", "full")):
         sent = sum(t.numel() * t.element_size() for _, t in export._refit_tensors(mode, True))
         assert printed[key] == sent, (mode, printed[key], sent)
+
+
+def test_a_relative_base_model_path_is_recorded_absolute_and_a_missing_base_is_one_line(tmp_path, monkeypatch):
+    """policy.model_name='models/base' was recorded as given: `nemo-like merge` (or eval, serve) run from another
+    directory merged the adapters onto whatever 'models/base' named there, or sent it to the hub as a repo id."""
+    import json
+    import shutil
+
+    from nemo_like.models.assets import embedded_model_path
+
+    (tmp_path / "run" / "models").mkdir(parents=True)
+    (tmp_path / "other" / "models").mkdir(parents=True)
+    shutil.copytree(embedded_model_path(EMBEDDED_MODEL), tmp_path / "run" / "models" / "base")
+    shutil.copytree(embedded_model_path("embedded:tiny-arith-teacher"), tmp_path / "other" / "models" / "base")  # another model
+    monkeypatch.chdir(tmp_path / "run")
+    cfg = LoraConfig(enabled=True, dim=4, alpha=8)
+    torch.manual_seed(0)
+    model = lora.apply_lora(load_causal_lm("models/base"), cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    model.eval()
+    tensors = {lora.saved_name(k): v for k, v in model.state_dict().items() if lora.is_adapter(k)}
+    policy = lora.write_adapter(tmp_path / "ckpt" / "policy", tensors, lora.adapter_config_dict(model))
+    recorded = json.loads((policy / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(tmp_path / "run" / "models" / "base")
+    monkeypatch.chdir(tmp_path / "other")
+    out = lora.merge_checkpoint(policy, tmp_path / "merged")
+    torch.testing.assert_close(token_logprobs(load_causal_lm(str(out)), IDS), token_logprobs(model, IDS), atol=1e-5, rtol=1e-6)
+    # A base that is not on this machine (a checkpoint moved elsewhere): one line naming the key and the way out.
+    (policy / "adapter_config.json").write_text(
+        json.dumps({**json.loads((policy / "adapter_config.json").read_text()), "base_model_name_or_path": "gone/base/model"})
+    )
+    with pytest.raises(
+        ConfigError, match=r"adapter_config.json base_model_name_or_path \(override it with --base-model\)='gone/base/model'"
+    ):
+        lora.merge_checkpoint(policy, tmp_path / "merged2")
