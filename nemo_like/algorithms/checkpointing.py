@@ -45,6 +45,9 @@ def save_run(
 
     def write_contents(tmp: Path) -> None:
         rng_holder["workers"] = parts.policy.save_checkpoint(str(tmp))
+        # The run's tokenizer (chat template included) beside the weights: policy/ loads as a model and its tokenizer
+        # (AutoTokenizer gave an empty one for a folder without), and `nemo-like merge` ships the tokenizer it trained with.
+        parts.tokenizer.save_pretrained(str(tmp / "policy"))
         torch.save(rng_holder["workers"], tmp / "worker_rng.pt")
         for name, value in (extra_files or {}).items():
             torch.save(value, tmp / name)

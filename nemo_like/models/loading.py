@@ -175,11 +175,22 @@ def load_merged(adapter_dir: str | Path, precision: str = "float32", base_model:
     return merged
 
 
+#: Files one of which a local directory needs to hold a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
 def load_tokenizer(name: str):
-    """Load a tokenizer; prompts are left-padded for generation."""
+    """Load a tokenizer; prompts are left-padded for generation. A local directory without tokenizer files is an error
+    (transformers returned an empty tokenizer for it, which encodes every text as no tokens)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    path = Path(resolve_model_path(name)).expanduser()
+    if path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(
+            f"{name!r} holds no tokenizer (none of {list(TOKENIZER_FILES)}): name the tokenizer's model with "
+            "policy.tokenizer_name (checkpoints written before 2026-12-04 hold none in policy/)"
+        )
+    tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else resolve_model_path(name))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -24,7 +24,14 @@ from typing import Any
 import torch
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.models.loading import ADAPTER_CONFIG, adapter_base_model, load_merged, load_tokenizer, looks_like_path
+from nemo_like.models.loading import (
+    ADAPTER_CONFIG,
+    TOKENIZER_FILES,
+    adapter_base_model,
+    load_merged,
+    load_tokenizer,
+    looks_like_path,
+)
 from nemo_like.models.precision import refit_dtype
 
 __all__ = [
@@ -243,12 +250,13 @@ def merge_checkpoint(
     adapter_dir: str | Path, output_dir: str | Path, base_model: str | None = None, tokenizer: str | None = None, precision: str = "float32"
 ) -> Path:
     """Write a plain HF model directory for serving (merged weights, config, generation config, and the tokenizer
-    of ``tokenizer`` / the base model) from a LoRA adapter directory (a checkpoint's ``policy/``)."""
+    of ``tokenizer``, else the checkpoint's own (the run's, saved beside the adapters), else the base model's) from a
+    LoRA adapter directory (a checkpoint's ``policy/``)."""
 
     merged = load_merged(adapter_dir, precision, base_model)
     out = Path(output_dir)
     merged.config.use_cache = True
     merged.save_pretrained(out)
-    base = base_model or adapter_base_model(adapter_dir)
-    load_tokenizer(tokenizer or base).save_pretrained(out)
+    own = Path(adapter_dir) if any((Path(adapter_dir) / f).is_file() for f in TOKENIZER_FILES) else None
+    load_tokenizer(tokenizer or (str(own) if own else None) or base_model or adapter_base_model(adapter_dir)).save_pretrained(out)
     return out

@@ -6,7 +6,8 @@ of checkpoints or the old set plus a complete new one; temporary directories are
 removed at the next start (except a re-saved ``step_N`` caught between its two renames: its complete copy is renamed
 back to ``step_N`` first, see :meth:`CheckpointManager.remove_partial_saves`). Layout of ``step_N/``:
 
-* ``policy/``            model weights (safetensors) + config: ``AutoModelForCausalLM.from_pretrained`` loads it
+* ``policy/``            model weights (safetensors) + config + the run's tokenizer: ``AutoModelForCausalLM`` /
+                         ``AutoTokenizer.from_pretrained`` load it
 * ``optimizer.pt``       optimizer and LR-scheduler state (rank 0; data-parallel replicas are identical)
 * ``worker_rng.pt``      the policy workers' torch RNG states
 * ``trainer_state.json`` step, weight version, data-loader position, consumed samples, driver RNG, metrics

@@ -64,9 +64,19 @@ def test_six_steps_equal_three_steps_then_three_resumed_through_a_killed_policy_
     wa = load_file(str(straight / "ckpt" / "step_6" / "policy" / "model.safetensors"))
     wb = load_file(str(split / "ckpt" / "step_6" / "policy" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nemo_like.models.loading import load_tokenizer
 
     AutoModelForCausalLM.from_pretrained(straight / "ckpt" / "step_6" / "policy")  # a plain HF copy
+    # ... with the run's tokenizer beside it (AutoTokenizer made an empty one of the folder: every text encoded as []).
+    saved, run_tokenizer = (
+        AutoTokenizer.from_pretrained(straight / "ckpt" / "step_6" / "policy"),
+        load_tokenizer("embedded:tiny-arith-qwen2"),
+    )
+    text = [{"role": "user", "content": "What is 12 plus 7?"}]
+    assert saved.apply_chat_template(text, tokenize=False) == run_tokenizer.apply_chat_template(text, tokenize=False)
+    assert saved("What is 12 plus 7?")["input_ids"] == run_tokenizer("What is 12 plus 7?")["input_ids"] != []
 
 
 def test_incompatible_checkpoint_is_refused_naming_the_keys(ray_cluster, tmp_path):

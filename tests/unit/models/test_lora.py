@@ -209,6 +209,17 @@ def test_a_relative_base_model_path_is_recorded_absolute_and_a_missing_base_is_o
     monkeypatch.chdir(tmp_path / "other")
     out = lora.merge_checkpoint(policy, tmp_path / "merged")
     torch.testing.assert_close(token_logprobs(load_causal_lm(str(out)), IDS), token_logprobs(model, IDS), atol=1e-5, rtol=1e-6)
+    # The checkpoint's own tokenizer (the run's, saved beside the adapters: here one with another chat template) is the
+    # one the merged model ships; the base model's was shipped whatever the run trained with.
+    from nemo_like.models.loading import load_tokenizer
+
+    run_tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    run_tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    run_tokenizer.save_pretrained(policy)
+    assert load_tokenizer(str(lora.merge_checkpoint(policy, tmp_path / "merged_own"))).chat_template == run_tokenizer.chat_template
+    # A folder without tokenizer files is an error, not an empty tokenizer that encodes every text as no tokens.
+    with pytest.raises(ConfigError, match=r"holds no tokenizer .*policy.tokenizer_name"):
+        load_tokenizer(str(tmp_path / "ckpt"))
     # A base that is not on this machine (a checkpoint moved elsewhere): one line naming the key and the way out.
     (policy / "adapter_config.json").write_text(
         json.dumps({**json.loads((policy / "adapter_config.json").read_text()), "base_model_name_or_path": "gone/base/model"})
