@@ -22,11 +22,11 @@ from nemo_like.plan.run_plan import RunPlan
 
 def role_requests(cfg: MasterConfig, plan: RunPlan) -> list[RoleResources]:
     """Every role ``setup_grpo`` will start, as each role states it."""
-    roles = [policy_resources(cfg, True, plan.threads)]
+    roles = [policy_resources(cfg, "policy", plan.threads)]
     if plan.logprobs.load_reference_model:
-        roles.append(policy_resources(cfg, False, plan.threads))
+        roles.append(policy_resources(cfg, "reference", plan.threads))
     if plan.logprobs.compute_teacher:  # one group of frozen workers per teacher model
-        roles.extend(policy_resources(cfg, False, plan.threads, "teacher") for _ in cfg.teacher.models())
+        roles.extend(policy_resources(cfg, "teacher", plan.threads) for _ in cfg.teacher.models())
     roles.append(generation_resources(cfg, plan))
     roles.extend(environment_resources(cfg))
     if cfg.grpo.async_grpo.enabled:
