@@ -8,8 +8,6 @@ and checks them against the connected cluster before any actor starts.
 
 from __future__ import annotations
 
-import os
-
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, sum_resources
 from nemo_like.distributed.worker_group import RoleResources
@@ -18,6 +16,7 @@ from nemo_like.experience.async_rollouts import async_actor_resources
 from nemo_like.models.engines import generation_resources
 from nemo_like.models.policy.policy import policy_resources
 from nemo_like.plan.run_plan import RunPlan
+from nemo_like.utils.cpus import local_cores
 
 
 def role_requests(cfg: MasterConfig, plan: RunPlan) -> list[RoleResources]:
@@ -63,7 +62,7 @@ def ensure_private_cluster_gpus(cfg: MasterConfig, plan: RunPlan) -> None:
     gpus = float(torch.cuda.device_count())
     if required["GPU"] <= gpus:
         return
-    available = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": gpus}
+    available = {"CPU": float(cfg.cluster.num_cpus or local_cores()), "GPU": gpus}
     _check_against(cfg, plan, available, private_cluster_hint(gpus))
 
 
