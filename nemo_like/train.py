@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import sys
@@ -43,6 +44,7 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
     the stall watchdog's abort raises :class:`~nemo_like.distributed.watchdog.RunStalled` (70). See
     docs/guides/fault-tolerance.md."""
     start = time.perf_counter()
+    cfg = absolute_run_dirs(cfg)
     check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed
     check_run_inputs(cfg)
     deadline, source = resolve_run_deadline(cfg.checkpointing, time.time())  # auto + Slurm + checkpointing off: a ConfigError
@@ -70,6 +72,24 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
         control.restore_signal_handlers()
         faults.disarm()
         activate(None)
+
+
+def absolute_run_dirs(cfg: MasterConfig, cwd: str | Path | None = None) -> MasterConfig:
+    """``cfg`` with a relative ``logger.log_dir`` and ``checkpointing.checkpoint_dir`` made absolute against the
+    driver's working directory (``cwd``: this process's). Decided here, before any actor sees a path: an actor resolves
+    a relative path against its own working directory, which on a joined cluster or in a ``ray job submit`` job is not
+    the driver's (policy rank 0 wrote a checkpoint's weights there, and the driver's ``step_N`` had none)."""
+    base = Path(os.getcwd() if cwd is None else cwd)
+
+    def absolute(path: str) -> str:
+        return str(base / Path(path).expanduser())  # an absolute path stays as it is
+
+    return cfg.model_copy(
+        update={
+            "logger": cfg.logger.model_copy(update={"log_dir": absolute(cfg.logger.log_dir)}),
+            "checkpointing": cfg.checkpointing.model_copy(update={"checkpoint_dir": absolute(cfg.checkpointing.checkpoint_dir)}),
+        }
+    )
 
 
 def check_run_inputs(cfg: MasterConfig) -> None:

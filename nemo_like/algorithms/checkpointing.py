@@ -11,6 +11,7 @@ import yaml
 
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
+from nemo_like.models.policy.checkpoints import checkpoint_files
 from nemo_like.utils.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -39,7 +40,8 @@ def save_run(
 ) -> Path:
     """Write ``step_<step>/`` with policy weights, optimizer, RNG states, loader position and config.
 
-    ``loader_state`` replaces the driver loader's position (async: the collector owns the data);
+    The step is refused (:class:`CheckpointError`) when the policy's weights, its optimizer state or any other file
+    written here is missing from it (a worker that wrote them elsewhere). ``loader_state`` replaces the driver loader's position (async: the collector owns the data);
     ``extra_state`` goes into the JSON state; each ``extra_files`` value is ``torch.save``d under its name."""
     rng_holder: dict[str, Any] = {}
 
@@ -62,7 +64,8 @@ def save_run(
         "metrics": numeric,
         **(extra_state or {}),
     }
-    return manager.save(step, write_contents, state, parts.cfg.model_dump(mode="json"))
+    expected = (*checkpoint_files(parts.cfg.policy.lora_cfg.enabled), "worker_rng.pt", *(extra_files or {}))
+    return manager.save(step, write_contents, state, parts.cfg.model_dump(mode="json"), expected)
 
 
 def load_checkpoint_file(checkpoint: CheckpointInfo, name: str) -> Any:

@@ -61,8 +61,8 @@ class Teachers:
         self.models: dict[str, Any] = {}
         try:
             for i, name in enumerate(cfg.teacher.models()):
-                role = "teacher" if i == 0 else f"teacher{i}"
-                self.models[name] = Policy(teacher_config(cfg, name), role, trainable=False, plan=plan, wait=False)
+                group = "teacher" if i == 0 else f"teacher{i}"
+                self.models[name] = Policy(teacher_config(cfg, name), group, trainable=False, plan=plan, wait=False, role="teacher")
         except BaseException:
             self.shutdown()
             raise

@@ -8,8 +8,6 @@ and checks them against the connected cluster before any actor starts.
 
 from __future__ import annotations
 
-import os
-
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, sum_resources
 from nemo_like.distributed.worker_group import RoleResources
@@ -18,15 +16,16 @@ from nemo_like.experience.async_rollouts import async_actor_resources
 from nemo_like.models.engines import generation_resources
 from nemo_like.models.policy.policy import policy_resources
 from nemo_like.plan.run_plan import RunPlan
+from nemo_like.utils.cpus import local_cores
 
 
 def role_requests(cfg: MasterConfig, plan: RunPlan) -> list[RoleResources]:
     """Every role ``setup_grpo`` will start, as each role states it."""
-    roles = [policy_resources(cfg, True, plan.threads)]
+    roles = [policy_resources(cfg, "policy", plan.threads)]
     if plan.logprobs.load_reference_model:
-        roles.append(policy_resources(cfg, False, plan.threads))
+        roles.append(policy_resources(cfg, "reference", plan.threads))
     if plan.logprobs.compute_teacher:  # one group of frozen workers per teacher model
-        roles.extend(policy_resources(cfg, False, plan.threads, "teacher") for _ in cfg.teacher.models())
+        roles.extend(policy_resources(cfg, "teacher", plan.threads) for _ in cfg.teacher.models())
     roles.append(generation_resources(cfg, plan))
     roles.extend(environment_resources(cfg))
     if cfg.grpo.async_grpo.enabled:
@@ -63,7 +62,7 @@ def ensure_private_cluster_gpus(cfg: MasterConfig, plan: RunPlan) -> None:
     gpus = float(torch.cuda.device_count())
     if required["GPU"] <= gpus:
         return
-    available = {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1), "GPU": gpus}
+    available = {"CPU": float(cfg.cluster.num_cpus or local_cores()), "GPU": gpus}
     _check_against(cfg, plan, available, private_cluster_hint(gpus))
 
 

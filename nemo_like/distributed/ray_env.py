@@ -51,8 +51,10 @@ LOCAL_CLUSTER_DEFAULTS = {
 JOB_CONFIG_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 ADDRESS_VAR = "RAY_ADDRESS"
 
-# Variables forwarded from the driver to every actor when set there.
-FORWARDED_TO_WORKERS = ("HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")
+# Variables forwarded from the driver to every actor when set there. A private cluster's actors inherit the driver's
+# environment anyway; a joined cluster's inherit the `ray start` shell's, where a reward or environment module that
+# imports in the driver through PYTHONPATH would not import. (A job's working dir still comes first: Ray prepends it.)
+FORWARDED_TO_WORKERS = ("HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "PYTHONPATH")
 
 
 def in_ray_job(environ: Mapping[str, str] | None = None) -> bool:

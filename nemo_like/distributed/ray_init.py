@@ -5,7 +5,8 @@ Which cluster a run uses, first match wins:
 1. ``cluster.ray_address`` in the recipe (``auto`` means the cluster already running on this node);
 2. ``$RAY_ADDRESS``;
 3. the job's own cluster when the driver runs as a ``ray job submit`` entrypoint;
-4. otherwise a private local cluster with ``cluster.num_cpus`` CPUs and this machine's real GPUs.
+4. otherwise a private local cluster with ``cluster.num_cpus`` CPUs (default: the CPUs this process may use, its
+   cgroup CPU quota included: :func:`~nemo_like.utils.cpus.local_cores`) and this machine's real GPUs.
 
 A plain local run never attaches to some other cluster that happens to run on the machine, and its
 private cluster listens on 127.0.0.1 only, whatever was imported first (:func:`local_init_kwargs`).
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -23,6 +23,7 @@ from typing import Any
 
 from nemo_like.config.schema import ClusterConfig
 from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id
+from nemo_like.utils.cpus import local_cores
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def local_init_kwargs(cluster: ClusterConfig) -> dict[str, Any]:
     the capacity check before any actor starts (declaring them let the actors start and die later)."""
     return {
         "address": "local",
-        "num_cpus": cluster.num_cpus or os.cpu_count(),
+        "num_cpus": cluster.num_cpus or local_cores(),  # affinity and cgroup quota, as the thread split counts them
         "num_gpus": None if cluster.gpus_per_node else 0,  # None: Ray counts the visible GPUs
         "object_store_memory": cluster.object_store_memory_mb * 1024 * 1024,
         "include_dashboard": False,

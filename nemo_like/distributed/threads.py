@@ -12,14 +12,15 @@ __all__ = ["apply_thread_count", "local_cores", "node_cpus"]
 
 
 def node_cpus(cluster: Any = None) -> int:
-    """CPUs of the smallest alive node of the running Ray cluster, capped on this process's own node by the cores it
-    may use (a local cluster started with more logical CPUs than cores does not get more threads than cores). Before
+    """CPUs of the smallest alive node of the running Ray cluster, capped on this process's own node by the CPUs it
+    may use (:func:`local_cores`: its affinity and cgroup CPU quota; a local cluster started with more logical CPUs than
+    that does not get more threads). Before
     Ray starts: what the private cluster ``cluster`` (the ``cluster`` config section) will have, else this machine's
     cores."""
     import ray
 
     if not ray.is_initialized():
-        declared = getattr(cluster, "num_cpus", None) or os.cpu_count() or 1
+        declared = getattr(cluster, "num_cpus", None) or local_cores()
         return max(1, min(declared, local_cores()))
     here = ray.get_runtime_context().get_node_id()
     counts = []

@@ -11,7 +11,8 @@ are kept.
 
 A group started with ``node_id`` is pinned to that Ray node (``NodeAffinitySchedulingStrategy``, not soft)
 instead of placed in a placement group of its own: a colocated generation engine must run on the node of
-the policy rank whose GPU it shares.
+the policy rank whose GPU it shares. Its actors must be granted their resources on that node within the
+placement timeout, as a placement group must (:func:`wait_until_placed`).
 """
 
 from __future__ import annotations
@@ -180,6 +181,55 @@ def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s
     return pg
 
 
+def wait_until_placed(name: str, workers: list[Any], node_id: str, resources: WorkerResources, timeout_s: float) -> None:
+    """Wait until every actor of ``workers``, pinned to ``node_id``, has been granted its resources there (its process
+    runs; its constructor may still be running); :class:`PlacementError` naming the node and the resources asked and
+    available when one is not within ``timeout_s``, or when the node cannot run it at all (it lacks the resource).
+
+    Ray keeps a pinned actor pending for as long as its node lacks free resources (other groups hold them), with no
+    timeout of its own: the cluster-wide capacity check passes and setup hung forever on the first call."""
+    deadline = time.monotonic() + timeout_s
+    evict_at = time.monotonic() + min(timeout_s, 2.0)  # idle kept groups may hold the node's resources, as in reserve_bundles
+    pending = list(workers)
+    delay = 0.05
+    while pending:
+        states = [_pinned_state(worker) for worker in pending]
+        if any(state == "unplaceable" for state in states):
+            raise PlacementError(_pinned_shortfall(name, len(workers), node_id, resources, "the node cannot run it"))
+        pending = [worker for worker, state in zip(pending, states) if state == "pending"]
+        if pending and _POOL.idle and time.monotonic() >= evict_at:
+            _POOL.evict()
+        if pending and time.monotonic() >= deadline:
+            raise PlacementError(_pinned_shortfall(name, len(workers), node_id, resources, f"not granted within {timeout_s:.0f}s"))
+        if pending:
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(2 * delay, 0.5)
+
+
+def _pinned_state(worker: Any) -> str:
+    """``placed`` (a worker process holds the actor), ``pending`` (waiting for resources) or ``unplaceable`` (dead
+    before any process held it: its node does not have what it asks for), from the GCS actor table."""
+    info = ray._private.state.actors(actor_id=worker._actor_id.hex())  # noqa: SLF001 - the public state API needs the dashboard
+    if info.get("Pid") or info.get("State") == "ALIVE":
+        return "placed"
+    return "unplaceable" if info.get("State") == "DEAD" else "pending"
+
+
+def _pinned_shortfall(name: str, count: int, node_id: str, resources: WorkerResources, why: str) -> str:
+    """The message of a pinned group that could not be placed: node, resources asked, the node's total and free."""
+    asked = {k: v * count for k, v in resources.bundle().items()}
+    total = ray._private.state.total_resources_per_node().get(node_id, {})  # noqa: SLF001
+    free = ray._private.state.available_resources_per_node().get(node_id, {})  # noqa: SLF001
+
+    def shown(amounts: dict[str, float]) -> dict[str, float]:
+        return {k: amounts.get(k, 0.0) for k in resources.bundle()}
+
+    return (
+        f"Cannot place '{name}' on node {node_id} (pinned there): asked for {count} x {resources.bundle()} = {asked}, "
+        f"{why}; the node has {shown(total)} in total, {shown(free)} available now (other groups hold the rest)"
+    )
+
+
 class RayWorkerGroup:
     """``num_workers`` actors of ``actor_cls``; each gets ``rank`` and ``world_size`` keyword args."""
 
@@ -221,6 +271,12 @@ class RayWorkerGroup:
                 return
         self._pg = None if node_id is not None else reserve_bundles(name, resources, num_workers, placement_timeout_s, strategy)
         self.workers = [self._start(rank) for rank in range(num_workers)]
+        if node_id is not None:
+            try:
+                wait_until_placed(name, self.workers, node_id, resources, placement_timeout_s)
+            except BaseException:
+                self.kill()
+                raise
 
     def _start(self, rank: int) -> Any:
         """A new actor ``rank`` of this group (its bundle of the group's placement group, or the pinned node)."""

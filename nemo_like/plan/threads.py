@@ -23,7 +23,11 @@ An explicit count (``policy.num_threads_per_worker`` for the policy and referenc
 ``policy.generation.num_threads_per_worker`` for the engine) is used as given; in async, an ``auto``
 role then gets what the explicit one leaves: ``max(1, (cpus - threads in use by the other side) // its actors)``.
 
-Actors are assumed to spread evenly over ``cluster.num_nodes`` (``ceil(count / num_nodes)`` per node).
+Actors of one group on one node (:func:`ranks_per_node`): with ``cluster.placement_strategy`` ``SPREAD`` or
+``STRICT_SPREAD`` they spread evenly over ``cluster.num_nodes`` (``ceil(count / num_nodes)`` per node); with ``PACK``
+(the default) or ``STRICT_PACK`` Ray fills one node before the next, so the split counts the worst case: as many as fit
+on one node (``min(count, floor(node_cpus / policy.num_cpus_per_worker))``, and at most ``cluster.gpus_per_node`` on
+GPU nodes), never fewer than the even spread.
 The node's CPUs are read from the cluster once (:func:`nemo_like.distributed.threads.node_cpus`) and passed in;
 the split is part of the run plan (:mod:`nemo_like.plan.run_plan`).
 """
@@ -168,22 +172,49 @@ def per_node(count: int, num_nodes: int) -> int:
     return math.ceil(count / max(1, num_nodes))
 
 
+PACKING_STRATEGIES = ("PACK", "STRICT_PACK")
+
+
+def ranks_per_node(count: int, num_nodes: int, strategy: str, fit: int) -> int:
+    """The most of ``count`` actors (one bundle each) that may run on one node under the Ray placement ``strategy``:
+    spread evenly for ``SPREAD`` / ``STRICT_SPREAD``; for ``PACK`` / ``STRICT_PACK``, whose bundles fill a node before
+    the next, as many as ``fit`` (the bundles one node holds) allow, and never fewer than the even spread."""
+    even = per_node(count, num_nodes)
+    if strategy not in PACKING_STRATEGIES:
+        return even
+    return max(even, min(count, max(1, fit)))
+
+
+def bundles_per_node(cfg: Any, cpus: int) -> int:
+    """How many policy-sized bundles (``policy.num_cpus_per_worker`` CPUs, one GPU on GPU nodes) one node of ``cpus``
+    CPUs holds."""
+    fit = math.floor(cpus / cfg.policy.num_cpus_per_worker + 1e-9)
+    if cfg.cluster.gpus_per_node:
+        fit = min(fit, cfg.cluster.gpus_per_node)
+    return max(1, fit)
+
+
 def explicit_count(value: Any) -> int | None:
     """A config value (an int or ``"auto"``) as an explicit count, or None for automatic."""
     return None if value in (AUTO, None) else int(value)
 
 
-def phase_actors(cfg: Any, logprobs: LogprobPlan) -> PhaseActors:
-    """Actors of each role on one node for the run ``cfg`` describes, with its decided logprob passes."""
-    nodes = cfg.cluster.num_nodes
+def phase_actors(cfg: Any, logprobs: LogprobPlan, cpus: int) -> PhaseActors:
+    """Actors of each role on one node of ``cpus`` CPUs (the most that may land there: :func:`ranks_per_node`) for the
+    run ``cfg`` describes, with its decided logprob passes."""
+    strategy, fit = cfg.cluster.placement_strategy, bundles_per_node(cfg, cpus)
+
+    def on_one_node(count: int) -> int:
+        return ranks_per_node(count, cfg.cluster.num_nodes, strategy, fit)
+
     ranks = cfg.policy.dp_size * cfg.policy.dtensor_cfg.tensor_parallel_size
     return PhaseActors(
-        policy=per_node(ranks, nodes),
-        reference=per_node(ranks, nodes) if logprobs.load_reference_model else 0,  # LoRA: the policy is the reference
-        generation=per_node(GENERATION_ENGINES, nodes),
+        policy=on_one_node(ranks),
+        reference=on_one_node(ranks) if logprobs.load_reference_model else 0,  # LoRA: the policy is the reference
+        generation=on_one_node(GENERATION_ENGINES),
         prev_pass=logprobs.compute_prev,
         reference_beside_training=cfg.grpo.async_grpo.enabled and logprobs.load_reference_model,
-        teacher=per_node(ranks * len(cfg.teacher.models()), nodes) if logprobs.compute_teacher else 0,
+        teacher=on_one_node(ranks * len(cfg.teacher.models())) if logprobs.compute_teacher else 0,
     )
 
 
@@ -191,7 +222,7 @@ def thread_split(cfg: Any, cpus: int, logprobs: LogprobPlan) -> ThreadSplit:
     """The run's split: ``cfg``'s explicit counts, its roles and mode, on ``cpus`` per node."""
     return split_threads(
         cpus,
-        phase_actors(cfg, logprobs),
+        phase_actors(cfg, logprobs, cpus),
         cfg.grpo.async_grpo.enabled,
         explicit_count(cfg.policy.num_threads_per_worker),
         explicit_count(cfg.policy.generation.num_threads_per_worker),

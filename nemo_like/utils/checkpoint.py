@@ -26,7 +26,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,11 +219,20 @@ class CheckpointManager:
             print(f"[checkpoint] restored {final} from {which} of an interrupted re-save: {source.name}", file=sys.stderr, flush=True)
 
     # -- saving --------------------------------------------------------------------------------
-    def save(self, step: int, write_contents: Callable[[Path], None], state: dict[str, Any], config: dict[str, Any]) -> Path:
+    def save(
+        self,
+        step: int,
+        write_contents: Callable[[Path], None],
+        state: dict[str, Any],
+        config: dict[str, Any],
+        expected_files: Sequence[str] = (),
+    ) -> Path:
         """Atomically create ``step_<step>/``: ``write_contents(tmp_dir)`` writes the heavy parts.
 
-        On any failure (a full disk included) the temporary directory is removed, the previous
-        checkpoints are untouched, and a :class:`CheckpointError` says what happened.
+        ``expected_files``: paths relative to the step directory that ``write_contents`` must have written (the policy
+        weights, the optimizer state); the step is refused when one is missing. On any failure (a full disk included,
+        a missing expected file) the temporary directory is removed, the previous checkpoints are untouched, and a
+        :class:`CheckpointError` says what happened.
         """
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{TMP_PREFIX}{step}_{os.getpid()}"
@@ -232,6 +241,7 @@ class CheckpointManager:
         try:
             tmp.mkdir()
             write_contents(tmp)
+            check_written(tmp, expected_files)
             (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
             (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}))
             fsync_tree(tmp)
@@ -288,6 +298,23 @@ class CheckpointManager:
         return (value if self.higher_is_better else -value, measured_here, checkpoint.step)
 
 
+class MissingCheckpointFiles(CheckpointError):
+    """The writers of a checkpoint returned without error but left out files it must hold."""
+
+
+def check_written(directory: Path, expected_files: Sequence[str]) -> None:
+    """Raise :class:`MissingCheckpointFiles` naming each of ``expected_files`` (relative to ``directory``) that is not
+    there. A writer on another node, or with another working directory, writes its files somewhere else and returns
+    without error: the step must not become a ``step_N`` that reads as complete without its weights."""
+    missing = [name for name in expected_files if not (directory / name).exists()]
+    if missing:
+        raise MissingCheckpointFiles(
+            f"the workers wrote no {', '.join(missing)} into {directory} (they wrote them elsewhere: a worker on another "
+            "node or in another working directory); set checkpointing.checkpoint_dir to an absolute path on storage "
+            "every node sees"
+        )
+
+
 #: Free bytes below which a failed save is reported as a full disk (the writers' errors do not always say so:
 #: ``torch.save`` raises a RuntimeError such as "unexpected pos" on a full device).
 NEARLY_FULL_BYTES = 1 << 20
@@ -296,6 +323,8 @@ NEARLY_FULL_BYTES = 1 << 20
 def save_failure_reason(exc: BaseException, root: Path) -> str:
     """Why a checkpoint save failed, for its error message: "no space left on device" when an ENOSPC is anywhere in
     the exception's chain or the checkpoint directory's device is (nearly) full, else the exception's first line."""
+    if isinstance(exc, MissingCheckpointFiles):
+        return str(exc)
     seen: BaseException | None = exc
     while seen is not None:
         if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) or "No space left on device" in str(seen):

@@ -14,6 +14,20 @@ import torch
 from nemo_like.models import lora as lora_lib
 from nemo_like.models.policy import sharding
 
+#: Where :meth:`Checkpoints.save_checkpoint` puts the weights (``policy/``) and the optimizer state, in a step directory.
+POLICY_DIR = "policy"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def checkpoint_files(lora: bool) -> tuple[str, ...]:
+    """The files a complete policy save writes, relative to the step directory: the weights (the adapters with LoRA),
+    their config and the optimizer state. The driver checks them before the step becomes ``step_N``."""
+    if lora:
+        weights = (lora_lib.ADAPTER_WEIGHTS, lora_lib.ADAPTER_CONFIG)
+    else:
+        weights = ("model.safetensors", "config.json")
+    return (*(f"{POLICY_DIR}/{name}" for name in weights), OPTIMIZER_FILE)
+
 
 class Checkpoints:
     """Save and load everything a resumed run needs; collectives on a sharded model (call them on every rank)."""
@@ -36,7 +50,7 @@ class Checkpoints:
         weights = sharding.gather_model_state(self.model)
         optim = sharding.gather_optimizer_state(self.model, self.optimizer)
         if self.rank == 0:
-            path = Path(directory) / "policy"
+            path = Path(directory) / POLICY_DIR
             path.mkdir(parents=True, exist_ok=True)
             if getattr(self.model.config, "tie_word_embeddings", False):
                 weights.pop("lm_head.weight", None)  # HF convention: the tied head is not stored
@@ -50,7 +64,7 @@ class Checkpoints:
     def _save_optimizer(self, directory: Any, optim: dict[str, Any]) -> None:
         torch.save(
             {"optimizer": optim, "scheduler": self.scheduler.state_dict(), "weight_version": self.weight_version},
-            directory / "optimizer.pt",
+            directory / OPTIMIZER_FILE,
         )
 
     @staticmethod
@@ -63,7 +77,7 @@ class Checkpoints:
         adapters = dict(self._refit_tensors("adapter", keep=self.rank == 0))
         optim = sharding.gather_optimizer_state(self.model, self.optimizer)
         if self.rank == 0:
-            lora_lib.write_adapter(directory / "policy", adapters, lora_lib.adapter_config_dict(self.model))
+            lora_lib.write_adapter(directory / POLICY_DIR, adapters, lora_lib.adapter_config_dict(self.model))
             self._save_optimizer(directory, optim)
         return self._rng_state()
 

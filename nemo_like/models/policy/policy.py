@@ -78,12 +78,17 @@ def optimizer_step_shards(batch: Batch, num_steps: int, dp_size: int) -> list[li
     return per_rank
 
 
-def policy_resources(cfg: MasterConfig, trainable: bool, split: ThreadSplit, name: str = "policy") -> RoleResources:
-    """The policy, the reference or the teacher (``name="teacher"``, frozen): ``policy.dp_size x tensor_parallel_size``
-    workers each (frozen models are sharded like the policy), CPUs each, threads each as the run plan's ``split`` says,
-    one GPU each on GPU clusters."""
+#: The roles a :class:`Policy` group plays; each gets its own threads from the run plan's split.
+POLICY_ROLES = ("policy", "reference", "teacher")
+
+
+def policy_resources(cfg: MasterConfig, role: str, split: ThreadSplit) -> RoleResources:
+    """The policy, the reference or a teacher (``role``, one of :data:`POLICY_ROLES`; every teacher model's group is a
+    ``teacher``, whatever its name): ``policy.dp_size x tensor_parallel_size`` workers each (frozen models are sharded
+    like the policy), CPUs each, threads each as the run plan's ``split`` says, one GPU each on GPU clusters."""
+    if role not in POLICY_ROLES:
+        raise ValueError(f"a policy group's role must be one of {POLICY_ROLES}, got {role!r}")
     pc = cfg.policy
-    role = "policy" if trainable else ("teacher" if name == "teacher" else "reference")
     resources = WorkerResources(
         num_cpus=pc.num_cpus_per_worker,
         num_gpus=1.0 if cfg.cluster.gpus_per_node else 0.0,
@@ -123,13 +128,16 @@ class Policy:
         plan: RunPlan | None = None,
         *,
         wait: bool = True,
+        role: str | None = None,
     ) -> None:
         """``loss_fn``: the run's loss (a :class:`~nemo_like.models.policy.loss_protocol.LossFunction`, e.g. the clipped
         PG loss), built once by the driver (required when ``trainable``; the reference needs none). ``plan``: the run's
         plan (its thread split, and what a refit sends: :func:`nemo_like.plan.refit.refit_mode`); ``None``, for a caller
         outside a run: decided here on the running cluster. Every worker is built from one
         :class:`~nemo_like.models.policy.spec.PolicyWorkerSpec` of ``cfg``. ``wait=False``: return once the workers are
-        spawned; :meth:`wait_ready` then waits for them (so that several models' workers start at the same time)."""
+        spawned; :meth:`wait_ready` then waits for them (so that several models' workers start at the same time).
+        ``role``: whose threads of the plan's split the workers get (:func:`policy_resources`); ``None``: ``policy``
+        when ``trainable``, else ``reference`` (a teacher passes ``teacher``: its group names are its own)."""
         if trainable and loss_fn is None:
             raise ValueError(f"the trainable policy '{name}' needs the run's loss_fn")
         self.cfg = cfg
@@ -139,11 +147,17 @@ class Policy:
             from nemo_like.distributed.planning import plan_on_cluster
 
             plan = plan_on_cluster(cfg)
-        role = policy_resources(cfg, trainable, plan.threads, name)
-        num_workers = role.count
-        init = dict(spec=PolicyWorkerSpec.from_config(cfg, trainable, loss_fn, role.resources.num_threads))
+        request = policy_resources(cfg, role or ("policy" if trainable else "reference"), plan.threads)
+        num_workers = request.count
+        init = dict(spec=PolicyWorkerSpec.from_config(cfg, trainable, loss_fn, request.resources.num_threads))
         self.group = RayWorkerGroup(
-            name, PolicyWorker, num_workers, role.resources, init, cfg.cluster.placement_timeout_s, strategy=cfg.cluster.placement_strategy
+            name,
+            PolicyWorker,
+            num_workers,
+            request.resources,
+            init,
+            cfg.cluster.placement_timeout_s,
+            strategy=cfg.cluster.placement_strategy,
         )
         self.name = name
         self._ready = False

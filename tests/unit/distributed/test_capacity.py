@@ -13,7 +13,7 @@ from nemo_like.algorithms import roles as capacity
 from nemo_like.algorithms.roles import declared_resources
 from nemo_like.config import MasterConfig, load_config
 from nemo_like.distributed.capacity import check_cluster_capacity, shortfall
-from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id
+from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id, worker_env_vars
 from nemo_like.distributed.worker_group import PlacementError
 from nemo_like.models.generation.vllm import vllm_available
 from nemo_like.plan.logprob_passes import LogprobPlan
@@ -138,6 +138,16 @@ def test_local_defaults_fill_gaps_only_and_are_taken_back_when_joining(monkeypat
     apply_driver_defaults(joining=False)
     apply_driver_defaults(joining=True)
     assert os.environ["RAY_AUTH_MODE"] == "token"
+
+
+def test_actors_get_the_drivers_pythonpath(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """On a joined cluster the actors' environment is the `ray start` shell's: a reward module importable in the driver
+    through PYTHONPATH failed to import in them."""
+    path = f"{tmp_path / 'userpkg'}:{tmp_path / 'more'}"
+    monkeypatch.setenv("PYTHONPATH", path)
+    assert worker_env_vars().get("PYTHONPATH") == path and worker_env_vars(2) == {**worker_env_vars(), "OMP_NUM_THREADS": "2"}
+    monkeypatch.delenv("PYTHONPATH")
+    assert "PYTHONPATH" not in worker_env_vars()
 
 
 def test_async_adds_the_collector_and_buffer_actors() -> None:

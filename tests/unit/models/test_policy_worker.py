@@ -8,6 +8,7 @@ from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.config.schema import EMBEDDED_MODEL, OptimizerConfig
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.logprobs import gather_token_logprobs
+from nemo_like.models.policy.checkpoints import checkpoint_files
 from nemo_like.models.policy.worker import PolicyWorker
 
 
@@ -124,6 +125,7 @@ def test_a_resumed_worker_trains_with_this_runs_optimizer_settings(tmp_path) -> 
     for seed in (0, 1):
         first.train([with_global_counts(random_batch(seed=seed))])
     first.save_checkpoint(str(tmp_path))
+    assert all((tmp_path / name).is_file() for name in checkpoint_files(lora=False))  # what the driver checks a save for
     resumed = make_worker(4, optimizer=OptimizerConfig(lr=1e-5, weight_decay=0.5, betas=[0.8, 0.9], eps=1e-6), warmup_steps=10)
     resumed.load_checkpoint(str(tmp_path), None)
     group = resumed.optimizer.param_groups[0]

@@ -26,8 +26,8 @@ def threads(split: ThreadSplit) -> tuple[int, int, int]:
     return split.policy, split.reference, split.generation
 
 
-def actors_of(cfg) -> PhaseActors:
-    return phase_actors(cfg, decide_logprob_passes(cfg))
+def actors_of(cfg, cpus: int = 2) -> PhaseActors:
+    return phase_actors(cfg, decide_logprob_passes(cfg), cpus)
 
 
 def split_of(cfg, cpus: int) -> ThreadSplit:
@@ -108,8 +108,8 @@ def test_oversubscription_needs_multi_threaded_actors():
 
 def test_actors_spread_over_nodes():
     assert [per_node(n, 2) for n in (1, 2, 3, 8)] == [1, 1, 2, 4]
-    cfg = load_config(SYNC, ["policy.dp_size=4", "policy.dtensor_cfg.enabled=true", "cluster.num_nodes=2"])
-    assert actors_of(cfg) == PhaseActors(policy=2, reference=2, generation=1, prev_pass=False)
+    spread = ["policy.dp_size=4", "policy.dtensor_cfg.enabled=true", "cluster.num_nodes=2", "cluster.placement_strategy=SPREAD"]
+    assert actors_of(load_config(SYNC, spread)) == PhaseActors(policy=2, reference=2, generation=1, prev_pass=False)
     cfg = load_config(SYNC, ["loss_fn.reference_policy_kl_penalty=0"])
     assert actors_of(cfg).reference == 0
 

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from nemo_like.models.policy.checkpoints import checkpoint_files
 from nemo_like.utils.checkpoint import (
     VALIDATED_AT_STEP,
     CheckpointError,
@@ -59,6 +60,21 @@ def test_a_failing_writer_keeps_the_previous_checkpoint(tmp_path):
         manager.save(2, fail_in_a_worker, {"metrics": {}}, {})
     assert [c.step for c in manager.valid_checkpoints()] == [1]
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_a_save_whose_workers_wrote_nothing_here_is_refused_and_the_previous_checkpoint_kept(tmp_path):
+    """A policy rank whose working directory differs from the driver's wrote a relative checkpoint_dir's weights into its
+    own directory and returned without error: the driver renamed a step_N without weights into place, valid to latest()."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, write_blob(10), {"metrics": {}}, {}, expected_files=())
+    for lora in (False, True):
+        with pytest.raises(
+            CheckpointError, match=r"step_2 .* failed: the workers wrote no policy/.*optimizer\.pt .*absolute path .*every node"
+        ):
+            manager.save(2, lambda tmp: None, {"metrics": {}}, {}, expected_files=checkpoint_files(lora))
+        assert [c.step for c in manager.valid_checkpoints()] == [1] and not (tmp_path / "step_2").exists()
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".nemo_like.lock") == ["step_1"]
+        assert (tmp_path / "step_1" / "blob.bin").stat().st_size == 10
 
 
 def test_keep_top_k_by_metric_always_keeps_the_latest(tmp_path):
