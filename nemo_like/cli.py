@@ -144,7 +144,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="Recipe YAML (its data, env, policy.generation and eval sections).")
     parser.add_argument("--dry-run", action="store_true", help="Print the resolved recipe and exit.")
-    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. eval.model_path=results/grpo/step_50 eval.pass_k=[1,4]")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra-style overrides, e.g. eval.model_path=results/grpo/step_50 eval.num_samples_per_prompt=4 'eval.pass_k=[1,4]'",
+    )
 
 
 def load_checked_recipe(args: argparse.Namespace) -> MasterConfig | None:
