@@ -336,6 +336,13 @@ def test_reward_group_metrics():
     assert metrics["baseline_reward/pct_mixed"] == pytest.approx(2 / 4)
 
 
+def test_a_group_mean_outside_zero_one_is_in_none_of_the_three_shares():
+    # Groups: 0 -> [2, 3] (partial rewards above 1: neither all 0, all 1 nor mixed), 1 -> [0, 1] (mixed).
+    metrics = reward_group_metrics(T([2.0, 3.0, 0.0, 1.0]), T([0, 0, 1, 1]), T([1, 1, 1, 1]))
+    assert metrics["baseline_reward/pct_mixed"] == pytest.approx(1 / 2)
+    assert metrics["baseline_reward/pct_0"] == metrics["baseline_reward/pct_1"] == 0.0
+
+
 def test_reward_group_metrics_no_valid_sample_is_zero():
     metrics = reward_group_metrics(T([1.0, 0.0]), T([0, 0]), T([0, 0]))
     assert set(metrics) == {

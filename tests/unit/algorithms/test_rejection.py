@@ -168,7 +168,9 @@ def test_sequence_statistic_values_are_reported() -> None:
 def test_rejection_on_an_empty_batch_reports_zeros() -> None:
     for level in ("token", "sequence"):
         batch = _batch([[None]], sample_mask=[1.0])
-        m = apply_rollout_rejection(RolloutRejectionConfig(level=level, lower=0.5, upper=2.0), batch)
+        cfg = RolloutRejectionConfig(level=level, lower=0.5, upper=2.0)
+        m = apply_rollout_rejection(cfg, batch)
+        assert set(m) == set(apply_rollout_rejection(cfg, _batch(SEQ_ROWS))), m  # every metric, not none (an empty dict passed)
         assert all(v == 0.0 for v in m.values()), m
 
 
