@@ -18,7 +18,7 @@ from nemo_like.plan.memory import DTYPE_BYTES, ModelShape, ParameterSpec
 
 
 def model_config_path(
-    model_name: str, config_path: str | None = None, key: str = "policy.model_name", flag: str = "--model-config PATH"
+    model_name: str, config_path: str | Path | None = None, key: str = "policy.model_name", flag: str = "--model-config PATH"
 ) -> Path:
     """The ``config.json`` describing ``model_name``: ``config_path`` (a file or a directory holding one) when given,
     else the model's own (a local directory, a shipped or cached model). A model whose config is not on this machine
@@ -43,17 +43,16 @@ def model_config_path(
 
 
 def model_footprint(
-    model_name: str, precision: str, lora_cfg: Any = None, config_path: str | None = None, config_path_of: Path | None = None
+    model_name: str, precision: str, lora_cfg: Any = None, config_path: str | Path | None = None
 ) -> tuple[list[ParameterSpec], ModelShape]:
     """Every parameter of ``model_name`` as a policy worker holds it: float32 masters; with ``lora_cfg`` enabled the
     base in the compute dtype (``precision``) and float32 adapters, only the adapters trainable. ``config_path``: a
-    ``config.json`` to use instead of the model's (:func:`model_config_path`); ``config_path_of``: the one already
-    found (a teacher's: :func:`teacher_config_paths`)."""
+    ``config.json`` to use instead of the model's (:func:`model_config_path`; a teacher's: :func:`teacher_config_paths`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from nemo_like.models.policy.sharding import decoder_layers, tensor_parallel_dims
 
-    path = config_path_of or model_config_path(model_name, config_path)
+    path = model_config_path(model_name, config_path)
     config = AutoConfig.for_model(**json.loads(path.read_text()))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -80,14 +79,14 @@ def model_footprint(
     return specs, shape
 
 
-def matmul_parameters(model_name: str, config_path: str | None = None, config_path_of: Path | None = None) -> int:
+def matmul_parameters(model_name: str, config_path: str | Path | None = None) -> int:
     """N of :func:`~nemo_like.utils.flops.matmul_params` for ``model_name`` (its ``config.json``:
-    :func:`model_config_path`, or ``config_path_of`` when already found; nothing loaded)."""
+    :func:`model_config_path`; nothing loaded)."""
     from transformers import AutoConfig
 
     from nemo_like.utils.flops import matmul_params
 
-    path = config_path_of or model_config_path(model_name, config_path)
+    path = model_config_path(model_name, config_path)
     return matmul_params(AutoConfig.for_model(**json.loads(path.read_text())))
 
 
@@ -113,7 +112,7 @@ def teacher_footprints(cfg: Any, paths: Mapping[str, Path]) -> dict[str, tuple[l
     """Each teacher model's parameters and shape (by name, from its ``config.json`` in ``paths``), at the teachers'
     precision."""
     precision = cfg.teacher.precision or cfg.policy.precision
-    return {name: model_footprint(name, precision, config_path_of=path) for name, path in paths.items()}
+    return {name: model_footprint(name, precision, config_path=path) for name, path in paths.items()}
 
 
 def needs_teachers(cfg: Any, run_plan: Any) -> bool:
@@ -158,7 +157,7 @@ def memory_report(
         from nemo_like.utils.flops import training_flops_per_token
 
         n = matmul_parameters(cfg.policy.model_name, config_path)
-        teacher_n = {name: matmul_parameters(name, config_path_of=path) for name, path in paths.items()}
+        teacher_n = {name: matmul_parameters(name, config_path=path) for name, path in paths.items()}
         lora = sum(math.prod(p.shape) for p in params if p.trainable) if cfg.policy.lora_cfg.enabled else None
         step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teacher_n, trained_token_flops=training_flops_per_token(n, lora))
     memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teachers, step)
