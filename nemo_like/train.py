@@ -17,7 +17,15 @@ from typing import Any
 from nemo_like.algorithms.checkpointing import find_resume_checkpoint, trim_metrics_after
 from nemo_like.algorithms.grpo import async_grpo_train, grpo_train
 from nemo_like.algorithms.names import check_plugin_names
-from nemo_like.algorithms.restarts import RESTARTS_METRIC, WorkerDeath, check_restart, dead_role, restart_checkpoint, restart_line
+from nemo_like.algorithms.restarts import (
+    RESTARTS_METRIC,
+    WorkerDeath,
+    check_restart,
+    checkpoint_stamps,
+    dead_role,
+    restart_checkpoint,
+    restart_line,
+)
 from nemo_like.algorithms.setup import GRPOComponents, setup_grpo
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed import faults, supervision
@@ -179,8 +187,8 @@ def find_resume_checkpoint_quietly(cfg: MasterConfig) -> str | None:
 def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[dict[str, Any]]:
     """Train; a dead policy or reference worker restarts the run from its last checkpoint in this process, at most
     ``cluster.fault_tolerance.max_restarts`` times (:mod:`nemo_like.algorithms.restarts`)."""
-    run_started = time.time()  # checkpoints written since then are this run's: a restart may resume from them
     started_from = resume_from = find_resume_checkpoint(cfg)
+    at_start = checkpoint_stamps(Path(cfg.checkpointing.checkpoint_dir))  # the checkpoints that are not this run's
     metrics_path = Path(cfg.logger.log_dir) / "metrics.jsonl"
     if resume_from is not None:  # steps logged after the checkpoint are redone: drop their records
         trim_metrics_after(metrics_path, resume_from.step)
@@ -201,14 +209,14 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
         manager = CheckpointManager(cfg.checkpointing.checkpoint_dir)
         stop = control.stop_reason()
         if stop is not None:  # asked to stop (a signal, the deadline): restarting would spend the grace time on setup
-            latest = restart_checkpoint(manager.valid_checkpoints(), run_started, started_from) if cfg.checkpointing.enabled else None
+            latest = restart_checkpoint(manager.valid_checkpoints(), at_start, started_from) if cfg.checkpointing.enabled else None
             print(f"[restart] the {outcome.describe()}; not restarting: the run was asked to stop ({stop.what})", file=sys.stderr)
             raise RunInterrupted(stop, max(outcome.step - 1, 0), None if latest is None else str(latest.path)) from outcome.error
         check_restart(outcome, deaths, cfg.cluster.fault_tolerance.max_restarts, cfg.checkpointing.enabled)
         deaths.append(outcome)
         for path in manager.remove_partial_saves():
             print(f"[checkpoint] removed an interrupted save: {path}", file=sys.stderr)
-        resume_from = restart_checkpoint(manager.valid_checkpoints(), run_started, started_from)
+        resume_from = restart_checkpoint(manager.valid_checkpoints(), at_start, started_from)
         resumed_step = resume_from.step if resume_from is not None else -1  # -1: nothing this run logged is kept
         trim_metrics_after(metrics_path, resumed_step, from_byte=metrics_start)
         kept = [r for r in kept + logger.records if r["step"] <= resumed_step]

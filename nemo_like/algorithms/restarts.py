@@ -11,11 +11,13 @@ checkpoint (:func:`restart_checkpoint`), and the lines that say so.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from nemo_like.distributed.worker_group import WorkerFailure
-from nemo_like.utils.checkpoint import CheckpointInfo
+from nemo_like.utils.checkpoint import STATE_FILE, CheckpointInfo
 
 #: The roles whose worker's death restarts the run (on a CPU sync run the policy worker also samples; a teacher is a
 #: frozen model sharded like the reference).
@@ -81,24 +83,41 @@ def check_restart(death: WorkerDeath, earlier: Sequence[WorkerDeath], max_restar
         ) from death.error
 
 
+#: A checkpoint's identity on disk: its ``trainer_state.json``'s (inode, mtime in ns).
+Stamp = tuple[int, int]
+
+
+def checkpoint_stamps(root: Path) -> dict[Path, Stamp]:
+    """The identity of each checkpoint under ``root``, taken when a run starts: a checkpoint whose identity differs
+    later (new, or saved again, which writes a new file) is this run's. No clocks are compared: a file's mtime comes
+    from the kernel's coarse clock and can read earlier than a ``time.time()`` taken just before the file was written."""
+    stamps = {}
+    for state_file in root.glob(f"step_*/{STATE_FILE}"):
+        with contextlib.suppress(OSError):
+            stat = state_file.stat()
+            stamps[state_file.parent] = (stat.st_ino, stat.st_mtime_ns)
+    return stamps
+
+
 def restart_checkpoint(
-    checkpoints: Sequence[CheckpointInfo], written_since: float, started_from: CheckpointInfo | None
+    checkpoints: Sequence[CheckpointInfo], at_start: Mapping[Path, Stamp], started_from: CheckpointInfo | None
 ) -> CheckpointInfo | None:
-    """The checkpoint a restart resumes from: the newest one this run wrote (its files changed at or after
-    ``written_since``, the run's start, as a Unix time), else the one the run started from, else ``None`` (step 0: the
-    same as a fresh start). Checkpoints that other runs left in the directory (``checkpointing.resume=false``) are
-    never taken."""
-    candidates = [c for c in checkpoints if _mtime(c) >= written_since]
+    """The checkpoint a restart resumes from: the newest one this run wrote (not in ``at_start``, the
+    :func:`checkpoint_stamps` taken when the run started, or changed since), else the one the run started from, else
+    ``None`` (step 0: the same as a fresh start). Checkpoints that other runs left in the directory
+    (``checkpointing.resume=false``) are never taken."""
+    candidates = [c for c in checkpoints if (stamp := _stamp(c)) is not None and at_start.get(c.path) != stamp]
     if started_from is not None and started_from.path.is_dir():
         candidates.append(started_from)
     return max(candidates, key=lambda c: c.step, default=None)
 
 
-def _mtime(checkpoint: CheckpointInfo) -> float:
+def _stamp(checkpoint: CheckpointInfo) -> Stamp | None:
     try:
-        return (checkpoint.path / "trainer_state.json").stat().st_mtime
+        state = (checkpoint.path / STATE_FILE).stat()
     except OSError:
-        return float("-inf")
+        return None
+    return state.st_ino, state.st_mtime_ns
 
 
 def restart_line(death: WorkerDeath, attempt: int, max_restarts: int, checkpoint: CheckpointInfo | None) -> str:

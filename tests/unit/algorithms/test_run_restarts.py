@@ -4,7 +4,6 @@ trim, and the driver's loop (nemo_like/train.py) with the attempts faked (no Ray
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from nemo_like import train as train_module
 from nemo_like.algorithms.checkpointing import trim_metrics_after
-from nemo_like.algorithms.restarts import RunRestartError, WorkerDeath, check_restart, dead_role, restart_checkpoint
+from nemo_like.algorithms.restarts import RunRestartError, WorkerDeath, check_restart, checkpoint_stamps, dead_role, restart_checkpoint
 from nemo_like.config import load_config
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.utils.checkpoint import CheckpointInfo
@@ -57,22 +56,25 @@ def test_a_restart_needs_checkpointing_and_stops_past_max_restarts_listing_every
         check_restart(first, [], max_restarts=0, checkpointing=False)
 
 
-def checkpoint(root: Path, step: int, mtime: float) -> CheckpointInfo:
+def checkpoint(root: Path, step: int) -> CheckpointInfo:
     path = root / f"step_{step}"
-    path.mkdir(parents=True)
-    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
-    os.utime(path / "trainer_state.json", (mtime, mtime))
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "trainer_state.json.tmp").write_text(json.dumps({"step": step}))
+    (path / "trainer_state.json.tmp").replace(path / "trainer_state.json")  # a new file, as a save writes
     return CheckpointInfo(step, path, {"step": step})
 
 
 def test_a_restart_resumes_from_this_runs_newest_checkpoint_else_the_one_it_started_from(tmp_path):
-    now = time.time()
-    old_later_run = checkpoint(tmp_path, 9, now - 100)  # left by another run (checkpointing.resume=false): never taken
-    started = checkpoint(tmp_path, 3, now - 50)
-    assert restart_checkpoint([started, old_later_run], now, started) is started
-    assert restart_checkpoint([started, old_later_run], now, None) is None  # step 0, as a fresh start
-    own = checkpoint(tmp_path, 4, now + 1)
-    assert restart_checkpoint([started, own, old_later_run], now, started) is own
+    old_later_run = checkpoint(tmp_path, 9)  # left by another run (checkpointing.resume=false): never taken
+    started = checkpoint(tmp_path, 3)
+    at_start = checkpoint_stamps(tmp_path)
+    assert set(at_start) == {old_later_run.path, started.path}
+    assert restart_checkpoint([started, old_later_run], at_start, started) is started
+    assert restart_checkpoint([started, old_later_run], at_start, None) is None  # step 0, as a fresh start
+    own = checkpoint(tmp_path, 4)  # written at once: no clock tick between the run's start and this save
+    assert restart_checkpoint([started, own, old_later_run], at_start, started) is own
+    checkpoint(tmp_path, 9)  # this run saved step_9 again over the other run's
+    assert restart_checkpoint([started, own, old_later_run], at_start, started) is old_later_run
 
 
 def test_trimming_metrics_keeps_earlier_runs_bytes_and_drops_later_steps_and_a_torn_line(tmp_path):
