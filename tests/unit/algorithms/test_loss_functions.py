@@ -533,3 +533,43 @@ def test_metric_values_are_python_floats_and_loss_equals_metric() -> None:
 def test_constructor_accepts_a_plain_mapping() -> None:
     fn = ClippedPGLossFn({"ratio_clip_max": 0.28})
     assert fn.cfg.ratio_clip_max == 0.28 and fn.surrogate_name == "ppo_clip"
+
+
+def test_truncations_and_the_dppo_band_honour_each_bound_on_its_own_side():
+    """Asymmetric bounds, values on and past each bound: a lower bound read as the upper one (or a strict comparison
+    turned loose) moves a flag or a weight here."""
+    from nemo_like.algorithms.loss_functions import (
+        LossInputs,
+        dppo_binary_tv_keep_mask,
+        icepop_truncation,
+        seq_mask_tis_truncation,
+        tis_truncation,
+    )
+
+    log = lambda *xs: torch.tensor([math.log(x) for x in xs], dtype=torch.float64)  # noqa: E731
+    log_w = log(0.25, 0.5, 1.0, 2.0, 4.0)  # low 0.5 and high 2.0 are hit exactly
+    weights, out = tis_truncation(log_w, log_w, 0.5, 2.0)
+    assert torch.allclose(weights, torch.tensor([0.5, 0.5, 1.0, 2.0, 2.0], dtype=torch.float64))
+    assert out.tolist() == [True, False, False, False, True]
+    weights, out = icepop_truncation(log_w, log_w, 0.5, 2.0)
+    assert torch.allclose(weights, torch.tensor([0.0, 0.5, 1.0, 2.0, 0.0], dtype=torch.float64))
+    assert out.tolist() == [True, False, False, False, True]
+    weights, out = tis_truncation(log_w, log_w, None, 2.0)  # no lower bound: 0
+    assert out.tolist() == [False, False, False, False, True] and weights[0].item() == pytest.approx(0.25)
+    token_log_w = torch.zeros(5, 2, dtype=torch.float64)
+    weights, out = seq_mask_tis_truncation(token_log_w, log_w, 0.5, 2.0)  # per sequence: its geometric mean decides
+    assert out.tolist() == [True, False, False, False, True]
+    assert weights.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+
+    # DPPO, band [-low, +high] = [-0.1, +0.3] on pi_curr - pi_gen of the sampled token (pi_gen = 0.5 everywhere)
+    moves = torch.tensor([[0.2, 0.35, -0.05, -0.2, 0.2, 0.35, -0.05, -0.2]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0]], dtype=torch.float64)
+    gen = torch.full_like(moves, math.log(0.5))
+    ones = torch.ones_like(moves)
+    inputs = LossInputs(
+        curr=torch.log(0.5 + moves), prev=gen, gen=gen, ref=None, advantages=advantages, mask=ones, valid=ones.bool(),
+        sample_mask=torch.ones(1), global_valid_toks=torch.tensor(8.0), global_valid_seqs=torch.tensor(1.0),
+    )  # fmt: skip
+    kept = dppo_binary_tv_keep_mask(inputs, 0.1, 0.3)
+    # A > 0 drops a rise past +0.3 only; A < 0 drops a fall past -0.1 only (moves against the advantage are kept)
+    assert kept.tolist() == [[True, False, True, True, True, True, True, False]]
