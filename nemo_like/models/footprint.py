@@ -120,6 +120,24 @@ def needs_teachers(cfg: Any, run_plan: Any) -> bool:
     return run_plan.logprobs.compute_teacher or cfg.distillation.kl_weight > 0
 
 
+def inline_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
+    """Bytes of weights the inline backend's sampler copies for a call (0 with another backend): the lean decoder's
+    fused and packed projections at the run's precision (:func:`~nemo_like.models.generation.lean_decoder.fused_step_copy_elements`)."""
+    if run_plan.backend.value != "inline":
+        return 0
+    import torch
+
+    from nemo_like.models.generation.lean_decoder import fused_step_copy_elements
+    from nemo_like.plan.memory import DTYPE_BYTES, inline_sampling_rows
+
+    precision = cfg.policy.precision
+    q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    rows = inline_sampling_rows(cfg)
+    dtype = getattr(torch, precision)
+    elements = fused_step_copy_elements(shape.layers, shape.hidden, shape.intermediate, q_width, kv_width, shape.vocab, rows, dtype)
+    return elements * DTYPE_BYTES[precision]
+
+
 def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:
     """The memory planner's lines for a run that is starting (per role and device, as ``nemo-like plan`` prints them,
     without a device budget or a step time); a model whose shape cannot be read gives one line saying why (the plan
@@ -131,7 +149,7 @@ def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:
         teachers = teacher_footprints(cfg, teacher_config_paths(cfg)) if needs_teachers(cfg, run_plan) else {}
     except Exception as exc:  # noqa: BLE001 - an estimate, never a reason to stop
         return [f"memory: not estimated ({type(exc).__name__}: {exc})"]
-    return plan_memory(cfg, run_plan, params, shape, None, teachers, None).lines()
+    return plan_memory(cfg, run_plan, params, shape, None, teachers, None, inline_copy_bytes(cfg, run_plan, shape)).lines()
 
 
 def memory_report(
@@ -160,5 +178,6 @@ def memory_report(
         teacher_n = {name: matmul_parameters(name, config_path=path) for name, path in paths.items()}
         lora = sum(math.prod(p.shape) for p in params if p.trainable) if cfg.policy.lora_cfg.enabled else None
         step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teacher_n, trained_token_flops=training_flops_per_token(n, lora))
-    memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teachers, step)
+    copies = inline_copy_bytes(cfg, run_plan, shape)
+    memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teachers, step, copies)
     return [*run_plan.lines(this_machine=True), *memory.lines()], memory.fits

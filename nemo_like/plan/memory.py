@@ -24,7 +24,7 @@ What is exact and what is estimated:
   ``python benchmarks/plan_memory.py`` compares both with measured training steps on a CPU, at dp 1 and dp 2.
 * **inline sampling** (the inline backend: the one policy worker samples): the KV cache of
   ``min(rollout batch, INLINE_GENERATION_BATCH)`` full-length sequences in the parameters' dtype plus their next
-  token's float32 logits, held beside the parameters, gradients and AdamW state; the worker's activations are the
+  token's float32 logits and the sampler's weight copies (fused and oneDNN-packed projections), held beside the parameters, gradients and AdamW state; the worker's activations are the
   larger of that and the training / logprob passes' (:func:`with_inline_sampling`).
 * **CPU offload** (``policy.dtensor_cfg.cpu_offload`` where it runs: ``MasterConfig.offloads_to_cpu``): parameters,
   gradients and AdamW state in host RAM; the device holds the activations, the unsharded root and the largest
@@ -323,20 +323,31 @@ def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec],
     )
 
 
-def with_inline_sampling(cfg: Any, policy: RoleMemory, params: list[ParameterSpec], shape: ModelShape) -> RoleMemory:
+def with_inline_sampling(
+    cfg: Any, policy: RoleMemory, params: list[ParameterSpec], shape: ModelShape, weight_copies: int = 0
+) -> RoleMemory:
     """The one policy worker of the inline backend, which also samples: holding its parameters, gradients (kept
     between steps) and AdamW state, it samples up to :data:`~nemo_like.plan.backend.INLINE_GENERATION_BATCH` sequences
     at once (a rollout batch at most), with their KV cache in the parameters' dtype (the lean decoder allocates it like
-    the model's first parameter) and the float32 logits of their next token. Its activation-time peak is the larger of
-    that and the training / logprob passes' activations."""
-    batch = min(cfg.rollout_batch_size, INLINE_GENERATION_BATCH)
+    the model's first parameter), the float32 logits of their next token and ``weight_copies`` bytes of weights the
+    sampler copies for the call (fused projections, oneDNN-packed ones: :func:`inline_sampling_rows` rows, see
+    ``fused_step_copy_elements`` in :mod:`nemo_like.models.generation.lean_decoder`). Its activation-time peak is the
+    larger of that and the training / logprob passes' activations."""
+    batch = inline_sampling_rows(cfg)
     kv = batch * shape.kv_bytes_per_token(params[0].bytes_per_element) * cfg.policy.max_total_sequence_length
     logits = batch * shape.vocab * 4
+    sampling = kv + logits + weight_copies
     note = (
-        f"activations: the larger of training {policy.activations / GIB:.3f} and inline sampling {(kv + logits) / GIB:.3f} "
-        f"(kv cache of {batch} sequences {kv / GIB:.3f} + logits {logits / GIB:.3f})"
+        f"activations: the larger of training {policy.activations / GIB:.3f} and inline sampling {sampling / GIB:.3f} "
+        f"(kv cache of {batch} sequences {kv / GIB:.3f} + logits {logits / GIB:.3f} + weight copies {weight_copies / GIB:.3f})"
     )
-    return replace(policy, activations=max(policy.activations, kv + logits), note=f"{policy.note}; {note}" if policy.note else note)
+    return replace(policy, activations=max(policy.activations, sampling), note=f"{policy.note}; {note}" if policy.note else note)
+
+
+def inline_sampling_rows(cfg: Any) -> int:
+    """Sequences the inline backend samples at once: a rollout batch, at most
+    :data:`~nemo_like.plan.backend.INLINE_GENERATION_BATCH`."""
+    return min(cfg.rollout_batch_size, INLINE_GENERATION_BATCH)
 
 
 def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape, device_bytes: float | None) -> RoleMemory:
@@ -413,16 +424,18 @@ def plan_memory(
     device_bytes: float | None = None,
     teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]] | None = None,
     step: StepEstimate | None = None,
+    inline_weight_copies: int = 0,
 ) -> MemoryPlan:
     """Every role of the run ``run_plan`` describes, what each device (GPU) or node (CPU) holds, and whether it fits
     ``device_bytes``; ``teachers``: each teacher model's parameters and shape (by name, every one of
-    ``teacher.models()``) when the run distils."""
+    ``teacher.models()``) when the run distils; ``inline_weight_copies``: bytes of weights the inline backend's sampler
+    copies for a call (:func:`with_inline_sampling`)."""
     teachers = teachers or {}
     roles = [policy_memory(cfg, params, shape)]
     if cfg.distillation.kl_weight > 0 and teachers:  # the KL term's copy: teacher.model_name, first of the models
         roles[0] = with_teacher_copy(cfg, roles[0], *teachers[cfg.teacher.models()[0]])
     if run_plan.backend.value == "inline":
-        roles[0] = with_inline_sampling(cfg, roles[0], params, shape)
+        roles[0] = with_inline_sampling(cfg, roles[0], params, shape, inline_weight_copies)
     if run_plan.logprobs.load_reference_model:
         roles.append(policy_memory(cfg, params, shape, "reference"))
     if run_plan.logprobs.compute_teacher and teachers:

@@ -87,13 +87,27 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _onednn_serves(rows, weight) and type(x) in _PLAIN and x.device.type == "cpu" and x.dtype == torch.float32
 
 
+def packs(rows: int, out_features: int, in_features: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether :func:`prepacked` packs a plain CPU weight ``[out_features, in_features]`` of ``dtype`` for products of
+    ``rows`` rows (more than :data:`PACK_MIN_MACS` multiply-accumulates, on a product :func:`linear` sends to oneDNN);
+    the memory planner asks it too: a packed weight is a second copy of it for the call."""
+    macs = rows * out_features * in_features
+    return (
+        macs > PACK_MIN_MACS
+        and macs >= ONEDNN_MIN_MACS
+        and dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")
+        and onednn_linear_available()
+    )
+
+
 def prepacked(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """``weight`` reordered once into oneDNN's own blocked layout, for products of about ``rows`` rows (any row count
-    works), where :func:`linear` would send such products to oneDNN and they exceed :data:`PACK_MIN_MACS`; else
-    ``weight`` itself. Inference only (no gradient flows into a packed copy). oneDNN otherwise reorders a plain weight
-    on every call: a sampler that multiplies by the same weights at every decode step packs them once (8-14 % off each
-    decode product at the W2 / W3 shapes; ``python benchmarks/cpu_linear.py`` prints both)."""
-    if rows * weight.shape[0] * weight.shape[1] <= PACK_MIN_MACS or not _onednn_serves(rows, weight):
+    works), where :func:`packs` says so; else ``weight`` itself. Inference only (no gradient flows into a packed copy).
+    oneDNN otherwise reorders a plain weight on every call: a sampler that multiplies by the same weights at every
+    decode step packs them once (8-14 % off each decode product at the W2 / W3 shapes; ``python
+    benchmarks/cpu_linear.py`` prints both)."""
+    if type(weight) not in _PLAIN or weight.device.type != "cpu" or not packs(rows, *weight.shape, weight.dtype):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 

@@ -31,7 +31,7 @@ from nemo_like.models.generation.interface import GeneratedSample, SamplingParam
 from nemo_like.models.llama_family import rms_norm_with, rotary_tables
 from nemo_like.models.llama_family import supported as fused_step_supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, sampling_keep_mask
-from nemo_like.utils.cpu_linear import linear, prepacked
+from nemo_like.utils.cpu_linear import linear, packs, prepacked
 
 
 @dataclass
@@ -161,6 +161,19 @@ class FusedLlamaStep:
             h = h + linear(F.silu(gate) * up, down)
         last = rms_norm_with(h[:, -1], self.inner.norm.weight, self.eps)
         return linear(last, *self.head) if self.head is not None else self.model.lm_head(last)
+
+
+def fused_step_copy_elements(
+    layers: int, hidden: int, intermediate: int, q_width: int, kv_width: int, vocab: int, rows: int, dtype: torch.dtype
+) -> int:
+    """Elements of the weight copies a :class:`FusedLlamaStep` holds during a call sampling ``rows`` rows (the memory
+    planner counts them): per layer the fused query/key/value and gate/up projections (always new tensors), the output
+    and down projections only where :func:`~nemo_like.utils.cpu_linear.packs` packs them, and the output head likewise
+    (the fused query/key/value bias, a few values a layer, is left out)."""
+    fused = (q_width + 2 * kv_width) * hidden + 2 * intermediate * hidden
+    plain = [(hidden, q_width), (hidden, intermediate)]
+    per_layer = fused + sum(out * inp for out, inp in plain if packs(rows, out, inp, dtype))
+    return layers * per_layer + (vocab * hidden if packs(rows, vocab, hidden, dtype) else 0)
 
 
 class HFModelStep:

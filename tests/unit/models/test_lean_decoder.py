@@ -198,3 +198,25 @@ def test_no_token_to_draw_or_none_to_condition_on_is_a_clear_error() -> None:
         sample(qwen2(), PROMPTS, 0, SamplingDistribution(), [], 0, seed=0)
     with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
         sample(qwen2(), [[3, 4], [], [5]], 4, SamplingDistribution(), [], 0, seed=0)
+
+
+@pytest.mark.parametrize("rows", [8, 256])
+def test_the_planners_count_of_the_fused_steps_weight_copies_is_what_a_step_holds(rows: int) -> None:
+    """The memory planner charges the inline backend's sampling with ``fused_step_copy_elements``: the tensors a
+    FusedLlamaStep holds beside the model's own parameters (fused projections, oneDNN-packed weights), counted here."""
+    from nemo_like.models.generation.lean_decoder import FusedLlamaStep, fused_step_copy_elements
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=359, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    own = {p.data_ptr() for p in model.parameters()}
+    step = FusedLlamaStep(model, rows, 8, rows)
+    held = [t for layer in step.layers for t in layer if t is not None] + [t for t in (step.head or ()) if t is not None]
+    copies = sum(t.numel() for t in held if t.dim() == 2 and (t.is_mkldnn or t.data_ptr() not in own))  # weights, not biases
+    assert copies == fused_step_copy_elements(2, 128, 512, 128, 64, 359, rows, torch.float32)
+    fused_only = 2 * ((128 + 2 * 64) * 128 + 2 * 512 * 128)
+    assert copies >= fused_only  # q|k|v and gate|up are always new tensors
+    if rows == 8:
+        assert copies == fused_only  # products of 8 rows are too small to pack

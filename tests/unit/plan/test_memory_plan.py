@@ -115,19 +115,31 @@ def test_the_plan_lists_each_role_and_advises_when_a_gpu_is_too_small() -> None:
 
 def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples_at_once() -> None:
     # 64 prompts x 8 = 512 sequences of 1024 tokens, sampled 256 at a time; the tiny model's float32 KV is
-    # 2 x 4 layers x 2 KV heads x 32 x 4 bytes = 2048 bytes a token: 256 x 2048 x 1024 = 512 MiB, + logits 256 x 359 x 4
+    # 2 x 4 layers x 2 KV heads x 32 x 4 bytes = 2048 bytes a token: 256 x 2048 x 1024 = 512 MiB, + logits 256 x 359 x 4,
+    # + the sampler's weight copies: per layer q|k|v (128 + 2 x 64) x 128 and gate|up 2 x 512 x 128, and with oneDNN the
+    # packed down projection (256 x 128 x 512 multiply-accumulates: over PACK_MIN_MACS) and head (256 x 359 x 128);
+    # the output projection's 256 x 128 x 128 is under it
+    from nemo_like.models.footprint import inline_copy_bytes
+    from nemo_like.utils.cpu_linear import onednn_linear_available
+
     long = ["grpo.num_prompts_per_step=64", "policy.max_total_sequence_length=1024", "policy.generation.max_new_tokens=960"]
     small = ["policy.train_micro_batch_size=1", "policy.logprob_batch_size=1", "policy.dtensor_cfg.activation_checkpointing=true"]
     cfg = recipe(*long, *small, "policy.logprob_chunk_size=256")
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
     run_plan = decide_run_plan(cfg, (), 2)
     assert run_plan.backend.value == "inline"
-    policy = plan_memory(cfg, run_plan, params, shape).roles[0]
+    packed = onednn_linear_available()
+    copies = 4 * (4 * ((128 + 2 * 64) * 128 + 2 * 512 * 128 + (512 * 128 if packed else 0)) + (359 * 128 if packed else 0))
+    assert inline_copy_bytes(cfg, run_plan, shape) == copies
+    policy = plan_memory(cfg, run_plan, params, shape, inline_weight_copies=copies).roles[0]
     training = policy_memory(cfg, params, shape)
-    sampling = 256 * 2048 * 1024 + 256 * 359 * 4
+    sampling = 256 * 2048 * 1024 + 256 * 359 * 4 + copies
     assert sampling > training.activations and policy.activations == sampling
     assert policy.total == training.total - training.activations + sampling
-    assert "inline sampling 0.500 (kv cache of 256 sequences 0.500 + logits 0.000)" in policy.line()
+    assert f"(kv cache of 256 sequences 0.500 + logits 0.000 + weight copies {copies / GIB:.3f})" in policy.line()
+    bf16 = recipe(*long, *small, "policy.logprob_chunk_size=256", "policy.precision=bfloat16")
+    assert inline_copy_bytes(bf16, run_plan, shape) == 2 * 4 * ((128 + 2 * 64) * 128 + 2 * 512 * 128)  # bf16: never packed
+    assert inline_copy_bytes(cfg, decide_run_plan(recipe("policy.generation.backend=hf"), (), 2), shape) == 0
 
 
 def test_cpu_offload_keeps_params_grads_and_adamw_state_in_host_ram_and_turns_a_refusal_into_a_fit() -> None:
