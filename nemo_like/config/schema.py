@@ -34,6 +34,7 @@ from nemo_like.config.sections.distillation import (  # noqa: F401  (re-exported
     distillation_warnings,
 )
 from nemo_like.config.sections.grpo import (  # noqa: F401  (re-exported)
+    GROUP_BASELINE_ESTIMATORS,
     AdvEstimatorConfig,
     AsyncGRPOConfig,
     GRPOConfig,
@@ -195,6 +196,13 @@ class MasterConfig(BaseModel):
             lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")
         lines += self.grpo.async_grpo.no_effect_warnings()
         lines += self.data.no_effect_warnings()
+        group_baseline = self.grpo.adv_estimator.name in GROUP_BASELINE_ESTIMATORS
+        if self.grpo.num_generations_per_prompt == 1 and group_baseline and self.distillation.kl_weight == 0:
+            lines.append(
+                f"grpo.num_generations_per_prompt=1: every advantage is 0 with grpo.adv_estimator.name="
+                f"'{self.grpo.adv_estimator.name}' (a sample is its own group's baseline), so the policy-gradient term never "
+                "moves the policy; use 2 or more samples per prompt"
+            )
         if self.grpo.val_pass_k is not None and self.grpo.val_num_generations_per_prompt == 1:
             lines.append(
                 f"grpo.val_pass_k={self.grpo.val_pass_k} has no effect with grpo.val_num_generations_per_prompt=1 "

@@ -10,6 +10,10 @@ from nemo_like.config.rejection import RolloutRejectionConfig
 from nemo_like.config.sections.base import Section, check_pass_k, default_pass_k
 from nemo_like.config.types import Float, Int
 
+#: The built-in advantage estimators: each subtracts a baseline from its prompt's group (a group of one sample is its
+#: own baseline, so every advantage is 0; ``tests/unit/algorithms/test_advantages.py`` checks this list).
+GROUP_BASELINE_ESTIMATORS = ("grpo", "rloo", "dr_grpo")
+
 
 class AdvEstimatorConfig(Section):
     name: str = Field(
@@ -115,6 +119,11 @@ class GRPOConfig(Section):
 
     @model_validator(mode="after")
     def _val_pass_k(self) -> GRPOConfig:
+        if self.use_dynamic_sampling and self.num_generations_per_prompt == 1:
+            raise ValueError(
+                "grpo.use_dynamic_sampling=true needs grpo.num_generations_per_prompt >= 2: a group of one sample always has "
+                "zero reward std, so dynamic sampling would drop every group"
+            )
         if self.val_pass_k is not None:
             check_pass_k(self.val_pass_k, self.val_num_generations_per_prompt, "grpo.val_pass_k", "grpo.val_num_generations_per_prompt")
         return self

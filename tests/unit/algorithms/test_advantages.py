@@ -353,3 +353,24 @@ def test_reward_group_metrics_no_valid_sample_is_zero():
         "baseline_reward/pct_mixed",
     }
     assert all(v == 0.0 for v in metrics.values())
+
+
+def test_every_built_in_estimator_is_a_group_baseline_that_zeroes_groups_of_one():
+    """The config warns about grpo.num_generations_per_prompt=1 for GROUP_BASELINE_ESTIMATORS: each built-in estimator
+    must be listed there, and must give 0 to every sample that is alone in its group."""
+    from nemo_like.config.schema import GROUP_BASELINE_ESTIMATORS
+
+    built_in = [n for n in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.get(n).__module__.startswith("nemo_like.")]
+    assert sorted(built_in) == sorted(GROUP_BASELINE_ESTIMATORS)  # other tests may register their own
+    rewards, prompts = torch.tensor([1.0, 0.0, 0.7]), torch.tensor([0, 1, 2])
+    for name in GROUP_BASELINE_ESTIMATORS:
+        for leave_one_out in (False, True):
+            result = compute_advantages(
+                name,
+                rewards=rewards,
+                prompt_ids=prompts,
+                valid_mask=ones(3),
+                normalize_rewards=True,
+                use_leave_one_out_baseline=leave_one_out,
+            )
+            assert result.advantages.tolist() == [0.0, 0.0, 0.0], (name, leave_one_out)

@@ -189,3 +189,21 @@ def test_val_pass_k_with_one_validation_sample_warns() -> None:
     ]
     two = load_config(None, ["grpo.val_pass_k=[1,2]", "grpo.val_num_generations_per_prompt=2"], warn=False)
     assert not [w for w in two.no_effect_warnings() if w.startswith("grpo.val_pass_k")]
+
+
+def test_one_sample_per_prompt_warns_that_no_advantage_moves_the_policy_and_dynamic_sampling_refuses_it() -> None:
+    """G=1 with a group baseline: every advantage is 0 (a run that trained on nothing but the KL term, silently)."""
+    lines = load_config(None, ["grpo.num_generations_per_prompt=1"], warn=False).no_effect_warnings()
+    assert [w for w in lines if w.startswith("grpo.num_generations_per_prompt")] == [
+        "grpo.num_generations_per_prompt=1: every advantage is 0 with grpo.adv_estimator.name='grpo' (a sample is its own "
+        "group's baseline), so the policy-gradient term never moves the policy; use 2 or more samples per prompt"
+    ]
+    for quiet in (
+        ["grpo.num_generations_per_prompt=2"],
+        ["grpo.num_generations_per_prompt=1", "grpo.adv_estimator.name=my_pkg.adv:reinforce"],  # user code: its own baseline
+        ["grpo.num_generations_per_prompt=1", "teacher.model_name=embedded:tiny-arith-teacher", "distillation.kl_weight=0.1"],
+    ):
+        lines = load_config(None, quiet, warn=False).no_effect_warnings()
+        assert not [w for w in lines if w.startswith("grpo.num_generations_per_prompt")], quiet
+    with pytest.raises(ConfigError, match=r"grpo.use_dynamic_sampling=true needs grpo.num_generations_per_prompt >= 2"):
+        load_config(None, ["grpo.num_generations_per_prompt=1", "grpo.use_dynamic_sampling=true"])
