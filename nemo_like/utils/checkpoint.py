@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import yaml
 
+from nemo_like.config.errors import did_you_mean
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp_step_"
 #: A ``step_N`` set aside by a re-save of step N (``_set_aside``): ``.tmp_step_<N>_<pid>_replaced``.
@@ -160,6 +162,7 @@ class CheckpointManager:
         self.keep_top_k = keep_top_k
         self.metric_name = metric_name
         self.higher_is_better = higher_is_better
+        self._metric_reported = False
 
     # -- discovery -----------------------------------------------------------------------------
     def valid_checkpoints(self) -> list[CheckpointInfo]:
@@ -260,8 +263,30 @@ class CheckpointManager:
             previous = self.latest()
             kept = f"the previous checkpoint {previous.path} is kept" if previous else "no earlier checkpoint exists"
             raise CheckpointError(f"Saving checkpoint step_{step} in {self.root} failed: {reason}; {kept}") from exc
+        self._report_missing_metric(state.get("metrics", {}), step)
         self.prune(keep_also=final)
         return final
+
+    def _report_missing_metric(self, metrics: dict[str, Any], step: int) -> None:
+        """Warn once when the ranking metric is absent from a save whose metrics hold others of its namespace (a typo
+        such as ``val:acc``: every checkpoint would rank below the metric's and the top-k would keep the latest ones)."""
+        if self._metric_reported or self.keep_top_k is None or self.metric_name is None:
+            return
+        key = metric_key(self.metric_name)
+        namespace = key.split("/")[0] + "/"
+        present = sorted(k for k in metrics if k.startswith(namespace))
+        if key in metrics or not present:  # not logged yet (no validation before this save): nothing to say
+            return
+        self._metric_reported = True
+        prefix = self.metric_name.split(":")[0]
+        names = [f"{prefix}:{k.removeprefix(namespace)}" for k in present]
+        warnings.warn(
+            f"checkpointing.metric_name={self.metric_name!r}: step_{step}'s metrics have no {key!r}, so checkpoints are "
+            f"kept by step, not by that metric.{did_you_mean(self.metric_name, names)} (logged: {', '.join(names[:8])}"
+            f"{', ...' if len(names) > 8 else ''})",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def prune(self, keep_also: Path | None = None) -> list[Path]:
         """Keep the ``keep_top_k`` best checkpoints by ``metric_name`` (or the most recent); the latest one and

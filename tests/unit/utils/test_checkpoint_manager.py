@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import uuid
+import warnings
 
 import pytest
 
@@ -232,3 +233,27 @@ def test_resume_names_a_damaged_config_and_an_async_checkpoint_without_its_buffe
         find_resume_checkpoint(cfg)
     with pytest.raises(CheckpointError, match=r"step_3 has no replay_buffer.pt: an async run resumes its replay buffer"):
         restored_async_state(manager.latest())  # its loader position is ahead by the buffered batches: never skip them
+
+
+def test_a_ranking_metric_that_the_saves_never_hold_warns_once_with_the_logged_names(tmp_path):
+    """checkpointing.metric_name=val:acc (a typo): every checkpoint ranked as if unmeasured and the top-k silently kept
+    the latest ones; the first save whose metrics hold other validation metrics now says so."""
+    manager = CheckpointManager(tmp_path, keep_top_k=1, metric_name="val:acc")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager.save(1, write_blob(1), {"metrics": {"train/loss": 0.5}}, {})  # no validation yet: nothing to say
+        assert not caught
+        manager.save(2, write_blob(1), {"metrics": {"validation/accuracy": 0.9, "validation/pass@1": 0.9}}, {})
+        manager.save(3, write_blob(1), {"metrics": {"validation/accuracy": 0.1}}, {})
+    assert [str(w.message) for w in caught] == [
+        "checkpointing.metric_name='val:acc': step_2's metrics have no 'validation/acc', so checkpoints are kept by step, "
+        "not by that metric. Did you mean 'val:accuracy'? (logged: val:accuracy, val:pass@1)"
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        good = CheckpointManager(tmp_path / "good", keep_top_k=1, metric_name="val:accuracy")
+        good.save(1, write_blob(1), {"metrics": {"validation/accuracy": 0.9}}, {})
+        CheckpointManager(tmp_path / "all", keep_top_k=None, metric_name="val:acc").save(
+            1, write_blob(1), {"metrics": {"validation/a": 1}}, {}
+        )
+    assert not caught  # the metric is there; or nothing is pruned, so nothing is ranked
