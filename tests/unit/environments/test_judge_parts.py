@@ -3,6 +3,8 @@ registry, and the section's errors and warnings (no model, no actor)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from nemo_like.config.errors import ConfigError
@@ -122,6 +124,12 @@ def test_an_option_without_effect_warns() -> None:
     cfg = MasterConfig.model_validate({"env": {"j": {"class": "judge", "engine_gpu_memory_utilization": 0.5}}})
     with pytest.warns(UserWarning, match="engine_gpu_memory_utilization has no effect with engine_backend='hf'"):
         resolve_environments(cfg.env_sections)
+    # validated again from its dump (actor needs, the actor's constructor): a default is not "set" (every hf judge warned)
+    from nemo_like.environments.judge import JudgeEnvConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        JudgeEnvConfig.model_validate(JudgeEnvConfig.model_validate({}).model_dump())
 
 
 @pytest.mark.parametrize("backend", ["hf", "vllm"])

@@ -10,7 +10,7 @@ import pytest
 from nemo_like.config import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.environments.interface import FINAL_TURN
-from nemo_like.environments.registry import resolve_environments
+from nemo_like.environments.registry import check_constructor_kwargs, resolve_environments
 from nemo_like.environments.tools.calculator import CalculatorError, calculator, evaluate_expression
 from nemo_like.environments.tools.environment import ToolEnvironment
 from nemo_like.environments.tools.parsing import ToolCall, ToolCallError, format_tool_call, parse_tool_calls
@@ -220,6 +220,10 @@ def test_python_limits_without_the_python_tool_warn() -> None:
     assert line.startswith("env.tool.python_memory_mb, env.tool.python_timeout_s has no effect: env.tool.tools has no 'python'")
     assert ToolEnvironment.config_warnings("tool", {"tools": {"py": "python"}, "python_timeout_s": 60}, 3) == []
     assert ToolEnvironment.config_warnings("tool", {"tools": ["calculator"]}, 3) == []
+    # The settings as the run hands them on (the validated dump, every default present) name no limit nobody set: every
+    # multi-turn run without the python tool warned about all three
+    dumped = check_constructor_kwargs(ToolEnvironment, {"tools": ["calculator"]}, "env.tool")
+    assert "python_timeout_s" in dumped and ToolEnvironment.config_warnings("tool", dumped, 3) == []
 
 
 def test_tool_use_counters_skip_a_few_shot_exchange_in_the_prompt() -> None:
