@@ -24,8 +24,9 @@ What is exact and what is estimated:
   ``python benchmarks/plan_memory.py`` compares both with measured training steps on a CPU, at dp 1 and dp 2.
 * **inline sampling** (the inline backend: the one policy worker samples): the KV cache of
   ``min(rollout batch, INLINE_GENERATION_BATCH)`` full-length sequences in the parameters' dtype plus their next
-  token's float32 logits and the sampler's weight copies (fused and oneDNN-packed projections), held beside the parameters, gradients and AdamW state; the worker's activations are the
-  larger of that and the training / logprob passes' (:func:`with_inline_sampling`).
+  token's float32 logits and the sampler's weight copies (fused and oneDNN-packed projections), held beside the
+  parameters, gradients and AdamW state; the worker's activations are the larger of that and the training / logprob
+  passes' (:func:`with_inline_sampling`).
 * **CPU offload** (``policy.dtensor_cfg.cpu_offload`` where it runs: ``MasterConfig.offloads_to_cpu``): parameters,
   gradients and AdamW state in host RAM; the device holds the activations, the unsharded root and the largest
   decoder layer, unsharded while it computes.
