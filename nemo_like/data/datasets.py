@@ -240,6 +240,20 @@ def first_bad_json_line(path: Path) -> str | None:
     return None
 
 
+def first_bad_json_place(path: Path) -> str | None:
+    """Where a ``.json`` or ``.jsonl`` prompt file stops being valid: a whole-file JSON document (an array of rows)
+    by :func:`json.loads`'s line and column, else one object per line (:func:`first_bad_json_line`); ``None`` when it
+    parses. pandas' own message gives a byte offset, for JSON Lines at the end of the last good line."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.lstrip().startswith("["):
+        return first_bad_json_line(path)
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"line {exc.lineno}, column {exc.colno}: not valid JSON ({exc.msg})"
+    return None
+
+
 def csv_header(path: Path, key: str) -> list[str]:
     """The column names of a CSV file, after checking that every record has as many fields as the header (an unquoted
     comma shifts a row's columns; pandas silently made the extra first field an index). Blank lines are skipped."""
@@ -322,8 +336,8 @@ def _load_local(source: Source, key: str):
         message = _innermost_message(exc)
         if "corresponds to no data" in message:  # datasets' wording for a file with a header and no rows
             raise ConfigError(f"{key}: {str(path)!r} has no rows; it must hold at least one prompt row") from None
-        if path.is_file() and path.suffix.lower() == ".jsonl":
-            message = first_bad_json_line(path) or message
+        if path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
+            message = first_bad_json_place(path) or message
         raise ConfigError(f"{key}: cannot read {str(path)!r}: {message}") from None
     return _pick_split(ds, source, key)
 
@@ -485,7 +499,7 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
     needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
     problems = []
     for i, row in zip(rows, ds.select_columns(needed).select(rows).to_list()):
-        where = f"row {i} of {source.label}"
+        where = f"row {i + 1} of {source.label}"  # data rows counted from 1 (a CSV header and blank lines are not rows)
         problems.append(
             Problem(
                 id=f"{role}-{i}",

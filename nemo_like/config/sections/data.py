@@ -91,13 +91,23 @@ class DataConfig(Section):
     def no_effect_warnings(self) -> list[str]:
         """A split's ``split`` / ``dataset_config`` set while its ``data_path`` is one file (whose rows are the split);
         ``data.train.seed`` set (not the default 1) while ``data.shuffle`` is false and the rows come from a dataset
-        (the seed only shuffles its rows; the arithmetic generator still uses it)."""
+        (the seed only shuffles its rows; the arithmetic generator still uses it); and a run that trains on a file or
+        dataset while validation stays the built-in arithmetic task (only ``data.dataset_name``'s default names it)."""
         lines = []
         arithmetic = not self.train.data_path and (self.train.dataset_name or self.dataset_name) == "arithmetic"
         if not self.shuffle and not arithmetic and "seed" in self.train.model_fields_set and self.train.seed != 1:
             lines.append(
                 f"data.train.seed={self.train.seed} has no effect: data.shuffle=false trains the rows in file order "
                 "(the seed only shuffles them)"
+            )
+        v = self.validation
+        validation_arithmetic = not v.data_path and v.split_fraction is None and (v.dataset_name or self.dataset_name) == "arithmetic"
+        if not arithmetic and validation_arithmetic and v.dataset_name != "arithmetic":
+            train = f"data.train.data_path={self.train.data_path!r}" if self.train.data_path else f"'{self.train.dataset_name}'"
+            lines.append(
+                f"data.validation is the built-in arithmetic task (data.dataset_name='arithmetic') while the run trains on "
+                f"{train}: validation/accuracy measures arithmetic, not that data. Set data.validation.data_path or "
+                "data.validation.split_fraction, or data.validation.dataset_name=arithmetic to keep it"
             )
         for role in ("train", "validation"):
             split_cfg: DatasetSplitConfig = getattr(self, role)

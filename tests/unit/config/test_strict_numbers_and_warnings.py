@@ -154,7 +154,7 @@ def test_a_split_or_config_for_a_single_local_file_warns(tmp_path: Path) -> None
     """One .jsonl file is one split: data.<split>.split and .dataset_config were ignored silently."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"question": "1+1?", "answer": "2"}\n')
-    common = [f"data.train.data_path={rows}", "data.prompt_key=question", "data.answer_key=answer"]
+    common = [f"data.train.data_path={rows}", f"data.validation.data_path={rows}", "data.prompt_key=question", "data.answer_key=answer"]
     lines = load_config(None, [*common, "data.train.split=test", "data.train.dataset_config=main"], warn=False).no_effect_warnings()
     assert [w.split(":")[0] for w in lines if w.startswith("data.")] == [
         "data.train.split has no effect",
@@ -207,3 +207,25 @@ def test_one_sample_per_prompt_warns_that_no_advantage_moves_the_policy_and_dyna
         assert not [w for w in lines if w.startswith("grpo.num_generations_per_prompt")], quiet
     with pytest.raises(ConfigError, match=r"grpo.use_dynamic_sampling=true needs grpo.num_generations_per_prompt >= 2"):
         load_config(None, ["grpo.num_generations_per_prompt=1", "grpo.use_dynamic_sampling=true"])
+
+
+def test_training_on_a_file_while_validation_stays_the_arithmetic_task_warns() -> None:
+    """data.train.data_path alone on the default recipe: validation/accuracy silently measured the synthetic task."""
+
+    def lines(overrides: list[str]) -> list[str]:
+        return [w for w in load_config(None, overrides, warn=False).no_effect_warnings() if w.startswith("data.validation is")]
+
+    assert lines(["data.train.data_path=my.jsonl"]) == [
+        "data.validation is the built-in arithmetic task (data.dataset_name='arithmetic') while the run trains on "
+        "data.train.data_path='my.jsonl': validation/accuracy measures arithmetic, not that data. Set "
+        "data.validation.data_path or data.validation.split_fraction, or data.validation.dataset_name=arithmetic to keep it"
+    ]
+    assert lines(["data.train.dataset_name=math-tiny"])[0].endswith("arithmetic to keep it")
+    for quiet in (
+        [],  # both arithmetic
+        ["data.train.data_path=my.jsonl", "data.validation.split_fraction=0.1"],
+        ["data.train.data_path=my.jsonl", "data.validation.data_path=val.jsonl"],
+        ["data.train.data_path=my.jsonl", "data.validation.dataset_name=arithmetic"],  # asked for
+        ["data.dataset_name=math-tiny"],
+    ):
+        assert lines(quiet) == [], quiet

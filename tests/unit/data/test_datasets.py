@@ -163,7 +163,7 @@ def test_messages_column_is_found_and_formatted(tmp_path, tok):
         train={"data_path": str(path2)},
         validation={"data_path": str(path2)},
     )
-    with pytest.raises(ConfigError, match=r"row 0 of .*sys.jsonl.*already have a system turn.*data.system_prompt"):
+    with pytest.raises(ConfigError, match=r"row 1 of .*sys.jsonl.*already have a system turn.*data.system_prompt"):
         build(cfg2, tok)
 
 
@@ -244,7 +244,7 @@ def test_gsm8k_spec_extracts_the_final_answer(tmp_path, tok):
     assert gsm8k_final_answer("a #### b #### 7 ") == "7"
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answer": "no marker"}])
     cfg = DataConfig(dataset_name="gsm8k", train={"data_path": str(bad)}, validation={"data_path": str(bad)})
-    with pytest.raises(ConfigError, match=r"row 0 of .*bad.jsonl.*'####'"):
+    with pytest.raises(ConfigError, match=r"row 1 of .*bad.jsonl.*'####'"):
         build(cfg, tok)
 
 
@@ -381,6 +381,14 @@ def test_bad_files_name_the_file_and_key(tmp_path, tok):
     deep.write_text("".join(f'{{"q": "x{i}", "a": "{i}"}}\n' for i in range(40)) + '{"q": "y" "a": "1"}\n' + '{"q": "z", "a": "2"}\n')
     with pytest.raises(ConfigError, match=r"deep.jsonl'?: line 41, column 11: not valid JSON \(Expecting ',' delimiter\)"):
         build(data_cfg(deep, deep), tok)
+    lines_json = tmp_path / "lines.json"  # JSON Lines under .json (datasets reads both): pandas said "position 28"
+    lines_json.write_text('{"q": "x", "a": "1"}\n{"q": "y" "a": "2"}\n')
+    with pytest.raises(ConfigError, match=r"lines.json'?: line 2, column 11: not valid JSON \(Expecting ',' delimiter\)"):
+        build(data_cfg(lines_json, lines_json), tok)
+    array = tmp_path / "array.json"  # one JSON array of rows
+    array.write_text('[\n  {"q": "x", "a": "1"},\n  {"q": "y", "a": "2"}\n  {"q": "z", "a": "3"}\n]\n')
+    with pytest.raises(ConfigError, match=r"array.json'?: line 4, column 3: not valid JSON \(Expecting ',' delimiter\)"):
+        build(data_cfg(array, array), tok)
     with pytest.raises(ConfigError, match=r"data.validation.data_path: .*nowhere.jsonl' does not exist"):
         build(data_cfg(broken, tmp_path / "nowhere.jsonl"), tok, "validation")
     odd = tmp_path / "x.txt"
@@ -430,12 +438,12 @@ def test_bad_cells_name_the_row(tmp_path, tok):
     items = rows(5)
     items[3]["a"] = ""
     path = write_jsonl(tmp_path / "t.jsonl", items)
-    with pytest.raises(ConfigError, match=r"row 3 of .*t.jsonl: the gold answer \(data.answer_key\) is empty"):
+    with pytest.raises(ConfigError, match=r"row 4 of .*t.jsonl: the gold answer \(data.answer_key\) is empty"):
         build(data_cfg(path, path), tok)
     items = rows(5)
     items[1]["kind"] = ""
     path = write_jsonl(tmp_path / "k.jsonl", items)
-    with pytest.raises(ConfigError, match=r"row 1 of .*k.jsonl: the task column 'kind' \(data.task_key\)"):
+    with pytest.raises(ConfigError, match=r"row 2 of .*k.jsonl: the task column 'kind' \(data.task_key\)"):
         build(data_cfg(path, path, task_key="kind"), tok)
     sft = [
         {"m": [{"role": "user", "content": f"What is {i} plus 1?"}, {"role": "assistant", "content": f"{i + 1}"}], "a": str(i + 1)}
@@ -457,7 +465,7 @@ def test_prompt_longer_than_the_budget_names_row_file_and_keys(tmp_path, tok):
     items[4]["q"] = "What is " + "1 plus " * 40 + "2?"
     path = write_jsonl(tmp_path / "long.jsonl", items)
     with pytest.raises(
-        ConfigError, match=r"row 4 of \S*/long.jsonl \(data.train\) has \d+ tokens.*policy.max_total_sequence_length.*drop_long_prompts"
+        ConfigError, match=r"row 5 of \S*/long.jsonl \(data.train\) has \d+ tokens.*policy.max_total_sequence_length.*drop_long_prompts"
     ):
         build(data_cfg(path, path), tok)
     kept = build(data_cfg(path, path, drop_long_prompts=True), tok)
@@ -561,6 +569,11 @@ def test_validation_read_from_the_training_rows_is_named(tmp_path, tok) -> None:
     assert warning is not None and warning.startswith("12 of 12 validation prompts are also training prompts")
     carved = data_cfg(path, validation={"split_fraction": 0.5})
     assert validation_overlap_warning(build(carved, tok), build(carved, tok, "validation")) is None
+    # One text for every problem (the shipped guess-number set: the secret differs): the text names no problem, and
+    # the remedy the warning suggested (split_fraction, which hashes the text) left no validation rows at all
+    guess = write_jsonl(tmp_path / "g.jsonl", [{"q": "Guess my number from 1 to 100.", "a": str(i)} for i in range(12)])
+    one_text = data_cfg(guess, guess)
+    assert validation_overlap_warning(build(one_text, tok), build(one_text, tok, "validation")) is None
 
 
 def test_an_unshuffled_loader_trains_every_prompt_the_tail_heading_the_next_epoch() -> None:
