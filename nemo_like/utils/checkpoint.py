@@ -61,7 +61,6 @@ INCOMPATIBLE_KEYS = (
     "data.validation.split_fraction",
     "loss_fn.reference_policy_kl_penalty",
     "grpo.async_grpo.enabled",  # an async checkpoint holds a replay buffer and a data position ahead of training
-    "grpo.async_grpo.max_trajectory_age_steps",
     # A LoRA checkpoint holds adapters of this shape on these modules (a full one holds every weight).
     "policy.lora_cfg.enabled",
     "policy.lora_cfg.dim",
@@ -108,11 +107,22 @@ def _select(config: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+# Keys an async checkpoint's replay buffer depends on: it was paced for the staleness bound, and its samples were drawn
+# under these sampling settings (their logprobs, pi_gen, would no longer be those the trainer scores against); a sync
+# checkpoint holds no samples.
+ASYNC_INCOMPATIBLE_KEYS = (
+    "grpo.async_grpo.max_trajectory_age_steps",
+    *(f"policy.generation.{key}" for key in ("temperature", "top_p", "top_k")),
+)
+
+
 def incompatible_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``key: saved -> current`` for each incompatible key that differs (learning rate, step limit
-    and logging changes are allowed)."""
+    and logging changes are allowed); an async checkpoint also holds its replay buffer's samples
+    (:data:`ASYNC_INCOMPATIBLE_KEYS`)."""
     diffs = []
-    for key in INCOMPATIBLE_KEYS:
+    async_saved = bool(_select(saved, "grpo.async_grpo.enabled"))
+    for key in (*INCOMPATIBLE_KEYS, *(ASYNC_INCOMPATIBLE_KEYS if async_saved else ())):
         a, b = _select(saved, key), _select(current, key)
         if a != b:
             diffs.append(f"{key}: {a!r} -> {b!r}")

@@ -51,7 +51,11 @@ class AsyncGRPOConfig(Section):
 
     def no_effect_warnings(self) -> list[str]:
         """One line per option set here that has no effect in this combination."""
-        if self.enabled and self.in_flight_weight_updates and self.max_trajectory_age_steps == 0:
+        if not self.enabled:
+            fields = type(self).model_fields
+            changed = [k for k in fields if k != "enabled" and getattr(self, k) != fields[k].default]
+            return [f"grpo.async_grpo.{k} has no effect with grpo.async_grpo.enabled=false (a sync run)" for k in changed]
+        if self.in_flight_weight_updates and self.max_trajectory_age_steps == 0:
             return [
                 "grpo.async_grpo.in_flight_weight_updates=true has no effect with grpo.async_grpo.max_trajectory_age_steps=0 "
                 "(a batch for the next step starts only once generation holds the new weights: none is in flight at a refit)"

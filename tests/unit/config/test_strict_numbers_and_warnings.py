@@ -150,6 +150,18 @@ def test_in_flight_refits_at_age_bound_zero_warn() -> None:
     assert not any("in_flight_weight_updates" in w for w in one)
 
 
+def test_async_keys_of_a_sync_run_warn() -> None:
+    """The bound and in-flight refits do nothing while grpo.async_grpo.enabled=false: that was silent."""
+    lines = load_config(
+        None, ["grpo.async_grpo.max_trajectory_age_steps=3", "grpo.async_grpo.in_flight_weight_updates=true"], warn=False
+    ).no_effect_warnings()
+    assert [w for w in lines if w.startswith("grpo.async_grpo")] == [
+        "grpo.async_grpo.max_trajectory_age_steps has no effect with grpo.async_grpo.enabled=false (a sync run)",
+        "grpo.async_grpo.in_flight_weight_updates has no effect with grpo.async_grpo.enabled=false (a sync run)",
+    ]
+    assert not [w for w in load_config(None, [], warn=False).no_effect_warnings() if w.startswith("grpo.async_grpo")]
+
+
 def test_a_split_or_config_for_a_single_local_file_warns(tmp_path: Path) -> None:
     """One .jsonl file is one split: data.<split>.split and .dataset_config were ignored silently."""
     rows = tmp_path / "rows.jsonl"

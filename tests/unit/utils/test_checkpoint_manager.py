@@ -193,6 +193,23 @@ def test_metric_key_and_incompatible_differences():
         assert incompatible_differences({"data": data}, {"data": {**data, **changed}}), changed
 
 
+def test_an_async_checkpoints_buffer_pins_its_bound_and_sampling_settings_and_a_sync_one_does_not():
+    """The replay buffer holds samples paced for the bound and drawn (pi_gen) at the saved temperature/top-p/top-k: a
+    resume with other values trained them under an importance weight that measured the change, not staleness. A sync
+    checkpoint holds no samples: its async keys (no effect there) refused the resume."""
+
+    def config(enabled: bool, age: int = 1, temperature: float = 1.0, top_k: int | None = None) -> dict:
+        return {
+            "grpo": {"async_grpo": {"enabled": enabled, "max_trajectory_age_steps": age}},
+            "policy": {"generation": {"temperature": temperature, "top_p": 1.0, "top_k": top_k}},
+        }
+
+    assert incompatible_differences(config(True), config(True, temperature=0.6)) == ["policy.generation.temperature: 1.0 -> 0.6"]
+    assert incompatible_differences(config(True), config(True, top_k=20)) == ["policy.generation.top_k: None -> 20"]
+    assert incompatible_differences(config(True), config(True, age=2)) == ["grpo.async_grpo.max_trajectory_age_steps: 1 -> 2"]
+    assert incompatible_differences(config(False), config(False, age=3, temperature=0.6)) == []
+
+
 def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()
