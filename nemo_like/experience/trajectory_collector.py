@@ -248,7 +248,7 @@ class TrajectoryCollector:
         self.exhausted = False
         self.failure: str | None = None
         self.stats = GenerationStats()
-        self._pause_started: dict[str, tuple[float, bool]] = {}  # reason -> (since, nothing left to generate)
+        self._pause_started: dict[str, tuple[float, bool, bool]] = {}  # reason -> (since, nothing left, held by the bound)
         # Dead actors: requests to the driver (``next_replacement_request``) and its answers (``answer_replacement``).
         self.replacements = threading.Condition()
         self.requests: list[dict[str, Any]] = []
@@ -390,15 +390,21 @@ class TrajectoryCollector:
             self.cond.wait_for(lambda: self.failure is not None or held())
             if self.failure is not None:
                 raise RuntimeError(f"the trajectory collector failed: {self.failure}")
-            self._pause_started[reason] = (time.perf_counter(), self._nothing_left_to_generate())
+            idle = self._nothing_left_to_generate()
+            bound = not idle and not self.pacer.can_start(self.version)  # waiting for exactly the weights this brings
+            self._pause_started[reason] = (time.perf_counter(), idle, bound)
         return time.perf_counter() - start
 
     def resume(self, reason: str, generation_version: int | None = None) -> float:
-        """Release a :meth:`pause`; returns the seconds generation was held for ``reason`` (0 when the loop had nothing
-        left to generate: the data or the steps were spent, so nothing was held)."""
+        """Release a :meth:`pause`; returns the seconds generation was held for ``reason``: 0 when the loop had nothing
+        left to generate (the data or the steps were spent) or was already held by the staleness bound (that wait is
+        ``waiting_for_pacing``'s, as on the in-flight and agent paths), so nothing more was held."""
         with self.cond:
-            started, idle = self._pause_started.pop(reason)
-            held = 0.0 if idle else time.perf_counter() - started
+            started, idle, bound = self._pause_started.pop(reason)
+            elapsed = time.perf_counter() - started
+            if bound:
+                self.stats.waiting_for_pacing += elapsed
+            held = 0.0 if idle or bound else elapsed
             self.stats.add_pause(reason, held)
             self.pause_reasons.discard(reason)
             if generation_version is not None:

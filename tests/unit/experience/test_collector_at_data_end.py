@@ -123,3 +123,31 @@ def test_a_failed_last_push_is_a_failure_not_the_data_end(ray_cluster) -> None:
     with pytest.raises(Exception) as taken:  # the buffer was never told the data ended: no step 2 arrives
         ray.get(buffer.take.remote(2, 0), timeout=3)
     assert not isinstance(taken.value, DataExhausted)
+
+
+def test_a_refit_pause_of_a_collector_held_by_the_bound_is_pacing_not_held_generation(ray_cluster) -> None:
+    """Bound 0, batch 1 generated: the loop waits for exactly the weights the refit brings. The waiting-refit path
+    charged the whole refit to idle/generation_paused_for_refit (the in-flight and agent paths report 0 there)."""
+    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 0)
+    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(4)], 2, seed=0)
+    settings = CollectorSettings(
+        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=0, last_step=10,
+        next_target=1, max_num_epochs=100, generation_version=0, reference=Reference(), pad_token_id=0,
+    )  # fmt: skip
+    collector = DriverTrajectoryCollector(None, SimpleNamespace(agents=Agents(), tasks=["t"]), buffer, None, loader, settings)
+    loop = threading.Thread(target=collector.run, daemon=True)
+    loop.start()
+    try:
+        ray.get(buffer.take.remote(1, 0))  # batch 1 is in; batch 2 needs version 1
+        deadline = time.monotonic() + 30
+        while collector.in_flight or collector.pushing or collector.stats.waiting_for_pacing == 0.0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        collector.pause("refit", until_pushed=False)
+        pacing_before = collector.stats.waiting_for_pacing
+        time.sleep(0.3)
+        assert collector.resume("refit", 1) == 0.0 and collector.stats.paused_for_refit == 0.0
+        assert collector.stats.waiting_for_pacing >= pacing_before + 0.3
+    finally:
+        collector.stop()
+        loop.join(30)
