@@ -39,6 +39,7 @@ from nemo_like.experience.env_calls import call_environments
 from nemo_like.experience.rollouts import Rollout, expand_groups
 from nemo_like.models.generation.interface import GeneratedSample
 from nemo_like.serving.server import RolloutServer, ServerConfig
+from nemo_like.serving.service import run_sampling
 from nemo_like.utils.seeds import agent_session_seed
 
 AGENT_THREAD = "agent-session"  # the name of a sync agent's thread (abandoned past its deadline; joined briefly at close)
@@ -441,7 +442,11 @@ def start_agent_rollouts(
     """Start the rollout server on the driver (127.0.0.1, a free port, a random key) over ``engine``, sampling with
     its current weights, for the agent tasks' ``settings`` (:func:`load_agents`)."""
     config = ServerConfig(
-        auto_create_sessions=False, require_session=True, max_context=cfg.policy.max_total_sequence_length, seed=cfg.grpo.seed
+        auto_create_sessions=False,
+        require_session=True,
+        max_context=cfg.policy.max_total_sequence_length,
+        seed=cfg.grpo.seed,
+        run_sampling=run_sampling(cfg.policy.generation, enforce=True),
     )
     gate = EngineGate(engine)  # a pass-through until an async refit holds it
     server = RolloutServer(gate, tokenizer, config, eos_token_ids=list(eos_token_ids)).start()

@@ -49,6 +49,8 @@ def _validation_error(exc: RequestValidationError) -> ServingError:
     """Malformed JSON and schema violations as OpenAI's 400s (the first problem, with its parameter)."""
     first = exc.errors()[0] if exc.errors() else {}
     kind, loc = first.get("type", ""), [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and kind in ("missing", "dict_type", "model_attributes_type"):  # no body, or one that is not an object
+        return bad_request("The request body must be a JSON object.")
     if kind == "json_invalid":
         return bad_request("We could not parse the JSON body of your request. The body must be valid JSON.")
     if kind == "extra_forbidden":
@@ -137,7 +139,7 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
             raise ServingError(409, str(exc), code="session_exists", param="session_id") from None
         return {"id": session_id, "object": "session"}
 
-    @app.post("/v1/sessions/{session_id}/end")
+    @app.post("/v1/sessions/{session_id:path}/end")
     async def end_session(session_id: str, body: EndSessionRequest | None = None) -> dict[str, Any]:
         result = sessions.end(session_id, body.reward if body else None)
         return {

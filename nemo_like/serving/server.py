@@ -21,7 +21,7 @@ from nemo_like.models.generation.interface import GenerationInterface
 from nemo_like.serving.app import create_app
 from nemo_like.serving.batching import GenerationQueue
 from nemo_like.serving.rendering import Renderer
-from nemo_like.serving.service import CompletionService, Limits
+from nemo_like.serving.service import CompletionService, Limits, RunSampling
 from nemo_like.serving.sessions import SessionStore
 from nemo_like.serving.tool_parsers import TOOL_PARSERS
 
@@ -46,6 +46,7 @@ class ServerConfig:
     max_batch: int = 64
     batch_window_s: float = 0.0
     seed: int = 0
+    run_sampling: RunSampling | None = None  # the run's temperature / top_p / top_k (defaults; enforced in a training run)
 
 
 def is_loopback(host: str) -> bool:
@@ -81,7 +82,9 @@ class RolloutServer:
         eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
         self.queue = GenerationQueue(engine, config.seed, config.max_batch, config.batch_window_s)
         self.sessions = SessionStore(auto_create=config.auto_create_sessions, vocab_size=len(tokenizer), on_end=self.queue.forget)
-        limits = Limits(config.model_name, _max_context(tokenizer, config.max_context), config.max_n, config.require_session)
+        limits = Limits(
+            config.model_name, _max_context(tokenizer, config.max_context), config.max_n, config.require_session, config.run_sampling
+        )
         renderer = Renderer(tokenizer, config.chat_template)
         self.service = CompletionService(renderer, self.queue, self.sessions, limits, eos, TOOL_PARSERS.get(config.tool_parser))
         self.app = create_app(self.service, self.api_key)

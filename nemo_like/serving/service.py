@@ -29,6 +29,48 @@ class Limits:
     max_context: int  # prompt + completion tokens
     max_n: int = 16
     require_session: bool = False  # refuse calls without a session id (a training run's server)
+    run_sampling: RunSampling | None = None  # the run's sampling settings: defaults, enforced when ``enforce``
+
+
+@dataclass(frozen=True)
+class RunSampling:
+    """A run's ``policy.generation`` temperature / top_p / top_k. A request that leaves one unset gets the run's;
+    with ``enforce`` (a training run's server, whose trainer scores every token under these settings) a request that
+    sets another value, or greedy decoding, is refused: its recorded logprobs would not be those the trainer scores."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    enforce: bool = False
+
+    def apply(self, req: SamplingFields) -> None:
+        """Fill ``req``'s unset fields with the run's values; with ``enforce`` refuse a differing one (400
+        ``sampling_mismatch`` naming it)."""
+        run = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        for name, value in run.items():
+            sent = getattr(req, name)
+            if sent is None:
+                setattr(req, name, value)
+            elif self.enforce and _sampling_value(name, sent) != value:
+                raise bad_request(
+                    f"'{name}'={sent} differs from the run's policy.generation.{name}={value}: the trainer scores every "
+                    f"token under the run's settings, so this session's logprobs would not be the ones trained on. Leave "
+                    f"'{name}' unset or send {value}.",
+                    param=name,
+                    code="sampling_mismatch",
+                )
+
+
+def run_sampling(generation: Any, enforce: bool) -> RunSampling:
+    """The :class:`RunSampling` of a recipe's ``policy.generation`` section."""
+    return RunSampling(generation.temperature, generation.top_p, generation.top_k, enforce)
+
+
+def _sampling_value(name: str, sent: float | int) -> float | int | None:
+    """A sent value as the engine reads it: ``top_k`` -1 or 0 is off (None); temperature 0 (greedy) stays 0."""
+    if name == "top_k":
+        return sent if sent > 0 else None
+    return sent
 
 
 @dataclass
@@ -86,6 +128,8 @@ class CompletionService:
             )  # fmt: skip
         if req.n > self.limits.max_n:
             raise bad_request(f"'n' must be at most {self.limits.max_n}; got {req.n}.", param="n")
+        if self.limits.run_sampling is not None:
+            self.limits.run_sampling.apply(req)
 
     def _session(self, session_id: str | None) -> tuple[Session | None, int]:
         if session_id is None:
@@ -169,12 +213,17 @@ class CompletionService:
         call_index: int,
         prompt_param: str,
     ) -> SampledCall:
-        params = req.sampling_params(self._max_tokens(len(ids), requested, prompt_param))
+        max_new = self._max_tokens(len(ids), requested, prompt_param)
         if session is not None:
-            check_budget(session)
-        # A run's session samples with its own seeds: an agent's 'seed' would make a GRPO group's sessions identical.
+            left = check_budget(session)
+            if left is not None:  # the call that reaches the budget ends there ('length'), it does not sample past it
+                max_new = min(max_new, max(left // req.n, 1))
+        params = req.sampling_params(max_new)
+        # A run's session samples with its own seeds: an agent's 'seed' would make a GRPO group's sessions identical
+        # (without session seeds, agent.seeded_calls=false, the queue's running seeds apply).
         session_seed = session_call_seed(session, call_index) if session is not None else None
-        seed = session_seed if session_seed is not None else req.seed
+        in_run = session is not None and self.limits.require_session
+        seed = session_seed if session_seed is not None or in_run else req.seed
         caller = session.session_id if session else None
         samples: list[GeneratedSample] = await asyncio.wrap_future(self.queue.submit([ids] * req.n, params, seed, caller))
         call = SampledCall(prompt_ids=list(ids), session_id=caller)

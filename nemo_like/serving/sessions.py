@@ -64,18 +64,22 @@ def session_call_seed(session: Session, call_index: int) -> int | None:
     return None if base is None else agent_call_seed(int(base), call_index)
 
 
-def check_budget(session: Session) -> None:
-    """Refuse a call once the session has sampled its token budget (``BUDGET_KEY``), if it has one.
+def check_budget(session: Session) -> int | None:
+    """Refuse a call once the session has sampled its token budget (``BUDGET_KEY``), if it has one; else return the
+    tokens left of it (``None``: no budget).
 
     Raises:
         ServingError: 400 ``session_budget_exceeded``."""
     budget = session.metadata.get(BUDGET_KEY)
-    if budget is not None and session.sampled_tokens >= int(budget):
+    if budget is None:
+        return None
+    if session.sampled_tokens >= int(budget):
         raise bad_request(
             f"This session has sampled {session.sampled_tokens} tokens, its budget is {int(budget)}.",
             param="max_tokens",
             code="session_budget_exceeded",
         )
+    return int(budget) - session.sampled_tokens
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 from nemo_like.models.loading import check_context_length, end_of_sequence_ids, load_tokenizer, resolve_checkpoint_model
 from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
+from nemo_like.serving.service import run_sampling
 
 
 def served_model(cfg: Any) -> str:
@@ -32,7 +33,12 @@ def build_server(cfg: Any, port: int = 0) -> RolloutServer:
     check_context_length(model, cfg.policy.max_total_sequence_length)  # the server's context
     eos_ids = end_of_sequence_ids(tokenizer, model)
     engine = LocalGeneration.load(model, tokenizer.pad_token_id, eos_ids, cfg.policy.precision)
-    config = ServerConfig(port=port, max_context=cfg.policy.max_total_sequence_length, seed=cfg.grpo.seed)
+    config = ServerConfig(
+        port=port,
+        max_context=cfg.policy.max_total_sequence_length,
+        seed=cfg.grpo.seed,
+        run_sampling=run_sampling(cfg.policy.generation, enforce=False),  # the recipe's as defaults: an agent is free
+    )
     return RolloutServer(engine, tokenizer, config, eos_token_ids=eos_ids)
 
 

@@ -320,10 +320,16 @@ def test_completions_endpoint_returns_the_sampled_ids_and_cuts_at_stop_strings(s
         model="policy", prompt=text.prompt_token_ids, max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
     )
     assert ids.prompt_token_ids == text.prompt_token_ids
+    # A stop string taken from the unstopped greedy text (a "<" the tiny model never wrote let this pass on the eos)
+    whole = ids.choices[0]
+    assert len(whole.text) >= 2, whole.text
+    stop = whole.text[1]
     stopped = c.completions.create(
-        model="policy", prompt=text.prompt_token_ids, max_tokens=8, temperature=0, stop=["<"], extra_body={"return_token_ids": True}
+        model="policy", prompt=text.prompt_token_ids, max_tokens=8, temperature=0, stop=[stop], extra_body={"return_token_ids": True}
     )
-    assert "<" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    cut = stopped.choices[0]
+    assert cut.text == whole.text[: whole.text.index(stop)] and cut.finish_reason == "stop"
+    assert cut.completion_token_ids == whole.completion_token_ids[: len(cut.completion_token_ids)]  # ids: a prefix, to the stop
 
 
 BAD_REQUESTS = [
@@ -362,8 +368,14 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
         assert answer.status_code == status, (body, answer.text)
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
         assert code is None or code in (error["code"], error["param"]), (body, error)
+    for body in (b"", b"[1, 2]", b'"text"'):  # said "Missing required parameter: ''" / "Invalid value for 'None'"
+        answer = httpx.post(f"{server.base_url}/chat/completions", headers=headers, content=body)
+        assert answer.status_code == 400 and answer.json()["error"]["message"] == "The request body must be a JSON object.", body
     unknown = httpx.post(f"{server.base_url}/sessions/never-opened/end", headers=headers, content=b"{}")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
+    slashed = httpx.post(f"{server.base_url}/sessions", headers=headers, json={"session_id": "run-7/episode-1"}).json()["id"]
+    ended = httpx.post(f"{server.base_url}/sessions/{slashed}/end", headers=headers, content=b"{}")  # was a bare 404
+    assert ended.status_code == 200, ended.text
     # The metadata keys the server reads must be integers: {"seed": "experiment-7"} made every call of it a 500
     for key, value in (("seed", "experiment-7"), ("token_budget", "unlimited"), ("seed", -1), ("token_budget", True)):
         opened = httpx.post(f"{server.base_url}/sessions", headers=headers, json={"metadata": {key: value}})
@@ -383,3 +395,46 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
     ended = httpx.post(f"{server.base_url}/sessions/ended/end", headers=headers, content=b'{"reward": 1.0}')
     assert ended.status_code == 200 and ended.json()["rejected"] == "the session made no calls"
     assert chat(client(server), [{"role": "user", "content": "q"}], max_tokens=4).choices[0].message.role == "assistant"
+
+
+def test_a_training_runs_server_samples_with_the_runs_settings_its_own_seeds_and_within_each_budget(engine, tokenizer):
+    """A run's sessions: a request's temperature / top_p / top_k must be the run's (the trainer scores under them; an
+    agent's 0.7 was sampled and trained at 1.0), an agent's fixed seed must not make a group's sessions identical
+    (without session seeds it did), and the call that reaches a session's token budget stops there (it sampled past
+    it, and the whole session then got the failure reward)."""
+    from nemo_like.serving.protocol import ChatCompletionRequest
+    from nemo_like.serving.service import RunSampling
+
+    request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": "q"}], top_k=-1)
+    RunSampling(0.7, 0.9, None, enforce=True).apply(request)  # unset: the run's; top_k -1 is off, as the run's None
+    params = request.sampling_params(8)
+    assert (params.temperature, params.top_p, params.top_k, params.greedy) == (0.7, 0.9, None, False)
+
+    config = ServerConfig(require_session=True, auto_create_sessions=False, run_sampling=RunSampling(enforce=True))
+    with RolloutServer(engine, tokenizer, config) as srv:
+        headers = {"Authorization": f"Bearer {srv.api_key}"}
+
+        def session(**metadata) -> str:
+            opened = httpx.post(f"{srv.base_url}/sessions", headers=headers, json={"metadata": metadata})
+            assert opened.status_code == 200, opened.text
+            return opened.json()["id"]
+
+        ask = [{"role": "user", "content": "What is 12 times 3?"}]
+        for param, sent in (("temperature", {"temperature": 0.5}), ("temperature", {"temperature": 0}), ("top_p", {"top_p": 0.9})):
+            with pytest.raises(openai.BadRequestError) as refused:
+                chat(client(srv, session()), ask, max_tokens=4, **sent)
+            assert refused.value.code == "sampling_mismatch" and refused.value.param == param, sent
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(client(srv, session()), ask, max_tokens=4, extra_body={"top_k": 20})
+        assert refused.value.code == "sampling_mismatch" and refused.value.param == "top_k"
+        drawn = {
+            tuple(chat(client(srv, session()), ask, max_tokens=8, seed=7).choices[0].model_extra["completion_token_ids"]) for _ in range(4)
+        }
+        assert len(drawn) > 1  # the agent's seed=7 is not the sessions' seed
+        budgeted = client(srv, session(token_budget=3))
+        first = chat(budgeted, ask, max_tokens=8).choices[0]
+        assert len(first.model_extra["completion_token_ids"]) <= 3 and first.finish_reason in ("length", "tool_calls", "stop")
+        if len(first.model_extra["completion_token_ids"]) == 3:
+            with pytest.raises(openai.BadRequestError) as spent:
+                chat(budgeted, ask, max_tokens=8)
+            assert spent.value.code == "session_budget_exceeded"
