@@ -112,6 +112,10 @@ def _baseline_advantages(
 ) -> AdvantageResult:
     baseline, std = calculate_baseline_and_std_per_prompt(prompt_ids, rewards, valid_mask, leave_one_out)
     advantages = rewards.to(baseline.dtype) - baseline
+    if leave_one_out:
+        # Scale by the whole group's std: the others' std is 0 or tiny when they (nearly) agree, and dividing by it
+        # gave one sample of [1, 0, ..., 0, 0.01] an advantage of 264. The group's is 0 only when every reward is equal.
+        std = calculate_baseline_and_std_per_prompt(prompt_ids, rewards, valid_mask, False)[1]
     if normalize:
         advantages = normalize_advantages_with_epsilon(advantages, std, epsilon)
     advantages = torch.where(valid_mask.to(torch.bool), advantages, torch.zeros_like(advantages))
@@ -128,9 +132,9 @@ def grpo_advantages(
     use_leave_one_out_baseline: bool,
     epsilon: float,
 ) -> AdvantageResult:
-    """GRPO: ``A_i = (r_i - b_i) / (s_i + eps)`` with the group (or leave-one-out) mean ``b_i`` and std ``s_i``.
+    """GRPO: ``A_i = (r_i - b_i) / (s + eps)`` with the group (or leave-one-out) mean ``b_i`` and the group's std ``s``.
 
-    The division only happens when ``normalize_rewards`` and only where ``s_i > 0``.
+    The division only happens when ``normalize_rewards`` and only where ``s > 0``.
     """
     return _baseline_advantages(
         rewards,
@@ -155,7 +159,7 @@ def rloo_advantages(
     """RLOO: ``A_i = r_i - mean_{j != i} r_j``, always leave-one-out (``use_leave_one_out_baseline`` is ignored).
 
     Classic RLOO does not divide by a std; we still honour ``normalize_rewards`` (divide by the
-    leave-one-out std where it is positive) so that switching estimator never silently changes the
+    group's std where it is positive) so that switching estimator never silently changes the
     reward scale. Set ``grpo.normalize_rewards: false`` for textbook RLOO.
     """
     del use_leave_one_out_baseline

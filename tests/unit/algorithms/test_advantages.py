@@ -92,10 +92,9 @@ def test_identical_rewards_give_exactly_zero_std_and_advantage(loo: bool):
     assert torch.equal(result.advantages, torch.zeros(7, dtype=torch.float64))
 
 
-def test_zero_std_with_nonzero_advantage_is_not_blown_up():
-    # Leave-one-out, rewards [1, 0, 0, 0]: sample 0's peers are all 0 -> baseline 0, std 0, advantage 1
-    # (dividing by 0 + 1e-6 would give 1e6). The others: baseline 1/3, std of [1,0,0] = sqrt(1/3),
-    # advantage (-1/3) / (sqrt(1/3) + 1e-6) ~= -0.57735.
+def test_leave_one_out_advantages_are_scaled_by_the_groups_std_not_the_others():
+    # Leave-one-out, rewards [1, 0, 0, 0]: sample 0's peers are all 0 -> baseline 0, advantage 1; the others: baseline
+    # 1/3, advantage -1/3. All are divided by the group's Bessel std, 0.5 (mean 1/4, var 0.75 / 3): 2 and -2/3.
     result = compute_advantages(
         "grpo",
         rewards=T([1.0, 0.0, 0.0, 0.0]),
@@ -104,28 +103,31 @@ def test_zero_std_with_nonzero_advantage_is_not_blown_up():
         normalize_rewards=True,
         use_leave_one_out_baseline=True,
     )
-    assert_close(result.std, [0.0, SQRT_THIRD, SQRT_THIRD, SQRT_THIRD])
-    assert_close(result.advantages, [1.0, -SQRT_THIRD, -SQRT_THIRD, -SQRT_THIRD], atol=1e-5)
-    assert result.advantages.abs().max() < 2
+    assert_close(result.std, [0.5] * 4)
+    assert_close(result.advantages, [2.0, -2 / 3, -2 / 3, -2 / 3], atol=1e-5)
+    # Peers that nearly agree: their own std is tiny (1e-2 / sqrt(7)); dividing by it gave sample 0 an advantage of 264
+    # (and 23,197 for [1, 0.1 x 6, 0.1001]). The group's std keeps it at the scale of the plain GRPO advantage.
+    for rewards in ([1.0] + [0.0] * 6 + [0.01], [1.0] + [0.1] * 6 + [0.1001]):
+        loo = compute_advantages(
+            "grpo", rewards=T(rewards), prompt_ids=torch.zeros(8, dtype=torch.long), valid_mask=ones(8),
+            normalize_rewards=True, use_leave_one_out_baseline=True,
+        )  # fmt: skip
+        plain = compute_advantages(
+            "grpo", rewards=T(rewards), prompt_ids=torch.zeros(8, dtype=torch.long), valid_mask=ones(8),
+            normalize_rewards=True, use_leave_one_out_baseline=False,
+        )  # fmt: skip
+        # r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean): the same direction, scaled by 8 / 7
+        torch.testing.assert_close(loo.advantages, plain.advantages * 8 / 7, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("own, peer", [(0.7, 0.1), (0.0, 0.7), (0.0, 0.9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_zero_std_detection_is_exact_for_non_dyadic_rewards(own: float, peer: float, dtype: torch.dtype):
-    # Rewards [own, peer, peer, peer], leave-one-out: sample 0's peers are all equal -> std exactly 0,
-    # baseline exactly `peer`, advantage own - peer. From group sums, [0, .7, .7, .7] leaves a variance
-    # residue of ~1e-16 (std ~1e-8), which would scale the advantage by ~1e6 / 1.01.
+    # Rewards [own, peer, peer, peer], leave-one-out reference sets: sample 0's peers are all equal -> std exactly 0,
+    # baseline exactly `peer`. From group sums, [0, .7, .7, .7] leaves a variance residue of ~1e-16 (std ~1e-8).
     rewards = T([own, peer, peer, peer], dtype=dtype)
-    result = compute_advantages(
-        "grpo",
-        rewards=rewards,
-        prompt_ids=torch.zeros(4, dtype=torch.long),
-        valid_mask=ones(4),
-        normalize_rewards=True,
-        use_leave_one_out_baseline=True,
-    )
-    assert result.std[0] == 0.0 and result.baseline[0] == rewards[1]
-    assert result.advantages[0] == rewards[0] - rewards[1]
+    baseline, std = calculate_baseline_and_std_per_prompt(torch.zeros(4, dtype=torch.long), rewards, ones(4), True)
+    assert std[0] == 0.0 and baseline[0] == rewards[1]
 
 
 def test_normalize_with_epsilon_skips_zero_std_and_broadcasts_over_tokens():
