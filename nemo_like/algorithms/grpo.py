@@ -467,6 +467,12 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     return metrics
 
 
+def validates_at(cfg: MasterConfig, step: int) -> bool:
+    """Whether training step ``step`` ends with a validation pass (``grpo.val_period``, and ``grpo.val_at_end`` at the last)."""
+    periodic = bool(cfg.grpo.val_period) and step % cfg.grpo.val_period == 0
+    return periodic or (step == cfg.grpo.max_num_steps and cfg.grpo.val_at_end)
+
+
 class StepRunner(Protocol):
     """What differs between the sync and async loops."""
 
@@ -584,7 +590,9 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     if last_step:
         logger.progress.message(f"[checkpoint] resumed from {resume_from.path} (step {last_step})")
     elif cfg.grpo.val_at_start:
+        started = time.perf_counter()
         val = runner.validate(0, StepTimer())
+        control.validation_finished(time.perf_counter() - started)
         logger.log(val, step=0)
         history.append({"step": 0, **val})
         logger.progress.message(f"[step 0] validation/accuracy={val['validation/accuracy']:.3f}")
@@ -615,7 +623,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                     logger.progress.message(f"[checkpoint] saved {path}")
                 break
             last = step == cfg.grpo.max_num_steps
-            if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or (last and cfg.grpo.val_at_end):
+            if validates_at(cfg, step):
                 metrics.update(runner.validate(step, timer))
                 last_validation = validation_of(metrics, step)
             nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_steps_skipped"] else 0
@@ -641,8 +649,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                     f"stopping at step {step} (grpo.max_consecutive_nonfinite_steps={cfg.grpo.max_consecutive_nonfinite_steps}). "
                     "Lower policy.optimizer.lr or check the rewards and the data."
                 )
-            control.step_finished()
-            stop, path = control.stop_reason(), None
+            control.step_finished(timer.seconds.get("validation", 0.0))
+            stop, path = control.stop_reason(validates_next=validates_at(cfg, step + 1)), None
             # Log first, then save: a crash in between only repeats this step's log line on resume.
             if manager is not None and (step % cfg.checkpointing.save_period == 0 or last or stop is not None or control.wants_save()):
                 path = runner.save(manager, step, {**last_validation, **metrics})

@@ -59,6 +59,7 @@ class RunControl:
         self.step_started_at = self.step_ended_at = self.last_progress
         self._steps: deque[float] = deque(maxlen=history)
         self._saves: deque[float] = deque(maxlen=history)
+        self._validations: deque[float] = deque(maxlen=history)
         self._previous: dict[int, object] = {}
 
     # -- progress, read by the stall watchdog and the fault injector ---------------------------------------------
@@ -66,10 +67,18 @@ class RunControl:
         self.step = step
         self.last_progress = self.step_started_at = time.monotonic()
 
-    def step_finished(self) -> None:
+    def step_finished(self, validation_s: float = 0.0) -> None:
+        """The step in progress ended; ``validation_s`` of it was a validation pass, timed on its own: a validation every
+        ``grpo.val_period`` steps falls out of the recent steps' window, and the step before one must budget for it."""
         now = time.monotonic()
-        self._steps.append(now - self.step_started_at)
+        self._steps.append(now - self.step_started_at - validation_s)
+        if validation_s > 0:
+            self.validation_finished(validation_s)
         self.last_progress = self.step_ended_at = now
+
+    def validation_finished(self, seconds: float) -> None:
+        """A validation pass took ``seconds`` (step 0's, outside any step, or one inside a step)."""
+        self._validations.append(seconds)
 
     def save_finished(self) -> None:
         """A checkpoint was written since :meth:`step_finished` (its duration feeds :meth:`seconds_needed`)."""
@@ -78,26 +87,29 @@ class RunControl:
         self.last_progress = now
 
     # -- stopping ---------------------------------------------------------------------------------------------------
-    def seconds_needed(self) -> float:
+    def seconds_needed(self, validates_next: bool = False) -> float:
         """Time to keep before the deadline: the slowest recent step plus the slowest recent save (before a save is
-        measured, the slowest step stands for it), with 25% and 5 s to spare."""
+        measured, the slowest step stands for it), plus the slowest recent validation when the next step validates
+        (before one is measured, the slowest step stands for it), with 25% and 5 s to spare."""
         step = max(self._steps, default=0.0)
         save = max(self._saves, default=step)
-        return 1.25 * (step + save) + 5.0
+        validation = max(self._validations, default=step) if validates_next else 0.0
+        return 1.25 * (step + save + validation) + 5.0
 
     def wants_save(self) -> bool:
         """With a deadline, save once as soon as possible (after the first step, resumed or not) to measure a save."""
         return self.deadline is not None and not self._saves
 
-    def stop_reason(self) -> StopReason | None:
-        """A signal received, or a deadline that one more step and a save would overrun; else ``None``."""
+    def stop_reason(self, validates_next: bool = False) -> StopReason | None:
+        """A signal received, or a deadline that one more step (with its validation when ``validates_next``) and a save
+        would overrun; else ``None``."""
         if self.requested is not None:
             return self.requested
-        if self.deadline is not None and time.time() + self.seconds_needed() >= self.deadline:
+        needed = self.seconds_needed(validates_next)
+        if self.deadline is not None and time.time() + needed >= self.deadline:
             left = self.deadline - time.time()
-            return StopReason(
-                f"checkpointing.save_before: {left:.0f}s left, a step and a save need {self.seconds_needed():.0f}s", EXIT_DEADLINE
-            )
+            what = "a step, its validation and a save" if validates_next else "a step and a save"
+            return StopReason(f"checkpointing.save_before: {left:.0f}s left, {what} need {needed:.0f}s", EXIT_DEADLINE)
         return None
 
     def install_signal_handlers(self) -> None:

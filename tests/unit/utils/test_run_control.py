@@ -50,6 +50,34 @@ def test_the_deadline_keeps_the_slowest_step_and_save_in_hand():
     assert reason is not None and reason.status == EXIT_DEADLINE and "checkpointing.save_before" in reason.what
 
 
+def test_the_step_before_a_validation_keeps_the_validation_in_hand(monkeypatch):
+    """10 s steps, a 600 s validation every 10 steps, 5 s saves: the last three steps never held a validation, so the
+    run started step 10 with 100 s left and ended it 505 s past the deadline (killed before its stop checkpoint). The
+    loop's own order: step_started, the step and its validation, step_finished, stop_reason, save."""
+    import nemo_like.utils.run_control as run_control
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(run_control.time, "time", lambda: clock[0])
+    monkeypatch.setattr(run_control.time, "monotonic", lambda: clock[0])
+    deadline = clock[0] + 9 * 10.0 + 2 * 5.0 + 100.0
+    control = RunControl(deadline)
+    control.validation_finished(600.0)  # step 0's validation (grpo.val_at_start)
+    for step in range(1, 21):
+        control.step_started(step)
+        validation = 600.0 if step % 10 == 0 else 0.0
+        clock[0] += 10.0 + validation
+        control.step_finished(validation)
+        assert clock[0] <= deadline, f"step {step} ended {clock[0] - deadline:.0f}s after the deadline"
+        stop = control.stop_reason(validates_next=(step + 1) % 10 == 0)
+        if step == 1 or stop is not None:
+            clock[0] += 5.0
+            control.save_finished()
+        if stop is not None:
+            break
+    assert stop is not None and step == 9 and "a step, its validation and a save need" in stop.what
+    assert control.seconds_needed() == pytest.approx(1.25 * (10 + 5) + 5)  # a step without validation: the step alone
+
+
 def test_deadline_forms():
     assert resolve_deadline(None, 50.0) == (None, "no deadline")
     assert resolve_deadline("90", 50.0)[0] == 140.0
