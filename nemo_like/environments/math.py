@@ -2,7 +2,8 @@
 with `math-verify <https://github.com/huggingface/Math-Verify>`_.
 
 Extraction (math-verify's defaults): a ``\\boxed{...}`` answer first, else the last LaTeX expression,
-else the last plain expression or number. Comparison is symbolic: ``0.5``, ``1/2`` and ``\\frac{1}{2}``
+else the last plain expression or number; several different boxed answers are read as one set (a self-corrected
+response is wrong). Comparison is symbolic: ``0.5``, ``1/2`` and ``\\frac{1}{2}``
 are equal; so are ``\\{1,2\\}`` and ``\\{2,1\\}``; intervals, negative numbers and equations (``x=5``
 against ``5``) are handled. The gold answer is ``metadata["answer"]`` (a LaTeX string or a number).
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -32,9 +33,10 @@ WARM_UP = (("\\boxed{\\frac{1}{2}}", "$0.5$"), ("\\boxed{\\sqrt{3}}", "$1.7$"), 
 
 
 def gold_text(gold: Any) -> str:
-    """The gold answer as math-verify parses it best: LaTeX in ``$...$`` unless already delimited."""
+    """The gold answer as math-verify parses it best: LaTeX in ``$...$`` unless already delimited (an unescaped ``$``;
+    an escaped one, ``\\$18.90`` in MATH-style answers, is a currency sign, not a delimiter)."""
     text = str(gold).strip()
-    if "$" in text or "\\boxed" in text or "\\(" in text or "\\[" in text:
+    if re.search(r"(?<!\\)\$", text) or "\\boxed" in text or "\\(" in text or "\\[" in text:
         return text
     return f"${text}$"
 

@@ -47,6 +47,9 @@ PAIRS = [
     # percent / degrees / text around
     ("\\boxed{30^\\circ}", "30", True),
     ("The answer is $\\boxed{\\frac{\\sqrt{3}}{2}}$.", "\\frac{\\sqrt3}{2}", True),
+    # a currency sign in the gold (MATH writes \$18.90): it is not a $...$ delimiter (the gold did not parse)
+    ("The total is \\boxed{18.90}", "\\$18.90", True),
+    ("\\boxed{5}", "\\$5", True),
     # malformed or missing answers
     ("\\boxed{\\frac{1}{2", "\\frac{1}{2}", False),
     ("I don't know.", "5", False),
