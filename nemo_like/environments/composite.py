@@ -77,6 +77,11 @@ class CompositeEnvConfig(BaseModel):
             if not name or "/" in name:
                 raise ValueError(f"source name {name!r} must be non-empty and contain no '/' (it names metrics)")
             source_cls, weight, settings = resolve_source(name, section)
+            if source_cls.step is not EnvironmentInterface.step:
+                raise ValueError(
+                    f"sources.{name}: {source_cls.__name__} is a multi-turn environment (it overrides step); a composite "
+                    "scores single-turn responses only, so its turns would never run. Use it as the task's own environment"
+                )
             if weight == 0:
                 warnings.warn(
                     f"source {name!r} has weight 0: it is computed and logged but does not change the reward", UserWarning, stacklevel=2

@@ -193,7 +193,8 @@ class ToolEnvironment(EnvironmentInterface):
         """The observation for one turn's calls and the counters they add (summed by :meth:`step`, in sample order)."""
         counts: Counter[str] = Counter(tool_calls=0, tool_errors=0)
         calls = parse_tool_calls(text)
-        if len(calls) > self.max_calls_per_turn:
+        if len(calls) > self.max_calls_per_turn:  # none runs, but the model made them (as a final turn counts them)
+            counts["tool_calls"] += len(calls)
             counts["tool_errors"] += 1
             return f"error: {len(calls)} tool calls in one turn; at most {self.max_calls_per_turn}", counts
         lines = []

@@ -67,6 +67,8 @@ def test_sources_state_their_resources_together() -> None:
         ),
         ({"sources": {"x": {"class": "arithmetic", "weight": "high"}}}, "sources.x.weight must be a finite number"),
         ({"sources": {"x": {"class": "composite", "sources": SOURCES}}}, "cannot be a source of another composite"),
+        # a multi-turn environment's turns never ran inside a composite: its step was the default, single-turn one
+        ({"sources": {"t": {"class": "tool", "tools": ["calculator"]}}}, r"sources.t: ToolEnvironment is a multi-turn environment"),
     ],
 )
 def test_bad_sections_name_the_key(section: dict, message: str) -> None:

@@ -157,10 +157,10 @@ def test_tool_env_step_tool_turns_final_answers_and_counters() -> None:
     assert steps[6].observation["content"] == "error: 5 tool calls in one turn; at most 4"
     assert steps[7].observation["content"] == "calculator: 2\ncalculator: 6"
     assert [s.metrics for s in steps] == [
-        {"tool_calls": c, "tool_errors": e} for c, e in [(1, 0), (0, 0), (0, 0), (0, 0), (1, 1), (1, 1), (0, 1), (2, 0)]
+        {"tool_calls": c, "tool_errors": e} for c, e in [(1, 0), (0, 0), (0, 0), (0, 0), (1, 1), (1, 1), (5, 1), (2, 0)]
     ]
     assert env.metrics() == {
-        "tool_calls": 5.0,  # 1 + 1 (malformed) + 1 (unknown) + 2; the over-limit turn runs none
+        "tool_calls": 10.0,  # 1 + 1 (malformed) + 1 (unknown) + 5 + 2: calls the model made (the over-limit turn runs none)
         "tool_errors": 3.0,
         "tool_timeouts": 0.0,
         "tool_memory_errors": 0.0,
