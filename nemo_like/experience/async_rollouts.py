@@ -142,6 +142,7 @@ class AsyncRollouts:
             multi_turn=parts.plan.multi_turn,
             reference=reference_for_collector(parts),
             pad_token_id=parts.tokenizer.pad_token_id,
+            in_flight_refits=async_cfg.in_flight_weight_updates,
         )
         self.agents = getattr(parts, "agents", None)  # agent tasks: the collector runs on a driver thread
         self.local: DriverCollectorThread | None = None

@@ -40,6 +40,7 @@ from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
 from nemo_like.distributed import faults
 from nemo_like.distributed.supervision import ActorRestartsExhausted, Death, begin_run, ledger
+from nemo_like.distributed.worker_group import get_with_context
 from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.pacing import StalenessPacer
 from nemo_like.experience.replay_buffer import TrajectoryGroup
@@ -91,6 +92,10 @@ class ActorHandles:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[GeneratedSample]:
         return generate_on_group(self, prompts, params, seed, self.target)
+
+    def mid_generation_seconds(self) -> float:
+        """Seconds the workers' generate calls spent loading in-flight refits, summed over the workers."""
+        return sum(get_with_context([w.mid_generation_seconds.remote() for w in self.workers], "generation: counters"))
 
 
 class DriverReplaced:
@@ -180,6 +185,7 @@ class CollectorSettings:
     multi_turn: MultiTurnSettings | None = None
     reference: ShardedLogprobs | None = None  # set: every batch goes into the buffer with its reference logprobs
     pad_token_id: int = 0
+    in_flight_refits: bool = False  # refits load inside generate calls: their load time is taken out of generation's
 
 
 class TrajectoryCollector:
@@ -235,6 +241,7 @@ class TrajectoryCollector:
         self.max_num_epochs = settings.max_num_epochs
         self.version = settings.generation_version
         self.multi_turn = settings.multi_turn  # a batch's turns all run inside the batch: a checkpoint never splits one
+        self.in_flight_refits = settings.in_flight_refits
         self.reference = settings.reference  # when set, every batch goes into the buffer with its reference logprobs
         self.pad_token_id = settings.pad_token_id
         self.reference_passes = Increments()
@@ -312,6 +319,7 @@ class TrajectoryCollector:
         prompts = self.loader.next_batch()
         self._mark_step(target)
         timings: dict[str, float] = {}
+        loading = self.generation.mid_generation_seconds() if self.in_flight_refits else 0.0
         rollout = collect_rollout(
             self.generation,
             self.environment,
@@ -323,6 +331,8 @@ class TrajectoryCollector:
             timings=timings,
             multi_turn=self.multi_turn,
         )
+        if self.in_flight_refits:  # an in-flight refit loaded on the generating thread: idle/generation_paused_for_refit's
+            timings["generation"] -= self.generation.mid_generation_seconds() - loading
         reference_refs = None
         started = time.perf_counter()
         if self.reference is not None:  # collated as the trainer will collate the step's batch: same rows, same width

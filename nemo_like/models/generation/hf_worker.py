@@ -96,6 +96,10 @@ class HFGenerationWorker(Reinitializable):
         """How many refits were applied in the middle of a generate call."""
         return self.gate.mid_generation_updates
 
+    def mid_generation_seconds(self) -> float:
+        """Seconds a generate call spent loading those refits (inside the call's time, not decoding)."""
+        return self.gate.mid_generation_seconds
+
     @torch.no_grad()
     def _load_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
         if isinstance(versioned_state, WeightBuckets) and versioned_state.kind != "full":

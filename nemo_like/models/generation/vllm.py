@@ -245,6 +245,10 @@ class VLLMGeneration:
         """Refits applied in the middle of a generate call, summed over the workers (in-flight weight updates)."""
         return sum(get_with_context(self.group.run_all("mid_generation_updates"), "generation: counters"))
 
+    def mid_generation_seconds(self) -> float:
+        """Seconds the workers' generate calls spent loading those refits, summed over the workers."""
+        return sum(get_with_context(self.group.run_all("mid_generation_seconds"), "generation: counters"))
+
     def shutdown(self) -> None:
         """Release the actors."""
         self.group.shutdown()

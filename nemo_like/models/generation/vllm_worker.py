@@ -319,6 +319,10 @@ class VLLMGenerationWorker(Reinitializable):
         """How many refits were applied in the middle of a generate call."""
         return self.gate.mid_generation_updates
 
+    def mid_generation_seconds(self) -> float:
+        """Seconds a generate call spent loading those refits (inside the call's time, not decoding)."""
+        return self.gate.mid_generation_seconds
+
     def _finish_refit(self, version: int) -> int:
         # Cached KV blocks were computed with the old weights. With requests running (an in-flight
         # refit) the reset cannot happen now; the next generate call does it.

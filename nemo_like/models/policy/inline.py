@@ -65,5 +65,9 @@ class InlineGeneration:
         """Always 0: weights change only between generate calls."""
         return 0
 
+    def mid_generation_seconds(self) -> float:
+        """Always 0: weights change only between generate calls."""
+        return 0.0
+
     def shutdown(self) -> None:
         """Nothing to release: the policy owns the worker."""

@@ -11,6 +11,7 @@ new ones. Without a generation running, an update is applied at once.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,6 +26,7 @@ class WeightUpdateGate:
         self.generating = False
         self.pending: list[dict[str, Any]] = []
         self.mid_generation_updates = 0
+        self.mid_generation_seconds = 0.0  # spent loading those updates on the generating thread (not decoding)
 
     def submit(self, apply: Callable[[], Any]) -> Any:
         """Run ``apply`` now when idle, else at the next decoding step; returns its result (or raises its error)."""
@@ -43,11 +45,14 @@ class WeightUpdateGate:
         ``mid_generation=False``: the generate call has ended (the updates are not counted as in flight)."""
         with self.cond:
             jobs, self.pending = self.pending, []
+            started = time.perf_counter()
             for job in jobs:
                 try:
                     job["result"] = job["apply"]()
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting refit call
                     job["error"] = exc
+            if jobs and mid_generation:
+                self.mid_generation_seconds += time.perf_counter() - started
             if jobs:
                 self.mid_generation_updates += len(jobs) if mid_generation else 0
                 self.cond.notify_all()

@@ -33,6 +33,24 @@ def test_gate_defers_an_update_to_the_next_step_boundary_and_returns_its_result(
         assert gate.apply_pending() == 1
         thread.join(5)
     assert applied_at == [5] and result == {"v": 3} and gate.mid_generation_updates == 1
+    # The load's time is counted apart (the collector takes it out of its generation seconds: it is not decoding);
+    # an update applied when the call has ended is not mid-generation
+    with gate.generating_scope():
+        thread = threading.Thread(target=lambda: gate.submit(lambda: time.sleep(0.2)))
+        thread.start()
+        while not gate.pending:
+            time.sleep(0.001)
+        assert gate.apply_pending() == 1
+        thread.join(5)
+    assert 0.2 <= gate.mid_generation_seconds < 5 and gate.mid_generation_updates == 2
+    seconds = gate.mid_generation_seconds
+    with gate.generating_scope():
+        thread = threading.Thread(target=lambda: gate.submit(lambda: time.sleep(0.1)))
+        thread.start()
+        while not gate.pending:
+            time.sleep(0.001)
+    thread.join(5)
+    assert gate.mid_generation_seconds == seconds and gate.mid_generation_updates == 2
 
 
 def test_gate_hands_an_update_error_to_the_caller():
@@ -80,7 +98,7 @@ def test_hf_worker_swaps_weights_mid_sequence():
     time.sleep(0.05)
     assert worker.update_weights((1, new_state)) == 1  # returns once applied, between two decoding steps
     thread.join(120)
-    assert worker.mid_generation_updates() == 1 and len(outputs) == 256
+    assert worker.mid_generation_updates() == 1 and len(outputs) == 256 and worker.mid_generation_seconds() > 0
     sample = outputs[0]
     assert sample["weight_version"] == 0 and sample["final_weight_version"] == 1
     old_lp = teacher_forced_logprobs(old_model, prompt, sample["response_ids"])
