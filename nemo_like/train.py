@@ -52,7 +52,7 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
     the stall watchdog's abort raises :class:`~nemo_like.distributed.watchdog.RunStalled` (70). See
     docs/guides/fault-tolerance.md."""
     start = time.perf_counter()
-    cfg = absolute_run_paths(cfg)
+    cfg = absolute_run_dirs(cfg)
     check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed
     check_run_inputs(cfg)
     deadline, source = resolve_run_deadline(cfg.checkpointing, time.time())  # auto + Slurm + checkpointing off: a ConfigError
@@ -82,39 +82,20 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
         activate(None)
 
 
-def absolute_run_paths(cfg: MasterConfig, cwd: str | Path | None = None) -> MasterConfig:
+def absolute_run_dirs(cfg: MasterConfig, cwd: str | Path | None = None) -> MasterConfig:
     """``cfg`` with a relative ``logger.log_dir`` and ``checkpointing.checkpoint_dir`` made absolute against the
-    driver's working directory (``cwd``: this process's), and so every model or tokenizer source that is a relative
-    path existing there (``policy.model_name``, ``policy.tokenizer_name``, the teachers'). Decided here, before any
-    actor sees a path: an actor resolves a relative path against its own working directory, which on a joined cluster
-    or in a ``ray job submit`` job is not the driver's (policy rank 0 wrote a checkpoint's weights there, and the
-    driver's ``step_N`` had none; a worker loaded another ``./my_model`` or found none). Hub ids and ``embedded:``
-    names stay as they are."""
+    driver's working directory (``cwd``: this process's). Decided here, before any actor sees a path: an actor resolves
+    a relative path against its own working directory, which on a joined cluster or in a ``ray job submit`` job is not
+    the driver's (policy rank 0 wrote a checkpoint's weights there, and the driver's ``step_N`` had none)."""
     base = Path(os.getcwd() if cwd is None else cwd)
 
     def absolute(path: str) -> str:
         return str(base / Path(path).expanduser())  # an absolute path stays as it is
 
-    def source(name: str | None) -> str | None:
-        if name is None or name.startswith("embedded:") or Path(name).expanduser().is_absolute():
-            return name
-        return absolute(name) if (base / Path(name).expanduser()).exists() else name
-
-    teacher = cfg.teacher
     return cfg.model_copy(
         update={
             "logger": cfg.logger.model_copy(update={"log_dir": absolute(cfg.logger.log_dir)}),
             "checkpointing": cfg.checkpointing.model_copy(update={"checkpoint_dir": absolute(cfg.checkpointing.checkpoint_dir)}),
-            "policy": cfg.policy.model_copy(
-                update={"model_name": source(cfg.policy.model_name), "tokenizer_name": source(cfg.policy.tokenizer_name)}
-            ),
-            "teacher": teacher.model_copy(
-                update={
-                    "model_name": source(teacher.model_name),
-                    "tokenizer_name": source(teacher.tokenizer_name),
-                    "by_task": {task: source(name) for task, name in teacher.by_task.items()},
-                }
-            ),
         }
     )
 

@@ -1,0 +1,30 @@
+"""A run's log and checkpoint directories are made absolute by the driver before any actor sees them."""
+
+from pathlib import Path
+
+from nemo_like.config import DEFAULT_RECIPE, load_config
+
+
+def test_train_hands_absolute_run_dirs_resolved_against_the_drivers_cwd(tmp_path, monkeypatch):
+    """A relative checkpoint_dir went to the policy workers as it was: rank 0 resolved it against its own working
+    directory (a joined cluster's, a submitted job's node-local copy) and wrote the weights there."""
+    from nemo_like import train as train_module
+
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    monkeypatch.chdir(driver)
+    cfg = load_config(
+        DEFAULT_RECIPE, ["checkpointing.enabled=true", "checkpointing.checkpoint_dir=results/run1", "logger.log_dir=logs/run1"]
+    )
+    seen = []
+    monkeypatch.setattr(train_module, "_train_locked", lambda cfg, *args: seen.append(cfg) or [])
+    train_module.train(cfg)
+    assert seen[0].checkpointing.checkpoint_dir == str(driver / "results" / "run1")
+    assert seen[0].logger.log_dir == str(driver / "logs" / "run1")
+    assert Path(seen[0].checkpointing.checkpoint_dir).is_absolute() and Path(seen[0].logger.log_dir).is_absolute()
+    assert cfg.checkpointing.checkpoint_dir == "results/run1"  # the caller's config is left as it was
+    elsewhere = train_module.absolute_run_dirs(seen[0], cwd=tmp_path / "other")  # an absolute path stays as it is
+    assert (elsewhere.checkpointing.checkpoint_dir, elsewhere.logger.log_dir) == (
+        seen[0].checkpointing.checkpoint_dir,
+        seen[0].logger.log_dir,
+    )
