@@ -11,7 +11,6 @@ checkpoint (:func:`restart_checkpoint`), and the lines that say so.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,12 +90,8 @@ def checkpoint_stamps(root: Path) -> dict[Path, Stamp]:
     """The identity of each checkpoint under ``root``, taken when a run starts: a checkpoint whose identity differs
     later (new, or saved again, which writes a new file) is this run's. No clocks are compared: a file's mtime comes
     from the kernel's coarse clock and can read earlier than a ``time.time()`` taken just before the file was written."""
-    stamps = {}
-    for state_file in root.glob(f"step_*/{STATE_FILE}"):
-        with contextlib.suppress(OSError):
-            stat = state_file.stat()
-            stamps[state_file.parent] = (stat.st_ino, stat.st_mtime_ns)
-    return stamps
+    stamps = {state_file.parent: _file_stamp(state_file) for state_file in root.glob(f"step_*/{STATE_FILE}")}
+    return {path: stamp for path, stamp in stamps.items() if stamp is not None}
 
 
 def restart_checkpoint(
@@ -106,18 +101,18 @@ def restart_checkpoint(
     :func:`checkpoint_stamps` taken when the run started, or changed since), else the one the run started from, else
     ``None`` (step 0: the same as a fresh start). Checkpoints that other runs left in the directory
     (``checkpointing.resume=false``) are never taken."""
-    candidates = [c for c in checkpoints if (stamp := _stamp(c)) is not None and at_start.get(c.path) != stamp]
+    candidates = [c for c in checkpoints if (stamp := _file_stamp(c.path / STATE_FILE)) is not None and at_start.get(c.path) != stamp]
     if started_from is not None and started_from.path.is_dir():
         candidates.append(started_from)
     return max(candidates, key=lambda c: c.step, default=None)
 
 
-def _stamp(checkpoint: CheckpointInfo) -> Stamp | None:
+def _file_stamp(state_file: Path) -> Stamp | None:
     try:
-        state = (checkpoint.path / STATE_FILE).stat()
+        stat = state_file.stat()
     except OSError:
         return None
-    return state.st_ino, state.st_mtime_ns
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def restart_line(death: WorkerDeath, attempt: int, max_restarts: int, checkpoint: CheckpointInfo | None) -> str:

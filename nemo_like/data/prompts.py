@@ -112,8 +112,9 @@ def validation_overlap_warning(train: list[PromptRecord], validation: list[Promp
     pointed at the training split or file without ``data.validation.split_fraction``; ``None`` when they are apart."""
     seen = {r.metadata.get("prompt") for r in train}
     shared = sum(r.metadata.get("prompt") in seen for r in validation)
-    if not shared or len({r.metadata.get("prompt") for r in validation}) == 1 < len(validation):
-        return None  # apart, or one text for every problem (guess-number: the secret differs): the text names no problem
+    one_text = len(validation) > 1 and len({r.metadata.get("prompt") for r in validation}) == 1
+    if not shared or one_text:  # apart, or one text for every problem (guess-number: the secret differs): it names none
+        return None
     return (
         f"{shared} of {len(validation)} validation prompts are also training prompts: validation/accuracy then measures "
         "recall of trained prompts too. Hold rows out with data.validation.split_fraction, or point data.validation at "

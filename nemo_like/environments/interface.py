@@ -31,14 +31,6 @@ FINAL_TURN = "final_turn"
 DEFAULT_ENV_CPUS = 0.1
 
 
-def changed_keys(settings: BaseModel, keys: list[str] | tuple[str, ...]) -> list[str]:
-    """Those of ``keys`` whose value in ``settings`` differs from the field's default: what a "has no effect" warning
-    names. Not ``model_fields_set``: an environment's settings are validated again from their full dump (actor needs,
-    the actors' constructors), which marks every default as set."""
-    fields = type(settings).model_fields
-    return [k for k in keys if getattr(settings, k) != fields[k].get_default(call_default_factory=True)]
-
-
 @dataclass(frozen=True)
 class HelperActors:
     """Actors that each environment actor starts for itself (e.g. a judge's generation engine): ``count`` per

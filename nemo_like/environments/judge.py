@@ -25,7 +25,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface, HelperActors, changed_keys
+from nemo_like.config.sections.base import changed_from_defaults
+from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface, HelperActors
 from nemo_like.environments.judge_engine import JudgeEngine, JudgeEngineSpec
 from nemo_like.environments.judge_parsers import resolve_parser
 from nemo_like.environments.judge_template import JudgeTemplate, TemplateFormat, load_template_text
@@ -100,7 +101,7 @@ class JudgeEnvConfig(BaseModel):
         JudgeTemplate(load_template_text(self.template, self.template_file), self.template_format)
         resolve_parser(self.parser, self.parser_options)
         if self.engine_backend == "hf":
-            for key in changed_keys(self, ("engine_kv_cache_space_gib", "engine_gpu_memory_utilization")):
+            for key in changed_from_defaults(self, ("engine_kv_cache_space_gib", "engine_gpu_memory_utilization")):
                 warnings.warn(f"{key} has no effect with engine_backend='hf' (a vLLM setting)", UserWarning, stacklevel=2)
         if self.greedy and self.temperature != 1.0:
             warnings.warn(

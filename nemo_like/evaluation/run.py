@@ -29,17 +29,15 @@ import yaml
 from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
-from nemo_like.models.loading import ADAPTER_CONFIG
+from nemo_like.models.loading import ADAPTER_CONFIG, holds_tokenizer
 from nemo_like.models.lora import merge_checkpoint
-
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
-    """A checkpoint's ``policy/`` holds weights and config but no tokenizer, which vLLM loads from the model
-    directory: give it a directory of links to the model files plus the run's tokenizer."""
+    """A model directory without a tokenizer (a checkpoint's ``policy/`` written before it held the run's), which vLLM
+    loads from the model directory: give it a directory of links to the model files plus the run's tokenizer."""
     path = Path(model_dir)
-    if not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not path.is_dir() or holds_tokenizer(path):
         return model_dir
     shutil.rmtree(scratch, ignore_errors=True)  # an earlier eval's links: the default output_dir is shared by every eval
     scratch.mkdir(parents=True)

@@ -242,6 +242,7 @@ class TrajectoryCollector:
         self.version = settings.generation_version
         self.multi_turn = settings.multi_turn  # a batch's turns all run inside the batch: a checkpoint never splits one
         self.in_flight_refits = settings.in_flight_refits
+        self._loads_seen = 0.0  # generation's mid_generation_seconds after the last batch
         self.reference = settings.reference  # when set, every batch goes into the buffer with its reference logprobs
         self.pad_token_id = settings.pad_token_id
         self.reference_passes = Increments()
@@ -319,7 +320,6 @@ class TrajectoryCollector:
         prompts = self.loader.next_batch()
         self._mark_step(target)
         timings: dict[str, float] = {}
-        loading = self.generation.mid_generation_seconds() if self.in_flight_refits else 0.0
         rollout = collect_rollout(
             self.generation,
             self.environment,
@@ -332,7 +332,9 @@ class TrajectoryCollector:
             multi_turn=self.multi_turn,
         )
         if self.in_flight_refits:  # an in-flight refit loaded on the generating thread: idle/generation_paused_for_refit's
-            timings["generation"] -= self.generation.mid_generation_seconds() - loading
+            loads = self.generation.mid_generation_seconds()  # the workers' running total: its growth is this batch's
+            timings["generation"] -= max(loads - self._loads_seen, 0.0)  # (a replaced worker starts again from 0)
+            self._loads_seen = loads
         reference_refs = None
         started = time.perf_counter()
         if self.reference is not None:  # collated as the trainer will collate the step's batch: same rows, same width

@@ -179,13 +179,18 @@ def load_merged(adapter_dir: str | Path, precision: str = "float32", base_model:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
 
 
+def holds_tokenizer(directory: str | Path) -> bool:
+    """Whether the local ``directory`` holds a tokenizer (one of :data:`TOKENIZER_FILES`)."""
+    return any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(name: str):
     """Load a tokenizer; prompts are left-padded for generation. A local directory without tokenizer files is an error
     (transformers returned an empty tokenizer for it, which encodes every text as no tokens)."""
     from transformers import AutoTokenizer
 
     path = Path(resolve_model_path(name)).expanduser()
-    if path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+    if path.is_dir() and not holds_tokenizer(path):
         raise ConfigError(
             f"{name!r} holds no tokenizer (none of {list(TOKENIZER_FILES)}): name the tokenizer's model with "
             "policy.tokenizer_name (checkpoints written before 2026-12-04 hold none in policy/)"

@@ -26,8 +26,8 @@ import torch
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.loading import (
     ADAPTER_CONFIG,
-    TOKENIZER_FILES,
     adapter_base_model,
+    holds_tokenizer,
     load_merged,
     load_tokenizer,
     looks_like_path,
@@ -257,6 +257,6 @@ def merge_checkpoint(
     out = Path(output_dir)
     merged.config.use_cache = True
     merged.save_pretrained(out)
-    own = Path(adapter_dir) if any((Path(adapter_dir) / f).is_file() for f in TOKENIZER_FILES) else None
-    load_tokenizer(tokenizer or (str(own) if own else None) or base_model or adapter_base_model(adapter_dir)).save_pretrained(out)
+    own = str(adapter_dir) if holds_tokenizer(adapter_dir) else None
+    load_tokenizer(tokenizer or own or base_model or adapter_base_model(adapter_dir)).save_pretrained(out)
     return out

@@ -17,6 +17,11 @@ from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.serving.errors import bad_request, unsupported
 
 
+def engine_top_k(top_k: int | None) -> int | None:
+    """A request's ``top_k`` as the engine takes it: -1, 0 or unset is off (``None``)."""
+    return top_k if top_k and top_k > 0 else None
+
+
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints."""
 
@@ -65,7 +70,7 @@ class SamplingFields(BaseModel):
             max_new_tokens=max_new_tokens,
             temperature=temperature if temperature > 0 else 1.0,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k if self.top_k and self.top_k > 0 else None,
+            top_k=engine_top_k(self.top_k),
             greedy=temperature == 0,
             stop_token_ids=stop_token_ids,
             stop_strings=self.stop_strings(),

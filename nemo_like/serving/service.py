@@ -14,7 +14,7 @@ from nemo_like.models.generation.interface import GeneratedSample, stop_string_p
 from nemo_like.serving.batching import GenerationQueue
 from nemo_like.serving.continuation import message_keys
 from nemo_like.serving.errors import ServingError, bad_request
-from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, engine_top_k
 from nemo_like.serving.rendering import Renderer
 from nemo_like.serving.sessions import Session, SessionStore, check_budget, session_call_seed
 from nemo_like.serving.tool_parsers import ParsedTurn, ToolParser
@@ -51,7 +51,7 @@ class RunSampling:
             sent = getattr(req, name)
             if sent is None:
                 setattr(req, name, value)
-            elif self.enforce and _sampling_value(name, sent) != value:
+            elif self.enforce and (engine_top_k(sent) if name == "top_k" else sent) != value:  # temperature 0 stays 0
                 raise bad_request(
                     f"'{name}'={sent} differs from the run's policy.generation.{name}={value}: the trainer scores every "
                     f"token under the run's settings, so this session's logprobs would not be the ones trained on. Leave "
@@ -64,13 +64,6 @@ class RunSampling:
 def run_sampling(generation: Any, enforce: bool) -> RunSampling:
     """The :class:`RunSampling` of a recipe's ``policy.generation`` section."""
     return RunSampling(generation.temperature, generation.top_p, generation.top_k, enforce)
-
-
-def _sampling_value(name: str, sent: float | int) -> float | int | None:
-    """A sent value as the engine reads it: ``top_k`` -1 or 0 is off (None); temperature 0 (greedy) stays 0."""
-    if name == "top_k":
-        return sent if sent > 0 else None
-    return sent
 
 
 @dataclass

@@ -67,17 +67,17 @@ class OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def _onednn_takes(macs: int, dtype: torch.dtype) -> bool:
+    """Whether oneDNN serves a CPU product of ``macs`` multiply-accumulates in ``dtype``: float32, no CPU autocast, at
+    least :data:`ONEDNN_MIN_MACS`, on a machine where it was measured to win."""
+    return macs >= ONEDNN_MIN_MACS and dtype == torch.float32 and not torch.is_autocast_enabled("cpu") and onednn_linear_available()
+
+
 def _onednn_serves(rows: int, weight: torch.Tensor) -> bool:
     """Whether a product of ``rows`` rows with the plain float32 CPU ``weight`` goes to oneDNN (no CPU autocast). The
     size test comes first: most products of a small model stop there, and :func:`linear` asks for every one."""
-    return (
-        rows * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_MACS
-        and type(weight) in _PLAIN
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and not torch.is_autocast_enabled("cpu")
-        and onednn_linear_available()
-    )
+    macs = rows * weight.shape[0] * weight.shape[1]
+    return macs >= ONEDNN_MIN_MACS and type(weight) in _PLAIN and weight.device.type == "cpu" and _onednn_takes(macs, weight.dtype)
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -92,13 +92,7 @@ def packs(rows: int, out_features: int, in_features: int, dtype: torch.dtype = t
     ``rows`` rows (more than :data:`PACK_MIN_MACS` multiply-accumulates, on a product :func:`linear` sends to oneDNN);
     the memory planner asks it too: a packed weight is a second copy of it for the call."""
     macs = rows * out_features * in_features
-    return (
-        macs > PACK_MIN_MACS
-        and macs >= ONEDNN_MIN_MACS
-        and dtype == torch.float32
-        and not torch.is_autocast_enabled("cpu")
-        and onednn_linear_available()
-    )
+    return macs > PACK_MIN_MACS and _onednn_takes(macs, dtype)
 
 
 def prepacked(weight: torch.Tensor, rows: int) -> torch.Tensor:

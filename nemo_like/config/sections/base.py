@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pydantic import BaseModel, ConfigDict
 
 EMBEDDED_MODEL = "embedded:tiny-arith-qwen2"
@@ -11,6 +13,15 @@ class Section(BaseModel):
     """Base for config sections: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+def changed_from_defaults(settings: BaseModel, keys: Iterable[str] | None = None) -> list[str]:
+    """Those of ``keys`` (default: every field) whose value in ``settings`` differs from the field's default, in field
+    order: what a "has no effect" warning names. Not ``model_fields_set``: settings validated again from their full dump
+    (an environment's, in its actors) mark every default as set."""
+    fields = type(settings).model_fields
+    names = fields if keys is None else keys
+    return [k for k in names if getattr(settings, k) != fields[k].get_default(call_default_factory=True)]
 
 
 def default_pass_k(n: int) -> list[int]:

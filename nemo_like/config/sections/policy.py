@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from nemo_like.config.sections.base import EMBEDDED_MODEL, Section
+from nemo_like.config.sections.base import EMBEDDED_MODEL, Section, changed_from_defaults
 from nemo_like.config.types import Float, Int, ThreadCount
 
 #: An Adam decay rate: 1 never forgets (beta2 = 1 never updates the second moment: division by ~eps), > 1 diverges.
@@ -172,9 +172,7 @@ class LoraConfig(Section):
         """Keys changed from their defaults while ``enabled`` is false do nothing: say so."""
         if self.enabled:
             return []
-        unused = sorted(
-            name for name, field in type(self).model_fields.items() if name != "enabled" and getattr(self, name) != field.default
-        )
+        unused = sorted(name for name in changed_from_defaults(self) if name != "enabled")
         return [f"policy.lora_cfg.{k} has no effect with policy.lora_cfg.enabled=false" for k in unused]
 
 

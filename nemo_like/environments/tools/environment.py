@@ -30,9 +30,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from nemo_like.config.sections.base import changed_from_defaults
 from nemo_like.environments.arithmetic import import_reward_fn
 from nemo_like.environments.arithmetic_reward import _strip_end_markers, score_response
-from nemo_like.environments.interface import CORRECT_REWARD, FINAL_TURN, EnvironmentInterface, EnvironmentStep, changed_keys
+from nemo_like.environments.interface import CORRECT_REWARD, FINAL_TURN, EnvironmentInterface, EnvironmentStep
 from nemo_like.environments.tools.parsing import ToolCallError, has_tool_call, parse_tool_calls
 from nemo_like.environments.tools.registry import ToolRegistry
 
@@ -127,7 +128,7 @@ class ToolEnvironment(EnvironmentInterface):
     def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:
         """The ``python_*`` limits set while no tool is the built-in ``python`` sandbox."""
         cfg = ToolEnvConfig.model_validate(settings)
-        limits = sorted(changed_keys(cfg, [k for k in ToolEnvConfig.model_fields if k.startswith("python_")]))
+        limits = sorted(k for k in changed_from_defaults(cfg) if k.startswith("python_"))
         names = cfg.tools.values() if isinstance(cfg.tools, dict) else cfg.tools
         if not limits or "python" in names:
             return []

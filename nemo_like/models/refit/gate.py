@@ -45,17 +45,18 @@ class WeightUpdateGate:
         ``mid_generation=False``: the generate call has ended (the updates are not counted as in flight)."""
         with self.cond:
             jobs, self.pending = self.pending, []
+            if not jobs:  # every decoding step asks: nothing to time or notify
+                return 0
             started = time.perf_counter()
             for job in jobs:
                 try:
                     job["result"] = job["apply"]()
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting refit call
                     job["error"] = exc
-            if jobs and mid_generation:
+            if mid_generation:
+                self.mid_generation_updates += len(jobs)
                 self.mid_generation_seconds += time.perf_counter() - started
-            if jobs:
-                self.mid_generation_updates += len(jobs) if mid_generation else 0
-                self.cond.notify_all()
+            self.cond.notify_all()
             return len(jobs)
 
     @contextmanager
