@@ -122,20 +122,19 @@ def needs_teachers(cfg: Any, run_plan: Any) -> bool:
 
 def inline_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
     """Bytes of weights the inline backend's sampler copies for a call (0 with another backend): the lean decoder's
-    fused and packed projections at the run's precision (:func:`~nemo_like.models.generation.lean_decoder.fused_step_copy_elements`)."""
+    fused and packed projections (:func:`~nemo_like.models.generation.lean_decoder.fused_step_copy_elements`). They
+    are copies of the policy's float32 masters, whatever the precision; its products run in ``policy.precision`` (a
+    bfloat16 run samples under autocast, where nothing is packed for oneDNN)."""
     if run_plan.backend.value != "inline":
         return 0
-    import torch
-
     from nemo_like.models.generation.lean_decoder import fused_step_copy_elements
-    from nemo_like.plan.memory import DTYPE_BYTES, inline_sampling_rows
+    from nemo_like.models.precision import MASTER_DTYPE, compute_dtype
+    from nemo_like.plan.memory import inline_sampling_rows
 
-    precision = cfg.policy.precision
     q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    rows = inline_sampling_rows(cfg)
-    dtype = getattr(torch, precision)
-    elements = fused_step_copy_elements(shape.layers, shape.hidden, shape.intermediate, q_width, kv_width, shape.vocab, rows, dtype)
-    return elements * DTYPE_BYTES[precision]
+    rows, products = inline_sampling_rows(cfg), compute_dtype(cfg.policy.precision)
+    elements = fused_step_copy_elements(shape.layers, shape.hidden, shape.intermediate, q_width, kv_width, shape.vocab, rows, products)
+    return elements * MASTER_DTYPE.itemsize
 
 
 def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:

@@ -220,3 +220,8 @@ def test_the_planners_count_of_the_fused_steps_weight_copies_is_what_a_step_hold
     assert copies >= fused_only  # q|k|v and gate|up are always new tensors
     if rows == 8:
         assert copies == fused_only  # products of 8 rows are too small to pack
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bfloat16 run samples its float32 masters under autocast
+        mixed = FusedLlamaStep(model, rows, 8, rows)
+    held = [t for layer in mixed.layers for t in layer if t is not None and t.dim() == 2 and t.data_ptr() not in own]
+    assert sum(t.numel() for t in held) == fused_step_copy_elements(2, 128, 512, 128, 64, 359, rows, torch.bfloat16) == fused_only
+    assert {t.dtype for t in held} == {torch.float32} and not any(t.is_mkldnn for t in held)  # 4-byte copies, none packed
