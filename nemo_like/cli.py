@@ -271,12 +271,24 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, with overrides allowed on both sides of a flag (``train a=1 --dry-run b=2``): argparse
+    takes a ``nargs="*"`` positional once, so what follows a flag came back as "unrecognized arguments"."""
+    args, extra = parser.parse_known_args(argv)
+    looks_like_override = [e for e in extra if not e.startswith("-") and ("=" in e or e.startswith("~"))]
+    if extra and (len(looks_like_override) < len(extra) or not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]  # in the order given: a later override of the same key wins
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     implicit_train = not argv or (argv[0] not in TOP_LEVEL_FLAGS and (argv[0].startswith(("-", "~")) or "=" in argv[0]))
     if implicit_train:
         argv = ["train", *argv]  # `nemo-like` alone, or with train's options / overrides only, means train
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(build_parser(), argv)
     RUN_ERRORS = _run_errors()
     try:
         if args.command == "train":

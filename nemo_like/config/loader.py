@@ -50,9 +50,20 @@ RecipeLoader.yaml_implicit_resolvers = {
 }
 RecipeLoader.add_implicit_resolver(
     "tag:yaml.org,2002:int",
-    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    re.compile(r"^[-+]?(?:0b[0-1_]+|0o[0-7_]+|0x[0-9a-fA-F_]+|[0-9][0-9_]*)$"),
     list("-+0123456789"),
 )
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """An int as overrides read it: ``010`` is ten (YAML 1.1 read a leading 0 as octal: ``seed: 0042`` was 34);
+    ``0b``/``0o``/``0x`` keep their bases."""
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign, digits = (-1, text[1:]) if text.startswith("-") else (1, text.lstrip("+"))
+    return sign * int(digits, 0 if digits[:2].lower() in ("0b", "0o", "0x") else 10)
+
+
+RecipeLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 RecipeLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(
@@ -68,16 +79,33 @@ RecipeLoader.add_implicit_resolver(
 
 
 def register_resolvers() -> None:
-    """Register the ``mul``, ``add``, ``div`` and ``max`` interpolation resolvers (idempotent)."""
+    """Register the ``mul``, ``add``, ``div`` and ``max`` interpolation resolvers (idempotent). Their arguments are
+    numbers: a quoted one (``num_prompts_per_step: "4"``) is read as its number (``mul`` repeated the text: 8 x '4' was
+    '44444444'), anything else is an error naming the value."""
     resolvers = {
-        "mul": lambda *xs: _fold(lambda a, b: a * b, xs),
-        "add": lambda *xs: _fold(lambda a, b: a + b, xs),
-        "div": lambda a, b: a / b,
-        "max": lambda *xs: max(xs),
+        "mul": lambda *xs: _fold(lambda a, b: a * b, _numbers("mul", xs)),
+        "add": lambda *xs: _fold(lambda a, b: a + b, _numbers("add", xs)),
+        "div": lambda a, b: _numbers("div", (a,))[0] / _numbers("div", (b,))[0],
+        "max": lambda *xs: max(_numbers("max", xs)),
     }
     for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
+
+
+def _numbers(resolver: str, values: tuple[Any, ...]) -> list[int | float]:
+    numbers: list[int | float] = []
+    for value in values:
+        if isinstance(value, str):  # anything else is left to the schema (a boolean: an error naming its key)
+            try:
+                value = int(value.strip().replace("_", ""))
+            except ValueError:
+                try:
+                    value = float(value.strip())
+                except ValueError:
+                    raise ValueError(f"${{{resolver}:...}} takes numbers, got the text {value!r}") from None
+        numbers.append(value)
+    return numbers
 
 
 def _fold(op, xs):

@@ -20,7 +20,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_like.config.types import Float
+from nemo_like.config.types import Float, OptStr
 
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
@@ -104,7 +104,7 @@ class ClippedPGLossConfig(BaseModel):
             "(async GRPO, fp8 or otherwise mismatched inference)."
         ),
     )
-    truncated_importance_sampling_type: str | None = Field(
+    truncated_importance_sampling_type: OptStr = Field(
         None,
         description=(
             "How the importance weights are truncated: 'tis' clamps them to [min, max]; 'icepop' "
@@ -162,7 +162,7 @@ class ClippedPGLossConfig(BaseModel):
             "sum by the maximum response length). null: policy.generation.max_new_tokens."
         ),
     )
-    surrogate: str | None = Field(
+    surrogate: OptStr = Field(
         None,
         description=(
             "Policy-gradient surrogate by name: 'ppo_clip', 'unclipped', 'cispo', 'reinforce', any "
@@ -189,7 +189,7 @@ class ClippedPGLossConfig(BaseModel):
             "tokens keep a (bounded) gradient instead of losing it."
         ),
     )
-    trust_region_type: str | None = Field(
+    trust_region_type: OptStr = Field(
         None,
         description=(
             "'dppo_binary_tv' replaces ratio clipping by a trust region on probabilities: a token "

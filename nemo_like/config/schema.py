@@ -18,6 +18,7 @@ from nemo_like.config.rejection import RolloutRejectionConfig
 from nemo_like.config.sections.base import (  # noqa: F401  (re-exported)
     EMBEDDED_MODEL,
     Section,
+    changed_from_defaults,
     check_pass_k,
     default_pass_k,
 )
@@ -203,11 +204,42 @@ class MasterConfig(BaseModel):
                 f"'{self.grpo.adv_estimator.name}' (a sample is its own group's baseline), so the policy-gradient term never "
                 "moves the policy; use 2 or more samples per prompt"
             )
+        lines += self.switched_off_warnings()
         if self.grpo.val_pass_k is not None and self.grpo.val_num_generations_per_prompt == 1:
             lines.append(
                 f"grpo.val_pass_k={self.grpo.val_pass_k} has no effect with grpo.val_num_generations_per_prompt=1 "
                 "(validation/pass@1 is validation/accuracy then; raise the generations to log pass@k)"
             )
+        return lines
+
+    def switched_off_warnings(self) -> list[str]:
+        """Keys set (changed from their defaults) under a switch that is off, or for an estimator that ignores them."""
+        lines = []
+        switched = [
+            (self.grpo.reward_shaping, "grpo.reward_shaping", "enabled", ()),
+            (self.policy.sequence_packing, "policy.sequence_packing", "enabled", ()),
+            (self.policy.dynamic_batching, "policy.dynamic_batching", "enabled", ()),
+            # checkpoint_dir also names the directory the run locks; save_before='auto' is legal without checkpoints
+            (self.checkpointing, "checkpointing", "enabled", ("checkpoint_dir", "save_before")),
+        ]
+        for section, path, switch, kept in switched:
+            if not getattr(section, switch):
+                unused = [k for k in changed_from_defaults(section) if k != switch and k not in kept]
+                lines += [f"{path}.{k} has no effect with {path}.{switch}=false" for k in unused]
+        if not self.logger.wandb_enabled:
+            lines += [f"logger.wandb.{k} has no effect with logger.wandb_enabled=false" for k in changed_from_defaults(self.logger.wandb)]
+        never_validates = not (self.grpo.val_period or self.grpo.val_at_start or self.grpo.val_at_end)
+        if never_validates and self.logger.num_val_samples_to_print:
+            lines.append(
+                "logger.num_val_samples_to_print has no effect: validation never runs "
+                "(grpo.val_period=0, grpo.val_at_start=false, grpo.val_at_end=false)"
+            )
+        if not self.grpo.use_dynamic_sampling and changed_from_defaults(self.grpo, ["dynamic_sampling_max_gen_batches"]):
+            lines.append("grpo.dynamic_sampling_max_gen_batches has no effect with grpo.use_dynamic_sampling=false")
+        estimator = self.grpo.adv_estimator.name
+        ignored = {"rloo": ["use_leave_one_out_baseline"], "dr_grpo": ["use_leave_one_out_baseline", "normalize_rewards"]}
+        for key in changed_from_defaults(self.grpo, ignored.get(estimator, [])):
+            lines.append(f"grpo.{key} has no effect with grpo.adv_estimator.name='{estimator}' (it ignores the flag)")
         return lines
 
     def offloads_to_cpu(self) -> bool:

@@ -77,11 +77,22 @@ def test_unknown_command_is_a_usage_error() -> None:
         ["--dry-run", "grpo.max_num_steps=3"],  # train's options without the word train
         ["grpo.max_num_steps=3", "--dry-run"],  # overrides first
         ["train", "--dry-run", "grpo.max_num_steps=3"],
+        ["train", "grpo.seed=5", "--dry-run", "grpo.max_num_steps=3"],  # overrides on both sides of a flag
+        ["grpo.max_num_steps=9", "--dry-run", "grpo.max_num_steps=3"],  # the later one wins
     ],
 )
 def test_implicit_train_still_works(argv: list[str], capsys) -> None:
     assert main(argv) == 0
     assert "  max_num_steps: 3\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv", [["train", "--dry-run", "--bogus=1"], ["train", "grpo.seed=1", "--dry-run", "bogus"], ["plot", "x.jsonl", "a=1"]]
+)
+def test_what_is_not_an_override_after_a_flag_is_still_refused(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path, capsys) -> None:

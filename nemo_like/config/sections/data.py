@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_like.config.sections.base import Section
-from nemo_like.config.types import Float, Int
+from nemo_like.config.types import Float, Int, OptStr
 
 #: The single-file prompt sources (one file is one split): suffix -> the ``datasets`` builder that reads it.
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -25,14 +25,14 @@ class DatasetSplitConfig(Section):
         "after a seeded shuffle of the split (null: all rows).",
     )
     seed: Int = Field(0, description="arithmetic: generator seed. Datasets: seed of the row shuffle that precedes num_problems.")
-    dataset_name: str | None = Field(
+    dataset_name: OptStr = Field(
         None, description="Prompt source of this split only (a built-in spec or hub id); default: data.dataset_name."
     )
-    dataset_config: str | None = Field(None, description="Hub config of this split's source; default: data.dataset_config.")
-    split: str | None = Field(
+    dataset_config: OptStr = Field(None, description="Hub config of this split's source; default: data.dataset_config.")
+    split: OptStr = Field(
         None, description="Split of the source to read (e.g. 'train', 'test', 'train_1M'); default: the spec's, else 'train' / none."
     )
-    data_path: str | None = Field(
+    data_path: OptStr = Field(
         None,
         description="Local prompts for this split: a .jsonl/.json/.parquet/.csv file, a directory written by "
         "datasets' save_to_disk, or a directory of such files. Takes precedence over the hub.",
@@ -47,33 +47,33 @@ class DatasetSplitConfig(Section):
 
 
 class DataConfig(Section):
-    dataset_name: str | None = Field(
+    dataset_name: OptStr = Field(
         "arithmetic",
         description="Prompt source: 'arithmetic' (seeded synthetic, checked integer answers), a built-in dataset spec "
         "('math-tiny', 'OpenMathInstruct-2', 'DAPO-Math-17k', 'gsm8k', 'MATH-500'), or any Hugging Face hub id "
         "(needs data.prompt_key / data.answer_key); null with data.train.data_path for local files only.",
     )
-    dataset_config: str | None = Field(None, description="Hub config name (e.g. 'main' for gsm8k); default: the spec's.")
-    prompt_key: str | None = Field(
+    dataset_config: OptStr = Field(None, description="Hub config name (e.g. 'main' for gsm8k); default: the spec's.")
+    prompt_key: OptStr = Field(
         None,
         description="Column holding the problem text, or a list of chat messages ({role, content}); default: the spec's, "
         "else a 'messages' column when there is one.",
     )
-    answer_key: str | None = Field(
+    answer_key: OptStr = Field(
         None,
         description="Column holding the gold answer; dots reach into nested columns (e.g. 'reward_model.ground_truth'). Default: the spec's.",
     )
-    task_key: str | None = Field(
+    task_key: OptStr = Field(
         None, description="Column naming each row's task (metadata['task_name'], which routes the row to an environment)."
     )
-    default_task_name: str | None = Field(
+    default_task_name: OptStr = Field(
         None, description="Task name of rows without a task column; default: the spec's ('math' for the math sets), else 'math'."
     )
-    prompt_file: str | None = Field(
+    prompt_file: OptStr = Field(
         None,
         description="Template file for the user message: Python str.format with one '{}' for the problem text (write literal braces as '{{ }}').",
     )
-    system_prompt_file: str | None = Field(None, description="File whose text is the system message (exclusive with data.system_prompt).")
+    system_prompt_file: OptStr = Field(None, description="File whose text is the system message (exclusive with data.system_prompt).")
     drop_long_prompts: bool = Field(
         False,
         description="Drop prompts longer than policy.max_total_sequence_length - policy.generation.max_new_tokens (the count "
@@ -86,7 +86,7 @@ class DataConfig(Section):
         description="Shuffle the training prompts each epoch (seeded by grpo.seed). false: train the rows in file order "
         "(data.train.num_problems keeps the first N; data.train.seed is unused).",
     )
-    system_prompt: str | None = Field(None, description="Optional system message prepended to every prompt.")
+    system_prompt: OptStr = Field(None, description="Optional system message prepended to every prompt.")
 
     def no_effect_warnings(self) -> list[str]:
         """A split's ``split`` / ``dataset_config`` set while its ``data_path`` is one file (whose rows are the split);
@@ -174,7 +174,7 @@ class EnvSectionConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True, serialize_by_alias=True)
 
-    env_class: str | None = Field(
+    env_class: OptStr = Field(
         None,
         alias="class",
         description="Environment class: a built-in name ('arithmetic', 'math', 'tool', 'guess_number', 'reward_model', 'judge', "

@@ -15,18 +15,18 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from nemo_like.config.sections.base import Section
-from nemo_like.config.types import Float, Int
+from nemo_like.config.types import Float, Int, OptStr
 
 
 class TeacherConfig(Section):
-    model_name: str | None = Field(
+    model_name: OptStr = Field(
         None,
         description="The teacher: HF model id or local directory ('embedded:tiny-arith-teacher' is the shipped one); null: no "
         "teacher (no actors start). Its tokenizer must equal the student's.",
     )
-    tokenizer_name: str | None = Field(None, description="The teacher's tokenizer; defaults to teacher.model_name.")
-    precision: str | None = Field(None, description="The teacher's precision (float32 or bfloat16); null: policy.precision.")
-    by_task: dict[str, str | None] = Field(
+    tokenizer_name: OptStr = Field(None, description="The teacher's tokenizer; defaults to teacher.model_name.")
+    precision: OptStr = Field(None, description="The teacher's precision (float32 or bfloat16); null: policy.precision.")
+    by_task: dict[str, OptStr] = Field(
         default_factory=dict,
         description="Several teachers: task name -> teacher model for that task's samples (null: no teacher for it); tasks "
         "not listed take teacher.model_name (null there: no teacher signal). Every teacher shares the student's tokenizer.",

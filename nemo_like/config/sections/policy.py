@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from nemo_like.config.sections.base import EMBEDDED_MODEL, Section, changed_from_defaults
-from nemo_like.config.types import Float, Int, ThreadCount
+from nemo_like.config.types import Float, Int, OptStr, ThreadCount
 
 #: An Adam decay rate: 1 never forgets (beta2 = 1 never updates the second moment: division by ~eps), > 1 diverges.
 AdamBeta = Annotated[Float, Field(ge=0, lt=1)]
@@ -178,7 +178,7 @@ class LoraConfig(Section):
 
 class PolicyConfig(Section):
     model_name: str = Field(EMBEDDED_MODEL, description=f"HF model id or local directory; '{EMBEDDED_MODEL}' is the shipped tiny model.")
-    tokenizer_name: str | None = Field(None, description="Tokenizer id or directory; defaults to model_name.")
+    tokenizer_name: OptStr = Field(None, description="Tokenizer id or directory; defaults to model_name.")
     train_global_batch_size: Int = Field(64, gt=0, description="Samples per optimizer step (all data-parallel ranks).")
     train_micro_batch_size: Int = Field(16, gt=0, description="Samples per forward/backward on one rank.")
     logprob_batch_size: Int = Field(64, gt=0, description="Samples per forward in logprob passes.")

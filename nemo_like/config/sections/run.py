@@ -9,12 +9,12 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from nemo_like.config.sections.base import Section, check_pass_k, default_pass_k
-from nemo_like.config.types import Float, Int
+from nemo_like.config.types import Float, Int, OptStr
 
 
 class WandbConfig(Section):
     project: str = Field("nemo-like", description="Weights & Biases project.")
-    name: str | None = Field(None, description="Run name (default: W&B picks one).")
+    name: OptStr = Field(None, description="Run name (default: W&B picks one).")
 
 
 class LoggerConfig(Section):
@@ -44,12 +44,12 @@ class CheckpointingConfig(Section):
     keep_top_k: Int | None = Field(
         3, gt=0, description="Checkpoints kept, best first by metric_name (the latest is always kept); null keeps all."
     )
-    metric_name: str | None = Field(
+    metric_name: OptStr = Field(
         "val:accuracy", description="Ranking metric: 'val:<name>' (validation/<name>) or 'train:<name>' (train/<name>); null ranks by step."
     )
     higher_is_better: bool = Field(True, description="Direction of metric_name.")
     resume: bool = Field(True, description="Resume automatically from the latest valid checkpoint in checkpoint_dir.")
-    save_before: str | None = Field(
+    save_before: OptStr = Field(
         None,
         description="Save and stop (exit status 75) before this deadline, early enough for the slowest recent step plus save: "
         "seconds from the start (e.g. 3600), an ISO time (2026-12-02T18:00:00, local time without a zone), or 'auto' "
@@ -179,7 +179,7 @@ class ClusterConfig(Section):
         None, gt=0, description="CPUs for a private local Ray cluster (default: those this process may use, a cgroup CPU quota included)."
     )
     object_store_memory_mb: Int = Field(512, gt=0, description="Object store size for a private local cluster.")
-    ray_address: str | None = Field(None, description="Join this Ray cluster (default: $RAY_ADDRESS, else start a private local one).")
+    ray_address: OptStr = Field(None, description="Join this Ray cluster (default: $RAY_ADDRESS, else start a private local one).")
     placement_timeout_s: Float = Field(60.0, gt=0, description="Fail if the actors' resources are not granted within this time.")
     peak_flops_per_device: Float | None = Field(
         None,
@@ -205,7 +205,7 @@ class ClusterConfig(Section):
 class EvalConfig(Section):
     """``nemo-like eval``: sample the validation prompts and report accuracy and pass@k (docs/guides/data-and-environments.md)."""
 
-    model_path: str | None = Field(
+    model_path: OptStr = Field(
         None,
         description="Model to evaluate: an HF model directory or hub id, a checkpoint step directory (its policy/ subdir is "
         "loaded), or the embedded model; default: policy.model_name. The tokenizer stays policy.tokenizer_name.",

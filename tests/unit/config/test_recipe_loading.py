@@ -54,6 +54,26 @@ def test_interpolation_follows_overrides_and_resolvers(tmp_path):
     assert (raw["y"], raw["z"], raw["w"]) == (1.5, 9, 7)
 
 
+def test_resolvers_read_quoted_numbers_as_numbers_and_refuse_text(tmp_path):
+    """``mul`` repeated a quoted number (8 x '4' was '44444444') and ``max`` compared texts ('8' > '16')."""
+    raw = resolve_config_dict(TINY, ["grpo.num_prompts_per_step='4'"])
+    assert raw["policy"]["train_global_batch_size"] == 4 * raw["grpo"]["num_generations_per_prompt"]
+    write(tmp_path / "r.yaml", "a: '8'\nb: '16'\nm: ${max:${a},${b}}\ns: ${add:${a},${b}}\nbad: ${mul:${a},many}\n")
+    with pytest.raises(ConfigError, match="takes numbers, got the text 'many'"):
+        resolve_config_dict(tmp_path / "r.yaml")
+    raw = resolve_config_dict(tmp_path / "r.yaml", ["~bad"])
+    assert (raw["m"], raw["s"]) == (16, 24)
+
+
+def test_zero_padded_integers_in_a_recipe_are_decimal_as_on_the_command_line(tmp_path):
+    """YAML 1.1 reads a leading 0 as octal: ``seed: 0042`` was 34 while ``grpo.seed=0042`` is 42."""
+    recipe = write(tmp_path / "r.yaml", "grpo:\n  seed: 0042\n  max_num_steps: 010\nx: [0x1F, 0o17, 0b11, -010, 1_000, 0]\n")
+    raw = resolve_config_dict(recipe)
+    assert (raw["grpo"]["seed"], raw["grpo"]["max_num_steps"]) == (42, 10)
+    assert raw["x"] == [31, 15, 3, -10, 1000, 0]
+    assert load_config(TINY, ["grpo.seed=0042"], warn=False).grpo.seed == 42  # the override, as the schema reads it
+
+
 def test_override_grammar_add_force_delete():
     raw = resolve_config_dict(TINY, ["+grpo.extra_key=5", "++grpo.seed=9", "++grpo.other=1", "~logger.tensorboard_enabled"])
     assert raw["grpo"]["extra_key"] == 5 and raw["grpo"]["seed"] == 9 and raw["grpo"]["other"] == 1

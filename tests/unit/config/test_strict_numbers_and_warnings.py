@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from pathlib import Path
@@ -80,6 +81,70 @@ def test_ints_are_still_numbers() -> None:
     cfg = load_config(None, ["policy.optimizer.lr=1", "loss_fn.reference_policy_kl_penalty=0", "loss_fn.ratio_clip_c=3"], warn=False)
     assert cfg.policy.optimizer.lr == 1.0 and isinstance(cfg.policy.optimizer.lr, float)
     assert cfg.loss_fn.ratio_clip_c == 3.0
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", ["policy.optimizer.lr", "grpo.rollout_rejection.upper", "loss_fn.reference_policy_kl_penalty"])
+def test_non_finite_numbers_are_refused(key: str, value: str) -> None:
+    """``nan`` passes every bound check (a rejection bound of nan kept every token) and no key means anything by inf."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: Input should be a finite number"):
+        load_config(None, [f"{key}={value}"], warn=False)
+
+
+@pytest.mark.parametrize("key", ["data.system_prompt", "logger.wandb.name", "teacher.model_name", "policy.tokenizer_name"])
+def test_none_spelled_as_text_is_refused_for_keys_that_take_null(key: str) -> None:
+    """Overrides and YAML spell null ``null``: ``None`` reached the run as the text 'None' (a system prompt "None")."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: write null \(or ~\) for no value"):
+        load_config(None, [f"{key}=None"], warn=False)
+    assert getattr(load_config(None, [f"{key}=null"], warn=False), key.split(".")[0]) is not None
+
+
+@pytest.mark.parametrize(
+    "overrides, warning",
+    [
+        (
+            ["grpo.reward_shaping.overlong_buffer_length=4"],
+            "grpo.reward_shaping.overlong_buffer_length has no effect with grpo.reward_shaping.enabled=false",
+        ),
+        (
+            ["policy.sequence_packing.train_mb_tokens=256"],
+            "policy.sequence_packing.train_mb_tokens has no effect with policy.sequence_packing.enabled=false",
+        ),
+        (
+            ["policy.dynamic_batching.logprob_mb_tokens=256"],
+            "policy.dynamic_batching.logprob_mb_tokens has no effect with policy.dynamic_batching.enabled=false",
+        ),
+        (["checkpointing.keep_top_k=5"], "checkpointing.keep_top_k has no effect with checkpointing.enabled=false"),
+        (["logger.wandb.project=x"], "logger.wandb.project has no effect with logger.wandb_enabled=false"),
+        (
+            ["grpo.dynamic_sampling_max_gen_batches=20"],
+            "grpo.dynamic_sampling_max_gen_batches has no effect with grpo.use_dynamic_sampling=false",
+        ),
+        (
+            ["logger.num_val_samples_to_print=4", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false"],
+            "logger.num_val_samples_to_print has no effect: validation never runs",
+        ),
+        (
+            ["grpo.adv_estimator.name=rloo", "grpo.use_leave_one_out_baseline=true"],
+            "grpo.use_leave_one_out_baseline has no effect with grpo.adv_estimator.name='rloo'",
+        ),
+        (
+            ["grpo.adv_estimator.name=dr_grpo", "grpo.normalize_rewards=false"],
+            "grpo.normalize_rewards has no effect with grpo.adv_estimator.name='dr_grpo'",
+        ),
+    ],
+)
+def test_keys_under_a_switch_that_is_off_warn(overrides: list[str], warning: str) -> None:
+    lines = load_config(None, overrides, warn=False).no_effect_warnings()
+    assert [line for line in lines if line.startswith(warning)] != [], lines
+    switched_on = {"grpo.reward_shaping": "grpo.reward_shaping.enabled=true", "checkpointing": "checkpointing.enabled=true"}
+    for prefix, switch in switched_on.items():
+        if overrides[0].startswith(prefix):
+            assert not [
+                line
+                for line in load_config(None, [*overrides, switch], warn=False).no_effect_warnings()
+                if "no effect" in line and prefix in line
+            ]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
