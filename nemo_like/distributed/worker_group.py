@@ -281,11 +281,17 @@ class RayWorkerGroup:
     def _start(self, rank: int) -> Any:
         """A new actor ``rank`` of this group (its bundle of the group's placement group, or the pinned node)."""
         actor_cls, num_workers, resources, init_kwargs, env_vars, max_concurrency, node_id = self._spawn
+        env = worker_env_vars(resources.num_threads)
+        if not resources.num_gpus:
+            # Ray (2.48+) leaves CUDA_VISIBLE_DEVICES alone for an actor given no GPU: on a GPU node it saw every GPU and
+            # its torch.cuda.is_available() put the model on cuda:0, a device Ray never gave it. An actor that shares a
+            # GPU on purpose (the colocated engine) names its device in env_vars, which win.
+            env["CUDA_VISIBLE_DEVICES"] = ""
         options = dict(
             num_cpus=resources.num_cpus,
             num_gpus=resources.num_gpus,
             name=None,
-            runtime_env={"env_vars": {**worker_env_vars(resources.num_threads), **(env_vars or {})}},
+            runtime_env={"env_vars": {**env, **(env_vars or {})}},
             scheduling_strategy=actor_scheduling(self._pg, rank, node_id),
             max_concurrency=max_concurrency,
         )

@@ -97,12 +97,17 @@ class ThreadedCounter(Reinitializable):
 
         return os.getpid(), torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
 
+    def visible_gpus(self) -> str | None:
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
 
 def test_a_kept_actor_takes_a_new_thread_count_only_when_its_class_applies_it(ray_cluster):
     with reuse_actors():
         two = RayWorkerGroup("threaded", ThreadedCounter, 1, WorkerResources(num_cpus=0.01, num_threads=2), {"num_threads": 2})
         pid, threads, env = ray.get(two.workers[0].threads.remote())
         assert (threads, env) == (2, "2")
+        # An actor given no GPU sees none (Ray 2.48+ no longer hides them: on a GPU node it saw all and took cuda:0)
+        assert ray.get(two.workers[0].visible_gpus.remote()) == ""
         two.shutdown()
         one = RayWorkerGroup("threaded", ThreadedCounter, 1, WorkerResources(num_cpus=0.01, num_threads=1), {"num_threads": 1})
         assert ray.get(one.workers[0].threads.remote()) == (pid, 1, "1")  # the same process, now on 1 thread
