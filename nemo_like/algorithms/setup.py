@@ -199,6 +199,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None)
         for model in (policy, spawned_reference, teacher):
             if model is not None:
                 model.wait_ready()
+        environments.wait_ready()
     except BaseException:
         release_on_failure((policy, spawned_reference), [p for p in started if p is not None])
         raise

@@ -118,8 +118,11 @@ class Replaceable:
     prepare: Callable[[Any], None] | None = None
 
     def replace(self, rank: int) -> Any:
-        """A fresh actor in place of ``rank``, made ready to serve."""
+        """A fresh actor in place of ``rank``, started (the re-sent call's ``call_timeout_s`` must not count its
+        constructor: an environment loading a model for longer was killed as hung, again and again) and made ready
+        to serve."""
         worker = self.group.replace(rank)
+        self.group.wait_started([rank])
         if self.prepare is not None:
             self.prepare(worker)
         return worker

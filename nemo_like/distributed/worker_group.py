@@ -267,7 +267,7 @@ class RayWorkerGroup:
                 max_concurrency,
                 actor_cls.reuse_key(init_kwargs),
             )
-            if self._reuse_idle(num_workers, init_kwargs):
+            if self._reuse_idle(num_workers, init_kwargs, placement_timeout_s):
                 return
         self._pg = None if node_id is not None else reserve_bundles(name, resources, num_workers, placement_timeout_s, strategy)
         self.workers = [self._start(rank) for rank in range(num_workers)]
@@ -308,6 +308,12 @@ class RayWorkerGroup:
         self.workers[rank] = self._start(rank)
         return self.workers[rank]
 
+    def wait_started(self, ranks: Sequence[int] | None = None) -> None:
+        """Wait until the constructors of ``ranks`` (default: every actor) have run; a constructor that raised fails
+        here, naming the group. A call's deadline should start after this, not count an actor's start-up."""
+        workers = self.workers if ranks is None else [self.workers[r] for r in ranks]
+        get_with_context([w.__ray_ready__.remote() for w in workers], f"{self.name}: start")
+
     def __len__(self) -> int:
         return len(self.workers)
 
@@ -325,9 +331,10 @@ class RayWorkerGroup:
         """Call ``method`` on the first worker only."""
         return getattr(self.workers[0], method).remote(*args, **kwargs)
 
-    def _reuse_idle(self, num_workers: int, init_kwargs: dict[str, Any]) -> bool:
-        """Re-initialise an idle group of the same actors (see :func:`reuse_actors`); False if there is none
-        or one of its actors died meanwhile."""
+    def _reuse_idle(self, num_workers: int, init_kwargs: dict[str, Any], timeout_s: float) -> bool:
+        """Re-initialise an idle group of the same actors (see :func:`reuse_actors`); False if there is none, one
+        of its actors died meanwhile, or one does not answer within ``timeout_s`` (a kept actor still busy in a hung
+        call of the run before, e.g. one the stall watchdog aborted: the re-initialisation queued behind it forever)."""
         if not _POOL.active:
             return False
         idle = _POOL.take(self._key)
@@ -338,7 +345,11 @@ class RayWorkerGroup:
             return False
         refs = [w.reinit.remote(rank=rank, world_size=num_workers, **init_kwargs) for rank, w in enumerate(idle.workers)]
         try:
-            ray.get(refs)
+            ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            print(f"[ray] {self.name}: a kept actor did not re-initialise within {timeout_s:g}s; starting fresh ones", flush=True)
+            _kill(idle.workers, idle.pg)
+            return False
         except ray.exceptions.RayActorError:
             _kill(idle.workers, idle.pg)
             return False

@@ -177,6 +177,12 @@ class Environments:
         self.handles = EnvironmentHandles({task: group.workers for task, group in self.groups.items()})
         self.handles.replaceable = {task: Replaceable("environment", group) for task, group in self.groups.items()}
 
+    def wait_ready(self) -> None:
+        """Wait until every environment actor is built (a model-loading verifier takes a while), so the first step's
+        calls, and their ``cluster.fault_tolerance.call_timeout_s``, do not count its start-up."""
+        for group in self.groups.values():
+            group.wait_started()
+
     def shutdown(self) -> None:
         """Close each environment (its helper processes), then kill the actors."""
         import ray

@@ -10,6 +10,8 @@ import pytest
 import ray
 from ray import cloudpickle
 
+from nemo_like.config.sections.run import FaultToleranceConfig
+from nemo_like.distributed import supervision
 from nemo_like.distributed.worker_group import RayWorkerGroup, Reinitializable, WorkerResources, reuse_actors
 
 pytestmark = pytest.mark.slow
@@ -149,3 +151,53 @@ class PickyCounter(Counter):
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
         super().__init__(rank, world_size, start)
+
+
+class Hangs(Reinitializable):
+    def __init__(self, rank: int, world_size: int) -> None:
+        pass
+
+    def hang(self) -> None:
+        time.sleep(3600)  # what a run the stall watchdog aborted leaves behind
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_a_kept_actor_stuck_in_a_hung_call_is_replaced_not_waited_for(ray_cluster, capsys):
+    """The next run's re-initialisation queued behind the hung call, and its setup waited forever."""
+    with reuse_actors():
+        first = RayWorkerGroup("stuck", Hangs, 1, WorkerResources(num_cpus=0.01), {}, placement_timeout_s=2)
+        stuck_pid = ray.get(first.workers[0].pid.remote())
+        first.workers[0].hang.remote()
+        first.shutdown()  # kept idle, still in the hung call
+        start = time.monotonic()
+        second = RayWorkerGroup("stuck", Hangs, 1, WorkerResources(num_cpus=0.01), {}, placement_timeout_s=2)
+        assert time.monotonic() - start < 60
+        assert ray.get(second.workers[0].pid.remote(), timeout=60) != stuck_pid
+        assert "stuck: a kept actor did not re-initialise within 2s; starting fresh ones" in capsys.readouterr().out
+        second.kill()
+
+
+class SlowStart:
+    def __init__(self, rank: int, world_size: int, delay_s: float) -> None:
+        time.sleep(delay_s)  # a verifier or reward model loading
+
+    def score(self, x: int) -> int:
+        return x
+
+
+def test_a_replacement_that_starts_slower_than_call_timeout_is_not_killed_as_hung(ray_cluster):
+    """The re-sent call's deadline counted the fresh actor's constructor: each replacement was "hung" in turn and the run
+    stopped with its restarts exhausted, though every actor was healthy."""
+    group = RayWorkerGroup("environment:slow", SlowStart, 1, WorkerResources(num_cpus=0.01), {"delay_s": 4.0})
+    group.wait_started()
+    run = supervision.begin_run(FaultToleranceConfig(call_timeout_s=2.0, max_actor_restarts=2, max_retries_per_batch=2))
+    calls = [supervision.Call(supervision.Replaceable("environment", group), 0, lambda w: w.score.remote(42))]
+    ray.kill(group.workers[0], no_restart=True)
+    try:
+        assert supervision.gather(calls, supervision.dispatch(calls), "reward") == [42]
+        assert run.restarts == {"environment": 1}  # the death; no "hung" replacement after it
+    finally:
+        group.kill()
+        supervision.begin_run(None)

@@ -74,6 +74,9 @@ def test_a_replacement_is_prepared_before_it_serves():
             self.workers[rank] = "new"
             return "new"
 
+        def wait_started(self, ranks):
+            prepared.append(f"started {ranks}")
+
     target = Replaceable("generation", Group(), prepared.append)
-    assert target.replace(0) == "new" and prepared == ["new"]
+    assert target.replace(0) == "new" and prepared == ["started [0]", "new"]  # built, then prepared
     assert target.describe(0) == "generation rank 0 (actor ?)"  # not an actor handle: no id
