@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import ClusterConfig
 from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id
 from nemo_like.utils.cpus import local_cores
@@ -49,21 +50,45 @@ def joins_existing_cluster(cluster: ClusterConfig) -> bool:
 def init_ray(cluster: ClusterConfig) -> str:
     """Join the cluster named by :func:`cluster_address`, or start a private one.
 
-    Returns ``"joined"`` or ``"local"``. Calling it when Ray is already initialised is a no-op.
+    Returns ``"joined"`` or ``"local"``. When Ray is already initialised in this process (a second run of a sweep or a
+    notebook) it connects nothing and returns what the first call did, but a run naming another cluster than the one
+    this process is connected to is an error (it would silently run on the first run's cluster).
     No job-level ``runtime_env`` is ever passed: inside a submitted job it would replace the
     job's own (working dir included) instead of merging with it.
     """
+    global _CONNECTED
     address, source = cluster_address(cluster)
     apply_driver_defaults(joining=address is not None)
     import ray
 
     if ray.is_initialized():
-        return "joined"
+        if _CONNECTED is None or _CONNECTED[2] != _gcs_address():  # the caller's own ray.init: it is joined
+            return "joined"
+        mode, connected, _ = _CONNECTED
+        if address is not None and address != connected:
+            now = "its private local cluster" if mode == "local" else f"the Ray cluster at {connected!r}"
+            raise ConfigError(
+                f"{source} names the Ray cluster at {address!r}, but this process is already connected to {now} by an "
+                "earlier run; call ray.shutdown() between the runs, or run this one in a new process"
+            )
+        return mode
     if address is not None:
         _join(address, source)
+        _CONNECTED = ("joined", address, _gcs_address())
         return "joined"
     _start_local(cluster)
+    _CONNECTED = ("local", None, _gcs_address())
     return "local"
+
+
+# What init_ray connected this process to: (mode, the address it was given, the GCS address Ray reports).
+_CONNECTED: tuple[str, str | None, str | None] | None = None
+
+
+def _gcs_address() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
 
 
 def _join(address: str, source: str) -> None:

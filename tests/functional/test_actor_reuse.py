@@ -201,3 +201,17 @@ def test_a_replacement_that_starts_slower_than_call_timeout_is_not_killed_as_hun
     finally:
         group.kill()
         supervision.begin_run(None)
+
+
+def test_a_later_run_of_the_process_naming_another_cluster_is_refused(ray_cluster):
+    """A second run of a sweep with cluster.ray_address set silently ran on the first run's private cluster."""
+    from nemo_like.config import ConfigError
+    from nemo_like.config.schema import ClusterConfig
+    from nemo_like.distributed.ray_init import init_ray
+
+    assert init_ray(ClusterConfig()) == "local"  # the session's private cluster, started by init_ray
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster.ray_address names the Ray cluster at '10.9.9.9:6379', but this process is already connected to its private local cluster",
+    ):
+        init_ray(ClusterConfig(ray_address="10.9.9.9:6379"))
