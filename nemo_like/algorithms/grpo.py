@@ -141,6 +141,16 @@ def session_rewards(rollout: Rollout) -> torch.Tensor:
     return rollout.raw_rewards[per_session(rollout.session_of_row)[0]]
 
 
+def training_reward_metrics(rollout: Rollout, tasks: list[str]) -> dict[str, float]:
+    """``train/reward`` and ``env/<task>/reward`` and ``/num_samples``, over the same samples (:func:`session_rewards`:
+    a branched agent session counts once, as in validation; per row a 3-row session weighed three times)."""
+    prompts = rollout.prompts
+    if rollout.session_of_row is not None:
+        prompts = [prompts[i] for i in per_session(rollout.session_of_row)[0].tolist()]
+    rewards = session_rewards(rollout)
+    return {"train/reward": rewards.mean().item(), **task_reward_metrics(prompts, rewards, tasks)}
+
+
 def sample_response_lengths(rollout: Rollout) -> torch.Tensor:
     """Tokens the policy sampled per sample: per row, or in agent tasks per session, the sum over its rows (a branched
     session's rows hold disjoint sampled tokens; per row, its mean counted a 3-row session as three short samples)."""
@@ -377,7 +387,6 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
     metrics.update(
         {
-            "train/reward": session_rewards(rollout).mean().item(),
             "train/mean_response_length": sample_response_lengths(rollout).mean().item(),
             "train/truncated_fraction": rollout.truncated.mean().item(),
             "train/grad_norm": sum(result.grad_norms) / len(result.grad_norms),
@@ -394,7 +403,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     if cfg.grpo.reward_shaping.enabled:  # what the advantages used; train/reward stays the task's
         metrics["train/shaped_reward"] = rollout.rewards.mean().item()
     metrics.setdefault("train/kl_penalty", 0.0)
-    metrics.update(task_reward_metrics(rollout.prompts, rollout.raw_rewards, parts.environment.tasks))
+    metrics.update(training_reward_metrics(rollout, parts.environment.tasks))
     metrics.update(env_metrics_with_means(rollout.env_metrics))
     if cfg.grpo.max_rollout_turns > 1:
         metrics.update(multi_turn_metrics(rollout.samples, rollout.raw_rewards))

@@ -80,6 +80,15 @@ def test_validation_counts_a_branched_session_once(monkeypatch) -> None:
     assert "validation/num_rows" not in rows and rows["validation/mean_response_length"] == 3.5
 
 
+def test_training_reward_metrics_count_a_branched_session_once_as_validation_does() -> None:
+    """env/<task>/reward and /num_samples counted rows while train/reward counted sessions (3.5/6 against 1.5/4)."""
+    metrics = grpo.training_reward_metrics(branched_rollout(), ["arithmetic"])
+    assert metrics["train/reward"] == pytest.approx(1.5 / 4) and metrics["env/arithmetic/reward"] == pytest.approx(1.5 / 4)
+    assert metrics["env/arithmetic/num_samples"] == 4
+    rows = grpo.training_reward_metrics(branched_rollout(None), ["arithmetic"])
+    assert rows["env/arithmetic/reward"] == pytest.approx(3.5 / 6) and rows["env/arithmetic/num_samples"] == 6
+
+
 def test_eval_counts_a_branched_session_once_and_numbers_rows_by_session() -> None:
     """`nemo-like eval` counted rows as samples (accuracy 0.5 here) and numbered them ``i % n`` (0,1,0,1,0,1: the three
     rows of one session read as different samples)."""
