@@ -423,7 +423,6 @@ def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, A
     metrics = train_on_rollout(parts, step, timer, rollout)
     metrics.update({f"train/{k}": v for k, v in sampling_metrics.items()})
     metrics["performance/num_generated_tokens"] = counts["generated_tokens"]
-    metrics["performance/refit_bytes"] = float(parts.policy.take_refit_bytes())
     return metrics
 
 
@@ -468,7 +467,6 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
             "idle/generation_paused_for_checkpoint": generated.paused_for_checkpoint,
             "idle/generation_waiting_for_pacing": generated.waiting_for_pacing,
             "performance/num_generated_tokens": generated.generated_tokens,
-            "performance/refit_bytes": float(parts.policy.take_refit_bytes()),
         }
     )
     if rollout.reference_logprobs is not None:  # the collector ran the reference pass: its passes since the last step
@@ -638,6 +636,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_steps_skipped"] else 0
             metrics[NONFINITE_STREAK] = float(nonfinite_streak)
             total = time.perf_counter() - start
+            # Taken after the step's validation, whose refit is timed in this step: its bytes belong to this record too.
+            metrics["performance/refit_bytes"] = float(parts.policy.take_refit_bytes())
             metrics.update(faults.metrics())  # faults/*: only once an actor has died
             for phase in (*TIMED_PHASES, "validation", *timer.seconds):
                 metrics[f"timing/train/{phase}"] = timer.seconds.get(phase, 0.0)

@@ -8,6 +8,7 @@ from functional.helpers import REPO, read_metrics, record_model_starts, tiny_con
 
 from nemo_like.algorithms import setup as grpo_setup
 from nemo_like.distributed.planning import plan_on_cluster
+from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.footprint import planned_memory_lines
 from nemo_like.plan.backend import resolve_backend
 from nemo_like.train import train
@@ -83,6 +84,10 @@ def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path
         assert record["performance/training_forward_tokens_per_token"] >= 1.0
     assert "validation/accuracy" in records[-1]  # validated at the end
     assert records[2]["train/weight_version"] == 2 and records[2]["timing/train/refit"] > 0
+    # Step 2 refits twice, before its generation and before the validation at the end (timed in step 2): its record
+    # holds both refits' bytes (the validation's used to land in the next record, or nowhere after the last step).
+    full_bytes = 4 * sum(t.numel() for t in load_causal_lm(cfg.policy.model_name).state_dict().values())
+    assert [r.get("performance/refit_bytes") for r in records[1:]] == [0.0, 2.0 * full_bytes]
     assert (log_dir / "config.yaml").read_text().startswith("grpo:")
 
 
