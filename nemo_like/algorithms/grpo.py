@@ -31,6 +31,7 @@ from nemo_like.algorithms.dynamic_sampling import (
     apply_overlong_reward_shaping,
     select_groups_with_signal,
 )
+from nemo_like.algorithms.metrics import empty_extremes_as_nan
 from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.algorithms.rejection import apply_driver_masks
 from nemo_like.algorithms.sample_reports import dump_train_samples, report_val_samples
@@ -381,7 +382,8 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     if cfg.logger.dump_train_data:
         dump_train_samples(parts, step, rollout, batch, result.first_step_logprobs, sampled_mask)
     # distillation/kl_loss (the teacher KL term) keeps its own namespace, beside the other distillation/ metrics
-    metrics: dict[str, Any] = {(k if k.startswith("distillation/") else f"train/{k}"): v for k, v in result.metrics.items()}
+    trained = empty_extremes_as_nan(result.metrics)
+    metrics: dict[str, Any] = {(k if k.startswith("distillation/") else f"train/{k}"): v for k, v in trained.items()}
     metrics.update({k: adv_metrics.pop(k) for k in [k for k in adv_metrics if k.startswith("distillation/")]})
     batch_tokens = float(batch["attention_mask"].sum())
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})

@@ -200,13 +200,21 @@ def default_metric_reduction(name: str) -> Reduction:
 def _reduce(values: list[float], reduction: str) -> float:
     if reduction == "sum":
         return math.fsum(values)
-    # min/max fragments of microbatches without valid tokens are +inf/-inf (the identity), and a
-    # previous combine reports "no valid token at all" as NaN: both carry no information.
-    identity = math.inf if reduction == "min" else -math.inf
-    informative = [v for v in values if not math.isnan(v) and v != identity]
-    if not informative:
+    # A min/max fragment of a micro-batch without valid tokens is +inf/-inf, the identity, which min/max pass over
+    # (and keep when nothing else is there: :func:`empty_extremes_as_nan` reports that at the end). A NaN is a
+    # non-finite micro-batch, whose extreme is unknown: it stays NaN (dropped, the logged max came from the finite
+    # micro-batches while the loss was NaN).
+    if any(math.isnan(v) for v in values):
         return math.nan
-    return min(informative) if reduction == "min" else max(informative)
+    return min(values) if reduction == "min" else max(values)
+
+
+def empty_extremes_as_nan(metrics: dict[str, float]) -> dict[str, float]:
+    """The combined metrics as logged: a ``*_min`` still +inf or a ``*_max`` still -inf had no valid token anywhere
+    (the identity of its reduction), reported as NaN. Apply once, to the final combine (combining keeps the identity,
+    so that it stays associative)."""
+    empty = {"_min": math.inf, "_max": -math.inf}
+    return {k: math.nan if isinstance(v, float) and k[-4:] in empty and v == empty[k[-4:]] else v for k, v in metrics.items()}
 
 
 #: Fragment keys that count things: summed over a train call's optimizer steps (every other summed fragment is a mean
@@ -245,7 +253,8 @@ def combine_metric_fragments(
     """Combine per-microbatch (and per-rank) metric fragments into full-batch metrics.
 
     Each non-derived key is reduced with ``reduction_for(key)`` ("sum", "min" or "max"); a min or
-    max with no valid token anywhere is NaN. Derived metrics (:data:`DERIVED_METRICS`) present in
+    max with no valid token anywhere keeps its identity (+inf / -inf; :func:`empty_extremes_as_nan` reports it as NaN),
+    and a NaN fragment (a non-finite micro-batch) makes it NaN. Derived metrics (:data:`DERIVED_METRICS`) present in
     the inputs are dropped and recomputed from the combined fragments, so combining is
     associative: combining per-rank results again gives the same values as one flat combine.
 

@@ -8,8 +8,8 @@ from functional.helpers import REPO, read_metrics, record_model_starts, tiny_con
 
 from nemo_like.algorithms import setup as grpo_setup
 from nemo_like.distributed.planning import plan_on_cluster
-from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.footprint import planned_memory_lines
+from nemo_like.models.loading import load_causal_lm
 from nemo_like.plan.backend import resolve_backend
 from nemo_like.train import train
 

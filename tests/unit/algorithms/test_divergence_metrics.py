@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nemo_like.algorithms import metrics as M
-from nemo_like.algorithms.metrics import combine_metric_fragments, default_metric_reduction
+from nemo_like.algorithms.metrics import combine_metric_fragments, combine_optimizer_steps, default_metric_reduction, empty_extremes_as_nan
 
 V = 8
 NUM_SEQS, SEQ_LEN = 1000, 101  # column 0 is masked: 100_000 sampled tokens
@@ -304,7 +304,20 @@ def test_combine_is_associative_and_reports_empty_min_as_nan() -> None:
         default_metric_reduction,
     )
     assert flat == nested == {"v": 7.0, "v_min": 3.0}
-    assert math.isnan(combine_metric_fragments(frags[:2], default_metric_reduction)["v_min"])
+    empty = combine_metric_fragments(frags[:2], default_metric_reduction)
+    assert empty["v_min"] == math.inf  # the identity while combining; as logged, NaN
+    assert math.isnan(empty_extremes_as_nan(empty)["v_min"]) and empty_extremes_as_nan(flat) == flat
+
+
+def test_a_non_finite_micro_batch_makes_its_extremes_nan_at_every_level() -> None:
+    """A NaN fragment was dropped as if it were the "no valid token" marker: the logged max came from the finite
+    micro-batches while the loss was NaN."""
+    finite, broken, empty = {"r_max": 1.1, "r_min": 1.0}, {"r_max": math.nan, "r_min": math.nan}, {"r_max": -math.inf, "r_min": math.inf}
+    step = combine_metric_fragments([finite, broken], default_metric_reduction)
+    assert math.isnan(step["r_max"]) and math.isnan(step["r_min"])
+    ranks = combine_metric_fragments([step, combine_metric_fragments([empty], default_metric_reduction)], default_metric_reduction)
+    assert math.isnan(ranks["r_max"])
+    assert combine_optimizer_steps([step, {"r_max": 2.0, "r_min": 0.5}], default_metric_reduction)["r_max"] != 2.0
 
 
 def test_derived_metrics_have_no_reduction_and_bad_reductions_are_rejected() -> None:

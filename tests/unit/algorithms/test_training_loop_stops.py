@@ -74,7 +74,11 @@ def test_a_signal_during_a_periodic_save_stops_right_after_that_save(tmp_path, m
     monkeypatch.setattr(grpo, "throughput_metrics", lambda *a, **k: {})
     monkeypatch.setattr(grpo, "resolve_model_path", lambda p: p)
     runner = FakeSteps(signal_during_save_of=2)
-    parts = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)))
+    parts = SimpleNamespace(
+        cfg=cfg,
+        policy=SimpleNamespace(take_refit_bytes=lambda: 0),
+        plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)),
+    )
     control = rc.RunControl()
     rc.activate(control)
     control.install_signal_handlers()
