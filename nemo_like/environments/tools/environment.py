@@ -43,6 +43,7 @@ COUNTERS = (
     "tool_errors",
     "tool_timeouts",
     "tool_memory_errors",
+    "tool_outputs_cut",
     "malformed_calls",
     "unknown_tools",
     "samples",
@@ -207,6 +208,8 @@ class ToolEnvironment(EnvironmentInterface):
                 lines.append(("tool_call", f"error: {call.message}"))
                 continue
             result = self.registry.call(call.name, call.arguments)
+            if result.ok and result.error_kind == "output_cut":
+                counts["tool_outputs_cut"] += 1
             if not result.ok:
                 counts["tool_errors"] += 1
                 kind_counter = {"timeout": "tool_timeouts", "memory": "tool_memory_errors", "unknown_tool": "unknown_tools"}

@@ -23,13 +23,15 @@ from nemo_like.environments.tools.errors import ToolError  # user tools import i
 from nemo_like.utils.registry import PluginNameError, Registry
 
 Tool = Callable[..., Any]
-#: Longest observation text kept from a custom tool (characters).
+#: Longest observation text kept from a tool's result (characters; at least the python tool's own output limit): a
+#: longer one is cut, with a line saying so, and counted (``tool_outputs_cut``).
 MAX_RESULT_CHARS = 4096
 
 
 @dataclass(frozen=True)
 class ToolResult:
-    """Outcome of one call: the observation text, and the error kind when it failed."""
+    """Outcome of one call: the observation text, and the error kind when it failed (``"output_cut"`` on a call that
+    succeeded: its text was cut to the registry's limit)."""
 
     ok: bool
     text: str
@@ -85,8 +87,9 @@ def resolve_tool(spec: str, where: str, **sandbox: Any) -> tuple[str, Tool]:
 class ToolRegistry:
     """The tools of one environment, by the name the model calls them with."""
 
-    def __init__(self, tools: Mapping[str, Tool]) -> None:
+    def __init__(self, tools: Mapping[str, Tool], max_result_chars: int = MAX_RESULT_CHARS) -> None:
         self.tools = dict(tools)
+        self.max_result_chars = max_result_chars
 
     @classmethod
     def from_config(cls, tools: list[str] | Mapping[str, str], where: str = "tools", **sandbox: Any) -> ToolRegistry:
@@ -99,7 +102,8 @@ class ToolRegistry:
             if name in resolved:
                 raise ConfigError(f"{where}: two tools are named {name!r}; give them distinct names with a mapping {{name: spec}}")
             resolved[name] = fn
-        return cls(resolved)
+        # The python tool refuses output over python_max_output_bytes itself: never cut what it let through.
+        return cls(resolved, max(MAX_RESULT_CHARS, int(sandbox.get("python_max_output_bytes", 0))))
 
     def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
         """Run one call; never raises (see the module docstring)."""
@@ -119,4 +123,7 @@ class ToolRegistry:
         except Exception as exc:  # a tool's own bug or a bad value: an observation, never a failed run
             return ToolResult(False, f"{name}: {type(exc).__name__}: {exc}", "exception")
         text = value if isinstance(value, str) else str(value)
-        return ToolResult(True, text[:MAX_RESULT_CHARS])
+        if len(text) > self.max_result_chars:
+            cut = len(text) - self.max_result_chars
+            return ToolResult(True, f"{text[: self.max_result_chars]}\n[... {cut} more characters cut]", "output_cut")
+        return ToolResult(True, text)

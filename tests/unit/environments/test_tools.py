@@ -115,6 +115,21 @@ def test_registry_built_ins_custom_tools_by_import_path_and_errors(tmp_path) -> 
         ToolRegistry.from_config([f"{tmp_path}/my_tools.py:nope"])
 
 
+def test_a_long_result_is_cut_with_a_marker_and_counted_and_never_below_the_python_limit(tmp_path) -> None:
+    """The registry cut every result to 4096 characters silently, the python tool's too, whatever its own
+    python_max_output_bytes let through (an answer printed last was lost without a trace)."""
+    (tmp_path / "long.py").write_text("def long(n: int) -> str:\n    return 'x' * (n - 3) + 'END'\n")
+    registry = ToolRegistry.from_config([f"{tmp_path}/long.py:long"])
+    short, cut = registry.call("long", {"n": 4096}), registry.call("long", {"n": 5000})
+    assert short.ok and short.error_kind is None and short.text.endswith("END")
+    assert cut.ok and cut.error_kind == "output_cut" and cut.text == "x" * 4096 + "\n[... 904 more characters cut]"
+    assert ToolRegistry.from_config(["python"], python_max_output_bytes=65536).max_result_chars == 65536
+    env = ToolEnvironment(tools=[f"{tmp_path}/long.py:long"])
+    step = env.step([conversation(call("long", n=5000))], [{"answer": "1"}])[0]
+    assert step.observation["content"].endswith("[... 904 more characters cut]") and step.metrics["tool_errors"] == 0
+    assert env.metrics()["tool_outputs_cut"] == 1.0
+
+
 def test_tool_env_is_a_registered_builtin_with_validated_keys() -> None:
     spec = resolve_environments(MasterConfig.model_validate({"env": {"tool": {"tools": ["calculator", "python"]}}}).env)["tool"]
     assert spec.class_path.endswith(":ToolEnvironment") and spec.kwargs["python_timeout_s"] == 5.0
@@ -164,6 +179,7 @@ def test_tool_env_step_tool_turns_final_answers_and_counters() -> None:
         "tool_errors": 3.0,
         "tool_timeouts": 0.0,
         "tool_memory_errors": 0.0,
+        "tool_outputs_cut": 0.0,
         "malformed_calls": 1.0,
         "unknown_tools": 1.0,
         "samples": 6.0,  # first turns: all logs but 1 and 5
