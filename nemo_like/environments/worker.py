@@ -65,8 +65,13 @@ class EnvironmentWorker(Reinitializable):
         steps = list(self.env.step(message_logs, metadata))
         if len(steps) != len(message_logs):
             raise ValueError(f"environment '{self.task}' step returned {len(steps)} steps for {len(message_logs)} conversations")
-        for i, step in enumerate(steps):
-            check_step(step, f"environment '{self.task}' step, conversation {i}")
+        for i, step in enumerate(steps):  # i is this actor's share's position: the metadata and last message say which
+            last = message_logs[i][-1] if message_logs[i] else None
+            check_step(
+                step,
+                f"environment '{self.task}' step, conversation {i} of this actor's {len(steps)} "
+                f"(metadata {_preview(metadata[i])}, last message {_preview(last)})",
+            )
         steps = [as_python_numbers(step) for step in steps]
         return steps, {k: float(v) for k, v in self.env.metrics().items()}
 

@@ -111,3 +111,13 @@ def test_a_non_finite_reward_names_the_response_and_its_metadata() -> None:
         r"\(metadata \{'answer': 7, 'id': 'q-31'\}\)",
     ):
         worker.score(responses, metadata)
+
+
+def test_a_bad_step_names_the_conversation_by_its_metadata_and_last_message() -> None:
+    """A bad step was named by its position in one actor's share of the batch only, which points at no sample."""
+    from nemo_like.environments.worker import EnvironmentWorker
+
+    worker = EnvironmentWorker(0, 1, "buggy", "custom_envs:NanForQuestionMarks", {})
+    logs = [[{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": "why?"}]]
+    with pytest.raises(ValueError, match=r"conversation 1 of this actor's 2 \(metadata \{'answer': 7, 'id': 'q-9'\}, last message .*why\?"):
+        worker.step(logs, [{"answer": 12}, {"answer": 7, "id": "q-9"}])
