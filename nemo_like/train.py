@@ -191,7 +191,8 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
     at_start = checkpoint_stamps(Path(cfg.checkpointing.checkpoint_dir))  # the checkpoints that are not this run's
     metrics_path = Path(cfg.logger.log_dir) / "metrics.jsonl"
     if resume_from is not None:  # steps logged after the checkpoint are redone: drop their records
-        trim_metrics_after(metrics_path, resume_from.step)
+        if note := trim_metrics_after(metrics_path, resume_from.step):
+            print(note, flush=True)
     metrics_start = metrics_path.stat().st_size if metrics_path.exists() else 0  # what earlier runs logged
     deaths: list[WorkerDeath] = []
     supervision.begin_run(cfg.cluster.fault_tolerance)  # actor replacements: one budget over every restarted attempt

@@ -115,19 +115,57 @@ def restore_run(parts: GRPOComponents, checkpoint: CheckpointInfo) -> int:
     return int(checkpoint.state["step"])
 
 
-def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int | None = None) -> None:
+def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int | None = None) -> str | None:
     """Drop records of steps after ``last_step`` (logged after the checkpoint, redone on resume). The file's first
     ``from_byte`` bytes (what earlier runs wrote) are kept as they are; ``None``: everything before the last run in
     the file (:func:`last_run_start`: another run in the same ``logger.log_dir`` went past the checkpoint's step, and
-    its records are not this run's to drop). A torn last line (a process killed mid-write) is dropped too."""
+    its records are not this run's to drop). A torn last line (a process killed mid-write) is dropped too.
+
+    With ``from_byte`` ``None``, when the last run holds no record of ``last_step`` but an earlier one does, another run
+    logged here after the checkpoint's: it is kept whole, and the checkpoint run's records up to ``last_step`` are
+    written again after it, so the resumed steps continue their own run (the plot's last run was the other run's
+    steps followed by the resumed ones). Runs are told apart by their steps only, so another run that went past
+    ``last_step`` still reads as the checkpoint's (its later records are dropped, as before). Returns a line saying
+    so, else ``None``."""
     if not metrics_path.exists():
-        return
+        return None
     data = metrics_path.read_bytes()
     start = last_run_start(data) if from_byte is None else from_byte
-    kept = [line for line in data[start:].decode().splitlines() if (step := _step_of(line)) is not None and step <= last_step]
+    lines = data[start:].decode(errors="replace").splitlines()
+    kept = [line for line in lines if (step := _step_of(line)) is not None and step <= last_step]
+    note = None
+    if from_byte is None and last_step > 0 and not any(_step_of(line) == last_step for line in kept):
+        own = _run_ending_at(data[:start], last_step)
+        if own:
+            kept = [line for line in lines if _step_of(line) is not None] + own
+            note = (
+                f"[checkpoint] {metrics_path}: another run logged steps {_step_of(lines[0])}-{_step_of(kept[len(kept) - len(own) - 1])} "
+                f"here after the checkpoint's run; its records stay, and the checkpoint run's steps up to {last_step} are "
+                "written again after them so the resumed steps continue their own run (give each run its own logger.log_dir)"
+            )
     tmp = metrics_path.with_suffix(".jsonl.tmp")
     tmp.write_bytes(data[:start] + "".join(line + "\n" for line in kept).encode())
     tmp.replace(metrics_path)
+    return note
+
+
+def _run_ending_at(data: bytes, step: int) -> list[str]:
+    """The records up to ``step`` of the last run in ``data`` (runs split as :func:`last_run_start` splits them) that
+    logged ``step``; empty if none did."""
+    runs: list[list[str]] = []
+    previous = None
+    for line in data.decode(errors="replace").splitlines():
+        current = _step_of(line)
+        if current is None:
+            continue
+        if previous is None or current < previous:
+            runs.append([])
+        runs[-1].append(line)
+        previous = current
+    for run in reversed(runs):
+        if any(_step_of(line) == step for line in run):
+            return [line for line in run if _step_of(line) <= step]  # type: ignore[operator]
+    return []
 
 
 def last_run_start(data: bytes) -> int:

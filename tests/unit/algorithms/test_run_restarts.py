@@ -15,6 +15,7 @@ from nemo_like.algorithms.restarts import RunRestartError, WorkerDeath, check_re
 from nemo_like.config import load_config
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.utils.checkpoint import CheckpointInfo
+from nemo_like.utils.plot import read_metrics
 from nemo_like.utils.run_control import RunControl, RunInterrupted, StopReason
 
 RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
@@ -99,6 +100,21 @@ def test_a_resume_trims_only_the_last_run_of_a_shared_metrics_file(tmp_path):
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "x')  # one run, torn
     trim_metrics_after(path, 2)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_resuming_after_another_run_logged_in_the_same_dir_continues_the_checkpoints_own_run(tmp_path):
+    """Run A logged 0-10 and saved step 10; run B (a short one, no checkpoints) then logged 0-5 in the same log_dir.
+    Resuming A kept B's records as if they were A's: the plot's last run read B 0-5 then A 11, 12."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "run": r}) + "\n" for r, steps in (("A", range(11)), ("B", range(6))) for s in steps))
+    note = trim_metrics_after(path, 10)
+    assert note is not None and "another run logged steps 0-5 here after the checkpoint's run" in note
+    with path.open("a") as f:
+        f.writelines(json.dumps({"step": s, "run": "A"}) + "\n" for s in (11, 12))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["run"], r["step"]) for r in records[11:17]] == [("B", s) for s in range(6)]  # the other run, whole
+    assert [(r["run"], r["step"]) for r in read_metrics(path)] == [("A", s) for s in range(13)]  # the last run: A's own
+    assert trim_metrics_after(path, 12) is None  # resuming again: the last run is the checkpoint's
 
 
 def fake_run(tmp_path: Path, monkeypatch, attempts, *overrides: str, control: RunControl | None = None):
