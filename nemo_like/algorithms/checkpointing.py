@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 import yaml
 
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.models.policy.checkpoints import checkpoint_files
 from nemo_like.utils.checkpoint import (
     CheckpointError,
@@ -20,6 +23,10 @@ from nemo_like.utils.checkpoint import (
     incompatible_differences,
     restore_driver_rng_state,
 )
+
+#: The policy workers' RNG states, beside the policy's files.
+WORKER_RNG_FILE = "worker_rng.pt"
+MOVE_IT_AWAY = "Move it away (the previous step_N is then used) or set checkpointing.resume=false."
 
 
 def checkpoint_manager(parts: GRPOComponents) -> CheckpointManager | None:
@@ -50,7 +57,7 @@ def save_run(
         # The run's tokenizer (chat template included) beside the weights: policy/ loads as a model and its tokenizer
         # (AutoTokenizer gave an empty one for a folder without), and `nemo-like merge` ships the tokenizer it trained with.
         parts.tokenizer.save_pretrained(str(tmp / "policy"))
-        torch.save(rng_holder["workers"], tmp / "worker_rng.pt")
+        torch.save(rng_holder["workers"], tmp / WORKER_RNG_FILE)
         for name, value in (extra_files or {}).items():
             torch.save(value, tmp / name)
 
@@ -64,7 +71,7 @@ def save_run(
         "metrics": numeric,
         **(extra_state or {}),
     }
-    expected = (*checkpoint_files(parts.cfg.policy.lora_cfg.enabled), "worker_rng.pt", *(extra_files or {}))
+    expected = (*checkpoint_files(parts.cfg.policy.lora_cfg.enabled), WORKER_RNG_FILE, *(extra_files or {}))
     return manager.save(step, write_contents, state, parts.cfg.model_dump(mode="json"), expected)
 
 
@@ -96,6 +103,14 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
         ) from exc
     if not isinstance(saved_config, dict):
         raise CheckpointError(f"Checkpoint {checkpoint.path} cannot be resumed: {config_file} holds no config mapping")
+    missing = [f for f in (*checkpoint_files(cfg.policy.lora_cfg.enabled), WORKER_RNG_FILE) if not (checkpoint.path / f).is_file()]
+    if missing:  # before any actor starts (a partial copy of the directory, a file removed by hand)
+        raise CheckpointError(f"Checkpoint {checkpoint.path} is incomplete: no {', '.join(missing)}. {MOVE_IT_AWAY}")
+    if checkpoint.step > cfg.grpo.max_num_steps:  # the loop would train nothing and exit 0
+        raise CheckpointError(
+            f"Checkpoint {checkpoint.path} is at step {checkpoint.step}, past grpo.max_num_steps={cfg.grpo.max_num_steps}: "
+            "nothing to train. Raise grpo.max_num_steps, or set checkpointing.resume=false or another checkpointing.checkpoint_dir."
+        )
     diffs = incompatible_differences(saved_config, cfg.model_dump(mode="json"))
     if diffs:
         raise CheckpointError(
@@ -107,9 +122,18 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
 
 
 def restore_run(parts: GRPOComponents, checkpoint: CheckpointInfo) -> int:
-    """Load a checkpoint's weights, optimizer, RNG and loader state; returns its step."""
-    rng = torch.load(checkpoint.path / "worker_rng.pt", weights_only=False)
-    parts.policy.load_checkpoint(str(checkpoint.path), rng)
+    """Load a checkpoint's weights, optimizer, RNG and loader state; returns its step. A file that cannot be read (a
+    truncated ``optimizer.pt``, bit rot) is a :class:`CheckpointError` naming the checkpoint, not a worker's traceback;
+    a worker that dies meanwhile is still a :class:`WorkerFailure` (a restart)."""
+    try:
+        rng = torch.load(checkpoint.path / WORKER_RNG_FILE, weights_only=False)
+        parts.policy.load_checkpoint(str(checkpoint.path), rng)
+    except WorkerFailure:
+        raise
+    except (ray.exceptions.RayTaskError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        cause = getattr(exc, "cause", None) or exc
+        reason = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+        raise CheckpointError(f"Checkpoint {checkpoint.path} cannot be resumed: {type(cause).__name__}: {reason}. {MOVE_IT_AWAY}") from exc
     parts.train_loader.load_state_dict(checkpoint.state["dataloader"])
     restore_driver_rng_state(checkpoint.state["driver_rng"])
     return int(checkpoint.state["step"])

@@ -229,6 +229,18 @@ class MasterConfig(BaseModel):
         if not self.logger.wandb_enabled:
             lines += [f"logger.wandb.{k} has no effect with logger.wandb_enabled=false" for k in changed_from_defaults(self.logger.wandb)]
         never_validates = not (self.grpo.val_period or self.grpo.val_at_start or self.grpo.val_at_end)
+        ck = self.checkpointing
+        if ck.enabled and ck.keep_top_k is None:  # every checkpoint is kept: nothing is ranked
+            lines += [
+                f"checkpointing.{k} has no effect with checkpointing.keep_top_k=null"
+                for k in changed_from_defaults(ck, ["metric_name", "higher_is_better"])
+            ]
+        elif ck.enabled and ck.metric_name is None and changed_from_defaults(ck, ["higher_is_better"]):
+            lines.append("checkpointing.higher_is_better has no effect with checkpointing.metric_name=null (checkpoints are kept by step)")
+        elif ck.enabled and (ck.metric_name or "").startswith("val:") and never_validates and changed_from_defaults(ck, ["metric_name"]):
+            lines.append(
+                f"checkpointing.metric_name={ck.metric_name!r} has no effect: validation never runs, so checkpoints are kept by step"
+            )
         if never_validates and self.logger.num_val_samples_to_print:
             lines.append(
                 "logger.num_val_samples_to_print has no effect: validation never runs "

@@ -43,7 +43,6 @@ def ckpt_overrides(ckpt_dir: Path, period: int = 3) -> tuple[str, ...]:
         f"checkpointing.checkpoint_dir={ckpt_dir}",
         f"checkpointing.save_period={period}",
         "checkpointing.keep_top_k=null",
-        "checkpointing.metric_name=null",
     )
 
 

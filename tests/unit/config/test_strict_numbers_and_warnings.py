@@ -125,6 +125,24 @@ def test_none_spelled_as_text_is_refused_for_keys_that_take_null(key: str) -> No
             "logger.num_val_samples_to_print has no effect: validation never runs",
         ),
         (
+            ["checkpointing.enabled=true", "checkpointing.keep_top_k=null", "checkpointing.higher_is_better=false"],
+            "checkpointing.higher_is_better has no effect with checkpointing.keep_top_k=null",
+        ),
+        (
+            ["checkpointing.enabled=true", "checkpointing.metric_name=null", "checkpointing.higher_is_better=false"],
+            "checkpointing.higher_is_better has no effect with checkpointing.metric_name=null",
+        ),
+        (
+            [
+                "checkpointing.enabled=true",
+                "checkpointing.metric_name=val:pass@1",
+                "grpo.val_period=0",
+                "grpo.val_at_start=false",
+                "grpo.val_at_end=false",
+            ],
+            "checkpointing.metric_name='val:pass@1' has no effect: validation never runs",
+        ),
+        (
             ["grpo.adv_estimator.name=rloo", "grpo.use_leave_one_out_baseline=true"],
             "grpo.use_leave_one_out_baseline has no effect with grpo.adv_estimator.name='rloo'",
         ),
@@ -139,7 +157,7 @@ def test_keys_under_a_switch_that_is_off_warn(overrides: list[str], warning: str
     assert [line for line in lines if line.startswith(warning)] != [], lines
     switched_on = {"grpo.reward_shaping": "grpo.reward_shaping.enabled=true", "checkpointing": "checkpointing.enabled=true"}
     for prefix, switch in switched_on.items():
-        if overrides[0].startswith(prefix):
+        if overrides[0].startswith(prefix) and switch not in overrides:
             assert not [
                 line
                 for line in load_config(None, [*overrides, switch], warn=False).no_effect_warnings()

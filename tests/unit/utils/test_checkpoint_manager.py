@@ -274,3 +274,32 @@ def test_a_ranking_metric_that_the_saves_never_hold_warns_once_with_the_logged_n
             1, write_blob(1), {"metrics": {"validation/a": 1}}, {}
         )
     assert not caught  # the metric is there; or nothing is pruned, so nothing is ranked
+
+
+def test_resume_refuses_an_incomplete_a_damaged_or_a_too_late_checkpoint_naming_it(tmp_path):
+    """A truncated optimizer.pt or worker RNG file stopped the resume with a worker's traceback naming no checkpoint,
+    and a checkpoint past grpo.max_num_steps trained nothing and exited 0."""
+    import types
+
+    from nemo_like.algorithms.checkpointing import checkpoint_files, find_resume_checkpoint, restore_run
+    from nemo_like.config import load_config
+
+    ck = tmp_path / "ck"
+    cfg = load_config(None, ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ck}", "grpo.max_num_steps=4"], warn=False)
+    files = (*checkpoint_files(False), "worker_rng.pt")
+
+    def write(tmp):
+        for name in files[1:]:
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_bytes(b"PK\x03\x04 truncated")
+
+    CheckpointManager(ck).save(3, write, {"metrics": {}, "step": 3}, cfg.model_dump(mode="json"))
+    with pytest.raises(CheckpointError, match=rf"step_3 is incomplete: no {files[0]}\. Move it away"):
+        find_resume_checkpoint(cfg)
+    (ck / "step_3" / files[0]).write_bytes(b"")
+    checkpoint = find_resume_checkpoint(cfg)
+    with pytest.raises(CheckpointError, match=r"step_3 cannot be resumed: \w+Error: .*Move it away"):
+        restore_run(types.SimpleNamespace(), checkpoint)  # the driver reads worker_rng.pt first: damaged
+    late = load_config(None, ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ck}", "grpo.max_num_steps=2"], warn=False)
+    with pytest.raises(CheckpointError, match=r"step_3 is at step 3, past grpo.max_num_steps=2: nothing to train"):
+        find_resume_checkpoint(late)
