@@ -62,11 +62,13 @@ def resolve_reward_model_path(name: str) -> str:
 
 def check_model_name(name: str, key: str = "model_name") -> str:
     """Fail in the driver when model ``name`` cannot be loaded here (shipped name, local directory, cached hub id);
-    returns it unchanged (a pydantic validator: the error is a ``ValueError`` naming ``key``)."""
-    from nemo_like.models.loading import check_model_source
+    returns it as the environment's actors must be given it (a relative local path made absolute:
+    :func:`~nemo_like.models.loading.actor_model_source`; a pydantic validator: the error is a ``ValueError`` naming
+    ``key``)."""
+    from nemo_like.models.loading import actor_model_source, check_model_source
 
     check_model_source(name, key)
-    return name
+    return actor_model_source(name)
 
 
 #: A learned reward's ``model_name`` key: checked loadable when the section is validated (:func:`check_model_name`).

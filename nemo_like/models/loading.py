@@ -30,6 +30,19 @@ def resolve_model_path(model_name: str) -> str:
     return model_name
 
 
+def actor_model_source(name: str) -> str:
+    """``name`` as an actor must be given it: a relative local path made absolute, anything else unchanged. An actor's
+    working directory is not the driver's when the run joins a cluster (Ray starts it where its node was started), so
+    ``./my_model`` that the driver checked would be looked up elsewhere there (or not found). Applied where the driver
+    hands a model to actors, never to the run config (``policy.model_name`` is a resume-checked key)."""
+    if name.startswith("embedded:"):
+        return name
+    path = Path(name).expanduser()
+    if not path.is_absolute() and looks_like_path(name) and path.exists():
+        return str(path.resolve())
+    return name
+
+
 def hub_offline() -> bool:
     """Whether Hugging Face downloads are switched off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
     return any(os.environ.get(var, "").strip().lower() in _TRUE for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))

@@ -17,6 +17,7 @@ from nemo_like.models.generation.interface import (
     actor_concurrency,
     generate_on_group,
 )
+from nemo_like.models.loading import actor_model_source
 
 
 def hf_generation_resources(cfg: MasterConfig, num_threads: int, num_workers: int = 1) -> RoleResources:
@@ -39,7 +40,7 @@ class HFGeneration:
         pc = cfg.policy
         resources = hf_generation_resources(cfg, num_threads, num_workers).resources
         init = dict(
-            model_name=pc.model_name,
+            model_name=actor_model_source(pc.model_name),
             precision=pc.precision,
             num_threads=resources.num_threads,
             pad_token_id=pad_token_id,

@@ -41,6 +41,7 @@ from nemo_like.models.generation.interface import (
     generate_on_group,
 )
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
+from nemo_like.models.loading import actor_model_source
 from nemo_like.models.refit.transport import RefitTransport, refit_transport
 from nemo_like.plan.backend import INSTALL_HINT, require_vllm, vllm_available  # noqa: F401 (importable here)
 
@@ -141,7 +142,7 @@ class VLLMGeneration:
         self.on_gpu = on_gpu
         self.lora = pc.lora_cfg.enabled  # LoRA refits (adapters or merged weights) go through the object store
         init = dict(
-            model_name=pc.model_name,
+            model_name=actor_model_source(pc.model_name),
             precision=pc.precision,
             max_model_len=pc.max_total_sequence_length,
             seed=cfg.grpo.seed,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nemo_like.models.loading import actor_model_source
 from nemo_like.models.policy.batching import MicroBatchPlan
 from nemo_like.models.policy.loss_protocol import LossFunction
 from nemo_like.models.teacher_kl import KLTerm
@@ -105,7 +106,7 @@ class PolicyWorkerSpec:
         pc = cfg.policy
         micro = min(pc.train_micro_batch_size, pc.train_global_batch_size // pc.dp_size)
         return cls.from_kwargs(
-            model_name=pc.model_name,
+            model_name=actor_model_source(pc.model_name),
             precision=pc.precision,
             temperature=pc.generation.temperature,
             top_k=pc.generation.top_k,
@@ -132,7 +133,7 @@ def teacher_kl_settings(cfg: MasterConfig) -> TeacherKLSettings | None:
     if d.kl_weight == 0 or t.model_name is None:
         return None
     term = KLTerm(d.kl_direction, d.kl_support, d.kl_top_k if d.kl_support != "full" else None)
-    return TeacherKLSettings(t.model_name, t.precision or cfg.policy.precision, float(d.kl_weight), term)
+    return TeacherKLSettings(actor_model_source(t.model_name), t.precision or cfg.policy.precision, float(d.kl_weight), term)
 
 
 def batching_plan(pc: Any, micro_batch_size: int) -> dict[str, Any]:

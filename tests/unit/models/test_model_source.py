@@ -122,3 +122,24 @@ def test_a_sequence_longer_than_the_models_positions_is_a_config_error_naming_th
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(scaled)}))
     assert model_context_length(str(adapter)) == 1024
+
+
+def test_actors_get_a_relative_model_path_made_absolute_and_the_run_config_keeps_it(tmp_path, monkeypatch) -> None:
+    """An actor of a joined cluster starts where its node started, not in the driver's directory: './my_model', which
+    the driver checked, was looked up there (measured: ray start in one directory, the driver in another)."""
+    import shutil
+
+    from nemo_like.config import load_config
+    from nemo_like.environments.learned_inputs import check_model_name
+    from nemo_like.models.loading import actor_model_source
+    from nemo_like.models.policy.spec import PolicyWorkerSpec
+
+    shutil.copytree(default_model_path(), tmp_path / "my_model")
+    monkeypatch.chdir(tmp_path)
+    assert actor_model_source("./my_model") == actor_model_source("my_model") == str(tmp_path / "my_model")
+    for unchanged in ("embedded:tiny-arith-qwen2", "Qwen/Qwen2.5-0.5B", str(tmp_path / "my_model"), "./missing"):
+        assert actor_model_source(unchanged) == unchanged
+    cfg = load_config(None, ["policy.model_name=./my_model"], warn=False)
+    spec = PolicyWorkerSpec.from_config(cfg, trainable=False, loss_fn=None, num_threads=1)
+    assert cfg.policy.model_name == "./my_model" and spec.model_name == str(tmp_path / "my_model")
+    assert check_model_name("./my_model") == str(tmp_path / "my_model")  # a reward model's or judge's actors
