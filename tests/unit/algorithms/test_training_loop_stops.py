@@ -93,3 +93,68 @@ def test_a_signal_during_a_periodic_save_stops_right_after_that_save(tmp_path, m
     assert runner.events == ["step 1", "step 2", "save 2"]
     assert stopped.value.code == rc.EXIT_SIGTERM and stopped.value.step == 2
     assert Path(stopped.value.checkpoint).name == "step_2"
+
+
+class TimedSteps(FakeSteps):
+    """Steps of 10 s, validations of 600 s and saves of 5 s on a fake clock."""
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__(signal_during_save_of=None)
+        self.clock = clock
+
+    def validate(self, step: int, timer: Any) -> dict[str, float]:
+        self.events.append(f"validate {step}")
+        self.clock[0] += 600.0
+        return {"validation/accuracy": 0.0}
+
+    def step(self, step: int, timer: Any) -> dict[str, float]:
+        self.clock[0] += 10.0
+        return super().step(step, timer)
+
+    def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
+        self.clock[0] += 5.0
+        return super().save(manager, step, metrics)
+
+
+def test_the_step_before_a_validation_keeps_the_validation_in_hand_before_the_deadline(tmp_path, monkeypatch):
+    """10 s steps, a 600 s validation every 10 steps, 100 s of slack: the run started step 10 and its validation and
+    ended ~500 s past its deadline; the loop must ask stop_reason with the next step's validation in hand."""
+    clock = [1000.0]
+    for name in ("time", "monotonic", "perf_counter"):
+        monkeypatch.setattr(time, name, lambda: clock[0])
+    cfg = load_config(
+        RECIPE,
+        [
+            f"logger.log_dir={tmp_path / 'logs'}",
+            f"checkpointing.checkpoint_dir={tmp_path / 'ck'}",
+            "checkpointing.enabled=true",
+            "checkpointing.save_period=100",
+            "grpo.max_num_steps=20",
+            "grpo.val_period=10",
+            "grpo.val_at_end=false",
+            "logger.progress_bar=false",
+            "logger.plot_at_end=false",
+        ],
+    )
+    for name, value in (("planned_memory_lines", []), ("flops_metrics", {}), ("throughput_metrics", {})):
+        monkeypatch.setattr(grpo, name, lambda *a, _v=value, **k: _v)
+    monkeypatch.setattr(grpo, "flops_spec", lambda *a, **k: SimpleNamespace(describe=lambda: ""))
+    monkeypatch.setattr(grpo, "resolve_model_path", lambda p: p)
+    runner = TimedSteps(clock)
+    parts = SimpleNamespace(
+        cfg=cfg,
+        policy=SimpleNamespace(take_refit_bytes=lambda: 0),
+        plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)),
+    )
+    deadline = clock[0] + 600.0 + 9 * 10.0 + 2 * 5.0 + 100.0  # step 0's validation, 9 steps, 2 saves, the slack
+    control = rc.RunControl(deadline)
+    rc.activate(control)
+    logger = Logger(cfg.logger, cfg.grpo.max_num_steps, None)
+    try:
+        with pytest.raises(rc.RunInterrupted) as stopped:
+            grpo.run_training(parts, logger, None, runner)  # type: ignore[arg-type]
+    finally:
+        rc.activate(None)
+        logger.close()
+    assert stopped.value.code == rc.EXIT_DEADLINE and stopped.value.step == 9, runner.events
+    assert "validate 10" not in runner.events and clock[0] <= deadline

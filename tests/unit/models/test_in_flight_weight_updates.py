@@ -18,7 +18,27 @@ def test_gate_applies_at_once_when_idle():
     assert gate.submit(lambda: 7) == 7 and gate.mid_generation_updates == 0
 
 
-def test_gate_defers_an_update_to_the_next_step_boundary_and_returns_its_result():
+class FakeClock:
+    """``perf_counter`` for the gate, moved on by the updates themselves (no wall-clock time is asserted)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def load(self, seconds: float):
+        def run() -> None:
+            self.now += seconds
+
+        return run
+
+
+def test_gate_defers_an_update_to_the_next_step_boundary_and_returns_its_result(monkeypatch):
+    from nemo_like.models.refit import gate as gate_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(gate_module, "time", clock)
     gate = WeightUpdateGate()
     applied_at: list[int] = []
     result: dict[str, int] = {}
@@ -36,16 +56,16 @@ def test_gate_defers_an_update_to_the_next_step_boundary_and_returns_its_result(
     # The load's time is counted apart (the collector takes it out of its generation seconds: it is not decoding);
     # an update applied when the call has ended is not mid-generation
     with gate.generating_scope():
-        thread = threading.Thread(target=lambda: gate.submit(lambda: time.sleep(0.2)))
+        thread = threading.Thread(target=lambda: gate.submit(clock.load(0.2)))
         thread.start()
         while not gate.pending:
             time.sleep(0.001)
         assert gate.apply_pending() == 1
         thread.join(5)
-    assert 0.2 <= gate.mid_generation_seconds < 5 and gate.mid_generation_updates == 2
+    assert gate.mid_generation_seconds == 0.2 and gate.mid_generation_updates == 2
     seconds = gate.mid_generation_seconds
     with gate.generating_scope():
-        thread = threading.Thread(target=lambda: gate.submit(lambda: time.sleep(0.1)))
+        thread = threading.Thread(target=lambda: gate.submit(clock.load(0.1)))
         thread.start()
         while not gate.pending:
             time.sleep(0.001)

@@ -117,6 +117,27 @@ def test_metrics_of_several_optimizer_steps_are_means_over_the_steps_not_sums() 
     assert both["num_valid_tokens"] == alone[0]["num_valid_tokens"] + alone[1]["num_valid_tokens"]
 
 
+def test_a_rank_with_no_row_in_one_optimizer_step_still_averages_over_every_step() -> None:
+    """dp 2, two optimizer steps, 3 rows: rank 0 has no row in the first step. The worker left that step out of its
+    means, so summed over the ranks every mean was inflated (an on-policy probs_ratio of 1.25): the ranks' results,
+    combined as Policy.train combines them, must equal one rank's (lr 1e-12: the weights barely move between the steps)."""
+    from nemo_like.models.policy.policy import optimizer_step_shards
+
+    batch = random_batch(batch=3, seed=3)
+    probe = make_worker(3, optimizer=OptimizerConfig(lr=1e-12))
+    batch["generation_logprobs"] = probe.get_logprobs(batch) * batch["token_mask"]  # on-policy
+    batch["prev_logprobs"] = batch["generation_logprobs"].clone()
+    per_rank = optimizer_step_shards(batch, 2, 2)
+    assert [[s["input_ids"].shape[0] for s in steps] for steps in per_rank] == [[0, 1], [1, 1]]
+    fn = probe.loss_fn
+    ranks = fn.combine_metrics([make_worker(3, optimizer=OptimizerConfig(lr=1e-12)).train(steps)["metrics"] for steps in per_rank])
+    (one_rank,) = optimizer_step_shards(batch, 2, 1)
+    single = make_worker(3, optimizer=OptimizerConfig(lr=1e-12)).train(one_rank)["metrics"]
+    assert ranks["probs_ratio"] == pytest.approx(1.0, abs=1e-5)
+    for key in ("loss", "probs_ratio", "approx_entropy", "num_valid_tokens"):
+        assert ranks[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+
+
 def test_a_resumed_worker_trains_with_this_runs_optimizer_settings(tmp_path) -> None:
     """Loading the optimizer and scheduler state brought back the saved lr (and weight decay, betas, eps): a run
     resumed with policy.optimizer.lr lowered (as the non-finite guard advises, and the guide allows) kept the old lr.
