@@ -194,7 +194,14 @@ def test_a_replacement_that_starts_slower_than_call_timeout_is_not_killed_as_hun
     group.wait_started()
     run = supervision.begin_run(FaultToleranceConfig(call_timeout_s=2.0, max_actor_restarts=2, max_retries_per_batch=2))
     calls = [supervision.Call(supervision.Replaceable("environment", group), 0, lambda w: w.score.remote(42))]
-    ray.kill(group.workers[0], no_restart=True)
+    dead = group.workers[0]
+    ray.kill(dead, no_restart=True)  # asynchronous: a call sent at once may still be answered
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(dead.score.remote(0))
+        except ray.exceptions.RayActorError:
+            break
     try:
         assert supervision.gather(calls, supervision.dispatch(calls), "reward") == [42]
         assert run.restarts == {"environment": 1}  # the death; no "hung" replacement after it
