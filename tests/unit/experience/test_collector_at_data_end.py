@@ -151,3 +151,48 @@ def test_a_refit_pause_of_a_collector_held_by_the_bound_is_pacing_not_held_gener
     finally:
         collector.stop()
         loop.join(30)
+
+
+class LoadingGeneration:
+    """Stands in for the engines' in-flight load counter (``mid_generation_seconds``): a running total that grows
+    0.4 s in the first batch and 0.3 s in the second, then restarts from 0.1 (a replaced worker counts from 0)."""
+
+    def __init__(self) -> None:
+        self.totals = iter([0.4, 0.7, 0.1])
+
+    def mid_generation_seconds(self) -> float:
+        return next(self.totals)
+
+
+class OneSecondAgents(Agents):
+    def collect(self, envs, prompts, num_generations, seed, timings) -> Rollout:
+        rollout = super().collect(envs, prompts, num_generations, seed, timings)
+        timings["generation"] = 1.0  # the generate calls' wall time, in-flight loads included
+        return rollout
+
+
+def test_in_flight_load_time_is_taken_out_of_the_generation_seconds(ray_cluster) -> None:
+    """An in-flight refit loads on the generating thread inside a generate call: its seconds were counted as generation
+    (and as idle/generation_paused_for_refit), so async/generation_tokens_per_sec read low."""
+    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 5)
+    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(6)], 2, seed=0)
+    settings = CollectorSettings(
+        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=5, last_step=10,
+        next_target=1, max_num_epochs=1, generation_version=0, reference=None, pad_token_id=0, in_flight_refits=True,
+    )  # fmt: skip
+    collector = DriverTrajectoryCollector(
+        LoadingGeneration(), SimpleNamespace(agents=OneSecondAgents(), tasks=["t"]), buffer, None, loader, settings
+    )
+    loop = threading.Thread(target=collector.run, daemon=True)
+    loop.start()
+    try:
+        for step in (1, 2, 3):
+            ray.get(buffer.take.remote(step, 0), timeout=30)
+        deadline = time.monotonic() + 30
+        while collector.pushing or collector.in_flight:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert collector.stats.generation_seconds == pytest.approx((1 - 0.4) + (1 - 0.3) + 1.0)  # the restart: nothing taken
+    finally:
+        collector.stop()
+        loop.join(30)
