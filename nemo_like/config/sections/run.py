@@ -93,7 +93,8 @@ def check_save_before(spec: str | float | None) -> None:
     except ValueError:
         pass
     else:
-        if not math.isfinite(seconds) or abs(seconds) >= MAX_SAVE_BEFORE_S:  # nan never stops a run; inf cannot be a time
+        # nan never stops a run; inf cannot be a time; 0 or less is a deadline already past at the start
+        if not math.isfinite(seconds) or seconds <= 0 or seconds >= MAX_SAVE_BEFORE_S:
             raise ValueError(f"checkpointing.save_before: {spec!r} seconds from the start is not a time a run can stop at")
         return
     try:

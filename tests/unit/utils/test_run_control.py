@@ -92,7 +92,7 @@ def test_bad_save_before_names_the_key():
         load_config(None, ["checkpointing.enabled=true", "checkpointing.save_before=tomorrow"])
     with pytest.raises(ConfigError, match="checkpointing.save_before needs checkpointing.enabled=true"):
         load_config(None, ["checkpointing.save_before=60"])
-    for value in ("nan", "inf", "1e+30"):  # nan never stopped a run; inf and 1e30 crashed it at the start
+    for value in ("nan", "inf", "1e+30", "-100", "0"):  # nan never stopped a run; inf and 1e30 crashed it; -100 stopped at once
         with pytest.raises(ConfigError, match=rf"checkpointing.save_before: '{re.escape(value)}' seconds from the start is not a time"):
             load_config(None, ["checkpointing.enabled=true", f"checkpointing.save_before={value}"])
     for value in ("nan", "1e400", "garbage", "-5"):  # a traceback (or no deadline at all) before
