@@ -157,10 +157,10 @@ class MasterConfig(BaseModel):
                 "grpo.skip_prev_logprobs=true requires one optimizer step per rollout (policy.train_global_batch_size == "
                 f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt); got {gbs} != {rollout}. Use 'auto'."
             )
-        if self.grpo.rollout_rejection.enabled and self.grpo.skip_prev_logprobs is True:
+        if self.grpo.skip_prev_logprobs is True and (consumers := self.prev_logprob_consumers()):
             raise ValueError(
-                "grpo.rollout_rejection.level is set, which needs the prev-logprob pass, but grpo.skip_prev_logprobs=true; "
-                "use skip_prev_logprobs 'auto' (or false) or turn the rejection off"
+                f"{consumers[0]} is set, which needs the prev-logprob pass, but grpo.skip_prev_logprobs=true; "
+                "use skip_prev_logprobs 'auto' (or false) or turn it off"
             )
         if self.grpo.reward_shaping.enabled:
             self._check_reward_shaping()
@@ -253,6 +253,17 @@ class MasterConfig(BaseModel):
         for key in changed_from_defaults(self.grpo, ignored.get(estimator, [])):
             lines.append(f"grpo.{key} has no effect with grpo.adv_estimator.name='{estimator}' (it ignores the flag)")
         return lines
+
+    def prev_logprob_consumers(self) -> list[str]:
+        """The features other than the loss that read the prev-policy logprobs (the pass runs for them)."""
+        consumers = []
+        if self.grpo.seq_logprob_error_threshold is not None:
+            consumers.append("grpo.seq_logprob_error_threshold")
+        if self.grpo.rollout_rejection.enabled:
+            consumers.append("grpo.rollout_rejection.level")
+        if self.teacher.enabled and self.distillation.advantage_weight > 0:
+            consumers.append("the distillation advantage (teacher.model_name)")
+        return consumers
 
     def offloads_to_cpu(self) -> bool:
         """Whether FSDP2's CPU offload runs (``policy.dtensor_cfg.cpu_offload``): on a GPU cluster with more than one

@@ -37,28 +37,16 @@ def optimizer_steps_per_rollout(cfg: MasterConfig) -> int:
     return cfg.rollout_batch_size // cfg.policy.train_global_batch_size
 
 
-def prev_logprob_consumers(cfg: MasterConfig) -> list[str]:
-    """Features other than the loss that read the prev-policy logprobs."""
-    consumers = []
-    if cfg.grpo.seq_logprob_error_threshold is not None:
-        consumers.append("grpo.seq_logprob_error_threshold")
-    if cfg.grpo.rollout_rejection.enabled:
-        consumers.append("grpo.rollout_rejection")
-    if cfg.teacher.enabled and cfg.distillation.advantage_weight > 0:
-        consumers.append("the distillation advantage (teacher.model_name)")
-    return consumers
-
-
 def decide_logprob_passes(cfg: MasterConfig) -> LogprobPlan:
     """Which passes to run; ``reasons`` says why each was kept or skipped (logged once at start)."""
     reasons = []
     steps = optimizer_steps_per_rollout(cfg)
-    needed_by = prev_logprob_consumers(cfg)
+    needed_by = cfg.prev_logprob_consumers()  # with grpo.skip_prev_logprobs=true: a config error already
     if needed_by:
         compute_prev = True
         reasons.append(f"prev logprobs computed: needed by {', '.join(needed_by)}")
-        if cfg.grpo.skip_prev_logprobs is True or cfg.loss_fn.force_on_policy_ratio:
-            reasons.append(f"WARNING: skipping prev logprobs was requested, but {', '.join(needed_by)} needs them; they are computed")
+        if cfg.loss_fn.force_on_policy_ratio:
+            reasons.append(f"prev logprobs computed although loss_fn.force_on_policy_ratio: {', '.join(needed_by)} needs them")
     elif cfg.loss_fn.force_on_policy_ratio:
         compute_prev = False
         reasons.append("prev logprobs skipped: loss_fn.force_on_policy_ratio")

@@ -330,3 +330,17 @@ def test_the_sample_dump_keeps_a_rejected_tokens_logprobs_and_marks_it_untrained
     assert row["response_token_ids"] == [20, 21, 22, 2]
     assert row["generation_logprobs"] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
     assert row["prev_logprobs"] == pytest.approx([-0.1, -1.5, -0.3, -0.4]) and row["trained_token_mask"] == [1, 0, 1, 1]
+
+
+def test_skipping_the_prev_pass_beside_any_of_its_consumers_is_an_error() -> None:
+    """The sequence mask and the distillation advantage need the prev pass too: with grpo.skip_prev_logprobs=true the
+    run only wrote a WARNING into its plan and computed the pass anyway, while the rejection mask was an error."""
+    with pytest.raises(ConfigError, match="grpo.seq_logprob_error_threshold is set, which needs the prev-logprob pass"):
+        load_config(None, ["grpo.seq_logprob_error_threshold=1.5", "grpo.skip_prev_logprobs=true"], warn=False)
+    teacher = ["teacher.model_name=embedded:tiny-arith-teacher", "distillation.advantage_weight=1.0", "grpo.skip_prev_logprobs=true"]
+    with pytest.raises(ConfigError, match=r"the distillation advantage \(teacher.model_name\) is set, which needs"):
+        load_config(None, teacher, warn=False)
+    forced = decide_logprob_passes(
+        load_config(None, ["grpo.seq_logprob_error_threshold=1.5", "loss_fn.force_on_policy_ratio=true"], warn=False)
+    )
+    assert forced.compute_prev and not any("WARNING" in r for r in forced.reasons)
