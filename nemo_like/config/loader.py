@@ -81,7 +81,7 @@ RecipeLoader.add_implicit_resolver(
 def register_resolvers() -> None:
     """Register the ``mul``, ``add``, ``div`` and ``max`` interpolation resolvers (idempotent). Their arguments are
     numbers: a quoted one (``num_prompts_per_step: "4"``) is read as its number (``mul`` repeated the text: 8 x '4' was
-    '44444444'), anything else is an error naming the value."""
+    '44444444'); other text is an error naming it; a boolean is left to the schema (an error naming its key)."""
     resolvers = {
         "mul": lambda *xs: _fold(lambda a, b: a * b, _numbers("mul", xs)),
         "add": lambda *xs: _fold(lambda a, b: a + b, _numbers("add", xs)),
