@@ -161,9 +161,10 @@ def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int | None
     if from_byte is None and last_step > 0 and not any(_step_of(line) == last_step for line in kept):
         own = _run_ending_at(data[:start], last_step)
         if own:
-            kept = [line for line in lines if _step_of(line) is not None] + own
+            other = [line for line in lines if _step_of(line) is not None]  # another run's records: kept whole
+            kept = other + own
             note = (
-                f"[checkpoint] {metrics_path}: another run logged steps {_step_of(lines[0])}-{_step_of(kept[len(kept) - len(own) - 1])} "
+                f"[checkpoint] {metrics_path}: another run logged steps {_step_of(other[0])}-{_step_of(other[-1])} "
                 f"here after the checkpoint's run; its records stay, and the checkpoint run's steps up to {last_step} are "
                 "written again after them so the resumed steps continue their own run (give each run its own logger.log_dir)"
             )

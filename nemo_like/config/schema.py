@@ -21,6 +21,7 @@ from nemo_like.config.sections.base import (  # noqa: F401  (re-exported)
     changed_from_defaults,
     check_pass_k,
     default_pass_k,
+    set_while_off,
 )
 from nemo_like.config.sections.data import (  # noqa: F401  (re-exported)
     DataConfig,
@@ -223,9 +224,7 @@ class MasterConfig(BaseModel):
             (self.checkpointing, "checkpointing", "enabled", ("checkpoint_dir", "save_before")),
         ]
         for section, path, switch, kept in switched:
-            if not getattr(section, switch):
-                unused = [k for k in changed_from_defaults(section) if k != switch and k not in kept]
-                lines += [f"{path}.{k} has no effect with {path}.{switch}=false" for k in unused]
+            lines += [f"{path}.{k} has no effect with {path}.{switch}=false" for k in set_while_off(section, switch, kept)]
         if not self.logger.wandb_enabled:
             lines += [f"logger.wandb.{k} has no effect with logger.wandb_enabled=false" for k in changed_from_defaults(self.logger.wandb)]
         never_validates = not (self.grpo.val_period or self.grpo.val_at_start or self.grpo.val_at_end)

@@ -374,6 +374,12 @@ class RayWorkerGroup:
         self.workers = []
 
 
+def summed_over_workers(workers: Sequence[Any], method: str, what: str) -> Any:
+    """The sum of ``method()`` over ``workers`` (a counter each keeps, e.g. in-flight refits), read with
+    :func:`get_with_context` naming ``what``."""
+    return sum(get_with_context([getattr(w, method).remote() for w in workers], what))
+
+
 def get_with_context(refs: Any, what: str, timeout_s: float | None = None) -> Any:
     """``ray.get`` that names the phase and the failing actor when an actor dies, so the error is actionable."""
     start = time.monotonic()

@@ -40,7 +40,7 @@ from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
 from nemo_like.distributed import faults
 from nemo_like.distributed.supervision import ActorRestartsExhausted, Death, begin_run, ledger
-from nemo_like.distributed.worker_group import get_with_context
+from nemo_like.distributed.worker_group import summed_over_workers
 from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.pacing import StalenessPacer
 from nemo_like.experience.replay_buffer import TrajectoryGroup
@@ -95,7 +95,7 @@ class ActorHandles:
 
     def mid_generation_seconds(self) -> float:
         """Seconds the workers' generate calls spent loading in-flight refits, summed over the workers."""
-        return sum(get_with_context([w.mid_generation_seconds.remote() for w in self.workers], "generation: counters"))
+        return summed_over_workers(self.workers, "mid_generation_seconds", "generation: counters")
 
 
 class DriverReplaced:

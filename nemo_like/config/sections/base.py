@@ -24,6 +24,14 @@ def changed_from_defaults(settings: BaseModel, keys: Iterable[str] | None = None
     return [k for k in names if getattr(settings, k) != fields[k].get_default(call_default_factory=True)]
 
 
+def set_while_off(settings: BaseModel, switch: str = "enabled", exclude: Iterable[str] = ()) -> list[str]:
+    """The keys of ``settings`` changed from their defaults (:func:`changed_from_defaults`) while its ``switch`` is
+    off, which therefore do nothing (the switch itself and ``exclude`` aside); none while it is on."""
+    if getattr(settings, switch):
+        return []
+    return [k for k in changed_from_defaults(settings) if k != switch and k not in exclude]
+
+
 def default_pass_k(n: int) -> list[int]:
     """The ks reported when none are given, for ``n`` samples per prompt: 1, 2, 4, ... up to ``n``, and ``n``
     itself when it is not a power of two (``n = 1``: [1]; ``n = 6``: [1, 2, 4, 6]; ``n = 8``: [1, 2, 4, 8])."""

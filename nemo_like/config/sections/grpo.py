@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from nemo_like.config.rejection import RolloutRejectionConfig
-from nemo_like.config.sections.base import Section, changed_from_defaults, check_pass_k, default_pass_k
+from nemo_like.config.sections.base import Section, check_pass_k, default_pass_k, set_while_off
 from nemo_like.config.types import Float, Int
 
 #: The built-in advantage estimators: each subtracts a baseline from its prompt's group (a group of one sample is its
@@ -52,8 +52,7 @@ class AsyncGRPOConfig(Section):
     def no_effect_warnings(self) -> list[str]:
         """One line per option set here that has no effect in this combination."""
         if not self.enabled:
-            changed = [k for k in changed_from_defaults(self) if k != "enabled"]
-            return [f"grpo.async_grpo.{k} has no effect with grpo.async_grpo.enabled=false (a sync run)" for k in changed]
+            return [f"grpo.async_grpo.{k} has no effect with grpo.async_grpo.enabled=false (a sync run)" for k in set_while_off(self)]
         if self.in_flight_weight_updates and self.max_trajectory_age_steps == 0:
             return [
                 "grpo.async_grpo.in_flight_weight_updates=true has no effect with grpo.async_grpo.max_trajectory_age_steps=0 "

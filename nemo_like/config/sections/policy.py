@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from nemo_like.config.sections.base import EMBEDDED_MODEL, Section, changed_from_defaults
+from nemo_like.config.sections.base import EMBEDDED_MODEL, Section, set_while_off
 from nemo_like.config.types import Float, Int, OptStr, ThreadCount
 
 #: An Adam decay rate: 1 never forgets (beta2 = 1 never updates the second moment: division by ~eps), > 1 diverges.
@@ -170,10 +170,7 @@ class LoraConfig(Section):
 
     def no_effect_warnings(self) -> list[str]:
         """Keys changed from their defaults while ``enabled`` is false do nothing: say so."""
-        if self.enabled:
-            return []
-        unused = sorted(name for name in changed_from_defaults(self) if name != "enabled")
-        return [f"policy.lora_cfg.{k} has no effect with policy.lora_cfg.enabled=false" for k in unused]
+        return [f"policy.lora_cfg.{k} has no effect with policy.lora_cfg.enabled=false" for k in sorted(set_while_off(self))]
 
 
 class PolicyConfig(Section):

@@ -6,7 +6,7 @@ import time
 
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.supervision import Replaceable
-from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
+from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, summed_over_workers
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import (
     GeneratedSample,
@@ -73,11 +73,11 @@ class HFGeneration:
 
     def mid_generation_updates(self) -> int:
         """Refits applied in the middle of a generate call, summed over the workers (in-flight weight updates)."""
-        return sum(get_with_context(self.group.run_all("mid_generation_updates"), "generation: counters"))
+        return summed_over_workers(self.group.workers, "mid_generation_updates", "generation: counters")
 
     def mid_generation_seconds(self) -> float:
         """Seconds the workers' generate calls spent loading those refits, summed over the workers."""
-        return sum(get_with_context(self.group.run_all("mid_generation_seconds"), "generation: counters"))
+        return summed_over_workers(self.group.workers, "mid_generation_seconds", "generation: counters")
 
     def shutdown(self) -> None:
         self.group.shutdown()
