@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -171,9 +172,15 @@ def test_a_kept_actor_stuck_in_a_hung_call_is_replaced_not_waited_for(ray_cluste
         stuck_pid = ray.get(first.workers[0].pid.remote())
         first.workers[0].hang.remote()
         first.shutdown()  # kept idle, still in the hung call
-        start = time.monotonic()
-        second = RayWorkerGroup("stuck", Hangs, 1, WorkerResources(num_cpus=0.01), {}, placement_timeout_s=2)
-        assert time.monotonic() - start < 60
+        made: list[RayWorkerGroup] = []  # built on a thread: a regression blocks it forever instead of the test run
+        builder = threading.Thread(
+            target=lambda: made.append(RayWorkerGroup("stuck", Hangs, 1, WorkerResources(num_cpus=0.01), {}, placement_timeout_s=2)),
+            daemon=True,
+        )
+        builder.start()
+        builder.join(120)
+        assert made, "the next run's set-up is still blocked on the kept, hung actor"
+        second = made[0]
         assert ray.get(second.workers[0].pid.remote(), timeout=60) != stuck_pid
         assert "stuck: a kept actor did not re-initialise within 2s; starting fresh ones" in capsys.readouterr().out
         second.kill()
