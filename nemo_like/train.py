@@ -190,16 +190,17 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
     started_from = resume_from = find_resume_checkpoint(cfg)
     at_start = checkpoint_stamps(Path(cfg.checkpointing.checkpoint_dir))  # the checkpoints that are not this run's
     metrics_path = Path(cfg.logger.log_dir) / "metrics.jsonl"
+    replay = None  # the checkpoint run's records written again after another run's (and given to the dashboards)
     if resume_from is not None:  # steps logged after the checkpoint are redone: drop their records
-        if note := trim_metrics_after(metrics_path, resume_from.step):
-            print(note, flush=True)
+        if replay := trim_metrics_after(metrics_path, resume_from.step):
+            print(replay.note, flush=True)
     metrics_start = metrics_path.stat().st_size if metrics_path.exists() else 0  # what earlier runs logged
     deaths: list[WorkerDeath] = []
     supervision.begin_run(cfg.cluster.fault_tolerance)  # actor replacements: one budget over every restarted attempt
     kept: list[dict[str, Any]] = []  # records of the attempts before a restart, up to the step it resumed from
     resumed_step = resume_from.step if resume_from is not None else None  # None: a fresh start
     while True:
-        logger = Logger(cfg.logger, cfg.grpo.max_num_steps, resumed_step)
+        logger = Logger(cfg.logger, cfg.grpo.max_num_steps, resumed_step, replay.records if replay and not deaths else ())
         if deaths:
             logger.extra[RESTARTS_METRIC] = float(len(deaths))
             report_first_step(logger, deaths[-1], len(deaths))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,17 @@ def restore_run(parts: GRPOComponents, checkpoint: CheckpointInfo) -> int:
     return int(checkpoint.state["step"])
 
 
-def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int | None = None) -> str | None:
+@dataclass(frozen=True)
+class MetricsReplay:
+    """The checkpoint run's records that :func:`trim_metrics_after` wrote again after another run's, and the line that
+    says so; the run's logger hands the records to the dashboards too (TensorBoard would otherwise show the other run's
+    steps before the resumed ones)."""
+
+    note: str
+    records: list[dict]
+
+
+def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int | None = None) -> MetricsReplay | None:
     """Drop records of steps after ``last_step`` (logged after the checkpoint, redone on resume). The file's first
     ``from_byte`` bytes (what earlier runs wrote) are kept as they are; ``None``: everything before the last run in
     the file (:func:`last_run_start`: another run in the same ``logger.log_dir`` went past the checkpoint's step, and
@@ -149,15 +160,15 @@ def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int | None
     logged here after the checkpoint's: it is kept whole, and the checkpoint run's records up to ``last_step`` are
     written again after it, so the resumed steps continue their own run (the plot's last run was the other run's
     steps followed by the resumed ones). Runs are told apart by their steps only, so another run that went past
-    ``last_step`` still reads as the checkpoint's (its later records are dropped, as before). Returns a line saying
-    so, else ``None``."""
+    ``last_step`` still reads as the checkpoint's (its later records are dropped, as before). Returns those records and
+    a line saying so, else ``None``."""
     if not metrics_path.exists():
         return None
     data = metrics_path.read_bytes()
     start = last_run_start(data) if from_byte is None else from_byte
     lines = data[start:].decode(errors="replace").splitlines()
     kept = [line for line in lines if (step := _step_of(line)) is not None and step <= last_step]
-    note = None
+    replay = None
     if from_byte is None and last_step > 0 and not any(_step_of(line) == last_step for line in kept):
         own = _run_ending_at(data[:start], last_step)
         if own:
@@ -168,10 +179,11 @@ def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int | None
                 f"here after the checkpoint's run; its records stay, and the checkpoint run's steps up to {last_step} are "
                 "written again after them so the resumed steps continue their own run (give each run its own logger.log_dir)"
             )
+            replay = MetricsReplay(note, [json.loads(line) for line in own])
     tmp = metrics_path.with_suffix(".jsonl.tmp")
     tmp.write_bytes(data[:start] + "".join(line + "\n" for line in kept).encode())
     tmp.replace(metrics_path)
-    return note
+    return replay
 
 
 def _run_ending_at(data: bytes, step: int) -> list[str]:

@@ -25,18 +25,26 @@ class Logger:
     """One JSON object per step in ``<log_dir>/metrics.jsonl``, the same metrics in the enabled
     dashboards, and the resolved config beside them (``config.yaml``, TB hparams, W&B config)."""
 
-    def __init__(self, cfg: LoggerConfig, total_steps: int, resumed_step: int | None = None) -> None:
+    def __init__(
+        self, cfg: LoggerConfig, total_steps: int, resumed_step: int | None = None, replayed: Sequence[dict[str, Any]] = ()
+    ) -> None:
         """``resumed_step``: the checkpoint's step a resumed run continues after (TensorBoard then hides the later steps
         an earlier run logged: they are redone; ``metrics.jsonl`` is trimmed by the caller); ``None``, a fresh run, hides
-        every step earlier runs logged in this ``log_dir`` (one curve per run, as the plot draws the last run alone)."""
+        every step earlier runs logged in this ``log_dir`` (one curve per run, as the plot draws the last run alone).
+        ``replayed``: the resumed run's own records that ``metrics.jsonl`` holds again after another run's
+        (:func:`nemo_like.algorithms.checkpointing.trim_metrics_after`); the dashboards hide every earlier step and get
+        these again, so the resumed steps continue their own curve there too."""
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.log_dir / "metrics.jsonl"
-        purge_step = 0 if resumed_step is None else resumed_step + 1
+        purge_step = 0 if resumed_step is None or replayed else resumed_step + 1
         with new_threads_spared_stop_signals():  # their threads must never take a run's SIGTERM / SIGINT
             self.backends: list[LogBackend] = [JsonlBackend(self.metrics_path), *start_backends(cfg, purge_step)]
             self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar)
+        for record in replayed:  # already in metrics.jsonl
+            metrics = {key: value for key, value in record.items() if key != "step"}
+            self._call_all("log_metrics", metrics, int(record["step"]), dashboards_only=True)
         self.extra: dict[str, Any] = {}  # added to every record from now on (e.g. faults/run_restarts after a restart)
         self.records: list[dict[str, Any]] = []  # what this logger logged, as {"step": step, **metrics}
 
@@ -58,10 +66,13 @@ class Logger:
         self.progress.close()
         self._call_all("close")
 
-    def _call_all(self, method: str, *args: Any) -> None:
-        """Call ``method`` on each backend; an optional one that raises warns once and is dropped."""
+    def _call_all(self, method: str, *args: Any, dashboards_only: bool = False) -> None:
+        """Call ``method`` on each backend (``dashboards_only``: not on ``metrics.jsonl``); an optional one that raises
+        warns once and is dropped."""
         for backend in list(self.backends):
             if isinstance(backend, JsonlBackend):
+                if dashboards_only:
+                    continue
                 getattr(backend, method)(*args)  # metrics.jsonl is the record of the run: errors surface
                 continue
             try:

@@ -13,8 +13,10 @@ from nemo_like import train as train_module
 from nemo_like.algorithms.checkpointing import trim_metrics_after
 from nemo_like.algorithms.restarts import RunRestartError, WorkerDeath, check_restart, checkpoint_stamps, dead_role, restart_checkpoint
 from nemo_like.config import load_config
+from nemo_like.config.schema import LoggerConfig
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.utils.checkpoint import CheckpointInfo
+from nemo_like.utils.logger import Logger
 from nemo_like.utils.plot import read_metrics
 from nemo_like.utils.run_control import RunControl, RunInterrupted, StopReason
 
@@ -107,14 +109,38 @@ def test_resuming_after_another_run_logged_in_the_same_dir_continues_the_checkpo
     Resuming A kept B's records as if they were A's: the plot's last run read B 0-5 then A 11, 12."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "run": r}) + "\n" for r, steps in (("A", range(11)), ("B", range(6))) for s in steps))
-    note = trim_metrics_after(path, 10)
-    assert note is not None and "another run logged steps 0-5 here after the checkpoint's run" in note
+    replay = trim_metrics_after(path, 10)
+    assert replay is not None and "another run logged steps 0-5 here after the checkpoint's run" in replay.note
+    assert [(r["run"], r["step"]) for r in replay.records] == [("A", s) for s in range(11)]
     with path.open("a") as f:
         f.writelines(json.dumps({"step": s, "run": "A"}) + "\n" for s in (11, 12))
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["run"], r["step"]) for r in records[11:17]] == [("B", s) for s in range(6)]  # the other run, whole
     assert [(r["run"], r["step"]) for r in read_metrics(path)] == [("A", s) for s in range(13)]  # the last run: A's own
     assert trim_metrics_after(path, 12) is None  # resuming again: the last run is the checkpoint's
+
+
+def test_tensorboard_of_a_resume_after_another_run_shows_the_checkpoints_own_run(tmp_path):
+    """As above, with the dashboards: TensorBoard hid only the steps after the checkpoint, so it drew run B's steps 0-5
+    (B hid A's) and then A's 11-12. The resumed run's logger hides every earlier step and logs A's records again."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = LoggerConfig(log_dir=str(tmp_path), tensorboard_enabled=True, progress_bar=False)
+    for run, last in (("A", 10), ("B", 5)):
+        logger = Logger(cfg, total_steps=last)
+        for step in range(last + 1):
+            logger.log({"train/reward": (1.0 if run == "A" else -1.0) * step}, step=step)
+        logger.close()
+    replay = trim_metrics_after(tmp_path / "metrics.jsonl", 10)
+    assert replay is not None
+    logger = Logger(cfg, total_steps=12, resumed_step=10, replayed=replay.records)
+    for step in (11, 12):
+        logger.log({"train/reward": float(step)}, step=step)
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/reward")] == [(s, float(s)) for s in range(13)]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(13))  # replayed once, not twice
 
 
 def fake_run(tmp_path: Path, monkeypatch, attempts, *overrides: str, control: RunControl | None = None):
