@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
@@ -35,7 +36,32 @@ def resolve_config_dict(path: str | Path | None, overrides: Sequence[str] = ()) 
     try:
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"Cannot resolve interpolation: {exc}") from None
+        raise ConfigError(f"Cannot resolve interpolation: {exc}{interpolation_inputs(cfg, getattr(exc, 'full_key', None))}") from None
+
+
+def interpolation_inputs(cfg: DictConfig, key: str | None) -> str:
+    """A line naming what ``key``'s interpolation reads: the keys it references and their values as written, so a bad
+    value set on another key (``grpo.num_prompts_per_step=abc`` read by ``${mul:...}``) is found by its own name."""
+    if not key:
+        return ""
+    try:
+        expression = _raw_value(cfg, key)
+        refs = dict.fromkeys(re.findall(r"\$\{([A-Za-z_][\w.]*)\}", str(expression)))
+        values = {ref: _raw_value(cfg, ref) for ref in refs}
+    except (OmegaConfBaseException, AttributeError, KeyError):
+        return ""
+    if not values:
+        return ""
+    shown = ", ".join(f"{ref} = {value!r}" for ref, value in values.items())
+    return f"\n    {key}: {expression} reads {shown}"
+
+
+def _raw_value(cfg: DictConfig, dotted: str) -> Any:
+    """The value of ``dotted`` as written (an interpolation stays its text); AttributeError where there is none."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node._get_node(part)
+    return node._value()
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (), warn: bool = True) -> MasterConfig:

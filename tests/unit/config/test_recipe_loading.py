@@ -63,6 +63,11 @@ def test_resolvers_read_quoted_numbers_as_numbers_and_refuse_text(tmp_path):
         resolve_config_dict(tmp_path / "r.yaml")
     raw = resolve_config_dict(tmp_path / "r.yaml", ["~bad"])
     assert (raw["m"], raw["s"]) == (16, 24)
+    # The error named only the interpolating key (policy.train_global_batch_size), not the one the user set.
+    with pytest.raises(ConfigError) as caught:
+        resolve_config_dict(TINY, ["grpo.num_prompts_per_step=abc"])
+    assert "policy.train_global_batch_size: ${mul:${grpo.num_prompts_per_step},${grpo.num_generations_per_prompt}}" in str(caught.value)
+    assert "reads grpo.num_prompts_per_step = 'abc', grpo.num_generations_per_prompt = " in str(caught.value)
 
 
 def test_zero_padded_integers_in_a_recipe_are_decimal_as_on_the_command_line(tmp_path):
