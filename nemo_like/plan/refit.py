@@ -48,6 +48,20 @@ def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
     return "merged", f"auto: {blocker}"
 
 
+def merged_precision_warning(cfg: Any, mode: str) -> str | None:
+    """A warning for a merged LoRA refit in bf16: the engine holds ``W + scale * B @ A`` rounded to bf16, which drops
+    the part of the adapters' product below bf16's resolution of ``W`` (early in training, most of it), while the
+    policy adds the adapters' product in full; generation then samples from another policy than training scores."""
+    if mode != "merged" or cfg.policy.precision != "bfloat16":
+        return None
+    return (
+        "WARNING: merged LoRA refit with policy.precision=bfloat16: the engine's weights are W + B @ A * alpha / dim "
+        "rounded to bf16, which drops adapter updates below bf16's resolution of W (the policy adds them in full), so "
+        "generation samples from an older policy than training scores (train/gen_kl, train/token_mult_prob_error show "
+        "it); use policy.precision=float32, or the vLLM backend's adapter refit (docs/guides/lora.md)"
+    )
+
+
 def refit_mode_of_config(cfg: Any) -> tuple[str, str]:
     """:func:`refit_mode` for a caller that has only the config (tests and tools that build a policy outside a run;
     a run takes the mode from its plan): the backend is resolved here, and only when the mode depends on it."""

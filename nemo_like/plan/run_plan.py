@@ -29,7 +29,7 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.plan.backend import check_backend_settings, resolve_backend
 from nemo_like.plan.logprob_passes import LogprobPlan, decide_logprob_passes
 from nemo_like.plan.multi_turn import MultiTurnSettings, multi_turn_settings
-from nemo_like.plan.refit import refit_mode
+from nemo_like.plan.refit import merged_precision_warning, refit_mode
 from nemo_like.plan.threads import PhaseActors, ThreadSplit, oversubscription_warning, phase_actors, thread_split
 
 
@@ -55,6 +55,7 @@ class RunPlan:
     oversubscription: str | None = None  # a warning when explicit thread counts oversubscribe a node
     forward: str | None = None  # the policy's logprob and training forward, as its workers chose it
     agent_tasks: tuple[str, ...] = ()  # env sections with class 'agent': rolled out by the user's agent over HTTP
+    refit_warning: str | None = None  # a merged LoRA refit in bf16 (refit.merged_precision_warning)
 
     def with_forward(self, description: str) -> RunPlan:
         """This plan with the policy's forward recorded (the workers choose it from the loaded model)."""
@@ -67,6 +68,8 @@ class RunPlan:
         out.append(f"generation backend: {self.backend.value} ({self.backend.reason})")
         if self.refit.value != "full":
             out.append(f"LoRA refit: {self.refit.value} ({self.refit.reason})")
+        if self.refit_warning:
+            out.append(self.refit_warning)
         out.append(self.threads.describe(this_machine))
         if self.multi_turn is not None:
             out.append(
@@ -104,6 +107,7 @@ def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int
         overlap_scoring=bool(cfg.grpo.overlap_scoring) and cfg.scoring_overlap_blocker() is None,
         oversubscription=oversubscription_warning(cfg, threads, actors),
         agent_tasks=agent_tasks(cfg),
+        refit_warning=merged_precision_warning(cfg, refit.value),
     )
 
 

@@ -62,6 +62,16 @@ def test_lora_refit_mode_follows_the_decided_backend() -> None:
         plan_of("grpo_tiny_cpu_lora.yaml", "policy.generation.backend=hf", "policy.lora_cfg.refit=adapter")
 
 
+def test_a_merged_lora_refit_in_bf16_is_warned_about_in_the_plan() -> None:
+    """The engine holds W + B @ A * alpha / dim rounded to bf16: adapter updates below bf16's resolution of W never
+    reach it (95.7 % of one update's entries, measured), while the policy adds the adapters' product in full."""
+    merged_bf16 = plan_of("grpo_tiny_cpu_lora.yaml", "policy.generation.backend=hf", "policy.precision=bfloat16")
+    assert merged_bf16.refit.value == "merged"
+    assert sum("merged LoRA refit with policy.precision=bfloat16" in line for line in merged_bf16.lines()) == 1
+    assert plan_of("grpo_tiny_cpu_lora.yaml", "policy.generation.backend=hf").refit_warning is None  # fp32: exact
+    assert plan_of("grpo_tiny_cpu.yaml", "policy.precision=bfloat16").refit_warning is None  # no LoRA: the same cast
+
+
 def test_scoring_overlap_is_off_where_the_config_blocks_it() -> None:
     assert plan_of("grpo_tiny_cpu.yaml").overlap_scoring == load_config(RECIPES / "grpo_tiny_cpu.yaml", warn=False).grpo.overlap_scoring
     assert not plan_of("grpo_tiny_cpu_async.yaml").overlap_scoring
