@@ -207,13 +207,14 @@ def merge_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tenso
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     """``trainable`` and ``total`` parameters of the full model (global sizes, also when sharded), and
     ``full_refit_elements``: what a full or merged refit sends, in elements (every state-dict entry but the adapters,
-    tied weights under each name; counted in elements because a LoRA policy's frozen base is held in the compute
-    dtype, a full policy's in fp32)."""
+    tied weights once: they travel as one tensor; counted in elements because a LoRA policy's frozen base is held in
+    the compute dtype, a full policy's in fp32)."""
     total = trainable = 0
     for p in model.parameters():
         total += p.numel()
         trainable += p.numel() if p.requires_grad else 0
-    sent = sum(t.numel() for n, t in model.state_dict().items() if not is_adapter(n))
+    entries = {id(t): t for n, t in model.state_dict(keep_vars=True).items() if not is_adapter(n)}  # tied: one object
+    sent = sum(t.numel() for t in entries.values())
     return {"trainable": trainable, "total": total, "full_refit_elements": sent}
 
 

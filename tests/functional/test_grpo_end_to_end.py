@@ -86,7 +86,7 @@ def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path
     assert records[2]["train/weight_version"] == 2 and records[2]["timing/train/refit"] > 0
     # Step 2 refits twice, before its generation and before the validation at the end (timed in step 2): its record
     # holds both refits' bytes (the validation's used to land in the next record, or nowhere after the last step).
-    full_bytes = 4 * sum(t.numel() for t in load_causal_lm(cfg.policy.model_name).state_dict().values())
+    full_bytes = 4 * sum(p.numel() for p in load_causal_lm(cfg.policy.model_name).parameters())  # tied: sent once
     assert [r.get("performance/refit_bytes") for r in records[1:]] == [0.0, 2.0 * full_bytes]
     assert (log_dir / "config.yaml").read_text().startswith("grpo:")
 

@@ -62,6 +62,6 @@ def test_lora_adapter_refit_resumes_bitwise_and_the_checkpoint_merges(ray_cluste
 def test_lora_merged_refit_agrees_with_training(ray_cluster, tmp_path):
     """policy.lora_cfg.refit=merged: the full-weight refit path with W + B@A*alpha/dim under the HF names."""
     records = train(tiny_config(tmp_path, "grpo.max_num_steps=2", "policy.lora_cfg.refit=merged", *LORA, *NO_VALIDATION))
-    full_bytes = 4.0 * sum(t.numel() for t in load_causal_lm("embedded:tiny-arith-qwen2").state_dict().values())
+    full_bytes = 4.0 * sum(p.numel() for p in load_causal_lm("embedded:tiny-arith-qwen2").parameters())  # tied: sent once
     assert [r["performance/refit_bytes"] for r in records] == [0.0, full_bytes]
     assert all(r["train/gen_kl"] < GEN_KL_BOUND for r in records), [r["train/gen_kl"] for r in records]

@@ -8,6 +8,7 @@ methods: the worker module imports without Ray (the GPU checks of ``tests/gpu`` 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -55,7 +56,7 @@ class WeightExport:
         for bucket in sharding.bucketize(self._refit_tensors(mode, keep), int(bucket_mb * 2**20)):
             if keep:
                 names.append(list(bucket))
-                nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
+                nbytes += distinct_bytes(bucket.values())  # a tied weight travels once per bucket (pickled once)
                 refs.append(ray.put(bucket))
                 del bucket
         if not keep:
@@ -82,8 +83,7 @@ class WeightExport:
 
     def _in_engine_dtype(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The master weights cast to the dtype the generation engine holds (bf16 when ``precision`` is bfloat16)."""
-        dtype = precision_lib.refit_dtype(self.precision)
-        return ((name, t.to(dtype)) for name, t in tensors)
+        return cast_once(tensors, precision_lib.refit_dtype(self.precision))
 
     # -- shared-memory refit (one-node CPU clusters) ------------------------------------------
     def export_shared_weights(self, fresh: bool) -> Any:
@@ -164,3 +164,23 @@ class WeightExport:
         from nemo_like.models.refit.cuda import policy_broadcast
 
         return policy_broadcast(self._weight_group, self._engine_state())
+
+
+def cast_once(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` cast to ``dtype``; a tensor that comes again under another name (tied weights: the embedding and the
+    LM head) is cast once and stays one tensor, so it is sent and counted once. A cast is kept only while its source
+    lives (the streamed export holds a tied tensor until its last name), so the export stays bucket by bucket."""
+    casts: dict[int, torch.Tensor] = {}
+    for name, tensor in tensors:
+        cast = casts.get(id(tensor))
+        if cast is None:
+            cast = tensor.to(dtype)
+            if cast is not tensor:
+                casts[id(tensor)] = cast
+                weakref.finalize(tensor, casts.pop, id(tensor), None)
+        yield name, cast
+
+
+def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors``, a tensor listed twice (tied weights under two names) counted once."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())

@@ -168,13 +168,13 @@ class SharedWeightWriter:
                 self.buffer[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(t)
             self.buffer[:8].view(torch.int64)[0] = version  # last: the stamp names complete contents
         names = [e.name for e in self.entries]
-        nbytes = sum(e.nbytes for e in self.entries)
+        nbytes = sum({e.offset: e.nbytes for e in self.entries}.values())  # tied weights: written and counted once
         return SharedWeights(version, [names], [], nbytes=nbytes, path=self.path, size=self.buffer.numel(), entries=list(self.entries))
 
     def _create(self, entries: list[Entry]) -> None:
         self.unlink()
         remove_orphans()
-        size = entries[-1].offset + entries[-1].nbytes if entries else HEADER
+        size = max((e.offset + e.nbytes for e in entries), default=HEADER)  # the last entry may be a tied one, placed earlier
         path = str(SHM_DIR / f"nemo_like_refit_{os.getpid()}_{next(_counter)}")
         reserve(path, size)
         self.path = path
@@ -214,10 +214,13 @@ def remove_orphans() -> list[str]:
 
 
 def layout(tensors: list[tuple[str, torch.Tensor]]) -> list[Entry]:
-    """Offsets (``ALIGN``-aligned) of ``tensors`` packed one after the other, after the ``HEADER``."""
-    entries, offset = [], HEADER
+    """Offsets (``ALIGN``-aligned) of ``tensors`` packed one after the other, after the ``HEADER``; a tensor listed
+    again under another name (tied weights) points at its first place."""
+    entries, offset, placed = [], HEADER, {}
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
-        entries.append(Entry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
+        where = placed.setdefault(id(t), offset)
+        entries.append(Entry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), where, nbytes))
+        if where == offset:
+            offset += -(-nbytes // ALIGN) * ALIGN
     return entries

@@ -93,6 +93,9 @@ def test_refit_tensors_travel_in_the_engine_dtype():
         assert tensor.dtype == torch.bfloat16, name
         torch.testing.assert_close(tensor, state[name].to(torch.bfloat16), atol=0, rtol=0)
     assert all(t.dtype == torch.bfloat16 for t in worker._engine_state().values())
+    # Tied weights (the embedding and the LM head) stay one tensor after the cast: bf16 sent and counted them twice.
+    assert worker.model.lm_head.weight is worker.model.model.embed_tokens.weight
+    assert buckets["lm_head.weight"] is buckets["model.embed_tokens.weight"]
     fp32 = make_worker("float32")
     assert all(t.dtype == torch.float32 for _, t in fp32._refit_tensors("full", keep=True))
 

@@ -40,6 +40,22 @@ def test_layout_aligns_every_tensor():
     assert [e.offset for e in entries] == [64, 256, 320, 384, 384]
 
 
+def test_a_tied_weight_is_written_and_counted_once():
+    """The embedding and the LM head (one tensor under two names) took two places in the buffer and in refit_bytes."""
+    shared = torch.arange(35, dtype=torch.float32).reshape(7, 5)
+    other = torch.ones(3)
+    entries = layout([("embed", shared), ("x", other), ("head", shared)])
+    assert [e.offset for e in entries] == [64, 256, 64]
+    writer = SharedWeightWriter()
+    try:
+        descriptor = writer.write(1, [("embed", shared), ("x", other), ("head", shared)])
+        assert descriptor.nbytes == 140 + 12 and descriptor.size == 256 + 12
+        received = receive(descriptor)
+        assert torch.equal(received["head"], shared) and torch.equal(received["embed"], shared) and torch.equal(received["x"], other)
+    finally:
+        writer.close()
+
+
 def test_receiver_gets_exact_values_dtypes_and_shapes_across_versions():
     writer = SharedWeightWriter()
     try:
