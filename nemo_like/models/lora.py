@@ -16,6 +16,7 @@ by :func:`nemo_like.plan.refit.refit_mode`, part of the run plan.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ __all__ = [
     "apply_lora",
     "check_lora_targets",
     "decoder_linear_modules",
+    "exclusions_without_effect",
     "expected_adapter_names",
     "is_adapter",
     "load_merged",
@@ -244,7 +246,23 @@ def check_lora_targets(model_path: str, lora_cfg: Any) -> list[str]:
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    return resolve_target_modules(skeleton, lora_cfg)
+    chosen = resolve_target_modules(skeleton, lora_cfg)
+    for entry in exclusions_without_effect(skeleton, lora_cfg):
+        warnings.warn(
+            f"policy.lora_cfg.exclude_modules: {entry!r} has no effect: it names no module of policy.lora_cfg.target_modules="
+            f"{lora_cfg.target_modules}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return chosen
+
+
+def exclusions_without_effect(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
+    """The ``exclude_modules`` entries that remove none of the targeted modules (an ablation that changed
+    ``target_modules`` and left an exclusion behind)."""
+    targets = lora_cfg.target_modules
+    targeted = [m for m in decoder_linear_modules(model) if targets is None or any(_matches(t, m) for t in targets)]
+    return [e for e in lora_cfg.exclude_modules or [] if not any(_matches(e, m) for m in targeted)]
 
 
 def merge_checkpoint(

@@ -155,6 +155,7 @@ class LoraConfig(Section):
     )
     target_modules: list[str] | None = Field(
         None,
+        min_length=1,
         description="Linear modules of the decoder blocks that get adapters, by name (e.g. [q_proj, v_proj]) or full path; "
         "null: every linear layer of the decoder blocks (not the output head).",
     )

@@ -117,6 +117,14 @@ def test_unknown_modules_are_errors_naming_the_key_and_the_model_modules():
     assert lora.resolve_target_modules(model, LoraConfig(enabled=True, target_modules=["o_proj"])) == [
         f"model.layers.{i}.self_attn.o_proj" for i in range(4)
     ]
+    # An empty target list was blamed on exclude_modules ("removes every module"); it is the target list's own error.
+    with pytest.raises(ConfigError, match=r"policy.lora_cfg.target_modules: .*at least 1 item"):
+        load_config(None, ["policy.lora_cfg.enabled=true", "policy.lora_cfg.target_modules=[]"], warn=False)
+    # An exclusion of a module the targets do not include has no effect: a warning (ablations flip target_modules).
+    cfg = LoraConfig(enabled=True, target_modules=["q_proj"], exclude_modules=["v_proj", "model.layers.0.self_attn.q_proj"])
+    with pytest.warns(RuntimeWarning, match=r"exclude_modules: 'v_proj' has no effect") as caught:
+        chosen = lora.check_lora_targets(resolve_model_path(EMBEDDED_MODEL), cfg)
+    assert len(caught) == 1 and chosen == [f"model.layers.{i}.self_attn.q_proj" for i in range(1, 4)]
 
 
 def test_config_keys_warnings_and_refit_choice():
