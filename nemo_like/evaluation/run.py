@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.models.loading import ADAPTER_CONFIG, holds_tokenizer
@@ -39,12 +40,44 @@ def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
     path = Path(model_dir)
     if not path.is_dir() or holds_tokenizer(path):
         return model_dir
+    refuse_overwriting(scratch, path)
     shutil.rmtree(scratch, ignore_errors=True)  # an earlier eval's links: the default output_dir is shared by every eval
     scratch.mkdir(parents=True)
     for item in path.iterdir():
         os.symlink(item.resolve(), scratch / item.name)
     tokenizer.save_pretrained(scratch)
     return str(scratch)
+
+
+def refuse_overwriting(target: Path, model_dir: Path) -> None:
+    """Eval replaces ``target`` (a directory under ``eval.output_dir``): a :class:`ConfigError` when that is, holds
+    or lies inside the model directory it evaluates (``eval.output_dir`` set to the checkpoint's parent deleted the
+    weights being evaluated)."""
+    written, model = target.resolve(), model_dir.resolve()
+    if written == model or model.is_relative_to(written) or written.is_relative_to(model):
+        raise ConfigError(
+            f"eval.output_dir: eval writes {target} there, which would overwrite the model it evaluates ({model_dir}, from "
+            "eval.model_path); choose an eval.output_dir outside the model's directory"
+        )
+
+
+#: Training validation's decoding keys and the ``eval`` keys that ``nemo-like eval`` reads in their place.
+VALIDATION_COUNTERPARTS = (("val_greedy", "greedy"), ("val_num_generations_per_prompt", "num_samples_per_prompt"), ("val_pass_k", "pass_k"))
+
+
+def ignored_validation_settings(cfg: MasterConfig) -> list[str]:
+    """A line per ``grpo.val_*`` decoding key the recipe changed that eval does not use (it reads ``eval.*``: the
+    numbers would not be the run's ``validation/*`` kind). ``grpo.max_val_samples`` and the data are shared."""
+    defaults = type(cfg.grpo).model_fields
+    lines = []
+    for val_key, eval_key in VALIDATION_COUNTERPARTS:
+        value, used = getattr(cfg.grpo, val_key), getattr(cfg.eval, eval_key)
+        if value != defaults[val_key].default and value != used:
+            lines.append(
+                f"grpo.{val_key}={value} (training validation) has no effect in nemo-like eval, which uses eval.{eval_key}={used}; "
+                f"set eval.{eval_key} to evaluate as the run validated"
+            )
+    return lines
 
 
 def eval_config(cfg: MasterConfig, model_dir: str) -> MasterConfig:
@@ -118,6 +151,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             RuntimeWarning,
             stacklevel=2,
         )
+    for line in ignored_validation_settings(cfg):
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
     specs = check_plugin_names(cfg)
     model_dir = resolve_checkpoint_model(ev.model_path or cfg.policy.model_name, "eval.model_path")
     checkpoint_dir = os.path.abspath(model_dir) if Path(model_dir).is_dir() else None  # before a LoRA merge; hub id: None
@@ -129,6 +164,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     if (Path(model_dir) / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint: serve its merged model
+        refuse_overwriting(out / "merged_model", Path(model_dir))
         model_dir = str(merge_checkpoint(model_dir, out / "merged_model", tokenizer=cfg.policy.tokenizer_name or cfg.policy.model_name))
     run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
 

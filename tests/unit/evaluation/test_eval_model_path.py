@@ -135,3 +135,28 @@ def test_eval_links_the_checkpoint_it_was_given_not_an_earlier_evals(tmp_path) -
     shutil.rmtree(tmp_path / "ckpt" / "step_100")  # retention deleted it: the next eval must not trip on its links
     served = with_tokenizer(str(tmp_path / "ckpt" / "step_50" / "policy"), tokenizer, scratch)
     assert (Path(served) / "model.safetensors").read_text() == "weights of step 50"
+    # eval.output_dir set to the checkpoint's parent: output_dir/model/ was the model itself, and it was deleted.
+    model = tmp_path / "run" / "model"
+    shutil.copytree(tmp_path / "ckpt" / "step_50" / "policy", model)
+    with pytest.raises(ConfigError, match=r"eval.output_dir: eval writes .* which would overwrite the model it evaluates"):
+        with_tokenizer(str(model), tokenizer, tmp_path / "run" / "model")
+    with pytest.raises(ConfigError, match="eval.output_dir"):  # an output_dir inside the model directory
+        with_tokenizer(str(model), tokenizer, model / "eval" / "model")
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_validation_decoding_keys_that_eval_does_not_use_are_named() -> None:
+    """eval read grpo.max_val_samples but silently not grpo.val_greedy / val_num_generations_per_prompt / val_pass_k."""
+    from nemo_like.evaluation.run import ignored_validation_settings
+
+    assert ignored_validation_settings(load_config(None, warn=False)) == []
+    changed = ["grpo.val_greedy=true", "grpo.val_num_generations_per_prompt=4", "grpo.val_pass_k=[1,4]"]
+    lines = ignored_validation_settings(load_config(None, changed, warn=False))
+    assert [line.split(" (")[0] for line in lines] == [
+        "grpo.val_greedy=True",
+        "grpo.val_num_generations_per_prompt=4",
+        "grpo.val_pass_k=[1, 4]",
+    ]
+    assert "uses eval.num_samples_per_prompt=1" in lines[1]
+    same = ["eval.greedy=true", "eval.num_samples_per_prompt=4", "eval.pass_k=[1,4]"]
+    assert ignored_validation_settings(load_config(None, changed + same, warn=False)) == []
