@@ -365,7 +365,7 @@ def _load_hub(source: Source):
             f"datasets.load_dataset({source.hub_id!r}{', ' + repr(source.config) if source.config else ''}, "
             f"split={source.split!r}).save_to_disk(DIR) on a machine with network)"
         )
-        if _is_offline():
+        if _is_offline() and _is_cache_miss(exc):
             raise ConfigError(
                 f"Cannot load {source.label}: this machine is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set) and the set "
                 f"is not in the local Hugging Face cache. Download it where there is network, or {local}."
@@ -374,6 +374,17 @@ def _load_hub(source: Source):
             f"Cannot load {source.label}: {_innermost_message(exc)}. Check data.dataset_name / "
             f"data.dataset_config / data.{source.role}.split, or {local}."
         ) from None
+
+
+def _is_cache_miss(exc: BaseException) -> bool:
+    """Whether an offline hub load failed for want of the set in the cache (datasets raises ``ConnectionError``
+    "Couldn't reach ... (OfflineModeIsEnabled)"), not for another cause of a cached set (a split it lacks)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionError) or type(seen).__name__ in ("OfflineModeIsEnabled", "LocalEntryNotFoundError"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def load_source(source: Source):

@@ -604,3 +604,26 @@ def test_column_keys_warn_when_every_split_is_arithmetic():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DataConfig(prompt_key="q", validation={"dataset_name": "MATH-500"})  # used by the validation split
+
+
+def test_offline_a_cached_hub_set_reports_its_real_error_not_a_cache_miss(tmp_path, monkeypatch):
+    """Offline, every hub failure read "not in the local Hugging Face cache", also a mistyped split of a cached set."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    for split in ("train", "test"):
+        pq.write_table(pa.table({"question": [f"{split} q{i}" for i in range(3)], "answer": ["#### 1"] * 3}), tmp_path / f"{split}.parquet")
+    files = datasets.data_files.DataFilesDict.from_patterns({s: [f"{s}.parquet"] for s in ("train", "test")}, base_path=str(tmp_path))
+    Parquet(cache_dir=str(cache), dataset_name="gsm8k", config_name="main", data_files=files, hash="0123abcd").download_and_prepare()
+    (cache / "gsm8k").rename(cache / "openai___gsm8k")  # where an online load_dataset("openai/gsm8k", "main") caches it
+    next((cache / "openai___gsm8k").glob("main-*")).rename(cache / "openai___gsm8k" / "main")
+    assert load_source(resolve_source(DataConfig(dataset_name="gsm8k", validation={"split": "test"}), "validation")).num_rows == 3
+    with pytest.raises(ConfigError, match=r"Cannot load .*Unknown split \"tset\".*data.validation.split") as caught:
+        load_source(resolve_source(DataConfig(dataset_name="gsm8k", validation={"split": "tset"}), "validation"))
+    assert "not in the local Hugging Face cache" not in str(caught.value)
