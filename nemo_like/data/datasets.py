@@ -286,16 +286,21 @@ def _csv_kwargs(header: list[str]) -> dict[str, Any]:
     return {"features": strings, "keep_default_na": False, "index_col": False}
 
 
-def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
-    """For a directory whose data files are all CSV (``datasets`` reads it with its CSV builder, one split per file
-    name), the same no-guessing settings as a single CSV file; they need one header across the files. Else none."""
-    data_files = [
+def directory_data_files(path: Path) -> list[Path]:
+    """The data files ``datasets`` reads from a directory: supported suffixes, hidden and ``__`` parts skipped."""
+    return [
         file
         for file in sorted(path.rglob("*"))
         if file.is_file()
         and file.suffix.lower() in FILE_BUILDERS
         and not any(part.startswith((".", "__")) for part in file.relative_to(path).parts)
     ]
+
+
+def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
+    """For a directory whose data files are all CSV (``datasets`` reads it with its CSV builder, one split per file
+    name), the same no-guessing settings as a single CSV file; they need one header across the files. Else none."""
+    data_files = directory_data_files(path)
     if not data_files or any(FILE_BUILDERS[file.suffix.lower()] != "csv" for file in data_files):
         return {}
     headers = {file: csv_header(file, key) for file in data_files}
@@ -336,8 +341,11 @@ def _load_local(source: Source, key: str):
         message = _innermost_message(exc)
         if "corresponds to no data" in message:  # datasets' wording for a file with a header and no rows
             raise ConfigError(f"{key}: {str(path)!r} has no rows; it must hold at least one prompt row") from None
-        if path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
-            message = first_bad_json_place(path) or message
+        json_files = [path] if path.is_file() else directory_data_files(path)
+        for file in (f for f in json_files if f.suffix.lower() in (".jsonl", ".json")):
+            if place := first_bad_json_place(file):
+                message = place if file == path else f"{file}: {place}"
+                break
         raise ConfigError(f"{key}: cannot read {str(path)!r}: {message}") from None
     return _pick_split(ds, source, key)
 

@@ -385,6 +385,12 @@ def test_bad_files_name_the_file_and_key(tmp_path, tok):
     lines_json.write_text('{"q": "x", "a": "1"}\n{"q": "y" "a": "2"}\n')
     with pytest.raises(ConfigError, match=r"lines.json'?: line 2, column 11: not valid JSON \(Expecting ',' delimiter\)"):
         build(data_cfg(lines_json, lines_json), tok)
+    folder = tmp_path / "jdir"  # a directory of JSON Lines files: the message named neither file nor line
+    folder.mkdir()
+    (folder / "test.jsonl").write_text('{"q": "x", "a": "1"}\n')
+    (folder / "train.jsonl").write_text(deep.read_text())
+    with pytest.raises(ConfigError, match=r"cannot read .*jdir'?: .*train.jsonl: line 41, column 11: not valid JSON"):
+        build(data_cfg(folder, folder), tok)
     array = tmp_path / "array.json"  # one JSON array of rows
     array.write_text('[\n  {"q": "x", "a": "1"},\n  {"q": "y", "a": "2"}\n  {"q": "z", "a": "3"}\n]\n')
     with pytest.raises(ConfigError, match=r"array.json'?: line 4, column 3: not valid JSON \(Expecting ',' delimiter\)"):
