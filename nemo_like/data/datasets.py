@@ -22,6 +22,7 @@ import json
 import os
 import random
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,8 +187,9 @@ def resolve_source(data: DataConfig, role: str) -> Source:
     else:
         default_split = "train" if role == "train" else None
     split = split_cfg.split or default_split
-    if split_cfg.data_path:
-        return Source(role, spec, data_path=split_cfg.data_path, split=split)
+    if split_cfg.data_path:  # a directory may hold several subsets (a hub snapshot): the config names one
+        config = split_cfg.dataset_config or (None if split_cfg.dataset_name else data.dataset_config)
+        return Source(role, spec, data_path=split_cfg.data_path, config=config, split=split)
     if spec and role in spec.local_files and not split_cfg.split:
         return Source(role, spec, data_path=spec.local_files[role])
     if spec and spec.local_files and not spec.hub_id:  # a shipped set: its splits are its files
@@ -326,7 +328,17 @@ def _load_local(source: Source, key: str):
     try:
         if path.is_dir():
             saved = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-            ds = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path), **_csv_directory_kwargs(path, key))
+            if saved:
+                if source.config:
+                    warnings.warn(
+                        f"data.{source.role}.dataset_config={source.config!r} has no effect: {str(path)!r} is a save_to_disk "
+                        "directory, which holds one subset",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                ds = datasets.load_from_disk(str(path))
+            else:
+                ds = datasets.load_dataset(str(path), **_subset_kwargs(path, source.config), **_csv_directory_kwargs(path, key))
         else:
             builder = FILE_BUILDERS.get("".join(path.suffixes[-1:]).lower())
             if builder is None:
@@ -346,8 +358,17 @@ def _load_local(source: Source, key: str):
             if place := first_bad_json_place(file):
                 message = place if file == path else f"{file}: {place}"
                 break
-        raise ConfigError(f"{key}: cannot read {str(path)!r}: {message}") from None
+        subset = f" (subset data.{source.role}.dataset_config={source.config!r})" if source.config else ""
+        raise ConfigError(f"{key}: cannot read {str(path)!r}{subset}: {message}") from None
     return _pick_split(ds, source, key)
+
+
+def _subset_kwargs(path: Path, config: str | None) -> dict[str, Any]:
+    """How ``datasets`` picks subset ``config`` of a data directory (a hub snapshot): its folder where it has one
+    (with or without a README that declares the subsets), else the README's subset of that name."""
+    if config is None:
+        return {}
+    return {"data_dir": config} if (path / config).is_dir() else {"name": config}
 
 
 def _pick_split(ds, source: Source, key: str):

@@ -633,3 +633,30 @@ def test_offline_a_cached_hub_set_reports_its_real_error_not_a_cache_miss(tmp_pa
     with pytest.raises(ConfigError, match=r"Cannot load .*Unknown split \"tset\".*data.validation.split") as caught:
         load_source(resolve_source(DataConfig(dataset_name="gsm8k", validation={"split": "tset"}), "validation"))
     assert "not in the local Hugging Face cache" not in str(caught.value)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["readme-declares-subsets", "folders-only"])
+def test_dataset_config_picks_a_subset_of_a_local_snapshot_directory(tmp_path, tok, declared: bool) -> None:
+    """A downloaded hub set with subsets (gsm8k: main/, socratic/) as data_path: dataset_config was never passed, so
+    with a README the load asked for a subset the key had already named, and without one both were merged (every
+    question twice)."""
+    root = tmp_path / "snapshot"
+    for subset in ("main", "socratic"):
+        (root / subset).mkdir(parents=True)
+        write_jsonl(root / subset / "train.jsonl", [{"q": f"{subset} q{i}", "a": str(i)} for i in range(5)])
+    if declared:
+        subsets = "".join(f"- config_name: {s}\n  data_files:\n  - split: train\n    path: {s}/train.jsonl\n" for s in ("main", "socratic"))
+        (root / "README.md").write_text(f"---\nconfigs:\n{subsets}---\n")
+    rows = build(data_cfg(root, train={"dataset_config": "socratic"}), tok)
+    texts = [tok.decode(r.prompt_token_ids) for r in rows]
+    assert len(rows) == 4 and all("socratic q" in t and "main q" not in t for t in texts), texts  # 5 rows, 30 % held out
+    with pytest.raises(ConfigError, match=r"cannot read .*snapshot'? \(subset data.train.dataset_config='nope'\)"):
+        build(data_cfg(root, train={"dataset_config": "nope"}), tok)
+
+
+def test_dataset_config_beside_a_save_to_disk_directory_has_no_effect_and_says_so(tmp_path, tok) -> None:
+    import datasets
+
+    datasets.Dataset.from_list([{"q": f"q{i}", "a": str(i)} for i in range(5)]).save_to_disk(str(tmp_path / "saved"))
+    with pytest.warns(RuntimeWarning, match=r"data.train.dataset_config='main' has no effect: .*save_to_disk directory"):
+        assert build(data_cfg(tmp_path / "saved", train={"dataset_config": "main"}), tok)
