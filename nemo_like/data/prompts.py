@@ -50,7 +50,22 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
     fmt = prompt_format(data)
     problems = _arithmetic_problems(data, split, fmt) if is_arithmetic(data, split) else load_problems(data, split, fmt)
     records, dropped = [], []
-    for problem, ids in zip(problems, tokenize_conversations(tokenizer, [p.messages for p in problems])):
+    conversations = [p.messages for p in problems]
+    try:
+        tokenized = tokenize_conversations(tokenizer, conversations)
+    except TemplateRefused as refused:
+        problem = problems[refused.index]
+        hint = (
+            "unset data.system_prompt / data.system_prompt_file"
+            if fmt.system_prompt
+            else f"check the row's messages (data.prompt_key={data.prompt_key!r})"
+        )
+        raise ConfigError(
+            f"The chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'!r} (policy.tokenizer_name, or "
+            f"policy.model_name) refuses the prompt of {problem.where} (data.{split}): {refused.message}; {hint}, or use a "
+            "tokenizer whose template takes these messages"
+        ) from None
+    for problem, ids in zip(problems, tokenized):
         if len(ids) > max_prompt_tokens:
             if data.drop_long_prompts:
                 dropped.append(problem.where)
@@ -87,12 +102,26 @@ def tokenize_conversations(tokenizer, conversations: list[list[dict[str, str]]],
     Same ids as ``apply_chat_template(..., tokenize=True)`` (which encodes the rendered text without
     special tokens), rendered and encoded in batches for speed.
     """
+    from jinja2 import TemplateError
+
     out: list[list[int]] = []
     for start in range(0, len(conversations), chunk):
-        part = conversations[start : start + chunk]
-        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in part]
+        texts = []
+        for index, messages in enumerate(conversations[start : start + chunk], start):
+            try:
+                texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+            except TemplateError as exc:  # a template's raise_exception: "System role not supported", roles must alternate
+                raise TemplateRefused(index, str(exc)) from exc
         out.extend(list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
     return out
+
+
+class TemplateRefused(Exception):
+    """The chat template raised on conversation ``index`` (its own error ``message``)."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(f"conversation {index}: {message}")
+        self.index, self.message = index, message
 
 
 def _arithmetic_problems(data: DataConfig, split: str, fmt) -> list:

@@ -660,3 +660,28 @@ def test_dataset_config_beside_a_save_to_disk_directory_has_no_effect_and_says_s
     datasets.Dataset.from_list([{"q": f"q{i}", "a": str(i)} for i in range(5)]).save_to_disk(str(tmp_path / "saved"))
     with pytest.warns(RuntimeWarning, match=r"data.train.dataset_config='main' has no effect: .*save_to_disk directory"):
         assert build(data_cfg(tmp_path / "saved", train={"dataset_config": "main"}), tok)
+
+
+def test_a_chat_template_that_refuses_a_prompt_is_a_config_error_naming_the_row(tmp_path) -> None:
+    """Gemma-2-it's template raises "System role not supported" and on roles that do not alternate: a bare jinja
+    TemplateError (a traceback naming no row, file or key) came out of the prompt build."""
+    from nemo_like.models.loading import load_tokenizer
+
+    tok = load_tokenizer("embedded:tiny-arith-qwen2")
+    tok.chat_template = (  # google/gemma-2-2b-it's checks, with a plain rendering
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'model: ' }}{% endif %}"
+    )
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "a": str(i)} for i in range(30)]
+    rows[17]["messages"] = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    cfg = data_cfg(path, path, prompt_key="messages")
+    with pytest.raises(
+        ConfigError,
+        match=r"refuses the prompt of row 18 of .*chat.jsonl \(data.train\): Conversation roles must alternate.*data.prompt_key='messages'",
+    ):
+        build(cfg, tok)
+    with pytest.raises(ConfigError, match=r"refuses the prompt of row \d+ of .*System role not supported; unset data.system_prompt"):
+        build(data_cfg(path, path, prompt_key="messages", system_prompt="Answer briefly."), tok)
