@@ -15,7 +15,13 @@ What is exact and what is estimated:
   plus the float32 logits, their log-softmax and its gradient (``tokens x vocab x 12`` bytes, or ``chunk x vocab x 12``
   with ``policy.logprob_chunk_size``); with activation checkpointing each layer's input plus the larger of the logits'
   share and one layer's recomputed activations (the backward recomputes a layer after the output head's backward has
-  freed the logits: the two never coexist).
+  freed the logits: the two never coexist). Values at the compute dtype, except under autocast (``bfloat16`` on one
+  unsharded rank, :func:`runs_autocast`): the ``8H`` values (residual stream, norms) and the layer inputs at float32,
+  plus the bf16 copy autocast keeps of every trainable matmul weight (:func:`autocast_weight_copies`). Packed or
+  token-budget micro-batches are at least ``policy.max_total_sequence_length`` tokens (:func:`micro_batch_tokens`);
+  packing adds its dense block-causal mask (:func:`packed_mask_bytes`). A top-k / top-p truncated distribution
+  adds :data:`TRUNCATION_BYTES_PER_LOGIT` to each logit's 12 bytes, LoRA dropout its copies
+  (:func:`lora_dropout_bytes_per_token`).
 * **FSDP2's unsharded root** (``dp_size > 1``): every rank all-gathers the parameters outside the decoder layers
   (embeddings, final norm, an untied output head) into full-size buffers at the start of each forward and, the root
   not being resharded after its forward, holds them until its backward ends (a logprob pass: until the pass ends), at
@@ -117,6 +123,13 @@ class ModelShape:
         """Values one layer saves for backward per token (see the module docstring)."""
         return 8 * self.hidden + 4 * self.kv_heads * self.head_dim + 4 * self.intermediate
 
+    def layer_bytes_per_token(self, value_bytes: int, hidden_bytes: int | None = None) -> int:
+        """Bytes one layer saves for backward per token: :meth:`layer_values_per_token` at ``value_bytes``, its ``8H``
+        hidden-sized values (the residual stream, the norms' inputs and outputs) at ``hidden_bytes`` (default: the
+        same), which :func:`activation_bytes` sets to 4 under autocast."""
+        hidden_bytes = value_bytes if hidden_bytes is None else hidden_bytes
+        return 8 * self.hidden * hidden_bytes + (4 * self.kv_heads * self.head_dim + 4 * self.intermediate) * value_bytes
+
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:
         """KV-cache bytes per token of one sequence."""
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
@@ -136,6 +149,7 @@ class RoleMemory:
     note: str = ""
     unsharded_root: int = 0  # FSDP2 (dp > 1): the root unit's full parameters, held through the forward and backward
     kv_sequences: int | None = None  # vLLM: full-length sequences its KV budget holds (None: not known)
+    kv_sequence_bytes: int = 0  # vLLM: the KV cache of one full-length sequence
     offloaded: bool = False  # FSDP2's CPU offload: params, grads and AdamW state in host RAM, not on the device
     unsharded_layer: int = 0  # with CPU offload: the largest decoder layer, unsharded on the GPU while it computes
 
@@ -228,34 +242,120 @@ class MemoryPlan:
         return out
 
 
-def _training_activations(cfg: Any, shape: ModelShape, value_bytes: int) -> int:
+def runs_autocast(cfg: Any) -> bool:
+    """Whether the policy computes under ``torch.autocast`` over its float32 masters: a lower precision on one
+    unsharded rank (``dp_size x tensor_parallel_size`` 1, :func:`nemo_like.models.precision.compute_context`); sharded
+    ranks compute with FSDP2's mixed-precision policy instead (parameters gathered in the compute dtype)."""
     pc = cfg.policy
+    return DTYPE_BYTES[pc.precision] != 4 and pc.dp_size * pc.dtensor_cfg.tensor_parallel_size == 1
+
+
+def activation_bytes(cfg: Any) -> tuple[int, int]:
+    """Bytes of a value a layer saves for backward and of its hidden-sized values (the ``8H`` of
+    :meth:`ModelShape.layer_values_per_token`): both the compute dtype's, except under autocast (:func:`runs_autocast`),
+    where the residual stream starts from the float32 embeddings and the norms compute in float32, so those stay 4."""
+    value_bytes = DTYPE_BYTES[cfg.policy.precision]
+    return value_bytes, 4 if runs_autocast(cfg) else value_bytes
+
+
+def autocast_weight_copies(cfg: Any, params: list[ParameterSpec]) -> int:
+    """Bytes of the compute-dtype copies autocast makes of the policy's matmul weights (:func:`runs_autocast`; 0
+    otherwise): it caches the cast of every float32 weight that requires a gradient until the forward ends, and the
+    backward keeps them, so every decoder layer's trainable matrices (a LoRA run's adapters: its base is already in
+    the compute dtype) and the output head's (an input embedding is looked up, not cast) at once."""
+    if not runs_autocast(cfg):
+        return 0
+    cast = [p for p in params if p.trainable and p.bytes_per_element == 4 and len(p.shape) == 2]
+    layers = sum(math.prod(p.shape) for p in cast if p.layer is not None)
+    head = max((math.prod(p.shape) for p in cast if p.root), default=0)  # tied or not, one head is cast
+    return (layers + head) * DTYPE_BYTES[cfg.policy.precision]
+
+
+#: Bytes the trainer's truncation (``policy.generation.top_k`` / ``top_p``) saves for backward per logit: a masked
+#: float32 copy of the logits and its bool mask (``token_logprobs_from_logits``; measured 5 on a CPU).
+TRUNCATION_BYTES_PER_LOGIT = 5
+
+
+def truncates(cfg: Any) -> bool:
+    """Whether the trainer scores tokens under a top-k / top-p truncated distribution (as
+    :attr:`~nemo_like.models.processed_logprobs.SamplingDistribution.truncates`)."""
+    g = cfg.policy.generation
+    return bool(g.top_k) or g.top_p < 1.0
+
+
+def lora_dropout_bytes_per_token(cfg: Any, params: list[ParameterSpec], shape: ModelShape) -> int:
+    """Bytes one decoder layer's LoRA dropout saves for backward per token (0 without LoRA or at ``dropout`` 0): PEFT
+    drops out each adapted projection's input before its adapter, and the dropped-out copy feeds ``lora_A``. Counted as
+    6 bytes per input value in float32 and 4 in bfloat16 (measured on a CPU: 5.3 and 3.7, the copy, its mask and
+    views), over the inputs of the adapted projections (the ``in`` of each ``lora_A`` of shape ``(dim, in)``)."""
+    lora = cfg.policy.lora_cfg
+    if not lora.enabled or not lora.dropout:
+        return 0
+    # an adapter's B is (out, dim): it matches only where a projection's output width equals the rank (none in practice)
+    inputs = sum(p.shape[1] for p in params if p.trainable and p.layer is not None and len(p.shape) == 2 and p.shape[0] == lora.dim)
+    per_value = 6 if DTYPE_BYTES[cfg.policy.precision] == 4 else 4
+    return inputs * per_value // max(1, shape.layers)
+
+
+def _training_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_bytes: int | None = None, dropout_bytes: int = 0) -> int:
+    """The training micro-batch's peak (module docstring); ``dropout_bytes``: a layer's LoRA dropout copies per token
+    (:func:`lora_dropout_bytes_per_token`)."""
+    pc = cfg.policy
+    hidden_bytes = value_bytes if hidden_bytes is None else hidden_bytes
     tokens = micro_batch_tokens(cfg, training=True)
-    per_layer = tokens * shape.layer_values_per_token() * value_bytes
+    per_layer = tokens * (shape.layer_bytes_per_token(value_bytes, hidden_bytes) + dropout_bytes)
     logit_rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
-    logits = logit_rows * shape.vocab * 12  # float32 logits, their log-softmax and its gradient
+    per_logit = 12 + (TRUNCATION_BYTES_PER_LOGIT if truncates(cfg) else 0)  # float32 logits, log-softmax, gradient
+    logits = logit_rows * shape.vocab * per_logit
     if pc.dtensor_cfg.activation_checkpointing:  # each layer's input; a layer is recomputed after the logits are freed
-        return tokens * shape.hidden * value_bytes * shape.layers + max(per_layer, logits)
-    return per_layer * shape.layers + logits
+        return with_packed_mask(cfg, tokens * shape.hidden * hidden_bytes * shape.layers + max(per_layer, logits), True)
+    return with_packed_mask(cfg, per_layer * shape.layers + logits, True)
 
 
-def _logprob_activations(cfg: Any, shape: ModelShape, value_bytes: int) -> int:
+def _logprob_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_bytes: int | None = None) -> int:
     tokens = micro_batch_tokens(cfg, training=False)
     chunk = cfg.policy.logprob_chunk_size
     logit_rows = min(tokens, chunk) if chunk else tokens
-    return tokens * shape.layer_values_per_token() * value_bytes + logit_rows * shape.vocab * 8  # logits + log-softmax
+    per_layer = tokens * shape.layer_bytes_per_token(value_bytes, hidden_bytes)
+    return with_packed_mask(cfg, per_layer + logit_rows * shape.vocab * 8, False)  # logits + log-softmax
 
 
 def micro_batch_tokens(cfg: Any, training: bool) -> int:
-    """Tokens of the largest micro-batch of a training (or logprob) pass: packed / token-budget sizes, else rows x
-    ``policy.max_total_sequence_length``."""
+    """Tokens of the largest micro-batch of a training (or logprob) pass: with sequence packing or dynamic batching
+    the token budget, or ``policy.max_total_sequence_length`` when larger (a sample longer than the budget gets a
+    micro-batch of its own: :mod:`nemo_like.models.policy.batching`), else rows x ``policy.max_total_sequence_length``:
+    a logprob pass's rows at most the largest of the ``dp_size`` row blocks the rollout batch is split into
+    (:func:`~nemo_like.models.policy.policy.split_rows_unevenly`: ``ceil(rollout / dp_size)``)."""
     pc = cfg.policy
-    if pc.sequence_packing.enabled:
-        return pc.sequence_packing.train_mb_tokens if training else pc.sequence_packing.logprob_mb_tokens
-    if pc.dynamic_batching.enabled:
-        return pc.dynamic_batching.train_mb_tokens if training else pc.dynamic_batching.logprob_mb_tokens
-    rows = min(pc.train_micro_batch_size, pc.train_global_batch_size // pc.dp_size) if training else pc.logprob_batch_size
+    for mode in (pc.sequence_packing, pc.dynamic_batching):
+        if mode.enabled:
+            budget = mode.train_mb_tokens if training else mode.logprob_mb_tokens
+            return max(budget, pc.max_total_sequence_length)
+    if training:
+        rows = min(pc.train_micro_batch_size, pc.train_global_batch_size // pc.dp_size)
+    else:
+        rows = min(pc.logprob_batch_size, math.ceil(cfg.rollout_batch_size / pc.dp_size))
     return rows * pc.max_total_sequence_length
+
+
+def packed_mask_bytes(cfg: Any, training: bool) -> tuple[int, int]:
+    """Sequence packing's dense ``[T, T]`` block-causal mask of the largest packed micro-batch
+    (:func:`~nemo_like.models.policy.batching.block_causal_mask`, ``T`` its :func:`micro_batch_tokens`): the bytes it
+    holds through the pass (additive, in the compute dtype; attention saves it for backward), and the peak of building
+    it, before the forward (that mask, the ``zeros`` it is filled from and two bool ``[T, T]`` temporaries).
+    ``(0, 0)`` without packing."""
+    if not cfg.policy.sequence_packing.enabled:
+        return 0, 0
+    entries = micro_batch_tokens(cfg, training) ** 2
+    value_bytes = DTYPE_BYTES[cfg.policy.precision]
+    return entries * value_bytes, entries * (2 * value_bytes + 2)
+
+
+def with_packed_mask(cfg: Any, activations: int, training: bool) -> int:
+    """A pass's ``activations`` with its packed mask (:func:`packed_mask_bytes`): held beside them, or the peak of
+    building it when larger."""
+    held, building = packed_mask_bytes(cfg, training)
+    return max(activations + held, building)
 
 
 def unsharded_root_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
@@ -285,17 +385,23 @@ def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role
     largest decoder layer, unsharded while it computes."""
     pc = cfg.policy
     dp, tp = pc.dp_size, pc.dtensor_cfg.tensor_parallel_size
-    value_bytes = DTYPE_BYTES[pc.precision]
+    value_bytes, hidden_bytes = activation_bytes(cfg)
     root = unsharded_root_bytes(cfg, params)
     offload = {"offloaded": True, "unsharded_layer": largest_layer_bytes(cfg, params)} if cfg.offloads_to_cpu() else {}
     if role != "policy":  # frozen copies load float32 weights whatever the precision
         held = frozen_copy_bytes(cfg, params)
-        activations = _logprob_activations(cfg, shape, value_bytes)
+        activations = _logprob_activations(cfg, shape, value_bytes, hidden_bytes)
         return RoleMemory(role, dp * tp, params=held, activations=activations, unsharded_root=root, note="logprobs only", **offload)
     held = sum(p.shard_bytes(dp, tp) for p in params)
     grads = sum(p.as_held(True, 4).shard_bytes(dp, tp) for p in params if p.trainable)
-    activations = max(_training_activations(cfg, shape, value_bytes), _logprob_activations(cfg, shape, value_bytes))
-    return RoleMemory(role, dp * tp, params=held, grads=grads, optimizer=2 * grads, activations=activations, unsharded_root=root, **offload)
+    dropout = lora_dropout_bytes_per_token(cfg, params, shape)  # training only: the logprob passes run in eval mode
+    training = _training_activations(cfg, shape, value_bytes, hidden_bytes, dropout)
+    passes = max(training, _logprob_activations(cfg, shape, value_bytes, hidden_bytes))
+    copies = autocast_weight_copies(cfg, params)  # cached by the logprob passes' forwards too (no_grad caches them)
+    note = f"with {copies / GIB:.3f} GiB of autocast's {pc.precision} weight copies" if copies else ""
+    return RoleMemory(
+        role, dp * tp, params=held, grads=grads, optimizer=2 * grads, activations=passes + copies, unsharded_root=root, note=note, **offload
+    )
 
 
 def frozen_copy_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
@@ -374,7 +480,9 @@ def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape
     budget = max(0, int(share * device_bytes) - weights) if on_gpu else int(g.vllm_cfg.kv_cache_space_gib * GIB)
     sequences = budget // per_sequence if per_sequence else 0
     note = f"vLLM, KV budget holds {sequences} sequences of {pc.max_total_sequence_length} tokens"
-    return RoleMemory("generation", GENERATION_ENGINES, params=weights, kv_cache=budget, note=note, kv_sequences=sequences)
+    return RoleMemory(
+        "generation", GENERATION_ENGINES, params=weights, kv_cache=budget, note=note, kv_sequences=sequences, kv_sequence_bytes=per_sequence
+    )
 
 
 def step_estimate(
@@ -432,6 +540,41 @@ def plan_memory(
     ``teacher.models()``) when the run distils; ``inline_weight_copies``: bytes of weights the inline backend's sampler
     copies for a call (:func:`with_inline_sampling`)."""
     teachers = teachers or {}
+    roles, per_device, colocated = _plan_devices(cfg, run_plan, params, shape, device_bytes, teachers, inline_weight_copies)
+    notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
+    over = over_budget(per_device, device_bytes)
+    engine = engine_problems(cfg, roles, device_bytes)
+    advice = []
+    if over:
+
+        def shrinks(changed: Any) -> bool:  # every device that is over holds no more, one of them less
+            again = _plan_devices(changed, run_plan, params, shape, device_bytes, teachers, inline_weight_copies)[1]
+            return all(again.get(d, 0) <= per_device[d] for d in over) and any(again.get(d, 0) < per_device[d] for d in over)
+
+        pc, cluster = cfg.policy, cfg.cluster
+        more_dp = 2 * pc.dp_size  # a larger dp that leaves no rank without a sample is not one to advise
+        dp_helps = pc.train_global_batch_size // more_dp >= 1 and shrinks(_with(cfg, "policy", dp_size=more_dp))
+        nodes_help = not cluster.gpus_per_node and shrinks(_with(cfg, "cluster", num_nodes=2 * cluster.num_nodes))
+        advice = fit_advice(cfg, colocated and "policy GPU" in over, "policy GPU" in over, dp_helps, nodes_help)
+    advice += kv_advice(cfg, roles, device_bytes) if engine else []
+    return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
+
+
+def _with(cfg: Any, section: str, **changes: Any) -> Any:
+    """``cfg`` with ``changes`` to one of its sections (``policy``, ``cluster``), for a what-if plan."""
+    return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=changes)})
+
+
+def _plan_devices(
+    cfg: Any,
+    run_plan: Any,
+    params: list[ParameterSpec],
+    shape: ModelShape,
+    device_bytes: float | None,
+    teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]],
+    inline_weight_copies: int,
+) -> tuple[list[RoleMemory], dict[str, int], bool]:
+    """Every role's memory, what each device holds, and whether a vLLM engine is colocated (:func:`plan_memory`)."""
     roles = [policy_memory(cfg, params, shape)]
     if cfg.distillation.kl_weight > 0 and teachers:  # the KL term's copy: teacher.model_name, first of the models
         roles[0] = with_teacher_copy(cfg, roles[0], *teachers[cfg.teacher.models()[0]])
@@ -444,13 +587,7 @@ def plan_memory(
     parameters = sum(math.prod(p.shape) for p in params)
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes))
     colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
-    per_device = devices(cfg, roles, colocated)
-    notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
-    over = over_budget(per_device, device_bytes)
-    engine = engine_problems(cfg, roles, device_bytes)
-    advice = fit_advice(cfg, colocated and "policy GPU" in over, "policy GPU" in over) if over else []
-    advice += kv_advice(cfg, roles, device_bytes) if engine else []
-    return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
+    return roles, devices(cfg, roles, colocated), colocated
 
 
 def teacher_roles(cfg: Any) -> dict[str, str]:
@@ -521,28 +658,56 @@ def weights_over_share(cfg: Any, engine: RoleMemory, device_bytes: float | None)
     return max(0.0, engine.params - cfg.policy.generation.vllm_cfg.gpu_memory_utilization * device_bytes)
 
 
+def _size(n: float) -> str:
+    """Bytes in GiB, or in MiB when under 0.01 GiB (a small model's KV cache)."""
+    return f"{n / GIB:.3f} GiB" if n >= 0.01 * GIB else f"{n / 1024**2:.3f} MiB"
+
+
+def _round_up(x: float, digits: int = 3) -> float:
+    """``x`` rounded up to ``digits`` significant digits (a setting that is at least ``x``)."""
+    step = 10 ** (math.floor(math.log10(x)) - digits + 1)
+    return round(math.ceil(round(x / step, 9)) * step, 12)
+
+
+def engine_device(cfg: Any) -> str:
+    """Where a vLLM engine's KV budget lies: the GPU named as in the ``memory on`` lines, or its node's RAM."""
+    if not cfg.cluster.gpus_per_node:
+        return "in its node's RAM"
+    return "on the policy GPU (colocated)" if cfg.policy.generation.colocated.enabled else "on the generation GPU"
+
+
 def engine_problems(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> list[str]:
     """A vLLM engine whose KV budget cannot hold one full-length sequence: it could not serve a single request (its
-    weights alone over its share of the GPU, by how much, when that is why)."""
+    weights alone over its share of the GPU, by how much, when that is why; else the device, what one sequence needs
+    and the shortfall)."""
     out = []
     for r in roles:
         if r.kv_sequences != 0:
             continue
         short = weights_over_share(cfg, r, device_bytes)
+        share = cfg.policy.generation.vllm_cfg.gpu_memory_utilization
         if short:
-            share = cfg.policy.generation.vllm_cfg.gpu_memory_utilization
             out.append(
                 f"the vLLM engine's weights ({r.params / GIB:.3f} GiB) exceed policy.generation.vllm_cfg.gpu_memory_utilization "
                 f"x device = {share * device_bytes / GIB:.3f} GiB (short {short / GIB:.3f} GiB)"
             )
+            continue
+        if cfg.cluster.gpus_per_node:
+            how = f" = {share:g} x {device_bytes / GIB:.3g} GiB - weights {r.params / GIB:.3f} GiB"
         else:
-            out.append(f"the vLLM engine's KV budget ({r.kv_cache / GIB:.3f} GiB) holds no full-length sequence")
+            how = ": policy.generation.vllm_cfg.kv_cache_space_gib"
+        out.append(
+            f"the vLLM engine's KV budget ({_size(r.kv_cache)}{how}) {engine_device(cfg)} holds no full-length sequence: "
+            f"one of {cfg.policy.max_total_sequence_length} tokens needs {_size(r.kv_sequence_bytes)} "
+            f"(short {_size(r.kv_sequence_bytes - r.kv_cache)})"
+        )
     return out
 
 
 def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> list[str]:
-    """What to change when the vLLM engine's KV budget holds no full-length sequence; when its weights alone exceed
-    its share of the GPU a shorter sequence cannot help: only a larger share or device."""
+    """What to change when the vLLM engine's KV budget holds no full-length sequence: the share of the GPU (or the CPU
+    KV space) that holds one, or a shorter sequence; when its weights alone exceed its share of the GPU a shorter
+    sequence cannot help: only a larger share or device."""
     pc, vllm = cfg.policy, cfg.policy.generation.vllm_cfg
     engine = next(r for r in roles if r.kv_sequences == 0)
     if weights_over_share(cfg, engine, device_bytes):
@@ -551,17 +716,28 @@ def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> 
             f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g}) above {needed:.3g} "
             "(the weights' share of the device) or use a device with more memory"
         ]
-    budget = (
-        f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g})"
-        if cfg.cluster.gpus_per_node
-        else f"raise policy.generation.vllm_cfg.kv_cache_space_gib (now {vllm.kv_cache_space_gib})"
-    )
+    if cfg.cluster.gpus_per_node:
+        needed = _round_up((engine.params + engine.kv_sequence_bytes) / device_bytes)
+        budget = (
+            f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g}) to at least "
+            f"{needed:g} (weights and one full-length sequence)"
+        )
+    else:
+        needed = math.ceil(engine.kv_sequence_bytes / GIB)  # the setting is whole GiB
+        budget = (
+            f"raise policy.generation.vllm_cfg.kv_cache_space_gib (now {vllm.kv_cache_space_gib}) to at least {needed:g} "
+            "(one full-length sequence)"
+        )
     return [f"{budget} or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"]
 
 
-def fit_advice(cfg: Any, colocated_over: bool = False, policy_gpu_over: bool = False) -> list[str]:
+def fit_advice(
+    cfg: Any, colocated_over: bool = False, policy_gpu_over: bool = False, dp_helps: bool = True, nodes_help: bool = False
+) -> list[str]:
     """What to change when a device is over its memory, the cheapest first; ``colocated_over``: the GPU a colocated
-    vLLM engine shares is among them; ``policy_gpu_over``: a policy GPU is."""
+    vLLM engine shares is among them; ``policy_gpu_over``: a policy GPU is; ``dp_helps``: a plan at twice
+    ``policy.dp_size`` holds less on the devices that are over (not on one CPU node, whose RAM every rank shares);
+    ``nodes_help``: one at twice ``cluster.num_nodes`` does (a CPU cluster's workers spread over more nodes)."""
     pc = cfg.policy
     advice = []
     if colocated_over:
@@ -581,7 +757,18 @@ def fit_advice(cfg: Any, colocated_over: bool = False, policy_gpu_over: bool = F
         advice.append("set policy.dtensor_cfg.activation_checkpointing=true")
     if not pc.logprob_chunk_size:
         advice.append("set policy.logprob_chunk_size (e.g. 1024) so logits are never materialised for every token")
-    advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices")
+    if dp_helps:
+        advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices")
+    if nodes_help:
+        advice.append(f"raise cluster.num_nodes (now {cfg.cluster.num_nodes}): the workers of a node share its RAM")
     if not pc.lora_cfg.enabled:
         advice.append("train LoRA adapters (policy.lora_cfg.enabled=true): no full gradients or AdamW state")
+    if not dp_helps:
+        sizes = [(k, getattr(pc, k)) for k in ("train_micro_batch_size", "logprob_batch_size") if getattr(pc, k) > 1]
+        sizes.append(("max_total_sequence_length", pc.max_total_sequence_length))
+        why = "every rank shares the node's RAM" if not cfg.cluster.gpus_per_node else "the devices over would hold no less"
+        advice.append(
+            "lower " + " or ".join(f"policy.{k} (now {v})" for k, v in sizes) + f": a larger policy.dp_size (now {pc.dp_size}) "
+            f"would not help ({why})"
+        )
     return advice

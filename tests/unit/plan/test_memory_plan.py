@@ -90,6 +90,194 @@ def test_checkpointing_keeps_each_layer_input_and_the_larger_of_the_logits_and_o
     assert policy_memory(cfg, params, wide).activations == 131_072 + 24_576_000
 
 
+def saved_for_backward(model, ids, precision: str, sharded: bool = False) -> int:
+    """Bytes autograd keeps for backward in one training forward of ``model`` on ``ids`` under the run's
+    :func:`~nemo_like.models.precision.compute_context` (distinct storages, the parameters' own excluded)."""
+    import torch
+
+    from nemo_like.models.precision import compute_context
+
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), compute_context(torch.device("cpu"), precision, sharded):
+        model(input_ids=ids).logits.float().sum()
+    return sum(size for ptr, size in seen.items() if ptr not in parameters)
+
+
+def tiny_model(layers: int | None = None):
+    """The embedded model, random float32 masters, in training mode; ``layers``: only its first few decoder layers."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nemo_like.models.loading import resolve_model_path
+
+    torch.manual_seed(0)
+    config = json.loads((Path(resolve_model_path(EMBEDDED_MODEL)) / "config.json").read_text())
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).float().train()
+    if layers is not None:
+        model.model.layers = model.model.layers[:layers]
+    return model
+
+
+def test_one_rank_bfloat16_counts_autocasts_weight_copies_and_a_float32_residual_stream() -> None:
+    import torch
+
+    # dp 1, bfloat16: the forward runs under torch.autocast over float32 masters. Measured on the real model, a layer
+    # saves per token (8H at 4 bytes + (4KD + 4I) at 2) at most, and per layer its weights' bf16 copies, whatever the
+    # tokens; the whole model also the (tied) head's copy.
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    h, kd, i = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate
+    per_token = 8 * h * 4 + (4 * kd + 4 * i) * 2
+    ids = {t: torch.randint(0, shape.vocab, (1, t)) for t in (128, 256)}
+    one, two = tiny_model(1), tiny_model(2)
+    layer = {t: saved_for_backward(two, ids[t], "bfloat16") - saved_for_backward(one, ids[t], "bfloat16") for t in ids}
+    slope, constant = (layer[256] - layer[128]) / 128, 2 * layer[128] - layer[256]
+    assert slope <= per_token <= 1.1 * slope  # the old 2 bytes for every value: 0.81 of the measured slope
+    layer_weights = sum(p.numel() for p in two.model.layers[0].parameters() if p.dim() == 2)
+    assert constant == layer_weights * 2
+    full = tiny_model()
+    whole = {t: saved_for_backward(full, ids[t], "bfloat16") for t in ids}
+    copies = 2 * whole[128] - whole[256]
+    assert copies == (shape.layers * layer_weights + shape.vocab * h) * 2
+
+    cfg = recipe("policy.precision=bfloat16")
+    tokens, rows = micro_batch_tokens(cfg, True), micro_batch_tokens(cfg, False)
+    training = tokens * per_token * shape.layers + tokens * shape.vocab * 12
+    scoring = rows * per_token + rows * shape.vocab * 8
+    policy = policy_memory(cfg, params, shape)
+    assert policy.activations == max(training, scoring) + copies and "bfloat16 weight copies" in policy.line()
+    # a frozen copy requires no gradient: autocast caches none of its weights, its residual stream is float32 all the same
+    assert policy_memory(cfg, params, shape, "reference").activations == scoring
+    # sharded ranks compute with FSDP2's bf16 parameters: every value at 2 bytes, no copies
+    dp2 = recipe("policy.precision=bfloat16", "policy.dp_size=2")
+    tokens, rows, values = micro_batch_tokens(dp2, True), micro_batch_tokens(dp2, False), shape.layer_values_per_token()
+    training, scoring = tokens * values * 2 * shape.layers + tokens * shape.vocab * 12, rows * values * 2 + rows * shape.vocab * 8
+    assert policy_memory(dp2, params, shape).activations == max(training, scoring)
+
+
+@pytest.mark.parametrize("mode", ["sequence_packing", "dynamic_batching"])
+def test_a_sample_longer_than_the_token_budget_is_a_micro_batch_of_its_own(mode: str) -> None:
+    from nemo_like.models.policy.batching import first_fit_decreasing, token_budget_groups
+
+    cfg = recipe(f"policy.{mode}.enabled=true", f"policy.{mode}.train_mb_tokens=16", f"policy.{mode}.logprob_mb_tokens=24")
+    longest = cfg.policy.max_total_sequence_length  # 64
+    lengths = [longest, 10, 5]
+    if mode == "sequence_packing":
+        largest = max(sum(lengths[i] for i in b) for b in first_fit_decreasing(lengths, 16))
+    else:
+        largest = max(len(g) * lengths[g[0]] for g in token_budget_groups(lengths, 16))
+    assert largest == longest == micro_batch_tokens(cfg, True) == micro_batch_tokens(cfg, False)
+    roomy = recipe(f"policy.{mode}.enabled=true", f"policy.{mode}.train_mb_tokens=100", f"policy.{mode}.logprob_mb_tokens=200")
+    assert (micro_batch_tokens(roomy, True), micro_batch_tokens(roomy, False)) == (100, 200)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_sequence_packing_holds_the_dense_block_causal_mask_of_its_largest_micro_batch(precision: str) -> None:
+    import torch
+
+    from nemo_like.models.policy.batching import block_causal_mask
+    from nemo_like.models.precision import compute_dtype
+
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    packed = ["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=16"]
+    packed += ["policy.sequence_packing.logprob_mb_tokens=16", f"policy.precision={precision}", "policy.dp_size=2"]
+    cfg = recipe(*packed)
+    t = cfg.policy.max_total_sequence_length  # a 64-token sample packs alone: a 64 x 64 mask
+    mask = block_causal_mask(torch.zeros(t, dtype=torch.long), compute_dtype(precision))
+    value_bytes = mask.element_size()
+    activations = t * shape.layer_values_per_token() * value_bytes * shape.layers + t * shape.vocab * 12
+    assert policy_memory(cfg, params, shape).activations == activations + mask.nbytes
+    # the mask a pass holds is small next to the layers here; building it peaks at two masks and two bool temporaries
+    narrow = ModelShape(layers=1, hidden=1, intermediate=1, heads=1, kv_heads=1, head_dim=1, vocab=1)
+    small = t * narrow.layer_values_per_token() * value_bytes + t * 12
+    assert policy_memory(cfg, params, narrow).activations == max(small + t * t * value_bytes, t * t * (2 * value_bytes + 2))
+
+
+def saved_by_training_forward(model, ids, dist) -> int:
+    """Bytes autograd keeps for backward in the trainer's own forward (:func:`sequence_logprobs_with_outside`)."""
+    import torch
+
+    from nemo_like.models.logprobs import sequence_logprobs_with_outside
+
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sequence_logprobs_with_outside(model, ids, torch.ones_like(ids), dist)
+    return sum(size for ptr, size in seen.items() if ptr not in parameters)
+
+
+def test_top_p_top_k_and_lora_dropout_add_what_the_trainers_forward_saves_for_them() -> None:
+    import torch
+
+    from nemo_like.models.lora import apply_lora
+    from nemo_like.models.processed_logprobs import SamplingDistribution
+
+    # one training micro-batch of 4 rows x 64 tokens (the logprob pass smaller), as measured below
+    small = ["policy.train_micro_batch_size=4", "policy.logprob_batch_size=1"]
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    ids = torch.randint(0, shape.vocab, (4, 64))
+    model = tiny_model()
+    base = saved_by_training_forward(model, ids, SamplingDistribution())
+    plain = policy_memory(recipe(*small), params, shape).activations
+    for option, dist in (
+        ("policy.generation.top_p=0.9", SamplingDistribution(top_p=0.9)),
+        ("policy.generation.top_k=50", SamplingDistribution(top_k=50)),
+    ):
+        # a masked float32 copy of the logits and its bool mask: 5 bytes a logit (4 x 63 scored positions measured)
+        measured = saved_by_training_forward(model, ids, dist) - base
+        planned = policy_memory(recipe(*small, option), params, shape).activations - plain
+        assert planned == 4 * 64 * shape.vocab * 5 and measured <= planned <= 1.05 * measured
+        # chunked: the backward recomputes one chunk's logits at a time, and its masked copy and mask with them
+        chunked = [*small, "policy.logprob_chunk_size=16"]
+        extra = (
+            policy_memory(recipe(*chunked, option), params, shape).activations - policy_memory(recipe(*chunked), params, shape).activations
+        )
+        assert extra == 16 * shape.vocab * 5
+    # LoRA dropout: PEFT drops out each adapted projection's input, a copy lora_A saves
+    lora = recipe(*small, "policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=8")
+    dropped = recipe(*small, "policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=8", "policy.lora_cfg.dropout=0.1")
+    lora_params, _ = model_footprint(EMBEDDED_MODEL, "float32", lora.policy.lora_cfg)
+    saved = {}
+    for cfg in (lora, dropped):
+        torch.manual_seed(0)
+        saved[cfg.policy.lora_cfg.dropout] = saved_by_training_forward(
+            apply_lora(tiny_model(), cfg.policy.lora_cfg).train(), ids, SamplingDistribution()
+        )
+    measured = saved[0.1] - saved[0.0]
+    planned = policy_memory(dropped, lora_params, shape).activations - policy_memory(lora, lora_params, shape).activations
+    # per token and layer, the inputs of q, k, v, o, gate, up (128 each) and down (512) at 6 bytes
+    assert planned == 4 * 64 * shape.layers * (6 * 128 + 512) * 6 and measured <= planned <= 1.2 * measured, (planned, measured)
+
+
+@pytest.mark.parametrize("dp", [1, 3, 4])
+def test_a_logprob_micro_batch_holds_at_most_the_ranks_share_of_the_rollout(dp: int) -> None:
+    import torch
+
+    from nemo_like.models.policy.policy import split_rows_unevenly
+
+    rollout = ["grpo.num_prompts_per_step=6", "policy.train_global_batch_size=48", f"policy.dp_size={dp}"]
+    cfg = recipe(*rollout, "policy.logprob_batch_size=64")
+    rollout_rows = cfg.rollout_batch_size  # 48 sequences in dp row blocks (1: 48 rows, under logprob_batch_size; 3: 16; 4: 12)
+    blocks = split_rows_unevenly({"input_ids": torch.zeros(rollout_rows, 2, dtype=torch.long)}, dp)
+    largest = max(b["input_ids"].shape[0] for b in blocks)
+    assert micro_batch_tokens(cfg, False) == min(64, largest) * cfg.policy.max_total_sequence_length
+    assert largest == -(-48 // dp) and micro_batch_tokens(recipe(*rollout, "policy.logprob_batch_size=8"), False) == 8 * 64
+
+
 def test_fsdp2_holds_the_root_unit_unsharded_on_every_rank_above_dp_1() -> None:
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
     assert [p.shape for p in params if p.root] == [(359, 128), (128,)]  # tied embeddings/head and the final norm
@@ -111,6 +299,26 @@ def test_the_plan_lists_each_role_and_advises_when_a_gpu_is_too_small() -> None:
     assert [r.role for r in roomy.roles] == ["policy", "reference", "generation"] and roomy.fits
     tight = plan_memory(cfg, run_plan, params, shape, device_bytes=1024**2)
     assert tight.fits is False and any("activation_checkpointing" in line for line in tight.lines())
+
+
+def test_raising_dp_is_advised_only_where_it_shrinks_the_device_that_is_over() -> None:
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    # one CPU node: every policy rank (and its reference rank) shares the node's RAM, so more ranks need more of it
+    for dp in (1, 2):
+        cfg = recipe(f"policy.dp_size={dp}", "policy.generation.backend=hf")
+        run_plan = decide_run_plan(cfg, (), 2)
+        tight = plan_memory(cfg, run_plan, params, shape, device_bytes=1024**2)
+        doubled = plan_memory(recipe(f"policy.dp_size={2 * dp}", "policy.generation.backend=hf"), run_plan, params, shape)
+        assert doubled.per_device["each node (RAM)"] > tight.per_device["each node (RAM)"]
+        fit = tight.lines()[-1]
+        assert tight.fits is False and "raise policy.dp_size" not in fit
+        assert f"a larger policy.dp_size (now {dp}) would not help (every rank shares the node's RAM)" in fit
+        assert "lower policy.train_micro_batch_size (now 32) or policy.logprob_batch_size (now 64)" in fit
+        assert ("raise cluster.num_nodes (now 1)" in fit) is (dp > 1)  # two nodes split two ranks, not one
+    # GPUs: each rank has its own, and a second rank halves the shards
+    cfg = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf")
+    fit = plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape, device_bytes=1024**2).lines()[-1]
+    assert "raise policy.dp_size (now 1)" in fit and "would not help" not in fit and "cluster.num_nodes" not in fit
 
 
 def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples_at_once() -> None:
@@ -194,10 +402,25 @@ def test_a_vllm_engine_whose_kv_budget_holds_no_full_length_sequence_does_not_fi
     engine = memory.roles[-1]
     assert engine.kv_cache == 84_395 and engine.kv_sequences == 0 and "holds 0 sequences" in engine.note
     assert max(memory.per_device.values()) < 80 * GIB and memory.fits is False
+    # it names the device, what one sequence needs and the shortfall (131,072 - 84,395 = 46,677 bytes), and the share
+    # that holds the weights and one sequence: (4,124,672 + 131,072) / 80 GiB = 4.955e-05, rounded up
     assert memory.lines()[-1] == (
-        "fits: NO: the vLLM engine's KV budget (0.000 GiB) holds no full-length sequence; raise "
-        "policy.generation.vllm_cfg.gpu_memory_utilization (now 4.9e-05) or lower policy.max_total_sequence_length (now 64)"
+        "fits: NO: the vLLM engine's KV budget (0.080 MiB = 4.9e-05 x 80 GiB - weights 0.004 GiB) on the generation GPU "
+        "holds no full-length sequence: one of 64 tokens needs 0.125 MiB (short 0.045 MiB); raise "
+        "policy.generation.vllm_cfg.gpu_memory_utilization (now 4.9e-05) to at least 4.96e-05 (weights and one full-length "
+        "sequence) or lower policy.max_total_sequence_length (now 64)"
     )
+    enough = recipe(
+        "cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", "policy.generation.vllm_cfg.gpu_memory_utilization=4.96e-05"
+    )
+    assert plan_memory(enough, with_vllm(enough), params, shape, device_bytes=80 * GIB).roles[-1].kv_sequences == 1
+    # a CPU engine's budget is kv_cache_space_gib (whole GiB): 1 GiB, under one sequence of 64 tokens of a model whose
+    # float32 KV is 2 x 64 layers x 32 KV heads x 2048 x 4 bytes = 32 MiB a token: 2 GiB
+    cpu = recipe("policy.generation.vllm_cfg.kv_cache_space_gib=1")
+    wide = ModelShape(layers=64, hidden=128, intermediate=512, heads=32, kv_heads=32, head_dim=2048, vocab=359)
+    fit = plan_memory(cpu, with_vllm(cpu), params, wide).lines()[-1]  # no node budget: the engine alone
+    assert "KV budget (1.000 GiB: policy.generation.vllm_cfg.kv_cache_space_gib) in its node's RAM holds no full-length" in fit
+    assert "needs 2.000 GiB (short 1.000 GiB); raise policy.generation.vllm_cfg.kv_cache_space_gib (now 1) to at least 2 (one" in fit
     roomy = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
     assert plan_memory(roomy, with_vllm(roomy), params, shape, device_bytes=80 * GIB).fits is True
 
