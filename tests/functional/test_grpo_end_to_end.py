@@ -176,7 +176,8 @@ def test_zero_kl_penalty_loads_no_reference_model_and_a_two_task_run_routes_each
     val = history[0]
     assert val["validation/env/arithmetic/num_samples"] + val["validation/env/math/num_samples"] == val["validation/num_samples"]
     assert last["env/math/timeouts"] == 0
-    # The teacher scored only the math rows: its signal is a finite, negative-logprob average over them.
+    # The teacher scored only the math rows: some of the batch's tokens, not all; its signal is a negative-logprob mean.
+    assert 0 < last["performance/num_teacher_tokens/0"] < last["performance/num_batch_tokens"]
     assert last["distillation/teacher_logprob_mean"] < 0 and last["timing/train/teacher_logprobs"] > 0
 
 

@@ -280,8 +280,17 @@ def test_rloo_always_leaves_one_out(loo_flag: bool):
 
 def test_rloo_normalises_only_when_asked():
     result = compute_advantages("rloo", rewards=REWARDS_1001, **ONE_PROMPT, normalize_rewards=True, use_leave_one_out_baseline=False)
-    # LOO std of [0,0,1] and [0,1,1] is sqrt(1/3): (2/3) / sqrt(1/3) = 2 / sqrt(3) = 1.1547.
+    # The group's std, sqrt(1/3) (here also the other samples' std): (2/3) / sqrt(1/3) = 2 / sqrt(3) = 1.1547.
     assert_close(result.advantages, [1.1547005, -1.1547005, -1.1547005, 1.1547005], atol=1e-5)
+    # Where the two differ: the other samples of sample 0 are [0 x 6, 0.01], std 0.0038; divided by it, its advantage
+    # was 264. Divided by the group's std, rloo's advantages are grpo's times n / (n - 1) (r_i - mean of the others
+    # = n / (n - 1) * (r_i - mean)).
+    rewards = torch.tensor([1.0] + [0.0] * 6 + [0.01])
+    group = dict(prompt_ids=torch.zeros(8, dtype=torch.long), valid_mask=ones(8))
+    rloo = compute_advantages("rloo", rewards=rewards, **group, normalize_rewards=True, use_leave_one_out_baseline=False)
+    grpo = compute_advantages("grpo", rewards=rewards, **group, normalize_rewards=True, use_leave_one_out_baseline=False)
+    assert_close(rloo.advantages, (grpo.advantages * 8 / 7).tolist(), atol=1e-5)
+    assert float(rloo.advantages[0]) < 3.0
 
 
 @pytest.mark.parametrize("normalize", [False, True])

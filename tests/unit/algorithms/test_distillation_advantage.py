@@ -196,3 +196,33 @@ def test_the_kl_term_keys_contradictions_are_errors_and_unused_keys_warn() -> No
     assert spec.teacher_kl is not None and spec.teacher_kl.model_name == "embedded:tiny-arith-teacher"
     assert PolicyWorkerSpec.from_config(recipe(TEACHER), True, object(), 1).teacher_kl is None  # off by default  # type: ignore[arg-type]
     assert teacher_config(cfg).policy.shared_prompt_forward is False  # the teacher runs the student's forward
+
+
+class ScoredRows:
+    """Stands for a teacher's worker group in :func:`gather_teacher_pass`: it hands back the logprobs its pass
+    computed (here given), as ``Policy.gather_logprobs`` returns them for the rows it was sent."""
+
+    def __init__(self, logprobs: torch.Tensor) -> None:
+        self.logprobs = logprobs
+
+    def gather_logprobs(self, refs, what: str) -> torch.Tensor:
+        return self.logprobs
+
+
+def test_a_by_task_teacher_scores_and_masks_only_its_tasks_rows() -> None:
+    """teacher.by_task.math: the teacher's pass takes the math rows only, and only they get teacher logprobs and a
+    teacher mask (a mask of every row gave rows without a teacher a distillation advantage of -log pi_S)."""
+    from nemo_like.algorithms.distillation import Teachers, gather_teacher_pass
+
+    cfg = recipe("+env.math.num_workers=1", "+teacher.by_task.math=embedded:tiny-arith-teacher")
+    teachers = Teachers.__new__(Teachers)
+    teachers.cfg = cfg
+    tasks = ["arithmetic", "math", "arithmetic", "math"]
+    assert teachers.rows_by_model(tasks) == {"embedded:tiny-arith-teacher": [1, 3]}
+    scored = torch.tensor([[0.0, -0.5, -1.5], [0.0, -2.0, 0.0]])  # the two math rows, without the batch's last column
+    teachers.models = {"embedded:tiny-arith-teacher": ScoredRows(scored)}
+    out = gather_teacher_pass(teachers, ((4, 4), [("embedded:tiny-arith-teacher", [1, 3], None)]))
+    torch.testing.assert_close(out["teacher_mask"], torch.tensor([0.0, 1.0, 0.0, 1.0]))
+    expected = torch.zeros(4, 4)
+    expected[[1, 3], :3] = scored
+    torch.testing.assert_close(out["teacher_logprobs"], expected)

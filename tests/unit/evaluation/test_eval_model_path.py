@@ -117,7 +117,7 @@ def test_eval_links_the_checkpoint_it_was_given_not_an_earlier_evals(tmp_path) -
     kept, so with the default output_dir evaluating step_100 after step_50 served step_50's weights, and crashed
     when retention had deleted step_50 (a dangling link)."""
     from nemo_like.config.schema import EMBEDDED_MODEL
-    from nemo_like.evaluation.run import with_tokenizer
+    from nemo_like.evaluation.run import refuse_overwriting, with_tokenizer
     from nemo_like.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
@@ -143,6 +143,13 @@ def test_eval_links_the_checkpoint_it_was_given_not_an_earlier_evals(tmp_path) -
     with pytest.raises(ConfigError, match="eval.output_dir"):  # an output_dir inside the model directory
         with_tokenizer(str(model), tokenizer, model / "eval" / "model")
     assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
+    nested = tmp_path / "out" / "model" / "step_50" / "policy"  # the model inside output_dir/model/, which is replaced
+    shutil.copytree(model, nested)
+    with pytest.raises(ConfigError, match="eval.output_dir"):
+        with_tokenizer(str(nested), tokenizer, tmp_path / "out" / "model")
+    assert (nested / "model.safetensors").is_file()
+    with pytest.raises(ConfigError, match="eval.output_dir"):  # a LoRA checkpoint merged into its own directory
+        refuse_overwriting(tmp_path / "run" / "merged_model", tmp_path / "run" / "merged_model")
 
 
 def test_validation_decoding_keys_that_eval_does_not_use_are_named() -> None:
