@@ -39,7 +39,12 @@ class AgentConfig(BaseModel):
     verifier_kwargs: dict[str, Any] = Field(default_factory=dict, description="The verifier's own settings.")
     max_concurrency: int = Field(16, ge=1, description="Sessions running at once.")
     deadline_s: float = Field(60.0, gt=0, description="Seconds a session may run; past it the session fails ('deadline').")
-    max_tokens_per_session: int = Field(1024, ge=1, description="Sampled tokens a session may use; over it the session fails ('budget').")
+    max_tokens_per_session: int = Field(
+        1024,
+        ge=1,
+        description="Sampled tokens a session may use: the server cuts the call that reaches them and refuses a call that"
+        " finds fewer left than its n (400 session_budget_exceeded); an agent that raises after that fails ('budget').",
+    )
     failure_reward: float = Field(0.0, description="Reward of a failed session's rows.")
     seeded_calls: bool = Field(
         True,
@@ -111,11 +116,39 @@ class AgentEnvironment(EnvironmentInterface):
             close()
 
 
-def final_answer(messages: Any) -> str:
-    """The text to verify from what an agent returned: a string as is, else the last assistant message's content.
+class ContentError(ValueError):
+    """An OpenAI message ``content`` that is not text: ``kind`` is ``"type"`` (neither a string, a list of parts nor
+    null) or ``"part"`` (a part that is not ``{"type": "text", "text": str}``)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def content_text(content: Any) -> str:
+    """The text of an OpenAI message's ``content``: a string as is, null as "", a list of text parts
+    (``[{"type": "text", "text": ...}]``) joined. The rollout server renders request messages with it too.
 
     Raises:
-        TypeError: ``messages`` is neither a string nor a list of messages."""
+        ContentError: another type, or a part that is not a text part (an image, say)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ContentError(f"only text content parts ({{'type': 'text', 'text': ...}}) are read, got {part!r:.80}", "part")
+        return "".join(part["text"] for part in content)
+    raise ContentError(f"content must be a string, a list of text parts or null, got {type(content).__name__}", "type")
+
+
+def final_answer(messages: Any) -> str:
+    """The text to verify from what an agent returned: a string as is, else the last assistant message's content
+    (:func:`content_text`: a list of text parts is joined).
+
+    Raises:
+        TypeError: ``messages`` is neither a string nor a list of messages, or the content is not text."""
     if isinstance(messages, str):
         return messages
     if not isinstance(messages, (list, tuple)):
@@ -124,5 +157,8 @@ def final_answer(messages: Any) -> str:
         role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
         if role == "assistant":
             content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
-            return content or ""
+            try:
+                return content_text(content)
+            except ContentError as exc:
+                raise TypeError(f"the last assistant message's {exc}") from None
     return ""

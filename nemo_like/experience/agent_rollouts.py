@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import numbers
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from nemo_like.data.prompts import PromptRecord
@@ -40,11 +42,10 @@ from nemo_like.experience.rollouts import Rollout, expand_groups
 from nemo_like.models.generation.interface import GeneratedSample
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
+from nemo_like.serving.sessions import BUDGET_KEY, GREEDY_KEY, SEED_KEY
 from nemo_like.utils.seeds import agent_session_seed
 
 AGENT_THREAD = "agent-session"  # the name of a sync agent's thread (abandoned past its deadline; joined briefly at close)
-
-SEED_KEY, BUDGET_KEY = "seed", "token_budget"  # the session metadata the server reads (nemo_like/serving/sessions.py)
 
 
 @dataclass
@@ -57,12 +58,33 @@ class SessionOutcome:
     detail: str = ""
 
 
+def reward_number(value: Any) -> float | None:
+    """``value`` as a reward if it is a real number: any :class:`numbers.Real` (``numpy.float32``, ``Fraction``, ...)
+    or a 0-d numpy array or torch tensor of an integer or floating dtype, as ``float``; ``None`` for anything else
+    (a bool is not a reward, nor a tensor of more than one element)."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, torch.Tensor):
+        numeric = value.dtype.is_floating_point or not (value.dtype.is_complex or value.dtype == torch.bool)
+        return float(value) if value.ndim == 0 and numeric else None
+    if isinstance(value, np.ndarray):
+        return float(value) if value.ndim == 0 and value.dtype.kind in "iuf" else None
+    return float(value) if isinstance(value, numbers.Real) else None
+
+
 def outcome_of(value: Any, has_verifier: bool) -> SessionOutcome:
-    """Interpret an agent's return value: a finite number is the reward; a string or messages are verified."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
+    """Interpret an agent's return value: a finite real number (:func:`reward_number`) is the reward; a string or
+    messages are verified."""
+    reward = reward_number(value)
+    if reward is not None:
+        if not math.isfinite(reward):
             return SessionOutcome(failure="bad_return", detail=f"the reward {value!r} is not finite")
-        return SessionOutcome(reward=float(value))
+        return SessionOutcome(reward=reward)
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return SessionOutcome(
+            failure="bad_return",
+            detail=f"a reward must be one real number; got a {type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}",
+        )
     try:
         answer = final_answer(value)
     except TypeError as exc:
@@ -203,10 +225,12 @@ class AgentRollouts:
         """Whether the batch is an agent batch (every prompt of an agent run is of an agent task)."""
         return any(task_of(p.metadata, tasks) in self.settings for p in prompts)
 
-    def _open(self, index: int, prompt: PromptRecord, task: str, seed: int) -> _Session:
+    def _open(self, index: int, prompt: PromptRecord, task: str, seed: int, greedy: bool) -> _Session:
         settings = self.settings[task]
-        meta = {SEED_KEY: agent_session_seed(seed, index)} if settings.config.seeded_calls else {}
+        meta: dict[str, Any] = {SEED_KEY: agent_session_seed(seed, index)} if settings.config.seeded_calls else {}
         meta[BUDGET_KEY] = settings.config.max_tokens_per_session
+        if greedy:
+            meta[GREEDY_KEY] = True
         version = int(self.engine.weight_version)
         return _Session(index, self.server.sessions.open(metadata=meta), prompt, settings, open_version=version)
 
@@ -262,11 +286,14 @@ class AgentRollouts:
         num_generations: int,
         seed: int,
         timings: dict[str, float] | None = None,
+        greedy: bool = False,
     ) -> Rollout:
-        """``num_generations`` sessions per prompt; their rows as the batch (prompt-major, a session's rows adjacent)."""
+        """``num_generations`` sessions per prompt; their rows as the batch (prompt-major, a session's rows adjacent).
+        ``greedy`` (validation with ``grpo.val_greedy``, ``nemo-like eval`` with ``eval.greedy``): every call of the
+        sessions decodes greedily (the server's ``greedy`` session metadata), whatever the run's temperature."""
         expanded, group_ids = expand_groups(prompts, num_generations)
         t0 = time.perf_counter()
-        sessions = [self._open(i, p, task_of(p.metadata, envs.tasks), seed) for i, p in enumerate(expanded)]
+        sessions = [self._open(i, p, task_of(p.metadata, envs.tasks), seed, greedy) for i, p in enumerate(expanded)]
         try:
             asyncio.run(self._run_all(sessions))
         except asyncio.CancelledError:
@@ -289,10 +316,10 @@ class AgentRollouts:
         return counters
 
     def _classify(self, s: _Session) -> str | None:
-        """The session's failure kind (None: it succeeded)."""
-        budget = s.settings.config.max_tokens_per_session
-        used = sum(sum(r.response_mask) for r in s.result.rows) if s.result is not None else 0
-        if used > budget or (s.outcome.failure == "error" and used >= budget):
+        """The session's failure kind (None: it succeeded). The server never lets a session sample past its budget
+        (its calls reserve their tokens): a session fails 'budget' when its agent raised after the server refused one
+        of its calls for the budget."""
+        if s.outcome.failure == "error" and s.result is not None and s.result.budget_refusals:
             return "budget"
         if s.outcome.failure is not None:
             return s.outcome.failure
@@ -333,7 +360,8 @@ class AgentRollouts:
         if kind == "rejected" and s.result is not None and s.result.rejected is not None:
             return str(s.result.rejected)
         if kind == "budget":
-            return f"sampled more than max_tokens_per_session={s.settings.config.max_tokens_per_session} tokens"
+            budget = s.settings.config.max_tokens_per_session
+            return f"a call was refused: the session had too few of its max_tokens_per_session={budget} tokens left ({s.outcome.detail})"
         return s.outcome.detail or "no result"
 
     def _decode(self, sample: GeneratedSample) -> str:
@@ -343,9 +371,11 @@ class AgentRollouts:
     def _counters(sessions: list[_Session], failures: dict[str, float], num_rows: int) -> dict[str, float]:
         n = len(sessions)
         results = [s.result for s in sessions if s.result is not None]
+        with_rows = sum(bool(r.rows) for r in results)
         out = {
             "agent/sessions": float(n),
-            "agent/rows_per_session": num_rows / max(n, 1),
+            "agent/sessions_with_rows": float(with_rows),
+            "agent/rows_per_session": num_rows / max(with_rows, 1),  # of the sessions with rows: 1.0 unless some branched
             "agent/branched_sessions": float(sum(r.branched for r in results)),
             "agent/rejected_sessions": float(sum(r.rejected is not None for r in results)),
             "agent/calls_per_session": sum(r.num_calls for r in results) / max(n, 1),

@@ -115,16 +115,18 @@ def env_metrics_with_means(counters: dict[str, float]) -> dict[str, float]:
     return out
 
 
-#: Agent counters that are a batch's means per session: batches added up weigh them by their ``agent/sessions``.
-PER_SESSION_COUNTERS = ("agent/rows_per_session", "agent/calls_per_session")
+#: Agent counters that are a batch's means per session, and the count of the sessions each is a mean over: batches
+#: added up weigh them by it (``rows_per_session`` is over the sessions with rows; a batch without that count: all).
+PER_SESSION_COUNTERS = {"agent/rows_per_session": "agent/sessions_with_rows", "agent/calls_per_session": "agent/sessions"}
 
 
 def add_batch_counters(total: dict[str, float], counters: dict[str, Any]) -> dict[str, float]:
     """:func:`add_counters` for a step's generation batches (dynamic sampling's refills): sums, except the per-session
     means, which average over every batch's sessions (a sum multiplied them by the number of batches)."""
-    before, added = total.get("agent/sessions", 0.0), float(counters.get("agent/sessions", 0.0))
-    for key in PER_SESSION_COUNTERS:
+    for key, count in PER_SESSION_COUNTERS.items():
         if key in counters:
+            count = count if count in counters else "agent/sessions"
+            before, added = total.get(count, 0.0), float(counters.get(count, 0.0))
             sessions = before + added
             total[key] = (total.get(key, 0.0) * before + float(counters[key]) * added) / sessions if sessions else 0.0
     return add_counters(total, {k: v for k, v in counters.items() if k not in PER_SESSION_COUNTERS})
@@ -181,7 +183,7 @@ def collect_rollout(
     agent against the run's rollout server, and the sessions' rows are the samples."""
     agents = getattr(envs, "agents", None)
     if agents is not None and agents.serves(prompts, envs.tasks):
-        return agents.collect(envs, prompts, num_generations, seed, timings)
+        return agents.collect(envs, prompts, num_generations, seed, timings, greedy=params.greedy)
     if multi_turn is not None:
         return collect_multi_turn_rollout(generation, envs, tokenizer, prompts, num_generations, params, seed, timings, multi_turn)
     t0 = time.perf_counter()

@@ -45,10 +45,19 @@ class OpenSessionRequest(BaseModel):
     metadata: dict[str, Any] | None = None
 
 
+def _param(loc: list[Any]) -> str | None:
+    """The ``param`` of a validation error at ``loc``: the field and its list indices (``prompt[2]``), without the union
+    branch pydantic tried (``prompt.str``, ``stop.list[str]``) or a dict key."""
+    if not loc:
+        return None
+    return str(loc[0]) + "".join(f"[{part}]" for part in loc[1:] if isinstance(part, int))
+
+
 def _validation_error(exc: RequestValidationError) -> ServingError:
     """Malformed JSON and schema violations as OpenAI's 400s (the first problem, with its parameter)."""
     first = exc.errors()[0] if exc.errors() else {}
-    kind, loc = first.get("type", ""), [str(p) for p in first.get("loc", ()) if p != "body"]
+    raw_loc = [p for p in first.get("loc", ()) if p != "body"]
+    kind, loc = first.get("type", ""), [str(p) for p in raw_loc]
     if not loc and kind in ("missing", "dict_type", "model_attributes_type"):  # no body, or one that is not an object
         return bad_request("The request body must be a JSON object.")
     if kind == "json_invalid":
@@ -57,7 +66,7 @@ def _validation_error(exc: RequestValidationError) -> ServingError:
         return bad_request(f"Unrecognized request argument supplied: {'.'.join(loc)}", param=".".join(loc) or None)
     if kind == "missing":
         return bad_request(f"Missing required parameter: '{'.'.join(loc)}'.", param=".".join(loc) or None)
-    param = ".".join(loc) or None
+    param = _param(raw_loc)
     return bad_request(f"Invalid value for '{param}': {first.get('msg', 'invalid')}.", param=param)
 
 
@@ -119,7 +128,7 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse:
         call = await service.chat(body, request.headers.get(SESSION_HEADER))
-        return JSONResponse(chat_response(call, body, f"chatcmpl-{uuid.uuid4().hex}", decode_token))
+        return JSONResponse(chat_response(call, body, f"chatcmpl-{uuid.uuid4().hex}", decode_token, service.renderer.token_bytes))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> JSONResponse:

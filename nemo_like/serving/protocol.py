@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.serving.errors import bad_request, unsupported
@@ -42,6 +42,12 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _null_n_is_one(cls, n: Any) -> Any:
+        """``n: null`` is OpenAI's default, 1 (its schema allows null)."""
+        return 1 if n is None else n
 
     def check_supported(self) -> None:
         """Raise a 400 for a set parameter this server does not implement."""

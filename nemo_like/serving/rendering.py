@@ -13,10 +13,13 @@ The wrapper's answers are checked against the direct ones on probe strings when 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from typing import Any
 
+from nemo_like.environments.agent import ContentError, content_text
 from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import bad_request, unsupported
 
@@ -32,6 +35,32 @@ WORD_START = "\u2581"  # SentencePiece's word-start marker
 #: Strings the direct path must encode and decode as the wrapper does: capitals, spaces at both ends and doubled, new lines,
 #: non-ASCII text, markup around and between special tokens (each special token is probed too).
 PROBES = (" Hello  WORLD ", "\n\nline\tend\n", "ünïcödé 中文 ✓", 'a<b>c</b> {"k": [1, 2]}', "x = 3.14*2 -> 6.28")
+
+
+@functools.cache
+def byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet inverted: the character a byte-level token writes for each byte -> that byte
+    (``bytes_to_unicode``: printable bytes stand for themselves, the others for 256 + their rank)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer is byte-level BPE (its tokens spell bytes in GPT-2's alphabet)."""
+    if hasattr(tokenizer, "byte_decoder"):  # a slow GPT-2-style tokenizer
+        return True
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    return backend is not None and type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
 
 
 def direct_backend(tokenizer: Any) -> Any | None:
@@ -100,18 +129,12 @@ def continuation_backend(backend: Any) -> Any | None:
 
 
 def _text_content(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise unsupported(f"{where}.content", "only text content parts")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad_request(f"'{where}.content' must be a string, a list of text parts or null.", param=f"{where}.content")
+    try:
+        return content_text(content)
+    except ContentError as exc:
+        if exc.kind == "part":
+            raise unsupported(f"{where}.content", "only text content parts") from None
+        raise bad_request(f"'{where}.content' must be a string, a list of text parts or null.", param=f"{where}.content") from None
 
 
 def _template_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
@@ -243,6 +266,31 @@ class Renderer:
         if self._direct is not None:
             return self._direct.decode(list(ids), skip_special_tokens=False)
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the text (the ``bytes`` of chat ``logprobs``), also for a token holding part of
+        a UTF-8 character, whose text decoded alone is U+FFFD: a byte-level BPE token's characters mapped back to their
+        bytes, a SentencePiece byte-fallback piece (``<0xE2>``) its byte; any other token (a special token, a
+        SentencePiece piece) the UTF-8 of its text as a continuation."""
+        if token_id not in self._special_ids:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str):
+                fallback = BYTE_FALLBACK.fullmatch(piece)
+                if fallback is not None:
+                    return bytes([int(fallback.group(1), 16)])
+                if self._byte_level and piece and all(c in byte_level_decoder() for c in piece):
+                    return bytes(byte_level_decoder()[c] for c in piece)
+        return self.decode_continuation([token_id]).encode()
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """Ids of the special and added tokens (spelled as their text, not in the byte alphabet)."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        return frozenset([*added, *(getattr(self.tokenizer, "all_special_ids", None) or [])])
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return _is_byte_level(self.tokenizer)
 
     def chat_text(self, messages: list[Any], tools: list[dict[str, Any]] | None, continuations: Continuations | None) -> str:
         """The template's rendering of ``messages`` followed by the assistant generation prompt."""

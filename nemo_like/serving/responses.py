@@ -14,13 +14,15 @@ def _usage(call: SampledCall) -> dict[str, int]:
     return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": completion, "total_tokens": len(call.prompt_ids) + completion}
 
 
-def _chat_logprobs(choice: SampledChoice, decode_token: Any) -> dict[str, Any]:
-    return {
-        "content": [
-            {"token": decode_token(t), "logprob": lp, "bytes": list(decode_token(t).encode()), "top_logprobs": []}
-            for t, lp in zip(choice.completion_ids, choice.logprobs)
-        ]
-    }
+def _chat_logprobs(choice: SampledChoice, decode_token: Any, token_bytes: Any) -> dict[str, Any]:
+    """Per sampled token: its text, logprob and its own bytes (``token_bytes(id)``; a token holding part of a UTF-8
+    character decodes to U+FFFD, whose bytes are not the token's)."""
+
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        raw = token_bytes(t) if token_bytes is not None else decode_token(t).encode()
+        return {"token": decode_token(t), "logprob": lp, "bytes": list(raw), "top_logprobs": []}
+
+    return {"content": [entry(t, lp) for t, lp in zip(choice.completion_ids, choice.logprobs)]}
 
 
 def _response_body(kind: str, call: SampledCall, req: Any, response_id: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -35,8 +37,11 @@ def _response_body(kind: str, call: SampledCall, req: Any, response_id: str, cho
     return body
 
 
-def chat_response(call: SampledCall, req: ChatCompletionRequest, response_id: str, decode_token: Any = str) -> dict[str, Any]:
-    """A ``chat.completion`` object; ``decode_token(id)`` names tokens in ``logprobs``."""
+def chat_response(
+    call: SampledCall, req: ChatCompletionRequest, response_id: str, decode_token: Any = str, token_bytes: Any = None
+) -> dict[str, Any]:
+    """A ``chat.completion`` object; ``decode_token(id)`` names tokens in ``logprobs``, ``token_bytes(id)`` gives their
+    bytes (None: the UTF-8 of ``decode_token(id)``)."""
     choices = []
     for choice in call.choices:
         parsed = choice.parsed
@@ -47,7 +52,7 @@ def chat_response(call: SampledCall, req: ChatCompletionRequest, response_id: st
             "index": choice.index,
             "message": message,
             "finish_reason": choice.finish_reason,
-            "logprobs": _chat_logprobs(choice, decode_token) if req.logprobs else None,
+            "logprobs": _chat_logprobs(choice, decode_token, token_bytes) if req.logprobs else None,
         }
         choices.append(entry)
     return _response_body("chat.completion", call, req, response_id, choices)

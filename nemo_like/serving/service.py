@@ -7,16 +7,16 @@ recorded happens here, so the training loop's own tests can drive it directly.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nemo_like.models.generation.interface import GeneratedSample, stop_string_prefix
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, stop_string_prefix
 from nemo_like.serving.batching import GenerationQueue
 from nemo_like.serving.continuation import message_keys
 from nemo_like.serving.errors import ServingError, bad_request
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, engine_top_k
 from nemo_like.serving.rendering import Renderer
-from nemo_like.serving.sessions import Session, SessionStore, check_budget, session_call_seed
+from nemo_like.serving.sessions import GREEDY_KEY, Session, SessionStore, session_call_seed
 from nemo_like.serving.tool_parsers import ParsedTurn, ToolParser
 from nemo_like.serving.trajectory import CallRecord
 
@@ -29,28 +29,41 @@ class Limits:
     max_context: int  # prompt + completion tokens
     max_n: int = 16
     require_session: bool = False  # refuse calls without a session id (a training run's server)
-    run_sampling: RunSampling | None = None  # the run's sampling settings: defaults, enforced when ``enforce``
+    run_sampling: RunSampling | None = None  # the run's sampling settings: defaults, enforced when ``enforce``; its stops
 
 
 @dataclass(frozen=True)
 class RunSampling:
-    """A run's ``policy.generation`` temperature / top_p / top_k. A request that leaves one unset gets the run's;
+    """A run's ``policy.generation`` settings. A request that leaves temperature / top_p / top_k unset gets the run's;
     with ``enforce`` (a training run's server, whose trainer scores every token under these settings) a request that
-    sets another value, or greedy decoding, is refused: its recorded logprobs would not be those the trainer scores."""
+    sets another value, or greedy decoding, is refused: its recorded logprobs would not be those the trainer scores
+    (a session opened with :data:`~.sessions.GREEDY_KEY` decodes greedily instead).
+
+    Every call also stops at the run's ``stop_token_ids`` (they end the completion as eos does, and are not part of its
+    text) and at its ``stop_strings`` besides the request's own ``stop``. ``max_new_tokens``: with ``enforce`` no call
+    samples more (a longer ``max_tokens``, or none, is cut to it: ``finish_reason: "length"``), as no turn of an ordinary
+    run does; without ``enforce`` it is the default of a chat call that sets no ``max_tokens``."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
     enforce: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    max_new_tokens: int | None = None
 
-    def apply(self, req: SamplingFields) -> None:
+    def apply(self, req: SamplingFields, greedy: bool = False) -> None:
         """Fill ``req``'s unset fields with the run's values; with ``enforce`` refuse a differing one (400
-        ``sampling_mismatch`` naming it)."""
+        ``sampling_mismatch`` naming it). ``greedy`` (a session the run opened for greedy validation or eval): the call
+        decodes greedily, whether it leaves ``temperature`` unset, sends 0 or the run's temperature (what an agent
+        written for training sends)."""
         run = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         for name, value in run.items():
             sent = getattr(req, name)
             if sent is None:
                 setattr(req, name, value)
+            elif greedy and name == "temperature" and sent == 0:
+                pass
             elif self.enforce and (engine_top_k(sent) if name == "top_k" else sent) != value:  # temperature 0 stays 0
                 raise bad_request(
                     f"'{name}'={sent} differs from the run's policy.generation.{name}={value}: the trainer scores every "
@@ -59,11 +72,36 @@ class RunSampling:
                     param=name,
                     code="sampling_mismatch",
                 )
+        if greedy:
+            req.temperature = 0.0
+
+    def max_tokens(self, requested: int | None, room: int) -> int:
+        """The tokens a call may sample: ``requested`` (None: ``room``, the rest of the context), capped at the run's
+        ``max_new_tokens`` with ``enforce``, defaulting to it without."""
+        if self.max_new_tokens is None:
+            return requested or room
+        if self.enforce:
+            return min(requested or room, self.max_new_tokens)
+        return requested or min(room, self.max_new_tokens)
+
+    def params(self, req: SamplingFields, max_new_tokens: int) -> SamplingParams:
+        """The engine's settings of a call: the request's, with the run's stop tokens and stop strings added."""
+        params = req.sampling_params(max_new_tokens, self.stop_token_ids)
+        extra = tuple(s for s in self.stop_strings if s not in params.stop_strings)
+        return replace(params, stop_strings=params.stop_strings + extra) if extra else params
 
 
 def run_sampling(generation: Any, enforce: bool) -> RunSampling:
     """The :class:`RunSampling` of a recipe's ``policy.generation`` section."""
-    return RunSampling(generation.temperature, generation.top_p, generation.top_k, enforce)
+    return RunSampling(
+        generation.temperature,
+        generation.top_p,
+        generation.top_k,
+        enforce,
+        stop_token_ids=tuple(generation.stop_token_ids or ()),
+        stop_strings=tuple(generation.stop_strings or ()),
+        max_new_tokens=generation.max_new_tokens,
+    )
 
 
 @dataclass
@@ -109,10 +147,12 @@ class CompletionService:
         self.queue = queue
         self.sessions = sessions
         self.limits = limits
-        self.eos_token_ids = set(eos_token_ids)
+        run = limits.run_sampling
+        # What ends a completion and is not part of its text: eos, and the run's stop tokens (policy.generation).
+        self.eos_token_ids = set(eos_token_ids) | set(run.stop_token_ids if run is not None else ())
         self.tool_parser = tool_parser
 
-    def _check(self, req: SamplingFields) -> None:
+    def _check(self, req: SamplingFields, session_id: str | None) -> None:
         req.check_supported()
         if req.model != self.limits.model_name:
             raise ServingError(
@@ -121,8 +161,11 @@ class CompletionService:
             )  # fmt: skip
         if req.n > self.limits.max_n:
             raise bad_request(f"'n' must be at most {self.limits.max_n}; got {req.n}.", param="n")
+        greedy = session_id is not None and bool(self.sessions.session(session_id).metadata.get(GREEDY_KEY))
         if self.limits.run_sampling is not None:
-            self.limits.run_sampling.apply(req)
+            self.limits.run_sampling.apply(req, greedy)
+        elif greedy:
+            req.temperature = 0.0
 
     def _session(self, session_id: str | None) -> tuple[Session | None, int]:
         if session_id is None:
@@ -139,11 +182,12 @@ class CompletionService:
                 f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the prompt, {requested or 0} for the completion).",
                 param=prompt_param if room <= 0 else "max_tokens", code="context_length_exceeded",
             )  # fmt: skip
-        return requested or room
+        run = self.limits.run_sampling
+        return run.max_tokens(requested, room) if run is not None else requested or room
 
     async def chat(self, req: ChatCompletionRequest, session_id: str | None) -> SampledCall:
         """Serve one ``/v1/chat/completions`` request."""
-        self._check(req)
+        self._check(req, session_id or req.user)
         session, call_index = self._session(session_id or req.user)
         continuations = session.continuations if session else None
         text = self.renderer.chat_text(req.messages, req.tools, continuations)
@@ -173,7 +217,7 @@ class CompletionService:
 
     async def complete(self, req: CompletionRequest, session_id: str | None) -> SampledCall:
         """Serve one ``/v1/completions`` request (a text prompt, or token ids used as they are)."""
-        self._check(req)
+        self._check(req, session_id or req.user)
         session, call_index = self._session(session_id or req.user)
         if isinstance(req.prompt, str):
             text = req.prompt
@@ -207,11 +251,23 @@ class CompletionService:
         prompt_param: str,
     ) -> SampledCall:
         max_new = self._max_tokens(len(ids), requested, prompt_param)
-        if session is not None:
-            left = check_budget(session)
-            if left is not None:  # the call that reaches the budget ends there ('length'), it does not sample past it
-                max_new = min(max_new, max(left // req.n, 1))
-        params = req.sampling_params(max_new)
+        reserved = 0
+        if session is not None:  # the call that reaches the budget ends there ('length'), it does not sample past it
+            max_new, reserved = self.sessions.reserve(session, max_new, req.n)
+        try:
+            return await self._sample_reserved(req, text, ids, max_new, session, call_index)
+        finally:
+            if reserved:
+                self.sessions.release(session, reserved)
+
+    def _params(self, req: SamplingFields, max_new: int) -> SamplingParams:
+        run = self.limits.run_sampling
+        return run.params(req, max_new) if run is not None else req.sampling_params(max_new)
+
+    async def _sample_reserved(
+        self, req: SamplingFields, text: str, ids: list[int], max_new: int, session: Session | None, call_index: int
+    ) -> SampledCall:
+        params = self._params(req, max_new)
         # A run's session samples with its own seeds: an agent's 'seed' would make a GRPO group's sessions identical
         # (without session seeds, agent.seeded_calls=false, the queue's running seeds apply).
         session_seed = session_call_seed(session, call_index) if session is not None else None
@@ -222,7 +278,7 @@ class CompletionService:
         call = SampledCall(prompt_ids=list(ids), session_id=caller)
         records, texts = [], []
         for i, sample in enumerate(samples):
-            choice = self._choice(i, sample, params.stop_strings)
+            choice = self._choice(i, sample, params)
             call.choices.append(choice)
             records.append(
                 CallRecord(
@@ -236,17 +292,22 @@ class CompletionService:
             self.sessions.record(session, records, texts)
         return call
 
-    def _choice(self, index: int, sample: GeneratedSample, stops: tuple[str, ...]) -> SampledChoice:
+    def _choice(self, index: int, sample: GeneratedSample, params: SamplingParams) -> SampledChoice:
         ids, logprobs, finish = list(sample.response_ids), list(sample.response_logprobs), "length" if sample.truncated else "stop"
-        cut = self._stop_cut(ids, stops)
+        cut = self._stop_cut(ids, params)
         if cut is not None:
             ids, logprobs, finish = ids[:cut], logprobs[:cut], "stop"
-        text = _cut_stop_string(self._raw_text(ids), stops)
+        text = _cut_stop_string(self._raw_text(ids), params.stop_strings)
         return SampledChoice(index, ids, logprobs, text, finish, sample.weight_version)
 
-    def _stop_cut(self, ids: list[int], stops: tuple[str, ...]) -> int | None:
-        """Length of the shortest prefix of ``ids`` whose text holds a stop string (whole tokens kept)."""
-        return stop_string_prefix(ids, self.renderer.decode_continuation, stops)
+    def _stop_cut(self, ids: list[int], params: SamplingParams) -> int | None:
+        """Length of the shortest prefix of ``ids`` that ends at a stop token (an engine stops there itself) or whose
+        text holds a stop string (whole tokens kept)."""
+        stop_ids = set(params.stop_token_ids)
+        at_token = next((i + 1 for i, t in enumerate(ids[:-1]) if t in stop_ids), None)
+        ids = ids[:at_token] if at_token is not None else ids
+        at_string = stop_string_prefix(ids, self.renderer.decode_continuation, params.stop_strings)
+        return at_string if at_string is not None else at_token
 
 
 def response_extras(call: SampledCall, choice: SampledChoice | None = None) -> dict[str, Any]:

@@ -21,9 +21,12 @@ from nemo_like.serving.trajectory import CallRecord, SessionRows, session_rows
 from nemo_like.utils.seeds import agent_call_seed
 
 #: Session metadata the run sets when it opens a session: every call's sampling seed derives from ``SEED_KEY``
-#: (:func:`~nemo_like.utils.seeds.agent_call_seed`); once the session sampled ``BUDGET_KEY`` tokens, calls are refused.
+#: (:func:`~nemo_like.utils.seeds.agent_call_seed`); the session samples at most ``BUDGET_KEY`` tokens (its calls reserve
+#: theirs, :meth:`SessionStore.reserve`); with ``GREEDY_KEY`` true its calls decode greedily (validation and eval with
+#: ``grpo.val_greedy`` / ``eval.greedy``).
 SEED_KEY = "seed"
 BUDGET_KEY = "token_budget"
+GREEDY_KEY = "greedy"
 
 
 @dataclass
@@ -36,6 +39,8 @@ class Session:
     continuations: Continuations = field(default_factory=Continuations)
     num_http_calls: int = 0
     ended: bool = False
+    reserved_tokens: int = 0  # tokens the calls in flight may still sample (their budget reservations)
+    budget_refusals: int = 0  # calls refused because the budget had too few tokens left
 
     @property
     def sampled_tokens(self) -> int:
@@ -49,6 +54,9 @@ def check_session_settings(metadata: dict[str, Any] | None) -> None:
 
     Raises:
         ServingError: 400 naming ``metadata.<key>``."""
+    greedy = (metadata or {}).get(GREEDY_KEY)
+    if greedy is not None and not isinstance(greedy, bool):
+        raise bad_request(f"metadata.{GREEDY_KEY} must be true or false, got {greedy!r}", param=f"metadata.{GREEDY_KEY}")
     for key in (SEED_KEY, BUDGET_KEY):
         value = (metadata or {}).get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -64,29 +72,12 @@ def session_call_seed(session: Session, call_index: int) -> int | None:
     return None if base is None else agent_call_seed(int(base), call_index)
 
 
-def check_budget(session: Session) -> int | None:
-    """Refuse a call once the session has sampled its token budget (``BUDGET_KEY``), if it has one; else return the
-    tokens left of it (``None``: no budget).
-
-    Raises:
-        ServingError: 400 ``session_budget_exceeded``."""
-    budget = session.metadata.get(BUDGET_KEY)
-    if budget is None:
-        return None
-    if session.sampled_tokens >= int(budget):
-        raise bad_request(
-            f"This session has sampled {session.sampled_tokens} tokens, its budget is {int(budget)}.",
-            param="max_tokens",
-            code="session_budget_exceeded",
-        )
-    return int(budget) - session.sampled_tokens
-
-
 @dataclass
 class SessionCounters:
     """Totals since the store started (``agent/*`` metrics)."""
 
     sessions: int = 0
+    sessions_with_rows: int = 0
     calls: int = 0
     rows: int = 0
     branched: int = 0
@@ -99,7 +90,7 @@ class SessionCounters:
             "agent/sessions": float(self.sessions),
             "agent/branched_sessions": float(self.branched),
             "agent/rejected_sessions": float(self.rejected),
-            "agent/rows_per_session": self.rows / n,
+            "agent/rows_per_session": self.rows / max(self.sessions_with_rows, 1),  # of the sessions with rows
             "agent/calls_per_session": self.calls / n,
         }
 
@@ -158,6 +149,37 @@ class SessionStore:
             session.num_http_calls += 1
             return session, session.num_http_calls - 1
 
+    def reserve(self, session: Session, max_new_tokens: int, n: int) -> tuple[int, int]:
+        """Reserve a call's tokens in the session's budget (``BUDGET_KEY``; none: nothing to reserve): each of its ``n``
+        choices may sample ``max_new_tokens``, or as many as the budget has left for each after the sampled tokens and
+        the reservations of the calls in flight. Returns (the tokens each choice may sample, the tokens reserved:
+        :meth:`release` them once the call is recorded or failed).
+
+        Raises:
+            ServingError: 400 ``session_budget_exceeded`` when fewer than ``n`` tokens are left."""
+        with self._lock:
+            budget = session.metadata.get(BUDGET_KEY)
+            if budget is None:
+                return max_new_tokens, 0
+            left = int(budget) - session.sampled_tokens - session.reserved_tokens
+            if left < n:
+                session.budget_refusals += 1
+                in_flight = f", {session.reserved_tokens} more reserved by its calls in flight" if session.reserved_tokens else ""
+                raise bad_request(
+                    f"This session has sampled {session.sampled_tokens} tokens{in_flight}; its budget is {int(budget)}, so "
+                    f"{max(left, 0)} are left, fewer than one per choice ('n'={n}).",
+                    param="n" if left > 0 else "max_tokens",
+                    code="session_budget_exceeded",
+                )
+            per_choice = min(max_new_tokens, left // n)
+            session.reserved_tokens += per_choice * n
+            return per_choice, per_choice * n
+
+    def release(self, session: Session, tokens: int) -> None:
+        """Give back a call's reservation (:meth:`reserve`): its sampled tokens are recorded, or it failed."""
+        with self._lock:
+            session.reserved_tokens -= tokens
+
     def record(self, session: Session, records: Sequence[CallRecord], texts: Sequence[tuple[str, str]]) -> None:
         """Append one HTTP call's records; ``texts[i]`` = (prompt text, completion text) of ``records[i]``.
 
@@ -189,6 +211,7 @@ class SessionStore:
                 session.ended = True
                 self._ended.add(session_id)
                 calls = sorted(session.calls, key=lambda c: (c.call_index, c.choice_index))
+                refusals = session.budget_refusals
                 building = self._building[session_id] = _PendingEnd()
         if pending is not None:  # another caller is building the rows: its result is this call's too
             pending.done.wait()
@@ -199,6 +222,7 @@ class SessionStore:
             if self.on_end is not None:
                 self.on_end(session_id)
             result = session_rows(session_id, calls, 0.0 if reward is None else float(reward), self.vocab_size)
+            result.budget_refusals = refusals
             with self._lock:
                 self._count(result)
                 self._results[session_id] = result
@@ -212,6 +236,7 @@ class SessionStore:
     def _count(self, result: SessionRows) -> None:
         c = self.counters
         c.sessions += 1
+        c.sessions_with_rows += int(bool(result.rows))
         c.calls += result.num_calls
         c.rows += len(result.rows)
         c.branched += int(result.branched)

@@ -187,13 +187,15 @@ def row_problems(row: TrainingRow, calls: Sequence[CallRecord]) -> list[str]:
 
 @dataclass
 class SessionRows:
-    """A finished session: its rows (empty when rejected) and why it was rejected, if it was."""
+    """A finished session: its rows (empty when rejected), its HTTP calls (``num_calls``: a call with ``n`` choices is
+    one), why it was rejected, if it was, and how many of its calls the server refused for its token budget."""
 
     session_id: str
     reward: float
     rows: list[TrainingRow]
     num_calls: int
     rejected: str | None = None
+    budget_refusals: int = 0
 
     @property
     def branched(self) -> bool:
@@ -212,6 +214,7 @@ def session_rows(session_id: str, calls: Sequence[CallRecord], reward: float, vo
     (:func:`record_problems`), or when a built row fails :func:`row_problems`; every sampled token is masked in once."""
     if not calls:
         return SessionRows(session_id, reward, [], 0, rejected="the session made no calls")
+    num_calls = len({c.call_index for c in calls})
     problems = record_problems(calls, vocab_size)
     rows = [] if problems else build_rows(session_id, calls, reward)
     for row in rows:
@@ -219,8 +222,8 @@ def session_rows(session_id: str, calls: Sequence[CallRecord], reward: float, vo
     if not problems and sum(sum(r.response_mask) for r in rows) != sum(len(c.completion_ids) for c in calls):
         problems.append("the rows do not mask in every sampled token exactly once")
     if problems:
-        return SessionRows(session_id, reward, [], len(calls), rejected="; ".join(problems))
-    return SessionRows(session_id, reward, rows, len(calls))
+        return SessionRows(session_id, reward, [], num_calls, rejected="; ".join(problems))
+    return SessionRows(session_id, reward, rows, num_calls)
 
 
 @dataclass

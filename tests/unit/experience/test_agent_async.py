@@ -200,8 +200,9 @@ def test_a_stopping_run_cancels_the_agent_batch_in_flight_and_ends_its_sessions(
 
 
 def test_rows_per_session_counts_the_rows_of_sessions_not_a_failed_sessions_placeholder():
-    """One session makes a call and returns; the other raises before calling: one row of session data for two
-    sessions (0.5, as the session store counts), though the batch holds two rows (the failed one's placeholder)."""
+    """One session makes a call and returns; the other raises before calling: one row of the one session with rows
+    (1.0, as the session store counts: no session branched), though the batch holds two rows (the failed one's
+    placeholder)."""
     store = SessionStore(auto_create=False, vocab_size=100)
 
     def agent(base_url, api_key, session_id, prompt, metadata):
@@ -218,6 +219,7 @@ def test_rows_per_session_counts_the_rows_of_sessions_not_a_failed_sessions_plac
     prompts = [PromptRecord(f"p{i}", [{"role": "user", "content": "q"}], [1, 2], {"task_name": "t", "fails": i == 1}) for i in range(2)]
     rollout = agents.collect(SimpleNamespace(tasks=["t"]), prompts, 1, seed=0)
     assert len(rollout.samples) == 2 and rollout.rewards.tolist() == [1.0, 0.0]
-    assert rollout.env_metrics["agent/rows_per_session"] == 0.5 == store.metrics()["agent/rows_per_session"]
+    assert rollout.env_metrics["agent/rows_per_session"] == 1.0 == store.metrics()["agent/rows_per_session"]
+    assert rollout.env_metrics["agent/sessions_with_rows"] == 1.0 and rollout.env_metrics["agent/sessions"] == 2.0
     assert rollout.env_metrics["agent/failures/error"] == 1.0
     agents.close(join_s=1)

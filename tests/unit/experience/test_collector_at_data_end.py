@@ -31,7 +31,7 @@ class Agents:
     def serves(self, prompts, tasks) -> bool:
         return True
 
-    def collect(self, envs, prompts, num_generations, seed, timings) -> Rollout:
+    def collect(self, envs, prompts, num_generations, seed, timings, greedy: bool = False) -> Rollout:
         expanded = [p for p in prompts for _ in range(num_generations)]
         samples = [GeneratedSample(list(p.prompt_token_ids), [5, 6], [-0.1, -0.2], False, 0, 0) for p in expanded]
         if timings is not None:
@@ -165,7 +165,7 @@ class LoadingGeneration:
 
 
 class OneSecondAgents(Agents):
-    def collect(self, envs, prompts, num_generations, seed, timings) -> Rollout:
+    def collect(self, envs, prompts, num_generations, seed, timings, greedy: bool = False) -> Rollout:
         rollout = super().collect(envs, prompts, num_generations, seed, timings)
         timings["generation"] = 1.0  # the generate calls' wall time, in-flight loads included
         return rollout
