@@ -99,16 +99,26 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA checkpoint into a plain HF model directory and print its path."""
+    from nemo_like.models.loading import ADAPTER_CONFIG, adapter_base_model, resolve_model_path
     from nemo_like.models.lora import merge_checkpoint
+    from nemo_like.utils.preflight import refuse_overwriting
 
     path = Path(args.checkpoint)
     adapter_dir = path / "policy" if (path / "policy").is_dir() else path
-    if Path(args.out).exists() and not Path(args.out).is_dir():
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {args.out} is a file; the merged model is a directory")
     if args.base_model is not None:
         from nemo_like.models.loading import check_model_source
 
         check_model_source(args.base_model, "--base-model")
+    refuse_overwriting(out, adapter_dir, "--out", "the checkpoint it merges")
+    if (adapter_dir / ADAPTER_CONFIG).is_file():  # else merge_checkpoint says it is no LoRA checkpoint
+        base = Path(resolve_model_path(args.base_model or adapter_base_model(adapter_dir)))
+        if base.is_dir():  # --out on the base model replaced it: every later merge applied the adapters twice
+            refuse_overwriting(out, base, "--out", "the base model the adapters apply to")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"--out {args.out} is not empty; merge into a new directory (or remove this one first)")
     print(merge_checkpoint(adapter_dir, args.out, args.base_model, precision=args.precision))
     return 0
 
@@ -116,7 +126,9 @@ def run_merge(args: argparse.Namespace) -> int:
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("log_dir", help="A run's logger.log_dir (holding metrics.jsonl), or the metrics.jsonl itself.")
     parser.add_argument("--metrics", nargs="+", default=None, help="Plot these metrics, one panel each, instead of the standard panel.")
-    parser.add_argument("--out", default=None, help="Output PNG (default: LOG_DIR/metrics.png).")
+    parser.add_argument(
+        "--out", default=None, help="Output PNG (default: LOG_DIR/metrics.png); a directory gets metrics.png, a name without a suffix .png."
+    )
 
 
 def run_plot(args: argparse.Namespace) -> int:
@@ -199,13 +211,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. eval.model_path=results/grpo/step_50")
 
 
+DEFAULT_MFU = 0.4  # nemo-like plan's assumed model FLOPs utilisation
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="Recipe YAML (default: examples/configs/grpo_tiny_cpu.yaml).")
     parser.add_argument(
         "--device-memory-gib", type=float, default=None, help="Memory of one GPU (or of one node on a CPU cluster): check the fit."
     )
     parser.add_argument("--peak-tflops", type=float, default=None, help="Peak dense TFLOP/s of one device: estimate the step time.")
-    parser.add_argument("--mfu", type=float, default=0.4, help="Model FLOPs utilisation assumed for the step time (default 0.4).")
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help=f"Model FLOPs utilisation assumed for the step time (default {DEFAULT_MFU}; needs --peak-tflops).",
+    )
     parser.add_argument("--model-config", default=None, help="The model's config.json when the model is not on this machine.")
     parser.add_argument(
         "--teacher-config",
@@ -220,6 +240,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the run plan and the memory plan; exit 3 when a device is over ``--device-memory-gib``."""
+    from nemo_like.algorithms.names import check_plugin_names
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.footprint import memory_report
 
@@ -235,8 +256,14 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--teacher-config {item}: expected NAME=PATH (a teacher model and its config.json)")
         teacher_configs[name] = path
     cfg = load_config(args.config, args.overrides)
+    check_plugin_names(cfg)  # what train refuses at once (an unknown estimator, env class or tool) plan refuses too
+    if unknown := sorted(set(teacher_configs) - set(cfg.teacher.models())):
+        raise ConfigError(f"--teacher-config {unknown[0]}=...: not a teacher model of this run (its teachers: {cfg.teacher.models()})")
+    if args.mfu is not None and not args.peak_tflops:
+        print("[plan] warning: --mfu has no effect without --peak-tflops (no step time is estimated)", file=sys.stderr, flush=True)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
-    lines, fits = memory_report(cfg, plan_on_cluster(cfg), args.device_memory_gib, peak, args.mfu, args.model_config, teacher_configs)
+    mfu = DEFAULT_MFU if args.mfu is None else args.mfu
+    lines, fits = memory_report(cfg, plan_on_cluster(cfg), args.device_memory_gib, peak, mfu, args.model_config, teacher_configs)
     for line in lines:
         print(f"[plan] {line}")
     return 3 if fits is False else 0

@@ -120,7 +120,11 @@ def read_yaml_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"Recipe file not found: {path}")
     try:
-        data = yaml.load(path.read_text(), Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"Recipe {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

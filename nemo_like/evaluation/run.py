@@ -27,11 +27,11 @@ from typing import Any
 import yaml
 
 from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
-from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.models.loading import ADAPTER_CONFIG, holds_tokenizer
 from nemo_like.models.lora import merge_checkpoint
+from nemo_like.utils import preflight
 
 
 def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
@@ -53,12 +53,7 @@ def refuse_overwriting(target: Path, model_dir: Path) -> None:
     """Eval replaces ``target`` (a directory under ``eval.output_dir``): a :class:`ConfigError` when that is, holds
     or lies inside the model directory it evaluates (``eval.output_dir`` set to the checkpoint's parent deleted the
     weights being evaluated)."""
-    written, model = target.resolve(), model_dir.resolve()
-    if written == model or model.is_relative_to(written) or written.is_relative_to(model):
-        raise ConfigError(
-            f"eval.output_dir: eval writes {target} there, which would overwrite the model it evaluates ({model_dir}, from "
-            "eval.model_path); choose an eval.output_dir outside the model's directory"
-        )
+    preflight.refuse_overwriting(target, model_dir, "eval.output_dir", "the model it evaluates (eval.model_path)")
 
 
 #: Training validation's decoding keys and the ``eval`` keys that ``nemo-like eval`` reads in their place.
@@ -161,7 +156,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     prompts = load_validation_prompts(cfg, tokenizer)
     check_environments(specs, {"validation": prompts})
     out = Path(ev.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    preflight.ensure_writable_dir(out, "eval.output_dir")  # a file there was a FileExistsError traceback
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     if (Path(model_dir) / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint: serve its merged model
         refuse_overwriting(out / "merged_model", Path(model_dir))

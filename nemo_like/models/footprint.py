@@ -42,27 +42,46 @@ def model_config_path(
     return path
 
 
+def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
+    """``path``'s JSON and the ``transformers`` config it describes; a ConfigError naming the file when it is not a
+    model's ``config.json`` (not JSON, no or an unknown ``model_type``: a generation_config.json, say)."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict) or "model_type" not in raw:
+            raise ValueError("it has no 'model_type'")
+        return raw, AutoConfig.for_model(**raw)
+    except (ValueError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
+
+
 def model_footprint(
     model_name: str, precision: str, lora_cfg: Any = None, config_path: str | Path | None = None
 ) -> tuple[list[ParameterSpec], ModelShape]:
     """Every parameter of ``model_name`` as a policy worker holds it: float32 masters; with ``lora_cfg`` enabled the
     base in the compute dtype (``precision``) and float32 adapters, only the adapters trainable. ``config_path``: a
     ``config.json`` to use instead of the model's (:func:`model_config_path`; a teacher's: :func:`teacher_config_paths`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from nemo_like.models.policy.sharding import decoder_layers, tensor_parallel_dims
 
     path = model_config_path(model_name, config_path)
-    config = AutoConfig.for_model(**json.loads(path.read_text()))
+    raw, config = read_model_config(path)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        layers = decoder_layers(model)
+    except ValueError as exc:  # an encoder (bert): no causal-LM class, or no decoder layers
+        raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
         lora = lora_cfg is not None and lora_cfg.enabled
         if lora:
             from nemo_like.models.lora import apply_lora
 
             model = apply_lora(model, lora_cfg)
     base_bytes = DTYPE_BYTES[precision] if lora else 4
-    layer_of = {id(p): i for i, layer in enumerate(decoder_layers(model)) for p in layer.parameters()}
+    layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
     tp_dims = tensor_parallel_dims(model)
     specs = [
         ParameterSpec(
@@ -75,19 +94,16 @@ def model_footprint(
         )
         for p in model.parameters()
     ]
-    shape = ModelShape.from_hf_config(json.loads(path.read_text()))
+    shape = ModelShape.from_hf_config(raw)
     return specs, shape
 
 
 def matmul_parameters(model_name: str, config_path: str | Path | None = None) -> int:
     """N of :func:`~nemo_like.utils.flops.matmul_params` for ``model_name`` (its ``config.json``:
     :func:`model_config_path`; nothing loaded)."""
-    from transformers import AutoConfig
-
     from nemo_like.utils.flops import matmul_params
 
-    path = model_config_path(model_name, config_path)
-    return matmul_params(AutoConfig.for_model(**json.loads(path.read_text())))
+    return matmul_params(read_model_config(model_config_path(model_name, config_path))[1])
 
 
 def teacher_key(cfg: Any, name: str) -> str:

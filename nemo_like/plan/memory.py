@@ -555,9 +555,20 @@ def plan_memory(
         more_dp = 2 * pc.dp_size  # a larger dp that leaves no rank without a sample is not one to advise
         dp_helps = pc.train_global_batch_size // more_dp >= 1 and shrinks(_with(cfg, "policy", dp_size=more_dp))
         nodes_help = not cluster.gpus_per_node and shrinks(_with(cfg, "cluster", num_nodes=2 * cluster.num_nodes))
-        advice = fit_advice(cfg, colocated and "policy GPU" in over, "policy GPU" in over, dp_helps, nodes_help)
+        # A smaller engine share helps only where the engine's share is what is over (not the training peak) and the
+        # engine still holds a sequence (lowering it while the KV budget is short contradicts raising it).
+        util = pc.generation.vllm_cfg.gpu_memory_utilization
+        util_helps = colocated and "policy GPU" in over and not engine and shrinks(_with_engine_share(cfg, util / 2))
+        advice = fit_advice(cfg, util_helps, "policy GPU" in over, dp_helps, nodes_help)
     advice += kv_advice(cfg, roles, device_bytes) if engine else []
     return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
+
+
+def _with_engine_share(cfg: Any, utilization: float) -> Any:
+    """``cfg`` with ``policy.generation.vllm_cfg.gpu_memory_utilization`` set to ``utilization`` (a what-if plan)."""
+    generation = cfg.policy.generation
+    vllm_cfg = generation.vllm_cfg.model_copy(update={"gpu_memory_utilization": utilization})
+    return _with(cfg, "policy", generation=generation.model_copy(update={"vllm_cfg": vllm_cfg}))
 
 
 def _with(cfg: Any, section: str, **changes: Any) -> Any:
@@ -735,7 +746,7 @@ def fit_advice(
     cfg: Any, colocated_over: bool = False, policy_gpu_over: bool = False, dp_helps: bool = True, nodes_help: bool = False
 ) -> list[str]:
     """What to change when a device is over its memory, the cheapest first; ``colocated_over``: the GPU a colocated
-    vLLM engine shares is among them; ``policy_gpu_over``: a policy GPU is; ``dp_helps``: a plan at twice
+    vLLM engine shares is among them and a smaller engine share would hold less there; ``policy_gpu_over``: a policy GPU is; ``dp_helps``: a plan at twice
     ``policy.dp_size`` holds less on the devices that are over (not on one CPU node, whose RAM every rank shares);
     ``nodes_help``: one at twice ``cluster.num_nodes`` does (a CPU cluster's workers spread over more nodes)."""
     pc = cfg.policy

@@ -62,7 +62,10 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             if number == len(lines) and not text.endswith("\n"):
                 break  # torn: the writer died mid-line
             raise ValueError(f"{path}: line {number} is not JSON ({exc})") from None
-        step = int(record["step"])
+        try:
+            step = int(record["step"])
+        except (KeyError, TypeError, ValueError):  # another JSON Lines file (eval's results.jsonl, say)
+            raise ValueError(f"{path}: line {number} is not a metrics record (a JSON object with an integer 'step')") from None
         if last_step is not None and step < last_step:
             runs.append({})
         last_step = step
@@ -174,6 +177,10 @@ def plot_metrics(metrics_path: str | Path, out: str | Path | None = None, metric
     if missing:
         raise ValueError(f"--metrics: {missing} not in {metrics_path}; it holds {sorted(present - {'step'})}")
     out_path = Path(out) if out is not None else metrics_path.with_name("metrics.png")
+    if out_path.is_dir():  # a directory: the figure goes in it (savefig wrote DIR.png beside it)
+        out_path = out_path / "metrics.png"
+    elif not out_path.suffix:  # savefig adds .png to a name without one: return the path it writes
+        out_path = out_path.with_suffix(".png")
     if metrics:
         fig, axes = _grid(len(metrics))
         for ax, metric in zip(axes, metrics):

@@ -25,3 +25,11 @@ def ensure_writable_dir(directory: Path, key: str) -> None:
         raise ConfigError(
             f"{key}={str(directory)!r} is not a writable directory: {reason}{where}. Point {key} at a directory this user can create and write."
         ) from None
+
+
+def refuse_overwriting(target: Path, protected: Path, key: str, what: str) -> None:
+    """A :class:`ConfigError` naming ``key`` when writing ``target`` (a directory a command replaces or fills) would
+    overwrite ``protected`` (``what``: e.g. "the model it evaluates"): the same directory, one inside the other."""
+    written, kept = target.resolve(), protected.resolve()
+    if written == kept or kept.is_relative_to(written) or written.is_relative_to(kept):
+        raise ConfigError(f"{key}: writing {target} would overwrite {what} ({protected}); choose a directory outside it")

@@ -100,13 +100,29 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
     divided by zero, --out naming a file 'merged' into nothing, a missing checkpoint path went to the Hub as a repo id."""
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "train/reward": 0.5}\n')
+    generation_config = tmp_path / "generation_config.json"  # each a traceback before (TypeError, JSONDecodeError, ...)
+    generation_config.write_text('{"bos_token_id": 1, "eos_token_id": 2}')
+    bert = tmp_path / "t5.json"
+    bert.write_text('{"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 2, "d_ff": 128}')  # an encoder-decoder
+    utf16 = tmp_path / "recipe.yaml"
+    utf16.write_text("grpo:\n  seed: 1\n", encoding="utf-16")
+    results = tmp_path / "results.jsonl"  # eval's per-sample file, plotted by mistake
+    results.write_text('{"prompt_id": "0", "reward": 1.0}\n')
     (tmp_path / "afile").write_text("")
     cases = [
         (["plot", str(metrics), "--metrics", "train/rewrd"], "--metrics: ['train/rewrd'] not in"),
+        (["plot", str(results)], "line 1 is not a metrics record (a JSON object with an integer 'step')"),  # KeyError
         (["plan", "--mfu", "0", "--peak-tflops", "100"], "--mfu must be in (0, 1], got 0"),
         (["plan", "--device-memory-gib", "-5"], "--device-memory-gib must be above 0"),
+        (["plan", "--model-config", str(generation_config)], "not a causal language model's config.json (it has no 'model_type')"),
+        (["plan", "--model-config", str(tmp_path / "afile")], "not a causal language model's config.json (Expecting value"),
+        (["plan", "--model-config", str(bert)], "not a causal language model's config.json (Unrecognized configuration class"),
+        (["train", "--dry-run", "--config", str(utf16)], "is not UTF-8 text"),
+        # plan printed a plan (exit 0) for recipes train refuses at once, and ignored a --teacher-config of no teacher
+        (["plan", "--teacher-config", f"nosuch={tmp_path / 'afile'}"], "--teacher-config nosuch=...: not a teacher model of this run"),
         (["merge", str(tmp_path), "--out", str(tmp_path / "afile")], "is a file; the merged model is a directory"),
         (["eval", "eval.model_path=results/grpo/step_50"], "eval.model_path='results/grpo/step_50'"),
+        (["eval", f"eval.output_dir={tmp_path / 'afile'}"], "eval.output_dir="),  # a file there: FileExistsError
         (["serve", "eval.model_path=results/grpo/step_50"], "does not exist"),
     ]
     import socket
@@ -124,6 +140,22 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
             assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
     finally:
         taken.close()
+    assert main(["plan", "grpo.adv_estimator.name=grpoo"]) == 2  # plan printed a plan, exit 0, for what train refuses
+    assert "unknown advantage estimator 'grpoo'" in capsys.readouterr().err
+    assert main(["plan", "--mfu", "0.5"]) == 0  # no step time without --peak-tflops: --mfu did nothing, silently
+    assert "--mfu has no effect without --peak-tflops" in capsys.readouterr().err
     with pytest.raises(SystemExit) as out_of_range:  # argparse's own error (OverflowError from bind() before)
         main(["serve", "--port", "70000"])
     assert out_of_range.value.code == 2 and "expected a port number 0..65535, got 70000" in capsys.readouterr().err
+
+
+def test_plot_out_is_the_file_it_writes(tmp_path, capsys) -> None:
+    """``--out figs`` printed ``figs`` and wrote ``figs.png`` (beside the directory ``figs`` when it was one)."""
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(f'{{"step": {s}, "train/reward": {s / 4}}}\n' for s in (1, 2)))
+    (tmp_path / "figs").mkdir()
+    for out, written in ((tmp_path / "figs", tmp_path / "figs" / "metrics.png"), (tmp_path / "panel", tmp_path / "panel.png")):
+        assert main(["plot", str(metrics), "--out", str(out)]) == 0
+        assert str(written) in capsys.readouterr().out and written.is_file()
+    assert not (tmp_path / "figs.png").exists()

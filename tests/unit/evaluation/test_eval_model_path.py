@@ -138,7 +138,7 @@ def test_eval_links_the_checkpoint_it_was_given_not_an_earlier_evals(tmp_path) -
     # eval.output_dir set to the checkpoint's parent: output_dir/model/ was the model itself, and it was deleted.
     model = tmp_path / "run" / "model"
     shutil.copytree(tmp_path / "ckpt" / "step_50" / "policy", model)
-    with pytest.raises(ConfigError, match=r"eval.output_dir: eval writes .* which would overwrite the model it evaluates"):
+    with pytest.raises(ConfigError, match=r"eval.output_dir: writing .* would overwrite the model it evaluates"):
         with_tokenizer(str(model), tokenizer, tmp_path / "run" / "model")
     with pytest.raises(ConfigError, match="eval.output_dir"):  # an output_dir inside the model directory
         with_tokenizer(str(model), tokenizer, model / "eval" / "model")

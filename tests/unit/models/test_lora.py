@@ -5,6 +5,7 @@ config mistakes name the key."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -87,7 +88,7 @@ def test_merged_stream_equals_peft_merge_and_the_adapted_logprobs():
         torch.testing.assert_close(token_logprobs(model, IDS), token_logprobs(base_model(), IDS), atol=0, rtol=0)
 
 
-def test_adapter_directory_loads_with_peft_and_merges_to_the_adapted_model(tmp_path):
+def test_adapter_directory_loads_with_peft_and_merges_to_the_adapted_model(tmp_path, capsys):
     from peft import PeftModel
 
     cfg = LoraConfig(enabled=True, dim=4, alpha=8)
@@ -104,6 +105,22 @@ def test_adapter_directory_loads_with_peft_and_merges_to_the_adapted_model(tmp_p
     torch.testing.assert_close(token_logprobs(load_causal_lm(str(out)), IDS), expected, atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(token_logprobs(load_causal_lm(str(tmp_path / "policy")), IDS), expected, atol=1e-5, rtol=1e-6)
     assert (out / "tokenizer.json").is_file()
+    # `nemo-like merge --out` on the base model replaced it (exit 0): every later merge applied the adapters twice.
+    import shutil
+
+    from nemo_like.cli import main
+
+    base = tmp_path / "base"
+    shutil.copytree(resolve_model_path(EMBEDDED_MODEL), base)
+    before = {f.name: f.read_bytes() for f in base.iterdir() if f.is_file()}
+    for out_dir, extra, message in [
+        (base, ["--base-model", str(base)], "--out: writing .* would overwrite the base model the adapters apply to"),
+        (tmp_path / "policy", [], "--out: writing .* would overwrite the checkpoint it merges"),
+        (tmp_path / "merged", [], r"--out .*merged is not empty"),
+    ]:
+        assert main(["merge", str(tmp_path / "policy"), "--out", str(out_dir), *extra]) == 2
+        assert re.search(message, capsys.readouterr().err), message
+    assert {f.name: f.read_bytes() for f in base.iterdir() if f.is_file()} == before
 
 
 def test_unknown_modules_are_errors_naming_the_key_and_the_model_modules():

@@ -609,3 +609,17 @@ def test_the_plan_command_prints_the_plan_checks_the_fit_and_names_a_missing_mod
     config = "examples/cluster/model_configs/Qwen2.5-0.5B-Instruct.json"
     assert main(["plan", "--config", gpu_recipe, "--model-config", config, "--device-memory-gib", "139"]) == 0
     assert "params 1.840 + grads 1.840 + optimizer 3.681" in capsys.readouterr().out  # 494,032,768 fp32 values: 1.840 GiB
+
+
+def test_a_smaller_engine_share_is_advised_only_where_it_shrinks_the_gpu_that_is_over(capsys) -> None:
+    """The 1.5B recipe on 20 GiB GPUs: policy rank 0's GPU is over by its training peak, which comes before the colocated
+    engine wakes; "lower gpu_memory_utilization" was advised first (and, at 0.1, beside "raise it above 0.144")."""
+    from nemo_like.cli import main
+
+    root = Path(__file__).resolve().parents[3]
+    args = ["plan", "--config", str(root / "examples/configs/grpo_math_1B.yaml"), "--device-memory-gib", "20"]
+    args += ["--model-config", str(root / "examples/cluster/model_configs/Qwen2.5-1.5B-Instruct.json")]
+    for share in ("0.5", "0.1"):
+        assert main([*args, f"policy.generation.vllm_cfg.gpu_memory_utilization={share}"]) == 3
+        fit = next(line for line in capsys.readouterr().out.splitlines() if "fits: NO" in line)
+        assert "policy GPU over by" in fit and "lower policy.generation.vllm_cfg.gpu_memory_utilization" not in fit, fit
