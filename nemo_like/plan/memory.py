@@ -775,7 +775,12 @@ def fit_advice(
     if not pc.lora_cfg.enabled:
         advice.append("train LoRA adapters (policy.lora_cfg.enabled=true): no full gradients or AdamW state")
     if not dp_helps:
-        sizes = [(k, getattr(pc, k)) for k in ("train_micro_batch_size", "logprob_batch_size") if getattr(pc, k) > 1]
+        budgets = next((m for m in ("sequence_packing", "dynamic_batching") if getattr(pc, m).enabled), None)
+        if budgets is not None:  # micro-batches are token budgets there, not row counts
+            mode = getattr(pc, budgets)
+            sizes = [(f"{budgets}.{k}", getattr(mode, k)) for k in ("train_mb_tokens", "logprob_mb_tokens")]
+        else:
+            sizes = [(k, getattr(pc, k)) for k in ("train_micro_batch_size", "logprob_batch_size") if getattr(pc, k) > 1]
         sizes.append(("max_total_sequence_length", pc.max_total_sequence_length))
         why = "every rank shares the node's RAM" if not cfg.cluster.gpus_per_node else "the devices over would hold no less"
         advice.append(

@@ -315,6 +315,10 @@ def test_raising_dp_is_advised_only_where_it_shrinks_the_device_that_is_over() -
         assert f"a larger policy.dp_size (now {dp}) would not help (every rank shares the node's RAM)" in fit
         assert "lower policy.train_micro_batch_size (now 32) or policy.logprob_batch_size (now 64)" in fit
         assert ("raise cluster.num_nodes (now 1)" in fit) is (dp > 1)  # two nodes split two ranks, not one
+    # with sequence packing the micro-batches are token budgets: those are what to lower (row counts do nothing there)
+    cfg = recipe("policy.sequence_packing.enabled=true", "policy.generation.backend=hf")
+    fit = plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape, device_bytes=1024**2).lines()[-1]
+    assert "lower policy.sequence_packing.train_mb_tokens (now " in fit and "train_micro_batch_size" not in fit
     # GPUs: each rank has its own, and a second rank halves the shards
     cfg = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf")
     fit = plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape, device_bytes=1024**2).lines()[-1]
