@@ -32,6 +32,7 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig, DatasetSplitConfig
 from nemo_like.config.sections.data import FILE_BUILDERS
 from nemo_like.data.templates import PromptFormat
+from nemo_like.environments.math_verify_process import number_text
 
 ARITHMETIC = "arithmetic"
 #: Task name of rows whose source names none (the math-verify environment's name).
@@ -484,7 +485,7 @@ def _answer_text(value: Any, transform: Callable[[str], str] | None, where: str,
                 "(the column mixes integers and decimals); store the answers as strings"
             )
         value = int(value)  # a JSON/CSV "19" read as 19.0
-    text = str(value).strip()
+    text = number_text(value)  # 0.00001, not '1e-05' (which math-verify reads as e - 5)
     if transform is not None:
         try:
             text = transform(text)

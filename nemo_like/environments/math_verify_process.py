@@ -14,12 +14,14 @@ Run the child as ``python -m nemo_like.environments.math_verify_process``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import select
 import subprocess
 import sys
 import time
+from decimal import Decimal
 from typing import Any
 
 #: Reply statuses; ``timeout`` and ``crash`` are decided by the parent.
@@ -32,10 +34,18 @@ _READY = "ready"
 WARM_UP = (("\\boxed{\\frac{1}{2}}", "$0.5$"), ("\\boxed{\\sqrt{3}}", "$1.7$"), ("\\boxed{x+1}", "$1+x$"))
 
 
+def number_text(value: Any) -> str:
+    """``value`` as answer text: a float in positional notation (``str(0.00001)`` is ``'1e-05'``, which math-verify
+    reads as Euler's number minus 5, so every correct answer scored 0), anything else as ``str`` gives it."""
+    if isinstance(value, float) and math.isfinite(value):
+        return format(Decimal(repr(value)), "f")
+    return str(value).strip()
+
+
 def gold_text(gold: Any) -> str:
     """The gold answer as math-verify parses it best: LaTeX in ``$...$`` unless already delimited (an unescaped ``$``;
     an escaped one, ``\\$18.90`` in MATH-style answers, is a currency sign, not a delimiter)."""
-    text = str(gold).strip()
+    text = number_text(gold)
     if re.search(r"(?<!\\)\$", text) or "\\boxed" in text or "\\(" in text or "\\[" in text:
         return text
     return f"${text}$"
@@ -143,17 +153,23 @@ def _die_with_parent() -> None:
         pass
 
 
+#: A percent sign closing a box (``\boxed{50\%}``): math-verify drops ``%`` after a ``$...$`` answer (``$50\%$`` is 50)
+#: but not inside a box, where ``50\%`` stayed text and a correct percentage scored 0.
+BOXED_PERCENT = re.compile(r"\s*\\?%\s*\}")
+
+
 def verify_answer(response: str, gold: str, gold_cache: dict[str, Any] | None = None) -> str:
-    """``correct`` / ``wrong`` / ``parse_failure`` / ``gold_parse_failure`` (no time limit: run it in the child)."""
+    """``correct`` / ``wrong`` / ``parse_failure`` / ``gold_parse_failure`` (no time limit: run it in the child). A
+    percent sign closing a box is dropped on both sides (:data:`BOXED_PERCENT`), as math-verify drops it after ``$...$``."""
     from math_verify import parse, verify
 
     cache = gold_cache if gold_cache is not None else {}
     if gold not in cache:
-        cache[gold] = parse(gold, parsing_timeout=None)
+        cache[gold] = parse(BOXED_PERCENT.sub("}", gold), parsing_timeout=None)
     gold_parsed = cache[gold]
     if not gold_parsed:
         return "gold_parse_failure"
-    predicted = parse(response, parsing_timeout=None)
+    predicted = parse(BOXED_PERCENT.sub("}", response), parsing_timeout=None)
     if not predicted:
         return "parse_failure"
     return "correct" if verify(gold_parsed, predicted, timeout_seconds=None) else "wrong"

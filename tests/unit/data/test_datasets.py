@@ -685,3 +685,10 @@ def test_a_chat_template_that_refuses_a_prompt_is_a_config_error_naming_the_row(
         build(cfg, tok)
     with pytest.raises(ConfigError, match=r"refuses the prompt of row \d+ of .*System role not supported; unset data.system_prompt"):
         build(data_cfg(path, path, prompt_key="messages", system_prompt="Answer briefly."), tok)
+
+
+def test_a_small_float_gold_answer_is_written_in_positional_notation(tmp_path, tok) -> None:
+    """JSON 0.00001 became the gold text '1e-05', which math-verify reads as Euler's number minus 5."""
+    path = write_jsonl(tmp_path / "g.jsonl", [{"q": f"q{i}", "a": a} for i, a in enumerate([0.00001, 2.5e-05, 3.0, 0.1] * 5)])
+    answers = {r.metadata["answer"] for r in build(data_cfg(path, path), tok)}
+    assert answers <= {"0.00001", "0.000025", "3", "0.1"} and "0.00001" in answers

@@ -46,6 +46,13 @@ PAIRS = [
     ("\\boxed{(2, 1)}", "(1,2)", False),
     # percent / degrees / text around
     ("\\boxed{30^\\circ}", "30", True),
+    ("so the rate is \\boxed{50\\%}.", "50", True),  # a percent in a box stayed text: 0 for a right answer
+    ("\\boxed{25 \\%}", "25\\%", True),
+    ("\\boxed{26\\%}", "25\\%", False),
+    # a float gold below 1e-4: str() wrote '1e-05', which math-verify read as e - 5
+    ("\\boxed{0.00001}", 1e-05, True),
+    ("\\boxed{0.000025}", 2.5e-05, True),
+    ("\\boxed{e-5}", 1e-05, False),
     ("The answer is $\\boxed{\\frac{\\sqrt{3}}{2}}$.", "\\frac{\\sqrt3}{2}", True),
     # a currency sign in the gold (MATH writes \$18.90): it is not a $...$ delimiter (the gold did not parse)
     ("The total is \\boxed{18.90}", "\\$18.90", True),
