@@ -161,6 +161,14 @@ def sample_response_lengths(rollout: Rollout) -> torch.Tensor:
     return torch.zeros(len(first)).index_add_(0, row_index, rollout.response_lengths)
 
 
+def shaping_lengths(rollout: Rollout) -> torch.Tensor:
+    """Per row, the sampled length overlong shaping measures: the row's, or in agent tasks its session's (every row of
+    a session takes its session's reward; a row's own length shaped a branched session by its first row alone)."""
+    if rollout.session_of_row is None:
+        return rollout.response_lengths
+    return sample_response_lengths(rollout)[per_session(rollout.session_of_row)[1]]
+
+
 def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
     """Per-token advantages of the collated ``batch`` from the rollout's rewards; returns the advantage metrics. Agent
     tasks: advantages are computed per session (a branched session weighs once in its group's baseline) and every
@@ -259,7 +267,7 @@ def collect_training_rollout(
         add_batch_counters(env_counters, rollout.env_metrics)
         # Group ids unique across generation batches, so groups from different batches never merge.
         group_ids = rollout.group_ids + batch_index * cfg.grpo.num_prompts_per_step
-        shaped, keep = filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, group_ids)
+        shaped, keep = filter_then_shape(cfg, rollout.rewards, shaping_lengths(rollout), group_ids)
         rollout.set_shaped_rewards(shaped)
         if accumulator is None:
             return rollout, {}
@@ -367,7 +375,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     passes = start_logprob_passes(parts, batch, rollout)
     if rollout.pending_scores is not None:
         timer.add("reward", rollout.finish_scoring())  # the wait not hidden behind the passes
-        rollout.set_shaped_rewards(shaped_rewards(cfg, rollout.rewards, rollout.response_lengths))
+        rollout.set_shaped_rewards(shaped_rewards(cfg, rollout.rewards, shaping_lengths(rollout)))
     adv_metrics = attach_advantages(cfg, batch, rollout)
     ran_reference = gather_logprob_passes(parts, passes, batch, timer)
     # Asked only when this step ran the pass: in async runs the collector may be using the reference actor right now
@@ -445,7 +453,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     taken = rollouts.take(step, parts.policy.weight_version)
     timer.add("waiting_for_data", taken.waited_s)
     rollout = taken.rollout
-    rollout.set_shaped_rewards(filter_then_shape(cfg, rollout.rewards, rollout.response_lengths, rollout.group_ids)[0])
+    rollout.set_shaped_rewards(filter_then_shape(cfg, rollout.rewards, shaping_lengths(rollout), rollout.group_ids)[0])
     metrics = train_on_rollout(parts, step, timer, rollout)
     refit = rollouts.refit()
     timer.add("refit", refit.refit)

@@ -167,6 +167,13 @@ class MasterConfig(BaseModel):
             self._check_reward_shaping()
         if self.grpo.max_rollout_turns > 1:
             self._check_multi_turn()
+        agents = [task for task, section in self.env.items() if getattr(section, "env_class", None) == "agent"]
+        if agents and self.grpo.reward_shaping.enabled and not self.grpo.reward_shaping.max_response_length:
+            raise ValueError(
+                f"grpo.reward_shaping.enabled=true with agent tasks {agents}: a session's calls sample many turns, and the "
+                "overlong penalty would measure them against one call's policy.generation.max_new_tokens; set "
+                "grpo.reward_shaping.max_response_length to the sampled-token budget of a whole session"
+            )
         if self.grpo.async_grpo.enabled:
             self._check_async()
         if error := distillation_errors(self.teacher, self.distillation):

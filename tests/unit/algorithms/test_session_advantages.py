@@ -3,6 +3,7 @@ session's advantage; validation and `nemo-like eval` count it as one sample."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from nemo_like.algorithms import grpo
 from nemo_like.algorithms.grpo import attach_advantages
-from nemo_like.config import DEFAULT_RECIPE, load_config
+from nemo_like.config import DEFAULT_RECIPE, ConfigError, load_config
 from nemo_like.data.prompts import PromptRecord
 from nemo_like.evaluation.run import result_rows, summarize
 from nemo_like.experience.rollouts import Rollout
@@ -101,3 +102,25 @@ def test_eval_counts_a_branched_session_once_and_numbers_rows_by_session() -> No
     plain = result_rows(branched_rollout(None), {"arithmetic": None}, 2)  # every other task: a row is a sample
     assert [r["sample_index"] for r in plain] == [0, 1, 0, 1, 0, 1] and not any("session" in r for r in plain)
     assert summarize(plain, [1, 2])["accuracy"] == 0.5 and "num_rows" not in summarize(plain, [1, 2])
+
+
+def test_overlong_shaping_measures_a_sessions_sampled_tokens_not_its_first_rows() -> None:
+    """Every row of a session takes its session's reward (its first row's): shaped on per-row lengths, a branched
+    session of 1 + 2 + 3 sampled tokens was judged by its first row's 1 token."""
+    rollout = branched_rollout()
+    assert grpo.shaping_lengths(rollout).tolist() == [6, 6, 6, 4, 5, 6]
+    assert grpo.shaping_lengths(branched_rollout(None)).tolist() == [1, 2, 3, 4, 5, 6]
+    cfg = load_config(None, ["grpo.reward_shaping.enabled=true", "grpo.reward_shaping.overlong_buffer_length=2",
+                             "grpo.reward_shaping.max_response_length=6"], warn=False)  # fmt: skip
+    shaped = grpo.shaped_rewards(cfg, rollout.rewards, grpo.shaping_lengths(rollout))
+    assert shaped[0].item() == shaped[2].item() < 1.0  # the branched session sampled 6 tokens: inside the ramp (5..6)
+
+
+def test_reward_shaping_in_an_agent_run_needs_a_whole_session_budget() -> None:
+    """Agent runs have max_rollout_turns 1, so the multi-turn rule did not apply: a session's many calls were measured
+    against one call's max_new_tokens."""
+    recipe = Path(__file__).resolve().parents[3] / "examples/configs/grpo_agent_tiny_cpu.yaml"
+    shaping = ["grpo.reward_shaping.enabled=true", "grpo.reward_shaping.overlong_buffer_length=4"]
+    with pytest.raises(ConfigError, match=r"agent tasks \['tool'\].*set grpo.reward_shaping.max_response_length"):
+        load_config(recipe, shaping, warn=False)
+    assert load_config(recipe, [*shaping, "grpo.reward_shaping.max_response_length=64"], warn=False).grpo.reward_shaping.enabled
