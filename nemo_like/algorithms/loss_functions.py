@@ -108,6 +108,12 @@ class LossInputs:
                 f"shape mismatch: curr_logprobs {tuple(curr_logprobs.shape)}, token_mask "
                 f"{tuple(data['token_mask'].shape)}, sample_mask {tuple(sample_mask.shape)}"
             )
+        for key in ("advantages", "generation_logprobs", "prev_logprobs", "reference_policy_logprobs"):
+            if data.get(key) is not None and tuple(data[key].shape) != tuple(curr_logprobs.shape):
+                # a [B] advantage broadcast along the sequence without an error where B == S
+                raise ValueError(
+                    f"data[{key!r}] has shape {tuple(data[key].shape)}, expected {tuple(curr_logprobs.shape)} ([B, S] like curr_logprobs)"
+                )
         valid = mask > 0
 
         def masked(tensor: torch.Tensor) -> torch.Tensor:
@@ -410,8 +416,8 @@ def reference_kl_per_token(inputs: LossInputs, cfg: ClippedPGLossConfig) -> torc
 
     The weight is ``pi_curr/pi_gen`` with ``use_on_policy_kl_approximation`` (the tokens come from
     pi_gen), else ``exp(c - stopgrad(c)) = 1``; for k1 and k3 (unbiased) it carries the score-function gradient, so the
-    gradient estimates grad KL(pi_curr || pi_ref) instead of dropping the term where the
-    sampling distribution depends on the parameters. k2 is biased: with that term its gradient would be
+    gradient estimates the gradient of each position's conditional KL(pi_curr || pi_ref), prefix held fixed (GRPO's
+    per-token convention: the sequence KL's gradient for one-token responses; docs/guides/grpo.md). k2 is biased: with that term its gradient would be
     grad E[k2]; its plain gradient ``(c - ref) grad c`` is the reverse KL's, so its weight is detached
     (:data:`~nemo_like.algorithms.kl.PATHWISE_KL_ESTIMATORS`). Where the input clamp is active the weight
     is detached, so a clamped token gives no KL gradient at all; the output clamp is applied

@@ -90,7 +90,7 @@ class ClippedPGLossConfig(BaseModel):
     use_on_policy_kl_approximation: bool = Field(
         False,
         description=(
-            "Weight the per-token reference KL by pi_curr/pi_gen (with gradient), so that the "
+            "Weight the per-token reference KL by pi_curr/pi_gen (with gradient, detached for k2), so that the "
             "penalty estimates KL(pi_curr || pi_ref) although the tokens were sampled from the "
             "generation policy. Without it the weight is exp(logp - stopgrad(logp)) = 1, which "
             "keeps the score-function part of the KL gradient."
@@ -284,6 +284,11 @@ class ClippedPGLossConfig(BaseModel):
                 cispo and self.ratio_clip_c is not None,
                 f"{cispo_key} and loss_fn.ratio_clip_c are exclusive (CISPO's weight is "
                 "already clamped to at most 1 + ratio_clip_max and its loss is not a ratio)",
+            ),
+            (
+                self.ratio_clip_c is not None and self.ratio_clip_c <= 1 + self.ratio_clip_max,
+                f"loss_fn.ratio_clip_c={self.ratio_clip_c} must exceed 1 + loss_fn.ratio_clip_max = {1 + self.ratio_clip_max:g}: "
+                "the dual clip would cap tokens whose ratio is still inside the PPO band (no gradient, counted as clipped)",
             ),
             (
                 self.use_cispo and self.disable_ppo_ratio,

@@ -530,6 +530,16 @@ def test_metric_values_are_python_floats_and_loss_equals_metric() -> None:
     assert fn.metric_reduction("gen_kl") == "sum"
 
 
+def test_a_logprob_or_advantage_tensor_of_another_shape_is_refused_by_name() -> None:
+    """A per-sample [B] advantage broadcast along the sequence where B == S (a loss of -2.5 for -2.0), and other
+    mismatches were bare torch broadcast errors naming no key."""
+    curr, data = _batch([[-1.0, -2.0], [-0.5, -1.5], [-1.0, -1.0]], [[1.0, 1.0], [2.0, 2.0], [-1.0, -1.0]])
+    fn = ClippedPGLossFn(ClippedPGLossConfig())
+    for key, bad in (("advantages", torch.tensor([1.0, 2.0, -1.0], dtype=torch.float64)), ("prev_logprobs", curr.detach()[:, :2])):
+        with pytest.raises(ValueError, match=rf"data\['{key}'\] has shape .*, expected \(3, 3\)"):
+            fn(curr, {**data, key: bad}, 3, 6)
+
+
 def test_constructor_accepts_a_plain_mapping() -> None:
     fn = ClippedPGLossFn({"ratio_clip_max": 0.28})
     assert fn.cfg.ratio_clip_max == 0.28 and fn.surrogate_name == "ppo_clip"

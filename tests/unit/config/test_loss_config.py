@@ -68,6 +68,9 @@ def test_valid_combinations(kwargs: dict) -> None:
     ("kwargs", "keys"),
     [
         ({"use_cispo": True, "ratio_clip_c": 3.0}, ["use_cispo", "ratio_clip_c"]),
+        # a dual-clip cap inside the PPO band (c <= 1 + clip_max) zeroed the gradient of in-band tokens
+        ({"ratio_clip_c": 1.1}, ["ratio_clip_c", "ratio_clip_max"]),
+        ({"ratio_clip_c": 1.3, "ratio_clip_max": 0.3}, ["ratio_clip_c", "ratio_clip_max"]),
         ({"use_cispo": True, "disable_ppo_ratio": True}, ["use_cispo", "disable_ppo_ratio"]),
         ({"use_cispo": True, "force_on_policy_ratio": True}, ["use_cispo", "force_on_policy_ratio"]),
         ({"use_cispo": True, "token_level_loss": False}, ["use_cispo", "token_level_loss"]),
