@@ -73,7 +73,12 @@ def save_run(
         **(extra_state or {}),
     }
     expected = (*checkpoint_files(parts.cfg.policy.lora_cfg.enabled), WORKER_RNG_FILE, *(extra_files or {}))
-    return manager.save(step, write_contents, state, parts.cfg.model_dump(mode="json"), expected)
+    try:
+        return manager.save(step, write_contents, state, parts.cfg.model_dump(mode="json"), expected)
+    except CheckpointError as exc:
+        if isinstance(exc.__cause__, WorkerFailure):  # a policy rank died writing (the save is the memory peak): the
+            raise exc.__cause__ from exc  # run restarts from its last checkpoint, as restore_run lets it; kept: the step before
+        raise
 
 
 def load_checkpoint_file(checkpoint: CheckpointInfo, name: str) -> Any:
@@ -104,6 +109,13 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
         ) from exc
     if not isinstance(saved_config, dict):
         raise CheckpointError(f"Checkpoint {checkpoint.path} cannot be resumed: {config_file} holds no config mapping")
+    diffs = incompatible_differences(saved_config, cfg.model_dump(mode="json"))
+    if diffs:  # first: a key changed since (LoRA turned on) leaves other files expected, and "incomplete" misleads
+        raise CheckpointError(
+            f"Checkpoint {checkpoint.path} was written by an incompatible config; differing keys: "
+            + "; ".join(diffs)
+            + ". Use another checkpointing.checkpoint_dir or set checkpointing.resume=false."
+        )
     missing = [f for f in (*checkpoint_files(cfg.policy.lora_cfg.enabled), WORKER_RNG_FILE) if not (checkpoint.path / f).is_file()]
     if missing:  # before any actor starts (a partial copy of the directory, a file removed by hand)
         raise CheckpointError(f"Checkpoint {checkpoint.path} is incomplete: no {', '.join(missing)}. {MOVE_IT_AWAY}")
@@ -111,13 +123,6 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
         raise CheckpointError(
             f"Checkpoint {checkpoint.path} is at step {checkpoint.step}, past grpo.max_num_steps={cfg.grpo.max_num_steps}: "
             "nothing to train. Raise grpo.max_num_steps, or set checkpointing.resume=false or another checkpointing.checkpoint_dir."
-        )
-    diffs = incompatible_differences(saved_config, cfg.model_dump(mode="json"))
-    if diffs:
-        raise CheckpointError(
-            f"Checkpoint {checkpoint.path} was written by an incompatible config; differing keys: "
-            + "; ".join(diffs)
-            + ". Use another checkpointing.checkpoint_dir or set checkpointing.resume=false."
         )
     return checkpoint
 

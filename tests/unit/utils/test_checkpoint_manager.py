@@ -303,3 +303,37 @@ def test_resume_refuses_an_incomplete_a_damaged_or_a_too_late_checkpoint_naming_
     late = load_config(None, ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ck}", "grpo.max_num_steps=2"], warn=False)
     with pytest.raises(CheckpointError, match=r"step_3 is at step 3, past grpo.max_num_steps=2: nothing to train"):
         find_resume_checkpoint(late)
+    # LoRA turned on at resume: the key is named (it said "incomplete: no adapter files ... move it away", and the
+    # step before had the same problem)
+    lora = load_config(None, ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ck}", "grpo.max_num_steps=4",
+                              "policy.lora_cfg.enabled=true"], warn=False)  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"incompatible config; differing keys: policy.lora_cfg.enabled"):
+        find_resume_checkpoint(lora)
+
+
+def test_a_policy_worker_that_dies_while_saving_restarts_the_run(tmp_path):
+    """The save is the memory peak (rank 0 gathers weights and optimizer state): a policy death there came out as a
+    CheckpointError, which no restart reads, and the run stopped; restore_run already let such a death through."""
+    import types
+
+    from nemo_like.algorithms.checkpointing import save_run
+    from nemo_like.algorithms.restarts import dead_role
+    from nemo_like.config import load_config
+    from nemo_like.distributed.worker_group import WorkerFailure
+
+    ck = tmp_path / "ck"
+    cfg = load_config(None, ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ck}"], warn=False)
+    death = WorkerFailure("Ray actor p0 died during 'policy: checkpoint save'", "policy", "p0")
+
+    class DyingPolicy:  # stands for the policy's worker group: its rank 0 dies while writing
+        weight_version = 2
+
+        def save_checkpoint(self, path):
+            raise death
+
+    loader = types.SimpleNamespace(state_dict=lambda: {"consumed": 8, "epoch": 0})
+    parts = types.SimpleNamespace(policy=DyingPolicy(), tokenizer=None, train_loader=loader, cfg=cfg)
+    with pytest.raises(WorkerFailure) as caught:
+        save_run(parts, CheckpointManager(ck), 2, {})
+    assert caught.value is death and dead_role(caught.value, {"policy": {"p0"}}) == "policy"
+    assert not list(ck.iterdir())  # the partial save is gone
