@@ -457,6 +457,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     metrics = train_on_rollout(parts, step, timer, rollout)
     refit = rollouts.refit()
     timer.add("refit", refit.refit)
+    timer.add("waiting_for_refit", refit.trainer_waiting_for_refit)  # the batch in flight before a waiting refit
     generated = rollouts.generation_stats()
     metrics.update(trajectory_age_metrics(taken.ages, cfg.grpo.async_grpo.max_trajectory_age_steps))
     metrics.update(env_metrics_with_means(generated.env_counters))  # env/<task>/<counter> of the batches since the last step
@@ -702,7 +703,7 @@ def format_timing(metrics: dict[str, Any]) -> str:
     total = metrics["timing/train/total_step_time"] or 1e-9
     parts = [
         f"{phase} {metrics[f'timing/train/{phase}']:.2f}s ({100 * metrics[f'timing/train/{phase}'] / total:.0f}%)"
-        for phase in dict.fromkeys((*TIMED_PHASES, "waiting_for_data", "validation"))
+        for phase in dict.fromkeys((*TIMED_PHASES, "waiting_for_data", "waiting_for_refit", "validation"))
         if metrics.get(f"timing/train/{phase}", 0.0) > 0
     ]
     return f"[timing] step {total:.2f}s: " + ", ".join(parts)

@@ -253,7 +253,11 @@ class AsyncRollouts:
         ref = getattr(self.collector, method).remote(*args)
         if not self._wait_for(ref):
             self._raise_collector_failure(f"during '{method}'")
-        return get_with_context(ref, f"trajectory collector: {method}")
+        try:
+            return get_with_context(ref, f"trajectory collector: {method}")
+        except ray.exceptions.RayTaskError as exc:
+            raise_dead_worker(exc)
+            raise
 
     def _wait_for(self, ref: ray.ObjectRef) -> bool:
         """Wait for ``ref``, replacing the actors the collector reports dead meanwhile; False when the collector's loop
@@ -309,6 +313,7 @@ class AsyncRollouts:
             raise WorkerFailure(f"the trajectory collector stopped {when}: {stopped}")
         if isinstance(error, WorkerFailure):
             raise error
+        raise_dead_worker(error)
         raise WorkerFailure(f"the trajectory collector failed {when}: {loop_failure_cause(error)}") from error
 
     def shutdown(self) -> None:
@@ -326,6 +331,15 @@ class AsyncRollouts:
         finally:
             self.collector_group.shutdown()
             self.buffer_group.shutdown()
+
+
+def raise_dead_worker(error: BaseException) -> None:
+    """Re-raise what the collector actor raised (``error``, a ``RayTaskError``) as the :class:`WorkerFailure` it
+    wraps when that names a dead worker's role: the run restarts from its checkpoint on a dead reference worker
+    (:func:`~nemo_like.algorithms.restarts.dead_role`) as a sync run does. Returns otherwise."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, WorkerFailure) and cause.role is not None:
+        raise WorkerFailure(str(cause), cause.role, cause.actor_id) from error
 
 
 def loop_failure_cause(error: BaseException) -> str:

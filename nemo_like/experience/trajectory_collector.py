@@ -40,7 +40,7 @@ from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
 from nemo_like.distributed import faults
 from nemo_like.distributed.supervision import ActorRestartsExhausted, Death, begin_run, ledger
-from nemo_like.distributed.worker_group import summed_over_workers
+from nemo_like.distributed.worker_group import WorkerFailure, summed_over_workers
 from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.pacing import StalenessPacer
 from nemo_like.experience.replay_buffer import TrajectoryGroup
@@ -255,6 +255,7 @@ class TrajectoryCollector:
         self.stopping = False
         self.exhausted = False
         self.failure: str | None = None
+        self.failed_worker: tuple[str | None, str | None] = (None, None)  # (role, actor id) of a dead actor that failed it
         self.stats = GenerationStats()
         self._pause_started: dict[str, tuple[float, bool, bool]] = {}  # reason -> (since, nothing left, held by the bound)
         # Dead actors: requests to the driver (``next_replacement_request``) and its answers (``answer_replacement``).
@@ -275,19 +276,30 @@ class TrajectoryCollector:
                 self._generate_batch(target)
             except BaseException as exc:
                 with self.cond:
-                    self.failure = f"{type(exc).__name__}: {exc}"
+                    self._record_failure(exc)
                 raise
             finally:
                 with self.cond:
                     self.in_flight = False
                     self.cond.notify_all()
 
+    def _record_failure(self, exc: BaseException) -> None:
+        """Keep why the loop or the pusher failed (under ``cond``), and the dead actor's role and id when a worker died,
+        so the trainer's run restarts as a sync run does (a dead reference worker stopped an async run)."""
+        self.failure = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, WorkerFailure):
+            self.failed_worker = (exc.role, exc.actor_id)
+
+    def _failure_error(self) -> WorkerFailure:
+        """The error a caller gets once the collector failed: a :class:`WorkerFailure` naming the dead actor's role."""
+        return WorkerFailure(f"the trajectory collector failed: {self.failure}", *self.failed_worker)
+
     def _wait_for_next_target(self) -> int | None:
         """Block until a batch may start (not paused, within the age bound); ``None`` once stopped."""
         with self.cond:
             while True:
                 if self.failure is not None:  # the pusher failed
-                    raise RuntimeError(f"the trajectory collector failed: {self.failure}")
+                    raise self._failure_error()
                 if self.stopping:
                     return None
                 if self.pause_reasons:
@@ -363,7 +375,7 @@ class TrajectoryCollector:
             ray.get(self.buffer.push.remote(groups))
         except BaseException as exc:
             with self.cond:
-                self.failure = f"{type(exc).__name__}: {exc}"
+                self._record_failure(exc)
                 self.pushing -= 1
                 self.cond.notify_all()
             raise
@@ -401,7 +413,7 @@ class TrajectoryCollector:
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.failure is not None or held())
             if self.failure is not None:
-                raise RuntimeError(f"the trajectory collector failed: {self.failure}")
+                raise self._failure_error()
             idle = self._nothing_left_to_generate()
             bound = not idle and not self.pacer.can_start(self.version)  # waiting for exactly the weights this brings
             self._pause_started[reason] = (time.perf_counter(), idle, bound)
@@ -508,7 +520,8 @@ class DriverTrajectoryCollector(TrajectoryCollector):
             return super().run()
         except BaseException as exc:
             with self.cond:  # a control call waiting on the loop (pause) fails instead of hanging
-                self.failure = self.failure or f"{type(exc).__name__}: {exc}"
+                if self.failure is None:
+                    self._record_failure(exc)
                 self.cond.notify_all()
             raise
         finally:

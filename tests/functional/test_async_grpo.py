@@ -78,6 +78,8 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
             "train/avg_trajectory_age",
         ):
             assert key in r and r[key] >= 0.0
+        # the wait for the batch in flight before a refit is a phase of the step (the shares left it out)
+        assert r["timing/train/waiting_for_refit"] == r["idle/trainer_waiting_for_refit"]
     from matplotlib.image import imread
 
     assert imread(tmp_path / "logs" / "metrics.png").shape[0] > 1000  # a third row: the async panel
