@@ -90,12 +90,9 @@ def test_checkpointing_keeps_each_layer_input_and_the_larger_of_the_logits_and_o
     assert policy_memory(cfg, params, wide).activations == 131_072 + 24_576_000
 
 
-def saved_for_backward(model, ids, precision: str, sharded: bool = False) -> int:
-    """Bytes autograd keeps for backward in one training forward of ``model`` on ``ids`` under the run's
-    :func:`~nemo_like.models.precision.compute_context` (distinct storages, the parameters' own excluded)."""
+def saved_bytes(model, forward) -> int:
+    """Bytes autograd keeps for backward while ``forward()`` runs (distinct storages, ``model``'s parameters excluded)."""
     import torch
-
-    from nemo_like.models.precision import compute_context
 
     seen: dict[int, int] = {}
 
@@ -105,9 +102,23 @@ def saved_for_backward(model, ids, precision: str, sharded: bool = False) -> int
         return t
 
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), compute_context(torch.device("cpu"), precision, sharded):
-        model(input_ids=ids).logits.float().sum()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
     return sum(size for ptr, size in seen.items() if ptr not in parameters)
+
+
+def saved_for_backward(model, ids, precision: str, sharded: bool = False) -> int:
+    """Bytes autograd keeps for backward in one training forward of ``model`` on ``ids`` under the run's
+    :func:`~nemo_like.models.precision.compute_context`."""
+    import torch
+
+    from nemo_like.models.precision import compute_context
+
+    def forward() -> None:
+        with compute_context(torch.device("cpu"), precision, sharded):
+            model(input_ids=ids).logits.float().sum()
+
+    return saved_bytes(model, forward)
 
 
 def tiny_model(layers: int | None = None):
@@ -207,17 +218,7 @@ def saved_by_training_forward(model, ids, dist) -> int:
 
     from nemo_like.models.logprobs import sequence_logprobs_with_outside
 
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        sequence_logprobs_with_outside(model, ids, torch.ones_like(ids), dist)
-    return sum(size for ptr, size in seen.items() if ptr not in parameters)
+    return saved_bytes(model, lambda: sequence_logprobs_with_outside(model, ids, torch.ones_like(ids), dist))
 
 
 def test_top_p_top_k_and_lora_dropout_add_what_the_trainers_forward_saves_for_them() -> None:
