@@ -34,6 +34,7 @@ import torch
 
 from nemo_like.algorithms.kl import KL_ESTIMATORS, PATHWISE_KL_ESTIMATORS
 from nemo_like.algorithms.metrics import (
+    SEQUENCE_MEAN_METRICS,
     Reduction,
     combine_metric_fragments,
     combine_optimizer_steps,
@@ -489,6 +490,7 @@ class ClippedPGLossFn:
         self.surrogate_name = select_surrogate(cfg)
         self._surrogate = SURROGATES.get(self.surrogate_name)
         self.aggregation = cfg.aggregation
+        self._sequence_level_metrics: frozenset[str] = frozenset()  # set by each call (_importance_metrics)
 
     @staticmethod
     def metric_reduction(name: str) -> Reduction:
@@ -504,9 +506,21 @@ class ClippedPGLossFn:
         """The batch's metrics from the fragments of its micro-batches (and ranks), derived ones included."""
         return combine_metric_fragments(fragments, self.metric_reduction)
 
-    def combine_steps(self, per_step: list[dict[str, float]]) -> dict[str, float]:
-        """A train call's metrics from its optimizer steps' (:func:`~nemo_like.algorithms.metrics.combine_optimizer_steps`)."""
-        return combine_optimizer_steps(per_step, self.metric_reduction)
+    def metric_normaliser(self, name: str) -> str | None:
+        """What metric ``name``'s fragments are normalised by: "tokens" or "sequences" (the global count of valid ones),
+        or None for a loss term (``loss``, ``actor_loss``, ``kl_penalty``, ``distillation/*``: each step's own
+        objective). The importance-sampling means are over sequences where this loss's last call computed them per
+        sequence (GSPO's ratios, a per-sequence truncation)."""
+        if name in ("loss", "actor_loss", "kl_penalty") or name.startswith("distillation/"):
+            return None
+        if name in SEQUENCE_MEAN_METRICS or name in getattr(self, "_sequence_level_metrics", ()):
+            return "sequences"
+        return "tokens"
+
+    def combine_steps(self, per_step: list[dict[str, float]], step_counts: list[dict[str, float]] | None = None) -> dict[str, float]:
+        """A train call's metrics from its optimizer steps' (:func:`~nemo_like.algorithms.metrics.combine_optimizer_steps`);
+        ``step_counts``: each step's global ``tokens`` and ``sequences`` (valid ones), which weigh its means."""
+        return combine_optimizer_steps(per_step, self.metric_reduction, self.metric_normaliser, step_counts)
 
     def __call__(
         self,
@@ -592,10 +606,11 @@ class ClippedPGLossFn:
             "clip_fraction": _token_mean(surrogate.clipped.to(ratio.dtype), inputs),
         }
 
-    @staticmethod
-    def _importance_metrics(inputs: LossInputs, weights: ImportanceWeights) -> dict[str, torch.Tensor]:
+    def _importance_metrics(self, inputs: LossInputs, weights: ImportanceWeights) -> dict[str, torch.Tensor]:
         sequence_level = weights.raw.dim() == 1
         oob = weights.out_of_bounds.to(weights.raw.dtype)
+        ratios = ("sampling_importance_ratio_untruncated", "sampling_importance_ratio") if sequence_level else ()
+        self._sequence_level_metrics = frozenset((*ratios, *(("is_oob_ratio",) if oob.dim() == 1 else ())))
         return {
             "sampling_importance_ratio_untruncated": _mean_over(weights.raw, inputs, sequence_level),
             "sampling_importance_ratio": _mean_over(weights.truncated, inputs, sequence_level),

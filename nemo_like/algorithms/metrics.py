@@ -218,15 +218,32 @@ def empty_extremes_as_nan(metrics: dict[str, float]) -> dict[str, float]:
 
 
 #: Fragment keys that count things: summed over a train call's optimizer steps (every other summed fragment is a mean
-#: or a fraction over its own step's global batch, so the steps' values are averaged).
+#: or a fraction over its own step's global batch).
 COUNT_METRICS = frozenset({"num_valid_tokens", "num_valid_seqs"})
 
+#: :func:`divergence_metric_fragments` means over sequences (normalised by the global sequence count); the others of
+#: that function are means over tokens.
+SEQUENCE_MEAN_METRICS = frozenset(
+    {"rollout_corr/chi2_seq", "rollout_corr/chi2_seq_geomean", "rollout_corr/training_ppl", "rollout_corr/rollout_ppl"}
+)
 
-def combine_optimizer_steps(per_step: list[dict[str, float]], reduction_for: Callable[[str], str]) -> dict[str, float]:
+#: What a mean fragment is normalised by: "tokens" or "sequences" (the step's global count of valid ones; a train call
+#: weighs its steps by them), or None for a loss term (each step's own objective: the steps' values are averaged).
+Normaliser = Callable[[str], "str | None"]
+
+
+def combine_optimizer_steps(
+    per_step: list[dict[str, float]],
+    reduction_for: Callable[[str], str],
+    normaliser_for: Normaliser | None = None,
+    step_counts: list[dict[str, float]] | None = None,
+) -> dict[str, float]:
     """One train call's metrics from its optimizer steps' metrics (each combined over its micro-batches): a mean or a
-    fraction is the mean of the steps' values, a count (:data:`COUNT_METRICS`) their sum, a min or max over them all;
-    derived metrics are recomputed from the combined inputs. Averaging is linear, so per-rank results of this still
-    add up over data-parallel ranks as one step's fragments do."""
+    fraction over the call's tokens (sequences), the steps' values weighed by their steps' global counts of valid
+    tokens (sequences) (``normaliser_for(name)``, ``step_counts[s]["tokens" | "sequences"]``); a loss term, or any
+    mean without those, the mean of the steps' values; a count (:data:`COUNT_METRICS`) their sum; a min or max over
+    them all; derived metrics recomputed from the combined inputs. Both are linear with weights every rank shares, so
+    per-rank results of this still add up over data-parallel ranks as one step's fragments do."""
     if len(per_step) == 1:
         return dict(per_step[0])
     names = dict.fromkeys(k for metrics in per_step for k in metrics if k not in DERIVED_METRICS)
@@ -234,12 +251,22 @@ def combine_optimizer_steps(per_step: list[dict[str, float]], reduction_for: Cal
     for name in names:
         values = [float(m[name]) for m in per_step if name in m]
         reduction = reduction_for(name)
+        kind = normaliser_for(name) if normaliser_for is not None and step_counts is not None else None
         if reduction != "sum":
             combined[name] = _reduce(values, reduction)
+        elif name in COUNT_METRICS:
+            combined[name] = math.fsum(values)
+        elif kind is not None:
+            # Each step's value is (its sum) / (its global count): weighed by the counts, the call's sum over the call's
+            # count, i.e. a mean over every token (sequence) of the call, not over steps (a short step weighed as a long
+            # one). A step this rank had no row in adds 0, and still counts.
+            weights = [counts[kind] for counts in step_counts]
+            total = math.fsum(weights)
+            combined[name] = math.fsum(float(m.get(name, 0.0)) * w for m, w in zip(per_step, weights)) / total if total else 0.0
         else:
             # Over every step, a step this rank had no row in included (its share of that step's mean is 0): each
             # step's fragments are normalised by the step's global counts, so the ranks' results still add up.
-            combined[name] = math.fsum(values) if name in COUNT_METRICS else math.fsum(values) / len(per_step)
+            combined[name] = math.fsum(values) / len(per_step)
     for name, (inputs, derive) in DERIVED_METRICS.items():
         if all(i in combined for i in inputs):
             combined[name] = float(derive(*(combined[i] for i in inputs)))

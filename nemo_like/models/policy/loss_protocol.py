@@ -32,7 +32,8 @@ class LossFunction(Protocol):
         """One optimizer step's metrics on one rank from its micro-batches' fragments (or the ranks' results summed)."""
         ...
 
-    def combine_steps(self, per_step: list[dict[str, float]], /) -> dict[str, Any]:
-        """One rank's metrics of a :meth:`PolicyWorker.train` call from its optimizer steps' metrics (means averaged over
-        the steps, counts summed), so that the ranks' results still combine with :meth:`combine_metrics`."""
+    def combine_steps(self, per_step: list[dict[str, float]], /, step_counts: list[dict[str, float]] | None = None) -> dict[str, Any]:
+        """One rank's metrics of a :meth:`PolicyWorker.train` call from its optimizer steps' metrics (means weighed by
+        ``step_counts``, each step's global valid ``tokens`` and ``sequences``; counts summed), so that the ranks'
+        results still combine with :meth:`combine_metrics`."""
         ...

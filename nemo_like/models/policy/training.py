@@ -91,6 +91,7 @@ class TrainingStep:
         skipped = 0
         forward_tokens = 0  # tokens the training forwards ran through the transformer (padding included)
         first_step_logprobs = torch.zeros(steps[0]["input_ids"].shape, dtype=torch.float32) if steps else None
+        step_counts = step_valid_counts(steps)
         for step_idx, shard in enumerate(steps):
             self.optimizer.zero_grad(set_to_none=False)
             fragments: list[dict[str, float]] = []
@@ -105,7 +106,7 @@ class TrainingStep:
             grad_norms.append(grad_norm)
         self.weight_version += 1
         return {
-            "metrics": self.loss_fn.combine_steps(per_step) if per_step else {},
+            "metrics": self.loss_fn.combine_steps(per_step, step_counts=step_counts) if per_step else {},
             "grad_norms": grad_norms,
             "nonfinite_steps_skipped": skipped,
             "lr": self.scheduler.get_last_lr()[0],
@@ -205,3 +206,9 @@ class TrainingStep:
         """Bring optimizer state offloaded by :meth:`release_memory` back beside its parameters."""
         if self.device.type != "cpu":
             self._move_optimizer_state(None)
+
+
+def step_valid_counts(steps: list[Batch]) -> list[dict[str, float]]:
+    """Each optimizer step's global counts of valid ``tokens`` and ``sequences`` (every rank's shard of the step carries
+    them): they weigh the step's metrics in the train call's, a mean over the call's tokens, not over its steps."""
+    return [{"tokens": float(s["global_valid_toks"]), "sequences": float(s["global_valid_seqs"])} for s in steps]

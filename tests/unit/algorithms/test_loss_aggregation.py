@@ -15,6 +15,7 @@ from nemo_like.algorithms.utils import masked_mean
 from nemo_like.config.loss import LOSS_AGGREGATIONS, ClippedPGLossConfig
 from nemo_like.models.policy.batching import take_rows
 from nemo_like.models.policy.policy import optimizer_step_shards
+from nemo_like.models.policy.training import step_valid_counts
 
 # ---------------------------------------------------------------- masked_mean
 
@@ -230,7 +231,7 @@ def test_a_rank_without_rows_in_one_optimizer_step_averages_over_every_step() ->
                 if shard["input_ids"].shape[0]:
                     fragments.append(fn(shard["prev_logprobs"], shard, shard["global_valid_seqs"], shard["global_valid_toks"])[1])
                 per_step.append(fn.combine_metrics(fragments))
-            results.append(fn.combine_steps(per_step))
+            results.append(fn.combine_steps(per_step, step_counts=step_valid_counts(steps)))
         return fn.combine_metrics(results)  # as Policy.train, over ranks
 
     assert [[s["input_ids"].shape[0] for s in steps] for steps in optimizer_step_shards(batch, 2, 2)] == [[0, 1], [1, 1]]
@@ -238,3 +239,47 @@ def test_a_rank_without_rows_in_one_optimizer_step_averages_over_every_step() ->
     assert two["probs_ratio"] == pytest.approx(1.0, abs=1e-12)
     for key in ("loss", "actor_loss", "probs_ratio", "approx_entropy", "num_valid_tokens"):
         assert two[key] == pytest.approx(one[key], rel=1e-12, abs=1e-14), key
+
+
+@pytest.mark.parametrize("gspo", [False, True], ids=["token-ratios", "gspo-sequence-ratios"])
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_train_calls_metrics_are_means_over_its_tokens_not_over_its_steps(dp: int, gspo: bool) -> None:
+    """Two optimizer steps, one of 1 valid token far off the generation policy and one of 9 matched ones: the call's
+    gen_kl was the mean of the two steps' values (about half the outlier's), not the mean over its 10 tokens."""
+    width = 10
+    prev = torch.full((4, width), -1.0, dtype=torch.float64)
+    gen = prev.clone()
+    gen[0, 1] = -4.0  # the one token of step 1 that generation saw very differently
+    token_mask = torch.zeros(4, width, dtype=torch.float64)
+    token_mask[0, 1] = 1.0  # step 1: rows 0-1, 1 valid token
+    token_mask[2:, 1:] = 1.0  # step 2: rows 2-3, 18 valid tokens
+    batch = {
+        "input_ids": torch.zeros(4, width, dtype=torch.long), "token_mask": token_mask,
+        "sample_mask": torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64),
+        "advantages": torch.ones(4, width, dtype=torch.float64), "generation_logprobs": gen, "prev_logprobs": prev,
+    }  # fmt: skip
+    fn = ClippedPGLossFn(ClippedPGLossConfig(sequence_level_importance_ratios=True, token_level_loss=False) if gspo else None)
+    per_rank = optimizer_step_shards(batch, 2, dp)
+    results = []
+    for steps in per_rank:  # as PolicyWorker.train
+        per_step = []
+        for shard in steps:
+            fragments = (
+                [fn(shard["prev_logprobs"], shard, shard["global_valid_seqs"], shard["global_valid_toks"])[1]]
+                if shard["input_ids"].shape[0]
+                else []
+            )
+            per_step.append(fn.combine_metrics(fragments))
+        results.append(fn.combine_steps(per_step, step_counts=step_valid_counts(steps)))
+    call = fn.combine_metrics(results)
+    valid = token_mask * batch["sample_mask"][:, None]
+    whole = {**batch, "global_valid_seqs": batch["sample_mask"].sum(), "global_valid_toks": valid.sum()}
+    direct = fn.combine_metrics([fn(prev, whole, whole["global_valid_seqs"], whole["global_valid_toks"])[1]])  # every token at once
+    keys = ("gen_kl", "policy_kl", "token_mult_prob_error", "rollout_corr/rollout_ppl", "rollout_corr/training_ppl")
+    for key in (*keys, "sampling_importance_ratio", "approx_entropy"):  # GSPO: the IS ratio is a mean over sequences
+        assert call[key] == pytest.approx(direct[key], rel=1e-12), key
+    first_step = optimizer_step_shards(batch, 2, 1)[0][0]  # the outlier's step alone: its gen_kl is the outlier's
+    alone = fn.combine_metrics(
+        [fn(first_step["prev_logprobs"], first_step, first_step["global_valid_seqs"], first_step["global_valid_toks"])[1]]
+    )
+    assert call["gen_kl"] < 0.1 * alone["gen_kl"]  # one token of 19; the mean over the two steps was about half of it

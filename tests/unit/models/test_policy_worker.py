@@ -99,9 +99,10 @@ def test_training_changes_the_weights_and_bumps_the_version():
     assert version == 1 and "lm_head.weight" in state  # tied head travels with the refit
 
 
-def test_metrics_of_several_optimizer_steps_are_means_over_the_steps_not_sums() -> None:
-    """A rollout of two global batches takes two optimizer steps in one train call: a mean or a fraction is the mean of
-    the steps' values (it was their sum: an on-policy probs_ratio of 2.0, an effective sample size of 2), counts add."""
+def test_metrics_of_several_optimizer_steps_are_means_over_the_calls_tokens_not_sums() -> None:
+    """A rollout of two global batches takes two optimizer steps in one train call: a mean or a fraction is the mean over
+    the call's tokens, the steps' values weighed by their tokens (it was their sum: an on-policy probs_ratio of 2.0, an
+    effective sample size of 2; then the plain mean of the steps'), a loss term the mean of the steps', counts add."""
     steps, alone = [], []
     for seed in (0, 1):
         worker = make_worker(6, optimizer=OptimizerConfig(lr=1e-9))  # the weights barely move between the steps
@@ -111,8 +112,12 @@ def test_metrics_of_several_optimizer_steps_are_means_over_the_steps_not_sums() 
         steps.append(with_global_counts(batch))
         alone.append(worker.train([steps[-1]])["metrics"])
     both = make_worker(6, optimizer=OptimizerConfig(lr=1e-9)).train(steps)["metrics"]
-    for key in ("probs_ratio", "rollout_corr/is_eff_sample_size", "trust_region/kept_fraction", "loss", "approx_entropy"):
-        assert both[key] == pytest.approx((alone[0][key] + alone[1][key]) / 2, rel=1e-5, abs=1e-6), key
+    tokens = [a["num_valid_tokens"] for a in alone]
+    assert tokens[0] != tokens[1]  # the two steps weigh differently
+    for key in ("probs_ratio", "trust_region/kept_fraction", "approx_entropy"):
+        by_tokens = (alone[0][key] * tokens[0] + alone[1][key] * tokens[1]) / sum(tokens)
+        assert both[key] == pytest.approx(by_tokens, rel=1e-5, abs=1e-6), key
+    assert both["loss"] == pytest.approx((alone[0]["loss"] + alone[1]["loss"]) / 2, rel=1e-5, abs=1e-6)
     assert both["probs_ratio"] == pytest.approx(1.0, abs=1e-5) and both["rollout_corr/is_eff_sample_size"] <= 1.0 + 1e-6
     assert both["num_valid_tokens"] == alone[0]["num_valid_tokens"] + alone[1]["num_valid_tokens"]
 
