@@ -513,7 +513,7 @@ class ClippedPGLossFn:
         sequence (GSPO's ratios, a per-sequence truncation)."""
         if name in ("loss", "actor_loss", "kl_penalty") or name.startswith("distillation/"):
             return None
-        if name in SEQUENCE_MEAN_METRICS or name in getattr(self, "_sequence_level_metrics", ()):
+        if name in SEQUENCE_MEAN_METRICS or name in self._sequence_level_metrics:
             return "sequences"
         return "tokens"
 

@@ -167,10 +167,10 @@ class MasterConfig(BaseModel):
             self._check_reward_shaping()
         if self.grpo.max_rollout_turns > 1:
             self._check_multi_turn()
-        agents = [task for task, section in self.env.items() if getattr(section, "env_class", None) == "agent"]
+        agents = self.agent_task_names()
         if agents and self.grpo.reward_shaping.enabled and not self.grpo.reward_shaping.max_response_length:
             raise ValueError(
-                f"grpo.reward_shaping.enabled=true with agent tasks {agents}: a session's calls sample many turns, and the "
+                f"grpo.reward_shaping.enabled=true with agent tasks {list(agents)}: a session's calls sample many turns, and the "
                 "overlong penalty would measure them against one call's policy.generation.max_new_tokens; set "
                 "grpo.reward_shaping.max_response_length to the sampled-token budget of a whole session"
             )
@@ -259,6 +259,11 @@ class MasterConfig(BaseModel):
         for key in changed_from_defaults(self.grpo, ignored.get(estimator, [])):
             lines.append(f"grpo.{key} has no effect with grpo.adv_estimator.name='{estimator}' (it ignores the flag)")
         return lines
+
+    def agent_task_names(self) -> tuple[str, ...]:
+        """The tasks whose environment section is ``class: agent`` (the plan checks that no other task sits beside them:
+        :func:`nemo_like.plan.run_plan.agent_tasks`)."""
+        return tuple(task for task, section in self.env.items() if section.env_class == "agent")
 
     def prev_logprob_consumers(self) -> list[str]:
         """The features other than the loss that read the prev-policy logprobs (the pass runs for them)."""

@@ -71,14 +71,14 @@ def model_footprint(
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        layers = decoder_layers(model)
+        layers = decoder_layers(model)  # the same modules once LoRA wraps them
     except ValueError as exc:  # an encoder (bert): no causal-LM class, or no decoder layers
         raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
-    with torch.device("meta"):
-        lora = lora_cfg is not None and lora_cfg.enabled
-        if lora:
-            from nemo_like.models.lora import apply_lora
+    lora = lora_cfg is not None and lora_cfg.enabled
+    if lora:
+        from nemo_like.models.lora import apply_lora
 
+        with torch.device("meta"):
             model = apply_lora(model, lora_cfg)
     base_bytes = DTYPE_BYTES[precision] if lora else 4
     layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
@@ -113,14 +113,20 @@ def teacher_key(cfg: Any, name: str) -> str:
     return f"teacher.by_task.{next(task for task, model in cfg.teacher.by_task.items() if model == name)}"
 
 
+def check_teacher_config_names(cfg: Any, configs: Mapping[str, str]) -> None:
+    """A ConfigError for a ``--teacher-config`` name that is no teacher model of the run."""
+    models = cfg.teacher.models()
+    if unknown := sorted(set(configs) - set(models)):
+        raise ConfigError(f"--teacher-config {unknown[0]}=...: not a teacher model of this run (its teachers: {models})")
+
+
 def teacher_config_paths(cfg: Any, configs: Mapping[str, str] | None = None) -> dict[str, Path]:
     """The ``config.json`` of each teacher model (``teacher.models()`` order): ``configs[name]`` when given
     (``--teacher-config NAME=PATH``), else the model's own; a name in ``configs`` that is no teacher model is a
     ConfigError."""
     configs = configs or {}
+    check_teacher_config_names(cfg, configs)
     models = cfg.teacher.models()
-    if unknown := sorted(set(configs) - set(models)):
-        raise ConfigError(f"--teacher-config {unknown[0]}=...: not a teacher model of this run (teacher.models(): {models})")
     return {name: model_config_path(name, configs.get(name), teacher_key(cfg, name), f"--teacher-config {name}=PATH") for name in models}
 
 
@@ -183,6 +189,7 @@ def memory_report(
     from nemo_like.plan.memory import GIB, plan_memory, step_estimate
 
     params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
+    check_teacher_config_names(cfg, teacher_configs or {})  # also where the run holds no teacher (the flag did nothing)
     paths = teacher_config_paths(cfg, teacher_configs) if needs_teachers(cfg, run_plan) else {}
     teachers = teacher_footprints(cfg, paths)
     step = None

@@ -115,11 +115,10 @@ def agent_tasks(cfg: Any) -> tuple[str, ...]:
     """The tasks whose environment is ``class: agent``. Every task of such a run must be an agent task (a batch is
     rolled out one way); sync and async runs alike (docs/guides/agents.md). Raises :class:`ConfigError` naming the
     keys otherwise."""
-    sections = dict(getattr(cfg, "env", None) or {})
-    tasks = tuple(task for task, section in sections.items() if getattr(section, "env_class", None) == "agent")
+    tasks = cfg.agent_task_names()
     if not tasks:
         return ()
-    others = sorted(set(sections) - set(tasks))
+    others = sorted(set(cfg.env) - set(tasks))
     if others:
         raise ConfigError(
             f"env.{others[0]}: a run with agent tasks ({', '.join(tasks)}) cannot also have other tasks; expected only class: agent sections"
