@@ -2,13 +2,15 @@
 advantage gets the teacher's per-token signal.
 
 For a response x sampled from the student pi_S, the reverse KL to the teacher is
-``KL(pi_S || pi_T) = E_{x ~ pi_S} sum_t [log pi_S(x_t | x_<t) - log pi_T(x_t | x_<t)]``. Its policy gradient, with the
-per-token reward ``r_t = log pi_T(x_t) - log pi_S(x_t)`` held fixed (stop-gradient), is the REINFORCE gradient of
-``-KL``: giving every sampled token the advantage ``r_t`` and running the usual clipped policy-gradient loss moves the
-student toward the teacher on the student's own samples (GRPO's clipping and IS corrections unchanged). With
-``distillation.task_advantage_weight`` the task reward's advantage is kept beside it:
+``KL(pi_S || pi_T) = E_{x ~ pi_S} sum_t [log pi_S(x_t | x_<t) - log pi_T(x_t | x_<t)]``. With the per-token reward
+``r_t = log pi_T(x_t) - log pi_S(x_t)`` held fixed (stop-gradient), REINFORCE with the reward-to-go
+``sum_{t' >= t} r_t'`` as token t's advantage is exactly the gradient of ``-KL`` (a token also changes the prefixes of
+the later ones); with ``r_t`` alone (discount 0, the default, as on-policy distillation usually runs) it is the
+per-token surrogate, which ignores that effect. Either advantage goes through the usual clipped policy-gradient loss
+(GRPO's clipping and IS corrections unchanged). With ``distillation.task_advantage_weight`` the task reward's
+advantage is kept beside it:
 
-    A_t = task_advantage_weight * A_task + advantage_weight * (log pi_T(x_t) - log pi_S(x_t))
+    A_t = task_advantage_weight * A_task + advantage_weight * G_t,   G_t = r_t  or  sum_{t' >= t} r_t' (reward_to_go)
 
 ``log pi_S`` is the prev-logprob pass (the policy's own logprob forward, the same computation as the teacher's), so a
 teacher identical to the student gives exactly 0. ``distillation/teacher_kl`` is the per-token mean of
@@ -154,6 +156,13 @@ def teacher_kl_estimate(student: torch.Tensor, teacher: torch.Tensor, sampler: t
     return _masked_mean(weight * (student - teacher), mask)
 
 
+def weigh_task_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor]) -> None:
+    """Scale ``batch["advantages"]`` (the task reward's) by ``distillation.task_advantage_weight`` in place. A run with a
+    teacher calls it whether or not the teacher's actors scored the batch: with ``advantage_weight: 0`` they are not
+    started, and a task weight of 0 must still leave the KL loss term as the only signal."""
+    batch["advantages"] = cfg.distillation.task_advantage_weight * batch["advantages"]
+
+
 def apply_distillation(cfg: MasterConfig, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """Add the teacher's per-token signal to ``batch["advantages"]`` (in place, see the module docstring) and return
     the ``distillation/*`` metrics. ``batch`` holds ``teacher_logprobs`` and ``prev_logprobs`` ([B, S], aligned with
@@ -166,7 +175,10 @@ def apply_distillation(cfg: MasterConfig, batch: dict[str, torch.Tensor]) -> dic
     teacher, student = batch["teacher_logprobs"], batch["prev_logprobs"]
     gap = (teacher - student) * mask
     d = cfg.distillation
-    batch["advantages"] = d.task_advantage_weight * batch["advantages"] + d.advantage_weight * gap
+    if d.reward_to_go:  # each token's gap plus every later sampled token's in its row
+        gap = gap.flip(-1).cumsum(-1).flip(-1) * mask
+    weigh_task_advantages(cfg, batch)
+    batch["advantages"] = batch["advantages"] + d.advantage_weight * gap
     return {
         "distillation/teacher_kl": teacher_kl_estimate(student, teacher, batch.get("generation_logprobs"), mask),
         "distillation/teacher_logprob_mean": _masked_mean(teacher, mask),

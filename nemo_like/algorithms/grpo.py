@@ -25,7 +25,13 @@ import torch
 
 from nemo_like.algorithms.advantages import advantage_metrics, compute_advantages, reward_group_metrics
 from nemo_like.algorithms.checkpointing import checkpoint_manager, load_checkpoint_file, restore_run, save_run
-from nemo_like.algorithms.distillation import apply_distillation, gather_teacher_pass, start_teacher_pass, teacher_token_counts
+from nemo_like.algorithms.distillation import (
+    apply_distillation,
+    gather_teacher_pass,
+    start_teacher_pass,
+    teacher_token_counts,
+    weigh_task_advantages,
+)
 from nemo_like.algorithms.dynamic_sampling import (
     DynamicSamplingAccumulator,
     apply_overlong_reward_shaping,
@@ -135,21 +141,32 @@ def validation_metrics(rollout: Rollout, tasks: list[str], pass_k: list[int]) ->
     return metrics
 
 
+def session_values(rollout: Rollout, values: torch.Tensor) -> torch.Tensor:
+    """``values`` ([B], one per row) one per sample: per row, or in agent tasks per session (a branched session's rows
+    share one value; its first row's is taken)."""
+    if rollout.session_of_row is None:
+        return values
+    return values[per_session(rollout.session_of_row)[0]]
+
+
 def session_rewards(rollout: Rollout) -> torch.Tensor:
     """The task rewards one per sample: per row, or agent tasks per session (a branched session's rows share one)."""
-    if rollout.session_of_row is None:
-        return rollout.raw_rewards
-    return rollout.raw_rewards[per_session(rollout.session_of_row)[0]]
+    return session_values(rollout, rollout.raw_rewards)
 
 
-def training_reward_metrics(rollout: Rollout, tasks: list[str]) -> dict[str, float]:
+def training_reward_metrics(rollout: Rollout, tasks: list[str], shaped: bool = False) -> dict[str, float]:
     """``train/reward`` and ``env/<task>/reward`` and ``/num_samples``, over the same samples (:func:`session_rewards`:
-    a branched agent session counts once, as in validation; per row a 3-row session weighed three times)."""
+    a branched agent session counts once, as in validation; per row a 3-row session weighed three times); ``shaped``
+    (``grpo.reward_shaping.enabled``): ``train/shaped_reward`` too, the mean of the shaped rewards the advantages used,
+    over the same samples."""
     prompts = rollout.prompts
     if rollout.session_of_row is not None:
         prompts = [prompts[i] for i in per_session(rollout.session_of_row)[0].tolist()]
     rewards = session_rewards(rollout)
-    return {"train/reward": rewards.mean().item(), **task_reward_metrics(prompts, rewards, tasks)}
+    metrics = {"train/reward": rewards.mean().item(), **task_reward_metrics(prompts, rewards, tasks)}
+    if shaped:
+        metrics["train/shaped_reward"] = session_values(rollout, rollout.rewards).mean().item()
+    return metrics
 
 
 def sample_response_lengths(rollout: Rollout) -> torch.Tensor:
@@ -283,7 +300,7 @@ def collect_training_rollout(
             sessions_per_batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt  # ids 0.. of a batch
             payload["session_of_row"] = rollout.session_of_row + batch_index * sessions_per_batch
         accumulator.add(payload, keep, prompt_ids=group_ids)
-        generated.append((rollout.task_rewards, group_ids))
+        generated.append((session_rewards(rollout), session_values(rollout, group_ids)))  # a branched session once
         batch_index += 1
         if accumulator.is_full:
             kept, metrics = accumulator.take()
@@ -383,6 +400,8 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     reference_passes = parts.reference.take_logprob_passes() if ran_reference else 0
     if passes.teacher is not None:
         adv_metrics.update(apply_distillation(cfg, batch))
+    elif cfg.teacher.enabled:  # advantage_weight 0: no teacher pass, the KL loss term beside the weighted task advantage
+        weigh_task_advantages(cfg, batch)
     sampled_mask = batch["token_mask"]  # the driver's masks below replace it, leaving this one as sampled
     adv_metrics.update(apply_driver_masks(cfg, batch, rollout.raw_rewards))
     with timer.phase("policy_training"):
@@ -410,10 +429,9 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
             "performance/num_samples": float(len(rollout.samples)),
         }
     )
-    if cfg.grpo.reward_shaping.enabled:  # what the advantages used; train/reward stays the task's
-        metrics["train/shaped_reward"] = rollout.rewards.mean().item()
     metrics.setdefault("train/kl_penalty", 0.0)
-    metrics.update(training_reward_metrics(rollout, parts.environment.tasks))
+    # train/shaped_reward: what the advantages used; train/reward stays the task's
+    metrics.update(training_reward_metrics(rollout, parts.environment.tasks, cfg.grpo.reward_shaping.enabled))
     metrics.update(env_metrics_with_means(rollout.env_metrics))
     if cfg.grpo.max_rollout_turns > 1:
         metrics.update(multi_turn_metrics(rollout.samples, rollout.raw_rewards))

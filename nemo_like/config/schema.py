@@ -176,14 +176,15 @@ class MasterConfig(BaseModel):
             )
         if self.grpo.async_grpo.enabled:
             self._check_async()
-        if error := distillation_errors(self.teacher, self.distillation):
-            raise ValueError(error)
         for task in self.teacher.by_task:  # a misspelt task's teacher never scores a row: distillation silently off
             if task not in self.env_sections:
                 raise ValueError(
                     f"teacher.by_task.{task}: no task of that name; the run's tasks (env.<task>) are "
                     f"{sorted(self.env_sections)}.{did_you_mean(task, self.env_sections)}"
                 )
+        tp = self.policy.dtensor_cfg.tensor_parallel_size
+        if error := distillation_errors(self.teacher, self.distillation, self.env_sections, tp):
+            raise ValueError(error)
         if self.loss_fn.aggregation == "seq-mean-token-sum-norm" and self.loss_fn.loss_aggregation_normalizer is None:
             # Dr. GRPO's constant: the maximum response length.
             self.loss_fn.loss_aggregation_normalizer = float(self.policy.generation.max_new_tokens)

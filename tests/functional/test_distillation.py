@@ -51,6 +51,23 @@ def test_a_teacher_equal_to_the_student_gives_zero_advantages_and_changes_no_wei
     assert changed == []
 
 
+def test_the_kl_term_alone_trains_on_no_task_reward(ray_cluster, tmp_path):
+    # advantage_weight 0 starts no teacher actors (the KL term runs its own teacher copy), and task_advantage_weight 0
+    # must still zero the task advantage: with a teacher equal to the student the KL term's gradient is 0, so no weight
+    # may change (the task advantage had been left at weight 1 whenever the teacher's actors did not run).
+    ckpt = tmp_path / "ckpt"
+    only_kl = ("distillation.advantage_weight=0", "distillation.kl_weight=1")
+    cfg = tiny_config(
+        tmp_path, "grpo.max_num_steps=1", "teacher.model_name=embedded:tiny-arith-qwen2", *DISTIL, *only_kl, *ckpt_overrides(ckpt, 1)
+    )
+    (record,) = [r for r in train(cfg) if r["step"] == 1]
+    assert "distillation/teacher_kl" not in record and record[KL_LOSS] == 0.0
+    assert 0 < record["train/reward"] < 1  # the task reward had a signal to give
+    before = load_file(f"{default_model_path()}/model.safetensors")
+    after = load_file(f"{ckpt}/step_1/policy/model.safetensors")
+    assert [name for name in before if not torch.equal(before[name], after[name])] == []
+
+
 def test_two_data_parallel_ranks_distil_like_one(ray_cluster, tmp_path):
     # The HF engine samples for both runs (inline sampling needs one policy worker), and both run the model's own
     # forward (the sharded ranks do), so the two runs differ only in the sharding of the student and the teacher.

@@ -10,6 +10,7 @@ policy worker against a frozen copy of the teacher. docs/guides/distillation.md 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -64,6 +65,12 @@ class DistillationConfig(Section):
         ge=0,
         description="Weight of the task reward's advantage (0: distil from the teacher alone, no task reward).",
     )
+    reward_to_go: bool = Field(
+        False,
+        description="false: each sampled token's teacher signal is its own gap (per-token, discount 0, the usual on-policy "
+        "distillation surrogate); true: the sum of the gaps from that token to the end of its row, the exact policy "
+        "gradient of the sequence-level reverse KL (a token also changes the prefixes of the later ones).",
+    )
     kl_weight: Float = Field(
         0.0,
         ge=0,
@@ -102,8 +109,9 @@ class DistillationConfig(Section):
         return []
 
 
-def distillation_errors(teacher: TeacherConfig, d: DistillationConfig) -> str | None:
-    """The first contradiction between the ``teacher`` and ``distillation`` sections (``None``: none)."""
+def distillation_errors(teacher: TeacherConfig, d: DistillationConfig, tasks: Iterable[str], tensor_parallel_size: int) -> str | None:
+    """The first contradiction between the ``teacher`` and ``distillation`` sections, the run's ``tasks`` (its ``env``
+    section names) and the policy's ``tensor_parallel_size`` (``None``: none)."""
     if not teacher.enabled and d.kl_weight > 0:
         return f"distillation.kl_weight={d.kl_weight} needs a teacher: set teacher.model_name (or set kl_weight to 0)"
     if not teacher.enabled and d.task_advantage_weight == 0:
@@ -116,16 +124,32 @@ def distillation_errors(teacher: TeacherConfig, d: DistillationConfig) -> str | 
             "distillation.kl_weight>0 with teacher.by_task is not supported: the KL term runs one teacher copy inside the "
             "policy workers for every row; use teacher.model_name alone (or kl_weight=0 for per-task teachers)"
         )
+    if d.kl_weight > 0 and tensor_parallel_size > 1:
+        return (
+            f"distillation.kl_weight={d.kl_weight} with policy.dtensor_cfg.tensor_parallel_size={tensor_parallel_size} is not "
+            "supported yet: the KL term's teacher copy is not tensor-parallel; set kl_weight to 0 (the teacher's advantage "
+            "still runs) or tensor_parallel_size to 1"
+        )
     if teacher.enabled and d.advantage_weight == 0 and d.task_advantage_weight == 0 and d.kl_weight == 0:
         return "distillation.advantage_weight=0 and distillation.task_advantage_weight=0: every advantage would be 0"
+    untaught = [task for task in tasks if teacher.model_for(task) is None]
+    if teacher.enabled and d.task_advantage_weight == 0 and untaught:
+        return (
+            f"distillation.task_advantage_weight=0 leaves the samples of {untaught} with no training signal: teacher.by_task "
+            "gives them no teacher and teacher.model_name is null; give them one (teacher.by_task.<task> or "
+            "teacher.model_name) or the task reward a weight"
+        )
     return None
 
 
 def distillation_warnings(teacher: TeacherConfig, d: DistillationConfig) -> list[str]:
     """Options of the two sections that are set but have no effect."""
     lines = d.kl_warnings()
+    if d.reward_to_go and teacher.enabled and d.advantage_weight == 0:
+        lines.append("distillation.reward_to_go has no effect with distillation.advantage_weight=0 (no teacher advantage)")
     if not teacher.enabled:
         changed = [k for k in ("advantage_weight", "task_advantage_weight") if getattr(d, k) != 1.0]
+        changed += ["reward_to_go"] if d.reward_to_go else []
         changed += [f"teacher.{k}" for k in ("tokenizer_name", "precision") if getattr(teacher, k) is not None]
         for key in changed:
             name = key if key.startswith("teacher.") else f"distillation.{key}"

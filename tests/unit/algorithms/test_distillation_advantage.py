@@ -67,6 +67,15 @@ def test_teachers_by_task_route_each_task_and_each_model_gets_its_own_workers() 
         recipe("+teacher.by_task.math=x", "teacher.tokenizer_name=y", math)
     with pytest.raises(ValueError, match="leaves no training signal"):
         recipe("+teacher.by_task.math=null", "distillation.task_advantage_weight=0", math)
+    # One task taught, the other not, and no task reward: the untaught task's rows would train on advantages of 0.
+    with pytest.raises(ValueError, match=r"task_advantage_weight=0 leaves the samples of \['arithmetic'\] with no training signal"):
+        recipe("+teacher.by_task.math=embedded:tiny-arith-teacher", "distillation.task_advantage_weight=0", math)
+    recipe(
+        "+teacher.by_task.math=embedded:tiny-arith-teacher",
+        "teacher.model_name=embedded:tiny-arith-qwen2",
+        "distillation.task_advantage_weight=0",
+        math,
+    )  # every task has a teacher: allowed
     # A task the run does not have (a typo) would never be scored: distillation silently off, teacher_kl reading 0.
     with pytest.raises(ValueError, match=r"teacher.by_task.arithmetc: no task of that name; the run's tasks \(env.<task>\) are "
                        r"\['arithmetic'\]. Did you mean 'arithmetic'\?"):  # fmt: skip
@@ -178,7 +187,10 @@ def test_the_kl_term_keys_contradictions_are_errors_and_unused_keys_warn() -> No
     with pytest.raises(ValueError, match="distillation.kl_support=teacher_top_k needs distillation.kl_top_k"):
         recipe(TEACHER, "distillation.kl_weight=1", "distillation.kl_support=teacher_top_k")
     with pytest.raises(ValueError, match="teacher.by_task is not supported"):
-        recipe("+teacher.by_task.math=embedded:tiny-arith-teacher", "distillation.kl_weight=1")
+        recipe("+teacher.by_task.math=embedded:tiny-arith-teacher", "distillation.kl_weight=1", "+env.math.num_workers=1")
+    # Refused at load (and so by `nemo-like plan`), not in each policy worker after the actors start.
+    with pytest.raises(ValueError, match=r"kl_weight=1.0 with policy.dtensor_cfg.tensor_parallel_size=2 is not supported"):
+        recipe(TEACHER, "distillation.kl_weight=1", "policy.dtensor_cfg.tensor_parallel_size=2", "policy.dp_size=2")
     assert "distillation.kl_top_k=8 has no effect with distillation.kl_support=full" in (
         recipe(TEACHER, "distillation.kl_weight=1", "distillation.kl_top_k=8").no_effect_warnings()
     )
@@ -226,3 +238,49 @@ def test_a_by_task_teacher_scores_and_masks_only_its_tasks_rows() -> None:
     expected = torch.zeros(4, 4)
     expected[[1, 3], :3] = scored
     torch.testing.assert_close(out["teacher_logprobs"], expected)
+
+
+def test_reward_to_go_is_the_exact_gradient_of_the_sequence_kl_and_the_default_is_the_per_token_surrogate() -> None:
+    # A two-token student over a three-token vocabulary (row 0: the first token's logits, row 1 + x1: the second's),
+    # every one of its nine sequences enumerated: the exact gradient of KL(pi_S || pi_T) over whole sequences against
+    # E_x[sum_t A_t grad log pi_S(x_t)] with A_t from apply_distillation, each sequence weighed by its probability.
+    import itertools
+
+    torch.manual_seed(0)
+    vocab = 3
+    student = torch.randn(1 + vocab, vocab, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(1 + vocab, vocab, dtype=torch.float64)
+
+    def token_logprobs(logits: torch.Tensor, x: tuple[int, int]) -> torch.Tensor:
+        table = logits.log_softmax(-1)
+        return torch.stack([table[0, x[0]], table[1 + x[0], x[1]]])
+
+    sequences = list(itertools.product(range(vocab), repeat=2))
+    kl = sum(token_logprobs(student, x).sum().exp() * (token_logprobs(student, x) - token_logprobs(teacher, x)).sum() for x in sequences)
+    (exact,) = torch.autograd.grad(kl, student)
+
+    def expected_policy_gradient(*overrides: str) -> torch.Tensor:
+        student_lp = torch.stack([token_logprobs(student, x) for x in sequences])  # [9, 2]
+        batch = {
+            "token_mask": torch.ones(len(sequences), 2),
+            "advantages": torch.zeros(len(sequences), 2, dtype=torch.float64),
+            "prev_logprobs": student_lp.detach(),
+            "teacher_logprobs": torch.stack([token_logprobs(teacher, x) for x in sequences]),
+        }
+        apply_distillation(recipe(TEACHER, "distillation.task_advantage_weight=0", *overrides), batch)
+        weights = student_lp.sum(-1).exp().detach()
+        surrogate = -(weights[:, None] * batch["advantages"] * student_lp).sum()  # minimised: the gradient of -(-KL)
+        return torch.autograd.grad(surrogate, student)[0]
+
+    torch.testing.assert_close(expected_policy_gradient("distillation.reward_to_go=true"), exact, rtol=0, atol=1e-12)
+    per_token = expected_policy_gradient()
+    assert (per_token - exact).abs().max() > 0.05  # the first token's row: it ignores the first token's effect on the second
+    torch.testing.assert_close(per_token[1:], exact[1:], rtol=0, atol=1e-12)  # the last token has nothing after it
+    assert "distillation.reward_to_go has no effect with distillation.advantage_weight=0 (no teacher advantage)" in (
+        recipe(
+            TEACHER, "distillation.reward_to_go=true", "distillation.advantage_weight=0", "distillation.kl_weight=1"
+        ).no_effect_warnings()
+    )
+    assert "distillation.reward_to_go has no effect with teacher.model_name=null (no teacher)" in (
+        recipe("distillation.reward_to_go=true").no_effect_warnings()
+    )

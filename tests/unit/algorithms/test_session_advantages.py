@@ -88,6 +88,39 @@ def test_training_reward_metrics_count_a_branched_session_once_as_validation_doe
     assert metrics["env/arithmetic/num_samples"] == 4
     rows = grpo.training_reward_metrics(branched_rollout(None), ["arithmetic"])
     assert rows["env/arithmetic/reward"] == pytest.approx(3.5 / 6) and rows["env/arithmetic/num_samples"] == 6
+    assert "train/shaped_reward" not in metrics
+    # Shaped rewards (what the advantages used) over the same samples: with nothing shaped away, equal to train/reward
+    # (per row the branched session's 1.0 counted three times: 3.5/6 beside a train/reward of 1.5/4).
+    shaped = branched_rollout()
+    shaped.set_shaped_rewards(shaped.rewards.clone())
+    assert grpo.training_reward_metrics(shaped, ["arithmetic"], shaped=True)["train/shaped_reward"] == pytest.approx(1.5 / 4)
+    shaped.set_shaped_rewards(torch.tensor([0.5, 0.5, 0.5, 0.5, 0.0, 0.0]))
+    assert grpo.training_reward_metrics(shaped, ["arithmetic"], shaped=True)["train/shaped_reward"] == pytest.approx(1.0 / 4)
+
+
+def test_dynamic_sampling_counts_a_generated_branched_session_once(monkeypatch) -> None:
+    """dynamic_sampling/generated_* over every generation batch: a branched session weighs once, as in train/reward."""
+    from nemo_like.config.schema import MasterConfig
+    from nemo_like.data.prompts import PromptDataLoader
+    from nemo_like.utils.timer import StepTimer
+
+    saturated = branched_rollout()
+    saturated.rewards = torch.zeros(6)  # every group's rewards equal: dropped, and a second batch is generated
+    batches = iter([saturated, branched_rollout(), branched_rollout()])  # one group with reward variance in each of the last two
+    monkeypatch.setattr(grpo, "collect_rollout", lambda *args, **kwargs: next(batches))
+    cfg = MasterConfig.model_validate(
+        {
+            "grpo": {"use_dynamic_sampling": True, "num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+            "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 1},
+        }
+    )
+    loader = PromptDataLoader([PromptRecord(f"p{i}", [], [1], {"task_name": "arithmetic"}) for i in range(4)], 2, 0, False)
+    parts = SimpleNamespace(cfg=cfg, generation=None, environment=None, tokenizer=None, train_loader=loader,
+                            plan=SimpleNamespace(multi_turn=None, overlap_scoring=False))  # fmt: skip
+    _, metrics = grpo.collect_training_rollout(parts, 1, StepTimer())
+    # Twelve sessions over the three batches (per row: eighteen, the branched correct one three times a batch: 7/18).
+    assert metrics["dynamic_sampling/generated_reward"] == pytest.approx(3.0 / 12)
+    assert metrics["dynamic_sampling/generated_pct_0"] == pytest.approx(4 / 6)  # groups all wrong: 4 of 6 (a fraction)
 
 
 def test_eval_counts_a_branched_session_once_and_numbers_rows_by_session() -> None:
