@@ -20,6 +20,7 @@ import math
 import torch
 
 from nemo_like.algorithms.kl import KL_ESTIMATORS
+from nemo_like.algorithms.metrics import LOG_RATIO_SAFETY_BOUND
 from nemo_like.config.rejection import RolloutRejectionConfig
 from nemo_like.config.schema import MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
@@ -137,6 +138,12 @@ def sequence_statistic(log_ratio: torch.Tensor, valid: torch.Tensor, statistic: 
     return value, value
 
 
+def bounded_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """A ratio for the diagnostics from its log, clamped at +-``LOG_RATIO_SAFETY_BOUND`` (e^20): a summed log-ratio over
+    thousands of tokens passes 709 and its exp overflows to inf (then the std to nan). The masking compares logs."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND))
+
+
 def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[str, float]:
     """Remove out-of-bounds tokens (``level: token``) or samples (``level: sequence``) from
     ``batch['token_mask']`` / ``batch['sample_mask']`` in place; returns diagnostics.
@@ -186,8 +193,8 @@ def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[s
     def frac(flags: torch.Tensor, total: int) -> float:
         return int(flags.sum()) / total if total else 0.0
 
-    token_ratio = _summary(torch.exp(log_ratio[valid]))
-    to_value = torch.exp if ratio_stat else (lambda x: x)
+    token_ratio = _summary(bounded_exp(log_ratio[valid]))
+    to_value = bounded_exp if ratio_stat else (lambda x: x)
     seq_values = torch.cat([to_value(high[eligible]), to_value(low[eligible])]) if statistic == "max" else to_value(high[eligible])
     seq_summary = _summary(seq_values)
     if statistic == "max":

@@ -221,6 +221,25 @@ class MasterConfig(BaseModel):
             )
         return lines
 
+    def _shaping_without_effect(self) -> list[str]:
+        """DAPO overlong shaping switched on where no response can reach its penalty: it starts past ``L_max - L_buf``
+        sampled tokens, and outside agent tasks a sample has at most ``max_new_tokens`` per turn."""
+        shaping = self.grpo.reward_shaping
+        if not shaping.enabled or self.agent_task_names():
+            return []
+        if shaping.overlong_buffer_penalty == 0:
+            return ["grpo.reward_shaping.enabled=true has no effect with grpo.reward_shaping.overlong_buffer_penalty=0"]
+        start = (shaping.max_response_length or self.policy.generation.max_new_tokens) - shaping.overlong_buffer_length
+        reachable = self.policy.generation.max_new_tokens * self.grpo.max_rollout_turns
+        if start < reachable:
+            return []
+        turns = f" x grpo.max_rollout_turns={self.grpo.max_rollout_turns}" if self.grpo.max_rollout_turns > 1 else ""
+        return [
+            f"grpo.reward_shaping.enabled=true has no effect: the penalty starts past max_response_length - "
+            f"overlong_buffer_length = {start} sampled tokens, and a sample has at most "
+            f"policy.generation.max_new_tokens={self.policy.generation.max_new_tokens}{turns} = {reachable}"
+        ]
+
     def switched_off_warnings(self) -> list[str]:
         """Keys set (changed from their defaults) under a switch that is off, or for an estimator that ignores them."""
         lines = []
@@ -253,6 +272,7 @@ class MasterConfig(BaseModel):
                 "logger.num_val_samples_to_print has no effect: validation never runs "
                 "(grpo.val_period=0, grpo.val_at_start=false, grpo.val_at_end=false)"
             )
+        lines += self._shaping_without_effect()
         if not self.grpo.use_dynamic_sampling and changed_from_defaults(self.grpo, ["dynamic_sampling_max_gen_batches"]):
             lines.append("grpo.dynamic_sampling_max_gen_batches has no effect with grpo.use_dynamic_sampling=false")
         estimator = self.grpo.adv_estimator.name

@@ -165,6 +165,21 @@ def test_sequence_statistic_values_are_reported() -> None:
     assert m["rollout_rejection/seq_frac_below"] == 0.0
 
 
+def test_a_long_sequences_summed_ratio_stays_finite_in_the_diagnostics() -> None:
+    # 2048 tokens at +0.4 each: a summed log-ratio of 819, whose exp overflows float32 and float64 (inf, then a nan std).
+    tokens = 2048
+    batch = {
+        "token_mask": torch.ones(2, tokens),
+        "sample_mask": torch.ones(2),
+        "prev_logprobs": torch.stack([torch.full((tokens,), -0.6), torch.full((tokens,), -1.0)]),
+        "generation_logprobs": torch.full((2, tokens), -1.0),
+    }
+    m = apply_rollout_rejection(RolloutRejectionConfig(level="sequence", sequence_statistic="sum", upper=2.0), batch)
+    assert batch["sample_mask"].tolist() == [0.0, 1.0]  # the masking compares logs: unaffected by the bound
+    assert m["rollout_rejection/seq_stat_max"] == pytest.approx(math.exp(20.0)) and m["rollout_rejection/seq_stat_min"] == 1.0
+    assert all(math.isfinite(v) for v in m.values()), m
+
+
 def test_rejection_on_an_empty_batch_reports_zeros() -> None:
     for level in ("token", "sequence"):
         batch = _batch([[None]], sample_mask=[1.0])

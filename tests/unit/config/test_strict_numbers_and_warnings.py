@@ -106,6 +106,26 @@ NO_EFFECT_CASES = [
         "grpo.reward_shaping.overlong_buffer_length has no effect with grpo.reward_shaping.enabled=false",
         ["grpo.reward_shaping.enabled=true"],
     ),
+    (  # the penalty starts past 20 - 4 = 16 sampled tokens: a 16-token response never reaches it (two turns would)
+        [
+            "grpo.reward_shaping.enabled=true",
+            "grpo.reward_shaping.overlong_buffer_length=4",
+            "grpo.reward_shaping.max_response_length=20",
+            "policy.generation.max_new_tokens=16",
+        ],
+        "grpo.reward_shaping.enabled=true has no effect: the penalty starts past max_response_length - overlong_buffer_length "
+        "= 16 sampled tokens, and a sample has at most policy.generation.max_new_tokens=16 = 16",
+        ["grpo.max_rollout_turns=2"],
+    ),
+    (
+        [
+            "grpo.reward_shaping.enabled=true",
+            "grpo.reward_shaping.overlong_buffer_length=4",
+            "grpo.reward_shaping.overlong_buffer_penalty=0",
+        ],
+        "grpo.reward_shaping.enabled=true has no effect with grpo.reward_shaping.overlong_buffer_penalty=0",
+        ["grpo.reward_shaping.overlong_buffer_penalty=0.5"],
+    ),
     (
         ["policy.sequence_packing.train_mb_tokens=256"],
         "policy.sequence_packing.train_mb_tokens has no effect with policy.sequence_packing.enabled=false",
