@@ -23,7 +23,7 @@ from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
 from nemo_like.models.engines import build_generation
 from nemo_like.models.generation.hf import HFGeneration
-from nemo_like.models.loading import check_context_length, end_of_sequence_ids, load_tokenizer, resolve_model_path
+from nemo_like.models.loading import check_context_length, check_stop_token_ids, end_of_sequence_ids, load_tokenizer, resolve_model_path
 from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 from nemo_like.plan.run_plan import RunPlan
@@ -167,6 +167,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None)
     for name in cfg.teacher.models():  # a teacher with another tokenizer fails here, before any actor starts
         check_teacher_tokenizer(tokenizer, cfg.policy.model_name, _driver_tokenizer(teacher_config(cfg, name), "teacher"), name)
     check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)  # before any actor starts
+    check_stop_token_ids(cfg.policy.model_name, cfg.policy.generation.stop_token_ids)
     if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
         check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
     if joins_existing_cluster(cfg.cluster):  # the plan's thread split needs the joined cluster's node CPUs

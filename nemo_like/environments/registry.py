@@ -112,12 +112,13 @@ def check_constructor_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -
             problems = []
             for err in exc.errors():
                 key = ".".join(str(p) for p in err["loc"])
+                name = f"{where}.{key}" if key else where  # a check of the whole section has no key of its own
                 if err["type"] == "extra_forbidden":
-                    problems.append(f"{where}.{key}: unknown key.{did_you_mean(key, model.model_fields)}")
+                    problems.append(f"{name}: unknown key.{did_you_mean(key, model.model_fields)}")
                 elif err["type"] == "value_error":
-                    problems.append(f"{where}.{key}: {err['msg'].removeprefix('Value error, ')}")
+                    problems.append(f"{name}: {err['msg'].removeprefix('Value error, ')}")
                 else:
-                    problems.append(f"{where}.{key}: {err['msg']} (got {err.get('input')!r})")
+                    problems.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
             raise ConfigError("Invalid environment configuration:\n  " + "\n  ".join(problems)) from None
     params = inspect.signature(cls).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

@@ -136,7 +136,13 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.experience.rollouts import collect_rollout, env_metrics_with_means
     from nemo_like.models.engines import build_generation, generation_resources
     from nemo_like.models.generation.interface import sampling_params
-    from nemo_like.models.loading import check_context_length, end_of_sequence_ids, load_tokenizer, resolve_checkpoint_model
+    from nemo_like.models.loading import (
+        check_context_length,
+        check_stop_token_ids,
+        end_of_sequence_ids,
+        load_tokenizer,
+        resolve_checkpoint_model,
+    )
 
     start = time.perf_counter()
     ev = cfg.eval
@@ -152,6 +158,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     model_dir = resolve_checkpoint_model(ev.model_path or cfg.policy.model_name, "eval.model_path")
     checkpoint_dir = os.path.abspath(model_dir) if Path(model_dir).is_dir() else None  # before a LoRA merge; hub id: None
     check_context_length(model_dir, cfg.policy.max_total_sequence_length)
+    check_stop_token_ids(model_dir, cfg.policy.generation.stop_token_ids)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     prompts = load_validation_prompts(cfg, tokenizer)
     check_environments(specs, {"validation": prompts})

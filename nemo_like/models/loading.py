@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -243,6 +244,23 @@ def check_context_length(model_name: str, length: int, key: str = "policy.max_to
             f"{key}={length} is longer than {model_name}'s context ({limit} positions: max_position_embeddings in its "
             f"config.json); lower {key} (prompt + response tokens) to at most {limit}"
         )
+
+
+def check_stop_token_ids(model_name: str, ids: Sequence[int] | None, key: str = "policy.generation.stop_token_ids") -> None:
+    """A :class:`ConfigError` naming ``key`` when a stop id is outside the model's vocabulary: the inline and HF
+    samplers would never draw it (the stop silently never fires), vLLM refuses the request at the first step."""
+    from transformers import AutoConfig
+
+    if not ids:
+        return
+    path = Path(resolve_model_path(model_name)).expanduser()
+    if (path / ADAPTER_CONFIG).is_file():
+        return check_stop_token_ids(adapter_base_model(path), ids, key)
+    config = AutoConfig.from_pretrained(str(path) if path.is_dir() else model_name)
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    outside = [i for i in ids if vocab is not None and not 0 <= i < vocab]
+    if outside:
+        raise ConfigError(f"{key}: {outside} are outside {model_name}'s vocabulary (ids 0..{vocab - 1}, vocab_size in its config.json)")
 
 
 def end_of_sequence_ids(tokenizer: Any, model_name: str) -> list[int]:

@@ -12,7 +12,13 @@ import sys
 import threading
 from typing import Any
 
-from nemo_like.models.loading import check_context_length, end_of_sequence_ids, load_tokenizer, resolve_checkpoint_model
+from nemo_like.models.loading import (
+    check_context_length,
+    check_stop_token_ids,
+    end_of_sequence_ids,
+    load_tokenizer,
+    resolve_checkpoint_model,
+)
 from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
@@ -31,6 +37,7 @@ def build_server(cfg: Any, port: int = 0) -> RolloutServer:
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     model = served_model(cfg)
     check_context_length(model, cfg.policy.max_total_sequence_length)  # the server's context
+    check_stop_token_ids(model, cfg.policy.generation.stop_token_ids)
     eos_ids = end_of_sequence_ids(tokenizer, model)
     engine = LocalGeneration.load(model, tokenizer.pad_token_id, eos_ids, cfg.policy.precision)
     config = ServerConfig(

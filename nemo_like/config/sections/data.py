@@ -178,7 +178,7 @@ class EnvSectionConfig(BaseModel):
         None,
         alias="class",
         description="Environment class: a built-in name ('arithmetic', 'math', 'tool', 'guess_number', 'reward_model', 'judge', "
-        "'composite', 'length_penalty') or 'module:Class' implementing "
+        "'composite', 'length_penalty', 'agent') or 'module:Class' implementing "
         "EnvironmentInterface; default: the built-in named like the section.",
     )
     num_workers: Int = Field(1, gt=0, description="Ray actors of this environment; its responses are sharded across them.")

@@ -91,6 +91,16 @@ class GenerationConfig(Section):
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
 
+    @model_validator(mode="after")
+    def _stops(self) -> GenerationConfig:
+        # An empty stop string is in every text: each response would be cut to its first token (and counted as stopped).
+        if any(not text for text in self.stop_strings or ()):
+            raise ValueError(f"policy.generation.stop_strings: every stop string must be non-empty, got {self.stop_strings}")
+        negative = [i for i in self.stop_token_ids or () if i < 0]
+        if negative:
+            raise ValueError(f"policy.generation.stop_token_ids: token ids are >= 0, got {negative}")
+        return self
+
 
 class DTensorConfig(Section):
     """FSDP2 / DTensor sharding of the policy and reference workers (see docs/guides/scaling.md)."""

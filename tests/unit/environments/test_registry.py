@@ -56,6 +56,8 @@ def test_a_custom_env_by_import_path_gets_its_section_keys() -> None:
         ({"class": "math", "timeout": 3}, "env.t.timeout: unknown key. Did you mean 'timeout_s'"),
         ({"class": "math", "format_reward": 1.0}, "env.t.format_reward: Input should be less than 1"),
         ({"class": "arithmetic", "custom_reward_fn": "custom_envs:nope"}, "custom_reward_fn: 'custom_envs' has no attribute 'nope'"),
+        # A check of the whole section (a model validator) is named by the section, not 'env.t.' with an empty key.
+        ({"class": "tool", "tools": ["calculator", "no_such_pkg_xyz:search"]}, r"env\.t: tools: cannot import 'no_such_pkg_xyz'"),
     ],
 )
 def test_custom_env_errors_name_the_key(section: dict, message: str) -> None:

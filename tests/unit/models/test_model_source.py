@@ -124,6 +124,30 @@ def test_a_sequence_longer_than_the_models_positions_is_a_config_error_naming_th
     assert model_context_length(str(adapter)) == 1024
 
 
+def test_stop_settings_no_engine_can_honour_are_config_errors_naming_the_key(tmp_path) -> None:
+    """An empty stop string cut every response to its first token; a stop id outside the vocabulary never fired on the
+    inline and HF samplers (vLLM refused it at the first step). Each is refused before any actor starts."""
+    from nemo_like.algorithms.setup import setup_grpo
+    from nemo_like.config import load_config
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.loading import check_stop_token_ids
+    from nemo_like.serving.standalone import build_server
+
+    with pytest.raises(ConfigError, match=r"policy.generation.stop_strings: every stop string must be non-empty, got \['\.', ''\]"):
+        load_config(None, ["policy.generation.stop_strings=['.', '']"])
+    with pytest.raises(ConfigError, match=r"policy.generation.stop_token_ids: token ids are >= 0, got \[-5\]"):
+        load_config(None, ["policy.generation.stop_token_ids=[3, -5]"])
+    check_stop_token_ids(EMBEDDED_MODEL, [0, 358])  # the shipped model's first and last ids
+    outside = r"policy.generation.stop_token_ids: \[359\] are outside embedded:tiny-arith-qwen2's vocabulary \(ids 0..358"
+    with pytest.raises(ConfigError, match=outside):
+        check_stop_token_ids(EMBEDDED_MODEL, [2, 359])
+    bad = ["policy.generation.stop_token_ids=[359]"]
+    with pytest.raises(ConfigError, match=outside):  # `nemo-like serve`
+        build_server(load_config(None, bad))
+    with pytest.raises(ConfigError, match=outside):  # a run: before Ray or any actor
+        setup_grpo(load_config(None, [*bad, f"logger.log_dir={tmp_path / 'logs'}"]))
+
+
 def test_actors_get_a_relative_model_path_made_absolute_and_the_run_config_keeps_it(tmp_path, monkeypatch) -> None:
     """An actor of a joined cluster starts where its node started, not in the driver's directory: './my_model', which
     the driver checked, was looked up there (measured: ray start in one directory, the driver in another)."""
