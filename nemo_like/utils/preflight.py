@@ -14,11 +14,12 @@ from nemo_like.config.errors import ConfigError
 
 
 def ensure_writable_dir(directory: Path, key: str) -> None:
-    """Create ``directory`` if needed and write a scratch file in it; a failure names ``key``."""
+    """Create ``directory`` if needed and write a byte to a scratch file in it; a failure names ``key``. The byte
+    matters: creating an empty file succeeds on a full device, and the run then died in its lock's first write."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write_check_"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write_check_", buffering=0) as probe:
+            probe.write(b"x")
     except OSError as exc:
         reason = exc.strerror or str(exc)
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(directory) else ""

@@ -4,6 +4,7 @@ subprocess where the case starts Ray) on real files and directories."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -131,6 +132,22 @@ def test_an_unwritable_run_directory_names_the_key(capsys, tmp_path, key):
     (tmp_path / "a_file").write_text("")
     code, err = run_cli(capsys, tmp_path, *extra, f"{key}={tmp_path / 'a_file' / 'sub'}")
     assert_clean(code, err, 2, f"{key}=", "is not a writable directory", "Not a directory")
+
+
+def test_a_run_directory_on_a_full_device_names_the_key(capsys, tmp_path):
+    """An empty scratch file can be created on a full device: the check passed and a resume died in the run lock's
+    first write (an OSError traceback). A 64 KiB tmpfs filled to the last block stands in for the full disk."""
+    device = tmp_path / "full"
+    device.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(device)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        with contextlib.suppress(OSError), open(device / "filler", "wb") as filler:
+            filler.write(b"\0" * 128 * 1024)  # more than fits: the device is full
+        code, err = run_cli(capsys, tmp_path, f"logger.log_dir={device / 'logs'}")
+        assert_clean(code, err, 2, f"logger.log_dir='{device / 'logs'}' is not a writable directory", "No space left on device")
+    finally:
+        subprocess.run(["umount", "--lazy", str(device)], check=True)  # lazy: a failed run may still hold a file open there
 
 
 # -- run errors that need a cluster (subprocess: they start a private Ray cluster) ------------------
