@@ -61,18 +61,15 @@ from nemo_like.models.footprint import planned_memory_lines
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.utils.checkpoint import VALIDATED_AT_STEP, CheckpointError, CheckpointInfo, CheckpointManager
-from nemo_like.utils.flops import flops_metrics, flops_spec
+from nemo_like.utils.flops import REFERENCE_TOKENS, flops_metrics, flops_spec
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.seeds import rollout_seed, validation_seed
-from nemo_like.utils.throughput import throughput_metrics
+from nemo_like.utils.throughput import STEP_PHASES, TIMED_PHASES, throughput_metrics
 from nemo_like.utils.timer import StepTimer
 
 
 class NonFiniteTrainingError(RuntimeError):
     """Too many consecutive steps had a NaN/inf loss or gradient norm."""
-
-
-TIMED_PHASES = ("refit", "generation", "reward", "prev_logprobs", "reference_logprobs", "teacher_logprobs", "policy_training")
 
 
 def refit_if_stale(parts: GRPOComponents) -> float:
@@ -278,7 +275,7 @@ def collect_training_rollout(
         for name, seconds in phase_times.items():
             timer.add(name, seconds)
         if counts is not None:
-            counts["generated_tokens"] = counts.get("generated_tokens", 0.0) + rollout.response_lengths.sum().item()
+            counts["generated_tokens"] = counts.get("generated_tokens", 0.0) + rollout.decoded_tokens
         if rollout.pending_scores is not None:
             return rollout, {}  # scored, and shaped, in train_on_rollout
         add_batch_counters(env_counters, rollout.env_metrics)
@@ -500,6 +497,8 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     )
     if rollout.reference_logprobs is not None:  # the collector ran the reference pass: its passes since the last step
         metrics["performance/forward_passes/reference_logprobs"] = generated.reference_passes
+        # and the tokens they scored (the batches generated since the last step, not the one this step trained on)
+        metrics[REFERENCE_TOKENS] = generated.reference_tokens
     return metrics
 
 
@@ -721,7 +720,7 @@ def format_timing(metrics: dict[str, Any]) -> str:
     total = metrics["timing/train/total_step_time"] or 1e-9
     parts = [
         f"{phase} {metrics[f'timing/train/{phase}']:.2f}s ({100 * metrics[f'timing/train/{phase}'] / total:.0f}%)"
-        for phase in dict.fromkeys((*TIMED_PHASES, "waiting_for_data", "waiting_for_refit", "validation"))
+        for phase in STEP_PHASES
         if metrics.get(f"timing/train/{phase}", 0.0) > 0
     ]
     return f"[timing] step {total:.2f}s: " + ", ".join(parts)

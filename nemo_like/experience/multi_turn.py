@@ -73,6 +73,7 @@ class Conversation:
     truncated: bool = False
     length_truncated: bool = False
     end_text: str = ""  # the text of the end-of-turn token the last turn ended on (left out of its message)
+    decoded_tokens: int = 0  # tokens the engine decoded over the turns (stop-string cuts included)
 
     @property
     def length(self) -> int:
@@ -164,7 +165,8 @@ def apply_stop_strings(tokenizer, sample: GeneratedSample, stop_strings: Sequenc
     cut = stop_string_cut(tokenizer, sample.response_ids, stop_strings)
     if cut is None:
         return sample
-    return replace(sample, response_ids=sample.response_ids[:cut], response_logprobs=sample.response_logprobs[:cut], truncated=False)
+    kept = dict(response_ids=sample.response_ids[:cut], response_logprobs=sample.response_logprobs[:cut], truncated=False)
+    return replace(sample, **kept, decoded_tokens=sample.num_decoded_tokens)
 
 
 def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids: set[int], recipe_stops: Sequence[str] = ()) -> None:
@@ -172,6 +174,7 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids:
     the sample's last environment step added."""
     sample = apply_stop_strings(tokenizer, sample, [*recipe_stops, *(conv.stop_strings or ())])
     ids, logprobs, truncated = list(sample.response_ids), list(sample.response_logprobs), sample.truncated
+    conv.decoded_tokens += sample.num_decoded_tokens
     conv.response_ids += ids
     conv.response_mask += [1] * len(ids)
     conv.response_logprobs += logprobs
@@ -252,6 +255,7 @@ def finished_sample(conv: Conversation) -> GeneratedSample:
         length_truncated=conv.length_truncated,
         messages=conv.messages[len(conv.prompt.messages) :],
         step_metrics=dict(conv.step_metrics),
+        decoded_tokens=conv.decoded_tokens if conv.decoded_tokens != sum(conv.response_mask) else None,
     )
 
 

@@ -59,6 +59,12 @@ class Rollout:
         return torch.tensor([s.num_sampled_tokens for s in self.samples], dtype=torch.float32)
 
     @property
+    def decoded_tokens(self) -> float:
+        """Tokens the engines decoded for these samples: the sampled ones plus any a stop string cut (what generation
+        cost: ``performance/num_generated_tokens``)."""
+        return float(sum(s.num_decoded_tokens for s in self.samples))
+
+    @property
     def truncated(self) -> torch.Tensor:
         return torch.tensor([s.truncated for s in self.samples], dtype=torch.float32)
 

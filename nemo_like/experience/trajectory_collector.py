@@ -62,6 +62,7 @@ class GenerationStats:
     reward_seconds: float = 0.0
     reference_seconds: float = 0.0  # reference logprob passes run on the generated batches
     reference_passes: float = 0.0  # their forward passes (micro-batches, summed over the reference workers)
+    reference_tokens: float = 0.0  # the prompt + response tokens they scored (performance/num_reference_tokens)
     generated_tokens: float = 0.0
     batches: int = 0
     waiting_for_pacing: float = 0.0  # held by the staleness bound
@@ -363,12 +364,13 @@ class TrajectoryCollector:
     def _push(self, rollout: Rollout, target: int, reference_refs: list[Any] | None, started: float, timings: dict[str, float]) -> None:
         """Wait for the batch's reference pass (if any) and put its groups into the buffer."""
         try:
-            reference, reference_seconds, reference_passes = None, 0.0, 0
+            reference, reference_seconds, reference_passes, reference_tokens = None, 0.0, 0, 0.0
             if reference_refs is not None:
                 reference = self.reference.gather(reference_refs, "reference logprobs (trajectory collector)")
                 reference_seconds = time.perf_counter() - started
                 # Only this thread uses the reference actors in an async run, so the growth is this batch's passes.
                 reference_passes = self.reference_passes.take(self.reference.forward_pass_counts()["logprobs"])
+                reference_tokens = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in rollout.samples))
             groups, counters = split_into_groups(rollout, target, reference), rollout.env_metrics
             if rollout.session_of_row is not None:  # an agent batch (DriverTrajectoryCollector)
                 groups[0].batch_metrics, counters = agent_batch_counters(rollout)
@@ -385,7 +387,8 @@ class TrajectoryCollector:
             self.stats.reward_seconds += timings["reward"]
             self.stats.reference_seconds += reference_seconds
             self.stats.reference_passes += reference_passes
-            self.stats.generated_tokens += float(rollout.response_lengths.sum())
+            self.stats.reference_tokens += reference_tokens
+            self.stats.generated_tokens += rollout.decoded_tokens
             self.stats.batches += 1
             add_counters(self.stats.env_counters, counters)  # env/<task>/<counter>
             self.cond.notify_all()

@@ -10,18 +10,20 @@ projection ``vocab x hidden`` when it is tied to that table; norms and biases ar
   adapters' parameters; the frozen base gets no weight gradients: :func:`training_flops_per_token`); plus ``2 N_teacher`` per trained token with the KL term's teacher copy
   (``distillation.kl_weight > 0``: one teacher forward per training micro-batch);
 * logprob passes: ``2 N`` per trained token for each of the prev and reference passes that ran
-  (``performance/forward_passes/<kind> > 0``), and ``2 N_i`` per token the ``i``-th teacher model scored
+  (``performance/forward_passes/<kind> > 0``; an async run's reference passes: per token they scored since the
+  previous step, ``performance/num_reference_tokens``), and ``2 N_i`` per token the ``i``-th teacher model scored
   (``performance/num_teacher_tokens/<i>``, ``teacher.models()`` order; ``N_i`` that teacher's own);
-* generation: ``2 N`` per generated token (``performance/num_generated_tokens``; the prompt's prefill
-  is not counted).
+* generation: ``2 N`` per generated token (``performance/num_generated_tokens``: every token the engines decoded,
+  those past a stop string's cut too; the prompt's prefill is not counted).
 
-``performance/mfu`` = all of them / (step seconds x peak FLOP/s per device x devices);
+``performance/mfu`` = all of them / (step seconds without validation x peak FLOP/s per device x devices);
 ``performance/training_mfu`` = training FLOPs / (``policy_training`` seconds x peak x training devices);
 ``performance/generation_mfu`` = generation FLOPs / (generation seconds x peak x generation devices), with
 the generation seconds of :func:`generation_seconds`.
 
 Devices: on GPU, the policy ranks' GPUs, the reference ranks' (when a reference model is loaded), each teacher
-model's ranks (when the teacher pass runs) and the generation engine's (none for a colocated vLLM engine); on CPU a
+model's ranks (when the teacher pass runs) and the generation engine's (none for a colocated vLLM engine or inline
+sampling); on CPU a
 device is one node with all its cores (every actor of a node shares them), so devices = ``cluster.num_nodes``.
 Peak FLOP/s per device: ``cluster.peak_flops_per_device`` when set; else, on GPU, the dense peak of
 :data:`GPU_PEAK_FLOPS` for the driver's GPU and the run's precision; on CPU, a matmul probe on the
@@ -40,13 +42,17 @@ from pathlib import Path
 from typing import Any
 
 from nemo_like.utils.cpus import local_cores
-from nemo_like.utils.throughput import TIMING_PREFIX, TOTAL_KEY, generation_seconds, rate
+from nemo_like.utils.throughput import TIMING_PREFIX, generation_seconds, rate, training_seconds
 
-# Dense (no sparsity) peak FLOP/s by GPU name fragment and precision (vendor data sheets, SXM parts);
-# float32 is plain FP32 (TF32 tensor cores are off by default in torch matmuls).
+# Dense (no sparsity) peak FLOP/s by GPU name fragment and precision (vendor data sheets; a bare name is the SXM part,
+# the PCIe / NVL cards have lower clocks); float32 is plain FP32 (TF32 tensor cores are off by default in torch
+# matmuls). The longest fragment in a device's name wins (gpu_peak_flops).
 GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
     "B200": {"bfloat16": 2.25e15, "float32": 8.0e13},
+    "H200 NVL": {"bfloat16": 8.35e14, "float32": 6.0e13},
     "H200": {"bfloat16": 9.89e14, "float32": 6.7e13},
+    "H100 NVL": {"bfloat16": 8.35e14, "float32": 6.0e13},
+    "H100 PCIe": {"bfloat16": 7.56e14, "float32": 5.1e13},
     "H100": {"bfloat16": 9.89e14, "float32": 6.7e13},
     "A100": {"bfloat16": 3.12e14, "float32": 1.95e13},
     "L40S": {"bfloat16": 3.62e14, "float32": 9.16e13},
@@ -54,6 +60,9 @@ GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 #: ``<prefix>/<i>``: the tokens (prompt + response) the ``i``-th teacher model (``teacher.models()`` order) scored in a step
 TEACHER_TOKENS = "performance/num_teacher_tokens"
+#: The tokens an async run's reference passes scored since the previous step (the collector scores each batch it
+#: generates, ahead of the step that trains on it); absent in sync runs, whose reference pass scores the step's batch.
+REFERENCE_TOKENS = "performance/num_reference_tokens"
 
 PROBE_SIZE = 1024
 CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nemo_like" / "cpu_peak_flops.json"
@@ -112,11 +121,16 @@ def step_flops(
     each teacher model's N (``teacher.models()`` order), ``kl_teacher``: the KL term's teacher copy's (0: none),
     ``lora_params``: the LoRA adapters' parameters (None: full training)."""
     tokens = float(metrics.get("performance/num_batch_tokens", 0.0))
-    passes = sum(1 for kind in ("prev_logprobs", "reference_logprobs") if metrics.get(f"performance/forward_passes/{kind}", 0.0) > 0)
+
+    def pass_tokens(kind: str) -> float:  # the tokens a logprob pass scored this step (0: it did not run)
+        if kind == "reference_logprobs" and REFERENCE_TOKENS in metrics:
+            return float(metrics[REFERENCE_TOKENS])
+        return tokens if metrics.get(f"performance/forward_passes/{kind}", 0.0) > 0 else 0.0
+
     scored = sum(2.0 * t * float(metrics.get(f"{TEACHER_TOKENS}/{i}", 0.0)) for i, t in enumerate(teachers))
     return {
         "training": (training_flops_per_token(n, lora_params) + 2.0 * kl_teacher) * tokens,
-        "logprobs": 2.0 * n * tokens * passes + scored,
+        "logprobs": 2.0 * n * (pass_tokens("prev_logprobs") + pass_tokens("reference_logprobs")) + scored,
         "generation": 2.0 * n * float(metrics.get("performance/num_generated_tokens", 0.0)),
     }
 
@@ -126,7 +140,7 @@ def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, fl
     flops = step_flops(metrics, spec.matmul_params, spec.teacher_matmul_params, spec.kl_teacher_matmul_params, spec.lora_params)
     train_s = float(metrics.get(f"{TIMING_PREFIX}policy_training", 0.0))
     gen_s = generation_seconds(metrics)
-    total_s = float(metrics.get(TOTAL_KEY, 0.0))
+    total_s = training_seconds(metrics)  # a validation pass's generation is in no FLOP count
     tokens = float(metrics.get("performance/num_batch_tokens", 0.0))
     out = {
         "performance/training_tokens_per_sec_per_worker": rate(tokens, train_s) / spec.training_workers,
@@ -221,11 +235,10 @@ def cpu_peak_flops(dtype: str = "float32", cache: Path = CACHE_FILE) -> float:
 
 
 def gpu_peak_flops(device_name: str, precision: str) -> float | None:
-    """Dense peak of :data:`GPU_PEAK_FLOPS` for a device name (e.g. ``NVIDIA H100 80GB HBM3``), or None if unknown."""
-    for fragment, peaks in GPU_PEAK_FLOPS.items():
-        if fragment in device_name:
-            return peaks.get(precision)
-    return None
+    """Dense peak of :data:`GPU_PEAK_FLOPS` for a device name (e.g. ``NVIDIA H100 80GB HBM3``; the longest matching
+    fragment: ``NVIDIA H100 PCIe`` is not the SXM part), or None if unknown."""
+    matches = [fragment for fragment in GPU_PEAK_FLOPS if fragment in device_name]
+    return GPU_PEAK_FLOPS[max(matches, key=len)].get(precision) if matches else None
 
 
 def flops_spec(cfg: Any, model_path: str, plan: Any, teacher_paths: Sequence[str] = (), lora_params: int | None = None) -> FlopsSpec:
@@ -239,8 +252,9 @@ def flops_spec(cfg: Any, model_path: str, plan: Any, teacher_paths: Sequence[str
     ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
     peak, source = cfg.cluster.peak_flops_per_device, "cluster.peak_flops_per_device"
     if cfg.cluster.gpus_per_node:
-        colocated = plan.backend.value == "vllm" and pc.generation.colocated.enabled
-        devices, training, generation = ranks + frozen_ranks(cfg, plan.logprobs) + (0 if colocated else 1), ranks, 1
+        # An engine on a GPU of its own: HF, or vLLM not colocated (inline samples on the policy's own GPU).
+        own_engine = plan.backend.value == "hf" or (plan.backend.value == "vllm" and not pc.generation.colocated.enabled)
+        devices, training, generation = ranks + frozen_ranks(cfg, plan.logprobs) + int(own_engine), ranks, 1
         if peak is None:
             import torch
 

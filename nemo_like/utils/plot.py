@@ -12,17 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-PHASES = (
-    "refit",
-    "generation",
-    "reward",
-    "waiting_for_data",
-    "prev_logprobs",
-    "reference_logprobs",
-    "teacher_logprobs",
-    "policy_training",
-    "validation",
-)
+from nemo_like.utils.throughput import STEP_PHASES
 
 # (title, metrics on the left y axis, metrics on a second, right y axis)
 STANDARD_PANELS: list[tuple[str, list[str], list[str]]] = [
@@ -141,7 +131,7 @@ def _timing_panel(ax: Any, records: Sequence[dict[str, Any]]) -> None:
         return
     steps = [r["step"] for r in train]
     bottom = [0.0] * len(train)
-    for phase in PHASES:
+    for phase in STEP_PHASES:
         values = [float(r.get(f"timing/train/{phase}", 0.0) or 0.0) for r in train]
         if any(v > 0 for v in values):
             ax.bar(steps, values, bottom=bottom, label=phase, width=0.8)

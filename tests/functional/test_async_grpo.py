@@ -50,6 +50,9 @@ def test_async_with_age_zero_reproduces_the_sync_run_through_dead_actors(ray_clu
         assert b["timing/train/reference_logprobs"] == 0.0 < a["timing/train/reference_logprobs"]
         assert b["async/reference_logprob_seconds"] > 0.0
         assert b["performance/forward_passes/reference_logprobs"] == a["performance/forward_passes/reference_logprobs"] > 0
+        # At age 0 the batch the collector scored is the step's own: the FLOPs counted equal the sync step's.
+        assert b["performance/num_reference_tokens"] == a["performance/num_batch_tokens"] and "performance/num_reference_tokens" not in a
+        assert b["performance/model_flops"] == a["performance/model_flops"]
     assert sync[-1]["validation/accuracy"] == stale0[-1]["validation/accuracy"]
 
 

@@ -59,6 +59,9 @@ class GeneratedSample:
     length_truncated: bool = False  # multi-turn: ended because policy.max_total_sequence_length left no room
     messages: list[dict[str, str]] | None = None  # multi-turn: the turns after the prompt (assistant + observations)
     step_metrics: dict[str, float] | None = None  # multi-turn: the environment steps' per-sample metrics, summed
+    # Tokens the engine decoded for the sampled turns when more than were kept: stop strings cut after generation, so
+    # the tokens past the cut cost generation time (and FLOPs) though no row holds them. None: as many as were kept.
+    decoded_tokens: int | None = None
 
     @property
     def sampled_mask(self) -> list[int]:
@@ -69,6 +72,11 @@ class GeneratedSample:
     def num_sampled_tokens(self) -> int:
         """How many response tokens the policy sampled (observation tokens excluded)."""
         return len(self.response_ids) if self.response_mask is None else sum(self.response_mask)
+
+    @property
+    def num_decoded_tokens(self) -> int:
+        """How many tokens the engine decoded for this sample: :attr:`num_sampled_tokens` plus any a stop string cut."""
+        return self.num_sampled_tokens if self.decoded_tokens is None else self.decoded_tokens
 
     @property
     def refitted_mid_sequence(self) -> bool:

@@ -283,6 +283,7 @@ def test_stop_strings_cut_at_a_token_boundary(tokenizer):
     sample = GeneratedSample([1], ids, [-0.5] * len(ids), truncated=True, weight_version=0)
     cut_sample = apply_stop_strings(tokenizer, sample, ["<x>"])  # policy.generation.stop_strings, single-turn too
     assert cut_sample.response_ids == ids[:cut] and cut_sample.response_logprobs == [-0.5] * cut and not cut_sample.truncated
+    assert (cut_sample.num_sampled_tokens, cut_sample.num_decoded_tokens, sample.num_decoded_tokens) == (cut, len(ids), len(ids))
 
 
 def segments(sample: GeneratedSample) -> list[tuple[int, list[int]]]:
@@ -297,9 +298,12 @@ def segments(sample: GeneratedSample) -> list[tuple[int, list[int]]]:
 
 
 def test_a_steps_stop_strings_end_the_next_turn_on_whole_tokens(worker, tokenizer, prompts):
-    result, _ = run(worker, tokenizer, prompts[2:], CountdownEnv(turns=3, stop_strings=["1"]), max_new_tokens=8)
+    result, generation = run(worker, tokenizer, prompts[2:], CountdownEnv(turns=3, stop_strings=["1"]), max_new_tokens=8)
     cut = 0
     for sample in result.samples:
+        # Generation's cost counts the tokens the engine decoded past each cut (performance/num_generated_tokens).
+        decoded = sum(len(out.response_ids) for _, out in sampled_turns(generation, sample.prompt_ids))
+        assert sample.num_decoded_tokens == decoded >= sample.num_sampled_tokens
         turns = [ids for m, ids in segments(sample) if m == 1]
         for ids in turns[1:]:  # turns after a step that set the stop string
             text = tokenizer.decode(ids, skip_special_tokens=False)
@@ -307,6 +311,7 @@ def test_a_steps_stop_strings_end_the_next_turn_on_whole_tokens(worker, tokenize
                 assert text.endswith("1") and "1" not in tokenizer.decode(ids[:-1]) and ids[-1] != EOS
                 cut += 1
     assert cut >= 1
+    assert any(s.num_decoded_tokens > s.num_sampled_tokens for s in result.samples)
 
 
 def test_a_sample_is_as_old_as_its_first_turn(worker, tokenizer, prompts):

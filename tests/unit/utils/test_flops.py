@@ -57,6 +57,11 @@ def test_step_flops_count_training_logprob_passes_and_decoded_tokens():
     assert step_flops(step(), n=1000) == {"training": 6e5, "logprobs": 2e5, "generation": 8e4}
     both = step_flops(step(**{"performance/forward_passes/prev_logprobs": 3.0}), n=1000)
     assert both["logprobs"] == 4e5  # two passes, each 2 N per trained token
+    # Async: the collector's reference passes since the last step scored other batches than this step's (two, or none)
+    ahead = {"performance/num_reference_tokens": 250.0}
+    assert step_flops(step(**ahead), n=1000)["logprobs"] == 2e3 * 250
+    idle = {"performance/num_reference_tokens": 0.0, "performance/forward_passes/reference_logprobs": 0.0}
+    assert step_flops(step(**idle), n=1000)["logprobs"] == 0.0
 
 
 def test_teacher_passes_count_each_teachers_scored_tokens_at_its_own_parameters():
@@ -100,6 +105,8 @@ def test_gpu_devices_are_every_role_that_holds_one():
     assert two.devices == 9 and two.teacher_matmul_params == (two.matmul_params, two.matmul_params) and two.training_devices == 2
     kl = gpu_spec("teacher.model_name=embedded:tiny-arith-teacher", "distillation.advantage_weight=0", "distillation.kl_weight=1")
     assert (kl.devices, kl.teacher_matmul_params, kl.kl_teacher_matmul_params) == (3, (), kl.matmul_params)
+    # Inline sampling runs in the one policy worker, on its GPU: no engine device (it was counted, halving the MFU).
+    assert gpu_spec("loss_fn.reference_policy_kl_penalty=0", backend="inline").devices == 1
 
 
 def test_mfu_and_per_worker_rates():
@@ -118,6 +125,13 @@ def test_mfu_and_per_worker_rates():
             "performance/generation_mfu": 8e4 / (2.0 * 1e5 * 1),
         }
     )
+
+
+def test_a_validation_steps_rates_and_mfu_leave_the_validation_pass_out():
+    """Validation's generation is in no token or FLOP count, so its seconds were only a drop in the step's MFU."""
+    spec = FlopsSpec(1000, 1e5, 3, 2, 1, 2, 1)
+    out = flops_metrics(step(**{"timing/train/total_step_time": 10.0, "timing/train/validation": 6.0}), spec)
+    assert out == pytest.approx(flops_metrics(step(), spec))  # 10 s - 6 s of validation: the 4 s step's values
 
 
 def test_async_steps_use_the_collectors_generation_seconds():
@@ -139,6 +153,9 @@ def test_gpu_table_and_configured_peak():
     assert gpu_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 9.89e14
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 1.95e13
     assert gpu_peak_flops("Some Unknown GPU", "bfloat16") is None
+    # The PCIe and NVL cards are not the SXM part their name also contains.
+    assert gpu_peak_flops("NVIDIA H100 PCIe", "bfloat16") == 7.56e14 and gpu_peak_flops("NVIDIA H100 NVL", "float32") == 6.0e13
+    assert gpu_peak_flops("NVIDIA H200 NVL", "bfloat16") == 8.35e14 and gpu_peak_flops("NVIDIA H200", "bfloat16") == 9.89e14
     cfg = load_config(None, ["cluster.peak_flops_per_device=2e12", "policy.dp_size=2", "policy.dtensor_cfg.enabled=true"])
     spec = flops_spec(cfg, resolve_model_path(cfg.policy.model_name), decide_run_plan(cfg, (), 2))  # CPU: a device is a node
     assert (spec.peak_flops_per_device, spec.devices, spec.training_devices, spec.training_workers) == (2e12, 1, 1, 2)

@@ -92,3 +92,18 @@ def test_the_async_panels_right_axis_lines_have_their_own_colours() -> None:
     twin = [a for a in fig.axes if a is not ax]
     colours = [to_hex(line.get_color()) for a in (ax, *twin) for line in a.get_lines()]
     assert len(colours) == len(left) + len(right) == len(set(colours))
+
+
+def test_the_timing_panel_stacks_every_phase_a_step_logs() -> None:
+    """The plot listed its own phases and left out async's waiting_for_refit, which the shares and the console count."""
+    from matplotlib.figure import Figure
+
+    from nemo_like.utils.plot import _timing_panel
+    from nemo_like.utils.throughput import STEP_PHASES
+
+    record = {"step": 1, "timing/train/total_step_time": float(len(STEP_PHASES))}
+    record.update({f"timing/train/{phase}": 1.0 for phase in STEP_PHASES})
+    assert {"waiting_for_data", "waiting_for_refit", "validation", "policy_training"} <= set(STEP_PHASES)
+    ax = Figure().add_subplot()
+    _timing_panel(ax, [record])
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == list(STEP_PHASES)

@@ -21,10 +21,12 @@ def step_metrics(**timings: float) -> dict[str, float]:
 def test_rates_use_the_documented_numerators_and_denominators():
     metrics = step_metrics(generation=1.5, policy_training=3.0, reward=0.5, validation=1.0, total_step_time=6.0)
     out = throughput_metrics(metrics)
-    assert out["performance/tokens_per_sec"] == pytest.approx(1200 / 6)
+    # The step rates leave the validation pass out (1 s of the 6): its generation is in no count of tokens.
+    assert out["performance/tokens_per_sec"] == pytest.approx(1200 / 5)
     assert out["performance/generation_tokens_per_sec"] == pytest.approx(300 / 1.5)
     assert out["performance/training_tokens_per_sec"] == pytest.approx(1200 / 3)
-    assert out["performance/samples_per_sec"] == pytest.approx(16 / 6)
+    assert out["performance/samples_per_sec"] == pytest.approx(16 / 5)
+    assert out["timing/train/share/validation"] == pytest.approx(1 / 6)  # the shares stay of the whole step
 
 
 def test_an_async_step_rates_generation_by_the_collectors_seconds():
