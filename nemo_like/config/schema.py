@@ -273,6 +273,12 @@ class MasterConfig(BaseModel):
                 "(grpo.val_period=0, grpo.val_at_start=false, grpo.val_at_end=false)"
             )
         lines += self._shaping_without_effect()
+        budgets = [mode for mode in ("sequence_packing", "dynamic_batching") if getattr(self.policy, mode).enabled]
+        for key in changed_from_defaults(self.policy, ["train_micro_batch_size", "logprob_batch_size"]) if budgets else ():
+            lines.append(
+                f"policy.{key} has no effect with policy.{budgets[0]}.enabled=true (micro-batches are token budgets: "
+                f"policy.{budgets[0]}.train_mb_tokens / logprob_mb_tokens)"
+            )
         if not self.grpo.use_dynamic_sampling and changed_from_defaults(self.grpo, ["dynamic_sampling_max_gen_batches"]):
             lines.append("grpo.dynamic_sampling_max_gen_batches has no effect with grpo.use_dynamic_sampling=false")
         estimator = self.grpo.adv_estimator.name

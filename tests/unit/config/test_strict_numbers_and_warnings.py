@@ -126,6 +126,16 @@ NO_EFFECT_CASES = [
         "grpo.reward_shaping.enabled=true has no effect with grpo.reward_shaping.overlong_buffer_penalty=0",
         ["grpo.reward_shaping.overlong_buffer_penalty=0.5"],
     ),
+    (  # micro-batches are token budgets: the sample counts are not read
+        ["policy.sequence_packing.enabled=true", "policy.train_micro_batch_size=4"],
+        "policy.train_micro_batch_size has no effect with policy.sequence_packing.enabled=true",
+        ["policy.sequence_packing.enabled=false"],
+    ),
+    (
+        ["policy.dynamic_batching.enabled=true", "policy.logprob_batch_size=8"],
+        "policy.logprob_batch_size has no effect with policy.dynamic_batching.enabled=true",
+        ["policy.dynamic_batching.enabled=false"],
+    ),
     (
         ["policy.sequence_packing.train_mb_tokens=256"],
         "policy.sequence_packing.train_mb_tokens has no effect with policy.sequence_packing.enabled=false",

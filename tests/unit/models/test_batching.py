@@ -143,21 +143,27 @@ def long_tailed_batch(step: int, rows: int = 8, seq: int = 40) -> dict[str, torc
     }
 
 
+OWN_FORWARD = dict(shared_prompt_forward=False)
 VARIANTS = {
-    "packed": dict(batching={"mode": "packed", "train_size": 48, "logprob_size": 48}),
+    # Packing and the chunked output head are paths of the model's own forward: the shared-prompt forward (on by default
+    # on CPU) comes first in the worker and would leave them untested (a packed mask that leaked across rows passed).
+    "packed": dict(batching={"mode": "packed", "train_size": 48, "logprob_size": 48}, **OWN_FORWARD),
     "token_budget": dict(batching={"mode": "token_budget", "train_size": 48, "logprob_size": 48}),
-    "chunked": dict(logprob_chunk_size=16),
-    "activation_checkpointing": dict(dtensor_cfg={"activation_checkpointing": True}),
+    "chunked": dict(logprob_chunk_size=16, **OWN_FORWARD),
+    "chunked_shared_prompt": dict(logprob_chunk_size=16),
+    "activation_checkpointing": dict(dtensor_cfg={"activation_checkpointing": True}, **OWN_FORWARD),
 }
-# Activation checkpointing recomputes the model's own layers, so it runs the model's own forward: compared with the
-# same forward without it (the shared-prompt forward is checked against the model's in test_shared_prefix.py).
-BASELINES = {"activation_checkpointing": dict(shared_prompt_forward=False)}
+# Each variant is compared with fixed micro-batches on the same forward (the shared-prompt forward is checked against
+# the model's in test_shared_prefix.py).
+BASELINES = {name: OWN_FORWARD for name, variant in VARIANTS.items() if variant.get("shared_prompt_forward") is False}
 
 
 @pytest.mark.slow  # six workers x three optimizer steps: ~15 s of CPU per variant
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_grouping_trains_like_fixed_micro_batches(variant):
     base, other = make_worker(**BASELINES.get(variant, {})), make_worker(**VARIANTS[variant])
+    own = VARIANTS[variant].get("shared_prompt_forward") is False
+    assert other.shared_forward is not own, "the variant runs the forward it is named for"
     probe = long_tailed_batch(50)
     # float32 rounding scales with the value: 1e-5 on the typical logprob, relative 1e-6 on the long tail's (~ -37)
     torch.testing.assert_close(base.get_logprobs(probe), other.get_logprobs(probe), atol=1e-5, rtol=1e-6)
