@@ -240,6 +240,15 @@ def _train_attempt(
     try:
         with stop_signals_held(control) as release:  # Ray's processes inherit the mask: a signal to the group spares them
             parts = setup_grpo(cfg, ray_started=release)  # bad data fails here, before any actor starts
+    except WorkerFailure as exc:
+        logger.close()
+        # A restart's workers can die while they start (the last attempt's memory not yet freed): that is a death as
+        # any other, within the restart budget. A failure of the first start is not: the run stops (setup_grpo has
+        # stopped the actors it started either way).
+        role = dead_role(exc, {}) if deaths else None
+        if role is None:
+            raise
+        return WorkerDeath(role, control.step, str(exc), exc, time.monotonic())
     except BaseException:
         logger.close()
         raise

@@ -1,6 +1,7 @@
 """Checkpoints on real runs: exact resume (across runs, and through a run restart after a killed policy worker), a SIGKILL
 mid-save, a non-finite guard."""
 
+import json
 import os
 import re
 import signal
@@ -29,15 +30,17 @@ def run(tmp_path, *overrides):
     return train(cfg)
 
 
-def test_six_steps_equal_three_steps_then_three_resumed_through_a_killed_policy_worker(ray_cluster, tmp_path, capfd):
+def test_six_steps_equal_three_steps_then_three_resumed_through_a_killed_policy_worker(ray_cluster, tmp_path, capfd, monkeypatch):
     """Resume across runs, and a run restart in process: the resumed run's policy worker dies (injected kill, its
-    process exits) in step 6, after it saved step 4 and logged step 5; the run restarts its actors from step_4, redoes
-    5 and 6, and every step equals the straight run's bitwise, each logged once."""
+    process exits) in step 6, after it saved step 4 and logged step 5; the restarted attempt's new worker dies too, while
+    it starts (its first call); the second restart resumes from step_4 again, redoes 5 and 6, and every step equals the
+    straight run's bitwise, each logged once."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     run(straight, "grpo.max_num_steps=6", *NO_VALIDATION, *ckpt_overrides(straight / "ckpt"))
     first = run(split, "grpo.max_num_steps=3", *NO_VALIDATION, *ckpt_overrides(split / "ckpt"))
     capfd.readouterr()
     kill = ("cluster.fault_injection.role=policy", "cluster.fault_injection.phase=train", "cluster.fault_injection.step=6")
+    monkeypatch.setenv("NEMO_LIKE_FAULT_INJECTION", json.dumps({"role": "policy", "phase": "setup", "step": 6, "action": "kill"}))
     resumed = run(
         split, "grpo.max_num_steps=6", *NO_VALIDATION, *ckpt_overrides(split / "ckpt", 2), *kill, "cluster.fault_injection.action=kill"
     )
@@ -48,11 +51,16 @@ def test_six_steps_equal_three_steps_then_three_resumed_through_a_killed_policy_
         r"cluster.fault_tolerance.max_restarts=2\), resuming from \S+step_4 \(step 4\)",
         err,
     ), err
+    assert re.search(  # the restarted attempt's worker, killed while it started: a death within the budget too
+        r"\[restart\] the policy worker died in step 6: Ray actor \w+ died during 'policy: parameter counts'.*restart 2 of "
+        r"cluster.fault_tolerance.max_restarts=2\), resuming from \S+step_4 \(step 4\)",
+        err,
+    ), err
     assert [h["step"] for h in first] == [1, 2, 3] and [h["step"] for h in resumed] == [4, 5, 6]
     a, b = read_metrics(straight / "logs"), read_metrics(split / "logs")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]  # step 5 of the killed attempt was dropped, redone once
-    assert [r.get("faults/run_restarts") for r in b] == [None, None, None, None, 1.0, 1.0]
-    assert [h.get("faults/run_restarts") for h in resumed] == [None, 1.0, 1.0]
+    assert [r.get("faults/run_restarts") for r in b] == [None, None, None, None, 2.0, 2.0]
+    assert [h.get("faults/run_restarts") for h in resumed] == [None, 2.0, 2.0]
     compared = 0
     for ra, rb in zip(a, b):
         keys = sorted(k for k in ra if k.startswith("train/"))

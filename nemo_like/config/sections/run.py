@@ -153,10 +153,11 @@ class FaultInjectionConfig(Section):
         "environment actor), 'policy' (a policy worker).",
     )
     step: Int = Field(1, gt=0, description="The training step whose call fails.")
-    phase: Literal["generate", "score", "train"] = Field(
+    phase: Literal["generate", "score", "train", "setup"] = Field(
         "generate",
         description="Which call: 'generate' (the step's rollout generation; role generation), 'score' (the rewards, and multi-turn "
-        "environment steps; role environment), 'train' (the optimizer step; role policy).",
+        "environment steps; role environment), 'train' (the optimizer step; role policy), 'setup' (the policy workers' first "
+        "call once built, at every start of the run's actors: a restart's too; role policy).",
     )
     action: Literal["hang", "kill", "raise"] | None = Field(
         None,
@@ -167,9 +168,10 @@ class FaultInjectionConfig(Section):
 
     @model_validator(mode="after")
     def _phase_of_role(self) -> FaultInjectionConfig:
-        phases = {"generation": "generate", "environment": "score", "policy": "train"}
-        if self.phase != phases[self.role]:
-            raise ValueError(f"cluster.fault_injection.phase of role {self.role!r} is {phases[self.role]!r}, got {self.phase!r}")
+        phases = {"generation": ("generate",), "environment": ("score",), "policy": ("train", "setup")}
+        if self.phase not in phases[self.role]:
+            expected = " or ".join(repr(p) for p in phases[self.role])
+            raise ValueError(f"cluster.fault_injection.phase of role {self.role!r} is {expected}, got {self.phase!r}")
         return self
 
 

@@ -188,6 +188,8 @@ class Policy:
             if len(self.group) > 1:
                 address, port = get_with_context(self.group.run_rank0("rendezvous_address"), f"{name}: rendezvous")
                 get_with_context(self.group.run_all("setup_distributed", address, port), f"{name}: process group")
+            if name == "policy":
+                inject("policy", "setup", self.group.workers)  # tests only (cluster.fault_injection); a no-op when unset
             counts = get_with_context(self.group.run_rank0("parameter_counts"), f"{name}: parameter counts")
             self.forward_description = get_with_context(self.group.run_rank0("describe_forward"), f"{name}: forward")
         except BaseException:
