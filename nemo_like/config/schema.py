@@ -273,6 +273,17 @@ class MasterConfig(BaseModel):
                 "(grpo.val_period=0, grpo.val_at_start=false, grpo.val_at_end=false)"
             )
         lines += self._shaping_without_effect()
+        ft = self.cluster.fault_tolerance
+        if ft.stall_timeout_s is None and changed_from_defaults(ft, ["on_stall"]):
+            lines.append(
+                f"cluster.fault_tolerance.on_stall={ft.on_stall} has no effect with cluster.fault_tolerance.stall_timeout_s=null "
+                "(no stall watchdog runs)"
+            )
+        if not self.checkpointing.enabled and changed_from_defaults(ft, ["max_restarts"]):
+            lines.append(
+                f"cluster.fault_tolerance.max_restarts={ft.max_restarts} has no effect with checkpointing.enabled=false (a restart "
+                "resumes from a checkpoint: the run stops at the first policy or reference death)"
+            )
         budgets = [mode for mode in ("sequence_packing", "dynamic_batching") if getattr(self.policy, mode).enabled]
         for key in changed_from_defaults(self.policy, ["train_micro_batch_size", "logprob_batch_size"]) if budgets else ():
             lines.append(

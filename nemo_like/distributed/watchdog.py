@@ -48,6 +48,9 @@ class StallWatchdog:
         self.control, self.timeout_s, self.on_stall = control, timeout_s, on_stall
         self.main_thread_id = threading.main_thread().ident
         self._stop = threading.Event()
+        # Held from the watcher's last look at _stop to its SIGUSR1: __exit__ waits for it before putting the old
+        # handler back, so the signal never meets the default action (which would kill the process, status -10).
+        self._signalling = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="nemo-like-stall-watchdog", daemon=True)
         self._report: str | None = None
         self.aborted = False
@@ -63,6 +66,8 @@ class StallWatchdog:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._stop.set()
+        with self._signalling:  # a report finished after this point is dropped: the block it was about has ended
+            pass
         self._thread.join(timeout=5)
         if self._previous is not None:
             signal.signal(signal.SIGUSR1, self._previous)  # type: ignore[arg-type]
@@ -77,26 +82,37 @@ class StallWatchdog:
             if idle < self.timeout_s or time.monotonic() - since < self.timeout_s:
                 continue
             reported_at = time.monotonic()
-            self._report = stall_report(self.control, idle, self.timeout_s, self.main_thread_id)
-            print(self._report, file=sys.stderr, flush=True)
-            if self.on_stall == "abort":
-                self._abort()
+            report = stall_report(self.control, idle, self.timeout_s, self.main_thread_id)  # seconds: py-spy per actor
+            with self._signalling:
+                if self._stop.is_set():
+                    return  # the watched call ended (an error, a restart) while the report was built: no stall left
+                self._report = report
+                print(report, file=sys.stderr, flush=True)
+                if self.on_stall == "abort":
+                    self._abort()
+            if self.aborted:
+                self._wait_for_the_main_thread()
                 return
 
     def _abort(self) -> None:
+        """Interrupt the main thread (call with ``_signalling`` held and ``_stop`` not set)."""
         print(f"[stall] cluster.fault_tolerance.on_stall=abort: stopping the run (exit status {EXIT_STALLED})", file=sys.stderr, flush=True)
         self.aborted = True
         if not self._interrupts_main:  # run off the main thread: no SIGUSR1 handler to interrupt it (the signal's
             os._exit(EXIT_STALLED)  # default action would kill the process with another status)
         os.kill(os.getpid(), signal.SIGUSR1)
+
+    def _wait_for_the_main_thread(self) -> None:
         if not self._stop.wait(ABORT_GRACE_S):
             print(f"[stall] the driver did not stop within {ABORT_GRACE_S:.0f}s: exiting now", file=sys.stderr, flush=True)
             os._exit(EXIT_STALLED)
 
     def _raise_in_main(self, signum: int, frame: FrameType | None) -> None:
         # A KeyboardInterrupt is what Ray's ray.get lets through from a signal handler (it turns other exceptions,
-        # SystemExit included, into its own exit); __exit__ turns it into RunStalled.
-        raise KeyboardInterrupt("stall watchdog abort")
+        # SystemExit included, into its own exit); __exit__ turns it into RunStalled. Once __exit__ has begun, the
+        # block is left already (by its own error or result): nothing to interrupt.
+        if not self._stop.is_set():
+            raise KeyboardInterrupt("stall watchdog abort")
 
 
 def stall_report(control: RunControl, idle_s: float, timeout_s: float, main_thread_id: int | None) -> str:

@@ -72,7 +72,13 @@ class RunLock:
     def acquire(self) -> None:
         """Take the lock or raise :class:`RunLockError`; a dead holder's record is taken over with a warning."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # another user's lock file left in a shared directory
+            raise RunLockError(
+                f"{self.key}={self.directory}: cannot open the run lock {self.path}: {exc.strerror} (another user's lock "
+                f"file, left in a shared directory?). Remove it if no run uses this directory, or give this run its own {self.key}."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -82,6 +88,12 @@ class RunLock:
                 f"{self.key}={self.directory} is in use by another run: {holder} (lock file {self.path}). Two runs on one "
                 f"directory overwrite each other's checkpoints and metrics: wait for that run to finish or stop it, or give "
                 f"this run its own {self.key}."
+            ) from None
+        except OSError as exc:  # storage without file locks (some network filesystems)
+            os.close(fd)
+            raise RunLockError(
+                f"{self.key}={self.directory}: cannot lock {self.path}: {exc.strerror}. The storage does not support flock "
+                f"(an NFS mount without locking?): point {self.key} at storage that does."
             ) from None
         previous = _read_owner(fd)
         if previous:

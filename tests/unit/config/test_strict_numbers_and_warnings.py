@@ -137,6 +137,16 @@ NO_EFFECT_CASES = [
         ["policy.dynamic_batching.enabled=false"],
     ),
     (
+        ["cluster.fault_tolerance.on_stall=abort"],
+        "cluster.fault_tolerance.on_stall=abort has no effect with cluster.fault_tolerance.stall_timeout_s=null",
+        ["cluster.fault_tolerance.stall_timeout_s=600"],
+    ),
+    (
+        ["cluster.fault_tolerance.max_restarts=5"],
+        "cluster.fault_tolerance.max_restarts=5 has no effect with checkpointing.enabled=false",
+        ["checkpointing.enabled=true"],
+    ),
+    (
         ["policy.sequence_packing.train_mb_tokens=256"],
         "policy.sequence_packing.train_mb_tokens has no effect with policy.sequence_packing.enabled=false",
         ["policy.sequence_packing.enabled=true"],

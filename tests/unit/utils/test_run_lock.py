@@ -136,3 +136,12 @@ def test_a_cleanly_finished_holder_leaves_no_warning_and_one_dir_gets_one_lock(t
             pass
         with hold_run_locks(run_directories(same)) as locks:  # log and checkpoint dir are one directory
             assert len(locks) == 1
+
+
+def test_a_lock_file_this_run_cannot_open_is_an_error_naming_the_key(tmp_path):
+    """It was an OSError traceback (another user's lock file at mode 0644 in a shared directory: EACCES; here, as root
+    may open any file, something at the lock's path that is not a file)."""
+    (tmp_path / LOCK_FILE).mkdir()
+    with pytest.raises(RunLockError, match=rf"logger.log_dir={tmp_path}: cannot open the run lock {tmp_path / LOCK_FILE}: Is a directory"):
+        with hold_run_locks({"logger.log_dir": tmp_path}):
+            pass

@@ -160,3 +160,28 @@ def test_an_abort_off_the_main_thread_exits_70(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert result.returncode == 70, (result.returncode, result.stderr[-500:])
+
+
+def test_a_report_finished_after_the_watched_block_ended_neither_prints_nor_signals():
+    """The report can take longer than __exit__ waits for it (py-spy per actor): once the hung call had failed and the
+    run moved on (a restart), the watcher still aborted, and its SIGUSR1 met the restored default action: the driver
+    died with status -10 mid-restart. A real watchdog; the report is made slow (6.5 s) in the child."""
+    import subprocess
+    import sys
+
+    child = (
+        "import sys, time\n"
+        "from nemo_like.utils.run_control import RunControl\n"
+        "from nemo_like.distributed import watchdog\n"
+        "watchdog.stall_report = lambda *args: time.sleep(6.5) or '[stall] report'\n"
+        "try:\n"
+        "    with watchdog.StallWatchdog(RunControl(), 0.5, 'abort'):\n"
+        "        time.sleep(1.0)\n"
+        "        raise RuntimeError('the hung call failed')\n"
+        "except RuntimeError:\n"
+        "    time.sleep(2.5)  # the restart: still running when the late report is done\n"
+        "print('survived', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "survived" in result.stdout, (result.returncode, result.stderr[-500:])
+    assert "[stall]" not in result.stderr, result.stderr[-500:]
