@@ -32,6 +32,15 @@ def node_cpus(cluster: Any = None) -> int:
     return max(1, min(counts, default=local_cores()))
 
 
+def use_threads(num_threads: int) -> None:
+    """Run the calls that follow on ``num_threads`` torch threads (a policy worker whose logprob phase shares the node
+    with the reference's workers runs it on fewer than its training). Cheap when nothing changes."""
+    import torch
+
+    if torch.get_num_threads() != num_threads:
+        torch.set_num_threads(num_threads)
+
+
 def apply_thread_count(num_threads: int) -> None:
     """Run this process's torch (intra-op OpenMP/MKL) work on ``num_threads`` threads, and say so in
     ``OMP_NUM_THREADS`` for anything it starts later. Called by actors at every (re-)initialisation: a kept actor

@@ -95,8 +95,9 @@ def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int
     backend = Decision(*resolve_backend(cfg, with_policy))
     check_backend_settings(cfg, backend.value)
     refit = Decision(*refit_mode(cfg, backend.value)) if with_policy else Decision("full", "no trainable policy")
-    actors = phase_actors(cfg, logprobs, cpus_per_node)
-    threads = thread_split(cfg, cpus_per_node, logprobs)
+    inline = backend.value == "inline"
+    actors = phase_actors(cfg, logprobs, cpus_per_node, inline)
+    threads = thread_split(cfg, cpus_per_node, logprobs, inline)
     return RunPlan(
         logprobs=logprobs,
         backend=backend,

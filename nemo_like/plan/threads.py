@@ -55,13 +55,29 @@ class ThreadSplit:
     async_mode: bool
     explicit: tuple[str, ...]  # roles whose count the user set
     teacher: int = 0  # threads per teacher rank (0: no teacher)
+    # Sync runs with the prev pass: the policy ranks' threads in the logprob phase, where they share the node with the
+    # reference's (and teachers') ranks; ``policy`` is then their count for training (and inline sampling), which runs
+    # alone. 0: the same as ``policy``.
+    policy_logprobs: int = 0
+    inline: bool = False  # generation runs in the policy worker (its threads): no engine actor
+
+    def in_phase(self, role: str, phase: dict[str, int]) -> int:
+        """Threads of one ``role`` actor in the trainer ``phase`` (:meth:`PhaseActors.trainer_phases`)."""
+        if role == "policy" and len(phase) > 1 and self.policy_logprobs:
+            return self.policy_logprobs
+        return getattr(self, role)
 
     def describe(self, this_machine: bool = False) -> str:
         """One line for the start-up log; ``this_machine``: the CPUs were read on the machine that plans, not on a
         running cluster's nodes (``nemo-like plan``): the line says so."""
 
         def part(role: str, threads: int) -> str:
-            return f"{role} {threads} ({'explicit' if role in self.explicit else 'auto'})"
+            how = "explicit" if role in self.explicit else "auto"
+            if role == "policy" and self.policy_logprobs:
+                return f"policy {threads} ({how}; {self.policy_logprobs} in the logprob phase, beside the frozen models' ranks)"
+            if role == "generation" and self.inline:
+                return "generation inline (in the policy worker, on its threads)"
+            return f"{role} {threads} ({how})"
 
         names = ("policy", "reference", "generation", "teacher") if self.teacher else ("policy", "reference", "generation")
         roles = ", ".join(part(r, getattr(self, r)) for r in names)
@@ -119,7 +135,8 @@ def split_threads(
     for role in ("policy", "reference", "teacher"):
         own = _busiest(phases, role)
         if not async_mode:
-            auto[role] = share(cpus, own)
+            # sync: the policy's training phase runs alone (its logprob phase's share is policy_logprobs below)
+            auto[role] = share(cpus, actors.policy if role == "policy" else own)
         elif generation_threads is not None:
             auto[role] = share(cpus - g * generation_threads, own)
         else:
@@ -134,6 +151,8 @@ def split_threads(
     if actors.teacher:
         roles.append(("teacher", policy_threads))
     explicit = tuple(r for r, v in roles if v)
+    logprob_share = share(cpus, _busiest(phases[:1], "policy")) if not async_mode and actors.prev_pass else 0
+    policy_logprobs = logprob_share if policy_threads is None and logprob_share and logprob_share != auto["policy"] else 0
     return ThreadSplit(
         policy=policy_threads or auto["policy"],
         reference=policy_threads or auto["reference"],
@@ -142,6 +161,8 @@ def split_threads(
         async_mode=async_mode,
         explicit=explicit,
         teacher=(policy_threads or auto["teacher"]) if actors.teacher else 0,
+        policy_logprobs=policy_logprobs,
+        inline=actors.generation == 0,
     )
 
 
@@ -151,8 +172,8 @@ def oversubscription(split: ThreadSplit, actors: PhaseActors) -> tuple[int, str]
     multi-threaded OpenMP teams spin while they wait for each other); None otherwise."""
     worst: tuple[int, str] | None = None
     for phase in actors.trainer_phases():
-        trainer = sum(n * getattr(split, role) for role, n in phase.items())
-        widest = max(getattr(split, role) for role in phase)
+        trainer = sum(n * split.in_phase(role, phase) for role, n in phase.items())
+        widest = max(split.in_phase(role, phase) for role in phase)
         name = "+".join(phase)
         if split.async_mode and actors.generation:
             trainer += actors.generation * split.generation
@@ -199,9 +220,9 @@ def explicit_count(value: Any) -> int | None:
     return None if value in (AUTO, None) else int(value)
 
 
-def phase_actors(cfg: Any, logprobs: LogprobPlan, cpus: int) -> PhaseActors:
+def phase_actors(cfg: Any, logprobs: LogprobPlan, cpus: int, inline: bool = False) -> PhaseActors:
     """Actors of each role on one node of ``cpus`` CPUs (the most that may land there: :func:`ranks_per_node`) for the
-    run ``cfg`` describes, with its decided logprob passes."""
+    run ``cfg`` describes, with its decided logprob passes; ``inline``: the policy worker samples (no engine actor)."""
     strategy, fit = cfg.cluster.placement_strategy, bundles_per_node(cfg, cpus)
 
     def on_one_node(count: int) -> int:
@@ -211,18 +232,18 @@ def phase_actors(cfg: Any, logprobs: LogprobPlan, cpus: int) -> PhaseActors:
     return PhaseActors(
         policy=on_one_node(ranks),
         reference=on_one_node(ranks) if logprobs.load_reference_model else 0,  # LoRA: the policy is the reference
-        generation=on_one_node(GENERATION_ENGINES),
+        generation=0 if inline else on_one_node(GENERATION_ENGINES),
         prev_pass=logprobs.compute_prev,
         reference_beside_training=cfg.grpo.async_grpo.enabled and logprobs.load_reference_model,
         teacher=on_one_node(ranks * len(cfg.teacher.models())) if logprobs.compute_teacher else 0,
     )
 
 
-def thread_split(cfg: Any, cpus: int, logprobs: LogprobPlan) -> ThreadSplit:
-    """The run's split: ``cfg``'s explicit counts, its roles and mode, on ``cpus`` per node."""
+def thread_split(cfg: Any, cpus: int, logprobs: LogprobPlan, inline: bool = False) -> ThreadSplit:
+    """The run's split: ``cfg``'s explicit counts, its roles and mode, on ``cpus`` per node (``inline``: no engine)."""
     return split_threads(
         cpus,
-        phase_actors(cfg, logprobs, cpus),
+        phase_actors(cfg, logprobs, cpus, inline),
         cfg.grpo.async_grpo.enabled,
         explicit_count(cfg.policy.num_threads_per_worker),
         explicit_count(cfg.policy.generation.num_threads_per_worker),

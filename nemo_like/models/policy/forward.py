@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from nemo_like.distributed.threads import use_threads
 from nemo_like.models import precision as precision_lib
 from nemo_like.models import shared_prefix
 from nemo_like.models.chunked_logprobs import model_token_logprobs_and_teacher_kl, model_token_logprobs_with_outside, teacher_head_inputs
@@ -110,6 +111,7 @@ class ForwardPasses:
         """``[B, S]`` logprobs of ``batch['input_ids']`` under the current weights; ``reference=True`` (LoRA only):
         under the base model, adapters disabled (the reference policy without a second copy of the weights)."""
         assert self._dist_ready
+        use_threads(self.spec.logprob_threads or self.spec.num_threads)  # the phase may share the node with the reference
         if not reference:
             return self._logprobs(batch, "logprobs")
         if self.lora_cfg is None:
@@ -139,6 +141,7 @@ class ForwardPasses:
         """Sample one response per prompt with this worker's own weights (the inline backend,
         :mod:`nemo_like.models.policy.inline`); returns :class:`GeneratedSample` fields as dicts. ``seed``: one for the
         batch, or one per prompt (:func:`~nemo_like.models.generation.interface.chunk_seeds`)."""
+        use_threads(self.spec.num_threads)  # the worker's own count: it samples alone (after a shared logprob phase)
         from nemo_like.models.generation.interface import SamplingParams, chunk_seeds
         from nemo_like.models.generation.lean_decoder import sample_with_params
 

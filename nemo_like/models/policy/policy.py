@@ -149,7 +149,8 @@ class Policy:
             plan = plan_on_cluster(cfg)
         request = policy_resources(cfg, role or ("policy" if trainable else "reference"), plan.threads)
         num_workers = request.count
-        init = dict(spec=PolicyWorkerSpec.from_config(cfg, trainable, loss_fn, request.resources.num_threads))
+        logprob_threads = (plan.threads.policy_logprobs or None) if request.role == "policy" else None
+        init = dict(spec=PolicyWorkerSpec.from_config(cfg, trainable, loss_fn, request.resources.num_threads, logprob_threads))
         self.group = RayWorkerGroup(
             name,
             PolicyWorker,

@@ -69,6 +69,7 @@ class PolicyWorkerSpec:
     lora: LoraConfig | None = None
     shared_prompt_forward: str | bool = "auto"
     teacher_kl: TeacherKLSettings | None = None
+    logprob_threads: int | None = None  # threads of the logprob passes when fewer than num_threads (training, sampling)
 
     def __post_init__(self) -> None:
         if self.trainable and (self.loss_fn is None or self.optimizer is None):
@@ -101,8 +102,11 @@ class PolicyWorkerSpec:
         )
 
     @classmethod
-    def from_config(cls, cfg: MasterConfig, trainable: bool, loss_fn: LossFunction | None, num_threads: int) -> PolicyWorkerSpec:
-        """The policy's (``trainable``) or the reference's workers of run config ``cfg``."""
+    def from_config(
+        cls, cfg: MasterConfig, trainable: bool, loss_fn: LossFunction | None, num_threads: int, logprob_threads: int | None = None
+    ) -> PolicyWorkerSpec:
+        """The policy's (``trainable``) or the reference's workers of run config ``cfg``; ``logprob_threads``: the
+        thread split's count for the logprob phase, when it differs from ``num_threads``."""
         pc = cfg.policy
         micro = min(pc.train_micro_batch_size, pc.train_global_batch_size // pc.dp_size)
         return cls.from_kwargs(
@@ -112,6 +116,7 @@ class PolicyWorkerSpec:
             top_k=pc.generation.top_k,
             top_p=pc.generation.top_p,
             num_threads=num_threads,
+            logprob_threads=logprob_threads,
             seed=cfg.grpo.seed,
             trainable=trainable,
             loss_fn=loss_fn,

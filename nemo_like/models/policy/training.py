@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from nemo_like.distributed.threads import use_threads
 from nemo_like.models.policy import sharding
 from nemo_like.models.policy.batching import MicroBatchPlan, take_rows
 from nemo_like.models.policy.loss_protocol import LossFunction
@@ -83,6 +84,7 @@ class TrainingStep:
         Returns the combined metric fragments of this rank, per-step grad norms, and the logprobs
         computed in the first step's forward passes (pre-update weights) for logging back-fill.
         """
+        use_threads(self.spec.num_threads)  # training runs alone: all of the worker's threads (see logprob_threads)
         assert self.trainable and self._dist_ready
         self._restore_optimizer_state()
         self.model.train()

@@ -21,7 +21,7 @@ def make_worker(micro_batch_size: int, **overrides) -> PolicyWorker:
         model_name=EMBEDDED_MODEL,
         precision=overrides.pop("precision", "float32"),
         temperature=1.0,
-        num_threads=1,
+        num_threads=overrides.pop("num_threads", 1),
         seed=0,
         loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)),
         max_grad_norm=None,
@@ -87,6 +87,24 @@ def test_microbatch_losses_sum_to_the_full_batch_and_give_the_same_update():
         clear = a.grad.abs() > 1e-6
         torch.testing.assert_close(a[clear], b[clear], atol=1e-5, rtol=0, msg=name)
         assert (a - b).abs().max() <= 2e-3, name  # elsewhere: at most two steps of lr = 1e-3 apart
+
+
+def test_the_logprob_phase_runs_on_its_share_of_threads_and_training_and_sampling_on_the_workers_own():
+    """A sync run with the prev pass runs the policy's logprob phase beside the reference's ranks: the plan gives it
+    fewer threads there than in training (which runs alone); the worker had one count for every phase."""
+    before = torch.get_num_threads()
+    try:
+        worker = make_worker(3, num_threads=2, logprob_threads=1)
+        assert torch.get_num_threads() == 2
+        worker.get_logprobs(random_batch())
+        assert torch.get_num_threads() == 1
+        worker.train([with_global_counts(random_batch())])
+        assert torch.get_num_threads() == 2
+        worker.get_logprobs(random_batch())
+        worker.generate([[5, 6, 7]], {"max_new_tokens": 2}, 0, 0, [2])  # inline sampling runs alone too
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_training_changes_the_weights_and_bumps_the_version():

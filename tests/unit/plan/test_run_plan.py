@@ -27,7 +27,8 @@ def plan_of(recipe: str, *overrides: str, cpus: int = 2, with_policy: bool = Tru
 TABLE = [
     ("grpo_tiny_cpu.yaml", (), ("inline", False, True, True, (2, 2, 2), False)),
     ("grpo_tiny_cpu.yaml", ("loss_fn.reference_policy_kl_penalty=0",), ("inline", False, False, False, (2, 2, 2), False)),
-    ("grpo_tiny_cpu.yaml", ("grpo.skip_prev_logprobs=false",), ("inline", True, True, True, (1, 1, 2), False)),
+    # the policy's 2 threads train and sample alone; 1 in the logprob phase beside the reference (ThreadSplit.policy_logprobs)
+    ("grpo_tiny_cpu.yaml", ("grpo.skip_prev_logprobs=false",), ("inline", True, True, True, (2, 1, 2), False)),
     ("grpo_tiny_cpu_async.yaml", (), ("hf", False, True, True, (1, 1, 1), False)),
     ("grpo_multiturn_tiny_cpu.yaml", (), ("inline", False, False, False, (2, 2, 2), True)),
     ("grpo_math_tiny_cpu.yaml", ("policy.generation.backend=hf",), ("hf", False, True, True, (2, 2, 2), False)),

@@ -46,13 +46,19 @@ def test_sync_gives_every_phase_all_cores():
 
 
 def test_sync_concurrent_logprob_passes_share_the_cores():
-    # prev pass on: the logprob phase runs 2 policy + 2 reference ranks at once -> 16 // 4 = 4;
-    # the policy's most crowded phase is that one too; generation alone gets 16.
+    # prev pass on: the logprob phase runs 2 policy + 2 reference ranks at once -> 16 // 4 = 4 there; the policy's
+    # training runs alone -> 16 // 2 = 8 (the worker switches between the two); generation alone gets 16.
     actors = PhaseActors(policy=2, reference=2, generation=1, prev_pass=True)
-    assert threads(split_threads(16, actors, async_mode=False)) == (4, 4, 16)
-    # no reference: the policy ranks share only with each other (16 // 2)
+    split = split_threads(16, actors, async_mode=False)
+    assert (split.policy, split.policy_logprobs, split.reference, split.generation) == (8, 4, 4, 16)
+    assert split.in_phase("policy", {"policy": 2, "reference": 2}) == 4 and split.in_phase("policy", {"policy": 2}) == 8
+    assert "policy 8 (auto; 4 in the logprob phase" in split.describe()
+    # no reference: the policy ranks share only with each other (16 // 2) in both phases
     split = split_threads(16, PhaseActors(2, 0, 1, prev_pass=True), async_mode=False)
-    assert (split.policy, split.generation) == (8, 16)
+    assert (split.policy, split.policy_logprobs, split.generation) == (8, 0, 16)
+    # an explicit count is used in every phase, and inline sampling (no engine actor) is said as such
+    split = split_threads(16, PhaseActors(2, 2, 0, prev_pass=True), async_mode=False, policy_threads=3)
+    assert (split.policy, split.policy_logprobs) == (3, 0) and "generation inline (in the policy worker" in split.describe()
 
 
 def test_async_generation_and_training_share_the_cores():
@@ -122,7 +128,8 @@ def test_a_lora_reference_is_the_policy_so_no_reference_ranks_share_the_cores():
     assert split_of(cfg, cpus=8).policy == 8  # sync: the policy rank alone in every trainer phase
     async_lora = [*lora, "grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
     assert split_of(load_config(SYNC, async_lora), cpus=8).policy == 4  # beside the one engine
-    assert split_of(load_config(SYNC, lora[1:]), cpus=8).policy == 4  # full fine-tuning: beside its reference rank
+    full = split_of(load_config(SYNC, lora[1:]), cpus=8)  # full fine-tuning: its logprob phase beside its reference rank
+    assert (full.policy, full.policy_logprobs) == (8, 4)
 
 
 def test_shipped_recipes_use_the_automatic_split():
