@@ -261,10 +261,27 @@ def run_plan(args: argparse.Namespace) -> int:
         print("[plan] warning: --mfu has no effect without --peak-tflops (no step time is estimated)", file=sys.stderr, flush=True)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     mfu = DEFAULT_MFU if args.mfu is None else args.mfu
-    lines, fits = memory_report(cfg, plan_on_cluster(cfg), args.device_memory_gib, peak, mfu, args.model_config, teacher_configs)
+    lines, fits = memory_report(
+        cfg, plan_on_cluster(cfg, turn_end_ids(cfg)), args.device_memory_gib, peak, mfu, args.model_config, teacher_configs
+    )
     for line in lines:
         print(f"[plan] {line}")
     return 3 if fits is False else 0
+
+
+def turn_end_ids(cfg: MasterConfig) -> tuple[int, ...]:
+    """The ids that end a model turn, as a run reads them (the tokenizer's and the generation config's eos), for the
+    multi-turn line of ``nemo-like plan``; ``()`` (the line then says they were not read) when the run is single-turn
+    or the tokenizer is not on this machine (``plan`` needs only a config.json)."""
+    if cfg.grpo.max_rollout_turns == 1:
+        return ()
+    from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+        return tuple(end_of_sequence_ids(tokenizer, cfg.policy.model_name))
+    except (OSError, ValueError, ConfigError):
+        return ()
 
 
 def run_serve(args: argparse.Namespace) -> int:

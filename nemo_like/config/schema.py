@@ -273,6 +273,11 @@ class MasterConfig(BaseModel):
                 "(grpo.val_period=0, grpo.val_at_start=false, grpo.val_at_end=false)"
             )
         lines += self._shaping_without_effect()
+        if self.loss_fn.force_on_policy_ratio and self.grpo.skip_prev_logprobs is False and not self.prev_logprob_consumers():
+            lines.append(
+                "grpo.skip_prev_logprobs=false has no effect with loss_fn.force_on_policy_ratio=true (the ratio is 1: the pass is "
+                "skipped, nothing would read it)"
+            )
         ft = self.cluster.fault_tolerance
         if ft.stall_timeout_s is None and changed_from_defaults(ft, ["on_stall"]):
             lines.append(

@@ -72,9 +72,8 @@ class RunPlan:
             out.append(self.refit_warning)
         out.append(self.threads.describe(this_machine))
         if self.multi_turn is not None:
-            out.append(
-                f"multi-turn: up to {self.multi_turn.max_turns} model turns per sample, end-of-turn ids {list(self.multi_turn.eos_token_ids)}"
-            )
+            ids = list(self.multi_turn.eos_token_ids) or "(the tokenizer's eos: not read here)"
+            out.append(f"multi-turn: up to {self.multi_turn.max_turns} model turns per sample, end-of-turn ids {ids}")
         if self.overlap_scoring:
             out.append("scoring overlaps the logprob passes (grpo.overlap_scoring)")
         if self.forward is not None:

@@ -159,3 +159,11 @@ def test_plot_out_is_the_file_it_writes(tmp_path, capsys) -> None:
         assert main(["plot", str(metrics), "--out", str(out)]) == 0
         assert str(written) in capsys.readouterr().out and written.is_file()
     assert not (tmp_path / "figs.png").exists()
+
+
+def test_plan_of_a_multi_turn_recipe_names_the_turns_end_ids_a_run_reads(capsys) -> None:
+    """`nemo-like plan` printed `end-of-turn ids []` where the run plans the tokenizer's eos ([2] on the shipped model)."""
+    from nemo_like.cli import main
+
+    assert main(["plan", "--config", "examples/configs/grpo_multiturn_tiny_cpu.yaml"]) == 0
+    assert "multi-turn: up to 2 model turns per sample, end-of-turn ids [2]" in capsys.readouterr().out

@@ -147,6 +147,11 @@ NO_EFFECT_CASES = [
         ["checkpointing.enabled=true"],
     ),
     (
+        ["loss_fn.force_on_policy_ratio=true", "grpo.skip_prev_logprobs=false"],
+        "grpo.skip_prev_logprobs=false has no effect with loss_fn.force_on_policy_ratio=true",
+        ["loss_fn.force_on_policy_ratio=false"],
+    ),
+    (
         ["policy.sequence_packing.train_mb_tokens=256"],
         "policy.sequence_packing.train_mb_tokens has no effect with policy.sequence_packing.enabled=false",
         ["policy.sequence_packing.enabled=true"],
