@@ -33,6 +33,11 @@ _CHILD = Path(__file__).with_name("sandbox_child.py")
 _MAX_CODE_CHARS = 20_000
 
 
+#: The smallest file-size limit of a snippet's process: a python_max_output_bytes of 16 left the error report 1 character
+#: ("[exception] V" for a ValueError).
+MIN_FILE_SIZE = 8192
+
+
 class PythonSandbox:
     """Runs code snippets under the limits above. Construct once; each :meth:`run` is independent."""
 
@@ -87,7 +92,10 @@ class PythonSandbox:
     def _spawn(self, code: str, scratch: Path, out, err) -> int | str:
         memory = self.memory_mb * 1024 * 1024
         cpu = max(1, math.ceil(self.timeout_s))
-        cmd = [sys.executable, "-I", "-S", "-B", str(_CHILD), str(scratch), str(memory), str(cpu), str(self.max_output_bytes + 1)]
+        # Every file the snippet writes is capped (RLIMIT_FSIZE), stdout's and stderr's too; the cap leaves room for the
+        # error report (the stdout limit itself is checked here, on what came back).
+        file_size = max(self.max_output_bytes + 1, MIN_FILE_SIZE)
+        cmd = [sys.executable, "-I", "-S", "-B", str(_CHILD), str(scratch), str(memory), str(cpu), str(file_size)]
         env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8", "HOME": str(scratch), "TMPDIR": str(scratch)}
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=scratch, env=env, start_new_session=True)
         try:

@@ -30,6 +30,8 @@ _BLOCKED_PREFIXES = (
     "resource.prlimit",
     "pty.",
     "ctypes.",
+    # sqlite's own SQL writes files the path check never sees (ATTACH DATABASE '/x', VACUUM INTO '/x')
+    "sqlite3.",
     "_winapi.",
     "webbrowser.",
     "urllib.",
@@ -67,7 +69,6 @@ _PATH_EVENTS = {
     "shutil.copytree": ((1,), ()),
     "shutil.make_archive": ((0,), ()),
     "shutil.unpack_archive": ((1,), ()),
-    "sqlite3.connect": ((0,), ()),
 }
 #: Path events that accept an open descriptor as the path (``os.fchmod`` is ``os.chmod`` with an int): the descriptor's
 #: file must be inside the scratch dir.
@@ -76,9 +77,17 @@ _REPORT_CHARS = 1000  # the error report's share of the stderr file (set from th
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
+#: Modules whose functions the guard removes (calls that raise no audit event): importing one of them again would give a
+#: fresh copy with the functions back (``del sys.modules["_posixsubprocess"]; import _posixsubprocess``), so the
+#: ``import`` audit event, which fires only for a module not already loaded, is refused for them.
+_STRIPPED_MODULES = ("_posixsubprocess", "posix", "os", "_signal", "signal", "_ctypes", "subprocess", "multiprocessing")
+
+
 def _install_guard(scratch):
     root = os.path.realpath(scratch)
-    realpath, fspath, isinstance_, str_, bytes_, int_ = os.path.realpath, os.fspath, isinstance, str, bytes, int
+    own_proc = f"/proc/{os.getpid()}"
+    realpath, fspath, fsdecode, isinstance_, str_, int_ = os.path.realpath, os.fspath, os.fsdecode, isinstance, str, int
+    stripped = tuple(_STRIPPED_MODULES)
     # Held by the hook, not read from this module's globals, which the snippet can reach (sys.modules["__main__"]).
     blocked, path_events, write_flags = tuple(_BLOCKED_PREFIXES), dict(_PATH_EVENTS), _WRITE_FLAGS
     fd_path_events = tuple(_FD_PATH_EVENTS)
@@ -88,20 +97,27 @@ def _install_guard(scratch):
             return True
         if isinstance_(path, int_):  # an open descriptor: open() of stdout/stderr; fchmod-like calls on its file
             return event not in fd_path_events or inside(realpath(f"/proc/self/fd/{path}"))
-        path = fspath(path)
-        if isinstance_(path, bytes_):
-            path = path.decode(errors="replace")
-        full = realpath(path)
+        full = realpath(fsdecode(fspath(path)))  # fsdecode: the bytes the kernel follows (a 'replace' decode did not)
         return full == root or full.startswith(root + os.sep)
+
+    def another_process(path):  # /proc/<pid>/... of a process other than the snippet's: the parent's environ, say
+        if isinstance_(path, int_) or path is None:
+            return False
+        parts = realpath(fsdecode(fspath(path))).split(os.sep)
+        return len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and os.sep.join(parts[:3]) != own_proc
 
     def hook(event, args):
         if event.startswith(blocked):
             raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args[0] in stripped:
+            raise PermissionError(f"sandbox: importing {args[0]} again is not allowed")
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None))[:3]
             writing = (isinstance_(mode, str_) and any(c in mode for c in "wax+")) or (isinstance_(flags, int_) and flags & write_flags)
             if writing and not inside(path):
                 raise PermissionError(f"sandbox: writing outside the scratch dir is not allowed: {path!r}")
+            if another_process(path):
+                raise PermissionError(f"sandbox: reading another process's /proc entries is not allowed: {path!r}")
         elif event in path_events:
             paths, dir_fds = path_events[event]
             for index in dir_fds:
@@ -111,9 +127,9 @@ def _install_guard(scratch):
                 if index < len(args) and not inside(args[index], event):
                     raise PermissionError(f"sandbox: {event} outside the scratch dir is not allowed: {args[index]!r}")
 
-    sys.addaudithook(hook)
     # Calls that raise no audit event: signalling through a pidfd (the parent is an environment actor), and new
-    # processes through _posixsubprocess (multiprocessing's spawn), named pipes and device nodes.
+    # processes through _posixsubprocess (multiprocessing's spawn), named pipes and device nodes. Imported before the
+    # hook, which refuses importing these modules again.
     import _posixsubprocess
     import subprocess  # imported now, so it holds no fork_exec of its own after this
 
@@ -121,6 +137,23 @@ def _install_guard(scratch):
     for module, name in ((os, "pidfd_open"), (os, "mkfifo"), (os, "mknod"), (signal, "pidfd_send_signal"), (_posixsubprocess, "fork_exec")):
         if hasattr(module, name):
             delattr(module, name)
+    # A built-in module initialised again gets its removed functions back (importlib.reload(posix) restored pidfd_open
+    # and mkfifo; reloading _signal, pidfd_send_signal). Every built-in module is loaded now, and the two calls that
+    # (re)initialise one are replaced by functions that hold nothing: the snippet's imports find them in sys.modules.
+    import _imp
+
+    for name in sys.builtin_module_names:
+        if name not in sys.modules:
+            try:
+                __import__(name)
+            except ImportError:
+                pass
+    _imp.exec_builtin = _imp.create_builtin = _refuse_builtin_init
+    sys.addaudithook(hook)
+
+
+def _refuse_builtin_init(*args):
+    raise PermissionError("sandbox: initialising a built-in module again is not allowed")
 
 
 def _run(code):

@@ -4,6 +4,8 @@ error observation through ToolEnvironment, and the next call still works."""
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -112,6 +114,40 @@ def test_source_descriptors_descriptor_paths_and_the_guards_own_objects_are_guar
     assert (victim / "linked.txt").read_text() == "original\n" and (victim / "mode.txt").stat().st_mode & 0o777 == 0o644
     inside = "import os\nopen('f', 'w').write('abc')\nos.truncate('f', 1)\nfd = os.open('f', os.O_RDONLY)\nos.fchmod(fd, 0o600)\n"
     assert run(env, inside + "open('f').read(), oct(os.stat('f').st_mode & 0o777)") == "('a', '0o600')"
+
+
+def test_a_small_output_limit_keeps_the_whole_error_line_and_still_caps_the_answer() -> None:
+    small = ToolEnvironment(tools=["python"], python_timeout_s=30, python_memory_mb=128, python_max_output_bytes=16)
+    assert run(small, "int('abc')") == "error: python: ValueError: invalid literal for int() with base 10: 'abc'"
+    assert run(small, "print('x' * 17)") == "error: python: output larger than 16 bytes"
+    assert run(small, "'x' * 8") == "'xxxxxxxx'"
+
+
+def test_a_reimported_or_reinitialised_module_brings_no_removed_call_back(env: ToolEnvironment, tmp_path) -> None:
+    """A third review's holes: importing _posixsubprocess again gave a fresh fork_exec (a shell, no audit event), and
+    importlib.reload of posix / _signal restored pidfd_open, pidfd_send_signal and mkfifo (a signal to the environment
+    actor, a pipe anywhere); sqlite's ATTACH and VACUUM INTO wrote anywhere; a bytes path that is not UTF-8 was checked
+    as another path than the kernel follows; and the parent's environment was readable in /proc."""
+    fifo = tmp_path / "fifo"
+    sandbox_tmp = Path(tempfile.gettempdir())  # where each call's work dir is made: the scratch dir's grandparent
+    escaped = sandbox_tmp / f"nemo_like_escape_{os.getpid()}.txt"
+    for code in (
+        "import sys\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess\n_posixsubprocess.fork_exec",
+        "import importlib, posix, os\nimportlib.reload(posix)\nposix.pidfd_open(os.getppid())",
+        f"import importlib, posix\nimportlib.reload(posix)\nposix.mkfifo({str(fifo)!r})",
+        "import importlib, _signal\nimportlib.reload(_signal)\n_signal.pidfd_send_signal",
+        "import _imp, sys\ndel sys.modules['posix']\n_imp.create_builtin(sys.modules['os'].__spec__)",
+        f"import sqlite3\nsqlite3.connect(':memory:').execute(\"ATTACH DATABASE '{tmp_path / 'x.db'}' AS x\")",
+        # the link is checked relative to the working directory (a/b: '../..' is the scratch dir) but resolves from its
+        # own (the scratch dir's grandparent); an undecodable name kept realpath from following it
+        "import os\nscratch = os.getcwdb()\nos.makedirs('a/b')\nos.chdir('a/b')\nos.symlink(b'../..', scratch + b'/\\xff')\n"
+        f"open(scratch + b'/\\xff/' + {escaped.name!r}.encode(), 'w')",
+        "import os\nopen(f'/proc/{os.getppid()}/environ', 'rb').read()",
+    ):
+        observation = run(env, code)
+        assert "sandbox:" in observation and "not allowed" in observation, (code, observation)
+    assert not fifo.exists() and not (tmp_path / "x.db").exists() and not escaped.exists()
+    assert run(env, "import importlib, json, dataclasses, inspect\nopen('/proc/self/status').read()[:5]") == "'Name:'"
 
 
 def test_a_snippet_that_ends_normally_is_an_answer_whatever_it_says_on_stderr(env: ToolEnvironment) -> None:
