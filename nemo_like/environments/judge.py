@@ -32,6 +32,7 @@ from nemo_like.environments.judge_parsers import resolve_parser
 from nemo_like.environments.judge_template import JudgeTemplate, TemplateFormat, load_template_text
 from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prompt_of
 from nemo_like.environments.score_normalization import ScoreNormalization
+from nemo_like.environments.scored_text import chat_ids_of_untrusted_text
 from nemo_like.models.generation.interface import SamplingParams
 
 COUNTERS = (
@@ -174,11 +175,10 @@ class JudgeEnvironment(EnvironmentInterface):
             self._counts["prompt_missing"] += 1
         text = self.template.render(prompt or "", response, metadata)
         tok = self.tokenizer
-        if self.cfg.use_chat_template and tok.chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-            ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        if self.cfg.use_chat_template and tok.chat_template:  # the policy's text stays text (scored_text)
+            ids = chat_ids_of_untrusted_text(tok, [{"role": "user", "content": text}], add_generation_prompt=True)
         else:
-            ids = list(tok(text)["input_ids"])
+            ids = list(tok(text, split_special_tokens=True)["input_ids"])
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             ids = cut_from_left(ids, self.max_prompt_tokens, tok)
             self._counts["truncated"] += 1

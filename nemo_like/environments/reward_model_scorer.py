@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from nemo_like.environments.scored_text import chat_ids_of_untrusted_text
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -84,11 +86,10 @@ class RewardModelScorer:
         generation prompt), or (no template asked for, or the tokenizer has none) the plain concatenation with the
         tokenizer's special tokens."""
         tok = self.tokenizer
-        if use_chat_template and tok.chat_template:
+        if use_chat_template and tok.chat_template:  # the policy's text stays text (scored_text)
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            text = tok.apply_chat_template(messages, tokenize=False)
-            return list(tok(text, add_special_tokens=False)["input_ids"])
-        return list(tok(prompt + response)["input_ids"])
+            return chat_ids_of_untrusted_text(tok, messages, add_generation_prompt=False)
+        return list(tok(prompt + response, split_special_tokens=True)["input_ids"])
 
     def batch_pad_id(self, sequences: Sequence[Sequence[int]]) -> int:
         """The id this call pads with: the config's pad, or (none configured) the highest id no sequence holds."""
