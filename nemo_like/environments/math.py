@@ -39,6 +39,12 @@ class MathEnvConfig(BaseModel):
     format_reward: float = Field(
         0.0, ge=0, lt=1, description="Reward for a wrong answer given in \\boxed{} (below 1, so only correct answers count as correct)."
     )
+    memory_mb: int = Field(
+        2048,
+        ge=256,
+        description="Address-space limit of the checker process (RLIMIT_AS): an answer whose check needs more (a 12-character "
+        "\\boxed{2^{2^{33}}+1} took ~0.5 GB within its time limit) is a crash, and a fresh process checks the next one.",
+    )
 
 
 def has_boxed_answer(response: str) -> bool:
@@ -51,9 +57,9 @@ class MathEnvironment(EnvironmentInterface):
 
     config_model = MathEnvConfig
 
-    def __init__(self, timeout_s: float = 5.0, format_reward: float = 0.0) -> None:
+    def __init__(self, timeout_s: float = 5.0, format_reward: float = 0.0, memory_mb: int = 2048) -> None:
         self.format_reward = format_reward
-        self.checker = MathVerifyProcess(timeout_s)
+        self.checker = MathVerifyProcess(timeout_s, memory_mb=memory_mb)
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:

@@ -54,16 +54,18 @@ def gold_text(gold: Any) -> str:
 class MathVerifyProcess:
     """Client side: a persistent child process checking one answer at a time (started lazily)."""
 
-    def __init__(self, timeout_s: float, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, timeout_s: float, start_timeout_s: float = 120.0, memory_mb: int | None = None) -> None:
+        """``memory_mb``: the child's address-space limit (``None``: none)."""
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
+        self.memory_mb = memory_mb
         self.proc: subprocess.Popen | None = None
         self._buffer = b""
         self.restarts = 0  # processes started after a timeout or crash
 
     def _start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nemo_like.environments.math_verify_process"],
+            [sys.executable, "-m", "nemo_like.environments.math_verify_process", *([str(self.memory_mb)] if self.memory_mb else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=None,
@@ -180,6 +182,11 @@ def serve() -> None:
     import logging
 
     _die_with_parent()
+    if len(sys.argv) > 1:  # memory_mb: a check past it raises MemoryError, and the process ends (below)
+        import resource
+
+        limit = int(sys.argv[1]) * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything a library prints goes to stderr, never into the reply stream
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # "timeout disabled" notices: we enforce our own
@@ -198,6 +205,8 @@ def serve() -> None:
         request = json.loads(line)
         try:
             status = verify_answer(request["response"], request["gold"], cache)
+        except MemoryError:  # past memory_mb: a crash (the parent counts it and starts a fresh process)
+            os._exit(3)
         except Exception:  # noqa: BLE001 - a response that breaks the parser is unparsable, not a crash
             status = "parse_failure"
         if len(cache) > 4096:

@@ -115,6 +115,21 @@ def test_a_hanging_answer_is_cut_off_and_the_rest_of_the_batch_is_scored() -> No
     print(f"batch with one hanging answer scored in {elapsed:.1f}s (limit 1.5s + one helper restart)")
 
 
+def test_an_answer_whose_check_needs_more_memory_than_the_limit_stays_within_it() -> None:
+    """A 12-character answer (2^(2^33) + 1) grew the helper to ~0.5 GB within its time limit; each environment actor's
+    helper could. Under memory_mb the check fails inside it instead, and the helper goes on checking."""
+    env = MathEnvironment(timeout_s=20.0, memory_mb=300)
+    try:
+        assert env.score(["\\boxed{2^{2^{33}}+1}"], [{"answer": "5"}]) == [0.0]
+        status = open(f"/proc/{env.checker.proc.pid}/status").read() if env.checker.proc is not None else ""
+        assert env.score(["\\boxed{3}"], [{"answer": "3"}]) == [1.0]
+        counts = env.metrics()
+    finally:
+        env.close()
+    peak_kb = int(next((line.split()[1] for line in status.splitlines() if line.startswith("VmPeak")), "0"))
+    assert counts["timeouts"] == 0 and (peak_kb == 0 or peak_kb <= 300 * 1024), (counts, peak_kb)
+
+
 def test_the_helpers_warm_up_runs_the_parsers_first_answers_would_pay_for() -> None:
     """A warm-up that failed to parse would warm nothing: each pair reaches the verifier's comparison."""
     assert [verify_answer(response, gold) for response, gold in WARM_UP] == ["correct", "wrong", "correct"]
