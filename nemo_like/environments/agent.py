@@ -63,7 +63,11 @@ class AgentSettings:
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.function)
+        """Whether the agent is a coroutine function, called on the event loop: an ``async def``, one under a
+        ``functools.wraps`` decorator, or an object with an ``async def __call__`` (others run on a thread)."""
+        function = inspect.unwrap(self.function)
+        call = None if inspect.isroutine(function) else type(function).__call__  # a callable object's own method
+        return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(call)
 
 
 def load_agent_settings(task: str, kwargs: dict[str, Any]) -> AgentSettings:

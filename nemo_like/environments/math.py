@@ -42,8 +42,10 @@ class MathEnvConfig(BaseModel):
     memory_mb: int = Field(
         2048,
         ge=256,
-        description="Address-space limit of the checker process (RLIMIT_AS): an answer whose check needs more (a 12-character "
-        "\\boxed{2^{2^{33}}+1} took ~0.5 GB within its time limit) is a crash, and a fresh process checks the next one.",
+        description="Address-space limit of the checker process (RLIMIT_AS): a check that needs more (a 12-character "
+        "\\boxed{2^{2^{33}}+1} took ~0.5 GB within its time limit) fails inside the checker: math-verify turns the MemoryError "
+        "into a failed parse (reward 0); one that reaches the checker's loop ends the process as a counted crash, and a fresh "
+        "one checks the next answer.",
     )
 
 

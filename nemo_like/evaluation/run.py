@@ -163,6 +163,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     prompts = load_validation_prompts(cfg, tokenizer)
     check_environments(specs, {"validation": prompts})
     out = Path(ev.output_dir)
+    if checkpoint_dir is not None:  # output_dir at a checkpoint step: its config.yaml (what a resume reads) was replaced
+        refuse_overwriting(out, Path(checkpoint_dir))
     preflight.ensure_writable_dir(out, "eval.output_dir")  # a file there was a FileExistsError traceback
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     if (Path(model_dir) / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint: serve its merged model

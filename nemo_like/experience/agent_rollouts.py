@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import math
 import numbers
 import sys
@@ -40,6 +41,7 @@ from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.env_calls import call_environments
 from nemo_like.experience.rollouts import Rollout, expand_groups
 from nemo_like.models.generation.interface import GeneratedSample
+from nemo_like.models.loading import model_vocab_size
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
 from nemo_like.serving.sessions import BUDGET_KEY, GREEDY_KEY, SEED_KEY
@@ -69,7 +71,12 @@ def reward_number(value: Any) -> float | None:
         return float(value) if value.ndim == 0 and numeric else None
     if isinstance(value, np.ndarray):
         return float(value) if value.ndim == 0 and value.dtype.kind in "iuf" else None
-    return float(value) if isinstance(value, numbers.Real) else None
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int or Fraction past a float's range: not finite, a bad return (not the agent's error)
+        return math.inf if value > 0 else -math.inf
 
 
 def outcome_of(value: Any, has_verifier: bool) -> SessionOutcome:
@@ -142,6 +149,8 @@ async def run_session(
         try:
             async with deadline:
                 value = await (settings.function(*args) if settings.is_async else _in_thread(settings.function, args, threads))
+                if inspect.isawaitable(value):  # a plain function that returns a coroutine (a hand-written wrapper)
+                    value = await value
             outcome = outcome_of(value, cfg.verifier is not None)
         except TimeoutError as exc:
             if deadline.expired():
@@ -477,6 +486,7 @@ def start_agent_rollouts(
         max_context=cfg.policy.max_total_sequence_length,
         seed=cfg.grpo.seed,
         run_sampling=run_sampling(cfg.policy.generation, enforce=True),
+        vocab_size=model_vocab_size(cfg.policy.model_name),
     )
     gate = EngineGate(engine)  # a pass-through until an async refit holds it
     server = RolloutServer(gate, tokenizer, config, eos_token_ids=list(eos_token_ids)).start()

@@ -246,18 +246,25 @@ def check_context_length(model_name: str, length: int, key: str = "policy.max_to
         )
 
 
+def model_vocab_size(model_name: str) -> int | None:
+    """The rows of the model's embedding and output head (``vocab_size`` in its config.json; a LoRA checkpoint: its
+    base model's): every id below it can be sampled, the padding rows past the tokenizer's ids too (Qwen2.5: 151,936
+    rows for 151,665 ids). ``None`` when the config states none."""
+    from transformers import AutoConfig
+
+    path = Path(resolve_model_path(model_name)).expanduser()
+    if (path / ADAPTER_CONFIG).is_file():
+        return model_vocab_size(adapter_base_model(path))
+    config = AutoConfig.from_pretrained(str(path) if path.is_dir() else model_name)
+    return getattr(config.get_text_config(), "vocab_size", None)
+
+
 def check_stop_token_ids(model_name: str, ids: Sequence[int] | None, key: str = "policy.generation.stop_token_ids") -> None:
     """A :class:`ConfigError` naming ``key`` when a stop id is outside the model's vocabulary: the inline and HF
     samplers would never draw it (the stop silently never fires), vLLM refuses the request at the first step."""
-    from transformers import AutoConfig
-
     if not ids:
         return
-    path = Path(resolve_model_path(model_name)).expanduser()
-    if (path / ADAPTER_CONFIG).is_file():
-        return check_stop_token_ids(adapter_base_model(path), ids, key)
-    config = AutoConfig.from_pretrained(str(path) if path.is_dir() else model_name)
-    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    vocab = model_vocab_size(model_name)
     outside = [i for i in ids if vocab is not None and not 0 <= i < vocab]
     if outside:
         raise ConfigError(f"{key}: {outside} are outside {model_name}'s vocabulary (ids 0..{vocab - 1}, vocab_size in its config.json)")

@@ -47,6 +47,9 @@ class ServerConfig:
     batch_window_s: float = 0.0
     seed: int = 0
     run_sampling: RunSampling | None = None  # the run's temperature / top_p / top_k (defaults; enforced in a training run)
+    # The model's rows (models.loading.model_vocab_size); None: the tokenizer's ids. A model padded past its tokenizer
+    # samples the padding ids too: a session holding one was refused whole (its tokens untrained, failure_reward).
+    vocab_size: int | None = None
 
 
 def is_loopback(host: str) -> bool:
@@ -81,7 +84,8 @@ class RolloutServer:
         self.api_key = config.api_key or secrets.token_urlsafe(32)
         eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
         self.queue = GenerationQueue(engine, config.seed, config.max_batch, config.batch_window_s)
-        self.sessions = SessionStore(auto_create=config.auto_create_sessions, vocab_size=len(tokenizer), on_end=self.queue.forget)
+        vocab = max(len(tokenizer), config.vocab_size or 0)
+        self.sessions = SessionStore(auto_create=config.auto_create_sessions, vocab_size=vocab, on_end=self.queue.forget)
         limits = Limits(
             config.model_name, _max_context(tokenizer, config.max_context), config.max_n, config.require_session, config.run_sampling
         )

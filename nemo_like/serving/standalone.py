@@ -17,6 +17,7 @@ from nemo_like.models.loading import (
     check_stop_token_ids,
     end_of_sequence_ids,
     load_tokenizer,
+    model_vocab_size,
     resolve_checkpoint_model,
 )
 from nemo_like.serving.local_engine import LocalGeneration
@@ -45,6 +46,7 @@ def build_server(cfg: Any, port: int = 0) -> RolloutServer:
         max_context=cfg.policy.max_total_sequence_length,
         seed=cfg.grpo.seed,
         run_sampling=run_sampling(cfg.policy.generation, enforce=False),  # the recipe's as defaults: an agent is free
+        vocab_size=model_vocab_size(model),
     )
     return RolloutServer(engine, tokenizer, config, eos_token_ids=eos_ids)
 

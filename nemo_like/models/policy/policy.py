@@ -97,6 +97,15 @@ def policy_resources(cfg: MasterConfig, role: str, split: ThreadSplit) -> RoleRe
     return RoleResources(role, pc.dp_size * pc.dtensor_cfg.tensor_parallel_size, resources)
 
 
+def policy_worker_spec(
+    cfg: MasterConfig, request: RoleResources, trainable: bool, loss_fn: LossFunction | None, split: ThreadSplit
+) -> PolicyWorkerSpec:
+    """What every worker of ``request``'s role is built from: its threads as the plan's ``split`` says, the policy's
+    logprob phase on its own share where that is smaller (:attr:`ThreadSplit.policy_logprobs`)."""
+    logprob_threads = (split.policy_logprobs or None) if request.role == "policy" else None
+    return PolicyWorkerSpec.from_config(cfg, trainable, loss_fn, request.resources.num_threads, logprob_threads)
+
+
 def alive_node_count() -> int:
     """Ray's live nodes (for :func:`~nemo_like.models.refit.transport.shared_memory_refit_possible`)."""
     return sum(1 for node in ray.nodes() if node.get("Alive"))
@@ -149,8 +158,7 @@ class Policy:
             plan = plan_on_cluster(cfg)
         request = policy_resources(cfg, role or ("policy" if trainable else "reference"), plan.threads)
         num_workers = request.count
-        logprob_threads = (plan.threads.policy_logprobs or None) if request.role == "policy" else None
-        init = dict(spec=PolicyWorkerSpec.from_config(cfg, trainable, loss_fn, request.resources.num_threads, logprob_threads))
+        init = dict(spec=policy_worker_spec(cfg, request, trainable, loss_fn, plan.threads))
         self.group = RayWorkerGroup(
             name,
             PolicyWorker,

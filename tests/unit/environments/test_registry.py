@@ -21,7 +21,11 @@ def test_one_section_per_task_with_builtins_by_name_and_by_class() -> None:
         "math": ("MathEnvironment", 1),
         "gsm8k": ("MathEnvironment", 1),
     }
-    assert specs["math"].kwargs == {"timeout_s": 2.0, "format_reward": 0.0, "memory_mb": 2048}  # validated and completed by the env's config model
+    assert specs["math"].kwargs == {
+        "timeout_s": 2.0,
+        "format_reward": 0.0,
+        "memory_mb": 2048,
+    }  # validated and completed by the env's config model
     assert specs["gsm8k"].kwargs["format_reward"] == 0.1
 
 

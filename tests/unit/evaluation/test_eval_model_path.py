@@ -167,3 +167,22 @@ def test_validation_decoding_keys_that_eval_does_not_use_are_named() -> None:
     assert "uses eval.num_samples_per_prompt=1" in lines[1]
     same = ["eval.greedy=true", "eval.num_samples_per_prompt=4", "eval.pass_k=[1,4]"]
     assert ignored_validation_settings(load_config(None, changed + same, warn=False)) == []
+
+
+def test_eval_refuses_what_it_cannot_serve_or_would_overwrite_before_any_actor(tmp_path, capsys) -> None:
+    """Through `nemo-like eval` itself (the helpers alone passed with the calls removed from run_eval): an output_dir
+    at the checkpoint step replaced its config.yaml (what a resume reads); a stop id outside the vocabulary; and the
+    grpo.val_* keys eval does not read are named before it stops."""
+    from nemo_like.cli import main
+    from nemo_like.models.assets import default_model_path
+
+    step = tmp_path / "ckpt" / "step_5"
+    shutil.copytree(default_model_path(), step / "policy")
+    (step / "trainer_state.json").write_text(json.dumps({"metrics": {}}))
+    (step / "config.yaml").write_text("the run's own config\n")
+    assert main(["eval", f"eval.model_path={step}", f"eval.output_dir={step}"]) == 2
+    assert "eval.output_dir: writing" in capsys.readouterr().err and (step / "config.yaml").read_text() == "the run's own config\n"
+    out = f"eval.output_dir={tmp_path / 'out'}"
+    with pytest.warns(RuntimeWarning, match=r"grpo.val_greedy=True"):
+        assert main(["eval", out, "grpo.val_greedy=true", "policy.generation.stop_token_ids=[359]"]) == 2
+    assert "policy.generation.stop_token_ids: [359] are outside" in capsys.readouterr().err

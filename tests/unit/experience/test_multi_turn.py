@@ -27,6 +27,7 @@ from nemo_like.experience.multi_turn import (
     stop_string_cut,
 )
 from nemo_like.experience.replay_buffer import ReplayBuffer, ReplayBufferError, TrajectoryGroup
+from nemo_like.experience.rollouts import Rollout
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.loading import load_causal_lm, load_tokenizer
@@ -312,6 +313,11 @@ def test_a_steps_stop_strings_end_the_next_turn_on_whole_tokens(worker, tokenize
                 cut += 1
     assert cut >= 1
     assert any(s.num_decoded_tokens > s.num_sampled_tokens for s in result.samples)
+    # What performance/num_generated_tokens sums (both loops): every token the engine decoded, the cut ones too.
+    n = len(result.samples)
+    rollout = Rollout(prompts[2:][:n], torch.arange(n), result.samples, [""] * n, torch.zeros(n))
+    decoded = sum(len(out.response_ids) for _, outputs, _ in generation.calls for out in outputs)  # every engine output
+    assert rollout.decoded_tokens == decoded > float(rollout.response_lengths.sum())
 
 
 def test_a_sample_is_as_old_as_its_first_turn(worker, tokenizer, prompts):

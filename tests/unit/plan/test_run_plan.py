@@ -143,3 +143,16 @@ def test_the_rederivation_check_finds_a_component_that_decides_again(tmp_path: P
     (tmp_path / "nemo_like" / "plan").mkdir()
     (tmp_path / "nemo_like" / "plan" / "threads.py").write_text("def f(cfg, plan):\n    return thread_split(cfg, 2, plan)\n")
     assert rederivations(tmp_path) == ["nemo_like/models/generation/hf.py:4 calls thread_split"]
+
+
+def test_the_policy_workers_get_the_plans_two_thread_counts() -> None:
+    """The plan's logprob-phase share reaches the policy's worker spec (the plan alone was tested: the wiring was not)."""
+    from nemo_like.models.policy.policy import policy_resources, policy_worker_spec
+
+    cfg = load_config(RECIPES / "grpo_tiny_cpu.yaml", ["grpo.skip_prev_logprobs=false"], warn=False)
+    plan = decide_run_plan(cfg, EOS, 2)
+    from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+
+    policy = policy_worker_spec(cfg, policy_resources(cfg, "policy", plan.threads), True, ClippedPGLossFn(cfg.loss_fn), plan.threads)
+    reference = policy_worker_spec(cfg, policy_resources(cfg, "reference", plan.threads), False, None, plan.threads)
+    assert (policy.num_threads, policy.logprob_threads) == (2, 1) and (reference.num_threads, reference.logprob_threads) == (1, None)

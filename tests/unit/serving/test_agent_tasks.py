@@ -91,6 +91,39 @@ def test_a_session_that_raises_hangs_or_returns_ends_its_session_once() -> None:
         assert outcome.failure == "error" and outcome.detail.startswith("SystemExit") and ended == [True]
 
 
+def test_async_agents_of_every_shape_run_and_a_reward_past_floats_is_a_bad_return() -> None:
+    """An object with an ``async def __call__`` and an ``async def`` under a ``functools.wraps`` decorator ran on a
+    thread, returned an un-awaited coroutine and failed every session ('got coroutine'); an int reward too large for
+    a float was counted as the agent's own error."""
+    import functools
+
+    class Agent:
+        async def __call__(self, base_url, api_key, session_id, prompt, metadata):
+            return 1.0
+
+    def retried(function):
+        @functools.wraps(function)
+        def wrapper(*args):
+            return function(*args)
+
+        return wrapper
+
+    @retried
+    async def decorated(*args):
+        return 0.5
+
+    def hand_written(*args):  # a plain function returning a coroutine: awaited too
+        return decorated(*args)
+
+    assert settings(Agent()).is_async and settings(decorated).is_async and not settings(hand_written).is_async
+    for agent, reward in ((Agent(), 1.0), (decorated, 0.5), (hand_written, 0.5)):
+        outcome, ended = run(agent)
+        assert (outcome.reward, outcome.failure, ended) == (reward, None, [True])
+    outcome, _ = run(lambda *args: 10**400)
+    assert outcome.failure == "bad_return" and "not finite" in outcome.detail
+    assert outcome_of(-(10**400), False).failure == "bad_return"
+
+
 def test_a_branched_session_weighs_once_in_its_group() -> None:
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.5, 0.5])
     groups = torch.tensor([0, 0, 0, 1, 1, 1])

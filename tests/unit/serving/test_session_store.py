@@ -99,3 +99,25 @@ def test_an_end_that_arrives_while_the_first_builds_the_rows_gets_the_same_resul
     second.join(10)
     assert len(results) == 2 and results[0] is results[1] and results[0].rows[0].reward == 1.0
     assert store.metrics()["agent/sessions"] == 1.0  # counted once
+
+
+def test_the_server_accepts_every_id_the_model_can_sample_not_only_the_tokenizers(tmp_path) -> None:
+    """A model padded past its tokenizer (Qwen2.5: 151,936 rows for 151,665 ids) samples the padding ids too: a session
+    holding one was refused whole (failure_reward, none of its tokens trained). Here: the shipped model padded to 370."""
+    from nemo_like.config import load_config
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.loading import load_causal_lm, load_tokenizer, model_vocab_size
+    from nemo_like.serving.standalone import build_server
+
+    model = load_causal_lm(EMBEDDED_MODEL)
+    model.resize_token_embeddings(370)
+    model.save_pretrained(tmp_path / "padded")
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    assert len(tokenizer) == 359 and model_vocab_size(str(tmp_path / "padded")) == 370
+    cfg = load_config(None, [f"policy.model_name={tmp_path / 'padded'}", f"policy.tokenizer_name={EMBEDDED_MODEL}"])
+    assert build_server(cfg).sessions.vocab_size == 370
+    store = SessionStore(vocab_size=370)
+    record(store, "padded", [1], [369])
+    assert store.end("padded", 1.0).rows  # trained
+    record(store, "outside", [1], [370])
+    assert not store.end("outside", 1.0).rows
