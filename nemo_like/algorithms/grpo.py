@@ -48,7 +48,7 @@ from nemo_like.data.prompts import DataExhausted
 from nemo_like.distributed import supervision
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.experience.agent_rollouts import per_session
-from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts
+from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, RefitTiming
 from nemo_like.experience.multi_turn import multi_turn_metrics
 from nemo_like.experience.rollouts import (
     Rollout,
@@ -470,7 +470,8 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     rollout = taken.rollout
     rollout.set_shaped_rewards(filter_then_shape(cfg, rollout.rewards, shaping_lengths(rollout), rollout.group_ids)[0])
     metrics = train_on_rollout(parts, step, timer, rollout)
-    refit = rollouts.refit()
+    # Once every batch is generated, a refit feeds nothing but this step's validation (AsyncSteps.validate refits then)
+    refit = rollouts.refit() if rollouts.needs_refit() else RefitTiming(0.0, 0.0, 0.0)
     timer.add("refit", refit.refit)
     timer.add("waiting_for_refit", refit.trainer_waiting_for_refit)  # the batch in flight before a waiting refit
     generated = rollouts.generation_stats()
@@ -572,8 +573,10 @@ class AsyncSteps:
         return async_grpo_step(self.parts, self.rollouts, step, timer)
 
     def validate(self, step: int, timer: StepTimer) -> dict[str, float]:
-        # Generation already has the latest weights (refitted after training); the generation actor
-        # runs the validation requests between the collector's batches.
+        # Generation has the latest weights (refitted after training) unless every batch was generated already, when
+        # the step skipped its refit; the generation actor runs the validation requests between the collector's batches.
+        if self.parts.generation.weight_version != self.parts.policy.weight_version:
+            timer.add("refit", self.rollouts.refit().refit)
         with timer.phase("validation"):
             return validate(self.parts, step)
 

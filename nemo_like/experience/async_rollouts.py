@@ -191,6 +191,10 @@ class AsyncRollouts:
         return TakenRollout(rollout_from_groups(groups), trajectory_ages(groups, trainer_version), waited, size)
 
     # -- weights and pauses ---------------------------------------------------------------------------
+    def needs_refit(self) -> bool:
+        """Whether new weights would reach a batch the collector samples (see its ``needs_weights``)."""
+        return bool(self._call("needs_weights"))
+
     def refit(self) -> RefitTiming:
         """Push the policy's new weights to generation (waiting for the batch in flight, or in flight). Generation
         gets the policy's exporter and calls it only when its transport uses the exported buckets."""

@@ -446,6 +446,12 @@ class TrajectoryCollector:
             self.cond.notify_all()
             return self.in_flight
 
+    def needs_weights(self) -> bool:
+        """Whether new weights would reach a batch: one is generating, or more are to come (the last refits of a run
+        would otherwise push weights nothing samples with)."""
+        with self.cond:
+            return self.in_flight or not self._nothing_left_to_generate()
+
     def is_generating(self) -> bool:
         """Whether a batch is generating now (an in-flight refit then swaps its weights between two decoding steps)."""
         with self.cond:

@@ -71,6 +71,8 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
     assert [r["step"] for r in straight] == [1, 2, 3, 4, 5]
     ages = [r["train/max_trajectory_age"] for r in straight]
     assert ages[0] == 0.0 and all(a == 1.0 for a in ages[1:])  # step 1 from v0 at v0; later ones one update old
+    # Every batch generated and no validation after it: the last step pushes no weights nothing would sample with.
+    assert straight[-1]["timing/train/refit"] == 0.0 and straight[-1]["async/generation_weight_version"] < 5
     assert all(r["train/trajectory_age_fraction/1"] == 1.0 for r in straight[1:])
     for r in straight:
         for key in (
