@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict
@@ -27,6 +28,7 @@ from typing import Any
 import yaml
 
 from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.models.loading import ADAPTER_CONFIG, holds_tokenizer
@@ -36,16 +38,26 @@ from nemo_like.utils import preflight
 
 def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
     """A model directory without a tokenizer (a checkpoint's ``policy/`` written before it held the run's), which vLLM
-    loads from the model directory: give it a directory of links to the model files plus the run's tokenizer."""
+    loads from the model directory: give it a directory of the run's tokenizer plus links to the model's other files
+    (the tokenizer is written first: written through a link, it rewrote the checkpoint's own ``chat_template.jinja``)."""
     path = Path(model_dir)
     if not path.is_dir() or holds_tokenizer(path):
         return model_dir
     refuse_overwriting(scratch, path)
-    shutil.rmtree(scratch, ignore_errors=True)  # an earlier eval's links: the default output_dir is shared by every eval
+    with tempfile.TemporaryDirectory() as probe:
+        tokenizer_files = {Path(f).name for f in tokenizer.save_pretrained(probe)}
+    if scratch.exists():  # an earlier eval's (the default output_dir is shared by every eval), else not ours to delete
+        if not all(p.is_symlink() or p.name in tokenizer_files for p in scratch.iterdir()):
+            raise ConfigError(
+                f"eval.output_dir: {scratch} holds files eval did not write (it keeps links to the evaluated model and the "
+                "run's tokenizer there); choose another eval.output_dir or move them"
+            )
+        shutil.rmtree(scratch)
     scratch.mkdir(parents=True)
-    for item in path.iterdir():
-        os.symlink(item.resolve(), scratch / item.name)
     tokenizer.save_pretrained(scratch)
+    for item in path.iterdir():
+        if not (scratch / item.name).exists():
+            os.symlink(item.resolve(), scratch / item.name)
     return str(scratch)
 
 
@@ -137,11 +149,14 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.models.engines import build_generation, generation_resources
     from nemo_like.models.generation.interface import sampling_params
     from nemo_like.models.loading import (
+        adapter_base_model,
         check_context_length,
+        check_model_source,
         check_stop_token_ids,
         end_of_sequence_ids,
         load_tokenizer,
         resolve_checkpoint_model,
+        resolve_model_path,
     )
 
     start = time.perf_counter()
@@ -157,6 +172,9 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     specs = check_plugin_names(cfg)
     model_dir = resolve_checkpoint_model(ev.model_path or cfg.policy.model_name, "eval.model_path")
     checkpoint_dir = os.path.abspath(model_dir) if Path(model_dir).is_dir() else None  # before a LoRA merge; hub id: None
+    lora_base = adapter_base_model(model_dir) if (Path(model_dir) / ADAPTER_CONFIG).is_file() else None
+    if lora_base is not None:  # a missing base was a transformers traceback (merge named the key)
+        check_model_source(lora_base, f"{Path(model_dir) / ADAPTER_CONFIG} base_model_name_or_path")
     check_context_length(model_dir, cfg.policy.max_total_sequence_length)
     check_stop_token_ids(model_dir, cfg.policy.generation.stop_token_ids)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
@@ -165,10 +183,15 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     out = Path(ev.output_dir)
     if checkpoint_dir is not None:  # output_dir at a checkpoint step: its config.yaml (what a resume reads) was replaced
         refuse_overwriting(out, Path(checkpoint_dir))
-    preflight.ensure_writable_dir(out, "eval.output_dir")  # a file there was a FileExistsError traceback
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    if (Path(model_dir) / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint: serve its merged model
+    if lora_base is not None:  # the merged model replaces output_dir/merged_model: never the adapters or their base
         refuse_overwriting(out / "merged_model", Path(model_dir))
+        base_dir = Path(resolve_model_path(lora_base))
+        if base_dir.is_dir():  # a base that was an earlier eval's merged_model: every later eval applied the adapters twice
+            preflight.refuse_overwriting(out / "merged_model", base_dir, "eval.output_dir", "the base model the adapters apply to")
+    preflight.ensure_writable_dir(out, "eval.output_dir")  # a file there was a FileExistsError traceback
+    if (out / "summary.json").is_file():
+        warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)
+    if lora_base is not None:  # a LoRA checkpoint: serve its merged model
         model_dir = str(merge_checkpoint(model_dir, out / "merged_model", tokenizer=cfg.policy.tokenizer_name or cfg.policy.model_name))
     run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
 
@@ -224,6 +247,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         "env_metrics": env_metrics_with_means(rollout.env_metrics),  # per-source means of a composed reward, as training logs
         "seconds": time.perf_counter() - start,
     }
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))  # with its results
     write_results(out, rows, summary)
     return summary
 

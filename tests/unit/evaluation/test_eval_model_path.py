@@ -186,3 +186,63 @@ def test_eval_refuses_what_it_cannot_serve_or_would_overwrite_before_any_actor(t
     with pytest.warns(RuntimeWarning, match=r"grpo.val_greedy=True"):
         assert main(["eval", out, "grpo.val_greedy=true", "policy.generation.stop_token_ids=[359]"]) == 2
     assert "policy.generation.stop_token_ids: [359] are outside" in capsys.readouterr().err
+
+
+def lora_checkpoint(where: Path, base: Path) -> Path:
+    """A LoRA adapter of the shipped model's shape whose adapter_config.json names ``base``."""
+    from peft import LoraConfig, get_peft_model
+
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.loading import load_causal_lm
+
+    model = get_peft_model(load_causal_lm(EMBEDDED_MODEL), LoraConfig(r=2, target_modules=["q_proj"]))
+    model.save_pretrained(where)
+    config = json.loads((where / "adapter_config.json").read_text())
+    (where / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(base)}))
+    return where
+
+
+def test_eval_never_writes_into_the_base_model_or_a_directory_it_did_not_make(tmp_path, capsys) -> None:
+    """A second review of eval: it merged a LoRA checkpoint into output_dir/merged_model when that was the adapters'
+    base (every later eval applied them twice); a base that was gone was a transformers traceback; output_dir/model/
+    was deleted whatever it held; and the run's tokenizer was written through links into the model's own files."""
+    from nemo_like.cli import main
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.evaluation.run import with_tokenizer
+    from nemo_like.models.assets import default_model_path
+    from nemo_like.models.loading import load_tokenizer
+
+    base = tmp_path / "stage1" / "merged_model"  # stage 1's eval merged it; stage 2 trained adapters on it
+    shutil.copytree(default_model_path(), base)
+    before = (base / "model.safetensors").read_bytes()
+    adapters = lora_checkpoint(tmp_path / "stage2" / "policy", base)
+    assert main(["eval", f"eval.model_path={adapters}", f"eval.output_dir={tmp_path / 'stage1'}"]) == 2
+    assert "the base model the adapters apply to" in capsys.readouterr().err
+    assert (base / "model.safetensors").read_bytes() == before
+    gone = lora_checkpoint(tmp_path / "orphan", tmp_path / "moved_base")
+    assert main(["eval", f"eval.model_path={gone}", f"eval.output_dir={tmp_path / 'out'}"]) == 2
+    assert "adapter_config.json base_model_name_or_path" in capsys.readouterr().err
+    # output_dir/model/ of files eval did not write is refused, not deleted
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    model = tmp_path / "ckpt" / "policy"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "chat_template.jinja").write_text("{{ my own template }}")  # no tokenizer file holds_tokenizer looks for
+    mine = tmp_path / "mine" / "model"
+    mine.mkdir(parents=True)
+    (mine / "my_finetune.safetensors").write_text("mine")
+    with pytest.raises(ConfigError, match="holds files eval did not write"):
+        with_tokenizer(str(model), tokenizer, mine)
+    assert (mine / "my_finetune.safetensors").read_text() == "mine"
+    served = Path(with_tokenizer(str(model), tokenizer, tmp_path / "out" / "model"))
+    assert (model / "chat_template.jinja").read_text() == "{{ my own template }}"  # not written through a link
+    assert (served / "config.json").is_symlink() and not (served / "chat_template.jinja").is_symlink()
+    assert Path(with_tokenizer(str(model), tokenizer, served)) == served  # its own earlier links are replaced
+    # An earlier eval's results in output_dir are named before they are replaced (here the foreign model/ then stops it).
+    (mine.parent / "summary.json").write_text("{}")
+    shutil.copytree(default_model_path(), tmp_path / "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja"):
+        (tmp_path / "bare" / name).unlink(missing_ok=True)
+    with pytest.warns(RuntimeWarning, match=r"holds an earlier eval's results: this one replaces them"):
+        assert main(["eval", f"eval.model_path={tmp_path / 'bare'}", f"eval.output_dir={mine.parent}"]) == 2
+    assert "holds files eval did not write" in capsys.readouterr().err and not (mine.parent / "config.yaml").exists()
