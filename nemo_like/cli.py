@@ -99,8 +99,7 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA checkpoint into a plain HF model directory and print its path."""
-    from nemo_like.models.loading import ADAPTER_CONFIG, adapter_base_model, resolve_model_path
-    from nemo_like.models.lora import merge_checkpoint
+    from nemo_like.models.lora import merge_checkpoint, refuse_overwriting_base
     from nemo_like.utils.preflight import refuse_overwriting
 
     path = Path(args.checkpoint)
@@ -113,10 +112,7 @@ def run_merge(args: argparse.Namespace) -> int:
 
         check_model_source(args.base_model, "--base-model")
     refuse_overwriting(out, adapter_dir, "--out", "the checkpoint it merges")
-    if (adapter_dir / ADAPTER_CONFIG).is_file():  # else merge_checkpoint says it is no LoRA checkpoint
-        base = Path(resolve_model_path(args.base_model or adapter_base_model(adapter_dir)))
-        if base.is_dir():  # --out on the base model replaced it: every later merge applied the adapters twice
-            refuse_overwriting(out, base, "--out", "the base model the adapters apply to")
+    refuse_overwriting_base(out, adapter_dir, "--out", args.base_model)  # no adapters: merge_checkpoint says so
     if out.is_dir() and any(out.iterdir()):
         raise ConfigError(f"--out {args.out} is not empty; merge into a new directory (or remove this one first)")
     print(merge_checkpoint(adapter_dir, args.out, args.base_model, precision=args.precision))

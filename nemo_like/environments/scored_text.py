@@ -17,9 +17,10 @@ _PLACEHOLDER = "\ue000scored-content-{}\ue001"  # private-use characters: in no 
 
 def chat_ids_of_untrusted_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     """The ids of ``messages`` through ``tokenizer``'s chat template, each message's content tokenized as plain text.
-    A template that does not place each content once as given (it rewrites the placeholder) is rendered with the
-    contents themselves, each content's special-token strings still kept plain (the split is then on the rendered
-    text's own occurrences of the contents)."""
+
+    Raises:
+        ValueError: the template does not place each content once, as given (it rewrote or dropped a placeholder);
+            the judge counts such a sample as a template error."""
     placeholders = [_PLACEHOLDER.format(i) for i in range(len(messages))]
     rendered = tokenizer.apply_chat_template(
         [{**m, "content": p} for m, p in zip(messages, placeholders)], add_generation_prompt=add_generation_prompt, tokenize=False
@@ -34,4 +35,4 @@ def chat_ids_of_untrusted_text(tokenizer: Any, messages: list[dict[str, str]], a
         content = message["content"]
         ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"] if content else []
     ids += tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else []
-    return list(ids)
+    return ids

@@ -32,7 +32,7 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.models.loading import ADAPTER_CONFIG, holds_tokenizer
-from nemo_like.models.lora import merge_checkpoint
+from nemo_like.models.lora import merge_checkpoint, refuse_overwriting_base
 from nemo_like.utils import preflight
 
 
@@ -156,7 +156,6 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         end_of_sequence_ids,
         load_tokenizer,
         resolve_checkpoint_model,
-        resolve_model_path,
     )
 
     start = time.perf_counter()
@@ -185,9 +184,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         refuse_overwriting(out, Path(checkpoint_dir))
     if lora_base is not None:  # the merged model replaces output_dir/merged_model: never the adapters or their base
         refuse_overwriting(out / "merged_model", Path(model_dir))
-        base_dir = Path(resolve_model_path(lora_base))
-        if base_dir.is_dir():  # a base that was an earlier eval's merged_model: every later eval applied the adapters twice
-            preflight.refuse_overwriting(out / "merged_model", base_dir, "eval.output_dir", "the base model the adapters apply to")
+        refuse_overwriting_base(out / "merged_model", model_dir, "eval.output_dir")
     preflight.ensure_writable_dir(out, "eval.output_dir")  # a file there was a FileExistsError traceback
     if (out / "summary.json").is_file():
         warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)

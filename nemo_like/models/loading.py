@@ -215,15 +215,20 @@ def load_tokenizer(name: str):
     return tok
 
 
-def model_context_length(model_name: str) -> int | None:
-    """The longest sequence the model's positions cover: ``max_position_embeddings`` (times a RoPE scaling factor,
-    as vLLM derives ``max_model_len``), or ``None`` when its config states none. A LoRA checkpoint: its base model's."""
+def model_config(model_name: str) -> Any:
+    """The model's ``config.json`` as transformers reads it; a LoRA checkpoint: its base model's."""
     from transformers import AutoConfig
 
     path = Path(resolve_model_path(model_name)).expanduser()
     if (path / ADAPTER_CONFIG).is_file():
-        return model_context_length(adapter_base_model(path))
-    config = AutoConfig.from_pretrained(str(path) if path.is_dir() else model_name)
+        return model_config(adapter_base_model(path))
+    return AutoConfig.from_pretrained(str(path) if path.is_dir() else model_name)
+
+
+def model_context_length(model_name: str) -> int | None:
+    """The longest sequence the model's positions cover: ``max_position_embeddings`` (times a RoPE scaling factor,
+    as vLLM derives ``max_model_len``), or ``None`` when its config states none. A LoRA checkpoint: its base model's."""
+    config = model_config(model_name)
     positions = getattr(config, "max_position_embeddings", None)
     if not positions:
         return None
@@ -250,13 +255,7 @@ def model_vocab_size(model_name: str) -> int | None:
     """The rows of the model's embedding and output head (``vocab_size`` in its config.json; a LoRA checkpoint: its
     base model's): every id below it can be sampled, the padding rows past the tokenizer's ids too (Qwen2.5: 151,936
     rows for 151,665 ids). ``None`` when the config states none."""
-    from transformers import AutoConfig
-
-    path = Path(resolve_model_path(model_name)).expanduser()
-    if (path / ADAPTER_CONFIG).is_file():
-        return model_vocab_size(adapter_base_model(path))
-    config = AutoConfig.from_pretrained(str(path) if path.is_dir() else model_name)
-    return getattr(config.get_text_config(), "vocab_size", None)
+    return getattr(model_config(model_name).get_text_config(), "vocab_size", None)
 
 
 def check_stop_token_ids(model_name: str, ids: Sequence[int] | None, key: str = "policy.generation.stop_token_ids") -> None:

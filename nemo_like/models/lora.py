@@ -32,8 +32,10 @@ from nemo_like.models.loading import (
     load_merged,
     load_tokenizer,
     looks_like_path,
+    resolve_model_path,
 )
 from nemo_like.models.precision import refit_dtype
+from nemo_like.utils.preflight import refuse_overwriting
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -263,6 +265,17 @@ def exclusions_without_effect(model: torch.nn.Module, lora_cfg: Any) -> list[str
     targets = lora_cfg.target_modules
     targeted = [m for m in decoder_linear_modules(model) if targets is None or any(_matches(t, m) for t in targets)]
     return [e for e in lora_cfg.exclude_modules or [] if not any(_matches(e, m) for m in targeted)]
+
+
+def refuse_overwriting_base(target: Path, adapter_dir: str | Path, key: str, base_model: str | None = None) -> None:
+    """A :class:`ConfigError` naming ``key`` when a merge into ``target`` would overwrite the base model the adapters of
+    ``adapter_dir`` apply to (``base_model``, else their ``adapter_config.json``'s) when that is a local directory: every
+    later merge of them applied the adapters twice. Nothing when ``adapter_dir`` holds no adapters."""
+    if not (Path(adapter_dir) / ADAPTER_CONFIG).is_file():
+        return
+    base = Path(resolve_model_path(base_model or adapter_base_model(adapter_dir)))
+    if base.is_dir():
+        refuse_overwriting(target, base, key, "the base model the adapters apply to")
 
 
 def merge_checkpoint(

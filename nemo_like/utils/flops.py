@@ -140,18 +140,18 @@ def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, fl
     flops = step_flops(metrics, spec.matmul_params, spec.teacher_matmul_params, spec.kl_teacher_matmul_params, spec.lora_params)
     train_s = float(metrics.get(f"{TIMING_PREFIX}policy_training", 0.0))
     gen_s = generation_seconds(metrics)
-    total_s = training_seconds(metrics)  # a validation pass's generation is in no FLOP count
+    work_s = training_seconds(metrics)  # a validation pass's generation is in no FLOP count
     tokens = float(metrics.get("performance/num_batch_tokens", 0.0))
     out = {
         "performance/training_tokens_per_sec_per_worker": rate(tokens, train_s) / spec.training_workers,
         "performance/generation_tokens_per_sec_per_worker": rate(float(metrics.get("performance/num_generated_tokens", 0.0)), gen_s)
         / spec.generation_workers,
-        "performance/tokens_per_sec_per_device": rate(tokens, total_s) / spec.devices,
+        "performance/tokens_per_sec_per_device": rate(tokens, work_s) / spec.devices,
         "performance/model_flops": sum(flops.values()),
     }
     peak = spec.peak_flops_per_device
     if peak:
-        out["performance/mfu"] = rate(sum(flops.values()), total_s * peak * spec.devices)
+        out["performance/mfu"] = rate(sum(flops.values()), work_s * peak * spec.devices)
         out["performance/training_mfu"] = rate(flops["training"], train_s * peak * spec.training_devices)
         out["performance/generation_mfu"] = rate(flops["generation"], gen_s * peak * spec.generation_devices)
     return out

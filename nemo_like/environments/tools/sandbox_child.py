@@ -77,9 +77,10 @@ _REPORT_CHARS = 1000  # the error report's share of the stderr file (set from th
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-#: Modules whose functions the guard removes (calls that raise no audit event): importing one of them again would give a
-#: fresh copy with the functions back (``del sys.modules["_posixsubprocess"]; import _posixsubprocess``), so the
-#: ``import`` audit event, which fires only for a module not already loaded, is refused for them.
+#: Modules whose functions the guard removes (calls that raise no audit event), and multiprocessing, which starts
+#: processes through them: importing one of them again would give a fresh copy with the functions back (``del
+#: sys.modules["_posixsubprocess"]; import _posixsubprocess``), so the ``import`` audit event, which fires only for a
+#: module not already loaded, is refused for them (multiprocessing, never loaded before, cannot be imported at all).
 _STRIPPED_MODULES = ("_posixsubprocess", "posix", "os", "_signal", "signal", "_ctypes", "subprocess", "multiprocessing")
 
 
