@@ -190,6 +190,8 @@ def resolve_source(data: DataConfig, role: str) -> Source:
     split = split_cfg.split or default_split
     if split_cfg.data_path:  # a directory may hold several subsets (a hub snapshot): the config names one
         config = split_cfg.dataset_config or (None if split_cfg.dataset_name else data.dataset_config)
+        if config is None and spec and spec.config and has_subset(Path(split_cfg.data_path), spec.config):
+            config = spec.config  # a local snapshot of the spec's hub set: its subset, as the hub load takes
         return Source(role, spec, data_path=split_cfg.data_path, config=config, split=split)
     if spec and role in spec.local_files and not split_cfg.split:
         return Source(role, spec, data_path=spec.local_files[role])
@@ -339,7 +341,9 @@ def _load_local(source: Source, key: str):
                     )
                 ds = datasets.load_from_disk(str(path))
             else:
-                ds = datasets.load_dataset(str(path), **_subset_kwargs(path, source.config), **_csv_directory_kwargs(path, key))
+                subset = _subset_kwargs(path, source.config)
+                _refuse_skipped_files(path, source, key, subset)
+                ds = datasets.load_dataset(str(path), **subset, **_csv_directory_kwargs(path, key))
         else:
             builder = FILE_BUILDERS.get("".join(path.suffixes[-1:]).lower())
             if builder is None:
@@ -352,6 +356,10 @@ def _load_local(source: Source, key: str):
         raise
     except Exception as exc:  # datasets/pyarrow raise many types for one cause: an unreadable file
         message = _innermost_message(exc)
+        if "Config name is missing" in message:  # a hub snapshot with several subsets and none chosen
+            raise ConfigError(
+                f"{key}: {str(path)!r} holds several subsets; choose one with data.{source.role}.dataset_config ({message})"
+            ) from None
         if "corresponds to no data" in message:  # datasets' wording for a file with a header and no rows
             raise ConfigError(f"{key}: {str(path)!r} has no rows; it must hold at least one prompt row") from None
         json_files = [path] if path.is_file() else directory_data_files(path)
@@ -362,6 +370,37 @@ def _load_local(source: Source, key: str):
         subset = f" (subset data.{source.role}.dataset_config={source.config!r})" if source.config else ""
         raise ConfigError(f"{key}: cannot read {str(path)!r}{subset}: {message}") from None
     return _pick_split(ds, source, key)
+
+
+def has_subset(path: Path, config: str) -> bool:
+    """Whether directory ``path`` (a hub snapshot) holds subset ``config``: a folder of that name, or a README whose
+    card declares it (``config_name: <config>``)."""
+    if not path.is_dir():
+        return False
+    if (path / config).is_dir():
+        return True
+    readme = path / "README.md"
+    return readme.is_file() and re.search(rf"config_name:\s*['\"]?{re.escape(config)}['\"]?\s*$", readme.read_text(errors="replace"), re.M) is not None
+
+
+def _refuse_skipped_files(path: Path, source: Source, key: str, load_kwargs: dict[str, Any]) -> None:
+    """Raise when ``datasets`` would leave out data files of directory ``path``: it splits a directory by file names
+    (``train.jsonl`` beside ``extra.jsonl`` reads only the first) and reads one file type (the most common), silently.
+    With a subset chosen by the card (README), the card's patterns decide and nothing is checked."""
+    import datasets
+
+    if source.config is not None and "data_dir" not in load_kwargs:
+        return
+    root = path / load_kwargs["data_dir"] if "data_dir" in load_kwargs else path
+    builder = datasets.load_dataset_builder(str(path), **load_kwargs)
+    used = {Path(file).resolve() for files in (builder.config.data_files or {}).values() for file in files}
+    skipped = [str(file) for file in directory_data_files(root) if file.resolve() not in used]
+    if skipped:
+        raise ConfigError(
+            f"{key}: datasets would leave out {len(skipped)} data file(s) of {str(path)!r}: {skipped[:5]}. A directory is split "
+            "by file names (train*, test*, validation*: every other name is ignored once one of them is present) and "
+            "read as one file type. Name every file by its split, keep one file type, or point the key at one file."
+        )
 
 
 def _subset_kwargs(path: Path, config: str | None) -> dict[str, Any]:

@@ -654,6 +654,47 @@ def test_dataset_config_picks_a_subset_of_a_local_snapshot_directory(tmp_path, t
         build(data_cfg(root, train={"dataset_config": "nope"}), tok)
 
 
+def test_a_directory_whose_files_datasets_would_skip_is_refused_naming_them(tmp_path, tok) -> None:
+    """datasets splits a directory by file names and reads one file type: ``extra.jsonl`` beside ``train.jsonl``, or a
+    CSV beside two JSONL files, was left out with no message (12 rows on disk, 5 trained on)."""
+    named = tmp_path / "named"
+    named.mkdir()
+    write_jsonl(named / "train.jsonl", [{"q": f"q{i}", "a": str(i)} for i in range(5)])
+    write_jsonl(named / "extra.jsonl", [{"q": f"x{i}", "a": str(i)} for i in range(7)])
+    with pytest.raises(ConfigError, match=r"data.train.data_path: datasets would leave out 1 data file\(s\) of .*extra.jsonl"):
+        build(data_cfg(named), tok)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for part in ("1", "2"):
+        write_jsonl(mixed / f"part_{part}.jsonl", [{"q": f"{part} {10 * i}", "a": str(i)} for i in range(6)])
+    (mixed / "more.csv").write_text("q,a\nc0,0\nc1,1\nc2,2\n")
+    with pytest.raises(ConfigError, match=r"leave out 1 data file\(s\) of .*more.csv"):
+        build(data_cfg(mixed), tok)
+    (mixed / "more.csv").unlink()
+    assert len(build(data_cfg(mixed), tok)) + len(build(data_cfg(mixed), tok, "validation")) == 12  # every file read
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["readme-declares-subsets", "folders-only"])
+def test_a_local_snapshot_of_a_known_set_reads_the_sets_own_subset(tmp_path, tok, declared: bool) -> None:
+    """dataset_name=gsm8k with data_path at a downloaded copy: the spec's subset (main) was never used, so a copy with
+    folders only read main/ and socratic/ together (every question twice) and one with a README failed in datasets'
+    own words. A copy with several subsets of an unknown set names the key that picks one."""
+    root = tmp_path / "gsm8k"
+    for subset in ("main", "socratic"):
+        (root / subset).mkdir(parents=True)
+        write_jsonl(root / subset / "train.jsonl", [{"question": f"{subset} q{i}", "answer": f"#### {i}"} for i in range(5)])
+    if declared:
+        subsets = "".join(f"- config_name: {s}\n  data_files:\n  - split: train\n    path: {s}/train.jsonl\n" for s in ("main", "socratic"))
+        (root / "README.md").write_text(f"---\nconfigs:\n{subsets}---\n")
+    cfg = DataConfig(dataset_name="gsm8k", train={"data_path": str(root)}, validation={"split_fraction": 0.2})
+    texts = [tok.decode(r.prompt_token_ids) for split in ("train", "validation") for r in build(cfg, tok, split)]
+    assert len(texts) == 5 and all("main q" in t for t in texts), texts
+    if declared:
+        unknown = data_cfg(root, prompt_key="question", answer_key="answer")
+        with pytest.raises(ConfigError, match=r"holds several subsets; choose one with data.train.dataset_config"):
+            build(unknown, tok)
+
+
 def test_dataset_config_beside_a_save_to_disk_directory_has_no_effect_and_says_so(tmp_path, tok) -> None:
     import datasets
 
