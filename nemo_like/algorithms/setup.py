@@ -97,7 +97,10 @@ def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[st
 def load_validation_prompts(cfg: MasterConfig, tokenizer) -> list[PromptRecord]:
     """The first ``grpo.max_val_samples`` validation prompts (training validation and ``nemo-like eval``)."""
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
-    return build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)[: cfg.grpo.max_val_samples]
+    prompts = build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)
+    if len(prompts) > cfg.grpo.max_val_samples:  # said: data.validation.num_problems alone does not raise it
+        print(f"data.validation: using the first {cfg.grpo.max_val_samples} of {len(prompts)} prompts (grpo.max_val_samples)")
+    return prompts[: cfg.grpo.max_val_samples]
 
 
 def _driver_tokenizer(cfg: MasterConfig, section: str = "policy"):

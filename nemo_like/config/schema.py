@@ -206,6 +206,12 @@ class MasterConfig(BaseModel):
             lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")
         lines += self.grpo.async_grpo.no_effect_warnings()
         lines += self.data.no_effect_warnings()
+        val_rows, val_cap = self.data.validation.num_problems, self.grpo.max_val_samples
+        if val_rows is not None and val_rows > val_cap:  # null (all rows): the cut, if any, is printed where it happens
+            lines.append(
+                f"data.validation.num_problems={val_rows} has no effect past grpo.max_val_samples={val_cap}: validation uses "
+                f"the first {val_cap} prompts; raise grpo.max_val_samples to use more"
+            )
         group_baseline = self.grpo.adv_estimator.name in GROUP_BASELINE_ESTIMATORS
         if self.grpo.num_generations_per_prompt == 1 and group_baseline and self.distillation.kl_weight == 0:
             lines.append(

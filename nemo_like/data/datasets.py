@@ -553,7 +553,8 @@ def select_rows(prompts: list[Any], role: str, split_cfg: DatasetSplitConfig, fr
     if shuffle:
         random.Random(f"data/{role}/{split_cfg.seed}").shuffle(rows)
     if split_cfg.num_problems and len(rows) > split_cfg.num_problems:  # said: the default (20000 / 256) cuts silently otherwise
-        print(f"data.{role}: using {split_cfg.num_problems} of {len(rows)} rows (data.{role}.num_problems; null uses all)")
+        cap = ", then grpo.max_val_samples" if role == "validation" else ""
+        print(f"data.{role}: using {split_cfg.num_problems} of {len(rows)} rows (data.{role}.num_problems; null uses all{cap})")
         return rows[: split_cfg.num_problems]
     return rows
 

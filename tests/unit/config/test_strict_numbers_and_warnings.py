@@ -332,6 +332,31 @@ def test_a_train_seed_without_shuffle_warns(tmp_path: Path) -> None:
     assert data_lines(["data.shuffle=false", "data.train.seed=7"]) == []  # the arithmetic generator's seed
 
 
+def test_validation_rows_past_max_val_samples_warn_and_the_cut_is_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """grpo.max_val_samples cut the validation prompts silently, and the printed hint named data.validation.num_problems,
+    whose null or larger value changed nothing."""
+    from nemo_like.algorithms.setup import load_validation_prompts
+    from nemo_like.models.loading import load_tokenizer
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"question": "{i} + 1", "answer": "{i + 1}"}}\n' for i in range(10)))
+    common = [f"data.validation.data_path={rows}", "data.prompt_key=question", "data.answer_key=answer", "grpo.max_val_samples=4"]
+
+    def val_lines(overrides: list[str]) -> list[str]:
+        return [w for w in load_config(None, overrides, warn=False).no_effect_warnings() if w.startswith("data.validation.num")]
+
+    assert val_lines([*common, "data.validation.num_problems=9"]) == [
+        "data.validation.num_problems=9 has no effect past grpo.max_val_samples=4: validation uses the first 4 prompts; "
+        "raise grpo.max_val_samples to use more"
+    ]
+    assert val_lines([*common, "data.validation.num_problems=4"]) == []
+    assert val_lines([*common, "data.validation.num_problems=null"]) == []  # all rows: the set may hold no more
+    assert val_lines([]) == []  # the defaults: 256 and 256
+    cfg = load_config(None, [*common, "data.validation.num_problems=null"], warn=False)
+    assert len(load_validation_prompts(cfg, load_tokenizer(cfg.policy.model_name))) == 4
+    assert "data.validation: using the first 4 of 10 prompts (grpo.max_val_samples)" in capsys.readouterr().out
+
+
 def test_val_pass_k_with_one_validation_sample_warns() -> None:
     """One sample per validation prompt logs no validation/pass@k (accuracy is pass@1): a val_pass_k set there did nothing."""
     lines = load_config(None, ["grpo.val_pass_k=[1]"], warn=False).no_effect_warnings()
