@@ -101,7 +101,13 @@ def format_validation_error(exc: ValidationError) -> str:
     for err in exc.errors():
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in loc) or "<root>"
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and "." in str(loc[-1]) and not isinstance(loc[-1], int):
+            head, rest = str(loc[-1]).split(".", 1)
+            lines.append(
+                f"  {key}: '{loc[-1]}' is one recipe key with dots in its name; a recipe nests its keys ({head}: then "
+                f"{rest}: indented under it). Dotted keys are for command-line overrides."
+            )
+        elif err["type"] == "extra_forbidden":
             hint = did_you_mean(key, _field_names(MasterConfig, loc))
             lines.append(f"  {key}: unknown key.{hint}")
         elif err["type"] == "value_error":

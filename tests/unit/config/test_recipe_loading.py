@@ -102,6 +102,18 @@ def test_added_unknown_key_is_rejected_by_the_schema_with_suggestion():
     assert "policy.generation.max_new_tokens" in str(err.value)
 
 
+def test_a_dotted_key_written_in_a_recipe_says_recipes_nest_keys(tmp_path):
+    """'grpo.max_num_steps: 10' in a recipe is one key named with dots: it was reported as an unknown key under its own,
+    correct dotted name."""
+    recipe = tmp_path / "dotted.yaml"
+    recipe.write_text(f"defaults: {TINY}\ngrpo.max_num_steps: 10\ndata:\n  train.seed: 5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(recipe), [])
+    assert "grpo.max_num_steps: 'grpo.max_num_steps' is one recipe key with dots in its name; a recipe nests its keys" in str(err.value)
+    assert "data.train.seed: 'train.seed' is one recipe key with dots in its name" in str(err.value)
+    assert "unknown key" not in str(err.value)
+
+
 def test_wrong_type_names_key_and_type():
     with pytest.raises(ConfigError) as err:
         load_config(TINY, ["grpo.max_num_steps=abc"])
