@@ -73,7 +73,9 @@ def _validation_error(exc: RequestValidationError) -> ServingError:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServingError)
     async def serving_error(request: Request, exc: ServingError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # The openai client retries every 409 (OpenAI's lock timeouts) unless told not to; ours are final (an ended session)
+        headers = {"x-should-retry": "false"} if 400 <= exc.status < 500 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -150,6 +150,9 @@ class CompletionService:
         run = limits.run_sampling
         # What ends a completion and is not part of its text: eos, and the run's stop tokens (policy.generation).
         self.eos_token_ids = set(eos_token_ids) | set(run.stop_token_ids if run is not None else ())
+        # Of those, what the chat template writes back after an assistant message (eos): only these leave the raw text
+        # a later prompt renders. A stop token such as '</tool_call>' is part of what the model wrote, and stays.
+        self.end_of_turn_ids = set(eos_token_ids)
         self.tool_parser = tool_parser
 
     def _check(self, req: SamplingFields, session_id: str | None) -> None:
@@ -176,14 +179,16 @@ class CompletionService:
 
     def _max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
         room = self.limits.max_context - prompt_len
-        if room <= 0 or (requested is not None and requested > room):
+        run = self.limits.run_sampling
+        # The run's cap first: a training run's call that asks for more samples max_new_tokens ('length'), as documented
+        wanted = (run.max_tokens(requested, room) if run is not None else requested or room) if room > 0 else requested or 0
+        if room <= 0 or wanted > room:
             raise bad_request(
                 f"This model's maximum context length is {self.limits.max_context} tokens. However, you requested "
-                f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the prompt, {requested or 0} for the completion).",
+                f"{prompt_len + wanted} tokens ({prompt_len} in the prompt, {wanted} for the completion).",
                 param=prompt_param if room <= 0 else "max_tokens", code="context_length_exceeded",
             )  # fmt: skip
-        run = self.limits.run_sampling
-        return run.max_tokens(requested, room) if run is not None else requested or room
+        return wanted
 
     async def chat(self, req: ChatCompletionRequest, session_id: str | None) -> SampledCall:
         """Serve one ``/v1/chat/completions`` request."""
@@ -235,9 +240,11 @@ class CompletionService:
             raise bad_request("'prompt' must not be empty.", param="prompt")
         return await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index, "prompt")
 
-    def _raw_text(self, completion_ids: list[int]) -> str:
-        """The sampled text the template must render back: the completion without its end-of-turn token."""
-        ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.eos_token_ids else completion_ids
+    def _raw_text(self, completion_ids: list[int], ending: set[int] | None = None) -> str:
+        """The sampled text the template must render back: the completion without its end-of-turn token (``ending``:
+        the ids dropped from its end instead; the returned text drops the run's stop tokens too)."""
+        ending = self.end_of_turn_ids if ending is None else ending
+        ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in ending else completion_ids
         return self.renderer.decode_continuation(ids)
 
     async def _sample(
@@ -297,7 +304,7 @@ class CompletionService:
         cut = self._stop_cut(ids, params)
         if cut is not None:
             ids, logprobs, finish = ids[:cut], logprobs[:cut], "stop"
-        text = _cut_stop_string(self._raw_text(ids), params.stop_strings)
+        text = _cut_stop_string(self._raw_text(ids, self.eos_token_ids), params.stop_strings)
         return SampledChoice(index, ids, logprobs, text, finish, sample.weight_version)
 
     def _stop_cut(self, ids: list[int], params: SamplingParams) -> int | None:

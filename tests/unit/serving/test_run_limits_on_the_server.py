@@ -112,7 +112,30 @@ def test_a_training_runs_server_stops_at_the_runs_stop_tokens_and_strings_and_ca
         engine.script = lambda prompt: ids_of("x" * 50)
         reply = chat(server, sid, max_tokens=60)  # capped at policy.generation.max_new_tokens
         assert reply.usage.completion_tokens == 32 and reply.choices[0].finish_reason == "length"
+        reply = chat(server, sid, max_tokens=10**6)  # far past the context: capped first, then it fits (it was a 400)
+        assert reply.usage.completion_tokens == 32 and engine.params[-1].max_new_tokens == 32
         assert server.sessions.end(sid).rejected is None
+    finally:
+        server.stop()
+
+
+def test_a_turn_ended_by_a_run_stop_token_renders_back_with_it_and_the_session_stays_one_row():
+    """The run's stop token is recorded and kept out of the returned text, but it is what the model wrote: the history
+    the next call renders holds it (only eos is written back by the template). It was dropped with eos, so the next
+    prompt no longer extended the recorded ids and every such turn branched."""
+    engine = Scripted(lambda prompt: ids_of("ab") + [STOP_ID])
+    agents = training_server(engine, f"policy.generation.stop_token_ids=[{STOP_ID}]")
+    server = agents.server
+    try:
+        sid = server.sessions.open(metadata={"seed": 1})
+        first = chat(server, sid)
+        assert first.choices[0].message.content == "ab"
+        history = [*USER, {"role": "assistant", "content": "ab"}, {"role": "user", "content": "more"}]
+        second = chat(server, sid, messages=history)
+        before = first.prompt_token_ids + first.choices[0].model_extra["completion_token_ids"]
+        assert second.prompt_token_ids[: len(before)] == before
+        result = server.sessions.end(sid, 1.0)
+        assert (len(result.rows), result.branched) == (1, False)
     finally:
         server.stop()
 
