@@ -90,6 +90,21 @@ class CompositeEnvConfig(BaseModel):
         return checked
 
 
+def source_devices(sources: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The device of each source that loads a model in the composite's own process (``takes_device``): the actor holds
+    the sources' GPUs added up (:meth:`CompositeEnvironment.actor_needs`), visible as ``cuda:0``, ``cuda:1``, ..., and
+    each such source gets its own share of them in order (two sources of half a GPU share one); ``num_gpus: 0`` is the
+    CPU. Without this every one went to torch's default GPU, a CPU source too."""
+    devices, gpus_before = {}, 0.0
+    for name, section in sources.items():
+        source_cls, _, settings = resolve_source(name, section)
+        if getattr(source_cls, "takes_device", False):
+            gpus = source_cls.actor_needs(settings).num_gpus
+            devices[name] = f"cuda:{math.floor(gpus_before)}" if gpus else "cpu"
+            gpus_before += gpus
+    return devices
+
+
 class CompositeEnvironment(EnvironmentInterface):
     """See the module docstring."""
 
@@ -107,9 +122,11 @@ class CompositeEnvironment(EnvironmentInterface):
 
     def __init__(self, sources: dict[str, dict[str, Any]]) -> None:
         self.sources: dict[str, tuple[EnvironmentInterface, float]] = {}
+        devices = source_devices(sources)
         for name, section in sources.items():
             source_cls, weight, settings = resolve_source(name, section)
-            self.sources[name] = (source_cls(**settings), weight)
+            device = {"device": devices[name]} if name in devices else {}
+            self.sources[name] = (source_cls(**settings, **device), weight)
         self._counts: dict[str, float] = {}
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:

@@ -49,21 +49,27 @@ class RewardModelEnvironment(EnvironmentInterface):
     """See the module docstring."""
 
     config_model: ClassVar[type[BaseModel]] = RewardModelEnvConfig
+    #: Loads its model in the actor's own process: a composite hands it the device of its share of the actor's GPUs.
+    takes_device: ClassVar[bool] = True
 
     @classmethod
     def actor_needs(cls, settings: dict[str, Any]) -> ActorNeeds:
         cfg = RewardModelEnvConfig.model_validate(settings)
         return ActorNeeds(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, device: str | None = None, **settings: Any) -> None:
+        """``device``: where the model runs; default the CPU with ``num_gpus: 0``, else the actor's (first) GPU."""
         import torch
 
         from nemo_like.environments.reward_model_scorer import RewardModelScorer
 
         self.cfg = RewardModelEnvConfig.model_validate(settings)
-        if not torch.cuda.is_available():
+        device = device or ("cpu" if self.cfg.num_gpus == 0 else None)
+        if device == "cpu" or not torch.cuda.is_available():
             torch.set_num_threads(self.cfg.num_threads)
-        self.scorer = RewardModelScorer(resolve_reward_model_path(self.cfg.model_name), self.cfg.precision, self.cfg.label_index)
+        self.scorer = RewardModelScorer(
+            resolve_reward_model_path(self.cfg.model_name), self.cfg.precision, self.cfg.label_index, device
+        )
         self.max_length = min(filter(None, (self.cfg.max_length, self.scorer.max_length)), default=None)
         if self.cfg.use_chat_template and not self.scorer.tokenizer.chat_template:
             warnings.warn(

@@ -9,7 +9,7 @@ import pytest
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
-from nemo_like.environments.composite import CompositeEnvironment
+from nemo_like.environments.composite import CompositeEnvironment, source_devices
 from nemo_like.environments.length_penalty import LengthPenaltyEnvironment
 from nemo_like.environments.registry import resolve_environments
 from nemo_like.environments.worker import environment_resources
@@ -52,6 +52,25 @@ def test_sources_state_their_resources_together() -> None:
     roles = {r.role: r for r in environment_resources(cfg)}
     assert roles["environment:arith"].resources.num_cpus == pytest.approx(0.3)  # three sources at the default 0.1
     assert roles["judge:arith"].count == 1 and roles["judge:arith"].resources.num_cpus == 0.5
+
+
+def test_each_reward_model_source_runs_on_its_own_share_of_the_actors_gpus() -> None:
+    """The actor holds the sources' GPUs added up, but every reward model went to torch's default GPU (the second
+    reserved one idle) and a num_gpus 0 source to the GPU too once another brought one."""
+    rm = {"class": "reward_model", "model_name": "embedded:tiny-reward-qwen2"}
+
+    def devices(gpus: list[float]) -> list[str]:
+        sources = {f"rm{i}": {**rm, "num_gpus": g} for i, g in enumerate(gpus)} | {"correct": SOURCES["correct"]}
+        placed = source_devices(resolve({"sources": sources}).kwargs["sources"])
+        assert "correct" not in placed  # it loads no model
+        return [placed[f"rm{i}"] for i in range(len(gpus))]
+
+    assert devices([1, 1]) == ["cuda:0", "cuda:1"]
+    assert devices([0, 1]) == ["cpu", "cuda:0"]
+    assert devices([0.5, 0.5, 1]) == ["cuda:0", "cuda:0", "cuda:1"]
+    assert devices([2, 1]) == ["cuda:0", "cuda:2"]
+    env = CompositeEnvironment(**resolve({"sources": {"rm": {**rm, "num_gpus": 0}}}).kwargs)  # a real model, on this CPU
+    assert str(env.sources["rm"][0].scorer.device) == "cpu"
 
 
 @pytest.mark.parametrize(
