@@ -217,13 +217,14 @@ class JudgeEnvironment(EnvironmentInterface):
                 value = float(self.parser(text, **self.cfg.parser_options))
                 if not math.isfinite(value):
                     raise ValueError(f"non-finite score {value}")
+                reward = self.cfg.normalize(value)  # a finite score may still normalise past float range
             except Exception:  # noqa: BLE001 - any parser failure (plug-ins included) is a counted parse failure
                 self._counts["parse_failures"] += 1
                 rewards.append(self.cfg.parse_failure_reward)
                 continue
             self._counts["scored"] += 1
             self._counts["score_sum"] += value
-            rewards.append(self.cfg.normalize(value))
+            rewards.append(reward)
         return rewards
 
     def metrics(self) -> dict[str, float]:

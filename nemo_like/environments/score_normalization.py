@@ -43,4 +43,6 @@ class ScoreNormalization(BaseModel):
             z = math.tanh(z)
         if self.clip is not None:
             z = min(max(z, self.clip[0]), self.clip[1])
+        if not math.isfinite(z):  # a finite score past float range after scale, with no squash or clip to bound it
+            raise ValueError(f"score {raw} normalises to {z} (shift {self.shift}, scale {self.scale}); add a squash or a clip")
         return z

@@ -12,6 +12,7 @@ from functional.helpers import REPO, TINY_OVERRIDES, read_metrics
 
 from nemo_like.config import load_config
 from nemo_like.environments.judge import JudgeEnvironment
+from nemo_like.environments.score_normalization import ScoreNormalization
 from nemo_like.train import train
 
 pytestmark = pytest.mark.slow
@@ -69,6 +70,13 @@ def test_tiny_model_as_judge_template_parse_failure_deadline_and_cache(ray_clust
         assert env.score(responses, metadata) == pytest.approx(expected)
         counters = env.metrics()
         assert counters["engine_restarts"] == 1 and counters["timeouts"] == 0 and counters["judged"] == 4
+
+        # A finite verdict that normalises past float range (9 x 1e308) is a counted parse failure: it was an inf reward,
+        # which stops the run in the environment worker
+        env.cfg.normalize = ScoreNormalization(scale=1e308)
+        big = [1e308 * int(v) if len(v) == 1 and v.isdigit() and int(v) < 2 else -1.0 for v in verdicts]
+        assert env.score(responses, metadata) == pytest.approx(big)
+        assert env.metrics()["parse_failures"] == sum(r == -1.0 for r in big)
     finally:
         env.close()
 

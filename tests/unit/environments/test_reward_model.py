@@ -218,6 +218,9 @@ def test_normalisation_steps() -> None:
     assert ScoreNormalization(squash="tanh")(0.5) == pytest.approx(math.tanh(0.5))
     assert ScoreNormalization(squash="sigmoid")(-1000.0) == 0.0
     assert ScoreNormalization(clip=(-1.0, 1.0))(3.0) == 1.0
+    with pytest.raises(ValueError, match=r"score 1e\+308 normalises to inf .*add a squash or a clip"):
+        ScoreNormalization(scale=10.0)(1e308)  # a finite score, an inf reward
+    assert ScoreNormalization(scale=10.0, squash="tanh")(1e308) == 1.0 and ScoreNormalization(scale=10.0, clip=(0, 5))(1e308) == 5
 
 
 def test_prompt_from_metadata() -> None:
