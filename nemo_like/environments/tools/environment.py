@@ -90,8 +90,10 @@ class ToolEnvConfig(BaseModel):
     @field_validator("answer_checker")
     @classmethod
     def _checker_importable(cls, value: str) -> str:
+        if value not in ANSWER_CHECKERS and ":" not in value:
+            raise ValueError(f"must be one of {sorted(ANSWER_CHECKERS)} or 'module:function', got {value!r}")
         if value not in ANSWER_CHECKERS:
-            import_reward_fn(value)  # a ConfigError in the driver, not in an actor
+            import_reward_fn(value, "answer_checker")  # a ConfigError in the driver, not in an actor
         return value
 
     def model_post_init(self, _context: Any) -> None:
@@ -121,7 +123,7 @@ class ToolEnvironment(EnvironmentInterface):
         self.max_calls_per_turn = cfg.max_calls_per_turn
         self.max_parallel_calls = cfg.max_parallel_calls
         self.checker: Callable[[str, Any], float] = (
-            score_response if cfg.answer_checker == "integer" else import_reward_fn(cfg.answer_checker)
+            score_response if cfg.answer_checker == "integer" else import_reward_fn(cfg.answer_checker, "answer_checker")
         )
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 

@@ -68,10 +68,14 @@ def _parse_one(body: str) -> ToolCall | ToolCallError:
     return ToolCall(name, arguments)
 
 
+NEXT_CALL = -2  # :func:`_close_after_json`: the JSON value is followed by the next call's opening tag, not a closing one
+
+
 def _close_after_json(text: str, start: int) -> int | None:
-    """When a JSON value starts at ``start``: where the closing tag after it is (only whitespace between), or -1 when
-    only whitespace follows it to the end (a call cut before its tag); ``None`` otherwise. A ``</tool_call>`` inside
-    one of the value's strings (code that prints it) does not end the call."""
+    """When a JSON value starts at ``start``: where the closing tag after it is (only whitespace between), -1 when
+    only whitespace follows it to the end (a call cut before its tag), :data:`NEXT_CALL` when the next ``<tool_call>``
+    follows it; ``None`` otherwise. A ``</tool_call>`` inside one of the value's strings (code that prints it) does
+    not end the call."""
     try:
         _, end = _DECODER.raw_decode(text, _SPACE.match(text, start).end())
     except (ValueError, RecursionError):
@@ -79,18 +83,26 @@ def _close_after_json(text: str, start: int) -> int | None:
     close = _SPACE.match(text, end).end()
     if close == len(text):
         return -1
+    if text.startswith(OPEN_TAG, close):
+        return NEXT_CALL
     return close if text.startswith(CLOSE_TAG, close) else None
 
 
-def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str], bool]:
+def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str | ToolCallError], bool]:
     """The text inside each ``<tool_call>...</tool_call>`` of ``text`` in order, and whether the last opening tag is
     left unclosed. A call ends at the closing tag after its JSON value, else (malformed JSON) at the next closing tag.
+    A JSON value followed by the next ``<tool_call>`` is an error of its own (its closing tag is missing), and the next
+    call is read on its own (it was read as part of this one's body: both lost, and the error blamed the JSON).
     ``keep_unclosed``: an unclosed last call is a body too, running to the end (then never reported unclosed)."""
-    bodies: list[str] = []
+    bodies: list[str | ToolCallError] = []
     position = 0
     while (opened := text.find(OPEN_TAG, position)) != -1:
         start = opened + len(OPEN_TAG)
         close = _close_after_json(text, start)
+        if close == NEXT_CALL:
+            bodies.append(ToolCallError(f"missing {CLOSE_TAG} before the next {OPEN_TAG}"))
+            position = start
+            continue
         if close is None:
             close = text.find(CLOSE_TAG, start)
         if close == -1:
@@ -109,7 +121,7 @@ def parse_tool_calls(text: str, keep_unclosed: bool = False) -> list[ToolCall | 
     ``keep_unclosed`` (the server's reading of a call an agent's stop string cut: parsed like a closed one).
     Returns ``[]`` when the text calls no tool."""
     bodies, unterminated = tool_call_bodies(text, keep_unclosed)
-    calls: list[ToolCall | ToolCallError] = [_parse_one(body.strip()) for body in bodies]
+    calls = [body if isinstance(body, ToolCallError) else _parse_one(body.strip()) for body in bodies]
     if unterminated:
         calls.append(ToolCallError(f"unterminated {OPEN_TAG} (no {CLOSE_TAG})"))
     return calls

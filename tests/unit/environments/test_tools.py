@@ -48,6 +48,13 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
         ToolCall("python", {"code": code}),
         ToolCall("calculator", {"expression": "1+1"}),
     ]
+    # A call without its closing tag before the next call: its own error, and the next call still runs (it was read
+    # as part of the first one's body: both lost, and the error blamed the JSON)
+    unclosed = call("calculator", expression="2+3").removesuffix("</tool_call>") + "\n" + call("calculator", expression="1+1")
+    missing, second = parse_tool_calls(unclosed)
+    assert isinstance(missing, ToolCallError) and missing.message == "missing </tool_call> before the next <tool_call>"
+    assert second == ToolCall("calculator", {"expression": "1+1"})
+    assert parse_hermes(unclosed).tool_calls == []  # the server, as vLLM: not every call parses, so all is content
     assert parse_hermes(call("python", code=code)).tool_calls[0]["function"]["arguments"] == json.dumps({"code": code})
     assert parse_hermes('<tool_call>{"name": "python", "arguments": {"code": "' + code.replace('"', '\\"') + '"}}').tool_calls  # stop-cut
 
@@ -136,7 +143,8 @@ def test_tool_env_is_a_registered_builtin_with_validated_keys() -> None:
     for section, message in [
         ({"tools": ["calculater"]}, "Did you mean 'calculator'"),
         ({"python_timeout_s": 0}, "greater than 0"),
-        ({"answer_checker": "nowhere"}, "module:function"),
+        ({"answer_checker": "nowhere"}, r"answer_checker: must be one of \['integer'\] or 'module:function', got 'nowhere'"),
+        ({"answer_checker": "json:dumps_nope"}, r"answer_checker: answer_checker: 'json' has no attribute"),  # not custom_reward_fn
         ({"tool": 1}, "unknown key"),
     ]:
         with pytest.raises(ConfigError, match=message):
