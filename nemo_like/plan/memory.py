@@ -11,7 +11,8 @@ What is exact and what is estimated:
   float32 adapters, gradients and two AdamW moments for trainable parameters only. Tests compare them with
   :meth:`PolicyWorker.memory_footprint` (dp 1 and 2, tp 2).
 * **activations** are an estimate of the peak of one training micro-batch (tokens x layers x what a Llama-family
-  layer saves for backward: ``8H + 4 K D + 4I`` values per token, the attention kernel keeping no score matrix),
+  layer saves for backward: ``8H + 4 K D + 4I`` values per token, the attention kernel keeping no score matrix;
+  ``5H + (3H + 4 K D + 4I) / t`` on a rank of ``t`` tensor-parallel ranks),
   plus the float32 logits, their log-softmax and its gradient (``tokens x vocab x 12`` bytes, or ``chunk x vocab x 12``
   with ``policy.logprob_chunk_size``); with activation checkpointing each layer's input plus the larger of the logits'
   share and one layer's recomputed activations (the backward recomputes a layer after the output head's backward has
@@ -123,12 +124,19 @@ class ModelShape:
         """Values one layer saves for backward per token (see the module docstring)."""
         return 8 * self.hidden + 4 * self.kv_heads * self.head_dim + 4 * self.intermediate
 
-    def layer_bytes_per_token(self, value_bytes: int, hidden_bytes: int | None = None) -> int:
+    def layer_bytes_per_token(self, value_bytes: int, hidden_bytes: int | None = None, tp: int = 1) -> int:
         """Bytes one layer saves for backward per token: :meth:`layer_values_per_token` at ``value_bytes``, its ``8H``
         hidden-sized values (the residual stream, the norms' inputs and outputs) at ``hidden_bytes`` (default: the
-        same), which :func:`activation_bytes` sets to 4 under autocast."""
+        same), which :func:`activation_bytes` sets to 4 under autocast. On a rank of ``tp`` tensor-parallel ranks the
+        values of the split projections are ``1/tp`` wide: of the ``8H``, the query, the rotated query and the
+        attention output (``3H``), and the keys' and values' ``4KD`` and the MLP's ``4I``; the residual stream and the
+        norms (``5H``) stay whole (no sequence parallelism). Measured on a (dp 1, tp 2) gloo rank in
+        ``tests/unit/models/test_sharding.py``."""
         hidden_bytes = value_bytes if hidden_bytes is None else hidden_bytes
-        return 8 * self.hidden * hidden_bytes + (4 * self.kv_heads * self.head_dim + 4 * self.intermediate) * value_bytes
+        split = 4 * self.kv_heads * self.head_dim + 4 * self.intermediate
+        if tp <= 1:
+            return 8 * self.hidden * hidden_bytes + split * value_bytes
+        return 5 * self.hidden * hidden_bytes + math.ceil((3 * self.hidden + split) / tp) * value_bytes
 
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:
         """KV-cache bytes per token of one sequence."""
@@ -303,7 +311,8 @@ def _training_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_
     pc = cfg.policy
     hidden_bytes = value_bytes if hidden_bytes is None else hidden_bytes
     tokens = micro_batch_tokens(cfg, training=True)
-    per_layer = tokens * (shape.layer_bytes_per_token(value_bytes, hidden_bytes) + dropout_bytes)
+    tp = pc.dtensor_cfg.tensor_parallel_size
+    per_layer = tokens * (shape.layer_bytes_per_token(value_bytes, hidden_bytes, tp) + dropout_bytes)
     logit_rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
     per_logit = 12 + (TRUNCATION_BYTES_PER_LOGIT if truncates(cfg) else 0)  # float32 logits, log-softmax, gradient
     logits = logit_rows * shape.vocab * per_logit
@@ -316,7 +325,7 @@ def _logprob_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_b
     tokens = micro_batch_tokens(cfg, training=False)
     chunk = cfg.policy.logprob_chunk_size
     logit_rows = min(tokens, chunk) if chunk else tokens
-    per_layer = tokens * shape.layer_bytes_per_token(value_bytes, hidden_bytes)
+    per_layer = tokens * shape.layer_bytes_per_token(value_bytes, hidden_bytes, cfg.policy.dtensor_cfg.tensor_parallel_size)
     return with_packed_mask(cfg, per_layer + logit_rows * shape.vocab * 8, False)  # logits + log-softmax
 
 

@@ -159,6 +159,44 @@ def check_fsdp(out_dir) -> None:
     assert_states_close(resumed_single.get_state_dict()[1], r0["final"], atol=1e-5)
 
 
+LAYER_TOKENS = 256
+
+
+def first_layer_saved_bytes(model) -> int:
+    """Bytes autograd keeps for backward inside the first decoder layer in one training forward of ``model`` on
+    :data:`LAYER_TOKENS` tokens (distinct storages of this rank's local pieces, parameters excluded), read when the
+    forward has ended: FSDP2 has freed the unsharded weights the layer's products saved by then (they are gathered
+    again for the backward), so what remains is what the layer holds."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    seen: dict[int, torch.UntypedStorage] = {}
+    inside = [False]
+
+    def pack(t):
+        if inside[0]:
+            storage = local(t).untyped_storage()
+            seen[storage.data_ptr()] = storage
+        return t
+
+    layer = model.model.layers[0]
+    hooks = [
+        layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+        layer.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
+    ]
+    parameters = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    ids = torch.randint(0, 359, (1, LAYER_TOKENS), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids).logits.float().sum()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(storage.nbytes() for ptr, storage in seen.items() if ptr not in parameters)
+
+
 def _tensor_parallel_rank(rank: int, world: int, port: int, out: str) -> None:
     """One rank of a (dp=1, tp=2) mesh: both ranks see the same rows."""
     worker = make_worker(rank, world, dtensor_cfg={"tensor_parallel_size": 2})
@@ -166,8 +204,10 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, out: str) -> None:
     logprobs = worker.get_logprobs(step_batch(99, rows=5))
     results = [worker.train([step_batch(s)]) for s in range(STEPS)]
     _, state = worker.get_state_dict()
+    footprint = worker.memory_footprint()
+    layer_bytes = first_layer_saved_bytes(worker.model)
     if rank == 0:
-        torch.save({"logprobs": logprobs, "results": results, "state": state, "footprint": worker.memory_footprint()}, out)
+        torch.save({"logprobs": logprobs, "results": results, "state": state, "footprint": footprint, "layer_bytes": layer_bytes}, out)
 
 
 def check_tensor_parallel(out) -> None:
@@ -181,7 +221,12 @@ def check_tensor_parallel(out) -> None:
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
     planned = policy_memory(load_config(DEFAULT_RECIPE, ["policy.dtensor_cfg.tensor_parallel_size=2"], warn=False), params, shape)
     assert tp["footprint"] == {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer}
+    # A layer's activations on a tp rank: the split projections' values are half as wide (the plan counted them whole)
     single = make_worker()
+    whole = first_layer_saved_bytes(single.model)
+    assert tp["layer_bytes"] < 0.7 * whole
+    assert tp["layer_bytes"] == pytest.approx(LAYER_TOKENS * shape.layer_bytes_per_token(4, tp=2), rel=0.05)
+    assert whole == pytest.approx(LAYER_TOKENS * shape.layer_bytes_per_token(4), rel=0.05)
     assert (tp["logprobs"] - single.get_logprobs(step_batch(99, rows=5))).abs().max() < 1e-5
     for step in range(STEPS):
         ref = single.train([step_batch(step)])
