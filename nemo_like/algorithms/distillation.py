@@ -29,28 +29,6 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.utils.flops import TEACHER_TOKENS
 
 
-def teacher_config(cfg: MasterConfig, model_name: str | None = None) -> MasterConfig:
-    """The run config whose ``policy`` section describes a teacher's workers (``model_name``, default
-    ``teacher.model_name``): its model, tokenizer and precision, no LoRA; everything else (sharding, batching,
-    temperature: it scores under the student's sampling distribution, the forward) as the student's."""
-    t = cfg.teacher
-    name = model_name or t.model_name
-    if name is None:
-        raise ValueError("teacher_config needs teacher.model_name or a model of teacher.by_task")
-    policy = cfg.policy.model_copy(
-        update={
-            "model_name": name,
-            "tokenizer_name": t.tokenizer_name if name == t.model_name else None,
-            "precision": t.precision or cfg.policy.precision,
-            "lora_cfg": cfg.policy.lora_cfg.model_copy(update={"enabled": False}),
-            # With the KL term the student's workers run the model's own forward (it needs the logits); the teacher's run
-            # it too, so the teacher and prev passes stay the same computation (a teacher equal to the student gives 0).
-            "shared_prompt_forward": False if cfg.distillation.kl_weight > 0 else cfg.policy.shared_prompt_forward,
-        }
-    )
-    return cfg.model_copy(update={"policy": policy})
-
-
 class Teachers:
     """The run's teacher models, each a frozen :class:`~nemo_like.models.policy.policy.Policy` of its own workers, and
     which one scores each sample (by its prompt's task: ``teacher.by_task``, else ``teacher.model_name``)."""
@@ -64,7 +42,7 @@ class Teachers:
         try:
             for i, name in enumerate(cfg.teacher.models()):
                 group = "teacher" if i == 0 else f"teacher{i}"
-                self.models[name] = Policy(teacher_config(cfg, name), group, trainable=False, plan=plan, wait=False, role="teacher")
+                self.models[name] = Policy(cfg.teacher_config(name), group, trainable=False, plan=plan, wait=False, role="teacher")
         except BaseException:
             self.shutdown()
             raise

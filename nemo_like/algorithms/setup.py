@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_like.algorithms.distillation import Teachers, check_teacher_tokenizer, teacher_config
+from nemo_like.algorithms.distillation import Teachers, check_teacher_tokenizer
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus
@@ -104,7 +104,7 @@ def load_validation_prompts(cfg: MasterConfig, tokenizer) -> list[PromptRecord]:
 
 
 def _driver_tokenizer(cfg: MasterConfig, section: str = "policy"):
-    """The run's tokenizer (``section="teacher"``: ``cfg`` is :func:`teacher_config`'s); an id that cannot be loaded
+    """The run's tokenizer (``section="teacher"``: ``cfg`` is :meth:`MasterConfig.teacher_config`'s); an id that cannot be loaded
     (offline, typo) is a ConfigError naming the key."""
     name = cfg.policy.tokenizer_name or cfg.policy.model_name
     try:
@@ -168,7 +168,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None)
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
     for name in cfg.teacher.models():  # a teacher with another tokenizer fails here, before any actor starts
-        check_teacher_tokenizer(tokenizer, cfg.policy.model_name, _driver_tokenizer(teacher_config(cfg, name), "teacher"), name)
+        check_teacher_tokenizer(tokenizer, cfg.policy.model_name, _driver_tokenizer(cfg.teacher_config(name), "teacher"), name)
     check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)  # before any actor starts
     check_stop_token_ids(cfg.policy.model_name, cfg.policy.generation.stop_token_ids)
     if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts

@@ -325,6 +325,28 @@ class MasterConfig(BaseModel):
             consumers.append("the distillation advantage (teacher.model_name)")
         return consumers
 
+    def teacher_config(self, model_name: str | None = None) -> MasterConfig:
+        """The run config whose ``policy`` section describes a teacher's workers (``model_name``, default
+        ``teacher.model_name``): its model, tokenizer and precision, no LoRA; everything else (sharding, batching,
+        temperature: it scores under the student's sampling distribution, the forward) as the student's. The run starts
+        its teachers with it, and the memory planner plans them with it."""
+        t = self.teacher
+        name = model_name or t.model_name
+        if name is None:
+            raise ValueError("teacher_config needs teacher.model_name or a model of teacher.by_task")
+        policy = self.policy.model_copy(
+            update={
+                "model_name": name,
+                "tokenizer_name": t.tokenizer_name if name == t.model_name else None,
+                "precision": t.precision or self.policy.precision,
+                "lora_cfg": self.policy.lora_cfg.model_copy(update={"enabled": False}),
+                # With the KL term the student's workers run the model's own forward (it needs the logits); the teacher's
+                # run it too, so the teacher and prev passes stay the same computation (a teacher equal to the student gives 0).
+                "shared_prompt_forward": False if self.distillation.kl_weight > 0 else self.policy.shared_prompt_forward,
+            }
+        )
+        return self.model_copy(update={"policy": policy})
+
     def offloads_to_cpu(self) -> bool:
         """Whether FSDP2's CPU offload runs (``policy.dtensor_cfg.cpu_offload``): on a GPU cluster with more than one
         policy worker, the only case where the workers shard their models (``sharding.shard_model``) onto a GPU mesh.

@@ -428,7 +428,8 @@ def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec],
     tokens = micro_batch_tokens(cfg, training=True)
     held = frozen_copy_bytes(cfg, params)
     rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
-    kept = tokens * shape.hidden * DTYPE_BYTES[pc.precision] if pc.logprob_chunk_size else tokens * shape.vocab * 4
+    teacher_bytes = DTYPE_BYTES[cfg.teacher.precision or pc.precision]  # the copy computes at the teacher's precision
+    kept = tokens * shape.hidden * teacher_bytes if pc.logprob_chunk_size else tokens * shape.vocab * 4
     activations = kept + rows * shape.vocab * 4 * 6
     note = f"{policy.note}; " if policy.note else ""
     return replace(
@@ -603,7 +604,7 @@ def _plan_devices(
     if run_plan.logprobs.load_reference_model:
         roles.append(policy_memory(cfg, params, shape, "reference"))
     if run_plan.logprobs.compute_teacher and teachers:
-        roles += [policy_memory(cfg, *teachers[name], role) for name, role in teacher_roles(cfg).items()]
+        roles += [policy_memory(cfg.teacher_config(name), *teachers[name], role) for name, role in teacher_roles(cfg).items()]
     parameters = sum(math.prod(p.shape) for p in params)
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes))
     colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
@@ -709,7 +710,7 @@ def engine_problems(cfg: Any, roles: list[RoleMemory], device_bytes: float | Non
         if short:
             out.append(
                 f"the vLLM engine's weights ({r.params / GIB:.3f} GiB) exceed policy.generation.vllm_cfg.gpu_memory_utilization "
-                f"x device = {share * device_bytes / GIB:.3f} GiB (short {short / GIB:.3f} GiB)"
+                f"x device = {share * device_bytes / GIB:.3f} GiB {engine_device(cfg)} (short {short / GIB:.3f} GiB)"
             )
             continue
         if cfg.cluster.gpus_per_node:

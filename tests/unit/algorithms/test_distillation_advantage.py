@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_like.algorithms.distillation import apply_distillation, check_teacher_tokenizer, teacher_config
+from nemo_like.algorithms.distillation import apply_distillation, check_teacher_tokenizer
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.assets import default_model_path, embedded_model_path
@@ -165,7 +165,7 @@ def test_the_plan_runs_the_prev_and_teacher_passes_and_reserves_teacher_ranks() 
 
 def test_the_teacher_runs_with_its_own_model_and_the_students_other_settings() -> None:
     cfg = recipe(TEACHER, "teacher.precision=bfloat16", "policy.lora_cfg.enabled=true")
-    t = teacher_config(cfg)
+    t = cfg.teacher_config()
     assert t.policy.model_name == "embedded:tiny-arith-teacher" and t.policy.precision == "bfloat16"
     assert not t.policy.lora_cfg.enabled and t.policy.dp_size == cfg.policy.dp_size
     assert cfg.policy.model_name != t.policy.model_name  # the student's config is untouched
@@ -207,7 +207,7 @@ def test_the_kl_term_keys_contradictions_are_errors_and_unused_keys_warn() -> No
     spec = PolicyWorkerSpec.from_config(cfg, True, object(), 1)  # type: ignore[arg-type]
     assert spec.teacher_kl is not None and spec.teacher_kl.model_name == "embedded:tiny-arith-teacher"
     assert PolicyWorkerSpec.from_config(recipe(TEACHER), True, object(), 1).teacher_kl is None  # off by default  # type: ignore[arg-type]
-    assert teacher_config(cfg).policy.shared_prompt_forward is False  # the teacher runs the student's forward
+    assert cfg.teacher_config().policy.shared_prompt_forward is False  # the teacher runs the student's forward
 
 
 class ScoredRows:

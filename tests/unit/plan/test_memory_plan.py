@@ -23,6 +23,7 @@ from nemo_like.plan.memory import (
     plan_memory,
     policy_memory,
     step_estimate,
+    with_teacher_copy,
 )
 from nemo_like.plan.run_plan import decide_run_plan
 
@@ -438,7 +439,12 @@ def test_a_vllm_share_smaller_than_the_weights_says_by_how_much_and_advises_no_s
     memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=80 * GIB)
     fit = memory.lines()[-1]
     assert memory.fits is False and "max_total_sequence_length" not in fit
-    assert "the vLLM engine's weights (0.004 GiB) exceed policy.generation.vllm_cfg.gpu_memory_utilization x device = 0.003 GiB" in fit
+    assert (
+        "the vLLM engine's weights (0.004 GiB) exceed policy.generation.vllm_cfg.gpu_memory_utilization x device = 0.003 GiB "
+        "on the generation GPU (short 0.001 GiB)"
+    ) in fit
+    colocated = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=true", share)
+    assert "0.003 GiB on the policy GPU (colocated) (short" in plan_memory(colocated, with_vllm(colocated), params, shape, 80 * GIB).lines()[-1]
     assert "(short 0.001 GiB)" in fit and "above 4.8e-05" in fit and "a device with more memory" in fit
 
 
@@ -551,6 +557,28 @@ def test_by_task_teachers_are_each_planned_as_the_run_starts_them(tmp_path) -> N
     assert planned[1].params > planned[0].params  # each at its own size
     lines, _ = memory_report(cfg, run_plan, None, None, 0.4)
     assert sum(line.startswith("memory teacher:") for line in lines) == 2
+
+
+@pytest.mark.parametrize("teacher_precision", ["float32", "bfloat16"])
+def test_a_teacher_is_planned_at_its_own_precision(teacher_precision: str) -> None:
+    """A teacher's workers compute at teacher.precision; the plan sized their activations (and the KL term's teacher
+    copy's hidden states) at policy.precision."""
+    common = ["policy.precision=bfloat16", "policy.dp_size=2", "teacher.model_name=embedded:tiny-arith-teacher"]
+    cfg = recipe(*common, f"teacher.precision={teacher_precision}")
+    params, shape = model_footprint(EMBEDDED_MODEL, "bfloat16")
+    teacher = model_footprint("embedded:tiny-arith-teacher", "float32")
+    memory = plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape, None, {"embedded:tiny-arith-teacher": teacher})
+    (planned,) = [r for r in memory.roles if r.role == "teacher"]
+    as_started = policy_memory(cfg.teacher_config(), *teacher, "teacher")
+    at_student = policy_memory(cfg, *teacher, "teacher")
+    assert (planned.activations, planned.unsharded_root) == (as_started.activations, as_started.unsharded_root)
+    assert (planned.activations > at_student.activations) == (teacher_precision == "float32")
+    kl = recipe(*common, f"teacher.precision={teacher_precision}", "distillation.kl_weight=0.5", "policy.logprob_chunk_size=64")
+    half = recipe(*common, "teacher.precision=bfloat16", "distillation.kl_weight=0.5", "policy.logprob_chunk_size=64")
+    student = policy_memory(kl, params, shape)
+    hidden = micro_batch_tokens(kl, True) * teacher[1].hidden  # the teacher copy's last hidden states, chunked KL
+    gap = with_teacher_copy(kl, student, *teacher).activations - with_teacher_copy(half, student, *teacher).activations
+    assert gap == (2 * hidden if teacher_precision == "float32" else 0)
 
 
 def test_a_teacher_not_on_this_machine_is_named_by_its_key_and_planned_with_teacher_config(capsys) -> None:
