@@ -380,7 +380,10 @@ def has_subset(path: Path, config: str) -> bool:
     if (path / config).is_dir():
         return True
     readme = path / "README.md"
-    return readme.is_file() and re.search(rf"config_name:\s*['\"]?{re.escape(config)}['\"]?\s*$", readme.read_text(errors="replace"), re.M) is not None
+    return (
+        readme.is_file()
+        and re.search(rf"config_name:\s*['\"]?{re.escape(config)}['\"]?\s*$", readme.read_text(errors="replace"), re.M) is not None
+    )
 
 
 def _refuse_skipped_files(path: Path, source: Source, key: str, load_kwargs: dict[str, Any]) -> None:

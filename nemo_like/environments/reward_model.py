@@ -67,9 +67,7 @@ class RewardModelEnvironment(EnvironmentInterface):
         device = device or ("cpu" if self.cfg.num_gpus == 0 else None)
         if device == "cpu" or not torch.cuda.is_available():
             torch.set_num_threads(self.cfg.num_threads)
-        self.scorer = RewardModelScorer(
-            resolve_reward_model_path(self.cfg.model_name), self.cfg.precision, self.cfg.label_index, device
-        )
+        self.scorer = RewardModelScorer(resolve_reward_model_path(self.cfg.model_name), self.cfg.precision, self.cfg.label_index, device)
         self.max_length = min(filter(None, (self.cfg.max_length, self.scorer.max_length)), default=None)
         if self.cfg.use_chat_template and not self.scorer.tokenizer.chat_template:
             warnings.warn(

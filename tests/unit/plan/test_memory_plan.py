@@ -444,7 +444,10 @@ def test_a_vllm_share_smaller_than_the_weights_says_by_how_much_and_advises_no_s
         "on the generation GPU (short 0.001 GiB)"
     ) in fit
     colocated = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=true", share)
-    assert "0.003 GiB on the policy GPU (colocated) (short" in plan_memory(colocated, with_vllm(colocated), params, shape, 80 * GIB).lines()[-1]
+    assert (
+        "0.003 GiB on the policy GPU (colocated) (short"
+        in plan_memory(colocated, with_vllm(colocated), params, shape, 80 * GIB).lines()[-1]
+    )
     assert "(short 0.001 GiB)" in fit and "above 4.8e-05" in fit and "a device with more memory" in fit
 
 
