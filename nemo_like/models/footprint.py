@@ -142,21 +142,29 @@ def needs_teachers(cfg: Any, run_plan: Any) -> bool:
     return run_plan.logprobs.compute_teacher or cfg.distillation.kl_weight > 0
 
 
-def inline_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
-    """Bytes of weights the inline backend's sampler copies for a call (0 with another backend): the lean decoder's
-    fused and packed projections (:func:`~nemo_like.models.generation.lean_decoder.fused_step_copy_elements`). They
-    are copies of the policy's float32 masters, whatever the precision; its products run in ``policy.precision`` (a
-    bfloat16 run samples under autocast, where nothing is packed for oneDNN)."""
-    if run_plan.backend.value != "inline":
+def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
+    """Bytes of weights the lean decoder's sampler copies for a call (:func:`~nemo_like.models.generation.lean_decoder.
+    fused_step_copy_elements`: fused projections, and oneDNN-packed ones on a CPU), for the backend that samples with
+    it: the inline backend (copies of the policy's float32 masters, whatever the precision; its products run in
+    ``policy.precision``: a bfloat16 run samples under autocast, where nothing is packed for oneDNN) or the HF engine
+    (copies of its weights, loaded at ``policy.precision``, for up to ``HF_MAX_BATCH_SIZE`` rows); 0 for vLLM."""
+    backend = run_plan.backend.value
+    if backend not in ("inline", "hf"):
         return 0
     from nemo_like.models.generation.lean_decoder import fused_step_copy_elements
     from nemo_like.models.precision import MASTER_DTYPE, compute_dtype
-    from nemo_like.plan.memory import inline_sampling_rows
+    from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
+    from nemo_like.plan.memory import DTYPE_BYTES, inline_sampling_rows
 
     q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    rows, products = inline_sampling_rows(cfg), compute_dtype(cfg.policy.precision)
-    elements = fused_step_copy_elements(shape.layers, shape.hidden, shape.intermediate, q_width, kv_width, shape.vocab, rows, products)
-    return elements * MASTER_DTYPE.itemsize
+    products = compute_dtype(cfg.policy.precision)
+    if backend == "inline":
+        rows, element_bytes, on_cpu = inline_sampling_rows(cfg), MASTER_DTYPE.itemsize, True
+    else:
+        rows, element_bytes = min(cfg.rollout_batch_size, HF_MAX_BATCH_SIZE), DTYPE_BYTES[cfg.policy.precision]
+        on_cpu = not cfg.cluster.gpus_per_node
+    layers, hidden, intermediate, vocab = shape.layers, shape.hidden, shape.intermediate, shape.vocab
+    return fused_step_copy_elements(layers, hidden, intermediate, q_width, kv_width, vocab, rows, products, on_cpu) * element_bytes
 
 
 def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:
@@ -170,7 +178,7 @@ def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:
         teachers = teacher_footprints(cfg, teacher_config_paths(cfg)) if needs_teachers(cfg, run_plan) else {}
     except Exception as exc:  # noqa: BLE001 - an estimate, never a reason to stop
         return [f"memory: not estimated ({type(exc).__name__}: {exc})"]
-    return plan_memory(cfg, run_plan, params, shape, None, teachers, None, inline_copy_bytes(cfg, run_plan, shape)).lines()
+    return plan_memory(cfg, run_plan, params, shape, None, teachers, None, sampler_copy_bytes(cfg, run_plan, shape)).lines()
 
 
 def memory_report(
@@ -200,6 +208,6 @@ def memory_report(
         teacher_n = {name: matmul_parameters(name, config_path=path) for name, path in paths.items()}
         lora = sum(math.prod(p.shape) for p in params if p.trainable) if cfg.policy.lora_cfg.enabled else None
         step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teacher_n, trained_token_flops=training_flops_per_token(n, lora))
-    copies = inline_copy_bytes(cfg, run_plan, shape)
+    copies = sampler_copy_bytes(cfg, run_plan, shape)
     memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teachers, step, copies)
     return [*run_plan.lines(this_machine=True), *memory.lines()], memory.fits

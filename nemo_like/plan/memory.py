@@ -467,11 +467,14 @@ def inline_sampling_rows(cfg: Any) -> int:
     return min(cfg.rollout_batch_size, INLINE_GENERATION_BATCH)
 
 
-def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape, device_bytes: float | None) -> RoleMemory:
+def generation_memory(
+    cfg: Any, backend: str, parameters: int, shape: ModelShape, device_bytes: float | None, weight_copies: int = 0
+) -> RoleMemory:
     """The generation engine's worker: nothing of its own for ``inline`` (the policy samples), the HF engine's weights
     and the KV cache of the sequences it samples at once (a rollout batch, in batches of at most
-    :data:`~nemo_like.plan.backend.HF_MAX_BATCH_SIZE`), or vLLM's weights and KV-cache budget (and how many full-length
-    sequences fit). Both engines load the model, and keep its keys and values, at ``policy.precision``."""
+    :data:`~nemo_like.plan.backend.HF_MAX_BATCH_SIZE`), with its sampler's ``weight_copies`` and their next token's
+    float32 logits (the HF engine samples with the lean decoder), or vLLM's weights and KV-cache budget (and how many
+    full-length sequences fit). Both engines load the model, and keep its keys and values, at ``policy.precision``."""
     pc, g = cfg.policy, cfg.policy.generation
     on_gpu = bool(cfg.cluster.gpus_per_node)
     if backend == "inline":
@@ -481,8 +484,11 @@ def generation_memory(cfg: Any, backend: str, parameters: int, shape: ModelShape
     per_sequence = shape.kv_bytes_per_token(value_bytes) * pc.max_total_sequence_length
     if backend == "hf":
         batch = min(cfg.rollout_batch_size, HF_MAX_BATCH_SIZE)
-        note = f"hf engine, KV of {batch} sequences at once"
-        return RoleMemory("generation", GENERATION_ENGINES, params=weights, kv_cache=batch * per_sequence, note=note)
+        logits = batch * shape.vocab * 4
+        note = f"hf engine, KV of {batch} sequences at once; sampler weight copies {weight_copies / GIB:.3f} + logits {logits / GIB:.3f}"
+        return RoleMemory(
+            "generation", GENERATION_ENGINES, params=weights, kv_cache=batch * per_sequence, activations=weight_copies + logits, note=note
+        )
     share = g.vllm_cfg.gpu_memory_utilization
     if on_gpu and device_bytes is None:
         note = f"vLLM, KV budget {share:g} x the device's memory - the weights: the device's size is not given"
@@ -543,14 +549,14 @@ def plan_memory(
     device_bytes: float | None = None,
     teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]] | None = None,
     step: StepEstimate | None = None,
-    inline_weight_copies: int = 0,
+    sampler_weight_copies: int = 0,
 ) -> MemoryPlan:
     """Every role of the run ``run_plan`` describes, what each device (GPU) or node (CPU) holds, and whether it fits
     ``device_bytes``; ``teachers``: each teacher model's parameters and shape (by name, every one of
-    ``teacher.models()``) when the run distils; ``inline_weight_copies``: bytes of weights the inline backend's sampler
+    ``teacher.models()``) when the run distils; ``sampler_weight_copies``: bytes of weights the inline backend's sampler
     copies for a call (:func:`with_inline_sampling`)."""
     teachers = teachers or {}
-    roles, per_device, colocated = _plan_devices(cfg, run_plan, params, shape, device_bytes, teachers, inline_weight_copies)
+    roles, per_device, colocated = _plan_devices(cfg, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies)
     notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
     over = over_budget(per_device, device_bytes)
     engine = engine_problems(cfg, roles, device_bytes)
@@ -558,7 +564,7 @@ def plan_memory(
     if over:
 
         def shrinks(changed: Any) -> bool:  # every device that is over holds no more, one of them less
-            again = _plan_devices(changed, run_plan, params, shape, device_bytes, teachers, inline_weight_copies)[1]
+            again = _plan_devices(changed, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies)[1]
             return all(again.get(d, 0) <= per_device[d] for d in over) and any(again.get(d, 0) < per_device[d] for d in over)
 
         pc, cluster = cfg.policy, cfg.cluster
@@ -593,20 +599,21 @@ def _plan_devices(
     shape: ModelShape,
     device_bytes: float | None,
     teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]],
-    inline_weight_copies: int,
+    sampler_weight_copies: int,
 ) -> tuple[list[RoleMemory], dict[str, int], bool]:
     """Every role's memory, what each device holds, and whether a vLLM engine is colocated (:func:`plan_memory`)."""
     roles = [policy_memory(cfg, params, shape)]
     if cfg.distillation.kl_weight > 0 and teachers:  # the KL term's copy: teacher.model_name, first of the models
         roles[0] = with_teacher_copy(cfg, roles[0], *teachers[cfg.teacher.models()[0]])
     if run_plan.backend.value == "inline":
-        roles[0] = with_inline_sampling(cfg, roles[0], params, shape, inline_weight_copies)
+        roles[0] = with_inline_sampling(cfg, roles[0], params, shape, sampler_weight_copies)
     if run_plan.logprobs.load_reference_model:
         roles.append(policy_memory(cfg, params, shape, "reference"))
     if run_plan.logprobs.compute_teacher and teachers:
         roles += [policy_memory(cfg.teacher_config(name), *teachers[name], role) for name, role in teacher_roles(cfg).items()]
     parameters = sum(math.prod(p.shape) for p in params)
-    roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes))
+    hf_copies = sampler_weight_copies if run_plan.backend.value == "hf" else 0
+    roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes, hf_copies))
     colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
     return roles, devices(cfg, roles, colocated), colocated
 

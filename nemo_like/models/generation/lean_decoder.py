@@ -164,16 +164,19 @@ class FusedLlamaStep:
 
 
 def fused_step_copy_elements(
-    layers: int, hidden: int, intermediate: int, q_width: int, kv_width: int, vocab: int, rows: int, dtype: torch.dtype
+    layers: int, hidden: int, intermediate: int, q_width: int, kv_width: int, vocab: int, rows: int, dtype: torch.dtype, on_cpu: bool = True
 ) -> int:
     """Elements of the weight copies a :class:`FusedLlamaStep` holds during a call sampling ``rows`` rows (the memory
     planner counts them): per layer the fused query/key/value and gate/up projections (always new tensors), the output
-    and down projections only where :func:`~nemo_like.utils.cpu_linear.packs` packs them, and the output head likewise
-    (the fused query/key/value bias, a few values a layer, is left out)."""
+    and down projections only where :func:`~nemo_like.utils.cpu_linear.packs` packs them (on a CPU: ``on_cpu``), and
+    the output head likewise (the fused query/key/value bias, a few values a layer, is left out)."""
     fused = (q_width + 2 * kv_width) * hidden + 2 * intermediate * hidden
-    plain = [(hidden, q_width), (hidden, intermediate)]
-    per_layer = fused + sum(out * inp for out, inp in plain if packs(rows, out, inp, dtype))
-    return layers * per_layer + (vocab * hidden if packs(rows, vocab, hidden, dtype) else 0)
+
+    def packed(out: int, inp: int) -> bool:
+        return on_cpu and packs(rows, out, inp, dtype)
+
+    per_layer = fused + sum(out * inp for out, inp in [(hidden, q_width), (hidden, intermediate)] if packed(out, inp))
+    return layers * per_layer + (vocab * hidden if packed(vocab, hidden) else 0)
 
 
 class HFModelStep:

@@ -11,7 +11,7 @@ from unit.models.test_policy_worker import make_worker, random_batch, with_globa
 
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
-from nemo_like.models.footprint import model_footprint
+from nemo_like.models.footprint import model_footprint, sampler_copy_bytes
 from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
 from nemo_like.plan.logprob_passes import decide_logprob_passes
 from nemo_like.plan.memory import (
@@ -333,7 +333,6 @@ def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples
     # + the sampler's weight copies: per layer q|k|v (128 + 2 x 64) x 128 and gate|up 2 x 512 x 128, and with oneDNN the
     # packed down projection (256 x 128 x 512 multiply-accumulates: over PACK_MIN_MACS) and head (256 x 359 x 128);
     # the output projection's 256 x 128 x 128 is under it
-    from nemo_like.models.footprint import inline_copy_bytes
     from nemo_like.utils.cpu_linear import onednn_linear_available
 
     long = ["grpo.num_prompts_per_step=64", "policy.max_total_sequence_length=1024", "policy.generation.max_new_tokens=960"]
@@ -344,8 +343,8 @@ def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples
     assert run_plan.backend.value == "inline"
     packed = onednn_linear_available()
     copies = 4 * (4 * ((128 + 2 * 64) * 128 + 2 * 512 * 128 + (512 * 128 if packed else 0)) + (359 * 128 if packed else 0))
-    assert inline_copy_bytes(cfg, run_plan, shape) == copies
-    policy = plan_memory(cfg, run_plan, params, shape, inline_weight_copies=copies).roles[0]
+    assert sampler_copy_bytes(cfg, run_plan, shape) == copies
+    policy = plan_memory(cfg, run_plan, params, shape, sampler_weight_copies=copies).roles[0]
     training = policy_memory(cfg, params, shape)
     sampling = 256 * 2048 * 1024 + 256 * 359 * 4 + copies
     assert sampling > training.activations and policy.activations == sampling
@@ -353,8 +352,11 @@ def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples
     assert f"(kv cache of 256 sequences 0.500 + logits 0.000 + weight copies {copies / GIB:.3f})" in policy.line()
     bf16 = recipe(*long, *small, "policy.logprob_chunk_size=256", "policy.precision=bfloat16")
     # bf16: copies of the float32 masters (4 bytes), never packed (the sampler runs under autocast)
-    assert inline_copy_bytes(bf16, run_plan, shape) == 4 * 4 * ((128 + 2 * 64) * 128 + 2 * 512 * 128)
-    assert inline_copy_bytes(cfg, decide_run_plan(recipe("policy.generation.backend=hf"), (), 2), shape) == 0
+    assert sampler_copy_bytes(bf16, run_plan, shape) == 4 * 4 * ((128 + 2 * 64) * 128 + 2 * 512 * 128)
+    hf = recipe(*long, *small, "policy.generation.backend=hf")  # the HF engine samples with the same decoder, at 256 rows
+    assert sampler_copy_bytes(hf, decide_run_plan(hf, (), 2), shape) == copies
+    vllm = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", "policy.generation.backend=vllm")
+    assert sampler_copy_bytes(vllm, with_vllm(vllm), shape) == 0
 
 
 def test_cpu_offload_keeps_params_grads_and_adamw_state_in_host_ram_and_turns_a_refusal_into_a_fit() -> None:
@@ -483,8 +485,12 @@ def test_gpu_engines_hold_weights_and_kv_at_the_policys_precision_and_hf_only_it
     per_sequence = shape.kv_bytes_per_token(value_bytes) * 64  # the tiny recipe's max_total_sequence_length
     # 64 prompts x 8 responses = 512 sequences: the HF engine samples them in batches of HF_MAX_BATCH_SIZE (256)
     cfg = recipe("cluster.gpus_per_node=1", f"policy.precision={precision}", "grpo.num_prompts_per_step=64")
-    hf = generation_memory(cfg, "hf", parameters, shape, 80 * GIB)
+    hf_plan = decide_run_plan(recipe("cluster.gpus_per_node=1", f"policy.precision={precision}", "policy.generation.backend=hf"), (), 2)
+    hf = plan_memory(cfg, hf_plan, params, shape, 80 * GIB, sampler_weight_copies=sampler_copy_bytes(cfg, hf_plan, shape)).roles[-1]
     assert hf.params == parameters * value_bytes and hf.kv_cache == HF_MAX_BATCH_SIZE * per_sequence == 256 * per_sequence
+    # and its sampler's fused q|k|v and gate|up copies at the engine's precision (nothing packed on a GPU), the logits of
+    # its 256 rows' next token: 4 layers x ((128 + 2 x 64) x 128 + 2 x 512 x 128) values, 256 x 359 x 4 bytes
+    assert hf.activations == 4 * ((128 + 2 * 64) * 128 + 2 * 512 * 128) * value_bytes + 256 * 359 * 4
     small = generation_memory(recipe("cluster.gpus_per_node=1", f"policy.precision={precision}"), "hf", parameters, shape, 80 * GIB)
     assert small.kv_cache == 64 * per_sequence  # a rollout batch of 8 x 8 at once
     vllm = generation_memory(cfg, "vllm", parameters, shape, 80 * GIB)
