@@ -48,7 +48,7 @@ What is exact and what is estimated:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -567,15 +567,10 @@ def plan_memory(
             again = _plan_devices(changed, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies)[1]
             return all(again.get(d, 0) <= per_device[d] for d in over) and any(again.get(d, 0) < per_device[d] for d in over)
 
-        pc, cluster = cfg.policy, cfg.cluster
-        more_dp = 2 * pc.dp_size  # a larger dp that leaves no rank without a sample is not one to advise
-        dp_helps = pc.train_global_batch_size // more_dp >= 1 and shrinks(_with(cfg, "policy", dp_size=more_dp))
-        nodes_help = not cluster.gpus_per_node and shrinks(_with(cfg, "cluster", num_nodes=2 * cluster.num_nodes))
         # A smaller engine share helps only where the engine's share is what is over (not the training peak) and the
         # engine still holds a sequence (lowering it while the KV budget is short contradicts raising it).
-        util = pc.generation.vllm_cfg.gpu_memory_utilization
-        util_helps = colocated and "policy GPU" in over and not engine and shrinks(_with_engine_share(cfg, util / 2))
-        advice = fit_advice(cfg, util_helps, "policy GPU" in over, dp_helps, nodes_help)
+        share_may_help = colocated and "policy GPU" in over and not engine
+        advice = fit_advice(cfg, shrinks, share_may_help, policy_over=any(d != "generation GPU" for d in over))
     advice += kv_advice(cfg, roles, device_bytes) if engine else []
     return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
 
@@ -759,49 +754,69 @@ def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> 
     return [f"{budget} or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"]
 
 
-def fit_advice(
-    cfg: Any, colocated_over: bool = False, policy_gpu_over: bool = False, dp_helps: bool = True, nodes_help: bool = False
-) -> list[str]:
-    """What to change when a device is over its memory, the cheapest first; ``colocated_over``: the GPU a colocated
-    vLLM engine shares is among them and a smaller engine share would hold less there; ``policy_gpu_over``: a policy GPU is; ``dp_helps``: a plan at twice
-    ``policy.dp_size`` holds less on the devices that are over (not on one CPU node, whose RAM every rank shares);
-    ``nodes_help``: one at twice ``cluster.num_nodes`` does (a CPU cluster's workers spread over more nodes)."""
-    pc = cfg.policy
+def fit_advice(cfg: Any, shrinks: Callable[[Any], bool], share_may_help: bool = False, policy_over: bool = True) -> list[str]:
+    """What to change when a device is over its memory, the cheapest first: only changes that ``shrinks`` (a plan of
+    the changed config holds no more on every device that is over, and less on one) says help. ``share_may_help``: the
+    GPU a colocated vLLM engine shares is over and the engine holds a sequence; ``policy_over``: a device that holds
+    policy ranks is over (LoRA, whose shrinking the plan cannot re-derive without the model, shrinks only those)."""
+    pc, cluster = cfg.policy, cfg.cluster
     advice = []
-    if colocated_over:
-        colocated = pc.generation.colocated
+    util = pc.generation.vllm_cfg.gpu_memory_utilization
+    if share_may_help and shrinks(_with_engine_share(cfg, util / 2)):
         advice.append(
-            f"lower policy.generation.vllm_cfg.gpu_memory_utilization (now {pc.generation.vllm_cfg.gpu_memory_utilization:g}): "
+            f"lower policy.generation.vllm_cfg.gpu_memory_utilization (now {util:g}): "
             "the colocated engine takes that share of policy rank 0's GPU while it generates"
         )
-        if not colocated.offload_optimizer:
+        colocated = pc.generation.colocated
+        offloaded = colocated.model_copy(update={"offload_optimizer": True})
+        if not colocated.offload_optimizer and shrinks(_with(cfg, "policy", generation=pc.generation.model_copy(update={"colocated": offloaded}))):
             advice.append("set policy.generation.colocated.offload_optimizer=true so AdamW state leaves the GPU while the engine generates")
-    if policy_gpu_over and cfg.cluster.gpus_per_node and not pc.dtensor_cfg.cpu_offload:
+    offload = pc.dtensor_cfg.model_copy(update={"cpu_offload": True})
+    if cluster.gpus_per_node and not pc.dtensor_cfg.cpu_offload and shrinks(_with(cfg, "policy", dtensor_cfg=offload, dp_size=max(2, pc.dp_size))):
         advice.append(
             "set policy.dtensor_cfg.cpu_offload=true (with more than one policy worker) to keep parameters, gradients and "
             "AdamW state in host RAM"
         )
-    if not pc.dtensor_cfg.activation_checkpointing:
+    checkpointed = pc.dtensor_cfg.model_copy(update={"activation_checkpointing": True})
+    if not pc.dtensor_cfg.activation_checkpointing and shrinks(_with(cfg, "policy", dtensor_cfg=checkpointed)):
         advice.append("set policy.dtensor_cfg.activation_checkpointing=true")
-    if not pc.logprob_chunk_size:
+    if not pc.logprob_chunk_size and shrinks(_with(cfg, "policy", logprob_chunk_size=1024)):
         advice.append("set policy.logprob_chunk_size (e.g. 1024) so logits are never materialised for every token")
+    more_dp = 2 * pc.dp_size  # a larger dp that leaves no rank without a sample is not one to advise
+    dp_helps = pc.train_global_batch_size // more_dp >= 1 and shrinks(_with(cfg, "policy", dp_size=more_dp))
     if dp_helps:
         advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices")
-    if nodes_help:
-        advice.append(f"raise cluster.num_nodes (now {cfg.cluster.num_nodes}): the workers of a node share its RAM")
-    if not pc.lora_cfg.enabled:
+    if not cluster.gpus_per_node and shrinks(_with(cfg, "cluster", num_nodes=2 * cluster.num_nodes)):
+        advice.append(f"raise cluster.num_nodes (now {cluster.num_nodes}): the workers of a node share its RAM")
+    if not pc.lora_cfg.enabled and policy_over:
         advice.append("train LoRA adapters (policy.lora_cfg.enabled=true): no full gradients or AdamW state")
     if not dp_helps:
         budgets = next((m for m in ("sequence_packing", "dynamic_batching") if getattr(pc, m).enabled), None)
         if budgets is not None:  # micro-batches are token budgets there, not row counts
             mode = getattr(pc, budgets)
-            sizes = [(f"{budgets}.{k}", getattr(mode, k)) for k in ("train_mb_tokens", "logprob_mb_tokens")]
+            sizes = [
+                (f"{budgets}.{k}", getattr(mode, k))
+                for k in ("train_mb_tokens", "logprob_mb_tokens")
+                if shrinks(_with(cfg, "policy", **{budgets: mode.model_copy(update={k: max(1, getattr(mode, k) // 2)})}))
+            ]
         else:
-            sizes = [(k, getattr(pc, k)) for k in ("train_micro_batch_size", "logprob_batch_size") if getattr(pc, k) > 1]
+            sizes = [
+                (k, getattr(pc, k))
+                for k in ("train_micro_batch_size", "logprob_batch_size")
+                if getattr(pc, k) > 1 and shrinks(_with(cfg, "policy", **{k: 1}))
+            ]
         sizes.append(("max_total_sequence_length", pc.max_total_sequence_length))
-        why = "every rank shares the node's RAM" if not cfg.cluster.gpus_per_node else "the devices over would hold no less"
+        why = "every rank shares the node's RAM" if not cluster.gpus_per_node else "the devices over would hold no less"
         advice.append(
             "lower " + " or ".join(f"policy.{k} (now {v})" for k, v in sizes) + f": a larger policy.dp_size (now {pc.dp_size}) "
             f"would not help ({why})"
+        )
+    prompts, per_prompt = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
+    at_once = min(prompts, max(1, HF_MAX_BATCH_SIZE // per_prompt))  # the HF engine's batches hold at most 256 sequences
+    if at_once > 1 and shrinks(_with(cfg, "grpo", num_prompts_per_step=at_once // 2)):
+        advice.append(
+            f"lower grpo.num_prompts_per_step (now {prompts}){f' under {at_once}' if at_once < prompts else ''}: the "
+            "generation engine holds the KV cache of "
+            f"the sequences it samples at once ({at_once} prompts x {per_prompt})"
         )
     return advice

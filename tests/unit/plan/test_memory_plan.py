@@ -20,6 +20,7 @@ from nemo_like.plan.memory import (
     ParameterSpec,
     generation_memory,
     micro_batch_tokens,
+    over_budget,
     plan_memory,
     policy_memory,
     step_estimate,
@@ -325,6 +326,24 @@ def test_raising_dp_is_advised_only_where_it_shrinks_the_device_that_is_over() -
     cfg = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf")
     fit = plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape, device_bytes=1024**2).lines()[-1]
     assert "raise policy.dp_size (now 1)" in fit and "would not help" not in fit and "cluster.num_nodes" not in fit
+
+
+def test_only_changes_that_shrink_the_device_that_is_over_are_advised() -> None:
+    """An HF engine on its own GPU the only device over: LoRA and smaller training micro-batches were advised (each
+    leaves that GPU as it is, LoRA even grows nothing but the policy's), and a smaller rollout batch, what helps, was not."""
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    long = ["policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=4000", "policy.logprob_chunk_size=256"]
+    small = ["policy.train_micro_batch_size=1", "policy.logprob_batch_size=1", "policy.dtensor_cfg.activation_checkpointing=true"]
+    cfg = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=64", *long, *small)
+    memory = plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape, device_bytes=1.5 * GIB)
+    assert list(over_budget(memory.per_device, 1.5 * GIB)) == ["generation GPU"]
+    fit = memory.lines()[-1]
+    assert "lower grpo.num_prompts_per_step (now 64) under 32: the generation engine holds the KV cache" in fit
+    assert "lower policy.max_total_sequence_length (now 4096)" in fit
+    for useless in ("lora_cfg", "train_micro_batch_size", "logprob_batch_size", "cpu_offload", "raise policy.dp_size"):
+        assert useless not in fit, useless
+    halved = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=16", *long, *small)
+    assert plan_memory(halved, decide_run_plan(halved, (), 2), params, shape).per_device["generation GPU"] < memory.per_device["generation GPU"]
 
 
 def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples_at_once() -> None:
