@@ -769,10 +769,16 @@ def fit_advice(cfg: Any, shrinks: Callable[[Any], bool], share_may_help: bool = 
         )
         colocated = pc.generation.colocated
         offloaded = colocated.model_copy(update={"offload_optimizer": True})
-        if not colocated.offload_optimizer and shrinks(_with(cfg, "policy", generation=pc.generation.model_copy(update={"colocated": offloaded}))):
+        if not colocated.offload_optimizer and shrinks(
+            _with(cfg, "policy", generation=pc.generation.model_copy(update={"colocated": offloaded}))
+        ):
             advice.append("set policy.generation.colocated.offload_optimizer=true so AdamW state leaves the GPU while the engine generates")
     offload = pc.dtensor_cfg.model_copy(update={"cpu_offload": True})
-    if cluster.gpus_per_node and not pc.dtensor_cfg.cpu_offload and shrinks(_with(cfg, "policy", dtensor_cfg=offload, dp_size=max(2, pc.dp_size))):
+    if (
+        cluster.gpus_per_node
+        and not pc.dtensor_cfg.cpu_offload
+        and shrinks(_with(cfg, "policy", dtensor_cfg=offload, dp_size=max(2, pc.dp_size)))
+    ):
         advice.append(
             "set policy.dtensor_cfg.cpu_offload=true (with more than one policy worker) to keep parameters, gradients and "
             "AdamW state in host RAM"

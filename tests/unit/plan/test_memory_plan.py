@@ -343,7 +343,10 @@ def test_only_changes_that_shrink_the_device_that_is_over_are_advised() -> None:
     for useless in ("lora_cfg", "train_micro_batch_size", "logprob_batch_size", "cpu_offload", "raise policy.dp_size"):
         assert useless not in fit, useless
     halved = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=16", *long, *small)
-    assert plan_memory(halved, decide_run_plan(halved, (), 2), params, shape).per_device["generation GPU"] < memory.per_device["generation GPU"]
+    assert (
+        plan_memory(halved, decide_run_plan(halved, (), 2), params, shape).per_device["generation GPU"]
+        < memory.per_device["generation GPU"]
+    )
 
 
 def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples_at_once() -> None:
