@@ -151,6 +151,13 @@ def stop_message(cfg: MasterConfig, stop: RunInterrupted) -> str:
         saved = "no checkpoint (checkpointing.enabled=false)"
     line = f"[stop] stopped after step {stop.step} ({stop.reason.what}); {saved}; exit status {stop.reason.status}"
     if stop.checkpoint:
+        latest = find_resume_checkpoint_quietly(cfg)
+        if latest is not None and Path(latest).resolve() != Path(stop.checkpoint).resolve():  # a later one, another run's
+            return line + (
+                f"\n[stop] a rerun would resume from {latest}, not from this run's checkpoint: it is the latest in "
+                "checkpointing.checkpoint_dir (another run's). Move the other run's step_* directories away, or copy this "
+                "run's checkpoint to a new checkpointing.checkpoint_dir, before resuming"
+            )
         return line + f"\n[stop] resume with: {resume_command(cfg)}"
     if cfg.checkpointing.enabled:
         return line + "\n[stop] a rerun starts from step 0"

@@ -234,6 +234,21 @@ def test_a_stop_without_a_checkpoint_says_checkpointing_is_off_only_when_it_is(t
     assert "no checkpoint (checkpointing.enabled=false)" in train_module.stop_message(off, stop)
 
 
+def test_a_stop_whose_checkpoint_is_not_the_latest_prints_no_resume_command(tmp_path):
+    """A checkpointing.resume=false run beside another run's later checkpoints: its stop message named its own step_20
+    and printed a command that resumed from the other run's step_100 (a resume takes the latest)."""
+    for step in (80, 100):
+        checkpoint(tmp_path, step)
+    own = checkpoint(tmp_path, 20)
+    cfg = load_config(RECIPE, ["checkpointing.enabled=true", "checkpointing.resume=false", f"checkpointing.checkpoint_dir={tmp_path}"])
+    message = train_module.stop_message(cfg, RunInterrupted(StopReason("SIGTERM", 143), 20, str(own.path)))
+    assert f"checkpoint {own.path}" in message and "resume with" not in message
+    assert f"a rerun would resume from {tmp_path / 'step_100'}, not from this run's checkpoint" in message
+    latest = checkpoint(tmp_path, 120)  # the run's own checkpoint is the latest: the command resumes it
+    message = train_module.stop_message(cfg, RunInterrupted(StopReason("SIGTERM", 143), 120, str(latest.path)))
+    assert "[stop] resume with: " in message and message.endswith("checkpointing.resume=true")
+
+
 def test_a_resumed_runs_tensorboard_hides_the_steps_it_redoes(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
