@@ -61,12 +61,7 @@ INCOMPATIBLE_KEYS = (
     "data.validation.split_fraction",
     "loss_fn.reference_policy_kl_penalty",
     "grpo.async_grpo.enabled",  # an async checkpoint holds a replay buffer and a data position ahead of training
-    # A LoRA checkpoint holds adapters of this shape on these modules (a full one holds every weight).
-    "policy.lora_cfg.enabled",
-    "policy.lora_cfg.dim",
-    "policy.lora_cfg.alpha",
-    "policy.lora_cfg.target_modules",
-    "policy.lora_cfg.exclude_modules",
+    "policy.lora_cfg.enabled",  # a LoRA checkpoint holds adapters, a full one every weight
 )
 
 
@@ -116,13 +111,20 @@ ASYNC_INCOMPATIBLE_KEYS = (
 )
 
 
+# Keys a LoRA checkpoint depends on: it holds adapters of this shape on these modules. Without LoRA (then on both
+# sides: ``policy.lora_cfg.enabled`` is pinned) they have no effect, and the config loader says so.
+LORA_INCOMPATIBLE_KEYS = tuple(f"policy.lora_cfg.{key}" for key in ("dim", "alpha", "target_modules", "exclude_modules"))
+
+
 def incompatible_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``key: saved -> current`` for each incompatible key that differs (learning rate, step limit
     and logging changes are allowed); an async checkpoint also holds its replay buffer's samples
-    (:data:`ASYNC_INCOMPATIBLE_KEYS`)."""
+    (:data:`ASYNC_INCOMPATIBLE_KEYS`), a LoRA one its adapters (:data:`LORA_INCOMPATIBLE_KEYS`)."""
     diffs = []
     async_saved = bool(_select(saved, "grpo.async_grpo.enabled"))
-    for key in (*INCOMPATIBLE_KEYS, *(ASYNC_INCOMPATIBLE_KEYS if async_saved else ())):
+    lora_saved = bool(_select(saved, "policy.lora_cfg.enabled"))
+    keys = (*INCOMPATIBLE_KEYS, *(ASYNC_INCOMPATIBLE_KEYS if async_saved else ()), *(LORA_INCOMPATIBLE_KEYS if lora_saved else ()))
+    for key in keys:
         a, b = _select(saved, key), _select(current, key)
         if a != b:
             diffs.append(f"{key}: {a!r} -> {b!r}")

@@ -210,6 +210,19 @@ def test_an_async_checkpoints_buffer_pins_its_bound_and_sampling_settings_and_a_
     assert incompatible_differences(config(False), config(False, age=3, temperature=0.6)) == []
 
 
+def test_a_lora_checkpoint_pins_its_adapters_shape_and_a_full_one_does_not():
+    """A full fine-tuning checkpoint was refused over policy.lora_cfg.dim / target_modules, keys the config loader
+    itself warns have no effect with LoRA off."""
+
+    def config(enabled: bool, dim: int = 8, targets: list[str] | None = None) -> dict:
+        return {"policy": {"lora_cfg": {"enabled": enabled, "dim": dim, "alpha": 16, "target_modules": targets, "exclude_modules": None}}}
+
+    assert incompatible_differences(config(False), config(False, dim=4, targets=["q_proj"])) == []
+    assert incompatible_differences(config(True), config(True, dim=4)) == ["policy.lora_cfg.dim: 8 -> 4"]
+    assert incompatible_differences(config(True), config(True, targets=["q_proj"])) == ["policy.lora_cfg.target_modules: None -> ['q_proj']"]
+    assert incompatible_differences(config(False), config(True)) == ["policy.lora_cfg.enabled: False -> True"]
+
+
 def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()
