@@ -15,6 +15,7 @@ import yaml
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import WorkerFailure
+from nemo_like.experience.async_rollouts import BUFFER_FILE
 from nemo_like.models.policy.checkpoints import checkpoint_files
 from nemo_like.utils.checkpoint import (
     CheckpointError,
@@ -116,7 +117,10 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
             + "; ".join(diffs)
             + ". Use another checkpointing.checkpoint_dir or set checkpointing.resume=false."
         )
-    missing = [f for f in (*checkpoint_files(cfg.policy.lora_cfg.enabled), WORKER_RNG_FILE) if not (checkpoint.path / f).is_file()]
+    expected = (*checkpoint_files(cfg.policy.lora_cfg.enabled), WORKER_RNG_FILE)
+    if cfg.grpo.async_grpo.enabled:  # the same on both sides (pinned above): an async checkpoint holds its replay buffer
+        expected += (BUFFER_FILE,)
+    missing = [f for f in expected if not (checkpoint.path / f).is_file()]
     if missing:  # before any actor starts (a partial copy of the directory, a file removed by hand)
         raise CheckpointError(f"Checkpoint {checkpoint.path} is incomplete: no {', '.join(missing)}. {MOVE_IT_AWAY}")
     if checkpoint.step > cfg.grpo.max_num_steps:  # the loop would train nothing and exit 0

@@ -219,7 +219,9 @@ def test_a_lora_checkpoint_pins_its_adapters_shape_and_a_full_one_does_not():
 
     assert incompatible_differences(config(False), config(False, dim=4, targets=["q_proj"])) == []
     assert incompatible_differences(config(True), config(True, dim=4)) == ["policy.lora_cfg.dim: 8 -> 4"]
-    assert incompatible_differences(config(True), config(True, targets=["q_proj"])) == ["policy.lora_cfg.target_modules: None -> ['q_proj']"]
+    assert incompatible_differences(config(True), config(True, targets=["q_proj"])) == [
+        "policy.lora_cfg.target_modules: None -> ['q_proj']"
+    ]
     assert incompatible_differences(config(False), config(True)) == ["policy.lora_cfg.enabled: False -> True"]
 
 
@@ -322,6 +324,22 @@ def test_resume_refuses_an_incomplete_a_damaged_or_a_too_late_checkpoint_naming_
                               "policy.lora_cfg.enabled=true"], warn=False)  # fmt: skip
     with pytest.raises(CheckpointError, match=r"incompatible config; differing keys: policy.lora_cfg.enabled"):
         find_resume_checkpoint(lora)
+    # An async checkpoint without its replay buffer: refused here, before the metrics are trimmed and the actors start
+    # (it was refused only once every actor had started and the weights were loaded)
+    overrides = [
+        "checkpointing.enabled=true",
+        f"checkpointing.checkpoint_dir={ck}",
+        "grpo.max_num_steps=9",
+        "grpo.async_grpo.enabled=true",
+        "loss_fn.use_importance_sampling_correction=true",
+    ]
+    run_async = load_config(None, overrides, warn=False)
+    CheckpointManager(ck).save(5, lambda tmp: [(tmp / n).parent.mkdir(parents=True, exist_ok=True) or (tmp / n).write_bytes(b"") for n in files],
+                               {"metrics": {}, "step": 5}, run_async.model_dump(mode="json"))  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"step_5 is incomplete: no replay_buffer.pt\. Move it away"):
+        find_resume_checkpoint(run_async)
+    (ck / "step_5" / "replay_buffer.pt").write_bytes(b"")
+    assert find_resume_checkpoint(run_async).step == 5
 
 
 def test_a_policy_worker_that_dies_while_saving_restarts_the_run(tmp_path):
