@@ -23,7 +23,14 @@ from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
 from nemo_like.models.engines import build_generation
 from nemo_like.models.generation.hf import HFGeneration
-from nemo_like.models.loading import check_context_length, check_stop_token_ids, end_of_sequence_ids, load_tokenizer, resolve_model_path
+from nemo_like.models.loading import (
+    check_chunkable_head,
+    check_context_length,
+    check_stop_token_ids,
+    end_of_sequence_ids,
+    load_tokenizer,
+    resolve_model_path,
+)
 from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 from nemo_like.plan.run_plan import RunPlan
@@ -170,6 +177,9 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None)
     for name in cfg.teacher.models():  # a teacher with another tokenizer fails here, before any actor starts
         check_teacher_tokenizer(tokenizer, cfg.policy.model_name, _driver_tokenizer(cfg.teacher_config(name), "teacher"), name)
     check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)  # before any actor starts
+    check_chunkable_head(cfg.policy.model_name, cfg.policy.logprob_chunk_size)
+    for name in cfg.teacher.models():  # the teachers' passes (and the KL term's copy) chunk their heads as the policy's
+        check_chunkable_head(name, cfg.policy.logprob_chunk_size, "teacher.model_name" if name == cfg.teacher.model_name else "teacher.by_task")
     check_stop_token_ids(cfg.policy.model_name, cfg.policy.generation.stop_token_ids)
     if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
         check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)

@@ -251,6 +251,36 @@ def check_context_length(model_name: str, length: int, key: str = "policy.max_to
         )
 
 
+#: Config fields with which a model's forward post-processes its output head's logits (Gemma 2's soft-capping,
+#: Granite's division, Cohere's scale), with the value that leaves them as they are.
+HEAD_POSTPROCESSING = {"final_logit_softcapping": None, "logits_scaling": 1.0, "logit_scale": 1.0}
+
+
+def head_postprocessing(model_name: str) -> list[str]:
+    """``field=value`` of each :data:`HEAD_POSTPROCESSING` field the model's config sets to a value that changes the
+    logits its forward returns (a LoRA checkpoint: its base model's)."""
+    config = model_config(model_name).get_text_config()
+    found = []
+    for field, neutral in HEAD_POSTPROCESSING.items():
+        value = getattr(config, field, neutral)
+        if value is not None and value != neutral:
+            found.append(f"{field}={value}")
+    return found
+
+
+def check_chunkable_head(model_name: str, chunk_size: int | None, key: str = "policy.model_name") -> None:
+    """A :class:`ConfigError` when ``policy.logprob_chunk_size`` is set for a model whose forward post-processes its
+    head's logits: the chunked path computes the logprobs from the head's own product (it replaces the head), so they
+    would be those of another distribution than the one the model samples from, and the model's post-processing would
+    then be applied to them once more."""
+    if chunk_size and (fields := head_postprocessing(model_name)):
+        raise ConfigError(
+            f"policy.logprob_chunk_size={chunk_size} cannot serve {key}={model_name!r}: its forward post-processes the "
+            f"output head's logits ({', '.join(fields)} in its config.json), which the chunked path would leave out. "
+            "Set policy.logprob_chunk_size=null"
+        )
+
+
 def model_vocab_size(model_name: str) -> int | None:
     """The rows of the model's embedding and output head (``vocab_size`` in its config.json; a LoRA checkpoint: its
     base model's): every id below it can be sampled, the padding rows past the tokenizer's ids too (Qwen2.5: 151,936

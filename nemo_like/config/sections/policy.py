@@ -218,7 +218,8 @@ class PolicyConfig(Section):
         None,
         gt=0,
         description="Compute logprobs (and the loss's logprobs) from hidden states in chunks of this many positions, never holding "
-        "the full [tokens, vocab] logits; null computes the full logits at once.",
+        "the full [tokens, vocab] logits; null computes the full logits at once. Refused for a model whose forward "
+        "post-processes its head's logits (Gemma 2's soft-capping, Granite, Cohere).",
     )
     shared_prompt_forward: Literal["auto", True, False] = Field(
         "auto",

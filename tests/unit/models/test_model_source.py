@@ -124,6 +124,49 @@ def test_a_sequence_longer_than_the_models_positions_is_a_config_error_naming_th
     assert model_context_length(str(adapter)) == 1024
 
 
+def test_chunked_logprobs_are_refused_for_a_model_that_post_processes_its_head_logits(tmp_path) -> None:
+    """Gemma 2 soft-caps its logits in its forward (Granite divides them, Cohere scales them): the chunked path, which
+    replaces the head, scored the uncapped distribution and then had the cap applied to its logprobs (1.8 nats off the
+    sampler's on a tiny Gemma 2); now such a model with policy.logprob_chunk_size set is refused before any actor."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from nemo_like.algorithms.setup import setup_grpo
+    from nemo_like.config import load_config
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.chunked_logprobs import chunked_token_logprobs
+    from nemo_like.models.loading import check_chunkable_head, head_postprocessing, load_tokenizer
+    from nemo_like.models.processed_logprobs import SamplingDistribution
+
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(0)
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=len(tokenizer), final_logit_softcapping=2.0, **shape)).eval()
+    gemma.save_pretrained(tmp_path / "gemma")
+    tokenizer.save_pretrained(tmp_path / "gemma")
+    ids = torch.tensor([[5, 9, 30, 7, 12]])
+    with torch.no_grad():  # why: the head's own product is not the distribution the model's forward returns
+        gemma.lm_head.weight.mul_(30.0)  # logits of several nats, where the cap bites (random init gives ~0.1)
+        full = torch.log_softmax(gemma(input_ids=ids).logits[:, :-1].double(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        hidden = gemma.model(input_ids=ids).last_hidden_state
+        chunked, _ = chunked_token_logprobs(hidden, gemma.lm_head.weight, None, ids, SamplingDistribution(), 2)
+    assert (chunked[:, 1:].double() - full).abs().max() > 0.1
+    assert head_postprocessing(str(tmp_path / "gemma")) == ["final_logit_softcapping=2.0"]
+    assert head_postprocessing(EMBEDDED_MODEL) == []
+    check_chunkable_head(str(tmp_path / "gemma"), None)  # the full path applies the cap: nothing to refuse
+    check_chunkable_head(EMBEDDED_MODEL, 64)
+    message = r"policy.logprob_chunk_size=64 cannot serve policy.model_name=.*final_logit_softcapping=2.0.*logprob_chunk_size=null"
+    with pytest.raises(ConfigError, match=message):  # a run: before Ray or any actor
+        setup_grpo(
+            load_config(
+                None, [f"policy.model_name={tmp_path / 'gemma'}", "policy.logprob_chunk_size=64", f"logger.log_dir={tmp_path / 'logs'}"]
+            )
+        )
+    with pytest.raises(ConfigError, match=r"cannot serve teacher.model_name="):
+        overrides = [f"teacher.model_name={tmp_path / 'gemma'}", "policy.logprob_chunk_size=64", f"logger.log_dir={tmp_path / 'logs'}"]
+        setup_grpo(load_config(None, overrides))
+
+
 def test_stop_settings_no_engine_can_honour_are_config_errors_naming_the_key(tmp_path) -> None:
     """An empty stop string cut every response to its first token; a stop id outside the vocabulary never fired on the
     inline and HF samplers (vLLM refused it at the first step). Each is refused before any actor starts."""
