@@ -179,7 +179,9 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None)
     check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)  # before any actor starts
     check_chunkable_head(cfg.policy.model_name, cfg.policy.logprob_chunk_size)
     for name in cfg.teacher.models():  # the teachers' passes (and the KL term's copy) chunk their heads as the policy's
-        check_chunkable_head(name, cfg.policy.logprob_chunk_size, "teacher.model_name" if name == cfg.teacher.model_name else "teacher.by_task")
+        check_chunkable_head(
+            name, cfg.policy.logprob_chunk_size, "teacher.model_name" if name == cfg.teacher.model_name else "teacher.by_task"
+        )
     check_stop_token_ids(cfg.policy.model_name, cfg.policy.generation.stop_token_ids)
     if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
         check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
