@@ -43,10 +43,12 @@ def sequence_logprobs_with_outside(
     """Forward ``model`` on right-padded sequences: ``[B, S]`` token logprobs under ``dist`` and the
     ``[B, S]`` flags of tokens outside the sampler's kept set (both 0 at padding and position 0).
     ``chunk_size``: compute them from the hidden states ``chunk_size`` positions at a time (see
-    :mod:`nemo_like.models.chunked_logprobs`); ``None`` materialises the full logits."""
+    :mod:`nemo_like.models.chunked_logprobs`); ``None`` materialises the full logits. A token is scored only after a
+    real one (a left-padded row's first token, predicted from padding, is 0 as position 0 is)."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     lp, outside = model_token_logprobs_with_outside(model, input_ids, attention_mask, position_ids, dist, chunk_size)
-    valid = attention_mask.bool()
+    real = attention_mask.bool()
+    valid = real & torch.nn.functional.pad(real[:, :-1], (1, 0), value=False)
     return lp * valid, outside & valid
 
 

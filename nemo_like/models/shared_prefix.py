@@ -248,6 +248,8 @@ def shared_prefix_token_logprobs(
     or ``share=False``: nothing shared)."""
     from nemo_like.models.chunked_logprobs import ChunkedTokenLogprobs
 
+    if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):  # a real token after padding: not right-padded
+        raise ValueError("shared_prefix_token_logprobs needs right-padded rows (a real token follows padding in a row)")
     lengths = attention_mask.long().sum(-1).tolist()
     layout = flat_layout(input_ids, attention_mask, prompt_lengths(token_mask, lengths), share)
     device = input_ids.device

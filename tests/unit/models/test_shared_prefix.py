@@ -102,6 +102,22 @@ def test_without_a_token_mask_nothing_is_shared_and_the_result_is_the_same():
     assert computed == int(batch["attention_mask"].sum())
 
 
+def test_a_left_padded_row_scores_no_token_from_padding_and_the_shared_forward_refuses_it():
+    """Both forwards take right-padded rows. A left-padded row's first real token was scored from a padding position
+    (a garbage logprob, kept); it is now 0, as position 0 is, and the shared-prompt forward refuses the layout."""
+    model, dist = qwen2(), SamplingDistribution()
+    row = torch.tensor([[7, 12, 30, 4, 9]])
+    right, _ = sequence_logprobs_with_outside(
+        model, torch.cat([row, torch.zeros(1, 2, dtype=torch.long)], 1), torch.tensor([[1] * 5 + [0] * 2]), dist
+    )
+    left_ids, left_mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), row], 1), torch.tensor([[0] * 2 + [1] * 5])
+    left, _ = sequence_logprobs_with_outside(model, left_ids, left_mask, dist)
+    assert left[0, :3].tolist() == [0.0, 0.0, 0.0] and right[0, 0] == 0.0
+    torch.testing.assert_close(left[0, 3:], right[0, 1:5], atol=1e-5, rtol=0)  # the same tokens, the same context
+    with pytest.raises(ValueError, match="needs right-padded rows"):
+        shared_prefix_token_logprobs(model, left_ids, left_mask, None, dist)
+
+
 def test_bfloat16_follows_the_models_own_forward():
     model, batch = qwen2(torch.bfloat16), grpo_like_batch()
     dist = SamplingDistribution()
