@@ -200,6 +200,14 @@ class Renderer:
         if self._anchor is not None and not self._continues_exactly():
             self._rest_backend = self._exact_continuation_backend()
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token decodes to: its longest vocabulary entry's spelling (a byte-level
+        token spells each byte as one character, a SentencePiece one its ``▁`` as the space it decodes to, a byte-fallback
+        piece more characters than its byte), plus one for a word-start space a decoder may add. A text longer than
+        ``n`` times this holds more than ``n`` tokens, whatever they are."""
+        return max((len(token) for token in self.tokenizer.get_vocab()), default=1) + 1
+
     def tokenize(self, text: str) -> list[int]:
         """The ids of ``text`` (special-token markup included, no added BOS/EOS)."""
         direct = self._direct

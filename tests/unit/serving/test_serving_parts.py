@@ -196,6 +196,27 @@ def test_malformed_messages_are_400_naming_the_message(renderer, messages, param
     assert error.value.status == 400 and error.value.param == param
 
 
+def test_a_prompt_longer_than_the_context_can_spell_is_refused_before_it_is_tokenised(scripted_service):
+    """A 4 MB prompt took the server's tokeniser ~7 s to find too long. A text longer than max_context times the
+    longest token's spelling holds more tokens than the context, whatever they are: refused without tokenising."""
+    service, _ = scripted_service(["ok"] * 3)
+    bound = service.limits.max_context * service.renderer.max_token_chars
+    spellings = [len(service.renderer.decode([i])) for i in range(len(service.renderer.tokenizer))]
+    assert max(spellings) < service.renderer.max_token_chars  # a bound on every token's decoded text
+    tokenised: list[int] = []
+    tokenize = service.renderer.tokenize
+    service.renderer.tokenize = lambda text: tokenised.append(len(text)) or tokenize(text)
+    for body, param in [({"messages": [{"role": "user", "content": "x" * bound}]}, "messages"), ({"prompt": "x" * (bound + 1)}, "prompt")]:
+        request = (ChatCompletionRequest if param == "messages" else CompletionRequest)(model="policy", **body)
+        with pytest.raises(ServingError) as error:
+            asyncio.run(service.chat(request, None) if param == "messages" else service.complete(request, None))
+        assert (error.value.code, error.value.param) == ("context_length_exceeded", param)
+        assert "more than 512 tokens can spell" in error.value.message
+    assert tokenised == []
+    served_chat(service, None, messages=[{"role": "user", "content": "x" * 100}])  # an ordinary prompt is tokenised
+    assert tokenised
+
+
 def test_request_checks_and_sampling_settings():
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}], temperature=0, top_k=-1, stop="x")
     params = chat.sampling_params(max_new_tokens=8)
