@@ -147,7 +147,9 @@ class Source:
     def label(self) -> str:
         """How errors name this source."""
         if self.data_path:
-            return self.data_path + (f" (split {self.split!r})" if self.split and Path(self.data_path).is_dir() else "")
+            if Path(self.data_path).is_dir():  # rows are numbered across its files, in the order datasets reads them
+                return self.data_path + (f" (split {self.split!r}" if self.split else " (") + "; its files' rows in file-name order)"
+            return self.data_path
         return f"hub dataset {self.hub_id!r}" + (f" config {self.config!r}" if self.config else "") + f" split {self.split!r}"
 
 
