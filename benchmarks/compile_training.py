@@ -56,16 +56,15 @@ def time_policy_worker(model_dir: str, ids: torch.Tensor, steps: int, threads: i
     from recipe_runs import quiet_config
 
     from nemo_like.algorithms.loss_functions import ClippedPGLossFn
-    from nemo_like.models.policy.policy import batching_plan
+    from nemo_like.models.policy.spec import PolicyWorkerSpec
     from nemo_like.models.policy.worker import PolicyWorker
 
-    cfg = quiet_config(tempfile.gettempdir(), [f"policy.model_name={model_dir}", "loss_fn.reference_policy_kl_penalty=0"])
-    pc = cfg.policy
-    worker = PolicyWorker(
-        0, 1, model_dir, "float32", 1.0, threads, 0, loss_fn=ClippedPGLossFn(cfg.loss_fn), optimizer=pc.optimizer,
-        max_grad_norm=pc.max_grad_norm, dtensor_cfg=pc.dtensor_cfg.model_dump(), batching=batching_plan(pc, 32),
-        shared_prompt_forward=shared_prompt_forward,
-    )  # fmt: skip
+    overrides = [
+        f"policy.model_name={model_dir}", "loss_fn.reference_policy_kl_penalty=0", "policy.train_micro_batch_size=32",
+        f"policy.train_global_batch_size={ids.shape[0]}", f"policy.shared_prompt_forward={str(shared_prompt_forward).lower()}",
+    ]  # fmt: skip
+    cfg = quiet_config(tempfile.gettempdir(), overrides)
+    worker = PolicyWorker(0, 1, PolicyWorkerSpec.from_config(cfg, True, ClippedPGLossFn(cfg.loss_fn), threads))  # as a run builds it
     token_mask = torch.zeros(ids.shape)
     token_mask[:, -64:] = 1
     batch = {

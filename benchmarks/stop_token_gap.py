@@ -10,6 +10,7 @@ least likely other token, in nats.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -44,4 +45,6 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["W1", "W2"])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", nargs="*", choices=sorted(vs_trl.WORKLOADS), default=["W1", "W2"])
+    main(parser.parse_args().workloads)
