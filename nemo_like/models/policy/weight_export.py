@@ -96,7 +96,7 @@ class WeightExport:
         if sharding.is_sharded(self.model):
             tensors = sharding.iter_full_tensors(self.model, keep=self.rank == 0)
         else:  # the parameters themselves: one copy, straight into the buffer
-            tensors = ((name, t.detach()) for name, t in self.model.state_dict(keep_vars=True).items())
+            tensors = self._named_state()
         tensors = list(self._in_engine_dtype(tensors))
         if self.rank != 0:
             return None
@@ -145,7 +145,15 @@ class WeightExport:
 
     def _engine_state(self) -> dict[str, torch.Tensor]:
         """Every state-dict tensor in the engine's dtype (the parameters themselves when the dtypes agree)."""
-        return dict(self._in_engine_dtype((k, v.detach()) for k, v in self.model.state_dict().items()))
+        return dict(self._in_engine_dtype(self._named_state()))
+
+    def _named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of the unsharded model's state dict, detached once per tensor: a tied weight (the
+        embedding and the LM head) is one tensor under both names, so :func:`cast_once` casts it, and the transports
+        write and count it, once (a detach per name made two tensor objects of it, which ``id()`` told apart)."""
+        detached: dict[int, torch.Tensor] = {}
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            yield name, detached.setdefault(id(tensor), tensor.detach())
 
     def weight_manifest(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """``(name, dtype, shape)`` of every tensor :meth:`broadcast_weights` sends, in order."""

@@ -96,7 +96,19 @@ def test_refit_tensors_travel_in_the_engine_dtype():
     # Tied weights (the embedding and the LM head) stay one tensor after the cast: bf16 sent and counted them twice.
     assert worker.model.lm_head.weight is worker.model.model.embed_tokens.weight
     assert buckets["lm_head.weight"] is buckets["model.embed_tokens.weight"]
+    engine = worker._engine_state()  # the CUDA-IPC and NCCL refits' source: a detach per name made two bf16 copies
+    assert engine["lm_head.weight"] is engine["model.embed_tokens.weight"]
     fp32 = make_worker("float32")
+    fp32_engine = fp32._engine_state()
+    assert fp32_engine["lm_head.weight"] is fp32_engine["model.embed_tokens.weight"]
+    shared = fp32.export_shared_weights(fresh=True)  # the one-node CPU refit (dp 1): the parameters into /dev/shm
+    try:
+        parameter_bytes = sum(p.numel() * p.element_size() for p in fp32.model.parameters())  # the tied one once
+        assert shared.nbytes == parameter_bytes  # what performance/refit_bytes reports
+        offsets = {e.name: e.offset for e in shared.entries}
+        assert offsets["lm_head.weight"] == offsets["model.embed_tokens.weight"]
+    finally:
+        fp32.release_shared_weights()
     assert all(t.dtype == torch.float32 for _, t in fp32._refit_tensors("full", keep=True))
 
 

@@ -41,7 +41,8 @@ def test_layout_aligns_every_tensor():
 
 
 def test_a_tied_weight_is_written_and_counted_once():
-    """The embedding and the LM head (one tensor under two names) took two places in the buffer and in refit_bytes."""
+    """The embedding and the LM head (one tensor under two names) took two places in the buffer and in refit_bytes (the
+    writer given one tensor object twice; test_precision.py checks that the worker's own export hands it so)."""
     shared = torch.arange(35, dtype=torch.float32).reshape(7, 5)
     other = torch.ones(3)
     entries = layout([("embed", shared), ("x", other), ("head", shared)])
