@@ -39,6 +39,21 @@ def declared_resources(cfg: MasterConfig) -> dict[str, float]:
     return {"GPU": float(gpus)} if gpus else {}
 
 
+def idle_gpus_warning(cfg: MasterConfig, plan: RunPlan) -> str | None:
+    """A line when the recipe declares more GPUs (``cluster.num_nodes`` x ``cluster.gpus_per_node``, what a launcher
+    allocates) than the run's actors reserve: the rest would sit idle for the whole run (nothing scales
+    ``policy.dp_size`` with the nodes). ``None`` otherwise."""
+    declared = declared_resources(cfg).get("GPU", 0.0)
+    reserved = sum_resources(r.total() for r in role_requests(cfg, plan)).get("GPU", 0.0)
+    if declared <= reserved:
+        return None
+    return (
+        f"cluster.num_nodes x cluster.gpus_per_node = {declared:g} GPUs, but the run's actors reserve {reserved:g}: "
+        f"{declared - reserved:g} would stay idle. Raise policy.dp_size (now {cfg.policy.dp_size}) to use them, or "
+        "declare and allocate fewer"
+    )
+
+
 def required_resources(cfg: MasterConfig, plan: RunPlan) -> dict[str, float]:
     """The run's total request per resource: the roles' sum, at least what the recipe declares."""
     total = sum_resources(r.total() for r in role_requests(cfg, plan))

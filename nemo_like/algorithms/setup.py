@@ -12,7 +12,7 @@ from typing import Any
 from nemo_like.algorithms.distillation import Teachers, check_teacher_tokenizer
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.names import check_plugin_names
-from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus
+from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus, idle_gpus_warning
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset, validation_overlap_warning
@@ -192,6 +192,8 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None)
     eos_ids = end_of_sequence_ids(tokenizer, cfg.policy.model_name)  # the tokenizer's and the generation config's
     plan = plan_on_cluster(cfg, tuple(eos_ids))
     ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts
+    if idle := idle_gpus_warning(cfg, plan):
+        warnings.warn(idle, RuntimeWarning, stacklevel=2)
     agent_settings = load_agents(env_specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
     mode = init_ray(cfg.cluster)
     if ray_started is not None:

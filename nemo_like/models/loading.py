@@ -121,7 +121,7 @@ def check_model_source(name: str, key: str) -> None:
         why = f"the machine is offline: {detail}"
     raise ConfigError(
         f"{key}={name!r} is a Hugging Face hub id, but {why} and the model is not in the local cache ({cache}). "
-        f"Download it where there is network (`huggingface-cli download {name} --local-dir DIR`) and set {key}=DIR "
+        f"Download it where there is network (`hf download {name} --local-dir DIR`) and set {key}=DIR "
         "(a local directory path), or fill the cache (HF_HOME) and keep HF_HUB_OFFLINE=1"
     )
 

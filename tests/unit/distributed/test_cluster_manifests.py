@@ -59,7 +59,21 @@ def test_the_rayjob_example_is_a_valid_kuberay_v1_rayjob(validator: jsonschema.V
     entrypoint = manifest["spec"]["entrypoint"]
     workers = manifest["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     gpus = sum(g["replicas"] * int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) for g in workers)
-    assert "cluster.num_nodes=2" in entrypoint and "cluster.gpus_per_node=8" in entrypoint and gpus == 2 * 8
+    assert "cluster.num_nodes=1" in entrypoint and "cluster.gpus_per_node=8" in entrypoint and gpus == 1 * 8
+    # The run the entrypoint starts reserves every GPU the manifest allocates (2 replicas for a recipe that reserves 8
+    # left a whole node idle) and reads its recipe from the directory it cds to (the prompt file is relative to it).
+    from nemo_like.algorithms.roles import idle_gpus_warning, role_requests
+    from nemo_like.config import load_config
+    from nemo_like.distributed.capacity import sum_resources
+    from nemo_like.plan.run_plan import decide_run_plan
+
+    command = entrypoint.split("nemo-like train --config ", 1)[1].split()
+    assert entrypoint.startswith("cd /app && ") and not command[0].startswith("/")
+    cfg = load_config(str(Path(__file__).resolve().parents[3] / command[0]), command[1:], warn=False)
+    plan = decide_run_plan(cfg, (), 64)
+    assert sum_resources(r.total() for r in role_requests(cfg, plan))["GPU"] == gpus and idle_gpus_warning(cfg, plan) is None
+    two = load_config(str(Path(__file__).resolve().parents[3] / command[0]), [*command[1:], "cluster.num_nodes=2"], warn=False)
+    assert "16 GPUs, but the run's actors reserve 8: 8 would stay idle" in idle_gpus_warning(two, decide_run_plan(two, (), 64))
 
 
 @pytest.mark.parametrize(
