@@ -11,6 +11,7 @@ from __future__ import annotations
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, sum_resources
 from nemo_like.distributed.worker_group import RoleResources
+from nemo_like.environments.registry import ENVIRONMENTS
 from nemo_like.environments.worker import environment_resources
 from nemo_like.experience.async_rollouts import async_actor_resources
 from nemo_like.models.engines import generation_resources
@@ -52,6 +53,29 @@ def idle_gpus_warning(cfg: MasterConfig, plan: RunPlan) -> str | None:
         f"{declared - reserved:g} would stay idle. Raise policy.dp_size (now {cfg.policy.dp_size}) to use them, or "
         "declare and allocate fewer"
     )
+
+
+#: Environments that load a model of their own in their actors (or in engines they start), which the memory plan
+#: does not count.
+MODEL_ENVIRONMENTS = {"reward_model": "the reward model", "judge": "the judge model"}
+
+
+def unplanned_model_lines(cfg: MasterConfig) -> list[str]:
+    """One line per reward model or judge the run's environments load (a task's own, or a composite's source): the
+    memory plan counts the policy, reference, teachers and generation only."""
+    lines = []
+    for task, section in cfg.env_sections.items():
+        settings = section.model_dump(by_alias=True) if hasattr(section, "model_dump") else dict(section)
+        kind = section.env_class or task
+        sources = {f"env.{task}": (kind, settings)}
+        if kind == "composite":
+            sources = {f"env.{task}.sources.{n}": (src.get("class", n), src) for n, src in (settings.get("sources") or {}).items()}
+        for where, (name, values) in sources.items():
+            if name in MODEL_ENVIRONMENTS:
+                config_model = ENVIRONMENTS.get(name).config_model
+                model = values.get("model_name") or config_model.model_fields["model_name"].default
+                lines.append(f"not planned: {where} loads {MODEL_ENVIRONMENTS[name]} {model!r} (its actors' memory is not counted here)")
+    return lines
 
 
 def required_resources(cfg: MasterConfig, plan: RunPlan) -> dict[str, float]:

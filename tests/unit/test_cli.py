@@ -167,3 +167,19 @@ def test_plan_of_a_multi_turn_recipe_names_the_turns_end_ids_a_run_reads(capsys)
 
     assert main(["plan", "--config", "examples/configs/grpo_multiturn_tiny_cpu.yaml"]) == 0
     assert "multi-turn: up to 2 model turns per sample, end-of-turn ids [2]" in capsys.readouterr().out
+
+
+def test_plan_names_the_reward_models_and_judges_it_does_not_count(capsys) -> None:
+    """`nemo-like plan` printed the same memory for a recipe that loads a reward model and a judge as for one that
+    loads neither, without a word."""
+    from nemo_like.cli import main
+
+    assert main(["plan", "--config", "examples/configs/grpo_tiny_rewards_cpu.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "not planned: env.arithmetic.sources.rm loads the reward model 'embedded:tiny-reward-qwen2'" in out
+    assert "not planned: env.arithmetic.sources.judge loads the judge model" in out
+    own = ["+env.arithmetic.class=reward_model"]  # its default model
+    assert main(["plan", *own]) == 0
+    assert "not planned: env.arithmetic loads the reward model 'embedded:tiny-reward-qwen2'" in capsys.readouterr().out
+    assert main(["plan"]) == 0
+    assert "not planned" not in capsys.readouterr().out
