@@ -38,6 +38,23 @@ _MAX_CODE_CHARS = 20_000
 MIN_FILE_SIZE = 8192
 
 
+
+def remove_tree(path: Path) -> None:
+    """Delete ``path`` and everything under it, also what a snippet made unwritable or unreadable in its scratch
+    directory (``os.chmod(".", 0o500)``): each directory gets its owner's permissions back before it is read, so no
+    run leaves a directory behind in the temporary directory (``shutil.rmtree`` alone gave up on it)."""
+    try:
+        os.chmod(path, 0o700)
+    except OSError:
+        return  # gone already
+    for root, dirs, _files in os.walk(path):
+        for name in dirs:
+            try:
+                os.chmod(os.path.join(root, name), 0o700, follow_symlinks=False)
+            except (OSError, NotImplementedError):
+                pass  # a link to a directory is removed as a link
+    shutil.rmtree(path, ignore_errors=True)
+
 class PythonSandbox:
     """Runs code snippets under the limits above. Construct once; each :meth:`run` is independent."""
 
@@ -67,7 +84,7 @@ class PythonSandbox:
                     for f in (out, err):
                         f.seek(0)
                         f.truncate()
-                    shutil.rmtree(scratch, ignore_errors=True)
+                    remove_tree(scratch)
                     scratch.mkdir()
                     returncode = self._spawn(code, scratch, out, err)
                 out.seek(0)
@@ -75,7 +92,7 @@ class PythonSandbox:
                 err.seek(0)
                 stderr = err.read().decode(errors="replace").strip()  # at most ~4 KB: the child caps it
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            remove_tree(work)
         if returncode == "timeout" or returncode == -signal.SIGXCPU:
             raise ToolError("timeout", f"time limit of {self.timeout_s:g} s exceeded")
         last_line = stderr.splitlines()[-1] if stderr else ""  # stripped: a non-empty one ends in a non-empty line

@@ -4,6 +4,8 @@ error observation through ToolEnvironment, and the next call still works."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -208,3 +210,28 @@ def test_a_sandbox_process_killed_from_outside_is_run_once_more(monkeypatch) -> 
     with pytest.raises(ToolError, match="status -9") as err:
         PythonSandbox().run("6 * 7")
     assert err.value.kind == "crash" and len(spawns) == 2
+
+
+REMOVE_AS_ANOTHER_USER = r"""
+import os, sys, tempfile
+from pathlib import Path
+from nemo_like.environments.tools.python_sandbox import remove_tree
+if os.geteuid() == 0:
+    os.setgid(65534); os.setuid(65534)  # root ignores permissions: run as nobody, as a non-root user does
+work = Path(tempfile.mkdtemp(prefix="nemo_like_tool_"))
+(work / "scratch" / "deep").mkdir(parents=True)
+(work / "scratch" / "deep" / "f").write_text("x")
+os.chmod(work / "scratch" / "deep", 0o500); os.chmod(work / "scratch", 0o000)  # what a snippet may do to its scratch
+remove_tree(work)
+print(work.exists())
+"""
+
+
+def test_a_scratch_dir_the_snippet_made_unwritable_is_still_removed() -> None:
+    """A snippet that took its own write (or read) permission from its scratch directory left it in /tmp:
+    ``shutil.rmtree(..., ignore_errors=True)`` gave up on it without a word."""
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", REMOVE_AS_ANOTHER_USER], cwd="/", env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
