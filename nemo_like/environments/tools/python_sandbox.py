@@ -38,7 +38,6 @@ _MAX_CODE_CHARS = 20_000
 MIN_FILE_SIZE = 8192
 
 
-
 def remove_tree(path: Path) -> None:
     """Delete ``path`` and everything under it, also what a snippet made unwritable or unreadable in its scratch
     directory (``os.chmod(".", 0o500)``): each directory gets its owner's permissions back before it is read, so no
@@ -54,6 +53,7 @@ def remove_tree(path: Path) -> None:
             except (OSError, NotImplementedError):
                 pass  # a link to a directory is removed as a link
     shutil.rmtree(path, ignore_errors=True)
+
 
 class PythonSandbox:
     """Runs code snippets under the limits above. Construct once; each :meth:`run` is independent."""
