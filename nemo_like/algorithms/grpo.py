@@ -690,9 +690,10 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                     "Lower policy.optimizer.lr or check the rewards and the data."
                 )
             control.step_finished(timer.seconds.get("validation", 0.0))
-            stop, path = control.stop_reason(validates_next=validates_at(cfg, step + 1)), None
+            saves = manager is not None and (step % cfg.checkpointing.save_period == 0 or last or control.wants_save())
+            stop, path = control.stop_reason(validates_next=validates_at(cfg, step + 1), saves_first=saves), None
             # Log first, then save: a crash in between only repeats this step's log line on resume.
-            if manager is not None and (step % cfg.checkpointing.save_period == 0 or last or stop is not None or control.wants_save()):
+            if manager is not None and (saves or stop is not None):
                 path = runner.save(manager, step, {**last_validation, **metrics})
                 saved_step = step
                 control.save_finished()

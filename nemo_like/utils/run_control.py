@@ -87,28 +87,31 @@ class RunControl:
         self.last_progress = now
 
     # -- stopping ---------------------------------------------------------------------------------------------------
-    def seconds_needed(self, validates_next: bool = False) -> float:
+    def seconds_needed(self, validates_next: bool = False, saves_first: bool = False) -> float:
         """Time to keep before the deadline: the slowest recent step plus the slowest recent save (before a save is
         measured, the slowest step stands for it), plus the slowest recent validation when the next step validates
-        (before one is measured, the slowest step stands for it), with 25% and 5 s to spare."""
+        (before one is measured, the slowest step stands for it), plus one more save when ``saves_first`` (the step
+        that just ended saves before the next one starts), with 25% and 5 s to spare."""
         step = max(self._steps, default=0.0)
         save = max(self._saves, default=step)
         validation = max(self._validations, default=step) if validates_next else 0.0
-        return 1.25 * (step + save + validation) + 5.0
+        return 1.25 * (step + save * (2 if saves_first else 1) + validation) + 5.0
 
     def wants_save(self) -> bool:
         """With a deadline, save once as soon as possible (after the first step, resumed or not) to measure a save."""
         return self.deadline is not None and not self._saves
 
-    def stop_reason(self, validates_next: bool = False) -> StopReason | None:
+    def stop_reason(self, validates_next: bool = False, saves_first: bool = False) -> StopReason | None:
         """A signal received, or a deadline that one more step (with its validation when ``validates_next``) and a save
-        would overrun; else ``None``."""
+        would overrun, counting the save the step that just ended makes first when ``saves_first`` (a periodic save:
+        going on spends it, the next step and the stop's save); else ``None``."""
         if self.requested is not None:
             return self.requested
-        needed = self.seconds_needed(validates_next)
+        needed = self.seconds_needed(validates_next, saves_first)
         if self.deadline is not None and time.time() + needed >= self.deadline:
             left = self.deadline - time.time()
             what = "a step, its validation and a save" if validates_next else "a step and a save"
+            what = f"this step's save, {what}" if saves_first else what
             return StopReason(f"checkpointing.save_before: {left:.0f}s left, {what} need {needed:.0f}s", EXIT_DEADLINE)
         return None
 

@@ -158,3 +158,55 @@ def test_the_step_before_a_validation_keeps_the_validation_in_hand_before_the_de
         logger.close()
     assert stopped.value.code == rc.EXIT_DEADLINE and stopped.value.step == 9, runner.events
     assert "validate 10" not in runner.events and clock[0] <= deadline
+
+
+class SlowSaves(FakeSteps):
+    """Steps of 60 s and saves of 120 s on a fake clock."""
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__(signal_during_save_of=None)
+        self.clock = clock
+
+    def step(self, step: int, timer: Any) -> dict[str, float]:
+        self.clock[0] += 60.0
+        return super().step(step, timer)
+
+    def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
+        self.clock[0] += 120.0
+        return super().save(manager, step, metrics)
+
+
+@pytest.mark.parametrize("slack", [1371.0, 1400.0, 1500.0])
+def test_a_step_that_saves_keeps_its_own_save_in_hand_before_the_deadline(tmp_path, monkeypatch, slack: float):
+    """checkpointing.save_period=1, saves slower than steps: the stop was decided before the step's own save, which
+    went uncounted, so going on cost that save, a step and the stop's save while only a step and a save were kept:
+    the stop checkpoint ended up to 69 s past the deadline (a Slurm job killed while writing it)."""
+    clock = [1000.0]
+    for name in ("time", "monotonic", "perf_counter"):
+        monkeypatch.setattr(time, name, lambda: clock[0])
+    overrides = [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}", "checkpointing.enabled=true",
+                 "checkpointing.save_period=1", "checkpointing.keep_top_k=null", "grpo.max_num_steps=1000", "grpo.val_at_start=false",
+                 "grpo.val_period=0", "grpo.val_at_end=false", "logger.progress_bar=false", "logger.plot_at_end=false"]  # fmt: skip
+    cfg = load_config(RECIPE, overrides)
+    for name, value in (("planned_memory_lines", []), ("flops_metrics", {}), ("throughput_metrics", {})):
+        monkeypatch.setattr(grpo, name, lambda *a, _v=value, **k: _v)
+    monkeypatch.setattr(grpo, "flops_spec", lambda *a, **k: SimpleNamespace(describe=lambda: ""))
+    monkeypatch.setattr(grpo, "resolve_model_path", lambda p: p)
+    runner = SlowSaves(clock)
+    parts = SimpleNamespace(
+        cfg=cfg,
+        policy=SimpleNamespace(take_refit_bytes=lambda: 0),
+        plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)),
+    )
+    deadline = clock[0] + slack
+    rc.activate(rc.RunControl(deadline))
+    logger = Logger(cfg.logger, cfg.grpo.max_num_steps, None)
+    try:
+        with pytest.raises(rc.RunInterrupted) as stopped:
+            grpo.run_training(parts, logger, None, runner)  # type: ignore[arg-type]
+    finally:
+        rc.activate(None)
+        logger.close()
+    assert stopped.value.code == rc.EXIT_DEADLINE and "this step's save, a step and a save need" in stopped.value.reason.what
+    assert clock[0] <= deadline, f"the stop checkpoint ended {clock[0] - deadline:.0f}s past the deadline"
+    assert runner.events[-1] == f"save {stopped.value.step}" and runner.events.count(f"save {stopped.value.step}") == 1
