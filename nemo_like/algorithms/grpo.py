@@ -649,13 +649,17 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             except DataExhausted as exc:
                 logger.progress.message(f"[done] {exc}")
                 final = step - 1  # the last step: grpo.max_num_epochs ended the run before grpo.max_num_steps
+                validated = False
                 if cfg.grpo.val_at_end and final > last_step and not validation_of(history[-1]):
                     val = runner.validate(final, StepTimer())
                     logger.log(val, final)  # a validation-only record of the last step, as step 0's is
                     history[-1].update(val)
                     last_validation = validation_of(val, final)
                     logger.progress.message(f"[step {final}] validation/accuracy={val['validation/accuracy']:.3f}")
-                if manager is not None and saved_step < final:  # the steps since the last save would be lost
+                    validated = True
+                # The steps since the last save would be lost; a step saved before its end-of-run validation is saved
+                # again with it (best-k retention and a resume read the checkpoint's validation)
+                if manager is not None and (saved_step < final or validated):
                     last_metrics = {k: v for k, v in history[-1].items() if k != "step"}
                     path = runner.save(manager, final, {**last_validation, **last_metrics})
                     logger.progress.message(f"[checkpoint] saved {path}")

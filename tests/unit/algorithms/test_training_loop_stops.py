@@ -210,3 +210,51 @@ def test_a_step_that_saves_keeps_its_own_save_in_hand_before_the_deadline(tmp_pa
     assert stopped.value.code == rc.EXIT_DEADLINE and "this step's save, a step and a save need" in stopped.value.reason.what
     assert clock[0] <= deadline, f"the stop checkpoint ended {clock[0] - deadline:.0f}s past the deadline"
     assert runner.events[-1] == f"save {stopped.value.step}" and runner.events.count(f"save {stopped.value.step}") == 1
+
+
+class EpochSteps(FakeSteps):
+    """Steps that run out of data after ``steps`` steps (grpo.max_num_epochs), saves that record their metrics."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(signal_during_save_of=None)
+        self.steps = steps
+        self.saved: dict[int, dict[str, Any]] = {}
+
+    def validate(self, step: int, timer: Any) -> dict[str, float]:
+        self.events.append(f"validate {step}")
+        return {"validation/accuracy": 0.5}
+
+    def step(self, step: int, timer: Any) -> dict[str, float]:
+        if step > self.steps:
+            raise grpo.DataExhausted("grpo.max_num_epochs=1 reached")
+        return super().step(step, timer)
+
+    def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
+        self.saved[step] = dict(metrics)
+        return super().save(manager, step, metrics)
+
+
+def test_the_last_checkpoint_of_a_run_that_ran_out_of_data_holds_its_end_of_run_validation(tmp_path, monkeypatch):
+    """grpo.max_num_epochs ended the run after a step already saved (save_period=1): its val_at_end validation was
+    logged but never reached the checkpoint, which best-k retention and a resume read."""
+    overrides = [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}", "checkpointing.enabled=true",
+                 "checkpointing.save_period=1", "grpo.max_num_steps=5", "grpo.val_at_start=false", "grpo.val_period=0",
+                 "grpo.val_at_end=true", "logger.progress_bar=false", "logger.plot_at_end=false"]  # fmt: skip
+    cfg = load_config(RECIPE, overrides)
+    for name, value in (("planned_memory_lines", []), ("flops_metrics", {}), ("throughput_metrics", {})):
+        monkeypatch.setattr(grpo, name, lambda *a, _v=value, **k: _v)
+    monkeypatch.setattr(grpo, "flops_spec", lambda *a, **k: SimpleNamespace(describe=lambda: ""))
+    monkeypatch.setattr(grpo, "resolve_model_path", lambda p: p)
+    runner = EpochSteps(2)
+    parts = SimpleNamespace(
+        cfg=cfg,
+        policy=SimpleNamespace(take_refit_bytes=lambda: 0),
+        plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)),
+    )
+    logger = Logger(cfg.logger, cfg.grpo.max_num_steps, None)
+    try:
+        grpo.run_training(parts, logger, None, runner)  # type: ignore[arg-type]
+    finally:
+        logger.close()
+    assert runner.events == ["step 1", "save 1", "step 2", "save 2", "validate 2", "save 2"]
+    assert runner.saved[2]["validation/accuracy"] == 0.5
