@@ -432,6 +432,11 @@ def reference_kl_per_token(inputs: LossInputs, cfg: ClippedPGLossConfig) -> torc
         bound = cfg.kl_input_clamp_value
         input_clamped = log_ratio.detach().abs() > bound
         log_ratio = log_ratio.clamp(-bound, bound)
+    # Past exp's range (no input clamp) k3's value is inf and its derivative too: the output clamp's zero gradient times
+    # inf made a NaN that skipped the whole step. Such a token is treated as clamped: its value detached, no gradient.
+    overflow = log_ratio.detach() > math.log(torch.finfo(log_ratio.dtype).max) - 1.0
+    log_ratio = torch.where(overflow, log_ratio.detach(), log_ratio)  # no host sync on a GPU: always
+    input_clamped = input_clamped | overflow
     # Estimators of KL(pi || pi_ref) from log_ratio = log pi_ref - log pi on tokens x ~ pi.
     kl = KL_ESTIMATORS.get(cfg.reference_policy_kl_type)(log_ratio)
     baseline = inputs.gen if cfg.use_on_policy_kl_approximation else inputs.curr.detach()

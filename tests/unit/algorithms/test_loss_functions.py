@@ -356,6 +356,14 @@ def test_kl_input_and_output_clamps_zero_the_gradient() -> None:
     _, m, grad = _run(cfg, curr, data)
     assert m["kl_penalty"] == pytest.approx((0.2 + LOG(2) - 0.5 + 0.25 - x3) / 3)
     torch.testing.assert_close(grad, _grad([[0.0, LOG(2) / 3, -x3 / 3]]))
+    # No input clamp, x = 750 past exp's range (709 in these float64 tensors, 88 in float32): k3 is inf, the output
+    # clamp takes it to 10, and the token gets no KL gradient (it was 0 x inf = NaN, a non-finite gradient norm that
+    # skipped the whole step)
+    curr, data = _batch([[-750.0, LOG(0.4)]], [[0.0] * 2], ref=[[0.0, LOG(0.5)]])
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=1.0, kl_input_clamp_value=None, kl_output_clamp_value=10.0)
+    _, m, grad = _run(cfg, curr, data)
+    assert m["kl_penalty"] == pytest.approx((10.0 + 0.25 - x3) / 2)
+    torch.testing.assert_close(grad, _grad([[0.0, -x3 / 2]]))
 
 
 def test_missing_reference_logprobs_is_a_clear_error() -> None:
