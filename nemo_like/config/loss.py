@@ -55,7 +55,7 @@ class ClippedPGLossConfig(BaseModel):
         None,
         gt=1.0,
         description=(
-            "Dual-clip constant c (> 1, typically 3). For tokens with a negative advantage the "
+            "Dual-clip constant c (> 1 + ratio_clip_max, typically 3). For tokens with a negative advantage the "
             "per-token loss is capped at -A*c, so a huge ratio cannot produce an unbounded "
             "update. None disables dual clipping."
         ),
@@ -286,7 +286,9 @@ class ClippedPGLossConfig(BaseModel):
                 "already clamped to at most 1 + ratio_clip_max and its loss is not a ratio)",
             ),
             (
-                self.ratio_clip_c is not None and self.ratio_clip_c <= 1 + self.ratio_clip_max,
+                self.ratio_clip_c is not None
+                and self.ratio_clip_c <= 1 + self.ratio_clip_max
+                and not (self.surrogate_name == "unclipped" or self.disable_ppo_ratio or self.force_on_policy_ratio),  # no effect there: warned
                 f"loss_fn.ratio_clip_c={self.ratio_clip_c} must exceed 1 + loss_fn.ratio_clip_max = {1 + self.ratio_clip_max:g}: "
                 "the dual clip would cap tokens whose ratio is still inside the PPO band (no gradient, counted as clipped)",
             ),

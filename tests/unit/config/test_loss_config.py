@@ -168,6 +168,10 @@ def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> N
             "loss_fn.truncated_importance_sampling_type is null",
         ),
         ({"loss_aggregation_normalizer": 512}, "loss_aggregation_normalizer", "loss_fn.loss_aggregation='token-mean'"),
+        # a dual clip inside the PPO band is an error where the clip runs; where it never runs it is only ineffective
+        ({"ratio_clip_c": 1.1, "disable_ppo_ratio": True}, "ratio_clip_c", "loss_fn.disable_ppo_ratio=true"),
+        ({"ratio_clip_c": 1.1, "force_on_policy_ratio": True}, "ratio_clip_c", "loss_fn.force_on_policy_ratio=true"),
+        ({"ratio_clip_c": 1.1, "surrogate": "unclipped"}, "ratio_clip_c", "loss_fn.surrogate='unclipped'"),
     ],
 )
 def test_ineffective_options_warn_instead_of_failing(kwargs: dict, ignored: str, because: str) -> None:
