@@ -288,7 +288,9 @@ class ClippedPGLossConfig(BaseModel):
             (
                 self.ratio_clip_c is not None
                 and self.ratio_clip_c <= 1 + self.ratio_clip_max
-                and not (self.surrogate_name == "unclipped" or self.disable_ppo_ratio or self.force_on_policy_ratio),  # no effect there: warned
+                and not (
+                    self.surrogate_name == "unclipped" or self.disable_ppo_ratio or self.force_on_policy_ratio
+                ),  # no effect there: warned
                 f"loss_fn.ratio_clip_c={self.ratio_clip_c} must exceed 1 + loss_fn.ratio_clip_max = {1 + self.ratio_clip_max:g}: "
                 "the dual clip would cap tokens whose ratio is still inside the PPO band (no gradient, counted as clipped)",
             ),
