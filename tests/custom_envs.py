@@ -101,3 +101,18 @@ class NanForQuestionMarks(EnvironmentInterface):
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         return [float("nan") if "?" in r else 0.0 for r in responses]
+
+
+class CountsItsOwnSamples(EnvironmentInterface):
+    """A reward of 1.0 that counts its calls under a name the run keeps for itself (``num_samples``)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        self.samples += len(responses)
+        return [1.0] * len(responses)
+
+    def metrics(self) -> dict[str, float]:
+        samples, self.samples = self.samples, 0
+        return {"num_samples": float(samples), "scored": float(samples)}

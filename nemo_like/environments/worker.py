@@ -35,6 +35,23 @@ def environment_resources(cfg: Any) -> list[RoleResources]:
     return roles
 
 
+#: Counter names the run keeps for itself under ``env/<task>/``: its reward over the trained samples and their count
+#: (``reward_sum`` would derive a ``reward`` of its own, :func:`~nemo_like.experience.rollouts.env_metrics_with_means`).
+RESERVED_COUNTERS = frozenset({"reward", "num_samples", "reward_sum"})
+
+
+def checked_counters(task: str, counters: dict[str, Any]) -> dict[str, float]:
+    """An environment's :meth:`~.interface.EnvironmentInterface.metrics` as floats; a name the run reserves is an
+    error naming it (it overwrote ``env/<task>/reward`` or ``num_samples`` with a value of other samples, silently)."""
+    clash = sorted(RESERVED_COUNTERS & set(counters))
+    if clash:
+        raise ValueError(
+            f"environment '{task}': metrics() names {clash}, which the run keeps for env/{task}/reward and "
+            f"env/{task}/num_samples; rename them (a source of a composite may use '<source>/reward_sum')"
+        )
+    return {k: float(v) for k, v in counters.items()}
+
+
 class EnvironmentWorker(Reinitializable):
     """One environment instance in a Ray actor. Checks every reward batch, and returns the environment's
     counters (:meth:`EnvironmentInterface.metrics`) with it so they belong to exactly that batch.
@@ -56,7 +73,7 @@ class EnvironmentWorker(Reinitializable):
                 f"environment '{self.task}' returned non-finite rewards for {len(bad)} of {len(responses)} responses, e.g. "
                 f"{rewards[first]} for response {_preview(responses[first])} (metadata {_preview(metadata[first])})"
             )
-        return rewards, {k: float(v) for k, v in self.env.metrics().items()}
+        return rewards, checked_counters(self.task, self.env.metrics())
 
     def step(
         self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]
@@ -73,7 +90,7 @@ class EnvironmentWorker(Reinitializable):
                 f"(metadata {_preview(metadata[i])}, last message {_preview(last)})",
             )
         steps = [as_python_numbers(step) for step in steps]
-        return steps, {k: float(v) for k, v in self.env.metrics().items()}
+        return steps, checked_counters(self.task, self.env.metrics())
 
     def close(self) -> None:
         close = getattr(self.env, "close", None)

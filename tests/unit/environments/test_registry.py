@@ -127,3 +127,13 @@ def test_a_bad_step_names_the_conversation_by_its_metadata_and_last_message() ->
     logs = [[{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": "why?"}]]
     with pytest.raises(ValueError, match=r"conversation 1 of this actor's 2 \(metadata \{'answer': 7, 'id': 'q-9'\}, last message .*why\?"):
         worker.step(logs, [{"answer": 12}, {"answer": 7, "id": "q-9"}])
+
+
+def test_a_counter_named_as_the_runs_own_env_metrics_is_refused_by_name() -> None:
+    """An environment counter 'num_samples' (or 'reward_sum', or 'reward') replaced the run's env/<task>/num_samples
+    and reward, measured over the trained samples, with its own values, silently."""
+    from nemo_like.environments.worker import EnvironmentWorker
+
+    worker = EnvironmentWorker(0, 1, "counted", "custom_envs:CountsItsOwnSamples", {})
+    with pytest.raises(ValueError, match=r"environment 'counted': metrics\(\) names \['num_samples'\], which the run keeps for env/counted"):
+        worker.score(["1", "2"], [{}, {}])
