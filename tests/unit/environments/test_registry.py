@@ -135,5 +135,7 @@ def test_a_counter_named_as_the_runs_own_env_metrics_is_refused_by_name() -> Non
     from nemo_like.environments.worker import EnvironmentWorker
 
     worker = EnvironmentWorker(0, 1, "counted", "custom_envs:CountsItsOwnSamples", {})
-    with pytest.raises(ValueError, match=r"environment 'counted': metrics\(\) names \['num_samples'\], which the run keeps for env/counted"):
+    with pytest.raises(
+        ValueError, match=r"environment 'counted': metrics\(\) names \['num_samples'\], which the run keeps for env/counted"
+    ):
         worker.score(["1", "2"], [{}, {}])
