@@ -30,13 +30,6 @@ class SwapLog:
             return True
         return False
 
-    def version_of_position(self, position: int, start_version: int) -> int:
-        version = start_version
-        for first_position, swapped_to in self.swaps:
-            if position >= first_position:
-                version = swapped_to
-        return version
-
 
 class HFGenerationWorker(Reinitializable):
     """One replica of the model used for sampling; weights are replaced by :meth:`update_weights`
@@ -85,7 +78,7 @@ class HFGenerationWorker(Reinitializable):
         start_version = self.weight_version
         swap_log = SwapLog(self)
         drawn = sample_with_params(self.model, prompts, sp, self.eos_token_ids, self.pad_token_id, seed, between_steps=swap_log)
-        return drawn.sample_dicts(prompts, start_version, lambda position: swap_log.version_of_position(position, start_version))
+        return drawn.sample_dicts(prompts, start_version, swap_log.swaps)
 
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
         """Load the policy's weights (a full state dict with tied weights, or :class:`WeightBuckets` streamed one

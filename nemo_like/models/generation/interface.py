@@ -9,6 +9,16 @@ from typing import Any, Protocol
 from nemo_like.models.refit.interface import WeightReceiver, WeightSource, export_weights  # noqa: F401 (re-exported)
 
 
+def version_at(position: int, start_version: int, changes: Sequence[tuple[int, int]]) -> int:
+    """The weight version of response position ``position`` of a sequence that started at ``start_version`` and saw
+    the in-flight refits ``changes`` ((first position the new weights produced, their version), in order)."""
+    version = start_version
+    for first_position, swapped_to in changes:
+        if position >= first_position:
+            version = swapped_to
+    return version
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings; ``greedy`` overrides temperature/top-p/top-k."""
@@ -62,6 +72,15 @@ class GeneratedSample:
     # Tokens the engine decoded for the sampled turns when more than were kept: stop strings cut after generation, so
     # the tokens past the cut cost generation time (and FLOPs) though no row holds them. None: as many as were kept.
     decoded_tokens: int | None = None
+    # The in-flight refits its tokens saw: (first response position the new weights produced, their version), in
+    # order; () none; None: not known (vLLM reports the last token's version only, ``final_weight_version``).
+    weight_version_changes: tuple[tuple[int, int], ...] | None = None
+
+    def version_at(self, position: int) -> int | None:
+        """The weight version that produced response token ``position`` (None when the engine does not say)."""
+        if self.weight_version_changes is None:
+            return None
+        return version_at(position, self.weight_version, self.weight_version_changes)
 
     @property
     def sampled_mask(self) -> list[int]:

@@ -21,13 +21,13 @@ prefill and decode, with left padding, and the sampler's logprobs against :func:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, prompt_seeds
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, prompt_seeds, version_at
 from nemo_like.models.llama_family import rms_norm_with, rotary_tables
 from nemo_like.models.llama_family import supported as fused_step_supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, sampling_keep_mask
@@ -44,10 +44,12 @@ class SampledBatch:
     lengths: list[int]
     stopped: list[bool]
 
-    def sample_dicts(self, prompts: list[list[int]], weight_version: int, final_version: Callable[[int], int] | None = None) -> list[dict]:
+    def sample_dicts(self, prompts: list[list[int]], weight_version: int, version_changes: Sequence[tuple[int, int]] = ()) -> list[dict]:
         """:class:`~.interface.GeneratedSample` fields of every row, as dicts (what the workers return over Ray).
-        ``final_version(position)``: the weight version that produced a row's last token (default: ``weight_version``)."""
+        ``version_changes``: the in-flight refits of the call ((first position the new weights produced, version)), so a
+        row's last token's version and, after a stop string's cut, the kept tokens' are known."""
         out = []
+        changes = tuple((int(first), int(version)) for first, version in version_changes)
         for i, prompt in enumerate(prompts):
             n = self.lengths[i]
             sample = GeneratedSample(
@@ -56,7 +58,8 @@ class SampledBatch:
                 response_logprobs=self.logprobs[i, :n].tolist(),
                 truncated=not self.stopped[i],
                 weight_version=weight_version,
-                final_weight_version=weight_version if final_version is None else final_version(n - 1),
+                final_weight_version=version_at(n - 1, weight_version, changes),
+                weight_version_changes=tuple(c for c in changes if c[0] < n),  # the refits this row's tokens saw
             )
             out.append(asdict(sample))
         return out

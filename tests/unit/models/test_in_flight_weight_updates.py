@@ -128,3 +128,14 @@ def test_hf_worker_swaps_weights_mid_sequence():
     assert 0 < swap < len(recorded)  # the swap happened inside the sequence
     assert matches_old[:swap].all()  # every token before it: the old weights' logprobs
     assert (recorded[swap:] - old_lp[swap:]).abs().mean() > 1e-2  # after it: other weights produced them
+    assert sample["weight_version_changes"] == ((swap, 1),)  # where the new weights began, as the logprobs show
+    # A stop string cut before the swap keeps only the old weights' tokens: the sample was not refitted mid-sequence
+    # (the cut kept the uncut sample's final version, 1, and the async refitted_mid_sequence_fraction counted it)
+    from nemo_like.experience.multi_turn import apply_stop_strings, decode_exact
+    from nemo_like.models.generation.interface import GeneratedSample
+
+    uncut = GeneratedSample(**sample)
+    for kept, version in ((swap, 0), (swap + 1, 1)):
+        cut = apply_stop_strings(tokenizer, uncut, [decode_exact(tokenizer, uncut.response_ids[:kept])])
+        assert len(cut.response_ids) == kept and cut.final_weight_version == version
+        assert cut.refitted_mid_sequence is (version == 1)

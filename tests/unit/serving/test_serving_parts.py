@@ -399,3 +399,18 @@ def test_a_renderings_text_does_not_depend_on_what_earlier_calls_normalised(rend
 def test_loopback_addresses():
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.org")
+
+
+def test_a_call_cut_inside_a_longer_draw_reports_its_kept_tokens_weight_version() -> None:
+    """A call cut to its own max_tokens or at a stop string inside a draw an in-flight refit changed reported the
+    draw's last version (a session across refits that was not); the HF engine says where each swap began."""
+    from nemo_like.models.generation.interface import GeneratedSample
+    from nemo_like.serving.batching import cut_to
+    from nemo_like.serving.service import kept_tokens_version
+
+    hf = GeneratedSample([1], [5, 6, 7, 8, 9], [-1.0] * 5, False, 0, final_weight_version=1, weight_version_changes=((3, 1),))
+    assert [kept_tokens_version(hf, k) for k in (1, 3, 4, 5)] == [0, 0, 1, 1]
+    assert cut_to(hf, 3).final_weight_version == 0 and cut_to(hf, 4).final_weight_version == 1
+    vllm = GeneratedSample([1], [5, 6, 7, 8, 9], [-1.0] * 5, False, 0, final_weight_version=1)  # one version per draw
+    assert kept_tokens_version(vllm, 2) == 1 and cut_to(vllm, 2).final_weight_version == 1  # an upper bound
+    assert kept_tokens_version(GeneratedSample([1], [5], [-1.0], False, 4), 1) == 4
