@@ -46,5 +46,8 @@ def main(names: list[str]) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workloads", nargs="*", choices=sorted(vs_trl.WORKLOADS), default=["W1", "W2"])
-    main(parser.parse_args().workloads)
+    parser.add_argument("workloads", nargs="*", help=f"of {sorted(vs_trl.WORKLOADS)} (default: W1 W2)")
+    names = parser.parse_args().workloads or ["W1", "W2"]
+    if unknown := [n for n in names if n not in vs_trl.WORKLOADS]:  # not argparse's choices: it refuses an empty list
+        parser.error(f"unknown workloads {unknown}: choose from {sorted(vs_trl.WORKLOADS)}")
+    main(names)

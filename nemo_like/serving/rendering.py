@@ -201,6 +201,20 @@ class Renderer:
             self._rest_backend = self._exact_continuation_backend()
 
     @functools.cached_property
+    def turn_end_id(self) -> int | None:
+        """The token the template writes right after an assistant message's content (``<|im_end|>`` for ChatML), or
+        None when it writes no special token there (or cannot render a probe conversation)."""
+        probe = "\u2063probe\u2063"
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template)
+        except Exception:  # noqa: BLE001 - a template that refuses the probe: no end token is known
+            return None
+        after = text[text.rfind(probe) + len(probe) :] if probe in text else ""
+        ids = self.tokenize(after) if after else []
+        return ids[0] if ids and ids[0] in self._special_ids else None
+
+    @functools.cached_property
     def max_token_chars(self) -> int:
         """An upper bound on the characters one token decodes to: its longest vocabulary entry's spelling (a byte-level
         token spells each byte as one character, a SentencePiece one its ``▁`` as the space it decodes to, a byte-fallback

@@ -160,9 +160,10 @@ class CompletionService:
         run = limits.run_sampling
         # What ends a completion and is not part of its text: eos, and the run's stop tokens (policy.generation).
         self.eos_token_ids = set(eos_token_ids) | set(run.stop_token_ids if run is not None else ())
-        # Of those, what the chat template writes back after an assistant message (eos): only these leave the raw text
-        # a later prompt renders. A stop token such as '</tool_call>' is part of what the model wrote, and stays.
-        self.end_of_turn_ids = set(eos_token_ids)
+        # Of those, what the chat template writes back after an assistant message (eos, and a stop token that is the
+        # template's own end of turn: <|im_end|> as a base model's stop): only these leave the raw text a later prompt
+        # renders. A stop token such as '</tool_call>' is part of what the model wrote, and stays.
+        self.end_of_turn_ids = set(eos_token_ids) | (self.eos_token_ids & {renderer.turn_end_id})
         self.tool_parser = tool_parser
 
     def _check(self, req: SamplingFields, session_id: str | None) -> None:

@@ -140,6 +140,26 @@ def test_a_turn_ended_by_a_run_stop_token_renders_back_with_it_and_the_session_s
         server.stop()
 
 
+def test_a_run_stop_token_that_is_the_templates_own_end_of_turn_is_written_back_once():
+    """A base model's eos (<|endoftext|>) with the template's <|im_end|> as the run's stop token: kept like any stop
+    token, the next prompt held <|im_end|><|im_end|> (the template writes its own), a context the model never sees."""
+    im_end, endoftext = TOKENIZER.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    engine = Scripted(lambda prompt: ids_of("ab") + [im_end])
+    agents = start_agent_rollouts(recipe(f"policy.generation.stop_token_ids=[{im_end}]"), TOKENIZER, engine, [endoftext], {})
+    server = agents.server
+    try:
+        sid = server.sessions.open(metadata={"seed": 1})
+        first = chat(server, sid)
+        history = [*USER, {"role": "assistant", "content": "ab"}, {"role": "user", "content": "more"}]
+        second = chat(server, sid, messages=history)
+        assert "<|im_end|><|im_end|>" not in TOKENIZER.decode(second.prompt_token_ids)
+        before = first.prompt_token_ids + first.choices[0].model_extra["completion_token_ids"]
+        assert second.prompt_token_ids[: len(before)] == before
+        assert (len(server.sessions.end(sid, 1.0).rows), server.service.renderer.turn_end_id) == (1, im_end)
+    finally:
+        server.stop()
+
+
 def test_nemo_like_serve_takes_max_new_tokens_as_the_default_of_a_call_without_max_tokens():
     engine = Scripted(lambda prompt: ids_of("x" * 50))
     sampling = run_sampling(recipe(f"policy.generation.stop_token_ids=[{STOP_ID}]").policy.generation, enforce=False)
