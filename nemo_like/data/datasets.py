@@ -148,7 +148,9 @@ class Source:
         """How errors name this source."""
         if self.data_path:
             if Path(self.data_path).is_dir():  # rows are numbered across its files, in the order datasets reads them
-                return self.data_path + (f" (split {self.split!r}" if self.split else " (") + "; its files' rows in file-name order)"
+                parts = [f"split {self.split!r}"] if self.split else []
+                parts.append("its files' rows in file-name order")
+                return f"{self.data_path} ({'; '.join(parts)})"
             return self.data_path
         return f"hub dataset {self.hub_id!r}" + (f" config {self.config!r}" if self.config else "") + f" split {self.split!r}"
 
@@ -388,6 +390,12 @@ def has_subset(path: Path, config: str) -> bool:
     )
 
 
+def _card_declares_subsets(path: Path) -> bool:
+    """Whether directory ``path``'s README card declares its subsets (a ``configs:`` list in its YAML header)."""
+    readme = path / "README.md"
+    return readme.is_file() and re.search(r"^configs:\s*$", readme.read_text(errors="replace"), re.M) is not None
+
+
 def _refuse_skipped_files(path: Path, source: Source, key: str, load_kwargs: dict[str, Any]) -> None:
     """Raise when ``datasets`` would leave out data files of directory ``path``: it splits a directory by file names
     (``train.jsonl`` beside ``extra.jsonl`` reads only the first) and reads one file type (the most common), silently.
@@ -395,6 +403,8 @@ def _refuse_skipped_files(path: Path, source: Source, key: str, load_kwargs: dic
     import datasets
 
     if source.config is not None and "data_dir" not in load_kwargs:
+        return
+    if "data_dir" not in load_kwargs and _card_declares_subsets(path):  # the card's default subset, by its patterns
         return
     root = path / load_kwargs["data_dir"] if "data_dir" in load_kwargs else path
     builder = datasets.load_dataset_builder(str(path), **load_kwargs)

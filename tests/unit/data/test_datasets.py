@@ -695,6 +695,22 @@ def test_a_local_snapshot_of_a_known_set_reads_the_sets_own_subset(tmp_path, tok
             build(unknown, tok)
 
 
+def test_a_snapshot_whose_card_names_a_default_subset_reads_it(tmp_path, tok) -> None:
+    """A card with 'default: true' on one subset (open-r1/OpenR1-Math-220k's): datasets reads that subset, and the
+    check for files datasets would leave out refused the directory, counting the other subsets' files."""
+    root = tmp_path / "snapshot"
+    for subset in ("main", "socratic"):
+        (root / subset).mkdir(parents=True)
+        write_jsonl(root / subset / "train.jsonl", [{"q": f"{subset} {i}", "a": str(i)} for i in range(5)])
+    configs = "".join(
+        f"- config_name: {s}\n{'  default: true' + chr(10) if s == 'main' else ''}  data_files:\n  - split: train\n    path: {s}/train.jsonl\n"
+        for s in ("main", "socratic")
+    )
+    (root / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+    texts = [tok.decode(r.prompt_token_ids) for split in ("train", "validation") for r in build(data_cfg(root), tok, split)]
+    assert len(texts) == 5 and all("main" in t for t in texts), texts
+
+
 def test_dataset_config_beside_a_save_to_disk_directory_has_no_effect_and_says_so(tmp_path, tok) -> None:
     import datasets
 
