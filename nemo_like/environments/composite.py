@@ -92,16 +92,31 @@ class CompositeEnvConfig(BaseModel):
 
 def source_devices(sources: dict[str, dict[str, Any]]) -> dict[str, str]:
     """The device of each source that loads a model in the composite's own process (``takes_device``): the actor holds
-    the sources' GPUs added up (:meth:`CompositeEnvironment.actor_needs`), visible as ``cuda:0``, ``cuda:1``, ..., and
-    each such source gets its own share of them in order (two sources of half a GPU share one); ``num_gpus: 0`` is the
-    CPU. Without this every one went to torch's default GPU, a CPU source too."""
-    devices, gpus_before = {}, 0.0
+    the sources' GPUs added up (:meth:`CompositeEnvironment.actor_needs`), visible as ``cuda:0``, ``cuda:1``, ...;
+    packed first-fit in order, a source of a whole GPU or more starts on the next untouched GPU, one of a fraction shares
+    the first GPU with room for it; ``num_gpus: 0`` is the CPU. Without this every one went to torch's default GPU, a
+    CPU source too."""
+    devices: dict[str, str] = {}
+    free: list[float] = []  # room left on each GPU handed out so far
     for name, section in sources.items():
         source_cls, _, settings = resolve_source(name, section)
-        if getattr(source_cls, "takes_device", False):
-            gpus = source_cls.actor_needs(settings).num_gpus
-            devices[name] = f"cuda:{math.floor(gpus_before)}" if gpus else "cpu"
-            gpus_before += gpus
+        if not getattr(source_cls, "takes_device", False):
+            continue
+        gpus = source_cls.actor_needs(settings).num_gpus
+        if not gpus:
+            devices[name] = "cpu"
+            continue
+        if gpus < 1:
+            index = next((i for i, room in enumerate(free) if room >= gpus - 1e-9), len(free))
+            if index == len(free):
+                free.append(1.0)
+            free[index] -= gpus
+        else:
+            index = len(free)
+            whole = math.ceil(gpus - 1e-9)
+            free.extend([0.0] * whole)
+            free[-1] = whole - gpus  # a source of 1.5 GPUs leaves half of its second one
+        devices[name] = f"cuda:{index}"
     return devices
 
 

@@ -166,11 +166,7 @@ def apply_stop_strings(tokenizer, sample: GeneratedSample, stop_strings: Sequenc
     if cut is None:
         return sample
     kept = dict(response_ids=sample.response_ids[:cut], response_logprobs=sample.response_logprobs[:cut], truncated=False)
-    # The kept tokens' last version where the engine says per position (HF); vLLM's is its last decoded token's (an
-    # upper bound: a refit after the stop string but before the engine stopped still counts)
-    final = sample.version_at(cut - 1)
-    final = sample.final_weight_version if final is None else final
-    return replace(sample, **kept, decoded_tokens=sample.num_decoded_tokens, final_weight_version=final)
+    return replace(sample, **kept, decoded_tokens=sample.num_decoded_tokens, final_weight_version=sample.kept_version(cut))
 
 
 def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids: set[int], recipe_stops: Sequence[str] = ()) -> None:

@@ -253,7 +253,5 @@ def cut_to(sample: GeneratedSample, max_new_tokens: int) -> GeneratedSample:
         response_ids=sample.response_ids[:max_new_tokens],
         response_logprobs=sample.response_logprobs[:max_new_tokens],
         truncated=True,
-        final_weight_version=sample.version_at(max_new_tokens - 1)
-        if sample.weight_version_changes is not None
-        else sample.final_weight_version,
+        final_weight_version=sample.kept_version(max_new_tokens),
     )

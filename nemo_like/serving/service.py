@@ -91,16 +91,6 @@ class RunSampling:
         return replace(params, stop_strings=params.stop_strings + extra) if extra else params
 
 
-def kept_tokens_version(sample: GeneratedSample, kept: int) -> int:
-    """The weight version of the last of a sample's first ``kept`` tokens (a call cut at its own ``max_tokens`` or a
-    stop string inside a longer engine draw): per position where the engine records its in-flight refits (HF), else the
-    draw's last token's (vLLM: an upper bound), else its start's."""
-    version = sample.version_at(kept - 1) if kept else sample.weight_version
-    if version is None:
-        version = sample.final_weight_version
-    return sample.weight_version if version is None else version
-
-
 def run_sampling(generation: Any, enforce: bool) -> RunSampling:
     """The :class:`RunSampling` of a recipe's ``policy.generation`` section."""
     return RunSampling(
@@ -312,10 +302,11 @@ class CompletionService:
         for i, sample in enumerate(samples):
             choice = self._choice(i, sample, params)
             call.choices.append(choice)
+            last_version = sample.kept_version(len(choice.completion_ids))  # a cut inside a longer draw: its kept tokens'
             records.append(
                 CallRecord(
                     tuple(ids), tuple(choice.completion_ids), tuple(choice.logprobs), sample.weight_version,
-                    kept_tokens_version(sample, len(choice.completion_ids)),
+                    sample.weight_version if last_version is None else last_version,
                     truncated=choice.finish_reason == "length", call_index=call_index, choice_index=i,
                 )
             )  # fmt: skip

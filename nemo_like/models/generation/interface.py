@@ -82,6 +82,13 @@ class GeneratedSample:
             return None
         return version_at(position, self.weight_version, self.weight_version_changes)
 
+    def kept_version(self, kept: int) -> int | None:
+        """The weight version of the last of the first ``kept`` response tokens (a stop string's or a call's own
+        ``max_tokens`` cut inside the draw): per position where the engine records its in-flight refits (HF), else the
+        draw's last token's (vLLM: an upper bound)."""
+        version = self.version_at(kept - 1) if kept else None
+        return self.final_weight_version if version is None else version
+
     @property
     def sampled_mask(self) -> list[int]:
         """1 per response token the policy sampled (trained), 0 per observation token."""

@@ -68,6 +68,7 @@ def test_each_reward_model_source_runs_on_its_own_share_of_the_actors_gpus() -> 
     assert devices([1, 1]) == ["cuda:0", "cuda:1"]
     assert devices([0, 1]) == ["cpu", "cuda:0"]
     assert devices([0.5, 0.5, 1]) == ["cuda:0", "cuda:0", "cuda:1"]
+    assert devices([0.5, 1, 0.5]) == ["cuda:0", "cuda:1", "cuda:0"]  # a whole GPU never goes to a shared one
     assert devices([2, 1]) == ["cuda:0", "cuda:2"]
     env = CompositeEnvironment(**resolve({"sources": {"rm": {**rm, "num_gpus": 0}}}).kwargs)  # a real model, on this CPU
     assert str(env.sources["rm"][0].scorer.device) == "cpu"

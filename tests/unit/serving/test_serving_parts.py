@@ -406,11 +406,10 @@ def test_a_call_cut_inside_a_longer_draw_reports_its_kept_tokens_weight_version(
     draw's last version (a session across refits that was not); the HF engine says where each swap began."""
     from nemo_like.models.generation.interface import GeneratedSample
     from nemo_like.serving.batching import cut_to
-    from nemo_like.serving.service import kept_tokens_version
 
     hf = GeneratedSample([1], [5, 6, 7, 8, 9], [-1.0] * 5, False, 0, final_weight_version=1, weight_version_changes=((3, 1),))
-    assert [kept_tokens_version(hf, k) for k in (1, 3, 4, 5)] == [0, 0, 1, 1]
+    assert [hf.kept_version(k) for k in (1, 3, 4, 5)] == [0, 0, 1, 1]
     assert cut_to(hf, 3).final_weight_version == 0 and cut_to(hf, 4).final_weight_version == 1
     vllm = GeneratedSample([1], [5, 6, 7, 8, 9], [-1.0] * 5, False, 0, final_weight_version=1)  # one version per draw
-    assert kept_tokens_version(vllm, 2) == 1 and cut_to(vllm, 2).final_weight_version == 1  # an upper bound
-    assert kept_tokens_version(GeneratedSample([1], [5], [-1.0], False, 4), 1) == 4
+    assert vllm.kept_version(2) == 1 and cut_to(vllm, 2).final_weight_version == 1  # an upper bound
+    assert GeneratedSample([1], [5], [-1.0], False, 4).kept_version(1) is None  # the engine said nothing
