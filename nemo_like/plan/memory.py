@@ -570,7 +570,10 @@ def plan_memory(
         # A smaller engine share helps only where the engine's share is what is over (not the training peak) and the
         # engine still holds a sequence (lowering it while the KV budget is short contradicts raising it).
         share_may_help = colocated and "policy GPU" in over and not engine
-        advice = fit_advice(cfg, shrinks, share_may_help, policy_over=any(d != "generation GPU" for d in over))
+        policy_over = any(d != "generation GPU" for d in over)
+        backend = run_plan.backend.value  # where the KV cache of the sequences sampled at once lies: is it over?
+        kv_over = "generation GPU" in over or (backend == "inline" and policy_over) or (backend == "hf" and not cfg.cluster.gpus_per_node)
+        advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over)
     advice += kv_advice(cfg, roles, device_bytes) if engine else []
     return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
 
@@ -754,11 +757,15 @@ def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> 
     return [f"{budget} or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"]
 
 
-def fit_advice(cfg: Any, shrinks: Callable[[Any], bool], share_may_help: bool = False, policy_over: bool = True) -> list[str]:
+def fit_advice(
+    cfg: Any, shrinks: Callable[[Any], bool], share_may_help: bool = False, policy_over: bool = True, kv_over: bool = False
+) -> list[str]:
     """What to change when a device is over its memory, the cheapest first: only changes that ``shrinks`` (a plan of
     the changed config holds no more on every device that is over, and less on one) says help. ``share_may_help``: the
     GPU a colocated vLLM engine shares is over and the engine holds a sequence; ``policy_over``: a device that holds
-    policy ranks is over (LoRA, whose shrinking the plan cannot re-derive without the model, shrinks only those)."""
+    policy ranks is over (LoRA, whose shrinking the plan cannot re-derive without the model, shrinks only those);
+    ``kv_over``: a device that holds the KV cache of the sequences sampled at once (the HF engine's, the inline
+    backend's) is over."""
     pc, cluster = cfg.policy, cfg.cluster
     advice = []
     util = pc.generation.vllm_cfg.gpu_memory_utilization
@@ -819,7 +826,7 @@ def fit_advice(cfg: Any, shrinks: Callable[[Any], bool], share_may_help: bool = 
         )
     prompts, per_prompt = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
     at_once = min(prompts, max(1, HF_MAX_BATCH_SIZE // per_prompt))  # the HF engine's batches hold at most 256 sequences
-    if at_once > 1 and shrinks(_with(cfg, "grpo", num_prompts_per_step=at_once // 2)):
+    if kv_over and at_once > 1 and shrinks(_with(cfg, "grpo", num_prompts_per_step=at_once // 2)):
         advice.append(
             f"lower grpo.num_prompts_per_step (now {prompts}){f' under {at_once}' if at_once < prompts else ''}: the "
             "generation engine holds the KV cache of "

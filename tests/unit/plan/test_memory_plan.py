@@ -342,6 +342,14 @@ def test_only_changes_that_shrink_the_device_that_is_over_are_advised() -> None:
     assert "lower policy.max_total_sequence_length (now 4096)" in fit
     for useless in ("lora_cfg", "train_micro_batch_size", "logprob_batch_size", "cpu_offload", "raise policy.dp_size"):
         assert useless not in fit, useless
+    # The policy and reference GPUs over from their logprob passes, the generation GPU not: a smaller rollout batch
+    # shrinks their micro-batches, but the KV-cache reason would be untrue (logprob_batch_size is advised there)
+    logprob_heavy = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=8",
+                           "policy.logprob_batch_size=64", "policy.train_micro_batch_size=1", "policy.train_global_batch_size=64",
+                           "policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=64")  # fmt: skip
+    memory_over = plan_memory(logprob_heavy, decide_run_plan(logprob_heavy, (), 2), params, shape, device_bytes=0.6 * GIB)
+    assert sorted(over_budget(memory_over.per_device, 0.6 * GIB)) == ["policy GPU", "reference GPU"]
+    assert "num_prompts_per_step" not in memory_over.lines()[-1] and "logprob_chunk_size" in memory_over.lines()[-1]
     halved = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=16", *long, *small)
     assert (
         plan_memory(halved, decide_run_plan(halved, (), 2), params, shape).per_device["generation GPU"]
