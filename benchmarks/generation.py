@@ -68,10 +68,10 @@ def recipe(model: str, backend: str, new_tokens: int) -> MasterConfig:
 
 def make_backend(cfg: MasterConfig, tokenizer):
     """The generation facade for ``cfg``'s backend (one Ray actor)."""
-    from nemo_like.algorithms.setup import eos_token_ids
+    from nemo_like.models.loading import end_of_sequence_ids
     from nemo_like.models.engines import build_generation
 
-    return build_generation(cfg, tokenizer.pad_token_id, eos_token_ids(tokenizer))
+    return build_generation(cfg, tokenizer.pad_token_id, end_of_sequence_ids(tokenizer, cfg.policy.model_name))
 
 
 def measure(cfg: MasterConfig, prompts: list[list[int]], new_tokens: int, repeats: int, state_refs: list) -> dict[str, float]:

@@ -29,7 +29,7 @@ def main() -> None:
     args = p.parse_args()
 
     from nemo_like.algorithms.loss_functions import ClippedPGLossFn
-    from nemo_like.algorithms.setup import eos_token_ids
+    from nemo_like.models.loading import end_of_sequence_ids
     from nemo_like.config import DEFAULT_RECIPE, load_config
     from nemo_like.distributed.ray_init import init_ray
     from nemo_like.models.engines import build_generation
@@ -50,7 +50,7 @@ def main() -> None:
         init_ray(cfg.cluster)
         tok = load_tokenizer(model_dir)
         policy = Policy(cfg, "policy", loss_fn=ClippedPGLossFn(cfg.loss_fn))
-        generation = build_generation(cfg, tok.pad_token_id, eos_token_ids(tok), policy)
+        generation = build_generation(cfg, tok.pad_token_id, end_of_sequence_ids(tok, model_dir), policy)
         seconds: dict[str, list[float]] = {"object store": [], "shared memory": []}
         exports: dict[str, list[float]] = {"object store": [], "shared memory": []}
         loads = []
