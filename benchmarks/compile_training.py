@@ -3,14 +3,15 @@
 Usage: python benchmarks/compile_training.py [--size 10m|1m] [--steps 6] [--threads 2]
 
 Builds the model of ``benchmarks/vs_trl.py`` (random init), then times one update as the policy worker runs it
-for the W2 batch (64 sequences of 21 prompt + 64 response tokens, micro-batches of 32): forward, token
+for a W2-sized batch (64 sequences of 21 prompt + 64 response tokens, micro-batches of 32; 21 tokens is W2's longest
+prompt, its 64 prompts average 17.9, so this batch's FLOP floor is ~4% above the one ``vs_trl.py`` prints): forward, token
 log-probabilities (log-softmax over the vocabulary, gathered), a policy-gradient surrogate loss, backward and an
 AdamW step. Once with the eager model, once with ``torch.compile(model)`` (inductor, CPU); prints the compile
 time (the first step) and the steady-state median of each, and the FLOP floor at ``--peak-gflops``. First it times
 our own update of the same batch (``PolicyWorker.train`` in-process: the loss with its metrics, clipping, fused
 AdamW), with the shared-prompt forward (each group's prompt computed once; the CPU default) and with the model's own
-forward, so both what sharing saves and the framework's overhead over the bare update show. The batch is W2's: 8
-prompts x 8 completions.
+forward, so both what sharing saves and the framework's overhead over the bare update show. The batch has W2's
+shape: 8 prompts x 8 completions.
 """
 
 from __future__ import annotations
