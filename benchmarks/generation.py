@@ -68,8 +68,8 @@ def recipe(model: str, backend: str, new_tokens: int) -> MasterConfig:
 
 def make_backend(cfg: MasterConfig, tokenizer):
     """The generation facade for ``cfg``'s backend (one Ray actor)."""
-    from nemo_like.models.loading import end_of_sequence_ids
     from nemo_like.models.engines import build_generation
+    from nemo_like.models.loading import end_of_sequence_ids
 
     return build_generation(cfg, tokenizer.pad_token_id, end_of_sequence_ids(tokenizer, cfg.policy.model_name))
 

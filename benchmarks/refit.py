@@ -29,11 +29,10 @@ def main() -> None:
     args = p.parse_args()
 
     from nemo_like.algorithms.loss_functions import ClippedPGLossFn
-    from nemo_like.models.loading import end_of_sequence_ids
     from nemo_like.config import DEFAULT_RECIPE, load_config
     from nemo_like.distributed.ray_init import init_ray
     from nemo_like.models.engines import build_generation
-    from nemo_like.models.loading import load_tokenizer
+    from nemo_like.models.loading import end_of_sequence_ids, load_tokenizer
     from nemo_like.models.policy.policy import Policy
 
     with tempfile.TemporaryDirectory(prefix="refit_") as tmp:
