@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
+import sys
+import urllib.parse
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -144,6 +147,10 @@ class WandbBackend(LogBackend):
         import wandb
 
         self._wandb = wandb
+        if sys.stdin is not None and sys.stdin.isatty() and not wandb_credentials_found():
+            # On a terminal wandb.init asks for a key and waits (forever, the run's log_dir lock held; at end of input it
+            # raises KeyboardInterrupt): say so here instead, as the warning of any backend that cannot start
+            raise RuntimeError("not logged in to W&B (run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline)")
         run_dir = Path(os.environ.get("WANDB_DIR") or log_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -162,6 +169,20 @@ class WandbBackend(LogBackend):
     def close(self) -> None:
         self.run.finish()
         _wandb_teardown(self._wandb)
+
+
+def wandb_credentials_found() -> bool:
+    """Whether W&B can start without asking: an offline or disabled ``WANDB_MODE``, ``WANDB_API_KEY`` or an identity
+    token file in the environment, or a key for the W&B host in the netrc file (``$NETRC``, else ``~/.netrc``)."""
+    if os.environ.get("WANDB_MODE", "").strip().lower() in ("offline", "disabled", "dryrun"):
+        return True
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC") or None).authenticators(host or "") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def _wandb_teardown(wandb: Any) -> None:

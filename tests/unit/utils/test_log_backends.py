@@ -107,3 +107,54 @@ def test_the_timing_panel_stacks_every_phase_a_step_logs() -> None:
     ax = Figure().add_subplot()
     _timing_panel(ax, [record])
     assert [text.get_text() for text in ax.get_legend().get_texts()] == list(STEP_PHASES)
+
+
+WANDB_ON_A_TERMINAL = r"""
+import sys, tempfile, warnings
+from pathlib import Path
+from nemo_like.config.schema import LoggerConfig
+from nemo_like.utils.logger import Logger
+assert sys.stdin.isatty()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    logger = Logger(LoggerConfig(log_dir=tempfile.mkdtemp(), wandb_enabled=True, progress_bar=False), 3)
+logger.close()
+print("BACKENDS", [b.name for b in logger.backends], [str(w.message) for w in caught])
+"""
+
+
+def test_wandb_not_logged_in_on_a_terminal_warns_instead_of_waiting_at_its_login_prompt(tmp_path):
+    """On a terminal (an interactive shell, tmux) wandb.init asked for a key and waited forever with the run's log_dir
+    locked (at end of input: KeyboardInterrupt, exit 130); logging.md promises a warning and a run that goes on."""
+    pytest.importorskip("wandb")
+    import os
+    import pty
+    import select
+    import signal
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb"), PYTHONPATH=str(root))
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a terminal nobody types into
+        os.execve(sys.executable, [sys.executable, "-c", WANDB_ON_A_TERMINAL], env)
+    out, deadline, status = b"", time.monotonic() + 120, None
+    try:
+        while status is None and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    out += os.read(fd, 4096)
+                except OSError:
+                    pass
+            finished, code = os.waitpid(pid, os.WNOHANG)
+            status = code if finished else None
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert status == 0, f"the logger did not return (waiting at wandb's prompt?): {text[-2000:]}"
+    assert "BACKENDS ['jsonl']" in text and "Weights & Biases logging disabled" in text and "not logged in to W&B" in text
