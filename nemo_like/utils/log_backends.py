@@ -47,6 +47,13 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def from_jsonable(value: Any) -> Any:
+    """The inverse of :func:`jsonable`: 'nan', 'inf' and '-inf' (as ``metrics.jsonl`` stores them) back to floats."""
+    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
+        return float(value)
+    return value
+
+
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, Scalar]:
     """The int/float entries of ``metrics`` (what scalar dashboards can plot)."""
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from nemo_like.config.schema import LoggerConfig
-from nemo_like.utils.log_backends import JsonlBackend, LogBackend, start_backends, warn_backend
+from nemo_like.utils.log_backends import JsonlBackend, LogBackend, from_jsonable, start_backends, warn_backend
 from nemo_like.utils.run_control import new_threads_spared_stop_signals
 
 
@@ -42,8 +42,8 @@ class Logger:
         with new_threads_spared_stop_signals():  # their threads must never take a run's SIGTERM / SIGINT
             self.backends: list[LogBackend] = [JsonlBackend(self.metrics_path), *start_backends(cfg, purge_step)]
             self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar)
-        for record in replayed:  # already in metrics.jsonl
-            metrics = {key: value for key, value in record.items() if key != "step"}
+        for record in replayed:  # already in metrics.jsonl, where a non-finite value is a string ('nan')
+            metrics = {key: from_jsonable(value) for key, value in record.items() if key != "step"}
             self._call_all("log_metrics", metrics, int(record["step"]), dashboards_only=True)
         self.extra: dict[str, Any] = {}  # added to every record from now on (e.g. faults/run_restarts after a restart)
         self.records: list[dict[str, Any]] = []  # what this logger logged, as {"step": step, **metrics}

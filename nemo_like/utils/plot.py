@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_like.utils.log_backends import from_jsonable
 from nemo_like.utils.throughput import STEP_PHASES
 
 # (title, metrics on the left y axis, metrics on a second, right y axis)
@@ -39,7 +40,10 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     that is not JSON raises ``ValueError`` naming the file and line. Non-finite values, stored as strings ('nan',
     'inf'), come back as floats.
     """
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
     lines = text.splitlines()
     runs: list[dict[int, dict[str, Any]]] = [{}]
     last_step = None
@@ -59,15 +63,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         if last_step is not None and step < last_step:
             runs.append({})
         last_step = step
-        runs[-1].setdefault(step, {}).update({k: _as_float(v) for k, v in record.items()})
+        runs[-1].setdefault(step, {}).update({k: from_jsonable(v) for k, v in record.items()})
     by_step = runs[-1]
     return [by_step[s] for s in sorted(by_step)]
-
-
-def _as_float(value: Any) -> Any:
-    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
-        return float(value)
-    return value
 
 
 #: Dashed lines on a panel's right axis, one colour each (the async panel has two idle lines), apart from the left
@@ -162,10 +160,15 @@ def plot_metrics(metrics_path: str | Path, out: str | Path | None = None, metric
     """
     metrics_path = Path(metrics_path)
     records = read_metrics(metrics_path)
+    if not records:
+        raise ValueError(f"{metrics_path} holds no metrics records")
     present = {key for record in records for key in record}
     missing = [m for m in metrics or [] if m not in present]
     if missing:
-        raise ValueError(f"--metrics: {missing} not in {metrics_path}; it holds {sorted(present - {'step'})}")
+        raise ValueError(
+            f"--metrics: {missing} not logged by the last run in {metrics_path} (the plot reads the file's last run: a run "
+            f"that starts its steps again appends a new one); it logged {sorted(present - {'step'})}"
+        )
     out_path = Path(out) if out is not None else metrics_path.with_name("metrics.png")
     if out_path.is_dir():  # a directory: the figure goes in it (savefig wrote DIR.png beside it)
         out_path = out_path / "metrics.png"

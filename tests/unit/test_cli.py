@@ -110,7 +110,7 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
     results.write_text('{"prompt_id": "0", "reward": 1.0}\n')
     (tmp_path / "afile").write_text("")
     cases = [
-        (["plot", str(metrics), "--metrics", "train/rewrd"], "--metrics: ['train/rewrd'] not in"),
+        (["plot", str(metrics), "--metrics", "train/rewrd"], "--metrics: ['train/rewrd'] not logged by the last run in"),
         (["plot", str(results)], "line 1 is not a metrics record (a JSON object with an integer 'step')"),  # KeyError
         (["plan", "--mfu", "0", "--peak-tflops", "100"], "--mfu must be in (0, 1], got 0"),
         (["plan", "--device-memory-gib", "-5"], "--device-memory-gib must be above 0"),

@@ -158,3 +158,50 @@ def test_wandb_not_logged_in_on_a_terminal_warns_instead_of_waiting_at_its_login
     text = out.decode(errors="replace")
     assert status == 0, f"the logger did not return (waiting at wandb's prompt?): {text[-2000:]}"
     assert "BACKENDS ['jsonl']" in text and "Weights & Biases logging disabled" in text and "not logged in to W&B" in text
+
+
+def test_a_replayed_non_finite_value_reaches_tensorboard_as_the_run_logged_it(tmp_path):
+    """A resume after another run replays its checkpoint run's records from metrics.jsonl, where NaN is the string
+    'nan': the replay handed the string on and TensorBoard dropped the point (the run had shown it)."""
+    pytest.importorskip("tensorboard")
+    import math
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nemo_like.algorithms.checkpointing import trim_metrics_after
+
+    cfg = LoggerConfig(log_dir=str(tmp_path), tensorboard_enabled=True, progress_bar=False)
+    first = Logger(cfg, 5)
+    for step, loss in ((1, 0.5), (2, float("nan")), (3, 0.4)):
+        first.log({"train/loss": loss}, step)
+    first.close()
+    other = Logger(cfg, 5)  # a short fresh run in the same log_dir
+    other.log({"train/loss": 9.0}, 1)
+    other.close()
+    replay = trim_metrics_after(tmp_path / "metrics.jsonl", 2)  # the first run resumes from its step-2 checkpoint
+    resumed = Logger(cfg, 5, resumed_step=2, replayed=replay.records)
+    resumed.log({"train/loss": 0.3}, 3)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    points = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert sorted(points) == [1, 2, 3] and points[1] == 0.5 and math.isnan(points[2]) and points[3] == pytest.approx(0.3)
+
+
+def test_the_plot_refuses_an_empty_file_a_binary_one_and_a_metric_only_an_earlier_run_logged(tmp_path):
+    """An empty metrics.jsonl gave a PNG of empty panels and exit 0; a non-UTF-8 byte a message naming no file; and a
+    metric an earlier run appended to the file was said to be 'not in' it."""
+    from nemo_like.utils.plot import plot_metrics
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"empty.jsonl holds no metrics records"):
+        plot_metrics(empty)
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"step": 1, "train/reward": 0.5}\n\xff\n')
+    with pytest.raises(ValueError, match=r"binary.jsonl: not UTF-8 text"):
+        plot_metrics(binary)
+    two_runs = tmp_path / "two.jsonl"
+    two_runs.write_text('{"step": 1, "train/kl_penalty": 0.1}\n{"step": 2, "train/kl_penalty": 0.2}\n{"step": 1, "train/reward": 0.5}\n')
+    with pytest.raises(ValueError, match=r"\['train/kl_penalty'\] not logged by the last run in .*two.jsonl \(the plot reads"):
+        plot_metrics(two_runs, metrics=["train/kl_penalty"])
