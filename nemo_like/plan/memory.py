@@ -553,8 +553,9 @@ def plan_memory(
 ) -> MemoryPlan:
     """Every role of the run ``run_plan`` describes, what each device (GPU) or node (CPU) holds, and whether it fits
     ``device_bytes``; ``teachers``: each teacher model's parameters and shape (by name, every one of
-    ``teacher.models()``) when the run distils; ``sampler_weight_copies``: bytes of weights the inline backend's sampler
-    copies for a call (:func:`with_inline_sampling`)."""
+    ``teacher.models()``) when the run distils; ``sampler_weight_copies``: bytes of weights the lean decoder copies for a
+    call, in the inline backend's policy worker (:func:`with_inline_sampling`) or the HF engine
+    (:func:`generation_memory`): :func:`~nemo_like.models.footprint.sampler_copy_bytes`."""
     teachers = teachers or {}
     roles, per_device, colocated = _plan_devices(cfg, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies)
     notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
