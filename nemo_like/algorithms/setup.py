@@ -218,6 +218,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None)
             if model is not None:
                 model.wait_ready()
         environments.wait_ready()
+        generation.wait_ready()  # its first call's deadline must not count its start-up (a vLLM load: minutes on a GPU)
     except BaseException:
         release_on_failure((policy, spawned_reference), [p for p in started if p is not None])
         raise

@@ -208,6 +208,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     try:
         generation = build_generation(run_cfg, tokenizer.pad_token_id, eos_ids, plan=plan)
         environments = Environments(specs, cfg.cluster.placement_timeout_s)
+        generation.wait_ready()  # the first call's deadline must not count the engine's start-up
+        environments.wait_ready()
         handles = environments.handles
         if plan.agent_tasks:  # agent tasks are rolled out by their agents, through a rollout server, as in training
             agents = start_agent_rollouts(run_cfg, tokenizer, generation, eos_ids, agent_settings)

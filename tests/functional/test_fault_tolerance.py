@@ -231,7 +231,13 @@ REPLACED = (*FAST, "policy.generation.backend=hf", "grpo.max_num_steps=3")
 
 
 def test_killed_generation_and_environment_actors_are_replaced_and_every_step_is_unchanged(ray_cluster, tmp_path, monkeypatch):
+    from nemo_like.models.generation.hf import HFGeneration
+
+    waited: list[bool] = []  # set-up waits for the engine's start (its first call's deadline counted it: killed as hung)
+    wait_ready = HFGeneration.wait_ready
+    monkeypatch.setattr(HFGeneration, "wait_ready", lambda self: (waited.append(True), wait_ready(self))[1])
     straight = train(tiny_config(tmp_path / "straight", *REPLACED))
+    assert waited == [True]
     # Two faults in one run: an environment actor dies under step 1's scoring ($NEMO_LIKE_FAULT_INJECTION), the HF
     # engine under step 2's generation (cluster.fault_injection).
     monkeypatch.setenv(faults.ENV_VAR, json.dumps({"role": "environment", "phase": "score", "step": 1, "action": "kill"}))

@@ -79,5 +79,9 @@ class HFGeneration:
         """Seconds the workers' generate calls spent loading those refits, summed over the workers."""
         return summed_over_workers(self.group.workers, "mid_generation_seconds", "generation: counters")
 
+    def wait_ready(self) -> None:
+        """Wait until every engine actor is built (its start-up never counts against a call's deadline)."""
+        self.group.wait_started()
+
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -132,6 +132,10 @@ class GenerationInterface(WeightReceiver, Protocol):
         """Load weight version ``version``; returns seconds spent. ``weights``: the exported weights, or a zero-argument
         exporter that a backend calls only when its transport reads an export (:func:`export_weights`)."""
 
+    def wait_ready(self) -> None:
+        """Wait until the engine's actors are built (a model load: minutes for vLLM on a GPU), so that no call's deadline
+        (``cluster.fault_tolerance.call_timeout_s``) counts an actor's start-up."""
+
     def shutdown(self) -> None:
         """Release the actors."""
 

@@ -69,5 +69,8 @@ class InlineGeneration:
         """Always 0: weights change only between generate calls."""
         return 0.0
 
+    def wait_ready(self) -> None:
+        """Nothing to wait for: the policy's workers sample, and the policy waits for them."""
+
     def shutdown(self) -> None:
         """Nothing to release: the policy owns the worker."""
