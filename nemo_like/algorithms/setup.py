@@ -219,18 +219,18 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None)
                 model.wait_ready()
         environments.wait_ready()
         generation.wait_ready()  # its first call's deadline must not count its start-up (a vLLM load: minutes on a GPU)
-    except BaseException:
+        reference: Policy | AdapterDisabledReference | None = spawned_reference
+        if reference is None and plan.logprobs.reference_from_policy:
+            reference = AdapterDisabledReference(policy)
+        plan = plan.with_forward(policy.forward_description)
+        report_lora(cfg, policy, plan)
+        agents = None
+        if plan.agent_tasks:  # the rollout server on the driver, sampling with the run's engine (docs/guides/agents.md)
+            agents = start_agent_rollouts(cfg, tokenizer, generation, eos_ids, agent_settings)
+            handles = AgentHandles(environments.handles.workers, agents)
+            handles.replaceable = environments.handles.replaceable  # the verifier's dead actors are replaced too
+            environments.handles = handles
+    except BaseException:  # every actor started so far is released (a failing rollout server's start included)
         release_on_failure((policy, spawned_reference), [p for p in started if p is not None])
         raise
-    reference: Policy | AdapterDisabledReference | None = spawned_reference
-    if reference is None and plan.logprobs.reference_from_policy:
-        reference = AdapterDisabledReference(policy)
-    plan = plan.with_forward(policy.forward_description)
-    report_lora(cfg, policy, plan)
-    agents = None
-    if plan.agent_tasks:  # the rollout server on the driver, sampling with the run's engine (docs/guides/agents.md)
-        agents = start_agent_rollouts(cfg, tokenizer, generation, eos_ids, agent_settings)
-        handles = AgentHandles(environments.handles.workers, agents)
-        handles.replaceable = environments.handles.replaceable  # the verifier's dead actors are replaced too
-        environments.handles = handles
     return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan, teacher, agents)

@@ -224,3 +224,29 @@ def test_nemo_like_eval_rolls_agent_tasks_out_through_their_agents(ray_cluster, 
     sessions = {(r["prompt_index"], r["session"]): r["sample_index"] for r in rows}
     assert len(sessions) == 8 and sorted(sessions.values()) == [0, 0, 0, 0, 1, 1, 1, 1] and summary["num_rows"] == 8
     assert summary["checkpoint_dir"] is None and summary["seed"] == cfg.grpo.seed  # the embedded model: no directory
+
+
+def test_a_rollout_server_that_fails_to_start_releases_every_actor_set_up_started(ray_cluster, tmp_path, monkeypatch):
+    """The rollout server starts after the policy, engine and environment actors: a failure there (a server not up in
+    time, say) left every actor and placement group alive, and a sweep's next run in the process short of CPUs."""
+    import time
+
+    import ray
+
+    from nemo_like.algorithms import setup
+    from nemo_like.distributed import worker_group
+
+    def server_fails(*args, **kwargs):
+        raise RuntimeError("the rollout server did not come up")
+
+    cfg = load_config(RECIPE, [*AGENT_RUN, f"logger.log_dir={tmp_path / 'logs'}"])
+    worker_group._POOL.evict()  # the session keeps released groups idle for the next run: count only what leaked
+    before = ray.available_resources().get("CPU", 0.0)
+    monkeypatch.setattr(setup, "start_agent_rollouts", server_fails)
+    with pytest.raises(RuntimeError, match="did not come up"):
+        setup.setup_grpo(cfg)
+    worker_group._POOL.evict()
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0.0) < before and time.monotonic() < deadline:
+        time.sleep(0.2)  # placement groups are removed asynchronously
+    assert ray.available_resources().get("CPU", 0.0) >= before
