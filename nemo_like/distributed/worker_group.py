@@ -397,10 +397,15 @@ def get_with_context(refs: Any, what: str, timeout_s: float | None = None) -> An
 def death_reason(exc: BaseException) -> str:
     """One line saying why an actor died. For an error in its constructor Ray forwards the traceback, whose first
     line says only that much: the last line, the exception itself (e.g. a config ``ValueError`` naming its key), is
-    what the user needs."""
+    what the user needs; for a system-level death (Ray's memory monitor, the kernel's OOM killer, a lost node) the
+    first line is Ray's fixed one and the last says why."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     if not lines:
         return type(exc).__name__
     if "error raised in its creation task" in lines[0] and len(lines) > 1:
         return f"its constructor raised {lines[-1]}"
+    if lines[0] == ray.exceptions.ActorDiedError.BASE_ERROR_MSG and len(lines) > 1:
+        # Ray's fixed first line of every system-level death: its cause (out of memory, a signal, a lost node) is last
+        cause = lines[-1]
+        return cause if len(cause) <= 400 else cause[:397] + "..."
     return lines[0]

@@ -80,3 +80,22 @@ def test_a_replacement_is_prepared_before_it_serves():
     target = Replaceable("generation", Group(), prepared.append)
     assert target.replace(0) == "new" and prepared == ["started [0]", "new"]  # built, then prepared
     assert target.describe(0) == "generation rank 0 (actor ?)"  # not an actor handle: no id
+
+
+def test_a_system_level_death_is_reported_with_its_cause_not_rays_fixed_first_line():
+    """Every death Ray reports for a killed worker process (its memory monitor, the kernel's OOM killer, a segfault, a
+    lost node) starts with the same fixed line; the one line the user saw was that line, never 'out of memory'."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    from nemo_like.distributed.worker_group import death_reason
+
+    oom = (
+        "The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY Worker exit detail: "
+        "Task was killed due to the node running low on memory."
+    )
+    error = ActorDiedError(ActorDiedErrorContext(error_message=oom, class_name="PolicyWorker", actor_id=b"\x01" * 16, pid=42))
+    assert str(error).strip().splitlines()[0] == ActorDiedError.BASE_ERROR_MSG  # what Ray says first
+    assert death_reason(error) == oom
+    long = ActorDiedError(ActorDiedErrorContext(error_message="x" * 1000, class_name="PolicyWorker", actor_id=b"\x01" * 16, pid=42))
+    assert len(death_reason(long)) == 400 and death_reason(long).endswith("...")
