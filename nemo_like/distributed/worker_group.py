@@ -67,6 +67,16 @@ class _IdleGroup:
     name: str
     workers: list[Any]
     pg: PlacementGroup | None  # None: a node-pinned group (no placement group)
+    session: str | None = None  # the Ray job (driver connection) it was kept in: its actors die with that connection
+
+
+def _ray_session() -> str | None:
+    """This driver's current Ray connection: its node and job (a new local cluster has a new node id, a reconnection
+    to the same cluster a new job id), or None when Ray is not connected."""
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return f"{context.get_node_id()}/{context.get_job_id()}"
 
 
 @dataclass
@@ -80,7 +90,14 @@ class _ActorPool:
     def active(self) -> bool:
         return self.depth > 0
 
+    def forget_other_sessions(self) -> None:
+        """Drop the groups kept under another Ray connection (a ``ray.shutdown()`` between two runs, as a sweep that
+        changes clusters does): their actors died with it, and their handles are not valid in this one."""
+        session = _ray_session()
+        self.idle = [g for g in self.idle if g.session == session and session is not None]
+
     def take(self, key: Hashable) -> _IdleGroup | None:
+        self.forget_other_sessions()
         for index, group in enumerate(self.idle):
             if group.key == key:
                 return self.idle.pop(index)
@@ -89,6 +106,7 @@ class _ActorPool:
     def evict(self, name: str | None = None, keep_newest: int = 0) -> None:
         """Kill the idle groups of role ``name`` (all of them when ``None``) but the ``keep_newest`` most
         recently kept ones, and release their bundles."""
+        self.forget_other_sessions()
         matching = [g for g in self.idle if name is None or g.name == name]
         doomed = matching[: max(0, len(matching) - keep_newest)]
         for group in doomed:
@@ -362,7 +380,7 @@ class RayWorkerGroup:
     def shutdown(self) -> None:
         """Kill the actors and release their bundles (inside :func:`reuse_actors`: keep them idle)."""
         if _POOL.active and self._key is not None and self.workers:
-            _POOL.idle.append(_IdleGroup(self._key, self.name, self.workers, self._pg))
+            _POOL.idle.append(_IdleGroup(self._key, self.name, self.workers, self._pg, _ray_session()))
         elif self.workers:
             _kill(self.workers, self._pg)
         self.workers = []

@@ -229,3 +229,45 @@ def test_a_later_run_of_the_process_naming_another_cluster_is_refused(ray_cluste
         match=r"cluster.ray_address names the Ray cluster at '10.9.9.9:6379', but this process is already connected to its private local cluster",
     ):
         init_ray(ClusterConfig(ray_address="10.9.9.9:6379"))
+
+
+ACROSS_SESSIONS = r"""
+import ray
+from nemo_like.distributed.worker_group import _POOL, RayWorkerGroup, Reinitializable, WorkerResources, reuse_actors
+
+class Pid(Reinitializable):
+    def __init__(self, rank, world_size):
+        self.pid = __import__("os").getpid()
+    def ping(self):
+        return self.pid
+
+def connect():
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+with reuse_actors():
+    connect()
+    first = RayWorkerGroup("policy", Pid, 1, WorkerResources(0.5), {}, 30)
+    old = ray.get(first.workers[0].ping.remote())
+    first.shutdown()  # kept idle for the next run
+    ray.shutdown()  # what init_ray's error tells a sweep to do before a run on another cluster
+    connect()
+    second = RayWorkerGroup("policy", Pid, 1, WorkerResources(0.5), {}, 30)
+    new = ray.get(second.workers[0].ping.remote(), timeout=60)
+    second.shutdown()
+    ray.shutdown()
+print("OK", old != new, len(_POOL.idle), ray.is_initialized())
+"""
+
+
+def test_groups_kept_before_a_ray_shutdown_are_forgotten_not_reused(tmp_path):
+    """A sweep inside reuse_actors() that reconnects (ray.shutdown(), as init_ray's error advises): the next run took
+    the kept group's stale handles ('Can't find actor ... from a different cluster'), and leaving the block killed
+    them through a new default Ray instance it started."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "RAY_ADDRESS": ""}
+    done = subprocess.run([sys.executable, "-c", ACROSS_SESSIONS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "OK True 0 False", done.stdout
