@@ -210,6 +210,13 @@ def iter_full_tensors(
     Every rank must iterate to the end with the same ``include`` (each gather is a collective) and never holds
     more than one gathered tensor (tied ones are gathered once and kept until their last name)."""
     entries = [(n, t) for n, t in model.state_dict(keep_vars=True).items() if include is None or include(n)]
+    # A tied tensor's names next to each other (the embedding first, the LM head last in a state dict): one bucket
+    # holds both, so the tensor is sent and counted once (split over two buckets it was pickled into each); the
+    # receivers match names as sets, and every rank orders them alike.
+    by_tensor: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in entries:
+        by_tensor.setdefault(id(tensor), []).append((name, tensor))
+    entries = [entry for names in by_tensor.values() for entry in names]
     uses: dict[int, int] = {}
     for _, tensor in entries:
         uses[id(tensor)] = uses.get(id(tensor), 0) + 1
@@ -234,12 +241,14 @@ def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
     of its own); empty tensors (ranks that keep nothing) count zero bytes."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
+    held: set[int] = set()  # tensors in the bucket: a tied one's second name adds no bytes (pickled once)
     for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        nbytes = 0 if id(tensor) in held else tensor.numel() * tensor.element_size()
+        if bucket and nbytes and size + nbytes > bucket_bytes:
             yield bucket
-            bucket, size = {}, 0
+            bucket, size, held = {}, 0, set()
         bucket[name] = tensor
+        held.add(id(tensor))
         size += nbytes
     if bucket:
         yield bucket

@@ -191,6 +191,7 @@ def test_the_refit_size_the_run_prints_is_what_a_refit_sends(precision: str) -> 
     """Adapters travel in fp32 and a merged model in the engine's dtype: under bf16 the printed sizes were half and
     double what the export streams (the adapters counted at 2 bytes, the merged model at its fp32 masters'); and the
     base loaded as the policy worker loads it (a LoRA policy's frozen base in the compute dtype) was counted at half."""
+    from nemo_like.models.policy import sharding
     from nemo_like.models.policy.weight_export import WeightExport, distinct_bytes
 
     cfg = LoraConfig(enabled=True, dim=4, alpha=8)
@@ -207,6 +208,11 @@ def test_the_refit_size_the_run_prints_is_what_a_refit_sends(precision: str) -> 
         assert printed[key] == sent, (mode, printed[key], sent)
         if mode == "merged":  # the tied LM head is the embedding itself after the cast too (bf16 sent it twice)
             assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]
+        # In buckets as the object-store refit sends them (each pickled on its own), small enough that the model spans
+        # several: the tied embedding and LM head share one (split over two, the tensor was sent and counted twice)
+        buckets = list(sharding.bucketize(export._refit_tensors(mode, True), 64 * 1024))
+        assert len(buckets) > 2 and sum(distinct_bytes(b.values()) for b in buckets) == printed[key], mode
+        assert sorted(n for b in buckets for n in b) == sorted(tensors)
 
 
 def test_a_relative_base_model_path_is_recorded_absolute_and_a_missing_base_is_one_line(tmp_path, monkeypatch):
