@@ -205,3 +205,28 @@ def test_inline_generation_never_refits_nor_exports():
     policy = ScriptedPolicy(1, log)
     assert refit_if_stale(SimpleNamespace(policy=policy, generation=InlineGeneration(policy, 0, [1]))) == 0.0
     assert log == [] and policy.take_refit_bytes() == 0
+
+
+def test_a_lora_engines_adapter_folder_of_a_process_that_no_longer_runs_is_removed(tmp_path, monkeypatch):
+    """The vLLM LoRA engine's adapter folder was never removed (its actor is killed at the end of a run): one folder
+    and the last adapter were left in the temporary directory per run."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from nemo_like.models.generation.vllm_worker import ADAPTER_ROOT_PREFIX, new_adapter_root
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    dead = tmp_path / f"{ADAPTER_ROOT_PREFIX}{gone}_abc"
+    (dead / "v3").mkdir(parents=True)
+    (dead / "v3" / "adapter_model.safetensors").write_bytes(b"x" * 1000)
+    alive = tmp_path / f"{ADAPTER_ROOT_PREFIX}{os.getppid()}_def"  # a running engine's (this test's parent process)
+    alive.mkdir()
+    other = tmp_path / f"{ADAPTER_ROOT_PREFIX}unnamed"  # another naming: left alone
+    other.mkdir()
+    root = Path(new_adapter_root())
+    assert root.parent == tmp_path and root.name.startswith(f"{ADAPTER_ROOT_PREFIX}{os.getpid()}_")
+    assert not dead.exists() and alive.exists() and other.exists()
