@@ -51,45 +51,60 @@ class FakeSteps:
         return path
 
 
-def test_a_signal_during_a_periodic_save_stops_right_after_that_save(tmp_path, monkeypatch):
-    """The stop used to be sampled only before the save: one more step and one more save ran first."""
-    cfg = load_config(
-        RECIPE,
-        [
-            f"logger.log_dir={tmp_path / 'logs'}",
-            f"checkpointing.checkpoint_dir={tmp_path / 'ck'}",
-            "checkpointing.enabled=true",
-            "checkpointing.save_period=2",
-            "grpo.max_num_steps=6",
-            "grpo.val_at_start=false",
-            "grpo.val_period=0",
-            "grpo.val_at_end=false",
-            "logger.progress_bar=false",
-            "logger.plot_at_end=false",
-        ],
-    )
-    monkeypatch.setattr(grpo, "planned_memory_lines", lambda *a, **k: [])
+def fake_clock(monkeypatch) -> list[float]:
+    """A clock the loop and the run control read, moved by the fake steps and saves."""
+    clock = [1000.0]
+    for name in ("time", "monotonic", "perf_counter"):
+        monkeypatch.setattr(time, name, lambda: clock[0])
+    return clock
+
+
+def loop_parts(tmp_path, monkeypatch, *overrides: str) -> SimpleNamespace:
+    """The run's parts as ``run_training`` reads them, for the tiny recipe with checkpointing on and ``overrides``
+    (the model's FLOP and memory lines, which read its files, left out)."""
+    common = [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}", "checkpointing.enabled=true",
+              "logger.progress_bar=false", "logger.plot_at_end=false"]  # fmt: skip
+    cfg = load_config(RECIPE, [*common, *overrides])
+    for name, value in (("planned_memory_lines", []), ("flops_metrics", {}), ("throughput_metrics", {})):
+        monkeypatch.setattr(grpo, name, lambda *a, _v=value, **k: _v)
     monkeypatch.setattr(grpo, "flops_spec", lambda *a, **k: SimpleNamespace(describe=lambda: ""))
-    monkeypatch.setattr(grpo, "flops_metrics", lambda *a, **k: {})
-    monkeypatch.setattr(grpo, "throughput_metrics", lambda *a, **k: {})
     monkeypatch.setattr(grpo, "resolve_model_path", lambda p: p)
-    runner = FakeSteps(signal_during_save_of=2)
-    parts = SimpleNamespace(
+    return SimpleNamespace(
         cfg=cfg,
         policy=SimpleNamespace(take_refit_bytes=lambda: 0),
         plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)),
     )
-    control = rc.RunControl()
+
+
+def run_loop(parts: SimpleNamespace, runner: FakeSteps, control: rc.RunControl | None) -> list[dict[str, Any]]:
+    """``run_training`` on ``parts`` with ``runner``'s steps, under ``control`` (None: none active)."""
     rc.activate(control)
-    control.install_signal_handlers()
-    logger = Logger(cfg.logger, cfg.grpo.max_num_steps, None)
+    logger = Logger(parts.cfg.logger, parts.cfg.grpo.max_num_steps, None)
     try:
-        with pytest.raises(rc.RunInterrupted) as stopped:
-            grpo.run_training(parts, logger, None, runner)  # type: ignore[arg-type]
+        return grpo.run_training(parts, logger, None, runner)  # type: ignore[arg-type]
     finally:
-        control.restore_signal_handlers()
         rc.activate(None)
         logger.close()
+
+
+def test_a_signal_during_a_periodic_save_stops_right_after_that_save(tmp_path, monkeypatch):
+    """The stop used to be sampled only before the save: one more step and one more save ran first."""
+    overrides = [
+        "checkpointing.save_period=2",
+        "grpo.max_num_steps=6",
+        "grpo.val_at_start=false",
+        "grpo.val_period=0",
+        "grpo.val_at_end=false",
+    ]
+    parts = loop_parts(tmp_path, monkeypatch, *overrides)
+    runner = FakeSteps(signal_during_save_of=2)
+    control = rc.RunControl()
+    control.install_signal_handlers()
+    try:
+        with pytest.raises(rc.RunInterrupted) as stopped:
+            run_loop(parts, runner, control)
+    finally:
+        control.restore_signal_handlers()
     assert runner.events == ["step 1", "step 2", "save 2"]
     assert stopped.value.code == rc.EXIT_SIGTERM and stopped.value.step == 2
     assert Path(stopped.value.checkpoint).name == "step_2"
@@ -119,43 +134,14 @@ class TimedSteps(FakeSteps):
 def test_the_step_before_a_validation_keeps_the_validation_in_hand_before_the_deadline(tmp_path, monkeypatch):
     """10 s steps, a 600 s validation every 10 steps, 100 s of slack: the run started step 10 and its validation and
     ended ~500 s past its deadline; the loop must ask stop_reason with the next step's validation in hand."""
-    clock = [1000.0]
-    for name in ("time", "monotonic", "perf_counter"):
-        monkeypatch.setattr(time, name, lambda: clock[0])
-    cfg = load_config(
-        RECIPE,
-        [
-            f"logger.log_dir={tmp_path / 'logs'}",
-            f"checkpointing.checkpoint_dir={tmp_path / 'ck'}",
-            "checkpointing.enabled=true",
-            "checkpointing.save_period=100",
-            "grpo.max_num_steps=20",
-            "grpo.val_period=10",
-            "grpo.val_at_end=false",
-            "logger.progress_bar=false",
-            "logger.plot_at_end=false",
-        ],
+    clock = fake_clock(monkeypatch)
+    parts = loop_parts(
+        tmp_path, monkeypatch, "checkpointing.save_period=100", "grpo.max_num_steps=20", "grpo.val_period=10", "grpo.val_at_end=false"
     )
-    for name, value in (("planned_memory_lines", []), ("flops_metrics", {}), ("throughput_metrics", {})):
-        monkeypatch.setattr(grpo, name, lambda *a, _v=value, **k: _v)
-    monkeypatch.setattr(grpo, "flops_spec", lambda *a, **k: SimpleNamespace(describe=lambda: ""))
-    monkeypatch.setattr(grpo, "resolve_model_path", lambda p: p)
     runner = TimedSteps(clock)
-    parts = SimpleNamespace(
-        cfg=cfg,
-        policy=SimpleNamespace(take_refit_bytes=lambda: 0),
-        plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)),
-    )
     deadline = clock[0] + 600.0 + 9 * 10.0 + 2 * 5.0 + 100.0  # step 0's validation, 9 steps, 2 saves, the slack
-    control = rc.RunControl(deadline)
-    rc.activate(control)
-    logger = Logger(cfg.logger, cfg.grpo.max_num_steps, None)
-    try:
-        with pytest.raises(rc.RunInterrupted) as stopped:
-            grpo.run_training(parts, logger, None, runner)  # type: ignore[arg-type]
-    finally:
-        rc.activate(None)
-        logger.close()
+    with pytest.raises(rc.RunInterrupted) as stopped:
+        run_loop(parts, runner, rc.RunControl(deadline))
     assert stopped.value.code == rc.EXIT_DEADLINE and stopped.value.step == 9, runner.events
     assert "validate 10" not in runner.events and clock[0] <= deadline
 
@@ -181,32 +167,14 @@ def test_a_step_that_saves_keeps_its_own_save_in_hand_before_the_deadline(tmp_pa
     """checkpointing.save_period=1, saves slower than steps: the stop was decided before the step's own save, which
     went uncounted, so going on cost that save, a step and the stop's save while only a step and a save were kept:
     the stop checkpoint ended up to 69 s past the deadline (a Slurm job killed while writing it)."""
-    clock = [1000.0]
-    for name in ("time", "monotonic", "perf_counter"):
-        monkeypatch.setattr(time, name, lambda: clock[0])
-    overrides = [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}", "checkpointing.enabled=true",
-                 "checkpointing.save_period=1", "checkpointing.keep_top_k=null", "grpo.max_num_steps=1000", "grpo.val_at_start=false",
-                 "grpo.val_period=0", "grpo.val_at_end=false", "logger.progress_bar=false", "logger.plot_at_end=false"]  # fmt: skip
-    cfg = load_config(RECIPE, overrides)
-    for name, value in (("planned_memory_lines", []), ("flops_metrics", {}), ("throughput_metrics", {})):
-        monkeypatch.setattr(grpo, name, lambda *a, _v=value, **k: _v)
-    monkeypatch.setattr(grpo, "flops_spec", lambda *a, **k: SimpleNamespace(describe=lambda: ""))
-    monkeypatch.setattr(grpo, "resolve_model_path", lambda p: p)
+    clock = fake_clock(monkeypatch)
+    overrides = ["checkpointing.save_period=1", "checkpointing.keep_top_k=null", "grpo.max_num_steps=1000", "grpo.val_at_start=false",
+                 "grpo.val_period=0", "grpo.val_at_end=false"]  # fmt: skip
+    parts = loop_parts(tmp_path, monkeypatch, *overrides)
     runner = SlowSaves(clock)
-    parts = SimpleNamespace(
-        cfg=cfg,
-        policy=SimpleNamespace(take_refit_bytes=lambda: 0),
-        plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)),
-    )
     deadline = clock[0] + slack
-    rc.activate(rc.RunControl(deadline))
-    logger = Logger(cfg.logger, cfg.grpo.max_num_steps, None)
-    try:
-        with pytest.raises(rc.RunInterrupted) as stopped:
-            grpo.run_training(parts, logger, None, runner)  # type: ignore[arg-type]
-    finally:
-        rc.activate(None)
-        logger.close()
+    with pytest.raises(rc.RunInterrupted) as stopped:
+        run_loop(parts, runner, rc.RunControl(deadline))
     assert stopped.value.code == rc.EXIT_DEADLINE and "this step's save, a step and a save need" in stopped.value.reason.what
     assert clock[0] <= deadline, f"the stop checkpoint ended {clock[0] - deadline:.0f}s past the deadline"
     assert runner.events[-1] == f"save {stopped.value.step}" and runner.events.count(f"save {stopped.value.step}") == 1
@@ -237,24 +205,14 @@ class EpochSteps(FakeSteps):
 def test_the_last_checkpoint_of_a_run_that_ran_out_of_data_holds_its_end_of_run_validation(tmp_path, monkeypatch):
     """grpo.max_num_epochs ended the run after a step already saved (save_period=1): its val_at_end validation was
     logged but never reached the checkpoint, which best-k retention and a resume read."""
-    overrides = [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}", "checkpointing.enabled=true",
-                 "checkpointing.save_period=1", "grpo.max_num_steps=5", "grpo.val_at_start=false", "grpo.val_period=0",
-                 "grpo.val_at_end=true", "logger.progress_bar=false", "logger.plot_at_end=false"]  # fmt: skip
-    cfg = load_config(RECIPE, overrides)
-    for name, value in (("planned_memory_lines", []), ("flops_metrics", {}), ("throughput_metrics", {})):
-        monkeypatch.setattr(grpo, name, lambda *a, _v=value, **k: _v)
-    monkeypatch.setattr(grpo, "flops_spec", lambda *a, **k: SimpleNamespace(describe=lambda: ""))
-    monkeypatch.setattr(grpo, "resolve_model_path", lambda p: p)
+    overrides = [
+        "checkpointing.save_period=1",
+        "grpo.max_num_steps=5",
+        "grpo.val_at_start=false",
+        "grpo.val_period=0",
+        "grpo.val_at_end=true",
+    ]
     runner = EpochSteps(2)
-    parts = SimpleNamespace(
-        cfg=cfg,
-        policy=SimpleNamespace(take_refit_bytes=lambda: 0),
-        plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)),
-    )
-    logger = Logger(cfg.logger, cfg.grpo.max_num_steps, None)
-    try:
-        grpo.run_training(parts, logger, None, runner)  # type: ignore[arg-type]
-    finally:
-        logger.close()
+    run_loop(loop_parts(tmp_path, monkeypatch, *overrides), runner, None)
     assert runner.events == ["step 1", "save 1", "step 2", "save 2", "validate 2", "save 2"]
     assert runner.saved[2]["validation/accuracy"] == 0.5
