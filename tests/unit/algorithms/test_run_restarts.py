@@ -259,6 +259,10 @@ def test_a_resumed_runs_tensorboard_hides_the_steps_it_redoes(tmp_path):
     for step in range(1, 6):
         first.log_metrics({"train/reward": float(step)}, step)
     first.close()
+    # TensorBoard reads a directory's event files in name order: the second's, its creation time, then a per-process
+    # counter compared as text ('10' before '9' after nine writers in this process). A resume in a later second, as a
+    # real one is, orders them by time.
+    time.sleep(1.05 - time.time() % 1)
     resumed = TensorBoardBackend(tmp_path, purge_step=4)  # resumed after step 3: steps 4 and 5 are redone
     for step in range(4, 7):
         resumed.log_metrics({"train/reward": 10.0 + step}, step)

@@ -1,6 +1,7 @@
 """Logger fan-out without Ray: metrics.jsonl, TensorBoard, and a backend that really fails to start."""
 
 import json
+import time
 
 import pytest
 
@@ -175,10 +176,14 @@ def test_a_replayed_non_finite_value_reaches_tensorboard_as_the_run_logged_it(tm
     for step, loss in ((1, 0.5), (2, float("nan")), (3, 0.4)):
         first.log({"train/loss": loss}, step)
     first.close()
+    # Each run in a later second, as real ones are: TensorBoard orders event files by name, whose per-process counter
+    # compares as text within one second ('10' before '9')
+    time.sleep(1.05 - time.time() % 1)
     other = Logger(cfg, 5)  # a short fresh run in the same log_dir
     other.log({"train/loss": 9.0}, 1)
     other.close()
     replay = trim_metrics_after(tmp_path / "metrics.jsonl", 2)  # the first run resumes from its step-2 checkpoint
+    time.sleep(1.05 - time.time() % 1)
     resumed = Logger(cfg, 5, resumed_step=2, replayed=replay.records)
     resumed.log({"train/loss": 0.3}, 3)
     resumed.close()
