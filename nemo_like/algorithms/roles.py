@@ -11,6 +11,7 @@ from __future__ import annotations
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, sum_resources
 from nemo_like.distributed.worker_group import RoleResources
+from nemo_like.environments.composite import split_source
 from nemo_like.environments.registry import ENVIRONMENTS
 from nemo_like.environments.worker import environment_resources
 from nemo_like.experience.async_rollouts import async_actor_resources
@@ -65,11 +66,10 @@ def unplanned_model_lines(cfg: MasterConfig) -> list[str]:
     memory plan counts the policy, reference, teachers and generation only."""
     lines = []
     for task, section in cfg.env_sections.items():
-        settings = section.model_dump(by_alias=True) if hasattr(section, "model_dump") else dict(section)
-        kind = section.env_class or task
+        settings, kind = section.model_dump(by_alias=True), section.env_class or task
         sources = {f"env.{task}": (kind, settings)}
-        if kind == "composite":
-            sources = {f"env.{task}.sources.{n}": (src.get("class", n), src) for n, src in (settings.get("sources") or {}).items()}
+        if kind == "composite":  # each source's class and settings, as the composite reads them
+            sources = {f"env.{task}.sources.{n}": split_source(n, src)[::2] for n, src in (settings.get("sources") or {}).items()}
         for where, (name, values) in sources.items():
             if name in MODEL_ENVIRONMENTS:
                 config_model = ENVIRONMENTS.get(name).config_model

@@ -91,15 +91,19 @@ class CompositeEnvConfig(BaseModel):
 
 
 def source_devices(sources: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The device of each source that loads a model in the composite's own process (``takes_device``): the actor holds
-    the sources' GPUs added up (:meth:`CompositeEnvironment.actor_needs`), visible as ``cuda:0``, ``cuda:1``, ...;
-    packed first-fit in order, a source of a whole GPU or more starts on the next untouched GPU, one of a fraction shares
-    the first GPU with room for it; ``num_gpus: 0`` is the CPU. Without this every one went to torch's default GPU, a
-    CPU source too."""
+    """The device of each source that loads a model in the composite's own process (``takes_device``): see
+    :func:`place_sources`."""
+    return place_sources({name: resolve_source(name, section) for name, section in sources.items()})
+
+
+def place_sources(resolved: dict[str, tuple[type[EnvironmentInterface], float, dict[str, Any]]]) -> dict[str, str]:
+    """:func:`source_devices` of sources already resolved (:func:`resolve_source`): the actor holds the sources' GPUs
+    added up (:meth:`CompositeEnvironment.actor_needs`), visible as ``cuda:0``, ``cuda:1``, ...; packed first-fit in
+    order, a source of a whole GPU or more starts on the next untouched GPU, one of a fraction shares the first GPU with
+    room for it; ``num_gpus: 0`` is the CPU. Without this every one went to torch's default GPU, a CPU source too."""
     devices: dict[str, str] = {}
     free: list[float] = []  # room left on each GPU handed out so far
-    for name, section in sources.items():
-        source_cls, _, settings = resolve_source(name, section)
+    for name, (source_cls, _, settings) in resolved.items():
         if not getattr(source_cls, "takes_device", False):
             continue
         gpus = source_cls.actor_needs(settings).num_gpus
@@ -137,9 +141,9 @@ class CompositeEnvironment(EnvironmentInterface):
 
     def __init__(self, sources: dict[str, dict[str, Any]]) -> None:
         self.sources: dict[str, tuple[EnvironmentInterface, float]] = {}
-        devices = source_devices(sources)
-        for name, section in sources.items():
-            source_cls, weight, settings = resolve_source(name, section)
+        resolved = {name: resolve_source(name, section) for name, section in sources.items()}  # each imported once
+        devices = place_sources(resolved)
+        for name, (source_cls, weight, settings) in resolved.items():
             device = {"device": devices[name]} if name in devices else {}
             self.sources[name] = (source_cls(**settings, **device), weight)
         self._counts: dict[str, float] = {}

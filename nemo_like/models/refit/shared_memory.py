@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from nemo_like.models.refit.buckets import WeightBuckets
+from nemo_like.utils.orphans import remove_orphans as remove_orphan_paths
 
 SHM_DIR = Path("/dev/shm")
 ALIGN = 64  # bytes: every tensor starts on a cache line, so a byte view can be reinterpreted as any dtype
@@ -200,17 +201,7 @@ class SharedWeightWriter:
 
 def remove_orphans() -> list[str]:
     """Unlink the buffers of writers that no longer run (a killed run's); returns their paths."""
-    removed = []
-    for path in SHM_DIR.glob("nemo_like_refit_*_*"):
-        try:
-            pid = int(path.name.split("_")[3])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            removed.append(str(path))
-        except (ValueError, IndexError, PermissionError):
-            continue  # not ours to judge: a malformed name, or another user's live process
-    return removed
+    return remove_orphan_paths(SHM_DIR.glob("nemo_like_refit_*_*"), "nemo_like_refit_", lambda path: path.unlink(missing_ok=True))
 
 
 def layout(tensors: list[tuple[str, torch.Tensor]]) -> list[Entry]:
