@@ -157,6 +157,7 @@ class WandbBackend(LogBackend):
         if sys.stdin is not None and sys.stdin.isatty() and not wandb_credentials_found():
             # On a terminal wandb.init asks for a key and waits (forever, the run's log_dir lock held; at end of input it
             # raises KeyboardInterrupt): say so here instead, as the warning of any backend that cannot start
+            _wandb_teardown(wandb)  # wandb.setup() read the settings to decide: a later run reads them afresh
             raise RuntimeError("not logged in to W&B (run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline)")
         run_dir = Path(os.environ.get("WANDB_DIR") or log_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -178,18 +179,37 @@ class WandbBackend(LogBackend):
         _wandb_teardown(self._wandb)
 
 
+WANDB_MODES_WITHOUT_LOGIN = ("offline", "disabled", "dryrun")
+
+
 def wandb_credentials_found() -> bool:
     """Whether W&B can start without asking: an offline or disabled ``WANDB_MODE``, ``WANDB_API_KEY`` or an identity
-    token file in the environment, or a key for the W&B host in the netrc file (``$NETRC``, else ``~/.netrc``)."""
-    if os.environ.get("WANDB_MODE", "").strip().lower() in ("offline", "disabled", "dryrun"):
+    token file in the environment, a key for the W&B host in the netrc file (``$NETRC``, else ``~/.netrc``), or (read
+    by wandb itself) a mode or key in its settings files: ``wandb offline`` writes ``mode = offline`` to
+    ``./wandb/settings``, not to the environment."""
+    if os.environ.get("WANDB_MODE", "").strip().lower() in WANDB_MODES_WITHOUT_LOGIN:
         return True
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
     host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
     try:
-        return netrc.netrc(os.environ.get("NETRC") or None).authenticators(host or "") is not None
+        if netrc.netrc(os.environ.get("NETRC") or None).authenticators(host or "") is not None:
+            return True
     except (OSError, netrc.NetrcParseError):
+        pass
+    return _wandb_settings_allow_start()
+
+
+def _wandb_settings_allow_start() -> bool:
+    """Whether wandb's own settings (its settings files over the environment, as ``wandb.init`` will read them) name a
+    mode that needs no login or an API key."""
+    try:
+        import wandb
+
+        settings = wandb.setup().settings
+    except Exception:  # noqa: BLE001 - unreadable settings: wandb.init would ask, so warn as without credentials
         return False
+    return str(settings.mode).lower() in WANDB_MODES_WITHOUT_LOGIN or bool(settings.api_key)
 
 
 def _wandb_teardown(wandb: Any) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -124,23 +125,22 @@ print("BACKENDS", [b.name for b in logger.backends], [str(w.message) for w in ca
 """
 
 
-def test_wandb_not_logged_in_on_a_terminal_warns_instead_of_waiting_at_its_login_prompt(tmp_path):
-    """On a terminal (an interactive shell, tmux) wandb.init asked for a key and waited forever with the run's log_dir
-    locked (at end of input: KeyboardInterrupt, exit 130); logging.md promises a warning and a run that goes on."""
-    pytest.importorskip("wandb")
+def _logger_on_a_terminal(home: Path, cwd: Path) -> tuple[int | None, str]:
+    """Run :data:`WANDB_ON_A_TERMINAL` on a pseudo-terminal nobody types into, in ``cwd`` with ``home`` as HOME and no
+    W&B variables; returns its exit status (None: still waiting after 120 s, killed) and its output."""
     import os
     import pty
     import select
     import signal
     import sys
     import time
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
-    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb"), PYTHONPATH=str(root))
+    env.update(HOME=str(home), WANDB_CONFIG_DIR=str(home / "wandb-config"), PYTHONPATH=str(root))
     pid, fd = pty.fork()
     if pid == 0:  # the child: a terminal nobody types into
+        os.chdir(cwd)
         os.execve(sys.executable, [sys.executable, "-c", WANDB_ON_A_TERMINAL], env)
     out, deadline, status = b"", time.monotonic() + 120, None
     try:
@@ -156,9 +156,27 @@ def test_wandb_not_logged_in_on_a_terminal_warns_instead_of_waiting_at_its_login
         if status is None:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-    text = out.decode(errors="replace")
+    return status, out.decode(errors="replace")
+
+
+def test_wandb_not_logged_in_on_a_terminal_warns_instead_of_waiting_at_its_login_prompt(tmp_path):
+    """On a terminal (an interactive shell, tmux) wandb.init asked for a key and waited forever with the run's log_dir
+    locked (at end of input: KeyboardInterrupt, exit 130); logging.md promises a warning and a run that goes on."""
+    pytest.importorskip("wandb")
+    status, text = _logger_on_a_terminal(tmp_path, tmp_path)
     assert status == 0, f"the logger did not return (waiting at wandb's prompt?): {text[-2000:]}"
     assert "BACKENDS ['jsonl']" in text and "Weights & Biases logging disabled" in text and "not logged in to W&B" in text
+
+
+def test_wandb_offline_set_by_the_wandb_offline_command_starts_on_a_terminal(tmp_path):
+    """``wandb offline`` writes ``mode = offline`` to ./wandb/settings, not to the environment: the terminal check had
+    read only the environment and netrc, so such a user got the not-logged-in warning and no W&B run."""
+    pytest.importorskip("wandb")
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "settings").write_text("[default]\nmode = offline\n")
+    status, text = _logger_on_a_terminal(tmp_path, tmp_path)
+    assert status == 0, f"the logger did not return: {text[-2000:]}"
+    assert "BACKENDS ['jsonl', 'wandb']" in text and "not logged in to W&B" not in text, text[-2000:]
 
 
 def test_a_replayed_non_finite_value_reaches_tensorboard_as_the_run_logged_it(tmp_path):
