@@ -168,7 +168,7 @@ class AsyncRollouts:
                 loader_state=loader.state_dict(),
                 settings=settings,
                 fault_tolerance=cfg.cluster.fault_tolerance,
-                armed_faults=faults.hand_over(("generation", "environment")),  # tests: the collector makes those calls
+                armed_faults=faults.hand_over(("generation", "environment", "reference")),  # tests: the collector makes those calls
             ),
             timeout,
             max_concurrency=6,  # run, control calls, the driver's long poll for replacements and its answers

@@ -56,7 +56,7 @@ def test_async_with_age_zero_reproduces_the_sync_run_through_dead_actors(ray_clu
     assert sync[-1]["validation/accuracy"] == stale0[-1]["validation/accuracy"]
 
 
-def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, tmp_path):
+def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, tmp_path, monkeypatch, capfd):
     ckpt = tmp_path / "ckpt"
     overrides = (
         HF,
@@ -103,8 +103,13 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
     # started from none: a resumed run's checkpoints lacked the metric that best-k ranks by).
     saved["metrics"].update({"validation/accuracy": 0.125, VALIDATED_AT_STEP: 2.0})
     (ckpt / "step_2" / "trainer_state.json").write_text(json.dumps(saved))
+    # The rerun also loses its reference worker under the trajectory collector's reference pass for step 4: the
+    # collector's failure must reach the trainer as the reference role's death, and the run restart in process from
+    # step_2 (an async run had stopped on it), with the replay buffer saved there.
+    monkeypatch.setenv("NEMO_LIKE_FAULT_INJECTION", json.dumps({"role": "reference", "phase": "logprobs", "step": 4, "action": "kill"}))
     resumed = steps_of(train(tiny_config(tmp_path, *overrides)))
-    assert [r["step"] for r in resumed] == [3, 4, 5]
+    assert "[restart] the reference worker died" in capfd.readouterr().err
+    assert [r["step"] for r in resumed] == [3, 4, 5] and resumed[-1]["faults/run_restarts"] == 1.0
     carried = json.loads((ckpt / "step_4" / "trainer_state.json").read_text())["metrics"]
     assert (carried["validation/accuracy"], carried[VALIDATED_AT_STEP]) == (0.125, 2.0)
     for a, b in zip(straight[2:], resumed):

@@ -147,17 +147,18 @@ class FaultToleranceConfig(Section):
 class FaultInjectionConfig(Section):
     """A deterministic fault for tests (docs/guides/fault-tolerance.md); also ``$NEMO_LIKE_FAULT_INJECTION`` as JSON."""
 
-    role: Literal["generation", "environment", "policy"] = Field(
+    role: Literal["generation", "environment", "policy", "reference"] = Field(
         "generation",
         description="Whose call fails: 'generation' (an engine, or the policy worker when it samples inline), 'environment' (an "
-        "environment actor), 'policy' (a policy worker).",
+        "environment actor), 'policy' (a policy worker), 'reference' (a reference policy worker).",
     )
     step: Int = Field(1, gt=0, description="The training step whose call fails.")
-    phase: Literal["generate", "score", "train", "setup"] = Field(
+    phase: Literal["generate", "score", "train", "setup", "logprobs"] = Field(
         "generate",
         description="Which call: 'generate' (the step's rollout generation; role generation), 'score' (the rewards, and multi-turn "
         "environment steps; role environment), 'train' (the optimizer step; role policy), 'setup' (the policy workers' first "
-        "call once built, at every start of the run's actors: a restart's too; role policy).",
+        "call once built, at every start of the run's actors: a restart's too; role policy), 'logprobs' (the reference "
+        "logprob pass; role reference: in an async run the trajectory collector makes it, for its batch's step).",
     )
     action: Literal["hang", "kill", "raise"] | None = Field(
         None,
@@ -168,7 +169,7 @@ class FaultInjectionConfig(Section):
 
     @model_validator(mode="after")
     def _phase_of_role(self) -> FaultInjectionConfig:
-        phases = {"generation": ("generate",), "environment": ("score",), "policy": ("train", "setup")}
+        phases = {"generation": ("generate",), "environment": ("score",), "policy": ("train", "setup"), "reference": ("logprobs",)}
         if self.phase not in phases[self.role]:
             expected = " or ".join(repr(p) for p in phases[self.role])
             raise ValueError(f"cluster.fault_injection.phase of role {self.role!r} is {expected}, got {self.phase!r}")
