@@ -33,14 +33,14 @@ SESSION_HEADER = "X-Session-Id"
 class EndSessionRequest(BaseModel):
     """``POST /v1/sessions/{id}/end``: the session's reward (0.0 when omitted)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     reward: float | None = Field(None, allow_inf_nan=False)
 
 
 class OpenSessionRequest(BaseModel):
     """``POST /v1/sessions``: an optional id (a random one otherwise) and metadata."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     session_id: str | None = None
     metadata: dict[str, Any] | None = None
 

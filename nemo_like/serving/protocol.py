@@ -23,9 +23,10 @@ def engine_top_k(top_k: int | None) -> int | None:
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints. Strict types, as OpenAI checks them: ``true`` is not a number and ``"7"`` not an
+    integer (lax parsing had read ``max_tokens: true`` as 1 and answered with one token)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -105,6 +106,17 @@ class ChatCompletionRequest(SamplingFields):
             raise unsupported("top_logprobs", "only the sampled token's logprob is returned")
         if self.response_format not in (None, {"type": "text"}):
             raise unsupported("response_format", "only {'type': 'text'}")
+        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise bad_request(
+                f"Set one of 'max_tokens' ({self.max_tokens}) and 'max_completion_tokens' ({self.max_completion_tokens}), "
+                "not two different limits.",
+                param="max_tokens",
+            )
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise bad_request("'tool_choice' is only allowed when 'tools' are specified.", param="tool_choice")
+            if self.parallel_tool_calls is not None:
+                raise bad_request("'parallel_tool_calls' is only allowed when 'tools' are specified.", param="parallel_tool_calls")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -118,7 +130,7 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is one string or one list of token ids."""
 
     prompt: str | list[int]
-    logprobs: int | None = Field(None, ge=0, le=1)
+    logprobs: int | None = Field(None, ge=0)  # 0: each sampled token's logprob; more would ask for top alternatives
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
@@ -131,6 +143,8 @@ class CompletionRequest(SamplingFields):
             raise unsupported("suffix")
         if self.best_of not in (None, 1):
             raise unsupported("best_of")
+        if self.logprobs:
+            raise unsupported("logprobs", "only 0: 'token_logprobs' holds each sampled token's logprob; no top alternatives")
         if isinstance(self.prompt, list) and not self.prompt:
             raise bad_request("'prompt' must not be empty.", param="prompt")
 

@@ -59,7 +59,7 @@ def chat_response(
 
 
 def completion_response(call: SampledCall, req: CompletionRequest, response_id: str, decode_token: Any = str) -> dict[str, Any]:
-    """A ``text_completion`` object (``logprobs``: 0 or 1 gives the sampled tokens' logprobs)."""
+    """A ``text_completion`` object (``logprobs``: 0 gives the sampled tokens' logprobs)."""
     choices = []
     for choice in call.choices:
         logprobs = None

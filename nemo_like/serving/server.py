@@ -50,6 +50,9 @@ class ServerConfig:
     # The model's rows (models.loading.model_vocab_size); None: the tokenizer's ids. A model padded past its tokenizer
     # samples the padding ids too: a session holding one was refused whole (its tokens untrained, failure_reward).
     vocab_size: int | None = None
+    # Ended sessions' results kept for a repeated end (None: until taken, as a training run takes them; the standalone
+    # server, whose results nobody takes, keeps the newest few).
+    max_kept_results: int | None = None
 
 
 def is_loopback(host: str) -> bool:
@@ -85,7 +88,9 @@ class RolloutServer:
         eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
         self.queue = GenerationQueue(engine, config.seed, config.max_batch, config.batch_window_s)
         vocab = max(len(tokenizer), config.vocab_size or 0)
-        self.sessions = SessionStore(auto_create=config.auto_create_sessions, vocab_size=vocab, on_end=self.queue.forget)
+        self.sessions = SessionStore(
+            auto_create=config.auto_create_sessions, vocab_size=vocab, on_end=self.queue.forget, max_kept_results=config.max_kept_results
+        )
         limits = Limits(
             config.model_name, _max_context(tokenizer, config.max_context), config.max_n, config.require_session, config.run_sampling
         )

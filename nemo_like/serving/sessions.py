@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_like.serving.continuation import Continuations
-from nemo_like.serving.errors import bad_request, session_ended, session_not_found
+from nemo_like.serving.errors import ServingError, bad_request, session_ended, session_not_found
 from nemo_like.serving.trajectory import CallRecord, SessionRows, session_rows
 from nemo_like.utils.seeds import agent_call_seed
 
@@ -27,6 +27,8 @@ from nemo_like.utils.seeds import agent_call_seed
 SEED_KEY = "seed"
 BUDGET_KEY = "token_budget"
 GREEDY_KEY = "greedy"
+#: Ended session ids remembered (so a late call to one is a 409, not a new session); the oldest are forgotten past it.
+MAX_ENDED_IDS = 100_000
 
 
 @dataclass
@@ -106,15 +108,25 @@ class _PendingEnd:
 class SessionStore:
     """Open sessions by id, and the results of ended ones until they are taken."""
 
-    def __init__(self, auto_create: bool = True, vocab_size: int | None = None, on_end: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        auto_create: bool = True,
+        vocab_size: int | None = None,
+        on_end: Callable[[str], None] | None = None,
+        max_kept_results: int | None = None,
+    ) -> None:
         self.auto_create = auto_create
         self.vocab_size = vocab_size
         self.on_end = on_end  # told each session id once it ends (the generation queue stops waiting for its calls)
+        # None: every result is kept until taken (a training run takes them); a server that nobody takes results from
+        # (``nemo-like serve``) keeps the newest this many, so a repeated end of an older session gets a 409.
+        self.max_kept_results = max_kept_results
         self._lock = threading.Lock()
         self._open: dict[str, Session] = {}
-        self._ended: set[str] = set()
+        self._ended: dict[str, None] = {}  # insertion-ordered: the oldest are forgotten past MAX_ENDED_IDS
         self._results: dict[str, SessionRows] = {}
         self._building: dict[str, _PendingEnd] = {}  # ended sessions whose rows are being built
+        self._end_rewards: dict[str, float | None] = {}  # the reward each ended session's first end gave (None: omitted)
         self.counters = SessionCounters()
 
     def open(self, session_id: str | None = None, metadata: dict[str, Any] | None = None) -> str:
@@ -199,6 +211,8 @@ class SessionStore:
         Raises:
             ServingError: 404 for an unknown id, 409 for one whose result was already taken."""
         with self._lock:
+            if session_id in self._results or session_id in self._building:
+                self._check_same_reward(session_id, reward)
             if session_id in self._results:
                 return self._results[session_id]
             pending = self._building.get(session_id)
@@ -209,7 +223,8 @@ class SessionStore:
                 if session is None:
                     raise session_not_found(session_id)
                 session.ended = True
-                self._ended.add(session_id)
+                self._remember_ended(session_id)
+                self._end_rewards[session_id] = None if reward is None else float(reward)
                 calls = sorted(session.calls, key=lambda c: (c.call_index, c.choice_index))
                 refusals = session.budget_refusals
                 building = self._building[session_id] = _PendingEnd()
@@ -226,12 +241,27 @@ class SessionStore:
             with self._lock:
                 self._count(result)
                 self._results[session_id] = result
+                if self.max_kept_results is not None:
+                    while len(self._results) > self.max_kept_results:
+                        self._forget_result(next(iter(self._results)))
             building.result = result
             return result
         finally:
             with self._lock:
                 self._building.pop(session_id, None)
             building.done.set()
+
+    def _check_same_reward(self, session_id: str, reward: float | None) -> None:
+        """A repeated end (under the lock) must not contradict the first: two explicit, different rewards are a 409 (the
+        second had been answered with the first's rows and reward, and silently dropped)."""
+        first = self._end_rewards.get(session_id)
+        if reward is not None and first is not None and float(reward) != first:
+            raise ServingError(
+                409,
+                f"Session {session_id!r} already ended with reward {first}; a second end cannot change it to {float(reward)}.",
+                code="session_ended",
+                param="reward",
+            )
 
     def _count(self, result: SessionRows) -> None:
         c = self.counters
@@ -242,16 +272,26 @@ class SessionStore:
         c.branched += int(result.branched)
         c.rejected += int(result.rejected is not None)
 
+    def _remember_ended(self, session_id: str) -> None:
+        """Record ``session_id`` as ended (under the lock), forgetting the oldest past :data:`MAX_ENDED_IDS`."""
+        self._ended[session_id] = None
+        while len(self._ended) > MAX_ENDED_IDS:
+            self._ended.pop(next(iter(self._ended)))
+
+    def _forget_result(self, session_id: str) -> SessionRows | None:
+        """Drop an ended session's result and its first end's reward (under the lock); returns the result."""
+        self._end_rewards.pop(session_id, None)
+        return self._results.pop(session_id, None)
+
     def take_result(self, session_id: str) -> SessionRows | None:
         """The ended session's result, removed from the store (None if it has not ended or was taken)."""
         with self._lock:
-            return self._results.pop(session_id, None)
+            return self._forget_result(session_id)
 
     def take_finished(self) -> list[SessionRows]:
         """Every ended session's result not taken yet, in the order they ended."""
         with self._lock:
-            results, self._results = list(self._results.values()), {}
-            return results
+            return [result for result in (self._forget_result(sid) for sid in list(self._results)) if result is not None]
 
     def open_ids(self) -> list[str]:
         """The ids of the sessions still running."""

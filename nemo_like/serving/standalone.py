@@ -24,6 +24,8 @@ from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
 
+STANDALONE_KEPT_RESULTS = 1000  # ended sessions whose result a repeated end still returns
+
 
 def served_model(cfg: Any) -> str:
     """The model to serve: ``eval.model_path`` (resolved as ``nemo-like eval`` resolves it: a checkpoint's ``policy/``
@@ -47,6 +49,7 @@ def build_server(cfg: Any, port: int = 0) -> RolloutServer:
         seed=cfg.grpo.seed,
         run_sampling=run_sampling(cfg.policy.generation, enforce=False),  # the recipe's as defaults: an agent is free
         vocab_size=model_vocab_size(model),
+        max_kept_results=STANDALONE_KEPT_RESULTS,  # nothing takes them: memory would grow with every session ended
     )
     return RolloutServer(engine, tokenizer, config, eos_token_ids=eos_ids)
 

@@ -312,7 +312,7 @@ def test_sixty_four_concurrent_sessions_keep_their_own_calls(server):
 def test_completions_endpoint_returns_the_sampled_ids_and_cuts_at_stop_strings(server):
     c = client(server)
     text = c.completions.create(
-        model="policy", prompt="What is 12 times 3?", max_tokens=8, logprobs=1, extra_body={"return_token_ids": True}
+        model="policy", prompt="What is 12 times 3?", max_tokens=8, logprobs=0, extra_body={"return_token_ids": True}
     )
     choice = text.choices[0]
     assert choice.logprobs.token_logprobs == choice.completion_logprobs and len(choice.completion_token_ids) <= 8
@@ -354,6 +354,14 @@ BAD_REQUESTS = [
     (json.dumps({"model": "policy", "messages": []}), {}, 400, "messages"),
     (json.dumps({"model": "policy"}), {}, 400, "messages"),
     (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}], "temperature": 7}), {}, 400, "temperature"),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}], "max_tokens": True}), {}, 400, "max_tokens"),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}], "seed": "7"}), {}, 400, "seed"),
+    (
+        json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}], "max_tokens": 3, "max_completion_tokens": 5}),
+        {},
+        400,
+        "max_tokens",
+    ),
     (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "q"}]}), {}, 404, "model_not_found"),
     (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "q"}]}), {"X-Session-Id": "ended"}, 409, "session_ended"),
 ]

@@ -16,6 +16,7 @@ from transformers import LlamaTokenizer, PreTrainedTokenizerFast
 from nemo_like.environments.tools.parsing import ToolCallError, parse_tool_calls
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.loading import load_tokenizer
+from nemo_like.serving.app import EndSessionRequest, OpenSessionRequest
 from nemo_like.serving.batching import GenerationQueue
 from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import ServingError
@@ -232,6 +233,43 @@ def test_request_checks_and_sampling_settings():
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}], frobnicate=1)
     assert CompletionRequest(model="m", prompt=[1, 2]).requested_max_tokens() == 16
+
+
+@pytest.mark.parametrize(
+    "fields", [{"max_tokens": True}, {"n": True}, {"temperature": True}, {"seed": "7"}, {"logprobs": "yes"}, {"max_tokens": "3"}]
+)
+def test_request_fields_of_the_wrong_json_type_are_refused_not_converted(fields):
+    """Lax parsing had read ``max_tokens: true`` as 1 (one-token answers), ``seed: "7"`` as 7; OpenAI answers 400."""
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}], **fields)
+    ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}], temperature=1, n=None)  # an int is a float
+    with pytest.raises(ValidationError):
+        EndSessionRequest(reward=True)
+    with pytest.raises(ValidationError):
+        OpenSessionRequest(session_id=7)
+
+
+def test_contradictory_or_unimplemented_limits_and_tool_settings_are_refused():
+    def checked(**fields) -> None:
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}], **fields).check_supported()
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for fields, param in [
+        ({"max_tokens": 3, "max_completion_tokens": 20}, "max_tokens"),  # max_tokens had been dropped silently
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ]:
+        with pytest.raises(ServingError) as error:
+            checked(**fields)
+        assert (error.value.status, error.value.param) == (400, param), fields
+    checked(max_tokens=5, max_completion_tokens=5)
+    checked(tool_choice="none")
+    checked(tools=tools, tool_choice="auto", parallel_tool_calls=False)
+    # Completions' logprobs=1 asks for the top alternative at each position, which is not returned (it had answered None).
+    with pytest.raises(ServingError) as error:
+        CompletionRequest(model="m", prompt=[1, 2], logprobs=1).check_supported()
+    assert (error.value.param, error.value.code) == ("logprobs", "unsupported_parameter")
+    CompletionRequest(model="m", prompt=[1, 2], logprobs=0).check_supported()
 
 
 SENTENCEPIECE = Path(__file__).parents[2] / "fixtures" / "tiny_sentencepiece"

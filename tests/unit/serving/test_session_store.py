@@ -121,3 +121,29 @@ def test_the_server_accepts_every_id_the_model_can_sample_not_only_the_tokenizer
     assert store.end("padded", 1.0).rows  # trained
     record(store, "outside", [1], [370])
     assert not store.end("outside", 1.0).rows
+
+
+def test_a_second_end_with_another_reward_is_refused_and_the_kept_results_and_ids_are_bounded(monkeypatch):
+    """A second end's different reward had been answered with the first's rows and dropped without a word; a server
+    nobody takes results from (``nemo-like serve``) had kept every ended session's rows and id forever."""
+    from nemo_like.serving import sessions
+
+    store = SessionStore(max_kept_results=2)
+    record(store, "a", [1, 2], [10, 2])
+    first = store.end("a", reward=0.25)
+    assert store.end("a", reward=0.25) is first and store.end("a") is first  # the same reward, or none: the same result
+    with pytest.raises(ServingError) as conflict:
+        store.end("a", reward=1.0)
+    assert (conflict.value.status, conflict.value.param) == (409, "reward") and "0.25" in conflict.value.message
+    for sid in ("b", "c"):
+        record(store, sid, [1, 3], [11, 2])
+        store.end(sid, reward=1.0)
+    with pytest.raises(ServingError) as forgotten:  # past max_kept_results=2 the oldest result went: a repeated end is 409
+        store.end("a", reward=0.25)
+    assert forgotten.value.status == 409
+    assert [r.session_id for r in store.take_finished()] == ["b", "c"]
+    monkeypatch.setattr(sessions, "MAX_ENDED_IDS", 3)
+    for sid in ("d", "e"):
+        record(store, sid, [1, 4], [12, 2])
+        store.end(sid)
+    assert list(store._ended) == ["c", "d", "e"]  # the ids of ended sessions, the oldest forgotten past the cap
