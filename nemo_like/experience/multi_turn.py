@@ -189,10 +189,19 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids:
     conv.truncated = truncated
 
 
-def ends_after_step(conv: Conversation, last_turn: bool, max_total_length: int) -> bool:
+def ends_after_step(tokenizer, conv: Conversation, last_turn: bool, max_total_length: int) -> bool:
     """Whether :func:`apply_step` ends the sample whatever its environment answers: its last allowed turn, a turn cut
-    by its token budget, or no room left for an observation (at least one token) plus one sampled token."""
-    return last_turn or conv.truncated or conv.length + 1 >= max_total_length
+    by its token budget, or no room left for the shortest observation plus one sampled token. The shortest is what the
+    template appends with no new message (the turn's end and the next generation prompt); any observation adds its
+    message to that. Counting one token for it had told an environment "not final" for turns that then ended on the
+    length limit (its final-turn outcome never counted, its observation built for nothing)."""
+    if last_turn or conv.truncated:
+        return True
+    try:
+        shortest = max(1, len(observation_tokens(tokenizer, conv, None)[1]))
+    except TemplateRewriteError:
+        shortest = 1  # apply_step handles such a turn (an episode that ended on a foreign end-of-turn token)
+    return conv.length + shortest >= max_total_length
 
 
 def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: bool, max_total_length: int) -> None:
@@ -311,7 +320,7 @@ def run_multi_turn(
         gen_s += time.perf_counter() - start
         start = time.perf_counter()
         last_turn = turn == max_turns - 1
-        metadata = [{**c.metadata, FINAL_TURN: ends_after_step(c, last_turn, max_total_length)} for c in active]
+        metadata = [{**c.metadata, FINAL_TURN: ends_after_step(tokenizer, c, last_turn, max_total_length)} for c in active]
         steps, step_counters = step_environments([c.prompt for c in active], [c.messages for c in active], metadata)
         env_s += time.perf_counter() - start
         for name, value in step_counters.items():

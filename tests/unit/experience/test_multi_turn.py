@@ -35,6 +35,7 @@ from nemo_like.models.logprobs import SamplingDistribution, processed_token_logp
 from nemo_like.plan.multi_turn import MultiTurnSettings
 
 EOS = 2  # <|im_end|> of the tiny model's Qwen-style template
+SHORTEST_OBSERVATION = 4  # what the template appends after a turn's <|im_end|> with no message: "\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
@@ -239,8 +240,12 @@ def test_an_environment_is_told_which_step_ends_its_sample(worker, tokenizer, pr
             # else the observation the environment chose did not fit: an end that depends on its answer
             assert final or terminated or sample.length_truncated, (max_total, prompt.id, steps)
             if final:
-                kind = "length" if sample.length_truncated else "budget" if sample.truncated else "last turn"
-                assert kind != "last turn" or len(steps) == 2
+                # A final step before the last turn, not cut by its budget: no room for the shortest observation (the
+                # environment may end the episode itself then, so the sample need not be length_truncated).
+                early = len(steps) < 2 and not sample.truncated
+                kind = "length" if sample.length_truncated or early else "budget" if sample.truncated else "last turn"
+                if early:
+                    assert len(sample.prompt_ids) + len(sample.response_ids) + SHORTEST_OBSERVATION >= max_total
                 kinds.add(kind)
     assert kinds == {"last turn", "budget", "length"}  # each end occurs here (3-turn episodes; 3-token turns)
 
@@ -385,3 +390,40 @@ def test_turns_and_environment_kind_disagreeing_is_a_warning():
     assert any(
         w.startswith("env.game.max_guesses=7 has no effect") for w in multi_turn_warnings(cfg, resolve_environments(cfg.env_sections))
     )
+
+
+def test_a_turn_with_no_room_for_the_shortest_observation_is_the_final_one(tokenizer):
+    """The loop had told the environment "not final" whenever one more token fit, though every observation appends at
+    least the turn's end and the next generation prompt: guess_number then built a hint the length limit threw away,
+    and the unsolved game landed in none of its outcome counters (its docs promise ``turn_limit``)."""
+    from nemo_like.data.prompts import PromptRecord
+    from nemo_like.environments.games.guess_number import GuessNumberEnvironment
+
+    messages = [{"role": "user", "content": "Guess my number between 1 and 100."}]
+    ids = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)[
+        "input_ids"
+    ]
+    guess = tokenizer("50", add_special_tokens=False)["input_ids"] + [EOS]
+
+    class Guesses:
+        weight_version = 0
+
+        def generate(self, prompts, params, seed):
+            return [GeneratedSample(list(p), guess, [-0.1] * len(guess), False, 0, 0) for p in prompts]
+
+    prompt = PromptRecord(id="0", messages=messages, prompt_token_ids=ids, metadata={"task_name": "guess", "answer": 7})
+    shortest = len(tokenizer("\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])  # after the sampled end
+    assert shortest == SHORTEST_OBSERVATION
+    for room, final in ((len(guess) + shortest, True), (len(guess) + shortest + 1, False)):
+        seen = []
+        inner = local_stepper({"guess": GuessNumberEnvironment(max_guesses=7)})
+
+        def stepper(records, logs, metadata, seen=seen, inner=inner):
+            seen.extend(m[FINAL_TURN] for m in metadata)
+            return inner(records, logs, metadata)
+
+        settings = MultiTurnSettings(4, len(ids) + room, (EOS,))
+        result = run_multi_turn(Guesses(), stepper, tokenizer, [prompt], SamplingParams(max_new_tokens=8), 0, settings)
+        assert seen[0] is final, room
+        if final:  # the unsolved game is counted where its docs say
+            assert result.env_metrics["env/guess/turn_limit"] == 1.0 and result.samples[0].num_turns == 1
