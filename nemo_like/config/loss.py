@@ -28,6 +28,10 @@ TOKEN_LEVEL_AGGREGATIONS = ("token-mean", "token-sum")
 _LEGACY_TOKEN_LEVEL = {True: "token-mean", False: "seq-mean-token-mean"}
 
 _CLIP_KEYS = ("ratio_clip_min", "ratio_clip_max")
+ONE_STEP_REASON = (
+    "the run takes one optimizer step per rollout (policy.train_global_batch_size = grpo.num_prompts_per_step x "
+    "grpo.num_generations_per_prompt), so pi/pi_prev = 1 on every token"
+)
 _KL_PARAM_KEYS = ("reference_policy_kl_type", "kl_input_clamp_value", "kl_output_clamp_value")
 _TRUST_REGION_KEYS = ("trust_region_low", "trust_region_high")
 
@@ -368,8 +372,12 @@ class ClippedPGLossConfig(BaseModel):
             ),
         ]
 
-    def no_effect_warnings(self) -> list[str]:
+    def no_effect_warnings(self, one_step_per_rollout: bool = False) -> list[str]:
         """One line per parameter changed from its default that the configuration ignores.
+
+        ``one_step_per_rollout``: the run takes one optimizer step per rollout (the run config knows), so every ratio
+        pi/pi_prev is exactly 1 when the loss is computed, as with ``force_on_policy_ratio``: the clip bounds, the dual
+        clip and CISPO (REINFORCE at a ratio of 1) change nothing.
 
         Writing a default value out explicitly never warns, so recipes that spell out every key
         stay quiet. Contradictions are errors instead (raised at validation).
@@ -385,6 +393,7 @@ class ClippedPGLossConfig(BaseModel):
             (unclipped, unclipped_by, (*_CLIP_KEYS, "ratio_clip_c")),
             (reinforce, f"{reinforce_key}=true" if self.disable_ppo_ratio else reinforce_key, (*_CLIP_KEYS, "ratio_clip_c")),
             (self.force_on_policy_ratio, "loss_fn.force_on_policy_ratio=true", (*_CLIP_KEYS, "ratio_clip_c")),
+            (one_step_per_rollout, ONE_STEP_REASON, (*_CLIP_KEYS, "ratio_clip_c")),
             (self.trust_region_type is None, "loss_fn.trust_region_type is null", _TRUST_REGION_KEYS),
             (beta_zero, "loss_fn.reference_policy_kl_penalty=0", (*_KL_PARAM_KEYS, "use_on_policy_kl_approximation")),
             (
@@ -408,6 +417,9 @@ class ClippedPGLossConfig(BaseModel):
             for key in keys:
                 if active and key not in warnings and self._changed_from_default(key):
                     warnings[key] = f"loss_fn.{key} has no effect because {reason} (ignored)"
+        cispo, cispo_key = self._chosen("cispo", "use_cispo")
+        if cispo and one_step_per_rollout and not self.force_on_policy_ratio:  # with the flag: an error (_ratio_rules)
+            warnings["use_cispo"] = f"{cispo_key} has no effect because {ONE_STEP_REASON}: CISPO is plain REINFORCE at a ratio of 1"
         return list(warnings.values())
 
     def _changed_from_default(self, key: str) -> bool:

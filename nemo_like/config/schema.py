@@ -102,6 +102,10 @@ __all__ = [
 ]
 
 
+# grpo keys only validation reads (warned about when validation never runs).
+VALIDATION_KEYS = ["val_greedy", "max_val_samples", "val_num_generations_per_prompt", "val_pass_k"]
+
+
 class MasterConfig(BaseModel):
     """The whole recipe after inheritance, overrides and interpolation."""
 
@@ -137,6 +141,11 @@ class MasterConfig(BaseModel):
     def rollout_batch_size(self) -> int:
         """Samples generated per step: prompts x generations."""
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """Optimizer steps each rollout is trained in: the rollout size over ``policy.train_global_batch_size``."""
+        return self.rollout_batch_size // self.policy.train_global_batch_size
 
     @model_validator(mode="after")
     def _cross_section_checks(self) -> MasterConfig:
@@ -192,7 +201,7 @@ class MasterConfig(BaseModel):
 
     def no_effect_warnings(self) -> list[str]:
         """One line per option that is set but has no effect here (printed at start-up, never an error)."""
-        lines = [*self.loss_fn.no_effect_warnings(), *self.grpo.rollout_rejection.no_effect_warnings()]
+        lines = [*self.loss_fn.no_effect_warnings(self.optimizer_steps_per_rollout == 1), *self.grpo.rollout_rejection.no_effect_warnings()]
         lines += self.policy.lora_cfg.no_effect_warnings()
         if self.policy.dtensor_cfg.cpu_offload and not self.cluster.gpus_per_node:
             lines.append("policy.dtensor_cfg.cpu_offload has no effect on CPU (cluster.gpus_per_node is 0)")
@@ -273,11 +282,28 @@ class MasterConfig(BaseModel):
             lines.append(
                 f"checkpointing.metric_name={ck.metric_name!r} has no effect: validation never runs, so checkpoints are kept by step"
             )
-        if never_validates and self.logger.num_val_samples_to_print:
+        if never_validates:
+            validation_keys = [f"grpo.{k}" for k in changed_from_defaults(self.grpo, VALIDATION_KEYS)]
+            validation_keys += ["logger.num_val_samples_to_print"] if self.logger.num_val_samples_to_print else []
+            lines += [
+                f"{key} has no effect: validation never runs (grpo.val_period=0, grpo.val_at_start=false, grpo.val_at_end=false)"
+                for key in validation_keys
+            ]
+        elif (
+            self.grpo.val_greedy
+            and self.grpo.val_num_generations_per_prompt > 1
+            and self.grpo.max_rollout_turns == 1
+            and not self.agent_task_names()
+        ):
             lines.append(
-                "logger.num_val_samples_to_print has no effect: validation never runs "
-                "(grpo.val_period=0, grpo.val_at_start=false, grpo.val_at_end=false)"
+                f"grpo.val_num_generations_per_prompt={self.grpo.val_num_generations_per_prompt} with grpo.val_greedy=true: "
+                "greedy decoding draws the same answer every time, so validation/pass@k equals validation/accuracy"
             )
+        if self.cluster.ray_address is not None:
+            lines += [
+                f"cluster.{k} has no effect with cluster.ray_address set (only a private local cluster reads it)"
+                for k in changed_from_defaults(self.cluster, ["num_cpus", "object_store_memory_mb"])
+            ]
         lines += self._shaping_without_effect()
         if self.loss_fn.force_on_policy_ratio and self.grpo.skip_prev_logprobs is False and not self.prev_logprob_consumers():
             lines.append(

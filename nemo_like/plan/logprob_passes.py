@@ -34,7 +34,8 @@ class LogprobPlan:
 
 
 def optimizer_steps_per_rollout(cfg: MasterConfig) -> int:
-    return cfg.rollout_batch_size // cfg.policy.train_global_batch_size
+    """:attr:`MasterConfig.optimizer_steps_per_rollout` (the config's own warnings read it too)."""
+    return cfg.optimizer_steps_per_rollout
 
 
 def decide_logprob_passes(cfg: MasterConfig) -> LogprobPlan:

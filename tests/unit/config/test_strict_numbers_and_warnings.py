@@ -178,6 +178,16 @@ NO_EFFECT_CASES = [
         ["grpo.val_at_end=true"],
     ),
     (
+        ["grpo.val_greedy=true", "grpo.max_val_samples=16", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false"],
+        "grpo.max_val_samples has no effect: validation never runs",
+        ["grpo.val_period=5"],
+    ),
+    (
+        ["cluster.ray_address=10.0.0.1:6379", "cluster.num_cpus=64"],
+        "cluster.num_cpus has no effect with cluster.ray_address set",
+        ["cluster.ray_address=null"],
+    ),
+    (
         ["checkpointing.enabled=true", "checkpointing.keep_top_k=null", "checkpointing.higher_is_better=false"],
         "checkpointing.higher_is_better has no effect with checkpointing.keep_top_k=null",
         ["checkpointing.keep_top_k=3"],
@@ -357,6 +367,16 @@ def test_validation_rows_past_max_val_samples_warn_and_the_cut_is_said(tmp_path:
     assert "data.validation: using the first 4 of 10 prompts (grpo.max_val_samples)" in capsys.readouterr().out
 
 
+def test_greedy_validation_with_several_samples_per_prompt_warns_that_pass_at_k_is_accuracy() -> None:
+    greedy = ["grpo.val_greedy=true", "grpo.val_num_generations_per_prompt=4"]
+    assert any(
+        "validation/pass@k equals validation/accuracy" in line for line in load_config(None, greedy, warn=False).no_effect_warnings()
+    )
+    for working in (["grpo.val_greedy=false"], ["grpo.val_num_generations_per_prompt=1"]):
+        lines = load_config(None, [*greedy, *working], warn=False).no_effect_warnings()
+        assert not any("pass@k equals" in line for line in lines), lines
+
+
 def test_val_pass_k_with_one_validation_sample_warns() -> None:
     """One sample per validation prompt logs no validation/pass@k (accuracy is pass@1): a val_pass_k set there did nothing."""
     lines = load_config(None, ["grpo.val_pass_k=[1]"], warn=False).no_effect_warnings()
@@ -406,3 +426,16 @@ def test_training_on_a_file_while_validation_stays_the_arithmetic_task_warns() -
         ["data.dataset_name=math-tiny"],
     ):
         assert lines(quiet) == [], quiet
+
+
+@pytest.mark.parametrize("key", ["loss_fn.ratio_clip_max=0.28", "loss_fn.ratio_clip_c=3.0", "loss_fn.use_cispo=true"])
+def test_clip_and_cispo_settings_warn_when_every_ratio_is_one(key: str) -> None:
+    """One optimizer step per rollout (the default) skips the prev pass: pi/pi_prev is exactly 1, as with
+    force_on_policy_ratio, which warned (CISPO: refused) while the default case accepted a ported clip-higher silently."""
+    name = key.split("=")[0]
+    one_step = load_config(None, [key], warn=False)
+    assert one_step.optimizer_steps_per_rollout == 1
+    assert [line for line in one_step.no_effect_warnings() if line.startswith(name) and "one optimizer step per rollout" in line]
+    half = one_step.rollout_batch_size // 2
+    two_steps = load_config(None, [key, f"policy.train_global_batch_size={half}"], warn=False)
+    assert not [line for line in two_steps.no_effect_warnings() if line.startswith(name)]

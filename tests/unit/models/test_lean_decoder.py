@@ -59,6 +59,20 @@ def full_forward_logprobs(
 def test_the_fused_step_serves_the_llama_family_and_nothing_else() -> None:
     assert fused_step_supported(qwen2()) and fused_step_supported(llama())
     assert not fused_step_supported(gpt2())
+    # RoPE whose frequencies follow the longest position of a forward: tables for every position a call can reach were
+    # not the trainer's (a tiny Llama's logprobs 0.1 nats apart); the model's own forward samples those.
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    for rope, served in [
+        ({"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, True),
+        ({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}, False),
+        (
+            {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+             "short_factor": [1.0] * 4, "long_factor": [8.0] * 4},
+            False,
+        ),
+    ]:  # fmt: skip
+        model = LlamaForCausalLM(LlamaConfig(**base, max_position_embeddings=64, rope_parameters=rope))
+        assert fused_step_supported(model) is served, rope["rope_type"]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
