@@ -83,6 +83,7 @@ def dump_train_samples(
         "reward": rollout.raw_rewards,  # the task's, as train/reward
         "shaped_reward": rollout.rewards,  # what the advantages used (equal unless grpo.reward_shaping)
         "advantage": per_sample_mean(batch["advantages"], mask),
+        "token_advantages": response_token_values(batch["advantages"], mask),  # a teacher adds a per-token term
         "sample_mask": batch["sample_mask"],
         "truncated": [s.truncated for s in rollout.samples],
         "response_token_ids": [s.response_ids for s in rollout.samples],

@@ -33,7 +33,9 @@ from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.models.loading import ADAPTER_CONFIG, holds_tokenizer
 from nemo_like.models.lora import merge_checkpoint, refuse_overwriting_base
+from nemo_like.models.policy.checkpoints import POLICY_DIR
 from nemo_like.utils import preflight
+from nemo_like.utils.seeds import eval_seed
 
 
 def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
@@ -59,6 +61,20 @@ def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
         if not (scratch / item.name).exists():
             os.symlink(item.resolve(), scratch / item.name)
     return str(scratch)
+
+
+def refuse_results_over_model(out: Path, model_dir: Path) -> None:
+    """Eval writes ``config.yaml``, ``summary.json`` and ``results.jsonl`` into ``out`` (``eval.output_dir``; its
+    ``model/`` and ``merged_model/`` have their own checks): a :class:`ConfigError` when ``out`` is the model directory,
+    lies inside it, or is the checkpoint step holding it (``step_N/`` of ``step_N/policy``, whose ``config.yaml`` a
+    resume reads). A model somewhere below ``out`` is left alone (``output_dir=.`` beside ``./models/m`` is fine)."""
+    written, model = out.resolve(), model_dir.resolve()
+    step = model.parent if model.name == POLICY_DIR else None
+    if written == model or written.is_relative_to(model) or written == step:
+        raise ConfigError(
+            f"eval.output_dir: writing {out} would overwrite the model it evaluates (eval.model_path) ({model_dir}"
+            f"{' and its checkpoint step' if written == step else ''}); choose a directory outside it"
+        )
 
 
 def refuse_overwriting(target: Path, model_dir: Path) -> None:
@@ -166,6 +182,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             RuntimeWarning,
             stacklevel=2,
         )
+    if ev.greedy and ev.seed is not None:
+        warnings.warn("eval.seed has no effect with eval.greedy=true (greedy decoding draws nothing)", RuntimeWarning, stacklevel=2)
     for line in ignored_validation_settings(cfg):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     specs = check_plugin_names(cfg)
@@ -181,7 +199,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     check_environments(specs, {"validation": prompts})
     out = Path(ev.output_dir)
     if checkpoint_dir is not None:  # output_dir at a checkpoint step: its config.yaml (what a resume reads) was replaced
-        refuse_overwriting(out, Path(checkpoint_dir))
+        refuse_results_over_model(out, Path(checkpoint_dir))
     if lora_base is not None:  # the merged model replaces output_dir/merged_model: never the adapters or their base
         refuse_overwriting(out / "merged_model", Path(model_dir))
         refuse_overwriting_base(out / "merged_model", model_dir, "eval.output_dir")
@@ -221,7 +239,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             prompts,
             n,
             params,
-            seed,
+            eval_seed(seed),  # hashed: eval.seed s + 1 had redrawn (n - 1)/n of seed s's samples
             multi_turn=plan.multi_turn,  # grpo.max_rollout_turns > 1: each sample runs its turns
         )
     finally:
@@ -240,15 +258,22 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         "num_samples_per_prompt": n,
         "greedy": ev.greedy,
         "seed": seed,
-        "sampling": {key: list(v) if isinstance(v, tuple) else v for key, v in asdict(params).items()},
+        "sampling": used_sampling(params),
         "pass_k": ev.resolved_pass_k,
         **summarize(rows, ev.resolved_pass_k),
         "env_metrics": env_metrics_with_means(rollout.env_metrics),  # per-source means of a composed reward, as training logs
         "seconds": time.perf_counter() - start,
     }
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))  # with its results
-    write_results(out, rows, summary)
+    write_results(out, rows, summary, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return summary
+
+
+def used_sampling(params: Any) -> dict[str, Any]:
+    """The decoding settings a summary records: greedy decoding uses no temperature, top-p or top-k (null there)."""
+    sampling = {key: list(v) if isinstance(v, tuple) else v for key, v in asdict(params).items()}
+    if params.greedy:
+        sampling.update(temperature=None, top_p=None, top_k=None)
+    return sampling
 
 
 def result_rows(rollout: Any, specs: Any, n: int) -> list[dict[str, Any]]:
@@ -286,12 +311,20 @@ def result_rows(rollout: Any, specs: Any, n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def write_results(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    """``results.jsonl`` and ``summary.json`` in ``out``, and the table on stderr."""
-    with open(out / "results.jsonl", "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+def write_results(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any], config_yaml: str) -> None:
+    """``results.jsonl``, ``config.yaml`` and ``summary.json`` in ``out``, and the table on stderr. Each file is written
+    whole beside its place and renamed into it; an earlier eval's ``summary.json`` goes first and the new one comes
+    last, so an interrupted write never leaves new rows beside an old summary (they had been written in place)."""
+    texts = {
+        "results.jsonl": "".join(json.dumps(row) + "\n" for row in rows),  # a row json cannot write fails before any file
+        "config.yaml": config_yaml,
+        "summary.json": json.dumps(summary, indent=2) + "\n",
+    }
+    (out / "summary.json").unlink(missing_ok=True)
+    for name, text in texts.items():
+        partial = out / f".{name}.partial"
+        partial.write_text(text)
+        os.replace(partial, out / name)
     print(format_table(summary), file=sys.stderr)
     print(f"[done] {out / 'summary.json'}, {out / 'results.jsonl'}", file=sys.stderr)
 

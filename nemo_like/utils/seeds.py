@@ -47,6 +47,14 @@ def validation_seed(step: int) -> int:
     return VALIDATION_STRIDE * (step + 1)
 
 
+def eval_seed(seed: int) -> int:
+    """The sampling seed of ``nemo-like eval`` with ``eval.seed`` (or ``grpo.seed``) = ``seed``. A batch's request ``i``
+    samples with its seed + ``i`` (:func:`chunk_seed`) and a prompt's samples are consecutive requests, so seed ``s + 1``
+    used as it is would redraw sample ``j + 1`` of seed ``s`` as its sample ``j``: evals over seeds 0, 1, 2 shared
+    (n - 1)/n of their samples. A hash instead."""
+    return _hashed_seed(f"eval/{seed}")
+
+
 def turn_seed(seed: int, turn: int, group: int) -> int:
     """A multi-turn rollout's generation call ``group`` of turn ``turn``: the first call uses ``seed`` itself (a
     one-turn rollout reproduces a single-turn one); later calls a hash of the three."""

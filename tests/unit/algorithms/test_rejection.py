@@ -337,6 +337,7 @@ def test_the_sample_dump_keeps_a_rejected_tokens_logprobs_and_marks_it_untrained
     batch["prev_logprobs"] = batch["generation_logprobs"].clone()
     batch["prev_logprobs"][0, 4] = -1.5  # token 21 drifted: ratio exp(-0.2 + 1.5) = 3.7 > 2.0
     batch["advantages"] = batch["token_mask"].clone()
+    batch["advantages"][0, 5] = 0.5  # a per-token term (a teacher's): the dump keeps each token's value
     sampled = batch["token_mask"]
     apply_driver_masks(cfg, batch, rollout.rewards)
     assert batch["token_mask"].sum() == 3  # the drifted token is out of training
@@ -345,6 +346,7 @@ def test_the_sample_dump_keeps_a_rejected_tokens_logprobs_and_marks_it_untrained
     assert row["response_token_ids"] == [20, 21, 22, 2]
     assert row["generation_logprobs"] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
     assert row["prev_logprobs"] == pytest.approx([-0.1, -1.5, -0.3, -0.4]) and row["trained_token_mask"] == [1, 0, 1, 1]
+    assert row["token_advantages"] == pytest.approx([1.0, 1.0, 0.5, 1.0]) and row["advantage"] == pytest.approx(0.875)
 
 
 def test_skipping_the_prev_pass_beside_any_of_its_consumers_is_an_error() -> None:

@@ -246,3 +246,44 @@ def test_eval_never_writes_into_the_base_model_or_a_directory_it_did_not_make(tm
     with pytest.warns(RuntimeWarning, match=r"holds an earlier eval's results: this one replaces them"):
         assert main(["eval", f"eval.model_path={tmp_path / 'bare'}", f"eval.output_dir={mine.parent}"]) == 2
     assert "holds files eval did not write" in capsys.readouterr().err and not (mine.parent / "config.yaml").exists()
+
+
+def test_evals_over_consecutive_seeds_share_no_request_seed() -> None:
+    """A prompt's samples are consecutive requests and request i samples with the batch seed + i: eval.seed s + 1 used
+    as it was redrew (n - 1)/n of seed s's samples, so a mean over seeds 0, 1, 2 understated its spread."""
+    from nemo_like.models.generation.interface import prompt_seeds
+    from nemo_like.utils.seeds import eval_seed
+
+    requests = 4 * 8  # 8 prompts x 4 samples
+    by_seed = [set(prompt_seeds(eval_seed(s), requests)) for s in range(3)]
+    assert all(len(seeds) == requests for seeds in by_seed)
+    assert not (by_seed[0] & by_seed[1]) and not (by_seed[1] & by_seed[2]) and not (by_seed[0] & by_seed[2])
+    assert set(prompt_seeds(0, requests)) & set(prompt_seeds(1, requests))  # the overlap the hash removes
+
+
+def test_eval_results_replace_an_earlier_evals_whole_and_the_output_dir_may_hold_the_model(tmp_path) -> None:
+    """An interrupted write had left new rows beside the earlier eval's summary (written in place, summary last); an
+    output_dir with the evaluated model somewhere below it was refused though eval writes nothing there."""
+    from nemo_like.evaluation.run import refuse_results_over_model, write_results
+
+    (tmp_path / "summary.json").write_text('{"model": "OLD"}')
+    (tmp_path / "results.jsonl").write_text('{"old": 1}\n')
+    unwritable = {"prompt_id": "p", "reward": object()}  # json cannot write it: nothing may change
+    with pytest.raises(TypeError):
+        write_results(tmp_path, [{"prompt_id": "q"}, unwritable], {"model": "NEW"}, "config: 1\n")
+    assert (tmp_path / "summary.json").read_text() == '{"model": "OLD"}' and (tmp_path / "results.jsonl").read_text() == '{"old": 1}\n'
+    summary = {"model": "NEW", "num_prompts": 1, "num_samples_per_prompt": 1, "greedy": False, "accuracy": 1.0}
+    summary.update(mean_reward=1.0, accuracy_per_task={"t": 1.0}, env_metrics={})
+    write_results(tmp_path, [{"prompt_id": "q"}], summary, "config: 1\n")
+    assert json.loads((tmp_path / "summary.json").read_text())["model"] == "NEW"
+    assert (tmp_path / "results.jsonl").read_text() == '{"prompt_id": "q"}\n' and (tmp_path / "config.yaml").read_text() == "config: 1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "results.jsonl", "summary.json"]  # no partial file
+    model = tmp_path / "models" / "m"
+    model.mkdir(parents=True)
+    refuse_results_over_model(tmp_path, model)  # output_dir=. beside ./models/m: eval writes none of the model's files
+    step = tmp_path / "ckpt" / "step_5"
+    (step / "policy").mkdir(parents=True)
+    refuse_results_over_model(tmp_path / "ckpt", step / "policy")  # the checkpoint directory: its steps are untouched
+    for out in (step, step / "policy", step / "policy" / "eval"):  # the step's config.yaml, the model, inside it
+        with pytest.raises(ConfigError, match="eval.output_dir: writing"):
+            refuse_results_over_model(out, step / "policy")
