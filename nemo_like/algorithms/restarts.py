@@ -4,7 +4,9 @@ A policy rank that dies takes its optimizer shard with it (a reference rank its 
 place as a generation or environment actor can. The driver (:mod:`nemo_like.train`) then stops every actor of the run,
 starts them again from the same config and resumes from the newest checkpoint of this run, in the same process, at
 most ``cluster.fault_tolerance.max_restarts`` times. Resume is bitwise (sampling seeds come from
-``(grpo.seed, step, batch)``), so the restarted run equals an uninterrupted one. This module holds the decisions:
+``(grpo.seed, step, batch)``), so the restarted run equals an uninterrupted one: sync runs, and async runs with
+``max_trajectory_age_steps`` 0 or 1, the waiting refit and no agent tasks (otherwise which weights generate a step
+depends on timing: docs/guides/async-grpo.md). This module holds the decisions:
 whose death is restartable (:func:`dead_role`), whether this one may restart (:func:`check_restart`), from which
 checkpoint (:func:`restart_checkpoint`), and the lines that say so.
 """

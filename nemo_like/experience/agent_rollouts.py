@@ -413,6 +413,7 @@ class EngineGate:
         self.calls = 0  # engine calls in flight
         self.held_since: float | None = None
         self.blocked_since: float | None = None  # when the first engine call started waiting at the held gate
+        self.held_seconds = 0.0  # running total of release()'s: engine calls held by refits (inside generation batches)
         self.closed = False
 
     def __getattr__(self, name: str) -> Any:
@@ -451,6 +452,7 @@ class EngineGate:
         at the gate, 0 when none did (an idle collector's wait is ``waiting_for_pacing``'s, not counted twice)."""
         with self.cond:
             held = time.perf_counter() - self.blocked_since if self.blocked_since is not None else 0.0
+            self.held_seconds += held
             self.held_since = self.blocked_since = None
             self.cond.notify_all()
         return held

@@ -344,10 +344,11 @@ class TrajectoryCollector:
             timings=timings,
             multi_turn=self.multi_turn,
         )
-        if self.in_flight_refits:  # an in-flight refit loaded on the generating thread: idle/generation_paused_for_refit's
-            loads = self.generation.mid_generation_seconds()  # the workers' running total: its growth is this batch's
-            timings["generation"] -= max(loads - self._loads_seen, 0.0)  # (a replaced worker starts again from 0)
-            self._loads_seen = loads
+        # Refit time inside the batch's generation (idle/generation_paused_for_refit's): a running total, whose growth
+        # is this batch's (a replaced worker starts again from 0).
+        loads = self._refit_seconds_in_generation()
+        timings["generation"] -= max(loads - self._loads_seen, 0.0)
+        self._loads_seen = loads
         reference_refs = None
         started = time.perf_counter()
         if self.reference is not None:  # collated as the trainer will collate the step's batch: same rows, same width
@@ -356,6 +357,12 @@ class TrajectoryCollector:
             self.pushing += 1
         # The reference pass runs while the next batch generates; one pusher thread keeps the buffer FIFO.
         self.pusher.submit(self._push, rollout, target, reference_refs, started, timings)
+
+    def _refit_seconds_in_generation(self) -> float:
+        """Running total of the seconds refits took inside this collector's generate calls: in-flight refits' weight
+        loads on the generating thread (mid-sequence, or as a call ends); 0 with the waiting refit, which pauses the
+        loop between batches."""
+        return self.generation.mid_generation_seconds() if self.in_flight_refits else 0.0
 
     def _mark_step(self, target: int) -> None:
         """This process's step: the one its batch is for (fault injection, deaths' reports)."""
@@ -523,6 +530,12 @@ class DriverTrajectoryCollector(TrajectoryCollector):
 
     def _mark_step(self, target: int) -> None:
         """Nothing: in the driver, the run control's step is the trainer's."""
+
+    def _refit_seconds_in_generation(self) -> float:
+        """Also the seconds the agents' engine calls waited at the gate a waiting refit held (inside the batch)."""
+        agents = getattr(self.environment, "agents", None)
+        held = getattr(getattr(agents, "engine", None), "held_seconds", 0.0)  # the EngineGate a waiting refit holds
+        return super()._refit_seconds_in_generation() + held
 
     def run(self) -> dict[str, Any]:
         try:

@@ -26,7 +26,9 @@ class WeightUpdateGate:
         self.generating = False
         self.pending: list[dict[str, Any]] = []
         self.mid_generation_updates = 0
-        self.mid_generation_seconds = 0.0  # spent loading those updates on the generating thread (not decoding)
+        # Spent loading updates on the generating thread inside a generate call (not decoding): those between two
+        # decoding steps and those that arrived during the last one, loaded as the call ends (inside its time as well).
+        self.mid_generation_seconds = 0.0
 
     def submit(self, apply: Callable[[], Any]) -> Any:
         """Run ``apply`` now when idle, else at the next decoding step; returns its result (or raises its error)."""
@@ -55,6 +57,7 @@ class WeightUpdateGate:
                     job["error"] = exc
             if mid_generation:
                 self.mid_generation_updates += len(jobs)
+            if self.generating:  # inside a generate call (mid-sequence, or at its end): in the call's time
                 self.mid_generation_seconds += time.perf_counter() - started
             self.cond.notify_all()
             return len(jobs)

@@ -151,9 +151,10 @@ def test_the_engine_gate_keeps_a_refit_out_of_an_engine_call():
     assert engine.calls == 1 and second.is_alive()  # no engine call while held
     paused = gate.release()
     assert 0.0 < paused <= time.perf_counter() - before_call  # from the call that waited, not from the hold
+    assert gate.held_seconds == paused  # the running total the collector takes out of its generation seconds
     second.join(10)
     assert engine.calls == 2 and held[0][0].prompt_ids == [2]
-    assert gate.hold() >= 0.0 and gate.release() == 0.0  # no call waited at all: 0
+    assert gate.hold() >= 0.0 and gate.release() == 0.0 and gate.held_seconds == paused  # no call waited at all: 0
     gate.close()
     with pytest.raises(AgentRolloutsClosed):
         gate.generate([[3]], None, 0)

@@ -17,6 +17,7 @@ import ray
 import torch
 
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
+from nemo_like.experience.agent_rollouts import EngineGate
 from nemo_like.experience.replay_buffer import ReplayBufferActor
 from nemo_like.experience.rollouts import Rollout
 from nemo_like.experience.trajectory_collector import CollectorSettings, DriverTrajectoryCollector
@@ -193,6 +194,47 @@ def test_in_flight_load_time_is_taken_out_of_the_generation_seconds(ray_cluster)
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert collector.stats.generation_seconds == pytest.approx((1 - 0.4) + (1 - 0.3) + 1.0)  # the restart: nothing taken
+    finally:
+        collector.stop()
+        loop.join(30)
+
+
+class GateHeldAgents(Agents):
+    """An agent batch whose engine calls wait 0.25 s at the engine gate a waiting refit holds (the gate's total grows
+    by what its release reports as idle/generation_paused_for_refit), inside a batch that took 1 s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine = EngineGate(SimpleNamespace(weight_version=0))
+
+    def collect(self, envs, prompts, num_generations, seed, timings, greedy: bool = False) -> Rollout:
+        rollout = super().collect(envs, prompts, num_generations, seed, timings)
+        self.engine.held_seconds += 0.25
+        timings["generation"] = 1.0
+        return rollout
+
+
+def test_engine_calls_held_by_a_waiting_refit_are_taken_out_of_the_generation_seconds(ray_cluster) -> None:
+    """Agent runs: a waiting refit holds the server's engine between two calls; the calls' wait was counted both as
+    idle/generation_paused_for_refit and inside the batch's generation seconds (the subtraction ran for in-flight
+    refits only), so the generation throughput read low."""
+    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 5)
+    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(4)], 2, seed=0)
+    settings = CollectorSettings(
+        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=5, last_step=10,
+        next_target=1, max_num_epochs=1, generation_version=0, reference=None, pad_token_id=0,
+    )  # fmt: skip
+    collector = DriverTrajectoryCollector(None, SimpleNamespace(agents=GateHeldAgents(), tasks=["t"]), buffer, None, loader, settings)
+    loop = threading.Thread(target=collector.run, daemon=True)
+    loop.start()
+    try:
+        for step in (1, 2):
+            ray.get(buffer.take.remote(step, 0), timeout=30)
+        deadline = time.monotonic() + 30
+        while collector.pushing or collector.in_flight:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert collector.stats.generation_seconds == pytest.approx(2 * (1.0 - 0.25))
     finally:
         collector.stop()
         loop.join(30)

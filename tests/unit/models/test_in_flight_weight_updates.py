@@ -4,6 +4,7 @@ weights are replaced mid-sequence (tokens before the swap keep the old weights' 
 import threading
 import time
 
+import pytest
 import torch
 
 from nemo_like.config.schema import EMBEDDED_MODEL
@@ -54,7 +55,7 @@ def test_gate_defers_an_update_to_the_next_step_boundary_and_returns_its_result(
         thread.join(5)
     assert applied_at == [5] and result == {"v": 3} and gate.mid_generation_updates == 1
     # The load's time is counted apart (the collector takes it out of its generation seconds: it is not decoding);
-    # an update applied when the call has ended is not mid-generation
+    # an update applied as the call ends is not mid-sequence, but its load is inside the call's time too
     with gate.generating_scope():
         thread = threading.Thread(target=lambda: gate.submit(clock.load(0.2)))
         thread.start()
@@ -70,7 +71,9 @@ def test_gate_defers_an_update_to_the_next_step_boundary_and_returns_its_result(
         while not gate.pending:
             time.sleep(0.001)
     thread.join(5)
-    assert gate.mid_generation_seconds == seconds and gate.mid_generation_updates == 2
+    assert gate.mid_generation_seconds == pytest.approx(seconds + 0.1) and gate.mid_generation_updates == 2
+    gate.submit(clock.load(0.3))  # no call running: applied at once, outside any generate call's time
+    assert gate.mid_generation_seconds == pytest.approx(seconds + 0.1)
 
 
 def test_gate_hands_an_update_error_to_the_caller():
