@@ -191,6 +191,7 @@ class MasterConfig(BaseModel):
                     f"teacher.by_task.{task}: no task of that name; the run's tasks (env.<task>) are "
                     f"{sorted(self.env_sections)}.{did_you_mean(task, self.env_sections)}"
                 )
+        self.teacher.for_tasks(self.env_sections)  # only the teachers some task uses start
         tp = self.policy.dtensor_cfg.tensor_parallel_size
         if error := distillation_errors(self.teacher, self.distillation, self.env_sections, tp):
             raise ValueError(error)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from nemo_like.config.sections.base import Section
 from nemo_like.config.types import Float, Int, OptStr
@@ -33,21 +33,38 @@ class TeacherConfig(Section):
         "not listed take teacher.model_name (null there: no teacher signal). Every teacher shares the student's tokenizer.",
     )
 
+    # The run's tasks (env.<task>), set by the run config once it is built: only teachers some task uses start.
+    _run_tasks: tuple[str, ...] | None = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _by_task_names(self) -> TeacherConfig:
         if self.by_task and self.tokenizer_name is not None:
             raise ValueError("teacher.tokenizer_name applies to teacher.model_name only; with teacher.by_task each teacher uses its own")
         return self
 
+    def for_tasks(self, tasks: Iterable[str]) -> None:
+        """Tell the section the run's tasks (the run config does, once built): :meth:`models` and :attr:`enabled` then
+        count only the teachers some task uses (a ``teacher.model_name`` that every task's ``by_task`` entry overrides,
+        or that no task takes, starts no workers)."""
+        self._run_tasks = tuple(tasks)
+
     @property
     def enabled(self) -> bool:
         """Whether any sample has a teacher."""
-        return self.model_name is not None or any(m is not None for m in self.by_task.values())
+        return bool(self.models())
 
     def models(self) -> list[str]:
-        """Every distinct teacher model, in a fixed order (teacher.model_name first)."""
+        """Every distinct teacher model some task uses (all of them while the run's tasks are unknown), in a fixed
+        order (teacher.model_name first)."""
         names = [self.model_name, *self.by_task.values()]
+        if self._run_tasks is not None:
+            used = {self.model_for(task) for task in self._run_tasks}
+            names = [name for name in names if name in used]
         return list(dict.fromkeys(n for n in names if n is not None))
+
+    def unused_model_name(self) -> bool:
+        """Whether ``teacher.model_name`` is set but no task of the run takes it (each has its own ``by_task`` entry)."""
+        return self.model_name is not None and self._run_tasks is not None and self.model_name not in self.models()
 
     def model_for(self, task: str) -> str | None:
         """The teacher of ``task``'s samples (``None``: none)."""
@@ -112,6 +129,13 @@ class DistillationConfig(Section):
 def distillation_errors(teacher: TeacherConfig, d: DistillationConfig, tasks: Iterable[str], tensor_parallel_size: int) -> str | None:
     """The first contradiction between the ``teacher`` and ``distillation`` sections, the run's ``tasks`` (its ``env``
     section names) and the policy's ``tensor_parallel_size`` (``None``: none)."""
+    untaught = [task for task in tasks if teacher.model_for(task) is None]
+    if teacher.by_task and d.task_advantage_weight == 0 and untaught:  # by_task named the teachers: say whose are missing
+        return (
+            f"distillation.task_advantage_weight=0 leaves the samples of {untaught} with no training signal: no teacher "
+            "applies to them (teacher.by_task.<task> is null, or the task is not listed and teacher.model_name is null); "
+            "give them one (teacher.by_task.<task> or teacher.model_name) or the task reward a weight"
+        )
     if not teacher.enabled and d.kl_weight > 0:
         return f"distillation.kl_weight={d.kl_weight} needs a teacher: set teacher.model_name (or set kl_weight to 0)"
     if not teacher.enabled and d.task_advantage_weight == 0:
@@ -132,19 +156,17 @@ def distillation_errors(teacher: TeacherConfig, d: DistillationConfig, tasks: It
         )
     if teacher.enabled and d.advantage_weight == 0 and d.task_advantage_weight == 0 and d.kl_weight == 0:
         return "distillation.advantage_weight=0 and distillation.task_advantage_weight=0: every advantage would be 0"
-    untaught = [task for task in tasks if teacher.model_for(task) is None]
-    if teacher.enabled and d.task_advantage_weight == 0 and untaught:
-        return (
-            f"distillation.task_advantage_weight=0 leaves the samples of {untaught} with no training signal: teacher.by_task "
-            "gives them no teacher and teacher.model_name is null; give them one (teacher.by_task.<task> or "
-            "teacher.model_name) or the task reward a weight"
-        )
     return None
 
 
 def distillation_warnings(teacher: TeacherConfig, d: DistillationConfig) -> list[str]:
     """Options of the two sections that are set but have no effect."""
     lines = d.kl_warnings()
+    if teacher.unused_model_name():
+        lines.append(
+            f"teacher.model_name={teacher.model_name} has no effect: every task's teacher comes from teacher.by_task "
+            f"({teacher.by_task}); its workers do not start"
+        )
     if d.reward_to_go and teacher.enabled and d.advantage_weight == 0:
         lines.append("distillation.reward_to_go has no effect with distillation.advantage_weight=0 (no teacher advantage)")
     if not teacher.enabled:
@@ -153,7 +175,8 @@ def distillation_warnings(teacher: TeacherConfig, d: DistillationConfig) -> list
         changed += [f"teacher.{k}" for k in ("tokenizer_name", "precision") if getattr(teacher, k) is not None]
         for key in changed:
             name = key if key.startswith("teacher.") else f"distillation.{key}"
-            lines.append(f"{name} has no effect with teacher.model_name=null (no teacher)")
+            why = "teacher.model_name=null (no teacher)" if teacher.model_name is None else "no task of the run has a teacher"
+            lines.append(f"{name} has no effect with {why}")
     elif d.advantage_weight == 0 and d.kl_weight == 0:
         lines.append(
             "teacher.model_name is set but distillation.advantage_weight=0 and distillation.kl_weight=0: its signal unused "

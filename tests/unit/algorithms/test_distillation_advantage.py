@@ -65,8 +65,16 @@ def test_teachers_by_task_route_each_task_and_each_model_gets_its_own_workers() 
     assert plan.actors.teacher == 2 and [r.role for r in role_requests(cfg, plan)].count("teacher") == 2
     with pytest.raises(ValueError, match="teacher.tokenizer_name applies to teacher.model_name only"):
         recipe("+teacher.by_task.math=x", "teacher.tokenizer_name=y", math)
-    with pytest.raises(ValueError, match="leaves no training signal"):
+    with pytest.raises(ValueError, match=r"leaves the samples of \['arithmetic', 'math'\] with no training signal"):
         recipe("+teacher.by_task.math=null", "distillation.task_advantage_weight=0", math)
+    # A teacher.model_name every task's by_task entry overrides starts no workers (it had been loaded, and scored nothing);
+    # by_task giving the only task none leaves no teacher at all (its workers and the prev pass had run for nothing).
+    overridden = recipe(TEACHER, "+teacher.by_task.arithmetic=embedded:tiny-arith-qwen2")
+    assert overridden.teacher.models() == ["embedded:tiny-arith-qwen2"]
+    assert any(line.startswith(f"teacher.model_name={TEACHER.split('=')[1]} has no effect") for line in overridden.no_effect_warnings())
+    untaught = recipe(TEACHER, "+teacher.by_task.arithmetic=null")
+    assert not untaught.teacher.enabled and untaught.teacher.models() == []
+    assert decide_run_plan(untaught, (), 2).actors.teacher == 0
     # One task taught, the other not, and no task reward: the untaught task's rows would train on advantages of 0.
     with pytest.raises(ValueError, match=r"task_advantage_weight=0 leaves the samples of \['arithmetic'\] with no training signal"):
         recipe("+teacher.by_task.math=embedded:tiny-arith-teacher", "distillation.task_advantage_weight=0", math)
