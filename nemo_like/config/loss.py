@@ -293,7 +293,7 @@ class ClippedPGLossConfig(BaseModel):
                 self.ratio_clip_c is not None
                 and self.ratio_clip_c <= 1 + self.ratio_clip_max
                 and not (
-                    self.surrogate_name == "unclipped" or self.disable_ppo_ratio or self.force_on_policy_ratio
+                    self.surrogate_name in ("unclipped", "reinforce") or self.disable_ppo_ratio or self.force_on_policy_ratio
                 ),  # no effect there: warned
                 f"loss_fn.ratio_clip_c={self.ratio_clip_c} must exceed 1 + loss_fn.ratio_clip_max = {1 + self.ratio_clip_max:g}: "
                 "the dual clip would cap tokens whose ratio is still inside the PPO band (no gradient, counted as clipped)",
@@ -358,6 +358,12 @@ class ClippedPGLossConfig(BaseModel):
                 "loss_fn.trust_region_type (a per-token trust region) and loss_fn.sequence_level_importance_ratios are exclusive",
             ),
             (
+                tis_type == "seq-mask-tis" and self.sequence_level_importance_ratios,
+                "loss_fn.truncated_importance_sampling_type='seq-mask-tis' and loss_fn.sequence_level_importance_ratios are "
+                "exclusive: GSPO's importance weight is the sequence's product of token ratios, which a mask on their geometric "
+                "mean does not bound (a 200-token sequence at a mean ratio of 1.1 weighs e^20); use 'tis' or 'icepop'",
+            ),
+            (
                 builtin_tis and tis_max is None,
                 "loss_fn.truncated_importance_sampling_type requires loss_fn.truncated_importance_sampling_ratio",
             ),
@@ -372,12 +378,14 @@ class ClippedPGLossConfig(BaseModel):
             ),
         ]
 
-    def no_effect_warnings(self, one_step_per_rollout: bool = False) -> list[str]:
+    def no_effect_warnings(self, one_step_per_rollout: bool = False, per_token_advantages: bool = False) -> list[str]:
         """One line per parameter changed from its default that the configuration ignores.
 
         ``one_step_per_rollout``: the run takes one optimizer step per rollout (the run config knows), so every ratio
         pi/pi_prev is exactly 1 when the loss is computed, as with ``force_on_policy_ratio``: the clip bounds, the dual
-        clip and CISPO (REINFORCE at a ratio of 1) change nothing.
+        clip and CISPO (REINFORCE at a ratio of 1) change nothing, nor does GSPO's sequence ratio where every token of a
+        sequence has its sequence's advantage (``per_token_advantages`` false: no teacher term) and no importance-sampling
+        correction weighs the sequence.
 
         Writing a default value out explicitly never warns, so recipes that spell out every key
         stay quiet. Contradictions are errors instead (raised at validation).
@@ -420,6 +428,13 @@ class ClippedPGLossConfig(BaseModel):
         cispo, cispo_key = self._chosen("cispo", "use_cispo")
         if cispo and one_step_per_rollout and not self.force_on_policy_ratio:  # with the flag: an error (_ratio_rules)
             warnings["use_cispo"] = f"{cispo_key} has no effect because {ONE_STEP_REASON}: CISPO is plain REINFORCE at a ratio of 1"
+        ratio_one = one_step_per_rollout or self.force_on_policy_ratio
+        if self.sequence_level_importance_ratios and ratio_one and not per_token_advantages and not self.use_importance_sampling_correction:
+            reason = ONE_STEP_REASON if one_step_per_rollout else "loss_fn.force_on_policy_ratio=true"
+            warnings["sequence_level_importance_ratios"] = (
+                f"loss_fn.sequence_level_importance_ratios has no effect because {reason}: at a ratio of 1 GSPO's loss and "
+                "gradient are the token-level ones (each token carries its sequence's advantage)"
+            )
         return list(warnings.values())
 
     def _changed_from_default(self, key: str) -> bool:

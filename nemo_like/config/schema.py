@@ -202,7 +202,11 @@ class MasterConfig(BaseModel):
 
     def no_effect_warnings(self) -> list[str]:
         """One line per option that is set but has no effect here (printed at start-up, never an error)."""
-        lines = [*self.loss_fn.no_effect_warnings(self.optimizer_steps_per_rollout == 1), *self.grpo.rollout_rejection.no_effect_warnings()]
+        per_token = self.teacher.enabled and self.distillation.advantage_weight > 0  # a teacher's per-token advantage term
+        lines = [
+            *self.loss_fn.no_effect_warnings(self.optimizer_steps_per_rollout == 1, per_token),
+            *self.grpo.rollout_rejection.no_effect_warnings(),
+        ]
         lines += self.policy.lora_cfg.no_effect_warnings()
         if self.policy.dtensor_cfg.cpu_offload and not self.cluster.gpus_per_node:
             lines.append("policy.dtensor_cfg.cpu_offload has no effect on CPU (cluster.gpus_per_node is 0)")

@@ -433,11 +433,11 @@ CONFIGS = {
         "reference_policy_kl_penalty": 0.05,
         "use_on_policy_kl_approximation": True,
     },
-    "gspo_seq_mask_tis": {
+    "gspo_icepop": {  # (seq-mask-tis beside GSPO is refused: its mask does not bound the sequence product)
         "sequence_level_importance_ratios": True,
         "token_level_loss": False,
         "use_importance_sampling_correction": True,
-        "truncated_importance_sampling_type": "seq-mask-tis",
+        "truncated_importance_sampling_type": "icepop",
         "truncated_importance_sampling_ratio": 2.0,
         "truncated_importance_sampling_ratio_min": 0.5,
     },

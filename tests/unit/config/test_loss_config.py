@@ -126,6 +126,18 @@ def test_valid_combinations(kwargs: dict) -> None:
             ["sequence_level_importance_ratios", "surrogate='reinforce'"],
         ),
         ({"surrogate": "reinforce", "force_on_policy_ratio": True}, ["surrogate='reinforce'", "force_on_policy_ratio"]),
+        # GSPO weighs a sequence by the product of its ratios: a mask on their geometric mean does not bound it
+        (
+            {
+                "sequence_level_importance_ratios": True,
+                "token_level_loss": False,
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 2.0,
+                "truncated_importance_sampling_ratio_min": 0.5,
+            },
+            ["truncated_importance_sampling_type='seq-mask-tis'", "sequence_level_importance_ratios"],
+        ),  # fmt: skip
     ],
 )
 def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> None:
@@ -172,6 +184,7 @@ def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> N
         ({"ratio_clip_c": 1.1, "disable_ppo_ratio": True}, "ratio_clip_c", "loss_fn.disable_ppo_ratio=true"),
         ({"ratio_clip_c": 1.1, "force_on_policy_ratio": True}, "ratio_clip_c", "loss_fn.force_on_policy_ratio=true"),
         ({"ratio_clip_c": 1.1, "surrogate": "unclipped"}, "ratio_clip_c", "loss_fn.surrogate='unclipped'"),
+        ({"ratio_clip_c": 1.1, "surrogate": "reinforce"}, "ratio_clip_c", "loss_fn.surrogate='reinforce'"),  # was an error
     ],
 )
 def test_ineffective_options_warn_instead_of_failing(kwargs: dict, ignored: str, because: str) -> None:
@@ -282,3 +295,14 @@ def test_a_clip_option_warns_exactly_when_it_leaves_the_loss_unchanged(surrogate
     warned = any(line.startswith(f"loss_fn.{key} has no effect") for line in changed.no_effect_warnings())
     unchanged = _loss_on_ratios_outside_the_band(changed) == _loss_on_ratios_outside_the_band(ClippedPGLossConfig(**base))
     assert warned == unchanged, (changed.no_effect_warnings(), unchanged)
+
+
+def test_gspo_warns_where_every_ratio_is_one_unless_advantages_or_weights_vary_per_token() -> None:
+    """At a ratio of 1 GSPO's exp(mean_t(c - sg c)) gives the token-level loss and gradient when every token carries
+    its sequence's advantage and no importance weight is in play: at one optimizer step per rollout it changes nothing."""
+    gspo = ClippedPGLossConfig(sequence_level_importance_ratios=True, token_level_loss=False)
+    assert any(w.startswith("loss_fn.sequence_level_importance_ratios has no effect") for w in gspo.no_effect_warnings(True))
+    assert not any("sequence_level_importance_ratios" in w for w in gspo.no_effect_warnings(False))  # several steps
+    assert not any("sequence_level_importance_ratios" in w for w in gspo.no_effect_warnings(True, per_token_advantages=True))
+    weighted = ClippedPGLossConfig(sequence_level_importance_ratios=True, token_level_loss=False, use_importance_sampling_correction=True)
+    assert not any("sequence_level_importance_ratios" in w for w in weighted.no_effect_warnings(True))
