@@ -156,13 +156,6 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None)
     ``ray_started`` is called once Ray is up, before any model loads or actor starts (``train.py`` lets SIGTERM and
     SIGINT through there: see ``stop_signals_held``)."""
     env_specs = check_plugin_names(cfg)  # fail fast in the driver, not inside an actor
-    if cfg.grpo.val_greedy and cfg.grpo.val_num_generations_per_prompt > 1:
-        warnings.warn(
-            "grpo.val_greedy=true with grpo.val_num_generations_per_prompt > 1: greedy samples of a prompt are "
-            "identical, so validation/pass@k equals validation/accuracy",
-            RuntimeWarning,
-            stacklevel=2,
-        )
     # Data first: a bad file, column or prompt length fails in seconds, before Ray or any actor starts.
     tokenizer = _driver_tokenizer(cfg)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens

@@ -294,12 +294,7 @@ class MasterConfig(BaseModel):
                 f"{key} has no effect: validation never runs (grpo.val_period=0, grpo.val_at_start=false, grpo.val_at_end=false)"
                 for key in validation_keys
             ]
-        elif (
-            self.grpo.val_greedy
-            and self.grpo.val_num_generations_per_prompt > 1
-            and self.grpo.max_rollout_turns == 1
-            and not self.agent_task_names()
-        ):
+        elif self.grpo.val_greedy and self.grpo.val_num_generations_per_prompt > 1:
             lines.append(
                 f"grpo.val_num_generations_per_prompt={self.grpo.val_num_generations_per_prompt} with grpo.val_greedy=true: "
                 "greedy decoding draws the same answer every time, so validation/pass@k equals validation/accuracy"
