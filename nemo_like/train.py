@@ -26,7 +26,7 @@ from nemo_like.algorithms.restarts import (
     restart_checkpoint,
     restart_line,
 )
-from nemo_like.algorithms.setup import GRPOComponents, setup_grpo
+from nemo_like.algorithms.setup import GRPOComponents, TrainingData, setup_grpo, training_data
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed import faults, supervision
 from nemo_like.distributed.watchdog import RunStalled, StallWatchdog
@@ -198,7 +198,11 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
     at_start = checkpoint_stamps(Path(cfg.checkpointing.checkpoint_dir))  # the checkpoints that are not this run's
     metrics_path = Path(cfg.logger.log_dir) / "metrics.jsonl"
     replay = None  # the checkpoint run's records written again after another run's (and given to the dashboards)
-    if resume_from is not None:  # steps logged after the checkpoint are redone: drop their records
+    data = None  # the prompts, built here when resuming: changed ones are refused before Ray starts or the log is trimmed
+    if resume_from is not None:
+        data = training_data(cfg)
+        data.loader.check_resumable(resume_from.state["dataloader"])
+        # steps logged after the checkpoint are redone: drop their records
         if replay := trim_metrics_after(metrics_path, resume_from.step):
             print(replay.note, flush=True)
     metrics_start = metrics_path.stat().st_size if metrics_path.exists() else 0  # what earlier runs logged
@@ -211,7 +215,8 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
         if deaths:
             logger.extra[RESTARTS_METRIC] = float(len(deaths))
             report_first_step(logger, deaths[-1], len(deaths))
-        outcome = _train_attempt(cfg, start, control, resume_from, logger, deaths)
+        outcome = _train_attempt(cfg, start, control, resume_from, logger, deaths, data)
+        data = None  # a restart builds its prompts afresh (the loader moved on)
         if not isinstance(outcome, WorkerDeath):
             history = kept + outcome
             break
@@ -237,16 +242,22 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
 
 
 def _train_attempt(
-    cfg: MasterConfig, start: float, control: RunControl, resume_from: CheckpointInfo | None, logger: Logger, deaths: list[WorkerDeath]
+    cfg: MasterConfig,
+    start: float,
+    control: RunControl,
+    resume_from: CheckpointInfo | None,
+    logger: Logger,
+    deaths: list[WorkerDeath],
+    data: TrainingData | None = None,
 ) -> list[dict[str, Any]] | WorkerDeath:
     """Set the run up and train: the records, or the :class:`WorkerDeath` of a policy or reference worker (every actor of
-    the attempt is stopped either way; any other error propagates)."""
+    the attempt is stopped either way; any other error propagates). ``data``: the prompts, when already built."""
     since = time.perf_counter() if deaths else start
     logger.save_config(cfg.model_dump(mode="json"))
     logger.progress.message(f"[setup] logging to {logger.metrics_path}")
     try:
         with stop_signals_held(control) as release:  # Ray's processes inherit the mask: a signal to the group spares them
-            parts = setup_grpo(cfg, ray_started=release)  # bad data fails here, before any actor starts
+            parts = setup_grpo(cfg, ray_started=release, data=data)  # bad data fails here, before any actor starts
     except WorkerFailure as exc:
         logger.close()
         # A restart's workers can die while they start (the last attempt's memory not yet freed): that is a death as

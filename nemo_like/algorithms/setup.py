@@ -150,23 +150,42 @@ def release_on_failure(models: tuple[Policy | None, ...], parts: list[Any]) -> N
             part.shutdown()
 
 
-def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None) -> GRPOComponents:
-    """Start Ray (or join it), load data, start the policy, reference, generation and reward actors.
+@dataclass
+class TrainingData:
+    """The run's prompts, built in the driver before Ray starts: the tokenizer, the training and validation prompts and
+    the training loader (fresh: at its first batch)."""
 
-    ``ray_started`` is called once Ray is up, before any model loads or actor starts (``train.py`` lets SIGTERM and
-    SIGINT through there: see ``stop_signals_held``)."""
-    env_specs = check_plugin_names(cfg)  # fail fast in the driver, not inside an actor
-    # Data first: a bad file, column or prompt length fails in seconds, before Ray or any actor starts.
+    tokenizer: Any
+    train: list[PromptRecord]
+    val: list[PromptRecord]
+    loader: PromptDataLoader
+
+
+def training_data(cfg: MasterConfig) -> TrainingData:
+    """Load and tokenise the run's prompts (a bad file, column or prompt length fails here, in seconds)."""
     tokenizer = _driver_tokenizer(cfg)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
     val = load_validation_prompts(cfg, tokenizer)
     if overlap := validation_overlap_warning(train, val):
         warnings.warn(overlap, RuntimeWarning, stacklevel=2)
+    loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
+    return TrainingData(tokenizer, train, val, loader)
+
+
+def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None, data: TrainingData | None = None) -> GRPOComponents:
+    """Start Ray (or join it), load data, start the policy, reference, generation and reward actors.
+
+    ``ray_started`` is called once Ray is up, before any model loads or actor starts (``train.py`` lets SIGTERM and
+    SIGINT through there: see ``stop_signals_held``). ``data``: the prompts already built (:func:`training_data`; a
+    resuming run checks them against its checkpoint first), else built here."""
+    env_specs = check_plugin_names(cfg)  # fail fast in the driver, not inside an actor
+    # Data first: a bad file, column or prompt length fails in seconds, before Ray or any actor starts.
+    data = data or training_data(cfg)
+    tokenizer, train, val, loader = data.tokenizer, data.train, data.val, data.loader
     check_environments(env_specs, {"train": train, "validation": val})
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
-    loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)
     for name in cfg.teacher.models():  # a teacher with another tokenizer fails here, before any actor starts
         check_teacher_tokenizer(tokenizer, cfg.policy.model_name, _driver_tokenizer(cfg.teacher_config(name), "teacher"), name)
     check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)  # before any actor starts

@@ -207,8 +207,8 @@ class PromptDataLoader:
     def state_dict(self) -> dict[str, int | str]:
         return {"epoch": self.epoch, "index": self.index, "consumed": self.consumed, "fingerprint": self.fingerprint}
 
-    def load_state_dict(self, state: dict[str, int | str]) -> None:
-        """Resume at ``state``'s position; the training prompts must be the ones it was saved with."""
+    def check_resumable(self, state: dict[str, int | str]) -> None:
+        """A :class:`ConfigError` unless the training prompts are the ones ``state`` (a checkpoint's) was saved with."""
         saved = state.get("fingerprint")
         if saved is not None and saved != self.fingerprint:
             raise ConfigError(
@@ -216,5 +216,9 @@ class PromptDataLoader:
                 f"{self.fingerprint}): the data config or files changed, so resuming would skip or repeat prompts. "
                 "Restore the data, or start a new run (checkpointing.checkpoint_dir / checkpointing.resume=false)"
             )
+
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        """Resume at ``state``'s position; the training prompts must be the ones it was saved with."""
+        self.check_resumable(state)
         self.epoch, self.index, self.consumed = state["epoch"], state["index"], state["consumed"]
         self._order = self._epoch_order(self.epoch)

@@ -253,6 +253,7 @@ class CheckpointManager:
         tmp = self.root / f"{TMP_PREFIX}{step}_{os.getpid()}"
         final = self.root / f"step_{step}"
         shutil.rmtree(tmp, ignore_errors=True)
+        old: Path | None = None  # a re-saved step's earlier copy, set aside until the new one is in place
         try:
             tmp.mkdir()
             write_contents(tmp)
@@ -272,6 +273,9 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - the workers' writers fail as RayTaskError(RuntimeError), not OSError
             reason = save_failure_reason(exc, self.root)  # before the removal frees the space
             shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None and old.exists() and not final.exists():  # the new copy never arrived: the old one returns
+                os.rename(old, final)
+                fsync_dir(self.root)
             previous = self.latest()
             kept = f"the previous checkpoint {previous.path} is kept" if previous else "no earlier checkpoint exists"
             raise CheckpointError(f"Saving checkpoint step_{step} in {self.root} failed: {reason}; {kept}") from exc

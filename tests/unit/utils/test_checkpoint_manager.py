@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import uuid
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,46 @@ def test_keep_top_k_by_metric_always_keeps_the_latest(tmp_path):
     for step, loss in enumerate([float("nan"), 0.55, float("nan"), float("nan"), 0.32, float("nan"), float("nan")], start=1):
         nan.save(step, write_blob(1), {"metrics": {"train/loss": loss}}, {})
     assert [c.step for c in nan.valid_checkpoints()] == [5, 7]
+    # Another run's later checkpoints (a resume=false run in the same directory): the newest on disk, step_100, ranks
+    # worst but stays (the latest is what a resume reads), and so does the step just written.
+    other = CheckpointManager(tmp_path / "o", keep_top_k=3, metric_name="val:accuracy")
+    for step, acc in [(80, 0.9), (90, 0.8), (100, 0.1)]:
+        other.save(step, write_blob(1), {"metrics": {"validation/accuracy": acc}}, {})
+    fresh = CheckpointManager(tmp_path / "o", keep_top_k=2, metric_name="val:accuracy")
+    fresh.save(10, write_blob(1), {"metrics": {"validation/accuracy": 0.5}}, {})
+    assert [c.step for c in fresh.valid_checkpoints()] == [10, 80, 90, 100]
+
+
+def test_a_save_fsyncs_every_file_and_directory_before_its_rename_and_a_failed_resave_keeps_the_old_copy(tmp_path, monkeypatch):
+    """checkpointing.md promises a checkpoint fsynced whole before it appears under its name; and a re-save whose final
+    rename failed had left the earlier complete copy of the step under a temporary name (reported: an older step)."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    manager = CheckpointManager(tmp_path)
+    final = manager.save(1, write_blob(1), {"metrics": {}}, {})
+    written = sorted(str(p.relative_to(final)) for p in final.rglob("*"))
+    tmp_name = next(Path(p).name for p in synced if Path(p).name.startswith(".tmp"))
+    synced_inside = {str(Path(p).relative_to(tmp_path / tmp_name)) for p in synced if tmp_name in p and Path(p).name != tmp_name}
+    assert set(written) <= synced_inside, (written, synced)  # every file and subdirectory, under the temporary name
+    assert synced[-1] == str(tmp_path) and synced.index(str(tmp_path)) > synced.index(str(tmp_path / tmp_name))
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    real_rename = os.rename
+
+    def failing_rename(src, dst):
+        if Path(src).name.startswith(".tmp") and Path(dst).name == "step_1" and "replaced" not in Path(src).name:
+            raise OSError(5, "Input/output error")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing_rename)
+    with pytest.raises(CheckpointError, match=r"step_1 in .* failed: .*Input/output error; the previous checkpoint .*step_1 is kept"):
+        manager.save(1, write_blob(2), {"metrics": {}}, {})
+    assert [c.step for c in manager.valid_checkpoints()] == [1] and (tmp_path / "step_1" / "blob.bin").stat().st_size == 1
 
 
 def test_a_tie_keeps_the_checkpoint_whose_weights_the_validation_measured(tmp_path):
@@ -368,3 +409,34 @@ def test_a_policy_worker_that_dies_while_saving_restarts_the_run(tmp_path):
         save_run(parts, CheckpointManager(ck), 2, {})
     assert caught.value is death and dead_role(caught.value, {"policy": {"p0"}}) == "policy"
     assert not list(ck.iterdir())  # the partial save is gone
+
+
+def test_changed_training_prompts_are_refused_before_set_up_and_before_the_log_is_trimmed(tmp_path, monkeypatch):
+    """The fingerprint check ran in restore_run, once Ray and every actor had started and the weights had loaded, and
+    after metrics.jsonl had lost the records past the checkpoint: data appended to the training file (the same path)
+    cost a cluster start and the log."""
+    import nemo_like.train as train_module
+    from nemo_like.algorithms.checkpointing import checkpoint_files
+    from nemo_like.config import load_config
+    from nemo_like.config.errors import ConfigError
+
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    overrides = ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ck}", f"logger.log_dir={logs}", "grpo.max_num_steps=6"]
+    cfg = load_config(None, overrides, warn=False)
+    files = (*checkpoint_files(False), "worker_rng.pt")
+    state = {"metrics": {}, "step": 3, "dataloader": {"epoch": 0, "index": 12, "consumed": 12, "fingerprint": "not-these-prompts"}}
+    CheckpointManager(ck).save(
+        3, lambda tmp: [(tmp / n).parent.mkdir(parents=True, exist_ok=True) or (tmp / n).write_bytes(b"") for n in files],
+        state, cfg.model_dump(mode="json"),
+    )  # fmt: skip
+    logs.mkdir()
+    logged = "".join(json.dumps({"step": s, "train/loss": 0.1}) + "\n" for s in range(1, 6))
+    (logs / "metrics.jsonl").write_text(logged)
+
+    def no_set_up(*args, **kwargs):
+        raise AssertionError("set-up started (Ray, actors, weights) before the prompts were checked")
+
+    monkeypatch.setattr(train_module, "setup_grpo", no_set_up)
+    with pytest.raises(ConfigError, match=r"The training prompts differ from the ones the checkpoint was trained on"):
+        train_module.train(cfg)
+    assert (logs / "metrics.jsonl").read_text() == logged  # steps 4 and 5 are still there
