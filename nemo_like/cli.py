@@ -140,6 +140,8 @@ def run_plot(args: argparse.Namespace) -> int:
         print(plot_metrics(metrics_path, args.out, args.metrics))
     except ValueError as exc:  # a line that is not JSON, or a --metrics name the file does not hold
         raise ConfigError(str(exc)) from None
+    except OSError as exc:  # --out not writable
+        raise ConfigError(f"--out {args.out}: {exc.strerror or exc}") from None
     return 0
 
 
@@ -284,9 +286,13 @@ def turn_end_ids(cfg: MasterConfig) -> tuple[int, ...]:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Print the server's base URL and key, serve until Ctrl-C (``docs/guides/agents.md``)."""
+    from nemo_like.models.loading import check_model_source, check_tokenizer_source
     from nemo_like.serving.standalone import serve
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.eval.model_path is None:  # (eval.model_path is resolved and checked as the served model)
+        check_model_source(cfg.policy.model_name, "policy.model_name")
+    check_tokenizer_source(cfg)  # a bad path was a transformers traceback
     check_port_free(args.port)
     return serve(cfg, args.port)
 

@@ -169,6 +169,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         check_context_length,
         check_model_source,
         check_stop_token_ids,
+        check_tokenizer_source,
         end_of_sequence_ids,
         load_tokenizer,
         resolve_checkpoint_model,
@@ -187,7 +188,10 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     for line in ignored_validation_settings(cfg):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     specs = check_plugin_names(cfg)
-    model_dir = resolve_checkpoint_model(ev.model_path or cfg.policy.model_name, "eval.model_path")
+    model_dir = resolve_checkpoint_model(
+        ev.model_path or cfg.policy.model_name, "eval.model_path" if ev.model_path else "policy.model_name"
+    )
+    check_tokenizer_source(cfg)  # a bad path was a transformers traceback
     checkpoint_dir = os.path.abspath(model_dir) if Path(model_dir).is_dir() else None  # before a LoRA merge; hub id: None
     lora_base = adapter_base_model(model_dir) if (Path(model_dir) / ADAPTER_CONFIG).is_file() else None
     if lora_base is not None:  # a missing base was a transformers traceback (merge named the key)

@@ -75,6 +75,15 @@ def _hub_endpoint_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> tuple[boo
     return True, endpoint
 
 
+def check_tokenizer_source(cfg: Any) -> None:
+    """The run's tokenizer source (``policy.tokenizer_name``, else ``policy.model_name``) is loadable here: else one
+    line naming the key (:func:`check_model_source`), before anything starts."""
+    if cfg.policy.tokenizer_name:
+        check_model_source(cfg.policy.tokenizer_name, "policy.tokenizer_name")
+    else:
+        check_model_source(cfg.policy.model_name, "policy.model_name")
+
+
 def check_model_source(name: str, key: str) -> None:
     """Fail with one line naming ``key`` when ``name`` can not be loaded here, before anything starts.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,8 @@ def plot_metrics(metrics_path: str | Path, out: str | Path | None = None, metric
             f"that starts its steps again appends a new one); it logged {sorted(present - {'step'})}"
         )
     out_path = Path(out) if out is not None else metrics_path.with_name("metrics.png")
-    if out_path.is_dir():  # a directory: the figure goes in it (savefig wrote DIR.png beside it)
+    if out_path.is_dir() or str(out or "").endswith(("/", os.sep)):  # a directory, or a new one named as one: the
+        # figure goes in it (savefig wrote DIR.png beside it; Path drops a trailing slash)
         out_path = out_path / "metrics.png"
     elif not out_path.suffix:  # savefig adds .png to a name without one: return the path it writes
         out_path = out_path.with_suffix(".png")

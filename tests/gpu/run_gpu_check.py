@@ -56,7 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", help="comma-separated check ids to run (the others are SKIP)")
     parser.add_argument("--deadline-s", type=float, default=600.0, help="stop starting checks after this many seconds")
     parser.add_argument("--workdir", help="scratch directory for built models and logs (default: a temporary one, removed)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.only:  # a mistyped id deselected every check, and the run said "ok"
+        tiers = ("multi",) if args.tier == "multi" else ("A", "B")  # --tier all hands the whole list to both tiers
+        known = {check.id for tier in tiers for check in tier_checks(tier)}
+        unknown = sorted(set(args.only.split(",")) - known)
+        if unknown:
+            parser.error(f"--only: unknown check ids {unknown} for --tier {args.tier}; its checks are {sorted(known)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

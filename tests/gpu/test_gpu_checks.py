@@ -38,12 +38,11 @@ def run_tier(tier: str, tmp_path: Path) -> None:
     assert proc.returncode == 0
 
 
-def test_tier_a(tmp_path):
-    run_tier("A", tmp_path)
-
-
-def test_tier_b(tmp_path):
-    run_tier("B", tmp_path)
+def test_tiers_a_then_b(tmp_path):
+    """One test: ``--tier all`` runs A, then B, each in its own process. Two tests could run at once on two pytest
+    workers (``make test`` runs ``-n 2``), and tier B's memory checks read the whole device (a training tier A beside
+    it would move them)."""
+    run_tier("all", tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA devices (make test-gpu-multi)")

@@ -124,6 +124,13 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["eval", "eval.model_path=results/grpo/step_50"], "eval.model_path='results/grpo/step_50'"),
         (["eval", f"eval.output_dir={tmp_path / 'afile'}"], "eval.output_dir="),  # a file there: FileExistsError
         (["serve", "eval.model_path=results/grpo/step_50"], "does not exist"),
+        # serve and eval loaded a bad model or tokenizer path straight away: a transformers traceback (exit 1); eval named
+        # eval.model_path for a bad policy.model_name it had not been given
+        (["serve", f"policy.model_name={tmp_path / 'gone'}"], "policy.model_name="),
+        (["serve", f"policy.tokenizer_name={tmp_path / 'gone'}"], "policy.tokenizer_name="),
+        (["eval", f"policy.tokenizer_name={tmp_path / 'gone'}"], "policy.tokenizer_name="),
+        (["eval", f"policy.model_name={tmp_path / 'gone'}"], "policy.model_name="),
+        (["plot", str(metrics), "--out", "/proc/x.png"], "--out /proc/x.png: "),  # OSError from savefig: a traceback
     ]
     import socket
 
@@ -140,6 +147,9 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
             assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
     finally:
         taken.close()
+    for key in ("logger.log_dir", "checkpointing.checkpoint_dir"):  # empty: the run wrote its logs, lock, steps into cwd
+        assert main(["train", "--dry-run", f"{key}="]) == 2
+        assert f"{key}: String should have at least 1 character" in capsys.readouterr().err
     assert main(["plan", "grpo.adv_estimator.name=grpoo"]) == 2  # plan printed a plan, exit 0, for what train refuses
     assert "unknown advantage estimator 'grpoo'" in capsys.readouterr().err
     assert main(["plan", "--mfu", "0.5"]) == 0  # no step time without --peak-tflops: --mfu did nothing, silently
@@ -155,8 +165,13 @@ def test_plot_out_is_the_file_it_writes(tmp_path, capsys) -> None:
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(f'{{"step": {s}, "train/reward": {s / 4}}}\n' for s in (1, 2)))
     (tmp_path / "figs").mkdir()
-    for out, written in ((tmp_path / "figs", tmp_path / "figs" / "metrics.png"), (tmp_path / "panel", tmp_path / "panel.png")):
-        assert main(["plot", str(metrics), "--out", str(out)]) == 0
+    cases = [
+        (str(tmp_path / "figs"), tmp_path / "figs" / "metrics.png"),
+        (str(tmp_path / "panel"), tmp_path / "panel.png"),
+        (f"{tmp_path / 'new'}/", tmp_path / "new" / "metrics.png"),  # a new directory, named as one: was new.png
+    ]
+    for out, written in cases:
+        assert main(["plot", str(metrics), "--out", out]) == 0
         assert str(written) in capsys.readouterr().out and written.is_file()
     assert not (tmp_path / "figs.png").exists()
 

@@ -113,3 +113,18 @@ print(json.dumps({"held": held, "failures": len(fig.failures), "statuses": statu
     assert result["held"] == [True, False, False, False] and result["failures"] == 3
     assert result["statuses"] == [0, 1, 4, 3, 0]
     assert result["chain"] == ["no_such_module_for_the_gpu_check"]
+
+
+def test_a_mistyped_only_id_is_refused_instead_of_deselecting_every_check():
+    """``--only=a2`` (or an id of no tier) deselected every check, and the run said "ok" (exit 0)."""
+    code = """
+import json, run_gpu_check
+out = {}
+for argv in (["--tier", "A", "--only", "a2"], ["--tier", "multi", "--only", "A2"], ["--tier", "all", "--only", "A2,B4"]):
+    try:
+        out[" ".join(argv)] = run_gpu_check.parse_args(argv).only
+    except SystemExit as exc:
+        out[" ".join(argv)] = exc.code
+print(json.dumps(out))
+"""
+    assert run_python(code) == {"--tier A --only a2": 2, "--tier multi --only A2": 2, "--tier all --only A2,B4": "A2,B4"}

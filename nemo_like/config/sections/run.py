@@ -18,7 +18,9 @@ class WandbConfig(Section):
 
 
 class LoggerConfig(Section):
-    log_dir: str = Field("logs/grpo", description="Directory for metrics.jsonl, the resolved config, sample dumps and the plot.")
+    log_dir: str = Field(
+        "logs/grpo", min_length=1, description="Directory for metrics.jsonl, the resolved config, sample dumps and the plot."
+    )
     progress_bar: bool = Field(True, description="Live progress bar on the console.")
     plot_at_end: bool = Field(
         True, description="Render log_dir/metrics.png when the run ends (about 2 s on a CPU; `nemo-like plot LOG_DIR` draws it later)."
@@ -39,7 +41,9 @@ class LoggerConfig(Section):
 
 class CheckpointingConfig(Section):
     enabled: bool = Field(False, description="Save checkpoints and resume from them.")
-    checkpoint_dir: str = Field("results/grpo", description="Where step_N/ directories are written (shared storage on a cluster).")
+    checkpoint_dir: str = Field(
+        "results/grpo", min_length=1, description="Where step_N/ directories are written (shared storage on a cluster)."
+    )
     save_period: Int = Field(10, gt=0, description="Save every this many steps (and after the last step).")
     keep_top_k: Int | None = Field(
         3, gt=0, description="Checkpoints kept, best first by metric_name (the latest is always kept); null keeps all."
