@@ -153,7 +153,7 @@ def fake_run(tmp_path: Path, monkeypatch, attempts, *overrides: str, control: Ru
     calls = iter(attempts)
     seen = []
 
-    def attempt(cfg, start, control, resume_from, logger, deaths):
+    def attempt(cfg, start, control, resume_from, logger, deaths, data=None):
         seen.append(resume_from.step if resume_from else 0)
         try:
             return next(calls)(logger, resume_from)

@@ -174,7 +174,7 @@ control = RunControl()
 activate(control)
 control.install_signal_handlers()
 
-def slow_setup(cfg, ray_started=None):
+def slow_setup(cfg, ray_started=None, data=None):
     print(f"ray starting; signals held: {STOP_SIGNALS <= signal.pthread_sigmask(signal.SIG_BLOCK, [])}", flush=True)
     if ray_started is not None:
         ray_started()
