@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
+from nemo_like.environments.interface import RESERVED_COUNTERS, ActorNeeds, EnvironmentInterface
 
 #: Keys of a source besides its environment's own settings.
 SOURCE_KEYS = ("class", "weight")
@@ -77,6 +77,13 @@ class CompositeEnvConfig(BaseModel):
             if not name or "/" in name:
                 raise ValueError(f"source name {name!r} must be non-empty and contain no '/' (it names metrics)")
             source_cls, weight, settings = resolve_source(name, section)
+            from nemo_like.environments.agent import AgentEnvironment
+
+            if issubclass(source_cls, AgentEnvironment):
+                raise ValueError(
+                    f"sources.{name}: an agent task is rolled out by its agent, but a composite scores the policy's own "
+                    "responses, so the agent would never run; use class: agent as the task's own environment"
+                )
             if source_cls.step is not EnvironmentInterface.step:
                 raise ValueError(
                     f"sources.{name}: {source_cls.__name__} is a multi-turn environment (it overrides step); a composite "
@@ -158,7 +165,13 @@ class CompositeEnvironment(EnvironmentInterface):
                 total[i] += weight * reward
             self._add(f"{name}/reward_sum", sum(rewards))
             self._add(f"{name}/num_samples", float(len(rewards)))
-            for key, value in env.metrics().items():
+            counters = env.metrics()
+            if clash := sorted(RESERVED_COUNTERS & set(counters)):  # they would add to the composite's own '<name>/...'
+                raise ValueError(
+                    f"reward source '{name}': metrics() names {clash}, which the composite keeps as '{name}/reward_sum' and "
+                    f"'{name}/num_samples' (its env/<task>/{name}/reward); rename them (e.g. 'scored')"
+                )
+            for key, value in counters.items():
                 self._add(f"{name}/{key}", float(value))
         return total
 

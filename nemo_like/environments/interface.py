@@ -31,6 +31,11 @@ FINAL_TURN = "final_turn"
 DEFAULT_ENV_CPUS = 0.1
 
 
+#: Counter names the run keeps for itself (``env/<task>/reward``, ``num_samples``; a composite's per-source ones): an
+#: environment's or a reward source's ``metrics()`` may not use them.
+RESERVED_COUNTERS = frozenset({"reward", "num_samples", "reward_sum"})
+
+
 @dataclass(frozen=True)
 class HelperActors:
     """Actors that each environment actor starts for itself (e.g. a judge's generation engine): ``count`` per

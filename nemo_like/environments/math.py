@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from nemo_like.environments.interface import EnvironmentInterface
 from nemo_like.environments.math_verify_process import MathVerifyProcess
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{\s*[^\s}]")  # a box that holds something (not \boxed{}, nor a bare \boxed{)
 #: Counters reported by :meth:`MathEnvironment.metrics` (every key, every call).
 COUNTERS = ("timeouts", "parse_failures", "gold_parse_failures", "crashes", "correct")
 
@@ -50,7 +50,8 @@ class MathEnvConfig(BaseModel):
 
 
 def has_boxed_answer(response: str) -> bool:
-    """Whether the response contains a ``\\boxed{`` (or ``\\fbox{``) answer."""
+    """Whether the response holds a ``\\boxed{...}`` (or ``\\fbox{...}``) answer: a box with something in it (an empty
+    box, or a bare ``\\boxed{`` at the end of a cut response, had earned the format reward)."""
     return _BOXED.search(response) is not None
 
 

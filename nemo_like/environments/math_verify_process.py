@@ -73,6 +73,13 @@ class MathVerifyProcess:
         )
         self._buffer = b""
         line = self._read_line(time.monotonic() + self.start_timeout_s)
+        if line is None and _exit_code(self.proc) is not None:  # it died at start (math-verify missing or broken): say so
+            code = self.proc.returncode
+            self._kill()
+            raise RuntimeError(
+                f"the math-verify process exited with code {code} before it was ready (is math-verify installed in the "
+                "environment actor's Python? its traceback is in the actor's stderr)"
+            )
         if line is None or json.loads(line).get("status") != _READY:
             self._kill()
             raise RuntimeError(f"the math-verify process did not start within {self.start_timeout_s:.0f}s (got {line!r})")
@@ -141,6 +148,14 @@ class MathVerifyProcess:
             pass
 
 
+def _exit_code(proc: subprocess.Popen, grace_s: float = 2.0) -> int | None:
+    """The exit code of a child whose output ended (EOF comes a moment before the exit is reaped), or None while it runs."""
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 # -- the child process --------------------------------------------------------------------------------
 def _die_with_parent() -> None:
     """Linux: get SIGKILL when the parent dies, so a hung check never outlives its environment actor. (The kernel sends
@@ -160,18 +175,25 @@ def _die_with_parent() -> None:
 BOXED_PERCENT = re.compile(r"\s*\\?%\s*\}")
 
 
+def normalised_answer(text: str) -> str:
+    """``text`` as math-verify reads it best: a percent sign closing a box dropped (:data:`BOXED_PERCENT`), and the
+    Unicode minus sign (U+2212, as typeset text writes it) made ASCII: math-verify read a plain-text ``−3`` as no
+    answer (inside ``$...$`` or a box it read it)."""
+    return BOXED_PERCENT.sub("}", text.replace("\u2212", "-"))
+
+
 def verify_answer(response: str, gold: str, gold_cache: dict[str, Any] | None = None) -> str:
-    """``correct`` / ``wrong`` / ``parse_failure`` / ``gold_parse_failure`` (no time limit: run it in the child). A
-    percent sign closing a box is dropped on both sides (:data:`BOXED_PERCENT`), as math-verify drops it after ``$...$``."""
+    """``correct`` / ``wrong`` / ``parse_failure`` / ``gold_parse_failure`` (no time limit: run it in the child). Both
+    sides are :func:`normalised_answer` first."""
     from math_verify import parse, verify
 
     cache = gold_cache if gold_cache is not None else {}
     if gold not in cache:
-        cache[gold] = parse(BOXED_PERCENT.sub("}", gold), parsing_timeout=None)
+        cache[gold] = parse(normalised_answer(gold), parsing_timeout=None)
     gold_parsed = cache[gold]
     if not gold_parsed:
         return "gold_parse_failure"
-    predicted = parse(BOXED_PERCENT.sub("}", response), parsing_timeout=None)
+    predicted = parse(normalised_answer(response), parsing_timeout=None)
     if not predicted:
         return "parse_failure"
     return "correct" if verify(gold_parsed, predicted, timeout_seconds=None) else "wrong"

@@ -9,7 +9,7 @@ from typing import Any
 
 from nemo_like.distributed.supervision import Replaceable
 from nemo_like.distributed.worker_group import Reinitializable, RoleResources, WorkerResources
-from nemo_like.environments.interface import DEFAULT_ENV_CPUS, ActorNeeds, EnvironmentStep
+from nemo_like.environments.interface import DEFAULT_ENV_CPUS, RESERVED_COUNTERS, ActorNeeds, EnvironmentStep
 from nemo_like.environments.registry import EnvSpec, import_environment_class, resolve_environments
 
 #: CPU reserved per environment actor by default (they mostly wait; the math verifier's process runs beside it).
@@ -37,7 +37,6 @@ def environment_resources(cfg: Any) -> list[RoleResources]:
 
 #: Counter names the run keeps for itself under ``env/<task>/``: its reward over the trained samples and their count
 #: (``reward_sum`` would derive a ``reward`` of its own, :func:`~nemo_like.experience.rollouts.env_metrics_with_means`).
-RESERVED_COUNTERS = frozenset({"reward", "num_samples", "reward_sum"})
 
 
 def checked_counters(task: str, counters: dict[str, Any]) -> dict[str, float]:
@@ -47,7 +46,7 @@ def checked_counters(task: str, counters: dict[str, Any]) -> dict[str, float]:
     if clash:
         raise ValueError(
             f"environment '{task}': metrics() names {clash}, which the run keeps for env/{task}/reward and "
-            f"env/{task}/num_samples; rename them (a source of a composite may use '<source>/reward_sum')"
+            f"env/{task}/num_samples; rename them (e.g. 'scored')"
         )
     return {k: float(v) for k, v in counters.items()}
 

@@ -89,6 +89,8 @@ def test_each_reward_model_source_runs_on_its_own_share_of_the_actors_gpus() -> 
         ({"sources": {"x": {"class": "composite", "sources": SOURCES}}}, "cannot be a source of another composite"),
         # a multi-turn environment's turns never ran inside a composite: its step was the default, single-turn one
         ({"sources": {"t": {"class": "tool", "tools": ["calculator"]}}}, r"sources.t: ToolEnvironment is a multi-turn environment"),
+        # an agent source: the task was rolled out as plain generation, the agent never ran
+        ({"sources": {"a": {"class": "agent", "agent": "examples.agents.calculator_agent:run"}}}, r"sources.a: an agent task"),
     ],
 )
 def test_bad_sections_name_the_key(section: dict, message: str) -> None:
@@ -102,3 +104,20 @@ def test_options_that_change_nothing_or_mislead_warn() -> None:
     with warnings.catch_warnings():  # several actors are fine: the run derives each source's mean after summing
         warnings.simplefilter("error")
         resolve({"sources": SOURCES}, num_workers=2)
+
+
+def test_a_sources_counter_named_as_the_composites_own_is_refused() -> None:
+    """A source counting its samples as ``num_samples`` added them to the composite's ``<source>/num_samples``: the
+    logged per-source reward came out halved, silently."""
+
+    class Counting:
+        def score(self, responses, metadata):
+            return [1.0] * len(responses)
+
+        def metrics(self):
+            return {"num_samples": float(4)}
+
+    env = CompositeEnvironment(**resolve({"sources": {"g": {"class": "arithmetic"}}}).kwargs)
+    env.sources["g"] = (Counting(), 1.0)
+    with pytest.raises(ValueError, match=r"reward source 'g': metrics\(\) names \['num_samples'\]"):
+        env.score(["1", "2", "3", "4"], [{"answer": 1}] * 4)

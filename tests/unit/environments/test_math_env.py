@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -57,6 +58,9 @@ PAIRS = [
     # a currency sign in the gold (MATH writes \$18.90): it is not a $...$ delimiter (the gold did not parse)
     ("The total is \\boxed{18.90}", "\\$18.90", True),
     ("\\boxed{5}", "\\$5", True),
+    # the Unicode minus sign of typeset text (U+2212): a plain-text answer read as no answer
+    ("The answer is \u22123.", "-3", True),
+    ("So the slope is \u22123.5", "-3.5", True),
     # malformed or missing answers
     ("\\boxed{\\frac{1}{2", "\\frac{1}{2}", False),
     ("I don't know.", "5", False),
@@ -91,6 +95,18 @@ def test_format_reward_only_for_a_wrong_boxed_answer(env: MathEnvironment) -> No
         env.format_reward = 0.0
     assert rewards == [1.0, 0.1, 0.0, 1.0]
     assert has_boxed_answer("so \\boxed {2}") and not has_boxed_answer("boxed{2}")
+    # an empty box, a bare one at the end of a cut response, or one promised in prose earned the format reward
+    assert not any(has_boxed_answer(r) for r in ("\\boxed{}", "\\boxed{ }", "the answer is \\boxed{", "\\fbox{}"))
+
+
+def test_a_checker_that_dies_at_start_says_so_at_once(tmp_path, monkeypatch) -> None:
+    """It was reported as a 120 s start time-out (\"got None\"), the cause (math-verify missing) hidden."""
+    from nemo_like.environments.math_verify_process import MathVerifyProcess
+
+    (tmp_path / "math_verify.py").write_text("raise ImportError('math_verify is broken here')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    with pytest.raises(RuntimeError, match=r"the math-verify process exited with code \d+ before it was ready"):
+        MathVerifyProcess(timeout_s=5.0)._start()
 
 
 HANGS = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the power tower: measured > 30 s (still running) without a limit
