@@ -140,8 +140,10 @@ def run_plot(args: argparse.Namespace) -> int:
         print(plot_metrics(metrics_path, args.out, args.metrics))
     except ValueError as exc:  # a line that is not JSON, or a --metrics name the file does not hold
         raise ConfigError(str(exc)) from None
-    except OSError as exc:  # --out not writable
-        raise ConfigError(f"--out {args.out}: {exc.strerror or exc}") from None
+    except OSError as exc:  # the figure's place not writable (--out, or the run's log directory)
+        target = exc.filename or args.out or metrics_path.with_name("metrics.png")
+        hint = "" if args.out else " (pass --out PATH)"
+        raise ConfigError(f"cannot write the plot {target}: {exc.strerror or exc}{hint}") from None
     return 0
 
 

@@ -103,7 +103,7 @@ __all__ = [
 
 
 # grpo keys only validation reads (warned about when validation never runs).
-VALIDATION_KEYS = ["val_greedy", "max_val_samples", "val_num_generations_per_prompt", "val_pass_k"]
+VALIDATION_KEYS = ["val_greedy", "val_num_generations_per_prompt", "val_pass_k"]  # (max_val_samples: eval reads it too)
 
 
 class MasterConfig(BaseModel):
@@ -141,6 +141,16 @@ class MasterConfig(BaseModel):
     def rollout_batch_size(self) -> int:
         """Samples generated per step: prompts x generations."""
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+
+    def ratio_is_one(self) -> bool:
+        """Whether every ratio pi/pi_prev the loss sees is exactly 1: one optimizer step per rollout, and pi_prev either the
+        training forward's own (the prev pass skipped) or a forward that computes the same (no LoRA dropout: the prev
+        pass runs in eval mode, the training forward with dropout)."""
+        if self.optimizer_steps_per_rollout != 1:
+            return False
+        prev_pass = bool(self.prev_logprob_consumers()) or self.grpo.skip_prev_logprobs is False
+        lora = self.policy.lora_cfg
+        return not (prev_pass and lora.enabled and lora.dropout > 0)
 
     @property
     def optimizer_steps_per_rollout(self) -> int:
@@ -204,7 +214,7 @@ class MasterConfig(BaseModel):
         """One line per option that is set but has no effect here (printed at start-up, never an error)."""
         per_token = self.teacher.enabled and self.distillation.advantage_weight > 0  # a teacher's per-token advantage term
         lines = [
-            *self.loss_fn.no_effect_warnings(self.optimizer_steps_per_rollout == 1, per_token),
+            *self.loss_fn.no_effect_warnings(self.ratio_is_one(), per_token),
             *self.grpo.rollout_rejection.no_effect_warnings(),
         ]
         lines += self.policy.lora_cfg.no_effect_warnings()

@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="scratch directory for built models and logs (default: a temporary one, removed)")
     args = parser.parse_args(argv)
     if args.only:  # a mistyped id deselected every check, and the run said "ok"
-        tiers = ("multi",) if args.tier == "multi" else ("A", "B")  # --tier all hands the whole list to both tiers
+        tiers = {"all": ("A", "B")}.get(args.tier, (args.tier,))
         known = {check.id for tier in tiers for check in tier_checks(tier)}
         unknown = sorted(set(args.only.split(",")) - known)
         if unknown:
@@ -158,7 +158,11 @@ def run_all(args: argparse.Namespace) -> int:
         part_json = Path(json_path).with_name(Path(json_path).stem + f"_{tier}.json")
         command = [sys.executable, __file__, "--tier", tier, "--json", str(part_json), "--deadline-s", f"{max(remaining, 0):.0f}"]
         command += ["--allow-no-gpu"] * args.allow_no_gpu + ["--allow-unpinned"] * args.allow_unpinned
-        command += ["--only", args.only] if args.only else []
+        if args.only:  # each tier gets its own ids; a tier with none selected does not run
+            ids = [i for i in args.only.split(",") if i.startswith(tier)]
+            if not ids:
+                continue
+            command += ["--only", ",".join(ids)]
         command += ["--workdir", str(Path(args.workdir) / tier)] if args.workdir else []
         with _removed(part_json):
             # Hard stop: the child's own deadline plus every budget's grace; it then writes what it has.

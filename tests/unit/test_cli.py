@@ -130,7 +130,7 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["serve", f"policy.tokenizer_name={tmp_path / 'gone'}"], "policy.tokenizer_name="),
         (["eval", f"policy.tokenizer_name={tmp_path / 'gone'}"], "policy.tokenizer_name="),
         (["eval", f"policy.model_name={tmp_path / 'gone'}"], "policy.model_name="),
-        (["plot", str(metrics), "--out", "/proc/x.png"], "--out /proc/x.png: "),  # OSError from savefig: a traceback
+        (["plot", str(metrics), "--out", "/proc/x.png"], "cannot write the plot /proc/x.png: "),  # savefig's OSError: a traceback
     ]
     import socket
 

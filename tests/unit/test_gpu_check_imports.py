@@ -120,11 +120,14 @@ def test_a_mistyped_only_id_is_refused_instead_of_deselecting_every_check():
     code = """
 import json, run_gpu_check
 out = {}
-for argv in (["--tier", "A", "--only", "a2"], ["--tier", "multi", "--only", "A2"], ["--tier", "all", "--only", "A2,B4"]):
+for argv in (["--tier", "A", "--only", "a2"], ["--tier", "multi", "--only", "A2"], ["--tier", "all", "--only", "A2,B4"],
+             ["--tier", "A", "--only", "B1"]):
     try:
         out[" ".join(argv)] = run_gpu_check.parse_args(argv).only
     except SystemExit as exc:
         out[" ".join(argv)] = exc.code
 print(json.dumps(out))
 """
-    assert run_python(code) == {"--tier A --only a2": 2, "--tier multi --only A2": 2, "--tier all --only A2,B4": "A2,B4"}
+    assert run_python(code) == {
+        "--tier A --only a2": 2, "--tier multi --only A2": 2, "--tier all --only A2,B4": "A2,B4", "--tier A --only B1": 2,
+    }  # fmt: skip

@@ -179,7 +179,7 @@ NO_EFFECT_CASES = [
     ),
     (
         ["grpo.val_greedy=true", "grpo.max_val_samples=16", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false"],
-        "grpo.max_val_samples has no effect: validation never runs",
+        "grpo.val_greedy has no effect: validation never runs",
         ["grpo.val_period=5"],
     ),
     (
@@ -436,6 +436,10 @@ def test_clip_and_cispo_settings_warn_when_every_ratio_is_one(key: str) -> None:
     one_step = load_config(None, [key], warn=False)
     assert one_step.optimizer_steps_per_rollout == 1
     assert [line for line in one_step.no_effect_warnings() if line.startswith(name) and "one optimizer step per rollout" in line]
+    # The prev pass (here for a sequence-level rejection) runs in eval mode, the loss's forward with LoRA's dropout:
+    # the ratio is not 1 then, and the clip bounds it.
+    dropout = ["policy.lora_cfg.enabled=true", "policy.lora_cfg.dropout=0.1", "grpo.seq_logprob_error_threshold=2.0"]
+    assert not [line for line in load_config(None, [key, *dropout], warn=False).no_effect_warnings() if line.startswith(name)]
     half = one_step.rollout_batch_size // 2
     two_steps = load_config(None, [key, f"policy.train_global_batch_size={half}"], warn=False)
     assert not [line for line in two_steps.no_effect_warnings() if line.startswith(name)]
