@@ -54,7 +54,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 WORKLOADS = {
     "W1": dict(size="1m", prompts=1, generations=8, new_tokens=16),
@@ -301,6 +303,24 @@ def load1() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
+def print_pair(label: str, i: int, warmup: int, text: str) -> None:
+    """One pair's line (pair ``i``, counted from 0; the first ``warmup`` are marked)."""
+    print(f"  [{label}] pair {i + 1}: {text}" + ("  (warm-up)" if i < warmup else ""), flush=True)
+
+
+def one_pair(i: int, trl: TRLProcess, ours: Callable[[], Any]) -> tuple[float, Any, float]:
+    """Pair ``i``: one TRL step and one of ``ours``, TRL first in even pairs (both sides see the same load); returns TRL's
+    seconds, what ``ours`` returned and the mean 1-minute load around the pair."""
+    load_before = load1()
+    if i % 2 == 0:
+        t_trl = trl.step()
+        result = ours()
+    else:
+        result = ours()
+        t_trl = trl.step()
+    return t_trl, result, (load_before + load1()) / 2
+
+
 def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: str, n_params: int, rows) -> dict:
     """Alternate TRL and our steps on one workload; returns the figures."""
     from nemo_like.utils.flops import measure_matmul_flops
@@ -318,20 +338,14 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
     pairs, probes = [], []
     try:
         for i in range(args.warmup + args.steps):
-            load_before = load1()
-            if i % 2 == 0:
-                t_trl = trl.step()
-                t_ours, phases, tokens, forward_share = ours.step()
-            else:
-                t_ours, phases, tokens, forward_share = ours.step()
-                t_trl = trl.step()
-            load = (load_before + load1()) / 2
+            t_trl, (t_ours, phases, tokens, forward_share), load = one_pair(i, trl, ours.step)
             pairs.append({"trl": t_trl, "ours": t_ours, "phases": phases, "tokens": tokens, "forward": forward_share, "load": load})
             probes.append(measure_matmul_flops(seconds=0.3, threads=2))  # the machine's matmul rate right now
-            print(
-                f"  [{name} {ours.backend}] pair {i + 1}: TRL {t_trl:.3f}s  ours {t_ours:.3f}s  ratio {t_ours / t_trl:.2f}  "
-                f"load {pairs[-1]['load']:.2f}" + ("  (warm-up)" if i < args.warmup else ""),
-                flush=True,
+            print_pair(
+                f"{name} {ours.backend}",
+                i,
+                args.warmup,
+                f"TRL {t_trl:.3f}s  ours {t_ours:.3f}s  ratio {t_ours / t_trl:.2f}  load {load:.2f}",
             )
     finally:
         trl.close()

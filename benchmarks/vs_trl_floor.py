@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from vs_trl import PROMPT_BUDGET, WORKLOADS, TRLProcess, build_model, load1, prompt_rows, tokenizer
+from vs_trl import PROMPT_BUDGET, WORKLOADS, TRLProcess, build_model, one_pair, print_pair, prompt_rows, tokenizer
 
 from nemo_like.models.generation.lean_decoder import sample
 from nemo_like.models.processed_logprobs import SamplingDistribution
@@ -100,20 +100,11 @@ def run_pairs(name: str, args: argparse.Namespace, tmp: str) -> dict:
     pairs = []
     try:
         for i in range(args.warmup + args.steps):
-            load_before = load1()
-            if i % 2 == 0:
-                t_trl = trl.step()
-                parts = bare.step()
-            else:
-                parts = bare.step()
-                t_trl = trl.step()
-            pairs.append({"trl": t_trl, "sample": parts[0], "update": parts[1], "load": (load_before + load1()) / 2})
-            ours = sum(parts)
-            print(
-                f"  [{name}] pair {i + 1}: TRL {t_trl:.3f}s  bare {ours:.3f}s (sample {parts[0]:.3f}, update {parts[1]:.3f})  "
-                f"ratio {ours / t_trl:.2f}" + ("  (warm-up)" if i < args.warmup else ""),
-                flush=True,
-            )
+            t_trl, parts, load = one_pair(i, trl, bare.step)
+            pairs.append({"trl": t_trl, "sample": parts[0], "update": parts[1], "load": load})
+            bare_s = sum(parts)
+            text = f"TRL {t_trl:.3f}s  bare {bare_s:.3f}s (sample {parts[0]:.3f}, update {parts[1]:.3f})  ratio {bare_s / t_trl:.2f}"
+            print_pair(name, i, args.warmup, text)
     finally:
         trl.close()
     steady = pairs[args.warmup :]

@@ -172,31 +172,37 @@ class OneSecondAgents(Agents):
         return rollout
 
 
-def test_in_flight_load_time_is_taken_out_of_the_generation_seconds(ray_cluster) -> None:
-    """An in-flight refit loads on the generating thread inside a generate call: its seconds were counted as generation
-    (and as idle/generation_paused_for_refit), so async/generation_tokens_per_sec read low."""
+def generation_seconds_of_batches(batches: int, generation: object, agents: Agents, in_flight_refits: bool) -> float:
+    """Run a driver collector over ``batches`` batches of 2 prompts (one epoch, each taken by its step) and return the
+    generation seconds it counted."""
     buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 5)
-    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(6)], 2, seed=0)
+    records = [PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(2 * batches)]
     settings = CollectorSettings(
-        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=5, last_step=10,
-        next_target=1, max_num_epochs=1, generation_version=0, reference=None, pad_token_id=0, in_flight_refits=True,
+        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=5, last_step=10, next_target=1,
+        max_num_epochs=1, generation_version=0, reference=None, pad_token_id=0, in_flight_refits=in_flight_refits,
     )  # fmt: skip
-    collector = DriverTrajectoryCollector(
-        LoadingGeneration(), SimpleNamespace(agents=OneSecondAgents(), tasks=["t"]), buffer, None, loader, settings
-    )
+    envs = SimpleNamespace(agents=agents, tasks=["t"])
+    collector = DriverTrajectoryCollector(generation, envs, buffer, None, PromptDataLoader(records, 2, seed=0), settings)
     loop = threading.Thread(target=collector.run, daemon=True)
     loop.start()
     try:
-        for step in (1, 2, 3):
+        for step in range(1, batches + 1):
             ray.get(buffer.take.remote(step, 0), timeout=30)
         deadline = time.monotonic() + 30
         while collector.pushing or collector.in_flight:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert collector.stats.generation_seconds == pytest.approx((1 - 0.4) + (1 - 0.3) + 1.0)  # the restart: nothing taken
+        return collector.stats.generation_seconds
     finally:
         collector.stop()
         loop.join(30)
+
+
+def test_in_flight_load_time_is_taken_out_of_the_generation_seconds(ray_cluster) -> None:
+    """An in-flight refit loads on the generating thread inside a generate call: its seconds were counted as generation
+    (and as idle/generation_paused_for_refit), so async/generation_tokens_per_sec read low."""
+    seconds = generation_seconds_of_batches(3, LoadingGeneration(), OneSecondAgents(), in_flight_refits=True)
+    assert seconds == pytest.approx((1 - 0.4) + (1 - 0.3) + 1.0)  # the restart: nothing taken
 
 
 class GateHeldAgents(Agents):
@@ -218,23 +224,4 @@ def test_engine_calls_held_by_a_waiting_refit_are_taken_out_of_the_generation_se
     """Agent runs: a waiting refit holds the server's engine between two calls; the calls' wait was counted both as
     idle/generation_paused_for_refit and inside the batch's generation seconds (the subtraction ran for in-flight
     refits only), so the generation throughput read low."""
-    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 5)
-    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(4)], 2, seed=0)
-    settings = CollectorSettings(
-        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=5, last_step=10,
-        next_target=1, max_num_epochs=1, generation_version=0, reference=None, pad_token_id=0,
-    )  # fmt: skip
-    collector = DriverTrajectoryCollector(None, SimpleNamespace(agents=GateHeldAgents(), tasks=["t"]), buffer, None, loader, settings)
-    loop = threading.Thread(target=collector.run, daemon=True)
-    loop.start()
-    try:
-        for step in (1, 2):
-            ray.get(buffer.take.remote(step, 0), timeout=30)
-        deadline = time.monotonic() + 30
-        while collector.pushing or collector.in_flight:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        assert collector.stats.generation_seconds == pytest.approx(2 * (1.0 - 0.25))
-    finally:
-        collector.stop()
-        loop.join(30)
+    assert generation_seconds_of_batches(2, None, GateHeldAgents(), in_flight_refits=False) == pytest.approx(2 * (1.0 - 0.25))
