@@ -9,14 +9,14 @@ and checks them against the connected cluster before any actor starts.
 from __future__ import annotations
 
 from nemo_like.config.schema import MasterConfig
-from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, sum_resources
+from nemo_like.distributed.capacity import check_cluster_capacity, check_node_placement, private_cluster_hint, sum_resources
 from nemo_like.distributed.worker_group import RoleResources
 from nemo_like.environments.composite import split_source
 from nemo_like.environments.registry import ENVIRONMENTS
 from nemo_like.environments.worker import environment_resources
 from nemo_like.experience.async_rollouts import async_actor_resources
 from nemo_like.models.engines import generation_resources
-from nemo_like.models.policy.policy import policy_resources
+from nemo_like.models.policy.policy import POLICY_ROLES, policy_resources
 from nemo_like.plan.run_plan import RunPlan
 from nemo_like.utils.cpus import local_cores
 
@@ -111,10 +111,22 @@ def ensure_cluster_capacity(cfg: MasterConfig, plan: RunPlan, private_cluster: b
     ``private_cluster``: this run started its own local cluster, which has exactly this machine's GPUs."""
     import ray
 
-    _check_against(cfg, plan, ray.cluster_resources(), private_cluster_hint() if private_cluster else "")
+    nodes = [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+    _check_against(cfg, plan, ray.cluster_resources(), private_cluster_hint() if private_cluster else "", nodes)
 
 
-def _check_against(cfg: MasterConfig, plan: RunPlan, available: dict[str, float], hint: str) -> None:
-    """The run's request (per role, in total, as declared) against ``available``; :class:`PlacementError` if short."""
+def _check_against(
+    cfg: MasterConfig, plan: RunPlan, available: dict[str, float], hint: str, nodes: list[dict[str, float]] | None = None
+) -> None:
+    """The run's request (per role, in total, as declared) against ``available`` and, when given, each role against the
+    ``nodes`` (:func:`~nemo_like.distributed.capacity.check_node_placement`); :class:`PlacementError` if short."""
     roles = role_requests(cfg, plan)
     check_cluster_capacity(required_resources(cfg, plan), available, roles, declared_resources(cfg), hint)
+    if nodes is not None:
+        check_node_placement(roles, nodes, placement_strategies(cfg, roles))
+
+
+def placement_strategies(cfg: MasterConfig, roles: list[RoleResources]) -> dict[str, str]:
+    """The Ray placement strategy of each role's group: ``cluster.placement_strategy`` for the policy's groups (policy,
+    reference, teachers: :class:`~nemo_like.models.policy.policy.Policy`), ``PACK`` for the others."""
+    return {r.role: cfg.cluster.placement_strategy for r in roles if r.role.split(":")[0] in POLICY_ROLES}

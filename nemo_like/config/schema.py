@@ -201,6 +201,13 @@ class MasterConfig(BaseModel):
                     f"teacher.by_task.{task}: no task of that name; the run's tasks (env.<task>) are "
                     f"{sorted(self.env_sections)}.{did_you_mean(task, self.env_sections)}"
                 )
+        ranks = self.policy.dp_size * self.policy.dtensor_cfg.tensor_parallel_size
+        if self.cluster.placement_strategy == "STRICT_SPREAD" and ranks > self.cluster.num_nodes:
+            raise ValueError(
+                f"cluster.placement_strategy=STRICT_SPREAD puts each of the policy's {ranks} ranks (policy.dp_size x "
+                f"tensor_parallel_size) on a node of its own, but cluster.num_nodes={self.cluster.num_nodes}; use SPREAD "
+                "(spread where possible) or declare the nodes"
+            )
         self.teacher.for_tasks(self.env_sections)  # only the teachers some task uses start
         tp = self.policy.dtensor_cfg.tensor_parallel_size
         if error := distillation_errors(self.teacher, self.distillation, self.env_sections, tp):

@@ -5,9 +5,10 @@ for ``cluster.placement_timeout_s`` per group, the run compares its whole reques
 ``nemo_like.algorithms.roles`` lists) with the cluster's total resources right after Ray is up and
 fails with one message that names every role's request and the shortfall.
 
-The check is against the cluster's *total* resources: it catches requests that can never be
-granted (a GPU recipe on a CPU cluster, too many GPUs). Resources that exist but are busy are left
-to the per-group placement timeout.
+The check is against the cluster's *total* resources (a GPU recipe on a CPU cluster, too many GPUs)
+and its nodes (:func:`check_node_placement`: a bundle no node holds, a strict strategy the nodes
+cannot meet): requests that can never be granted. Resources that exist but are busy are left to the
+per-group placement timeout.
 """
 
 from __future__ import annotations
@@ -63,6 +64,39 @@ def check_cluster_capacity(
         "Lower the request (cluster.gpus_per_node, policy.dp_size, policy.num_cpus_per_worker, env.<task>.num_workers) or add nodes."
     )
     raise PlacementError(" ".join(lines))
+
+
+def check_node_placement(
+    roles: Sequence[RoleResources], nodes: Sequence[Mapping[str, float]], strategies: Mapping[str, str] | None = None
+) -> None:
+    """Raise :class:`PlacementError` for a role the cluster's nodes can never place, whatever the totals say: a bundle
+    no single node holds, more ``STRICT_SPREAD`` bundles than nodes that hold one, or ``STRICT_PACK`` bundles that no
+    node holds together. ``nodes``: each alive node's total resources; ``strategies``: the Ray placement strategy of a
+    role (by name; ``PACK`` when not given). Such a request had passed the totals check and waited out
+    ``cluster.placement_timeout_s``."""
+    strategies = strategies or {}
+    problems = []
+    for role in roles:
+        bundle = role.bundle
+        holding = [n for n in nodes if _holds(n, bundle)]
+        strategy = strategies.get(role.role, "PACK")
+        if not holding:
+            problems.append(f"{role.role}: one bundle ({_fmt(bundle)}) fits on no node")
+        elif strategy == "STRICT_SPREAD" and len(holding) < role.count:
+            problems.append(f"{role.role}: {role.count} bundles STRICT_SPREAD need {role.count} nodes that hold one; {len(holding)} do")
+        elif strategy == "STRICT_PACK" and not any(_holds(n, role.total()) for n in nodes):
+            problems.append(f"{role.role}: {role.count} bundles STRICT_PACK ({_fmt(role.total())}) fit on no single node")
+    if problems:
+        largest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)), default={})
+        raise PlacementError(
+            "The cluster cannot place this recipe on its nodes: " + "; ".join(problems) + f". It has {len(nodes)} node(s); "
+            f"the largest has {_fmt({k: v for k, v in largest.items() if k in ('CPU', 'GPU')})}. Lower the per-actor request "
+            "(policy.num_cpus_per_worker, cluster.gpus_per_node), change cluster.placement_strategy, or add nodes."
+        )
+
+
+def _holds(node: Mapping[str, float], request: Mapping[str, float]) -> bool:
+    return all(node.get(key, 0.0) + _EPS >= value for key, value in request.items() if value > 0)
 
 
 def private_cluster_hint(gpus: float | None = None) -> str:

@@ -110,9 +110,17 @@ def apply_driver_defaults(joining: bool | None = None) -> None:
             _SET_HERE.add(key)
 
 
+#: Appended to a forwarded PYTHONPATH: Ray expands it in the actor's process to the path the node gave it (the
+#: `ray start` shell's; nothing when unset), so the driver's entries come first and the node's stay.
+NODE_PYTHONPATH = "${PYTHONPATH}"
+
+
 def worker_env_vars(num_threads: int | None = None) -> dict[str, str]:
-    """Environment for an actor process: forwarded variables plus thread limits."""
+    """Environment for an actor process: forwarded variables plus thread limits. A forwarded ``PYTHONPATH`` keeps the
+    node's own after the driver's (Ray sets each variable whole: a joined cluster's actors had lost the node's path)."""
     env = {k: os.environ[k] for k in FORWARDED_TO_WORKERS if k in os.environ}
+    if "PYTHONPATH" in env:
+        env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + NODE_PYTHONPATH
     if num_threads is not None:
         env["OMP_NUM_THREADS"] = str(num_threads)
     return env

@@ -18,11 +18,13 @@ import contextlib
 import logging
 import socket
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import ClusterConfig
+from nemo_like.config.sections.base import changed_from_defaults
 from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id
 from nemo_like.utils.cpus import local_cores
 
@@ -56,13 +58,14 @@ def init_ray(cluster: ClusterConfig) -> str:
     No job-level ``runtime_env`` is ever passed: inside a submitted job it would replace the
     job's own (working dir included) instead of merging with it.
     """
-    global _CONNECTED
+    global _CONNECTED, _LOCAL_SIZES
     address, source = cluster_address(cluster)
     apply_driver_defaults(joining=address is not None)
     import ray
 
     if ray.is_initialized():
         if _CONNECTED is None or _CONNECTED[2] != _gcs_address():  # the caller's own ray.init: it is joined
+            _warn_ignored_sizes(cluster, "this process was already connected to Ray (its own ray.init)")
             return "joined"
         mode, connected, _ = _CONNECTED
         if address is not None and address != connected:
@@ -71,18 +74,38 @@ def init_ray(cluster: ClusterConfig) -> str:
                 f"{source} names the Ray cluster at {address!r}, but this process is already connected to {now} by an "
                 "earlier run; call ray.shutdown() between the runs, or run this one in a new process"
             )
+        if mode == "local" and _LOCAL_SIZES is not None and _sizes(cluster) != _LOCAL_SIZES:
+            _warn_ignored_sizes(cluster, "an earlier run in this process started the private local cluster this one uses")
+        elif mode == "joined":
+            _warn_ignored_sizes(cluster, f"this run uses the Ray cluster at {connected!r}")
         return mode
     if address is not None:
+        if source != "cluster.ray_address":  # (that key's own config warning said so already)
+            _warn_ignored_sizes(cluster, f"this run joins the Ray cluster at {address!r} (from {source})")
         _join(address, source)
         _CONNECTED = ("joined", address, _gcs_address())
         return "joined"
     _start_local(cluster)
     _CONNECTED = ("local", None, _gcs_address())
+    _LOCAL_SIZES = _sizes(cluster)
     return "local"
+
+
+def _sizes(cluster: ClusterConfig) -> tuple[int | None, int]:
+    return cluster.num_cpus, cluster.object_store_memory_mb
+
+
+def _warn_ignored_sizes(cluster: ClusterConfig, why: str) -> None:
+    """A warning per private-cluster size key the run changed that the cluster it uses does not read."""
+    for key in changed_from_defaults(cluster, ["num_cpus", "object_store_memory_mb"]):
+        warnings.warn(
+            f"cluster.{key} has no effect: {why}; only a private local cluster started by the run reads it", RuntimeWarning, stacklevel=3
+        )
 
 
 # What init_ray connected this process to: (mode, the address it was given, the GCS address Ray reports).
 _CONNECTED: tuple[str, str | None, str | None] | None = None
+_LOCAL_SIZES: tuple[int | None, int] | None = None  # the private cluster's (num_cpus, object store MiB) as started
 
 
 def _gcs_address() -> str | None:

@@ -185,10 +185,14 @@ def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s
     instead of hanging. Idle actors kept by :func:`reuse_actors` are killed first if they hold the resources needed."""
     # A unique name: a kept (idle) group of the same role may still hold its placement group.
     pg = placement_group([resources.bundle()] * count, strategy=strategy, name=f"{name}-{uuid.uuid4().hex[:8]}")
-    ready, _ = ray.wait([pg.ready()], timeout=min(timeout_s, 2.0) if _POOL.idle else timeout_s)
-    if not ready and _POOL.idle:
-        _POOL.evict()
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=min(timeout_s, 2.0) if _POOL.idle else timeout_s)
+        if not ready and _POOL.idle:
+            _POOL.evict()
+            ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    except BaseException:  # Ctrl-C during the wait: a pending group, granted later, would hold its bundles ownerless
+        remove_placement_group(pg)
+        raise
     if not ready:
         remove_placement_group(pg)
         asked = {k: v * count for k, v in resources.bundle().items()}

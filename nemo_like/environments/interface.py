@@ -31,6 +31,11 @@ FINAL_TURN = "final_turn"
 DEFAULT_ENV_CPUS = 0.1
 
 
+#: How long an environment's own helper actors (a judge's engines) may wait for their placement: the run's
+#: ``cluster.placement_timeout_s``, set in each environment actor before its environment is built
+#: (:class:`~.worker.EnvironmentWorker`); the default where no run set it (an environment built in a test or a tool).
+HELPER_PLACEMENT = {"timeout_s": 60.0}
+
 #: Counter names the run keeps for itself (``env/<task>/reward``, ``num_samples``; a composite's per-source ones): an
 #: environment's or a reward source's ``metrics()`` may not use them.
 RESERVED_COUNTERS = frozenset({"reward", "num_samples", "reward_sum"})

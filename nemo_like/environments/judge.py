@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_like.config.sections.base import changed_from_defaults
-from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface, HelperActors
+from nemo_like.environments.interface import HELPER_PLACEMENT, ActorNeeds, EnvironmentInterface, HelperActors
 from nemo_like.environments.judge_engine import JudgeEngine, JudgeEngineSpec
 from nemo_like.environments.judge_parsers import resolve_parser
 from nemo_like.environments.judge_template import JudgeTemplate, TemplateFormat, load_template_text
@@ -137,6 +137,7 @@ def judge_engine_spec(cfg: JudgeEnvConfig, tokenizer: Any, context: int | None) 
         cfg.engine_num_threads,
         int(tokenizer.pad_token_id),
         tuple(end_of_sequence_ids(tokenizer, cfg.model_name)),
+        placement_timeout_s=HELPER_PLACEMENT["timeout_s"],  # the run's cluster.placement_timeout_s
         backend=cfg.engine_backend,
         max_model_len=context,
         kv_cache_space_gib=cfg.engine_kv_cache_space_gib,

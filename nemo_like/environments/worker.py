@@ -7,9 +7,10 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from nemo_like.distributed.ray_env import NODE_PYTHONPATH
 from nemo_like.distributed.supervision import Replaceable
 from nemo_like.distributed.worker_group import Reinitializable, RoleResources, WorkerResources
-from nemo_like.environments.interface import DEFAULT_ENV_CPUS, RESERVED_COUNTERS, ActorNeeds, EnvironmentStep
+from nemo_like.environments.interface import DEFAULT_ENV_CPUS, HELPER_PLACEMENT, RESERVED_COUNTERS, ActorNeeds, EnvironmentStep
 from nemo_like.environments.registry import EnvSpec, import_environment_class, resolve_environments
 
 #: CPU reserved per environment actor by default (they mostly wait; the math verifier's process runs beside it).
@@ -56,8 +57,11 @@ class EnvironmentWorker(Reinitializable):
     counters (:meth:`EnvironmentInterface.metrics`) with it so they belong to exactly that batch.
     Kept between runs by ``reuse_actors`` (closed first by :meth:`Environments.shutdown`, rebuilt by ``reinit``)."""
 
-    def __init__(self, rank: int, world_size: int, task: str, class_path: str, kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, rank: int, world_size: int, task: str, class_path: str, kwargs: dict[str, Any], placement_timeout_s: float = 60.0
+    ) -> None:
         self.task = task
+        HELPER_PLACEMENT["timeout_s"] = placement_timeout_s  # the run's cluster.placement_timeout_s, for its helper actors
         cls = import_environment_class(class_path, f"env.{task}")
         self.env = cls(**kwargs)
 
@@ -166,7 +170,7 @@ def actor_python_path(root: str | None) -> dict[str, str]:
     if root is None:
         return {}
     current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {"PYTHONPATH": os.pathsep.join([root, *(p for p in current if p != root)])}
+    return {"PYTHONPATH": os.pathsep.join([root, *(p for p in current if p != root), NODE_PYTHONPATH])}  # the node's last
 
 
 class Environments:
@@ -187,7 +191,7 @@ class Environments:
                     EnvironmentWorker,
                     spec.num_workers,
                     WorkerResources(num_cpus=needs.num_cpus, num_gpus=needs.num_gpus),
-                    {"task": task, "class_path": spec.class_path, "kwargs": spec.kwargs},
+                    {"task": task, "class_path": spec.class_path, "kwargs": spec.kwargs, "placement_timeout_s": placement_timeout_s},
                     placement_timeout_s,
                     env_vars=actor_python_path(spec.import_root),
                 )

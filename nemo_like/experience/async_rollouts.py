@@ -127,6 +127,16 @@ class AsyncRollouts:
             max_concurrency=4,
         )
         self.buffer = self.buffer_group.workers[0]
+        try:
+            self._start_collector(parts, restored, last_step, roles, timeout)
+        except BaseException:  # its placement group would stay reserved for the rest of the driver's Ray session
+            self.buffer_group.shutdown()
+            raise
+
+    def _start_collector(self, parts: Any, restored: dict[str, Any] | None, last_step: int, roles: dict[str, Any], timeout: float) -> None:
+        """Restore the buffer (when resuming) and start the trajectory collector: an actor, or a driver thread (agents)."""
+        cfg = parts.cfg
+        async_cfg = cfg.grpo.async_grpo
         if restored is not None:
             get_with_context(self.buffer.load_state_dict.remote(restored["buffer"]), "replay buffer: restore")
         loader = parts.train_loader

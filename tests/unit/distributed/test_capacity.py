@@ -143,9 +143,16 @@ def test_local_defaults_fill_gaps_only_and_are_taken_back_when_joining(monkeypat
 def test_actors_get_the_drivers_pythonpath(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """On a joined cluster the actors' environment is the `ray start` shell's: a reward module importable in the driver
     through PYTHONPATH failed to import in them."""
+    from ray._private.utils import update_envs  # what Ray runs in the actor's process with the runtime env's variables
+
     path = f"{tmp_path / 'userpkg'}:{tmp_path / 'more'}"
     monkeypatch.setenv("PYTHONPATH", path)
-    assert worker_env_vars().get("PYTHONPATH") == path and worker_env_vars(2) == {**worker_env_vars(), "OMP_NUM_THREADS": "2"}
+    forwarded = worker_env_vars()
+    assert forwarded["PYTHONPATH"].startswith(path) and worker_env_vars(2) == {**forwarded, "OMP_NUM_THREADS": "2"}
+    # ... and the node's own path stays after it (Ray sets the variable whole: the `ray start` shell's path was lost)
+    monkeypatch.setenv("PYTHONPATH", "/node/pkgs")
+    update_envs({"PYTHONPATH": forwarded["PYTHONPATH"]})
+    assert os.environ["PYTHONPATH"] == f"{path}:/node/pkgs"
     monkeypatch.delenv("PYTHONPATH")
     assert "PYTHONPATH" not in worker_env_vars()
 
@@ -185,3 +192,67 @@ def test_the_capacity_check_follows_the_plan_it_is_handed() -> None:
     no_reference = replace(plan, logprobs=LogprobPlan(plan.logprobs.compute_prev, compute_reference=False))
     assert "reference" in {r.role for r in capacity.role_requests(cfg, plan)}
     assert "reference" not in {r.role for r in capacity.role_requests(cfg, no_reference)}
+
+
+def test_requests_the_nodes_can_never_place_are_refused_whatever_the_totals() -> None:
+    """Totals alone passed a bundle bigger than any node and a STRICT_SPREAD over more ranks than nodes: each waited out
+    cluster.placement_timeout_s, then named nothing that was short."""
+    from nemo_like.distributed.capacity import check_node_placement
+    from nemo_like.distributed.worker_group import RoleResources, WorkerResources
+
+    two_nodes = [{"CPU": 2.0}, {"CPU": 2.0}]
+    big = RoleResources("policy", 1, WorkerResources(num_cpus=3))
+    with pytest.raises(PlacementError, match=r"policy: one bundle \(CPU 3\) fits on no node.*2 node\(s\); the largest has CPU 2"):
+        check_node_placement([big], two_nodes)
+    spread = RoleResources("policy", 3, WorkerResources(num_cpus=1))
+    with pytest.raises(PlacementError, match=r"policy: 3 bundles STRICT_SPREAD need 3 nodes that hold one; 2 do"):
+        check_node_placement([spread], two_nodes, {"policy": "STRICT_SPREAD"})
+    packed = RoleResources("policy", 3, WorkerResources(num_cpus=1))
+    with pytest.raises(PlacementError, match=r"3 bundles STRICT_PACK \(CPU 3\) fit on no single node"):
+        check_node_placement([packed], two_nodes, {"policy": "STRICT_PACK"})
+    check_node_placement([packed, RoleResources("generation", 2, WorkerResources(num_cpus=2))], two_nodes)  # PACK spills over
+    check_node_placement([RoleResources("policy", 2, WorkerResources(num_cpus=1))], two_nodes, {"policy": "STRICT_SPREAD"})
+
+
+def test_strict_spread_over_more_policy_ranks_than_declared_nodes_is_a_config_error() -> None:
+    from nemo_like.config import load_config
+
+    with pytest.raises(ValueError, match=r"STRICT_SPREAD puts each of the policy's 2 ranks .* cluster.num_nodes=1"):
+        load_config(None, ["cluster.placement_strategy=STRICT_SPREAD", "policy.dp_size=2"], warn=False)
+    load_config(None, ["cluster.placement_strategy=STRICT_SPREAD", "policy.dp_size=2", "cluster.num_nodes=2"], warn=False)
+
+
+def test_private_cluster_sizes_a_run_cannot_apply_warn(ray_cluster) -> None:
+    """A second run in a process (a sweep over cluster.num_cpus), or one that joins through $RAY_ADDRESS or a submitted
+    job, ignored cluster.num_cpus / object_store_memory_mb without a word (only cluster.ray_address warned)."""
+    import warnings
+
+    from nemo_like.config.schema import ClusterConfig
+    from nemo_like.distributed.ray_init import init_ray
+
+    with pytest.warns(RuntimeWarning, match=r"cluster.num_cpus has no effect: an earlier run in this process started"):
+        assert init_ray(ClusterConfig(num_cpus=7)) == "local"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        init_ray(ClusterConfig())  # nothing changed from the defaults: nothing to say
+
+
+def test_an_interrupted_placement_wait_removes_its_group(ray_cluster, monkeypatch) -> None:
+    """Ctrl-C during a placement wait left the pending group behind: granted later, it held its bundles with no owner
+    for the rest of the driver's Ray session."""
+    import ray
+    from ray.util import placement_group_table
+
+    from nemo_like.distributed import worker_group
+    from nemo_like.distributed.worker_group import WorkerResources, reserve_bundles
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(worker_group.ray, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        reserve_bundles("interrupted-role", WorkerResources(num_cpus=0.01), 1, 5.0)
+    monkeypatch.undo()
+    states = [g["state"] for g in placement_group_table().values() if g["name"].startswith("interrupted-role-")]
+    assert states and all(s == "REMOVED" for s in states), states
+    assert ray.is_initialized()

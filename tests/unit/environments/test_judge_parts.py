@@ -177,3 +177,17 @@ def test_the_judge_engine_stops_where_the_judges_turn_ends(tmp_path) -> None:
     vllm = JudgeEnvConfig(model_name=str(judge), engine_backend="vllm")
     with pytest.raises(ValueError, match="does not state its context length: set engine_max_model_len"):
         judge_engine_spec(vllm, tokenizer, None)
+
+
+def test_the_judges_engines_wait_for_their_placement_as_long_as_the_run_says(monkeypatch) -> None:
+    """The judge's engine group waited 60 s whatever cluster.placement_timeout_s said: on a busy or autoscaling cluster
+    given 900 s, the judge's environment actor died at 60."""
+    from nemo_like.environments import interface
+    from nemo_like.environments.judge import JudgeEnvConfig, judge_engine_spec
+    from nemo_like.environments.worker import EnvironmentWorker
+    from nemo_like.models.loading import load_tokenizer
+
+    monkeypatch.setitem(interface.HELPER_PLACEMENT, "timeout_s", 60.0)
+    EnvironmentWorker(0, 1, "arithmetic", "arithmetic", {}, placement_timeout_s=900.0)  # what every environment actor runs first
+    cfg = JudgeEnvConfig()
+    assert judge_engine_spec(cfg, load_tokenizer(cfg.model_name), 64).placement_timeout_s == 900.0
