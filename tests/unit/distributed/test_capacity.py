@@ -256,3 +256,20 @@ def test_an_interrupted_placement_wait_removes_its_group(ray_cluster, monkeypatc
     states = [g["state"] for g in placement_group_table().values() if g["name"].startswith("interrupted-role-")]
     assert states and all(s == "REMOVED" for s in states), states
     assert ray.is_initialized()
+
+
+def test_a_failed_async_start_releases_the_replay_buffers_group(ray_cluster) -> None:
+    """A restore that failed (a damaged replay_buffer.pt) left the buffer's placement group reserved: close() saw no
+    rollouts to close, and the bundle stayed held for the rest of the driver's Ray session."""
+    from types import SimpleNamespace
+
+    from ray.util import placement_group_table
+
+    from nemo_like.experience.async_rollouts import AsyncRollouts
+
+    cfg = load_config(None, ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"], warn=False)
+    before = {pg_id for pg_id, g in placement_group_table().items() if g["name"].startswith("replay_buffer")}
+    with pytest.raises(Exception, match="KeyError: .groups."):
+        AsyncRollouts(SimpleNamespace(cfg=cfg), 0, restored={"buffer": {}, "next_target": 1})
+    groups = {pg_id: g for pg_id, g in placement_group_table().items() if g["name"].startswith("replay_buffer") and pg_id not in before}
+    assert groups and all(g["state"] == "REMOVED" for g in groups.values()), groups
