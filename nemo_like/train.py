@@ -108,6 +108,9 @@ def check_run_inputs(cfg: MasterConfig) -> None:
         check_model_source(cfg.policy.tokenizer_name, "policy.tokenizer_name")
     if cfg.teacher.model_name is not None:
         check_model_source(cfg.teacher.model_name, "teacher.model_name")
+    for task, name in cfg.teacher.by_task.items():  # a typo there was a traceback (an unknown embedded: name) or blamed
+        if name is not None:  # teacher.model_name
+            check_model_source(name, f"teacher.by_task.{task}")
     for key, directory in run_directories(cfg).items():
         ensure_writable_dir(directory, key)
 

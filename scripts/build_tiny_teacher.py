@@ -3,7 +3,8 @@
 teacher of the distillation demo (``examples/configs/distill_tiny_cpu.yaml``).
 
 It runs ``nemo-like train`` exactly as ``make demo`` does (the default recipe, 100 steps, seed 42: held-out accuracy
-0.223 -> 0.691, bitwise reproducible on this stack), with a checkpoint after the last step, then copies that
+0.223 -> 0.691, bitwise reproducible run to run on one stack; the weights move with the kernels' rounding: a rebuild
+on 2026-12-05 differed from the shipped ones by at most 2.2e-5, with the same accuracies), with a checkpoint after the last step, then copies that
 checkpoint's HF-format ``policy/`` and the tokenizer into the asset directory and records the run's validation
 accuracy in ``build_info.json``.
 
@@ -66,7 +67,12 @@ def main() -> None:
         shutil.rmtree(args.out)
     shutil.copytree(policy_dir, args.out)
     load_tokenizer(default_model_path()).save_pretrained(args.out)
+    import torch
+    import transformers
+
     info = {"base": "embedded:tiny-arith-qwen2", "recipe": "examples/configs/grpo_tiny_cpu.yaml", "steps": STEPS, "seed": 42}
+    info["script"] = "scripts/build_tiny_teacher.py"
+    info["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}  # the weights follow the kernels
     info["validation_accuracy"] = {"step_0": before, f"step_{STEPS}": after}
     (args.out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"teacher written to {args.out}: held-out accuracy {before:.3f} (step 0) -> {after:.3f} (step {STEPS})")

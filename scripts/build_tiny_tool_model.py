@@ -199,8 +199,11 @@ def evaluate(model, tok, problems: list[dict[str, str]], do_sample: bool, seed: 
     return {
         "reward": sum(rewards) / len(problems),
         "tool_use_rate": n_tool / len(problems),
-        "reward_with_tool": sum(r for r, u in zip(rewards, used) if u) / max(1, n_tool),
-        "reward_direct": sum(r for r, u in zip(rewards, used) if not u) / max(1, len(problems) - n_tool),
+        # a mean over no sample is undefined (None), not 0.0: a greedy run that always calls the tool has no direct answer
+        "reward_with_tool": sum(r for r, u in zip(rewards, used) if u) / n_tool if n_tool else None,
+        "reward_direct": sum(r for r, u in zip(rewards, used) if not u) / (len(problems) - n_tool) if n_tool < len(problems) else None,
+        "num_with_tool": n_tool,
+        "num_direct": len(problems) - n_tool,
     }
 
 

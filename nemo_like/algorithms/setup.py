@@ -22,6 +22,7 @@ from nemo_like.environments.registry import EnvSpec, check_tasks_have_environmen
 from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
 from nemo_like.models.engines import build_generation
+from nemo_like.models.footprint import teacher_key
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.loading import (
     check_chunkable_head,
@@ -110,17 +111,18 @@ def load_validation_prompts(cfg: MasterConfig, tokenizer) -> list[PromptRecord]:
     return prompts[: cfg.grpo.max_val_samples]
 
 
-def _driver_tokenizer(cfg: MasterConfig, section: str = "policy"):
-    """The run's tokenizer (``section="teacher"``: ``cfg`` is :meth:`MasterConfig.teacher_config`'s); an id that cannot be loaded
-    (offline, typo) is a ConfigError naming the key."""
+def _driver_tokenizer(cfg: MasterConfig, key: str | None = None):
+    """The run's tokenizer (``cfg`` may be :meth:`MasterConfig.teacher_config`'s, ``key`` then the config key that names
+    that model); an id that cannot be loaded (offline, typo, an unknown ``embedded:`` name) is a ConfigError naming the
+    key."""
     name = cfg.policy.tokenizer_name or cfg.policy.model_name
     try:
         return load_tokenizer(name)
-    except OSError as exc:
-        key = f"{section}.tokenizer_name" if cfg.policy.tokenizer_name else f"{section}.model_name"
+    except (OSError, ValueError) as exc:
+        key = key or ("policy.tokenizer_name" if cfg.policy.tokenizer_name else "policy.model_name")
         raise ConfigError(
             f"cannot load the tokenizer of {key}={name!r} ({str(exc).splitlines()[0]}); on an offline machine "
-            "point policy.model_name at a local model directory"
+            f"point {key} at a local model directory"
         ) from None
 
 
@@ -187,7 +189,9 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     for name in cfg.teacher.models():  # a teacher with another tokenizer fails here, before any actor starts
-        check_teacher_tokenizer(tokenizer, cfg.policy.model_name, _driver_tokenizer(cfg.teacher_config(name), "teacher"), name)
+        key = "teacher.tokenizer_name" if cfg.teacher.tokenizer_name and name == cfg.teacher.model_name else teacher_key(cfg, name)
+        teacher_tokenizer = _driver_tokenizer(cfg.teacher_config(name), key)
+        check_teacher_tokenizer(tokenizer, cfg.policy.model_name, teacher_tokenizer, name)
     check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)  # before any actor starts
     check_chunkable_head(cfg.policy.model_name, cfg.policy.logprob_chunk_size)
     for name in cfg.teacher.models():  # the teachers' passes (and the KL term's copy) chunk their heads as the policy's

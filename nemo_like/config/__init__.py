@@ -30,6 +30,12 @@ def resolve_config_dict(path: str | Path | None, overrides: Sequence[str] = ()) 
     schema knows even when the recipe does not spell it out; ``+key`` is for keys outside the schema.
     """
     register_resolvers()
+    if path is None and not DEFAULT_RECIPE.is_file():  # a non-editable install: the recipes stay in the repository
+        raise ConfigError(
+            "No recipe given, and the embedded default recipe (examples/configs/grpo_tiny_cpu.yaml) is not next to this "
+            f"installed package ({DEFAULT_RECIPE.parent.parent.parent}): pass --config FILE (the repository's "
+            "examples/configs/ has the shipped recipes), or install nemo_like editable from a clone (make setup)"
+        )
     recipe = load_recipe_dict(path if path is not None else DEFAULT_RECIPE)
     cfg = OmegaConf.create(merge_dicts(MasterConfig().model_dump(mode="json"), recipe))
     apply_overrides(cfg, overrides)

@@ -17,6 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).parent / "nemo-like"
 
 
+DISTILL = Path(__file__).resolve().parents[2] / "examples" / "configs" / "distill_tiny_cpu.yaml"
+
+
 def nemo_like(*args: str) -> subprocess.CompletedProcess[str]:
     command = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-m", "nemo_like.cli"]
     return subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -131,6 +134,30 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["eval", f"policy.tokenizer_name={tmp_path / 'gone'}"], "policy.tokenizer_name="),
         (["eval", f"policy.model_name={tmp_path / 'gone'}"], "policy.model_name="),
         (["plot", str(metrics), "--out", "/proc/x.png"], "cannot write the plot /proc/x.png: "),  # savefig's OSError: a traceback
+        # a teacher.by_task model was never checked early: an unknown embedded: name was a traceback, a bad path blamed
+        # teacher.model_name
+        (
+            [
+                "train",
+                "--config",
+                str(DISTILL),
+                "+teacher.by_task.arithmetic=embedded:nope",
+                "teacher.model_name=null",
+                f"logger.log_dir={tmp_path}",
+            ],
+            "teacher.by_task.arithmetic: 'embedded:nope' is not a shipped model",
+        ),
+        (
+            [
+                "train",
+                "--config",
+                str(DISTILL),
+                f"+teacher.by_task.arithmetic={tmp_path / 'gone'}",
+                "teacher.model_name=null",
+                f"logger.log_dir={tmp_path}",
+            ],
+            "teacher.by_task.arithmetic=",
+        ),
     ]
     import socket
 

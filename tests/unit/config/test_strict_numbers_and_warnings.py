@@ -443,3 +443,13 @@ def test_clip_and_cispo_settings_warn_when_every_ratio_is_one(key: str) -> None:
     half = one_step.rollout_batch_size // 2
     two_steps = load_config(None, [key, f"policy.train_global_batch_size={half}"], warn=False)
     assert not [line for line in two_steps.no_effect_warnings() if line.startswith(name)]
+
+
+def test_no_recipe_in_a_non_editable_install_says_to_pass_one(monkeypatch, tmp_path) -> None:
+    """A pip-installed (non-editable) package has no examples/ beside it: 'Recipe file not found: .../site-packages/
+    examples/...' named a path inside site-packages and no way out."""
+    import nemo_like.config as config_module
+
+    monkeypatch.setattr(config_module, "DEFAULT_RECIPE", tmp_path / "examples" / "configs" / "grpo_tiny_cpu.yaml")
+    with pytest.raises(ConfigError, match=r"No recipe given, and the embedded default recipe .* pass --config FILE"):
+        config_module.load_config(None, [], warn=False)
