@@ -201,6 +201,12 @@ class MasterConfig(BaseModel):
                     f"teacher.by_task.{task}: no task of that name; the run's tasks (env.<task>) are "
                     f"{sorted(self.env_sections)}.{did_you_mean(task, self.env_sections)}"
                 )
+        total, new = self.policy.max_total_sequence_length, self.policy.generation.max_new_tokens
+        if total <= new and self.grpo.max_rollout_turns == 1:  # (multi-turn says it in its own terms)
+            raise ValueError(
+                f"policy.max_total_sequence_length ({total}) must exceed policy.generation.max_new_tokens ({new}): a prompt "
+                f"gets what is left ({total - new} tokens); raise the first or lower the second"
+            )
         ranks = self.policy.dp_size * self.policy.dtensor_cfg.tensor_parallel_size
         if self.cluster.placement_strategy == "STRICT_SPREAD" and ranks > self.cluster.num_nodes:
             raise ValueError(

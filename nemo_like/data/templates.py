@@ -78,9 +78,14 @@ def load_prompt_template(path: str) -> str:
     text = _read_text(path, "data.prompt_file")
     text = text[:-1] if text.endswith("\n") else text  # an editor's final newline is not part of the prompt
     try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+        parsed = [(f, spec, conversion) for _, f, spec, conversion in string.Formatter().parse(text) if f is not None]
     except ValueError as exc:
         raise ConfigError(f"data.prompt_file {path!r} is not a valid template ({exc}); write literal braces as '{{{{' and '}}}}'") from None
+    fields = [f for f, _, _ in parsed]
+    if fields == [""] and parsed[0][1:] != ("", None):  # '{:.20}' cut every problem to 20 characters, '{!r}' quoted it
+        spec, conversion = parsed[0][1:]
+        found = "{" + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        raise ConfigError(f"data.prompt_file {path!r}: the '{{}}' field takes no format spec or conversion (found '{found}')")
     if fields != [""]:
         raise ConfigError(
             f"data.prompt_file {path!r} must contain exactly one '{{}}' (where the problem goes) and no other fields, "
@@ -92,7 +97,9 @@ def load_prompt_template(path: str) -> str:
 def prompt_format(data: DataConfig) -> PromptFormat:
     """The prompt format a config asks for (reads the prompt and system-prompt files)."""
     template = load_prompt_template(data.prompt_file) if data.prompt_file else None
-    system = data.system_prompt
+    system = data.system_prompt.strip() if data.system_prompt else None  # as a file's (a YAML '|' block ends in a newline)
     if data.system_prompt_file:
         system = _read_text(data.system_prompt_file, "data.system_prompt_file").strip()
+        if not system:  # a broken write trained with no system prompt, silently
+            raise ConfigError(f"data.system_prompt_file {data.system_prompt_file!r} is empty; write the system message or unset the key")
     return PromptFormat(template, system or None)

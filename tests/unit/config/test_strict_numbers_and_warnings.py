@@ -453,3 +453,10 @@ def test_no_recipe_in_a_non_editable_install_says_to_pass_one(monkeypatch, tmp_p
     monkeypatch.setattr(config_module, "DEFAULT_RECIPE", tmp_path / "examples" / "configs" / "grpo_tiny_cpu.yaml")
     with pytest.raises(ConfigError, match=r"No recipe given, and the embedded default recipe .* pass --config FILE"):
         config_module.load_config(None, [], warn=False)
+
+
+def test_a_response_budget_that_leaves_no_room_for_a_prompt_is_refused_at_load() -> None:
+    """Single-turn runs accepted max_total_sequence_length <= max_new_tokens and failed at data build with a negative
+    budget, advising data.drop_long_prompts (which then dropped every prompt)."""
+    with pytest.raises(ConfigError, match=r"policy.max_total_sequence_length \(8\) must exceed policy.generation.max_new_tokens \(16\)"):
+        load_config(None, ["policy.max_total_sequence_length=8", "policy.generation.max_new_tokens=16"], warn=False)

@@ -185,10 +185,18 @@ def test_prompt_file_and_system_prompt_file(tmp_path, tok):
         ("{name}", "exactly one"),
         ("\\boxed{} {}", "exactly one"),
         ("unclosed {", "not a valid template"),
+        ("Solve: {:.20}", r"the '{}' field takes no format spec or conversion \(found '{:.20}'\)"),  # cut every problem
+        ("Solve: {!r}", r"takes no format spec or conversion \(found '{!r}'\)"),
     ]:
         template.write_text(text)
         with pytest.raises(ConfigError, match=rf"data.prompt_file .*{needle}".replace("{}", r"\{\}")):
             build(cfg, tok)
+    system.write_text("  \n")  # a broken write: it trained with no system prompt, silently
+    template.write_text("{}")
+    with pytest.raises(ConfigError, match=r"data.system_prompt_file .*sys.txt' is empty"):
+        build(cfg, tok)
+    inline = data_cfg(path, path, system_prompt="You are careful.\n")  # a YAML '|' block: stripped as a file's is
+    assert next(r for r in build(inline, tok) if r.id == "train-1").messages[0] == {"role": "system", "content": "You are careful."}
     missing = data_cfg(path, path, system_prompt_file=str(tmp_path / "nope.txt"))
     with pytest.raises(ConfigError, match=r"data.system_prompt_file: cannot read .*nope.txt"):
         build(missing, tok)
@@ -534,6 +542,26 @@ def test_loader_state_carries_a_fingerprint_of_the_prompts(tmp_path, tok):
     legacy = {k: v for k, v in state.items() if k != "fingerprint"}  # checkpoints from before the fingerprint
     changed.load_state_dict(legacy)
     assert changed.index == state["index"]
+    # Same ids, other prompt tokens (an edited system-prompt file: the config's keys are unchanged) are refused too
+    reworded = build(data_cfg(path, path, system_prompt="Be brief."), tok)
+    assert [r.id for r in reworded] == [r.id for r in records]
+    with pytest.raises(ConfigError, match="differ from the ones the checkpoint was trained on"):
+        PromptDataLoader(reworded, 4, seed=0).load_state_dict(state)
+
+
+def test_a_shuffled_loader_draws_another_order_each_epoch_and_resumes_it(tmp_path, tok):
+    """docs: "different ones each epoch when shuffled" (the tail a batch size leaves out of an epoch): one permutation
+    for every epoch never trained the same tail, and nothing checked it."""
+    records = build(data_cfg(write_jsonl(tmp_path / "t.jsonl", rows(10)), None), tok)
+    loader = PromptDataLoader(records, 4, seed=0, shuffle=True)
+    epochs = [[r.id for b in range(2) for r in loader.next_batch()] for _ in range(3)]
+    assert len({tuple(e) for e in epochs}) == 3  # every epoch its own order (and its own 2 left out)
+    again = PromptDataLoader(records, 4, seed=0, shuffle=True)
+    for _ in range(4):
+        again.next_batch()
+    resumed = PromptDataLoader(records, 4, seed=0, shuffle=True)
+    resumed.load_state_dict(again.state_dict())  # resumed at the start of epoch 2: the same order
+    assert [r.id for b in range(2) for r in resumed.next_batch()] == epochs[2]
 
 
 def test_the_loader_says_which_epoch_its_next_batch_comes_from(tmp_path, tok):
