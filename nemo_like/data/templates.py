@@ -97,7 +97,7 @@ def load_prompt_template(path: str) -> str:
 def prompt_format(data: DataConfig) -> PromptFormat:
     """The prompt format a config asks for (reads the prompt and system-prompt files)."""
     template = load_prompt_template(data.prompt_file) if data.prompt_file else None
-    system = data.system_prompt.strip() if data.system_prompt else None  # as a file's (a YAML '|' block ends in a newline)
+    system = data.system_prompt  # as written (stripping it would change the prompts, and the fingerprint, of checkpoints)
     if data.system_prompt_file:
         system = _read_text(data.system_prompt_file, "data.system_prompt_file").strip()
         if not system:  # a broken write trained with no system prompt, silently

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from nemo_like.environments.interface import EnvironmentInterface
 from nemo_like.environments.math_verify_process import MathVerifyProcess
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{\s*[^\s}]")  # a box that holds something (not \boxed{}, nor a bare \boxed{)
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 #: Counters reported by :meth:`MathEnvironment.metrics` (every key, every call).
 COUNTERS = ("timeouts", "parse_failures", "gold_parse_failures", "crashes", "correct")
 
@@ -50,9 +50,18 @@ class MathEnvConfig(BaseModel):
 
 
 def has_boxed_answer(response: str) -> bool:
-    """Whether the response holds a ``\\boxed{...}`` (or ``\\fbox{...}``) answer: a box with something in it (an empty
-    box, or a bare ``\\boxed{`` at the end of a cut response, had earned the format reward)."""
-    return _BOXED.search(response) is not None
+    """Whether the response holds a whole ``\\boxed{...}`` (or ``\\fbox{...}``) answer: a box that closes (its braces
+    balance) with something in it. An empty box, or one a length limit cut before its closing brace (``\\boxed{1``), had
+    earned the format reward."""
+    for opened in _BOX_OPEN.finditer(response):
+        depth, start = 1, opened.end()
+        for i in range(start, len(response)):
+            depth += {"{": 1, "}": -1}.get(response[i], 0)
+            if depth == 0:
+                if response[start:i].strip():
+                    return True
+                break
+    return False
 
 
 class MathEnvironment(EnvironmentInterface):

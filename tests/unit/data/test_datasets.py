@@ -195,8 +195,6 @@ def test_prompt_file_and_system_prompt_file(tmp_path, tok):
     template.write_text("{}")
     with pytest.raises(ConfigError, match=r"data.system_prompt_file .*sys.txt' is empty"):
         build(cfg, tok)
-    inline = data_cfg(path, path, system_prompt="You are careful.\n")  # a YAML '|' block: stripped as a file's is
-    assert next(r for r in build(inline, tok) if r.id == "train-1").messages[0] == {"role": "system", "content": "You are careful."}
     missing = data_cfg(path, path, system_prompt_file=str(tmp_path / "nope.txt"))
     with pytest.raises(ConfigError, match=r"data.system_prompt_file: cannot read .*nope.txt"):
         build(missing, tok)

@@ -97,6 +97,9 @@ def test_format_reward_only_for_a_wrong_boxed_answer(env: MathEnvironment) -> No
     assert has_boxed_answer("so \\boxed {2}") and not has_boxed_answer("boxed{2}")
     # an empty box, a bare one at the end of a cut response, or one promised in prose earned the format reward
     assert not any(has_boxed_answer(r) for r in ("\\boxed{}", "\\boxed{ }", "the answer is \\boxed{", "\\fbox{}"))
+    # ... nor one cut before its closing brace; nested braces close it as LaTeX does
+    assert not any(has_boxed_answer(r) for r in ("so \\boxed{1", "so \\boxed{\\frac{1}{2"))
+    assert all(has_boxed_answer(r) for r in ("so \\boxed{\\frac12}", "so \\boxed {x}", "\\boxed{\\frac{1}{2}} and \\boxed{"))
 
 
 def test_a_checker_that_dies_at_start_says_so_at_once(tmp_path, monkeypatch) -> None:
