@@ -292,9 +292,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from nemo_like.serving.standalone import serve
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.eval.model_path is None:  # (eval.model_path is resolved and checked as the served model)
+    serves_policy_model = cfg.eval.model_path is None  # else eval.model_path is resolved and checked as the served model
+    if serves_policy_model:
         check_model_source(cfg.policy.model_name, "policy.model_name")
-    check_tokenizer_source(cfg)  # a bad path was a transformers traceback
+    check_tokenizer_source(cfg, model_checked=serves_policy_model)  # a bad path was a transformers traceback
     check_port_free(args.port)
     return serve(cfg, args.port)
 

@@ -25,6 +25,7 @@ from nemo_like.utils.checkpoint import (
     incompatible_differences,
     restore_driver_rng_state,
 )
+from nemo_like.utils.files import replace_file
 
 #: The policy workers' RNG states, beside the policy's files.
 WORKER_RNG_FILE = "worker_rng.pt"
@@ -189,9 +190,7 @@ def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int | None
                 "written again after them so the resumed steps continue their own run (give each run its own logger.log_dir)"
             )
             replay = MetricsReplay(note, [json.loads(line) for line in own])
-    tmp = metrics_path.with_suffix(".jsonl.tmp")
-    tmp.write_bytes(data[:start] + "".join(line + "\n" for line in kept).encode())
-    tmp.replace(metrics_path)
+    replace_file(metrics_path, data[:start] + "".join(line + "\n" for line in kept).encode())
     return replay
 
 

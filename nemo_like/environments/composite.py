@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from nemo_like.environments.agent import AgentEnvironment
 from nemo_like.environments.interface import RESERVED_COUNTERS, ActorNeeds, EnvironmentInterface
 
 #: Keys of a source besides its environment's own settings.
@@ -77,8 +78,6 @@ class CompositeEnvConfig(BaseModel):
             if not name or "/" in name:
                 raise ValueError(f"source name {name!r} must be non-empty and contain no '/' (it names metrics)")
             source_cls, weight, settings = resolve_source(name, section)
-            from nemo_like.environments.agent import AgentEnvironment
-
             if issubclass(source_cls, AgentEnvironment):
                 raise ValueError(
                     f"sources.{name}: an agent task is rolled out by its agent, but a composite scores the policy's own "

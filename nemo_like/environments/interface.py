@@ -36,8 +36,10 @@ DEFAULT_ENV_CPUS = 0.1
 #: (:class:`~.worker.EnvironmentWorker`); the default where no run set it (an environment built in a test or a tool).
 HELPER_PLACEMENT = {"timeout_s": 60.0}
 
-#: Counter names the run keeps for itself (``env/<task>/reward``, ``num_samples``; a composite's per-source ones): an
-#: environment's or a reward source's ``metrics()`` may not use them.
+#: Counter names the run keeps for itself (``env/<task>/reward`` over the trained samples and ``num_samples``, their
+#: count; a composite's per-source ones; ``reward_sum`` would derive a ``reward`` of its own,
+#: :func:`~nemo_like.experience.rollouts.env_metrics_with_means`): an environment's or a reward source's ``metrics()``
+#: may not use them.
 RESERVED_COUNTERS = frozenset({"reward", "num_samples", "reward_sum"})
 
 

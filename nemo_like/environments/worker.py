@@ -36,10 +36,6 @@ def environment_resources(cfg: Any) -> list[RoleResources]:
     return roles
 
 
-#: Counter names the run keeps for itself under ``env/<task>/``: its reward over the trained samples and their count
-#: (``reward_sum`` would derive a ``reward`` of its own, :func:`~nemo_like.experience.rollouts.env_metrics_with_means`).
-
-
 def checked_counters(task: str, counters: dict[str, Any]) -> dict[str, float]:
     """An environment's :meth:`~.interface.EnvironmentInterface.metrics` as floats; a name the run reserves is an
     error naming it (it overwrote ``env/<task>/reward`` or ``num_samples`` with a value of other samples, silently)."""

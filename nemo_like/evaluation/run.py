@@ -35,6 +35,7 @@ from nemo_like.models.loading import ADAPTER_CONFIG, holds_tokenizer
 from nemo_like.models.lora import merge_checkpoint, refuse_overwriting_base
 from nemo_like.models.policy.checkpoints import POLICY_DIR
 from nemo_like.utils import preflight
+from nemo_like.utils.files import replace_file
 from nemo_like.utils.seeds import eval_seed
 
 
@@ -191,7 +192,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     model_dir = resolve_checkpoint_model(
         ev.model_path or cfg.policy.model_name, "eval.model_path" if ev.model_path else "policy.model_name"
     )
-    check_tokenizer_source(cfg)  # a bad path was a transformers traceback
+    check_tokenizer_source(cfg, model_checked=ev.model_path is None)  # a bad path was a transformers traceback
     checkpoint_dir = os.path.abspath(model_dir) if Path(model_dir).is_dir() else None  # before a LoRA merge; hub id: None
     lora_base = adapter_base_model(model_dir) if (Path(model_dir) / ADAPTER_CONFIG).is_file() else None
     if lora_base is not None:  # a missing base was a transformers traceback (merge named the key)
@@ -326,9 +327,7 @@ def write_results(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any]
     }
     (out / "summary.json").unlink(missing_ok=True)
     for name, text in texts.items():
-        partial = out / f".{name}.partial"
-        partial.write_text(text)
-        os.replace(partial, out / name)
+        replace_file(out / name, text)
     print(format_table(summary), file=sys.stderr)
     print(f"[done] {out / 'summary.json'}, {out / 'results.jsonl'}", file=sys.stderr)
 

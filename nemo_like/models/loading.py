@@ -75,13 +75,15 @@ def _hub_endpoint_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> tuple[boo
     return True, endpoint
 
 
-def check_tokenizer_source(cfg: Any) -> None:
+def check_tokenizer_source(cfg: Any, model_checked: bool = False) -> None:
     """The run's tokenizer source (``policy.tokenizer_name``, else ``policy.model_name``) is loadable here: else one
-    line naming the key (:func:`check_model_source`), before anything starts."""
-    if cfg.policy.tokenizer_name:
-        check_model_source(cfg.policy.tokenizer_name, "policy.tokenizer_name")
-    else:
-        check_model_source(cfg.policy.model_name, "policy.model_name")
+    line naming the key (:func:`check_model_source`), before anything starts. ``model_checked``: the caller checked
+    ``policy.model_name`` already (each check may probe the hub: not twice)."""
+    tokenizer = cfg.policy.tokenizer_name
+    if tokenizer and tokenizer != cfg.policy.model_name:
+        check_model_source(tokenizer, "policy.tokenizer_name")
+    elif not model_checked:
+        check_model_source(cfg.policy.model_name, "policy.tokenizer_name" if tokenizer else "policy.model_name")
 
 
 def check_model_source(name: str, key: str) -> None:

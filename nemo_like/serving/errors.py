@@ -63,3 +63,13 @@ def session_not_found(session_id: str) -> ServingError:
 def session_ended(session_id: str) -> ServingError:
     """A 409 for a call in a session that already ended (its rows are built; a new call cannot join them)."""
     return ServingError(409, f"Session {session_id!r} has ended; start a new session.", code="session_ended", param="session_id")
+
+
+def session_reward_conflict(session_id: str, first: float, second: float) -> ServingError:
+    """A 409 for a second end of a session with another reward than its first end's (the first one stands)."""
+    return ServingError(
+        409,
+        f"Session {session_id!r} already ended with reward {first}; a second end cannot change it to {second}.",
+        code="session_ended",
+        param="reward",
+    )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_like.serving.continuation import Continuations
-from nemo_like.serving.errors import ServingError, bad_request, session_ended, session_not_found
+from nemo_like.serving.errors import bad_request, session_ended, session_not_found, session_reward_conflict
 from nemo_like.serving.trajectory import CallRecord, SessionRows, session_rows
 from nemo_like.utils.seeds import agent_call_seed
 
@@ -256,12 +256,7 @@ class SessionStore:
         second had been answered with the first's rows and reward, and silently dropped)."""
         first = self._end_rewards.get(session_id)
         if reward is not None and first is not None and float(reward) != first:
-            raise ServingError(
-                409,
-                f"Session {session_id!r} already ended with reward {first}; a second end cannot change it to {float(reward)}.",
-                code="session_ended",
-                param="reward",
-            )
+            raise session_reward_conflict(session_id, first, float(reward))
 
     def _count(self, result: SessionRows) -> None:
         c = self.counters

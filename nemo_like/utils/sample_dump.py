@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from nemo_like.utils.files import replace_file
+
 
 def dump_path(log_dir: str | Path, kind: str, step: int) -> Path:
     """``<log_dir>/<kind>_data_step<step>.jsonl`` (``kind`` is ``train`` or ``val``)."""
@@ -57,14 +59,8 @@ def sample_records(step: int, columns: Mapping[str, Sequence[Any] | torch.Tensor
 
 def write_sample_dump(path: str | Path, step: int, columns: Mapping[str, Sequence[Any] | torch.Tensor]) -> Path:
     """Write :func:`sample_records` of ``columns`` to ``path`` (replacing it); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w") as f:
-        for record in sample_records(step, columns):
-            f.write(json.dumps(record) + "\n")
-    tmp.replace(path)
-    return path
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return replace_file(path, "".join(json.dumps(record) + "\n" for record in sample_records(step, columns)))
 
 
 def format_samples(prompts: Sequence[str], responses: Sequence[str], rewards: Sequence[float], limit: int) -> str:

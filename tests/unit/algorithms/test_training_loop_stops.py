@@ -110,24 +110,26 @@ def test_a_signal_during_a_periodic_save_stops_right_after_that_save(tmp_path, m
     assert Path(stopped.value.checkpoint).name == "step_2"
 
 
-class TimedSteps(FakeSteps):
-    """Steps of 10 s, validations of 600 s and saves of 5 s on a fake clock."""
+class ClockedSteps(FakeSteps):
+    """Steps, saves and (when ``validate_s``) validations of fixed lengths on a fake clock."""
 
-    def __init__(self, clock: list[float]) -> None:
+    def __init__(self, clock: list[float], step_s: float, save_s: float, validate_s: float | None = None) -> None:
         super().__init__(signal_during_save_of=None)
-        self.clock = clock
+        self.clock, self.step_s, self.save_s, self.validate_s = clock, step_s, save_s, validate_s
 
     def validate(self, step: int, timer: Any) -> dict[str, float]:
+        if self.validate_s is None:
+            return super().validate(step, timer)
         self.events.append(f"validate {step}")
-        self.clock[0] += 600.0
+        self.clock[0] += self.validate_s
         return {"validation/accuracy": 0.0}
 
     def step(self, step: int, timer: Any) -> dict[str, float]:
-        self.clock[0] += 10.0
+        self.clock[0] += self.step_s
         return super().step(step, timer)
 
     def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
-        self.clock[0] += 5.0
+        self.clock[0] += self.save_s
         return super().save(manager, step, metrics)
 
 
@@ -138,28 +140,12 @@ def test_the_step_before_a_validation_keeps_the_validation_in_hand_before_the_de
     parts = loop_parts(
         tmp_path, monkeypatch, "checkpointing.save_period=100", "grpo.max_num_steps=20", "grpo.val_period=10", "grpo.val_at_end=false"
     )
-    runner = TimedSteps(clock)
+    runner = ClockedSteps(clock, step_s=10.0, save_s=5.0, validate_s=600.0)  # a 600 s validation every 10 steps
     deadline = clock[0] + 600.0 + 9 * 10.0 + 2 * 5.0 + 100.0  # step 0's validation, 9 steps, 2 saves, the slack
     with pytest.raises(rc.RunInterrupted) as stopped:
         run_loop(parts, runner, rc.RunControl(deadline))
     assert stopped.value.code == rc.EXIT_DEADLINE and stopped.value.step == 9, runner.events
     assert "validate 10" not in runner.events and clock[0] <= deadline
-
-
-class SlowSaves(FakeSteps):
-    """Steps of 60 s and saves of 120 s on a fake clock."""
-
-    def __init__(self, clock: list[float]) -> None:
-        super().__init__(signal_during_save_of=None)
-        self.clock = clock
-
-    def step(self, step: int, timer: Any) -> dict[str, float]:
-        self.clock[0] += 60.0
-        return super().step(step, timer)
-
-    def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
-        self.clock[0] += 120.0
-        return super().save(manager, step, metrics)
 
 
 @pytest.mark.parametrize("slack", [1371.0, 1400.0, 1500.0])
@@ -171,7 +157,7 @@ def test_a_step_that_saves_keeps_its_own_save_in_hand_before_the_deadline(tmp_pa
     overrides = ["checkpointing.save_period=1", "checkpointing.keep_top_k=null", "grpo.max_num_steps=1000", "grpo.val_at_start=false",
                  "grpo.val_period=0", "grpo.val_at_end=false"]  # fmt: skip
     parts = loop_parts(tmp_path, monkeypatch, *overrides)
-    runner = SlowSaves(clock)
+    runner = ClockedSteps(clock, step_s=60.0, save_s=120.0)  # saves slower than steps
     deadline = clock[0] + slack
     with pytest.raises(rc.RunInterrupted) as stopped:
         run_loop(parts, runner, rc.RunControl(deadline))
