@@ -237,22 +237,21 @@ def test_private_cluster_sizes_a_run_cannot_apply_warn(ray_cluster) -> None:
         init_ray(ClusterConfig())  # nothing changed from the defaults: nothing to say
 
 
-def test_an_interrupted_placement_wait_removes_its_group(ray_cluster, monkeypatch) -> None:
+def test_an_interrupted_placement_wait_removes_its_group(ray_cluster) -> None:
     """Ctrl-C during a placement wait left the pending group behind: granted later, it held its bundles with no owner
-    for the rest of the driver's Ray session."""
+    for the rest of the driver's Ray session. A real interrupt (the main thread's KeyboardInterrupt, raised as the wait
+    hands back to Python) during the wait for a group the cluster cannot place yet."""
+    import _thread
+    import threading
+
     import ray
     from ray.util import placement_group_table
 
-    from nemo_like.distributed import worker_group
     from nemo_like.distributed.worker_group import WorkerResources, reserve_bundles
 
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(worker_group.ray, "wait", interrupted)
+    threading.Timer(0.5, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
-        reserve_bundles("interrupted-role", WorkerResources(num_cpus=0.01), 1, 5.0)
-    monkeypatch.undo()
+        reserve_bundles("interrupted-role", WorkerResources(num_cpus=1000), 1, 3.0)  # pending: no node has 1000 CPUs
     states = [g["state"] for g in placement_group_table().values() if g["name"].startswith("interrupted-role-")]
     assert states and all(s == "REMOVED" for s in states), states
     assert ray.is_initialized()
