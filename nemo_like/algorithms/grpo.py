@@ -15,6 +15,7 @@ guard; they differ only in their :class:`SyncSteps` / :class:`AsyncSteps` object
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -184,8 +185,9 @@ def shaping_lengths(rollout: Rollout) -> torch.Tensor:
 
 
 def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout: Rollout) -> dict[str, float]:
-    """Per-token advantages of the collated ``batch`` from the rollout's rewards; returns the advantage metrics. Agent
-    tasks: advantages are computed per session (a branched session weighs once in its group's baseline) and every
+    """Per-token advantages of the collated ``batch`` from the rollout's rewards; returns the reward-group metrics (the
+    advantage metrics come from :func:`trained_advantage_metrics`, once the teacher term and the driver's masks are in).
+    Agent tasks: advantages are computed per session (a branched session weighs once in its group's baseline) and every
     row of a session takes its session's."""
     rewards, raw, groups, valid, row_index = rollout.rewards, rollout.raw_rewards, rollout.group_ids, batch["sample_mask"], None
     if rollout.session_of_row is not None:
@@ -201,10 +203,18 @@ def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout
     )
     per_row = adv.advantages if row_index is None else adv.advantages[row_index]
     batch["advantages"] = per_row.unsqueeze(-1) * batch["token_mask"]
-    return {
-        **advantage_metrics(batch["advantages"], batch["token_mask"]),
-        **reward_group_metrics(raw, groups, valid),  # per session too: a branched session is one sample of its group
-    }
+    return reward_group_metrics(raw, groups, valid)  # per session too: a branched session is one sample of its group
+
+
+def trained_advantage_metrics(batch: dict[str, torch.Tensor], task_advantages: torch.Tensor | None) -> dict[str, float]:
+    """``advantages/*`` of what the loss uses: ``batch["advantages"]`` (the teacher's term and task weight in) over the
+    tokens left to train on (after rollout rejection and the sequence masks). ``task_advantages``: with a teacher, the
+    task reward's advantages before its weight and the teacher's term, logged as ``task_advantages/*`` over the same tokens."""
+    trained = batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)
+    metrics = advantage_metrics(batch["advantages"], trained)
+    if task_advantages is not None:
+        metrics.update({f"task_{k}": v for k, v in advantage_metrics(task_advantages, trained).items()})
+    return metrics
 
 
 def shaped_rewards(cfg: MasterConfig, rewards: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
@@ -391,6 +401,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
         timer.add("reward", rollout.finish_scoring())  # the wait not hidden behind the passes
         rollout.set_shaped_rewards(shaped_rewards(cfg, rollout.rewards, shaping_lengths(rollout)))
     adv_metrics = attach_advantages(cfg, batch, rollout)
+    task_advantages = batch["advantages"] if cfg.teacher.enabled else None  # replaced, not changed, by the teacher's term
     ran_reference = gather_logprob_passes(parts, passes, batch, timer)
     # Asked only when this step ran the pass: in async runs the collector may be using the reference actor right now
     # (the async step reports the collector's count instead).
@@ -401,6 +412,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
         weigh_task_advantages(cfg, batch)
     sampled_mask = batch["token_mask"]  # the driver's masks below replace it, leaving this one as sampled
     adv_metrics.update(apply_driver_masks(cfg, batch, rollout.raw_rewards))
+    adv_metrics.update(trained_advantage_metrics(batch, task_advantages))
     with timer.phase("policy_training"):
         result = parts.policy.train(batch)
     if cfg.logger.dump_train_data:
@@ -415,9 +427,11 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
         {
             "train/mean_response_length": sample_response_lengths(rollout).mean().item(),
             "train/truncated_fraction": rollout.truncated.mean().item(),
-            "train/grad_norm": sum(result.grad_norms) / len(result.grad_norms),
+            # NaN when no optimizer step ran (every one had no token to train on: train/empty_steps_skipped)
+            "train/grad_norm": sum(result.grad_norms) / len(result.grad_norms) if result.grad_norms else math.nan,
             "train/lr": result.lr,
             "train/nonfinite_steps_skipped": float(result.nonfinite_steps_skipped),
+            "train/empty_steps_skipped": float(result.empty_steps_skipped),
             "train/weight_version": float(parts.policy.weight_version),
             "train/trainable_params": float(parts.policy.trainable_params),
             "train/trainable_fraction": parts.policy.trainable_params / max(parts.policy.total_params, 1),
@@ -427,6 +441,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
         }
     )
     metrics.setdefault("train/kl_penalty", 0.0)
+    metrics.setdefault("train/loss", math.nan)  # no optimizer step ran: there was no loss to compute
     # train/shaped_reward: what the advantages used; train/reward stays the task's
     metrics.update(training_reward_metrics(rollout, parts.environment.tasks, cfg.grpo.reward_shaping.enabled))
     metrics.update(env_metrics_with_means(rollout.env_metrics))
@@ -669,6 +684,11 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                 metrics.update(runner.validate(step, timer))
                 last_validation = validation_of(metrics, step)
             nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_steps_skipped"] else 0
+            if metrics.get("train/empty_steps_skipped"):
+                logger.progress.message(
+                    f"[step {step}] {metrics['train/empty_steps_skipped']:.0f} optimizer step(s) had no token left to train on "
+                    "(grpo.rollout_rejection / grpo.seq_logprob_error_threshold masked every row): skipped, no update"
+                )
             metrics[NONFINITE_STREAK] = float(nonfinite_streak)
             total = time.perf_counter() - start
             # Taken after the step's validation, whose refit is timed in this step: its bytes belong to this record too.

@@ -63,6 +63,9 @@ def test_the_kl_term_alone_trains_on_no_task_reward(ray_cluster, tmp_path):
     (record,) = [r for r in train(cfg) if r["step"] == 1]
     assert "distillation/teacher_kl" not in record and record[KL_LOSS] == 0.0
     assert 0 < record["train/reward"] < 1  # the task reward had a signal to give
+    # ... which the loss did not use: train/advantages/* are what it used, train/task_advantages/* the task's alone
+    assert record["train/advantages/max"] == record["train/advantages/min"] == 0.0
+    assert record["train/task_advantages/max"] > 0 > record["train/task_advantages/min"]
     before = load_file(f"{default_model_path()}/model.safetensors")
     after = load_file(f"{ckpt}/step_1/policy/model.safetensors")
     assert [name for name in before if not torch.equal(before[name], after[name])] == []

@@ -8,6 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from nemo_like.algorithms.grpo import trained_advantage_metrics
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.rejection import (
     apply_driver_masks,
@@ -235,6 +236,12 @@ def test_driver_masks_follow_the_recipe() -> None:
     assert batch["sample_mask"].tolist() == [1.0, 0.0]
     assert batch["token_mask"][0].tolist() == [0.0, 1.0, 0.0]
     assert "seq_logprob_error/max" in metrics and "rollout_rejection/token_ratio_max" in metrics
+    # train/advantages/* describe what the loss uses: the one token left (s0's first), not the rejected or masked ones
+    batch["advantages"] = torch.tensor([[0.0, 1.0, 5.0], [0.0, -2.0, -2.0]]) * batch["token_mask"].new_tensor([[0, 1, 1], [0, 1, 1]])
+    used = trained_advantage_metrics(batch, task_advantages=None)
+    assert used == {"advantages/mean": 1.0, "advantages/max": 1.0, "advantages/min": 1.0}
+    teacher_run = trained_advantage_metrics(batch, task_advantages=torch.full((2, 3), 3.0))
+    assert teacher_run["task_advantages/mean"] == 3.0 and teacher_run["advantages/mean"] == 1.0
 
 
 def test_a_failed_agent_sessions_placeholder_row_leaves_the_loss_normalisation() -> None:
