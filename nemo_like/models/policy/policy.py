@@ -122,6 +122,7 @@ class TrainResult:
     nonfinite_steps_skipped: int
     first_step_logprobs: torch.Tensor | None  # None when the batch had no row
     logprob_passes_since_last_update: int = 0  # logprob forward passes (all workers) since the previous train call
+    empty_steps_skipped: int = 0  # optimizer steps with no token to train on: skipped (no update, no schedule step)
     forward_tokens: int = 0  # tokens the training forwards ran through the transformer, all data-parallel ranks
 
 
@@ -254,6 +255,7 @@ class Policy:
             grad_norms=results[0]["grad_norms"],
             lr=results[0]["lr"],
             nonfinite_steps_skipped=results[0]["nonfinite_steps_skipped"],
+            empty_steps_skipped=results[0]["empty_steps_skipped"],
             first_step_logprobs=first,
             logprob_passes_since_last_update=since,
             forward_tokens=sum(r["forward_tokens"] for r in results),

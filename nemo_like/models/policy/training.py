@@ -83,6 +83,10 @@ class TrainingStep:
         global batch on all ranks, so per-microbatch losses add up to the global-batch loss.
         Returns the combined metric fragments of this rank, per-step grad norms, and the logprobs
         computed in the first step's forward passes (pre-update weights) for logging back-fill.
+
+        A step with no token to train on (``global_valid_toks`` 0: the driver's masks took every row out) is skipped
+        whole, on every rank alike: its zero gradient would still move AdamW's weights by their momentum and decay,
+        advance the schedule, and count as a zero in the call's loss mean.
         """
         use_threads(self.spec.num_threads)  # training runs alone: all of the worker's threads (see logprob_threads)
         assert self.trainable and self._dist_ready
@@ -90,11 +94,14 @@ class TrainingStep:
         self.model.train()
         per_step: list[dict[str, float]] = []  # each optimizer step's metrics (its fragments combined)
         grad_norms: list[float] = []
-        skipped = 0
+        skipped = empty = 0
         forward_tokens = 0  # tokens the training forwards ran through the transformer (padding included)
         first_step_logprobs = torch.zeros(steps[0]["input_ids"].shape, dtype=torch.float32) if steps else None
-        step_counts = step_valid_counts(steps)
+        step_counts = [counts for counts in step_valid_counts(steps) if counts["tokens"] > 0]
         for step_idx, shard in enumerate(steps):
+            if float(shard["global_valid_toks"]) == 0:
+                empty += 1
+                continue
             self.optimizer.zero_grad(set_to_none=False)
             fragments: list[dict[str, float]] = []
             forward_tokens += self._accumulate_gradients(shard, fragments, first_step_logprobs if step_idx == 0 else None)
@@ -111,6 +118,7 @@ class TrainingStep:
             "metrics": self.loss_fn.combine_steps(per_step, step_counts=step_counts) if per_step else {},
             "grad_norms": grad_norms,
             "nonfinite_steps_skipped": skipped,
+            "empty_steps_skipped": empty,
             "lr": self.scheduler.get_last_lr()[0],
             "first_step_logprobs": first_step_logprobs,
             "forward_passes": dict(self.forward_passes),

@@ -140,6 +140,24 @@ def test_metrics_of_several_optimizer_steps_are_means_over_the_calls_tokens_not_
     assert both["num_valid_tokens"] == alone[0]["num_valid_tokens"] + alone[1]["num_valid_tokens"]
 
 
+def test_an_optimizer_step_with_no_token_to_train_on_is_skipped_whole() -> None:
+    """Every row masked out (the driver's rejection can do it): the zero gradient still moved AdamW's weights by their
+    momentum, advanced the schedule and halved the call's loss mean; now the step is skipped on every rank alike."""
+    trained = with_global_counts(random_batch(seed=1))
+    empty = random_batch(seed=2)
+    empty["sample_mask"][:] = 0
+    empty = with_global_counts(empty)
+    worker = make_worker(4)
+    worker.train([trained])  # AdamW has momentum now
+    before, schedule = worker.parameter_checksum(), worker.scheduler.last_epoch
+    result = worker.train([empty])
+    assert worker.parameter_checksum() == before and worker.scheduler.last_epoch == schedule
+    assert result["empty_steps_skipped"] == 1 and result["grad_norms"] == [] and result["metrics"] == {}
+    alone = make_worker(4).train([trained])
+    beside_an_empty_step = make_worker(4).train([trained, empty])
+    assert beside_an_empty_step["metrics"] == alone["metrics"] and beside_an_empty_step["empty_steps_skipped"] == 1
+
+
 def test_a_rank_with_no_row_in_one_optimizer_step_still_averages_over_every_step() -> None:
     """dp 2, two optimizer steps, 3 rows: rank 0 has no row in the first step. The worker left that step out of its
     means, so summed over the ranks every mean was inflated (an on-policy probs_ratio of 1.25): the ranks' results,
