@@ -12,6 +12,7 @@ from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.gate import WeightUpdateGate
+from nemo_like.models.refit.manifest import check_manifest
 from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
 
 
@@ -25,10 +26,14 @@ class SwapLog:
         self.swaps: list[tuple[int, int]] = []  # (first response position produced by the new weights, version)
 
     def __call__(self, step: int) -> bool:
-        if self.worker.gate.apply_pending():
+        """Apply the pending refits; returns whether any ran (the fused step then re-reads the model's weights). Only a
+        refit that succeeded (a new weight version) is a swap of this call's record."""
+        version = self.worker.weight_version
+        if not self.worker.gate.apply_pending():
+            return False
+        if self.worker.weight_version != version:
             self.swaps.append((step + 1, self.worker.weight_version))
-            return True
-        return False
+        return True
 
 
 class HFGenerationWorker(Reinitializable):
@@ -58,6 +63,8 @@ class HFGenerationWorker(Reinitializable):
         self.max_batch_size = max_batch_size
         self.weight_version = 0
         self.gate = WeightUpdateGate()
+        # What a refit must name: every tensor of the state dict but the rotary tables (computed, not trained).
+        self.expected_names = [k for k in self.model.state_dict() if not k.endswith("rotary_emb.inv_freq")]
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: dict, seed: Seeds) -> list[dict]:
@@ -82,7 +89,10 @@ class HFGenerationWorker(Reinitializable):
 
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
         """Load the policy's weights (a full state dict with tied weights, or :class:`WeightBuckets` streamed one
-        bucket at a time), mid-generation if one is running; returns the new version."""
+        bucket at a time), mid-generation if one is running; returns the new version. The names are checked against
+        the model's first (:func:`~nemo_like.models.refit.manifest.check_manifest`), so a wrong refit loads nothing."""
+        names = versioned_state.all_names() if isinstance(versioned_state, WeightBuckets) else list(versioned_state[1])
+        check_manifest(self.expected_names, names, "the HF engine")
         return self.gate.submit(lambda: self._load_weights(versioned_state))
 
     def mid_generation_updates(self) -> int:
@@ -101,17 +111,8 @@ class HFGenerationWorker(Reinitializable):
             version, buckets, check_intact = versioned_state.version, versioned_state.iter_buckets(), versioned_state.check_intact
         else:
             version, buckets, check_intact = versioned_state[0], iter([versioned_state[1]]), lambda: None
-        expected = set(self.model.state_dict())
-        received: set[str] = set()
-        for bucket in buckets:
-            unexpected = set(bucket) - expected
-            if unexpected:
-                raise RuntimeError(f"Refit manifest mismatch: unexpected={sorted(unexpected)}")
+        for bucket in buckets:  # their names were checked by update_weights
             self.model.load_state_dict(bucket, strict=False)
-            received.update(bucket)
         check_intact()  # a shared-memory buffer rewritten while it was copied: refuse the mix
-        missing = [k for k in expected - received if not k.endswith("rotary_emb.inv_freq")]
-        if missing:
-            raise RuntimeError(f"Refit manifest mismatch: missing={sorted(missing)} unexpected=[]")
         self.weight_version = version
         return version

@@ -27,12 +27,13 @@ def expected_weight_names(model_path: str) -> list[str]:
     return sorted(skeleton.state_dict().keys())
 
 
-def check_manifest(expected: Iterable[str], received: Iterable[str]) -> None:
-    """Raise :class:`RefitManifestError` naming the missing and the extra keys when the names differ."""
+def check_manifest(expected: Iterable[str], received: Iterable[str], engine: str = "the vLLM engine") -> None:
+    """Raise :class:`RefitManifestError` naming the missing and the extra keys when the names differ (before anything
+    is loaded: a refit that failed half-way would leave ``engine`` serving a mix of two versions)."""
     expected, received = set(expected), set(received)
     missing, extra = sorted(expected - received), sorted(received - expected)
     if missing or extra:
         raise RefitManifestError(
-            f"Refit manifest does not match the vLLM engine's parameters: missing={missing} extra={extra} "
+            f"Refit manifest does not match {engine}'s parameters: missing={missing} extra={extra} "
             f"({len(received)} tensors received, {len(expected)} expected)"
         )

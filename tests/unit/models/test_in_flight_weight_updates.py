@@ -142,3 +142,21 @@ def test_hf_worker_swaps_weights_mid_sequence():
         cut = apply_stop_strings(tokenizer, uncut, [decode_exact(tokenizer, uncut.response_ids[:kept])])
         assert len(cut.response_ids) == kept and cut.final_weight_version == version
         assert cut.refitted_mid_sequence is (version == 1)
+
+
+def test_hf_worker_checks_a_refits_names_before_loading_any():
+    """A refit missing a tensor (or naming one the model lacks) loaded the buckets before it and then failed, leaving the
+    engine serving a mix of two versions at the old version number; now it loads nothing and names the keys."""
+    from nemo_like.models.refit.manifest import RefitManifestError
+
+    worker = HFGenerationWorker(0, 1, EMBEDDED_MODEL, "float32", 1, 0, [2])
+    before = {k: v.clone() for k, v in worker.model.state_dict().items()}
+    shifted = {k: v + 0.5 for k, v in before.items()}
+    lacking = {k: v for k, v in shifted.items() if k != "model.norm.weight"}
+    with pytest.raises(RefitManifestError, match=r"the HF engine's parameters: missing=\['model.norm.weight'\] extra=\[\]"):
+        worker.update_weights((1, lacking))
+    with pytest.raises(RefitManifestError, match=r"missing=\[\] extra=\['model.extra.weight'\]"):
+        worker.update_weights((1, {**shifted, "model.extra.weight": torch.zeros(1)}))
+    assert worker.weight_version == 0
+    assert all(torch.equal(v, before[k]) for k, v in worker.model.state_dict().items())
+    assert worker.update_weights((1, shifted)) == 1  # the whole state still loads
