@@ -87,6 +87,9 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
 
 #: vLLM 0.32 refuses a request above this temperature (``SamplingParams._verify_args``).
 VLLM_MAX_TEMPERATURE = 2.0
+#: ... and raises a positive one below this to it, with a warning its engine's log level hides (``__post_init__``): its
+#: logprobs would then be those of another distribution than the trainer's (at 0.005, half of them).
+VLLM_MIN_TEMPERATURE = 0.01
 
 
 def check_backend_settings(cfg: Any, backend: str) -> None:
@@ -97,4 +100,9 @@ def check_backend_settings(cfg: Any, backend: str) -> None:
         raise ConfigError(
             f"policy.generation.temperature={temperature:g}: vLLM samples at most temperature {VLLM_MAX_TEMPERATURE:g}; "
             "lower it, or use policy.generation.backend=hf"
+        )
+    if backend == "vllm" and temperature < VLLM_MIN_TEMPERATURE:
+        raise ConfigError(
+            f"policy.generation.temperature={temperature:g}: vLLM samples at temperature {VLLM_MIN_TEMPERATURE:g} or more (it "
+            "silently raises a lower one, so its logprobs would not be the trainer's); raise it, or use policy.generation.backend=hf"
         )

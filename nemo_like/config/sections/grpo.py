@@ -87,7 +87,13 @@ class GRPOConfig(Section):
         description="The ks of validation/pass@k (each <= val_num_generations_per_prompt); default: 1, 2, 4, ... up to "
         "val_num_generations_per_prompt, and it (the same rule as eval.pass_k).",
     )
-    seed: Int = Field(42, description="Seed for data order, sampling and model init.")
+    seed: Int = Field(
+        42,
+        ge=0,
+        lt=2**32,
+        description="Seed for data order, sampling and model init (0 <= seed < 2**32: the vLLM engine seeds numpy with it, "
+        "and the sampling seeds derived from it must fit a torch generator's 64 bits).",
+    )
     normalize_rewards: bool = Field(True, description="Divide advantages by the per-prompt reward std (+epsilon where std > 0).")
     use_leave_one_out_baseline: bool = Field(False, description="Baseline = mean of the other samples of the prompt.")
     adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)

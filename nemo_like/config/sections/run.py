@@ -228,7 +228,7 @@ class EvalConfig(Section):
         "and num_samples_per_prompt itself (n = 6: [1, 2, 4, 6]).",
     )
     output_dir: str = Field("results/eval", description="Where summary.json and results.jsonl are written.")
-    seed: Int | None = Field(None, description="Sampling seed; default grpo.seed.")
+    seed: Int | None = Field(None, ge=0, lt=2**32, description="Sampling seed (0 <= seed < 2**32); default grpo.seed.")
 
     @model_validator(mode="after")
     def _k_within_n(self) -> EvalConfig:

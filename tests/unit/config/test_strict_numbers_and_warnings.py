@@ -460,3 +460,19 @@ def test_a_response_budget_that_leaves_no_room_for_a_prompt_is_refused_at_load()
     budget, advising data.drop_long_prompts (which then dropped every prompt)."""
     with pytest.raises(ConfigError, match=r"policy.max_total_sequence_length \(8\) must exceed policy.generation.max_new_tokens \(16\)"):
         load_config(None, ["policy.max_total_sequence_length=8", "policy.generation.max_new_tokens=16"], warn=False)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "bound"),
+    [
+        ("grpo.seed", "-1", "greater than or equal to 0"),
+        ("grpo.seed", "4294967296", "less than 4294967296"),
+        ("eval.seed", "-3", "greater than or equal to 0"),
+    ],
+)
+def test_seeds_outside_what_the_samplers_take_are_refused_by_key(key: str, value: str, bound: str) -> None:
+    """The vLLM engine seeds numpy with grpo.seed (0 <= seed < 2**32) and a millisecond timestamp's derived sampling
+    seeds overflowed torch's generator: both crashed at the first generate call, after Ray and the policy had started."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: Input should be {bound}"):
+        load_config(None, [f"{key}={value}"], warn=False)
+    assert load_config(None, ["grpo.seed=4294967295"], warn=False).grpo.seed == 2**32 - 1

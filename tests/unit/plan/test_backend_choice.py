@@ -166,3 +166,9 @@ def test_a_temperature_vllm_refuses_is_a_config_error_before_any_actor_starts() 
         plan_of(recipe("policy.generation.backend=vllm", "policy.generation.temperature=2.5"))
     assert plan_of(recipe("policy.generation.backend=vllm", "policy.generation.temperature=2")).backend.value == "vllm"
     assert plan_of(recipe("policy.generation.backend=hf", "policy.generation.temperature=2.5")).backend.value == "hf"
+    # Below 0.01, vLLM samples at 0.01 instead (read from vLLM itself): its logprobs would not be the trainer's
+    assert VSamplingParams(temperature=0.005).temperature == 0.01
+    with pytest.raises(ConfigError, match=r"temperature=0.005: vLLM samples at temperature 0.01 or more"):
+        plan_of(recipe("policy.generation.backend=vllm", "policy.generation.temperature=0.005"))
+    assert plan_of(recipe("policy.generation.backend=vllm", "policy.generation.temperature=0.01")).backend.value == "vllm"
+    assert plan_of(recipe("policy.generation.backend=hf", "policy.generation.temperature=0.005")).backend.value == "hf"
