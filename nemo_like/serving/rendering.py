@@ -142,7 +142,7 @@ def _template_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(tool_calls, list):
         raise bad_request(f"'{where}.tool_calls' must be a list.", param=f"{where}.tool_calls")
     out = []
-    for call in tool_calls:
+    for k, call in enumerate(tool_calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise bad_request(f"'{where}.tool_calls' entries need a 'function' with a 'name'.", param=f"{where}.tool_calls")
@@ -150,7 +150,12 @@ def _template_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except json.JSONDecodeError:
-            raise bad_request(f"'{where}.tool_calls' arguments must be a JSON object string.", param=f"{where}.tool_calls") from None
+            arguments = None
+        if not isinstance(arguments, dict):  # a list, a number, null: the template would show the model that
+            raise bad_request(
+                f"'{where}.tool_calls[{k}].function.arguments' must be a JSON object (or a string holding one).",
+                param=f"{where}.tool_calls",
+            )
         out.append({"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
     return out
 

@@ -218,7 +218,7 @@ class CompletionService:
         call = await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index, "messages")
         for choice in call.choices:
             choice.parsed, whole = self._parse(req, choice.text)
-            if choice.parsed.tool_calls:
+            if choice.parsed.tool_calls and choice.finish_reason != "length":  # a cut turn says so, calls or not
                 choice.finish_reason = "tool_calls"
             if session is not None and whole:
                 keys = message_keys(choice.parsed.content, choice.parsed.tool_calls)

@@ -34,7 +34,11 @@ TOOL_PARSERS: Registry[ToolParser] = Registry("tool parser", "agent.tool_parser"
 
 def openai_tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     """One entry of OpenAI's ``message.tool_calls`` (a fresh ``call_...`` id, arguments as a JSON string)."""
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, allow_nan=False)},
+    }
 
 
 @TOOL_PARSERS.register("hermes")

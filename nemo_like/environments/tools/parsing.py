@@ -18,7 +18,15 @@ from typing import Any
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
-_DECODER = json.JSONDecoder()
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+# Python's json reads NaN, Infinity and -Infinity; no JSON parser of another language does, and an agent gets the
+# arguments back as a JSON string: they are malformed calls here.
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 _SPACE = re.compile(r"\s*")
 
 
@@ -44,7 +52,7 @@ def has_tool_call(text: str) -> bool:
 
 def _parse_one(body: str) -> ToolCall | ToolCallError:
     try:
-        payload = json.loads(body)
+        payload = _DECODER.decode(body)
     except json.JSONDecodeError as exc:
         return ToolCallError(f"malformed JSON in <tool_call>: {exc.msg} at char {exc.pos}")
     except (ValueError, RecursionError) as exc:  # nesting past the parser's depth, an integer past 4300 digits
@@ -57,7 +65,7 @@ def _parse_one(body: str) -> ToolCall | ToolCallError:
     arguments = payload.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = _DECODER.decode(arguments) if arguments.strip() else {}
         except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             return ToolCallError(f"'arguments' of {name!r} is a string that is not a JSON object")
     if not isinstance(arguments, dict):

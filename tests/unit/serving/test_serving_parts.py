@@ -43,6 +43,12 @@ def test_hermes_markup_becomes_openai_tool_calls_and_malformed_markup_stays_text
     broken = '<tool_call>{"name": "calculator", "arguments": </tool_call>'
     assert parse_hermes(broken).content == broken and parse_hermes(broken).tool_calls == []
     assert TOOL_PARSERS.get("hermes") is parse_hermes and "none" in TOOL_PARSERS
+    # NaN / Infinity: Python's json reads them, no other language's parser does (the agent gets the arguments as JSON)
+    for constant in ("NaN", "-Infinity"):
+        nan = f'<tool_call>{{"name": "calculator", "arguments": {{"x": {constant}}}}}</tool_call>'
+        assert parse_hermes(nan) == ParsedTurn(nan)
+        (error,) = parse_tool_calls(nan)
+        assert isinstance(error, ToolCallError) and f"{constant} is not JSON" in error.message
 
 
 def test_hermes_reads_a_last_call_cut_before_its_closing_tag_and_keeps_the_contents_whitespace():
@@ -118,7 +124,9 @@ class Scripted:
         samples = []
         for prompt in prompts:
             ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-            samples.append(GeneratedSample(list(prompt), ids, [-0.5] * len(ids), False, 0, 0))
+            cut = len(ids) > params.max_new_tokens  # the token limit ends the turn
+            ids = ids[: params.max_new_tokens]
+            samples.append(GeneratedSample(list(prompt), ids, [-0.5] * len(ids), cut, 0, 0))
         return samples
 
 
@@ -165,6 +173,18 @@ def test_a_session_that_makes_the_same_call_twice_with_other_whitespace_stays_on
     assert row.calls == [(0, 0), (1, 0), (2, 0)]
 
 
+def test_a_turn_the_token_limit_cut_says_length_even_when_its_call_parses(scripted_service):
+    """A call whose JSON was complete when max_tokens cut the turn before its closing tag: the calls are returned (as
+    for a stop string's cut) but finish_reason stays "length" (it was "tool_calls": the agent never learnt of the cut)."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}'
+    service, _ = scripted_service([call + "</tool_call>", call + "</tool_call>"])
+    budget = len(service.renderer.tokenize(call))  # the ids of the call up to its closing tag
+    cut = served_chat(service, None, messages=[{"role": "user", "content": "3*4?"}], max_tokens=budget)["choices"][0]
+    assert cut["finish_reason"] == "length" and [c["function"]["name"] for c in cut["message"]["tool_calls"]] == ["calculator"]
+    whole = served_chat(service, None, messages=[{"role": "user", "content": "3*4?"}])["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+
+
 def test_parallel_tool_calls_false_returns_the_first_call_and_the_history_holds_only_it(scripted_service):
     """As vLLM: only the first call is returned. The message sent back renders as the client holds it (the second
     call's markup, sampled and recorded, is not put back into the history), so the session branches."""
@@ -189,6 +209,12 @@ def test_parallel_tool_calls_false_returns_the_first_call_and_the_history_holds_
         ([{"role": "wizard", "content": "x"}], "messages[0].role"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content"),
         ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}], "messages[0].tool_calls"),
+        # arguments that are JSON but no object: the template showed the model "arguments": [1, 2] (or null, or 7)
+        (
+            [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}]}],
+            "messages[0].tool_calls",
+        ),
+        ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": 7}}]}], "messages[0].tool_calls"),
     ],
 )
 def test_malformed_messages_are_400_naming_the_message(renderer, messages, param):
