@@ -56,7 +56,12 @@ def decide_logprob_passes(cfg: MasterConfig) -> LogprobPlan:
         reasons.append("prev logprobs computed: grpo.skip_prev_logprobs=false")
     elif steps == 1:
         compute_prev = False
-        reasons.append("prev logprobs skipped: one optimizer step per rollout, so prev == current logprobs before the update")
+        same = (
+            "the training forward's (with policy.lora_cfg.dropout, not what an eval-mode pass would give)"
+            if cfg.policy.lora_cfg.enabled and cfg.policy.lora_cfg.dropout > 0
+            else "current logprobs before the update"
+        )
+        reasons.append(f"prev logprobs skipped: one optimizer step per rollout, so prev == {same}")
     else:
         compute_prev = True
         reasons.append(f"prev logprobs computed: {steps} optimizer steps per rollout")

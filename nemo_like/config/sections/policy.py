@@ -160,8 +160,9 @@ class LoraConfig(Section):
         0.0,
         ge=0,
         lt=1,
-        description="Dropout on the adapter's input during training. Above 0 the training pass no longer scores tokens like "
-        "generation does (train/gen_kl rises).",
+        description="Dropout on the adapter's input during training. Above 0 the training forward no longer scores tokens as "
+        "generation and the (eval-mode) prev-logprob pass do: with the prev pass the ratio to it carries dropout noise even "
+        "on-policy (train/clip_fraction > 0); with it skipped, the prev logprobs are the dropout forward's (train/gen_kl rises).",
     )
     target_modules: list[str] | None = Field(
         None,
