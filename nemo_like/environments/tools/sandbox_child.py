@@ -44,6 +44,8 @@ _BLOCKED_PREFIXES = (
     "sys._current_frames",
     "sys.settrace",
     "sys.setprofile",
+    # A subinterpreter starts with no audit hook: code run there had none of these guards.
+    "cpython.PyInterpreterState_New",
 )
 #: Audit events whose path arguments must stay inside the scratch dir: ``(path argument indices, dir_fd argument
 #: indices)``. A path relative to another directory's descriptor is refused (rename and link have a source's and a
@@ -82,13 +84,33 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 #: sys.modules["_posixsubprocess"]; import _posixsubprocess``), so the ``import`` audit event, which fires only for a
 #: module not already loaded, is refused for them (multiprocessing, never loaded before, cannot be imported at all).
 _STRIPPED_MODULES = ("_posixsubprocess", "posix", "os", "_signal", "signal", "_ctypes", "subprocess", "multiprocessing")
+#: Modules never loaded before the snippet that reach past the guard: subinterpreters (no audit hook in them), C test
+#: modules (raw memory and interpreter internals), readline (writes its history file with no audit event), POSIX
+#: shared memory (a file outside the scratch dir).
+_REFUSED_MODULES = (
+    "_xxsubinterpreters",
+    "_xxinterpchannels",
+    "_xxinterpqueues",
+    "_interpreters",
+    "_interpchannels",
+    "_interpqueues",
+    "_testcapi",
+    "_testinternalcapi",
+    "_testmultiphase",
+    "_testsinglephase",
+    "_testbuffer",
+    "_testimportmultiple",
+    "_ctypes_test",
+    "readline",
+    "_posixshmem",
+)
 
 
 def _install_guard(scratch):
     root = os.path.realpath(scratch)
     own_proc = f"/proc/{os.getpid()}"
     realpath, fspath, fsdecode, isinstance_, str_, int_ = os.path.realpath, os.fspath, os.fsdecode, isinstance, str, int
-    stripped = tuple(_STRIPPED_MODULES)
+    stripped, refused = tuple(_STRIPPED_MODULES), tuple(_REFUSED_MODULES)
     # Held by the hook, not read from this module's globals, which the snippet can reach (sys.modules["__main__"]).
     blocked, path_events, write_flags = tuple(_BLOCKED_PREFIXES), dict(_PATH_EVENTS), _WRITE_FLAGS
     fd_path_events = tuple(_FD_PATH_EVENTS)
@@ -112,6 +134,8 @@ def _install_guard(scratch):
             raise PermissionError(f"sandbox: {event} is not allowed")
         if event == "import" and args[0] in stripped:
             raise PermissionError(f"sandbox: importing {args[0]} again is not allowed")
+        if event == "import" and args[0] in refused:
+            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None))[:3]
             writing = (isinstance_(mode, str_) and any(c in mode for c in "wax+")) or (isinstance_(flags, int_) and flags & write_flags)
