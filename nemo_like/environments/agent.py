@@ -98,6 +98,13 @@ class AgentEnvironment(EnvironmentInterface):
 
     config_model = AgentConfig
 
+    @classmethod
+    def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:
+        """``verifier_kwargs`` set without a ``verifier``: nothing reads them."""
+        if settings.get("verifier_kwargs") and settings.get("verifier") is None:
+            return [f"env.{task}.verifier_kwargs has no effect: env.{task}.verifier is not set (the kwargs are the verifier's)"]
+        return []
+
     def __init__(self, **settings: Any) -> None:
         self.config = AgentConfig.model_validate(settings)
         self.verifier: EnvironmentInterface | None = None

@@ -112,6 +112,12 @@ def _calls_tool(message: dict[str, str]) -> bool:
     return message.get("role") == "assistant" and has_tool_call(message.get("content", ""))
 
 
+def encodable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate from a JSON ``\\ud800`` in a call's name, or a tool's
+    result) written as its backslash escape: the tokenizer raised on it, ending the whole rollout."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class ToolEnvironment(EnvironmentInterface):
     """See the module docstring."""
 
@@ -218,9 +224,8 @@ class ToolEnvironment(EnvironmentInterface):
                 if result.error_kind in kind_counter:
                     counts[kind_counter[result.error_kind]] += 1
             lines.append((call.name, result.text if result.ok else f"error: {result.text}"))
-        if len(lines) == 1:
-            return lines[0][1], counts
-        return "\n".join(f"{name}: {text}" for name, text in lines), counts
+        text = lines[0][1] if len(lines) == 1 else "\n".join(f"{name}: {text}" for name, text in lines)
+        return encodable(text), counts
 
     def metrics(self) -> dict[str, float]:
         counts, self._counts = self._counts, dict.fromkeys(COUNTERS, 0.0)

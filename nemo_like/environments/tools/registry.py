@@ -102,8 +102,10 @@ class ToolRegistry:
             if name in resolved:
                 raise ConfigError(f"{where}: two tools are named {name!r}; give them distinct names with a mapping {{name: spec}}")
             resolved[name] = fn
-        # The python tool refuses output over python_max_output_bytes itself: never cut what it let through.
-        return cls(resolved, max(MAX_RESULT_CHARS, int(sandbox.get("python_max_output_bytes", 0))))
+        # The python tool refuses output over python_max_output_bytes itself: never cut what it let through (other
+        # tools' results are cut at MAX_RESULT_CHARS, whatever that key says).
+        offers_python = any(spec == "python" for _, spec in items)
+        return cls(resolved, max(MAX_RESULT_CHARS, int(sandbox.get("python_max_output_bytes", 0))) if offers_python else MAX_RESULT_CHARS)
 
     def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
         """Run one call; never raises (see the module docstring)."""
@@ -118,11 +120,11 @@ class ToolRegistry:
             pass  # builtins without a signature: let the call decide
         try:
             value = tool(**arguments)
+            text = value if isinstance(value, str) else str(value)  # str() raises too: an int past 4300 digits
         except ToolError as exc:
             return ToolResult(False, f"{name}: {exc}", exc.kind)
         except Exception as exc:  # a tool's own bug or a bad value: an observation, never a failed run
             return ToolResult(False, f"{name}: {type(exc).__name__}: {exc}", "exception")
-        text = value if isinstance(value, str) else str(value)
         if len(text) > self.max_result_chars:
             cut = len(text) - self.max_result_chars
             return ToolResult(True, f"{text[: self.max_result_chars]}\n[... {cut} more characters cut]", "output_cut")

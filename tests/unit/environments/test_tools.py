@@ -131,10 +131,28 @@ def test_a_long_result_is_cut_with_a_marker_and_counted_and_never_below_the_pyth
     assert short.ok and short.error_kind is None and short.text.endswith("END")
     assert cut.ok and cut.error_kind == "output_cut" and cut.text == "x" * 4096 + "\n[... 904 more characters cut]"
     assert ToolRegistry.from_config(["python"], python_max_output_bytes=65536).max_result_chars == 65536
+    # ... the python tool's limit: without that tool the key must not lift the other tools' cut (it warns "no effect")
+    assert ToolRegistry.from_config([f"{tmp_path}/long.py:long"], python_max_output_bytes=65536).max_result_chars == 4096
     env = ToolEnvironment(tools=[f"{tmp_path}/long.py:long"])
     step = env.step([conversation(call("long", n=5000))], [{"answer": "1"}])[0]
     assert step.observation["content"].endswith("[... 904 more characters cut]") and step.metrics["tool_errors"] == 0
     assert env.metrics()["tool_outputs_cut"] == 1.0
+
+
+def test_what_a_model_or_a_tool_writes_never_raises_out_of_the_environment(tmp_path) -> None:
+    """A lone surrogate (a JSON \\ud800 escape in a call's name) reached the observation and the tokenizer raised on it;
+    a tool's int past 4300 digits raised in str() outside the registry's guard. Both ended the whole rollout."""
+    from nemo_like.models.loading import load_tokenizer
+
+    (tmp_path / "square.py").write_text("def square(x: int) -> int:\n    return x * x\n")
+    env = ToolEnvironment(tools=["calculator", f"{tmp_path}/square.py:square"])
+    turn = call("calculator", expression="2*3") + '<tool_call>{"name": "calc\\ud800", "arguments": {}}</tool_call>'
+    (step,) = env.step([conversation(turn)], [{"answer": "6"}])
+    content = step.observation["content"]
+    assert content.startswith("calculator: 6\ncalc\\ud800: error: unknown tool")
+    load_tokenizer("embedded:tiny-tool-qwen2")(content)  # encodes (it raised TypeError)
+    (big,) = env.step([conversation(call("square", x=10**2500))], [{"answer": "6"}])
+    assert big.observation["content"].startswith("error: square: ValueError: Exceeds the limit") and big.metrics["tool_errors"] == 1
 
 
 def test_tool_env_is_a_registered_builtin_with_validated_keys() -> None:

@@ -271,3 +271,16 @@ def test_a_server_that_cannot_bind_releases_its_socket_and_engine_thread(server)
     with pytest.raises(OSError):
         clash.start()
     assert engine_threads() == before
+
+
+def test_verifier_kwargs_without_a_verifier_warn_that_nothing_reads_them() -> None:
+    from nemo_like.algorithms.setup import multi_turn_warnings
+    from nemo_like.environments.registry import resolve_environments
+
+    def warnings_of(*overrides: str) -> list[str]:
+        cfg = load_config(RECIPE, list(overrides), warn=False)
+        return [w for w in multi_turn_warnings(cfg, resolve_environments(cfg.env_sections)) if "verifier" in w]
+
+    assert warnings_of() == []  # the recipe's verifier reads them
+    (line,) = warnings_of("env.tool.verifier=null")
+    assert line.startswith("env.tool.verifier_kwargs has no effect: env.tool.verifier is not set")
