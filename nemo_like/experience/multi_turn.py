@@ -226,6 +226,9 @@ def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: 
         return
     if conv.length + len(ids) >= max_total_length:  # no room for the observation and one more sampled token
         conv.done = conv.truncated = conv.length_truncated = True
+        # The environment was told "not final" (the shortest observation fit), so it ran the turn (a tool call, say)
+        # for an observation the sample never sees: counted, so a budget too tight for the observations shows.
+        conv.step_metrics[OBSERVATION_DROPPED] = conv.step_metrics.get(OBSERVATION_DROPPED, 0.0) + 1.0
         return
     if step.observation is not None:
         conv.messages.append(dict(step.observation))
@@ -239,6 +242,9 @@ def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: 
 #: Step counter (``train/multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): episodes ended because a turn ended on an end-of-turn id the chat
 #: template does not write back, so the conversation could not go on (it failed the whole rollout before).
 FOREIGN_END = "foreign_end_of_turn"
+#: Step counter (``train/multi_turn/observation_dropped_for_length_per_sample``): observations built by an environment
+#: told the turn was not final, then dropped because they did not fit ``policy.max_total_sequence_length``.
+OBSERVATION_DROPPED = "observation_dropped_for_length"
 
 
 def ended_on_a_foreign_end_token(tokenizer, conv: Conversation) -> bool:

@@ -427,3 +427,7 @@ def test_a_turn_with_no_room_for_the_shortest_observation_is_the_final_one(token
         assert seen[0] is final, room
         if final:  # the unsolved game is counted where its docs say
             assert result.env_metrics["env/guess/turn_limit"] == 1.0 and result.samples[0].num_turns == 1
+        else:  # told "not final", the game wrote a hint that does not fit: dropped, and counted as such
+            assert result.samples[0].length_truncated and result.env_metrics["env/guess/turn_limit"] == 0.0
+            dropped = multi_turn_metrics(result.samples, result.rewards)["multi_turn/observation_dropped_for_length_per_sample"]
+            assert dropped == 1.0
