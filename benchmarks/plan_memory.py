@@ -53,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 M20 = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, vocab_size=32000)  # 20.2M parameters
-M63: dict = {}  # benchmarks/memory.py's default: hidden 512, 8 layers, vocabulary 32k untied, 63.0M parameters
+M63: dict = {}  # benchmarks/memory.py's default: hidden 512, 8 layers, vocabulary 32k untied, 63.2M parameters
 CONFIGS = [  # name, model overrides, micro-batch rows (per rank), sequence length, activation checkpointing, dp
     ("20M rows4 s256", M20, 4, 256, False, 1),
     ("20M rows8 s256", M20, 8, 256, False, 1),

@@ -56,6 +56,24 @@ def idle_gpus_warning(cfg: MasterConfig, plan: RunPlan) -> str | None:
     )
 
 
+def reserved_gpus_problem(cfg: MasterConfig, plan: RunPlan) -> str | None:
+    """A line when the run's actors reserve more GPUs than the recipe declares (``cluster.num_nodes`` x
+    ``cluster.gpus_per_node``, what a launcher allocates): the run's capacity check refuses it on such a cluster.
+    ``None`` when it fits, or when the recipe declares no GPU."""
+    declared = declared_resources(cfg).get("GPU", 0.0)
+    if not declared:
+        return None
+    roles = [(r.role, r.total().get("GPU", 0.0)) for r in role_requests(cfg, plan)]
+    reserved = sum(gpus for _, gpus in roles)
+    if reserved <= declared:
+        return None
+    per_role = ", ".join(f"{role} {gpus:g}" for role, gpus in roles if gpus)
+    return (
+        f"the run's actors reserve {reserved:g} GPUs ({per_role}) but cluster.num_nodes x cluster.gpus_per_node declares "
+        f"{declared:g}: short by {reserved - declared:g}"
+    )
+
+
 #: Environments that load a model of their own in their actors (or in engines they start), which the memory plan
 #: does not count.
 MODEL_ENVIRONMENTS = {"reward_model": "the reward model", "judge": "the judge model"}

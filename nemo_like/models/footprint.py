@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,11 +189,13 @@ def memory_report(
     mfu: float,
     config_path: str | None = None,
     teacher_configs: Mapping[str, str] | None = None,
+    cluster_problems: Sequence[str] = (),
 ) -> tuple[list[str], bool | None]:
     """``nemo-like plan``'s lines (the run plan's decisions, then memory per role and device, the fit, the step time)
     and whether the run fits ``device_gib`` per device (per node on a CPU cluster; ``None``: not checked); nothing
     starts. ``run_plan``: the run's :class:`~nemo_like.plan.run_plan.RunPlan`; ``config_path``: the policy model's
-    ``config.json`` (``--model-config``), ``teacher_configs``: a teacher model's by name (``--teacher-config``)."""
+    ``config.json`` (``--model-config``), ``teacher_configs``: a teacher model's by name (``--teacher-config``);
+    ``cluster_problems``: what keeps the run off the declared cluster whatever the memory (more GPUs reserved than declared)."""
     from nemo_like.plan.memory import GIB, plan_memory, step_estimate
 
     params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
@@ -209,5 +211,5 @@ def memory_report(
         lora = sum(math.prod(p.shape) for p in params if p.trainable) if cfg.policy.lora_cfg.enabled else None
         step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teacher_n, trained_token_flops=training_flops_per_token(n, lora))
     copies = sampler_copy_bytes(cfg, run_plan, shape)
-    memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teachers, step, copies)
+    memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teachers, step, copies, cluster_problems)
     return [*run_plan.lines(this_machine=True), *memory.lines()], memory.fits

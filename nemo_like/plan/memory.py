@@ -48,7 +48,7 @@ What is exact and what is estimated:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -467,6 +467,23 @@ def inline_sampling_rows(cfg: Any) -> int:
     return min(cfg.rollout_batch_size, INLINE_GENERATION_BATCH)
 
 
+#: What vLLM counts besides the weights and the activations when it sizes its KV cache on a GPU (the CUDA context and
+#: other non-torch allocations, ``determine_available_memory``): an estimate, not measured here (no GPU).
+VLLM_NON_TORCH_BYTES = GIB // 2
+
+
+def vllm_overhead_bytes(shape: ModelShape, value_bytes: int, device_bytes: float) -> int:
+    """What a vLLM engine on a GPU takes from its ``gpu_memory_utilization`` share besides the weights, before its KV
+    cache (vLLM 0.32's ``determine_available_memory``): :data:`VLLM_NON_TORCH_BYTES` and the activation peak of its
+    profile run at the LLM class's default batch limits (vLLM's ``arg_utils``: 16,384 batched tokens and 1,024 sequences
+    on a GPU of 70 GiB or more, else 8,192 and 256): per batched token the MLP's gate/up output and its activation (3 x
+    intermediate) and two hidden states, per sequence a float32 logits row and its softmax. An estimate from vLLM's
+    source, not measured on a GPU here."""
+    tokens, sequences = (16384, 1024) if device_bytes >= 70 * GIB else (8192, 256)
+    activations = tokens * (3 * shape.intermediate + 2 * shape.hidden) * value_bytes
+    return VLLM_NON_TORCH_BYTES + activations + sequences * shape.vocab * 4 * 2
+
+
 def generation_memory(
     cfg: Any, backend: str, parameters: int, shape: ModelShape, device_bytes: float | None, weight_copies: int = 0
 ) -> RoleMemory:
@@ -493,11 +510,21 @@ def generation_memory(
     if on_gpu and device_bytes is None:
         note = f"vLLM, KV budget {share:g} x the device's memory - the weights: the device's size is not given"
         return RoleMemory("generation", GENERATION_ENGINES, params=weights, note=note)
-    budget = max(0, int(share * device_bytes) - weights) if on_gpu else int(g.vllm_cfg.kv_cache_space_gib * GIB)
+    overhead = vllm_overhead_bytes(shape, value_bytes, device_bytes) if on_gpu else 0
+    budget = max(0, int(share * device_bytes) - weights - overhead) if on_gpu else int(g.vllm_cfg.kv_cache_space_gib * GIB)
     sequences = budget // per_sequence if per_sequence else 0
     note = f"vLLM, KV budget holds {sequences} sequences of {pc.max_total_sequence_length} tokens"
+    if on_gpu:
+        note += f"; vLLM's own {overhead / GIB:.3f} GiB (profile-run activations and non-torch memory, estimated) in activations"
     return RoleMemory(
-        "generation", GENERATION_ENGINES, params=weights, kv_cache=budget, note=note, kv_sequences=sequences, kv_sequence_bytes=per_sequence
+        "generation",
+        GENERATION_ENGINES,
+        params=weights,
+        kv_cache=budget,
+        activations=overhead,
+        note=note,
+        kv_sequences=sequences,
+        kv_sequence_bytes=per_sequence,
     )
 
 
@@ -520,21 +547,31 @@ def step_estimate(
     ``teacher_parameters``: each teacher model's N (by name). The teachers score
     disjoint rows (``teacher.by_task``) at the same time, so their pass is bounded by the largest scoring every row;
     the KL loss term's teacher copy (``distillation.kl_weight``) runs a forward of ``teacher.model_name`` per trained
-    token on the policy ranks."""
+    token on the policy ranks.
+
+    On a CPU cluster a device is a node (all its cores: what the peak is measured on), so a phase runs on at most
+    ``cluster.num_nodes`` of them however many ranks share a node. With ``grpo.use_dynamic_sampling`` a step may generate
+    up to ``dynamic_sampling_max_gen_batches`` batches; activation checkpointing runs each training forward twice (2N
+    more per trained token)."""
     pc = cfg.policy
     tokens = cfg.rollout_batch_size * pc.max_total_sequence_length
     ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
+    engines = GENERATION_ENGINES
+    if not cfg.cluster.gpus_per_node:  # the ranks of a node share its cores
+        ranks, engines = min(ranks, cfg.cluster.num_nodes), min(engines, cfg.cluster.num_nodes)
     teachers = teacher_parameters or {}
     n = matmul_parameters
+    batches = cfg.grpo.dynamic_sampling_max_gen_batches if cfg.grpo.use_dynamic_sampling else 1
     # prefill and decode both cost 2N per token: the generation phase touches every token once
-    phases: dict[str, tuple[float, int]] = {"generation": (2.0 * n * tokens, GENERATION_ENGINES)}
+    phases: dict[str, tuple[float, int]] = {"generation": (2.0 * n * tokens * batches, engines)}
     if logprobs.compute_prev:
         phases["prev logprobs"] = (2.0 * n * tokens, ranks)
     if logprobs.compute_reference:
         phases["reference logprobs"] = (2.0 * n * tokens, ranks)
     if logprobs.compute_teacher:
         phases["teacher logprobs"] = (2.0 * max(teachers[m] for m in cfg.teacher.models()) * tokens, ranks)
-    phases["training"] = (trained_token_flops * tokens, ranks)
+    recompute = 2.0 * n if pc.dtensor_cfg.activation_checkpointing else 0.0  # the forward again, in the backward
+    phases["training"] = ((trained_token_flops + recompute) * tokens, ranks)
     if cfg.distillation.kl_weight > 0 and cfg.teacher.model_name is not None:
         phases["teacher copy (KL term)"] = (2.0 * teachers[cfg.teacher.model_name] * tokens, ranks)
     flops = {phase: f for phase, (f, _) in phases.items()}
@@ -550,12 +587,14 @@ def plan_memory(
     teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]] | None = None,
     step: StepEstimate | None = None,
     sampler_weight_copies: int = 0,
+    cluster_problems: Sequence[str] = (),
 ) -> MemoryPlan:
     """Every role of the run ``run_plan`` describes, what each device (GPU) or node (CPU) holds, and whether it fits
     ``device_bytes``; ``teachers``: each teacher model's parameters and shape (by name, every one of
     ``teacher.models()``) when the run distils; ``sampler_weight_copies``: bytes of weights the lean decoder copies for a
     call, in the inline backend's policy worker (:func:`with_inline_sampling`) or the HF engine
-    (:func:`generation_memory`): :func:`~nemo_like.models.footprint.sampler_copy_bytes`."""
+    (:func:`generation_memory`): :func:`~nemo_like.models.footprint.sampler_copy_bytes`; ``cluster_problems``: what
+    keeps the run off the declared cluster whatever the memory (the caller's: more GPUs reserved than declared)."""
     teachers = teachers or {}
     roles, per_device, colocated = _plan_devices(cfg, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies)
     notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
@@ -576,7 +615,20 @@ def plan_memory(
         kv_over = "generation GPU" in over or (backend == "inline" and policy_over) or (backend == "hf" and not cfg.cluster.gpus_per_node)
         advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over)
     advice += kv_advice(cfg, roles, device_bytes) if engine else []
-    return MemoryPlan(roles, per_device, device_bytes, advice, step, [*over.values(), *engine], notes)
+    problems = [*cluster_problems, *tensor_parallel_problems(cfg, shape), *over.values(), *engine]
+    return MemoryPlan(roles, per_device, device_bytes, advice, step, problems, notes)
+
+
+def tensor_parallel_problems(cfg: Any, shape: ModelShape) -> list[str]:
+    """The tensor-parallel degree must divide the attention and KV heads (the policy's sharding splits heads across the
+    ranks): refused here, as the run's workers would refuse it after they started."""
+    tp = cfg.policy.dtensor_cfg.tensor_parallel_size
+    if shape.heads % tp or shape.kv_heads % tp:
+        return [
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} must divide num_attention_heads={shape.heads} and "
+            f"num_key_value_heads={shape.kv_heads} (the heads are split across the tensor-parallel ranks)"
+        ]
+    return []
 
 
 def _with_engine_share(cfg: Any, utilization: float) -> Any:
@@ -678,11 +730,12 @@ def over_budget(per_device: dict[str, int], device_bytes: float | None) -> dict[
 
 
 def weights_over_share(cfg: Any, engine: RoleMemory, device_bytes: float | None) -> float:
-    """Bytes by which a vLLM engine's weights exceed its share of a GPU (``gpu_memory_utilization x device``): no KV
-    budget is left at all (0: they fit, or not on a GPU cluster, where the budget is ``kv_cache_space_gib``)."""
+    """Bytes by which a vLLM engine's weights and its own memory (:func:`vllm_overhead_bytes`, in ``activations``)
+    exceed its share of a GPU (``gpu_memory_utilization x device``): no KV budget is left at all (0: they fit, or not on
+    a GPU cluster, where the budget is ``kv_cache_space_gib``)."""
     if not cfg.cluster.gpus_per_node or device_bytes is None:
         return 0.0
-    return max(0.0, engine.params - cfg.policy.generation.vllm_cfg.gpu_memory_utilization * device_bytes)
+    return max(0.0, engine.params + engine.activations - cfg.policy.generation.vllm_cfg.gpu_memory_utilization * device_bytes)
 
 
 def _size(n: float) -> str:
@@ -715,12 +768,15 @@ def engine_problems(cfg: Any, roles: list[RoleMemory], device_bytes: float | Non
         share = cfg.policy.generation.vllm_cfg.gpu_memory_utilization
         if short:
             out.append(
-                f"the vLLM engine's weights ({r.params / GIB:.3f} GiB) exceed policy.generation.vllm_cfg.gpu_memory_utilization "
-                f"x device = {share * device_bytes / GIB:.3f} GiB {engine_device(cfg)} (short {short / GIB:.3f} GiB)"
+                f"the vLLM engine's weights ({r.params / GIB:.3f} GiB) and its own memory ({r.activations / GIB:.3f} GiB) exceed "
+                f"policy.generation.vllm_cfg.gpu_memory_utilization x device = {share * device_bytes / GIB:.3f} GiB "
+                f"{engine_device(cfg)} (short {short / GIB:.3f} GiB)"
             )
             continue
         if cfg.cluster.gpus_per_node:
-            how = f" = {share:g} x {device_bytes / GIB:.3g} GiB - weights {r.params / GIB:.3f} GiB"
+            how = (
+                f" = {share:g} x {device_bytes / GIB:.3g} GiB - weights {r.params / GIB:.3f} GiB - vLLM's own {r.activations / GIB:.3f} GiB"
+            )
         else:
             how = ": policy.generation.vllm_cfg.kv_cache_space_gib"
         out.append(
@@ -738,16 +794,16 @@ def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> 
     pc, vllm = cfg.policy, cfg.policy.generation.vllm_cfg
     engine = next(r for r in roles if r.kv_sequences == 0)
     if weights_over_share(cfg, engine, device_bytes):
-        needed = engine.params / device_bytes
+        needed = (engine.params + engine.activations) / device_bytes
         return [
             f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g}) above {needed:.3g} "
-            "(the weights' share of the device) or use a device with more memory"
+            "(the share of the device the weights and vLLM's own memory take) or use a device with more memory"
         ]
     if cfg.cluster.gpus_per_node:
-        needed = _round_up((engine.params + engine.kv_sequence_bytes) / device_bytes)
+        needed = _round_up((engine.params + engine.activations + engine.kv_sequence_bytes) / device_bytes)
         budget = (
             f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g}) to at least "
-            f"{needed:g} (weights and one full-length sequence)"
+            f"{needed:g} (weights, vLLM's own memory and one full-length sequence)"
         )
     else:
         needed = math.ceil(engine.kv_sequence_bytes / GIB)  # the setting is whole GiB
@@ -799,7 +855,13 @@ def fit_advice(
     more_dp = 2 * pc.dp_size  # a larger dp that leaves no rank without a sample is not one to advise
     dp_helps = pc.train_global_batch_size // more_dp >= 1 and shrinks(_with(cfg, "policy", dp_size=more_dp))
     if dp_helps:
-        advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices")
+        gpus = cluster.num_nodes * cluster.gpus_per_node
+        more = (
+            " (and the GPUs: cluster.num_nodes x cluster.gpus_per_node)"
+            if gpus and more_dp * pc.dtensor_cfg.tensor_parallel_size > gpus
+            else ""
+        )
+        advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices{more}")
     if not cluster.gpus_per_node and shrinks(_with(cfg, "cluster", num_nodes=2 * cluster.num_nodes)):
         advice.append(f"raise cluster.num_nodes (now {cluster.num_nodes}): the workers of a node share its RAM")
     if not pc.lora_cfg.enabled and policy_over:

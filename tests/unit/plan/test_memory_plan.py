@@ -24,6 +24,7 @@ from nemo_like.plan.memory import (
     plan_memory,
     policy_memory,
     step_estimate,
+    vllm_overhead_bytes,
     with_teacher_copy,
 )
 from nemo_like.plan.run_plan import decide_run_plan
@@ -423,35 +424,43 @@ def with_vllm(cfg):
 def test_vllm_kv_budget_counts_full_length_sequences() -> None:
     cfg = recipe("cluster.gpus_per_node=1", "policy.generation.backend=hf")
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
-    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=GIB)
+    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=8 * GIB)
     engine = memory.roles[-1]
     per_sequence = shape.kv_bytes_per_token(4) * cfg.policy.max_total_sequence_length  # float32: the engine's dtype
-    assert engine.kv_cache == int(cfg.policy.generation.vllm_cfg.gpu_memory_utilization * GIB) - engine.params
-    assert f"holds {engine.kv_cache // per_sequence} sequences" in engine.note
+    # vLLM's own memory comes out of its share first: 0.5 GiB of non-torch memory, and its profile run's activations at
+    # the LLM class's batch defaults (8,192 tokens, 256 sequences under 70 GiB): 8,192 x (3 x 512 + 2 x 128) x 4 bytes
+    # + 256 x 359 x 4 x 2 (float32 logits and softmax) = 58,720,256 + 735,232
+    own = GIB // 2 + 58_720_256 + 735_232
+    assert vllm_overhead_bytes(shape, 4, 8 * GIB) == engine.activations == own == 596_326_400
+    assert vllm_overhead_bytes(shape, 4, 80 * GIB) == GIB // 2 + 16384 * 1792 * 4 + 1024 * 359 * 8  # 16,384 and 1,024 at 70+
+    assert engine.kv_cache == int(cfg.policy.generation.vllm_cfg.gpu_memory_utilization * 8 * GIB) - engine.params - own
+    assert f"holds {engine.kv_cache // per_sequence} sequences" in engine.note and "vLLM's own 0.555 GiB" in engine.note
 
 
 def test_a_vllm_engine_whose_kv_budget_holds_no_full_length_sequence_does_not_fit() -> None:
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
-    # 0.000049 x 80 GiB = 4,209,067 bytes, less the float32 weights' 4,124,672: 84,395 bytes of KV budget, under one
-    # sequence of 64 tokens (2 x 4 layers x 2 KV heads x 32 x 4 bytes x 64 = 131,072)
-    share = "policy.generation.vllm_cfg.gpu_memory_utilization=0.000049"
+    # 0.0077 x 80 GiB = 661,424,963 bytes, less the float32 weights' 4,124,672 and vLLM's own 657,252,352 (0.5 GiB +
+    # 16,384 x 1,792 x 4 + 1,024 x 359 x 8 on an 80 GiB GPU): 47,939 bytes of KV budget, under one sequence of 64 tokens
+    # (2 x 4 layers x 2 KV heads x 32 x 4 bytes x 64 = 131,072)
+    share = "policy.generation.vllm_cfg.gpu_memory_utilization=0.0077"
     cfg = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", share)
     memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=80 * GIB)
     engine = memory.roles[-1]
-    assert engine.kv_cache == 84_395 and engine.kv_sequences == 0 and "holds 0 sequences" in engine.note
+    assert engine.kv_cache == 47_939 and engine.kv_sequences == 0 and "holds 0 sequences" in engine.note
     assert max(memory.per_device.values()) < 80 * GIB and memory.fits is False
-    # it names the device, what one sequence needs and the shortfall (131,072 - 84,395 = 46,677 bytes), and the share
-    # that holds the weights and one sequence: (4,124,672 + 131,072) / 80 GiB = 4.955e-05, rounded up
+    # it names the device, what one sequence needs and the shortfall (131,072 - 47,939 = 83,133 bytes), and the share
+    # that holds the weights, vLLM's own memory and one sequence: (4,124,672 + 657,252,352 + 131,072) / 80 GiB = 0.0077010,
+    # rounded up to 3 significant digits
     assert memory.lines()[-1] == (
-        "fits: NO: the vLLM engine's KV budget (0.080 MiB = 4.9e-05 x 80 GiB - weights 0.004 GiB) on the generation GPU "
-        "holds no full-length sequence: one of 64 tokens needs 0.125 MiB (short 0.045 MiB); raise "
-        "policy.generation.vllm_cfg.gpu_memory_utilization (now 4.9e-05) to at least 4.96e-05 (weights and one full-length "
-        "sequence) or lower policy.max_total_sequence_length (now 64)"
+        "fits: NO: the vLLM engine's KV budget (0.046 MiB = 0.0077 x 80 GiB - weights 0.004 GiB - vLLM's own 0.612 GiB) on "
+        "the generation GPU holds no full-length sequence: one of 64 tokens needs 0.125 MiB (short 0.079 MiB); raise "
+        "policy.generation.vllm_cfg.gpu_memory_utilization (now 0.0077) to at least 0.00771 (weights, vLLM's own memory and "
+        "one full-length sequence) or lower policy.max_total_sequence_length (now 64)"
     )
     enough = recipe(
-        "cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", "policy.generation.vllm_cfg.gpu_memory_utilization=4.96e-05"
+        "cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", "policy.generation.vllm_cfg.gpu_memory_utilization=0.00771"
     )
-    assert plan_memory(enough, with_vllm(enough), params, shape, device_bytes=80 * GIB).roles[-1].kv_sequences == 1
+    assert plan_memory(enough, with_vllm(enough), params, shape, device_bytes=80 * GIB).roles[-1].kv_sequences >= 1
     # a CPU engine's budget is kv_cache_space_gib (whole GiB): 1 GiB, under one sequence of 64 tokens of a model whose
     # float32 KV is 2 x 64 layers x 32 KV heads x 2048 x 4 bytes = 32 MiB a token: 2 GiB
     cpu = recipe("policy.generation.vllm_cfg.kv_cache_space_gib=1")
@@ -465,33 +474,34 @@ def test_a_vllm_engine_whose_kv_budget_holds_no_full_length_sequence_does_not_fi
 
 def test_a_vllm_share_smaller_than_the_weights_says_by_how_much_and_advises_no_shorter_sequence() -> None:
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
-    # 0.00004 x 80 GiB = 3,435,974 bytes, under the float32 weights' 4,124,672: short 688,698 bytes (0.001 GiB)
+    # 0.00004 x 80 GiB = 3,435,974 bytes, under the float32 weights' 4,124,672 and vLLM's own 657,252,352 bytes: short
+    # 657,941,050 bytes (0.613 GiB)
     share = "policy.generation.vllm_cfg.gpu_memory_utilization=0.00004"
     cfg = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", share)
     memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=80 * GIB)
     fit = memory.lines()[-1]
     assert memory.fits is False and "max_total_sequence_length" not in fit
     assert (
-        "the vLLM engine's weights (0.004 GiB) exceed policy.generation.vllm_cfg.gpu_memory_utilization x device = 0.003 GiB "
-        "on the generation GPU (short 0.001 GiB)"
+        "the vLLM engine's weights (0.004 GiB) and its own memory (0.612 GiB) exceed "
+        "policy.generation.vllm_cfg.gpu_memory_utilization x device = 0.003 GiB on the generation GPU (short 0.613 GiB)"
     ) in fit
     colocated = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=true", share)
     assert (
         "0.003 GiB on the policy GPU (colocated) (short"
         in plan_memory(colocated, with_vllm(colocated), params, shape, 80 * GIB).lines()[-1]
     )
-    assert "(short 0.001 GiB)" in fit and "above 4.8e-05" in fit and "a device with more memory" in fit
+    assert "(short 0.613 GiB)" in fit and "above 0.0077 (the share" in fit and "a device with more memory" in fit
 
 
 @pytest.mark.parametrize("offload", [True, False])
 def test_a_colocated_gpu_holds_the_larger_of_training_and_what_the_policy_keeps_while_the_engine_generates(offload: bool) -> None:
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
     cfg = recipe("cluster.gpus_per_node=1", f"policy.generation.colocated.offload_optimizer={str(offload).lower()}")
-    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=GIB)
+    memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=8 * GIB)
     policy, engine = memory.roles[0], memory.roles[-1]
     # gradients and activations are freed before the engine wakes, the AdamW state moved to CPU memory when offloaded
     kept = policy.params + (0 if offload else policy.optimizer)
-    assert engine.total == GIB // 2 > policy.total and "generation GPU" not in memory.per_device
+    assert engine.total == 4 * GIB > policy.total and "generation GPU" not in memory.per_device  # its share, whole
     assert memory.per_device["policy GPU"] == kept + engine.total < policy.total + engine.total
     assert "the larger of training" in memory.lines()[len(memory.roles)] and memory.fits
     # the whole GPU for the engine: policy rank 0's GPU is over by what the policy keeps while it generates
@@ -500,7 +510,7 @@ def test_a_colocated_gpu_holds_the_larger_of_training_and_what_the_policy_keeps_
         f"policy.generation.colocated.offload_optimizer={str(offload).lower()}",
         "policy.generation.vllm_cfg.gpu_memory_utilization=1.0",
     )
-    over = plan_memory(full, with_vllm(full), params, shape, device_bytes=GIB)
+    over = plan_memory(full, with_vllm(full), params, shape, device_bytes=8 * GIB)
     fit = over.lines()[-1]
     assert over.fits is False and fit.startswith(f"fits: NO: policy GPU over by {kept / GIB:.3f} GiB")
     assert "lower policy.generation.vllm_cfg.gpu_memory_utilization (now 1)" in fit
@@ -534,11 +544,24 @@ def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> 
     scored = 2000.0 * tokens
     assert step.flops == {"generation": scored, "prev logprobs": scored, "reference logprobs": scored, "training": 6000.0 * tokens}
     assert step.seconds == pytest.approx(12000.0 * tokens / 5e8)  # one policy rank, one reference rank, one engine
+    # an upper bound: dynamic sampling may generate up to dynamic_sampling_max_gen_batches batches, activation
+    # checkpointing runs each training forward again (2N more per trained token)
+    bound = recipe("grpo.skip_prev_logprobs=false", "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=3",
+                   "policy.dtensor_cfg.activation_checkpointing=true")  # fmt: skip
+    step = step_estimate(bound, decide_logprob_passes(bound), 1000, 1e9, 0.5, trained_token_flops=6000.0)
+    assert step.flops["generation"] == 3 * scored and step.flops["training"] == 8000.0 * tokens
 
 
 @pytest.mark.parametrize("dp, tp", [(4, 1), (2, 2)])
 def test_step_estimate_spreads_each_phase_over_the_ranks_or_engines_that_run_it(dp: int, tp: int) -> None:
-    cfg = recipe("grpo.skip_prev_logprobs=false", f"policy.dp_size={dp}", f"policy.dtensor_cfg.tensor_parallel_size={tp}")
+    ranks = (f"policy.dp_size={dp}", f"policy.dtensor_cfg.tensor_parallel_size={tp}")
+    # On a CPU cluster a device is a node: ranks sharing one run no faster than one (a dp of 4 had been 4x faster)
+    cpu = recipe("grpo.skip_prev_logprobs=false", *ranks)
+    on_cpu = step_estimate(cpu, decide_logprob_passes(cpu), 1000, 1e9, 0.5, trained_token_flops=6000.0)
+    assert set(on_cpu.devices.values()) == {1}
+    two_nodes = recipe("grpo.skip_prev_logprobs=false", *ranks, "cluster.num_nodes=2")
+    assert step_estimate(two_nodes, decide_logprob_passes(two_nodes), 1000, 1e9, 0.5, trained_token_flops=6000.0).devices["training"] == 2
+    cfg = recipe("grpo.skip_prev_logprobs=false", *ranks, "cluster.gpus_per_node=8")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
     step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5, trained_token_flops=6000.0)
     assert step.devices == {"generation": 1, "prev logprobs": 4, "reference logprobs": 4, "training": 4}
@@ -639,12 +662,14 @@ def test_the_plan_commands_training_time_falls_with_more_policy_ranks() -> None:
 
     from nemo_like.models.footprint import memory_report
 
-    def training_seconds(dp: int) -> float:
-        cfg = recipe(f"policy.dp_size={dp}", "policy.generation.backend=hf")
+    def training_seconds(dp: int, *where: str) -> float:
+        cfg = recipe(f"policy.dp_size={dp}", "policy.generation.backend=hf", *where)
         lines, _ = memory_report(cfg, decide_run_plan(cfg, (), 2), None, peak_flops=1e9, mfu=0.5)
         return float(re.search(r"training ([0-9.]+)s", lines[-1]).group(1))
 
-    assert training_seconds(1) > 10 and training_seconds(4) == pytest.approx(training_seconds(1) / 4, rel=0.01)
+    gpus = "cluster.gpus_per_node=4"
+    assert training_seconds(1, gpus) > 10 and training_seconds(4, gpus) == pytest.approx(training_seconds(1, gpus) / 4, rel=0.01)
+    assert training_seconds(4) == training_seconds(1)  # ranks sharing one CPU node share its cores
 
 
 def test_the_plan_commands_lora_training_is_charged_about_4n_per_token() -> None:
@@ -695,3 +720,24 @@ def test_a_smaller_engine_share_is_advised_only_where_it_shrinks_the_gpu_that_is
         assert main([*args, f"policy.generation.vllm_cfg.gpu_memory_utilization={share}"]) == 3
         fit = next(line for line in capsys.readouterr().out.splitlines() if "fits: NO" in line)
         assert "policy GPU over by" in fit and "lower policy.generation.vllm_cfg.gpu_memory_utilization" not in fit, fit
+
+
+def test_the_plan_command_refuses_what_the_declared_cluster_or_the_models_heads_cannot_hold(capsys) -> None:
+    """It printed "fits: yes" (exit 0) for recipes the run refuses: actors reserving more GPUs than cluster.num_nodes x
+    cluster.gpus_per_node declares, and a tensor-parallel degree that does not divide the KV heads (refused only
+    after the workers started)."""
+    from nemo_like.cli import main
+
+    recipe_1b = ["--config", "examples/configs/grpo_math_1B.yaml"]
+    model = ["--model-config", "examples/cluster/model_configs/Qwen2.5-1.5B-Instruct.json", "--device-memory-gib", "80"]
+    assert main(["plan", *recipe_1b, *model]) == 0
+    assert "[plan] fits: yes" in capsys.readouterr().out
+    assert main(["plan", *recipe_1b, *model, "policy.dp_size=8"]) == 3
+    assert (
+        "[plan] fits: NO: the run's actors reserve 16 GPUs (policy 8, reference 8) but cluster.num_nodes x "
+        "cluster.gpus_per_node declares 8: short by 8"
+    ) in capsys.readouterr().out
+    assert main(["plan", *recipe_1b, *model, "policy.dp_size=1", "policy.dtensor_cfg.tensor_parallel_size=4"]) == 3
+    assert "fits: NO: policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads=12 and num_key_value_heads=2" in (
+        capsys.readouterr().out
+    )
