@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -295,13 +296,26 @@ def _csv_kwargs(header: list[str]) -> dict[str, Any]:
     return {"features": strings, "keep_default_na": False, "index_col": False}
 
 
+#: Compression suffixes ``datasets`` reads through (``train-00000.jsonl.gz`` is a ``.jsonl`` data file).
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
+
+
+def data_suffix(file: Path) -> str:
+    """The data suffix of ``file`` (lower case), past a compression suffix: ``.jsonl`` for ``part.jsonl.gz``."""
+    name = file.name.lower()
+    for compression in COMPRESSION_SUFFIXES:
+        name = name.removesuffix(compression)
+    return Path(name).suffix
+
+
 def directory_data_files(path: Path) -> list[Path]:
-    """The data files ``datasets`` reads from a directory: supported suffixes, hidden and ``__`` parts skipped."""
+    """The data files ``datasets`` reads from a directory: supported suffixes (compressed ones too), hidden and ``__``
+    parts skipped."""
     return [
         file
         for file in sorted(path.rglob("*"))
         if file.is_file()
-        and file.suffix.lower() in FILE_BUILDERS
+        and data_suffix(file) in FILE_BUILDERS
         and not any(part.startswith((".", "__")) for part in file.relative_to(path).parts)
     ]
 
@@ -310,7 +324,7 @@ def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
     """For a directory whose data files are all CSV (``datasets`` reads it with its CSV builder, one split per file
     name), the same no-guessing settings as a single CSV file; they need one header across the files. Else none."""
     data_files = directory_data_files(path)
-    if not data_files or any(FILE_BUILDERS[file.suffix.lower()] != "csv" for file in data_files):
+    if not data_files or any(FILE_BUILDERS[data_suffix(file)] != "csv" for file in data_files):
         return {}
     headers = {file: csv_header(file, key) for file in data_files}
     first = data_files[0]
@@ -441,6 +455,13 @@ def _pick_split(ds, source: Source, key: str):
 def _load_hub(source: Source):
     import datasets
 
+    from nemo_like.models.loading import go_offline, hub_endpoint_reachable
+
+    if not _is_offline():  # the check train makes for a hub model: an unreachable hub is known in seconds
+        reachable, detail = hub_endpoint_reachable()
+        if not reachable:  # else datasets retries the hub for ~24 s a split, then says "not cached in None"
+            print(f"[setup] {detail}: loading {source.label} from the local cache only (HF_HUB_OFFLINE=1)")
+            go_offline()
     try:
         return datasets.load_dataset(source.hub_id, source.config, split=source.split)
     except Exception as exc:
@@ -451,7 +472,8 @@ def _load_hub(source: Source):
         )
         if _is_offline() and _is_cache_miss(exc):
             raise ConfigError(
-                f"Cannot load {source.label}: this machine is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set) and the set "
+                f"Cannot load {source.label}: this machine is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set, or the hub "
+                "did not answer) and the set "
                 f"is not in the local Hugging Face cache. Download it where there is network, or {local}."
             ) from None
         raise ConfigError(
@@ -532,6 +554,8 @@ def _answer_text(value: Any, transform: Callable[[str], str] | None, where: str,
         raise ConfigError(f"{where}: the gold answer ({key}) is empty")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ConfigError(f"{where}: the gold answer ({key}) must be a string or a number, got {type(value).__name__}: {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # Python's json writes a missing float as NaN
+        raise ConfigError(f"{where}: the gold answer ({key}) is {value!r} (a missing value?); every row needs an answer")
     if isinstance(value, float) and value.is_integer():
         if abs(value) >= 2**53:  # a column of ints and floats is read as doubles: 12345678901234567 came back ...68
             raise ConfigError(
@@ -582,7 +606,7 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
     columns = resolve_columns(data, source, list(ds.column_names))
     if len(ds) == 0:
         raise ConfigError(f"{source.label} has no rows; data.{role} needs at least one prompt")
-    prompts = list(ds[columns.prompt])
+    prompts = _decoded(lambda: list(ds[columns.prompt]), source, role)
     # data.shuffle=false trains in file order (a curriculum); validation's selection stays seeded.
     rows = select_rows(prompts, role, split_cfg, data.validation.split_fraction, shuffle=data.shuffle or role != "train")
     if not rows:
@@ -594,7 +618,7 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
     transform = spec.answer_transform if spec and columns.answer == spec.answer_key else None
     needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
     problems = []
-    for i, row in zip(rows, ds.select_columns(needed).select(rows).to_list()):
+    for i, row in zip(rows, _decoded(lambda: ds.select_columns(needed).select(rows).to_list(), source, role)):
         where = f"row {i + 1} of {source.label}"  # data rows counted from 1 (a CSV header and blank lines are not rows)
         problems.append(
             Problem(
@@ -606,6 +630,15 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
             )
         )
     return problems
+
+
+def _decoded(read: Callable[[], list], source: Source, role: str) -> list:
+    """``read()``: the set's cells as Python values; pyarrow's JSON reader takes any bytes, so text that is not UTF-8
+    fails only here, as a :class:`ConfigError` naming the set (it was a bare ``UnicodeDecodeError``)."""
+    try:
+        return read()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source.label} is not UTF-8 text ({exc}); re-encode it as UTF-8 (data.{role}.data_path)") from None
 
 
 def _messages(value: Any, fmt: PromptFormat, where: str, column: str) -> list[dict[str, str]]:

@@ -49,6 +49,20 @@ def hub_offline() -> bool:
     return any(os.environ.get(var, "").strip().lower() in _TRUE for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
+def go_offline() -> None:
+    """Switch this process, and the actors it starts (``HF_HUB_OFFLINE`` is forwarded), to offline mode: the variable,
+    and the flags ``huggingface_hub`` and ``datasets`` read from it once at import (setting the variable alone left
+    this process retrying the hub for minutes when loading a cached tokenizer)."""
+    import sys
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    if "datasets" in sys.modules:  # imported later, it reads the variable itself
+        sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+
+
 def hub_cache_dir() -> Path:
     """The Hugging Face hub cache, read from the environment now (``HF_HUB_CACHE``, ``HF_HOME``/hub, ~/.cache)."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -63,7 +77,7 @@ def looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1 or Path(name).exists()
 
 
-def _hub_endpoint_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> tuple[bool, str]:
+def hub_endpoint_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> tuple[bool, str]:
     """Try a TCP connection to the hub endpoint (``HF_ENDPOINT``); ``(reachable, endpoint or the error)``."""
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     url = urlparse(endpoint)
@@ -122,11 +136,11 @@ def check_model_source(name: str, key: str) -> None:
     if hub_offline():
         why = "the machine is offline (HF_HUB_OFFLINE=1)"
     else:
-        reachable, detail = _hub_endpoint_reachable()
+        reachable, detail = hub_endpoint_reachable()
         if reachable:
             return  # transformers downloads it (or revalidates the cached copy)
         if cached:
-            os.environ["HF_HUB_OFFLINE"] = "1"  # forwarded to every actor: load from the cache, no retries
+            go_offline()  # this process and every actor: load from the cache, no retries
             print(f"[setup] {detail}: using the cached copy of {name} (HF_HUB_OFFLINE=1)")
             return
         why = f"the machine is offline: {detail}"

@@ -42,7 +42,8 @@ def onednn_linear_available() -> bool:
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    # oneDNN reads the bias as dense memory whatever its strides: a strided or expanded one gave wrong sums
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None if bias is None else bias.contiguous(), "none", [], "")
 
 
 class OneDNNLinear(torch.autograd.Function):

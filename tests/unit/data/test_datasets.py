@@ -239,6 +239,28 @@ def test_offline_hub_name_fails_with_a_clear_error(monkeypatch):
         load_source(source)
 
 
+def test_a_hub_set_on_an_unreachable_hub_fails_at_once_naming_the_offline_cause(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE unset and no network: datasets retried the hub ~24 s a split, then said "not cached in None"."""
+    import socket
+
+    import datasets
+    import huggingface_hub.constants
+
+    with socket.socket() as s:  # a port nothing listens on: the connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # restored after the test, as the env
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    source = resolve_source(DataConfig(dataset_name="openai/gsm8k"), "train")
+    with pytest.raises(ConfigError, match=r"this machine is offline .*the hub did not answer.*data.train.data_path"):
+        load_source(source)
+    assert huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE  # what the libraries read
+
+
 def test_gsm8k_spec_extracts_the_final_answer(tmp_path, tok):
     items = [
         {"question": "What is 2 plus 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"},
@@ -581,6 +603,15 @@ def test_a_large_integer_answer_read_as_a_float_is_refused(tmp_path, tok) -> Non
         build(data_cfg(path, path), tok)
     small = write_jsonl(tmp_path / "s.jsonl", [{"q": "1+1?", "a": 2}, {"q": "half", "a": 0.5}])
     assert sorted(r.metadata["answer"] for r in build(data_cfg(small, small), tok)) == ["0.5", "2"]
+    # NaN / Infinity (Python's json writes a missing float as NaN): trained against the answer "nan" before
+    for constant in ("NaN", "Infinity"):
+        (tmp_path / "n.jsonl").write_text(f'{{"q": "1+1?", "a": 2}}\n{{"q": "lost", "a": {constant}}}\n')
+        with pytest.raises(ConfigError, match=r"row 2 of .*n.jsonl: the gold answer \(data.answer_key\) is (nan|inf) \(a missing"):
+            build(data_cfg(tmp_path / "n.jsonl", tmp_path / "n.jsonl"), tok)
+    # a file that is not UTF-8 is an error naming it (pyarrow reads the bytes; decoding them raised a bare error)
+    (tmp_path / "latin1.jsonl").write_bytes('{"q": "café", "a": "1"}\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.jsonl.* is not UTF-8 text .*re-encode it as UTF-8 \(data.train.data_path\)"):
+        build(data_cfg(tmp_path / "latin1.jsonl", small), tok)
 
 
 def test_a_dataset_cut_by_num_problems_says_so(tmp_path, tok, capsys) -> None:
@@ -688,6 +719,13 @@ def test_a_directory_whose_files_datasets_would_skip_is_refused_naming_them(tmp_
     write_jsonl(named / "train.jsonl", [{"q": f"q{i}", "a": str(i)} for i in range(5)])
     write_jsonl(named / "extra.jsonl", [{"q": f"x{i}", "a": str(i)} for i in range(7)])
     with pytest.raises(ConfigError, match=r"data.train.data_path: datasets would leave out 1 data file\(s\) of .*extra.jsonl"):
+        build(data_cfg(named), tok)
+    import gzip  # a compressed shard is a data file too (it was dropped silently where the plain one was refused)
+
+    (named / "extra.jsonl").rename(named / "extra.jsonl.gz.src")
+    (named / "extra.jsonl.gz").write_bytes(gzip.compress((named / "extra.jsonl.gz.src").read_bytes()))
+    (named / "extra.jsonl.gz.src").unlink()
+    with pytest.raises(ConfigError, match=r"leave out 1 data file\(s\) of .*extra.jsonl.gz"):
         build(data_cfg(named), tok)
     mixed = tmp_path / "mixed"
     mixed.mkdir()

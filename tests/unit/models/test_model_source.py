@@ -52,9 +52,14 @@ def test_a_cached_hub_id_on_an_unreachable_hub_switches_the_run_offline(tmp_path
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # restored after the test, as the env
     fill_cache(tmp_path, "org/cached-model")
     check_model_source("org/cached-model", "policy.model_name")
     assert os.environ["HF_HUB_OFFLINE"] == "1"  # forwarded to the actors: no network retries there
+    # ... and here: huggingface_hub reads the variable once at import (this process retried the hub for minutes)
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is True
 
 
 def test_end_of_sequence_ids_add_the_generation_configs_to_the_tokenizers(tmp_path, monkeypatch) -> None:

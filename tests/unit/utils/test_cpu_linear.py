@@ -33,6 +33,18 @@ def test_onednn_linear_is_f_linear_to_float32_rounding(shape: tuple[int, ...], w
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_onednn
+def test_a_strided_or_expanded_bias_is_read_as_its_values() -> None:
+    """oneDNN reads the bias as dense memory whatever its strides: a strided one gave sums off by ~4, an expanded one
+    read past the tensor (1e38), through plain and packed weights alike."""
+    torch.manual_seed(0)
+    x, weight, full = torch.randn(64, 512), torch.randn(768, 512) / 512**0.5, torch.randn(3 * 768)
+    for bias in (full[::3], torch.tensor([0.5]).expand(768), full[768:1536]):
+        with torch.no_grad():
+            for w in (weight, prepacked(weight, 64)):
+                torch.testing.assert_close(linear(x, w, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
 def test_small_products_other_dtypes_and_autocast_keep_f_linear() -> None:
     big, weight = torch.randn(64, 384), torch.randn(3584, 384)
     assert not uses_onednn(torch.randn(8, 128), torch.randn(256, 128))  # 0.26M multiply-accumulates: below
