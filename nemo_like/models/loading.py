@@ -340,8 +340,9 @@ def _as_ids(value: Any) -> list[int]:
 
 
 def _generation_config(model_name: str) -> dict[str, Any]:
-    """``generation_config.json`` of a local model directory, a LoRA checkpoint's base model or a cached hub model;
-    ``{}`` when there is none (many models ship none)."""
+    """``generation_config.json`` of a local model directory, a LoRA checkpoint's base model or a hub model (from the
+    cache; fetched when not cached and the machine is online: the driver reads it before anything else downloads the
+    model, so a first run had stopped on fewer ids than later ones); ``{}`` when there is none (many models ship none)."""
     path = Path(resolve_model_path(model_name)).expanduser()
     if (path / ADAPTER_CONFIG).is_file():
         return _generation_config(adapter_base_model(path))
@@ -353,6 +354,8 @@ def _generation_config(model_name: str) -> dict[str, Any]:
         from huggingface_hub import try_to_load_from_cache
 
         found = try_to_load_from_cache(model_name, "generation_config.json", cache_dir=hub_cache_dir())
+        if found is None and not hub_offline():  # None: never fetched (a file known absent is a sentinel)
+            found = _fetch_generation_config(model_name)
     if not isinstance(found, (str, Path)) or not Path(found).is_file():
         return {}
     try:
@@ -360,6 +363,23 @@ def _generation_config(model_name: str) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{found}: cannot read the model's generation config ({exc})") from None
     return config if isinstance(config, dict) else {}
+
+
+def _fetch_generation_config(model_name: str) -> str | None:
+    """Download hub model ``model_name``'s ``generation_config.json`` into the cache; None when the model has none."""
+    import huggingface_hub
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # the endpoint the start-up probe asked (huggingface_hub reads it once)
+    try:
+        return huggingface_hub.hf_hub_download(model_name, "generation_config.json", cache_dir=hub_cache_dir(), endpoint=endpoint)
+    except RemoteEntryNotFoundError:  # the hub says the model has none (a failed connection is not that)
+        return None
+    except Exception as exc:  # the hub answered the start-up probe: a failure now is worth a clear stop
+        raise ConfigError(
+            f"policy.model_name={model_name!r}: cannot fetch its generation_config.json (its end-of-sequence ids) from the hub "
+            f"({type(exc).__name__}: {exc}); retry, or download the model and point policy.model_name at the directory"
+        ) from None
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -215,3 +215,63 @@ def test_actors_get_a_relative_model_path_made_absolute_and_the_run_config_keeps
     spec = PolicyWorkerSpec.from_config(cfg, trainable=False, loss_fn=None, num_threads=1)
     assert cfg.policy.model_name == "./my_model" and spec.model_name == str(tmp_path / "my_model")
     assert check_model_name("./my_model") == str(tmp_path / "my_model")  # a reward model's or judge's actors
+
+
+def test_a_hub_models_generation_config_is_fetched_when_not_cached(tmp_path, monkeypatch) -> None:
+    """The driver reads a hub model's end ids before anything downloads the model: from the cache only, a first run
+    stopped on the tokenizer's eos alone and later runs on the generation config's ids too. A local HTTP server stands
+    in for the hub (huggingface_hub's own requests: HEAD then GET of .../resolve/main/generation_config.json)."""
+    import http.server
+    import json
+    import threading
+
+    from nemo_like.models.loading import _generation_config
+
+    body = json.dumps({"eos_token_id": [2, 23]}).encode()
+    requests: list[str] = []
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def answer(self, head: bool) -> None:
+            requests.append(f"{self.command} {self.path}")
+            if "org/none" in self.path:  # a model that ships no generation config
+                self.send_response(404)
+                self.send_header("X-Error-Code", "EntryNotFound")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(200)
+            for name, value in (("X-Repo-Commit", "a" * 40), ("ETag", '"abc"'), ("Content-Length", str(len(body)))):
+                self.send_header(name, value)
+            self.end_headers()
+            if not head:
+                self.wfile.write(body)
+
+        def do_HEAD(self) -> None:  # noqa: N802 - http.server's names
+            self.answer(True)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.answer(False)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_HOME", str(tmp_path))
+        monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+        import huggingface_hub.constants
+
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # as the env says (read once at import)
+        assert _generation_config("org/model") == {"eos_token_id": [2, 23]}
+        assert _generation_config("org/none") == {}
+        fetched = [r for r in requests if "generation_config.json" in r and r.startswith("GET")]
+        assert _generation_config("org/model") == {"eos_token_id": [2, 23]}  # now from the cache: no new request
+        assert [r for r in requests if "generation_config.json" in r and r.startswith("GET")] == fetched
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        assert _generation_config("org/other") == {}  # offline: the cache only, as before
+    finally:
+        server.shutdown()
