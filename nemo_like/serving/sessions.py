@@ -249,6 +249,8 @@ class SessionStore:
         finally:
             with self._lock:
                 self._building.pop(session_id, None)
+                if building.result is None:  # the rows failed: no result will ever drop its first end's reward
+                    self._end_rewards.pop(session_id, None)
             building.done.set()
 
     def _check_same_reward(self, session_id: str, reward: float | None) -> None:

@@ -147,3 +147,17 @@ def test_a_second_end_with_another_reward_is_refused_and_the_kept_results_and_id
         record(store, sid, [1, 4], [12, 2])
         store.end(sid)
     assert list(store._ended) == ["c", "d", "e"]  # the ids of ended sessions, the oldest forgotten past the cap
+
+
+def test_a_session_whose_rows_fail_to_build_keeps_no_reward_behind() -> None:
+    """The first end's reward is kept to refuse a contradicting second end; a session whose rows failed to build had
+    left it behind for the store's whole life (one entry per such session, never dropped)."""
+
+    def on_end(session_id: str) -> None:
+        raise RuntimeError("the agent's end hook failed")
+
+    store = SessionStore(on_end=on_end)
+    sid = store.open()
+    with pytest.raises(RuntimeError, match="end hook failed"):
+        store.end(sid, 1.0)
+    assert store._end_rewards == {}
