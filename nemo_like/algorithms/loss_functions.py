@@ -448,6 +448,18 @@ def reference_kl_per_token(inputs: LossInputs, cfg: ClippedPGLossConfig) -> torc
     return kl
 
 
+def kl_clamp_active(reference_kl: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> torch.Tensor:
+    """``[B, S]`` bool: tokens where a KL clamp is active (``kl_input_clamp_value`` on ``log pi_ref - log pi_curr``, or
+    ``kl_output_clamp_value`` on the weighted estimate ``reference_kl``): their value is biased low and their gradient
+    gone (``kl_clamped_fraction``)."""
+    active = torch.zeros_like(inputs.valid)
+    if cfg.kl_input_clamp_value is not None:
+        active = (inputs.ref - inputs.curr).detach().abs() > cfg.kl_input_clamp_value
+    if cfg.kl_output_clamp_value is not None:
+        active = active | (reference_kl.detach().abs() >= cfg.kl_output_clamp_value)
+    return active
+
+
 # --------------------------------------------------------------------------------------------
 # The loss
 # --------------------------------------------------------------------------------------------
@@ -564,8 +576,11 @@ class ClippedPGLossFn:
         if cfg.kl_tau > 0:
             loss = loss + cfg.kl_tau * aggregate(mismatch)
         kl_penalty = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+        kl_clamped = torch.zeros_like(per_token)
         if inputs.ref is not None:
-            kl_penalty = aggregate(reference_kl_per_token(inputs, cfg))
+            reference_kl = reference_kl_per_token(inputs, cfg)
+            kl_penalty = aggregate(reference_kl)
+            kl_clamped = kl_clamp_active(reference_kl, inputs, cfg).to(per_token.dtype)
             if beta > 0:
                 loss = loss + beta * kl_penalty
 
@@ -573,6 +588,7 @@ class ClippedPGLossFn:
             "loss": loss,
             "actor_loss": actor_loss,
             "kl_penalty": kl_penalty,
+            "kl_clamped_fraction": _token_mean(kl_clamped, inputs),
             **self._ratio_metrics(inputs, surrogate),
             **self._importance_metrics(inputs, weights),
             **self._trust_region_metrics(inputs, keep, mismatch),

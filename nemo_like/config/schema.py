@@ -242,6 +242,13 @@ class MasterConfig(BaseModel):
         if not self.grpo.overlap_scoring and (blocker := self.scoring_overlap_blocker()):
             lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")
         lines += self.grpo.async_grpo.no_effect_warnings()
+        loss = self.loss_fn
+        if self.grpo.async_grpo.enabled and loss.reference_policy_kl_penalty > 0 and not loss.use_on_policy_kl_approximation:
+            lines.append(
+                "loss_fn.use_on_policy_kl_approximation=false with grpo.async_grpo.enabled=true and "
+                "loss_fn.reference_policy_kl_penalty > 0: async tokens come from older weights, so the KL penalty and its "
+                "gradient are estimated under the sampler's distribution, not pi_curr's (biased); set it to true"
+            )
         lines += self.data.no_effect_warnings()
         val_rows, val_cap = self.data.validation.num_problems, self.grpo.max_val_samples
         if val_rows is not None and val_rows > val_cap:  # null (all rows): the cut, if any, is printed where it happens
@@ -376,9 +383,12 @@ class MasterConfig(BaseModel):
 
     def teacher_config(self, model_name: str | None = None) -> MasterConfig:
         """The run config whose ``policy`` section describes a teacher's workers (``model_name``, default
-        ``teacher.model_name``): its model, tokenizer and precision, no LoRA; everything else (sharding, batching,
-        temperature: it scores under the student's sampling distribution, the forward) as the student's. The run starts
-        its teachers with it, and the memory planner plans them with it."""
+        ``teacher.model_name``): its model, tokenizer and precision, no LoRA, and no top-k/top-p: a teacher scores under
+        its full distribution at the student's temperature (scored under the student's truncation, a token outside the
+        teacher's own kept set is scored over that set plus the token, so its scores summed to more than 1: the signal
+        could favour a student unlike the teacher and ``distillation/teacher_kl`` go negative); everything else
+        (sharding, batching, the forward) as the student's. The run starts its teachers with it, and the memory planner
+        plans them with it."""
         t = self.teacher
         name = model_name or t.model_name
         if name is None:
@@ -389,6 +399,7 @@ class MasterConfig(BaseModel):
                 "tokenizer_name": t.tokenizer_name if name == t.model_name else None,
                 "precision": t.precision or self.policy.precision,
                 "lora_cfg": self.policy.lora_cfg.model_copy(update={"enabled": False}),
+                "generation": self.policy.generation.model_copy(update={"top_k": None, "top_p": 1.0}),
                 # With the KL term the student's workers run the model's own forward (it needs the logits); the teacher's
                 # run it too, so the teacher and prev passes stay the same computation (a teacher equal to the student gives 0).
                 "shared_prompt_forward": False if self.distillation.kl_weight > 0 else self.policy.shared_prompt_forward,

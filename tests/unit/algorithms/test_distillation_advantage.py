@@ -179,6 +179,31 @@ def test_the_teacher_runs_with_its_own_model_and_the_students_other_settings() -
     assert cfg.policy.model_name != t.policy.model_name  # the student's config is untouched
 
 
+def test_a_truncating_students_teacher_scores_under_its_full_distribution_so_the_kl_is_one() -> None:
+    """Scored under the student's top-p, a token outside the teacher's own nucleus was scored over that nucleus plus
+    the token: the teacher's scores summed to 1.2 here, and the exact expectation of distillation/teacher_kl under the
+    student's samples came out negative (-0.116): not a KL, and the signal favoured a student unlike the teacher."""
+    from nemo_like.models.processed_logprobs import SamplingDistribution, processed_token_logprobs, sampling_keep_mask
+
+    cfg = recipe(TEACHER, "policy.generation.top_p=0.8", "policy.generation.temperature=0.9")
+    g = cfg.teacher_config().policy.generation
+    assert (g.top_p, g.top_k, g.temperature) == (1.0, None, 0.9)  # the student's temperature, no truncation
+    student, teacher = SamplingDistribution(1.0, None, 0.8), SamplingDistribution(1.0, g.top_k, g.top_p)
+    zs = torch.tensor([-1.37, 2.47, 0.68, -0.41, 0.48, -5.37])  # the student's nucleus is {1, 2}, the teacher's {1} at p 0.8
+    zt = torch.tensor([1.14, 4.57, 2.65, 0.31, 0.96, -0.75])
+
+    def scores(logits: torch.Tensor, dist: SamplingDistribution) -> torch.Tensor:
+        return processed_token_logprobs(logits.expand(1, 6, 6).clone(), torch.arange(6)[None], dist)[0].double()
+
+    s, t = scores(zs, student), scores(zt, teacher)
+    assert float(t.exp().sum()) == pytest.approx(1.0)  # a distribution
+    kept = sampling_keep_mask(zs[None], None, 0.8)[0]
+    p = torch.where(kept, s.exp(), 0.0)
+    estimate = float((p * torch.where(kept, s - t, 0.0)).sum())  # E_{x ~ S}[log S(x) - log T(x)], as apply_distillation
+    exact = float((p[kept] * (p[kept].log() - torch.log_softmax(zt.double(), -1)[kept])).sum())
+    assert estimate == pytest.approx(exact, rel=1e-5) and exact > 0  # float32 scores
+
+
 def test_a_teacher_with_another_tokenizer_is_an_error_naming_both() -> None:
     student = load_tokenizer(default_model_path())
     check_teacher_tokenizer(student, "embedded:tiny-arith-qwen2", load_tokenizer(embedded_model_path("embedded:tiny-arith-teacher")), "t")

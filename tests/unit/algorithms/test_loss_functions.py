@@ -350,12 +350,16 @@ def test_kl_input_and_output_clamps_zero_the_gradient() -> None:
     k3 = [math.exp(0.5) - 1.5, math.exp(-0.5) - 0.5, 0.25 - x3]
     assert m["kl_penalty"] == pytest.approx(sum(k3) / 3)
     torch.testing.assert_close(grad, _grad([[0.0, 0.0, -x3 / 3]]))
+    assert m["kl_clamped_fraction"] == pytest.approx(2 / 3)  # the clamps bias the estimate: counted
     # output clamp 0.2 on the unclamped-input k3 = [0.306853 -> 0.2, 0.193147, 0.026856]:
     # the clamped token has no gradient, the others have -x/3.
     cfg = ClippedPGLossConfig(reference_policy_kl_penalty=1.0, kl_output_clamp_value=0.2)
     _, m, grad = _run(cfg, curr, data)
     assert m["kl_penalty"] == pytest.approx((0.2 + LOG(2) - 0.5 + 0.25 - x3) / 3)
     torch.testing.assert_close(grad, _grad([[0.0, LOG(2) / 3, -x3 / 3]]))
+    assert m["kl_clamped_fraction"] == pytest.approx(1 / 3)
+    no_clamps = ClippedPGLossConfig(reference_policy_kl_penalty=1.0, kl_input_clamp_value=None, kl_output_clamp_value=None)
+    assert _run(no_clamps, curr, data)[1]["kl_clamped_fraction"] == 0.0
     # No input clamp, x = 750 past exp's range (709 in these float64 tensors, 88 in float32): k3 is inf, the output
     # clamp takes it to 10, and the token gets no KL gradient (it was 0 x inf = NaN, a non-finite gradient norm that
     # skipped the whole step)

@@ -312,6 +312,19 @@ def test_async_keys_of_a_sync_run_warn() -> None:
     assert not [w for w in load_config(None, [], warn=False).no_effect_warnings() if w.startswith("grpo.async_grpo")]
 
 
+def test_an_async_kl_penalty_without_the_on_policy_weight_warns_that_it_is_biased() -> None:
+    """Async tokens come from older weights: weighted by 1 the k-estimators estimate the KL under pi_gen, not pi_curr."""
+    on = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true", "loss_fn.reference_policy_kl_penalty=0.01"]
+
+    def kl_lines(*extra: str) -> list[str]:
+        return [w for w in load_config(None, [*on, *extra], warn=False).no_effect_warnings() if "use_on_policy_kl" in w]
+
+    (line,) = kl_lines()
+    assert line.startswith("loss_fn.use_on_policy_kl_approximation=false with grpo.async_grpo.enabled=true") and "(biased)" in line
+    assert kl_lines("loss_fn.use_on_policy_kl_approximation=true") == []
+    assert kl_lines("loss_fn.reference_policy_kl_penalty=0") == []
+
+
 def test_a_split_or_config_for_a_single_local_file_warns(tmp_path: Path) -> None:
     """One .jsonl file is one split: data.<split>.split and .dataset_config were ignored silently."""
     rows = tmp_path / "rows.jsonl"
