@@ -101,6 +101,8 @@ class JudgeEnvConfig(BaseModel):
     def _check(self) -> JudgeEnvConfig:
         JudgeTemplate(load_template_text(self.template, self.template_file), self.template_format)
         resolve_parser(self.parser, self.parser_options)
+        if self.engine_max_model_len is not None:
+            check_verdict_room(self.max_new_tokens, self.engine_max_model_len, "engine_max_model_len")
         if self.engine_backend == "hf":
             for key in changed_from_defaults(self, ("engine_kv_cache_space_gib", "engine_gpu_memory_utilization")):
                 warnings.warn(f"{key} has no effect with engine_backend='hf' (a vLLM setting)", UserWarning, stacklevel=2)
@@ -109,6 +111,32 @@ class JudgeEnvConfig(BaseModel):
                 f"temperature={self.temperature} has no effect with greedy=true (the judge decodes greedily)", UserWarning, stacklevel=2
             )
         return self
+
+
+def check_verdict_room(max_new_tokens: int, context: int, source: str) -> None:
+    """A judge prompt needs at least one token beside the verdict's ``max_new_tokens``: every prompt was cut to nothing
+    (each sample an engine error at the parse-failure reward, the engine restarted every step)."""
+    if max_new_tokens >= context:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} leaves no room for the judge's prompt in its context of {context} tokens "
+            f"({source}); lower max_new_tokens or raise engine_max_model_len"
+        )
+
+
+def checked_context(cfg: JudgeEnvConfig, tokenizer: Any) -> int | None:
+    """The judge's context (:func:`judge_context`) once it is known to hold a prompt beside the verdict; warns when
+    ``use_chat_template`` has no effect (the judge's tokenizer has none)."""
+    context = judge_context(cfg, getattr(tokenizer, "model_max_length", None))
+    if context is not None:
+        check_verdict_room(cfg.max_new_tokens, context, "engine_max_model_len, else the judge tokenizer's model_max_length")
+    if cfg.use_chat_template and not tokenizer.chat_template:
+        warnings.warn(
+            f"use_chat_template has no effect: the judge {cfg.model_name!r}'s tokenizer has no chat template (the rendered "
+            "judge template is sent as it is)",
+            UserWarning,
+            stacklevel=2,
+        )
+    return context
 
 
 def judge_context(cfg: JudgeEnvConfig, tokenizer_limit: Any) -> int | None:
@@ -162,7 +190,7 @@ class JudgeEnvironment(EnvironmentInterface):
         self.template = JudgeTemplate(load_template_text(cfg.template, cfg.template_file), cfg.template_format)
         self.parser = resolve_parser(cfg.parser, cfg.parser_options)
         self.tokenizer = load_tokenizer(cfg.model_name)
-        context = judge_context(cfg, getattr(self.tokenizer, "model_max_length", None))
+        context = checked_context(cfg, self.tokenizer)
         self.engine = JudgeEngine(judge_engine_spec(cfg, self.tokenizer, context), cfg.max_batch_size)
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, greedy=cfg.greedy)
         self.max_prompt_tokens = context - cfg.max_new_tokens if context is not None else None

@@ -109,6 +109,8 @@ def test_parser_plugins_come_from_the_registry_or_an_import_path(tmp_path) -> No
         ({"parse_failure_reward": "low"}, "env.j.parse_failure_reward"),
         ({"engine_backend": "sglang"}, "env.j.engine_backend"),
         ({"engine_kv_cache_space_gib": 0.5}, "env.j.engine_kv_cache_space_gib"),
+        # every judge prompt was cut to nothing (each sample an engine error, the engine restarted every step)
+        ({"max_new_tokens": 64, "engine_max_model_len": 64}, "max_new_tokens=64 leaves no room for the judge's prompt"),
     ],
 )
 def test_bad_judge_sections_name_the_key(section: dict, message: str) -> None:
@@ -191,3 +193,23 @@ def test_the_judges_engines_wait_for_their_placement_as_long_as_the_run_says(mon
     EnvironmentWorker(0, 1, "arithmetic", "arithmetic", {}, placement_timeout_s=900.0)  # what every environment actor runs first
     cfg = JudgeEnvConfig()
     assert judge_engine_spec(cfg, load_tokenizer(cfg.model_name), 64).placement_timeout_s == 900.0
+
+
+def test_a_judge_whose_context_holds_no_prompt_is_refused_and_a_chat_template_it_lacks_warns(tmp_path) -> None:
+    """The context read from the judge's tokenizer (no engine_max_model_len) is checked when the judge starts; with no
+    chat template, use_chat_template did nothing silently (the reward model warns there)."""
+    import shutil
+
+    from nemo_like.environments.judge import JudgeEnvConfig, checked_context
+    from nemo_like.environments.learned_inputs import resolve_reward_model_path
+    from nemo_like.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("embedded:tiny-arith-qwen2")  # the default judge: model_max_length 256
+    assert checked_context(JudgeEnvConfig(), tokenizer) == 256
+    with pytest.raises(ValueError, match=r"max_new_tokens=300 leaves no room .* context of 256 tokens"):
+        checked_context(JudgeEnvConfig(max_new_tokens=300), tokenizer)
+    bare = tmp_path / "judge"
+    shutil.copytree(resolve_reward_model_path("embedded:tiny-arith-qwen2"), bare)
+    (bare / "chat_template.jinja").unlink()
+    with pytest.warns(UserWarning, match="use_chat_template has no effect: the judge .* has no chat template"):
+        checked_context(JudgeEnvConfig(model_name=str(bare)), load_tokenizer(str(bare)))
