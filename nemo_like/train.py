@@ -10,7 +10,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,12 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
         raise
     finally:
         control.restore_signal_handlers()
-        faults.disarm()
+        for spec in faults.disarm():
+            print(
+                f"[fault] warning: cluster.fault_injection {spec.model_dump(exclude_defaults=False)} did not fire its "
+                f"{spec.times} time(s) in this run (no call of that role and phase from step {spec.step} on)",
+                file=sys.stderr,
+            )
         activate(None)
 
 
@@ -257,29 +262,34 @@ def _train_attempt(
     since = time.perf_counter() if deaths else start
     logger.save_config(cfg.model_dump(mode="json"))
     logger.progress.message(f"[setup] logging to {logger.metrics_path}")
-    try:
-        with stop_signals_held(control) as release:  # Ray's processes inherit the mask: a signal to the group spares them
-            parts = setup_grpo(cfg, ray_started=release, data=data)  # bad data fails here, before any actor starts
-    except WorkerFailure as exc:
-        logger.close()
-        # A restart's workers can die while they start (the last attempt's memory not yet freed): that is a death as
-        # any other, within the restart budget. A failure of the first start is not: the run stops (setup_grpo has
-        # stopped the actors it started either way).
-        role = dead_role(exc, {}) if deaths else None
-        if role is None:
+    ft = cfg.cluster.fault_tolerance
+    with ExitStack() as watch:  # the start has a watchdog of its own (setup_timeout_s): a hung one hung the run silently
+        try:
+            with stop_signals_held(control) as release:  # Ray's processes inherit the mask: a signal to the group spares them
+                control.last_progress = time.monotonic()
+                if ft.setup_timeout_s:  # started under the mask: its thread never takes a stop signal (see the helper)
+                    watch.enter_context(StallWatchdog(control, ft.setup_timeout_s, ft.on_stall, "setup_timeout_s", "set-up"))
+                parts = setup_grpo(cfg, ray_started=release, data=data)  # bad data fails here, before any actor starts
+        except WorkerFailure as exc:
+            logger.close()
+            # A restart's workers can die while they start (the last attempt's memory not yet freed): that is a death as
+            # any other, within the restart budget. A failure of the first start is not: the run stops (setup_grpo has
+            # stopped the actors it started either way).
+            role = dead_role(exc, {}) if deaths else None
+            if role is None:
+                raise
+            return WorkerDeath(role, control.step, str(exc), exc, time.monotonic())
+        except BaseException:
+            logger.close()
             raise
-        return WorkerDeath(role, control.step, str(exc), exc, time.monotonic())
-    except BaseException:
-        logger.close()
-        raise
     ready = f"[setup] actors ready in {time.perf_counter() - since:.1f}s"
     logger.progress.message(ready if not deaths else ready + f" (restart {len(deaths)})")
-    ft = cfg.cluster.fault_tolerance
     actor_ids = restartable_actor_ids(parts)
     try:
         with ExitStack() as stack:
             control.last_progress = time.monotonic()
-            stack.enter_context(StallWatchdog(control, ft.stall_timeout_s, ft.on_stall) if ft.stall_timeout_s else nullcontext())
+            if ft.stall_timeout_s:
+                stack.enter_context(StallWatchdog(control, ft.stall_timeout_s, ft.on_stall))
             loop = async_grpo_train if cfg.grpo.async_grpo.enabled else grpo_train
             return loop(parts, logger, resume_from)
     except WorkerFailure as exc:

@@ -35,6 +35,7 @@ from nemo_like.models.loading import (
 from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 from nemo_like.plan.run_plan import RunPlan
+from nemo_like.utils.run_control import run_control
 
 
 @dataclass
@@ -212,6 +213,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
         warnings.warn(idle, RuntimeWarning, stacklevel=2)
     agent_settings = load_agents(env_specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
     mode = init_ray(cfg.cluster)
+    run_control().stage_finished()  # each stage of the start is watched on its own (setup_timeout_s)
     if ray_started is not None:
         ray_started()
     ensure_cluster_capacity(cfg, plan, private_cluster=mode == "local")  # fail fast, before any actor starts
@@ -233,7 +235,9 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
         for model in (policy, spawned_reference, teacher):
             if model is not None:
                 model.wait_ready()
+                run_control().stage_finished()
         environments.wait_ready()
+        run_control().stage_finished()
         generation.wait_ready()  # its first call's deadline must not count its start-up (a vLLM load: minutes on a GPU)
         reference: Policy | AdapterDisabledReference | None = spawned_reference
         if reference is None and plan.logprobs.reference_from_policy:

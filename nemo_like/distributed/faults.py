@@ -23,6 +23,7 @@ import os
 import time
 from typing import Any
 
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.sections.run import FaultInjectionConfig
 from nemo_like.utils.run_control import run_control
 
@@ -52,10 +53,13 @@ def arm(spec: FaultInjectionConfig | None) -> list[FaultInjectionConfig]:
         try:
             loaded = json.loads(os.environ[ENV_VAR])
             specs += [FaultInjectionConfig(**item) for item in (loaded if isinstance(loaded, list) else [loaded])]
-        except (ValueError, TypeError) as exc:
-            raise ValueError(
-                f"${ENV_VAR} must be a JSON object (or a list of them) with the keys of cluster.fault_injection: {exc}"
-            ) from exc
+        except (ValueError, TypeError) as exc:  # one line (the CLI's exit 2), not a pydantic dump and two tracebacks
+            errors = exc.errors() if hasattr(exc, "errors") else []
+            detail = f"{'.'.join(map(str, errors[0]['loc'])) or 'value'}: {errors[0]['msg']}" if errors else str(exc)
+            raise ConfigError(
+                f"${ENV_VAR} must be a JSON object (or a list of them) with the keys of cluster.fault_injection (role, step, "
+                f"phase, action, times): {detail}"
+            ) from None
     _ARMED = [_Armed(s) for s in specs if s.action is not None]
     return [a.spec for a in _ARMED]
 
@@ -75,10 +79,12 @@ def arm_specs(specs: list[FaultInjectionConfig]) -> None:
     _ARMED = [_Armed(s) for s in specs if s.action is not None]
 
 
-def disarm() -> None:
-    """Nothing armed (the end of a run)."""
+def disarm() -> list[FaultInjectionConfig]:
+    """Nothing armed (the end of a run); returns the specs that had not fired their ``times`` (a spec leaves the list
+    once it has): a chaos test built on a spec that never fired exercised nothing."""
     global _ARMED
-    _ARMED = []
+    left, _ARMED = [a.spec for a in _ARMED], []
+    return left
 
 
 def inject(role: str, phase: str, workers: list[Any]) -> None:

@@ -44,8 +44,13 @@ class RunStalled(SystemExit):
 class StallWatchdog:
     """Report (and optionally abort) a run whose :class:`RunControl` shows no progress for ``timeout_s``."""
 
-    def __init__(self, control: RunControl, timeout_s: float, on_stall: str) -> None:
+    def __init__(
+        self, control: RunControl, timeout_s: float, on_stall: str, key: str = "stall_timeout_s", during: str | None = None
+    ) -> None:
+        """``key``: the setting ``timeout_s`` came from (named in the report); ``during``: what is watched (default: the
+        step under way, ``during step N``), e.g. ``"set-up"``."""
         self.control, self.timeout_s, self.on_stall = control, timeout_s, on_stall
+        self.key, self.during = key, during
         self.main_thread_id = threading.main_thread().ident
         self._stop = threading.Event()
         # Held from the watcher's last look at _stop to its SIGUSR1: __exit__ waits for it before putting the old
@@ -82,7 +87,7 @@ class StallWatchdog:
             if idle < self.timeout_s or time.monotonic() - since < self.timeout_s:
                 continue
             reported_at = time.monotonic()
-            report = stall_report(self.control, idle, self.timeout_s, self.main_thread_id)  # seconds: py-spy per actor
+            report = stall_report(self.control, idle, self.timeout_s, self.main_thread_id, self.key, self.during)  # py-spy per actor
             with self._signalling:
                 if self._stop.is_set():
                     return  # the watched call ended (an error, a restart) while the report was built: no stall left
@@ -115,9 +120,17 @@ class StallWatchdog:
             raise KeyboardInterrupt("stall watchdog abort")
 
 
-def stall_report(control: RunControl, idle_s: float, timeout_s: float, main_thread_id: int | None) -> str:
+def stall_report(
+    control: RunControl,
+    idle_s: float,
+    timeout_s: float,
+    main_thread_id: int | None,
+    key: str = "stall_timeout_s",
+    during: str | None = None,
+) -> str:
     """The whole report: the driver's call and stack, then every actor's."""
-    lines = [f"[stall] no progress for {idle_s:.0f}s (cluster.fault_tolerance.stall_timeout_s={timeout_s:g}) during step {control.step}"]
+    where = during or f"step {control.step}"
+    lines = [f"[stall] no progress for {idle_s:.0f}s (cluster.fault_tolerance.{key}={timeout_s:g}) during {where}"]
     lines += driver_section(main_thread_id)
     import ray
 

@@ -80,6 +80,11 @@ class RunControl:
         """A validation pass took ``seconds`` (step 0's, outside any step, or one inside a step)."""
         self._validations.append(seconds)
 
+    def stage_finished(self) -> None:
+        """A stage of the actors' start ended (Ray's start, a role's workers ready): progress for ``setup_timeout_s``,
+        which then bounds each stage, not the whole start."""
+        self.last_progress = time.monotonic()
+
     def save_finished(self) -> None:
         """A checkpoint was written since :meth:`step_finished` (its duration feeds :meth:`seconds_needed`)."""
         now = time.monotonic()

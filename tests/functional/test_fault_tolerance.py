@@ -224,6 +224,25 @@ def test_a_hung_generation_is_reported_with_its_stack_and_abort_exits_70(tmp_pat
     assert "Traceback" not in run.output
 
 
+def test_a_start_that_hangs_is_reported_and_abort_exits_70(tmp_path):
+    """No watchdog ran during set-up: a policy worker that hung while the actors started (a rendezvous, a restart's
+    worker) hung the run forever with no report, on_stall=abort included. Step 0: the first start of the actors;
+    setup_timeout_s watches the start (a start is far longer than a tiny step: stall_timeout_s is for the steps)."""
+    hang_at_start = ("cluster.fault_injection.role=policy", "cluster.fault_injection.phase=setup", "cluster.fault_injection.step=0")
+    watch_start = ("cluster.fault_tolerance.setup_timeout_s=20", "cluster.fault_tolerance.on_stall=abort")
+    run = Run(tmp_path, "grpo.max_num_steps=2", *hang_at_start, "cluster.fault_injection.action=hang", *watch_start)
+    try:
+        injected = run.wait_for_line(r"\[fault\] injecting 'hang' into policy \(setup\) at step 0", 240)
+        run.wait_for_line(r"\[stall\] no progress for \d+s \(cluster.fault_tolerance.setup_timeout_s=20\) during set-up", 20 + 10)
+        run.wait_for_line(r"\[stall\] end of report", 30, after=injected)
+        status = run.finish(120)
+    finally:
+        run.cleanup()
+    assert status == 70, run.output
+    assert "_hang_forever (nemo_like/distributed/faults.py" in run.output  # the hung worker's py-spy stack
+    assert "[setup] actors ready" not in run.output and "Traceback" not in run.output
+
+
 # The HF engine is an actor of its own (the default CPU run samples inside the policy worker, whose death restarts the
 # run instead: test_checkpoint_resume.py). Three steps: the engine dies after step 2's refit (its replacement reloads
 # those weights) and the replacement takes step 3's refit.

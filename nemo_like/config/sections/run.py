@@ -142,6 +142,13 @@ class FaultToleranceConfig(Section):
         description="Stall watchdog: when no step starts or ends for this many seconds, print every actor's current call and "
         "Python stack (py-spy), then act per on_stall. null: off. Set it well above the slowest step plus a save.",
     )
+    setup_timeout_s: Float | None = Field(
+        None,
+        gt=0,
+        description="Stall watchdog for the actors' start (set-up: Ray's start, each role's workers ready, a restart's too): "
+        "when one stage takes longer than this, the same report, then on_stall. null: not watched. Set it well above the "
+        "slowest stage (a model's load).",
+    )
     on_stall: Literal["warn", "abort"] = Field(
         "warn",
         description="After a stall report: 'warn' keeps waiting (reporting again each stall_timeout_s), 'abort' exits with status 70.",
@@ -156,12 +163,12 @@ class FaultInjectionConfig(Section):
         description="Whose call fails: 'generation' (an engine, or the policy worker when it samples inline), 'environment' (an "
         "environment actor), 'policy' (a policy worker), 'reference' (a reference policy worker).",
     )
-    step: Int = Field(1, gt=0, description="The training step whose call fails.")
+    step: Int = Field(1, ge=0, description="The training step whose call fails (0: the first start of the actors, phase 'setup' only).")
     phase: Literal["generate", "score", "train", "setup", "logprobs"] = Field(
         "generate",
         description="Which call: 'generate' (the step's rollout generation; role generation), 'score' (the rewards, and multi-turn "
         "environment steps; role environment), 'train' (the optimizer step; role policy), 'setup' (the policy workers' first "
-        "call once built, at every start of the run's actors: a restart's too; role policy), 'logprobs' (the reference "
+        "call once built, at the first start of the run's actors with step 0, else at a restart's from that step; role policy), 'logprobs' (the reference "
         "logprob pass; role reference: in an async run the trajectory collector makes it, for its batch's step).",
     )
     action: Literal["hang", "kill", "raise"] | None = Field(
@@ -177,6 +184,8 @@ class FaultInjectionConfig(Section):
         if self.phase not in phases[self.role]:
             expected = " or ".join(repr(p) for p in phases[self.role])
             raise ValueError(f"cluster.fault_injection.phase of role {self.role!r} is {expected}, got {self.phase!r}")
+        if self.step == 0 and self.phase != "setup":
+            raise ValueError(f"cluster.fault_injection.step=0 (before the first step) is for phase 'setup' only, got {self.phase!r}")
         return self
 
 

@@ -45,7 +45,8 @@ class ShardedLogprobs:
 
     def start(self, batch: Batch, **kwargs: Any) -> list[ray.ObjectRef]:
         """Start the pass; one ref per row block, in row order (pass them to :meth:`gather`)."""
-        inject(self.name, "logprobs", list(self.workers))  # tests only (cluster.fault_injection, role reference); else a no-op
+        # tests only (cluster.fault_injection, role reference: a LoRA run's reference pass runs on the policy's workers)
+        inject("reference" if kwargs.get("reference") else self.name, "logprobs", list(self.workers))
         tp = len(self.workers) // self.dp_size  # the ranks of one tensor-parallel group see the same rows
         shards = split_rows_unevenly(batch, self.dp_size)
         return [w.get_logprobs.remote(shards[r // tp], **kwargs) for r, w in enumerate(self.workers)][::tp]

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.sections.run import FaultInjectionConfig
 from nemo_like.distributed import faults
 from nemo_like.distributed.watchdog import driver_section, innermost_call
@@ -81,8 +82,12 @@ def test_faults_are_armed_from_the_config_and_the_environment(monkeypatch):
         monkeypatch.setenv(faults.ENV_VAR, '[{"role": "environment", "phase": "score", "action": "kill"}]')
         both = faults.arm(FaultInjectionConfig(step=2, action="kill"))
         assert [(f.role, f.step) for f in both] == [("generation", 2), ("environment", 1)]
+        assert faults.disarm() == both  # neither fired: the run names them (a test built on them exercised nothing)
         monkeypatch.setenv(faults.ENV_VAR, '{"step": 3, "action": "explode"}')
-        with pytest.raises(ValueError, match="NEMO_LIKE_FAULT_INJECTION must be a JSON object .or a list of them. with the keys"):
+        with pytest.raises(ConfigError, match="NEMO_LIKE_FAULT_INJECTION must be a JSON object .or a list of them. with the keys"):
+            faults.arm(None)
+        monkeypatch.setenv(faults.ENV_VAR, '{"stpe": 3, "action": "kill"}')  # a typo: one line naming the key (the CLI's exit 2)
+        with pytest.raises(ConfigError, match=r"\(role, step, phase, action, times\): stpe: Extra inputs are not permitted$"):
             faults.arm(None)
     finally:
         faults.disarm()
