@@ -32,7 +32,7 @@ from nemo_like.environments.judge_parsers import resolve_parser
 from nemo_like.environments.judge_template import JudgeTemplate, TemplateFormat, load_template_text
 from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prompt_of
 from nemo_like.environments.score_normalization import ScoreNormalization
-from nemo_like.environments.scored_text import chat_ids_of_untrusted_text
+from nemo_like.environments.scored_text import chat_ids_of_untrusted_text, ids_of_pieces, template_pieces
 from nemo_like.models.generation.interface import SamplingParams
 
 COUNTERS = (
@@ -48,6 +48,10 @@ COUNTERS = (
     "scored",
     "score_sum",
 )
+
+
+#: Stand-ins for a judge template's fields while its own text is found (private-use characters: in no template).
+_FIELD_MARK = "\ue000judge-field-{}\ue001"
 
 
 class JudgeEnvConfig(BaseModel):
@@ -111,6 +115,21 @@ class JudgeEnvConfig(BaseModel):
                 f"temperature={self.temperature} has no effect with greedy=true (the judge decodes greedily)", UserWarning, stacklevel=2
             )
         return self
+
+
+def plain_template_ids(
+    template: JudgeTemplate, tokenizer: Any, text: str, prompt: str, response: str, metadata: dict[str, Any]
+) -> list[int]:
+    """``text`` (``template`` rendered for one sample, no chat template) as ids: the template's own text tokenized as
+    usual (chat markup written in it is real: use_chat_template=false is how a template writes its own; it had been
+    read as plain text too), the sample's fields as plain text (special-token strings the policy wrote stay text). A
+    template that transforms a field past its surrounding whitespace is read as plain text whole."""
+    answer = metadata.get("answer")
+    values = [prompt, response, "" if answer is None else str(answer)]
+    marks = [_FIELD_MARK.format(i) for i in range(len(values))]
+    marked = template.render(marks[0], marks[1], {**metadata, "answer": marks[2]})
+    pieces = template_pieces(marked, text, marks, values) or [(text, True)]
+    return ids_of_pieces(tokenizer, pieces)
 
 
 def check_verdict_room(max_new_tokens: int, context: int, source: str) -> None:
@@ -207,7 +226,7 @@ class JudgeEnvironment(EnvironmentInterface):
         if self.cfg.use_chat_template and tok.chat_template:  # the policy's text stays text (scored_text)
             ids = chat_ids_of_untrusted_text(tok, [{"role": "user", "content": text}], add_generation_prompt=True)
         else:
-            ids = list(tok(text, split_special_tokens=True)["input_ids"])
+            ids = tok.build_inputs_with_special_tokens(plain_template_ids(self.template, tok, text, prompt or "", response, metadata))
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             ids = cut_from_left(ids, self.max_prompt_tokens, tok)
             self._counts["truncated"] += 1

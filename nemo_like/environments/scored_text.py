@@ -10,6 +10,8 @@ content with ``split_special_tokens=True`` (special-token strings in it stay pla
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 _PLACEHOLDER = "\ue000scored-content-{}\ue001"  # private-use characters: in no template's own text
@@ -17,22 +19,58 @@ _PLACEHOLDER = "\ue000scored-content-{}\ue001"  # private-use characters: in no 
 
 def chat_ids_of_untrusted_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     """The ids of ``messages`` through ``tokenizer``'s chat template, each message's content tokenized as plain text.
+    A template that transforms a content (``| trim``, a stripped newline) is followed: the content is read back from
+    the real rendering between the template's own texts, so the ids are the template's for the real messages.
 
     Raises:
-        ValueError: the template does not place each content once, as given (it rewrote or dropped a placeholder);
-            the judge counts such a sample as a template error."""
+        ValueError: the template does not place each content once, or transforms it past recognition (more than
+            the whitespace around it); the judge counts such a sample as a template error."""
     placeholders = [_PLACEHOLDER.format(i) for i in range(len(messages))]
-    rendered = tokenizer.apply_chat_template(
-        [{**m, "content": p} for m, p in zip(messages, placeholders)], add_generation_prompt=add_generation_prompt, tokenize=False
-    )
-    if any(rendered.count(p) != 1 for p in placeholders):
+
+    def render(contents: Sequence[str]) -> str:
+        with_contents = [{**m, "content": c} for m, c in zip(messages, contents)]
+        return tokenizer.apply_chat_template(with_contents, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    marked = render(placeholders)
+    if any(marked.count(p) != 1 for p in placeholders):
         raise ValueError("the chat template does not place each message's content once, as given")
+    pieces = template_pieces(marked, render([m["content"] for m in messages]), placeholders, [m["content"] for m in messages])
+    if pieces is None:
+        raise ValueError("the chat template changes a message's content past its surrounding whitespace")
+    return ids_of_pieces(tokenizer, pieces)
+
+
+def template_pieces(marked: str, real: str, placeholders: Sequence[str], values: Sequence[str]) -> list[tuple[str, bool]] | None:
+    """``real`` (a template rendered with ``values``) cut into ``(text, is_value)`` pieces, given ``marked``: the same
+    template rendered with ``placeholders`` (each may appear any number of times). The values as given when they went
+    in unchanged; else each read back between the template's own texts, accepted only when it equals its value but for
+    the whitespace around it (``| trim``); ``None`` when the template's texts cannot be found so."""
+    parts = re.split("(" + "|".join(re.escape(p) for p in placeholders) + ")", marked)
+    texts, marks = parts[0::2], [placeholders.index(m) for m in parts[1::2]]
+    if "".join(t + values[m] for t, m in zip(texts, marks)) + texts[-1] == real:  # the values went in as given
+        pieces = [piece for t, m in zip(texts, marks) for piece in ((t, False), (values[m], True))] + [(texts[-1], False)]
+        return [(text, is_value) for text, is_value in pieces if text]
+    if not real.startswith(texts[0]) or not real.endswith(texts[-1]) or len(texts[0]) + len(texts[-1]) > len(real):
+        return None
+    pieces, position, end = [(texts[0], False)], len(texts[0]), len(real) - len(texts[-1])
+    for i, m in enumerate(marks):
+        following = texts[i + 1]
+        if i == len(marks) - 1:
+            found = end
+        elif not following:  # two values with no template text between them: where one ends is unknown
+            return None
+        else:
+            found = real.find(following, position, end)
+        if found < 0 or real[position:found].strip() != values[m].strip():
+            return None
+        pieces += [(real[position:found], True), (following, False)]
+        position = found + len(following)
+    return [(text, is_value) for text, is_value in pieces if text]
+
+
+def ids_of_pieces(tokenizer: Any, pieces: list[tuple[str, bool]]) -> list[int]:
+    """The template's texts tokenized as usual (their special tokens are real), the values as plain text."""
     ids: list[int] = []
-    rest = rendered
-    for placeholder, message in zip(placeholders, messages):
-        template_text, rest = rest.split(placeholder, 1)
-        ids += tokenizer(template_text, add_special_tokens=False)["input_ids"] if template_text else []
-        content = message["content"]
-        ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"] if content else []
-    ids += tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else []
+    for text, is_value in pieces:
+        ids += tokenizer(text, add_special_tokens=False, split_special_tokens=is_value)["input_ids"]
     return ids

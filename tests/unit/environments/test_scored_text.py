@@ -50,3 +50,39 @@ def test_the_judge_and_the_reward_model_read_a_response_as_text(tok) -> None:
     assert control_tokens(scorer.tokenizer, scorer.encode("What is 3+4?", ATTACK, use_chat_template=False)) == [
         i for i in scorer.encode("What is 3+4?", HONEST, use_chat_template=False) if i in set(scorer.tokenizer.all_special_ids)
     ]
+
+
+def test_a_plain_judge_templates_own_chat_markup_is_real_and_the_fields_stay_text(tok) -> None:
+    """use_chat_template=false is how a judge template writes its own chat markup: it was all read as plain text (the
+    judge saw no turn at all), because the whole rendering went through split_special_tokens."""
+    from nemo_like.environments.judge import plain_template_ids
+    from nemo_like.environments.judge_template import JudgeTemplate
+
+    template = JudgeTemplate("<|im_start|>user\nQ: {prompt}\nA: {response}\nScore 0-9:<|im_end|>\n<|im_start|>assistant\n")
+    start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    meta = {"prompt": "What is 3+4?"}
+    for response in (HONEST, ATTACK):
+        text = template.render("What is 3+4?", response, meta)
+        ids = plain_template_ids(template, tok, text, "What is 3+4?", response, meta)
+        assert control_tokens(tok, ids) == [start, end, start]  # the template's three, none of the response's
+        assert tok.decode(ids) == text
+
+
+def test_a_chat_template_that_trims_a_content_is_followed(tok) -> None:
+    """Templates that transform a content (Llama-3's and Gemma's | trim) gave ids of the untrimmed text: a reward model
+    scored another input than its model card's forward."""
+    import copy
+
+    trimming = copy.deepcopy(tok)
+    trimming.chat_template = tok.chat_template.replace("message['content']", "message['content'] | trim").replace(
+        "message.content", "message.content | trim"
+    )
+    messages = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "\n5\n"}]
+    rendered = trimming.apply_chat_template(messages, tokenize=False)
+    assert "\n5\n" not in rendered  # the template does trim
+    whole = trimming(rendered, add_special_tokens=False)["input_ids"]
+    assert chat_ids_of_untrusted_text(trimming, messages, add_generation_prompt=False) == whole
+    squeezing = copy.deepcopy(tok)  # a transform beyond the whitespace around a content: refused, not guessed
+    squeezing.chat_template = tok.chat_template.replace("message['content']", "message['content'] | replace(' ', '')")
+    with pytest.raises(ValueError, match="past its surrounding whitespace"):
+        chat_ids_of_untrusted_text(squeezing, messages, add_generation_prompt=False)
