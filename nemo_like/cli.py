@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -147,14 +148,28 @@ def run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+class GivenOnce(argparse.Action):
+    """An option that may be given once: a second ``--config`` silently replaced the first recipe."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any, option: str | None = None) -> None:
+        if getattr(namespace, self.dest) is not None:
+            parser.error(
+                f"{option} given twice ({getattr(namespace, self.dest)}, {value}); to combine recipes write one with "
+                "defaults: [a.yaml, b.yaml]"
+            )
+        setattr(namespace, self.dest, value)
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="Recipe YAML (default: examples/configs/grpo_tiny_cpu.yaml).")
+    parser.add_argument("--config", default=None, action=GivenOnce, help="Recipe YAML (default: examples/configs/grpo_tiny_cpu.yaml).")
     parser.add_argument("--dry-run", action="store_true", help="Print the resolved recipe and exit.")
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides: a.b=1, +a.c=2, ++a.b=3, ~a.d")
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="Recipe YAML (its data, env, policy.generation and eval sections).")
+    parser.add_argument(
+        "--config", default=None, action=GivenOnce, help="Recipe YAML (its data, env, policy.generation and eval sections)."
+    )
     parser.add_argument("--dry-run", action="store_true", help="Print the resolved recipe and exit.")
     parser.add_argument(
         "overrides",
@@ -205,7 +220,10 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", default=None, help="Recipe YAML (its policy model, tokenizer and context; eval.model_path to serve a checkpoint)."
+        "--config",
+        default=None,
+        action=GivenOnce,
+        help="Recipe YAML (its policy model, tokenizer and context; eval.model_path to serve a checkpoint).",
     )
     parser.add_argument("--port", type=port_number, default=0, help="Port on 127.0.0.1 (default: a free one).")
     parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. eval.model_path=results/grpo/step_50")
@@ -215,7 +233,7 @@ DEFAULT_MFU = 0.4  # nemo-like plan's assumed model FLOPs utilisation
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="Recipe YAML (default: examples/configs/grpo_tiny_cpu.yaml).")
+    parser.add_argument("--config", default=None, action=GivenOnce, help="Recipe YAML (default: examples/configs/grpo_tiny_cpu.yaml).")
     parser.add_argument(
         "--device-memory-gib", type=float, default=None, help="Memory of one GPU (or of one node on a CPU cluster): check the fit."
     )

@@ -143,7 +143,9 @@ def merge_dicts(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
     for key, value in child.items():
         if isinstance(value, dict):
             value = dict(value)
-            replace = bool(value.pop(_OVERRIDE_MARKER, False))
+            replace = value.pop(_OVERRIDE_MARKER, False)
+            if not isinstance(replace, bool):  # bool("false") is True: the parent's section was dropped
+                raise ConfigError(f"'{key}.{_OVERRIDE_MARKER}' must be true or false, got {replace!r}")
             if not replace and isinstance(merged.get(key), dict):
                 merged[key] = merge_dicts(merged[key], value)
             else:
@@ -159,11 +161,21 @@ def _strip_markers(value: Any) -> Any:
     return value
 
 
-def load_recipe_dict(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Load ``path`` and its ``defaults:`` parents into one plain dict (interpolations unresolved)."""
-    path = Path(path).resolve()
-    if path in _chain:
-        cycle = " -> ".join(str(p) for p in (*_chain, path))
+def load_recipe_dict(path: str | Path) -> dict[str, Any]:
+    """Load ``path`` and its ``defaults:`` parents into one plain dict (interpolations unresolved): every file of the
+    chain once, parents before the files that name them (depth first, in the order listed), each merged over what
+    came before. Two parents sharing a base apply it once: loaded with each parent, the second copy of the base had
+    undone the first parent's keys (a LoRA recipe's lr reverted by an async recipe that never set it)."""
+    merged: dict[str, Any] = {}
+    for data in _linearized(Path(path).resolve(), (), set()):
+        merged = merge_dicts(merged, data)
+    return merged
+
+
+def _linearized(path: Path, chain: tuple[Path, ...], seen: set[Path]) -> list[dict[str, Any]]:
+    """The own keys of ``path`` and of every parent it names (not already in ``seen``), parents first."""
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ConfigError(f"Cyclic 'defaults:' inheritance: {cycle}")
     data = read_yaml_file(path)
     parents = data.pop("defaults", None)
@@ -173,7 +185,15 @@ def load_recipe_dict(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
         parents = [parents]
     elif not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
         raise ConfigError(f"{path}: 'defaults' must be a file name or a list of file names, got {parents!r}")
-    merged: dict[str, Any] = {}
+    ordered: list[dict[str, Any]] = []
     for parent in parents:
-        merged = merge_dicts(merged, load_recipe_dict(path.parent / parent, (*_chain, path)))
-    return merge_dicts(merged, data)
+        parent_path = (path.parent / parent).resolve()
+        if not parent_path.is_file():
+            raise ConfigError(
+                f"{path}: defaults names {parent!r}, which is not a file ({parent_path}); a parent is relative to the recipe naming it"
+            )
+        ordered += _linearized(parent_path, (*chain, path), seen)
+    if path in seen:
+        return ordered
+    seen.add(path)
+    return [*ordered, data]

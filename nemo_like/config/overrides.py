@@ -54,6 +54,11 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
     parser = OverridesParser.create()
     parsed = []
     for text in overrides:
+        key, sep, value = text.partition("=")
+        if sep and value.strip() == "~" and not key.startswith("~"):  # YAML's null spelling: Hydra's grammar has no '~'
+            text = f"{key}=null"
+        if not sep and not key.startswith("~") and key.endswith((".yaml", ".yml")):
+            raise ConfigError(f"'{text}' is not an override (key=value); to use it as the recipe write --config {text}")
         try:
             parsed.extend(parser.parse_overrides([text]))
         except OverrideParseException as exc:

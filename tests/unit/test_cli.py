@@ -225,3 +225,18 @@ def test_plan_names_the_reward_models_and_judges_it_does_not_count(capsys) -> No
     assert "not planned: env.arithmetic loads the reward model 'embedded:tiny-reward-qwen2'" in capsys.readouterr().out
     assert main(["plan"]) == 0
     assert "not planned" not in capsys.readouterr().out
+
+
+def test_a_second_config_a_positional_recipe_and_a_tilde_null_are_read_as_meant(capsys) -> None:
+    """A second --config silently replaced the first recipe; a recipe path without --config was a Hydra lexer error;
+    `key=~` (the docs' null) was one too."""
+    from nemo_like.config import load_config
+
+    for command in ("train", "eval", "serve", "plan"):
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--config", "examples/configs/grpo_tiny_cpu.yaml", "--config", "examples/configs/grpo_tiny_cpu_async.yaml"])
+        assert exited.value.code == 2 and "--config given twice" in capsys.readouterr().err
+    assert main(["train", "examples/configs/grpo_tiny_cpu_lora.yaml", "--dry-run"]) == 2
+    assert "is not an override (key=value); to use it as the recipe write --config" in capsys.readouterr().err
+    assert load_config(None, []).policy.max_grad_norm == 1.0
+    assert load_config(None, ["policy.max_grad_norm=~"], warn=False).policy.max_grad_norm is None

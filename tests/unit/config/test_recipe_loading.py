@@ -33,6 +33,28 @@ def test_defaults_inheritance_later_wins_and_override_marker(tmp_path):
     assert raw["policy"]["optimizer"] == {"lr": 0.2}  # replaced, weight_decay gone
 
 
+def test_two_parents_sharing_a_base_apply_it_once_and_bad_chains_name_the_file(tmp_path):
+    """Each parent was loaded with its whole chain: the second parent's copy of the shared base undid the first parent's
+    keys (the shipped LoRA + async recipes together trained LoRA at the full fine-tuning lr)."""
+    shipped = Path(__file__).resolve().parents[3] / "examples" / "configs"
+    both = write(tmp_path / "both.yaml", f"defaults: [{shipped / 'grpo_tiny_cpu_lora.yaml'}, {shipped / 'grpo_tiny_cpu_async.yaml'}]\n")
+    lora = load_recipe_dict(shipped / "grpo_tiny_cpu_lora.yaml")
+    raw = load_recipe_dict(both)
+    assert (
+        raw["policy"]["optimizer"]["lr"]
+        == lora["policy"]["optimizer"]["lr"]
+        != load_recipe_dict(shipped / "grpo_tiny_cpu.yaml")["policy"]["optimizer"]["lr"]
+    )
+    assert raw["policy"]["lora_cfg"]["enabled"] is True and raw["grpo"]["async_grpo"]["enabled"] is True
+    write(tmp_path / "mid.yaml", "defaults: base_typo.yaml\n")  # a missing parent: the recipe naming it is named
+    with pytest.raises(ConfigError, match=r"mid.yaml: defaults names 'base_typo.yaml', which is not a file"):
+        load_recipe_dict(write(tmp_path / "child.yaml", "defaults: mid.yaml\n"))
+    bad_marker = write(tmp_path / "m.yaml", "defaults: b.yaml\ngrpo:\n  _override_: 'false'\n  seed: 1\n")
+    write(tmp_path / "b.yaml", "grpo:\n  max_num_steps: 2\n")
+    with pytest.raises(ConfigError, match=r"'grpo._override_' must be true or false, got 'false'"):
+        load_recipe_dict(bad_marker)
+
+
 def test_schema_keys_missing_from_the_recipe_can_be_overridden_without_plus(tmp_path):
     recipe = write(tmp_path / "r.yaml", "grpo:\n  seed: 1\n")
     cfg = load_config(recipe, ["grpo.val_greedy=true"])
