@@ -687,7 +687,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             if metrics.get("train/empty_steps_skipped"):
                 logger.progress.message(
                     f"[step {step}] {metrics['train/empty_steps_skipped']:.0f} optimizer step(s) had no token left to train on "
-                    "(grpo.rollout_rejection / grpo.seq_logprob_error_threshold masked every row): skipped, no update"
+                    "(every row masked: grpo.rollout_rejection, grpo.seq_logprob_error_threshold, or rows with no token to "
+                    "train such as failed agent sessions): skipped, no update"
                 )
             metrics[NONFINITE_STREAK] = float(nonfinite_streak)
             total = time.perf_counter() - start

@@ -423,6 +423,8 @@ class MasterConfig(BaseModel):
             return "grpo.use_dynamic_sampling=true"
         if self.grpo.max_rollout_turns > 1:
             return f"grpo.max_rollout_turns={self.grpo.max_rollout_turns}"
+        if agents := self.agent_task_names():  # scored inside their sessions, before the rollout returns
+            return f"agent tasks {list(agents)}"
         return None
 
     def _check_reward_shaping(self) -> None:

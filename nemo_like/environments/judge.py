@@ -117,6 +117,16 @@ class JudgeEnvConfig(BaseModel):
         return self
 
 
+def with_special_tokens(tokenizer: Any, ids: list[int]) -> list[int]:
+    """``ids`` with the special tokens ``tokenizer`` adds around a text (a BOS, CLS ... SEP), as ``tokenizer(text)``
+    would give them (transformers 5's tokenizers have no ``build_inputs_with_special_tokens``)."""
+    probe, bare = tokenizer("x")["input_ids"], tokenizer("x", add_special_tokens=False)["input_ids"]
+    at = next((i for i in range(len(probe) - len(bare) + 1) if probe[i : i + len(bare)] == bare), None)
+    if at is None:  # the specials merged with the text: none added
+        return ids
+    return [*probe[:at], *ids, *probe[at + len(bare) :]]
+
+
 def plain_template_ids(
     template: JudgeTemplate, tokenizer: Any, text: str, prompt: str, response: str, metadata: dict[str, Any]
 ) -> list[int]:
@@ -226,7 +236,7 @@ class JudgeEnvironment(EnvironmentInterface):
         if self.cfg.use_chat_template and tok.chat_template:  # the policy's text stays text (scored_text)
             ids = chat_ids_of_untrusted_text(tok, [{"role": "user", "content": text}], add_generation_prompt=True)
         else:
-            ids = tok.build_inputs_with_special_tokens(plain_template_ids(self.template, tok, text, prompt or "", response, metadata))
+            ids = with_special_tokens(tok, plain_template_ids(self.template, tok, text, prompt or "", response, metadata))
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             ids = cut_from_left(ids, self.max_prompt_tokens, tok)
             self._counts["truncated"] += 1

@@ -727,6 +727,10 @@ def test_a_directory_whose_files_datasets_would_skip_is_refused_naming_them(tmp_
     (named / "extra.jsonl.gz.src").unlink()
     with pytest.raises(ConfigError, match=r"leave out 1 data file\(s\) of .*extra.jsonl.gz"):
         build(data_cfg(named), tok)
+    shards = tmp_path / "csv_gz"  # compressed CSV shards load (their header was read as text: the gzip bytes)
+    shards.mkdir()
+    (shards / "train.csv.gz").write_bytes(gzip.compress(b"q,a\n1+1?,2\n2+2?,4\n"))
+    assert sorted(r.metadata["answer"] for r in build(data_cfg(shards), tok)) == ["2", "4"]
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     for part in ("1", "2"):

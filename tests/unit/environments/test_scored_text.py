@@ -66,6 +66,26 @@ def test_a_plain_judge_templates_own_chat_markup_is_real_and_the_fields_stay_tex
         ids = plain_template_ids(template, tok, text, "What is 3+4?", response, meta)
         assert control_tokens(tok, ids) == [start, end, start]  # the template's three, none of the response's
         assert tok.decode(ids) == text
+    # ... through the judge's own prompt building (it called a method transformers 5's tokenizers lack: every sample of
+    # a judge without a chat template was a counted template error)
+    from nemo_like.environments.judge import JudgeEnvConfig, JudgeEnvironment, with_special_tokens
+
+    judge = object.__new__(JudgeEnvironment)  # the prompt building alone: no engine actors
+    judge.cfg, judge.template, judge.tokenizer = JudgeEnvConfig(use_chat_template=False), template, tok
+    judge.max_prompt_tokens, judge._counts = None, {"prompt_missing": 0, "truncated": 0}
+    assert control_tokens(tok, judge.judge_prompt_ids(ATTACK, meta)) == [start, end, start]
+    assert with_special_tokens(tok, [5, 6]) == [5, 6]  # Qwen's tokenizer adds none
+
+
+def test_with_special_tokens_adds_what_the_tokenizer_adds_around_a_text(tmp_path) -> None:
+    from transformers import BertTokenizerFast
+
+    from nemo_like.environments.judge import with_special_tokens
+
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "x", "a", "b"]) + "\n")
+    bert = BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt"))
+    assert (bert.cls_token_id, bert.sep_token_id) == (2, 3) and bert("x")["input_ids"][0] == 2
+    assert with_special_tokens(bert, [6, 7]) == [2, 6, 7, 3]  # CLS before, SEP after
 
 
 def test_a_chat_template_that_trims_a_content_is_followed(tok) -> None:

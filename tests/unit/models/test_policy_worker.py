@@ -156,6 +156,9 @@ def test_an_optimizer_step_with_no_token_to_train_on_is_skipped_whole() -> None:
     alone = make_worker(4).train([trained])
     beside_an_empty_step = make_worker(4).train([trained, empty])
     assert beside_an_empty_step["metrics"] == alone["metrics"] and beside_an_empty_step["empty_steps_skipped"] == 1
+    # an empty step first, two trained after it: their metrics weighed by their own counts, not shifted onto the empty one's
+    second = with_global_counts(random_batch(seed=3))
+    assert make_worker(4).train([empty, trained, second])["metrics"] == make_worker(4).train([trained, second])["metrics"]
 
 
 def test_a_rank_with_no_row_in_one_optimizer_step_still_averages_over_every_step() -> None:

@@ -77,6 +77,10 @@ def test_scoring_overlap_is_off_where_the_config_blocks_it() -> None:
     assert plan_of("grpo_tiny_cpu.yaml").overlap_scoring == load_config(RECIPES / "grpo_tiny_cpu.yaml", warn=False).grpo.overlap_scoring
     assert not plan_of("grpo_tiny_cpu_async.yaml").overlap_scoring
     assert not plan_of("grpo_multiturn_tiny_cpu.yaml").overlap_scoring
+    # agent tasks are scored inside their sessions: the plan had claimed an overlap that never happened
+    assert not plan_of("grpo_agent_tiny_cpu.yaml").overlap_scoring
+    lines = load_config(RECIPES / "grpo_agent_tiny_cpu.yaml", ["grpo.overlap_scoring=false"], warn=False).no_effect_warnings()
+    assert "grpo.overlap_scoring=false has no effect with agent tasks ['tool'] (scoring never overlaps there)" in lines
 
 
 def test_evaluation_plans_an_engine_and_no_refit() -> None:
