@@ -51,3 +51,23 @@ def pytest_runtest_setup(item):
         from nemo_like.distributed.threads import apply_thread_count
 
         apply_thread_count(1)  # OMP_NUM_THREADS too, for the processes the tests spawn (gloo ranks)
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch, tmp_path):
+    """No offline switch set, a hub endpoint nothing listens on (a connection is refused at once) and an empty
+    ``HF_HOME``; ``huggingface_hub``'s offline flag (read once at import) cleared and restored after the test. Returns
+    the endpoint."""
+    import socket
+
+    import huggingface_hub.constants
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    return f"http://127.0.0.1:{port}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -112,16 +111,9 @@ def test_a_hub_id_offline_and_not_cached_says_how_to_use_a_local_copy(capsys, tm
     )
 
 
-def test_a_hub_id_with_no_network_fails_at_once_instead_of_hanging(capsys, tmp_path, monkeypatch):
-    with socket.socket() as s:  # a port nothing listens on: the connection is refused at once
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+def test_a_hub_id_with_no_network_fails_at_once_instead_of_hanging(capsys, tmp_path, unreachable_hub):
     code, err = run_cli(capsys, tmp_path, "policy.model_name=Qwen/Qwen2.5-0.5B")
-    assert_clean(code, err, 2, "policy.model_name='Qwen/Qwen2.5-0.5B'", f"http://127.0.0.1:{port} is unreachable", "local directory path")
+    assert_clean(code, err, 2, "policy.model_name='Qwen/Qwen2.5-0.5B'", f"{unreachable_hub} is unreachable", "local directory path")
 
 
 @pytest.mark.parametrize("key", ["logger.log_dir", "checkpointing.checkpoint_dir"])

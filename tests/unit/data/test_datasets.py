@@ -239,22 +239,12 @@ def test_offline_hub_name_fails_with_a_clear_error(monkeypatch):
         load_source(source)
 
 
-def test_a_hub_set_on_an_unreachable_hub_fails_at_once_naming_the_offline_cause(tmp_path, monkeypatch):
+def test_a_hub_set_on_an_unreachable_hub_fails_at_once_naming_the_offline_cause(unreachable_hub, monkeypatch):
     """HF_HUB_OFFLINE unset and no network: datasets retried the hub ~24 s a split, then said "not cached in None"."""
-    import socket
-
     import datasets
     import huggingface_hub.constants
 
-    with socket.socket() as s:  # a port nothing listens on: the connection is refused at once
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # restored after the test, as the env
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # restored after the test
     source = resolve_source(DataConfig(dataset_name="openai/gsm8k"), "train")
     with pytest.raises(ConfigError, match=r"this machine is offline .*the hub did not answer.*data.train.data_path"):
         load_source(source)
