@@ -80,6 +80,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         error = _validation_error(exc)
+        if "json" not in request.headers.get("content-type", "") and error.message == "The request body must be a JSON object.":
+            error = bad_request("Send the body as JSON with the header 'Content-Type: application/json'.")
         return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)

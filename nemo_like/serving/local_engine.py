@@ -16,6 +16,7 @@ import torch
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, Seeds, WeightSource, export_weights
 from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.loading import load_causal_lm
+from nemo_like.models.refit.manifest import check_manifest
 
 
 @dataclass
@@ -45,7 +46,10 @@ class LocalGeneration:
     def refit(self, weights: WeightSource, version: int) -> float:
         """Load a full state dict (or an exporter returning one) as weight version ``version``."""
         start = time.perf_counter()
-        self.model.load_state_dict(export_weights(weights), strict=False)
+        state = export_weights(weights)
+        # The names first (as the HF worker does): strict=False loaded nothing for renamed weights and still took the version
+        check_manifest([k for k in self.model.state_dict() if not k.endswith("rotary_emb.inv_freq")], state, "the local engine")
+        self.model.load_state_dict(state, strict=False)
         self.weight_version = version
         return time.perf_counter() - start
 

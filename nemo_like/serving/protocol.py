@@ -22,6 +22,10 @@ def engine_top_k(top_k: int | None) -> int | None:
     return top_k if top_k and top_k > 0 else None
 
 
+#: Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``).
+GREEDY_BELOW = 1e-5
+
+
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints. Strict types, as OpenAI checks them: ``true`` is not a number and ``"7"`` not an
     integer (lax parsing had read ``max_tokens: true`` as 1 and answered with one token)."""
@@ -71,14 +75,16 @@ class SamplingFields(BaseModel):
         return tuple(stops)
 
     def sampling_params(self, max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
-        """The engine's settings: temperature 0 is greedy; ``top_k`` -1 or 0 means off."""
+        """The engine's settings: a temperature below :data:`GREEDY_BELOW` is greedy (as vLLM's sampler treats one; logits
+        divided by 1e-38 overflowed to NaN logprobs: a 500, or a session rejected); ``top_k`` -1 or 0 means off."""
         temperature = 1.0 if self.temperature is None else self.temperature
+        greedy = temperature < GREEDY_BELOW
         return SamplingParams(
             max_new_tokens=max_new_tokens,
-            temperature=temperature if temperature > 0 else 1.0,
+            temperature=1.0 if greedy else temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=engine_top_k(self.top_k),
-            greedy=temperature == 0,
+            greedy=greedy,
             stop_token_ids=stop_token_ids,
             stop_strings=self.stop_strings(),
         )

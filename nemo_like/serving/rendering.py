@@ -228,7 +228,12 @@ class Renderer:
         return max((len(token) for token in self.tokenizer.get_vocab()), default=1) + 1
 
     def tokenize(self, text: str) -> list[int]:
-        """The ids of ``text`` (special-token markup included, no added BOS/EOS)."""
+        """The ids of ``text`` (special-token markup included, no added BOS/EOS); a 400 for text UTF-8 cannot encode (a
+        lone surrogate from a JSON ``\\ud800``: the tokenizer raised, a 500 the openai client retried)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("The request's text holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape).") from None
         direct = self._direct
         if direct is not None and _encodes_one_text_as_is(direct):
             return direct.encode(text, add_special_tokens=False).ids

@@ -381,6 +381,14 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
     for body in (b"", b"[1, 2]", b'"text"'):  # said "Missing required parameter: ''" / "Invalid value for 'None'"
         answer = httpx.post(f"{server.base_url}/chat/completions", headers=headers, content=body)
         assert answer.status_code == 400 and answer.json()["error"]["message"] == "The request body must be a JSON object.", body
+    # curl -d sends a valid object as form data: it was told the body is no JSON object
+    form = {"Authorization": headers["Authorization"], "Content-Type": "application/x-www-form-urlencoded"}
+    answer = httpx.post(f"{server.base_url}/chat/completions", headers=form, content=b'{"model": "policy", "messages": []}')
+    assert answer.status_code == 400 and "'Content-Type: application/json'" in answer.json()["error"]["message"]
+    # a lone surrogate escape (valid JSON) was a 500, which the openai client retries
+    lone = b'{"model": "policy", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    answer = httpx.post(f"{server.base_url}/chat/completions", headers=headers, content=lone)
+    assert answer.status_code == 400 and "unpaired UTF-16 surrogate" in answer.json()["error"]["message"], answer.text
     unknown = httpx.post(f"{server.base_url}/sessions/never-opened/end", headers=headers, content=b"{}")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
     slashed = httpx.post(f"{server.base_url}/sessions", headers=headers, json={"session_id": "run-7/episode-1"}).json()["id"]

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import Future
 
 import pytest
+import torch
 
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 from nemo_like.models.loading import load_tokenizer
@@ -202,3 +203,30 @@ def test_a_caller_that_gave_up_mid_call_does_not_end_the_engine_thread() -> None
         assert queue.submit([[3]], params).result(10)[0].prompt_ids == [3]  # the thread still serves
     finally:
         queue.close()
+
+
+def test_the_local_engine_refuses_a_refit_whose_names_do_not_match_and_keeps_its_version() -> None:
+    """strict=False loaded nothing for renamed weights (a DDP 'module.' prefix) and still took the new version."""
+    from nemo_like.models.refit.manifest import RefitManifestError
+
+    engine = LocalGeneration.load(MODEL, 0, [2])
+    state = engine.model.state_dict()
+    renamed = {f"module.{k}": torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(RefitManifestError, match="the local engine's parameters"):
+        engine.refit(renamed, 7)
+    assert engine.weight_version == 0 and all(torch.equal(v, state[k]) for k, v in engine.model.state_dict().items())
+    engine.refit({k: v.clone() for k, v in state.items()}, 7)
+    assert engine.weight_version == 7
+
+
+def test_a_vanishing_temperature_samples_greedily() -> None:
+    """temperature=1e-38 divided the logits to inf: NaN logprobs, a 500 or a rejected session; as vLLM, below 1e-5 is greedy."""
+    from nemo_like.serving.protocol import ChatCompletionRequest
+
+    def params(temperature: float):
+        return ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": "x"}], temperature=temperature).sampling_params(
+            8
+        )
+
+    assert params(1e-38).greedy and params(0.0).greedy and params(1e-38).temperature == 1.0
+    assert not params(1e-4).greedy and params(1e-4).temperature == 1e-4
