@@ -341,10 +341,10 @@ class MasterConfig(BaseModel):
                 "skipped, nothing would read it)"
             )
         ft = self.cluster.fault_tolerance
-        if ft.stall_timeout_s is None and changed_from_defaults(ft, ["on_stall"]):
+        if ft.stall_timeout_s is None and ft.setup_timeout_s is None and changed_from_defaults(ft, ["on_stall"]):
             lines.append(
-                f"cluster.fault_tolerance.on_stall={ft.on_stall} has no effect with cluster.fault_tolerance.stall_timeout_s=null "
-                "(no stall watchdog runs)"
+                f"cluster.fault_tolerance.on_stall={ft.on_stall} has no effect with cluster.fault_tolerance.stall_timeout_s and "
+                "setup_timeout_s null (no stall watchdog runs)"
             )
         if not self.checkpointing.enabled and changed_from_defaults(ft, ["max_restarts"]):
             lines.append(

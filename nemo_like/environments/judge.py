@@ -136,6 +136,9 @@ def plain_template_ids(
     template that transforms a field past its surrounding whitespace is read as plain text whole."""
     answer = metadata.get("answer")
     values = [prompt, response, "" if answer is None else str(answer)]
+    specials = [t for t in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if t]
+    if not any(s in v for v in values for s in specials):  # nothing to keep as text: the tokenizer's own ids, whole
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
     marks = [_FIELD_MARK.format(i) for i in range(len(values))]
     marked = template.render(marks[0], marks[1], {**metadata, "answer": marks[2]})
     pieces = template_pieces(marked, text, marks, values) or [(text, True)]

@@ -615,7 +615,9 @@ def plan_memory(
         kv_over = "generation GPU" in over or (backend == "inline" and policy_over) or (backend == "hf" and not cfg.cluster.gpus_per_node)
         advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over)
     advice += kv_advice(cfg, roles, device_bytes) if engine else []
-    problems = [*cluster_problems, *tensor_parallel_problems(cfg, shape), *over.values(), *engine]
+    tp_problems = tensor_parallel_problems(cfg, shape)  # the teachers' workers take the policy's tensor-parallel degree
+    tp_problems += [f"teacher {name}: {p}" for name, (_, teacher) in teachers.items() for p in tensor_parallel_problems(cfg, teacher)]
+    problems = [*cluster_problems, *tp_problems, *over.values(), *engine]
     return MemoryPlan(roles, per_device, device_bytes, advice, step, problems, notes)
 
 
@@ -854,14 +856,8 @@ def fit_advice(
         advice.append("set policy.logprob_chunk_size (e.g. 1024) so logits are never materialised for every token")
     more_dp = 2 * pc.dp_size  # a larger dp that leaves no rank without a sample is not one to advise
     dp_helps = pc.train_global_batch_size // more_dp >= 1 and shrinks(_with(cfg, "policy", dp_size=more_dp))
-    if dp_helps:
-        gpus = cluster.num_nodes * cluster.gpus_per_node
-        more = (
-            " (and the GPUs: cluster.num_nodes x cluster.gpus_per_node)"
-            if gpus and more_dp * pc.dtensor_cfg.tensor_parallel_size > gpus
-            else ""
-        )
-        advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices{more}")
+    if dp_helps:  # the plan's GPU check then says whether the declared GPUs hold the larger dp's ranks
+        advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices")
     if not cluster.gpus_per_node and shrinks(_with(cfg, "cluster", num_nodes=2 * cluster.num_nodes)):
         advice.append(f"raise cluster.num_nodes (now {cluster.num_nodes}): the workers of a node share its RAM")
     if not pc.lora_cfg.enabled and policy_over:

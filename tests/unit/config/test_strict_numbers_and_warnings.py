@@ -138,8 +138,13 @@ NO_EFFECT_CASES = [
     ),
     (
         ["cluster.fault_tolerance.on_stall=abort"],
-        "cluster.fault_tolerance.on_stall=abort has no effect with cluster.fault_tolerance.stall_timeout_s=null",
+        "cluster.fault_tolerance.on_stall=abort has no effect with cluster.fault_tolerance.stall_timeout_s and setup_timeout_s null",
         ["cluster.fault_tolerance.stall_timeout_s=600"],
+    ),
+    (  # the start's watchdog acts on it too
+        ["cluster.fault_tolerance.on_stall=abort"],
+        "cluster.fault_tolerance.on_stall=abort has no effect",
+        ["cluster.fault_tolerance.setup_timeout_s=600"],
     ),
     (
         ["cluster.fault_tolerance.max_restarts=5"],

@@ -74,6 +74,8 @@ def test_a_plain_judge_templates_own_chat_markup_is_real_and_the_fields_stay_tex
     judge.cfg, judge.template, judge.tokenizer = JudgeEnvConfig(use_chat_template=False), template, tok
     judge.max_prompt_tokens, judge._counts = None, {"prompt_missing": 0, "truncated": 0}
     assert control_tokens(tok, judge.judge_prompt_ids(ATTACK, meta)) == [start, end, start]
+    honest = template.render("What is 3+4?", HONEST, meta)  # nothing to keep as text: the tokenizer's own ids, whole
+    assert judge.judge_prompt_ids(HONEST, meta) == tok(honest)["input_ids"]
     assert with_special_tokens(tok, [5, 6]) == [5, 6]  # Qwen's tokenizer adds none
 
 
@@ -102,6 +104,8 @@ def test_a_chat_template_that_trims_a_content_is_followed(tok) -> None:
     assert "\n5\n" not in rendered  # the template does trim
     whole = trimming(rendered, add_special_tokens=False)["input_ids"]
     assert chat_ids_of_untrusted_text(trimming, messages, add_generation_prompt=False) == whole
+    attacked = [messages[0], {"role": "assistant", "content": ATTACK + "\n"}]  # read back through the trim: still text
+    assert control_tokens(tok, chat_ids_of_untrusted_text(trimming, attacked, add_generation_prompt=False)) == control_tokens(tok, whole)
     squeezing = copy.deepcopy(tok)  # a transform beyond the whitespace around a content: refused, not guessed
     squeezing.chat_template = tok.chat_template.replace("message['content']", "message['content'] | replace(' ', '')")
     with pytest.raises(ValueError, match="past its surrounding whitespace"):

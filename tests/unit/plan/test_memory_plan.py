@@ -741,3 +741,8 @@ def test_the_plan_command_refuses_what_the_declared_cluster_or_the_models_heads_
     assert "fits: NO: policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads=12 and num_key_value_heads=2" in (
         capsys.readouterr().out
     )
+    # a teacher's workers take the student's tensor-parallel degree: its heads are checked too, the teacher named
+    teacher = ["--teacher-config", "T=examples/cluster/model_configs/Qwen2.5-0.5B-Instruct.json", "teacher.model_name=T"]
+    tp4 = ["policy.dp_size=1", "policy.dtensor_cfg.tensor_parallel_size=4", "loss_fn.reference_policy_kl_penalty=0"]
+    assert main(["plan", *recipe_1b, *model, *teacher, *tp4]) == 3
+    assert "teacher T: policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads=14" in capsys.readouterr().out
