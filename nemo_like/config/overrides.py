@@ -71,6 +71,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     for override in parse_overrides(overrides):
         key = override.key_or_group
         text = override.input_line
+        if override.package is not None:  # Hydra's config-group packages: nemo-like has no config groups
+            raise ConfigError(f"Override '{text}': '@{override.package}' (a Hydra package) means nothing here; write {key}=...")
         if override.is_sweep_override():
             raise ConfigError(
                 f"Override '{text}': a comma, range() or choice() makes a sweep, which nemo-like does not run; "

@@ -230,7 +230,7 @@ def test_plan_names_the_reward_models_and_judges_it_does_not_count(capsys) -> No
 def test_a_second_config_a_positional_recipe_and_a_tilde_null_are_read_as_meant(capsys) -> None:
     """A second --config silently replaced the first recipe; a recipe path without --config was a Hydra lexer error;
     `key=~` (the docs' null) was one too."""
-    from nemo_like.config import load_config
+    from nemo_like.config import ConfigError, load_config
 
     for command in ("train", "eval", "serve", "plan"):
         with pytest.raises(SystemExit) as exited:
@@ -240,3 +240,5 @@ def test_a_second_config_a_positional_recipe_and_a_tilde_null_are_read_as_meant(
     assert "is not an override (key=value); to use it as the recipe write --config" in capsys.readouterr().err
     assert load_config(None, []).policy.max_grad_norm == 1.0
     assert load_config(None, ["policy.max_grad_norm=~"], warn=False).policy.max_grad_norm is None
+    with pytest.raises(ConfigError, match=r"'@foo' \(a Hydra package\) means nothing here; write grpo.seed=..."):
+        load_config(None, ["grpo.seed@foo=3"])  # the package had been dropped silently
