@@ -324,8 +324,8 @@ def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
     """For a directory whose data files are all CSV (``datasets`` reads it with its CSV builder, one split per file
     name), the same no-guessing settings as a single CSV file; they need one header across the files. Else none."""
     data_files = directory_data_files(path)
-    if not data_files or any(FILE_BUILDERS[data_suffix(file)] != "csv" or data_suffix(file) != file.suffix.lower() for file in data_files):
-        return {}  # not all plain CSV (a compressed shard's header cannot be read as text here): datasets' own reading
+    if not data_files or any(FILE_BUILDERS.get(file.suffix.lower()) != "csv" for file in data_files):
+        return {}  # not all plain CSV (a compressed shard's ".gz" is no builder's: its header is not text here)
     headers = {file: csv_header(file, key) for file in data_files}
     first = data_files[0]
     for file, header in headers.items():

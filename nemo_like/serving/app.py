@@ -53,12 +53,15 @@ def _param(loc: list[Any]) -> str | None:
     return str(loc[0]) + "".join(f"[{part}]" for part in loc[1:] if isinstance(part, int))
 
 
-def _validation_error(exc: RequestValidationError) -> ServingError:
-    """Malformed JSON and schema violations as OpenAI's 400s (the first problem, with its parameter)."""
+def _validation_error(exc: RequestValidationError, content_type: str = "application/json") -> ServingError:
+    """Malformed JSON and schema violations as OpenAI's 400s (the first problem, with its parameter); ``content_type``:
+    the request's (a body sent as form data, ``curl -d``, is never parsed as JSON)."""
     first = exc.errors()[0] if exc.errors() else {}
     raw_loc = [p for p in first.get("loc", ()) if p != "body"]
     kind, loc = first.get("type", ""), [str(p) for p in raw_loc]
     if not loc and kind in ("missing", "dict_type", "model_attributes_type"):  # no body, or one that is not an object
+        if "json" not in content_type:
+            return bad_request("Send the body as JSON with the header 'Content-Type: application/json'.")
         return bad_request("The request body must be a JSON object.")
     if kind == "json_invalid":
         return bad_request("We could not parse the JSON body of your request. The body must be valid JSON.")
@@ -79,9 +82,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        error = _validation_error(exc)
-        if "json" not in request.headers.get("content-type", "") and error.message == "The request body must be a JSON object.":
-            error = bad_request("Send the body as JSON with the header 'Content-Type: application/json'.")
+        error = _validation_error(exc, request.headers.get("content-type", ""))
         return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)

@@ -16,7 +16,7 @@ import torch
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, Seeds, WeightSource, export_weights
 from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.loading import load_causal_lm
-from nemo_like.models.refit.manifest import check_manifest
+from nemo_like.models.refit.manifest import check_manifest, served_weight_names
 
 
 @dataclass
@@ -48,7 +48,7 @@ class LocalGeneration:
         start = time.perf_counter()
         state = export_weights(weights)
         # The names first (as the HF worker does): strict=False loaded nothing for renamed weights and still took the version
-        check_manifest([k for k in self.model.state_dict() if not k.endswith("rotary_emb.inv_freq")], state, "the local engine")
+        check_manifest(served_weight_names(self.model), state, "the local engine")
         self.model.load_state_dict(state, strict=False)
         self.weight_version = version
         return time.perf_counter() - start

@@ -12,7 +12,7 @@ from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.gate import WeightUpdateGate
-from nemo_like.models.refit.manifest import check_manifest
+from nemo_like.models.refit.manifest import check_manifest, served_weight_names
 from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
 
 
@@ -63,8 +63,7 @@ class HFGenerationWorker(Reinitializable):
         self.max_batch_size = max_batch_size
         self.weight_version = 0
         self.gate = WeightUpdateGate()
-        # What a refit must name: every tensor of the state dict but the rotary tables (computed, not trained).
-        self.expected_names = [k for k in self.model.state_dict() if not k.endswith("rotary_emb.inv_freq")]
+        self.expected_names = served_weight_names(self.model)  # what a refit must name
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: dict, seed: Seeds) -> list[dict]:

@@ -17,6 +17,12 @@ class RefitManifestError(RuntimeError):
     """A refit's state dict does not name exactly the parameters the engine serves."""
 
 
+def served_weight_names(model: torch.nn.Module) -> list[str]:
+    """The names a refit of the loaded ``model`` must carry: its state dict's, but the rotary tables (computed from
+    the config, never trained)."""
+    return [k for k in model.state_dict() if not k.endswith("rotary_emb.inv_freq")]
+
+
 def expected_weight_names(model_path: str) -> list[str]:
     """Every name of the HF model's ``state_dict()`` (tied ``lm_head.weight`` included), from a meta-device skeleton."""
     from transformers import AutoConfig, AutoModelForCausalLM
