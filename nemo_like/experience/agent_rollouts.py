@@ -388,6 +388,7 @@ class AgentRollouts:
             "agent/branched_sessions": float(sum(r.branched for r in results)),
             "agent/rejected_sessions": float(sum(r.rejected is not None for r in results)),
             "agent/calls_per_session": sum(r.num_calls for r in results) / max(n, 1),
+            "agent/abandoned_calls": float(sum(r.abandoned_calls for r in results)),
             "agent/failures": sum(failures.values()),
         }
         out.update({f"agent/failures/{kind}": count for kind, count in failures.items()})

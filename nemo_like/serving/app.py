@@ -8,15 +8,18 @@ before the body is read); every failure answers ``{"error": {...}}`` (:mod:`.err
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,6 +31,42 @@ from nemo_like.serving.service import CompletionService
 log = logging.getLogger("nemo_like.serving")
 
 SESSION_HEADER = "X-Session-Id"
+#: What a call whose client left answers (nginx's "client closed request"): nobody reads it; uvicorn drops it.
+CLIENT_CLOSED_REQUEST = 499
+T = TypeVar("T")
+
+
+class ClientLeft(Exception):
+    """The client closed its connection before its call was answered: the call was cancelled, nothing recorded."""
+
+
+async def _client_left(request: Request) -> None:
+    """Return once the client has closed the connection (its body is already read: the next ASGI message the server
+    sends is ``http.disconnect``, when the client leaves or once the response is sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_leaves(request: Request, call: Awaitable[T]) -> T:
+    """``call``'s result, or :class:`ClientLeft` once the client disconnects first, with ``call`` cancelled.
+
+    A sampled completion is recorded in its session and trained on: one whose client timed out (and may retry) was
+    never seen by the agent, so it must not be recorded. Cancelling the call drops it from the generation queue if it
+    has not been sampled yet (:meth:`~nemo_like.serving.batching.GenerationQueue.submit`), returns its session's
+    token reservation and counts it (``Session.abandoned_calls``); a completion finished at the very moment the client
+    left is recorded, as nothing tells the two apart."""
+    work, left = asyncio.ensure_future(call), asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not work.done():  # the client left, or this handler itself is cancelled (the server stopping)
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise ClientLeft
+    return work.result()
 
 
 class EndSessionRequest(BaseModel):
@@ -90,6 +129,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
+    @app.exception_handler(ClientLeft)
+    async def client_left(request: Request, exc: ClientLeft) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("rollout server: %s %s failed", request.method, request.url.path)
@@ -132,12 +175,12 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
     # response-model validation and jsonable_encoder, ~0.15 ms a call for ids and logprobs that are already plain lists.
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse:
-        call = await service.chat(body, request.headers.get(SESSION_HEADER))
+        call = await unless_client_leaves(request, service.chat(body, request.headers.get(SESSION_HEADER)))
         return JSONResponse(chat_response(call, body, f"chatcmpl-{uuid.uuid4().hex}", decode_token, service.renderer.token_bytes))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> JSONResponse:
-        call = await service.complete(body, request.headers.get(SESSION_HEADER))
+        call = await unless_client_leaves(request, service.complete(body, request.headers.get(SESSION_HEADER)))
         return JSONResponse(completion_response(call, body, f"cmpl-{uuid.uuid4().hex}", decode_token))
 
     @app.get("/v1/models")

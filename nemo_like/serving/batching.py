@@ -33,9 +33,8 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Hashable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams, Seeds, prompt_seeds
 from nemo_like.utils.seeds import serving_seed
@@ -52,9 +51,10 @@ class _Request:
 
 @dataclass
 class BatchStats:
-    """Engine calls made and prompts sampled (how much batching the concurrent calls got), and the waits for callers
+    """Engine calls made and prompts sampled (how much batching the concurrent calls got), the waits for callers
     expected back (``waits``: batches that waited; ``waited_s``: their seconds in all; ``late``: waits that ended
-    with some expected callers not back)."""
+    with some expected callers not back), and the requests dropped unsampled because their caller had given up
+    (``cancelled``: a client that left, :func:`~nemo_like.serving.app.unless_client_leaves`)."""
 
     engine_calls: int = 0
     prompts: int = 0
@@ -62,6 +62,7 @@ class BatchStats:
     waits: int = 0
     waited_s: float = 0.0
     late: int = 0
+    cancelled: int = 0
 
 
 class GenerationQueue:
@@ -96,7 +97,8 @@ class GenerationQueue:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, caller: Hashable | None = None) -> Future:
         """A future of one :class:`GeneratedSample` per prompt (``seed``: the request's own, else the queue's next;
-        ``caller``: the session calling, None for a call without one)."""
+        ``caller``: the session calling, None for a call without one). Cancelling the future before its engine call
+        starts drops the request (it is not sampled); once started, the future can no longer be cancelled."""
         request = _Request([list(p) for p in prompts], params, seed, caller)
         with self._cond:
             if caller is None:
@@ -171,6 +173,9 @@ class GenerationQueue:
                 size += len(request.prompts)
             self._pending_prompts -= size
             stop = bool(self._pending) and self._pending[0] is None
+        taken = len(batch)
+        batch = [r for r in batch if r.future.set_running_or_notify_cancel()]  # False: its caller gave up; drop it
+        self.stats.cancelled += taken - len(batch)
         if waited:
             self.stats.waits += 1
             self.stats.waited_s += time.monotonic() - start
@@ -215,7 +220,7 @@ class GenerationQueue:
                 raise RuntimeError(f"the engine returned {len(samples)} samples for {len(prompts)} prompts")
         except Exception as exc:  # every waiting handler answers 500; the thread keeps serving
             for request in requests:
-                _settle(request.future, error=exc)
+                request.future.set_exception(exc)
             return
         seconds = time.monotonic() - start
         self._engine_s = seconds if not self.stats.engine_calls else 0.5 * (self._engine_s + seconds)
@@ -231,17 +236,8 @@ class GenerationQueue:
         at = 0
         for request in requests:
             limit = request.params.max_new_tokens
-            _settle(request.future, [cut_to(s, limit) for s in samples[at : at + len(request.prompts)]])
+            request.future.set_result([cut_to(s, limit) for s in samples[at : at + len(request.prompts)]])
             at += len(request.prompts)
-
-
-def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Answer a handler's future, unless the handler gave up meanwhile (a client gone, the server stopping: its future
-    was cancelled; answering it would raise in this thread and end it)."""
-    try:
-        future.set_exception(error) if error is not None else future.set_result(result)
-    except InvalidStateError:
-        pass
 
 
 def cut_to(sample: GeneratedSample, max_new_tokens: int) -> GeneratedSample:

@@ -278,6 +278,10 @@ class CompletionService:
             max_new, reserved = self.sessions.reserve(session, max_new, req.n)
         try:
             return await self._sample_reserved(req, text, ids, max_new, session, call_index)
+        except asyncio.CancelledError:  # its client left (app.unless_client_leaves): nothing is recorded
+            if session is not None:
+                self.sessions.abandon(session)
+            raise
         finally:
             if reserved:
                 self.sessions.release(session, reserved)

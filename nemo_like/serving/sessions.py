@@ -43,6 +43,7 @@ class Session:
     ended: bool = False
     reserved_tokens: int = 0  # tokens the calls in flight may still sample (their budget reservations)
     budget_refusals: int = 0  # calls refused because the budget had too few tokens left
+    abandoned_calls: int = 0  # calls cancelled because their client left before the answer (not recorded)
 
     @property
     def sampled_tokens(self) -> int:
@@ -84,6 +85,7 @@ class SessionCounters:
     rows: int = 0
     branched: int = 0
     rejected: int = 0
+    abandoned_calls: int = 0
 
     def as_metrics(self) -> dict[str, float]:
         """``agent/*`` numbers over the ended sessions."""
@@ -94,6 +96,7 @@ class SessionCounters:
             "agent/rejected_sessions": float(self.rejected),
             "agent/rows_per_session": self.rows / max(self.sessions_with_rows, 1),  # of the sessions with rows
             "agent/calls_per_session": self.calls / n,
+            "agent/abandoned_calls": float(self.abandoned_calls),
         }
 
 
@@ -192,6 +195,11 @@ class SessionStore:
         with self._lock:
             session.reserved_tokens -= tokens
 
+    def abandon(self, session: Session) -> None:
+        """Count a call of ``session`` cancelled because its client left before the answer (nothing was recorded)."""
+        with self._lock:
+            session.abandoned_calls += 1
+
     def record(self, session: Session, records: Sequence[CallRecord], texts: Sequence[tuple[str, str]]) -> None:
         """Append one HTTP call's records; ``texts[i]`` = (prompt text, completion text) of ``records[i]``.
 
@@ -226,7 +234,7 @@ class SessionStore:
                 self._remember_ended(session_id)
                 self._end_rewards[session_id] = None if reward is None else float(reward)
                 calls = sorted(session.calls, key=lambda c: (c.call_index, c.choice_index))
-                refusals = session.budget_refusals
+                refusals, abandoned = session.budget_refusals, session.abandoned_calls
                 building = self._building[session_id] = _PendingEnd()
         if pending is not None:  # another caller is building the rows: its result is this call's too
             pending.done.wait()
@@ -237,7 +245,7 @@ class SessionStore:
             if self.on_end is not None:
                 self.on_end(session_id)
             result = session_rows(session_id, calls, 0.0 if reward is None else float(reward), self.vocab_size)
-            result.budget_refusals = refusals
+            result.budget_refusals, result.abandoned_calls = refusals, abandoned
             with self._lock:
                 self._count(result)
                 self._results[session_id] = result
@@ -268,6 +276,7 @@ class SessionStore:
         c.rows += len(result.rows)
         c.branched += int(result.branched)
         c.rejected += int(result.rejected is not None)
+        c.abandoned_calls += result.abandoned_calls
 
     def _remember_ended(self, session_id: str) -> None:
         """Record ``session_id`` as ended (under the lock), forgetting the oldest past :data:`MAX_ENDED_IDS`."""
@@ -297,6 +306,6 @@ class SessionStore:
 
     def metrics(self) -> dict[str, float]:
         """``agent/sessions``, ``agent/branched_sessions``, ``agent/rejected_sessions``, ``agent/rows_per_session``,
-        ``agent/calls_per_session`` since the store started."""
+        ``agent/calls_per_session``, ``agent/abandoned_calls`` since the store started."""
         with self._lock:
             return self.counters.as_metrics()

@@ -188,7 +188,8 @@ def row_problems(row: TrainingRow, calls: Sequence[CallRecord]) -> list[str]:
 @dataclass
 class SessionRows:
     """A finished session: its rows (empty when rejected), its HTTP calls (``num_calls``: a call with ``n`` choices is
-    one), why it was rejected, if it was, and how many of its calls the server refused for its token budget."""
+    one), why it was rejected, if it was, how many of its calls the server refused for its token budget, and how many
+    it cancelled because their client left before the answer (``abandoned_calls``: in no row)."""
 
     session_id: str
     reward: float
@@ -196,6 +197,7 @@ class SessionRows:
     num_calls: int
     rejected: str | None = None
     budget_refusals: int = 0
+    abandoned_calls: int = 0
 
     @property
     def branched(self) -> bool:

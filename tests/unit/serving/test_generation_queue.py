@@ -188,19 +188,23 @@ def test_sessions_started_together_share_their_first_engine_call_and_an_ended_se
         queue.close()
 
 
-def test_a_caller_that_gave_up_mid_call_does_not_end_the_engine_thread() -> None:
-    """A handler cancelled while its call runs (the client gone, the server stopping): answering its future raised
-    InvalidStateError in the engine thread and ended it."""
+def test_a_request_given_up_before_its_engine_call_is_not_sampled() -> None:
+    """A handler cancelled while its request waits (the client gone, the server stopping) cancels the request's
+    future: the engine thread drops it instead of sampling it. Once its engine call has started the future is running
+    and cannot be cancelled (answering a cancelled future had raised InvalidStateError in the engine thread, ending it),
+    and the thread goes on serving."""
     held = Held()
     queue = GenerationQueue(held, window_s=0.0, wait_ratio=1e6, max_wait_s=0.05)
     params = SamplingParams(max_new_tokens=1)
     try:
-        abandoned = held.hold(queue, [[1]], params)
-        assert abandoned.cancel()  # pending to the caller: the asyncio side cancels it so
-        abandoned_too = queue.submit([[2]], params)  # queued behind it, then given up as well
-        abandoned_too.cancel()
+        running = held.hold(queue, [[1]], params)
+        assert not running.cancel() and running.running()
+        given_up = queue.submit([[2], [2]], params)  # queued behind it, then given up
+        assert given_up.cancel()
         held.gate.set()
+        assert running.result(10)[0].prompt_ids == [1]
         assert queue.submit([[3]], params).result(10)[0].prompt_ids == [3]  # the thread still serves
+        assert [n for n, _ in held.calls] == [1, 1] and queue.stats.cancelled == 1  # the two prompts given up: never sampled
     finally:
         queue.close()
 

@@ -63,6 +63,7 @@ def test_counters_cover_branched_and_rejected_sessions():
         "agent/rejected_sessions": 1.0,
         "agent/rows_per_session": 1.5,  # 1 + 2 rows of the 2 sessions with rows (the rejected one has none)
         "agent/calls_per_session": 4 / 3,
+        "agent/abandoned_calls": 0.0,
     }
 
 
