@@ -454,10 +454,15 @@ class TrajectoryCollector:
             return self.in_flight
 
     def needs_weights(self) -> bool:
-        """Whether new weights would reach a batch: one is generating, or more are to come (the last refits of a run
-        would otherwise push weights nothing samples with)."""
+        """Whether new weights would reach a batch: more are to come, or one is generating and a refit reaches it
+        (:meth:`_refits_reach_the_running_batch`). The last refits of a run would otherwise push weights nothing samples
+        with, a waiting refit after waiting for the last batch to end."""
         with self.cond:
-            return self.in_flight or not self._nothing_left_to_generate()
+            return (self.in_flight and self._refits_reach_the_running_batch()) or not self._nothing_left_to_generate()
+
+    def _refits_reach_the_running_batch(self) -> bool:
+        """In-flight refits load inside the batch's generate calls; a waiting refit waits for the batch to end."""
+        return self.in_flight_refits
 
     def is_generating(self) -> bool:
         """Whether a batch is generating now (an in-flight refit then swaps its weights between two decoding steps)."""
@@ -530,6 +535,10 @@ class DriverTrajectoryCollector(TrajectoryCollector):
 
     def _mark_step(self, target: int) -> None:
         """Nothing: in the driver, the run control's step is the trainer's."""
+
+    def _refits_reach_the_running_batch(self) -> bool:
+        """Always: a refit holds the server's engine between two calls of the running batch's sessions."""
+        return True
 
     def _refit_seconds_in_generation(self) -> float:
         """Also the seconds the agents' engine calls waited at the gate a waiting refit held (inside the batch)."""

@@ -20,7 +20,7 @@ from nemo_like.data.prompts import PromptDataLoader, PromptRecord
 from nemo_like.experience.agent_rollouts import EngineGate
 from nemo_like.experience.replay_buffer import ReplayBufferActor
 from nemo_like.experience.rollouts import Rollout
-from nemo_like.experience.trajectory_collector import CollectorSettings, DriverTrajectoryCollector
+from nemo_like.experience.trajectory_collector import CollectorSettings, DriverTrajectoryCollector, TrajectoryCollector
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
 
 
@@ -225,3 +225,30 @@ def test_engine_calls_held_by_a_waiting_refit_are_taken_out_of_the_generation_se
     idle/generation_paused_for_refit and inside the batch's generation seconds (the subtraction ran for in-flight
     refits only), so the generation throughput read low."""
     assert generation_seconds_of_batches(2, None, GateHeldAgents(), in_flight_refits=False) == pytest.approx(2 * (1.0 - 0.25))
+
+
+def test_a_refit_that_no_batch_would_use_is_skipped() -> None:
+    """Once the last step's batch has started, a waiting refit (it waits for that batch to end) feeds nothing: the
+    trainer waited for the last batch, then exported and loaded weights for nothing. An in-flight refit, and the agent
+    path's refit (between two engine calls of the running sessions), still reach the running batch."""
+    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(4)], 2, seed=0)
+    envs = SimpleNamespace(agents=Agents(), tasks=["t"])
+
+    def collector(kind: type, next_target: int, in_flight_refits: bool, generating: bool) -> TrajectoryCollector:
+        settings = CollectorSettings(
+            sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=1, last_step=2,
+            next_target=next_target, max_num_epochs=100, generation_version=0, reference=None, pad_token_id=0,
+            in_flight_refits=in_flight_refits,
+        )  # fmt: skip
+        made = kind.__new__(kind)
+        TrajectoryCollector._setup(made, None, envs, None, None, loader, settings)
+        made.in_flight = generating
+        return made
+
+    last_started = 3  # the pacer has handed out step 2, the last
+    assert not collector(TrajectoryCollector, last_started, in_flight_refits=False, generating=True).needs_weights()
+    assert collector(TrajectoryCollector, last_started, in_flight_refits=True, generating=True).needs_weights()
+    assert collector(DriverTrajectoryCollector, last_started, in_flight_refits=False, generating=True).needs_weights()
+    for kind in (TrajectoryCollector, DriverTrajectoryCollector):
+        assert not collector(kind, last_started, in_flight_refits=True, generating=False).needs_weights()
+        assert collector(kind, 2, in_flight_refits=False, generating=False).needs_weights()  # step 2's batch is to come
