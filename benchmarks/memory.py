@@ -121,7 +121,7 @@ def chunk_pass(model_dir: str, chunk: int | None, out: str) -> None:
 
 
 def status_mb(field: str) -> float:
-    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``: resident now; ``VmHWM``: the peak since the last reset) in MB."""
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``: resident now; ``VmHWM``: the peak since the last reset) in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
@@ -168,7 +168,7 @@ def dp_comparison(tmp: Path) -> None:
                 raise SystemExit(f"dp {world} rank failed")
         results[world] = json.loads((tmp / f"dp{world}_r0.json").read_text())
     mb = 2**20
-    print(f"{'rank 0 holds (MB)':<24}{'dp 1':>10}{'dp 2':>10}{'dp2/dp1':>10}")
+    print(f"{'rank 0 holds (MiB)':<24}{'dp 1':>10}{'dp 2':>10}{'dp2/dp1':>10}")
     for key in ("params", "grads", "optimizer"):
         a, b = results[1][key] / mb, results[2][key] / mb
         print(f"{key:<24}{a:>10.1f}{b:>10.1f}{b / a:>10.2f}")
@@ -200,7 +200,7 @@ def chunk_comparison(tmp: Path) -> None:
             env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
         )
         peaks[chunk] = json.loads(out.read_text())["peak_above_baseline_mb"]
-    print(f"{'peak above baseline (MB)':<26}{'full':>10}{'chunk 256':>12}{'full/chunked':>14}")
+    print(f"{'peak above baseline (MiB)':<26}{'full':>10}{'chunk 256':>12}{'full/chunked':>14}")
     print(f"{'logprob pass':<26}{peaks[None]:>10.1f}{peaks[256]:>12.1f}{peaks[None] / max(peaks[256], 1e-9):>14.1f}x")
 
 

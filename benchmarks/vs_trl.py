@@ -20,7 +20,8 @@ Equal work: both sides load the same Hugging Face model directory (random init, 
 model's tokenizer), whose stop token is never sampled (its logit sits 39 / 23 / 11 nats below the mean of the
 others in W1 / W2 / W3: ``python benchmarks/stop_token_gap.py W1 W2 W3``; see :func:`build_model`), so every completion
 on both sides runs exactly ``max_new_tokens`` tokens (the script checks ours: "all completions full length").
-Both train on the same prompt texts (our arithmetic prompts, chat template applied), beta 0 (no
+Both train on the same prompt texts (the first ``PROMPT_SET`` = 64 of our arithmetic training prompts, chat template
+applied; each side shuffles them with its own sampler), beta 0 (no
 reference model), one optimizer step per rollout over the whole batch, temperature 1, fp32, sync.
 TRL runs with its own defaults otherwise (HF ``generate``; note that TRL 1.x defaults to
 ``gradient_checkpointing=True``; ``--trl-no-gradient-checkpointing`` turns it off). Ours runs with the
@@ -69,6 +70,7 @@ SIZES = {
     "35m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4),
 }
 PROMPT_BUDGET = 32  # prompt tokens the sequence length allows (our arithmetic prompts are ~21)
+PROMPT_SET = 64  # both sides draw their steps from the first this many of our arithmetic training prompts
 TAG = "@@vs_trl@@"  # marks the TRL worker's own lines on its stdout (TRL prints its logs there too)
 OUR_PHASES = ("refit", "generation", "reward", "prev_logprobs", "policy_training")
 
@@ -271,6 +273,7 @@ class OurRun:
             f"policy.generation.max_new_tokens={work['new_tokens']}",
             f"policy.max_total_sequence_length={PROMPT_BUDGET + work['new_tokens']}",
             "loss_fn.reference_policy_kl_penalty=0",  # beta 0, as TRL's default
+            f"data.train.num_problems={PROMPT_SET}",  # TRL's prompt set (prompt_rows): the same texts on both sides
             *([f"policy.generation.backend={backend}"] if backend != "default" else []),
             *extra,
         ]
@@ -444,7 +447,7 @@ def main() -> int:
         for name in args.workloads.split(","):
             work = WORKLOADS[name]
             model_dir, n_params = build_model(Path(tmp) / f"model-{work['size']}", work["size"])
-            rows = prompt_rows(model_dir, 64)
+            rows = prompt_rows(model_dir, PROMPT_SET)
             for backend in args.backends.split(","):
                 print(f"[{name}] {n_params / 1e6:.2f}M params, {work}, backend {backend}", flush=True)
                 results.append(run_pairs(name, work, backend, args, tmp, model_dir, n_params, rows))

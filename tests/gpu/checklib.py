@@ -36,6 +36,7 @@ from typing import Any
 
 PASS, FAIL, NOT_RUN, SKIP = "PASS", "FAIL", "NOT RUN", "SKIP"
 NO_CUDA = "no CUDA device"
+NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia/version")  # an NVIDIA GPU and its driver
 
 # Exit statuses of run_gpu_check.py.
 EXIT_OK = 0  # every selected check passed (or was deselected); also no CUDA with --allow-no-gpu
@@ -320,13 +321,18 @@ class Watchdog:
         self._stop.set()
 
 
-def cuda_state() -> tuple[bool, int, str]:
-    """``(available, device count, reason)``; reason is ``""`` when available."""
+def cuda_state(device_files: tuple[str, ...] = NVIDIA_DEVICE_FILES) -> tuple[bool, int, str]:
+    """``(available, device count, reason)``; reason is ``""`` when available, :data:`NO_CUDA` on a machine without an
+    NVIDIA GPU, and says so when one of ``device_files`` exists but torch sees no CUDA device (a CPU wheel, a driver
+    mismatch): :func:`exit_status` then never reads it as a machine without a GPU."""
     try:
         import torch
     except Exception as exc:  # noqa: BLE001
         return False, 0, describe_import_error("torch", exc)
     if not torch.cuda.is_available():
+        present = next((f for f in device_files if os.path.exists(f)), None)
+        if present is not None:
+            return False, 0, f"{present} exists but torch {torch.__version__} sees no CUDA device (a CPU-only wheel, or a driver mismatch?)"
         return False, 0, NO_CUDA
     return True, torch.cuda.device_count(), ""
 
@@ -479,12 +485,14 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:400] if text else ""
 
 
-def exit_status(results: list[Result], cuda_available: bool, allow_no_gpu: bool) -> int:
+def exit_status(results: list[Result], cuda: tuple[bool, int, str], allow_no_gpu: bool) -> int:
+    """The run's exit status; ``cuda``: :func:`cuda_state`. ``allow_no_gpu`` (``make test-gpu``) makes a machine without a
+    GPU exit 0, never one whose GPU torch cannot use, nor one where torch does not import."""
     statuses = {r.status for r in results}
     if FAIL in statuses:
         return EXIT_FAIL
-    if not cuda_available:
-        return EXIT_OK if allow_no_gpu else EXIT_NO_GPU
+    if not cuda[0]:
+        return EXIT_OK if allow_no_gpu and cuda[2] == NO_CUDA else EXIT_NO_GPU
     if NOT_RUN in statuses:
         return EXIT_NOT_RUN
     return EXIT_OK

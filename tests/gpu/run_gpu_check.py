@@ -104,7 +104,7 @@ def run_tier(args: argparse.Namespace, tier: str) -> int:
         _cleanup(ctx, timeout_s=120)
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    status = checklib.exit_status(results, cuda[0], args.allow_no_gpu)
+    status = checklib.exit_status(results, cuda, args.allow_no_gpu)
     finish(results, status)
     print(footer(tier, results, status, json_path, cuda[2], args.allow_no_gpu), flush=True)
     return status
@@ -158,9 +158,13 @@ def run_all(args: argparse.Namespace) -> int:
         part_json = Path(json_path).with_name(Path(json_path).stem + f"_{tier}.json")
         command = [sys.executable, __file__, "--tier", tier, "--json", str(part_json), "--deadline-s", f"{max(remaining, 0):.0f}"]
         command += ["--allow-no-gpu"] * args.allow_no_gpu + ["--allow-unpinned"] * args.allow_unpinned
-        if args.only:  # each tier gets its own ids; a tier with none selected does not run
+        if args.only:  # each tier gets its own ids; a tier with none selected does not run: its checks are SKIP
             ids = [i for i in args.only.split(",") if i.startswith(tier)]
             if not ids:
+                skipped = [checklib.Result(c.id, c.name, tier, SKIP, reason="deselected (--only)") for c in tier_checks(tier)]
+                for result in skipped:
+                    print(result.line(), flush=True)
+                parts[tier] = {"tier": tier, "exit_status": EXIT_OK, "checks": [r.to_json() for r in skipped]}
                 continue
             command += ["--only", ",".join(ids)]
         command += ["--workdir", str(Path(args.workdir) / tier)] if args.workdir else []
@@ -181,8 +185,8 @@ def run_all(args: argparse.Namespace) -> int:
         "schema": 1,
         "tier": "all",
         "seconds": round(time.time() - started_wall, 1),
-        "versions": parts.get("A", {}).get("versions"),
-        "gpu": parts.get("A", {}).get("gpu"),
+        "versions": next((p["versions"] for p in parts.values() if p.get("versions")), None),  # of the tiers that ran
+        "gpu": next((p["gpu"] for p in parts.values() if p.get("gpu")), None),
         "counts": counts,
         "exit_status": status,
         "tiers": {t: {k: v for k, v in p.items() if k != "checks"} for t, p in parts.items()},

@@ -96,22 +96,26 @@ fig = checklib.Figures()
 fig["a"], fig["b"] = 0.5, float("nan")
 held = [fig.expect("a", "<=", 1.0), fig.expect("a", ">=", 1.0), fig.expect("b", "<=", 1.0), fig.expect("missing", "==", 1)]
 r = lambda status: checklib.Result("X", "x", "A", status)
+gpu, none = (True, 1, ""), (False, 0, checklib.NO_CUDA)
+unusable = checklib.cuda_state(device_files=("/",))  # as if a GPU's device file existed
 statuses = [
-    checklib.exit_status([r("PASS"), r("SKIP")], True, False),
-    checklib.exit_status([r("PASS"), r("FAIL")], True, False),
-    checklib.exit_status([r("PASS"), r("NOT RUN")], True, False),
-    checklib.exit_status([r("NOT RUN")], False, False),
-    checklib.exit_status([r("NOT RUN")], False, True),
+    checklib.exit_status([r("PASS"), r("SKIP")], gpu, False),
+    checklib.exit_status([r("PASS"), r("FAIL")], gpu, False),
+    checklib.exit_status([r("PASS"), r("NOT RUN")], gpu, False),
+    checklib.exit_status([r("NOT RUN")], none, False),
+    checklib.exit_status([r("NOT RUN")], none, True),
+    checklib.exit_status([r("NOT RUN")], unusable, True),  # --allow-no-gpu does not cover a GPU torch cannot use
 ]
 try:
     import no_such_module_for_the_gpu_check  # noqa
 except ImportError as exc:
     chain = checklib.import_chain(exc)
-print(json.dumps({"held": held, "failures": len(fig.failures), "statuses": statuses, "chain": chain}))
+print(json.dumps({"held": held, "failures": len(fig.failures), "statuses": statuses, "chain": chain, "unusable": unusable[2]}))
 """
     result = run_python(code)
     assert result["held"] == [True, False, False, False] and result["failures"] == 3
-    assert result["statuses"] == [0, 1, 4, 3, 0]
+    assert result["statuses"] == [0, 1, 4, 3, 0, 3]
+    assert result["unusable"].startswith("/ exists but torch") and "sees no CUDA device" in result["unusable"]
     assert result["chain"] == ["no_such_module_for_the_gpu_check"]
 
 
@@ -131,3 +135,16 @@ print(json.dumps(out))
     assert run_python(code) == {
         "--tier A --only a2": 2, "--tier multi --only A2": 2, "--tier all --only A2,B4": "A2,B4", "--tier A --only B1": 2,
     }  # fmt: skip
+
+
+def test_a_tier_with_no_selected_check_is_listed_as_skipped_and_the_summary_keeps_the_versions(tmp_path):
+    """``--tier all --only B4``: tier A had not run at all (its checks missing from the lines and the counts), and the
+    summary took the versions and the GPU from tier A alone (null)."""
+    command = [sys.executable, str(GPU / "run_gpu_check.py"), "--tier", "all", "--only", "B4", "--json", str(tmp_path / "all.json")]
+    run = subprocess.run([*command, "--allow-no-gpu"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = json.loads((tmp_path / "all.json").read_text())
+    statuses = {c["id"]: c["status"] for c in summary["checks"]}
+    assert statuses["B4"] == "NOT RUN" and {i for i, s in statuses.items() if s == "SKIP"} == set(statuses) - {"B4"}
+    assert {"A0", "A4", "B1", "B9"} <= set(statuses) and summary["counts"]["SKIP"] == len(statuses) - 1
+    assert summary["versions"]["torch"].startswith("2.") and "SKIP     A2" in run.stdout
