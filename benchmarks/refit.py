@@ -68,7 +68,7 @@ def main() -> None:
             generation.shutdown()
             policy.shutdown()
     print(
-        f"{args.size} ({n_params / 1e6:.1f}M params, {4 * n_params / 2**20:.0f} MB fp32), backend {args.backend}, load {min(loads):.1f}-{max(loads):.1f}"
+        f"{args.size} ({n_params / 1e6:.1f}M params, {4 * n_params / 2**20:.0f} MiB fp32), backend {args.backend}, load {min(loads):.1f}-{max(loads):.1f}"
     )
     for name, values in seconds.items():
         export = statistics.median(exports[name][1:])

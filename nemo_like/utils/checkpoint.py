@@ -114,6 +114,14 @@ ASYNC_INCOMPATIBLE_KEYS = (
 # Keys a LoRA checkpoint depends on: it holds adapters of this shape on these modules. Without LoRA (then on both
 # sides: ``policy.lora_cfg.enabled`` is pinned) they have no effect, and the config loader says so.
 LORA_INCOMPATIBLE_KEYS = tuple(f"policy.lora_cfg.{key}" for key in ("dim", "alpha", "target_modules", "exclude_modules"))
+# Keys holding a set of module names written as a list: the same names in another order are the same modules.
+MODULE_SET_KEYS = ("policy.lora_cfg.target_modules", "policy.lora_cfg.exclude_modules")
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    if key in MODULE_SET_KEYS and isinstance(a, list) and isinstance(b, list):
+        return set(a) == set(b)
+    return a == b
 
 
 def incompatible_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -126,7 +134,7 @@ def incompatible_differences(saved: dict[str, Any], current: dict[str, Any]) -> 
     keys = (*INCOMPATIBLE_KEYS, *(ASYNC_INCOMPATIBLE_KEYS if async_saved else ()), *(LORA_INCOMPATIBLE_KEYS if lora_saved else ()))
     for key in keys:
         a, b = _select(saved, key), _select(current, key)
-        if a != b:
+        if not _same(key, a, b):
             diffs.append(f"{key}: {a!r} -> {b!r}")
     return diffs
 

@@ -264,6 +264,9 @@ def test_a_lora_checkpoint_pins_its_adapters_shape_and_a_full_one_does_not():
         "policy.lora_cfg.target_modules: None -> ['q_proj']"
     ]
     assert incompatible_differences(config(False), config(True)) == ["policy.lora_cfg.enabled: False -> True"]
+    # The same modules listed in another order are the same adapters (the resume was refused)
+    assert incompatible_differences(config(True, targets=["q_proj", "v_proj"]), config(True, targets=["v_proj", "q_proj"])) == []
+    assert incompatible_differences(config(True, targets=["q_proj", "v_proj"]), config(True, targets=["q_proj"]))
 
 
 def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
