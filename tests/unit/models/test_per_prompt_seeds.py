@@ -15,6 +15,7 @@ from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import SamplingParams, chunk_seeds, prompt_seeds
 from nemo_like.models.generation.lean_decoder import (
     RACE_MAX_VOCAB,
+    RowNoise,
     draw,
     draw_per_row,
     inverse_cdf_tokens,
@@ -79,6 +80,26 @@ def test_the_per_row_draw_is_torch_multinomial_row_by_row() -> None:
     seeds = [3, 1, 4, 1, 5]
     expected = [int(torch.multinomial(probs[i : i + 1], 1, generator=torch.Generator().manual_seed(s))) for i, s in enumerate(seeds)]
     assert draw_per_row(probs, [torch.Generator().manual_seed(s) for s in seeds]).tolist() == expected
+
+
+def test_row_noise_draws_what_a_call_per_step_draws() -> None:
+    """The sampler draws each row's race noise a block of steps at a time: step t's values must be those one
+    ``exponential_`` call per step gives (then every seeded draw is what it was), across blocks and a last short one,
+    and the large-vocabulary path draws the same uniforms from the same generators."""
+    seeds, vocab, steps = [3, 1, 4], 315, 37  # blocks of 16, 16 and 5 steps
+    noise = RowNoise([torch.Generator().manual_seed(s) for s in seeds], steps)
+    per_step = [torch.Generator().manual_seed(s) for s in seeds]
+    probs = torch.full((len(seeds), vocab), 1.0 / vocab)
+    for _ in range(steps):
+        expected = torch.empty(len(seeds), vocab)
+        for row, generator in zip(expected, per_step):
+            row.exponential_(generator=generator)
+        assert torch.equal(noise.next(probs), expected)
+    assert noise._noise.shape[1] == 5  # the last block stopped at the call's last step
+    logits = torch.randn(len(seeds), RACE_MAX_VOCAB + 10, generator=torch.Generator().manual_seed(0))
+    dist = SamplingDistribution(1.0, None, 1.0)
+    wrapped = draw(logits, dist, False, RowNoise([torch.Generator().manual_seed(s) for s in seeds], 4))[0]
+    assert torch.equal(wrapped, draw(logits, dist, False, [torch.Generator().manual_seed(s) for s in seeds])[0])
 
 
 def test_a_rows_uniform_is_its_own_generators_draw_alone() -> None:
