@@ -42,14 +42,16 @@ def message_text(content: Any) -> str | None:
     return None
 
 
-def cut_from_left(ids: list[int], limit: int, tokenizer: Any) -> list[int]:
+def cut_from_left(ids: list[int], limit: int, tokenizer: Any, aligned: list[int] | None = None) -> list[int]:
     """``ids`` cut to ``limit`` tokens by dropping tokens after the first, which is kept when it is the tokenizer's CLS
-    or BOS (an encoder's classifier reads CLS; a decoder expects its BOS), so the response at the end survives."""
+    or BOS (an encoder's classifier reads CLS; a decoder expects its BOS), so the response at the end survives.
+    ``aligned``: values per token of ``ids`` (a text pair's token type ids), cut at the same places instead."""
+    values = ids if aligned is None else aligned
     if len(ids) <= limit:
-        return ids
+        return values
     leading = {getattr(tokenizer, "cls_token_id", None), getattr(tokenizer, "bos_token_id", None)} - {None}
     keep = 1 if limit > 1 and ids[0] in leading else 0
-    return ids[:keep] + ids[len(ids) - (limit - keep) :]
+    return values[:keep] + values[len(ids) - (limit - keep) :]
 
 
 def resolve_reward_model_path(name: str) -> str:

@@ -39,6 +39,12 @@ class RewardModelEnvConfig(BaseModel):
     max_tokens_per_batch: int = Field(4096, gt=0, description="Padded tokens (rows x longest row) per forward pass.")
     max_length: int | None = Field(None, gt=0, description="Longest input; longer ones keep their last tokens. null: the model's limit.")
     use_chat_template: bool = Field(True, description="Render (prompt, response) as a user and an assistant turn; else concatenate.")
+    text_pair: bool = Field(
+        False,
+        description="Feed (prompt, response) as the tokenizer's text pair, tokenizer(prompt, response): [CLS] prompt [SEP] "
+        "response [SEP] with token type ids, as encoders trained on pairs read them (OpenAssistant's DeBERTa). "
+        "Takes the chat template's place.",
+    )
     normalize: ScoreNormalization = Field(default_factory=ScoreNormalization, description="Raw score -> reward (per sample).")
     num_cpus: float = Field(0.25, gt=0, description="CPUs each actor of this environment reserves.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs each actor reserves (the model runs on its GPU).")
@@ -69,7 +75,13 @@ class RewardModelEnvironment(EnvironmentInterface):
             torch.set_num_threads(self.cfg.num_threads)
         self.scorer = RewardModelScorer(resolve_reward_model_path(self.cfg.model_name), self.cfg.precision, self.cfg.label_index, device)
         self.max_length = min(filter(None, (self.cfg.max_length, self.scorer.max_length)), default=None)
-        if self.cfg.use_chat_template and not self.scorer.tokenizer.chat_template:
+        if self.cfg.text_pair and "use_chat_template" in self.cfg.model_fields_set and self.cfg.use_chat_template:
+            warnings.warn(
+                "use_chat_template has no effect with text_pair: true (the pair is the tokenizer's, without a chat template)",
+                UserWarning,
+                stacklevel=2,
+            )
+        elif self.cfg.use_chat_template and not self.cfg.text_pair and not self.scorer.tokenizer.chat_template:
             warnings.warn(
                 f"use_chat_template has no effect: the reward model {self.cfg.model_name}'s tokenizer has no chat template "
                 "(prompt and response are concatenated with its special tokens)",
@@ -80,17 +92,26 @@ class RewardModelEnvironment(EnvironmentInterface):
 
     def raw_scores(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         """The model's raw score of each (prompt, response) pair (before normalisation)."""
-        sequences = []
+        sequences, type_ids, typed = [], [], False
         for response, meta in zip(responses, metadata):
             prompt = prompt_of(meta)
             if prompt is None:
                 self._counts["prompt_missing"] += 1
-            ids = self.scorer.encode(prompt or "", response, self.cfg.use_chat_template)
+            if self.cfg.text_pair:
+                encoded = self.scorer.encode_text_pair(prompt or "", response)
+                ids, types = encoded.ids, encoded.token_type_ids
+            else:
+                ids, types = self.scorer.encode(prompt or "", response, self.cfg.use_chat_template), None
+            typed |= types is not None
             if self.max_length is not None and len(ids) > self.max_length:
-                ids = cut_from_left(ids, self.max_length, self.scorer.tokenizer)
+                ids, types = (
+                    cut_from_left(ids, self.max_length, self.scorer.tokenizer),
+                    None if types is None else cut_from_left(ids, self.max_length, self.scorer.tokenizer, aligned=types),
+                )
                 self._counts["truncated"] += 1
             sequences.append(ids or [self.scorer.pad_token_id])
-        scores = self.scorer.score(sequences, self.cfg.max_tokens_per_batch)
+            type_ids.append(types or [0] * len(sequences[-1]))
+        scores = self.scorer.score(sequences, self.cfg.max_tokens_per_batch, type_ids if typed else None)
         self._counts["batches"] += self.scorer.batches_run
         return scores
 

@@ -16,6 +16,7 @@ own last token, not the one before it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +53,15 @@ def model_max_length(config: object, tokenizer: object) -> int | None:
     if isinstance(stated, int) and 0 < stated < UNSET_TOKENIZER_LIMIT:
         limits.append(stated)
     return min((n for n in limits if n > 0), default=None)
+
+
+@dataclass
+class EncodedPair:
+    """The model's input of one (prompt, response): token ids, and the token type ids of a text pair (0 on the prompt's
+    segment, 1 on the response's) where the tokenizer gives them (None: the model reads none)."""
+
+    ids: list[int]
+    token_type_ids: list[int] | None = None
 
 
 class RewardModelScorer:
@@ -91,6 +101,14 @@ class RewardModelScorer:
             return chat_ids_of_untrusted_text(tok, messages, add_generation_prompt=False)
         return list(tok(prompt + response, split_special_tokens=True)["input_ids"])
 
+    def encode_text_pair(self, prompt: str, response: str) -> EncodedPair:
+        """The tokenizer's text pair, ``tokenizer(prompt, response)`` (BERT-like: ``[CLS] prompt [SEP] response [SEP]``,
+        token type ids 0 then 1), as an encoder trained on pairs reads them (OpenAssistant's DeBERTa reward models).
+        Special-token strings inside the texts stay text (``split_special_tokens``)."""
+        encoded = self.tokenizer(prompt, response, split_special_tokens=True)
+        types = encoded.get("token_type_ids") if "token_type_ids" in self.tokenizer.model_input_names else None
+        return EncodedPair(list(encoded["input_ids"]), None if types is None else list(types))
+
     def batch_pad_id(self, sequences: Sequence[Sequence[int]]) -> int:
         """The id this call pads with: the config's pad, or (none configured) the highest id no sequence holds."""
         if self.pads_by_config:
@@ -103,8 +121,11 @@ class RewardModelScorer:
         return free
 
     @torch.no_grad()
-    def score(self, sequences: Sequence[Sequence[int]], max_tokens_per_batch: int) -> list[float]:
-        """Raw score of each sequence (non-empty token id lists), batched under the token budget."""
+    def score(
+        self, sequences: Sequence[Sequence[int]], max_tokens_per_batch: int, token_type_ids: Sequence[Sequence[int]] | None = None
+    ) -> list[float]:
+        """Raw score of each sequence (non-empty token id lists), batched under the token budget; ``token_type_ids``:
+        one list per sequence (text pairs), else the model's default (all 0)."""
         scores = [0.0] * len(sequences)
         batches = token_budget_batches([len(s) for s in sequences], max_tokens_per_batch)
         self.batches_run = len(batches)
@@ -113,11 +134,15 @@ class RewardModelScorer:
             longest = len(sequences[batch[0]])
             ids = torch.full((len(batch), longest), pad, dtype=torch.long)
             mask = torch.zeros((len(batch), longest), dtype=torch.long)
+            types = None if token_type_ids is None else torch.zeros((len(batch), longest), dtype=torch.long)
             for row, index in enumerate(batch):
                 seq = sequences[index]
                 ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
                 mask[row, : len(seq)] = 1
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+                if types is not None:
+                    types[row, : len(seq)] = torch.tensor(list(token_type_ids[index]), dtype=torch.long)
+            extra = {} if types is None else {"token_type_ids": types.to(self.device)}
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **extra).logits
             values = logits[:, self.label_index].float().cpu().tolist()
             for index, value in zip(batch, values):
                 scores[index] = float(value)

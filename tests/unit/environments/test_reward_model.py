@@ -132,7 +132,8 @@ def test_a_model_without_a_configured_pad_pools_each_sequence_at_its_own_last_to
 
 def build_encoder_reward_model(directory: Path, family: str, positions: int, tokenizer_limit: int) -> Path:
     """A tiny random BERT or RoBERTa sequence classifier (their classifier reads the first token, CLS) with a word-level
-    tokenizer that wraps a text in [CLS] ... [SEP] and has no chat template."""
+    tokenizer that wraps a text in [CLS] ... [SEP] (a text pair in [CLS] a [SEP] b [SEP], b's type id 1) and has no chat
+    template."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import (
         BertConfig,
@@ -146,7 +147,9 @@ def build_encoder_reward_model(directory: Path, family: str, positions: int, tok
     vocab = {w: i for i, w in enumerate(words)}  # [PAD] is 1: RoBERTa's padding index
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 0), ("[SEP]", 2)])
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 0), ("[SEP]", 2)]
+    )
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="[PAD]",
@@ -154,6 +157,7 @@ def build_encoder_reward_model(directory: Path, family: str, positions: int, tok
         cls_token="[CLS]",
         sep_token="[SEP]",
         model_max_length=tokenizer_limit,
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],  # as BERT's own tokenizer
     )
     tok.save_pretrained(directory)
     torch.manual_seed(0)
@@ -178,6 +182,43 @@ def test_an_encoder_reward_model_keeps_its_cls_token_when_cut_and_concatenates_w
     assert env.raw_scores([response], [{"prompt": prompt}]) == pytest.approx(env.scorer.score([kept], 4096), abs=1e-6)
     assert env.scorer.score([kept], 4096) != pytest.approx(env.scorer.score([ids[-8:]], 4096), abs=1e-4)  # CLS matters
     assert env.metrics()["truncated"] == 1.0
+
+
+def test_a_text_pair_model_reads_prompt_and_response_as_its_tokenizer_pairs_them(tmp_path: Path) -> None:
+    """``text_pair: true``: each (prompt, response) is the tokenizer's pair with its token type ids, as an encoder
+    trained on pairs runs (OpenAssistant's DeBERTa reward models); the scores are those of a plain forward of
+    ``tokenizer(prompt, response)`` whatever the batch split, a cut keeps CLS and the pair's last tokens with their
+    types, and one segment (the concatenation) scores differently."""
+    from transformers import AutoModelForSequenceClassification
+
+    directory = build_encoder_reward_model(tmp_path / "bert", "bert", positions=512, tokenizer_limit=512)
+    with torch.no_grad():  # BERT's init (std 0.02) scores every input alike: unit-scale weights make the inputs matter
+        model = AutoModelForSequenceClassification.from_pretrained(directory)
+        generator = torch.Generator().manual_seed(1)
+        for weight in (p for p in model.parameters() if p.dim() > 1):
+            weight.normal_(0.0, weight.shape[-1] ** -0.5, generator=generator)
+        model.save_pretrained(directory)
+    pairs = [("what is 3 + 4 ?", "7"), ("add 1 and 2", "the answer is 3"), ("what is 3 + 4 ?", "8 or 9 or 10"), ("q", "a b c d e f")]
+    responses, metadata = [r for _, r in pairs], [{"prompt": p} for p, _ in pairs]
+    env = RewardModelEnvironment(model_name=str(directory), text_pair=True)  # no warning: no template is asked for
+    tok = env.scorer.tokenizer
+    with torch.no_grad():
+        reference = [model(**tok(p, r, return_tensors="pt")).logits[0, 0].item() for p, r in pairs]
+    for budget in (1, 20, 4096):
+        env.cfg.max_tokens_per_batch = budget
+        assert env.raw_scores(responses, metadata) == pytest.approx(reference, abs=1e-5)
+    one_segment = RewardModelEnvironment(model_name=str(directory), use_chat_template=False).raw_scores(responses, metadata)
+    assert max(abs(a - b) for a, b in zip(one_segment, reference)) > 1e-2
+    cut = RewardModelEnvironment(model_name=str(directory), text_pair=True, max_length=6)
+    encoded = tok("add 1 and 2", "the answer is 3")
+    ids, types = encoded["input_ids"], encoded["token_type_ids"]
+    kept = {k: torch.tensor([v[:1] + v[-5:]]) for k, v in (("input_ids", ids), ("token_type_ids", types))}
+    with torch.no_grad():
+        expected = model(**kept, attention_mask=torch.ones_like(kept["input_ids"])).logits[0, 0].item()
+    assert cut.raw_scores(["the answer is 3"], [{"prompt": "add 1 and 2"}]) == pytest.approx([expected], abs=1e-5)
+    assert kept["token_type_ids"].tolist() == [[0, 1, 1, 1, 1, 1]] and cut.metrics()["truncated"] == 1.0
+    with pytest.warns(UserWarning, match="no effect with text_pair"):
+        RewardModelEnvironment(model_name=str(directory), text_pair=True, use_chat_template=True)
 
 
 def test_a_cut_keeps_a_leading_cls_or_bos_and_otherwise_the_last_tokens(env, tmp_path: Path) -> None:
