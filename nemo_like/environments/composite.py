@@ -99,14 +99,16 @@ class CompositeEnvConfig(BaseModel):
 def source_devices(sources: dict[str, dict[str, Any]]) -> dict[str, str]:
     """The device of each source that loads a model in the composite's own process (``takes_device``): see
     :func:`place_sources`."""
-    return place_sources({name: resolve_source(name, section) for name, section in sources.items()})
+    return place_sources({name: resolve_source(name, section) for name, section in sources.items()})[0]
 
 
-def place_sources(resolved: dict[str, tuple[type[EnvironmentInterface], float, dict[str, Any]]]) -> dict[str, str]:
-    """:func:`source_devices` of sources already resolved (:func:`resolve_source`): the actor holds the sources' GPUs
-    added up (:meth:`CompositeEnvironment.actor_needs`), visible as ``cuda:0``, ``cuda:1``, ...; packed first-fit in
-    order, a source of a whole GPU or more starts on the next untouched GPU, one of a fraction shares the first GPU with
-    room for it; ``num_gpus: 0`` is the CPU. Without this every one went to torch's default GPU, a CPU source too."""
+def place_sources(resolved: dict[str, tuple[type[EnvironmentInterface], float, dict[str, Any]]]) -> tuple[dict[str, str], float]:
+    """:func:`source_devices` of sources already resolved (:func:`resolve_source`), and the GPUs the actor must reserve
+    for them (:meth:`CompositeEnvironment.actor_needs`). The actor's GPUs are visible as ``cuda:0``, ``cuda:1``, ...;
+    the sources (each of at most one GPU) are packed first-fit in order: a whole-GPU source takes the next untouched
+    GPU, one of a fraction shares the first GPU with room for it; ``num_gpus: 0`` is the CPU. The reservation is the
+    fractions' sum while they share one GPU, else every GPU touched (0.6 + 0.6 needs two GPUs: their sum, 1.2, left the
+    second source a GPU the actor did not have, and Ray refuses a fraction above 1)."""
     devices: dict[str, str] = {}
     free: list[float] = []  # room left on each GPU handed out so far
     for name, (source_cls, _, settings) in resolved.items():
@@ -116,18 +118,13 @@ def place_sources(resolved: dict[str, tuple[type[EnvironmentInterface], float, d
         if not gpus:
             devices[name] = "cpu"
             continue
-        if gpus < 1:
-            index = next((i for i, room in enumerate(free) if room >= gpus - 1e-9), len(free))
-            if index == len(free):
-                free.append(1.0)
-            free[index] -= gpus
-        else:
-            index = len(free)
-            whole = math.ceil(gpus - 1e-9)
-            free.extend([0.0] * whole)
-            free[-1] = whole - gpus  # a source of 1.5 GPUs leaves half of its second one
+        index = len(free) if gpus >= 1 else next((i for i, room in enumerate(free) if room >= gpus - 1e-9), len(free))
+        if index == len(free):
+            free.append(1.0)
+        free[index] -= gpus
         devices[name] = f"cuda:{index}"
-    return devices
+    reserved = float(len(free)) if len(free) > 1 else round(1.0 - free[0], 6) if free else 0.0
+    return devices, reserved
 
 
 class CompositeEnvironment(EnvironmentInterface):
@@ -138,17 +135,20 @@ class CompositeEnvironment(EnvironmentInterface):
     @classmethod
     def actor_needs(cls, settings: dict[str, Any]) -> ActorNeeds:
         """The sources' needs added up (CPU at least the default's), their helper actors together."""
-        needs = [source_cls.actor_needs(kw) for source_cls, _, kw in (resolve_source(n, s) for n, s in settings["sources"].items())]
+        resolved = {n: resolve_source(n, s) for n, s in settings["sources"].items()}
+        needs = {name: source_cls.actor_needs(kw) for name, (source_cls, _, kw) in resolved.items()}
+        placed = place_sources(resolved)
+        elsewhere = sum(n.num_gpus for name, n in needs.items() if not getattr(resolved[name][0], "takes_device", False))
         return ActorNeeds(
-            num_cpus=round(max(ActorNeeds().num_cpus, sum(n.num_cpus for n in needs)), 6),
-            num_gpus=sum(n.num_gpus for n in needs),
-            helpers=tuple(h for n in needs for h in n.helpers),
+            num_cpus=round(max(ActorNeeds().num_cpus, sum(n.num_cpus for n in needs.values())), 6),
+            num_gpus=placed[1] + elsewhere,
+            helpers=tuple(h for n in needs.values() for h in n.helpers),
         )
 
     def __init__(self, sources: dict[str, dict[str, Any]]) -> None:
         self.sources: dict[str, tuple[EnvironmentInterface, float]] = {}
         resolved = {name: resolve_source(name, section) for name, section in sources.items()}  # each imported once
-        devices = place_sources(resolved)
+        devices = place_sources(resolved)[0]
         for name, (source_cls, weight, settings) in resolved.items():
             device = {"device": devices[name]} if name in devices else {}
             self.sources[name] = (source_cls(**settings, **device), weight)

@@ -47,7 +47,7 @@ class RewardModelEnvConfig(BaseModel):
     )
     normalize: ScoreNormalization = Field(default_factory=ScoreNormalization, description="Raw score -> reward (per sample).")
     num_cpus: float = Field(0.25, gt=0, description="CPUs each actor of this environment reserves.")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs each actor reserves (the model runs on its GPU).")
+    num_gpus: float = Field(0.0, ge=0, le=1, description="GPUs each actor reserves (the model runs on one GPU: at most 1).")
     num_threads: int = Field(1, gt=0, description="torch threads of each actor on CPU.")
 
 

@@ -9,9 +9,13 @@ prompt group afterwards anyway). The steps, in order: ``(raw - shift) * scale``,
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: The values each squash can return: a clip containing its range never binds.
+SQUASH_RANGES = {"sigmoid": (0.0, 1.0), "tanh": (-1.0, 1.0)}
 
 
 class ScoreNormalization(BaseModel):
@@ -32,6 +36,13 @@ class ScoreNormalization(BaseModel):
             raise ValueError(f"shift and scale must be finite, got shift={self.shift}, scale={self.scale}")
         if self.clip is not None and not self.clip[0] < self.clip[1]:
             raise ValueError(f"clip must be [low, high] with low < high, got {list(self.clip)}")
+        squashed = SQUASH_RANGES.get(self.squash)
+        if self.clip is not None and squashed is not None and self.clip[0] <= squashed[0] and self.clip[1] >= squashed[1]:
+            warnings.warn(
+                f"normalize.clip {list(self.clip)} has no effect: squash '{self.squash}' already keeps every reward in {list(squashed)}",
+                UserWarning,
+                stacklevel=2,
+            )
         return self
 
     def __call__(self, raw: float) -> float:

@@ -13,8 +13,8 @@ Per step and sample, the model's latest turn must be one integer (the arithmetic
 
 A wrong guess in the sample's final turn (``metadata[FINAL_TURN]``: ``grpo.max_rollout_turns`` reached, the turn
 cut by its budget, or no room left for another turn in ``policy.max_total_sequence_length``) is counted as
-``turn_limit``: the run ends the game unsolved there, before ``max_guesses`` (a guess cut mid-number by the length
-limit is ``malformed`` instead). A recipe whose
+``turn_limit``: the run ends the game unsolved there, before ``max_guesses``. A guess cut mid-number by the length
+limit is read as the digits that are left (``57`` cut to ``5`` is a guess of 5): the cut is not seen here. A recipe whose
 ``grpo.max_rollout_turns`` is below ``max_guesses`` gets a start-up warning.
 
 A binary search finds any secret in ``low..high`` within ``ceil(log2(high - low + 2))`` guesses.

@@ -69,9 +69,31 @@ def test_each_reward_model_source_runs_on_its_own_share_of_the_actors_gpus() -> 
     assert devices([0, 1]) == ["cpu", "cuda:0"]
     assert devices([0.5, 0.5, 1]) == ["cuda:0", "cuda:0", "cuda:1"]
     assert devices([0.5, 1, 0.5]) == ["cuda:0", "cuda:1", "cuda:0"]  # a whole GPU never goes to a shared one
-    assert devices([2, 1]) == ["cuda:0", "cuda:2"]
     env = CompositeEnvironment(**resolve({"sources": {"rm": {**rm, "num_gpus": 0}}}).kwargs)  # a real model, on this CPU
     assert str(env.sources["rm"][0].scorer.device) == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "reserved", "placed"),
+    [
+        ([0.25, 0.5], 0.75, ["cuda:0", "cuda:0"]),  # one shared GPU: the fractions' sum
+        ([0.6, 0.6], 2.0, ["cuda:0", "cuda:1"]),  # reserved 1.2 (Ray refuses a fraction above 1) for two GPUs
+        ([0.6, 0.6, 0.8], 3.0, ["cuda:0", "cuda:1", "cuda:2"]),  # reserved 2.0: cuda:2 was a GPU the actor lacked
+        ([0.5, 1, 0.5], 2.0, ["cuda:0", "cuda:1", "cuda:0"]),
+        ([0, 0], 0.0, ["cpu", "cpu"]),
+    ],
+)
+def test_a_composite_reserves_every_gpu_its_sources_are_placed_on(gpus, reserved, placed) -> None:
+    rm = {"class": "reward_model", "model_name": "embedded:tiny-reward-qwen2"}
+    settings = resolve({"sources": {f"rm{i}": {**rm, "num_gpus": g} for i, g in enumerate(gpus)}}).kwargs
+    assert CompositeEnvironment.actor_needs(settings).num_gpus == pytest.approx(reserved)
+    assert list(source_devices(settings["sources"]).values()) == placed
+
+
+def test_a_reward_model_reserves_at_most_one_gpu() -> None:
+    """Its model runs on one GPU: 1.5 was accepted, reserved (Ray refuses a fraction above 1) and never used."""
+    with pytest.raises(ConfigError, match="num_gpus"):
+        resolve({"sources": {"rm": {"class": "reward_model", "num_gpus": 1.5}}})
 
 
 @pytest.mark.parametrize(
