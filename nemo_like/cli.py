@@ -259,7 +259,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     """Print the run plan and the memory plan; exit 3 when a device is over ``--device-memory-gib``."""
     from nemo_like.algorithms.names import check_plugin_names
-    from nemo_like.algorithms.roles import idle_gpus_warning, reserved_gpus_problem, unplanned_model_lines
+    from nemo_like.algorithms.roles import idle_gpus_warning, reserved_gpus_problem, scorer_specs, unplanned_model_lines
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.footprint import memory_report
 
@@ -282,7 +282,9 @@ def run_plan(args: argparse.Namespace) -> int:
     mfu = DEFAULT_MFU if args.mfu is None else args.mfu
     plan = plan_on_cluster(cfg, turn_end_ids(cfg))
     cluster_problems = [p for p in [reserved_gpus_problem(cfg, plan)] if p]
-    lines, fits = memory_report(cfg, plan, args.device_memory_gib, peak, mfu, args.model_config, teacher_configs, cluster_problems)
+    lines, fits = memory_report(
+        cfg, plan, args.device_memory_gib, peak, mfu, args.model_config, teacher_configs, cluster_problems, scorer_specs(cfg)
+    )
     for line in [*lines, *unplanned_model_lines(cfg)]:
         print(f"[plan] {line}")
     if idle := idle_gpus_warning(cfg, plan):

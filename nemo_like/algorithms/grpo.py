@@ -41,6 +41,7 @@ from nemo_like.algorithms.dynamic_sampling import (
 from nemo_like.algorithms.metrics import empty_extremes_as_nan
 from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.algorithms.rejection import apply_driver_masks
+from nemo_like.algorithms.roles import scorer_specs
 from nemo_like.algorithms.sample_reports import dump_train_samples, report_val_samples
 from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
@@ -630,7 +631,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     cfg, control = parts.cfg, run_control()
     faults = supervision.ledger()  # dead generation/environment actors: budgets and counters of the whole run (train.py)
     history: list[dict[str, Any]] = []
-    for line in [*parts.plan.lines(), *planned_memory_lines(cfg, parts.plan)]:  # the lines `nemo-like plan` prints
+    for line in [*parts.plan.lines(), *planned_memory_lines(cfg, parts.plan, scorer_specs(cfg))]:  # the lines `nemo-like plan` prints
         logger.progress.message(f"[plan] {line}")
     teachers = cfg.teacher.models() if parts.plan.logprobs.compute_teacher or cfg.distillation.kl_weight > 0 else []
     lora = parts.policy.trainable_params if cfg.policy.lora_cfg.enabled else None  # the adapters: LoRA trains only them

@@ -17,6 +17,7 @@ from nemo_like.environments.worker import environment_resources
 from nemo_like.experience.async_rollouts import async_actor_resources
 from nemo_like.models.engines import generation_resources
 from nemo_like.models.policy.policy import POLICY_ROLES, policy_resources
+from nemo_like.plan.memory import ScorerSpec
 from nemo_like.plan.run_plan import RunPlan
 from nemo_like.utils.cpus import local_cores
 
@@ -76,23 +77,46 @@ def reserved_gpus_problem(cfg: MasterConfig, plan: RunPlan) -> str | None:
 
 #: Environments that load a model of their own in their actors (or in engines they start), which the memory plan
 #: does not count.
-MODEL_ENVIRONMENTS = {"reward_model": "the reward model", "judge": "the judge model"}
+MODEL_ENVIRONMENTS = {"judge": "the judge model"}
+
+
+def _environment_sources(cfg: MasterConfig) -> list[tuple[str, str, str, dict, int]]:
+    """``(where, role suffix, class, settings, actors)`` of every environment the run loads: each task's, or each of a
+    composite's sources (as the composite reads them; its actors each hold every source)."""
+    out = []
+    for task, section in cfg.env_sections.items():
+        settings, kind = section.model_dump(by_alias=True), section.env_class or task
+        workers = int(settings.get("num_workers") or 1)
+        if kind == "composite":
+            for name, source in (settings.get("sources") or {}).items():
+                source_kind, _, values = split_source(name, source)
+                out.append((f"env.{task}.sources.{name}", f"{task}.{name}", source_kind, values, workers))
+        else:
+            out.append((f"env.{task}", task, kind, settings, workers))
+    return out
+
+
+def scorer_specs(cfg: MasterConfig) -> list[ScorerSpec]:
+    """The reward models the run's environments load, for the memory plan (:func:`~nemo_like.plan.memory.scorer_memory`)."""
+    from nemo_like.environments.reward_model import RewardModelEnvConfig
+
+    specs = []
+    for _, suffix, kind, values, workers in _environment_sources(cfg):
+        if kind == "reward_model":
+            rm = RewardModelEnvConfig.model_validate({k: v for k, v in values.items() if k in RewardModelEnvConfig.model_fields})
+            specs.append(ScorerSpec(f"reward_model:{suffix}", rm.model_name, rm.precision, workers, rm.num_gpus, rm.max_tokens_per_batch))
+    return specs
 
 
 def unplanned_model_lines(cfg: MasterConfig) -> list[str]:
-    """One line per reward model or judge the run's environments load (a task's own, or a composite's source): the
-    memory plan counts the policy, reference, teachers and generation only."""
+    """One line per judge the run's environments load (a task's own, or a composite's source): the memory plan counts
+    the policy, reference, teachers, generation and reward models only."""
     lines = []
-    for task, section in cfg.env_sections.items():
-        settings, kind = section.model_dump(by_alias=True), section.env_class or task
-        sources = {f"env.{task}": (kind, settings)}
-        if kind == "composite":  # each source's class and settings, as the composite reads them
-            sources = {f"env.{task}.sources.{n}": split_source(n, src)[::2] for n, src in (settings.get("sources") or {}).items()}
-        for where, (name, values) in sources.items():
-            if name in MODEL_ENVIRONMENTS:
-                config_model = ENVIRONMENTS.get(name).config_model
-                model = values.get("model_name") or config_model.model_fields["model_name"].default
-                lines.append(f"not planned: {where} loads {MODEL_ENVIRONMENTS[name]} {model!r} (its actors' memory is not counted here)")
+    for where, _, name, values, _ in _environment_sources(cfg):
+        if name in MODEL_ENVIRONMENTS:
+            config_model = ENVIRONMENTS.get(name).config_model
+            model = values.get("model_name") or config_model.model_fields["model_name"].default
+            lines.append(f"not planned: {where} loads {MODEL_ENVIRONMENTS[name]} {model!r} (its actors' memory is not counted here)")
     return lines
 
 

@@ -14,7 +14,7 @@ import torch
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.loading import resolve_model_path
-from nemo_like.plan.memory import DTYPE_BYTES, ModelShape, ParameterSpec
+from nemo_like.plan.memory import DTYPE_BYTES, ModelShape, ParameterSpec, RoleMemory, ScorerSpec, scorer_memory
 
 
 def model_config_path(
@@ -167,18 +167,42 @@ def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
     return fused_step_copy_elements(layers, hidden, intermediate, q_width, kv_width, vocab, rows, products, on_cpu) * element_bytes
 
 
-def planned_memory_lines(cfg: Any, run_plan: Any) -> list[str]:
+def scorer_roles(specs: Sequence[ScorerSpec]) -> tuple[list[RoleMemory], list[str]]:
+    """The memory of each reward model ``specs`` names (:func:`~nemo_like.plan.memory.scorer_memory`: its parameters
+    counted exactly on the meta device), and a ``not planned`` line for each whose ``config.json`` is not on this
+    machine."""
+    from transformers import AutoModelForSequenceClassification
+
+    roles, lines = [], []
+    for spec in specs:
+        try:
+            _, config = read_model_config(model_config_path(spec.model_name, key="model_name", flag="(no flag)"))
+            with torch.device("meta"):
+                model = AutoModelForSequenceClassification.from_config(config)
+        except (ConfigError, ValueError) as exc:
+            lines.append(f"not planned: {spec.role} ({str(exc).splitlines()[0]})")
+            continue
+        parameters = sum(p.numel() for p in model.parameters())
+        hidden = int(getattr(config, "hidden_size", 0) or 0)
+        intermediate = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+        roles.append(scorer_memory(spec, parameters, hidden, intermediate))
+    return roles, lines
+
+
+def planned_memory_lines(cfg: Any, run_plan: Any, scorers: Sequence[ScorerSpec] = ()) -> list[str]:
     """The memory planner's lines for a run that is starting (per role and device, as ``nemo-like plan`` prints them,
     without a device budget or a step time); a model whose shape cannot be read gives one line saying why (the plan
-    never stops a run)."""
+    never stops a run). ``scorers``: the reward models the environments load."""
     from nemo_like.plan.memory import plan_memory
 
     try:
         params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg)
         teachers = teacher_footprints(cfg, teacher_config_paths(cfg)) if needs_teachers(cfg, run_plan) else {}
+        scorer_memories, unplanned = scorer_roles(scorers)
     except Exception as exc:  # noqa: BLE001 - an estimate, never a reason to stop
         return [f"memory: not estimated ({type(exc).__name__}: {exc})"]
-    return plan_memory(cfg, run_plan, params, shape, None, teachers, None, sampler_copy_bytes(cfg, run_plan, shape)).lines()
+    copies = sampler_copy_bytes(cfg, run_plan, shape)
+    return [*plan_memory(cfg, run_plan, params, shape, None, teachers, None, copies, scorers=scorer_memories).lines(), *unplanned]
 
 
 def memory_report(
@@ -190,12 +214,14 @@ def memory_report(
     config_path: str | None = None,
     teacher_configs: Mapping[str, str] | None = None,
     cluster_problems: Sequence[str] = (),
+    scorers: Sequence[ScorerSpec] = (),
 ) -> tuple[list[str], bool | None]:
     """``nemo-like plan``'s lines (the run plan's decisions, then memory per role and device, the fit, the step time)
     and whether the run fits ``device_gib`` per device (per node on a CPU cluster; ``None``: not checked); nothing
     starts. ``run_plan``: the run's :class:`~nemo_like.plan.run_plan.RunPlan`; ``config_path``: the policy model's
     ``config.json`` (``--model-config``), ``teacher_configs``: a teacher model's by name (``--teacher-config``);
-    ``cluster_problems``: what keeps the run off the declared cluster whatever the memory (more GPUs reserved than declared)."""
+    ``cluster_problems``: what keeps the run off the declared cluster whatever the memory (more GPUs reserved than declared);
+    ``scorers``: the reward models the environments load (:func:`scorer_roles`)."""
     from nemo_like.plan.memory import GIB, plan_memory, step_estimate
 
     params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
@@ -211,5 +237,7 @@ def memory_report(
         lora = sum(math.prod(p.shape) for p in params if p.trainable) if cfg.policy.lora_cfg.enabled else None
         step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teacher_n, trained_token_flops=training_flops_per_token(n, lora))
     copies = sampler_copy_bytes(cfg, run_plan, shape)
-    memory = plan_memory(cfg, run_plan, params, shape, device_gib * GIB if device_gib else None, teachers, step, copies, cluster_problems)
-    return [*run_plan.lines(this_machine=True), *memory.lines()], memory.fits
+    scorer_memories, unplanned = scorer_roles(scorers)
+    device_bytes = device_gib * GIB if device_gib else None
+    memory = plan_memory(cfg, run_plan, params, shape, device_bytes, teachers, step, copies, cluster_problems, scorer_memories)
+    return [*run_plan.lines(this_machine=True), *memory.lines(), *unplanned], memory.fits

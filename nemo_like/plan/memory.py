@@ -159,6 +159,7 @@ class RoleMemory:
     kv_sequences: int | None = None  # vLLM: full-length sequences its KV budget holds (None: not known)
     kv_sequence_bytes: int = 0  # vLLM: the KV cache of one full-length sequence
     offloaded: bool = False  # FSDP2's CPU offload: params, grads and AdamW state in host RAM, not on the device
+    on_host: bool = False  # a CPU actor's: in its node's RAM, on no GPU (a reward model with num_gpus 0)
     unsharded_layer: int = 0  # with CPU offload: the largest decoder layer, unsharded on the GPU while it computes
 
     @property
@@ -184,7 +185,7 @@ class RoleMemory:
             parts.append(f"kv cache {self.kv_cache / GIB:.3f}")
         host = f"; host RAM (cpu_offload): {self.held / GIB:.3f} GiB = " + " + ".join(held) if self.offloaded else ""
         note = f" ({self.note})" if self.note else ""
-        where = "per worker on its device" if self.offloaded else "per worker"
+        where = "per worker on its device" if self.offloaded else "per worker in its node's RAM" if self.on_host else "per worker"
         return f"memory {self.role} x{self.workers}: {self.total / GIB:.3f} GiB {where} = " + " + ".join(parts) + f" GiB{host}{note}"
 
 
@@ -578,6 +579,33 @@ def step_estimate(
     return StepEstimate(flops, peak_flops, mfu, {phase: d for phase, (_, d) in phases.items()})
 
 
+@dataclass(frozen=True)
+class ScorerSpec:
+    """A reward model an environment loads in its actors (``env.<task>``, or a composite's source): its planned
+    ``role`` (``reward_model:<task>[.<source>]``), model, dtype, actors (``workers``, each holding the model), GPUs per
+    actor (0: the CPU) and the padded tokens of one forward (``max_tokens_per_batch``)."""
+
+    role: str
+    model_name: str
+    precision: str
+    workers: int
+    num_gpus: float
+    max_tokens_per_batch: int
+
+
+def scorer_memory(spec: ScorerSpec, parameters: int, hidden: int, intermediate: int) -> RoleMemory:
+    """One reward-model actor: its weights at ``spec.precision`` (exact: the model's ``parameters``) and one no-grad
+    forward of ``max_tokens_per_batch`` padded tokens, estimated as ``tokens x (4 hidden + 2 intermediate) x bytes``
+    (a layer's input and output, its attention's projections and its MLP's widest values; nothing is kept across
+    layers without a backward; the attention's score matrices are not counted)."""
+    value_bytes = DTYPE_BYTES[spec.precision]
+    activations = spec.max_tokens_per_batch * (4 * hidden + 2 * intermediate) * value_bytes
+    note = f"a reward model: weights at {spec.precision}, one forward of {spec.max_tokens_per_batch} tokens (estimated)"
+    return RoleMemory(
+        spec.role, spec.workers, params=parameters * value_bytes, activations=activations, note=note, on_host=not spec.num_gpus
+    )
+
+
 def plan_memory(
     cfg: Any,
     run_plan: Any,
@@ -588,15 +616,18 @@ def plan_memory(
     step: StepEstimate | None = None,
     sampler_weight_copies: int = 0,
     cluster_problems: Sequence[str] = (),
+    scorers: Sequence[RoleMemory] = (),
 ) -> MemoryPlan:
     """Every role of the run ``run_plan`` describes, what each device (GPU) or node (CPU) holds, and whether it fits
     ``device_bytes``; ``teachers``: each teacher model's parameters and shape (by name, every one of
     ``teacher.models()``) when the run distils; ``sampler_weight_copies``: bytes of weights the lean decoder copies for a
     call, in the inline backend's policy worker (:func:`with_inline_sampling`) or the HF engine
     (:func:`generation_memory`): :func:`~nemo_like.models.footprint.sampler_copy_bytes`; ``cluster_problems``: what
-    keeps the run off the declared cluster whatever the memory (the caller's: more GPUs reserved than declared)."""
+    keeps the run off the declared cluster whatever the memory (the caller's: more GPUs reserved than declared);
+    ``scorers``: the reward models the environments load (:func:`scorer_memory`), each actor on a GPU of its own (or
+    in its node's RAM)."""
     teachers = teachers or {}
-    roles, per_device, colocated = _plan_devices(cfg, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies)
+    roles, per_device, colocated = _plan_devices(cfg, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies, scorers)
     notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
     over = over_budget(per_device, device_bytes)
     engine = engine_problems(cfg, roles, device_bytes)
@@ -604,16 +635,21 @@ def plan_memory(
     if over:
 
         def shrinks(changed: Any) -> bool:  # every device that is over holds no more, one of them less
-            again = _plan_devices(changed, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies)[1]
+            again = _plan_devices(changed, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies, scorers)[1]
             return all(again.get(d, 0) <= per_device[d] for d in over) and any(again.get(d, 0) < per_device[d] for d in over)
 
         # A smaller engine share helps only where the engine's share is what is over (not the training peak) and the
         # engine still holds a sequence (lowering it while the KV budget is short contradicts raising it).
         share_may_help = colocated and "policy GPU" in over and not engine
-        policy_over = any(d != "generation GPU" for d in over)
+        scorer_devices = {f"{r.role} GPU" for r in scorers}
+        policy_over = any(d != "generation GPU" and d not in scorer_devices for d in over)
         backend = run_plan.backend.value  # where the KV cache of the sequences sampled at once lies: is it over?
         kv_over = "generation GPU" in over or (backend == "inline" and policy_over) or (backend == "hf" and not cfg.cluster.gpus_per_node)
         advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over)
+        advice += [
+            f"{device}: lower its environment's max_tokens_per_batch, or set its precision: bfloat16"
+            for device in sorted(scorer_devices & set(over))
+        ]
     advice += kv_advice(cfg, roles, device_bytes) if engine else []
     tp_problems = tensor_parallel_problems(cfg, shape)  # the teachers' workers take the policy's tensor-parallel degree
     tp_problems += [f"teacher {name}: {p}" for name, (_, teacher) in teachers.items() for p in tensor_parallel_problems(cfg, teacher)]
@@ -653,6 +689,7 @@ def _plan_devices(
     device_bytes: float | None,
     teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]],
     sampler_weight_copies: int,
+    scorers: Sequence[RoleMemory] = (),
 ) -> tuple[list[RoleMemory], dict[str, int], bool]:
     """Every role's memory, what each device holds, and whether a vLLM engine is colocated (:func:`plan_memory`)."""
     roles = [policy_memory(cfg, params, shape)]
@@ -667,6 +704,7 @@ def _plan_devices(
     parameters = sum(math.prod(p.shape) for p in params)
     hf_copies = sampler_weight_copies if run_plan.backend.value == "hf" else 0
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes, hf_copies))
+    roles += scorers
     colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
     return roles, devices(cfg, roles, colocated), colocated
 
@@ -710,7 +748,7 @@ def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False) -> dict[
     over ``cluster.num_nodes``)."""
     by_role = {r.role: r for r in roles}
     if cfg.cluster.gpus_per_node:
-        out = {f"{r.role} GPU": r.total for r in roles if r.workers}
+        out = {f"{r.role} GPU": r.total for r in roles if r.workers and not r.on_host}
         if colocated and "generation GPU" in out and "policy" in by_role:
             out.pop("generation GPU")
             out["policy GPU"] = colocated_peak(cfg, by_role["policy"], by_role["generation"])

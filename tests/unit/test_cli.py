@@ -211,20 +211,22 @@ def test_plan_of_a_multi_turn_recipe_names_the_turns_end_ids_a_run_reads(capsys)
     assert "multi-turn: up to 2 model turns per sample, end-of-turn ids [2]" in capsys.readouterr().out
 
 
-def test_plan_names_the_reward_models_and_judges_it_does_not_count(capsys) -> None:
+def test_plan_counts_the_reward_models_and_names_the_judges_it_does_not_count(capsys) -> None:
     """`nemo-like plan` printed the same memory for a recipe that loads a reward model and a judge as for one that
-    loads neither, without a word."""
+    loads neither, without a word; a reward model (a task's own, or a composite's source) is now a role of the plan."""
     from nemo_like.cli import main
 
     assert main(["plan", "--config", "examples/configs/grpo_tiny_rewards_cpu.yaml"]) == 0
     out = capsys.readouterr().out
-    assert "not planned: env.arithmetic.sources.rm loads the reward model 'embedded:tiny-reward-qwen2'" in out
+    assert "[plan] memory reward_model:arithmetic.rm x1: " in out and "reward model" not in out.split("not planned")[-1]
     assert "not planned: env.arithmetic.sources.judge loads the judge model" in out
     own = ["+env.arithmetic.class=reward_model"]  # its default model
     assert main(["plan", *own]) == 0
-    assert "not planned: env.arithmetic loads the reward model 'embedded:tiny-reward-qwen2'" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[plan] memory reward_model:arithmetic x1: " in out and "not planned" not in out
     assert main(["plan"]) == 0
-    assert "not planned" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "not planned" not in out and "reward_model" not in out
 
 
 def test_a_second_config_a_positional_recipe_and_a_tilde_null_are_read_as_meant(capsys) -> None:

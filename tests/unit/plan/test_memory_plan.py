@@ -12,6 +12,7 @@ from unit.models.test_policy_worker import make_worker, random_batch, with_globa
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
 from nemo_like.models.footprint import model_footprint, sampler_copy_bytes
+from nemo_like.models.loading import resolve_model_path
 from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
 from nemo_like.plan.logprob_passes import decide_logprob_passes
 from nemo_like.plan.memory import (
@@ -746,3 +747,34 @@ def test_the_plan_command_refuses_what_the_declared_cluster_or_the_models_heads_
     tp4 = ["policy.dp_size=1", "policy.dtensor_cfg.tensor_parallel_size=4", "loss_fn.reference_policy_kl_penalty=0"]
     assert main(["plan", *recipe_1b, *model, *teacher, *tp4]) == 3
     assert "teacher T: policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads=14" in capsys.readouterr().out
+
+
+REWARDS_RECIPE = "examples/configs/grpo_tiny_rewards_cpu.yaml"
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_a_reward_model_is_planned_with_the_weights_its_actor_loads(precision: str) -> None:
+    """The reward models the environments load were named, not counted ('not planned'): their weights are now the
+    bytes a real scorer holds, each actor on a GPU of its own on a GPU cluster (a CPU one in its node's RAM), and a
+    GPU it does not fit is refused with advice naming the environment's keys."""
+    from nemo_like.algorithms.roles import scorer_specs, unplanned_model_lines
+    from nemo_like.environments.reward_model_scorer import RewardModelScorer
+    from nemo_like.models.footprint import memory_report, scorer_roles
+
+    cfg = load_config(REWARDS_RECIPE, [f"+env.arithmetic.sources.rm.precision={precision}"])
+    (spec,) = scorer_specs(cfg)
+    assert spec.role == "reward_model:arithmetic.rm" and spec.precision == precision and spec.num_gpus == 0
+    (role,), unplanned = scorer_roles([spec])
+    real = RewardModelScorer(resolve_model_path(spec.model_name), precision)
+    assert role.params == sum(p.numel() * p.element_size() for p in real.model.parameters()) and not unplanned
+    assert all("judge" in line for line in unplanned_model_lines(cfg))  # the judge is still named only
+    on_gpu = load_config(REWARDS_RECIPE, ["cluster.gpus_per_node=4", "+env.arithmetic.sources.rm.num_gpus=1"])
+    run_plan = decide_run_plan(on_gpu, (), 2)
+    lines, fits = memory_report(on_gpu, run_plan, 80, None, 0.4, scorers=scorer_specs(on_gpu))
+    assert fits and any(line.startswith("memory on reward_model:arithmetic.rm GPU: ") for line in lines)
+    lines, fits = memory_report(on_gpu, run_plan, 0.02, None, 0.4, scorers=scorer_specs(on_gpu))  # 20 MiB: all over
+    assert fits is False and "reward_model:arithmetic.rm GPU: lower its environment's max_tokens_per_batch" in lines[-1]
+    on_cpu = load_config(REWARDS_RECIPE, ["cluster.gpus_per_node=4"])  # num_gpus 0: its node's RAM, no GPU of its own
+    lines, _ = memory_report(on_cpu, decide_run_plan(on_cpu, (), 2), 80, None, 0.4, scorers=scorer_specs(on_cpu))
+    assert not any("reward_model" in line and "GPU" in line for line in lines)
+    assert any("reward_model:arithmetic.rm x1" in line and "in its node's RAM" in line for line in lines)
