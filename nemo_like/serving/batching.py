@@ -173,9 +173,6 @@ class GenerationQueue:
                 size += len(request.prompts)
             self._pending_prompts -= size
             stop = bool(self._pending) and self._pending[0] is None
-        taken = len(batch)
-        batch = [r for r in batch if r.future.set_running_or_notify_cancel()]  # False: its caller gave up; drop it
-        self.stats.cancelled += taken - len(batch)
         if waited:
             self.stats.waits += 1
             self.stats.waited_s += time.monotonic() - start
@@ -192,7 +189,13 @@ class GenerationQueue:
                 key = replace(request.params, max_new_tokens=0)
                 alone = request.seed is not None and not self.per_prompt_seeds
                 groups[(key, id(request) if alone else None)].append(request)
-            for (key, _), requests in groups.items():
+            for (key, _), group in groups.items():
+                # Each group's requests start just before its own engine call: one given up while another group's
+                # call ran is dropped too (False: its caller gave up)
+                requests = [r for r in group if r.future.set_running_or_notify_cancel()]
+                self.stats.cancelled += len(group) - len(requests)
+                if not requests:
+                    continue
                 params = replace(key, max_new_tokens=max(r.params.max_new_tokens for r in requests))
                 self._generate(requests, params, self._batch_seed(requests))
 

@@ -36,7 +36,9 @@ from typing import Any
 
 PASS, FAIL, NOT_RUN, SKIP = "PASS", "FAIL", "NOT RUN", "SKIP"
 NO_CUDA = "no CUDA device"
-NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia/version")  # an NVIDIA GPU and its driver
+#: A GPU device node: what a container is given with a GPU (the driver's /proc/driver/nvidia and /dev/nvidiactl are
+#: visible in containers given none).
+NVIDIA_DEVICE_GLOB = "/dev/nvidia[0-9]*"
 
 # Exit statuses of run_gpu_check.py.
 EXIT_OK = 0  # every selected check passed (or was deselected); also no CUDA with --allow-no-gpu
@@ -321,16 +323,18 @@ class Watchdog:
         self._stop.set()
 
 
-def cuda_state(device_files: tuple[str, ...] = NVIDIA_DEVICE_FILES) -> tuple[bool, int, str]:
+def cuda_state(device_glob: str = NVIDIA_DEVICE_GLOB) -> tuple[bool, int, str]:
     """``(available, device count, reason)``; reason is ``""`` when available, :data:`NO_CUDA` on a machine without an
-    NVIDIA GPU, and says so when one of ``device_files`` exists but torch sees no CUDA device (a CPU wheel, a driver
-    mismatch): :func:`exit_status` then never reads it as a machine without a GPU."""
+    NVIDIA GPU, and says so when a GPU device node (``device_glob``) exists but torch sees no CUDA device (a CPU wheel,
+    a driver mismatch): :func:`exit_status` then never reads it as a machine without a GPU."""
     try:
         import torch
     except Exception as exc:  # noqa: BLE001
         return False, 0, describe_import_error("torch", exc)
     if not torch.cuda.is_available():
-        present = next((f for f in device_files if os.path.exists(f)), None)
+        import glob
+
+        present = next(iter(sorted(glob.glob(device_glob))), None)
         if present is not None:
             return False, 0, f"{present} exists but torch {torch.__version__} sees no CUDA device (a CPU-only wheel, or a driver mismatch?)"
         return False, 0, NO_CUDA

@@ -97,7 +97,7 @@ fig["a"], fig["b"] = 0.5, float("nan")
 held = [fig.expect("a", "<=", 1.0), fig.expect("a", ">=", 1.0), fig.expect("b", "<=", 1.0), fig.expect("missing", "==", 1)]
 r = lambda status: checklib.Result("X", "x", "A", status)
 gpu, none = (True, 1, ""), (False, 0, checklib.NO_CUDA)
-unusable = checklib.cuda_state(device_files=("/",))  # as if a GPU's device file existed
+unusable = checklib.cuda_state(device_glob="/")  # as if a GPU's device node existed
 statuses = [
     checklib.exit_status([r("PASS"), r("SKIP")], gpu, False),
     checklib.exit_status([r("PASS"), r("FAIL")], gpu, False),

@@ -225,9 +225,11 @@ def draw_per_row(probs: torch.Tensor, generators: list[torch.Generator]) -> torc
 class RowNoise:
     """Per-row generators (``generators[i]`` row ``i``'s alone) whose exponential-race noise is drawn ``block`` decode
     steps at a time: one ``exponential_`` call per row per block of steps instead of one per row per step (64 rows x 64
-    steps: 256 calls instead of 4096). A generator's ``exponential_`` stream does not depend on how it
-    is cut (``test_row_noise_draws_what_a_call_per_step_draws``), so every row draws exactly what
-    :func:`draw_per_row` draws step by step. ``steps``: the most steps the call can take (no block draws past it)."""
+    steps: 256 calls instead of 4096). A CPU generator's ``exponential_`` stream does not depend on how it is cut
+    (``test_row_noise_draws_what_a_call_per_step_draws``), so every row draws exactly what :func:`draw_per_row` draws
+    step by step. Not on CUDA, where a call's values depend on its size (each element's stream offset is its position in
+    the call): :func:`sample` uses it for CPU generators only. ``steps``: the most steps the call can take (no block
+    draws past it)."""
 
     def __init__(self, generators: list[torch.Generator], steps: int, block: int = 16) -> None:
         self.generators, self.steps_left, self.block = generators, steps, block
@@ -389,7 +391,7 @@ def sample(
     max_len = width + max_new_tokens
     step = FusedLlamaStep(model, input_ids.shape[0], max_len, len(prompts)) if fused else HFModelStep(model, input_ids.shape[0], max_len)
     generator = seeded_generators(seed, len(prompts), device)
-    if isinstance(generator, list):
+    if isinstance(generator, list) and device.type == "cpu":
         generator = RowNoise(generator, max_new_tokens)
     stop_ids = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
 

@@ -209,6 +209,25 @@ def test_a_request_given_up_before_its_engine_call_is_not_sampled() -> None:
         queue.close()
 
 
+def test_a_request_given_up_while_another_groups_call_runs_is_not_sampled() -> None:
+    """Two requests taken in one batch but sampled in two engine calls (other settings): the second, given up while
+    the first's call ran, had been marked running with the batch and was sampled anyway."""
+    held = Held()
+    queue = GenerationQueue(held, window_s=0.05, wait_ratio=0.0, max_wait_s=0.0)
+    try:
+        held.gate.clear()
+        first = queue.submit([[1]], SamplingParams(max_new_tokens=1, temperature=1.0))
+        second = queue.submit([[2]], SamplingParams(max_new_tokens=1, temperature=0.7))  # the same batch, its own group
+        assert held.entered.wait(30)
+        assert second.cancel()  # its engine call has not started
+        held.gate.set()
+        assert first.result(10)[0].prompt_ids == [1]
+        assert queue.submit([[3]], SamplingParams(max_new_tokens=1)).result(10)[0].prompt_ids == [3]
+        assert [n for n, _ in held.calls] == [1, 1] and queue.stats.cancelled == 1  # [2] was never sampled
+    finally:
+        queue.close()
+
+
 def test_the_local_engine_refuses_a_refit_whose_names_do_not_match_and_keeps_its_version() -> None:
     """strict=False loaded nothing for renamed weights (a DDP 'module.' prefix) and still took the new version."""
     from nemo_like.models.refit.manifest import RefitManifestError
