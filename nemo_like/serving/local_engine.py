@@ -44,7 +44,8 @@ class LocalGeneration:
 
     @torch.no_grad()
     def refit(self, weights: WeightSource, version: int) -> float:
-        """Load a full state dict (or an exporter returning one) as weight version ``version``."""
+        """Load a full state dict (or an exporter returning one) as weight version ``version``: this in-process engine
+        takes plain state dicts only, not the buckets or shared-memory descriptors an engine actor is sent."""
         start = time.perf_counter()
         state = export_weights(weights)
         # The names first (as the HF worker does): strict=False loaded nothing for renamed weights and still took the version

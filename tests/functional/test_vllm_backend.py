@@ -171,6 +171,47 @@ def test_refit_with_a_wrong_manifest_names_the_keys(ray_cluster, vllm_gen):
         ray.get(vllm_gen.group.run_rank0("update_weights", (1, state)))
 
 
+def _refit_while_enqueuing(worker, version: int, state: dict) -> None:
+    """Inside the engine's actor: the next generate call's enqueue first queues a refit of ``state`` (from a thread, as
+    a refit call arrives), so it waits at the gate when the engine's first step comes."""
+    import threading
+    import time
+
+    original = worker.llm.enqueue
+
+    def enqueue(*args, **kwargs):
+        worker.llm.enqueue = original
+        threading.Thread(target=worker.update_weights, args=((version, state),), daemon=True).start()
+        while not worker.gate.pending:
+            time.sleep(0.001)
+        return original(*args, **kwargs)
+
+    worker.llm.enqueue = enqueue
+
+
+def test_a_refit_that_arrives_before_the_first_engine_step_starts_the_call(ray_cluster, cfg, tok, vllm_gen):
+    """A refit queued while generate enqueued its requests is applied before any token: every token is the new
+    weights', so the samples start at the new version. They were labelled old -> new and counted as a mid-generation
+    refit (trajectory ages one step too old, the in-flight metrics inflated)."""
+    import ray
+
+    from nemo_like.models.loading import full_state_dict, load_causal_lm
+
+    worker = vllm_gen.group.workers[0]
+    version = ray.get(worker.__ray_call__.remote(lambda w: w.weight_version)) + 1
+    new = {
+        k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(0))
+        for k, v in full_state_dict(load_causal_lm(cfg.policy.model_name)).items()
+    }
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]  # tied
+    ray.get(worker.__ray_call__.remote(_refit_while_enqueuing, version, new))
+    before = vllm_gen.mid_generation_updates()
+    params = SamplingParams(max_new_tokens=8, temperature=cfg.policy.generation.temperature)
+    samples = ray.get(worker.generate.remote(prompts(cfg, tok, n=4), params.__dict__, 11))
+    assert {(s["weight_version"], s["final_weight_version"]) for s in samples} == {(version, version)}
+    assert vllm_gen.mid_generation_updates() == before
+
+
 def test_five_step_grpo_run_on_vllm_stays_on_policy(ray_cluster, tmp_path):
     """Sampling with top-k, top-p and a temperature: vLLM's processed logprobs and the policy's agree."""
     from functional.test_grpo_end_to_end import TRUNCATED_SAMPLING

@@ -13,6 +13,7 @@ from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.gate import WeightUpdateGate
 from nemo_like.models.refit.manifest import check_manifest, served_weight_names
+from nemo_like.models.refit.shared_memory import forget_mappings
 from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
 
 
@@ -55,6 +56,7 @@ class HFGenerationWorker(Reinitializable):
         max_batch_size: int = HF_MAX_BATCH_SIZE,
     ) -> None:
         apply_thread_count(num_threads)
+        forget_mappings()  # a kept actor's (reinit runs this again): the last run's refit buffer
         self.rank = rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.model = load_causal_lm(model_name, precision).to(self.device).eval()
@@ -112,6 +114,6 @@ class HFGenerationWorker(Reinitializable):
             version, buckets, check_intact = versioned_state[0], iter([versioned_state[1]]), lambda: None
         for bucket in buckets:  # their names were checked by update_weights
             self.model.load_state_dict(bucket, strict=False)
-        check_intact()  # a shared-memory buffer rewritten while it was copied: refuse the mix
+        check_intact()  # a shared-memory buffer rewritten while it was copied: a mix, raised (the caller loads it whole)
         self.weight_version = version
         return version

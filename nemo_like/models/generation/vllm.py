@@ -218,9 +218,11 @@ class VLLMGeneration:
             refs = self._refit_ipc(version)
         else:
             refs = self._refit_broadcast(version)
-        versions = get_with_context(refs, "refit")
-        if transport == "cuda_ipc":  # the engine copied the weights: the policy's bf16 copy behind the handles can go
-            get_with_context(self.policy.group.run_rank0("release_ipc_tensors"), "refit: release IPC tensors")
+        try:
+            versions = get_with_context(refs, "refit")
+        finally:  # copied, or failed: the policy's bf16 copy behind the handles goes either way (it was a whole model)
+            if transport == "cuda_ipc":
+                get_with_context(self.policy.group.run_rank0("release_ipc_tensors"), "refit: release IPC tensors")
         if set(versions) != {version}:
             raise RuntimeError(f"refit delivered weight versions {versions}, expected {version}")
         self.weight_version = version

@@ -30,6 +30,7 @@ from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.cpu_reload import reload_in_place
 from nemo_like.models.refit.gate import WeightUpdateGate
 from nemo_like.models.refit.manifest import RefitManifestError, check_manifest, expected_weight_names
+from nemo_like.models.refit.shared_memory import forget_mappings
 from nemo_like.utils.orphans import remove_orphans
 
 # Read by vLLM at import time; the facade sets them through the actor's runtime_env.
@@ -170,6 +171,7 @@ class VLLMGenerationWorker(Reinitializable):
         from nemo_like.models.loading import full_state_dict, load_causal_lm
 
         state = full_state_dict(load_causal_lm(init_kwargs["model_name"], init_kwargs["precision"]))
+        forget_mappings()  # the last run's refit buffer
         self.gate = WeightUpdateGate()
         self._prefix_cache_stale = False
         self._drop_adapter()
@@ -227,9 +229,8 @@ class VLLMGenerationWorker(Reinitializable):
             try:
                 if self._prefix_cache_stale:  # a refit landed mid-generation last time: drop the old-weight blocks now
                     self._prefix_cache_stale = not self.llm.reset_prefix_cache()
-                start_version = self.weight_version
                 self.llm.enqueue(requests, per_request, lora_request=self.lora_request, use_tqdm=False)
-                finished = self._run_engine()
+                finished, start_version = self._run_engine()
                 # Outputs carry the external ids, which count up in enqueue order (vLLM's own LLM.generate sorts the same way).
                 ordered = [finished[rid] for rid in sorted(finished, key=int)]
                 if len(ordered) != len(prompts):
@@ -242,18 +243,25 @@ class VLLMGenerationWorker(Reinitializable):
                 self._sleep()  # also after an error: a colocated engine left awake holds the policy's GPU memory
         return samples
 
-    def _run_engine(self) -> dict[str, tuple[Any, int]]:
-        """Step the engine until every request finished, applying refits that arrive between steps;
-        returns ``{request_id: (output, weight version of its last token)}``."""
+    def _run_engine(self) -> tuple[dict[str, tuple[Any, int]], int]:
+        """Step the engine until every request finished, applying refits that arrive between steps; returns
+        ``{request_id: (output, weight version of its last token)}`` and the version of every request's first token.
+        A refit that arrived before the first step (while the requests were enqueued) samples every token: the call
+        starts with it, not a mid-sequence refit (the requests hold no cache block yet, so the prefix cache is reset now)."""
         engine = self.llm.llm_engine
         finished: dict[str, tuple[Any, int]] = {}
+        start_version = None
         while engine.has_unfinished_requests():
-            if self.gate.apply_pending():
-                self._prefix_cache_stale = True  # running requests hold blocks, so the reset must wait
+            first_step, before = start_version is None, self.weight_version
+            if self.gate.apply_pending(mid_generation=not first_step):
+                # Running requests hold blocks, so the reset waits for the next call; before the first step none does
+                self._prefix_cache_stale = not (first_step and self.llm.reset_prefix_cache())
+            if first_step:  # cached prompt blocks of the old weights (a reset refused) make it the old version's call
+                start_version = before if self._prefix_cache_stale else self.weight_version
             for output in engine.step():
                 if output.finished:
                     finished[output.request_id] = (output, self.weight_version)
-        return finished
+        return finished, self.weight_version if start_version is None else start_version
 
     # -- weights (CPU and GPU): the full state dict through Ray's object store -----------------------
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
@@ -264,7 +272,7 @@ class VLLMGenerationWorker(Reinitializable):
             return self._update_adapter(versioned_state)
         if isinstance(versioned_state, WeightBuckets):
             version, names, tensors = versioned_state.version, versioned_state.all_names(), versioned_state.iter_tensors
-            check_intact = versioned_state.check_intact  # a shared-memory buffer rewritten while it was copied: refuse it
+            check_intact = versioned_state.check_intact  # a shared-memory buffer rewritten while copied: raised, reloaded whole
         else:
             version, state = versioned_state
             names, tensors, check_intact = list(state), lambda: iter(state.items()), lambda: None

@@ -112,6 +112,13 @@ def map_buffer(path: str, size: int) -> torch.Tensor:
     return buffer
 
 
+def forget_mappings() -> None:
+    """Drop the receiver's mapping of a refit buffer: an engine kept for the next run (``reuse_actors``) would otherwise
+    hold the last run's buffer, a whole model's worth of ``/dev/shm`` that ``ls`` no longer shows once the policy
+    unlinked it, until its next refit."""
+    _mapped.clear()
+
+
 class SharedMemoryFull(RuntimeError):
     """``/dev/shm`` cannot hold the refit buffer (Docker's default is 64 MB)."""
 

@@ -183,3 +183,52 @@ def test_a_read_that_overlaps_a_newer_write_is_refused_not_served():
             served.check_intact()
     finally:
         writer.close()
+
+
+def test_a_replacement_whose_shared_buffer_was_rewritten_loads_the_served_weights_through_the_object_store(ray_cluster):
+    """A replacement engine loads the served version from the policy's buffer; when the policy has written the next
+    refit into it meanwhile, the engine's copy is refused (StaleRefitBuffer). That error ended the run; the replacement
+    now loads the served weights whole through the object store, and serves exactly them."""
+    import ray
+
+    from nemo_like.models.generation.hf_worker import HFGenerationWorker
+    from nemo_like.models.generation.interface import load_served_weights
+    from nemo_like.models.loading import load_causal_lm, load_tokenizer
+
+    model_name = "embedded:tiny-arith-qwen2"
+    tok = load_tokenizer(model_name)
+    state = load_causal_lm(model_name, "float32").state_dict()
+    served = {name: value + 0.01 for name, value in state.items()}  # version 1, what the group serves
+    writer = SharedWeightWriter()
+    worker = ray.remote(HFGenerationWorker).remote(0, 1, model_name, "float32", 1, tok.pad_token_id, [tok.eos_token_id])
+    try:
+        descriptor = writer.write(1, list(served.items()))
+        writer.write(2, [(name, value + 0.02) for name, value in state.items()])  # the policy's next refit, same buffer
+        load_served_weights(worker, (1, served), descriptor, 1)
+        loaded = ray.get(worker.__ray_call__.remote(lambda self: (self.weight_version, self.model.state_dict())))
+        assert loaded[0] == 1 and all(torch.equal(loaded[1][name], served[name]) for name in served)
+    finally:
+        ray.kill(worker)
+        writer.close()
+
+
+def test_a_kept_engine_drops_its_mapping_of_the_last_runs_refit_buffer():
+    """A generation engine kept for the next run (reuse_actors: its reinit runs its __init__) held its mapping of the
+    last run's buffer: after the policy unlinked it, a whole model's worth of /dev/shm stayed used, invisible to ls."""
+    from nemo_like.models.generation.hf_worker import HFGenerationWorker
+    from nemo_like.models.loading import load_tokenizer
+
+    big = [("w", torch.zeros(4 * 2**20 // 4))]  # 4 MiB
+    writer = SharedWeightWriter()
+    served = writer.write(1, big)
+    assert set(dict(served.iter_tensors())) == {"w"}  # this process maps it, as an engine does
+    writer.close()
+
+    def used() -> int:
+        stats = os.statvfs(shared_memory.SHM_DIR)
+        return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+
+    held = used()
+    tok = load_tokenizer("embedded:tiny-arith-qwen2")
+    HFGenerationWorker(0, 1, "embedded:tiny-arith-qwen2", "float32", 1, tok.pad_token_id, [tok.eos_token_id])
+    assert held - used() >= 3 * 2**20 and not shared_memory._mapped
