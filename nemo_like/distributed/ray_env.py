@@ -119,8 +119,10 @@ def worker_env_vars(num_threads: int | None = None) -> dict[str, str]:
     """Environment for an actor process: forwarded variables plus thread limits. A forwarded ``PYTHONPATH`` keeps the
     node's own after the driver's (Ray sets each variable whole: a joined cluster's actors had lost the node's path)."""
     env = {k: os.environ[k] for k in FORWARDED_TO_WORKERS if k in os.environ}
-    if "PYTHONPATH" in env:
-        env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + NODE_PYTHONPATH
+    if "PYTHONPATH" in env:  # an empty entry is the actor's working directory on sys.path: not forwarded
+        entries = [p for p in env.pop("PYTHONPATH").split(os.pathsep) if p]
+        if entries:
+            env["PYTHONPATH"] = os.pathsep.join([*entries, NODE_PYTHONPATH])
     if num_threads is not None:
         env["OMP_NUM_THREADS"] = str(num_threads)
     return env

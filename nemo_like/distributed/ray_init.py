@@ -74,6 +74,12 @@ def init_ray(cluster: ClusterConfig) -> str:
                 f"{source} names the Ray cluster at {address!r}, but this process is already connected to {now} by an "
                 "earlier run; call ray.shutdown() between the runs, or run this one in a new process"
             )
+        if address is None and mode == "joined":  # it asks for a private local cluster: it would run on the joined one
+            raise ConfigError(
+                f"this run names no Ray cluster (a private local one), but this process is already connected to the Ray "
+                f"cluster at {connected!r} by an earlier run; set cluster.ray_address={connected} to run there, call "
+                "ray.shutdown() between the runs, or run this one in a new process"
+            )
         if mode == "local" and _LOCAL_SIZES is not None and _sizes(cluster) != _LOCAL_SIZES:
             _warn_ignored_sizes(cluster, "an earlier run in this process started the private local cluster this one uses")
         elif mode == "joined":

@@ -277,7 +277,10 @@ class RayWorkerGroup:
         # How each actor is made (a dead one is replaced with the same: :meth:`replace`).
         self._spawn = (actor_cls, num_workers, resources, dict(init_kwargs), env_vars, max_concurrency, node_id)
         if issubclass(actor_cls, Reinitializable):
-            env_key = tuple(sorted((env_vars or {}).items()))
+            # The actor's whole environment (what the driver forwards too: HF_HOME, offline flags, PYTHONPATH), less the
+            # thread count a kept actor takes at reinit
+            env = self._environment(None if actor_cls.SETS_THREADS_ON_INIT else resources.num_threads)
+            env_key = tuple(sorted(env.items()))
             self._key = (
                 name,
                 actor_cls.__qualname__,
@@ -300,20 +303,25 @@ class RayWorkerGroup:
                 self.kill()
                 raise
 
-    def _start(self, rank: int) -> Any:
-        """A new actor ``rank`` of this group (its bundle of the group's placement group, or the pinned node)."""
-        actor_cls, num_workers, resources, init_kwargs, env_vars, max_concurrency, node_id = self._spawn
-        env = worker_env_vars(resources.num_threads)
+    def _environment(self, num_threads: int | None) -> dict[str, str]:
+        """The environment variables each actor of this group starts with."""
+        _, _, resources, _, env_vars, _, _ = self._spawn
+        env = worker_env_vars(num_threads)
         if not resources.num_gpus:
             # Ray (2.48+) leaves CUDA_VISIBLE_DEVICES alone for an actor given no GPU: on a GPU node it saw every GPU and
             # its torch.cuda.is_available() put the model on cuda:0, a device Ray never gave it. An actor that shares a
             # GPU on purpose (the colocated engine) names its device in env_vars, which win.
             env["CUDA_VISIBLE_DEVICES"] = ""
+        return {**env, **(env_vars or {})}
+
+    def _start(self, rank: int) -> Any:
+        """A new actor ``rank`` of this group (its bundle of the group's placement group, or the pinned node)."""
+        actor_cls, num_workers, resources, init_kwargs, env_vars, max_concurrency, node_id = self._spawn
         options = dict(
             num_cpus=resources.num_cpus,
             num_gpus=resources.num_gpus,
             name=None,
-            runtime_env={"env_vars": {**env, **(env_vars or {})}},
+            runtime_env={"env_vars": self._environment(resources.num_threads)},
             scheduling_strategy=actor_scheduling(self._pg, rank, node_id),
             max_concurrency=max_concurrency,
         )

@@ -125,6 +125,24 @@ def test_a_kept_actor_takes_a_new_thread_count_only_when_its_class_applies_it(ra
         other.shutdown()
 
 
+def test_a_kept_actor_serves_only_a_run_that_forwards_it_the_same_environment(ray_cluster, monkeypatch):
+    """The reuse key held only the group's own env_vars: a kept actor kept the last run's HF_HOME, offline flags and
+    PYTHONPATH (what the driver forwards) when the next run's differed."""
+    with reuse_actors():
+        monkeypatch.setenv("HF_HOME", "/tmp/nemo_like_hf_home_a")
+        first = RayWorkerGroup("forwarded", Counter, 1, WorkerResources(num_cpus=0.01), {"start": 0})
+        pid = bump_all(first)[0][0]
+        first.shutdown()
+        again = RayWorkerGroup("forwarded", Counter, 1, WorkerResources(num_cpus=0.01), {"start": 0})
+        assert bump_all(again)[0][0] == pid  # the same environment: kept
+        again.shutdown()
+        monkeypatch.setenv("HF_HOME", "/tmp/nemo_like_hf_home_b")
+        other = RayWorkerGroup("forwarded", Counter, 1, WorkerResources(num_cpus=0.01), {"start": 0})
+        assert bump_all(other)[0][0] != pid
+        assert ray.get(other.workers[0].__ray_call__.remote(lambda _: os.environ["HF_HOME"])) == "/tmp/nemo_like_hf_home_b"
+        other.shutdown()
+
+
 def test_a_kept_group_that_refuses_a_runs_settings_is_killed_and_frees_its_bundles(ray_cluster):
     """A run whose settings a kept group's re-initialisation refuses (a bad key in one run of a sweep): the group was
     out of the pool and only a dead actor was cleaned up, so its actors and placement group leaked; every later run of

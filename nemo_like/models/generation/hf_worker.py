@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from nemo_like.distributed.reinit import Reinitializable
-from nemo_like.distributed.threads import apply_thread_count
+from nemo_like.distributed.threads import apply_thread_count, use_threads
 from nemo_like.models.generation.interface import SamplingParams, Seeds, chunk_seeds
 from nemo_like.models.generation.lean_decoder import sample_with_params
 from nemo_like.models.loading import load_causal_lm
@@ -56,6 +56,7 @@ class HFGenerationWorker(Reinitializable):
         max_batch_size: int = HF_MAX_BATCH_SIZE,
     ) -> None:
         apply_thread_count(num_threads)
+        self.num_threads = num_threads  # set again in each call's own thread (a threaded actor's: max_concurrency 2)
         forget_mappings()  # a kept actor's (reinit runs this again): the last run's refit buffer
         self.rank = rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -71,6 +72,7 @@ class HFGenerationWorker(Reinitializable):
     def generate(self, prompts: list[list[int]], params: dict, seed: Seeds) -> list[dict]:
         """Sample one response per prompt; returns :class:`GeneratedSample` fields as dicts. ``seed``: the batch's, or
         one per prompt (``interface.Seeds``)."""
+        use_threads(self.num_threads)  # torch's thread count is per calling thread: a kept actor's other thread kept its own
         sp = SamplingParams(**params)
         out: list[dict] = []
         with self.gate.generating_scope():
@@ -106,6 +108,7 @@ class HFGenerationWorker(Reinitializable):
 
     @torch.no_grad()
     def _load_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
+        use_threads(self.num_threads)
         if isinstance(versioned_state, WeightBuckets) and versioned_state.kind != "full":
             raise RuntimeError(f"HF generation serves plain weights; got a {versioned_state.kind!r} refit (LoRA refits are merged for it)")
         if isinstance(versioned_state, WeightBuckets):

@@ -12,6 +12,7 @@ import pytest
 from nemo_like.algorithms import roles as capacity
 from nemo_like.algorithms.roles import declared_resources
 from nemo_like.config import MasterConfig, load_config
+from nemo_like.config.errors import ConfigError
 from nemo_like.distributed.capacity import check_cluster_capacity, shortfall
 from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id, worker_env_vars
 from nemo_like.distributed.worker_group import PlacementError
@@ -155,6 +156,12 @@ def test_actors_get_the_drivers_pythonpath(monkeypatch: pytest.MonkeyPatch, tmp_
     assert os.environ["PYTHONPATH"] == f"{path}:/node/pkgs"
     monkeypatch.delenv("PYTHONPATH")
     assert "PYTHONPATH" not in worker_env_vars()
+    # An empty entry (a leading, doubled or trailing separator; PYTHONPATH='') is the actor's working directory on its
+    # sys.path: dropped, and nothing is forwarded when nothing is left
+    monkeypatch.setenv("PYTHONPATH", f":{path}::")
+    assert worker_env_vars()["PYTHONPATH"] == f"{path}:${{PYTHONPATH}}"
+    monkeypatch.setenv("PYTHONPATH", "")
+    assert "PYTHONPATH" not in worker_env_vars()
 
 
 def test_async_adds_the_collector_and_buffer_actors() -> None:
@@ -235,6 +242,19 @@ def test_private_cluster_sizes_a_run_cannot_apply_warn(ray_cluster) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         init_ray(ClusterConfig())  # nothing changed from the defaults: nothing to say
+
+
+def test_a_run_naming_no_cluster_after_one_that_joined_is_refused(ray_cluster, monkeypatch) -> None:
+    """A run that names no cluster asks for a private local one; after a run in this process joined a cluster it had
+    silently run on the joined one (the opposite order was refused)."""
+    from nemo_like.config.schema import ClusterConfig
+    from nemo_like.distributed import ray_init
+
+    gcs = ray_init._gcs_address()
+    monkeypatch.setattr(ray_init, "_CONNECTED", ("joined", gcs, gcs))  # as a run that joined this cluster leaves it
+    with pytest.raises(ConfigError, match="names no Ray cluster .* already connected to the Ray cluster at"):
+        ray_init.init_ray(ClusterConfig())
+    assert ray_init.init_ray(ClusterConfig(ray_address=gcs)) == "joined"  # naming it is fine
 
 
 def test_an_interrupted_placement_wait_removes_its_group(ray_cluster) -> None:

@@ -4,6 +4,7 @@ whatever else is in the batch; an int seed samples exactly as before. On the shi
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -172,3 +173,23 @@ def test_vllm_requests_are_seeded_with_the_per_prompt_seeds() -> None:
         with pytest.raises(RuntimeError, match="finished 0 requests for 3 prompts"):
             worker.generate([[5, 6], [7], [8, 9]], {"max_new_tokens": 4}, seed)
     assert engine.seeds == [[5, 6, 7], [9, 4, 7]]  # an int: request i seeded seed + i (as before); a list: its own
+
+
+def test_an_hf_engine_call_runs_on_the_engines_thread_count_in_whatever_thread_calls_it() -> None:
+    """torch's thread count is per calling thread: a kept threaded engine (max_concurrency 2, re-initialised with a
+    new count in one of Ray's threads) ran calls in its other thread on the last run's count."""
+    import threading
+
+    tok = load_tokenizer(MODEL)
+    worker = HFGenerationWorker(0, 1, MODEL, "float32", 1, tok.pad_token_id, [tok.eos_token_id])
+    seen = []
+
+    def call() -> None:
+        torch.set_num_threads(2)  # this thread's count from an earlier run
+        worker.generate([[5, 6, 7]], asdict(SamplingParams(max_new_tokens=2)), 0)
+        seen.append(torch.get_num_threads())
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    caller.join(60)
+    assert seen == [1]
