@@ -159,8 +159,8 @@ class ChunkedTeacherKL(torch.autograd.Function):
         hidden, weight, bias, t_hidden, t_weight, t_bias = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros_like(bias) if need_b and bias is not None else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # the chunks add up in float32
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             h = hidden[rows]
@@ -172,9 +172,11 @@ class ChunkedTeacherKL(torch.autograd.Function):
                 if grad_h is not None:
                     grad_h[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
                 if grad_w is not None:
-                    grad_w += (grad.T.to(h.dtype) @ h).to(weight.dtype)
+                    grad_w += (grad.T.to(h.dtype) @ h).float()
             if grad_b is not None:
-                grad_b += grad.sum(0).to(bias.dtype)
+                grad_b += grad.sum(0).float()
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 

@@ -83,10 +83,12 @@ class MicroBatchPlan:
 
 
 def take_rows(batch: Batch, indices: list[int]) -> Batch:
-    """Rows ``indices`` of every per-sample tensor, trailing all-padding columns dropped (scalars kept)."""
+    """Rows ``indices`` of every per-sample tensor, trailing all-padding columns dropped (scalars kept): the columns up
+    to the last that holds a real token in any row (a left-padded row's last tokens are past its count of tokens)."""
     idx = torch.tensor(indices, dtype=torch.long)
     rows = {k: (v.index_select(0, idx) if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
-    width = max(1, int(rows["attention_mask"].sum(-1).max().item())) if indices else 1
+    real = rows["attention_mask"].bool().any(0) if indices else torch.zeros(1, dtype=torch.bool)
+    width = int(real.nonzero().max()) + 1 if bool(real.any()) else 1
     return {k: (v[:, :width] if torch.is_tensor(v) and v.dim() == 2 else v) for k, v in rows.items()}
 
 

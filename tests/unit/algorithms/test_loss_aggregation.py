@@ -283,3 +283,17 @@ def test_a_train_calls_metrics_are_means_over_its_tokens_not_over_its_steps(dp: 
         [fn(first_step["prev_logprobs"], first_step, first_step["global_valid_seqs"], first_step["global_valid_toks"])[1]]
     )
     assert call["gen_kl"] < 0.1 * alone["gen_kl"]  # one token of 19; the mean over the two steps was about half of it
+
+
+def test_take_rows_keeps_every_column_that_holds_a_real_token() -> None:
+    """A micro-batch was cut to its rows' largest count of real tokens: right-padded rows lost only padding, but a
+    left-padded row (which the logprob forward supports) lost its last tokens, scored 0 and dropped from the loss."""
+    ids = torch.arange(20).view(2, 10)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, 6:] = 0  # right-padded: 6 real tokens, columns 6.. are padding
+    mask[1, :4] = 0  # left-padded: 6 real tokens at columns 4..9
+    batch = {"input_ids": ids, "attention_mask": mask, "sample_mask": torch.ones(2)}
+    assert take_rows(batch, [0])["input_ids"].tolist() == [ids[0, :6].tolist()]  # trailing padding dropped
+    left = take_rows(batch, [1])
+    assert left["input_ids"].tolist() == [ids[1].tolist()] and left["attention_mask"].tolist() == [mask[1].tolist()]
+    assert take_rows(batch, [0, 1])["input_ids"].shape == (2, 10) and take_rows(batch, [])["input_ids"].shape == (0, 1)
