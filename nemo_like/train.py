@@ -218,7 +218,8 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
     kept: list[dict[str, Any]] = []  # records of the attempts before a restart, up to the step it resumed from
     resumed_step = resume_from.step if resume_from is not None else None  # None: a fresh start
     while True:
-        logger = Logger(cfg.logger, cfg.grpo.max_num_steps, resumed_step, replay.records if replay and not deaths else ())
+        replayed = replay.records if replay and not deaths else ()
+        logger = Logger(cfg.logger, cfg.grpo.max_num_steps, resumed_step, replayed, elapsed_s=time.perf_counter() - start)
         if deaths:
             logger.extra[RESTARTS_METRIC] = float(len(deaths))
             report_first_step(logger, deaths[-1], len(deaths))

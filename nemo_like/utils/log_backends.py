@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import netrc
+import numbers
 import os
 import sys
 import urllib.parse
@@ -41,9 +42,17 @@ class LogBackend:
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` made JSON-safe: non-finite floats become strings ('nan', 'inf') instead of invalid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+    """``value`` made JSON-safe at any depth: tensors and numpy arrays or scalars as Python values, non-finite floats as
+    strings ('nan', 'inf') instead of invalid JSON (a NaN inside a list had been written as a bare ``NaN``, and a numpy
+    float stopped the run)."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
     return value
 
 
@@ -55,8 +64,9 @@ def from_jsonable(value: Any) -> Any:
 
 
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, Scalar]:
-    """The int/float entries of ``metrics`` (what scalar dashboards can plot)."""
-    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The real-number entries of ``metrics`` as Python numbers (what scalar dashboards can plot; numpy scalars too, as
+    ``metrics.jsonl`` writes them)."""
+    return {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
 
 
 def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -107,7 +117,7 @@ class JsonlBackend(LogBackend):
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         record = {"step": step, **{k: jsonable(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")  # jsonable made every value JSON: a leak fails here
 
     def close(self) -> None:
         self._file.close()

@@ -26,14 +26,20 @@ class Logger:
     dashboards, and the resolved config beside them (``config.yaml``, TB hparams, W&B config)."""
 
     def __init__(
-        self, cfg: LoggerConfig, total_steps: int, resumed_step: int | None = None, replayed: Sequence[dict[str, Any]] = ()
+        self,
+        cfg: LoggerConfig,
+        total_steps: int,
+        resumed_step: int | None = None,
+        replayed: Sequence[dict[str, Any]] = (),
+        elapsed_s: float = 0.0,
     ) -> None:
         """``resumed_step``: the checkpoint's step a resumed run continues after (TensorBoard then hides the later steps
         an earlier run logged: they are redone; ``metrics.jsonl`` is trimmed by the caller); ``None``, a fresh run, hides
         every step earlier runs logged in this ``log_dir`` (one curve per run, as the plot draws the last run alone).
         ``replayed``: the resumed run's own records that ``metrics.jsonl`` holds again after another run's
         (:func:`nemo_like.algorithms.checkpointing.trim_metrics_after`); the dashboards hide every earlier step and get
-        these again, so the resumed steps continue their own curve there too."""
+        these again, so the resumed steps continue their own curve there too. ``elapsed_s``: seconds the run has
+        already run (a restart's new logger: the console's ``elapsed`` counts from the run's start)."""
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -41,7 +47,7 @@ class Logger:
         purge_step = 0 if resumed_step is None or replayed else resumed_step + 1
         with new_threads_spared_stop_signals():  # their threads must never take a run's SIGTERM / SIGINT
             self.backends: list[LogBackend] = [JsonlBackend(self.metrics_path), *start_backends(cfg, purge_step)]
-            self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar)
+            self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar, elapsed_s=elapsed_s)
         for record in replayed:  # already in metrics.jsonl, where a non-finite value is a string ('nan')
             metrics = {key: from_jsonable(value) for key, value in record.items() if key != "step"}
             self._call_all("log_metrics", metrics, int(record["step"]), dashboards_only=True)
@@ -117,9 +123,10 @@ class ConsoleProgress:
     A step's duration is the time between two consecutive updates, so the first update of a run (or of a
     resumed run) has none yet and shows ``eta ?``; the ETA is :func:`eta_seconds` of the recent ones."""
 
-    def __init__(self, total: int, enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, total: int, enabled: bool = True, clock: Callable[[], float] = time.monotonic, elapsed_s: float = 0.0) -> None:
+        """``elapsed_s``: seconds the run ran before this display started (an in-process restart's)."""
         self.total, self.enabled, self.clock = total, enabled, clock
-        self.start = clock()
+        self.start = clock() - elapsed_s
         self.step_seconds: deque[float] = deque(maxlen=ETA_WINDOW)
         self._last_update: tuple[int, float] | None = None  # (step, time) of the previous update
         self._rich = None

@@ -8,7 +8,6 @@ Per-token columns hold one value per **response** token (``response_mask`` selec
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from nemo_like.utils.files import replace_file
+from nemo_like.utils.log_backends import jsonable
 
 
 def dump_path(log_dir: str | Path, kind: str, step: int) -> Path:
@@ -35,26 +35,13 @@ def per_sample_mean(values: torch.Tensor, mask: torch.Tensor) -> list[float]:
     return ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
 
 
-def _json_safe(value: Any) -> Any:
-    """Tensors to lists; non-finite floats to strings (JSON has no NaN/inf)."""
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    return value
-
-
 def sample_records(step: int, columns: Mapping[str, Sequence[Any] | torch.Tensor]) -> list[dict[str, Any]]:
     """One dict per sample: ``{"step", "index", <column>: column[i], ...}``; all columns have length B."""
     sizes = {name: len(col) for name, col in columns.items()}
     if len(set(sizes.values())) > 1:
         raise ValueError(f"sample dump columns differ in length: {sizes}")
     count = next(iter(sizes.values()), 0)
-    return [{"step": step, "index": i, **{name: _json_safe(col[i]) for name, col in columns.items()}} for i in range(count)]
+    return [{"step": step, "index": i, **{name: jsonable(col[i]) for name, col in columns.items()}} for i in range(count)]
 
 
 def write_sample_dump(path: str | Path, step: int, columns: Mapping[str, Sequence[Any] | torch.Tensor]) -> Path:

@@ -63,6 +63,16 @@ def test_a_resumed_run_measures_from_its_first_update(capsys) -> None:
     assert lines[1].endswith("eta 16s")  # 8 x 2 s
 
 
+def test_a_restarted_attempts_display_counts_elapsed_from_the_runs_start(capsys) -> None:
+    """An in-process restart builds a new logger 600 s into the run: its first line said `elapsed 50s`, not 10m50s
+    (logging.md: elapsed counts from the start of the run)."""
+    clock = SteppedClock()
+    progress = ConsoleProgress(10, enabled=True, clock=clock, elapsed_s=600.0)
+    clock.now += 50.0
+    progress.update(5, "r")
+    assert capsys.readouterr().err.splitlines() == ["[step 5/10] r | elapsed 10m50s eta ?"]
+
+
 def test_durations_read_like_a_clock() -> None:
     assert format_seconds(42.4) == "42s"
     assert format_seconds(725) == "12m05s"

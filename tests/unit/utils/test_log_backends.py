@@ -21,6 +21,26 @@ def test_numeric_metrics_and_jsonable():
     assert jsonable(float("nan")) == "nan" and jsonable(1.5) == 1.5
 
 
+def test_a_nested_non_finite_value_or_a_numpy_scalar_is_written_as_valid_json_and_reaches_the_dashboards(tmp_path):
+    """jsonable converted a top-level float only: a NaN in a list was written as a bare NaN (not JSON), a numpy float
+    stopped the run (TypeError), and the dashboards dropped the numpy value the file would have held."""
+    import numpy as np
+    import torch
+
+    nested = {"list": [1.0, float("nan")], "dict": {"a": float("inf")}, "np": np.float32(0.5), "t": torch.tensor([1.0, float("-inf")])}
+    assert jsonable(nested) == {"list": [1.0, "nan"], "dict": {"a": "inf"}, "np": 0.5, "t": [1.0, "-inf"]}
+    assert numeric_metrics({"np": np.float64(2.5), "i": np.int64(3), "flag": np.bool_(True)}) == {"np": 2.5, "i": 3}
+    logger = Logger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False), total_steps=1)
+    logger.log({"m/np": np.float32(0.25), "m/nested": [float("nan")]}, step=1)
+    logger.close()
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line, parse_constant=lambda c: pytest.fail(f"invalid JSON constant {c}")) == {
+        "step": 1,
+        "m/np": 0.25,
+        "m/nested": ["nan"],
+    }
+
+
 def test_a_backend_that_cannot_start_warns_and_jsonl_still_logs(tmp_path):
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
