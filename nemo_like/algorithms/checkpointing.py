@@ -26,6 +26,7 @@ from nemo_like.utils.checkpoint import (
     restore_driver_rng_state,
 )
 from nemo_like.utils.files import replace_file
+from nemo_like.utils.log_backends import starts_new_run
 
 #: The policy workers' RNG states, beside the policy's files.
 WORKER_RNG_FILE = "worker_rng.pt"
@@ -203,7 +204,7 @@ def _run_ending_at(data: bytes, step: int) -> list[str]:
         current = _step_of(line)
         if current is None:
             continue
-        if previous is None or current < previous:
+        if previous is None or starts_new_run(json.loads(line), previous):
             runs.append([])
         runs[-1].append(line)
         previous = current
@@ -214,15 +215,16 @@ def _run_ending_at(data: bytes, step: int) -> list[str]:
 
 
 def last_run_start(data: bytes) -> int:
-    """The byte offset where the last run of a ``metrics.jsonl`` begins: its line after the last place where the
-    step goes down (a fresh run appends and starts its steps again; a resumed one goes on from its checkpoint's
-    step), as :func:`nemo_like.utils.plot.read_metrics` reads it."""
+    """The byte offset where the last run of a ``metrics.jsonl`` begins: the last record that begins a run
+    (:func:`~nemo_like.utils.log_backends.starts_new_run`: a fresh run's first carries the marker; a resumed one goes
+    on from its checkpoint's step), as :func:`nemo_like.utils.plot.read_metrics` reads it."""
     start = offset = 0
     previous = None
     for line in data.splitlines(keepends=True):
-        step = _step_of(line.decode(errors="replace"))
+        text = line.decode(errors="replace")
+        step = _step_of(text)
         if step is not None:
-            if previous is not None and step < previous:
+            if starts_new_run(json.loads(text), previous):
                 start = offset
             previous = step
         offset += len(line)

@@ -105,18 +105,33 @@ def drop_torn_tail(path: Path) -> None:
         f.truncate(0)  # the file is one torn line
 
 
+#: Set in the first record a fresh run writes to ``metrics.jsonl``: where a run begins in a file several runs wrote
+#: (:func:`starts_new_run`). A resumed run's records continue its run and carry none.
+RUN_START = "run_start"
+
+
+def starts_new_run(record: dict[str, Any], previous_step: int | None) -> bool:
+    """Whether ``record`` (of a ``metrics.jsonl``, after a record of ``previous_step``) begins another run: it carries
+    :data:`RUN_START`, or (files written before the marker) its step goes down. Steps alone missed a fresh run that
+    started at or past the last step of the one before (a 1-step smoke test, then a run without step-0 validation)."""
+    return previous_step is not None and (bool(record.get(RUN_START)) or int(record["step"]) < previous_step)
+
+
 class JsonlBackend(LogBackend):
-    """One JSON object per call in ``<log_dir>/metrics.jsonl`` (always on; appends)."""
+    """One JSON object per call in ``<log_dir>/metrics.jsonl`` (always on; appends). ``fresh``: a fresh run's (not a
+    resumed one's): its first record carries :data:`RUN_START`."""
 
     name = "jsonl"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fresh: bool = False) -> None:
         self.path = path
+        self._mark_start = fresh
         drop_torn_tail(path)
         self._file = path.open("a", buffering=1)
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        record = {"step": step, **{k: jsonable(v) for k, v in metrics.items()}}
+        record = {"step": step, **({RUN_START: True} if self._mark_start else {}), **{k: jsonable(v) for k, v in metrics.items()}}
+        self._mark_start = False
         self._file.write(json.dumps(record, allow_nan=False) + "\n")  # jsonable made every value JSON: a leak fails here
 
     def close(self) -> None:

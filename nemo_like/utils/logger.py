@@ -46,7 +46,10 @@ class Logger:
         self.metrics_path = self.log_dir / "metrics.jsonl"
         purge_step = 0 if resumed_step is None or replayed else resumed_step + 1
         with new_threads_spared_stop_signals():  # their threads must never take a run's SIGTERM / SIGINT
-            self.backends: list[LogBackend] = [JsonlBackend(self.metrics_path), *start_backends(cfg, purge_step)]
+            self.backends: list[LogBackend] = [
+                JsonlBackend(self.metrics_path, fresh=resumed_step is None),
+                *start_backends(cfg, purge_step),
+            ]
             self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar, elapsed_s=elapsed_s)
         for record in replayed:  # already in metrics.jsonl, where a non-finite value is a string ('nan')
             metrics = {key: from_jsonable(value) for key, value in record.items() if key != "step"}

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nemo_like.utils.log_backends import from_jsonable
+from nemo_like.utils.log_backends import RUN_START, from_jsonable, starts_new_run
 from nemo_like.utils.throughput import STEP_PHASES
 
 # (title, metrics on the left y axis, metrics on a second, right y axis)
@@ -61,10 +61,10 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             step = int(record["step"])
         except (KeyError, TypeError, ValueError):  # another JSON Lines file (eval's results.jsonl, say)
             raise ValueError(f"{path}: line {number} is not a metrics record (a JSON object with an integer 'step')") from None
-        if last_step is not None and step < last_step:
+        if starts_new_run(record, last_step):
             runs.append({})
         last_step = step
-        runs[-1].setdefault(step, {}).update({k: from_jsonable(v) for k, v in record.items()})
+        runs[-1].setdefault(step, {}).update({k: from_jsonable(v) for k, v in record.items() if k != RUN_START})
     by_step = runs[-1]
     return [by_step[s] for s in sorted(by_step)]
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def numeric(record: dict) -> dict[str, float]:
-    return {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+    return {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 PEAK = 1e9  # FLOP/s per device: set, so no CPU probe runs and the MFU is exact arithmetic

@@ -36,6 +36,7 @@ def test_a_nested_non_finite_value_or_a_numpy_scalar_is_written_as_valid_json_an
     (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert json.loads(line, parse_constant=lambda c: pytest.fail(f"invalid JSON constant {c}")) == {
         "step": 1,
+        "run_start": True,
         "m/np": 0.25,
         "m/nested": ["nan"],
     }
@@ -51,7 +52,9 @@ def test_a_backend_that_cannot_start_warns_and_jsonl_still_logs(tmp_path):
     logger.save_config({"grpo": {"seed": 1}})
     logger.log({"train/reward": 0.5}, step=1)
     logger.close()
-    assert [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()] == [{"step": 1, "train/reward": 0.5}]
+    assert [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "run_start": True, "train/reward": 0.5}
+    ]
 
 
 def test_tensorboard_backend_writes_scalars_and_config(tmp_path):
@@ -248,3 +251,30 @@ def test_the_plot_refuses_an_empty_file_a_binary_one_and_a_metric_only_an_earlie
     two_runs.write_text('{"step": 1, "train/kl_penalty": 0.1}\n{"step": 2, "train/kl_penalty": 0.2}\n{"step": 1, "train/reward": 0.5}\n')
     with pytest.raises(ValueError, match=r"\['train/kl_penalty'\] not logged by the last run in .*two.jsonl \(the plot reads"):
         plot_metrics(two_runs, metrics=["train/kl_penalty"])
+
+
+def test_a_fresh_run_that_starts_past_the_last_step_of_the_one_before_is_its_own_run(tmp_path):
+    """Runs in one log_dir were told apart by a step going down: a 1-step smoke test (steps 0, 1) then a run without
+    step-0 validation (steps 1, 2, 3) read as one run, the plot mixing them (TensorBoard hides the first). A fresh
+    run's first record now says it begins a run; a resumed run's continues its own."""
+    from nemo_like.algorithms.checkpointing import last_run_start
+    from nemo_like.utils.plot import read_metrics
+
+    cfg = LoggerConfig(log_dir=str(tmp_path), progress_bar=False)
+
+    def run(steps, resumed_step=None, **metrics):
+        logger = Logger(cfg, total_steps=3, resumed_step=resumed_step)
+        for step in steps:
+            logger.log(dict(metrics), step)
+        logger.close()
+
+    run([0, 1], **{"train/smoke_only": 1.0})
+    size = (tmp_path / "metrics.jsonl").stat().st_size
+    run([1, 2], **{"train/reward": 0.5})
+    assert [(r["step"], sorted(r)) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+        (1, ["step", "train/reward"]),
+        (2, ["step", "train/reward"]),
+    ]
+    assert last_run_start((tmp_path / "metrics.jsonl").read_bytes()) == size
+    run([3], resumed_step=2, **{"train/reward": 0.7})  # a resume goes on with its run
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
