@@ -170,8 +170,8 @@ def trim_metrics_after(metrics_path: Path, last_step: int, from_byte: int | None
     With ``from_byte`` ``None``, when the last run holds no record of ``last_step`` but an earlier one does, another run
     logged here after the checkpoint's: it is kept whole, and the checkpoint run's records up to ``last_step`` are
     written again after it, so the resumed steps continue their own run (the plot's last run was the other run's
-    steps followed by the resumed ones). Runs are told apart by their steps only, so another run that went past
-    ``last_step`` still reads as the checkpoint's (its later records are dropped, as before). Returns those records and
+    steps followed by the resumed ones). Another run that went past ``last_step`` holds a record of it and still reads
+    as the checkpoint's (its later records are dropped, as before). Returns those records and
     a line saying so, else ``None``."""
     if not metrics_path.exists():
         return None
