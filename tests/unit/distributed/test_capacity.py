@@ -219,6 +219,17 @@ def test_requests_the_nodes_can_never_place_are_refused_whatever_the_totals() ->
         check_node_placement([packed], two_nodes, {"policy": "STRICT_PACK"})
     check_node_placement([packed, RoleResources("generation", 2, WorkerResources(num_cpus=2))], two_nodes)  # PACK spills over
     check_node_placement([RoleResources("policy", 2, WorkerResources(num_cpus=1))], two_nodes, {"policy": "STRICT_SPREAD"})
+    # A fraction of a GPU comes out of one GPU: three 0.6 shares need three GPUs though their sum, 1.8, is under 2
+    gpu_node = [{"CPU": 8.0, "GPU": 2.0}]
+    shares = RoleResources("environment:rm", 3, WorkerResources(num_cpus=0.1, num_gpus=0.6))
+    with pytest.raises(
+        PlacementError, match=r"3 bundles ask for more than half a GPU each \(environment:rm 0.6\).*3 GPUs, and the nodes have 2"
+    ):
+        check_node_placement([shares], gpu_node)
+    with pytest.raises(PlacementError, match="more than half a GPU"):  # one share beside a whole-GPU policy on 2 GPUs
+        check_node_placement([RoleResources("policy", 2, WorkerResources(num_cpus=1, num_gpus=1)), replace(shares, count=1)], gpu_node)
+    check_node_placement([replace(shares, count=2)], gpu_node)  # two 0.6 shares: a GPU each
+    check_node_placement([RoleResources("environment:rm", 4, WorkerResources(num_cpus=0.1, num_gpus=0.5))], gpu_node)  # halves pair up
 
 
 def test_strict_spread_over_more_policy_ranks_than_declared_nodes_is_a_config_error() -> None:
