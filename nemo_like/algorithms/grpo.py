@@ -665,19 +665,30 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             except DataExhausted as exc:
                 logger.progress.message(f"[done] {exc}")
                 final = step - 1  # the last step: grpo.max_num_epochs ended the run before grpo.max_num_steps
+                ran_here = final > last_step  # else: resumed from the last step's checkpoint (a stop or a requeue there)
+                if ran_here:
+                    already = bool(validation_of(history[-1]))
+                else:  # the checkpoint says whether its step was validated (it had ended no run, so maybe not)
+                    already = last_validation.get(VALIDATED_AT_STEP) == float(final)
                 validated = False
-                if cfg.grpo.val_at_end and final > last_step and not validation_of(history[-1]):
+                if cfg.grpo.val_at_end and final >= 1 and not already:
                     val = runner.validate(final, StepTimer())
                     logger.log(val, final)  # a validation-only record of the last step, as step 0's is
-                    history[-1].update(val)
+                    if ran_here:
+                        history[-1].update(val)
+                    else:
+                        history.append({"step": final, **val})
                     last_validation = validation_of(val, final)
                     logger.progress.message(f"[step {final}] validation/accuracy={val['validation/accuracy']:.3f}")
                     validated = True
                 # The steps since the last save would be lost; a step saved before its end-of-run validation is saved
                 # again with it (best-k retention and a resume read the checkpoint's validation)
                 if manager is not None and (saved_step < final or validated):
-                    last_metrics = {k: v for k, v in history[-1].items() if k != "step"}
-                    path = runner.save(manager, final, {**last_validation, **last_metrics})
+                    if ran_here:
+                        last_metrics = {k: v for k, v in history[-1].items() if k != "step"}
+                    else:  # the resumed checkpoint's own step metrics, with the validation it lacked
+                        last_metrics = dict(resume_from.state.get("metrics", {}))
+                    path = runner.save(manager, final, {**last_metrics, **last_validation})
                     logger.progress.message(f"[checkpoint] saved {path}")
                 break
             last = step == cfg.grpo.max_num_steps
@@ -728,6 +739,11 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                     stop = control.requested
             if stop is not None and not last:
                 raise RunInterrupted(stop, step, None if path is None else str(path))
+            if stop is not None:  # the run is complete: nothing to resume or requeue, so it ends as any finished run
+                logger.progress.message(
+                    f"[stop] {stop.what}: asked during the last step, which completed the run: exiting with status 0, not "
+                    f"{stop.status} (nothing to resume)"
+                )
     finally:
         runner.close()
     return history

@@ -160,6 +160,8 @@ class RoleMemory:
     kv_sequence_bytes: int = 0  # vLLM: the KV cache of one full-length sequence
     offloaded: bool = False  # FSDP2's CPU offload: params, grads and AdamW state in host RAM, not on the device
     on_host: bool = False  # a CPU actor's: in its node's RAM, on no GPU (a reward model with num_gpus 0)
+    device: str = ""  # the GPU it is on when not one of its own ("<role> GPU"): reward models a composite actor shares
+    per_device: int = 1  # its workers one GPU may hold (fractional GPUs: Ray may pack that many on one)
     unsharded_layer: int = 0  # with CPU offload: the largest decoder layer, unsharded on the GPU while it computes
 
     @property
@@ -317,6 +319,10 @@ def _training_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_
     logit_rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
     per_logit = 12 + (TRUNCATION_BYTES_PER_LOGIT if truncates(cfg) else 0)  # float32 logits, log-softmax, gradient
     logits = logit_rows * shape.vocab * per_logit
+    if pc.logprob_chunk_size and value_bytes < 4 and not runs_autocast(cfg):
+        # The chunked head adds its bf16 weight's gradient up in float32 (rounded once): a float32 head-sized sum, held
+        # with every layer's activations at the start of the backward
+        logits += shape.vocab * shape.hidden * 4
     if pc.dtensor_cfg.activation_checkpointing:  # each layer's input; a layer is recomputed after the logits are freed
         return with_packed_mask(cfg, tokens * shape.hidden * hidden_bytes * shape.layers + max(per_layer, logits), True)
     return with_packed_mask(cfg, per_layer * shape.layers + logits, True)
@@ -591,6 +597,7 @@ class ScorerSpec:
     workers: int
     num_gpus: float
     max_tokens_per_batch: int
+    shared_device: str | None = None  # a composite actor's GPU its reward-model sources share (``<task> cuda:<i>``)
 
 
 def scorer_memory(spec: ScorerSpec, parameters: int, hidden: int, intermediate: int) -> RoleMemory:
@@ -601,9 +608,14 @@ def scorer_memory(spec: ScorerSpec, parameters: int, hidden: int, intermediate: 
     value_bytes = DTYPE_BYTES[spec.precision]
     activations = spec.max_tokens_per_batch * (4 * hidden + 2 * intermediate) * value_bytes
     note = f"a reward model: weights at {spec.precision}, one forward of {spec.max_tokens_per_batch} tokens (estimated)"
+    device = f"reward_model:{spec.shared_device} GPU" if spec.shared_device else ""
+    # Actors of a fraction of a GPU each: Ray may put up to 1 / num_gpus of them on one GPU (a composite's sources
+    # share their actor's GPUs instead, each actor's own)
+    per_device = 1 if spec.shared_device or not spec.num_gpus else max(1, min(spec.workers, math.floor(1 / spec.num_gpus + 1e-9)))
     return RoleMemory(
-        spec.role, spec.workers, params=parameters * value_bytes, activations=activations, note=note, on_host=not spec.num_gpus
-    )
+        spec.role, spec.workers, params=parameters * value_bytes, activations=activations, note=note, on_host=not spec.num_gpus,
+        device=device, per_device=per_device,
+    )  # fmt: skip
 
 
 def plan_memory(
@@ -641,7 +653,7 @@ def plan_memory(
         # A smaller engine share helps only where the engine's share is what is over (not the training peak) and the
         # engine still holds a sequence (lowering it while the KV budget is short contradicts raising it).
         share_may_help = colocated and "policy GPU" in over and not engine
-        scorer_devices = {f"{r.role} GPU" for r in scorers}
+        scorer_devices = {r.device or f"{r.role} GPU" for r in scorers}
         policy_over = any(d != "generation GPU" and d not in scorer_devices for d in over)
         backend = run_plan.backend.value  # where the KV cache of the sequences sampled at once lies: is it over?
         kv_over = "generation GPU" in over or (backend == "inline" and policy_over) or (backend == "hf" and not cfg.cluster.gpus_per_node)
@@ -744,11 +756,15 @@ def colocated_note(cfg: Any, roles: list[RoleMemory]) -> str:
 
 def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False) -> dict[str, int]:
     """What each device holds: on GPUs every worker has its own (a ``colocated`` vLLM engine shares policy rank 0's:
-    :func:`colocated_peak`); on a CPU cluster every worker of a node shares the node's memory (workers spread evenly
-    over ``cluster.num_nodes``)."""
+    :func:`colocated_peak`; a composite actor's reward models placed on one GPU share it, and actors of a fraction of
+    a GPU count as many as one GPU may hold: :attr:`RoleMemory.device`, :attr:`RoleMemory.per_device`); on a CPU cluster
+    every worker of a node shares the node's memory (workers spread evenly over ``cluster.num_nodes``)."""
     by_role = {r.role: r for r in roles}
     if cfg.cluster.gpus_per_node:
-        out = {f"{r.role} GPU": r.total for r in roles if r.workers and not r.on_host}
+        out: dict[str, int] = {}
+        for r in (r for r in roles if r.workers and not r.on_host):
+            name = r.device or f"{r.role} GPU"
+            out[name] = out.get(name, 0) + r.total * r.per_device
         if colocated and "generation GPU" in out and "policy" in by_role:
             out.pop("generation GPU")
             out["policy GPU"] = colocated_peak(cfg, by_role["policy"], by_role["generation"])

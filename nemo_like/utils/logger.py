@@ -45,9 +45,12 @@ class Logger:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.log_dir / "metrics.jsonl"
         purge_step = 0 if resumed_step is None or replayed else resumed_step + 1
+        # A fresh run, or a restart that starts it again from step 0 (resumed_step -1: its first attempt's records, the
+        # marked one included, were trimmed): its first record begins a run in metrics.jsonl
+        fresh = resumed_step is None or resumed_step < 0
         with new_threads_spared_stop_signals():  # their threads must never take a run's SIGTERM / SIGINT
             self.backends: list[LogBackend] = [
-                JsonlBackend(self.metrics_path, fresh=resumed_step is None),
+                JsonlBackend(self.metrics_path, fresh=fresh),
                 *start_backends(cfg, purge_step),
             ]
             self.progress = ConsoleProgress(total_steps, enabled=cfg.progress_bar, elapsed_s=elapsed_s)

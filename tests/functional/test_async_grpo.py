@@ -160,10 +160,16 @@ def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, t
             "grpo.async_grpo.in_flight_weight_updates=true",
             "grpo.async_grpo.max_trajectory_age_steps=2",
         ]
-    history = train(tiny_config(tmp_path, *overrides))
+    # Sync: first without the end validation, as a run stopped (SIGTERM, a requeue) right after its last step's save;
+    # the resumed run must validate that step (it had ended at once: no validation, not in the checkpoint either)
+    history = train(tiny_config(tmp_path, *overrides, *([] if async_enabled else ["grpo.val_at_end=false"])))
     # 8 prompts, 4 per step: steps 1-2 are epoch 0, the one epoch allowed; step 3 would start epoch 1.
     assert [r["step"] for r in history] == [1, 2]
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_2"]
+    if not async_enabled:
+        assert "validation/accuracy" not in history[-1]
+        history = train(tiny_config(tmp_path, *overrides))  # resumes from step_2, runs out of data at once
+        assert [r["step"] for r in history] == [2]
     # The run ended before grpo.max_num_steps, and still validates its last step (grpo.val_at_end): logged as its own
     # record of step 2, and in the checkpoint's metrics (before, a run ended by its epochs had no final validation).
     records = read_metrics(tmp_path / "logs")

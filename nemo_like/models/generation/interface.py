@@ -233,10 +233,11 @@ def load_served_weights(worker: Any, weights: WeightSource | None, exported: Any
     in the store; ``None``: never refitted, the fresh actor's own model is version 0); ``weights``: what that refit was
     handed. A shared-memory export is mapped from the policy's buffer, which holds the last refit's weights until the
     next refit (its header's version is checked by the engine); if its file is gone (the policy replaced the buffer),
-    or the policy rewrote it while the engine copied it (the engine then holds a mix of two versions:
-    :class:`~nemo_like.models.refit.shared_memory.StaleRefitBuffer`), the weights are exported again through the object
-    store and loaded whole. The version the engine reports must be ``version``: a replacement never serves stale (or
-    newer) weights."""
+    the weights are exported again through the object store. The version the engine reports must be ``version``: a
+    replacement never serves stale (or newer) weights. Both refusals, a newer version and a buffer the policy rewrote
+    while the engine copied it (:class:`~nemo_like.models.refit.shared_memory.StaleRefitBuffer`: the engine then holds
+    a mix of two versions, and the policy has moved past ``version``, so no export gives it back), are a
+    :class:`WorkerFailure` naming why (the latter had been the buffer's own error, out of the supervision's terms)."""
     import os
 
     from nemo_like.distributed.worker_group import WorkerFailure, get_with_context
@@ -249,8 +250,11 @@ def load_served_weights(worker: Any, weights: WeightSource | None, exported: Any
         payload = export_to_object_store(weights) if path and not os.path.exists(path) else exported
         try:
             loaded = get_with_context(worker.update_weights.remote(payload), "generation: replacement refit")
-        except StaleRefitBuffer:  # a Ray task error is an instance of its cause
-            loaded = get_with_context(worker.update_weights.remote(export_to_object_store(weights)), "generation: replacement refit")
+        except StaleRefitBuffer as exc:  # a Ray task error is an instance of its cause
+            raise WorkerFailure(
+                f"a replaced generation engine could not load the served weight version {version}: the policy wrote its "
+                f"next refit into the shared buffer while the engine copied it ({str(exc).splitlines()[0]})"
+            ) from exc
     if loaded != version:
         raise WorkerFailure(
             f"a replaced generation engine would serve weight version {loaded}, but its group serves version {version}: "

@@ -186,6 +186,23 @@ def test_the_driver_restarts_from_step_0_without_a_checkpoint_and_logs_each_step
     lines = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2, 3] == [h["step"] for h in history]
     assert all(r["faults/run_restarts"] == 1.0 for r in lines)
+    assert [r.get("run_start") for r in lines] == [True, None, None, None]  # the restart begins the run again
+
+
+def test_a_run_restarted_from_step_0_still_begins_a_run_of_its_own_in_a_shared_log_dir(tmp_path, monkeypatch):
+    """A restart without a checkpoint trims its first attempt's records, run_start included; its new logger, a resume
+    of step -1, did not mark its first record: after a 1-step run in the same log_dir, the restart read as that run's."""
+    from nemo_like.algorithms.checkpointing import last_run_start
+    from nemo_like.utils.plot import read_metrics
+
+    fake_run(tmp_path / "a", monkeypatch, [logs(0, 1)], "grpo.max_num_steps=1", f"logger.log_dir={tmp_path / 'shared'}")
+    size = (tmp_path / "shared" / "metrics.jsonl").stat().st_size
+    fake_run(
+        tmp_path / "b", monkeypatch, [logs(1, death_step=2), logs(1, 2)], "checkpointing.enabled=true", "grpo.max_num_steps=2",
+        f"logger.log_dir={tmp_path / 'shared'}",
+    )  # fmt: skip
+    path = tmp_path / "shared" / "metrics.jsonl"
+    assert [r["step"] for r in read_metrics(path)] == [1, 2] and last_run_start(path.read_bytes()) == size
 
 
 def test_the_driver_stops_with_a_clear_error_when_checkpointing_is_off_or_restarts_run_out(tmp_path, monkeypatch):

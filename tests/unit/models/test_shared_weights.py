@@ -185,12 +185,14 @@ def test_a_read_that_overlaps_a_newer_write_is_refused_not_served():
         writer.close()
 
 
-def test_a_replacement_whose_shared_buffer_was_rewritten_loads_the_served_weights_through_the_object_store(ray_cluster):
-    """A replacement engine loads the served version from the policy's buffer; when the policy has written the next
-    refit into it meanwhile, the engine's copy is refused (StaleRefitBuffer). That error ended the run; the replacement
-    now loads the served weights whole through the object store, and serves exactly them."""
+def test_a_replacement_whose_shared_buffer_was_rewritten_is_a_worker_failure_naming_why(ray_cluster):
+    """A replacement engine loads the served version from the policy's buffer; when the policy has written its next
+    refit into it meanwhile, the engine's copy is refused (StaleRefitBuffer), and no export gives the served version
+    back (the policy has moved past it). That error ended the run outside the supervision's terms; it is now the
+    WorkerFailure a replacement that cannot serve the group's version is."""
     import ray
 
+    from nemo_like.distributed.worker_group import WorkerFailure
     from nemo_like.models.generation.hf_worker import HFGenerationWorker
     from nemo_like.models.generation.interface import load_served_weights
     from nemo_like.models.loading import load_causal_lm, load_tokenizer
@@ -198,15 +200,13 @@ def test_a_replacement_whose_shared_buffer_was_rewritten_loads_the_served_weight
     model_name = "embedded:tiny-arith-qwen2"
     tok = load_tokenizer(model_name)
     state = load_causal_lm(model_name, "float32").state_dict()
-    served = {name: value + 0.01 for name, value in state.items()}  # version 1, what the group serves
     writer = SharedWeightWriter()
     worker = ray.remote(HFGenerationWorker).remote(0, 1, model_name, "float32", 1, tok.pad_token_id, [tok.eos_token_id])
     try:
-        descriptor = writer.write(1, list(served.items()))
+        descriptor = writer.write(1, [(name, value + 0.01) for name, value in state.items()])  # version 1, served
         writer.write(2, [(name, value + 0.02) for name, value in state.items()])  # the policy's next refit, same buffer
-        load_served_weights(worker, (1, served), descriptor, 1)
-        loaded = ray.get(worker.__ray_call__.remote(lambda self: (self.weight_version, self.model.state_dict())))
-        assert loaded[0] == 1 and all(torch.equal(loaded[1][name], served[name]) for name in served)
+        with pytest.raises(WorkerFailure, match="could not load the served weight version 1: the policy wrote its next refit"):
+            load_served_weights(worker, lambda **_: (2, state), descriptor, 1)
     finally:
         ray.kill(worker)
         writer.close()

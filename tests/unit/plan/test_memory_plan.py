@@ -771,10 +771,34 @@ def test_a_reward_model_is_planned_with_the_weights_its_actor_loads(precision: s
     on_gpu = load_config(REWARDS_RECIPE, ["cluster.gpus_per_node=4", "+env.arithmetic.sources.rm.num_gpus=1"])
     run_plan = decide_run_plan(on_gpu, (), 2)
     lines, fits = memory_report(on_gpu, run_plan, 80, None, 0.4, scorers=scorer_specs(on_gpu))
-    assert fits and any(line.startswith("memory on reward_model:arithmetic.rm GPU: ") for line in lines)
+    assert fits and any(line.startswith("memory on reward_model:arithmetic cuda:0 GPU: ") for line in lines)  # the actor's GPU 0
     lines, fits = memory_report(on_gpu, run_plan, 0.02, None, 0.4, scorers=scorer_specs(on_gpu))  # 20 MiB: all over
-    assert fits is False and "reward_model:arithmetic.rm GPU: lower its environment's max_tokens_per_batch" in lines[-1]
+    assert fits is False and "reward_model:arithmetic cuda:0 GPU: lower its environment's max_tokens_per_batch" in lines[-1]
     on_cpu = load_config(REWARDS_RECIPE, ["cluster.gpus_per_node=4"])  # num_gpus 0: its node's RAM, no GPU of its own
     lines, _ = memory_report(on_cpu, decide_run_plan(on_cpu, (), 2), 80, None, 0.4, scorers=scorer_specs(on_cpu))
     assert not any("reward_model" in line and "GPU" in line for line in lines)
     assert any("reward_model:arithmetic.rm x1" in line and "in its node's RAM" in line for line in lines)
+
+
+def test_reward_models_that_share_a_gpu_are_planned_on_one_device() -> None:
+    """A composite actor's reward models of half a GPU each are placed on one GPU (cuda:0), and Ray may pack two actors
+    of half a GPU on one: each had been planned on a GPU of its own, the shared GPU's sum never checked."""
+    from nemo_like.algorithms.roles import scorer_specs
+    from nemo_like.models.footprint import memory_report
+
+    shared = load_config(
+        REWARDS_RECIPE,
+        ["cluster.gpus_per_node=4", "+env.arithmetic.sources.rm.num_gpus=0.5", "+env.arithmetic.sources.rm2.class=reward_model",
+         "+env.arithmetic.sources.rm2.num_gpus=0.5"],
+    )  # fmt: skip
+    lines, _ = memory_report(shared, decide_run_plan(shared, (), 2), 80, None, 0.4, scorers=scorer_specs(shared))
+    per_worker = [float(line.split(": ")[1].split(" GiB")[0]) for line in lines if line.startswith("memory reward_model:arithmetic.rm")]
+    (device,) = [line for line in lines if line.startswith("memory on reward_model:")]
+    assert device.startswith("memory on reward_model:arithmetic cuda:0 GPU: ") and len(per_worker) == 2
+    assert float(device.split(": ")[1].split(" GiB")[0]) == pytest.approx(sum(per_worker), abs=2e-3)
+    own = ["cluster.gpus_per_node=4", "+env.arithmetic.class=reward_model", "+env.arithmetic.num_gpus=0.5", "env.arithmetic.num_workers=3"]
+    packed = load_config(DEFAULT_RECIPE, own)  # a task's own reward model: three actors of half a GPU, two to a GPU
+    lines, _ = memory_report(packed, decide_run_plan(packed, (), 2), 80, None, 0.4, scorers=scorer_specs(packed))
+    (worker,) = [float(line.split(": ")[1].split(" GiB")[0]) for line in lines if line.startswith("memory reward_model:arithmetic x3")]
+    (device,) = [line for line in lines if line.startswith("memory on reward_model:")]
+    assert float(device.split(": ")[1].split(" GiB")[0]) == pytest.approx(2 * worker, abs=2e-3)
