@@ -79,6 +79,12 @@ def test_activations_follow_their_formula_and_chunking_bounds_the_logits() -> No
     chunked = policy_memory(recipe("policy.logprob_chunk_size=16"), params, shape)
     checkpointed = policy_memory(recipe("policy.dtensor_cfg.activation_checkpointing=true"), params, shape)
     assert chunked.activations < base.activations and checkpointed.activations < base.activations
+    # Sharded bf16 (FSDP2's bf16 compute copy of the head): the chunked head's float32 sum of its weight gradient
+    sharded = ("policy.dp_size=2", "policy.precision=bfloat16", "policy.train_global_batch_size=64")
+    plain, summed = (policy_memory(recipe(*sharded, *chunk), params, shape) for chunk in ((), ("policy.logprob_chunk_size=16",)))
+    one = recipe(*sharded, "policy.logprob_chunk_size=16")
+    rows = micro_batch_tokens(one, training=True)
+    assert summed.activations - plain.activations == shape.vocab * shape.hidden * 4 - (rows - 16) * shape.vocab * 12
 
 
 def test_checkpointing_keeps_each_layer_input_and_the_larger_of_the_logits_and_one_recomputed_layer() -> None:
