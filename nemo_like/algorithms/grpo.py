@@ -532,6 +532,7 @@ class StepRunner(Protocol):
     def step(self, step: int, timer: StepTimer) -> dict[str, Any]: ...
     def validate(self, step: int, timer: StepTimer) -> dict[str, float]: ...
     def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path: ...
+    def data_ends_after(self) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -545,9 +546,13 @@ class SyncSteps:
         pass
 
     def step(self, step: int, timer: StepTimer) -> dict[str, Any]:
-        if self.parts.train_loader.next_batch_epoch >= self.parts.cfg.grpo.max_num_epochs:
+        if self.data_ends_after():
             raise DataExhausted(f"grpo.max_num_epochs={self.parts.cfg.grpo.max_num_epochs} reached")
         return grpo_step(self.parts, step, timer)
+
+    def data_ends_after(self) -> bool:
+        """Whether the next step has no batch to start with (``grpo.max_num_epochs``): the step just run was the last."""
+        return self.parts.train_loader.next_batch_epoch >= self.parts.cfg.grpo.max_num_epochs
 
     def validate(self, step: int, timer: StepTimer) -> dict[str, float]:
         timer.add("refit", refit_if_stale(self.parts))
@@ -600,6 +605,10 @@ class AsyncSteps:
         with self.rollouts.paused("checkpoint"):  # nothing half generated: buffer + data position are exact
             loader_state, state, buffer = self.rollouts.checkpoint_state()
             return save_run(self.parts, manager, step, metrics, loader_state, state, {BUFFER_FILE: buffer})
+
+    def data_ends_after(self) -> bool:
+        """Not known ahead: the collector reads the data ahead of training; the next take says so (DataExhausted)."""
+        return False
 
     def close(self) -> None:
         if self.rollouts is not None:
@@ -691,8 +700,10 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                     path = runner.save(manager, final, {**last_metrics, **last_validation})
                     logger.progress.message(f"[checkpoint] saved {path}")
                 break
-            last = step == cfg.grpo.max_num_steps
-            if validates_at(cfg, step):
+            # The last step: grpo.max_num_steps, or (sync) the data has no batch for another: it validates and saves once
+            # (found at the next step instead, the run logged a second record of it and saved it twice)
+            last = step == cfg.grpo.max_num_steps or runner.data_ends_after()
+            if validates_at(cfg, step) or (last and cfg.grpo.val_at_end):
                 metrics.update(runner.validate(step, timer))
                 last_validation = validation_of(metrics, step)
             nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_steps_skipped"] else 0

@@ -170,6 +170,12 @@ def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, t
         assert "validation/accuracy" not in history[-1]
         history = train(tiny_config(tmp_path, *overrides))  # resumes from step_2, runs out of data at once
         assert [r["step"] for r in history] == [2]
+        # A sync run knows its last data step as it runs it: validated and saved once, one record (when the step was a
+        # save step, the run had saved it, found the data's end at the next step, logged a validation-only second
+        # record of it and saved it again)
+        again = tmp_path / "save_step"
+        train(tiny_config(again, *overrides, *ckpt_overrides(again / "ckpt", period=2)))
+        assert [(r["step"], "validation/accuracy" in r) for r in read_metrics(again / "logs")] == [(1, False), (2, True)]
     # The run ended before grpo.max_num_steps, and still validates its last step (grpo.val_at_end): logged as its own
     # record of step 2, and in the checkpoint's metrics (before, a run ended by its epochs had no final validation).
     records = read_metrics(tmp_path / "logs")
