@@ -37,6 +37,9 @@ class FakeSteps:
     def validate(self, *args: Any) -> dict[str, float]:
         return {}
 
+    def data_ends_after(self) -> bool:
+        return False
+
     def step(self, step: int, timer: Any) -> dict[str, float]:
         self.events.append(f"step {step}")
         return {"train/reward": 0.0, "train/loss": 0.0, "train/nonfinite_steps_skipped": 0.0}
@@ -167,12 +170,16 @@ def test_a_step_that_saves_keeps_its_own_save_in_hand_before_the_deadline(tmp_pa
 
 
 class EpochSteps(FakeSteps):
-    """Steps that run out of data after ``steps`` steps (grpo.max_num_epochs), saves that record their metrics."""
+    """Steps that run out of data after ``steps`` steps (grpo.max_num_epochs), saves that record their metrics;
+    ``knows_the_end``: the runner says so after the last step (the sync loop's), else only at the next (async's)."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, knows_the_end: bool = False) -> None:
         super().__init__(signal_during_save_of=None)
-        self.steps = steps
+        self.steps, self.knows_the_end, self.ran = steps, knows_the_end, 0
         self.saved: dict[int, dict[str, Any]] = {}
+
+    def data_ends_after(self) -> bool:
+        return self.knows_the_end and self.ran >= self.steps
 
     def validate(self, step: int, timer: Any) -> dict[str, float]:
         self.events.append(f"validate {step}")
@@ -181,6 +188,7 @@ class EpochSteps(FakeSteps):
     def step(self, step: int, timer: Any) -> dict[str, float]:
         if step > self.steps:
             raise grpo.DataExhausted("grpo.max_num_epochs=1 reached")
+        self.ran = step
         return super().step(step, timer)
 
     def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
@@ -198,7 +206,11 @@ def test_the_last_checkpoint_of_a_run_that_ran_out_of_data_holds_its_end_of_run_
         "grpo.val_period=0",
         "grpo.val_at_end=true",
     ]
-    runner = EpochSteps(2)
+    runner = EpochSteps(2)  # async: the end is found at the next step's take
     run_loop(loop_parts(tmp_path, monkeypatch, *overrides), runner, None)
     assert runner.events == ["step 1", "save 1", "step 2", "save 2", "validate 2", "save 2"]
     assert runner.saved[2]["validation/accuracy"] == 0.5
+    knowing = EpochSteps(2, knows_the_end=True)  # sync: the last step validates inside its record and saves once
+    run_loop(loop_parts(tmp_path / "sync", monkeypatch, *overrides), knowing, None)
+    assert knowing.events == ["step 1", "save 1", "step 2", "validate 2", "save 2"]
+    assert knowing.saved[2]["validation/accuracy"] == 0.5
