@@ -11,7 +11,7 @@ from __future__ import annotations
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, check_node_placement, private_cluster_hint, sum_resources
 from nemo_like.distributed.worker_group import RoleResources
-from nemo_like.environments.composite import source_devices, split_source
+from nemo_like.environments.composite import source_placement, split_source
 from nemo_like.environments.registry import ENVIRONMENTS
 from nemo_like.environments.worker import environment_resources
 from nemo_like.experience.async_rollouts import async_actor_resources
@@ -80,25 +80,25 @@ def reserved_gpus_problem(cfg: MasterConfig, plan: RunPlan) -> str | None:
 MODEL_ENVIRONMENTS = {"judge": "the judge model"}
 
 
-def _environment_sources(cfg: MasterConfig) -> list[tuple[str, str, str, dict, int, str | None]]:
-    """``(where, role suffix, class, settings, actors, shared device)`` of every environment the run loads: each task's,
-    or each of a composite's sources (as the composite reads them; its actors each hold every source, those on a GPU
-    placed as :func:`~nemo_like.environments.composite.place_sources` places them: ``<task> cuda:<i>``, one device a
-    composite actor's sources there share)."""
+def _environment_sources(cfg: MasterConfig) -> list[tuple[str, str, str, dict, int, str | None, float]]:
+    """``(where, role suffix, class, settings, actors, shared device, the actor's GPUs)`` of every environment the run
+    loads: each task's, or each of a composite's sources (as the composite reads them; its actors each hold every
+    source, those on a GPU placed as :func:`~nemo_like.environments.composite.place_sources` places them: ``<task>
+    cuda:<i>``, one device a composite actor's sources there share; the actor reserves the GPUs it says)."""
     out = []
     for task, section in cfg.env_sections.items():
         settings, kind = section.model_dump(by_alias=True), section.env_class or task
         workers = int(settings.get("num_workers") or 1)
         if kind == "composite":
             sources = settings.get("sources") or {}
-            placed = source_devices(sources)
+            placed, actor_gpus = source_placement(sources)
             for name, source in sources.items():
                 source_kind, _, values = split_source(name, source)
                 device = placed.get(name)
                 shared = f"{task} {device}" if device and device != "cpu" else None
-                out.append((f"env.{task}.sources.{name}", f"{task}.{name}", source_kind, values, workers, shared))
+                out.append((f"env.{task}.sources.{name}", f"{task}.{name}", source_kind, values, workers, shared, actor_gpus))
         else:
-            out.append((f"env.{task}", task, kind, settings, workers, None))
+            out.append((f"env.{task}", task, kind, settings, workers, None, 0.0))
     return out
 
 
@@ -107,12 +107,11 @@ def scorer_specs(cfg: MasterConfig) -> list[ScorerSpec]:
     from nemo_like.environments.reward_model import RewardModelEnvConfig
 
     specs = []
-    for _, suffix, kind, values, workers, shared in _environment_sources(cfg):
+    for _, suffix, kind, values, workers, shared, actor_gpus in _environment_sources(cfg):
         if kind == "reward_model":
             rm = RewardModelEnvConfig.model_validate({k: v for k, v in values.items() if k in RewardModelEnvConfig.model_fields})
-            specs.append(
-                ScorerSpec(f"reward_model:{suffix}", rm.model_name, rm.precision, workers, rm.num_gpus, rm.max_tokens_per_batch, shared)
-            )
+            role = f"reward_model:{suffix}"
+            specs.append(ScorerSpec(role, rm.model_name, rm.precision, workers, rm.num_gpus, rm.max_tokens_per_batch, shared, actor_gpus))
     return specs
 
 
@@ -120,7 +119,7 @@ def unplanned_model_lines(cfg: MasterConfig) -> list[str]:
     """One line per judge the run's environments load (a task's own, or a composite's source): the memory plan counts
     the policy, reference, teachers, generation and reward models only."""
     lines = []
-    for where, _, name, values, _, _ in _environment_sources(cfg):
+    for where, _, name, values, _, _, _ in _environment_sources(cfg):
         if name in MODEL_ENVIRONMENTS:
             config_model = ENVIRONMENTS.get(name).config_model
             model = values.get("model_name") or config_model.model_fields["model_name"].default

@@ -99,7 +99,12 @@ class CompositeEnvConfig(BaseModel):
 def source_devices(sources: dict[str, dict[str, Any]]) -> dict[str, str]:
     """The device of each source that loads a model in the composite's own process (``takes_device``): see
     :func:`place_sources`."""
-    return place_sources({name: resolve_source(name, section) for name, section in sources.items()})[0]
+    return source_placement(sources)[0]
+
+
+def source_placement(sources: dict[str, dict[str, Any]]) -> tuple[dict[str, str], float]:
+    """:func:`place_sources` of a composite's ``sources`` sections: each source's device and the actor's GPUs."""
+    return place_sources({name: resolve_source(name, section) for name, section in sources.items()})
 
 
 def place_sources(resolved: dict[str, tuple[type[EnvironmentInterface], float, dict[str, Any]]]) -> tuple[dict[str, str], float]:

@@ -64,9 +64,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             if need_h:
                 grad_h[start : start + ctx.chunk] = next(grads)
             if need_w:
-                grad_w += next(grads).float()
+                grad_w.add_(next(grads))  # cast as it adds: no float32 copy of the chunk's gradient
             if grad_b is not None:
-                grad_b += next(grads).float()
+                grad_b.add_(next(grads))
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None

@@ -172,9 +172,9 @@ class ChunkedTeacherKL(torch.autograd.Function):
                 if grad_h is not None:
                     grad_h[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
                 if grad_w is not None:
-                    grad_w += (grad.T.to(h.dtype) @ h).float()
+                    grad_w.add_(grad.T.to(h.dtype) @ h)  # cast as it adds: no float32 copy of the chunk's gradient
             if grad_b is not None:
-                grad_b += grad.sum(0).float()
+                grad_b.add_(grad.sum(0))
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None, None

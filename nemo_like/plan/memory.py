@@ -308,9 +308,11 @@ def lora_dropout_bytes_per_token(cfg: Any, params: list[ParameterSpec], shape: M
     return inputs * per_value // max(1, shape.layers)
 
 
-def _training_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_bytes: int | None = None, dropout_bytes: int = 0) -> int:
+def _training_activations(
+    cfg: Any, shape: ModelShape, value_bytes: int, hidden_bytes: int | None = None, dropout_bytes: int = 0, head_trains: bool = True
+) -> int:
     """The training micro-batch's peak (module docstring); ``dropout_bytes``: a layer's LoRA dropout copies per token
-    (:func:`lora_dropout_bytes_per_token`)."""
+    (:func:`lora_dropout_bytes_per_token`); ``head_trains``: the output head has a gradient (not under LoRA)."""
     pc = cfg.policy
     hidden_bytes = value_bytes if hidden_bytes is None else hidden_bytes
     tokens = micro_batch_tokens(cfg, training=True)
@@ -319,10 +321,10 @@ def _training_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_
     logit_rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
     per_logit = 12 + (TRUNCATION_BYTES_PER_LOGIT if truncates(cfg) else 0)  # float32 logits, log-softmax, gradient
     logits = logit_rows * shape.vocab * per_logit
-    if pc.logprob_chunk_size and value_bytes < 4 and not runs_autocast(cfg):
-        # The chunked head adds its bf16 weight's gradient up in float32 (rounded once): a float32 head-sized sum, held
-        # with every layer's activations at the start of the backward
-        logits += shape.vocab * shape.hidden * 4
+    if pc.logprob_chunk_size and value_bytes < 4 and not runs_autocast(cfg) and head_trains:
+        # The chunked head adds its bf16 weight's gradient up in float32 (rounded once): a float32 head-sized sum and one
+        # chunk's bf16 head gradient, held with every layer's activations at the start of the backward
+        logits += shape.vocab * shape.hidden * (4 + value_bytes)
     if pc.dtensor_cfg.activation_checkpointing:  # each layer's input; a layer is recomputed after the logits are freed
         return with_packed_mask(cfg, tokens * shape.hidden * hidden_bytes * shape.layers + max(per_layer, logits), True)
     return with_packed_mask(cfg, per_layer * shape.layers + logits, True)
@@ -411,7 +413,8 @@ def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role
     held = sum(p.shard_bytes(dp, tp) for p in params)
     grads = sum(p.as_held(True, 4).shard_bytes(dp, tp) for p in params if p.trainable)
     dropout = lora_dropout_bytes_per_token(cfg, params, shape)  # training only: the logprob passes run in eval mode
-    training = _training_activations(cfg, shape, value_bytes, hidden_bytes, dropout)
+    head_trains = any(p.trainable and p.shape == (shape.vocab, shape.hidden) for p in params)  # tied or not; not LoRA's
+    training = _training_activations(cfg, shape, value_bytes, hidden_bytes, dropout, head_trains)
     passes = max(training, _logprob_activations(cfg, shape, value_bytes, hidden_bytes))
     copies = autocast_weight_copies(cfg, params)  # cached by the logprob passes' forwards too (no_grad caches them)
     note = f"with {copies / GIB:.3f} GiB of autocast's {pc.precision} weight copies" if copies else ""
@@ -598,6 +601,7 @@ class ScorerSpec:
     num_gpus: float
     max_tokens_per_batch: int
     shared_device: str | None = None  # a composite actor's GPU its reward-model sources share (``<task> cuda:<i>``)
+    actor_gpus: float = 0.0  # with ``shared_device``: the GPUs the composite actor reserves (its sources' placement)
 
 
 def scorer_memory(spec: ScorerSpec, parameters: int, hidden: int, intermediate: int) -> RoleMemory:
@@ -609,9 +613,10 @@ def scorer_memory(spec: ScorerSpec, parameters: int, hidden: int, intermediate: 
     activations = spec.max_tokens_per_batch * (4 * hidden + 2 * intermediate) * value_bytes
     note = f"a reward model: weights at {spec.precision}, one forward of {spec.max_tokens_per_batch} tokens (estimated)"
     device = f"reward_model:{spec.shared_device} GPU" if spec.shared_device else ""
-    # Actors of a fraction of a GPU each: Ray may put up to 1 / num_gpus of them on one GPU (a composite's sources
-    # share their actor's GPUs instead, each actor's own)
-    per_device = 1 if spec.shared_device or not spec.num_gpus else max(1, min(spec.workers, math.floor(1 / spec.num_gpus + 1e-9)))
+    # Actors of a fraction of a GPU each: Ray may put up to 1 / fraction of them on one GPU (a composite actor reserves
+    # its sources' placement: less than one GPU when they share one, and then its actors pack the same way)
+    fraction = spec.actor_gpus if spec.shared_device else spec.num_gpus
+    per_device = max(1, min(spec.workers, math.floor(1 / fraction + 1e-9))) if 0 < fraction < 1 else 1
     return RoleMemory(
         spec.role, spec.workers, params=parameters * value_bytes, activations=activations, note=note, on_host=not spec.num_gpus,
         device=device, per_device=per_device,

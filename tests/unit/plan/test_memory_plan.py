@@ -84,7 +84,13 @@ def test_activations_follow_their_formula_and_chunking_bounds_the_logits() -> No
     plain, summed = (policy_memory(recipe(*sharded, *chunk), params, shape) for chunk in ((), ("policy.logprob_chunk_size=16",)))
     one = recipe(*sharded, "policy.logprob_chunk_size=16")
     rows = micro_batch_tokens(one, training=True)
-    assert summed.activations - plain.activations == shape.vocab * shape.hidden * 4 - (rows - 16) * shape.vocab * 12
+    assert summed.activations - plain.activations == shape.vocab * shape.hidden * (4 + 2) - (rows - 16) * shape.vocab * 12
+    lora = ("policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=4")  # a frozen head: no gradient, no sum
+    lora_params, _ = model_footprint(EMBEDDED_MODEL, "bfloat16", recipe(*lora).policy.lora_cfg)
+    no_sum, chunked_lora = (
+        policy_memory(recipe(*sharded, *lora, *chunk), lora_params, shape) for chunk in ((), ("policy.logprob_chunk_size=16",))
+    )
+    assert chunked_lora.activations - no_sum.activations == -(rows - 16) * shape.vocab * 12
 
 
 def test_checkpointing_keeps_each_layer_input_and_the_larger_of_the_logits_and_one_recomputed_layer() -> None:
@@ -802,6 +808,16 @@ def test_reward_models_that_share_a_gpu_are_planned_on_one_device() -> None:
     (device,) = [line for line in lines if line.startswith("memory on reward_model:")]
     assert device.startswith("memory on reward_model:arithmetic cuda:0 GPU: ") and len(per_worker) == 2
     assert float(device.split(": ")[1].split(" GiB")[0]) == pytest.approx(sum(per_worker), abs=2e-3)
+    # Two composite actors of half a GPU each (two 0.25 sources): Ray may put both on one GPU
+    quarters = load_config(
+        REWARDS_RECIPE,
+        ["cluster.gpus_per_node=4", "+env.arithmetic.sources.rm.num_gpus=0.25", "+env.arithmetic.sources.rm2.class=reward_model",
+         "+env.arithmetic.sources.rm2.num_gpus=0.25", "env.arithmetic.num_workers=2"],
+    )  # fmt: skip
+    lines, _ = memory_report(quarters, decide_run_plan(quarters, (), 2), 80, None, 0.4, scorers=scorer_specs(quarters))
+    per_worker = [float(line.split(": ")[1].split(" GiB")[0]) for line in lines if line.startswith("memory reward_model:arithmetic.rm")]
+    (device,) = [line for line in lines if line.startswith("memory on reward_model:")]
+    assert float(device.split(": ")[1].split(" GiB")[0]) == pytest.approx(2 * sum(per_worker), abs=3e-3)
     own = ["cluster.gpus_per_node=4", "+env.arithmetic.class=reward_model", "+env.arithmetic.num_gpus=0.5", "env.arithmetic.num_workers=3"]
     packed = load_config(DEFAULT_RECIPE, own)  # a task's own reward model: three actors of half a GPU, two to a GPU
     lines, _ = memory_report(packed, decide_run_plan(packed, (), 2), 80, None, 0.4, scorers=scorer_specs(packed))
