@@ -201,13 +201,13 @@ def _run_ending_at(data: bytes, step: int) -> list[str]:
     runs: list[list[str]] = []
     previous = None
     for line in data.decode(errors="replace").splitlines():
-        current = _step_of(line)
-        if current is None:
+        record = _record_of(line)
+        if record is None:
             continue
-        if previous is None or starts_new_run(json.loads(line), previous):
+        if previous is None or starts_new_run(record, previous):
             runs.append([])
         runs[-1].append(line)
-        previous = current
+        previous = record["step"]
     for run in reversed(runs):
         if any(_step_of(line) == step for line in run):
             return [line for line in run if _step_of(line) <= step]  # type: ignore[operator]
@@ -221,18 +221,24 @@ def last_run_start(data: bytes) -> int:
     start = offset = 0
     previous = None
     for line in data.splitlines(keepends=True):
-        text = line.decode(errors="replace")
-        step = _step_of(text)
-        if step is not None:
-            if starts_new_run(json.loads(text), previous):
+        record = _record_of(line.decode(errors="replace"))
+        if record is not None:
+            if starts_new_run(record, previous):
                 start = offset
-            previous = step
+            previous = record["step"]
         offset += len(line)
     return start
 
 
-def _step_of(line: str) -> int | None:
+def _record_of(line: str) -> dict | None:
+    """A ``metrics.jsonl`` line's record, its ``step`` an int (``None``: not a metrics record, a torn line)."""
     try:
-        return int(json.loads(line)["step"])
+        record = json.loads(line)
+        return {**record, "step": int(record["step"])}
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _step_of(line: str) -> int | None:
+    record = _record_of(line)
+    return None if record is None else record["step"]

@@ -104,10 +104,9 @@ class RewardModelEnvironment(EnvironmentInterface):
                 ids, types = self.scorer.encode(prompt or "", response, self.cfg.use_chat_template), None
             typed |= types is not None
             if self.max_length is not None and len(ids) > self.max_length:
-                ids, types = (
-                    cut_from_left(ids, self.max_length, self.scorer.tokenizer),
-                    None if types is None else cut_from_left(ids, self.max_length, self.scorer.tokenizer, aligned=types),
-                )
+                if types is not None:  # cut where the ids are cut
+                    types = cut_from_left(ids, self.max_length, self.scorer.tokenizer, aligned=types)
+                ids = cut_from_left(ids, self.max_length, self.scorer.tokenizer)
                 self._counts["truncated"] += 1
             sequences.append(ids or [self.scorer.pad_token_id])
             type_ids.append(types or [0] * len(sequences[-1]))

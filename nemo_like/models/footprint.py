@@ -176,11 +176,11 @@ def scorer_roles(specs: Sequence[ScorerSpec]) -> tuple[list[RoleMemory], list[st
     roles, lines = [], []
     for spec in specs:
         try:
-            _, config = read_model_config(model_config_path(spec.model_name, key="model_name", flag="(no flag)"))
+            _, config = read_model_config(Path(resolve_model_path(spec.model_name)) / "config.json")
             with torch.device("meta"):
                 model = AutoModelForSequenceClassification.from_config(config)
-        except (ConfigError, ValueError) as exc:
-            lines.append(f"not planned: {spec.role} ({str(exc).splitlines()[0]})")
+        except (OSError, ConfigError, ValueError) as exc:  # not on this machine, or not a model's config
+            lines.append(f"not planned: {spec.role} loads {spec.model_name!r}, whose config was not read ({str(exc).splitlines()[0]})")
             continue
         parameters = sum(p.numel() for p in model.parameters())
         hidden = int(getattr(config, "hidden_size", 0) or 0)

@@ -117,6 +117,6 @@ class HFGenerationWorker(Reinitializable):
             version, buckets, check_intact = versioned_state[0], iter([versioned_state[1]]), lambda: None
         for bucket in buckets:  # their names were checked by update_weights
             self.model.load_state_dict(bucket, strict=False)
-        check_intact()  # a shared-memory buffer rewritten while it was copied: a mix, raised (the caller loads it whole)
+        check_intact()  # a shared-memory buffer rewritten while it was copied: a mix, raised (load_served_weights says so)
         self.weight_version = version
         return version

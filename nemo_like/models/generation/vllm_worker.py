@@ -272,7 +272,7 @@ class VLLMGenerationWorker(Reinitializable):
             return self._update_adapter(versioned_state)
         if isinstance(versioned_state, WeightBuckets):
             version, names, tensors = versioned_state.version, versioned_state.all_names(), versioned_state.iter_tensors
-            check_intact = versioned_state.check_intact  # a shared-memory buffer rewritten while copied: raised, reloaded whole
+            check_intact = versioned_state.check_intact  # a shared-memory buffer rewritten while copied: a mix, raised
         else:
             version, state = versioned_state
             names, tensors, check_intact = list(state), lambda: iter(state.items()), lambda: None
