@@ -25,6 +25,12 @@ class Reinitializable:
     def reinit(self, **init_kwargs: Any) -> None:
         self.__init__(**init_kwargs)
 
+    def busy_with(self) -> str | None:
+        """What a call of the last run still does on another thread of this actor (a threaded actor's, e.g. a
+        generate call the run's end left running), or None: a kept actor is re-initialised only when idle, never
+        under a running call. A single-threaded actor cannot answer while busy (its hung call is timed out)."""
+        return None
+
     @classmethod
     def reuse_key(cls, init_kwargs: dict[str, Any]) -> Hashable:
         return ()

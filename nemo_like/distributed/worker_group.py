@@ -364,7 +364,9 @@ class RayWorkerGroup:
     def _reuse_idle(self, num_workers: int, init_kwargs: dict[str, Any], timeout_s: float) -> bool:
         """Re-initialise an idle group of the same actors (see :func:`reuse_actors`); False if there is none, one
         of its actors died meanwhile, or one does not answer within ``timeout_s`` (a kept actor still busy in a hung
-        call of the run before, e.g. one the stall watchdog aborted: the re-initialisation queued behind it forever)."""
+        call of the run before, e.g. one the stall watchdog aborted: the re-initialisation queued behind it forever).
+        A threaded actor answers while a call of the last run still runs on its other thread (a generate call the
+        run's end left behind): it is re-initialised once that call ends, never under it, or replaced after ``timeout_s``."""
         if not _POOL.active:
             return False
         idle = _POOL.take(self._key)
@@ -373,9 +375,18 @@ class RayWorkerGroup:
             # e.g. the HF and the vLLM engine); placement evicts everything idle if it needs the room.
             _POOL.evict(self.name, keep_newest=IDLE_GROUPS_PER_ROLE - 1)
             return False
-        refs = [w.reinit.remote(rank=rank, world_size=num_workers, **init_kwargs) for rank, w in enumerate(idle.workers)]
+        deadline = time.monotonic() + timeout_s
         try:
-            ray.get(refs, timeout=timeout_s)
+            still_busy = _wait_until_idle(idle.workers, deadline)
+            if still_busy is not None:
+                print(
+                    f"[ray] {self.name}: a kept actor is still in {still_busy} of the last run after {timeout_s:g}s; starting fresh ones",
+                    flush=True,
+                )
+                _kill(idle.workers, idle.pg)
+                return False
+            refs = [w.reinit.remote(rank=rank, world_size=num_workers, **init_kwargs) for rank, w in enumerate(idle.workers)]
+            ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
             print(f"[ray] {self.name}: a kept actor did not re-initialise within {timeout_s:g}s; starting fresh ones", flush=True)
             _kill(idle.workers, idle.pg)
@@ -402,6 +413,20 @@ class RayWorkerGroup:
         if self.workers:
             _kill(self.workers, self._pg)
         self.workers = []
+
+
+def _wait_until_idle(workers: Sequence[Any], deadline: float) -> str | None:
+    """Wait (until ``deadline``) for every kept actor's calls of the last run to end (``busy_with``: a threaded actor
+    answers while a call runs on its other thread); returns what one still does at the deadline, or None. A
+    single-threaded actor in a hung call does not answer: ``GetTimeoutError`` at the deadline."""
+    while True:
+        # at least a second to answer: a threaded actor answers in milliseconds, so a timeout here means a hung one
+        busy = [b for b in ray.get([w.busy_with.remote() for w in workers], timeout=max(1.0, deadline - time.monotonic())) if b]
+        if not busy:
+            return None
+        if time.monotonic() + 0.05 >= deadline:
+            return busy[0]
+        time.sleep(0.05)
 
 
 def summed_over_workers(workers: Sequence[Any], method: str, what: str) -> Any:

@@ -289,3 +289,49 @@ def test_groups_kept_before_a_ray_shutdown_are_forgotten_not_reused(tmp_path):
     done = subprocess.run([sys.executable, "-c", ACROSS_SESSIONS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "OK True 0 False", done.stdout
+
+
+class ThreadedWork(Reinitializable):
+    """A threaded actor (max_concurrency 2) whose ``work`` a run may leave running when it ends."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.running = 0
+        self.inits = getattr(self, "inits", 0) + 1
+
+    def work(self, seconds: float) -> int:
+        self.running += 1
+        try:
+            time.sleep(seconds)
+            return self.inits  # the run it started in: a re-initialisation under it would have counted one more
+        finally:
+            self.running -= 1
+
+    def busy_with(self) -> str | None:
+        return "a work call" if self.running else None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_a_kept_threaded_actor_is_reinitialised_after_its_last_runs_call_not_under_it(ray_cluster, capsys):
+    """A threaded actor answered the re-initialisation at once, on its other thread, while the last run's call still
+    ran: the next run's state was rebuilt under it."""
+    resources = WorkerResources(num_cpus=0.01)
+    with reuse_actors():
+        first = RayWorkerGroup("threaded", ThreadedWork, 1, resources, {}, placement_timeout_s=60, max_concurrency=2)
+        pid = ray.get(first.workers[0].pid.remote())
+        left_running = first.workers[0].work.remote(1.5)
+        ray.get(first.workers[0].pid.remote())  # work has started
+        first.shutdown()  # kept idle, its call still running
+        second = RayWorkerGroup("threaded", ThreadedWork, 1, resources, {}, placement_timeout_s=60, max_concurrency=2)
+        assert ray.get(second.workers[0].pid.remote()) == pid, "an idle-in-time kept actor is reused"
+        ready, _ = ray.wait([left_running], timeout=0)
+        assert ready and ray.get(left_running) == 1, "re-initialised while the last run's call still ran"
+        # A call that does not end within the placement timeout: fresh actors, as for a hung single-threaded one.
+        second.workers[0].work.remote(3600)
+        ray.get(second.workers[0].pid.remote())
+        second.shutdown()
+        third = RayWorkerGroup("threaded", ThreadedWork, 1, resources, {}, placement_timeout_s=1, max_concurrency=2)
+        assert ray.get(third.workers[0].pid.remote(), timeout=60) != pid
+        assert "threaded: a kept actor is still in a work call of the last run after 1s; starting fresh ones" in capsys.readouterr().out
+        third.kill()

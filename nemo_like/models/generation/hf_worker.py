@@ -98,6 +98,10 @@ class HFGenerationWorker(Reinitializable):
         check_manifest(self.expected_names, names, "the HF engine")
         return self.gate.submit(lambda: self._load_weights(versioned_state))
 
+    def busy_with(self) -> str | None:
+        """A generate call of the last run still running (a kept actor is re-initialised only once it ended)."""
+        return self.gate.busy_with()
+
     def mid_generation_updates(self) -> int:
         """How many refits were applied in the middle of a generate call."""
         return self.gate.mid_generation_updates

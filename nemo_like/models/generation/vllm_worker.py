@@ -335,6 +335,10 @@ class VLLMGenerationWorker(Reinitializable):
         shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
         self.lora_request = None
 
+    def busy_with(self) -> str | None:
+        """A generate call of the last run still running (a kept actor is re-initialised only once it ended)."""
+        return self.gate.busy_with()
+
     def mid_generation_updates(self) -> int:
         """How many refits were applied in the middle of a generate call."""
         return self.gate.mid_generation_updates

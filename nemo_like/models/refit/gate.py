@@ -62,6 +62,10 @@ class WeightUpdateGate:
             self.cond.notify_all()
             return len(jobs)
 
+    def busy_with(self) -> str | None:
+        """``'a generate call'`` while one runs, else None (:meth:`~nemo_like.distributed.reinit.Reinitializable.busy_with`)."""
+        return "a generate call" if self.generating else None
+
     @contextmanager
     def generating_scope(self) -> Iterator[None]:
         """Mark a generate call; updates that arrive meanwhile wait for :meth:`apply_pending` (or its end)."""

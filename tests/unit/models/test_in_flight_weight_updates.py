@@ -119,8 +119,10 @@ def test_hf_worker_swaps_weights_mid_sequence():
     while not worker.gate.generating:
         time.sleep(0.001)
     time.sleep(0.05)
+    assert worker.busy_with() == "a generate call"  # a kept actor is not re-initialised under it (worker_group)
     assert worker.update_weights((1, new_state)) == 1  # returns once applied, between two decoding steps
     thread.join(120)
+    assert worker.busy_with() is None
     assert worker.mid_generation_updates() == 1 and len(outputs) == 256 and worker.mid_generation_seconds() > 0
     sample = outputs[0]
     assert sample["weight_version"] == 0 and sample["final_weight_version"] == 1
