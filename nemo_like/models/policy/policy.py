@@ -44,21 +44,39 @@ class ShardedLogprobs:
     name: str
 
     def start(self, batch: Batch, **kwargs: Any) -> list[ray.ObjectRef]:
-        """Start the pass; one ref per row block, in row order (pass them to :meth:`gather`)."""
+        """Start the pass; one ref per worker, in rank order (pass them to :meth:`gather`)."""
         # tests only (cluster.fault_injection, role reference: a LoRA run's reference pass runs on the policy's workers)
         inject("reference" if kwargs.get("reference") else self.name, "logprobs", list(self.workers))
         tp = len(self.workers) // self.dp_size  # the ranks of one tensor-parallel group see the same rows
         shards = split_rows_unevenly(batch, self.dp_size)
-        return [w.get_logprobs.remote(shards[r // tp], **kwargs) for r, w in enumerate(self.workers)][::tp]
+        return [w.get_logprobs.remote(shards[r // tp], **kwargs) for r, w in enumerate(self.workers)]
 
     def gather(self, refs: list[ray.ObjectRef], what: str) -> torch.Tensor:
-        """Wait for a pass and stitch the row blocks back into one ``[B, S]`` tensor."""
-        return torch.cat(get_with_context(refs, f"{self.name}: {what}"), dim=0)
+        """Wait for a pass on every worker and stitch the row blocks (one per tensor-parallel group: its ranks return
+        the same rows) back into one ``[B, S]`` tensor. Every rank is waited for, so an error on any is raised here."""
+        tp = len(self.workers) // self.dp_size
+        return torch.cat(get_with_context(refs, f"{self.name}: {what}")[::tp], dim=0)
 
     def forward_pass_counts(self) -> dict[str, int]:
         """Forward passes (micro-batches) by kind the workers ran so far, summed over the workers."""
         counts = get_with_context([w.get_forward_pass_counts.remote() for w in self.workers], f"{self.name}: counters")
         return {k: sum(c[k] for c in counts) for k in counts[0]}
+
+
+def worker_rng_states(saved: list[dict[str, Any]] | None, workers: int, directory: str) -> list[dict[str, Any] | None]:
+    """The RNG state each of ``workers`` ranks resumes with: the checkpoint's, rank for rank, when it saved as many;
+    otherwise none (each keeps its seeded start), said in one line: a resume on another ``dp_size`` restores weights and
+    optimizer exactly, but draws of torch's RNG in the workers (LoRA dropout) differ from an uninterrupted run's."""
+    if saved is not None and len(saved) == workers:
+        return list(saved)
+    if saved is not None:
+        print(
+            f"[checkpoint] {directory} holds the RNG states of {len(saved)} policy ranks, this run has {workers}: the workers "
+            "keep their seeded RNG (weights and optimizer resume exactly; random draws in the workers, e.g. LoRA dropout, "
+            "differ from an uninterrupted run's)",
+            flush=True,
+        )
+    return [None] * workers
 
 
 def optimizer_step_shards(batch: Batch, num_steps: int, dp_size: int) -> list[list[Batch]]:
@@ -121,7 +139,7 @@ class TrainResult:
     grad_norms: list[float]
     lr: float
     nonfinite_steps_skipped: int
-    first_step_logprobs: torch.Tensor | None  # None when the batch had no row
+    first_step_logprobs: torch.Tensor | None  # None when the batch had no row or its first step had no token to train on
     logprob_passes_since_last_update: int = 0  # logprob forward passes (all workers) since the previous train call
     empty_steps_skipped: int = 0  # optimizer steps with no token to train on: skipped (no update, no schedule step)
     forward_tokens: int = 0  # tokens the training forwards ran through the transformer, all data-parallel ranks
@@ -247,7 +265,9 @@ class Policy:
         self.weight_version += 1
         metrics = self.loss_fn.combine_metrics([r["metrics"] for r in results])
         # The ranks' first-step rows are contiguous blocks of the first global batch, in rank order.
-        first = torch.cat([r["first_step_logprobs"] for r in results], dim=0) if per_rank_steps[0] else None
+        # None when the first step was skipped (no token to train on: every rank skips it alike)
+        firsts = [r["first_step_logprobs"] for r in results]
+        first = torch.cat(firsts, dim=0) if per_rank_steps[0] and all(f is not None for f in firsts) else None
         # Summed over every worker, as forward_pass_counts() does.
         passes = sum(r["forward_passes"]["logprobs"] for r in all_results)
         since = self._prev_passes.take(passes)
@@ -268,7 +288,7 @@ class Policy:
 
     def load_checkpoint(self, directory: str, rng_states: list[dict[str, Any]] | None) -> None:
         """Restore every rank from ``directory`` (RNG states per rank when they match the group size)."""
-        per_rank = rng_states if rng_states is not None and len(rng_states) == len(self.group) else [None] * len(self.group)
+        per_rank = worker_rng_states(rng_states, len(self.group), directory)
         refs = [w.load_checkpoint.remote(directory, rng) for w, rng in zip(self.group.workers, per_rank)]
         versions = get_with_context(refs, f"{self.name}: checkpoint load")
         self.weight_version = versions[0]

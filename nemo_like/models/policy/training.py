@@ -82,7 +82,8 @@ class TrainingStep:
         Each shard carries ``global_valid_toks`` / ``global_valid_seqs``: the counts over the whole
         global batch on all ranks, so per-microbatch losses add up to the global-batch loss.
         Returns the combined metric fragments of this rank, per-step grad norms, and the logprobs
-        computed in the first step's forward passes (pre-update weights) for logging back-fill.
+        computed in the first step's forward passes (pre-update weights) for logging back-fill (None when that step
+        was skipped: no forward ran).
 
         A step with no token to train on (``global_valid_toks`` 0: the driver's masks took every row out) is skipped
         whole, on every rank alike: its zero gradient would still move AdamW's weights by their momentum and decay,
@@ -101,6 +102,8 @@ class TrainingStep:
         for step_idx, shard in enumerate(steps):
             if float(shard["global_valid_toks"]) == 0:
                 empty += 1
+                if step_idx == 0:
+                    first_step_logprobs = None  # no forward ran: no pre-update logprobs to report
                 continue
             self.optimizer.zero_grad(set_to_none=False)
             fragments: list[dict[str, float]] = []

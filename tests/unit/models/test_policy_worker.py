@@ -153,6 +153,8 @@ def test_an_optimizer_step_with_no_token_to_train_on_is_skipped_whole() -> None:
     result = worker.train([empty])
     assert worker.parameter_checksum() == before and worker.scheduler.last_epoch == schedule
     assert result["empty_steps_skipped"] == 1 and result["grad_norms"] == [] and result["metrics"] == {}
+    # no forward ran for it: no pre-update logprobs (they were zeros, dumped as prev logprobs of probability 1)
+    assert result["first_step_logprobs"] is None
     alone = make_worker(4).train([trained])
     beside_an_empty_step = make_worker(4).train([trained, empty])
     assert beside_an_empty_step["metrics"] == alone["metrics"] and beside_an_empty_step["empty_steps_skipped"] == 1
@@ -199,3 +201,15 @@ def test_a_resumed_worker_trains_with_this_runs_optimizer_settings(tmp_path) -> 
     assert group["lr"] == pytest.approx(1e-5 * 3 / 11) and resumed.scheduler.get_last_lr() == [group["lr"]]  # warmup step 2
     result = resumed.train([with_global_counts(random_batch(seed=2))])
     assert result["lr"] == pytest.approx(1e-5 * 4 / 11)
+
+
+def test_a_resume_on_another_number_of_ranks_says_the_worker_rng_is_not_restored(capsys) -> None:
+    """A checkpoint of 2 ranks resumed on 4 gave every rank no RNG state without a word, while the guide listed the
+    worker RNG among what comes back."""
+    from nemo_like.models.policy.policy import worker_rng_states
+
+    saved = [{"torch": torch.get_rng_state()}, {"torch": torch.get_rng_state()}]
+    assert worker_rng_states(saved, 2, "ckpt") == saved and capsys.readouterr().out == ""
+    assert worker_rng_states(saved, 4, "ckpt") == [None] * 4
+    assert "[checkpoint] ckpt holds the RNG states of 2 policy ranks, this run has 4" in capsys.readouterr().out
+    assert worker_rng_states(None, 3, "ckpt") == [None] * 3 and capsys.readouterr().out == ""
