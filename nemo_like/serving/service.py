@@ -7,6 +7,7 @@ recorded happens here, so the training loop's own tests can drive it directly.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -19,6 +20,8 @@ from nemo_like.serving.rendering import Renderer
 from nemo_like.serving.sessions import GREEDY_KEY, Session, SessionStore, session_call_seed
 from nemo_like.serving.tool_parsers import ParsedTurn, ToolParser
 from nemo_like.serving.trajectory import CallRecord
+
+log = logging.getLogger("nemo_like.serving")
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,11 @@ class CompletionService:
         """A choice's content and tool calls, and whether they are all the model wrote. With ``parallel_tool_calls:
         false`` only the first call is returned (as vLLM does); the raw text then holds calls the message does not,
         so the message is not mapped to it: sent back, it renders as the template writes it (the session branches)."""
-        parsed = self.tool_parser(text) if req.parses_tools() else ParsedTurn(text)
+        try:
+            parsed = self.tool_parser(text) if req.parses_tools() else ParsedTurn(text)
+        except Exception:  # noqa: BLE001 - a plug-in's bug: the call is recorded already, so no 500 (a retry records again)
+            log.exception("rollout server: the tool parser raised; the completion is returned as content, without tool calls")
+            parsed = ParsedTurn(text)
         if req.parallel_tool_calls is False and len(parsed.tool_calls) > 1:
             return ParsedTurn(parsed.content, parsed.tool_calls[:1]), False
         return parsed, True

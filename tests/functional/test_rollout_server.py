@@ -150,6 +150,22 @@ def test_an_agent_that_stops_at_the_closing_tag_gets_its_tool_call_and_stays_one
     )
 
 
+def test_a_tool_parser_that_raises_returns_the_text_as_content_not_a_500_after_recording(server, monkeypatch, caplog):
+    """A parser's error (a plug-in's bug; the built-in one's json.dumps of an argument past a float's range) came after
+    the call was recorded: a 500, which the openai client retries, and each retry sampled and recorded one more call."""
+
+    def broken(text: str):
+        raise ValueError("a plug-in's bug")
+
+    monkeypatch.setattr(server.service, "tool_parser", broken)
+    c = client(server, "broken-parser")
+    answer = chat(c, [{"role": "user", "content": "What is 121 times 13?"}], temperature=0, max_tokens=40)
+    choice = answer.choices[0]
+    assert choice.message.tool_calls is None and "<tool_call>" in choice.message.content  # the markup, as content
+    assert len(server.sessions.end("broken-parser", reward=0.0).rows) == 1
+    assert "the tool parser raised" in caplog.text
+
+
 def test_a_template_that_strips_reasoning_branches_the_session(engine, tokenizer):
     config = ServerConfig(chat_template=THINK_TEMPLATE.read_text())
     with RolloutServer(engine, tokenizer, config) as srv:

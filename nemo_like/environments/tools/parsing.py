@@ -12,6 +12,7 @@ an exception: the environment turns it into an error observation.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +25,16 @@ def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-# Python's json reads NaN, Infinity and -Infinity; no JSON parser of another language does, and an agent gets the
-# arguments back as a JSON string: they are malformed calls here.
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past a float's range")
+    return value
+
+
+# Python's json reads NaN, Infinity and -Infinity, and a number past a float's range (1e400) as inf; no JSON parser of
+# another language does, and an agent gets the arguments back as a JSON string: they are malformed calls here.
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 _SPACE = re.compile(r"\s*")
 
 

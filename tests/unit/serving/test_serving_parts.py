@@ -49,6 +49,14 @@ def test_hermes_markup_becomes_openai_tool_calls_and_malformed_markup_stays_text
         assert parse_hermes(nan) == ParsedTurn(nan)
         (error,) = parse_tool_calls(nan)
         assert isinstance(error, ToolCallError) and f"{constant} is not JSON" in error.message
+    # A number past a float's range: json read it as inf, and the server's json.dumps of the arguments raised (a 500
+    # after the call was recorded); as a string, 1e400 stays malformed the same way
+    for arguments in ('{"x": 1e400}', '"{\\"x\\": -1e400}"'):
+        huge = f'<tool_call>{{"name": "calculator", "arguments": {arguments}}}</tool_call>'
+        assert parse_hermes(huge) == ParsedTurn(huge)
+        (error,) = parse_tool_calls(huge)
+        assert isinstance(error, ToolCallError), error
+    assert parse_hermes('<tool_call>{"name": "c", "arguments": {"x": 1e300}}</tool_call>').tool_calls  # in range: a call
 
 
 def test_hermes_reads_a_last_call_cut_before_its_closing_tag_and_keeps_the_contents_whitespace():
