@@ -159,6 +159,12 @@ async def run_session(
                 outcome = SessionOutcome(failure="error", detail=f"{type(exc).__name__}: {exc}")
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error of user code (sys.exit too) fails only its session
             outcome = SessionOutcome(failure="error", detail=f"{type(exc).__name__}: {exc}")
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # this batch was cancelled (the run is stopping): not the agent's
+                raise
+            # the agent's own (a sub-task it cancelled and awaited, a leaked cancel scope): an error of its session
+            outcome = SessionOutcome(failure="error", detail=f"CancelledError: {exc}")
         finally:
             end()
     return outcome
@@ -215,6 +221,7 @@ class _Session:
     open_version: int = 0  # the engine's weight version when the session opened (a row-less session's version)
     outcome: SessionOutcome | None = None
     result: Any = None  # SessionRows
+    ended: bool = False
 
 
 class AgentRollouts:
@@ -244,6 +251,7 @@ class AgentRollouts:
         return _Session(index, self.server.sessions.open(metadata=meta), prompt, settings, open_version=version)
 
     def _end(self, session: _Session) -> None:
+        session.ended = True
         self.server.sessions.end(session.session_id)
         session.result = self.server.sessions.take_result(session.session_id)
 
@@ -266,6 +274,9 @@ class AgentRollouts:
         finally:
             with self._lock:
                 self._running.discard(running)
+            for s in sessions:
+                if not s.ended:  # cancelled while it waited for its agent's turn (max_concurrency): free its session
+                    self._end(s)
 
     def cancel(self) -> None:
         """Stop every batch in flight and refuse new ones (the run is stopping): each running session is ended (its

@@ -90,6 +90,25 @@ def test_a_session_that_raises_hangs_or_returns_ends_its_session_once() -> None:
         outcome, ended = run(agent)
         assert outcome.failure == "error" and outcome.detail.startswith("SystemExit") and ended == [True]
 
+    async def cancels_its_own_task(*args):  # a BaseException: it ended the whole batch as "the run is stopping"
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        inner.cancel()
+        await inner
+
+    outcome, ended = run(cancels_its_own_task)
+    assert outcome.failure == "error" and outcome.detail.startswith("CancelledError") and ended == [True]
+
+    async def cancelled_batch():  # the batch itself cancelled (AgentRollouts.cancel): still raised, its session ended
+        ended: list[bool] = []
+        session = asyncio.ensure_future(run_session(settings(slow), (1, 2, 3, 4, 5), asyncio.Semaphore(1), lambda: ended.append(True)))
+        await asyncio.sleep(0.05)
+        session.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await session
+        return ended
+
+    assert asyncio.run(cancelled_batch()) == [True]
+
 
 def test_async_agents_of_every_shape_run_and_a_reward_past_floats_is_a_bad_return() -> None:
     """An object with an ``async def __call__`` and an ``async def`` under a ``functools.wraps`` decorator ran on a
