@@ -9,6 +9,7 @@ Thread-safe: the HTTP handlers and the training loop call it from different thre
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_like.serving.continuation import Continuations
-from nemo_like.serving.errors import bad_request, session_ended, session_not_found, session_reward_conflict
+from nemo_like.serving.errors import ServingError, bad_request, session_ended, session_not_found, session_reward_conflict
 from nemo_like.serving.trajectory import CallRecord, SessionRows, session_rows
 from nemo_like.utils.seeds import agent_call_seed
 
@@ -122,7 +123,8 @@ class SessionStore:
         self.vocab_size = vocab_size
         self.on_end = on_end  # told each session id once it ends (the generation queue stops waiting for its calls)
         # None: every result is kept until taken (a training run takes them); a server that nobody takes results from
-        # (``nemo-like serve``) keeps the newest this many, so a repeated end of an older session gets a 409.
+        # (``nemo-like serve``) keeps the newest this many, so a repeated end of an older session gets a 409, and as many
+        # sessions its calls opened: one more ends the least recently used (agents that never end theirs grew it forever).
         self.max_kept_results = max_kept_results
         self._lock = threading.Lock()
         self._open: dict[str, Session] = {}
@@ -147,15 +149,22 @@ class SessionStore:
 
         Raises:
             ServingError: 404 for an unknown id (without ``auto_create``), 409 for an ended one."""
+        unused = None
         with self._lock:
             if session_id in self._ended:
                 raise session_ended(session_id)
-            found = self._open.get(session_id)
+            found = self._open.pop(session_id, None)
             if found is None:
                 if not self.auto_create:
                     raise session_not_found(session_id)
-                found = self._open[session_id] = Session(session_id)
-            return found
+                found = Session(session_id)
+                if self.max_kept_results is not None and len(self._open) >= self.max_kept_results:
+                    unused = next(iter(self._open))
+            self._open[session_id] = found  # the most recently used last
+        if unused is not None:
+            with contextlib.suppress(ServingError):  # ended meanwhile
+                self.end(unused)
+        return found
 
     def begin_call(self, session_id: str) -> tuple[Session, int]:
         """The session and the index of the call about to be made in it."""

@@ -162,3 +162,22 @@ def test_a_session_whose_rows_fail_to_build_keeps_no_reward_behind() -> None:
     with pytest.raises(RuntimeError, match="end hook failed"):
         store.end(sid, 1.0)
     assert store._end_rewards == {}
+
+
+def test_a_server_nobody_takes_results_from_ends_its_least_recently_used_session_past_the_cap():
+    """``nemo-like serve`` kept every session an agent's calls opened and never ended (a new X-Session-Id per episode
+    without /end), with every call's ids and texts, forever."""
+    store = SessionStore(max_kept_results=2)
+    record(store, "a", [1, 2], [10, 2])
+    record(store, "b", [1, 3], [11, 2])
+    record(store, "a", [1, 2, 10, 2, 5], [12, 2])  # "a" used last: "b" is the least recently used
+    record(store, "c", [1, 4], [13, 2])
+    assert sorted(store.open_ids()) == ["a", "c"]
+    assert [(r.session_id, r.num_calls) for r in store.take_finished()] == [("b", 1)]  # ended with its call, as by /end
+    with pytest.raises(ServingError) as ended:
+        store.session("b")
+    assert ended.value.status == 409
+    unbounded = SessionStore()  # a training run's store: its driver ends every session itself
+    for sid in "abc":
+        record(unbounded, sid, [1, 2], [10, 2])
+    assert sorted(unbounded.open_ids()) == ["a", "b", "c"]
