@@ -181,7 +181,7 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> JSONResponse:
         call = await unless_client_leaves(request, service.complete(body, request.headers.get(SESSION_HEADER)))
-        return JSONResponse(completion_response(call, body, f"cmpl-{uuid.uuid4().hex}", decode_token))
+        return JSONResponse(completion_response(call, body, f"cmpl-{uuid.uuid4().hex}", decode_token, service.renderer.token_bytes))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -58,17 +58,40 @@ def chat_response(
     return _response_body("chat.completion", call, req, response_id, choices)
 
 
-def completion_response(call: SampledCall, req: CompletionRequest, response_id: str, decode_token: Any = str) -> dict[str, Any]:
-    """A ``text_completion`` object (``logprobs``: 0 gives the sampled tokens' logprobs)."""
+def _is_continuation_byte(byte: int) -> bool:
+    return byte & 0xC0 == 0x80
+
+
+def _completion_tokens(ids: list[int], decode_token: Any, token_bytes: Any, text_length: int) -> tuple[list[str], list[int]]:
+    """``logprobs.tokens`` and ``text_offset`` of a ``text_completion`` choice. A token holding part of a UTF-8
+    character is named by its bytes (``bytes:\\xe4\\xbb``, as OpenAI names it; decoded alone it is U+FFFD); each offset
+    is the index in the choice's text of the character the token's first byte belongs to, counted over the tokens'
+    bytes (the decoded tokens' lengths ran past the text), never past the text (tokens after a stop string's cut)."""
+    tokens, offsets, started = [], [], 0  # started: characters whose first byte has been seen
+    for t in ids:
+        raw = token_bytes(t)
+        try:
+            raw.decode("utf-8")
+            tokens.append(decode_token(t))
+        except UnicodeDecodeError:
+            tokens.append("bytes:" + "".join(f"\\x{b:02x}" for b in raw))
+        inside = bool(raw) and _is_continuation_byte(raw[0]) and started > 0  # continues the character before it
+        offsets.append(min(started - 1 if inside else started, text_length))
+        started += sum(not _is_continuation_byte(b) for b in raw)
+    return tokens, offsets
+
+
+def completion_response(
+    call: SampledCall, req: CompletionRequest, response_id: str, decode_token: Any = str, token_bytes: Any = None
+) -> dict[str, Any]:
+    """A ``text_completion`` object (``logprobs``: 0 gives the sampled tokens' logprobs); ``decode_token(id)`` names tokens,
+    ``token_bytes(id)`` gives their bytes (None: the UTF-8 of ``decode_token(id)``)."""
+    token_bytes = token_bytes or (lambda t: decode_token(t).encode())
     choices = []
     for choice in call.choices:
         logprobs = None
         if req.logprobs is not None:
-            tokens = [decode_token(t) for t in choice.completion_ids]
-            offsets, at = [], 0
-            for token in tokens:
-                offsets.append(at)
-                at += len(token)
+            tokens, offsets = _completion_tokens(choice.completion_ids, decode_token, token_bytes, len(choice.text))
             logprobs = {"tokens": tokens, "token_logprobs": choice.logprobs, "top_logprobs": None, "text_offset": offsets}
         entry: dict[str, Any] = {"index": choice.index, "text": choice.text, "finish_reason": choice.finish_reason, "logprobs": logprobs}
         choices.append(entry)

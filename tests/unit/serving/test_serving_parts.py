@@ -485,3 +485,27 @@ def test_a_call_cut_inside_a_longer_draw_reports_its_kept_tokens_weight_version(
     vllm = GeneratedSample([1], [5, 6, 7, 8, 9], [-1.0] * 5, False, 0, final_weight_version=1)  # one version per draw
     assert vllm.kept_version(2) == 1 and cut_to(vllm, 2).final_weight_version == 1  # an upper bound
     assert GeneratedSample([1], [5], [-1.0], False, 4).kept_version(1) is None  # the engine said nothing
+
+
+def test_completion_logprobs_offsets_index_the_text_and_partial_characters_are_named_by_bytes(renderer):
+    """Each token was decoded alone and the offsets summed those strings' lengths: a byte-level token holding part of a
+    Chinese character counted as one U+FFFD character, so the offsets ran past the text (18 in an 8-character text)."""
+    from nemo_like.serving.responses import completion_response
+    from nemo_like.serving.service import SampledCall, SampledChoice
+
+    text = "价格是 5 元。"
+    ids = renderer.tokenize(text) + renderer.tokenize(" STOP here")  # tokens past a stop string's cut, as a stop leaves
+    call = SampledCall([1, 2], [SampledChoice(0, ids, [-0.5] * len(ids), text, "stop", 0)])
+    request = CompletionRequest(model="policy", prompt="Q:", logprobs=0)
+    body = completion_response(call, request, "cmpl-1", lambda t: renderer.decode_continuation([t]), renderer.token_bytes)
+    logprobs = body["choices"][0]["logprobs"]
+    tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+    assert len(tokens) == len(offsets) == len(ids) and offsets == sorted(offsets) and max(offsets) == len(text)
+    partial = [t for t in tokens if t.startswith("bytes:")]
+    assert partial and not any("\ufffd" in t for t in tokens)  # a part of a character: its bytes, not U+FFFD
+    spelled = b"".join(bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:") else t.encode() for t in tokens)
+    assert spelled.decode().startswith(text)  # the tokens spell the text
+    for token, offset in zip(tokens, offsets):
+        if not token.startswith("bytes:") and offset < len(text):
+            assert text[offset:].startswith(token) or not text[offset:]  # a whole token starts where its offset says
+    assert offsets[tokens.index("5")] == text.index("5")
