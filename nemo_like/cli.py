@@ -259,7 +259,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     """Print the run plan and the memory plan; exit 3 when a device is over ``--device-memory-gib``."""
     from nemo_like.algorithms.names import check_plugin_names
-    from nemo_like.algorithms.roles import idle_gpus_warning, reserved_gpus_problem, scorer_specs, unplanned_model_lines
+    from nemo_like.algorithms.roles import idle_gpus_warning, reserved_gpus_problem, scorer_specs
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.footprint import memory_report
 
@@ -285,7 +285,7 @@ def run_plan(args: argparse.Namespace) -> int:
     lines, fits = memory_report(
         cfg, plan, args.device_memory_gib, peak, mfu, args.model_config, teacher_configs, cluster_problems, scorer_specs(cfg)
     )
-    for line in [*lines, *unplanned_model_lines(cfg)]:
+    for line in lines:
         print(f"[plan] {line}")
     if idle := idle_gpus_warning(cfg, plan):
         print(f"[plan] warning: {idle}", file=sys.stderr, flush=True)

@@ -8,16 +8,17 @@ and checks them against the connected cluster before any actor starts.
 
 from __future__ import annotations
 
+from typing import Any
+
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, check_node_placement, private_cluster_hint, sum_resources
 from nemo_like.distributed.worker_group import RoleResources
 from nemo_like.environments.composite import source_placement, split_source
-from nemo_like.environments.registry import ENVIRONMENTS
 from nemo_like.environments.worker import environment_resources
 from nemo_like.experience.async_rollouts import async_actor_resources
 from nemo_like.models.engines import generation_resources
 from nemo_like.models.policy.policy import POLICY_ROLES, policy_resources
-from nemo_like.plan.memory import ScorerSpec
+from nemo_like.plan.memory import JudgeSpec, ScorerSpec
 from nemo_like.plan.run_plan import RunPlan
 from nemo_like.utils.cpus import local_cores
 
@@ -75,11 +76,6 @@ def reserved_gpus_problem(cfg: MasterConfig, plan: RunPlan) -> str | None:
     )
 
 
-#: Environments that load a model of their own in their actors (or in engines they start), which the memory plan
-#: does not count.
-MODEL_ENVIRONMENTS = {"judge": "the judge model"}
-
-
 def _environment_sources(cfg: MasterConfig) -> list[tuple[str, str, str, dict, int, str | None, float]]:
     """``(where, role suffix, class, settings, actors, shared device, the actor's GPUs)`` of every environment the run
     loads: each task's, or each of a composite's sources (as the composite reads them; its actors each hold every
@@ -102,29 +98,37 @@ def _environment_sources(cfg: MasterConfig) -> list[tuple[str, str, str, dict, i
     return out
 
 
-def scorer_specs(cfg: MasterConfig) -> list[ScorerSpec]:
-    """The reward models the run's environments load, for the memory plan (:func:`~nemo_like.plan.memory.scorer_memory`)."""
+def scorer_specs(cfg: MasterConfig) -> list[ScorerSpec | JudgeSpec]:
+    """The models the run's environments load, for the memory plan: reward models
+    (:func:`~nemo_like.plan.memory.scorer_memory`) and LLM judges (:func:`~nemo_like.plan.memory.judge_memory`)."""
+    from nemo_like.environments.judge import JudgeEnvConfig
     from nemo_like.environments.reward_model import RewardModelEnvConfig
 
-    specs = []
+    specs: list[ScorerSpec | JudgeSpec] = []
     for _, suffix, kind, values, workers, shared, actor_gpus in _environment_sources(cfg):
         if kind == "reward_model":
             rm = RewardModelEnvConfig.model_validate({k: v for k, v in values.items() if k in RewardModelEnvConfig.model_fields})
             role = f"reward_model:{suffix}"
             specs.append(ScorerSpec(role, rm.model_name, rm.precision, workers, rm.num_gpus, rm.max_tokens_per_batch, shared, actor_gpus))
+        elif kind == "judge":
+            judge = JudgeEnvConfig.model_validate({k: v for k, v in values.items() if k in JudgeEnvConfig.model_fields})
+            specs.append(judge_spec(cfg, f"judge:{suffix}", judge, workers))
     return specs
 
 
-def unplanned_model_lines(cfg: MasterConfig) -> list[str]:
-    """One line per judge the run's environments load (a task's own, or a composite's source): the memory plan counts
-    the policy, reference, teachers, generation and reward models only."""
-    lines = []
-    for where, _, name, values, _, _, _ in _environment_sources(cfg):
-        if name in MODEL_ENVIRONMENTS:
-            config_model = ENVIRONMENTS.get(name).config_model
-            model = values.get("model_name") or config_model.model_fields["model_name"].default
-            lines.append(f"not planned: {where} loads {MODEL_ENVIRONMENTS[name]} {model!r} (its actors' memory is not counted here)")
-    return lines
+def judge_spec(cfg: MasterConfig, role: str, judge: Any, env_workers: int) -> JudgeSpec:
+    """A judge's plan: ``env_workers`` environment actors, each starting ``num_engine_workers`` generation actors. Its
+    longest sequence is ``engine_max_model_len``, else estimated as the policy's whole sequence (the judge's template
+    quotes its prompt and response) and the verdict."""
+    if judge.engine_max_model_len is not None:
+        context, how = judge.engine_max_model_len, "engine_max_model_len"
+    else:
+        context = cfg.policy.max_total_sequence_length + judge.max_new_tokens
+        how = "estimated: the policy's max_total_sequence_length + the verdict's max_new_tokens; engine_max_model_len bounds it"
+    return JudgeSpec(
+        role, judge.model_name, judge.precision, env_workers * judge.num_engine_workers, judge.engine_num_gpus, judge.engine_backend,
+        judge.max_batch_size, context, how, judge.engine_kv_cache_space_gib, judge.engine_gpu_memory_utilization,
+    )  # fmt: skip
 
 
 def required_resources(cfg: MasterConfig, plan: RunPlan) -> dict[str, float]:

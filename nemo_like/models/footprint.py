@@ -14,7 +14,7 @@ import torch
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.loading import resolve_model_path
-from nemo_like.plan.memory import DTYPE_BYTES, ModelShape, ParameterSpec, RoleMemory, ScorerSpec, scorer_memory
+from nemo_like.plan.memory import DTYPE_BYTES, JudgeSpec, ModelShape, ParameterSpec, RoleMemory, ScorerSpec, judge_memory, scorer_memory
 
 
 def model_config_path(
@@ -167,14 +167,20 @@ def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
     return fused_step_copy_elements(layers, hidden, intermediate, q_width, kv_width, vocab, rows, products, on_cpu) * element_bytes
 
 
-def scorer_roles(specs: Sequence[ScorerSpec]) -> tuple[list[RoleMemory], list[str]]:
-    """The memory of each reward model ``specs`` names (:func:`~nemo_like.plan.memory.scorer_memory`: its parameters
-    counted exactly on the meta device), and a ``not planned`` line for each whose ``config.json`` is not on this
-    machine."""
+def scorer_roles(specs: Sequence[ScorerSpec | JudgeSpec], device_bytes: float | None = None) -> tuple[list[RoleMemory], list[str]]:
+    """The memory of each reward model and LLM judge ``specs`` names (:func:`~nemo_like.plan.memory.scorer_memory`,
+    :func:`~nemo_like.plan.memory.judge_memory`: its parameters counted exactly on the meta device), and a ``not planned``
+    line for each whose ``config.json`` is not on this machine. ``device_bytes``: a GPU's (a vLLM judge takes a share)."""
     from transformers import AutoModelForSequenceClassification
 
     roles, lines = [], []
     for spec in specs:
+        if isinstance(spec, JudgeSpec):
+            try:
+                roles.append(judge_role(spec, device_bytes))
+            except (OSError, ConfigError, ValueError) as exc:
+                lines.append(f"not planned: {spec.role} loads {spec.model_name!r}, whose config was not read ({str(exc).splitlines()[0]})")
+            continue
         try:
             _, config = read_model_config(Path(resolve_model_path(spec.model_name)) / "config.json")
             with torch.device("meta"):
@@ -187,6 +193,25 @@ def scorer_roles(specs: Sequence[ScorerSpec]) -> tuple[list[RoleMemory], list[st
         intermediate = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
         roles.append(scorer_memory(spec, parameters, hidden, intermediate))
     return roles, lines
+
+
+def judge_role(spec: JudgeSpec, device_bytes: float | None) -> RoleMemory:
+    """One judge's memory (:func:`~nemo_like.plan.memory.judge_memory`): its model's parameters and shape as loaded at
+    ``spec.precision``, and with the HF engine the weights its lean decoder copies for up to ``max_batch_size`` rows."""
+    from nemo_like.models.generation.lean_decoder import fused_step_copy_elements
+    from nemo_like.models.precision import compute_dtype
+
+    params, shape = model_footprint(spec.model_name, spec.precision)
+    parameters = sum(math.prod(p.shape) for p in params)
+    copies = 0
+    if spec.backend == "hf":
+        q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        products = compute_dtype(spec.precision)
+        elements = fused_step_copy_elements(
+            shape.layers, shape.hidden, shape.intermediate, q_width, kv_width, shape.vocab, spec.max_batch_size, products, not spec.num_gpus
+        )
+        copies = elements * DTYPE_BYTES[spec.precision]
+    return judge_memory(spec, parameters, shape, device_bytes, copies)
 
 
 def planned_memory_lines(cfg: Any, run_plan: Any, scorers: Sequence[ScorerSpec] = ()) -> list[str]:
@@ -237,7 +262,7 @@ def memory_report(
         lora = sum(math.prod(p.shape) for p in params if p.trainable) if cfg.policy.lora_cfg.enabled else None
         step = step_estimate(cfg, run_plan.logprobs, n, peak_flops, mfu, teacher_n, trained_token_flops=training_flops_per_token(n, lora))
     copies = sampler_copy_bytes(cfg, run_plan, shape)
-    scorer_memories, unplanned = scorer_roles(scorers)
     device_bytes = device_gib * GIB if device_gib else None
+    scorer_memories, unplanned = scorer_roles(scorers, device_bytes)
     memory = plan_memory(cfg, run_plan, params, shape, device_bytes, teachers, step, copies, cluster_problems, scorer_memories)
     return [*run_plan.lines(this_machine=True), *memory.lines(), *unplanned], memory.fits

@@ -163,6 +163,8 @@ class RoleMemory:
     device: str = ""  # the GPU it is on when not one of its own ("<role> GPU"): reward models a composite actor shares
     per_device: int = 1  # its workers one GPU may hold (fractional GPUs: Ray may pack that many on one)
     unsharded_layer: int = 0  # with CPU offload: the largest decoder layer, unsharded on the GPU while it computes
+    fit_hint: str = ""  # an environment's model: what to change when its GPU is over (the advice after "fits: NO")
+    problem: str = ""  # an environment's model that cannot start whatever the devices hold (a vLLM judge without KV room)
 
     @property
     def held(self) -> int:
@@ -613,13 +615,86 @@ def scorer_memory(spec: ScorerSpec, parameters: int, hidden: int, intermediate: 
     activations = spec.max_tokens_per_batch * (4 * hidden + 2 * intermediate) * value_bytes
     note = f"a reward model: weights at {spec.precision}, one forward of {spec.max_tokens_per_batch} tokens (estimated)"
     device = f"reward_model:{spec.shared_device} GPU" if spec.shared_device else ""
-    # Actors of a fraction of a GPU each: Ray may put up to 1 / fraction of them on one GPU (a composite actor reserves
-    # its sources' placement: less than one GPU when they share one, and then its actors pack the same way)
+    # a composite actor reserves its sources' placement: less than one GPU when they share one, and its actors pack so
     fraction = spec.actor_gpus if spec.shared_device else spec.num_gpus
-    per_device = max(1, min(spec.workers, math.floor(1 / fraction + 1e-9))) if 0 < fraction < 1 else 1
     return RoleMemory(
         spec.role, spec.workers, params=parameters * value_bytes, activations=activations, note=note, on_host=not spec.num_gpus,
-        device=device, per_device=per_device,
+        device=device, per_device=_packed_per_gpu(fraction, spec.workers),
+        fit_hint="lower its environment's max_tokens_per_batch, or set its precision: bfloat16",
+    )  # fmt: skip
+
+
+def _packed_per_gpu(fraction: float, workers: int) -> int:
+    """Actors of ``fraction`` of a GPU each one GPU may hold: Ray may put up to 1 / fraction of them on one."""
+    return max(1, min(workers, math.floor(1 / fraction + 1e-9))) if 0 < fraction < 1 else 1
+
+
+@dataclass(frozen=True)
+class JudgeSpec:
+    """An LLM judge an environment starts (``env.<task>``, or a composite's source): its planned ``role``
+    (``judge:<task>[.<source>]``), model, dtype, generation actors (``workers``: the environment's actors x its
+    ``num_engine_workers``), GPUs per actor (0: the CPU), engine (``hf`` or ``vllm``), prompts per engine call
+    (``max_batch_size``), the longest judge sequence in tokens (``context``: ``engine_max_model_len``, else estimated,
+    ``context_note`` says how) and vLLM's KV settings."""
+
+    role: str
+    model_name: str
+    precision: str
+    workers: int
+    num_gpus: float
+    backend: str
+    max_batch_size: int
+    context: int
+    context_note: str
+    kv_cache_space_gib: int
+    gpu_memory_utilization: float
+
+
+def judge_memory(spec: JudgeSpec, parameters: int, shape: ModelShape, device_bytes: float | None, weight_copies: int = 0) -> RoleMemory:
+    """One judge generation actor: its weights at ``spec.precision`` (exact: the model's ``parameters``) and, with the
+    ``hf`` engine, the KV cache of ``max_batch_size`` sequences of ``context`` tokens, the lean decoder's
+    ``weight_copies`` and their next token's float32 logits (as :func:`generation_memory` plans the policy's HF engine);
+    with ``vllm``, its share of the GPU (weights, vLLM's own memory and the KV budget) or, on the CPU, the weights and
+    ``kv_cache_space_gib``. A vLLM budget that holds no sequence of ``context`` tokens is a :attr:`RoleMemory.problem`."""
+    value_bytes = DTYPE_BYTES[spec.precision]
+    weights = parameters * value_bytes
+    per_sequence = shape.kv_bytes_per_token(value_bytes) * spec.context
+    on_gpu = spec.num_gpus > 0
+    common = dict(on_host=not on_gpu, per_device=_packed_per_gpu(spec.num_gpus, spec.workers))
+    if spec.backend == "hf":
+        logits = spec.max_batch_size * shape.vocab * 4
+        note = (
+            f"an LLM judge, hf engine: KV of {spec.max_batch_size} sequences of {spec.context} tokens ({spec.context_note}); "
+            f"sampler weight copies {weight_copies / GIB:.3f} + logits {logits / GIB:.3f}"
+        )
+        hint = "lower its environment's max_batch_size or engine_max_model_len, or set its precision: bfloat16"
+        return RoleMemory(
+            spec.role, spec.workers, params=weights, kv_cache=spec.max_batch_size * per_sequence, activations=weight_copies + logits,
+            note=note, fit_hint=hint, **common,
+        )  # fmt: skip
+    hint = "lower its environment's engine_gpu_memory_utilization, or set its precision: bfloat16"
+    if on_gpu and device_bytes is None:
+        note = f"an LLM judge, vLLM: KV budget {spec.gpu_memory_utilization:g} x the device's memory - the weights: the device's size is not given"
+        return RoleMemory(spec.role, spec.workers, params=weights, note=note, fit_hint=hint, **common)
+    overhead = vllm_overhead_bytes(shape, value_bytes, device_bytes) if on_gpu else 0
+    if on_gpu:
+        budget, how = (
+            int(spec.gpu_memory_utilization * device_bytes) - weights - overhead,
+            "engine_gpu_memory_utilization x device - weights - vLLM's own",
+        )
+    else:
+        budget, how = int(spec.kv_cache_space_gib * GIB), "engine_kv_cache_space_gib"
+    sequences = max(0, budget) // per_sequence if per_sequence else 0
+    note = f"an LLM judge, vLLM: KV budget holds {sequences} sequences of {spec.context} tokens ({spec.context_note})"
+    problem = (
+        f"{spec.role}'s vLLM KV budget ({_size(max(0, budget))} = {how}) holds no sequence of {spec.context} tokens "
+        f"({_size(per_sequence)} each)"
+        if sequences == 0
+        else ""
+    )
+    return RoleMemory(
+        spec.role, spec.workers, params=weights, kv_cache=max(0, budget), activations=overhead, note=note, fit_hint=hint,
+        problem=problem, **common,
     )  # fmt: skip
 
 
@@ -641,8 +716,8 @@ def plan_memory(
     call, in the inline backend's policy worker (:func:`with_inline_sampling`) or the HF engine
     (:func:`generation_memory`): :func:`~nemo_like.models.footprint.sampler_copy_bytes`; ``cluster_problems``: what
     keeps the run off the declared cluster whatever the memory (the caller's: more GPUs reserved than declared);
-    ``scorers``: the reward models the environments load (:func:`scorer_memory`), each actor on a GPU of its own (or
-    in its node's RAM)."""
+    ``scorers``: the reward models and LLM judges the environments load (:func:`scorer_memory`, :func:`judge_memory`),
+    each actor on a GPU of its own, as many as Ray may pack of fractional ones (or in its node's RAM)."""
     teachers = teachers or {}
     roles, per_device, colocated = _plan_devices(cfg, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies, scorers)
     notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
@@ -663,14 +738,12 @@ def plan_memory(
         backend = run_plan.backend.value  # where the KV cache of the sequences sampled at once lies: is it over?
         kv_over = "generation GPU" in over or (backend == "inline" and policy_over) or (backend == "hf" and not cfg.cluster.gpus_per_node)
         advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over)
-        advice += [
-            f"{device}: lower its environment's max_tokens_per_batch, or set its precision: bfloat16"
-            for device in sorted(scorer_devices & set(over))
-        ]
+        hints = {r.device or f"{r.role} GPU": r.fit_hint for r in scorers}
+        advice += [f"{device}: {hints[device]}" for device in sorted(scorer_devices & set(over))]
     advice += kv_advice(cfg, roles, device_bytes) if engine else []
     tp_problems = tensor_parallel_problems(cfg, shape)  # the teachers' workers take the policy's tensor-parallel degree
     tp_problems += [f"teacher {name}: {p}" for name, (_, teacher) in teachers.items() for p in tensor_parallel_problems(cfg, teacher)]
-    problems = [*cluster_problems, *tp_problems, *over.values(), *engine]
+    problems = [*cluster_problems, *tp_problems, *over.values(), *engine, *(r.problem for r in scorers if r.problem)]
     return MemoryPlan(roles, per_device, device_bytes, advice, step, problems, notes)
 
 

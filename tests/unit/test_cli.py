@@ -211,15 +211,21 @@ def test_plan_of_a_multi_turn_recipe_names_the_turns_end_ids_a_run_reads(capsys)
     assert "multi-turn: up to 2 model turns per sample, end-of-turn ids [2]" in capsys.readouterr().out
 
 
-def test_plan_counts_the_reward_models_and_names_the_judges_it_does_not_count(capsys) -> None:
+def test_plan_counts_the_reward_models_and_the_judges(capsys) -> None:
     """`nemo-like plan` printed the same memory for a recipe that loads a reward model and a judge as for one that
-    loads neither, without a word; a reward model (a task's own, or a composite's source) is now a role of the plan."""
+    loads neither, without a word; a reward model and a judge (a task's own, or a composite's source) are now roles of
+    the plan, in the node's RAM with the others."""
     from nemo_like.cli import main
 
     assert main(["plan", "--config", "examples/configs/grpo_tiny_rewards_cpu.yaml"]) == 0
     out = capsys.readouterr().out
-    assert "[plan] memory reward_model:arithmetic.rm x1: " in out and "reward model" not in out.split("not planned")[-1]
-    assert "not planned: env.arithmetic.sources.judge loads the judge model" in out
+    assert "[plan] memory reward_model:arithmetic.rm x1: " in out and "not planned" not in out
+    (judge,) = [line for line in out.splitlines() if line.startswith("[plan] memory judge:arithmetic.judge x1: ")]
+    (node,) = [line for line in out.splitlines() if line.startswith("[plan] memory on each node (RAM): ")]
+    per_worker = [
+        float(line.split(": ")[1].split(" GiB")[0]) for line in out.splitlines() if line.startswith("[plan] memory ") and " x" in line
+    ]
+    assert float(node.split(": ")[1].split(" GiB")[0]) == pytest.approx(sum(per_worker), abs=3e-3)  # the judge's included
     own = ["+env.arithmetic.class=reward_model"]  # its default model
     assert main(["plan", *own]) == 0
     out = capsys.readouterr().out

@@ -769,17 +769,16 @@ def test_a_reward_model_is_planned_with_the_weights_its_actor_loads(precision: s
     """The reward models the environments load were named, not counted ('not planned'): their weights are now the
     bytes a real scorer holds, each actor on a GPU of its own on a GPU cluster (a CPU one in its node's RAM), and a
     GPU it does not fit is refused with advice naming the environment's keys."""
-    from nemo_like.algorithms.roles import scorer_specs, unplanned_model_lines
+    from nemo_like.algorithms.roles import scorer_specs
     from nemo_like.environments.reward_model_scorer import RewardModelScorer
     from nemo_like.models.footprint import memory_report, scorer_roles
 
     cfg = load_config(REWARDS_RECIPE, [f"+env.arithmetic.sources.rm.precision={precision}"])
-    (spec,) = scorer_specs(cfg)
+    spec, _judge = scorer_specs(cfg)
     assert spec.role == "reward_model:arithmetic.rm" and spec.precision == precision and spec.num_gpus == 0
     (role,), unplanned = scorer_roles([spec])
     real = RewardModelScorer(resolve_model_path(spec.model_name), precision)
     assert role.params == sum(p.numel() * p.element_size() for p in real.model.parameters()) and not unplanned
-    assert all("judge" in line for line in unplanned_model_lines(cfg))  # the judge is still named only
     on_gpu = load_config(REWARDS_RECIPE, ["cluster.gpus_per_node=4", "+env.arithmetic.sources.rm.num_gpus=1"])
     run_plan = decide_run_plan(on_gpu, (), 2)
     lines, fits = memory_report(on_gpu, run_plan, 80, None, 0.4, scorers=scorer_specs(on_gpu))
@@ -824,3 +823,52 @@ def test_reward_models_that_share_a_gpu_are_planned_on_one_device() -> None:
     (worker,) = [float(line.split(": ")[1].split(" GiB")[0]) for line in lines if line.startswith("memory reward_model:arithmetic x3")]
     (device,) = [line for line in lines if line.startswith("memory on reward_model:")]
     assert float(device.split(": ")[1].split(" GiB")[0]) == pytest.approx(2 * worker, abs=2e-3)
+
+
+def test_an_llm_judge_is_planned_with_what_its_engine_allocates() -> None:
+    """A judge was named, not counted ('not planned'): its HF engine's weights, KV cache and the lean decoder's weight
+    copies are now the bytes a real judge actor allocates for its max_batch_size prompts; a vLLM judge on a GPU takes
+    its share, and one whose share leaves no KV room is refused, naming it."""
+    import torch
+
+    from nemo_like.algorithms.roles import scorer_specs
+    from nemo_like.models.footprint import memory_report, scorer_roles
+    from nemo_like.models.generation.lean_decoder import FusedLlamaStep
+    from nemo_like.models.loading import load_causal_lm
+
+    cfg = load_config(
+        REWARDS_RECIPE, ["+env.arithmetic.sources.judge.engine_max_model_len=96", "+env.arithmetic.sources.judge.max_batch_size=8"]
+    )
+    (judge,) = [s for s in scorer_specs(cfg) if s.role.startswith("judge:")]
+    assert (judge.role, judge.workers, judge.backend, judge.context, judge.max_batch_size) == ("judge:arithmetic.judge", 1, "hf", 96, 8)
+    (role,), unplanned = scorer_roles([judge])
+    model = load_causal_lm(judge.model_name, judge.precision)
+    step = FusedLlamaStep(model, judge.max_batch_size, judge.context)  # what the judge's engine builds for a full call
+    tensor_bytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))  # noqa: E731
+    assert role.params == tensor_bytes(model.parameters()) and not unplanned and role.on_host
+    assert role.kv_cache == tensor_bytes(step.k_cache + step.v_cache)
+    own = {p.data_ptr() for p in model.parameters()}
+    weights = [w for layer in step.layers for w in (layer[1], layer[3], layer[6], layer[7])] + ([step.head[0]] if step.head else [])
+    copies = tensor_bytes(w for w in weights if w.is_mkldnn or w.data_ptr() not in own)  # fused, or packed for oneDNN
+    logits = judge.max_batch_size * model.config.vocab_size * 4
+    assert role.activations == pytest.approx(copies + logits, rel=0.05)
+    # vLLM on a GPU: its share of the device; a share its weights leave no KV room in is refused
+    gpu = [
+        "cluster.gpus_per_node=4",
+        "+env.arithmetic.sources.judge.engine_backend=vllm",
+        "+env.arithmetic.sources.judge.engine_num_gpus=1",
+    ]
+    on_gpu = load_config(REWARDS_RECIPE, gpu)
+    lines, fits = memory_report(on_gpu, decide_run_plan(on_gpu, (), 2), 80, None, 0.4, scorers=scorer_specs(on_gpu))
+    (device,) = [line for line in lines if line.startswith("memory on judge:arithmetic.judge GPU: ")]
+    assert fits and float(device.split(": ")[1].split(" GiB")[0]) == pytest.approx(0.3 * 80, abs=0.01)  # its default share
+    starved = load_config(REWARDS_RECIPE, [*gpu, "+env.arithmetic.sources.judge.engine_gpu_memory_utilization=0.0001"])
+    lines, fits = memory_report(starved, decide_run_plan(starved, (), 2), 80, None, 0.4, scorers=scorer_specs(starved))
+    assert fits is False and "judge:arithmetic.judge's vLLM KV budget (0.000 MiB = engine_gpu_memory_utilization x device" in lines[-1]
+    lines, fits = memory_report(on_gpu, decide_run_plan(on_gpu, (), 2), 20, None, 0.4, scorers=scorer_specs(on_gpu))
+    assert fits  # 0.3 of a 20 GiB GPU: still its share
+    tight = load_config(REWARDS_RECIPE, [*gpu[:2], "+env.arithmetic.sources.judge.engine_num_gpus=0.25", "env.arithmetic.num_workers=4"])
+    lines, fits = memory_report(tight, decide_run_plan(tight, (), 2), 80, None, 0.4, scorers=scorer_specs(tight))
+    (device,) = [line for line in lines if line.startswith("memory on judge:arithmetic.judge GPU: ")]
+    assert fits is False and float(device.split(": ")[1].split(" GiB")[0]) == pytest.approx(4 * 0.3 * 80, abs=0.05)  # 4 on a GPU
+    assert "judge:arithmetic.judge GPU: lower its environment's engine_gpu_memory_utilization" in lines[-1]
