@@ -627,7 +627,7 @@ def async_grpo_train(parts: GRPOComponents, logger: Logger, resume_from: Checkpo
     async_cfg = parts.cfg.grpo.async_grpo
     logger.progress.message(
         f"[plan] async: samples at most {async_cfg.max_trajectory_age_steps} update(s) old, refits "
-        + ("in flight (mid-sequence)" if async_cfg.in_flight_weight_updates else "wait for the batch in flight")
+        + ("in flight (mid-sequence)" if async_cfg.refits_mid_generation else "wait for the batch in flight")
     )
     return run_training(parts, logger, resume_from, AsyncSteps(parts))
 

@@ -114,7 +114,7 @@ class AsyncRollouts:
         cfg = parts.cfg
         async_cfg = cfg.grpo.async_grpo
         self.parts = parts
-        self.in_flight = async_cfg.in_flight_weight_updates
+        self.in_flight = async_cfg.refits_mid_generation
         roles = {r.role: r for r in async_actor_resources(cfg)}
         timeout = cfg.cluster.placement_timeout_s
         self.buffer_group = RayWorkerGroup(
@@ -152,7 +152,7 @@ class AsyncRollouts:
             multi_turn=parts.plan.multi_turn,
             reference=reference_for_collector(parts),
             pad_token_id=parts.tokenizer.pad_token_id,
-            in_flight_refits=async_cfg.in_flight_weight_updates,
+            in_flight_refits=async_cfg.refits_mid_generation,
         )
         self.agents = getattr(parts, "agents", None)  # agent tasks: the collector runs on a driver thread
         self.local: DriverCollectorThread | None = None

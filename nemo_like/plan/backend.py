@@ -56,10 +56,29 @@ def inline_blocker(cfg: Any, with_policy: bool = True) -> str | None:
     return None
 
 
+#: The ranks vLLM's ``max_lora_rank`` accepts (vllm/config/lora.py, 0.32); an adapter may be smaller than it.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(dim: int) -> int | None:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``dim`` (``None``: too large)."""
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= dim), None)
+
+
+def vllm_adapter_blocker(cfg: Any) -> str | None:
+    """Why a vLLM engine could not serve this LoRA run's adapters (a refit then sends merged weights), or None. One
+    answer for the backend choice (:func:`resolve_backend`) and the refit mode (:func:`~.refit.refit_mode`)."""
+    if cfg.grpo.async_grpo.refits_mid_generation:
+        return "grpo.async_grpo.in_flight_weight_updates=true: a new adapter cannot take over running requests mid-sequence"
+    if vllm_max_lora_rank(cfg.policy.lora_cfg.dim) is None:
+        return f"vLLM serves adapters up to rank {VLLM_MAX_LORA_RANKS[-1]}, policy.lora_cfg.dim={cfg.policy.lora_cfg.dim}"
+    return None
+
+
 def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
     """``(backend, reason)`` for ``policy.generation.backend``. ``auto`` on a CPU cluster: ``inline`` when the run
-    allows it (:func:`inline_blocker`), else ``vllm`` for a LoRA run when the package is importable (it
-    serves the adapters: a refit sends only them), else ``hf`` (an engine actor with our sampling loop: it generated
+    allows it (:func:`inline_blocker`), else ``vllm`` for a LoRA run when the package is importable and can serve
+    its adapters (:func:`vllm_adapter_blocker`; a refit then sends only them), else ``hf`` (an engine actor with our sampling loop: it generated
     the tiny recipe's batches 1.5-2.7x faster than vLLM's CPU build, ``benchmarks/async_vs_sync.py``); on a GPU
     cluster ``vllm`` when the package is importable, else ``hf``. ``with_policy=False``: the caller has no trainable
     policy (evaluation), so ``inline`` is impossible."""
@@ -77,7 +96,9 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
         blocker = inline_blocker(cfg, with_policy)
         if blocker is None:
             return "inline", "auto: a sync CPU run with one policy worker samples with the policy's own weights (no refit)"
-        if cfg.policy.lora_cfg.enabled and with_policy and vllm_available():
+        lora = cfg.policy.lora_cfg
+        # vLLM's CPU build is the slower engine here: worth it only where it serves the adapters (a refit sends them only)
+        if lora.enabled and with_policy and lora.refit != "merged" and vllm_adapter_blocker(cfg) is None and vllm_available():
             return "vllm", f"auto: not inline ({blocker}); vLLM serves the LoRA adapters, so a refit sends only them"
         return "hf", f"auto: not inline ({blocker}); a CPU cluster's engine (policy.generation.backend=vllm: vLLM's CPU build)"
     if requested == "vllm":

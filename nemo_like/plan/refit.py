@@ -10,15 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.plan.backend import resolve_backend
-
-#: The ranks vLLM's ``max_lora_rank`` accepts (vllm/config/lora.py, 0.32); an adapter may be smaller than it.
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def vllm_max_lora_rank(dim: int) -> int | None:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``dim`` (``None``: too large)."""
-    return next((r for r in VLLM_MAX_LORA_RANKS if r >= dim), None)
+from nemo_like.plan.backend import VLLM_MAX_LORA_RANKS, resolve_backend, vllm_adapter_blocker, vllm_max_lora_rank  # noqa: F401
 
 
 def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
@@ -34,13 +26,7 @@ def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
         return "merged", "policy.lora_cfg.refit=merged"
     if backend is None:
         raise ValueError(f"the LoRA refit mode (policy.lora_cfg.refit={lora.refit}) depends on the generation backend: pass it")
-    blocker = None
-    if backend != "vllm":
-        blocker = "the HF generation backend serves plain weights"
-    elif cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.in_flight_weight_updates:
-        blocker = "grpo.async_grpo.in_flight_weight_updates=true: a new adapter cannot take over running requests mid-sequence"
-    elif vllm_max_lora_rank(lora.dim) is None:
-        blocker = f"vLLM serves adapters up to rank {VLLM_MAX_LORA_RANKS[-1]}, policy.lora_cfg.dim={lora.dim}"
+    blocker = "the HF generation backend serves plain weights" if backend != "vllm" else vllm_adapter_blocker(cfg)
     if blocker is None:
         return "adapter", "vLLM LoRA: the adapters are loaded as a LoRA request, a new adapter id per weight version"
     if lora.refit == "adapter":

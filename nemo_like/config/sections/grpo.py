@@ -49,6 +49,13 @@ class AsyncGRPOConfig(Section):
         "(sequences keep the per-token logprobs of the weights that produced each token). false: the refit waits for the batch.",
     )
 
+    @property
+    def refits_mid_generation(self) -> bool:
+        """Whether a refit may land in a running generate call: ``in_flight_weight_updates`` in an async run whose
+        samples may be an update old (at ``max_trajectory_age_steps=0`` no batch is in flight at a refit, so the key
+        has no effect: the generation actors, the LoRA refit mode and the collector all read this, never the key)."""
+        return self.enabled and self.in_flight_weight_updates and self.max_trajectory_age_steps > 0
+
     def no_effect_warnings(self) -> list[str]:
         """One line per option set here that has no effect in this combination."""
         if not self.enabled:

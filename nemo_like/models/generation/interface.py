@@ -164,7 +164,7 @@ def stop_string_prefix(ids: Sequence[int], decode: Callable[[Sequence[int]], str
 def actor_concurrency(cfg) -> int:
     """2 with in-flight weight updates (a refit call must reach the actor while it generates), else 1."""
     async_cfg = cfg.grpo.async_grpo
-    return 2 if async_cfg.enabled and async_cfg.in_flight_weight_updates else 1
+    return 2 if async_cfg.refits_mid_generation else 1
 
 
 def generate_on_group(group, prompts: list[list[int]], params: SamplingParams, seed: Seeds, replaceable=None) -> list[GeneratedSample]:

@@ -45,6 +45,39 @@ def test_auto_serves_lora_adapters_with_vllm_on_cpu_when_it_is_installed() -> No
     assert backend == ("vllm" if vllm_available() else "hf")
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("policy.lora_cfg.refit=merged",),
+        ("policy.lora_cfg.dim=1024", "policy.lora_cfg.alpha=1024"),
+        ("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true", "grpo.async_grpo.max_trajectory_age_steps=1",
+         "grpo.async_grpo.in_flight_weight_updates=true"),
+    ],
+)  # fmt: skip
+def test_auto_takes_the_hf_engine_for_a_lora_run_whose_refit_sends_merged_weights(overrides: tuple[str, ...]) -> None:
+    """auto chose vLLM's CPU build "because it serves the adapters" while the refit plan sent merged weights: the
+    slower engine (1.5-2.7x) for nothing, and a reason that was false."""
+    cfg = recipe("policy.lora_cfg.enabled=true", *overrides)
+    plan = plan_of(cfg)
+    assert plan.backend.value == "hf" and plan.refit.value == "merged"
+
+
+def test_in_flight_updates_at_trajectory_age_0_change_nothing() -> None:
+    """The key was warned 'no effect' at max_trajectory_age_steps=0, yet it made the LoRA refit merged (with its bf16
+    warning, and an explicit refit=adapter an error) and the generation actors threaded."""
+    from nemo_like.models.generation.interface import actor_concurrency
+
+    async_lora = ["policy.lora_cfg.enabled=true", "grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                  "policy.generation.backend=vllm", "grpo.async_grpo.max_trajectory_age_steps=0"]  # fmt: skip
+    off, on = recipe(*async_lora), recipe(*async_lora, "grpo.async_grpo.in_flight_weight_updates=true")
+    assert not on.grpo.async_grpo.refits_mid_generation and on.grpo.async_grpo.in_flight_weight_updates
+    assert plan_of(on).refit.value == plan_of(off).refit.value == "adapter"
+    assert actor_concurrency(on) == actor_concurrency(off) == 1
+    recipe(*async_lora, "grpo.async_grpo.in_flight_weight_updates=true", "policy.lora_cfg.refit=adapter")  # no error
+    aged = recipe(*async_lora[:-1], "grpo.async_grpo.max_trajectory_age_steps=1", "grpo.async_grpo.in_flight_weight_updates=true")
+    assert aged.grpo.async_grpo.refits_mid_generation and actor_concurrency(aged) == 2 and plan_of(aged).refit.value == "merged"
+
+
 def test_auto_uses_vllm_on_a_gpu_cluster_when_it_is_installed() -> None:
     backend, reason = resolve_backend(recipe("cluster.gpus_per_node=1"))
     assert backend == ("vllm" if vllm_available() else "hf") and "GPU" in reason
