@@ -159,6 +159,14 @@ class MasterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross_section_checks(self) -> MasterConfig:
+        # First: what reads teacher.enabled below (the prev pass's consumers) must see only the teachers some task uses
+        for task in self.teacher.by_task:  # a misspelt task's teacher never scores a row: distillation silently off
+            if task not in self.env_sections:
+                raise ValueError(
+                    f"teacher.by_task.{task}: no task of that name; the run's tasks (env.<task>) are "
+                    f"{sorted(self.env_sections)}.{did_you_mean(task, self.env_sections)}"
+                )
+        self.teacher.for_tasks(self.env_sections)  # only the teachers some task uses start
         rollout = self.rollout_batch_size
         gbs = self.policy.train_global_batch_size
         if rollout % gbs != 0:
@@ -195,12 +203,6 @@ class MasterConfig(BaseModel):
             )
         if self.grpo.async_grpo.enabled:
             self._check_async()
-        for task in self.teacher.by_task:  # a misspelt task's teacher never scores a row: distillation silently off
-            if task not in self.env_sections:
-                raise ValueError(
-                    f"teacher.by_task.{task}: no task of that name; the run's tasks (env.<task>) are "
-                    f"{sorted(self.env_sections)}.{did_you_mean(task, self.env_sections)}"
-                )
         total, new = self.policy.max_total_sequence_length, self.policy.generation.max_new_tokens
         if total <= new and self.grpo.max_rollout_turns == 1:  # (multi-turn says it in its own terms)
             raise ValueError(
@@ -214,7 +216,6 @@ class MasterConfig(BaseModel):
                 f"tensor_parallel_size) on a node of its own, but cluster.num_nodes={self.cluster.num_nodes}; use SPREAD "
                 "(spread where possible) or declare the nodes"
             )
-        self.teacher.for_tasks(self.env_sections)  # only the teachers some task uses start
         tp = self.policy.dtensor_cfg.tensor_parallel_size
         if error := distillation_errors(self.teacher, self.distillation, self.env_sections, tp):
             raise ValueError(error)

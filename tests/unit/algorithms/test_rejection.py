@@ -364,6 +364,9 @@ def test_skipping_the_prev_pass_beside_any_of_its_consumers_is_an_error() -> Non
     teacher = ["teacher.model_name=embedded:tiny-arith-teacher", "distillation.advantage_weight=1.0", "grpo.skip_prev_logprobs=true"]
     with pytest.raises(ConfigError, match=r"the distillation advantage \(teacher.model_name\) is set, which needs"):
         load_config(None, teacher, warn=False)
+    # A teacher no task uses (by_task maps every task to null) is warned 'no effect': it needs no prev pass either
+    unused = ["teacher.model_name=embedded:tiny-arith-teacher", "distillation.advantage_weight=1.0", "teacher.by_task={arithmetic: null}"]
+    assert not load_config(None, [*unused, "grpo.skip_prev_logprobs=true"], warn=False).teacher.enabled
     forced = decide_logprob_passes(
         load_config(None, ["grpo.seq_logprob_error_threshold=1.5", "loss_fn.force_on_policy_ratio=true"], warn=False)
     )
