@@ -462,7 +462,8 @@ class MasterConfig(BaseModel):
             )
 
     def _check_async(self) -> None:
-        if self.cluster.gpus_per_node and self.policy.generation.colocated.enabled:
+        generation = self.policy.generation  # the HF engine is never colocated (a device of its own): nothing to refuse
+        if self.cluster.gpus_per_node and generation.colocated.enabled and generation.backend != "hf":
             raise ValueError(
                 "grpo.async_grpo.enabled=true cannot run with policy.generation.colocated.enabled=true on GPUs "
                 f"(cluster.gpus_per_node={self.cluster.gpus_per_node}): async generation runs while the policy trains, and a "

@@ -61,6 +61,8 @@ def test_async_with_a_colocated_engine_on_gpus_is_an_error():
         load_config(str(RECIPES / "grpo_tiny_cpu.yaml"), overrides)
     cfg = load_config(str(RECIPES / "grpo_tiny_cpu.yaml"), [*overrides, "policy.generation.colocated.enabled=false"])
     assert cfg.grpo.async_grpo.enabled
+    # The HF engine always has a GPU of its own: the (default) colocation key does nothing there, no error
+    assert load_config(str(RECIPES / "grpo_tiny_cpu.yaml"), [*overrides, "policy.generation.backend=hf"]).grpo.async_grpo.enabled
     # On a CPU there is no colocation, so the async CPU recipe stays valid.
     assert load_config(str(RECIPES / "grpo_tiny_cpu_async.yaml"), []).grpo.async_grpo.enabled
 
