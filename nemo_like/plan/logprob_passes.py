@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nemo_like.config.schema import MasterConfig
+from nemo_like.config.sections.base import changed_from_defaults
 
 
 @dataclass(frozen=True)
@@ -86,4 +87,18 @@ def decide_logprob_passes(cfg: MasterConfig) -> LogprobPlan:
         reasons.append(f"teacher logprobs computed by {models} (on-policy distillation: teacher.model_name, teacher.by_task)")
     elif cfg.teacher.enabled:
         reasons.append("teacher actors not started: distillation.advantage_weight=0 (no distillation advantage)")
+    if not (compute_prev or compute_reference or compute_teacher):
+        reasons += [
+            f"WARNING: {key} has no effect: no logprob pass runs (prev, reference and teacher are off)" for key in logprob_batch_keys(cfg)
+        ]
     return LogprobPlan(compute_prev, compute_reference, reasons, from_policy, compute_teacher)
+
+
+def logprob_batch_keys(cfg: MasterConfig) -> list[str]:
+    """The keys that size logprob-pass micro-batches which this recipe changed from their defaults (read only by a
+    logprob pass: the training forward and generation take their own)."""
+    pc = cfg.policy
+    keys = [f"policy.{k}" for k in changed_from_defaults(pc, ["logprob_batch_size"])]
+    for mode in ("sequence_packing", "dynamic_batching"):
+        keys += [f"policy.{mode}.{k}" for k in changed_from_defaults(getattr(pc, mode), ["logprob_mb_tokens"])]
+    return keys

@@ -371,3 +371,19 @@ def test_skipping_the_prev_pass_beside_any_of_its_consumers_is_an_error() -> Non
         load_config(None, ["grpo.seq_logprob_error_threshold=1.5", "loss_fn.force_on_policy_ratio=true"], warn=False)
     )
     assert forced.compute_prev and not any("WARNING" in r for r in forced.reasons)
+
+
+def test_logprob_batch_keys_warn_when_no_logprob_pass_runs() -> None:
+    """With prev, reference and teacher all off, policy.logprob_batch_size and the logprob token budgets are read by
+    nothing, and no warning said so."""
+    none_run = ["loss_fn.reference_policy_kl_penalty=0"]  # the tiny recipe: one optimizer step per rollout, prev skipped
+    plan = decide_logprob_passes(load_config(None, [*none_run, "policy.logprob_batch_size=4"], warn=False))
+    assert not (plan.compute_prev or plan.compute_reference or plan.compute_teacher)
+    assert "WARNING: policy.logprob_batch_size has no effect: no logprob pass runs (prev, reference and teacher are off)" in plan.reasons
+    budgets = ["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.logprob_mb_tokens=64"]
+    assert any(
+        "policy.dynamic_batching.logprob_mb_tokens has no effect" in r
+        for r in decide_logprob_passes(load_config(None, [*none_run, *budgets], warn=False)).reasons
+    )
+    with_reference = decide_logprob_passes(load_config(None, ["policy.logprob_batch_size=4"], warn=False))  # the KL penalty on
+    assert with_reference.compute_reference and not any("has no effect" in r for r in with_reference.reasons)
