@@ -13,6 +13,7 @@ atomically, so the last complete one is always intact. See docs/guides/fault-tol
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 import threading
@@ -141,15 +142,41 @@ class RunControl:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.requested is not None:  # the second one: leave now, the last atomic checkpoint is intact
-            print(f"[stop] second {name}: exiting now without saving (the last complete checkpoint is kept)", file=sys.stderr, flush=True)
-            os._exit(self.requested.status if self.requested.status in _STATUS.values() else _STATUS[signal.Signals(signum)])
+            try:
+                _say(f"[stop] second {name}: exiting now without saving (the last complete checkpoint is kept)")
+            finally:
+                os._exit(self.requested.status if self.requested.status in _STATUS.values() else _STATUS[signal.Signals(signum)])
         self.requested = StopReason(name, _STATUS[signal.Signals(signum)])
-        print(
+        _say(
             f"[stop] {name} received during step {self.step}: finishing it, saving a checkpoint, then exiting with status "
-            f"{self.requested.status} (send it again to exit at once without saving)",
-            file=sys.stderr,
-            flush=True,
+            f"{self.requested.status} (send it again to exit at once without saving)"
         )
+
+
+def _say(text: str) -> None:
+    """A line on stderr from a signal handler, which must not raise: it would raise in the middle of whatever the main
+    thread was doing (a step, a save). Ctrl-C on ``nemo-like train ... 2>&1 | tee run.log`` ends ``tee`` too, and
+    writing to its pipe raised BrokenPipeError; an output whose reader is gone is sent to /dev/null instead, so the
+    run's later lines cannot fail the step it finishes and the save it makes either."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # a closed pipe; a closed file object
+        pass
+    for fd in (1, 2):
+        if _reader_gone(fd):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+
+
+def _reader_gone(fd: int) -> bool:
+    """Whether ``fd`` is a pipe or socket whose reading end closed (poll reports an error or a hang-up on it)."""
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 _ACTIVE = RunControl()

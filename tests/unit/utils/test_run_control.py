@@ -162,6 +162,46 @@ def test_a_second_signal_exits_at_once_with_the_first_ones_status():
     assert status == EXIT_SIGINT and "SIGINT received during step 3" in err and "second SIGINT: exiting now" in err, err
 
 
+TEED = """
+import sys, time
+from pathlib import Path
+from nemo_like.utils.run_control import RunControl
+control = RunControl()
+control.install_signal_handlers()
+print("ready", flush=True)
+for step in range(1, 1000):
+    control.step_started(step)
+    print(f"step {step}", flush=True)  # the run's progress lines, into the pipe whose reader is gone after the signal
+    time.sleep(0.05)
+    control.step_finished()
+    if (reason := control.stop_reason()) is not None:
+        Path(sys.argv[1]).write_text(f"saved after step {step}")  # the stop's checkpoint
+        print(f"[stop] saved; exiting {reason.status}", flush=True)
+        sys.exit(reason.status)
+"""
+
+
+def test_ctrl_c_on_a_run_piped_into_tee_still_finishes_the_step_saves_and_exits_130(tmp_path):
+    """Ctrl-C ends `tee` too: the handler's print to the closed pipe raised BrokenPipeError into the step (exit 1, no
+    save); the run's next progress line would have raised it as well."""
+    import subprocess
+    import sys
+
+    saved = tmp_path / "saved"
+    read, write = os.pipe()  # `2>&1 | tee`: stdout and stderr are one pipe
+    proc = subprocess.Popen([sys.executable, "-c", TEED, str(saved)], stdout=write, stderr=write)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb", buffering=0) as reader:
+            assert reader.readline().strip() == b"ready"
+        # tee is gone (its end of the pipe closed) when the signal arrives
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert status == EXIT_SIGINT and saved.read_text().startswith("saved after step")
+
+
 SLOW_SETUP = """
 import signal, sys, time
 from pathlib import Path
