@@ -36,6 +36,7 @@ import torch
 import yaml
 
 from nemo_like.config.errors import did_you_mean
+from nemo_like.utils.files import fsync_dir
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp_step_"
@@ -83,14 +84,6 @@ def fsync_tree(root: Path) -> None:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(Path(dirpath))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _select(config: dict[str, Any], dotted: str) -> Any:

@@ -1,19 +1,39 @@
-"""Files replaced whole: written beside their place (``<name>.tmp``), then renamed into it, so a reader (or a crash)
-never finds half of one."""
+"""Files replaced whole: written beside their place (a temporary file of their own), flushed to disk, then renamed
+into it, so a reader never finds half of one, nor does a crash of the process or of the machine."""
 
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 
 def replace_file(path: str | Path, data: str | bytes) -> Path:
-    """Write ``data`` (text as UTF-8) to ``path``, replacing what was there in one rename; returns the path."""
+    """Write ``data`` (text as UTF-8) to ``path``, replacing what was there in one rename; returns the path. The data is
+    on disk before the rename and the rename before the return (an OS crash could otherwise leave the new name over
+    an empty file: the rename may reach the disk before the data), and two writers of one path never rename each
+    other's partial file (each writes its own temporary file)."""
     path = Path(path)
-    partial = path.with_name(path.name + ".tmp")
-    if isinstance(data, bytes):
-        partial.write_bytes(data)
-    else:
-        partial.write_text(data, encoding="utf-8")
-    os.replace(partial, path)
+    payload = data if isinstance(data, bytes) else data.encode("utf-8")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's permissions, as a plain write's
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(payload)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
     return path
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename or a new file in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -44,3 +44,26 @@ def test_records_are_json_safe_and_columns_must_agree(tmp_path):
 def test_format_samples_shows_prompt_response_and_reward_of_the_first_few():
     text = format_samples(["p0", "p1", "p2"], ["r0", "r1", "r2"], [1.0, 0.0, 1.0], limit=2)
     assert "p0" in text and "r1" in text and "reward 0.000" in text and "p2" not in text
+
+
+def test_a_replaced_file_is_on_disk_before_its_rename_and_a_failed_one_leaves_the_old(tmp_path, monkeypatch):
+    """replace_file renamed an unsynced `<name>.tmp` over the file (an OS crash could leave the name over an empty file)
+    and two writers of one path shared that temporary name."""
+    import os
+
+    from nemo_like.utils.files import replace_file
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    target = tmp_path / "metrics.jsonl"
+    replace_file(target, "a\n")
+    assert target.read_text() == "a\n" and len(synced) == 2
+    assert synced[0].startswith(str(tmp_path / ".metrics.jsonl.")) and synced[1] == str(tmp_path)  # the data, then the rename
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    assert target.stat().st_mode == plain.stat().st_mode  # the umask's permissions, as a plain write's
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        replace_file(target, b"b\n")
+    assert target.read_text() == "a\n" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "plain"]
