@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import hashlib
 
-#: Multipliers that keep seeds of different steps, ranks and validation rounds apart (primes).
+#: Multipliers that keep seeds of different steps and validation rounds apart (primes).
 STEP_STRIDE = 1_000_003
 BATCH_STRIDE = 101
-RANK_STRIDE = 1_000_003
 VALIDATION_STRIDE = 10_000_019
 
 
@@ -64,8 +63,10 @@ def turn_seed(seed: int, turn: int, group: int) -> int:
 
 
 def worker_seed(seed: int, rank: int) -> int:
-    """The seed of generation worker ``rank``'s shard of a batch sampled with ``seed``."""
-    return seed + RANK_STRIDE * rank
+    """The seed of generation worker ``rank``'s shard of a batch sampled with ``seed``: rank 0's is ``seed`` itself (one
+    worker samples as the batch's seed says), another rank's a hash. ``seed + 1,000,003 x rank`` met the step seeds:
+    1,000,003 = 2 mod 101, so rank r at step s drew rank 0's numbers at step s + 9,901 r (offset + 2r)."""
+    return seed if rank == 0 else _hashed_seed(f"rank/{seed}/{rank}")
 
 
 def chunk_seed(seed: int, offset: int) -> int:

@@ -285,3 +285,15 @@ def test_big_batches_of_consecutive_steps_never_share_a_request_seed() -> None:
         seen |= set(seeds)
     base = rollout_seed(3, 1)
     assert [chunk_seed(base, i) for i in range(101)] == [base + i for i in range(101)]
+
+
+def test_generation_ranks_never_draw_another_steps_request_seeds() -> None:
+    """Rank r's seed was the batch seed + 1,000,003 r, and 1,000,003 = 2 (mod 101): rank r at step s drew rank 0's
+    numbers at step s + 9,901 r. Rank 0 keeps the batch seed; the others hash."""
+    from nemo_like.models.generation.interface import prompt_seeds
+    from nemo_like.utils.seeds import rollout_seed, worker_seed
+
+    assert worker_seed(rollout_seed(0, 5), 0) == rollout_seed(0, 5)  # one engine: every seed as before
+    rank0 = {s for step in range(1, 20_000) for s in prompt_seeds(rollout_seed(0, step), 64)}
+    others = {s for step in (1, 2, 3) for rank in (1, 2, 3) for s in prompt_seeds(worker_seed(rollout_seed(0, step), rank), 64)}
+    assert len(others) == 9 * 64 and not others & rank0
