@@ -210,6 +210,16 @@ class CompletionService:
         """Serve one ``/v1/chat/completions`` request."""
         self._check(req, session_id or req.user)
         session, call_index = self._session(session_id or req.user)
+        try:
+            return await self._chat(req, session, call_index)
+        finally:
+            self._end_call(session)
+
+    def _end_call(self, session: Session | None) -> None:
+        if session is not None:
+            self.sessions.end_call(session)
+
+    async def _chat(self, req: ChatCompletionRequest, session: Session | None, call_index: int) -> SampledCall:
         continuations = session.continuations if session else None
         text = self.renderer.chat_text(req.messages, req.tools, continuations)
         self._refuse_overlong(text, "messages")
@@ -245,6 +255,12 @@ class CompletionService:
         """Serve one ``/v1/completions`` request (a text prompt, or token ids used as they are)."""
         self._check(req, session_id or req.user)
         session, call_index = self._session(session_id or req.user)
+        try:
+            return await self._complete(req, session, call_index)
+        finally:
+            self._end_call(session)
+
+    async def _complete(self, req: CompletionRequest, session: Session | None, call_index: int) -> SampledCall:
         if isinstance(req.prompt, str):
             text = req.prompt
             self._refuse_overlong(text, "prompt")

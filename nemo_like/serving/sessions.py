@@ -45,6 +45,7 @@ class Session:
     reserved_tokens: int = 0  # tokens the calls in flight may still sample (their budget reservations)
     budget_refusals: int = 0  # calls refused because the budget had too few tokens left
     abandoned_calls: int = 0  # calls cancelled because their client left before the answer (not recorded)
+    calls_in_flight: int = 0  # HTTP calls begun and not yet answered (SessionStore.begin_call / end_call)
 
     @property
     def sampled_tokens(self) -> int:
@@ -149,29 +150,48 @@ class SessionStore:
 
         Raises:
             ServingError: 404 for an unknown id (without ``auto_create``), 409 for an ended one."""
-        unused = None
+        session, unused = self._touch(session_id, begin_call=False)
+        self._end_unused(unused)
+        return session
+
+    def begin_call(self, session_id: str) -> tuple[Session, int]:
+        """The session and the index of the call about to be made in it; the call is in flight (never ended for the
+        store's room, :meth:`_touch`) until :meth:`end_call`."""
+        session, unused = self._touch(session_id, begin_call=True)
+        self._end_unused(unused)
+        return session, session.num_http_calls - 1
+
+    def end_call(self, session: Session) -> None:
+        """The call :meth:`begin_call` began has ended (answered, refused or failed)."""
+        with self._lock:
+            session.calls_in_flight -= 1
+
+    def _touch(self, session_id: str, begin_call: bool) -> tuple[Session, str | None]:
+        """The open session (created if unknown and ``auto_create``) made the most recently used, a call begun in it
+        when ``begin_call``, and, past ``max_kept_results`` open sessions, the least recently used one without a call
+        in flight, to end (:meth:`_end_unused`)."""
         with self._lock:
             if session_id in self._ended:
                 raise session_ended(session_id)
             found = self._open.pop(session_id, None)
+            unused = None
             if found is None:
                 if not self.auto_create:
                     raise session_not_found(session_id)
                 found = Session(session_id)
                 if self.max_kept_results is not None and len(self._open) >= self.max_kept_results:
-                    unused = next(iter(self._open))
+                    unused = next((sid for sid, s in self._open.items() if not s.calls_in_flight), None)
             self._open[session_id] = found  # the most recently used last
-        if unused is not None:
-            with contextlib.suppress(ServingError):  # ended meanwhile
-                self.end(unused)
-        return found
+            if begin_call:
+                found.num_http_calls += 1
+                found.calls_in_flight += 1
+            return found, unused
 
-    def begin_call(self, session_id: str) -> tuple[Session, int]:
-        """The session and the index of the call about to be made in it."""
-        session = self.session(session_id)
-        with self._lock:
-            session.num_http_calls += 1
-            return session, session.num_http_calls - 1
+    def _end_unused(self, session_id: str | None) -> None:
+        """End ``session_id`` for the store's room, unless a call began in it meanwhile (or it ended)."""
+        if session_id is not None:
+            with contextlib.suppress(ServingError):  # ended meanwhile
+                self.end(session_id, if_idle=True)
 
     def reserve(self, session: Session, max_new_tokens: int, n: int) -> tuple[int, int]:
         """Reserve a call's tokens in the session's budget (``BUDGET_KEY``; none: nothing to reserve): each of its ``n``
@@ -221,9 +241,10 @@ class SessionStore:
                 session.calls.append(record)
                 session.continuations.add(prompt_text + completion_text, record.full_ids)
 
-    def end(self, session_id: str, reward: float | None = None) -> SessionRows:
+    def end(self, session_id: str, reward: float | None = None, if_idle: bool = False) -> SessionRows | None:
         """End the session and build its rows (reward 0.0 when None); a second end returns the same result, also one
-        that arrives while the first is still building the rows (the agent's own end racing the run's).
+        that arrives while the first is still building the rows (the agent's own end racing the run's). ``if_idle``:
+        only an open session without a call in flight (else None: the store's own ending, for room).
 
         Raises:
             ServingError: 404 for an unknown id, 409 for one whose result was already taken."""
@@ -236,6 +257,10 @@ class SessionStore:
             if pending is None:
                 if session_id in self._ended:
                     raise session_ended(session_id)
+                if if_idle:
+                    candidate = self._open.get(session_id)
+                    if candidate is None or candidate.calls_in_flight:
+                        return None
                 session = self._open.pop(session_id, None)
                 if session is None:
                     raise session_not_found(session_id)

@@ -15,6 +15,7 @@ def record(store: SessionStore, session_id: str, prompt: list[int], completion: 
     session, index = store.begin_call(session_id)
     rec = CallRecord(tuple(prompt), tuple(completion), tuple([-0.5] * len(completion)), 0, 0, call_index=index)
     store.record(session, [rec], [("p", "c")])
+    store.end_call(session)
 
 
 def test_calls_are_recorded_per_session_and_end_builds_rows_once():
@@ -177,6 +178,15 @@ def test_a_server_nobody_takes_results_from_ends_its_least_recently_used_session
     with pytest.raises(ServingError) as ended:
         store.session("b")
     assert ended.value.status == 409
+    # A session with a call in flight is never the one ended, however long ago it began: its call would be lost (409)
+    busy, index = store.begin_call("slow")  # its call still sampling; "a" ends for its room
+    record(store, "d", [1, 5], [14, 2])  # "c" ends: "slow" is the least recently used now
+    assert sorted(store.open_ids()) == ["d", "slow"]
+    record(store, "e", [1, 6], [15, 2])  # "d" ends, not "slow": its call is in flight
+    assert sorted(store.open_ids()) == ["e", "slow"]
+    store.record(busy, [CallRecord((1, 7), (16, 2), (-0.5, -0.5), 0, 0, call_index=index)], [("p", "c")])  # no 409
+    store.end_call(busy)
+    assert store.end("slow").num_calls == 1
     unbounded = SessionStore()  # a training run's store: its driver ends every session itself
     for sid in "abc":
         record(unbounded, sid, [1, 2], [10, 2])
