@@ -3,6 +3,7 @@ into it, so a reader never finds half of one, nor does a crash of the process or
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from pathlib import Path
@@ -30,10 +31,23 @@ def replace_file(path: str | Path, data: str | bytes) -> Path:
     return path
 
 
+#: What a filesystem answers when it cannot fsync a directory (WSL1's drvfs, some CIFS / network mounts): it has no such
+#: flush to offer, so there is nothing more to wait for (SQLite and git ignore them the same way).
+_NO_DIRECTORY_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EISDIR}
+
+
 def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (a rename or a new file in it) to disk."""
-    fd = os.open(path, os.O_RDONLY)
+    """Flush a directory's entries (a rename or a new file in it) to disk, where its filesystem can."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        if exc.errno in _NO_DIRECTORY_FSYNC:
+            return
+        raise
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _NO_DIRECTORY_FSYNC:
+            raise
     finally:
         os.close(fd)

@@ -49,6 +49,7 @@ def test_format_samples_shows_prompt_response_and_reward_of_the_first_few():
 def test_a_replaced_file_is_on_disk_before_its_rename_and_a_failed_one_leaves_the_old(tmp_path, monkeypatch):
     """replace_file renamed an unsynced `<name>.tmp` over the file (an OS crash could leave the name over an empty file)
     and two writers of one path shared that temporary name."""
+    import errno
     import os
 
     from nemo_like.utils.files import replace_file
@@ -63,6 +64,15 @@ def test_a_replaced_file_is_on_disk_before_its_rename_and_a_failed_one_leaves_th
     plain = tmp_path / "plain"
     plain.write_text("x")
     assert target.stat().st_mode == plain.stat().st_mode  # the umask's permissions, as a plain write's
+
+    # A filesystem that cannot fsync a directory (EINVAL: WSL1's drvfs, some network mounts): the file is replaced, no error
+    def no_directory_fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_directory_fsync)
+    replace_file(target, "a\n")
     monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
         replace_file(target, b"b\n")
