@@ -151,32 +151,43 @@ class RunControl:
             f"[stop] {name} received during step {self.step}: finishing it, saving a checkpoint, then exiting with status "
             f"{self.requested.status} (send it again to exit at once without saving)"
         )
+        _watch_outputs()
 
 
 def _say(text: str) -> None:
     """A line on stderr from a signal handler, which must not raise: it would raise in the middle of whatever the main
     thread was doing (a step, a save). Ctrl-C on ``nemo-like train ... 2>&1 | tee run.log`` ends ``tee`` too, and
-    writing to its pipe raised BrokenPipeError; an output whose reader is gone is sent to /dev/null instead, so the
-    run's later lines cannot fail the step it finishes and the save it makes either."""
+    writing to its pipe raised BrokenPipeError; an output whose reader is gone is sent to /dev/null instead
+    (:func:`_silence_if_reader_gone`), so the run's later lines cannot fail the step it finishes and the save it makes
+    either."""
     try:
         print(text, file=sys.stderr, flush=True)
     except (OSError, ValueError):  # a closed pipe; a closed file object
         pass
     for fd in (1, 2):
-        if _reader_gone(fd):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, fd)
-            os.close(devnull)
+        _silence_if_reader_gone(fd, 0)
 
 
-def _reader_gone(fd: int) -> bool:
-    """Whether ``fd`` is a pipe or socket whose reading end closed (poll reports an error or a hang-up on it)."""
+def _watch_outputs() -> None:
+    """From a stop on, a daemon thread waits on stdout and stderr for their readers to leave (``tee`` may exit after
+    the handler ran: the same Ctrl-C reached it, but the scheduler decides who runs first) and silences each then."""
+    for fd in (1, 2):
+        threading.Thread(target=_silence_if_reader_gone, args=(fd, None), name=f"stop-output-watch-{fd}", daemon=True).start()
+
+
+def _silence_if_reader_gone(fd: int, timeout_ms: int | None) -> None:
+    """Send ``fd`` to /dev/null once it is a pipe or socket whose reading end closed (poll reports an error or a
+    hang-up, which it reports whatever it was asked): at once (``timeout_ms`` 0), or whenever that happens (None)."""
     try:
         poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+        poller.register(fd, 0)  # errors and hang-ups only: a writable pipe does not wake it
+        if not any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(timeout_ms)):
+            return
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
     except (OSError, ValueError):
-        return False
+        return
 
 
 _ACTIVE = RunControl()

@@ -187,19 +187,26 @@ def test_ctrl_c_on_a_run_piped_into_tee_still_finishes_the_step_saves_and_exits_
     import subprocess
     import sys
 
-    saved = tmp_path / "saved"
-    read, write = os.pipe()  # `2>&1 | tee`: stdout and stderr are one pipe
-    proc = subprocess.Popen([sys.executable, "-c", TEED, str(saved)], stdout=write, stderr=write)
-    os.close(write)
-    try:
-        with os.fdopen(read, "rb", buffering=0) as reader:
+    for tee_exits_after_the_handler in (False, True):  # the same Ctrl-C reaches both: either may run first
+        saved = tmp_path / f"saved-{tee_exits_after_the_handler}"
+        read, write = os.pipe()  # `2>&1 | tee`: stdout and stderr are one pipe
+        proc = subprocess.Popen([sys.executable, "-c", TEED, str(saved)], stdout=write, stderr=write)
+        os.close(write)
+        try:
+            reader = os.fdopen(read, "rb", buffering=0)
             assert reader.readline().strip() == b"ready"
-        # tee is gone (its end of the pipe closed) when the signal arrives
-        proc.send_signal(signal.SIGINT)
-        status = proc.wait(timeout=30)
-    finally:
-        proc.kill()
-    assert status == EXIT_SIGINT and saved.read_text().startswith("saved after step")
+            if tee_exits_after_the_handler:
+                proc.send_signal(signal.SIGINT)
+                while b"SIGINT received" not in reader.readline():  # the handler has run (its line is out), then tee exits
+                    pass
+                reader.close()
+            else:
+                reader.close()
+                proc.send_signal(signal.SIGINT)
+            status = proc.wait(timeout=30)
+        finally:
+            proc.kill()
+        assert status == EXIT_SIGINT and saved.read_text().startswith("saved after step"), tee_exits_after_the_handler
 
 
 SLOW_SETUP = """
