@@ -175,6 +175,21 @@ def test_kept_sets_match_vllm_and_transformers(top_k, top_p, tie_step):
     assert ours.sum(-1).min() >= 1
 
 
+def test_the_nucleus_boundary_is_vllms_in_float32():
+    """The cutoff was Python's double 1 - 0.9 rounded to float32 after (0.10000000149), vLLM's 1 - p in float32
+    (0.10000002384): a token whose mass fell in between was kept here and dropped by vLLM (its logprob -0.105 here, 0
+    in vLLM's record). This row's small token has a mass of 0.10000001639 in float32."""
+    import math
+
+    rows = (torch.tensor([[math.log(0.1 / 0.9) + k * 1e-9, 0.0]], dtype=torch.float32) for k in range(2000))
+    logits = next(r for r in rows if 0.10000000149011612 < r.softmax(-1)[0, 0].item() <= 0.10000002384185791)
+    ours = sampling_keep_mask(logits, None, 0.9)
+    assert ours.tolist() == [[False, True]]  # float32 1 - 0.9 = 0.10000002384: the small token's running sum is below it
+    masks = engine_masks(logits, None, 0.9)
+    if "vllm" in masks:
+        assert torch.equal(ours, masks["vllm"])
+
+
 def test_vllm_processed_logprobs_include_the_truncation():
     """vLLM's own sampler in processed_logprobs mode returns exactly our processed logprobs."""
     pytest.importorskip("vllm")
