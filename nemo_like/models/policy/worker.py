@@ -183,15 +183,12 @@ class PolicyWorker(ForwardPasses, TrainingStep, WeightExport, Checkpoints, Reini
 
     # -- introspection -----------------------------------------------------------------------
     def parameter_checksum(self) -> float:
-        """Sum of all parameters (of the full model, summed over the shards: a collective when sharded)."""
+        """Sum of all parameters of the full model (a collective when sharded: each DTensor's sum is reduced over its
+        own mesh by its placements, so a parameter whole on every tensor-parallel rank counts once, not once a rank)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL serves only device tensors
         for p in self.model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            total += local.detach().double().sum().to(self.device)
-        if sharding.is_sharded(self.model):
-            import torch.distributed as dist
-
-            dist.all_reduce(total)
+            local_sum = p.detach().double().sum()
+            total += (local_sum.full_tensor() if hasattr(local_sum, "full_tensor") else local_sum).to(self.device)
         return float(total)
 
     def memory_footprint(self) -> dict[str, int]:

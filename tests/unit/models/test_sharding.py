@@ -202,13 +202,24 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, out: str) -> None:
     """One rank of a (dp=1, tp=2) mesh: both ranks see the same rows."""
     worker = make_worker(rank, world, dtensor_cfg={"tensor_parallel_size": 2})
     worker.setup_distributed("127.0.0.1", port)
+    checksum = worker.parameter_checksum()
     logprobs = worker.get_logprobs(step_batch(99, rows=5))
     results = [worker.train([step_batch(s)]) for s in range(STEPS)]
     _, state = worker.get_state_dict()
     footprint = worker.memory_footprint()
     layer_bytes = first_layer_saved_bytes(worker.model)
     if rank == 0:
-        torch.save({"logprobs": logprobs, "results": results, "state": state, "footprint": footprint, "layer_bytes": layer_bytes}, out)
+        torch.save(
+            {
+                "logprobs": logprobs,
+                "results": results,
+                "state": state,
+                "footprint": footprint,
+                "layer_bytes": layer_bytes,
+                "checksum": checksum,
+            },
+            out,
+        )
 
 
 def check_tensor_parallel(out) -> None:
@@ -224,6 +235,8 @@ def check_tensor_parallel(out) -> None:
     assert tp["footprint"] == {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer}
     # A layer's activations on a tp rank: the split projections' values are half as wide (the plan counted them whole)
     single = make_worker()
+    # the full model's sum: the embeddings and norms, whole on both tp ranks, counted once (they were counted twice)
+    assert tp["checksum"] == pytest.approx(single.parameter_checksum(), rel=1e-12)
     whole = first_layer_saved_bytes(single.model)
     assert tp["layer_bytes"] < 0.7 * whole
     assert tp["layer_bytes"] == pytest.approx(LAYER_TOKENS * shape.layer_bytes_per_token(4, tp=2), rel=0.05)
