@@ -118,17 +118,36 @@ def scorer_specs(cfg: MasterConfig) -> list[ScorerSpec | JudgeSpec]:
 
 def judge_spec(cfg: MasterConfig, role: str, judge: Any, env_workers: int) -> JudgeSpec:
     """A judge's plan: ``env_workers`` environment actors, each starting ``num_engine_workers`` generation actors. Its
-    longest sequence is ``engine_max_model_len``, else estimated as the policy's whole sequence (the judge's template
-    quotes its prompt and response) and the verdict."""
+    longest sequence is ``engine_max_model_len``; else a vLLM engine's is the judge tokenizer's ``model_max_length``
+    (what the engine is started with, :func:`~nemo_like.environments.judge.judge_context`: its KV budget must hold
+    one), and the HF engine's, which holds only the prompts it gets, is estimated as the policy's whole sequence (the
+    judge's template quotes its prompt and response) and the verdict."""
+    context = how = None
     if judge.engine_max_model_len is not None:
         context, how = judge.engine_max_model_len, "engine_max_model_len"
-    else:
+    elif judge.engine_backend == "vllm":
+        context = judge_tokenizer_context(judge)
+        how = "the judge tokenizer's model_max_length, vLLM's max_model_len; engine_max_model_len lowers it"
+    if context is None:
         context = cfg.policy.max_total_sequence_length + judge.max_new_tokens
         how = "estimated: the policy's max_total_sequence_length + the verdict's max_new_tokens; engine_max_model_len bounds it"
     return JudgeSpec(
         role, judge.model_name, judge.precision, env_workers * judge.num_engine_workers, judge.engine_num_gpus, judge.engine_backend,
         judge.max_batch_size, context, how, judge.engine_kv_cache_space_gib, judge.engine_gpu_memory_utilization,
     )  # fmt: skip
+
+
+def judge_tokenizer_context(judge: Any) -> int | None:
+    """The context a vLLM judge engine is started with when ``engine_max_model_len`` is null: its tokenizer's stated
+    limit (None when it states none, or the tokenizer is not on this machine)."""
+    from nemo_like.environments.judge import judge_context
+    from nemo_like.models.loading import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(judge.model_name)
+    except (OSError, ValueError):
+        return None
+    return judge_context(judge, getattr(tokenizer, "model_max_length", None))
 
 
 def required_resources(cfg: MasterConfig, plan: RunPlan) -> dict[str, float]:

@@ -834,7 +834,7 @@ def test_an_llm_judge_is_planned_with_what_its_engine_allocates() -> None:
     from nemo_like.algorithms.roles import scorer_specs
     from nemo_like.models.footprint import memory_report, scorer_roles
     from nemo_like.models.generation.lean_decoder import FusedLlamaStep
-    from nemo_like.models.loading import load_causal_lm
+    from nemo_like.models.loading import load_causal_lm, load_tokenizer
 
     cfg = load_config(
         REWARDS_RECIPE, ["+env.arithmetic.sources.judge.engine_max_model_len=96", "+env.arithmetic.sources.judge.max_batch_size=8"]
@@ -859,6 +859,8 @@ def test_an_llm_judge_is_planned_with_what_its_engine_allocates() -> None:
         "+env.arithmetic.sources.judge.engine_num_gpus=1",
     ]
     on_gpu = load_config(REWARDS_RECIPE, gpu)
+    (vllm_judge,) = [s for s in scorer_specs(on_gpu) if s.role.startswith("judge:")]  # started with the tokenizer's context
+    assert vllm_judge.context == load_tokenizer(vllm_judge.model_name).model_max_length != judge.context
     lines, fits = memory_report(on_gpu, decide_run_plan(on_gpu, (), 2), 80, None, 0.4, scorers=scorer_specs(on_gpu))
     (device,) = [line for line in lines if line.startswith("memory on judge:arithmetic.judge GPU: ")]
     assert fits and float(device.split(": ")[1].split(" GiB")[0]) == pytest.approx(0.3 * 80, abs=0.01)  # its default share
