@@ -375,9 +375,8 @@ class RayWorkerGroup:
             # e.g. the HF and the vLLM engine); placement evicts everything idle if it needs the room.
             _POOL.evict(self.name, keep_newest=IDLE_GROUPS_PER_ROLE - 1)
             return False
-        deadline = time.monotonic() + timeout_s
         try:
-            still_busy = _wait_until_idle(idle.workers, deadline)
+            still_busy = _wait_until_idle(idle.workers, time.monotonic() + timeout_s)
             if still_busy is not None:
                 print(
                     f"[ray] {self.name}: a kept actor is still in {still_busy} of the last run after {timeout_s:g}s; starting fresh ones",
@@ -386,7 +385,7 @@ class RayWorkerGroup:
                 _kill(idle.workers, idle.pg)
                 return False
             refs = [w.reinit.remote(rank=rank, world_size=num_workers, **init_kwargs) for rank, w in enumerate(idle.workers)]
-            ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
+            ray.get(refs, timeout=timeout_s)  # a timeout of its own: waiting for the last call spent none of it
         except ray.exceptions.GetTimeoutError:
             print(f"[ray] {self.name}: a kept actor did not re-initialise within {timeout_s:g}s; starting fresh ones", flush=True)
             _kill(idle.workers, idle.pg)

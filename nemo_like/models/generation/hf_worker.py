@@ -72,10 +72,10 @@ class HFGenerationWorker(Reinitializable):
     def generate(self, prompts: list[list[int]], params: dict, seed: Seeds) -> list[dict]:
         """Sample one response per prompt; returns :class:`GeneratedSample` fields as dicts. ``seed``: the batch's, or
         one per prompt (``interface.Seeds``)."""
-        use_threads(self.num_threads)  # torch's thread count is per calling thread: a kept actor's other thread kept its own
-        sp = SamplingParams(**params)
-        out: list[dict] = []
         with self.gate.generating_scope():
+            use_threads(self.num_threads)  # torch's thread count is per calling thread: a kept actor's other thread kept its own
+            sp = SamplingParams(**params)
+            out: list[dict] = []
             for start in range(0, len(prompts), self.max_batch_size):
                 stop = start + self.max_batch_size
                 out.extend(self._generate_chunk(prompts[start:stop], sp, chunk_seeds(seed, start, stop)))

@@ -220,11 +220,11 @@ class VLLMGenerationWorker(Reinitializable):
         seeds); returns sample dicts in prompt order."""
         from vllm.inputs import TokensPrompt
 
-        sp = SamplingParams(**params)
-        stop_ids = sorted({*self.eos_token_ids, *sp.stop_token_ids})
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        per_request = [vllm_sampling_params(sp, stop_ids, s) for s in prompt_seeds(seed, len(prompts))]
-        with self.gate.generating_scope():
+        with self.gate.generating_scope():  # first thing: the call is busy from its start (a kept engine's reinit waits)
+            sp = SamplingParams(**params)
+            stop_ids = sorted({*self.eos_token_ids, *sp.stop_token_ids})
+            requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+            per_request = [vllm_sampling_params(sp, stop_ids, s) for s in prompt_seeds(seed, len(prompts))]
             self._wake_up()
             try:
                 if self._prefix_cache_stale:  # a refit landed mid-generation last time: drop the old-weight blocks now

@@ -24,6 +24,7 @@ class WeightUpdateGate:
         self.cond = threading.Condition()
         self.generate_lock = threading.Lock()  # at most one generate call at a time
         self.generating = False
+        self.calls = 0  # generate calls in their scope: running, or waiting for the one that runs
         self.pending: list[dict[str, Any]] = []
         self.mid_generation_updates = 0
         # Spent loading updates on the generating thread inside a generate call (not decoding): those between two
@@ -63,18 +64,27 @@ class WeightUpdateGate:
             return len(jobs)
 
     def busy_with(self) -> str | None:
-        """``'a generate call'`` while one runs, else None (:meth:`~nemo_like.distributed.reinit.Reinitializable.busy_with`)."""
-        return "a generate call" if self.generating else None
+        """``'a generate call'`` while one is in its scope (running, or queued behind the one that runs), else None
+        (:meth:`~nemo_like.distributed.reinit.Reinitializable.busy_with`)."""
+        with self.cond:
+            return "a generate call" if self.calls else None
 
     @contextmanager
     def generating_scope(self) -> Iterator[None]:
-        """Mark a generate call; updates that arrive meanwhile wait for :meth:`apply_pending` (or its end)."""
-        with self.generate_lock:
+        """Mark a generate call; updates that arrive meanwhile wait for :meth:`apply_pending` (or its end). A worker
+        enters it first thing in ``generate``, so the call counts as busy from its start."""
+        with self.cond:
+            self.calls += 1
+        try:
+            with self.generate_lock:
+                with self.cond:
+                    self.generating = True
+                try:
+                    yield
+                finally:
+                    with self.cond:  # (a re-entrant lock) apply what arrived late before a new update can go straight in
+                        self.apply_pending(mid_generation=False)
+                        self.generating = False
+        finally:
             with self.cond:
-                self.generating = True
-            try:
-                yield
-            finally:
-                with self.cond:  # (a re-entrant lock) apply what arrived late before a new update can go straight in
-                    self.apply_pending(mid_generation=False)
-                    self.generating = False
+                self.calls -= 1
