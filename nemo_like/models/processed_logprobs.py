@@ -89,7 +89,7 @@ def sampling_keep_mask(scaled_logits: torch.Tensor, top_k: int | None, top_p: fl
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     # 1 - top_p in the sums' dtype, as vLLM computes it from its float32 top_p tensor (Python's double 1 - 0.9, rounded
     # to float32 after, is 2.2e-8 lower: a token whose running sum fell in between was kept here and dropped by vLLM)
-    threshold = 1 - torch.tensor(top_p, dtype=cumulative.dtype, device=cumulative.device)
+    threshold = float(1 - torch.tensor(top_p, dtype=cumulative.dtype))  # a CPU scalar: no device copy (a sync on CUDA)
     drop_sorted = cumulative <= threshold  # also drops the top-k losers: their cumulative mass is 0
     drop_sorted[..., -1] = False  # the most likely token always survives
     return ~drop_sorted.scatter(-1, order, drop_sorted)

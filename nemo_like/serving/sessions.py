@@ -166,30 +166,31 @@ class SessionStore:
         with self._lock:
             session.calls_in_flight -= 1
 
-    def _touch(self, session_id: str, begin_call: bool) -> tuple[Session, str | None]:
+    def _touch(self, session_id: str, begin_call: bool) -> tuple[Session, list[str]]:
         """The open session (created if unknown and ``auto_create``) made the most recently used, a call begun in it
-        when ``begin_call``, and, past ``max_kept_results`` open sessions, the least recently used one without a call
-        in flight, to end (:meth:`_end_unused`)."""
+        when ``begin_call``, and, while more than ``max_kept_results`` sessions are open, the least recently used ones
+        without a call in flight, to end (:meth:`_end_unused`; busy ones are left: the next new session ends them)."""
         with self._lock:
             if session_id in self._ended:
                 raise session_ended(session_id)
             found = self._open.pop(session_id, None)
-            unused = None
+            unused: list[str] = []
             if found is None:
                 if not self.auto_create:
                     raise session_not_found(session_id)
                 found = Session(session_id)
-                if self.max_kept_results is not None and len(self._open) >= self.max_kept_results:
-                    unused = next((sid for sid, s in self._open.items() if not s.calls_in_flight), None)
+                if self.max_kept_results is not None:
+                    over = len(self._open) + 1 - self.max_kept_results
+                    unused = [sid for sid, s in self._open.items() if not s.calls_in_flight][: max(0, over)]
             self._open[session_id] = found  # the most recently used last
             if begin_call:
                 found.num_http_calls += 1
                 found.calls_in_flight += 1
             return found, unused
 
-    def _end_unused(self, session_id: str | None) -> None:
-        """End ``session_id`` for the store's room, unless a call began in it meanwhile (or it ended)."""
-        if session_id is not None:
+    def _end_unused(self, session_ids: list[str]) -> None:
+        """End ``session_ids`` for the store's room, each unless a call began in it meanwhile (or it ended)."""
+        for session_id in session_ids:
             with contextlib.suppress(ServingError):  # ended meanwhile
                 self.end(session_id, if_idle=True)
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 # Exit statuses (documented in docs/guides/fault-tolerance.md).
 EXIT_SIGTERM = 143  # 128 + SIGTERM: stopped by SIGTERM after saving
@@ -152,6 +153,49 @@ class RunControl:
             f"{self.requested.status} (send it again to exit at once without saving)"
         )
         _watch_outputs()
+        sys.stdout, sys.stderr = _QuietOnBrokenPipe.wrap(sys.stdout), _QuietOnBrokenPipe.wrap(sys.stderr)
+
+
+class _QuietOnBrokenPipe:
+    """``sys.stdout`` / ``sys.stderr`` once a stop was asked: a write or flush whose reader left after the watcher last
+    looked (:func:`_watch_outputs`: a thread, which a tight loop of writes may beat) sends its fd to /dev/null and drops
+    the text instead of raising into the step or the save. Anything else is the stream's own."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    @classmethod
+    def wrap(cls, stream: Any) -> Any:
+        return stream if stream is None or isinstance(stream, cls) else cls(stream)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._silence()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._silence()
+
+    def _silence(self) -> None:
+        try:
+            _to_devnull(self._stream.fileno())
+            self._stream.flush()  # what the failed write left buffered goes to /dev/null now
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _to_devnull(fd: int) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _say(text: str) -> None:
@@ -183,9 +227,7 @@ def _silence_if_reader_gone(fd: int, timeout_ms: int | None) -> None:
         poller.register(fd, 0)  # errors and hang-ups only: a writable pipe does not wake it
         if not any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(timeout_ms)):
             return
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, fd)
-        os.close(devnull)
+        _to_devnull(fd)
     except (OSError, ValueError):
         return
 

@@ -162,3 +162,27 @@ def test_hf_worker_checks_a_refits_names_before_loading_any():
     assert worker.weight_version == 0
     assert all(torch.equal(v, before[k]) for k, v in worker.model.state_dict().items())
     assert worker.update_weights((1, shifted)) == 1  # the whole state still loads
+
+
+def test_gate_counts_a_call_queued_behind_another_as_busy_and_forgets_one_that_raised():
+    """Only a running call (``generating``) counted: a kept actor's call queued behind the last run's running one, or
+    in its first lines, looked idle, and the next run's re-initialisation could run under it."""
+    gate = WeightUpdateGate()
+    gate.generate_lock.acquire()  # another call holds the engine
+
+    def queued_call() -> None:
+        with gate.generating_scope():
+            pass
+
+    queued = threading.Thread(target=queued_call)
+    queued.start()
+    deadline = time.monotonic() + 10
+    while gate.calls == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not gate.generating and gate.busy_with() == "a generate call"  # waiting for the lock, already busy
+    gate.generate_lock.release()
+    queued.join(10)
+    assert gate.busy_with() is None
+    with pytest.raises(ValueError), gate.generating_scope():
+        raise ValueError("engine error")
+    assert gate.busy_with() is None and gate.calls == 0  # a call that raised is over too

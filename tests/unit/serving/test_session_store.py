@@ -187,6 +187,14 @@ def test_a_server_nobody_takes_results_from_ends_its_least_recently_used_session
     store.record(busy, [CallRecord((1, 7), (16, 2), (-0.5, -0.5), 0, 0, call_index=index)], [("p", "c")])  # no 409
     store.end_call(busy)
     assert store.end("slow").num_calls == 1
+    # Every open session busy: a new one is let in over the cap; once they are idle, the next new one ends the surplus
+    calls = [store.begin_call(sid)[0] for sid in ("g", "h")]  # "e" ends for room; "g" and "h" in flight
+    record(store, "i", [1, 8], [17, 2])
+    assert sorted(store.open_ids()) == ["g", "h", "i"]
+    for session in calls:
+        store.end_call(session)
+    record(store, "j", [1, 9], [18, 2])
+    assert sorted(store.open_ids()) == ["i", "j"]
     unbounded = SessionStore()  # a training run's store: its driver ends every session itself
     for sid in "abc":
         record(unbounded, sid, [1, 2], [10, 2])
