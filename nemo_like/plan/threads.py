@@ -60,6 +60,7 @@ class ThreadSplit:
     # alone. 0: the same as ``policy``.
     policy_logprobs: int = 0
     inline: bool = False  # generation runs in the policy worker (its threads): no engine actor
+    reference_actors: bool = True  # reference workers start (not with the KL penalty 0, nor with LoRA's own reference)
 
     def in_phase(self, role: str, phase: dict[str, int]) -> int:
         """Threads of one ``role`` actor in the trainer ``phase`` (:meth:`PhaseActors.trainer_phases`)."""
@@ -79,7 +80,7 @@ class ThreadSplit:
                 return "generation inline (in the policy worker, on its threads)"
             return f"{role} {threads} ({how})"
 
-        names = ("policy", "reference", "generation", "teacher") if self.teacher else ("policy", "reference", "generation")
+        names = ["policy", *(["reference"] if self.reference_actors else []), "generation", *(["teacher"] if self.teacher else [])]
         roles = ", ".join(part(r, getattr(self, r)) for r in names)
         mode = "async: generation and training share the cores" if self.async_mode else "sync: each phase may use every core"
         if this_machine:
@@ -163,6 +164,7 @@ def split_threads(
         teacher=(policy_threads or auto["teacher"]) if actors.teacher else 0,
         policy_logprobs=policy_logprobs,
         inline=actors.generation == 0,
+        reference_actors=actors.reference > 0,
     )
 
 

@@ -141,6 +141,9 @@ def test_shipped_recipes_use_the_automatic_split():
         "threads per worker on 2 CPUs per node (async: generation and training share the cores): "
         "policy 1 (auto), reference 1 (auto), generation 1 (auto)"
     )
+    # No reference workers (the KL penalty 0): the line lists none (it said 'reference 1 (auto)')
+    no_kl = split_of(load_config(ASYNC, ["loss_fn.reference_policy_kl_penalty=0"]), cpus=2).describe()
+    assert "reference" not in no_kl and "policy 1 (auto), generation 1 (auto)" in no_kl
 
 
 def test_explicit_oversubscription_warns_with_the_automatic_counts():
