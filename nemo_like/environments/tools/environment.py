@@ -23,6 +23,7 @@ counters (:meth:`ToolEnvironment.metrics`). Each step also carries per-sample ``
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -154,6 +155,8 @@ class ToolEnvironment(EnvironmentInterface):
             return 0.0
         try:
             reward = float(self.checker(text, meta["answer"]))
+            if not math.isfinite(reward):  # a model's "nan" through float(): it failed the whole step's reward check
+                raise ValueError(f"returned {reward}, not a finite reward")
         except Exception as exc:  # noqa: BLE001 - a user checker failing on a model's text scores it 0, counted
             if not self._counts["checker_errors"]:
                 print(f"[env] answer_checker raised {type(exc).__name__}: {str(exc)[:200]} (scored 0; counted in checker_errors)")
@@ -216,7 +219,7 @@ class ToolEnvironment(EnvironmentInterface):
                 lines.append(("tool_call", f"error: {call.message}"))
                 continue
             result = self.registry.call(call.name, call.arguments)
-            if result.ok and result.error_kind == "output_cut":
+            if result.cut:
                 counts["tool_outputs_cut"] += 1
             if not result.ok:
                 counts["tool_errors"] += 1

@@ -36,6 +36,7 @@ class ToolResult:
     ok: bool
     text: str
     error_kind: str | None = None
+    cut: bool = False  # the text (a result's or a failure's) was cut to the registry's limit
 
 
 def _calculator(**_sandbox: Any) -> Tool:
@@ -122,10 +123,18 @@ class ToolRegistry:
             value = tool(**arguments)
             text = value if isinstance(value, str) else str(value)  # str() raises too: an int past 4300 digits
         except ToolError as exc:
-            return ToolResult(False, f"{name}: {exc}", exc.kind)
-        except Exception as exc:  # a tool's own bug or a bad value: an observation, never a failed run
-            return ToolResult(False, f"{name}: {type(exc).__name__}: {exc}", "exception")
-        if len(text) > self.max_result_chars:
-            cut = len(text) - self.max_result_chars
-            return ToolResult(True, f"{text[: self.max_result_chars]}\n[... {cut} more characters cut]", "output_cut")
-        return ToolResult(True, text)
+            return self._bounded(ToolResult(False, f"{name}: {exc}", exc.kind))
+        # a tool's own bug or a bad value, sys.exit / argparse on bad arguments too (SystemExit ended the environment
+        # actor, and every retry of the batch): an observation, never a failed run
+        except (Exception, SystemExit) as exc:
+            return self._bounded(ToolResult(False, f"{name}: {type(exc).__name__}: {exc}", "exception"))
+        return self._bounded(ToolResult(True, text))
+
+    def _bounded(self, result: ToolResult) -> ToolResult:
+        """``result`` with its text cut to ``max_result_chars`` (a failure's too: an exception quoting a whole page was
+        an observation of any size), the cut said in its last line."""
+        if len(result.text) <= self.max_result_chars:
+            return result
+        cut = len(result.text) - self.max_result_chars
+        text = f"{result.text[: self.max_result_chars]}\n[... {cut} more characters cut]"
+        return ToolResult(result.ok, text, "output_cut" if result.ok else result.error_kind, cut=True)

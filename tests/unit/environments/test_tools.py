@@ -137,6 +137,20 @@ def test_a_long_result_is_cut_with_a_marker_and_counted_and_never_below_the_pyth
     step = env.step([conversation(call("long", n=5000))], [{"answer": "1"}])[0]
     assert step.observation["content"].endswith("[... 904 more characters cut]") and step.metrics["tool_errors"] == 0
     assert env.metrics()["tool_outputs_cut"] == 1.0
+    # A failure's text is cut the same way (an exception quoting a whole page was an observation of any size), and a
+    # tool that exits (sys.exit, argparse) is an error observation: SystemExit ended the environment actor
+    (tmp_path / "bad.py").write_text(
+        "import sys\ndef page(n: int) -> str:\n    raise RuntimeError('x' * n)\ndef quits(n: int) -> str:\n    sys.exit(n)\n"
+    )
+    bad = ToolRegistry.from_config([f"{tmp_path}/bad.py:page", f"{tmp_path}/bad.py:quits"])
+    failed = bad.call("page", {"n": 60000})
+    assert not failed.ok and failed.cut and failed.error_kind == "exception" and len(failed.text) < 4200
+    assert failed.text.endswith("more characters cut]")
+    quit_ = bad.call("quits", {"n": 2})
+    assert (quit_.ok, quit_.error_kind, quit_.text) == (False, "exception", "quits: SystemExit: 2")
+    env = ToolEnvironment(tools=[f"{tmp_path}/bad.py:page", f"{tmp_path}/bad.py:quits"])
+    steps = env.step([conversation(call("page", n=60000)), conversation(call("quits", n=2))], [{"answer": "1"}] * 2)
+    assert steps[1].observation["content"] == "error: quits: SystemExit: 2" and env.metrics()["tool_outputs_cut"] == 1.0
 
 
 def test_what_a_model_or_a_tool_writes_never_raises_out_of_the_environment(tmp_path) -> None:
@@ -295,3 +309,8 @@ def test_tool_env_custom_answer_checker(tmp_path) -> None:
     assert [s.reward for s in steps] == [1.0, 0.0] and all(s.terminated for s in steps)
     counters = strict.metrics()
     assert counters["checker_errors"] == 1.0 and counters["correct"] == 1.0
+    # A NaN (a model's "nan" through float()) is the checker failing too: it became the reward and failed the whole step
+    (tmp_path / "close.py").write_text("def close(text, answer):\n    return max(1 - abs(float(text) - answer) / 100, 0.0)\n")
+    near = ToolEnvironment(answer_checker=f"{tmp_path}/close.py:close")
+    steps = near.step([conversation("5"), conversation("nan")], [{"answer": 5}, {"answer": 5}])
+    assert [s.reward for s in steps] == [1.0, 0.0] and near.metrics()["checker_errors"] == 1.0
