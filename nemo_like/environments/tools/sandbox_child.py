@@ -246,7 +246,9 @@ class _CappedText:
 def _report(exc):
     try:
         stream = sys.__stderr__
-        stream.write("\n" + f"{type(exc).__name__}: {exc}"[: _REPORT_CHARS - 1])  # the last line: what the parent reports
+        # the last line, one line whatever the message (the parent reports the last: a message's own lines lost its type)
+        report = f"{type(exc).__name__}: {exc}".replace("\n", " | ")
+        stream.write("\n" + report[: _REPORT_CHARS - 1])
         stream.flush()
     finally:
         os._exit(1)

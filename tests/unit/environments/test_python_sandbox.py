@@ -42,6 +42,9 @@ def test_runs_code_repl_style_in_a_fresh_scratch_dir(env: ToolEnvironment) -> No
     [
         ("blob = bytearray(512 * 1024 * 1024)", "error: python: memory limit of 128 MB exceeded"),
         ("def f():\n    raise ValueError('bad input')\nf()", "error: python: ValueError: bad input"),
+        # a message of several lines: the type and its first line were lost, or a last line 'MemoryError' read as memory
+        ("raise ValueError('bad row\\nexpected 4 columns')", "error: python: ValueError: bad row | expected 4 columns"),
+        ("raise RuntimeError('retry\\nMemoryError in the child')", "error: python: RuntimeError: retry | MemoryError in the child"),
         ("print('x' * 5000)", "error: python: output larger than 1000 bytes"),
         ("import socket\nsocket.socket()", "error: python: PermissionError: sandbox: socket.__new__ is not allowed"),
         ("import urllib.request\nurllib.request.urlopen('http://example.com')", "is not allowed"),
