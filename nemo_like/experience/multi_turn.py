@@ -204,8 +204,11 @@ def ends_after_step(tokenizer, conv: Conversation, last_turn: bool, max_total_le
     return conv.length + shortest >= max_total_length
 
 
-def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: bool, max_total_length: int) -> None:
-    """Add the step's reward and decide whether the sample goes on (appending the observation's ids) or ends."""
+def apply_step(
+    tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: bool, max_total_length: int, told_final: bool = False
+) -> None:
+    """Add the step's reward and decide whether the sample goes on (appending the observation's ids) or ends.
+    ``told_final``: :func:`ends_after_step` told the environment this turn was the last (so it built no observation)."""
     conv.reward += float(step.reward)
     for name, value in (step.metrics or {}).items():
         conv.step_metrics[name] = conv.step_metrics.get(name, 0.0) + float(value)
@@ -213,6 +216,9 @@ def apply_step(tokenizer, conv: Conversation, step: EnvironmentStep, last_turn: 
         conv.metadata = {k: v for k, v in step.metadata.items() if k != FINAL_TURN}
     if step.terminated or last_turn or conv.truncated:  # ends_after_step told the environment so before its step
         conv.done = True
+        return
+    if told_final:  # no room for even the shortest observation: the environment knew (and counted its own outcome)
+        conv.done = conv.truncated = conv.length_truncated = True
         return
     try:
         text, ids = observation_tokens(tokenizer, conv, step.observation)
@@ -326,13 +332,14 @@ def run_multi_turn(
         gen_s += time.perf_counter() - start
         start = time.perf_counter()
         last_turn = turn == max_turns - 1
-        metadata = [{**c.metadata, FINAL_TURN: ends_after_step(tokenizer, c, last_turn, max_total_length)} for c in active]
+        finals = [ends_after_step(tokenizer, c, last_turn, max_total_length) for c in active]
+        metadata = [{**c.metadata, FINAL_TURN: final} for c, final in zip(active, finals)]
         steps, step_counters = step_environments([c.prompt for c in active], [c.messages for c in active], metadata)
         env_s += time.perf_counter() - start
         for name, value in step_counters.items():
             counters[name] = counters.get(name, 0.0) + value
-        for conv, step in zip(active, steps):
-            apply_step(tokenizer, conv, step, last_turn, max_total_length)
+        for conv, step, final in zip(active, steps, finals):
+            apply_step(tokenizer, conv, step, last_turn, max_total_length, told_final=final)
     samples = [finished_sample(c) for c in convs]
     texts = [decode_exact(tokenizer, s.response_ids) for s in samples]
     rewards = torch.tensor([c.reward for c in convs], dtype=torch.float32)

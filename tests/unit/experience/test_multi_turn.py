@@ -425,9 +425,10 @@ def test_a_turn_with_no_room_for_the_shortest_observation_is_the_final_one(token
         settings = MultiTurnSettings(4, len(ids) + room, (EOS,))
         result = run_multi_turn(Guesses(), stepper, tokenizer, [prompt], SamplingParams(max_new_tokens=8), 0, settings)
         assert seen[0] is final, room
-        if final:  # the unsolved game is counted where its docs say
+        dropped = multi_turn_metrics(result.samples, result.rewards).get("multi_turn/observation_dropped_for_length_per_sample", 0.0)
+        if final:  # the unsolved game is counted where its docs say, and only there (it was counted as dropped too)
             assert result.env_metrics["env/guess/turn_limit"] == 1.0 and result.samples[0].num_turns == 1
+            assert dropped == 0.0 and result.samples[0].length_truncated
         else:  # told "not final", the game wrote a hint that does not fit: dropped, and counted as such
             assert result.samples[0].length_truncated and result.env_metrics["env/guess/turn_limit"] == 0.0
-            dropped = multi_turn_metrics(result.samples, result.rewards)["multi_turn/observation_dropped_for_length_per_sample"]
             assert dropped == 1.0
