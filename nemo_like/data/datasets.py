@@ -256,7 +256,11 @@ def first_bad_json_place(path: Path) -> str | None:
     parses. pandas' own message gives a byte offset, for JSON Lines at the end of the last good line."""
     text = path.read_text(encoding="utf-8", errors="replace")
     if not text.lstrip().startswith("["):
-        return first_bad_json_line(path)
+        try:
+            json.loads(text)  # one whole document (a pretty-printed object, a save_to_disk's state.json): not the culprit
+            return None
+        except json.JSONDecodeError:
+            return first_bad_json_line(path)
     try:
         json.loads(text)
     except json.JSONDecodeError as exc:
@@ -308,14 +312,21 @@ def data_suffix(file: Path) -> str:
     return Path(name).suffix
 
 
+#: The files ``datasets`` never reads as data (``datasets.data_files.FILES_TO_IGNORE``): a hub snapshot's
+#: ``dataset_infos.json`` beside its ``train.jsonl`` was counted a data file (refused as "left out", and it made a CSV
+#: snapshot's cells type-guessed).
+METADATA_FILES = frozenset({"README.md", "config.json", "dataset_info.json", "dataset_infos.json", "dummy_data.zip", "dataset_dict.json"})
+
+
 def directory_data_files(path: Path) -> list[Path]:
     """The data files ``datasets`` reads from a directory: supported suffixes (compressed ones too), hidden and ``__``
-    parts skipped."""
+    parts and its metadata files (:data:`METADATA_FILES`) skipped."""
     return [
         file
         for file in sorted(path.rglob("*"))
         if file.is_file()
         and data_suffix(file) in FILE_BUILDERS
+        and file.name not in METADATA_FILES
         and not any(part.startswith((".", "__")) for part in file.relative_to(path).parts)
     ]
 
@@ -357,10 +368,16 @@ def _load_local(source: Source, key: str):
                         RuntimeWarning,
                         stacklevel=2,
                     )
-                ds = datasets.load_from_disk(str(path))
+                try:
+                    ds = datasets.load_from_disk(str(path))
+                except IndexError:  # a saved dataset of 0 rows (no arrow shard): "list index out of range"
+                    raise ConfigError(f"{key}: {str(path)!r} has no rows; it must hold at least one prompt row") from None
             else:
                 subset = _subset_kwargs(path, source.config)
                 _refuse_skipped_files(path, source, key, subset)
+                empty = [str(f) for f in directory_data_files(path) if f.stat().st_size == 0]
+                if empty:  # datasets' own error was a bare StopIteration
+                    raise ConfigError(f"{key}: {empty[0]!r} in {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
                 ds = datasets.load_dataset(str(path), **subset, **_csv_directory_kwargs(path, key))
         else:
             builder = FILE_BUILDERS.get("".join(path.suffixes[-1:]).lower())

@@ -118,6 +118,34 @@ def test_save_to_disk_dataset_dict_picks_the_split(tmp_path, tok):
         build(bad, tok, "validation")
 
 
+def test_a_snapshots_metadata_files_are_not_data_and_an_empty_directory_says_so(tmp_path, tok):
+    """dataset_infos.json beside train.jsonl (many hub snapshots) was counted a data file 'datasets would leave out'
+    (refused), and made a CSV snapshot's cells type-guessed ('02100' read as 2100); a save_to_disk directory of 0 rows
+    and a directory with an empty train.jsonl failed with 'list index out of range' and 'StopIteration'."""
+    import datasets
+
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    write_jsonl(snap / "train.jsonl", rows(10))
+    write_jsonl(snap / "test.jsonl", rows(4))
+    (snap / "dataset_infos.json").write_text(json.dumps({"default": {"description": ""}}, indent=2))
+    cfg = data_cfg(snap, snap, validation={"split": "test"})
+    assert len(build(cfg, tok)) == 10 and len(build(cfg, tok, "validation")) == 4
+    csv_snap = tmp_path / "csv_snap"
+    csv_snap.mkdir()
+    (csv_snap / "train.csv").write_text("q,a\n" + "".join(f"What is {i} plus 1?,0210{i}\n" for i in range(6)))
+    (csv_snap / "dataset_infos.json").write_text("{}")
+    answers = [r.metadata["answer"] for r in build(data_cfg(csv_snap), tok)]
+    assert answers and all(a.startswith("0210") for a in answers)  # cells as written
+    datasets.Dataset.from_list(rows(0) or [{"q": "x", "a": "1"}]).select([]).save_to_disk(str(tmp_path / "zero"))
+    with pytest.raises(ConfigError, match="has no rows"):
+        build(data_cfg(tmp_path / "zero"), tok)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "train.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"train.jsonl' in '.*plain' is empty \(0 bytes\)"):
+        build(data_cfg(tmp_path / "plain"), tok)
+
+
 # ---------------------------------------------------------------- columns, messages, prompt files
 
 
