@@ -9,6 +9,7 @@ from typing import Any
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig
+from nemo_like.models.loading import render_chat
 
 
 class DataExhausted(RuntimeError):
@@ -109,7 +110,7 @@ def tokenize_conversations(tokenizer, conversations: list[list[dict[str, str]]],
         texts = []
         for index, messages in enumerate(conversations[start : start + chunk], start):
             try:
-                texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+                texts.append(render_chat(tokenizer, messages, add_generation_prompt=True))
             except TemplateError as exc:  # a template's raise_exception: "System role not supported", roles must alternate
                 raise TemplateRefused(index, str(exc)) from exc
         out.extend(list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])

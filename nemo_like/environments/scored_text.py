@@ -14,6 +14,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from nemo_like.models.loading import render_chat
+
 _PLACEHOLDER = "\ue000scored-content-{}\ue001"  # private-use characters: in no template's own text
 
 
@@ -29,7 +31,7 @@ def chat_ids_of_untrusted_text(tokenizer: Any, messages: list[dict[str, str]], a
 
     def render(contents: Sequence[str]) -> str:
         with_contents = [{**m, "content": c} for m, c in zip(messages, contents)]
-        return tokenizer.apply_chat_template(with_contents, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return render_chat(tokenizer, with_contents, add_generation_prompt=add_generation_prompt)
 
     marked = render(placeholders)
     if any(marked.count(p) != 1 for p in placeholders):

@@ -223,6 +223,18 @@ def holds_tokenizer(directory: str | Path) -> bool:
     return any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
 
 
+#: The date a chat template that stamps today's (Llama 3.x: ``strftime_now`` unless ``date_string`` is given) renders:
+#: fixed, so a prompt's ids do not change at midnight (a resumed run's data check refused the checkpoint, a multi-turn
+#: episode's re-rendering no longer matched its ids). Llama 3's own templates' fallback date.
+CHAT_TEMPLATE_DATE = "26 Jul 2024"
+
+
+def render_chat(tokenizer: Any, messages: Any, **kwargs: Any) -> str:
+    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)`` with the date fixed (:data:`CHAT_TEMPLATE_DATE`):
+    every chat rendering of the project goes through it (prompts, multi-turn turns, the rollout server, judges)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, date_string=CHAT_TEMPLATE_DATE, **kwargs)
+
+
 def load_tokenizer(name: str):
     """Load a tokenizer; prompts are left-padded for generation. A local directory without tokenizer files is an error
     (transformers returned an empty tokenizer for it, which encodes every text as no tokens)."""

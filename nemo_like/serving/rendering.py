@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from nemo_like.environments.agent import ContentError, content_text
+from nemo_like.models.loading import render_chat
 from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import bad_request, unsupported
 
@@ -212,7 +213,7 @@ class Renderer:
         probe = "\u2063probe\u2063"
         messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template)
+            text = render_chat(self.tokenizer, messages, chat_template=self.chat_template)
         except Exception:  # noqa: BLE001 - a template that refuses the probe: no end token is known
             return None
         after = text[text.rfind(probe) + len(probe) :] if probe in text else ""
@@ -331,8 +332,8 @@ class Renderer:
         else:  # a session's history is normalised once, not again at every call
             normalized = continuations.normalized(messages, lambda m, i: _normalize(m, i, continuations))
         try:
-            return self.tokenizer.apply_chat_template(
-                normalized, tools=tools or None, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template
+            return render_chat(
+                self.tokenizer, normalized, tools=tools or None, add_generation_prompt=True, chat_template=self.chat_template
             )
         except Exception as exc:  # jinja's TemplateError / raise_exception: the request, not the server, is wrong
             raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None

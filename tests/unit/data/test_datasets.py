@@ -835,3 +835,26 @@ def test_a_small_float_gold_answer_is_written_in_positional_notation(tmp_path, t
     path = write_jsonl(tmp_path / "g.jsonl", [{"q": f"q{i}", "a": a} for i, a in enumerate([0.00001, 2.5e-05, 3.0, 0.1] * 5)])
     answers = {r.metadata["answer"] for r in build(data_cfg(path, path), tok)}
     assert answers <= {"0.00001", "0.000025", "3", "0.1"} and "0.00001" in answers
+
+
+def test_a_template_that_stamps_todays_date_renders_one_fixed_date_everywhere(tok):
+    """Llama 3.x templates write strftime_now's date unless given date_string: a prompt's ids changed at midnight, so a
+    resumed run's data check refused its checkpoint and a multi-turn episode's re-rendering no longer matched its ids."""
+    import copy
+
+    from nemo_like.data.prompts import tokenize_conversations
+    from nemo_like.experience.multi_turn import render
+    from nemo_like.models.loading import CHAT_TEMPLATE_DATE
+    from nemo_like.serving.rendering import Renderer
+
+    dated = copy.deepcopy(tok)
+    dated.chat_template = (
+        "{{ 'Today Date: ' + (date_string if date_string is defined else strftime_now('%d %b %Y')) + '\\n' }}"
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}{{ 'assistant: ' }}"
+    )
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    stamp = f"Today Date: {CHAT_TEMPLATE_DATE}\n"
+    (ids,) = tokenize_conversations(dated, [messages])
+    assert dated.decode(ids).startswith(stamp)  # the training prompts
+    assert render(dated, messages).startswith(stamp)  # a multi-turn episode's turns
+    assert Renderer(dated).chat_text(messages, None, None).startswith(stamp)  # the rollout server's calls
