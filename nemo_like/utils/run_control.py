@@ -215,8 +215,9 @@ def _say(text: str) -> None:
 def _watch_outputs() -> None:
     """From a stop on, a daemon thread waits on stdout and stderr for their readers to leave (``tee`` may exit after
     the handler ran: the same Ctrl-C reached it, but the scheduler decides who runs first) and silences each then."""
-    for fd in (1, 2):
-        threading.Thread(target=_silence_if_reader_gone, args=(fd, None), name=f"stop-output-watch-{fd}", daemon=True).start()
+    with new_threads_spared_stop_signals():  # a second signal must reach the main thread (it exits at once)
+        for fd in (1, 2):
+            threading.Thread(target=_silence_if_reader_gone, args=(fd, None), name=f"stop-output-watch-{fd}", daemon=True).start()
 
 
 def _silence_if_reader_gone(fd: int, timeout_ms: int | None) -> None:

@@ -31,6 +31,13 @@ def test_a_first_signal_requests_a_stop_with_its_status(signum, status, capsys):
         control.restore_signal_handlers()
     assert signal.getsignal(signum) is before
     assert "received during step 7" in capsys.readouterr().err
+    # The stop's output watchers block the stop signals: a second one must reach the main thread (it exits at once)
+    watchers = [t for t in __import__("threading").enumerate() if t.name.startswith("stop-output-watch-")]
+    assert watchers
+    for thread in watchers:
+        status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+        blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+        assert blocked & (1 << (signal.SIGINT - 1)) and blocked & (1 << (signal.SIGTERM - 1)), thread.name
 
 
 def test_run_interrupted_exits_with_the_reasons_status():
