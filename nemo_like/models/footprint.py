@@ -151,20 +151,27 @@ def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
     backend = run_plan.backend.value
     if backend not in ("inline", "hf"):
         return 0
-    from nemo_like.models.generation.lean_decoder import fused_step_copy_elements
     from nemo_like.models.precision import MASTER_DTYPE, compute_dtype
     from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
     from nemo_like.plan.memory import DTYPE_BYTES, inline_sampling_rows
 
-    q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     products = compute_dtype(cfg.policy.precision)
     if backend == "inline":
-        rows, element_bytes, on_cpu = inline_sampling_rows(cfg), MASTER_DTYPE.itemsize, True
-    else:
-        rows, element_bytes = min(cfg.rollout_batch_size, HF_MAX_BATCH_SIZE), DTYPE_BYTES[cfg.policy.precision]
-        on_cpu = not cfg.cluster.gpus_per_node
-    layers, hidden, intermediate, vocab = shape.layers, shape.hidden, shape.intermediate, shape.vocab
-    return fused_step_copy_elements(layers, hidden, intermediate, q_width, kv_width, vocab, rows, products, on_cpu) * element_bytes
+        return lean_decoder_copy_bytes(shape, inline_sampling_rows(cfg), products, MASTER_DTYPE.itemsize, on_cpu=True)
+    rows = min(cfg.rollout_batch_size, HF_MAX_BATCH_SIZE)
+    return lean_decoder_copy_bytes(shape, rows, products, DTYPE_BYTES[cfg.policy.precision], on_cpu=not cfg.cluster.gpus_per_node)
+
+
+def lean_decoder_copy_bytes(shape: Any, rows: int, products: torch.dtype, element_bytes: int, on_cpu: bool) -> int:
+    """Bytes of the weight copies the lean decoder holds for a call of ``rows`` rows
+    (:func:`~nemo_like.models.generation.lean_decoder.fused_step_copy_elements`), its weights ``element_bytes`` each."""
+    from nemo_like.models.generation.lean_decoder import fused_step_copy_elements
+
+    q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    elements = fused_step_copy_elements(
+        shape.layers, shape.hidden, shape.intermediate, q_width, kv_width, shape.vocab, rows, products, on_cpu
+    )
+    return elements * element_bytes
 
 
 def scorer_roles(specs: Sequence[ScorerSpec | JudgeSpec], device_bytes: float | None = None) -> tuple[list[RoleMemory], list[str]]:
@@ -198,19 +205,14 @@ def scorer_roles(specs: Sequence[ScorerSpec | JudgeSpec], device_bytes: float | 
 def judge_role(spec: JudgeSpec, device_bytes: float | None) -> RoleMemory:
     """One judge's memory (:func:`~nemo_like.plan.memory.judge_memory`): its model's parameters and shape as loaded at
     ``spec.precision``, and with the HF engine the weights its lean decoder copies for up to ``max_batch_size`` rows."""
-    from nemo_like.models.generation.lean_decoder import fused_step_copy_elements
     from nemo_like.models.precision import compute_dtype
 
     params, shape = model_footprint(spec.model_name, spec.precision)
     parameters = sum(math.prod(p.shape) for p in params)
     copies = 0
     if spec.backend == "hf":
-        q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-        products = compute_dtype(spec.precision)
-        elements = fused_step_copy_elements(
-            shape.layers, shape.hidden, shape.intermediate, q_width, kv_width, shape.vocab, spec.max_batch_size, products, not spec.num_gpus
-        )
-        copies = elements * DTYPE_BYTES[spec.precision]
+        products, value_bytes = compute_dtype(spec.precision), DTYPE_BYTES[spec.precision]
+        copies = lean_decoder_copy_bytes(shape, spec.max_batch_size, products, value_bytes, on_cpu=not spec.num_gpus)
     return judge_memory(spec, parameters, shape, device_bytes, copies)
 
 

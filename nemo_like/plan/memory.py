@@ -167,6 +167,11 @@ class RoleMemory:
     problem: str = ""  # an environment's model that cannot start whatever the devices hold (a vLLM judge without KV room)
 
     @property
+    def gpu(self) -> str:
+        """The GPU it is planned on: :attr:`device`, else one of its own (``<role> GPU``)."""
+        return self.device or f"{self.role} GPU"
+
+    @property
     def held(self) -> int:
         """Parameters, gradients and AdamW state: on the device, or in host RAM when :attr:`offloaded`."""
         return self.params + self.grads + self.optimizer
@@ -484,6 +489,18 @@ def inline_sampling_rows(cfg: Any) -> int:
 VLLM_NON_TORCH_BYTES = GIB // 2
 
 
+def vllm_kv_budget(
+    shape: ModelShape, value_bytes: int, weights: int, share: float, gpu_bytes: float | None, cpu_space_gib: float
+) -> tuple[int, int]:
+    """``(KV budget, vLLM's own memory)`` of a vLLM engine: on a GPU of ``gpu_bytes``, its ``share`` less the weights and
+    :func:`vllm_overhead_bytes` (negative when they exceed the share); on the CPU (``gpu_bytes`` None),
+    ``cpu_space_gib`` and nothing of its own."""
+    if gpu_bytes is None:
+        return int(cpu_space_gib * GIB), 0
+    overhead = vllm_overhead_bytes(shape, value_bytes, gpu_bytes)
+    return int(share * gpu_bytes) - weights - overhead, overhead
+
+
 def vllm_overhead_bytes(shape: ModelShape, value_bytes: int, device_bytes: float) -> int:
     """What a vLLM engine on a GPU takes from its ``gpu_memory_utilization`` share besides the weights, before its KV
     cache (vLLM 0.32's ``determine_available_memory``): :data:`VLLM_NON_TORCH_BYTES` and the activation peak of its
@@ -522,8 +539,8 @@ def generation_memory(
     if on_gpu and device_bytes is None:
         note = f"vLLM, KV budget {share:g} x the device's memory - the weights: the device's size is not given"
         return RoleMemory("generation", GENERATION_ENGINES, params=weights, note=note)
-    overhead = vllm_overhead_bytes(shape, value_bytes, device_bytes) if on_gpu else 0
-    budget = max(0, int(share * device_bytes) - weights - overhead) if on_gpu else int(g.vllm_cfg.kv_cache_space_gib * GIB)
+    budget, overhead = vllm_kv_budget(shape, value_bytes, weights, share, device_bytes if on_gpu else None, g.vllm_cfg.kv_cache_space_gib)
+    budget = max(0, budget)
     sequences = budget // per_sequence if per_sequence else 0
     note = f"vLLM, KV budget holds {sequences} sequences of {pc.max_total_sequence_length} tokens"
     if on_gpu:
@@ -676,14 +693,10 @@ def judge_memory(spec: JudgeSpec, parameters: int, shape: ModelShape, device_byt
     if on_gpu and device_bytes is None:
         note = f"an LLM judge, vLLM: KV budget {spec.gpu_memory_utilization:g} x the device's memory - the weights: the device's size is not given"
         return RoleMemory(spec.role, spec.workers, params=weights, note=note, fit_hint=hint, **common)
-    overhead = vllm_overhead_bytes(shape, value_bytes, device_bytes) if on_gpu else 0
-    if on_gpu:
-        budget, how = (
-            int(spec.gpu_memory_utilization * device_bytes) - weights - overhead,
-            "engine_gpu_memory_utilization x device - weights - vLLM's own",
-        )
-    else:
-        budget, how = int(spec.kv_cache_space_gib * GIB), "engine_kv_cache_space_gib"
+    budget, overhead = vllm_kv_budget(
+        shape, value_bytes, weights, spec.gpu_memory_utilization, device_bytes if on_gpu else None, spec.kv_cache_space_gib
+    )
+    how = "engine_gpu_memory_utilization x device - weights - vLLM's own" if on_gpu else "engine_kv_cache_space_gib"
     sequences = max(0, budget) // per_sequence if per_sequence else 0
     note = f"an LLM judge, vLLM: KV budget holds {sequences} sequences of {spec.context} tokens ({spec.context_note})"
     problem = (
@@ -733,12 +746,12 @@ def plan_memory(
         # A smaller engine share helps only where the engine's share is what is over (not the training peak) and the
         # engine still holds a sequence (lowering it while the KV budget is short contradicts raising it).
         share_may_help = colocated and "policy GPU" in over and not engine
-        scorer_devices = {r.device or f"{r.role} GPU" for r in scorers}
+        scorer_devices = {r.gpu for r in scorers}
         policy_over = any(d != "generation GPU" and d not in scorer_devices for d in over)
         backend = run_plan.backend.value  # where the KV cache of the sequences sampled at once lies: is it over?
         kv_over = "generation GPU" in over or (backend == "inline" and policy_over) or (backend == "hf" and not cfg.cluster.gpus_per_node)
         advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over)
-        hints = {r.device or f"{r.role} GPU": r.fit_hint for r in scorers}
+        hints = {r.gpu: r.fit_hint for r in scorers}
         advice += [f"{device}: {hints[device]}" for device in sorted(scorer_devices & set(over))]
     advice += kv_advice(cfg, roles, device_bytes) if engine else []
     tp_problems = tensor_parallel_problems(cfg, shape)  # the teachers' workers take the policy's tensor-parallel degree
@@ -841,8 +854,7 @@ def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False) -> dict[
     if cfg.cluster.gpus_per_node:
         out: dict[str, int] = {}
         for r in (r for r in roles if r.workers and not r.on_host):
-            name = r.device or f"{r.role} GPU"
-            out[name] = out.get(name, 0) + r.total * r.per_device
+            out[r.gpu] = out.get(r.gpu, 0) + r.total * r.per_device
         if colocated and "generation GPU" in out and "policy" in by_role:
             out.pop("generation GPU")
             out["policy GPU"] = colocated_peak(cfg, by_role["policy"], by_role["generation"])

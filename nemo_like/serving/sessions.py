@@ -10,6 +10,7 @@ Thread-safe: the HTTP handlers and the training loop call it from different thre
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -179,9 +180,9 @@ class SessionStore:
                 if not self.auto_create:
                     raise session_not_found(session_id)
                 found = Session(session_id)
-                if self.max_kept_results is not None:
-                    over = len(self._open) + 1 - self.max_kept_results
-                    unused = [sid for sid, s in self._open.items() if not s.calls_in_flight][: max(0, over)]
+                over = len(self._open) + 1 - self.max_kept_results if self.max_kept_results is not None else 0
+                if over > 0:
+                    unused = list(itertools.islice((sid for sid, s in self._open.items() if not s.calls_in_flight), over))
             self._open[session_id] = found  # the most recently used last
             if begin_call:
                 found.num_http_calls += 1
