@@ -312,21 +312,18 @@ def data_suffix(file: Path) -> str:
     return Path(name).suffix
 
 
-#: The files ``datasets`` never reads as data (``datasets.data_files.FILES_TO_IGNORE``): a hub snapshot's
-#: ``dataset_infos.json`` beside its ``train.jsonl`` was counted a data file (refused as "left out", and it made a CSV
-#: snapshot's cells type-guessed).
-METADATA_FILES = frozenset({"README.md", "config.json", "dataset_info.json", "dataset_infos.json", "dummy_data.zip", "dataset_dict.json"})
-
-
 def directory_data_files(path: Path) -> list[Path]:
     """The data files ``datasets`` reads from a directory: supported suffixes (compressed ones too), hidden and ``__``
-    parts and its metadata files (:data:`METADATA_FILES`) skipped."""
+    parts and the metadata files ``datasets`` never reads as data (its ``FILES_TO_IGNORE``: a hub snapshot's
+    ``dataset_infos.json`` beside its ``train.jsonl`` was counted a data file) skipped."""
+    from datasets.data_files import FILES_TO_IGNORE
+
     return [
         file
         for file in sorted(path.rglob("*"))
         if file.is_file()
         and data_suffix(file) in FILE_BUILDERS
-        and file.name not in METADATA_FILES
+        and file.name not in FILES_TO_IGNORE
         and not any(part.startswith((".", "__")) for part in file.relative_to(path).parts)
     ]
 
