@@ -88,6 +88,7 @@ class GenerationQueue:
         self._cond = threading.Condition()
         self._pending: deque[_Request | None] = deque()  # None: close
         self._pending_prompts = 0
+        self._closed = False
         self._expected_callers: set[Hashable] = set()  # sessions answered or started that have not called (again)
         self._expected_anonymous = 0  # the same, for calls without a session
         self._wake_on = "any"  # what wakes the engine thread: "any" arrival, only the "last" expected one, or "full"
@@ -101,6 +102,9 @@ class GenerationQueue:
         starts drops the request (it is not sampled); once started, the future can no longer be cancelled."""
         request = _Request([list(p) for p in prompts], params, seed, caller)
         with self._cond:
+            if self._closed:  # a handler that outlived the server's stop: nothing would ever serve it
+                request.future.set_exception(RuntimeError("the generation queue is closed (the server is stopping)"))
+                return request.future
             if caller is None:
                 self._expected_anonymous = max(0, self._expected_anonymous - 1)
             else:
@@ -137,6 +141,7 @@ class GenerationQueue:
     def close(self) -> None:
         """Stop the thread once the queued requests are served."""
         with self._cond:
+            self._closed = True
             self._pending.append(None)
             self._cond.notify()
         self._thread.join(timeout=60)
@@ -167,7 +172,8 @@ class GenerationQueue:
             self._wake_on = "any"
             batch: list[_Request] = []
             size = 0
-            while self._pending and self._pending[0] is not None and (not batch or size < self.max_batch):
+            # A request joins while the batch stays within max_batch prompts; one larger than max_batch goes alone
+            while self._pending and self._pending[0] is not None and (not batch or size + len(self._pending[0].prompts) <= self.max_batch):
                 request = self._pending.popleft()
                 batch.append(request)
                 size += len(request.prompts)

@@ -228,6 +228,35 @@ def test_a_request_given_up_while_another_groups_call_runs_is_not_sampled() -> N
         queue.close()
 
 
+def test_an_engine_call_holds_at_most_max_batch_prompts_unless_one_request_alone_is_larger() -> None:
+    """Requests join a batch while it stays within ``max_batch`` prompts (the size was checked before adding the next
+    request: two queued 3-prompt requests went out as one 6-prompt call with ``max_batch=4``); a request larger than
+    ``max_batch`` still goes, alone."""
+    held = Held()
+    queue = GenerationQueue(held, max_batch=4, window_s=0.0)
+    params = SamplingParams(max_new_tokens=1)
+    try:
+        blocker = held.hold(queue, [[0]], params)
+        futures = [queue.submit(p, params) for p in ([[1], [2], [3]], [[4], [5], [6]], [[7]] * 5, [[8]])]
+        held.gate.set()
+        answers = [[s.prompt_ids for s in f.result(10)] for f in [blocker, *futures]]
+    finally:
+        queue.close()
+    assert [n for n, _ in held.calls] == [1, 3, 3, 5, 1]
+    assert answers == [[[0]], [[1], [2], [3]], [[4], [5], [6]], [[7]] * 5, [[8]]]
+
+
+def test_a_request_after_the_queue_closed_fails_at_once() -> None:
+    """A handler that outlived the server's stop submitted to a closed queue, whose thread had ended: its future
+    never resolved and the handler hung."""
+    queue = GenerationQueue(Held(), window_s=0.0)
+    assert queue.submit([[1]], SamplingParams(max_new_tokens=1)).result(10)[0].prompt_ids == [1]
+    queue.close()
+    late = queue.submit([[2]], SamplingParams(max_new_tokens=1))
+    with pytest.raises(RuntimeError, match="queue is closed"):
+        late.result(5)
+
+
 def test_the_local_engine_refuses_a_refit_whose_names_do_not_match_and_keeps_its_version() -> None:
     """strict=False loaded nothing for renamed weights (a DDP 'module.' prefix) and still took the new version."""
     from nemo_like.models.refit.manifest import RefitManifestError
