@@ -106,7 +106,8 @@ class MathVerifyProcess:
             if not ready:
                 return None
             chunk = os.read(fd, 65536)
-            if not chunk:  # EOF: the child exited
+            if not chunk:  # EOF: the child exited (it may not be reaped yet: poll() can still say it runs)
+                self._ended = True
                 return None
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
@@ -130,9 +131,10 @@ class MathVerifyProcess:
                 self.restarts += 1
                 if attempt:
                     return "crash"
+        self._ended = False
         line = self._read_line(time.monotonic() + self.timeout_s)
         if line is None:
-            status = "timeout" if self.proc.poll() is None else "crash"
+            status = "crash" if self._ended or self.proc.poll() is not None else "timeout"
             self._kill()  # the next check starts a fresh process
             self.restarts += 1
             return status
@@ -170,16 +172,22 @@ def _die_with_parent() -> None:
         pass
 
 
-#: A percent sign closing a box (``\boxed{50\%}``): math-verify drops ``%`` after a ``$...$`` answer (``$50\%$`` is 50)
-#: but not inside a box, where ``50\%`` stayed text and a correct percentage scored 0.
-BOXED_PERCENT = re.compile(r"\s*\\?%\s*\}")
+#: A percent sign closing a box (``\boxed{50\%}``, also ``50\ \%`` and ``50\%.``): math-verify drops ``%`` after a
+#: ``$...$`` answer (``$50\%$`` is 50) but not inside a box, where ``50\%`` stayed text and a correct percentage scored 0.
+BOXED_PERCENT = re.compile(r"\s*(?:\\ )?\\?%\s*[.,;]?\s*\}")
+#: ``\fbox{...}``, LaTeX's other box: math-verify reads only ``\boxed``, so a correct ``\fbox`` answer scored 0.
+FBOX = re.compile(r"\\fbox\s*\{")
+#: A thin space between digit groups (``1\,000``), as LaTeX typesets thousands: math-verify read ``1\,000`` as wrong.
+THIN_SPACE_THOUSANDS = re.compile(r"(\d)\\,(?=\d{3}(?!\d))")
 
 
 def normalised_answer(text: str) -> str:
-    """``text`` as math-verify reads it best: a percent sign closing a box dropped (:data:`BOXED_PERCENT`), and the
+    """``text`` as math-verify reads it best: ``\\fbox`` read as ``\\boxed`` (:data:`FBOX`), thin spaces between digit
+    groups dropped (:data:`THIN_SPACE_THOUSANDS`), a percent sign closing a box dropped (:data:`BOXED_PERCENT`), and the
     Unicode minus sign (U+2212, as typeset text writes it) made ASCII: math-verify read a plain-text ``−3`` as no
     answer (inside ``$...$`` or a box it read it)."""
-    return BOXED_PERCENT.sub("}", text.replace("\u2212", "-"))
+    text = FBOX.sub(r"\\boxed{", text.replace("\u2212", "-"))
+    return BOXED_PERCENT.sub("}", THIN_SPACE_THOUSANDS.sub(r"\1", text))
 
 
 def verify_answer(response: str, gold: str, gold_cache: dict[str, Any] | None = None) -> str:

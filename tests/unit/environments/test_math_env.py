@@ -58,6 +58,14 @@ PAIRS = [
     # a currency sign in the gold (MATH writes \$18.90): it is not a $...$ delimiter (the gold did not parse)
     ("The total is \\boxed{18.90}", "\\$18.90", True),
     ("\\boxed{5}", "\\$5", True),
+    # LaTeX's other box and typeset forms math-verify alone read as wrong: \fbox, thin-space thousands, spaced or
+    # punctuated percent signs
+    ("The answer is \\fbox{7}.", "7", True),
+    ("\\boxed{1\\,000}", "1000", True),
+    ("\\boxed{1\\,000\\,000}", "1000000", True),
+    ("\\boxed{10\\%.}", "10", True),
+    ("\\boxed{5\\ \\%}", "5", True),
+    ("\\fbox{8}", "7", False),
     # the Unicode minus sign of typeset text (U+2212): a plain-text answer read as no answer
     ("The answer is \u22123.", "-3", True),
     ("So the slope is \u22123.5", "-3.5", True),
@@ -110,6 +118,25 @@ def test_a_checker_that_dies_at_start_says_so_at_once(tmp_path, monkeypatch) -> 
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     with pytest.raises(RuntimeError, match=r"the math-verify process exited with code \d+ before it was ready"):
         MathVerifyProcess(timeout_s=5.0)._start()
+
+
+def test_a_checker_that_dies_during_an_answer_is_counted_as_a_crash(tmp_path, monkeypatch) -> None:
+    """Its output ends a moment before its exit is reaped: polling right after the end of output still saw it running,
+    and most crashes (9 of 15) were counted as time-outs."""
+    from nemo_like.environments.math_verify_process import MathVerifyProcess
+
+    (tmp_path / "math_verify.py").write_text(
+        "import os\n"
+        "def parse(text, **kw):\n    if 'CRASH' in text:\n        os._exit(3)\n    return [text]\n"
+        "def verify(gold, predicted, **kw):\n    return gold == predicted\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    checker = MathVerifyProcess(timeout_s=30.0)
+    try:
+        statuses = [checker.check("CRASH", "1") for _ in range(12)]
+    finally:
+        checker.close()
+    assert statuses == ["crash"] * 12
 
 
 HANGS = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the power tower: measured > 30 s (still running) without a limit
