@@ -121,13 +121,16 @@ def teacher_head_inputs(
         out.hidden = hidden
         out.weight = weight.clone() if copy_head else weight
         out.bias = bias.clone() if copy_head and bias is not None else bias
-        return hidden[..., :1]  # the caller reads ``out``; the model's "logits" are discarded
+        out.logits = hidden[..., :1]  # what the head returned: the forward must pass it on unchanged (then dropped)
+        return out.logits
 
     head.forward = forward
     try:
-        teacher(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        returned = teacher(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     finally:
         del head.forward
+    check_head_output_unchanged(teacher, out.logits, returned)
+    out.logits = None
     return out
 
 
@@ -150,6 +153,23 @@ def common_vocabulary(student: Head, teacher: Head) -> tuple[Head, Head]:
     return cut(student), cut(teacher)
 
 
+def check_head_output_unchanged(model: torch.nn.Module, produced: torch.Tensor, returned: torch.Tensor) -> None:
+    """Raise when ``model``'s forward returned something else than its output head ``produced``: it post-processes the
+    head's logits (scales, caps) under a config field :data:`~nemo_like.models.loading.HEAD_POSTPROCESSING` does not
+    know, so the chunked path, which replaces the head, computes another distribution than the model samples from. A
+    dtype cast of the same values passes."""
+    if returned is produced:
+        return
+    if returned.shape == produced.shape and torch.equal(returned, produced.to(returned.dtype)):
+        return
+    raise RuntimeError(
+        f"{type(model).__name__}'s forward changes its output head's logits (a scale or a cap its config.json names "
+        "under a field nemo_like does not know), which the chunked logprob path leaves out: its logprobs would be "
+        "those of another distribution than the model samples from. Set policy.logprob_chunk_size=null (and "
+        "teacher.logprob_chunk_size, if set)"
+    )
+
+
 @contextmanager
 def _chunked_head(
     model: torch.nn.Module,
@@ -158,10 +178,12 @@ def _chunked_head(
     chunk: int,
     teacher: TeacherOutputs | None = None,
     term: KLTerm | None = None,
-) -> Iterator[None]:
+) -> Iterator[list[torch.Tensor]]:
     """Make the model's output head return ``[B, S, 2]``: token logprobs and outside flags instead of logits (and, with
-    ``teacher``, ``[B, S, 3]``: each position's KL to the teacher under ``term`` last; column 0 = 0)."""
+    ``teacher``, ``[B, S, 3]``: each position's KL to the teacher under ``term`` last; column 0 = 0). Yields a list
+    that holds what the head returned, for :func:`check_head_output_unchanged`."""
     head = model.get_output_embeddings()
+    produced: list[torch.Tensor] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         lp, outside = chunked_token_logprobs(hidden, head.weight, head.bias, input_ids, dist, chunk)
@@ -172,11 +194,12 @@ def _chunked_head(
             (weight, bias), (t_weight, t_bias) = common_vocabulary((head.weight, head.bias), (teacher.weight, teacher.bias))
             kl = chunked_teacher_kl(hidden[:, :-1].reshape(-1, h), weight, bias, t_hidden, t_weight, t_bias, term, chunk)
             columns.append(F.pad(kl.view(b, s - 1), (1, 0), value=0.0).to(lp.dtype))
-        return torch.stack(columns, dim=-1)
+        produced.append(torch.stack(columns, dim=-1))
+        return produced[-1]
 
     head.forward = forward
     try:
-        yield
+        yield produced
     finally:
         del head.forward
 
@@ -200,8 +223,9 @@ def model_token_logprobs_with_outside(
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         lp, outside = processed_token_logprobs_with_outside(logits[:, :-1], input_ids[:, 1:], dist)
         return F.pad(lp, (1, 0), value=0.0), F.pad(outside, (1, 0), value=False)
-    with _chunked_head(model, input_ids, dist, chunk_size):
+    with _chunked_head(model, input_ids, dist, chunk_size) as produced:
         packed = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    check_head_output_unchanged(model, produced[-1], packed)
     return packed[..., 0], packed[..., 1].bool()
 
 
@@ -238,6 +262,7 @@ def model_token_logprobs_and_teacher_kl(
         vocab = min(logits.shape[-1], teacher.logits.shape[-1])  # see common_vocabulary
         kl = teacher_kl_from_logits(logits[:, :-1, :vocab], teacher.logits[:, :-1, :vocab], term)
         return F.pad(lp, (1, 0), value=0.0), F.pad(outside, (1, 0), value=False), F.pad(kl, (1, 0), value=0.0)
-    with _chunked_head(model, input_ids, dist, chunk_size, teacher, term):
+    with _chunked_head(model, input_ids, dist, chunk_size, teacher, term) as produced:
         packed = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    check_head_output_unchanged(model, produced[-1], packed)
     return packed[..., 0], packed[..., 1].bool(), packed[..., 2]

@@ -289,8 +289,9 @@ def check_context_length(model_name: str, length: int, key: str = "policy.max_to
 
 
 #: Config fields with which a model's forward post-processes its output head's logits (Gemma 2's soft-capping,
-#: Granite's division, Cohere's scale), with the value that leaves them as they are.
-HEAD_POSTPROCESSING = {"final_logit_softcapping": None, "logits_scaling": 1.0, "logit_scale": 1.0}
+#: Granite's division, Cohere's scale, Falcon-H1's multiplier), with the value that leaves them as they are. A model
+#: that does so under another name is caught at its first chunked forward (``chunked_logprobs``).
+HEAD_POSTPROCESSING = {"final_logit_softcapping": None, "logits_scaling": 1.0, "logit_scale": 1.0, "lm_head_multiplier": 1.0}
 
 
 def head_postprocessing(model_name: str) -> list[str]:

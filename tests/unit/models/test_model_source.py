@@ -172,6 +172,43 @@ def test_chunked_logprobs_are_refused_for_a_model_that_post_processes_its_head_l
         setup_grpo(load_config(None, overrides))
 
 
+def test_a_head_scaled_under_a_field_we_do_not_list_fails_the_chunked_forward_instead_of_scoring_another_distribution(
+    tmp_path,
+) -> None:
+    """Falcon-H1 multiplies its head's logits by ``lm_head_multiplier``, a field the refusal did not list: the chunked
+    logprobs came back multiplied by it (3.1 nats off the model's own). The field is listed now, and the chunked forward
+    itself checks that the model returned what the head produced, for the next model that scales under another name."""
+    import torch
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside, teacher_head_inputs
+    from nemo_like.models.loading import head_postprocessing
+
+    torch.manual_seed(0)
+    config = FalconH1Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=1, mamba_chunk_size=8, lm_head_multiplier=0.25, max_position_embeddings=64,
+    )  # fmt: skip
+    falcon = FalconH1ForCausalLM(config).eval()
+    falcon.save_pretrained(tmp_path / "falcon")
+    assert head_postprocessing(str(tmp_path / "falcon")) == ["lm_head_multiplier=0.25"]
+    ids = torch.randint(0, 64, (2, 12))
+    inputs = (ids, torch.ones_like(ids), torch.arange(12).expand(2, 12))
+    with torch.no_grad():
+        lp, _ = model_token_logprobs_with_outside(falcon, *inputs, chunk_size=None)
+        falcon.model.lm_head_multiplier = 1.0  # the chunked path agrees with a head that is left as it is (x 1.0: a copy)
+        chunked, _ = model_token_logprobs_with_outside(falcon, *inputs, chunk_size=5)
+        falcon.model.lm_head_multiplier = 0.25
+        unscaled = torch.log_softmax(falcon.lm_head(falcon.model(input_ids=ids).last_hidden_state)[:, :-1], -1)
+        assert (lp[:, 1:] - unscaled.gather(-1, ids[:, 1:, None])[..., 0]).abs().max() > 0.1  # the multiplier matters
+        with pytest.raises(RuntimeError, match="FalconH1ForCausalLM's forward changes its output head's logits"):
+            model_token_logprobs_with_outside(falcon, *inputs, chunk_size=5)
+        with pytest.raises(RuntimeError, match="FalconH1ForCausalLM's forward changes"):
+            teacher_head_inputs(falcon, *inputs, chunk_size=5, copy_head=False)
+    torch.testing.assert_close(chunked[:, 1:], unscaled.gather(-1, ids[:, 1:, None])[..., 0], atol=1e-5, rtol=0)
+
+
 def test_stop_settings_no_engine_can_honour_are_config_errors_naming_the_key(tmp_path) -> None:
     """An empty stop string cut every response to its first token; a stop id outside the vocabulary never fired on the
     inline and HF samplers (vLLM refused it at the first step). Each is refused before any actor starts."""
