@@ -75,6 +75,11 @@ def sampling_keep_mask(scaled_logits: torch.Tensor, top_k: int | None, top_p: fl
     boundary is split the same way: torch's sort is not stable, and which members survive depends
     on the array sorted. (transformers sorts the top-k-masked array instead, so with top-k *and*
     top-p it may keep other members of such a group: same kept values, other token ids.)
+
+    "vLLM's algorithm" is its PyTorch path (``apply_top_k_top_p_pytorch``: CPU, and any machine without Triton). On
+    CUDA with Triton, vLLM 0.32 runs a pivot-based Triton kernel (``apply_top_k_top_p_triton``) instead, which sums
+    probabilities in another order and may split a boundary tie group otherwise: a token at the nucleus boundary can
+    land on the other side there (its logprob stays finite: the out-of-set rule above). Not compared on a GPU here.
     """
     vocab = scaled_logits.shape[-1]
     k = top_k if top_k and top_k < vocab else None
