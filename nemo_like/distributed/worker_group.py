@@ -429,9 +429,17 @@ def _wait_until_idle(workers: Sequence[Any], deadline: float) -> str | None:
 
 
 def summed_over_workers(workers: Sequence[Any], method: str, what: str) -> Any:
-    """The sum of ``method()`` over ``workers`` (a counter each keeps, e.g. in-flight refits), read with
-    :func:`get_with_context` naming ``what``."""
-    return sum(get_with_context([getattr(w, method).remote() for w in workers], what))
+    """The sum of ``method()`` over ``workers`` (a running counter each keeps, e.g. in-flight refits), read with
+    :func:`get_with_context` naming ``what``. A dead worker counts 0: its counter died with it, and the next call that
+    needs the worker replaces it (its replacement counts from 0); reading a counter must not fail a run that a
+    replacement would carry on."""
+    total = 0
+    for ref in [getattr(w, method).remote() for w in workers]:
+        try:
+            total += get_with_context(ref, what)
+        except WorkerFailure:
+            continue
+    return total
 
 
 def get_with_context(refs: Any, what: str, timeout_s: float | None = None) -> Any:

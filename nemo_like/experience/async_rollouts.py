@@ -259,9 +259,11 @@ class AsyncRollouts:
         if self.local is not None:
             try:
                 return getattr(self.local.collector, method)(*args)
-            except RuntimeError:
+            except RuntimeError as exc:
                 if self.local.collector.failure is None:
                     raise
+                if isinstance(exc, WorkerFailure) and exc.role is not None:
+                    raise  # a dead actor failed the collector: its role decides the run's restart (the loop may be busy)
                 self.local.thread.join(5)  # the loop is ending: let it record what it raised
                 self._raise_collector_failure(f"during '{method}'")
         ref = getattr(self.collector, method).remote(*args)

@@ -17,6 +17,7 @@ import ray
 import torch
 
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
+from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.experience.agent_rollouts import EngineGate
 from nemo_like.experience.replay_buffer import ReplayBufferActor
 from nemo_like.experience.rollouts import Rollout
@@ -252,3 +253,83 @@ def test_a_refit_that_no_batch_would_use_is_skipped() -> None:
     for kind in (TrajectoryCollector, DriverTrajectoryCollector):
         assert not collector(kind, last_started, in_flight_refits=True, generating=False).needs_weights()
         assert collector(kind, 2, in_flight_refits=False, generating=False).needs_weights()  # step 2's batch is to come
+
+
+class BusyAgents(Agents):
+    """Agents whose third batch runs until ``release`` (a long agent batch on the loop thread)."""
+
+    def __init__(self) -> None:
+        self.batches, self.release, self.busy = 0, threading.Event(), threading.Event()
+
+    def collect(self, envs, prompts, num_generations, seed, timings, greedy: bool = False) -> Rollout:
+        self.batches += 1
+        if self.batches == 3:
+            self.busy.set()
+            assert self.release.wait(60)
+        return super().collect(envs, prompts, num_generations, seed, timings)
+
+    def close(self) -> int:
+        return 0  # the agent threads left running at shutdown: none
+
+
+class DyingReference(Reference):
+    """Batch 2's reference pass finds its worker dead (as ``get_with_context`` reports a dead actor)."""
+
+    def gather(self, batch, what):
+        self.calls += 1
+        if self.calls == 2:
+            raise WorkerFailure(f"Ray actor ref123 died during '{what}'", role=what.split(":")[0], actor_id="ref123")
+        return torch.zeros(batch["input_ids"].shape)
+
+
+def test_a_dead_reference_worker_seen_by_a_pause_while_an_agent_batch_runs_keeps_its_role(ray_cluster) -> None:
+    """Agent runs (the collector on a driver thread): the pusher's reference pass found its worker dead while the loop
+    was busy with the next agent batch; the checkpoint's pause raised the collector's failure, but the driver waited 5 s
+    for the busy loop and raised a new error without the dead actor's role, so the run stopped instead of restarting
+    from its checkpoint (the actor path kept the role)."""
+    from nemo_like.algorithms.restarts import dead_role
+    from nemo_like.experience.async_rollouts import AsyncRollouts, DriverCollectorThread
+
+    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 5)
+    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(8)], 2, seed=0)
+    settings = CollectorSettings(
+        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=5, last_step=10,
+        next_target=1, max_num_epochs=1, generation_version=0, reference=DyingReference(), pad_token_id=0,
+    )  # fmt: skip
+    agents = BusyAgents()
+    collector = DriverTrajectoryCollector(None, SimpleNamespace(agents=agents, tasks=["t"]), buffer, None, loader, settings)
+    rollouts = AsyncRollouts.__new__(AsyncRollouts)  # only its control call on a driver-thread collector is exercised
+    rollouts.local = DriverCollectorThread(collector)
+    try:
+        assert agents.busy.wait(30)
+        deadline = time.monotonic() + 30
+        while collector.failure is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(WorkerFailure) as failed:
+            rollouts._call("pause", "checkpoint")
+    finally:
+        agents.release.set()
+        rollouts.local.stop(30)
+    assert failed.value.actor_id == "ref123"
+    assert dead_role(failed.value, {"policy": {"pol1"}, "reference": {"ref123"}}) == "reference"
+
+
+def test_a_dead_generation_worker_counts_no_load_seconds_instead_of_failing_the_read(ray_cluster) -> None:
+    """With in-flight refits the collector reads every engine's load counter after each batch; an engine that died
+    after its generate call returned (while the batch was scored) failed that read, and with it the collector and the
+    run, though the next generate call would have replaced it."""
+    from nemo_like.experience.trajectory_collector import ActorHandles
+
+    class Counting:  # defined here: Ray's workers get it by value (they cannot import this test module)
+        def __init__(self, seconds: float) -> None:
+            self.seconds = seconds
+
+        def mid_generation_seconds(self) -> float:
+            return self.seconds
+
+    live, dead = (ray.remote(Counting).remote(s) for s in (0.5, 2.0))
+    handles = ActorHandles([live, dead])
+    assert handles.mid_generation_seconds() == pytest.approx(2.5)
+    ray.kill(dead)
+    assert handles.mid_generation_seconds() == pytest.approx(0.5)
