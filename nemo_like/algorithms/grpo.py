@@ -478,6 +478,17 @@ def trajectory_age_metrics(ages: list[int], max_age: int) -> dict[str, float]:
     return metrics
 
 
+def timed_refit(refit: RefitTiming, timer: StepTimer) -> dict[str, float]:
+    """Put an async refit's seconds on the step's timer (the load, and the trainer's wait for the batch in flight before
+    a waiting refit) and return its ``idle/*`` metrics."""
+    timer.add("refit", refit.refit)
+    timer.add("waiting_for_refit", refit.trainer_waiting_for_refit)
+    return {
+        "idle/trainer_waiting_for_refit": refit.trainer_waiting_for_refit,
+        "idle/generation_paused_for_refit": refit.generation_paused_for_refit,
+    }
+
+
 def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, timer: StepTimer) -> dict[str, Any]:
     """One async training step: take the step's groups from the buffer, train, refit generation."""
     cfg = parts.cfg
@@ -488,8 +499,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     metrics = train_on_rollout(parts, step, timer, rollout)
     # Once every batch is generated, a refit feeds nothing but this step's validation (AsyncSteps.validate refits then)
     refit = rollouts.refit() if rollouts.needs_refit() else RefitTiming(0.0, 0.0, 0.0)
-    timer.add("refit", refit.refit)
-    timer.add("waiting_for_refit", refit.trainer_waiting_for_refit)  # the batch in flight before a waiting refit
+    metrics.update(timed_refit(refit, timer))
     generated = rollouts.generation_stats()
     metrics.update(trajectory_age_metrics(taken.ages, cfg.grpo.async_grpo.max_trajectory_age_steps))
     metrics.update(env_metrics_with_means(generated.env_counters))  # env/<task>/<counter> of the batches since the last step
@@ -505,8 +515,6 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
             "async/generation_batches": float(generated.batches),
             "async/generation_tokens_per_sec": generated.generated_tokens / seconds if seconds else 0.0,
             "idle/trainer_waiting_for_data": taken.waited_s,
-            "idle/trainer_waiting_for_refit": refit.trainer_waiting_for_refit,
-            "idle/generation_paused_for_refit": refit.generation_paused_for_refit,
             "idle/generation_paused_for_checkpoint": generated.paused_for_checkpoint,
             "idle/generation_waiting_for_pacing": generated.waiting_for_pacing,
             "performance/num_generated_tokens": generated.generated_tokens,
@@ -596,10 +604,12 @@ class AsyncSteps:
     def validate(self, step: int, timer: StepTimer) -> dict[str, float]:
         # Generation has the latest weights (refitted after training) unless every batch was generated already, when
         # the step skipped its refit; the generation actor runs the validation requests between the collector's batches.
+        # Such a refit waits for the last batch in flight: its wait is the step's (the skipped refit's metrics were 0).
+        refitted = {}
         if self.parts.generation.weight_version != self.parts.policy.weight_version:
-            timer.add("refit", self.rollouts.refit().refit)
+            refitted = timed_refit(self.rollouts.refit(), timer)
         with timer.phase("validation"):
-            return validate(self.parts, step)
+            return {**validate(self.parts, step), **refitted}
 
     def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
         with self.rollouts.paused("checkpoint"):  # nothing half generated: buffer + data position are exact

@@ -333,3 +333,50 @@ def test_a_dead_generation_worker_counts_no_load_seconds_instead_of_failing_the_
     assert handles.mid_generation_seconds() == pytest.approx(2.5)
     ray.kill(dead)
     assert handles.mid_generation_seconds() == pytest.approx(0.5)
+
+
+def test_a_validation_refit_that_waits_for_the_last_batch_is_timed_as_the_trainer_waiting(monkeypatch) -> None:
+    """The last step skips its refit while the last batch generates (no batch would use it); when that step validates,
+    the validation's refit waits for the batch in flight (waiting refits), and that wait was in no timer phase and not
+    in idle/trainer_waiting_for_refit: the step's phases no longer added up to its total time."""
+    import nemo_like.algorithms.grpo as grpo
+    from nemo_like.experience.async_rollouts import AsyncRollouts
+    from nemo_like.utils.timer import StepTimer
+
+    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(8)], 2, seed=0)
+    settings = CollectorSettings(
+        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=1, last_step=3,
+        next_target=4, max_num_epochs=100, generation_version=1, reference=None, pad_token_id=0,
+    )  # fmt: skip
+    collector = TrajectoryCollector.__new__(TrajectoryCollector)  # the actor's loop state, on this thread
+    TrajectoryCollector._setup(collector, None, SimpleNamespace(agents=None, tasks=["t"]), None, None, loader, settings)
+    collector.in_flight = True  # step 3's batch (the last) generates with weights v1
+
+    def last_batch_ends() -> None:  # what the loop does as its batch ends: then it waits for its next target (paused)
+        time.sleep(0.5)
+        with collector.cond:
+            collector.in_flight = False
+            collector.cond.notify_all()
+        collector._wait_for_next_target()
+
+    class Generation:
+        weight_version = 1
+
+        def refit(self, buckets, version) -> float:
+            self.weight_version = version
+            return 0.01
+
+    parts = SimpleNamespace(policy=SimpleNamespace(weight_version=2, weight_buckets=None), generation=Generation())
+    rollouts = AsyncRollouts.__new__(AsyncRollouts)  # its refit and control calls on a collector in this process
+    rollouts.parts, rollouts.in_flight, rollouts.agents = parts, False, None
+    rollouts.local = SimpleNamespace(collector=collector)
+    assert not rollouts.needs_refit()  # the step skipped its refit
+    steps = grpo.AsyncSteps(parts)
+    steps.rollouts = rollouts
+    monkeypatch.setattr(grpo, "validate", lambda parts, step: {"validation/accuracy": 0.5})
+    threading.Thread(target=last_batch_ends, daemon=True).start()
+    timer = StepTimer()
+    metrics = steps.validate(3, timer)
+    assert timer.seconds["waiting_for_refit"] >= 0.4 and timer.seconds["refit"] == pytest.approx(0.01)
+    assert metrics["idle/trainer_waiting_for_refit"] == timer.seconds["waiting_for_refit"]
+    assert metrics["validation/accuracy"] == 0.5 and parts.generation.weight_version == 2
