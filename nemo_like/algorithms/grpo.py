@@ -691,8 +691,9 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                     already = last_validation.get(VALIDATED_AT_STEP) == float(final)
                 validated = False
                 if cfg.grpo.val_at_end and final >= 1 and not already:
-                    val = runner.validate(final, StepTimer())
-                    logger.log(val, final)  # a validation-only record of the last step, as step 0's is
+                    # A validation-only record of the last step, as step 0's is (its refit's seconds belong to no step)
+                    val = validation_of(runner.validate(final, StepTimer()))
+                    logger.log(val, final)
                     if ran_here:
                         history[-1].update(val)
                     else:

@@ -376,6 +376,14 @@ class ClippedPGLossConfig(BaseModel):
                 f"loss_fn.truncated_importance_sampling_ratio_min ({tis_min}) exceeds "
                 f"loss_fn.truncated_importance_sampling_ratio ({tis_max})",
             ),
+            (
+                builtin_tis and ((tis_max is not None and tis_max < 1) or (tis_min is not None and tis_min > 1)),
+                f"loss_fn.truncated_importance_sampling_ratio_min/_ratio ([{tis_min}, {tis_max}]) must contain 1: they bound "
+                "the ratio pi_prev/pi_gen itself (e.g. [0.5, 2.0]), not its distance from 1, and a token sampled by the "
+                f"weights it is trained on has a ratio of 1 ({tis_type!r} would "
+                + ("scale every such token's weight down" if tis_type == "tis" else "drop every such token")
+                + ")",
+            ),
         ]
 
     def no_effect_warnings(self, one_step_per_rollout: bool = False, per_token_advantages: bool = False) -> list[str]:

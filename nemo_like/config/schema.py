@@ -219,6 +219,12 @@ class MasterConfig(BaseModel):
         tp = self.policy.dtensor_cfg.tensor_parallel_size
         if error := distillation_errors(self.teacher, self.distillation, self.env_sections, tp):
             raise ValueError(error)
+        if self.grpo.use_dynamic_sampling and self.teacher_signal() and self.distillation.task_advantage_weight == 0:
+            raise ValueError(
+                "grpo.use_dynamic_sampling=true keeps the groups whose task rewards differ, but "
+                "distillation.task_advantage_weight=0 gives the task reward no weight: it would drop groups the teacher's "
+                "signal trains on, by a criterion the loss does not use; turn dynamic sampling off or weight the task reward"
+            )
         if self.loss_fn.aggregation == "seq-mean-token-sum-norm" and self.loss_fn.loss_aggregation_normalizer is None:
             # Dr. GRPO's constant: the maximum response length.
             self.loss_fn.loss_aggregation_normalizer = float(self.policy.generation.max_new_tokens)
@@ -258,11 +264,27 @@ class MasterConfig(BaseModel):
                 f"the first {val_cap} prompts; raise grpo.max_val_samples to use more"
             )
         group_baseline = self.grpo.adv_estimator.name in GROUP_BASELINE_ESTIMATORS
-        if self.grpo.num_generations_per_prompt == 1 and group_baseline and self.distillation.kl_weight == 0:
+        if self.grpo.num_generations_per_prompt == 1 and group_baseline and not self.teacher_signal():
             lines.append(
                 f"grpo.num_generations_per_prompt=1: every advantage is 0 with grpo.adv_estimator.name="
                 f"'{self.grpo.adv_estimator.name}' (a sample is its own group's baseline), so the policy-gradient term never "
                 "moves the policy; use 2 or more samples per prompt"
+            )
+        elif (
+            self.grpo.num_generations_per_prompt == 1
+            and group_baseline
+            and changed_from_defaults(self.distillation, ["task_advantage_weight"])
+            and self.distillation.task_advantage_weight > 0
+        ):
+            lines.append(
+                f"distillation.task_advantage_weight={self.distillation.task_advantage_weight} has no effect with "
+                f"grpo.num_generations_per_prompt=1: the task reward's advantage is 0 with grpo.adv_estimator.name="
+                f"'{self.grpo.adv_estimator.name}' (a sample is its own group's baseline); the teacher's signal still trains"
+            )
+        if self.grpo.use_dynamic_sampling and self.teacher_signal() and self.distillation.task_advantage_weight > 0:
+            lines.append(
+                "grpo.use_dynamic_sampling=true drops the groups whose task rewards are all equal, though the teacher's "
+                "signal (distillation.advantage_weight, kl_weight) would still train on them"
             )
         lines += self.switched_off_warnings()
         if self.grpo.val_pass_k is not None and self.grpo.val_num_generations_per_prompt == 1:
@@ -407,6 +429,10 @@ class MasterConfig(BaseModel):
             }
         )
         return self.model_copy(update={"policy": policy})
+
+    def teacher_signal(self) -> bool:
+        """Whether a teacher's signal trains the policy (its per-token advantage or its KL term)."""
+        return self.teacher.enabled and (self.distillation.advantage_weight > 0 or self.distillation.kl_weight > 0)
 
     def offloads_to_cpu(self) -> bool:
         """Whether FSDP2's CPU offload runs (``policy.dtensor_cfg.cpu_offload``): on a GPU cluster with more than one

@@ -175,19 +175,19 @@ def _die_with_parent() -> None:
 #: A percent sign closing a box (``\boxed{50\%}``, also ``50\ \%`` and ``50\%.``): math-verify drops ``%`` after a
 #: ``$...$`` answer (``$50\%$`` is 50) but not inside a box, where ``50\%`` stayed text and a correct percentage scored 0.
 BOXED_PERCENT = re.compile(r"\s*(?:\\ )?\\?%\s*[.,;]?\s*\}")
-#: ``\fbox{...}``, LaTeX's other box: math-verify reads only ``\boxed``, so a correct ``\fbox`` answer scored 0.
+#: ``\fbox{...}``, LaTeX's other box: math-verify reads only ``\boxed``, so a correct ``\fbox`` answer scored 0. Read as
+#: a box only when the response has no answer without it (a response that frames a step and states its answer after
+#: it is read as before).
 FBOX = re.compile(r"\\fbox\s*\{")
 #: A thin space between digit groups (``1\,000``), as LaTeX typesets thousands: math-verify read ``1\,000`` as wrong.
 THIN_SPACE_THOUSANDS = re.compile(r"(\d)\\,(?=\d{3}(?!\d))")
 
 
 def normalised_answer(text: str) -> str:
-    """``text`` as math-verify reads it best: ``\\fbox`` read as ``\\boxed`` (:data:`FBOX`), thin spaces between digit
-    groups dropped (:data:`THIN_SPACE_THOUSANDS`), a percent sign closing a box dropped (:data:`BOXED_PERCENT`), and the
-    Unicode minus sign (U+2212, as typeset text writes it) made ASCII: math-verify read a plain-text ``−3`` as no
-    answer (inside ``$...$`` or a box it read it)."""
-    text = FBOX.sub(r"\\boxed{", text.replace("\u2212", "-"))
-    return BOXED_PERCENT.sub("}", THIN_SPACE_THOUSANDS.sub(r"\1", text))
+    """``text`` as math-verify reads it best: thin spaces between digit groups dropped (:data:`THIN_SPACE_THOUSANDS`), a
+    percent sign closing a box dropped (:data:`BOXED_PERCENT`), and the Unicode minus sign (U+2212, as typeset text
+    writes it) made ASCII: math-verify read a plain-text ``−3`` as no answer (inside ``$...$`` or a box it read it)."""
+    return BOXED_PERCENT.sub("}", THIN_SPACE_THOUSANDS.sub(r"\1", text.replace("\u2212", "-")))
 
 
 def verify_answer(response: str, gold: str, gold_cache: dict[str, Any] | None = None) -> str:
@@ -202,6 +202,8 @@ def verify_answer(response: str, gold: str, gold_cache: dict[str, Any] | None = 
     if not gold_parsed:
         return "gold_parse_failure"
     predicted = parse(normalised_answer(response), parsing_timeout=None)
+    if not predicted and FBOX.search(response):  # only an \fbox holds an answer: read it as \boxed (FBOX)
+        predicted = parse(normalised_answer(FBOX.sub(r"\\boxed{", response)), parsing_timeout=None)
     if not predicted:
         return "parse_failure"
     return "correct" if verify(gold_parsed, predicted, timeout_seconds=None) else "wrong"

@@ -112,6 +112,12 @@ def vllm_keys_for_the_other_device(cfg: Any) -> list[str]:
         if getattr(section, key) != getattr(type(section)(), key):
             where = "a GPU cluster (it sizes the CPU engine's KV cache)" if on_gpu else "a CPU cluster (GPU only)"
             lines.append(f"policy.generation.{dotted}={getattr(section, key)} has no effect with the vLLM engine on {where}")
+    colocated = g.colocated
+    if on_gpu and not colocated.enabled and colocated.offload_optimizer != type(colocated)().offload_optimizer:
+        lines.append(
+            f"policy.generation.colocated.offload_optimizer={colocated.offload_optimizer} has no effect with "
+            "policy.generation.colocated.enabled=false (the engine has GPUs of its own: nothing is offloaded to make room)"
+        )
     return lines
 
 

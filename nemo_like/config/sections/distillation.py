@@ -26,7 +26,7 @@ class TeacherConfig(Section):
         "teacher (no actors start). Its tokenizer must equal the student's.",
     )
     tokenizer_name: OptStr = Field(None, description="The teacher's tokenizer; defaults to teacher.model_name.")
-    precision: OptStr = Field(None, description="The teacher's precision (float32 or bfloat16); null: policy.precision.")
+    precision: Literal["float32", "bfloat16"] | None = Field(None, description="The teacher's precision; null: policy.precision.")
     by_task: dict[str, OptStr] = Field(
         default_factory=dict,
         description="Several teachers: task name -> teacher model for that task's samples (null: no teacher for it); tasks "

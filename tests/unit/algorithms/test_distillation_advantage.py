@@ -158,6 +158,27 @@ def test_task_weight_zero_without_a_teacher_is_an_error_and_unused_options_warn(
     assert any("its signal unused" in line for line in recipe(TEACHER, "distillation.advantage_weight=0").no_effect_warnings())
 
 
+def test_the_teachers_signal_counts_in_the_checks_of_group_baselines_and_dynamic_sampling() -> None:
+    """One sample per prompt warned that nothing trains, though the teacher's per-token advantage does (the warning
+    told users to double their sampling for nothing); dynamic sampling dropped groups the teacher's signal trains on,
+    silently, even with the task reward unweighted; a mistyped teacher.precision passed and crashed the planner with a
+    bare KeyError."""
+    one = ("grpo.num_generations_per_prompt=1",)
+    assert not any("generations_per_prompt=1" in line for line in recipe(TEACHER, *one).no_effect_warnings())
+    assert any("every advantage is 0" in line for line in recipe(*one).no_effect_warnings())
+    assert any(
+        line.startswith("distillation.task_advantage_weight=0.5 has no effect with grpo.num_generations_per_prompt=1")
+        for line in recipe(TEACHER, *one, "distillation.task_advantage_weight=0.5").no_effect_warnings()
+    )
+    dynamic = "grpo.use_dynamic_sampling=true"
+    with pytest.raises(ConfigError, match="grpo.use_dynamic_sampling=true keeps the groups whose task rewards differ, but"):
+        recipe(TEACHER, dynamic, "distillation.task_advantage_weight=0")
+    assert any("drops the groups whose task rewards" in line for line in recipe(TEACHER, dynamic).no_effect_warnings())
+    assert not any("drops the groups" in line for line in recipe(dynamic).no_effect_warnings())
+    with pytest.raises(ConfigError, match=r"teacher.precision: Input should be 'float32' or 'bfloat16'"):
+        recipe(TEACHER, "teacher.precision=bf16")
+
+
 def test_the_plan_runs_the_prev_and_teacher_passes_and_reserves_teacher_ranks() -> None:
     from nemo_like.algorithms.roles import role_requests
 

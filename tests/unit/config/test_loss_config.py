@@ -138,6 +138,21 @@ def test_valid_combinations(kwargs: dict) -> None:
             },
             ["truncated_importance_sampling_type='seq-mask-tis'", "sequence_level_importance_ratios"],
         ),  # fmt: skip
+        # Truncation bounds that exclude a ratio of 1 (read as an epsilon, like ratio_clip_max): icepop dropped every
+        # on-policy token (the step trained on nothing), tis scaled every one down
+        (
+            {
+                **TIS,
+                "truncated_importance_sampling_type": "icepop",
+                "truncated_importance_sampling_ratio": 0.8,
+                "truncated_importance_sampling_ratio_min": 0.5,
+            },
+            ["truncated_importance_sampling_ratio_min/_ratio ([0.5, 0.8]) must contain 1"],
+        ),  # fmt: skip
+        (
+            {**TIS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 0.2},
+            ["truncated_importance_sampling_ratio_min/_ratio ([None, 0.2]) must contain 1"],
+        ),
     ],
 )
 def test_invalid_combinations_name_both_keys(kwargs: dict, keys: list[str]) -> None:

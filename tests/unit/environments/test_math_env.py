@@ -66,6 +66,9 @@ PAIRS = [
     ("\\boxed{10\\%.}", "10", True),
     ("\\boxed{5\\ \\%}", "5", True),
     ("\\fbox{8}", "7", False),
+    # ... but an \fbox that frames a step is not read over the answer stated after it
+    ("Key step: \\fbox{x = 3}. Therefore the answer is 4.", "4", True),
+    ("We first find \\fbox{12} apples; the total is therefore $20$.", "20", True),
     # the Unicode minus sign of typeset text (U+2212): a plain-text answer read as no answer
     ("The answer is \u22123.", "-3", True),
     ("So the slope is \u22123.5", "-3.5", True),

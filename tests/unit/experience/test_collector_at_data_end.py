@@ -332,6 +332,14 @@ def test_a_dead_generation_worker_counts_no_load_seconds_instead_of_failing_the_
     handles = ActorHandles([live, dead])
     assert handles.mid_generation_seconds() == pytest.approx(2.5)
     ray.kill(dead)
+    deadline = time.monotonic() + 30
+    while True:  # ray.kill returns before the actor is gone: a read right after it could still reach it
+        try:
+            ray.get(dead.mid_generation_seconds.remote())
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     assert handles.mid_generation_seconds() == pytest.approx(0.5)
 
 
@@ -353,6 +361,8 @@ def test_a_validation_refit_that_waits_for_the_last_batch_is_timed_as_the_traine
     collector.in_flight = True  # step 3's batch (the last) generates with weights v1
 
     def last_batch_ends() -> None:  # what the loop does as its batch ends: then it waits for its next target (paused)
+        while "refit" not in collector.pause_reasons:  # the refit waits for the batch from here on
+            time.sleep(0.01)
         time.sleep(0.5)
         with collector.cond:
             collector.in_flight = False

@@ -181,7 +181,7 @@ def test_a_head_scaled_under_a_field_we_do_not_list_fails_the_chunked_forward_in
     import torch
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
-    from nemo_like.models.chunked_logprobs import model_token_logprobs_with_outside, teacher_head_inputs
+    from nemo_like.models.chunked_logprobs import check_head_output_unchanged, model_token_logprobs_with_outside, teacher_head_inputs
     from nemo_like.models.loading import head_postprocessing
 
     torch.manual_seed(0)
@@ -207,6 +207,11 @@ def test_a_head_scaled_under_a_field_we_do_not_list_fails_the_chunked_forward_in
         with pytest.raises(RuntimeError, match="FalconH1ForCausalLM's forward changes"):
             teacher_head_inputs(falcon, *inputs, chunk_size=5, copy_head=False)
     torch.testing.assert_close(chunked[:, 1:], unscaled.gather(-1, ids[:, 1:, None])[..., 0], atol=1e-5, rtol=0)
+    # A cast of the same values passes, a NaN of the model's own too (the run's non-finite guard handles it)
+    produced = torch.tensor([[0.5, float("nan")]], dtype=torch.bfloat16)
+    check_head_output_unchanged(falcon, produced, produced.float())
+    with pytest.raises(RuntimeError, match="forward changes its output head's logits"):
+        check_head_output_unchanged(falcon, produced, produced.float() * 0.25)
 
 
 def test_stop_settings_no_engine_can_honour_are_config_errors_naming_the_key(tmp_path) -> None:

@@ -138,6 +138,13 @@ def test_engine_options_that_the_chosen_engine_ignores_are_named() -> None:
         "policy.generation.vllm_cfg.kv_cache_space_gib=2 has no effect with the vLLM engine on a GPU cluster (it sizes the "
         "CPU engine's KV cache)"
     ]
+    # On a GPU cluster the offload serves a colocated engine only (an engine on GPUs of its own ignored it silently)
+    own_gpus = recipe(*gpu, "policy.generation.colocated.offload_optimizer=false", "policy.generation.colocated.enabled=false")
+    assert ignored_engine_keys(own_gpus, "vllm") == [
+        "policy.generation.colocated.offload_optimizer=False has no effect with policy.generation.colocated.enabled=false "
+        "(the engine has GPUs of its own: nothing is offloaded to make room)"
+    ]
+    assert ignored_engine_keys(recipe(*gpu, "policy.generation.colocated.offload_optimizer=false"), "vllm") == []
 
 
 def test_every_backend_the_config_allows_is_one_registration() -> None:
