@@ -19,6 +19,7 @@ from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config.loss import ClippedPGLossConfig
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig, OptimizerConfig
 from nemo_like.models.policy import sharding
+from nemo_like.models.policy.policy import optimizer_step_shards
 from nemo_like.models.policy.worker import PolicyWorker
 
 pytestmark = pytest.mark.slow  # two processes that each import torch and transformers: ~30 s on this machine
@@ -96,13 +97,29 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, worker_kwargs: di
     worker.train([rank_rows(step_batch(STEPS - 1), rank, world)])
     _, resumed = worker.get_state_dict()
     buckets = list(sharding.iter_weight_buckets(worker.model, 200_000, keep=rank == 0))
+    worker.loss_fn = ClippedPGLossFn(SEQUENCE_LOSS)
+    uneven = worker.train(optimizer_step_shards(odd_batch(), 2, world)[rank])
+    _, after_uneven = worker.get_state_dict()
     if rank == 0:
         torch.save(
-            {"logprobs": logprobs, "results": results, "final": final, "resumed": resumed, "buckets": buckets, "footprint": footprint},
+            {"logprobs": logprobs, "results": results, "final": final, "resumed": resumed, "buckets": buckets, "footprint": footprint,
+             "uneven": uneven, "after_uneven": after_uneven},
             f"{out_dir}/rank0.pt",
-        )
+        )  # fmt: skip
     else:
-        torch.save({"logprobs": logprobs, "results": results, "footprint": footprint}, f"{out_dir}/rank1.pt")
+        torch.save({"logprobs": logprobs, "results": results, "footprint": footprint, "uneven": uneven}, f"{out_dir}/rank1.pt")
+
+
+#: A sequence-level aggregation for the odd batch (the steps above use the default token-mean): its normaliser is the
+#: global count of sequences, which a rank with fewer rows, or none, must use as the others do.
+SEQUENCE_LOSS = ClippedPGLossConfig(reference_policy_kl_penalty=0.0, loss_aggregation="seq-mean-token-sum")
+
+
+def odd_batch() -> dict[str, torch.Tensor]:
+    """7 rows (two optimizer steps of 4 and 3 rows, each split 2 + 2 and 2 + 1 over two ranks), one sample masked."""
+    batch = step_batch(7, rows=7)
+    batch["sample_mask"][5] = 0.0
+    return batch
 
 
 def free_port() -> int:
@@ -138,6 +155,15 @@ def check_fsdp(out_dir) -> None:
         assert ref["grad_norms"][0] > MAX_GRAD_NORM  # clipping was active
     _, single_state = single.get_state_dict()
     assert_states_close(r0["final"], single_state, atol=1e-5)
+    # Two optimizer steps of an odd batch under a sequence-level loss: the same metrics (combined as the driver does),
+    # grad norms and weights as one rank
+    single.loss_fn = ClippedPGLossFn(SEQUENCE_LOSS)
+    alone = single.train(optimizer_step_shards(odd_batch(), 2, 1)[0])
+    combined = single.loss_fn.combine_metrics([r0["uneven"]["metrics"], r1["uneven"]["metrics"]])
+    for key in ("loss", "num_valid_tokens", "clip_fraction"):
+        assert combined[key] == pytest.approx(alone["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert r0["uneven"]["grad_norms"] == pytest.approx(alone["grad_norms"], rel=1e-5) and len(alone["grad_norms"]) == 2
+    assert_states_close(r0["after_uneven"], single.get_state_dict()[1], atol=1e-5)
     # Resuming the two-rank checkpoint replays step 3 exactly.
     assert_states_close(r0["resumed"], r0["final"], atol=0.0)
     # Each rank holds half of the parameters, gradients and AdamW moments.
