@@ -187,6 +187,16 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
     async def models() -> dict[str, Any]:
         return models_response(service.limits.model_name, created, service.limits.max_context)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        (served,) = models_response(service.limits.model_name, created, service.limits.max_context)["data"]
+        if model_id != served["id"]:
+            raise ServingError(
+                404, f"The model '{model_id}' does not exist; this server serves '{served['id']}'.",
+                type="not_found_error", code="model_not_found", param="model",
+            )  # fmt: skip
+        return served
+
     @app.post("/v1/sessions")
     async def open_session(body: OpenSessionRequest | None = None) -> dict[str, Any]:
         body = body or OpenSessionRequest()

@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from nemo_like.environments.agent import ContentError, content_text
+from nemo_like.environments.tools.parsing import CLOSE_TAG, OPEN_TAG
 from nemo_like.models.loading import render_chat
 from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import bad_request, unsupported
@@ -191,12 +192,34 @@ def _normalize(message: Any, index: int, continuations: Continuations | None) ->
     return out, lookup
 
 
+def with_calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant ``message`` whose ``tool_calls`` (template form) are written after its content as Hermes markup,
+    ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` as Qwen's templates write them, which the server's
+    ``hermes`` parser reads back: for a template that renders only ``content`` (a call would otherwise vanish from the
+    prompt, the model no longer seeing what it asked for)."""
+    calls = "".join(
+        f"{OPEN_TAG}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}\n{CLOSE_TAG}"
+        for c in message["tool_calls"]
+    )
+    content = message.get("content") or ""
+    return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": f"{content}\n{calls}" if content else calls}
+
+
+#: A tool only the template's rendering can spell: whether a template renders tools and tool calls (:class:`Renderer`).
+PROBE_NAME = "nemo_like_probe_tool_5f3a"
+PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": PROBE_NAME, "description": "probe", "parameters": {"type": "object", "properties": {}}},
+}
+
+
 class Renderer:
     """Tokenizer + chat template (the tokenizer's own, or ``chat_template`` to override it)."""
 
     def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self._warned: set[str] = set()  # what the template does not render, logged once
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass chat_template")
         self._direct = direct_backend(tokenizer)
@@ -219,6 +242,32 @@ class Renderer:
         after = text[text.rfind(probe) + len(probe) :] if probe in text else ""
         ids = self.tokenize(after) if after else []
         return ids[0] if ids and ids[0] in self._special_ids else None
+
+    def _warn_once(self, what: str, consequence: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(f"This model's chat template does not render {consequence}.")
+
+    def _renders(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+        """Whether the template writes :data:`PROBE_NAME` (a probe tool's name) when rendering ``messages`` with ``tools``."""
+        try:
+            return PROBE_NAME in render_chat(self.tokenizer, messages, tools=tools, chat_template=self.chat_template)
+        except Exception:  # noqa: BLE001 - a template that refuses the probe renders nothing of it
+            return False
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template writes a request's ``tools`` into the prompt (many read only ``role`` and ``content``:
+        the model then sees no tool list, and must know its tools already)."""
+        return self._renders([{"role": "user", "content": "hi"}], [PROBE_TOOL])
+
+    @functools.cached_property
+    def renders_tool_calls(self) -> bool:
+        """Whether the template writes an assistant message's ``tool_calls`` (without it, a call the client sends back
+        outside a session's recorded history would vanish from the prompt)."""
+        call = {"type": "function", "function": {"name": PROBE_NAME, "arguments": {}}}
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        return self._renders(messages, [PROBE_TOOL])
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -331,6 +380,11 @@ class Renderer:
             normalized = [normalize_message(m, i, None) for i, m in enumerate(messages)]
         else:  # a session's history is normalised once, not again at every call
             normalized = continuations.normalized(messages, lambda m, i: _normalize(m, i, continuations))
+        if any(m.get("tool_calls") for m in normalized) and not self.renders_tool_calls:
+            normalized = [with_calls_as_text(m) if m.get("tool_calls") else m for m in normalized]
+            self._warn_once("tool_calls", "an assistant's tool_calls: they are written into its content as Hermes text")
+        if tools and not self.renders_tools:
+            self._warn_once("tools", "'tools': the model sees none of the tools a request sends (its calls are still parsed)")
         try:
             return render_chat(
                 self.tokenizer, normalized, tools=tools or None, add_generation_prompt=True, chat_template=self.chat_template

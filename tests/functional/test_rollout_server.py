@@ -269,6 +269,9 @@ def test_every_request_needs_the_key_and_the_server_listens_on_loopback_only(ser
         assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
         assert server.api_key not in answer.text
     assert client(server).models.list().data[0].id == "policy"
+    assert client(server).models.retrieve("policy").id == "policy"  # it was a bare 404: some frameworks check it
+    with pytest.raises(openai.NotFoundError, match="this server serves 'policy'"):
+        client(server).models.retrieve("gpt-4o")
     assert server.base_url.startswith("http://127.0.0.1:")
     with pytest.raises(ValueError, match="not a loopback address"):
         RolloutServer(server.queue.engine, server.service.renderer.tokenizer, ServerConfig(host="0.0.0.0"))

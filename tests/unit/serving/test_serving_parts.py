@@ -21,7 +21,7 @@ from nemo_like.serving.batching import GenerationQueue
 from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import ServingError
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest
-from nemo_like.serving.rendering import Renderer, direct_backend
+from nemo_like.serving.rendering import PROBE_TOOL, Renderer, direct_backend
 from nemo_like.serving.responses import chat_response
 from nemo_like.serving.server import is_loopback
 from nemo_like.serving.service import CompletionService, Limits
@@ -95,6 +95,36 @@ def test_a_returned_message_renders_as_the_raw_sampled_text(renderer):
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls}]
     assert raw in renderer.chat_text(messages, None, continuations)
     assert raw not in renderer.chat_text(messages, None, Continuations())  # an unknown message is rendered as sent
+
+
+#: A template that renders tools and tool calls (as Qwen 2.5's does, in short).
+TOOL_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}{% for t in tools %}{{ t['function']['name'] }}{% endfor %}{{ '<|im_end|>' }}"
+    "{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') }}{% for c in "
+    "m.get('tool_calls') or [] %}{{ '[call ' + c['function']['name'] + ']' }}{% endfor %}{{ '<|im_end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_tool_calls_a_template_cannot_render_are_written_as_hermes_text(renderer, caplog):
+    """A template that renders only role and content (the shipped tool model's) dropped a returned assistant's
+    tool_calls outside a session's recorded history: the model no longer saw what it had asked for. They are written
+    into the content as the hermes parser reads them back; a template that renders them still does; a template that
+    ignores 'tools' is logged once."""
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}]
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Let me compute.", "tool_calls": calls}]
+    renderer = Renderer(renderer.tokenizer)  # its own: the module's may have logged already
+    assert not renderer.renders_tools and not renderer.renders_tool_calls
+    with caplog.at_level("WARNING", logger="nemo_like.serving"):
+        text = renderer.chat_text(messages, [PROBE_TOOL], None)
+        renderer.chat_text(messages, [PROBE_TOOL], None)
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    parsed = parse_hermes(turn)
+    assert parsed.content == "Let me compute.\n" and json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"expression": "2*3"}
+    assert [r.message.count("does not render") for r in caplog.records] == [1, 1]  # calls, tools: once each
+    rendering = Renderer(renderer.tokenizer, chat_template=TOOL_TEMPLATE)
+    assert rendering.renders_tools and rendering.renders_tool_calls
+    assert "Let me compute.[call calculator]" in rendering.chat_text(messages, None, None)
 
 
 def test_messages_with_the_same_content_and_calls_each_render_as_the_text_they_were_sampled_as(renderer):
