@@ -148,9 +148,10 @@ def build_generation(cfg, pad_token_id: int, eos_token_ids: list[int], policy: A
 
 
 def _build_inline(cfg, pad_token_id: int, eos_token_ids: list[int], policy: Any, plan: RunPlan):
+    from nemo_like.models.loading import tokenizer_source
     from nemo_like.models.policy.inline import InlineGeneration
 
-    return InlineGeneration(policy, pad_token_id, eos_token_ids)
+    return InlineGeneration(policy, pad_token_id, eos_token_ids, tokenizer_source(cfg.policy))
 
 
 def _inline_resources(cfg, plan: RunPlan) -> RoleResources:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -233,6 +234,19 @@ def render_chat(tokenizer: Any, messages: Any, **kwargs: Any) -> str:
     """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)`` with the date fixed (:data:`CHAT_TEMPLATE_DATE`):
     every chat rendering of the project goes through it (prompts, multi-turn turns, the rollout server, judges)."""
     return tokenizer.apply_chat_template(messages, tokenize=False, date_string=CHAT_TEMPLATE_DATE, **kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def exact_decoder(name: str) -> Callable[[Sequence[int]], str]:
+    """The text of token ids as tokenizer ``name`` spells them, special tokens included and no clean-up (what a stop
+    string is matched against); loaded once per process."""
+    tokenizer = load_tokenizer(name)
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def tokenizer_source(policy_cfg: Any) -> str:
+    """The policy's tokenizer (``policy.tokenizer_name``, else its model) as an actor must be given it."""
+    return actor_model_source(policy_cfg.tokenizer_name or policy_cfg.model_name)
 
 
 def load_tokenizer(name: str):

@@ -9,7 +9,9 @@ as :class:`~nemo_like.models.generation.hf_worker.HFGenerationWorker` (both call
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,19 +29,26 @@ class LocalGeneration:
     pad_token_id: int
     eos_token_ids: list[int]
     weight_version: int = 0
+    decode: Callable[[Sequence[int]], str] | None = None  # the tokenizer's: rows stop at a request's stop strings
 
     PER_PROMPT_SEEDS = True  # generate takes one seed per prompt (lean_decoder.sample)
 
     @classmethod
-    def load(cls, model_name: str, pad_token_id: int, eos_token_ids: list[int], precision: str = "float32") -> LocalGeneration:
-        """Load ``model_name`` (a path, a hub id or ``embedded:<name>``) for sampling."""
-        return cls(load_causal_lm(model_name, precision).eval(), pad_token_id, list(eos_token_ids))
+    def load(
+        cls, model_name: str, pad_token_id: int, eos_token_ids: list[int], precision: str = "float32", tokenizer: Any = None
+    ) -> LocalGeneration:
+        """Load ``model_name`` (a path, a hub id or ``embedded:<name>``) for sampling; with its ``tokenizer``, a row stops
+        sampling at a request's stop strings (without it, it samples on to its token limit and the server cuts)."""
+        decode = None
+        if tokenizer is not None:
+            decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+        return cls(load_causal_lm(model_name, precision).eval(), pad_token_id, list(eos_token_ids), decode=decode)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: Seeds) -> list[GeneratedSample]:
         """One sample per prompt, with the logprobs of the distribution each token was drawn from; ``seed``: the
         batch's, or one per prompt."""
-        drawn = sample_with_params(self.model, prompts, params, self.eos_token_ids, self.pad_token_id, seed)
+        drawn = sample_with_params(self.model, prompts, params, self.eos_token_ids, self.pad_token_id, seed, decode=self.decode)
         return [GeneratedSample(**d) for d in drawn.sample_dicts(prompts, self.weight_version)]
 
     @torch.no_grad()

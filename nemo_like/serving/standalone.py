@@ -42,7 +42,7 @@ def build_server(cfg: Any, port: int = 0) -> RolloutServer:
     check_context_length(model, cfg.policy.max_total_sequence_length)  # the server's context
     check_stop_token_ids(model, cfg.policy.generation.stop_token_ids)
     eos_ids = end_of_sequence_ids(tokenizer, model)
-    engine = LocalGeneration.load(model, tokenizer.pad_token_id, eos_ids, cfg.policy.precision)
+    engine = LocalGeneration.load(model, tokenizer.pad_token_id, eos_ids, cfg.policy.precision, tokenizer)
     config = ServerConfig(
         port=port,
         max_context=cfg.policy.max_total_sequence_length,

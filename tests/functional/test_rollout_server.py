@@ -47,7 +47,8 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def engine(tokenizer):
     torch.set_num_threads(1)
-    return LocalGeneration.load(MODEL, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    # With the tokenizer, as `nemo-like serve` builds it: a row stops sampling at a request's stop strings
+    return LocalGeneration.load(MODEL, tokenizer.pad_token_id, [tokenizer.eos_token_id], tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")

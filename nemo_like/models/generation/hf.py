@@ -17,7 +17,7 @@ from nemo_like.models.generation.interface import (
     actor_concurrency,
     generate_on_group,
 )
-from nemo_like.models.loading import actor_model_source
+from nemo_like.models.loading import actor_model_source, tokenizer_source
 
 
 def hf_generation_resources(cfg: MasterConfig, num_threads: int, num_workers: int = 1) -> RoleResources:
@@ -45,6 +45,7 @@ class HFGeneration:
             num_threads=resources.num_threads,
             pad_token_id=pad_token_id,
             eos_token_ids=eos_token_ids,
+            tokenizer_name=tokenizer_source(pc),
         )
         self.group = RayWorkerGroup(
             "generation",

@@ -9,7 +9,7 @@ from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.distributed.threads import apply_thread_count, use_threads
 from nemo_like.models.generation.interface import SamplingParams, Seeds, chunk_seeds
 from nemo_like.models.generation.lean_decoder import sample_with_params
-from nemo_like.models.loading import load_causal_lm
+from nemo_like.models.loading import exact_decoder, load_causal_lm
 from nemo_like.models.refit.buckets import WeightBuckets
 from nemo_like.models.refit.gate import WeightUpdateGate
 from nemo_like.models.refit.manifest import check_manifest, served_weight_names
@@ -54,6 +54,7 @@ class HFGenerationWorker(Reinitializable):
         pad_token_id: int,
         eos_token_ids: list[int],
         max_batch_size: int = HF_MAX_BATCH_SIZE,
+        tokenizer_name: str | None = None,
     ) -> None:
         apply_thread_count(num_threads)
         self.num_threads = num_threads  # set again in each call's own thread (a threaded actor's: max_concurrency 2)
@@ -64,6 +65,7 @@ class HFGenerationWorker(Reinitializable):
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
         self.max_batch_size = max_batch_size
+        self.tokenizer_name = tokenizer_name  # loaded for a call with stop strings (their rows stop sampling there)
         self.weight_version = 0
         self.gate = WeightUpdateGate()
         self.expected_names = served_weight_names(self.model)  # what a refit must name
@@ -87,7 +89,10 @@ class HFGenerationWorker(Reinitializable):
         the policy computes them; an in-flight refit lands between two decode steps."""
         start_version = self.weight_version
         swap_log = SwapLog(self)
-        drawn = sample_with_params(self.model, prompts, sp, self.eos_token_ids, self.pad_token_id, seed, between_steps=swap_log)
+        decode = exact_decoder(self.tokenizer_name) if sp.stop_strings and self.tokenizer_name else None
+        drawn = sample_with_params(
+            self.model, prompts, sp, self.eos_token_ids, self.pad_token_id, seed, between_steps=swap_log, decode=decode
+        )
         return drawn.sample_dicts(prompts, start_version, swap_log.swaps)
 
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:

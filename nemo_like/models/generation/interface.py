@@ -29,7 +29,8 @@ class SamplingParams:
     top_k: int | None = None
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()  # applied by the driver after generation (stop_string_prefix)
+    # The exact cut is the driver's, after generation (stop_string_prefix); engines stop a row's sampling there too
+    stop_strings: tuple[str, ...] = ()
 
 
 def sampling_params(cfg: Any, greedy: bool = False) -> SamplingParams:
@@ -159,6 +160,25 @@ def stop_string_prefix(ids: Sequence[int], decode: Callable[[Sequence[int]], str
         else:
             low = middle + 1
     return low
+
+
+class StopStringWatch:
+    """Tells, while a batch samples, whether a row's text now holds one of ``stop_strings``, so that the engine stops
+    sampling that row there (it had sampled on to ``max_new_tokens``, all of it then cut away). It decodes only the row's
+    last tokens, enough to spell the longest stop string from partial-character tokens; the exact cut stays
+    :func:`stop_string_prefix`'s on the whole response, after generation, so a stop the window missed only costs the
+    tokens sampled past it."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str]) -> None:
+        if not stop_strings:
+            raise ValueError("a StopStringWatch needs at least one stop string")
+        self.decode, self.stop_strings = decode, tuple(stop_strings)
+        self.window = 4 * max(len(s) for s in self.stop_strings) + 4  # a character can take up to 4 byte tokens
+
+    def holds(self, ids: Sequence[int]) -> bool:
+        """Whether the text of ``ids``'s last tokens holds a stop string."""
+        text = self.decode(ids[-self.window :])
+        return any(s in text for s in self.stop_strings)
 
 
 def actor_concurrency(cfg) -> int:

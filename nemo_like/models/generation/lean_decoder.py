@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, prompt_seeds, version_at
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, StopStringWatch, prompt_seeds, version_at
 from nemo_like.models.llama_family import rms_norm_with, rotary_tables
 from nemo_like.models.llama_family import supported as fused_step_supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, sampling_keep_mask
@@ -357,9 +357,11 @@ def sample(
     greedy: bool = False,
     fused: bool | None = None,
     between_steps: Callable[[int], bool] | None = None,
+    stop_watch: StopStringWatch | None = None,
 ) -> SampledBatch:
     """Sample up to ``max_new_tokens`` per prompt from ``model`` (left-padded batch, KV cache); stops early when
-    every row has produced a stop token. Tokens after a row's stop token are padding.
+    every row has produced a stop token, or (``stop_watch``) a token that completes a stop string. Tokens after a
+    row's stop are padding.
 
     A GRPO batch repeats each prompt G times: with the fused step, each distinct prompt is prefilled once and its
     KV cache copied to its rows. ``fused``: None picks :class:`FusedLlamaStep` where it applies; False forces the
@@ -412,6 +414,7 @@ def sample(
     key_valid[:, :width] = prompt_mask
 
     tokens, logprobs = [], []
+    row_ids: list[list[int]] = [[] for _ in range(batch)]  # each row's tokens so far, for the stop-string watch
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
     for t in range(max_new_tokens):
@@ -420,6 +423,8 @@ def sample(
         tokens.append(token)
         logprobs.append(logprob.masked_fill(finished, 0.0))
         just_stopped = ~finished & torch.isin(token, stop_ids)
+        if stop_watch is not None:
+            just_stopped |= at_stop_string(stop_watch, row_ids, token, finished)
         lengths = torch.where(just_stopped, t + 1, lengths)
         finished |= just_stopped
         if t == max_new_tokens - 1 or bool(finished.all()):
@@ -434,6 +439,17 @@ def sample(
         lengths=lengths.tolist(),
         stopped=finished.tolist(),
     )
+
+
+def at_stop_string(watch: StopStringWatch, row_ids: list[list[int]], token: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: the running rows whose text ``token`` (the step's draw) completes a stop string; appends the draw
+    to each running row's ``row_ids``."""
+    hit = [False] * len(row_ids)
+    for i, (drawn, done) in enumerate(zip(token.tolist(), finished.tolist(), strict=True)):
+        if not done:
+            row_ids[i].append(drawn)
+            hit[i] = watch.holds(row_ids[i])
+    return torch.tensor(hit, device=token.device)
 
 
 def sampling_distribution(sp: SamplingParams) -> SamplingDistribution:
@@ -451,10 +467,13 @@ def sample_with_params(
     pad_token_id: int,
     seed: int | list[int],
     between_steps: Callable[[int], bool] | None = None,
+    decode: Callable[[Sequence[int]], str] | None = None,
 ) -> SampledBatch:
-    """:func:`sample` under a backend's :class:`~.interface.SamplingParams` (stops at the model's eos ids and ``sp``'s stop ids)."""
+    """:func:`sample` under a backend's :class:`~.interface.SamplingParams`: stops at the model's eos ids and ``sp``'s
+    stop ids, and (given the tokenizer's ``decode``) at ``sp``'s stop strings."""
     stop_ids = [*eos_token_ids, *sp.stop_token_ids]
+    watch = StopStringWatch(decode, sp.stop_strings) if decode is not None and sp.stop_strings else None
     return sample(
         model, prompts, sp.max_new_tokens, sampling_distribution(sp), stop_ids, pad_token_id, seed, sp.greedy,
-        between_steps=between_steps,
+        between_steps=between_steps, stop_watch=watch,
     )  # fmt: skip

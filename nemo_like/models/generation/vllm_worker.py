@@ -39,8 +39,12 @@ CPU_MAX_NUM_SEQS = 256  # vLLM's CPU default for the offline LLM class
 
 
 def vllm_sampling_params(sp: SamplingParams, stop_ids: list[int], seed: int):
-    """vLLM sampling settings for one request: the sampled token's logprob, a per-request seed, stop ids."""
+    """vLLM sampling settings for one request: the sampled token's logprob, a per-request seed, stop ids, and stop
+    strings (vLLM then stops the request at the token that completes one, instead of sampling on to ``max_tokens`` for
+    the driver to cut; the driver's cut stays the exact one)."""
     from vllm import SamplingParams as VSamplingParams
+
+    stops = list(sp.stop_strings)
 
     return VSamplingParams(
         n=1,
@@ -55,7 +59,12 @@ def vllm_sampling_params(sp: SamplingParams, stop_ids: list[int], seed: int):
         logprobs=0,  # only the sampled token's logprob
         flat_logprobs=True,  # a few flat lists per request instead of a dict and a Logprob object per token
         seed=seed,
-        detokenize=False,
+        # Stop strings need vLLM's detokenizer, set to spell the text as the driver's cut does (every token, as is)
+        detokenize=bool(stops),
+        stop=stops or None,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
     )
 
 

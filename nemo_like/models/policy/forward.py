@@ -136,24 +136,33 @@ class ForwardPasses:
     # -- inline generation --------------------------------------------------------------------
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: dict, seed: int | list[int], pad_token_id: int, eos_token_ids: list[int]
+        self,
+        prompts: list[list[int]],
+        params: dict,
+        seed: int | list[int],
+        pad_token_id: int,
+        eos_token_ids: list[int],
+        tokenizer_name: str | None = None,
     ) -> list[dict]:
         """Sample one response per prompt with this worker's own weights (the inline backend,
         :mod:`nemo_like.models.policy.inline`); returns :class:`GeneratedSample` fields as dicts. ``seed``: one for the
-        batch, or one per prompt (:func:`~nemo_like.models.generation.interface.chunk_seeds`)."""
+        batch, or one per prompt (:func:`~nemo_like.models.generation.interface.chunk_seeds`); ``tokenizer_name``: rows
+        stop sampling at ``params``' stop strings (loaded once)."""
         use_threads(self.spec.num_threads)  # the worker's own count: it samples alone (after a shared logprob phase)
         from nemo_like.models.generation.interface import SamplingParams, chunk_seeds
         from nemo_like.models.generation.lean_decoder import sample_with_params
+        from nemo_like.models.loading import exact_decoder
 
         if self.world_size != 1 or self.lora_cfg is not None:
             raise RuntimeError("inline generation needs a single, unsharded policy worker without LoRA")
         sp = SamplingParams(**params)
+        decode = exact_decoder(tokenizer_name) if sp.stop_strings and tokenizer_name else None
         self.model.eval()
         out: list[dict] = []
         for start in range(0, len(prompts), INLINE_GENERATION_BATCH):
             chunk = prompts[start : start + INLINE_GENERATION_BATCH]
             with precision_lib.compute_context(self.device, self.precision, sharded=False):  # as the logprob passes
                 seeds = chunk_seeds(seed, start, start + len(chunk))
-                drawn = sample_with_params(self.model, chunk, sp, eos_token_ids, pad_token_id, seeds)
+                drawn = sample_with_params(self.model, chunk, sp, eos_token_ids, pad_token_id, seeds, decode=decode)
             out.extend(drawn.sample_dicts(chunk, self.weight_version))
         return out

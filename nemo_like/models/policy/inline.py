@@ -34,12 +34,13 @@ class InlineGeneration:
 
     PER_PROMPT_SEEDS = True  # the worker's sampler takes one seed per prompt (lean_decoder.sample)
 
-    def __init__(self, policy: Policy, pad_token_id: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, policy: Policy, pad_token_id: int, eos_token_ids: list[int], tokenizer_name: str | None = None) -> None:
         if policy is None or len(policy.group) != 1:
             raise ValueError("inline generation needs the trainable policy, with exactly one worker")
         self.policy = policy
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
+        self.tokenizer_name = tokenizer_name  # the worker stops a row's sampling at a stop string with it
 
     @property
     def weight_version(self) -> int:
@@ -50,7 +51,8 @@ class InlineGeneration:
         from dataclasses import asdict
 
         inject("generation", "generate", self.policy.group.workers)  # tests only (cluster.fault_injection); a no-op when unset
-        ref = self.policy.group.run_rank0("generate", prompts, asdict(params), seed, self.pad_token_id, self.eos_token_ids)
+        args = (prompts, asdict(params), seed, self.pad_token_id, self.eos_token_ids, self.tokenizer_name)
+        ref = self.policy.group.run_rank0("generate", *args)
         return [GeneratedSample(**s) for s in get_with_context([ref], "policy: inline generation")[0]]
 
     def refit(self, weights: Any, version: int) -> float:

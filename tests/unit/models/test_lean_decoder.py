@@ -239,3 +239,34 @@ def test_the_planners_count_of_the_fused_steps_weight_copies_is_what_a_step_hold
     held = [t for layer in mixed.layers for t in layer if t is not None and t.dim() == 2 and t.data_ptr() not in own]
     assert sum(t.numel() for t in held) == fused_step_copy_elements(2, 128, 512, 128, 64, 359, rows, torch.bfloat16) == fused_only
     assert {t.dtype for t in held} == {torch.float32} and not any(t.is_mkldnn for t in held)  # 4-byte copies, none packed
+
+
+def test_rows_stop_sampling_at_a_stop_string_and_keep_what_the_exact_cut_keeps() -> None:
+    """Stop strings were applied after generation only: every row sampled on to max_new_tokens (a ReAct agent's
+    ``stop=["Observation:"]`` sampled to the end of the context, all of it cut away). With the tokenizer's decode a row
+    stops at the token that completes a stop string: the same tokens and logprobs as the exact cut of a full draw."""
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.generation.interface import SamplingParams, stop_string_prefix
+    from nemo_like.models.generation.lean_decoder import sample_with_params
+    from nemo_like.models.loading import exact_decoder, load_causal_lm, load_tokenizer
+
+    tokenizer, model = load_tokenizer(EMBEDDED_MODEL), load_causal_lm(EMBEDDED_MODEL, "float32").eval()
+    texts = ["<|im_start|>user\nWhat is 47 plus 38?<|im_end|>\n<|im_start|>assistant\n", "<|im_start|>user\nHi<|im_end|>\n"]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts] * 8
+    decode, stops = exact_decoder(EMBEDDED_MODEL), ("8", "<|im_start|>assistant")
+    sp = SamplingParams(max_new_tokens=24, temperature=1.5, stop_strings=stops)
+    eos = [tokenizer.eos_token_id]
+    seeds = list(range(len(prompts)))
+    full = sample_with_params(model, prompts, SamplingParams(max_new_tokens=24, temperature=1.5), eos, 0, seeds)
+    watched = sample_with_params(model, prompts, sp, eos, 0, seeds, decode=decode)
+    cut_early = 0
+    for row in range(len(prompts)):
+        ids = full.tokens[row, : full.lengths[row]].tolist()
+        cut = stop_string_prefix(ids, decode, stops)
+        kept = len(ids) if cut is None else cut
+        assert watched.tokens[row, : watched.lengths[row]].tolist() == ids[:kept], row
+        torch.testing.assert_close(watched.logprobs[row, :kept], full.logprobs[row, :kept], rtol=0, atol=0)
+        assert watched.stopped[row] == (cut is not None or full.stopped[row]), row
+        cut_early += cut is not None and cut < full.lengths[row]
+    assert cut_early >= 3  # rows that stopped sampling early
+    assert sum(watched.lengths) < sum(full.lengths)
