@@ -14,7 +14,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from nemo_like.algorithms.checkpointing import find_resume_checkpoint, trim_metrics_after
+from nemo_like.algorithms.checkpointing import find_resume_checkpoint, run_is_complete, trim_metrics_after
 from nemo_like.algorithms.grpo import async_grpo_train, grpo_train
 from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.restarts import (
@@ -202,6 +202,13 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
     """Train; a dead policy or reference worker restarts the run from its last checkpoint in this process, at most
     ``cluster.fault_tolerance.max_restarts`` times (:mod:`nemo_like.algorithms.restarts`)."""
     started_from = resume_from = find_resume_checkpoint(cfg)
+    if resume_from is not None and run_is_complete(cfg, resume_from):  # a rerun of a finished run: start nothing
+        print(
+            f"[checkpoint] {resume_from.path} is at grpo.max_num_steps={cfg.grpo.max_num_steps}: the run is complete, "
+            "nothing to train. Raise grpo.max_num_steps to train on, or set checkpointing.resume=false to start afresh",
+            file=sys.stderr,
+        )
+        return []
     at_start = checkpoint_stamps(Path(cfg.checkpointing.checkpoint_dir))  # the checkpoints that are not this run's
     metrics_path = Path(cfg.logger.log_dir) / "metrics.jsonl"
     replay = None  # the checkpoint run's records written again after another run's (and given to the dashboards)

@@ -18,6 +18,7 @@ from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.experience.async_rollouts import BUFFER_FILE
 from nemo_like.models.policy.checkpoints import checkpoint_files
 from nemo_like.utils.checkpoint import (
+    VALIDATED_AT_STEP,
     CheckpointError,
     CheckpointInfo,
     CheckpointManager,
@@ -131,6 +132,16 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
             "nothing to train. Raise grpo.max_num_steps, or set checkpointing.resume=false or another checkpointing.checkpoint_dir."
         )
     return checkpoint
+
+
+def run_is_complete(cfg: MasterConfig, checkpoint: CheckpointInfo) -> bool:
+    """Whether resuming ``checkpoint`` has nothing left to do: it is at ``grpo.max_num_steps`` and holds that step's
+    end-of-run validation (or none is asked for). A checkpoint saved before that validation is not complete: the
+    resumed run validates it (and saves it again with it)."""
+    if checkpoint.step != cfg.grpo.max_num_steps:
+        return False
+    validated = checkpoint.state.get("metrics", {}).get(VALIDATED_AT_STEP) == float(checkpoint.step)
+    return validated or not cfg.grpo.val_at_end
 
 
 def restore_run(parts: GRPOComponents, checkpoint: CheckpointInfo) -> int:

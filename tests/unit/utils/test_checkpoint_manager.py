@@ -335,6 +335,36 @@ def test_a_ranking_metric_that_the_saves_never_hold_warns_once_with_the_logged_n
     assert not caught  # the metric is there; or nothing is pruned, so nothing is ranked
 
 
+def test_rerunning_a_finished_run_starts_nothing_unless_its_last_validation_is_missing(tmp_path, capsys):
+    """The same command run again on a finished run started every actor, trained nothing and exited 0 (minutes of
+    model and engine loading on a GPU). A checkpoint at grpo.max_num_steps that holds its end-of-run validation now
+    ends the run before anything starts; one saved before that validation still resumes (to validate)."""
+    from nemo_like.algorithms.checkpointing import checkpoint_files, find_resume_checkpoint, run_is_complete
+    from nemo_like.config import load_config
+    from nemo_like.train import train
+    from nemo_like.utils.checkpoint import VALIDATED_AT_STEP
+
+    ck = tmp_path / "ck"
+    overrides = ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ck}", f"logger.log_dir={tmp_path / 'log'}"]
+    cfg = load_config(None, [*overrides, "grpo.max_num_steps=3"], warn=False)
+
+    def write(tmp):
+        for name in (*checkpoint_files(False), "worker_rng.pt"):
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_bytes(b"")
+
+    CheckpointManager(ck).save(3, write, {"metrics": {"train/reward": 0.5}, "step": 3}, cfg.model_dump(mode="json"))
+    assert not run_is_complete(cfg, find_resume_checkpoint(cfg))  # saved before its end-of-run validation
+    assert run_is_complete(load_config(None, [*overrides, "grpo.max_num_steps=3", "grpo.val_at_end=false"], warn=False),
+                           find_resume_checkpoint(cfg))  # fmt: skip
+    assert not run_is_complete(load_config(None, [*overrides, "grpo.max_num_steps=4"], warn=False), find_resume_checkpoint(cfg))
+    metrics = {"train/reward": 0.5, "validation/accuracy": 0.9, VALIDATED_AT_STEP: 3.0}
+    CheckpointManager(ck).save(3, write, {"metrics": metrics, "step": 3}, cfg.model_dump(mode="json"))
+    assert run_is_complete(cfg, find_resume_checkpoint(cfg))
+    assert train(cfg) == []  # before Ray: this test has no cluster
+    assert "step_3 is at grpo.max_num_steps=3: the run is complete, nothing to train" in capsys.readouterr().err
+
+
 def test_resume_refuses_an_incomplete_a_damaged_or_a_too_late_checkpoint_naming_it(tmp_path):
     """A truncated optimizer.pt or worker RNG file stopped the resume with a worker's traceback naming no checkpoint,
     and a checkpoint past grpo.max_num_steps trained nothing and exited 0."""
