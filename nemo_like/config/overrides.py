@@ -90,9 +90,10 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
         if override.is_add() and exists:
             raise ConfigError(f"Override '{text}': '{key}' already exists; use '{key}=...' to change it or '++{key}=...' to force.")
         if not override.is_add() and not override.is_force_add() and not exists:
+            hint = did_you_mean(key, leaf_keys(cfg))
             raise ConfigError(
-                f"Override '{text}': '{key}' is not a key of the recipe.{did_you_mean(key, leaf_keys(cfg))}"
-                f" (Use '+{key}=...' to add a new key.)"
+                f"Override '{text}': '{key}' is not a key of the recipe."
+                + (hint or f" (Use '+{key}=...' to add a key the recipe does not spell out, e.g. a section env.<task>.)")
             )
         try:
             with open_dict(cfg):  # a mapping merges into the section, as Hydra does; '~key' then '+key=...' replaces it
