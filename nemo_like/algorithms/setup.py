@@ -75,7 +75,11 @@ def check_environments(specs: dict[str, EnvSpec], datasets: dict[str, list[Promp
         used |= set(check_tasks_have_environments((r.metadata for r in records), specs, f"data ({split} split)"))
     unused = sorted(set(specs) - used)
     if unused:
-        warnings.warn(f"env: no prompt has task {unused}; their environment actors will sit idle", RuntimeWarning, stacklevel=2)
+        print(
+            f"[config] warning: env: no prompt has task {unused}; their environment actors will sit idle (remove the "
+            f"section{'s' if len(unused) > 1 else ''} with {' '.join(repr('~env.' + t) for t in unused)})",
+            file=sys.stderr,
+        )
 
 
 def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[str]:

@@ -119,5 +119,9 @@ def format_validation_error(exc: ValidationError) -> str:
         elif err["type"] == "value_error":
             lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+            given = err.get("input")
+            # YAML and overrides spell null 'null' or '~'; 'None' is text (a nullable number said only "not a number")
+            none_text = isinstance(given, str) and given.strip().lower() == "none" and err["type"] != "none_text"
+            hint = "; write null (or ~) for no value" if none_text else ""
+            lines.append(f"  {key}: {err['msg']} (got {given!r}){hint}")
     return "\n".join(lines)

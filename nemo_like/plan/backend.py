@@ -100,7 +100,10 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
         # vLLM's CPU build is the slower engine here: worth it only where it serves the adapters (a refit sends them only)
         if lora.enabled and with_policy and lora.refit != "merged" and vllm_adapter_blocker(cfg) is None and vllm_available():
             return "vllm", f"auto: not inline ({blocker}); vLLM serves the LoRA adapters, so a refit sends only them"
-        return "hf", f"auto: not inline ({blocker}); a CPU cluster's engine (policy.generation.backend=vllm: vLLM's CPU build)"
+        return (
+            "hf",
+            f"auto: not inline ({blocker}); the HF engine, a CPU cluster's default (policy.generation.backend=vllm for vLLM's CPU build)",
+        )
     if requested == "vllm":
         require_vllm()
     return requested, "requested"

@@ -99,6 +99,13 @@ def test_none_spelled_as_text_is_refused_for_keys_that_take_null(key: str) -> No
     assert getattr(load_config(None, [f"{key}=null"], warn=False), key.split(".")[0]) is not None
 
 
+@pytest.mark.parametrize("key", ["checkpointing.keep_top_k", "policy.generation.top_k", "data.train.num_problems"])
+def test_none_spelled_as_text_for_a_nullable_number_says_to_write_null(key: str) -> None:
+    """It said only that 'None' is not an integer, though the key takes null."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: Input should be a valid integer.*\(got 'None'\); write null \(or ~\)"):
+        load_config(None, [f"{key}=None"], warn=False)
+
+
 # (overrides that make a key have no effect, the warning, overrides after which the key takes effect: no warning)
 NO_EFFECT_CASES = [
     (

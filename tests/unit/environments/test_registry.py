@@ -87,6 +87,20 @@ def test_routing_by_task_name() -> None:
         check_tasks_have_environments([{"task_name": "math"}], tasks, "data (train split)")
 
 
+def test_an_environment_no_prompt_uses_is_a_config_warning_that_says_how_to_remove_it(capsys) -> None:
+    """It was a raw RuntimeWarning (file, line and source line) on the README's own-data command."""
+    from nemo_like.algorithms.setup import check_environments
+    from nemo_like.data.prompts import PromptRecord
+    from nemo_like.environments.registry import EnvSpec
+
+    specs = {t: EnvSpec(t, "arithmetic") for t in ("arithmetic", "math")}
+    check_environments(specs, {"train": [PromptRecord("0", [], [1], {"task_name": "math"})]})
+    assert capsys.readouterr().err == (
+        "[config] warning: env: no prompt has task ['arithmetic']; their environment actors will sit idle (remove the "
+        "section with '~env.arithmetic')\n"
+    )
+
+
 def test_setup_checks_the_data_tasks_before_any_actor(monkeypatch) -> None:
     """setup_grpo raises on a task without environment before Ray or any actor starts."""
     from nemo_like.algorithms import setup
