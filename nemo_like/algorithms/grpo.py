@@ -673,8 +673,43 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     # Carried in the checkpoints' metrics: a resumed (or requeued) run stops where the uninterrupted one would.
     nonfinite_streak = int(resume_from.state.get("metrics", {}).get(NONFINITE_STREAK, 0)) if last_step else 0
     saved_step = last_step
+
+    def finish_run(final: int, saved_step: int, last_validation: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """End the run at step ``final`` (the data ran out, or a resume at its last step): its end-of-run validation if it
+        lacks one, and a save of what the last checkpoint lacks; returns ``(saved_step, last_validation)``."""
+        ran_here = final > last_step  # else: resumed from the last step's checkpoint (a stop or a requeue there)
+        if ran_here:
+            already = bool(validation_of(history[-1]))
+        else:  # the checkpoint says whether its step was validated (it had ended no run, so maybe not)
+            already = last_validation.get(VALIDATED_AT_STEP) == float(final)
+        validated = False
+        if cfg.grpo.val_at_end and final >= 1 and not already:
+            # A validation-only record of the last step, as step 0's is (its refit's seconds belong to no step)
+            val = validation_of(runner.validate(final, StepTimer()))
+            logger.log(val, final)
+            if ran_here:
+                history[-1].update(val)
+            else:
+                history.append({"step": final, **val})
+            last_validation = validation_of(val, final)
+            logger.progress.message(f"[step {final}] validation/accuracy={val['validation/accuracy']:.3f}")
+            validated = True
+        # The steps since the last save would be lost; a step saved before its end-of-run validation is saved
+        # again with it (best-k retention and a resume read the checkpoint's validation)
+        if manager is not None and (saved_step < final or validated):
+            if ran_here:
+                last_metrics = {k: v for k, v in history[-1].items() if k != "step"}
+            else:  # the resumed checkpoint's own step metrics, with the validation it lacked
+                last_metrics = dict(resume_from.state.get("metrics", {}))
+            path = runner.save(manager, final, {**last_metrics, **last_validation})
+            logger.progress.message(f"[checkpoint] saved {path}")
+            saved_step = final
+        return saved_step, last_validation
+
     runner.start(last_step, resume_from)
     try:
+        if last_step and last_step == cfg.grpo.max_num_steps:  # resumed at the last step: its validation may be left
+            finish_run(last_step, saved_step, last_validation)
         for step in range(last_step + 1, cfg.grpo.max_num_steps + 1):
             timer.reset()
             start = time.perf_counter()
@@ -683,33 +718,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
                 metrics = runner.step(step, timer)
             except DataExhausted as exc:
                 logger.progress.message(f"[done] {exc}")
-                final = step - 1  # the last step: grpo.max_num_epochs ended the run before grpo.max_num_steps
-                ran_here = final > last_step  # else: resumed from the last step's checkpoint (a stop or a requeue there)
-                if ran_here:
-                    already = bool(validation_of(history[-1]))
-                else:  # the checkpoint says whether its step was validated (it had ended no run, so maybe not)
-                    already = last_validation.get(VALIDATED_AT_STEP) == float(final)
-                validated = False
-                if cfg.grpo.val_at_end and final >= 1 and not already:
-                    # A validation-only record of the last step, as step 0's is (its refit's seconds belong to no step)
-                    val = validation_of(runner.validate(final, StepTimer()))
-                    logger.log(val, final)
-                    if ran_here:
-                        history[-1].update(val)
-                    else:
-                        history.append({"step": final, **val})
-                    last_validation = validation_of(val, final)
-                    logger.progress.message(f"[step {final}] validation/accuracy={val['validation/accuracy']:.3f}")
-                    validated = True
-                # The steps since the last save would be lost; a step saved before its end-of-run validation is saved
-                # again with it (best-k retention and a resume read the checkpoint's validation)
-                if manager is not None and (saved_step < final or validated):
-                    if ran_here:
-                        last_metrics = {k: v for k, v in history[-1].items() if k != "step"}
-                    else:  # the resumed checkpoint's own step metrics, with the validation it lacked
-                        last_metrics = dict(resume_from.state.get("metrics", {}))
-                    path = runner.save(manager, final, {**last_metrics, **last_validation})
-                    logger.progress.message(f"[checkpoint] saved {path}")
+                saved_step, last_validation = finish_run(step - 1, saved_step, last_validation)  # grpo.max_num_epochs ended it
                 break
             # The last step: grpo.max_num_steps, or (sync) the data has no batch for another: it validates and saves once
             # (found at the next step instead, the run logged a second record of it and saved it twice)

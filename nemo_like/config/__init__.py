@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,17 @@ def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return [".".join([*prefix, name]) for name in fields]
 
 
+def _takes_null(model: type[BaseModel], loc: tuple[Any, ...]) -> bool:
+    """Whether the field ``loc`` points at accepts null (its annotation holds ``None``)."""
+    current: Any = model
+    for part in loc:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        current = field.annotation
+    return type(None) in typing.get_args(current)
+
+
 def format_validation_error(exc: ValidationError) -> str:
     """One line per problem, each naming the dotted key, what was expected and what was given."""
     lines = ["Invalid configuration:"]
@@ -122,6 +134,7 @@ def format_validation_error(exc: ValidationError) -> str:
             given = err.get("input")
             # YAML and overrides spell null 'null' or '~'; 'None' is text (a nullable number said only "not a number")
             none_text = isinstance(given, str) and given.strip().lower() == "none" and err["type"] != "none_text"
+            none_text = none_text and _takes_null(MasterConfig, loc)
             hint = "; write null (or ~) for no value" if none_text else ""
             lines.append(f"  {key}: {err['msg']} (got {given!r}){hint}")
     return "\n".join(lines)

@@ -24,7 +24,13 @@ ALIASES = {
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
-    """Return ``" Did you mean 'x'?"`` for the closest candidate, or ``""`` when none is close.
+    """Return ``" Did you mean 'x'?"`` for the closest candidate (:func:`closest_key`), or ``""`` when none is close."""
+    close = closest_key(name, candidates)
+    return f" Did you mean '{close}'?" if close else ""
+
+
+def closest_key(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate ``name`` most likely meant, or ``None`` when none is close.
 
     Keys of the same section come first, compared by their last dotted part (compared whole, every key of a section
     shares its prefix, and ``policy.optimizer.learning_rate`` suggested ``policy.optimizer.name``), a peer's name for
@@ -36,11 +42,11 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     elsewhere = {c.rpartition(".")[2]: c for c in candidates if c.rpartition(".")[0] != parent}
     alias = ALIASES.get(leaf)
     if alias in siblings:
-        return f" Did you mean '{siblings[alias]}'?"
+        return siblings[alias]
     close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
     if close:
-        return f" Did you mean '{siblings[close[0]]}'?"
+        return siblings[close[0]]
     if alias in elsewhere:
-        return f" Did you mean '{elsewhere[alias]}'?"
+        return elsewhere[alias]
     close = difflib.get_close_matches(leaf, list(elsewhere), n=1, cutoff=0.8)
-    return f" Did you mean '{elsewhere[close[0]]}'?" if close else ""
+    return elsewhere[close[0]] if close else None

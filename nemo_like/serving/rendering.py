@@ -207,6 +207,7 @@ def with_calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
 
 #: A tool only the template's rendering can spell: whether a template renders tools and tool calls (:class:`Renderer`).
 PROBE_NAME = "nemo_like_probe_tool_5f3a"
+PROBE_CALL_NAME = "nemo_like_probe_call_9b1c"
 PROBE_TOOL = {
     "type": "function",
     "function": {"name": PROBE_NAME, "description": "probe", "parameters": {"type": "object", "properties": {}}},
@@ -248,10 +249,11 @@ class Renderer:
             self._warned.add(what)
             log.warning(f"This model's chat template does not render {consequence}.")
 
-    def _renders(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
-        """Whether the template writes :data:`PROBE_NAME` (a probe tool's name) when rendering ``messages`` with ``tools``."""
+    def _renders(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, name: str = "") -> bool:
+        """Whether the template writes ``name`` (default :data:`PROBE_NAME`, the probe tool's) when rendering
+        ``messages`` with ``tools``."""
         try:
-            return PROBE_NAME in render_chat(self.tokenizer, messages, tools=tools, chat_template=self.chat_template)
+            return (name or PROBE_NAME) in render_chat(self.tokenizer, messages, tools=tools, chat_template=self.chat_template)
         except Exception:  # noqa: BLE001 - a template that refuses the probe renders nothing of it
             return False
 
@@ -265,9 +267,10 @@ class Renderer:
     def renders_tool_calls(self) -> bool:
         """Whether the template writes an assistant message's ``tool_calls`` (without it, a call the client sends back
         outside a session's recorded history would vanish from the prompt)."""
-        call = {"type": "function", "function": {"name": PROBE_NAME, "arguments": {}}}
+        # Its own name, rendered without tools: a template that lists the tools would spell the tool's name anyway
+        call = {"type": "function", "function": {"name": PROBE_CALL_NAME, "arguments": {}}}
         messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-        return self._renders(messages, [PROBE_TOOL])
+        return self._renders(messages, None, PROBE_CALL_NAME)
 
     @functools.cached_property
     def max_token_chars(self) -> int:

@@ -96,6 +96,15 @@ def test_incompatible_checkpoint_is_refused_naming_the_keys(ray_cluster, tmp_pat
     # Validation settings may change (the recipe ties data.validation.num_problems to grpo.max_val_samples: it was refused)
     resumed = run(tmp_path, "grpo.max_num_steps=2", "grpo.max_val_samples=16", *NO_VALIDATION, *ckpt_overrides(tmp_path / "ckpt", 1))
     assert [r["step"] for r in resumed] == [2]
+    # At its last step without its end-of-run validation, a rerun that asks for one validates and saves (it started every
+    # actor and did nothing); then the run is complete, and a rerun starts nothing
+    from nemo_like.utils.checkpoint import VALIDATED_AT_STEP, CheckpointManager
+
+    validating = ("grpo.max_num_steps=2", "grpo.max_val_samples=16", "grpo.val_at_start=false", "grpo.val_period=0")
+    (validated,) = run(tmp_path, *validating, *ckpt_overrides(tmp_path / "ckpt", 1))
+    assert validated["step"] == 2 and 0.0 <= validated["validation/accuracy"] <= 1.0 and "train/loss" not in validated
+    assert CheckpointManager(tmp_path / "ckpt").latest().state["metrics"][VALIDATED_AT_STEP] == 2.0
+    assert run(tmp_path, *validating, *ckpt_overrides(tmp_path / "ckpt", 1)) == []
 
 
 def short_ray_tmp() -> Path:

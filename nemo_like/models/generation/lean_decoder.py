@@ -448,7 +448,7 @@ def at_stop_string(watch: StopStringWatch, row_ids: list[list[int]], token: torc
     for i, (drawn, done) in enumerate(zip(token.tolist(), finished.tolist(), strict=True)):
         if not done:
             row_ids[i].append(drawn)
-            hit[i] = watch.holds(row_ids[i])
+            hit[i] = watch.can_end(drawn) and watch.holds(row_ids[i])
     return torch.tensor(hit, device=token.device)
 
 

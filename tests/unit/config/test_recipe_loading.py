@@ -118,20 +118,22 @@ def test_unknown_override_key_suggests_the_right_one():
 
 
 @pytest.mark.parametrize(
-    ("override", "suggested"),
+    ("override", "suggested", "plus"),
     [
         # compared whole, every key of a section shares its prefix: these suggested optimizer.name, top_p, dp_size
-        ("policy.optimizer.learning_rate=1e-4", "policy.optimizer.lr"),
-        ("+policy.optimizer.learning_rate=1e-4", "policy.optimizer.lr"),  # the schema's check: the same suggestion
-        ("policy.generation.temp=0.5", "policy.generation.temperature"),
-        ("grpo.group_size=4", "grpo.num_generations_per_prompt"),
-        ("policy.max_num_steps=3", "grpo.max_num_steps"),  # the right key in another section
+        ("policy.optimizer.learning_rate=1e-4", "policy.optimizer.lr", False),
+        ("+policy.optimizer.learning_rate=1e-4", "policy.optimizer.lr", False),  # the schema's check: the same suggestion
+        ("policy.generation.temp=0.5", "policy.generation.temperature", False),
+        ("grpo.group_size=4", "grpo.num_generations_per_prompt", False),
+        # the right key in another section, or a new section (the README's '+env.math...'): '+' stays a way
+        ("policy.max_num_steps=3", "grpo.max_num_steps", True),
+        ("env.math.num_workers=1", "env.arithmetic.num_workers", True),
     ],
 )
-def test_an_unknown_key_suggests_its_sections_key_or_a_peers_name_for_it_and_no_plus_when_it_does(override, suggested):
+def test_an_unknown_key_suggests_its_sections_key_or_a_peers_name_for_it(override, suggested, plus):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, [override])
-    assert f"Did you mean '{suggested}'?" in str(err.value) and "Use '+" not in str(err.value)
+    assert f"Did you mean '{suggested}'?" in str(err.value) and ("Use '+" in str(err.value)) == plus
     with pytest.raises(ConfigError, match=r"'grpo.zzz' is not a key of the recipe. \(Use '\+grpo.zzz=...' to add a key"):
         load_config(TINY, ["grpo.zzz=1"])  # nothing close: how to add a key instead
 

@@ -104,6 +104,9 @@ def test_none_spelled_as_text_for_a_nullable_number_says_to_write_null(key: str)
     """It said only that 'None' is not an integer, though the key takes null."""
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}: Input should be a valid integer.*\(got 'None'\); write null \(or ~\)"):
         load_config(None, [f"{key}=None"], warn=False)
+    with pytest.raises(ConfigError) as err:  # a key that takes no null is not told to write one
+        load_config(None, ["grpo.max_num_steps=None"], warn=False)
+    assert "write null" not in str(err.value)
 
 
 # (overrides that make a key have no effect, the warning, overrides after which the key takes effect: no warning)

@@ -125,6 +125,10 @@ def test_tool_calls_a_template_cannot_render_are_written_as_hermes_text(renderer
     rendering = Renderer(renderer.tokenizer, chat_template=TOOL_TEMPLATE)
     assert rendering.renders_tools and rendering.renders_tool_calls
     assert "Let me compute.[call calculator]" in rendering.chat_text(messages, None, None)
+    # A template that lists the tools but not an assistant's calls: the probe read the tool's name as the call's
+    tools_only = Renderer(renderer.tokenizer, chat_template=TOOL_TEMPLATE.replace("{{ '[call ' + c['function']['name'] + ']' }}", ""))
+    assert tools_only.renders_tools and not tools_only.renders_tool_calls
+    assert parse_hermes(tools_only.chat_text(messages, None, None)).tool_calls  # written as text
 
 
 def test_messages_with_the_same_content_and_calls_each_render_as_the_text_they_were_sampled_as(renderer):
