@@ -666,8 +666,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
         started = time.perf_counter()
         val = runner.validate(0, StepTimer())
         control.validation_finished(time.perf_counter() - started)
-        logger.log(val, step=0)
-        history.append({"step": 0, **val})
+        history.append(logger.log(val, step=0))
         logger.progress.message(f"[step 0] validation/accuracy={val['validation/accuracy']:.3f}")
     timer = StepTimer()
     # Carried in the checkpoints' metrics: a resumed (or requeued) run stops where the uninterrupted one would.
@@ -686,11 +685,11 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
         if cfg.grpo.val_at_end and final >= 1 and not already:
             # A validation-only record of the last step, as step 0's is (its refit's seconds belong to no step)
             val = validation_of(runner.validate(final, StepTimer()))
-            logger.log(val, final)
+            record = logger.log(val, final)
             if ran_here:
                 history[-1].update(val)
             else:
-                history.append({"step": final, **val})
+                history.append(record)
             last_validation = validation_of(val, final)
             logger.progress.message(f"[step {final}] validation/accuracy={val['validation/accuracy']:.3f}")
             validated = True
@@ -743,8 +742,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             metrics["timing/train/total_step_time"] = total
             metrics.update(throughput_metrics(metrics))
             metrics.update(flops_metrics(metrics, flops))
-            logger.log(metrics, step)
-            history.append({"step": step, **metrics})
+            history.append(logger.log(metrics, step))  # one record, shared with the logger's (a restart keeps those)
             info = f"reward={metrics['train/reward']:.3f} loss={metrics['train/loss']:.4f}"
             if "validation/accuracy" in metrics:
                 info += f" val_acc={metrics['validation/accuracy']:.3f}"

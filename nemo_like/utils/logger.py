@@ -67,11 +67,13 @@ class Logger:
         self._call_all("log_hyperparams", resolved)
         return path
 
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Send one step's metrics, with :attr:`extra` added to them (in place), to every backend."""
+    def log(self, metrics: dict[str, Any], step: int) -> dict[str, Any]:
+        """Send one step's metrics, with :attr:`extra` added to them (in place), to every backend; returns the record
+        kept in :attr:`records` (``{"step": step, **metrics}``), for the caller's history to share rather than copy."""
         metrics.update(self.extra)
         self._call_all("log_metrics", metrics, step)
         self.records.append({"step": step, **metrics})
+        return self.records[-1]
 
     def close(self) -> None:
         """Stop the progress display and close every backend."""

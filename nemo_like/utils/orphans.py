@@ -1,20 +1,41 @@
-"""Files and folders a process names with its id (``<prefix><pid>_...``), removed once that process no longer runs: a
-killed run leaves them behind, and the next one that makes its own clears them."""
+"""Files and folders a process names with its tag (``<prefix><pid>p<pid namespace>_...``, :func:`process_tag`), removed
+once that process no longer runs: a killed run leaves them behind, and the next one that makes its own clears them."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
+@functools.cache
+def pid_namespace() -> int:
+    """This process's PID namespace (its inode; 0 where ``/proc`` does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def process_tag() -> str:
+    """``<pid>p<pid namespace>``: what a name this process owns starts with. A pid alone names another process, or
+    none, in a container with a PID namespace of its own that shares ``/tmp`` or ``/dev/shm`` (``docker --ipc=host``):
+    another run's live buffer was swept as an orphan."""
+    return f"{os.getpid()}p{pid_namespace()}"
+
+
 def remove_orphans(paths: Iterable[Path], prefix: str, remove: Callable[[Path], None]) -> list[str]:
-    """``remove`` each of ``paths`` named ``<prefix><pid>_...`` whose process no longer runs; returns their paths. A
-    name without a pid there, or another user's live process, is left alone (not ours to judge)."""
+    """``remove`` each of ``paths`` named ``<prefix><tag>_...`` (:func:`process_tag`; an older ``<prefix><pid>_...``
+    too) whose process no longer runs; returns their paths. A name without a pid there, one of another PID namespace,
+    or another user's live process, is left alone (not ours to judge)."""
     removed = []
     for path in paths:
+        pid, _, namespace = path.name.removeprefix(prefix).split("_")[0].partition("p")
         try:
-            os.kill(int(path.name.removeprefix(prefix).split("_")[0]), 0)
+            if namespace and int(namespace) != pid_namespace():
+                continue
+            os.kill(int(pid), 0)
         except ProcessLookupError:
             remove(path)
             removed.append(str(path))

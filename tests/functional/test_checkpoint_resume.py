@@ -4,6 +4,7 @@ mid-save, a non-finite guard."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,12 +205,13 @@ def cluster_pids(ray_tmp: Path, title_prefix: bytes = b"") -> list[int]:
 
 
 def kill_cluster(ray_tmp: Path) -> None:
-    """SIGKILL whatever a killed driver's private cluster left behind."""
+    """SIGKILL whatever a killed driver's private cluster left behind, and remove its temp dir."""
     for pid in cluster_pids(ray_tmp):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_nonfinite_updates_are_skipped_and_the_run_stops_after_the_limit_across_a_resume(ray_cluster, tmp_path):

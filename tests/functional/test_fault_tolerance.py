@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,6 +127,7 @@ class Run:
                         os.kill(int(proc_dir.name), signal.SIGKILL)
                 except OSError:
                     pass
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)  # its Ray session (~300 KB each run) stayed in /tmp
 
 
 def checkpoint_steps(ckpt: Path) -> list[int]:

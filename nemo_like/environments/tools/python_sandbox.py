@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from nemo_like.environments.tools.errors import ToolError
+from nemo_like.utils.orphans import process_tag, remove_orphans
 
 _CHILD = Path(__file__).with_name("sandbox_child.py")
 _MAX_CODE_CHARS = 20_000
@@ -36,6 +37,10 @@ _MAX_CODE_CHARS = 20_000
 #: The smallest file-size limit of a snippet's process: a python_max_output_bytes of 16 left the error report 1 character
 #: ("[exception] V" for a ValueError).
 MIN_FILE_SIZE = 8192
+
+
+#: A snippet's work directory in the temporary directory: ``<prefix><process tag>_...`` (swept once its process is gone).
+WORK_PREFIX = "nemo_like_tool_"
 
 
 def remove_tree(path: Path) -> None:
@@ -60,6 +65,8 @@ class PythonSandbox:
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 256, max_output_bytes: int = 4096) -> None:
         self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
+        # A killed environment actor's call left its work directory (its finally never ran)
+        remove_orphans(Path(tempfile.gettempdir()).glob(f"{WORK_PREFIX}*_*"), WORK_PREFIX, remove_tree)
 
     def run(self, code: str) -> str:
         """The snippet's output (stdout, then its last expression's repr).
@@ -72,7 +79,7 @@ class PythonSandbox:
             raise ToolError("bad_arguments", f"'code' must be a string, got {type(code).__name__}")
         if len(code) > _MAX_CODE_CHARS:
             raise ToolError("bad_arguments", f"code longer than {_MAX_CODE_CHARS} characters")
-        work = Path(tempfile.mkdtemp(prefix="nemo_like_tool_"))
+        work = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{process_tag()}_"))
         try:
             scratch = work / "scratch"
             scratch.mkdir()

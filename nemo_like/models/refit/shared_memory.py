@@ -8,7 +8,7 @@ fresh one) and writes every later export into it in place; it stays linked until
 replaces it (a new layout), so an engine that starts mid-run (a replacement for a dead one) can map it and
 load the weights its group serves: the buffer holds exactly the last refit's weights until the next refit
 writes it. A killed run leaves at most one file behind, named after the writer's pid
-(``nemo_like_refit_<pid>_<n>``); the next writer on the machine removes it.
+(``nemo_like_refit_<pid>p<pid namespace>_<n>``); the next writer on the machine removes it.
 
 Every buffer starts with a header holding the version of the weights in it, written after the tensors; a
 receiver checks it against its descriptor's version, so an engine can never load weights newer (or older)
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from nemo_like.models.refit.buckets import WeightBuckets
+from nemo_like.utils.orphans import process_tag
 from nemo_like.utils.orphans import remove_orphans as remove_orphan_paths
 
 SHM_DIR = Path("/dev/shm")
@@ -183,7 +184,7 @@ class SharedWeightWriter:
         self.unlink()
         remove_orphans()
         size = max((e.offset + e.nbytes for e in entries), default=HEADER)  # the last entry may be a tied one, placed earlier
-        path = str(SHM_DIR / f"nemo_like_refit_{os.getpid()}_{next(_counter)}")
+        path = str(SHM_DIR / f"nemo_like_refit_{process_tag()}_{next(_counter)}")
         reserve(path, size)
         self.path = path
         self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)

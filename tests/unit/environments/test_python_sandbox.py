@@ -243,3 +243,22 @@ def test_a_scratch_dir_the_snippet_made_unwritable_is_still_removed() -> None:
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
+
+
+def test_a_killed_actors_work_directory_is_swept_by_the_next_sandbox(tmp_path, monkeypatch) -> None:
+    """An environment actor killed during a call (a replaced hung actor, the end of an async run) never ran the call's
+    clean-up: its work directory stayed in the temporary directory, named with no pid, so nothing could sweep it."""
+    import tempfile
+
+    from nemo_like.environments.tools.python_sandbox import WORK_PREFIX
+    from nemo_like.utils.orphans import pid_namespace, process_tag
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    orphan = tmp_path / f"{WORK_PREFIX}{dead}p{pid_namespace()}_x1"
+    (orphan / "scratch").mkdir(parents=True)
+    live = tmp_path / f"{WORK_PREFIX}{process_tag()}_x2"  # a call of this process, running
+    live.mkdir()
+    sandbox = PythonSandbox()
+    assert not orphan.exists() and live.exists()
+    assert sandbox.run("6 * 7") == "42" and [p.name for p in tmp_path.iterdir()] == [live.name]  # its own: removed

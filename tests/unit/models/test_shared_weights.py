@@ -113,20 +113,28 @@ def test_a_changed_layout_gets_a_new_buffer_and_a_gone_file_names_itself():
         writer.close()
 
 
-def test_a_dead_writers_buffer_is_removed_by_the_next_writer():
+def test_a_dead_writers_buffer_is_removed_by_the_next_writer_but_not_one_of_another_pid_namespace():
+    """A pid alone names another process, or none, in a container with a PID namespace of its own sharing /dev/shm
+    (docker --ipc=host): another run's live buffer was swept as an orphan. Names carry the namespace now."""
     import subprocess
     import sys
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
-    orphan = shared_memory.SHM_DIR / f"nemo_like_refit_{int(dead.stdout)}_0"
-    orphan.write_bytes(b"x")
+    from nemo_like.utils.orphans import pid_namespace
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True).stdout)
+    orphans = [shared_memory.SHM_DIR / f"nemo_like_refit_{dead}{tag}_0" for tag in (f"p{pid_namespace()}", "")]  # "": older
+    elsewhere = shared_memory.SHM_DIR / f"nemo_like_refit_{dead}p{pid_namespace() + 1}_0"  # that pid may run there
+    for path in (*orphans, elsewhere):
+        path.write_bytes(b"x")
     writer = SharedWeightWriter()
     try:
         live = writer.write(1, tensors(0))  # creating a buffer sweeps the orphans
-        assert not orphan.exists() and os.path.exists(live.path)  # its own (live pid) stays
+        assert not any(p.exists() for p in orphans) and os.path.exists(live.path)  # its own (live pid) stays
+        assert elsewhere.exists() and f"_{os.getpid()}p{pid_namespace()}_" in live.path
     finally:
         writer.close()
-        orphan.unlink(missing_ok=True)
+        for path in (*orphans, elsewhere):
+            path.unlink(missing_ok=True)
 
 
 FULL_SHM_CHILD = r"""
@@ -140,7 +148,7 @@ signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # no file may pass 1 MiB: the 4 MiB model cannot fit
 refused = worker.export_shared_weights(fresh=True)
 print(type(refused).__name__, refused.reason)
-print("left behind:", glob.glob(str(shared_memory.SHM_DIR / f"nemo_like_refit_{os.getpid()}_*")))
+print("left behind:", glob.glob(str(shared_memory.SHM_DIR / f"nemo_like_refit_{os.getpid()}p*_*")))
 """
 
 
