@@ -314,12 +314,13 @@ def report_first_step(logger: Logger, death: WorkerDeath, restarts: int) -> None
     """Print, with the first step the restarted run logs, how long after the death it came."""
     log = logger.log
 
-    def log_and_report(metrics: dict[str, Any], step: int) -> None:
-        log(metrics, step)
+    def log_and_report(metrics: dict[str, Any], step: int) -> dict[str, Any]:
+        record = log(metrics, step)
         if step > 0 and logger.log is log_and_report:
             logger.log = log  # type: ignore[method-assign]
             seconds = time.monotonic() - death.at
             logger.progress.message(f"[restart] step {step} done {seconds:.1f}s after the death (restart {restarts})")
+        return record
 
     logger.log = log_and_report  # type: ignore[method-assign]
 

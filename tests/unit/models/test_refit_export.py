@@ -217,6 +217,7 @@ def test_a_lora_engines_adapter_folder_of_a_process_that_no_longer_runs_is_remov
     from pathlib import Path
 
     from nemo_like.models.generation.vllm_worker import ADAPTER_ROOT_PREFIX, new_adapter_root
+    from nemo_like.utils.orphans import process_tag
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
@@ -228,5 +229,5 @@ def test_a_lora_engines_adapter_folder_of_a_process_that_no_longer_runs_is_remov
     other = tmp_path / f"{ADAPTER_ROOT_PREFIX}unnamed"  # another naming: left alone
     other.mkdir()
     root = Path(new_adapter_root())
-    assert root.parent == tmp_path and root.name.startswith(f"{ADAPTER_ROOT_PREFIX}{os.getpid()}_")
+    assert root.parent == tmp_path and root.name.startswith(f"{ADAPTER_ROOT_PREFIX}{process_tag()}_")
     assert not dead.exists() and alive.exists() and other.exists()
