@@ -66,16 +66,23 @@ class Reference:
         return {"logprobs": 0}
 
 
+def driver_collector(agents, reference, prompts: int, max_age: int, max_num_epochs: int) -> tuple[DriverTrajectoryCollector, object]:
+    """A driver-thread collector over ``prompts`` prompts (2 a batch, 2 samples each) with ``agents`` for generation,
+    ``reference`` for the reference pass, and a real replay buffer actor of the same age bound."""
+    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, max_age)
+    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(prompts)], 2, seed=0)
+    settings = CollectorSettings(
+        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=max_age, last_step=10,
+        next_target=1, max_num_epochs=max_num_epochs, generation_version=0, reference=reference, pad_token_id=0,
+    )  # fmt: skip
+    return DriverTrajectoryCollector(None, SimpleNamespace(agents=agents, tasks=["t"]), buffer, None, loader, settings), buffer
+
+
 def collector_at_data_end(reference: Reference) -> tuple[DriverTrajectoryCollector, object, threading.Thread]:
     """4 prompts, 2 a batch, one epoch: two batches. Returns once step 1 is taken and the loop waits at the data's end
     for batch 2's push (its reference pass held)."""
-    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 1)
-    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(4)], 2, seed=0)
-    settings = CollectorSettings(
-        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=1, last_step=10,
-        next_target=1, max_num_epochs=1, generation_version=0, reference=reference, pad_token_id=0,
-    )  # fmt: skip
-    collector = DriverTrajectoryCollector(None, SimpleNamespace(agents=Agents(), tasks=["t"]), buffer, None, loader, settings)
+    collector, buffer = driver_collector(Agents(), reference, prompts=4, max_age=1, max_num_epochs=1)
+    loader = collector.loader
 
     def run() -> None:
         with contextlib.suppress(RuntimeError):  # a failed push ends the loop with it: the test reads collector.failure
@@ -130,13 +137,7 @@ def test_a_failed_last_push_is_a_failure_not_the_data_end(ray_cluster) -> None:
 def test_a_refit_pause_of_a_collector_held_by_the_bound_is_pacing_not_held_generation(ray_cluster) -> None:
     """Bound 0, batch 1 generated: the loop waits for exactly the weights the refit brings. The waiting-refit path
     charged the whole refit to idle/generation_paused_for_refit (the in-flight and agent paths report 0 there)."""
-    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 0)
-    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(4)], 2, seed=0)
-    settings = CollectorSettings(
-        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=0, last_step=10,
-        next_target=1, max_num_epochs=100, generation_version=0, reference=Reference(), pad_token_id=0,
-    )  # fmt: skip
-    collector = DriverTrajectoryCollector(None, SimpleNamespace(agents=Agents(), tasks=["t"]), buffer, None, loader, settings)
+    collector, buffer = driver_collector(Agents(), Reference(), prompts=4, max_age=0, max_num_epochs=100)
     loop = threading.Thread(target=collector.run, daemon=True)
     loop.start()
     try:
@@ -290,14 +291,8 @@ def test_a_dead_reference_worker_seen_by_a_pause_while_an_agent_batch_runs_keeps
     from nemo_like.algorithms.restarts import dead_role
     from nemo_like.experience.async_rollouts import AsyncRollouts, DriverCollectorThread
 
-    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 5)
-    loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(8)], 2, seed=0)
-    settings = CollectorSettings(
-        sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=5, last_step=10,
-        next_target=1, max_num_epochs=1, generation_version=0, reference=DyingReference(), pad_token_id=0,
-    )  # fmt: skip
     agents = BusyAgents()
-    collector = DriverTrajectoryCollector(None, SimpleNamespace(agents=agents, tasks=["t"]), buffer, None, loader, settings)
+    collector, _ = driver_collector(agents, DyingReference(), prompts=8, max_age=5, max_num_epochs=1)
     rollouts = AsyncRollouts.__new__(AsyncRollouts)  # only its control call on a driver-thread collector is exercised
     rollouts.local = DriverCollectorThread(collector)
     try:
