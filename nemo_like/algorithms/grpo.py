@@ -686,8 +686,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             # A validation-only record of the last step, as step 0's is (its refit's seconds belong to no step)
             val = validation_of(runner.validate(final, StepTimer()))
             record = logger.log(val, final)
-            if ran_here:
-                history[-1].update(val)
+            if ran_here:  # a new dict: the step's record is the logger's too, which keeps what was logged
+                history[-1] = {**history[-1], **val}
             else:
                 history.append(record)
             last_validation = validation_of(val, final)

@@ -45,9 +45,9 @@ def vllm_sampling_params(sp: SamplingParams, stop_ids: list[int], seed: int):
     from vllm import SamplingParams as VSamplingParams
 
     # vLLM matches stop strings on the response decoded behind its prompt, the driver's cut on the response alone: they
-    # differ only in a leading space (a SentencePiece first token's), so a stop string that starts with whitespace could
+    # differ only in a leading space (a SentencePiece first token's), so a stop string that starts with a space could
     # stop vLLM where the driver finds no stop. The driver still cuts at those; vLLM does not stop early for them.
-    stops = [s for s in sp.stop_strings if not s[:1].isspace()]
+    stops = [s for s in sp.stop_strings if not s.startswith(" ")]
 
     return VSamplingParams(
         n=1,

@@ -36,3 +36,19 @@ def test_a_request_stops_on_the_runs_end_ids_and_no_others():
     params = vllm_sampling_params(SamplingParams(max_new_tokens=8), [2, 20], seed=0)
     params.update_from_generation_config({"eos_token_id": [2, 31]}, eos_token_id=2)  # as vLLM 0.32 does per request
     assert sorted(params.stop_token_ids) == [2, 20] and params.eos_token_id is None
+
+
+def test_a_request_with_stop_strings_stops_at_them_keeping_them_and_every_token_in_the_text():
+    """Stop strings were not given to vLLM (it sampled on to max_tokens, then the driver cut): vLLM now stops there,
+    keeps the stop string and spells every token as the driver's cut does; a stop string that starts with a space is
+    left to the driver (vLLM matches behind the prompt, where a SentencePiece first token gains a space)."""
+    pytest.importorskip("vllm")
+    from nemo_like.models.generation.interface import SamplingParams
+    from nemo_like.models.generation.vllm_worker import vllm_sampling_params
+
+    stops = ("</answer>", "\n\nQuestion:", " Answer:")
+    params = vllm_sampling_params(SamplingParams(max_new_tokens=8, stop_strings=stops), [2], seed=0)
+    assert params.stop == ["</answer>", "\n\nQuestion:"] and params.detokenize and params.include_stop_str_in_output
+    assert not params.skip_special_tokens and not params.spaces_between_special_tokens
+    plain = vllm_sampling_params(SamplingParams(max_new_tokens=8), [2], seed=0)
+    assert plain.stop == [] and not plain.detokenize  # no text work without stop strings
