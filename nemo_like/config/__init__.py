@@ -88,29 +88,30 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), warn: bo
     return cfg
 
 
-def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """Dotted names of the fields of the section that ``loc`` points into (for suggestions)."""
+def _walk(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[Any, list[str]]:
+    """The annotation ``loc`` leads to through ``model``'s fields, and the parts of ``loc`` walked (up to the first
+    that names no field)."""
     current: Any = model
-    prefix = []
-    for part in loc[:-1]:
+    walked: list[str] = []
+    for part in loc:
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
             break
         current = field.annotation
-        prefix.append(str(part))
-    fields = getattr(current, "model_fields", {})
-    return [".".join([*prefix, name]) for name in fields]
+        walked.append(str(part))
+    return current, walked
+
+
+def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Dotted names of the fields of the section that ``loc`` points into (for suggestions)."""
+    section, prefix = _walk(model, loc[:-1])
+    return [".".join([*prefix, name]) for name in getattr(section, "model_fields", {})]
 
 
 def _takes_null(model: type[BaseModel], loc: tuple[Any, ...]) -> bool:
     """Whether the field ``loc`` points at accepts null (its annotation holds ``None``)."""
-    current: Any = model
-    for part in loc:
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return False
-        current = field.annotation
-    return type(None) in typing.get_args(current)
+    annotation, walked = _walk(model, loc)
+    return len(walked) == len(loc) and type(None) in typing.get_args(annotation)
 
 
 def format_validation_error(exc: ValidationError) -> str:

@@ -263,19 +263,15 @@ class MasterConfig(BaseModel):
                 f"data.validation.num_problems={val_rows} has no effect past grpo.max_val_samples={val_cap}: validation uses "
                 f"the first {val_cap} prompts; raise grpo.max_val_samples to use more"
             )
-        group_baseline = self.grpo.adv_estimator.name in GROUP_BASELINE_ESTIMATORS
-        if self.grpo.num_generations_per_prompt == 1 and group_baseline and not self.teacher_signal():
+        # One sample per prompt is its own group's baseline: every task advantage is 0
+        lone = self.grpo.num_generations_per_prompt == 1 and self.grpo.adv_estimator.name in GROUP_BASELINE_ESTIMATORS
+        if lone and not self.teacher_signal():
             lines.append(
                 f"grpo.num_generations_per_prompt=1: every advantage is 0 with grpo.adv_estimator.name="
                 f"'{self.grpo.adv_estimator.name}' (a sample is its own group's baseline), so the policy-gradient term never "
                 "moves the policy; use 2 or more samples per prompt"
             )
-        elif (
-            self.grpo.num_generations_per_prompt == 1
-            and group_baseline
-            and changed_from_defaults(self.distillation, ["task_advantage_weight"])
-            and self.distillation.task_advantage_weight > 0
-        ):
+        elif lone and changed_from_defaults(self.distillation, ["task_advantage_weight"]) and self.distillation.task_advantage_weight > 0:
             lines.append(
                 f"distillation.task_advantage_weight={self.distillation.task_advantage_weight} has no effect with "
                 f"grpo.num_generations_per_prompt=1: the task reward's advantage is 0 with grpo.adv_estimator.name="

@@ -36,7 +36,7 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.data.prompts import PromptRecord
 from nemo_like.environments.interface import FINAL_TURN, EnvironmentStep
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams, stop_string_prefix
-from nemo_like.models.loading import render_chat
+from nemo_like.models.loading import decode_exact, render_chat
 from nemo_like.plan.multi_turn import MultiTurnSettings
 from nemo_like.utils.seeds import turn_seed
 
@@ -118,11 +118,6 @@ def multi_turn_metrics(samples: Sequence[GeneratedSample], rewards: torch.Tensor
 def render(tokenizer, messages: list[dict[str, str]]) -> str:
     """The chat template's text of ``messages`` followed by the assistant generation prompt."""
     return render_chat(tokenizer, messages, add_generation_prompt=True)
-
-
-def decode_exact(tokenizer, ids: list[int]) -> str:
-    """The text of ``ids`` with every token (special ones included), without whitespace clean-up."""
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def start_conversation(tokenizer, prompt: PromptRecord) -> Conversation:

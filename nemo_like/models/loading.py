@@ -236,12 +236,16 @@ def render_chat(tokenizer: Any, messages: Any, **kwargs: Any) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, date_string=CHAT_TEMPLATE_DATE, **kwargs)
 
 
+def decode_exact(tokenizer: Any, ids: Sequence[int]) -> str:
+    """The text of ``ids`` with every token (special ones included), without whitespace clean-up (what a stop string
+    is matched against, and what a multi-turn episode's text is made of)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 @functools.lru_cache(maxsize=4)
 def exact_decoder(name: str) -> Callable[[Sequence[int]], str]:
-    """The text of token ids as tokenizer ``name`` spells them, special tokens included and no clean-up (what a stop
-    string is matched against); loaded once per process."""
-    tokenizer = load_tokenizer(name)
-    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    """:func:`decode_exact` with tokenizer ``name``, loaded once per process."""
+    return functools.partial(decode_exact, load_tokenizer(name))
 
 
 def tokenizer_source(policy_cfg: Any) -> str:

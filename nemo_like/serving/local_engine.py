@@ -8,6 +8,7 @@ as :class:`~nemo_like.models.generation.hf_worker.HFGenerationWorker` (both call
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, Seeds, WeightSource, export_weights
 from nemo_like.models.generation.lean_decoder import sample_with_params
-from nemo_like.models.loading import load_causal_lm
+from nemo_like.models.loading import decode_exact, load_causal_lm
 from nemo_like.models.refit.manifest import check_manifest, served_weight_names
 
 
@@ -39,9 +40,7 @@ class LocalGeneration:
     ) -> LocalGeneration:
         """Load ``model_name`` (a path, a hub id or ``embedded:<name>``) for sampling; with its ``tokenizer``, a row stops
         sampling at a request's stop strings (without it, it samples on to its token limit and the server cuts)."""
-        decode = None
-        if tokenizer is not None:
-            decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+        decode = functools.partial(decode_exact, tokenizer) if tokenizer is not None else None
         return cls(load_causal_lm(model_name, precision).eval(), pad_token_id, list(eos_token_ids), decode=decode)
 
     @torch.no_grad()

@@ -249,11 +249,10 @@ class Renderer:
             self._warned.add(what)
             log.warning(f"This model's chat template does not render {consequence}.")
 
-    def _renders(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, name: str = "") -> bool:
-        """Whether the template writes ``name`` (default :data:`PROBE_NAME`, the probe tool's) when rendering
-        ``messages`` with ``tools``."""
+    def _renders(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, name: str) -> bool:
+        """Whether the template writes ``name`` (a probe's) when rendering ``messages`` with ``tools``."""
         try:
-            return (name or PROBE_NAME) in render_chat(self.tokenizer, messages, tools=tools, chat_template=self.chat_template)
+            return name in render_chat(self.tokenizer, messages, tools=tools, chat_template=self.chat_template)
         except Exception:  # noqa: BLE001 - a template that refuses the probe renders nothing of it
             return False
 
@@ -261,7 +260,7 @@ class Renderer:
     def renders_tools(self) -> bool:
         """Whether the template writes a request's ``tools`` into the prompt (many read only ``role`` and ``content``:
         the model then sees no tool list, and must know its tools already)."""
-        return self._renders([{"role": "user", "content": "hi"}], [PROBE_TOOL])
+        return self._renders([{"role": "user", "content": "hi"}], [PROBE_TOOL], PROBE_NAME)
 
     @functools.cached_property
     def renders_tool_calls(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -23,6 +24,11 @@ def process_tag() -> str:
     none, in a container with a PID namespace of its own that shares ``/tmp`` or ``/dev/shm`` (``docker --ipc=host``):
     another run's live buffer was swept as an orphan."""
     return f"{os.getpid()}p{pid_namespace()}"
+
+
+def remove_orphan_temp_dirs(prefix: str, remove: Callable[[Path], None]) -> list[str]:
+    """:func:`remove_orphans` over the temporary directory's entries named ``<prefix><tag>_...``."""
+    return remove_orphans(Path(tempfile.gettempdir()).glob(f"{prefix}*_*"), prefix, remove)
 
 
 def remove_orphans(paths: Iterable[Path], prefix: str, remove: Callable[[Path], None]) -> list[str]:

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from nemo_like.environments.tools.errors import ToolError
-from nemo_like.utils.orphans import process_tag, remove_orphans
+from nemo_like.utils.orphans import process_tag, remove_orphan_temp_dirs
 
 _CHILD = Path(__file__).with_name("sandbox_child.py")
 _MAX_CODE_CHARS = 20_000
@@ -66,7 +66,7 @@ class PythonSandbox:
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 256, max_output_bytes: int = 4096) -> None:
         self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
         # A killed environment actor's call left its work directory (its finally never ran)
-        remove_orphans(Path(tempfile.gettempdir()).glob(f"{WORK_PREFIX}*_*"), WORK_PREFIX, remove_tree)
+        remove_orphan_temp_dirs(WORK_PREFIX, remove_tree)
 
     def run(self, code: str) -> str:
         """The snippet's output (stdout, then its last expression's repr).

@@ -31,7 +31,7 @@ from nemo_like.models.refit.cpu_reload import reload_in_place
 from nemo_like.models.refit.gate import WeightUpdateGate
 from nemo_like.models.refit.manifest import RefitManifestError, check_manifest, expected_weight_names
 from nemo_like.models.refit.shared_memory import forget_mappings
-from nemo_like.utils.orphans import process_tag, remove_orphans
+from nemo_like.utils.orphans import process_tag, remove_orphan_temp_dirs
 
 # Read by vLLM at import time; the facade sets them through the actor's runtime_env.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -90,7 +90,7 @@ def new_adapter_root() -> str:
     """A fresh folder for a LoRA engine's adapters, named with this process's id; first the folders of engines whose
     process no longer runs are removed (an engine's actor is killed at the run's end, so its last adapter stayed in the
     temporary directory, run after run: up to ~0.6 GB each for a 7B model at rank 64)."""
-    remove_orphans(Path(tempfile.gettempdir()).glob(f"{ADAPTER_ROOT_PREFIX}*_*"), ADAPTER_ROOT_PREFIX, lambda old: shutil.rmtree(old, True))
+    remove_orphan_temp_dirs(ADAPTER_ROOT_PREFIX, lambda old: shutil.rmtree(old, True))
     return tempfile.mkdtemp(prefix=f"{ADAPTER_ROOT_PREFIX}{process_tag()}_")
 
 
