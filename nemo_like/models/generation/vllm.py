@@ -48,7 +48,7 @@ from nemo_like.models.generation.interface import (
     generate_on_group,
 )
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
-from nemo_like.models.loading import actor_model_source
+from nemo_like.models.loading import actor_model_source, tokenizer_source
 from nemo_like.models.refit.transport import RefitTransport, refit_transport
 from nemo_like.plan.backend import INSTALL_HINT, require_vllm, vllm_available  # noqa: F401 (importable here)
 
@@ -159,6 +159,7 @@ class VLLMGeneration:
             gpu_memory_utilization=g.vllm_cfg.gpu_memory_utilization,
             colocated=self.colocated,
             lora_cfg=pc.lora_cfg if refit_mode == "adapter" else None,
+            tokenizer_name=tokenizer_source(pc),
         )
         env = engine_env(cfg)
         placement = None

@@ -143,9 +143,12 @@ class VLLMGenerationWorker(Reinitializable):
         gpu_memory_utilization: float = 0.5,
         colocated: bool = False,
         lora_cfg: Any = None,
+        tokenizer_name: str | None = None,
     ) -> None:
         """``lora_cfg``: the policy's ``policy.lora_cfg`` when refits deliver LoRA adapters (the engine then serves
-        them as a LoRA request, a new adapter id per weight version); ``None``: refits deliver full weights."""
+        them as a LoRA request, a new adapter id per weight version); ``None``: refits deliver full weights.
+        ``tokenizer_name``: the run's tokenizer (``policy.tokenizer_name`` or the model), which vLLM's detokenizer uses
+        for stop strings (``None``: the model's)."""
         for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)  # in case the actor was started without the runtime env
         self.rank = rank
@@ -159,6 +162,7 @@ class VLLMGenerationWorker(Reinitializable):
         self.lora_cfg = lora_cfg
         self._reset_reload_path()
         self.model_path = resolve_model_path(model_name)
+        self.tokenizer_path = resolve_model_path(tokenizer_name) if tokenizer_name else self.model_path
         self.expected_names = expected_weight_names(self.model_path)
         self.lora_request: Any = None  # the adapter every request is served with (None: the base weights)
         self._lora_ids = 0
@@ -200,8 +204,16 @@ class VLLMGenerationWorker(Reinitializable):
     def _start_engine(self, path: str, precision: str, max_model_len: int, seed: int, enforce_eager: bool, gpu_mem: float):
         from vllm import LLM
 
+        return LLM(**self.engine_kwargs(path, precision, max_model_len, seed, enforce_eager, gpu_mem))
+
+    def engine_kwargs(
+        self, path: str, precision: str, max_model_len: int, seed: int, enforce_eager: bool, gpu_mem: float
+    ) -> dict[str, Any]:
+        """vLLM's ``LLM`` arguments for this worker's engine."""
         kwargs: dict[str, Any] = dict(
             model=path,
+            # The run's tokenizer, not whatever the model directory holds: vLLM detokenizes with it to find stop strings
+            tokenizer=self.tokenizer_path,
             dtype=precision,
             enforce_eager=enforce_eager,
             max_model_len=max_model_len,
@@ -224,7 +236,7 @@ class VLLMGenerationWorker(Reinitializable):
             # CPU generators cannot do ("CPU Generator does not use offset"). A token budget that holds
             # every running sequence at full length means no prompt is ever split.
             kwargs.update(max_num_seqs=CPU_MAX_NUM_SEQS, max_num_batched_tokens=CPU_MAX_NUM_SEQS * max_model_len)
-        return LLM(**kwargs)
+        return kwargs
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: dict, seed: Seeds) -> list[dict]:

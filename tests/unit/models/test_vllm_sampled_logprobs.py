@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_like.models.generation.vllm_worker import sampled_logprobs
+from nemo_like.models.loading import load_tokenizer
 
 logprobs_mod = pytest.importorskip("vllm.logprobs")
 
@@ -52,3 +53,32 @@ def test_a_request_with_stop_strings_stops_at_them_keeping_them_and_every_token_
     assert not params.skip_special_tokens and not params.spaces_between_special_tokens
     plain = vllm_sampling_params(SamplingParams(max_new_tokens=8), [2], seed=0)
     assert plain.stop == [] and not plain.detokenize  # no text work without stop strings
+
+
+def test_the_engine_detokenizes_with_the_runs_tokenizer_not_the_model_directorys(tmp_path):
+    """vLLM finds stop strings in its own detokenized text: with ``policy.tokenizer_name`` set (a model directory that holds
+    no tokenizer, or another one than the run's), the engine must be built with the run's tokenizer."""
+    pytest.importorskip("vllm")
+    import shutil
+    from pathlib import Path
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    from nemo_like.models.generation.vllm_worker import VLLMGenerationWorker
+    from nemo_like.models.loading import resolve_model_path
+
+    tokenizer_model = "embedded:tiny-arith-qwen2"
+    for name in ("config.json", "model.safetensors", "generation_config.json"):  # the weights without a tokenizer
+        shutil.copy(Path(resolve_model_path(tokenizer_model)) / name, tmp_path / name)
+
+    class Worker(VLLMGenerationWorker):
+        def _start_engine(self, *args):
+            return None
+
+    worker = Worker(0, 1, str(tmp_path), "float32", 64, 0, pad_token_id=0, eos_token_ids=[1], tokenizer_name=tokenizer_model)
+    kwargs = worker.engine_kwargs(worker.model_path, "float32", 64, 0, True, 0.5)
+    tokenizer = cached_tokenizer_from_config(EngineArgs(**kwargs).create_model_config())
+    expected = load_tokenizer(tokenizer_model)
+    text = "The answer is 42.</answer>"
+    assert tokenizer.encode(text) == expected.encode(text)
