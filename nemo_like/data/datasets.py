@@ -27,11 +27,11 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig, DatasetSplitConfig
-from nemo_like.config.sections.data import FILE_BUILDERS
+from nemo_like.config.sections.data import FILE_BUILDERS, data_suffix
 from nemo_like.data.templates import PromptFormat
 from nemo_like.environments.math_verify_process import number_text
 
@@ -231,11 +231,18 @@ def _innermost_message(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def open_text(path: Path, encoding: str = "utf-8", newline: str | None = None) -> IO[str]:
+    """``path`` opened as text, decompressed as its suffix says (``.jsonl.gz``: gzip; what ``datasets`` reads through)."""
+    import fsspec
+
+    return fsspec.open(str(path), mode="rt", compression="infer", encoding=encoding, errors="replace", newline=newline).open()
+
+
 def first_bad_json_line(path: Path) -> str | None:
     """``line N: <what is wrong>`` for the first line of a JSONL file that is not one JSON object (blank lines are
     allowed), or ``None``. The ``datasets`` loader's own message points into pandas' fallback parser, at a byte
     offset of the wrong line."""
-    with path.open(encoding="utf-8", errors="replace") as lines:
+    with open_text(path) as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
@@ -254,7 +261,8 @@ def first_bad_json_place(path: Path) -> str | None:
     """Where a ``.json`` or ``.jsonl`` prompt file stops being valid: a whole-file JSON document (an array of rows)
     by :func:`json.loads`'s line and column, else one object per line (:func:`first_bad_json_line`); ``None`` when it
     parses. pandas' own message gives a byte offset, for JSON Lines at the end of the last good line."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    with open_text(path) as handle:
+        text = handle.read()
     if not text.lstrip().startswith("["):
         try:
             json.loads(text)  # one whole document (a pretty-printed object, a save_to_disk's state.json): not the culprit
@@ -271,7 +279,7 @@ def first_bad_json_place(path: Path) -> str | None:
 def csv_header(path: Path, key: str) -> list[str]:
     """The column names of a CSV file, after checking that every record has as many fields as the header (an unquoted
     comma shifts a row's columns; pandas silently made the extra first field an index). Blank lines are skipped."""
-    with path.open(encoding="utf-8-sig", errors="replace", newline="") as handle:
+    with open_text(path, encoding="utf-8-sig", newline="") as handle:
         reader = csv.reader(handle)
         header: list[str] | None = None
         line = 1
@@ -300,18 +308,6 @@ def _csv_kwargs(header: list[str]) -> dict[str, Any]:
     return {"features": strings, "keep_default_na": False, "index_col": False}
 
 
-#: Compression suffixes ``datasets`` reads through (``train-00000.jsonl.gz`` is a ``.jsonl`` data file).
-COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
-
-
-def data_suffix(file: Path) -> str:
-    """The data suffix of ``file`` (lower case), past a compression suffix: ``.jsonl`` for ``part.jsonl.gz``."""
-    name = file.name.lower()
-    for compression in COMPRESSION_SUFFIXES:
-        name = name.removesuffix(compression)
-    return Path(name).suffix
-
-
 def directory_data_files(path: Path) -> list[Path]:
     """The data files ``datasets`` reads from a directory: supported suffixes (compressed ones too), hidden and ``__``
     parts and the metadata files ``datasets`` never reads as data (its ``FILES_TO_IGNORE``: a hub snapshot's
@@ -332,8 +328,8 @@ def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
     """For a directory whose data files are all CSV (``datasets`` reads it with its CSV builder, one split per file
     name), the same no-guessing settings as a single CSV file; they need one header across the files. Else none."""
     data_files = directory_data_files(path)
-    if not data_files or any(FILE_BUILDERS.get(file.suffix.lower()) != "csv" for file in data_files):
-        return {}  # not all plain CSV (a compressed shard's ".gz" is no builder's: its header is not text here)
+    if not data_files or any(FILE_BUILDERS.get(data_suffix(file)) != "csv" for file in data_files):
+        return {}  # not all CSV
     headers = {file: csv_header(file, key) for file in data_files}
     first = data_files[0]
     for file, header in headers.items():
@@ -377,7 +373,7 @@ def _load_local(source: Source, key: str):
                     raise ConfigError(f"{key}: {empty[0]!r} in {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
                 ds = datasets.load_dataset(str(path), **subset, **_csv_directory_kwargs(path, key))
         else:
-            builder = FILE_BUILDERS.get("".join(path.suffixes[-1:]).lower())
+            builder = FILE_BUILDERS.get(data_suffix(path))
             if builder is None:
                 raise ConfigError(f"{key}: {str(path)!r} has an unsupported suffix; expected one of {sorted(FILE_BUILDERS)} or a directory")
             if path.stat().st_size == 0:
@@ -395,7 +391,7 @@ def _load_local(source: Source, key: str):
         if "corresponds to no data" in message:  # datasets' wording for a file with a header and no rows
             raise ConfigError(f"{key}: {str(path)!r} has no rows; it must hold at least one prompt row") from None
         json_files = [path] if path.is_file() else directory_data_files(path)
-        for file in (f for f in json_files if f.suffix.lower() in (".jsonl", ".json")):
+        for file in (f for f in json_files if data_suffix(f) in (".jsonl", ".json")):
             if place := first_bad_json_place(file):
                 message = place if file == path else f"{file}: {place}"
                 break

@@ -13,6 +13,16 @@ from nemo_like.config.types import Float, Int, OptStr
 
 #: The single-file prompt sources (one file is one split): suffix -> the ``datasets`` builder that reads it.
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+#: Compression suffixes ``datasets`` reads through (``train-00000.jsonl.gz`` is a ``.jsonl`` data file).
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
+
+
+def data_suffix(file: str | Path) -> str:
+    """The data suffix of ``file`` (lower case), past a compression suffix: ``.jsonl`` for ``part.jsonl.gz``."""
+    name = Path(file).name.lower()
+    for compression in COMPRESSION_SUFFIXES:
+        name = name.removesuffix(compression)
+    return Path(name).suffix
 
 
 class DatasetSplitConfig(Section):
@@ -111,7 +121,7 @@ class DataConfig(Section):
             )
         for role in ("train", "validation"):
             split_cfg: DatasetSplitConfig = getattr(self, role)
-            if not split_cfg.data_path or Path(split_cfg.data_path).suffix.lower() not in FILE_BUILDERS:
+            if not split_cfg.data_path or data_suffix(split_cfg.data_path) not in FILE_BUILDERS:
                 continue
             for key in ("split", "dataset_config"):
                 if getattr(split_cfg, key) is not None:

@@ -760,6 +760,26 @@ def test_a_directory_whose_files_datasets_would_skip_is_refused_naming_them(tmp_
     assert len(build(data_cfg(mixed), tok)) + len(build(data_cfg(mixed), tok, "validation")) == 12  # every file read
 
 
+def test_a_compressed_file_as_data_path_is_read_like_the_plain_one(tmp_path, tok) -> None:
+    """``data_path=train.jsonl.gz`` was refused ("unsupported suffix ... or a directory") though the same file inside a
+    directory loads; its CSV keeps every cell as written, and a broken line is named through the compression."""
+    import gzip
+
+    rows = [{"q": f"q{i}", "a": str(i)} for i in range(5)]
+    write_jsonl(tmp_path / "plain.jsonl", rows)
+    (tmp_path / "train.jsonl.gz").write_bytes(gzip.compress((tmp_path / "plain.jsonl").read_bytes()))
+    loaded = build(data_cfg(tmp_path / "train.jsonl.gz", tmp_path / "plain.jsonl"), tok)
+    assert sorted(r.metadata["answer"] for r in loaded) == [r["a"] for r in rows]
+    (tmp_path / "train.csv.gz").write_bytes(gzip.compress(b"q,a\nzip?,02108\npi?,3.10\n"))
+    assert sorted(r.metadata["answer"] for r in build(data_cfg(tmp_path / "train.csv.gz", tmp_path / "plain.jsonl"), tok)) == [
+        "02108",
+        "3.10",
+    ]
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"q": "a", "a": "1"}\n{"q": "b", "a": 2,\n'))
+    with pytest.raises(ConfigError, match=r"cannot read .*bad.jsonl.gz.*line 2, column \d+: not valid JSON"):
+        build(data_cfg(tmp_path / "bad.jsonl.gz"), tok)
+
+
 @pytest.mark.parametrize("declared", [True, False], ids=["readme-declares-subsets", "folders-only"])
 def test_a_local_snapshot_of_a_known_set_reads_the_sets_own_subset(tmp_path, tok, declared: bool) -> None:
     """dataset_name=gsm8k with data_path at a downloaded copy: the spec's subset (main) was never used, so a copy with
