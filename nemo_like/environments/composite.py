@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_like.environments.agent import AgentEnvironment
-from nemo_like.environments.interface import RESERVED_COUNTERS, ActorNeeds, EnvironmentInterface
+from nemo_like.environments.interface import RESERVED_COUNTERS, ActorNeeds, EnvironmentInterface, check_finite_rewards
 
 #: Keys of a source besides its environment's own settings.
 SOURCE_KEYS = ("class", "weight")
@@ -90,7 +90,9 @@ class CompositeEnvConfig(BaseModel):
                 )
             if weight == 0:
                 warnings.warn(
-                    f"source {name!r} has weight 0: it is computed and logged but does not change the reward", UserWarning, stacklevel=2
+                    f"source {name!r} has weight 0: it is computed and logged but does not change the reward (a NaN or infinite one still stops the run)",
+                    UserWarning,
+                    stacklevel=2,
                 )
             checked[name] = {**settings, "class": section.get("class", name), "weight": weight}
         return checked
@@ -165,6 +167,7 @@ class CompositeEnvironment(EnvironmentInterface):
             rewards = [float(r) for r in env.score(responses, metadata)]
             if len(rewards) != len(responses):
                 raise ValueError(f"reward source '{name}' returned {len(rewards)} rewards for {len(responses)} responses")
+            check_finite_rewards(f"reward source '{name}'", rewards, responses, metadata)
             for i, reward in enumerate(rewards):
                 total[i] += weight * reward
             self._add(f"{name}/reward_sum", sum(rewards))

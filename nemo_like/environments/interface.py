@@ -14,6 +14,7 @@ Rewards: a sample counts as *correct* (accuracy, pass@k) when its reward is at l
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -41,6 +42,24 @@ HELPER_PLACEMENT = {"timeout_s": 60.0}
 #: :func:`~nemo_like.experience.rollouts.env_metrics_with_means`): an environment's or a reward source's ``metrics()``
 #: may not use them.
 RESERVED_COUNTERS = frozenset({"reward", "num_samples", "reward_sum"})
+
+
+def preview(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters: enough to find a sample in the data."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_finite_rewards(who: str, rewards: list[float], responses: list[str], metadata: list[dict[str, Any]]) -> None:
+    """``ValueError`` naming ``who`` (an environment, a composite's source) and the first sample when a reward is NaN or
+    infinite (a weight-0 source's NaN still made its composite's reward NaN: ``0 * nan`` is NaN)."""
+    bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
+    if bad:
+        first = bad[0]
+        raise ValueError(
+            f"{who} returned non-finite rewards for {len(bad)} of {len(responses)} responses, e.g. "
+            f"{rewards[first]} for response {preview(responses[first])} (metadata {preview(metadata[first])})"
+        )
 
 
 @dataclass(frozen=True)

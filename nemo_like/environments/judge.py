@@ -30,7 +30,7 @@ from nemo_like.config.sections.base import changed_from_defaults
 from nemo_like.environments.interface import HELPER_PLACEMENT, ActorNeeds, EnvironmentInterface, HelperActors
 from nemo_like.environments.judge_engine import JudgeEngine, JudgeEngineSpec
 from nemo_like.environments.judge_parsers import resolve_parser
-from nemo_like.environments.judge_template import JudgeTemplate, TemplateFormat, load_template_text
+from nemo_like.environments.judge_template import DEFAULT_SCORE_RANGE, JudgeTemplate, TemplateFormat, load_template_text
 from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prompt_of
 from nemo_like.environments.score_normalization import ScoreNormalization
 from nemo_like.environments.scored_text import chat_ids_of_untrusted_text, ids_of_pieces, template_pieces
@@ -40,6 +40,7 @@ COUNTERS = (
     "judged",
     "cache_hits",
     "parse_failures",
+    "out_of_range",
     "template_errors",
     "timeouts",
     "engine_errors",
@@ -73,7 +74,12 @@ class JudgeEnvConfig(BaseModel):
         default_factory=dict, description="Keyword arguments of the parser (regex: pattern, group; ...)."
     )
     parse_failure_reward: float = Field(
-        0.0, description="Reward of a sample whose verdict is unreadable, late, or lost to an engine failure."
+        0.0, description="Reward of a sample whose verdict is unreadable, out of score_range, late, or lost to an engine failure."
+    )
+    score_range: tuple[float, float] | None = Field(
+        None,
+        description="[low, high] of the scale the template asks for: a parsed score outside it is unreadable "
+        "(parse_failure_reward, counted out_of_range); null: the default template's 0-10, no bound with your own template.",
     )
     normalize: ScoreNormalization = Field(default_factory=ScoreNormalization, description="Parsed score -> reward (per sample).")
     max_new_tokens: int = Field(16, gt=0, description="Longest verdict.")
@@ -106,6 +112,8 @@ class JudgeEnvConfig(BaseModel):
     def _check(self) -> JudgeEnvConfig:
         JudgeTemplate(load_template_text(self.template, self.template_file), self.template_format)
         resolve_parser(self.parser, self.parser_options)
+        if self.score_range is not None and not self.score_range[0] <= self.score_range[1]:
+            raise ValueError(f"score_range must be [low, high] with low <= high, got {list(self.score_range)}")
         if self.engine_max_model_len is not None:
             check_verdict_room(self.max_new_tokens, self.engine_max_model_len, "engine_max_model_len")
         if self.engine_backend == "hf":
@@ -116,6 +124,13 @@ class JudgeEnvConfig(BaseModel):
                 f"temperature={self.temperature} has no effect with greedy=true (the judge decodes greedily)", UserWarning, stacklevel=2
             )
         return self
+
+    @property
+    def score_bounds(self) -> tuple[float, float] | None:
+        """The scores a verdict may take: ``score_range``, else the default template's scale (no bound for another)."""
+        if self.score_range is not None:
+            return self.score_range
+        return DEFAULT_SCORE_RANGE if self.template is None and self.template_file is None else None
 
 
 def with_special_tokens(tokenizer: Any, ids: list[int]) -> list[int]:
@@ -281,6 +296,7 @@ class JudgeEnvironment(EnvironmentInterface):
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         rewards = []
+        bounds = self.cfg.score_bounds
         for text in self.verdicts(responses, metadata):
             if text is None:
                 rewards.append(self.cfg.parse_failure_reward)
@@ -289,6 +305,10 @@ class JudgeEnvironment(EnvironmentInterface):
                 value = float(self.parser(text, **self.cfg.parser_options))
                 if not math.isfinite(value):
                     raise ValueError(f"non-finite score {value}")
+                if bounds is not None and not bounds[0] <= value <= bounds[1]:  # "2024 was a good year; 7" reads 2024
+                    self._counts["out_of_range"] += 1
+                    rewards.append(self.cfg.parse_failure_reward)
+                    continue
                 reward = self.cfg.normalize(value)  # a finite score may still normalise past float range
             except Exception:  # noqa: BLE001 - any parser failure (plug-ins included) is a counted parse failure
                 self._counts["parse_failures"] += 1

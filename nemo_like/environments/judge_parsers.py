@@ -100,6 +100,12 @@ def resolve_parser(name: str, options: dict[str, Any], key: str = "parser") -> P
         inspect.signature(parser).bind("", **options)
     except TypeError as exc:
         raise ValueError(f"parser_options {options} do not fit parser {name!r}: {exc}") from None
+    if name == "number" and options.get("which", "first") not in ("first", "last"):
+        raise ValueError(f"parser_options.which must be 'first' or 'last', got {options['which']!r}")
+    if name == "json_field":
+        field = options.get("field")
+        if not isinstance(field, str) or not all(field.split(".")):
+            raise ValueError(f"parser_options.field must be a dotted path of keys ('score', 'verdict.score'), got {field!r}")
     if name == "regex":
         try:
             compiled = re.compile(options.get("pattern", ""))

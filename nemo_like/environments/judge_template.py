@@ -15,6 +15,7 @@ from typing import Any, Literal
 TEMPLATE_FIELDS = ("prompt", "response", "answer", "metadata")
 #: The template used when the section gives none.
 DEFAULT_TEMPLATE = "Question: {prompt}\nResponse: {response}\nRate the response from 0 to 10. Score:"
+DEFAULT_SCORE_RANGE = (0.0, 10.0)  # the scale DEFAULT_TEMPLATE asks for
 
 TemplateFormat = Literal["format", "jinja"]
 
@@ -43,7 +44,15 @@ def template_fields(text: str, fmt: TemplateFormat) -> set[str]:
             if field is not None:
                 if field == "" or field.isdigit():
                     raise ValueError(f"the template uses a positional field {{{field}}}; name one of {list(TEMPLATE_FIELDS)}")
-                names.add(field.split(".")[0].split("[")[0])
+                name = field.split(".")[0].split("[")[0]
+                if "." in field:  # every field is a string or the metadata dict: an attribute failed on every sample
+                    spelled = field.replace(".", "[", 1) + "]" if name == "metadata" and field.count(".") == 1 else None
+                    hint = f"write {{{spelled}}}" if spelled else "read metadata keys as {metadata[key]}"
+                    raise ValueError(
+                        f"the template's field {{{field}}} reads an attribute, which format templates' fields do not have: "
+                        f"{hint} ({{{{ {field} }}}} is Jinja's spelling, with template_format: jinja)"
+                    )
+                names.add(name)
         return names
     import jinja2
     from jinja2 import meta

@@ -10,7 +10,15 @@ from typing import Any
 from nemo_like.distributed.ray_env import NODE_PYTHONPATH
 from nemo_like.distributed.supervision import Replaceable
 from nemo_like.distributed.worker_group import Reinitializable, RoleResources, WorkerResources
-from nemo_like.environments.interface import DEFAULT_ENV_CPUS, HELPER_PLACEMENT, RESERVED_COUNTERS, ActorNeeds, EnvironmentStep
+from nemo_like.environments.interface import (
+    DEFAULT_ENV_CPUS,
+    HELPER_PLACEMENT,
+    RESERVED_COUNTERS,
+    ActorNeeds,
+    EnvironmentStep,
+    check_finite_rewards,
+    preview,
+)
 from nemo_like.environments.registry import EnvSpec, import_environment_class, resolve_environments
 
 #: CPU reserved per environment actor by default (they mostly wait; the math verifier's process runs beside it).
@@ -65,13 +73,7 @@ class EnvironmentWorker(Reinitializable):
         rewards = [float(r) for r in self.env.score(responses, metadata)]
         if len(rewards) != len(responses):
             raise ValueError(f"environment '{self.task}' returned {len(rewards)} rewards for {len(responses)} responses")
-        bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
-        if bad:
-            first = bad[0]
-            raise ValueError(
-                f"environment '{self.task}' returned non-finite rewards for {len(bad)} of {len(responses)} responses, e.g. "
-                f"{rewards[first]} for response {_preview(responses[first])} (metadata {_preview(metadata[first])})"
-            )
+        check_finite_rewards(f"environment '{self.task}'", rewards, responses, metadata)
         return rewards, checked_counters(self.task, self.env.metrics())
 
     def step(
@@ -86,7 +88,7 @@ class EnvironmentWorker(Reinitializable):
             check_step(
                 step,
                 f"environment '{self.task}' step, conversation {i} of this actor's {len(steps)} "
-                f"(metadata {_preview(metadata[i])}, last message {_preview(last)})",
+                f"(metadata {preview(metadata[i])}, last message {preview(last)})",
             )
         steps = [as_python_numbers(step) for step in steps]
         return steps, checked_counters(self.task, self.env.metrics())
@@ -95,12 +97,6 @@ class EnvironmentWorker(Reinitializable):
         close = getattr(self.env, "close", None)
         if callable(close):
             close()
-
-
-def _preview(value: Any, limit: int = 120) -> str:
-    """``repr(value)`` cut to ``limit`` characters: enough to find a sample in the data."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_finite_number(value: Any) -> bool:

@@ -89,8 +89,13 @@ def test_six_steps_equal_three_steps_then_three_resumed_through_a_killed_policy_
 
 
 def test_incompatible_checkpoint_is_refused_naming_the_keys(ray_cluster, tmp_path):
-    run(tmp_path, "grpo.max_num_steps=1", *NO_VALIDATION, *ckpt_overrides(tmp_path / "ckpt", 1))
-    from nemo_like.utils.checkpoint import CheckpointError
+    from nemo_like.utils.checkpoint import VALIDATED_AT_STEP, CheckpointError, CheckpointManager
+
+    validate_at_start = ("grpo.val_at_start=true", "grpo.val_at_end=false", "grpo.val_period=0", "grpo.max_val_samples=16")
+    (start, _) = run(tmp_path, "grpo.max_num_steps=1", *validate_at_start, *ckpt_overrides(tmp_path / "ckpt", 1))
+    # step 1's checkpoint carries the step-0 validation (best-k ranked it below every validated one: it had none)
+    saved = CheckpointManager(tmp_path / "ckpt").latest().state["metrics"]
+    assert saved[VALIDATED_AT_STEP] == 0.0 and saved["validation/accuracy"] == start["validation/accuracy"]
 
     with pytest.raises(CheckpointError, match="grpo.num_generations_per_prompt: 4 -> 2"):
         run(tmp_path, "grpo.max_num_steps=2", "grpo.num_generations_per_prompt=2", *NO_VALIDATION, *ckpt_overrides(tmp_path / "ckpt", 1))
@@ -99,8 +104,6 @@ def test_incompatible_checkpoint_is_refused_naming_the_keys(ray_cluster, tmp_pat
     assert [r["step"] for r in resumed] == [2]
     # At its last step without its end-of-run validation, a rerun that asks for one validates and saves (it started every
     # actor and did nothing); then the run is complete, and a rerun starts nothing
-    from nemo_like.utils.checkpoint import VALIDATED_AT_STEP, CheckpointManager
-
     validating = ("grpo.max_num_steps=2", "grpo.max_val_samples=16", "grpo.val_at_start=false", "grpo.val_period=0")
     (validated,) = run(tmp_path, *validating, *ckpt_overrides(tmp_path / "ckpt", 1))
     assert validated["step"] == 2 and 0.0 <= validated["validation/accuracy"] <= 1.0 and "train/loss" not in validated

@@ -77,6 +77,14 @@ def test_tiny_model_as_judge_template_parse_failure_deadline_and_cache(ray_clust
         big = [1e308 * int(v) if len(v) == 1 and v.isdigit() and int(v) < 2 else -1.0 for v in verdicts]
         assert env.score(responses, metadata) == pytest.approx(big)
         assert env.metrics()["parse_failures"] == sum(r == -1.0 for r in big)
+
+        # A verdict outside score_range is unreadable: it was the reward a number outside the asked-for scale gives
+        env.cfg.normalize, env.cfg.score_range = ScoreNormalization(scale=0.1), (int(verdicts[0]), int(verdicts[0]))
+        digits = [v for v in verdicts if len(v) == 1 and v.isdigit()]
+        in_range = [0.1 * int(v) if v == verdicts[0] else -1.0 for v in verdicts]
+        assert env.score(responses, metadata) == pytest.approx(in_range)
+        counters = env.metrics()
+        assert counters["out_of_range"] == sum(v != verdicts[0] for v in digits) and counters["scored"] == digits.count(verdicts[0])
     finally:
         env.close()
 

@@ -143,3 +143,25 @@ def test_a_sources_counter_named_as_the_composites_own_is_refused() -> None:
     env.sources["g"] = (Counting(), 1.0)
     with pytest.raises(ValueError, match=r"reward source 'g': metrics\(\) names \['num_samples'\]"):
         env.score(["1", "2", "3", "4"], [{"answer": 1}] * 4)
+
+
+def test_a_sources_non_finite_reward_stops_the_run_naming_the_source_even_at_weight_0() -> None:
+    """``0 * nan`` is NaN: a weight-0 source's NaN made the composed reward NaN, and the run's error named only the task."""
+
+    class NanOnEmpty:
+        def score(self, responses, metadata):
+            return [float("nan") if not r else 0.5 for r in responses]
+
+        def metrics(self):
+            return {}
+
+    with pytest.warns(UserWarning, match="weight 0"):
+        env = CompositeEnvironment(
+            **resolve({"sources": {"correct": {"class": "arithmetic"}, "custom": {"class": "arithmetic", "weight": 0}}}).kwargs
+        )
+    env.sources["custom"] = (NanOnEmpty(), 0.0)
+    assert env.score(["7"], [{"answer": 7}]) == [1.0]
+    with pytest.raises(
+        ValueError, match=r"reward source 'custom' returned non-finite rewards for 1 of 2 responses, e.g. nan for response ''"
+    ):
+        env.score(["7", ""], [{"answer": 7}] * 2)

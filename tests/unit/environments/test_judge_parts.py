@@ -9,6 +9,7 @@ import pytest
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
+from nemo_like.environments.judge import JudgeEnvConfig
 from nemo_like.environments.judge_parsers import JudgeParseError, parse_json_field, parse_number, parse_regex, resolve_parser
 from nemo_like.environments.judge_template import DEFAULT_TEMPLATE, JudgeTemplate, load_template_text
 from nemo_like.environments.registry import resolve_environments
@@ -42,6 +43,8 @@ def test_template_from_a_file_or_the_default(tmp_path) -> None:
         ("{}", "format", "positional field"),
         ("{{ reponse }}", "jinja", r"unknown field\(s\) \['reponse'\]"),
         ("{% if %}", "jinja", "does not parse"),
+        # passed the check, then failed on every sample ('dict' object has no attribute 'level'): Jinja's spelling
+        ("Level {metadata.level}: {response}", "format", r"\{metadata.level\} reads an attribute.*write \{metadata\[level\]\}"),
     ],
 )
 def test_bad_templates_are_refused(text: str, fmt: str, message: str) -> None:
@@ -103,6 +106,10 @@ def test_parser_plugins_come_from_the_registry_or_an_import_path(tmp_path) -> No
         ({"template": "{verdict}"}, "unknown field"),
         ({"parser": "json_field"}, "do not fit parser 'json_field'"),
         ({"parser": "regx", "parser_options": {"pattern": "(1)"}}, "Did you mean 'regex'"),
+        # option values were checked when a verdict was read: every sample a parse failure
+        ({"parser_options": {"which": "Last"}}, "parser_options.which must be 'first' or 'last', got 'Last'"),
+        ({"parser": "json_field", "parser_options": {"field": "score."}}, "parser_options.field must be a dotted path"),
+        ({"score_range": [10, 0]}, "score_range must be \\[low, high\\]"),
         ({"deadline_s": 0}, "env.j.deadline_s"),
         ({"deadline_s": 1e-6}, "env.j.deadline_s"),  # below Ray's millisecond: a wait of 0, not a microsecond
         ({"model_name": "./no/such/judge"}, "env.j.model_name"),
@@ -117,6 +124,13 @@ def test_bad_judge_sections_name_the_key(section: dict, message: str) -> None:
     cfg = MasterConfig.model_validate({"env": {"j": {"class": "judge", **section}}})
     with pytest.raises(ConfigError, match=message):
         resolve_environments(cfg.env_sections)
+
+
+def test_the_default_template_bounds_its_scores_and_another_template_only_by_score_range() -> None:
+    """The default template asks for 0-10; a parsed 2024 ("2024 was a good year; 7") became a reward of 202 at scale 0.1."""
+    assert JudgeEnvConfig().score_bounds == (0.0, 10.0)
+    assert JudgeEnvConfig(template="Rate {response} from 1 to 100:").score_bounds is None
+    assert JudgeEnvConfig(template="Rate {response} from 1 to 100:", score_range=[1, 100]).score_bounds == (1.0, 100.0)
 
 
 def test_an_option_without_effect_warns() -> None:
