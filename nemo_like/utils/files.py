@@ -5,8 +5,29 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import uuid
 from pathlib import Path
+
+#: The name of :func:`replace_file`'s temporary file: ``.<name>.<pid>.<8 hex>.tmp`` beside the target.
+_PARTIAL = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}\.tmp$")
+
+
+def partial_path(path: Path) -> Path:
+    """Where :func:`replace_file` writes ``path``'s new contents before the rename."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def remove_partial_files(directory: str | Path) -> int:
+    """Remove :func:`replace_file`'s temporary files left in ``directory`` by a process killed between their write and
+    their rename (a SIGKILL skips the cleanup); returns how many. Only for a directory no live process writes: a run's
+    locked directory (:func:`~nemo_like.utils.run_lock.hold_run_locks`)."""
+    removed = 0
+    for entry in os.scandir(directory):
+        if entry.is_file(follow_symlinks=False) and _PARTIAL.match(entry.name):
+            Path(entry.path).unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def replace_file(path: str | Path, data: str | bytes) -> Path:
@@ -16,7 +37,7 @@ def replace_file(path: str | Path, data: str | bytes) -> Path:
     other's partial file (each writes its own temporary file)."""
     path = Path(path)
     payload = data if isinstance(data, bytes) else data.encode("utf-8")
-    partial = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    partial = partial_path(path)
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's permissions, as a plain write's
     try:
         with os.fdopen(fd, "wb") as out:

@@ -25,6 +25,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nemo_like.utils.files import remove_partial_files
+
 if TYPE_CHECKING:
     from nemo_like.config.schema import MasterConfig
 
@@ -134,5 +136,6 @@ def hold_run_locks(directories: Mapping[str, str | Path]) -> Iterator[list[RunLo
             lock = RunLock(directory, key)
             lock.acquire()
             stack.callback(lock.release)
+            remove_partial_files(directory)  # a killed run's half-written files: no live writer while we hold the lock
             locks.append(lock)
         yield locks

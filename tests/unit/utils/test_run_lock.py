@@ -16,6 +16,7 @@ import pytest
 
 from nemo_like.cli import main
 from nemo_like.config import load_config
+from nemo_like.utils.files import partial_path
 from nemo_like.utils.run_lock import LOCK_FILE, RunLockError, hold_run_locks, run_directories
 
 REPO = Path(__file__).resolve().parents[3]
@@ -91,12 +92,14 @@ def test_the_cli_stops_before_resuming_or_trimming_the_holders_files(held_dir, h
     (logs / "metrics.jsonl").write_text(metrics)
     in_progress = ckpt / ".tmp_step_4"  # the holder's save in progress: a resuming run would delete it
     in_progress.mkdir()
+    writing = partial_path(logs / "train_data_step_3.jsonl")  # the holder's sample dump before its rename
+    writing.write_text("{}\n")
 
     assert main(["train", "--config", str(TINY), *overrides(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "logger.log_dir" in err and f"pid {holder.pid}" in err and "Traceback" not in err
     assert (logs / "metrics.jsonl").read_text() == metrics
-    assert in_progress.is_dir()
+    assert in_progress.is_dir() and writing.is_file()
 
 
 def test_the_checkpoint_dir_is_locked_too(held_dir, tmp_path, holder):
@@ -110,9 +113,16 @@ def test_a_dead_holders_lock_is_taken_over_with_a_warning(tmp_path):
     proc = start_holder(tmp_path)
     os.kill(proc.pid, signal.SIGKILL)  # no clean release: the holder record stays behind
     proc.wait()
+    # ... nor a file it was writing when killed (replace_file's cleanup never ran), which stayed for ever
+    left = partial_path(tmp_path / "logs" / "metrics.jsonl")
+    left.write_text('{"step": 1}\n')
+    kept = [tmp_path / "logs" / ".notes.tmp", tmp_path / "logs" / ".metrics.jsonl.12.swp"]  # not replace_file's
+    for path in kept:
+        path.write_text("x")
     cfg = load_config(TINY, overrides(tmp_path))
     with pytest.warns(RuntimeWarning, match=rf"taking over the lock of a run that is gone \(pid {proc.pid} on host"):
         with hold_run_locks(run_directories(cfg)) as locks:
+            assert not left.exists() and all(path.is_file() for path in kept)
             assert {lock.key for lock in locks} == {"logger.log_dir", "checkpointing.checkpoint_dir"}
             assert f'"pid": {os.getpid()}' in (tmp_path / "logs" / LOCK_FILE).read_text()
     # Released cleanly: the next run takes it silently.
