@@ -667,7 +667,6 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
         val = runner.validate(0, StepTimer())
         control.validation_finished(time.perf_counter() - started)
         history.append(logger.log(val, step=0))
-        last_validation = validation_of(val, 0)  # carried like any other: the checkpoints before the next validation rank by it
         logger.progress.message(f"[step 0] validation/accuracy={val['validation/accuracy']:.3f}")
     timer = StepTimer()
     # Carried in the checkpoints' metrics: a resumed (or requeued) run stops where the uninterrupted one would.

@@ -231,6 +231,24 @@ def _innermost_message(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+#: Compressions whose codec is a package of its own (fsspec reads them only where it is installed).
+COMPRESSION_PACKAGES = {".zst": "zstandard", ".lz4": "lz4"}
+
+
+def unreadable_compression(file: Path) -> str | None:
+    """Why ``file``'s compression cannot be read here (its codec's package is missing; a compressed Parquet file, which
+    compresses inside itself), or ``None``."""
+    from fsspec.utils import infer_compression
+
+    name = file.name.lower()
+    for suffix, package in COMPRESSION_PACKAGES.items():
+        if name.endswith(suffix) and infer_compression(name) is None:
+            return f"reading {suffix} files needs the {package!r} package (pip install {package}), or decompress it"
+    if data_suffix(file) == ".parquet" and not name.endswith(".parquet"):
+        return "a Parquet file compresses inside itself: give the .parquet file, not a compressed copy"
+    return None
+
+
 def open_text(path: Path, encoding: str = "utf-8", newline: str | None = None) -> IO[str]:
     """``path`` opened as text, decompressed as its suffix says (``.jsonl.gz``: gzip; what ``datasets`` reads through)."""
     import fsspec
@@ -368,6 +386,9 @@ def _load_local(source: Source, key: str):
             else:
                 subset = _subset_kwargs(path, source.config)
                 _refuse_skipped_files(path, source, key, subset)
+                for file in directory_data_files(path):
+                    if problem := unreadable_compression(file):
+                        raise ConfigError(f"{key}: cannot read {str(file)!r} in {str(path)!r}: {problem}")
                 empty = [str(f) for f in directory_data_files(path) if f.stat().st_size == 0]
                 if empty:  # datasets' own error was a bare StopIteration
                     raise ConfigError(f"{key}: {empty[0]!r} in {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
@@ -376,6 +397,8 @@ def _load_local(source: Source, key: str):
             builder = FILE_BUILDERS.get(data_suffix(path))
             if builder is None:
                 raise ConfigError(f"{key}: {str(path)!r} has an unsupported suffix; expected one of {sorted(FILE_BUILDERS)} or a directory")
+            if problem := unreadable_compression(path):
+                raise ConfigError(f"{key}: cannot read {str(path)!r}: {problem}")
             if path.stat().st_size == 0:
                 raise ConfigError(f"{key}: {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
             kwargs = _csv_kwargs(csv_header(path, key)) if builder == "csv" else {}

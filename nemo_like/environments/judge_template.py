@@ -7,6 +7,7 @@ Fields: ``prompt`` (the policy's prompt, "" when the sample carries none), ``res
 
 from __future__ import annotations
 
+import _string
 import string
 from pathlib import Path
 from typing import Any, Literal
@@ -44,13 +45,14 @@ def template_fields(text: str, fmt: TemplateFormat) -> set[str]:
             if field is not None:
                 if field == "" or field.isdigit():
                     raise ValueError(f"the template uses a positional field {{{field}}}; name one of {list(TEMPLATE_FIELDS)}")
-                name = field.split(".")[0].split("[")[0]
-                if "." in field:  # every field is a string or the metadata dict: an attribute failed on every sample
-                    spelled = field.replace(".", "[", 1) + "]" if name == "metadata" and field.count(".") == 1 else None
-                    hint = f"write {{{spelled}}}" if spelled else "read metadata keys as {metadata[key]}"
+                name, parts = _string.formatter_field_name_split(field)
+                parts = list(parts)
+                if any(is_attribute for is_attribute, _ in parts):  # every field is a string or the metadata dict
+                    keys = "".join(f"[{key}]" for _, key in parts)
+                    hint = f"write {{{name}{keys}}}" if name == "metadata" else f"{{{name}}} is text"
                     raise ValueError(
                         f"the template's field {{{field}}} reads an attribute, which format templates' fields do not have: "
-                        f"{hint} ({{{{ {field} }}}} is Jinja's spelling, with template_format: jinja)"
+                        f"{hint} (a dotted name is Jinja's spelling, with template_format: jinja)"
                     )
                 names.add(name)
         return names

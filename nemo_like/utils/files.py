@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 #: The name of :func:`replace_file`'s temporary file: ``.<name>.<pid>.<8 hex>.tmp`` beside the target.
-_PARTIAL = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}\.tmp$")
+_PARTIAL = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$")
 
 
 def partial_path(path: Path) -> Path:
@@ -18,13 +18,15 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
-def remove_partial_files(directory: str | Path) -> int:
-    """Remove :func:`replace_file`'s temporary files left in ``directory`` by a process killed between their write and
-    their rename (a SIGKILL skips the cleanup); returns how many. Only for a directory no live process writes: a run's
-    locked directory (:func:`~nemo_like.utils.run_lock.hold_run_locks`)."""
+def remove_partial_files(directory: str | Path, pid: int) -> int:
+    """Remove the temporary files of :func:`replace_file` that process ``pid`` left in ``directory`` (killed between a
+    write and its rename: a SIGKILL skips the cleanup); returns how many. Only for a process known to be gone: a run
+    whose lock was taken over (:class:`~nemo_like.utils.run_lock.RunLock`); another live writer's files (an eval writing
+    its results there) carry their own pid."""
     removed = 0
     for entry in os.scandir(directory):
-        if entry.is_file(follow_symlinks=False) and _PARTIAL.match(entry.name):
+        match = _PARTIAL.match(entry.name)
+        if match and int(match.group(1)) == pid and entry.is_file(follow_symlinks=False):
             Path(entry.path).unlink(missing_ok=True)
             removed += 1
     return removed

@@ -104,6 +104,8 @@ class RunLock:
                 RuntimeWarning,
                 stacklevel=2,
             )
+            if isinstance(previous.get("pid"), int):
+                remove_partial_files(self.directory, previous["pid"])  # the files it was writing when it died
         record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, record, 0)
@@ -136,6 +138,5 @@ def hold_run_locks(directories: Mapping[str, str | Path]) -> Iterator[list[RunLo
             lock = RunLock(directory, key)
             lock.acquire()
             stack.callback(lock.release)
-            remove_partial_files(directory)  # a killed run's half-written files: no live writer while we hold the lock
             locks.append(lock)
         yield locks

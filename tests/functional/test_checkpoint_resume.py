@@ -93,9 +93,10 @@ def test_incompatible_checkpoint_is_refused_naming_the_keys(ray_cluster, tmp_pat
 
     validate_at_start = ("grpo.val_at_start=true", "grpo.val_at_end=false", "grpo.val_period=0", "grpo.max_val_samples=16")
     (start, _) = run(tmp_path, "grpo.max_num_steps=1", *validate_at_start, *ckpt_overrides(tmp_path / "ckpt", 1))
-    # step 1's checkpoint carries the step-0 validation (best-k ranked it below every validated one: it had none)
+    # step 0's validation measured the initial weights, which no checkpoint holds: not carried into step 1's (best-k
+    # would rank a never-validated checkpoint by the untrained model's score)
     saved = CheckpointManager(tmp_path / "ckpt").latest().state["metrics"]
-    assert saved[VALIDATED_AT_STEP] == 0.0 and saved["validation/accuracy"] == start["validation/accuracy"]
+    assert 0.0 <= start["validation/accuracy"] <= 1.0 and not any(k.startswith("validation/") for k in saved)
 
     with pytest.raises(CheckpointError, match="grpo.num_generations_per_prompt: 4 -> 2"):
         run(tmp_path, "grpo.max_num_steps=2", "grpo.num_generations_per_prompt=2", *NO_VALIDATION, *ckpt_overrides(tmp_path / "ckpt", 1))

@@ -778,6 +778,17 @@ def test_a_compressed_file_as_data_path_is_read_like_the_plain_one(tmp_path, tok
     (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"q": "a", "a": "1"}\n{"q": "b", "a": 2,\n'))
     with pytest.raises(ConfigError, match=r"cannot read .*bad.jsonl.gz.*line 2, column \d+: not valid JSON"):
         build(data_cfg(tmp_path / "bad.jsonl.gz"), tok)
+    (tmp_path / "train.parquet.gz").write_bytes(gzip.compress(b"PAR1"))  # was read as a corrupt Parquet file
+    with pytest.raises(ConfigError, match=r"train.parquet.gz'?: a Parquet file compresses inside itself"):
+        build(data_cfg(tmp_path / "train.parquet.gz"), tok)
+    import importlib.util
+
+    if importlib.util.find_spec("zstandard") is None:  # fsspec then read the compressed bytes as text: "not valid JSON"
+        (tmp_path / "zst").mkdir()
+        (tmp_path / "zst" / "train.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+        for path in (tmp_path / "zst" / "train.jsonl.zst", tmp_path / "zst"):
+            with pytest.raises(ConfigError, match=r"train.jsonl.zst'.*needs the 'zstandard' package"):
+                build(data_cfg(path), tok)
 
 
 @pytest.mark.parametrize("declared", [True, False], ids=["readme-declares-subsets", "folders-only"])

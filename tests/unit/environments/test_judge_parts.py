@@ -52,6 +52,13 @@ def test_bad_templates_are_refused(text: str, fmt: str, message: str) -> None:
         JudgeTemplate(text, fmt)  # type: ignore[arg-type]
 
 
+def test_a_metadata_key_with_a_dot_is_a_key_not_an_attribute() -> None:
+    template = JudgeTemplate("Source {metadata[source.url]}: {response}")
+    assert template.render("p", "r", {"source.url": "x.org"}) == "Source x.org: r"
+    with pytest.raises(ValueError, match=r"\{metadata\[a\].b\} reads an attribute.*write \{metadata\[a\]\[b\]\}"):
+        JudgeTemplate("{metadata[a].b}")
+
+
 def test_parsers() -> None:
     assert parse_number("Score: 8/10") == 8.0
     assert parse_number("from 3 to 7.5", which="last") == 7.5

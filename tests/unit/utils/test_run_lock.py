@@ -114,9 +114,10 @@ def test_a_dead_holders_lock_is_taken_over_with_a_warning(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)  # no clean release: the holder record stays behind
     proc.wait()
     # ... nor a file it was writing when killed (replace_file's cleanup never ran), which stayed for ever
-    left = partial_path(tmp_path / "logs" / "metrics.jsonl")
+    left = tmp_path / "logs" / f".metrics.jsonl.{proc.pid}.0123abcd.tmp"
     left.write_text('{"step": 1}\n')
-    kept = [tmp_path / "logs" / ".notes.tmp", tmp_path / "logs" / ".metrics.jsonl.12.swp"]  # not replace_file's
+    writing = partial_path(tmp_path / "logs" / "results.jsonl")  # a live process's (an eval writing there): kept
+    kept = [tmp_path / "logs" / ".notes.tmp", tmp_path / "logs" / ".metrics.jsonl.12.swp", writing]  # not the dead run's
     for path in kept:
         path.write_text("x")
     cfg = load_config(TINY, overrides(tmp_path))
