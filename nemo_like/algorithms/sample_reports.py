@@ -31,7 +31,7 @@ def report_val_samples(parts: GRPOComponents, step: int, rollout: Rollout) -> No
             {
                 "prompt_id": [p.id for p in rollout.prompts],
                 "prompt": prompts,
-                "response": rollout.response_texts,
+                **response_columns(parts, rollout),
                 "reward": rollout.rewards,
                 "truncated": [s.truncated for s in rollout.samples],
                 "response_token_ids": [s.response_ids for s in rollout.samples],
@@ -45,17 +45,29 @@ def report_val_samples(parts: GRPOComponents, step: int, rollout: Rollout) -> No
 
 
 def turn_columns(rollout: Rollout) -> dict[str, list]:
-    """Multi-turn dump columns (none for single-turn samples): each sample's turns as messages, its turn
-    count and the per-token mask of its response (1 sampled, 0 observation)."""
-    if all(s.messages is None for s in rollout.samples):
+    """Multi-turn and agent dump columns (none for single-turn samples): each sample's turn count and the per-token
+    mask of its response (1 sampled, 0 observation); the turns as messages and the environment steps' metrics where
+    the environment's turns made them (an agent's rows hold the tokens of its calls, not their messages)."""
+    samples = rollout.samples
+    if all(s.response_mask is None and s.messages is None for s in samples):
         return {}
-    return {
-        "num_turns": [s.num_turns for s in rollout.samples],
-        "turns": [s.messages for s in rollout.samples],
-        "response_mask": [s.sampled_mask for s in rollout.samples],
-        "length_truncated": [s.length_truncated for s in rollout.samples],
-        "step_metrics": [s.step_metrics for s in rollout.samples],
+    columns: dict[str, list] = {
+        "num_turns": [s.num_turns for s in samples],
+        "response_mask": [s.sampled_mask for s in samples],
+        "length_truncated": [s.length_truncated for s in samples],
     }
+    if any(s.messages is not None for s in samples):
+        columns.update(turns=[s.messages for s in samples], step_metrics=[s.step_metrics for s in samples])
+    return columns
+
+
+def response_columns(parts: GRPOComponents, rollout: Rollout) -> dict[str, list]:
+    """``response``, the decoded response; for agent tasks (whose scored text is the answer the agent returned, not the
+    tokens sampled) the decoded tokens, and that answer as ``answer``."""
+    if rollout.session_of_row is None:
+        return {"response": rollout.response_texts}
+    decoded = parts.tokenizer.batch_decode([s.response_ids for s in rollout.samples], skip_special_tokens=False)
+    return {"response": decoded, "answer": rollout.response_texts}
 
 
 def dump_train_samples(
@@ -79,7 +91,7 @@ def dump_train_samples(
         "prompt_id": [p.id for p in rollout.prompts],
         "group_id": rollout.group_ids,
         "prompt": prompt_texts(parts, rollout),
-        "response": rollout.response_texts,
+        **response_columns(parts, rollout),
         "reward": rollout.raw_rewards,  # the task's, as train/reward
         "shaped_reward": rollout.rewards,  # what the advantages used (equal unless grpo.reward_shaping)
         "advantage": per_sample_mean(batch["advantages"], mask),

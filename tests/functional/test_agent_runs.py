@@ -16,6 +16,7 @@ from functional.helpers import read_jsonl, read_metrics
 
 from nemo_like.config import load_config
 from nemo_like.experience.async_rollouts import AsyncRollouts
+from nemo_like.models.loading import load_tokenizer
 from nemo_like.train import train
 from nemo_like.utils.imports import import_object
 
@@ -121,6 +122,7 @@ def test_agent_run_trains_on_the_served_tokens_and_survives_failing_agents(ray_c
     for calls in recorded.values():
         response, logprobs = expected_row(calls)
         served.setdefault(response, []).append(logprobs)
+    tokenizer = load_tokenizer(load_config(RECIPE).policy.model_name)
     for step in (1, 2):
         rows = read_jsonl(tmp_path / "sync" / f"train_data_step{step}.jsonl")
         assert len(rows) == 8
@@ -130,6 +132,10 @@ def test_agent_run_trains_on_the_served_tokens_and_survives_failing_agents(ray_c
             # ... with the server's logprobs (of one of the sessions that drew it: batches round differently) ...
             assert any(gen.tolist() == pytest.approx(lps, abs=1e-7) for lps in served[tuple(row["response_token_ids"])])
             assert torch.allclose(prev, gen, atol=1e-5)  # ... which the training pass reproduces
+            # The dump says which tokens were sampled (the columns were multi-turn only) and shows them, beside the answer
+            mask = row["response_mask"]
+            assert len(mask) == len(row["response_token_ids"]) and sum(mask) == len(gen) and row["num_turns"] >= 1
+            assert row["response"] == tokenizer.decode(row["response_token_ids"], skip_special_tokens=False) and "answer" in row
         assert sum(row["reward"] == 0.0 for row in rows) >= 2  # the raising and the hung session: failure_reward 0
     # The same agent task in an async run, on this cluster and its actors (one test: the suite's time).
     check_async_agent_run(tmp_path / "async", monkeypatch)
