@@ -403,8 +403,12 @@ def largest_layer_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
     return max(layers.values(), default=0) * DTYPE_BYTES[cfg.policy.precision]
 
 
-def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role: str = "policy") -> RoleMemory:
+def policy_memory(
+    cfg: Any, params: list[ParameterSpec], shape: ModelShape, role: str = "policy", policy_logprob_pass: bool = True
+) -> RoleMemory:
     """One rank of the trainable policy (``role="policy"``) or of a frozen copy (``"reference"``, ``"teacher"``).
+    ``policy_logprob_pass``: whether the policy also runs a logprob pass (the run plan's prev pass, or LoRA's reference
+    with the adapters disabled), whose micro-batch of ``policy.logprob_batch_size`` rows may hold more than training's.
     With FSDP2's CPU offload (:meth:`~nemo_like.config.schema.MasterConfig.offloads_to_cpu`) its parameters,
     gradients and AdamW state are in host RAM and the device holds the activations, the unsharded root and the
     largest decoder layer, unsharded while it computes."""
@@ -422,7 +426,7 @@ def policy_memory(cfg: Any, params: list[ParameterSpec], shape: ModelShape, role
     dropout = lora_dropout_bytes_per_token(cfg, params, shape)  # training only: the logprob passes run in eval mode
     head_trains = any(p.trainable and p.shape == (shape.vocab, shape.hidden) for p in params)  # tied or not; not LoRA's
     training = _training_activations(cfg, shape, value_bytes, hidden_bytes, dropout, head_trains)
-    passes = max(training, _logprob_activations(cfg, shape, value_bytes, hidden_bytes))
+    passes = max(training, _logprob_activations(cfg, shape, value_bytes, hidden_bytes) if policy_logprob_pass else 0)
     copies = autocast_weight_copies(cfg, params)  # cached by the logprob passes' forwards too (no_grad caches them)
     note = f"with {copies / GIB:.3f} GiB of autocast's {pc.precision} weight copies" if copies else ""
     return RoleMemory(
@@ -795,7 +799,8 @@ def _plan_devices(
     scorers: Sequence[RoleMemory] = (),
 ) -> tuple[list[RoleMemory], dict[str, int], bool]:
     """Every role's memory, what each device holds, and whether a vLLM engine is colocated (:func:`plan_memory`)."""
-    roles = [policy_memory(cfg, params, shape)]
+    passes = run_plan.logprobs
+    roles = [policy_memory(cfg, params, shape, policy_logprob_pass=passes.compute_prev or passes.reference_from_policy)]
     if cfg.distillation.kl_weight > 0 and teachers:  # the KL term's copy: teacher.model_name, first of the models
         roles[0] = with_teacher_copy(cfg, roles[0], *teachers[cfg.teacher.models()[0]])
     if run_plan.backend.value == "inline":
@@ -830,9 +835,11 @@ def kept_while_generating(cfg: Any, policy: RoleMemory) -> int:
 
 
 def colocated_peak(cfg: Any, policy: RoleMemory, generation: RoleMemory) -> int:
-    """Policy rank 0's GPU with a colocated vLLM engine: the larger of its training peak and, while the engine
-    generates, what the rank keeps plus the engine's whole share (weights and KV budget). The two never coexist."""
-    return max(policy.total, kept_while_generating(cfg, policy) + generation.total)
+    """Policy rank 0's GPU with a colocated vLLM engine: the larger of its training peak plus what the sleeping engine
+    keeps (``sleep(level=1)`` frees its weights and KV cache, not its process's CUDA context and other non-torch memory:
+    :data:`VLLM_NON_TORCH_BYTES`) and, while the engine generates, what the rank keeps plus the engine's whole share
+    (weights and KV budget)."""
+    return max(policy.total + VLLM_NON_TORCH_BYTES, kept_while_generating(cfg, policy) + generation.total)
 
 
 def colocated_note(cfg: Any, roles: list[RoleMemory]) -> str:
@@ -840,7 +847,8 @@ def colocated_note(cfg: Any, roles: list[RoleMemory]) -> str:
     by_role = {r.role: r for r in roles}
     kept, engine = kept_while_generating(cfg, by_role["policy"]), by_role["generation"].total
     return (
-        f"colocated vLLM engine: the larger of training {by_role['policy'].total / GIB:.3f} and generating "
+        f"colocated vLLM engine: the larger of training {by_role['policy'].total / GIB:.3f} + the sleeping engine's "
+        f"{VLLM_NON_TORCH_BYTES / GIB:.3f} and generating "
         f"{kept / GIB:.3f} kept by the policy + {engine / GIB:.3f} for the engine"
     )
 
@@ -941,12 +949,20 @@ def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> 
     engine = next(r for r in roles if r.kv_sequences == 0)
     if weights_over_share(cfg, engine, device_bytes):
         needed = (engine.params + engine.activations) / device_bytes
+        if needed >= 1:  # the setting is a share of the device, at most 1
+            return [whole_device_advice(cfg, engine.params + engine.activations, device_bytes, "the weights and vLLM's own memory")]
         return [
             f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g}) above {needed:.3g} "
             "(the share of the device the weights and vLLM's own memory take) or use a device with more memory"
         ]
     if cfg.cluster.gpus_per_node:
         needed = _round_up((engine.params + engine.activations + engine.kv_sequence_bytes) / device_bytes)
+        if needed > 1:
+            what = "the weights, vLLM's own memory and one full-length sequence"
+            return [
+                f"{whole_device_advice(cfg, engine.params + engine.activations + engine.kv_sequence_bytes, device_bytes, what)}, "
+                f"or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"
+            ]
         budget = (
             f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g}) to at least "
             f"{needed:g} (weights, vLLM's own memory and one full-length sequence)"
@@ -958,6 +974,16 @@ def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> 
             "(one full-length sequence)"
         )
     return [f"{budget} or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"]
+
+
+def whole_device_advice(cfg: Any, needed_bytes: float, device_bytes: float, what: str) -> str:
+    """Advice when ``what`` (``needed_bytes``) exceeds the whole device: no ``gpu_memory_utilization`` (a share, at
+    most 1) holds it."""
+    smaller = " or a smaller policy.precision (bfloat16 halves the weights)" if cfg.policy.precision == "float32" else ""
+    return (
+        f"{what} take {needed_bytes / GIB:.3g} GiB, more than the whole device ({device_bytes / GIB:.3g} GiB): no "
+        f"policy.generation.vllm_cfg.gpu_memory_utilization (at most 1) holds them; use a device with more memory{smaller}"
+    )
 
 
 def fit_advice(

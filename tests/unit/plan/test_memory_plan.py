@@ -3,6 +3,7 @@ LoRA, one rank and FSDP2 shards); the estimates follow their formulas; the fit c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,8 +18,12 @@ from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
 from nemo_like.plan.logprob_passes import decide_logprob_passes
 from nemo_like.plan.memory import (
     GIB,
+    VLLM_NON_TORCH_BYTES,
     ModelShape,
     ParameterSpec,
+    _logprob_activations,
+    activation_bytes,
+    colocated_peak,
     generation_memory,
     micro_batch_tokens,
     over_budget,
@@ -356,19 +361,39 @@ def test_only_changes_that_shrink_the_device_that_is_over_are_advised() -> None:
     assert "lower policy.max_total_sequence_length (now 4096)" in fit
     for useless in ("lora_cfg", "train_micro_batch_size", "logprob_batch_size", "cpu_offload", "raise policy.dp_size"):
         assert useless not in fit, useless
-    # The policy and reference GPUs over from their logprob passes, the generation GPU not: a smaller rollout batch
-    # shrinks their micro-batches, but the KV-cache reason would be untrue (logprob_batch_size is advised there)
+    # The reference GPU over from its logprob pass, the generation GPU not: a smaller rollout batch shrinks its
+    # micro-batches, but the KV-cache reason would be untrue (logprob_batch_size is advised there). The policy runs no
+    # logprob pass here (prev skipped: one optimizer step per rollout), so its GPU holds training's micro-batch only.
     logprob_heavy = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=8",
                            "policy.logprob_batch_size=64", "policy.train_micro_batch_size=1", "policy.train_global_batch_size=64",
                            "policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=64")  # fmt: skip
     memory_over = plan_memory(logprob_heavy, decide_run_plan(logprob_heavy, (), 2), params, shape, device_bytes=0.6 * GIB)
-    assert sorted(over_budget(memory_over.per_device, 0.6 * GIB)) == ["policy GPU", "reference GPU"]
+    assert sorted(over_budget(memory_over.per_device, 0.6 * GIB)) == ["reference GPU"]
     assert "num_prompts_per_step" not in memory_over.lines()[-1] and "logprob_chunk_size" in memory_over.lines()[-1]
     halved = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=16", *long, *small)
     assert (
         plan_memory(halved, decide_run_plan(halved, (), 2), params, shape).per_device["generation GPU"]
         < memory.per_device["generation GPU"]
     )
+
+
+def test_the_policy_counts_a_logprob_micro_batch_only_when_it_runs_a_logprob_pass() -> None:
+    """A 0.5B recipe on 40 GiB was refused for a 64-row logprob pass the run never makes (prev skipped, no LoRA)."""
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    heavy = ("policy.generation.backend=hf", "policy.logprob_batch_size=64", "policy.train_micro_batch_size=1",
+             "policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=64")  # fmt: skip
+    lora_keys = ("policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=4")  # the reference: the base, adapters disabled
+    for extra, prev, lora in (((), False, False), (("policy.train_global_batch_size=32",), True, False), (lora_keys, False, True)):
+        cfg = recipe(*heavy, *extra)
+        value_bytes, hidden_bytes = activation_bytes(cfg)
+        run_plan = decide_run_plan(cfg, (), 2)
+        assert (run_plan.logprobs.compute_prev, run_plan.logprobs.reference_from_policy) == (prev, lora)
+        lora_params = model_footprint(EMBEDDED_MODEL, "float32", cfg.policy.lora_cfg)[0] if lora else params
+        planned = plan_memory(cfg, run_plan, lora_params, shape).roles[0]
+        training = policy_memory(cfg, lora_params, shape, policy_logprob_pass=False).activations
+        logprob = _logprob_activations(cfg, shape, value_bytes, hidden_bytes)
+        assert logprob > training  # the logprob micro-batch is the larger: whether it counts decides the figure
+        assert planned.activations == (logprob if prev or lora else training)
 
 
 def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples_at_once() -> None:
@@ -504,6 +529,12 @@ def test_a_vllm_share_smaller_than_the_weights_says_by_how_much_and_advises_no_s
         in plan_memory(colocated, with_vllm(colocated), params, shape, 80 * GIB).lines()[-1]
     )
     assert "(short 0.613 GiB)" in fit and "above 0.0077 (the share" in fit and "a device with more memory" in fit
+    # A device smaller than the weights and vLLM's own memory: no share holds them (it advised a share "above 1.3",
+    # which the config refuses); the advice is a larger device, or bfloat16 weights for a float32 run
+    tiny_gpu = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
+    fit = plan_memory(tiny_gpu, with_vllm(tiny_gpu), params, shape, device_bytes=0.5 * GIB).lines()[-1]
+    assert "more than the whole device (0.5 GiB): no policy.generation.vllm_cfg.gpu_memory_utilization (at most 1)" in fit
+    assert "a smaller policy.precision (bfloat16 halves the weights)" in fit and "gpu_memory_utilization (now" not in fit
 
 
 @pytest.mark.parametrize("offload", [True, False])
@@ -517,6 +548,9 @@ def test_a_colocated_gpu_holds_the_larger_of_training_and_what_the_policy_keeps_
     assert engine.total == 4 * GIB > policy.total and "generation GPU" not in memory.per_device  # its share, whole
     assert memory.per_device["policy GPU"] == kept + engine.total < policy.total + engine.total
     assert "the larger of training" in memory.lines()[len(memory.roles)] and memory.fits
+    # training beside the sleeping engine: sleep(level=1) frees its weights and KV cache, not its process's CUDA context
+    training_heavy = dataclasses.replace(policy, activations=8 * GIB)
+    assert colocated_peak(cfg, training_heavy, engine) == training_heavy.total + VLLM_NON_TORCH_BYTES
     # the whole GPU for the engine: policy rank 0's GPU is over by what the policy keeps while it generates
     full = recipe(
         "cluster.gpus_per_node=1",
