@@ -165,6 +165,7 @@ class RoleMemory:
     unsharded_layer: int = 0  # with CPU offload: the largest decoder layer, unsharded on the GPU while it computes
     fit_hint: str = ""  # an environment's model: what to change when its GPU is over (the advice after "fits: NO")
     problem: str = ""  # an environment's model that cannot start whatever the devices hold (a vLLM judge without KV room)
+    samples_at_peak: bool = False  # the inline backend's policy: sampling's KV cache, not training, is its activation peak
 
     @property
     def gpu(self) -> str:
@@ -479,7 +480,12 @@ def with_inline_sampling(
         f"activations: the larger of training {policy.activations / GIB:.3f} and inline sampling {sampling / GIB:.3f} "
         f"(kv cache of {batch} sequences {kv / GIB:.3f} + logits {logits / GIB:.3f} + weight copies {weight_copies / GIB:.3f})"
     )
-    return replace(policy, activations=max(policy.activations, sampling), note=f"{policy.note}; {note}" if policy.note else note)
+    return replace(
+        policy,
+        activations=max(policy.activations, sampling),
+        samples_at_peak=sampling > policy.activations,
+        note=f"{policy.note}; {note}" if policy.note else note,
+    )
 
 
 def inline_sampling_rows(cfg: Any) -> int:
@@ -753,7 +759,8 @@ def plan_memory(
         scorer_devices = {r.gpu for r in scorers}
         policy_over = any(d != "generation GPU" and d not in scorer_devices for d in over)
         backend = run_plan.backend.value  # where the KV cache of the sequences sampled at once lies: is it over?
-        kv_over = "generation GPU" in over or (backend == "inline" and policy_over) or (backend == "hf" and not cfg.cluster.gpus_per_node)
+        inline_kv = backend == "inline" and policy_over and roles[0].samples_at_peak  # sampling, not training, is its peak
+        kv_over = "generation GPU" in over or inline_kv or (backend == "hf" and not cfg.cluster.gpus_per_node)
         advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over)
         hints = {r.gpu: r.fit_hint for r in scorers}
         advice += [f"{device}: {hints[device]}" for device in sorted(scorer_devices & set(over))]

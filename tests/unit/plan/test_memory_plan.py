@@ -377,6 +377,19 @@ def test_only_changes_that_shrink_the_device_that_is_over_are_advised() -> None:
     )
 
 
+def test_a_smaller_rollout_is_advised_for_the_inline_kv_cache_only_when_sampling_is_the_policys_peak() -> None:
+    """The tiny recipe over its node from training: "the generation engine holds the KV cache" was the reason given,
+    though inline sampling held 0.010 of the policy's 0.110 GiB of activations."""
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+    training_bound = recipe()
+    memory = plan_memory(training_bound, decide_run_plan(training_bound, (), 2), params, shape, device_bytes=0.15 * GIB)
+    assert memory.fits is False and not memory.roles[0].samples_at_peak and "KV cache" not in memory.lines()[-1]
+    sampling_bound = recipe("grpo.num_prompts_per_step=64", "policy.max_total_sequence_length=1024", "policy.generation.max_new_tokens=960",
+                            "policy.train_micro_batch_size=1", "policy.logprob_batch_size=1", "policy.logprob_chunk_size=64")  # fmt: skip
+    memory = plan_memory(sampling_bound, decide_run_plan(sampling_bound, (), 2), params, shape, device_bytes=0.5 * GIB)
+    assert memory.roles[0].samples_at_peak and "lower grpo.num_prompts_per_step (now 64)" in memory.lines()[-1]
+
+
 def test_the_policy_counts_a_logprob_micro_batch_only_when_it_runs_a_logprob_pass() -> None:
     """A 0.5B recipe on 40 GiB was refused for a 64-row logprob pass the run never makes (prev skipped, no LoRA)."""
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
