@@ -225,6 +225,15 @@ class Surrogate(NamedTuple):
 SurrogateFn = Callable[[torch.Tensor, LossInputs, ClippedPGLossConfig], Surrogate]
 
 
+def ratio_of(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp(log_ratio)``, finite: past exp's range (a gap of ~89 nats in float32) the log-ratio is held at the edge of
+    the range and detached. exp's derivative there is inf, and a clipped token's zero gradient (or an importance weight
+    of 0) times inf was a NaN that skipped the whole step; such a token gets no gradient, as the KL term's do."""
+    limit = math.log(torch.finfo(log_ratio.dtype).max) - 1.0
+    overflow = log_ratio.detach() > limit
+    return torch.exp(torch.where(overflow, log_ratio.detach().clamp(max=limit), log_ratio))  # no host sync on a GPU
+
+
 def _clamp_ratio(ratio: torch.Tensor, cfg: ClippedPGLossConfig) -> torch.Tensor:
     return ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
 
@@ -236,7 +245,7 @@ def ppo_clip_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: Clipped
     advantage pushes, the clamp is constant there, and the token's gradient is exactly 0.
     """
     advantages = inputs.advantages
-    ratio = torch.exp(log_ratio)
+    ratio = ratio_of(log_ratio)
     ratio_clamped = _clamp_ratio(ratio, cfg)
     unclipped_loss, clipped_loss = -advantages * ratio, -advantages * ratio_clamped
     clipped = clipped_loss > unclipped_loss
@@ -251,13 +260,13 @@ def ppo_clip_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: Clipped
 
 def unclipped_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> Surrogate:
     """``-A r`` without clipping: the trust region decides which tokens count."""
-    ratio = torch.exp(log_ratio)
+    ratio = ratio_of(log_ratio)
     return Surrogate(-inputs.advantages * ratio, ratio, ratio, torch.zeros_like(inputs.valid))
 
 
 def cispo_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> Surrogate:
     """CISPO: ``-A stopgrad(clamp(r)) log pi_curr``; clipped tokens keep a bounded gradient."""
-    ratio = torch.exp(log_ratio)
+    ratio = ratio_of(log_ratio)
     ratio_clamped = _clamp_ratio(ratio.detach(), cfg)
     loss = -inputs.advantages * ratio_clamped * inputs.curr
     return Surrogate(loss, ratio, ratio_clamped, ratio.detach() != ratio_clamped)
@@ -265,7 +274,7 @@ def cispo_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGL
 
 def reinforce_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> Surrogate:
     """REINFORCE (``disable_ppo_ratio``): ``-A log pi_curr``; the ratio is reported, not used."""
-    ratio = torch.exp(log_ratio.detach())
+    ratio = ratio_of(log_ratio.detach())
     return Surrogate(-inputs.advantages * inputs.curr, ratio, ratio, torch.zeros_like(inputs.valid))
 
 

@@ -170,6 +170,30 @@ def _is_batch() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return _batch(IS_PREV, [[1.0, 1.0]], prev=IS_PREV, gen=IS_GEN)
 
 
+@pytest.mark.parametrize("surrogate", ["ppo_clip", "unclipped", "cispo", "icepop"])
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_a_ratio_past_exps_range_gets_no_gradient_and_leaves_the_others_finite(surrogate: str, advantage: float) -> None:
+    """log(pi_curr / pi_prev) = 90 on one token: exp is inf in float32, and its zero gradient where clipped (or its
+    importance weight of 0) times inf was a NaN gradient for the whole step; with A < 0 an inf loss."""
+    options = {
+        "ppo_clip": {},
+        "unclipped": {"trust_region_type": "dppo_binary_tv"},
+        "cispo": {"use_cispo": True},
+        "icepop": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
+                   "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5},
+    }[surrogate]  # fmt: skip
+    prev = torch.tensor([[-1.0, -2.0, -95.0]])
+    curr = (prev + torch.tensor([[0.0, 0.0, 90.0]])).requires_grad_(True)
+    data = dict(prev_logprobs=prev, generation_logprobs=torch.tensor([[-1.0, -2.0, -3.0]]), advantages=torch.full((1, 3), advantage),
+                token_mask=torch.ones(1, 3), sample_mask=torch.ones(1))  # fmt: skip
+    loss, _ = ClippedPGLossFn(options)(curr, data, 1, 3)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(curr.grad).all()
+    assert (curr.grad[0, :2] != 0).all()  # the other tokens still train
+    if surrogate != "cispo":  # CISPO's clipped token keeps its bounded gradient -A clamp(r) (by design)
+        assert curr.grad[0, 2] == 0.0
+
+
 @pytest.mark.parametrize(
     ("options", "weights", "oob"),
     [
