@@ -36,6 +36,7 @@ from nemo_like.models.lora import merge_checkpoint, refuse_overwriting_base
 from nemo_like.models.policy.checkpoints import POLICY_DIR
 from nemo_like.utils import preflight
 from nemo_like.utils.files import replace_file
+from nemo_like.utils.run_lock import hold_run_locks
 from nemo_like.utils.seeds import eval_seed
 
 
@@ -209,68 +210,70 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         refuse_overwriting(out / "merged_model", Path(model_dir))
         refuse_overwriting_base(out / "merged_model", model_dir, "eval.output_dir")
     preflight.ensure_writable_dir(out, "eval.output_dir")  # a file there was a FileExistsError traceback
-    if (out / "summary.json").is_file():
-        warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)
-    if lora_base is not None:  # a LoRA checkpoint: serve its merged model
-        model_dir = str(merge_checkpoint(model_dir, out / "merged_model", tokenizer=cfg.policy.tokenizer_name or cfg.policy.model_name))
-    run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
+    # Two evals (or an eval and a run) writing one directory interleaved their files: a summary beside another's rows
+    with hold_run_locks({"eval.output_dir": out}):
+        if (out / "summary.json").is_file():
+            warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)
+        if lora_base is not None:  # a LoRA checkpoint: serve its merged model
+            model_dir = str(merge_checkpoint(model_dir, out / "merged_model", tokenizer=cfg.policy.tokenizer_name or cfg.policy.model_name))
+        run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
 
-    import ray
+        import ray
 
-    init_ray(cfg.cluster)
-    eos_ids = end_of_sequence_ids(tokenizer, model_dir)
-    plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False)  # decided once, handed down
-    roles = [generation_resources(run_cfg, plan), *environment_resources(run_cfg)]
-    check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
+        init_ray(cfg.cluster)
+        eos_ids = end_of_sequence_ids(tokenizer, model_dir)
+        plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False)  # decided once, handed down
+        roles = [generation_resources(run_cfg, plan), *environment_resources(run_cfg)]
+        check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
 
-    agent_settings = load_agents(specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
-    n = ev.num_samples_per_prompt
-    seed = ev.seed if ev.seed is not None else cfg.grpo.seed
-    params = sampling_params(run_cfg, greedy=ev.greedy)
-    generation = environments = agents = None
-    try:
-        generation = build_generation(run_cfg, tokenizer.pad_token_id, eos_ids, plan=plan)
-        environments = Environments(specs, cfg.cluster.placement_timeout_s)
-        generation.wait_ready()  # the first call's deadline must not count the engine's start-up
-        environments.wait_ready()
-        handles = environments.handles
-        if plan.agent_tasks:  # agent tasks are rolled out by their agents, through a rollout server, as in training
-            agents = start_agent_rollouts(run_cfg, tokenizer, generation, eos_ids, agent_settings)
-            handles = AgentHandles(environments.handles.workers, agents)
-        rollout = collect_rollout(
-            generation,
-            handles,
-            tokenizer,
-            prompts,
-            n,
-            params,
-            eval_seed(seed),  # hashed: eval.seed s + 1 had redrawn (n - 1)/n of seed s's samples
-            multi_turn=plan.multi_turn,  # grpo.max_rollout_turns > 1: each sample runs its turns
-        )
-    finally:
-        if agents is not None:
-            agents.server.stop()
-        for part in (generation, environments):
-            if part is not None:
-                part.shutdown()
+        agent_settings = load_agents(specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
+        n = ev.num_samples_per_prompt
+        seed = ev.seed if ev.seed is not None else cfg.grpo.seed
+        params = sampling_params(run_cfg, greedy=ev.greedy)
+        generation = environments = agents = None
+        try:
+            generation = build_generation(run_cfg, tokenizer.pad_token_id, eos_ids, plan=plan)
+            environments = Environments(specs, cfg.cluster.placement_timeout_s)
+            generation.wait_ready()  # the first call's deadline must not count the engine's start-up
+            environments.wait_ready()
+            handles = environments.handles
+            if plan.agent_tasks:  # agent tasks are rolled out by their agents, through a rollout server, as in training
+                agents = start_agent_rollouts(run_cfg, tokenizer, generation, eos_ids, agent_settings)
+                handles = AgentHandles(environments.handles.workers, agents)
+            rollout = collect_rollout(
+                generation,
+                handles,
+                tokenizer,
+                prompts,
+                n,
+                params,
+                eval_seed(seed),  # hashed: eval.seed s + 1 had redrawn (n - 1)/n of seed s's samples
+                multi_turn=plan.multi_turn,  # grpo.max_rollout_turns > 1: each sample runs its turns
+            )
+        finally:
+            if agents is not None:
+                agents.server.stop()
+            for part in (generation, environments):
+                if part is not None:
+                    part.shutdown()
 
-    rows = result_rows(rollout, specs, n)
-    summary = {
-        "model": ev.model_path or cfg.policy.model_name,
-        "model_dir": model_dir,
-        "checkpoint_dir": checkpoint_dir,
-        "num_prompts": len(prompts),
-        "num_samples_per_prompt": n,
-        "greedy": ev.greedy,
-        "seed": seed,
-        "sampling": used_sampling(params),
-        "pass_k": ev.resolved_pass_k,
-        **summarize(rows, ev.resolved_pass_k),
-        "env_metrics": env_metrics_with_means(rollout.env_metrics),  # per-source means of a composed reward, as training logs
-        "seconds": time.perf_counter() - start,
-    }
-    write_results(out, rows, summary, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    return summary
+        rows = result_rows(rollout, specs, n)
+        summary = {
+            "model": ev.model_path or cfg.policy.model_name,
+            "model_dir": model_dir,
+            "checkpoint_dir": checkpoint_dir,
+            "num_prompts": len(prompts),
+            "num_samples_per_prompt": n,
+            "greedy": ev.greedy,
+            "seed": seed,
+            "sampling": used_sampling(params),
+            "pass_k": ev.resolved_pass_k,
+            **summarize(rows, ev.resolved_pass_k),
+            "env_metrics": env_metrics_with_means(rollout.env_metrics),  # per-source means of a composed reward, as training logs
+            "seconds": time.perf_counter() - start,
+        }
+        write_results(out, rows, summary, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return summary
 
 
 def used_sampling(params: Any) -> dict[str, Any]:

@@ -102,6 +102,15 @@ def test_the_cli_stops_before_resuming_or_trimming_the_holders_files(held_dir, h
     assert in_progress.is_dir() and writing.is_file()
 
 
+def test_an_eval_into_a_held_directory_stops_naming_eval_output_dir(held_dir, holder, capsys):
+    """Two evals (or an eval and a run) writing one directory left a summary beside another's rows: eval takes the lock
+    too, before it starts anything."""
+    assert main(["eval", "--config", str(TINY), f"eval.output_dir={held_dir / 'logs'}", "grpo.max_val_samples=4"]) == 1
+    err = capsys.readouterr().err
+    assert f"eval.output_dir={held_dir / 'logs'} is in use by another run: pid {holder.pid}" in err and "Traceback" not in err
+    assert not (held_dir / "logs" / "summary.json").exists()
+
+
 def test_the_checkpoint_dir_is_locked_too(held_dir, tmp_path, holder):
     cfg = load_config(TINY, [f"logger.log_dir={tmp_path / 'other_logs'}", *overrides(held_dir)[1:]])
     with pytest.raises(RunLockError, match=rf"checkpointing.checkpoint_dir={held_dir / 'ckpt'} is in use.*pid {holder.pid}"):
