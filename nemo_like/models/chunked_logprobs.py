@@ -141,7 +141,8 @@ def common_vocabulary(student: Head, teacher: Head) -> tuple[Head, Head]:
     """Both output heads (weight, bias) cut to the rows they share. Models of one family pad their vocabularies to
     different sizes (Qwen2.5-0.5B: 151,936 rows, 7B: 152,064; both tokenizers: 151,665 tokens), and the shared
     tokenizer's ids all lie in the first ``min`` rows: the KL term compares the two distributions over them (each
-    renormalised without its padding rows, which no token id reaches)."""
+    renormalised without the larger head's extra rows; the smaller head's own padding rows, which no token id reaches,
+    stay in both)."""
     vocab = min(student[0].shape[0], teacher[0].shape[0])
 
     def cut(head: Head) -> Head:

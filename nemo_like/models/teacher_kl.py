@@ -159,8 +159,9 @@ class ChunkedTeacherKL(torch.autograd.Function):
         hidden, weight, bias, t_hidden, t_weight, t_bias = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # the chunks add up in float32
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
+        summed = torch.promote_types(weight.dtype, torch.float32)  # the chunks add up in float32 at least (float64 stays)
+        grad_w = torch.zeros_like(weight, dtype=summed) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=summed) if need_b and bias is not None else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             h = hidden[rows]
