@@ -134,13 +134,15 @@ def model_name(saved: str) -> str:
 
 
 def adapter_config_dict(model: torch.nn.Module) -> dict[str, Any]:
-    """The adapter's ``adapter_config.json`` content (JSON-ready). A base model loaded from a relative local path is
+    """The adapter's ``adapter_config.json`` content (JSON-ready), for a causal LM (``task_type``: PEFT's
+    ``AutoPeftModelForCausalLM`` needs it). A base model loaded from a relative local path is
     recorded absolute: read back from another directory (``nemo-like merge``, ``eval``, ``serve``) the relative path
     named another model there, or a hub id."""
     import json
 
     config = model.peft_config[ADAPTER_NAME]
     content = json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    content["task_type"] = content.get("task_type") or "CAUSAL_LM"  # PEFT's auto classes read it (our adapters' model)
     base = content.get("base_model_name_or_path")
     if isinstance(base, str) and looks_like_path(base) and Path(base).expanduser().exists():
         content["base_model_name_or_path"] = str(Path(base).expanduser().resolve())

@@ -112,6 +112,9 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
     results = tmp_path / "results.jsonl"  # eval's per-sample file, plotted by mistake
     results.write_text('{"prompt_id": "0", "reward": 1.0}\n')
     (tmp_path / "afile").write_text("")
+    adapters = tmp_path / "step_2" / "policy"
+    adapters.mkdir(parents=True)
+    (adapters / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     cases = [
         (["plot", str(metrics), "--metrics", "train/rewrd"], "--metrics: ['train/rewrd'] not logged by the last run in"),
         (["plot", str(results)], "line 1 is not a metrics record (a JSON object with an integer 'step')"),  # KeyError
@@ -134,6 +137,15 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["eval", f"policy.tokenizer_name={tmp_path / 'gone'}"], "policy.tokenizer_name="),
         (["eval", f"policy.model_name={tmp_path / 'gone'}"], "policy.model_name="),
         (["plot", str(metrics), "--out", "/proc/x.png"], "cannot write the plot /proc/x.png: "),  # savefig's OSError: a traceback
+        # a LoRA checkpoint's policy/ (adapters only) as the model to train loaded frozen ("optimizer got an empty
+        # parameter list") and vLLM refused it, after the actors started; plan said its config.json was not here
+        *[
+            (
+                [command, f"policy.model_name={adapters}", f"logger.log_dir={tmp_path}"],
+                "is a LoRA checkpoint (adapters only, adapter_config.json): merge",
+            )
+            for command in ("train", "plan")
+        ],
         # a teacher.by_task model was never checked early: an unknown embedded: name was a traceback, a bad path blamed
         # teacher.model_name
         (

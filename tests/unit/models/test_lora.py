@@ -101,6 +101,10 @@ def test_adapter_directory_loads_with_peft_and_merges_to_the_adapted_model(tmp_p
     loaded = PeftModel.from_pretrained(base_model(), str(tmp_path / "policy")).eval()
     expected = token_logprobs(model, IDS)
     torch.testing.assert_close(token_logprobs(loaded, IDS), expected, atol=0, rtol=0)
+    from peft import AutoPeftModelForCausalLM  # "Cannot infer the auto class from the config" (task_type was null)
+
+    auto = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "policy")).eval()
+    torch.testing.assert_close(token_logprobs(auto, IDS), expected, atol=1e-6, rtol=1e-6)
     out = lora.merge_checkpoint(tmp_path / "policy", tmp_path / "merged")
     torch.testing.assert_close(token_logprobs(load_causal_lm(str(out)), IDS), expected, atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(token_logprobs(load_causal_lm(str(tmp_path / "policy")), IDS), expected, atol=1e-5, rtol=1e-6)
