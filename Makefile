@@ -58,11 +58,18 @@ test-fast: $(STAMP)
 test-cluster: $(STAMP)
 	NEMO_LIKE_CLUSTER_TESTS=1 $(PY) -m pytest tests/cluster -q -s $(PYTEST_ARGS)
 
+# No $(STAMP) prerequisite: a GPU machine installs its own stack (docs/guides/gpu.md: CUDA torch, vllm), often offline,
+# and `make setup`'s pip install (the CPU extras, a build backend from the index) failed there before any check ran.
+GPU_STACK_CHECK = @$(PY) -c 'import torch' 2>/dev/null || { echo "$(PY) cannot import torch: install the GPU stack first, \
+python -m venv $(VENV) && $(VENV)/bin/pip install -e '.[test,vllm]' (docs/guides/gpu.md)" >&2; exit 2; }
+
 .PHONY: test-gpu test-gpu-multi
-test-gpu: $(STAMP)
+test-gpu:
+	$(GPU_STACK_CHECK)
 	$(PY) tests/gpu/run_gpu_check.py --tier all --allow-no-gpu $(GPU_CHECK_ARGS)
 
-test-gpu-multi: $(STAMP)
+test-gpu-multi:
+	$(GPU_STACK_CHECK)
 	$(PY) tests/gpu/run_gpu_check.py --tier multi --allow-no-gpu $(GPU_CHECK_ARGS)
 
 # lint-imports: the import contracts in pyproject.toml ([tool.importlinter]: layers, no cycles).
