@@ -262,7 +262,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from nemo_like.algorithms.roles import idle_gpus_warning, reserved_gpus_problem, scorer_specs
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.footprint import memory_report
-    from nemo_like.models.loading import refuse_adapter_checkpoint, resolve_model_path
+    from nemo_like.models.loading import refuse_checkpoint_as_model, resolve_model_path
     from nemo_like.models.lora import check_lora_targets
 
     for flag, value, low_open, high in (("--mfu", args.mfu, 0.0, 1.0), ("--peak-tflops", args.peak_tflops, 0.0, None),
@@ -278,9 +278,9 @@ def run_plan(args: argparse.Namespace) -> int:
         teacher_configs[name] = path
     cfg = load_config(args.config, args.overrides)
     check_plugin_names(cfg)  # what train refuses at once (an unknown estimator, env class or tool) plan refuses too
-    refuse_adapter_checkpoint(cfg.policy.model_name, "policy.model_name")
+    refuse_checkpoint_as_model(cfg.policy.model_name, "policy.model_name")
     model_dir = Path(resolve_model_path(cfg.policy.model_name))
-    if cfg.policy.lora_cfg.enabled and model_dir.is_dir():  # train's target checks and warnings, when the model is here
+    if cfg.policy.lora_cfg.enabled and (model_dir / "config.json").is_file():  # train's target checks, when the model is here
         check_lora_targets(str(model_dir), cfg.policy.lora_cfg)
     if args.mfu is not None and not args.peak_tflops:
         print("[plan] warning: --mfu has no effect without --peak-tflops (no step time is estimated)", file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed import faults, supervision
 from nemo_like.distributed.watchdog import RunStalled, StallWatchdog
 from nemo_like.distributed.worker_group import WorkerFailure
-from nemo_like.models.loading import check_model_source, check_tokenizer_source, refuse_adapter_checkpoint
+from nemo_like.models.loading import check_model_source, check_tokenizer_source, refuse_checkpoint_as_model
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.deadline import resolve_run_deadline
 from nemo_like.utils.logger import Logger
@@ -109,7 +109,7 @@ def check_run_inputs(cfg: MasterConfig) -> None:
     """Before any cluster or actor starts: model and tokenizer sources loadable here, run directories writable
     (a :class:`~nemo_like.config.errors.ConfigError` naming the key otherwise)."""
     check_model_source(cfg.policy.model_name, "policy.model_name")
-    refuse_adapter_checkpoint(cfg.policy.model_name, "policy.model_name")
+    refuse_checkpoint_as_model(cfg.policy.model_name, "policy.model_name")
     check_tokenizer_source(cfg, model_checked=True)
     if cfg.teacher.model_name is not None:
         check_model_source(cfg.teacher.model_name, "teacher.model_name")

@@ -101,14 +101,23 @@ def check_tokenizer_source(cfg: Any, model_checked: bool = False) -> None:
         check_model_source(cfg.policy.model_name, "policy.tokenizer_name" if tokenizer else "policy.model_name")
 
 
-def refuse_adapter_checkpoint(name: str, key: str) -> None:
-    """A training run's policy must be a whole model: a LoRA checkpoint's ``policy/`` (adapters only) loaded frozen
-    (nothing to train) and vLLM refused it, after the actors started. A :class:`ConfigError` naming ``key`` and the fix."""
+def refuse_checkpoint_as_model(name: str, key: str) -> None:
+    """A training run's policy must be a whole model, not a checkpoint: a LoRA checkpoint's ``policy/`` (adapters only)
+    loaded frozen (nothing to train) and vLLM refused it, and a checkpoint step ``step_N/`` holds its model one level
+    down; both failed only after the actors started. A :class:`ConfigError` naming ``key`` and the fix."""
     path = Path(resolve_model_path(name)).expanduser()
-    if (path / ADAPTER_CONFIG).is_file():
+    if (path / "config.json").is_file():
+        return
+    model = path / "policy" if (path / "policy").is_dir() else path  # a checkpoint step holds its model in policy/
+    if (model / ADAPTER_CONFIG).is_file():
         raise ConfigError(
             f"{key}={name} is a LoRA checkpoint (adapters only, {ADAPTER_CONFIG}): merge it into a whole model first "
             f"(`nemo-like merge {name} --out DIR`) and train from DIR, or resume the run that wrote it (its "
+            "checkpointing.checkpoint_dir)"
+        )
+    if model != path and (model / "config.json").is_file():
+        raise ConfigError(
+            f"{key}={name} is a checkpoint step: its model is {model} (or resume the run that wrote it, from its "
             "checkpointing.checkpoint_dir)"
         )
 

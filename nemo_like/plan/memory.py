@@ -764,7 +764,7 @@ def plan_memory(
         advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over)
         hints = {r.gpu: r.fit_hint for r in scorers}
         advice += [f"{device}: {hints[device]}" for device in sorted(scorer_devices & set(over))]
-    advice += kv_advice(cfg, roles, device_bytes) if engine else []
+    advice += kv_advice(cfg, roles, device_bytes, shape) if engine else []
     tp_problems = tensor_parallel_problems(cfg, shape)  # the teachers' workers take the policy's tensor-parallel degree
     tp_problems += [f"teacher {name}: {p}" for name, (_, teacher) in teachers.items() for p in tensor_parallel_problems(cfg, teacher)]
     problems = [*cluster_problems, *tp_problems, *over.values(), *engine, *(r.problem for r in scorers if r.problem)]
@@ -948,16 +948,18 @@ def engine_problems(cfg: Any, roles: list[RoleMemory], device_bytes: float | Non
     return out
 
 
-def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> list[str]:
+def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None, shape: ModelShape) -> list[str]:
     """What to change when the vLLM engine's KV budget holds no full-length sequence: the share of the GPU (or the CPU
     KV space) that holds one, or a shorter sequence; when its weights alone exceed its share of the GPU a shorter
     sequence cannot help: only a larger share or device."""
     pc, vllm = cfg.policy, cfg.policy.generation.vllm_cfg
     engine = next(r for r in roles if r.kv_sequences == 0)
+    bf16_own = engine.params // 2 + vllm_overhead_bytes(shape, 2, device_bytes) if device_bytes else None  # weights + own
     if weights_over_share(cfg, engine, device_bytes):
         needed = (engine.params + engine.activations) / device_bytes
         if needed >= 1:  # the setting is a share of the device, at most 1
-            return [whole_device_advice(cfg, engine.params + engine.activations, device_bytes, "the weights and vLLM's own memory")]
+            what = "the weights and vLLM's own memory"
+            return [whole_device_advice(cfg, engine.params + engine.activations, device_bytes, what, bf16_own)]
         return [
             f"raise policy.generation.vllm_cfg.gpu_memory_utilization (now {vllm.gpu_memory_utilization:g}) above {needed:.3g} "
             "(the share of the device the weights and vLLM's own memory take) or use a device with more memory"
@@ -966,8 +968,9 @@ def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> 
         needed = _round_up((engine.params + engine.activations + engine.kv_sequence_bytes) / device_bytes)
         if needed > 1:
             what = "the weights, vLLM's own memory and one full-length sequence"
+            total, bf16 = engine.params + engine.activations + engine.kv_sequence_bytes, bf16_own + engine.kv_sequence_bytes // 2
             return [
-                f"{whole_device_advice(cfg, engine.params + engine.activations + engine.kv_sequence_bytes, device_bytes, what)}, "
+                f"{whole_device_advice(cfg, total, device_bytes, what, bf16)}, "
                 f"or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"
             ]
         budget = (
@@ -983,10 +986,12 @@ def kv_advice(cfg: Any, roles: list[RoleMemory], device_bytes: float | None) -> 
     return [f"{budget} or lower policy.max_total_sequence_length (now {pc.max_total_sequence_length})"]
 
 
-def whole_device_advice(cfg: Any, needed_bytes: float, device_bytes: float, what: str) -> str:
+def whole_device_advice(cfg: Any, needed_bytes: float, device_bytes: float, what: str, bf16_bytes: float) -> str:
     """Advice when ``what`` (``needed_bytes``) exceeds the whole device: no ``gpu_memory_utilization`` (a share, at
-    most 1) holds it."""
-    smaller = " or a smaller policy.precision (bfloat16 halves the weights)" if cfg.policy.precision == "float32" else ""
+    most 1) holds it; a float32 run is pointed at bfloat16 where that (``bf16_bytes``) fits the device (vLLM's own
+    non-torch memory does not shrink with it)."""
+    fits_bf16 = cfg.policy.precision == "float32" and bf16_bytes <= device_bytes
+    smaller = f" or policy.precision=bfloat16 ({bf16_bytes / GIB:.3g} GiB)" if fits_bf16 else ""
     return (
         f"{what} take {needed_bytes / GIB:.3g} GiB, more than the whole device ({device_bytes / GIB:.3g} GiB): no "
         f"policy.generation.vllm_cfg.gpu_memory_utilization (at most 1) holds them; use a device with more memory{smaller}"
