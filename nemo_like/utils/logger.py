@@ -139,10 +139,16 @@ class ConsoleProgress:
         self._last_update: tuple[int, float] | None = None  # (step, time) of the previous update
         self._rich = None
         if enabled and sys.stderr.isatty():
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
             self._rich = Progress(
-                TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TextColumn("{task.fields[eta]}")
+                TextColumn("GRPO"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}", markup=False),
+                TextColumn("{task.fields[eta]}", markup=False),
+                console=Console(stderr=True),  # the stream whose terminal turned it on (rich's default is stdout)
             )
             self._task = self._rich.add_task("train", total=total, info="", eta=format_eta(None))
             self._rich.start()
@@ -163,7 +169,7 @@ class ConsoleProgress:
 
     def message(self, text: str) -> None:
         if self._rich is not None:
-            self._rich.console.print(text)
+            self._rich.console.print(text, markup=False, highlight=False)  # "[setup] ..." is text, not rich markup
         else:
             print(text, file=sys.stderr, flush=True)
 

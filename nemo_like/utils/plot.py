@@ -35,9 +35,9 @@ ASYNC_PANEL = (
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Records of the last run in ``metrics.jsonl``, merged per step (a later line wins), sorted by step.
 
-    A fresh run in the same ``logger.log_dir`` appends to the file and starts its steps again: the last run is what
-    follows the last place where the step goes down (a resumed run goes on from its checkpoint's step, and the lines
-    past it were trimmed, so it stays one run). A torn last line (a process killed mid-write) is skipped; any other line
+    A fresh run in the same ``logger.log_dir`` appends to the file: the last run is what follows the last record marked
+    ``"run_start": true`` (a fresh run's first), or in files without the marker the last place where the step goes down
+    (a resumed run goes on from its checkpoint's step, and the lines past it were trimmed, so it stays one run). A torn last line (a process killed mid-write) is skipped; any other line
     that is not JSON raises ``ValueError`` naming the file and line. Non-finite values, stored as strings ('nan',
     'inf'), come back as floats.
     """

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nemo_like.utils.logger import ETA_WINDOW, ConsoleProgress, eta_seconds, format_eta, format_seconds
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 class SteppedClock:
@@ -78,3 +82,38 @@ def test_durations_read_like_a_clock() -> None:
     assert format_seconds(725) == "12m05s"
     assert format_seconds(3 * 3600 + 2 * 60 + 7) == "3h02m"
     assert format_eta(29.4) == "eta 29s"
+
+
+def test_on_a_terminal_the_bar_and_messages_go_to_stderr_as_plain_text(tmp_path) -> None:
+    """Under a real terminal (a pty on stderr): the bar was drawn on stdout (``train > run.log`` showed no progress on
+    the terminal), and messages were read as rich markup: "[setup] ..." lost its prefix and "[/tmp]" raised."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    child = (
+        "from nemo_like.utils.logger import ConsoleProgress\n"
+        "p = ConsoleProgress(3)\n"
+        "assert p._rich is not None\n"
+        "p.message('[setup] logging to logs/sweep[lr=1e-5]/metrics.jsonl')\n"
+        "p.message('[checkpoint] saved results/[/tmp]/step_3')\n"
+        "p.update(1, 'reward=[0.5]')\n"
+        "p.close()\n"
+    )
+    master, slave = pty.openpty()
+    proc = subprocess.run([sys.executable, "-c", child], stderr=slave, stdout=subprocess.PIPE, timeout=60, cwd=REPO)
+    os.close(slave)
+    terminal = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child's end is closed and everything was read
+            break
+        if not chunk:
+            break
+        terminal += chunk
+    os.close(master)
+    assert proc.returncode == 0 and proc.stdout == b""
+    text = terminal.decode(errors="replace")
+    assert "[setup] logging to logs/sweep[lr=1e-5]/metrics.jsonl" in text and "[checkpoint] saved results/[/tmp]/step_3" in text
