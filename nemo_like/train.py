@@ -237,7 +237,7 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
             history = kept + outcome
             break
         manager = CheckpointManager(cfg.checkpointing.checkpoint_dir)
-        stop = control.stop_reason()
+        stop = control.stop_reason(restarting=True)
         if stop is not None:  # asked to stop (a signal, the deadline): restarting would spend the grace time on setup
             latest = restart_checkpoint(manager.valid_checkpoints(), at_start, started_from) if cfg.checkpointing.enabled else None
             print(f"[restart] the {outcome.describe()}; not restarting: the run was asked to stop ({stop.what})", file=sys.stderr)
@@ -291,6 +291,7 @@ def _train_attempt(
         except BaseException:
             logger.close()
             raise
+    control.setup_finished(time.perf_counter() - since)  # a restart near a deadline must budget for another start
     ready = f"[setup] actors ready in {time.perf_counter() - since:.1f}s"
     logger.progress.message(ready if not deaths else ready + f" (restart {len(deaths)})")
     actor_ids = restartable_actor_ids(parts)

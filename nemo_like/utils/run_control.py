@@ -30,6 +30,9 @@ EXIT_SIGTERM = 143  # 128 + SIGTERM: stopped by SIGTERM after saving
 EXIT_SIGINT = 130  # 128 + SIGINT: stopped by Ctrl-C after saving (a second one exits at once, same status)
 EXIT_DEADLINE = 75  # EX_TEMPFAIL: stopped before checkpointing.save_before after saving; rerun to continue
 EXIT_STALLED = 70  # EX_SOFTWARE: the stall watchdog aborted the run (cluster.fault_tolerance.on_stall=abort)
+# Kept in hand before a deadline besides 1.25 x the measured step and save: 5 s to spare and 10 s for what follows the
+# stop's save, stopping the actors and a private Ray cluster (a run stopped with 5 s left exited seconds past it)
+STOP_SECONDS = 15.0
 
 _STATUS = {signal.SIGTERM: EXIT_SIGTERM, signal.SIGINT: EXIT_SIGINT}
 
@@ -62,6 +65,7 @@ class RunControl:
         self._steps: deque[float] = deque(maxlen=history)
         self._saves: deque[float] = deque(maxlen=history)
         self._validations: deque[float] = deque(maxlen=history)
+        self._setups: deque[float] = deque(maxlen=history)
         self._previous: dict[int, object] = {}
 
     # -- progress, read by the stall watchdog and the fault injector ---------------------------------------------
@@ -87,6 +91,10 @@ class RunControl:
         which then bounds each stage, not the whole start."""
         self.last_progress = time.monotonic()
 
+    def setup_finished(self, seconds: float) -> None:
+        """The actors of an attempt (the first, or a restart's) were ready ``seconds`` after its start began."""
+        self._setups.append(seconds)
+
     def save_finished(self) -> None:
         """A checkpoint was written since :meth:`step_finished` (its duration feeds :meth:`seconds_needed`)."""
         now = time.monotonic()
@@ -94,31 +102,35 @@ class RunControl:
         self.last_progress = now
 
     # -- stopping ---------------------------------------------------------------------------------------------------
-    def seconds_needed(self, validates_next: bool = False, saves_first: bool = False) -> float:
+    def seconds_needed(self, validates_next: bool = False, saves_first: bool = False, restarting: bool = False) -> float:
         """Time to keep before the deadline: the slowest recent step plus the slowest recent save (before a save is
         measured, the slowest step stands for it), plus the slowest recent validation when the next step validates
         (before one is measured, the slowest step stands for it), plus one more save when ``saves_first`` (the step
-        that just ended saves before the next one starts), with 25% and 5 s to spare."""
+        that just ended saves before the next one starts), plus the slowest start of the actors when ``restarting`` (a
+        death: the restart starts them again first), with 25% to spare and :data:`STOP_SECONDS`."""
         step = max(self._steps, default=0.0)
         save = max(self._saves, default=step)
         validation = max(self._validations, default=step) if validates_next else 0.0
-        return 1.25 * (step + save * (2 if saves_first else 1) + validation) + 5.0
+        setup = max(self._setups, default=0.0) if restarting else 0.0
+        return 1.25 * (step + save * (2 if saves_first else 1) + validation + setup) + STOP_SECONDS
 
     def wants_save(self) -> bool:
         """With a deadline, save once as soon as possible (after the first step, resumed or not) to measure a save."""
         return self.deadline is not None and not self._saves
 
-    def stop_reason(self, validates_next: bool = False, saves_first: bool = False) -> StopReason | None:
+    def stop_reason(self, validates_next: bool = False, saves_first: bool = False, restarting: bool = False) -> StopReason | None:
         """A signal received, or a deadline that one more step (with its validation when ``validates_next``) and a save
         would overrun, counting the save the step that just ended makes first when ``saves_first`` (a periodic save:
-        going on spends it, the next step and the stop's save); else ``None``."""
+        going on spends it, the next step and the stop's save) and another start of the actors when ``restarting``;
+        else ``None``."""
         if self.requested is not None:
             return self.requested
-        needed = self.seconds_needed(validates_next, saves_first)
+        needed = self.seconds_needed(validates_next, saves_first, restarting)
         if self.deadline is not None and time.time() + needed >= self.deadline:
             left = self.deadline - time.time()
             what = "a step, its validation and a save" if validates_next else "a step and a save"
             what = f"this step's save, {what}" if saves_first else what
+            what = f"a restart's start of the actors, {what}" if restarting else what
             return StopReason(f"checkpointing.save_before: {left:.0f}s left, {what} need {needed:.0f}s", EXIT_DEADLINE)
         return None
 

@@ -12,7 +12,7 @@ import pytest
 
 from nemo_like.config import ConfigError, load_config
 from nemo_like.utils.deadline import resolve_deadline, resolve_run_deadline
-from nemo_like.utils.run_control import EXIT_DEADLINE, EXIT_SIGINT, EXIT_SIGTERM, RunControl, RunInterrupted, StopReason
+from nemo_like.utils.run_control import EXIT_DEADLINE, EXIT_SIGINT, EXIT_SIGTERM, STOP_SECONDS, RunControl, RunInterrupted, StopReason
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, EXIT_SIGTERM), (signal.SIGINT, EXIT_SIGINT)])
@@ -49,12 +49,26 @@ def test_the_deadline_keeps_the_slowest_step_and_save_in_hand():
     control = RunControl(deadline=time.time() + 100)
     assert control.wants_save()  # a save is measured as soon as possible
     control._steps.extend([1.0, 30.0, 2.0])
-    assert control.stop_reason() is None  # no save yet: the slowest step stands for it: 1.25 * (30 + 30) + 5 = 80 < 100
+    assert control.stop_reason() is None  # no save yet: the slowest step stands for it: 1.25 * (30 + 30) + 15 = 90 < 100
     control._saves.append(70.0)
     assert not control.wants_save() and not RunControl().wants_save()
-    assert control.seconds_needed() == pytest.approx(1.25 * (30 + 70) + 5)
+    assert control.seconds_needed() == pytest.approx(1.25 * (30 + 70) + STOP_SECONDS)
     reason = control.stop_reason()
     assert reason is not None and reason.status == EXIT_DEADLINE and "checkpointing.save_before" in reason.what
+
+
+def test_a_death_near_the_deadline_counts_the_restarts_start_of_the_actors():
+    """A policy worker killed 11 s before save_before restarted (13 s to start the actors again) and the run exited
+    10 s past the deadline."""
+    control = RunControl(deadline=time.time() + 60)
+    control._steps.append(10.0)
+    control._saves.append(5.0)
+    control.setup_finished(30.0)
+    assert control.seconds_needed() == pytest.approx(1.25 * 15 + STOP_SECONDS)  # 33.75: going on is fine ...
+    assert control.stop_reason() is None
+    assert control.seconds_needed(restarting=True) == pytest.approx(1.25 * 45 + STOP_SECONDS)  # ... a restart is not
+    reason = control.stop_reason(restarting=True)
+    assert reason is not None and reason.status == EXIT_DEADLINE and "a restart's start of the actors" in reason.what
 
 
 def test_the_step_before_a_validation_keeps_the_validation_in_hand(monkeypatch):
@@ -82,7 +96,7 @@ def test_the_step_before_a_validation_keeps_the_validation_in_hand(monkeypatch):
         if stop is not None:
             break
     assert stop is not None and step == 9 and "a step, its validation and a save need" in stop.what
-    assert control.seconds_needed() == pytest.approx(1.25 * (10 + 5) + 5)  # a step without validation: the step alone
+    assert control.seconds_needed() == pytest.approx(1.25 * (10 + 5) + STOP_SECONDS)  # a step without validation: the step alone
 
 
 def test_deadline_forms():
