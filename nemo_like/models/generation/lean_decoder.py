@@ -260,7 +260,7 @@ def uniforms(generator: torch.Generator | list[torch.Generator], rows: int, devi
 # Up to this vocabulary size a token is drawn by the exponential race (``torch.multinomial``): one Exp(1) variate per
 # entry, ~20 ns each on a CPU, which costs little here and keeps every seeded draw of the small models (the tiny
 # recipes, their recorded figures, resumed runs) what it was. Larger vocabularies draw by inverse CDF (one uniform a
-# row): at 64 rows of a 151,936-token vocabulary the race takes ~330-400 ms a decode step on a 2-core CPU.
+# row): at 64 rows of a 151,936-token vocabulary the race takes ~270-400 ms a decode step on a 2-core CPU.
 RACE_MAX_VOCAB = 4096
 INVERSE_CDF_BLOCK = 1024  # vocabularies larger than this are searched in two levels: blocks, then a block's tokens
 
