@@ -225,21 +225,24 @@ class Surrogate(NamedTuple):
 SurrogateFn = Callable[[torch.Tensor, LossInputs, ClippedPGLossConfig], Surrogate]
 
 
-def ratio_of(log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(exp(log_ratio), overflow)``: past exp's range (a log-ratio above ~88.7 in float32) the ratio is inf and exp's
-    derivative too, and a clipped token's zero gradient (or an importance weight of 0) times inf was a NaN that skipped
-    the whole step. There the log-ratio is held at the edge of the range, detached (no gradient, as the KL term's
-    overflowing tokens), and ``overflow`` marks the tokens whose loss the surrogates hold at 0 (``-A r`` at the edge
-    overflowed again for ``|A| > e``) and whose ratio the metrics report as inf."""
-    limit = math.log(torch.finfo(log_ratio.dtype).max) - 1.0
-    overflow = log_ratio.detach() > limit
-    held = torch.where(overflow, log_ratio.detach().clamp(max=limit), log_ratio)  # no host sync on a GPU
-    return torch.exp(held), overflow
+def ratio_of(log_ratio: torch.Tensor, advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(exp(log_ratio), held)``: where ``|A| r`` could overflow the loss (its dtype's largest value over e and over
+    the tokens of the batch, so that their sum cannot either; a log-ratio above ~77 nats in float32 at 64k tokens and
+    ``|A| <= 1``), the log-ratio is held there, detached. Past exp's range the ratio and exp's derivative were inf, and a
+    clipped token's zero gradient (or an importance weight of 0) times inf was a NaN that skipped the whole step; just
+    below it, ``-A r`` overflowed instead. A held token gets no gradient (as the KL term's overflowing tokens), its loss
+    is held at 0 by the surrogates and it counts as clipped; ``advantages``: the ``A`` the ratio is multiplied by."""
+    limit = math.log(torch.finfo(log_ratio.dtype).max) - 1.0 - math.log(max(log_ratio.numel(), 1))
+    size = log_ratio.detach() if advantages is None else log_ratio.detach() + advantages.detach().abs().clamp(min=1.0).log()
+    held = size > limit
+    kept = torch.where(held, log_ratio.detach().clamp(max=limit), log_ratio)  # no host sync on a GPU
+    return torch.exp(kept), held
 
 
-def _overflowed(ratio: torch.Tensor, overflow: torch.Tensor) -> torch.Tensor:
-    """The ratio as the metrics report it: inf where it overflowed."""
-    return torch.where(overflow, torch.inf, ratio.detach())
+def _reported(ratio: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """The ratio as the metrics report it: its dtype's largest value where it was held (a finite mark: an infinite
+    minimum reads as "no valid token" in the combined metrics)."""
+    return torch.where(held, torch.finfo(ratio.dtype).max, ratio.detach())
 
 
 def _clamp_ratio(ratio: torch.Tensor, cfg: ClippedPGLossConfig) -> torch.Tensor:
@@ -253,7 +256,7 @@ def ppo_clip_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: Clipped
     advantage pushes, the clamp is constant there, and the token's gradient is exactly 0.
     """
     advantages = inputs.advantages
-    ratio, overflow = ratio_of(log_ratio)
+    ratio, overflow = ratio_of(log_ratio, advantages)
     ratio_clamped = _clamp_ratio(ratio, cfg)
     unclipped_loss, clipped_loss = -advantages * ratio, -advantages * ratio_clamped
     clipped = clipped_loss > unclipped_loss
@@ -263,15 +266,15 @@ def ppo_clip_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: Clipped
         dual_clipped = (advantages < 0) & (dual_bound < loss)
         loss = torch.where(dual_clipped, dual_bound, loss)
         clipped = clipped | dual_clipped
-    # An overflowed token has no gradient (ratio_of): it counts as clipped, with a loss of 0
-    return Surrogate(torch.where(overflow, 0.0, loss), _overflowed(ratio, overflow), ratio_clamped, clipped | overflow)
+    # A held token has no gradient (ratio_of): it counts as clipped, with a loss of 0
+    return Surrogate(torch.where(overflow, 0.0, loss), _reported(ratio, overflow), ratio_clamped, clipped | overflow)
 
 
 def unclipped_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> Surrogate:
     """``-A r`` without clipping: the trust region decides which tokens count."""
-    ratio, overflow = ratio_of(log_ratio)
-    loss = torch.where(overflow, 0.0, -inputs.advantages * ratio)  # an overflowed token: no gradient, a loss of 0
-    return Surrogate(loss, _overflowed(ratio, overflow), _overflowed(ratio, overflow), torch.zeros_like(inputs.valid))
+    ratio, overflow = ratio_of(log_ratio, inputs.advantages)
+    loss = torch.where(overflow, 0.0, -inputs.advantages * ratio)  # a held token: no gradient, a loss of 0
+    return Surrogate(loss, _reported(ratio, overflow), _reported(ratio, overflow), torch.zeros_like(inputs.valid))
 
 
 def cispo_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> Surrogate:
@@ -279,12 +282,12 @@ def cispo_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGL
     ratio, overflow = ratio_of(log_ratio)
     ratio_clamped = _clamp_ratio(ratio.detach(), cfg)  # bounded: its loss and gradient stay finite past exp's range
     loss = -inputs.advantages * ratio_clamped * inputs.curr
-    return Surrogate(loss, _overflowed(ratio, overflow), ratio_clamped, ratio.detach() != ratio_clamped)
+    return Surrogate(loss, _reported(ratio, overflow), ratio_clamped, ratio.detach() != ratio_clamped)
 
 
 def reinforce_surrogate(log_ratio: torch.Tensor, inputs: LossInputs, cfg: ClippedPGLossConfig) -> Surrogate:
     """REINFORCE (``disable_ppo_ratio``): ``-A log pi_curr``; the ratio is reported, not used."""
-    ratio = _overflowed(*ratio_of(log_ratio.detach()))
+    ratio = _reported(*ratio_of(log_ratio.detach()))
     return Surrogate(-inputs.advantages * inputs.curr, ratio, ratio, torch.zeros_like(inputs.valid))
 
 

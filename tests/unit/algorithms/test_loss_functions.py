@@ -172,9 +172,11 @@ def _is_batch() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("surrogate", ["ppo_clip", "unclipped", "cispo", "icepop"])
 @pytest.mark.parametrize("advantage", [1.0, -1.0, 3.75, -3.75])  # |A| > e: -A r overflowed again at exp's edge
-def test_a_ratio_past_exps_range_gets_no_gradient_and_leaves_the_others_finite(surrogate: str, advantage: float) -> None:
+@pytest.mark.parametrize("gap", [87.5, 90.0])  # just inside exp's float32 range (-A r overflowed), past it (r did)
+def test_a_ratio_past_exps_range_gets_no_gradient_and_leaves_the_others_finite(surrogate: str, advantage: float, gap: float) -> None:
     """log(pi_curr / pi_prev) = 90 on one token: exp is inf in float32, and its zero gradient where clipped (or its
-    importance weight of 0) times inf was a NaN gradient for the whole step; with A < 0 an inf loss (NaN with icepop)."""
+    importance weight of 0) times inf was a NaN gradient for the whole step; with A < 0 an inf loss (NaN with icepop).
+    At 87.5 exp is finite, but -A r overflowed for |A| > 1.3: the step was skipped where 90 trained."""
     options = {
         "ppo_clip": {},
         "unclipped": {"trust_region_type": "dppo_binary_tv"},
@@ -183,13 +185,13 @@ def test_a_ratio_past_exps_range_gets_no_gradient_and_leaves_the_others_finite(s
                    "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5},
     }[surrogate]  # fmt: skip
     prev = torch.tensor([[-1.0, -2.0, -95.0]])
-    curr = (prev + torch.tensor([[0.0, 0.0, 90.0]])).requires_grad_(True)
+    curr = (prev + torch.tensor([[0.0, 0.0, gap]])).requires_grad_(True)
     data = dict(prev_logprobs=prev, generation_logprobs=torch.tensor([[-1.0, -2.0, -3.0]]), advantages=torch.full((1, 3), advantage),
                 token_mask=torch.ones(1, 3), sample_mask=torch.ones(1))  # fmt: skip
     loss, metrics = ClippedPGLossFn(options)(curr, data, 1, 3)
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(curr.grad).all()
-    assert metrics["probs_ratio_max"] == math.inf  # the ratio overflowed: reported as such, not as exp's edge
+    assert metrics["probs_ratio_max"] == torch.finfo(torch.float32).max  # held: reported at the dtype's largest value
     assert (curr.grad[0, :2] != 0).all()  # the other tokens still train
     if surrogate != "cispo":  # CISPO's clipped token keeps its bounded gradient -A clamp(r) (by design)
         assert curr.grad[0, 2] == 0.0
