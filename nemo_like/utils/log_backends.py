@@ -65,16 +65,16 @@ def from_jsonable(value: Any) -> Any:
 
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, Scalar]:
     """The real-number entries of ``metrics`` as Python numbers (what scalar dashboards can plot): numpy scalars and
-    one-element tensors or arrays too, as ``metrics.jsonl`` writes them (a 0-d tensor reached the file and no dashboard).
-    Bools are flags, not metrics (a record's ``run_start``): left out."""
+    0-d tensors or arrays too, as ``metrics.jsonl`` writes them (a 0-d tensor reached the file and no dashboard; a
+    ``[1]``-shaped one is a list there, so not a scalar here either). Bools are flags, not metrics (a record's
+    ``run_start``): left out."""
     numbers_only = {key: _as_number(value) for key, value in metrics.items()}
     return {k: v for k, v in numbers_only.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
 
 
 def _as_number(value: Any) -> Any:
-    """A one-element tensor, array or numpy scalar as its Python number; anything else unchanged."""
-    size = value.numel() if hasattr(value, "numel") else getattr(value, "size", None)
-    return value.item() if size == 1 and hasattr(value, "item") else value
+    """A 0-d tensor, array or numpy scalar as its Python number; anything else unchanged."""
+    return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
 
 
 def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -149,6 +149,7 @@ class ConsoleProgress:
                 TextColumn("{task.fields[info]}", markup=False),
                 TextColumn("{task.fields[eta]}", markup=False),
                 console=Console(stderr=True),  # the stream whose terminal turned it on (rich's default is stdout)
+                redirect_stdout=False,  # stdout stays where the user sent it (`train > run.log`); stderr is the bar's
             )
             self._task = self._rich.add_task("train", total=total, info="", eta=format_eta(None))
             self._rich.start()

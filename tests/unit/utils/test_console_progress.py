@@ -99,6 +99,7 @@ def test_on_a_terminal_the_bar_and_messages_go_to_stderr_as_plain_text(tmp_path)
         "p.message('[setup] logging to logs/sweep[lr=1e-5]/metrics.jsonl')\n"
         "p.message('[checkpoint] saved results/[/tmp]/step_3')\n"
         "p.update(1, 'reward=[0.5]')\n"
+        "print('to stdout', flush=True)\n"
         "p.close()\n"
     )
     master, slave = pty.openpty()
@@ -114,6 +115,6 @@ def test_on_a_terminal_the_bar_and_messages_go_to_stderr_as_plain_text(tmp_path)
             break
         terminal += chunk
     os.close(master)
-    assert proc.returncode == 0 and proc.stdout == b""
+    assert proc.returncode == 0 and proc.stdout == b"to stdout\n"  # where the user sent stdout, not onto the terminal
     text = terminal.decode(errors="replace")
     assert "[setup] logging to logs/sweep[lr=1e-5]/metrics.jsonl" in text and "[checkpoint] saved results/[/tmp]/step_3" in text

@@ -30,8 +30,8 @@ def test_a_nested_non_finite_value_or_a_numpy_scalar_is_written_as_valid_json_an
     nested = {"list": [1.0, float("nan")], "dict": {"a": float("inf")}, "np": np.float32(0.5), "t": torch.tensor([1.0, float("-inf")])}
     assert jsonable(nested) == {"list": [1.0, "nan"], "dict": {"a": "inf"}, "np": 0.5, "t": [1.0, "-inf"]}
     assert numeric_metrics({"np": np.float64(2.5), "i": np.int64(3), "flag": np.bool_(True)}) == {"np": 2.5, "i": 3}
-    # a 0-d tensor reached metrics.jsonl and no dashboard; a tensor of several values is no scalar
-    assert numeric_metrics({"t": torch.tensor(2.5), "a": np.array(4), "many": torch.tensor([1.0, 2.0])}) == {"t": 2.5, "a": 4}
+    # a 0-d tensor reached metrics.jsonl and no dashboard; a [1]-shaped one is a list in the file, so no scalar here
+    assert numeric_metrics({"t": torch.tensor(2.5), "a": np.array(4), "one": torch.tensor([1.0])}) == {"t": 2.5, "a": 4}
     logger = Logger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False), total_steps=1)
     logger.log({"m/np": np.float32(0.25), "m/nested": [float("nan")]}, step=1)
     logger.close()
