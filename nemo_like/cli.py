@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -359,7 +360,38 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argpars
     return args
 
 
+#: A file the CLI writes its exit status to when it ends (set by the Slurm launcher: ``ray job stop`` leaves a stopped
+#: job without the driver's status, and a requeue rule must tell a stop that saved from one that did not).
+EXIT_STATUS_FILE_ENV = "NEMO_LIKE_EXIT_STATUS_FILE"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``nemo-like`` command; returns its exit status (also written to ``$NEMO_LIKE_EXIT_STATUS_FILE`` when set)."""
+    status: int | None = None
+    try:
+        status = _main(argv)
+        return status
+    except SystemExit as exc:  # argparse's usage errors and --help
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        raise
+    finally:
+        record_exit_status(1 if status is None else status)
+
+
+def record_exit_status(status: int) -> None:
+    """Write ``status`` to ``$NEMO_LIKE_EXIT_STATUS_FILE`` when set (whole, or not at all); a failure only warns."""
+    path = os.environ.get(EXIT_STATUS_FILE_ENV)
+    if not path:
+        return
+    from nemo_like.utils.files import replace_file
+
+    try:
+        replace_file(path, f"{status}\n")
+    except OSError as exc:
+        print(f"nemo-like: warning: cannot write the exit status to {path}: {exc}", file=sys.stderr)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     implicit_train = not argv or (argv[0] not in TOP_LEVEL_FLAGS and (argv[0].startswith(("-", "~")) or "=" in argv[0]))
     if implicit_train:

@@ -75,6 +75,9 @@ def test_the_slurm_script_starts_two_nodes_trains_and_saves_on_the_walltime_sign
         "GCS_PORT": str(gcs_port),
         "DASHBOARD_PORT": str(dashboard_port),
         "RAY_AUTH_MODE": "disabled",
+        # the job API on loopback only: the script's default, every interface, was an unauthenticated job API for the
+        # test's 80 s (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which keeps Ray on loopback, also refuses a second node)
+        "DASHBOARD_HOST": "127.0.0.1",
         "HF_HUB_OFFLINE": "1",
         "RAY_JOB_STOP_WAIT_TIME_S": "120",
         "STANDIN_RAY_TEMP_DIR": str(ray_temp),
@@ -101,6 +104,7 @@ def test_the_slurm_script_starts_two_nodes_trains_and_saves_on_the_walltime_sign
         assert "[slurm] SIGTERM: stopping nemo-like-4242" in out, out[-5000:]
         assert out.count(" node_") >= 2, out[-5000:]  # `ray status` listed both nodes before the job was submitted
         assert status == 143, out[-5000:]  # the job was STOPPED (saved), not SUCCEEDED: the script says so as the driver does
+        assert (run_dir / "exit_status.4242").read_text() == "143\n"  # the driver's own status (Ray records none for a stop)
         steps = logged_steps(run_dir / "logs" / "metrics.jsonl")
         saved = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
         assert saved and saved[-1] == steps[-1], (saved, steps, out[-5000:])  # the step the signal interrupted, saved

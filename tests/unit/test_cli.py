@@ -262,3 +262,17 @@ def test_a_second_config_a_positional_recipe_and_a_tilde_null_are_read_as_meant(
     assert load_config(None, ["policy.max_grad_norm=~"], warn=False).policy.max_grad_norm is None
     with pytest.raises(ConfigError, match=r"'@foo' \(a Hydra package\) means nothing here; write grpo.seed=..."):
         load_config(None, ["grpo.seed@foo=3"])  # the package had been dropped silently
+
+
+def test_the_exit_status_is_written_where_the_launcher_asks(tmp_path, monkeypatch, capsys) -> None:
+    """The Slurm launcher stops a job with `ray job stop`, after which Ray records no driver status: every walltime stop
+    read as "stopped and saved" (143), a failed save included. The CLI writes its own status for the launcher to read."""
+    status_file = tmp_path / "exit_status"
+    monkeypatch.setenv("NEMO_LIKE_EXIT_STATUS_FILE", str(status_file))
+    assert main(["plan", "--mfu", "0", "--peak-tflops", "100"]) == 2
+    assert status_file.read_text() == "2\n"
+    with pytest.raises(SystemExit):
+        main(["plan", "--no-such-flag"])  # argparse's usage error: SystemExit(2)
+    assert status_file.read_text() == "2\n"
+    assert main(["plan", "--config", str(REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml")]) == 0
+    assert status_file.read_text() == "0\n"
