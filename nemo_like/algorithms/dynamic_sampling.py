@@ -127,7 +127,7 @@ class DynamicSamplingAccumulator:
         if not self.is_full and self.max_gen_batches is not None and self.num_gen_batches >= self.max_gen_batches:
             raise DynamicSamplingExhausted(
                 f"Dynamic sampling collected only {self.num_kept_groups}/{self.num_prompts_needed} prompt groups "
-                f"with non-zero reward std after {self.num_gen_batches} generation batches "
+                f"with non-zero reward std after {self.num_gen_batches} generation batch(es) "
                 f"({MAX_GEN_BATCHES_KEY}={self.max_gen_batches}); {self.num_discarded_groups} groups were "
                 "discarded because all their raw rewards were equal (every response right, or every one wrong). "
                 f"Raise {MAX_GEN_BATCHES_KEY}, make the data easier or harder for this model (or check that the "

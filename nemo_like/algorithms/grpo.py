@@ -35,6 +35,7 @@ from nemo_like.algorithms.distillation import (
 )
 from nemo_like.algorithms.dynamic_sampling import (
     DynamicSamplingAccumulator,
+    DynamicSamplingExhausted,
     apply_overlong_reward_shaping,
     select_groups_with_signal,
 )
@@ -307,7 +308,12 @@ def collect_training_rollout(
         if rollout.session_of_row is not None:  # agent rows: each batch's sessions numbered apart, as its groups are
             sessions_per_batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt  # ids 0.. of a batch
             payload["session_of_row"] = rollout.session_of_row + batch_index * sessions_per_batch
-        accumulator.add(payload, keep, prompt_ids=group_ids)
+        try:
+            accumulator.add(payload, keep, prompt_ids=group_ids)
+        except DynamicSamplingExhausted as exc:  # the step it failed (the checkpoints before it are whole)
+            raise DynamicSamplingExhausted(
+                f"step {step}: {exc} The last checkpoint is unaffected: a rerun with a higher limit resumes from it."
+            ) from None
         generated.append((session_rewards(rollout), session_values(rollout, group_ids)))  # a branched session once
         batch_index += 1
         if accumulator.is_full:

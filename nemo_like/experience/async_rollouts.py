@@ -24,7 +24,7 @@ from typing import Any
 import ray
 import torch
 
-from nemo_like.data.prompts import PromptDataLoader
+from nemo_like.data.prompts import DataExhausted, PromptDataLoader
 from nemo_like.distributed import faults
 from nemo_like.distributed.supervision import ActorRestartsExhausted, ledger
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerFailure, WorkerResources, get_with_context
@@ -196,7 +196,10 @@ class AsyncRollouts:
         ref = self.buffer.take.remote(step, trainer_version)
         if not self._wait_for(ref):  # the collector's loop ended (crashed) before the step's data arrived
             self._raise_collector_failure(f"before producing step {step}'s data")
-        groups, size = get_with_context(ref, f"replay buffer: take step {step}")
+        try:
+            groups, size = get_with_context(ref, f"replay buffer: take step {step}")
+        except DataExhausted as exc:  # raised in the buffer's actor: Ray's error, its traceback for a message
+            raise DataExhausted(str(getattr(exc, "cause", exc))) from None
         waited = time.perf_counter() - start
         return TakenRollout(rollout_from_groups(groups), trajectory_ages(groups, trainer_version), waited, size)
 

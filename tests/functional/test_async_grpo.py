@@ -141,7 +141,7 @@ def test_async_tiny_recipe_learns_within_five_points_of_sync(ray_cluster, tmp_pa
 
 
 @pytest.mark.parametrize("async_enabled", [False, True])
-def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, tmp_path, async_enabled):
+def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, tmp_path, async_enabled, capfd):
     """The async run here also refits in flight with a bound of 2 (HF; vLLM's in-flight refit is checked in
     test_vllm_backend.py, and the acceptance run above is async on the default backend). The run that stops for want of
     data saves its last step, though the save period is not reached."""
@@ -165,6 +165,9 @@ def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, t
     history = train(tiny_config(tmp_path, *overrides, *([] if async_enabled else ["grpo.val_at_end=false"])))
     # 8 prompts, 4 per step: steps 1-2 are epoch 0, the one epoch allowed; step 3 would start epoch 1.
     assert [r["step"] for r in history] == [1, 2]
+    if async_enabled:  # one line (it was Ray's error of the buffer actor: its repr and the whole traceback)
+        done = [line for line in capfd.readouterr().err.splitlines() if "max_num_epochs=1 reached" in line]
+        assert done == ["[done] no data for step 3: grpo.max_num_epochs=1 reached"], done
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_2"]
     if not async_enabled:
         assert "validation/accuracy" not in history[-1]

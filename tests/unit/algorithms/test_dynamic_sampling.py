@@ -76,7 +76,7 @@ def test_accumulator_raises_past_max_gen_batches():
     add_batch(acc, make_batch([0, 0, 1, 1], [0, 1, 1, 1]))  # 1 kept, 1 discarded
     with pytest.raises(
         RuntimeError,
-        match=r"1/2 prompt groups.*2 generation batches.*"
+        match=r"1/2 prompt groups.*2 generation batch\(es\).*"
         r"grpo\.dynamic_sampling_max_gen_batches=2.*3 groups were discarded",
     ):
         add_batch(acc, make_batch([0, 0, 1, 1], [0, 0, 1, 1]))
