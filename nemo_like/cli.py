@@ -374,6 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse's usage errors and --help
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         raise
+    except KeyboardInterrupt:  # a SIGINT before the run's own handlers: Python dies of it, which the shell sees as 130
+        status = 130
+        raise
     finally:
         record_exit_status(1 if status is None else status)
 

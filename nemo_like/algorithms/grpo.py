@@ -311,9 +311,12 @@ def collect_training_rollout(
         try:
             accumulator.add(payload, keep, prompt_ids=group_ids)
         except DynamicSamplingExhausted as exc:  # the step it failed (the checkpoints before it are whole)
-            raise DynamicSamplingExhausted(
-                f"step {step}: {exc} The last checkpoint is unaffected: a rerun with a higher limit resumes from it."
-            ) from None
+            rerun = (
+                "The last checkpoint (if any was saved) is unaffected: a rerun with a higher limit resumes from it."
+                if cfg.checkpointing.enabled
+                else "Checkpointing is off: a rerun starts from step 0."
+            )
+            raise DynamicSamplingExhausted(f"step {step}: {exc} {rerun}") from None
         generated.append((session_rewards(rollout), session_values(rollout, group_ids)))  # a branched session once
         batch_index += 1
         if accumulator.is_full:
