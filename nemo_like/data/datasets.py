@@ -386,10 +386,11 @@ def _load_local(source: Source, key: str):
             else:
                 subset = _subset_kwargs(path, source.config)
                 _refuse_skipped_files(path, source, key, subset)
-                for file in directory_data_files(path):
+                data_files = directory_data_files(path)
+                for file in data_files:
                     if problem := unreadable_compression(file):
                         raise ConfigError(f"{key}: cannot read {str(file)!r} in {str(path)!r}: {problem}")
-                empty = [str(f) for f in directory_data_files(path) if f.stat().st_size == 0]
+                empty = [str(f) for f in data_files if f.stat().st_size == 0]
                 if empty:  # datasets' own error was a bare StopIteration
                     raise ConfigError(f"{key}: {empty[0]!r} in {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
                 ds = datasets.load_dataset(str(path), **subset, **_csv_directory_kwargs(path, key))

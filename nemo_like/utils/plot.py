@@ -37,8 +37,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
     A fresh run in the same ``logger.log_dir`` appends to the file: the last run is what follows the last record marked
     ``"run_start": true`` (a fresh run's first), or in files without the marker the last place where the step goes down
-    (a resumed run goes on from its checkpoint's step, and the lines past it were trimmed, so it stays one run). A torn last line (a process killed mid-write) is skipped; any other line
-    that is not JSON raises ``ValueError`` naming the file and line. Non-finite values, stored as strings ('nan',
+    (a resumed run goes on from its checkpoint's step, and the lines past it were trimmed, so it stays one run). A torn
+    last line (a process killed mid-write) is skipped; any other line that is not JSON raises ``ValueError`` naming the
+    file and line. Non-finite values, stored as strings ('nan',
     'inf'), come back as floats.
     """
     try:
