@@ -6,7 +6,9 @@ Each sample is one growing token sequence, built only by appending:
 * each model turn's **sampled ids**, exactly as the engine returned them (never decoded and re-encoded),
   the end-of-turn token included; their generation logprobs are kept one per token,
 * each observation's ids: the chat template's rendering of ``conversation + observation`` (with the
-  next assistant generation prompt) minus the rendering the sequence already holds, tokenised once.
+  next assistant generation prompt) minus the rendering the sequence already holds, tokenised in context
+  (:func:`in_context_ids`: the ids the whole rendering's tokenisation gives it, what a server rendering the
+  conversation feeds the model).
 
 The result is one :class:`~nemo_like.models.generation.interface.GeneratedSample` per sample whose
 ``response_ids`` are everything after the prompt and whose ``response_mask`` is 1 on sampled ids and 0
@@ -148,7 +150,21 @@ def observation_tokens(tokenizer, conv: Conversation, observation: dict[str, str
             "set policy.tokenizer_name to a tokenizer with such a template"
         )
     text = full[len(conv.text) :]
-    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text, in_context_ids(tokenizer, conv.text, text)
+
+
+def in_context_ids(tokenizer, before: str, text: str) -> list[int]:
+    """The ids of ``text`` where it follows ``before``: the tail of ``before + text``'s ids after ``before``'s own.
+
+    Tokenised alone, a SentencePiece tokenizer starts ``text`` with a ``▁`` word marker that the whole text's ids do not
+    hold (a non-legacy one adds it only at the start of its input; a legacy one after every special token, where the
+    whole text's ids hold it too). When the two tokenisations disagree on ``before`` (a merge across the boundary), the
+    ids of ``text`` alone."""
+    head = tokenizer(before, add_special_tokens=False)["input_ids"]
+    whole = tokenizer(before + text, add_special_tokens=False)["input_ids"]
+    if whole[: len(head)] == head:
+        return list(whole[len(head) :])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def stop_string_cut(tokenizer, ids: list[int], stop_strings: Sequence[str]) -> int | None:

@@ -432,3 +432,35 @@ def test_a_turn_with_no_room_for_the_shortest_observation_is_the_final_one(token
         else:  # told "not final", the game wrote a hint that does not fit: dropped, and counted as such
             assert result.samples[0].length_truncated and result.env_metrics["env/guess/turn_limit"] == 0.0
             assert dropped == 1.0
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_sentencepiece_observation_holds_the_ids_it_has_in_the_whole_rendering(legacy):
+    """Peer pitfall (NeMo-RL#2844): an observation tokenised on its own by a SentencePiece tokenizer starts with a
+    ``▁`` word marker the whole conversation's rendering does not hold, so every tool turn trained on a token the model
+    never sees at deployment. The rollout appends the observation's ids in context: the ids the whole rendering has after
+    the sequence so far (legacy tokenizers too, through their continuation backend)."""
+    from pathlib import Path
+
+    from transformers import LlamaTokenizerFast
+
+    from nemo_like.data.prompts import PromptRecord
+    from nemo_like.experience.multi_turn import Conversation, observation_tokens, render
+
+    fixture = Path(__file__).parents[2] / "fixtures" / "tiny_sentencepiece"
+    sp = LlamaTokenizerFast.from_pretrained(
+        fixture, add_bos_token=False, legacy=legacy, pad_token="<pad>", additional_special_tokens=["<|im_start|>", "<|im_end|>"]
+    )
+    sp.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    messages = [{"role": "user", "content": "what is 2+2"}]
+    prompt = PromptRecord(id="0", messages=messages, prompt_token_ids=[], metadata={})
+    conv = Conversation(prompt, [*messages, {"role": "assistant", "content": "call it"}], {}, render(sp, messages) + "call it<|im_end|>")
+    for observation in ({"role": "tool", "content": "4"}, {"role": "tool", "content": " leading space, then more"}):
+        text, ids = observation_tokens(sp, conv, observation)
+        before = sp(conv.text, add_special_tokens=False)["input_ids"]
+        whole = sp(conv.text + text, add_special_tokens=False)["input_ids"]
+        assert whole[: len(before)] == before  # the observation starts after a special token: nothing merges across
+        assert ids == whole[len(before) :], (sp.convert_ids_to_tokens(ids)[:4], sp.convert_ids_to_tokens(whole[len(before) :])[:4])
