@@ -3,7 +3,7 @@
 argv: scratch dir, memory limit (bytes), CPU limit (s), file-size limit (bytes). The code arrives on
 stdin. Limits are set, the audit hook installed, then the code runs REPL-style: when its last statement
 is an expression, that value's ``repr`` is printed (unless ``None``). Exit codes: 0 ok, 1 the code raised
-(``Type: message`` on stderr), 3 memory limit, 4 output/file-size limit.
+(``Type: message`` on stderr), 3 memory limit, 4 output/file-size limit, 5 the parent died (nobody reads it).
 """
 
 import ast
@@ -114,6 +114,7 @@ def _install_guard(scratch):
     # Held by the hook, not read from this module's globals, which the snippet can reach (sys.modules["__main__"]).
     blocked, path_events, write_flags = tuple(_BLOCKED_PREFIXES), dict(_PATH_EVENTS), _WRITE_FLAGS
     fd_path_events = tuple(_FD_PATH_EVENTS)
+    max_written, real_os_open, os_open_event, opened = _MAX_FILES_WRITTEN, os.open, _OS_OPEN_EVENT, _Opened
 
     def inside(path, event=""):
         if path is None:
@@ -129,7 +130,14 @@ def _install_guard(scratch):
         parts = realpath(fsdecode(fspath(path))).split(os.sep)
         return len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and os.sep.join(parts[:3]) != own_proc
 
+    written = [0]  # files opened for writing so far (the scratch dir's quota)
+
     def hook(event, args):
+        if event == os_open_event:  # the os.open the snippet sees (:func:`_guarded_os_open`): the real one lives here
+            path, flags, mode, dir_fd = args
+            if dir_fd is not None and dir_fd != -1:  # its "open" event carries no dir_fd: a path relative to any directory
+                raise PermissionError("sandbox: os.open with dir_fd is not allowed")
+            raise opened(real_os_open(path, flags, mode))
         if event.startswith(blocked):
             raise PermissionError(f"sandbox: {event} is not allowed")
         if event == "import" and args[0] in stripped:
@@ -141,6 +149,10 @@ def _install_guard(scratch):
             writing = (isinstance_(mode, str_) and any(c in mode for c in "wax+")) or (isinstance_(flags, int_) and flags & write_flags)
             if writing and not inside(path):
                 raise PermissionError(f"sandbox: writing outside the scratch dir is not allowed: {path!r}")
+            if writing and not isinstance_(path, int_):
+                written[0] += 1
+                if written[0] > max_written:
+                    raise PermissionError(f"sandbox: more than {max_written} files opened for writing")
             if another_process(path):
                 raise PermissionError(f"sandbox: reading another process's /proc entries is not allowed: {path!r}")
         elif event in path_events:
@@ -174,7 +186,44 @@ def _install_guard(scratch):
             except ImportError:
                 pass
     _imp.exec_builtin = _imp.create_builtin = _refuse_builtin_init
+    # os.open's audit event carries no dir_fd, so a path relative to a directory descriptor (of /proc: the environment
+    # actor's environ; of any directory: a write anywhere) passed every path check. The snippet's os.open asks the hook
+    # for the descriptor; the real one is held by the hook alone (also taken out of os.supports_*, where the snippet
+    # could find it; left out of supports_dir_fd, shutil's rmtree takes its path-based route).
+    import posix
+
+    guarded = _guarded_os_open(sys.audit, os_open_event, opened)
+    for support in (os.supports_dir_fd, os.supports_fd, os.supports_follow_symlinks, os.supports_effective_ids):
+        support.discard(real_os_open)
+    os.open = posix.open = guarded
     sys.addaudithook(hook)
+
+
+_OS_OPEN_EVENT = "nemo_like.sandbox.os_open"
+#: Files a snippet may open for writing (each capped by RLIMIT_FSIZE): bounds what one call can leave in the scratch dir.
+_MAX_FILES_WRITTEN = 1000
+
+
+class _Opened(BaseException):
+    """Carries the descriptor the hook opened back to :func:`_guarded_os_open` (a hook returns nothing)."""
+
+    def __init__(self, fd):
+        super().__init__(fd)
+        self.fd = fd
+
+
+def _guarded_os_open(audit, event, opened):
+    """An ``os.open`` that holds no reference to the real one: the hook opens (``dir_fd`` refused) and raises
+    ``opened(fd)``."""
+
+    def open(path, flags, mode=0o777, *, dir_fd=None):  # noqa: A001 - os.open's own name and signature
+        try:
+            audit(event, path, flags, mode, dir_fd)
+        except opened as done:
+            return done.fd
+        raise PermissionError("sandbox: os.open is not available")  # unreachable while the hook is installed
+
+    return open
 
 
 def _refuse_builtin_init(*args):
@@ -200,6 +249,7 @@ def main():
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     os.chdir(scratch)
+    _exit_with_parent()
     _install_guard(scratch)
     # The stderr file counts against RLIMIT_FSIZE like any other: a snippet's own stderr (debug prints, tracebacks)
     # keeps half of it, at most 1000 characters (4 bytes each at most), and the error report the other half.
@@ -221,6 +271,23 @@ def main():
         _report(exc)
     except BaseException as exc:  # the user's code raised (SystemExit included): report it
         _report(exc)
+
+
+def _exit_with_parent():
+    """End this process when its parent (the environment actor) is gone: the wall-clock limit is the parent's to
+    enforce, so a sleeping or blocked snippet (RLIMIT_CPU never fires for it) outlived a killed actor for ever. A thread
+    the snippet cannot reach (``_thread``, not ``threading``'s list) polls the parent's pid."""
+    import _thread
+    import time
+
+    parent, getppid, sleep, exit_ = os.getppid(), os.getppid, time.sleep, os._exit
+
+    def watch():
+        while getppid() == parent:
+            sleep(0.5)
+        exit_(5)
+
+    _thread.start_new_thread(watch, ())
 
 
 class _CappedText:

@@ -262,3 +262,68 @@ def test_a_killed_actors_work_directory_is_swept_by_the_next_sandbox(tmp_path, m
     sandbox = PythonSandbox()
     assert not orphan.exists() and live.exists()
     assert sandbox.run("6 * 7") == "42" and [p.name for p in tmp_path.iterdir()] == [live.name]  # its own: removed
+
+
+def test_a_directory_descriptor_reaches_no_other_process_and_writes_nothing_outside(env: ToolEnvironment, tmp_path) -> None:
+    """A fourth review's hole: ``os.open``'s audit event carries no ``dir_fd``, so a path relative to a descriptor of
+    ``/proc`` read the environment actor's environ (its secrets: W&B keys), and one relative to any directory wrote
+    outside the scratch dir. The snippet's ``os.open`` refuses ``dir_fd``; the real one is out of its reach. Each call
+    also opens at most 1000 files for writing (RLIMIT_FSIZE caps each, nothing capped their number)."""
+    fd_of = "import os\nfd = os.open({!r}, os.O_RDONLY)\n"
+    for code in (
+        fd_of.format("/proc") + "os.read(os.open(f'{os.getppid()}/environ', os.O_RDONLY, dir_fd=fd), 100)",
+        fd_of.format("/proc") + "open(f'{os.getppid()}/environ', opener=lambda p, f: os.open(p, f, dir_fd=fd)).read()",
+        fd_of.format(str(tmp_path)) + "os.open('victim', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+        # the real one, looked for where the standard library keeps references to it
+        "import os, posix\nopen_ = next(f for s in (os.supports_dir_fd, os.supports_fd) for f in s if f.__name__ == 'open')",
+        "for i in range(1001):\n    open(f'f{i}', 'w').close()",
+    ):
+        observation = run(env, code)
+        assert observation.startswith("error: python: ") and ("not allowed" in observation or "StopIteration" in observation
+                                                            or "more than 1000 files" in observation), (code, observation)  # fmt: skip
+    assert not (tmp_path / "victim").exists()
+    fine = "import os, shutil\nfd = os.open('f', os.O_WRONLY | os.O_CREAT)\nos.write(fd, b'abc')\nos.close(fd)\n"
+    fine += "os.makedirs('a/b')\nshutil.rmtree('a')\nfor i in range(900):\n    open(f'g{i}', 'w').close()\nopen('f').read()"
+    assert run(env, fine) == "'abc'"
+
+
+WAIT_IN_A_SANDBOX = r"""
+from nemo_like.environments.tools.python_sandbox import PythonSandbox
+PythonSandbox(timeout_s=120).run("import time; time.sleep(100)")
+"""
+
+
+def test_a_sandbox_process_ends_with_its_environment_actor() -> None:
+    """Its wall-clock limit is the parent's to enforce: a sleeping snippet (RLIMIT_CPU never fires) outlived an
+    environment actor killed mid-call (a replaced hung actor, the end of an async run) for ever."""
+    import signal
+    import time
+
+    root = Path(__file__).resolve().parents[3]
+    actor = subprocess.Popen([sys.executable, "-c", WAIT_IN_A_SANDBOX], cwd="/", env={**os.environ, "PYTHONPATH": str(root)})
+
+    def sandbox_pids() -> list[int]:
+        children = Path(f"/proc/{actor.pid}/task/{actor.pid}/children")
+        return [int(pid) for pid in children.read_text().split()] if children.exists() else []
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+
+    deadline = time.monotonic() + 60
+    while not sandbox_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (child,) = sandbox_pids()
+    time.sleep(1.0)  # the snippet sleeps
+    assert running(child)
+    os.kill(actor.pid, signal.SIGKILL)
+    actor.wait()
+    deadline = time.monotonic() + 30
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = running(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)  # leave nothing behind
+    assert not alive
