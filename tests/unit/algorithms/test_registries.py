@@ -107,3 +107,13 @@ def test_one_definition_of_each_kl_estimator() -> None:
     t = torch.tensor(x, dtype=torch.float64)
     assert (kl.kl_k1(t).item(), kl.kl_k2(t).item()) == (pytest.approx(-x), pytest.approx(x * x / 2))
     assert kl.kl_k3(t).item() == pytest.approx(math.exp(x) - 1 - x, rel=1e-14)
+
+
+def test_k3_in_float32_is_non_negative_and_exact_near_r_equal_1() -> None:
+    """Peer pitfall (unsloth-zoo#1240): ``exp(x) - 1 - x`` in float32 loses ``x^2 / 2`` to cancellation near ``x = 0``
+    (12% off at ``x = 1e-3``) and goes negative; ``expm1(x) - x`` keeps it (float64 reference, float32 inputs)."""
+    small = torch.tensor([1e-7, -1e-7, 3e-5, -3e-5, 1e-4, -1e-4], dtype=torch.float32)
+    assert bool((kl.kl_k3(small) >= 0).all())
+    x = torch.tensor([1e-3, -1e-3, 3e-3, -3e-3, 1e-2, -1e-2], dtype=torch.float32)
+    exact = (torch.expm1(x.double()) - x.double()).float()
+    torch.testing.assert_close(kl.kl_k3(x), exact, rtol=1e-3, atol=0)
