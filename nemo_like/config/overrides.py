@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from nemo_like.config.errors import ConfigError, closest_key, did_you_mean
+from nemo_like.config.errors import ConfigError, closest_keys, did_you_mean
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
@@ -90,9 +90,9 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
         if override.is_add() and exists:
             raise ConfigError(f"Override '{text}': '{key}' already exists; use '{key}=...' to change it or '++{key}=...' to force.")
         if not override.is_add() and not override.is_force_add() and not exists:
-            close = closest_key(key, leaf_keys(cfg))
-            hint = f" Did you mean '{close}'?" if close else ""
-            if close is None or close.rpartition(".")[0] != key.rpartition(".")[0]:  # nothing in its own section
+            close = closest_keys(key, leaf_keys(cfg))
+            hint = did_you_mean(key, close)
+            if not close or close[0].rpartition(".")[0] != key.rpartition(".")[0]:  # nothing in its own section
                 hint += f" (Use '+{key}=...' to add a key the recipe does not spell out, e.g. a section env.<task>.)"
             raise ConfigError(f"Override '{text}': '{key}' is not a key of the recipe.{hint}")
         try:

@@ -138,6 +138,23 @@ def test_an_unknown_key_suggests_its_sections_key_or_a_peers_name_for_it(overrid
         load_config(TINY, ["grpo.zzz=1"])  # nothing close: how to add a key instead
 
 
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        # several sections share the last part: the hint named only the last listed, and following it switched on
+        # distillation (teacher.model_name), checkpointing (for grpo.lora.enabled) or changed the validation data only
+        ("model_name=x", "Did you mean one of 'policy.model_name', 'teacher.model_name'?"),
+        ("dataset_name=gsm8k", "Did you mean one of 'data.dataset_name', 'data.train.dataset_name', 'data.validation.dataset_name'?"),
+        ("grpo.lora.enabled=true", "Did you mean 'policy.lora_cfg.enabled'?"),  # the path's 'lora' decides
+        ("grpo.kl_coef=0.1", "Did you mean 'loss_fn.reference_policy_kl_penalty'?"),  # a peer's name, one section has it
+    ],
+)
+def test_a_key_in_the_wrong_section_lists_every_section_that_has_it_unless_the_path_decides(override, hint):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    assert hint in str(err.value)
+
+
 def test_added_unknown_key_is_rejected_by_the_schema_with_suggestion():
     with pytest.raises(ConfigError) as err:
         load_config(TINY, ["+policy.generation.max_new_token=3"])
