@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_like.config.errors import ConfigError, closest_keys, did_you_mean
@@ -39,9 +39,12 @@ def _exists(cfg: DictConfig, key: str) -> bool:
     ``${oc.env:...}``) still exists and can be overridden."""
     node: Any = cfg
     for part in key.split("."):
-        if not isinstance(node, DictConfig) or part not in node:
+        if isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):  # an element: betas.1
+            node = node._get_node(int(part))  # noqa: SLF001
+        elif isinstance(node, DictConfig) and part in node:
+            node = node._get_node(part)  # noqa: SLF001 - the raw node: its interpolation stays unresolved
+        else:
             return False
-        node = node._get_node(part)  # noqa: SLF001 - the raw node: its interpolation stays unresolved
     return True
 
 
@@ -89,6 +92,13 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
         value = override.value()
         if override.is_add() and exists:
             raise ConfigError(f"Override '{text}': '{key}' already exists; use '{key}=...' to change it or '++{key}=...' to force.")
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key, throw_on_missing=False) if parent_key and not exists else None
+        if isinstance(parent, ListConfig):  # an index past the end, or a name, in a list: no '+' adds one
+            raise ConfigError(
+                f"Override '{text}': '{parent_key}' is a list of {len(parent)} (indices 0-{len(parent) - 1}), it has no element "
+                f"{leaf!r}; write the whole list: {parent_key}=[...]"
+            )
         if not override.is_add() and not override.is_force_add() and not exists:
             close = closest_keys(key, leaf_keys(cfg))
             hint = did_you_mean(key, close)
@@ -107,4 +117,4 @@ def _delete(cfg: DictConfig, key: str) -> None:
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     with open_dict(parent):
-        del parent[leaf]
+        del parent[int(leaf) if isinstance(parent, ListConfig) else leaf]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +103,11 @@ class DataConfig(Section):
         (the seed only shuffles its rows; the arithmetic generator still uses it); and a run that trains on a file or
         dataset while validation stays the built-in arithmetic task (only ``data.dataset_name``'s default names it)."""
         lines = []
+        unused = self.unused_dataset_keys()
+        if unused:  # (a warnings.warn in the validator had printed with warn=False, and once per process)
+            lines.append(
+                f"data.{', data.'.join(unused)} has no effect with data.dataset_name=arithmetic (the built-in task has no columns)"
+            )
         arithmetic = not self.train.data_path and (self.train.dataset_name or self.dataset_name) == "arithmetic"
         if not self.shuffle and not arithmetic and "seed" in self.train.model_fields_set and self.train.seed != 1:
             lines.append(
@@ -155,25 +159,18 @@ class DataConfig(Section):
             synthetic = name == "arithmetic" and not split.data_path and split.split_fraction is None
             if synthetic and split.num_problems is None:
                 raise ValueError(f"data.{role}.num_problems is required for the arithmetic task (how many problems to generate)")
-        self._warn_unused_dataset_keys()
         return self
 
-    def _warn_unused_dataset_keys(self) -> None:
-        """Column keys set while both splits are the synthetic arithmetic task have no effect: say so."""
+    def unused_dataset_keys(self) -> list[str]:
+        """Column keys set while both splits are the synthetic arithmetic task (they have no effect)."""
         if any(s.dataset_name not in (None, "arithmetic") or s.data_path or s.split_fraction for s in (self.train, self.validation)):
-            return
+            return []
         if self.dataset_name != "arithmetic":
-            return
+            return []
         unused = [
             k for k in ("dataset_config", "prompt_key", "answer_key", "task_key", "default_task_name") if getattr(self, k) is not None
         ]
-        unused += [f"{role}.split" for role, s in (("train", self.train), ("validation", self.validation)) if s.split]
-        if unused:
-            warnings.warn(
-                f"data.{', data.'.join(unused)} has no effect with data.dataset_name=arithmetic (the built-in task has no columns)",
-                UserWarning,
-                stacklevel=2,
-            )
+        return unused + [f"{role}.split" for role, s in (("train", self.train), ("validation", self.validation)) if s.split]
 
 
 class EnvSectionConfig(BaseModel):
