@@ -2,9 +2,11 @@
 
 Handlers submit their prompts (``n`` copies for ``n`` choices) and wait on a future; one thread takes everything
 queued, groups it by sampling settings except ``max_new_tokens``, and calls ``engine.generate`` once per group with the
-group's largest ``max_new_tokens``. A request's samples are then cut to its own ``max_new_tokens``: tokens are drawn
-one after another, so the first k tokens of a longer draw are a draw of k tokens, logprobs included. The engine is only
-ever called from that thread.
+group's largest ``max_new_tokens`` (:func:`engine_calls` splits a group where that would cost more than twice a request's
+own limit, or span more positions than its longest request alone: a 4-token call with a near-full context beside a
+70-token one had been sampled to 70 tokens, past the context). A request's samples are then cut to its own
+``max_new_tokens``: tokens are drawn one after another, so the first k tokens of a longer draw are a draw of k tokens,
+logprobs included. The engine is only ever called from that thread.
 
 Seeds. A request with its own ``seed`` (a seeded session's call, or the request's ``seed`` field) samples the same
 tokens whatever it is batched with: with an engine that takes one seed per prompt (``PER_PROMPT_SEEDS``, see
@@ -76,8 +78,10 @@ class GenerationQueue:
         window_s: float = 0.002,
         wait_ratio: float = 0.5,
         max_wait_s: float = 0.05,
+        max_span: int = 0,
     ) -> None:
         self.engine = engine
+        self.max_span = max_span  # positions (prompt + completion) an engine call may span: the server's context
         self.max_batch = max_batch
         self.window_s = window_s
         self.wait_ratio = wait_ratio
@@ -196,14 +200,15 @@ class GenerationQueue:
                 alone = request.seed is not None and not self.per_prompt_seeds
                 groups[(key, id(request) if alone else None)].append(request)
             for (key, _), group in groups.items():
-                # Each group's requests start just before its own engine call: one given up while another group's
-                # call ran is dropped too (False: its caller gave up)
-                requests = [r for r in group if r.future.set_running_or_notify_cancel()]
-                self.stats.cancelled += len(group) - len(requests)
-                if not requests:
-                    continue
-                params = replace(key, max_new_tokens=max(r.params.max_new_tokens for r in requests))
-                self._generate(requests, params, self._batch_seed(requests))
+                for call in engine_calls(group, self.max_span):
+                    # Each call's requests start just before it: one given up while another call ran is dropped too
+                    # (False: its caller gave up)
+                    requests = [r for r in call if r.future.set_running_or_notify_cancel()]
+                    self.stats.cancelled += len(call) - len(requests)
+                    if not requests:
+                        continue
+                    params = replace(key, max_new_tokens=max(r.params.max_new_tokens for r in requests))
+                    self._generate(requests, params, self._batch_seed(requests))
 
     def _batch_seed(self, requests: list[_Request]) -> Seeds:
         """The engine call's seed: the queue's next for unseeded requests; a seeded request alone, its own; else one
@@ -247,6 +252,32 @@ class GenerationQueue:
             limit = request.params.max_new_tokens
             request.future.set_result([cut_to(s, limit) for s in samples[at : at + len(request.prompts)]])
             at += len(request.prompts)
+
+
+#: A request shares an engine call whose token limit is at most this many times its own.
+MAX_LIMIT_RATIO = 2
+
+
+def engine_calls(group: list[_Request], max_span: int = 0) -> list[list[_Request]]:
+    """``group`` (one sampling setting) split into engine calls, each sampled to its largest ``max_new_tokens``: a
+    request joins a call whose limit is at most :data:`MAX_LIMIT_RATIO` times its own, and only while the call's left-padded
+    span (longest prompt + that limit, the KV cache every row gets) stays within ``max_span`` (the server's context) or
+    the longest span one of its requests has alone. Largest limits first; requests keep their order within a call."""
+    calls: list[list[_Request]] = []
+    for request in sorted(group, key=lambda r: -r.params.max_new_tokens):
+        limit = request.params.max_new_tokens
+        width = max(len(p) for p in request.prompts)
+        for call in calls:
+            call_limit = call[0].params.max_new_tokens  # the largest: calls are filled largest first
+            call_width = max(len(p) for r in call for p in r.prompts)
+            longest_alone = max(max(len(p) for p in r.prompts) + r.params.max_new_tokens for r in [*call, request])
+            if call_limit <= MAX_LIMIT_RATIO * limit and max(width, call_width) + call_limit <= max(longest_alone, max_span):
+                call.append(request)
+                break
+        else:
+            calls.append([request])
+    position = {id(r): i for i, r in enumerate(group)}
+    return [sorted(call, key=lambda r: position[id(r)]) for call in calls]
 
 
 def cut_to(sample: GeneratedSample, max_new_tokens: int) -> GeneratedSample:

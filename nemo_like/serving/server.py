@@ -86,14 +86,13 @@ class RolloutServer:
         self.config = config
         self.api_key = config.api_key or secrets.token_urlsafe(32)
         eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
-        self.queue = GenerationQueue(engine, config.seed, config.max_batch, config.batch_window_s)
+        max_context = _max_context(tokenizer, config.max_context)
+        self.queue = GenerationQueue(engine, config.seed, config.max_batch, config.batch_window_s, max_span=max_context)
         vocab = max(len(tokenizer), config.vocab_size or 0)
         self.sessions = SessionStore(
             auto_create=config.auto_create_sessions, vocab_size=vocab, on_end=self.queue.forget, max_kept_results=config.max_kept_results
         )
-        limits = Limits(
-            config.model_name, _max_context(tokenizer, config.max_context), config.max_n, config.require_session, config.run_sampling
-        )
+        limits = Limits(config.model_name, max_context, config.max_n, config.require_session, config.run_sampling)
         renderer = Renderer(tokenizer, config.chat_template)
         self.service = CompletionService(renderer, self.queue, self.sessions, limits, eos, TOOL_PARSERS.get(config.tool_parser))
         self.app = create_app(self.service, self.api_key)
