@@ -175,6 +175,12 @@ def _normalize(message: Any, index: int, continuations: Continuations | None) ->
     role = "system" if message["role"] == "developer" else message["role"]
     content = _text_content(message.get("content"), where)
     out: dict[str, Any] = {"role": role, "content": content}
+    # A participant's name, any role (the template decides whether it renders it, as vLLM's server leaves it to it): it
+    # was kept for tool messages only, so a multi-party prompt silently lost who said what.
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad_request(f"'{where}.name' must be a string.", param=f"{where}.name")
+    named = {"name": name} if name is not None else {}
     lookup = None
     if role == "assistant":
         tool_calls = message.get("tool_calls") or None
@@ -182,14 +188,12 @@ def _normalize(message: Any, index: int, continuations: Continuations | None) ->
             keys = message_keys(message.get("content"), tool_calls)
             lookup = RawLookup(keys, continuations.raw_text(keys))
             if lookup.raw_text is not None:
-                return {"role": "assistant", "content": lookup.raw_text}, lookup
+                return {"role": "assistant", "content": lookup.raw_text, **named}, lookup
         if tool_calls:
             out["tool_calls"] = _template_tool_calls(tool_calls, where)
-    if role == "tool":
-        for key in ("tool_call_id", "name"):
-            if isinstance(message.get(key), str):
-                out[key] = message[key]
-    return out, lookup
+    if role == "tool" and isinstance(message.get("tool_call_id"), str):
+        out["tool_call_id"] = message["tool_call_id"]
+    return {**out, **named}, lookup
 
 
 def with_calls_as_text(message: dict[str, Any]) -> dict[str, Any]:

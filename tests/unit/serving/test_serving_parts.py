@@ -257,12 +257,31 @@ def test_parallel_tool_calls_false_returns_the_first_call_and_the_history_holds_
             "messages[0].tool_calls",
         ),
         ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": 7}}]}], "messages[0].tool_calls"),
+        ([{"role": "user", "content": "x", "name": 7}], "messages[0].name"),
     ],
 )
 def test_malformed_messages_are_400_naming_the_message(renderer, messages, param):
     with pytest.raises(ServingError) as error:
         renderer.chat_text(messages, None, None)
     assert error.value.status == 400 and error.value.param == param
+
+
+def test_a_messages_name_reaches_the_template_whatever_its_role():
+    """``name`` was kept for tool messages only: a template that renders it (multi-party prompts) never saw who said
+    what, and the request was accepted without a word."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m.get('name') %} name={{ m['name'] }}{% endif %}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    named = Renderer(load_tokenizer("embedded:tiny-tool-qwen2"), chat_template=template)
+    messages = [
+        {"role": "system", "name": "rules", "content": "be brief"},
+        {"role": "user", "name": "alice", "content": "hi"},
+        {"role": "assistant", "name": "bot", "content": "hello"},
+        {"role": "user", "content": "and bob?"},
+    ]
+    text = named.chat_text(messages, None, None)
+    assert text.count(" name=") == 3 and all(f" name={n}" in text for n in ("rules", "alice", "bot")), text
 
 
 def test_a_prompt_longer_than_the_context_can_spell_is_refused_before_it_is_tokenised(scripted_service):
