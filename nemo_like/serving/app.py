@@ -208,7 +208,9 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
 
     @app.post("/v1/sessions/{session_id:path}/end")
     async def end_session(session_id: str, body: EndSessionRequest | None = None) -> dict[str, Any]:
-        result = sessions.end(session_id, body.reward if body else None)
+        # Off the event loop: building a long session's rows takes a while (a 400-call one ~0.9 s), and ending one the
+        # run is ending too waits for it; every other request had waited with it.
+        result = await asyncio.to_thread(sessions.end, session_id, body.reward if body else None)
         return {
             "id": session_id, "object": "session", "reward": result.reward, "num_calls": result.num_calls,
             "rows": len(result.rows), "branched": result.branched, "rejected": result.rejected,

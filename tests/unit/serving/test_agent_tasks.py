@@ -303,3 +303,29 @@ def test_verifier_kwargs_without_a_verifier_warn_that_nothing_reads_them() -> No
     assert warnings_of() == []  # the recipe's verifier reads them
     (line,) = warnings_of("env.tool.verifier=null")
     assert line.startswith("env.tool.verifier_kwargs has no effect: env.tool.verifier is not set")
+
+
+def test_ending_a_session_does_not_hold_up_the_servers_other_requests(server, monkeypatch) -> None:
+    """``POST /sessions/{id}/end`` ran on the event loop: building a long session's rows (~0.9 s at 400 calls), or
+    waiting for the run ending the same session, held every other request. A slow end (held here on an event) now
+    leaves the server answering."""
+    release, entered = threading.Event(), threading.Event()
+    real_end = server.sessions.end
+
+    def slow_end(*args, **kwargs):
+        entered.set()
+        assert release.wait(60)
+        return real_end(*args, **kwargs)
+
+    monkeypatch.setattr(server.sessions, "end", slow_end)
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    sid = server.sessions.open()
+    ending = threading.Thread(target=lambda: httpx.post(f"{server.base_url}/sessions/{sid}/end", headers=headers, timeout=120))
+    ending.start()
+    try:
+        assert entered.wait(60)
+        models = httpx.get(f"{server.base_url}/models", headers=headers, timeout=20)  # timed out while the end held the loop
+        assert models.status_code == 200
+    finally:
+        release.set()
+        ending.join(120)
