@@ -196,6 +196,14 @@ def _normalize(message: Any, index: int, continuations: Continuations | None) ->
     return {**out, **named}, lookup
 
 
+def _added_prefix(tokenizer: Any) -> list[int]:
+    """The ids ``tokenizer`` adds in front of a text when asked for its special tokens (``[bos]``, or ``[]``)."""
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
+    return full[: starts[0]] if plain and starts else []
+
+
 def with_calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
     """An assistant ``message`` whose ``tool_calls`` (template form) are written after its content as Hermes markup,
     ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` as Qwen's templates write them, which the server's
@@ -233,6 +241,15 @@ class Renderer:
         self._rest_backend: Any | None = None  # encodes behind the anchor when the tokenizer's own adds a '▁' there
         if self._anchor is not None and not self._continues_exactly():
             self._rest_backend = self._exact_continuation_backend()
+        self.text_prompt_prefix = _added_prefix(tokenizer)
+
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """The ids of a ``/v1/completions`` text prompt: its ids after the special tokens the tokenizer puts in front of
+        a text (a Llama or Mistral tokenizer's BOS), as vLLM's completions endpoint adds them (``add_special_tokens``
+        defaults to true there, false for chat, whose template writes them); not again when the text spells them."""
+        ids = self.tokenize(text)
+        prefix = self.text_prompt_prefix
+        return ids if not prefix or ids[: len(prefix)] == prefix else [*prefix, *ids]
 
     @functools.cached_property
     def turn_end_id(self) -> int | None:

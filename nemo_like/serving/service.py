@@ -265,9 +265,9 @@ class CompletionService:
             text = req.prompt
             self._refuse_overlong(text, "prompt")
             ids = (
-                session.continuations.prompt_ids(text, self.renderer.tokenize, self.renderer.tokenize_continuation)
+                session.continuations.prompt_ids(text, self.renderer.text_prompt_ids, self.renderer.tokenize_continuation)
                 if session
-                else self.renderer.tokenize(text)
+                else self.renderer.text_prompt_ids(text)
             )
         else:
             vocab = self.sessions.vocab_size

@@ -428,6 +428,30 @@ def test_a_legacy_sentencepiece_tokenizer_encodes_a_continuation_without_a_space
     assert Renderer(load_tokenizer("embedded:tiny-tool-qwen2"))._rest_backend is None  # byte-level BPE needs nothing
 
 
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_a_completions_text_prompt_starts_with_the_bos_its_tokenizer_adds_once(add_bos):
+    """vLLM's completions endpoint tokenises a text prompt with the tokenizer's special tokens (its BOS); ours never
+    added one, so a BOS-trained base model (Llama, Mistral) was prompted without it."""
+    sp = LlamaTokenizer.from_pretrained(SENTENCEPIECE, add_bos_token=add_bos, legacy=False, pad_token="<pad>")
+    renderer = Renderer(sp, chat_template=CHATML)
+    expected = sp("hello world", add_special_tokens=True)["input_ids"]
+    assert renderer.text_prompt_ids("hello world") == expected and (expected[0] == sp.bos_token_id) == add_bos
+    assert renderer.text_prompt_ids("<s>hello").count(sp.bos_token_id) == 1  # spelled by the text: not twice
+    queue = GenerationQueue(Scripted(sp, ["one", "two", "three"]), window_s=0.0)
+    try:  # through the service: a call alone, and a session's second call that extends its first (its ids reused)
+        store = SessionStore(vocab_size=len(sp))
+        service = CompletionService(renderer, queue, store, Limits("policy", max_context=128), [sp.eos_token_id], parse_hermes)
+        alone = asyncio.run(service.complete(CompletionRequest(model="policy", prompt="hello world", max_tokens=4), None))
+        assert alone.prompt_ids == expected
+        sid = store.open()
+        first = asyncio.run(service.complete(CompletionRequest(model="policy", prompt="hello", max_tokens=4), sid))
+        second = asyncio.run(service.complete(CompletionRequest(model="policy", prompt="hello" + "one" + " more", max_tokens=4), sid))
+        assert first.prompt_ids[: len(renderer.text_prompt_prefix)] == renderer.text_prompt_prefix
+        assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids and second.prompt_ids.count(sp.bos_token_id) == add_bos
+    finally:
+        queue.close()
+
+
 def test_a_legacy_tokenizer_the_server_cannot_correct_is_logged(caplog):
     class Wrapped(LlamaTokenizer):  # not fast: no Rust backend of its own to copy
         is_fast = False
