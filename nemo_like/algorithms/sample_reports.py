@@ -99,6 +99,10 @@ def dump_train_samples(
         "sample_mask": batch["sample_mask"],
         "truncated": [s.truncated for s in rollout.samples],
         "response_token_ids": [s.response_ids for s in rollout.samples],
+        # which weights sampled each row (async runs: its age is the step's weight version minus this)
+        "weight_version": [s.weight_version for s in rollout.samples],
+        "final_weight_version": [s.final_weight_version for s in rollout.samples],
+        "weight_version_changes": [list(map(list, s.weight_version_changes or ())) for s in rollout.samples],
         "generation_logprobs": response_token_values(batch["generation_logprobs"], mask),
         "prev_logprobs": response_token_values(prev, mask) if prev is not None else [None] * len(rollout.samples),
         "trained_token_mask": response_token_values(batch["token_mask"].long(), mask),

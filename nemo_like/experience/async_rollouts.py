@@ -255,7 +255,9 @@ class AsyncRollouts:
         """``(loader state, JSON state, buffer contents)``; call inside ``paused(...)``."""
         collector = self._call("state_dict")
         buffer = get_with_context(self.buffer.state_dict.remote(), "replay buffer: state")
-        return collector["loader"], {"async": {"next_target": collector["pacer"]["next_target"]}}, buffer
+        # consumed_prompts (the collector's data position) counts the prompts read ahead: say how many still wait
+        state = {"next_target": collector["pacer"]["next_target"], "buffered_prompts": len(buffer["groups"])}
+        return collector["loader"], {"async": state}, buffer
 
     def _call(self, method: str, *args: Any) -> Any:
         """A control call on the collector that fails (instead of hanging) if the collector's loop crashed."""

@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from functional.helpers import REPO, ckpt_overrides, read_metrics, tiny_config
+from functional.helpers import REPO, ckpt_overrides, read_jsonl, read_metrics, tiny_config
 
 from nemo_like.config import load_config
 from nemo_like.experience.async_rollouts import BUFFER_FILE
@@ -71,10 +71,13 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
         "logger.plot_at_end=true",
         *ckpt_overrides(ckpt, 2),
     )
-    straight = steps_of(train(tiny_config(tmp_path, *overrides)))
+    straight = steps_of(train(tiny_config(tmp_path, *overrides, "logger.dump_train_data=true")))
     assert [r["step"] for r in straight] == [1, 2, 3, 4, 5]
     ages = [r["train/max_trajectory_age"] for r in straight]
     assert ages[0] == 0.0 and all(a == 1.0 for a in ages[1:])  # step 1 from v0 at v0; later ones one update old
+    for step in range(1, 6):  # the dumps say which weights sampled each row: step s trains at version s - 1
+        rows = read_jsonl(tmp_path / "logs" / f"train_data_step{step}.jsonl")
+        assert {step - 1 - r["weight_version"] for r in rows} == {ages[step - 1]}, step
     # Every batch generated and no validation after it: the last step pushes no weights nothing would sample with.
     assert straight[-1]["timing/train/refit"] == 0.0 and straight[-1]["async/generation_weight_version"] < 5
     assert all(r["train/trajectory_age_fraction/1"] == 1.0 for r in straight[1:])
@@ -99,6 +102,8 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
     targets = sorted({g.target_step for g in buffer["groups"]})
     assert targets and targets == list(range(3, saved["async"]["next_target"]))  # generated ahead, kept, in order
     assert saved["dataloader"]["consumed"] == 4 * (saved["async"]["next_target"] - 1)  # the collector's position
+    # of which the buffer holds the prompts read ahead: the rest were trained on (2 steps of 4 prompts)
+    assert saved["async"]["buffered_prompts"] == len(buffer["groups"]) == saved["consumed_prompts"] - 2 * 4
 
     # Crash after step 2: only step_2 survives; the rerun resumes from it with the buffer it held.
     for later in ("step_4", "step_5"):
