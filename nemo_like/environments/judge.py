@@ -35,6 +35,7 @@ from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prom
 from nemo_like.environments.score_normalization import ScoreNormalization
 from nemo_like.environments.scored_text import chat_ids_of_untrusted_text, ids_of_pieces, template_pieces
 from nemo_like.models.generation.interface import SamplingParams
+from nemo_like.utils.seeds import judge_seed
 
 COUNTERS = (
     "judged",
@@ -85,7 +86,9 @@ class JudgeEnvConfig(BaseModel):
     max_new_tokens: int = Field(16, gt=0, description="Longest verdict.")
     greedy: bool = Field(True, description="Greedy verdicts (deterministic); false samples at temperature.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature when greedy is false.")
-    seed: int = Field(0, description="Sampling seed of the first call (then +1 per call).")
+    seed: int = Field(
+        0, description="Sampling seed (greedy: false): each judge prompt is read with a hash of it and this (utils/seeds.py judge_seed)."
+    )
     deadline_s: float = Field(
         60.0,
         ge=0.001,
@@ -252,7 +255,6 @@ class JudgeEnvironment(EnvironmentInterface):
         self.engine = JudgeEngine(judge_engine_spec(cfg, self.tokenizer, context), cfg.max_batch_size)
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, greedy=cfg.greedy)
         self.max_prompt_tokens = context - cfg.max_new_tokens if context is not None else None
-        self._calls = 0
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 
     def judge_prompt_ids(self, response: str, metadata: dict[str, Any]) -> list[int]:
@@ -284,8 +286,8 @@ class JudgeEnvironment(EnvironmentInterface):
         self._counts["cache_hits"] += sum(k is not None for k in keys) - len(unique)
         self._counts["judged"] += len(unique)
         restarts_before = self.engine.restarts
-        result = self.engine.generate([list(k) for k in unique], self.params, self.cfg.seed + self._calls, self.cfg.deadline_s)
-        self._calls += 1
+        seeds = [judge_seed(self.cfg.seed, k) for k in unique]  # a verdict depends on what is judged, not on when
+        result = self.engine.generate([list(k) for k in unique], self.params, seeds, self.cfg.deadline_s)
         self._counts["timeouts"] += result.timeouts
         self._counts["engine_errors"] += result.errors
         self._counts["engine_restarts"] += self.engine.restarts - restarts_before

@@ -98,8 +98,9 @@ class JudgeEngine:
         resources = WorkerResources(num_cpus=s.num_cpus, num_gpus=s.num_gpus, num_threads=s.num_threads)
         self.group = RayWorkerGroup("judge", actor_cls, s.num_workers, resources, init, s.placement_timeout_s, env)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int, deadline_s: float) -> EngineResult:
-        """Responses to ``prompts`` (see the module docstring); never raises for a slow or failed actor."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], deadline_s: float) -> EngineResult:
+        """Responses to ``prompts``, prompt ``i`` sampled with ``seeds[i]`` whatever chunk and actor it lands on (see the
+        module docstring); never raises for a slow or failed actor."""
         import ray
 
         result = EngineResult([None] * len(prompts))
@@ -111,7 +112,7 @@ class JudgeEngine:
         chunks = chunked(len(prompts), self.max_batch_size)
         workers = self.group.workers
         refs = [
-            workers[i % len(workers)].generate.remote([prompts[j] for j in rows], asdict(params), seed + 1_000_003 * i)
+            workers[i % len(workers)].generate.remote([prompts[j] for j in rows], asdict(params), [seeds[j] for j in rows])
             for i, rows in enumerate(chunks)
         ]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=deadline_s)

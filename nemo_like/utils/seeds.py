@@ -62,6 +62,14 @@ def turn_seed(seed: int, turn: int, group: int) -> int:
     return _hashed_seed(f"{seed}/{turn}/{group}")
 
 
+def judge_seed(seed: int, prompt_ids: list[int] | tuple[int, ...]) -> int:
+    """The seed a sampled LLM judge (``greedy: false``) reads one judge prompt with: a hash of its ids and the judge's
+    ``seed``, so a verdict depends only on what is judged. ``seed + (call counter)`` lived in the environment actor: a
+    resumed run, or a replaced actor, restarted it and judged the same samples with other numbers (the resumed run's
+    rewards were not the uninterrupted run's), and call ``c + 1``'s request ``i`` drew call ``c``'s request ``i + 1``."""
+    return _hashed_seed(f"judge/{seed}/{','.join(map(str, prompt_ids))}")
+
+
 def worker_seed(seed: int, rank: int) -> int:
     """The seed of generation worker ``rank``'s shard of a batch sampled with ``seed``: rank 0's is ``seed`` itself (one
     worker samples as the batch's seed says), another rank's a hash. ``seed + 1,000,003 x rank`` met the step seeds:

@@ -5,6 +5,7 @@ sources, each logged on its own in metrics.jsonl."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -85,6 +86,17 @@ def test_tiny_model_as_judge_template_parse_failure_deadline_and_cache(ray_clust
         assert env.score(responses, metadata) == pytest.approx(in_range)
         counters = env.metrics()
         assert counters["out_of_range"] == sum(v != verdicts[0] for v in digits) and counters["scored"] == digits.count(verdicts[0])
+
+        # A sampled judge (greedy: false) reads each judge prompt with a seed of its own ids: the same verdict in any
+        # call, batch or order (its seed was seed + a call counter kept in the actor: a resumed run, or a replaced actor,
+        # judged the same samples with other numbers); another judge seed draws others
+        env.params = replace(env.params, greedy=False, temperature=1.0)
+        sampled = [str(n) for n in range(12)]
+        sums = [{"answer": 7, "task_name": "t"}] * len(sampled)
+        first = env.verdicts(sampled, sums)
+        assert env.verdicts(sampled[::-1], sums)[::-1] == first and env.verdicts(sampled[5:], sums[5:]) == first[5:]
+        env.cfg.seed += 1
+        assert env.verdicts(sampled, sums) != first
     finally:
         env.close()
 

@@ -98,7 +98,8 @@ class GRPOConfig(Section):
         42,
         ge=0,
         lt=2**32,
-        description="Seed for data order, sampling and model init (0 <= seed < 2**32: the vLLM engine seeds numpy with it, "
+        description="Seed for data order, training sampling and model init (validation samples with seeds of its step "
+        "alone, the same for every grpo.seed; 0 <= seed < 2**32: the vLLM engine seeds numpy with it, "
         "and the sampling seeds derived from it must fit a torch generator's 64 bits).",
     )
     normalize_rewards: bool = Field(True, description="Divide advantages by the per-prompt reward std (+epsilon where std > 0).")
