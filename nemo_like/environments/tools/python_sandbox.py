@@ -119,8 +119,9 @@ class PythonSandbox:
         # Every file the snippet writes is capped (RLIMIT_FSIZE), stdout's and stderr's too; the cap leaves room for the
         # error report (the stdout limit itself is checked here, on what came back).
         file_size = max(self.max_output_bytes + 1, MIN_FILE_SIZE)
-        cmd = [sys.executable, "-I", "-S", "-B", str(_CHILD), str(scratch), str(memory), str(cpu), str(file_size)]
+        cmd = [sys.executable, "-I", "-S", "-B", str(_CHILD), str(scratch), str(memory), str(cpu), str(file_size), str(os.getpid())]
         env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8", "HOME": str(scratch), "TMPDIR": str(scratch)}
+        env["MALLOC_ARENA_MAX"] = "1"  # the child's watchdog thread gets no 64 MiB arena of its own (RLIMIT_AS counts it)
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=scratch, env=env, start_new_session=True)
         try:
             proc.communicate(code.encode(), timeout=self.timeout_s)

@@ -1,6 +1,6 @@
 """Runs inside the sandbox process of the ``python`` tool (started by :mod:`.python_sandbox`; never imported).
 
-argv: scratch dir, memory limit (bytes), CPU limit (s), file-size limit (bytes). The code arrives on
+argv: scratch dir, memory limit (bytes), CPU limit (s), file-size limit (bytes), the parent's pid. The code arrives on
 stdin. Limits are set, the audit hook installed, then the code runs REPL-style: when its last statement
 is an expression, that value's ``repr`` is printed (unless ``None``). Exit codes: 0 ok, 1 the code raised
 (``Type: message`` on stderr), 3 memory limit, 4 output/file-size limit, 5 the parent died (nobody reads it).
@@ -130,7 +130,7 @@ def _install_guard(scratch):
         parts = realpath(fsdecode(fspath(path))).split(os.sep)
         return len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and os.sep.join(parts[:3]) != own_proc
 
-    written = [0]  # files opened for writing so far (the scratch dir's quota)
+    written = set()  # the files opened for writing so far (the scratch dir's quota counts files, not opens)
 
     def hook(event, args):
         if event == os_open_event:  # the os.open the snippet sees (:func:`_guarded_os_open`): the real one lives here
@@ -150,9 +150,9 @@ def _install_guard(scratch):
             if writing and not inside(path):
                 raise PermissionError(f"sandbox: writing outside the scratch dir is not allowed: {path!r}")
             if writing and not isinstance_(path, int_):
-                written[0] += 1
-                if written[0] > max_written:
-                    raise PermissionError(f"sandbox: more than {max_written} files opened for writing")
+                written.add(realpath(fsdecode(fspath(path))))
+                if len(written) > max_written:
+                    raise PermissionError(f"sandbox: more than {max_written} files written")
             if another_process(path):
                 raise PermissionError(f"sandbox: reading another process's /proc entries is not allowed: {path!r}")
         elif event in path_events:
@@ -196,6 +196,7 @@ def _install_guard(scratch):
     for support in (os.supports_dir_fd, os.supports_fd, os.supports_follow_symlinks, os.supports_effective_ids):
         support.discard(real_os_open)
     os.open = posix.open = guarded
+    os.fwalk = _no_fwalk  # it opens every subdirectory with dir_fd and skips, silently, the ones it cannot open
     sys.addaudithook(hook)
 
 
@@ -226,6 +227,10 @@ def _guarded_os_open(audit, event, opened):
     return open
 
 
+def _no_fwalk(*args, **kwargs):
+    raise PermissionError("sandbox: os.fwalk is not allowed (os.open with dir_fd is refused); use os.walk")
+
+
 def _refuse_builtin_init(*args):
     raise PermissionError("sandbox: initialising a built-in module again is not allowed")
 
@@ -242,14 +247,16 @@ def _run(code):
 
 
 def main():
-    scratch, memory, cpu, file_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    scratch, memory, cpu, file_size, parent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    # Before the memory limit: the thread's stack (and any arena; MALLOC_ARENA_MAX=1 in the environment) would count
+    # against it (a default 8 MiB stack and 64 MiB arena took ~74 MiB of a 256 MB limit)
+    _exit_with_parent(parent)
     code = sys.stdin.read()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     os.chdir(scratch)
-    _exit_with_parent()
     _install_guard(scratch)
     # The stderr file counts against RLIMIT_FSIZE like any other: a snippet's own stderr (debug prints, tracebacks)
     # keeps half of it, at most 1000 characters (4 bytes each at most), and the error report the other half.
@@ -273,20 +280,24 @@ def main():
         _report(exc)
 
 
-def _exit_with_parent():
-    """End this process when its parent (the environment actor) is gone: the wall-clock limit is the parent's to
-    enforce, so a sleeping or blocked snippet (RLIMIT_CPU never fires for it) outlived a killed actor for ever. A thread
-    the snippet cannot reach (``_thread``, not ``threading``'s list) polls the parent's pid."""
+def _exit_with_parent(parent):
+    """End this process when its parent (the environment actor, pid ``parent``, passed by it: one that died while this
+    process started would otherwise be missed) is gone: the wall-clock limit is the parent's to enforce, so a sleeping
+    or blocked snippet (RLIMIT_CPU never fires for it) outlived a killed actor for ever. A thread the snippet cannot
+    reach (``_thread``, not ``threading``'s list) polls the parent's pid."""
     import _thread
     import time
 
-    parent, getppid, sleep, exit_ = os.getppid(), os.getppid, time.sleep, os._exit
+    getppid, sleep, exit_ = os.getppid, time.sleep, os._exit
+    if getppid() != parent:
+        exit_(5)
 
     def watch():
         while getppid() == parent:
             sleep(0.5)
         exit_(5)
 
+    _thread.stack_size(1 << 18)  # 256 KiB: the loop needs little
     _thread.start_new_thread(watch, ())
 
 

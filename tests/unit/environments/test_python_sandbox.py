@@ -277,14 +277,18 @@ def test_a_directory_descriptor_reaches_no_other_process_and_writes_nothing_outs
         # the real one, looked for where the standard library keeps references to it
         "import os, posix\nopen_ = next(f for s in (os.supports_dir_fd, os.supports_fd) for f in s if f.__name__ == 'open')",
         "for i in range(1001):\n    open(f'f{i}', 'w').close()",
+        "import os\nos.makedirs('d/e')\nlist(os.fwalk('.'))",  # it skipped every subdirectory without a word
     ):
         observation = run(env, code)
         assert observation.startswith("error: python: ") and ("not allowed" in observation or "StopIteration" in observation
                                                             or "more than 1000 files" in observation), (code, observation)  # fmt: skip
     assert not (tmp_path / "victim").exists()
     fine = "import os, shutil\nfd = os.open('f', os.O_WRONLY | os.O_CREAT)\nos.write(fd, b'abc')\nos.close(fd)\n"
-    fine += "os.makedirs('a/b')\nshutil.rmtree('a')\nfor i in range(900):\n    open(f'g{i}', 'w').close()\nopen('f').read()"
+    fine += "os.makedirs('a/b')\nshutil.rmtree('a')\nfor i in range(900):\n    open(f'g{i}', 'w').close()\n"
+    fine += "for i in range(1500):\n    open('log', 'a').close()\nopen('f').read()"  # files are counted, not opens
     assert run(env, fine) == "'abc'"
+    # the watchdog thread takes none of the memory limit (its default stack and arena took ~74 MiB of 256 MB)
+    assert run(env, "b = bytearray(96 << 20)\nlen(b) >> 20") == "96"
 
 
 WAIT_IN_A_SANDBOX = r"""
