@@ -1,6 +1,6 @@
 """The judge's own generation engine: generation actors of either backend (``hf``: :class:`HFGenerationWorker`;
 ``vllm``: :class:`VLLMGenerationWorker`) with the judge model, called with a deadline. Both serve the same
-``generate(prompts, params, seed)``, and greedy verdicts (the default) are the same tokens on either.
+``generate(prompts, params, seeds)``, and greedy verdicts (the default) are the same tokens on either.
 
 A call splits the judge prompts into chunks of ``max_batch_size``, dealt round-robin to the actors, and waits at
 most ``deadline_s`` for them: chunks done in time return their responses, the others return ``None`` (timed out).

@@ -274,7 +274,7 @@ class CompletionService:
             if vocab is not None and any(t < 0 or t >= vocab for t in req.prompt):
                 raise bad_request(f"'prompt' holds token ids outside the vocabulary [0, {vocab}).", param="prompt")
             ids, text = list(req.prompt), self.renderer.decode(req.prompt)
-        if not ids:  # "" tokenises to nothing: there is no position to sample from
+        if not ids:  # "" tokenises to nothing (unless the tokenizer adds a BOS): there is no position to sample from
             raise bad_request("'prompt' must not be empty.", param="prompt")
         return await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index, "prompt")
 

@@ -438,8 +438,9 @@ def test_a_turn_with_no_room_for_the_shortest_observation_is_the_final_one(token
 def test_a_sentencepiece_observation_holds_the_ids_it_has_in_the_whole_rendering(legacy):
     """Peer pitfall (NeMo-RL#2844): an observation tokenised on its own by a SentencePiece tokenizer starts with a
     ``▁`` word marker the whole conversation's rendering does not hold, so every tool turn trained on a token the model
-    never sees at deployment. The rollout appends the observation's ids in context: the ids the whole rendering has after
-    the sequence so far (legacy tokenizers too, through their continuation backend)."""
+    never sees at deployment (``legacy=False``; a legacy tokenizer puts the ``▁`` after every special token, in the whole
+    rendering too, so there the observation keeps it). The rollout appends the observation's ids in context: the ids the
+    whole rendering has after the sequence so far, tokenised from the sequence's last added token on."""
     from pathlib import Path
 
     from transformers import LlamaTokenizerFast
