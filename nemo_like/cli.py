@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Sequence
@@ -354,10 +355,22 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argpars
     args, extra = parser.parse_known_args(argv)
     looks_like_override = [e for e in extra if not e.startswith("-") and ("=" in e or e.startswith("~"))]
     if extra and (len(looks_like_override) < len(extra) or not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command = _subcommand_parser(parser, getattr(args, "command", None)) or parser
+        flags = [o for a in command._actions for o in a.option_strings]  # noqa: SLF001 - argparse keeps them only here
+        close = [m for e in extra if e.startswith("-") for m in difflib.get_close_matches(e.split("=")[0], flags, n=1)]
+        hint = f" (did you mean {' '.join(dict.fromkeys(close))}?)" if close else ""
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if extra:
         args.overrides = [*args.overrides, *extra]  # in the order given: a later override of the same key wins
     return args
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    """The subcommand's own parser (its usage and flags), or None."""
+    for action in parser._actions:  # noqa: SLF001 - argparse exposes its subparsers only here
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:  # noqa: SLF001
+            return action.choices[command]
+    return None
 
 
 #: A file the CLI writes its exit status to when it ends (set by the Slurm launcher: ``ray job stop`` leaves a stopped

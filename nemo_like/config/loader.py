@@ -117,6 +117,10 @@ def _fold(op, xs):
 
 def read_yaml_file(path: Path) -> dict[str, Any]:
     """Parse one YAML file into a dict; errors name the file and the line."""
+    if path.is_dir():
+        recipes = sorted(p.name for p in path.glob("*.yaml"))
+        listed = f": {', '.join(recipes[:12])}{', ...' if len(recipes) > 12 else ''}" if recipes else " (it holds no *.yaml)"
+        raise ConfigError(f"Recipe {path} is a directory, not a recipe file; pick one of its files{listed}")
     if not path.is_file():
         raise ConfigError(f"Recipe file not found: {path}")
     try:

@@ -71,6 +71,7 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
 
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     """Return ``cfg`` with ``overrides`` applied in order (the input is modified in place too)."""
+    deleted_env = False
     for override in parse_overrides(overrides):
         key = override.key_or_group
         text = override.input_line
@@ -88,6 +89,7 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
             if override.value() is not None and OmegaConf.select(cfg, key) != override.value():
                 raise ConfigError(f"Override '{text}': '{key}' is {OmegaConf.select(cfg, key)!r}, not {override.value()!r}")
             _delete(cfg, key)
+            deleted_env = deleted_env or key == "env" or key.startswith("env.")
             continue
         value = override.value()
         if override.is_add() and exists:
@@ -110,6 +112,12 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
                 OmegaConf.update(cfg, key, value, merge=True, force_add=True)
         except (OmegaConfBaseException, ValueError) as exc:  # e.g. an index past a list, a name as a list index
             raise ConfigError(f"Override '{text}': cannot set '{key}' to {value!r}: {str(exc).splitlines()[0]}") from None
+    if deleted_env and not OmegaConf.select(cfg, "env", default=None):
+        # An empty env means the default arithmetic environment: the one just deleted came back, silently
+        raise ConfigError(
+            "The overrides delete every env section: add the environment the data needs (e.g. +env.math.num_workers=1); "
+            "an empty env would be the default arithmetic one"
+        )
     return cfg
 
 

@@ -226,7 +226,13 @@ def load_merged(adapter_dir: str | Path, precision: str = "float32", base_model:
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / ADAPTER_CONFIG).is_file():
-        raise ConfigError(f"{adapter_dir} holds no LoRA adapter ({ADAPTER_CONFIG} is missing)")
+        whole = (adapter_dir / "config.json").is_file() and any(adapter_dir.glob("*.safetensors"))
+        hint = (
+            f": it is a full model already (AutoModelForCausalLM.from_pretrained('{adapter_dir}') loads it), nothing to merge"
+            if whole
+            else ""
+        )
+        raise ConfigError(f"{adapter_dir} holds no LoRA adapter ({ADAPTER_CONFIG} is missing){hint}")
     base = base_model or adapter_base_model(adapter_dir)
     if base_model is None:  # a base that is not here fails in one line (it went to the hub as a repo id)
         check_model_source(base, f"{adapter_dir / ADAPTER_CONFIG} base_model_name_or_path (override it with --base-model)")

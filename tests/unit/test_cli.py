@@ -115,6 +115,10 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
     adapters = tmp_path / "step_2" / "policy"
     adapters.mkdir(parents=True)
     (adapters / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    full = tmp_path / "step_3" / "policy"  # a full checkpoint's policy/: a plain HF model
+    full.mkdir(parents=True)
+    (full / "config.json").write_text("{}")
+    (full / "model.safetensors").write_text("")
     cases = [
         (["plot", str(metrics), "--metrics", "train/rewrd"], "--metrics: ['train/rewrd'] not logged by the last run in"),
         (["plot", str(results)], "line 1 is not a metrics record (a JSON object with an integer 'step')"),  # KeyError
@@ -127,6 +131,10 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         # plan printed a plan (exit 0) for recipes train refuses at once, and ignored a --teacher-config of no teacher
         (["plan", "--teacher-config", f"nosuch={tmp_path / 'afile'}"], "--teacher-config nosuch=...: not a teacher model of this run"),
         (["merge", str(tmp_path), "--out", str(tmp_path / "afile")], "is a file; the merged model is a directory"),
+        (
+            ["merge", str(full.parent), "--out", str(tmp_path / "merged")],
+            "holds no LoRA adapter (adapter_config.json is missing): it is a full model already",
+        ),
         (["eval", "eval.model_path=results/grpo/step_50"], "eval.model_path='results/grpo/step_50'"),
         (["eval", f"eval.output_dir={tmp_path / 'afile'}"], "eval.output_dir="),  # a file there: FileExistsError
         (["serve", "eval.model_path=results/grpo/step_50"], "does not exist"),
@@ -276,3 +284,17 @@ def test_the_exit_status_is_written_where_the_launcher_asks(tmp_path, monkeypatc
     assert status_file.read_text() == "2\n"
     assert main(["plan", "--config", str(REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml")]) == 0
     assert status_file.read_text() == "0\n"
+
+
+def test_a_mistyped_flag_gets_its_subcommands_usage_and_the_flag_it_meant(capsys) -> None:
+    """``train --dryrun`` printed the top-level usage, naming no flag of train's."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--dryrun"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "usage: nemo-like train" in err and "(did you mean --dry-run?)" in err
+
+
+def test_a_recipe_directory_lists_its_recipes(tmp_path, capsys) -> None:
+    (tmp_path / "a.yaml").write_text("grpo: {}\n")
+    assert main(["train", "--config", str(tmp_path), "--dry-run"]) == 2
+    assert "is a directory, not a recipe file; pick one of its files: a.yaml" in capsys.readouterr().err

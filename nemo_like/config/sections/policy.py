@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nemo_like.config.sections.base import EMBEDDED_MODEL, Section, set_while_off
 from nemo_like.config.types import Float, Int, OptStr, ThreadCount
@@ -58,7 +58,7 @@ class GenerationConfig(Section):
     )
     max_new_tokens: Int = Field(16, gt=0, description="Maximum response tokens.")
     temperature: Float = Field(
-        1.0, gt=0, description="Sampling temperature; the policy and reference score tokens with logits / temperature too."
+        1.0, description="Sampling temperature (> 0); the policy and reference score tokens with logits / temperature too."
     )
     top_p: Float = Field(
         1.0,
@@ -90,6 +90,16 @@ class GenerationConfig(Section):
     )
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _sampling_temperature(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(
+                f"policy.generation.temperature must be > 0 (got {value}): GRPO learns from sampled responses; 0, greedy decoding in vLLM or TRL, is not "
+                "a sampling temperature (greedy validation: grpo.val_greedy=true; greedy eval: eval.greedy=true)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _stops(self) -> GenerationConfig:

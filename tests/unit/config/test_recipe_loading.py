@@ -275,3 +275,17 @@ def test_async_refuses_to_start_without_the_importance_sampling_correction():
     cfg = load_config(TINY_ASYNC)
     assert cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.max_trajectory_age_steps == 1
     assert cfg.loss_fn.use_importance_sampling_correction
+
+
+def test_temperature_zero_says_what_greedy_is_called_here():
+    """A TRL or vLLM user writes temperature=0 for greedy; pydantic said only 'greater than 0'."""
+    with pytest.raises(ConfigError, match=r"policy.generation.temperature must be > 0 .*grpo.val_greedy=true.*eval.greedy=true"):
+        load_config(TINY, ["policy.generation.temperature=0"])
+
+
+def test_deleting_every_environment_is_an_error_not_the_default_arithmetic_one():
+    """An empty env means one default arithmetic environment: '~env.arithmetic' without a new section brought it back,
+    and the run then failed on the data's task naming 'arithmetic' as configured."""
+    with pytest.raises(ConfigError, match="The overrides delete every env section"):
+        resolve_config_dict(TINY, ["~env.arithmetic"])
+    assert list(resolve_config_dict(TINY, ["+env.math.num_workers=1", "~env.arithmetic"])["env"]) == ["math"]
