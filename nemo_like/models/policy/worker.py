@@ -32,6 +32,7 @@ from nemo_like.models.policy.forward import INLINE_GENERATION_BATCH, Batch, Forw
 from nemo_like.models.policy.spec import PolicyWorkerSpec
 from nemo_like.models.policy.training import TrainingStep, local_bytes
 from nemo_like.models.policy.weight_export import WeightExport
+from nemo_like.utils.seeds import worker_seed
 
 __all__ = ["INLINE_GENERATION_BATCH", "Batch", "PolicyWorker", "PolicyWorkerSpec", "slice_batch"]
 
@@ -73,6 +74,12 @@ class PolicyWorker(ForwardPasses, TrainingStep, WeightExport, Checkpoints, Reini
         self.lora_cfg = spec.lora
         self.trainable = spec.trainable
         self.model = self._load_model()
+        # The model and its adapters are built from the one seed, the same on every rank; then each data-parallel rank
+        # draws its own training randomness (dropout: LoRA's, a model's own), the ranks of a tensor-parallel group,
+        # which see the same rows, one stream. Seeded alike, every rank's k-th micro-batch drew the same masks. (The first
+        # data-parallel rank goes on with the stream it has: a one-rank run draws what it drew.)
+        if rank // self.tp_size:
+            torch.manual_seed(worker_seed(spec.seed, rank // self.tp_size))
         self.teacher_kl = spec.teacher_kl
         self.teacher_model = self._load_teacher() if spec.teacher_kl is not None else None
         self.plan = spec.batching

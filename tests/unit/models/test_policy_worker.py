@@ -213,3 +213,24 @@ def test_a_resume_on_another_number_of_ranks_says_the_worker_rng_is_not_restored
     assert worker_rng_states(saved, 4, "ckpt") == [None] * 4
     assert "[checkpoint] ckpt holds the RNG states of 2 policy ranks, this run has 4" in capsys.readouterr().out
     assert worker_rng_states(None, 3, "ckpt") == [None] * 3 and capsys.readouterr().out == ""
+
+
+def test_each_data_parallel_rank_draws_its_own_dropout_and_a_tensor_parallel_group_one() -> None:
+    """Every rank was seeded alike, so LoRA dropout drew the same masks on every data-parallel rank's k-th micro-batch
+    (noise correlated across ranks, not averaged out as over one rank's rows). The model and adapters stay the same."""
+
+    def built(rank: int, world_size: int, tp: int = 1) -> tuple[torch.Tensor, dict]:
+        worker = PolicyWorker(
+            rank=rank, world_size=world_size, model_name=EMBEDDED_MODEL, precision="float32", temperature=1.0, num_threads=1,
+            seed=0, loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), max_grad_norm=None, optimizer=OptimizerConfig(lr=1e-3),
+            lora_cfg=LoraConfig(enabled=True, dim=4, alpha=8, dropout=0.5), dtensor_cfg={"tensor_parallel_size": tp},
+        )  # fmt: skip
+        weights = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+        return torch.get_rng_state(), weights
+
+    from nemo_like.config.schema import LoraConfig
+
+    (state0, weights0), (state1, weights1) = built(0, 2), built(1, 2)
+    assert not torch.equal(state0, state1)
+    assert weights0.keys() == weights1.keys() and all(torch.equal(weights0[k], weights1[k]) for k in weights0)
+    assert torch.equal(built(1, 2, tp=2)[0], state0)  # ranks 0 and 1 form one tensor-parallel group: one stream
