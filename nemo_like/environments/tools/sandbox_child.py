@@ -115,6 +115,7 @@ def _install_guard(scratch):
     blocked, path_events, write_flags = tuple(_BLOCKED_PREFIXES), dict(_PATH_EVENTS), _WRITE_FLAGS
     fd_path_events = tuple(_FD_PATH_EVENTS)
     max_written, real_os_open, os_open_event, opened = _MAX_FILES_WRITTEN, os.open, _OS_OPEN_EVENT, _Opened
+    new_file_events = ("os.rename", "os.link", "os.symlink", "shutil.move", "shutil.copyfile")  # the second argument
 
     def inside(path, event=""):
         if path is None:
@@ -157,6 +158,10 @@ def _install_guard(scratch):
                 raise PermissionError(f"sandbox: reading another process's /proc entries is not allowed: {path!r}")
         elif event in path_events:
             paths, dir_fds = path_events[event]
+            if event in new_file_events and len(args) > 1 and not isinstance_(args[1], int_):  # a rename made a new file
+                written.add(realpath(fsdecode(fspath(args[1]))))
+                if len(written) > max_written:
+                    raise PermissionError(f"sandbox: more than {max_written} files written")
             for index in dir_fds:
                 if index < len(args) and isinstance_(args[index], int_) and args[index] != -1:  # relative to another dir
                     raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
@@ -299,6 +304,7 @@ def _exit_with_parent(parent):
 
     _thread.stack_size(1 << 18)  # 256 KiB: the loop needs little
     _thread.start_new_thread(watch, ())
+    _thread.stack_size(0)  # the snippet's own threads get the default stack (recursion in one had crashed the process)
 
 
 class _CappedText:

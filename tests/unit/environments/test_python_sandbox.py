@@ -278,6 +278,8 @@ def test_a_directory_descriptor_reaches_no_other_process_and_writes_nothing_outs
         "import os, posix\nopen_ = next(f for s in (os.supports_dir_fd, os.supports_fd) for f in s if f.__name__ == 'open')",
         "for i in range(1001):\n    open(f'f{i}', 'w').close()",
         "import os\nos.makedirs('d/e')\nlist(os.fwalk('.'))",  # it skipped every subdirectory without a word
+        # writing one path and renaming it away made any number of files
+        "import os\nfor i in range(1001):\n    open('tmp', 'w').close()\n    os.replace('tmp', f'out{i}')",
     ):
         observation = run(env, code)
         assert observation.startswith("error: python: ") and ("not allowed" in observation or "StopIteration" in observation
@@ -289,6 +291,11 @@ def test_a_directory_descriptor_reaches_no_other_process_and_writes_nothing_outs
     assert run(env, fine) == "'abc'"
     # the watchdog thread takes none of the memory limit (its default stack and arena took ~74 MiB of 256 MB)
     assert run(env, "b = bytearray(96 << 20)\nlen(b) >> 20") == "96"
+    # and the snippet's own threads keep the default stack (the watchdog's 256 KiB had become every thread's: a recursion
+    # of depth 900 in one crashed the process with SIGSEGV)
+    deep = "import functools, sys, threading\nsys.setrecursionlimit(3000)\n@functools.lru_cache(None)\ndef f(n):\n    return 0 if n == 0 else 1 + f(n - 1)\n"
+    deep += "out = []\nt = threading.Thread(target=lambda: out.append(f(900)))\nt.start()\nt.join()\nout"  # C calls: C stack
+    assert run(env, deep) == "[900]"
 
 
 WAIT_IN_A_SANDBOX = r"""
