@@ -20,8 +20,9 @@ assistant turns): the loop checks that every rendering extends the text the sequ
 
 Turns are batched across the samples still running; a sample ends when its environment says
 ``terminated``, when ``max_turns`` model turns are done, when a turn ends without a stop (hit its token
-budget: ``truncated``), or when ``max_total_length`` leaves no room for another token
-(``truncated`` and ``length_truncated``).
+budget: ``truncated``), or when ``max_total_length`` leaves no room for another token or observation
+(``length_truncated``; ``truncated`` too only when the last turn was cut before its stop, as ``truncated`` means
+everywhere: ``train/truncated_fraction`` had counted turns that stopped on their end token).
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ def apply_step(
         conv.done = True
         return
     if told_final:  # no room for even the shortest observation: the environment knew (and counted its own outcome)
-        conv.done = conv.truncated = conv.length_truncated = True
+        conv.done = conv.length_truncated = True  # truncated stays the turn's own: did it stop
         return
     try:
         text, ids = observation_tokens(tokenizer, conv, step.observation)
@@ -265,7 +266,7 @@ def apply_step(
         conv.step_metrics[FOREIGN_END] = conv.step_metrics.get(FOREIGN_END, 0.0) + 1.0
         return
     if conv.length + len(ids) >= max_total_length:  # no room for the observation and one more sampled token
-        conv.done = conv.truncated = conv.length_truncated = True
+        conv.done = conv.length_truncated = True  # truncated stays the turn's own: did it stop
         # The environment was told "not final" (the shortest observation fit), so it ran the turn (a tool call, say)
         # for an observation the sample never sees: counted, so a budget too tight for the observations shows.
         conv.step_metrics[OBSERVATION_DROPPED] = conv.step_metrics.get(OBSERVATION_DROPPED, 0.0) + 1.0
