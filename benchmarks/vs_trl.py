@@ -1,4 +1,4 @@
-"""Side-by-side: TRL's GRPOTrainer against ours, at equal work, alternating step by step in one invocation.
+"""Side-by-side: TRL's GRPOTrainer against ours on the same workload, alternating step by step in one invocation.
 
 Usage (from the repository root, our venv; TRL lives in its own venv, see below):
 
@@ -16,7 +16,7 @@ Workloads (the issue's):
 * **W3** (``--workloads W3``, not a default: ~7 minutes): a ~35M-param Qwen2 (hidden 768, intermediate 3072, 4 layers,
   inside ``benchmarks/scaling.py``'s range), 8 prompts x 8 completions x 128 tokens.
 
-Equal work: both sides load the same Hugging Face model directory (random init, the shipped tiny
+The same workload: both sides load the same Hugging Face model directory (random init, the shipped tiny
 model's tokenizer), whose stop token is never sampled (its logit sits 39 / 23 / 11 nats below the mean of the
 others in W1 / W2 / W3: ``python benchmarks/stop_token_gap.py W1 W2 W3``; see :func:`build_model`), so every completion
 on both sides runs exactly ``max_new_tokens`` tokens (the script checks ours: "all completions full length").
@@ -24,7 +24,8 @@ Both train on the same prompt texts (the first ``PROMPT_SET`` = 64 of our arithm
 applied; each side shuffles them with its own sampler), beta 0 (no
 reference model), one optimizer step per rollout over the whole batch, temperature 1, fp32, sync.
 TRL runs with its own defaults otherwise (HF ``generate``; note that TRL 1.x defaults to
-``gradient_checkpointing=True``; ``--trl-no-gradient-checkpointing`` turns it off). Ours runs with the
+``gradient_checkpointing=True``, which recomputes the forward in the backward, work ours does not do:
+``--trl-no-gradient-checkpointing`` turns it off, see docs/guides/performance.md). Ours runs with the
 recipe's defaults.
 
 How it alternates: TRL runs in a subprocess of ``--trl-python`` (its ``train()`` loop is held between
@@ -375,6 +376,9 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
         "gen_floor": 2 * n_params * (batch * mean_prompt + expected) / peak,
         "probed_gflops": statistics.median(probes[args.warmup :]) / 1e9,
         "train_floor_probed": 6 * n_params * trained_tokens / statistics.median(probes[args.warmup :]),
+        "gen_floor_probed": 2 * n_params * (batch * mean_prompt + expected) / statistics.median(probes[args.warmup :]),
+        # our sampler runs each distinct prompt once, then one token per row a step (the last token is never fed back)
+        "gen_computed_share": (work["prompts"] * mean_prompt + batch * (work["new_tokens"] - 1)) / (batch * mean_prompt + expected),
         "forward_share": statistics.median(p["forward"] for p in steady),
     }
 
@@ -407,16 +411,20 @@ def report(results: list[dict]) -> str:
     lines.append(
         "| workload | backend | " + " | ".join(OUR_PHASES) + " | training floor | generation floor | all completions full length "
         "| matmul GFLOP/s probed between pairs | training / floor at the probed rate | training forward tokens per token "
-        "| training / floor of the tokens computed, probed rate |"
+        "| training / floor of the tokens computed, probed rate | generation / floor at the probed rate "
+        "| generation / floor of the tokens computed, probed rate | step / both floors at the probed rate |"
     )
-    lines.append("|---|---|" + "---|" * len(OUR_PHASES) + "---|---|---|---|---|---|---|")
+    lines.append("|---|---|" + "---|" * len(OUR_PHASES) + "---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         phases = " | ".join(f"{r['phases'][k]:.3f}" for k in OUR_PHASES)
         lines.append(
             f"| {r['workload']} ({r['params'] / 1e6:.1f}M) | {r['backend']} | {phases} | {r['train_floor']:.3f} | "
             f"{r['gen_floor']:.3f} | {r['tokens_ok']} | {r['probed_gflops']:.0f} | "
             f"{r['phases']['policy_training'] / r['train_floor_probed']:.2f}x | {r['forward_share']:.2f} | "
-            f"{r['phases']['policy_training'] / (r['train_floor_probed'] * r['forward_share']):.2f}x |"
+            f"{r['phases']['policy_training'] / (r['train_floor_probed'] * r['forward_share']):.2f}x | "
+            f"{r['phases']['generation'] / r['gen_floor_probed']:.2f}x | "
+            f"{r['phases']['generation'] / (r['gen_floor_probed'] * r['gen_computed_share']):.2f}x | "
+            f"{r['ours'] / (r['train_floor_probed'] + r['gen_floor_probed']):.2f}x |"
         )
     return "\n".join(lines)
 

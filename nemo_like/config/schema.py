@@ -167,6 +167,12 @@ class MasterConfig(BaseModel):
                     f"{sorted(self.env_sections)}.{did_you_mean(task, self.env_sections)}"
                 )
         self.teacher.for_tasks(self.env_sections)  # only the teachers some task uses start
+        if self.policy.shared_prompt_forward is True and self.teacher.enabled and self.distillation.kl_weight > 0:
+            # refused here, before any actor starts (the policy worker refused it once the cluster was up)
+            raise ValueError(
+                f"policy.shared_prompt_forward=true cannot run with distillation.kl_weight={self.distillation.kl_weight}: the "
+                "teacher KL term needs the student's logits at every position; use auto (falls back to the model's forward) or false"
+            )
         rollout = self.rollout_batch_size
         gbs = self.policy.train_global_batch_size
         if rollout % gbs != 0:

@@ -236,8 +236,9 @@ class PolicyConfig(Section):
         "auto",
         description="Logprob and training forwards run each group's prompt once and skip padding tokens (same logprobs and "
         "gradients up to float summation order; docs/guides/performance.md#shared-prompt-forward). 'auto': on CPU where it "
-        "applies (a Llama/Qwen2/Mistral model on one unsharded worker, no LoRA, no activation checkpointing); true: also on "
-        "GPU (untested there), an error where it cannot apply; false: the model's own forward.",
+        "applies (a Llama/Qwen2/Mistral model without a sliding window on one unsharded worker, no LoRA, no activation "
+        "checkpointing, no teacher KL term, no attention dropout in training); true: also on GPU (untested there), an error "
+        "where it cannot apply; false: the model's own forward.",
     )
     refit_buffer_size_mb: Float = Field(
         512.0,

@@ -289,3 +289,11 @@ def test_deleting_every_environment_is_an_error_not_the_default_arithmetic_one()
     with pytest.raises(ConfigError, match="The overrides delete every env section"):
         resolve_config_dict(TINY, ["~env.arithmetic"])
     assert list(resolve_config_dict(TINY, ["+env.math.num_workers=1", "~env.arithmetic"])["env"]) == ["math"]
+
+
+def test_shared_prompt_forward_true_with_the_teacher_kl_term_is_refused_at_load():
+    """It was refused only by the policy worker, once the cluster and actors were up."""
+    distill = REPO / "examples" / "configs" / "distill_tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match=r"policy.shared_prompt_forward=true cannot run with distillation.kl_weight=0.5"):
+        load_config(distill, ["policy.shared_prompt_forward=true", "distillation.kl_weight=0.5"])
+    assert load_config(distill, ["policy.shared_prompt_forward=auto", "distillation.kl_weight=0.5"]).distillation.kl_weight == 0.5
