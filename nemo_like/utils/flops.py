@@ -160,7 +160,8 @@ def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, fl
 def measure_matmul_flops(dtype: str = "float32", size: int = PROBE_SIZE, seconds: float = 0.5, threads: int | None = None) -> float:
     """Best FLOP/s of ``size x size`` matmuls in ``dtype`` over about ``seconds`` (``threads``: torch threads, default
     all cores), through :func:`~nemo_like.utils.cpu_linear.linear`: the GEMM our passes run (oneDNN for float32 on an
-    x86 CPU, ~2x torch's BLAS there), so a floor or an MFU is measured against what the code can reach."""
+    x86 CPU: 1.1-2x torch's BLAS on the machines measured, docs/guides/performance.md), so a floor or an MFU is measured
+    against what the code can reach."""
     import torch
 
     from nemo_like.utils.cpu_linear import linear
