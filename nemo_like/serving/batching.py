@@ -2,8 +2,9 @@
 
 Handlers submit their prompts (``n`` copies for ``n`` choices) and wait on a future; one thread takes everything
 queued, groups it by sampling settings except ``max_new_tokens``, and calls ``engine.generate`` once per group with the
-group's largest ``max_new_tokens`` (:func:`engine_calls` splits a group whose longest prompt plus that limit would pass
-the context: a 4-token call with a near-full context beside a 70-token one had been sampled to 70 tokens, past it). A request's samples are then cut to its own
+group's largest ``max_new_tokens`` (:func:`engine_calls` splits a group where that limit is more than twice a request's
+own, or the longest prompt plus it would pass the context: a 4-token call with a near-full context beside a 70-token
+one had been sampled to 70 tokens, past it). A request's samples are then cut to its own
 ``max_new_tokens``: tokens are drawn one after another, so the first k tokens of a longer draw are a draw of k tokens,
 logprobs included. The engine is only ever called from that thread.
 
@@ -253,21 +254,27 @@ class GenerationQueue:
             at += len(request.prompts)
 
 
+#: A request shares an engine call whose token limit is at most this many times its own: the engine samples every row
+#: to the call's limit and stops when every row has stopped, so a 2-token request beside a 512-token one whose rows
+#: stop at 20 kept the whole call decoding 512 steps (an extra call costs a call: limits close to each other share one).
+MAX_LIMIT_RATIO = 2
+
+
 def engine_calls(group: list[_Request], max_span: int = 0) -> list[list[_Request]]:
     """``group`` (one sampling setting) split into engine calls, each sampled to its largest ``max_new_tokens``: a
-    request joins a call only while the call's left-padded span (longest prompt + largest limit: every row's KV cache,
-    and the positions its rows reach) stays within ``max_span`` (the server's context) or the longest span one of its
-    requests has alone; a vLLM engine refuses a request past its context, the whole call with it. Rows sampled past
-    their own limit cost little in a shared call (a decode step costs about the same for 1 or 64 rows), an extra call a
-    whole call, so limits alone never split. Largest limits first; requests keep their order within a call."""
+    request joins a call whose limit is at most :data:`MAX_LIMIT_RATIO` times its own, and only while the call's
+    left-padded span (longest prompt + that limit: every row's KV cache, and the positions its rows reach) stays within
+    ``max_span`` (the server's context) or the longest span one of its requests has alone (a vLLM engine refuses a
+    request past its context, the whole call with it). Largest limits first; requests keep their order within a call."""
     calls: list[list[_Request]] = []
     for request in sorted(group, key=lambda r: -r.params.max_new_tokens):
+        limit = request.params.max_new_tokens
         width = max(len(p) for p in request.prompts)
         for call in calls:
             call_limit = call[0].params.max_new_tokens  # the largest: calls are filled largest first
             call_width = max(len(p) for r in call for p in r.prompts)
             longest_alone = max(max(len(p) for p in r.prompts) + r.params.max_new_tokens for r in [*call, request])
-            if max(width, call_width) + call_limit <= max(longest_alone, max_span):
+            if call_limit <= MAX_LIMIT_RATIO * limit and max(width, call_width) + call_limit <= max(longest_alone, max_span):
                 call.append(request)
                 break
         else:

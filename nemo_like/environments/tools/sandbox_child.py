@@ -115,7 +115,7 @@ def _install_guard(scratch):
     blocked, path_events, write_flags = tuple(_BLOCKED_PREFIXES), dict(_PATH_EVENTS), _WRITE_FLAGS
     fd_path_events = tuple(_FD_PATH_EVENTS)
     max_written, real_os_open, os_open_event, opened = _MAX_FILES_WRITTEN, os.open, _OS_OPEN_EVENT, _Opened
-    new_file_events = ("os.rename", "os.link", "os.symlink", "shutil.move", "shutil.copyfile")  # the second argument
+    new_name_events = ("os.rename", "os.link", "os.symlink")  # (source, new name, ...)
 
     def inside(path, event=""):
         if path is None:
@@ -158,16 +158,18 @@ def _install_guard(scratch):
                 raise PermissionError(f"sandbox: reading another process's /proc entries is not allowed: {path!r}")
         elif event in path_events:
             paths, dir_fds = path_events[event]
-            if event in new_file_events and len(args) > 1 and not isinstance_(args[1], int_):  # a rename made a new file
-                written.add(realpath(fsdecode(fspath(args[1]))))
-                if len(written) > max_written:
-                    raise PermissionError(f"sandbox: more than {max_written} files written")
             for index in dir_fds:
                 if index < len(args) and isinstance_(args[index], int_) and args[index] != -1:  # relative to another dir
                     raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
             for index in paths:
                 if index < len(args) and not inside(args[index], event):
                     raise PermissionError(f"sandbox: {event} outside the scratch dir is not allowed: {args[index]!r}")
+            if event in new_name_events:  # a new name for a file (shutil.move and copies go through these or open)
+                if event == "os.rename":  # the file moves: it is counted once, under its new name
+                    written.discard(realpath(fsdecode(fspath(args[0]))))
+                written.add(realpath(fsdecode(fspath(args[1]))))
+                if len(written) > max_written:
+                    raise PermissionError(f"sandbox: more than {max_written} files written")
 
     # Calls that raise no audit event: signalling through a pidfd (the parent is an environment actor), and new
     # processes through _posixsubprocess (multiprocessing's spawn), named pipes and device nodes. Imported before the

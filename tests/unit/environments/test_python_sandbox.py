@@ -287,7 +287,9 @@ def test_a_directory_descriptor_reaches_no_other_process_and_writes_nothing_outs
     assert not (tmp_path / "victim").exists()
     fine = "import os, shutil\nfd = os.open('f', os.O_WRONLY | os.O_CREAT)\nos.write(fd, b'abc')\nos.close(fd)\n"
     fine += "os.makedirs('a/b')\nshutil.rmtree('a')\nfor i in range(900):\n    open(f'g{i}', 'w').close()\n"
-    fine += "for i in range(1500):\n    open('log', 'a').close()\nopen('f').read()"  # files are counted, not opens
+    fine += "for i in range(1500):\n    open('log', 'a').close()\n"  # files are counted, not opens
+    fine += "import tempfile\nfor i in range(60):\n    fd, tmp = tempfile.mkstemp(dir='.')\n    os.close(fd)\n"
+    fine += "    os.replace(tmp, f'atomic{i}')\nopen('f').read()"  # a renamed file counts once (it counted twice)
     assert run(env, fine) == "'abc'"
     # the watchdog thread takes none of the memory limit (its default stack and arena took ~74 MiB of 256 MB)
     assert run(env, "b = bytearray(96 << 20)\nlen(b) >> 20") == "96"
