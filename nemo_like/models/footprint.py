@@ -153,12 +153,12 @@ def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
         return 0
     from nemo_like.models.precision import MASTER_DTYPE, compute_dtype
     from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
-    from nemo_like.plan.memory import DTYPE_BYTES, inline_sampling_rows
+    from nemo_like.plan.memory import DTYPE_BYTES, inline_sampling_rows, sampling_rows
 
     products = compute_dtype(cfg.policy.precision)
     if backend == "inline":
         return lean_decoder_copy_bytes(shape, inline_sampling_rows(cfg), products, MASTER_DTYPE.itemsize, on_cpu=True)
-    rows = min(cfg.rollout_batch_size, HF_MAX_BATCH_SIZE)
+    rows = sampling_rows(cfg, HF_MAX_BATCH_SIZE)
     return lean_decoder_copy_bytes(shape, rows, products, DTYPE_BYTES[cfg.policy.precision], on_cpu=not cfg.cluster.gpus_per_node)
 
 

@@ -489,9 +489,27 @@ def with_inline_sampling(
 
 
 def inline_sampling_rows(cfg: Any) -> int:
-    """Sequences the inline backend samples at once: a rollout batch, at most
-    :data:`~nemo_like.plan.backend.INLINE_GENERATION_BATCH`."""
-    return min(cfg.rollout_batch_size, INLINE_GENERATION_BATCH)
+    """Sequences the inline backend samples at once (:func:`sampling_rows`, at most
+    :data:`~nemo_like.plan.backend.INLINE_GENERATION_BATCH`)."""
+    return sampling_rows(cfg, INLINE_GENERATION_BATCH)
+
+
+def sampling_rows(cfg: Any, cap: int) -> int:
+    """Sequences one sampling call holds at once, at most ``cap`` (the engine's chunk): the larger of a rollout batch
+    and, when validation runs, the validation samples (one call: sizing the KV cache for the rollout batch alone had
+    planned 8 rows for a worker that validates 256)."""
+    return min(max(cfg.rollout_batch_size, validation_rows(cfg)), cap)
+
+
+def validation_rows(cfg: Any) -> int:
+    """Sequences a validation round samples in one call (0 when validation never runs)."""
+    g = cfg.grpo
+    if not (g.val_period or g.val_at_start or g.val_at_end):
+        return 0
+    prompts = g.max_val_samples
+    if cfg.data.validation.num_problems is not None:
+        prompts = min(prompts, cfg.data.validation.num_problems)
+    return prompts * g.val_num_generations_per_prompt
 
 
 #: What vLLM counts besides the weights and the activations when it sizes its KV cache on a GPU (the CUDA context and
@@ -539,7 +557,7 @@ def generation_memory(
     weights = parameters * value_bytes
     per_sequence = shape.kv_bytes_per_token(value_bytes) * pc.max_total_sequence_length
     if backend == "hf":
-        batch = min(cfg.rollout_batch_size, HF_MAX_BATCH_SIZE)
+        batch = sampling_rows(cfg, HF_MAX_BATCH_SIZE)
         logits = batch * shape.vocab * 4
         note = f"hf engine, KV of {batch} sequences at once; sampler weight copies {weight_copies / GIB:.3f} + logits {logits / GIB:.3f}"
         return RoleMemory(
@@ -1072,5 +1090,11 @@ def fit_advice(
             f"lower grpo.num_prompts_per_step (now {prompts}){f' under {at_once}' if at_once < prompts else ''}: the "
             "generation engine holds the KV cache of "
             f"the sequences it samples at once ({at_once} prompts x {per_prompt})"
+        )
+    g = cfg.grpo
+    if kv_over and validation_rows(cfg) > 1 and shrinks(_with(cfg, "grpo", max_val_samples=max(1, g.max_val_samples // 2))):
+        advice.append(
+            f"lower grpo.max_val_samples (now {g.max_val_samples}): a validation round samples its "
+            f"{validation_rows(cfg)} sequences in one call, whose KV cache the engine holds at once"
         )
     return advice

@@ -40,6 +40,10 @@ def recipe(*overrides: str):
     return load_config(DEFAULT_RECIPE, list(overrides), warn=False)
 
 
+#: The rollout's sampling alone (a validation round samples its 256 sequences in one call, planned with them)
+NO_VALIDATION = ("grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false")
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_parameters_gradients_and_adamw_state_equal_a_real_workers(lora: bool) -> None:
     lora_cfg = LoraConfig(enabled=True, dim=4) if lora else None
@@ -353,7 +357,7 @@ def test_only_changes_that_shrink_the_device_that_is_over_are_advised() -> None:
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
     long = ["policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=4000", "policy.logprob_chunk_size=256"]
     small = ["policy.train_micro_batch_size=1", "policy.logprob_batch_size=1", "policy.dtensor_cfg.activation_checkpointing=true"]
-    cfg = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=64", *long, *small)
+    cfg = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=64", *long, *small, *NO_VALIDATION)
     memory = plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape, device_bytes=1.5 * GIB)
     assert list(over_budget(memory.per_device, 1.5 * GIB)) == ["generation GPU"]
     fit = memory.lines()[-1]
@@ -366,26 +370,36 @@ def test_only_changes_that_shrink_the_device_that_is_over_are_advised() -> None:
     # logprob pass here (prev skipped: one optimizer step per rollout), so its GPU holds training's micro-batch only.
     logprob_heavy = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=8",
                            "policy.logprob_batch_size=64", "policy.train_micro_batch_size=1", "policy.train_global_batch_size=64",
-                           "policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=64")  # fmt: skip
+                           "policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=64", *NO_VALIDATION)  # fmt: skip
     memory_over = plan_memory(logprob_heavy, decide_run_plan(logprob_heavy, (), 2), params, shape, device_bytes=0.6 * GIB)
     assert sorted(over_budget(memory_over.per_device, 0.6 * GIB)) == ["reference GPU"]
     assert "num_prompts_per_step" not in memory_over.lines()[-1] and "logprob_chunk_size" in memory_over.lines()[-1]
-    halved = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=16", *long, *small)
+    halved = recipe(
+        "cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=16", *long, *small, *NO_VALIDATION
+    )
     assert (
         plan_memory(halved, decide_run_plan(halved, (), 2), params, shape).per_device["generation GPU"]
         < memory.per_device["generation GPU"]
     )
+    # Validating, the engine samples the validation set's 256 sequences in one call: that is its KV cache, and what to
+    # lower (the rollout batch, 64 x 8 sampled in calls of 256 too, would not shrink it)
+    validating = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf", "grpo.num_prompts_per_step=8", *long, *small)
+    memory = plan_memory(validating, decide_run_plan(validating, (), 2), params, shape, device_bytes=1.5 * GIB)
+    fit = memory.lines()[-1]
+    assert "lower grpo.max_val_samples (now 256): a validation round samples its 256 sequences in one call" in fit
+    assert "num_prompts_per_step" not in fit
 
 
 def test_a_smaller_rollout_is_advised_for_the_inline_kv_cache_only_when_sampling_is_the_policys_peak() -> None:
     """The tiny recipe over its node from training: "the generation engine holds the KV cache" was the reason given,
     though inline sampling held 0.010 of the policy's 0.110 GiB of activations."""
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
-    training_bound = recipe()
+    training_bound = recipe(*NO_VALIDATION)
     memory = plan_memory(training_bound, decide_run_plan(training_bound, (), 2), params, shape, device_bytes=0.15 * GIB)
     assert memory.fits is False and not memory.roles[0].samples_at_peak and "KV cache" not in memory.lines()[-1]
     sampling_bound = recipe("grpo.num_prompts_per_step=64", "policy.max_total_sequence_length=1024", "policy.generation.max_new_tokens=960",
-                            "policy.train_micro_batch_size=1", "policy.logprob_batch_size=1", "policy.logprob_chunk_size=64")  # fmt: skip
+                            "policy.train_micro_batch_size=1", "policy.logprob_batch_size=1", "policy.logprob_chunk_size=64",
+                            *NO_VALIDATION)  # fmt: skip
     memory = plan_memory(sampling_bound, decide_run_plan(sampling_bound, (), 2), params, shape, device_bytes=0.5 * GIB)
     assert memory.roles[0].samples_at_peak and "lower grpo.num_prompts_per_step (now 64)" in memory.lines()[-1]
 
@@ -449,6 +463,7 @@ def test_cpu_offload_keeps_params_grads_and_adamw_state_in_host_ram_and_turns_a_
         "policy.generation.backend=hf",
         "policy.logprob_batch_size=1",
         "grpo.num_prompts_per_step=1",
+        *NO_VALIDATION,
     ]
     small = ["policy.train_micro_batch_size=1", "policy.dtensor_cfg.activation_checkpointing=true"]
     cfg, offload = recipe(*base, *small), recipe(*base, *small, "policy.dtensor_cfg.cpu_offload=true")
@@ -593,8 +608,13 @@ def test_gpu_engines_hold_weights_and_kv_at_the_policys_precision_and_hf_only_it
     # and its sampler's fused q|k|v and gate|up copies at the engine's precision (nothing packed on a GPU), the logits of
     # its 256 rows' next token: 4 layers x ((128 + 2 x 64) x 128 + 2 x 512 x 128) values, 256 x 359 x 4 bytes
     assert hf.activations == 4 * ((128 + 2 * 64) * 128 + 2 * 512 * 128) * value_bytes + 256 * 359 * 4
-    small = generation_memory(recipe("cluster.gpus_per_node=1", f"policy.precision={precision}"), "hf", parameters, shape, 80 * GIB)
+    small = generation_memory(
+        recipe("cluster.gpus_per_node=1", f"policy.precision={precision}", *NO_VALIDATION), "hf", parameters, shape, 80 * GIB
+    )
     assert small.kv_cache == 64 * per_sequence  # a rollout batch of 8 x 8 at once
+    # validating, the engine samples the validation set's 256 sequences in one call (it was planned for the 64)
+    validating = generation_memory(recipe("cluster.gpus_per_node=1", f"policy.precision={precision}"), "hf", parameters, shape, 80 * GIB)
+    assert validating.kv_cache == 256 * per_sequence
     vllm = generation_memory(cfg, "vllm", parameters, shape, 80 * GIB)
     assert vllm.params == parameters * value_bytes and f"holds {vllm.kv_cache // per_sequence} sequences" in vllm.note
 
