@@ -329,7 +329,7 @@ class MasterConfig(BaseModel):
             lines += [f"{path}.{k} has no effect with {path}.{switch}=false" for k in set_while_off(section, switch, kept)]
         if not self.logger.wandb_enabled:
             lines += [f"logger.wandb.{k} has no effect with logger.wandb_enabled=false" for k in changed_from_defaults(self.logger.wandb)]
-        never_validates = not (self.grpo.val_period or self.grpo.val_at_start or self.grpo.val_at_end)
+        never_validates = not self.grpo.validates
         ck = self.checkpointing
         if ck.enabled and ck.keep_top_k is None:  # every checkpoint is kept: nothing is ranked
             lines += [

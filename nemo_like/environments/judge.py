@@ -19,7 +19,6 @@ the judge model), ``prompt_missing``, ``scored``, ``score_sum`` (parsed scores, 
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from typing import Any, ClassVar, Literal
@@ -139,22 +138,10 @@ class JudgeEnvConfig(BaseModel):
 def with_special_tokens(tokenizer: Any, ids: list[int]) -> list[int]:
     """``ids`` with the special tokens ``tokenizer`` adds around a text (a BOS, CLS ... SEP), as ``tokenizer(text)``
     would give them (transformers 5's tokenizers have no ``build_inputs_with_special_tokens``)."""
-    before, after = _added_around(tokenizer)
+    from nemo_like.models.loading import added_around
+
+    before, after = added_around(tokenizer)
     return [*before, *ids, *after]
-
-
-@functools.cache  # per tokenizer (hashed by identity): read once, not per judged sample
-def _added_around(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The ids ``tokenizer`` adds before and after a text (none when they merge with the text's)."""
-    probe, bare = tokenizer("x")["input_ids"], tokenizer("x", add_special_tokens=False)["input_ids"]
-    at = next((i for i in range(len(probe) - len(bare) + 1) if probe[i : i + len(bare)] == bare), None)
-    return ((), ()) if at is None else (tuple(probe[:at]), tuple(probe[at + len(bare) :]))
-
-
-@functools.cache
-def _special_texts(tokenizer: Any) -> tuple[str, ...]:
-    """The texts ``tokenizer`` reads as special or added tokens."""
-    return tuple(t for t in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if t)
 
 
 def plain_template_ids(
@@ -164,9 +151,11 @@ def plain_template_ids(
     usual (chat markup written in it is real: use_chat_template=false is how a template writes its own; it had been
     read as plain text too), the sample's fields as plain text (special-token strings the policy wrote stay text). A
     template that transforms a field past its surrounding whitespace is read as plain text whole."""
+    from nemo_like.models.loading import added_token_texts
+
     answer = metadata.get("answer")
     values = [prompt, response, "" if answer is None else str(answer)]
-    if not any(s in v for v in values for s in _special_texts(tokenizer)):  # nothing to keep as text: the tokenizer's own ids, whole
+    if not any(s in v for v in values for s in added_token_texts(tokenizer)):  # nothing to keep as text: the tokenizer's own ids, whole
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     marks = [_FIELD_MARK.format(i) for i in range(len(values))]
     marked = template.render(marks[0], marks[1], {**metadata, "answer": marks[2]})

@@ -27,7 +27,6 @@ everywhere: ``train/truncated_fraction`` had counted turns that stopped on their
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -40,7 +39,7 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.data.prompts import PromptRecord
 from nemo_like.environments.interface import FINAL_TURN, EnvironmentStep
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams, stop_string_prefix
-from nemo_like.models.loading import decode_exact, render_chat
+from nemo_like.models.loading import added_token_texts, decode_exact, render_chat
 from nemo_like.plan.multi_turn import MultiTurnSettings
 from nemo_like.utils.seeds import turn_seed
 
@@ -180,14 +179,8 @@ def _last_added_token_start(tokenizer, text: str) -> int:
     """Where the last added token (``<|im_end|>``, any special or added token) starts in the last
     :data:`ADDED_TOKEN_WINDOW` characters of ``text``; 0 (all of it) when none does."""
     start = max(0, len(text) - ADDED_TOKEN_WINDOW)
-    found = max((text.rfind(token, start) for token in _added_token_texts(tokenizer)), default=-1)
+    found = max((text.rfind(token, start) for token in added_token_texts(tokenizer)), default=-1)
     return max(found, 0)
-
-
-@functools.lru_cache(maxsize=8)
-def _added_token_texts(tokenizer) -> tuple[str, ...]:
-    """The texts of ``tokenizer``'s added tokens (special ones included): each encodes to one id wherever it stands."""
-    return tuple({t.content for t in tokenizer.added_tokens_decoder.values() if t.content})
 
 
 def stop_string_cut(tokenizer, ids: list[int], stop_strings: Sequence[str]) -> int | None:

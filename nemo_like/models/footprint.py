@@ -147,19 +147,19 @@ def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
     fused_step_copy_elements`: fused projections, and oneDNN-packed ones on a CPU), for the backend that samples with
     it: the inline backend (copies of the policy's float32 masters, whatever the precision; its products run in
     ``policy.precision``: a bfloat16 run samples under autocast, where nothing is packed for oneDNN) or the HF engine
-    (copies of its weights, loaded at ``policy.precision``, for up to ``HF_MAX_BATCH_SIZE`` rows); 0 for vLLM."""
+    (copies of its weights, loaded at ``policy.precision``, for the rows it samples at once); 0 for vLLM."""
     backend = run_plan.backend.value
     if backend not in ("inline", "hf"):
         return 0
     from nemo_like.models.precision import MASTER_DTYPE, compute_dtype
-    from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
-    from nemo_like.plan.memory import DTYPE_BYTES, inline_sampling_rows, sampling_rows
+    from nemo_like.plan.memory import DTYPE_BYTES, hf_sampling_rows, inline_sampling_rows
 
     products = compute_dtype(cfg.policy.precision)
     if backend == "inline":
         return lean_decoder_copy_bytes(shape, inline_sampling_rows(cfg), products, MASTER_DTYPE.itemsize, on_cpu=True)
-    rows = sampling_rows(cfg, HF_MAX_BATCH_SIZE)
-    return lean_decoder_copy_bytes(shape, rows, products, DTYPE_BYTES[cfg.policy.precision], on_cpu=not cfg.cluster.gpus_per_node)
+    return lean_decoder_copy_bytes(
+        shape, hf_sampling_rows(cfg), products, DTYPE_BYTES[cfg.policy.precision], on_cpu=not cfg.cluster.gpus_per_node
+    )
 
 
 def lean_decoder_copy_bytes(shape: Any, rows: int, products: torch.dtype, element_bytes: int, on_cpu: bool) -> int:

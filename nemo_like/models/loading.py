@@ -263,6 +263,21 @@ def render_chat(tokenizer: Any, messages: Any, **kwargs: Any) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, date_string=CHAT_TEMPLATE_DATE, **kwargs)
 
 
+@functools.cache  # per tokenizer (hashed by identity): read once, not per text
+def added_around(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids ``tokenizer`` adds before and after a text when asked for its special tokens (a BOS, CLS ... SEP; none
+    when they merge with the text's): what ``tokenizer(text)`` gives beyond ``tokenizer(text, add_special_tokens=False)``."""
+    probe, bare = tokenizer("x")["input_ids"], tokenizer("x", add_special_tokens=False)["input_ids"]
+    at = next((i for i in range(len(probe) - len(bare) + 1) if probe[i : i + len(bare)] == bare), None)
+    return ((), ()) if at is None else (tuple(probe[:at]), tuple(probe[at + len(bare) :]))
+
+
+@functools.cache
+def added_token_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts ``tokenizer`` reads as special or added tokens (each one id wherever it stands)."""
+    return tuple(t for t in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if t)
+
+
 def decode_exact(tokenizer: Any, ids: Sequence[int]) -> str:
     """The text of ``ids`` with every token (special ones included), without whitespace clean-up (what a stop string
     is matched against, and what a multi-turn episode's text is made of)."""

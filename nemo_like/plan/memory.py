@@ -494,6 +494,12 @@ def inline_sampling_rows(cfg: Any) -> int:
     return sampling_rows(cfg, INLINE_GENERATION_BATCH)
 
 
+def hf_sampling_rows(cfg: Any) -> int:
+    """Sequences the HF engine samples at once (:func:`sampling_rows`, at most
+    :data:`~nemo_like.plan.backend.HF_MAX_BATCH_SIZE`)."""
+    return sampling_rows(cfg, HF_MAX_BATCH_SIZE)
+
+
 def sampling_rows(cfg: Any, cap: int) -> int:
     """Sequences one sampling call holds at once, at most ``cap`` (the engine's chunk): the larger of a rollout batch
     and, when validation runs, the validation samples (one call: sizing the KV cache for the rollout batch alone had
@@ -504,7 +510,7 @@ def sampling_rows(cfg: Any, cap: int) -> int:
 def validation_rows(cfg: Any) -> int:
     """Sequences a validation round samples in one call (0 when validation never runs)."""
     g = cfg.grpo
-    if not (g.val_period or g.val_at_start or g.val_at_end):
+    if not g.validates:
         return 0
     prompts = g.max_val_samples
     if cfg.data.validation.num_problems is not None:
@@ -557,7 +563,7 @@ def generation_memory(
     weights = parameters * value_bytes
     per_sequence = shape.kv_bytes_per_token(value_bytes) * pc.max_total_sequence_length
     if backend == "hf":
-        batch = sampling_rows(cfg, HF_MAX_BATCH_SIZE)
+        batch = hf_sampling_rows(cfg)
         logits = batch * shape.vocab * 4
         note = f"hf engine, KV of {batch} sequences at once; sampler weight copies {weight_copies / GIB:.3f} + logits {logits / GIB:.3f}"
         return RoleMemory(
@@ -1091,10 +1097,10 @@ def fit_advice(
             "generation engine holds the KV cache of "
             f"the sequences it samples at once ({at_once} prompts x {per_prompt})"
         )
-    g = cfg.grpo
-    if kv_over and validation_rows(cfg) > 1 and shrinks(_with(cfg, "grpo", max_val_samples=max(1, g.max_val_samples // 2))):
+    g, val_rows = cfg.grpo, validation_rows(cfg)
+    if kv_over and val_rows > 1 and shrinks(_with(cfg, "grpo", max_val_samples=max(1, g.max_val_samples // 2))):
         advice.append(
             f"lower grpo.max_val_samples (now {g.max_val_samples}): a validation round samples its "
-            f"{validation_rows(cfg)} sequences in one call, whose KV cache the engine holds at once"
+            f"{val_rows} sequences in one call, whose KV cache the engine holds at once"
         )
     return advice

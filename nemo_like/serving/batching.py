@@ -266,21 +266,31 @@ def engine_calls(group: list[_Request], max_span: int = 0) -> list[list[_Request
     left-padded span (longest prompt + that limit: every row's KV cache, and the positions its rows reach) stays within
     ``max_span`` (the server's context) or the longest span one of its requests has alone (a vLLM engine refuses a
     request past its context, the whole call with it). Largest limits first; requests keep their order within a call."""
-    calls: list[list[_Request]] = []
+    calls: list[_Call] = []
     for request in sorted(group, key=lambda r: -r.params.max_new_tokens):
         limit = request.params.max_new_tokens
         width = max(len(p) for p in request.prompts)
-        for call in calls:
-            call_limit = call[0].params.max_new_tokens  # the largest: calls are filled largest first
-            call_width = max(len(p) for r in call for p in r.prompts)
-            longest_alone = max(max(len(p) for p in r.prompts) + r.params.max_new_tokens for r in [*call, request])
-            if call_limit <= MAX_LIMIT_RATIO * limit and max(width, call_width) + call_limit <= max(longest_alone, max_span):
-                call.append(request)
+        for call in calls:  # call.limit is the call's largest: calls are filled largest first
+            alone = max(call.longest_alone, width + limit)
+            if call.limit <= MAX_LIMIT_RATIO * limit and max(width, call.width) + call.limit <= max(alone, max_span):
+                call.requests.append(request)
+                call.width, call.longest_alone = max(call.width, width), alone
                 break
         else:
-            calls.append([request])
+            calls.append(_Call([request], limit, width, width + limit))
     position = {id(r): i for i, r in enumerate(group)}
-    return [sorted(call, key=lambda r: position[id(r)]) for call in calls]
+    return [sorted(call.requests, key=lambda r: position[id(r)]) for call in calls]
+
+
+@dataclass
+class _Call:
+    """An engine call being filled by :func:`engine_calls`: its requests, its token limit (its first request's, the
+    largest), its longest prompt and the longest span (prompt + limit) one of its requests has alone."""
+
+    requests: list[_Request]
+    limit: int
+    width: int
+    longest_alone: int
 
 
 def cut_to(sample: GeneratedSample, max_new_tokens: int) -> GeneratedSample:

@@ -21,7 +21,7 @@ from typing import Any
 
 from nemo_like.environments.agent import ContentError, content_text
 from nemo_like.environments.tools.parsing import CLOSE_TAG, OPEN_TAG
-from nemo_like.models.loading import render_chat
+from nemo_like.models.loading import added_around, render_chat
 from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import bad_request, unsupported
 
@@ -196,14 +196,6 @@ def _normalize(message: Any, index: int, continuations: Continuations | None) ->
     return {**out, **named}, lookup
 
 
-def _added_prefix(tokenizer: Any) -> list[int]:
-    """The ids ``tokenizer`` adds in front of a text when asked for its special tokens (``[bos]``, or ``[]``)."""
-    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
-    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
-    starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
-    return full[: starts[0]] if plain and starts else []
-
-
 def with_calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
     """An assistant ``message`` whose ``tool_calls`` (template form) are written after its content as Hermes markup,
     ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` as Qwen's templates write them, which the server's
@@ -241,7 +233,7 @@ class Renderer:
         self._rest_backend: Any | None = None  # encodes behind the anchor when the tokenizer's own adds a '▁' there
         if self._anchor is not None and not self._continues_exactly():
             self._rest_backend = self._exact_continuation_backend()
-        self.text_prompt_prefix = _added_prefix(tokenizer)
+        self.text_prompt_prefix = list(added_around(tokenizer)[0])  # a BOS, or nothing
 
     def text_prompt_ids(self, text: str) -> list[int]:
         """The ids of a ``/v1/completions`` text prompt: its ids after the special tokens the tokenizer puts in front of

@@ -145,6 +145,11 @@ class GRPOConfig(Section):
         return self
 
     @property
+    def validates(self) -> bool:
+        """Whether any validation round runs (periodic, before training or at its end)."""
+        return bool(self.val_period or self.val_at_start or self.val_at_end)
+
+    @property
     def resolved_val_pass_k(self) -> list[int]:
         """The ks of validation/pass@k: ``val_pass_k``, else :func:`default_pass_k` of ``val_num_generations_per_prompt``."""
         if self.val_pass_k is not None:

@@ -117,18 +117,21 @@ def _install_guard(scratch):
     max_written, real_os_open, os_open_event, opened = _MAX_FILES_WRITTEN, os.open, _OS_OPEN_EVENT, _Opened
     new_name_events = ("os.rename", "os.link", "os.symlink")  # (source, new name, ...)
 
+    def resolved(path):  # fsdecode: the bytes the kernel follows (a 'replace' decode did not)
+        return realpath(fsdecode(fspath(path)))
+
     def inside(path, event=""):
         if path is None:
             return True
         if isinstance_(path, int_):  # an open descriptor: open() of stdout/stderr; fchmod-like calls on its file
             return event not in fd_path_events or inside(realpath(f"/proc/self/fd/{path}"))
-        full = realpath(fsdecode(fspath(path)))  # fsdecode: the bytes the kernel follows (a 'replace' decode did not)
+        full = resolved(path)
         return full == root or full.startswith(root + os.sep)
 
     def another_process(path):  # /proc/<pid>/... of a process other than the snippet's: the parent's environ, say
         if isinstance_(path, int_) or path is None:
             return False
-        parts = realpath(fsdecode(fspath(path))).split(os.sep)
+        parts = resolved(path).split(os.sep)
         return len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and os.sep.join(parts[:3]) != own_proc
 
     written = set()  # the files opened for writing so far (the scratch dir's quota counts files, not opens)
@@ -151,7 +154,7 @@ def _install_guard(scratch):
             if writing and not inside(path):
                 raise PermissionError(f"sandbox: writing outside the scratch dir is not allowed: {path!r}")
             if writing and not isinstance_(path, int_):
-                written.add(realpath(fsdecode(fspath(path))))
+                written.add(resolved(path))
                 if len(written) > max_written:
                     raise PermissionError(f"sandbox: more than {max_written} files written")
             if another_process(path):
@@ -166,8 +169,8 @@ def _install_guard(scratch):
                     raise PermissionError(f"sandbox: {event} outside the scratch dir is not allowed: {args[index]!r}")
             if event in new_name_events:  # a new name for a file (shutil.move and copies go through these or open)
                 if event == "os.rename":  # the file moves: it is counted once, under its new name
-                    written.discard(realpath(fsdecode(fspath(args[0]))))
-                written.add(realpath(fsdecode(fspath(args[1]))))
+                    written.discard(resolved(args[0]))
+                written.add(resolved(args[1]))
                 if len(written) > max_written:
                     raise PermissionError(f"sandbox: more than {max_written} files written")
 
