@@ -20,8 +20,9 @@ The same workload: both sides load the same Hugging Face model directory (random
 model's tokenizer), whose stop token is never sampled (its logit sits 39 / 23 / 11 nats below the mean of the
 others in W1 / W2 / W3: ``python benchmarks/stop_token_gap.py W1 W2 W3``; see :func:`build_model`), so every completion
 on both sides runs exactly ``max_new_tokens`` tokens (the script checks ours: "all completions full length").
-Both train on the same prompt texts (the first ``PROMPT_SET`` = 64 of our arithmetic training prompts, chat template
-applied; each side shuffles them with its own sampler), beta 0 (no
+Both train on the same prompts in the same order (the first ``PROMPT_SET`` = 64 of our arithmetic training prompts, chat
+template applied, in the order our loader draws them; TRL takes them in that order with ``shuffle_dataset=False``, and
+the script checks that every pair's two steps drew the same prompts: "same prompts each pair"), beta 0 (no
 reference model), one optimizer step per rollout over the whole batch, temperature 1, fp32, sync.
 TRL runs with its own defaults otherwise (HF ``generate``; note that TRL 1.x defaults to
 ``gradient_checkpointing=True``, which recomputes the forward in the backward, work ours does not do:
@@ -46,6 +47,7 @@ group's prompt once (``policy.shared_prompt_forward``), so the script also print
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import os
@@ -94,8 +96,11 @@ def trl_worker(spec: dict) -> None:
     batch = spec["prompts"] * spec["generations"]
     rows = [{"prompt": text, "answer": str(answer)} for text, answer in spec["dataset"]]
 
-    def reward(completions, answer, **kwargs):
+    step_prompts: list[str] = []  # the distinct prompts of the step in flight, for the driver's same-prompts check
+
+    def reward(completions, answer, prompts, **kwargs):
         """1 if the last integer is the answer: rewards that never depend on the (fixed) length."""
+        step_prompts.extend(p for p in prompts if p not in step_prompts)
         out = []
         for c, a in zip(completions, answer):
             nums = re.findall(r"-?\d+", c if isinstance(c, str) else c[-1]["content"])
@@ -112,7 +117,9 @@ def trl_worker(spec: dict) -> None:
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            print(TAG + json.dumps({"trl_step_s": time.perf_counter() - self.start}), flush=True)
+            seconds = time.perf_counter() - self.start
+            print(TAG + json.dumps({"trl_step_s": seconds, "prompts": step_prompts}), flush=True)
+            step_prompts.clear()
 
     cfg = GRPOConfig(
         output_dir=os.path.join(spec["tmp"], "trl-out"),
@@ -131,6 +138,7 @@ def trl_worker(spec: dict) -> None:
         max_steps=10_000,
         save_strategy="no",
         seed=0,
+        shuffle_dataset=False,  # the rows come in our loader's order (prompt_rows): both sides' steps draw the same prompts
         dataloader_num_workers=0,
         gradient_checkpointing=spec["gradient_checkpointing"],
         disable_tqdm=True,
@@ -165,10 +173,12 @@ class TRLProcess:
             if line.startswith(TAG):
                 return json.loads(line[len(TAG) :])
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, list[str]]:
+        """``(seconds, the step's distinct prompt texts)`` of one TRL step."""
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
-        return self._read()["trl_step_s"]
+        result = self._read()
+        return result["trl_step_s"], result["prompts"]
 
     def close(self) -> None:
         try:
@@ -244,15 +254,21 @@ def tiny_tokenizer():
 
 
 def prompt_rows(model_dir: str, count: int) -> list[tuple[str, int]]:
-    """``(prompt text with the chat template applied, answer)`` of our arithmetic training prompts, in order."""
+    """``(prompt text with the chat template applied, answer)`` of our first ``count`` arithmetic training prompts, in
+    the order our loader draws them in its first epoch (the recipe's seed and shuffle), which TRL then takes unshuffled."""
     from nemo_like.config import DEFAULT_RECIPE, load_config
-    from nemo_like.data.prompts import build_prompt_dataset
-    from nemo_like.models.loading import load_tokenizer
+    from nemo_like.data.prompts import PromptDataLoader, build_prompt_dataset
 
-    tok = load_tokenizer(model_dir)
     cfg = load_config(DEFAULT_RECIPE, [f"data.train.num_problems={count}"])
-    records = build_prompt_dataset(cfg.data, tok, "train", PROMPT_BUDGET)
-    return [(tok.decode(r.prompt_token_ids, skip_special_tokens=False), r.metadata["answer"]) for r in records]
+    records = build_prompt_dataset(cfg.data, tokenizer(model_dir), "train", PROMPT_BUDGET)
+    loader = PromptDataLoader(records, 1, cfg.grpo.seed, cfg.data.shuffle)
+    drawn = [loader.next_batch()[0] for _ in records]
+    return [(prompt_text(model_dir, r.prompt_token_ids), r.metadata["answer"]) for r in drawn]
+
+
+def prompt_text(model_dir: str, ids: list[int]) -> str:
+    """A prompt's text as TRL gets it (special tokens kept: the chat template's markers)."""
+    return tokenizer(model_dir).decode(ids, skip_special_tokens=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -285,19 +301,23 @@ class OurRun:
         from nemo_like.plan.backend import resolve_backend
 
         self.backend = resolve_backend(self.parts.cfg)[0]  # what "auto" resolved to
+        self.model_dir = model_dir
         self.count = 0
 
-    def step(self) -> tuple[float, dict[str, float], float, float]:
-        """``(seconds, phase seconds, generated tokens, training forward tokens per token)`` of one sync step."""
+    def step(self) -> tuple[float, dict[str, float], float, float, list[str]]:
+        """``(seconds, phase seconds, generated tokens, training forward tokens per token, prompt texts)`` of one sync
+        step."""
         from nemo_like.utils.timer import StepTimer
 
+        upcoming = copy.deepcopy(self.parts.train_loader).next_batch()  # the prompts this step draws (outside the timing)
+        prompts = [prompt_text(self.model_dir, r.prompt_token_ids) for r in upcoming]
         self.count += 1
         timer = StepTimer()
         start = time.perf_counter()
         metrics = self.steps.step(self.count, timer)
         seconds = time.perf_counter() - start
         forward_share = metrics["performance/training_forward_tokens_per_token"]
-        return seconds, dict(timer.seconds), metrics["performance/num_generated_tokens"], forward_share
+        return seconds, dict(timer.seconds), metrics["performance/num_generated_tokens"], forward_share, prompts
 
     def close(self) -> None:
         self.parts.shutdown()
@@ -312,9 +332,9 @@ def print_pair(label: str, i: int, warmup: int, text: str) -> None:
     print(f"  [{label}] pair {i + 1}: {text}" + ("  (warm-up)" if i < warmup else ""), flush=True)
 
 
-def one_pair(i: int, trl: TRLProcess, ours: Callable[[], Any]) -> tuple[float, Any, float]:
-    """Pair ``i``: one TRL step and one of ``ours``, TRL first in even pairs (both sides see the same load); returns TRL's
-    seconds, what ``ours`` returned and the mean 1-minute load around the pair."""
+def one_pair(i: int, trl: TRLProcess, ours: Callable[[], Any]) -> tuple[tuple[float, list[str]], Any, float]:
+    """Pair ``i``: one TRL step and one of ``ours``, TRL first in even pairs (both sides see the same load); returns what
+    TRL's step returned, what ``ours`` returned and the mean 1-minute load around the pair."""
     load_before = load1()
     if i % 2 == 0:
         t_trl = trl.step()
@@ -342,8 +362,18 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
     pairs, probes = [], []
     try:
         for i in range(args.warmup + args.steps):
-            t_trl, (t_ours, phases, tokens, forward_share), load = one_pair(i, trl, ours.step)
-            pairs.append({"trl": t_trl, "ours": t_ours, "phases": phases, "tokens": tokens, "forward": forward_share, "load": load})
+            (t_trl, trl_prompts), (t_ours, phases, tokens, forward_share, our_prompts), load = one_pair(i, trl, ours.step)
+            pairs.append(
+                {
+                    "trl": t_trl,
+                    "ours": t_ours,
+                    "phases": phases,
+                    "tokens": tokens,
+                    "forward": forward_share,
+                    "load": load,
+                    "same_prompts": set(trl_prompts) == set(our_prompts),
+                }
+            )
             probes.append(measure_matmul_flops(seconds=0.3, threads=2))  # the machine's matmul rate right now
             print_pair(
                 f"{name} {ours.backend}",
@@ -370,6 +400,7 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
         "ratios": [p["ours"] / p["trl"] for p in steady],
         "phases": {k: statistics.median(p["phases"].get(k, 0.0) for p in steady) for k in OUR_PHASES},
         "tokens_ok": all(p["tokens"] == expected for p in pairs),
+        "same_prompts": all(p["same_prompts"] for p in pairs),
         "load": [p["load"] for p in steady],
         "params": n_params,
         "train_floor": 6 * n_params * trained_tokens / peak,
@@ -410,16 +441,16 @@ def report(results: list[dict]) -> str:
     lines += ["", "Our phases (median s) and FLOP floors (6 x params x trained tokens, 2 x params x generated+prompt tokens):", ""]
     lines.append(
         "| workload | backend | " + " | ".join(OUR_PHASES) + " | training floor | generation floor | all completions full length "
-        "| matmul GFLOP/s probed between pairs | training / floor at the probed rate | training forward tokens per token "
+        "| same prompts each pair | matmul GFLOP/s probed between pairs | training / floor at the probed rate | training forward tokens per token "
         "| training / floor of the tokens computed, probed rate | generation / floor at the probed rate "
         "| generation / floor of the tokens computed, probed rate | step / both floors at the probed rate |"
     )
-    lines.append("|---|---|" + "---|" * len(OUR_PHASES) + "---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|" + "---|" * len(OUR_PHASES) + "---|" * 11)
     for r in results:
         phases = " | ".join(f"{r['phases'][k]:.3f}" for k in OUR_PHASES)
         lines.append(
             f"| {r['workload']} ({r['params'] / 1e6:.1f}M) | {r['backend']} | {phases} | {r['train_floor']:.3f} | "
-            f"{r['gen_floor']:.3f} | {r['tokens_ok']} | {r['probed_gflops']:.0f} | "
+            f"{r['gen_floor']:.3f} | {r['tokens_ok']} | {r['same_prompts']} | {r['probed_gflops']:.0f} | "
             f"{r['phases']['policy_training'] / r['train_floor_probed']:.2f}x | {r['forward_share']:.2f} | "
             f"{r['phases']['policy_training'] / (r['train_floor_probed'] * r['forward_share']):.2f}x | "
             f"{r['phases']['generation'] / r['gen_floor_probed']:.2f}x | "

@@ -100,7 +100,7 @@ def run_pairs(name: str, args: argparse.Namespace, tmp: str) -> dict:
     pairs = []
     try:
         for i in range(args.warmup + args.steps):
-            t_trl, parts, load = one_pair(i, trl, bare.step)
+            (t_trl, _), parts, load = one_pair(i, trl, bare.step)  # both take the rows in order
             pairs.append({"trl": t_trl, "sample": parts[0], "update": parts[1], "load": load})
             bare_s = sum(parts)
             text = f"TRL {t_trl:.3f}s  bare {bare_s:.3f}s (sample {parts[0]:.3f}, update {parts[1]:.3f})  ratio {bare_s / t_trl:.2f}"
