@@ -202,6 +202,7 @@ def attach_advantages(cfg: MasterConfig, batch: dict[str, torch.Tensor], rollout
         valid_mask=valid,
         normalize_rewards=cfg.grpo.normalize_rewards,
         use_leave_one_out_baseline=cfg.grpo.use_leave_one_out_baseline,
+        epsilon=cfg.grpo.advantage_std_epsilon,
     )
     per_row = adv.advantages if row_index is None else adv.advantages[row_index]
     batch["advantages"] = per_row.unsqueeze(-1) * batch["token_mask"]

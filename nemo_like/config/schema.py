@@ -388,6 +388,13 @@ class MasterConfig(BaseModel):
         ignored = {"rloo": ["use_leave_one_out_baseline"], "dr_grpo": ["use_leave_one_out_baseline", "normalize_rewards"]}
         for key in changed_from_defaults(self.grpo, ignored.get(estimator, [])):
             lines.append(f"grpo.{key} has no effect with grpo.adv_estimator.name='{estimator}' (it ignores the flag)")
+        if changed_from_defaults(self.grpo, ["advantage_std_epsilon"]):
+            if estimator == "dr_grpo":
+                lines.append(
+                    "grpo.advantage_std_epsilon has no effect with grpo.adv_estimator.name='dr_grpo' (it never divides by the std)"
+                )
+            elif not self.grpo.normalize_rewards:
+                lines.append("grpo.advantage_std_epsilon has no effect with grpo.normalize_rewards=false (nothing divides by the std)")
         return lines
 
     def agent_task_names(self) -> tuple[str, ...]:

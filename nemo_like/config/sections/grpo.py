@@ -102,7 +102,17 @@ class GRPOConfig(Section):
         "alone, the same for every grpo.seed; 0 <= seed < 2**32: the vLLM engine seeds numpy with it, "
         "and the sampling seeds derived from it must fit a torch generator's 64 bits).",
     )
-    normalize_rewards: bool = Field(True, description="Divide advantages by the per-prompt reward std (+epsilon where std > 0).")
+    normalize_rewards: bool = Field(
+        True, description="Divide advantages by the per-prompt reward std (+grpo.advantage_std_epsilon where std > 0)."
+    )
+    advantage_std_epsilon: Float = Field(
+        1e-6,
+        ge=0,
+        description="Added to a group's reward std before the advantages are divided by it. With continuous rewards (a "
+        "reward model, a length penalty) a group whose rewards nearly agree gets +-1 advantages out of their noise at the "
+        "default; on the order of the reward differences you still want to learn from (e.g. 0.05 for rewards in [0, 1]) "
+        "damps such groups. No effect with grpo.normalize_rewards=false or the dr_grpo estimator.",
+    )
     use_leave_one_out_baseline: bool = Field(False, description="Baseline = mean of the other samples of the prompt.")
     adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
     use_dynamic_sampling: bool = Field(False, description="DAPO: drop prompt groups with zero reward std and generate more.")

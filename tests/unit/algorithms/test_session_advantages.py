@@ -37,6 +37,21 @@ def test_a_branched_session_counts_once_in_its_groups_baseline() -> None:
     torch.testing.assert_close(batch["advantages"][:, 0], torch.tensor([0.5, 0.5, -0.5, -0.5]))
 
 
+def test_the_runs_advantage_std_epsilon_damps_a_near_tie_group() -> None:
+    """grpo.advantage_std_epsilon reaches the estimator: a group of scores 0.50/0.51 gets +-0.866 at the default (as
+    large as a 0/1 group's) and (r - mean) / (std + 0.05) = +-0.005 / 0.0558 at 0.05; the 0/1 group barely moves."""
+    rewards = torch.tensor([0.50, 0.51, 0.50, 0.51, 0.0, 1.0, 0.0, 1.0])
+    rollout = Rollout([], torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), [], [], rewards)
+    batch = {"token_mask": torch.ones(8, 2), "sample_mask": torch.ones(8)}
+    signs = torch.tensor([-1.0, 1.0, -1.0, 1.0])
+    attach_advantages(load_config(DEFAULT_RECIPE, [], warn=False), batch, rollout)
+    torch.testing.assert_close(batch["advantages"][:, 0], torch.cat([signs, signs]) * 0.8660, atol=1e-3, rtol=0)
+    attach_advantages(load_config(DEFAULT_RECIPE, ["grpo.advantage_std_epsilon=0.05"], warn=False), batch, rollout)
+    near_tie = 0.005 / (torch.tensor([0.50, 0.51, 0.50, 0.51]).std().item() + 0.05)
+    one_zero = 0.5 / (torch.tensor([0.0, 1.0, 0.0, 1.0]).std().item() + 0.05)
+    torch.testing.assert_close(batch["advantages"][:, 0], torch.cat([signs * near_tie, signs * one_zero]), atol=1e-5, rtol=0)
+
+
 def branched_rollout(session_of_row: torch.Tensor | None = BRANCHED_SESSIONS) -> Rollout:
     """Two prompts x two agent sessions: prompt 0's session 0 is correct and branched into 3 rows, its session 1 wrong
     (reward 0.5); prompt 1's sessions 2 and 3 are wrong. Per session: accuracy 1/4, reward 1.5/4, pass@1 1/4,

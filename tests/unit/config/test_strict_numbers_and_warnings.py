@@ -233,6 +233,16 @@ NO_EFFECT_CASES = [
         "grpo.normalize_rewards has no effect with grpo.adv_estimator.name='dr_grpo'",
         ["grpo.adv_estimator.name=grpo"],
     ),
+    (
+        ["grpo.adv_estimator.name=dr_grpo", "grpo.advantage_std_epsilon=0.05"],
+        "grpo.advantage_std_epsilon has no effect with grpo.adv_estimator.name='dr_grpo'",
+        ["grpo.adv_estimator.name=rloo"],
+    ),
+    (
+        ["grpo.normalize_rewards=false", "grpo.advantage_std_epsilon=0.05"],
+        "grpo.advantage_std_epsilon has no effect with grpo.normalize_rewards=false",
+        ["grpo.normalize_rewards=true"],
+    ),
 ]
 
 
