@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
 from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prompt_of, resolve_reward_model_path
@@ -49,6 +49,29 @@ class RewardModelEnvConfig(BaseModel):
     num_cpus: float = Field(0.25, gt=0, description="CPUs each actor of this environment reserves.")
     num_gpus: float = Field(0.0, ge=0, le=1, description="GPUs each actor reserves (the model runs on one GPU: at most 1).")
     num_threads: int = Field(1, gt=0, description="torch threads of each actor on CPU.")
+
+    @field_validator("model_name")
+    @classmethod
+    def _names_a_scorer(cls, name: str) -> str:
+        """A checkpoint that says it is a causal LM only (a policy or instruct model named by mistake) is refused in the
+        driver; the actor's load refuses any checkpoint without a trained score head (:class:`.RewardModelScorer`)."""
+        architectures = checkpoint_architectures(resolve_reward_model_path(name))
+        if architectures and all(a.endswith("ForCausalLM") for a in architectures):
+            raise ValueError(
+                f"{name!r} is a causal language model ({', '.join(architectures)}), not a reward model: its checkpoint has "
+                "no trained score head, so every score would come from weights drawn at random. Name a "
+                "*ForSequenceClassification checkpoint (a trained reward model)"
+            )
+        return name
+
+
+def checkpoint_architectures(directory: str) -> list[str]:
+    """The ``architectures`` a model directory's ``config.json`` lists (empty when it lists none or has no config)."""
+    import json
+    from pathlib import Path
+
+    config = Path(directory) / "config.json"
+    return list(json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
 
 
 class RewardModelEnvironment(EnvironmentInterface):

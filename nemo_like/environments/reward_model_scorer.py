@@ -75,7 +75,14 @@ class RewardModelScorer:
         hf_logging.disable_progress_bar()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[precision]).to(self.device).eval()
+        model, loading = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[precision], output_loading_info=True)
+        if loading["missing_keys"]:  # transformers drew them at random and only printed a report to the actor's log
+            raise ValueError(
+                f"the reward model {path} is not a trained sequence-classification model: its checkpoint has no "
+                f"{', '.join(sorted(loading['missing_keys']))} (a causal LM or a base model?), so its scores would come from "
+                "weights drawn at random; model_name must name a reward model (a *ForSequenceClassification checkpoint)"
+            )
+        self.model = model.to(self.device).eval()
         num_labels = self.model.config.num_labels
         if not 0 <= label_index < num_labels:
             raise ValueError(f"label_index={label_index} but the reward model {path} has {num_labels} label(s)")

@@ -99,6 +99,21 @@ def tiny_rm_copy(tmp_path: Path) -> Path:
     return Path(shutil.copytree(resolve_reward_model_path(TINY_REWARD_MODEL), tmp_path / "rm"))
 
 
+def test_a_checkpoint_without_a_trained_score_head_is_refused_at_load(tmp_path: Path) -> None:
+    """transformers gives a checkpoint without the head a random one and says so only in the actor's log: the scores
+    were noise, a different noise in every actor. A causal LM that calls itself a classifier passes the config's check
+    (its architectures) and is refused by the load, naming the missing weights."""
+    from nemo_like.models.assets import embedded_model_path
+
+    directory = tmp_path / "causal-as-classifier"
+    shutil.copytree(embedded_model_path("embedded:tiny-arith-qwen2"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForSequenceClassification"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"not a trained sequence-classification model: its checkpoint has no score\.weight"):
+        RewardModelEnvironment(model_name=str(directory))
+
+
 def test_a_model_without_a_configured_pad_pools_each_sequence_at_its_own_last_token(tmp_path: Path) -> None:
     """Config without pad_token_id, tokenizer pad = eos, a template whose turns end with eos (as Llama-3's end with
     <|eot_id|>): batched scores equal single forwards, which pool the final eos (padding with eos read the token
@@ -292,6 +307,7 @@ def test_prompt_from_metadata() -> None:
         ({"normalize": {"scale": 0}}, "env.rm.normalize: scale must not be 0"),
         ({"normalize": {"clip": [1, 0]}}, "env.rm.normalize: clip must be [low, high]"),
         ({"max_tokens_per_batch": 0}, "env.rm.max_tokens_per_batch"),
+        ({"model_name": "embedded:tiny-arith-qwen2"}, "env.rm.model_name: 'embedded:tiny-arith-qwen2' is a causal language model"),
     ],
 )
 def test_bad_sections_name_the_key(section: dict, message: str) -> None:
