@@ -358,6 +358,16 @@ def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
     return _csv_kwargs(headers[first])
 
 
+def _json_kwargs(files: list[Path]) -> dict[str, Any]:
+    """For JSON files (and directories of them), read each file as one chunk: ``datasets`` types a column from its
+    first 10 MB, and a value of another type past that (integer answers, then ``"\\frac{1}{2}"``) failed the load
+    with a cast error naming neither the row nor the key, where the same values in a smaller file load (the column
+    becomes JSON, whose values the answer reader takes). Compressed files keep the default (their read size is unknown)."""
+    if not files or any(FILE_BUILDERS.get(data_suffix(f)) != "json" or data_suffix(f) != f.suffix.lower() for f in files):
+        return {}
+    return {"chunksize": max(10 << 20, max(f.stat().st_size for f in files) + 1)}
+
+
 def _is_offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"} for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
@@ -393,7 +403,8 @@ def _load_local(source: Source, key: str):
                 empty = [str(f) for f in data_files if f.stat().st_size == 0]
                 if empty:  # datasets' own error was a bare StopIteration
                     raise ConfigError(f"{key}: {empty[0]!r} in {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
-                ds = datasets.load_dataset(str(path), **subset, **_csv_directory_kwargs(path, key))
+                kwargs = {**_csv_directory_kwargs(path, key), **_json_kwargs(data_files)}
+                ds = datasets.load_dataset(str(path), **subset, **kwargs)
         else:
             builder = FILE_BUILDERS.get(data_suffix(path))
             if builder is None:
@@ -402,7 +413,7 @@ def _load_local(source: Source, key: str):
                 raise ConfigError(f"{key}: cannot read {str(path)!r}: {problem}")
             if path.stat().st_size == 0:
                 raise ConfigError(f"{key}: {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
-            kwargs = _csv_kwargs(csv_header(path, key)) if builder == "csv" else {}
+            kwargs = _csv_kwargs(csv_header(path, key)) if builder == "csv" else _json_kwargs([path])
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
     except ConfigError:
         raise
@@ -420,6 +431,11 @@ def _load_local(source: Source, key: str):
                 message = place if file == path else f"{file}: {place}"
                 break
         subset = f" (subset data.{source.role}.dataset_config={source.config!r})" if source.config else ""
+        if "as a scalar of type" in message or "Couldn't cast" in message:  # typed from one file or chunk, cast in another
+            message += (
+                "; a column's values change type between the files (or past the first 10 MB of a compressed file): "
+                "write every value of a column as one type (e.g. every answer as a string)"
+            )
         raise ConfigError(f"{key}: cannot read {str(path)!r}{subset}: {message}") from None
     return _pick_split(ds, source, key)
 

@@ -891,3 +891,21 @@ def test_a_template_that_stamps_todays_date_renders_one_fixed_date_everywhere(to
     assert dated.decode(ids).startswith(stamp)  # the training prompts
     assert render(dated, messages).startswith(stamp)  # a multi-turn episode's turns
     assert Renderer(dated).chat_text(messages, None, None).startswith(stamp)  # the rollout server's calls
+
+
+def test_a_json_column_that_changes_type_past_the_first_10_mb_loads(tmp_path, tok):
+    """``datasets`` types a JSON column from the file's first 10 MB chunk: integer answers, then a text one past it
+    (``\\frac{1}{2}``) failed the load with a cast error naming neither row nor key, where a smaller file loads."""
+    filler = "x" * 10_000  # a wide column no key reads: ~1,050 rows make 10.5 MB
+    items = [{"q": f"What is {i} plus {i}?", "a": 2 * i, "notes": filler} for i in range(1_050)]
+    path = write_jsonl(tmp_path / "big.jsonl", [*items, {"q": "What is 1 over 2?", "a": "\\frac{1}{2}", "notes": ""}])
+    assert path.stat().st_size > 10 << 20
+    records = build(data_cfg(path, path, prompt_key="q", answer_key="a"), tok)
+    answers = {r.metadata["prompt"]: r.metadata["answer"] for r in records}
+    assert answers["What is 1 over 2?"] == "\\frac{1}{2}" and answers["What is 7 plus 7?"] == "14"
+    # Across the files of a directory (each typed on its own) the error says what to change
+    (tmp_path / "split").mkdir()
+    write_jsonl(tmp_path / "split" / "a.jsonl", [{"q": "What is 1 plus 1?", "a": 2}])
+    write_jsonl(tmp_path / "split" / "b.jsonl", [{"q": "What is 1 over 2?", "a": "1/2"}])
+    with pytest.raises(ConfigError, match=r"data\.train\.data_path: .* change type between the files .* every answer as a string"):
+        build(data_cfg(tmp_path / "split", path, prompt_key="q", answer_key="a"), tok)
