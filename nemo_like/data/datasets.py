@@ -403,7 +403,8 @@ def _load_local(source: Source, key: str):
                 empty = [str(f) for f in data_files if f.stat().st_size == 0]
                 if empty:  # datasets' own error was a bare StopIteration
                     raise ConfigError(f"{key}: {empty[0]!r} in {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
-                kwargs = {**_csv_directory_kwargs(path, key), **_json_kwargs(data_files)}
+                plain = not subset and not _card_declares_subsets(path)  # builder settings would replace a card's subsets
+                kwargs = {**_csv_directory_kwargs(path, key), **(_json_kwargs(data_files) if plain else {})}
                 ds = datasets.load_dataset(str(path), **subset, **kwargs)
         else:
             builder = FILE_BUILDERS.get(data_suffix(path))
