@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +68,21 @@ def test_the_rayjob_example_is_a_valid_kuberay_v1_rayjob(validator: jsonschema.V
     from nemo_like.distributed.capacity import sum_resources
     from nemo_like.plan.run_plan import decide_run_plan
 
-    command = entrypoint.split("nemo-like train --config ", 1)[1].split()
-    assert entrypoint.startswith("cd /app && ") and not command[0].startswith("/")
-    cfg = load_config(str(Path(__file__).resolve().parents[3] / command[0]), command[1:], warn=False)
+    # KubeRay runs `ray job submit ... -- ENTRYPOINT` through `bash -c`: a shell operator in the entrypoint ends the
+    # submitted job there (`cd /app && nemo-like train ...` submitted `cd /app` and trained in the submitter pod)
+    lexer = shlex.shlex(entrypoint, posix=True, punctuation_chars=True)
+    words = list(lexer)
+    assert not [w for w in words if set(w) <= set("&|;<>()")], words
+    assert words[:3] == ["nemo-like", "train", "--config"]
+    repo = str(Path(__file__).resolve().parents[3])
+    command = [w.replace("/app/", repo + "/") for w in words[3:]]  # the image's /app holds the repository's examples/
+    cfg = load_config(command[0], command[1:], warn=False)
+    for path in (cfg.data.prompt_file, cfg.logger.log_dir, cfg.checkpointing.checkpoint_dir):  # no working directory to rely on
+        assert Path(path).is_absolute(), path
+    assert Path(cfg.data.prompt_file).is_file()
     plan = decide_run_plan(cfg, (), 64)
     assert sum_resources(r.total() for r in role_requests(cfg, plan))["GPU"] == gpus and idle_gpus_warning(cfg, plan) is None
-    two = load_config(str(Path(__file__).resolve().parents[3] / command[0]), [*command[1:], "cluster.num_nodes=2"], warn=False)
+    two = load_config(command[0], [*command[1:], "cluster.num_nodes=2"], warn=False)
     assert "16 GPUs, but the run's actors reserve 8: 8 would stay idle" in idle_gpus_warning(two, decide_run_plan(two, (), 64))
 
 
