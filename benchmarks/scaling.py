@@ -38,7 +38,8 @@ again, up to ``--retries`` (2) more times. A point whose steps were all contende
 ``kept`` column says so (``0/8``).
 
 The phases are the run's own ``timing/train/*`` metrics (``metrics.jsonl``): generation; logprobs = the prev/reference
-passes (they run concurrently and are timed from one start, so the phase is the longest of them); training
+passes (they run concurrently; the loop times each as the driver's wait after the previous one, so the phase is
+their sum: the time the driver waited for them); training
 (``policy_training``); refit (0 with the CPU default, inline generation); scoring (``reward``: the wait for the
 environments not hidden behind the logprob passes); other = the step minus those (advantages, collation, the driver's
 bookkeeping). Per point: medians over the kept steps of every run. Per knob: the exponent ``b`` of ``time ~ x^b`` from
@@ -230,7 +231,7 @@ def phases_of(record: dict) -> dict[str, float]:
     out = {
         "total": t["total_step_time"],
         "generation": t.get("generation", 0.0),
-        "logprobs": max(t.get(k, 0.0) for k in LOGPROB_PASSES),
+        "logprobs": sum(t.get(k, 0.0) for k in LOGPROB_PASSES),  # consecutive waits (grpo.gather_logprob_passes)
         "training": t.get("policy_training", 0.0),
         "refit": t.get("refit", 0.0),
         "scoring": t.get("reward", 0.0),
