@@ -358,14 +358,20 @@ def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
     return _csv_kwargs(headers[first])
 
 
+#: The largest JSON file read as one chunk (pyarrow parses a chunk as one block: ~4x its size in memory, and a block
+#: of 2 GiB overflows its 32-bit block size).
+WHOLE_JSON_CHUNK_MAX = 256 << 20
+
+
 def _json_kwargs(files: list[Path]) -> dict[str, Any]:
-    """For JSON files (and directories of them), read each file as one chunk: ``datasets`` types a column from its
-    first 10 MB, and a value of another type past that (integer answers, then ``"\\frac{1}{2}"``) failed the load
-    with a cast error naming neither the row nor the key, where the same values in a smaller file load (the column
-    becomes JSON, whose values the answer reader takes). Compressed files keep the default (their read size is unknown)."""
+    """For JSON files (and directories of them) up to :data:`WHOLE_JSON_CHUNK_MAX`, read each file as one chunk:
+    ``datasets`` types a column from its first 10 MB, and a value of another type past that (integer answers, then
+    ``"\\frac{1}{2}"``) failed the load with a cast error naming neither the row nor the key, where the same values in a
+    smaller file load (the column becomes JSON, whose values the answer reader takes). Larger and compressed files
+    (whose read size is unknown) keep the default; such a cast error then says what to change (:func:`_load_local`)."""
     if not files or any(FILE_BUILDERS.get(data_suffix(f)) != "json" or data_suffix(f) != f.suffix.lower() for f in files):
         return {}
-    return {"chunksize": max(10 << 20, max(f.stat().st_size for f in files) + 1)}
+    return {"chunksize": min(max(10 << 20, max(f.stat().st_size for f in files) + 1), WHOLE_JSON_CHUNK_MAX)}
 
 
 def _is_offline() -> bool:
@@ -434,7 +440,8 @@ def _load_local(source: Source, key: str):
         subset = f" (subset data.{source.role}.dataset_config={source.config!r})" if source.config else ""
         if "as a scalar of type" in message or "Couldn't cast" in message:  # typed from one file or chunk, cast in another
             message += (
-                "; a column's values change type between the files (or past the first 10 MB of a compressed file): "
+                "; a column's values change type between the files (or, in a file, past its first chunk: 10 MB of a "
+                f"compressed file, {WHOLE_JSON_CHUNK_MAX >> 20} MB of another): "
                 "write every value of a column as one type (e.g. every answer as a string)"
             )
         raise ConfigError(f"{key}: cannot read {str(path)!r}{subset}: {message}") from None

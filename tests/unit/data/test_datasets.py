@@ -893,7 +893,7 @@ def test_a_template_that_stamps_todays_date_renders_one_fixed_date_everywhere(to
     assert Renderer(dated).chat_text(messages, None, None).startswith(stamp)  # the rollout server's calls
 
 
-def test_a_json_column_that_changes_type_past_the_first_10_mb_loads(tmp_path, tok):
+def test_a_json_column_that_changes_type_past_the_first_10_mb_loads(tmp_path, tok, monkeypatch):
     """``datasets`` types a JSON column from the file's first 10 MB chunk: integer answers, then a text one past it
     (``\\frac{1}{2}``) failed the load with a cast error naming neither row nor key, where a smaller file loads."""
     filler = "x" * 10_000  # a wide column no key reads: ~1,050 rows make 10.5 MB
@@ -903,6 +903,11 @@ def test_a_json_column_that_changes_type_past_the_first_10_mb_loads(tmp_path, to
     records = build(data_cfg(path, path, prompt_key="q", answer_key="a"), tok)
     answers = {r.metadata["prompt"]: r.metadata["answer"] for r in records}
     assert answers["What is 1 over 2?"] == "\\frac{1}{2}" and answers["What is 7 plus 7?"] == "14"
+    # A file over the whole-file cap (2 GiB overflowed pyarrow's block size) is read in capped chunks: the same
+    # change of type is then an error that says what to change
+    monkeypatch.setattr("nemo_like.data.datasets.WHOLE_JSON_CHUNK_MAX", 1 << 20)
+    with pytest.raises(ConfigError, match=r"data\.train\.data_path: .* past its first chunk: .* every answer as a string"):
+        build(data_cfg(path, path, prompt_key="q", answer_key="a"), tok)
     # Across the files of a directory (each typed on its own) the error says what to change
     (tmp_path / "split").mkdir()
     write_jsonl(tmp_path / "split" / "a.jsonl", [{"q": "What is 1 plus 1?", "a": 2}])
