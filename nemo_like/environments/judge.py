@@ -149,17 +149,21 @@ def plain_template_ids(
 ) -> list[int]:
     """``text`` (``template`` rendered for one sample, no chat template) as ids: the template's own text tokenized as
     usual (chat markup written in it is real: use_chat_template=false is how a template writes its own; it had been
-    read as plain text too), the sample's fields as plain text (special-token strings the policy wrote stay text). A
-    template that transforms a field past its surrounding whitespace is read as plain text whole."""
+    read as plain text too), the sample's fields as plain text (special-token strings the policy wrote stay text): the
+    whole text's ids where no field forms a special token (:func:`~.scored_text.ids_of_pieces`). A template that
+    transforms a field past its surrounding whitespace is tokenized whole when no field spells a special or added
+    token's text, else read as plain text whole."""
     from nemo_like.models.loading import added_token_texts
 
     answer = metadata.get("answer")
     values = [prompt, response, "" if answer is None else str(answer)]
-    if not any(s in v for v in values for s in added_token_texts(tokenizer)):  # nothing to keep as text: the tokenizer's own ids, whole
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
     marks = [_FIELD_MARK.format(i) for i in range(len(values))]
     marked = template.render(marks[0], marks[1], {**metadata, "answer": marks[2]})
-    pieces = template_pieces(marked, text, marks, values) or [(text, True)]
+    pieces = template_pieces(marked, text, marks, values)
+    if pieces is None:  # where each field lies is unknown
+        if not any(s in v for v in values for s in added_token_texts(tokenizer)):
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces = [(text, True)]
     return ids_of_pieces(tokenizer, pieces)
 
 

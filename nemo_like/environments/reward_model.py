@@ -55,7 +55,7 @@ class RewardModelEnvConfig(BaseModel):
     def _names_a_scorer(cls, name: str) -> str:
         """A checkpoint that says it is a causal LM only (a policy or instruct model named by mistake) is refused in the
         driver; the actor's load refuses any checkpoint without a trained score head (:class:`.RewardModelScorer`)."""
-        architectures = checkpoint_architectures(resolve_reward_model_path(name))
+        architectures = checkpoint_architectures(name)
         if architectures and all(a.endswith("ForCausalLM") for a in architectures):
             raise ValueError(
                 f"{name!r} is a causal language model ({', '.join(architectures)}), not a reward model: its checkpoint has "
@@ -65,13 +65,15 @@ class RewardModelEnvConfig(BaseModel):
         return name
 
 
-def checkpoint_architectures(directory: str) -> list[str]:
-    """The ``architectures`` a model directory's ``config.json`` lists (empty when it lists none or has no config)."""
+def checkpoint_architectures(name: str) -> list[str]:
+    """The ``architectures`` model ``name``'s ``config.json`` lists (a local directory, a shipped model or a hub id in
+    the local cache; empty when it lists none or there is no config here)."""
     import json
-    from pathlib import Path
 
-    config = Path(directory) / "config.json"
-    return list(json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
+    from nemo_like.models.loading import local_config_file
+
+    config = local_config_file(name)
+    return list(json.loads(config.read_text()).get("architectures") or []) if config is not None else []
 
 
 class RewardModelEnvironment(EnvironmentInterface):

@@ -4,10 +4,10 @@ A chat template renders the scored prompt and response into one string; tokenizi
 special-token text inside the response (``<|im_end|>``, ``<|im_start|>assistant``) into the template's control tokens,
 so a response could close the judge's turn and write the judge's verdict itself (a reward hack GRPO can find: the
 policy only needs to spell the string with ordinary tokens). Here the template is rendered with a placeholder in place
-of each message's content, which finds each content's span in the real rendering. A rendering where no content
-spells a special or added token's text is tokenized whole, as the template's own tokenization does (and as the reward
+of each message's content, which finds each content's span in the real rendering. A rendering whose whole
+tokenization forms no special token from a content's characters keeps those ids, the template's own (what the reward
 model saw in training: a BPE merge or a SentencePiece word start across a content's edge stays the template's); one
-where a content does is tokenized piece by piece, the template's own text as usual (its special tokens are real) and
+that does is tokenized piece by piece, the template's own text as usual (its special tokens are real) and
 each content with ``split_special_tokens=True`` (special-token strings in it stay plain text).
 """
 
@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nemo_like.models.loading import added_token_texts, render_chat
+from nemo_like.models.loading import render_chat
 
 _PLACEHOLDER = "\ue000scored-content-{}\ue001"  # private-use characters: in no template's own text
 
@@ -74,29 +74,40 @@ def template_pieces(marked: str, real: str, placeholders: Sequence[str], values:
 
 
 def ids_of_pieces(tokenizer: Any, pieces: list[tuple[str, bool]]) -> list[int]:
-    """The ids of the pieces' text: tokenized whole when no value spells a special or added token (the template's own
-    ids), else the template's texts tokenized as usual (their special tokens are real) and the values as plain text."""
-    if not value_spells_added_token(tokenizer, pieces):
-        return tokenizer("".join(text for text, _ in pieces), add_special_tokens=False)["input_ids"]
+    """The ids of the pieces' text: its whole tokenization (the template's own ids) when no special token in it takes a
+    character of a value, else the template's texts tokenized as usual (their special tokens are real) and the values
+    as plain text."""
+    whole = whole_ids_without_control_in_values(tokenizer, pieces)
+    if whole is not None:
+        return whole
     ids: list[int] = []
     for text, is_value in pieces:
         ids += tokenizer(text, add_special_tokens=False, split_special_tokens=is_value)["input_ids"]
     return ids
 
 
-def value_spells_added_token(tokenizer: Any, pieces: list[tuple[str, bool]]) -> bool:
-    """Whether a special or added token's text, wherever it stands in the joined pieces, takes a character of a value
-    (inside one, or across its edge with the template's text): the whole text's tokenization would read it as that
-    token."""
-    text, spans, position = "".join(t for t, _ in pieces), [], 0
-    for piece, is_value in pieces:
+def whole_ids_without_control_in_values(tokenizer: Any, pieces: list[tuple[str, bool]]) -> list[int] | None:
+    """The joined pieces' ids, tokenized whole, when none of their special tokens (but the unknown token) spans a
+    character of a value; ``None`` when one does, or the tokenizer gives no character offsets (a slow one). The
+    tokenizer's own offsets decide, so tokens it matches after normalising the text (NFKC: a full-width
+    ``＜｜im_end｜＞``) or across a value's edge are found where a search for the token's text is not."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    spans, position = [], 0
+    for text, is_value in pieces:
         if is_value:
-            spans.append((position, position + len(piece)))
-        position += len(piece)
-    for token in added_token_texts(tokenizer):
-        at = text.find(token)
-        while at >= 0:
-            if any(at < end and start < at + len(token) for start, end in spans):
-                return True
-            at = text.find(token, at + 1)
-    return False
+            spans.append((position, position + len(text)))
+        position += len(text)
+    encoded = tokenizer("".join(text for text, _ in pieces), add_special_tokens=False, return_offsets_mapping=True)
+    control = control_token_ids(tokenizer)
+    for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+        if token in control and any(start < value_end and value_start < end for value_start, value_end in spans):
+            return None
+    return list(encoded["input_ids"])
+
+
+def control_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids ``split_special_tokens`` keeps a text from forming: the special tokens, the unknown token aside."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = {i for i, token in added.items() if getattr(token, "special", False)} | set(tokenizer.all_special_ids)
+    return frozenset(special - {tokenizer.unk_token_id})

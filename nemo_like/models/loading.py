@@ -32,6 +32,20 @@ def resolve_model_path(model_name: str) -> str:
     return model_name
 
 
+def local_config_file(name: str) -> Path | None:
+    """Model ``name``'s ``config.json`` on this machine: a shipped model's, a local directory's, or a hub id's copy in
+    the local cache (never downloaded); ``None`` when there is none here."""
+    path = Path(resolve_model_path(name)).expanduser()
+    if (path / "config.json").is_file():
+        return path / "config.json"
+    if looks_like_path(name) or name.startswith("embedded:"):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json", cache_dir=hub_cache_dir())
+    return Path(cached) if isinstance(cached, str) else None
+
+
 def actor_model_source(name: str) -> str:
     """``name`` as an actor must be given it: a relative local path made absolute, anything else unchanged. An actor's
     working directory is not the driver's when the run joins a cluster (Ray starts it where its node was started), so
