@@ -174,7 +174,12 @@ def _die_with_parent() -> None:
 
 #: A percent sign closing a box (``\boxed{50\%}``, also ``50\ \%`` and ``50\%.``): math-verify drops ``%`` after a
 #: ``$...$`` answer (``$50\%$`` is 50) but not inside a box, where ``50\%`` stayed text and a correct percentage scored 0.
-BOXED_PERCENT = re.compile(r"\s*(?:\\ )?\\?%\s*[.,;]?\s*\}")
+#: A match starts only where a whitespace run does (``(?<!\s)``): tried at every position of a run, the search was
+#: quadratic, and a correct answer followed by 20,000 newlines timed out (scored 0).
+BOXED_PERCENT = re.compile(r"(?<!\s)\s*(?:\\ )?\\?%\s*[.,;]?\s*\}")
+#: Punctuation between a number and the brace closing it (``\boxed{5.}``, ``\boxed{-3;}``): math-verify read the box as
+#: wrong; a sentence's full stop typed inside the box.
+NUMBER_THEN_PUNCTUATION = re.compile(r"(\d)[ \t]*[.,;][ \t]*\}")
 #: ``\fbox{...}``, LaTeX's other box: math-verify reads only ``\boxed``, so a correct ``\fbox`` answer scored 0. Read as
 #: a box only when the response has no answer without it (a response that frames a step and states its answer after
 #: it is read as before).
@@ -185,9 +190,11 @@ THIN_SPACE_THOUSANDS = re.compile(r"(\d)\\,(?=\d{3}(?!\d))")
 
 def normalised_answer(text: str) -> str:
     """``text`` as math-verify reads it best: thin spaces between digit groups dropped (:data:`THIN_SPACE_THOUSANDS`), a
-    percent sign closing a box dropped (:data:`BOXED_PERCENT`), and the Unicode minus sign (U+2212, as typeset text
-    writes it) made ASCII: math-verify read a plain-text ``−3`` as no answer (inside ``$...$`` or a box it read it)."""
-    return BOXED_PERCENT.sub("}", THIN_SPACE_THOUSANDS.sub(r"\1", text.replace("\u2212", "-")))
+    percent sign closing a box dropped (:data:`BOXED_PERCENT`), a full stop between a number and its closing brace
+    dropped (:data:`NUMBER_THEN_PUNCTUATION`), and the Unicode minus sign (U+2212, as typeset text writes it) made
+    ASCII: math-verify read a plain-text ``−3`` as no answer (inside ``$...$`` or a box it read it)."""
+    text = BOXED_PERCENT.sub("}", THIN_SPACE_THOUSANDS.sub(r"\1", text.replace("\u2212", "-")))
+    return NUMBER_THEN_PUNCTUATION.sub(r"\1}", text)
 
 
 def verify_answer(response: str, gold: str, gold_cache: dict[str, Any] | None = None) -> str:

@@ -69,6 +69,14 @@ PAIRS = [
     # ... but an \fbox that frames a step is not read over the answer stated after it
     ("Key step: \\fbox{x = 3}. Therefore the answer is 4.", "4", True),
     ("We first find \\fbox{12} apples; the total is therefore $20$.", "20", True),
+    # a full stop typed inside the box after a number (math-verify read it as wrong)
+    ("\\boxed{5.}", "5", True),
+    ("So $\\boxed{-3.}$", "-3", True),
+    ("\\boxed{2.5 ;}", "2.5", True),
+    ("\\boxed{5.}", "6", False),
+    # a correct answer followed by a degenerate run of whitespace (the percent rule's search was quadratic: 20,000
+    # newlines took 6 s, 60,000 past this test's 30 s limit: scored 0)
+    ("\\boxed{5}" + "\n" * 60_000, "5", True),
     # the Unicode minus sign of typeset text (U+2212): a plain-text answer read as no answer
     ("The answer is \u22123.", "-3", True),
     ("So the slope is \u22123.5", "-3.5", True),
@@ -111,6 +119,9 @@ def test_format_reward_only_for_a_wrong_boxed_answer(env: MathEnvironment) -> No
     # ... nor one cut before its closing brace; nested braces close it as LaTeX does
     assert not any(has_boxed_answer(r) for r in ("so \\boxed{1", "so \\boxed{\\frac{1}{2"))
     assert all(has_boxed_answer(r) for r in ("so \\boxed{\\frac12}", "so \\boxed {x}", "\\boxed{\\frac{1}{2}} and \\boxed{"))
+    assert has_boxed_answer("} stray { \\boxed{ {} x }") and not has_boxed_answer("\\boxed{ } \\boxed{")
+    # a length limit inside a repetition loop of unclosed boxes: one pass (a scan per box took 35 s at 64,000 characters)
+    assert not has_boxed_answer("\\boxed{\\frac{1}{2}" * 4_000) and has_boxed_answer("\\boxed{\\frac{1}{2}" * 4_000 + "}" * 8_001)
 
 
 def test_a_checker_that_dies_at_start_says_so_at_once(tmp_path, monkeypatch) -> None:
