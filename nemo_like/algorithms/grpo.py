@@ -438,7 +438,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
         {
             "train/mean_response_length": sample_response_lengths(rollout).mean().item(),
             "train/truncated_fraction": rollout.truncated.mean().item(),
-            # NaN when no optimizer step ran (every one had no token to train on: train/empty_steps_skipped)
+            # NaN when no optimizer step updated the weights (train/empty_steps_skipped, train/nonfinite_steps_skipped)
             "train/grad_norm": sum(result.grad_norms) / len(result.grad_norms) if result.grad_norms else math.nan,
             "train/lr": result.lr,
             "train/nonfinite_steps_skipped": float(result.nonfinite_steps_skipped),

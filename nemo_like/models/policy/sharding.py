@@ -178,11 +178,35 @@ def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=_options(model))
 
 
+def _grads(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every optimizer parameter with its ``.grad`` as it is now (the tensor itself, or ``None``)."""
+    return [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _undo_state_init(optimizer: torch.optim.Optimizer, grads: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Undo torch's ``_init_optim_state`` on an optimizer that had no state: ``get_optimizer_state_dict`` and
+    ``set_optimizer_state_dict`` run a fake ``step()`` (zero gradients, lr 0) when the optimizer has no state and no
+    parameter has a gradient, leaving AdamW a step count of 1 and zero moments (the next real update was bias-corrected
+    as a second one, ~0.74x its size) and every ``.grad`` set to None. The lr-0 step leaves the weights as they were."""
+    optimizer.state.clear()
+    for param, grad in grads:
+        param.grad = grad
+
+
 def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Full optimizer state keyed by parameter names (rank 0 of a sharded model; empty elsewhere).
 
-    The name-keyed layout does not depend on how the parameters are sharded."""
-    return get_optimizer_state_dict(model, optimizer, options=_options(model))
+    The name-keyed layout does not depend on how the parameters are sharded. An optimizer that has not stepped yet (every
+    step so far skipped: empty or non-finite) saves an empty state with its param groups and is left as it was: no state,
+    its gradients untouched (see :func:`_undo_state_init`)."""
+    if optimizer.state:
+        return get_optimizer_state_dict(model, optimizer, options=_options(model))
+    grads = _grads(optimizer)
+    state = get_optimizer_state_dict(model, optimizer, options=_options(model))
+    _undo_state_init(optimizer, grads)
+    if "state" in state:  # rank 0 (every rank of a plain model): the fake step's state is not one to save
+        state["state"] = {}
+    return state
 
 
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
@@ -197,8 +221,15 @@ def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a name-keyed full optimizer state (as :func:`gather_optimizer_state` wrote it) into the shards."""
+    """Load a name-keyed full optimizer state (as :func:`gather_optimizer_state` wrote it) into the shards.
+
+    An empty saved state (the optimizer had not stepped yet) leaves the optimizer with no state, as a fresh one: its param
+    groups load, and neither the fake step torch runs to initialise the state nor a state this optimizer held before
+    stays (see :func:`_undo_state_init`)."""
+    grads = _grads(optimizer)
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    if not state.get("state"):
+        _undo_state_init(optimizer, grads)
 
 
 def iter_full_tensors(

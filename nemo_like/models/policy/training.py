@@ -81,7 +81,9 @@ class TrainingStep:
 
         Each shard carries ``global_valid_toks`` / ``global_valid_seqs``: the counts over the whole
         global batch on all ranks, so per-microbatch losses add up to the global-batch loss.
-        Returns the combined metric fragments of this rank, per-step grad norms, and the logprobs
+        Returns the combined metric fragments of this rank, the pre-clip grad norms of the steps that updated the
+        weights (a skipped step, empty or non-finite, is counted in ``empty_steps_skipped`` /
+        ``nonfinite_steps_skipped`` instead), and the logprobs
         computed in the first step's forward passes (pre-update weights) for logging back-fill (None when that step
         was skipped: no forward ran).
 
@@ -113,9 +115,11 @@ class TrainingStep:
             if math.isfinite(grad_norm):
                 self.optimizer.step()
                 self.scheduler.step()
+                grad_norms.append(grad_norm)
             else:
-                skipped += 1  # a NaN/inf gradient never reaches the weights
-            grad_norms.append(grad_norm)
+                # a NaN/inf gradient never reaches the weights; counted in nonfinite_steps_skipped, its norm left out of
+                # grad_norms (the logged train/grad_norm, their mean, was NaN for the whole call)
+                skipped += 1
         self.weight_version += 1
         return {
             "metrics": self.loss_fn.combine_steps(per_step, step_counts=step_counts) if per_step else {},
