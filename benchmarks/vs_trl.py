@@ -253,16 +253,18 @@ def tiny_tokenizer():
     return load_tokenizer(resolve_model_path("embedded:tiny-arith-qwen2"))
 
 
-def prompt_rows(model_dir: str, count: int) -> list[tuple[str, int]]:
-    """``(prompt text with the chat template applied, answer)`` of our first ``count`` arithmetic training prompts, in
-    the order our loader draws them in its first epoch (the recipe's seed and shuffle), which TRL then takes unshuffled."""
+def prompt_rows(model_dir: str, count: int, per_step: int, steps: int) -> list[tuple[str, int]]:
+    """``(prompt text with the chat template applied, answer)`` of the prompts our loader draws from our first ``count``
+    arithmetic training prompts in ``steps`` steps of ``per_step`` (the recipe's seed and shuffle, reshuffled each
+    epoch), in that order: TRL takes them unshuffled, so every pair's two steps draw the same prompts (a single epoch's
+    order, which TRL repeats, differed from the second epoch on)."""
     from nemo_like.config import DEFAULT_RECIPE, load_config
     from nemo_like.data.prompts import PromptDataLoader, build_prompt_dataset
 
     cfg = load_config(DEFAULT_RECIPE, [f"data.train.num_problems={count}"])
     records = build_prompt_dataset(cfg.data, tokenizer(model_dir), "train", PROMPT_BUDGET)
-    loader = PromptDataLoader(records, 1, cfg.grpo.seed, cfg.data.shuffle)
-    drawn = [loader.next_batch()[0] for _ in records]
+    loader = PromptDataLoader(records, per_step, cfg.grpo.seed, cfg.data.shuffle)
+    drawn = [record for _ in range(steps) for record in loader.next_batch()]
     return [(prompt_text(model_dir, r.prompt_token_ids), r.metadata["answer"]) for r in drawn]
 
 
@@ -387,7 +389,7 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
     steady = pairs[args.warmup :]
     batch = work["prompts"] * work["generations"]
     expected = batch * work["new_tokens"]
-    # Over the whole prompt set both sides draw their steps from (the first step's prompts alone put W1's floor 9% high)
+    # Over every prompt both sides draw in the pairs (the first step's prompts alone put W1's floor 9% high)
     mean_prompt = statistics.mean(len_tokens(model_dir, r[0]) for r in rows)
     trained_tokens = batch * (mean_prompt + work["new_tokens"])
     peak = args.peak_gflops * 1e9
@@ -486,7 +488,7 @@ def main() -> int:
         for name in args.workloads.split(","):
             work = WORKLOADS[name]
             model_dir, n_params = build_model(Path(tmp) / f"model-{work['size']}", work["size"])
-            rows = prompt_rows(model_dir, PROMPT_SET)
+            rows = prompt_rows(model_dir, PROMPT_SET, work["prompts"], args.warmup + args.steps)
             for backend in args.backends.split(","):
                 print(f"[{name}] {n_params / 1e6:.2f}M params, {work}, backend {backend}", flush=True)
                 results.append(run_pairs(name, work, backend, args, tmp, model_dir, n_params, rows))

@@ -93,7 +93,7 @@ class BareStep:
 def run_pairs(name: str, args: argparse.Namespace, tmp: str) -> dict:
     work = WORKLOADS[name]
     model_dir, n_params = build_model(Path(tmp) / f"model-{work['size']}", work["size"])
-    rows = prompt_rows(model_dir, 64)
+    rows = prompt_rows(model_dir, 64, work["prompts"], args.warmup + args.steps)
     spec = {"model_dir": model_dir, "tmp": tmp, "dataset": rows, "threads": None, "gradient_checkpointing": True, **work}
     trl = TRLProcess(args.trl_python, spec)
     bare = BareStep(model_dir, work, [text for text, _ in rows])
