@@ -59,6 +59,14 @@ def _check_size(value: int | float) -> int | float:
     return value
 
 
+def _not_underflowed(value: int | float, *operands: int | float) -> int | float:
+    """``value`` (a product, quotient or power of ``operands``), refused where a float result of non-zero operands came
+    out 0: ``10**-400`` showed as an exact ``0``, which an integer checker would take."""
+    if isinstance(value, float) and value == 0 and all(operands):
+        raise CalculatorError("result is too small for a float (it underflows to 0)")
+    return value
+
+
 def _power(base: int | float, exponent: int | float) -> int | float:
     if abs(exponent) > MAX_EXPONENT:
         raise CalculatorError(f"exponent {exponent} exceeds {MAX_EXPONENT} in magnitude")
@@ -94,15 +102,18 @@ def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow):
-            return _check_size(_power(left, right))
-        if isinstance(node.op, ast.Mult) and _digits(left) + _digits(right) > MAX_RESULT_DIGITS + 1:
+            return _not_underflowed(_check_size(_power(left, right)), left)
+        # a product has at most log10|l| + log10|r| + 1 digits: refuse one clearly too long before computing it, and
+        # let _check_size decide the rest exactly (the bound 1 digit lower refused 1000-digit products: 9*10**999)
+        if isinstance(node.op, ast.Mult) and _digits(left) + _digits(right) > MAX_RESULT_DIGITS + 2:
             raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
         if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
             raise CalculatorError("division by zero")
         if isinstance(node.op, ast.Div) and isinstance(left, int) and isinstance(right, int) and left % right == 0:
             return left // right  # exact: a float would lose digits past 2**53 (123456789012345678/2)
         try:
-            return _check_size(_BINARY[type(node.op)](left, right))
+            value = _check_size(_BINARY[type(node.op)](left, right))
+            return _not_underflowed(value, left, right) if isinstance(node.op, (ast.Mult, ast.Div)) else value
         except OverflowError:
             raise CalculatorError("result is too large") from None
     raise CalculatorError(f"{type(node).__name__} is not allowed (only numbers, parentheses and + - * / // % **)")
@@ -121,6 +132,8 @@ def evaluate_expression(expression: str) -> int | float:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise CalculatorError(f"invalid expression: {exc.msg}") from None
+    except ValueError as exc:  # a lone surrogate (UnicodeEncodeError), a null byte
+        raise CalculatorError(f"invalid expression: {exc}") from None
     return _evaluate(tree)
 
 

@@ -75,13 +75,25 @@ def _parse_one(body: str) -> ToolCall | ToolCallError:
         try:
             arguments = _DECODER.decode(arguments) if arguments.strip() else {}
         except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
-            return ToolCallError(f"'arguments' of {name!r} is a string that is not a JSON object")
+            return ToolCallError(f"'arguments' of {echoed(name)} is a string that is not a JSON object")
     if not isinstance(arguments, dict):
-        return ToolCallError(f"'arguments' of {name!r} must be a JSON object, got {type(arguments).__name__}")
+        return ToolCallError(f"'arguments' of {echoed(name)} must be a JSON object, got {type(arguments).__name__}")
     unknown = set(payload) - {"name", "arguments"}
     if unknown:
-        return ToolCallError(f"unexpected keys {sorted(unknown)} in the call of {name!r} (only 'name' and 'arguments')")
+        keys = ", ".join(echoed(k) for k in sorted(unknown)[:MAX_ECHOED_KEYS]) + (", ..." if len(unknown) > MAX_ECHOED_KEYS else "")
+        return ToolCallError(f"unexpected keys [{keys}] in the call of {echoed(name)} (only 'name' and 'arguments')")
     return ToolCall(name, arguments)
+
+
+#: How much of the model's own text (a tool's name, a key) an error observation repeats: a degenerate 20,000-character
+#: name came back whole, past the tool-output cut (``MAX_RESULT_CHARS``) and uncounted.
+MAX_ECHOED_CHARS = 80
+MAX_ECHOED_KEYS = 5
+
+
+def echoed(text: str) -> str:
+    """``repr(text)``, cut to :data:`MAX_ECHOED_CHARS` characters (the cut said by a trailing ``...``)."""
+    return repr(text) if len(text) <= MAX_ECHOED_CHARS else repr(text[:MAX_ECHOED_CHARS]) + "..."
 
 
 NEXT_CALL = -2  # :func:`_close_after_json`: the JSON value is followed by the next call's opening tag, not a closing one
@@ -107,8 +119,9 @@ def _close_after_json(text: str, start: int) -> int | None:
 def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str | ToolCallError], bool]:
     """The text inside each ``<tool_call>...</tool_call>`` of ``text`` in order, and whether the last opening tag is
     left unclosed. A call ends at the closing tag after its JSON value, else (malformed JSON) at the next closing tag.
-    A JSON value followed by the next ``<tool_call>`` is an error of its own (its closing tag is missing), and the next
-    call is read on its own (it was read as part of this one's body: both lost, and the error blamed the JSON).
+    A call whose next tag is the next ``<tool_call>`` (after its JSON value, after malformed JSON or after prose) is an
+    error of its own (its closing tag is missing), and the next call is read on its own (it was read as part of this
+    one's body: both lost, and the error blamed the JSON).
     ``keep_unclosed``: an unclosed last call is a body too, running to the end (then never reported unclosed)."""
     bodies: list[str | ToolCallError] = []
     position = 0
@@ -121,6 +134,13 @@ def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str |
             continue
         if close is None:
             close = text.find(CLOSE_TAG, start)
+            following = text.find(OPEN_TAG, start)
+            if following != -1 and (close == -1 or following < close):
+                # malformed JSON, or text after the value, then the next call's opening tag before any closing tag: this
+                # call's closing tag is missing (its body ran to the next call's closing tag: the next call was lost)
+                bodies.append(ToolCallError(f"missing {CLOSE_TAG} before the next {OPEN_TAG}"))
+                position = following
+                continue
         if close == -1:
             if keep_unclosed:
                 bodies.append(text[start:])

@@ -20,6 +20,7 @@ from typing import Any
 
 from nemo_like.config.errors import ConfigError, did_you_mean
 from nemo_like.environments.tools.errors import ToolError  # user tools import it from here (docs/guides/tools.md)
+from nemo_like.environments.tools.parsing import echoed
 from nemo_like.utils.registry import PluginNameError, Registry
 
 Tool = Callable[..., Any]
@@ -112,11 +113,11 @@ class ToolRegistry:
         """Run one call; never raises (see the module docstring)."""
         tool = self.tools.get(name)
         if tool is None:
-            return ToolResult(False, f"unknown tool {name!r}; available: {', '.join(sorted(self.tools))}", "unknown_tool")
+            return ToolResult(False, f"unknown tool {echoed(name)}; available: {', '.join(sorted(self.tools))}", "unknown_tool")
         try:
             inspect.signature(tool).bind(**arguments)
         except TypeError as exc:
-            return ToolResult(False, f"bad arguments for {name!r}: {exc}", "bad_arguments")
+            return self._bounded(ToolResult(False, f"bad arguments for {name!r}: {exc}", "bad_arguments"))
         except ValueError:
             pass  # builtins without a signature: let the call decide
         try:

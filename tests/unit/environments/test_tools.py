@@ -54,6 +54,24 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
     missing, second = parse_tool_calls(unclosed)
     assert isinstance(missing, ToolCallError) and missing.message == "missing </tool_call> before the next <tool_call>"
     assert second == ToolCall("calculator", {"expression": "1+1"})
+    # ... also after prose or malformed JSON (the body ran to the next call's closing tag: the next call was lost)
+    for first in (
+        call("calculator", expression="2+3").removesuffix("</tool_call>") + " let me also check:",
+        '<tool_call>{"name": "calculator"',
+    ):
+        missing, second = parse_tool_calls(first + " " + call("calculator", expression="1+1"))
+        assert isinstance(missing, ToolCallError) and "missing </tool_call>" in missing.message
+        assert second == ToolCall("calculator", {"expression": "1+1"})
+    # The model's own text repeated in an error is cut (a 20,000-character name came back whole, past the output cut)
+    long_name = "f" * 20_000
+    for text in (
+        '<tool_call>{"name": "' + long_name + '", "arguments": 3}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}, "' + long_name + '": 1}</tool_call>',
+    ):
+        (error,) = parse_tool_calls(text)
+        assert isinstance(error, ToolCallError) and len(error.message) < 300, len(error.message)
+    assert len(ToolRegistry.from_config(["calculator"]).call(long_name, {}).text) < 300
+    assert len(ToolRegistry.from_config(["calculator"]).call("calculator", {long_name: 1}).text) < 5_000
     assert parse_hermes(unclosed).tool_calls == []  # the server, as vLLM: not every call parses, so all is content
     assert parse_hermes(call("python", code=code)).tool_calls[0]["function"]["arguments"] == json.dumps({"code": code})
     assert parse_hermes('<tool_call>{"name": "python", "arguments": {"code": "' + code.replace('"', '\\"') + '"}}').tool_calls  # stop-cut
@@ -72,6 +90,8 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
         ("10 ** 999", str(10**999)),
         ("123456789012345678 / 2", "61728394506172839"),  # exact: every digit (a float gave 61728394506172840)
         ("7 / 2", "3.5"),
+        ("9 * 10 ** 999", str(9 * 10**999)),  # 1000 digits: the product's bound refused it
+        ("5 * 0.0", "0"),
     ],  # 302 and 1000 digits: within the limit
 )
 def test_calculator_evaluates_arithmetic(expression: str, value: str) -> None:
@@ -98,6 +118,11 @@ def test_calculator_evaluates_arithmetic(expression: str, value: str) -> None:
         ("(10 ** 400) ** -1", "too large"),
         ("1 +", "invalid expression"),
         ("1" * 201, "longer than 200"),
+        # a non-zero result that underflows a float showed as an exact 0 (an integer checker took it)
+        ("10 ** -400", "underflows"),
+        ("1 / 10 ** 400", "underflows"),
+        ("1e-300 * 1e-300", "underflows"),
+        ("2\ud800", "invalid expression"),  # a lone surrogate was a UnicodeEncodeError ('exception', not a bad expression)
     ],
 )
 def test_calculator_rejects_everything_but_bounded_arithmetic(expression: str, message: str) -> None:
