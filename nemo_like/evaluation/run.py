@@ -65,23 +65,6 @@ def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
     return str(scratch)
 
 
-def drop_stale_merged_model(merged: Path, model_dir: str) -> None:
-    """Remove an earlier LoRA eval's ``merged_model/`` from the output directory of an eval that merges nothing: beside
-    this eval's summary it read as the model the summary scored. Kept when it is, holds or lies in the model evaluated
-    now (``eval.model_path`` may point at it)."""
-    if not merged.is_dir():
-        return
-    model = Path(model_dir).resolve() if Path(model_dir).exists() else None
-    if model is not None and (
-        model == merged.resolve() or model.is_relative_to(merged.resolve()) or merged.resolve().is_relative_to(model)
-    ):
-        return
-    warnings.warn(
-        f"eval.output_dir: removing {merged}, an earlier LoRA eval's merged model (this eval merges none)", RuntimeWarning, stacklevel=2
-    )
-    shutil.rmtree(merged)
-
-
 def refuse_results_over_model(out: Path, model_dir: Path) -> None:
     """Eval writes ``config.yaml``, ``summary.json`` and ``results.jsonl`` into ``out`` (``eval.output_dir``; its
     ``model/`` and ``merged_model/`` have their own checks): a :class:`ConfigError` when ``out`` is the model directory,
@@ -231,9 +214,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     with hold_run_locks({"eval.output_dir": out}):
         if (out / "summary.json").is_file():
             warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)
-        if lora_base is None:
-            drop_stale_merged_model(out / "merged_model", model_dir)
-        else:  # a LoRA checkpoint: serve its merged model
+        if lora_base is not None:  # a LoRA checkpoint: serve its merged model
             model_dir = str(merge_checkpoint(model_dir, out / "merged_model", tokenizer=cfg.policy.tokenizer_name or cfg.policy.model_name))
         run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
 

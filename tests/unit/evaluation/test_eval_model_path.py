@@ -287,22 +287,3 @@ def test_eval_results_replace_an_earlier_evals_whole_and_the_output_dir_may_hold
     for out in (step, step / "policy", step / "policy" / "eval"):  # the step's config.yaml, the model, inside it
         with pytest.raises(ConfigError, match="eval.output_dir: writing"):
             refuse_results_over_model(out, step / "policy")
-
-
-def test_an_eval_that_merges_nothing_removes_an_earlier_lora_evals_merged_model(tmp_path) -> None:
-    """Beside a plain-model eval's summary, a LoRA eval's leftover merged_model/ read as the model the summary scored;
-    it stays when this eval evaluates it (or a model inside it)."""
-    from nemo_like.evaluation.run import drop_stale_merged_model
-
-    merged = tmp_path / "merged_model"
-    merged.mkdir()
-    (merged / "config.json").write_text("{}")
-    drop_stale_merged_model(merged, str(merged))  # eval.model_path=<output_dir>/merged_model: kept
-    assert merged.is_dir()
-    (merged / "policy").mkdir()
-    drop_stale_merged_model(merged, str(merged / "policy"))  # a model inside it: kept
-    assert merged.is_dir()
-    with pytest.warns(RuntimeWarning, match="removing .*merged_model, an earlier LoRA eval's merged model"):
-        drop_stale_merged_model(merged, "embedded:tiny-arith-qwen2")
-    assert not merged.exists()
-    drop_stale_merged_model(merged, "embedded:tiny-arith-qwen2")  # nothing there: nothing to do
