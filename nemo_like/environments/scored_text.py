@@ -98,10 +98,17 @@ def whole_ids_without_control_in_values(tokenizer: Any, pieces: list[tuple[str, 
         if is_value:
             spans.append((position, position + len(text)))
         position += len(text)
-    encoded = tokenizer("".join(text for text, _ in pieces), add_special_tokens=False, return_offsets_mapping=True)
+    text = "".join(text for text, _ in pieces)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     control = control_token_ids(tokenizer)
     for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
-        if token in control and any(start < value_end and value_start < end for value_start, value_end in spans):
+        if token not in control:
+            continue
+        # the token's own characters: an lstrip/rstrip token's span also holds the whitespace it absorbed (Phi-3's
+        # <|assistant|> before a response starting with a space), which is not a content forming the token
+        spelled = text[start:end]
+        start, end = start + len(spelled) - len(spelled.lstrip()), end - (len(spelled) - len(spelled.rstrip()))
+        if any(start < value_end and value_start < end for value_start, value_end in spans):
             return None
     return list(encoded["input_ids"])
 
