@@ -177,9 +177,32 @@ def _die_with_parent() -> None:
 #: A match starts only where a whitespace run does (``(?<!\s)``): tried at every position of a run, the search was
 #: quadratic, and a correct answer followed by 20,000 newlines timed out (scored 0).
 BOXED_PERCENT = re.compile(r"(?<!\s)\s*(?:\\ )?\\?%\s*[.,;]?\s*\}")
-#: Punctuation between a number and the brace closing it (``\boxed{5.}``, ``\boxed{-3;}``): math-verify read the box as
-#: wrong; a sentence's full stop typed inside the box.
-NUMBER_THEN_PUNCTUATION = re.compile(r"(\d)[ \t]*[.,;][ \t]*\}")
+#: A sentence's full stop typed at the end of a box (``\boxed{5.}``, ``\boxed{2\pi.}``, ``\boxed{x;\,}``): math-verify read
+#: the box as wrong. Searched in each box's last characters only (:func:`without_stops_in_boxes`).
+BOX_END_STOP = re.compile(r"[.,;](?:\s|\\[,;:! ])*\Z")
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"[{}]")
+
+
+def without_stops_in_boxes(text: str) -> str:
+    """``text`` with a full stop (``.`` ``,`` ``;`` and the spacing after it) cut from the end of each box's content;
+    braces matched in one pass."""
+    openings = {opened.end() - 1 for opened in _BOX_OPEN.finditer(text)}
+    if not openings:
+        return text
+    cuts, stack = [], []
+    for brace in _BRACE.finditer(text):
+        if brace.group() == "{":
+            stack.append(brace.start())
+        elif stack and (opened := stack.pop()) in openings:
+            stop = BOX_END_STOP.search(text[max(opened + 1, brace.start() - 16) : brace.start()])
+            if stop is not None:
+                cuts.append((brace.start() - len(stop.group()), brace.start()))
+    for start, end in reversed(sorted(cuts)):
+        text = text[:start] + text[end:]
+    return text
+
+
 #: ``\fbox{...}``, LaTeX's other box: math-verify reads only ``\boxed``, so a correct ``\fbox`` answer scored 0. Read as
 #: a box only when the response has no answer without it (a response that frames a step and states its answer after
 #: it is read as before).
@@ -190,11 +213,10 @@ THIN_SPACE_THOUSANDS = re.compile(r"(\d)\\,(?=\d{3}(?!\d))")
 
 def normalised_answer(text: str) -> str:
     """``text`` as math-verify reads it best: thin spaces between digit groups dropped (:data:`THIN_SPACE_THOUSANDS`), a
-    percent sign closing a box dropped (:data:`BOXED_PERCENT`), a full stop between a number and its closing brace
-    dropped (:data:`NUMBER_THEN_PUNCTUATION`), and the Unicode minus sign (U+2212, as typeset text writes it) made
+    percent sign closing a box dropped (:data:`BOXED_PERCENT`), a full stop ending a box's content dropped
+    (:data:`BOX_END_STOP`), and the Unicode minus sign (U+2212, as typeset text writes it) made
     ASCII: math-verify read a plain-text ``−3`` as no answer (inside ``$...$`` or a box it read it)."""
-    text = BOXED_PERCENT.sub("}", THIN_SPACE_THOUSANDS.sub(r"\1", text.replace("\u2212", "-")))
-    return NUMBER_THEN_PUNCTUATION.sub(r"\1}", text)
+    return without_stops_in_boxes(BOXED_PERCENT.sub("}", THIN_SPACE_THOUSANDS.sub(r"\1", text.replace("\u2212", "-"))))
 
 
 def verify_answer(response: str, gold: str, gold_cache: dict[str, Any] | None = None) -> str:

@@ -69,10 +69,13 @@ PAIRS = [
     # ... but an \fbox that frames a step is not read over the answer stated after it
     ("Key step: \\fbox{x = 3}. Therefore the answer is 4.", "4", True),
     ("We first find \\fbox{12} apples; the total is therefore $20$.", "20", True),
-    # a full stop typed inside the box after a number (math-verify read it as wrong)
+    # a full stop typed at the end of the box (math-verify read it as wrong)
     ("\\boxed{5.}", "5", True),
     ("So $\\boxed{-3.}$", "-3", True),
     ("\\boxed{2.5 ;}", "2.5", True),
+    ("\\boxed{2\\pi.}", "2\\pi", True),
+    ("\\boxed{\\dfrac{3}{4}.\\,}", "\\frac{3}{4}", True),
+    ("\\boxed{x.\n}", "x", True),
     ("\\boxed{5.}", "6", False),
     # a correct answer followed by a degenerate run of whitespace (the percent rule's search was quadratic: 20,000
     # newlines took 6 s, 60,000 past this test's 30 s limit: scored 0)
