@@ -21,6 +21,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -180,27 +181,33 @@ BOXED_PERCENT = re.compile(r"(?<!\s)\s*(?:\\ )?\\?%\s*[.,;]?\s*\}")
 #: A sentence's full stop typed at the end of a box (``\boxed{5.}``, ``\boxed{2\pi.}``, ``\boxed{x;\,}``): math-verify read
 #: the box as wrong. Searched in each box's last characters only (:func:`without_stops_in_boxes`).
 BOX_END_STOP = re.compile(r"[.,;](?:\s|\\[,;:! ])*\Z")
-_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"[{}]")
 
 
-def without_stops_in_boxes(text: str) -> str:
-    """``text`` with a full stop (``.`` ``,`` ``;`` and the spacing after it) cut from the end of each box's content;
-    braces matched in one pass."""
-    openings = {opened.end() - 1 for opened in _BOX_OPEN.finditer(text)}
+def closed_boxes(text: str) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of each ``\\boxed{...}`` / ``\\fbox{...}`` that closes in ``text`` (its braces balanced): its
+    content is ``text[start:end]``. Every brace is matched in one pass (a scan per box was quadratic)."""
+    openings = {opened.end() for opened in BOX_OPEN.finditer(text)}
     if not openings:
-        return text
-    cuts, stack = [], []
+        return
+    stack: list[int] = []
     for brace in _BRACE.finditer(text):
         if brace.group() == "{":
-            stack.append(brace.start())
-        elif stack and (opened := stack.pop()) in openings:
-            stop = BOX_END_STOP.search(text[max(opened + 1, brace.start() - 16) : brace.start()])
-            if stop is not None:
-                cuts.append((brace.start() - len(stop.group()), brace.start()))
-    for start, end in reversed(sorted(cuts)):
-        text = text[:start] + text[end:]
-    return text
+            stack.append(brace.end())
+        elif stack and (start := stack.pop()) in openings:
+            yield start, brace.start()
+
+
+def without_stops_in_boxes(text: str) -> str:
+    """``text`` with a full stop (``.`` ``,`` ``;`` and the spacing after it) cut from the end of each box's content."""
+    kept, position = [], 0
+    for start, end in closed_boxes(text):  # in the order the boxes close
+        stop = BOX_END_STOP.search(text[max(start, end - 16) : end])
+        if stop is not None:
+            kept.append(text[position : end - len(stop.group())])
+            position = end
+    return "".join(kept) + text[position:]
 
 
 #: ``\fbox{...}``, LaTeX's other box: math-verify reads only ``\boxed``, so a correct ``\fbox`` answer scored 0. Read as
