@@ -180,7 +180,7 @@ def _die_with_parent() -> None:
 BOXED_PERCENT = re.compile(r"(?<!\s)\s*(?:\\ )?\\?%\s*[.,;]?\s*\}")
 #: A sentence's full stop typed at the end of a box (``\boxed{5.}``, ``\boxed{2\pi.}``, ``\boxed{x;\,}``): math-verify read
 #: the box as wrong. Searched in each box's last characters only (:func:`without_stops_in_boxes`).
-BOX_END_STOP = re.compile(r"[.,;](?:\s|\\[,;:! ])*\Z")
+BOX_END_STOP = re.compile(r"(?<!\\)[.,;](?:\s|\\[,;:! ])*\Z")  # not the , of LaTeX's \, (a thin space)
 BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"[{}]")
 

@@ -77,6 +77,9 @@ PAIRS = [
     ("\\boxed{\\dfrac{3}{4}.\\,}", "\\frac{3}{4}", True),
     ("\\boxed{x.\n}", "x", True),
     ("\\boxed{5.}", "6", False),
+    ("\\boxed{5\\,}", "5", True),  # ... but LaTeX's thin space \, is no full stop (cut, it left \boxed{5\})
+    ("\\boxed{\\frac{1}{2}\\;}", "\\frac{1}{2}", True),
+    ("\\boxed{12\\,\\%}", "12", True),
     # a correct answer followed by a degenerate run of whitespace (the percent rule's search was quadratic: 20,000
     # newlines took 6 s, 60,000 past this test's 30 s limit: scored 0)
     ("\\boxed{5}" + "\n" * 60_000, "5", True),
