@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import re
 
 from nemo_like.environments.tools.errors import ToolError
 
@@ -59,9 +60,13 @@ def _check_size(value: int | float) -> int | float:
     return value
 
 
+_EXPONENT_LITERAL = re.compile(r"(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
 def _not_underflowed(value: int | float, *operands: int | float) -> int | float:
     """``value`` (a product, quotient or power of ``operands``), refused where a float result of non-zero operands came
-    out 0: ``10**-400`` showed as an exact ``0``, which an integer checker would take."""
+    out 0: ``10**-400`` showed as an exact ``0``, which an integer checker would take. An intermediate result is
+    refused too (``1 - 0.5**600 * 0.5**600``, 1.0 in Python): the calculator reports what it cannot represent."""
     if isinstance(value, float) and value == 0 and all(operands):
         raise CalculatorError("result is too small for a float (it underflows to 0)")
     return value
@@ -103,10 +108,11 @@ def _evaluate(node: ast.AST) -> int | float:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow):
             return _not_underflowed(_check_size(_power(left, right)), left)
-        # a product has at most log10|l| + log10|r| + 1 digits: refuse one clearly too long before computing it, and
-        # let _check_size decide the rest exactly (the bound 1 digit lower refused 1000-digit products: 9*10**999)
-        if isinstance(node.op, ast.Mult) and _digits(left) + _digits(right) > MAX_RESULT_DIGITS + 2:
-            raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
+        # an int product has at least bit_length(l) + bit_length(r) - 1 bits: refuse one surely too long before computing
+        # it, and let _check_size decide the rest exactly (a float estimate of its digits refused 1000-digit products)
+        if isinstance(node.op, ast.Mult) and isinstance(left, int) and isinstance(right, int):
+            if left.bit_length() + right.bit_length() - 1 > _INT_LIMIT.bit_length():
+                raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
         if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
             raise CalculatorError("division by zero")
         if isinstance(node.op, ast.Div) and isinstance(left, int) and isinstance(right, int) and left % right == 0:
@@ -128,6 +134,9 @@ def evaluate_expression(expression: str) -> int | float:
         raise CalculatorError(f"expression must be a string, got {type(expression).__name__}")
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    for literal in _EXPONENT_LITERAL.finditer(expression):  # 1e-400 parses as 0.0: an exact 0 the model never wrote
+        if float(literal.group()) == 0 and any(d in "123456789" for d in literal.group(1)):
+            raise CalculatorError(f"{literal.group()} is too small for a float (it reads as 0)")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:

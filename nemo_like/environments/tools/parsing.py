@@ -116,6 +116,18 @@ def _close_after_json(text: str, start: int) -> int | None:
     return close if text.startswith(CLOSE_TAG, close) else None
 
 
+#: The calls read from one text: a failed JSON decode costs time in its position in the text (json counts the lines
+#: before it), so a degenerate turn repeating ``<tool_call>{`` without closing it was quadratic (3 s at 40,000 tags).
+MAX_CALLS_READ = 256
+_QUOTE = re.compile(r'(?<!\\)(?:\\\\)*"')  # a double quote no backslash escapes
+
+
+def _inside_json_string(text: str, start: int, at: int) -> bool:
+    """Whether position ``at`` lies inside a JSON string of the (malformed) value starting at ``start``: an odd number of
+    unescaped double quotes between them."""
+    return len(_QUOTE.findall(text, start, at)) % 2 == 1
+
+
 def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str | ToolCallError], bool]:
     """The text inside each ``<tool_call>...</tool_call>`` of ``text`` in order, and whether the last opening tag is
     left unclosed. A call ends at the closing tag after its JSON value, else (malformed JSON) at the next closing tag.
@@ -124,8 +136,11 @@ def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str |
     one's body: both lost, and the error blamed the JSON).
     ``keep_unclosed``: an unclosed last call is a body too, running to the end (then never reported unclosed)."""
     bodies: list[str | ToolCallError] = []
-    position = 0
+    position, next_close = 0, -2  # the first closing tag at or after a call's start (-2: not looked for yet)
     while (opened := text.find(OPEN_TAG, position)) != -1:
+        if len(bodies) == MAX_CALLS_READ:
+            bodies.append(ToolCallError(f"more than {MAX_CALLS_READ} {OPEN_TAG} tags in one text: the rest is not read"))
+            return bodies, False
         start = opened + len(OPEN_TAG)
         close = _close_after_json(text, start)
         if close == NEXT_CALL:
@@ -133,11 +148,14 @@ def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str |
             position = start
             continue
         if close is None:
-            close = text.find(CLOSE_TAG, start)
+            if next_close == -2 or 0 <= next_close < start:  # looked up again only once passed: one scan of the text
+                next_close = text.find(CLOSE_TAG, start)
+            close = next_close
             following = text.find(OPEN_TAG, start)
-            if following != -1 and (close == -1 or following < close):
+            if following != -1 and (close == -1 or following < close) and not _inside_json_string(text, start, following):
                 # malformed JSON, or text after the value, then the next call's opening tag before any closing tag: this
-                # call's closing tag is missing (its body ran to the next call's closing tag: the next call was lost)
+                # call's closing tag is missing (its body ran to the next call's closing tag: the next call was lost). A tag
+                # inside one of the call's JSON strings (code that prints a call) is the call's own text.
                 bodies.append(ToolCallError(f"missing {CLOSE_TAG} before the next {OPEN_TAG}"))
                 position = following
                 continue

@@ -13,7 +13,7 @@ from nemo_like.environments.interface import FINAL_TURN
 from nemo_like.environments.registry import check_constructor_kwargs, resolve_environments
 from nemo_like.environments.tools.calculator import CalculatorError, calculator, evaluate_expression
 from nemo_like.environments.tools.environment import ToolEnvironment
-from nemo_like.environments.tools.parsing import ToolCall, ToolCallError, format_tool_call, parse_tool_calls
+from nemo_like.environments.tools.parsing import MAX_CALLS_READ, ToolCall, ToolCallError, format_tool_call, parse_tool_calls
 from nemo_like.environments.tools.registry import ToolRegistry
 from nemo_like.serving.tool_parsers import parse_hermes
 
@@ -62,6 +62,17 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
         missing, second = parse_tool_calls(first + " " + call("calculator", expression="1+1"))
         assert isinstance(missing, ToolCallError) and "missing </tool_call>" in missing.message
         assert second == ToolCall("calculator", {"expression": "1+1"})
+    # ... but a tag inside one of the malformed call's JSON strings is the call's own text: one error, and the call
+    # written in that string does not run
+    printed = (
+        '<tool_call>{"name": "python", "arguments": {"code": "print(\'' + call("calculator", expression="2**10") + "')\"}}</tool_call>"
+    )
+    (error,) = parse_tool_calls(printed)
+    assert isinstance(error, ToolCallError) and "malformed JSON" in error.message
+    # A degenerate turn repeating an unclosed tag: at most MAX_CALLS_READ calls are read, then one error (each failed
+    # JSON decode costs its position in the text: 40,000 tags took 3 s)
+    calls = parse_tool_calls("<tool_call>{ " * 40_000)
+    assert len(calls) == MAX_CALLS_READ + 1 and "the rest is not read" in calls[-1].message
     # The model's own text repeated in an error is cut (a 20,000-character name came back whole, past the output cut)
     long_name = "f" * 20_000
     for text in (
@@ -91,6 +102,7 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
         ("123456789012345678 / 2", "61728394506172839"),  # exact: every digit (a float gave 61728394506172840)
         ("7 / 2", "3.5"),
         ("9 * 10 ** 999", str(9 * 10**999)),  # 1000 digits: the product's bound refused it
+        ("((10**999 - 1) * 10 + 9) // 3 * 3", str(10**1000 - 1)),
         ("5 * 0.0", "0"),
     ],  # 302 and 1000 digits: within the limit
 )
@@ -122,6 +134,7 @@ def test_calculator_evaluates_arithmetic(expression: str, value: str) -> None:
         ("10 ** -400", "underflows"),
         ("1 / 10 ** 400", "underflows"),
         ("1e-300 * 1e-300", "underflows"),
+        ("1e-400 * 3", "reads as 0"),
         ("2\ud800", "invalid expression"),  # a lone surrogate was a UnicodeEncodeError ('exception', not a bad expression)
     ],
 )
