@@ -101,16 +101,27 @@ def whole_ids_without_control_in_values(tokenizer: Any, pieces: list[tuple[str, 
     text = "".join(text for text, _ in pieces)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     control = control_token_ids(tokenizer)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
-        if token not in control:
-            continue
-        # the token's own characters: an lstrip/rstrip token's span also holds the whitespace it absorbed (Phi-3's
-        # <|assistant|> before a response starting with a space), which is not a content forming the token
-        spelled = text[start:end]
-        start, end = start + len(spelled) - len(spelled.lstrip()), end - (len(spelled) - len(spelled.rstrip()))
-        if any(start < value_end and value_start < end for value_start, value_end in spans):
-            return None
+        if token in control:
+            start, end = own_characters(text, start, end, added.get(token))
+            if any(start < value_end and value_start < end for value_start, value_end in spans):
+                return None
     return list(encoded["input_ids"])
+
+
+def own_characters(text: str, start: int, end: int, added: Any) -> tuple[int, int]:
+    """The span of a special token's own characters in ``text[start:end]``, its offsets: an ``lstrip``/``rstrip`` added
+    token's offsets also hold the whitespace it absorbed (Phi-3's ``<|assistant|>`` before a response starting with a
+    space), which is no content forming it. Only what the token's flags absorb, and no more than its offsets hold
+    beyond its text, is left out (a token whose text is whitespace keeps it)."""
+    spelled, content = text[start:end], getattr(added, "content", None)
+    extra = len(spelled) - len(content) if content else 0
+    if extra <= 0:
+        return start, end
+    leading = min(len(spelled) - len(spelled.lstrip()), extra) if getattr(added, "lstrip", False) else 0
+    trailing = min(len(spelled) - len(spelled.rstrip()), extra - leading) if getattr(added, "rstrip", False) else 0
+    return start + leading, end - trailing
 
 
 def control_token_ids(tokenizer: Any) -> frozenset[int]:
