@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.models.loading import resolve_model_path
+from nemo_like.models.loading import local_config_file, resolve_model_path
 from nemo_like.plan.memory import DTYPE_BYTES, JudgeSpec, ModelShape, ParameterSpec, RoleMemory, ScorerSpec, judge_memory, scorer_memory
 
 
@@ -30,11 +30,11 @@ def model_config_path(
             raise ConfigError(f"{flag.split()[0]} {config_path}: no config.json there")
         return path
     try:
-        path = Path(resolve_model_path(model_name)) / "config.json"
+        path = local_config_file(model_name)  # a hub id's cached copy too (the docstring promised it; it was not looked for)
         reason = "no such file"
     except (OSError, ValueError) as exc:
         path, reason = None, str(exc).splitlines()[0]
-    if path is None or not path.is_file():
+    if path is None:
         raise ConfigError(
             f"{key}={model_name!r}: its config.json is not on this machine ({reason}); pass {flag} "
             "(the model's config.json, e.g. one of examples/cluster/model_configs/) to plan without the model"
@@ -189,7 +189,8 @@ def scorer_roles(specs: Sequence[ScorerSpec | JudgeSpec], device_bytes: float | 
                 lines.append(f"not planned: {spec.role} loads {spec.model_name!r}, whose config was not read ({str(exc).splitlines()[0]})")
             continue
         try:
-            _, config = read_model_config(Path(resolve_model_path(spec.model_name)) / "config.json")
+            config_file = local_config_file(spec.model_name) or Path(resolve_model_path(spec.model_name)) / "config.json"
+            _, config = read_model_config(config_file)  # the fallback's absence raises: "not planned" below
             with torch.device("meta"):
                 model = AutoModelForSequenceClassification.from_config(config)
         except (OSError, ConfigError, ValueError) as exc:  # not on this machine, or not a model's config
