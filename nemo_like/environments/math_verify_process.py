@@ -203,9 +203,9 @@ def without_stops_in_boxes(text: str) -> str:
     """``text`` with a full stop (``.`` ``,`` ``;`` and the spacing after it) cut from the end of each box's content."""
     kept, position = [], 0
     for start, end in closed_boxes(text):  # in the order the boxes close
-        stop = BOX_END_STOP.search(text[max(start, end - 16) : end])
+        stop = BOX_END_STOP.search(text, max(start, end - 16), end)  # (the lookbehind sees before the window)
         if stop is not None:
-            kept.append(text[position : end - len(stop.group())])
+            kept.append(text[position : stop.start()])
             position = end
     return "".join(kept) + text[position:]
 

@@ -119,9 +119,14 @@ def own_characters(text: str, start: int, end: int, added: Any) -> tuple[int, in
     extra = len(spelled) - len(content) if content else 0
     if extra <= 0:
         return start, end
-    leading = min(len(spelled) - len(spelled.lstrip()), extra) if getattr(added, "lstrip", False) else 0
-    trailing = min(len(spelled) - len(spelled.rstrip()), extra - leading) if getattr(added, "rstrip", False) else 0
-    return start + leading, end - trailing
+    leading = _leading_space(spelled) - _leading_space(content) if getattr(added, "lstrip", False) else 0
+    leading = min(max(leading, 0), extra)
+    trailing = _leading_space(spelled[::-1]) - _leading_space(content[::-1]) if getattr(added, "rstrip", False) else 0
+    return start + leading, end - min(max(trailing, 0), extra - leading)
+
+
+def _leading_space(text: str) -> int:
+    return len(text) - len(text.lstrip())
 
 
 def control_token_ids(tokenizer: Any) -> frozenset[int]:

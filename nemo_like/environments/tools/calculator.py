@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import math
 import operator
-import re
 
 from nemo_like.environments.tools.errors import ToolError
 
@@ -58,9 +57,6 @@ def _check_size(value: int | float) -> int | float:
     if isinstance(value, float) and not math.isfinite(value):
         raise CalculatorError("result is not finite")
     return value
-
-
-_EXPONENT_LITERAL = re.compile(r"(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
 def _not_underflowed(value: int | float, *operands: int | float) -> int | float:
@@ -134,15 +130,17 @@ def evaluate_expression(expression: str) -> int | float:
         raise CalculatorError(f"expression must be a string, got {type(expression).__name__}")
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-    for literal in _EXPONENT_LITERAL.finditer(expression):  # 1e-400 parses as 0.0: an exact 0 the model never wrote
-        if float(literal.group()) == 0 and any(d in "123456789" for d in literal.group(1)):
-            raise CalculatorError(f"{literal.group()} is too small for a float (it reads as 0)")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise CalculatorError(f"invalid expression: {exc.msg}") from None
     except ValueError as exc:  # a lone surrogate (UnicodeEncodeError), a null byte
         raise CalculatorError(f"invalid expression: {exc}") from None
+    for node in ast.walk(tree):  # 1e-400 parses as 0.0: an exact 0 the model never wrote
+        if isinstance(node, ast.Constant) and isinstance(node.value, float) and node.value == 0:
+            written = ast.get_source_segment(expression.strip(), node) or ""
+            if any(d in "123456789" for d in written.lower().split("e")[0]):
+                raise CalculatorError(f"{written} is too small for a float (it reads as 0)")
     return _evaluate(tree)
 
 

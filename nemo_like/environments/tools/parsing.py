@@ -96,66 +96,58 @@ def echoed(text: str) -> str:
     return repr(text) if len(text) <= MAX_ECHOED_CHARS else repr(text[:MAX_ECHOED_CHARS]) + "..."
 
 
-NEXT_CALL = -2  # :func:`_close_after_json`: the JSON value is followed by the next call's opening tag, not a closing one
-
-
-def _close_after_json(text: str, start: int) -> int | None:
-    """When a JSON value starts at ``start``: where the closing tag after it is (only whitespace between), -1 when
-    only whitespace follows it to the end (a call cut before its tag), :data:`NEXT_CALL` when the next ``<tool_call>``
-    follows it; ``None`` otherwise. A ``</tool_call>`` inside one of the value's strings (code that prints it) does
-    not end the call."""
+def _json_end(text: str, start: int) -> int | None:
+    """The end of the JSON value starting at ``start`` (after whitespace); ``None`` when none decodes there."""
     try:
-        _, end = _DECODER.raw_decode(text, _SPACE.match(text, start).end())
+        return _DECODER.raw_decode(text, _SPACE.match(text, start).end())[1]
     except (ValueError, RecursionError):
         return None
-    close = _SPACE.match(text, end).end()
-    if close == len(text):
-        return -1
-    if text.startswith(OPEN_TAG, close):
-        return NEXT_CALL
-    return close if text.startswith(CLOSE_TAG, close) else None
 
 
-#: The calls read from one text: a failed JSON decode costs time in its position in the text (json counts the lines
-#: before it), so a degenerate turn repeating ``<tool_call>{`` without closing it was quadratic (3 s at 40,000 tags).
-MAX_CALLS_READ = 256
+#: Failed JSON decodes allowed in one text: each costs time in its position in the text (json counts the lines before
+#: it), so a degenerate turn repeating ``<tool_call>{`` without closing it was quadratic (3 s at 40,000 tags).
+MAX_MALFORMED_CALLS = 256
 _QUOTE = re.compile(r'(?<!\\)(?:\\\\)*"')  # a double quote no backslash escapes
 
 
 def _inside_json_string(text: str, start: int, at: int) -> bool:
-    """Whether position ``at`` lies inside a JSON string of the (malformed) value starting at ``start``: an odd number of
-    unescaped double quotes between them."""
-    return len(_QUOTE.findall(text, start, at)) % 2 == 1
+    """Whether position ``at`` lies inside a string of the malformed JSON object starting at ``start`` (after
+    whitespace): an odd number of unescaped double quotes between. Not an object: no string to be inside."""
+    start = _SPACE.match(text, start).end()
+    return text.startswith("{", start) and len(_QUOTE.findall(text, start, at)) % 2 == 1
 
 
 def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str | ToolCallError], bool]:
     """The text inside each ``<tool_call>...</tool_call>`` of ``text`` in order, and whether the last opening tag is
-    left unclosed. A call ends at the closing tag after its JSON value, else (malformed JSON) at the next closing tag.
-    A call whose next tag is the next ``<tool_call>`` (after its JSON value, after malformed JSON or after prose) is an
-    error of its own (its closing tag is missing), and the next call is read on its own (it was read as part of this
+    left unclosed. A call ends at the closing tag after its JSON value (a ``</tool_call>`` inside one of its strings,
+    code that prints it, does not end it), else (malformed JSON, or text after the value) at the next closing tag. A
+    call whose next tag is the next ``<tool_call>`` (after its value, or after malformed JSON, outside its strings) is
+    an error of its own (its closing tag is missing), and the next call is read on its own (it was read as part of this
     one's body: both lost, and the error blamed the JSON).
     ``keep_unclosed``: an unclosed last call is a body too, running to the end (then never reported unclosed)."""
     bodies: list[str | ToolCallError] = []
-    position, next_close = 0, -2  # the first closing tag at or after a call's start (-2: not looked for yet)
+    position, malformed, next_close = 0, 0, -2  # next_close: the first closing tag at or after a start (-2: not looked up)
     while (opened := text.find(OPEN_TAG, position)) != -1:
-        if len(bodies) == MAX_CALLS_READ:
-            bodies.append(ToolCallError(f"more than {MAX_CALLS_READ} {OPEN_TAG} tags in one text: the rest is not read"))
-            return bodies, False
         start = opened + len(OPEN_TAG)
-        close = _close_after_json(text, start)
-        if close == NEXT_CALL:
-            bodies.append(ToolCallError(f"missing {CLOSE_TAG} before the next {OPEN_TAG}"))
-            position = start
-            continue
-        if close is None:
+        value_end = _json_end(text, start)
+        if value_end is None:
+            malformed += 1
+            if malformed > MAX_MALFORMED_CALLS:
+                bodies.append(ToolCallError(f"more than {MAX_MALFORMED_CALLS} malformed calls in one text: the rest is not read"))
+                return bodies, False
+        after = _SPACE.match(text, value_end).end() if value_end is not None else None
+        if after is not None and (after == len(text) or text.startswith(CLOSE_TAG, after)):
+            close = after if after < len(text) else -1  # the value, then its closing tag (or the end: a cut call)
+        else:
             if next_close == -2 or 0 <= next_close < start:  # looked up again only once passed: one scan of the text
                 next_close = text.find(CLOSE_TAG, start)
             close = next_close
-            following = text.find(OPEN_TAG, start)
-            if following != -1 and (close == -1 or following < close) and not _inside_json_string(text, start, following):
-                # malformed JSON, or text after the value, then the next call's opening tag before any closing tag: this
-                # call's closing tag is missing (its body ran to the next call's closing tag: the next call was lost). A tag
-                # inside one of the call's JSON strings (code that prints a call) is the call's own text.
+            following = text.find(OPEN_TAG, value_end if value_end is not None else start)
+            if (
+                following != -1
+                and (close == -1 or following < close)
+                and (value_end is not None or not _inside_json_string(text, start, following))
+            ):
                 bodies.append(ToolCallError(f"missing {CLOSE_TAG} before the next {OPEN_TAG}"))
                 position = following
                 continue

@@ -80,6 +80,7 @@ PAIRS = [
     ("\\boxed{5\\,}", "5", True),  # ... but LaTeX's thin space \, is no full stop (cut, it left \boxed{5\})
     ("\\boxed{\\frac{1}{2}\\;}", "\\frac{1}{2}", True),
     ("\\boxed{12\\,\\%}", "12", True),
+    ("\\boxed{5\\," + " " * 15 + "}", "5", True),  # the thin space just before the full-stop rule's window
     # a correct answer followed by a degenerate run of whitespace (the percent rule's search was quadratic: 20,000
     # newlines took 6 s, 60,000 past this test's 30 s limit: scored 0)
     ("\\boxed{5}" + "\n" * 60_000, "5", True),

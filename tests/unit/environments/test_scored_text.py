@@ -213,15 +213,16 @@ def test_a_special_token_of_whitespace_formed_by_a_contents_whitespace_stays_tex
     from nemo_like.environments.scored_text import control_token_ids, ids_of_pieces
 
     vocab = {c: i for i, c in enumerate(["[UNK]", *(chr(c) for c in range(32, 127)), "\n"])}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # a token per character
     specials = ["<|im_start|>", "<|im_end|>", "\n\n", " <|sep|>"]
-    raw.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in specials])
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", additional_special_tokens=specials)
-    control = control_token_ids(tok)
-    for pieces in (
-        [("<|im_start|>a\n", False), ("7\n\n", True), ("<|im_end|>", False)],
-        [("<|im_start|>u\n", False), ("7 ", True), ("<|sep|>x", False)],
-    ):
-        formed = [i for i in ids_of_pieces(tok, pieces) if i in control]
-        assert tok.convert_ids_to_tokens(formed) == ["<|im_start|>"] + (["<|im_end|>"] if pieces[-1][0] == "<|im_end|>" else []), formed
+    for flags in ({}, {"lstrip": True}, {"rstrip": True}, {"lstrip": True, "rstrip": True}):
+        raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # a token per character
+        raw.add_special_tokens([AddedToken(s, normalized=False, special=True, **flags) for s in specials])
+        tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", additional_special_tokens=specials)
+        control = control_token_ids(tok)
+        for pieces, own in (
+            ([("<|im_start|>a\n", False), ("7\n\n", True), ("<|im_end|>", False)], ["<|im_start|>", "<|im_end|>"]),
+            ([("<|im_start|>u\n", False), ("7 ", True), ("<|sep|> x", False)], ["<|im_start|>"]),
+        ):
+            formed = [i for i in ids_of_pieces(tok, pieces) if i in control]
+            assert tok.convert_ids_to_tokens(formed) == own, (flags, tok.convert_ids_to_tokens(formed))

@@ -13,7 +13,7 @@ from nemo_like.environments.interface import FINAL_TURN
 from nemo_like.environments.registry import check_constructor_kwargs, resolve_environments
 from nemo_like.environments.tools.calculator import CalculatorError, calculator, evaluate_expression
 from nemo_like.environments.tools.environment import ToolEnvironment
-from nemo_like.environments.tools.parsing import MAX_CALLS_READ, ToolCall, ToolCallError, format_tool_call, parse_tool_calls
+from nemo_like.environments.tools.parsing import MAX_MALFORMED_CALLS, ToolCall, ToolCallError, format_tool_call, parse_tool_calls
 from nemo_like.environments.tools.registry import ToolRegistry
 from nemo_like.serving.tool_parsers import parse_hermes
 
@@ -69,10 +69,17 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
     )
     (error,) = parse_tool_calls(printed)
     assert isinstance(error, ToolCallError) and "malformed JSON" in error.message
-    # A degenerate turn repeating an unclosed tag: at most MAX_CALLS_READ calls are read, then one error (each failed
-    # JSON decode costs its position in the text: 40,000 tags took 3 s)
+    # ... while quotes in prose (a quoted tag, 12" pizza) say nothing about JSON strings: the next call still runs
+    good = call("calculator", expression="2+2")
+    assert parse_tool_calls('I will use the "<tool_call>" format:\n' + good)[1:] == [ToolCall("calculator", {"expression": "2+2"})]
+    unclosed_then_prose = call("calculator", expression="1").removesuffix("</tool_call>") + ' a 12" pizza ' + good
+    assert parse_tool_calls(unclosed_then_prose)[1:] == [ToolCall("calculator", {"expression": "2+2"})]
+    # More well-formed calls than any cap: all read (the cap counts malformed ones)
+    assert parse_tool_calls(good * 300) == [ToolCall("calculator", {"expression": "2+2"})] * 300
+    # A degenerate turn repeating an unclosed tag: at most MAX_MALFORMED_CALLS malformed calls are read, then one error
+    # (each failed JSON decode costs its position in the text: 40,000 tags took 3 s)
     calls = parse_tool_calls("<tool_call>{ " * 40_000)
-    assert len(calls) == MAX_CALLS_READ + 1 and "the rest is not read" in calls[-1].message
+    assert len(calls) == MAX_MALFORMED_CALLS + 1 and "the rest is not read" in calls[-1].message
     # The model's own text repeated in an error is cut (a 20,000-character name came back whole, past the output cut)
     long_name = "f" * 20_000
     for text in (
@@ -103,6 +110,7 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
         ("7 / 2", "3.5"),
         ("9 * 10 ** 999", str(9 * 10**999)),  # 1000 digits: the product's bound refused it
         ("((10**999 - 1) * 10 + 9) // 3 * 3", str(10**1000 - 1)),
+        ("0x1e-400", "-370"),  # a hex int, not an exponent literal that underflows
         ("5 * 0.0", "0"),
     ],  # 302 and 1000 digits: within the limit
 )
@@ -135,6 +143,7 @@ def test_calculator_evaluates_arithmetic(expression: str, value: str) -> None:
         ("1 / 10 ** 400", "underflows"),
         ("1e-300 * 1e-300", "underflows"),
         ("1e-400 * 3", "reads as 0"),
+        ("1_000e-400", "reads as 0"),
         ("2\ud800", "invalid expression"),  # a lone surrogate was a UnicodeEncodeError ('exception', not a bad expression)
     ],
 )
