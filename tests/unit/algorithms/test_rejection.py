@@ -392,3 +392,26 @@ def test_logprob_batch_keys_warn_when_no_logprob_pass_runs() -> None:
     )
     with_reference = decide_logprob_passes(load_config(None, ["policy.logprob_batch_size=4"], warn=False))  # the KL penalty on
     assert with_reference.compute_reference and not any("has no effect" in r for r in with_reference.reasons)
+
+
+def test_a_nan_log_ratio_is_rejected_at_every_level_and_left_out_of_the_diagnostics() -> None:
+    """No comparison holds for NaN: a NaN prev logprob passed every bound and the NaN reached the loss (the whole
+    optimizer step was then skipped as non-finite); k3's expm1(inf) - inf of a -inf generation logprob likewise."""
+
+    def batch(prev: list[list[float]], gen: list[list[float]]) -> dict[str, torch.Tensor]:
+        prev_t, gen_t = torch.tensor(prev), torch.tensor(gen)
+        token_mask = torch.ones_like(prev_t)
+        token_mask[:, 0] = 0  # the prompt
+        return {"prev_logprobs": prev_t, "generation_logprobs": gen_t, "token_mask": token_mask, "sample_mask": torch.ones(len(prev))}
+
+    nan, inf = math.nan, math.inf
+    b = batch([[0.0, -1.0, -1.0], [0.0, nan, -1.0]], [[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]])
+    metrics = apply_rollout_rejection(RolloutRejectionConfig(level="token", lower=0.5, upper=2.0), b)
+    assert b["token_mask"].tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
+    assert metrics["rollout_rejection/token_frac_nan"] == 0.25 and metrics["rollout_rejection/token_ratio_max"] == 1.0
+    b = batch([[0.0, -1.0, -1.0]], [[0.0, -inf, -1.0]])
+    metrics = apply_rollout_rejection(RolloutRejectionConfig(level="sequence", sequence_statistic="k3", upper=0.1), b)
+    assert b["sample_mask"].tolist() == [0.0] and metrics["rollout_rejection/seq_frac_nan"] == 1.0
+    b = batch([[0.0, -1.0, -1.0], [0.0, nan, -1.0]], [[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]])
+    metrics = mask_high_mismatch_sequences(1.5, b)
+    assert b["sample_mask"].tolist() == [1.0, 0.0] and metrics["seq_logprob_error/max"] == 1.0
