@@ -107,22 +107,25 @@ def _json_end(text: str, start: int) -> int | None:
 #: Failed JSON decodes allowed in one text: each costs time in its position in the text (json counts the lines before
 #: it), so a degenerate turn repeating ``<tool_call>{`` without closing it was quadratic (3 s at 40,000 tags).
 MAX_MALFORMED_CALLS = 256
-_QUOTE = re.compile(r'(?<!\\)(?:\\\\)*"')  # a double quote no backslash escapes
 
 
-def _inside_json_string(text: str, start: int, at: int) -> bool:
-    """Whether position ``at`` lies inside a string of the malformed JSON object starting at ``start`` (after
-    whitespace): an odd number of unescaped double quotes between. Not an object: no string to be inside."""
-    start = _SPACE.match(text, start).end()
-    return text.startswith("{", start) and len(_QUOTE.findall(text, start, at)) % 2 == 1
+def _nested(text: str, opened: int) -> bool:
+    """Whether the call opened at ``opened`` sits inside the call before it: after its closing tag, another closing tag
+    comes before any opening tag (the outer call's: code in the outer call's arguments writes a whole call)."""
+    inner_close = text.find(CLOSE_TAG, opened)
+    if inner_close == -1:
+        return False
+    outer_close = text.find(CLOSE_TAG, inner_close + len(CLOSE_TAG))
+    later_open = text.find(OPEN_TAG, inner_close)
+    return outer_close != -1 and (later_open == -1 or outer_close < later_open)
 
 
 def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str | ToolCallError], bool]:
     """The text inside each ``<tool_call>...</tool_call>`` of ``text`` in order, and whether the last opening tag is
     left unclosed. A call ends at the closing tag after its JSON value (a ``</tool_call>`` inside one of its strings,
     code that prints it, does not end it), else (malformed JSON, or text after the value) at the next closing tag. A
-    call whose next tag is the next ``<tool_call>`` (after its value, or after malformed JSON, outside its strings) is
-    an error of its own (its closing tag is missing), and the next call is read on its own (it was read as part of this
+    call whose next tag is the next ``<tool_call>`` (after its value, or after malformed JSON when that call does not
+    nest in this one: :func:`_nested`) is an error of its own (its closing tag is missing), and the next call is read on its own (it was read as part of this
     one's body: both lost, and the error blamed the JSON).
     ``keep_unclosed``: an unclosed last call is a body too, running to the end (then never reported unclosed)."""
     bodies: list[str | ToolCallError] = []
@@ -143,11 +146,7 @@ def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str |
                 next_close = text.find(CLOSE_TAG, start)
             close = next_close
             following = text.find(OPEN_TAG, value_end if value_end is not None else start)
-            if (
-                following != -1
-                and (close == -1 or following < close)
-                and (value_end is not None or not _inside_json_string(text, start, following))
-            ):
+            if following != -1 and (close == -1 or following < close) and (value_end is not None or not _nested(text, following)):
                 bodies.append(ToolCallError(f"missing {CLOSE_TAG} before the next {OPEN_TAG}"))
                 position = following
                 continue

@@ -74,6 +74,9 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
     assert parse_tool_calls('I will use the "<tool_call>" format:\n' + good)[1:] == [ToolCall("calculator", {"expression": "2+2"})]
     unclosed_then_prose = call("calculator", expression="1").removesuffix("</tool_call>") + ' a 12" pizza ' + good
     assert parse_tool_calls(unclosed_then_prose)[1:] == [ToolCall("calculator", {"expression": "2+2"})]
+    # ... or a stray quote in a malformed call without its closing tag (quote counting took the next tag for text)
+    stray = '<tool_call>{"name": "search", "arguments": {"query": "27" monitor"}}\n'
+    assert parse_tool_calls(stray + good)[1:] == [ToolCall("calculator", {"expression": "2+2"})]
     # More well-formed calls than any cap: all read (the cap counts malformed ones)
     assert parse_tool_calls(good * 300) == [ToolCall("calculator", {"expression": "2+2"})] * 300
     # A degenerate turn repeating an unclosed tag: at most MAX_MALFORMED_CALLS malformed calls are read, then one error
