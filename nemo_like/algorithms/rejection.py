@@ -39,8 +39,8 @@ def _log_ratio(batch: Batch, valid: torch.Tensor) -> torch.Tensor:
 
 
 def _summary(values: torch.Tensor) -> dict[str, float]:
-    """mean/min/max/std (population) of a 1-D tensor's non-NaN values; all 0.0 when there are none."""
-    values = values[~values.isnan()]
+    """mean/min/max/std (population) of a 1-D tensor's finite values; all 0.0 when there are none."""
+    values = values[values.isfinite()]
     if values.numel() == 0:
         return {"mean": 0.0, "min": 0.0, "max": 0.0, "std": 0.0}
     values = values.double()
@@ -157,8 +157,8 @@ def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[s
     when the bounds are on a k1/k2/k3 value),
     ``seq_stat_{max,min,std}`` of the per-sequence statistic (the ratio exp(...) for sum/mean/max;
     for level 'token' the geometric-mean ratio), ``seq_frac_{above,below}``,
-    ``masked_token_fraction`` and ``masked_seq_fraction``, ``token_frac_nan`` / ``seq_frac_nan`` (a NaN log-ratio or
-    statistic: rejected at either level, left out of the summaries). ``{}`` when rejection is off.
+    ``masked_token_fraction`` and ``masked_seq_fraction``, ``token_frac_nonfinite`` / ``seq_frac_nonfinite`` (a NaN or infinite
+    log-ratio or statistic: rejected at either level, left out of the summaries). ``{}`` when rejection is off.
     """
     if not cfg.enabled:
         return {}
@@ -174,12 +174,14 @@ def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[s
 
     tok_above = valid & (log_ratio > tok_high)
     tok_below = valid & (log_ratio < tok_low)
-    tok_nan = valid & log_ratio.isnan()  # a NaN logprob: no comparison holds for it, so it had passed every bound
+    # a NaN log-ratio passed every bound (no comparison holds for it) and an infinite one passes a one-sided bound on
+    # its other side (a -inf generation logprob's k1 is -inf: kept under an upper-only KL bound): both rejected
+    tok_nan = valid & ~log_ratio.isfinite()
     eligible = valid.any(-1)
     high, low = sequence_statistic(log_ratio, valid, statistic)
     seq_above = eligible & (high > seq_high)
     seq_below = eligible & (low < seq_low)
-    seq_nan = eligible & (high.isnan() | low.isnan())  # and k3's expm1(inf) - inf
+    seq_nan = eligible & ~(high.isfinite() & low.isfinite())  # and k3's expm1(inf) - inf
 
     token_mask, sample_mask = batch["token_mask"], batch["sample_mask"]
     if cfg.level == "token":
@@ -215,8 +217,8 @@ def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[s
         f"{prefix}seq_stat_std": seq_summary["std"],
         f"{prefix}seq_frac_above": frac(seq_above, num_seqs),
         f"{prefix}seq_frac_below": frac(seq_below, num_seqs),
-        f"{prefix}token_frac_nan": frac(tok_nan, num_tokens),
-        f"{prefix}seq_frac_nan": frac(seq_nan, num_seqs),
+        f"{prefix}token_frac_nonfinite": frac(tok_nan, num_tokens),
+        f"{prefix}seq_frac_nonfinite": frac(seq_nan, num_seqs),
         f"{prefix}masked_token_fraction": frac(valid & ~after, num_tokens),
         f"{prefix}masked_seq_fraction": frac(eligible & ~(sample_mask > 0), num_seqs),
     }

@@ -408,10 +408,13 @@ def test_a_nan_log_ratio_is_rejected_at_every_level_and_left_out_of_the_diagnost
     b = batch([[0.0, -1.0, -1.0], [0.0, nan, -1.0]], [[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]])
     metrics = apply_rollout_rejection(RolloutRejectionConfig(level="token", lower=0.5, upper=2.0), b)
     assert b["token_mask"].tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
-    assert metrics["rollout_rejection/token_frac_nan"] == 0.25 and metrics["rollout_rejection/token_ratio_max"] == 1.0
+    assert metrics["rollout_rejection/token_frac_nonfinite"] == 0.25 and metrics["rollout_rejection/token_ratio_max"] == 1.0
     b = batch([[0.0, -1.0, -1.0]], [[0.0, -inf, -1.0]])
     metrics = apply_rollout_rejection(RolloutRejectionConfig(level="sequence", sequence_statistic="k3", upper=0.1), b)
-    assert b["sample_mask"].tolist() == [0.0] and metrics["rollout_rejection/seq_frac_nan"] == 1.0
+    assert b["sample_mask"].tolist() == [0.0] and metrics["rollout_rejection/seq_frac_nonfinite"] == 1.0
+    b = batch([[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]], [[0.0, -1.0, -1.0], [0.0, -inf, -1.0]])  # k1 of it is -inf
+    metrics = apply_rollout_rejection(RolloutRejectionConfig(level="sequence", sequence_statistic="k1", upper=0.1), b)
+    assert b["sample_mask"].tolist() == [1.0, 0.0] and math.isfinite(metrics["rollout_rejection/seq_stat_std"])
     b = batch([[0.0, -1.0, -1.0], [0.0, nan, -1.0]], [[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]])
     metrics = mask_high_mismatch_sequences(1.5, b)
     assert b["sample_mask"].tolist() == [1.0, 0.0] and metrics["seq_logprob_error/max"] == 1.0
