@@ -137,8 +137,29 @@ def reuse_actors() -> Iterator[None]:
 def _kill(workers: list[Any], pg: PlacementGroup | None) -> None:
     for w in workers:
         ray.kill(w, no_restart=True)
+        remove_groups_placed_by(w)
     if pg is not None:
         remove_placement_group(pg)
+
+
+#: Marks the name of a placement group an actor reserved (a judge's engines inside an environment actor) with its
+#: creator: Ray keeps such a group until the job ends, not until its creator dies, so a killed or replaced actor's
+#: group held its bundles and the replacement could not place its own (the run stopped instead of going on).
+_PLACED_BY = "@placed-by-"
+
+
+def remove_groups_placed_by(actor: Any) -> None:
+    """Remove every placement group actor ``actor`` reserved (:func:`reserve_bundles` inside it), once it is killed."""
+    actor_id = getattr(actor, "_actor_id", None)
+    if actor_id is None:
+        return
+    mark = f"{_PLACED_BY}{actor_id.hex()}"
+    for info in ray.util.placement_group_table().values():
+        if info.get("name", "").endswith(mark) and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(ray.util.get_placement_group(info["name"]))
+            except Exception:  # noqa: BLE001 - removed meanwhile
+                pass
 
 
 def actor_scheduling(pg: PlacementGroup | None, rank: int, node_id: str | None) -> Any:
@@ -183,8 +204,11 @@ def release_idle_actors() -> None:
 def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s: float, strategy: str = "PACK") -> PlacementGroup:
     """Create a placement group of ``count`` bundles (Ray placement ``strategy``) and wait for it; fail clearly
     instead of hanging. Idle actors kept by :func:`reuse_actors` are killed first if they hold the resources needed."""
-    # A unique name: a kept (idle) group of the same role may still hold its placement group.
-    pg = placement_group([resources.bundle()] * count, strategy=strategy, name=f"{name}-{uuid.uuid4().hex[:8]}")
+    # A unique name: a kept (idle) group of the same role may still hold its placement group. Reserved inside an actor,
+    # it names that actor (remove_groups_placed_by).
+    creator = ray.get_runtime_context().get_actor_id()
+    owner = f"{_PLACED_BY}{creator}" if creator else ""
+    pg = placement_group([resources.bundle()] * count, strategy=strategy, name=f"{name}-{uuid.uuid4().hex[:8]}{owner}")
     try:
         ready, _ = ray.wait([pg.ready()], timeout=min(timeout_s, 2.0) if _POOL.idle else timeout_s)
         if not ready and _POOL.idle:
@@ -335,6 +359,7 @@ class RayWorkerGroup:
             ray.kill(self.workers[rank], no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
+        remove_groups_placed_by(self.workers[rank])
         self.workers[rank] = self._start(rank)
         return self.workers[rank]
 

@@ -56,3 +56,34 @@ def test_a_pinned_group_whose_node_has_no_free_resources_fails_within_its_placem
         assert ray.get(group.run_rank0("ping"), timeout=60) == 1  # with room on the node it starts as before
     finally:
         group.kill()
+
+
+class HelperPlacer:
+    """An actor that reserves a helper group from inside, as a judge's environment actor places its engines."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.helpers = reserve_bundles("helper", WorkerResources(num_cpus=0.5), 1, 20)
+
+
+def groups_named(part: str) -> list[str]:
+    return [i["name"] for i in ray.util.placement_group_table().values() if part in i["name"] and i["state"] != "REMOVED"]
+
+
+def test_a_replaced_or_killed_actors_helper_groups_are_removed(ray_cluster):
+    """Ray keeps a group an actor reserved until the job ends, not until the actor dies: a replaced judge environment's
+    helper group held its bundles, the replacement could not place its own, and the run stopped."""
+    group = RayWorkerGroup("environment:j", HelperPlacer, 1, WorkerResources(num_cpus=0.5), {}, placement_timeout_s=20)
+    try:
+        group.wait_started()
+        first = groups_named("helper-")
+        assert len(first) == 1 and "@placed-by-" in first[0]
+        group.replace(0)
+        group.wait_started([0])  # the replacement placed its own helpers: the dead one's bundle was freed
+        second = groups_named("helper-")
+        assert len(second) == 1 and second != first
+    finally:
+        group.kill()
+    deadline = time.monotonic() + 10
+    while groups_named("helper-") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert groups_named("helper-") == []
