@@ -116,3 +116,17 @@ class CountsItsOwnSamples(EnvironmentInterface):
     def metrics(self) -> dict[str, float]:
         samples, self.samples = self.samples, 0
         return {"num_samples": float(samples), "scored": float(samples)}
+
+
+class BuggyScorer(EnvironmentInterface):
+    """Raises on a sample without an answer, returns None for one whose response says 'none', and reports a counter
+    that is not a number when asked to."""
+
+    def __init__(self, bad_counter: bool = False) -> None:
+        self.bad_counter = bad_counter
+
+    def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
+        return [None if r == "none" else float(m["answer"] == r) for r, m in zip(responses, metadata)]
+
+    def metrics(self) -> dict[str, float]:
+        return {"scored": "many"} if self.bad_counter else {}

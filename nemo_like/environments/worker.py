@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,7 +54,15 @@ def checked_counters(task: str, counters: dict[str, Any]) -> dict[str, float]:
             f"environment '{task}': metrics() names {clash}, which the run keeps for env/{task}/reward and "
             f"env/{task}/num_samples; rename them (e.g. 'scored')"
         )
-    return {k: float(v) for k, v in counters.items()}
+    return {k: _as_float(v, f"environment '{task}' metrics()", repr(k)) for k, v in counters.items()}
+
+
+def _as_float(value: Any, who: str, what: str) -> float:
+    """``float(value)``, or a ValueError naming ``who`` and ``what`` (a None reward was a bare TypeError from float())."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{who} returned {preview(value)}, not a number, as a {what}") from None
 
 
 class EnvironmentWorker(Reinitializable):
@@ -64,13 +73,28 @@ class EnvironmentWorker(Reinitializable):
     def __init__(
         self, rank: int, world_size: int, task: str, class_path: str, kwargs: dict[str, Any], placement_timeout_s: float = 60.0
     ) -> None:
-        self.task = task
+        self.task, self.rank = task, rank
         HELPER_PLACEMENT["timeout_s"] = placement_timeout_s  # the run's cluster.placement_timeout_s, for its helper actors
         cls = import_environment_class(class_path, f"env.{task}")
         self.env = cls(**kwargs)
 
+    def __repr__(self) -> str:  # Ray's error header names the actor by it
+        return f"EnvironmentWorker(task={self.task!r}, rank={self.rank})"
+
+    def _call(self, method: str, first_metadata: Any, call: Callable[[], Any]) -> list[Any]:
+        """The environment's ``method`` result as a list; its exception re-raised naming the task and the batch (a bare
+        ``KeyError: 'answer'`` named neither, nor which of two tasks sharing a class raised it)."""
+        try:
+            return list(call())
+        except Exception as exc:
+            raise RuntimeError(
+                f"environment '{self.task}' {method} raised {type(exc).__name__}: {exc} (this actor's batch starts with "
+                f"metadata {preview(first_metadata)})"
+            ) from exc
+
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> tuple[list[float], dict[str, float]]:
-        rewards = [float(r) for r in self.env.score(responses, metadata)]
+        raw = self._call("score", metadata[0] if metadata else None, lambda: self.env.score(responses, metadata))
+        rewards = [_as_float(value, f"environment '{self.task}'", "reward") for value in raw]
         if len(rewards) != len(responses):
             raise ValueError(f"environment '{self.task}' returned {len(rewards)} rewards for {len(responses)} responses")
         check_finite_rewards(f"environment '{self.task}'", rewards, responses, metadata)
@@ -80,7 +104,7 @@ class EnvironmentWorker(Reinitializable):
         self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]
     ) -> tuple[list[EnvironmentStep], dict[str, float]]:
         """One environment turn for each conversation (multi-turn rollouts), checked, with the env's counters."""
-        steps = list(self.env.step(message_logs, metadata))
+        steps = self._call("step", metadata[0] if metadata else None, lambda: self.env.step(message_logs, metadata))
         if len(steps) != len(message_logs):
             raise ValueError(f"environment '{self.task}' step returned {len(steps)} steps for {len(message_logs)} conversations")
         for i, step in enumerate(steps):  # i is this actor's share's position: the metadata and last message say which

@@ -153,3 +153,21 @@ def test_a_counter_named_as_the_runs_own_env_metrics_is_refused_by_name() -> Non
         ValueError, match=r"environment 'counted': metrics\(\) names \['num_samples'\], which the run keeps for env/counted"
     ):
         worker.score(["1", "2"], [{}, {}])
+
+
+def test_an_environments_own_error_names_its_task_and_batch() -> None:
+    """A raising score, a None reward and a text counter were bare KeyError / TypeError from the actor, naming no task
+    (two tasks can share a class) and no sample; Ray's header named the actor '<EnvironmentWorker object at 0x...>'."""
+    from nemo_like.environments.worker import EnvironmentWorker
+
+    worker = EnvironmentWorker(1, 2, "gsm8k", "custom_envs:BuggyScorer", {})
+    assert repr(worker) == "EnvironmentWorker(task='gsm8k', rank=1)"
+    with pytest.raises(
+        RuntimeError, match=r"environment 'gsm8k' score raised KeyError: 'answer' \(this actor's batch starts with metadata \{'id': 5\}\)"
+    ):
+        worker.score(["7"], [{"id": 5}])
+    with pytest.raises(ValueError, match=r"environment 'gsm8k' returned None, not a number, as a reward"):
+        worker.score(["none"], [{"answer": "7"}])
+    bad_counter = EnvironmentWorker(0, 1, "gsm8k", "custom_envs:BuggyScorer", {"bad_counter": True})
+    with pytest.raises(ValueError, match=r"environment 'gsm8k' metrics\(\) returned 'many', not a number, as a 'scored'"):
+        bad_counter.score(["7"], [{"answer": "7"}])
