@@ -79,8 +79,11 @@ def test_a_replaced_or_killed_actors_helper_groups_are_removed(ray_cluster):
         assert len(first) == 1 and "@placed-by-" in first[0]
         group.replace(0)
         group.wait_started([0])  # the replacement placed its own helpers: the dead one's bundle was freed
+        deadline = time.monotonic() + 10
+        while first[0] in groups_named("helper-") and time.monotonic() < deadline:  # removal is asynchronous
+            time.sleep(0.2)
         second = groups_named("helper-")
-        assert len(second) == 1 and second != first
+        assert len(second) == 1 and second != first, (first, second)
     finally:
         group.kill()
     deadline = time.monotonic() + 10
