@@ -157,8 +157,9 @@ def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[s
     when the bounds are on a k1/k2/k3 value),
     ``seq_stat_{max,min,std}`` of the per-sequence statistic (the ratio exp(...) for sum/mean/max;
     for level 'token' the geometric-mean ratio), ``seq_frac_{above,below}``,
-    ``masked_token_fraction`` and ``masked_seq_fraction``, ``token_frac_nonfinite`` / ``seq_frac_nonfinite`` (a NaN or infinite
-    log-ratio or statistic: rejected at either level, left out of the summaries). ``{}`` when rejection is off.
+    ``masked_token_fraction`` and ``masked_seq_fraction``, ``token_frac_nonfinite`` / ``seq_frac_nonfinite`` (a NaN or
+    infinite log-ratio or statistic: rejected at the level rejection works on, counted apart from ``*_frac_above`` /
+    ``*_frac_below``, left out of the summaries). ``{}`` when rejection is off.
     """
     if not cfg.enabled:
         return {}
@@ -172,16 +173,19 @@ def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[s
     seq_low = _log_bound(cfg.lower, ratio_stat, -math.inf)
     seq_high = _log_bound(cfg.upper, ratio_stat, math.inf)
 
-    tok_above = valid & (log_ratio > tok_high)
-    tok_below = valid & (log_ratio < tok_low)
     # a NaN log-ratio passed every bound (no comparison holds for it) and an infinite one passes a one-sided bound on
-    # its other side (a -inf generation logprob's k1 is -inf: kept under an upper-only KL bound): both rejected
-    tok_nan = valid & ~log_ratio.isfinite()
+    # its other side (a -inf generation logprob's k1 is -inf: kept under an upper-only KL bound): both rejected, and
+    # counted apart from the finite values above and below the bounds
+    finite = log_ratio.isfinite()
+    tok_nan = valid & ~finite
+    tok_above = valid & finite & (log_ratio > tok_high)
+    tok_below = valid & finite & (log_ratio < tok_low)
     eligible = valid.any(-1)
     high, low = sequence_statistic(log_ratio, valid, statistic)
-    seq_above = eligible & (high > seq_high)
-    seq_below = eligible & (low < seq_low)
-    seq_nan = eligible & ~(high.isfinite() & low.isfinite())  # and k3's expm1(inf) - inf
+    seq_finite = high.isfinite() & low.isfinite()  # k3's expm1(inf) - inf is NaN
+    seq_nan = eligible & ~seq_finite
+    seq_above = eligible & seq_finite & (high > seq_high)
+    seq_below = eligible & seq_finite & (low < seq_low)
 
     token_mask, sample_mask = batch["token_mask"], batch["sample_mask"]
     if cfg.level == "token":

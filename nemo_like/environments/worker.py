@@ -82,15 +82,14 @@ class EnvironmentWorker(Reinitializable):
         return f"EnvironmentWorker(task={self.task!r}, rank={self.rank})"
 
     def _call(self, method: str, first_metadata: Any, call: Callable[[], Any]) -> list[Any]:
-        """The environment's ``method`` result as a list; its exception re-raised naming the task and the batch (a bare
+        """The environment's ``method`` result as a list; its exception re-raised as it is (the driver handles some by
+        type: a nested actor's death, a placement error) with a note naming the task and the batch (a bare
         ``KeyError: 'answer'`` named neither, nor which of two tasks sharing a class raised it)."""
         try:
             return list(call())
         except Exception as exc:
-            raise RuntimeError(
-                f"environment '{self.task}' {method} raised {type(exc).__name__}: {exc} (this actor's batch starts with "
-                f"metadata {preview(first_metadata)})"
-            ) from exc
+            exc.add_note(f"raised by environment '{self.task}' {method}; this actor's batch starts with metadata {preview(first_metadata)}")
+            raise
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> tuple[list[float], dict[str, float]]:
         raw = self._call("score", metadata[0] if metadata else None, lambda: self.env.score(responses, metadata))

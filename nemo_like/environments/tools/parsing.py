@@ -112,7 +112,9 @@ MAX_MALFORMED_CALLS = 256
 def _nested(text: str, opened: int) -> bool:
     """Whether the call opened at ``opened`` sits inside the call before it: after its closing tag, another closing tag
     comes before any opening tag (the outer call's: code in the outer call's arguments writes a whole call)."""
-    inner_close = text.find(CLOSE_TAG, opened)
+    value_end = _json_end(text, opened + len(OPEN_TAG))  # a closing tag inside its strings does not close it
+    after = _SPACE.match(text, value_end).end() if value_end is not None else None
+    inner_close = after if after is not None and text.startswith(CLOSE_TAG, after) else text.find(CLOSE_TAG, opened)
     if inner_close == -1:
         return False
     outer_close = text.find(CLOSE_TAG, inner_close + len(CLOSE_TAG))

@@ -409,6 +409,10 @@ def test_a_nan_log_ratio_is_rejected_at_every_level_and_left_out_of_the_diagnost
     metrics = apply_rollout_rejection(RolloutRejectionConfig(level="token", lower=0.5, upper=2.0), b)
     assert b["token_mask"].tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
     assert metrics["rollout_rejection/token_frac_nonfinite"] == 0.25 and metrics["rollout_rejection/token_ratio_max"] == 1.0
+    b = batch([[0.0, -1.0, -1.0], [0.0, -inf, -1.0]], [[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]])  # counted once, apart
+    metrics = apply_rollout_rejection(RolloutRejectionConfig(level="token", lower=0.5, upper=2.0), b)
+    assert (metrics["rollout_rejection/token_frac_below"], metrics["rollout_rejection/token_frac_nonfinite"]) == (0.0, 0.25)
+    assert metrics["rollout_rejection/masked_token_fraction"] == 0.25
     b = batch([[0.0, -1.0, -1.0]], [[0.0, -inf, -1.0]])
     metrics = apply_rollout_rejection(RolloutRejectionConfig(level="sequence", sequence_statistic="k3", upper=0.1), b)
     assert b["sample_mask"].tolist() == [0.0] and metrics["rollout_rejection/seq_frac_nonfinite"] == 1.0

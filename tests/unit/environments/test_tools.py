@@ -77,6 +77,10 @@ def test_parsing_well_formed_several_and_malformed_calls() -> None:
     # ... or a stray quote in a malformed call without its closing tag (quote counting took the next tag for text)
     stray = '<tool_call>{"name": "search", "arguments": {"query": "27" monitor"}}\n'
     assert parse_tool_calls(stray + good)[1:] == [ToolCall("calculator", {"expression": "2+2"})]
+    # ... also when the next call's own arguments spell a closing tag (it was taken for that call's end)
+    prints_tag = call("python", code="print('</tool_call>')")
+    malformed = '<tool_call>{"name": "python", "arguments": {"code": "x = 1"}\n'
+    assert parse_tool_calls(malformed + prints_tag)[1:] == [ToolCall("python", {"code": "print('</tool_call>')"})]
     # More well-formed calls than any cap: all read (the cap counts malformed ones)
     assert parse_tool_calls(good * 300) == [ToolCall("calculator", {"expression": "2+2"})] * 300
     # A degenerate turn repeating an unclosed tag: at most MAX_MALFORMED_CALLS malformed calls are read, then one error
