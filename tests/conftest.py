@@ -71,3 +71,22 @@ def unreachable_hub(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def cached_hub_model(monkeypatch, tmp_path):
+    """An offline ``HF_HOME`` whose hub cache holds the shipped tiny causal LM as hub id ``acme/tiny-chat`` (a model a
+    node holds in its cache). Returns the snapshot directory."""
+    import shutil
+
+    from nemo_like.models.assets import embedded_model_path
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hub" / "models--acme--tiny-chat"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(embedded_model_path("embedded:tiny-arith-qwen2"), snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    return snapshot

@@ -137,7 +137,7 @@ def reuse_actors() -> Iterator[None]:
 def _kill(workers: list[Any], pg: PlacementGroup | None) -> None:
     for w in workers:
         ray.kill(w, no_restart=True)
-        remove_groups_placed_by(w)
+    remove_groups_placed_by(*workers)
     if pg is not None:
         remove_placement_group(pg)
 
@@ -148,14 +148,13 @@ def _kill(workers: list[Any], pg: PlacementGroup | None) -> None:
 _PLACED_BY = "@placed-by-"
 
 
-def remove_groups_placed_by(actor: Any) -> None:
-    """Remove every placement group actor ``actor`` reserved (:func:`reserve_bundles` inside it), once it is killed."""
-    actor_id = getattr(actor, "_actor_id", None)
-    if actor_id is None:
+def remove_groups_placed_by(*actors: Any) -> None:
+    """Remove every placement group ``actors`` reserved (:func:`reserve_bundles` inside them), once they are killed."""
+    marks = tuple(f"{_PLACED_BY}{a._actor_id.hex()}" for a in actors if getattr(a, "_actor_id", None) is not None)
+    if not marks:
         return
-    mark = f"{_PLACED_BY}{actor_id.hex()}"
-    for info in ray.util.placement_group_table().values():
-        if info.get("name", "").endswith(mark) and info.get("state") != "REMOVED":
+    for info in ray.util.placement_group_table().values():  # one lookup for all of them
+        if info.get("name", "").endswith(marks) and info.get("state") != "REMOVED":
             try:
                 remove_placement_group(ray.util.get_placement_group(info["name"]))
             except Exception:  # noqa: BLE001 - removed meanwhile

@@ -316,16 +316,9 @@ def test_bad_sections_name_the_key(section: dict, message: str) -> None:
         resolve_environments(cfg.env_sections)
 
 
-def test_a_cached_hub_id_of_a_causal_lm_is_refused_by_the_config(tmp_path: Path, monkeypatch) -> None:
+def test_a_cached_hub_id_of_a_causal_lm_is_refused_by_the_config(cached_hub_model: Path) -> None:
     """The config's check read config.json under the name as a path: a hub id in the local cache passed it."""
     from nemo_like.environments.reward_model import RewardModelEnvConfig
-    from nemo_like.models.assets import embedded_model_path
 
-    monkeypatch.setenv("HF_HOME", str(tmp_path))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    repo = tmp_path / "hub" / "models--acme--tiny-chat"
-    shutil.copytree(embedded_model_path("embedded:tiny-arith-qwen2"), repo / "snapshots" / ("0" * 40))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0" * 40)
     with pytest.raises(ValueError, match="'acme/tiny-chat' is a causal language model"):
         RewardModelEnvConfig(model_name="acme/tiny-chat")

@@ -15,6 +15,7 @@ import socket
 
 import pytest
 import torch
+from policy_batches import random_step_batch, with_global_counts
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config.loss import ClippedPGLossConfig
@@ -45,30 +46,9 @@ def make_worker(**overrides) -> PolicyWorker:
     return PolicyWorker(**options)
 
 
-def step_batch(seed: int, rows: int = 6, seq: int = 12) -> dict[str, torch.Tensor]:
+def step_batch(seed: int) -> dict[str, torch.Tensor]:
     """One optimizer step's rows (right-padded, a 4-token prompt) with their global counts."""
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, 200, (rows, seq), generator=g)
-    lengths = torch.randint(6, seq + 1, (rows,), generator=g)
-    cols = torch.arange(seq)
-    attention = (cols[None, :] < lengths[:, None]).long()
-    token_mask = ((cols[None, :] >= 4) & (attention == 1)).float()
-    batch = {
-        "input_ids": input_ids * attention,
-        "attention_mask": attention,
-        "token_mask": token_mask,
-        "sample_mask": torch.ones(rows),
-        "generation_logprobs": -torch.rand(rows, seq, generator=g) * token_mask,
-        "advantages": torch.randn(rows, 1, generator=g).expand(rows, seq) * token_mask,
-    }
-    return with_global_counts(batch)
-
-
-def with_global_counts(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    batch = dict(batch)
-    batch["global_valid_toks"] = (batch["token_mask"] * batch["sample_mask"][:, None]).sum()
-    batch["global_valid_seqs"] = batch["sample_mask"].sum()
-    return batch
+    return random_step_batch(seed, rows=6, seq=12, vocab=200)
 
 
 def skipped_step(kind: str) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from policy_batches import random_step_batch
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config.loss import ClippedPGLossConfig
@@ -53,23 +54,7 @@ def make_worker(rank: int = 0, world_size: int = 1, **kwargs) -> PolicyWorker:
 
 def step_batch(step: int, rows: int = 8, seq: int = 20) -> dict[str, torch.Tensor]:
     """Right-padded rows of very different lengths, a 4-token prompt, global counts attached."""
-    g = torch.Generator().manual_seed(100 + step)
-    input_ids = torch.randint(3, 300, (rows, seq), generator=g)
-    lengths = torch.randint(6, seq + 1, (rows,), generator=g)
-    cols = torch.arange(seq)
-    attention = (cols[None, :] < lengths[:, None]).long()
-    token_mask = ((cols[None, :] >= 4) & (attention == 1)).float()
-    batch = {
-        "input_ids": input_ids * attention,
-        "attention_mask": attention,
-        "token_mask": token_mask,
-        "sample_mask": torch.ones(rows),
-        "generation_logprobs": -torch.rand(rows, seq, generator=g) * token_mask,
-        "advantages": torch.randn(rows, 1, generator=g).expand(rows, seq) * token_mask,
-    }
-    batch["global_valid_toks"] = token_mask.sum()
-    batch["global_valid_seqs"] = torch.tensor(float(rows))
-    return batch
+    return random_step_batch(100 + step, rows, seq, vocab=300)
 
 
 def rank_rows(batch: dict, rank: int, world: int) -> dict:

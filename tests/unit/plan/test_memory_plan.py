@@ -945,21 +945,12 @@ def test_an_llm_judge_is_planned_with_what_its_engine_allocates() -> None:
     assert "judge:arithmetic.judge GPU: lower its environment's engine_gpu_memory_utilization" in lines[-1]
 
 
-def test_the_plan_reads_a_cached_hub_models_config(tmp_path, monkeypatch) -> None:
+def test_the_plan_reads_a_cached_hub_models_config(cached_hub_model) -> None:
     """The planner looked for a hub id's config.json under the name as a path: a model in the local cache (what an
     offline cluster node holds) was 'not on this machine'."""
-    import shutil
-
     from nemo_like.config.errors import ConfigError
-    from nemo_like.models.assets import embedded_model_path
     from nemo_like.models.footprint import model_config_path
 
-    monkeypatch.setenv("HF_HOME", str(tmp_path))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    repo = tmp_path / "hub" / "models--acme--tiny-chat"
-    shutil.copytree(embedded_model_path("embedded:tiny-arith-qwen2"), repo / "snapshots" / ("0" * 40))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0" * 40)
-    assert model_config_path("acme/tiny-chat") == repo / "snapshots" / ("0" * 40) / "config.json"
+    assert model_config_path("acme/tiny-chat") == cached_hub_model / "config.json"
     with pytest.raises(ConfigError, match="policy.model_name='acme/other': its config.json is not on this machine"):
         model_config_path("acme/other")
