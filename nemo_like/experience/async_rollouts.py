@@ -365,9 +365,12 @@ def raise_dead_worker(error: BaseException) -> None:
 
 def loop_failure_cause(error: BaseException) -> str:
     """One line for what the collector's loop raised: the last line of a multi-line error (a RayTaskError carries the
-    traceback, its cause last), else the exception's type and message."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {error}"
+    traceback, its cause last), else the exception's type and message; then its notes (an environment's names its task:
+    printed after the cause in the traceback, a note had taken the cause's place as the last line)."""
+    notes = [n.strip() for n in getattr(getattr(error, "cause", None) or error, "__notes__", None) or [] if n.strip()]
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and line.strip() not in notes]
+    cause = lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {error}"
+    return "; ".join([cause, *notes])
 
 
 class DriverCollectorThread:

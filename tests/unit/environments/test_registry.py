@@ -170,3 +170,22 @@ def test_an_environments_own_error_names_its_task_and_batch() -> None:
     bad_counter = EnvironmentWorker(0, 1, "gsm8k", "custom_envs:BuggyScorer", {"bad_counter": True})
     with pytest.raises(ValueError, match=r"environment 'gsm8k' metrics\(\) returned 'many', not a number, as a 'scored'"):
         bad_counter.score(["7"], [{"answer": "7"}])
+
+
+def test_an_async_runs_one_line_error_keeps_the_cause_before_the_environments_note() -> None:
+    """The async collector's failure line was the last line of the error's text, which the environment's note had
+    become: 'nemo-like: error: ... raised by environment ...' without the KeyError it was about."""
+    import traceback
+
+    from ray.exceptions import RayTaskError
+
+    from nemo_like.environments.worker import EnvironmentWorker
+    from nemo_like.experience.async_rollouts import loop_failure_cause
+
+    worker = EnvironmentWorker(0, 1, "gsm8k", "custom_envs:BuggyScorer", {})
+    try:
+        worker.score(["7"], [{"id": 5}])
+    except KeyError as exc:
+        error = RayTaskError("score", "".join(traceback.format_exception(exc)), exc).as_instanceof_cause()
+    line = loop_failure_cause(error)
+    assert line.startswith("KeyError: 'answer'; raised by environment 'gsm8k' score"), line
