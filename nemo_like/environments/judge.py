@@ -13,8 +13,9 @@ writes a verdict, a parser turns the verdict into a score, and the score (normal
   sample ``parse_failure_reward`` and is counted.
 
 Counters (``env/<task>/<name>``, summed over actors): ``judged`` (prompts sent to the engine), ``cache_hits``,
-``parse_failures``, ``template_errors`` (a sample lacking a metadata key the template reads), ``timeouts``, ``engine_errors``, ``engine_restarts``, ``truncated`` (judge prompts cut to fit
-the judge model), ``prompt_missing``, ``scored``, ``score_sum`` (parsed scores, before normalisation).
+``parse_failures``, ``template_errors`` (a sample lacking a metadata key the template reads), ``timeouts``, ``engine_errors``, ``engine_restarts``, ``truncated`` (judge prompts
+whose response lost its middle to fit the judge model), ``prompt_missing``, ``out_of_range`` (verdicts outside
+``score_range``), ``scored``, ``score_sum`` (parsed scores, before normalisation).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from nemo_like.environments.judge_parsers import resolve_parser
 from nemo_like.environments.judge_template import DEFAULT_SCORE_RANGE, JudgeTemplate, TemplateFormat, load_template_text
 from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prompt_of
 from nemo_like.environments.score_normalization import ScoreNormalization
-from nemo_like.environments.scored_text import chat_ids_of_untrusted_text, ids_of_pieces, template_pieces
+from nemo_like.environments.scored_text import chat_ids_of_untrusted_text, control_token_ids, ids_of_pieces, template_pieces
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.utils.seeds import judge_seed
 
@@ -151,20 +152,33 @@ def plain_template_ids(
     usual (chat markup written in it is real: use_chat_template=false is how a template writes its own; it had been
     read as plain text too), the sample's fields as plain text (special-token strings the policy wrote stay text): the
     whole text's ids where no field forms a special token (:func:`~.scored_text.ids_of_pieces`). A template that
-    transforms a field past its surrounding whitespace is tokenized whole when no field spells a special or added
-    token's text, else read as plain text whole."""
-    from nemo_like.models.loading import added_token_texts
-
+    transforms a field past its surrounding whitespace is tokenized whole when that forms no control token beyond the
+    template's own, else read as plain text whole."""
     answer = metadata.get("answer")
     values = [prompt, response, "" if answer is None else str(answer)]
     marks = [_FIELD_MARK.format(i) for i in range(len(values))]
     marked = template.render(marks[0], marks[1], {**metadata, "answer": marks[2]})
     pieces = template_pieces(marked, text, marks, values)
-    if pieces is None:  # where each field lies is unknown
-        if not any(s in v for v in values for s in added_token_texts(tokenizer)):
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if pieces is None:  # where each field lies is unknown: whole, when it holds no control token beyond the template's own
+        whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+        control = control_token_ids(tokenizer)
+        own = sum(i in control for i in tokenizer(marked, add_special_tokens=False)["input_ids"])
+        if sum(i in control for i in whole) == own:  # (a search of the fields missed what '| lower' made of them)
+            return whole
         pieces = [(text, True)]
     return ids_of_pieces(tokenizer, pieces)
+
+
+#: Stands where a response too long for the judge's context lost its middle.
+CUT_MARK = " [...] "
+
+
+def without_middle(text: str, kept: int) -> str:
+    """``text`` with its middle replaced by :data:`CUT_MARK`, ``kept`` of its characters left (half from each end)."""
+    if kept >= len(text):
+        return text
+    head = kept // 2
+    return text[:head] + CUT_MARK + text[len(text) - (kept - head) :]
 
 
 def check_verdict_room(max_new_tokens: int, context: int, source: str) -> None:
@@ -251,20 +265,35 @@ class JudgeEnvironment(EnvironmentInterface):
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 
     def judge_prompt_ids(self, response: str, metadata: dict[str, Any]) -> list[int]:
-        """The token ids the judge reads for one sample (template, then the judge's chat template)."""
+        """The token ids the judge reads for one sample (template, then the judge's chat template). Past the judge's
+        context the response loses its middle (its head and its tail, where an answer usually stands, stay: the
+        binary search keeps as many of its characters as fit); the question and the template's text stay whole (a
+        cut from the left had dropped them, so a padded response was judged without its question). Only when they
+        alone do not fit is the prompt cut from the left."""
         prompt = prompt_of(metadata)
         if prompt is None:
             self._counts["prompt_missing"] += 1
-        text = self.template.render(prompt or "", response, metadata)
+        ids = self._prompt_ids(prompt or "", response, metadata)
+        limit = self.max_prompt_tokens
+        if limit is None or len(ids) <= limit:
+            return ids
+        self._counts["truncated"] += 1
+        fitting, low, high = None, 0, len(response)  # characters of the response kept
+        while low <= high:
+            kept = (low + high) // 2
+            candidate = self._prompt_ids(prompt or "", without_middle(response, kept), metadata)
+            if len(candidate) <= limit:
+                fitting, low = candidate, kept + 1
+            else:
+                high = kept - 1
+        return fitting if fitting is not None else cut_from_left(ids, limit, self.tokenizer)
+
+    def _prompt_ids(self, prompt: str, response: str, metadata: dict[str, Any]) -> list[int]:
+        text = self.template.render(prompt, response, metadata)
         tok = self.tokenizer
         if self.cfg.use_chat_template and tok.chat_template:  # the policy's text stays text (scored_text)
-            ids = chat_ids_of_untrusted_text(tok, [{"role": "user", "content": text}], add_generation_prompt=True)
-        else:
-            ids = with_special_tokens(tok, plain_template_ids(self.template, tok, text, prompt or "", response, metadata))
-        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            ids = cut_from_left(ids, self.max_prompt_tokens, tok)
-            self._counts["truncated"] += 1
-        return ids
+            return chat_ids_of_untrusted_text(tok, [{"role": "user", "content": text}], add_generation_prompt=True)
+        return with_special_tokens(tok, plain_template_ids(self.template, tok, text, prompt, response, metadata))
 
     def verdicts(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[str | None]:
         """The judge's text for each sample (``None``: timed out or lost), each distinct judge prompt judged once."""

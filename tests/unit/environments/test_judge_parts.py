@@ -234,3 +234,24 @@ def test_a_judge_whose_context_holds_no_prompt_is_refused_and_a_chat_template_it
     (bare / "chat_template.jinja").unlink()
     with pytest.warns(UserWarning, match="use_chat_template has no effect: the judge .* has no chat template"):
         checked_context(JudgeEnvConfig(model_name=str(bare)), load_tokenizer(str(bare)))
+
+
+def test_a_response_too_long_for_the_judge_loses_its_middle_not_the_question() -> None:
+    """The prompt was cut from the left: past the tiny judge's 240 prompt tokens the question and the user turn's
+    header went first, and a padded response was judged without what was asked."""
+    from nemo_like.environments.judge import CUT_MARK, JudgeEnvConfig, JudgeEnvironment
+    from nemo_like.environments.judge_template import DEFAULT_TEMPLATE, JudgeTemplate
+    from nemo_like.models.loading import load_tokenizer
+
+    tok = load_tokenizer("embedded:tiny-arith-qwen2")
+    judge = object.__new__(JudgeEnvironment)  # the prompt building alone: no engine actors
+    judge.cfg, judge.template, judge.tokenizer = JudgeEnvConfig(), JudgeTemplate(DEFAULT_TEMPLATE), tok
+    judge.max_prompt_tokens, judge._counts = 240, {"prompt_missing": 0, "truncated": 0}
+    question = "What is 17 + 25? Answer with the number only."
+    response = "42. " + "I am very sure. " * 100 + "Final answer: 42"
+    ids = judge.judge_prompt_ids(response, {"prompt": question})
+    text = tok.decode(ids)
+    assert len(ids) <= 240 and judge._counts["truncated"] == 1
+    assert text.startswith("<|im_start|>user\n") and question in text and text.endswith("<|im_start|>assistant\n")
+    assert "42. I am very sure." in text and "Final answer: 42" in text and CUT_MARK in text
+    assert len(judge.judge_prompt_ids("42", {"prompt": question})) < 240 and judge._counts["truncated"] == 1  # short: whole
