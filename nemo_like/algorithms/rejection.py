@@ -177,24 +177,24 @@ def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[s
     # its other side (a -inf generation logprob's k1 is -inf: kept under an upper-only KL bound): both rejected, and
     # counted apart from the finite values above and below the bounds
     finite = log_ratio.isfinite()
-    tok_nan = valid & ~finite
+    tok_nonfinite = valid & ~finite
     tok_above = valid & finite & (log_ratio > tok_high)
     tok_below = valid & finite & (log_ratio < tok_low)
     eligible = valid.any(-1)
     high, low = sequence_statistic(log_ratio, valid, statistic)
     seq_finite = high.isfinite() & low.isfinite()  # k3's expm1(inf) - inf is NaN
-    seq_nan = eligible & ~seq_finite
+    seq_nonfinite = eligible & ~seq_finite
     seq_above = eligible & seq_finite & (high > seq_high)
     seq_below = eligible & seq_finite & (low < seq_low)
 
     token_mask, sample_mask = batch["token_mask"], batch["sample_mask"]
     if cfg.level == "token":
-        rejected = tok_above | tok_below | tok_nan
+        rejected = tok_above | tok_below | tok_nonfinite
         token_mask = torch.where(rejected, torch.zeros_like(token_mask), token_mask)
         kept_any = ((token_mask > 0) & valid).any(-1)
         sample_mask = torch.where(eligible & ~kept_any, torch.zeros_like(sample_mask), sample_mask)
     else:
-        sample_mask = torch.where(seq_above | seq_below | seq_nan, torch.zeros_like(sample_mask), sample_mask)
+        sample_mask = torch.where(seq_above | seq_below | seq_nonfinite, torch.zeros_like(sample_mask), sample_mask)
     batch["token_mask"], batch["sample_mask"] = token_mask, sample_mask
 
     after = (token_mask > 0) & (sample_mask > 0)[:, None]
@@ -221,8 +221,8 @@ def apply_rollout_rejection(cfg: RolloutRejectionConfig, batch: Batch) -> dict[s
         f"{prefix}seq_stat_std": seq_summary["std"],
         f"{prefix}seq_frac_above": frac(seq_above, num_seqs),
         f"{prefix}seq_frac_below": frac(seq_below, num_seqs),
-        f"{prefix}token_frac_nonfinite": frac(tok_nan, num_tokens),
-        f"{prefix}seq_frac_nonfinite": frac(seq_nan, num_seqs),
+        f"{prefix}token_frac_nonfinite": frac(tok_nonfinite, num_tokens),
+        f"{prefix}seq_frac_nonfinite": frac(seq_nonfinite, num_seqs),
         f"{prefix}masked_token_fraction": frac(valid & ~after, num_tokens),
         f"{prefix}masked_seq_fraction": frac(eligible & ~(sample_mask > 0), num_seqs),
     }

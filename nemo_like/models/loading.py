@@ -164,9 +164,7 @@ def check_model_source(name: str, key: str) -> None:
     from huggingface_hub import try_to_load_from_cache
 
     cache = hub_cache_dir()
-    cached = isinstance(try_to_load_from_cache(name, "config.json", cache_dir=cache), str) or isinstance(
-        try_to_load_from_cache(name, "tokenizer_config.json", cache_dir=cache), str
-    )
+    cached = local_config_file(name) is not None or isinstance(try_to_load_from_cache(name, "tokenizer_config.json", cache_dir=cache), str)
     if cached and hub_offline():
         return
     if hub_offline():

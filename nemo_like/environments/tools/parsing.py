@@ -131,7 +131,8 @@ def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str |
     one's body: both lost, and the error blamed the JSON).
     ``keep_unclosed``: an unclosed last call is a body too, running to the end (then never reported unclosed)."""
     bodies: list[str | ToolCallError] = []
-    position, malformed, next_close = 0, 0, -2  # next_close: the first closing tag at or after a start (-2: not looked up)
+    position, malformed = 0, 0
+    next_close: int | None = None  # the first closing tag at or after a call's start (None: not looked up yet)
     while (opened := text.find(OPEN_TAG, position)) != -1:
         start = opened + len(OPEN_TAG)
         value_end = _json_end(text, start)
@@ -144,7 +145,7 @@ def tool_call_bodies(text: str, keep_unclosed: bool = False) -> tuple[list[str |
         if after is not None and (after == len(text) or text.startswith(CLOSE_TAG, after)):
             close = after if after < len(text) else -1  # the value, then its closing tag (or the end: a cut call)
         else:
-            if next_close == -2 or 0 <= next_close < start:  # looked up again only once passed: one scan of the text
+            if next_close is None or 0 <= next_close < start:  # looked up again only once passed: one scan of the text
                 next_close = text.find(CLOSE_TAG, start)
             close = next_close
             following = text.find(OPEN_TAG, value_end if value_end is not None else start)
