@@ -102,7 +102,10 @@ def dump_train_samples(
         # which weights sampled each row (async runs: its age is the step's weight version minus this)
         "weight_version": [s.weight_version for s in rollout.samples],
         "final_weight_version": [s.final_weight_version for s in rollout.samples],
-        "weight_version_changes": [list(map(list, s.weight_version_changes or ())) for s in rollout.samples],
+        # null where the engine does not record its in-flight refits per position (vLLM; multi-turn and agent rows)
+        "weight_version_changes": [
+            None if s.weight_version_changes is None else [list(c) for c in s.weight_version_changes] for s in rollout.samples
+        ],
         "generation_logprobs": response_token_values(batch["generation_logprobs"], mask),
         "prev_logprobs": response_token_values(prev, mask) if prev is not None else [None] * len(rollout.samples),
         "trained_token_mask": response_token_values(batch["token_mask"].long(), mask),

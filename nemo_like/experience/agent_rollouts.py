@@ -178,10 +178,14 @@ def report_failures(failures: dict[str, float], causes: dict[str, str], num_sess
         print(f"[agent] {int(sum(failures.values()))} of {num_sessions} sessions failed: " + "; ".join(parts), file=sys.stderr, flush=True)
 
 
-def placeholder_row(prompt: PromptRecord, pad_token_id: int, weight_version: int) -> GeneratedSample:
+def placeholder_row(prompt: PromptRecord, pad_token_id: int, weight_version: int, decoded_tokens: int = 0) -> GeneratedSample:
     """The row of a failed session without rows: its prompt and one pad token, nothing masked in (it counts in its
-    group's baseline with ``failure_reward``, and trains no token)."""
-    return GeneratedSample(list(prompt.prompt_token_ids), [pad_token_id], [0.0], False, weight_version, weight_version, response_mask=[0])
+    group's baseline with ``failure_reward``, and trains no token); ``decoded_tokens``: what the engine decoded for the
+    session's calls all the same (``performance/num_generated_tokens`` counts them)."""
+    return GeneratedSample(
+        list(prompt.prompt_token_ids), [pad_token_id], [0.0], False, weight_version, weight_version, response_mask=[0],
+        decoded_tokens=decoded_tokens,
+    )  # fmt: skip
 
 
 def session_version(result: Any) -> int | None:
@@ -360,7 +364,8 @@ class AgentRollouts:
             reward = s.settings.config.failure_reward if kind is not None else s.outcome.reward
             rows = session_samples(s.result, s.open_version)
             session_row_count += len(rows)
-            for sample in rows or [placeholder_row(s.prompt, self.tokenizer.pad_token_id, s.open_version)]:
+            decoded = s.result.decoded_tokens if s.result is not None else 0
+            for sample in rows or [placeholder_row(s.prompt, self.tokenizer.pad_token_id, s.open_version, decoded)]:
                 prompts.append(s.prompt)
                 groups.append(int(group_ids[s.index]))
                 samples.append(sample)

@@ -335,6 +335,7 @@ class CompletionService:
                     tuple(ids), tuple(choice.completion_ids), tuple(choice.logprobs), sample.weight_version,
                     sample.weight_version if last_version is None else last_version,
                     truncated=choice.finish_reason == "length", call_index=call_index, choice_index=i,
+                    decoded_tokens=sample.num_decoded_tokens,
                 )
             )  # fmt: skip
             texts.append((text, self.renderer.decode_continuation(choice.completion_ids)))

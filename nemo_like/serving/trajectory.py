@@ -36,10 +36,16 @@ class CallRecord:
     truncated: bool = False  # ended by max_tokens, not a stop token or stop string
     call_index: int = 0  # the HTTP call (per session, in arrival order)
     choice_index: int = 0  # the choice of that call (``n`` > 1)
+    decoded_tokens: int | None = None  # tokens the engine decoded for it when more than were kept (a stop cut); None: as many
 
     @property
     def full_ids(self) -> tuple[int, ...]:
         return self.prompt_ids + self.completion_ids
+
+    @property
+    def num_decoded_tokens(self) -> int:
+        """Tokens the engine decoded for this completion: its kept tokens and any a stop string or ``max_tokens`` cut."""
+        return len(self.completion_ids) if self.decoded_tokens is None else self.decoded_tokens
 
 
 @dataclass
@@ -58,6 +64,7 @@ class TrainingRow:
     calls: list[tuple[int, int]]  # (call_index, choice_index) of the calls in the row, in order
     branch: int = 0  # this row's index among the session's rows
     truncated: bool = False  # its last call ended by max_tokens
+    decoded_tokens: int = 0  # tokens the engine decoded for the row's calls (their stop cuts' tails included)
 
     @property
     def weight_version(self) -> int:
@@ -79,6 +86,7 @@ class TrainingRow:
             final_weight_version=self.final_weight_version,
             response_mask=list(self.response_mask),
             num_turns=len(self.calls),
+            decoded_tokens=self.decoded_tokens if self.decoded_tokens != sum(self.response_mask) else None,
         )
 
 
@@ -94,6 +102,7 @@ class _Chain:
     final_version: int = 0
     calls: list[tuple[int, int]] = field(default_factory=list)
     truncated: bool = False
+    decoded_tokens: int = 0
 
     def extended_by(self, prompt: Sequence[int]) -> bool:
         n = len(self.ids)
@@ -108,6 +117,7 @@ class _Chain:
         self.final_version = call.final_weight_version
         self.calls.append((call.call_index, call.choice_index))
         self.truncated = call.truncated
+        self.decoded_tokens += call.num_decoded_tokens
 
 
 def build_rows(session_id: str, calls: Sequence[CallRecord], reward: float) -> list[TrainingRow]:
@@ -133,6 +143,7 @@ def build_rows(session_id: str, calls: Sequence[CallRecord], reward: float) -> l
             calls=c.calls,
             branch=i,
             truncated=c.truncated,
+            decoded_tokens=c.decoded_tokens,
         )
         for i, c in enumerate(chains)
     ]
@@ -198,6 +209,7 @@ class SessionRows:
     rejected: str | None = None
     budget_refusals: int = 0
     abandoned_calls: int = 0
+    decoded_tokens: int = 0  # tokens the engine decoded for its recorded calls, a rejected session's too
 
     @property
     def branched(self) -> bool:
@@ -216,7 +228,7 @@ def session_rows(session_id: str, calls: Sequence[CallRecord], reward: float, vo
     (:func:`record_problems`), or when a built row fails :func:`row_problems`; every sampled token is masked in once."""
     if not calls:
         return SessionRows(session_id, reward, [], 0, rejected="the session made no calls")
-    num_calls = len({c.call_index for c in calls})
+    num_calls, decoded = len({c.call_index for c in calls}), sum(c.num_decoded_tokens for c in calls)
     problems = record_problems(calls, vocab_size)
     rows = [] if problems else build_rows(session_id, calls, reward)
     for row in rows:
@@ -224,8 +236,8 @@ def session_rows(session_id: str, calls: Sequence[CallRecord], reward: float, vo
     if not problems and sum(sum(r.response_mask) for r in rows) != sum(len(c.completion_ids) for c in calls):
         problems.append("the rows do not mask in every sampled token exactly once")
     if problems:
-        return SessionRows(session_id, reward, [], num_calls, rejected="; ".join(problems))
-    return SessionRows(session_id, reward, rows, num_calls)
+        return SessionRows(session_id, reward, [], num_calls, rejected="; ".join(problems), decoded_tokens=decoded)
+    return SessionRows(session_id, reward, rows, num_calls, decoded_tokens=decoded)
 
 
 @dataclass

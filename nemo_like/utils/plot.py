@@ -76,9 +76,28 @@ TWIN_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink")
 
 
 def series(records: Sequence[dict[str, Any]], metric: str) -> tuple[list[int], list[float]]:
-    """``(steps, values)`` of the records that hold a numeric ``metric``."""
+    """``(steps, values)`` of the records that hold a numeric ``metric`` (NaN kept: the line breaks there)."""
     points = [(r["step"], float(r[metric])) for r in records if isinstance(r.get(metric), (int, float))]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def marked_points(values: Sequence[float]) -> list[int] | None:
+    """Indices of the points to mark: every one in a short series, else the finite points that no line segment
+    reaches (both neighbours NaN or absent: ``train/loss`` between steps without an optimizer step); None: none."""
+    finite = [math.isfinite(v) for v in values]
+    if len(values) < 30:
+        return [i for i, f in enumerate(finite) if f] or None
+    isolated = [i for i, f in enumerate(finite) if f and not (i > 0 and finite[i - 1]) and not (i + 1 < len(finite) and finite[i + 1])]
+    return isolated or None
+
+
+def _plot_series(ax: Any, steps: list[int], values: list[float], **style: Any) -> bool:
+    """One metric's line on ``ax``; whether it has a finite value to show (an all-NaN metric is 'no data')."""
+    marks = marked_points(values)
+    if not any(math.isfinite(v) for v in values):
+        return False
+    ax.plot(steps, values, marker="." if marks else None, markevery=marks, **style)
+    return True
 
 
 def _line_panel(ax: Any, records: Sequence[dict[str, Any]], title: str, metrics: Sequence[str], twin: Sequence[str] = ()) -> None:
@@ -90,25 +109,13 @@ def _line_panel(ax: Any, records: Sequence[dict[str, Any]], title: str, metrics:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     plotted = False
     for metric in metrics:
-        steps, values = series(records, metric)
-        if steps:
-            ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=metric)
-            plotted = True
+        plotted |= _plot_series(ax, *series(records, metric), label=metric)
     handles, labels = ax.get_legend_handles_labels()
     if twin:
         ax2 = ax.twinx()
         for i, metric in enumerate(twin):
-            steps, values = series(records, metric)
-            if steps:
-                ax2.plot(
-                    steps,
-                    values,
-                    color=TWIN_COLORS[i % len(TWIN_COLORS)],
-                    linestyle="--",
-                    marker="." if len(steps) < 30 else None,
-                    label=metric,
-                )
-                plotted = True
+            style = dict(color=TWIN_COLORS[i % len(TWIN_COLORS)], linestyle="--", label=metric)
+            plotted |= _plot_series(ax2, *series(records, metric), **style)
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
     if not plotted:

@@ -359,6 +359,7 @@ def test_the_sample_dump_keeps_a_rejected_tokens_logprobs_and_marks_it_untrained
     assert row["generation_logprobs"] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
     assert row["prev_logprobs"] == pytest.approx([-0.1, -1.5, -0.3, -0.4]) and row["trained_token_mask"] == [1, 0, 1, 1]
     assert row["token_advantages"] == pytest.approx([1.0, 1.0, 0.5, 1.0]) and row["advantage"] == pytest.approx(0.875)
+    assert row["weight_version_changes"] is None  # not recorded (vLLM, agent rows): unknown, not "no refit" ([])
 
 
 def test_skipping_the_prev_pass_beside_any_of_its_consumers_is_an_error() -> None:

@@ -29,6 +29,7 @@ from nemo_like.models.loading import load_tokenizer
 from nemo_like.serving.rendering import Renderer
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
+from nemo_like.serving.trajectory import rows_for_training
 
 RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_agent_tiny_cpu.yaml"
 SENTENCEPIECE = Path(__file__).resolve().parents[2] / "fixtures" / "tiny_sentencepiece"
@@ -51,6 +52,7 @@ class Scripted:
 
     def __init__(self, script, block: bool = False) -> None:
         self.script, self.block, self.weight_version = script, block, 0
+        self.logprob = -0.5  # every token's (a positive one makes the session's records fail their checks)
         self.params: list = []
         self.entered, self.proceed = threading.Event(), threading.Event()
 
@@ -66,7 +68,7 @@ class Scripted:
                 ids, truncated = ids[: ids.index(EOS) + 1], False
             if len(ids) > params.max_new_tokens:
                 ids, truncated = ids[: params.max_new_tokens], True
-            samples.append(GeneratedSample(list(prompt), ids, [-0.5] * len(ids), truncated, 0, 0))
+            samples.append(GeneratedSample(list(prompt), ids, [self.logprob] * len(ids), truncated, 0, 0))
         return samples
 
 
@@ -114,7 +116,13 @@ def test_a_training_runs_server_stops_at_the_runs_stop_tokens_and_strings_and_ca
         assert reply.usage.completion_tokens == 32 and reply.choices[0].finish_reason == "length"
         reply = chat(server, sid, max_tokens=10**6)  # far past the context: capped first, then it fits (it was a 400)
         assert reply.usage.completion_tokens == 32 and engine.params[-1].max_new_tokens == 32
-        assert server.sessions.end(sid).rejected is None
+        result = server.sessions.end(sid)
+        assert result.rejected is None
+        # performance/num_generated_tokens counts what the engine decoded, the tails past the server's cuts too
+        decoded = len(ids_of("ab") + [STOP_ID] + ids_of("cd STOP ef") + [EOS]) + len(ids_of("hi STOP there zz") + [EOS]) + 32 + 32
+        kept = sum(sum(row.response_mask) for row in result.rows)
+        assert result.decoded_tokens == decoded > kept
+        assert sum(s.num_decoded_tokens for s in rows_for_training([result]).samples) == decoded
     finally:
         server.stop()
 
@@ -216,10 +224,11 @@ def test_concurrent_calls_reserve_their_tokens_and_give_back_what_they_did_not_s
         assert chat(server, short).usage.completion_tokens == 4 and server.sessions.session(short).reserved_tokens == 0
 
 
-def agent_batch(agent, budget: int) -> tuple:
+def agent_batch(agent, budget: int, logprob: float = -0.5) -> tuple:
     """One session of ``agent`` (a sync agent function) in a training run's server with ``max_tokens_per_session``
-    ``budget``: the batch's rollout and the engine."""
+    ``budget``: the batch's rollout and the engine (its tokens' ``logprob``)."""
     engine = Scripted(lambda prompt: ids_of("x" * 20))
+    engine.logprob = logprob
     settings = {"tool": AgentSettings("tool", AgentConfig(agent="x:y", max_tokens_per_session=budget, deadline_s=60), agent)}
     agents = training_server(engine, settings=settings)
     try:
@@ -251,6 +260,10 @@ def test_a_session_fails_budget_only_when_its_agent_raised_after_a_budget_refusa
     assert sum(sum(s.response_mask) for s in rollout.samples) == 4  # never past the budget
     rollout, _ = agent_batch(budget_agent(catch=False), budget=5)
     assert rollout.env_metrics["agent/failures/budget"] == 1 and rollout.rewards.tolist() == [0.0]
+    rollout, _ = agent_batch(budget_agent(catch=True), budget=5, logprob=0.5)  # its records fail: rejected, no rows
+    (placeholder,) = rollout.samples
+    assert rollout.env_metrics["agent/failures/rejected"] == 1 and placeholder.num_sampled_tokens == 0
+    assert rollout.decoded_tokens == 4  # the engine decoded its one call all the same (num_generated_tokens)
 
 
 # 3. Agent return values ----------------------------------------------------------------------------------------------

@@ -104,3 +104,21 @@ def test_rows_for_training_count_every_row_of_a_session_from_its_first_call():
     assert [s.weight_version for s in batch.samples] == [3, 3] and [s.final_weight_version for s in batch.samples] == [3, 4]
     assert [s.num_turns for s in batch.samples] == [2, 1]
     assert session_rows("r", [], reward=1.0).weight_version is None
+
+
+def test_decoded_tokens_past_a_cut_count_in_the_rows_and_in_a_rejected_sessions_placeholder():
+    """``performance/num_generated_tokens`` counts what the engine decoded: a call the server cut at a stop string
+    decoded more than its row keeps, and a rejected session's calls were decoded though no row trains them."""
+    from nemo_like.data.prompts import PromptRecord
+    from nemo_like.experience.agent_rollouts import placeholder_row
+
+    cut = CallRecord((1, 2), (10, 2), (-0.1, -0.2), 0, 0, call_index=0, decoded_tokens=9)
+    plain = call([1, 2, 10, 2, 5], [11, 2], 1)
+    result = session_rows("s", [cut, plain], reward=1.0)
+    (sample,) = rows_for_training([result]).samples
+    assert sample.num_sampled_tokens == 4 and sample.num_decoded_tokens == 9 + 2 == result.decoded_tokens
+    assert rows_for_training([session_rows("p", [plain], 1.0)]).samples[0].decoded_tokens is None  # nothing cut
+    bad = CallRecord((1, 2), (10, 2), (-0.1, 0.5), 0, 0, decoded_tokens=7)  # a positive logprob: rejected
+    rejected = session_rows("r", [bad], reward=1.0)
+    assert rejected.rows == [] and rejected.decoded_tokens == 7
+    assert placeholder_row(PromptRecord("p", [], [5, 6]), 0, 0, rejected.decoded_tokens).num_decoded_tokens == 7

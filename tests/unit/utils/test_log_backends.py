@@ -255,6 +255,26 @@ def test_the_plot_refuses_an_empty_file_a_binary_one_and_a_metric_only_an_earlie
         plot_metrics(two_runs, metrics=["train/kl_penalty"])
 
 
+def test_the_plot_marks_finite_points_between_nans_and_calls_an_all_nan_metric_no_data():
+    """train/loss is NaN on steps without an optimizer step: past 29 points nothing was marked, so a finite value
+    between two NaNs drew nothing, and a metric NaN everywhere drew an empty legend instead of 'no data'."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from nemo_like.utils.plot import _line_panel
+
+    nan = float("nan")
+    records = [{"step": s, "train/loss": 0.5 if s in (10, 25) else nan, "x/all_nan": nan, "x/dense": float(s)} for s in range(40)]
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    ax, empty = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    _line_panel(ax, records, "losses", ["train/loss", "x/dense"])
+    loss, dense = ax.get_lines()
+    assert loss.get_marker() == "." and loss.get_markevery() == [10, 25] and dense.get_marker() in ("None", None, "")
+    _line_panel(empty, records, "nothing", ["x/all_nan"])
+    assert not empty.get_lines() and [t.get_text() for t in empty.texts] == ["no data"]
+
+
 def test_a_fresh_run_that_starts_past_the_last_step_of_the_one_before_is_its_own_run(tmp_path):
     """Runs in one log_dir were told apart by a step going down: a 1-step smoke test (steps 0, 1) then a run without
     step-0 validation (steps 1, 2, 3) read as one run, the plot mixing them (TensorBoard hides the first). A fresh
