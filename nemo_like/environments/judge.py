@@ -13,7 +13,9 @@ writes a verdict, a parser turns the verdict into a score, and the score (normal
   sample ``parse_failure_reward`` and is counted.
 
 Counters (``env/<task>/<name>``, summed over actors): ``judged`` (prompts sent to the engine), ``cache_hits``,
-``parse_failures``, ``template_errors`` (a sample lacking a metadata key the template reads), ``timeouts``, ``engine_errors``, ``engine_restarts``, ``truncated`` (judge prompts
+``parse_failures``, ``template_errors`` (a sample lacking a metadata key the template reads), ``timeouts`` and
+``engine_errors`` (samples whose judge prompt passed the deadline, or was lost to a failed actor), ``engine_restarts``,
+``truncated`` (judge prompts
 whose response lost its middle to fit the judge model), ``prompt_missing``, ``out_of_range`` (verdicts outside
 ``score_range``), ``scored``, ``score_sum`` (parsed scores, before normalisation).
 """
@@ -310,9 +312,11 @@ class JudgeEnvironment(EnvironmentInterface):
         restarts_before = self.engine.restarts
         seeds = [judge_seed(self.cfg.seed, k) for k in unique]  # a verdict depends on what is judged, not on when
         result = self.engine.generate([list(k) for k in unique], self.params, seeds, self.cfg.deadline_s)
-        self._counts["timeouts"] += result.timeouts
-        self._counts["engine_errors"] += result.errors
         self._counts["engine_restarts"] += self.engine.restarts - restarts_before
+        failure = dict(zip(unique, result.failures))
+        for k in keys:  # per sample, as the other failure counters: a cached prompt's samples all lost their verdict
+            if k is not None and failure[k] is not None:
+                self._counts["timeouts" if failure[k] == "timeout" else "engine_errors"] += 1
         texts = {
             k: None if ids is None else self.tokenizer.decode(ids, skip_special_tokens=True) for k, ids in zip(unique, result.responses)
         }

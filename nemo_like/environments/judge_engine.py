@@ -4,8 +4,13 @@
 
 A call splits the judge prompts into chunks of ``max_batch_size``, dealt round-robin to the actors, and waits at
 most ``deadline_s`` for them: chunks done in time return their responses, the others return ``None`` (timed out).
-After a timeout or an actor failure the actors are killed (a stuck judge must not block the next step) and
-started again on the next call; :attr:`JudgeEngine.restarts` counts those restarts.
+After a timeout or an actor failure the actors are killed (a stuck judge must not block the next step) and fresh ones
+start loading at once; :attr:`JudgeEngine.restarts` counts those restarts.
+
+The deadline never counts a load: the constructor returns once the actors have loaded the model (so the environment
+actor that owns the engine is ready only then, and a replaced one is rebuilt before its call is sent again), and a call
+first waits for a restarted engine to finish loading, then starts its ``deadline_s`` clock. A judge whose load took
+longer than ``deadline_s`` had timed out on every call after its first timeout (each call killed the reload).
 """
 
 from __future__ import annotations
@@ -68,11 +73,11 @@ def engine_actor(spec: JudgeEngineSpec, max_batch_size: int) -> tuple[type, dict
 
 @dataclass
 class EngineResult:
-    """One call's outcome: response ids per prompt (``None``: no answer in time or the actor failed)."""
+    """One call's outcome: response ids per prompt (``None``: no answer), and why a prompt has none (``failures[i]``:
+    ``"timeout"`` past the deadline, ``"error"`` its actor failed, ``None`` answered)."""
 
     responses: list[list[int] | None]
-    timeouts: int = 0
-    errors: int = 0
+    failures: list[str | None]
 
 
 def chunked(n: int, size: int) -> list[range]:
@@ -88,7 +93,9 @@ class JudgeEngine:
         self.max_batch_size = max_batch_size
         self.group: Any = None
         self.restarts = 0
+        self._loading = False  # actors started whose load no call has waited for yet
         self._start()
+        self._wait_loaded()
 
     def _start(self) -> None:
         from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
@@ -97,18 +104,27 @@ class JudgeEngine:
         actor_cls, init, env = engine_actor(s, self.max_batch_size)
         resources = WorkerResources(num_cpus=s.num_cpus, num_gpus=s.num_gpus, num_threads=s.num_threads)
         self.group = RayWorkerGroup("judge", actor_cls, s.num_workers, resources, init, s.placement_timeout_s, env)
+        self._loading = True
+
+    def _wait_loaded(self) -> None:
+        """Wait for the actors' constructors (the model load) once after each start: never again, since a readiness
+        call queues behind a stuck actor's call, which the deadline exists to cut short. A model that cannot load
+        fails here, naming the group."""
+        if self._loading:
+            self.group.wait_started()
+            self._loading = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], deadline_s: float) -> EngineResult:
         """Responses to ``prompts``, prompt ``i`` sampled with ``seeds[i]`` whatever chunk and actor it lands on (see the
-        module docstring); never raises for a slow or failed actor."""
+        module docstring); never raises for a slow or failed actor (only for one that cannot load the model again)."""
         import ray
 
-        result = EngineResult([None] * len(prompts))
+        result = EngineResult([None] * len(prompts), [None] * len(prompts))
         if not prompts:
             return result
-        if self.group is None:
+        if self.group is None:  # shut down: start again
             self._start()
-            self.restarts += 1
+        self._wait_loaded()  # a restarted engine's load is not the verdicts' time
         chunks = chunked(len(prompts), self.max_batch_size)
         workers = self.group.workers
         refs = [
@@ -120,13 +136,13 @@ class JudgeEngine:
         failed = False
         for ref, rows in zip(refs, chunks):
             if ref not in done:
-                result.timeouts += len(rows)
+                result.failures[rows.start : rows.stop] = ["timeout"] * len(rows)
                 failed = True
                 continue
             try:
                 samples = ray.get(ref)
             except Exception:  # noqa: BLE001 - an actor failure scores as a judge failure, never crashes the run
-                result.errors += len(rows)
+                result.failures[rows.start : rows.stop] = ["error"] * len(rows)
                 failed = True
                 continue
             for j, sample in zip(rows, samples):
@@ -136,10 +152,11 @@ class JudgeEngine:
         return result
 
     def kill(self) -> None:
-        """Kill the actors now (they start again on the next call)."""
+        """Kill the actors now and start fresh ones, which load while the run goes on (the next call waits for them)."""
         if self.group is not None:
             self.group.kill()
-            self.group = None
+        self._start()
+        self.restarts += 1
 
     def shutdown(self) -> None:
         """Release the actors."""

@@ -165,3 +165,20 @@ def test_a_sources_non_finite_reward_stops_the_run_naming_the_source_even_at_wei
         ValueError, match=r"reward source 'custom' returned non-finite rewards for 1 of 2 responses, e.g. nan for response ''"
     ):
         env.score(["7", ""], [{"answer": 7}] * 2)
+
+
+def test_a_sources_exception_names_the_source() -> None:
+    """Two sources of one class (two reward models) raised the same error: only the task was named, not which source."""
+
+    class Rubric:
+        def score(self, responses, metadata):
+            return [float(m["rubric"]) for m in metadata]
+
+        def metrics(self):
+            return {}
+
+    env = CompositeEnvironment(**resolve({"sources": {"plain": {"class": "arithmetic"}, "graded": {"class": "arithmetic"}}}).kwargs)
+    env.sources["graded"] = (Rubric(), 1.0)
+    with pytest.raises(KeyError, match="rubric") as raised:
+        env.score(["7"], [{"answer": 7}])
+    assert "raised by reward source 'graded' (Rubric) of the composite" in raised.value.__notes__
