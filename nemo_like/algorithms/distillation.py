@@ -20,6 +20,7 @@ student's samples.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -74,15 +75,46 @@ class Teachers:
             policy.shutdown()
 
 
-def check_teacher_tokenizer(student_tokenizer: Any, student_name: str, teacher_tokenizer: Any, teacher_name: str) -> None:
+def check_teacher_tokenizer(
+    student_tokenizer: Any,
+    student_name: str,
+    teacher_tokenizer: Any,
+    teacher_name: str,
+    *,
+    student_key: str = "policy.model_name",
+    teacher_key: str = "teacher.model_name",
+) -> None:
     """The teacher must score the student's token ids as the same strings: equal vocabularies, or a ConfigError naming
-    both (cross-tokenizer distillation is not supported)."""
+    both keys (``teacher_key``: the key that names the teacher's tokenizer, ``teacher.model_name``,
+    ``teacher.by_task.<task>`` or ``teacher.tokenizer_name``; ``student_key``: ``policy.model_name``, or
+    ``policy.tokenizer_name`` when set) with their values (cross-tokenizer distillation is not supported)."""
     if student_tokenizer.get_vocab() != teacher_tokenizer.get_vocab():
         s, t = len(student_tokenizer.get_vocab()), len(teacher_tokenizer.get_vocab())
         raise ConfigError(
-            f"teacher.model_name={teacher_name!r} has a tokenizer ({t} tokens) different from the student's "
-            f"policy.model_name={student_name!r} ({s} tokens): the teacher scores the student's token ids, so both need the same "
+            f"{teacher_key}={teacher_name!r} has a tokenizer ({t} tokens) different from the student's "
+            f"{student_key}={student_name!r} ({s} tokens): the teacher scores the student's token ids, so both need the same "
             "tokenizer; cross-tokenizer distillation is not supported"
+        )
+
+
+def token_id_count(tokenizer: Any) -> int:
+    """The student's token-id range ``0..n-1``: every id its tokenizer can produce (added tokens included)."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
+def check_teacher_vocab(
+    teacher_rows: int | None, teacher_name: str, teacher_key: str, student_ids: int, student_name: str, student_key: str
+) -> None:
+    """The teacher model's own vocabulary (``teacher_rows``: its embedding and output head rows, ``vocab_size`` in its
+    config.json) must cover every id of the student's tokenizer (``0..student_ids-1``): its pass indexes its embedding
+    with the student's sampled ids (an id past its rows failed mid-step with an IndexError). A ConfigError naming the
+    key, the model, its rows and the student's id range; ``None`` rows (a config that states none): not checked."""
+    if teacher_rows is not None and teacher_rows < student_ids:
+        raise ConfigError(
+            f"{teacher_key}={teacher_name!r} has {teacher_rows} vocabulary rows (vocab_size in its config.json, ids "
+            f"0..{teacher_rows - 1}) but the student's tokenizer ({student_key}={student_name!r}) has token ids "
+            f"0..{student_ids - 1}: the teacher cannot score the student's tokens; it needs the student's tokenizer "
+            "and a vocabulary covering it (cross-tokenizer distillation is not supported)"
         )
 
 
@@ -121,7 +153,10 @@ def teacher_token_counts(models: list[str], started: Any, attention_mask: torch.
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((values * mask).sum() / mask.sum().clamp(min=1))
+    """The mean of ``values`` over the tokens of ``mask``; NaN when the mask holds none (no value, not a 0 that reads
+    as a teacher matching the student)."""
+    count = mask.sum()
+    return float((values * mask).sum() / count) if count > 0 else math.nan
 
 
 def teacher_kl_estimate(student: torch.Tensor, teacher: torch.Tensor, sampler: torch.Tensor | None, mask: torch.Tensor) -> float:
@@ -145,7 +180,8 @@ def apply_distillation(cfg: MasterConfig, batch: dict[str, torch.Tensor]) -> dic
     """Add the teacher's per-token signal to ``batch["advantages"]`` (in place, see the module docstring) and return
     the ``distillation/*`` metrics. ``batch`` holds ``teacher_logprobs`` and ``prev_logprobs`` ([B, S], aligned with
     ``input_ids``), ``token_mask`` (1 on sampled tokens) and optionally ``teacher_mask`` ([B], 0 for rows without a
-    teacher: their advantage keeps only the weighted task term)."""
+    teacher: their advantage keeps only the weighted task term). The metrics are means over teacher-scored sampled
+    tokens: NaN on a step with none (``teacher.by_task``: only tasks without a teacher drew prompts)."""
     mask = batch["token_mask"].float()
     for rows in ("sample_mask", "teacher_mask"):  # rows masked out, rows no teacher scored (teacher.by_task)
         if rows in batch:

@@ -7,9 +7,10 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from nemo_like.algorithms.distillation import Teachers, check_teacher_tokenizer
+from nemo_like.algorithms.distillation import Teachers, check_teacher_tokenizer, check_teacher_vocab, token_id_count
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus, idle_gpus_warning
@@ -29,7 +30,9 @@ from nemo_like.models.loading import (
     check_context_length,
     check_stop_token_ids,
     end_of_sequence_ids,
+    holds_tokenizer,
     load_tokenizer,
+    model_vocab_size,
     resolve_model_path,
 )
 from nemo_like.models.lora import check_lora_targets, refit_bytes
@@ -157,6 +160,43 @@ def release_on_failure(models: tuple[Policy | None, ...], parts: list[Any]) -> N
             part.shutdown()
 
 
+def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
+    """Check every teacher model (``teacher.models()``) against the student (``tokenizer``: the run's), before any actor
+    starts; a :class:`ConfigError` names the key (``teacher.model_name``, ``teacher.by_task.<task>``,
+    ``teacher.tokenizer_name``; the student's ``policy.tokenizer_name`` when set, else ``policy.model_name``):
+
+    * the teacher's tokenizer equals the student's: ``teacher.tokenizer_name`` when set, and then also the tokenizer
+      the model's own directory holds, if any (a hub id's is not fetched: ``tokenizer_name`` is taken on trust there);
+    * the model's own vocabulary rows (``vocab_size`` in its config.json) cover the student's token ids;
+    * its head can be chunked (``policy.logprob_chunk_size``: the teachers' passes and the KL term's copy chunk it).
+
+    Returns the no-effect lines only the models' vocabularies tell (``distillation.kl_top_k`` covering it)."""
+    student_key = "policy.tokenizer_name" if cfg.policy.tokenizer_name else "policy.model_name"
+    student_name = cfg.policy.tokenizer_name or cfg.policy.model_name
+    student_ids = token_id_count(tokenizer)
+    for name in cfg.teacher.models():
+        key = teacher_key(cfg, name)
+        teacher_cfg = cfg.teacher_config(name)
+        named = teacher_cfg.policy.tokenizer_name  # teacher.tokenizer_name (teacher.model_name's only)
+        if named:
+            named_tokenizer = _driver_tokenizer(teacher_cfg, "teacher.tokenizer_name")
+            check_teacher_tokenizer(
+                tokenizer, student_name, named_tokenizer, named, student_key=student_key, teacher_key="teacher.tokenizer_name"
+            )
+        path = Path(resolve_model_path(name)).expanduser()
+        if not named or (path.is_dir() and holds_tokenizer(path)):  # the model's own tokenizer
+            own = teacher_cfg.model_copy(update={"policy": teacher_cfg.policy.model_copy(update={"tokenizer_name": None})})
+            check_teacher_tokenizer(tokenizer, student_name, _driver_tokenizer(own, key), name, student_key=student_key, teacher_key=key)
+        check_teacher_vocab(model_vocab_size(name), name, key, student_ids, student_name, student_key)
+        check_chunkable_head(name, cfg.policy.logprob_chunk_size, key)
+    d = cfg.distillation
+    if d.kl_weight > 0 and cfg.teacher.model_name is not None:  # the KL term's teacher copy: teacher.model_name
+        rows = [r for r in (model_vocab_size(cfg.policy.model_name), model_vocab_size(cfg.teacher.model_name)) if r is not None]
+        if rows and (line := d.top_k_vocab_warning(min(rows))):  # the term compares the rows both heads have
+            return [line]
+    return []
+
+
 @dataclass
 class TrainingData:
     """The run's prompts, built in the driver before Ray starts: the tokenizer, the training and validation prompts and
@@ -193,16 +233,10 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     check_environments(env_specs, {"train": train, "validation": val})
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
-    for name in cfg.teacher.models():  # a teacher with another tokenizer fails here, before any actor starts
-        key = "teacher.tokenizer_name" if cfg.teacher.tokenizer_name and name == cfg.teacher.model_name else teacher_key(cfg, name)
-        teacher_tokenizer = _driver_tokenizer(cfg.teacher_config(name), key)
-        check_teacher_tokenizer(tokenizer, cfg.policy.model_name, teacher_tokenizer, name)
+    for line in check_teachers(cfg, tokenizer):  # a teacher that cannot score the student's ids fails here
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
     check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)  # before any actor starts
     check_chunkable_head(cfg.policy.model_name, cfg.policy.logprob_chunk_size)
-    for name in cfg.teacher.models():  # the teachers' passes (and the KL term's copy) chunk their heads as the policy's
-        check_chunkable_head(
-            name, cfg.policy.logprob_chunk_size, "teacher.model_name" if name == cfg.teacher.model_name else "teacher.by_task"
-        )
     check_stop_token_ids(cfg.policy.model_name, cfg.policy.generation.stop_token_ids)
     if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
         check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)

@@ -125,6 +125,20 @@ class DistillationConfig(Section):
             return [f"distillation.kl_top_k={self.kl_top_k} has no effect with distillation.kl_support=full"]
         return []
 
+    def top_k_vocab_warning(self, vocab_rows: int) -> str | None:
+        """The line saying that a top-k ``kl_support`` is the full KL here: ``kl_top_k`` covers the ``vocab_rows`` rows
+        the KL term compares (the rows the student's and the teacher's heads share; known once the models' configs
+        are read, at set-up). ``k >= vocab_rows - 1`` leaves the tail bucket at most one token: nothing is merged.
+        ``None`` when the term is off, its support is full, or k is smaller."""
+        if self.kl_weight == 0 or self.kl_support == "full" or self.kl_top_k is None or self.kl_top_k < vocab_rows - 1:
+            return None
+        return (
+            f"distillation.kl_top_k={self.kl_top_k} has no effect with distillation.kl_support={self.kl_support}: the KL "
+            f"term compares {vocab_rows} vocabulary rows, so its top-{self.kl_top_k} support (with the tail bucket) is the "
+            "whole vocabulary and the term is the full KL; set distillation.kl_support=full (the same value, without the "
+            f"top-k step) or a kl_top_k below {vocab_rows - 1}"
+        )
+
 
 def distillation_errors(teacher: TeacherConfig, d: DistillationConfig, tasks: Iterable[str], tensor_parallel_size: int) -> str | None:
     """The first contradiction between the ``teacher`` and ``distillation`` sections, the run's ``tasks`` (its ``env``

@@ -54,6 +54,29 @@ def test_rows_without_a_teacher_keep_only_the_weighted_task_advantage() -> None:
     torch.testing.assert_close(batch["advantages"], expected, rtol=0, atol=0)
 
 
+def test_a_step_where_no_row_has_a_teacher_logs_no_value_not_a_perfect_match() -> None:
+    # teacher.by_task: this step drew only prompts of tasks without a teacher (teacher_mask 0 everywhere). A mean over
+    # no token is NaN (logged as "nan"), not the 0 KL / probability-1 logprobs of a student matching its teacher.
+    import math
+
+    batch = fixed_batch()
+    batch["sample_mask"] = torch.tensor([1.0, 1.0])
+    batch["teacher_mask"] = torch.tensor([0.0, 0.0])
+    batch["generation_logprobs"] = batch["prev_logprobs"].clone()
+    metrics = apply_distillation(recipe(TEACHER, "distillation.task_advantage_weight=0.5"), batch)
+    assert sorted(metrics) == [
+        "distillation/advantage_mean",
+        "distillation/student_logprob_mean",
+        "distillation/teacher_kl",
+        "distillation/teacher_logprob_mean",
+    ]
+    assert all(math.isnan(value) for value in metrics.values()), metrics
+    torch.testing.assert_close(batch["advantages"], 0.5 * fixed_batch()["advantages"], rtol=0, atol=0)  # the task term only
+    batch = fixed_batch()  # one row scored: its tokens' means again
+    batch["teacher_mask"] = torch.tensor([1.0, 0.0])
+    assert apply_distillation(recipe(TEACHER), batch)["distillation/teacher_kl"] == pytest.approx(0.125)
+
+
 def test_teachers_by_task_route_each_task_and_each_model_gets_its_own_workers() -> None:
     from nemo_like.algorithms.roles import role_requests
 

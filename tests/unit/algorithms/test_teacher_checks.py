@@ -1,0 +1,126 @@
+"""The start-up checks of the teachers against the student (``check_teachers``) with shipped recipes, tokenizers and
+models: the keys their refusals name (through ``setup_grpo`` itself, which refuses before Ray or any actor starts), the
+teacher model's own vocabulary, and the warning for a top-k KL support that covers the whole vocabulary."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_like.algorithms.setup import check_teachers, setup_grpo
+from nemo_like.config import DEFAULT_RECIPE, load_config
+from nemo_like.config.errors import ConfigError
+from nemo_like.config.schema import MasterConfig
+from nemo_like.models.assets import embedded_model_path
+from nemo_like.models.loading import load_causal_lm, load_tokenizer
+from nemo_like.models.teacher_kl import KLTerm, token_kl
+
+STUDENT = "embedded:tiny-arith-qwen2"  # the default recipe's policy: 359 token ids
+TEACHER = "embedded:tiny-arith-teacher"  # the same tokenizer and vocabulary
+OTHER = "embedded:tiny-tool-qwen2"  # another tokenizer, 315 vocabulary rows
+
+
+def recipe(*overrides: str) -> MasterConfig:
+    return load_config(DEFAULT_RECIPE, list(overrides), warn=False)
+
+
+def refusal(*overrides: str) -> str:
+    """The ConfigError ``setup_grpo`` stops with (before Ray starts) for the default recipe with ``overrides``."""
+    with pytest.raises(ConfigError) as error:
+        setup_grpo(recipe(*overrides))
+    return str(error.value)
+
+
+def model_without_tokenizer(source: str, directory: Path) -> str:
+    """A copy of shipped model ``source``'s weights and configs without its tokenizer (as a checkpoint's ``policy/``
+    written before 2026-12-04 is): its run names the tokenizer with ``teacher.tokenizer_name``."""
+    directory.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(Path(embedded_model_path(source)) / name, directory / name)
+    return str(directory)
+
+
+def test_accepted_teachers_pass_the_checks() -> None:
+    for overrides in (
+        [f"teacher.model_name={TEACHER}"],
+        [f"teacher.model_name={TEACHER}", f"teacher.tokenizer_name={STUDENT}"],  # the directory's own one agrees
+        [f"+teacher.by_task.arithmetic={TEACHER}"],
+    ):
+        assert check_teachers(recipe(*overrides), load_tokenizer(STUDENT)) == []
+
+
+def test_the_tokenizer_refusal_names_the_keys_that_name_both_tokenizers() -> None:
+    student_named = f"the student's policy.tokenizer_name='{STUDENT}'"  # the recipe sets it (${policy.model_name})
+    cases = {
+        f"teacher.by_task.arithmetic='{OTHER}' has a tokenizer (315 tokens) different from {student_named}": [
+            f"+teacher.by_task.arithmetic={OTHER}"
+        ],
+        f"teacher.tokenizer_name='{OTHER}' has a tokenizer (315 tokens) different from {student_named}": [
+            f"teacher.model_name={TEACHER}",
+            f"teacher.tokenizer_name={OTHER}",
+        ],
+        f"teacher.model_name='{TEACHER}' has a tokenizer (359 tokens) different from the student's policy.tokenizer_name='{OTHER}'": [
+            f"teacher.model_name={TEACHER}",
+            f"policy.tokenizer_name={OTHER}",
+        ],
+        f"teacher.model_name='{OTHER}' has a tokenizer (315 tokens) different from the student's policy.model_name='{STUDENT}'": [
+            f"teacher.model_name={OTHER}",
+            "policy.tokenizer_name=null",
+        ],
+    }
+    for expected, overrides in cases.items():
+        message = refusal(*overrides)
+        assert message.startswith(expected), (overrides, message)
+        assert "cross-tokenizer distillation is not supported" in message
+
+
+def test_teacher_tokenizer_name_does_not_hide_the_teacher_models_own_tokenizer() -> None:
+    # The named tokenizer is the student's, the model (and the tokenizer its directory holds) another one's.
+    message = refusal(f"teacher.model_name={OTHER}", f"teacher.tokenizer_name={STUDENT}")
+    assert message.startswith(f"teacher.model_name='{OTHER}' has a tokenizer (315 tokens) different from the student's")
+
+
+def test_a_teacher_model_whose_vocabulary_misses_the_students_ids_is_refused(tmp_path: Path) -> None:
+    # No tokenizer in its directory: teacher.tokenizer_name (the student's) is the only tokenizer to compare, and it
+    # agrees; the model's own 315 rows cannot score ids 315..358 (its forward fails on them mid-step).
+    teacher = model_without_tokenizer(OTHER, tmp_path / "tool-model")
+    with pytest.raises(IndexError):  # what the check stands for: the teacher's pass on the student's ids
+        load_causal_lm(teacher)(input_ids=torch.tensor([[1, 2, 340]]))
+    message = refusal(f"teacher.model_name={teacher}", f"teacher.tokenizer_name={STUDENT}")
+    assert message.startswith(
+        f"teacher.model_name='{teacher}' has 315 vocabulary rows (vocab_size in its config.json, ids 0..314) but the "
+        f"student's tokenizer (policy.tokenizer_name='{STUDENT}') has token ids 0..358"
+    ), message
+
+
+def test_a_by_task_teachers_chunked_head_refusal_names_its_task(tmp_path: Path) -> None:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    tokenizer = load_tokenizer(STUDENT)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(0)
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=len(tokenizer), final_logit_softcapping=2.0, **shape))
+    gemma.save_pretrained(tmp_path / "gemma")
+    tokenizer.save_pretrained(tmp_path / "gemma")  # the student's tokenizer: only its head is refused
+    message = refusal(f"+teacher.by_task.arithmetic={tmp_path / 'gemma'}", "policy.logprob_chunk_size=16")
+    assert f"cannot serve teacher.by_task.arithmetic={str(tmp_path / 'gemma')!r}" in message, message
+
+
+def test_a_top_k_kl_support_covering_the_vocabulary_warns_at_set_up() -> None:
+    kl = [f"teacher.model_name={TEACHER}", "distillation.kl_weight=1", "distillation.kl_support=teacher_top_k"]
+    # 359 rows: k = 358 leaves one token in the tail bucket, which merges nothing (the full KL, value and gradient).
+    student, teacher = torch.randn(3, 359, dtype=torch.float64), torch.randn(3, 359, dtype=torch.float64)
+    top, full = (
+        token_kl(student, teacher, KLTerm("forward", "teacher_top_k", 358), True),
+        token_kl(student, teacher, KLTerm("forward", "full"), True),
+    )
+    torch.testing.assert_close(top, full)
+    for k in (358, 359, 100000):
+        (line,) = check_teachers(recipe(*kl, f"distillation.kl_top_k={k}"), load_tokenizer(STUDENT))
+        assert line.startswith(
+            f"distillation.kl_top_k={k} has no effect with distillation.kl_support=teacher_top_k: the KL term compares 359 vocabulary rows"
+        )
+    assert check_teachers(recipe(*kl, "distillation.kl_top_k=357"), load_tokenizer(STUDENT)) == []  # a real top-k
