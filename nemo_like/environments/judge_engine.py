@@ -5,16 +5,18 @@
 A call splits the judge prompts into chunks of ``max_batch_size``, dealt round-robin to the actors, and waits at
 most ``deadline_s`` for them: chunks done in time return their responses, the others return ``None`` (timed out).
 After a timeout or an actor failure the actors are killed (a stuck judge must not block the next step) and fresh ones
-start loading at once; :attr:`JudgeEngine.restarts` counts those restarts.
+start loading at once, while the run goes on; :attr:`JudgeEngine.restarts` counts those restarts.
 
-The deadline never counts a load: the constructor returns once the actors have loaded the model (so the environment
-actor that owns the engine is ready only then, and a replaced one is rebuilt before its call is sent again), and a call
-first waits for a restarted engine to finish loading, then starts its ``deadline_s`` clock. A judge whose load took
-longer than ``deadline_s`` had timed out on every call after its first timeout (each call killed the reload).
+A call never takes longer than ``deadline_s``, and a load is never killed for it: the constructor returns once the
+actors have loaded the model (the environment actor that owns the engine is ready only then, and a replaced one is
+rebuilt before its call is sent again), and a call that finds a restarted engine still loading counts its samples as
+timeouts and leaves the load running (a judge whose load took longer than ``deadline_s`` had been restarted by every
+call, timing out on all of them).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -93,9 +95,10 @@ class JudgeEngine:
         self.max_batch_size = max_batch_size
         self.group: Any = None
         self.restarts = 0
-        self._loading = False  # actors started whose load no call has waited for yet
+        self._loading: list[Any] = []  # readiness refs of a restarted engine no call has yet seen loaded
         self._start()
-        self._wait_loaded()
+        self.group.wait_started()  # set-up's time, not a call's: a model that cannot load fails here, naming the group
+        self._loading = []
 
     def _start(self) -> None:
         from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
@@ -104,59 +107,65 @@ class JudgeEngine:
         actor_cls, init, env = engine_actor(s, self.max_batch_size)
         resources = WorkerResources(num_cpus=s.num_cpus, num_gpus=s.num_gpus, num_threads=s.num_threads)
         self.group = RayWorkerGroup("judge", actor_cls, s.num_workers, resources, init, s.placement_timeout_s, env)
-        self._loading = True
-
-    def _wait_loaded(self) -> None:
-        """Wait for the actors' constructors (the model load) once after each start: never again, since a readiness
-        call queues behind a stuck actor's call, which the deadline exists to cut short. A model that cannot load
-        fails here, naming the group."""
-        if self._loading:
-            self.group.wait_started()
-            self._loading = False
+        self._loading = [w.__ray_ready__.remote() for w in self.group.workers]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], deadline_s: float) -> EngineResult:
         """Responses to ``prompts``, prompt ``i`` sampled with ``seeds[i]`` whatever chunk and actor it lands on (see the
-        module docstring); never raises for a slow or failed actor (only for one that cannot load the model again)."""
+        module docstring), within ``deadline_s`` in all; never raises for a slow, loading or failed actor (only when a
+        restart cannot be placed)."""
         import ray
 
         result = EngineResult([None] * len(prompts), [None] * len(prompts))
         if not prompts:
             return result
-        if self.group is None:  # shut down: start again
+        deadline = time.monotonic() + deadline_s
+        if self.group is None:  # shut down, or a restart that could not be placed: start again
             self._start()
-        self._wait_loaded()  # a restarted engine's load is not the verdicts' time
+        loading = bool(self._loading)
+        if loading:  # a restarted engine: its load shares this call's deadline, and is never killed for it
+            loaded, _ = ray.wait(self._loading, num_returns=len(self._loading), timeout=deadline_s)
+            if len(loaded) < len(self._loading):
+                result.failures[:] = ["timeout"] * len(prompts)
+                return result
+            self._loading = []
         chunks = chunked(len(prompts), self.max_batch_size)
         workers = self.group.workers
         refs = [
             workers[i % len(workers)].generate.remote([prompts[j] for j in rows], asdict(params), [seeds[j] for j in rows])
             for i, rows in enumerate(chunks)
         ]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=deadline_s)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
         done = set(ready)
-        failed = False
         for ref, rows in zip(refs, chunks):
             if ref not in done:
                 result.failures[rows.start : rows.stop] = ["timeout"] * len(rows)
-                failed = True
                 continue
             try:
                 samples = ray.get(ref)
             except Exception:  # noqa: BLE001 - an actor failure scores as a judge failure, never crashes the run
                 result.failures[rows.start : rows.stop] = ["error"] * len(rows)
-                failed = True
                 continue
             for j, sample in zip(rows, samples):
                 result.responses[j] = list(sample["response_ids"])
-        if failed:
+        # A timeout of an engine that has just loaded is its load's share of the deadline, not a stuck judge: kept
+        if "error" in result.failures or ("timeout" in result.failures and not loading):
             self.kill()
         return result
 
     def kill(self) -> None:
-        """Kill the actors now and start fresh ones, which load while the run goes on (the next call waits for them)."""
+        """Kill the actors now and start fresh ones, which load while the run goes on (a restart that cannot be
+        placed yet is tried again by the next call)."""
+        from nemo_like.distributed.worker_group import PlacementError
+
         if self.group is not None:
             self.group.kill()
-        self._start()
+            self.group = None
+        self._loading = []
         self.restarts += 1
+        try:
+            self._start()
+        except PlacementError as exc:
+            print(f"[judge] the restarted engine is not placed yet ({exc}); the next call tries again", flush=True)
 
     def shutdown(self) -> None:
         """Release the actors."""

@@ -294,7 +294,8 @@ class _Call:
 
 
 def cut_to(sample: GeneratedSample, max_new_tokens: int) -> GeneratedSample:
-    """``sample`` with at most ``max_new_tokens`` response tokens (then truncated: it hit its own limit)."""
+    """``sample`` with at most ``max_new_tokens`` response tokens (then truncated: it hit its own limit); the engine's
+    tokens past the cut still count as decoded (``performance/num_generated_tokens``)."""
     if len(sample.response_ids) <= max_new_tokens:
         return sample
     return replace(
@@ -303,4 +304,5 @@ def cut_to(sample: GeneratedSample, max_new_tokens: int) -> GeneratedSample:
         response_logprobs=sample.response_logprobs[:max_new_tokens],
         truncated=True,
         final_weight_version=sample.kept_version(max_new_tokens),
+        decoded_tokens=sample.num_decoded_tokens,
     )

@@ -68,10 +68,14 @@ def test_tiny_model_as_judge_template_parse_failure_deadline_and_cache(ray_clust
         assert counters["timeouts"] == len(responses) and counters["scored"] == 0 and counters["parse_failures"] == 0
         assert counters["engine_restarts"] == 1  # per sample: the cached ones lost their verdict too
 
-        # The run goes on: the restarted engine judges as before. Its load (a new process importing torch and loading
-        # the model: seconds) is not the call's time: it counted against deadline_s, so a judge whose load outlasted the
-        # deadline timed out on every call after its first timeout, each call killing the reload.
-        env.cfg.deadline_s = 1.0
+        # The restarted engine loads while the run goes on (a new process importing torch and loading the model:
+        # seconds). A call that finds it still loading times out but leaves the load running: each such call had killed
+        # and restarted it, so a judge whose load outlasted deadline_s timed out on every call after its first timeout.
+        env.cfg.deadline_s = 0.2
+        assert env.score(responses, metadata) == [-1.0] * len(responses)
+        counters = env.metrics()
+        assert counters["timeouts"] == len(responses) and counters["engine_restarts"] == 0
+        env.cfg.deadline_s = 60.0  # the run goes on: the same restarted engine judges as before
         assert env.score(responses, metadata) == pytest.approx(expected)
         counters = env.metrics()
         assert counters["engine_restarts"] == 0 and counters["timeouts"] == 0 and counters["judged"] == 4

@@ -562,6 +562,8 @@ def test_a_call_cut_inside_a_longer_draw_reports_its_kept_tokens_weight_version(
     vllm = GeneratedSample([1], [5, 6, 7, 8, 9], [-1.0] * 5, False, 0, final_weight_version=1)  # one version per draw
     assert vllm.kept_version(2) == 1 and cut_to(vllm, 2).final_weight_version == 1  # an upper bound
     assert GeneratedSample([1], [5], [-1.0], False, 4).kept_version(1) is None  # the engine said nothing
+    # the tokens past the cut were decoded all the same (performance/num_generated_tokens), once even if cut twice
+    assert cut_to(hf, 3).num_decoded_tokens == 5 == cut_to(cut_to(hf, 4), 3).num_decoded_tokens and cut_to(hf, 5) is hf
 
 
 def test_completion_logprobs_offsets_index_the_text_and_partial_characters_are_named_by_bytes(renderer):
