@@ -371,6 +371,12 @@ class MasterConfig(BaseModel):
                 f"cluster.fault_tolerance.on_stall={ft.on_stall} has no effect with cluster.fault_tolerance.stall_timeout_s and "
                 "setup_timeout_s null (no stall watchdog runs)"
             )
+        if ft.stall_timeout_s is not None and ft.call_timeout_s is not None and ft.stall_timeout_s <= ft.call_timeout_s:
+            lines.append(
+                f"cluster.fault_tolerance.call_timeout_s={ft.call_timeout_s:g} has no effect past "
+                f"cluster.fault_tolerance.stall_timeout_s={ft.stall_timeout_s:g}: the stall watchdog reports (on_stall={ft.on_stall}) "
+                "a hung call before it is killed and replaced; set stall_timeout_s above call_timeout_s plus an actor's start"
+            )
         if not self.checkpointing.enabled and changed_from_defaults(ft, ["max_restarts"]):
             lines.append(
                 f"cluster.fault_tolerance.max_restarts={ft.max_restarts} has no effect with checkpointing.enabled=false (a restart "

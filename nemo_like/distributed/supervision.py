@@ -190,6 +190,7 @@ def _recover(calls: Sequence[Call], refs: list[Any], what: str, started: float) 
         for (target_id, rank), cause in failed.items():
             target = targets[target_id]
             target.replace_dead(rank, Death(target.role, target.describe(rank), what, cause, run_control().step, attempt))
+            run_control().stage_finished()  # a replacement is progress: the stall watchdog must not abort its recovery
         if attempt == 0:
             run.retried_batches += 1
         attempt += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
 
@@ -32,26 +33,41 @@ def remove_partial_files(directory: str | Path, pid: int) -> int:
     return removed
 
 
+def _keep_permissions(fd: int, path: Path) -> None:
+    """Give the open file ``fd`` the permissions and group of ``path``, if it exists."""
+    try:
+        existing = os.stat(path)
+    except FileNotFoundError:
+        return
+    os.fchmod(fd, stat.S_IMODE(existing.st_mode))
+    try:
+        os.fchown(fd, -1, existing.st_gid)
+    except PermissionError:  # a group this user is not in: the default group, as a new file's
+        pass
+
+
 def replace_file(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` (text as UTF-8) to ``path``, replacing what was there in one rename; returns the path. The data is
     on disk before the rename and the rename before the return (an OS crash could otherwise leave the new name over
     an empty file: the rename may reach the disk before the data), and two writers of one path never rename each
-    other's partial file (each writes its own temporary file)."""
-    path = Path(path)
+    other's partial file (each writes its own temporary file). A symlink's target is replaced (the link stays), and an
+    existing file keeps its permissions and group, as a plain write keeps them; a new one gets the umask's."""
+    target = Path(os.path.realpath(path))  # beside the link's target: the rename stays on its filesystem
     payload = data if isinstance(data, bytes) else data.encode("utf-8")
-    partial = partial_path(path)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's permissions, as a plain write's
+    partial = partial_path(target)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as out:
+            _keep_permissions(out.fileno(), target)
             out.write(payload)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(partial, path)
+        os.replace(partial, target)
     except BaseException:
         Path(partial).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
-    return path
+    fsync_dir(target.parent)
+    return Path(path)
 
 
 #: What a filesystem answers when it cannot fsync a directory (WSL1's drvfs, some CIFS / network mounts): it has no such

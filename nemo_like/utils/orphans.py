@@ -33,18 +33,24 @@ def remove_orphan_temp_dirs(prefix: str, remove: Callable[[Path], None]) -> list
 
 def remove_orphans(paths: Iterable[Path], prefix: str, remove: Callable[[Path], None]) -> list[str]:
     """``remove`` each of ``paths`` named ``<prefix><tag>_...`` (:func:`process_tag`; an older ``<prefix><pid>_...``
-    too) whose process no longer runs; returns their paths. A name without a pid there, one of another PID namespace,
-    or another user's live process, is left alone (not ours to judge)."""
+    too) whose process no longer runs and that this user owns; returns their paths. A name without a pid there, one of
+    another PID namespace, another user's (a shared /dev/shm or /tmp: its sticky bit refuses us), or one that cannot be
+    removed, is left alone (not ours to judge, and never a reason to fail the run that swept)."""
     removed = []
     for path in paths:
         pid, _, namespace = path.name.removeprefix(prefix).split("_")[0].partition("p")
         try:
             if namespace and int(namespace) != pid_namespace():
                 continue
+            if path.lstat().st_uid != os.getuid():
+                continue
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            remove(path)
+            try:
+                remove(path)
+            except OSError:  # gone meanwhile, or not ours to remove after all
+                continue
             removed.append(str(path))
-        except (ValueError, PermissionError):
+        except (ValueError, OSError):  # PermissionError: another user's live process; FileNotFoundError: gone
             continue
     return removed

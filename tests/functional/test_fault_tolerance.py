@@ -254,12 +254,17 @@ REPLACED = (*FAST, "policy.generation.backend=hf", "grpo.max_num_steps=3")
 
 def test_killed_generation_and_environment_actors_are_replaced_and_every_step_is_unchanged(ray_cluster, tmp_path, monkeypatch):
     from nemo_like.models.generation.hf import HFGeneration
+    from nemo_like.utils.run_control import RunControl
 
     waited: list[bool] = []  # set-up waits for the engine's start (its first call's deadline counted it: killed as hung)
     wait_ready = HFGeneration.wait_ready
     monkeypatch.setattr(HFGeneration, "wait_ready", lambda self: (waited.append(True), wait_ready(self))[1])
+    progress: list[int] = []  # what the stall watchdog reads: a replacement is progress (its recovery was aborted as a stall)
+    stage_finished = RunControl.stage_finished
+    monkeypatch.setattr(RunControl, "stage_finished", lambda self: (progress.append(self.step), stage_finished(self))[1])
     straight = train(tiny_config(tmp_path / "straight", *REPLACED))
     assert waited == [True]
+    setup_stages, progress[:] = len(progress), []
     # Two faults in one run: an environment actor dies under step 1's scoring ($NEMO_LIKE_FAULT_INJECTION), the HF
     # engine under step 2's generation (cluster.fault_injection).
     monkeypatch.setenv(faults.ENV_VAR, json.dumps({"role": "environment", "phase": "score", "step": 1, "action": "kill"}))
@@ -268,6 +273,7 @@ def test_killed_generation_and_environment_actors_are_replaced_and_every_step_is
     replaced = train(tiny_config(tmp_path / "replaced", *REPLACED, *kill_generation))
     print(f"faulted run: {time.monotonic() - started:.1f}s, {replaced[-1]['faults/seconds_lost']:.2f}s lost to 2 replacements")
     assert [r["step"] for r in replaced] == [1, 2, 3]  # step 3: the replaced engine takes the next refit too
+    assert len(progress) == setup_stages + 2 and progress[setup_stages:] == [1, 2]  # one mark per replacement
     first, last = replaced[0], replaced[-1]
     assert first["faults/actor_restarts/environment"] == 1 and "faults/actor_restarts/generation" not in first
     assert (last["faults/actor_restarts/environment"], last["faults/actor_restarts/generation"]) == (1, 1)

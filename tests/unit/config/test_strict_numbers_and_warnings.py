@@ -156,6 +156,11 @@ NO_EFFECT_CASES = [
         "cluster.fault_tolerance.on_stall=abort has no effect",
         ["cluster.fault_tolerance.setup_timeout_s=600"],
     ),
+    (  # the watchdog reports (and with abort, ends) a hung call before its deadline replaces the actor
+        ["cluster.fault_tolerance.stall_timeout_s=60", "cluster.fault_tolerance.call_timeout_s=60"],
+        "cluster.fault_tolerance.call_timeout_s=60 has no effect past cluster.fault_tolerance.stall_timeout_s=60",
+        ["cluster.fault_tolerance.stall_timeout_s=600"],
+    ),
     (
         ["cluster.fault_tolerance.max_restarts=5"],
         "cluster.fault_tolerance.max_restarts=5 has no effect with checkpointing.enabled=false",

@@ -124,17 +124,44 @@ def test_a_dead_writers_buffer_is_removed_by_the_next_writer_but_not_one_of_anot
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True).stdout)
     orphans = [shared_memory.SHM_DIR / f"nemo_like_refit_{dead}{tag}_0" for tag in (f"p{pid_namespace()}", "")]  # "": older
     elsewhere = shared_memory.SHM_DIR / f"nemo_like_refit_{dead}p{pid_namespace() + 1}_0"  # that pid may run there
-    for path in (*orphans, elsewhere):
+    # Another user's orphan: /dev/shm's sticky bit refuses its removal, and the PermissionError stopped every later run
+    # at its first refit (as root, which may remove it, it is left alone all the same: not ours)
+    others = shared_memory.SHM_DIR / f"nemo_like_refit_{dead}p{pid_namespace()}_1"
+    for path in (*orphans, elsewhere, others):
         path.write_bytes(b"x")
+    if os.geteuid() == 0:
+        os.chown(others, 65534, 65534)
     writer = SharedWeightWriter()
     try:
         live = writer.write(1, tensors(0))  # creating a buffer sweeps the orphans
         assert not any(p.exists() for p in orphans) and os.path.exists(live.path)  # its own (live pid) stays
         assert elsewhere.exists() and f"_{os.getpid()}p{pid_namespace()}_" in live.path
+        assert others.exists() == (os.geteuid() == 0)
     finally:
         writer.close()
-        for path in (*orphans, elsewhere):
+        for path in (*orphans, elsewhere, others):
             path.unlink(missing_ok=True)
+
+
+def test_an_orphan_that_cannot_be_removed_is_skipped_not_raised(tmp_path):
+    """A removal refused (EPERM) inside the sweep's ProcessLookupError handler escaped it: the run that swept died."""
+    import subprocess
+    import sys
+
+    from nemo_like.utils.orphans import pid_namespace, remove_orphans
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True).stdout)
+    refused, removable = (tmp_path / f"x_{dead}p{pid_namespace()}_{i}" for i in (0, 1))
+    for path in (refused, removable):
+        path.write_bytes(b"x")
+
+    def unlink_unless_refused(path):
+        if path == refused:
+            raise PermissionError(1, "Operation not permitted", str(path))
+        path.unlink()
+
+    assert remove_orphans([refused, removable], "x_", unlink_unless_refused) == [str(removable)]
+    assert refused.exists() and not removable.exists()
 
 
 FULL_SHM_CHILD = r"""

@@ -46,6 +46,29 @@ def test_format_samples_shows_prompt_response_and_reward_of_the_first_few():
     assert "p0" in text and "r1" in text and "reward 0.000" in text and "p2" not in text
 
 
+def test_a_replaced_file_keeps_its_permissions_and_a_symlink_stays_a_link(tmp_path):
+    """replace_file gave a private (0600) or group-shared (0660) metrics.jsonl the umask's 0644, and replaced a symlink
+    with a plain file, the link's target keeping its old data."""
+    import os
+
+    from nemo_like.utils.files import replace_file
+
+    for mode in (0o600, 0o660):
+        target = tmp_path / f"private_{mode:o}"
+        target.write_text("old\n")
+        target.chmod(mode)
+        replace_file(target, "new\n")
+        assert target.read_text() == "new\n" and target.stat().st_mode & 0o777 == mode
+    elsewhere = tmp_path / "storage" / "metrics.jsonl"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("old\n")
+    link = tmp_path / "metrics.jsonl"
+    link.symlink_to(elsewhere)
+    assert replace_file(link, "new\n") == link
+    assert link.is_symlink() and os.readlink(link) == str(elsewhere) and elsewhere.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["metrics.jsonl", "private_600", "private_660", "storage"])
+
+
 def test_a_replaced_file_is_on_disk_before_its_rename_and_a_failed_one_leaves_the_old(tmp_path, monkeypatch):
     """replace_file renamed an unsynced `<name>.tmp` over the file (an OS crash could leave the name over an empty file)
     and two writers of one path shared that temporary name."""
