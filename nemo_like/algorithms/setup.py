@@ -170,10 +170,23 @@ def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
     * the model's own vocabulary rows (``vocab_size`` in its config.json) cover the student's token ids;
     * its head can be chunked (``policy.logprob_chunk_size``: the teachers' passes and the KL term's copy chunk it).
 
-    Returns the no-effect lines only the models' vocabularies tell (``distillation.kl_top_k`` covering it)."""
+    Returns the warnings only the models' configs tell: ``distillation.kl_top_k`` covering the vocabulary, a teacher
+    with fewer rows than the student's head (a sampled padding id past them would fail its pass), a teacher whose
+    config.json this machine cannot read (a hub id not cached offline: not checked here; its workers load it)."""
+    lines: list[str] = []
+
+    def rows_of(name: str, key: str) -> int | None:
+        try:
+            return model_vocab_size(name)
+        except (OSError, ValueError) as exc:
+            lines.append(f"{key}={name!r}: its vocabulary is not checked against the student's ({type(exc).__name__}: {exc})")
+            return None
+
     student_key = "policy.tokenizer_name" if cfg.policy.tokenizer_name else "policy.model_name"
     student_name = cfg.policy.tokenizer_name or cfg.policy.model_name
     student_ids = token_id_count(tokenizer)
+    student_rows = model_vocab_size(cfg.policy.model_name)  # read on the driver anyway (check_context_length)
+    teacher_rows: dict[str, int | None] = {}
     for name in cfg.teacher.models():
         key = teacher_key(cfg, name)
         teacher_cfg = cfg.teacher_config(name)
@@ -187,14 +200,21 @@ def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
         if not named or (path.is_dir() and holds_tokenizer(path)):  # the model's own tokenizer
             own = teacher_cfg.model_copy(update={"policy": teacher_cfg.policy.model_copy(update={"tokenizer_name": None})})
             check_teacher_tokenizer(tokenizer, student_name, _driver_tokenizer(own, key), name, student_key=student_key, teacher_key=key)
-        check_teacher_vocab(model_vocab_size(name), name, key, student_ids, student_name, student_key)
+        rows = teacher_rows[name] = rows_of(name, key)
+        check_teacher_vocab(rows, name, key, student_ids, student_name, student_key)
+        if rows is not None and student_rows is not None and rows < student_rows:
+            lines.append(
+                f"{key}={name!r} has {rows} vocabulary rows, policy.model_name={cfg.policy.model_name!r} {student_rows}: "
+                f"the student's padding rows {rows}..{student_rows - 1} hold no token, but one sampled there would fail "
+                "the teacher's pass"
+            )
         check_chunkable_head(name, cfg.policy.logprob_chunk_size, key)
     d = cfg.distillation
     if d.kl_weight > 0 and cfg.teacher.model_name is not None:  # the KL term's teacher copy: teacher.model_name
-        rows = [r for r in (model_vocab_size(cfg.policy.model_name), model_vocab_size(cfg.teacher.model_name)) if r is not None]
-        if rows and (line := d.top_k_vocab_warning(min(rows))):  # the term compares the rows both heads have
-            return [line]
-    return []
+        shared = [r for r in (student_rows, teacher_rows.get(cfg.teacher.model_name)) if r is not None]
+        if shared and (line := d.top_k_vocab_warning(min(shared))):  # the term compares the rows both heads have
+            lines.append(line)
+    return lines
 
 
 @dataclass

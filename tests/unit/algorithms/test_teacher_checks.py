@@ -124,3 +124,18 @@ def test_a_top_k_kl_support_covering_the_vocabulary_warns_at_set_up() -> None:
             f"distillation.kl_top_k={k} has no effect with distillation.kl_support=teacher_top_k: the KL term compares 359 vocabulary rows"
         )
     assert check_teachers(recipe(*kl, "distillation.kl_top_k=357"), load_tokenizer(STUDENT)) == []  # a real top-k
+
+
+def test_a_teacher_config_this_machine_cannot_read_and_a_smaller_teacher_head_warn(tmp_path: Path, unreachable_hub) -> None:
+    """A hub-id teacher not cached on an offline driver (its workers have it) failed set-up with a raw OSError from the
+    new vocabulary check; a student head with padding rows past the teacher's passed silently (a padding id sampled
+    there fails the teacher's pass)."""
+    (line,) = check_teachers(recipe("teacher.model_name=some-org/not-cached", f"teacher.tokenizer_name={STUDENT}"), load_tokenizer(STUDENT))
+    assert line.startswith("teacher.model_name='some-org/not-cached': its vocabulary is not checked against the student's")
+    padded = tmp_path / "padded-student"
+    student = load_causal_lm(STUDENT)
+    student.resize_token_embeddings(384)  # rows 359..383: padding, no token
+    student.save_pretrained(padded)
+    load_tokenizer(STUDENT).save_pretrained(padded)
+    (line,) = check_teachers(recipe(f"policy.model_name={padded}", f"teacher.model_name={TEACHER}"), load_tokenizer(STUDENT))
+    assert line.startswith(f"teacher.model_name='{TEACHER}' has 359 vocabulary rows, policy.model_name='{padded}' 384: ")
