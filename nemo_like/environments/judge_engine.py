@@ -7,11 +7,12 @@ most ``deadline_s`` for them: chunks done in time return their responses, the ot
 After a timeout or an actor failure the actors are killed (a stuck judge must not block the next step) and fresh ones
 start loading at once, while the run goes on; :attr:`JudgeEngine.restarts` counts those restarts.
 
-A call never takes longer than ``deadline_s``, and a load is never killed for it: the constructor returns once the
-actors have loaded the model (the environment actor that owns the engine is ready only then, and a replaced one is
-rebuilt before its call is sent again), and a call that finds a restarted engine still loading counts its samples as
-timeouts and leaves the load running (a judge whose load took longer than ``deadline_s`` had been restarted by every
-call, timing out on all of them).
+A call takes at most ``deadline_s`` (plus, when it kills the actors, :data:`RESTART_PLACEMENT_S` placing their
+replacements), and a load is never killed for it: the constructor returns once the actors have loaded the model (the
+environment actor that owns the engine is ready only then, and a replaced one is rebuilt before its call is sent
+again), and a call that finds a restarted engine still loading counts its samples as timeouts and leaves the load
+running (a judge whose load took longer than ``deadline_s`` had been restarted by every call, timing out on all of
+them). A restart not placed yet counts the call's samples as engine errors and is tried again by the next call.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def chunked(n: int, size: int) -> list[range]:
     return [range(start, min(start + size, n)) for start in range(0, n, size)]
 
 
+#: Seconds a restart after a timeout or failure waits for its actors' resources, which the killed actors have just freed
+#: (the set-up waits ``placement_timeout_s``; a call must not): the rest is left to the next call, within its deadline.
+RESTART_PLACEMENT_S = 2.0
+
+
 class JudgeEngine:
     """The judge's generation actors (see the module docstring)."""
 
@@ -100,30 +106,48 @@ class JudgeEngine:
         self.group.wait_started()  # set-up's time, not a call's: a model that cannot load fails here, naming the group
         self._loading = []
 
-    def _start(self) -> None:
+    def _start(self, placement_timeout_s: float | None = None) -> None:
         from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
 
         s = self.spec
         actor_cls, init, env = engine_actor(s, self.max_batch_size)
         resources = WorkerResources(num_cpus=s.num_cpus, num_gpus=s.num_gpus, num_threads=s.num_threads)
-        self.group = RayWorkerGroup("judge", actor_cls, s.num_workers, resources, init, s.placement_timeout_s, env)
+        timeout = s.placement_timeout_s if placement_timeout_s is None else placement_timeout_s
+        self.group = RayWorkerGroup("judge", actor_cls, s.num_workers, resources, init, timeout, env)
         self._loading = [w.__ray_ready__.remote() for w in self.group.workers]
+
+    def _restart(self, placement_timeout_s: float) -> bool:
+        """Start fresh actors, waiting at most ``placement_timeout_s`` for their resources (a call's time, not the set-up's
+        ``placement_timeout_s``); whether they were placed (if not, the next call tries again)."""
+        from nemo_like.distributed.worker_group import PlacementError
+
+        try:
+            self._start(placement_timeout_s)
+        except PlacementError as exc:
+            print(f"[judge] the restarted engine is not placed yet ({exc}); the next call tries again", flush=True)
+            return False
+        return True
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], deadline_s: float) -> EngineResult:
         """Responses to ``prompts``, prompt ``i`` sampled with ``seeds[i]`` whatever chunk and actor it lands on (see the
-        module docstring), within ``deadline_s`` in all; never raises for a slow, loading or failed actor (only when a
-        restart cannot be placed)."""
+        module docstring), within ``deadline_s`` (see the module docstring); never raises for a slow, loading, failed or
+        not yet placed actor."""
         import ray
 
         result = EngineResult([None] * len(prompts), [None] * len(prompts))
         if not prompts:
             return result
         deadline = time.monotonic() + deadline_s
-        if self.group is None:  # shut down, or a restart that could not be placed: start again
-            self._start()
+        if self.group is None and not self._restart(deadline_s):  # shut down, or a restart not placed yet
+            result.failures[:] = ["error"] * len(prompts)
+            return result
+        if self._loading:  # loaded since the last call: an engine like any other
+            loaded, _ = ray.wait(self._loading, num_returns=len(self._loading), timeout=0)
+            self._loading = [] if len(loaded) == len(self._loading) else self._loading
         loading = bool(self._loading)
-        if loading:  # a restarted engine: its load shares this call's deadline, and is never killed for it
-            loaded, _ = ray.wait(self._loading, num_returns=len(self._loading), timeout=deadline_s)
+        if loading:  # still loading: the load shares this call's deadline, and is never killed for it
+            left = max(0.0, deadline - time.monotonic())
+            loaded, _ = ray.wait(self._loading, num_returns=len(self._loading), timeout=left)
             if len(loaded) < len(self._loading):
                 result.failures[:] = ["timeout"] * len(prompts)
                 return result
@@ -153,19 +177,14 @@ class JudgeEngine:
         return result
 
     def kill(self) -> None:
-        """Kill the actors now and start fresh ones, which load while the run goes on (a restart that cannot be
-        placed yet is tried again by the next call)."""
-        from nemo_like.distributed.worker_group import PlacementError
-
+        """Kill the actors now and start fresh ones, which load while the run goes on; their resources (just freed) are
+        waited for at most :data:`RESTART_PLACEMENT_S`, else the next call tries again."""
         if self.group is not None:
             self.group.kill()
             self.group = None
         self._loading = []
         self.restarts += 1
-        try:
-            self._start()
-        except PlacementError as exc:
-            print(f"[judge] the restarted engine is not placed yet ({exc}); the next call tries again", flush=True)
+        self._restart(min(self.spec.placement_timeout_s, RESTART_PLACEMENT_S))
 
     def shutdown(self) -> None:
         """Release the actors."""

@@ -75,7 +75,14 @@ def test_tiny_model_as_judge_template_parse_failure_deadline_and_cache(ray_clust
         assert env.score(responses, metadata) == [-1.0] * len(responses)
         counters = env.metrics()
         assert counters["timeouts"] == len(responses) and counters["engine_restarts"] == 0
-        env.cfg.deadline_s = 60.0  # the run goes on: the same restarted engine judges as before
+        # Loaded before the next call, and stuck in it: a stuck judge like any other, killed at once (no call had seen
+        # it loaded, so it was kept as "loading" one call more, that call's verdicts lost behind the stuck one)
+        env.engine.group.wait_started()
+        env.engine.group.workers[0].__ray_call__.remote(lambda worker: time.sleep(120))
+        env.cfg.deadline_s = 0.5
+        assert env.score(responses, metadata) == [-1.0] * len(responses)
+        assert env.metrics()["engine_restarts"] == 1
+        env.cfg.deadline_s = 60.0  # the run goes on: the restarted engine judges as before
         assert env.score(responses, metadata) == pytest.approx(expected)
         counters = env.metrics()
         assert counters["engine_restarts"] == 0 and counters["timeouts"] == 0 and counters["judged"] == 4
