@@ -26,7 +26,7 @@ class PromptRecord:
     """
 
     id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # role and content (text), and any other keys of a row's chat message (tool_calls ...)
     prompt_token_ids: list[int]
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -56,14 +56,10 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
         tokenized = tokenize_conversations(tokenizer, conversations)
     except TemplateRefused as refused:
         problem = problems[refused.index]
-        hint = (
-            "unset data.system_prompt / data.system_prompt_file"
-            if fmt.system_prompt
-            else f"check the row's messages (data.prompt_key={data.prompt_key!r})"
-        )
+        message, hint = _refusal_cause(tokenizer, problem.messages, fmt.system_prompt, refused.message, data.prompt_key)
         raise ConfigError(
             f"The chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'!r} (policy.tokenizer_name, or "
-            f"policy.model_name) refuses the prompt of {problem.where} (data.{split}): {refused.message}; {hint}, or use a "
+            f"policy.model_name) refuses the prompt of {problem.where} (data.{split}): {message}; {hint}, or use a "
             "tokenizer whose template takes these messages"
         ) from None
     for problem, ids in zip(problems, tokenized):
@@ -85,6 +81,27 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
     return records
 
 
+def _refusal_cause(
+    tokenizer, messages: list[dict[str, Any]], system_prompt: str | None, refusal: str, prompt_key: str | None
+) -> tuple[str, str]:
+    """The chat template's refusal of ``messages`` (its message ``refusal``) and the fix to suggest.
+
+    The system prompt is blamed only when the template takes the conversation without the system turn that
+    data.system_prompt(_file) inserted. When that rendering fails too, the row's own messages are refused (e.g. roles
+    that do not alternate): its refusal is given, with the row's hint."""
+    from jinja2 import TemplateError
+
+    row_hint = f"check the row's messages (data.prompt_key={prompt_key!r})"
+    if not system_prompt or messages[:1] != [{"role": "system", "content": system_prompt}]:
+        return refusal, row_hint
+    try:
+        render_chat(tokenizer, messages[1:], add_generation_prompt=True)
+    except TemplateError as exc:  # the row's own messages are refused as well
+        also = "" if str(exc) == refusal else f" (and with the system turn of data.system_prompt(_file): {refusal})"
+        return f"{exc}{also}", row_hint
+    return refusal, "unset data.system_prompt / data.system_prompt_file"
+
+
 def check_chat_template(tokenizer) -> None:
     """ConfigError when ``tokenizer`` has no chat template (a base model's): every prompt is rendered with it."""
     if getattr(tokenizer, "chat_template", None):
@@ -97,7 +114,7 @@ def check_chat_template(tokenizer) -> None:
     )
 
 
-def tokenize_conversations(tokenizer, conversations: list[list[dict[str, str]]], chunk: int = 1024) -> list[list[int]]:
+def tokenize_conversations(tokenizer, conversations: list[list[dict[str, Any]]], chunk: int = 1024) -> list[list[int]]:
     """Token ids of each conversation through the chat template, ending with the generation prompt.
 
     Same ids as ``apply_chat_template(..., tokenize=True)`` (which encodes the rendered text without

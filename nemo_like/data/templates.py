@@ -33,23 +33,26 @@ class PromptFormat:
         messages.append({"role": "user", "content": self.user_text(problem)})
         return messages
 
-    def messages_for_chat(self, chat: list[dict[str, Any]], where: str) -> list[dict[str, str]]:
+    def messages_for_chat(self, chat: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
         """Apply the format to a row's own chat messages (``where`` names the row in errors).
 
-        The template wraps the last user turn; the system prompt is prepended unless the row
-        already has a system turn, which is an error (two system prompts).
+        A message keeps its keys besides ``role`` and ``content`` (see :func:`_check_message`). The last user
+        turn must hold text (a blank one is an error, as a blank text prompt is); the template wraps it; the
+        system prompt is prepended unless the row already has a system turn, which is an error (two system prompts).
         """
-        messages = [_check_message(m, where) for m in chat]
+        messages = [_check_message(m, where, n) for n, m in enumerate(chat, 1)]
         if not any(m["role"] == "user" for m in messages):
             raise ConfigError(f"{where}: the chat messages have no 'user' turn")
+        last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        if not messages[last]["content"].strip():  # the question the model is asked would be empty
+            raise ConfigError(f"{where}: the last 'user' turn of the chat messages (data.prompt_key) is empty")
         if messages[-1]["role"] == "assistant":  # an SFT-style row: its answer would sit in the prompt
             raise ConfigError(
                 f"{where}: the chat messages end with an 'assistant' turn, so the prompt would hold the answer; a prompt "
                 "ends where the model answers (drop the rows' last turn, or point data.prompt_key at the question)"
             )
         if self.template is not None:
-            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
-            messages[last] = {"role": "user", "content": self.user_text(messages[last]["content"])}
+            messages[last] = {**messages[last], "content": self.user_text(messages[last]["content"])}
         if self.system_prompt:
             if any(m["role"] == "system" for m in messages):
                 raise ConfigError(
@@ -60,10 +63,36 @@ class PromptFormat:
         return messages
 
 
-def _check_message(message: Any, where: str) -> dict[str, str]:
+def _check_message(message: Any, where: str, number: int) -> dict[str, Any]:
+    """``message`` as the chat template gets it: ``role`` and ``content`` (text), then the message's other keys
+    (``tool_calls``, ``tool_call_id``, ``name`` ...) as ``apply_chat_template`` passes them, so the template renders
+    what the row holds. An other key whose value is ``None`` is dropped: a table-format column (Parquet, a
+    ``save_to_disk`` set) gives every message every key any message has, ``None`` where a message lacks it.
+    ``number`` counts the row's messages from 1, for errors."""
     if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
         raise ConfigError(f"{where}: a chat message must be {{'role': str, 'content': str}}, got {message!r}")
-    return {"role": message["role"], "content": message["content"]}
+    checked: dict[str, Any] = {"role": message["role"], "content": message["content"]}
+    for key, value in message.items():
+        if key in checked or value is None:
+            continue
+        if not isinstance(key, str) or not _json_like(value):
+            raise ConfigError(
+                f"{where}: chat message {number} (role {message['role']!r}): its key {key!r} must hold a JSON value "
+                f"(text, a number, a boolean, a list or an object with text keys), got {type(value).__name__}: {value!r}"
+            )
+        checked[key] = value
+    return checked
+
+
+def _json_like(value: Any) -> bool:
+    """Whether ``value`` is made of JSON values only (what a chat message's keys hold, and what a template can read)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_json_like(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_like(v) for k, v in value.items())
+    return False
 
 
 def _read_text(path: str, key: str) -> str:
