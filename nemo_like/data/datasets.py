@@ -32,7 +32,7 @@ from typing import IO, Any
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig, DatasetSplitConfig
 from nemo_like.config.sections.data import FILE_BUILDERS, data_suffix
-from nemo_like.data.templates import PromptFormat
+from nemo_like.data.templates import PromptFormat, dropped_message_keys
 from nemo_like.environments.math_verify_process import number_text
 
 ARITHMETIC = "arithmetic"
@@ -675,9 +675,11 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
     # The spec's extraction (GSM8K's '####') is for its own answer column; an explicit data.answer_key elsewhere wins.
     transform = spec.answer_transform if spec and columns.answer == spec.answer_key else None
     needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
-    problems = []
+    problems, dropped = [], set()
     for i, row in zip(rows, _decoded(lambda: ds.select_columns(needed).select(rows).to_list(), source, role)):
         where = f"row {i + 1} of {source.label}"  # data rows counted from 1 (a CSV header and blank lines are not rows)
+        if isinstance(row[columns.prompt], list):
+            dropped |= dropped_message_keys(row[columns.prompt])
         problems.append(
             Problem(
                 id=f"{role}-{i}",
@@ -686,6 +688,13 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
                 task_name=_task_name(row, columns.task, task_default, where),
                 where=where,
             )
+        )
+    if dropped:
+        warnings.warn(
+            f"{source.label}: the chat messages' keys {sorted(dropped)} are not passed to the chat template (data.{role}: a "
+            "prompt holds each message's role and content only)",
+            UserWarning,
+            stacklevel=2,
         )
     return problems
 

@@ -26,7 +26,7 @@ class PromptRecord:
     """
 
     id: str
-    messages: list[dict[str, Any]]  # role and content (text), and any other keys of a row's chat message (tool_calls ...)
+    messages: list[dict[str, str]]
     prompt_token_ids: list[int]
     metadata: dict[str, Any] = field(default_factory=dict)
 

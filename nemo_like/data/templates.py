@@ -36,7 +36,7 @@ class PromptFormat:
     def messages_for_chat(self, chat: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
         """Apply the format to a row's own chat messages (``where`` names the row in errors).
 
-        A message keeps its keys besides ``role`` and ``content`` (see :func:`_check_message`). The last user
+        A message keeps its ``role`` and ``content`` only (see :func:`_check_message`). The last user
         turn must hold text (a blank one is an error, as a blank text prompt is); the template wraps it; the
         system prompt is prepended unless the row already has a system turn, which is an error (two system prompts).
         """
@@ -64,35 +64,19 @@ class PromptFormat:
 
 
 def _check_message(message: Any, where: str, number: int) -> dict[str, Any]:
-    """``message`` as the chat template gets it: ``role`` and ``content`` (text), then the message's other keys
-    (``tool_calls``, ``tool_call_id``, ``name`` ...) as ``apply_chat_template`` passes them, so the template renders
-    what the row holds. An other key whose value is ``None`` is dropped: a table-format column (Parquet, a
-    ``save_to_disk`` set) gives every message every key any message has, ``None`` where a message lacks it.
+    """``message`` as the chat template gets it: its ``role`` and ``content`` (text). Its other keys are not passed
+    (tool calls, names, a chat log's timestamps: their shapes differ between formats and tables, and a template would
+    render them otherwise than the rollout server does); :func:`dropped_message_keys` names them, for one warning.
     ``number`` counts the row's messages from 1, for errors."""
     if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
-        raise ConfigError(f"{where}: a chat message must be {{'role': str, 'content': str}}, got {message!r}")
-    checked: dict[str, Any] = {"role": message["role"], "content": message["content"]}
-    for key, value in message.items():
-        if key in checked or value is None:
-            continue
-        if not isinstance(key, str) or not _json_like(value):
-            raise ConfigError(
-                f"{where}: chat message {number} (role {message['role']!r}): its key {key!r} must hold a JSON value "
-                f"(text, a number, a boolean, a list or an object with text keys), got {type(value).__name__}: {value!r}"
-            )
-        checked[key] = value
-    return checked
+        raise ConfigError(f"{where}: chat message {number} must be {{'role': str, 'content': str}}, got {message!r}")
+    return {"role": message["role"], "content": message["content"]}
 
 
-def _json_like(value: Any) -> bool:
-    """Whether ``value`` is made of JSON values only (what a chat message's keys hold, and what a template can read)."""
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_json_like(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _json_like(v) for k, v in value.items())
-    return False
+def dropped_message_keys(chat: list[Any]) -> set[str]:
+    """The keys besides ``role`` and ``content`` that the messages of ``chat`` hold a value for (a table's ``None``
+    fill does not count): the prompt leaves them out."""
+    return {key for m in chat if isinstance(m, dict) for key, value in m.items() if key not in ("role", "content") and value is not None}
 
 
 def _read_text(path: str, key: str) -> str:

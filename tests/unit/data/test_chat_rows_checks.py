@@ -8,6 +8,7 @@ Llama tokenizer, which adds a BOS. Chat templates are set on them as a model's w
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from transformers import LlamaTokenizer
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig
 from nemo_like.data.prompts import PromptRecord, build_prompt_dataset
-from nemo_like.models.loading import decode_exact, load_tokenizer
+from nemo_like.models.loading import load_tokenizer
 
 SENTENCEPIECE = Path(__file__).resolve().parents[2] / "fixtures" / "tiny_sentencepiece"
 BUDGET = 500
@@ -131,53 +132,30 @@ def test_a_blank_last_user_turn_is_an_error_naming_the_row_as_a_blank_text_promp
     assert build(write_jsonl(tmp_path / "ok.jsonl", [{"m": earlier_blank, "a": "4"}]), tok, "m")  # only the question is checked
 
 
-def test_a_chat_messages_other_keys_reach_the_template(tmp_path, tok) -> None:
-    """``tool_calls``, ``tool_call_id`` and ``name`` were dropped (only role and content kept): the prompt showed an
-    empty assistant turn followed by the tool's answer, not the call the template renders."""
-    tok.chat_template = TOOL_TEMPLATE
-    call = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": {"expr": "347*28"}}}
+def test_a_chat_messages_other_keys_are_left_out_of_the_prompt_with_one_warning_naming_them(tmp_path, tok) -> None:
+    """``tool_calls``, ``tool_call_id`` and ``name`` were dropped silently: the prompt showed an empty assistant turn.
+    They stay out (their shapes differ between formats and tables, and the rollout server normalises them), with one
+    warning naming them; a Parquet table's None fill of a key no message holds is no such key."""
+    tok.chat_template = TOOL_TEMPLATE.replace("message.tool_calls", "message.tool_calls or []")
+    call = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expr": "347*28"}'}}
     messages = [
         {"role": "user", "content": "What is 347 times 28?"},
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "content": "9716", "tool_call_id": "call_1", "name": "calculator"},
-        {"role": "user", "content": "So?", "name": "alice"},
+        {"role": "user", "content": "So?"},
     ]
-    plain = [
-        {"role": "user", "content": "What is 2 plus 2?"},
-        {"role": "assistant", "content": "4"},
-        {"role": "user", "content": "And 3 plus 3?"},
-    ]
+    plain = [{"role": "user", "content": "What is 2 plus 2?"}]
     path = write_jsonl(tmp_path / "tools.jsonl", [{"m": messages, "a": "9716"}, {"m": plain, "a": "4"}])
-    with_calls, without = build(path, tok, "m", system_prompt="Use the tools.")
-    assert with_calls.messages == [{"role": "system", "content": "Use the tools."}, *messages]
-    assert '<tool_call>\n{"name": "calculator", "arguments": {"expr": "347*28"}}\n</tool_call>' in decode_exact(
-        tok, with_calls.prompt_token_ids
+    with pytest.warns(UserWarning, match=r"tools.jsonl: the chat messages' keys \['name', 'tool_call_id', 'tool_calls'\] are not passed"):
+        with_calls, _ = build(path, tok, "m")
+    kept = [{"role": m["role"], "content": m["content"]} for m in messages]
+    assert with_calls.messages == kept and with_calls.prompt_token_ids == template_ids(tok, kept)
+    datasets.Dataset.from_list([{"m": plain, "a": "4"}, {"m": [{"role": "user", "content": "hi", "name": None}], "a": "1"}]).to_parquet(
+        str(tmp_path / "plain.parquet")
     )
-    assert with_calls.prompt_token_ids == template_ids(tok, with_calls.messages)
-    assert without.messages == [{"role": "system", "content": "Use the tools."}, *plain]
-    (prompt_file := tmp_path / "p.txt").write_text("Q: {}")  # the template wraps the question; its other keys stay
-    (wrapped, _) = build(path, tok, "m", prompt_file=str(prompt_file))
-    assert wrapped.messages == [*messages[:-1], {"role": "user", "content": "Q: So?", "name": "alice"}]
-    # A Parquet column gives every message every key, None where a message has none: such a None is read as no key,
-    # so the message renders as without it (kept, Qwen2.5's ``for tool_call in message.tool_calls`` fails on it).
-    datasets.Dataset.from_list([{"m": messages, "a": "9716"}, {"m": plain, "a": "4"}]).to_parquet(str(tmp_path / "tools.parquet"))
-    from_parquet = build(tmp_path / "tools.parquet", tok, "m", system_prompt="Use the tools.")
-    assert datasets.load_dataset("parquet", data_files=str(tmp_path / "tools.parquet"), split="train")[1]["m"][0]["tool_calls"] is None
-    assert [r.prompt_token_ids for r in from_parquet] == [with_calls.prompt_token_ids, without.prompt_token_ids]
-    assert from_parquet[1].messages == without.messages
-
-
-def test_a_chat_message_key_that_holds_no_json_value_is_an_error_naming_the_row_and_key(tmp_path, tok) -> None:
-    """A value a template cannot read as JSON (bytes from a binary column) names the row, the message and the key."""
-    rows = [
-        {"m": [{"role": "user", "content": "hi", "blob": None}], "a": "1"},
-        {"m": [{"role": "user", "content": "hi", "blob": b"\x00"}], "a": "1"},
-    ]
-    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "bytes.parquet"))
-    with pytest.raises(
-        ConfigError, match=r"row 2 of .*bytes.parquet: chat message 1 \(role 'user'\): its key 'blob' must hold a JSON value.*got bytes"
-    ):
-        build(tmp_path / "bytes.parquet", tok, "m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build(tmp_path / "plain.parquet", tok, "m")
 
 
 def test_a_refusal_blames_the_system_prompt_only_when_the_row_renders_without_it(tmp_path, tok) -> None:
