@@ -118,6 +118,10 @@ class ChatCompletionRequest(SamplingFields):
                 "not two different limits.",
                 param="max_tokens",
             )
+        for i, tool in enumerate(self.tools or []):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and function.get("strict"):
+                raise unsupported(f"tools[{i}].function.strict", "tool-call arguments are not constrained to the schema")
         if not self.tools:
             if self.tool_choice not in (None, "none"):
                 raise bad_request("'tool_choice' is only allowed when 'tools' are specified.", param="tool_choice")

@@ -139,6 +139,10 @@ def _text_content(content: Any, where: str) -> str:
         raise bad_request(f"'{where}.content' must be a string, a list of text parts or null.", param=f"{where}.content") from None
 
 
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity; the model's tool-call parser refuses them
+
+
 def _template_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
     """OpenAI tool calls with their argument strings decoded (what Hugging Face templates iterate over)."""
     if not isinstance(tool_calls, list):
@@ -150,8 +154,8 @@ def _template_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
             raise bad_request(f"'{where}.tool_calls' entries need a 'function' with a 'name'.", param=f"{where}.tool_calls")
         arguments = function.get("arguments", "{}")
         try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
+            arguments = json.loads(arguments, parse_constant=_refuse_constant) if isinstance(arguments, str) else arguments
+        except (ValueError, RecursionError):  # not JSON, NaN, nested past the recursion limit, a 5,000-digit integer
             arguments = None
         if not isinstance(arguments, dict):  # a list, a number, null: the template would show the model that
             raise bad_request(
@@ -185,7 +189,7 @@ def _normalize(message: Any, index: int, continuations: Continuations | None) ->
     if role == "assistant":
         tool_calls = message.get("tool_calls") or None
         if continuations is not None:
-            keys = message_keys(message.get("content"), tool_calls)
+            keys = message_keys(content, tool_calls)  # the text, however sent (a string or text parts)
             lookup = RawLookup(keys, continuations.raw_text(keys))
             if lookup.raw_text is not None:
                 return {"role": "assistant", "content": lookup.raw_text, **named}, lookup

@@ -95,6 +95,19 @@ def test_a_returned_message_renders_as_the_raw_sampled_text(renderer):
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls}]
     assert raw in renderer.chat_text(messages, None, continuations)
     assert raw not in renderer.chat_text(messages, None, Continuations())  # an unknown message is rendered as sent
+    # Its content sent back as text parts (the openai client's types allow it) is the same message: it was not found,
+    # so the template's rewrite replaced the sampled text and the session branched
+    said = "Let me compute."
+    continuations.remember_message(message_keys(said, calls), said + raw)
+    for content in (said, [{"type": "text", "text": said}]):
+        sent = [messages[0], {"role": "assistant", "content": content, "tool_calls": calls}]
+        assert said + raw in renderer.chat_text(sent, None, continuations), content
+    # Arguments Python's json reads but the model's own parser refuses, or that overflow it: a 400 naming them (500s)
+    for arguments in ("[" * 100_000 + "]" * 100_000, '{"n": ' + "9" * 5000 + "}", '{"x": NaN}'):
+        bad = [{"id": "c", "type": "function", "function": {"name": "calculator", "arguments": arguments}}]
+        with pytest.raises(ServingError) as error:
+            renderer.chat_text([messages[0], {"role": "assistant", "content": None, "tool_calls": bad}], None, Continuations())
+        assert (error.value.status, error.value.param) == (400, "messages[1].tool_calls"), arguments[:20]
 
 
 #: A template that renders tools and tool calls (as Qwen 2.5's does, in short).
@@ -352,6 +365,11 @@ def test_contradictory_or_unimplemented_limits_and_tool_settings_are_refused():
     checked(max_tokens=5, max_completion_tokens=5)
     checked(tool_choice="none")
     checked(tools=tools, tool_choice="auto", parallel_tool_calls=False)
+    # strict: arguments would have to follow the schema, which nothing enforces (it was accepted and ignored)
+    with pytest.raises(ServingError) as error:
+        checked(tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strict": True}}])
+    assert (error.value.param, error.value.code) == ("tools[0].function.strict", "unsupported_parameter")
+    checked(tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strict": False}}])
     # Completions' logprobs=1 asks for the top alternative at each position, which is not returned (it had answered None).
     with pytest.raises(ServingError) as error:
         CompletionRequest(model="m", prompt=[1, 2], logprobs=1).check_supported()
