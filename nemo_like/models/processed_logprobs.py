@@ -12,7 +12,8 @@ except how a tie group cut by the nucleus boundary is split, see :func:`sampling
 ``tests/unit/models/test_processed_logprobs.py`` checks both):
 
 * top-k keeps every token whose scaled logit is >= the k-th largest one (ties at the k-th value are
-  all kept, so more than k tokens can survive); ``k >= V`` keeps everything;
+  all kept, so more than k tokens can survive: vLLM's PyTorch path; its CUDA Triton kernel keeps exactly k, see
+  ``docs/guides/generation.md``); ``k >= V`` keeps everything;
 * top-p runs on the top-k survivors: sort ascending, drop the tokens whose ascending cumulative
   probability is <= ``1 - p``, and always keep the most likely token.
 
