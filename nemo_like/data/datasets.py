@@ -631,8 +631,8 @@ def _answer_text(value: Any, transform: Callable[[str], str] | None, where: str,
 
 
 def prompt_text_for_split(value: Any) -> str:
-    """Canonical text of a prompt cell, the key of the hash split."""
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+    """Canonical text of a prompt cell, the key of the hash split (a chat log's timestamps, read as datetimes, as text)."""
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
 
 
 def in_validation(prompt: Any, fraction: float) -> bool:
@@ -689,12 +689,11 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
                 where=where,
             )
         )
-    if dropped:
-        warnings.warn(
-            f"{source.label}: the chat messages' keys {sorted(dropped)} are not passed to the chat template (data.{role}: a "
-            "prompt holds each message's role and content only)",
-            UserWarning,
-            stacklevel=2,
+    if dropped:  # printed, as the other data notices, so a run's log holds it
+        print(
+            f"data.{role}: {source.label}: the chat messages' keys {sorted(dropped)} are not passed to the chat "
+            "template (a prompt holds each message's role and content only)",
+            flush=True,
         )
     return problems
 

@@ -120,7 +120,10 @@ class ChatCompletionRequest(SamplingFields):
             )
         for i, tool in enumerate(self.tools or []):
             function = tool.get("function") if isinstance(tool, dict) else None
-            if isinstance(function, dict) and function.get("strict"):
+            strict = function.get("strict") if isinstance(function, dict) else None
+            if strict is not None and not isinstance(strict, bool):
+                raise bad_request(f"'tools[{i}].function.strict' must be a boolean.", param=f"tools[{i}].function.strict")
+            if strict:
                 raise unsupported(f"tools[{i}].function.strict", "tool-call arguments are not constrained to the schema")
         if not self.tools:
             if self.tool_choice not in (None, "none"):

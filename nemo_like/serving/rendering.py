@@ -139,10 +139,6 @@ def _text_content(content: Any, where: str) -> str:
         raise bad_request(f"'{where}.content' must be a string, a list of text parts or null.", param=f"{where}.content") from None
 
 
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity; the model's tool-call parser refuses them
-
-
 def _template_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
     """OpenAI tool calls with their argument strings decoded (what Hugging Face templates iterate over)."""
     if not isinstance(tool_calls, list):
@@ -154,8 +150,9 @@ def _template_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
             raise bad_request(f"'{where}.tool_calls' entries need a 'function' with a 'name'.", param=f"{where}.tool_calls")
         arguments = function.get("arguments", "{}")
         try:
-            arguments = json.loads(arguments, parse_constant=_refuse_constant) if isinstance(arguments, str) else arguments
-        except (ValueError, RecursionError):  # not JSON, NaN, nested past the recursion limit, a 5,000-digit integer
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            json.dumps(arguments, allow_nan=False)  # NaN or inf (1e400 reads as inf), sent as text or as an object
+        except (ValueError, TypeError, RecursionError):  # not JSON, nested past the recursion limit, 5,000 digits
             arguments = None
         if not isinstance(arguments, dict):  # a list, a number, null: the template would show the model that
             raise bad_request(

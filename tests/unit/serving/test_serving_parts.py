@@ -103,11 +103,12 @@ def test_a_returned_message_renders_as_the_raw_sampled_text(renderer):
         sent = [messages[0], {"role": "assistant", "content": content, "tool_calls": calls}]
         assert said + raw in renderer.chat_text(sent, None, continuations), content
     # Arguments Python's json reads but the model's own parser refuses, or that overflow it: a 400 naming them (500s)
-    for arguments in ("[" * 100_000 + "]" * 100_000, '{"n": ' + "9" * 5000 + "}", '{"x": NaN}'):
+    nan_object, inf_object = {"x": float("nan")}, {"x": float("inf")}  # sent decoded (FastAPI's reader takes NaN, 1e400)
+    for arguments in ("[" * 100_000 + "]" * 100_000, '{"n": ' + "9" * 5000 + "}", '{"x": NaN}', '{"x": 1e400}', nan_object, inf_object):
         bad = [{"id": "c", "type": "function", "function": {"name": "calculator", "arguments": arguments}}]
         with pytest.raises(ServingError) as error:
             renderer.chat_text([messages[0], {"role": "assistant", "content": None, "tool_calls": bad}], None, Continuations())
-        assert (error.value.status, error.value.param) == (400, "messages[1].tool_calls"), arguments[:20]
+        assert (error.value.status, error.value.param) == (400, "messages[1].tool_calls"), str(arguments)[:20]
 
 
 #: A template that renders tools and tool calls (as Qwen 2.5's does, in short).
@@ -370,6 +371,9 @@ def test_contradictory_or_unimplemented_limits_and_tool_settings_are_refused():
         checked(tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strict": True}}])
     assert (error.value.param, error.value.code) == ("tools[0].function.strict", "unsupported_parameter")
     checked(tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strict": False}}])
+    with pytest.raises(ServingError) as error:  # a string is not a boolean (it read as true: 'unsupported')
+        checked(tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strict": "false"}}])
+    assert (error.value.status, error.value.param) == (400, "tools[0].function.strict") and error.value.code != "unsupported_parameter"
     # Completions' logprobs=1 asks for the top alternative at each position, which is not returned (it had answered None).
     with pytest.raises(ServingError) as error:
         CompletionRequest(model="m", prompt=[1, 2], logprobs=1).check_supported()
