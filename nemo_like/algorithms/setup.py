@@ -174,12 +174,14 @@ def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
     with fewer rows than the student's head (a sampled padding id past them would fail its pass), a teacher whose
     config.json this machine cannot read (a hub id not cached offline: not checked here; its workers load it)."""
     lines: list[str] = []
+    unreadable: set[str] = set()
 
     def rows_of(name: str, key: str) -> int | None:
         try:
             return model_vocab_size(name)
         except (OSError, ValueError) as exc:
-            lines.append(f"{key}={name!r}: its vocabulary is not checked against the student's ({type(exc).__name__}: {exc})")
+            unreadable.add(name)
+            lines.append(f"{key}={name!r}: its vocabulary and head are not checked here ({type(exc).__name__}: {exc})")
             return None
 
     student_key = "policy.tokenizer_name" if cfg.policy.tokenizer_name else "policy.model_name"
@@ -208,7 +210,8 @@ def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
                 f"the student's padding rows {rows}..{student_rows - 1} hold no token, but one sampled there would fail "
                 "the teacher's pass"
             )
-        check_chunkable_head(name, cfg.policy.logprob_chunk_size, key)
+        if name not in unreadable:  # the same config.json
+            check_chunkable_head(name, cfg.policy.logprob_chunk_size, key)
     d = cfg.distillation
     if d.kl_weight > 0 and cfg.teacher.model_name is not None:  # the KL term's teacher copy: teacher.model_name
         shared = [r for r in (student_rows, teacher_rows.get(cfg.teacher.model_name)) if r is not None]

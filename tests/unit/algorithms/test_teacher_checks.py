@@ -130,8 +130,10 @@ def test_a_teacher_config_this_machine_cannot_read_and_a_smaller_teacher_head_wa
     """A hub-id teacher not cached on an offline driver (its workers have it) failed set-up with a raw OSError from the
     new vocabulary check; a student head with padding rows past the teacher's passed silently (a padding id sampled
     there fails the teacher's pass)."""
-    (line,) = check_teachers(recipe("teacher.model_name=some-org/not-cached", f"teacher.tokenizer_name={STUDENT}"), load_tokenizer(STUDENT))
-    assert line.startswith("teacher.model_name='some-org/not-cached': its vocabulary is not checked against the student's")
+    for chunked in ([], ["policy.logprob_chunk_size=64"]):  # the head's check reads the same config.json
+        cfg = recipe("teacher.model_name=some-org/not-cached", f"teacher.tokenizer_name={STUDENT}", *chunked)
+        (line,) = check_teachers(cfg, load_tokenizer(STUDENT))
+        assert line.startswith("teacher.model_name='some-org/not-cached': its vocabulary and head are not checked here")
     padded = tmp_path / "padded-student"
     student = load_causal_lm(STUDENT)
     student.resize_token_embeddings(384)  # rows 359..383: padding, no token
