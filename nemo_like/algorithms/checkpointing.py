@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,22 @@ def checkpoint_manager(parts: GRPOComponents) -> CheckpointManager | None:
     return CheckpointManager(ck.checkpoint_dir, ck.keep_top_k, ck.metric_name, ck.higher_is_better)
 
 
+def write_stop_ids(model_dir: Path, eos_token_ids: Sequence[int]) -> None:
+    """Give the saved model's ``generation_config.json`` the ids the run stopped its responses on (the tokenizer's eos
+    and the base's generation config's, :func:`~nemo_like.models.loading.end_of_sequence_ids`): plain
+    ``transformers`` ``generate`` on the copy had stopped only on the base's, running past the end the policy learned
+    where ``policy.tokenizer_name`` names another eos."""
+    from transformers import GenerationConfig
+
+    if not eos_token_ids:
+        return
+    path = model_dir / "generation_config.json"
+    config = GenerationConfig.from_pretrained(model_dir) if path.exists() else GenerationConfig()
+    ids = list(eos_token_ids)
+    config.eos_token_id = ids[0] if len(ids) == 1 else ids
+    config.save_pretrained(model_dir)
+
+
 def save_run(
     parts: GRPOComponents,
     manager: CheckpointManager,
@@ -62,6 +79,8 @@ def save_run(
         # The run's tokenizer (chat template included) beside the weights: policy/ loads as a model and its tokenizer
         # (AutoTokenizer gave an empty one for a folder without), and `nemo-like merge` ships the tokenizer it trained with.
         parts.tokenizer.save_pretrained(str(tmp / "policy"))
+        if not parts.cfg.policy.lora_cfg.enabled:  # an adapter directory: `nemo-like merge` writes the merged model's
+            write_stop_ids(tmp / "policy", parts.plan.eos_token_ids)
         torch.save(rng_holder["workers"], tmp / WORKER_RNG_FILE)
         for name, value in (extra_files or {}).items():
             torch.save(value, tmp / name)

@@ -77,7 +77,11 @@ def test_six_steps_equal_three_steps_then_three_resumed_through_a_killed_policy_
 
     from nemo_like.models.loading import load_tokenizer
 
-    AutoModelForCausalLM.from_pretrained(straight / "ckpt" / "step_6" / "policy")  # a plain HF copy
+    # A plain HF copy of the trained weights: transformers fills a missing tensor with a random one and only logs it
+    copy, info = AutoModelForCausalLM.from_pretrained(straight / "ckpt" / "step_6" / "policy", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    loaded = copy.state_dict()
+    assert all(torch.equal(loaded[k], wa[k]) for k in wa) and copy.generation_config.eos_token_id == 2
     # ... with the run's tokenizer beside it (AutoTokenizer made an empty one of the folder: every text encoded as []).
     saved, run_tokenizer = (
         AutoTokenizer.from_pretrained(straight / "ckpt" / "step_6" / "policy"),

@@ -473,3 +473,28 @@ def test_changed_training_prompts_are_refused_before_set_up_and_before_the_log_i
     with pytest.raises(ConfigError, match=r"The training prompts differ from the ones the checkpoint was trained on"):
         train_module.train(cfg)
     assert (logs / "metrics.jsonl").read_text() == logged  # steps 4 and 5 are still there
+
+
+def test_a_saved_policy_stops_where_the_run_stopped(tmp_path):
+    """policy/'s generation_config.json held the base model's eos only: plain transformers generate on the copy ran
+    past the token the run ended responses on (the tokenizer's eos, with policy.tokenizer_name naming another)."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from nemo_like.algorithms.checkpointing import write_stop_ids
+    from nemo_like.models.assets import embedded_model_path
+    from nemo_like.plan.run_plan import decide_run_plan
+
+    copy = tmp_path / "policy"
+    copy.mkdir()
+    shutil.copy(Path(embedded_model_path("embedded:tiny-arith-qwen2")) / "generation_config.json", copy)
+    assert GenerationConfig.from_pretrained(copy).eos_token_id == 2
+    write_stop_ids(copy, (2, 0))
+    saved = GenerationConfig.from_pretrained(copy)
+    assert saved.eos_token_id == [2, 0] and saved.pad_token_id == 0  # the rest kept
+    write_stop_ids(tmp_path, (7,))  # a model without one gets one
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == 7
+    from nemo_like.config import load_config
+
+    assert decide_run_plan(load_config(None, [], warn=False), (2, 0), cpus_per_node=2).eos_token_ids == (2, 0)  # decided once
