@@ -32,6 +32,7 @@ class SwapLog:
         version = self.worker.weight_version
         if not self.worker.gate.apply_pending():
             return False
+        self.worker.gate.check_usable()  # a refit that failed partway: the call must not go on sampling from the mix
         if self.worker.weight_version != version:
             self.swaps.append((step + 1, self.worker.weight_version))
         return True
@@ -75,6 +76,7 @@ class HFGenerationWorker(Reinitializable):
         """Sample one response per prompt; returns :class:`GeneratedSample` fields as dicts. ``seed``: the batch's, or
         one per prompt (``interface.Seeds``)."""
         with self.gate.generating_scope():
+            self.gate.check_usable()
             use_threads(self.num_threads)  # torch's thread count is per calling thread: a kept actor's other thread kept its own
             sp = SamplingParams(**params)
             out: list[dict] = []
@@ -98,10 +100,12 @@ class HFGenerationWorker(Reinitializable):
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
         """Load the policy's weights (a full state dict with tied weights, or :class:`WeightBuckets` streamed one
         bucket at a time), mid-generation if one is running; returns the new version. The names are checked against
-        the model's first (:func:`~nemo_like.models.refit.manifest.check_manifest`), so a wrong refit loads nothing."""
+        the model's first (:func:`~nemo_like.models.refit.manifest.check_manifest`), so a misnamed refit loads nothing; one
+        that fails partway (a tensor of another shape) leaves the engine refusing to sample (:mod:`~..refit.gate`)."""
         names = versioned_state.all_names() if isinstance(versioned_state, WeightBuckets) else list(versioned_state[1])
         check_manifest(self.expected_names, names, "the HF engine")
-        return self.gate.submit(lambda: self._load_weights(versioned_state))
+        version = versioned_state.version if isinstance(versioned_state, WeightBuckets) else versioned_state[0]
+        return self.gate.submit(lambda: self._load_weights(versioned_state), version)
 
     def busy_with(self) -> str | None:
         """A generate call of the last run still running (a kept actor is re-initialised only once it ended)."""

@@ -245,6 +245,7 @@ class VLLMGenerationWorker(Reinitializable):
         from vllm.inputs import TokensPrompt
 
         with self.gate.generating_scope():  # first thing: the call is busy from its start (a kept engine's reinit waits)
+            self.gate.check_usable()
             sp = SamplingParams(**params)
             stop_ids = sorted({*self.eos_token_ids, *sp.stop_token_ids})
             requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
@@ -301,7 +302,7 @@ class VLLMGenerationWorker(Reinitializable):
             version, state = versioned_state
             names, tensors, check_intact = list(state), lambda: iter(state.items()), lambda: None
         check_manifest(self.expected_names, names)
-        return self.gate.submit(lambda: self._reload_weights(version, tensors(), check_intact))
+        return self.gate.submit(lambda: self._reload_weights(version, tensors(), check_intact), version)
 
     def _reload_weights(
         self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], check_intact: Callable[[], None] = lambda: None

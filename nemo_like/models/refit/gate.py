@@ -6,6 +6,10 @@ thread generates, the other receives the refit). The refit thread hands its upda
 (:meth:`WeightUpdateGate.apply_pending`), so the engine is never touched by two threads at once.
 Tokens sampled before the swap keep the logprobs of the old weights, tokens after it those of the
 new ones. Without a generation running, an update is applied at once.
+
+A refit that raises partway (a shape that does not fit, a shared buffer rewritten while it was copied) has already
+overwritten some parameters: the gate then holds the engine *unusable* (:meth:`WeightUpdateGate.check_usable`), so
+neither a new generate call nor the one in flight samples from the mix, until a refit succeeds.
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ class WeightUpdateGate:
         # Spent loading updates on the generating thread inside a generate call (not decoding): those between two
         # decoding steps and those that arrived during the last one, loaded as the call ends (inside its time as well).
         self.mid_generation_seconds = 0.0
+        self.unusable: str | None = None  # why the weights are a mix of two versions (a refit failed partway)
 
-    def submit(self, apply: Callable[[], Any]) -> Any:
-        """Run ``apply`` now when idle, else at the next decoding step; returns its result (or raises its error)."""
+    def submit(self, apply: Callable[[], Any], version: int | None = None) -> Any:
+        """Run ``apply`` now when idle, else at the next decoding step; returns its result (or raises its error, and
+        then holds the engine unusable until an update succeeds: ``version`` names the refit in the message)."""
+        apply = self._guarded(apply, version)
         with self.cond:
             if not self.generating:
                 return apply()
@@ -42,6 +49,26 @@ class WeightUpdateGate:
         if "error" in job:
             raise job["error"]
         return job["result"]
+
+    def _guarded(self, apply: Callable[[], Any], version: int | None) -> Callable[[], Any]:
+        def run() -> Any:
+            try:
+                result = apply()
+            except BaseException as exc:
+                self.unusable = (
+                    f"the refit to weight version {version} failed partway ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}): "
+                    "the engine's weights are a mix of two versions, and it samples nothing until a refit succeeds"
+                )
+                raise
+            self.unusable = None
+            return result
+
+        return run
+
+    def check_usable(self) -> None:
+        """Raise ``RuntimeError`` while the weights are a failed refit's mix (see the module docstring)."""
+        if self.unusable is not None:
+            raise RuntimeError(self.unusable)
 
     def apply_pending(self, mid_generation: bool = True) -> int:
         """Called by the generating thread between decoding steps; returns how many updates it applied.

@@ -3,6 +3,7 @@ weights are replaced mid-sequence (tokens before the swap keep the old weights' 
 
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -162,6 +163,15 @@ def test_hf_worker_checks_a_refits_names_before_loading_any():
     assert worker.weight_version == 0
     assert all(torch.equal(v, before[k]) for k, v in worker.model.state_dict().items())
     assert worker.update_weights((1, shifted)) == 1  # the whole state still loads
+    # Right names, one tensor of another shape: the load copies the others before it fails. The engine had served that
+    # mix as the old version; it now refuses to sample until a refit succeeds.
+    params = SamplingParams(max_new_tokens=4)
+    misshaped = {**{k: v + 1.0 for k, v in before.items()}, "model.norm.weight": torch.ones(before["model.norm.weight"].numel() + 1)}
+    with pytest.raises(RuntimeError, match="size mismatch for model.norm.weight"):
+        worker.update_weights((2, misshaped))
+    with pytest.raises(RuntimeError, match=r"the refit to weight version 2 failed partway \(RuntimeError: .*a mix of two versions"):
+        worker.generate([[5, 6, 7]], asdict(params), 0)
+    assert worker.update_weights((3, shifted)) == 3 and len(worker.generate([[5, 6, 7]], asdict(params), 0)) == 1
 
 
 def test_gate_counts_a_call_queued_behind_another_as_busy_and_forgets_one_that_raised():
