@@ -17,7 +17,7 @@ from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.experience.async_rollouts import BUFFER_FILE
-from nemo_like.models.policy.checkpoints import checkpoint_files
+from nemo_like.models.policy.checkpoints import checkpoint_files, save_generation_config
 from nemo_like.utils.checkpoint import (
     VALIDATED_AT_STEP,
     CheckpointError,
@@ -42,20 +42,21 @@ def checkpoint_manager(parts: GRPOComponents) -> CheckpointManager | None:
     return CheckpointManager(ck.checkpoint_dir, ck.keep_top_k, ck.metric_name, ck.higher_is_better)
 
 
-def write_stop_ids(model_dir: Path, eos_token_ids: Sequence[int]) -> None:
-    """Give the saved model's ``generation_config.json`` the ids the run stopped its responses on (the tokenizer's eos
-    and the base's generation config's, :func:`~nemo_like.models.loading.end_of_sequence_ids`): plain
-    ``transformers`` ``generate`` on the copy had stopped only on the base's, running past the end the policy learned
-    where ``policy.tokenizer_name`` names another eos."""
+def write_stop_ids(model_dir: Path, end_ids: Sequence[int]) -> None:
+    """Give the saved model's ``generation_config.json`` the ids the run ended its responses on (the plan's
+    ``end_of_response_ids``: the eos ids and ``policy.generation.stop_token_ids``): plain ``transformers`` ``generate``
+    on the copy had stopped only on the base's eos, running past the end the policy learned where
+    ``policy.tokenizer_name`` names another eos or a stop id ends turns (``<|im_end|>`` on a base whose eos is
+    ``<|endoftext|>``)."""
     from transformers import GenerationConfig
 
-    if not eos_token_ids:
+    if not end_ids:
         return
     path = model_dir / "generation_config.json"
     config = GenerationConfig.from_pretrained(model_dir) if path.exists() else GenerationConfig()
-    ids = list(eos_token_ids)
+    ids = list(end_ids)
     config.eos_token_id = ids[0] if len(ids) == 1 else ids
-    config.save_pretrained(model_dir)
+    save_generation_config(config, model_dir)
 
 
 def save_run(
@@ -80,7 +81,7 @@ def save_run(
         # (AutoTokenizer gave an empty one for a folder without), and `nemo-like merge` ships the tokenizer it trained with.
         parts.tokenizer.save_pretrained(str(tmp / "policy"))
         if not parts.cfg.policy.lora_cfg.enabled:  # an adapter directory: `nemo-like merge` writes the merged model's
-            write_stop_ids(tmp / "policy", parts.plan.eos_token_ids)
+            write_stop_ids(tmp / "policy", parts.plan.end_of_response_ids)
         torch.save(rng_holder["workers"], tmp / WORKER_RNG_FILE)
         for name, value in (extra_files or {}).items():
             torch.save(value, tmp / name)

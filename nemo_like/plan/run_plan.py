@@ -56,7 +56,9 @@ class RunPlan:
     forward: str | None = None  # the policy's logprob and training forward, as its workers chose it
     agent_tasks: tuple[str, ...] = ()  # env sections with class 'agent': rolled out by the user's agent over HTTP
     refit_warning: str | None = None  # a merged LoRA refit in bf16 (refit.merged_precision_warning)
-    eos_token_ids: tuple[int, ...] = ()  # what ends a response: the tokenizer's and the generation config's (checkpoints' too)
+    # What ends a response: the eos ids (the tokenizer's and the generation config's) and policy.generation.stop_token_ids;
+    # a saved policy's generation_config.json lists them (plain generate on the copy stops where the run did)
+    end_of_response_ids: tuple[int, ...] = ()
 
     def with_forward(self, description: str) -> RunPlan:
         """This plan with the policy's forward recorded (the workers choose it from the loaded model)."""
@@ -109,7 +111,7 @@ def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int
         oversubscription=oversubscription_warning(cfg, threads, actors),
         agent_tasks=agent_tasks(cfg),
         refit_warning=merged_precision_warning(cfg, refit.value),
-        eos_token_ids=tuple(eos_token_ids),
+        end_of_response_ids=tuple(dict.fromkeys([*eos_token_ids, *(cfg.policy.generation.stop_token_ids or ())])),
     )
 
 

@@ -29,6 +29,13 @@ def checkpoint_files(lora: bool) -> tuple[str, ...]:
     return (*(f"{POLICY_DIR}/{name}" for name in weights), OPTIMIZER_FILE)
 
 
+def save_generation_config(config: Any, directory: Path) -> None:
+    """Write ``config`` as ``directory/generation_config.json`` as it is: ``save_pretrained`` validates it first and
+    refuses a base model's own config that sets ``temperature`` or ``top_p`` without ``do_sample`` (which loads with a
+    logged note), so every checkpoint of a run on such a base failed."""
+    config.to_json_file(directory / "generation_config.json", use_diff=True)
+
+
 class Checkpoints:
     """Save and load everything a resumed run needs; collectives on a sharded model (call them on every rank)."""
 
@@ -57,7 +64,7 @@ class Checkpoints:
             save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
             self.model.config.save_pretrained(path)
             if getattr(self.model, "generation_config", None) is not None:
-                self.model.generation_config.save_pretrained(path)
+                save_generation_config(self.model.generation_config, path)
             self._save_optimizer(Path(directory), optim)
         return self._rng_state()
 

@@ -497,4 +497,11 @@ def test_a_saved_policy_stops_where_the_run_stopped(tmp_path):
     assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == 7
     from nemo_like.config import load_config
 
-    assert decide_run_plan(load_config(None, [], warn=False), (2, 0), cpus_per_node=2).eos_token_ids == (2, 0)  # decided once
+    stops = load_config(None, ["policy.generation.stop_token_ids=[5, 2]"], warn=False)  # a stop id ends responses too
+    assert decide_run_plan(stops, (2, 0), cpus_per_node=2).end_of_response_ids == (2, 0, 5)  # decided once
+    # A base's own config that sets temperature without do_sample loads (a logged note) but save_pretrained refuses it:
+    # every checkpoint of a run on such a base failed
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.7, "top_p": 0.8, "eos_token_id": 2}')
+    write_stop_ids(tmp_path, (2, 5))
+    saved = GenerationConfig.from_pretrained(tmp_path)
+    assert saved.eos_token_id == [2, 5] and saved.temperature == 0.7
