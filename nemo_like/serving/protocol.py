@@ -9,6 +9,7 @@ an agent must not believe a setting took effect when it did not. Extension field
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -119,6 +120,10 @@ class ChatCompletionRequest(SamplingFields):
                 param="max_tokens",
             )
         for i, tool in enumerate(self.tools or []):
+            try:  # the template writes the schema into the prompt: NaN or inf (1e400) there would read as a number
+                json.dumps(tool, allow_nan=False)
+            except (ValueError, TypeError, RecursionError):
+                raise bad_request(f"'tools[{i}]' must hold JSON values (no NaN or Infinity).", param=f"tools[{i}]") from None
             function = tool.get("function") if isinstance(tool, dict) else None
             strict = function.get("strict") if isinstance(function, dict) else None
             if strict is not None and not isinstance(strict, bool):

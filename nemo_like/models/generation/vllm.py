@@ -5,7 +5,8 @@ and for whether the policy exports anything):
 
 * **object store** (CPU, a sharded policy, LoRA, and GPU when no policy is attached): the policy's weights,
   gathered from its shards bucket by bucket (``policy.refit_buffer_size_mb``) into one object-store copy
-  shared by every worker, are streamed into vLLM's in-place ``reload_weights`` one bucket at a time;
+  shared by every worker, are loaded into the engine (bucket by bucket on GPU; the CPU in-place loader takes them all
+  at once, :mod:`~nemo_like.models.refit.cpu_reload`);
 * **CUDA-IPC** (GPU, ``policy.generation.colocated.enabled``, one policy rank): zero-copy handles from policy rank 0;
 * **NCCL broadcast** (GPU, generation on its own GPUs, one policy rank): policy rank 0 broadcasts every tensor.
 

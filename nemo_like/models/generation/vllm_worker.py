@@ -291,8 +291,8 @@ class VLLMGenerationWorker(Reinitializable):
     # -- weights (CPU and GPU): the full state dict through Ray's object store -----------------------
     def update_weights(self, versioned_state: tuple[int, dict[str, torch.Tensor]] | WeightBuckets) -> int:
         """Reload the policy's weights in place (a full state dict with the tied ``lm_head.weight``, or
-        :class:`WeightBuckets` streamed one bucket at a time), between two engine steps if a generate call is
-        running; returns the new weight version."""
+        :class:`WeightBuckets`: the CPU in-place loader takes them all at once, vLLM's own reload one at a time), between
+        two engine steps if a generate call is running; returns the new weight version."""
         if isinstance(versioned_state, WeightBuckets) and versioned_state.kind == "adapter":
             return self._update_adapter(versioned_state)
         if isinstance(versioned_state, WeightBuckets):

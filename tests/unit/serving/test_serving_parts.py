@@ -371,6 +371,9 @@ def test_contradictory_or_unimplemented_limits_and_tool_settings_are_refused():
         checked(tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strict": True}}])
     assert (error.value.param, error.value.code) == ("tools[0].function.strict", "unsupported_parameter")
     checked(tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strict": False}}])
+    with pytest.raises(ServingError) as error:  # FastAPI's reader takes NaN and 1e400: the schema reached the prompt so
+        checked(tools=[{"type": "function", "function": {"name": "f", "parameters": {"maximum": float("inf")}}}])
+    assert (error.value.status, error.value.param) == (400, "tools[0]")
     with pytest.raises(ServingError) as error:  # a string is not a boolean (it read as true: 'unsupported')
         checked(tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strict": "false"}}])
     assert (error.value.status, error.value.param) == (400, "tools[0].function.strict") and error.value.code != "unsupported_parameter"
