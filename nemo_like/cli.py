@@ -94,31 +94,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="A LoRA run's checkpoint step directory (results/grpo/step_N) or its policy/ adapter directory.")
+    """The arguments of ``nemo-like merge``."""
+    parser.add_argument(
+        "checkpoint",
+        help="A LoRA run's checkpoint step directory (results/grpo/step_N), its policy/ adapter directory, or its "
+        "checkpointing.checkpoint_dir (its latest valid step).",
+    )
     parser.add_argument("--out", required=True, help="Output directory of the merged HF model (weights, config, tokenizer).")
     parser.add_argument("--base-model", default=None, help="Base model (default: the adapter's base_model_name_or_path).")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Tokenizer the merged model ships (default: the one saved in the checkpoint, else the base model's); "
+        "the run's policy.tokenizer_name for a checkpoint that holds none.",
+    )
     parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16"], help="dtype of the merged weights.")
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    """Merge a LoRA checkpoint into a plain HF model directory and print its path."""
+    """Merge a LoRA checkpoint into a plain HF model directory and print its path. ``CHECKPOINT`` resolves as
+    ``nemo-like eval`` / ``serve`` resolve ``eval.model_path`` (a checkpoint directory: its latest valid step)."""
+    from nemo_like.models.loading import check_model_source, resolve_checkpoint_model
     from nemo_like.models.lora import merge_checkpoint, refuse_overwriting_base
     from nemo_like.utils.preflight import refuse_overwriting
 
-    path = Path(args.checkpoint)
-    adapter_dir = path / "policy" if (path / "policy").is_dir() else path
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {args.out} is a file; the merged model is a directory")
+    path = Path(args.checkpoint).expanduser()
+    if not path.is_dir():
+        problem = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
+        raise ConfigError(f"CHECKPOINT {args.checkpoint} {problem}")
+    adapter_dir = Path(resolve_checkpoint_model(str(path), "CHECKPOINT"))
+    if adapter_dir not in (path, path / "policy"):  # a checkpoint directory: say which step it merges
+        print(f"[merge] {args.checkpoint}: merging its latest valid step, {adapter_dir}", file=sys.stderr)
     if args.base_model is not None:
-        from nemo_like.models.loading import check_model_source
-
         check_model_source(args.base_model, "--base-model")
+    if args.tokenizer is not None:
+        check_model_source(args.tokenizer, "--tokenizer")
     refuse_overwriting(out, adapter_dir, "--out", "the checkpoint it merges")
     refuse_overwriting_base(out, adapter_dir, "--out", args.base_model)  # no adapters: merge_checkpoint says so
     if out.is_dir() and any(out.iterdir()):
         raise ConfigError(f"--out {args.out} is not empty; merge into a new directory (or remove this one first)")
-    print(merge_checkpoint(adapter_dir, args.out, args.base_model, precision=args.precision))
+    print(merge_checkpoint(adapter_dir, args.out, args.base_model, tokenizer=args.tokenizer, precision=args.precision))
     return 0
 
 

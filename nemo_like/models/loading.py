@@ -230,28 +230,112 @@ def adapter_base_model(adapter_dir: str | Path) -> str:
     return json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
 
 
+def check_adapter_dir(adapter_dir: str | Path) -> None:
+    """A :class:`ConfigError` when ``adapter_dir`` is no PEFT adapter directory (no ``adapter_config.json``), saying
+    so when it is a whole model already (nothing to merge)."""
+    adapter_dir = Path(adapter_dir)
+    if (adapter_dir / ADAPTER_CONFIG).is_file():
+        return
+    whole = (adapter_dir / "config.json").is_file() and any(adapter_dir.glob("*.safetensors"))
+    hint = (
+        f": it is a full model already (AutoModelForCausalLM.from_pretrained('{adapter_dir}') loads it), nothing to merge" if whole else ""
+    )
+    raise ConfigError(f"{adapter_dir} holds no LoRA adapter ({ADAPTER_CONFIG} is missing){hint}")
+
+
 def load_merged(adapter_dir: str | Path, precision: str = "float32", base_model: str | None = None) -> torch.nn.Module:
     """The plain model of a PEFT adapter directory (a LoRA checkpoint's ``policy/``): its base model
-    (``base_model_name_or_path`` unless ``base_model`` is given) with the adapters merged in."""
+    (``base_model_name_or_path`` unless ``base_model`` is given) with the adapters merged in. Adapters that do not fit
+    the base (another model's: an adapter tensor it has no place for, an adapted layer with none, or another shape) are
+    a :class:`ConfigError` before anything loads (PEFT dropped the first two silently)."""
 
     from peft import PeftModel
 
     adapter_dir = Path(adapter_dir)
-    if not (adapter_dir / ADAPTER_CONFIG).is_file():
-        whole = (adapter_dir / "config.json").is_file() and any(adapter_dir.glob("*.safetensors"))
-        hint = (
-            f": it is a full model already (AutoModelForCausalLM.from_pretrained('{adapter_dir}') loads it), nothing to merge"
-            if whole
-            else ""
-        )
-        raise ConfigError(f"{adapter_dir} holds no LoRA adapter ({ADAPTER_CONFIG} is missing){hint}")
+    check_adapter_dir(adapter_dir)
     base = base_model or adapter_base_model(adapter_dir)
     if base_model is None:  # a base that is not here fails in one line (it went to the hub as a repo id)
         check_model_source(base, f"{adapter_dir / ADAPTER_CONFIG} base_model_name_or_path (override it with --base-model)")
+    _check_adapters_fit(adapter_dir, base, base_model is not None)
     model = PeftModel.from_pretrained(load_causal_lm(base, precision), str(adapter_dir))
     merged = model.merge_and_unload()
     merged.config.use_cache = False
     return merged
+
+
+#: A PEFT adapter directory's weights: safetensors (what :func:`nemo_like.models.lora.write_adapter` and PEFT write),
+#: or the pickled file of older PEFT versions.
+_ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def _saved_adapter_shapes(adapter_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The tensors of ``adapter_dir``'s adapter weights file: saved name -> shape (a safetensors file's header only)."""
+    for name in _ADAPTER_WEIGHT_FILES:
+        file = adapter_dir / name
+        if not file.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="pt") as f:
+                    return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (no __iter__)
+            return {key: tuple(t.shape) for key, t in torch.load(file, map_location="cpu", weights_only=True).items()}
+        except Exception as exc:  # a truncated or foreign file: safetensors' and torch's errors vary
+            raise ConfigError(f"{file} cannot be read as adapter weights: {exc}") from None
+    raise ConfigError(f"{adapter_dir} holds no adapter weights (none of {list(_ADAPTER_WEIGHT_FILES)} beside {ADAPTER_CONFIG})")
+
+
+def _expected_adapter_shapes(adapter_dir: Path, base: str) -> dict[str, tuple[int, ...]]:
+    """The adapter tensors (saved names -> shapes) that ``adapter_dir``'s adapter config puts on ``base``: what PEFT
+    would save for them, from a meta-device skeleton of the base (no weights are loaded)."""
+    from peft import PeftConfig, PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    config = PeftConfig.from_pretrained(str(adapter_dir))
+    with torch.device("meta"):
+        skeleton = PeftModel(AutoModelForCausalLM.from_config(model_config(base)), config)
+    return {key: tuple(t.shape) for key, t in get_peft_model_state_dict(skeleton).items()}
+
+
+def _check_adapters_fit(adapter_dir: Path, base: str, given: bool) -> None:
+    """A one-line :class:`ConfigError` naming ``adapter_dir``, ``base`` and ``--base-model`` (``given``: the base came
+    from it) when the adapter weights file and the adapters its config puts on ``base`` differ: a tensor of the file
+    the base has no place for (a base with fewer layers: PEFT left it out silently), an adapted layer of the base the
+    file has no tensor for (more layers: PEFT kept its fresh, no-op adapter, with a warning), or another shape (another
+    width: PEFT's raw size-mismatch traceback)."""
+    saved = _saved_adapter_shapes(adapter_dir)
+    source = f"--base-model {base}" if given else f"its base model {base} ({ADAPTER_CONFIG} base_model_name_or_path)"
+    remedy = (
+        "the adapters were trained on another model: pass that one with --base-model"
+        if given
+        else "the model at that path is not the one they were trained on: pass that one with --base-model"
+    )
+    try:
+        expected = _expected_adapter_shapes(adapter_dir, base)
+    except (ValueError, RuntimeError, KeyError) as exc:  # PEFT: a target module the base does not have
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"the LoRA adapters of {adapter_dir} do not fit {source}: {reason}; {remedy}") from None
+
+    def sample(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    unloaded = sorted(set(saved) - set(expected))
+    missing = sorted(set(expected) - set(saved))
+    reshaped = sorted(k for k in set(saved) & set(expected) if saved[k] != expected[k])
+    problems = []
+    if unloaded:
+        problems.append(f"{len(unloaded)} adapter tensors of the checkpoint have no place in it ({sample(unloaded)})")
+    if missing:
+        problems.append(f"{len(missing)} adapter tensors it needs are not in the checkpoint ({sample(missing)})")
+    if reshaped:
+        first = reshaped[0]
+        problems.append(
+            f"{len(reshaped)} adapter tensors have another shape on it (the first, {first}: {list(saved[first])} in the "
+            f"checkpoint, {list(expected[first])} on this base)"
+        )
+    if problems:
+        raise ConfigError(f"the LoRA adapters of {adapter_dir} do not fit {source}: {'; '.join(problems)}; {remedy}")
 
 
 #: Files one of which a local directory needs to hold a tokenizer.

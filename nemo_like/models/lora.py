@@ -17,7 +17,7 @@ by :func:`nemo_like.plan.refit.refit_mode`, part of the run plan.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,11 @@ import torch
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.loading import (
     ADAPTER_CONFIG,
+    TOKENIZER_FILES,
     adapter_base_model,
+    check_adapter_dir,
+    check_model_source,
+    end_of_sequence_ids,
     holds_tokenizer,
     load_merged,
     load_tokenizer,
@@ -285,12 +289,98 @@ def merge_checkpoint(
 ) -> Path:
     """Write a plain HF model directory for serving (merged weights, config, generation config, and the tokenizer
     of ``tokenizer``, else the checkpoint's own (the run's, saved beside the adapters), else the base model's) from a
-    LoRA adapter directory (a checkpoint's ``policy/``)."""
+    LoRA adapter directory (a checkpoint's ``policy/``); returns ``output_dir``.
 
+    The generation config's ``eos_token_id`` lists the ids the run stopped on (the tokenizer's eos and the base's
+    generation-config eos: :func:`~nemo_like.models.loading.end_of_sequence_ids`, and the run's
+    ``policy.generation.stop_token_ids``: :func:`checkpoint_stop_token_ids`), so ``generate`` stops where the trained
+    policy did. The tokenizer is loaded before anything is written, and everything is written into a temporary
+    sibling of ``output_dir``, fsynced and renamed into place (an empty ``output_dir`` is replaced): a failure or an
+    interrupt leaves no partial ``output_dir`` and removes the temporary directory."""
+    check_adapter_dir(adapter_dir)
+    base = base_model or adapter_base_model(adapter_dir)
+    own = holds_tokenizer(adapter_dir)
+    tokenizer_source = tokenizer or (str(adapter_dir) if own else base)
+    if tokenizer is not None or not own:  # a source not here fails in one line (it went to the hub as a repo id)
+        check_model_source(tokenizer_source, "--tokenizer" if tokenizer is not None else _base_key(adapter_dir, base_model))
+    _check_tokenizer_source(tokenizer_source, tokenizer is not None, adapter_dir)
+    run_tokenizer = load_tokenizer(tokenizer_source)
     merged = load_merged(adapter_dir, precision, base_model)
-    out = Path(output_dir)
     merged.config.use_cache = True
-    merged.save_pretrained(out)
-    own = str(adapter_dir) if holds_tokenizer(adapter_dir) else None
-    load_tokenizer(tokenizer or own or base_model or adapter_base_model(adapter_dir)).save_pretrained(out)
-    return out
+    stop_ids = list(dict.fromkeys([*end_of_sequence_ids(run_tokenizer, base), *checkpoint_stop_token_ids(adapter_dir)]))
+    merged.generation_config.eos_token_id = stop_ids[0] if len(stop_ids) == 1 else stop_ids
+
+    def write(directory: Path) -> None:
+        merged.save_pretrained(directory)
+        run_tokenizer.save_pretrained(directory)
+
+    return _save_directory_atomically(Path(output_dir), write)
+
+
+def checkpoint_stop_token_ids(adapter_dir: str | Path) -> list[int]:
+    """The run's ``policy.generation.stop_token_ids``, from the ``config.yaml`` of the checkpoint step holding
+    ``adapter_dir`` (its ``policy/``); none for an adapter directory outside a checkpoint."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((Path(adapter_dir).parent / "config.yaml").read_text())
+        ids = saved["policy"]["generation"].get("stop_token_ids") or []
+        return [int(i) for i in ids]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError):
+        return []
+
+
+def _base_key(adapter_dir: str | Path, base_model: str | None) -> str:
+    """The name of the setting the base model of a merge came from, as :func:`load_merged` names it."""
+    return (
+        "--base-model"
+        if base_model is not None
+        else f"{Path(adapter_dir) / ADAPTER_CONFIG} base_model_name_or_path (override it with --base-model)"
+    )
+
+
+def _check_tokenizer_source(source: str, given: bool, adapter_dir: str | Path) -> None:
+    """A one-line :class:`ConfigError` naming ``--tokenizer`` when the tokenizer ``source`` the merge ships is a local
+    directory without one (``given``: it came from ``--tokenizer``; else it is the base model's, the checkpoint
+    ``adapter_dir`` holding none), before anything is loaded or written."""
+    path = Path(resolve_model_path(source)).expanduser()
+    if not path.is_dir() or holds_tokenizer(path):
+        return
+    if given:
+        raise ConfigError(f"--tokenizer {source} holds no tokenizer (none of {list(TOKENIZER_FILES)})")
+    raise ConfigError(
+        f"{adapter_dir} holds no tokenizer (a checkpoint written before 2026-12-04) and neither does its base model "
+        f"{source} (none of {list(TOKENIZER_FILES)}): name the run's tokenizer with --tokenizer (its policy.tokenizer_name, "
+        "else its policy.model_name)"
+    )
+
+
+def _save_directory_atomically(target: Path, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` into a temporary sibling directory of ``target`` (:func:`~nemo_like.utils.files.partial_path`),
+    fsync it, rename it to ``target`` (which must be absent or an empty directory) and fsync the parent; returns
+    ``target``. On any failure, an interrupt included, the temporary directory is removed and ``target`` is left as it
+    was. A symlinked ``target`` is filled at the link's target, as :func:`~nemo_like.utils.files.replace_file` does."""
+    import os
+    import shutil
+
+    from nemo_like.utils.checkpoint import fsync_tree
+    from nemo_like.utils.files import fsync_dir, partial_path
+
+    final = Path(os.path.realpath(target))  # the rename stays on the target's filesystem
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(final)
+    try:
+        tmp.mkdir()
+        write(tmp)
+        fsync_tree(tmp)
+        try:
+            os.rename(tmp, final)  # replaces an empty directory; refused (ENOTEMPTY / EEXIST) for a filled one
+        except OSError as exc:
+            raise ConfigError(
+                f"--out {target}: cannot move the merged model into place ({exc.strerror}); merge into a new directory"
+            ) from None
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

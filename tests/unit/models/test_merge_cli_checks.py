@@ -1,0 +1,176 @@
+"""`nemo-like merge` on the shipped tiny model, with real adapters and real base models built from its config: a base
+the adapters do not fit is one line naming both and --base-model (it dropped adapters silently, exit 0, or gave a raw
+size-mismatch traceback), the merged generation config stops on the run's ids, a failed or interrupted merge leaves
+no --out behind (the retry was refused as 'not empty'), and a run's checkpoint directory merges its latest valid step,
+as eval and serve take it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from nemo_like.cli import main
+from nemo_like.config import ConfigError
+from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
+from nemo_like.models import lora
+from nemo_like.models.loading import end_of_sequence_ids, load_causal_lm, load_tokenizer, resolve_model_path
+from nemo_like.utils.checkpoint import STATE_FILE
+
+IDS = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def write_checkpoint(step_dir: Path, base: str | Path = EMBEDDED_MODEL, seed: int = 0, tokenizer: bool = True) -> torch.nn.Module:
+    """A LoRA checkpoint step as a run writes it (``policy/``: adapters, adapter config, the run's tokenizer, and the
+    step's state file), with random ``lora_B`` (fresh adapters are a no-op); returns the adapted model."""
+    torch.manual_seed(seed)
+    model = lora.apply_lora(load_causal_lm(str(base)), LoraConfig(enabled=True, dim=4, alpha=8))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    model.eval()
+    tensors = {lora.saved_name(k): v for k, v in model.state_dict().items() if lora.is_adapter(k)}
+    lora.write_adapter(step_dir / "policy", tensors, lora.adapter_config_dict(model))
+    if tokenizer:
+        load_tokenizer(EMBEDDED_MODEL).save_pretrained(step_dir / "policy")
+    (step_dir / STATE_FILE).write_text(json.dumps({"step": int(step_dir.name.removeprefix("step_"))}))
+    return model
+
+
+def logprobs(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits.float().log_softmax(-1)
+
+
+def make_base(directory: Path, **changes: int) -> Path:
+    """A model of the tiny model's family with ``changes`` to its config (random weights), with its tokenizer."""
+    source = Path(resolve_model_path(EMBEDDED_MODEL))
+    config = AutoConfig.from_pretrained(source)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    if "num_hidden_layers" in changes:
+        config.layer_types = ["full_attention"] * changes["num_hidden_layers"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, directory / name)
+    return directory
+
+
+def leftovers(parent: Path) -> list[str]:
+    """Hidden entries of ``parent``: a merge's temporary directory left behind."""
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"num_hidden_layers": 2}, r"28 adapter tensors of the checkpoint have no place in it \(.*layers\.2\."),  # dropped, exit 0
+        ({"num_hidden_layers": 6}, r"28 adapter tensors it needs are not in the checkpoint \(.*layers\.4\."),  # warned, exit 0
+        ({"intermediate_size": 256}, r"12 adapter tensors have another shape on it .*\[4, 512\] in the checkpoint, \[4, 256\]"),
+    ],
+    ids=["fewer_layers", "more_layers", "narrower_mlp"],
+)
+def test_a_base_the_adapters_do_not_fit_is_one_line_naming_them_and_the_flag(tmp_path, capsys, changes, problem) -> None:
+    write_checkpoint(tmp_path / "step_1")
+    base = make_base(tmp_path / "base", **changes)
+    out = tmp_path / "merged"
+    assert main(["merge", str(tmp_path / "step_1"), "--out", str(out), "--base-model", str(base)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err  # no traceback
+    assert f"the LoRA adapters of {tmp_path / 'step_1' / 'policy'} do not fit --base-model {base}: " in err
+    assert re.search(problem, err), err
+    assert not out.exists() and leftovers(tmp_path) == []
+    if changes == {"num_hidden_layers": 2}:  # the recorded base replaced by another model: the key and the way out
+        config = tmp_path / "step_1" / "policy" / "adapter_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": str(base)}))
+        with pytest.raises(ConfigError, match=rf"do not fit its base model {base} \(adapter_config.json .*--base-model"):
+            lora.merge_checkpoint(tmp_path / "step_1" / "policy", out)
+
+
+def test_the_merged_generation_config_stops_on_the_runs_end_of_sequence_ids(tmp_path) -> None:
+    """A run whose tokenizer (eos <|im_end|>, id 2) is not its base model's (generation config eos <|endoftext|>, id 0)
+    stops on both; the merged model shipped the base's generation config: generate() ran past the run's stop."""
+    source = Path(resolve_model_path(EMBEDDED_MODEL))
+    base = tmp_path / "base"
+    shutil.copytree(source, base)
+    for name in ("config.json", "generation_config.json"):
+        (base / name).write_text(json.dumps({**json.loads((base / name).read_text()), "eos_token_id": 0}))
+    write_checkpoint(tmp_path / "step_1", base)  # the run's tokenizer saved in policy/: the shipped one, eos id 2
+    run_ids = end_of_sequence_ids(load_tokenizer(str(tmp_path / "step_1" / "policy")), str(base))
+    assert run_ids == [2, 0]
+    assert main(["merge", str(tmp_path / "step_1"), "--out", str(tmp_path / "merged")]) == 0
+    assert GenerationConfig.from_pretrained(tmp_path / "merged").eos_token_id == run_ids
+    # ... and on its policy.generation.stop_token_ids (the checkpoint's config.yaml)
+    (tmp_path / "step_1" / "config.yaml").write_text("policy:\n  generation:\n    stop_token_ids: [5, 2]\n")
+    assert main(["merge", str(tmp_path / "step_1"), "--out", str(tmp_path / "merged_stops")]) == 0
+    assert GenerationConfig.from_pretrained(tmp_path / "merged_stops").eos_token_id == [2, 0, 5]
+    assert load_tokenizer(str(tmp_path / "merged")).eos_token_id == 2
+
+
+def test_a_failed_or_interrupted_merge_leaves_no_out_and_the_tokenizer_is_named_by_its_flag(tmp_path, capsys, monkeypatch) -> None:
+    """A checkpoint without a tokenizer (written before 2026-12-04) on a base without one: the weights were written to
+    --out before the tokenizer failed (naming policy.tokenizer_name, which merge has no flag for), and the retry was
+    refused as 'not empty'."""
+    adapted = write_checkpoint(tmp_path / "step_1", tokenizer=False)
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(Path(resolve_model_path(EMBEDDED_MODEL)) / name, base / name)
+    results = tmp_path / "results"
+    results.mkdir()
+    out = results / "merged"
+    command = ["merge", str(tmp_path / "step_1"), "--out", str(out), "--base-model", str(base)]
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert not out.exists() and leftovers(results) == []  # the weights were there, and the retry refused
+    assert "holds no tokenizer" in err and "name the run's tokenizer with --tokenizer" in err and "policy.tokenizer_name," in err
+    assert main([*command, "--tokenizer", str(base)]) == 2
+    assert f"--tokenizer {base} holds no tokenizer" in capsys.readouterr().err
+    # Interrupted (Ctrl-C) after every file is written, before the rename: no --out, no temporary directory.
+    import nemo_like.utils.checkpoint as checkpoint_utils
+
+    written: list[str] = []
+    real_fsync_tree = checkpoint_utils.fsync_tree
+
+    def interrupted(root: Path) -> None:
+        written.extend(sorted(p.name for p in root.iterdir()))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_utils, "fsync_tree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lora.merge_checkpoint(tmp_path / "step_1" / "policy", out, str(base), tokenizer=EMBEDDED_MODEL)
+    assert "model.safetensors" in written and "tokenizer.json" in written
+    assert not out.exists() and leftovers(results) == []
+    monkeypatch.setattr(checkpoint_utils, "fsync_tree", real_fsync_tree)
+    out.mkdir()  # an empty --out is filled (the rename replaces it)
+    assert main([*command, "--tokenizer", EMBEDDED_MODEL]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "generation_config.json", "model.safetensors", *TOKENIZER_FILES])
+    assert leftovers(results) == []
+    torch.testing.assert_close(logprobs(load_causal_lm(str(out))), logprobs(adapted), atol=1e-5, rtol=1e-6)
+
+
+def test_a_checkpoint_directory_merges_its_latest_valid_step_as_eval_and_serve_take_it(tmp_path, capsys) -> None:
+    ckdir = tmp_path / "checkpoints"
+    steps = {n: write_checkpoint(ckdir / f"step_{n}", seed=n) for n in (1, 2, 3)}
+    (ckdir / "step_3" / STATE_FILE).unlink()  # an interrupted save: not a valid step
+    assert main(["merge", str(ckdir), "--out", str(tmp_path / "merged")]) == 0
+    captured = capsys.readouterr()
+    assert f"merging its latest valid step, {ckdir / 'step_2' / 'policy'}" in captured.err
+    assert captured.out.strip() == str(tmp_path / "merged")
+    merged = logprobs(load_causal_lm(str(tmp_path / "merged")))
+    gaps = {n: (merged - logprobs(model)).abs().max().item() for n, model in steps.items()}
+    assert gaps[2] < 1e-4 and gaps[1] > 1e-2 and gaps[3] > 1e-2, gaps
+    # A directory holding no checkpoint, and a missing one: one line naming CHECKPOINT.
+    (tmp_path / "empty").mkdir()
+    for path, message in [(tmp_path / "empty", "CHECKPOINT: "), (tmp_path / "gone", "does not exist")]:
+        assert main(["merge", str(path), "--out", str(tmp_path / "merged2")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and str(path) in err and len(err.strip().splitlines()) == 1, err
