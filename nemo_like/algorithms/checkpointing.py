@@ -17,7 +17,8 @@ from nemo_like.algorithms.setup import GRPOComponents
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.experience.async_rollouts import BUFFER_FILE
-from nemo_like.models.policy.checkpoints import checkpoint_files, save_generation_config
+from nemo_like.models.loading import save_generation_config
+from nemo_like.models.policy.checkpoints import checkpoint_files
 from nemo_like.utils.checkpoint import (
     VALIDATED_AT_STEP,
     CheckpointError,

@@ -215,7 +215,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         if (out / "summary.json").is_file():
             warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)
         if lora_base is not None:  # a LoRA checkpoint: serve its merged model
-            model_dir = str(merge_checkpoint(model_dir, out / "merged_model", tokenizer=cfg.policy.tokenizer_name or cfg.policy.model_name))
+            tokenizer_name = cfg.policy.tokenizer_name or cfg.policy.model_name
+            model_dir = str(merge_checkpoint(model_dir, out / "merged_model", tokenizer=tokenizer_name, replace=True))
         run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
 
         import ray

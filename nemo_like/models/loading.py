@@ -286,16 +286,22 @@ def _saved_adapter_shapes(adapter_dir: Path) -> dict[str, tuple[int, ...]]:
     raise ConfigError(f"{adapter_dir} holds no adapter weights (none of {list(_ADAPTER_WEIGHT_FILES)} beside {ADAPTER_CONFIG})")
 
 
-def _expected_adapter_shapes(adapter_dir: Path, base: str) -> dict[str, tuple[int, ...]]:
-    """The adapter tensors (saved names -> shapes) that ``adapter_dir``'s adapter config puts on ``base``: what PEFT
-    would save for them, from a meta-device skeleton of the base (no weights are loaded)."""
+def _expected_adapter_shapes(adapter_dir: Path, base: str) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """The adapter tensors (saved names -> shapes) that ``adapter_dir``'s adapter config puts on ``base``: those PEFT
+    always saves, and those it may save too (an adapted embedding's full weights, ``save_embedding_layers``), from a
+    meta-device skeleton of the base (no weights are loaded; saved explicitly, PEFT asks the hub nothing)."""
     from peft import PeftConfig, PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     config = PeftConfig.from_pretrained(str(adapter_dir))
     with torch.device("meta"):
         skeleton = PeftModel(AutoModelForCausalLM.from_config(model_config(base)), config)
-    return {key: tuple(t.shape) for key, t in get_peft_model_state_dict(skeleton).items()}
+
+    def shapes(with_embeddings: bool) -> dict[str, tuple[int, ...]]:
+        state = get_peft_model_state_dict(skeleton, save_embedding_layers=with_embeddings)
+        return {key: tuple(t.shape) for key, t in state.items()}
+
+    return shapes(False), shapes(True)
 
 
 def _check_adapters_fit(adapter_dir: Path, base: str, given: bool) -> None:
@@ -312,7 +318,7 @@ def _check_adapters_fit(adapter_dir: Path, base: str, given: bool) -> None:
         else "the model at that path is not the one they were trained on: pass that one with --base-model"
     )
     try:
-        expected = _expected_adapter_shapes(adapter_dir, base)
+        required, allowed = _expected_adapter_shapes(adapter_dir, base)
     except (ValueError, RuntimeError, KeyError) as exc:  # PEFT: a target module the base does not have
         reason = " ".join(str(exc).split())
         raise ConfigError(f"the LoRA adapters of {adapter_dir} do not fit {source}: {reason}; {remedy}") from None
@@ -320,9 +326,9 @@ def _check_adapters_fit(adapter_dir: Path, base: str, given: bool) -> None:
     def sample(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
-    unloaded = sorted(set(saved) - set(expected))
-    missing = sorted(set(expected) - set(saved))
-    reshaped = sorted(k for k in set(saved) & set(expected) if saved[k] != expected[k])
+    unloaded = sorted(set(saved) - set(allowed))
+    missing = sorted(set(required) - set(saved))
+    reshaped = sorted(k for k in set(saved) & set(allowed) if saved[k] != allowed[k])
     problems = []
     if unloaded:
         problems.append(f"{len(unloaded)} adapter tensors of the checkpoint have no place in it ({sample(unloaded)})")
@@ -332,10 +338,17 @@ def _check_adapters_fit(adapter_dir: Path, base: str, given: bool) -> None:
         first = reshaped[0]
         problems.append(
             f"{len(reshaped)} adapter tensors have another shape on it (the first, {first}: {list(saved[first])} in the "
-            f"checkpoint, {list(expected[first])} on this base)"
+            f"checkpoint, {list(allowed[first])} on this base)"
         )
     if problems:
         raise ConfigError(f"the LoRA adapters of {adapter_dir} do not fit {source}: {'; '.join(problems)}; {remedy}")
+
+
+def save_generation_config(config: Any, directory: str | Path) -> None:
+    """Write ``config`` as ``directory/generation_config.json`` as it is: ``save_pretrained`` validates it first and
+    refuses a base model's own config that sets ``temperature`` or ``top_p`` without ``do_sample`` (which loads with a
+    logged note), so every checkpoint (and merge) of a run on such a base failed."""
+    config.to_json_file(Path(directory) / "generation_config.json", use_diff=True)
 
 
 #: Files one of which a local directory needs to hold a tokenizer.

@@ -37,6 +37,7 @@ from nemo_like.models.loading import (
     load_tokenizer,
     looks_like_path,
     resolve_model_path,
+    save_generation_config,
 )
 from nemo_like.models.precision import refit_dtype
 from nemo_like.utils.preflight import refuse_overwriting
@@ -285,7 +286,12 @@ def refuse_overwriting_base(target: Path, adapter_dir: str | Path, key: str, bas
 
 
 def merge_checkpoint(
-    adapter_dir: str | Path, output_dir: str | Path, base_model: str | None = None, tokenizer: str | None = None, precision: str = "float32"
+    adapter_dir: str | Path,
+    output_dir: str | Path,
+    base_model: str | None = None,
+    tokenizer: str | None = None,
+    precision: str = "float32",
+    replace: bool = False,
 ) -> Path:
     """Write a plain HF model directory for serving (merged weights, config, generation config, and the tokenizer
     of ``tokenizer``, else the checkpoint's own (the run's, saved beside the adapters), else the base model's) from a
@@ -295,8 +301,10 @@ def merge_checkpoint(
     generation-config eos: :func:`~nemo_like.models.loading.end_of_sequence_ids`, and the run's
     ``policy.generation.stop_token_ids``: :func:`checkpoint_stop_token_ids`), so ``generate`` stops where the trained
     policy did. The tokenizer is loaded before anything is written, and everything is written into a temporary
-    sibling of ``output_dir``, fsynced and renamed into place (an empty ``output_dir`` is replaced): a failure or an
-    interrupt leaves no partial ``output_dir`` and removes the temporary directory."""
+    sibling of ``output_dir``, fsynced and renamed into place (an empty ``output_dir`` is replaced; ``replace``: a filled
+    one too, as ``nemo-like eval`` rerun into one output directory replaces its ``merged_model``): a failure or an
+    interrupt leaves no partial ``output_dir`` and removes the temporary directory. An empty ``output_dir`` that is a
+    mount point (or on another filesystem than its parent) is written in place: no rename reaches it."""
     check_adapter_dir(adapter_dir)
     base = base_model or adapter_base_model(adapter_dir)
     own = holds_tokenizer(adapter_dir)
@@ -311,10 +319,17 @@ def merge_checkpoint(
     merged.generation_config.eos_token_id = stop_ids[0] if len(stop_ids) == 1 else stop_ids
 
     def write(directory: Path) -> None:
-        merged.save_pretrained(directory)
+        from transformers import GenerationConfig
+
+        generation, merged.generation_config = merged.generation_config, GenerationConfig()
+        try:  # save_pretrained validates the generation config: a base's own that sets temperature without do_sample
+            merged.save_pretrained(directory)
+        finally:
+            merged.generation_config = generation
+        save_generation_config(generation, directory)  # written as it is, with the run's stop ids
         run_tokenizer.save_pretrained(directory)
 
-    return _save_directory_atomically(Path(output_dir), write)
+    return _save_directory_atomically(Path(output_dir), write, replace)
 
 
 def checkpoint_stop_token_ids(adapter_dir: str | Path) -> list[int]:
@@ -355,11 +370,13 @@ def _check_tokenizer_source(source: str, given: bool, adapter_dir: str | Path) -
     )
 
 
-def _save_directory_atomically(target: Path, write: Callable[[Path], None]) -> Path:
+def _save_directory_atomically(target: Path, write: Callable[[Path], None], replace: bool = False) -> Path:
     """``write(tmp)`` into a temporary sibling directory of ``target`` (:func:`~nemo_like.utils.files.partial_path`),
-    fsync it, rename it to ``target`` (which must be absent or an empty directory) and fsync the parent; returns
-    ``target``. On any failure, an interrupt included, the temporary directory is removed and ``target`` is left as it
-    was. A symlinked ``target`` is filled at the link's target, as :func:`~nemo_like.utils.files.replace_file` does."""
+    fsync it, rename it to ``target`` and fsync the parent; returns ``target``. ``target`` must be absent or an empty
+    directory, or (``replace``) a filled one, moved aside first and removed once the new one is in place. On any
+    failure, an interrupt included, the temporary directory is removed and ``target`` is left as it was. A symlinked
+    ``target`` is filled at the link's target, as :func:`~nemo_like.utils.files.replace_file` does; an empty one no
+    rename can reach (a mount point, another filesystem than its parent's) is written in place."""
     import os
     import shutil
 
@@ -368,19 +385,28 @@ def _save_directory_atomically(target: Path, write: Callable[[Path], None]) -> P
 
     final = Path(os.path.realpath(target))  # the rename stays on the target's filesystem
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = partial_path(final)
+    if final.is_dir() and not any(final.iterdir()) and (os.path.ismount(final) or final.stat().st_dev != final.parent.stat().st_dev):
+        write(final)
+        fsync_tree(final)
+        return target
+    tmp, old = partial_path(final), None
     try:
         tmp.mkdir()
         write(tmp)
         fsync_tree(tmp)
+        if replace and final.is_dir() and any(final.iterdir()):
+            old = partial_path(final)
+            os.rename(final, old)
         try:
             os.rename(tmp, final)  # replaces an empty directory; refused (ENOTEMPTY / EEXIST) for a filled one
         except OSError as exc:
-            raise ConfigError(
-                f"--out {target}: cannot move the merged model into place ({exc.strerror}); merge into a new directory"
-            ) from None
+            if old is not None:
+                os.rename(old, final)
+            raise ConfigError(f"{target}: cannot move the merged model into place ({exc.strerror}); merge into a new directory") from None
         fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return target

@@ -254,8 +254,8 @@ class VLLMGenerationWorker(Reinitializable):
             try:
                 if self._prefix_cache_stale:  # a refit landed mid-generation last time: drop the old-weight blocks now
                     self._prefix_cache_stale = not self.llm.reset_prefix_cache()
-                self.llm.enqueue(requests, per_request, lora_request=self.lora_request, use_tqdm=False)
-                finished, start_version = self._run_engine()
+                request_ids = self.llm.enqueue(requests, per_request, lora_request=self.lora_request, use_tqdm=False)
+                finished, start_version = self._run_engine(request_ids)
                 # Outputs carry the external ids, which count up in enqueue order (vLLM's own LLM.generate sorts the same way).
                 ordered = [finished[rid] for rid in sorted(finished, key=int)]
                 if len(ordered) != len(prompts):
@@ -268,17 +268,21 @@ class VLLMGenerationWorker(Reinitializable):
                 self._sleep()  # also after an error: a colocated engine left awake holds the policy's GPU memory
         return samples
 
-    def _run_engine(self) -> tuple[dict[str, tuple[Any, int]], int]:
+    def _run_engine(self, request_ids: list[str]) -> tuple[dict[str, tuple[Any, int]], int]:
         """Step the engine until every request finished, applying refits that arrive between steps; returns
         ``{request_id: (output, weight version of its last token)}`` and the version of every request's first token.
         A refit that arrived before the first step (while the requests were enqueued) samples every token: the call
-        starts with it, not a mid-sequence refit (the requests hold no cache block yet, so the prefix cache is reset now)."""
+        starts with it, not a mid-sequence refit (the requests hold no cache block yet, so the prefix cache is reset now).
+        ``request_ids``: the call's; a refit that fails partway aborts the unfinished ones and raises (the gate)."""
         engine = self.llm.llm_engine
         finished: dict[str, tuple[Any, int]] = {}
         start_version = None
         while engine.has_unfinished_requests():
             first_step, before = start_version is None, self.weight_version
             if self.gate.apply_pending(mid_generation=not first_step):
+                if self.gate.unusable is not None:  # a refit failed partway: no token of this call from the mix
+                    engine.abort_request([i for i in request_ids if i not in finished])
+                    self.gate.check_usable()
                 # Running requests hold blocks, so the reset waits for the next call; before the first step none does
                 self._prefix_cache_stale = not (first_step and self.llm.reset_prefix_cache())
             if first_step:  # cached prompt blocks of the old weights (a reset refused) make it the old version's call
@@ -334,7 +338,7 @@ class VLLMGenerationWorker(Reinitializable):
                 "an adapter refit reached a vLLM engine started without LoRA (policy.lora_cfg.refit resolved to merged)"
             )
         check_manifest(self.expected_adapter_names, buckets.all_names())
-        return self.gate.submit(lambda: self._load_adapter(buckets))
+        return self.gate.submit(lambda: self._load_adapter(buckets), buckets.version, overwrites=False)
 
     def _load_adapter(self, buckets: WeightBuckets) -> int:
         from vllm.lora.request import LoRARequest
@@ -397,7 +401,7 @@ class VLLMGenerationWorker(Reinitializable):
             self.llm.collective_rpc("update_weights_from_ipc_handles", args=(handles,))
             return self._finish_refit(version)
 
-        return self.gate.submit(apply)
+        return self.gate.submit(apply, version)
 
     def init_weight_update_group(self, address: str, port: int, world_size: int) -> None:
         """Separate GPUs: join the NCCL group of policy rank 0 (rank 0); this worker is rank ``1 + rank``."""
@@ -411,7 +415,7 @@ class VLLMGenerationWorker(Reinitializable):
             self.llm.collective_rpc("update_weight_from_broadcast", args=(manifest,))
             return self._finish_refit(version)
 
-        return self.gate.submit(apply)
+        return self.gate.submit(apply, version)
 
     def _sleep(self) -> None:
         """Colocated GPU: release the KV cache and offload weights so training gets the memory back."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from nemo_like.models import lora as lora_lib
+from nemo_like.models.loading import save_generation_config
 from nemo_like.models.policy import sharding
 
 #: Where :meth:`Checkpoints.save_checkpoint` puts the weights (``policy/``) and the optimizer state, in a step directory.
@@ -27,13 +28,6 @@ def checkpoint_files(lora: bool) -> tuple[str, ...]:
     else:
         weights = ("model.safetensors", "config.json")
     return (*(f"{POLICY_DIR}/{name}" for name in weights), OPTIMIZER_FILE)
-
-
-def save_generation_config(config: Any, directory: Path) -> None:
-    """Write ``config`` as ``directory/generation_config.json`` as it is: ``save_pretrained`` validates it first and
-    refuses a base model's own config that sets ``temperature`` or ``top_p`` without ``do_sample`` (which loads with a
-    logged note), so every checkpoint of a run on such a base failed."""
-    config.to_json_file(directory / "generation_config.json", use_diff=True)
 
 
 class Checkpoints:

@@ -36,10 +36,12 @@ class WeightUpdateGate:
         self.mid_generation_seconds = 0.0
         self.unusable: str | None = None  # why the weights are a mix of two versions (a refit failed partway)
 
-    def submit(self, apply: Callable[[], Any], version: int | None = None) -> Any:
-        """Run ``apply`` now when idle, else at the next decoding step; returns its result (or raises its error, and
-        then holds the engine unusable until an update succeeds: ``version`` names the refit in the message)."""
-        apply = self._guarded(apply, version)
+    def submit(self, apply: Callable[[], Any], version: int | None = None, overwrites: bool = True) -> Any:
+        """Run ``apply`` now when idle, else at the next decoding step; returns its result (or raises its error, and,
+        for an update that ``overwrites`` the served weights in place, then holds the engine unusable until an update
+        succeeds: ``version`` names the refit in the message; a LoRA adapter swap, which serves the old adapter until
+        the new one loaded, overwrites nothing)."""
+        apply = self._guarded(apply, version) if overwrites else apply
         with self.cond:
             if not self.generating:
                 return apply()

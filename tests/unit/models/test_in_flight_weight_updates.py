@@ -103,6 +103,23 @@ def teacher_forced_logprobs(model, prompt: list[int], response: list[int]) -> to
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
+def test_only_a_failed_update_that_overwrites_in_place_holds_the_engine_unusable():
+    """A LoRA adapter swap that fails serves the old adapter whole: it had been reported as a mix of two versions."""
+
+    def fail() -> None:
+        raise RuntimeError("could not load")
+
+    gate = WeightUpdateGate()
+    with pytest.raises(RuntimeError, match="could not load"):
+        gate.submit(fail, 4, overwrites=False)
+    gate.check_usable()
+    with pytest.raises(RuntimeError, match="could not load"):
+        gate.submit(fail, 5)
+    with pytest.raises(RuntimeError, match=r"the refit to weight version 5 failed partway \(RuntimeError: could not load\)"):
+        gate.check_usable()
+    assert gate.submit(lambda: 6, 6) == 6 and gate.unusable is None  # a refit that succeeds clears it
+
+
 def test_hf_worker_swaps_weights_mid_sequence():
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     never = tokenizer.convert_tokens_to_ids("<|im_start|>")  # a stop id the model does not emit: long responses

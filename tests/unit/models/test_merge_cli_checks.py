@@ -174,3 +174,37 @@ def test_a_checkpoint_directory_merges_its_latest_valid_step_as_eval_and_serve_t
         assert main(["merge", str(path), "--out", str(tmp_path / "merged2")]) == 2
         err = capsys.readouterr().err
         assert message in err and str(path) in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("save_embedding_layers", [False, True])
+def test_an_adapted_embedding_saved_with_or_without_its_full_weights_fits(tmp_path, save_embedding_layers) -> None:
+    """PEFT saves an adapted embedding's full weights only when asked (save_embedding_layers): without them a valid
+    adapter was refused as missing a tensor."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from nemo_like.models.loading import load_merged
+
+    torch.manual_seed(0)
+    adapted = get_peft_model(load_causal_lm(EMBEDDED_MODEL), PeftLoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]))
+    adapted.save_pretrained(tmp_path / "adapter", save_embedding_layers=save_embedding_layers)
+    load_merged(tmp_path / "adapter")
+
+
+def test_a_rerun_eval_replaces_its_merged_model_and_a_bases_sampling_defaults_are_kept(tmp_path) -> None:
+    """`nemo-like eval` rerun into one output directory merges into its merged_model again (replace=True): the atomic
+    rename refused the filled directory; and a base whose generation config sets temperature without do_sample (many
+    instruct models) failed the merge at save_pretrained's validation, after the whole merge."""
+    base = tmp_path / "base"
+    shutil.copytree(Path(resolve_model_path(EMBEDDED_MODEL)), base)
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.7, "top_p": 0.8}))
+    adapted = write_checkpoint(tmp_path / "step_1", base)
+    out = tmp_path / "eval_out" / "merged_model"
+    for _ in range(2):
+        lora.merge_checkpoint(tmp_path / "step_1" / "policy", out, replace=True)
+        merged = load_causal_lm(str(out))
+        assert torch.allclose(logprobs(merged), logprobs(adapted), atol=1e-4)
+    assert GenerationConfig.from_pretrained(out).temperature == 0.7
+    assert [p.name for p in out.parent.iterdir()] == ["merged_model"]  # nothing left beside it
+    with pytest.raises(ConfigError, match="cannot move the merged model into place"):  # without replace: refused
+        lora.merge_checkpoint(tmp_path / "step_1" / "policy", out)
