@@ -33,7 +33,7 @@ class PromptFormat:
         messages.append({"role": "user", "content": self.user_text(problem)})
         return messages
 
-    def messages_for_chat(self, chat: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    def messages_for_chat(self, chat: list[dict[str, Any]], where: str) -> list[dict[str, str]]:
         """Apply the format to a row's own chat messages (``where`` names the row in errors).
 
         A message keeps its ``role`` and ``content`` only (see :func:`_check_message`). The last user
@@ -63,10 +63,10 @@ class PromptFormat:
         return messages
 
 
-def _check_message(message: Any, where: str, number: int) -> dict[str, Any]:
+def _check_message(message: Any, where: str, number: int) -> dict[str, str]:
     """``message`` as the chat template gets it: its ``role`` and ``content`` (text). Its other keys are not passed
     (tool calls, names, a chat log's timestamps: their shapes differ between formats and tables, and a template would
-    render them otherwise than the rollout server does); :func:`dropped_message_keys` names them, for one warning.
+    render them otherwise than the rollout server does); :func:`dropped_message_keys` names them (one printed line per split).
     ``number`` counts the row's messages from 1, for errors."""
     if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
         raise ConfigError(f"{where}: chat message {number} must be {{'role': str, 'content': str}}, got {message!r}")

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -134,6 +136,17 @@ def place_sources(resolved: dict[str, tuple[type[EnvironmentInterface], float, d
     return devices, reserved
 
 
+@contextmanager
+def named_source(name: str, env: Any) -> Iterator[None]:
+    """Add a note naming reward source ``name`` to what its call raises: two sources of one class (two reward models)
+    are told apart only by their names."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(f"raised by reward source '{name}' ({type(env).__name__}) of the composite")
+        raise
+
+
 class CompositeEnvironment(EnvironmentInterface):
     """See the module docstring."""
 
@@ -164,11 +177,8 @@ class CompositeEnvironment(EnvironmentInterface):
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         total = [0.0] * len(responses)
         for name, (env, weight) in self.sources.items():
-            try:
+            with named_source(name, env):
                 rewards = [float(r) for r in env.score(responses, metadata)]
-            except Exception as exc:  # two sources of one class (two reward models) are told apart only by their names
-                exc.add_note(f"raised by reward source '{name}' ({type(env).__name__}) of the composite")
-                raise
             if len(rewards) != len(responses):
                 raise ValueError(f"reward source '{name}' returned {len(rewards)} rewards for {len(responses)} responses")
             check_finite_rewards(f"reward source '{name}'", rewards, responses, metadata)
@@ -176,11 +186,8 @@ class CompositeEnvironment(EnvironmentInterface):
                 total[i] += weight * reward
             self._add(f"{name}/reward_sum", sum(rewards))
             self._add(f"{name}/num_samples", float(len(rewards)))
-            try:
+            with named_source(name, env):
                 counters = env.metrics()
-            except Exception as exc:
-                exc.add_note(f"raised by reward source '{name}' ({type(env).__name__}) of the composite")
-                raise
             if clash := sorted(RESERVED_COUNTERS & set(counters)):  # they would add to the composite's own '<name>/...'
                 raise ValueError(
                     f"reward source '{name}': metrics() names {clash}, which the composite keeps as '{name}/reward_sum' and "
