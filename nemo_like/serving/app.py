@@ -53,8 +53,9 @@ async def unless_client_leaves(request: Request, call: Awaitable[T]) -> T:
     A sampled completion is recorded in its session and trained on: one whose client timed out (and may retry) was
     never seen by the agent, so it must not be recorded. Cancelling the call drops it from the generation queue if it
     has not been sampled yet (:meth:`~nemo_like.serving.batching.GenerationQueue.submit`), returns its session's
-    token reservation and counts it (``Session.abandoned_calls``); a completion finished at the very moment the client
-    left is recorded, as nothing tells the two apart."""
+    token reservation (once its engine call ends, if one is sampling it: the engine cannot stop it) and counts it
+    (``Session.abandoned_calls``); a completion finished at the very moment the client left is recorded, as nothing
+    tells the two apart."""
     work, left = asyncio.ensure_future(call), asyncio.ensure_future(_client_left(request))
     try:
         await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -201,9 +202,11 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
     async def open_session(body: OpenSessionRequest | None = None) -> dict[str, Any]:
         body = body or OpenSessionRequest()
         try:
-            session_id = sessions.open(body.session_id, body.metadata)
+            session_id = sessions.open(body.session_id, body.metadata, make_room=False)
         except ValueError as exc:
             raise ServingError(409, str(exc), code="session_exists", param="session_id") from None
+        if sessions.room_pending:  # past the cap (max_kept_results): end the least recently used, off the event loop
+            await asyncio.to_thread(sessions.make_room)
         return {"id": session_id, "object": "session"}
 
     @app.post("/v1/sessions/{session_id:path}/end")

@@ -95,6 +95,8 @@ class GenerationQueue:
         self._closed = False
         self._expected_callers: set[Hashable] = set()  # sessions answered or started that have not called (again)
         self._expected_anonymous = 0  # the same, for calls without a session
+        self._in_flight: dict[Hashable, int] = defaultdict(int)  # each caller's requests submitted and not answered
+        self._forgotten: set[Hashable] = set()  # callers forgotten while a request of theirs is in flight
         self._wake_on = "any"  # what wakes the engine thread: "any" arrival, only the "last" expected one, or "full"
         self._engine_s = 0.0  # recent engine call seconds (moving average)
         self._thread = threading.Thread(target=self._run, name="rollout-server-engine", daemon=True)
@@ -113,6 +115,7 @@ class GenerationQueue:
                 self._expected_anonymous = max(0, self._expected_anonymous - 1)
             else:
                 self._expected_callers.discard(caller)
+                self._in_flight[caller] += 1
             self._pending.append(request)
             self._pending_prompts += len(request.prompts)
             full = self._pending_prompts >= self.max_batch
@@ -128,12 +131,30 @@ class GenerationQueue:
             self._expected_callers.add(caller)
 
     def forget(self, caller: Hashable) -> None:
-        """``caller`` will not call again (its session ended): a batch waiting for it stops waiting."""
+        """``caller`` will not call again (its session ended): a batch waiting for it stops waiting, and the answer to a
+        request of it in flight does not make it expected again (the next batch waited its whole patience for it)."""
         with self._cond:
+            if self._in_flight.get(caller):
+                self._forgotten.add(caller)
             if caller in self._expected_callers:
                 self._expected_callers.discard(caller)
                 if self._last_expected_came():
                     self._cond.notify()
+
+    def _answered(self, caller: Hashable | None) -> bool:
+        """A request of ``caller`` is answered or dropped (with the lock held); whether ``caller`` may still call
+        (False: it was forgotten, :meth:`forget`)."""
+        if caller is None:
+            return True
+        left = self._in_flight[caller] - 1
+        if left > 0:
+            self._in_flight[caller] = left
+            return caller not in self._forgotten
+        self._in_flight.pop(caller, None)
+        if caller in self._forgotten:
+            self._forgotten.discard(caller)
+            return False
+        return True
 
     def _expected(self) -> int:
         return len(self._expected_callers) + self._expected_anonymous
@@ -205,6 +226,11 @@ class GenerationQueue:
                     # (False: its caller gave up)
                     requests = [r for r in call if r.future.set_running_or_notify_cancel()]
                     self.stats.cancelled += len(call) - len(requests)
+                    if len(requests) < len(call):
+                        with self._cond:
+                            for request in call:
+                                if request.future.cancelled():
+                                    self._answered(request.caller)
                     if not requests:
                         continue
                     params = replace(key, max_new_tokens=max(r.params.max_new_tokens for r in requests))
@@ -233,6 +259,9 @@ class GenerationQueue:
             if len(samples) != len(prompts):
                 raise RuntimeError(f"the engine returned {len(samples)} samples for {len(prompts)} prompts")
         except Exception as exc:  # every waiting handler answers 500; the thread keeps serving
+            with self._cond:
+                for request in requests:
+                    self._answered(request.caller)
             for request in requests:
                 request.future.set_exception(exc)
             return
@@ -245,7 +274,7 @@ class GenerationQueue:
             for request in requests:
                 if request.caller is None:
                     self._expected_anonymous += 1
-                else:
+                elif self._answered(request.caller):  # not a session that ended meanwhile: it will not call again
                     self._expected_callers.add(request.caller)
         at = 0
         for request in requests:

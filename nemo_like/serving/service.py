@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,7 +18,7 @@ from nemo_like.serving.continuation import message_keys
 from nemo_like.serving.errors import ServingError, bad_request
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, engine_top_k
 from nemo_like.serving.rendering import Renderer
-from nemo_like.serving.sessions import GREEDY_KEY, Session, SessionStore, session_call_seed
+from nemo_like.serving.sessions import GREEDY_KEY, Session, SessionStore
 from nemo_like.serving.tool_parsers import ParsedTurn, ToolParser
 from nemo_like.serving.trajectory import CallRecord
 
@@ -168,7 +169,7 @@ class CompletionService:
             )  # fmt: skip
         if req.n > self.limits.max_n:
             raise bad_request(f"'n' must be at most {self.limits.max_n}; got {req.n}.", param="n")
-        greedy = session_id is not None and bool(self.sessions.session(session_id).metadata.get(GREEDY_KEY))
+        greedy = session_id is not None and bool(self.sessions.session(session_id, make_room=False).metadata.get(GREEDY_KEY))
         if self.limits.run_sampling is not None:
             self.limits.run_sampling.apply(req, greedy)
         elif greedy:
@@ -179,7 +180,14 @@ class CompletionService:
             if self.limits.require_session:
                 raise bad_request("This server records sessions: send 'X-Session-Id' or the 'user' field.", param="user")
             return None, 0
-        return self.sessions.begin_call(session_id)
+        return self.sessions.begin_call(session_id, make_room=False)
+
+    async def _make_room(self) -> None:
+        """End the sessions a new session's room needs (:meth:`~.sessions.SessionStore.make_room`), on a worker thread:
+        it builds their rows, and on the event loop a long session's stalled every other request. After the call began
+        (in flight, its own session is never the one ended)."""
+        if self.sessions.room_pending:
+            await asyncio.to_thread(self.sessions.make_room)
 
     def _max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
         room = self.limits.max_context - prompt_len
@@ -211,6 +219,7 @@ class CompletionService:
         self._check(req, session_id or req.user)
         session, call_index = self._session(session_id or req.user)
         try:
+            await self._make_room()
             return await self._chat(req, session, call_index)
         finally:
             self._end_call(session)
@@ -256,6 +265,7 @@ class CompletionService:
         self._check(req, session_id or req.user)
         session, call_index = self._session(session_id or req.user)
         try:
+            await self._make_room()
             return await self._complete(req, session, call_index)
         finally:
             self._end_call(session)
@@ -299,31 +309,52 @@ class CompletionService:
         reserved = 0
         if session is not None:  # the call that reaches the budget ends there ('length'), it does not sample past it
             max_new, reserved = self.sessions.reserve(session, max_new, req.n)
+        submitted: list[Future] = []  # the queue's future of the call, once submitted
         try:
-            return await self._sample_reserved(req, text, ids, max_new, session, call_index)
+            return await self._sample_reserved(req, text, ids, max_new, session, call_index, submitted)
         except asyncio.CancelledError:  # its client left (app.unless_client_leaves): nothing is recorded
             if session is not None:
                 self.sessions.abandon(session)
             raise
         finally:
             if reserved:
-                self.sessions.release(session, reserved)
+                self._release_once_sampled(session, reserved, submitted[0] if submitted else None)
+
+    def _release_once_sampled(self, session: Session, reserved: int, submitted: Future | None) -> None:
+        """Give back a call's reservation once the engine no longer samples it: now if it never reached the queue, is
+        answered, or was dropped from the queue unsampled; else (a call cancelled while its engine call runs: the engine
+        cannot stop it) when that engine call ends. Released at once, the client's retry reserved the budget again
+        while the abandoned call was still sampling it: a session sampled several budgets."""
+        if submitted is None or submitted.cancel() or submitted.done():
+            self.sessions.release(session, reserved)
+        else:
+            submitted.add_done_callback(lambda _: self.sessions.release(session, reserved))
 
     def _params(self, req: SamplingFields, max_new: int) -> SamplingParams:
         run = self.limits.run_sampling
         return run.params(req, max_new) if run is not None else req.sampling_params(max_new)
 
     async def _sample_reserved(
-        self, req: SamplingFields, text: str, ids: list[int], max_new: int, session: Session | None, call_index: int
+        self,
+        req: SamplingFields,
+        text: str,
+        ids: list[int],
+        max_new: int,
+        session: Session | None,
+        call_index: int,
+        submitted: list[Future],
     ) -> SampledCall:
+        """Sample the call (its queue future appended to ``submitted``) and record it in its session."""
         params = self._params(req, max_new)
         # A run's session samples with its own seeds: an agent's 'seed' would make a GRPO group's sessions identical
-        # (without session seeds, agent.seeded_calls=false, the queue's running seeds apply).
-        session_seed = session_call_seed(session, call_index) if session is not None else None
+        # (without session seeds, agent.seeded_calls=false, the queue's running seeds apply). A call's seed follows its
+        # prompt, not its arrival: a deterministic agent's concurrent calls sample the same on a rerun.
+        session_seed = self.sessions.call_seed(session, ids) if session is not None else None
         in_run = session is not None and self.limits.require_session
         seed = session_seed if session_seed is not None or in_run else req.seed
         caller = session.session_id if session else None
-        samples: list[GeneratedSample] = await asyncio.wrap_future(self.queue.submit([ids] * req.n, params, seed, caller))
+        submitted.append(self.queue.submit([ids] * req.n, params, seed, caller))
+        samples: list[GeneratedSample] = await asyncio.wrap_future(submitted[-1])
         call = SampledCall(prompt_ids=list(ids), session_id=caller)
         records, texts = [], []
         for i, sample in enumerate(samples):

@@ -10,7 +10,9 @@ Thread-safe: the HTTP handlers and the training loop call it from different thre
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import struct
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -22,10 +24,10 @@ from nemo_like.serving.errors import ServingError, bad_request, session_ended, s
 from nemo_like.serving.trajectory import CallRecord, SessionRows, session_rows
 from nemo_like.utils.seeds import agent_call_seed
 
-#: Session metadata the run sets when it opens a session: every call's sampling seed derives from ``SEED_KEY``
-#: (:func:`~nemo_like.utils.seeds.agent_call_seed`); the session samples at most ``BUDGET_KEY`` tokens (its calls reserve
-#: theirs, :meth:`SessionStore.reserve`); with ``GREEDY_KEY`` true its calls decode greedily (validation and eval with
-#: ``grpo.val_greedy`` / ``eval.greedy``).
+#: Session metadata the run sets when it opens a session: every call's sampling seed derives from ``SEED_KEY`` and the
+#: call's prompt ids (:meth:`SessionStore.call_seed`, :func:`~nemo_like.utils.seeds.agent_call_seed`); the session
+#: samples at most ``BUDGET_KEY`` tokens (its calls reserve theirs, :meth:`SessionStore.reserve`); with ``GREEDY_KEY``
+#: true its calls decode greedily (validation and eval with ``grpo.val_greedy`` / ``eval.greedy``).
 SEED_KEY = "seed"
 BUDGET_KEY = "token_budget"
 GREEDY_KEY = "greedy"
@@ -47,6 +49,7 @@ class Session:
     budget_refusals: int = 0  # calls refused because the budget had too few tokens left
     abandoned_calls: int = 0  # calls cancelled because their client left before the answer (not recorded)
     calls_in_flight: int = 0  # HTTP calls begun and not yet answered (SessionStore.begin_call / end_call)
+    prompt_calls: dict[bytes, int] = field(default_factory=dict)  # seeded calls so far per prompt (ids' digest)
 
     @property
     def sampled_tokens(self) -> int:
@@ -72,10 +75,9 @@ def check_session_settings(metadata: dict[str, Any] | None) -> None:
             )
 
 
-def session_call_seed(session: Session, call_index: int) -> int | None:
-    """The seed of call ``call_index`` of a session opened with a seed (``SEED_KEY``); ``None`` without one."""
-    base = session.metadata.get(SEED_KEY)
-    return None if base is None else agent_call_seed(int(base), call_index)
+def prompt_digest(prompt_ids: Sequence[int]) -> bytes:
+    """A digest of a call's prompt ids (the key :meth:`SessionStore.call_seed` counts a session's calls by)."""
+    return hashlib.sha256(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)).digest()
 
 
 @dataclass
@@ -126,7 +128,8 @@ class SessionStore:
         self.on_end = on_end  # told each session id once it ends (the generation queue stops waiting for its calls)
         # None: every result is kept until taken (a training run takes them); a server that nobody takes results from
         # (``nemo-like serve``) keeps the newest this many, so a repeated end of an older session gets a 409, and as many
-        # sessions its calls opened: one more ends the least recently used (agents that never end theirs grew it forever).
+        # open sessions, opened by their first call or by :meth:`open`: one more ends the least recently used (agents
+        # that never end theirs grew it forever).
         self.max_kept_results = max_kept_results
         self._lock = threading.Lock()
         self._open: dict[str, Session] = {}
@@ -134,66 +137,107 @@ class SessionStore:
         self._results: dict[str, SessionRows] = {}
         self._building: dict[str, _PendingEnd] = {}  # ended sessions whose rows are being built
         self._end_rewards: dict[str, float | None] = {}  # the reward each ended session's first end gave (None: omitted)
+        self._to_end: dict[str, None] = {}  # open sessions chosen to end for room, not ended yet (:meth:`make_room`)
         self.counters = SessionCounters()
 
-    def open(self, session_id: str | None = None, metadata: dict[str, Any] | None = None) -> str:
-        """Start a session (a fresh random id when ``session_id`` is None) and return its id."""
+    def open(self, session_id: str | None = None, metadata: dict[str, Any] | None = None, make_room: bool = True) -> str:
+        """Start a session (a fresh random id when ``session_id`` is None) and return its id. Past
+        ``max_kept_results`` open sessions it ends the least recently used idle ones, as a session its first call
+        opens does (:meth:`_touch`); ``make_room=False``: chooses them only, for :meth:`make_room` (the server calls it
+        off its event loop: ending a session builds its rows)."""
         check_session_settings(metadata)
         session_id = session_id or uuid.uuid4().hex
         with self._lock:
             if session_id in self._open or session_id in self._ended:
                 raise ValueError(f"session {session_id!r} already exists")
+            self._choose_unused()
             self._open[session_id] = Session(session_id, dict(metadata or {}))
+        if make_room:
+            self.make_room()
         return session_id
 
-    def session(self, session_id: str) -> Session:
-        """The open session ``session_id`` (created if unknown and ``auto_create``).
+    def session(self, session_id: str, make_room: bool = True) -> Session:
+        """The open session ``session_id`` (created if unknown and ``auto_create``; ``make_room``: as in :meth:`open`).
 
         Raises:
             ServingError: 404 for an unknown id (without ``auto_create``), 409 for an ended one."""
-        session, unused = self._touch(session_id, begin_call=False)
-        self._end_unused(unused)
+        session = self._touch(session_id, begin_call=False)
+        if make_room:
+            self.make_room()
         return session
 
-    def begin_call(self, session_id: str) -> tuple[Session, int]:
+    def begin_call(self, session_id: str, make_room: bool = True) -> tuple[Session, int]:
         """The session and the index of the call about to be made in it; the call is in flight (never ended for the
-        store's room, :meth:`_touch`) until :meth:`end_call`."""
-        session, unused = self._touch(session_id, begin_call=True)
-        self._end_unused(unused)
+        store's room, :meth:`_touch`) until :meth:`end_call`. ``make_room``: as in :meth:`open`."""
+        session = self._touch(session_id, begin_call=True)
+        if make_room:
+            self.make_room()
         return session, session.num_http_calls - 1
+
+    @property
+    def room_pending(self) -> bool:
+        """Whether sessions were chosen to end for room and :meth:`make_room` has not ended them yet."""
+        return bool(self._to_end)
+
+    def make_room(self) -> None:
+        """End the sessions chosen to end for the store's room (:meth:`_touch`, :meth:`open`), each unless a call began
+        in it meanwhile (or it ended). This builds their rows: the server runs it off its event loop, where a long
+        session's rows stalled every other request."""
+        with self._lock:
+            session_ids, self._to_end = list(self._to_end), {}
+        for session_id in session_ids:
+            with contextlib.suppress(ServingError):  # ended meanwhile
+                self.end(session_id, if_idle=True)
 
     def end_call(self, session: Session) -> None:
         """The call :meth:`begin_call` began has ended (answered, refused or failed)."""
         with self._lock:
             session.calls_in_flight -= 1
 
-    def _touch(self, session_id: str, begin_call: bool) -> tuple[Session, list[str]]:
-        """The open session (created if unknown and ``auto_create``) made the most recently used, a call begun in it
-        when ``begin_call``, and, while more than ``max_kept_results`` sessions are open, the least recently used ones
-        without a call in flight, to end (:meth:`_end_unused`; busy ones are left: the next new session ends them)."""
+    def _touch(self, session_id: str, begin_call: bool) -> Session:
+        """The open session (created if unknown and ``auto_create``, :meth:`_choose_unused` then choosing sessions to
+        end for its room) made the most recently used, a call begun in it when ``begin_call``."""
         with self._lock:
             if session_id in self._ended:
                 raise session_ended(session_id)
             found = self._open.pop(session_id, None)
-            unused: list[str] = []
             if found is None:
                 if not self.auto_create:
                     raise session_not_found(session_id)
                 found = Session(session_id)
-                over = len(self._open) + 1 - self.max_kept_results if self.max_kept_results is not None else 0
-                if over > 0:
-                    unused = list(itertools.islice((sid for sid, s in self._open.items() if not s.calls_in_flight), over))
+                self._choose_unused()
+            self._to_end.pop(session_id, None)  # used again: no longer the least recently used
             self._open[session_id] = found  # the most recently used last
             if begin_call:
                 found.num_http_calls += 1
                 found.calls_in_flight += 1
-            return found, unused
+            return found
 
-    def _end_unused(self, session_ids: list[str]) -> None:
-        """End ``session_ids`` for the store's room, each unless a call began in it meanwhile (or it ended)."""
-        for session_id in session_ids:
-            with contextlib.suppress(ServingError):  # ended meanwhile
-                self.end(session_id, if_idle=True)
+    def _choose_unused(self) -> None:
+        """Before one more session opens (under the lock): while more than ``max_kept_results`` sessions would be open,
+        choose the least recently used ones without a call in flight to end (:meth:`make_room`; busy ones are left: the
+        next new session ends them). Those chosen already count as gone."""
+        if self.max_kept_results is None:
+            return
+        over = len(self._open) - sum(sid in self._open for sid in self._to_end) + 1 - self.max_kept_results
+        if over > 0:
+            idle = (sid for sid, s in self._open.items() if not s.calls_in_flight and sid not in self._to_end)
+            self._to_end.update(dict.fromkeys(itertools.islice(idle, over)))
+
+    def call_seed(self, session: Session, prompt_ids: Sequence[int]) -> int | None:
+        """The sampling seed of a call of ``session`` about to sample ``prompt_ids`` (``None``: the session has no
+        ``SEED_KEY``): :func:`~nemo_like.utils.seeds.agent_call_seed` of the session's seed, the prompt and how many
+        earlier calls of the session had the same prompt ids. Not the call's place in arrival order: a deterministic
+        agent's concurrent calls (``asyncio.gather``) reach the server in any order, and each must sample the same on
+        a rerun; calls with identical prompts are interchangeable, so their own order does not matter."""
+        base = session.metadata.get(SEED_KEY)
+        if base is None:
+            return None
+        key = prompt_digest(prompt_ids)
+        with self._lock:
+            repeat = session.prompt_calls.get(key, 0)
+            session.prompt_calls[key] = repeat + 1
+        return agent_call_seed(int(base), prompt_ids, repeat)
 
     def reserve(self, session: Session, max_new_tokens: int, n: int) -> tuple[int, int]:
         """Reserve a call's tokens in the session's budget (``BUDGET_KEY``; none: nothing to reserve): each of its ``n``

@@ -9,6 +9,8 @@ re-dispatched batch the lost one's. Change a formula here and every seed of that
 from __future__ import annotations
 
 import hashlib
+import struct
+from collections.abc import Sequence
 
 #: Multipliers that keep seeds of different steps and validation rounds apart (primes).
 STEP_STRIDE = 1_000_003
@@ -90,11 +92,17 @@ def chunk_seed(seed: int, offset: int) -> int:
 
 def agent_session_seed(seed: int, sample: int) -> int:
     """The seed of the agent session that rolls out sample ``sample`` (its index in the batch) of a batch sampled with
-    ``seed``: every call of the session derives its own from it (:func:`agent_call_seed`)."""
+    ``seed``: every call of the session derives its own from it and its prompt (:func:`agent_call_seed`)."""
     return _hashed_seed(f"agent/{seed}/{sample}")
 
 
-def agent_call_seed(session_seed: int, call: int) -> int:
-    """The sampling seed of call ``call`` (0, 1, ... in arrival order) of the session seeded ``session_seed``: a
-    deterministic agent then makes the same calls, sampled the same, on a rerun whatever the other sessions do."""
-    return _hashed_seed(f"agent-call/{session_seed}/{call}")
+def agent_call_seed(session_seed: int, prompt_ids: Sequence[int], repeat: int = 0) -> int:
+    """The sampling seed of a call of the session seeded ``session_seed`` whose prompt is ``prompt_ids``, the
+    ``repeat``-th call of that session with exactly these prompt ids (0 for the first).
+
+    A seed follows *what* the call samples, not when it arrived: call k in arrival order made an agent's concurrent calls
+    (``asyncio.gather``) swap seeds whenever their requests raced the other way, so a deterministic agent sampled
+    differently on a rerun. Calls with identical prompts are interchangeable, so counting them in arrival order keeps
+    them apart without losing that; a sequential agent's calls, and so its samples, are the same on every rerun."""
+    digest = hashlib.sha256(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)).hexdigest()
+    return _hashed_seed(f"agent-call/{session_seed}/{digest}/{repeat}")

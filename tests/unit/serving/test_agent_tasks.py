@@ -156,8 +156,11 @@ def test_a_branched_session_weighs_once_in_its_group() -> None:
 
 def test_agent_seeds_depend_only_on_the_batch_sample_and_call() -> None:
     assert agent_session_seed(7, 3) == agent_session_seed(7, 3) != agent_session_seed(7, 4)
-    assert agent_call_seed(5, 0) == agent_call_seed(5, 0) != agent_call_seed(5, 1)
-    assert 0 <= agent_call_seed(agent_session_seed(1, 2), 3) < 2**31
+    # A call's seed: the session's, the call's prompt ids and how many earlier calls of the session sent those ids
+    assert agent_call_seed(5, [1, 2]) == agent_call_seed(5, [1, 2], 0) != agent_call_seed(5, [1, 2], 1)
+    assert agent_call_seed(5, [1, 2]) != agent_call_seed(5, [2, 1]) != agent_call_seed(6, [2, 1])
+    assert agent_call_seed(5, [1, 2]) != agent_call_seed(5, [1, 2, 0])
+    assert 0 <= agent_call_seed(agent_session_seed(1, 2), [3, 4], 3) < 2**31
 
 
 def test_agent_settings_errors_name_the_key() -> None:

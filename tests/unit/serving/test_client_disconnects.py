@@ -67,7 +67,8 @@ def wait_for(condition, seconds: float = 20.0) -> None:
 
 def test_a_call_whose_client_timed_out_is_not_recorded_and_its_retry_is(served) -> None:
     """The client times out while its call is being sampled; its retry is answered. The session holds the retry's
-    completion alone (before: both, the first never seen by the agent), its reservation is back, the call is counted."""
+    completion alone (before: both, the first never seen by the agent), its reservation is back once its engine call
+    ended (not before: a retry would reserve the budget again while it is still sampled), the call is counted."""
     server, engine = served
     session = server.sessions.open("timed-out", {BUDGET_KEY: 100})
     engine.gate.clear()
@@ -77,9 +78,11 @@ def test_a_call_whose_client_timed_out_is_not_recorded_and_its_retry_is(served) 
     assert engine.entered.is_set()
     store_session = server.sessions.session(session)
     wait_for(lambda: store_session.abandoned_calls == 1)
+    assert store_session.reserved_tokens == 8  # kept while the engine still samples the abandoned call
     engine.gate.set()
+    wait_for(lambda: store_session.reserved_tokens == 0)  # its engine call ended: its 8 tokens are given back
     answer = ask(server, session)
-    assert store_session.reserved_tokens == 0  # the abandoned call's 8 tokens were given back
+    assert store_session.reserved_tokens == 0
     result = server.sessions.end(session, 1.0)
     assert len(result.rows) == 1 and result.num_calls == 1 and result.abandoned_calls == 1
     row = result.rows[0]
