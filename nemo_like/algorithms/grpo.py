@@ -67,7 +67,7 @@ from nemo_like.utils.checkpoint import VALIDATED_AT_STEP, CheckpointError, Check
 from nemo_like.utils.flops import REFERENCE_TOKENS, flops_metrics, flops_spec
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.seeds import rollout_seed, validation_seed
-from nemo_like.utils.throughput import STEP_PHASES, TIMED_PHASES, throughput_metrics
+from nemo_like.utils.throughput import STEP_PHASES, TIMED_PHASES, TRAINED_TOKENS, throughput_metrics
 from nemo_like.utils.timer import StepTimer
 
 
@@ -447,6 +447,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
             "train/trainable_params": float(parts.policy.trainable_params),
             "train/trainable_fraction": parts.policy.trainable_params / max(parts.policy.total_params, 1),
             "performance/num_batch_tokens": batch_tokens,
+            TRAINED_TOKENS: float(result.trained_tokens),  # fewer when an optimizer step had no token to train on
             "performance/training_forward_tokens_per_token": result.forward_tokens / max(batch_tokens, 1.0),
             "performance/num_samples": float(len(rollout.samples)),
         }

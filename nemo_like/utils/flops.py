@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_like.utils.cpus import local_cores
-from nemo_like.utils.throughput import TIMING_PREFIX, generation_seconds, rate, training_seconds
+from nemo_like.utils.throughput import TIMING_PREFIX, generation_seconds, rate, trained_tokens, training_seconds
 
 # Dense (no sparsity) peak FLOP/s by GPU name fragment and precision (vendor data sheets; a bare name is the SXM part,
 # the PCIe / NVL cards have lower clocks); float32 is plain FP32 (TF32 tensor cores are off by default in torch
@@ -63,6 +63,7 @@ TEACHER_TOKENS = "performance/num_teacher_tokens"
 #: The tokens an async run's reference passes scored since the previous step (the collector scores each batch it
 #: generates, ahead of the step that trains on it); absent in sync runs, whose reference pass scores the step's batch.
 REFERENCE_TOKENS = "performance/num_reference_tokens"
+
 
 PROBE_SIZE = 1024
 CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nemo_like" / "cpu_peak_flops.json"
@@ -129,7 +130,7 @@ def step_flops(
 
     scored = sum(2.0 * t * float(metrics.get(f"{TEACHER_TOKENS}/{i}", 0.0)) for i, t in enumerate(teachers))
     return {
-        "training": (training_flops_per_token(n, lora_params) + 2.0 * kl_teacher) * tokens,
+        "training": (training_flops_per_token(n, lora_params) + 2.0 * kl_teacher) * trained_tokens(metrics),
         "logprobs": 2.0 * n * (pass_tokens("prev_logprobs") + pass_tokens("reference_logprobs")) + scored,
         "generation": 2.0 * n * float(metrics.get("performance/num_generated_tokens", 0.0)),
     }
@@ -143,7 +144,7 @@ def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, fl
     work_s = training_seconds(metrics)  # a validation pass's generation is in no FLOP count
     tokens = float(metrics.get("performance/num_batch_tokens", 0.0))
     out = {
-        "performance/training_tokens_per_sec_per_worker": rate(tokens, train_s) / spec.training_workers,
+        "performance/training_tokens_per_sec_per_worker": rate(trained_tokens(metrics), train_s) / spec.training_workers,
         "performance/generation_tokens_per_sec_per_worker": rate(float(metrics.get("performance/num_generated_tokens", 0.0)), gen_s)
         / spec.generation_workers,
         "performance/tokens_per_sec_per_device": rate(tokens, work_s) / spec.devices,

@@ -25,6 +25,15 @@ TIMED_PHASES = ("refit", "generation", "reward", "prev_logprobs", "reference_log
 STEP_PHASES = (*TIMED_PHASES, "waiting_for_data", "waiting_for_refit", "validation")
 
 
+#: The tokens of the optimizer steps that ran (fewer than num_batch_tokens when a step had no token to train on).
+TRAINED_TOKENS = "performance/num_trained_tokens"
+
+
+def trained_tokens(metrics: Mapping[str, float]) -> float:
+    """The tokens the training forward and backward ran on (:data:`TRAINED_TOKENS`; a record without it: the batch's)."""
+    return float(metrics.get(TRAINED_TOKENS, metrics.get("performance/num_batch_tokens", 0.0)))
+
+
 def rate(amount: float, seconds: float) -> float:
     """``amount / seconds``, or 0.0 when no time was spent (the phase did not run)."""
     return amount / seconds if seconds > 0 else 0.0
@@ -77,7 +86,7 @@ def throughput_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
         "performance/generation_tokens_per_sec": rate(
             float(metrics.get("performance/num_generated_tokens", 0.0)), generation_seconds(metrics)
         ),
-        "performance/training_tokens_per_sec": rate(batch_tokens, float(metrics.get(f"{TIMING_PREFIX}policy_training", 0.0))),
+        "performance/training_tokens_per_sec": rate(trained_tokens(metrics), float(metrics.get(f"{TIMING_PREFIX}policy_training", 0.0))),
         "performance/samples_per_sec": rate(float(metrics.get("performance/num_samples", 0.0)), work),
         **phase_shares(metrics),
     }

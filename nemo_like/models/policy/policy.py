@@ -143,6 +143,7 @@ class TrainResult:
     logprob_passes_since_last_update: int = 0  # logprob forward passes (all workers) since the previous train call
     empty_steps_skipped: int = 0  # optimizer steps with no token to train on: skipped (no update, no schedule step)
     forward_tokens: int = 0  # tokens the training forwards ran through the transformer, all data-parallel ranks
+    trained_tokens: int = 0  # tokens (attention mask) of the optimizer steps that ran, all data-parallel ranks
 
 
 class Policy:
@@ -280,6 +281,7 @@ class Policy:
             first_step_logprobs=first,
             logprob_passes_since_last_update=since,
             forward_tokens=sum(r["forward_tokens"] for r in results),
+            trained_tokens=sum(r["trained_tokens"] for r in results),
         )
 
     def save_checkpoint(self, directory: str) -> list[dict[str, Any]]:

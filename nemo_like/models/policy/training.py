@@ -99,6 +99,7 @@ class TrainingStep:
         grad_norms: list[float] = []
         skipped = empty = 0
         forward_tokens = 0  # tokens the training forwards ran through the transformer (padding included)
+        trained_tokens = 0  # tokens of the optimizer steps that ran (an empty step's rows computed nothing)
         first_step_logprobs = torch.zeros(steps[0]["input_ids"].shape, dtype=torch.float32) if steps else None
         step_counts = [counts for counts in step_valid_counts(steps) if counts["tokens"] > 0]
         for step_idx, shard in enumerate(steps):
@@ -108,6 +109,7 @@ class TrainingStep:
                     first_step_logprobs = None  # no forward ran: no pre-update logprobs to report
                 continue
             self.optimizer.zero_grad(set_to_none=False)
+            trained_tokens += int(shard["attention_mask"].sum())
             fragments: list[dict[str, float]] = []
             forward_tokens += self._accumulate_gradients(shard, fragments, first_step_logprobs if step_idx == 0 else None)
             per_step.append(self.loss_fn.combine_metrics(fragments))
@@ -130,6 +132,7 @@ class TrainingStep:
             "first_step_logprobs": first_step_logprobs,
             "forward_passes": dict(self.forward_passes),
             "forward_tokens": forward_tokens,
+            "trained_tokens": trained_tokens,
         }
 
     def _accumulate_gradients(self, shard: Batch, fragments: list[dict[str, float]], logprobs_out: torch.Tensor | None) -> int:

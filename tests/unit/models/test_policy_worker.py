@@ -158,6 +158,9 @@ def test_an_optimizer_step_with_no_token_to_train_on_is_skipped_whole() -> None:
     alone = make_worker(4).train([trained])
     beside_an_empty_step = make_worker(4).train([trained, empty])
     assert beside_an_empty_step["metrics"] == alone["metrics"] and beside_an_empty_step["empty_steps_skipped"] == 1
+    # the MFU counts the tokens of the steps that ran (the empty one's had been charged 6N each: an MFU of 33 at worst)
+    assert beside_an_empty_step["trained_tokens"] == alone["trained_tokens"] == int(trained["attention_mask"].sum())
+    assert result["trained_tokens"] == 0
     # an empty step first, two trained after it: their metrics weighed by their own counts, not shifted onto the empty one's
     second = with_global_counts(random_batch(seed=3))
     assert make_worker(4).train([empty, trained, second])["metrics"] == make_worker(4).train([trained, second])["metrics"]

@@ -62,6 +62,11 @@ def test_step_flops_count_training_logprob_passes_and_decoded_tokens():
     assert step_flops(step(**ahead), n=1000)["logprobs"] == 2e3 * 250
     idle = {"performance/num_reference_tokens": 0.0, "performance/forward_passes/reference_logprobs": 0.0}
     assert step_flops(step(**idle), n=1000)["logprobs"] == 0.0
+    # An optimizer step the driver's masks left with no token ran nothing: training counts the steps that ran (it had
+    # charged the whole batch: an MFU up to 33 when every step was empty), the logprob passes still every row
+    half = step(**{"performance/num_trained_tokens": 50.0})
+    assert step_flops(half, n=1000) == {"training": 3e5, "logprobs": 2e5, "generation": 8e4}
+    assert step_flops(step(**{"performance/num_trained_tokens": 0.0}), n=1000)["training"] == 0.0
 
 
 def test_teacher_passes_count_each_teachers_scored_tokens_at_its_own_parameters():
