@@ -49,7 +49,7 @@ class Session:
     budget_refusals: int = 0  # calls refused because the budget had too few tokens left
     abandoned_calls: int = 0  # calls cancelled because their client left before the answer (not recorded)
     calls_in_flight: int = 0  # HTTP calls begun and not yet answered (SessionStore.begin_call / end_call)
-    prompt_calls: dict[bytes, int] = field(default_factory=dict)  # seeded calls so far per prompt (ids' digest)
+    prompt_calls: dict[bytes, int] = field(default_factory=dict)  # seeded calls so far per prompt and settings (digest)
 
     @property
     def sampled_tokens(self) -> int:
@@ -183,9 +183,12 @@ class SessionStore:
         """End the sessions chosen to end for the store's room (:meth:`_touch`, :meth:`open`), each unless a call began
         in it meanwhile (or it ended). This builds their rows: the server runs it off its event loop, where a long
         session's rows stalled every other request."""
-        with self._lock:
-            session_ids, self._to_end = list(self._to_end), {}
-        for session_id in session_ids:
+        while True:
+            with self._lock:  # one at a time: a session used while an earlier one ends leaves the list (_touch)
+                if not self._to_end:
+                    return
+                session_id = next(iter(self._to_end))
+                del self._to_end[session_id]
             with contextlib.suppress(ServingError):  # ended meanwhile
                 self.end(session_id, if_idle=True)
 
@@ -224,16 +227,18 @@ class SessionStore:
             idle = (sid for sid, s in self._open.items() if not s.calls_in_flight and sid not in self._to_end)
             self._to_end.update(dict.fromkeys(itertools.islice(idle, over)))
 
-    def call_seed(self, session: Session, prompt_ids: Sequence[int]) -> int | None:
-        """The sampling seed of a call of ``session`` about to sample ``prompt_ids`` (``None``: the session has no
-        ``SEED_KEY``): :func:`~nemo_like.utils.seeds.agent_call_seed` of the session's seed, the prompt and how many
-        earlier calls of the session had the same prompt ids. Not the call's place in arrival order: a deterministic
-        agent's concurrent calls (``asyncio.gather``) reach the server in any order, and each must sample the same on
-        a rerun; calls with identical prompts are interchangeable, so their own order does not matter."""
+    def call_seed(self, session: Session, prompt_ids: Sequence[int], settings: str = "") -> int | None:
+        """The sampling seed of a call of ``session`` about to sample ``prompt_ids`` with ``settings`` (the sampling
+        parameters, as text) (``None``: the session has no ``SEED_KEY``): :func:`~nemo_like.utils.seeds.agent_call_seed`
+        of the session's seed, the prompt and how many earlier calls of the session had the same prompt ids and
+        settings. Not the call's place in arrival order: a deterministic agent's concurrent calls (``asyncio.gather``)
+        reach the server in any order, and each must sample the same on a rerun; calls with identical prompts and
+        settings are interchangeable, so their own order does not matter. (A call that never sampled, its client gone
+        before the engine took it, still counts: its retry is the next repeat.)"""
         base = session.metadata.get(SEED_KEY)
         if base is None:
             return None
-        key = prompt_digest(prompt_ids)
+        key = hashlib.sha256(prompt_digest(prompt_ids) + settings.encode()).digest()
         with self._lock:
             repeat = session.prompt_calls.get(key, 0)
             session.prompt_calls[key] = repeat + 1

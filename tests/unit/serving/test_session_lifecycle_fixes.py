@@ -207,3 +207,37 @@ def test_a_session_ended_while_its_call_is_sampled_is_not_waited_for_afterwards(
         assert (queue.stats.waits, queue.stats.late, queue.stats.engine_calls) == (0, 0, 2)
     finally:
         queue.close()
+
+
+def test_a_session_used_while_earlier_ones_end_for_room_is_kept() -> None:
+    """make_room took the whole list of sessions to end up front: a session chosen as least recently used that had a
+    whole call while an earlier one was being ended was ended anyway (its agent's next call a 409)."""
+    store = SessionStore(max_kept_results=2)
+    store.open("x")
+    store.open("a")
+    store.open("n1", make_room=False)  # as POST /v1/sessions does: chooses x
+    store.open("n2", make_room=False)  # chooses a
+
+    def on_end(session_id: str) -> None:
+        if session_id == "x":  # the worker thread ends x while the event loop serves a whole call of a
+            session, _ = store.begin_call("a", make_room=False)
+            store.end_call(session)
+
+    store.on_end = on_end
+    store.make_room()
+    assert store.open_ids() == ["n1", "n2", "a"]
+    store.begin_call("a")
+
+
+def test_a_calls_seed_counts_calls_with_the_same_prompt_and_settings() -> None:
+    """Calls with one prompt but other settings (max_tokens) are not interchangeable: counted apart, each takes repeat 0
+    whichever arrives first (they swapped seeds with their arrival order)."""
+    first, second = SessionStore(), SessionStore()
+    for store in (first, second):
+        store.open("s", {SEED_KEY: 3})
+    one = first.session("s")
+    short_first = [first.call_seed(one, [5, 6], "max=4"), first.call_seed(one, [5, 6], "max=30")]
+    two = second.session("s")
+    long_first = [second.call_seed(two, [5, 6], "max=30"), second.call_seed(two, [5, 6], "max=4")]
+    assert short_first == long_first[::-1] and short_first[0] == short_first[1]  # both repeat 0 of their own kind
+    assert first.call_seed(one, [5, 6], "max=4") != short_first[0]  # the same prompt and settings again: repeat 1
