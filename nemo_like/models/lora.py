@@ -345,6 +345,36 @@ def checkpoint_stop_token_ids(adapter_dir: str | Path) -> list[int]:
         return []
 
 
+def _fill_in_place(target: Path, final: Path, write: Callable[[Path], None], replace: bool) -> Path:
+    """:func:`_save_directory_atomically` for a ``final`` no rename reaches (a mount point, another filesystem than its
+    parent's): ``write`` into a hidden directory inside it, then (the old entries removed, with ``replace``) move the
+    new ones up. A failed write leaves ``final`` as it was; only the short move is not atomic."""
+    import os
+    import shutil
+
+    from nemo_like.utils.checkpoint import fsync_tree
+    from nemo_like.utils.files import fsync_dir, partial_path
+
+    stage = partial_path(final / "merged")
+    existing = [p for p in final.iterdir()]
+    if existing and not replace:
+        raise ConfigError(f"{target} is not empty; merge into a new directory (or remove this one first)")
+    try:
+        stage.mkdir()
+        write(stage)
+        fsync_tree(stage)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    for path in existing:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    for path in list(stage.iterdir()):
+        os.rename(path, final / path.name)
+    stage.rmdir()
+    fsync_dir(final)
+    return target
+
+
 def _base_key(adapter_dir: str | Path, base_model: str | None) -> str:
     """The name of the setting the base model of a merge came from, as :func:`load_merged` names it."""
     return (
@@ -385,10 +415,8 @@ def _save_directory_atomically(target: Path, write: Callable[[Path], None], repl
 
     final = Path(os.path.realpath(target))  # the rename stays on the target's filesystem
     final.parent.mkdir(parents=True, exist_ok=True)
-    if final.is_dir() and not any(final.iterdir()) and (os.path.ismount(final) or final.stat().st_dev != final.parent.stat().st_dev):
-        write(final)
-        fsync_tree(final)
-        return target
+    if final.is_dir() and (os.path.ismount(final) or final.stat().st_dev != final.parent.stat().st_dev):
+        return _fill_in_place(target, final, write, replace)  # no rename reaches it
     tmp, old = partial_path(final), None
     try:
         tmp.mkdir()
@@ -400,11 +428,12 @@ def _save_directory_atomically(target: Path, write: Callable[[Path], None], repl
         try:
             os.rename(tmp, final)  # replaces an empty directory; refused (ENOTEMPTY / EEXIST) for a filled one
         except OSError as exc:
-            if old is not None:
-                os.rename(old, final)
             raise ConfigError(f"{target}: cannot move the merged model into place ({exc.strerror}); merge into a new directory") from None
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException:  # an interrupt between the two renames too: the old model goes back
+        if old is not None and not final.exists():
+            os.rename(old, final)
+            old = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if old is not None:

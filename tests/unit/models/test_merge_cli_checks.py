@@ -208,3 +208,47 @@ def test_a_rerun_eval_replaces_its_merged_model_and_a_bases_sampling_defaults_ar
     assert [p.name for p in out.parent.iterdir()] == ["merged_model"]  # nothing left beside it
     with pytest.raises(ConfigError, match="cannot move the merged model into place"):  # without replace: refused
         lora.merge_checkpoint(tmp_path / "step_1" / "policy", out)
+
+
+def test_an_interrupt_between_the_replace_renames_puts_the_old_model_back(tmp_path, monkeypatch) -> None:
+    """Replacing a filled merged_model moves it aside, then the new one in: an interrupt between the two left no
+    merged_model, the old one under a hidden name nothing removed."""
+    import os
+
+    write_checkpoint(tmp_path / "step_1")
+    out = tmp_path / "eval_out" / "merged_model"
+    lora.merge_checkpoint(tmp_path / "step_1" / "policy", out, replace=True)
+    before = sorted(p.name for p in out.iterdir())
+    real_rename, calls = os.rename, []
+
+    def interrupted_second_rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", interrupted_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        lora.merge_checkpoint(tmp_path / "step_1" / "policy", out, replace=True)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert sorted(p.name for p in out.iterdir()) == before and [p.name for p in out.parent.iterdir()] == ["merged_model"]
+
+
+def test_a_directory_no_rename_reaches_is_filled_in_place_and_a_failed_write_leaves_it_as_it_was(tmp_path) -> None:
+    """A mount point (a container volume) as --out: the rename into it failed after the whole merge (EBUSY); written
+    in place, a failed write had left a partial model there."""
+    final = tmp_path / "volume"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+
+    def failing(directory: Path) -> None:
+        (directory / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        lora._fill_in_place(final, final, failing, replace=True)
+    assert [p.name for p in final.iterdir()] == ["old.txt"]
+    with pytest.raises(ConfigError, match="is not empty"):
+        lora._fill_in_place(final, final, lambda d: None, replace=False)
+    lora._fill_in_place(final, final, lambda d: (d / "config.json").write_text("{}"), replace=True)
+    assert [p.name for p in final.iterdir()] == ["config.json"]
