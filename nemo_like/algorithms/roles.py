@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_like.config.schema import MasterConfig
+from nemo_like.config.schema import ClusterConfig, MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, check_node_placement, private_cluster_hint, sum_resources
 from nemo_like.distributed.worker_group import RoleResources
 from nemo_like.environments.composite import source_placement, split_source
@@ -158,11 +158,20 @@ def required_resources(cfg: MasterConfig, plan: RunPlan) -> dict[str, float]:
     return total
 
 
-def ensure_private_cluster_gpus(cfg: MasterConfig, plan: RunPlan) -> None:
-    """Before a private local cluster starts: a recipe asking for more GPUs than this machine has fails here, in
-    seconds, with the message the post-start check would give (the cluster would get exactly these GPUs)."""
-    import torch
+def private_cluster_gpus(cluster: ClusterConfig, machine_gpus: float) -> float:
+    """The GPUs a private local cluster started for ``cluster`` gets on a machine with ``machine_gpus``: what
+    :func:`~nemo_like.distributed.ray_init.local_init_kwargs` hands ``ray.init`` (``None``: Ray counts the machine's
+    visible GPUs; 0 when ``cluster.gpus_per_node`` is 0, whatever the machine has)."""
+    from nemo_like.distributed.ray_init import local_init_kwargs
 
+    num_gpus = local_init_kwargs(cluster)["num_gpus"]
+    return float(machine_gpus if num_gpus is None else num_gpus)
+
+
+def ensure_private_cluster_gpus(cfg: MasterConfig, plan: RunPlan, machine_gpus: float | None = None) -> None:
+    """Before a private local cluster starts: a recipe asking for more GPUs than that cluster will get
+    (:func:`private_cluster_gpus`: this machine's, none with ``cluster.gpus_per_node=0``) fails here, in seconds, with
+    the message the post-start check would give. ``machine_gpus``: this machine's GPU count (default: torch's)."""
     from nemo_like.distributed.ray_init import joins_existing_cluster
 
     if joins_existing_cluster(cfg.cluster):
@@ -170,21 +179,43 @@ def ensure_private_cluster_gpus(cfg: MasterConfig, plan: RunPlan) -> None:
     required = required_resources(cfg, plan)
     if not required.get("GPU"):
         return
-    gpus = float(torch.cuda.device_count())
+    if machine_gpus is None:
+        machine_gpus = _machine_gpus()
+    gpus = private_cluster_gpus(cfg.cluster, machine_gpus)
     if required["GPU"] <= gpus:
         return
     available = {"CPU": float(cfg.cluster.num_cpus or local_cores()), "GPU": gpus}
-    _check_against(cfg, plan, available, private_cluster_hint(gpus))
+    _check_against(cfg, plan, available, _private_hint(cfg, plan, machine_gpus))
 
 
 def ensure_cluster_capacity(cfg: MasterConfig, plan: RunPlan, private_cluster: bool = False) -> None:
     """Check the run's request against the connected Ray cluster's total resources (call after ``init_ray``).
 
-    ``private_cluster``: this run started its own local cluster, which has exactly this machine's GPUs."""
+    ``private_cluster``: this run started its own local cluster, which has this machine's GPUs (none with
+    ``cluster.gpus_per_node=0``)."""
     import ray
 
     nodes = [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
-    _check_against(cfg, plan, ray.cluster_resources(), private_cluster_hint() if private_cluster else "", nodes)
+    hint = _private_hint(cfg, plan) if private_cluster else ""
+    _check_against(cfg, plan, ray.cluster_resources(), hint, nodes)
+
+
+def _machine_gpus() -> float:
+    """This machine's visible GPUs, as torch counts them."""
+    import torch
+
+    return float(torch.cuda.device_count())
+
+
+def _private_hint(cfg: MasterConfig, plan: RunPlan, machine_gpus: float | None = None) -> str:
+    """:func:`~nemo_like.distributed.capacity.private_cluster_hint` for this recipe: with ``cluster.gpus_per_node=0``,
+    this machine's GPUs (``machine_gpus``, default: torch's count) that setting hides and the roles that ask for a GPU;
+    else the running cluster's GPUs, or ``machine_gpus`` when given."""
+    gpus_per_node = cfg.cluster.gpus_per_node
+    if gpus_per_node == 0 and machine_gpus is None:
+        machine_gpus = _machine_gpus()
+    gpu_roles = [r.role for r in role_requests(cfg, plan) if r.count and r.bundle.get("GPU")]
+    return private_cluster_hint(machine_gpus, gpus_per_node, gpu_roles)
 
 
 def _check_against(

@@ -13,6 +13,7 @@ per-group placement timeout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from nemo_like.distributed.worker_group import PlacementError, RoleResources
@@ -96,21 +97,39 @@ def check_node_placement(
         )
 
 
+_GPU_UNITS = 10_000  # Ray counts a resource in units of 1/10000 (its FixedPoint), one GPU instance at a time
+
+
 def _gpu_share_problems(roles: Sequence[RoleResources], nodes: Sequence[Mapping[str, float]]) -> list[str]:
-    """Ray grants a fraction of a GPU out of one GPU, and a whole number of GPUs whole: two shares above one half never
-    share a GPU, nor does either with a whole-GPU bundle. So the whole GPUs asked for, plus the bundles asking for more
-    than half a GPU, can be at most the GPUs the nodes have (a sound bound: it never refuses what Ray can place).
-    Three actors of 0.6 GPU on 2 GPUs had passed the totals check (1.8 <= 2) and waited out the placement timeout."""
+    """Ray grants a fraction of a GPU out of one GPU, and a whole number of GPUs whole. So no ``k + 1`` shares above
+    ``1/(k+1)`` of a GPU fit on one GPU, nor does any share on a GPU a whole-GPU bundle holds: for every ``k``, the
+    GPUs needed are at least the whole GPUs asked for plus ``ceil(#shares above 1/(k+1) / k)``. A line for the ``k``
+    that needs the most, when that is more than the nodes have; a sound bound (it never refuses what Ray can place:
+    each share is counted at its Ray units rounded down). ``k = 1`` is "two shares above one half never share a GPU".
+
+    Three actors of 0.6 GPU on 2 GPUs (``k = 1``), and five of 0.4 on 2 GPUs (``k = 2``: at most two to a GPU, so 3
+    GPUs) had passed the totals check (1.8, 2 <= 2) and waited out ``cluster.placement_timeout_s``."""
     gpus = sum(n.get("GPU", 0.0) for n in nodes)
     shares = [(role.role, role.bundle.get("GPU", 0.0)) for role in roles for _ in range(role.count)]
     whole = sum(g for _, g in shares if g >= 1 - _EPS)
-    over_half = [(name, g) for name, g in shares if 0.5 + _EPS < g < 1 - _EPS]
-    if whole + len(over_half) <= gpus + _EPS:
+    fractions = [(name, g, int(g * _GPU_UNITS + _EPS)) for name, g in shares if _EPS < g < 1 - _EPS]
+    worst: tuple[float, int, list[tuple[str, float]]] | None = None
+    # A share of u units is above 1/(k+1) for every k >= 10000 // u; between two such k the count is constant and the
+    # bound falls with k, so these k are the only ones to try.
+    for k in sorted({_GPU_UNITS // units for _, _, units in fractions if units}):
+        over = [(name, g) for name, g, units in fractions if (k + 1) * units > _GPU_UNITS]  # no k + 1 fit on a GPU
+        need = whole + math.ceil(len(over) / k)
+        if need > gpus + _EPS and (worst is None or need > worst[0]):
+            worst = (need, k, over)
+    if worst is None:
         return []
-    asked = ", ".join(sorted({f"{name} {g:g}" for name, g in over_half}))
+    need, k, over = worst
+    asked = ", ".join(sorted({f"{name} {g:g}" for name, g in over}))
+    size = "half a GPU" if k == 1 else f"1/{k + 1} of a GPU"
+    share = "which no two can share" if k == 1 else f"of which no {k + 1} can share a GPU (at most {k} to a GPU)"
     return [
-        f"{len(over_half)} bundles ask for more than half a GPU each ({asked}), which no two can share, besides {whole:g} "
-        f"whole GPUs: {whole + len(over_half):g} GPUs, and the nodes have {gpus:g}"
+        f"{len(over)} bundles ask for more than {size} each ({asked}), {share}, besides {whole:g} whole GPUs: "
+        f"{need:g} GPUs, and the nodes have {gpus:g}: short by GPU {need - gpus:g}"
     ]
 
 
@@ -118,13 +137,27 @@ def _holds(node: Mapping[str, float], request: Mapping[str, float]) -> bool:
     return all(node.get(key, 0.0) + _EPS >= value for key, value in request.items() if value > 0)
 
 
-def private_cluster_hint(gpus: float | None = None) -> str:
-    """What to do when a private local cluster (this machine's resources) is too small; ``gpus``: this machine's GPU
-    count (default: the running cluster's)."""
+def private_cluster_hint(gpus: float | None = None, gpus_per_node: int | None = None, gpu_roles: Sequence[str] = ()) -> str:
+    """What to do when a private local cluster (this machine's resources) is too small. ``gpus``: this machine's GPU
+    count (default: the running cluster's); ``gpus_per_node``: ``cluster.gpus_per_node``, where 0 starts the cluster
+    with no GPU whatever the machine has (:func:`~nemo_like.distributed.ray_init.local_init_kwargs`), so the advice to
+    set it to 0 would be the setting already; ``gpu_roles``: the roles that ask for a GPU, named in that case."""
     if gpus is None:
         import ray
 
         gpus = ray.cluster_resources().get("GPU", 0.0)
+    if gpus_per_node == 0:
+        roles = f" ({', '.join(gpu_roles)})" if gpu_roles else ""
+        if gpus:
+            why = f"cluster.gpus_per_node=0 hides this machine's {gpus:g} GPUs from it"
+            fix = "Set cluster.gpus_per_node > 0 to give it them, set those roles' num_gpus to 0"
+        else:
+            why = "cluster.gpus_per_node=0, and this machine has no GPU either (0 GPUs found)"
+            fix = "Set those roles' num_gpus to 0"
+        return (
+            f"This run uses a private local Ray cluster, started with no GPU: {why}, yet roles ask for a GPU{roles}. "
+            f"{fix}, or join a cluster that has the GPUs (cluster.ray_address)."
+        )
     return (
         f"This run uses a private local Ray cluster with this machine's resources ({gpus:g} GPUs found): set "
         "cluster.gpus_per_node=0 to run on CPU, or join a cluster that has the GPUs (cluster.ray_address)."
