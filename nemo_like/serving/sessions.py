@@ -242,7 +242,7 @@ class SessionStore:
         with self._lock:
             repeat = session.prompt_calls.get(key, 0)
             session.prompt_calls[key] = repeat + 1
-        return agent_call_seed(int(base), prompt_ids, repeat)
+        return agent_call_seed(int(base), prompt_ids, repeat, settings)
 
     def reserve(self, session: Session, max_new_tokens: int, n: int) -> tuple[int, int]:
         """Reserve a call's tokens in the session's budget (``BUDGET_KEY``; none: nothing to reserve): each of its ``n``

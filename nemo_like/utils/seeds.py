@@ -96,13 +96,15 @@ def agent_session_seed(seed: int, sample: int) -> int:
     return _hashed_seed(f"agent/{seed}/{sample}")
 
 
-def agent_call_seed(session_seed: int, prompt_ids: Sequence[int], repeat: int = 0) -> int:
-    """The sampling seed of a call of the session seeded ``session_seed`` whose prompt is ``prompt_ids``, the
-    ``repeat``-th call of that session with exactly these prompt ids (0 for the first).
+def agent_call_seed(session_seed: int, prompt_ids: Sequence[int], repeat: int = 0, settings: str = "") -> int:
+    """The sampling seed of a call of the session seeded ``session_seed`` whose prompt is ``prompt_ids`` and sampling
+    settings ``settings`` (text), the ``repeat``-th call of that session with exactly these (0 for the first).
 
     A seed follows *what* the call samples, not when it arrived: call k in arrival order made an agent's concurrent calls
     (``asyncio.gather``) swap seeds whenever their requests raced the other way, so a deterministic agent sampled
     differently on a rerun. Calls with identical prompts are interchangeable, so counting them in arrival order keeps
     them apart without losing that; a sequential agent's calls, and so its samples, are the same on every rerun."""
     digest = hashlib.sha256(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)).hexdigest()
+    if settings:  # calls counted apart by their settings must not share a seed (one would replay the other's start)
+        digest = hashlib.sha256(f"{digest}/{settings}".encode()).hexdigest()
     return _hashed_seed(f"agent-call/{session_seed}/{digest}/{repeat}")

@@ -230,14 +230,15 @@ def test_a_session_used_while_earlier_ones_end_for_room_is_kept() -> None:
 
 
 def test_a_calls_seed_counts_calls_with_the_same_prompt_and_settings() -> None:
-    """Calls with one prompt but other settings (max_tokens) are not interchangeable: counted apart, each takes repeat 0
-    whichever arrives first (they swapped seeds with their arrival order)."""
+    """Calls with one prompt but other settings (temperature) are not interchangeable: counted apart, each takes its
+    own seed whichever arrives first (they swapped seeds with their arrival order), and never the other's (the same
+    seed would replay the other's first tokens)."""
     first, second = SessionStore(), SessionStore()
     for store in (first, second):
         store.open("s", {SEED_KEY: 3})
     one = first.session("s")
-    short_first = [first.call_seed(one, [5, 6], "max=4"), first.call_seed(one, [5, 6], "max=30")]
+    short_first = [first.call_seed(one, [5, 6], "temperature=0.7"), first.call_seed(one, [5, 6], "temperature=1.0")]
     two = second.session("s")
-    long_first = [second.call_seed(two, [5, 6], "max=30"), second.call_seed(two, [5, 6], "max=4")]
-    assert short_first == long_first[::-1] and short_first[0] == short_first[1]  # both repeat 0 of their own kind
-    assert first.call_seed(one, [5, 6], "max=4") != short_first[0]  # the same prompt and settings again: repeat 1
+    long_first = [second.call_seed(two, [5, 6], "temperature=1.0"), second.call_seed(two, [5, 6], "temperature=0.7")]
+    assert short_first == long_first[::-1] and short_first[0] != short_first[1]
+    assert first.call_seed(one, [5, 6], "temperature=0.7") != short_first[0]  # the same prompt and settings again: repeat 1
