@@ -448,7 +448,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
             "train/trainable_fraction": parts.policy.trainable_params / max(parts.policy.total_params, 1),
             "performance/num_batch_tokens": batch_tokens,
             TRAINED_TOKENS: float(result.trained_tokens),  # fewer when an optimizer step had no token to train on
-            "performance/training_forward_tokens_per_token": result.forward_tokens / max(batch_tokens, 1.0),
+            "performance/training_forward_tokens_per_token": result.forward_tokens / max(float(result.trained_tokens), 1.0),
             "performance/num_samples": float(len(rollout.samples)),
         }
     )

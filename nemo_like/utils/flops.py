@@ -6,7 +6,7 @@ projection ``vocab x hidden`` when it is tied to that table; norms and biases ar
 ``seq x seq`` products are not):
 
 * training: ``6 N`` per trained token (forward 2N + backward 4N: input and weight gradients), tokens =
-  ``performance/num_batch_tokens`` (prompt + response, no padding); with LoRA ``4 N + 6 N_lora`` (N_lora: the
+  ``performance/num_trained_tokens`` (prompt + response of the optimizer steps that ran, no padding); with LoRA ``4 N + 6 N_lora`` (N_lora: the
   adapters' parameters; the frozen base gets no weight gradients: :func:`training_flops_per_token`); plus ``2 N_teacher`` per trained token with the KL term's teacher copy
   (``distillation.kl_weight > 0``: one teacher forward per training micro-batch);
 * logprob passes: ``2 N`` per trained token for each of the prev and reference passes that ran

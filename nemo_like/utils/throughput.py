@@ -73,7 +73,7 @@ def throughput_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
       (:func:`training_seconds`);
     * ``performance/generation_tokens_per_sec``: generated tokens / generation seconds (:func:`generation_seconds`:
       async steps take the collector's, it was 0 there);
-    * ``performance/training_tokens_per_sec``: batch tokens / policy_training seconds;
+    * ``performance/training_tokens_per_sec``: trained tokens (:func:`trained_tokens`) / policy_training seconds;
     * ``performance/samples_per_sec``: batch samples / the step's time without validation;
     * ``timing/train/share/<phase>``: see :func:`phase_shares`.
 

@@ -143,7 +143,11 @@ def test_mfu_and_per_worker_rates_follow_the_documented_formulas(observed_run):
     n = matmul_params(AutoConfig.from_pretrained(resolve_model_path("embedded:tiny-arith-qwen2")))
     for r in read_metrics(log_dir)[1:]:
         assert r["performance/forward_passes/prev_logprobs"] == 0 and r["performance/forward_passes/reference_logprobs"] > 0
-        flops = (6 + 2) * n * r["performance/num_batch_tokens"] + 2 * n * r["performance/num_generated_tokens"]
+        flops = (
+            6 * n * r["performance/num_trained_tokens"]
+            + 2 * n * r["performance/num_batch_tokens"]
+            + 2 * n * r["performance/num_generated_tokens"]
+        )
         assert r["performance/model_flops"] == pytest.approx(flops)
         work = r["timing/train/total_step_time"] - r["timing/train/validation"]
         assert r["performance/mfu"] == pytest.approx(flops / (work * PEAK))  # one CPU node
