@@ -347,30 +347,40 @@ def checkpoint_stop_token_ids(adapter_dir: str | Path) -> list[int]:
 
 def _fill_in_place(target: Path, final: Path, write: Callable[[Path], None], replace: bool) -> Path:
     """:func:`_save_directory_atomically` for a ``final`` no rename reaches (a mount point, another filesystem than its
-    parent's): ``write`` into a hidden directory inside it, then (the old entries removed, with ``replace``) move the
-    new ones up. A failed write leaves ``final`` as it was; only the short move is not atomic."""
+    parent's): ``write`` into a hidden directory inside it, move the old entries (with ``replace``) into another, the
+    new ones up, and remove the old ones last. Any failure puts the old entries back and removes the new ones. A fresh
+    volume's ``lost+found`` and this function's own leftovers are not the directory's contents."""
     import os
     import shutil
 
     from nemo_like.utils.checkpoint import fsync_tree
     from nemo_like.utils.files import fsync_dir, partial_path
 
-    stage = partial_path(final / "merged")
-    existing = [p for p in final.iterdir()]
+    stage, aside = partial_path(final / "merged"), partial_path(final / "replaced")
+    existing = [p for p in final.iterdir() if p.name != "lost+found" and not p.name.startswith((".merged.", ".replaced."))]
     if existing and not replace:
         raise ConfigError(f"{target} is not empty; merge into a new directory (or remove this one first)")
+    moved: list[Path] = []
     try:
         stage.mkdir()
         write(stage)
         fsync_tree(stage)
+        aside.mkdir()
+        for path in existing:
+            os.rename(path, aside / path.name)
+        for path in list(stage.iterdir()):
+            os.rename(path, final / path.name)
+            moved.append(final / path.name)
     except BaseException:
+        for path in moved:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        for path in list(aside.iterdir()) if aside.is_dir() else []:
+            os.rename(path, final / path.name)
         shutil.rmtree(stage, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
         raise
-    for path in existing:
-        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-    for path in list(stage.iterdir()):
-        os.rename(path, final / path.name)
     stage.rmdir()
+    shutil.rmtree(aside, ignore_errors=True)
     fsync_dir(final)
     return target
 

@@ -234,7 +234,7 @@ def test_an_interrupt_between_the_replace_renames_puts_the_old_model_back(tmp_pa
     assert sorted(p.name for p in out.iterdir()) == before and [p.name for p in out.parent.iterdir()] == ["merged_model"]
 
 
-def test_a_directory_no_rename_reaches_is_filled_in_place_and_a_failed_write_leaves_it_as_it_was(tmp_path) -> None:
+def test_a_directory_no_rename_reaches_is_filled_in_place_and_a_failed_write_leaves_it_as_it_was(tmp_path, monkeypatch) -> None:
     """A mount point (a container volume) as --out: the rename into it failed after the whole merge (EBUSY); written
     in place, a failed write had left a partial model there."""
     final = tmp_path / "volume"
@@ -252,3 +252,31 @@ def test_a_directory_no_rename_reaches_is_filled_in_place_and_a_failed_write_lea
         lora._fill_in_place(final, final, lambda d: None, replace=False)
     lora._fill_in_place(final, final, lambda d: (d / "config.json").write_text("{}"), replace=True)
     assert [p.name for p in final.iterdir()] == ["config.json"]
+    # A fresh volume's lost+found is not content (the merge was refused as 'not empty'); a move that fails midway puts
+    # the old model back (it was half deleted, the new one stranded in a hidden directory)
+    volume = tmp_path / "fresh"
+    (volume / "lost+found").mkdir(parents=True)
+    lora._fill_in_place(volume, volume, lambda d: (d / "model.safetensors").write_text("new"), replace=False)
+    assert sorted(p.name for p in volume.iterdir()) == ["lost+found", "model.safetensors"]
+
+    def half_written(directory: Path) -> None:
+        (directory / "model.safetensors").write_text("newer")
+        (directory / "sub").mkdir()
+        (directory / "sub" / "x").write_text("x")
+
+    import os
+
+    real_rename, calls = os.rename, []
+
+    def failing_third(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:
+            raise PermissionError(13, "Permission denied")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing_third)
+    with pytest.raises(PermissionError):
+        lora._fill_in_place(volume, volume, half_written, replace=True)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert sorted(p.name for p in volume.iterdir()) == ["lost+found", "model.safetensors"]
+    assert (volume / "model.safetensors").read_text() == "new"
