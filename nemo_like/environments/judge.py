@@ -99,7 +99,12 @@ class JudgeEnvConfig(BaseModel):
     max_batch_size: int = Field(16, gt=0, description="Judge prompts per engine call (a deadline keeps the chunks done in time).")
     num_engine_workers: int = Field(1, gt=0, description="Generation actors of the judge (per environment actor).")
     engine_num_cpus: float = Field(0.25, gt=0, description="CPUs each judge actor reserves.")
-    engine_num_gpus: float = Field(0.0, ge=0, description="GPUs each judge actor reserves.")
+    engine_num_gpus: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="GPUs each judge actor reserves (its engine runs on one GPU: at most 1; a share below 1 packs several).",
+    )
     engine_num_threads: int = Field(1, gt=0, description="torch threads of each judge actor on CPU.")
     engine_backend: Literal["hf", "vllm"] = Field(
         "hf", description="The judge's engine: 'hf' (transformers generate) or 'vllm' (vLLM, its CPU build here; faster for long verdicts)."

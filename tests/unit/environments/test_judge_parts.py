@@ -123,6 +123,7 @@ def test_parser_plugins_come_from_the_registry_or_an_import_path(tmp_path) -> No
         ({"parse_failure_reward": "low"}, "env.j.parse_failure_reward"),
         ({"engine_backend": "sglang"}, "env.j.engine_backend"),
         ({"engine_kv_cache_space_gib": 0.5}, "env.j.engine_kv_cache_space_gib"),
+        ({"engine_num_gpus": 1.5}, "env.j.engine_num_gpus"),  # one engine runs on one GPU; Ray grants 1.5 as no GPU can
         # every judge prompt was cut to nothing (each sample an engine error, the engine restarted every step)
         ({"max_new_tokens": 64, "engine_max_model_len": 64}, "max_new_tokens=64 leaves no room for the judge's prompt"),
     ],
