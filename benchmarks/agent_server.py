@@ -13,7 +13,7 @@ HTTP / engine - 1, per repeat (each HTTP run beside its own replay), printed as 
 Python, which runs in this process too, as a training run's agents run in the driver beside the server.
 
 ``--mode greedy``: temperature 0, no session (each call renders and tokenises its whole history). ``--mode seeded``:
-what a training run does: each session is opened with a seed (a call samples with ``agent_call_seed(seed, its prompt ids)``), calls
+what a training run does: each session is opened with a seed (a call samples with ``agent_call_seed(seed, its prompt ids, 0, its settings)``), calls
 carry ``X-Session-Id`` (the server reuses the session's ids), temperature 1; the replay samples each turn's prompts in
 one engine call with the same per-prompt seeds and must draw exactly the served tokens (checked). ``raw``: plain JSON
 over ``httpx``; ``openai``: the ``openai`` package; ``stdlib``: ``http.client`` (about the least a client costs).
@@ -65,6 +65,7 @@ from nemo_like.models.loading import load_tokenizer
 from nemo_like.serving import RolloutServer, ServerConfig
 from nemo_like.serving.app import SESSION_HEADER
 from nemo_like.serving.local_engine import LocalGeneration
+from nemo_like.serving.sessions import call_settings
 from nemo_like.utils.seeds import agent_call_seed
 
 MODEL = "embedded:tiny-tool-qwen2"
@@ -188,7 +189,7 @@ def replay(engine: LocalGeneration, calls: list, max_tokens: int, session_seeds:
     differ, seconds = 0, 0.0
     for turn in range(len(calls[0])):
         prompts = [c[turn][0] for c in calls]
-        seed = [agent_call_seed(s, c[turn][0]) for s, c in zip(session_seeds, calls)] if compare else 0
+        seed = [agent_call_seed(s, c[turn][0], 0, call_settings(params)) for s, c in zip(session_seeds, calls)] if compare else 0
         start = time.perf_counter()
         samples = engine.generate(prompts, params, seed)
         seconds += time.perf_counter() - start

@@ -18,7 +18,7 @@ from nemo_like.serving.continuation import message_keys
 from nemo_like.serving.errors import ServingError, bad_request
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, engine_top_k
 from nemo_like.serving.rendering import Renderer
-from nemo_like.serving.sessions import GREEDY_KEY, Session, SessionStore
+from nemo_like.serving.sessions import GREEDY_KEY, Session, SessionStore, call_settings
 from nemo_like.serving.tool_parsers import ParsedTurn, ToolParser
 from nemo_like.serving.trajectory import CallRecord
 
@@ -349,9 +349,7 @@ class CompletionService:
         # A run's session samples with its own seeds: an agent's 'seed' would make a GRPO group's sessions identical
         # (without session seeds, agent.seeded_calls=false, the queue's running seeds apply). A call's seed follows its
         # prompt, not its arrival: a deterministic agent's concurrent calls sample the same on a rerun.
-        # The settings as asked: the budget's cut of max_new_tokens depends on what other calls of the session reserved
-        settings = repr(replace(params, max_new_tokens=0))
-        session_seed = self.sessions.call_seed(session, ids, settings) if session is not None else None
+        session_seed = self.sessions.call_seed(session, ids, call_settings(params)) if session is not None else None
         in_run = session is not None and self.limits.require_session
         seed = session_seed if session_seed is not None or in_run else req.seed
         caller = session.session_id if session else None

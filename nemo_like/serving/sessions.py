@@ -16,7 +16,7 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nemo_like.serving.continuation import Continuations
@@ -73,6 +73,12 @@ def check_session_settings(metadata: dict[str, Any] | None) -> None:
                 f"metadata.{key} must be a non-negative integer (the server reads it: see the session endpoints), got {value!r}",
                 param=f"metadata.{key}",
             )
+
+
+def call_settings(params: Any) -> str:
+    """A call's sampling settings as :meth:`SessionStore.call_seed` keys them: its ``SamplingParams`` without
+    ``max_new_tokens`` (the session budget's cut of it depends on what the session's other calls reserved)."""
+    return repr(replace(params, max_new_tokens=0))
 
 
 def prompt_digest(prompt_ids: Sequence[int]) -> bytes:
