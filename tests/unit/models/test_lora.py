@@ -232,15 +232,9 @@ def test_a_relative_base_model_path_is_recorded_absolute_and_a_missing_base_is_o
     shutil.copytree(embedded_model_path(EMBEDDED_MODEL), tmp_path / "run" / "models" / "base")
     shutil.copytree(embedded_model_path("embedded:tiny-arith-teacher"), tmp_path / "other" / "models" / "base")  # another model
     monkeypatch.chdir(tmp_path / "run")
-    cfg = LoraConfig(enabled=True, dim=4, alpha=8)
-    torch.manual_seed(0)
-    model = lora.apply_lora(load_causal_lm("models/base"), cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.normal_(0, 0.05)
-    model.eval()
-    tensors = {lora.saved_name(k): v for k, v in model.state_dict().items() if lora.is_adapter(k)}
+    from lora_adapters import random_adapters
+
+    model, tensors = random_adapters("models/base")
     policy = lora.write_adapter(tmp_path / "ckpt" / "policy", tensors, lora.adapter_config_dict(model))
     recorded = json.loads((policy / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert recorded == str(tmp_path / "run" / "models" / "base")

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_adapters import random_adapters
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from nemo_like.cli import main
 from nemo_like.config import ConfigError
-from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
+from nemo_like.config.schema import EMBEDDED_MODEL
 from nemo_like.models import lora
 from nemo_like.models.loading import end_of_sequence_ids, load_causal_lm, load_tokenizer, resolve_model_path
 from nemo_like.utils.checkpoint import STATE_FILE
@@ -29,14 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def write_checkpoint(step_dir: Path, base: str | Path = EMBEDDED_MODEL, seed: int = 0, tokenizer: bool = True) -> torch.nn.Module:
     """A LoRA checkpoint step as a run writes it (``policy/``: adapters, adapter config, the run's tokenizer, and the
     step's state file), with random ``lora_B`` (fresh adapters are a no-op); returns the adapted model."""
-    torch.manual_seed(seed)
-    model = lora.apply_lora(load_causal_lm(str(base)), LoraConfig(enabled=True, dim=4, alpha=8))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.normal_(0, 0.05)
-    model.eval()
-    tensors = {lora.saved_name(k): v for k, v in model.state_dict().items() if lora.is_adapter(k)}
+    model, tensors = random_adapters(base, seed)
     lora.write_adapter(step_dir / "policy", tensors, lora.adapter_config_dict(model))
     if tokenizer:
         load_tokenizer(EMBEDDED_MODEL).save_pretrained(step_dir / "policy")
