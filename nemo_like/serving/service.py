@@ -306,12 +306,13 @@ class CompletionService:
         prompt_param: str,
     ) -> SampledCall:
         max_new = self._max_tokens(len(ids), requested, prompt_param)
+        settings = call_settings(self._params(req, max_new), req.n)  # as asked: its seed must not follow the budget's cut
         reserved = 0
         if session is not None:  # the call that reaches the budget ends there ('length'), it does not sample past it
             max_new, reserved = self.sessions.reserve(session, max_new, req.n)
         submitted: list[Future] = []  # the queue's future of the call, once submitted
         try:
-            return await self._sample_reserved(req, text, ids, max_new, session, call_index, submitted)
+            return await self._sample_reserved(req, text, ids, max_new, session, call_index, submitted, settings)
         except asyncio.CancelledError:  # its client left (app.unless_client_leaves): nothing is recorded
             if session is not None:
                 self.sessions.abandon(session)
@@ -343,13 +344,14 @@ class CompletionService:
         session: Session | None,
         call_index: int,
         submitted: list[Future],
+        settings: str = "",
     ) -> SampledCall:
         """Sample the call (its queue future appended to ``submitted``) and record it in its session."""
         params = self._params(req, max_new)
         # A run's session samples with its own seeds: an agent's 'seed' would make a GRPO group's sessions identical
         # (without session seeds, agent.seeded_calls=false, the queue's running seeds apply). A call's seed follows its
         # prompt, not its arrival: a deterministic agent's concurrent calls sample the same on a rerun.
-        session_seed = self.sessions.call_seed(session, ids, call_settings(params)) if session is not None else None
+        session_seed = self.sessions.call_seed(session, ids, settings) if session is not None else None
         in_run = session is not None and self.limits.require_session
         seed = session_seed if session_seed is not None or in_run else req.seed
         caller = session.session_id if session else None

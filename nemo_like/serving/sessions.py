@@ -16,7 +16,7 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_like.serving.continuation import Continuations
@@ -75,10 +75,11 @@ def check_session_settings(metadata: dict[str, Any] | None) -> None:
             )
 
 
-def call_settings(params: Any) -> str:
-    """A call's sampling settings as :meth:`SessionStore.call_seed` keys them: its ``SamplingParams`` without
-    ``max_new_tokens`` (the session budget's cut of it depends on what the session's other calls reserved)."""
-    return repr(replace(params, max_new_tokens=0))
+def call_settings(params: Any, n: int = 1) -> str:
+    """A call's sampling settings as :meth:`SessionStore.call_seed` keys them: its ``SamplingParams`` as asked (before
+    the session budget's cut of ``max_new_tokens``, which depends on what the session's other calls reserved) and its
+    number of choices ``n``."""
+    return f"{params!r}/n={n}"
 
 
 def prompt_digest(prompt_ids: Sequence[int]) -> bytes:

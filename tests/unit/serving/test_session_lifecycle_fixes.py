@@ -242,3 +242,20 @@ def test_a_calls_seed_counts_calls_with_the_same_prompt_and_settings() -> None:
     long_first = [second.call_seed(two, [5, 6], "temperature=1.0"), second.call_seed(two, [5, 6], "temperature=0.7")]
     assert short_first == long_first[::-1] and short_first[0] != short_first[1]
     assert first.call_seed(one, [5, 6], "temperature=0.7") != short_first[0]  # the same prompt and settings again: repeat 1
+
+
+def test_a_calls_seed_follows_its_asked_max_tokens_not_the_budgets_cut() -> None:
+    """The seed's settings are the call's as asked: max_tokens 4 and 30 on one prompt are two kinds of call whichever
+    comes first, and the session budget's cut (which depends on the other calls' reservations) is not part of it."""
+    from nemo_like.models.generation.interface import SamplingParams
+    from nemo_like.serving.sessions import call_settings
+
+    short, long = call_settings(SamplingParams(max_new_tokens=4)), call_settings(SamplingParams(max_new_tokens=30))
+    seeds = []
+    for order in ((short, long), (long, short)):
+        store = SessionStore()
+        store.open("s", {SEED_KEY: 3})
+        session = store.session("s")
+        seeds.append(dict(zip(order, (store.call_seed(session, [5, 6], kind) for kind in order))))
+    assert seeds[0] == seeds[1] and seeds[0][short] != seeds[0][long]
+    assert call_settings(SamplingParams(max_new_tokens=4), 2) != short  # n choices: another kind too
