@@ -16,6 +16,7 @@ by :func:`nemo_like.plan.refit.refit_mode`, part of the run plan.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -356,6 +357,7 @@ def _fill_in_place(target: Path, final: Path, write: Callable[[Path], None], rep
     from nemo_like.utils.checkpoint import fsync_tree
     from nemo_like.utils.files import fsync_dir, partial_path
 
+    _recover_leftovers(final)
     stage, aside = partial_path(final / "merged"), partial_path(final / "replaced")
     existing = [p for p in final.iterdir() if p.name != "lost+found" and not p.name.startswith((".merged.", ".replaced."))]
     if existing and not replace:
@@ -373,7 +375,8 @@ def _fill_in_place(target: Path, final: Path, write: Callable[[Path], None], rep
             moved.append(final / path.name)
     except BaseException:
         for path in moved:
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            with contextlib.suppress(OSError):  # the old entries go back whatever the new ones do
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
         for path in list(aside.iterdir()) if aside.is_dir() else []:
             os.rename(path, final / path.name)
         shutil.rmtree(stage, ignore_errors=True)
@@ -383,6 +386,33 @@ def _fill_in_place(target: Path, final: Path, write: Callable[[Path], None], rep
     shutil.rmtree(aside, ignore_errors=True)
     fsync_dir(final)
     return target
+
+
+def _recover_leftovers(final: Path) -> None:
+    """What a killed :func:`_fill_in_place` left in ``final`` (its process gone): a new model's hidden stage is removed;
+    the old entries moved aside come back when ``final`` holds nothing else (it was killed before the new ones moved
+    up), else (they were replaced) they are removed."""
+    import os
+    import re
+    import shutil
+
+    for path in list(final.iterdir()):
+        match = re.fullmatch(r"\.(merged|replaced)\.(\d+)\.[0-9a-f]{8}\.tmp", path.name)
+        if match is None:
+            continue
+        kind, pid = match.group(1), int(match.group(2))
+        try:
+            os.kill(pid, 0)
+            continue  # its process runs (another merge's): not a leftover
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # another user's live process
+            continue
+        content = [p for p in final.iterdir() if p.name != "lost+found" and not p.name.startswith((".merged.", ".replaced."))]
+        if kind == "replaced" and not content:
+            for entry in list(path.iterdir()):
+                entry.rename(final / entry.name)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _base_key(adapter_dir: str | Path, base_model: str | None) -> str:

@@ -274,3 +274,24 @@ def test_a_directory_no_rename_reaches_is_filled_in_place_and_a_failed_write_lea
     monkeypatch.setattr(os, "rename", real_rename)
     assert sorted(p.name for p in volume.iterdir()) == ["lost+found", "model.safetensors"]
     assert (volume / "model.safetensors").read_text() == "new"
+
+
+def test_what_a_killed_in_place_merge_left_is_recovered_or_removed_by_the_next(tmp_path) -> None:
+    """A merge killed inside a volume left the old model moved aside, or the new one's stage, hidden for good (every
+    later merge skipped them): a full model copy leaked per kill."""
+    import subprocess
+    import sys
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True).stdout)
+    volume = tmp_path / "volume"
+    aside = volume / f".replaced.{dead}.0123abcd.tmp"
+    aside.mkdir(parents=True)
+    (aside / "model.safetensors").write_text("old")  # killed before the new entries moved up: the old ones come back
+    lora._recover_leftovers(volume)
+    assert [p.name for p in volume.iterdir()] == ["model.safetensors"] and (volume / "model.safetensors").read_text() == "old"
+    (stage := volume / f".merged.{dead}.89abcdef.tmp").mkdir()
+    (stage / "partial").write_text("x")
+    (replaced := volume / f".replaced.{dead}.fedcba98.tmp").mkdir()
+    (replaced / "model.safetensors").write_text("older")  # killed after: the new model is in place, the aside goes
+    lora._fill_in_place(volume, volume, lambda d: (d / "model.safetensors").write_text("new"), replace=True)
+    assert [p.name for p in volume.iterdir()] == ["model.safetensors"] and (volume / "model.safetensors").read_text() == "new"
