@@ -150,7 +150,10 @@ def private_cluster_hint(gpus: float | None = None, gpus_per_node: int | None = 
         roles = f" ({', '.join(gpu_roles)})" if gpu_roles else ""
         if gpus:
             why = f"cluster.gpus_per_node=0 hides this machine's {gpus:g} GPUs from it"
-            fix = "Set cluster.gpus_per_node > 0 to give it them, set those roles' num_gpus to 0"
+            fix = (
+                "Set those roles' num_gpus to 0, or cluster.gpus_per_node > 0 to give it them (then the policy and the "
+                "generation engine take GPUs of their own too)"
+            )
         else:
             why = "cluster.gpus_per_node=0, and this machine has no GPU either (0 GPUs found)"
             fix = "Set those roles' num_gpus to 0"

@@ -24,8 +24,8 @@ from nemo_like.serving.errors import ServingError, bad_request, session_ended, s
 from nemo_like.serving.trajectory import CallRecord, SessionRows, session_rows
 from nemo_like.utils.seeds import agent_call_seed
 
-#: Session metadata the run sets when it opens a session: every call's sampling seed derives from ``SEED_KEY`` and the
-#: call's prompt ids (:meth:`SessionStore.call_seed`, :func:`~nemo_like.utils.seeds.agent_call_seed`); the session
+#: Session metadata the run sets when it opens a session: every call's sampling seed derives from ``SEED_KEY``, the
+#: call's prompt ids and its sampling settings (:meth:`SessionStore.call_seed`, :func:`~nemo_like.utils.seeds.agent_call_seed`); the session
 #: samples at most ``BUDGET_KEY`` tokens (its calls reserve theirs, :meth:`SessionStore.reserve`); with ``GREEDY_KEY``
 #: true its calls decode greedily (validation and eval with ``grpo.val_greedy`` / ``eval.greedy``).
 SEED_KEY = "seed"

@@ -72,6 +72,9 @@ def groups_named(part: str) -> list[str]:
 def test_a_replaced_or_killed_actors_helper_groups_are_removed(ray_cluster):
     """Ray keeps a group an actor reserved until the job ends, not until the actor dies: a replaced judge environment's
     helper group held its bundles, the replacement could not place its own, and the run stopped."""
+    from nemo_like.distributed.worker_group import release_idle_actors
+
+    release_idle_actors()  # the session's kept groups: a placement inside an actor cannot evict them (as a run's set-up does)
     group = RayWorkerGroup("environment:j", HelperPlacer, 1, WorkerResources(num_cpus=0.5), {}, placement_timeout_s=20)
     try:
         group.wait_started()

@@ -126,7 +126,7 @@ def test_a_top_k_kl_support_covering_the_vocabulary_warns_at_set_up() -> None:
     assert check_teachers(recipe(*kl, "distillation.kl_top_k=357"), load_tokenizer(STUDENT)) == []  # a real top-k
 
 
-def test_a_teacher_config_this_machine_cannot_read_and_a_smaller_teacher_head_warn(tmp_path: Path, unreachable_hub) -> None:
+def test_a_teacher_config_this_machine_cannot_read_and_a_smaller_teacher_head_warn(tmp_path: Path) -> None:
     """A hub-id teacher not cached on an offline driver (its workers have it) failed set-up with a raw OSError from the
     new vocabulary check; a student head with padding rows past the teacher's passed silently (a padding id sampled
     there fails the teacher's pass)."""

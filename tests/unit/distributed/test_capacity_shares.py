@@ -170,7 +170,7 @@ def test_gpus_per_node_zero_hides_the_machines_gpus_from_a_role_that_needs_one(p
     message = str(err.value)
     assert "short by GPU 1" in message and "environment:arithmetic 1 x CPU 0.55, GPU 1" in message
     assert "cluster.gpus_per_node=0 hides this machine's 2 GPUs from it, yet roles ask for a GPU (environment:arithmetic)" in message
-    assert "Set cluster.gpus_per_node > 0 to give it them, set those roles' num_gpus to 0" in message
+    assert "Set those roles' num_gpus to 0, or cluster.gpus_per_node > 0 to give it them (then the policy" in message
     assert "set cluster.gpus_per_node=0" not in message
     with pytest.raises(PlacementError, match="this machine has no GPU either") as err:  # and on a machine without GPUs
         roles.ensure_private_cluster_gpus(cfg, plan, machine_gpus=0)
