@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+from policy_batches import padded_rows, with_global_counts
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config.loss import ClippedPGLossConfig
@@ -128,19 +129,7 @@ def long_tailed_batch(step: int, rows: int = 8, seq: int = 40) -> dict[str, torc
     g = torch.Generator().manual_seed(step)
     lengths = torch.tensor([40, 6, 7, 5, 22, 6, 8, 9])[torch.randperm(rows, generator=g)]
     ids = sampled_sequences()[torch.randperm(32, generator=g)[:rows]]
-    cols = torch.arange(seq)
-    attention = (cols[None] < lengths[:, None]).long()
-    token_mask = ((cols[None] >= 3) & (attention == 1)).float()
-    return {
-        "input_ids": ids * attention,
-        "attention_mask": attention,
-        "token_mask": token_mask,
-        "sample_mask": torch.ones(rows),
-        "generation_logprobs": -torch.rand(rows, seq, generator=g) * token_mask,
-        "advantages": torch.randn(rows, 1, generator=g).expand(rows, seq) * token_mask,
-        "global_valid_toks": token_mask.sum(),
-        "global_valid_seqs": torch.tensor(float(rows)),
-    }
+    return with_global_counts(padded_rows(ids, lengths, 3, g))
 
 
 OWN_FORWARD = dict(shared_prompt_forward=False)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from policy_batches import random_rows, with_global_counts
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.config.loss import ClippedPGLossConfig
@@ -32,27 +33,7 @@ def make_worker(micro_batch_size: int, **overrides) -> PolicyWorker:
 
 def random_batch(batch: int = 6, seq: int = 12, seed: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded rows of different lengths with a 4-token prompt and a response after it."""
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, 200, (batch, seq), generator=g)
-    lengths = torch.randint(6, seq + 1, (batch,), generator=g)
-    cols = torch.arange(seq)
-    attention = (cols[None, :] < lengths[:, None]).long()
-    token_mask = ((cols[None, :] >= 4) & (attention == 1)).float()
-    return {
-        "input_ids": input_ids * attention,
-        "attention_mask": attention,
-        "token_mask": token_mask,
-        "sample_mask": torch.ones(batch),
-        "generation_logprobs": -torch.rand(batch, seq, generator=g) * token_mask,
-        "advantages": torch.randn(batch, 1, generator=g).expand(batch, seq) * token_mask,
-    }
-
-
-def with_global_counts(batch):
-    batch = dict(batch)
-    batch["global_valid_toks"] = (batch["token_mask"] * batch["sample_mask"][:, None]).sum()
-    batch["global_valid_seqs"] = batch["sample_mask"].sum()
-    return batch
+    return random_rows(seed, batch, seq, 200)
 
 
 def test_logprob_layout_matches_a_direct_computation():
