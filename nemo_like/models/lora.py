@@ -359,7 +359,7 @@ def _fill_in_place(target: Path, final: Path, write: Callable[[Path], None], rep
 
     _recover_leftovers(final)
     stage, aside = partial_path(final / "merged"), partial_path(final / "replaced")
-    existing = [p for p in final.iterdir() if p.name != "lost+found" and not p.name.startswith((".merged.", ".replaced."))]
+    existing = _contents(final)
     if existing and not replace:
         raise ConfigError(f"{target} is not empty; merge into a new directory (or remove this one first)")
     moved: list[Path] = []
@@ -388,31 +388,38 @@ def _fill_in_place(target: Path, final: Path, write: Callable[[Path], None], rep
     return target
 
 
+def _contents(final: Path) -> list[Path]:
+    """What ``final`` holds besides a fresh volume's ``lost+found`` and :func:`_fill_in_place`'s own hidden directories."""
+    from nemo_like.utils.files import partial_owner
+
+    return [p for p in final.iterdir() if p.name != "lost+found" and all(partial_owner(p.name, k) is None for k in ("merged", "replaced"))]
+
+
 def _recover_leftovers(final: Path) -> None:
     """What a killed :func:`_fill_in_place` left in ``final`` (its process gone): a new model's hidden stage is removed;
     the old entries moved aside come back when ``final`` holds nothing else (it was killed before the new ones moved
     up), else (they were replaced) they are removed."""
     import os
-    import re
     import shutil
 
+    from nemo_like.utils.files import partial_owner
+
     for path in list(final.iterdir()):
-        match = re.fullmatch(r"\.(merged|replaced)\.(\d+)\.[0-9a-f]{8}\.tmp", path.name)
-        if match is None:
-            continue
-        kind, pid = match.group(1), int(match.group(2))
-        try:
-            os.kill(pid, 0)
-            continue  # its process runs (another merge's): not a leftover
-        except ProcessLookupError:
-            pass
-        except PermissionError:  # another user's live process
-            continue
-        content = [p for p in final.iterdir() if p.name != "lost+found" and not p.name.startswith((".merged.", ".replaced."))]
-        if kind == "replaced" and not content:
-            for entry in list(path.iterdir()):
-                entry.rename(final / entry.name)
-        shutil.rmtree(path, ignore_errors=True)
+        for kind in ("merged", "replaced"):
+            pid = partial_owner(path.name, kind)
+            if pid is None:
+                continue
+            try:
+                os.kill(pid, 0)
+                break  # its process runs (another merge's): not a leftover
+            except ProcessLookupError:
+                pass
+            except PermissionError:  # another user's live process
+                break
+            if kind == "replaced" and not _contents(final):
+                for entry in list(path.iterdir()):
+                    entry.rename(final / entry.name)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _base_key(adapter_dir: str | Path, base_model: str | None) -> str:

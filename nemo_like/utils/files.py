@@ -19,6 +19,12 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
+def partial_owner(name: str, of: str) -> int | None:
+    """The pid of the process that made ``name`` as :func:`partial_path` of a path named ``of`` (None: it is not one)."""
+    match = _PARTIAL.match(name)
+    return int(match.group(1)) if match and name.startswith(f".{of}.") else None
+
+
 def remove_partial_files(directory: str | Path, pid: int) -> int:
     """Remove the temporary files of :func:`replace_file` that process ``pid`` left in ``directory`` (killed between a
     write and its rename: a SIGKILL skips the cleanup); returns how many. Only for a process known to be gone: a run
