@@ -212,8 +212,9 @@ def reward_group_metrics(rewards: torch.Tensor, prompt_ids: torch.Tensor, valid_
         ``frac_reward_zero_std``: fraction of groups (with >= 1 valid sample) whose rewards are all equal
         (no learning signal; a single-sample group counts as zero std);
         ``baseline_reward/pct_0``, ``baseline_reward/pct_1``, ``baseline_reward/pct_mixed``: fraction of
-        those groups whose mean reward is exactly 0, exactly 1, or strictly between (rewards in [0, 1];
-        a mean outside [0, 1] falls in none of the three). All 0.0 when no sample is valid.
+        those groups whose rewards are all exactly 0, all exactly 1, or whose mean is strictly between (not
+        all 0 or all 1); a group of other rewards with a mean of 0, 1 or outside [0, 1] (``[-1, 1]``) falls in
+        none of the three. All 0.0 when no sample is valid.
     """
     valid = valid_mask.to(torch.bool)
     r = rewards.to(torch.float64)
