@@ -22,6 +22,7 @@ from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
 from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments
 from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
+from nemo_like.experience.multi_turn import trimming_template_warning
 from nemo_like.models.engines import build_generation
 from nemo_like.models.footprint import teacher_key
 from nemo_like.models.generation.hf import HFGeneration
@@ -256,6 +257,8 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     check_environments(env_specs, {"train": train, "validation": val})
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
+    if cfg.grpo.max_rollout_turns > 1 and (trimming := trimming_template_warning(tokenizer)):
+        warnings.warn(trimming, RuntimeWarning, stacklevel=2)
     for line in check_teachers(cfg, tokenizer):  # a teacher that cannot score the student's ids fails here
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)  # before any actor starts

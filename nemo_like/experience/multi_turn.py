@@ -16,7 +16,9 @@ on observation ids, so the training batch, the loss and the logprob passes need 
 
 The template must not rewrite what the sequence already holds (e.g. drop the reasoning of earlier
 assistant turns): the loop checks that every rendering extends the text the sequence encodes and raises
-:class:`TemplateRewriteError` otherwise, rather than training on a context the model never saw.
+:class:`TemplateRewriteError` otherwise, rather than training on a context the model never saw. Two rewrites of one
+sample's last turn end that episode instead, counted: a turn ended on an end token the template replaces with its own
+(:data:`FOREIGN_END`) and whitespace a trimming template drops (:data:`TRIMMED_TURN`).
 
 Turns are batched across the samples still running; a sample ends when its environment says
 ``terminated``, when ``max_turns`` model turns are done, when a turn ends without a stop (hit its token
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -197,9 +199,18 @@ def apply_stop_strings(tokenizer, sample: GeneratedSample, stop_strings: Sequenc
     return replace(sample, **kept, decoded_tokens=sample.num_decoded_tokens, final_weight_version=sample.kept_version(cut))
 
 
-def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids: set[int], recipe_stops: Sequence[str] = ()) -> None:
+def append_turn(
+    tokenizer,
+    conv: Conversation,
+    sample: GeneratedSample,
+    eos_ids: set[int],
+    recipe_stops: Sequence[str] = (),
+    recipe_stop_ids: Collection[int] = (),
+) -> None:
     """Append one model turn's sampled ids, logprobs and message, cut at the recipe's stop strings and the ones
-    the sample's last environment step added."""
+    the sample's last environment step added. A turn ending on one of ``eos_ids`` leaves that token out of its message
+    (the template writes its own end back), except one of ``recipe_stop_ids`` the template does not write back
+    (``</tool_call>`` set as a stop id): that stays in the text, as a stop string does."""
     sample = apply_stop_strings(tokenizer, sample, [*recipe_stops, *(conv.stop_strings or ())])
     ids, logprobs, truncated = list(sample.response_ids), list(sample.response_logprobs), sample.truncated
     conv.decoded_tokens += sample.num_decoded_tokens
@@ -209,12 +220,21 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, eos_ids:
     conv.text += decode_exact(tokenizer, ids)
     # The message holds the turn's text without the template's end-of-turn token (the template adds it back).
     content_ids = ids[:-1] if ids and not truncated and ids[-1] in eos_ids else ids
+    if len(content_ids) < len(ids) and ids[-1] in recipe_stop_ids and not _writes_back(tokenizer, conv, content_ids):
+        content_ids = ids
     conv.end_text = decode_exact(tokenizer, ids[len(content_ids) :])
     conv.messages.append({"role": "assistant", "content": decode_exact(tokenizer, content_ids)})
     conv.turns += 1
     conv.weight_version = sample.weight_version if conv.weight_version is None else min(conv.weight_version, sample.weight_version)
     conv.final_weight_version = sample.final_weight_version if sample.final_weight_version is not None else sample.weight_version
     conv.truncated = truncated
+
+
+def _writes_back(tokenizer, conv: Conversation, content_ids: list[int]) -> bool:
+    """Whether the template, given the turn's message without its last token, writes that token's text back after it
+    (the turn's end): the conversation's rendering then starts with the sequence's text, that token included."""
+    message = {"role": "assistant", "content": decode_exact(tokenizer, content_ids)}
+    return render_chat(tokenizer, [*conv.messages, message], add_generation_prompt=False).startswith(conv.text)
 
 
 def ends_after_step(tokenizer, conv: Conversation, last_turn: bool, max_total_length: int) -> bool:
@@ -251,12 +271,17 @@ def apply_step(
     try:
         text, ids = observation_tokens(tokenizer, conv, step.observation)
     except TemplateRewriteError:
-        if not ended_on_a_foreign_end_token(tokenizer, conv):
-            raise
         # e.g. Qwen's <|endoftext|> beside <|im_end|> (generation_config.json, or a base model's eos): the template writes
-        # the turn back with its own end token, so nothing can follow this text; the episode ends here, counted
+        # the turn back with its own end token; or a template that trims content (Llama 3.x, Gemma) writes back a turn
+        # that began or ended with whitespace without it. Nothing can follow this text: the episode ends here, counted.
+        if ended_on_a_foreign_end_token(tokenizer, conv):
+            counter = FOREIGN_END
+        elif trimmed_last_turn(tokenizer, conv):
+            counter = TRIMMED_TURN
+        else:
+            raise
         conv.done = True
-        conv.step_metrics[FOREIGN_END] = conv.step_metrics.get(FOREIGN_END, 0.0) + 1.0
+        conv.step_metrics[counter] = conv.step_metrics.get(counter, 0.0) + 1.0
         return
     if conv.length + len(ids) >= max_total_length:  # no room for the observation and one more sampled token
         conv.done = conv.length_truncated = True  # truncated stays the turn's own: did it stop
@@ -276,6 +301,10 @@ def apply_step(
 #: Step counter (``train/multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): episodes ended because a turn ended on an end-of-turn id the chat
 #: template does not write back, so the conversation could not go on (it failed the whole rollout before).
 FOREIGN_END = "foreign_end_of_turn"
+#: Step counter (``train/multi_turn/template_trimmed_turn_per_sample``): episodes ended because the chat template trims
+#: message content (``| trim``: Llama 3.x, Gemma) and the last turn began or ended with whitespace, so the template writes
+#: it back without what the sequence holds (it failed the whole rollout with a template error).
+TRIMMED_TURN = "template_trimmed_turn"
 #: Step counter (``train/multi_turn/observation_dropped_for_length_per_sample``): observations built by an environment
 #: told the turn was not final, then dropped because they did not fit ``policy.max_total_sequence_length``.
 OBSERVATION_DROPPED = "observation_dropped_for_length"
@@ -288,6 +317,31 @@ def ended_on_a_foreign_end_token(tokenizer, conv: Conversation) -> bool:
         return False
     rendering = render(tokenizer, conv.messages)  # the turn as the template writes it back
     return not rendering.startswith(conv.text) and rendering.startswith(conv.text[: len(conv.text) - len(conv.end_text)])
+
+
+def trimmed_last_turn(tokenizer, conv: Conversation) -> bool:
+    """Whether the conversation's rendering starts with the sequence's text once the last turn's content is stripped of
+    surrounding whitespace (and that content had some): a template that trims content rewrote only that."""
+    content = conv.messages[-1]["content"]
+    sampled = content + conv.end_text
+    if content == content.strip() or not conv.text.endswith(sampled):
+        return False
+    stripped = conv.text[: len(conv.text) - len(sampled)] + content.strip() + conv.end_text
+    return render(tokenizer, conv.messages).startswith(stripped)
+
+
+def trimming_template_warning(tokenizer) -> str | None:
+    """A warning for multi-turn runs when the chat template trims message content (Llama 3.x, Gemma: ``| trim``):
+    a turn that begins or ends with whitespace then ends its episode (:data:`TRIMMED_TURN`)."""
+    turn = " x \n"
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": turn}]
+    if turn in render_chat(tokenizer, messages, add_generation_prompt=False):
+        return None
+    return (
+        "the chat template trims message content (it does not write back an assistant turn ' x \\n' as sampled): in "
+        "multi-turn rollouts a turn that begins or ends with whitespace ends its episode there (counted in "
+        f"train/multi_turn/{TRIMMED_TURN}_per_sample); a template that keeps content as it is avoids it"
+    )
 
 
 def finished_sample(conv: Conversation) -> GeneratedSample:
@@ -344,7 +398,7 @@ def run_multi_turn(
             raise ConfigError(
                 f"prompt {conv.prompt.id} has {conv.length} tokens, no room under policy.max_total_sequence_length={max_total_length}"
             )
-    eos = set(settings.eos_token_ids)
+    eos, recipe_stop_ids = set(settings.eos_token_ids), set(settings.recipe_stop_ids)
     counters: dict[str, float] = {}
     gen_s = env_s = 0.0
     for turn in range(max_turns):
@@ -354,7 +408,7 @@ def run_multi_turn(
         start = time.perf_counter()
         samples = generate_turn(generation, active, params, seed, turn, max_total_length)
         for conv, sample in zip(active, samples):
-            append_turn(tokenizer, conv, sample, eos, params.stop_strings)
+            append_turn(tokenizer, conv, sample, eos, params.stop_strings, recipe_stop_ids)
             if conv.truncated and conv.length >= max_total_length:
                 conv.length_truncated = True
         gen_s += time.perf_counter() - start

@@ -12,7 +12,10 @@ class MultiTurnSettings:
 
     max_turns: int  # grpo.max_rollout_turns
     max_total_length: int  # policy.max_total_sequence_length
-    eos_token_ids: tuple[int, ...]  # end-of-turn tokens (eos + policy.generation.stop_token_ids): not part of a message's text
+    eos_token_ids: tuple[int, ...]  # tokens that end a turn (eos + policy.generation.stop_token_ids)
+    # The recipe's stop ids that are not the tokenizer's eos: a turn ending on one keeps it in its message's text unless
+    # the chat template writes it back as the turn's end (<|im_end|> for a base tokenizer, not </tool_call>)
+    recipe_stop_ids: tuple[int, ...] = ()
 
 
 def multi_turn_settings(cfg: Any, eos_token_ids: tuple[int, ...]) -> MultiTurnSettings | None:
@@ -20,5 +23,7 @@ def multi_turn_settings(cfg: Any, eos_token_ids: tuple[int, ...]) -> MultiTurnSe
     if cfg.grpo.max_rollout_turns <= 1:
         return None
     # Every stop token ends a turn (e.g. <|im_end|> set in stop_token_ids for a base tokenizer whose eos is <|endoftext|>).
-    end_of_turn = tuple(dict.fromkeys([*eos_token_ids, *(cfg.policy.generation.stop_token_ids or ())]))
-    return MultiTurnSettings(cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length, end_of_turn)
+    stops = tuple(dict.fromkeys(i for i in cfg.policy.generation.stop_token_ids or () if i not in eos_token_ids))
+    return MultiTurnSettings(
+        cfg.grpo.max_rollout_turns, cfg.policy.max_total_sequence_length, (*dict.fromkeys(eos_token_ids), *stops), stops
+    )

@@ -14,9 +14,10 @@ from custom_envs import CountdownEnv
 
 from nemo_like.config.schema import EMBEDDED_MODEL, MasterConfig
 from nemo_like.data.collate import collate_samples
-from nemo_like.data.prompts import build_prompt_dataset
+from nemo_like.data.prompts import PromptRecord, build_prompt_dataset
 from nemo_like.environments.arithmetic import ArithmeticEnvironment
 from nemo_like.environments.interface import FINAL_TURN, EnvironmentStep
+from nemo_like.environments.tools.environment import ToolEnvironment
 from nemo_like.environments.worker import check_step
 from nemo_like.experience.multi_turn import (
     TemplateRewriteError,
@@ -25,14 +26,15 @@ from nemo_like.experience.multi_turn import (
     multi_turn_metrics,
     run_multi_turn,
     stop_string_cut,
+    trimming_template_warning,
 )
 from nemo_like.experience.replay_buffer import ReplayBuffer, ReplayBufferError, TrajectoryGroup
 from nemo_like.experience.rollouts import Rollout
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
-from nemo_like.models.loading import load_causal_lm, load_tokenizer
+from nemo_like.models.loading import load_causal_lm, load_tokenizer, render_chat
 from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs
-from nemo_like.plan.multi_turn import MultiTurnSettings
+from nemo_like.plan.multi_turn import MultiTurnSettings, multi_turn_settings
 
 EOS = 2  # <|im_end|> of the tiny model's Qwen-style template
 SHORTEST_OBSERVATION = 4  # what the template appends after a turn's <|im_end|> with no message: "\n<|im_start|>assistant\n"
@@ -210,6 +212,81 @@ def test_a_turn_ended_on_an_end_token_the_template_does_not_write_ends_its_episo
     turns = [sum(1 for a, b in zip([0, *s.response_mask], s.response_mask) if b and not a) for s in result.samples]
     assert turns == [1, 2, 2]
     assert multi_turn_metrics(result.samples, result.rewards)["multi_turn/foreign_end_of_turn_sample_fraction"] == 1 / 3
+
+
+class ScriptedTurns:
+    """Hands out fixed turns in order, one per row per call (logprobs -0.1 each)."""
+
+    weight_version = 0
+
+    def __init__(self, turns: list[list[int]]) -> None:
+        self.turns = list(turns)
+
+    def generate(self, batch, params, seed):
+        return [GeneratedSample(list(q), (ids := self.turns.pop(0)), [-0.1] * len(ids), False, 0) for q in batch]
+
+
+def chat_prompt(tokenizer, content: str, metadata: dict, prompt_id: str = "p0") -> PromptRecord:
+    messages = [{"role": "user", "content": content}]
+    ids = tokenizer(render_chat(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    return PromptRecord(id=prompt_id, messages=messages, prompt_token_ids=ids, metadata=metadata)
+
+
+def test_a_recipe_stop_id_stays_in_the_message_unless_the_template_writes_it_back():
+    """policy.generation.stop_token_ids=[</tool_call>] (stop at a call's end): the id is the call's closing tag, so the
+    message keeps it and the tool runs (it was taken for an end-of-turn token: the tool read an unclosed call and the
+    episode ended as a foreign end, reward 0). <|im_end|> as a stop id beside a base tokenizer's <|endoftext|> eos is the
+    turn's end the template writes back: left out of the message, as before."""
+    tool_tokenizer = load_tokenizer("embedded:tiny-tool-qwen2")
+    encode = lambda text: tool_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    close, im_end = tool_tokenizer.convert_tokens_to_ids(["</tool_call>", "<|im_end|>"])
+    eot = tool_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "347*28"}}</tool_call>'
+    assert encode(call)[-1] == close
+    cfg = MasterConfig.model_validate({"grpo": {"max_rollout_turns": 3}, "policy": {"generation": {"stop_token_ids": [close, im_end]}}})
+    settings = multi_turn_settings(cfg, (eot,))
+    assert settings.recipe_stop_ids == (close, im_end) and settings.eos_token_ids == (eot, close, im_end)
+    prompt = chat_prompt(tool_tokenizer, "What is 347 times 28?", {"answer": "9716", "task_name": "tool"})
+    generation = ScriptedTurns([encode(call), encode("9716") + [im_end]])
+    result = run_multi_turn(
+        generation, local_stepper({"tool": ToolEnvironment()}), tool_tokenizer, [prompt], SamplingParams(max_new_tokens=40), 0, settings
+    )
+    (sample,) = result.samples
+    assert [m["content"] for m in sample.messages if m["role"] == "assistant"] == [call, "9716"]
+    assert result.rewards.tolist() == [1.0] and sample.num_turns == 2
+    assert sample.step_metrics.get("tool_errors") == 0.0 and "foreign_end_of_turn" not in sample.step_metrics
+    assert sample.response_ids[-1] == im_end and sample.response_mask[-1] == 1  # the sampled end, trained
+
+
+def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(tokenizer, prompts):
+    """Llama 3.x and Gemma templates render ``message['content'] | trim``: a turn that ends (or begins) with whitespace is
+    written back without it, so the next observation cannot extend the sequence. That episode ends, counted (it raised
+    TemplateRewriteError for the whole rollout: one sample's text stopped the run); the others go on; the probe warns."""
+    trimming = copy.deepcopy(tokenizer)
+    trimming.chat_template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    assert trimming_template_warning(tokenizer) is None
+    assert "template_trimmed_turn" in trimming_template_warning(trimming)
+    encode = lambda text: trimming(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows = [chat_prompt(trimming, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"}, f"p{i}") for i in range(3)]
+    generation = ScriptedTurns([encode("7\n") + [EOS], encode(" 7") + [EOS], encode("7") + [EOS], encode("7") + [EOS]])
+    result = run_multi_turn(
+        generation, local_stepper({"arithmetic": CountdownEnv(turns=3)}), trimming, rows, SamplingParams(max_new_tokens=8), 0,
+        MultiTurnSettings(3, 128, (EOS,)),
+    )  # fmt: skip
+    assert [s.num_turns for s in result.samples] == [1, 1, 2]  # answer 7: a two-turn episode when it goes on
+    assert [s.step_metrics.get("template_trimmed_turn", 0.0) for s in result.samples] == [1.0, 1.0, 0.0]
+    assert multi_turn_metrics(result.samples, result.rewards)["multi_turn/template_trimmed_turn_sample_fraction"] == 2 / 3
+    rewriting = copy.deepcopy(trimming)  # a rewrite other than the last turn's whitespace is still an error
+    rewriting.chat_template = trimming.chat_template.replace("| trim", "| upper")
+    with pytest.raises(TemplateRewriteError, match="rewrites the conversation so far"):
+        run_multi_turn(
+            ScriptedTurns([encode("seven") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}), rewriting,
+            [chat_prompt(rewriting, "WHAT IS 3 + 4?", {"answer": 7, "task_name": "arithmetic"})], SamplingParams(max_new_tokens=8), 0,
+            MultiTurnSettings(3, 128, (EOS,)),
+        )  # fmt: skip
 
 
 def test_an_environment_is_told_which_step_ends_its_sample(worker, tokenizer, prompts):
