@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -280,15 +281,15 @@ def run_plan(args: argparse.Namespace) -> int:
     """Print the run plan and the memory plan; exit 3 when a device is over ``--device-memory-gib``."""
     from nemo_like.algorithms.names import check_plugin_names
     from nemo_like.algorithms.roles import idle_gpus_warning, reserved_gpus_problem, scorer_specs
+    from nemo_like.algorithms.setup import check_policy_model
     from nemo_like.distributed.planning import plan_on_cluster
-    from nemo_like.models.footprint import memory_report
+    from nemo_like.models.footprint import memory_report, model_config_warning
     from nemo_like.models.loading import refuse_checkpoint_as_model, resolve_model_path
-    from nemo_like.models.lora import check_lora_targets
 
     for flag, value, low_open, high in (("--mfu", args.mfu, 0.0, 1.0), ("--peak-tflops", args.peak_tflops, 0.0, None),
                                          ("--device-memory-gib", args.device_memory_gib, 0.0, None)):  # fmt: skip
-        if value is not None and (value <= low_open or (high is not None and value > high)):
-            expected = f"in (0, {high:g}]" if high is not None else "above 0"
+        if value is not None and (not math.isfinite(value) or value <= low_open or (high is not None and value > high)):
+            expected = f"in (0, {high:g}]" if high is not None else "a finite number above 0"
             raise ConfigError(f"{flag} must be {expected}, got {value:g}")
     teacher_configs = {}
     for item in args.teacher_config:
@@ -299,9 +300,8 @@ def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     check_plugin_names(cfg)  # what train refuses at once (an unknown estimator, env class or tool) plan refuses too
     refuse_checkpoint_as_model(cfg.policy.model_name, "policy.model_name")
-    model_dir = Path(resolve_model_path(cfg.policy.model_name))
-    if cfg.policy.lora_cfg.enabled and (model_dir / "config.json").is_file():  # train's target checks, when the model is here
-        check_lora_targets(str(model_dir), cfg.policy.lora_cfg)
+    if (Path(resolve_model_path(cfg.policy.model_name)) / "config.json").is_file():  # train's checks, when the model is here
+        check_policy_model(cfg)
     if args.mfu is not None and not args.peak_tflops:
         print("[plan] warning: --mfu has no effect without --peak-tflops (no step time is estimated)", file=sys.stderr, flush=True)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
@@ -313,6 +313,8 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     for line in lines:
         print(f"[plan] {line}")
+    if args.model_config and (line := model_config_warning(cfg.policy.model_name, args.model_config)):
+        print(f"[plan] warning: {line}", file=sys.stderr, flush=True)
     if idle := idle_gpus_warning(cfg, plan):
         print(f"[plan] warning: {idle}", file=sys.stderr, flush=True)
     return 3 if fits is False else 0

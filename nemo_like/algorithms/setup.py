@@ -161,6 +161,17 @@ def release_on_failure(models: tuple[Policy | None, ...], parts: list[Any]) -> N
             part.shutdown()
 
 
+def check_policy_model(cfg: MasterConfig) -> None:
+    """The recipe against ``policy.model_name``'s config (train before any actor starts, ``nemo-like plan`` when the
+    model is on the machine): the sequence length within its context, ``policy.logprob_chunk_size`` against a head
+    whose logits its forward post-processes, the stop ids within its vocabulary, the LoRA targets among its modules."""
+    check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)
+    check_chunkable_head(cfg.policy.model_name, cfg.policy.logprob_chunk_size)
+    check_stop_token_ids(cfg.policy.model_name, cfg.policy.generation.stop_token_ids)
+    if cfg.policy.lora_cfg.enabled:
+        check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
+
+
 def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
     """Check every teacher model (``teacher.models()``) against the student (``tokenizer``: the run's), before any actor
     starts; a :class:`ConfigError` names the key (``teacher.model_name``, ``teacher.by_task.<task>``,
@@ -261,11 +272,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
         warnings.warn(trimming, RuntimeWarning, stacklevel=2)
     for line in check_teachers(cfg, tokenizer):  # a teacher that cannot score the student's ids fails here
         warnings.warn(line, RuntimeWarning, stacklevel=2)
-    check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)  # before any actor starts
-    check_chunkable_head(cfg.policy.model_name, cfg.policy.logprob_chunk_size)
-    check_stop_token_ids(cfg.policy.model_name, cfg.policy.generation.stop_token_ids)
-    if cfg.policy.lora_cfg.enabled:  # a target the model lacks fails here, before any actor starts
-        check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
+    check_policy_model(cfg)  # before any actor starts
     if joins_existing_cluster(cfg.cluster):  # the plan's thread split needs the joined cluster's node CPUs
         init_ray(cfg.cluster)
     # Every run-level decision, made once here and handed down (an impossible requested backend or LoRA refit mode

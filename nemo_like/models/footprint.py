@@ -42,6 +42,28 @@ def model_config_path(
     return path
 
 
+#: The config.json fields the memory planner's figures depend on (compared by :func:`model_config_warning`).
+SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings")  # fmt: skip
+
+
+def model_config_warning(model_name: str, config_path: str | Path) -> str | None:
+    """``--model-config`` given for a model whose own config.json is on this machine (what the run reads): the fields
+    of :data:`SHAPE_FIELDS` where the two differ (the plan describes another model), or that the flag changes nothing."""
+    own = local_config_file(model_name)
+    if own is None:
+        return None
+    given = model_config_path(model_name, config_path)
+    mine, theirs = read_model_config(own)[0], read_model_config(given)[0]
+    differ = [f"{k} {theirs.get(k)} (the model's: {mine.get(k)})" for k in SHAPE_FIELDS if mine.get(k) != theirs.get(k)]
+    if not differ:
+        return f"--model-config {config_path} has no effect: {model_name}'s own config.json ({own}) has the same shape"
+    return (
+        f"--model-config {config_path} describes another model than policy.model_name={model_name!r}, whose config.json is "
+        f"on this machine ({own}; a run reads that one): {', '.join(differ)}; the figures below are the given config's"
+    )
+
+
 def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
     """``path``'s JSON and the ``transformers`` config it describes; a ConfigError naming the file when it is not a
     model's ``config.json`` (not JSON, no or an unknown ``model_type``: a generation_config.json, say)."""

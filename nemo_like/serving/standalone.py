@@ -8,8 +8,11 @@ sessions are created by their first call). Prints the base URL and the key, serv
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from nemo_like.models.loading import (
@@ -54,8 +57,30 @@ def build_server(cfg: Any, port: int = 0) -> RolloutServer:
     return RolloutServer(engine, tokenizer, config, eos_token_ids=eos_ids)
 
 
+def unused_settings(cfg: Any) -> list[str]:
+    """The recipe's settings a user may expect ``serve`` to follow that it does not: ``eval.*`` keys besides
+    ``model_path`` set away from their defaults (``nemo-like eval``'s), a generation backend other than the in-process
+    HF sampler it always runs. One line each, for a warning."""
+    lines = []
+    defaults = type(cfg.eval)().model_dump()
+    changed = [k for k, v in cfg.eval.model_dump().items() if k != "model_path" and v != defaults[k]]
+    if changed:
+        keys = ", ".join(f"eval.{k}" for k in changed)
+        lines.append(
+            f"{keys} {'has' if len(changed) == 1 else 'have'} no effect in nemo-like serve (nemo-like eval's; an agent's request sets its own sampling)"
+        )
+    if (backend := cfg.policy.generation.backend) not in ("auto", "hf"):
+        lines.append(
+            f"policy.generation.backend={backend} has no effect in nemo-like serve: it samples in its own process with the HF sampler"
+        )
+    return lines
+
+
 def serve(cfg: Any, port: int = 0, stop: threading.Event | None = None) -> int:
-    """Serve until Ctrl-C (or ``stop`` is set); prints ``base_url`` and ``api_key`` lines to stdout first."""
+    """Serve until Ctrl-C (or ``stop`` is set); prints ``base_url`` and ``api_key`` lines to stdout first. A second
+    Ctrl-C while the server stops is ignored (it raised out of the stop with a traceback)."""
+    for line in unused_settings(cfg):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     server = build_server(cfg, port).start()
     print(f"base_url: {server.base_url}", flush=True)
     print(f"api_key: {server.api_key}", flush=True)
@@ -65,5 +90,19 @@ def serve(cfg: Any, port: int = 0, stop: threading.Event | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        server.stop()
+        with ignored_interrupts():
+            server.stop()
     return 0
+
+
+@contextlib.contextmanager
+def ignored_interrupts() -> Iterator[None]:
+    """SIGINT ignored inside (restored after) when this is the main thread (only it can set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

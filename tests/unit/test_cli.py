@@ -123,7 +123,16 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["plot", str(metrics), "--metrics", "train/rewrd"], "--metrics: ['train/rewrd'] not logged by the last run in"),
         (["plot", str(results)], "line 1 is not a metrics record (a JSON object with an integer 'step')"),  # KeyError
         (["plan", "--mfu", "0", "--peak-tflops", "100"], "--mfu must be in (0, 1], got 0"),
-        (["plan", "--device-memory-gib", "-5"], "--device-memory-gib must be above 0"),
+        (["plan", "--device-memory-gib", "-5"], "--device-memory-gib must be a finite number above 0"),
+        # nan and inf passed (a plan that "fits" in nan GiB; a GPU recipe's traceback converting them to bytes)
+        *[
+            (["plan", flag, value], f"{flag} must be ")
+            for flag in ("--device-memory-gib", "--peak-tflops", "--mfu")
+            for value in ("nan", "inf")
+        ],
+        # plan said "fits: yes" (exit 0) for what train refuses before any actor starts (policy.model_name is here)
+        (["plan", "policy.max_total_sequence_length=4096"], "is longer than embedded:tiny-arith-qwen2's context (256 positions"),
+        (["plan", "policy.generation.stop_token_ids=[5000]"], "[5000] are outside embedded:tiny-arith-qwen2's vocabulary"),
         (["plan", "--model-config", str(generation_config)], "not a causal language model's config.json (it has no 'model_type')"),
         (["plan", "--model-config", str(tmp_path / "afile")], "not a causal language model's config.json (Expecting value"),
         (["plan", "--model-config", str(bert)], "not a causal language model's config.json (Unrecognized configuration class"),
@@ -229,6 +238,25 @@ def test_plan_of_a_multi_turn_recipe_names_the_turns_end_ids_a_run_reads(capsys)
 
     assert main(["plan", "--config", "examples/configs/grpo_multiturn_tiny_cpu.yaml"]) == 0
     assert "multi-turn: up to 2 model turns per sample, end-of-turn ids [2]" in capsys.readouterr().out
+
+
+def test_plan_warns_when_model_config_describes_another_model_than_the_one_here(tmp_path, capsys) -> None:
+    """--model-config for a model whose own config.json is here replaced it without a word: the plan described another
+    model than the run trains. Now a warning names the fields that differ, or says the flag changes nothing."""
+    import json
+
+    from nemo_like.models.loading import local_config_file
+
+    own = json.loads(local_config_file("embedded:tiny-arith-qwen2").read_text())
+    same, wider = tmp_path / "same.json", tmp_path / "wider.json"
+    same.write_text(json.dumps(own))
+    wider.write_text(json.dumps({**own, "hidden_size": 4 * own["hidden_size"]}))
+    assert main(["plan", "--model-config", str(wider)]) == 0
+    err = capsys.readouterr().err
+    assert f"--model-config {wider} describes another model than policy.model_name='embedded:tiny-arith-qwen2'" in err
+    assert f"hidden_size {4 * own['hidden_size']} (the model's: {own['hidden_size']})" in err
+    assert main(["plan", "--model-config", str(same)]) == 0
+    assert f"--model-config {same} has no effect" in capsys.readouterr().err
 
 
 def test_plan_counts_the_reward_models_and_the_judges(capsys) -> None:
