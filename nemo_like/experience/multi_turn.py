@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -78,7 +78,9 @@ class Conversation:
     done: bool = False
     truncated: bool = False
     length_truncated: bool = False
-    end_text: str = ""  # the text of the end-of-turn token the last turn ended on (left out of its message)
+    turn_start: int = 0  # where the last model turn's text starts in ``text``
+    # why the template cannot continue the last turn token-exactly (FOREIGN_END or TRIMMED_TURN): the episode ends there
+    end_rewrite: str | None = None
     decoded_tokens: int = 0  # tokens the engine decoded over the turns (stop-string cuts included)
 
     @property
@@ -199,56 +201,73 @@ def apply_stop_strings(tokenizer, sample: GeneratedSample, stop_strings: Sequenc
     return replace(sample, **kept, decoded_tokens=sample.num_decoded_tokens, final_weight_version=sample.kept_version(cut))
 
 
-def append_turn(
-    tokenizer,
-    conv: Conversation,
-    sample: GeneratedSample,
-    eos_ids: set[int],
-    recipe_stops: Sequence[str] = (),
-    recipe_stop_ids: Collection[int] = (),
-) -> None:
+@dataclass(frozen=True)
+class TurnEnds:
+    """What a turn's last token means for its message (:func:`turn_ends`): ``removed`` ids are left out of the message
+    (the template writes its own end back); ``foreign`` ones (removed too) end the episode: the template writes another
+    end token in their place, so no observation can extend the sequence token-exactly. A stop id in neither (the
+    recipe's ``</tool_call>``) is part of the text, as a stop string is."""
+
+    removed: frozenset[int]
+    foreign: frozenset[int]
+
+
+def turn_ends(tokenizer, settings: MultiTurnSettings) -> TurnEnds:
+    """The run's end ids sorted by :func:`writes_back`: the tokenizer's eos ids are end-of-turn tokens (foreign where
+    the template does not write them back: Qwen's ``<|endoftext|>`` beside ``<|im_end|>``); the recipe's own stop ids
+    are end-of-turn tokens where the template writes them back (``<|im_end|>`` for a base tokenizer), else text."""
+    recipe = set(settings.recipe_stop_ids)
+    written = {i for i in settings.eos_token_ids if writes_back(tokenizer, i)}
+    eos = set(settings.eos_token_ids) - recipe
+    return TurnEnds(removed=frozenset(eos | (recipe & written)), foreign=frozenset(eos - written))
+
+
+def writes_back(tokenizer, token_id: int) -> bool:
+    """Whether the chat template writes ``token_id``'s text with an assistant turn: a conversation with one more
+    assistant message holds it once more. Decided on a neutral turn, whatever a sampled turn holds, and whatever the
+    template does to the content (trims it, rewrites it later: that fails at the observation, loudly)."""
+    end = decode_exact(tokenizer, [token_id])
+    user = [{"role": "user", "content": "q"}]
+    with_turn = render_chat(tokenizer, [*user, {"role": "assistant", "content": "x"}], add_generation_prompt=False)
+    return bool(end) and with_turn.count(end) > render_chat(tokenizer, user, add_generation_prompt=False).count(end)
+
+
+def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, ends: TurnEnds, recipe_stops: Sequence[str] = ()) -> None:
     """Append one model turn's sampled ids, logprobs and message, cut at the recipe's stop strings and the ones
-    the sample's last environment step added. A turn ending on one of ``eos_ids`` leaves that token out of its message
-    (the template writes its own end back), except one of ``recipe_stop_ids`` the template does not write back
-    (``</tool_call>`` set as a stop id): that stays in the text, as a stop string does."""
+    the sample's last environment step added; ``ends`` says whether its last token belongs to the message."""
     sample = apply_stop_strings(tokenizer, sample, [*recipe_stops, *(conv.stop_strings or ())])
     ids, logprobs, truncated = list(sample.response_ids), list(sample.response_logprobs), sample.truncated
     conv.decoded_tokens += sample.num_decoded_tokens
     conv.response_ids += ids
     conv.response_mask += [1] * len(ids)
     conv.response_logprobs += logprobs
+    conv.turn_start = len(conv.text)
     conv.text += decode_exact(tokenizer, ids)
+    last = ids[-1] if ids and not truncated else None
     # The message holds the turn's text without the template's end-of-turn token (the template adds it back).
-    content_ids = ids[:-1] if ids and not truncated and ids[-1] in eos_ids else ids
-    if len(content_ids) < len(ids) and ids[-1] in recipe_stop_ids and not _writes_back(tokenizer, conv, content_ids):
-        content_ids = ids
-    conv.end_text = decode_exact(tokenizer, ids[len(content_ids) :])
+    content_ids = ids[:-1] if last in ends.removed else ids
     conv.messages.append({"role": "assistant", "content": decode_exact(tokenizer, content_ids)})
+    rewrite = FOREIGN_END if last in ends.foreign else TRIMMED_TURN if not truncated and trimmed_last_turn(tokenizer, conv) else None
+    conv.end_rewrite = rewrite
     conv.turns += 1
     conv.weight_version = sample.weight_version if conv.weight_version is None else min(conv.weight_version, sample.weight_version)
     conv.final_weight_version = sample.final_weight_version if sample.final_weight_version is not None else sample.weight_version
     conv.truncated = truncated
 
 
-def _writes_back(tokenizer, conv: Conversation, content_ids: list[int]) -> bool:
-    """Whether the template, given the turn's message without its last token, writes that token's text back after it
-    (the turn's end): the conversation's rendering then starts with the sequence's text, that token included."""
-    message = {"role": "assistant", "content": decode_exact(tokenizer, content_ids)}
-    return render_chat(tokenizer, [*conv.messages, message], add_generation_prompt=False).startswith(conv.text)
-
-
 def ends_after_step(tokenizer, conv: Conversation, last_turn: bool, max_total_length: int) -> bool:
     """Whether :func:`apply_step` ends the sample whatever its environment answers: its last allowed turn, a turn cut
-    by its token budget, or no room left for the shortest observation plus one sampled token. The shortest is what the
+    by its token budget, one the template cannot continue (``conv.end_rewrite``), or no room left for the shortest
+    observation plus one sampled token. The shortest is what the
     template appends with no new message (the turn's end and the next generation prompt); any observation adds its
     message to that. Counting one token for it had told an environment "not final" for turns that then ended on the
     length limit (its final-turn outcome never counted, its observation built for nothing)."""
-    if last_turn or conv.truncated:
+    if last_turn or conv.truncated or conv.end_rewrite:
         return True
     try:
         shortest = max(1, len(observation_tokens(tokenizer, conv, None)[1]))
     except TemplateRewriteError:
-        shortest = 1  # apply_step handles such a turn (an episode that ended on a foreign end-of-turn token)
+        shortest = 1  # the template rewrites earlier turns: apply_step raises
     return conv.length + shortest >= max_total_length
 
 
@@ -262,27 +281,15 @@ def apply_step(
         conv.step_metrics[name] = conv.step_metrics.get(name, 0.0) + float(value)
     if step.metadata is not None:
         conv.metadata = {k: v for k, v in step.metadata.items() if k != FINAL_TURN}
-    if step.terminated or last_turn or conv.truncated:  # ends_after_step told the environment so before its step
+    if step.terminated or last_turn or conv.truncated or conv.end_rewrite:  # ends_after_step told the environment so
         conv.done = True
+        if conv.end_rewrite and not last_turn:  # the template's rewrite of the turn ended the episode: counted
+            conv.step_metrics[conv.end_rewrite] = conv.step_metrics.get(conv.end_rewrite, 0.0) + 1.0
         return
     if told_final:  # no room for even the shortest observation: the environment knew (and counted its own outcome)
         conv.done = conv.length_truncated = True  # truncated stays the turn's own: did it stop
         return
-    try:
-        text, ids = observation_tokens(tokenizer, conv, step.observation)
-    except TemplateRewriteError:
-        # e.g. Qwen's <|endoftext|> beside <|im_end|> (generation_config.json, or a base model's eos): the template writes
-        # the turn back with its own end token; or a template that trims content (Llama 3.x, Gemma) writes back a turn
-        # that began or ended with whitespace without it. Nothing can follow this text: the episode ends here, counted.
-        if ended_on_a_foreign_end_token(tokenizer, conv):
-            counter = FOREIGN_END
-        elif trimmed_last_turn(tokenizer, conv):
-            counter = TRIMMED_TURN
-        else:
-            raise
-        conv.done = True
-        conv.step_metrics[counter] = conv.step_metrics.get(counter, 0.0) + 1.0
-        return
+    text, ids = observation_tokens(tokenizer, conv, step.observation)
     if conv.length + len(ids) >= max_total_length:  # no room for the observation and one more sampled token
         conv.done = conv.length_truncated = True  # truncated stays the turn's own: did it stop
         # The environment was told "not final" (the shortest observation fit), so it ran the turn (a tool call, say)
@@ -298,36 +305,30 @@ def apply_step(
     conv.stop_strings = step.stop_strings
 
 
-#: Step counter (``train/multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): episodes ended because a turn ended on an end-of-turn id the chat
-#: template does not write back, so the conversation could not go on (it failed the whole rollout before).
+#: Step counter (``train/multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): episodes ended before their
+#: last allowed turn because a turn ended on an end-of-turn id the chat template does not write back, so the conversation
+#: could not go on (it failed the whole rollout before); the environment is told that turn is final.
 FOREIGN_END = "foreign_end_of_turn"
 #: Step counter (``train/multi_turn/template_trimmed_turn_per_sample``): episodes ended because the chat template trims
-#: message content (``| trim``: Llama 3.x, Gemma) and the last turn began or ended with whitespace, so the template writes
-#: it back without what the sequence holds (it failed the whole rollout with a template error).
+#: message content (``| trim``: Llama 3.x, Gemma, Mistral) and the last turn began or ended with whitespace, so the
+#: template writes it back without what the sequence holds (it failed the whole rollout with a template error); the
+#: environment is told that turn is final.
 TRIMMED_TURN = "template_trimmed_turn"
 #: Step counter (``train/multi_turn/observation_dropped_for_length_per_sample``): observations built by an environment
 #: told the turn was not final, then dropped because they did not fit ``policy.max_total_sequence_length``.
 OBSERVATION_DROPPED = "observation_dropped_for_length"
 
 
-def ended_on_a_foreign_end_token(tokenizer, conv: Conversation) -> bool:
-    """Whether the last turn ended on an end-of-turn token whose text the template replaces with its own: the rendering
-    of the conversation still starts with the sequence's text up to that token."""
-    if not conv.end_text:
-        return False
-    rendering = render(tokenizer, conv.messages)  # the turn as the template writes it back
-    return not rendering.startswith(conv.text) and rendering.startswith(conv.text[: len(conv.text) - len(conv.end_text)])
-
-
 def trimmed_last_turn(tokenizer, conv: Conversation) -> bool:
-    """Whether the conversation's rendering starts with the sequence's text once the last turn's content is stripped of
-    surrounding whitespace (and that content had some): a template that trims content rewrote only that."""
+    """Whether the template writes the last turn back without the whitespace around its content (``| trim``: Llama
+    3.x, Gemma, Mistral), rewriting only that turn: the content has such whitespace, the template renders it as it
+    renders the stripped content, and the rendering differs from the sequence's text after the earlier turns, which it
+    keeps (a template that rewrites those fails at the next observation, as before)."""
     content = conv.messages[-1]["content"]
-    sampled = content + conv.end_text
-    if content == content.strip() or not conv.text.endswith(sampled):
+    if content == content.strip() or (full := render(tokenizer, conv.messages)).startswith(conv.text):
         return False
-    stripped = conv.text[: len(conv.text) - len(sampled)] + content.strip() + conv.end_text
-    return render(tokenizer, conv.messages).startswith(stripped)
+    stripped = render(tokenizer, [*conv.messages[:-1], {**conv.messages[-1], "content": content.strip()}])
+    return full == stripped and full.startswith(conv.text[: conv.turn_start])
 
 
 def trimming_template_warning(tokenizer) -> str | None:
@@ -398,7 +399,7 @@ def run_multi_turn(
             raise ConfigError(
                 f"prompt {conv.prompt.id} has {conv.length} tokens, no room under policy.max_total_sequence_length={max_total_length}"
             )
-    eos, recipe_stop_ids = set(settings.eos_token_ids), set(settings.recipe_stop_ids)
+    ends = turn_ends(tokenizer, settings)
     counters: dict[str, float] = {}
     gen_s = env_s = 0.0
     for turn in range(max_turns):
@@ -408,7 +409,7 @@ def run_multi_turn(
         start = time.perf_counter()
         samples = generate_turn(generation, active, params, seed, turn, max_total_length)
         for conv, sample in zip(active, samples):
-            append_turn(tokenizer, conv, sample, eos, params.stop_strings, recipe_stop_ids)
+            append_turn(tokenizer, conv, sample, ends, params.stop_strings)
             if conv.truncated and conv.length >= max_total_length:
                 conv.length_truncated = True
         gen_s += time.perf_counter() - start

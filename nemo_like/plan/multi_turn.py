@@ -14,7 +14,7 @@ class MultiTurnSettings:
     max_total_length: int  # policy.max_total_sequence_length
     eos_token_ids: tuple[int, ...]  # tokens that end a turn (eos + policy.generation.stop_token_ids)
     # The recipe's stop ids that are not the tokenizer's eos: a turn ending on one keeps it in its message's text unless
-    # the chat template writes it back as the turn's end (<|im_end|> for a base tokenizer, not </tool_call>)
+    # the chat template writes it with an assistant turn (<|im_end|> for a base tokenizer, not </tool_call>: turn_ends)
     recipe_stop_ids: tuple[int, ...] = ()
 
 

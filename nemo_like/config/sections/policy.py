@@ -77,7 +77,7 @@ class GenerationConfig(Section):
         None,
         description="Extra stop tokens besides the end-of-sequence ids: the tokenizer's eos and the eos_token_id(s) of the model's "
         "generation_config.json (every backend stops on both, as transformers and vLLM do). In multi-turn rollouts a turn "
-        "that ends on one leaves it out of its message when the chat template writes it back as the turn's end (<|im_end|> "
+        "that ends on one leaves it out of its message when the chat template writes it with an assistant turn (<|im_end|> "
         "for a base tokenizer), else keeps it in the text (</tool_call>), as a stop string is kept.",
     )
     stop_strings: list[str] | None = Field(

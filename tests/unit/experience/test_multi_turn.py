@@ -21,12 +21,14 @@ from nemo_like.environments.tools.environment import ToolEnvironment
 from nemo_like.environments.worker import check_step
 from nemo_like.experience.multi_turn import (
     TemplateRewriteError,
+    TurnEnds,
     apply_stop_strings,
     local_stepper,
     multi_turn_metrics,
     run_multi_turn,
     stop_string_cut,
     trimming_template_warning,
+    turn_ends,
 )
 from nemo_like.experience.replay_buffer import ReplayBuffer, ReplayBufferError, TrajectoryGroup
 from nemo_like.experience.rollouts import Rollout
@@ -253,6 +255,7 @@ def test_a_recipe_stop_id_stays_in_the_message_unless_the_template_writes_it_bac
     )
     (sample,) = result.samples
     assert [m["content"] for m in sample.messages if m["role"] == "assistant"] == [call, "9716"]
+    assert turn_ends(tool_tokenizer, settings) == TurnEnds(removed=frozenset({eot, im_end}), foreign=frozenset({eot}))
     assert result.rewards.tolist() == [1.0] and sample.num_turns == 2
     assert sample.step_metrics.get("tool_errors") == 0.0 and "foreign_end_of_turn" not in sample.step_metrics
     assert sample.response_ids[-1] == im_end and sample.response_mask[-1] == 1  # the sampled end, trained
@@ -279,13 +282,29 @@ def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(
     assert [s.num_turns for s in result.samples] == [1, 1, 2]  # answer 7: a two-turn episode when it goes on
     assert [s.step_metrics.get("template_trimmed_turn", 0.0) for s in result.samples] == [1.0, 1.0, 0.0]
     assert multi_turn_metrics(result.samples, result.rewards)["multi_turn/template_trimmed_turn_sample_fraction"] == 2 / 3
-    rewriting = copy.deepcopy(trimming)  # a rewrite other than the last turn's whitespace is still an error
-    rewriting.chat_template = trimming.chat_template.replace("| trim", "| upper")
+    # A turn both trimmed and ended on a foreign end token (<|endoftext|>) ends as a foreign end (it raised).
+    eot = trimming.convert_tokens_to_ids("<|endoftext|>")
+    both = run_multi_turn(
+        ScriptedTurns([encode("7\n") + [eot], encode("7") + [EOS], encode("7") + [EOS]]),
+        local_stepper({"arithmetic": CountdownEnv(turns=3)}), trimming, rows[:2], SamplingParams(max_new_tokens=8), 0,
+        MultiTurnSettings(3, 128, (EOS, eot)),
+    )  # fmt: skip
+    assert [s.num_turns for s in both.samples] == [1, 2]
+    assert [s.step_metrics.get("foreign_end_of_turn", 0.0) for s in both.samples] == [1.0, 0.0]
+    # A template that also rewrites an earlier turn once a later one exists is still an error, trimmed last turn or not.
+    rewriting = copy.deepcopy(trimming)
+    rewriting.chat_template = (
+        "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'assistant' %}{% set ns.last = loop.index0 %}"
+        "{% endif %}{% endfor %}{% for m in messages %}{% set c = m['content'] | trim %}"
+        "{% if m['role'] == 'assistant' and loop.index0 < ns.last %}{% set c = c | upper %}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    three_turns = chat_prompt(rewriting, "What is 4 + 4?", {"answer": 8, "task_name": "arithmetic"})  # 1 + 8 % 3 turns
     with pytest.raises(TemplateRewriteError, match="rewrites the conversation so far"):
         run_multi_turn(
-            ScriptedTurns([encode("seven") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}), rewriting,
-            [chat_prompt(rewriting, "WHAT IS 3 + 4?", {"answer": 7, "task_name": "arithmetic"})], SamplingParams(max_new_tokens=8), 0,
-            MultiTurnSettings(3, 128, (EOS,)),
+            ScriptedTurns([encode("eight") + [EOS], encode("eight\n") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}),
+            rewriting, [three_turns], SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 128, (EOS,)),
         )  # fmt: skip
 
 
