@@ -283,8 +283,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from nemo_like.algorithms.roles import idle_gpus_warning, reserved_gpus_problem, scorer_specs
     from nemo_like.algorithms.setup import check_policy_model
     from nemo_like.distributed.planning import plan_on_cluster
-    from nemo_like.models.footprint import memory_report, model_config_warning
-    from nemo_like.models.loading import refuse_checkpoint_as_model, resolve_model_path
+    from nemo_like.models.footprint import memory_report, model_config_here, model_config_warning
+    from nemo_like.models.loading import refuse_checkpoint_as_model
 
     for flag, value, low_open, high in (("--mfu", args.mfu, 0.0, 1.0), ("--peak-tflops", args.peak_tflops, 0.0, None),
                                          ("--device-memory-gib", args.device_memory_gib, 0.0, None)):  # fmt: skip
@@ -300,7 +300,7 @@ def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     check_plugin_names(cfg)  # what train refuses at once (an unknown estimator, env class or tool) plan refuses too
     refuse_checkpoint_as_model(cfg.policy.model_name, "policy.model_name")
-    if (Path(resolve_model_path(cfg.policy.model_name)) / "config.json").is_file():  # train's checks, when the model is here
+    if model_config_here(cfg.policy.model_name):  # train's checks, when the model's config is on this machine
         check_policy_model(cfg)
     if args.mfu is not None and not args.peak_tflops:
         print("[plan] warning: --mfu has no effect without --peak-tflops (no step time is estimated)", file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.models.loading import local_config_file, resolve_model_path
+from nemo_like.models.loading import ADAPTER_CONFIG, adapter_base_model, local_config_file, resolve_model_path
 from nemo_like.plan.memory import DTYPE_BYTES, JudgeSpec, ModelShape, ParameterSpec, RoleMemory, ScorerSpec, judge_memory, scorer_memory
 
 
@@ -47,21 +47,44 @@ SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings")  # fmt: skip
 
 
+def model_config_here(model_name: str) -> Path | None:
+    """``model_name``'s config.json on this machine (a LoRA checkpoint: its base model's), ``None`` when it is not
+    here or the name is no valid hub id."""
+    try:
+        path = Path(resolve_model_path(model_name)).expanduser()
+        if (path / ADAPTER_CONFIG).is_file():
+            return model_config_here(adapter_base_model(path))
+        return local_config_file(model_name)
+    except (OSError, ValueError):
+        return None
+
+
 def model_config_warning(model_name: str, config_path: str | Path) -> str | None:
     """``--model-config`` given for a model whose own config.json is on this machine (what the run reads): the fields
-    of :data:`SHAPE_FIELDS` where the two differ (the plan describes another model), or that the flag changes nothing."""
-    own = local_config_file(model_name)
+    of :data:`SHAPE_FIELDS` where the two differ (the plan describes another model), or that the flag changes nothing.
+    Compared as transformers reads them (defaults filled in, a multimodal config's text part)."""
+    own = model_config_here(model_name)
     if own is None:
         return None
     given = model_config_path(model_name, config_path)
-    mine, theirs = read_model_config(own)[0], read_model_config(given)[0]
-    differ = [f"{k} {theirs.get(k)} (the model's: {mine.get(k)})" for k in SHAPE_FIELDS if mine.get(k) != theirs.get(k)]
+    mine, theirs = (read_model_config(path)[1].get_text_config() for path in (own, given))
+    differ = [f"{k} {_shape_value(theirs, k)} (the model's: {_shape_value(mine, k)})" for k in SHAPE_FIELDS
+              if _shape_value(mine, k) != _shape_value(theirs, k)]  # fmt: skip
     if not differ:
         return f"--model-config {config_path} has no effect: {model_name}'s own config.json ({own}) has the same shape"
     return (
         f"--model-config {config_path} describes another model than policy.model_name={model_name!r}, whose config.json is "
         f"on this machine ({own}; a run reads that one): {', '.join(differ)}; the figures below are the given config's"
     )
+
+
+def _shape_value(config: Any, key: str) -> Any:
+    """``config``'s ``key`` as the model uses it: ``head_dim`` defaults to ``hidden_size // num_attention_heads``
+    (Qwen2's and Llama's configs may leave it out or write it)."""
+    value = getattr(config, key, None)
+    if key == "head_dim" and value is None and getattr(config, "num_attention_heads", None):
+        return config.hidden_size // config.num_attention_heads
+    return value
 
 
 def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:

@@ -422,13 +422,24 @@ def load_tokenizer(name: str):
 
 
 def model_config(model_name: str) -> Any:
-    """The model's ``config.json`` as transformers reads it; a LoRA checkpoint: its base model's."""
+    """The model's ``config.json`` as transformers reads it; a LoRA checkpoint: its base model's. A copy on this
+    machine (a directory, a hub id's cached copy) is read there, never fetched; one transformers cannot read is a
+    :class:`ConfigError` naming the file (it was a transformers traceback)."""
     from transformers import AutoConfig
 
     path = Path(resolve_model_path(model_name)).expanduser()
     if (path / ADAPTER_CONFIG).is_file():
         return model_config(adapter_base_model(path))
-    return AutoConfig.from_pretrained(str(path) if path.is_dir() else model_name)
+    try:
+        local = local_config_file(model_name)
+    except (OSError, ValueError):  # not a valid hub id: transformers' own error below
+        local = None
+    if local is None:
+        return AutoConfig.from_pretrained(model_name)
+    try:
+        return AutoConfig.from_pretrained(str(local.parent))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{model_name}: cannot read its config.json {local} ({str(exc).splitlines()[0]})") from None
 
 
 def model_context_length(model_name: str) -> int | None:

@@ -9,6 +9,7 @@ sessions are created by their first call). Prints the base URL and the key, serv
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -78,30 +79,37 @@ def unused_settings(cfg: Any) -> list[str]:
 
 def serve(cfg: Any, port: int = 0, stop: threading.Event | None = None) -> int:
     """Serve until Ctrl-C (or ``stop`` is set); prints ``base_url`` and ``api_key`` lines to stdout first. A second
-    Ctrl-C while the server stops is ignored (it raised out of the stop with a traceback)."""
+    Ctrl-C while the server stops (it serves what was queued, up to a minute) exits at once with status 130 (it raised
+    out of the stop with a traceback)."""
     for line in unused_settings(cfg):
         print(f"warning: {line}", file=sys.stderr, flush=True)
     server = build_server(cfg, port).start()
-    print(f"base_url: {server.base_url}", flush=True)
-    print(f"api_key: {server.api_key}", flush=True)
-    print(f"model: {server.config.model_name} (serving {served_model(cfg)}); Ctrl-C stops", file=sys.stderr, flush=True)
-    try:
+    try:  # a Ctrl-C from here on stops the server
+        print(f"base_url: {server.base_url}", flush=True)
+        print(f"api_key: {server.api_key}", flush=True)
+        print(f"model: {server.config.model_name} (serving {served_model(cfg)}); Ctrl-C stops", file=sys.stderr, flush=True)
         (stop or threading.Event()).wait()
     except KeyboardInterrupt:
-        pass
+        print("stopping the server (Ctrl-C again exits at once)", file=sys.stderr, flush=True)
     finally:
-        with ignored_interrupts():
+        with interrupt_exits_at_once():
             server.stop()
     return 0
 
 
+def _exit_at_once(signum: int, frame: Any) -> None:
+    print("stopped at once (a second Ctrl-C)", file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGINT)
+
+
 @contextlib.contextmanager
-def ignored_interrupts() -> Iterator[None]:
-    """SIGINT ignored inside (restored after) when this is the main thread (only it can set handlers)."""
+def interrupt_exits_at_once() -> Iterator[None]:
+    """Inside, SIGINT ends the process at once with status 130 and one line, no traceback (restored after); only
+    where this is the main thread (only it can set handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.signal(signal.SIGINT, _exit_at_once)
     try:
         yield
     finally:

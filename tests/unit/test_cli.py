@@ -240,6 +240,34 @@ def test_plan_of_a_multi_turn_recipe_names_the_turns_end_ids_a_run_reads(capsys)
     assert "multi-turn: up to 2 model turns per sample, end-of-turn ids [2]" in capsys.readouterr().out
 
 
+def test_plan_checks_a_cached_hub_model_and_names_an_unreadable_config(tmp_path, capsys, monkeypatch) -> None:
+    """plan ran train's checks only for a directory named as such: a hub id cached on this machine (every Qwen recipe's
+    model once fetched) got "fits" for a context train refuses; a model directory with a config.json transformers
+    cannot read was a traceback in the check (one line naming the file before it ran)."""
+    import json
+    import shutil
+
+    from nemo_like.models.loading import resolve_model_path
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "abc"
+    shutil.copytree(resolve_model_path("embedded:tiny-arith-qwen2"), snapshot)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "policy.model_name=acme/tiny"]) == 0  # the control: it plans the cached model
+    capsys.readouterr()
+    assert main(["plan", "policy.model_name=acme/tiny", "policy.max_total_sequence_length=4096"]) == 2
+    assert "is longer than acme/tiny's context (256 positions" in capsys.readouterr().err
+    unknown = tmp_path / "unknown"
+    shutil.copytree(snapshot, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "qwen9"}))
+    assert main(["plan", f"policy.model_name={unknown}"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read its config.json {unknown / 'config.json'}" in err and "Traceback" not in err
+
+
 def test_plan_warns_when_model_config_describes_another_model_than_the_one_here(tmp_path, capsys) -> None:
     """--model-config for a model whose own config.json is here replaced it without a word: the plan described another
     model than the run trains. Now a warning names the fields that differ, or says the flag changes nothing."""
@@ -257,6 +285,10 @@ def test_plan_warns_when_model_config_describes_another_model_than_the_one_here(
     assert f"hidden_size {4 * own['hidden_size']} (the model's: {own['hidden_size']})" in err
     assert main(["plan", "--model-config", str(same)]) == 0
     assert f"--model-config {same} has no effect" in capsys.readouterr().err
+    explicit = tmp_path / "explicit.json"  # a default written out is the same model (compared as transformers reads it)
+    explicit.write_text(json.dumps({**own, "head_dim": own["hidden_size"] // own["num_attention_heads"]}))
+    assert main(["plan", "--model-config", str(explicit)]) == 0
+    assert f"--model-config {explicit} has no effect" in capsys.readouterr().err
 
 
 def test_plan_counts_the_reward_models_and_the_judges(capsys) -> None:

@@ -1,16 +1,16 @@
 """``nemo-like serve``'s own handling: the recipe settings it does not follow are named, and a second Ctrl-C while
-it stops is ignored."""
+it stops exits at once."""
 
 from __future__ import annotations
 
-import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
-import pytest
-
 from nemo_like.config import load_config
-from nemo_like.serving.standalone import ignored_interrupts, unused_settings
+from nemo_like.serving.standalone import unused_settings
 
 
 def test_settings_serve_does_not_follow_are_named() -> None:
@@ -25,13 +25,54 @@ def test_settings_serve_does_not_follow_are_named() -> None:
     assert line.startswith("eval.num_samples_per_prompt has no effect")
 
 
-def test_a_second_interrupt_while_the_server_stops_is_ignored() -> None:
-    """serve's stop ran with SIGINT armed: a second Ctrl-C during its ~1 s raised KeyboardInterrupt out of the thread
-    join (a traceback, exit 1). Inside ignored_interrupts a SIGINT does nothing; the handler is back after."""
-    before = signal.getsignal(signal.SIGINT)
-    with ignored_interrupts():
-        os.kill(os.getpid(), signal.SIGINT)  # delivered at once to this (main) thread: raised KeyboardInterrupt before
-    assert signal.getsignal(signal.SIGINT) is before
-    with pytest.raises(KeyboardInterrupt):  # the control: the same signal outside raises
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)
+SLOW_STOP = textwrap.dedent(
+    """
+    import sys, time
+    from nemo_like.config import load_config
+    import nemo_like.serving.standalone as standalone
+
+    class SlowToStop:  # the server's stop serves what was queued: up to a minute
+        base_url, api_key = "http://127.0.0.1:1/v1", "key"
+        class config:
+            model_name = "policy"
+        def start(self):
+            return self
+        def stop(self):
+            print("stop began", file=sys.stderr, flush=True)
+            time.sleep(60)
+
+    standalone.build_server = lambda cfg, port: SlowToStop()
+    standalone.served_model = lambda cfg: "model"
+    sys.exit(standalone.serve(load_config(None, ["eval.greedy=true"])))
+    """
+)
+
+
+def test_serve_warns_and_a_second_interrupt_while_it_stops_exits_at_once() -> None:
+    """serve's stop ran with SIGINT armed: a second Ctrl-C during it raised KeyboardInterrupt out of the thread join (a
+    traceback, exit 1). It now exits at once with 130 and one line; the unused settings were named at start-up. A
+    subprocess: the handler ends the process it runs in."""
+    process = subprocess.Popen([sys.executable, "-c", SLOW_STOP], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().startswith("base_url: ")
+        err = []
+
+        def read_until(start: str) -> None:
+            while not (line := process.stderr.readline()).startswith(start):
+                assert line, "".join(err)
+                err.append(line)
+
+        read_until("model: policy")
+        process.send_signal(signal.SIGINT)
+        read_until("stop began")
+        started = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 130
+        assert time.monotonic() - started < 30  # not the stop's 60 s
+        err.append(process.stderr.read())
+    finally:
+        process.kill()
+    text = "".join(err)
+    assert "warning: eval.greedy has no effect in nemo-like serve" in text
+    assert "stopping the server (Ctrl-C again exits at once)" in text and "stopped at once (a second Ctrl-C)" in text
+    assert "Traceback" not in text
