@@ -37,6 +37,11 @@ class ScoreNormalization(BaseModel):
         if self.clip is not None and not self.clip[0] < self.clip[1]:
             raise ValueError(f"clip must be [low, high] with low < high, got {list(self.clip)}")
         squashed = SQUASH_RANGES.get(self.squash)
+        if self.clip is not None and squashed is not None and (self.clip[0] >= squashed[1] or self.clip[1] <= squashed[0]):
+            constant = self.clip[0] if self.clip[0] >= squashed[1] else self.clip[1]
+            raise ValueError(
+                f"clip {list(self.clip)} lies outside squash '{self.squash}''s range {list(squashed)}: every reward would be {constant:g}"
+            )
         if self.clip is not None and squashed is not None and self.clip[0] <= squashed[0] and self.clip[1] >= squashed[1]:
             warnings.warn(
                 f"normalize.clip {list(self.clip)} has no effect: squash '{self.squash}' already keeps every reward in {list(squashed)}",

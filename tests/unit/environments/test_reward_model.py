@@ -287,6 +287,11 @@ def test_normalisation_steps() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ScoreNormalization(squash="tanh", clip=(0.0, 5.0))(-3.0) == 0.0  # binds below: no warning
+        assert ScoreNormalization(squash="sigmoid", clip=(0.5, 1.0))(-3.0) == 0.5  # touching the range's edge: binds
+    # A clip wholly outside the squash's range made every reward one constant, silently (no signal from the source)
+    for squash, clip, constant in (("sigmoid", (1.0, 2.0), "1"), ("tanh", (-3.0, -1.0), "-1"), ("sigmoid", (-2.0, 0.0), "0")):
+        with pytest.raises(ValueError, match=f"lies outside squash '{squash}''s range .*: every reward would be {constant} "):
+            ScoreNormalization(squash=squash, clip=clip)
 
 
 def test_prompt_from_metadata() -> None:
