@@ -301,7 +301,7 @@ def run_plan(args: argparse.Namespace) -> int:
     check_plugin_names(cfg)  # what train refuses at once (an unknown estimator, env class or tool) plan refuses too
     refuse_checkpoint_as_model(cfg.policy.model_name, "policy.model_name")
     if model_config_here(cfg.policy.model_name):  # train's checks, when the model's config is on this machine
-        check_policy_model(cfg)
+        check_policy_model(cfg, local_only=True)
     if args.mfu is not None and not args.peak_tflops:
         print("[plan] warning: --mfu has no effect without --peak-tflops (no step time is estimated)", file=sys.stderr, flush=True)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None

@@ -161,15 +161,17 @@ def release_on_failure(models: tuple[Policy | None, ...], parts: list[Any]) -> N
             part.shutdown()
 
 
-def check_policy_model(cfg: MasterConfig) -> None:
+def check_policy_model(cfg: MasterConfig, local_only: bool = False) -> None:
     """The recipe against ``policy.model_name``'s config (train before any actor starts, ``nemo-like plan`` when the
-    model is on the machine): the sequence length within its context, ``policy.logprob_chunk_size`` against a head
-    whose logits its forward post-processes, the stop ids within its vocabulary, the LoRA targets among its modules."""
-    check_context_length(cfg.policy.model_name, cfg.policy.max_total_sequence_length)
-    check_chunkable_head(cfg.policy.model_name, cfg.policy.logprob_chunk_size)
-    check_stop_token_ids(cfg.policy.model_name, cfg.policy.generation.stop_token_ids)
+    model's config is on the machine, with ``local_only``: a hub id's cached copy, never the hub): the sequence length
+    within its context, ``policy.logprob_chunk_size`` against a head whose logits its forward post-processes, the stop
+    ids within its vocabulary, the LoRA targets among its modules."""
+    name = cfg.policy.model_name
+    check_context_length(name, cfg.policy.max_total_sequence_length, local_only=local_only)
+    check_chunkable_head(name, cfg.policy.logprob_chunk_size, local_only=local_only)
+    check_stop_token_ids(name, cfg.policy.generation.stop_token_ids, local_only=local_only)
     if cfg.policy.lora_cfg.enabled:
-        check_lora_targets(resolve_model_path(cfg.policy.model_name), cfg.policy.lora_cfg)
+        check_lora_targets(name, cfg.policy.lora_cfg, local_only)
 
 
 def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.models.loading import ADAPTER_CONFIG, adapter_base_model, local_config_file, resolve_model_path
+from nemo_like.models.loading import (
+    ADAPTER_CONFIG,
+    UNREADABLE_CONFIG_ERRORS,
+    adapter_base_model,
+    local_config_file,
+    resolve_model_path,
+)
 from nemo_like.plan.memory import DTYPE_BYTES, JudgeSpec, ModelShape, ParameterSpec, RoleMemory, ScorerSpec, judge_memory, scorer_memory
 
 
@@ -97,7 +103,7 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
         if not isinstance(raw, dict) or "model_type" not in raw:
             raise ValueError("it has no 'model_type'")
         return raw, AutoConfig.for_model(**raw)
-    except (ValueError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
+    except UNREADABLE_CONFIG_ERRORS as exc:  # JSONDecodeError is a ValueError
         raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
 
 

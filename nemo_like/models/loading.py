@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import EMBEDDED_MODEL
@@ -421,31 +422,34 @@ def load_tokenizer(name: str):
     return tok
 
 
-def model_config(model_name: str) -> Any:
-    """The model's ``config.json`` as transformers reads it; a LoRA checkpoint: its base model's. A copy on this
-    machine (a directory, a hub id's cached copy) is read there, never fetched; one transformers cannot read is a
-    :class:`ConfigError` naming the file (it was a transformers traceback)."""
+#: What transformers raises for a config.json it cannot read: not JSON, an unknown ``model_type`` (ValueError), a field
+#: its strict dataclass validation refuses (huggingface_hub's StrictDataclassError: a Exception of its own).
+UNREADABLE_CONFIG_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, TypeError, KeyError, StrictDataclassError)
+
+
+def model_config(model_name: str, local_only: bool = False) -> Any:
+    """The model's ``config.json`` as transformers reads it; a LoRA checkpoint: its base model's. ``local_only``: a hub
+    id's cached copy, never the hub (``nemo-like plan``; otherwise transformers checks the cache against the hub, as
+    the actors' loads do). A config.json on this machine that transformers cannot read is a :class:`ConfigError`
+    naming the file (it was a transformers traceback)."""
     from transformers import AutoConfig
 
     path = Path(resolve_model_path(model_name)).expanduser()
     if (path / ADAPTER_CONFIG).is_file():
-        return model_config(adapter_base_model(path))
-    try:
-        local = local_config_file(model_name)
-    except (OSError, ValueError):  # not a valid hub id: transformers' own error below
-        local = None
+        return model_config(adapter_base_model(path), local_only)
+    local = path / "config.json" if path.is_dir() else local_config_file(model_name) if local_only else None
     if local is None:
         return AutoConfig.from_pretrained(model_name)
     try:
         return AutoConfig.from_pretrained(str(local.parent))
-    except (OSError, ValueError) as exc:
+    except UNREADABLE_CONFIG_ERRORS as exc:
         raise ConfigError(f"{model_name}: cannot read its config.json {local} ({str(exc).splitlines()[0]})") from None
 
 
-def model_context_length(model_name: str) -> int | None:
+def model_context_length(model_name: str, local_only: bool = False) -> int | None:
     """The longest sequence the model's positions cover: ``max_position_embeddings`` (times a RoPE scaling factor,
     as vLLM derives ``max_model_len``), or ``None`` when its config states none. A LoRA checkpoint: its base model's."""
-    config = model_config(model_name)
+    config = model_config(model_name, local_only)
     positions = getattr(config, "max_position_embeddings", None)
     if not positions:
         return None
@@ -457,10 +461,10 @@ def model_context_length(model_name: str) -> int | None:
     return int(original * scaling["factor"])
 
 
-def check_context_length(model_name: str, length: int, key: str = "policy.max_total_sequence_length") -> None:
+def check_context_length(model_name: str, length: int, key: str = "policy.max_total_sequence_length", local_only: bool = False) -> None:
     """A :class:`ConfigError` naming ``key`` when ``length`` tokens pass the model's positions (a RoPE model would
     extrapolate silently on our engines; vLLM refuses such a ``max_model_len``)."""
-    limit = model_context_length(model_name)
+    limit = model_context_length(model_name, local_only)
     if limit is not None and length > limit:
         raise ConfigError(
             f"{key}={length} is longer than {model_name}'s context ({limit} positions: max_position_embeddings in its "
@@ -474,10 +478,10 @@ def check_context_length(model_name: str, length: int, key: str = "policy.max_to
 HEAD_POSTPROCESSING = {"final_logit_softcapping": None, "logits_scaling": 1.0, "logit_scale": 1.0, "lm_head_multiplier": 1.0}
 
 
-def head_postprocessing(model_name: str) -> list[str]:
+def head_postprocessing(model_name: str, local_only: bool = False) -> list[str]:
     """``field=value`` of each :data:`HEAD_POSTPROCESSING` field the model's config sets to a value that changes the
     logits its forward returns (a LoRA checkpoint: its base model's)."""
-    config = model_config(model_name).get_text_config()
+    config = model_config(model_name, local_only).get_text_config()
     found = []
     for field, neutral in HEAD_POSTPROCESSING.items():
         value = getattr(config, field, neutral)
@@ -486,12 +490,12 @@ def head_postprocessing(model_name: str) -> list[str]:
     return found
 
 
-def check_chunkable_head(model_name: str, chunk_size: int | None, key: str = "policy.model_name") -> None:
+def check_chunkable_head(model_name: str, chunk_size: int | None, key: str = "policy.model_name", local_only: bool = False) -> None:
     """A :class:`ConfigError` when ``policy.logprob_chunk_size`` is set for a model whose forward post-processes its
     head's logits: the chunked path computes the logprobs from the head's own product (it replaces the head), so they
     would be those of another distribution than the one the model samples from, and the model's post-processing would
     then be applied to them once more."""
-    if chunk_size and (fields := head_postprocessing(model_name)):
+    if chunk_size and (fields := head_postprocessing(model_name, local_only)):
         raise ConfigError(
             f"policy.logprob_chunk_size={chunk_size} cannot serve {key}={model_name!r}: its forward post-processes the "
             f"output head's logits ({', '.join(fields)} in its config.json), which the chunked path would leave out. "
@@ -499,19 +503,21 @@ def check_chunkable_head(model_name: str, chunk_size: int | None, key: str = "po
         )
 
 
-def model_vocab_size(model_name: str) -> int | None:
+def model_vocab_size(model_name: str, local_only: bool = False) -> int | None:
     """The rows of the model's embedding and output head (``vocab_size`` in its config.json; a LoRA checkpoint: its
     base model's): every id below it can be sampled, the padding rows past the tokenizer's ids too (Qwen2.5: 151,936
     rows for 151,665 ids). ``None`` when the config states none."""
-    return getattr(model_config(model_name).get_text_config(), "vocab_size", None)
+    return getattr(model_config(model_name, local_only).get_text_config(), "vocab_size", None)
 
 
-def check_stop_token_ids(model_name: str, ids: Sequence[int] | None, key: str = "policy.generation.stop_token_ids") -> None:
+def check_stop_token_ids(
+    model_name: str, ids: Sequence[int] | None, key: str = "policy.generation.stop_token_ids", local_only: bool = False
+) -> None:
     """A :class:`ConfigError` naming ``key`` when a stop id is outside the model's vocabulary: the inline and HF
     samplers would never draw it (the stop silently never fires), vLLM refuses the request at the first step."""
     if not ids:
         return
-    vocab = model_vocab_size(model_name)
+    vocab = model_vocab_size(model_name, local_only)
     outside = [i for i in ids if vocab is not None and not 0 <= i < vocab]
     if outside:
         raise ConfigError(f"{key}: {outside} are outside {model_name}'s vocabulary (ids 0..{vocab - 1}, vocab_size in its config.json)")

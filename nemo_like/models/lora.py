@@ -37,6 +37,7 @@ from nemo_like.models.loading import (
     load_merged,
     load_tokenizer,
     looks_like_path,
+    model_config,
     resolve_model_path,
     save_generation_config,
 )
@@ -248,12 +249,13 @@ def expected_adapter_names(model_path: str, lora_cfg: Any) -> list[str]:
     return sorted(saved_name(k) for k in skeleton.state_dict() if is_adapter(k))
 
 
-def check_lora_targets(model_path: str, lora_cfg: Any) -> list[str]:
-    """Resolve the targets against the model's architecture before any actor starts (a meta-device skeleton);
-    returns the adapted module names. A bad key is a :class:`ConfigError`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False) -> list[str]:
+    """Resolve the targets against the model's architecture before any actor starts (a meta-device skeleton of
+    :func:`~nemo_like.models.loading.model_config`'s config; ``local_only`` as there); returns the adapted module names.
+    A bad key is a :class:`ConfigError`."""
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = model_config(model_name, local_only)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     chosen = resolve_target_modules(skeleton, lora_cfg)

@@ -244,8 +244,11 @@ def test_plan_checks_a_cached_hub_model_and_names_an_unreadable_config(tmp_path,
     """plan ran train's checks only for a directory named as such: a hub id cached on this machine (every Qwen recipe's
     model once fetched) got "fits" for a context train refuses; a model directory with a config.json transformers
     cannot read was a traceback in the check (one line naming the file before it ran)."""
+    import http.server
     import json
+    import os
     import shutil
+    import threading
 
     from nemo_like.models.loading import resolve_model_path
 
@@ -259,6 +262,35 @@ def test_plan_checks_a_cached_hub_model_and_names_an_unreadable_config(tmp_path,
     capsys.readouterr()
     assert main(["plan", "policy.model_name=acme/tiny", "policy.max_total_sequence_length=4096"]) == 2
     assert "is longer than acme/tiny's context (256 positions" in capsys.readouterr().err
+    # With the hub reachable (HF_HUB_OFFLINE unset) plan still reads the cached copy and asks the hub nothing: a logging
+    # stand-in for the hub saw the LoRA target check's config request.
+    requests: list[str] = []
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            requests.append(self.path)
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    hub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": f"http://127.0.0.1:{hub.server_address[1]}"}
+    env.pop("HF_HUB_OFFLINE", None)
+    env.pop("TRANSFORMERS_OFFLINE", None)
+    try:
+        online = subprocess.run(
+            [sys.executable, "-m", "nemo_like.cli", "plan", "policy.model_name=acme/tiny", "policy.lora_cfg.enabled=true"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        hub.shutdown()
+    assert online.returncode == 0 and requests == [], (online.stderr[-2000:], requests)
     unknown = tmp_path / "unknown"
     shutil.copytree(snapshot, unknown)
     config = json.loads((unknown / "config.json").read_text())
@@ -266,6 +298,11 @@ def test_plan_checks_a_cached_hub_model_and_names_an_unreadable_config(tmp_path,
     assert main(["plan", f"policy.model_name={unknown}"]) == 2
     err = capsys.readouterr().err
     assert f"cannot read its config.json {unknown / 'config.json'}" in err and "Traceback" not in err
+    # a field transformers' strict validation refuses (huggingface_hub's own error class, not a ValueError)
+    (unknown / "config.json").write_text(json.dumps({**config, "num_key_value_heads": "2"}))
+    assert main(["plan", f"policy.model_name={unknown}", "policy.lora_cfg.enabled=true"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_plan_warns_when_model_config_describes_another_model_than_the_one_here(tmp_path, capsys) -> None:

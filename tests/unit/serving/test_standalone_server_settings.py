@@ -3,10 +3,12 @@ it stops exits at once."""
 
 from __future__ import annotations
 
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 from nemo_like.config import load_config
@@ -27,7 +29,8 @@ def test_settings_serve_does_not_follow_are_named() -> None:
 
 SLOW_STOP = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a parent that ignores SIGINT passes that on
     from nemo_like.config import load_config
     import nemo_like.serving.standalone as standalone
 
@@ -51,17 +54,18 @@ SLOW_STOP = textwrap.dedent(
 def test_serve_warns_and_a_second_interrupt_while_it_stops_exits_at_once() -> None:
     """serve's stop ran with SIGINT armed: a second Ctrl-C during it raised KeyboardInterrupt out of the thread join (a
     traceback, exit 1). It now exits at once with 130 and one line; the unused settings were named at start-up. A
-    subprocess: the handler ends the process it runs in."""
-    process = subprocess.Popen([sys.executable, "-c", SLOW_STOP], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    subprocess: the handler ends the process it runs in. Every wait has a deadline (a broken child fails, never hangs)."""
+    process = subprocess.Popen([sys.executable, "-c", SLOW_STOP], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True)
+    reader.start()
+    err: list[str] = []
+
+    def read_until(start: str) -> None:
+        while not (line := lines.get(timeout=60)).startswith(start):
+            err.append(line)
+
     try:
-        assert process.stdout.readline().startswith("base_url: ")
-        err = []
-
-        def read_until(start: str) -> None:
-            while not (line := process.stderr.readline()).startswith(start):
-                assert line, "".join(err)
-                err.append(line)
-
         read_until("model: policy")
         process.send_signal(signal.SIGINT)
         read_until("stop began")
@@ -69,9 +73,10 @@ def test_serve_warns_and_a_second_interrupt_while_it_stops_exits_at_once() -> No
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 130
         assert time.monotonic() - started < 30  # not the stop's 60 s
-        err.append(process.stderr.read())
+        reader.join(timeout=30)
     finally:
         process.kill()
+    err += list(lines.queue)
     text = "".join(err)
     assert "warning: eval.greedy has no effect in nemo-like serve" in text
     assert "stopping the server (Ctrl-C again exits at once)" in text and "stopped at once (a second Ctrl-C)" in text
