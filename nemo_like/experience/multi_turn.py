@@ -222,14 +222,34 @@ def turn_ends(tokenizer, settings: MultiTurnSettings) -> TurnEnds:
     return TurnEnds(removed=frozenset(eos | (recipe & written)), foreign=frozenset(eos - written))
 
 
+#: The content of the neutral assistant turn :func:`writes_back` renders (digits: a template's trim, upper- or lower-casing
+#: leaves them as they are).
+PROBE_CONTENT = "4711"
+
+
 def writes_back(tokenizer, token_id: int) -> bool:
-    """Whether the chat template writes ``token_id``'s text with an assistant turn: a conversation with one more
-    assistant message holds it once more. Decided on a neutral turn, whatever a sampled turn holds, and whatever the
-    template does to the content (trims it, rewrites it later: that fails at the observation, loudly)."""
+    """Whether the chat template writes ``token_id``'s text right after an assistant turn's content (its end of turn,
+    not a tag that opens the next turn: Phi-3's ``<|assistant|>``, a base model's ``<|im_start|>``). Decided on a
+    neutral turn, whatever a sampled turn holds; where the template drops the content, by whether one assistant message
+    more holds the text once more."""
     end = decode_exact(tokenizer, [token_id])
+    if not end:
+        return False
     user = [{"role": "user", "content": "q"}]
-    with_turn = render_chat(tokenizer, [*user, {"role": "assistant", "content": "x"}], add_generation_prompt=False)
-    return bool(end) and with_turn.count(end) > render_chat(tokenizer, user, add_generation_prompt=False).count(end)
+    with_turn = render_chat(tokenizer, [*user, {"role": "assistant", "content": PROBE_CONTENT}], add_generation_prompt=False)
+    if PROBE_CONTENT in with_turn:
+        return with_turn[with_turn.rindex(PROBE_CONTENT) + len(PROBE_CONTENT) :].startswith(end)
+    return with_turn.count(end) > render_chat(tokenizer, user, add_generation_prompt=False).count(end)
+
+
+def decode_in_context(tokenizer, before: Sequence[int], ids: Sequence[int]) -> str:
+    """The text ``ids`` add after ``before`` (the sequence so far): decoded after its last id and cut, so that a
+    SentencePiece tokenizer keeps the space of a first ``▁7`` that decoding ``ids`` alone drops (``[/INST] 7``, as the
+    template writes it). ``ids`` alone where the two decodings disagree on ``before``'s part."""
+    context = list(before[-1:])
+    head = decode_exact(tokenizer, context)
+    whole = decode_exact(tokenizer, [*context, *ids])
+    return whole[len(head) :] if context and whole.startswith(head) else decode_exact(tokenizer, ids)
 
 
 def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, ends: TurnEnds, recipe_stops: Sequence[str] = ()) -> None:
@@ -238,15 +258,16 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, ends: Tu
     sample = apply_stop_strings(tokenizer, sample, [*recipe_stops, *(conv.stop_strings or ())])
     ids, logprobs, truncated = list(sample.response_ids), list(sample.response_logprobs), sample.truncated
     conv.decoded_tokens += sample.num_decoded_tokens
+    before = [*conv.prompt.prompt_token_ids, *conv.response_ids]
     conv.response_ids += ids
     conv.response_mask += [1] * len(ids)
     conv.response_logprobs += logprobs
     conv.turn_start = len(conv.text)
-    conv.text += decode_exact(tokenizer, ids)
+    conv.text += decode_in_context(tokenizer, before, ids)
     last = ids[-1] if ids and not truncated else None
     # The message holds the turn's text without the template's end-of-turn token (the template adds it back).
     content_ids = ids[:-1] if last in ends.removed else ids
-    conv.messages.append({"role": "assistant", "content": decode_exact(tokenizer, content_ids)})
+    conv.messages.append({"role": "assistant", "content": decode_in_context(tokenizer, before, content_ids)})
     rewrite = FOREIGN_END if last in ends.foreign else TRIMMED_TURN if not truncated and trimmed_last_turn(tokenizer, conv) else None
     conv.end_rewrite = rewrite
     conv.turns += 1
@@ -257,17 +278,16 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, ends: Tu
 
 def ends_after_step(tokenizer, conv: Conversation, last_turn: bool, max_total_length: int) -> bool:
     """Whether :func:`apply_step` ends the sample whatever its environment answers: its last allowed turn, a turn cut
-    by its token budget, one the template cannot continue (``conv.end_rewrite``), or no room left for the shortest
-    observation plus one sampled token. The shortest is what the
+    by its token budget, or no room left for the shortest observation plus one sampled token. The shortest is what the
     template appends with no new message (the turn's end and the next generation prompt); any observation adds its
     message to that. Counting one token for it had told an environment "not final" for turns that then ended on the
     length limit (its final-turn outcome never counted, its observation built for nothing)."""
-    if last_turn or conv.truncated or conv.end_rewrite:
+    if last_turn or conv.truncated:
         return True
     try:
         shortest = max(1, len(observation_tokens(tokenizer, conv, None)[1]))
     except TemplateRewriteError:
-        shortest = 1  # the template rewrites earlier turns: apply_step raises
+        shortest = 1  # a turn the template cannot continue (conv.end_rewrite) or a rewrite: apply_step ends it or raises
     return conv.length + shortest >= max_total_length
 
 
@@ -281,10 +301,12 @@ def apply_step(
         conv.step_metrics[name] = conv.step_metrics.get(name, 0.0) + float(value)
     if step.metadata is not None:
         conv.metadata = {k: v for k, v in step.metadata.items() if k != FINAL_TURN}
-    if step.terminated or last_turn or conv.truncated or conv.end_rewrite:  # ends_after_step told the environment so
+    if step.terminated or last_turn or conv.truncated:  # ends_after_step told the environment so before its step
         conv.done = True
-        if conv.end_rewrite and not last_turn:  # the template's rewrite of the turn ended the episode: counted
-            conv.step_metrics[conv.end_rewrite] = conv.step_metrics.get(conv.end_rewrite, 0.0) + 1.0
+        return
+    if conv.end_rewrite:  # the environment goes on, the template cannot: the episode ends here, counted
+        conv.done = True
+        conv.step_metrics[conv.end_rewrite] = conv.step_metrics.get(conv.end_rewrite, 0.0) + 1.0
         return
     if told_final:  # no room for even the shortest observation: the environment knew (and counted its own outcome)
         conv.done = conv.length_truncated = True  # truncated stays the turn's own: did it stop
@@ -305,14 +327,14 @@ def apply_step(
     conv.stop_strings = step.stop_strings
 
 
-#: Step counter (``train/multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): episodes ended before their
-#: last allowed turn because a turn ended on an end-of-turn id the chat template does not write back, so the conversation
-#: could not go on (it failed the whole rollout before); the environment is told that turn is final.
+#: Step counter (``train/multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): episodes ended because a
+#: turn ended on an end-of-turn id the chat template does not write back, so the conversation could not go on where the
+#: environment went on (it failed the whole rollout before).
 FOREIGN_END = "foreign_end_of_turn"
 #: Step counter (``train/multi_turn/template_trimmed_turn_per_sample``): episodes ended because the chat template trims
 #: message content (``| trim``: Llama 3.x, Gemma, Mistral) and the last turn began or ended with whitespace, so the
-#: template writes it back without what the sequence holds (it failed the whole rollout with a template error); the
-#: environment is told that turn is final.
+#: template writes it back without what the sequence holds, where the environment went on (it failed the whole rollout
+#: with a template error).
 TRIMMED_TURN = "template_trimmed_turn"
 #: Step counter (``train/multi_turn/observation_dropped_for_length_per_sample``): observations built by an environment
 #: told the turn was not final, then dropped because they did not fit ``policy.max_total_sequence_length``.
@@ -321,14 +343,15 @@ OBSERVATION_DROPPED = "observation_dropped_for_length"
 
 def trimmed_last_turn(tokenizer, conv: Conversation) -> bool:
     """Whether the template writes the last turn back without the whitespace around its content (``| trim``: Llama
-    3.x, Gemma, Mistral), rewriting only that turn: the content has such whitespace, the template renders it as it
-    renders the stripped content, and the rendering differs from the sequence's text after the earlier turns, which it
-    keeps (a template that rewrites those fails at the next observation, as before)."""
+    3.x, Gemma, Mistral), rewriting only that: the content has such whitespace, the template renders it as it renders
+    the stripped content, and its rendering keeps the earlier turns and then (after whitespace) the stripped content.
+    A template that rewrites more (drops earlier turns' or this turn's reasoning) fails at the observation, as before."""
     content = conv.messages[-1]["content"]
     if content == content.strip() or (full := render(tokenizer, conv.messages)).startswith(conv.text):
         return False
     stripped = render(tokenizer, [*conv.messages[:-1], {**conv.messages[-1], "content": content.strip()}])
-    return full == stripped and full.startswith(conv.text[: conv.turn_start])
+    kept = full.startswith(conv.text[: conv.turn_start]) and full[conv.turn_start :].lstrip().startswith(content.strip())
+    return full == stripped and kept
 
 
 def trimming_template_warning(tokenizer) -> str | None:

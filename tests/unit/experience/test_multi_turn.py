@@ -29,6 +29,7 @@ from nemo_like.experience.multi_turn import (
     stop_string_cut,
     trimming_template_warning,
     turn_ends,
+    writes_back,
 )
 from nemo_like.experience.replay_buffer import ReplayBuffer, ReplayBufferError, TrajectoryGroup
 from nemo_like.experience.rollouts import Rollout
@@ -256,6 +257,10 @@ def test_a_recipe_stop_id_stays_in_the_message_unless_the_template_writes_it_bac
     (sample,) = result.samples
     assert [m["content"] for m in sample.messages if m["role"] == "assistant"] == [call, "9716"]
     assert turn_ends(tool_tokenizer, settings) == TurnEnds(removed=frozenset({eot, im_end}), foreign=frozenset({eot}))
+    # A tag that opens the next turn is no turn's end (Phi-3 lists <|assistant|> among its eos ids): counting its text
+    # anywhere in the rendering took it for one, and a turn ended on it failed the whole rollout.
+    im_start = tool_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert writes_back(tool_tokenizer, im_end) and not writes_back(tool_tokenizer, im_start)
     assert result.rewards.tolist() == [1.0] and sample.num_turns == 2
     assert sample.step_metrics.get("tool_errors") == 0.0 and "foreign_end_of_turn" not in sample.step_metrics
     assert sample.response_ids[-1] == im_end and sample.response_mask[-1] == 1  # the sampled end, trained
@@ -282,6 +287,13 @@ def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(
     assert [s.num_turns for s in result.samples] == [1, 1, 2]  # answer 7: a two-turn episode when it goes on
     assert [s.step_metrics.get("template_trimmed_turn", 0.0) for s in result.samples] == [1.0, 1.0, 0.0]
     assert multi_turn_metrics(result.samples, result.rewards)["multi_turn/template_trimmed_turn_sample_fraction"] == 2 / 3
+    # An episode the environment ends there anyway (answer 9: one turn) is not one the template ended: not counted.
+    single = run_multi_turn(
+        ScriptedTurns([encode("9\n") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}), trimming,
+        [chat_prompt(trimming, "What is 4 + 5?", {"answer": 9, "task_name": "arithmetic"})], SamplingParams(max_new_tokens=8), 0,
+        MultiTurnSettings(3, 128, (EOS,)),
+    )  # fmt: skip
+    assert single.rewards.tolist() == [1.0] and "template_trimmed_turn" not in single.samples[0].step_metrics
     # A turn both trimmed and ended on a foreign end token (<|endoftext|>) ends as a foreign end (it raised).
     eot = trimming.convert_tokens_to_ids("<|endoftext|>")
     both = run_multi_turn(
@@ -305,6 +317,20 @@ def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(
         run_multi_turn(
             ScriptedTurns([encode("eight") + [EOS], encode("eight\n") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}),
             rewriting, [three_turns], SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 128, (EOS,)),
+        )  # fmt: skip
+    # A template that drops the turn's reasoning (DeepSeek-R1's split on </think>) also drops a leading newline; that
+    # rewrite is more than trimming (it ended the episode as a trimmed turn): still an error.
+    reasoning = copy.deepcopy(trimming)
+    reasoning.chat_template = (
+        "{% for m in messages %}{% set c = m['content'] %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}"
+        "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    with pytest.raises(TemplateRewriteError, match="rewrites the conversation so far"):
+        run_multi_turn(
+            ScriptedTurns([encode("\n<think>a</think>7") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}),
+            reasoning, [chat_prompt(reasoning, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})],
+            SamplingParams(max_new_tokens=16), 0, MultiTurnSettings(3, 128, (EOS,)),
         )  # fmt: skip
 
 
@@ -530,6 +556,39 @@ def test_a_turn_with_no_room_for_the_shortest_observation_is_the_final_one(token
         else:  # told "not final", the game wrote a hint that does not fit: dropped, and counted as such
             assert result.samples[0].length_truncated and result.env_metrics["env/guess/turn_limit"] == 0.0
             assert dropped == 1.0
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_sentencepiece_turn_keeps_the_space_of_its_first_token(legacy):
+    """Mistral's template writes an answer as ``[/INST] 7</s>``; the model samples ``▁7``. Decoded alone a SentencePiece
+    tokenizer drops that first ``▁``, so the sequence's text read ``[/INST]7</s>`` and every turn failed the whole
+    rollout as a template rewrite. Each turn is decoded after the sequence's last id (``decode_in_context``); a turn
+    with a trailing newline still ends its episode as a trimmed one."""
+    from pathlib import Path
+
+    from transformers import LlamaTokenizerFast
+
+    fixture = Path(__file__).parents[2] / "fixtures" / "tiny_sentencepiece"
+    sp = LlamaTokenizerFast.from_pretrained(
+        fixture, add_bos_token=False, legacy=legacy, pad_token="<pad>", additional_special_tokens=["[INST]", "[/INST]"]
+    )
+    sp.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + '[/INST]' }}"
+        "{% else %}{{ ' ' + m['content'] | trim + '</s>' }}{% endif %}{% endfor %}"
+    )
+    row = chat_prompt(sp, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})
+    answer = sp(render_chat(sp, row.messages, add_generation_prompt=True) + " 7</s>", add_special_tokens=False)["input_ids"]
+    answer = answer[len(row.prompt_token_ids) :]  # the ids the template's own rendering has for the answer turn
+    assert sp.convert_ids_to_tokens(answer[0]) == "▁" or sp.convert_ids_to_tokens(answer[0]).startswith("▁")
+    newline = sp.encode("\n", add_special_tokens=False)[-1:]
+    result = run_multi_turn(
+        ScriptedTurns([answer, answer[:-1] + newline + answer[-1:], answer]),
+        local_stepper({"arithmetic": CountdownEnv(turns=3, observation_role="user")}), sp, [row, row],
+        SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 256, (sp.eos_token_id,)),
+    )  # fmt: skip
+    assert [s.num_turns for s in result.samples] == [2, 1] and result.rewards.tolist() == [1.0, 0.0]
+    assert [m["content"] for m in result.samples[0].messages if m["role"] == "assistant"] == [" 7", " 7"]
+    assert result.samples[1].step_metrics.get("template_trimmed_turn") == 1.0
 
 
 @pytest.mark.parametrize("legacy", [False, True])
