@@ -7,6 +7,7 @@ import difflib
 import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -281,7 +282,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """Print the run plan and the memory plan; exit 3 when a device is over ``--device-memory-gib``."""
     from nemo_like.algorithms.names import check_plugin_names
     from nemo_like.algorithms.roles import idle_gpus_warning, reserved_gpus_problem, scorer_specs
-    from nemo_like.algorithms.setup import check_policy_model
+    from nemo_like.algorithms.setup import check_policy_model, multi_turn_warnings
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.footprint import memory_report, model_config_here, model_config_warning
     from nemo_like.models.loading import refuse_checkpoint_as_model
@@ -298,8 +299,10 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--teacher-config {item}: expected NAME=PATH (a teacher model and its config.json)")
         teacher_configs[name] = path
     cfg = load_config(args.config, args.overrides)
-    check_plugin_names(cfg)  # what train refuses at once (an unknown estimator, env class or tool) plan refuses too
+    env_specs = check_plugin_names(cfg)  # what train refuses at once (an unknown estimator, env class or tool) plan refuses too
     refuse_checkpoint_as_model(cfg.policy.model_name, "policy.model_name")
+    for line in multi_turn_warnings(cfg, env_specs):  # the turns' no-effect lines train prints
+        print(f"[plan] warning: {line}", file=sys.stderr, flush=True)
     if model_config_here(cfg.policy.model_name):  # train's checks, when the model's config is on this machine
         check_policy_model(cfg, local_only=True)
     if args.mfu is not None and not args.peak_tflops:
@@ -398,9 +401,22 @@ def _subcommand_parser(parser: argparse.ArgumentParser, command: str | None) -> 
 EXIT_STATUS_FILE_ENV = "NEMO_LIKE_EXIT_STATUS_FILE"
 
 
+PACKAGE_DIR = Path(__file__).resolve().parent
+_python_warning_format = warnings.formatwarning
+
+
+def format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
+    """A warning the project raises (set-up checks: ``warnings.warn(..., RuntimeWarning)``) as one ``warning: ...``
+    line, without Python's source location and code line; any other library's as Python writes it."""
+    if Path(filename).resolve().is_relative_to(PACKAGE_DIR):
+        return f"warning: {message}\n"
+    return _python_warning_format(message, category, filename, lineno, line)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``nemo-like`` command; returns its exit status (also written to ``$NEMO_LIKE_EXIT_STATUS_FILE`` when set)."""
     status: int | None = None
+    warnings.formatwarning = format_warning
     try:
         status = _main(argv)
         return status

@@ -104,9 +104,10 @@ def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[st
                 "single responses with its score(); set grpo.max_rollout_turns > 1 to use its turns"
             )
         elif not multi and turns > 1:
+            overlap = " (it still turns grpo.overlap_scoring off: multi-turn rollouts score as they go)" if cfg.grpo.overlap_scoring else ""
             lines.append(
                 f"grpo.max_rollout_turns={turns} has no effect for env.{task}: it is single-turn (no step override), so its "
-                "samples end after one turn"
+                f"samples end after one turn{overlap}"
             )
     return lines
 

@@ -100,10 +100,15 @@ def import_environment_class(path: str, where: str) -> type[EnvironmentInterface
     return ENVIRONMENTS.get(path, where)
 
 
-def check_constructor_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -> dict[str, Any]:
+def check_constructor_kwargs(cls: type, kwargs: Mapping[str, Any], where: str, section_keys: Sequence[str] = ()) -> dict[str, Any]:
     """Validate an environment's section keys against ``cls.config_model`` (when declared) and its
-    constructor signature; returns the keyword arguments to construct it with."""
+    constructor signature; returns the keyword arguments to construct it with. ``section_keys``: the section's own
+    keys besides the environment's (``class``, ``num_workers``), offered with them for a misspelled key."""
     kwargs = dict(kwargs)
+
+    def hint(key: str, names: Iterable[str]) -> str:
+        return did_you_mean(f"{where}.{key}", [f"{where}.{name}" for name in [*names, *section_keys]])
+
     model = getattr(cls, "config_model", None)
     if model is not None:
         try:
@@ -114,7 +119,7 @@ def check_constructor_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -
                 key = ".".join(str(p) for p in err["loc"])
                 name = f"{where}.{key}" if key else where  # a check of the whole section has no key of its own
                 if err["type"] == "extra_forbidden":
-                    problems.append(f"{name}: unknown key.{did_you_mean(key, model.model_fields)}")
+                    problems.append(f"{name}: unknown key.{hint(key, model.model_fields)}")
                 elif err["type"] == "value_error":
                     problems.append(f"{name}: {err['msg'].removeprefix('Value error, ')}")
                 else:
@@ -126,8 +131,7 @@ def check_constructor_kwargs(cls: type, kwargs: Mapping[str, Any], where: str) -
         for key in kwargs:
             if key not in accepted:
                 raise ConfigError(
-                    f"{where}.{key}: unknown key; {cls.__name__}.__init__ accepts {accepted or 'no arguments'}."
-                    f"{did_you_mean(key, accepted)}"
+                    f"{where}.{key}: unknown key; {cls.__name__}.__init__ accepts {accepted or 'no arguments'}.{hint(key, accepted)}"
                 )
     required = [
         n
@@ -158,7 +162,7 @@ def resolve_environments(env_cfg: Mapping[str, Any]) -> dict[str, EnvSpec]:
                 f"set env.{task}.class to a built-in name or 'module:Class'.{did_you_mean(task, BUILTIN_ENVIRONMENTS)}"
             )
         cls = import_environment_class(path, where)
-        kwargs = check_constructor_kwargs(cls, section.model_extra or {}, f"env.{task}")
+        kwargs = check_constructor_kwargs(cls, section.model_extra or {}, f"env.{task}", ("class", "num_workers"))
         root = None if path in BUILTIN_ENVIRONMENTS.values() else import_root(path.partition(":")[0])
         specs[task] = EnvSpec(task, path, section.num_workers, kwargs, root)
     return specs

@@ -305,6 +305,21 @@ def test_plan_checks_a_cached_hub_model_and_names_an_unreadable_config(tmp_path,
     assert "config.json" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_the_projects_warnings_are_one_line_and_plan_prints_the_turns_warning(capsys) -> None:
+    """Set-up's warnings came with Python's source location and code line; plan did not print the no-effect line of
+    grpo.max_rollout_turns for a single-turn environment that train prints."""
+    import warnings
+
+    from nemo_like.cli import PACKAGE_DIR, format_warning
+
+    assert format_warning("the env is idle", RuntimeWarning, str(PACKAGE_DIR / "train.py"), 281) == "warning: the env is idle\n"
+    assert format_warning("old", DeprecationWarning, warnings.__file__, 3).startswith(f"{warnings.__file__}:3: DeprecationWarning: old")
+    assert main(["plan", "grpo.max_rollout_turns=2"]) == 0
+    err = capsys.readouterr().err
+    assert "[plan] warning: grpo.max_rollout_turns=2 has no effect for env.arithmetic: it is single-turn" in err
+    assert "(it still turns grpo.overlap_scoring off" in err
+
+
 def test_plan_warns_when_model_config_describes_another_model_than_the_one_here(tmp_path, capsys) -> None:
     """--model-config for a model whose own config.json is here replaced it without a word: the plan described another
     model than the run trains. Now a warning names the fields that differ, or says the flag changes nothing."""

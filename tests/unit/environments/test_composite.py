@@ -105,7 +105,7 @@ def test_a_reward_model_reserves_at_most_one_gpu() -> None:
         ({"sources": {"x": {"class": "arithmetc"}}}, "sources.x.class must be a built-in environment"),
         (
             {"sources": {"x": {"class": "length_penalty", "free_lenght": 3}}},
-            "sources.x.free_lenght: unknown key. Did you mean 'free_length'",
+            "sources.x.free_lenght: unknown key. Did you mean 'sources.x.free_length'",
         ),
         ({"sources": {"x": {"class": "arithmetic", "weight": "high"}}}, "sources.x.weight must be a finite number"),
         ({"sources": {"x": {"class": "composite", "sources": SOURCES}}}, "cannot be a source of another composite"),

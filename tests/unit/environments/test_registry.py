@@ -54,10 +54,13 @@ def test_a_custom_env_by_import_path_gets_its_section_keys() -> None:
         ({"class": "custom_envs"}, "must be a built-in environment"),
         (
             {"class": "custom_envs:LengthParityEnv", "bonnus": 1},
-            r"env.t.bonnus: unknown key; LengthParityEnv.__init__ accepts \['bonus'\]. Did you mean 'bonus'",
+            r"env.t.bonnus: unknown key; LengthParityEnv.__init__ accepts \['bonus'\]. Did you mean 'env.t.bonus'",
         ),
         ({"class": "custom_envs:NeedsThreshold"}, r"requires \['threshold'\]"),
-        ({"class": "math", "timeout": 3}, "env.t.timeout: unknown key. Did you mean 'timeout_s'"),
+        ({"class": "math", "timeout": 3}, "env.t.timeout: unknown key. Did you mean 'env.t.timeout_s'"),
+        # the section's own keys are offered too (only the environment's were: no hint for a misspelled num_workers)
+        ({"class": "math", "num_worker": 2}, "env.t.num_worker: unknown key. Did you mean 'env.t.num_workers'"),
+        ({"class": "custom_envs:LengthParityEnv", "num_worker": 2}, "Did you mean 'env.t.num_workers'"),
         ({"class": "math", "format_reward": 1.0}, "env.t.format_reward: Input should be less than 1"),
         ({"class": "arithmetic", "custom_reward_fn": "custom_envs:nope"}, "custom_reward_fn: 'custom_envs' has no attribute 'nope'"),
         # A check of the whole section (a model validator) is named by the section, not 'env.t.' with an empty key.

@@ -309,7 +309,7 @@ def test_prompt_from_metadata() -> None:
 @pytest.mark.parametrize(
     ("section", "message"),
     [
-        ({"model_nam": "x"}, "env.rm.model_nam: unknown key. Did you mean 'model_name'?"),
+        ({"model_nam": "x"}, "env.rm.model_nam: unknown key. Did you mean 'env.rm.model_name'?"),
         ({"model_name": "./no/such/dir"}, "env.rm.model_name"),
         ({"normalize": {"scale": 0}}, "env.rm.normalize: scale must not be 0"),
         ({"normalize": {"clip": [1, 0]}}, "env.rm.normalize: clip must be [low, high]"),
