@@ -18,7 +18,8 @@ The template must not rewrite what the sequence already holds (e.g. drop the rea
 assistant turns): the loop checks that every rendering extends the text the sequence encodes and raises
 :class:`TemplateRewriteError` otherwise, rather than training on a context the model never saw. Two rewrites of one
 sample's last turn end that episode instead, counted: a turn ended on an end token the template replaces with its own
-(:data:`FOREIGN_END`) and whitespace a trimming template drops (:data:`TRIMMED_TURN`).
+(:data:`FOREIGN_END`) and whitespace the template drops or adds around it (:data:`WHITESPACE_REWRITE`: Llama 3.x's,
+Gemma's and Mistral's ``| trim``, Llama 2's ``' ' + content + ' '``).
 
 Turns are batched across the samples still running; a sample ends when its environment says
 ``terminated``, when ``max_turns`` model turns are done, when a turn ends without a stop (hit its token
@@ -79,8 +80,7 @@ class Conversation:
     truncated: bool = False
     length_truncated: bool = False
     turn_start: int = 0  # where the last model turn's text starts in ``text``
-    # why the template cannot continue the last turn token-exactly (FOREIGN_END or TRIMMED_TURN): the episode ends there
-    end_rewrite: str | None = None
+    foreign_end: bool = False  # the last turn ended on an eos the template does not write: it cannot be continued
     decoded_tokens: int = 0  # tokens the engine decoded over the turns (stop-string cuts included)
 
     @property
@@ -228,18 +228,21 @@ PROBE_CONTENT = "4711"
 
 
 def writes_back(tokenizer, token_id: int) -> bool:
-    """Whether the chat template writes ``token_id``'s text right after an assistant turn's content (its end of turn,
-    not a tag that opens the next turn: Phi-3's ``<|assistant|>``, a base model's ``<|im_start|>``). Decided on a
-    neutral turn, whatever a sampled turn holds; where the template drops the content, by whether one assistant message
-    more holds the text once more."""
+    """Whether the chat template writes ``token_id``'s text after an assistant turn's content (whitespace between
+    allowed: Llama 2's ``' </s>'``) when the conversation goes on, as the rollout renders it: the turn's end, not a tag
+    that opens the next turn (Phi-3's ``<|assistant|>``, a base model's ``<|im_start|>``) nor the end of a final message
+    only (gpt-oss's ``<|return|>``). Decided on a neutral turn, whatever a sampled turn holds; where the template drops
+    that content, on the turn as the last message, then by whether one assistant message more holds the text once more."""
     end = decode_exact(tokenizer, [token_id])
     if not end:
         return False
-    user = [{"role": "user", "content": "q"}]
-    with_turn = render_chat(tokenizer, [*user, {"role": "assistant", "content": PROBE_CONTENT}], add_generation_prompt=False)
-    if PROBE_CONTENT in with_turn:
-        return with_turn[with_turn.rindex(PROBE_CONTENT) + len(PROBE_CONTENT) :].startswith(end)
-    return with_turn.count(end) > render_chat(tokenizer, user, add_generation_prompt=False).count(end)
+    user, turn = {"role": "user", "content": "q"}, {"role": "assistant", "content": PROBE_CONTENT}
+    for messages, prompt in (([user, turn, user], True), ([user, turn], False)):
+        text = render_chat(tokenizer, messages, add_generation_prompt=prompt)
+        if PROBE_CONTENT in text:
+            return text[text.rindex(PROBE_CONTENT) + len(PROBE_CONTENT) :].lstrip().startswith(end)
+    with_turn = render_chat(tokenizer, [user, turn], add_generation_prompt=False)
+    return with_turn.count(end) > render_chat(tokenizer, [user], add_generation_prompt=False).count(end)
 
 
 def decode_in_context(tokenizer, before: Sequence[int], ids: Sequence[int]) -> str:
@@ -268,8 +271,7 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, ends: Tu
     # The message holds the turn's text without the template's end-of-turn token (the template adds it back).
     content_ids = ids[:-1] if last in ends.removed else ids
     conv.messages.append({"role": "assistant", "content": decode_in_context(tokenizer, before, content_ids)})
-    rewrite = FOREIGN_END if last in ends.foreign else TRIMMED_TURN if not truncated and trimmed_last_turn(tokenizer, conv) else None
-    conv.end_rewrite = rewrite
+    conv.foreign_end = last in ends.foreign
     conv.turns += 1
     conv.weight_version = sample.weight_version if conv.weight_version is None else min(conv.weight_version, sample.weight_version)
     conv.final_weight_version = sample.final_weight_version if sample.final_weight_version is not None else sample.weight_version
@@ -287,7 +289,7 @@ def ends_after_step(tokenizer, conv: Conversation, last_turn: bool, max_total_le
     try:
         shortest = max(1, len(observation_tokens(tokenizer, conv, None)[1]))
     except TemplateRewriteError:
-        shortest = 1  # a turn the template cannot continue (conv.end_rewrite) or a rewrite: apply_step ends it or raises
+        shortest = 1  # a turn the template cannot continue or a rewrite: apply_step ends the episode or raises
     return conv.length + shortest >= max_total_length
 
 
@@ -304,14 +306,19 @@ def apply_step(
     if step.terminated or last_turn or conv.truncated:  # ends_after_step told the environment so before its step
         conv.done = True
         return
-    if conv.end_rewrite:  # the environment goes on, the template cannot: the episode ends here, counted
-        conv.done = True
-        conv.step_metrics[conv.end_rewrite] = conv.step_metrics.get(conv.end_rewrite, 0.0) + 1.0
-        return
     if told_final:  # no room for even the shortest observation: the environment knew (and counted its own outcome)
         conv.done = conv.length_truncated = True  # truncated stays the turn's own: did it stop
         return
-    text, ids = observation_tokens(tokenizer, conv, step.observation)
+    # Where the environment goes on but the template cannot continue the turn token-exactly, the episode ends here,
+    # counted: a foreign end id, or the template writing the turn back with other whitespace. Any other rewrite raises.
+    if conv.foreign_end:
+        return end_counted(conv, FOREIGN_END)
+    try:
+        text, ids = observation_tokens(tokenizer, conv, step.observation)
+    except TemplateRewriteError:
+        if not rewrote_only_whitespace(tokenizer, conv, step.observation):
+            raise
+        return end_counted(conv, WHITESPACE_REWRITE)
     if conv.length + len(ids) >= max_total_length:  # no room for the observation and one more sampled token
         conv.done = conv.length_truncated = True  # truncated stays the turn's own: did it stop
         # The environment was told "not final" (the shortest observation fit), so it ran the turn (a tool call, say)
@@ -331,32 +338,40 @@ def apply_step(
 #: turn ended on an end-of-turn id the chat template does not write back, so the conversation could not go on where the
 #: environment went on (it failed the whole rollout before).
 FOREIGN_END = "foreign_end_of_turn"
-#: Step counter (``train/multi_turn/template_trimmed_turn_per_sample``): episodes ended because the chat template trims
-#: message content (``| trim``: Llama 3.x, Gemma, Mistral) and the last turn began or ended with whitespace, so the
-#: template writes it back without what the sequence holds, where the environment went on (it failed the whole rollout
+#: Step counter (``train/multi_turn/template_whitespace_rewrite_per_sample``): episodes ended because the chat template
+#: writes the last turn back with other whitespace around its content than the sequence holds (``| trim``: Llama 3.x,
+#: Gemma, Mistral; a space it adds: Mistral's and Llama 2's), where the environment went on (it failed the whole rollout
 #: with a template error).
-TRIMMED_TURN = "template_trimmed_turn"
+WHITESPACE_REWRITE = "template_whitespace_rewrite"
 #: Step counter (``train/multi_turn/observation_dropped_for_length_per_sample``): observations built by an environment
 #: told the turn was not final, then dropped because they did not fit ``policy.max_total_sequence_length``.
 OBSERVATION_DROPPED = "observation_dropped_for_length"
 
 
-def trimmed_last_turn(tokenizer, conv: Conversation) -> bool:
-    """Whether the template writes the last turn back without the whitespace around its content (``| trim``: Llama
-    3.x, Gemma, Mistral), rewriting only that: the content has such whitespace, the template renders it as it renders
-    the stripped content, and its rendering keeps the earlier turns and then (after whitespace) the stripped content.
-    A template that rewrites more (drops earlier turns' or this turn's reasoning) fails at the observation, as before."""
-    content = conv.messages[-1]["content"]
-    if content == content.strip() or (full := render(tokenizer, conv.messages)).startswith(conv.text):
+def end_counted(conv: Conversation, counter: str) -> None:
+    """End the episode here, adding 1 to its step counter ``counter``."""
+    conv.done = True
+    conv.step_metrics[counter] = conv.step_metrics.get(counter, 0.0) + 1.0
+
+
+def rewrote_only_whitespace(tokenizer, conv: Conversation, observation: dict[str, str] | None) -> bool:
+    """Whether the template's rendering of the conversation and ``observation`` (as :func:`observation_tokens` renders
+    it) keeps the earlier turns and differs from the last turn's text (with its end) only in whitespace: a trimming
+    template, or one that adds a space. A template that rewrites more (drops earlier turns' or this turn's reasoning,
+    changes the content) is not, and fails loudly."""
+    full = render(tokenizer, conv.messages + ([observation] if observation is not None else []))
+    if not full.startswith(conv.text[: conv.turn_start]):
         return False
-    stripped = render(tokenizer, [*conv.messages[:-1], {**conv.messages[-1], "content": content.strip()}])
-    kept = full.startswith(conv.text[: conv.turn_start]) and full[conv.turn_start :].lstrip().startswith(content.strip())
-    return full == stripped and kept
+    return _without_whitespace(full[conv.turn_start :]).startswith(_without_whitespace(conv.text[conv.turn_start :]))
+
+
+def _without_whitespace(text: str) -> str:
+    return "".join(text.split())
 
 
 def trimming_template_warning(tokenizer) -> str | None:
     """A warning for multi-turn runs when the chat template trims message content (Llama 3.x, Gemma: ``| trim``):
-    a turn that begins or ends with whitespace then ends its episode (:data:`TRIMMED_TURN`)."""
+    a turn that begins or ends with whitespace then ends its episode (:data:`WHITESPACE_REWRITE`)."""
     turn = " x \n"
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": turn}]
     if turn in render_chat(tokenizer, messages, add_generation_prompt=False):
@@ -364,7 +379,7 @@ def trimming_template_warning(tokenizer) -> str | None:
     return (
         "the chat template trims message content (it does not write back an assistant turn ' x \\n' as sampled): in "
         "multi-turn rollouts a turn that begins or ends with whitespace ends its episode there (counted in "
-        f"train/multi_turn/{TRIMMED_TURN}_per_sample); a template that keeps content as it is avoids it"
+        f"train/multi_turn/{WHITESPACE_REWRITE}_per_sample); a template that keeps content as it is avoids it"
     )
 
 

@@ -276,24 +276,29 @@ def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
     assert trimming_template_warning(tokenizer) is None
-    assert "template_trimmed_turn" in trimming_template_warning(trimming)
+    assert "template_whitespace_rewrite" in trimming_template_warning(trimming)
     encode = lambda text: trimming(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rows = [chat_prompt(trimming, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"}, f"p{i}") for i in range(3)]
     generation = ScriptedTurns([encode("7\n") + [EOS], encode(" 7") + [EOS], encode("7") + [EOS], encode("7") + [EOS]])
-    result = run_multi_turn(
-        generation, local_stepper({"arithmetic": CountdownEnv(turns=3)}), trimming, rows, SamplingParams(max_new_tokens=8), 0,
-        MultiTurnSettings(3, 128, (EOS,)),
-    )  # fmt: skip
+    step_countdown = local_stepper({"arithmetic": CountdownEnv(turns=3)})
+    told_final: list[list[bool]] = []
+
+    def stepper(prompts, message_logs, metadata):  # records what the environment was told
+        told_final.append([m[FINAL_TURN] for m in metadata])
+        return step_countdown(prompts, message_logs, metadata)
+
+    result = run_multi_turn(generation, stepper, trimming, rows, SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 128, (EOS,)))
     assert [s.num_turns for s in result.samples] == [1, 1, 2]  # answer 7: a two-turn episode when it goes on
-    assert [s.step_metrics.get("template_trimmed_turn", 0.0) for s in result.samples] == [1.0, 1.0, 0.0]
-    assert multi_turn_metrics(result.samples, result.rewards)["multi_turn/template_trimmed_turn_sample_fraction"] == 2 / 3
+    assert told_final == [[False, False, False], [False]]  # not final for the rewritten turns (it counted as a turn limit)
+    assert [s.step_metrics.get("template_whitespace_rewrite", 0.0) for s in result.samples] == [1.0, 1.0, 0.0]
+    assert multi_turn_metrics(result.samples, result.rewards)["multi_turn/template_whitespace_rewrite_sample_fraction"] == 2 / 3
     # An episode the environment ends there anyway (answer 9: one turn) is not one the template ended: not counted.
     single = run_multi_turn(
         ScriptedTurns([encode("9\n") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}), trimming,
         [chat_prompt(trimming, "What is 4 + 5?", {"answer": 9, "task_name": "arithmetic"})], SamplingParams(max_new_tokens=8), 0,
         MultiTurnSettings(3, 128, (EOS,)),
     )  # fmt: skip
-    assert single.rewards.tolist() == [1.0] and "template_trimmed_turn" not in single.samples[0].step_metrics
+    assert single.rewards.tolist() == [1.0] and "template_whitespace_rewrite" not in single.samples[0].step_metrics
     # A turn both trimmed and ended on a foreign end token (<|endoftext|>) ends as a foreign end (it raised).
     eot = trimming.convert_tokens_to_ids("<|endoftext|>")
     both = run_multi_turn(
@@ -558,6 +563,27 @@ def test_a_turn_with_no_room_for_the_shortest_observation_is_the_final_one(token
             assert dropped == 1.0
 
 
+def test_end_ids_are_judged_where_the_conversation_goes_on(tokenizer):
+    """An end id is the turn's end where its text follows an assistant turn's content when another message follows
+    (whitespace between allowed): Llama 2 writes ``' ' + content + ' </s>'`` (its </s> was taken for foreign: every
+    episode ended after one turn), gpt-oss ends a final message with ``<|return|>`` and one that goes on with
+    ``<|end|>`` (here <|endoftext|> and <|im_end|>: <|return|> was taken for a turn's end, and a turn ended on it
+    failed the rollout)."""
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    spaced, final_only = copy.deepcopy(tokenizer), copy.deepcopy(tokenizer)
+    spaced.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ '<|im_start|>' + m['content'] }}"
+        "{% else %}{{ ' ' + m['content'] | trim + ' <|im_end|>' }}{% endif %}{% endfor %}"
+    )
+    final_only.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
+        "{% if m['role'] == 'assistant' and loop.last and not add_generation_prompt %}{{ '<|endoftext|>' }}"
+        "{% else %}{{ '<|im_end|>\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    assert writes_back(spaced, EOS) and not writes_back(spaced, eot)
+    assert writes_back(final_only, EOS) and not writes_back(final_only, eot)
+
+
 @pytest.mark.parametrize("legacy", [False, True])
 def test_a_sentencepiece_turn_keeps_the_space_of_its_first_token(legacy):
     """Mistral's template writes an answer as ``[/INST] 7</s>``; the model samples ``▁7``. Decoded alone a SentencePiece
@@ -581,14 +607,15 @@ def test_a_sentencepiece_turn_keeps_the_space_of_its_first_token(legacy):
     answer = answer[len(row.prompt_token_ids) :]  # the ids the template's own rendering has for the answer turn
     assert sp.convert_ids_to_tokens(answer[0]) == "▁" or sp.convert_ids_to_tokens(answer[0]).startswith("▁")
     newline = sp.encode("\n", add_special_tokens=False)[-1:]
+    unspaced = [sp.convert_tokens_to_ids("7"), sp.eos_token_id]  # the template writes a space the model did not sample
     result = run_multi_turn(
-        ScriptedTurns([answer, answer[:-1] + newline + answer[-1:], answer]),
-        local_stepper({"arithmetic": CountdownEnv(turns=3, observation_role="user")}), sp, [row, row],
+        ScriptedTurns([answer, answer[:-1] + newline + answer[-1:], unspaced, answer]),
+        local_stepper({"arithmetic": CountdownEnv(turns=3, observation_role="user")}), sp, [row, row, row],
         SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 256, (sp.eos_token_id,)),
     )  # fmt: skip
-    assert [s.num_turns for s in result.samples] == [2, 1] and result.rewards.tolist() == [1.0, 0.0]
+    assert [s.num_turns for s in result.samples] == [2, 1, 1] and result.rewards.tolist() == [1.0, 0.0, 0.0]
     assert [m["content"] for m in result.samples[0].messages if m["role"] == "assistant"] == [" 7", " 7"]
-    assert result.samples[1].step_metrics.get("template_trimmed_turn") == 1.0
+    assert [s.step_metrics.get("template_whitespace_rewrite") for s in result.samples] == [None, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("legacy", [False, True])
