@@ -275,6 +275,39 @@ def test_sequence_metrics_by_hand() -> None:
     assert combined["rollout_corr/is_eff_sample_size"] == pytest.approx(1.25**2 / 2.125)
     # token_mult_prob_error: exp(|log 2|) for both tokens
     assert float(frags["token_mult_prob_error"]) == pytest.approx(2.0)
+    # The batch above is symmetric (equal perplexities, mean log-ratio 0): swapped perplexities or any factor in the
+    # geometric mean's exponent passed it. train [.5, .5], gen [.25, .25]: log r = log 2 on both tokens.
+    train, gen = torch.tensor([[0.0, math.log(0.5), math.log(0.5)]]), torch.tensor([[0.0, math.log(0.25), math.log(0.25)]])
+    frags = M.divergence_metric_fragments(train, gen, torch.tensor([[0.0, 1.0, 1.0]]), torch.tensor([1.0]), 2, 1)
+    assert float(frags["rollout_corr/training_ppl"]) == pytest.approx(2.0)
+    assert float(frags["rollout_corr/rollout_ppl"]) == pytest.approx(4.0)
+    assert float(frags["rollout_corr/chi2_seq_geomean"]) == pytest.approx(3.0)  # r^2 - 1 with r the geometric mean, 2
+    assert float(frags["rollout_corr/chi2_seq"]) == pytest.approx(15.0)  # (2 * 2)^2 - 1
+
+
+@pytest.mark.parametrize("case", ["near_seed0", "far_seed3"])
+def test_approx_entropy_estimates_the_entropy_of_pi_curr(case: str) -> None:
+    """train/approx_entropy, E_gen[(pi_curr / pi_gen) (-log pi_curr)], is H(pi_curr): exactly over the vocabulary, and
+    within 5 standard errors from ClippedPGLossFn on pi_gen samples (it was only compared with itself across
+    micro-batches: any estimator passed); one token by hand."""
+    from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+
+    log_gen, log_curr = CASES[case]
+    entropy = float(-(log_curr.exp() * log_curr).sum())
+    mean, variance = exact_moments(lambda log_ratio: -log_ratio.exp() * (log_gen + log_ratio), (log_gen, log_curr))
+    assert mean == pytest.approx(entropy, rel=1e-9)
+
+    def approx_entropy(curr: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor) -> float:
+        data = {"advantages": torch.zeros_like(curr), "token_mask": mask, "sample_mask": torch.ones(curr.shape[0]),
+                "generation_logprobs": gen, "prev_logprobs": curr}  # fmt: skip
+        _, metrics = ClippedPGLossFn({})(curr.clone().requires_grad_(True), data, float(curr.shape[0]), float(mask.sum()))
+        return metrics["approx_entropy"]
+
+    b = _sample_batch((log_gen, log_curr), seed=11)
+    observed = approx_entropy(b["train"], b["gen"], b["token_mask"])
+    assert abs(observed - entropy) < 5 * math.sqrt(variance / NUM_TOKENS)
+    one = approx_entropy(torch.tensor([[0.0, math.log(0.5)]]), torch.tensor([[0.0, math.log(0.25)]]), torch.tensor([[0.0, 1.0]]))
+    assert one == pytest.approx(2 * math.log(2))  # (0.5 / 0.25) * -log 0.5
 
 
 # -------------------------------------------------------------------------- combining
