@@ -51,7 +51,7 @@ from nemo_like.data.prompts import DataExhausted
 from nemo_like.distributed import supervision
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.experience.agent_rollouts import per_session
-from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, RefitTiming
+from nemo_like.experience.async_rollouts import BUFFER_FILE, AsyncRollouts, RefitTiming, TakenRollout
 from nemo_like.experience.multi_turn import multi_turn_metrics
 from nemo_like.experience.rollouts import (
     Rollout,
@@ -60,9 +60,11 @@ from nemo_like.experience.rollouts import (
     env_metrics_with_means,
     task_reward_metrics,
 )
+from nemo_like.experience.trajectory_collector import GenerationStats
 from nemo_like.models.footprint import planned_memory_lines
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.loading import resolve_model_path
+from nemo_like.models.policy.policy import TrainResult
 from nemo_like.utils.checkpoint import VALIDATED_AT_STEP, CheckpointError, CheckpointInfo, CheckpointManager
 from nemo_like.utils.flops import REFERENCE_TOKENS, flops_metrics, flops_spec
 from nemo_like.utils.logger import Logger
@@ -434,24 +436,11 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     metrics.update({k: adv_metrics.pop(k) for k in [k for k in adv_metrics if k.startswith("distillation/")]})
     batch_tokens = float(batch["attention_mask"].sum())
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
-    metrics.update(
-        {
-            "train/mean_response_length": sample_response_lengths(rollout).mean().item(),
-            "train/truncated_fraction": rollout.truncated.mean().item(),
-            # NaN when no optimizer step updated the weights (train/empty_steps_skipped, train/nonfinite_steps_skipped)
-            "train/grad_norm": sum(result.grad_norms) / len(result.grad_norms) if result.grad_norms else math.nan,
-            "train/lr": result.lr,
-            "train/nonfinite_steps_skipped": float(result.nonfinite_steps_skipped),
-            "train/empty_steps_skipped": float(result.empty_steps_skipped),
-            "train/weight_version": float(parts.policy.weight_version),
-            "train/trainable_params": float(parts.policy.trainable_params),
-            "train/trainable_fraction": parts.policy.trainable_params / max(parts.policy.total_params, 1),
-            "performance/num_batch_tokens": batch_tokens,
-            TRAINED_TOKENS: float(result.trained_tokens),  # fewer when an optimizer step had no token to train on
-            "performance/training_forward_tokens_per_token": result.forward_tokens / max(float(result.trained_tokens), 1.0),
-            "performance/num_samples": float(len(rollout.samples)),
-        }
-    )
+    metrics["train/mean_response_length"] = sample_response_lengths(rollout).mean().item()
+    metrics["train/truncated_fraction"] = rollout.truncated.mean().item()
+    metrics["performance/num_samples"] = float(len(rollout.samples))
+    metrics["performance/num_batch_tokens"] = batch_tokens
+    metrics.update(update_metrics(result, parts.policy.weight_version, parts.policy.trainable_params, parts.policy.total_params))
     metrics.setdefault("train/kl_penalty", 0.0)
     metrics.setdefault("train/loss", math.nan)  # no optimizer step ran: there was no loss to compute
     # train/shaped_reward: what the advantages used; train/reward stays the task's
@@ -465,6 +454,25 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     if passes.teacher is not None:
         metrics.update(teacher_token_counts(list(parts.teacher.models), passes.teacher, batch["attention_mask"]))
     return metrics
+
+
+def update_metrics(result: TrainResult, weight_version: int, trainable_params: int, total_params: int) -> dict[str, float]:
+    """The metrics of one :meth:`Policy.train` call: the mean pre-clip gradient norm of its optimizer steps (NaN when
+    none updated the weights: ``train/empty_steps_skipped``, ``train/nonfinite_steps_skipped``), the learning rate, the
+    weights' version after it, the trainable parameters and their share, the tokens trained on and the forward tokens
+    per trained token."""
+    norms = result.grad_norms
+    return {
+        "train/grad_norm": sum(norms) / len(norms) if norms else math.nan,
+        "train/lr": result.lr,
+        "train/nonfinite_steps_skipped": float(result.nonfinite_steps_skipped),
+        "train/empty_steps_skipped": float(result.empty_steps_skipped),
+        "train/weight_version": float(weight_version),
+        "train/trainable_params": float(trainable_params),
+        "train/trainable_fraction": trainable_params / max(total_params, 1),
+        TRAINED_TOKENS: float(result.trained_tokens),  # fewer when an optimizer step had no token to train on
+        "performance/training_forward_tokens_per_token": result.forward_tokens / max(float(result.trained_tokens), 1.0),
+    }
 
 
 def grpo_step(parts: GRPOComponents, step: int, timer: StepTimer) -> dict[str, Any]:
@@ -500,6 +508,25 @@ def timed_refit(refit: RefitTiming, timer: StepTimer) -> dict[str, float]:
     }
 
 
+def async_generation_metrics(taken: TakenRollout, generated: GenerationStats, generation_weight_version: int) -> dict[str, float]:
+    """What an async step reports of the buffer it took from and the collector's work since the previous step."""
+    seconds, samples = generated.generation_seconds, taken.rollout.samples
+    return {
+        "async/buffer_size": float(taken.buffer_size),
+        "async/generation_weight_version": float(generation_weight_version),
+        "async/refitted_mid_sequence_fraction": sum(s.refitted_mid_sequence for s in samples) / len(samples),
+        "async/generation_seconds": seconds,
+        "async/reward_seconds": generated.reward_seconds,
+        "async/reference_logprob_seconds": generated.reference_seconds,
+        "async/generation_batches": float(generated.batches),
+        "async/generation_tokens_per_sec": generated.generated_tokens / seconds if seconds else 0.0,
+        "idle/trainer_waiting_for_data": taken.waited_s,
+        "idle/generation_paused_for_checkpoint": generated.paused_for_checkpoint,
+        "idle/generation_waiting_for_pacing": generated.waiting_for_pacing,
+        "performance/num_generated_tokens": generated.generated_tokens,
+    }
+
+
 def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, timer: StepTimer) -> dict[str, Any]:
     """One async training step: take the step's groups from the buffer, train, refit generation."""
     cfg = parts.cfg
@@ -514,23 +541,7 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     generated = rollouts.generation_stats()
     metrics.update(trajectory_age_metrics(taken.ages, cfg.grpo.async_grpo.max_trajectory_age_steps))
     metrics.update(env_metrics_with_means(generated.env_counters))  # env/<task>/<counter> of the batches since the last step
-    seconds = generated.generation_seconds
-    metrics.update(
-        {
-            "async/buffer_size": float(taken.buffer_size),
-            "async/generation_weight_version": float(parts.generation.weight_version),
-            "async/refitted_mid_sequence_fraction": sum(s.refitted_mid_sequence for s in rollout.samples) / len(rollout.samples),
-            "async/generation_seconds": seconds,
-            "async/reward_seconds": generated.reward_seconds,
-            "async/reference_logprob_seconds": generated.reference_seconds,
-            "async/generation_batches": float(generated.batches),
-            "async/generation_tokens_per_sec": generated.generated_tokens / seconds if seconds else 0.0,
-            "idle/trainer_waiting_for_data": taken.waited_s,
-            "idle/generation_paused_for_checkpoint": generated.paused_for_checkpoint,
-            "idle/generation_waiting_for_pacing": generated.waiting_for_pacing,
-            "performance/num_generated_tokens": generated.generated_tokens,
-        }
-    )
+    metrics.update(async_generation_metrics(taken, generated, parts.generation.weight_version))
     if rollout.reference_logprobs is not None:  # the collector ran the reference pass: its passes since the last step
         metrics["performance/forward_passes/reference_logprobs"] = generated.reference_passes
         # and the tokens they scored (the batches generated since the last step, not the one this step trained on)
