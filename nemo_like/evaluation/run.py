@@ -163,6 +163,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.distributed.ray_init import init_ray
     from nemo_like.environments.worker import Environments, environment_resources
     from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
+    from nemo_like.experience.multi_turn import multi_turn_metrics, trimming_template_warning
     from nemo_like.experience.rollouts import collect_rollout, env_metrics_with_means
     from nemo_like.models.engines import build_generation, generation_resources
     from nemo_like.models.generation.interface import sampling_params
@@ -201,6 +202,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     check_context_length(model_dir, cfg.policy.max_total_sequence_length)
     check_stop_token_ids(model_dir, cfg.policy.generation.stop_token_ids)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    if cfg.grpo.max_rollout_turns > 1 and (trimming := trimming_template_warning(tokenizer)):
+        warnings.warn(trimming, RuntimeWarning, stacklevel=2)
     prompts = load_validation_prompts(cfg, tokenizer)
     check_environments(specs, {"validation": prompts})
     out = Path(ev.output_dir)
@@ -271,6 +274,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             "pass_k": ev.resolved_pass_k,
             **summarize(rows, ev.resolved_pass_k),
             "env_metrics": env_metrics_with_means(rollout.env_metrics),  # per-source means of a composed reward, as training logs
+            # turns, length cuts and the episodes the chat template ended (multi_turn/*, as training logs them)
+            **({"multi_turn_metrics": multi_turn_metrics(rollout.samples, rollout.rewards)} if plan.multi_turn else {}),
             "seconds": time.perf_counter() - start,
         }
         write_results(out, rows, summary, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -314,7 +319,11 @@ def result_rows(rollout: Any, specs: Any, n: int) -> list[dict[str, Any]]:
                 "answer": _jsonable(prompt.metadata.get("answer")),
                 "response_tokens": sample.num_sampled_tokens,
                 "truncated": bool(sample.truncated),
-                **({"num_turns": sample.num_turns, "turns": sample.messages} if sample.messages is not None else {}),
+                **(
+                    {"num_turns": sample.num_turns, "turns": sample.messages, "step_metrics": sample.step_metrics or {}}
+                    if sample.messages is not None
+                    else {}
+                ),
             }
         )
     return rows

@@ -38,6 +38,7 @@ from nemo_like.experience.trajectory_collector import (
     TrajectoryCollector,
 )
 from nemo_like.models.generation.interface import sampling_params
+from nemo_like.models.loading import tokenizer_source
 from nemo_like.models.policy.policy import Policy, ShardedLogprobs
 
 BUFFER_FILE = "replay_buffer.pt"
@@ -172,7 +173,7 @@ class AsyncRollouts:
                 generation_workers=parts.generation.group.workers,
                 environments=parts.environment,
                 buffer=self.buffer,
-                tokenizer_name=cfg.policy.tokenizer_name or cfg.policy.model_name,
+                tokenizer_name=tokenizer_source(cfg.policy),  # made absolute, as every actor is given it
                 records=loader.records,
                 loader_args={"batch_size": loader.batch_size, "seed": loader.seed, "shuffle": loader.shuffle},
                 loader_state=loader.state_dict(),

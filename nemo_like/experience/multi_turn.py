@@ -155,10 +155,10 @@ def observation_tokens(tokenizer, conv: Conversation, observation: dict[str, str
             "set policy.tokenizer_name to a tokenizer with such a template"
         )
     text = full[len(conv.text) :]
-    return text, in_context_ids(tokenizer, conv.text, text)
+    return text, in_context_ids(tokenizer, conv.text, text, searched_from=conv.turn_start - ADDED_TOKEN_WINDOW)
 
 
-def in_context_ids(tokenizer, before: str, text: str) -> list[int]:
+def in_context_ids(tokenizer, before: str, text: str, searched_from: int | None = None) -> list[int]:
     """The ids of ``text`` where it follows ``before``: the tail of ``before + text``'s ids after ``before``'s own.
 
     Tokenised alone, a SentencePiece tokenizer starts ``text`` with a ``▁`` word marker that the whole text's ids do not
@@ -166,8 +166,11 @@ def in_context_ids(tokenizer, before: str, text: str) -> list[int]:
     whole text's ids hold it too). When the two tokenisations disagree on ``before`` (a merge across the boundary), the
     ids of ``text`` alone. Only ``before``'s tail from its last added token is tokenised (an added token is one id
     whatever surrounds it, so the text after it tokenises the same): the whole conversation twice per turn cost
-    ~1 ms per 1,000 tokens of it."""
-    before = before[_last_added_token_start(tokenizer, before) :]
+    ~1 ms per 1,000 tokens of it. The added token is looked for from ``searched_from`` (the rollout: a window before
+    the last model turn, whose generation prompt ends with one however long the turn ran) or the last
+    :data:`ADDED_TOKEN_WINDOW` characters."""
+    start = len(before) - ADDED_TOKEN_WINDOW if searched_from is None else min(searched_from, len(before) - ADDED_TOKEN_WINDOW)
+    before = before[_last_added_token_start(tokenizer, before, max(0, start)) :]
     head = tokenizer(before, add_special_tokens=False)["input_ids"]
     whole = tokenizer(before + text, add_special_tokens=False)["input_ids"]
     if whole[: len(head)] == head:
@@ -179,22 +182,23 @@ def in_context_ids(tokenizer, before: str, text: str) -> list[int]:
 ADDED_TOKEN_WINDOW = 4096
 
 
-def _last_added_token_start(tokenizer, text: str) -> int:
-    """Where the last added token (``<|im_end|>``, any special or added token) starts in the last
-    :data:`ADDED_TOKEN_WINDOW` characters of ``text``; 0 (all of it) when none does."""
-    start = max(0, len(text) - ADDED_TOKEN_WINDOW)
+def _last_added_token_start(tokenizer, text: str, start: int) -> int:
+    """Where the last added token (``<|im_end|>``, any special or added token) starts in ``text[start:]``; 0 (all of
+    it) when none does."""
     found = max((text.rfind(token, start) for token in added_token_texts(tokenizer)), default=-1)
     return max(found, 0)
 
 
-def stop_string_cut(tokenizer, ids: list[int], stop_strings: Sequence[str]) -> int | None:
-    """Length of the shortest prefix of ``ids`` whose text contains a stop string (whole tokens kept), or ``None``."""
-    return stop_string_prefix(ids, lambda prefix: decode_exact(tokenizer, prefix), stop_strings)
+def stop_string_cut(tokenizer, ids: list[int], stop_strings: Sequence[str], before: Sequence[int] = ()) -> int | None:
+    """Length of the shortest prefix of ``ids`` whose text (decoded after ``before``: :func:`decode_in_context`) contains
+    a stop string (whole tokens kept), or ``None``."""
+    return stop_string_prefix(ids, lambda prefix: decode_in_context(tokenizer, before, prefix), stop_strings)
 
 
-def apply_stop_strings(tokenizer, sample: GeneratedSample, stop_strings: Sequence[str]) -> GeneratedSample:
-    """``sample`` cut after the token that completes the first stop string (then it is not truncated)."""
-    cut = stop_string_cut(tokenizer, sample.response_ids, stop_strings)
+def apply_stop_strings(tokenizer, sample: GeneratedSample, stop_strings: Sequence[str], before: Sequence[int] = ()) -> GeneratedSample:
+    """``sample`` cut after the token that completes the first stop string (then it is not truncated); ``before``: the
+    ids the response follows (a SentencePiece turn's first space counts: a stop string ``' 7'``)."""
+    cut = stop_string_cut(tokenizer, sample.response_ids, stop_strings, before)
     if cut is None:
         return sample
     kept = dict(response_ids=sample.response_ids[:cut], response_logprobs=sample.response_logprobs[:cut], truncated=False)
@@ -258,10 +262,10 @@ def decode_in_context(tokenizer, before: Sequence[int], ids: Sequence[int]) -> s
 def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, ends: TurnEnds, recipe_stops: Sequence[str] = ()) -> None:
     """Append one model turn's sampled ids, logprobs and message, cut at the recipe's stop strings and the ones
     the sample's last environment step added; ``ends`` says whether its last token belongs to the message."""
-    sample = apply_stop_strings(tokenizer, sample, [*recipe_stops, *(conv.stop_strings or ())])
+    before = (conv.response_ids or list(conv.prompt.prompt_token_ids))[-1:]  # the sequence's last id: the turn's context
+    sample = apply_stop_strings(tokenizer, sample, [*recipe_stops, *(conv.stop_strings or ())], before)
     ids, logprobs, truncated = list(sample.response_ids), list(sample.response_logprobs), sample.truncated
     conv.decoded_tokens += sample.num_decoded_tokens
-    before = [*conv.prompt.prompt_token_ids, *conv.response_ids]
     conv.response_ids += ids
     conv.response_mask += [1] * len(ids)
     conv.response_logprobs += logprobs
@@ -334,16 +338,16 @@ def apply_step(
     conv.stop_strings = step.stop_strings
 
 
-#: Step counter (``train/multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): episodes ended because a
+#: Step counter (``multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): episodes ended because a
 #: turn ended on an end-of-turn id the chat template does not write back, so the conversation could not go on where the
 #: environment went on (it failed the whole rollout before).
 FOREIGN_END = "foreign_end_of_turn"
-#: Step counter (``train/multi_turn/template_whitespace_rewrite_per_sample``): episodes ended because the chat template
+#: Step counter (``multi_turn/template_whitespace_rewrite_per_sample``): episodes ended because the chat template
 #: writes the last turn back with other whitespace around its content than the sequence holds (``| trim``: Llama 3.x,
 #: Gemma, Mistral; a space it adds: Mistral's and Llama 2's), where the environment went on (it failed the whole rollout
 #: with a template error).
 WHITESPACE_REWRITE = "template_whitespace_rewrite"
-#: Step counter (``train/multi_turn/observation_dropped_for_length_per_sample``): observations built by an environment
+#: Step counter (``multi_turn/observation_dropped_for_length_per_sample``): observations built by an environment
 #: told the turn was not final, then dropped because they did not fit ``policy.max_total_sequence_length``.
 OBSERVATION_DROPPED = "observation_dropped_for_length"
 
@@ -379,7 +383,7 @@ def trimming_template_warning(tokenizer) -> str | None:
     return (
         "the chat template trims message content (it does not write back an assistant turn ' x \\n' as sampled): in "
         "multi-turn rollouts a turn that begins or ends with whitespace ends its episode there (counted in "
-        f"train/multi_turn/{WHITESPACE_REWRITE}_per_sample); a template that keeps content as it is avoids it"
+        f"multi_turn/{WHITESPACE_REWRITE}_per_sample); a template that keeps content as it is avoids it"
     )
 
 
@@ -462,7 +466,7 @@ def run_multi_turn(
         for conv, step, final in zip(active, steps, finals):
             apply_step(tokenizer, conv, step, last_turn, max_total_length, told_final=final)
     samples = [finished_sample(c) for c in convs]
-    texts = [decode_exact(tokenizer, s.response_ids) for s in samples]
+    texts = [decode_in_context(tokenizer, s.prompt_ids, s.response_ids) for s in samples]
     rewards = torch.tensor([c.reward for c in convs], dtype=torch.float32)
     return MultiTurnResult(samples, rewards, texts, counters, gen_s, env_s)
 

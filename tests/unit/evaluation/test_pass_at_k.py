@@ -60,3 +60,24 @@ def test_summary_accuracy_is_over_samples_and_rewards_below_one_are_not_correct(
     assert summary["mean_reward"] == pytest.approx(1.2 / 8)
     assert summary["pass@4"] == pytest.approx(0.5)
     assert summary["accuracy_per_task"] == {"math": 0.25, "arithmetic": 0.0}
+
+
+def test_a_multi_turn_row_carries_its_episodes_step_metrics() -> None:
+    """An episode the chat template ended (a whitespace rewrite, a foreign end token) looked like a wrong answer in
+    results.jsonl: the row now carries the sample's step counters (what training logs as multi_turn/*)."""
+    import torch
+
+    from nemo_like.data.prompts import PromptRecord
+    from nemo_like.evaluation.run import result_rows
+    from nemo_like.experience.rollouts import Rollout
+    from nemo_like.models.generation.interface import GeneratedSample
+
+    turns = [{"role": "assistant", "content": "7\n"}]
+    cut = GeneratedSample([1], [2, 3], [-0.1, -0.2], False, 0, messages=turns, step_metrics={"template_whitespace_rewrite": 1.0})
+    single = GeneratedSample([1], [2], [-0.1], False, 0)
+    prompt = PromptRecord(id="p", messages=[], prompt_token_ids=[1], metadata={"answer": 7, "task_name": "arithmetic"})
+    rollout = Rollout([prompt, prompt], torch.tensor([0, 0]), [cut, single], ["7\n", "7"], torch.tensor([0.0, 1.0]))
+    rows = result_rows(rollout, {"arithmetic": None}, 2)
+    assert rows[0]["num_turns"] == 1 and rows[0]["turns"] == turns
+    assert rows[0]["step_metrics"] == {"template_whitespace_rewrite": 1.0}
+    assert "step_metrics" not in rows[1] and "turns" not in rows[1]  # single-turn rows stay as they were

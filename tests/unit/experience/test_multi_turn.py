@@ -563,6 +563,36 @@ def test_a_turn_with_no_room_for_the_shortest_observation_is_the_final_one(token
             assert dropped == 1.0
 
 
+def test_a_rewritten_turn_with_no_room_left_is_a_length_cut_and_an_earlier_turn_re_trimmed_still_raises(tokenizer):
+    """A turn ended on a foreign end id (or rewritten in its whitespace) with no room left for an observation is a
+    length cut, not counted as the template's (it was counted besides the cut). A template that trims an earlier turn
+    only once a later one exists rewrites more than the last turn's whitespace: an error, not a counted episode end."""
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    row = chat_prompt(tokenizer, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})
+    turn = encode("7") + [eot]
+    result = run_multi_turn(
+        ScriptedTurns([turn]), local_stepper({"arithmetic": CountdownEnv(turns=3)}), tokenizer, [row],
+        SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, len(row.prompt_token_ids) + len(turn) + 1, (EOS, eot)),
+    )  # fmt: skip
+    (sample,) = result.samples
+    assert sample.length_truncated and "foreign_end_of_turn" not in (sample.step_metrics or {})
+    retrimming = copy.deepcopy(tokenizer)
+    retrimming.chat_template = (
+        "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'assistant' %}{% set ns.last = loop.index0 %}"
+        "{% endif %}{% endfor %}{% for m in messages %}{% set c = m['content'] %}"
+        "{% if m['role'] == 'assistant' and loop.index0 < ns.last %}{% set c = c | trim %}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    three_turns = chat_prompt(retrimming, "What is 4 + 4?", {"answer": 8, "task_name": "arithmetic"})
+    with pytest.raises(TemplateRewriteError, match="rewrites the conversation so far"):
+        run_multi_turn(
+            ScriptedTurns([encode("8\n") + [EOS], encode("8") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}),
+            retrimming, [three_turns], SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 256, (EOS,)),
+        )  # fmt: skip
+
+
 def test_end_ids_are_judged_where_the_conversation_goes_on(tokenizer):
     """An end id is the turn's end where its text follows an assistant turn's content when another message follows
     (whitespace between allowed): Llama 2 writes ``' ' + content + ' </s>'`` (its </s> was taken for foreign: every
@@ -615,6 +645,15 @@ def test_a_sentencepiece_turn_keeps_the_space_of_its_first_token(legacy):
     )  # fmt: skip
     assert [s.num_turns for s in result.samples] == [2, 1, 1] and result.rewards.tolist() == [1.0, 0.0, 0.0]
     assert [m["content"] for m in result.samples[0].messages if m["role"] == "assistant"] == [" 7", " 7"]
+    assert result.texts[0] == " 7</s>[INST] 1 left[/INST] 7</s>"  # what was trained on (decoded alone it lost the space)
+    # A stop string led by a space ends the turn where its text has it (decoded alone, the first '▁7' had no space)
+    said = sp(render_chat(sp, row.messages, add_generation_prompt=True) + " 7 is it 7</s>", add_special_tokens=False)
+    said = said["input_ids"][len(row.prompt_token_ids) :]
+    cut = run_multi_turn(
+        ScriptedTurns([said]), local_stepper({"arithmetic": CountdownEnv(turns=1, observation_role="user")}), sp, [row],
+        SamplingParams(max_new_tokens=16, stop_strings=[" 7"]), 0, MultiTurnSettings(1, 256, (sp.eos_token_id,)),
+    )  # fmt: skip
+    assert cut.texts == [" 7"] and cut.samples[0].messages[0]["content"] == " 7"
     assert [s.step_metrics.get("template_whitespace_rewrite") for s in result.samples] == [None, 1.0, 1.0]
 
 
