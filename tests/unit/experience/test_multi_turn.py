@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,6 +228,18 @@ class ScriptedTurns:
 
     def generate(self, batch, params, seed):
         return [GeneratedSample(list(q), (ids := self.turns.pop(0)), [-0.1] * len(ids), False, 0) for q in batch]
+
+
+def sentencepiece_tokenizer(legacy: bool, special_tokens: list[str], chat_template: str):
+    """The SentencePiece (Llama-type) fixture tokenizer with ``special_tokens`` added and ``chat_template``."""
+    from transformers import LlamaTokenizerFast
+
+    fixture = Path(__file__).parents[2] / "fixtures" / "tiny_sentencepiece"
+    sp = LlamaTokenizerFast.from_pretrained(
+        fixture, add_bos_token=False, legacy=legacy, pad_token="<pad>", additional_special_tokens=special_tokens
+    )
+    sp.chat_template = chat_template
+    return sp
 
 
 def chat_prompt(tokenizer, content: str, metadata: dict, prompt_id: str = "p0") -> PromptRecord:
@@ -620,17 +633,11 @@ def test_a_sentencepiece_turn_keeps_the_space_of_its_first_token(legacy):
     tokenizer drops that first ``▁``, so the sequence's text read ``[/INST]7</s>`` and every turn failed the whole
     rollout as a template rewrite. Each turn is decoded after the sequence's last id (``decode_in_context``); a turn
     with a trailing newline still ends its episode as a trimmed one."""
-    from pathlib import Path
-
-    from transformers import LlamaTokenizerFast
-
-    fixture = Path(__file__).parents[2] / "fixtures" / "tiny_sentencepiece"
-    sp = LlamaTokenizerFast.from_pretrained(
-        fixture, add_bos_token=False, legacy=legacy, pad_token="<pad>", additional_special_tokens=["[INST]", "[/INST]"]
-    )
-    sp.chat_template = (
+    sp = sentencepiece_tokenizer(
+        legacy,
+        ["[INST]", "[/INST]"],
         "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + '[/INST]' }}"
-        "{% else %}{{ ' ' + m['content'] | trim + '</s>' }}{% endif %}{% endfor %}"
+        "{% else %}{{ ' ' + m['content'] | trim + '</s>' }}{% endif %}{% endfor %}",
     )
     row = chat_prompt(sp, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})
     answer = sp(render_chat(sp, row.messages, add_generation_prompt=True) + " 7</s>", add_special_tokens=False)["input_ids"]
@@ -664,20 +671,13 @@ def test_a_sentencepiece_observation_holds_the_ids_it_has_in_the_whole_rendering
     never sees at deployment (``legacy=False``; a legacy tokenizer puts the ``▁`` after every special token, in the whole
     rendering too, so there the observation keeps it). The rollout appends the observation's ids in context: the ids the
     whole rendering has after the sequence so far, tokenised from the sequence's last added token on."""
-    from pathlib import Path
-
-    from transformers import LlamaTokenizerFast
-
-    from nemo_like.data.prompts import PromptRecord
     from nemo_like.experience.multi_turn import Conversation, observation_tokens, render
 
-    fixture = Path(__file__).parents[2] / "fixtures" / "tiny_sentencepiece"
-    sp = LlamaTokenizerFast.from_pretrained(
-        fixture, add_bos_token=False, legacy=legacy, pad_token="<pad>", additional_special_tokens=["<|im_start|>", "<|im_end|>"]
-    )
-    sp.chat_template = (
+    sp = sentencepiece_tokenizer(
+        legacy,
+        ["<|im_start|>", "<|im_end|>"],
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
     )
     messages = [{"role": "user", "content": "what is 2+2"}]
     prompt = PromptRecord(id="0", messages=messages, prompt_token_ids=[], metadata={})
