@@ -416,7 +416,7 @@ def format_warning(message: Warning | str, category: type[Warning], filename: st
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``nemo-like`` command; returns its exit status (also written to ``$NEMO_LIKE_EXIT_STATUS_FILE`` when set)."""
     status: int | None = None
-    warnings.formatwarning = format_warning
+    python_format, warnings.formatwarning = warnings.formatwarning, format_warning
     try:
         status = _main(argv)
         return status
@@ -427,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = 130
         raise
     finally:
+        warnings.formatwarning = python_format  # in-process callers (tests) get Python's format back
         record_exit_status(1 if status is None else status)
 
 

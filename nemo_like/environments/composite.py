@@ -60,7 +60,7 @@ def resolve_source(name: str, section: dict[str, Any]) -> tuple[type[Environment
     cls = import_environment_class(path, f"sources.{name}.class")
     if issubclass(cls, CompositeEnvironment):
         raise ValueError(f"sources.{name}: a composite cannot be a source of another composite; list its sources here")
-    return cls, weight, check_constructor_kwargs(cls, settings, f"sources.{name}")
+    return cls, weight, check_constructor_kwargs(cls, settings, f"sources.{name}", SOURCE_KEYS)
 
 
 class CompositeEnvConfig(BaseModel):

@@ -252,11 +252,14 @@ def writes_back(tokenizer, token_id: int) -> bool:
 def decode_in_context(tokenizer, before: Sequence[int], ids: Sequence[int]) -> str:
     """The text ``ids`` add after ``before`` (the sequence so far): decoded after its last id and cut, so that a
     SentencePiece tokenizer keeps the space of a first ``▁7`` that decoding ``ids`` alone drops (``[/INST] 7``, as the
-    template writes it). ``ids`` alone where the two decodings disagree on ``before``'s part."""
+    template writes it). ``ids`` alone where the two decodings disagree on ``before``'s part, or where that id alone is
+    no whole character (a byte-fallback token: the bytes after it would be read into it)."""
     context = list(before[-1:])
     head = decode_exact(tokenizer, context)
     whole = decode_exact(tokenizer, [*context, *ids])
-    return whole[len(head) :] if context and whole.startswith(head) else decode_exact(tokenizer, ids)
+    if context and "\ufffd" not in head and whole.startswith(head):
+        return whole[len(head) :]
+    return decode_exact(tokenizer, ids)
 
 
 def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, ends: TurnEnds, recipe_stops: Sequence[str] = ()) -> None:

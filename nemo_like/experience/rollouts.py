@@ -163,7 +163,8 @@ def generate_rollout(
     expanded, group_ids = expand_groups(prompts, num_generations)
     samples = generation.generate([p.prompt_token_ids for p in expanded], params, seed)
     if params.stop_strings:
-        samples = [apply_stop_strings(tokenizer, s, params.stop_strings) for s in samples]
+        # decoded after the prompt's last id: a SentencePiece response's first space counts (a stop string ' 7')
+        samples = [apply_stop_strings(tokenizer, s, params.stop_strings, s.prompt_ids[-1:]) for s in samples]
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     return expanded, group_ids, samples, texts
 

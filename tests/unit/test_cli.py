@@ -315,6 +315,7 @@ def test_the_projects_warnings_are_one_line_and_plan_prints_the_turns_warning(ca
     assert format_warning("the env is idle", RuntimeWarning, str(PACKAGE_DIR / "train.py"), 281) == "warning: the env is idle\n"
     assert format_warning("old", DeprecationWarning, warnings.__file__, 3).startswith(f"{warnings.__file__}:3: DeprecationWarning: old")
     assert main(["plan", "grpo.max_rollout_turns=2"]) == 0
+    assert warnings.formatwarning is not format_warning  # restored for in-process callers (pytest's summary uses it)
     err = capsys.readouterr().err
     assert "[plan] warning: grpo.max_rollout_turns=2 has no effect for env.arithmetic: it is single-turn" in err
     assert "(it still turns grpo.overlap_scoring off" in err

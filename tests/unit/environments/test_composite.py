@@ -107,6 +107,8 @@ def test_a_reward_model_reserves_at_most_one_gpu() -> None:
             {"sources": {"x": {"class": "length_penalty", "free_lenght": 3}}},
             "sources.x.free_lenght: unknown key. Did you mean 'sources.x.free_length'",
         ),
+        # a source's own keys are offered too (a misspelled weight had no hint)
+        ({"sources": {"x": {"class": "length_penalty", "wieght": 2}}}, "sources.x.wieght: unknown key. Did you mean 'sources.x.weight'"),
         ({"sources": {"x": {"class": "arithmetic", "weight": "high"}}}, "sources.x.weight must be a finite number"),
         ({"sources": {"x": {"class": "composite", "sources": SOURCES}}}, "cannot be a source of another composite"),
         # a multi-turn environment's turns never ran inside a composite: its step was the default, single-turn one

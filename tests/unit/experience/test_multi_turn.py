@@ -664,6 +664,24 @@ def test_a_sentencepiece_turn_keeps_the_space_of_its_first_token(legacy):
     assert [s.step_metrics.get("template_whitespace_rewrite") for s in result.samples] == [None, 1.0, 1.0]
 
 
+def test_a_response_is_decoded_after_its_context_whole_characters_only():
+    """decode_in_context after a byte-fallback id (the tail byte of a multi-byte character) read the response's own
+    bytes into it ('������ 7' for '日本 7'): it decodes alone there. A single-turn stop-string cut decodes the response
+    after its prompt too (a SentencePiece ' 7' stop was found only at the second '▁7', 9 ids in)."""
+    from nemo_like.experience.multi_turn import decode_in_context
+    from nemo_like.experience.rollouts import generate_rollout
+
+    sp = sentencepiece_tokenizer(False, [], "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    context = sp("Réponse é", add_special_tokens=False)["input_ids"]
+    ids = sp("Réponse é日本 7", add_special_tokens=False)["input_ids"][len(context) :]
+    assert sp.convert_ids_to_tokens(context[-1]) == "<0xA9>" and decode_in_context(sp, context[-1:], ids) == "日本 7"
+    prompt = PromptRecord(id="p", messages=[], prompt_token_ids=sp("Say:", add_special_tokens=False)["input_ids"], metadata={})
+    said = sp("Say: 7 is it 7", add_special_tokens=False)["input_ids"][len(prompt.prompt_token_ids) :]
+    assert sp.convert_ids_to_tokens(said[0]).startswith("▁")
+    _, _, samples, texts = generate_rollout(ScriptedTurns([said]), sp, [prompt], 1, SamplingParams(16, stop_strings=[" 7"]), 0)
+    assert decode_in_context(sp, prompt.prompt_token_ids, samples[0].response_ids) == " 7" and texts == ["7"]
+
+
 @pytest.mark.parametrize("legacy", [False, True])
 def test_a_sentencepiece_observation_holds_the_ids_it_has_in_the_whole_rendering(legacy):
     """Peer pitfall (NeMo-RL#2844): an observation tokenised on its own by a SentencePiece tokenizer starts with a
