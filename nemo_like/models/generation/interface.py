@@ -141,13 +141,23 @@ class GenerationInterface(WeightReceiver, Protocol):
         """Release the actors."""
 
 
+#: The most byte tokens an unfinished character can end a prefix with (a UTF-8 character has at most four bytes).
+UNFINISHED_CHARACTER_TOKENS = 3
+
+
 def stop_string_prefix(ids: Sequence[int], decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str]) -> int | None:
     """Length of the shortest prefix of ``ids`` whose text (``decode``) holds one of ``stop_strings`` (whole tokens
     kept), or ``None``. A prefix's text only grows with the prefix, so a binary search finds it in ``log2(len(ids))``
-    decodes (decoding every prefix cost 0.65 s for one 2,000-token response)."""
+    decodes (decoding every prefix cost 0.65 s for one 2,000-token response). A prefix that ends inside a character
+    (byte tokens: its text ends in U+FFFD) is read up to that character: a byte-fallback decoder (Llama 2, Mistral)
+    writes U+FFFD for every byte of such a run, the whole characters before it too, so its text did not only grow."""
 
     def holds(length: int) -> bool:
         text = decode(ids[:length])
+        for back in range(1, min(UNFINISHED_CHARACTER_TOKENS, length) + 1):
+            if not text.endswith("\ufffd"):
+                break
+            text = decode(ids[: length - back])
         return any(s in text for s in stop_strings)
 
     if not stop_strings or not ids or not holds(len(ids)):

@@ -680,6 +680,11 @@ def test_a_response_is_decoded_after_its_context_whole_characters_only():
     assert sp.convert_ids_to_tokens(said[0]).startswith("▁")
     _, _, samples, texts = generate_rollout(ScriptedTurns([said]), sp, [prompt], 1, SamplingParams(16, stop_strings=[" 7"]), 0)
     assert decode_in_context(sp, prompt.prompt_token_ids, samples[0].response_ids) == " 7" and texts == ["7"]
+    # The cut's binary search read a prefix ending inside a character as all U+FFFD (the byte-fallback decoder blanks
+    # the whole byte run, '日' before it too): the cut landed 6 tokens late, or (a response cut mid-character) never.
+    spelled = sp("日本語 7", add_special_tokens=False)["input_ids"]
+    assert sp.convert_ids_to_tokens(spelled[1:4]) == ["<0xE6>", "<0x97>", "<0xA5>"]
+    assert stop_string_cut(sp, spelled, ["日"]) == 4 and stop_string_cut(sp, spelled[:5], ["日"]) == 4
 
 
 @pytest.mark.parametrize("legacy", [False, True])
