@@ -154,9 +154,11 @@ def stop_string_prefix(ids: Sequence[int], decode: Callable[[Sequence[int]], str
 
     def holds(length: int) -> bool:
         text = decode(ids[:length])
-        for back in range(1, min(UNFINISHED_CHARACTER_TOKENS, length) + 1):
+        for back in range(1, min(UNFINISHED_CHARACTER_TOKENS, length) + 1):  # each text read counts (a byte-level token
+            if any(s in text for s in stop_strings):  # may end one character and begin the next: 'a日\ufffd' holds 日)
+                return True
             if not text.endswith("\ufffd"):
-                break
+                return False
             text = decode(ids[: length - back])
         return any(s in text for s in stop_strings)
 
@@ -203,8 +205,16 @@ class StopStringWatch:
         return known
 
     def holds(self, ids: Sequence[int]) -> bool:
-        """Whether the text of ``ids``'s last tokens holds a stop string."""
-        text = self.decode(ids[-self.window :])
+        """Whether the text of ``ids``'s last tokens holds a stop string. A window that starts inside a character (its
+        text starts with U+FFFD: a byte-fallback decoder then blanks the whole byte run, the stop string's characters
+        too) starts up to 3 tokens earlier."""
+        start = max(0, len(ids) - self.window)
+        text = self.decode(ids[start:])
+        for _ in range(UNFINISHED_CHARACTER_TOKENS):
+            if start == 0 or not text.startswith("\ufffd"):
+                break
+            start -= 1
+            text = self.decode(ids[start:])
         return any(s in text for s in self.stop_strings)
 
 

@@ -35,8 +35,8 @@ from nemo_like.experience.multi_turn import (
 from nemo_like.experience.replay_buffer import ReplayBuffer, ReplayBufferError, TrajectoryGroup
 from nemo_like.experience.rollouts import Rollout
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
-from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
-from nemo_like.models.loading import load_causal_lm, load_tokenizer, render_chat
+from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, StopStringWatch
+from nemo_like.models.loading import decode_exact, load_causal_lm, load_tokenizer, render_chat
 from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs
 from nemo_like.plan.multi_turn import MultiTurnSettings, multi_turn_settings
 
@@ -685,6 +685,14 @@ def test_a_response_is_decoded_after_its_context_whole_characters_only():
     spelled = sp("日本語 7", add_special_tokens=False)["input_ids"]
     assert sp.convert_ids_to_tokens(spelled[1:4]) == ["<0xE6>", "<0x97>", "<0xA5>"]
     assert stop_string_cut(sp, spelled, ["日"]) == 4 and stop_string_cut(sp, spelled[:5], ["日"]) == 4
+    # A genuine U+FFFD (bytes EF BF BD) before an unfinished emoji: each text read while stepping back counts
+    genuine = sp.convert_tokens_to_ids(["<0xC3>", "<0xA9>", "<0xEF>", "<0xBF>", "<0xBD>", "<0xF0>", "<0x9F>", "<0x91>", "<0x8D>"])
+    assert stop_string_cut(sp, genuine, ["é"]) == 2 and stop_string_cut(sp, genuine[:7], ["é"]) == 2
+    # The engine's watch decodes a window of the last tokens: one starting inside a byte run blanked the stop string
+    watch = StopStringWatch(lambda ids: decode_exact(sp, ids), ["日"])
+    row = sp("本語日" + "本語" * 10, add_special_tokens=False)["input_ids"]
+    engine_stop = next((i + 1 for i in range(len(row)) if watch.can_end(row[i]) and watch.holds(row[: i + 1])), None)
+    assert engine_stop == stop_string_cut(sp, row, ["日"]) == 10
 
 
 @pytest.mark.parametrize("legacy", [False, True])
