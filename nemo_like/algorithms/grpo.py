@@ -689,7 +689,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
         val = runner.validate(0, StepTimer())
         control.validation_finished(time.perf_counter() - started)
         history.append(logger.log(val, step=0))
-        logger.progress.message(f"[step 0] validation/accuracy={val['validation/accuracy']:.3f}")
+        logger.progress.message(validation_line(0, val))
     timer = StepTimer()
     # Carried in the checkpoints' metrics: a resumed (or requeued) run stops where the uninterrupted one would.
     nonfinite_streak = int(resume_from.state.get("metrics", {}).get(NONFINITE_STREAK, 0)) if last_step else 0
@@ -713,7 +713,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             else:
                 history.append(record)
             last_validation = validation_of(val, final)
-            logger.progress.message(f"[step {final}] validation/accuracy={val['validation/accuracy']:.3f}")
+            logger.progress.message(validation_line(final, val))
             validated = True
         # The steps since the last save would be lost; a step saved before its end-of-run validation is saved
         # again with it (best-k retention and a resume read the checkpoint's validation)
@@ -765,10 +765,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             metrics.update(throughput_metrics(metrics))
             metrics.update(flops_metrics(metrics, flops))
             history.append(logger.log(metrics, step))  # one record, shared with the logger's (a restart keeps those)
-            info = f"reward={metrics['train/reward']:.3f} loss={metrics['train/loss']:.4f}"
-            if "validation/accuracy" in metrics:
-                info += f" val_acc={metrics['validation/accuracy']:.3f}"
-            logger.progress.update(step, info)
+            logger.progress.update(step, progress_info(metrics))
             if cfg.logger.console_timing_period and step % cfg.logger.console_timing_period == 0:
                 logger.progress.message(format_timing(metrics))
             if nonfinite_streak >= cfg.grpo.max_consecutive_nonfinite_steps:
@@ -810,6 +807,19 @@ def validation_of(metrics: dict[str, Any], step: int | None = None) -> dict[str,
     already carry it)."""
     values = {k: v for k, v in metrics.items() if k.startswith("validation/")}
     return values if step is None else {**values, VALIDATED_AT_STEP: float(step)}
+
+
+def progress_info(metrics: dict[str, Any]) -> str:
+    """The step's part of the console progress line: its reward and loss, and its validation accuracy when it ran one."""
+    info = f"reward={metrics['train/reward']:.3f} loss={metrics['train/loss']:.4f}"
+    if "validation/accuracy" in metrics:
+        info += f" val_acc={metrics['validation/accuracy']:.3f}"
+    return info
+
+
+def validation_line(step: int, val: dict[str, Any]) -> str:
+    """The console line of a validation pass outside the steps' progress (at the start, at the end)."""
+    return f"[step {step}] validation/accuracy={val['validation/accuracy']:.3f}"
 
 
 def format_timing(metrics: dict[str, Any]) -> str:

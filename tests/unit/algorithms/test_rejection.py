@@ -164,6 +164,17 @@ def test_sequence_statistic_values_are_reported() -> None:
     assert (m["rollout_rejection/seq_stat_max"], m["rollout_rejection/seq_stat_min"]) == (pytest.approx(4.0), pytest.approx(0.8))
     assert m["rollout_rejection/seq_frac_above"] == pytest.approx(1 / 3)
     assert m["rollout_rejection/seq_frac_below"] == 0.0
+    # The rows' ratios of their summed log-ratios are 4, 1 and 0.8: their (population) std
+    assert m["rollout_rejection/seq_stat_std"] == pytest.approx(torch.tensor([4.0, 1.0, 0.8]).std(correction=0).item())
+    # 'max': each row's largest and smallest token ratio (2 and 2, 3 and 1/3, 0.8 and 0.8) span the summary, the std is
+    # over the largest only
+    m = apply_rollout_rejection(RolloutRejectionConfig(level="sequence", sequence_statistic="max", upper=3.0), _batch(SEQ_ROWS))
+    assert (m["rollout_rejection/seq_stat_max"], m["rollout_rejection/seq_stat_min"]) == (pytest.approx(3.0), pytest.approx(1 / 3))
+    assert m["rollout_rejection/seq_stat_std"] == pytest.approx(torch.tensor([2.0, 3.0, 0.8]).std(correction=0).item())
+    # 'k3': a KL estimate is reported as it is (not as a ratio): the row means of e^x - 1 - x
+    m = apply_rollout_rejection(RolloutRejectionConfig(level="sequence", sequence_statistic="k3", upper=3.0), _batch(SEQ_ROWS))
+    k3 = [sum(math.exp(x) - 1 - x for x in row) / len(row) for row in SEQ_ROWS]
+    assert (m["rollout_rejection/seq_stat_max"], m["rollout_rejection/seq_stat_min"]) == (pytest.approx(max(k3)), pytest.approx(min(k3)))
 
 
 def test_a_long_sequences_summed_ratio_stays_finite_in_the_diagnostics() -> None:

@@ -9,7 +9,14 @@ import math
 import pytest
 import torch
 
-from nemo_like.algorithms.grpo import async_generation_metrics, format_timing, trajectory_age_metrics, update_metrics
+from nemo_like.algorithms.grpo import (
+    async_generation_metrics,
+    format_timing,
+    progress_info,
+    trajectory_age_metrics,
+    update_metrics,
+    validation_line,
+)
 from nemo_like.data.prompts import PromptRecord
 from nemo_like.experience.async_rollouts import TakenRollout
 from nemo_like.experience.rollouts import Rollout
@@ -111,3 +118,9 @@ def test_the_console_timing_line() -> None:
 )
 def test_the_end_of_run_line(history: list[dict], line: str) -> None:
     assert summarise(history, 12.0) == line
+
+
+def test_the_console_progress_and_validation_lines() -> None:
+    assert progress_info({"train/reward": 0.25, "train/loss": 0.5}) == "reward=0.250 loss=0.5000"
+    assert progress_info({"train/reward": 0.25, "train/loss": 0.5, "validation/accuracy": 0.75}) == "reward=0.250 loss=0.5000 val_acc=0.750"
+    assert validation_line(0, {"validation/accuracy": 0.75}) == "[step 0] validation/accuracy=0.750"

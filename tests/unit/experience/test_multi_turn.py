@@ -157,6 +157,10 @@ def test_every_trained_sample_is_prompt_plus_sampled_plus_observation_ids(tokeni
     for k in (1, 2, 3):
         with_k = [r for s, r in zip(samples, result.rewards.tolist()) if s.num_turns == k]
         assert metrics[f"multi_turn/reward_turns_{k}"] == pytest.approx(sum(with_k) / len(with_k))
+        assert metrics[f"multi_turn/fraction_turns_{k}"] == len(with_k) / len(samples)
+    # observation tokens: the response's tokens the policy did not sample (mask 0), here > 0
+    observed = sum(s.response_mask.count(0) for s in samples) / len(samples)
+    assert observed > 0 and metrics["multi_turn/observation_tokens_per_sample"] == pytest.approx(observed)
 
 
 def test_each_turn_is_a_prefix_of_the_next_and_one_turn_is_the_single_turn_rollout(worker, tokenizer, prompts, three_turns):
