@@ -152,15 +152,18 @@ def stop_string_prefix(ids: Sequence[int], decode: Callable[[Sequence[int]], str
     (byte tokens: its text ends in U+FFFD) is read up to that character: a byte-fallback decoder (Llama 2, Mistral)
     writes U+FFFD for every byte of such a run, the whole characters before it too, so its text did not only grow."""
 
+    def found(text: str) -> bool:  # a trailing U+FFFD may be an unfinished character's: never part of a match
+        return any(s in text.rstrip("\ufffd") for s in stop_strings)
+
     def holds(length: int) -> bool:
         text = decode(ids[:length])
         for back in range(1, min(UNFINISHED_CHARACTER_TOKENS, length) + 1):  # each text read counts (a byte-level token
-            if any(s in text for s in stop_strings):  # may end one character and begin the next: 'a日\ufffd' holds 日)
+            if found(text):  # may end one character and begin the next: 'a日\ufffd' holds 日)
                 return True
             if not text.endswith("\ufffd"):
                 return False
             text = decode(ids[: length - back])
-        return any(s in text for s in stop_strings)
+        return found(text)
 
     if not stop_strings or not ids or not holds(len(ids)):
         return None
@@ -215,7 +218,9 @@ class StopStringWatch:
                 break
             start -= 1
             text = self.decode(ids[start:])
-        return any(s in text for s in self.stop_strings)
+        # confirmed on the whole row (once per hit): a window's clean byte run may be blanked in the whole text, where
+        # the driver's cut would then find no stop
+        return any(s in text for s in self.stop_strings) and stop_string_prefix(ids, self.decode, self.stop_strings) is not None
 
 
 def actor_concurrency(cfg) -> int:

@@ -44,9 +44,11 @@ def vllm_sampling_params(sp: SamplingParams, stop_ids: list[int], seed: int):
     the driver to cut; the driver's cut stays the exact one)."""
     from vllm import SamplingParams as VSamplingParams
 
-    # vLLM matches stop strings on the response decoded behind its prompt, as the driver's cuts now decode it (behind
-    # the prompt's last id: a SentencePiece first token's space counts on both sides), so it takes every stop string.
-    stops = list(sp.stop_strings)
+    # vLLM matches stop strings on the response decoded behind its prompt; the driver's cut decodes it behind the
+    # prompt's last id, or alone where that id is half a character (a byte-fallback token): then a SentencePiece first
+    # token's space is dropped, so a stop string that starts with a space could stop vLLM where the driver finds no
+    # stop. The driver still cuts at those; vLLM does not stop early for them.
+    stops = [s for s in sp.stop_strings if not s.startswith(" ")]
 
     return VSamplingParams(
         n=1,

@@ -697,6 +697,19 @@ def test_a_response_is_decoded_after_its_context_whole_characters_only():
     row = sp("本語日" + "本語" * 10, add_special_tokens=False)["input_ids"]
     engine_stop = next((i + 1 for i in range(len(row)) if watch.can_end(row[i]) and watch.holds(row[: i + 1])), None)
     assert engine_stop == stop_string_cut(sp, row, ["日"]) == 10
+    # A stray byte blanks the whole run in the row's text: the window's clean part held 日 and stopped the engine where
+    # the driver's cut finds no stop; a hit is confirmed on the whole row now.
+    stray = sp("a", add_special_tokens=False)["input_ids"] + sp.convert_tokens_to_ids(
+        ["<0x80>", *[f"<0x{b:02X}>" for b in "本語日".encode()]]
+    )
+    watch = StopStringWatch(lambda ids: decode_exact(sp, ids), ["日"])
+    assert not any(watch.can_end(stray[i]) and watch.holds(stray[: i + 1]) for i in range(len(stray)))
+    assert stop_string_cut(sp, stray, ["日"]) is None
+    # The U+FFFD of an unfinished character is no text: a stop string holding U+FFFD does not match it (a response cut
+    # mid-character was cut there, and marked stopped)
+    qwen = load_tokenizer(EMBEDDED_MODEL)
+    unfinished = qwen("日本", add_special_tokens=False)["input_ids"][:-1]
+    assert stop_string_cut(qwen, unfinished, ["\ufffd"]) is None
 
 
 @pytest.mark.parametrize("legacy", [False, True])

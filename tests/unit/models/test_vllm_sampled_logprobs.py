@@ -41,16 +41,16 @@ def test_a_request_stops_on_the_runs_end_ids_and_no_others():
 
 def test_a_request_with_stop_strings_stops_at_them_keeping_them_and_every_token_in_the_text():
     """Stop strings were not given to vLLM (it sampled on to max_tokens, then the driver cut): vLLM now stops there,
-    keeps the stop string and spells every token as the driver's cut does; a stop string that starts with a space too
-    (vLLM matches behind the prompt, where a SentencePiece first token gains a space, and so does the driver's cut now:
-    it was left to the driver, which decoded the response alone, and vLLM sampled on past it)."""
+    keeps the stop string and spells every token as the driver's cut does; a stop string that starts with a space is
+    left to the driver (vLLM matches behind the prompt, where a SentencePiece first token gains a space; the driver's
+    cut decodes alone after a prompt that ends in half a character)."""
     pytest.importorskip("vllm")
     from nemo_like.models.generation.interface import SamplingParams
     from nemo_like.models.generation.vllm_worker import vllm_sampling_params
 
     stops = ("</answer>", "\n\nQuestion:", " Answer:")
     params = vllm_sampling_params(SamplingParams(max_new_tokens=8, stop_strings=stops), [2], seed=0)
-    assert params.stop == ["</answer>", "\n\nQuestion:", " Answer:"] and params.detokenize and params.include_stop_str_in_output
+    assert params.stop == ["</answer>", "\n\nQuestion:"] and params.detokenize and params.include_stop_str_in_output
     assert not params.skip_special_tokens and not params.spaces_between_special_tokens
     plain = vllm_sampling_params(SamplingParams(max_new_tokens=8), [2], seed=0)
     assert plain.stop == [] and not plain.detokenize  # no text work without stop strings
