@@ -522,6 +522,7 @@ def async_generation_metrics(taken: TakenRollout, generated: GenerationStats, ge
         "async/generation_tokens_per_sec": generated.generated_tokens / seconds if seconds else 0.0,
         "idle/trainer_waiting_for_data": taken.waited_s,
         "idle/generation_paused_for_checkpoint": generated.paused_for_checkpoint,
+        "idle/generation_paused_for_validation": generated.paused_for_validation,
         "idle/generation_waiting_for_pacing": generated.waiting_for_pacing,
         "performance/num_generated_tokens": generated.generated_tokens,
     }
@@ -624,14 +625,20 @@ class AsyncSteps:
         return async_grpo_step(self.parts, self.rollouts, step, timer)
 
     def validate(self, step: int, timer: StepTimer) -> dict[str, float]:
-        # Generation has the latest weights (refitted after training) unless every batch was generated already, when
-        # the step skipped its refit; the generation actor runs the validation requests between the collector's batches.
-        # Such a refit waits for the last batch in flight: its wait is the step's (the skipped refit's metrics were 0).
-        refitted = {}
-        if self.parts.generation.weight_version != self.parts.policy.weight_version:
-            refitted = timed_refit(self.rollouts.refit(), timer)
-        with timer.phase("validation"):
-            return {**validate(self.parts, step), **refitted}
+        if self.rollouts is None:  # step 0's validation: no collector yet
+            with timer.phase("validation"):
+                return validate(self.parts, step)
+        # The collector is held between batches while validation runs: a validation call queued behind its batch on the
+        # one-call-at-a-time engine counted that wait against cluster.fault_tolerance.call_timeout_s (a healthy engine
+        # was killed as hung). The wait for the batch in flight is the validation's. Generation has the latest weights
+        # (refitted after training) unless every batch was generated already, when the step skipped its refit.
+        with self.rollouts.paused("validation", until_pushed=False) as waited:
+            timer.add("validation", waited)
+            refitted = {}
+            if self.parts.generation.weight_version != self.parts.policy.weight_version:
+                refitted = timed_refit(self.rollouts.refit(), timer)
+            with timer.phase("validation"):
+                return {**validate(self.parts, step), **refitted}
 
     def save(self, manager: CheckpointManager, step: int, metrics: dict[str, Any]) -> Path:
         with self.rollouts.paused("checkpoint"):  # nothing half generated: buffer + data position are exact

@@ -128,10 +128,15 @@ class Replaceable:
         return worker
 
     def replace_dead(self, rank: int, death: Death) -> Any:
-        """Record ``death`` in the run's ledger (raises past a budget), then :meth:`replace`."""
+        """Record ``death`` in the run's ledger (raises past a budget), then :meth:`replace`. A replacement is progress:
+        the stall watchdog must not abort its recovery (also where the driver serves an async collector's request)."""
+        from nemo_like.utils.run_control import run_control
+
         _LEDGER.record(death)
         print(f"[fault] {death.actor} died during '{death.phase}' ({death.cause}); replacing it", flush=True)
-        return self.replace(rank)
+        replacement = self.replace(rank)
+        run_control().stage_finished()
+        return replacement
 
     def describe(self, rank: int) -> str:
         worker = self.group.workers[rank]
@@ -185,12 +190,13 @@ def _recover(calls: Sequence[Call], refs: list[Any], what: str, started: float) 
                 cause = f"no answer within cluster.fault_tolerance.call_timeout_s={run.call_timeout_s:g}s (killed as hung)"
                 failed.setdefault((id(calls[i].target), calls[i].rank), cause)
         if not failed:
+            if attempt == 0:  # every result arrived just past the deadline: nothing was replaced, nothing re-sent
+                return [results[i] for i in range(len(calls))]
             break
         targets = {id(c.target): c.target for c in calls}
         for (target_id, rank), cause in failed.items():
             target = targets[target_id]
             target.replace_dead(rank, Death(target.role, target.describe(rank), what, cause, run_control().step, attempt))
-            run_control().stage_finished()  # a replacement is progress: the stall watchdog must not abort its recovery
         if attempt == 0:
             run.retried_batches += 1
         attempt += 1

@@ -143,9 +143,10 @@ def stall_report(
 
 
 #: The driver's waits on actor calls: function name -> its local holding the wait's start (``time.monotonic``); each
-#: has the phase in ``what``. ``get_with_context`` (policy, reference, collector calls) and the supervised calls of
-#: replaceable actors (generation engines, environments: ``supervision.gather`` and its ``_recover``).
-WAITING_CALLS = {"get_with_context": "start", "gather": "started", "_recover": "started"}
+#: has the phase in ``what``. ``get_with_context`` (policy, reference, collector calls), the supervised calls of
+#: replaceable actors (generation engines, environments: ``supervision.gather`` and its ``_recover``) and an async run's
+#: waits on its collector and replay buffer (``AsyncRollouts._wait_for``).
+WAITING_CALLS = {"get_with_context": "start", "gather": "started", "_recover": "started", "_wait_for": "started"}
 
 
 def driver_section(main_thread_id: int | None) -> list[str]:

@@ -194,11 +194,11 @@ class AsyncRollouts:
     def take(self, step: int, trainer_version: int) -> TakenRollout:
         """Wait for ``step``'s groups (raises :class:`DataExhausted` when the data ran out first)."""
         start = time.perf_counter()
-        ref = self.buffer.take.remote(step, trainer_version)
-        if not self._wait_for(ref):  # the collector's loop ended (crashed) before the step's data arrived
+        ref, what = self.buffer.take.remote(step, trainer_version), f"replay buffer: take step {step}"
+        if not self._wait_for(ref, what):  # the collector's loop ended (crashed) before the step's data arrived
             self._raise_collector_failure(f"before producing step {step}'s data")
         try:
-            groups, size = get_with_context(ref, f"replay buffer: take step {step}")
+            groups, size = get_with_context(ref, what)
         except DataExhausted as exc:  # raised in the buffer's actor: Ray's error, its traceback for a message
             raise DataExhausted(str(getattr(exc, "cause", exc))) from None
         waited = time.perf_counter() - start
@@ -235,9 +235,10 @@ class AsyncRollouts:
         return RefitTiming(seconds, waited, held)
 
     @contextmanager
-    def paused(self, reason: str) -> Iterator[float]:
-        """Hold generation between batches (for validation or a checkpoint); yields the seconds waited."""
-        waited = self._call("pause", reason)
+    def paused(self, reason: str, until_pushed: bool = True) -> Iterator[float]:
+        """Hold generation between batches (for validation or a checkpoint); yields the seconds waited. ``until_pushed``:
+        also until every generated batch is in the buffer (a checkpoint's; validation only needs the engine idle)."""
+        waited = self._call("pause", reason, until_pushed)
         try:
             yield waited
         finally:
@@ -272,18 +273,19 @@ class AsyncRollouts:
                     raise  # a dead actor failed the collector: its role decides the run's restart (the loop may be busy)
                 self.local.thread.join(5)  # the loop is ending: let it record what it raised
                 self._raise_collector_failure(f"during '{method}'")
-        ref = getattr(self.collector, method).remote(*args)
-        if not self._wait_for(ref):
+        ref, what = getattr(self.collector, method).remote(*args), f"trajectory collector: {method}"
+        if not self._wait_for(ref, what):
             self._raise_collector_failure(f"during '{method}'")
         try:
-            return get_with_context(ref, f"trajectory collector: {method}")
+            return get_with_context(ref, what)
         except ray.exceptions.RayTaskError as exc:
             raise_dead_worker(exc)
             raise
 
-    def _wait_for(self, ref: ray.ObjectRef) -> bool:
+    def _wait_for(self, ref: ray.ObjectRef, what: str) -> bool:
         """Wait for ``ref``, replacing the actors the collector reports dead meanwhile; False when the collector's loop
-        ended first."""
+        ended first. ``what`` (and ``started``) name the wait in a stall report (``watchdog.WAITING_CALLS``)."""
+        started = time.monotonic()  # noqa: F841 (read from this frame by the stall watchdog)
         if self.local is not None:  # the driver's own objects replace dead actors: only the thread can end first
             while not ray.wait([ref], timeout=0.2)[0]:
                 if not self.local.thread.is_alive():

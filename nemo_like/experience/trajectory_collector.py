@@ -68,6 +68,7 @@ class GenerationStats:
     waiting_for_pacing: float = 0.0  # held by the staleness bound
     paused_for_refit: float = 0.0
     paused_for_checkpoint: float = 0.0
+    paused_for_validation: float = 0.0
     env_counters: dict[str, float] = field(default_factory=dict)  # env/<task>/<counter>
     retried_batches: int = 0  # batches whose calls were re-sent to a replaced actor (faults/retried_batches)
     seconds_lost: float = 0.0  # and the seconds that cost (faults/seconds_lost)

@@ -66,7 +66,8 @@ def test_async_generation_metrics() -> None:
     rollout = Rollout([prompt] * 4, torch.tensor([0, 0, 1, 1]), samples, ["x"] * 4, torch.zeros(4))
     taken = TakenRollout(rollout, ages=[1, 1, 0, 0], waited_s=0.5, buffer_size=3)
     generated = GenerationStats(generation_seconds=4.0, reward_seconds=0.25, reference_seconds=0.75, generated_tokens=100.0,
-                                batches=2, waiting_for_pacing=1.5, paused_for_checkpoint=0.125)  # fmt: skip
+                                batches=2, waiting_for_pacing=1.5, paused_for_checkpoint=0.125,
+                                paused_for_validation=0.0625)  # fmt: skip
     assert async_generation_metrics(taken, generated, generation_weight_version=5) == {
         "async/buffer_size": 3.0,
         "async/generation_weight_version": 5.0,
@@ -78,6 +79,7 @@ def test_async_generation_metrics() -> None:
         "async/generation_tokens_per_sec": 25.0,
         "idle/trainer_waiting_for_data": 0.5,
         "idle/generation_paused_for_checkpoint": 0.125,
+        "idle/generation_paused_for_validation": 0.0625,
         "idle/generation_waiting_for_pacing": 1.5,
         "performance/num_generated_tokens": 100.0,
     }

@@ -82,6 +82,59 @@ def test_a_replacement_is_prepared_before_it_serves():
     assert target.describe(0) == "generation rank 0 (actor ?)"  # not an actor handle: no id
 
 
+def test_a_replacement_is_progress_for_the_stall_watchdog_wherever_it_is_made():
+    """Also where the driver serves an async collector's request (``AsyncRollouts._replace_for_collector`` calls
+    ``replace_dead`` directly): only the supervised re-send marked progress, and a recovering async run could be
+    reported, or aborted, as stalled."""
+    from nemo_like.utils.run_control import RunControl, activate, run_control
+
+    class Group:
+        name, workers = "generation", ["old"]
+
+        def replace(self, rank):
+            self.workers[rank] = "new"
+            return "new"
+
+        def wait_started(self, ranks):
+            pass
+
+    begin_run(None)
+    activate(RunControl())
+    try:
+        run_control().last_progress = 0.0
+        assert Replaceable("generation", Group()).replace_dead(0, death()) == "new"
+        assert run_control().last_progress > 0.0
+    finally:
+        activate(None)
+
+
+def test_results_that_arrive_just_past_the_deadline_are_neither_re_sent_nor_counted(monkeypatch, capsys):
+    """The batch's wait timed out, yet every result was there when each was read: nothing was replaced, so no
+    "re-sent" line and no seconds lost (the whole wait was added to faults/seconds_lost)."""
+    import ray
+
+    from nemo_like.distributed.supervision import Call, gather
+
+    def late_get(refs, timeout=None):  # the batch's wait times out; each result, read on its own, has arrived
+        if isinstance(refs, list):
+            raise ray.exceptions.GetTimeoutError("timed out")
+        return refs * 10
+
+    class Group:
+        name, workers = "generation", ["w0", "w1"]
+
+        def replace(self, rank):
+            raise AssertionError("nothing died")
+
+    monkeypatch.setattr(ray, "get", late_get)
+    run = begin_run(FaultToleranceConfig(call_timeout_s=1))
+    target = Replaceable("generation", Group())
+    calls = [Call(target, rank, lambda worker: None) for rank in (0, 1)]
+    assert gather(calls, [1, 2], "generation") == [10, 20]
+    assert (run.retried_batches, run.seconds_lost, run.deaths) == (0, 0.0, [])
+    assert "re-sent" not in capsys.readouterr().out
+
+
 def test_a_system_level_death_is_reported_with_its_cause_not_rays_fixed_first_line():
     """Every death Ray reports for a killed worker process (its memory monitor, the kernel's OOM killer, a segfault, a
     lost node) starts with the same fixed line; the one line the user saw was that line, never 'out of memory'."""

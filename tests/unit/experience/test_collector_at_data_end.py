@@ -338,10 +338,11 @@ def test_a_dead_generation_worker_counts_no_load_seconds_instead_of_failing_the_
     assert handles.mid_generation_seconds() == pytest.approx(0.5)
 
 
-def test_a_validation_refit_that_waits_for_the_last_batch_is_timed_as_the_trainer_waiting(monkeypatch) -> None:
-    """The last step skips its refit while the last batch generates (no batch would use it); when that step validates,
-    the validation's refit waits for the batch in flight (waiting refits), and that wait was in no timer phase and not
-    in idle/trainer_waiting_for_refit: the step's phases no longer added up to its total time."""
+def test_a_validation_holds_generation_and_its_wait_for_the_batch_in_flight_is_timed(monkeypatch) -> None:
+    """A validation holds the collector between batches and runs on the idle engine (queued behind a batch, a validation
+    call counted that wait against call_timeout_s: a healthy engine was killed as hung). The last step skipped its
+    refit while the last batch generated (no batch would use it); the validation waits for that batch, then refits:
+    the wait is in the validation phase (it was in no timer phase once: the step's phases no longer added up)."""
     import nemo_like.algorithms.grpo as grpo
     from nemo_like.experience.async_rollouts import AsyncRollouts
     from nemo_like.utils.timer import StepTimer
@@ -356,7 +357,7 @@ def test_a_validation_refit_that_waits_for_the_last_batch_is_timed_as_the_traine
     collector.in_flight = True  # step 3's batch (the last) generates with weights v1
 
     def last_batch_ends() -> None:  # what the loop does as its batch ends: then it waits for its next target (paused)
-        while "refit" not in collector.pause_reasons:  # the refit waits for the batch from here on
+        while not collector.pause_reasons:  # the validation (or a refit) waits for the batch from here on
             time.sleep(0.01)
         time.sleep(0.5)
         with collector.cond:
@@ -378,10 +379,18 @@ def test_a_validation_refit_that_waits_for_the_last_batch_is_timed_as_the_traine
     assert not rollouts.needs_refit()  # the step skipped its refit
     steps = grpo.AsyncSteps(parts)
     steps.rollouts = rollouts
-    monkeypatch.setattr(grpo, "validate", lambda parts, step: {"validation/accuracy": 0.5})
+    held_while_validating: list[bool] = []
+
+    def validate(parts, step) -> dict[str, float]:
+        held_while_validating.append(not collector.in_flight and "validation" in collector.pause_reasons)
+        time.sleep(0.2)
+        return {"validation/accuracy": 0.5}
+
+    monkeypatch.setattr(grpo, "validate", validate)
     threading.Thread(target=last_batch_ends, daemon=True).start()
     timer = StepTimer()
     metrics = steps.validate(3, timer)
-    assert timer.seconds["waiting_for_refit"] >= 0.4 and timer.seconds["refit"] == pytest.approx(0.01)
-    assert metrics["idle/trainer_waiting_for_refit"] == timer.seconds["waiting_for_refit"]
+    assert held_while_validating == [True] and not collector.pause_reasons  # held, then released
+    assert timer.seconds["validation"] >= 0.4 + 0.2 and timer.seconds["refit"] == pytest.approx(0.01)
+    assert timer.seconds["waiting_for_refit"] < 0.1 and metrics["idle/trainer_waiting_for_refit"] == timer.seconds["waiting_for_refit"]
     assert metrics["validation/accuracy"] == 0.5 and parts.generation.weight_version == 2

@@ -65,8 +65,10 @@ def test_a_wait_on_a_replaceable_actor_is_named_too():
     ``get_with_context``: the report said the driver was busy in exactly the hang the watchdog is for."""
     from nemo_like.distributed import supervision, worker_group
     from nemo_like.distributed.watchdog import WAITING_CALLS
+    from nemo_like.experience.async_rollouts import AsyncRollouts
 
-    for function in (supervision.gather, supervision._recover, worker_group.get_with_context):  # the real names and locals
+    # the real names and locals (an async run waits on its collector and buffer in AsyncRollouts._wait_for)
+    for function in (supervision.gather, supervision._recover, worker_group.get_with_context, AsyncRollouts._wait_for):
         assert {"what", WAITING_CALLS[function.__name__]} <= set(function.__code__.co_varnames), function
     lines = section_of_a_waiting_thread(lambda release: gather([], release, "generation"))
     assert "waiting on 'generation' for 0." in lines[0], lines[0]
