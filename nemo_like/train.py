@@ -34,6 +34,7 @@ from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.models.loading import check_model_source, check_tokenizer_source, refuse_checkpoint_as_model
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.deadline import resolve_run_deadline
+from nemo_like.utils.log_backends import drop_torn_tail
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.preflight import ensure_writable_dir
 from nemo_like.utils.run_control import STOP_SIGNALS, RunControl, RunInterrupted, activate
@@ -220,7 +221,10 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
         # steps logged after the checkpoint are redone: drop their records
         if replay := trim_metrics_after(metrics_path, resume_from.step):
             print(replay.note, flush=True)
-    metrics_start = metrics_path.stat().st_size if metrics_path.exists() else 0  # what earlier runs logged
+    # What earlier runs logged, without a torn last line (a run killed mid-write): this run's log cuts it off, so a
+    # restart that kept the file up to an offset counting it kept part of this run's first record.
+    drop_torn_tail(metrics_path)
+    metrics_start = metrics_path.stat().st_size if metrics_path.exists() else 0
     deaths: list[WorkerDeath] = []
     supervision.begin_run(cfg.cluster.fault_tolerance)  # actor replacements: one budget over every restarted attempt
     kept: list[dict[str, Any]] = []  # records of the attempts before a restart, up to the step it resumed from

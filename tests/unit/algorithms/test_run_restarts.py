@@ -205,6 +205,31 @@ def test_a_run_restarted_from_step_0_still_begins_a_run_of_its_own_in_a_shared_l
     assert [r["step"] for r in read_metrics(path)] == [1, 2] and last_run_start(path.read_bytes()) == size
 
 
+def test_a_restart_after_an_earlier_runs_torn_last_line_keeps_this_runs_records_whole(tmp_path, monkeypatch):
+    """An earlier run in the log dir was killed mid-write. Where this run began was measured with the torn bytes, which
+    its log then cut off: a restart kept the file up to that offset, inside this run's first record (its rest dropped,
+    the next record glued on: the file no longer parsed)."""
+    from nemo_like.algorithms.checkpointing import last_run_start
+
+    path = tmp_path / "logs" / "metrics.jsonl"
+    path.parent.mkdir()
+    earlier = json.dumps({"step": 1, "run_start": True, "train/reward": 0.5}) + "\n"
+    path.write_text(earlier + '{"step": 2, "train/rew')
+    first = logs(0, 1, 2, 3, death_step=4)
+
+    def saves_step_2_then_dies(logger, resume_from):
+        checkpoint(tmp_path / "ckpt", 2)
+        return first(logger, resume_from)
+
+    history, seen = fake_run(
+        tmp_path, monkeypatch, [saves_step_2_then_dies, logs(3, 4)], "checkpointing.enabled=true", "grpo.max_num_steps=4"
+    )
+    assert seen == [0, 2] and [r["step"] for r in read_metrics(path)] == [0, 1, 2, 3, 4] == [h["step"] for h in history]
+    text = path.read_text()
+    assert text.startswith(earlier) and last_run_start(path.read_bytes()) == len(earlier)
+    assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 0, 1, 2, 3, 4]
+
+
 def test_the_driver_stops_with_a_clear_error_when_checkpointing_is_off_or_restarts_run_out(tmp_path, monkeypatch):
     with pytest.raises(RunRestartError, match=r"needs checkpointing.enabled=true") as off:
         fake_run(tmp_path / "off", monkeypatch, [logs(1, death_step=2)], "checkpointing.enabled=false")
