@@ -102,6 +102,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
                 f"{leaf!r}; write the whole list: {parent_key}=[...]"
             )
         if not override.is_add() and not override.is_force_add() and not exists:
+            if isinstance(parent, DictConfig) and not parent:  # a mapping whose keys the user names (teacher.by_task)
+                raise ConfigError(f"Override '{text}': '{parent_key}' is empty: use '+{key}=...' to add the key '{leaf}' to it.")
             close = closest_keys(key, leaf_keys(cfg))
             hint = did_you_mean(key, close)
             if not close or close[0].rpartition(".")[0] != key.rpartition(".")[0]:  # nothing in its own section

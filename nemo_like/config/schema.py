@@ -251,6 +251,11 @@ class MasterConfig(BaseModel):
                 "policy.dtensor_cfg.cpu_offload has no effect with one policy worker (policy.dp_size=1, tensor_parallel_size=1: "
                 "nothing is sharded, so FSDP2's CPU offload never runs)"
             )
+        if not self.policy.dtensor_cfg.enabled:  # only valid with one policy worker, which never shards
+            lines.append(
+                "policy.dtensor_cfg.enabled=false has no effect with policy.dp_size=1 and tensor_parallel_size=1 (nothing is "
+                "sharded: the plain model is used either way)"
+            )
         lines += distillation_warnings(self.teacher, self.distillation)
         if not self.grpo.overlap_scoring and (blocker := self.scoring_overlap_blocker()):
             lines.append(f"grpo.overlap_scoring=false has no effect with {blocker} (scoring never overlaps there)")

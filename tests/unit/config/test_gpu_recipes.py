@@ -73,3 +73,14 @@ def test_cpu_offload_with_one_worker_warns_that_nothing_is_sharded():
     assert any(line.startswith("policy.dtensor_cfg.cpu_offload has no effect with one policy worker") for line in one)
     two = load_config(str(RECIPES / "grpo_tiny_cpu.yaml"), [*base, "policy.dp_size=2"]).no_effect_warnings()
     assert not any("cpu_offload" in line for line in two)
+
+
+def test_sharding_switched_off_warns_that_it_changes_nothing():
+    """false is valid with one policy worker only, which never shards: an ablation flipping the key ran the baseline."""
+    off = load_config(str(RECIPES / "grpo_tiny_cpu.yaml"), ["policy.dtensor_cfg.enabled=false"]).no_effect_warnings()
+    assert [line for line in off if "dtensor_cfg.enabled" in line] == [
+        "policy.dtensor_cfg.enabled=false has no effect with policy.dp_size=1 and tensor_parallel_size=1 (nothing is sharded: "
+        "the plain model is used either way)"
+    ]
+    on = load_config(str(RECIPES / "grpo_tiny_cpu.yaml"), []).no_effect_warnings()
+    assert not any("dtensor_cfg.enabled" in line for line in on)

@@ -129,6 +129,16 @@ def test_unknown_override_key_suggests_the_right_one():
     assert "grpo.num_prompt_per_step" in str(err.value) and "grpo.num_prompts_per_step" in str(err.value)
 
 
+def test_a_key_of_an_empty_mapping_is_told_to_add_it_not_sent_to_another_section():
+    """teacher.by_task's keys are the user's task names: the hint sent 'teacher.by_task.arithmetic' to env.arithmetic."""
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["teacher.by_task.arithmetic=embedded:tiny-arith-teacher"])
+    assert str(err.value) == (
+        "Override 'teacher.by_task.arithmetic=embedded:tiny-arith-teacher': 'teacher.by_task' is empty: use "
+        "'+teacher.by_task.arithmetic=...' to add the key 'arithmetic' to it."
+    )
+
+
 @pytest.mark.parametrize(
     ("override", "suggested", "plus"),
     [
