@@ -152,3 +152,51 @@ def test_a_system_level_death_is_reported_with_its_cause_not_rays_fixed_first_li
     assert death_reason(error) == oom
     long = ActorDiedError(ActorDiedErrorContext(error_message="x" * 1000, class_name="PolicyWorker", actor_id=b"\x01" * 16, pid=42))
     assert len(death_reason(long)) == 400 and death_reason(long).endswith("...")
+
+
+def test_two_dead_actors_in_one_batch_are_two_deaths_one_retried_batch_and_only_their_calls_re_sent(monkeypatch, capsys):
+    """faults/retried_batches counts batches, not calls or deaths; a call whose actor answered is not sent again."""
+    import ray
+
+    from nemo_like.distributed.supervision import Call, gather
+
+    answers = {"a0": "first", "b0": None, "c0": None, "b1": "second", "c1": "third"}  # None: the actor died
+
+    def get(refs, timeout=None):
+        if isinstance(refs, list):
+            raise ray.exceptions.RayActorError()
+        if answers[refs] is None:
+            raise ray.exceptions.RayActorError()
+        return answers[refs]
+
+    class Group:
+        name = "generation"
+
+        def __init__(self):
+            self.workers = ["w0", "w1", "w2"]
+
+        def replace(self, rank):
+            self.workers[rank] = f"{self.workers[rank]}'"
+            return self.workers[rank]
+
+        def wait_started(self, ranks):
+            pass
+
+    sent: list[tuple[int, str]] = []
+
+    def submit(rank):
+        def call(worker):
+            sent.append((rank, worker))
+            return "abc"[rank] + str(sum(1 for r, _ in sent if r == rank) - 1)
+
+        return call
+
+    monkeypatch.setattr(ray, "get", get)
+    run = begin_run(FaultToleranceConfig(max_actor_restarts=5))
+    target = Replaceable("generation", Group())
+    calls = [Call(target, rank, submit(rank)) for rank in range(3)]
+    refs = [c.submit(target.group.workers[c.rank]) for c in calls]
+    assert gather(calls, refs, "generation") == ["first", "second", "third"]
+    assert sent == [(0, "w0"), (1, "w1"), (2, "w2"), (1, "w1'"), (2, "w2'")]  # only the dead actors' calls, to their replacements
+    assert run.retried_batches == 1 and run.restarts == {"generation": 2} and len(run.deaths) == 2
+    assert run.seconds_lost > 0 and "'generation' re-sent to the replaced actor(s)" in capsys.readouterr().out
