@@ -54,19 +54,21 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 M20 = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, vocab_size=32000)  # 20.2M parameters
 M63: dict = {}  # benchmarks/memory.py's default: hidden 512, 8 layers, vocabulary 32k untied, 63.2M parameters
-CONFIGS = [  # name, model overrides, micro-batch rows (per rank), sequence length, activation checkpointing, dp
-    ("20M rows4 s256", M20, 4, 256, False, 1),
-    ("20M rows8 s256", M20, 8, 256, False, 1),
-    ("20M rows8 s256 ckpt", M20, 8, 256, True, 1),
-    ("63M rows4 s256", M63, 4, 256, False, 1),
-    ("63M rows4 s512", M63, 4, 512, False, 1),
-    ("63M rows4 s512 ckpt", M63, 4, 512, True, 1),
-    ("20M rows4 s256", M20, 4, 256, False, 2),
-    ("20M rows8 s256", M20, 8, 256, False, 2),
-    ("20M rows8 s256 ckpt", M20, 8, 256, True, 2),
-    ("63M rows4 s256", M63, 4, 256, False, 2),
-    ("63M rows4 s512", M63, 4, 512, False, 2),
-    ("63M rows4 s512 ckpt", M63, 4, 512, True, 2),
+CONFIGS = [  # name, model overrides, micro-batch rows (per rank), sequence length, activation checkpointing, dp, chunk
+    ("20M rows4 s256", M20, 4, 256, False, 1, 0),
+    ("20M rows8 s256", M20, 8, 256, False, 1, 0),
+    ("20M rows8 s256 ckpt", M20, 8, 256, True, 1, 0),
+    ("20M rows8 s256 c256", M20, 8, 256, False, 1, 256),  # policy.logprob_chunk_size=256
+    ("20M r8 s256 ckpt c256", M20, 8, 256, True, 1, 256),
+    ("63M rows4 s256", M63, 4, 256, False, 1, 0),
+    ("63M rows4 s512", M63, 4, 512, False, 1, 0),
+    ("63M rows4 s512 ckpt", M63, 4, 512, True, 1, 0),
+    ("20M rows4 s256", M20, 4, 256, False, 2, 0),
+    ("20M rows8 s256", M20, 8, 256, False, 2, 0),
+    ("20M rows8 s256 ckpt", M20, 8, 256, True, 2, 0),
+    ("63M rows4 s256", M63, 4, 256, False, 2, 0),
+    ("63M rows4 s512", M63, 4, 512, False, 2, 0),
+    ("63M rows4 s512 ckpt", M63, 4, 512, True, 2, 0),
 ]
 
 
@@ -115,7 +117,7 @@ def _mallinfo2():
     return function
 
 
-def measure(model_dir: str, rows: int, seq: int, checkpointing: bool, out: str, rank: int, world: int, port: int) -> None:
+def measure(model_dir: str, rows: int, seq: int, checkpointing: bool, chunk: int, out: str, rank: int, world: int, port: int) -> None:
     """One rank: warm-up step, then the measured step's peak RSS above the level before it and above the level before
     the model was loaded."""
     import torch
@@ -144,6 +146,7 @@ def measure(model_dir: str, rows: int, seq: int, checkpointing: bool, out: str, 
         train_micro_batch_size=rows,
         shared_prompt_forward=False,  # sharded ranks run the model's own forward; so does the one-rank baseline
         dtensor_cfg={"activation_checkpointing": checkpointing},
+        logprob_chunk_size=chunk or None,
     )
     if world > 1:
         worker.setup_distributed("127.0.0.1", port)
@@ -173,7 +176,7 @@ def measure(model_dir: str, rows: int, seq: int, checkpointing: bool, out: str, 
     Path(out).write_text(json.dumps(result))
 
 
-def planned(model_dir: str, rows: int, seq: int, checkpointing: bool, world: int):
+def planned(model_dir: str, rows: int, seq: int, checkpointing: bool, chunk: int, world: int):
     """The planner's :class:`~nemo_like.plan.memory.RoleMemory` of one policy rank for this configuration."""
     from nemo_like.config import DEFAULT_RECIPE, load_config
     from nemo_like.models.footprint import model_footprint
@@ -188,6 +191,7 @@ def planned(model_dir: str, rows: int, seq: int, checkpointing: bool, world: int
         "policy.generation.max_new_tokens=16",
         f"policy.dtensor_cfg.activation_checkpointing={str(checkpointing).lower()}",
         "policy.logprob_batch_size=1",
+        f"policy.logprob_chunk_size={chunk or 'null'}",
     ]
     cfg = load_config(DEFAULT_RECIPE, overrides, warn=False)
     params, shape = model_footprint(model_dir, "float32")
@@ -200,7 +204,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(model_dir: str, rows: int, seq: int, checkpointing: bool, world: int, tmp: Path) -> list[dict]:
+def run_ranks(model_dir: str, rows: int, seq: int, checkpointing: bool, chunk: int, world: int, tmp: Path) -> list[dict]:
     """The configuration's ranks, each in a fresh process; returns every rank's measurements."""
     port = free_port()
     outs = [tmp / f"rank{r}.json" for r in range(world)]
@@ -214,6 +218,7 @@ def run_ranks(model_dir: str, rows: int, seq: int, checkpointing: bool, world: i
                 str(rows),
                 str(seq),
                 str(int(checkpointing)),
+                str(chunk),
                 str(out),
                 str(r),
                 str(world),
@@ -242,15 +247,15 @@ def main() -> None:
     print(head + head[24:] + "  exact p/g/o  free kept by glibc before the step")
     with tempfile.TemporaryDirectory() as tmp:
         built: dict[str, str] = {}
-        for name, overrides, rows, seq, ckpt, world in CONFIGS:
+        for name, overrides, rows, seq, ckpt, world, chunk in CONFIGS:
             if (opts.only and opts.only != f"dp{world}") or opts.match not in name:
                 continue
             key = json.dumps(overrides, sort_keys=True)
             if key not in built:
                 built[key] = str(Path(tmp) / f"model{len(built)}")
                 build_model(Path(built[key]), **overrides)
-            ranks = run_ranks(built[key], rows, seq, ckpt, world, Path(tmp))
-            plan = planned(built[key], rows, seq, ckpt, world)
+            ranks = run_ranks(built[key], rows, seq, ckpt, chunk, world, Path(tmp))
+            plan = planned(built[key], rows, seq, ckpt, chunk, world)
             exact = all(
                 (r["footprint"]["params"], r["footprint"]["grads"], r["footprint"]["optimizer"])
                 == (plan.params, plan.grads, plan.optimizer)
@@ -276,6 +281,6 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--run":
         a = sys.argv[2:]
-        measure(a[0], int(a[1]), int(a[2]), bool(int(a[3])), a[4], int(a[5]), int(a[6]), int(a[7]))
+        measure(a[0], int(a[1]), int(a[2]), bool(int(a[3])), int(a[4]), a[5], int(a[6]), int(a[7]), int(a[8]))
     else:
         main()

@@ -294,6 +294,10 @@ def autocast_weight_copies(cfg: Any, params: list[ParameterSpec]) -> int:
 #: float32 copy of the logits and its bool mask (``token_logprobs_from_logits``; measured 5 on a CPU).
 TRUNCATION_BYTES_PER_LOGIT = 5
 
+#: Bytes per logit of a chunked training head (``policy.logprob_chunk_size``) at its peak: the backward recomputes
+#: each chunk's logits and holds them, their log-softmax pieces and their gradient at once (measured on a CPU).
+CHUNK_RECOMPUTE_BYTES_PER_LOGIT = 16
+
 
 def truncates(cfg: Any) -> bool:
     """Whether the trainer scores tokens under a top-k / top-p truncated distribution (as
@@ -327,12 +331,16 @@ def _training_activations(
     tp = pc.dtensor_cfg.tensor_parallel_size
     per_layer = tokens * (shape.layer_bytes_per_token(value_bytes, hidden_bytes, tp) + dropout_bytes)
     logit_rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
-    per_logit = 12 + (TRUNCATION_BYTES_PER_LOGIT if truncates(cfg) else 0)  # float32 logits, log-softmax, gradient
+    # float32 logits, log-softmax, gradient; a chunk's recompute in the backward holds one more float32 copy (the scaled
+    # logits logsumexp saves, the gather's dense gradient, exp(x - lse), the logits' gradient: 16 measured on a CPU)
+    per_logit = (CHUNK_RECOMPUTE_BYTES_PER_LOGIT if pc.logprob_chunk_size else 12) + (TRUNCATION_BYTES_PER_LOGIT if truncates(cfg) else 0)
     logits = logit_rows * shape.vocab * per_logit
-    if pc.logprob_chunk_size and value_bytes < 4 and not runs_autocast(cfg) and head_trains:
-        # The chunked head adds its bf16 weight's gradient up in float32 (rounded once): a float32 head-sized sum and one
-        # chunk's bf16 head gradient, held with every layer's activations at the start of the backward
-        logits += shape.vocab * shape.hidden * (4 + value_bytes)
+    if pc.logprob_chunk_size and head_trains:
+        # The chunked head adds the chunks' weight gradients up in float32 (rounded once): a float32 head-sized sum and
+        # one chunk's head gradient in the weight's dtype (float32 but for a sharded bf16 run's compute copy), held with
+        # every layer's activations at the start of the backward
+        head_bytes = value_bytes if value_bytes < 4 and not runs_autocast(cfg) else 4
+        logits += shape.vocab * shape.hidden * (4 + head_bytes)
     if pc.dtensor_cfg.activation_checkpointing:  # each layer's input; a layer is recomputed after the logits are freed
         return with_packed_mask(cfg, tokens * shape.hidden * hidden_bytes * shape.layers + max(per_layer, logits), True)
     return with_packed_mask(cfg, per_layer * shape.layers + logits, True)

@@ -93,13 +93,19 @@ def test_activations_follow_their_formula_and_chunking_bounds_the_logits() -> No
     plain, summed = (policy_memory(recipe(*sharded, *chunk), params, shape) for chunk in ((), ("policy.logprob_chunk_size=16",)))
     one = recipe(*sharded, "policy.logprob_chunk_size=16")
     rows = micro_batch_tokens(one, training=True)
-    assert summed.activations - plain.activations == shape.vocab * shape.hidden * (4 + 2) - (rows - 16) * shape.vocab * 12
+    # a chunk's recompute holds 16 bytes a logit (12 unchunked); the head's gradient: a float32 sum and one chunk's bf16
+    assert summed.activations - plain.activations == shape.vocab * shape.hidden * (4 + 2) - (rows * 12 - 16 * 16) * shape.vocab
+    # float32 (and autocast: a float32 master head): the chunk's head gradient is float32 too
+    fp32_plain, fp32_chunked = (policy_memory(recipe(*chunk), params, shape) for chunk in ((), ("policy.logprob_chunk_size=16",)))
+    fp32_rows = micro_batch_tokens(cfg, training=True)
+    per_layer = fp32_plain.activations - fp32_rows * shape.vocab * 12
+    assert fp32_chunked.activations == per_layer + 16 * shape.vocab * 16 + shape.vocab * shape.hidden * (4 + 4)
     lora = ("policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=4")  # a frozen head: no gradient, no sum
     lora_params, _ = model_footprint(EMBEDDED_MODEL, "bfloat16", recipe(*lora).policy.lora_cfg)
     no_sum, chunked_lora = (
         policy_memory(recipe(*sharded, *lora, *chunk), lora_params, shape) for chunk in ((), ("policy.logprob_chunk_size=16",))
     )
-    assert chunked_lora.activations - no_sum.activations == -(rows - 16) * shape.vocab * 12
+    assert chunked_lora.activations - no_sum.activations == -(rows * 12 - 16 * 16) * shape.vocab
 
 
 def test_checkpointing_keeps_each_layer_input_and_the_larger_of_the_logits_and_one_recomputed_layer() -> None:
