@@ -310,10 +310,10 @@ def run_plan(args: argparse.Namespace) -> int:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     mfu = DEFAULT_MFU if args.mfu is None else args.mfu
     plan = plan_on_cluster(cfg, turn_end_ids(cfg))
-    cluster_problems = [p for p in [reserved_gpus_problem(cfg, plan)] if p]
     lines, fits = memory_report(
-        cfg, plan, args.device_memory_gib, peak, mfu, args.model_config, teacher_configs, cluster_problems, scorer_specs(cfg)
-    )
+        cfg, plan, args.device_memory_gib, peak, mfu, args.model_config, teacher_configs,
+        lambda config: reserved_gpus_problem(config, plan), scorer_specs(cfg),
+    )  # fmt: skip
     for line in lines:
         print(f"[plan] {line}")
     if args.model_config and (line := model_config_warning(cfg.policy.model_name, args.model_config)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -292,14 +292,15 @@ def memory_report(
     mfu: float,
     config_path: str | None = None,
     teacher_configs: Mapping[str, str] | None = None,
-    cluster_problems: Sequence[str] = (),
+    cluster_problem: Callable[[Any], str | None] | None = None,
     scorers: Sequence[ScorerSpec] = (),
 ) -> tuple[list[str], bool | None]:
     """``nemo-like plan``'s lines (the run plan's decisions, then memory per role and device, the fit, the step time)
     and whether the run fits ``device_gib`` per device (per node on a CPU cluster; ``None``: not checked); nothing
     starts. ``run_plan``: the run's :class:`~nemo_like.plan.run_plan.RunPlan`; ``config_path``: the policy model's
     ``config.json`` (``--model-config``), ``teacher_configs``: a teacher model's by name (``--teacher-config``);
-    ``cluster_problems``: what keeps the run off the declared cluster whatever the memory (more GPUs reserved than declared);
+    ``cluster_problem(config)``: what keeps ``config`` off the declared cluster whatever the memory (more GPUs reserved than
+    declared), ``None`` if nothing;
     ``scorers``: the reward models the environments load (:func:`scorer_roles`)."""
     from nemo_like.plan.memory import GIB, plan_memory, step_estimate
 
@@ -318,5 +319,5 @@ def memory_report(
     copies = sampler_copy_bytes(cfg, run_plan, shape)
     device_bytes = device_gib * GIB if device_gib else None
     scorer_memories, unplanned = scorer_roles(scorers, device_bytes)
-    memory = plan_memory(cfg, run_plan, params, shape, device_bytes, teachers, step, copies, cluster_problems, scorer_memories)
+    memory = plan_memory(cfg, run_plan, params, shape, device_bytes, teachers, step, copies, cluster_problem, scorer_memories)
     return [*run_plan.lines(this_machine=True), *memory.lines(), *unplanned], memory.fits

@@ -762,14 +762,14 @@ def plan_memory(
     teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]] | None = None,
     step: StepEstimate | None = None,
     sampler_weight_copies: int = 0,
-    cluster_problems: Sequence[str] = (),
+    cluster_problem: Callable[[Any], str | None] | None = None,
     scorers: Sequence[RoleMemory] = (),
 ) -> MemoryPlan:
     """Every role of the run ``run_plan`` describes, what each device (GPU) or node (CPU) holds, and whether it fits
     ``device_bytes``; ``teachers``: each teacher model's parameters and shape (by name, every one of
     ``teacher.models()``) when the run distils; ``sampler_weight_copies``: bytes of weights the lean decoder copies for a
     call, in the inline backend's policy worker (:func:`with_inline_sampling`) or the HF engine
-    (:func:`generation_memory`): :func:`~nemo_like.models.footprint.sampler_copy_bytes`; ``cluster_problems``: what
+    (:func:`generation_memory`): :func:`~nemo_like.models.footprint.sampler_copy_bytes`; ``cluster_problem(config)``: what
     keeps the run off the declared cluster whatever the memory (the caller's: more GPUs reserved than declared);
     ``scorers``: the reward models and LLM judges the environments load (:func:`scorer_memory`, :func:`judge_memory`),
     each actor on a GPU of its own, as many as Ray may pack of fractional ones (or in its node's RAM)."""
@@ -793,12 +793,13 @@ def plan_memory(
         backend = run_plan.backend.value  # where the KV cache of the sequences sampled at once lies: is it over?
         inline_kv = backend == "inline" and policy_over and roles[0].samples_at_peak  # sampling, not training, is its peak
         kv_over = "generation GPU" in over or inline_kv or (backend == "hf" and not cfg.cluster.gpus_per_node)
-        advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over)
+        advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over, cluster_problem)
         hints = {r.gpu: r.fit_hint for r in scorers}
         advice += [f"{device}: {hints[device]}" for device in sorted(scorer_devices & set(over))]
     advice += kv_advice(cfg, roles, device_bytes, shape) if engine else []
     tp_problems = tensor_parallel_problems(cfg, shape)  # the teachers' workers take the policy's tensor-parallel degree
     tp_problems += [f"teacher {name}: {p}" for name, (_, teacher) in teachers.items() for p in tensor_parallel_problems(cfg, teacher)]
+    cluster_problems = [p for p in [cluster_problem(cfg) if cluster_problem is not None else None] if p]
     problems = [*cluster_problems, *tp_problems, *over.values(), *engine, *(r.problem for r in scorers if r.problem)]
     return MemoryPlan(roles, per_device, device_bytes, advice, step, problems, notes)
 
@@ -1031,14 +1032,20 @@ def whole_device_advice(cfg: Any, needed_bytes: float, device_bytes: float, what
 
 
 def fit_advice(
-    cfg: Any, shrinks: Callable[[Any], bool], share_may_help: bool = False, policy_over: bool = True, kv_over: bool = False
+    cfg: Any,
+    shrinks: Callable[[Any], bool],
+    share_may_help: bool = False,
+    policy_over: bool = True,
+    kv_over: bool = False,
+    cluster_problem: Callable[[Any], str | None] | None = None,
 ) -> list[str]:
     """What to change when a device is over its memory, the cheapest first: only changes that ``shrinks`` (a plan of
     the changed config holds no more on every device that is over, and less on one) says help. ``share_may_help``: the
     GPU a colocated vLLM engine shares is over and the engine holds a sequence; ``policy_over``: a device that holds
     policy ranks is over (LoRA, whose shrinking the plan cannot re-derive without the model, shrinks only those);
     ``kv_over``: a device that holds the KV cache of the sequences sampled at once (the HF engine's, the inline
-    backend's) is over."""
+    backend's) is over; ``cluster_problem(config)``: why ``config`` does not fit the declared GPUs (a larger dp's ranks
+    may not), ``None`` if it does."""
     pc, cluster = cfg.policy, cfg.cluster
     advice = []
     util = pc.generation.vllm_cfg.gpu_memory_utilization
@@ -1069,9 +1076,13 @@ def fit_advice(
     if not pc.logprob_chunk_size and shrinks(_with(cfg, "policy", logprob_chunk_size=1024)):
         advice.append("set policy.logprob_chunk_size (e.g. 1024) so logits are never materialised for every token")
     more_dp = 2 * pc.dp_size  # a larger dp that leaves no rank without a sample is not one to advise
-    dp_helps = pc.train_global_batch_size // more_dp >= 1 and shrinks(_with(cfg, "policy", dp_size=more_dp))
-    if dp_helps:  # the plan's GPU check then says whether the declared GPUs hold the larger dp's ranks
-        advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices")
+    more = _with(cfg, "policy", dp_size=more_dp)
+    dp_shrinks = pc.train_global_batch_size // more_dp >= 1 and shrinks(more)
+    dp_short = cluster_problem(more) if dp_shrinks and cluster_problem is not None else None
+    dp_helps = dp_shrinks and dp_short is None  # on the declared GPUs: else the cheaper changes below are advised too
+    if dp_shrinks:
+        gpus = f", on more GPUs than declared (at policy.dp_size={more_dp} {dp_short})" if dp_short else ""
+        advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices{gpus}")
     if not cluster.gpus_per_node and shrinks(_with(cfg, "cluster", num_nodes=2 * cluster.num_nodes)):
         advice.append(f"raise cluster.num_nodes (now {cluster.num_nodes}): the workers of a node share its RAM")
     if not pc.lora_cfg.enabled and policy_over:
@@ -1092,11 +1103,12 @@ def fit_advice(
                 if getattr(pc, k) > 1 and shrinks(_with(cfg, "policy", **{k: 1}))
             ]
         sizes.append(("max_total_sequence_length", pc.max_total_sequence_length))
-        why = "every rank shares the node's RAM" if not cluster.gpus_per_node else "the devices over would hold no less"
-        advice.append(
-            "lower " + " or ".join(f"policy.{k} (now {v})" for k, v in sizes) + f": a larger policy.dp_size (now {pc.dp_size}) "
-            f"would not help ({why})"
-        )
+        lower = "lower " + " or ".join(f"policy.{k} (now {v})" for k, v in sizes)
+        if dp_short:
+            advice.append(f"{lower}: what fits without more GPUs")
+        else:
+            why = "every rank shares the node's RAM" if not cluster.gpus_per_node else "the devices over would hold no less"
+            advice.append(f"{lower}: a larger policy.dp_size (now {pc.dp_size}) would not help ({why})")
     prompts, per_prompt = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
     at_once = min(prompts, max(1, HF_MAX_BATCH_SIZE // per_prompt))  # the HF engine's batches hold at most 256 sequences
     if kv_over and at_once > 1 and shrinks(_with(cfg, "grpo", num_prompts_per_step=at_once // 2)):

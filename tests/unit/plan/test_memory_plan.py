@@ -355,6 +355,21 @@ def test_raising_dp_is_advised_only_where_it_shrinks_the_device_that_is_over() -
     cfg = recipe("cluster.gpus_per_node=2", "policy.generation.backend=hf")
     fit = plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape, device_bytes=1024**2).lines()[-1]
     assert "raise policy.dp_size (now 1)" in fit and "would not help" not in fit and "cluster.num_nodes" not in fit
+    # ... where the declared GPUs hold the larger dp's ranks: else the advice says what it takes (following it alone was
+    # refused by the same plan), and the micro-batches are advised too
+    from nemo_like.algorithms.roles import reserved_gpus_problem
+
+    for gpus, short in ((8, None), (3, "at policy.dp_size=2 the run's actors reserve 5 GPUs (policy 2, reference 2, generation 1)")):
+        cfg = recipe(f"cluster.gpus_per_node={gpus}", "policy.generation.backend=hf")
+        run_plan = decide_run_plan(cfg, (), 2)
+        memory = plan_memory(
+            cfg, run_plan, params, shape, device_bytes=1024**2, cluster_problem=lambda c: reserved_gpus_problem(c, run_plan)
+        )
+        fit = memory.lines()[-1]
+        assert "raise policy.dp_size (now 1) to shard parameters, gradients and AdamW state over more devices" in fit
+        assert (f"on more GPUs than declared ({short}" in fit) is (short is not None), fit
+        assert ("lower policy.train_micro_batch_size (now 32) or policy.logprob_batch_size (now 64) or "
+                "policy.max_total_sequence_length (now 64): what fits without more GPUs" in fit) is (short is not None)  # fmt: skip
 
 
 def test_only_changes_that_shrink_the_device_that_is_over_are_advised() -> None:
