@@ -363,7 +363,7 @@ def test_raising_dp_is_advised_only_where_it_shrinks_the_device_that_is_over() -
         cfg = recipe(f"cluster.gpus_per_node={gpus}", "policy.generation.backend=hf")
         run_plan = decide_run_plan(cfg, (), 2)
         memory = plan_memory(
-            cfg, run_plan, params, shape, device_bytes=1024**2, cluster_problem=lambda c: reserved_gpus_problem(c, run_plan)
+            cfg, run_plan, params, shape, device_bytes=1024**2, cluster_problem=lambda c, p=run_plan: reserved_gpus_problem(c, p)
         )
         fit = memory.lines()[-1]
         assert "raise policy.dp_size (now 1) to shard parameters, gradients and AdamW state over more devices" in fit
