@@ -8,7 +8,7 @@ with the batch, so the sum over micro-batches is the same global-batch loss for 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -132,6 +132,33 @@ def pack_rows(batch: Batch, dtype: torch.dtype = torch.float32, block_diagonal: 
         rows=rows,
         cols=cols,
     )
+
+
+def packed_model_mask(packed: PackedRow, config: Any, device: torch.device | str | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The packed row's mask as ``config``'s model takes it (on ``device``). transformers hands a ready 4D mask to every
+    layer as it is, so a layer that attends within a sliding window (Gemma 2/3, gpt-oss, Mistral v0.1, Qwen2 with
+    ``use_sliding_window``) saw each whole sample: a model whose ``layer_types`` list ``sliding_attention`` gets a mask
+    per layer type, the sliding one also blocking keys ``sliding_window`` or more positions back (positions restart in
+    each sample); one without ``layer_types`` but with a ``sliding_window`` (Mistral) applies it to every layer."""
+    mask = packed.attention_mask.to(device) if device is not None else packed.attention_mask
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    sliding = bool(window) and (layer_types is None or "sliding_attention" in layer_types)
+    if not sliding:
+        return mask
+    positions = packed.position_ids[0].to(mask.device)
+    far = (positions[:, None] - positions[None, :]) >= window
+    windowed = mask.masked_fill(far, torch.finfo(mask.dtype).min)
+    if layer_types is None:
+        return windowed
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(
+            f"policy.sequence_packing.enabled=true: this model's layers attend as {unknown}, which a packed row's mask "
+            "cannot express; use policy.dynamic_batching instead"
+        )
+    return {"full_attention": mask, "sliding_attention": windowed}
 
 
 def unpack_logprobs(packed_lp: torch.Tensor, packed: PackedRow, shape: torch.Size) -> torch.Tensor:

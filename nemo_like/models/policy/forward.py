@@ -5,6 +5,7 @@ A mixin of :class:`~nemo_like.models.policy.worker.PolicyWorker`; it reads the m
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from nemo_like.models import shared_prefix
 from nemo_like.models.chunked_logprobs import model_token_logprobs_and_teacher_kl, model_token_logprobs_with_outside, teacher_head_inputs
 from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
 from nemo_like.models.policy import sharding
-from nemo_like.models.policy.batching import MicroBatchPlan, pack_rows, take_rows, unpack_logprobs
+from nemo_like.models.policy.batching import MicroBatchPlan, pack_rows, packed_model_mask, take_rows, unpack_logprobs
 from nemo_like.plan.backend import INLINE_GENERATION_BATCH
 
 Batch = dict[str, torch.Tensor]
@@ -73,8 +74,9 @@ class ForwardPasses:
             return lp, outside, ids.numel()
         packed = pack_rows({"input_ids": ids, "attention_mask": mask}, dtype=precision_lib.compute_dtype(self.precision))
         lp, outside = model_token_logprobs_with_outside(
-            self.model, packed.input_ids, packed.attention_mask.to(self.device), packed.position_ids, self.sampling, self.chunk_size
-        )
+            self.model, packed.input_ids, packed_model_mask(packed, self.model.config, self.device), packed.position_ids, self.sampling,
+            self.chunk_size,
+        )  # fmt: skip
         computed = packed.input_ids.numel()
         return unpack_logprobs(lp, packed, ids.shape), unpack_logprobs(outside.float(), packed, ids.shape).bool(), computed
 
@@ -84,13 +86,14 @@ class ForwardPasses:
         ids, mask = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
         if self.plan.mode == "packed":
             packed = pack_rows({"input_ids": ids, "attention_mask": mask}, dtype=precision_lib.compute_dtype(self.precision))
-            inputs = (packed.input_ids, packed.attention_mask.to(self.device), packed.position_ids)
+            inputs = (packed.input_ids, packed_model_mask(packed, self.model.config, self.device), packed.position_ids)
         else:
             inputs = (ids, mask, (mask.long().cumsum(-1) - 1).clamp(min=0))
         teacher_inputs = inputs
         if self.plan.mode == "packed":  # the packed mask in the teacher's own compute dtype (SDPA refuses a mismatch)
-            teacher_mask = packed.attention_mask.to(self.device, precision_lib.compute_dtype(self.teacher_kl.precision))
-            teacher_inputs = (packed.input_ids, teacher_mask, packed.position_ids)
+            teacher_dtype = precision_lib.compute_dtype(self.teacher_kl.precision)
+            teacher_row = replace(packed, attention_mask=packed.attention_mask.to(self.device, teacher_dtype))
+            teacher_inputs = (packed.input_ids, packed_model_mask(teacher_row, self.teacher_model.config), packed.position_ids)
         teacher_sharded = sharding.is_sharded(self.teacher_model)
         with precision_lib.compute_context(self.device, self.teacher_kl.precision, teacher_sharded):
             teacher = teacher_head_inputs(self.teacher_model, *teacher_inputs, self.chunk_size, copy_head=teacher_sharded)

@@ -211,3 +211,49 @@ def test_a_train_call_takes_the_planned_optimizer_steps_whatever_its_row_count(r
         expected = batch["token_mask"][step_rows].sum()
         assert all(float(rank[k]["global_valid_toks"]) == float(expected) for rank in per_rank)
         assert all(float(rank[k]["global_valid_seqs"]) == len(step_rows) for rank in per_rank)
+
+
+def sliding_window_models() -> dict[str, torch.nn.Module]:
+    """Models whose layers attend within a window of 4 positions: the tiny Qwen2 with alternating sliding and full layers
+    (``layer_types``, as Gemma 2/3 and gpt-oss ship them) and a small random Mistral (one ``sliding_window`` for every
+    layer, no ``layer_types``)."""
+    from transformers import AutoConfig, MistralConfig, MistralForCausalLM
+
+    from nemo_like.models.loading import resolve_model_path
+
+    path = resolve_model_path(EMBEDDED_MODEL)
+    config = AutoConfig.from_pretrained(path)
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 4, 0
+    config.layer_types = ["sliding_attention", "full_attention"] * (config.num_hidden_layers // 2)
+    qwen2 = load_causal_lm(EMBEDDED_MODEL)
+    qwen2 = type(qwen2).from_pretrained(path, config=config).eval()
+    torch.manual_seed(0)
+    mistral = MistralConfig(vocab_size=359, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa")  # fmt: skip
+    return {"qwen2 layer_types": qwen2, "mistral": MistralForCausalLM(mistral).eval()}
+
+
+@torch.no_grad()
+def test_packed_rows_keep_a_sliding_window_models_windows() -> None:
+    """transformers hands a ready 4D mask to every layer as it is: a packed row's one block-causal mask let a
+    sliding-window layer attend over the whole sample (its rows longer than the window off by nats)."""
+    from nemo_like.models.policy.batching import packed_model_mask
+
+    batch = rows_of_different_lengths(load_causal_lm(EMBEDDED_MODEL).eval())  # rows of 23, 3, 11 and 2 tokens
+    for name, sliding in sliding_window_models().items():
+        unpacked = sequence_logprobs(sliding, batch["input_ids"], batch["attention_mask"], TEMPERATURE)  # the model's own masks
+        packed = pack_rows(batch)
+        mask = packed_model_mask(packed, sliding.config)
+        lp = model_token_logprobs(sliding, packed.input_ids, mask, packed.position_ids, TEMPERATURE)
+        assert (unpack_logprobs(lp, packed, batch["input_ids"].shape) - unpacked).abs().max() < 1e-5, name
+        one_mask = model_token_logprobs(sliding, packed.input_ids, packed.attention_mask, packed.position_ids, TEMPERATURE)
+        wrong = (unpack_logprobs(one_mask, packed, batch["input_ids"].shape) - unpacked).abs().amax(1)
+        assert wrong[0] > 1e-2 and wrong[2] > 1e-2 and wrong[[1, 3]].max() < 1e-5, name  # only rows past the window
+    # the worker's packed passes take it: logprobs equal to its fixed micro-batches'
+    qwen2 = sliding_window_models()["qwen2 layer_types"]
+    logprobs = {}
+    for mode, kwargs in (("fixed", {}), ("packed", {"batching": {"mode": "packed", "train_size": 16, "logprob_size": 16}})):
+        worker = make_worker(shared_prompt_forward=False, **kwargs)
+        worker.model = qwen2
+        logprobs[mode] = worker.get_logprobs(batch)
+    assert (logprobs["packed"] - logprobs["fixed"]).abs().max() < 1e-5
