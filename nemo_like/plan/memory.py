@@ -1061,14 +1061,13 @@ def fit_advice(
         ):
             advice.append("set policy.generation.colocated.offload_optimizer=true so AdamW state leaves the GPU while the engine generates")
     offload = pc.dtensor_cfg.model_copy(update={"cpu_offload": True})
-    if (
-        cluster.gpus_per_node
-        and not pc.dtensor_cfg.cpu_offload
-        and shrinks(_with(cfg, "policy", dtensor_cfg=offload, dp_size=max(2, pc.dp_size)))
-    ):
+    offloaded = _with(cfg, "policy", dtensor_cfg=offload, dp_size=max(2, pc.dp_size))
+    if cluster.gpus_per_node and not pc.dtensor_cfg.cpu_offload and shrinks(offloaded):
+        short = cluster_problem(offloaded) if cluster_problem is not None and pc.dp_size < 2 else None
+        gpus = f", on more GPUs than declared (at policy.dp_size=2 {short})" if short else ""
         advice.append(
             "set policy.dtensor_cfg.cpu_offload=true (with more than one policy worker) to keep parameters, gradients and "
-            "AdamW state in host RAM"
+            f"AdamW state in host RAM{gpus}"
         )
     checkpointed = pc.dtensor_cfg.model_copy(update={"activation_checkpointing": True})
     if not pc.dtensor_cfg.activation_checkpointing and shrinks(_with(cfg, "policy", dtensor_cfg=checkpointed)):
@@ -1105,7 +1104,7 @@ def fit_advice(
         sizes.append(("max_total_sequence_length", pc.max_total_sequence_length))
         lower = "lower " + " or ".join(f"policy.{k} (now {v})" for k, v in sizes)
         if dp_short:
-            advice.append(f"{lower}: what fits without more GPUs")
+            advice.append(f"{lower}: these need no more GPUs")
         else:
             why = "every rank shares the node's RAM" if not cluster.gpus_per_node else "the devices over would hold no less"
             advice.append(f"{lower}: a larger policy.dp_size (now {pc.dp_size}) would not help ({why})")

@@ -369,7 +369,9 @@ def test_raising_dp_is_advised_only_where_it_shrinks_the_device_that_is_over() -
         assert "raise policy.dp_size (now 1) to shard parameters, gradients and AdamW state over more devices" in fit
         assert (f"on more GPUs than declared ({short}" in fit) is (short is not None), fit
         assert ("lower policy.train_micro_batch_size (now 32) or policy.logprob_batch_size (now 64) or "
-                "policy.max_total_sequence_length (now 64): what fits without more GPUs" in fit) is (short is not None)  # fmt: skip
+                "policy.max_total_sequence_length (now 64): these need no more GPUs" in fit) is (short is not None)  # fmt: skip
+        offload = "set policy.dtensor_cfg.cpu_offload=true (with more than one policy worker) to keep parameters, gradients and AdamW state in host RAM"
+        assert offload in fit and (f"{offload}, on more GPUs than declared ({short}" in fit) is (short is not None)
 
 
 def test_only_changes_that_shrink_the_device_that_is_over_are_advised() -> None:
