@@ -15,6 +15,7 @@ The class is assembled from one mixin per job; this module builds the model and 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from nemo_like.distributed.threads import apply_thread_count
 from nemo_like.models import lora as lora_lib
 from nemo_like.models import precision as precision_lib
 from nemo_like.models import shared_prefix
+from nemo_like.models.dropout import disable_dropout
 from nemo_like.models.loading import load_causal_lm
 from nemo_like.models.logprobs import SamplingDistribution
 from nemo_like.models.policy import sharding
@@ -104,6 +106,9 @@ class PolicyWorker(ForwardPasses, TrainingStep, WeightExport, Checkpoints, Reini
         # stays in the compute dtype (the adapters PEFT adds to it are fp32).
         weights_dtype = "float32" if self.lora_cfg is None else spec.precision
         model = load_causal_lm(spec.model_name, weights_dtype).to(self.device)
+        if spec.trainable and (rates := disable_dropout(model)) and self.rank == 0:  # before LoRA (PEFT's is the recipe's)
+            print(f"[policy] the model's own dropout is off for training ({', '.join(rates)}): generation samples without it",
+                  file=sys.stderr, flush=True)  # fmt: skip
         if spec.sharding.activation_checkpointing and spec.trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora_cfg is not None:

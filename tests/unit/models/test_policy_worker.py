@@ -19,7 +19,7 @@ def make_worker(micro_batch_size: int, **overrides) -> PolicyWorker:
     return PolicyWorker(
         rank=0,
         world_size=1,
-        model_name=EMBEDDED_MODEL,
+        model_name=overrides.pop("model_name", EMBEDDED_MODEL),
         precision=overrides.pop("precision", "float32"),
         temperature=1.0,
         num_threads=overrides.pop("num_threads", 1),
@@ -218,3 +218,29 @@ def test_each_data_parallel_rank_draws_its_own_dropout_and_a_tensor_parallel_gro
     assert not torch.equal(state0, state1)
     assert weights0.keys() == weights1.keys() and all(torch.equal(weights0[k], weights1[k]) for k in weights0)
     assert torch.equal(built(1, 2, tp=2)[0], state0)  # ranks 0 and 1 form one tensor-parallel group: one stream
+
+
+def test_the_training_forward_runs_without_the_models_own_dropout(tmp_path, capsys) -> None:
+    """A model whose config sets ``attention_dropout``: the training forward (train mode) dropped out, so a skipped
+    prev-logprob pass stood for a forward it did not equal (a 1-step run's loss 0.047 against 0.324 with the pass,
+    43% of tokens clipped). Generation samples without dropout: the policy trains that distribution."""
+    import json
+    import shutil
+
+    from nemo_like.models.loading import resolve_model_path
+
+    model_dir = tmp_path / "with_dropout"
+    shutil.copytree(resolve_model_path(EMBEDDED_MODEL), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    worker = make_worker(6, model_name=str(model_dir))
+    assert "[policy] the model's own dropout is off for training (attention_dropout=0.3)" in capsys.readouterr().err
+    batch = random_batch()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    eval_lp = worker.get_logprobs(batch)
+    worker.model.train()
+    with torch.no_grad():
+        logits = worker.model(input_ids=ids, attention_mask=mask).logits
+    train_lp = gather_token_logprobs(logits, ids)
+    assert (train_lp - eval_lp).mul(mask).abs().max() < 1e-5
+    assert worker.model.config.attention_dropout == 0.0
