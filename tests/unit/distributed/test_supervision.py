@@ -64,21 +64,28 @@ def test_counters_appear_once_an_actor_died():
     assert run.metrics() == {"faults/actor_restarts/environment": 1.0, "faults/retried_batches": 1.0, "faults/seconds_lost": 1.5}
 
 
+class StandInGroup:
+    """An actor group's stand-in: ``replace`` puts a fresh worker in place of rank's (``w0`` -> ``w0'``), and
+    ``wait_started`` records the ranks it waited for."""
+
+    name = "generation"
+
+    def __init__(self, *workers: str) -> None:
+        self.workers, self.started = list(workers), []
+
+    def replace(self, rank: int) -> str:
+        self.workers[rank] = f"{self.workers[rank]}'"
+        return self.workers[rank]
+
+    def wait_started(self, ranks: list[int]) -> None:
+        self.started.append(ranks)
+
+
 def test_a_replacement_is_prepared_before_it_serves():
+    group = StandInGroup("w0")
     prepared = []
-
-    class Group:
-        name, workers = "generation", ["old"]
-
-        def replace(self, rank):
-            self.workers[rank] = "new"
-            return "new"
-
-        def wait_started(self, ranks):
-            prepared.append(f"started {ranks}")
-
-    target = Replaceable("generation", Group(), prepared.append)
-    assert target.replace(0) == "new" and prepared == ["started [0]", "new"]  # built, then prepared
+    target = Replaceable("generation", group, lambda worker: prepared.append((list(group.started), worker)))
+    assert target.replace(0) == "w0'" and prepared == [([[0]], "w0'")]  # built and started, then prepared
     assert target.describe(0) == "generation rank 0 (actor ?)"  # not an actor handle: no id
 
 
@@ -88,21 +95,11 @@ def test_a_replacement_is_progress_for_the_stall_watchdog_wherever_it_is_made():
     reported, or aborted, as stalled."""
     from nemo_like.utils.run_control import RunControl, activate, run_control
 
-    class Group:
-        name, workers = "generation", ["old"]
-
-        def replace(self, rank):
-            self.workers[rank] = "new"
-            return "new"
-
-        def wait_started(self, ranks):
-            pass
-
     begin_run(None)
     activate(RunControl())
     try:
         run_control().last_progress = 0.0
-        assert Replaceable("generation", Group()).replace_dead(0, death()) == "new"
+        assert Replaceable("generation", StandInGroup("w0")).replace_dead(0, death()) == "w0'"
         assert run_control().last_progress > 0.0
     finally:
         activate(None)
@@ -120,18 +117,13 @@ def test_results_that_arrive_just_past_the_deadline_are_neither_re_sent_nor_coun
             raise ray.exceptions.GetTimeoutError("timed out")
         return refs * 10
 
-    class Group:
-        name, workers = "generation", ["w0", "w1"]
-
-        def replace(self, rank):
-            raise AssertionError("nothing died")
-
     monkeypatch.setattr(ray, "get", late_get)
     run = begin_run(FaultToleranceConfig(call_timeout_s=1))
-    target = Replaceable("generation", Group())
+    group = StandInGroup("w0", "w1")
+    target = Replaceable("generation", group)
     calls = [Call(target, rank, lambda worker: None) for rank in (0, 1)]
     assert gather(calls, [1, 2], "generation") == [10, 20]
-    assert (run.retried_batches, run.seconds_lost, run.deaths) == (0, 0.0, [])
+    assert (run.retried_batches, run.seconds_lost, run.deaths, group.workers) == (0, 0.0, [], ["w0", "w1"])  # none replaced
     assert "re-sent" not in capsys.readouterr().out
 
 
@@ -169,19 +161,6 @@ def test_two_dead_actors_in_one_batch_are_two_deaths_one_retried_batch_and_only_
             raise ray.exceptions.RayActorError()
         return answers[refs]
 
-    class Group:
-        name = "generation"
-
-        def __init__(self):
-            self.workers = ["w0", "w1", "w2"]
-
-        def replace(self, rank):
-            self.workers[rank] = f"{self.workers[rank]}'"
-            return self.workers[rank]
-
-        def wait_started(self, ranks):
-            pass
-
     sent: list[tuple[int, str]] = []
 
     def submit(rank):
@@ -193,7 +172,7 @@ def test_two_dead_actors_in_one_batch_are_two_deaths_one_retried_batch_and_only_
 
     monkeypatch.setattr(ray, "get", get)
     run = begin_run(FaultToleranceConfig(max_actor_restarts=5))
-    target = Replaceable("generation", Group())
+    target = Replaceable("generation", StandInGroup("w0", "w1", "w2"))
     calls = [Call(target, rank, submit(rank)) for rank in range(3)]
     refs = [c.submit(target.group.workers[c.rank]) for c in calls]
     assert gather(calls, refs, "generation") == ["first", "second", "third"]
