@@ -216,14 +216,23 @@ def without_stops_in_boxes(text: str) -> str:
 FBOX = re.compile(r"\\fbox\s*\{")
 #: A thin space between digit groups (``1\,000``), as LaTeX typesets thousands: math-verify read ``1\,000`` as wrong.
 THIN_SPACE_THOUSANDS = re.compile(r"(\d)\\,(?=\d{3}(?!\d))")
+#: Whitespace between ``\boxed`` and its brace (``\boxed {7}``, valid LaTeX, and a box to :func:`closed_boxes`):
+#: math-verify reads only ``\boxed{``, so the answer went unread (the format reward, or an earlier number scored).
+BOXED_SPACE = re.compile(r"\\boxed\s+\{")
+#: Answer tags and backticks around an unboxed final answer (``<answer>42</answer>``, 42 in backticks): math-verify reads a
+#: plain number only after whitespace or ``=``, so it skipped that one and scored an earlier expression of the
+#: reasoning (``6*7`` right against 42 with ``41`` tagged as the answer). Read as spaces.
+ANSWER_MARKUP = re.compile(r"</?answer>|`")
 
 
 def normalised_answer(text: str) -> str:
     """``text`` as math-verify reads it best: thin spaces between digit groups dropped (:data:`THIN_SPACE_THOUSANDS`), a
     percent sign closing a box dropped (:data:`BOXED_PERCENT`), a full stop ending a box's content dropped
     (:data:`BOX_END_STOP`), and the Unicode minus sign (U+2212, as typeset text writes it) made
-    ASCII: math-verify read a plain-text ``−3`` as no answer (inside ``$...$`` or a box it read it)."""
-    return without_stops_in_boxes(BOXED_PERCENT.sub("}", THIN_SPACE_THOUSANDS.sub(r"\1", text.replace("\u2212", "-"))))
+    ASCII: math-verify read a plain-text ``−3`` as no answer (inside ``$...$`` or a box it read it); ``\boxed {`` closed up
+    (:data:`BOXED_SPACE`), answer tags and backticks read as spaces (:data:`ANSWER_MARKUP`)."""
+    text = ANSWER_MARKUP.sub(" ", BOXED_SPACE.sub(r"\\boxed{", text.replace("\u2212", "-")))
+    return without_stops_in_boxes(BOXED_PERCENT.sub("}", THIN_SPACE_THOUSANDS.sub(r"\1", text)))
 
 
 def verify_answer(response: str, gold: str, gold_cache: dict[str, Any] | None = None) -> str:

@@ -12,6 +12,13 @@ from nemo_like.environments.math_verify_process import WARM_UP, verify_answer
 
 # (response, gold answer, correct?)
 PAIRS = [
+    # a space before the box's brace (valid LaTeX); answer tags and backticks around an unboxed answer (an earlier
+    # expression of the reasoning was scored: 6*7 right against 42)
+    ("\\boxed {7}", "7", True),
+    ("So \\boxed\n{7}. Check: 3+4=7 in 2 steps", "7", True),
+    ("We multiply: 6*7.\n<answer>41</answer>", "42", False),
+    ("We multiply: 6*7.\n`41`", "42", False),
+    ("<answer>42</answer>", "42", True),
     # fractions, decimals, a/b
     ("The answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}", True),
     ("So we get 0.5", "\\frac{1}{2}", True),
