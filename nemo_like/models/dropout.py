@@ -4,30 +4,47 @@ Generation samples in eval mode (no dropout), so the distribution the policy gra
 one; and the training forward runs in train mode, where a model whose config sets ``attention_dropout`` (or GPT-2's
 ``*_pdrop``) would drop out: a skipped prev-logprob pass (one optimizer step per rollout) would then stand for a
 forward it does not equal (the loss changed, the ratio-clip warnings and the divergence metrics measured dropout
-noise). LoRA's own dropout (``policy.lora_cfg.dropout``) is PEFT's, added after this, and planned for.
+noise). LoRA's own dropout (``policy.lora_cfg.dropout``) is PEFT's, added after this.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+
+@dataclass(frozen=True)
+class ConfigRate:
+    """A dropout rate the model's config held (``part``: the config or its text config)."""
+
+    part: Any
+    name: str
+    value: float
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.value:g}"
 
 
 def _is_rate(name: str, value: object) -> bool:
     return isinstance(value, float) and value > 0 and ("dropout" in name or name.endswith("pdrop"))
 
 
-def disable_dropout(model: torch.nn.Module) -> list[str]:
+def disable_dropout(model: torch.nn.Module) -> list[ConfigRate]:
     """Set every dropout rate of ``model`` to 0: its ``nn.Dropout`` modules, the rates modules copied from the config
-    when they were built (an attention module's ``attention_dropout``) and the config's fields (its text config's too).
-    Returns the config fields that were above 0, as ``name=value``."""
-    changed: list[str] = []
+    when they were built (an attention module's ``attention_dropout``) and the config's fields, its text config's too
+    (Gemma 3 reads ``config.attention_dropout`` in its forward). Returns the config's rates that were above 0."""
+    changed: list[ConfigRate] = []
     config = getattr(model, "config", None)
     configs = [] if config is None else [config, *([config.get_text_config()] if hasattr(config, "get_text_config") else [])]
     for part in {id(c): c for c in configs}.values():
         for name, value in list(vars(part).items()):
             if _is_rate(name, value):
                 setattr(part, name, 0.0)
-                changed.append(f"{name}={value:g}")
+                changed.append(ConfigRate(part, name, value))
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -35,3 +52,16 @@ def disable_dropout(model: torch.nn.Module) -> list[str]:
             if _is_rate(name, value):
                 setattr(module, name, 0.0)
     return changed
+
+
+@contextmanager
+def config_rates_restored(rates: list[ConfigRate]) -> Iterator[None]:
+    """The config's rates as the model came (a checkpoint's ``config.json`` is the model's, not this trainer's setting),
+    then back to 0."""
+    for rate in rates:
+        setattr(rate.part, rate.name, rate.value)
+    try:
+        yield
+    finally:
+        for rate in rates:
+            setattr(rate.part, rate.name, 0.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,9 @@ def model_footprint(
         )
         for p in model.parameters()
     ]
-    shape = ModelShape.from_hf_config(raw)
+    from nemo_like.models.policy.batching import sliding_window
+
+    shape = replace(ModelShape.from_hf_config(raw), packed_masks=2 if sliding_window(config) is not None else 1)
     return specs, shape
 
 

@@ -105,6 +105,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    packed_masks: int = 1  # a packed row's [T, T] masks: 2 where some layers slide (one per layer type)
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -342,8 +343,8 @@ def _training_activations(
         head_bytes = value_bytes if value_bytes < 4 and not runs_autocast(cfg) else 4
         logits += shape.vocab * shape.hidden * (4 + head_bytes)
     if pc.dtensor_cfg.activation_checkpointing:  # each layer's input; a layer is recomputed after the logits are freed
-        return with_packed_mask(cfg, tokens * shape.hidden * hidden_bytes * shape.layers + max(per_layer, logits), True)
-    return with_packed_mask(cfg, per_layer * shape.layers + logits, True)
+        return with_packed_mask(cfg, tokens * shape.hidden * hidden_bytes * shape.layers + max(per_layer, logits), True, shape.packed_masks)
+    return with_packed_mask(cfg, per_layer * shape.layers + logits, True, shape.packed_masks)
 
 
 def _logprob_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_bytes: int | None = None) -> int:
@@ -351,7 +352,7 @@ def _logprob_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_b
     chunk = cfg.policy.logprob_chunk_size
     logit_rows = min(tokens, chunk) if chunk else tokens
     per_layer = tokens * shape.layer_bytes_per_token(value_bytes, hidden_bytes, cfg.policy.dtensor_cfg.tensor_parallel_size)
-    return with_packed_mask(cfg, per_layer + logit_rows * shape.vocab * 8, False)  # logits + log-softmax
+    return with_packed_mask(cfg, per_layer + logit_rows * shape.vocab * 8, False, shape.packed_masks)  # logits + log-softmax
 
 
 def micro_batch_tokens(cfg: Any, training: bool) -> int:
@@ -372,23 +373,27 @@ def micro_batch_tokens(cfg: Any, training: bool) -> int:
     return rows * pc.max_total_sequence_length
 
 
-def packed_mask_bytes(cfg: Any, training: bool) -> tuple[int, int]:
+def packed_mask_bytes(cfg: Any, training: bool, masks: int = 1) -> tuple[int, int]:
     """Sequence packing's dense ``[T, T]`` block-causal mask of the largest packed micro-batch
     (:func:`~nemo_like.models.policy.batching.block_causal_mask`, ``T`` its :func:`micro_batch_tokens`): the bytes it
     holds through the pass (additive, in the compute dtype; attention saves it for backward), and the peak of building
-    it, before the forward (that mask, the ``zeros`` it is filled from and two bool ``[T, T]`` temporaries).
-    ``(0, 0)`` without packing."""
+    it, before the forward (that mask, the ``zeros`` it is filled from and two bool ``[T, T]`` temporaries). ``masks``
+    2: a sliding-window model's second, windowed mask (:func:`~nemo_like.models.policy.batching.packed_model_mask`),
+    built from the first with one bool temporary. ``(0, 0)`` without packing."""
     if not cfg.policy.sequence_packing.enabled:
         return 0, 0
     entries = micro_batch_tokens(cfg, training) ** 2
     value_bytes = DTYPE_BYTES[cfg.policy.precision]
-    return entries * value_bytes, entries * (2 * value_bytes + 2)
+    building = entries * (2 * value_bytes + 2)
+    if masks > 1:
+        building = max(building, entries * (2 * value_bytes + 1))
+    return masks * entries * value_bytes, building
 
 
-def with_packed_mask(cfg: Any, activations: int, training: bool) -> int:
-    """A pass's ``activations`` with its packed mask (:func:`packed_mask_bytes`): held beside them, or the peak of
-    building it when larger."""
-    held, building = packed_mask_bytes(cfg, training)
+def with_packed_mask(cfg: Any, activations: int, training: bool, masks: int = 1) -> int:
+    """A pass's ``activations`` with its packed masks (:func:`packed_mask_bytes`): held beside them, or the peak of
+    building them when larger."""
+    held, building = packed_mask_bytes(cfg, training, masks)
     return max(activations + held, building)
 
 

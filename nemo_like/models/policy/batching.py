@@ -134,6 +134,19 @@ def pack_rows(batch: Batch, dtype: torch.dtype = torch.float32, block_diagonal: 
     )
 
 
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def sliding_window(config: Any) -> int | None:
+    """The window of ``config``'s sliding-window layers (transformers' loaded config: it clears an unused
+    ``sliding_window``), ``None`` when no layer slides: those listed ``sliding_attention`` in ``layer_types``, or every
+    layer of a config with a window and no ``layer_types`` (Mistral)."""
+    text = _text_config(config)
+    window, layer_types = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
+    return int(window) if window and (layer_types is None or "sliding_attention" in layer_types) else None
+
+
 def packed_model_mask(packed: PackedRow, config: Any, device: torch.device | str | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
     """The packed row's mask as ``config``'s model takes it (on ``device``). transformers hands a ready 4D mask to every
     layer as it is, so a layer that attends within a sliding window (Gemma 2/3, gpt-oss, Mistral v0.1, Qwen2 with
@@ -141,15 +154,13 @@ def packed_model_mask(packed: PackedRow, config: Any, device: torch.device | str
     per layer type, the sliding one also blocking keys ``sliding_window`` or more positions back (positions restart in
     each sample); one without ``layer_types`` but with a ``sliding_window`` (Mistral) applies it to every layer."""
     mask = packed.attention_mask.to(device) if device is not None else packed.attention_mask
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(text, "sliding_window", None)
-    layer_types = getattr(text, "layer_types", None)
-    sliding = bool(window) and (layer_types is None or "sliding_attention" in layer_types)
-    if not sliding:
+    window = sliding_window(config)
+    if window is None:
         return mask
     positions = packed.position_ids[0].to(mask.device)
-    far = (positions[:, None] - positions[None, :]) >= window
+    far = positions[:, None] >= positions[None, :] + window  # bool from the start: an int64 [T, T] difference was 8 bytes an entry
     windowed = mask.masked_fill(far, torch.finfo(mask.dtype).min)
+    layer_types = getattr(_text_config(config), "layer_types", None)
     if layer_types is None:
         return windowed
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from nemo_like.models import lora as lora_lib
+from nemo_like.models.dropout import config_rates_restored
 from nemo_like.models.loading import save_generation_config
 from nemo_like.models.policy import sharding
 
@@ -56,7 +57,8 @@ class Checkpoints:
             if getattr(self.model.config, "tie_word_embeddings", False):
                 weights.pop("lm_head.weight", None)  # HF convention: the tied head is not stored
             save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
-            self.model.config.save_pretrained(path)
+            with config_rates_restored(self.dropout_rates):
+                self.model.config.save_pretrained(path)
             if getattr(self.model, "generation_config", None) is not None:
                 save_generation_config(self.model.generation_config, path)
             self._save_optimizer(Path(directory), optim)

@@ -106,9 +106,14 @@ class PolicyWorker(ForwardPasses, TrainingStep, WeightExport, Checkpoints, Reini
         # stays in the compute dtype (the adapters PEFT adds to it are fp32).
         weights_dtype = "float32" if self.lora_cfg is None else spec.precision
         model = load_causal_lm(spec.model_name, weights_dtype).to(self.device)
-        if spec.trainable and (rates := disable_dropout(model)) and self.rank == 0:  # before LoRA (PEFT's is the recipe's)
-            print(f"[policy] the model's own dropout is off for training ({', '.join(rates)}): generation samples without it",
-                  file=sys.stderr, flush=True)  # fmt: skip
+        self.dropout_rates = disable_dropout(model) if spec.trainable else []  # before LoRA (PEFT's is the recipe's)
+        if self.dropout_rates and self.rank == 0:
+            rates = ", ".join(map(str, self.dropout_rates))
+            print(
+                f"[policy] the model's own dropout is off for training ({rates}): generation samples without it",
+                file=sys.stderr,
+                flush=True,
+            )
         if spec.sharding.activation_checkpointing and spec.trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora_cfg is not None:

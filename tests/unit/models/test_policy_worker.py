@@ -244,3 +244,7 @@ def test_the_training_forward_runs_without_the_models_own_dropout(tmp_path, caps
     train_lp = gather_token_logprobs(logits, ids)
     assert (train_lp - eval_lp).mul(mask).abs().max() < 1e-5
     assert worker.model.config.attention_dropout == 0.0
+    # a checkpoint's config.json is the model's (another trainer fine-tuning it gets its dropout back)
+    worker.save_checkpoint(str(tmp_path / "ckpt"))
+    assert json.loads((tmp_path / "ckpt" / "policy" / "config.json").read_text())["attention_dropout"] == 0.3
+    assert worker.model.config.attention_dropout == 0.0

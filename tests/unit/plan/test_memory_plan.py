@@ -4,6 +4,7 @@ LoRA, one rank and FSDP2 shards); the estimates follow their formulas; the fit c
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -241,6 +242,31 @@ def test_sequence_packing_holds_the_dense_block_causal_mask_of_its_largest_micro
     narrow = ModelShape(layers=1, hidden=1, intermediate=1, heads=1, kv_heads=1, head_dim=1, vocab=1)
     small = t * narrow.layer_values_per_token() * value_bytes + t * 12
     assert policy_memory(cfg, params, narrow).activations == max(small + t * t * value_bytes, t * t * (2 * value_bytes + 2))
+    # a sliding-window model's packed row holds a second, windowed mask (one per layer type): model_footprint says so,
+    # from the config as transformers reads it
+    import json
+
+    from nemo_like.models.loading import resolve_model_path
+    from nemo_like.models.policy.batching import pack_rows, packed_model_mask
+
+    config = json.loads((Path(resolve_model_path(EMBEDDED_MODEL)) / "config.json").read_text())
+    assert shape.packed_masks == 1
+    with tempfile.TemporaryDirectory() as tmp:
+        sliding = {
+            **config,
+            "use_sliding_window": True,
+            "sliding_window": 16,
+            "max_window_layers": 0,
+            "layer_types": ["sliding_attention"] * 4,
+        }
+        (Path(tmp) / "config.json").write_text(json.dumps(sliding))
+        params, two = model_footprint(EMBEDDED_MODEL, "float32", None, str(Path(tmp) / "config.json"))
+        from transformers import AutoConfig
+
+        masks = packed_model_mask(pack_rows({"input_ids": torch.ones(1, t, dtype=torch.long), "attention_mask": torch.ones(1, t)},
+                                            compute_dtype(precision)), AutoConfig.from_pretrained(tmp))  # fmt: skip
+    assert two.packed_masks == 2 == len(masks)
+    assert policy_memory(cfg, params, two).activations == activations + sum(m.nbytes for m in masks.values())
 
 
 def saved_by_training_forward(model, ids, dist) -> int:
