@@ -2,7 +2,7 @@
 
 Generation samples in eval mode (no dropout), so the distribution the policy gradient is about is the dropout-free
 one; and the training forward runs in train mode, where a model whose config sets ``attention_dropout`` (or GPT-2's
-``*_pdrop``) would drop out: a skipped prev-logprob pass (one optimizer step per rollout) would then stand for a
+``*_pdrop``, or Mixtral's ``router_jitter_noise``) would drop out or add noise: a skipped prev-logprob pass (one optimizer step per rollout) would then stand for a
 forward it does not equal (the loss changed, the ratio-clip warnings and the divergence metrics measured dropout
 noise). LoRA's own dropout (``policy.lora_cfg.dropout``) is PEFT's, added after this.
 """
@@ -30,7 +30,8 @@ class ConfigRate:
 
 
 def _is_rate(name: str, value: object) -> bool:
-    return isinstance(value, float) and value > 0 and ("dropout" in name or name.endswith("pdrop"))
+    """A dropout rate, or a router's input jitter (Mixtral's ``router_jitter_noise``: noise in train mode only)."""
+    return isinstance(value, float) and value > 0 and ("dropout" in name or name.endswith(("pdrop", "jitter_noise")))
 
 
 def disable_dropout(model: torch.nn.Module) -> list[ConfigRate]:

@@ -248,3 +248,23 @@ def test_the_training_forward_runs_without_the_models_own_dropout(tmp_path, caps
     worker.save_checkpoint(str(tmp_path / "ckpt"))
     assert json.loads((tmp_path / "ckpt" / "policy" / "config.json").read_text())["attention_dropout"] == 0.3
     assert worker.model.config.attention_dropout == 0.0
+
+
+@torch.no_grad()
+def test_a_routers_input_jitter_is_off_too() -> None:
+    """Mixtral's router_jitter_noise multiplies the router's input by noise in train mode only, as dropout does."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from nemo_like.models.dropout import disable_dropout
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.5)  # fmt: skip
+    model = MixtralForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 12))
+    model.eval()
+    expected = model(input_ids=ids).logits
+    model.train()
+    assert (model(input_ids=ids).logits - expected).abs().max() > 1e-3  # the jitter's noise
+    assert [str(rate) for rate in disable_dropout(model)] == ["router_jitter_noise=0.5"]
+    assert (model(input_ids=ids).logits - expected).abs().max() < 1e-5
