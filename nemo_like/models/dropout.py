@@ -2,9 +2,10 @@
 
 Generation samples in eval mode (no dropout), so the distribution the policy gradient is about is the dropout-free
 one; and the training forward runs in train mode, where a model whose config sets ``attention_dropout`` (or GPT-2's
-``*_pdrop``, or Mixtral's ``router_jitter_noise``) would drop out or add noise: a skipped prev-logprob pass (one optimizer step per rollout) would then stand for a
-forward it does not equal (the loss changed, the ratio-clip warnings and the divergence metrics measured dropout
-noise). LoRA's own dropout (``policy.lora_cfg.dropout``) is PEFT's, added after this.
+``*_pdrop``, or Mixtral's ``router_jitter_noise``) would drop out or add noise: a skipped prev-logprob pass (one
+optimizer step per rollout) would then stand for a forward it does not equal (the loss changed, the ratio-clip
+warnings and the divergence metrics measured dropout noise). LoRA's own dropout (``policy.lora_cfg.dropout``) is
+PEFT's, added after this.
 """
 
 from __future__ import annotations
