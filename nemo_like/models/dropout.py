@@ -30,9 +30,22 @@ class ConfigRate:
         return f"{self.name}={self.value:g}"
 
 
-def _is_rate(name: str, value: object) -> bool:
-    """A dropout rate, or a router's input jitter (Mixtral's ``router_jitter_noise``: noise in train mode only)."""
-    return isinstance(value, float) and value > 0 and ("dropout" in name or name.endswith(("pdrop", "jitter_noise")))
+#: Module attributes that hold a router's train-mode-only input noise (Mixtral's and MiniMax's ``jitter_noise``,
+#: PhiMoE's ``input_jitter_noise``). Not PhiMoE's router's ``router_jitter_noise``: its sparsemixer's cut-off, in eval
+#: mode too.
+NOISE_ATTRIBUTES = ("jitter_noise", "input_jitter_noise")
+
+
+def _is_rate(name: str, value: object, config_type: str | None = None) -> bool:
+    """A dropout rate, or train-mode-only router noise: on a module (``config_type`` None) :data:`NOISE_ATTRIBUTES`,
+    on a config a ``*jitter_noise`` field but PhiMoE's ``router_jitter_noise``."""
+    if not isinstance(value, float) or value <= 0:
+        return False
+    if "dropout" in name or name.endswith("pdrop"):
+        return True
+    if config_type is None:
+        return name in NOISE_ATTRIBUTES
+    return name.endswith("jitter_noise") and not (config_type == "phimoe" and name == "router_jitter_noise")
 
 
 def disable_dropout(model: torch.nn.Module) -> list[ConfigRate]:
@@ -44,7 +57,7 @@ def disable_dropout(model: torch.nn.Module) -> list[ConfigRate]:
     configs = [] if config is None else [config, *([config.get_text_config()] if hasattr(config, "get_text_config") else [])]
     for part in {id(c): c for c in configs}.values():
         for name, value in list(vars(part).items()):
-            if _is_rate(name, value):
+            if _is_rate(name, value, getattr(part, "model_type", "") or ""):
                 setattr(part, name, 0.0)
                 changed.append(ConfigRate(part, name, value))
     for module in model.modules():

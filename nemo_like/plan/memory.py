@@ -458,7 +458,8 @@ def frozen_copy_bytes(cfg: Any, params: list[ParameterSpec]) -> int:
 def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec], shape: ModelShape) -> RoleMemory:
     """A policy rank with the KL loss term's frozen teacher copy (``distillation.kl_weight > 0``): the teacher's float32
     weights sharded like the policy's, and per training micro-batch its last hidden states (chunked) or full float32
-    logits (unchunked), plus the KL's per-chunk float32 temporaries (both models' logits, probabilities, gradient)."""
+    logits (unchunked), plus the KL's per-chunk float32 temporaries (both models' logits, probabilities, gradient); with
+    packing its own packed masks (:func:`packed_mask_bytes`, in its dtype)."""
     pc = cfg.policy
     tokens = micro_batch_tokens(cfg, training=True)
     held = frozen_copy_bytes(cfg, params)
@@ -466,6 +467,9 @@ def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec],
     teacher_bytes = DTYPE_BYTES[cfg.teacher.precision or pc.precision]  # the copy computes at the teacher's precision
     kept = tokens * shape.hidden * teacher_bytes if pc.logprob_chunk_size else tokens * shape.vocab * 4
     activations = kept + rows * shape.vocab * 4 * 6
+    if pc.sequence_packing.enabled:  # the teacher's own packed masks (its dtype; the student's first when they agree)
+        shared = 1 if teacher_bytes == DTYPE_BYTES[pc.precision] else 0
+        activations += (shape.packed_masks - shared) * tokens * tokens * teacher_bytes
     note = f"{policy.note}; " if policy.note else ""
     return replace(
         policy,

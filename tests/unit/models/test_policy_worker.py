@@ -268,3 +268,12 @@ def test_a_routers_input_jitter_is_off_too() -> None:
     assert (model(input_ids=ids).logits - expected).abs().max() > 1e-3  # the jitter's noise
     assert [str(rate) for rate in disable_dropout(model)] == ["router_jitter_noise=0.5"]
     assert (model(input_ids=ids).logits - expected).abs().max() < 1e-5
+    # PhiMoE's router_jitter_noise is its sparsemixer's cut-off, in eval mode too: kept (its input jitter is noise)
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    phimoe = PhimoeForCausalLM(PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                            router_jitter_noise=0.5, input_jitter_noise=0.1)).eval()  # fmt: skip
+    before = phimoe(input_ids=ids).logits
+    assert [str(rate) for rate in disable_dropout(phimoe)] == ["input_jitter_noise=0.1"]
+    assert phimoe.config.router_jitter_noise == 0.5 and torch.equal(phimoe(input_ids=ids).logits, before)

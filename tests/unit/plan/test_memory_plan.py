@@ -772,6 +772,18 @@ def test_a_teacher_is_planned_at_its_own_precision(teacher_precision: str) -> No
     hidden = micro_batch_tokens(kl, True) * teacher[1].hidden  # the teacher copy's last hidden states, chunked KL
     gap = with_teacher_copy(kl, student, *teacher).activations - with_teacher_copy(half, student, *teacher).activations
     assert gap == (2 * hidden if teacher_precision == "float32" else 0)
+    # packed rows: the teacher copy builds its own masks, in its dtype (a float32 teacher of a bf16 student: a new one;
+    # the same dtype: the student's, and a sliding-window teacher's windowed second)
+    packing = ("policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=64")
+    packed_kl = recipe(*common, f"teacher.precision={teacher_precision}", "distillation.kl_weight=0.5", *packing)
+    unpacked_kl = recipe(*common, f"teacher.precision={teacher_precision}", "distillation.kl_weight=0.5", "policy.train_micro_batch_size=1")
+    t = micro_batch_tokens(packed_kl, True)
+    assert t == micro_batch_tokens(unpacked_kl, True) == 64
+    teacher_bytes = 4 if teacher_precision == "float32" else 2
+    for masks in (1, 2):
+        sliding = (teacher[0], dataclasses.replace(teacher[1], packed_masks=masks))
+        extra = with_teacher_copy(packed_kl, student, *sliding).activations - with_teacher_copy(unpacked_kl, student, *sliding).activations
+        assert extra == (masks - (teacher_bytes == 2)) * t * t * teacher_bytes, masks
 
 
 def test_a_teacher_not_on_this_machine_is_named_by_its_key_and_planned_with_teacher_config(capsys) -> None:
