@@ -277,3 +277,18 @@ def test_a_routers_input_jitter_is_off_too() -> None:
     before = phimoe(input_ids=ids).logits
     assert [str(rate) for rate in disable_dropout(phimoe)] == ["input_jitter_noise=0.1"]
     assert phimoe.config.router_jitter_noise == 0.5 and torch.equal(phimoe(input_ids=ids).logits, before)
+    # DBRX's router noise lives in a nested config (ffn_config.moe_jitter_eps); OPT skips layers at random (layerdrop)
+    from transformers import DbrxConfig, DbrxForCausalLM, OPTConfig, OPTForCausalLM
+
+    dbrx = DbrxForCausalLM(DbrxConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=32,
+                                      ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2, "moe_jitter_eps": 0.5},
+                                      attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}))  # fmt: skip
+    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
+                                   max_position_embeddings=32, word_embed_proj_dim=32, layerdrop=0.5, dropout=0.0))  # fmt: skip
+    for noisy, rates in ((dbrx, ["moe_jitter_eps=0.5"]), (opt, ["layerdrop=0.5"])):
+        expected = noisy.eval()(input_ids=ids).logits
+        noisy.train()
+        torch.manual_seed(1)
+        assert (noisy(input_ids=ids).logits - expected).abs().max() > 1e-3, rates
+        assert [str(rate) for rate in disable_dropout(noisy)] == rates
+        assert (noisy(input_ids=ids).logits - expected).abs().max() < 1e-5, rates
