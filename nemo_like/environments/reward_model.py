@@ -7,7 +7,9 @@ The model lives in the environment's own actors (``env.<task>.num_workers`` of t
 or the order. The prompt comes from the sample's metadata (:func:`.learned_inputs.prompt_of`).
 
 Counters (``env/<task>/<name>``, summed over actors): ``scored``, ``score_sum`` (raw scores), ``truncated``
-(inputs cut to the model's ``max_length`` from the left, keeping the response and a leading CLS/BOS), ``prompt_missing``, ``batches``.
+(inputs cut to the model's ``max_length`` from the left, keeping the response and a leading CLS/BOS), ``prompt_missing``, ``batches``,
+``template_errors`` (responses the model's chat template rewrites past recognition, e.g. one that drops the text before
+``</think>``: not scored, they get ``template_error_reward``).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
 from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prompt_of, resolve_reward_model_path
 from nemo_like.environments.score_normalization import ScoreNormalization
+from nemo_like.environments.scored_text import ContentRewrittenError
 
 #: The shipped tiny reward model (``scripts/build_tiny_reward_model.py``).
 TINY_REWARD_MODEL = "embedded:tiny-reward-qwen2"
-COUNTERS = ("scored", "score_sum", "truncated", "prompt_missing", "batches")
+COUNTERS = ("scored", "score_sum", "truncated", "prompt_missing", "batches", "template_errors")
 
 
 class RewardModelEnvConfig(BaseModel):
@@ -46,6 +49,11 @@ class RewardModelEnvConfig(BaseModel):
         "Takes the chat template's place.",
     )
     normalize: ScoreNormalization = Field(default_factory=ScoreNormalization, description="Raw score -> reward (per sample).")
+    template_error_reward: float = Field(
+        0.0,
+        description="Reward of a response the model's chat template rewrites past recognition (counted template_errors; "
+        "not normalised). use_chat_template: false scores such responses as plain text.",
+    )
     num_cpus: float = Field(0.25, gt=0, description="CPUs each actor of this environment reserves.")
     num_gpus: float = Field(0.0, ge=0, le=1, description="GPUs each actor reserves (the model runs on one GPU: at most 1).")
     num_threads: int = Field(1, gt=0, description="torch threads of each actor on CPU.")
@@ -115,10 +123,10 @@ class RewardModelEnvironment(EnvironmentInterface):
             )
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 
-    def raw_scores(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
-        """The model's raw score of each (prompt, response) pair (before normalisation)."""
-        sequences, type_ids, typed = [], [], False
-        for response, meta in zip(responses, metadata):
+    def raw_scores(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float | None]:
+        """The model's raw score of each (prompt, response) pair (before normalisation); ``None`` for a template error."""
+        sequences, type_ids, typed, failed = [], [], False, set()
+        for i, (response, meta) in enumerate(zip(responses, metadata)):
             prompt = prompt_of(meta)
             if prompt is None:
                 self._counts["prompt_missing"] += 1
@@ -126,7 +134,12 @@ class RewardModelEnvironment(EnvironmentInterface):
                 encoded = self.scorer.encode_text_pair(prompt or "", response)
                 ids, types = encoded.ids, encoded.token_type_ids
             else:
-                ids, types = self.scorer.encode(prompt or "", response, self.cfg.use_chat_template), None
+                try:
+                    ids, types = self.scorer.encode(prompt or "", response, self.cfg.use_chat_template), None
+                except ContentRewrittenError:
+                    self._counts["template_errors"] += 1
+                    failed.add(i)
+                    continue
             typed |= types is not None
             if self.max_length is not None and len(ids) > self.max_length:
                 if types is not None:  # cut where the ids are cut
@@ -135,15 +148,16 @@ class RewardModelEnvironment(EnvironmentInterface):
                 self._counts["truncated"] += 1
             sequences.append(ids or [self.scorer.pad_token_id])
             type_ids.append(types or [0] * len(sequences[-1]))
-        scores = self.scorer.score(sequences, self.cfg.max_tokens_per_batch, type_ids if typed else None)
-        self._counts["batches"] += self.scorer.batches_run
-        return scores
+        scores = iter(self.scorer.score(sequences, self.cfg.max_tokens_per_batch, type_ids if typed else None) if sequences else [])
+        self._counts["batches"] += self.scorer.batches_run if sequences else 0
+        return [None if i in failed else next(scores) for i in range(len(responses))]
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         raw = self.raw_scores(responses, metadata)
-        self._counts["scored"] += len(raw)
-        self._counts["score_sum"] += sum(raw)
-        return [self.cfg.normalize(value) for value in raw]
+        scored = [value for value in raw if value is not None]
+        self._counts["scored"] += len(scored)
+        self._counts["score_sum"] += sum(scored)
+        return [self.cfg.template_error_reward if value is None else self.cfg.normalize(value) for value in raw]
 
     def metrics(self) -> dict[str, float]:
         counts, self._counts = self._counts, dict.fromkeys(COUNTERS, 0.0)

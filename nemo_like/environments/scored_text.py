@@ -22,14 +22,19 @@ from nemo_like.models.loading import render_chat
 _PLACEHOLDER = "\ue000scored-content-{}\ue001"  # private-use characters: in no template's own text
 
 
+class ContentRewrittenError(ValueError):
+    """A chat template does not place a message's content once, as given (it drops reasoning before ``</think>``,
+    moves it into a block, ...): the content cannot be kept as plain text."""
+
+
 def chat_ids_of_untrusted_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     """The ids of ``messages`` through ``tokenizer``'s chat template, each message's content tokenized as plain text.
     A template that transforms a content (``| trim``, a stripped newline) is followed: the content is read back from
     the real rendering between the template's own texts, so the ids are the template's for the real messages.
 
     Raises:
-        ValueError: the template does not place each content once, or transforms it past recognition (more than
-            the whitespace around it); the judge counts such a sample as a template error."""
+        ContentRewrittenError: the template does not place each content once, or transforms it past recognition (more
+            than the whitespace around it); the judge and the reward model count such a sample as a template error."""
     placeholders = [_PLACEHOLDER.format(i) for i in range(len(messages))]
 
     def render(contents: Sequence[str]) -> str:
@@ -38,10 +43,10 @@ def chat_ids_of_untrusted_text(tokenizer: Any, messages: list[dict[str, str]], a
 
     marked = render(placeholders)
     if any(marked.count(p) != 1 for p in placeholders):
-        raise ValueError("the chat template does not place each message's content once, as given")
+        raise ContentRewrittenError("the chat template does not place each message's content once, as given")
     pieces = template_pieces(marked, render([m["content"] for m in messages]), placeholders, [m["content"] for m in messages])
     if pieces is None:
-        raise ValueError("the chat template changes a message's content past its surrounding whitespace")
+        raise ContentRewrittenError("the chat template changes a message's content past its surrounding whitespace")
     return ids_of_pieces(tokenizer, pieces)
 
 

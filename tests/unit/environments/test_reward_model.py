@@ -99,6 +99,26 @@ def tiny_rm_copy(tmp_path: Path) -> Path:
     return Path(shutil.copytree(resolve_reward_model_path(TINY_REWARD_MODEL), tmp_path / "rm"))
 
 
+def test_a_response_the_chat_template_rewrites_is_a_counted_template_error_not_a_crash(tmp_path: Path) -> None:
+    """A reward model whose template drops the text before ``</think>`` (DeepSeek-R1-distill's rule): one such response
+    raised out of the scoring call and stopped the training step."""
+    model_dir = tmp_path / "drops_reasoning"
+    shutil.copytree(resolve_reward_model_path(TINY_REWARD_MODEL), model_dir)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for message in messages %}{% set content = message['content'] %}"
+        "{% if message['role'] == 'assistant' and '</think>' in content %}{% set content = content.split('</think>')[-1] %}"
+        "{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>' + '\n' }}{% endfor %}"
+    )
+    env = RewardModelEnvironment(model_name=str(model_dir), template_error_reward=-1.0)
+    metadata = [{"prompt": "What is 3 + 4?"}] * 3
+    alone = env.score(["7", "8"], metadata[:2])
+    env.metrics()
+    assert env.score(["7", "<think>3+4=7</think>7", "8"], metadata) == [alone[0], -1.0, alone[1]]
+    counts = env.metrics()
+    assert (counts["template_errors"], counts["scored"]) == (1.0, 2.0)
+    assert env.score(["<think>x</think>7"], metadata[:1]) == [-1.0] and env.metrics()["batches"] == 0.0  # nothing to run
+
+
 def test_a_checkpoint_without_a_trained_score_head_is_refused_at_load(tmp_path: Path) -> None:
     """transformers gives a checkpoint without the head a random one and says so only in the actor's log: the scores
     were noise, a different noise in every actor. A causal LM that calls itself a classifier passes the config's check
