@@ -9,8 +9,8 @@
    wrong answer (gold +- 1..9) labelled 0 (logistic loss, Adam, ``--steps`` full-batch steps): the model scores
    correct answers higher, though far from perfectly (the accuracy on held-out pairs is in ``build_info.json``).
 
-The conversation is rendered by the chat template without a generation prompt (the last token is the
-assistant turn's ``<|im_end|>``), as :mod:`nemo_like.environments.reward_model` renders it.
+The conversation is rendered by the chat template without a generation prompt (the last token is the newline the
+template writes after the assistant turn's ``<|im_end|>``), as :mod:`nemo_like.environments.reward_model` renders it.
 
 Usage:
   python scripts/build_tiny_reward_model.py [--out DIR] [--seed S] [--steps N]
