@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
 from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prompt_of, resolve_reward_model_path
@@ -71,6 +71,28 @@ class RewardModelEnvConfig(BaseModel):
                 "*ForSequenceClassification checkpoint (a trained reward model)"
             )
         return name
+
+    @model_validator(mode="after")
+    def _label_in_range(self) -> RewardModelEnvConfig:
+        """An out-of-range ``label_index`` is refused in the driver, under its key (each actor refused it as it loaded)."""
+        labels = checkpoint_num_labels(self.model_name)
+        if labels is not None and self.label_index >= labels:
+            raise ValueError(f"label_index={self.label_index} but the reward model {self.model_name} has {labels} label(s)")
+        return self
+
+
+def checkpoint_num_labels(name: str) -> int | None:
+    """How many logits model ``name``'s score head has, from its ``config.json`` here (``id2label``, else
+    ``num_labels``, else transformers' default 2); ``None`` without a config here."""
+    import json
+
+    from nemo_like.models.loading import local_config_file
+
+    config = local_config_file(name)
+    if config is None:
+        return None
+    raw = json.loads(config.read_text())
+    return len(raw["id2label"]) if raw.get("id2label") else int(raw.get("num_labels", 2))
 
 
 def checkpoint_architectures(name: str) -> list[str]:

@@ -335,6 +335,8 @@ def test_prompt_from_metadata() -> None:
         ({"normalize": {"clip": [1, 0]}}, "env.rm.normalize: clip must be [low, high]"),
         ({"max_tokens_per_batch": 0}, "env.rm.max_tokens_per_batch"),
         ({"model_name": "embedded:tiny-arith-qwen2"}, "env.rm.model_name: 'embedded:tiny-arith-qwen2' is a causal language model"),
+        # refused in the driver (each actor refused it as it loaded, naming no key)
+        ({"label_index": 1}, "env.rm: label_index=1 but the reward model embedded:tiny-reward-qwen2 has 1 label"),
     ],
 )
 def test_bad_sections_name_the_key(section: dict, message: str) -> None:
