@@ -3,8 +3,8 @@
 
 The model lives in the environment's own actors (``env.<task>.num_workers`` of them, each with ``num_cpus`` /
 ``num_gpus``), loaded once, and scores in batches of at most ``max_tokens_per_batch`` padded tokens
-(:mod:`.reward_model_scorer`): a sample's reward does not depend on the batch it came in, the split over actors
-or the order. The prompt comes from the sample's metadata (:func:`.learned_inputs.prompt_of`).
+(:mod:`.reward_model_scorer`): in float32 a sample's reward does not depend on the batch it came in, the split over
+actors or the order (bfloat16 rounds differently in a padded batch). The prompt comes from the sample's metadata (:func:`.learned_inputs.prompt_of`).
 
 Counters (``env/<task>/<name>``, summed over actors): ``scored``, ``score_sum`` (raw scores), ``truncated``
 (inputs cut to the model's ``max_length`` from the left, keeping the response and a leading CLS/BOS), ``prompt_missing``, ``batches``,
