@@ -77,7 +77,9 @@ class JudgeEnvConfig(BaseModel):
         default_factory=dict, description="Keyword arguments of the parser (regex: pattern, group; ...)."
     )
     parse_failure_reward: float = Field(
-        0.0, description="Reward of a sample whose verdict is unreadable, out of score_range, late, or lost to an engine failure."
+        0.0,
+        allow_inf_nan=False,
+        description="Reward of a sample whose verdict is unreadable, out of score_range, late, or lost to an engine failure.",
     )
     score_range: tuple[float, float] | None = Field(
         None,

@@ -121,6 +121,7 @@ def test_parser_plugins_come_from_the_registry_or_an_import_path(tmp_path) -> No
         ({"deadline_s": 1e-6}, "env.j.deadline_s"),  # below Ray's millisecond: a wait of 0, not a microsecond
         ({"model_name": "./no/such/judge"}, "env.j.model_name"),
         ({"parse_failure_reward": "low"}, "env.j.parse_failure_reward"),
+        ({"parse_failure_reward": float("inf")}, "env.j.parse_failure_reward"),
         ({"engine_backend": "sglang"}, "env.j.engine_backend"),
         ({"engine_kv_cache_space_gib": 0.5}, "env.j.engine_kv_cache_space_gib"),
         ({"engine_num_gpus": 1.5}, "env.j.engine_num_gpus"),  # one engine runs on one GPU; Ray grants 1.5 as no GPU can

@@ -337,6 +337,7 @@ def test_prompt_from_metadata() -> None:
         ({"model_name": "embedded:tiny-arith-qwen2"}, "env.rm.model_name: 'embedded:tiny-arith-qwen2' is a causal language model"),
         # refused in the driver (each actor refused it as it loaded, naming no key)
         ({"label_index": 1}, "env.rm: label_index=1 but the reward model embedded:tiny-reward-qwen2 has 1 label"),
+        ({"template_error_reward": float("nan")}, "env.rm.template_error_reward"),  # refused now, not at the first error
     ],
 )
 def test_bad_sections_name_the_key(section: dict, message: str) -> None:
