@@ -40,6 +40,23 @@ from nemo_like.utils.run_lock import hold_run_locks
 from nemo_like.utils.seeds import eval_seed
 
 
+def refuse_replacing_a_model_eval_did_not_merge(out: Path) -> None:
+    """``out/merged_model`` holding files is replaced only when the last eval there merged it (its ``summary.json``'s
+    ``model_dir`` names it): a model the user merged there (``nemo-like merge --out merged_model``) was deleted."""
+    merged = out / "merged_model"
+    if not merged.is_dir() or not any(merged.iterdir()):
+        return
+    try:
+        last = json.loads((out / "summary.json").read_text()).get("model_dir")
+    except (OSError, ValueError, AttributeError):
+        last = None
+    if last != str(merged):
+        raise ConfigError(
+            f"eval.output_dir: {merged} holds a model eval did not merge there (the last eval's summary.json does not name "
+            "it); choose another eval.output_dir or move it"
+        )
+
+
 def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
     """A model directory without a tokenizer (a checkpoint's ``policy/`` written before it held the run's), which vLLM
     loads from the model directory: give it a directory of the run's tokenizer plus links to the model's other files
@@ -212,6 +229,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     if lora_base is not None:  # the merged model replaces output_dir/merged_model: never the adapters or their base
         refuse_overwriting(out / "merged_model", Path(model_dir))
         refuse_overwriting_base(out / "merged_model", model_dir, "eval.output_dir")
+        refuse_replacing_a_model_eval_did_not_merge(out)
     preflight.ensure_writable_dir(out, "eval.output_dir")  # a file there was a FileExistsError traceback
     # Two evals (or an eval and a run) writing one directory interleaved their files: a summary beside another's rows
     with hold_run_locks({"eval.output_dir": out}):

@@ -287,3 +287,25 @@ def test_eval_results_replace_an_earlier_evals_whole_and_the_output_dir_may_hold
     for out in (step, step / "policy", step / "policy" / "eval"):  # the step's config.yaml, the model, inside it
         with pytest.raises(ConfigError, match="eval.output_dir: writing"):
             refuse_results_over_model(out, step / "policy")
+
+
+def test_a_merged_model_eval_did_not_merge_is_refused_not_replaced(tmp_path, capsys) -> None:
+    """A LoRA eval replaced output_dir/merged_model whatever it held: a model the user merged there (`nemo-like merge
+    --out merged_model`, as lora.md shows) and their notes were deleted. The last eval's own merge is replaced."""
+    from nemo_like.cli import main
+    from nemo_like.evaluation.run import refuse_replacing_a_model_eval_did_not_merge
+    from nemo_like.models.assets import default_model_path
+
+    adapters = lora_checkpoint(tmp_path / "step_2" / "policy", default_model_path())
+    out = tmp_path / "out"
+    (out / "merged_model").mkdir(parents=True)
+    refuse_replacing_a_model_eval_did_not_merge(out)  # empty: nothing to lose
+    (out / "merged_model" / "NOTES.txt").write_text("my step-1 merge")
+    assert main(["eval", f"eval.model_path={adapters}", f"eval.output_dir={out}"]) == 2
+    assert "holds a model eval did not merge there" in capsys.readouterr().err
+    assert (out / "merged_model" / "NOTES.txt").read_text() == "my step-1 merge"
+    (out / "summary.json").write_text(json.dumps({"model_dir": str(tmp_path / "elsewhere")}))
+    with pytest.raises(ConfigError, match="holds a model eval did not merge there"):
+        refuse_replacing_a_model_eval_did_not_merge(out)
+    (out / "summary.json").write_text(json.dumps({"model_dir": str(out / "merged_model")}))  # the last eval merged it
+    refuse_replacing_a_model_eval_did_not_merge(out)
