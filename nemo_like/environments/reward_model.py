@@ -4,7 +4,8 @@
 The model lives in the environment's own actors (``env.<task>.num_workers`` of them, each with ``num_cpus`` /
 ``num_gpus``), loaded once, and scores in batches of at most ``max_tokens_per_batch`` padded tokens
 (:mod:`.reward_model_scorer`): in float32 a sample's reward does not depend on the batch it came in, the split over
-actors or the order (bfloat16 rounds differently in a padded batch). The prompt comes from the sample's metadata (:func:`.learned_inputs.prompt_of`).
+actors or the order (bfloat16 rounds differently in a padded batch). The prompt comes from the sample's metadata
+(:func:`.learned_inputs.prompt_of`).
 
 Counters (``env/<task>/<name>``, summed over actors): ``scored``, ``score_sum`` (raw scores), ``truncated``
 (inputs cut to the model's ``max_length`` from the left, keeping the response and a leading CLS/BOS), ``prompt_missing``, ``batches``,
@@ -82,29 +83,30 @@ class RewardModelEnvConfig(BaseModel):
         return self
 
 
-def checkpoint_num_labels(name: str) -> int | None:
-    """How many logits model ``name``'s score head has, from its ``config.json`` here (``id2label``, else
-    ``num_labels``, else transformers' default 2); ``None`` without a config here."""
+def _config_here(name: str) -> dict[str, Any] | None:
+    """Model ``name``'s ``config.json`` (a local directory, a shipped model or a hub id in the local cache); ``None``
+    when there is none here."""
     import json
 
     from nemo_like.models.loading import local_config_file
 
     config = local_config_file(name)
-    if config is None:
+    return json.loads(config.read_text()) if config is not None else None
+
+
+def checkpoint_num_labels(name: str) -> int | None:
+    """How many logits model ``name``'s score head has, from its ``config.json`` here (``id2label``, else
+    ``num_labels``, else transformers' default 2); ``None`` without a config here."""
+    raw = _config_here(name)
+    if raw is None:
         return None
-    raw = json.loads(config.read_text())
     return len(raw["id2label"]) if raw.get("id2label") else int(raw.get("num_labels", 2))
 
 
 def checkpoint_architectures(name: str) -> list[str]:
-    """The ``architectures`` model ``name``'s ``config.json`` lists (a local directory, a shipped model or a hub id in
-    the local cache; empty when it lists none or there is no config here)."""
-    import json
-
-    from nemo_like.models.loading import local_config_file
-
-    config = local_config_file(name)
-    return list(json.loads(config.read_text()).get("architectures") or []) if config is not None else []
+    """The ``architectures`` model ``name``'s ``config.json`` here lists (empty when it lists none or there is none)."""
+    raw = _config_here(name)
+    return list(raw.get("architectures") or []) if raw is not None else []
 
 
 class RewardModelEnvironment(EnvironmentInterface):
