@@ -5,9 +5,7 @@ subprocess where the case starts Ray) on real files and directories."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -142,41 +140,19 @@ def test_a_run_directory_on_a_full_device_names_the_key(capsys, tmp_path):
         subprocess.run(["umount", "--lazy", str(device)], check=True)  # lazy: a failed run may still hold a file open there
 
 
-# -- run errors that need a cluster (subprocess: they start a private Ray cluster) ------------------
-
-
-def run_cli_subprocess(tmp_path: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("RAY_ADDRESS", None)
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nemo_like.cli",
-            "train",
-            "--config",
-            str(TINY),
-            f"logger.log_dir={tmp_path / 'logs'}",
-            "logger.progress_bar=false",
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+# -- run errors that need a cluster (the session cluster: 2 CPUs, no GPU) ------------------------------
 
 
 @pytest.mark.slow
-def test_a_gpu_recipe_on_a_machine_without_gpus_fails_before_any_actor_starts(tmp_path):
-    pytest.importorskip("ray")
+def test_a_gpu_recipe_on_a_machine_without_gpus_fails_before_any_actor_starts(ray_cluster, capsys, tmp_path):
+    """On the session cluster (it started a private one in a subprocess: 20 s of a suite run for this one refusal)."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
-    result = run_cli_subprocess(tmp_path, "cluster.gpus_per_node=8", "cluster.num_cpus=2")
-    assert_clean(result.returncode, result.stderr, 1, "short by GPU 8", "cluster.gpus_per_node", "0 GPUs found")
-    assert "actors ready" not in result.stderr
+    code, err = run_cli(capsys, tmp_path, "cluster.gpus_per_node=8")
+    assert_clean(code, err, 1, "short by GPU 8", "cluster.gpus_per_node", "0 GPUs found")
+    assert "actors ready" not in err
 
 
 @pytest.mark.slow
