@@ -15,6 +15,7 @@ guard; they differ only in their :class:`SyncSteps` / :class:`AsyncSteps` object
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter
@@ -625,14 +626,13 @@ class AsyncSteps:
         return async_grpo_step(self.parts, self.rollouts, step, timer)
 
     def validate(self, step: int, timer: StepTimer) -> dict[str, float]:
-        if self.rollouts is None:  # step 0's validation: no collector yet
-            with timer.phase("validation"):
-                return validate(self.parts, step)
         # The collector is held between batches while validation runs: a validation call queued behind its batch on the
         # one-call-at-a-time engine counted that wait against cluster.fault_tolerance.call_timeout_s (a healthy engine
         # was killed as hung). The wait for the batch in flight is the validation's. Generation has the latest weights
-        # (refitted after training) unless every batch was generated already, when the step skipped its refit.
-        with self.rollouts.paused("validation", until_pushed=False) as waited:
+        # (refitted after training) unless every batch was generated already, when the step skipped its refit. Step 0's
+        # validation comes before the collector starts (nothing to hold, the weights the same).
+        held = contextlib.nullcontext(0.0) if self.rollouts is None else self.rollouts.paused("validation", until_pushed=False)
+        with held as waited:
             timer.add("validation", waited)
             refitted = {}
             if self.parts.generation.weight_version != self.parts.policy.weight_version:

@@ -173,8 +173,10 @@ class RewardModelEnvironment(EnvironmentInterface):
                 self._counts["truncated"] += 1
             sequences.append(ids or [self.scorer.pad_token_id])
             type_ids.append(types or [0] * len(sequences[-1]))
-        scores = iter(self.scorer.score(sequences, self.cfg.max_tokens_per_batch, type_ids if typed else None) if sequences else [])
-        self._counts["batches"] += self.scorer.batches_run if sequences else 0
+        if not sequences:  # every response a template error: nothing to run
+            return [None] * len(responses)
+        scores = iter(self.scorer.score(sequences, self.cfg.max_tokens_per_batch, type_ids if typed else None))
+        self._counts["batches"] += self.scorer.batches_run
         return [None if i in failed else next(scores) for i in range(len(responses))]
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:

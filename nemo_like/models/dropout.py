@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def _config_parts(config: Any) -> list[Any]:
         if id(part) in parts:
             continue
         parts[id(part)] = part
-        queue += [v for v in vars(part).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
+        queue += [v for v in vars(part).values() if isinstance(v, PretrainedConfig)]
     return list(parts.values())
 
 

@@ -1040,6 +1040,11 @@ def whole_device_advice(cfg: Any, needed_bytes: float, device_bytes: float, what
     )
 
 
+def _more_gpus(dp_size: int, short: str | None) -> str:
+    """The advice's note that ``dp_size`` policy ranks need more GPUs than declared (``short``: the cluster check's line)."""
+    return f", on more GPUs than declared (at policy.dp_size={dp_size} {short})" if short else ""
+
+
 def fit_advice(
     cfg: Any,
     shrinks: Callable[[Any], bool],
@@ -1073,7 +1078,7 @@ def fit_advice(
     offloaded = _with(cfg, "policy", dtensor_cfg=offload, dp_size=max(2, pc.dp_size))
     if cluster.gpus_per_node and not pc.dtensor_cfg.cpu_offload and shrinks(offloaded):
         short = cluster_problem(offloaded) if cluster_problem is not None and pc.dp_size < 2 else None
-        gpus = f", on more GPUs than declared (at policy.dp_size=2 {short})" if short else ""
+        gpus = _more_gpus(2, short)
         advice.append(
             "set policy.dtensor_cfg.cpu_offload=true (with more than one policy worker) to keep parameters, gradients and "
             f"AdamW state in host RAM{gpus}"
@@ -1089,7 +1094,7 @@ def fit_advice(
     dp_short = cluster_problem(more) if dp_shrinks and cluster_problem is not None else None
     dp_helps = dp_shrinks and dp_short is None  # on the declared GPUs: else the cheaper changes below are advised too
     if dp_shrinks:
-        gpus = f", on more GPUs than declared (at policy.dp_size={more_dp} {dp_short})" if dp_short else ""
+        gpus = _more_gpus(more_dp, dp_short)
         advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices{gpus}")
     if not cluster.gpus_per_node and shrinks(_with(cfg, "cluster", num_nodes=2 * cluster.num_nodes)):
         advice.append(f"raise cluster.num_nodes (now {cluster.num_nodes}): the workers of a node share its RAM")
