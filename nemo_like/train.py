@@ -10,7 +10,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from nemo_like.algorithms.setup import GRPOComponents, TrainingData, setup_grpo,
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed import faults, supervision
 from nemo_like.distributed.watchdog import RunStalled, StallWatchdog
-from nemo_like.distributed.worker_group import WorkerFailure
+from nemo_like.distributed.worker_group import WorkerFailure, actors_not_kept
 from nemo_like.models.loading import check_model_source, check_tokenizer_source, refuse_checkpoint_as_model
 from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.deadline import resolve_run_deadline
@@ -299,6 +299,7 @@ def _train_attempt(
     ready = f"[setup] actors ready in {time.perf_counter() - since:.1f}s"
     logger.progress.message(ready if not deaths else ready + f" (restart {len(deaths)})")
     actor_ids = restartable_actor_ids(parts)
+    stalled = False
     try:
         with ExitStack() as stack:
             control.last_progress = time.monotonic()
@@ -306,6 +307,9 @@ def _train_attempt(
                 stack.enter_context(StallWatchdog(control, ft.stall_timeout_s, ft.on_stall))
             loop = async_grpo_train if cfg.grpo.async_grpo.enabled else grpo_train
             return loop(parts, logger, resume_from)
+    except RunStalled:
+        stalled = True
+        raise
     except WorkerFailure as exc:
         role = dead_role(exc, actor_ids)
         if role is None:
@@ -313,7 +317,8 @@ def _train_attempt(
         return WorkerDeath(role, control.step, str(exc), exc, time.monotonic())
     finally:
         logger.close()
-        parts.shutdown()  # the actors (a dead one included), their placement groups, refit buffers, the rollout server
+        with actors_not_kept() if stalled else nullcontext():  # a stalled run's actors are hung: never kept for another
+            parts.shutdown()  # the actors (a dead one included), their placement groups, refit buffers, the rollout server
 
 
 def report_first_step(logger: Logger, death: WorkerDeath, restarts: int) -> None:

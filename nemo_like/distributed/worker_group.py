@@ -134,6 +134,18 @@ def reuse_actors() -> Iterator[None]:
             _POOL.evict()
 
 
+@contextmanager
+def actors_not_kept() -> Iterator[None]:
+    """Inside, a group that shuts down is killed even within :func:`reuse_actors`: the actors of a run the stall
+    watchdog aborted are hung in a call (kept, the next run's group waited ``placement_timeout_s`` on them, holding
+    their bundles, before starting fresh ones)."""
+    depth, _POOL.depth = _POOL.depth, 0
+    try:
+        yield
+    finally:
+        _POOL.depth = depth
+
+
 def _kill(workers: list[Any], pg: PlacementGroup | None) -> None:
     for w in workers:
         ray.kill(w, no_restart=True)
