@@ -250,6 +250,7 @@ def test_a_later_run_of_the_process_naming_another_cluster_is_refused(ray_cluste
 
 
 ACROSS_SESSIONS = r"""
+import os
 import ray
 from nemo_like.distributed.worker_group import _POOL, RayWorkerGroup, Reinitializable, WorkerResources, reuse_actors
 
@@ -259,17 +260,17 @@ class Pid(Reinitializable):
     def ping(self):
         return self.pid
 
-def connect():
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+def connect():  # the session cluster: each connection is a new Ray job, whose actors die when it disconnects
+    ray.init(address=os.environ["SESSION_GCS"], log_to_driver=False)
 
 with reuse_actors():
     connect()
-    first = RayWorkerGroup("policy", Pid, 1, WorkerResources(0.5), {}, 30)
+    first = RayWorkerGroup("policy", Pid, 1, WorkerResources(0.01), {}, 30)
     old = ray.get(first.workers[0].ping.remote())
     first.shutdown()  # kept idle for the next run
     ray.shutdown()  # what init_ray's error tells a sweep to do before a run on another cluster
     connect()
-    second = RayWorkerGroup("policy", Pid, 1, WorkerResources(0.5), {}, 30)
+    second = RayWorkerGroup("policy", Pid, 1, WorkerResources(0.01), {}, 30)
     new = ray.get(second.workers[0].ping.remote(), timeout=60)
     second.shutdown()
     ray.shutdown()
@@ -277,15 +278,17 @@ print("OK", old != new, len(_POOL.idle), ray.is_initialized())
 """
 
 
-def test_groups_kept_before_a_ray_shutdown_are_forgotten_not_reused(tmp_path):
+def test_groups_kept_before_a_ray_shutdown_are_forgotten_not_reused(ray_cluster, tmp_path):
     """A sweep inside reuse_actors() that reconnects (ray.shutdown(), as init_ray's error advises): the next run took
     the kept group's stale handles ('Can't find actor ... from a different cluster'), and leaving the block killed
-    them through a new default Ray instance it started."""
+    them through a new default Ray instance it started. A driver of its own (it disconnects), joined to the session
+    cluster twice: a new connection is a new Ray job, as a new cluster is (two private clusters cost ~20 s)."""
     import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "RAY_ADDRESS": ""}
+    gcs = ray_cluster.get_runtime_context().gcs_address
+    env = {**os.environ, "PYTHONPATH": str(root), "RAY_ADDRESS": "", "SESSION_GCS": gcs}
     done = subprocess.run([sys.executable, "-c", ACROSS_SESSIONS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "OK True 0 False", done.stdout
