@@ -1,5 +1,6 @@
-"""The supervisor's bookkeeping (no Ray): budgets per role and per batch, the error that lists every death, the
-counters the loop logs. Replacing real actors is tested end to end in tests/functional/test_fault_tolerance.py."""
+"""The supervisor's bookkeeping: budgets per role and per batch, the error that lists every death, the counters the
+loop logs, and a batch with two dead actors (real actors on the session cluster). Replacing the run's own actors is
+tested end to end in tests/functional/test_fault_tolerance.py."""
 
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def test_a_replacement_is_progress_for_the_stall_watchdog_wherever_it_is_made():
 
 def test_results_that_arrive_just_past_the_deadline_are_neither_re_sent_nor_counted(monkeypatch, capsys):
     """The batch's wait timed out, yet every result was there when each was read: nothing was replaced, so no
-    "re-sent" line and no seconds lost (the whole wait was added to faults/seconds_lost)."""
+    "re-sent" line and no seconds lost (the whole wait was added to faults/seconds_lost). ``ray.get`` stands in for Ray
+    here: real actors cannot be made to answer inside that window (between the batch's timeout and the reads) on demand."""
     import ray
 
     from nemo_like.distributed.supervision import Call, gather
@@ -146,36 +148,53 @@ def test_a_system_level_death_is_reported_with_its_cause_not_rays_fixed_first_li
     assert len(death_reason(long)) == 400 and death_reason(long).endswith("...")
 
 
-def test_two_dead_actors_in_one_batch_are_two_deaths_one_retried_batch_and_only_their_calls_re_sent(monkeypatch, capsys):
-    """faults/retried_batches counts batches, not calls or deaths; a call whose actor answered is not sent again."""
+def test_two_dead_actors_in_one_batch_are_two_deaths_one_retried_batch_and_only_their_calls_re_sent(ray_cluster, tmp_path, capsys):
+    """faults/retried_batches counts batches, not calls or deaths; a call whose actor answered is not sent again. Real
+    actors in a real group: ranks 1 and 2 die in their first call (their process exits), and their replacements answer."""
+    import os
+
     import ray
 
     from nemo_like.distributed.supervision import Call, gather
+    from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerResources
 
-    answers = {"a0": "first", "b0": None, "c0": None, "b1": "second", "c1": "third"}  # None: the actor died
+    class Answering:  # defined here: Ray's workers get it by value (they cannot import this test module)
+        def __init__(self, rank: int, world_size: int, doomed: list[int], marks: str) -> None:
+            self.rank, self.doomed, self.marks = rank, doomed, marks
 
-    def get(refs, timeout=None):
-        if isinstance(refs, list):
-            raise ray.exceptions.RayActorError()
-        if answers[refs] is None:
-            raise ray.exceptions.RayActorError()
-        return answers[refs]
+        def answer(self, tag: str) -> str:
+            first_life = os.path.join(self.marks, f"rank{self.rank}")
+            if self.rank in self.doomed and not os.path.exists(first_life):
+                open(first_life, "w").close()
+                os._exit(1)  # the process dies under its call
+            return f"{tag}{self.rank} pid {os.getpid()}"
 
-    sent: list[tuple[int, str]] = []
+        def pid(self) -> int:
+            return os.getpid()
 
-    def submit(rank):
-        def call(worker):
-            sent.append((rank, worker))
-            return "abc"[rank] + str(sum(1 for r, _ in sent if r == rank) - 1)
+    group = RayWorkerGroup("generation", Answering, 3, WorkerResources(num_cpus=0.01), {"doomed": [1, 2], "marks": str(tmp_path)})
+    try:
+        pids = ray.get([w.pid.remote() for w in group.workers])
+        run = begin_run(FaultToleranceConfig(max_actor_restarts=5))
+        target = Replaceable("generation", group)
+        sent: list[int] = []
 
-        return call
+        def submit(rank: int):
+            def call(worker):
+                sent.append(rank)
+                return worker.answer.remote("r")
 
-    monkeypatch.setattr(ray, "get", get)
-    run = begin_run(FaultToleranceConfig(max_actor_restarts=5))
-    target = Replaceable("generation", StandInGroup("w0", "w1", "w2"))
-    calls = [Call(target, rank, submit(rank)) for rank in range(3)]
-    refs = [c.submit(target.group.workers[c.rank]) for c in calls]
-    assert gather(calls, refs, "generation") == ["first", "second", "third"]
-    assert sent == [(0, "w0"), (1, "w1"), (2, "w2"), (1, "w1'"), (2, "w2'")]  # only the dead actors' calls, to their replacements
+            return call
+
+        calls = [Call(target, rank, submit(rank)) for rank in range(3)]
+        refs = [c.submit(group.workers[c.rank]) for c in calls]
+        answers = gather(calls, refs, "generation")
+        new_pids = ray.get([w.pid.remote() for w in group.workers])
+    finally:
+        group.kill()
+    assert [a.split(" pid ")[0] for a in answers] == ["r0", "r1", "r2"]
+    assert new_pids[0] == pids[0] and new_pids[1] not in pids and new_pids[2] not in pids  # ranks 1 and 2 replaced
+    assert answers == [f"r{rank} pid {pid}" for rank, pid in enumerate(new_pids)]  # each answered by today's actor
+    assert sent == [0, 1, 2, 1, 2]  # only the dead actors' calls, to their replacements
     assert run.retried_batches == 1 and run.restarts == {"generation": 2} and len(run.deaths) == 2
     assert run.seconds_lost > 0 and "'generation' re-sent to the replaced actor(s)" in capsys.readouterr().out
