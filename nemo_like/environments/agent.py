@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_like.config.errors import ConfigError
+from nemo_like.config.types import Float, Int
 from nemo_like.environments.interface import EnvironmentInterface
 from nemo_like.environments.registry import ENVIRONMENTS, check_constructor_kwargs
 from nemo_like.utils.imports import import_object
@@ -37,15 +38,15 @@ class AgentConfig(BaseModel):
         None, description="Environment scoring returned messages: a built-in name ('tool', 'arithmetic', 'math', ...) or 'module:Class'."
     )
     verifier_kwargs: dict[str, Any] = Field(default_factory=dict, description="The verifier's own settings.")
-    max_concurrency: int = Field(16, ge=1, description="Sessions running at once.")
-    deadline_s: float = Field(60.0, gt=0, description="Seconds a session may run; past it the session fails ('deadline').")
-    max_tokens_per_session: int = Field(
+    max_concurrency: Int = Field(16, ge=1, description="Sessions running at once.")
+    deadline_s: Float = Field(60.0, gt=0, description="Seconds a session may run; past it the session fails ('deadline').")
+    max_tokens_per_session: Int = Field(
         1024,
         ge=1,
         description="Sampled tokens a session may use: the server cuts the call that reaches them and refuses a call that"
         " finds fewer left than its n (400 session_budget_exceeded); an agent that raises after that fails ('budget').",
     )
-    failure_reward: float = Field(0.0, description="Reward of a failed session's rows.")
+    failure_reward: Float = Field(0.0, description="Reward of a failed session's rows.")
     seeded_calls: bool = Field(
         True,
         description="Sample every call with its own seed (utils/seeds.py agent_call_seed): reproducible, and still batched"

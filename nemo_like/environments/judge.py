@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_like.config.sections.base import changed_from_defaults
+from nemo_like.config.types import Float, Int
 from nemo_like.environments.interface import HELPER_PLACEMENT, ActorNeeds, EnvironmentInterface, HelperActors
 from nemo_like.environments.judge_engine import JudgeEngine, JudgeEngineSpec
 from nemo_like.environments.judge_parsers import resolve_parser
@@ -76,7 +77,7 @@ class JudgeEnvConfig(BaseModel):
     parser_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the parser (regex: pattern, group; ...)."
     )
-    parse_failure_reward: float = Field(
+    parse_failure_reward: Float = Field(
         0.0,
         allow_inf_nan=False,
         description="Reward of a sample whose verdict is unreadable, out of score_range, late, or lost to an engine failure.",
@@ -87,38 +88,38 @@ class JudgeEnvConfig(BaseModel):
         "(parse_failure_reward, counted out_of_range); null: the default template's 0-10, no bound with your own template.",
     )
     normalize: ScoreNormalization = Field(default_factory=ScoreNormalization, description="Parsed score -> reward (per sample).")
-    max_new_tokens: int = Field(16, gt=0, description="Longest verdict.")
+    max_new_tokens: Int = Field(16, gt=0, description="Longest verdict.")
     greedy: bool = Field(True, description="Greedy verdicts (deterministic); false samples at temperature.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature when greedy is false.")
-    seed: int = Field(
+    temperature: Float = Field(1.0, gt=0, description="Sampling temperature when greedy is false.")
+    seed: Int = Field(
         0, description="Sampling seed (greedy: false): each judge prompt is read with a hash of it and this (utils/seeds.py judge_seed)."
     )
-    deadline_s: float = Field(
+    deadline_s: Float = Field(
         60.0,
         ge=0.001,
         description="Seconds a step waits for the judge (Ray waits in whole milliseconds); later verdicts count as timeouts.",
     )
-    max_batch_size: int = Field(16, gt=0, description="Judge prompts per engine call (a deadline keeps the chunks done in time).")
-    num_engine_workers: int = Field(1, gt=0, description="Generation actors of the judge (per environment actor).")
-    engine_num_cpus: float = Field(0.25, gt=0, description="CPUs each judge actor reserves.")
-    engine_num_gpus: float = Field(
+    max_batch_size: Int = Field(16, gt=0, description="Judge prompts per engine call (a deadline keeps the chunks done in time).")
+    num_engine_workers: Int = Field(1, gt=0, description="Generation actors of the judge (per environment actor).")
+    engine_num_cpus: Float = Field(0.25, gt=0, description="CPUs each judge actor reserves.")
+    engine_num_gpus: Float = Field(
         0.0,
         ge=0,
         le=1,
         description="GPUs each judge actor reserves (its engine runs on one GPU: at most 1; a share below 1 packs several).",
     )
-    engine_num_threads: int = Field(1, gt=0, description="torch threads of each judge actor on CPU.")
+    engine_num_threads: Int = Field(1, gt=0, description="torch threads of each judge actor on CPU.")
     engine_backend: Literal["hf", "vllm"] = Field(
         "hf", description="The judge's engine: 'hf' (transformers generate) or 'vllm' (vLLM, its CPU build here; faster for long verdicts)."
     )
-    engine_max_model_len: int | None = Field(
+    engine_max_model_len: Int | None = Field(
         None,
         gt=0,
         description="Longest judge prompt + verdict in tokens (longer prompts are cut from the left, counted as "
         "'truncated'); null: the judge tokenizer's model_max_length. vLLM sizes its engine with it.",
     )
-    engine_kv_cache_space_gib: int = Field(1, gt=0, description="vLLM on CPU: KV cache of each judge actor (GiB).")
-    engine_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM on GPU: share of the device each judge actor takes.")
+    engine_kv_cache_space_gib: Int = Field(1, gt=0, description="vLLM on CPU: KV cache of each judge actor (GiB).")
+    engine_gpu_memory_utilization: Float = Field(0.3, gt=0, le=1, description="vLLM on GPU: share of the device each judge actor takes.")
 
     @model_validator(mode="after")
     def _check(self) -> JudgeEnvConfig:

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_like.config.types import Float, Int
 from nemo_like.environments.interface import EnvironmentInterface
 
 
@@ -19,9 +20,9 @@ class LengthPenaltyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    free_length: int = Field(0, ge=0, description="Length with no penalty.")
-    penalty_per_unit: float = Field(0.01, gt=0, description="Penalty per character / word beyond free_length.")
-    max_penalty: float = Field(1.0, gt=0, description="Largest penalty (the reward is at least -max_penalty).")
+    free_length: Int = Field(0, ge=0, description="Length with no penalty.")
+    penalty_per_unit: Float = Field(0.01, gt=0, description="Penalty per character / word beyond free_length.")
+    max_penalty: Float = Field(1.0, gt=0, description="Largest penalty (the reward is at least -max_penalty).")
     unit: Literal["chars", "words"] = Field("chars", description="Count characters or whitespace-separated words.")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_like.config.types import Float, Int
 from nemo_like.environments.interface import EnvironmentInterface
 from nemo_like.environments.math_verify_process import MathVerifyProcess, closed_boxes
 
@@ -33,13 +34,13 @@ class MathEnvConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    timeout_s: float = Field(
+    timeout_s: Float = Field(
         5.0, gt=0, description="Per-answer time limit for parsing and verifying; the checker process is killed and restarted past it."
     )
-    format_reward: float = Field(
+    format_reward: Float = Field(
         0.0, ge=0, lt=1, description="Reward for a wrong answer given in \\boxed{} (below 1, so only correct answers count as correct)."
     )
-    memory_mb: int = Field(
+    memory_mb: Int = Field(
         2048,
         ge=256,
         description="Address-space limit of the checker process (RLIMIT_AS): a check that needs more (a 12-character "

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from nemo_like.config.types import Float, Int
 from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
 from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prompt_of, resolve_reward_model_path
 from nemo_like.environments.score_normalization import ScoreNormalization
@@ -39,9 +40,9 @@ class RewardModelEnvConfig(BaseModel):
         TINY_REWARD_MODEL, description="AutoModelForSequenceClassification: a local directory, hub id or shipped name."
     )
     precision: str = Field("float32", pattern="^(float32|bfloat16)$", description="Weights and compute dtype.")
-    label_index: int = Field(0, ge=0, description="Which logit is the score (0 for a num_labels=1 model).")
-    max_tokens_per_batch: int = Field(4096, gt=0, description="Padded tokens (rows x longest row) per forward pass.")
-    max_length: int | None = Field(None, gt=0, description="Longest input; longer ones keep their last tokens. null: the model's limit.")
+    label_index: Int = Field(0, ge=0, description="Which logit is the score (0 for a num_labels=1 model).")
+    max_tokens_per_batch: Int = Field(4096, gt=0, description="Padded tokens (rows x longest row) per forward pass.")
+    max_length: Int | None = Field(None, gt=0, description="Longest input; longer ones keep their last tokens. null: the model's limit.")
     use_chat_template: bool = Field(True, description="Render (prompt, response) as a user and an assistant turn; else concatenate.")
     text_pair: bool = Field(
         False,
@@ -50,15 +51,15 @@ class RewardModelEnvConfig(BaseModel):
         "Takes the chat template's place.",
     )
     normalize: ScoreNormalization = Field(default_factory=ScoreNormalization, description="Raw score -> reward (per sample).")
-    template_error_reward: float = Field(
+    template_error_reward: Float = Field(
         0.0,
         allow_inf_nan=False,
         description="Reward of a response the model's chat template rewrites past recognition (counted template_errors; "
         "not normalised). use_chat_template: false scores such responses as plain text.",
     )
-    num_cpus: float = Field(0.25, gt=0, description="CPUs each actor of this environment reserves.")
-    num_gpus: float = Field(0.0, ge=0, le=1, description="GPUs each actor reserves (the model runs on one GPU: at most 1).")
-    num_threads: int = Field(1, gt=0, description="torch threads of each actor on CPU.")
+    num_cpus: Float = Field(0.25, gt=0, description="CPUs each actor of this environment reserves.")
+    num_gpus: Float = Field(0.0, ge=0, le=1, description="GPUs each actor reserves (the model runs on one GPU: at most 1).")
+    num_threads: Int = Field(1, gt=0, description="torch threads of each actor on CPU.")
 
     @field_validator("model_name")
     @classmethod

@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nemo_like.config.types import Float
+
 #: The values each squash can return: a clip containing its range never binds.
 SQUASH_RANGES = {"sigmoid": (0.0, 1.0), "tanh": (-1.0, 1.0)}
 
@@ -23,8 +25,8 @@ class ScoreNormalization(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    shift: float = Field(0.0, description="Subtracted from the raw score first.")
-    scale: float = Field(1.0, description="Multiplies the shifted score (must not be 0).")
+    shift: Float = Field(0.0, description="Subtracted from the raw score first.")
+    scale: Float = Field(1.0, description="Multiplies the shifted score (must not be 0).")
     squash: Literal["none", "sigmoid", "tanh"] = Field("none", description="Squashing function after shift and scale.")
     clip: tuple[float, float] | None = Field(None, description="[low, high] bounds applied last; null: no clipping.")
 

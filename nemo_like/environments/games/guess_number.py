@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_like.config.types import Int
 from nemo_like.environments.arithmetic_reward import extract_integer
 from nemo_like.environments.interface import FINAL_TURN, EnvironmentInterface, EnvironmentStep
 
@@ -37,8 +38,8 @@ class GuessNumberConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_guesses: int = Field(7, ge=1, description="Guesses allowed per game; the game ends unsolved after this many.")
-    feedback_role: str = Field("user", description="Role of the higher/lower message (the chat template must know it).")
+    max_guesses: Int = Field(7, ge=1, description="Guesses allowed per game; the game ends unsolved after this many.")
+    feedback_role: str = Field("user", min_length=1, description="Role of the higher/lower message (the chat template must know it).")
 
 
 def secret_of(meta: dict[str, Any]) -> int:

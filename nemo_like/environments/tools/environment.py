@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_like.config.sections.base import changed_from_defaults
+from nemo_like.config.types import Float, Int
 from nemo_like.environments.arithmetic import import_reward_fn
 from nemo_like.environments.arithmetic_reward import _strip_end_markers, score_response
 from nemo_like.environments.interface import CORRECT_REWARD, FINAL_TURN, EnvironmentInterface, EnvironmentStep
@@ -77,16 +78,16 @@ class ToolEnvConfig(BaseModel):
         "integer",
         description="Scores the final answer: 'integer' (exact integer match) or 'module:function' (response_text, answer) -> float.",
     )
-    max_calls_per_turn: int = Field(4, ge=1, description="More tool calls than this in one turn give one error observation.")
-    max_parallel_calls: int = Field(
+    max_calls_per_turn: Int = Field(4, ge=1, description="More tool calls than this in one turn give one error observation.")
+    max_parallel_calls: Int = Field(
         8,
         ge=1,
         description="Samples whose tool calls run at the same time (each python call is a process of its own); a sample's "
         "own calls run in order. A user tool ('module:function') must be thread-safe, or set 1.",
     )
-    python_timeout_s: float = Field(5.0, gt=0, le=300, description="python tool: wall-clock limit per call (seconds).")
-    python_memory_mb: int = Field(256, ge=32, le=65536, description="python tool: address-space limit of the sandbox process (MiB).")
-    python_max_output_bytes: int = Field(4096, ge=16, le=1 << 20, description="python tool: stdout larger than this is an error.")
+    python_timeout_s: Float = Field(5.0, gt=0, le=300, description="python tool: wall-clock limit per call (seconds).")
+    python_memory_mb: Int = Field(256, ge=32, le=65536, description="python tool: address-space limit of the sandbox process (MiB).")
+    python_max_output_bytes: Int = Field(4096, ge=16, le=1 << 20, description="python tool: stdout larger than this is an error.")
 
     @field_validator("answer_checker")
     @classmethod
@@ -95,6 +96,13 @@ class ToolEnvConfig(BaseModel):
             raise ValueError(f"must be one of {sorted(ANSWER_CHECKERS)} or 'module:function', got {value!r}")
         if value not in ANSWER_CHECKERS:
             import_reward_fn(value, "answer_checker")  # a ConfigError in the driver, not in an actor
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _some_tool(cls, value: list[str] | dict[str, str]) -> list[str] | dict[str, str]:
+        if not value:
+            raise ValueError("offer at least one tool (e.g. ['calculator']): with none, every call is an unknown tool")
         return value
 
     def model_post_init(self, _context: Any) -> None:

@@ -59,6 +59,39 @@ def test_a_boolean_is_rejected_for_every_numeric_key(key: str, expected: str) ->
     assert f"{key}: expected {expected}, not a boolean (got True)" in str(excinfo.value)
 
 
+def _environment_numeric_keys() -> list[tuple[str, str, str]]:
+    """(environment, key, expected) of every int/float key of each built-in environment's ``env.<task>`` section."""
+    from nemo_like.environments.registry import ENVIRONMENTS
+
+    keys = []
+    for name in ENVIRONMENTS:
+        model = getattr(ENVIRONMENTS.get(name), "config_model", None)
+        keys += [(name, key, expected) for key, expected in _numeric_keys(model)] if model is not None else []
+    return keys
+
+
+ENV_NUMERIC_KEYS = _environment_numeric_keys()
+
+
+def test_every_environment_section_refuses_a_boolean_for_its_numeric_keys() -> None:
+    """The ``env.<task>`` sections are validated when the run resolves its environments (before any actor starts):
+    ``env.tool.max_calls_per_turn: true`` was taken as 1, ``env.math.memory_mb: true`` as 1 MiB."""
+    from nemo_like.environments.registry import resolve_environments
+
+    assert {name for name, _, _ in ENV_NUMERIC_KEYS} >= {"math", "tool", "guess_number", "reward_model", "judge", "agent"}
+    for name, key, expected in ENV_NUMERIC_KEYS:
+        section: dict = {}
+        *parents, leaf = key.split(".")  # a nested section's key: env.reward_model.normalize.shift
+        inner = section
+        for part in parents:
+            inner = inner.setdefault(part, {})
+        inner[leaf] = True
+        cfg = MasterConfig.model_validate({"env": {name: section}})
+        with pytest.raises(ConfigError) as excinfo:
+            resolve_environments(cfg.env)
+        assert f"env.{name}.{key}: expected {expected}, not a boolean (got True)" in str(excinfo.value), (name, key)
+
+
 def test_list_and_tuple_elements_refuse_booleans_too() -> None:
     with pytest.raises(ConfigError, match=r"policy.optimizer.betas.0: expected a number, not a boolean"):
         load_config(None, ["policy.optimizer.betas=[true,0.99]"], warn=False)
