@@ -159,8 +159,11 @@ def validation_overlap_warning(train: list[PromptRecord], validation: list[Promp
     pointed at the training split or file without ``data.validation.split_fraction``; ``None`` when they are apart."""
     seen = {r.metadata.get("prompt") for r in train}
     shared = sum(r.metadata.get("prompt") in seen for r in validation)
-    one_text = len(validation) > 1 and len({r.metadata.get("prompt") for r in validation}) == 1
-    if not shared or one_text:  # apart, or one text for every problem (guess-number: the secret differs): it names none
+    texts = {r.metadata.get("prompt") for r in validation}
+    # One text for every problem (guess-number: the secret differs) names none: a set of several rows, or one row whose
+    # text is the training set's only one too
+    one_text = len(texts) == 1 and (len(validation) > 1 or len(seen) == 1)
+    if not shared or one_text:
         return None
     return (
         f"{shared} of {len(validation)} validation prompts are also training prompts: validation/accuracy then measures "

@@ -655,6 +655,11 @@ def test_validation_read_from_the_training_rows_is_named(tmp_path, tok) -> None:
     guess = write_jsonl(tmp_path / "g.jsonl", [{"q": "Guess my number from 1 to 100.", "a": str(i)} for i in range(12)])
     one_text = data_cfg(guess, guess)
     assert validation_overlap_warning(build(one_text, tok), build(one_text, tok, "validation")) is None
+    one_row = data_cfg(guess, guess, validation={"num_problems": 1})  # a one-row validation set of that text too
+    assert len(build(one_row, tok, "validation")) == 1
+    assert validation_overlap_warning(build(one_row, tok), build(one_row, tok, "validation")) is None
+    # while one row of a set of many texts that is also a training row is named
+    assert validation_overlap_warning(build(same, tok), build(same, tok, "validation")[:1]).startswith("1 of 1 validation")
 
 
 def test_an_unshuffled_loader_trains_every_prompt_the_tail_heading_the_next_epoch() -> None:
