@@ -19,7 +19,7 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset, validation_overlap_warning
 from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
-from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments
+from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments, import_environment_class, task_of
 from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
 from nemo_like.experience.multi_turn import trimming_template_warning
@@ -73,10 +73,20 @@ class GRPOComponents:
 
 
 def check_environments(specs: dict[str, EnvSpec], datasets: dict[str, list[PromptRecord]]) -> None:
-    """Every prompt's task must have an environment; an environment no prompt uses only warns."""
+    """Every prompt's task must have an environment that can score its gold answer
+    (:meth:`EnvironmentInterface.answer_problem`); an environment no prompt uses only warns."""
+    classes = {task: import_environment_class(spec.class_path, f"env.{task}") for task, spec in specs.items()}
     used: set[str] = set()
     for split, records in datasets.items():
         used |= set(check_tasks_have_environments((r.metadata for r in records), specs, f"data ({split} split)"))
+        for record in records:
+            task = task_of(record.metadata, specs)
+            problem = classes[task].answer_problem(specs[task].kwargs, record.metadata.get("answer"))
+            if problem is not None:
+                raise ConfigError(
+                    f"data ({split} split): prompt {record.id} (task '{task}'): its answer {problem}. Fix the row, or the "
+                    "answer column (data.answer_key)"
+                )
     unused = sorted(set(specs) - used)
     if unused:
         print(

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from nemo_like.environments.arithmetic_reward import score_response
+from nemo_like.environments.arithmetic_reward import not_an_integer, score_response
 from nemo_like.environments.interface import EnvironmentInterface
 from nemo_like.utils.registry import PluginNameError, Registry
 
@@ -54,6 +54,13 @@ class ArithmeticEnvironment(EnvironmentInterface):
     """Scores responses against ``metadata['answer']`` (an int) with :func:`score_response`."""
 
     config_model = ArithmeticEnvConfig
+
+    @classmethod
+    def answer_problem(cls, settings: dict[str, Any], answer: Any) -> str | None:
+        """The built-in reward compares integers; a ``custom_reward_fn`` takes any answer."""
+        if settings.get("custom_reward_fn"):
+            return None
+        return not_an_integer(answer, "the built-in reward compares integers; set custom_reward_fn for other answers")
 
     def __init__(self, custom_reward_fn: str | None = None) -> None:
         self.reward_fn: RewardFn = import_reward_fn(custom_reward_fn) if custom_reward_fn else score_response

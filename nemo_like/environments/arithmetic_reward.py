@@ -12,6 +12,7 @@ else 0.0.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 #: Marker strings removed from the end of a response before parsing.
@@ -42,9 +43,23 @@ def extract_integer(text: str) -> int | None:
         return None
 
 
+def integer_answer(answer: Any) -> int | None:
+    """A gold answer as an integer: an int, or a string holding one (dataset rows carry answers as text, e.g.
+    ``"19"``); ``None`` when it is neither."""
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        return answer
+    return extract_integer(str(answer))
+
+
+def not_an_integer(answer: Any, what: str) -> str | None:
+    """:meth:`EnvironmentInterface.answer_problem` of the environments that compare integers (``what`` says which
+    comparison): ``None`` when ``answer`` is one."""
+    return None if integer_answer(answer) is not None else f"{answer!r} is not an integer ({what})"
+
+
 def score_response(response_text: str, answer: int | str) -> float:
     """1.0 if ``response_text`` parses (see :func:`extract_integer`) to exactly ``answer``, else 0.0.
-    ``answer`` is an int, or a string holding one (dataset rows carry answers as text, e.g. ``"19"``)."""
+    ``answer``: see :func:`integer_answer`."""
     value = extract_integer(response_text)
-    expected = answer if isinstance(answer, int) else extract_integer(str(answer))
+    expected = integer_answer(answer)
     return 1.0 if value is not None and expected is not None and value == expected else 0.0

@@ -125,6 +125,13 @@ class EnvironmentInterface(ABC):
         sets them) that have no effect in this run (printed at start-up, never an error). The default: none."""
         return []
 
+    @classmethod
+    def answer_problem(cls, settings: dict[str, Any], answer: Any) -> str | None:
+        """Why a prompt's gold answer (``metadata["answer"]``) is one this environment cannot score against, given its
+        section ``settings``; ``None`` when it can. Checked for every prompt before any actor starts (a bad answer
+        scored 0 for the whole run, or failed an actor at a random step). The default: any answer."""
+        return None
+
     @abstractmethod
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         """Reward of ``responses[i]`` given the prompt's ``metadata[i]`` (gold answer in ``metadata[i]["answer"]``)."""

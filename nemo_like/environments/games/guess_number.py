@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_like.config.types import Int
-from nemo_like.environments.arithmetic_reward import extract_integer
+from nemo_like.environments.arithmetic_reward import extract_integer, integer_answer, not_an_integer
 from nemo_like.environments.interface import FINAL_TURN, EnvironmentInterface, EnvironmentStep
 
 COUNTERS = ("guesses", "solved", "malformed", "out_of_guesses", "turn_limit")
@@ -45,7 +45,7 @@ class GuessNumberConfig(BaseModel):
 def secret_of(meta: dict[str, Any]) -> int:
     """The game's secret number (``metadata["answer"]``)."""
     answer = meta["answer"]
-    value = answer if isinstance(answer, int) else extract_integer(str(answer))
+    value = integer_answer(answer)
     if value is None:
         raise ValueError(f"guess_number: metadata['answer'] must be an integer, got {answer!r}")
     return value
@@ -55,6 +55,11 @@ class GuessNumberEnvironment(EnvironmentInterface):
     """See the module docstring."""
 
     config_model = GuessNumberConfig
+
+    @classmethod
+    def answer_problem(cls, settings: dict[str, Any], answer: Any) -> str | None:
+        """The answer is the secret number."""
+        return not_an_integer(answer, "the game's secret number")
 
     @classmethod
     def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from nemo_like.config.sections.base import changed_from_defaults
 from nemo_like.config.types import Float, Int
 from nemo_like.environments.arithmetic import import_reward_fn
-from nemo_like.environments.arithmetic_reward import _strip_end_markers, score_response
+from nemo_like.environments.arithmetic_reward import _strip_end_markers, not_an_integer, score_response
 from nemo_like.environments.interface import CORRECT_REWARD, FINAL_TURN, EnvironmentInterface, EnvironmentStep
 from nemo_like.environments.tools.parsing import ToolCallError, has_tool_call, parse_tool_calls
 from nemo_like.environments.tools.registry import ToolRegistry
@@ -131,6 +131,13 @@ class ToolEnvironment(EnvironmentInterface):
     """See the module docstring."""
 
     config_model = ToolEnvConfig
+
+    @classmethod
+    def answer_problem(cls, settings: dict[str, Any], answer: Any) -> str | None:
+        """The 'integer' answer checker compares integers; a user checker takes any answer."""
+        if settings.get("answer_checker", "integer") != "integer":
+            return None
+        return not_an_integer(answer, "env.<task>.answer_checker 'integer' compares integers; set a 'module:function' for other answers")
 
     def __init__(self, **kwargs: Any) -> None:
         cfg = ToolEnvConfig.model_validate(kwargs)

@@ -97,11 +97,41 @@ def test_an_environment_no_prompt_uses_is_a_config_warning_that_says_how_to_remo
     from nemo_like.environments.registry import EnvSpec
 
     specs = {t: EnvSpec(t, "arithmetic") for t in ("arithmetic", "math")}
-    check_environments(specs, {"train": [PromptRecord("0", [], [1], {"task_name": "math"})]})
+    check_environments(specs, {"train": [PromptRecord("0", [], [1], {"task_name": "math", "answer": "3"})]})
     assert capsys.readouterr().err == (
         "[config] warning: env: no prompt has task ['arithmetic']; their environment actors will sit idle (remove the "
         "section with '~env.arithmetic')\n"
     )
+
+
+def test_a_gold_answer_an_environment_cannot_score_fails_at_start_naming_the_prompt() -> None:
+    """An integer-comparing environment given a non-integer gold answer ('42.0', '9,716'): guess-number failed inside its
+    actor at whatever step the policy first emitted a bare integer; the arithmetic and tool environments scored every
+    response 0 for the whole run, without a word."""
+    from nemo_like.algorithms.setup import check_environments
+    from nemo_like.data.prompts import PromptRecord
+    from nemo_like.environments.registry import EnvSpec
+
+    def records(*answers: object) -> list[PromptRecord]:
+        return [PromptRecord(f"p{i}", [], [1], {"answer": a}) for i, a in enumerate(answers)]
+
+    good = records(42, "17", " -3 ")
+    for env, why in (
+        ("guess_number", "the game's secret number"),
+        ("arithmetic", "the built-in reward compares integers; set custom_reward_fn"),
+        ("tool", "answer_checker 'integer' compares integers"),
+    ):
+        specs = {env: EnvSpec(env, env)}
+        check_environments(specs, {"train": good, "validation": good})
+        with pytest.raises(ConfigError) as bad:
+            check_environments(specs, {"train": good, "validation": records(7, "9,716")})
+        assert str(bad.value).startswith(f"data (validation split): prompt p1 (task '{env}'): its answer '9,716' is not an integer ("), env
+        assert why in str(bad.value) and "data.answer_key" in str(bad.value)
+    # A user's reward function or answer checker takes any answer; an environment that states no rule, too.
+    anything = {"train": records("forty-two", "\\frac{1}{2}")}
+    check_environments({"arithmetic": EnvSpec("arithmetic", "arithmetic", kwargs={"custom_reward_fn": "os.path:join"})}, anything)
+    check_environments({"tool": EnvSpec("tool", "tool", kwargs={"answer_checker": "os.path:join"})}, anything)
+    check_environments({"math": EnvSpec("math", "math")}, anything)
 
 
 def test_setup_checks_the_data_tasks_before_any_actor(monkeypatch) -> None:
