@@ -233,9 +233,16 @@ def reserve_bundles(name: str, resources: WorkerResources, count: int, timeout_s
         asked = {k: v * count for k, v in resources.bundle().items()}
         raise PlacementError(
             f"Cannot place '{name}': asked for {count} x {resources.bundle()} = {asked} ({strategy}) within {timeout_s:.0f}s; "
-            f"cluster has {ray.cluster_resources()} in total, {ray.available_resources()} available now"
+            f"cluster has {_of(ray.cluster_resources(), resources)} in total, {_of(ray.available_resources(), resources)} "
+            "available now"
         )
     return pg
+
+
+def _of(amounts: dict[str, float], resources: WorkerResources) -> dict[str, float]:
+    """The entries of ``amounts`` a bundle of ``resources`` asks for (Ray's totals list every placement group's
+    internal resources, and memory in bytes, besides)."""
+    return {key: amounts.get(key, 0.0) for key in resources.bundle()}
 
 
 def wait_until_placed(name: str, workers: list[Any], node_id: str, resources: WorkerResources, timeout_s: float) -> None:
@@ -277,13 +284,9 @@ def _pinned_shortfall(name: str, count: int, node_id: str, resources: WorkerReso
     asked = {k: v * count for k, v in resources.bundle().items()}
     total = ray._private.state.total_resources_per_node().get(node_id, {})  # noqa: SLF001
     free = ray._private.state.available_resources_per_node().get(node_id, {})  # noqa: SLF001
-
-    def shown(amounts: dict[str, float]) -> dict[str, float]:
-        return {k: amounts.get(k, 0.0) for k in resources.bundle()}
-
     return (
         f"Cannot place '{name}' on node {node_id} (pinned there): asked for {count} x {resources.bundle()} = {asked}, "
-        f"{why}; the node has {shown(total)} in total, {shown(free)} available now (other groups hold the rest)"
+        f"{why}; the node has {_of(total, resources)} in total, {_of(free, resources)} available now (other groups hold the rest)"
     )
 
 
@@ -309,6 +312,8 @@ class RayWorkerGroup:
         node (no placement group is reserved then; Ray keeps an actor pending while the node lacks its resources)."""
         self.name = name
         self._key: Hashable | None = None
+        self._pg: PlacementGroup | None = None
+        self.workers: list[Any] = []
         # How each actor is made (a dead one is replaced with the same: :meth:`replace`).
         self._spawn = (actor_cls, num_workers, resources, dict(init_kwargs), env_vars, max_concurrency, node_id)
         if issubclass(actor_cls, Reinitializable):
@@ -330,13 +335,14 @@ class RayWorkerGroup:
             if self._reuse_idle(num_workers, init_kwargs, placement_timeout_s):
                 return
         self._pg = None if node_id is not None else reserve_bundles(name, resources, num_workers, placement_timeout_s, strategy)
-        self.workers = [self._start(rank) for rank in range(num_workers)]
-        if node_id is not None:
-            try:
+        try:  # an actor that cannot start (arguments Ray cannot serialise, Ctrl-C): the bundles were left reserved
+            for rank in range(num_workers):
+                self.workers.append(self._start(rank))
+            if node_id is not None:
                 wait_until_placed(name, self.workers, node_id, resources, placement_timeout_s)
-            except BaseException:
-                self.kill()
-                raise
+        except BaseException:
+            self.kill()
+            raise
 
     def _environment(self, num_threads: int | None) -> dict[str, str]:
         """The environment variables each actor of this group starts with."""
@@ -429,7 +435,14 @@ class RayWorkerGroup:
         except ray.exceptions.RayActorError:
             _kill(idle.workers, idle.pg)
             return False
-        except BaseException:  # a setting this run's workers refuse: the group is out of the pool, so nothing else frees it
+        except ray.exceptions.RayTaskError as exc:  # a setting this run's workers refuse, as a fresh actor's start does
+            _kill(idle.workers, idle.pg)  # out of the pool: nothing else frees it
+            raise WorkerFailure(
+                f"a kept {self.name} actor failed during '{self.name}: start' (re-initialised for this run): its constructor "
+                f"raised {raised(exc)}",
+                role=self.name,
+            ) from exc
+        except BaseException:
             _kill(idle.workers, idle.pg)
             raise
         self.workers, self._pg = idle.workers, idle.pg
@@ -445,9 +458,9 @@ class RayWorkerGroup:
 
     def kill(self) -> None:
         """Kill the actors and release their bundles, never keeping them idle (a group that failed to set up)."""
-        if self.workers:
+        if self.workers or self._pg is not None:
             _kill(self.workers, self._pg)
-        self.workers = []
+        self.workers, self._pg = [], None
 
 
 def _wait_until_idle(workers: Sequence[Any], deadline: float) -> str | None:
@@ -490,6 +503,15 @@ def get_with_context(refs: Any, what: str, timeout_s: float | None = None) -> An
             role=what.split(":")[0].strip(),
             actor_id=actor,
         ) from exc
+
+
+def raised(exc: ray.exceptions.RayTaskError) -> str:
+    """The exception an actor method raised, as one line (``ValueError: ...``), not Ray's remote traceback."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def death_reason(exc: BaseException) -> str:

@@ -13,7 +13,7 @@ from ray import cloudpickle
 
 from nemo_like.config.sections.run import FaultToleranceConfig
 from nemo_like.distributed import supervision
-from nemo_like.distributed.worker_group import RayWorkerGroup, Reinitializable, WorkerResources, reuse_actors
+from nemo_like.distributed.worker_group import RayWorkerGroup, Reinitializable, WorkerFailure, WorkerResources, reuse_actors
 
 pytestmark = pytest.mark.slow
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import the tests package
@@ -146,13 +146,19 @@ def test_a_kept_actor_serves_only_a_run_that_forwards_it_the_same_environment(ra
 def test_a_kept_group_that_refuses_a_runs_settings_is_killed_and_frees_its_bundles(ray_cluster):
     """A run whose settings a kept group's re-initialisation refuses (a bad key in one run of a sweep): the group was
     out of the pool and only a dead actor was cleaned up, so its actors and placement group leaked; every later run of
-    the process then failed to place."""
+    the process then failed to place. The refusal reads as a fresh actor's does (it was Ray's remote traceback, not a
+    WorkerFailure)."""
     resources = WorkerResources(num_cpus=0.01)
+    fresh = RayWorkerGroup("picky", PickyCounter, 1, resources, {"start": -1})
+    with pytest.raises(WorkerFailure, match=r"during 'picky: start'.*: its constructor raised ValueError: start must be >= 0, got -1$"):
+        fresh.wait_started()
+    fresh.kill()
     with reuse_actors():
         kept = RayWorkerGroup("picky", PickyCounter, 2, resources, {"start": 1})
         workers, pg = kept.workers, kept._pg
         kept.shutdown()
-        with pytest.raises(ray.exceptions.RayTaskError, match="start must be >= 0"):
+        refused = r"^a kept picky actor failed during 'picky: start' .*: its constructor raised ValueError: start must be >= 0, got -1$"
+        with pytest.raises(WorkerFailure, match=refused):
             RayWorkerGroup("picky", PickyCounter, 2, resources, {"start": -1})
         for worker in workers:
             wait_until_dead(worker)
@@ -163,6 +169,20 @@ def test_a_kept_group_that_refuses_a_runs_settings_is_killed_and_frees_its_bundl
         again = RayWorkerGroup("picky", PickyCounter, 2, resources, {"start": 5})  # new actors, good settings
         assert [value for _, _, value in bump_all(again)] == [6, 6]
         again.shutdown()
+
+
+def test_a_group_whose_actor_cannot_start_releases_its_bundles(ray_cluster):
+    """An actor Ray cannot start (an argument it cannot serialise, a Ctrl-C): the group's placement group stayed
+    reserved, ownerless, and later groups could not be placed."""
+
+    def reserved() -> list[str]:
+        return [
+            g["name"] for g in ray.util.placement_group_table().values() if g["name"].startswith("unstartable-") and g["state"] != "REMOVED"
+        ]
+
+    with pytest.raises(TypeError, match="Could not serialize"):
+        RayWorkerGroup("unstartable", Counter, 2, WorkerResources(num_cpus=0.5), {"start": threading.Lock()})
+    assert reserved() == []
 
 
 class PickyCounter(Counter):
