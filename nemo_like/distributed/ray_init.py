@@ -65,10 +65,16 @@ def init_ray(cluster: ClusterConfig) -> str:
 
     if ray.is_initialized():
         if _CONNECTED is None or _CONNECTED[2] != _gcs_address():  # the caller's own ray.init: it is joined
+            gcs = _gcs_address()
+            if address is not None and gcs is not None and not same_cluster(address, gcs):
+                raise ConfigError(
+                    f"{source} names the Ray cluster at {address!r}, but this process is already connected to the Ray "
+                    f"cluster at {gcs!r} (its own ray.init); name that one, or call ray.shutdown() first"
+                )
             _warn_ignored_sizes(cluster, "this process was already connected to Ray (its own ray.init)")
             return "joined"
-        mode, connected, _ = _CONNECTED
-        if address is not None and address != connected:
+        mode, connected, gcs = _CONNECTED
+        if address is not None and (mode == "local" or not same_cluster(address, gcs or connected)):
             now = "its private local cluster" if mode == "local" else f"the Ray cluster at {connected!r}"
             raise ConfigError(
                 f"{source} names the Ray cluster at {address!r}, but this process is already connected to {now} by an "
@@ -118,6 +124,40 @@ def _gcs_address() -> str | None:
     import ray
 
     return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+
+
+def same_cluster(address: str, gcs: str) -> bool:
+    """Whether a cluster address as a user names it (``auto``, a host name, ``127.0.0.1`` or this machine's own IP)
+    names the cluster whose GCS answers at ``gcs`` (``host:port``): the strings differed for one cluster named two ways
+    (``$RAY_ADDRESS``, then ``cluster.ray_address=auto``). A ``ray://`` client address is compared as written."""
+    if "://" in address:
+        return address == gcs
+    if address == "auto":
+        from ray._private.services import get_ray_address_from_environment
+
+        address = get_ray_address_from_environment("auto", None) or address
+    (host_a, _, port_a), (host_b, _, port_b) = address.rpartition(":"), gcs.rpartition(":")
+    if port_a != port_b:
+        return False
+    ip_a, ip_b = _ip(host_a), _ip(host_b)
+    return ip_a == ip_b or (_is_this_machine(ip_a) and _is_this_machine(ip_b))
+
+
+def _ip(host: str) -> str:
+    try:
+        return socket.gethostbyname(host.strip("[]"))
+    except OSError:
+        return host
+
+
+def _is_this_machine(ip: str) -> bool:
+    """An address of this machine (a socket can bind to it): the loopback one or one of its interfaces'."""
+    try:
+        with socket.socket() as probe:
+            probe.bind((ip, 0))
+        return True
+    except OSError:
+        return False
 
 
 def _join(address: str, source: str) -> None:

@@ -266,6 +266,21 @@ def test_a_run_naming_no_cluster_after_one_that_joined_is_refused(ray_cluster, m
     with pytest.raises(ConfigError, match="names no Ray cluster .* already connected to the Ray cluster at"):
         ray_init.init_ray(ClusterConfig())
     assert ray_init.init_ray(ClusterConfig(ray_address=gcs)) == "joined"  # naming it is fine
+    # ...however it is named: the run before joined through $RAY_ADDRESS, this one names 'auto' (the docs' advice) or
+    # the host by name (the strings were compared: "another cluster")
+    host, port = gcs.rsplit(":", 1)
+    monkeypatch.setenv("RAY_ADDRESS", gcs)
+    assert ray_init.init_ray(ClusterConfig(ray_address="auto")) == "joined"
+    assert ray_init.init_ray(ClusterConfig(ray_address=f"localhost:{port}")) == "joined"
+    with pytest.raises(ConfigError, match=rf"names the Ray cluster at '{host}:{int(port) + 1}', but this process is already connected"):
+        ray_init.init_ray(ClusterConfig(ray_address=f"{host}:{int(port) + 1}"))
+    # After the caller's own ray.init (a notebook): a run naming another cluster ran on the connected one, without a word
+    monkeypatch.setattr(ray_init, "_CONNECTED", None)
+    with pytest.raises(
+        ConfigError, match=rf"'10.9.9.9:6379', but this process is already connected to the Ray cluster at '{gcs}' \(its own ray.init\)"
+    ):
+        ray_init.init_ray(ClusterConfig(ray_address="10.9.9.9:6379"))
+    assert ray_init.init_ray(ClusterConfig(ray_address="auto")) == "joined"
 
 
 def test_an_interrupted_placement_wait_removes_its_group(ray_cluster) -> None:
