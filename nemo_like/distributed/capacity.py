@@ -88,6 +88,7 @@ def check_node_placement(
         elif strategy == "STRICT_PACK" and not any(_holds(n, role.total()) for n in nodes):
             problems.append(f"{role.role}: {role.count} bundles STRICT_PACK ({_fmt(role.total())}) fit on no single node")
     problems += _gpu_share_problems(roles, nodes)
+    problems += _cpu_share_problems(roles, nodes)
     if problems:
         largest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)), default={})
         raise PlacementError(
@@ -113,14 +114,7 @@ def _gpu_share_problems(roles: Sequence[RoleResources], nodes: Sequence[Mapping[
     shares = [(role.role, role.bundle.get("GPU", 0.0)) for role in roles for _ in range(role.count)]
     whole = sum(g for _, g in shares if g >= 1 - _EPS)
     fractions = [(name, g, int(g * _GPU_UNITS + _EPS)) for name, g in shares if _EPS < g < 1 - _EPS]
-    worst: tuple[float, int, list[tuple[str, float]]] | None = None
-    # A share of u units is above 1/(k+1) for every k >= 10000 // u; between two such k the count is constant and the
-    # bound falls with k, so these k are the only ones to try.
-    for k in sorted({_GPU_UNITS // units for _, _, units in fractions if units}):
-        over = [(name, g) for name, g, units in fractions if (k + 1) * units > _GPU_UNITS]  # no k + 1 fit on a GPU
-        need = whole + math.ceil(len(over) / k)
-        if need > gpus + _EPS and (worst is None or need > worst[0]):
-            worst = (need, k, over)
+    worst = _most_needed(fractions, _GPU_UNITS, whole, gpus)
     if worst is None:
         return []
     need, k, over = worst
@@ -131,6 +125,42 @@ def _gpu_share_problems(roles: Sequence[RoleResources], nodes: Sequence[Mapping[
         f"{len(over)} bundles ask for more than {size} each ({asked}), {share}, besides {whole:g} whole GPUs: "
         f"{need:g} GPUs, and the nodes have {gpus:g}: short by GPU {need - gpus:g}"
     ]
+
+
+def _cpu_share_problems(roles: Sequence[RoleResources], nodes: Sequence[Mapping[str, float]]) -> list[str]:
+    """The same bound for CPU bundles on nodes: no node holds ``k + 1`` bundles above ``1/(k+1)`` of the largest node's
+    CPUs. Three bundles of 0.6 CPU (two roles) on two 1-CPU nodes had passed every check (1.8 <= 2 in total, each
+    fits a node) and waited out ``cluster.placement_timeout_s``."""
+    largest = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
+    bundles = [(role.role, role.bundle.get("CPU", 0.0)) for role in roles for _ in range(role.count)]
+    sized = [(name, c, int(c * _GPU_UNITS + _EPS)) for name, c in bundles if _EPS < c <= largest + _EPS]
+    worst = _most_needed(sized, int(largest * _GPU_UNITS + _EPS), 0, len(nodes))
+    if worst is None:
+        return []
+    need, k, over = worst
+    asked = ", ".join(sorted({f"{name} {c:g}" for name, c in over}))
+    return [
+        f"{len(over)} bundles ask for more than 1/{k + 1} of the largest node's {largest:g} CPUs each ({asked}), at most "
+        f"{k} to a node: {need:g} nodes, and the cluster has {len(nodes)}"
+    ]
+
+
+def _most_needed(
+    items: list[tuple[str, float, int]], capacity: int, taken: float, have: float
+) -> tuple[float, int, list[tuple[str, float]]] | None:
+    """Items of ``units`` each (name, size, units) in containers of ``capacity`` units (a GPU, a node): no container
+    holds ``k + 1`` items above ``1/(k+1)`` of it, so for every ``k`` those items need ``ceil(count / k)`` containers,
+    besides ``taken`` ones. The ``(need, k, items over)`` of the ``k`` that needs the most, when that is more than
+    ``have``; None when none is. Sound: it never refuses what fits (each item is counted at its units rounded down)."""
+    worst: tuple[float, int, list[tuple[str, float]]] | None = None
+    # An item of u units is above 1/(k+1) for every k >= capacity // u; between two such k the count is constant and
+    # the bound falls with k, so these k are the only ones to try.
+    for k in sorted({capacity // units for _, _, units in items if units and capacity // units >= 1}):
+        over = [(name, size) for name, size, units in items if (k + 1) * units > capacity]  # no k + 1 fit in a container
+        need = taken + math.ceil(len(over) / k)
+        if need > have + _EPS and (worst is None or need > worst[0]):
+            worst = (need, k, over)
+    return worst
 
 
 def _holds(node: Mapping[str, float], request: Mapping[str, float]) -> bool:

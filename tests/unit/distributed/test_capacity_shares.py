@@ -183,3 +183,64 @@ def test_a_gpu_recipe_still_gets_the_machines_gpus(private_cluster: None) -> Non
     roles.ensure_private_cluster_gpus(cfg, plan, machine_gpus=1)
     with pytest.raises(PlacementError, match=r"\(0 GPUs found\): set cluster.gpus_per_node=0 to run on CPU"):
         roles.ensure_private_cluster_gpus(cfg, plan, machine_gpus=0)
+
+
+def cpu_placeable(sizes: list[float], nodes: list[float]) -> bool:
+    """Whether CPU bundles of ``sizes`` fit on nodes of ``nodes`` CPUs (Ray grants a bundle out of one node), by trying
+    every assignment; in Ray's units of 1/10000."""
+    units = sorted((round(c * 10_000) for c in sizes), reverse=True)
+    free = [round(n * 10_000) for n in nodes]
+
+    def fit(i: int) -> bool:
+        if i == len(units):
+            return True
+        for j, left in enumerate(free):
+            if left >= units[i] and left not in free[:j]:
+                free[j] -= units[i]
+                if fit(i + 1):
+                    return True
+                free[j] += units[i]
+        return False
+
+    return fit(0)
+
+
+def cpu_roles(sizes: list[float]) -> list[RoleResources]:
+    return [RoleResources(f"role{c:g}", sizes.count(c), WorkerResources(num_cpus=c)) for c in sorted(set(sizes))]
+
+
+def test_cpu_bundles_no_arrangement_of_the_nodes_holds_are_refused_and_a_placeable_layout_never_is() -> None:
+    """Three bundles of 0.6 CPU from two roles on two 1-CPU nodes (the layout of test_multi_node): 1.8 <= 2 CPUs in
+    total and each bundle fits a node, so every check passed, and the run waited out cluster.placement_timeout_s."""
+    two_roles = [
+        RoleResources("policy", 2, WorkerResources(num_cpus=0.6)),
+        RoleResources("generation", 1, WorkerResources(num_cpus=0.6)),
+        RoleResources("environment", 1, WorkerResources(num_cpus=0.1)),
+    ]
+    assert not cpu_placeable([0.6, 0.6, 0.6, 0.1], [1.0, 1.0])
+    with pytest.raises(PlacementError) as err:
+        check_node_placement(two_roles, [{"CPU": 1.0}, {"CPU": 1.0}])
+    assert (
+        "3 bundles ask for more than 1/2 of the largest node's 1 CPUs each (generation 0.6, policy 0.6), at most 1 to a "
+        "node: 3 nodes, and the cluster has 2"
+    ) in str(err.value)
+    check_node_placement(two_roles, [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}])
+    rng = random.Random(0)
+    refused = 0
+    for _ in range(800):  # against an exhaustive placement on random small layouts
+        sizes = [rng.choice([0.1, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0]) for _ in range(rng.randint(1, 7))]
+        nodes = [rng.choice([1.0, 2.0])] * rng.randint(1, 3) if rng.random() < 0.7 else [rng.choice([1.0, 2.0]) for _ in range(3)]
+        if sum(sizes) > sum(nodes):
+            continue  # the totals check's case
+        try:
+            check_node_placement(cpu_roles(sizes), [{"CPU": n} for n in nodes])
+        except PlacementError:
+            refused += 1
+            assert not cpu_placeable(sizes, nodes), (sizes, nodes)
+    for sizes in itertools.product([0.3, 0.4, 0.6], repeat=5):  # and every layout of these sizes on two 1-CPU nodes
+        try:
+            check_node_placement(cpu_roles(list(sizes)), [{"CPU": 1.0}, {"CPU": 1.0}])
+        except PlacementError:
+            refused += 1
+            assert not cpu_placeable(list(sizes), [1.0, 1.0]), sizes
+    assert refused  # the layouts do exercise refusals
