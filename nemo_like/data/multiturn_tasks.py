@@ -4,7 +4,8 @@
   ``"What is 347 times 28?"`` -> ``9716``. Too hard for the shipped tiny model to answer directly; the
   calculator tool makes it a copy task. Train/validation are disjoint by operand pair (a seed-independent
   hash, as in :mod:`nemo_like.data.arithmetic`).
-* ``guess-number`` (task ``guess_number``): ``"Guess my number from 1 to 100."``; the secret is the answer.
+* ``guess-number`` (task ``guess_number``): ``"Guess my number from 1 to 100. Reply with one integer only. ..."``
+  (the prompt states the game's rules: a turn that is not one integer ends it); the secret is the answer.
   The secret space is small, so the splits differ by seed only.
 
 ``scripts/build_multiturn_datasets.py`` writes both as JSONL (columns ``problem``, ``answer``, ``task``) under
@@ -22,7 +23,11 @@ from typing import Literal
 Split = Literal["train", "validation"]
 VALIDATION_PERCENT = 20
 MULTIPLY_TEMPLATES = ("What is {a} times {b}?", "Compute {a} * {b}.", "Multiply {a} by {b}.")
-GUESS_TEMPLATE = "Guess my number from {low} to {high}."
+# What the game's scoring needs said (environments/games/guess_number.py): a turn that is not one integer ends the game
+GUESS_TEMPLATE = (
+    "Guess my number from {low} to {high}. Reply with one integer only. After a wrong guess I say higher (my number is "
+    "larger) or lower (it is smaller)."
+)
 ASSET_DIR = Path(__file__).resolve().parents[1] / "assets" / "multiturn-tasks"
 
 
