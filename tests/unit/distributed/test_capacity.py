@@ -217,7 +217,9 @@ def test_requests_the_nodes_can_never_place_are_refused_whatever_the_totals() ->
     packed = RoleResources("policy", 3, WorkerResources(num_cpus=1))
     with pytest.raises(PlacementError, match=r"3 bundles STRICT_PACK \(CPU 3\) fit on no single node"):
         check_node_placement([packed], two_nodes, {"policy": "STRICT_PACK"})
-    check_node_placement([packed, RoleResources("generation", 2, WorkerResources(num_cpus=2))], two_nodes)  # PACK spills over
+    check_node_placement([packed, RoleResources("generation", 1, WorkerResources(num_cpus=1))], two_nodes)  # PACK spills over
+    with pytest.raises(PlacementError, match=r"5 bundles ask for more than 1/3 of the largest node's 2 CPUs each"):
+        check_node_placement([packed, RoleResources("generation", 2, WorkerResources(num_cpus=2))], two_nodes)  # 7 CPUs on 4
     check_node_placement([RoleResources("policy", 2, WorkerResources(num_cpus=1))], two_nodes, {"policy": "STRICT_SPREAD"})
     # A fraction of a GPU comes out of one GPU: three 0.6 shares need three GPUs though their sum, 1.8, is under 2
     gpu_node = [{"CPU": 8.0, "GPU": 2.0}]
