@@ -31,17 +31,21 @@ def placeable(shares: list[float], gpus: int) -> bool:
     """Whether ``shares`` fit on ``gpus`` GPUs as Ray grants them (a fraction out of one GPU, a whole GPU whole),
     by trying every assignment; in Ray's units of 1/10000."""
     whole = sum(int(g) for g in shares if g >= 1)
-    units = sorted((round(g * 10_000) for g in shares if g < 1), reverse=True)
     if whole > gpus:
         return False
-    free = [10_000] * (gpus - whole)
+    return fits([round(g * 10_000) for g in shares if g < 1], [10_000] * (gpus - whole))
+
+
+def fits(units: list[int], free: list[int]) -> bool:
+    """Whether items of ``units`` fit in containers with ``free`` units left, by trying every assignment."""
+    units = sorted(units, reverse=True)
 
     def fit(i: int) -> bool:
         if i == len(units):
             return True
         tried = set()
         for j, left in enumerate(free):
-            if left >= units[i] and left not in tried:
+            if left >= units[i] and left not in tried:  # containers with as much room left are the same choice
                 tried.add(left)
                 free[j] -= units[i]
                 if fit(i + 1):
@@ -188,21 +192,7 @@ def test_a_gpu_recipe_still_gets_the_machines_gpus(private_cluster: None) -> Non
 def cpu_placeable(sizes: list[float], nodes: list[float]) -> bool:
     """Whether CPU bundles of ``sizes`` fit on nodes of ``nodes`` CPUs (Ray grants a bundle out of one node), by trying
     every assignment; in Ray's units of 1/10000."""
-    units = sorted((round(c * 10_000) for c in sizes), reverse=True)
-    free = [round(n * 10_000) for n in nodes]
-
-    def fit(i: int) -> bool:
-        if i == len(units):
-            return True
-        for j, left in enumerate(free):
-            if left >= units[i] and left not in free[:j]:
-                free[j] -= units[i]
-                if fit(i + 1):
-                    return True
-                free[j] += units[i]
-        return False
-
-    return fit(0)
+    return fits([round(c * 10_000) for c in sizes], [round(n * 10_000) for n in nodes])
 
 
 def cpu_roles(sizes: list[float]) -> list[RoleResources]:
