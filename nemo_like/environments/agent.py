@@ -100,6 +100,15 @@ class AgentEnvironment(EnvironmentInterface):
     config_model = AgentConfig
 
     @classmethod
+    def answer_problem(cls, settings: dict[str, Any], answer: Any) -> str | None:
+        """The verifier's problem with the answer (it scores the final answers); none without a verifier."""
+        verifier = settings.get("verifier")
+        if verifier is None:
+            return None
+        problem = ENVIRONMENTS.get(verifier, "env.<task>.verifier").answer_problem(dict(settings.get("verifier_kwargs") or {}), answer)
+        return None if problem is None else f"{problem}, for the verifier '{verifier}'"
+
+    @classmethod
     def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:
         """``verifier_kwargs`` set without a ``verifier``: nothing reads them."""
         if settings.get("verifier_kwargs") and settings.get("verifier") is None:

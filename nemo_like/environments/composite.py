@@ -153,6 +153,15 @@ class CompositeEnvironment(EnvironmentInterface):
     config_model: ClassVar[type[BaseModel]] = CompositeEnvConfig
 
     @classmethod
+    def answer_problem(cls, settings: dict[str, Any], answer: Any) -> str | None:
+        """The first source's problem with the answer (every source scores it), naming the source."""
+        for name, section in settings["sources"].items():
+            source_cls, _, kwargs = resolve_source(name, section)
+            if (problem := source_cls.answer_problem(kwargs, answer)) is not None:
+                return f"{problem}, for reward source '{name}'"
+        return None
+
+    @classmethod
     def actor_needs(cls, settings: dict[str, Any]) -> ActorNeeds:
         """The sources' needs added up (CPU at least the default's), their helper actors together."""
         resolved = {n: resolve_source(n, s) for n, s in settings["sources"].items()}

@@ -127,6 +127,15 @@ def test_a_gold_answer_an_environment_cannot_score_fails_at_start_naming_the_pro
             check_environments(specs, {"train": good, "validation": records(7, "9,716")})
         assert str(bad.value).startswith(f"data (validation split): prompt p1 (task '{env}'): its answer '9,716' is not an integer ("), env
         assert why in str(bad.value) and "data.answer_key" in str(bad.value)
+    # A composite's sources and an agent's verifier score the answer: their rules hold (they were skipped)
+    bad = {"train": records("9,716")}
+    composite = {"sources": {"acc": {"class": "arithmetic"}, "len": {"class": "length_penalty"}}}
+    with pytest.raises(ConfigError, match=r"its answer '9,716' is not an integer \(the built-in reward .*\), for reward source 'acc'"):
+        check_environments({"mix": EnvSpec("mix", "composite", kwargs=composite)}, bad)
+    agent = {"agent": "os.path:join", "verifier": "tool", "verifier_kwargs": {"answer_checker": "integer"}}
+    with pytest.raises(ConfigError, match=r"its answer '9,716' is not an integer \(.*\), for the verifier 'tool'"):
+        check_environments({"ag": EnvSpec("ag", "agent", kwargs=agent)}, bad)
+    check_environments({"ag": EnvSpec("ag", "agent", kwargs={**agent, "verifier": None})}, bad)  # no verifier: no rule
     # A user's reward function or answer checker takes any answer; an environment that states no rule, too.
     anything = {"train": records("forty-two", "\\frac{1}{2}")}
     check_environments({"arithmetic": EnvSpec("arithmetic", "arithmetic", kwargs={"custom_reward_fn": "os.path:join"})}, anything)
