@@ -19,6 +19,7 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset, validation_overlap_warning
 from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
+from nemo_like.distributed.worker_group import actors_not_kept
 from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments, import_environment_class, task_of
 from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
@@ -334,7 +335,9 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
             handles = AgentHandles(environments.handles.workers, agents)
             handles.replaceable = environments.handles.replaceable  # the verifier's dead actors are replaced too
             environments.handles = handles
-    except BaseException:  # every actor started so far is released (a failing rollout server's start included)
-        release_on_failure((policy, spawned_reference), [p for p in started if p is not None])
+    except BaseException as exc:  # every actor started so far is released (a failing rollout server's start included)
+        # interrupted (the stall watchdog's abort, a Ctrl-C): actors hung or mid-start, never kept for another run
+        with actors_not_kept() if isinstance(exc, KeyboardInterrupt) else contextlib.nullcontext():
+            release_on_failure((policy, spawned_reference), [p for p in started if p is not None])
         raise
     return GRPOComponents(cfg, tokenizer, policy, reference, generation, environments, loader, val, plan, teacher, agents)

@@ -239,16 +239,44 @@ def test_a_hung_generation_is_reported_with_its_stack_and_abort_exits_70(ray_clu
     no_hung_actor_kept()
 
 
-def test_a_start_that_hangs_is_reported_and_abort_exits_70(ray_cluster, tmp_path, capfd):
+STARTS_FOREVER = """
+import time
+
+from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
+
+
+class StartsForever(EnvironmentInterface):
+    @classmethod
+    def actor_needs(cls, settings):
+        return ActorNeeds(num_cpus=0.07)  # a shape of its own: a fresh actor, never a kept one re-initialised
+
+    def __init__(self):
+        time.sleep(3600)
+
+    def score(self, responses, metadata):
+        return [0.0] * len(responses)
+"""
+
+
+def test_a_start_that_hangs_is_reported_and_abort_exits_70(ray_cluster, tmp_path, capfd, monkeypatch):
     """No watchdog ran during set-up: a policy worker that hung while the actors started (a rendezvous, a restart's
     worker) hung the run forever with no report, on_stall=abort included. Step 0: the first start of the actors;
-    setup_timeout_s watches the start (a start is far longer than a tiny step: stall_timeout_s is for the steps)."""
+    setup_timeout_s watches the start (a start is far longer than a tiny step: stall_timeout_s is for the steps).
+    An environment whose actor never finishes starting runs beside it: the aborted start keeps none of its actors (the
+    environment's group was kept for the next run, hung)."""
+    (tmp_path / "stuck_env.py").write_text(STARTS_FOREVER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stuck = ("+env.stuck.class=stuck_env:StartsForever",)
     hang_at_start = ("cluster.fault_injection.role=policy", "cluster.fault_injection.phase=setup", "cluster.fault_injection.step=0")
     # 20 s: each stage of the start is watched on its own; here Ray is up, and the hung worker's start (a fresh actor
     # on a loaded machine: up to ~15 s) must be done for its stack to show the hang
     watch_start = ("cluster.fault_tolerance.setup_timeout_s=20", "cluster.fault_tolerance.on_stall=abort")
     with pytest.raises(RunStalled) as stalled:
-        train(tiny_config(tmp_path, *FAST, "grpo.max_num_steps=2", *hang_at_start, "cluster.fault_injection.action=hang", *watch_start))
+        train(
+            tiny_config(
+                tmp_path, *FAST, "grpo.max_num_steps=2", *hang_at_start, "cluster.fault_injection.action=hang", *watch_start, *stuck
+            )
+        )
     out, err = capfd.readouterr()
     assert stalled.value.code == 70 and "[fault] injecting 'hang' into policy (setup) at step 0" in out, out
     report = stalled.value.report
