@@ -66,7 +66,7 @@ def init_ray(cluster: ClusterConfig) -> str:
     if ray.is_initialized():
         if _CONNECTED is None or _CONNECTED[2] != _gcs_address():  # the caller's own ray.init: it is joined
             gcs = _gcs_address()
-            if address is not None and gcs is not None and not same_cluster(address, gcs):
+            if address is not None and gcs is not None and "://" not in address and not same_cluster(address, gcs):
                 raise ConfigError(
                     f"{source} names the Ray cluster at {address!r}, but this process is already connected to the Ray "
                     f"cluster at {gcs!r} (its own ray.init); name that one, or call ray.shutdown() first"
@@ -74,7 +74,7 @@ def init_ray(cluster: ClusterConfig) -> str:
             _warn_ignored_sizes(cluster, "this process was already connected to Ray (its own ray.init)")
             return "joined"
         mode, connected, gcs = _CONNECTED
-        if address is not None and (mode == "local" or not same_cluster(address, gcs or connected)):
+        if address is not None and (mode == "local" or (address != connected and not same_cluster(address, gcs or connected))):
             now = "its private local cluster" if mode == "local" else f"the Ray cluster at {connected!r}"
             raise ConfigError(
                 f"{source} names the Ray cluster at {address!r}, but this process is already connected to {now} by an "
@@ -129,7 +129,8 @@ def _gcs_address() -> str | None:
 def same_cluster(address: str, gcs: str) -> bool:
     """Whether a cluster address as a user names it (``auto``, a host name, ``127.0.0.1`` or this machine's own IP)
     names the cluster whose GCS answers at ``gcs`` (``host:port``): the strings differed for one cluster named two ways
-    (``$RAY_ADDRESS``, then ``cluster.ray_address=auto``). A ``ray://`` client address is compared as written."""
+    (``$RAY_ADDRESS``, then ``cluster.ray_address=auto``). A ``ray://`` client address names no GCS here: callers compare
+    it with the address the process connected with."""
     if "://" in address:
         return address == gcs
     if address == "auto":

@@ -283,6 +283,11 @@ def test_a_run_naming_no_cluster_after_one_that_joined_is_refused(ray_cluster, m
     ):
         ray_init.init_ray(ClusterConfig(ray_address="10.9.9.9:6379"))
     assert ray_init.init_ray(ClusterConfig(ray_address="auto")) == "joined"
+    # A Ray Client address names no GCS: the address the process connected with is what a later run must name
+    client = "ray://127.0.0.1:10001"
+    assert ray_init.init_ray(ClusterConfig(ray_address=client)) == "joined"  # the caller's own ray.init("ray://...")
+    monkeypatch.setattr(ray_init, "_CONNECTED", ("joined", client, gcs))
+    assert ray_init.init_ray(ClusterConfig(ray_address=client)) == "joined"  # a sweep's second run naming it again
 
 
 def test_an_interrupted_placement_wait_removes_its_group(ray_cluster) -> None:
