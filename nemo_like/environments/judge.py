@@ -82,7 +82,7 @@ class JudgeEnvConfig(BaseModel):
         allow_inf_nan=False,
         description="Reward of a sample whose verdict is unreadable, out of score_range, late, or lost to an engine failure.",
     )
-    score_range: tuple[float, float] | None = Field(
+    score_range: tuple[Float, Float] | None = Field(
         None,
         description="[low, high] of the scale the template asks for: a parsed score outside it is unreadable "
         "(parse_failure_reward, counted out_of_range); null: the default template's 0-10, no bound with your own template.",

@@ -28,7 +28,7 @@ class ScoreNormalization(BaseModel):
     shift: Float = Field(0.0, description="Subtracted from the raw score first.")
     scale: Float = Field(1.0, description="Multiplies the shifted score (must not be 0).")
     squash: Literal["none", "sigmoid", "tanh"] = Field("none", description="Squashing function after shift and scale.")
-    clip: tuple[float, float] | None = Field(None, description="[low, high] bounds applied last; null: no clipping.")
+    clip: tuple[Float, Float] | None = Field(None, description="[low, high] bounds applied last; null: no clipping.")
 
     @model_validator(mode="after")
     def _consistent(self) -> ScoreNormalization:

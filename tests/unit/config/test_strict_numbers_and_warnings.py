@@ -17,8 +17,9 @@ from nemo_like.config.schema import MasterConfig
 RECIPES = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").glob("*.yaml"))
 
 
-def _numeric_keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:
-    """(dotted key, 'number' | 'integer') of every int/float field, recursing into sections."""
+def _numeric_keys(model: type[BaseModel], prefix: str = "", elements: bool = False) -> list[tuple[str, str]]:
+    """(dotted key, 'number' | 'integer') of every int/float field, recursing into sections; ``elements``: also the
+    first element of a tuple or list of numbers (``clip.0``)."""
     keys = []
     for name, field in model.model_fields.items():
         annotation = field.annotation
@@ -30,8 +31,13 @@ def _numeric_keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, s
         for arg in args:
             if typing.get_origin(arg) is typing.Annotated:
                 arg = typing.get_args(arg)[0]
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                keys += _numeric_keys(arg, f"{prefix}{name}.")
+            if elements and typing.get_origin(arg) in (tuple, list):
+                first = typing.get_args(arg)[0]
+                first = typing.get_args(first)[0] if typing.get_origin(first) is typing.Annotated else first
+                if first in (int, float):
+                    keys.append((f"{prefix}{name}.0", "a number" if first is float else "an integer"))
+            elif isinstance(arg, type) and issubclass(arg, BaseModel):
+                keys += _numeric_keys(arg, f"{prefix}{name}.", elements)
             elif arg is float:
                 keys.append((f"{prefix}{name}", "a number"))
             elif arg is int:
@@ -66,7 +72,7 @@ def _environment_numeric_keys() -> list[tuple[str, str, str]]:
     keys = []
     for name in ENVIRONMENTS:
         model = getattr(ENVIRONMENTS.get(name), "config_model", None)
-        keys += [(name, key, expected) for key, expected in _numeric_keys(model)] if model is not None else []
+        keys += [(name, key, expected) for key, expected in _numeric_keys(model, elements=True)] if model is not None else []
     return keys
 
 
@@ -79,13 +85,18 @@ def test_every_environment_section_refuses_a_boolean_for_its_numeric_keys() -> N
     from nemo_like.environments.registry import resolve_environments
 
     assert {name for name, _, _ in ENV_NUMERIC_KEYS} >= {"math", "tool", "guess_number", "reward_model", "judge", "agent"}
+    assert {("judge", "score_range.0"), ("reward_model", "normalize.clip.0")} <= {(n, k) for n, k, _ in ENV_NUMERIC_KEYS}
     for name, key, expected in ENV_NUMERIC_KEYS:
+        *path, leaf = key.split(".")  # a nested section's key: env.reward_model.normalize.shift
+        value: object = True
+        if leaf.isdigit():  # a tuple's first element: env.judge.score_range.0
+            *path, leaf = path
+            value = [True, 1.0]
         section: dict = {}
-        *parents, leaf = key.split(".")  # a nested section's key: env.reward_model.normalize.shift
         inner = section
-        for part in parents:
+        for part in path:
             inner = inner.setdefault(part, {})
-        inner[leaf] = True
+        inner[leaf] = value
         cfg = MasterConfig.model_validate({"env": {name: section}})
         with pytest.raises(ConfigError) as excinfo:
             resolve_environments(cfg.env)
