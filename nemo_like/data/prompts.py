@@ -161,8 +161,8 @@ def validation_overlap_warning(train: list[PromptRecord], validation: list[Promp
     shared = sum(r.metadata.get("prompt") in seen for r in validation)
     texts = {r.metadata.get("prompt") for r in validation}
     # One text for every problem (guess-number: the secret differs) names none: a set of several rows, or one row whose
-    # text is the training set's only one too
-    one_text = len(texts) == 1 and (len(validation) > 1 or len(seen) == 1)
+    # text is the only one of a training set of several rows (a one-row training file read as validation is named)
+    one_text = len(texts) == 1 and (len(validation) > 1 or (len(seen) == 1 and len(train) > 1))
     if not shared or one_text:
         return None
     return (

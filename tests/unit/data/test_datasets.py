@@ -658,7 +658,10 @@ def test_validation_read_from_the_training_rows_is_named(tmp_path, tok) -> None:
     one_row = data_cfg(guess, guess, validation={"num_problems": 1})  # a one-row validation set of that text too
     assert len(build(one_row, tok, "validation")) == 1
     assert validation_overlap_warning(build(one_row, tok), build(one_row, tok, "validation")) is None
-    # while one row of a set of many texts that is also a training row is named
+    # while one row of a set of many texts that is also a training row is named, as is a one-row training file read as
+    # its own validation set
+    single = write_jsonl(tmp_path / "one.jsonl", [{"q": "Guess my number from 1 to 100.", "a": "7"}])
+    assert validation_overlap_warning(build(data_cfg(single, single), tok), build(data_cfg(single, single), tok, "validation"))
     assert validation_overlap_warning(build(same, tok), build(same, tok, "validation")[:1]).startswith("1 of 1 validation")
 
 
