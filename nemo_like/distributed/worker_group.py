@@ -137,8 +137,8 @@ def reuse_actors() -> Iterator[None]:
 @contextmanager
 def actors_not_kept() -> Iterator[None]:
     """Inside, a group that shuts down is killed even within :func:`reuse_actors`: the actors of a run the stall
-    watchdog aborted are hung in a call (kept, the next run's group waited ``placement_timeout_s`` on them, holding
-    their bundles, before starting fresh ones)."""
+    watchdog aborted, or of a start interrupted, are hung in a call or mid-start (kept, the next run's group waited
+    ``placement_timeout_s`` on them, holding their bundles, before starting fresh ones)."""
     depth, _POOL.depth = _POOL.depth, 0
     try:
         yield
