@@ -154,10 +154,13 @@ class CompositeEnvironment(EnvironmentInterface):
 
     @classmethod
     def answer_problem(cls, settings: dict[str, Any], answer: Any) -> str | None:
-        """The first source's problem with the answer (every source scores it), naming the source."""
+        """The first source's problem with the answer (every source scores it), naming the source. Called per prompt:
+        the sources were checked with the section (:func:`resolve_source`), so only their classes are looked up."""
+        from nemo_like.environments.registry import import_environment_class
+
         for name, section in settings["sources"].items():
-            source_cls, _, kwargs = resolve_source(name, section)
-            if (problem := source_cls.answer_problem(kwargs, answer)) is not None:
+            path, _, kwargs = split_source(name, section)
+            if (problem := import_environment_class(path, f"sources.{name}.class").answer_problem(kwargs, answer)) is not None:
                 return f"{problem}, for reward source '{name}'"
         return None
 

@@ -79,7 +79,6 @@ class JudgeEnvConfig(BaseModel):
     )
     parse_failure_reward: Float = Field(
         0.0,
-        allow_inf_nan=False,
         description="Reward of a sample whose verdict is unreadable, out of score_range, late, or lost to an engine failure.",
     )
     score_range: tuple[Float, Float] | None = Field(

@@ -53,7 +53,6 @@ class RewardModelEnvConfig(BaseModel):
     normalize: ScoreNormalization = Field(default_factory=ScoreNormalization, description="Raw score -> reward (per sample).")
     template_error_reward: Float = Field(
         0.0,
-        allow_inf_nan=False,
         description="Reward of a response the model's chat template rewrites past recognition (counted template_errors; "
         "not normalised). use_chat_template: false scores such responses as plain text.",
     )
