@@ -133,9 +133,17 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
 def test_async_tiny_recipe_learns_within_five_points_of_sync(ray_cluster, tmp_path):
     """The acceptance run: the shipped async recipe (100 steps) against the same recipe run sync, same seed, same
     engine (the one async resolves to; a sync run would default to inline generation on CPU), so the comparison
-    isolates async. 1024 validation prompts (instead of 256) make the final accuracies a less noisy comparison."""
+    isolates async. 1024 validation prompts (instead of 256) make the final accuracies a less noisy comparison. The
+    workers reserve the other functional tests' 0.25 CPU (the recipe: 0.5), so both runs re-initialise the actors those
+    tests keep instead of starting their own: a Ray reservation only (the threads come from the node's CPUs)."""
     recipe = REPO / "examples" / "configs" / "grpo_tiny_cpu_async.yaml"
-    common = ["grpo.max_val_samples=1024", "grpo.val_period=0", "logger.progress_bar=false", "logger.plot_at_end=false"]
+    common = [
+        "grpo.max_val_samples=1024",
+        "grpo.val_period=0",
+        "logger.progress_bar=false",
+        "logger.plot_at_end=false",
+        "policy.num_cpus_per_worker=0.25",
+    ]
     engine = resolve_backend(load_config(recipe, common))[0]
     sync_overrides = [*common, "grpo.async_grpo.enabled=false", f"policy.generation.backend={engine}"]
     sync = train(load_config(recipe, [*sync_overrides, f"logger.log_dir={tmp_path / 'sync'}"]))

@@ -33,14 +33,15 @@ def test_a_pinned_group_whose_node_has_no_free_resources_fails_within_its_placem
     """Ray kept the pinned actors pending while other groups held the node's CPUs, with no timeout: the cluster-wide
     capacity check had passed and setup waited forever on the engine's first call."""
     node = ray.get_runtime_context().get_node_id()
-    holder = reserve_bundles("holder", WorkerResources(num_cpus=1.0), 1, 30)  # the other half of the 2-CPU test node
+    whole_node = ray.cluster_resources()["CPU"]
+    holder = reserve_bundles("holder", WorkerResources(num_cpus=1.0), 1, 30)  # one of the test node's CPUs
     try:
         start = time.monotonic()
         with pytest.raises(
             PlacementError,
-            match=rf"Cannot place 'generation' on node {node} .*asked for 1 x \{{'CPU': 2.0\}}.*not granted within 3s.*available now",
+            match=rf"Cannot place 'generation' on node {node} .*asked for 1 x \{{'CPU': {whole_node}\}}.*not granted within 3s.*available now",
         ):
-            RayWorkerGroup("generation", Probe, 1, WorkerResources(num_cpus=2.0), {}, placement_timeout_s=3, node_id=node)
+            RayWorkerGroup("generation", Probe, 1, WorkerResources(num_cpus=whole_node), {}, placement_timeout_s=3, node_id=node)
         assert time.monotonic() - start < 15
         with pytest.raises(PlacementError, match=rf"Cannot place 'generation' on node {node} .*the node cannot run it.*in total"):
             RayWorkerGroup("generation", Probe, 1, WorkerResources(num_cpus=64.0), {}, placement_timeout_s=30, node_id=node)

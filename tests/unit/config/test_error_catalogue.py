@@ -140,7 +140,7 @@ def test_a_run_directory_on_a_full_device_names_the_key(capsys, tmp_path):
         subprocess.run(["umount", "--lazy", str(device)], check=True)  # lazy: a failed run may still hold a file open there
 
 
-# -- run errors that need a cluster (the session cluster: 2 CPUs, no GPU) ------------------------------
+# -- run errors that need a cluster (the session cluster: 4 logical CPUs, no GPU) ------------------------------
 
 
 @pytest.mark.slow
