@@ -39,7 +39,8 @@ from nemo_like.experience.trajectory_collector import (
 )
 from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.loading import tokenizer_source
-from nemo_like.models.policy.policy import Policy, ShardedLogprobs
+from nemo_like.models.policy.policy import Policy
+from nemo_like.models.policy.sharded_logprobs import ShardedLogprobs
 
 BUFFER_FILE = "replay_buffer.pt"
 ASYNC_ACTOR_CPUS = 0.05  # the trajectory collector and the replay buffer mostly wait

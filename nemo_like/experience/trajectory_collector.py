@@ -47,7 +47,7 @@ from nemo_like.experience.replay_buffer import TrajectoryGroup
 from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
 from nemo_like.models.loading import load_tokenizer
-from nemo_like.models.policy.policy import ShardedLogprobs
+from nemo_like.models.policy.sharded_logprobs import ShardedLogprobs
 from nemo_like.plan.multi_turn import MultiTurnSettings
 from nemo_like.utils.counters import Increments
 from nemo_like.utils.run_control import run_control

@@ -9,7 +9,7 @@ import ray
 import torch
 from ray import cloudpickle
 
-from nemo_like.models.policy.policy import ShardedLogprobs
+from nemo_like.models.policy.sharded_logprobs import ShardedLogprobs
 
 pytestmark = pytest.mark.slow
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import the tests package

@@ -36,12 +36,7 @@ from nemo_like.models.policy.training import TrainingStep, local_bytes
 from nemo_like.models.policy.weight_export import WeightExport
 from nemo_like.utils.seeds import worker_seed
 
-__all__ = ["INLINE_GENERATION_BATCH", "Batch", "PolicyWorker", "PolicyWorkerSpec", "slice_batch"]
-
-
-def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
-    """Rows ``start:stop`` of every per-sample tensor in ``batch`` (scalars are kept as they are)."""
-    return {k: (v[start:stop] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
+__all__ = ["INLINE_GENERATION_BATCH", "Batch", "PolicyWorker", "PolicyWorkerSpec"]
 
 
 class PolicyWorker(ForwardPasses, TrainingStep, WeightExport, Checkpoints, Reinitializable):
