@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nemo_like.models.rope import POSITION_DEPENDENT_ROPE, rope_type
+
 MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
@@ -27,21 +29,11 @@ def supported(model: torch.nn.Module) -> bool:
     if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
         return False
     if rope_type(cfg) in POSITION_DEPENDENT_ROPE:
-        return False  # their frequencies follow the longest position of each forward: the model's own forward serves them
+        # tables built once for every position a sampling call can reach would not be the ones the model's forward over
+        # the actual, shorter sequence uses; past the pretrained context a run is refused (loading.check_context_length)
+        return False
     inner = getattr(model, "model", None)
     return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb") and hasattr(model, "lm_head")
-
-
-# RoPE types whose frequencies depend on the longest position a forward computes ("dynamic" NTK scaling, "longrope" past
-# the original context): tables built once for every position a sampling call can reach would not be the ones the
-# model's forward over the actual, shorter sequence uses (logprobs 0.1 nats apart on a tiny Llama).
-POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-def rope_type(cfg) -> str:
-    """The config's RoPE type (``rope_parameters`` in transformers 5, ``rope_scaling`` before; "default" when unset)."""
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    return str(params.get("rope_type", params.get("type", "default")))
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

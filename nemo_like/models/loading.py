@@ -16,6 +16,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import EMBEDDED_MODEL
+from nemo_like.models.rope import fixed_frequency_length, rope_type
 
 HUB_PROBE_TIMEOUT_S = 5.0
 _TRUE = ("1", "true", "yes", "on")
@@ -449,7 +450,10 @@ def model_config(model_name: str, local_only: bool = False) -> Any:
 def model_context_length(model_name: str, local_only: bool = False) -> int | None:
     """The longest sequence the model's positions cover: ``max_position_embeddings`` (times a RoPE scaling factor,
     as vLLM derives ``max_model_len``), or ``None`` when its config states none. A LoRA checkpoint: its base model's."""
-    config = model_config(model_name, local_only)
+    return _context_length(model_config(model_name, local_only))
+
+
+def _context_length(config: Any) -> int | None:
     positions = getattr(config, "max_position_embeddings", None)
     if not positions:
         return None
@@ -463,12 +467,25 @@ def model_context_length(model_name: str, local_only: bool = False) -> int | Non
 
 def check_context_length(model_name: str, length: int, key: str = "policy.max_total_sequence_length", local_only: bool = False) -> None:
     """A :class:`ConfigError` naming ``key`` when ``length`` tokens pass the model's positions (a RoPE model would
-    extrapolate silently on our engines; vLLM refuses such a ``max_model_len``)."""
-    limit = model_context_length(model_name, local_only)
+    extrapolate silently on our engines; vLLM refuses such a ``max_model_len``), or pass the length up to which a
+    position-dependent RoPE keeps its pretrained frequencies (:func:`~nemo_like.models.rope.fixed_frequency_length`)."""
+    config = model_config(model_name, local_only)
+    limit = _context_length(config)
     if limit is not None and length > limit:
         raise ConfigError(
             f"{key}={length} is longer than {model_name}'s context ({limit} positions: max_position_embeddings in its "
             f"config.json); lower {key} (prompt + response tokens) to at most {limit}"
+        )
+    fixed = fixed_frequency_length(config)
+    if fixed is not None and length > fixed:
+        # The sampler computes each token's logprob with the frequencies of its own forward (a KV cache, one position
+        # at a time), the trainer with those of one forward over the batch's longest row: 0.4-2.3 nats apart on a tiny
+        # Llama past the pretrained context, and a row's tokens depend on the other rows of its batch.
+        raise ConfigError(
+            f"{key}={length} passes {model_name}'s pretrained context ({fixed} positions) and its RoPE is "
+            f"'{rope_type(config)}', whose frequencies past that length change with each forward's longest sequence: "
+            f"the sampler's logprobs and the trainer's would differ. Lower {key} (prompt + response tokens) to at most "
+            f"{fixed}"
         )
 
 

@@ -317,3 +317,53 @@ def test_a_hub_models_generation_config_is_fetched_when_not_cached(tmp_path, mon
         assert _generation_config("org/other") == {}  # offline: the cache only, as before
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_a_rope_whose_frequencies_follow_the_sequence_is_refused_past_its_pretrained_context(tmp_path, kind) -> None:
+    """Dynamic NTK scaling and LongRoPE recompute their frequencies from each forward's longest position once it passes
+    the pretrained context: the sampler (a KV cache, one forward per position) and the trainer (one forward over the
+    batch's longest row) then score a token with different frequencies (0.4-2.3 nats apart). Within the context a
+    token's logprob does not depend on the forward's length; past it, it does; a run past it is refused."""
+    import json
+    import shutil
+
+    import torch
+
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.loading import check_context_length, load_causal_lm, resolve_model_path
+
+    pretrained = 16
+    model_dir = tmp_path / kind
+    shutil.copytree(resolve_model_path(EMBEDDED_MODEL), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    half_head = config["hidden_size"] // config["num_attention_heads"] // 2
+    if kind == "dynamic":
+        config["max_position_embeddings"] = pretrained
+        config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    else:
+        config["max_position_embeddings"] = 4 * pretrained
+        config["rope_parameters"] = {
+            "rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": pretrained,
+            "short_factor": [1.0] * half_head, "long_factor": [4.0] * half_head,
+        }  # fmt: skip
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+    model = load_causal_lm(str(model_dir)).eval()
+    ids = torch.randint(0, config["vocab_size"], (1, 3 * pretrained), generator=torch.Generator().manual_seed(0))
+
+    def logprobs(length: int) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(input_ids=ids[:, :length]).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:length, None])[:, 0]
+
+    within, at_limit, past = logprobs(pretrained // 2), logprobs(pretrained), logprobs(3 * pretrained)
+    torch.testing.assert_close(within, at_limit[: pretrained // 2 - 1], atol=1e-5, rtol=0)
+    assert (past[: pretrained - 1] - at_limit).abs().max() > 1e-2  # the same tokens, scored again in a longer forward
+
+    check_context_length(str(model_dir), pretrained)
+    with pytest.raises(
+        ConfigError,
+        match=rf"policy.max_total_sequence_length={pretrained + 1} passes .* pretrained context \({pretrained} positions\) "
+        rf"and its RoPE is '{kind}'.*Lower policy.max_total_sequence_length .* to at most {pretrained}",
+    ):
+        check_context_length(str(model_dir), pretrained + 1)
