@@ -301,16 +301,20 @@ class SessionStore:
 
     def end(self, session_id: str, reward: float | None = None, if_idle: bool = False) -> SessionRows | None:
         """End the session and build its rows (reward 0.0 when None); a second end returns the same result, also one
-        that arrives while the first is still building the rows (the agent's own end racing the run's). ``if_idle``:
-        only an open session without a call in flight (else None: the store's own ending, for room).
+        that arrives while the first is still building the rows (the agent's own end racing the run's). A first end
+        that gave no reward (the agent saying it is done) leaves the reward to a later end that gives one (the run's,
+        with its verifier's reward): that end sets it on the result and its rows. ``if_idle``: only an open session
+        without a call in flight (else None: the store's own ending, for room).
 
         Raises:
             ServingError: 404 for an unknown id, 409 for one whose result was already taken."""
         with self._lock:
             if session_id in self._results or session_id in self._building:
                 self._check_same_reward(session_id, reward)
+                if reward is not None and self._end_rewards.get(session_id) is None:
+                    self._end_rewards[session_id] = float(reward)
             if session_id in self._results:
-                return self._results[session_id]
+                return self._with_end_reward(self._results[session_id])
             pending = self._building.get(session_id)
             if pending is None:
                 if session_id in self._ended:
@@ -332,13 +336,15 @@ class SessionStore:
             pending.done.wait()
             if pending.result is None:
                 raise session_ended(session_id)
-            return pending.result
+            with self._lock:
+                return self._with_end_reward(pending.result)
         try:
             if self.on_end is not None:
                 self.on_end(session_id)
             result = session_rows(session_id, calls, 0.0 if reward is None else float(reward), self.vocab_size)
             result.budget_refusals, result.abandoned_calls = refusals, abandoned
             with self._lock:
+                self._with_end_reward(result)  # an end that gave the reward while these rows were built
                 self._count(result)
                 self._results[session_id] = result
                 if self.max_kept_results is not None:
@@ -359,6 +365,16 @@ class SessionStore:
         first = self._end_rewards.get(session_id)
         if reward is not None and first is not None and float(reward) != first:
             raise session_reward_conflict(session_id, first, float(reward))
+
+    def _with_end_reward(self, result: SessionRows) -> SessionRows:
+        """``result`` with the reward its session's ends gave (under the lock): a first end without one built its rows
+        with 0.0, and a later end that gave one sets it (it was dropped: the run's rows trained on 0.0)."""
+        reward = self._end_rewards.get(result.session_id)
+        if reward is not None and result.reward != reward:
+            result.reward = reward
+            for row in result.rows:
+                row.reward = reward
+        return result
 
     def _count(self, result: SessionRows) -> None:
         c = self.counters

@@ -151,6 +151,42 @@ def test_a_second_end_with_another_reward_is_refused_and_the_kept_results_and_id
     assert list(store._ended) == ["c", "d", "e"]  # the ids of ended sessions, the oldest forgotten past the cap
 
 
+def test_an_end_without_a_reward_leaves_it_to_a_later_end_that_gives_one() -> None:
+    """The agent ends its own session without a reward and the run ends it with its verifier's: the rows had kept the
+    first end's 0.0 and the run's 1.0 was dropped without a word. Also when the run's end arrives while the agent's is
+    still building the rows."""
+    store = SessionStore()
+    record(store, "a", [1, 2], [10, 2])
+    first = store.end("a")
+    assert first.reward == 0.0 and [row.reward for row in first.rows] == [0.0]
+    assert store.end("a", reward=1.0) is first and first.reward == 1.0 and [row.reward for row in first.rows] == [1.0]
+    assert store.end("a") is first and first.reward == 1.0  # an end without a reward changes nothing
+    with pytest.raises(ServingError) as conflict:  # the reward is given now: another one contradicts it
+        store.end("a", reward=0.5)
+    assert (conflict.value.status, conflict.value.param) == (409, "reward")
+
+    building, release = threading.Event(), threading.Event()
+
+    def held_build(session_id: str) -> None:
+        building.set()
+        assert release.wait(30)
+
+    store = SessionStore(on_end=held_build)
+    record(store, "b", [1, 3], [11, 2])
+    results: dict[str, object] = {}
+    agent = threading.Thread(target=lambda: results.update(agent=store.end("b")))
+    agent.start()
+    assert building.wait(30)
+    run = threading.Thread(target=lambda: results.update(run=store.end("b", reward=1.0)))
+    run.start()
+    while "b" not in store._end_rewards or store._end_rewards["b"] is None:  # the run's end registered its reward
+        run.join(0.01)
+    release.set()
+    agent.join(30)
+    run.join(30)
+    assert results["agent"] is results["run"] and results["run"].reward == 1.0 and results["run"].rows[0].reward == 1.0
+
+
 def test_a_session_whose_rows_fail_to_build_keeps_no_reward_behind() -> None:
     """The first end's reward is kept to refuse a contradicting second end; a session whose rows failed to build had
     left it behind for the store's whole life (one entry per such session, never dropped)."""
