@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import time
 from typing import Any
 
@@ -58,16 +59,14 @@ def chat_response(
     return _response_body("chat.completion", call, req, response_id, choices)
 
 
-def _is_continuation_byte(byte: int) -> bool:
-    return byte & 0xC0 == 0x80
-
-
 def _completion_tokens(ids: list[int], decode_token: Any, token_bytes: Any, text_length: int) -> tuple[list[str], list[int]]:
     """``logprobs.tokens`` and ``text_offset`` of a ``text_completion`` choice. A token holding part of a UTF-8
     character is named by its bytes (``bytes:\\xe4\\xbb``, as OpenAI names it; decoded alone it is U+FFFD); each offset
     is the index in the choice's text of the character the token's first byte belongs to, counted over the tokens'
-    bytes (the decoded tokens' lengths ran past the text), never past the text (tokens after a stop string's cut)."""
-    tokens, offsets, started = [], [], 0  # started: characters whose first byte has been seen
+    bytes as the text was decoded (UTF-8, a malformed sequence one U+FFFD: a continuation byte continues an open
+    character, and a stray one is a character of its own), never past the text (tokens after a stop string's cut)."""
+    tokens, offsets = [], []
+    decoder, emitted = codecs.getincrementaldecoder("utf-8")("replace"), 0  # emitted: characters decoded so far
     for t in ids:
         raw = token_bytes(t)
         try:
@@ -75,9 +74,10 @@ def _completion_tokens(ids: list[int], decode_token: Any, token_bytes: Any, text
             tokens.append(decode_token(t))
         except UnicodeDecodeError:
             tokens.append("bytes:" + "".join(f"\\x{b:02x}" for b in raw))
-        inside = bool(raw) and _is_continuation_byte(raw[0]) and started > 0  # continues the character before it
-        offsets.append(min(started - 1 if inside else started, text_length))
-        started += sum(not _is_continuation_byte(b) for b in raw)
+        pending = decoder.getstate()[0]  # the bytes of a character not complete yet
+        first = len((pending + raw[:1]).decode("utf-8", "replace")) - 1 if raw else 0  # its first byte's character
+        offsets.append(min(emitted + first, text_length))
+        emitted += len(decoder.decode(raw))
     return tokens, offsets
 
 

@@ -613,3 +613,31 @@ def test_completion_logprobs_offsets_index_the_text_and_partial_characters_are_n
         if not token.startswith("bytes:") and offset < len(text):
             assert text[offset:].startswith(token) or not text[offset:]  # a whole token starts where its offset says
     assert offsets[tokens.index("5")] == text.index("5")
+
+
+def test_a_stray_continuation_byte_is_a_character_of_its_own_in_the_completion_offsets(renderer):
+    """A token whose first byte continues no open character (a sampled byte after a complete character) decodes to a
+    U+FFFD of its own: counted as part of the character before it, it and every later token's offset pointed one
+    character early."""
+    from nemo_like.serving.responses import completion_response
+    from nemo_like.serving.service import SampledCall, SampledChoice
+
+    stray = next(t for t in range(renderer.tokenizer.vocab_size) if renderer.token_bytes(t) == b"\x81")
+    head, tail = renderer.tokenize("96"), renderer.tokenize("x")
+    ids = [*head, stray, *tail]
+    text = b"".join(renderer.token_bytes(t) for t in ids).decode("utf-8", "replace")
+    assert text == "96\ufffdx"
+    call = SampledCall([1, 2], [SampledChoice(0, ids, [-0.5] * len(ids), text, "length", 0)])
+    body = completion_response(call, CompletionRequest(model="policy", prompt="Q:", logprobs=0), "cmpl-1",
+                               lambda t: renderer.decode_continuation([t]), renderer.token_bytes)  # fmt: skip
+    offsets = body["choices"][0]["logprobs"]["text_offset"]
+    assert offsets[len(head)] == 2 and offsets[-1] == 3, offsets
+    # and a continuation byte that continues an open character stays on it: "价" split over two tokens
+    lead, rest = b"\xe4\xbb", b"\xb7"
+    first = next(t for t in range(renderer.tokenizer.vocab_size) if renderer.token_bytes(t) == lead[:1])
+    seconds = [next(t for t in range(renderer.tokenizer.vocab_size) if renderer.token_bytes(t) == bytes([b])) for b in lead[1:] + rest]
+    ids = [first, *seconds, *tail]
+    call = SampledCall([1, 2], [SampledChoice(0, ids, [-0.5] * len(ids), "价x", "length", 0)])
+    body = completion_response(call, CompletionRequest(model="policy", prompt="Q:", logprobs=0), "cmpl-1",
+                               lambda t: renderer.decode_continuation([t]), renderer.token_bytes)  # fmt: skip
+    assert body["choices"][0]["logprobs"]["text_offset"] == [0, 0, 0, 1]
