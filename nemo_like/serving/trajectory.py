@@ -198,8 +198,8 @@ def row_problems(row: TrainingRow, calls: Sequence[CallRecord]) -> list[str]:
 
 @dataclass
 class SessionRows:
-    """A finished session: its rows (empty when rejected), its HTTP calls (``num_calls``: a call with ``n`` choices is
-    one), why it was rejected, if it was, how many of its calls the server refused for its token budget, and how many
+    """A finished session: its rows (empty when rejected), its recorded HTTP calls (``num_calls``: the answered ones, a
+    call with ``n`` choices one; refused and abandoned calls are counted apart), why it was rejected, if it was, how many of its calls the server refused for its token budget, and how many
     it cancelled because their client left before the answer (``abandoned_calls``: in no row)."""
 
     session_id: str
@@ -227,7 +227,7 @@ def session_rows(session_id: str, calls: Sequence[CallRecord], reward: float, vo
     """The checked rows of a session: rejected (no rows) when it has no calls, when its records are inconsistent
     (:func:`record_problems`), or when a built row fails :func:`row_problems`; every sampled token is masked in once."""
     if not calls:
-        return SessionRows(session_id, reward, [], 0, rejected="the session made no calls")
+        return SessionRows(session_id, reward, [], 0, rejected="the session recorded no calls")
     num_calls, decoded = len({c.call_index for c in calls}), sum(c.num_decoded_tokens for c in calls)
     problems = record_problems(calls, vocab_size)
     rows = [] if problems else build_rows(session_id, calls, reward)

@@ -431,7 +431,7 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
         chat(client(server), [{"role": "user", "content": "q"}], n=99)
     assert too_many.value.status_code == 400 and too_many.value.param == "n"
     ended = httpx.post(f"{server.base_url}/sessions/ended/end", headers=headers, content=b'{"reward": 1.0}')
-    assert ended.status_code == 200 and ended.json()["rejected"] == "the session made no calls"
+    assert ended.status_code == 200 and ended.json()["rejected"] == "the session recorded no calls"
     assert chat(client(server), [{"role": "user", "content": "q"}], max_tokens=4).choices[0].message.role == "assistant"
 
 

@@ -151,6 +151,15 @@ def test_a_second_end_with_another_reward_is_refused_and_the_kept_results_and_id
     assert list(store._ended) == ["c", "d", "e"]  # the ids of ended sessions, the oldest forgotten past the cap
 
 
+def test_a_session_whose_calls_were_all_refused_says_it_recorded_none() -> None:
+    """A session whose only call was refused (its token budget) was rejected as having "made no calls"."""
+    store = SessionStore()
+    session, _ = store.begin_call("b")  # refused (a 400): nothing recorded
+    store.end_call(session)
+    refused = store.end("b")
+    assert (refused.num_calls, refused.rejected, refused.rows) == (0, "the session recorded no calls", [])
+
+
 def test_an_end_without_a_reward_leaves_it_to_a_later_end_that_gives_one() -> None:
     """The agent ends its own session without a reward and the run ends it with its verifier's: the rows had kept the
     first end's 0.0 and the run's 1.0 was dropped without a word. Also when the run's end arrives while the agent's is

@@ -81,7 +81,7 @@ def test_inconsistent_records_reject_the_session(bad, problem):
 
 
 def test_a_session_without_calls_is_rejected():
-    assert session_rows("s", [], 1.0).rejected == "the session made no calls"
+    assert session_rows("s", [], 1.0).rejected == "the session recorded no calls"
 
 
 def test_rows_for_training_keep_each_rows_session():
