@@ -360,7 +360,7 @@ def micro_batch_tokens(cfg: Any, training: bool) -> int:
     the token budget, or ``policy.max_total_sequence_length`` when larger (a sample longer than the budget gets a
     micro-batch of its own: :mod:`nemo_like.models.policy.batching`), else rows x ``policy.max_total_sequence_length``:
     a logprob pass's rows at most the largest of the ``dp_size`` row blocks the rollout batch is split into
-    (:func:`~nemo_like.models.policy.sharded_logprobs.split_rows_unevenly`: ``ceil(rollout / dp_size)``)."""
+    (:func:`~nemo_like.models.policy.rows.split_rows_unevenly`: ``ceil(rollout / dp_size)``)."""
     pc = cfg.policy
     for mode in (pc.sequence_packing, pc.dynamic_batching):
         if mode.enabled:

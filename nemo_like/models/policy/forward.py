@@ -17,7 +17,7 @@ from nemo_like.models.chunked_logprobs import model_token_logprobs_and_teacher_k
 from nemo_like.models.logprobs import SamplingDistribution, sequence_logprobs_with_outside
 from nemo_like.models.policy import sharding
 from nemo_like.models.policy.batching import MicroBatchPlan, pack_rows, packed_model_mask, take_rows, unpack_logprobs
-from nemo_like.models.policy.sharded_logprobs import Batch
+from nemo_like.models.policy.rows import Batch
 from nemo_like.plan.backend import INLINE_GENERATION_BATCH
 
 

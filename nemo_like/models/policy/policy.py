@@ -13,7 +13,8 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.faults import inject
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerResources, get_with_context
 from nemo_like.models.policy.loss_protocol import LossFunction
-from nemo_like.models.policy.sharded_logprobs import Batch, ShardedLogprobs, split_rows_unevenly
+from nemo_like.models.policy.rows import Batch, split_rows_unevenly
+from nemo_like.models.policy.sharded_logprobs import ShardedLogprobs
 from nemo_like.models.policy.spec import PolicyWorkerSpec
 from nemo_like.models.policy.spec import batching_plan as batching_plan  # noqa: F401  (re-exported: tests, benchmarks)
 from nemo_like.models.policy.worker import PolicyWorker

@@ -1,4 +1,4 @@
-"""Logprob passes over a policy's (or the reference's) workers from any process, and the row blocks they take.
+"""Logprob passes over a policy's (or the reference's) workers from any process.
 
 Kept apart from :mod:`.policy` and :mod:`.worker`: an actor that holds a :class:`ShardedLogprobs` (the async trajectory
 collector runs the reference pass) needs neither the policy worker's model code nor the driver's facade.
@@ -14,21 +14,7 @@ import torch
 
 from nemo_like.distributed.faults import inject
 from nemo_like.distributed.worker_group import get_with_context
-
-Batch = dict[str, torch.Tensor]
-
-
-def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
-    """Rows ``start:stop`` of every per-sample tensor in ``batch`` (scalars are kept as they are)."""
-    return {k: (v[start:stop] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
-
-
-def split_rows_unevenly(batch: Batch, num_shards: int) -> list[Batch]:
-    """Split per-sample tensors into ``num_shards`` contiguous row blocks whose sizes differ by at most one
-    (some may be empty): every rank of a sharded model must take part in a logprob pass."""
-    size = batch["input_ids"].shape[0]
-    bounds = [size * i // num_shards for i in range(num_shards + 1)]
-    return [slice_batch(batch, bounds[i], bounds[i + 1]) for i in range(num_shards)]
+from nemo_like.models.policy.rows import Batch, split_rows_unevenly
 
 
 @dataclass(frozen=True)

@@ -325,7 +325,7 @@ def test_top_p_top_k_and_lora_dropout_add_what_the_trainers_forward_saves_for_th
 def test_a_logprob_micro_batch_holds_at_most_the_ranks_share_of_the_rollout(dp: int) -> None:
     import torch
 
-    from nemo_like.models.policy.sharded_logprobs import split_rows_unevenly
+    from nemo_like.models.policy.rows import split_rows_unevenly
 
     rollout = ["grpo.num_prompts_per_step=6", "policy.train_global_batch_size=48", f"policy.dp_size={dp}"]
     cfg = recipe(*rollout, "policy.logprob_batch_size=64")
