@@ -31,6 +31,7 @@ from nemo_like.models.loading import (
     check_chunkable_head,
     check_context_length,
     check_stop_token_ids,
+    check_trained_length,
     end_of_sequence_ids,
     holds_tokenizer,
     load_tokenizer,
@@ -176,10 +177,11 @@ def release_on_failure(models: tuple[Policy | None, ...], parts: list[Any]) -> N
 def check_policy_model(cfg: MasterConfig, local_only: bool = False) -> None:
     """The recipe against ``policy.model_name``'s config (train before any actor starts, ``nemo-like plan`` when the
     model's config is on the machine, with ``local_only``: a hub id's cached copy, never the hub): the sequence length
-    within its context, ``policy.logprob_chunk_size`` against a head whose logits its forward post-processes, the stop
+    within its context (and a position-dependent RoPE's pretrained one), ``policy.logprob_chunk_size`` against a head whose logits its forward post-processes, the stop
     ids within its vocabulary, the LoRA targets among its modules."""
     name = cfg.policy.model_name
     check_context_length(name, cfg.policy.max_total_sequence_length, local_only=local_only)
+    check_trained_length(name, cfg.policy.max_total_sequence_length, local_only=local_only)
     check_chunkable_head(name, cfg.policy.logprob_chunk_size, local_only=local_only)
     check_stop_token_ids(name, cfg.policy.generation.stop_token_ids, local_only=local_only)
     if cfg.policy.lora_cfg.enabled:

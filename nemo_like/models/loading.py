@@ -16,7 +16,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import EMBEDDED_MODEL
-from nemo_like.models.rope import fixed_frequency_length, rope_type
+from nemo_like.models.rope import fixed_frequency_length, rope_parameters, rope_type
 
 HUB_PROBE_TIMEOUT_S = 5.0
 _TRUE = ("1", "true", "yes", "on")
@@ -457,8 +457,7 @@ def _context_length(config: Any) -> int | None:
     positions = getattr(config, "max_position_embeddings", None)
     if not positions:
         return None
-    scaling = getattr(config, "rope_scaling", None) or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
+    scaling, kind = rope_parameters(config), rope_type(config)
     if kind in ("su", "longrope", "llama3") or "factor" not in scaling:  # these already state their extended length
         return int(positions)
     original = scaling.get("original_max_position_embeddings", positions) if kind == "yarn" else positions
@@ -467,8 +466,7 @@ def _context_length(config: Any) -> int | None:
 
 def check_context_length(model_name: str, length: int, key: str = "policy.max_total_sequence_length", local_only: bool = False) -> None:
     """A :class:`ConfigError` naming ``key`` when ``length`` tokens pass the model's positions (a RoPE model would
-    extrapolate silently on our engines; vLLM refuses such a ``max_model_len``), or pass the length up to which a
-    position-dependent RoPE keeps its pretrained frequencies (:func:`~nemo_like.models.rope.fixed_frequency_length`)."""
+    extrapolate silently on our engines; vLLM refuses such a ``max_model_len``)."""
     config = model_config(model_name, local_only)
     limit = _context_length(config)
     if limit is not None and length > limit:
@@ -476,6 +474,13 @@ def check_context_length(model_name: str, length: int, key: str = "policy.max_to
             f"{key}={length} is longer than {model_name}'s context ({limit} positions: max_position_embeddings in its "
             f"config.json); lower {key} (prompt + response tokens) to at most {limit}"
         )
+
+
+def check_trained_length(model_name: str, length: int, key: str = "policy.max_total_sequence_length", local_only: bool = False) -> None:
+    """A :class:`ConfigError` naming ``key`` when a run would train on ``length`` tokens past the length up to which a
+    position-dependent RoPE keeps its pretrained frequencies (:func:`~nemo_like.models.rope.fixed_frequency_length`).
+    Training only: sampling alone (eval, a server) computes what the model computes."""
+    config = model_config(model_name, local_only)
     fixed = fixed_frequency_length(config)
     if fixed is not None and length > fixed:
         # The sampler computes each token's logprob with the frequencies of its own forward (a KV cache, one position

@@ -331,9 +331,9 @@ def test_a_rope_whose_frequencies_follow_the_sequence_is_refused_past_its_pretra
     import torch
 
     from nemo_like.config.schema import EMBEDDED_MODEL
-    from nemo_like.models.loading import check_context_length, load_causal_lm, resolve_model_path
+    from nemo_like.models.loading import check_context_length, check_trained_length, load_causal_lm, resolve_model_path
 
-    pretrained = 16
+    pretrained = 32
     model_dir = tmp_path / kind
     shutil.copytree(resolve_model_path(EMBEDDED_MODEL), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -360,10 +360,17 @@ def test_a_rope_whose_frequencies_follow_the_sequence_is_refused_past_its_pretra
     torch.testing.assert_close(within, at_limit[: pretrained // 2 - 1], atol=1e-5, rtol=0)
     assert (past[: pretrained - 1] - at_limit).abs().max() > 1e-2  # the same tokens, scored again in a longer forward
 
-    check_context_length(str(model_dir), pretrained)
+    check_trained_length(str(model_dir), pretrained)
     with pytest.raises(
         ConfigError,
         match=rf"policy.max_total_sequence_length={pretrained + 1} passes .* pretrained context \({pretrained} positions\) "
         rf"and its RoPE is '{kind}'.*Lower policy.max_total_sequence_length .* to at most {pretrained}",
     ):
-        check_context_length(str(model_dir), pretrained + 1)
+        check_trained_length(str(model_dir), pretrained + 1)
+    check_context_length(str(model_dir), 3 * pretrained)  # sampling alone (eval, a server) is what the model computes
+    from nemo_like.algorithms.setup import setup_grpo
+    from nemo_like.config import load_config
+
+    run = [f"policy.model_name={model_dir}", f"policy.tokenizer_name={EMBEDDED_MODEL}", f"logger.log_dir={tmp_path / 'logs'}"]
+    with pytest.raises(ConfigError, match=rf"policy.max_total_sequence_length={2 * pretrained} passes"):  # before Ray
+        setup_grpo(load_config(None, [*run, f"policy.max_total_sequence_length={2 * pretrained}"]))
