@@ -302,8 +302,8 @@ class SessionStore:
     def end(self, session_id: str, reward: float | None = None, if_idle: bool = False) -> SessionRows | None:
         """End the session and build its rows (reward 0.0 when None); a second end returns the same result, also one
         that arrives while the first is still building the rows (the agent's own end racing the run's). A first end
-        that gave no reward (the agent saying it is done) leaves the reward to a later end that gives one (the run's,
-        with its verifier's reward): that end sets it on the result and its rows. ``if_idle``: only an open session
+        that gave no reward (an agent saying it is done) leaves the reward to a later end that gives one (a harness around
+        the server that scores the episode): that end sets it on the result and its rows. ``if_idle``: only an open session
         without a call in flight (else None: the store's own ending, for room).
 
         Raises:
@@ -336,8 +336,7 @@ class SessionStore:
             pending.done.wait()
             if pending.result is None:
                 raise session_ended(session_id)
-            with self._lock:
-                return self._with_end_reward(pending.result)
+            return pending.result  # with this end's reward: given while the rows were built, the builder applied it
         try:
             if self.on_end is not None:
                 self.on_end(session_id)
@@ -347,10 +346,13 @@ class SessionStore:
                 self._with_end_reward(result)  # an end that gave the reward while these rows were built
                 self._count(result)
                 self._results[session_id] = result
+                # no longer building, in the same hold of the lock: a later end finds the result (or, once it is taken,
+                # a 409), never a pending build whose result was taken meanwhile
+                self._building.pop(session_id, None)
+                building.result = result
                 if self.max_kept_results is not None:
                     while len(self._results) > self.max_kept_results:
                         self._forget_result(next(iter(self._results)))
-            building.result = result
             return result
         finally:
             with self._lock:

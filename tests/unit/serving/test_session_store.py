@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -161,9 +162,9 @@ def test_a_session_whose_calls_were_all_refused_says_it_recorded_none() -> None:
 
 
 def test_an_end_without_a_reward_leaves_it_to_a_later_end_that_gives_one() -> None:
-    """The agent ends its own session without a reward and the run ends it with its verifier's: the rows had kept the
-    first end's 0.0 and the run's 1.0 was dropped without a word. Also when the run's end arrives while the agent's is
-    still building the rows."""
+    """The agent ends its own session without a reward and a harness around the server ends it with its verifier's: the
+    rows had kept the first end's 0.0 and the 1.0 was dropped without a word. Also when the second end arrives while
+    the first is still building the rows, and not on a result already taken (a 409 then)."""
     store = SessionStore()
     record(store, "a", [1, 2], [10, 2])
     first = store.end("a")
@@ -188,12 +189,19 @@ def test_an_end_without_a_reward_leaves_it_to_a_later_end_that_gives_one() -> No
     assert building.wait(30)
     run = threading.Thread(target=lambda: results.update(run=store.end("b", reward=1.0)))
     run.start()
-    while "b" not in store._end_rewards or store._end_rewards["b"] is None:  # the run's end registered its reward
+    deadline = time.monotonic() + 30
+    while store._end_rewards.get("b") is None and time.monotonic() < deadline:  # the second end registered its reward
         run.join(0.01)
+    assert store._end_rewards.get("b") == 1.0
     release.set()
-    agent.join(30)
-    run.join(30)
+    for thread in (agent, run):
+        thread.join(30)
+        assert not thread.is_alive()
     assert results["agent"] is results["run"] and results["run"].reward == 1.0 and results["run"].rows[0].reward == 1.0
+    taken = store.take_result("b")
+    with pytest.raises(ServingError) as late:
+        store.end("b", reward=0.5)
+    assert late.value.status == 409 and taken.reward == 1.0
 
 
 def test_a_session_whose_rows_fail_to_build_keeps_no_reward_behind() -> None:
