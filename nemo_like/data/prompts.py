@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,6 +182,16 @@ def dataset_fingerprint(records: list[PromptRecord]) -> str:
     return digest.hexdigest()[:16]
 
 
+def answers_fingerprint(records: list[PromptRecord]) -> str:
+    """A short hash of what scores each prompt (its gold answer and its task, i.e. its environment): a resumed run
+    checks them too (a guess-number set rebuilt with new secrets has the same prompt texts)."""
+    digest = hashlib.sha256()
+    for r in records:
+        scored = [r.metadata.get("answer"), r.metadata.get("task_name")]
+        digest.update(r.id.encode() + b"\0" + json.dumps(scored, sort_keys=True, default=repr).encode() + b"\n")
+    return digest.hexdigest()[:16]
+
+
 class PromptDataLoader:
     """Yields batches of prompts forever, epoch after epoch, reshuffled per epoch with a fixed seed.
 
@@ -193,7 +204,7 @@ class PromptDataLoader:
         self.records, self.batch_size, self.seed, self.shuffle = records, batch_size, seed, shuffle
         self.epoch, self.index = 0, 0
         self.consumed = 0
-        self.fingerprint = dataset_fingerprint(records)
+        self.fingerprint, self.answers_fingerprint = dataset_fingerprint(records), answers_fingerprint(records)
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -226,7 +237,13 @@ class PromptDataLoader:
         return batch
 
     def state_dict(self) -> dict[str, int | str]:
-        return {"epoch": self.epoch, "index": self.index, "consumed": self.consumed, "fingerprint": self.fingerprint}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "consumed": self.consumed,
+            "fingerprint": self.fingerprint,
+            "answers_fingerprint": self.answers_fingerprint,
+        }
 
     def check_resumable(self, state: dict[str, int | str]) -> None:
         """A :class:`ConfigError` unless the training prompts are the ones ``state`` (a checkpoint's) was saved with."""
@@ -235,6 +252,14 @@ class PromptDataLoader:
             raise ConfigError(
                 f"The training prompts differ from the ones the checkpoint was trained on (fingerprint {saved} != "
                 f"{self.fingerprint}): the data config or files changed, so resuming would skip or repeat prompts. "
+                "Restore the data, or start a new run (checkpointing.checkpoint_dir / checkpointing.resume=false)"
+            )
+        saved = state.get("answers_fingerprint")  # absent from checkpoints saved before it was kept
+        if saved is not None and saved != self.answers_fingerprint:
+            raise ConfigError(
+                "The training prompts' gold answers or tasks differ from the ones the checkpoint was trained on "
+                f"(fingerprint {saved} != {self.answers_fingerprint}): the data files changed (data.answer_key's column, "
+                "data.task_key's), so the resumed steps would be scored against other answers or by other environments. "
                 "Restore the data, or start a new run (checkpointing.checkpoint_dir / checkpointing.resume=false)"
             )
 

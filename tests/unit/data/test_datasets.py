@@ -7,6 +7,7 @@ tokenizer; nothing touches the network.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -577,7 +578,7 @@ def test_loader_state_carries_a_fingerprint_of_the_prompts(tmp_path, tok):
     changed = PromptDataLoader(records[:-1], 4, seed=0)
     with pytest.raises(ConfigError, match="differ from the ones the checkpoint was trained on"):
         changed.load_state_dict(state)
-    legacy = {k: v for k, v in state.items() if k != "fingerprint"}  # checkpoints from before the fingerprint
+    legacy = {k: v for k, v in state.items() if "fingerprint" not in k}  # checkpoints from before the fingerprints
     changed.load_state_dict(legacy)
     assert changed.index == state["index"]
     # Same ids, other prompt tokens (an edited system-prompt file: the config's keys are unchanged) are refused too
@@ -585,6 +586,14 @@ def test_loader_state_carries_a_fingerprint_of_the_prompts(tmp_path, tok):
     assert [r.id for r in reworded] == [r.id for r in records]
     with pytest.raises(ConfigError, match="differ from the ones the checkpoint was trained on"):
         PromptDataLoader(reworded, 4, seed=0).load_state_dict(state)
+    # Same prompts, other gold answers or tasks (a file rewritten with new answers; rows routed to another environment):
+    # the resumed steps had been scored against the new answers without a word
+    for key, value in (("answer", "-1"), ("task_name", "other_task")):
+        rescored = [replace(r, metadata={**r.metadata, key: value}) if i == 3 else r for i, r in enumerate(records)]
+        with pytest.raises(ConfigError, match=r"gold answers or tasks differ .*data.answer_key"):
+            PromptDataLoader(rescored, 4, seed=0).load_state_dict(state)
+    legacy = {k: v for k, v in state.items() if k != "answers_fingerprint"}  # checkpoints from before it was kept
+    PromptDataLoader(records, 4, seed=0).load_state_dict(legacy)
 
 
 def test_a_shuffled_loader_draws_another_order_each_epoch_and_resumes_it(tmp_path, tok):
