@@ -177,8 +177,8 @@ def release_on_failure(models: tuple[Policy | None, ...], parts: list[Any]) -> N
 def check_policy_model(cfg: MasterConfig, local_only: bool = False) -> None:
     """The recipe against ``policy.model_name``'s config (train before any actor starts, ``nemo-like plan`` when the
     model's config is on the machine, with ``local_only``: a hub id's cached copy, never the hub): the sequence length
-    within its context (and a position-dependent RoPE's pretrained one), ``policy.logprob_chunk_size`` against a head whose logits its forward post-processes, the stop
-    ids within its vocabulary, the LoRA targets among its modules."""
+    within its context (and a position-dependent RoPE's pretrained one), ``policy.logprob_chunk_size`` against a head
+    whose logits its forward post-processes, the stop ids within its vocabulary, the LoRA targets among its modules."""
     name = cfg.policy.model_name
     check_context_length(name, cfg.policy.max_total_sequence_length, local_only=local_only)
     check_trained_length(name, cfg.policy.max_total_sequence_length, local_only=local_only)

@@ -302,9 +302,9 @@ class SessionStore:
     def end(self, session_id: str, reward: float | None = None, if_idle: bool = False) -> SessionRows | None:
         """End the session and build its rows (reward 0.0 when None); a second end returns the same result, also one
         that arrives while the first is still building the rows (the agent's own end racing the run's). A first end
-        that gave no reward (an agent saying it is done) leaves the reward to a later end that gives one (a harness around
-        the server that scores the episode): that end sets it on the result and its rows. ``if_idle``: only an open session
-        without a call in flight (else None: the store's own ending, for room).
+        that gave no reward (an agent saying it is done) leaves the reward to a later end that gives one (a harness
+        around the server that scores the episode): that end sets it on the result and its rows. ``if_idle``: only an
+        open session without a call in flight (else None: the store's own ending, for room).
 
         Raises:
             ServingError: 404 for an unknown id, 409 for one whose result was already taken."""
@@ -370,7 +370,7 @@ class SessionStore:
 
     def _with_end_reward(self, result: SessionRows) -> SessionRows:
         """``result`` with the reward its session's ends gave (under the lock): a first end without one built its rows
-        with 0.0, and a later end that gave one sets it (it was dropped: the run's rows trained on 0.0)."""
+        with 0.0, and a later end that gave one sets it (it was dropped: the rows kept 0.0)."""
         reward = self._end_rewards.get(result.session_id)
         if reward is not None and result.reward != reward:
             result.reward = reward

@@ -199,8 +199,9 @@ def row_problems(row: TrainingRow, calls: Sequence[CallRecord]) -> list[str]:
 @dataclass
 class SessionRows:
     """A finished session: its rows (empty when rejected), its recorded HTTP calls (``num_calls``: the answered ones, a
-    call with ``n`` choices one; refused and abandoned calls are counted apart), why it was rejected, if it was, how many of its calls the server refused for its token budget, and how many
-    it cancelled because their client left before the answer (``abandoned_calls``: in no row)."""
+    call with ``n`` choices one; refused and abandoned calls are counted apart), why it was rejected, if it was, how
+    many of its calls the server refused for its token budget, and how many it cancelled because their client left
+    before the answer (``abandoned_calls``: in no row)."""
 
     session_id: str
     reward: float
