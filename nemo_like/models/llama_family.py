@@ -30,7 +30,7 @@ def supported(model: torch.nn.Module) -> bool:
         return False
     if rope_type(cfg) in POSITION_DEPENDENT_ROPE:
         # tables built once for every position a sampling call can reach would not be the ones the model's forward over
-        # the actual, shorter sequence uses; past the pretrained context a run is refused (loading.check_context_length)
+        # the actual, shorter sequence uses; past the pretrained context a run is refused (loading.check_trained_length)
         return False
     inner = getattr(model, "model", None)
     return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb") and hasattr(model, "lm_head")
