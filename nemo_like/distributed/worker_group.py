@@ -510,8 +510,13 @@ def raised(exc: ray.exceptions.RayTaskError) -> str:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, BaseException):
         return f"{type(cause).__name__}: {cause}".splitlines()[0]
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    lines = _lines(exc)
     return lines[-1] if lines else type(exc).__name__
+
+
+def _lines(exc: BaseException) -> list[str]:
+    """The non-blank lines of a Ray error's text, stripped (its remote traceback ends with the exception itself)."""
+    return [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
 
 
 def death_reason(exc: BaseException) -> str:
@@ -519,7 +524,7 @@ def death_reason(exc: BaseException) -> str:
     line says only that much: the last line, the exception itself (e.g. a config ``ValueError`` naming its key), is
     what the user needs; for a system-level death (Ray's memory monitor, the kernel's OOM killer, a lost node) the
     first line is Ray's fixed one and the last says why."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    lines = _lines(exc)
     if not lines:
         return type(exc).__name__
     if "error raised in its creation task" in lines[0] and len(lines) > 1:
