@@ -599,7 +599,7 @@ class SyncSteps:
 
 
 def restored_async_state(checkpoint: CheckpointInfo) -> dict[str, Any]:
-    """The replay buffer and pacing target an async checkpoint holds (:class:`CheckpointError` naming the file if it
+    """The replay buffer, pacing target and collector's unreported counters an async checkpoint holds (:class:`CheckpointError` naming the file if it
     lacks the buffer: its data position is ahead of training by the buffered batches, which would be skipped)."""
     buffer = load_checkpoint_file(checkpoint, BUFFER_FILE)
     if buffer is None:
@@ -607,7 +607,9 @@ def restored_async_state(checkpoint: CheckpointInfo) -> dict[str, Any]:
             f"Checkpoint {checkpoint.path} has no {BUFFER_FILE}: an async run resumes its replay buffer from it "
             "(without it the batches generated ahead of training would be skipped). Resume from a complete checkpoint."
         )
-    return {"buffer": buffer, "next_target": checkpoint.state["async"]["next_target"]}
+    saved = checkpoint.state["async"]
+    # Checkpoints before the unreported counters were saved resume without them (those batches' counters unreported).
+    return {"buffer": buffer, "next_target": saved["next_target"], "unreported_generation": saved.get("unreported_generation")}
 
 
 class AsyncSteps:

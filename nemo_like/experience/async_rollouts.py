@@ -112,7 +112,7 @@ class AsyncRollouts:
 
     def __init__(self, parts: Any, last_step: int, restored: dict[str, Any] | None = None) -> None:
         """``last_step``: the step training resumes after (0 for a fresh run); ``restored``: a checkpoint's
-        ``{"buffer": ..., "next_target": ...}`` (``parts.train_loader`` already holds its data position)."""
+        ``{"buffer": ..., "next_target": ..., "unreported_generation": ...}`` (``parts.train_loader`` already holds its data position)."""
         cfg = parts.cfg
         async_cfg = cfg.grpo.async_grpo
         self.parts = parts
@@ -155,6 +155,7 @@ class AsyncRollouts:
             reference=reference_for_collector(parts),
             pad_token_id=parts.tokenizer.pad_token_id,
             in_flight_refits=async_cfg.refits_mid_generation,
+            unreported=restored.get("unreported_generation") if restored is not None else None,
         )
         self.agents = getattr(parts, "agents", None)  # agent tasks: the collector runs on a driver thread
         self.local: DriverCollectorThread | None = None
@@ -259,7 +260,11 @@ class AsyncRollouts:
         collector = self._call("state_dict")
         buffer = get_with_context(self.buffer.state_dict.remote(), "replay buffer: state")
         # consumed_prompts (the collector's data position) counts the prompts read ahead: say how many still wait
-        state = {"next_target": collector["pacer"]["next_target"], "buffered_prompts": len(buffer["groups"])}
+        state = {
+            "next_target": collector["pacer"]["next_target"],
+            "buffered_prompts": len(buffer["groups"]),
+            "unreported_generation": collector["unreported"],  # the counters of batches generated since the last step
+        }
         return collector["loader"], {"async": state}, buffer
 
     def _call(self, method: str, *args: Any) -> Any:

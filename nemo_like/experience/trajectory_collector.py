@@ -30,7 +30,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
@@ -188,6 +188,7 @@ class CollectorSettings:
     reference: ShardedLogprobs | None = None  # set: every batch goes into the buffer with its reference logprobs
     pad_token_id: int = 0
     in_flight_refits: bool = False  # refits load inside generate calls: their load time is taken out of generation's
+    unreported: dict[str, Any] | None = None  # a resumed run: the counters its checkpoint's collector had not reported
 
 
 class TrajectoryCollector:
@@ -258,7 +259,7 @@ class TrajectoryCollector:
         self.exhausted = False
         self.failure: str | None = None
         self.failed_worker: tuple[str | None, str | None] = (None, None)  # (role, actor id) of a dead actor that failed it
-        self.stats = GenerationStats()
+        self.stats = GenerationStats(**(settings.unreported or {}))
         self._pause_started: dict[str, tuple[float, bool, bool]] = {}  # reason -> (since, nothing left, held by the bound)
         # Dead actors: requests to the driver (``next_replacement_request``) and its answers (``answer_replacement``).
         self.replacements = threading.Condition()
@@ -515,11 +516,14 @@ class TrajectoryCollector:
             return stats
 
     def state_dict(self) -> dict[str, Any]:
-        """Loader position and next target; only meaningful while paused (no batch half done)."""
+        """Loader position, next target and the counters not yet reported (of batches the buffer holds: a resumed
+        run's first step reports them, as the step after the save does); only meaningful while paused (no batch half
+        done)."""
         with self.cond:
             if self.in_flight or self.pushing:
                 raise RuntimeError("collector state requested while a batch is in flight; pause it first")
-            return {"loader": self.loader.state_dict(), "pacer": self.pacer.state_dict()}
+            unreported = {k: v for k, v in asdict(self.stats).items() if k not in ("retried_batches", "seconds_lost")}
+            return {"loader": self.loader.state_dict(), "pacer": self.pacer.state_dict(), "unreported": unreported}
 
 
 class DriverTrajectoryCollector(TrajectoryCollector):

@@ -124,6 +124,10 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
     assert [r["step"] for r in resumed] == [3, 4, 5] and resumed[-1]["faults/run_restarts"] == 1.0
     carried = json.loads((ckpt / "step_4" / "trainer_state.json").read_text())["metrics"]
     assert (carried["validation/accuracy"], carried[VALIDATED_AT_STEP]) == (0.125, 2.0)
+    # Each batch's generation counters are reported once: a batch generated after step 2's report and saved in the
+    # buffer brings its counters with the checkpoint (the resumed run reports them at step 3, as the straight run did).
+    for key in ("async/generation_batches", "performance/num_generated_tokens"):
+        assert sum(r[key] for r in straight) == sum(r[key] for r in straight[:2] + resumed), key
     for a, b in zip(straight[2:], resumed):
         for key in COMPARED:
             assert a[key] == b[key], (a["step"], key)
