@@ -16,11 +16,11 @@ from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus, idle_gpus_warning
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
-from nemo_like.data.prompts import PromptDataLoader, PromptRecord, build_prompt_dataset, validation_overlap_warning
+from nemo_like.data.prompts import PromptDataLoader, PromptRecord, ToolsOf, build_prompt_dataset, validation_overlap_warning
 from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
 from nemo_like.distributed.worker_group import actors_not_kept
-from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments, import_environment_class, task_of
+from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments, import_environment_class, resolve_environments, task_of
 from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
 from nemo_like.experience.multi_turn import trimming_template_warning
@@ -36,6 +36,7 @@ from nemo_like.models.loading import (
     holds_tokenizer,
     load_tokenizer,
     model_vocab_size,
+    renders_tools,
     resolve_model_path,
 )
 from nemo_like.models.lora import check_lora_targets, refit_bytes
@@ -124,10 +125,36 @@ def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[st
     return lines
 
 
-def load_validation_prompts(cfg: MasterConfig, tokenizer) -> list[PromptRecord]:
-    """The first ``grpo.max_val_samples`` validation prompts (training validation and ``nemo-like eval``)."""
+def prompt_tools(cfg: MasterConfig, tokenizer) -> ToolsOf | None:
+    """Each task's prompt tools (its environment's :meth:`~nemo_like.environments.interface.EnvironmentInterface.prompt_tools`:
+    the tool environment's, unless ``env.<task>.tools_in_prompt`` is false), by task; None where no task offers any.
+    Warns when the chat template does not render tools: the model would read no tool list."""
+    specs = resolve_environments(cfg.env_sections)
+    tools = {}
+    for task, spec in specs.items():
+        if schemas := import_environment_class(spec.class_path, f"env.{task}").prompt_tools(spec.kwargs):
+            tools[task] = schemas
+    if not tools:
+        return None
+    if not renders_tools(tokenizer):
+        sections = ", ".join(f"env.{task}" for task in tools)
+        print(
+            f"[config] warning: {sections}: the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'!r} "
+            "does not render tools, so the prompts list none of the tools offered (the model must know them already). "
+            "Describe them in data.system_prompt, or use a template that renders tools; env.<task>.tools_in_prompt=false "
+            "silences this",
+            file=sys.stderr,
+        )
+    only = next(iter(specs)) if len(specs) == 1 else None  # where a prompt without a task goes (task_of)
+    return lambda task: tools.get(task if task is not None else only)
+
+
+def load_validation_prompts(cfg: MasterConfig, tokenizer, tools_of: ToolsOf | None = None) -> list[PromptRecord]:
+    """The first ``grpo.max_val_samples`` validation prompts (training validation and ``nemo-like eval``); ``tools_of``:
+    :func:`prompt_tools`' (found here when not given)."""
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
-    prompts = build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt)
+    tools_of = tools_of if tools_of is not None else prompt_tools(cfg, tokenizer)
+    prompts = build_prompt_dataset(cfg.data, tokenizer, "validation", max_prompt, tools_of)
     if len(prompts) > cfg.grpo.max_val_samples:  # said: data.validation.num_problems alone does not raise it
         print(f"data.validation: using the first {cfg.grpo.max_val_samples} of {len(prompts)} prompts (grpo.max_val_samples)")
     return prompts[: cfg.grpo.max_val_samples]
@@ -263,8 +290,9 @@ def training_data(cfg: MasterConfig) -> TrainingData:
     """Load and tokenise the run's prompts (a bad file, column or prompt length fails here, in seconds)."""
     tokenizer = _driver_tokenizer(cfg)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
-    train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt)
-    val = load_validation_prompts(cfg, tokenizer)
+    tools_of = prompt_tools(cfg, tokenizer)
+    train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt, tools_of)
+    val = load_validation_prompts(cfg, tokenizer, tools_of)
     if overlap := validation_overlap_warning(train, val):
         warnings.warn(overlap, RuntimeWarning, stacklevel=2)
     loader = PromptDataLoader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed, cfg.data.shuffle)

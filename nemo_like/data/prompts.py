@@ -5,12 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig
 from nemo_like.models.loading import render_chat
+
+#: A prompt's tool schemas by its task (``metadata["task_name"]``, None where the data names none), or None for none.
+ToolsOf = Callable[[str | None], list[dict[str, Any]] | None]
 
 
 class DataExhausted(RuntimeError):
@@ -30,6 +34,9 @@ class PromptRecord:
     messages: list[dict[str, str]]
     prompt_token_ids: list[int]
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: The tool schemas the chat template rendered with ``messages`` (its environment's ``prompt_tools``): every later
+    #: rendering of the conversation (multi-turn observations) passes them again.
+    tools: list[dict[str, Any]] | None = None
 
 
 def last_user_message(messages: list[dict[str, str]]) -> str:
@@ -37,8 +44,11 @@ def last_user_message(messages: list[dict[str, str]]) -> str:
     return next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
 
 
-def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tokens: int) -> list[PromptRecord]:
-    """The ``split`` prompts of ``data``, rendered by the tokenizer's chat template and tokenised.
+def build_prompt_dataset(
+    data: DataConfig, tokenizer, split: str, max_prompt_tokens: int, tools_of: ToolsOf | None = None
+) -> list[PromptRecord]:
+    """The ``split`` prompts of ``data``, rendered by the tokenizer's chat template and tokenised; a prompt whose task
+    ``tools_of`` gives tool schemas is rendered with them (``apply_chat_template(..., tools=...)``).
 
     Every record's metadata carries ``answer`` (int for arithmetic, the gold string for datasets)
     and ``task_name`` (which environment scores it), and ``prompt`` (the last user message, for learned rewards). Raises ConfigError for any bad input, naming
@@ -53,8 +63,9 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
     problems = _arithmetic_problems(data, split, fmt) if is_arithmetic(data, split) else load_problems(data, split, fmt)
     records, dropped = [], []
     conversations = [p.messages for p in problems]
+    tools = [tools_of(p.task_name) if tools_of is not None else None for p in problems]
     try:
-        tokenized = tokenize_conversations(tokenizer, conversations)
+        tokenized = tokenize_conversations(tokenizer, conversations, tools)
     except TemplateRefused as refused:
         problem = problems[refused.index]
         message, hint = _refusal_cause(tokenizer, problem.messages, fmt.system_prompt, refused.message, data.prompt_key)
@@ -63,7 +74,7 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
             f"policy.model_name) refuses the prompt of {problem.where} (data.{split}): {message}; {hint}, or use a "
             "tokenizer whose template takes these messages"
         ) from None
-    for problem, ids in zip(problems, tokenized):
+    for problem, ids, prompt_tools in zip(problems, tokenized, tools):
         if len(ids) > max_prompt_tokens:
             if data.drop_long_prompts:
                 dropped.append(problem.where)
@@ -74,7 +85,7 @@ def build_prompt_dataset(data: DataConfig, tokenizer, split: str, max_prompt_tok
                 "data.drop_long_prompts=true to skip such prompts"
             )
         metadata = {"answer": problem.answer, "task_name": problem.task_name, "prompt": last_user_message(problem.messages)}
-        records.append(PromptRecord(problem.id, problem.messages, ids, metadata))
+        records.append(PromptRecord(problem.id, problem.messages, ids, metadata, prompt_tools))
     if dropped:
         print(f"data.{split}: dropped {len(dropped)} prompts longer than {max_prompt_tokens} tokens (first: {dropped[0]})")
     if not records:
@@ -115,8 +126,11 @@ def check_chat_template(tokenizer) -> None:
     )
 
 
-def tokenize_conversations(tokenizer, conversations: list[list[dict[str, Any]]], chunk: int = 1024) -> list[list[int]]:
-    """Token ids of each conversation through the chat template, ending with the generation prompt.
+def tokenize_conversations(
+    tokenizer, conversations: list[list[dict[str, Any]]], tools: Sequence[list[dict[str, Any]] | None] | None = None, chunk: int = 1024
+) -> list[list[int]]:
+    """Token ids of each conversation through the chat template (with ``tools[i]``'s schemas, where given), ending with
+    the generation prompt.
 
     Same ids as ``apply_chat_template(..., tokenize=True)`` (which encodes the rendered text without
     special tokens), rendered and encoded in batches for speed.
@@ -128,7 +142,7 @@ def tokenize_conversations(tokenizer, conversations: list[list[dict[str, Any]]],
         texts = []
         for index, messages in enumerate(conversations[start : start + chunk], start):
             try:
-                texts.append(render_chat(tokenizer, messages, add_generation_prompt=True))
+                texts.append(render_chat(tokenizer, messages, tools=tools[index] if tools else None, add_generation_prompt=True))
             except TemplateError as exc:  # a template's raise_exception: "System role not supported", roles must alternate
                 raise TemplateRefused(index, str(exc)) from exc
         out.extend(list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])

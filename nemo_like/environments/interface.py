@@ -126,6 +126,13 @@ class EnvironmentInterface(ABC):
         return []
 
     @classmethod
+    def prompt_tools(cls, settings: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The JSON schemas of the tools this environment's prompts offer (``settings``: its section's keyword
+        arguments), handed to the chat template with each of its prompts (``apply_chat_template(..., tools=...)``) so
+        the model reads them; ``None`` (the default): the prompts as the data writes them."""
+        return None
+
+    @classmethod
     def answer_problem(cls, settings: dict[str, Any], answer: Any) -> str | None:
         """Why a prompt's gold answer (``metadata["answer"]``) is one this environment cannot score against, given its
         section ``settings``; ``None`` when it can. Checked for every prompt before any actor starts (a bad answer

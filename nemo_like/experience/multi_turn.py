@@ -122,14 +122,14 @@ def multi_turn_metrics(samples: Sequence[GeneratedSample], rewards: torch.Tensor
     return metrics
 
 
-def render(tokenizer, messages: list[dict[str, str]]) -> str:
-    """The chat template's text of ``messages`` followed by the assistant generation prompt."""
-    return render_chat(tokenizer, messages, add_generation_prompt=True)
+def render(tokenizer, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat template's text of ``messages`` (with the prompt's ``tools``) followed by the assistant generation prompt."""
+    return render_chat(tokenizer, messages, tools=tools, add_generation_prompt=True)
 
 
 def start_conversation(tokenizer, prompt: PromptRecord) -> Conversation:
     """The state before the first turn; the prompt's ids must be the template's rendering of its messages."""
-    text = render(tokenizer, prompt.messages)
+    text = render(tokenizer, prompt.messages, prompt.tools)
     if tokenizer(text, add_special_tokens=False)["input_ids"] != list(prompt.prompt_token_ids):
         raise TemplateRewriteError(
             f"prompt {prompt.id}: its token ids are not the chat template's rendering of its messages; multi-turn rollouts "
@@ -144,7 +144,7 @@ def observation_tokens(tokenizer, conv: Conversation, observation: dict[str, str
 
     Raises :class:`TemplateRewriteError` when that rendering does not start with the sequence's text."""
     messages = conv.messages + ([observation] if observation is not None else [])
-    full = render(tokenizer, messages)
+    full = render(tokenizer, messages, conv.prompt.tools)
     if not full.startswith(conv.text):
         at = next((i for i, (a, b) in enumerate(zip(full, conv.text)) if a != b), min(len(full), len(conv.text)))
         raise TemplateRewriteError(
@@ -366,7 +366,7 @@ def rewrote_only_whitespace(tokenizer, conv: Conversation, observation: dict[str
     it) keeps the earlier turns and differs from the last turn's text (with its end) only in whitespace: a trimming
     template, or one that adds a space. A template that rewrites more (drops earlier turns' or this turn's reasoning,
     changes the content) is not, and fails loudly."""
-    full = render(tokenizer, conv.messages + ([observation] if observation is not None else []))
+    full = render(tokenizer, conv.messages + ([observation] if observation is not None else []), conv.prompt.tools)
     if not full.startswith(conv.text[: conv.turn_start]):
         return False
     return _without_whitespace(full[conv.turn_start :]).startswith(_without_whitespace(conv.text[conv.turn_start :]))

@@ -374,6 +374,24 @@ def render_chat(tokenizer: Any, messages: Any, **kwargs: Any) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, date_string=CHAT_TEMPLATE_DATE, **kwargs)
 
 
+#: A tool only a chat template's rendering can spell (:func:`renders_tools`).
+PROBE_TOOL_NAME = "nemo_like_probe_tool_5f3a"
+PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": PROBE_TOOL_NAME, "description": "probe", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def renders_tools(tokenizer: Any, chat_template: str | None = None) -> bool:
+    """Whether the chat template (the tokenizer's, or ``chat_template``) writes the ``tools`` it is given into the
+    prompt: many read only each message's role and content, and the model then sees no tool list."""
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        return PROBE_TOOL_NAME in render_chat(tokenizer, messages, tools=[PROBE_TOOL], chat_template=chat_template)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe renders none of it
+        return False
+
+
 @functools.cache  # per tokenizer (hashed by identity): read once, not per text
 def added_around(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The ids ``tokenizer`` adds before and after a text when asked for its special tokens (a BOS, CLS ... SEP; none

@@ -21,7 +21,7 @@ from typing import Any
 
 from nemo_like.environments.agent import ContentError, content_text
 from nemo_like.environments.tools.parsing import CLOSE_TAG, OPEN_TAG
-from nemo_like.models.loading import added_around, render_chat
+from nemo_like.models.loading import added_around, render_chat, renders_tools
 from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import bad_request, unsupported
 
@@ -210,13 +210,8 @@ def with_calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": f"{content}\n{calls}" if content else calls}
 
 
-#: A tool only the template's rendering can spell: whether a template renders tools and tool calls (:class:`Renderer`).
-PROBE_NAME = "nemo_like_probe_tool_5f3a"
+#: A call only the template's rendering can spell: whether a template renders an assistant's tool calls (:class:`Renderer`).
 PROBE_CALL_NAME = "nemo_like_probe_call_9b1c"
-PROBE_TOOL = {
-    "type": "function",
-    "function": {"name": PROBE_NAME, "description": "probe", "parameters": {"type": "object", "properties": {}}},
-}
 
 
 class Renderer:
@@ -263,18 +258,11 @@ class Renderer:
             self._warned.add(what)
             log.warning(f"This model's chat template does not render {consequence}.")
 
-    def _renders(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, name: str) -> bool:
-        """Whether the template writes ``name`` (a probe's) when rendering ``messages`` with ``tools``."""
-        try:
-            return name in render_chat(self.tokenizer, messages, tools=tools, chat_template=self.chat_template)
-        except Exception:  # noqa: BLE001 - a template that refuses the probe renders nothing of it
-            return False
-
     @functools.cached_property
     def renders_tools(self) -> bool:
         """Whether the template writes a request's ``tools`` into the prompt (many read only ``role`` and ``content``:
         the model then sees no tool list, and must know its tools already)."""
-        return self._renders([{"role": "user", "content": "hi"}], [PROBE_TOOL], PROBE_NAME)
+        return renders_tools(self.tokenizer, self.chat_template)
 
     @functools.cached_property
     def renders_tool_calls(self) -> bool:
@@ -283,7 +271,10 @@ class Renderer:
         # Its own name, rendered without tools: a template that lists the tools would spell the tool's name anyway
         call = {"type": "function", "function": {"name": PROBE_CALL_NAME, "arguments": {}}}
         messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-        return self._renders(messages, None, PROBE_CALL_NAME)
+        try:
+            return PROBE_CALL_NAME in render_chat(self.tokenizer, messages, chat_template=self.chat_template)
+        except Exception:  # noqa: BLE001 - a template that refuses the probe renders none of it
+            return False
 
     @functools.cached_property
     def max_token_chars(self) -> int:

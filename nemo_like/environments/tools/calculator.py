@@ -151,6 +151,11 @@ def format_number(value: int | float) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
+# The built-in tools' docstrings are what a prompt's tool list tells the model (tools_in_prompt: schemas.tool_schema).
 def calculator(expression: str) -> str:
-    """Built-in tool: evaluate an arithmetic expression, e.g. ``calculator(expression="347*28")`` -> ``"9716"``."""
+    """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.
+
+    Args:
+        expression: The expression to evaluate, e.g. 347*28
+    """
     return format_number(evaluate_expression(expression))

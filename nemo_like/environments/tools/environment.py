@@ -78,6 +78,12 @@ class ToolEnvConfig(BaseModel):
         "integer",
         description="Scores the final answer: 'integer' (exact integer match) or 'module:function' (response_text, answer) -> float.",
     )
+    tools_in_prompt: bool = Field(
+        True,
+        description="Hand the tools' JSON schemas to the chat template with each prompt (apply_chat_template's tools=), "
+        "which lists them for the model where the template renders tools (Qwen 2.5/3, Llama 3.1+, Hermes); false: the "
+        "prompt as the data writes it (a model that learned its tools in training, or a system prompt that describes them).",
+    )
     max_calls_per_turn: Int = Field(4, ge=1, description="More tool calls than this in one turn give one error observation.")
     max_parallel_calls: Int = Field(
         8,
@@ -138,6 +144,12 @@ class ToolEnvironment(EnvironmentInterface):
         if settings.get("answer_checker", "integer") != "integer":
             return None
         return not_an_integer(answer, "env.<task>.answer_checker 'integer' compares integers; set a 'module:function' for other answers")
+
+    @classmethod
+    def prompt_tools(cls, settings: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The offered tools' schemas (:meth:`ToolRegistry.schemas`), unless ``tools_in_prompt`` is false."""
+        cfg = ToolEnvConfig.model_validate(settings)
+        return ToolRegistry.from_config(cfg.tools, "tools", **cfg.sandbox_settings()).schemas() if cfg.tools_in_prompt else None
 
     def __init__(self, **kwargs: Any) -> None:
         cfg = ToolEnvConfig.model_validate(kwargs)

@@ -21,6 +21,7 @@ from typing import Any
 from nemo_like.config.errors import ConfigError, did_you_mean
 from nemo_like.environments.tools.errors import ToolError  # user tools import it from here (docs/guides/tools.md)
 from nemo_like.environments.tools.parsing import echoed
+from nemo_like.environments.tools.schemas import tool_schema
 from nemo_like.utils.registry import PluginNameError, Registry
 
 Tool = Callable[..., Any]
@@ -52,7 +53,11 @@ def _python(python_timeout_s: float = 5.0, python_memory_mb: int = 256, python_m
     sandbox = PythonSandbox(python_timeout_s, python_memory_mb, python_max_output_bytes)
 
     def python(code: str) -> str:
-        """Built-in tool: run Python code in a sandboxed process; returns stdout and the last expression's value."""
+        """Run Python code in a sandbox and return what it prints, then the value of its last expression.
+
+        Args:
+            code: The Python code to run
+        """
         return sandbox.run(code)
 
     return python
@@ -108,6 +113,10 @@ class ToolRegistry:
         # tools' results are cut at MAX_RESULT_CHARS, whatever that key says).
         offers_python = any(spec == "python" for _, spec in items)
         return cls(resolved, max(MAX_RESULT_CHARS, int(sandbox.get("python_max_output_bytes", 0))) if offers_python else MAX_RESULT_CHARS)
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """Each tool's JSON schema under its name, in order (what a prompt's chat template lists: :func:`tool_schema`)."""
+        return [tool_schema(name, tool) for name, tool in self.tools.items()]
 
     def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
         """Run one call; never raises (see the module docstring)."""

@@ -176,6 +176,47 @@ def test_registry_built_ins_custom_tools_by_import_path_and_errors(tmp_path) -> 
         ToolRegistry.from_config([f"{tmp_path}/my_tools.py:nope"])
 
 
+def test_the_tools_schemas_a_prompt_lists_come_from_their_docstrings_and_signatures(tmp_path) -> None:
+    """env.<task>.tools_in_prompt: the schemas handed to the chat template name each tool as the model calls it and
+    describe it from its docstring (Google style: per-argument descriptions and types; else from the signature)."""
+    (tmp_path / "my_tools.py").write_text(
+        "def search(query: str, k: int = 3) -> str:\n"
+        '    """Search the notes.\n\n    Args:\n        query: What to look for\n        k: How many hits\n    """\n\n'
+        "def bare(a, b: float, *rest, flag: bool = False, **extra):\n"
+        '    """Add things.\n    Second line.\n\n    Details nobody reads."""\n'
+    )
+    settings = {"tools": {"calc": "calculator", "search": f"{tmp_path}/my_tools.py:search", "bare": f"{tmp_path}/my_tools.py:bare"}}
+    calc, search, bare = (s["function"] for s in ToolEnvironment.prompt_tools(settings))
+    assert calc["name"] == "calc" and calc["description"].startswith("Evaluate an arithmetic expression")
+    assert calc["parameters"]["required"] == ["expression"] and calc["parameters"]["properties"]["expression"]["type"] == "string"
+    assert search == {
+        "name": "search",
+        "description": "Search the notes.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "description": "What to look for"},
+                "k": {"type": "integer", "description": "How many hits"},
+            },
+            "required": ["query"],
+        },
+    }
+    # no Args section: the signature (types where annotated, *args/**kwargs left out) and the docstring's first paragraph
+    assert bare == {
+        "name": "bare",
+        "description": "Add things. Second line.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {}, "b": {"type": "number"}, "flag": {"type": "boolean"}},
+            "required": ["a", "b"],
+        },
+    }
+    python = ToolEnvironment.prompt_tools({"tools": ["python"]})[0]["function"]
+    assert python["name"] == "python" and python["parameters"]["required"] == ["code"]
+    assert ToolEnvironment.prompt_tools({"tools": ["calculator"], "tools_in_prompt": False}) is None
+    json.dumps(ToolEnvironment.prompt_tools(settings))  # what a template's tojson writes
+
+
 def test_a_long_result_is_cut_with_a_marker_and_counted_and_never_below_the_python_limit(tmp_path) -> None:
     """The registry cut every result to 4096 characters silently, the python tool's too, whatever its own
     python_max_output_bytes let through (an answer printed last was lost without a trace)."""

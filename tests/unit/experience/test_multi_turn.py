@@ -6,6 +6,7 @@ and against hand-written Qwen template text; logprob alignment against a fresh f
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -281,6 +282,68 @@ def test_a_recipe_stop_id_stays_in_the_message_unless_the_template_writes_it_bac
     assert result.rewards.tolist() == [1.0] and sample.num_turns == 2
     assert sample.step_metrics.get("tool_errors") == 0.0 and "foreign_end_of_turn" not in sample.step_metrics
     assert sample.response_ids[-1] == im_end and sample.response_mask[-1] == 1  # the sampled end, trained
+
+
+#: The tiny tool model's ChatML template, with a system turn listing the tools first when given some (as Qwen 2.5's does).
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nTools:' }}{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}"
+    "{{ '<|im_end|>' }}{% endif %}" + load_tokenizer("embedded:tiny-tool-qwen2").chat_template
+)
+
+
+def test_a_prompts_tools_are_in_its_rendering_and_in_every_later_turns():
+    """A tool task's prompts are rendered with the environment's tool schemas (env.<task>.tools_in_prompt), so a template
+    that lists tools shows them to the model; each observation is cut from a rendering of the whole conversation, which
+    must list them again (without, the prompt's own ids were not the template's rendering: the rollout refused it)."""
+    tool_tokenizer = load_tokenizer("embedded:tiny-tool-qwen2")
+    tool_tokenizer.chat_template = TOOLS_TEMPLATE
+    encode = lambda text: tool_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    schemas = ToolEnvironment.prompt_tools({"tools": ["calculator"]})
+    data = MasterConfig.model_validate({"data": {"dataset_name": "tool-arith"}}).data
+    records = build_prompt_dataset(data, tool_tokenizer, "train", 1000, lambda task: schemas if task == "tool" else None)[:1]
+    (record,) = records
+    assert record.tools == schemas and record.metadata["task_name"] == "tool"
+    text = tool_tokenizer.decode(record.prompt_token_ids)
+    assert text.startswith("<|im_start|>system\nTools:\n{") and '"name": "calculator"' in text and '"expression"' in text
+    # what the model reads of each argument: the tool's own docstring
+    assert "The expression to evaluate" in text
+    operands = [int(x) for x in re.findall(r"\d+", record.messages[-1]["content"])[:2]]
+    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{operands[0]}*{operands[1]}"}}}}</tool_call>'
+    im_end = tool_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    generation = ScriptedTurns([encode(call) + [im_end], encode(str(record.metadata["answer"])) + [im_end]])
+    settings = MultiTurnSettings(2, 1000, (im_end,))
+    result = run_multi_turn(
+        generation, local_stepper({"tool": ToolEnvironment()}), tool_tokenizer, records, SamplingParams(max_new_tokens=40), 0, settings
+    )
+    (sample,) = result.samples
+    assert result.rewards.tolist() == [1.0] and sample.num_turns == 2
+    conversation = record.messages + sample.messages
+    whole = render_chat(tool_tokenizer, conversation, tools=schemas)
+    assert tool_tokenizer.decode(sample.prompt_ids + sample.response_ids) == whole  # the template's own rendering, tools and all
+
+
+def test_a_runs_prompts_list_its_tool_environments_tools_and_a_template_that_cannot_is_warned_about(tmp_path, capsys):
+    """training_data (what a run and its validation load): the tool task's prompts carry the schemas the template
+    rendered; a template that renders no tools leaves the prompts as they were and says the model sees none."""
+    from nemo_like.algorithms.setup import training_data
+    from nemo_like.config import load_config
+
+    recipe = Path(__file__).parents[3] / "examples" / "configs" / "grpo_multiturn_tiny_cpu.yaml"
+    tool_tokenizer = load_tokenizer("embedded:tiny-tool-qwen2")
+    tool_tokenizer.chat_template = TOOLS_TEMPLATE
+    tool_tokenizer.save_pretrained(tmp_path / "tok")
+    common = ["policy.max_total_sequence_length=1024", "grpo.max_val_samples=4"]
+    listed = training_data(load_config(recipe, [*common, "env.tool.tools_in_prompt=true", f"policy.tokenizer_name={tmp_path / 'tok'}"]))
+    schemas = ToolEnvironment.prompt_tools({"tools": ["calculator"]})
+    for record in (listed.train[0], listed.val[0]):
+        assert record.tools == schemas and '"name": "calculator"' in listed.tokenizer.decode(record.prompt_token_ids)
+    assert "does not render tools" not in capsys.readouterr().err
+    shipped = training_data(load_config(recipe, common))  # tools_in_prompt: false
+    unlisted = training_data(load_config(recipe, [*common, "env.tool.tools_in_prompt=true"]))
+    err = capsys.readouterr().err
+    assert err.count("[config] warning: env.tool: the chat template of") == 1 and "does not render tools" in err
+    assert shipped.train[0].tools is None and unlisted.train[0].tools == schemas
+    assert [r.prompt_token_ids for r in unlisted.train] == [r.prompt_token_ids for r in shipped.train]
 
 
 def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(tokenizer, prompts):

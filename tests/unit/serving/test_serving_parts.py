@@ -15,13 +15,13 @@ from transformers import LlamaTokenizer, PreTrainedTokenizerFast
 
 from nemo_like.environments.tools.parsing import ToolCallError, parse_tool_calls
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
-from nemo_like.models.loading import load_tokenizer
+from nemo_like.models.loading import PROBE_TOOL, load_tokenizer
 from nemo_like.serving.app import EndSessionRequest, OpenSessionRequest
 from nemo_like.serving.batching import GenerationQueue
 from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
 from nemo_like.serving.errors import ServingError
 from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest
-from nemo_like.serving.rendering import PROBE_TOOL, Renderer, direct_backend
+from nemo_like.serving.rendering import Renderer, direct_backend
 from nemo_like.serving.responses import chat_response
 from nemo_like.serving.server import is_loopback
 from nemo_like.serving.service import CompletionService, Limits
