@@ -114,9 +114,11 @@ def check_run_inputs(cfg: MasterConfig) -> None:
     check_tokenizer_source(cfg, model_checked=True)
     if cfg.teacher.model_name is not None:
         check_model_source(cfg.teacher.model_name, "teacher.model_name")
+        refuse_checkpoint_as_model(cfg.teacher.model_name, "teacher.model_name", trained=False)
     for task, name in cfg.teacher.by_task.items():  # a typo there was a traceback (an unknown embedded: name) or blamed
         if name is not None:  # teacher.model_name
             check_model_source(name, f"teacher.by_task.{task}")
+            refuse_checkpoint_as_model(name, f"teacher.by_task.{task}", trained=False)
     for key, directory in run_directories(cfg).items():
         ensure_writable_dir(directory, key)
 

@@ -30,6 +30,7 @@ from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.loading import (
     check_chunkable_head,
     check_context_length,
+    check_generative,
     check_stop_token_ids,
     check_trained_length,
     end_of_sequence_ids,
@@ -165,14 +166,27 @@ def _driver_tokenizer(cfg: MasterConfig, key: str | None = None):
     that model); an id that cannot be loaded (offline, typo, an unknown ``embedded:`` name) is a ConfigError naming the
     key."""
     name = cfg.policy.tokenizer_name or cfg.policy.model_name
+    key = key or ("policy.tokenizer_name" if cfg.policy.tokenizer_name else "policy.model_name")
     try:
-        return load_tokenizer(name)
+        return load_tokenizer(name, _tokenizer_fix(key))
     except (OSError, ValueError) as exc:
-        key = key or ("policy.tokenizer_name" if cfg.policy.tokenizer_name else "policy.model_name")
+        local = Path(resolve_model_path(name)).expanduser().is_dir()
         raise ConfigError(
-            f"cannot load the tokenizer of {key}={name!r} ({str(exc).splitlines()[0]}); on an offline machine "
-            f"point {key} at a local model directory"
+            f"cannot load the tokenizer of {key}={name!r} ({str(exc).splitlines()[0]})"
+            + ("" if local else f"; on an offline machine point {key} at a local model directory")
         ) from None
+
+
+def _tokenizer_fix(key: str) -> str:
+    """What to do about a directory that ``key`` names and that holds no tokenizer."""
+    if key.startswith("teacher.by_task."):
+        return (
+            "a teacher.by_task model's directory must hold its tokenizer (teacher.tokenizer_name names teacher.model_name's "
+            "only): copy the student's tokenizer files into it"
+        )
+    if key.endswith("tokenizer_name"):
+        return f"point {key} at a model directory or id that holds one"
+    return f"name the tokenizer's model with {key.split('.')[0]}.tokenizer_name"
 
 
 def report_lora(cfg: MasterConfig, policy: Policy, plan: RunPlan) -> None:
@@ -211,6 +225,7 @@ def check_policy_model(cfg: MasterConfig, local_only: bool = False) -> None:
     check_trained_length(name, cfg.policy.max_total_sequence_length, local_only=local_only)
     check_chunkable_head(name, cfg.policy.logprob_chunk_size, local_only=local_only)
     check_stop_token_ids(name, cfg.policy.generation.stop_token_ids, local_only=local_only)
+    check_generative(name, "policy.model_name", local_only)
     if cfg.policy.lora_cfg.enabled:
         check_lora_targets(name, cfg.policy.lora_cfg, local_only)
 
@@ -235,6 +250,8 @@ def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
         try:
             return model_vocab_size(name)
         except (OSError, ValueError) as exc:
+            if Path(resolve_model_path(name)).expanduser().is_dir():  # a local directory whose config.json is not a model's
+                raise ConfigError(f"{key}={name!r} is not a model directory here ({type(exc).__name__}: {exc})") from None
             unreadable.add(name)
             lines.append(f"{key}={name!r}: its vocabulary and head are not checked here ({type(exc).__name__}: {exc})")
             return None
@@ -266,6 +283,7 @@ def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
                 "the teacher's pass"
             )
         if name not in unreadable:  # the same config.json
+            check_generative(name, key)
             check_chunkable_head(name, cfg.policy.logprob_chunk_size, key)
     d = cfg.distillation
     if d.kl_weight > 0 and cfg.teacher.model_name is not None:  # the KL term's teacher copy: teacher.model_name

@@ -117,24 +117,47 @@ def check_tokenizer_source(cfg: Any, model_checked: bool = False) -> None:
         check_model_source(cfg.policy.model_name, "policy.tokenizer_name" if tokenizer else "policy.model_name")
 
 
-def refuse_checkpoint_as_model(name: str, key: str) -> None:
+def refuse_checkpoint_as_model(name: str, key: str, trained: bool = True) -> None:
     """A training run's policy must be a whole model, not a checkpoint: a LoRA checkpoint's ``policy/`` (adapters only)
     loaded frozen (nothing to train) and vLLM refused it, and a checkpoint step ``step_N/`` holds its model one level
-    down; both failed only after the actors started. A :class:`ConfigError` naming ``key`` and the fix."""
+    down; both failed only after the actors started. A :class:`ConfigError` naming ``key`` and the fix. Not
+    ``trained`` (a teacher): a LoRA checkpoint's ``policy/`` is a model (its base with the adapters merged), a step
+    directory is still refused."""
     path = Path(resolve_model_path(name)).expanduser()
     if (path / "config.json").is_file():
         return
     model = path / "policy" if (path / "policy").is_dir() else path  # a checkpoint step holds its model in policy/
-    if (model / ADAPTER_CONFIG).is_file():
+    if trained and (model / ADAPTER_CONFIG).is_file():
         raise ConfigError(
             f"{key}={name} is a LoRA checkpoint (adapters only, {ADAPTER_CONFIG}): merge it into a whole model first "
             f"(`nemo-like merge {name} --out DIR`) and train from DIR, or resume the run that wrote it (its "
             "checkpointing.checkpoint_dir)"
         )
-    if model != path and (model / "config.json").is_file():
+    if model != path and ((model / "config.json").is_file() or (model / ADAPTER_CONFIG).is_file()):
+        resume = " (or resume the run that wrote it, from its checkpointing.checkpoint_dir)" if trained else f": set {key}={model}"
+        raise ConfigError(f"{key}={name} is a checkpoint step: its model is {model}{resume}")
+
+
+#: Heads that score or classify text instead of predicting its next token: a model listing only these loads as a causal
+#: LM with an output head that is its tied embeddings or freshly random (transformers only reports the unused weights).
+NON_GENERATIVE_HEADS = (
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "ForMaskedLM",
+    "ForMultipleChoice",
+)
+
+
+def check_generative(model_name: str, key: str, local_only: bool = False) -> None:
+    """A :class:`ConfigError` naming ``key`` when the model's config.json lists only architectures of a scoring or
+    classification head (:data:`NON_GENERATIVE_HEADS`: a reward model named as a policy or a teacher)."""
+    architectures = list(getattr(model_config(model_name, local_only), "architectures", None) or [])
+    if architectures and all(a.endswith(NON_GENERATIVE_HEADS) for a in architectures):
         raise ConfigError(
-            f"{key}={name} is a checkpoint step: its model is {model} (or resume the run that wrote it, from its "
-            "checkpointing.checkpoint_dir)"
+            f"{key}={model_name} is not a causal language model ({', '.join(architectures)} in its config.json): loaded "
+            "to predict tokens, its output head would be its tied embeddings or random weights. Name a *ForCausalLM "
+            "model (a reward model belongs in an env section with class: reward_model)"
         )
 
 
@@ -424,16 +447,16 @@ def tokenizer_source(policy_cfg: Any) -> str:
     return actor_model_source(policy_cfg.tokenizer_name or policy_cfg.model_name)
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, fix: str = "name the tokenizer's model with policy.tokenizer_name"):
     """Load a tokenizer; prompts are left-padded for generation. A local directory without tokenizer files is an error
-    (transformers returned an empty tokenizer for it, which encodes every text as no tokens)."""
+    (transformers returned an empty tokenizer for it, which encodes every text as no tokens), saying ``fix``."""
     from transformers import AutoTokenizer
 
     path = Path(resolve_model_path(name)).expanduser()
     if path.is_dir() and not holds_tokenizer(path):
         raise ConfigError(
-            f"{name!r} holds no tokenizer (none of {list(TOKENIZER_FILES)}): name the tokenizer's model with "
-            "policy.tokenizer_name (checkpoints written before 2026-12-04 hold none in policy/)"
+            f"{name!r} holds no tokenizer (none of {list(TOKENIZER_FILES)}): {fix} (checkpoints written before "
+            "2026-12-04 hold none in policy/)"
         )
     tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else resolve_model_path(name))
     if tok.pad_token_id is None:

@@ -107,7 +107,7 @@ class DistillationConfig(Section):
 
     @model_validator(mode="after")
     def _kl_keys(self) -> DistillationConfig:
-        if self.kl_support != "full" and self.kl_top_k is None:
+        if self.kl_weight > 0 and self.kl_support != "full" and self.kl_top_k is None:  # off: kl_warnings says so
             raise ValueError(f"distillation.kl_support={self.kl_support} needs distillation.kl_top_k (the support's size)")
         return self
 

@@ -141,3 +141,31 @@ def test_a_teacher_config_this_machine_cannot_read_and_a_smaller_teacher_head_wa
     load_tokenizer(STUDENT).save_pretrained(padded)
     (line,) = check_teachers(recipe(f"policy.model_name={padded}", f"teacher.model_name={TEACHER}"), load_tokenizer(STUDENT))
     assert line.startswith(f"teacher.model_name='{TEACHER}' has 359 vocabulary rows, policy.model_name='{padded}' 384: ")
+
+
+def test_a_teacher_directory_without_a_tokenizer_a_checkpoint_step_or_a_reward_model_is_refused_naming_its_key(tmp_path: Path) -> None:
+    """A teacher directory without a tokenizer was told to set policy.tokenizer_name (which changed nothing); a checkpoint
+    step (its model one level down) passed with a warning and failed in the teacher's actor after a minute; a reward
+    model loaded as a causal LM (its output head its tied embeddings), with no error at all."""
+    from nemo_like.train import check_run_inputs
+
+    bare = model_without_tokenizer(TEACHER, tmp_path / "bare")
+    assert "holds no tokenizer" in (message := refusal(f"teacher.model_name={bare}")) and "set teacher.tokenizer_name" not in message
+    assert "name the tokenizer's model with teacher.tokenizer_name" in message and "offline" not in message
+    by_task = refusal(f"+teacher.by_task.arithmetic={bare}")
+    assert "a teacher.by_task model's directory must hold its tokenizer" in by_task, by_task
+    step = tmp_path / "ckpt" / "step_3"
+    shutil.copytree(embedded_model_path(TEACHER), step / "policy")
+    for overrides in ([f"teacher.model_name={step}"], [f"+teacher.by_task.arithmetic={step}"]):
+        with pytest.raises(ConfigError, match=rf"is a checkpoint step: its model is {step / 'policy'}: set teacher"):
+            check_run_inputs(recipe(*overrides, f"logger.log_dir={tmp_path / 'logs'}"))
+    # a directory that holds a tokenizer but no model (the vocabulary check read no config.json): refused, not a warning
+    load_tokenizer(STUDENT).save_pretrained(tmp_path / "tokenizer-only")
+    assert refusal(f"teacher.model_name={tmp_path / 'tokenizer-only'}").startswith(
+        f"teacher.model_name='{tmp_path / 'tokenizer-only'}' is not a model directory here"
+    )
+    reward = "embedded:tiny-reward-qwen2"  # Qwen2ForSequenceClassification, the student's tokenizer
+    assert refusal(f"teacher.model_name={reward}").startswith(
+        f"teacher.model_name={reward} is not a causal language model (Qwen2ForSequenceClassification in its config.json)"
+    )
+    assert refusal(f"policy.model_name={reward}").startswith(f"policy.model_name={reward} is not a causal language model")
