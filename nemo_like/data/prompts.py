@@ -79,8 +79,10 @@ def build_prompt_dataset(
             if data.drop_long_prompts:
                 dropped.append(problem.where)
                 continue
+            listed = f" (with the tool list its template renders: env.{problem.task_name}.tools_in_prompt)" if prompt_tools else ""
             raise ConfigError(
-                f"The prompt of {problem.where} (data.{split}) has {len(ids)} tokens, more than policy.max_total_sequence_length "
+                f"The prompt of {problem.where} (data.{split}) has {len(ids)} tokens{listed}, more than "
+                "policy.max_total_sequence_length "
                 f"- policy.generation.max_new_tokens = {max_prompt_tokens}. Raise policy.max_total_sequence_length, or set "
                 "data.drop_long_prompts=true to skip such prompts"
             )

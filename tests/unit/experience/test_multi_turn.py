@@ -14,6 +14,7 @@ import pytest
 import torch
 from custom_envs import CountdownEnv
 
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import EMBEDDED_MODEL, MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import PromptRecord, build_prompt_dataset
@@ -332,6 +333,8 @@ def test_a_runs_prompts_list_its_tool_environments_tools_and_a_template_that_can
     tool_tokenizer = load_tokenizer("embedded:tiny-tool-qwen2")
     tool_tokenizer.chat_template = TOOLS_TEMPLATE
     tool_tokenizer.save_pretrained(tmp_path / "tok")
+    with pytest.raises(ConfigError, match=r"has \d+ tokens \(with the tool list its template renders: env.tool.tools_in_prompt\)"):
+        training_data(load_config(recipe, ["env.tool.tools_in_prompt=true", f"policy.tokenizer_name={tmp_path / 'tok'}"]))
     common = ["policy.max_total_sequence_length=1024", "grpo.max_val_samples=4"]
     listed = training_data(load_config(recipe, [*common, "env.tool.tools_in_prompt=true", f"policy.tokenizer_name={tmp_path / 'tok'}"]))
     schemas = ToolEnvironment.prompt_tools({"tools": ["calculator"]})
