@@ -36,12 +36,14 @@ from nemo_like.models.loading import (
     end_of_sequence_ids,
     holds_tokenizer,
     load_tokenizer,
+    model_config,
     model_vocab_size,
     renders_tools,
     resolve_model_path,
 )
 from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
+from nemo_like.plan.memory import ModelShape, tensor_parallel_problems
 from nemo_like.plan.run_plan import RunPlan
 from nemo_like.utils.run_control import run_control
 
@@ -226,8 +228,20 @@ def check_policy_model(cfg: MasterConfig, local_only: bool = False) -> None:
     check_chunkable_head(name, cfg.policy.logprob_chunk_size, local_only=local_only)
     check_stop_token_ids(name, cfg.policy.generation.stop_token_ids, local_only=local_only)
     check_generative(name, "policy.model_name", local_only)
+    check_tensor_parallel_heads(cfg, name, local_only=local_only)
     if cfg.policy.lora_cfg.enabled:
         check_lora_targets(name, cfg.policy.lora_cfg, local_only)
+
+
+def check_tensor_parallel_heads(cfg: MasterConfig, name: str, key: str | None = None, local_only: bool = False) -> None:
+    """A :class:`ConfigError` when ``policy.dtensor_cfg.tensor_parallel_size`` does not divide model ``name``'s heads
+    (:func:`~nemo_like.plan.memory.tensor_parallel_problems`; ``key``: a teacher's, which takes the policy's degree):
+    the workers refused it after every actor had started."""
+    if cfg.policy.dtensor_cfg.tensor_parallel_size == 1:
+        return
+    shape = ModelShape.from_hf_config(model_config(name, local_only).get_text_config().to_dict())
+    if problems := tensor_parallel_problems(cfg, shape):
+        raise ConfigError(f"{key}={name!r}: {problems[0]}" if key else problems[0])
 
 
 def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
@@ -284,6 +298,7 @@ def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
             )
         if name not in unreadable:  # the same config.json
             check_generative(name, key)
+            check_tensor_parallel_heads(cfg, name, key)
             check_chunkable_head(name, cfg.policy.logprob_chunk_size, key)
     d = cfg.distillation
     if d.kl_weight > 0 and cfg.teacher.model_name is not None:  # the KL term's teacher copy: teacher.model_name

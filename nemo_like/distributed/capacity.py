@@ -48,7 +48,8 @@ def check_cluster_capacity(
     hint: str = "",
 ) -> None:
     """Raise :class:`PlacementError` naming the request (per role and in total) and the cluster's
-    resources when ``required`` exceeds ``available_total`` for any resource."""
+    resources when ``required`` exceeds ``available_total`` for any resource; ``hint`` (what to do about missing GPUs)
+    only where GPUs are short."""
     short = shortfall(required, available_total)
     if not short:
         return
@@ -59,7 +60,7 @@ def check_cluster_capacity(
         lines.append(f"The recipe declares cluster.num_nodes x cluster.gpus_per_node = {_fmt(declared)}.")
     lines.append(f"Asked for in total: {_fmt(required)}.")
     lines.append(f"The cluster has in total: {_fmt({k: available_total.get(k, 0.0) for k in required})}.")
-    if hint:
+    if hint and "GPU" in short:  # a CPU-only shortfall asked nothing of GPUs (it said "roles ask for a GPU")
         lines.append(hint)
     lines.append(
         "Lower the request (cluster.gpus_per_node, policy.dp_size, policy.num_cpus_per_worker, env.<task>.num_workers) or add nodes."

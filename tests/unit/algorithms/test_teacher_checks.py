@@ -169,3 +169,22 @@ def test_a_teacher_directory_without_a_tokenizer_a_checkpoint_step_or_a_reward_m
         f"teacher.model_name={reward} is not a causal language model (Qwen2ForSequenceClassification in its config.json)"
     )
     assert refusal(f"policy.model_name={reward}").startswith(f"policy.model_name={reward} is not a causal language model")
+
+
+def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_before_ray_starts(tmp_path: Path) -> None:
+    """The policy's workers (and the teachers', which take its degree) refused it only after every actor had started."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tp4 = refusal("policy.dtensor_cfg.tensor_parallel_size=4", "loss_fn.reference_policy_kl_penalty=0")
+    assert tp4 == (
+        "policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads=4 and num_key_value_heads=2 (the heads "
+        "are split across the tensor-parallel ranks)"
+    )
+    tokenizer = load_tokenizer(STUDENT)
+    shape = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), **shape)).save_pretrained(tmp_path / "three-heads")
+    tokenizer.save_pretrained(tmp_path / "three-heads")
+    message = refusal(f"teacher.model_name={tmp_path / 'three-heads'}", "policy.dtensor_cfg.tensor_parallel_size=2")
+    assert message.startswith(
+        f"teacher.model_name={str(tmp_path / 'three-heads')!r}: policy.dtensor_cfg.tensor_parallel_size=2 must divide num_attention_heads=3"
+    )

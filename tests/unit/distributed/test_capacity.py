@@ -13,7 +13,7 @@ from nemo_like.algorithms import roles as capacity
 from nemo_like.algorithms.roles import declared_resources
 from nemo_like.config import MasterConfig, load_config
 from nemo_like.config.errors import ConfigError
-from nemo_like.distributed.capacity import check_cluster_capacity, shortfall
+from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, shortfall
 from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id, worker_env_vars
 from nemo_like.distributed.worker_group import PlacementError
 from nemo_like.models.generation.vllm import vllm_available
@@ -100,6 +100,14 @@ def test_too_many_cpus_fail_too() -> None:
     cfg = tiny("policy.dp_size=4", "policy.num_cpus_per_worker=1")
     with pytest.raises(PlacementError, match=r"short by CPU 7.1\b"):
         check_cluster_capacity(required_resources(cfg), CPU_HEAD, role_requests(cfg))
+    # The private cluster's GPU hint goes with a GPU shortfall only: a CPU one was told that "roles ask for a GPU".
+    hint = private_cluster_hint(0.0, 0, [])
+    with pytest.raises(PlacementError) as err:
+        check_cluster_capacity(required_resources(cfg), CPU_HEAD, role_requests(cfg), hint=hint)
+    assert "GPU" not in str(err.value)
+    with pytest.raises(PlacementError, match="roles ask for a GPU"):
+        gpus = tiny("cluster.gpus_per_node=8")
+        check_cluster_capacity(required_resources(gpus), CPU_HEAD, role_requests(gpus), hint=hint)
 
 
 # Where the driver runs: decided from the environment alone (see nemo_like/distributed/ray_env.py).
