@@ -314,10 +314,10 @@ def run_plan(args: argparse.Namespace) -> int:
         cfg, plan, args.device_memory_gib, peak, mfu, args.model_config, teacher_configs,
         lambda config: reserved_gpus_problem(config, plan), scorer_specs(cfg),
     )  # fmt: skip
-    for line in lines:
-        print(f"[plan] {line}")
     if args.model_config and (line := model_config_warning(cfg.policy.model_name, args.model_config)):
-        print(f"[plan] warning: {line}", file=sys.stderr, flush=True)
+        print(f"[plan] warning: {line}", file=sys.stderr, flush=True)  # before the figures it is about
+    for line in lines:
+        print(f"[plan] {line}", flush=True)
     if idle := idle_gpus_warning(cfg, plan):
         print(f"[plan] warning: {idle}", file=sys.stderr, flush=True)
     return 3 if fits is False else 0

@@ -665,11 +665,6 @@ def grpo_train(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInf
 def async_grpo_train(parts: GRPOComponents, logger: Logger, resume_from: CheckpointInfo | None = None) -> list[dict[str, Any]]:
     """The async loop (``grpo.async_grpo.enabled``): generation runs ahead of training with bounded,
     versioned staleness; same arguments, records and checkpoints (plus the replay buffer) as :func:`grpo_train`."""
-    async_cfg = parts.cfg.grpo.async_grpo
-    logger.progress.message(
-        f"[plan] async: samples at most {async_cfg.max_trajectory_age_steps} update(s) old, refits "
-        + ("in flight (mid-sequence)" if async_cfg.refits_mid_generation else "wait for the batch in flight")
-    )
     return run_training(parts, logger, resume_from, AsyncSteps(parts))
 
 

@@ -81,7 +81,7 @@ def model_config_warning(model_name: str, config_path: str | Path) -> str | None
         return f"--model-config {config_path} has no effect: {model_name}'s own config.json ({own}) has the same shape"
     return (
         f"--model-config {config_path} describes another model than policy.model_name={model_name!r}, whose config.json is "
-        f"on this machine ({own}; a run reads that one): {', '.join(differ)}; the figures below are the given config's"
+        f"on this machine ({own}; a run reads that one): {', '.join(differ)}; the figures that follow are the given config's"
     )
 
 

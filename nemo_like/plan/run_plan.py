@@ -56,6 +56,7 @@ class RunPlan:
     forward: str | None = None  # the policy's logprob and training forward, as its workers chose it
     agent_tasks: tuple[str, ...] = ()  # env sections with class 'agent': rolled out by the user's agent over HTTP
     refit_warning: str | None = None  # a merged LoRA refit in bf16 (refit.merged_precision_warning)
+    async_staleness: str | None = None  # an async run: how old a sample may be and how refits meet the batch in flight
     # What ends a response: the eos ids (the tokenizer's and the generation config's) and policy.generation.stop_token_ids;
     # a saved policy's generation_config.json lists them (plain generate on the copy stops where the run did)
     end_of_response_ids: tuple[int, ...] = ()
@@ -85,6 +86,8 @@ class RunPlan:
             out.append(self.oversubscription)
         if self.agent_tasks:
             out.append(f"agent tasks {list(self.agent_tasks)}: rolled out by their agents through a rollout server on 127.0.0.1")
+        if self.async_staleness:
+            out.append(self.async_staleness)
         return out
 
 
@@ -112,7 +115,16 @@ def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int
         agent_tasks=agent_tasks(cfg),
         refit_warning=merged_precision_warning(cfg, refit.value),
         end_of_response_ids=tuple(dict.fromkeys([*eos_token_ids, *(cfg.policy.generation.stop_token_ids or ())])),
+        async_staleness=async_staleness(cfg.grpo.async_grpo),
     )
+
+
+def async_staleness(async_cfg: Any) -> str | None:
+    """An async run's staleness bound and refit mode, as its ``[plan]`` line says them; None for a sync run."""
+    if not async_cfg.enabled:
+        return None
+    refits = "in flight (mid-sequence)" if async_cfg.refits_mid_generation else "wait for the batch in flight"
+    return f"async: samples at most {async_cfg.max_trajectory_age_steps} update(s) old, refits {refits}"
 
 
 def agent_tasks(cfg: Any) -> tuple[str, ...]:

@@ -97,6 +97,9 @@ def test_the_plan_lines_say_every_decision_once() -> None:
     assert lines.count("policy logprob and training forward: the model's own (test)") == 1
     assert any(line.startswith("WARNING: ") and "oversubscribed" in line for line in lines)
     assert all(reason in lines for reason in plan.logprobs.reasons)
+    # the async run's staleness line is the plan's (`nemo-like plan` left it out: the loop printed it)
+    assert lines.count("async: samples at most 1 update(s) old, refits wait for the batch in flight") == 1
+    assert not any(line.startswith("async:") for line in plan_of("grpo_tiny_cpu.yaml").lines())
 
 
 # The deciding functions, and the modules allowed to call them (the plan itself; the config-only LoRA form that tests
@@ -110,6 +113,7 @@ DECIDERS = {
     "multi_turn_settings": set(),
     "oversubscription_warning": set(),
     "agent_tasks": set(),
+    "async_staleness": set(),
     "decide_run_plan": {"nemo_like/distributed/planning.py"},
     "plan_on_cluster": {"nemo_like/algorithms/setup.py", "nemo_like/evaluation/run.py", "nemo_like/cli.py"},  # cli: `nemo-like plan`
 }
