@@ -98,11 +98,14 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
             return "inline", "auto: a sync CPU run with one policy worker samples with the policy's own weights (no refit)"
         lora = cfg.policy.lora_cfg
         # vLLM's CPU build is the slower engine here: worth it only where it serves the adapters (a refit sends them only)
-        if lora.enabled and with_policy and lora.refit != "merged" and vllm_adapter_blocker(cfg) is None and vllm_available():
+        adapters = lora.enabled and with_policy and lora.refit != "merged"
+        if adapters and vllm_adapter_blocker(cfg) is None and vllm_available():
             return "vllm", f"auto: not inline ({blocker}); vLLM serves the LoRA adapters, so a refit sends only them"
+        unserved = f"; vLLM cannot serve these adapters ({vllm_adapter_blocker(cfg)})" if adapters and vllm_adapter_blocker(cfg) else ""
         return (
             "hf",
-            f"auto: not inline ({blocker}); the HF engine, a CPU cluster's default (policy.generation.backend=vllm for vLLM's CPU build)",
+            f"auto: not inline ({blocker}){unserved}; the HF engine, a CPU cluster's default (policy.generation.backend=vllm "
+            "for vLLM's CPU build)",
         )
     if requested == "vllm":
         require_vllm()

@@ -26,7 +26,12 @@ def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
         return "merged", "policy.lora_cfg.refit=merged"
     if backend is None:
         raise ValueError(f"the LoRA refit mode (policy.lora_cfg.refit={lora.refit}) depends on the generation backend: pass it")
-    blocker = "the HF generation backend serves plain weights" if backend != "vllm" else vllm_adapter_blocker(cfg)
+    if backend == "vllm":
+        blocker = vllm_adapter_blocker(cfg)
+    elif cfg.policy.generation.backend == "auto" and (unserved := vllm_adapter_blocker(cfg)):  # why auto chose another
+        blocker = f"{unserved} (so the auto backend chose {backend}, which serves plain weights)"
+    else:
+        blocker = f"the {backend} generation backend serves plain weights"
     if blocker is None:
         return "adapter", "vLLM LoRA: the adapters are loaded as a LoRA request, a new adapter id per weight version"
     if lora.refit == "adapter":

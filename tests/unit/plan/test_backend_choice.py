@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from nemo_like.config import DEFAULT_RECIPE, MasterConfig, load_config
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.engines import generation_resources
-from nemo_like.plan.backend import resolve_backend, vllm_available
+from nemo_like.plan.backend import resolve_backend, vllm_adapter_blocker, vllm_available
 from nemo_like.plan.run_plan import Decision, RunPlan, decide_run_plan
 
 
@@ -60,6 +62,11 @@ def test_auto_takes_the_hf_engine_for_a_lora_run_whose_refit_sends_merged_weight
     cfg = recipe("policy.lora_cfg.enabled=true", *overrides)
     plan = plan_of(cfg)
     assert plan.backend.value == "hf" and plan.refit.value == "merged"
+    if overrides[0] != "policy.lora_cfg.refit=merged":  # the reasons name what keeps vLLM from the adapters, not "HF"
+        unserved = vllm_adapter_blocker(cfg)
+        assert unserved in plan.backend.reason and plan.refit.reason.startswith(f"auto: {unserved} (so the auto backend chose hf")
+        with pytest.raises(ConfigError, match=rf"refit=adapter is not possible here: {re.escape(unserved)} \(so the auto"):
+            plan_of(recipe("policy.lora_cfg.enabled=true", *overrides, "policy.lora_cfg.refit=adapter"))
 
 
 def test_in_flight_updates_at_trajectory_age_0_change_nothing() -> None:
