@@ -112,6 +112,8 @@ MODULE_SET_KEYS = ("policy.lora_cfg.target_modules", "policy.lora_cfg.exclude_mo
 
 
 def _same(key: str, a: Any, b: Any) -> bool:
+    if key == "policy.lora_cfg.exclude_modules":  # null excludes nothing, as [] does
+        a, b = a or [], b or []
     if key in MODULE_SET_KEYS and isinstance(a, list) and isinstance(b, list):
         return set(a) == set(b)
     return a == b

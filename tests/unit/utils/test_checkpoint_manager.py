@@ -267,6 +267,12 @@ def test_a_lora_checkpoint_pins_its_adapters_shape_and_a_full_one_does_not():
     # The same modules listed in another order are the same adapters (the resume was refused)
     assert incompatible_differences(config(True, targets=["q_proj", "v_proj"]), config(True, targets=["v_proj", "q_proj"])) == []
     assert incompatible_differences(config(True, targets=["q_proj", "v_proj"]), config(True, targets=["q_proj"]))
+    # exclude_modules: null and [] exclude nothing alike (exclude_modules=[] refused a checkpoint saved with null)
+    excluding = config(True)
+    excluding["policy"]["lora_cfg"]["exclude_modules"] = []
+    assert incompatible_differences(config(True), excluding) == []
+    excluding["policy"]["lora_cfg"]["exclude_modules"] = ["layers.0.mlp"]
+    assert incompatible_differences(config(True), excluding) == ["policy.lora_cfg.exclude_modules: None -> ['layers.0.mlp']"]
 
 
 def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
