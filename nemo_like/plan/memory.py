@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE_GENERATION_BATCH
+from nemo_like.plan.threads import bundles_per_node, ranks_per_node
 
 if TYPE_CHECKING:
     from nemo_like.plan.logprob_passes import LogprobPlan
@@ -862,8 +863,25 @@ def _plan_devices(
     hf_copies = sampler_weight_copies if run_plan.backend.value == "hf" else 0
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes, hf_copies))
     roles += scorers
+    if buffer := refit_buffer_memory(cfg, run_plan, parameters, params[0].bytes_per_element):
+        roles.append(buffer)
     colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
-    return roles, devices(cfg, roles, colocated), colocated
+    return roles, devices(cfg, roles, colocated, run_plan.threads.cpus), colocated
+
+
+def refit_buffer_memory(cfg: Any, run_plan: Any, parameters: int, bytes_per_element: int) -> RoleMemory | None:
+    """The copy of the weights a full-weight refit puts in a CPU node's RAM beside the policy's and the engine's: on one
+    node the shared-memory buffer (``/dev/shm``) kept for the whole run
+    (:func:`~nemo_like.models.refit.transport.shared_memory_refit_possible`), on several the object store's copy during
+    each refit (LoRA's merged refits too); the policy's weights in the engine's dtype (``bytes_per_element``: the
+    parameters'). None where no such copy is made on a CPU node (inline sampling, LoRA's adapter refits, GPUs)."""
+    if cfg.cluster.gpus_per_node or run_plan.backend.value == "inline" or run_plan.refit.value == "adapter":
+        return None
+    one_node = cfg.cluster.num_nodes == 1 and run_plan.refit.value == "full"
+    note = "the policy's weights for the engine's refits: " + (
+        "in /dev/shm, kept between refits" if one_node else "in the object store during each refit"
+    )
+    return RoleMemory("refit buffer", 1, params=parameters * bytes_per_element, on_host=True, note=note)
 
 
 def teacher_roles(cfg: Any) -> dict[str, str]:
@@ -902,11 +920,13 @@ def colocated_note(cfg: Any, roles: list[RoleMemory]) -> str:
     )
 
 
-def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False) -> dict[str, int]:
+def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False, node_cpus: int | None = None) -> dict[str, int]:
     """What each device holds: on GPUs every worker has its own (a ``colocated`` vLLM engine shares policy rank 0's:
     :func:`colocated_peak`; a composite actor's reward models placed on one GPU share it, and actors of a fraction of
     a GPU count as many as one GPU may hold: :attr:`RoleMemory.device`, :attr:`RoleMemory.per_device`); on a CPU cluster
-    every worker of a node shares the node's memory (workers spread evenly over ``cluster.num_nodes``)."""
+    every worker of a node shares the node's memory: of each role, the most workers one node may hold under
+    ``cluster.placement_strategy`` (:func:`~nemo_like.plan.threads.ranks_per_node`: PACK fills a node of ``node_cpus``
+    CPUs before the next, SPREAD spreads evenly; without ``node_cpus``, evenly)."""
     by_role = {r.role: r for r in roles}
     if cfg.cluster.gpus_per_node:
         out: dict[str, int] = {}
@@ -916,8 +936,9 @@ def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False) -> dict[
             out.pop("generation GPU")
             out["policy GPU"] = colocated_peak(cfg, by_role["policy"], by_role["generation"])
         return out
-    nodes = max(1, cfg.cluster.num_nodes)
-    total = sum(r.total * math.ceil(r.workers / nodes) for r in by_role.values())
+    strategy = cfg.cluster.placement_strategy if node_cpus else "SPREAD"
+    fit = bundles_per_node(cfg, node_cpus) if node_cpus else 1
+    total = sum(r.total * ranks_per_node(r.workers, cfg.cluster.num_nodes, strategy, fit) for r in by_role.values())
     return {"each node (RAM)": total}
 
 
@@ -1098,6 +1119,11 @@ def fit_advice(
         advice.append(f"raise policy.dp_size (now {pc.dp_size}) to shard parameters, gradients and AdamW state over more devices{gpus}")
     if not cluster.gpus_per_node and shrinks(_with(cfg, "cluster", num_nodes=2 * cluster.num_nodes)):
         advice.append(f"raise cluster.num_nodes (now {cluster.num_nodes}): the workers of a node share its RAM")
+    elif not cluster.gpus_per_node and shrinks(_with(cfg, "cluster", num_nodes=2 * cluster.num_nodes, placement_strategy="SPREAD")):
+        advice.append(
+            f"raise cluster.num_nodes (now {cluster.num_nodes}) with cluster.placement_strategy=SPREAD: the workers of a node "
+            f"share its RAM, and {cluster.placement_strategy} may place a role's workers on one node"
+        )
     if not pc.lora_cfg.enabled and policy_over:
         advice.append("train LoRA adapters (policy.lora_cfg.enabled=true): no full gradients or AdamW state")
     if not dp_helps:

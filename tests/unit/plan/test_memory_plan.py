@@ -4,6 +4,7 @@ LoRA, one rank and FSDP2 shards); the estimates follow their formulas; the fit c
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -357,6 +358,31 @@ def test_the_plan_lists_each_role_and_advises_when_a_gpu_is_too_small() -> None:
     assert [r.role for r in roomy.roles] == ["policy", "reference", "generation"] and roomy.fits
     tight = plan_memory(cfg, run_plan, params, shape, device_bytes=1024**2)
     assert tight.fits is False and any("activation_checkpointing" in line for line in tight.lines())
+
+
+def test_a_cpu_nodes_ram_counts_the_workers_packing_may_put_there_and_the_refits_copy_of_the_weights() -> None:
+    """Two nodes with PACK (the default) were planned as if each role's workers spread evenly (one policy rank a node),
+    while Ray packed both policy ranks on one node: over the budget the plan accepted. A refit through /dev/shm keeps a
+    third copy of the weights in the node's RAM for the whole run, which the plan left out."""
+    params, shape = model_footprint(EMBEDDED_MODEL, "float32")
+
+    def planned(*overrides: str):
+        cfg = recipe(*overrides)
+        return plan_memory(cfg, decide_run_plan(cfg, (), 2), params, shape)
+
+    two = ["policy.dp_size=2", "cluster.num_nodes=2", "policy.generation.backend=hf"]
+    packed, spread = planned(*two), planned(*two, "cluster.placement_strategy=SPREAD")
+    # 2 CPUs a node hold four 0.5-CPU bundles: both ranks of a role may be on one node
+    assert packed.per_device["each node (RAM)"] == sum(r.total * r.workers for r in packed.roles)
+    assert spread.per_device["each node (RAM)"] == sum(r.total * -(-r.workers // 2) for r in spread.roles)
+    assert spread.per_device["each node (RAM)"] < packed.per_device["each node (RAM)"]
+    weights = sum(math.prod(p.shape) for p in params) * 4
+    buffer = {r.role: r for r in planned("policy.generation.backend=hf").roles}["refit buffer"]
+    assert (buffer.total, buffer.workers) == (weights, 1) and "in /dev/shm, kept between refits" in buffer.line()
+    for overrides in ([], ["policy.lora_cfg.enabled=true", "policy.generation.backend=vllm"]):  # inline: no refit; adapters only
+        assert "refit buffer" not in {r.role for r in planned(*overrides).roles}, overrides
+    merged = {r.role: r for r in planned("policy.lora_cfg.enabled=true", "policy.generation.backend=hf").roles}
+    assert "in the object store during each refit" in merged["refit buffer"].line()
 
 
 def test_raising_dp_is_advised_only_where_it_shrinks_the_device_that_is_over() -> None:
