@@ -31,7 +31,7 @@ def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
     elif cfg.policy.generation.backend == "auto" and (unserved := vllm_adapter_blocker(cfg)):  # why auto chose another
         blocker = f"{unserved} (so the auto backend chose {backend}, which serves plain weights)"
     else:
-        blocker = f"the {backend} generation backend serves plain weights"
+        blocker = "the HF generation backend serves plain weights"
     if blocker is None:
         return "adapter", "vLLM LoRA: the adapters are loaded as a LoRA request, a new adapter id per weight version"
     if lora.refit == "adapter":
