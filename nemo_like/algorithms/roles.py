@@ -76,6 +76,28 @@ def reserved_gpus_problem(cfg: MasterConfig, plan: RunPlan) -> str | None:
     )
 
 
+def private_cpus_problem(cfg: MasterConfig, plan: RunPlan) -> str | None:
+    """A line when a one-node CPU run on a private local cluster (no cluster to join: no ``cluster.ray_address``, not a
+    submitted job) reserves more CPUs than that cluster has (``cluster.num_cpus``, else this machine's cores, as
+    :func:`~nemo_like.distributed.ray_init.local_init_kwargs` starts it): the run's capacity check refuses it once Ray
+    has started. ``None`` when it fits, or for a recipe planned for a cluster (GPUs, several nodes, one to join: its
+    CPUs are not known here)."""
+    from nemo_like.distributed.ray_init import joins_existing_cluster
+
+    if cfg.cluster.gpus_per_node or cfg.cluster.num_nodes > 1 or joins_existing_cluster(cfg.cluster):
+        return None
+    available = cfg.cluster.num_cpus or local_cores()
+    roles = [(r.role, r.total().get("CPU", 0.0)) for r in role_requests(cfg, plan)]
+    reserved = sum(cpus for _, cpus in roles)
+    if reserved <= available + 1e-9:
+        return None
+    per_role = ", ".join(f"{role} {cpus:g}" for role, cpus in roles if cpus)
+    return (
+        f"the run's actors reserve {reserved:g} CPUs ({per_role}) but its private local cluster has {available:g} "
+        f"(cluster.num_cpus, else this machine's cores): short by {reserved - available:g}"
+    )
+
+
 def _environment_sources(cfg: MasterConfig) -> list[tuple[str, str, str, dict, int, str | None, float]]:
     """``(where, role suffix, class, settings, actors, shared device, the actor's GPUs)`` of every environment the run
     loads: each task's, or each of a composite's sources (as the composite reads them; its actors each hold every

@@ -110,6 +110,25 @@ def test_too_many_cpus_fail_too() -> None:
         check_cluster_capacity(required_resources(gpus), CPU_HEAD, role_requests(gpus), hint=hint)
 
 
+def test_plan_refuses_a_cpu_run_its_private_cluster_cannot_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    """`nemo-like plan` said "fits" for a one-node CPU recipe whose actors reserve more CPUs than the private cluster
+    a run starts (this machine's cores, or cluster.num_cpus), which the run refused once Ray had started."""
+    from nemo_like.algorithms.roles import private_cpus_problem
+    from nemo_like.cli import main
+    from nemo_like.distributed.planning import plan_on_cluster
+
+    cfg = tiny("policy.dp_size=2", "cluster.num_cpus=2")
+    assert private_cpus_problem(cfg, plan_on_cluster(cfg)) == (
+        "the run's actors reserve 2.6 CPUs (policy 1, reference 1, generation 0.5, environment:arithmetic 0.1) but its "
+        "private local cluster has 2 (cluster.num_cpus, else this machine's cores): short by 0.6"
+    )
+    assert main(["plan", "policy.dp_size=2", "cluster.num_cpus=2"]) == 3
+    assert "[plan] fits: NO: the run's actors reserve 2.6 CPUs" in capsys.readouterr().out
+    for fits in (["cluster.num_cpus=3"], ["cluster.num_cpus=2", "cluster.num_nodes=2"], ["cluster.num_cpus=2", "cluster.ray_address=auto"]):
+        cfg = tiny("policy.dp_size=2", *fits)  # enough CPUs, or a cluster whose CPUs are not known here
+        assert private_cpus_problem(cfg, plan_on_cluster(cfg)) is None, fits
+
+
 # Where the driver runs: decided from the environment alone (see nemo_like/distributed/ray_env.py).
 
 JOB_ENV = {  # what Ray 2.60's job supervisor sets in a submitted entrypoint (measured)
