@@ -43,7 +43,7 @@ from nemo_like.models.loading import (
 )
 from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
-from nemo_like.plan.memory import ModelShape, tensor_parallel_problems
+from nemo_like.plan.memory import tensor_parallel_problems
 from nemo_like.plan.run_plan import RunPlan
 from nemo_like.utils.run_control import run_control
 
@@ -239,8 +239,11 @@ def check_tensor_parallel_heads(cfg: MasterConfig, name: str, key: str | None = 
     the workers refused it after every actor had started."""
     if cfg.policy.dtensor_cfg.tensor_parallel_size == 1:
         return
-    shape = ModelShape.from_hf_config(model_config(name, local_only).get_text_config().to_dict())
-    if problems := tensor_parallel_problems(cfg, shape):
+    text = model_config(name, local_only).get_text_config()
+    heads = getattr(text, "num_attention_heads", None)  # transformers maps a GPT-2's n_head onto it
+    if heads is None:
+        return
+    if problems := tensor_parallel_problems(cfg, heads, getattr(text, "num_key_value_heads", None) or heads):
         raise ConfigError(f"{key}={name!r}: {problems[0]}" if key else problems[0])
 
 

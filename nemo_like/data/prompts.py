@@ -267,8 +267,14 @@ class PromptDataLoader:
         if saved is not None and saved != self.fingerprint:
             raise ConfigError(
                 f"The training prompts differ from the ones the checkpoint was trained on (fingerprint {saved} != "
-                f"{self.fingerprint}): the data config or files changed, so resuming would skip or repeat prompts. "
-                "Restore the data, or start a new run (checkpointing.checkpoint_dir / checkpointing.resume=false)"
+                f"{self.fingerprint}): the data config or files changed, so resuming would skip or repeat prompts"
+                + (
+                    ", or the tool lists rendered into them (env.<task>.tools_in_prompt; a checkpoint written before tool "
+                    "lists were rendered resumes with env.<task>.tools_in_prompt=false)"
+                    if any(r.tools for r in self.records)
+                    else ""
+                )
+                + ". Restore the data, or start a new run (checkpointing.checkpoint_dir / checkpointing.resume=false)"
             )
         saved = state.get("answers_fingerprint")  # absent from checkpoints saved before it was kept
         if saved is not None and saved != self.answers_fingerprint:

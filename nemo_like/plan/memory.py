@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE_GENERATION_BATCH
-from nemo_like.plan.threads import bundles_per_node, ranks_per_node
+from nemo_like.plan.threads import PACKING_STRATEGIES, bundles_per_node, per_node
 
 if TYPE_CHECKING:
     from nemo_like.plan.logprob_passes import LogprobPlan
@@ -807,21 +807,21 @@ def plan_memory(
         hints = {r.gpu: r.fit_hint for r in scorers}
         advice += [f"{device}: {hints[device]}" for device in sorted(scorer_devices & set(over))]
     advice += kv_advice(cfg, roles, device_bytes, shape) if engine else []
-    tp_problems = tensor_parallel_problems(cfg, shape)  # the teachers' workers take the policy's tensor-parallel degree
-    tp_problems += [f"teacher {name}: {p}" for name, (_, teacher) in teachers.items() for p in tensor_parallel_problems(cfg, teacher)]
+    tp_problems = tensor_parallel_problems(cfg, shape.heads, shape.kv_heads)  # teachers take the policy's degree too
+    tp_problems += [f"teacher {name}: {p}" for name, (_, t) in teachers.items() for p in tensor_parallel_problems(cfg, t.heads, t.kv_heads)]
     cluster_problems = [p for p in [cluster_problem(cfg) if cluster_problem is not None else None] if p]
     problems = [*cluster_problems, *tp_problems, *over.values(), *engine, *(r.problem for r in scorers if r.problem)]
     return MemoryPlan(roles, per_device, device_bytes, advice, step, problems, notes)
 
 
-def tensor_parallel_problems(cfg: Any, shape: ModelShape) -> list[str]:
+def tensor_parallel_problems(cfg: Any, heads: int, kv_heads: int) -> list[str]:
     """The tensor-parallel degree must divide the attention and KV heads (the policy's sharding splits heads across the
     ranks): refused here, as the run's workers would refuse it after they started."""
     tp = cfg.policy.dtensor_cfg.tensor_parallel_size
-    if shape.heads % tp or shape.kv_heads % tp:
+    if heads % tp or kv_heads % tp:
         return [
-            f"policy.dtensor_cfg.tensor_parallel_size={tp} must divide num_attention_heads={shape.heads} and "
-            f"num_key_value_heads={shape.kv_heads} (the heads are split across the tensor-parallel ranks)"
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} must divide num_attention_heads={heads} and "
+            f"num_key_value_heads={kv_heads} (the heads are split across the tensor-parallel ranks)"
         ]
     return []
 
@@ -863,7 +863,7 @@ def _plan_devices(
     hf_copies = sampler_weight_copies if run_plan.backend.value == "hf" else 0
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes, hf_copies))
     roles += scorers
-    if buffer := refit_buffer_memory(cfg, run_plan, parameters, params[0].bytes_per_element):
+    if buffer := refit_buffer_memory(cfg, run_plan, parameters, DTYPE_BYTES[cfg.policy.precision]):
         roles.append(buffer)
     colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
     return roles, devices(cfg, roles, colocated, run_plan.threads.cpus), colocated
@@ -873,8 +873,9 @@ def refit_buffer_memory(cfg: Any, run_plan: Any, parameters: int, bytes_per_elem
     """The copy of the weights a full-weight refit puts in a CPU node's RAM beside the policy's and the engine's: on one
     node the shared-memory buffer (``/dev/shm``) kept for the whole run
     (:func:`~nemo_like.models.refit.transport.shared_memory_refit_possible`), on several the object store's copy during
-    each refit (LoRA's merged refits too); the policy's weights in the engine's dtype (``bytes_per_element``: the
-    parameters'). None where no such copy is made on a CPU node (inline sampling, LoRA's adapter refits, GPUs)."""
+    each refit (LoRA's merged refits too); the policy's weights in the engine's dtype (``bytes_per_element``:
+    ``policy.precision``'s). None where no such copy is made on a CPU node (inline sampling, LoRA's adapter refits,
+    GPUs)."""
     if cfg.cluster.gpus_per_node or run_plan.backend.value == "inline" or run_plan.refit.value == "adapter":
         return None
     one_node = cfg.cluster.num_nodes == 1 and run_plan.refit.value == "full"
@@ -924,9 +925,9 @@ def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False, node_cpu
     """What each device holds: on GPUs every worker has its own (a ``colocated`` vLLM engine shares policy rank 0's:
     :func:`colocated_peak`; a composite actor's reward models placed on one GPU share it, and actors of a fraction of
     a GPU count as many as one GPU may hold: :attr:`RoleMemory.device`, :attr:`RoleMemory.per_device`); on a CPU cluster
-    every worker of a node shares the node's memory: of each role, the most workers one node may hold under
-    ``cluster.placement_strategy`` (:func:`~nemo_like.plan.threads.ranks_per_node`: PACK fills a node of ``node_cpus``
-    CPUs before the next, SPREAD spreads evenly; without ``node_cpus``, evenly)."""
+    every worker of a node shares the node's memory: under ``cluster.placement_strategy`` PACK / STRICT_PACK on several
+    nodes the heaviest workers one node of ``node_cpus`` CPUs may hold (Ray fills a node before the next), never less
+    than an even spread; with SPREAD (or without ``node_cpus``), an even spread."""
     by_role = {r.role: r for r in roles}
     if cfg.cluster.gpus_per_node:
         out: dict[str, int] = {}
@@ -936,9 +937,15 @@ def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False, node_cpu
             out.pop("generation GPU")
             out["policy GPU"] = colocated_peak(cfg, by_role["policy"], by_role["generation"])
         return out
-    strategy = cfg.cluster.placement_strategy if node_cpus else "SPREAD"
-    fit = bundles_per_node(cfg, node_cpus) if node_cpus else 1
-    total = sum(r.total * ranks_per_node(r.workers, cfg.cluster.num_nodes, strategy, fit) for r in by_role.values())
+    nodes = cfg.cluster.num_nodes
+    total = sum(r.total * per_node(r.workers, nodes) for r in by_role.values())  # an even spread
+    if node_cpus and nodes > 1 and cfg.cluster.placement_strategy in PACKING_STRATEGIES:
+        # Ray fills a node before the next: one may hold as many workers as its bundles (policy-sized), of any role,
+        # the heaviest first (each role has its own placement group); never less than the even spread
+        fit = bundles_per_node(cfg, node_cpus)
+        workers = sorted((r.total for r in by_role.values() if r.role != "refit buffer" for _ in range(r.workers)), reverse=True)
+        buffer = sum(r.total for r in by_role.values() if r.role == "refit buffer")
+        total = max(total, sum(workers[:fit]) + buffer)
     return {"each node (RAM)": total}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.plan.backend import VLLM_MAX_LORA_RANKS, resolve_backend, vllm_adapter_blocker, vllm_max_lora_rank  # noqa: F401
+from nemo_like.plan.backend import VLLM_MAX_LORA_RANKS, resolve_backend, vllm_adapter_blocker, vllm_available, vllm_max_lora_rank  # noqa: F401
 
 
 def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
@@ -28,7 +28,7 @@ def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
         raise ValueError(f"the LoRA refit mode (policy.lora_cfg.refit={lora.refit}) depends on the generation backend: pass it")
     if backend == "vllm":
         blocker = vllm_adapter_blocker(cfg)
-    elif cfg.policy.generation.backend == "auto" and (unserved := vllm_adapter_blocker(cfg)):  # why auto chose another
+    elif chose_another_for_adapters(cfg) and (unserved := vllm_adapter_blocker(cfg)):  # why auto chose another
         blocker = f"{unserved} (so the auto backend chose {backend}, which serves plain weights)"
     else:
         blocker = "the HF generation backend serves plain weights"
@@ -37,6 +37,12 @@ def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
     if lora.refit == "adapter":
         raise ConfigError(f"policy.lora_cfg.refit=adapter is not possible here: {blocker}; use policy.lora_cfg.refit=auto or merged")
     return "merged", f"auto: {blocker}"
+
+
+def chose_another_for_adapters(cfg: Any) -> bool:
+    """Whether ``auto`` weighed vLLM's adapter limits when it chose the engine: a CPU cluster with vLLM importable
+    (:func:`~nemo_like.plan.backend.resolve_backend`; on GPUs it takes vLLM whenever it is installed)."""
+    return cfg.policy.generation.backend == "auto" and not cfg.cluster.gpus_per_node and vllm_available()
 
 
 def merged_precision_warning(cfg: Any, mode: str) -> str | None:

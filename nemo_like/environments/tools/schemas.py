@@ -10,7 +10,9 @@ from its annotation where it has one, and the arguments without a default as req
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 import typing
 from typing import Any
 
@@ -26,7 +28,9 @@ def tool_schema(name: str, tool: Any) -> dict[str, Any]:
     try:
         function = dict(get_json_schema(tool)["function"])
         function.pop("return", None)  # not part of the OpenAI form templates render
-    except (DocstringParsingException, TypeHintParsingException, TypeError, ValueError):
+    except (DocstringParsingException, TypeHintParsingException):
+        function = _signature_schema(tool)
+    except Exception:  # noqa: BLE001 - not a plain function (a partial, an instance), or a hint that does not resolve
         function = _signature_schema(tool)
     return {"type": "function", "function": {"name": name, **{k: v for k, v in function.items() if k != "name"}}}
 
@@ -37,8 +41,9 @@ def _signature_schema(tool: Any) -> dict[str, Any]:
         signature = inspect.signature(tool)
     except (TypeError, ValueError):  # a builtin without a signature: arguments unknown
         signature = None
+    function = _function_of(tool)
     try:
-        hints = typing.get_type_hints(tool)
+        hints = typing.get_type_hints(function)
     except Exception:  # noqa: BLE001 - an annotation that does not resolve: typed as any
         hints = {}
     properties: dict[str, Any] = {}
@@ -46,12 +51,31 @@ def _signature_schema(tool: Any) -> dict[str, Any]:
     for arg in signature.parameters.values() if signature is not None else ():
         if arg.kind in (arg.VAR_POSITIONAL, arg.VAR_KEYWORD):
             continue
-        hint = typing.get_origin(hints.get(arg.name)) or hints.get(arg.name)
-        properties[arg.name] = {"type": JSON_TYPES[hint]} if hint in JSON_TYPES else {}
+        properties[arg.name] = _json_type(hints.get(arg.name))
         if arg.default is arg.empty:
             required.append(arg.name)
-    doc = inspect.getdoc(tool) or ""
+    doc = inspect.getdoc(function) or ""
     parameters: dict[str, Any] = {"type": "object", "properties": properties}
     if required:
         parameters["required"] = required
     return {"description": doc.split("\n\n")[0].replace("\n", " ").strip(), "parameters": parameters}
+
+
+def _function_of(tool: Any) -> Any:
+    """The function whose docstring and annotations describe ``tool``: a ``functools.partial``'s function, a callable
+    instance's ``__call__`` (their own docstrings are functools' and the class's)."""
+    while isinstance(tool, functools.partial):
+        tool = tool.func
+    if inspect.isroutine(tool) or inspect.isclass(tool):
+        return tool
+    return type(tool).__call__
+
+
+def _json_type(hint: Any) -> dict[str, Any]:
+    """``{"type": ...}`` of an annotation (``X | None`` and ``Optional[X]`` as X's, nullable), ``{}`` for any other."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        inner = _json_type(args[0])
+        return {"type": [inner["type"], "null"]} if inner else {}
+    hint = typing.get_origin(hint) or hint
+    return {"type": JSON_TYPES[hint]} if hint in JSON_TYPES else {}

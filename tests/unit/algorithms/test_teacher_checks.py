@@ -184,6 +184,13 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_befo
     shape = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1)
     Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), **shape)).save_pretrained(tmp_path / "three-heads")
     tokenizer.save_pretrained(tmp_path / "three-heads")
+    from transformers import GPT2Config
+
+    from nemo_like.algorithms.setup import check_tensor_parallel_heads
+
+    GPT2Config(n_head=3).save_pretrained(tmp_path / "gpt2")  # n_head, which transformers reads as num_attention_heads
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 must divide num_attention_heads=3 and num_key_value_heads=3"):
+        check_tensor_parallel_heads(recipe("policy.dtensor_cfg.tensor_parallel_size=2"), str(tmp_path / "gpt2"))
     message = refusal(f"teacher.model_name={tmp_path / 'three-heads'}", "policy.dtensor_cfg.tensor_parallel_size=2")
     assert message.startswith(
         f"teacher.model_name={str(tmp_path / 'three-heads')!r}: policy.dtensor_cfg.tensor_parallel_size=2 must divide num_attention_heads=3"

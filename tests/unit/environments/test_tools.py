@@ -215,6 +215,26 @@ def test_the_tools_schemas_a_prompt_lists_come_from_their_docstrings_and_signatu
     assert python["name"] == "python" and python["parameters"]["required"] == ["code"]
     assert ToolEnvironment.prompt_tools({"tools": ["calculator"], "tools_in_prompt": False}) is None
     json.dumps(ToolEnvironment.prompt_tools(settings))  # what a template's tojson writes
+    # What transformers' parser cannot take falls back to the signature: a hint that does not resolve (it raised a bare
+    # NameError at start-up), a partial and a callable instance (described by their function's docstring, not
+    # functools' or none), optional types (nullable, not untyped)
+    (tmp_path / "odd_tools.py").write_text(
+        "from __future__ import annotations\nimport functools\nfrom typing import TYPE_CHECKING, Optional\n"
+        "if TYPE_CHECKING:\n    from decimal import Decimal\n\n"
+        'def exact(x: Decimal) -> str:\n    """Exact value."""\n\n'
+        'def scaled(x: float, factor: Optional[int] = None, tags: list[str] | None = None) -> str:\n    """Scale x."""\n\n'
+        "half = functools.partial(scaled, factor=2)\n\n"
+        'class Lookup:\n    def __call__(self, key: str) -> str:\n        """Look a key up."""\n\nlookup = Lookup()\n'
+    )
+    odd = {name: f"{tmp_path}/odd_tools.py:{name}" for name in ("exact", "half", "lookup")}
+    exact, half, lookup = (s["function"] for s in ToolEnvironment.prompt_tools({"tools": odd}))
+    assert exact["parameters"] == {"type": "object", "properties": {"x": {}}, "required": ["x"]}
+    assert half["description"] == "Scale x." and half["parameters"]["properties"] == {
+        "x": {"type": "number"},
+        "factor": {"type": ["integer", "null"]},
+        "tags": {"type": ["array", "null"]},
+    }
+    assert lookup["description"] == "Look a key up." and lookup["parameters"]["required"] == ["key"]
 
 
 def test_a_long_result_is_cut_with_a_marker_and_counted_and_never_below_the_python_limit(tmp_path) -> None:

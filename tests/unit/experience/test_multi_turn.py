@@ -347,6 +347,12 @@ def test_a_runs_prompts_list_its_tool_environments_tools_and_a_template_that_can
     assert err.count("[config] warning: env.tool: the chat template of") == 1 and "does not render tools" in err
     assert shipped.train[0].tools is None and unlisted.train[0].tools == schemas
     assert [r.prompt_token_ids for r in unlisted.train] == [r.prompt_token_ids for r in shipped.train]
+    # a checkpoint written without the tool lists (before they were rendered): the refusal says what changed
+    with pytest.raises(ConfigError, match=r"or the tool lists rendered into them \(env.<task>.tools_in_prompt; a checkpoint"):
+        listed.loader.check_resumable(shipped.loader.state_dict())
+    with pytest.raises(ConfigError) as refused:  # prompts without tool lists: the data alone is blamed
+        shipped.loader.check_resumable(listed.loader.state_dict())
+    assert "tools_in_prompt" not in str(refused.value)
 
 
 def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(tokenizer, prompts):

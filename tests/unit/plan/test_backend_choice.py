@@ -69,6 +69,17 @@ def test_auto_takes_the_hf_engine_for_a_lora_run_whose_refit_sends_merged_weight
             plan_of(recipe("policy.lora_cfg.enabled=true", *overrides, "policy.lora_cfg.refit=adapter"))
 
 
+def test_on_gpus_without_vllm_the_lora_refit_reason_does_not_blame_the_adapters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on a GPU cluster takes the HF engine only because vLLM is not installed: the adapters' rank was not why."""
+    from nemo_like.plan import backend, refit
+
+    monkeypatch.setattr(backend, "vllm_available", lambda: False)
+    monkeypatch.setattr(refit, "vllm_available", lambda: False)
+    cfg = recipe("policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=1024", "policy.lora_cfg.alpha=1024", "cluster.gpus_per_node=1")
+    assert resolve_backend(cfg) == ("hf", "auto: a GPU cluster, but vllm is not installed")
+    assert refit.refit_mode(cfg, "hf") == ("merged", "auto: the HF generation backend serves plain weights")
+
+
 def test_in_flight_updates_at_trajectory_age_0_change_nothing() -> None:
     """The key was warned 'no effect' at max_trajectory_age_steps=0, yet it made the LoRA refit merged (with its bf16
     warning, and an explicit refit=adapter an error) and the generation actors threaded."""

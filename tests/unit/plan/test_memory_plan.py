@@ -372,13 +372,18 @@ def test_a_cpu_nodes_ram_counts_the_workers_packing_may_put_there_and_the_refits
 
     two = ["policy.dp_size=2", "cluster.num_nodes=2", "policy.generation.backend=hf"]
     packed, spread = planned(*two), planned(*two, "cluster.placement_strategy=SPREAD")
-    # 2 CPUs a node hold four 0.5-CPU bundles: both ranks of a role may be on one node
-    assert packed.per_device["each node (RAM)"] == sum(r.total * r.workers for r in packed.roles)
+    # 2 CPUs a node hold four 0.5-CPU bundles, of any role (each has its own placement group): the four heaviest of the
+    # six workers (summing each role's own most counted six: more than a node holds)
+    heaviest = sorted((r.total for r in packed.roles if r.role != "refit buffer" for _ in range(r.workers)), reverse=True)[:4]
+    buffer = {r.role: r for r in packed.roles}["refit buffer"].total
+    assert packed.per_device["each node (RAM)"] == sum(heaviest) + buffer
     assert spread.per_device["each node (RAM)"] == sum(r.total * -(-r.workers // 2) for r in spread.roles)
     assert spread.per_device["each node (RAM)"] < packed.per_device["each node (RAM)"]
-    weights = sum(math.prod(p.shape) for p in params) * 4
+    weights = sum(math.prod(p.shape) for p in params)
     buffer = {r.role: r for r in planned("policy.generation.backend=hf").roles}["refit buffer"]
-    assert (buffer.total, buffer.workers) == (weights, 1) and "in /dev/shm, kept between refits" in buffer.line()
+    assert (buffer.total, buffer.workers) == (4 * weights, 1) and "in /dev/shm, kept between refits" in buffer.line()
+    bf16 = {r.role: r for r in planned("policy.generation.backend=hf", "policy.precision=bfloat16").roles}["refit buffer"]
+    assert bf16.total == 2 * weights  # the engine's dtype, not the float32 master's
     for overrides in ([], ["policy.lora_cfg.enabled=true", "policy.generation.backend=vllm"]):  # inline: no refit; adapters only
         assert "refit buffer" not in {r.role for r in planned(*overrides).roles}, overrides
     merged = {r.role: r for r in planned("policy.lora_cfg.enabled=true", "policy.generation.backend=hf").roles}
