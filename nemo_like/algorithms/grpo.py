@@ -599,8 +599,9 @@ class SyncSteps:
 
 
 def restored_async_state(checkpoint: CheckpointInfo) -> dict[str, Any]:
-    """The replay buffer, pacing target and collector's unreported counters an async checkpoint holds (:class:`CheckpointError` naming the file if it
-    lacks the buffer: its data position is ahead of training by the buffered batches, which would be skipped)."""
+    """The replay buffer, pacing target and collector's unreported counters an async checkpoint holds
+    (:class:`CheckpointError` naming the file if it lacks the buffer: its data position is ahead of training by the
+    buffered batches, which would be skipped)."""
     buffer = load_checkpoint_file(checkpoint, BUFFER_FILE)
     if buffer is None:
         raise CheckpointError(

@@ -869,6 +869,10 @@ def _plan_devices(
     return roles, devices(cfg, roles, colocated, run_plan.threads.cpus), colocated
 
 
+#: The role of the refit's copy of the weights in a CPU node's RAM (:func:`refit_buffer_memory`): no actor, no bundle.
+REFIT_BUFFER = "refit buffer"
+
+
 def refit_buffer_memory(cfg: Any, run_plan: Any, parameters: int, bytes_per_element: int) -> RoleMemory | None:
     """The copy of the weights a full-weight refit puts in a CPU node's RAM beside the policy's and the engine's: on one
     node the shared-memory buffer (``/dev/shm``) kept for the whole run
@@ -882,7 +886,7 @@ def refit_buffer_memory(cfg: Any, run_plan: Any, parameters: int, bytes_per_elem
     note = "the policy's weights for the engine's refits: " + (
         "in /dev/shm, kept between refits" if one_node else "in the object store during each refit"
     )
-    return RoleMemory("refit buffer", 1, params=parameters * bytes_per_element, on_host=True, note=note)
+    return RoleMemory(REFIT_BUFFER, 1, params=parameters * bytes_per_element, on_host=True, note=note)
 
 
 def teacher_roles(cfg: Any) -> dict[str, str]:
@@ -943,8 +947,8 @@ def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False, node_cpu
         # Ray fills a node before the next: one may hold as many workers as its bundles (policy-sized), of any role,
         # the heaviest first (each role has its own placement group); never less than the even spread
         fit = bundles_per_node(cfg, node_cpus)
-        workers = sorted((r.total for r in by_role.values() if r.role != "refit buffer" for _ in range(r.workers)), reverse=True)
-        buffer = sum(r.total for r in by_role.values() if r.role == "refit buffer")
+        workers = sorted((r.total for r in by_role.values() if r.role != REFIT_BUFFER for _ in range(r.workers)), reverse=True)
+        buffer = sum(r.total for r in by_role.values() if r.role == REFIT_BUFFER)
         total = max(total, sum(workers[:fit]) + buffer)
     return {"each node (RAM)": total}
 
