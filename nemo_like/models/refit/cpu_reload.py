@@ -11,8 +11,9 @@ This module does only the necessary part: it fuses the checkpoint tensors the wa
 them (``packed_modules_mapping``: ``q/k/v_proj`` -> ``qkv_proj``, ``gate/up_proj`` -> ``gate_up_proj``,
 tensor parallel 1), copies plain parameters (norms, embeddings, biases) in place, gives each linear
 layer its fused weight back and re-runs that layer's ``process_weights_after_loading`` (which builds
-the new handle). A model it does not fully understand (a name it cannot place, a shape that differs,
-a quantized layer) is left untouched and the caller falls back to vLLM's own reload.
+the new handle). A model it does not fully understand (a vLLM class whose loader may rearrange tensors, a name it
+cannot place, a shape that differs, a quantized layer) is left untouched and the caller falls back to vLLM's own
+reload.
 
 What remains is mostly building the oneDNN handles themselves (``benchmarks/refit.py`` measures a refit).
 ``tests/functional/test_vllm_backend.py`` checks that this loader and vLLM's reload give bit-identical
@@ -27,6 +28,11 @@ from dataclasses import dataclass
 import torch
 
 PLAIN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+#: vLLM model classes whose ``load_weights`` only renames the checkpoint's tensors and stacks them by
+#: ``packed_modules_mapping``, what this loader does (checked against vLLM's reload on a real engine). Another's may
+#: rearrange a tensor within its shape, which no shape check sees: Falcon's reorders its fused ``query_key_value`` rows
+#: (copied as they come, its refits sampled from scrambled attention weights, train/gen_kl ~4e-3 instead of ~1e-13).
+IN_PLACE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STAGING = "_nemo_like_refit_staging"  # a linear layer's fused weight as last written, kept on the module
 
 
@@ -135,11 +141,23 @@ def apply_in_place_reload(updates: list[ParamUpdate]) -> None:
         module.quant_method.process_weights_after_loading(module)
 
 
+def check_in_place_architecture(model: torch.nn.Module) -> None:
+    """:class:`InPlaceReloadUnsupported` unless ``model``'s vLLM class is one of :data:`IN_PLACE_ARCHITECTURES`."""
+    name = type(model).__name__
+    if name not in IN_PLACE_ARCHITECTURES:
+        raise InPlaceReloadUnsupported(
+            f"vLLM's {name} may rearrange checkpoint tensors as it loads them; the in-place loader follows "
+            f"{', '.join(IN_PLACE_ARCHITECTURES)} only"
+        )
+
+
 def reload_in_place(worker, weights: list[tuple[str, torch.Tensor]]) -> str | None:
     """Run inside the engine (``collective_rpc``): load ``weights`` in place. Returns None when done, or why
     not (nothing was changed), so the caller uses vLLM's ``reload_weights`` instead."""
     try:
-        updates = plan_in_place_reload(worker.model_runner.get_model(), weights)
+        model = worker.model_runner.get_model()
+        check_in_place_architecture(model)
+        updates = plan_in_place_reload(model, weights)
     except InPlaceReloadUnsupported as exc:
         return str(exc)
     apply_in_place_reload(updates)

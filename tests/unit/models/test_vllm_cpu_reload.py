@@ -5,7 +5,7 @@ tests/functional/test_vllm_backend.py."""
 import pytest
 import torch
 
-from nemo_like.models.refit.cpu_reload import InPlaceReloadUnsupported, fused_target, plan_in_place_reload
+from nemo_like.models.refit.cpu_reload import InPlaceReloadUnsupported, check_in_place_architecture, fused_target, plan_in_place_reload
 
 QWEN2_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -64,3 +64,13 @@ def test_a_packed_module_with_a_missing_part_is_refused():
     (update,) = plan_in_place_reload(Attn(), full.items())
     assert update.shape == (6, 2) and len(update.parts) == 3  # q, k, v, in that order
     assert [p.data_ptr() for p in update.parts] == [full[f"{x}_proj.weight"].data_ptr() for x in "qkv"]
+
+
+def test_only_vllm_classes_whose_loader_the_in_place_reload_follows_take_it():
+    """Falcon's vLLM loader reorders its fused query_key_value rows within their shape: copied as sent, every refit
+    left the engine with scrambled attention weights (train/gen_kl ~4e-3, no fallback said)."""
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        check_in_place_architecture(type(name, (torch.nn.Module,), {})())
+    for name in ("FalconForCausalLM", "GPT2LMHeadModel", "Gemma2ForCausalLM"):
+        with pytest.raises(InPlaceReloadUnsupported, match=f"vLLM's {name} may rearrange checkpoint tensors"):
+            check_in_place_architecture(type(name, (torch.nn.Module,), {})())
