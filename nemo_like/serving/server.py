@@ -92,7 +92,8 @@ class RolloutServer:
         self.sessions = SessionStore(
             auto_create=config.auto_create_sessions, vocab_size=vocab, on_end=self.queue.forget, max_kept_results=config.max_kept_results
         )
-        limits = Limits(config.model_name, max_context, config.max_n, config.require_session, config.run_sampling)
+        minimum = getattr(engine, "MIN_TEMPERATURE", 0.0)
+        limits = Limits(config.model_name, max_context, config.max_n, config.require_session, config.run_sampling, minimum)
         renderer = Renderer(tokenizer, config.chat_template)
         self.service = CompletionService(renderer, self.queue, self.sessions, limits, eos, TOOL_PARSERS.get(config.tool_parser))
         self.app = create_app(self.service, self.api_key)

@@ -16,7 +16,7 @@ from nemo_like.models.generation.interface import GeneratedSample, SamplingParam
 from nemo_like.serving.batching import GenerationQueue
 from nemo_like.serving.continuation import message_keys
 from nemo_like.serving.errors import ServingError, bad_request
-from nemo_like.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, engine_top_k
+from nemo_like.serving.protocol import GREEDY_BELOW, ChatCompletionRequest, CompletionRequest, SamplingFields, engine_top_k
 from nemo_like.serving.rendering import Renderer
 from nemo_like.serving.sessions import GREEDY_KEY, Session, SessionStore, call_settings
 from nemo_like.serving.tool_parsers import ParsedTurn, ToolParser
@@ -34,6 +34,7 @@ class Limits:
     max_n: int = 16
     require_session: bool = False  # refuse calls without a session id (a training run's server)
     run_sampling: RunSampling | None = None  # the run's sampling settings: defaults, enforced when ``enforce``; its stops
+    min_temperature: float = 0.0  # the engine's lowest positive temperature (vLLM raises a lower one to its 0.01)
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,13 @@ class CompletionService:
             self.limits.run_sampling.apply(req, greedy)
         elif greedy:
             req.temperature = 0.0
+        lowest = self.limits.min_temperature
+        if req.temperature is not None and GREEDY_BELOW <= req.temperature < lowest:
+            raise bad_request(
+                f"'temperature' {req.temperature:g} is below {lowest:g}, the lowest this server's engine (vLLM) samples at "
+                f"(it would sample at {lowest:g}); send 0 for greedy decoding, or at least {lowest:g}.",
+                param="temperature",
+            )
 
     def _session(self, session_id: str | None) -> tuple[Session | None, int]:
         if session_id is None:

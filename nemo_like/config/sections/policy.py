@@ -45,7 +45,11 @@ class VllmConfig(Section):
         0.5, gt=0, le=1, description="GPU only: fraction of the GPU vLLM may use (weights + KV cache); leave room for the colocated policy."
     )
     kv_cache_space_gib: Int = Field(1, gt=0, description="CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
-    enforce_eager: bool = Field(True, description="Run eagerly (no CUDA graphs / torch.compile): fast start-up, required on CPU here.")
+    enforce_eager: bool = Field(
+        True,
+        description="Run eagerly (no CUDA graphs / torch.compile): fast start-up; false compiles the model (on CPU ~40 s more "
+        "start-up).",
+    )
 
 
 class GenerationConfig(Section):

@@ -51,7 +51,7 @@ from nemo_like.models.generation.interface import (
 from nemo_like.models.generation.vllm_worker import ENGINE_ENV, VLLMGenerationWorker
 from nemo_like.models.loading import actor_model_source, tokenizer_source
 from nemo_like.models.refit.transport import RefitTransport, refit_transport
-from nemo_like.plan.backend import INSTALL_HINT, require_vllm, vllm_available  # noqa: F401 (importable here)
+from nemo_like.plan.backend import INSTALL_HINT, VLLM_MIN_TEMPERATURE, require_vllm, vllm_available  # noqa: F401 (importable here)
 
 
 def engine_env(cfg: MasterConfig) -> dict[str, str]:
@@ -123,6 +123,7 @@ class VLLMGeneration:
     """Shards prompts across ``num_workers`` vLLM actors (tensor parallel 1 each)."""
 
     PER_PROMPT_SEEDS = True  # vLLM seeds every request (generate takes one seed per prompt)
+    MIN_TEMPERATURE = VLLM_MIN_TEMPERATURE  # vLLM raises a lower positive temperature to it (a server refuses one)
 
     def __init__(
         self,

@@ -177,6 +177,22 @@ def test_nemo_like_serve_takes_max_new_tokens_as_the_default_of_a_call_without_m
         assert engine.params[-1].stop_token_ids == (STOP_ID,)
 
 
+def test_a_server_on_vllm_refuses_a_temperature_vllm_would_raise():
+    """vLLM samples a positive temperature below 0.01 at 0.01 (a warning below its log level): a request at 0.002 got
+    T=0.01 tokens and logprobs, silently. Such a server refuses it; 0 (greedy) and 0.01 pass."""
+    from nemo_like.models.generation.vllm import VLLMGeneration
+
+    engine = Scripted(lambda prompt: ids_of("x"))
+    engine.MIN_TEMPERATURE = VLLMGeneration.MIN_TEMPERATURE
+    with RolloutServer(engine, TOKENIZER, ServerConfig(max_context=512), [EOS]) as server:
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(server, temperature=0.002)
+        assert refused.value.body["param"] == "temperature" and "below 0.01" in refused.value.body["message"]
+        chat(server, temperature=0.0)
+        chat(server, temperature=0.01)
+        assert [p.greedy for p in engine.params] == [True, False] and engine.params[-1].temperature == 0.01
+
+
 # 2. Session budgets --------------------------------------------------------------------------------------------------
 
 
