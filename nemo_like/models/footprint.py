@@ -123,9 +123,15 @@ def model_footprint(
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        layers = decoder_layers(model)  # the same modules once LoRA wraps them
-    except ValueError as exc:  # an encoder (bert): no causal-LM class, or no decoder layers
+    except ValueError as exc:  # an encoder (bert): no causal-LM class
         raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
+    try:
+        layers = decoder_layers(model)  # the same modules once LoRA wraps them
+    except ValueError as exc:  # a causal LM laid out otherwise (Falcon: transformer.h)
+        raise ConfigError(
+            f"{path}: the memory plan cannot lay out {type(model).__name__} ({str(exc).splitlines()[0]}); it plans models "
+            "whose decoder layers are model.model.layers (Llama, Qwen, Mistral, Gemma, ...)"
+        ) from None
     lora = lora_cfg is not None and lora_cfg.enabled
     if lora:
         from nemo_like.models.lora import apply_lora

@@ -107,6 +107,8 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
     generation_config.write_text('{"bos_token_id": 1, "eos_token_id": 2}')
     bert = tmp_path / "t5.json"
     bert.write_text('{"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 2, "d_ff": 128}')  # an encoder-decoder
+    falcon = tmp_path / "falcon.json"  # a causal LM, laid out as transformer.h: it was called "not a causal language model"
+    falcon.write_text('{"model_type": "falcon", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 100}')
     utf16 = tmp_path / "recipe.yaml"
     utf16.write_text("grpo:\n  seed: 1\n", encoding="utf-16")
     results = tmp_path / "results.jsonl"  # eval's per-sample file, plotted by mistake
@@ -136,6 +138,7 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["plan", "--model-config", str(generation_config)], "not a causal language model's config.json (it has no 'model_type')"),
         (["plan", "--model-config", str(tmp_path / "afile")], "not a causal language model's config.json (Expecting value"),
         (["plan", "--model-config", str(bert)], "not a causal language model's config.json (Unrecognized configuration class"),
+        (["plan", "--model-config", str(falcon)], "the memory plan cannot lay out FalconForCausalLM"),
         (["train", "--dry-run", "--config", str(utf16)], "is not UTF-8 text"),
         # plan printed a plan (exit 0) for recipes train refuses at once, and ignored a --teacher-config of no teacher
         (["plan", "--teacher-config", f"nosuch={tmp_path / 'afile'}"], "--teacher-config nosuch=...: not a teacher model of this run"),
