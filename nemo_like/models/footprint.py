@@ -108,6 +108,10 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
         raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
 
 
+class UnplannableLayout(ConfigError):
+    """A causal LM whose layers the memory plan cannot find (its config was read)."""
+
+
 def model_footprint(
     model_name: str, precision: str, lora_cfg: Any = None, config_path: str | Path | None = None
 ) -> tuple[list[ParameterSpec], ModelShape]:
@@ -128,7 +132,7 @@ def model_footprint(
     try:
         layers = decoder_layers(model)  # the same modules once LoRA wraps them
     except ValueError as exc:  # a causal LM laid out otherwise (Falcon: transformer.h)
-        raise ConfigError(
+        raise UnplannableLayout(
             f"{path}: the memory plan cannot lay out {type(model).__name__} ({str(exc).splitlines()[0]}); it plans models "
             "whose decoder layers are model.model.layers (Llama, Qwen, Mistral, Gemma, ...)"
         ) from None
@@ -245,6 +249,8 @@ def scorer_roles(specs: Sequence[ScorerSpec | JudgeSpec], device_bytes: float | 
         if isinstance(spec, JudgeSpec):
             try:
                 roles.append(judge_role(spec, device_bytes))
+            except UnplannableLayout as exc:
+                lines.append(f"not planned: {spec.role} loads {spec.model_name!r} ({exc})")
             except (OSError, ConfigError, ValueError) as exc:
                 lines.append(f"not planned: {spec.role} loads {spec.model_name!r}, whose config was not read ({str(exc).splitlines()[0]})")
             continue

@@ -145,6 +145,10 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
 
 
+#: The role of the refit's copy of the weights in a CPU node's RAM (:func:`refit_buffer_memory`): no actor, no bundle.
+REFIT_BUFFER = "refit buffer"
+
+
 @dataclass(frozen=True)
 class RoleMemory:
     """Bytes one worker of a role holds, by kind (``workers``: how many such workers the role starts)."""
@@ -187,6 +191,8 @@ class RoleMemory:
 
     def line(self) -> str:
         """One ``[plan]`` line."""
+        if self.role == REFIT_BUFFER:  # bytes in a node's RAM, no worker
+            return f"memory {self.role}: {self.total / GIB:.3f} GiB in its node's RAM ({self.note})"
         held = [f"{k} {v / GIB:.3f}" for k, v in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer))]
         parts = ([] if self.offloaded else held) + [f"activations ~{self.activations / GIB:.3f}"]
         if self.unsharded_root:
@@ -867,10 +873,6 @@ def _plan_devices(
         roles.append(buffer)
     colocated = run_plan.backend.value == "vllm" and cfg.policy.generation.colocated.enabled
     return roles, devices(cfg, roles, colocated, run_plan.threads.cpus), colocated
-
-
-#: The role of the refit's copy of the weights in a CPU node's RAM (:func:`refit_buffer_memory`): no actor, no bundle.
-REFIT_BUFFER = "refit buffer"
 
 
 def refit_buffer_memory(cfg: Any, run_plan: Any, parameters: int, bytes_per_element: int) -> RoleMemory | None:

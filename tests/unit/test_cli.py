@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
 
@@ -343,6 +344,19 @@ def test_plan_warns_when_model_config_describes_another_model_than_the_one_here(
     explicit.write_text(json.dumps({**own, "head_dim": own["hidden_size"] // own["num_attention_heads"]}))
     assert main(["plan", "--model-config", str(explicit)]) == 0
     assert f"--model-config {explicit} has no effect" in capsys.readouterr().err
+
+
+def test_a_judge_whose_layout_the_plan_cannot_lay_out_is_not_said_unread(tmp_path) -> None:
+    from transformers import FalconConfig
+
+    from nemo_like.models.footprint import scorer_roles
+    from nemo_like.plan.memory import JudgeSpec
+
+    FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, vocab_size=100).save_pretrained(tmp_path / "falcon")
+    spec = JudgeSpec("judge:t", str(tmp_path / "falcon"), "float32", 1, 0.0, "hf", 8, 64, "", 1, 0.5)
+    roles, (line,) = scorer_roles([spec])
+    assert not roles and "the memory plan cannot lay out FalconForCausalLM" in line and "was not read" not in line
+    assert "was not read" in scorer_roles([replace(spec, model_name=str(tmp_path / "nothing"))])[1][0]
 
 
 def test_plan_counts_the_reward_models_and_the_judges(capsys) -> None:
