@@ -47,8 +47,7 @@ class VllmConfig(Section):
     kv_cache_space_gib: Int = Field(1, gt=0, description="CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     enforce_eager: bool = Field(
         True,
-        description="Run eagerly (no CUDA graphs / torch.compile): fast start-up; false compiles the model (on CPU ~40 s more "
-        "start-up).",
+        description="Run eagerly (no CUDA graphs / torch.compile): fast start-up; false compiles the model (on CPU ~40 s more start-up).",
     )
 
 
