@@ -383,12 +383,12 @@ class ImportanceWeights(NamedTuple):
     out_of_bounds: torch.Tensor
 
 
-def importance_weights(inputs: LossInputs, cfg: ClippedPGLossConfig) -> ImportanceWeights:
-    """Detached pi_prev/pi_gen weights, truncated as configured."""
+def importance_weights(inputs: LossInputs, cfg: ClippedPGLossConfig, truncate: TruncationFn | None = None) -> ImportanceWeights:
+    """Detached pi_prev/pi_gen weights, truncated as configured (``truncate``: the configured truncation, looked up
+    already; else here)."""
     log_w = importance_log_weights(inputs, cfg.sequence_level_importance_ratios).detach()
     seq_log_geo = masked_mean(inputs.prev - inputs.gen, inputs.mask, dim=-1)
-    tis_type = cfg.truncated_importance_sampling_type
-    truncate = no_truncation if tis_type is None else TRUNCATIONS.get(tis_type)
+    truncate = truncate or configured_truncation(cfg)
     truncated, out_of_bounds = truncate(
         log_w,
         seq_log_geo,
@@ -434,7 +434,15 @@ def mismatch_penalty_per_token(inputs: LossInputs) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def reference_kl_per_token(inputs: LossInputs, cfg: ClippedPGLossConfig) -> torch.Tensor:
+def configured_truncation(cfg: ClippedPGLossConfig) -> TruncationFn:
+    """``loss_fn.truncated_importance_sampling_type``'s function (none: no truncation)."""
+    tis_type = cfg.truncated_importance_sampling_type
+    return no_truncation if tis_type is None else TRUNCATIONS.get(tis_type)
+
+
+def reference_kl_per_token(
+    inputs: LossInputs, cfg: ClippedPGLossConfig, estimator: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """Per-token estimate of KL(pi_curr || pi_ref), importance-weighted, with gradient.
 
     The weight is ``pi_curr/pi_gen`` with ``use_on_policy_kl_approximation`` (the tokens come from
@@ -460,7 +468,7 @@ def reference_kl_per_token(inputs: LossInputs, cfg: ClippedPGLossConfig) -> torc
     log_ratio = torch.where(overflow, log_ratio.detach(), log_ratio)  # no host sync on a GPU: always
     input_clamped = input_clamped | overflow
     # Estimators of KL(pi || pi_ref) from log_ratio = log pi_ref - log pi on tokens x ~ pi.
-    kl = KL_ESTIMATORS.get(cfg.reference_policy_kl_type)(log_ratio)
+    kl = (estimator or KL_ESTIMATORS.get(cfg.reference_policy_kl_type))(log_ratio)
     baseline = inputs.gen if cfg.use_on_policy_kl_approximation else inputs.curr.detach()
     weights = torch.nan_to_num(torch.exp(inputs.curr - baseline), nan=0.0, posinf=0.0, neginf=0.0)
     pathwise = cfg.reference_policy_kl_type in PATHWISE_KL_ESTIMATORS
@@ -528,6 +536,11 @@ class ClippedPGLossFn:
         self.reference_policy_kl_penalty = cfg.reference_policy_kl_penalty
         self.surrogate_name = select_surrogate(cfg)
         self._surrogate = SURROGATES.get(self.surrogate_name)
+        # Plug-ins looked up here, in the driver, travel with the pickled loss to the policy workers: a name registered
+        # in the user's own process (TRUST_REGIONS.add(...)) was unknown to the workers' registries.
+        self._truncate = configured_truncation(cfg)
+        self._kl_estimator = KL_ESTIMATORS.get(cfg.reference_policy_kl_type)
+        self._trust_region = TRUST_REGIONS.get(cfg.trust_region_type) if cfg.trust_region_type is not None else None
         self.aggregation = cfg.aggregation
         self._sequence_level_metrics: frozenset[str] = frozenset()  # set by each call (_importance_metrics)
 
@@ -579,7 +592,7 @@ class ClippedPGLossFn:
         inputs = LossInputs.from_data(curr_logprobs, data, global_valid_seqs, global_valid_toks, cfg.force_on_policy_ratio)
 
         surrogate = self._surrogate(ppo_log_ratio(inputs, cfg.sequence_level_importance_ratios), inputs, cfg)
-        weights = importance_weights(inputs, cfg)
+        weights = importance_weights(inputs, cfg, self._truncate)
         per_token = surrogate.loss
         if cfg.use_importance_sampling_correction:
             per_token = per_token * _as_per_token(weights.truncated)
@@ -600,7 +613,7 @@ class ClippedPGLossFn:
         kl_penalty = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
         kl_clamped = torch.zeros_like(per_token)
         if inputs.ref is not None:
-            reference_kl = reference_kl_per_token(inputs, cfg)
+            reference_kl = reference_kl_per_token(inputs, cfg, self._kl_estimator)
             kl_penalty = aggregate(reference_kl)
             kl_clamped = kl_clamp_active(reference_kl, inputs, cfg).to(per_token.dtype)
             if beta > 0:
@@ -631,10 +644,9 @@ class ClippedPGLossFn:
         return loss, dict(zip(names, values))
 
     def _keep_mask(self, inputs: LossInputs) -> torch.Tensor:
-        if self.cfg.trust_region_type is None:
+        if self._trust_region is None:
             return inputs.valid
-        trust_region = TRUST_REGIONS.get(self.cfg.trust_region_type)
-        return trust_region(inputs, self.cfg.trust_region_low, self.cfg.trust_region_high)
+        return self._trust_region(inputs, self.cfg.trust_region_low, self.cfg.trust_region_high)
 
     @staticmethod
     def _ratio_metrics(inputs: LossInputs, surrogate: Surrogate) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ check_plugin_names, before any actor starts) with a did-you-mean; one definition
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from nemo_like.config.loss import ClippedPGLossConfig
 
 PLUGINS = "tests.unit.algorithms.user_plugins"
 PLUGINS_FILE = "tests/unit/algorithms/user_plugins.py"
+REPO = Path(__file__).parents[3]
 
 
 @pytest.mark.parametrize("path", [f"{PLUGINS}:best_of_group_advantages", f"{PLUGINS_FILE}:best_of_group_advantages"])
@@ -72,6 +74,42 @@ def test_user_kl_estimator_by_import_path_is_used_in_the_loss() -> None:
     loss, fragments = ClippedPGLossFn(cfg)(curr, data, 1, 1)
     assert loss.item() == pytest.approx(-2.0 + 0.1 * 0.5)
     assert fragments["kl_penalty"] == pytest.approx(0.5)
+
+
+def test_plugins_registered_in_the_users_process_reach_the_policy_workers(tmp_path) -> None:
+    """A KL estimator or trust region added to its registry in the driver's process passed the name check, then the
+    policy worker (a process whose registries never saw it) failed at the first step: the loss now carries the
+    functions it looked up, pickled, as it carries a registered surrogate."""
+    import pickle
+    import subprocess
+    import sys
+
+    from tests.unit.algorithms.user_plugins import abs_log_ratio_kl, keep_every_token
+
+    names = ("test_runtime_abs_kl", "test_runtime_keep_all")
+    if names[0] not in loss_functions.KL_ESTIMATORS:
+        loss_functions.KL_ESTIMATORS.add(names[0], abs_log_ratio_kl)
+        loss_functions.TRUST_REGIONS.add(names[1], keep_every_token)
+    cfg = ClippedPGLossConfig(
+        reference_policy_kl_penalty=0.1, reference_policy_kl_type=names[0], trust_region_type=names[1], trust_region_low=0.1,
+        trust_region_high=0.1,
+    )  # fmt: skip
+    curr = torch.tensor([[0.0, math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    data = {
+        "advantages": torch.tensor([[0.0, 2.0]], dtype=torch.float64),
+        "token_mask": torch.tensor([[0.0, 1.0]], dtype=torch.float64),
+        "sample_mask": torch.ones(1, dtype=torch.float64),
+        "generation_logprobs": curr.detach().clone(),
+        "reference_policy_logprobs": curr.detach() - torch.tensor([[0.0, 0.5]], dtype=torch.float64),
+    }
+    (tmp_path / "loss.pkl").write_bytes(pickle.dumps((ClippedPGLossFn(cfg), curr.detach(), data)))
+    worker = (  # a fresh process, as a policy worker is: only the built-in names are registered there
+        "import pickle, sys\nloss_fn, curr, data = pickle.load(open(sys.argv[1], 'rb'))\n"
+        "print(loss_fn(curr.requires_grad_(), data, 1, 1)[0].item())"
+    )
+    done = subprocess.run([sys.executable, "-c", worker, str(tmp_path / "loss.pkl")], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout) == pytest.approx(-2.0 + 0.1 * 0.5)
 
 
 def test_registering_a_surrogate_makes_it_a_valid_recipe_value() -> None:
