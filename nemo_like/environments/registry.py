@@ -143,6 +143,23 @@ def check_constructor_kwargs(cls: type, kwargs: Mapping[str, Any], where: str, s
     return kwargs
 
 
+def actor_importable_path(path: str, cls: type, where: str) -> str:
+    """The path the environment actors (other processes) import ``cls`` by: ``path`` itself (a built-in's, or a
+    ``'module:Class'``), or for a class registered in the driver's own process (``ENVIRONMENTS.add``) its defining
+    module's. A :class:`ConfigError` naming ``where`` for a class no other process can import (one defined in the
+    script being run, ``__main__``, or inside a function): the actors failed on it after the run had started."""
+    if path in BUILTIN_ENVIRONMENTS.values():
+        return path
+    module, qualname = (path.partition(":")[0], path.partition(":")[2]) if ":" in path else (cls.__module__, cls.__qualname__)
+    if module == "__main__" or "<locals>" in qualname:
+        raise ConfigError(
+            f"{where}: {cls.__qualname__} is defined in {'the script being run (__main__)' if module == '__main__' else 'a function'}, "
+            "which the environment actors (other processes) cannot import: put the class in a module and name it "
+            "'file.py:Class' or 'package.module:Class'"
+        )
+    return f"{module}:{qualname}"
+
+
 def resolve_environments(env_cfg: Mapping[str, Any]) -> dict[str, EnvSpec]:
     """Turn the validated ``env`` sections (:class:`~nemo_like.config.schema.EnvSectionConfig`) into
     :class:`EnvSpec` s, importing and checking every class in the driver."""
@@ -162,6 +179,7 @@ def resolve_environments(env_cfg: Mapping[str, Any]) -> dict[str, EnvSpec]:
                 f"set env.{task}.class to a built-in name or 'module:Class'.{did_you_mean(task, BUILTIN_ENVIRONMENTS)}"
             )
         cls = import_environment_class(path, where)
+        path = actor_importable_path(path, cls, where)
         kwargs = check_constructor_kwargs(cls, section.model_extra or {}, f"env.{task}", ("class", "num_workers"))
         root = None if path in BUILTIN_ENVIRONMENTS.values() else import_root(path.partition(":")[0])
         specs[task] = EnvSpec(task, path, section.num_workers, kwargs, root)
