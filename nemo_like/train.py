@@ -52,6 +52,10 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
     :class:`~nemo_like.utils.run_control.RunInterrupted` (a ``SystemExit``: 143, 130 or 75) after printing how to resume;
     the stall watchdog's abort raises :class:`~nemo_like.distributed.watchdog.RunStalled` (70). See
     docs/guides/fault-tolerance.md."""
+    if not isinstance(cfg, MasterConfig):
+        raise TypeError(
+            f"train() takes a MasterConfig, e.g. load_config('recipe.yaml', ['grpo.max_num_steps=2']); got {type(cfg).__name__}"
+        )
     start = time.perf_counter()
     cfg = absolute_run_dirs(cfg)
     check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed

@@ -307,3 +307,16 @@ def test_shared_prompt_forward_true_with_the_teacher_kl_term_is_refused_at_load(
     with pytest.raises(ConfigError, match=r"policy.shared_prompt_forward=true cannot run with distillation.kl_weight=0.5"):
         load_config(distill, ["policy.shared_prompt_forward=true", "distillation.kl_weight=0.5"])
     assert load_config(distill, ["policy.shared_prompt_forward=auto", "distillation.kl_weight=0.5"]).distillation.kl_weight == 0.5
+
+
+def test_the_python_api_says_what_it_takes() -> None:
+    """load_config(path, "key=value") parsed the string one character at a time ("Cannot parse override 'g'"), a dict
+    was read as its keys, and train("recipe.yaml") failed deep inside with an AttributeError."""
+    from nemo_like.train import train
+
+    for overrides in ("grpo.max_num_steps=2", {"grpo.max_num_steps": 2}, [2]):
+        with pytest.raises(TypeError, match=r"overrides must be a list of 'key=value' strings, e.g. \['grpo.max_num_steps=2'\]"):
+            load_config(None, overrides)  # type: ignore[arg-type]
+    assert load_config(None, ("grpo.max_num_steps=3",)).grpo.max_num_steps == 3 and load_config(None, None).grpo.max_num_steps > 0
+    with pytest.raises(TypeError, match=r"train\(\) takes a MasterConfig, e.g. load_config\('recipe.yaml'"):
+        train("examples/configs/grpo_tiny_cpu.yaml")  # type: ignore[arg-type]
