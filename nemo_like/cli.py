@@ -368,7 +368,7 @@ def run_train(args: argparse.Namespace) -> int:
     if cfg is not None:
         from nemo_like.train import train
 
-        train(cfg)
+        train(cfg, sys.argv)  # the command a stopped run prints back to resume it
     return 0
 
 

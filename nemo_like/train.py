@@ -41,8 +41,10 @@ from nemo_like.utils.run_control import STOP_SIGNALS, RunControl, RunInterrupted
 from nemo_like.utils.run_lock import hold_run_locks, run_directories
 
 
-def train(cfg: MasterConfig) -> list[dict[str, Any]]:
-    """Train and return the per-step metric records (also in ``<log_dir>/metrics.jsonl``).
+def train(cfg: MasterConfig, command_line: list[str] | None = None) -> list[dict[str, Any]]:
+    """Train and return the per-step metric records (also in ``<log_dir>/metrics.jsonl``). ``command_line``: the
+    command that started the run (the CLI's ``sys.argv``), which a stopped run prints back as the one that resumes it;
+    a call from Python code is told to call ``train`` again.
 
     Before anything starts: the inputs are checked (model source, writable directories) and the run
     locks its log and checkpoint directories, so a second run on them stops before it resumes or trims
@@ -73,7 +75,7 @@ def train(cfg: MasterConfig) -> list[dict[str, Any]]:
         with hold_run_locks(run_directories(cfg)):
             return _train_locked(cfg, start, control)
     except RunInterrupted as stop:
-        print(stop_message(cfg, stop), file=sys.stderr, flush=True)
+        print(stop_message(cfg, stop, command_line), file=sys.stderr, flush=True)
         raise
     except RunStalled:
         print(
@@ -156,8 +158,9 @@ def stop_signals_held(control: RunControl) -> Iterator[Callable[[], None]]:
         release()
 
 
-def stop_message(cfg: MasterConfig, stop: RunInterrupted) -> str:
-    """The lines a stopped run ends with: why, what was saved, the exit status and the exact command that resumes."""
+def stop_message(cfg: MasterConfig, stop: RunInterrupted, command_line: list[str] | None = None) -> str:
+    """The lines a stopped run ends with: why, what was saved, the exit status and the exact command that resumes
+    (``command_line``: the CLI's; without one, a Python caller's, how to resume from code)."""
     if stop.checkpoint:
         saved = f"checkpoint {stop.checkpoint}"
     elif cfg.checkpointing.enabled:  # e.g. a policy death after the signal, before the first save
@@ -173,16 +176,22 @@ def stop_message(cfg: MasterConfig, stop: RunInterrupted) -> str:
                 "checkpointing.checkpoint_dir (another run's). Move the other run's step_* directories away, or copy this "
                 "run's checkpoint to a new checkpointing.checkpoint_dir, before resuming"
             )
-        return line + f"\n[stop] resume with: {resume_command(cfg)}"
+        if command_line is None:  # train() called from Python code: its script may not read its arguments as the CLI does
+            resume = "" if cfg.checkpointing.resume else " with checkpointing.resume=true"
+            return (
+                line
+                + f"\n[stop] resume: call train() again on this config{resume} (checkpointing.checkpoint_dir {cfg.checkpointing.checkpoint_dir})"
+            )
+        return line + f"\n[stop] resume with: {resume_command(cfg, command_line)}"
     if cfg.checkpointing.enabled:
         return line + "\n[stop] a rerun starts from step 0"
     return line + "\n[stop] a rerun starts afresh: set checkpointing.enabled=true to make runs resumable"
 
 
-def resume_command(cfg: MasterConfig, argv: list[str] | None = None) -> str:
-    """This process's own command line (it resumes: ``checkpointing.resume`` is on by default), with
+def resume_command(cfg: MasterConfig, argv: list[str]) -> str:
+    """The CLI command line ``argv`` that started the run (it resumes: ``checkpointing.resume`` is on by default), with
     ``checkpointing.resume=true`` appended when it was turned off."""
-    args = list(sys.argv if argv is None else argv)
+    args = list(argv)
     name = Path(args[0]).name
     if name in ("cli.py", "__main__.py"):
         head = [sys.executable, "-m", "nemo_like.cli"]

@@ -67,6 +67,7 @@ class RunControl:
         self._validations: deque[float] = deque(maxlen=history)
         self._setups: deque[float] = deque(maxlen=history)
         self._previous: dict[int, object] = {}
+        self._streams: tuple[Any, Any] | None = None  # sys.stdout / sys.stderr before a stop wrapped them
 
     # -- progress, read by the stall watchdog and the fault injector ---------------------------------------------
     def step_started(self, step: int) -> None:
@@ -151,6 +152,9 @@ class RunControl:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)  # type: ignore[arg-type]
         self._previous.clear()
+        if self._streams is not None:  # the caller's own streams again (a script or notebook goes on after train())
+            sys.stdout, sys.stderr = self._streams
+            self._streams = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -165,6 +169,7 @@ class RunControl:
             f"{self.requested.status} (send it again to exit at once without saving)"
         )
         _watch_outputs()
+        self._streams = self._streams or (sys.stdout, sys.stderr)
         sys.stdout, sys.stderr = _QuietOnBrokenPipe.wrap(sys.stdout), _QuietOnBrokenPipe.wrap(sys.stderr)
 
 
@@ -226,7 +231,10 @@ def _say(text: str) -> None:
 
 def _watch_outputs() -> None:
     """From a stop on, a daemon thread waits on stdout and stderr for their readers to leave (``tee`` may exit after
-    the handler ran: the same Ctrl-C reached it, but the scheduler decides who runs first) and silences each then."""
+    the handler ran: the same Ctrl-C reached it, but the scheduler decides who runs first) and silences each then.
+    Once per process: a later stop (another ``train()`` call in one Python process) finds them watching."""
+    if any(t.name.startswith("stop-output-watch-") and t.is_alive() for t in threading.enumerate()):
+        return
     with new_threads_spared_stop_signals():  # a second signal must reach the main thread (it exits at once)
         for fd in (1, 2):
             threading.Thread(target=_silence_if_reader_gone, args=(fd, None), name=f"stop-output-watch-{fd}", daemon=True).start()

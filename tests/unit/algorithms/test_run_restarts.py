@@ -287,8 +287,12 @@ def test_a_stop_whose_checkpoint_is_not_the_latest_prints_no_resume_command(tmp_
     assert f"checkpoint {own.path}" in message and "resume with" not in message
     assert f"a rerun would resume from {tmp_path / 'step_100'}, not from this run's checkpoint" in message
     latest = checkpoint(tmp_path, 120)  # the run's own checkpoint is the latest: the command resumes it
-    message = train_module.stop_message(cfg, RunInterrupted(StopReason("SIGTERM", 143), 120, str(latest.path)))
-    assert "[stop] resume with: " in message and message.endswith("checkpointing.resume=true")
+    stopped = RunInterrupted(StopReason("SIGTERM", 143), 120, str(latest.path))
+    message = train_module.stop_message(cfg, stopped, ["/venv/bin/nemo-like", "train", "--config", "r.yaml"])
+    assert message.endswith("[stop] resume with: /venv/bin/nemo-like train --config r.yaml checkpointing.resume=true")
+    # train() called from a script or a notebook: its argv is not a command that resumes (a script may ignore it)
+    message = train_module.stop_message(cfg, stopped)
+    assert "resume with" not in message and "[stop] resume: call train() again on this config with checkpointing.resume=true" in message
 
 
 def test_a_resumed_runs_tensorboard_hides_the_steps_it_redoes(tmp_path):

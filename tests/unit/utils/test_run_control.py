@@ -40,6 +40,29 @@ def test_a_first_signal_requests_a_stop_with_its_status(signum, status, capsys):
         assert blocked & (1 << (signal.SIGINT - 1)) and blocked & (1 << (signal.SIGTERM - 1)), thread.name
 
 
+def test_a_stopped_run_gives_the_process_its_streams_back_and_watches_once(capsys):
+    """train() called twice from one script, each stopped: the caller kept the stop's wrapped sys.stdout/sys.stderr
+    after train() returned, and two more watcher threads piled up with each stop."""
+    import sys
+    import threading
+
+    def watchers() -> int:
+        return sum(t.name.startswith("stop-output-watch-") for t in threading.enumerate())
+
+    for _ in range(2):
+        streams = (sys.stdout, sys.stderr)
+        control = RunControl()
+        control.install_signal_handlers()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+            assert control.stop_reason() is not None and sys.stdout is not streams[0]  # wrapped while it stops
+        finally:
+            control.restore_signal_handlers()
+        assert (sys.stdout, sys.stderr) == streams
+        assert watchers() == 2
+
+
 def test_run_interrupted_exits_with_the_reasons_status():
     stop = RunInterrupted(StopReason("SIGTERM", 143), 3, "/ck/step_3")
     assert isinstance(stop, SystemExit) and stop.code == 143 and stop.step == 3
