@@ -76,7 +76,7 @@ def test_user_kl_estimator_by_import_path_is_used_in_the_loss() -> None:
     assert fragments["kl_penalty"] == pytest.approx(0.5)
 
 
-def test_plugins_registered_in_the_users_process_reach_the_policy_workers(tmp_path) -> None:
+def test_plugins_registered_in_the_users_process_reach_the_policy_workers(tmp_path, monkeypatch) -> None:
     """A KL estimator or trust region added to its registry in the driver's process passed the name check, then the
     policy worker (a process whose registries never saw it) failed at the first step: the loss now carries the
     functions it looked up, pickled, as it carries a registered surrogate."""
@@ -86,10 +86,9 @@ def test_plugins_registered_in_the_users_process_reach_the_policy_workers(tmp_pa
 
     from tests.unit.algorithms.user_plugins import abs_log_ratio_kl, keep_every_token
 
-    names = ("test_runtime_abs_kl", "test_runtime_keep_all")
-    if names[0] not in loss_functions.KL_ESTIMATORS:
-        loss_functions.KL_ESTIMATORS.add(names[0], abs_log_ratio_kl)
-        loss_functions.TRUST_REGIONS.add(names[1], keep_every_token)
+    names = ("test_runtime_abs_kl", "test_runtime_keep_all")  # registered for this test only (others list the registries)
+    monkeypatch.setitem(loss_functions.KL_ESTIMATORS._entries, names[0], abs_log_ratio_kl)  # noqa: SLF001
+    monkeypatch.setitem(loss_functions.TRUST_REGIONS._entries, names[1], keep_every_token)  # noqa: SLF001
     cfg = ClippedPGLossConfig(
         reference_policy_kl_penalty=0.1, reference_policy_kl_type=names[0], trust_region_type=names[1], trust_region_low=0.1,
         trust_region_high=0.1,

@@ -110,10 +110,18 @@ def test_too_many_cpus_fail_too() -> None:
         check_cluster_capacity(required_resources(gpus), CPU_HEAD, role_requests(gpus), hint=hint)
 
 
-def test_plan_refuses_a_cpu_run_its_private_cluster_cannot_hold(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_refuses_a_cpu_run_its_private_cluster_cannot_hold(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`nemo-like plan` said "fits" for a one-node CPU recipe whose actors reserve more CPUs than the private cluster
     a run starts (this machine's cores, or cluster.num_cpus), which the run refused once Ray had started."""
+    import sys
+
     from nemo_like.algorithms.roles import private_cpus_problem
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a fresh process, as `nemo-like plan` is: no cluster to join
+    if "ray" in sys.modules:  # (another test of this worker may have connected it)
+        monkeypatch.setattr(sys.modules["ray"], "is_initialized", lambda: False)
     from nemo_like.cli import main
     from nemo_like.distributed.planning import plan_on_cluster
 

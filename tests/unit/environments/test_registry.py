@@ -72,7 +72,7 @@ def test_custom_env_errors_name_the_key(section: dict, message: str) -> None:
         envs({"t": section})
 
 
-def test_a_class_registered_in_the_drivers_process_reaches_the_actors_by_its_module_or_is_refused() -> None:
+def test_a_class_registered_in_the_drivers_process_reaches_the_actors_by_its_module_or_is_refused(monkeypatch) -> None:
     """ENVIRONMENTS.add("name", Class) and '__main__:Class' passed the start-up check, then every environment actor
     (another process) failed to find the class after the run had started."""
     import sys
@@ -81,23 +81,18 @@ def test_a_class_registered_in_the_drivers_process_reaches_the_actors_by_its_mod
 
     from nemo_like.environments.registry import ENVIRONMENTS
 
-    if "test_runtime_parity" not in ENVIRONMENTS:
-        ENVIRONMENTS.add("test_runtime_parity", LengthParityEnv)
+    monkeypatch.setitem(ENVIRONMENTS._entries, "test_runtime_parity", LengthParityEnv)  # noqa: SLF001 (this test only)
     assert envs({"t": {"class": "test_runtime_parity"}})["t"].class_path == "custom_envs:LengthParityEnv"
 
     class LocalEnv(LengthParityEnv):
         pass
 
-    if "test_runtime_local" not in ENVIRONMENTS:
-        ENVIRONMENTS.add("test_runtime_local", LocalEnv)
+    monkeypatch.setitem(ENVIRONMENTS._entries, "test_runtime_local", LocalEnv)  # noqa: SLF001
     with pytest.raises(ConfigError, match=r"env.t.class: .*LocalEnv is defined in a function.*name it 'file.py:Class'"):
         envs({"t": {"class": "test_runtime_local"}})
-    sys.modules["__main__"].ScriptEnv = LocalEnv  # a class of the script being run (python train_my_env.py)
-    try:
-        with pytest.raises(ConfigError, match=r"defined in the script being run \(__main__\)"):
-            envs({"t": {"class": "__main__:ScriptEnv"}})
-    finally:
-        del sys.modules["__main__"].ScriptEnv
+    monkeypatch.setattr(sys.modules["__main__"], "ScriptEnv", LocalEnv, raising=False)  # a class of the script being run
+    with pytest.raises(ConfigError, match=r"defined in the script being run \(__main__\)"):
+        envs({"t": {"class": "__main__:ScriptEnv"}})
 
 
 def test_an_unknown_section_without_class_is_an_error() -> None:
