@@ -434,6 +434,15 @@ def mismatch_penalty_per_token(inputs: LossInputs) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def registered_here(registry: Registry, name: str | None) -> Any:
+    """A plug-in registered under ``name``, looked up in the process that builds the loss (the driver) so that it
+    travels with the pickled loss to the policy workers: a name the user registered in their own process
+    (``TRUST_REGIONS.add(...)``) is unknown to a worker's registry. None for no name, or an import path
+    (``'module:function'``, ``'file.py:function'``), which each process imports itself (a file's module exists only in
+    the process that imported it: pickled, the function named a module no worker had)."""
+    return None if name is None or ":" in name else registry.get(name)
+
+
 def configured_truncation(cfg: ClippedPGLossConfig) -> TruncationFn:
     """``loss_fn.truncated_importance_sampling_type``'s function (none: no truncation)."""
     tis_type = cfg.truncated_importance_sampling_type
@@ -535,12 +544,10 @@ class ClippedPGLossFn:
         self.cfg = cfg
         self.reference_policy_kl_penalty = cfg.reference_policy_kl_penalty
         self.surrogate_name = select_surrogate(cfg)
-        self._surrogate = SURROGATES.get(self.surrogate_name)
-        # Plug-ins looked up here, in the driver, travel with the pickled loss to the policy workers: a name registered
-        # in the user's own process (TRUST_REGIONS.add(...)) was unknown to the workers' registries.
-        self._truncate = configured_truncation(cfg)
-        self._kl_estimator = KL_ESTIMATORS.get(cfg.reference_policy_kl_type)
-        self._trust_region = TRUST_REGIONS.get(cfg.trust_region_type) if cfg.trust_region_type is not None else None
+        self._surrogate = registered_here(SURROGATES, self.surrogate_name)
+        self._truncate = registered_here(TRUNCATIONS, cfg.truncated_importance_sampling_type)
+        self._kl_estimator = registered_here(KL_ESTIMATORS, cfg.reference_policy_kl_type)
+        self._trust_region = registered_here(TRUST_REGIONS, cfg.trust_region_type)
         self.aggregation = cfg.aggregation
         self._sequence_level_metrics: frozenset[str] = frozenset()  # set by each call (_importance_metrics)
 
@@ -591,8 +598,9 @@ class ClippedPGLossFn:
             )
         inputs = LossInputs.from_data(curr_logprobs, data, global_valid_seqs, global_valid_toks, cfg.force_on_policy_ratio)
 
-        surrogate = self._surrogate(ppo_log_ratio(inputs, cfg.sequence_level_importance_ratios), inputs, cfg)
-        weights = importance_weights(inputs, cfg, self._truncate)
+        surrogate_fn = self._surrogate or SURROGATES.get(self.surrogate_name)
+        surrogate = surrogate_fn(ppo_log_ratio(inputs, cfg.sequence_level_importance_ratios), inputs, cfg)
+        weights = importance_weights(inputs, cfg, self._truncate)  # None: looked up here
         per_token = surrogate.loss
         if cfg.use_importance_sampling_correction:
             per_token = per_token * _as_per_token(weights.truncated)
@@ -644,9 +652,10 @@ class ClippedPGLossFn:
         return loss, dict(zip(names, values))
 
     def _keep_mask(self, inputs: LossInputs) -> torch.Tensor:
-        if self._trust_region is None:
+        if self.cfg.trust_region_type is None:
             return inputs.valid
-        return self._trust_region(inputs, self.cfg.trust_region_low, self.cfg.trust_region_high)
+        trust_region = self._trust_region or TRUST_REGIONS.get(self.cfg.trust_region_type)
+        return trust_region(inputs, self.cfg.trust_region_low, self.cfg.trust_region_high)
 
     @staticmethod
     def _ratio_metrics(inputs: LossInputs, surrogate: Surrogate) -> dict[str, torch.Tensor]:

@@ -31,8 +31,10 @@ def resolve_config_dict(path: str | Path | None, overrides: Sequence[str] = ()) 
     schema knows even when the recipe does not spell it out; ``+key`` is for keys outside the schema.
     """
     register_resolvers()
-    if isinstance(overrides, (str, bytes, Mapping)) or not all(isinstance(o, str) for o in overrides or ()):
-        raise TypeError(f"overrides must be a list of 'key=value' strings, e.g. ['grpo.max_num_steps=2']; got {overrides!r}")
+    given = overrides
+    overrides = [] if isinstance(given, (str, bytes, Mapping)) else list(given or ())  # a generator is read once, here
+    if isinstance(given, (str, bytes, Mapping)) or not all(isinstance(o, str) for o in overrides):
+        raise TypeError(f"overrides must be a list of 'key=value' strings, e.g. ['grpo.max_num_steps=2']; got {given!r}")
     if path is None and not DEFAULT_RECIPE.is_file():  # a non-editable install: the recipes stay in the repository
         raise ConfigError(
             "No recipe given, and the embedded default recipe (examples/configs/grpo_tiny_cpu.yaml) is not next to this "
@@ -41,7 +43,7 @@ def resolve_config_dict(path: str | Path | None, overrides: Sequence[str] = ()) 
         )
     recipe = load_recipe_dict(path if path is not None else DEFAULT_RECIPE)
     cfg = OmegaConf.create(merge_dicts(MasterConfig().model_dump(mode="json"), recipe))
-    apply_overrides(cfg, overrides or ())
+    apply_overrides(cfg, overrides)
     try:
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:

@@ -16,6 +16,7 @@ Everything here runs in the driver, before any actor starts, so a wrong path or 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from pydantic import ValidationError
 
 from nemo_like.config.errors import ConfigError, did_you_mean
 from nemo_like.environments.interface import EnvironmentInterface
+from nemo_like.utils.imports import FILE_MODULE_PREFIX
 from nemo_like.utils.registry import PluginNameError, Registry
 
 
@@ -148,9 +150,11 @@ def actor_importable_path(path: str, cls: type, where: str) -> str:
     ``'module:Class'``), or for a class registered in the driver's own process (``ENVIRONMENTS.add``) its defining
     module's. A :class:`ConfigError` naming ``where`` for a class no other process can import (one defined in the
     script being run, ``__main__``, or inside a function): the actors failed on it after the run had started."""
-    if path in BUILTIN_ENVIRONMENTS.values():
+    if path in BUILTIN_ENVIRONMENTS or path in BUILTIN_ENVIRONMENTS.values():
         return path
     module, qualname = (path.partition(":")[0], path.partition(":")[2]) if ":" in path else (cls.__module__, cls.__qualname__)
+    if module.startswith(FILE_MODULE_PREFIX):  # a class of a file imported by path: the actors import that file
+        module = getattr(sys.modules.get(module), "__file__", None) or module
     if module == "__main__" or "<locals>" in qualname:
         raise ConfigError(
             f"{where}: {cls.__qualname__} is defined in {'the script being run (__main__)' if module == '__main__' else 'a function'}, "
@@ -158,6 +162,25 @@ def actor_importable_path(path: str, cls: type, where: str) -> str:
             "'file.py:Class' or 'package.module:Class'"
         )
     return f"{module}:{qualname}"
+
+
+def with_importable_inner_classes(path: str, kwargs: dict[str, Any], where: str) -> dict[str, Any]:
+    """``kwargs`` with the classes a composite's sources and an agent's verifier name (resolved again in the actors)
+    as :func:`actor_importable_path` gives them."""
+
+    def importable(name: str, key: str) -> str:
+        return actor_importable_path(name, import_environment_class(name, key), key)
+
+    if path == BUILTIN_ENVIRONMENTS["composite"] and isinstance(kwargs.get("sources"), Mapping):
+        sources = {}
+        for name, source in kwargs["sources"].items():
+            if isinstance(source, Mapping) and isinstance(source.get("class", name), str):
+                source = {**source, "class": importable(source.get("class", name), f"{where}.sources.{name}.class")}
+            sources[name] = source
+        return {**kwargs, "sources": sources}
+    if path == BUILTIN_ENVIRONMENTS["agent"] and isinstance(kwargs.get("verifier"), str):
+        return {**kwargs, "verifier": importable(kwargs["verifier"], f"{where}.verifier")}
+    return kwargs
 
 
 def resolve_environments(env_cfg: Mapping[str, Any]) -> dict[str, EnvSpec]:
@@ -181,6 +204,7 @@ def resolve_environments(env_cfg: Mapping[str, Any]) -> dict[str, EnvSpec]:
         cls = import_environment_class(path, where)
         path = actor_importable_path(path, cls, where)
         kwargs = check_constructor_kwargs(cls, section.model_extra or {}, f"env.{task}", ("class", "num_workers"))
+        kwargs = with_importable_inner_classes(path, kwargs, f"env.{task}")
         root = None if path in BUILTIN_ENVIRONMENTS.values() else import_root(path.partition(":")[0])
         specs[task] = EnvSpec(task, path, section.num_workers, kwargs, root)
     return specs

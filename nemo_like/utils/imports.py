@@ -50,9 +50,13 @@ def import_object(path: str) -> object:
 _FILE_IMPORT_LOCK = threading.RLock()
 
 
+#: The prefix of a file imported by path's module name (its name differs from process to process: :func:`_import_file`).
+FILE_MODULE_PREFIX = "_nemo_like_user_"
+
+
 def _import_file(file: Path) -> object:
     resolved = file.resolve()
-    name = f"_nemo_like_user_{abs(hash(str(resolved)))}"
+    name = f"{FILE_MODULE_PREFIX}{abs(hash(str(resolved)))}"
     with _FILE_IMPORT_LOCK:
         if name in sys.modules:
             return sys.modules[name]

@@ -67,7 +67,6 @@ class RunControl:
         self._validations: deque[float] = deque(maxlen=history)
         self._setups: deque[float] = deque(maxlen=history)
         self._previous: dict[int, object] = {}
-        self._streams: tuple[Any, Any] | None = None  # sys.stdout / sys.stderr before a stop wrapped them
 
     # -- progress, read by the stall watchdog and the fault injector ---------------------------------------------
     def step_started(self, step: int) -> None:
@@ -152,9 +151,9 @@ class RunControl:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)  # type: ignore[arg-type]
         self._previous.clear()
-        if self._streams is not None:  # the caller's own streams again (a script or notebook goes on after train())
-            sys.stdout, sys.stderr = self._streams
-            self._streams = None
+        # The caller's own streams again where a stop wrapped them (a script or notebook goes on after train()); a stream
+        # replaced since (a progress bar's, restored when it stopped) is left as it is.
+        sys.stdout, sys.stderr = _QuietOnBrokenPipe.unwrap(sys.stdout), _QuietOnBrokenPipe.unwrap(sys.stderr)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -169,7 +168,6 @@ class RunControl:
             f"{self.requested.status} (send it again to exit at once without saving)"
         )
         _watch_outputs()
-        self._streams = self._streams or (sys.stdout, sys.stderr)
         sys.stdout, sys.stderr = _QuietOnBrokenPipe.wrap(sys.stdout), _QuietOnBrokenPipe.wrap(sys.stderr)
 
 
@@ -184,6 +182,10 @@ class _QuietOnBrokenPipe:
     @classmethod
     def wrap(cls, stream: Any) -> Any:
         return stream if stream is None or isinstance(stream, cls) else cls(stream)
+
+    @classmethod
+    def unwrap(cls, stream: Any) -> Any:
+        return stream._stream if isinstance(stream, cls) else stream
 
     def write(self, text: str) -> int:
         try:

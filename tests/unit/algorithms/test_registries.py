@@ -79,20 +79,29 @@ def test_user_kl_estimator_by_import_path_is_used_in_the_loss() -> None:
 def test_plugins_registered_in_the_users_process_reach_the_policy_workers(tmp_path, monkeypatch) -> None:
     """A KL estimator or trust region added to its registry in the driver's process passed the name check, then the
     policy worker (a process whose registries never saw it) failed at the first step: the loss now carries the
-    functions it looked up, pickled, as it carries a registered surrogate."""
-    import pickle
-    import subprocess
-    import sys
-
+    functions it looked up, pickled, as it carries a registered surrogate; one named by a file path each process imports
+    itself (pickled, it named a module only the driver had)."""
     from tests.unit.algorithms.user_plugins import abs_log_ratio_kl, keep_every_token
 
     names = ("test_runtime_abs_kl", "test_runtime_keep_all")  # registered for this test only (others list the registries)
     monkeypatch.setitem(loss_functions.KL_ESTIMATORS._entries, names[0], abs_log_ratio_kl)  # noqa: SLF001
     monkeypatch.setitem(loss_functions.TRUST_REGIONS._entries, names[1], keep_every_token)  # noqa: SLF001
-    cfg = ClippedPGLossConfig(
-        reference_policy_kl_penalty=0.1, reference_policy_kl_type=names[0], trust_region_type=names[1], trust_region_low=0.1,
-        trust_region_high=0.1,
-    )  # fmt: skip
+    by_file = (f"{PLUGINS_FILE}:abs_log_ratio_kl", f"{PLUGINS_FILE}:keep_every_token")  # each process imports the file
+    for kl_type, trust_region in (names, by_file):
+        cfg = ClippedPGLossConfig(
+            reference_policy_kl_penalty=0.1, reference_policy_kl_type=kl_type, trust_region_type=trust_region,
+            trust_region_low=0.1, trust_region_high=0.1,
+        )  # fmt: skip
+        assert in_a_fresh_process(ClippedPGLossFn(cfg), tmp_path) == pytest.approx(-2.0 + 0.1 * 0.5), kl_type
+
+
+def in_a_fresh_process(loss_fn: ClippedPGLossFn, tmp_path) -> float:
+    """The loss of one fixed token, computed by ``loss_fn`` pickled into a fresh process, as a policy worker is (only
+    the built-in names are registered there; a file imported by path exists only where it was imported)."""
+    import pickle
+    import subprocess
+    import sys
+
     curr = torch.tensor([[0.0, math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     data = {
         "advantages": torch.tensor([[0.0, 2.0]], dtype=torch.float64),
@@ -101,14 +110,14 @@ def test_plugins_registered_in_the_users_process_reach_the_policy_workers(tmp_pa
         "generation_logprobs": curr.detach().clone(),
         "reference_policy_logprobs": curr.detach() - torch.tensor([[0.0, 0.5]], dtype=torch.float64),
     }
-    (tmp_path / "loss.pkl").write_bytes(pickle.dumps((ClippedPGLossFn(cfg), curr.detach(), data)))
-    worker = (  # a fresh process, as a policy worker is: only the built-in names are registered there
+    (tmp_path / "loss.pkl").write_bytes(pickle.dumps((loss_fn, curr.detach(), data)))
+    worker = (
         "import pickle, sys\nloss_fn, curr, data = pickle.load(open(sys.argv[1], 'rb'))\n"
         "print(loss_fn(curr.requires_grad_(), data, 1, 1)[0].item())"
     )
     done = subprocess.run([sys.executable, "-c", worker, str(tmp_path / "loss.pkl")], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout) == pytest.approx(-2.0 + 0.1 * 0.5)
+    return float(done.stdout)
 
 
 def test_registering_a_surrogate_makes_it_a_valid_recipe_value() -> None:

@@ -318,5 +318,6 @@ def test_the_python_api_says_what_it_takes() -> None:
         with pytest.raises(TypeError, match=r"overrides must be a list of 'key=value' strings, e.g. \['grpo.max_num_steps=2'\]"):
             load_config(None, overrides)  # type: ignore[arg-type]
     assert load_config(None, ("grpo.max_num_steps=3",)).grpo.max_num_steps == 3 and load_config(None, None).grpo.max_num_steps > 0
+    assert load_config(None, (o for o in ["grpo.max_num_steps=4"])).grpo.max_num_steps == 4  # a generator: read once (the check ate it)
     with pytest.raises(TypeError, match=r"train\(\) takes a MasterConfig, e.g. load_config\('recipe.yaml'"):
         train("examples/configs/grpo_tiny_cpu.yaml")  # type: ignore[arg-type]

@@ -3,6 +3,8 @@ errors a wrong class or key gives (in the driver, before any actor), and task ro
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nemo_like.config import ConfigError, load_config
@@ -93,6 +95,23 @@ def test_a_class_registered_in_the_drivers_process_reaches_the_actors_by_its_mod
     monkeypatch.setattr(sys.modules["__main__"], "ScriptEnv", LocalEnv, raising=False)  # a class of the script being run
     with pytest.raises(ConfigError, match=r"defined in the script being run \(__main__\)"):
         envs({"t": {"class": "__main__:ScriptEnv"}})
+    # the classes a composite's sources and an agent's verifier name are resolved again in the actors: the same holds
+    composite = {"class": "composite", "sources": {"p": {"class": "test_runtime_parity"}, "math": {}}}
+    sources = envs({"t": composite})["t"].kwargs["sources"]
+    assert sources["p"]["class"] == "custom_envs:LengthParityEnv" and sources["math"].get("class", "math") == "math"
+    agent = {"class": "agent", "agent": "examples/agents/calculator_agent.py:solve", "verifier": "test_runtime_parity"}
+    assert envs({"t": agent})["t"].kwargs["verifier"] == "custom_envs:LengthParityEnv"
+    with pytest.raises(ConfigError, match=r"env.t.sources.p.class: .*script being run"):
+        envs({"t": {"class": "composite", "sources": {"p": {"class": "__main__:ScriptEnv"}}}})
+    # a class of a file imported by path, registered by name: the actors import the file
+    from nemo_like.utils.imports import import_object
+
+    from_file = import_object(f"{Path(__file__).parents[2] / 'custom_envs.py'}:LengthParityEnv")
+    monkeypatch.setitem(ENVIRONMENTS._entries, "test_runtime_from_file", from_file)  # noqa: SLF001
+    assert (
+        envs({"t": {"class": "test_runtime_from_file"}})["t"].class_path
+        == f"{Path(__file__).parents[2] / 'custom_envs.py'}:LengthParityEnv"
+    )
 
 
 def test_an_unknown_section_without_class_is_an_error() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -61,6 +62,18 @@ def test_a_stopped_run_gives_the_process_its_streams_back_and_watches_once(capsy
             control.restore_signal_handlers()
         assert (sys.stdout, sys.stderr) == streams
         assert watchers() == 2
+    # a stream replaced after the stop (a progress bar restoring the one it had replaced) is left as it is: putting back
+    # the stream of the moment of the stop left a terminal's sys.stderr the bar's dead proxy
+    control = RunControl()
+    control.install_signal_handlers()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        restored_by_the_bar = sys.stderr = io.StringIO()
+    finally:
+        control.restore_signal_handlers()
+        stderr_now, sys.stderr = sys.stderr, streams[1]
+    assert stderr_now is restored_by_the_bar and sys.stdout is streams[0]
 
 
 def test_run_interrupted_exits_with_the_reasons_status():
