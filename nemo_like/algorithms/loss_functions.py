@@ -600,7 +600,7 @@ class ClippedPGLossFn:
 
         surrogate_fn = self._surrogate or SURROGATES.get(self.surrogate_name)
         surrogate = surrogate_fn(ppo_log_ratio(inputs, cfg.sequence_level_importance_ratios), inputs, cfg)
-        weights = importance_weights(inputs, cfg, self._truncate)  # None: looked up here
+        weights = importance_weights(inputs, cfg, self._truncate)
         per_token = surrogate.loss
         if cfg.use_importance_sampling_correction:
             per_token = per_token * _as_per_token(weights.truncated)
