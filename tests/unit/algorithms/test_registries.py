@@ -60,9 +60,8 @@ def test_unknown_names_are_config_errors_with_suggestions(override: str, message
     assert message in str(excinfo.value)
 
 
-def test_user_kl_estimator_by_import_path_is_used_in_the_loss() -> None:
-    # One token, pi_ref / pi_curr = e^-0.5: |log ratio| = 0.5; penalty 0.1 -> loss = -A + 0.1 * 0.5.
-    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.1, reference_policy_kl_type=f"{PLUGINS}:abs_log_ratio_kl")
+def one_token() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One trained token: A = 2, pi_ref / pi_curr = e^-0.5 (|log ratio| 0.5): a penalty of 0.1 gives -A + 0.1 * 0.5."""
     curr = torch.tensor([[0.0, math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     data = {
         "advantages": torch.tensor([[0.0, 2.0]], dtype=torch.float64),
@@ -71,6 +70,12 @@ def test_user_kl_estimator_by_import_path_is_used_in_the_loss() -> None:
         "generation_logprobs": curr.detach().clone(),
         "reference_policy_logprobs": curr.detach() - torch.tensor([[0.0, 0.5]], dtype=torch.float64),
     }
+    return curr, data
+
+
+def test_user_kl_estimator_by_import_path_is_used_in_the_loss() -> None:
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.1, reference_policy_kl_type=f"{PLUGINS}:abs_log_ratio_kl")
+    curr, data = one_token()
     loss, fragments = ClippedPGLossFn(cfg)(curr, data, 1, 1)
     assert loss.item() == pytest.approx(-2.0 + 0.1 * 0.5)
     assert fragments["kl_penalty"] == pytest.approx(0.5)
@@ -96,20 +101,13 @@ def test_plugins_registered_in_the_users_process_reach_the_policy_workers(tmp_pa
 
 
 def in_a_fresh_process(loss_fn: ClippedPGLossFn, tmp_path) -> float:
-    """The loss of one fixed token, computed by ``loss_fn`` pickled into a fresh process, as a policy worker is (only
+    """The loss of :func:`one_token`, computed by ``loss_fn`` pickled into a fresh process, as a policy worker is (only
     the built-in names are registered there; a file imported by path exists only where it was imported)."""
     import pickle
     import subprocess
     import sys
 
-    curr = torch.tensor([[0.0, math.log(0.5)]], dtype=torch.float64, requires_grad=True)
-    data = {
-        "advantages": torch.tensor([[0.0, 2.0]], dtype=torch.float64),
-        "token_mask": torch.tensor([[0.0, 1.0]], dtype=torch.float64),
-        "sample_mask": torch.ones(1, dtype=torch.float64),
-        "generation_logprobs": curr.detach().clone(),
-        "reference_policy_logprobs": curr.detach() - torch.tensor([[0.0, 0.5]], dtype=torch.float64),
-    }
+    curr, data = one_token()
     (tmp_path / "loss.pkl").write_bytes(pickle.dumps((loss_fn, curr.detach(), data)))
     worker = (
         "import pickle, sys\nloss_fn, curr, data = pickle.load(open(sys.argv[1], 'rb'))\n"
