@@ -63,7 +63,7 @@ def train(cfg: MasterConfig, command_line: list[str] | None = None) -> list[dict
     check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed
     check_run_inputs(cfg)
     deadline, source = resolve_run_deadline(cfg.checkpointing, time.time())  # auto + Slurm + checkpointing off: a ConfigError
-    control = RunControl(deadline)
+    control = RunControl(deadline, saves=cfg.checkpointing.enabled)
     if deadline is not None:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(deadline))
         late = "; it has already passed: the run stops after its first step" if deadline <= time.time() else ""

@@ -56,8 +56,9 @@ class RunInterrupted(SystemExit):
 class RunControl:
     """Stop requests, the deadline, and step/save timing of one run (thread-safe enough: flags and floats)."""
 
-    def __init__(self, deadline: float | None = None, history: int = 3) -> None:
+    def __init__(self, deadline: float | None = None, history: int = 3, saves: bool = True) -> None:
         self.deadline = deadline  # time.time() seconds, or None
+        self.saves = saves  # a stop saves a checkpoint (checkpointing.enabled): what the first signal's line says
         self.requested: StopReason | None = None
         self.step = 0  # the step in progress (0: before the first)
         self.last_progress = time.monotonic()
@@ -163,8 +164,9 @@ class RunControl:
             finally:
                 os._exit(self.requested.status if self.requested.status in _STATUS.values() else _STATUS[signal.Signals(signum)])
         self.requested = StopReason(name, _STATUS[signal.Signals(signum)])
+        saving = "saving a checkpoint" if self.saves else "no checkpoint to save (checkpointing.enabled=false)"
         _say(
-            f"[stop] {name} received during step {self.step}: finishing it, saving a checkpoint, then exiting with status "
+            f"[stop] {name} received during step {self.step}: finishing it, {saving}, then exiting with status "
             f"{self.requested.status} (send it again to exit at once without saving)"
         )
         _watch_outputs()

@@ -31,7 +31,15 @@ def test_a_first_signal_requests_a_stop_with_its_status(signum, status, capsys):
     finally:
         control.restore_signal_handlers()
     assert signal.getsignal(signum) is before
-    assert "received during step 7" in capsys.readouterr().err
+    assert "received during step 7: finishing it, saving a checkpoint" in capsys.readouterr().err
+    quiet = RunControl(saves=False)  # checkpointing off: the first line said it was saving one
+    quiet.install_signal_handlers()
+    try:
+        os.kill(os.getpid(), signum)
+        time.sleep(0.01)
+    finally:
+        quiet.restore_signal_handlers()
+    assert "finishing it, no checkpoint to save (checkpointing.enabled=false)" in capsys.readouterr().err
     # The stop's output watchers block the stop signals: a second one must reach the main thread (it exits at once)
     watchers = [t for t in __import__("threading").enumerate() if t.name.startswith("stop-output-watch-")]
     assert watchers
