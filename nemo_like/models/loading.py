@@ -491,10 +491,7 @@ def model_config(model_name: str, local_only: bool = False) -> Any:
 def model_context_length(model_name: str, local_only: bool = False) -> int | None:
     """The longest sequence the model's positions cover: ``max_position_embeddings`` (times a RoPE scaling factor,
     as vLLM derives ``max_model_len``), or ``None`` when its config states none. A LoRA checkpoint: its base model's."""
-    return _context_length(model_config(model_name, local_only))
-
-
-def _context_length(config: Any) -> int | None:
+    config = model_config(model_name, local_only)
     positions = getattr(config, "max_position_embeddings", None)
     if not positions:
         return None
@@ -508,8 +505,7 @@ def _context_length(config: Any) -> int | None:
 def check_context_length(model_name: str, length: int, key: str = "policy.max_total_sequence_length", local_only: bool = False) -> None:
     """A :class:`ConfigError` naming ``key`` when ``length`` tokens pass the model's positions (a RoPE model would
     extrapolate silently on our engines; vLLM refuses such a ``max_model_len``)."""
-    config = model_config(model_name, local_only)
-    limit = _context_length(config)
+    limit = model_context_length(model_name, local_only)
     if limit is not None and length > limit:
         raise ConfigError(
             f"{key}={length} is longer than {model_name}'s context ({limit} positions: max_position_embeddings in its "

@@ -99,9 +99,10 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
         lora = cfg.policy.lora_cfg
         # vLLM's CPU build is the slower engine here: worth it only where it serves the adapters (a refit sends them only)
         adapters = lora.enabled and with_policy and lora.refit != "merged"
-        if adapters and vllm_adapter_blocker(cfg) is None and vllm_available():
+        adapter_blocker = vllm_adapter_blocker(cfg) if adapters else None
+        if adapters and adapter_blocker is None and vllm_available():
             return "vllm", f"auto: not inline ({blocker}); vLLM serves the LoRA adapters, so a refit sends only them"
-        unserved = f"; vLLM cannot serve these adapters ({vllm_adapter_blocker(cfg)})" if adapters and vllm_adapter_blocker(cfg) else ""
+        unserved = f"; vLLM cannot serve these adapters ({adapter_blocker})" if adapter_blocker else ""
         return (
             "hf",
             f"auto: not inline ({blocker}){unserved}; the HF engine, a CPU cluster's default (policy.generation.backend=vllm "

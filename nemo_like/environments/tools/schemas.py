@@ -23,14 +23,11 @@ JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", l
 def tool_schema(name: str, tool: Any) -> dict[str, Any]:
     """The schema of ``tool`` under the name the model calls it by (a ``{name: spec}`` mapping's key may rename it)."""
     from transformers.utils import get_json_schema
-    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
     try:
         function = dict(get_json_schema(tool)["function"])
         function.pop("return", None)  # not part of the OpenAI form templates render
-    except (DocstringParsingException, TypeHintParsingException):
-        function = _signature_schema(tool)
-    except Exception:  # noqa: BLE001 - not a plain function (a partial, an instance), or a hint that does not resolve
+    except Exception:  # noqa: BLE001 - no Google-style docstring, not a plain function (a partial), a hint that does not resolve
         function = _signature_schema(tool)
     return {"type": "function", "function": {"name": name, **{k: v for k, v in function.items() if k != "name"}}}
 

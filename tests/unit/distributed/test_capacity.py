@@ -110,30 +110,36 @@ def test_too_many_cpus_fail_too() -> None:
         check_cluster_capacity(required_resources(gpus), CPU_HEAD, role_requests(gpus), hint=hint)
 
 
-def test_plan_refuses_a_cpu_run_its_private_cluster_cannot_hold(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_plan_refuses_a_cpu_run_its_private_cluster_cannot_hold() -> None:
     """`nemo-like plan` said "fits" for a one-node CPU recipe whose actors reserve more CPUs than the private cluster
     a run starts (this machine's cores, or cluster.num_cpus), which the run refused once Ray had started."""
+    import subprocess
     import sys
 
     from nemo_like.algorithms.roles import private_cpus_problem
-
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a fresh process, as `nemo-like plan` is: no cluster to join
-    if "ray" in sys.modules:  # (another test of this worker may have connected it)
-        monkeypatch.setattr(sys.modules["ray"], "is_initialized", lambda: False)
-    from nemo_like.cli import main
     from nemo_like.distributed.planning import plan_on_cluster
 
-    cfg = tiny("policy.dp_size=2", "cluster.num_cpus=2")
-    assert private_cpus_problem(cfg, plan_on_cluster(cfg)) == (
+    # In a fresh process, as `nemo-like plan` runs: no cluster to join (another test of this worker may have joined one)
+    script = (
+        "from nemo_like.algorithms.roles import private_cpus_problem\nfrom nemo_like.cli import main\n"
+        "from nemo_like.config import load_config\nfrom nemo_like.distributed.planning import plan_on_cluster\n"
+        f"cfg = load_config({str(TINY_RECIPE)!r}, ['policy.dp_size=2', 'cluster.num_cpus=2'])\n"
+        "print(private_cpus_problem(cfg, plan_on_cluster(cfg)))\n"
+        f"roomy = load_config({str(TINY_RECIPE)!r}, ['policy.dp_size=2', 'cluster.num_cpus=3'])\n"
+        "print(private_cpus_problem(roomy, plan_on_cluster(roomy)))\n"
+        f"print('exit', main(['plan', '--config', {str(TINY_RECIPE)!r}, 'policy.dp_size=2', 'cluster.num_cpus=2']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    problem, roomy, *plan_lines = done.stdout.splitlines()
+    assert problem == (
         "the run's actors reserve 2.6 CPUs (policy 1, reference 1, generation 0.5, environment:arithmetic 0.1) but its "
         "private local cluster has 2 (cluster.num_cpus, else this machine's cores): short by 0.6"
-    )
-    assert main(["plan", "policy.dp_size=2", "cluster.num_cpus=2"]) == 3
-    assert "[plan] fits: NO: the run's actors reserve 2.6 CPUs" in capsys.readouterr().out
-    for fits in (["cluster.num_cpus=3"], ["cluster.num_cpus=2", "cluster.num_nodes=2"], ["cluster.num_cpus=2", "cluster.ray_address=auto"]):
-        cfg = tiny("policy.dp_size=2", *fits)  # enough CPUs, or a cluster whose CPUs are not known here
+    ), done.stderr[-2000:]
+    assert roomy == "None" and plan_lines[-1] == "exit 3"
+    assert any(line.startswith("[plan] fits: NO: the run's actors reserve 2.6 CPUs") for line in plan_lines)
+    for fits in (["cluster.num_cpus=2", "cluster.num_nodes=2"], ["cluster.num_cpus=2", "cluster.ray_address=auto"]):
+        cfg = tiny("policy.dp_size=2", *fits)  # a cluster whose CPUs are not known here
         assert private_cpus_problem(cfg, plan_on_cluster(cfg)) is None, fits
 
 
