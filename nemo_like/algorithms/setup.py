@@ -322,9 +322,10 @@ class TrainingData:
     loader: PromptDataLoader
 
 
-def training_data(cfg: MasterConfig) -> TrainingData:
-    """Load and tokenise the run's prompts (a bad file, column or prompt length fails here, in seconds)."""
-    tokenizer = _driver_tokenizer(cfg)
+def training_data(cfg: MasterConfig, tokenizer: Any = None) -> TrainingData:
+    """Load and tokenise the run's prompts (a bad file, column or prompt length fails here, in seconds); ``tokenizer``:
+    the run's, when already loaded."""
+    tokenizer = tokenizer if tokenizer is not None else _driver_tokenizer(cfg)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     tools_of = prompt_tools(cfg, tokenizer)
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt, tools_of)
@@ -342,17 +343,19 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     SIGINT through there: see ``stop_signals_held``). ``data``: the prompts already built (:func:`training_data`; a
     resuming run checks them against its checkpoint first), else built here."""
     env_specs = check_plugin_names(cfg)  # fail fast in the driver, not inside an actor
-    # Data first: a bad file, column or prompt length fails in seconds, before Ray or any actor starts.
-    data = data or training_data(cfg)
-    tokenizer, train, val, loader = data.tokenizer, data.train, data.val, data.loader
+    # The models' configs, then the data: a bad model, file, column or prompt length fails in seconds, before Ray or any
+    # actor starts (the models first: tokenising a large data set takes minutes).
+    tokenizer = data.tokenizer if data is not None else _driver_tokenizer(cfg)
+    for line in check_teachers(cfg, tokenizer):  # a teacher that cannot score the student's ids fails here
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
+    check_policy_model(cfg)
+    data = data or training_data(cfg, tokenizer)
+    train, val, loader = data.train, data.val, data.loader
     check_environments(env_specs, {"train": train, "validation": val})
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     if cfg.grpo.max_rollout_turns > 1 and (trimming := trimming_template_warning(tokenizer)):
         warnings.warn(trimming, RuntimeWarning, stacklevel=2)
-    for line in check_teachers(cfg, tokenizer):  # a teacher that cannot score the student's ids fails here
-        warnings.warn(line, RuntimeWarning, stacklevel=2)
-    check_policy_model(cfg)  # before any actor starts
     if joins_existing_cluster(cfg.cluster):  # the plan's thread split needs the joined cluster's node CPUs
         init_ray(cfg.cluster)
     # Every run-level decision, made once here and handed down (an impossible requested backend or LoRA refit mode
