@@ -132,7 +132,7 @@ class AsyncRollouts:
         try:
             self._start_collector(parts, restored, last_step, roles, timeout)
         except BaseException:  # its placement group would stay reserved for the rest of the driver's Ray session
-            self.buffer_group.shutdown()
+            self.buffer_group.kill()
             raise
 
     def _start_collector(self, parts: Any, restored: dict[str, Any] | None, last_step: int, roles: dict[str, Any], timeout: float) -> None:
@@ -347,20 +347,37 @@ class AsyncRollouts:
         raise WorkerFailure(f"the trajectory collector failed {when}: {loop_failure_cause(error)}") from error
 
     def shutdown(self) -> None:
-        """Stop the loop and kill both actors (an agent run: stop the collector's thread, cancelling the agent batch in
-        flight, and give its agents' threads a moment to return; the rollout server stops with the run's parts)."""
-        if self.local is not None:
-            try:
-                self.local.stop(timeout_s=30)
-            finally:
-                self.buffer_group.shutdown()
-            return
+        """Stop the loop and shut both actors down (an agent run: stop the collector's thread, cancelling the agent batch
+        in flight, and give its agents' threads a moment to return; the rollout server stops with the run's parts).
+        Inside :func:`~nemo_like.distributed.worker_group.reuse_actors` they are kept for the next run only when the loop
+        ended cleanly: a loop that failed or did not stop in time may still push into the buffer."""
+        ended = False
         try:
-            self.collector.stop.remote()
-            ray.wait([self._run_ref], timeout=30)
+            if self.local is not None:
+                self.local.stop(timeout_s=30)
+                ended = not self.local.thread.is_alive() and self.local.error is None
+            else:
+                self.collector.stop.remote()
+                ended = _ended_cleanly(self._run_ref, timeout_s=30)
         finally:
-            self.collector_group.shutdown()
-            self.buffer_group.shutdown()
+            self.buffer.finish.remote("the run ended")  # a take the trainer left waiting returns
+            groups = [self.buffer_group] if self.local is not None else [self.collector_group, self.buffer_group]
+            for group in groups:
+                if ended:
+                    group.shutdown()
+                else:
+                    group.kill()
+
+
+def _ended_cleanly(run_ref: ray.ObjectRef, timeout_s: float) -> bool:
+    """Whether the collector's ``run`` call returned (not raised) within ``timeout_s``."""
+    if not ray.wait([run_ref], timeout=timeout_s)[0]:
+        return False
+    try:
+        ray.get(run_ref, timeout=0)
+    except Exception:  # noqa: BLE001 - its failure was reported to the trainer already
+        return False
+    return True
 
 
 def raise_dead_worker(error: BaseException) -> None:

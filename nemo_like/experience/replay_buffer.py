@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from nemo_like.data.prompts import DataExhausted, PromptRecord
+from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample
 
 
@@ -107,13 +108,19 @@ class ReplayBuffer:
         self.last_taken_step = int(state["last_taken_step"])
 
 
-class ReplayBufferActor:
+class ReplayBufferActor(Reinitializable):
     """Thread-safe :class:`ReplayBuffer` for a threaded Ray actor (``max_concurrency > 1``): the
-    trainer's :meth:`take` waits while the collector's :meth:`push` calls proceed."""
+    trainer's :meth:`take` waits while the collector's :meth:`push` calls proceed. Kept between the runs of one driver
+    (:func:`~nemo_like.distributed.worker_group.reuse_actors`): re-initialised empty."""
 
     def __init__(self, rank: int, world_size: int, groups_per_step: int, max_age: int) -> None:
         self.buffer = ReplayBuffer(groups_per_step, max_age)
         self.cond = threading.Condition()
+        self.waiting_takes = 0  # a take the last run left waiting ends at its finish(); the actor is kept only then
+
+    def busy_with(self) -> str | None:
+        with self.cond:
+            return "take" if self.waiting_takes else None
 
     def push(self, groups: list[TrajectoryGroup]) -> int:
         """Add groups; returns the buffer size."""
@@ -125,7 +132,11 @@ class ReplayBufferActor:
     def take(self, step: int, trainer_version: int) -> tuple[list[TrajectoryGroup], int]:
         """Wait until ``step`` is ready and take it: ``(groups, groups left in the buffer)``."""
         with self.cond:
-            self.cond.wait_for(lambda: self.buffer.ready(step) or self.buffer.finished_reason is not None)
+            self.waiting_takes += 1
+            try:
+                self.cond.wait_for(lambda: self.buffer.ready(step) or self.buffer.finished_reason is not None)
+            finally:
+                self.waiting_takes -= 1
             if not self.buffer.ready(step):
                 raise DataExhausted(f"no data for step {step}: {self.buffer.finished_reason}")
             return self.buffer.take(step, trainer_version), len(self.buffer)

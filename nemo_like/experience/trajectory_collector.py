@@ -39,6 +39,7 @@ import torch
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
 from nemo_like.distributed import faults
+from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.distributed.supervision import ActorRestartsExhausted, Death, begin_run, ledger
 from nemo_like.distributed.worker_group import WorkerFailure, summed_over_workers
 from nemo_like.environments.worker import EnvironmentHandles
@@ -191,8 +192,10 @@ class CollectorSettings:
     unreported: dict[str, Any] | None = None  # a resumed run: the counters its checkpoint's collector had not reported
 
 
-class TrajectoryCollector:
-    """See the module docstring. Construct through Ray with ``max_concurrency >= 3``."""
+class TrajectoryCollector(Reinitializable):
+    """See the module docstring. Construct through Ray with ``max_concurrency >= 3``. Kept between the runs of one
+    driver (:func:`~nemo_like.distributed.worker_group.reuse_actors`) once its loop has ended cleanly: re-initialised as
+    a fresh one (its fault budget, armed faults, loader and counters made anew)."""
 
     def __init__(
         self,

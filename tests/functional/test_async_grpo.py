@@ -64,6 +64,16 @@ def test_async_with_age_zero_reproduces_the_sync_run_through_dead_actors(ray_clu
 
 
 def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, tmp_path, monkeypatch, capfd):
+    from nemo_like.experience.async_rollouts import AsyncRollouts
+
+    made: list[tuple[str, str]] = []  # the collector's and the buffer's actor ids, per start of the async actors
+    start = AsyncRollouts.__init__
+
+    def recording(self, *args, **kwargs) -> None:
+        start(self, *args, **kwargs)
+        made.append((self.collector._actor_id.hex(), self.buffer._actor_id.hex()))
+
+    monkeypatch.setattr(AsyncRollouts, "__init__", recording)
     ckpt = tmp_path / "ckpt"
     overrides = (
         HF,
@@ -122,6 +132,9 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
     resumed = steps_of(train(tiny_config(tmp_path, *overrides)))
     assert "[restart] the reference worker died" in capfd.readouterr().err
     assert [r["step"] for r in resumed] == [3, 4, 5] and resumed[-1]["faults/run_restarts"] == 1.0
+    # The straight run's actors ended cleanly: kept, re-initialised for the rerun (which resumed exactly, below); the
+    # rerun's collector failed (the dead reference): its actors were killed, the restart started fresh ones.
+    assert len(made) == 3 and made[1] == made[0] and not set(made[2]) & set(made[0]), made
     carried = json.loads((ckpt / "step_4" / "trainer_state.json").read_text())["metrics"]
     assert (carried["validation/accuracy"], carried[VALIDATED_AT_STEP]) == (0.125, 2.0)
     # Each batch's generation counters are reported once: a batch generated after step 2's report and saved in the

@@ -103,6 +103,35 @@ def test_buffer_state_round_trips():
     assert restored.last_taken_step == 1 and [g.prompt.id for g in restored.take(2, trainer_version=1)] == [7]
 
 
+def test_a_kept_buffer_is_busy_while_a_take_waits_and_its_finish_releases_it():
+    """A take the last run left waiting (the trainer stopped mid-wait) would wait on in a kept actor re-initialised
+    under it: the buffer says it is busy until the run's end (``finish``) releases the take."""
+    import threading
+
+    from nemo_like.data.prompts import DataExhausted
+    from nemo_like.experience.replay_buffer import ReplayBufferActor
+
+    actor, raised = ReplayBufferActor(0, 1, groups_per_step=1, max_age=1), []
+    assert actor.busy_with() is None
+
+    def take() -> None:
+        try:
+            actor.take(1, trainer_version=0)
+        except DataExhausted as exc:
+            raised.append(exc)
+
+    waiting = threading.Thread(target=take)
+    waiting.start()
+    for _ in range(500):  # until the take waits (5 s at most)
+        if actor.busy_with() is not None:
+            break
+        threading.Event().wait(0.01)
+    assert actor.busy_with() == "take"
+    actor.finish("the run ended")
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and actor.busy_with() is None and "the run ended" in str(raised[0])
+
+
 def test_ages_use_the_oldest_weights_of_an_in_flight_refitted_sample():
     g = group(4, version=2, final_version=3)
     assert g.generation_version == 2 and g.samples[0].refitted_mid_sequence
