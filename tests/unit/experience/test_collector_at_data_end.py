@@ -17,8 +17,9 @@ import ray
 import torch
 
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
-from nemo_like.distributed.worker_group import WorkerFailure
+from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerFailure
 from nemo_like.experience.agent_rollouts import EngineGate
+from nemo_like.experience.async_rollouts import async_actor_resources
 from nemo_like.experience.replay_buffer import ReplayBufferActor
 from nemo_like.experience.rollouts import Rollout
 from nemo_like.experience.trajectory_collector import CollectorSettings, DriverTrajectoryCollector, TrajectoryCollector
@@ -66,10 +67,31 @@ class Reference:
         return {"logprobs": 0}
 
 
+BUFFERS: list[RayWorkerGroup] = []  # this test's replay buffer groups
+
+
+@pytest.fixture(autouse=True)
+def _buffers_kept_for_the_next_test():
+    yield
+    while BUFFERS:
+        group = BUFFERS.pop()
+        group.workers[0].finish.remote("the test ended")  # a take the test left waiting returns
+        group.shutdown()  # kept (the session's reuse_actors) and re-initialised for the next one, as a run's is
+
+
+def replay_buffer(max_age: int) -> object:
+    """A real replay buffer actor (2 groups a step) of the async runs' shape, through the worker group they use: one
+    actor kept between tests instead of a process started for each."""
+    (resources,) = [r.resources for r in async_actor_resources(None) if r.role == "replay_buffer"]
+    group = RayWorkerGroup("replay_buffer", ReplayBufferActor, 1, resources, {"groups_per_step": 2, "max_age": max_age}, max_concurrency=4)
+    BUFFERS.append(group)
+    return group.workers[0]
+
+
 def driver_collector(agents, reference, prompts: int, max_age: int, max_num_epochs: int) -> tuple[DriverTrajectoryCollector, object]:
     """A driver-thread collector over ``prompts`` prompts (2 a batch, 2 samples each) with ``agents`` for generation,
     ``reference`` for the reference pass, and a real replay buffer actor of the same age bound."""
-    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, max_age)
+    buffer = replay_buffer(max_age)
     loader = PromptDataLoader([PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(prompts)], 2, seed=0)
     settings = CollectorSettings(
         sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=max_age, last_step=10,
@@ -177,7 +199,7 @@ class OneSecondAgents(Agents):
 def generation_seconds_of_batches(batches: int, generation: object, agents: Agents, in_flight_refits: bool) -> float:
     """Run a driver collector over ``batches`` batches of 2 prompts (one epoch, each taken by its step) and return the
     generation seconds it counted."""
-    buffer = ray.remote(ReplayBufferActor).options(max_concurrency=4).remote(0, 1, 2, 5)
+    buffer = replay_buffer(max_age=5)
     records = [PromptRecord(str(i), [], [1, 2, 3 + i], {"task_name": "t"}) for i in range(2 * batches)]
     settings = CollectorSettings(
         sampling=asdict(SamplingParams(max_new_tokens=4)), num_generations=2, seed=0, max_age=5, last_step=10, next_target=1,
