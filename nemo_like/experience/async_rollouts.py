@@ -355,7 +355,9 @@ class AsyncRollouts:
         try:
             if self.local is not None:
                 self.local.stop(timeout_s=30)
-                ended = not self.local.thread.is_alive() and self.local.error is None
+                # A stop cancels the agent batch in flight without waiting for the pusher: a push still waiting for its
+                # reference pass would land in the next run's buffer.
+                ended = not self.local.thread.is_alive() and self.local.error is None and self.local.collector.pushing == 0
             else:
                 self.collector.stop.remote()
                 ended = _ended_cleanly(self._run_ref, timeout_s=30)

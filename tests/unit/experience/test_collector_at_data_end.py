@@ -332,6 +332,51 @@ def test_a_dead_reference_worker_seen_by_a_pause_while_an_agent_batch_runs_keeps
     assert dead_role(failed.value, {"policy": {"pol1"}, "reference": {"ref123"}}) == "reference"
 
 
+class CancelledAgents(Agents):
+    """Agents whose third batch runs until the stop cancels it (it then raises, as cancelled agent sessions do)."""
+
+    def __init__(self) -> None:
+        self.batches, self.cancelled, self.busy = 0, threading.Event(), threading.Event()
+
+    def collect(self, envs, prompts, num_generations, seed, timings, greedy: bool = False) -> Rollout:
+        self.batches += 1
+        if self.batches == 3:
+            self.busy.set()
+            assert self.cancelled.wait(60)
+            raise RuntimeError("the agent batch was cancelled")
+        return super().collect(envs, prompts, num_generations, seed, timings)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def close(self) -> int:
+        return 0
+
+
+def test_an_agent_run_stopped_while_a_push_waits_does_not_keep_its_replay_buffer(ray_cluster) -> None:
+    """The agent path's stop cancels the batch in flight without waiting for the pusher: a push still waiting for its
+    reference pass landed in the kept buffer after the next run had re-initialised it (a reviewer's two runs: the next
+    run's own push was refused as out of order). Such a run's buffer is killed, not kept."""
+    from nemo_like.distributed.worker_group import _POOL
+    from nemo_like.experience.async_rollouts import AsyncRollouts, DriverCollectorThread
+
+    agents, reference = CancelledAgents(), Reference()  # batch 2's reference pass is held
+    collector, buffer = driver_collector(agents, reference, prompts=8, max_age=5, max_num_epochs=1)
+    rollouts = AsyncRollouts.__new__(AsyncRollouts)  # only its shutdown of a driver-thread collector is exercised
+    rollouts.local, rollouts.buffer, rollouts.buffer_group = DriverCollectorThread(collector), buffer, BUFFERS.pop()
+    try:
+        assert agents.busy.wait(30)  # batch 3 runs
+        deadline = time.monotonic() + 30
+        while not (reference.calls == 2 and collector.pushing == 1):  # batch 1 is in; batch 2's push waits for its reference
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        rollouts.shutdown()
+        assert not rollouts.local.thread.is_alive() and rollouts.local.error is None  # the stop itself went cleanly
+        assert not any(buffer in group.workers for group in _POOL.idle)  # killed: the push may still land
+    finally:
+        reference.release.set()
+
+
 def test_a_dead_generation_worker_counts_no_load_seconds_instead_of_failing_the_read(ray_cluster) -> None:
     """With in-flight refits the collector reads every engine's load counter after each batch; an engine that died
     after its generate call returned (while the batch was scored) failed that read, and with it the collector and the
