@@ -116,7 +116,7 @@ class ReplayBufferActor(Reinitializable):
     def __init__(self, rank: int, world_size: int, groups_per_step: int, max_age: int) -> None:
         self.buffer = ReplayBuffer(groups_per_step, max_age)
         self.cond = threading.Condition()
-        self.waiting_takes = 0  # a take the last run left waiting ends at its finish(); the actor is kept only then
+        self.waiting_takes = 0  # a take the last run left waiting (released by its finish()): not re-initialised under it
 
     def busy_with(self) -> str | None:
         with self.cond:

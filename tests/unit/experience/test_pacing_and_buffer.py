@@ -107,6 +107,7 @@ def test_a_kept_buffer_is_busy_while_a_take_waits_and_its_finish_releases_it():
     """A take the last run left waiting (the trainer stopped mid-wait) would wait on in a kept actor re-initialised
     under it: the buffer says it is busy until the run's end (``finish``) releases the take."""
     import threading
+    import time
 
     from nemo_like.data.prompts import DataExhausted
     from nemo_like.experience.replay_buffer import ReplayBufferActor
@@ -125,7 +126,7 @@ def test_a_kept_buffer_is_busy_while_a_take_waits_and_its_finish_releases_it():
     for _ in range(500):  # until the take waits (5 s at most)
         if actor.busy_with() is not None:
             break
-        threading.Event().wait(0.01)
+        time.sleep(0.01)
     assert actor.busy_with() == "take"
     actor.finish("the run ended")
     waiting.join(timeout=10)
