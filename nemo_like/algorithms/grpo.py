@@ -509,12 +509,15 @@ def timed_refit(refit: RefitTiming, timer: StepTimer) -> dict[str, float]:
     }
 
 
+GENERATION_WEIGHT_VERSION = "async/generation_weight_version"
+
+
 def async_generation_metrics(taken: TakenRollout, generated: GenerationStats, generation_weight_version: int) -> dict[str, float]:
     """What an async step reports of the buffer it took from and the collector's work since the previous step."""
     seconds, samples = generated.generation_seconds, taken.rollout.samples
     return {
         "async/buffer_size": float(taken.buffer_size),
-        "async/generation_weight_version": float(generation_weight_version),
+        GENERATION_WEIGHT_VERSION: float(generation_weight_version),
         "async/refitted_mid_sequence_fraction": sum(s.refitted_mid_sequence for s in samples) / len(samples),
         "async/generation_seconds": seconds,
         "async/reward_seconds": generated.reward_seconds,
@@ -640,6 +643,8 @@ class AsyncSteps:
             refitted = {}
             if self.parts.generation.weight_version != self.parts.policy.weight_version:
                 refitted = timed_refit(self.rollouts.refit(), timer)
+                # the step's record counts this refit (timing, bytes): its generation version says so too
+                refitted[GENERATION_WEIGHT_VERSION] = float(self.parts.generation.weight_version)
             with timer.phase("validation"):
                 return {**validate(self.parts, step), **refitted}
 

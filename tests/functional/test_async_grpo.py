@@ -171,6 +171,8 @@ def test_async_tiny_recipe_learns_within_five_points_of_sync(ray_cluster, tmp_pa
     assert sync_end - start > 0.3  # the sync run learned (a meaningless comparison otherwise)
     assert abs(async_end - sync_end) <= 0.05, (sync_end, async_end)
     assert max(r.get("train/max_trajectory_age", 0.0) for r in run) == 1.0
+    # The last step skipped its refit (every batch was generated); its validation refitted: the record says so
+    assert run[-1]["async/generation_weight_version"] == run[-1]["train/weight_version"] == 100.0
 
 
 @pytest.mark.parametrize("async_enabled", [False, True])
