@@ -53,6 +53,13 @@ def async_actor_resources(cfg: Any) -> list[RoleResources]:
     return [RoleResources("trajectory_collector", 1, resources), RoleResources("replay_buffer", 1, resources)]
 
 
+def replay_buffer_group(role: RoleResources, groups_per_step: int, max_age: int, placement_timeout_s: float) -> RayWorkerGroup:
+    """The replay buffer's actor (``role``: :func:`async_actor_resources`'), threaded: the trainer's take waits while the
+    collector's pushes proceed."""
+    init = {"groups_per_step": groups_per_step, "max_age": max_age}
+    return RayWorkerGroup("replay_buffer", ReplayBufferActor, role.count, role.resources, init, placement_timeout_s, max_concurrency=4)
+
+
 @dataclass
 class TakenRollout:
     """One step's data from the buffer, with how stale it is and how long the trainer waited for it."""
@@ -119,14 +126,8 @@ class AsyncRollouts:
         self.in_flight = async_cfg.refits_mid_generation
         roles = {r.role: r for r in async_actor_resources(cfg)}
         timeout = cfg.cluster.placement_timeout_s
-        self.buffer_group = RayWorkerGroup(
-            "replay_buffer",
-            ReplayBufferActor,
-            roles["replay_buffer"].count,
-            roles["replay_buffer"].resources,
-            {"groups_per_step": cfg.grpo.num_prompts_per_step, "max_age": async_cfg.max_trajectory_age_steps},
-            timeout,
-            max_concurrency=4,
+        self.buffer_group = replay_buffer_group(
+            roles["replay_buffer"], cfg.grpo.num_prompts_per_step, async_cfg.max_trajectory_age_steps, timeout
         )
         self.buffer = self.buffer_group.workers[0]
         try:

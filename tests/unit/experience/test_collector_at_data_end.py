@@ -19,8 +19,7 @@ import torch
 from nemo_like.data.prompts import PromptDataLoader, PromptRecord
 from nemo_like.distributed.worker_group import RayWorkerGroup, WorkerFailure
 from nemo_like.experience.agent_rollouts import EngineGate
-from nemo_like.experience.async_rollouts import async_actor_resources
-from nemo_like.experience.replay_buffer import ReplayBufferActor
+from nemo_like.experience.async_rollouts import async_actor_resources, replay_buffer_group
 from nemo_like.experience.rollouts import Rollout
 from nemo_like.experience.trajectory_collector import CollectorSettings, DriverTrajectoryCollector, TrajectoryCollector
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams
@@ -82,8 +81,8 @@ def _buffers_kept_for_the_next_test():
 def replay_buffer(max_age: int) -> object:
     """A real replay buffer actor (2 groups a step) of the async runs' shape, through the worker group they use: one
     actor kept between tests instead of a process started for each."""
-    (resources,) = [r.resources for r in async_actor_resources(None) if r.role == "replay_buffer"]
-    group = RayWorkerGroup("replay_buffer", ReplayBufferActor, 1, resources, {"groups_per_step": 2, "max_age": max_age}, max_concurrency=4)
+    (role,) = [r for r in async_actor_resources(None) if r.role == "replay_buffer"]
+    group = replay_buffer_group(role, groups_per_step=2, max_age=max_age, placement_timeout_s=60.0)
     BUFFERS.append(group)
     return group.workers[0]
 
