@@ -311,6 +311,17 @@ def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
     return lines
 
 
+def checked_tokenizer(cfg: MasterConfig) -> Any:
+    """The run's tokenizer, once the policy's and the teachers' configs passed their checks (:func:`check_teachers`,
+    :func:`check_policy_model`): a bad model is refused in a fraction of a second, before the prompts are tokenised
+    (minutes for a large data set)."""
+    tokenizer = _driver_tokenizer(cfg)
+    for line in check_teachers(cfg, tokenizer):  # a teacher that cannot score the student's ids fails here
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
+    check_policy_model(cfg)
+    return tokenizer
+
+
 @dataclass
 class TrainingData:
     """The run's prompts, built in the driver before Ray starts: the tokenizer, the training and validation prompts and
@@ -322,10 +333,10 @@ class TrainingData:
     loader: PromptDataLoader
 
 
-def training_data(cfg: MasterConfig, tokenizer: Any = None) -> TrainingData:
-    """Load and tokenise the run's prompts (a bad file, column or prompt length fails here, in seconds); ``tokenizer``:
-    the run's, when already loaded."""
-    tokenizer = tokenizer if tokenizer is not None else _driver_tokenizer(cfg)
+def training_data(cfg: MasterConfig) -> TrainingData:
+    """Check the models' configs (:func:`checked_tokenizer`), then load and tokenise the run's prompts (a bad file,
+    column or prompt length fails here, in seconds)."""
+    tokenizer = checked_tokenizer(cfg)
     max_prompt = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     tools_of = prompt_tools(cfg, tokenizer)
     train = build_prompt_dataset(cfg.data, tokenizer, "train", max_prompt, tools_of)
@@ -344,13 +355,9 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     resuming run checks them against its checkpoint first), else built here."""
     env_specs = check_plugin_names(cfg)  # fail fast in the driver, not inside an actor
     # The models' configs, then the data: a bad model, file, column or prompt length fails in seconds, before Ray or any
-    # actor starts (the models first: tokenising a large data set takes minutes).
-    tokenizer = data.tokenizer if data is not None else _driver_tokenizer(cfg)
-    for line in check_teachers(cfg, tokenizer):  # a teacher that cannot score the student's ids fails here
-        warnings.warn(line, RuntimeWarning, stacklevel=2)
-    check_policy_model(cfg)
-    data = data or training_data(cfg, tokenizer)
-    train, val, loader = data.train, data.val, data.loader
+    # actor starts.
+    data = data or training_data(cfg)
+    tokenizer, train, val, loader = data.tokenizer, data.train, data.val, data.loader
     check_environments(env_specs, {"train": train, "validation": val})
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)

@@ -6,7 +6,9 @@ and against hand-written Qwen template text; logprob alignment against a fresh f
 from __future__ import annotations
 
 import copy
+import json
 import re
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -38,7 +40,7 @@ from nemo_like.experience.replay_buffer import ReplayBuffer, ReplayBufferError, 
 from nemo_like.experience.rollouts import Rollout
 from nemo_like.models.generation.hf_worker import HFGenerationWorker
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, StopStringWatch
-from nemo_like.models.loading import decode_exact, load_causal_lm, load_tokenizer, render_chat
+from nemo_like.models.loading import decode_exact, load_causal_lm, load_tokenizer, render_chat, resolve_model_path
 from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs
 from nemo_like.plan.multi_turn import MultiTurnSettings, multi_turn_settings
 
@@ -335,7 +337,12 @@ def test_a_runs_prompts_list_its_tool_environments_tools_and_a_template_that_can
     tool_tokenizer.save_pretrained(tmp_path / "tok")
     with pytest.raises(ConfigError, match=r"has \d+ tokens \(with the tool list its template renders: env.tool.tools_in_prompt\)"):
         training_data(load_config(recipe, ["env.tool.tools_in_prompt=true", f"policy.tokenizer_name={tmp_path / 'tok'}"]))
-    common = ["policy.max_total_sequence_length=1024", "grpo.max_val_samples=4"]
+    # the tool list does not fit the shipped model's 256 positions: the same model, configured with 1024
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model_path("embedded:tiny-tool-qwen2"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    common = [f"policy.model_name={model}", "policy.max_total_sequence_length=1024", "grpo.max_val_samples=4"]
     listed = training_data(load_config(recipe, [*common, "env.tool.tools_in_prompt=true", f"policy.tokenizer_name={tmp_path / 'tok'}"]))
     schemas = ToolEnvironment.prompt_tools({"tools": ["calculator"]})
     for record in (listed.train[0], listed.val[0]):

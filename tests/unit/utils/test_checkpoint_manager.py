@@ -480,6 +480,18 @@ def test_changed_training_prompts_are_refused_before_set_up_and_before_the_log_i
         train_module.train(cfg)
     assert (logs / "metrics.jsonl").read_text() == logged  # steps 4 and 5 are still there
 
+    # A model the recipe cannot run is refused before the prompts are built (minutes for a large data set), as a fresh
+    # run refuses it: the resume path tokenised every prompt first.
+    bad_model = load_config(None, [*overrides, "policy.dtensor_cfg.tensor_parallel_size=4"], warn=False)
+    import nemo_like.algorithms.setup as setup_module
+
+    def no_prompts(*args, **kwargs):
+        raise AssertionError("the prompts were built before the model was checked")
+
+    monkeypatch.setattr(setup_module, "build_prompt_dataset", no_prompts)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 must divide num_attention_heads=4"):
+        train_module.train(bad_model)
+
 
 def test_a_saved_policy_stops_where_the_run_stopped(tmp_path):
     """policy/'s generation_config.json held the base model's eos only: plain transformers generate on the copy ran
