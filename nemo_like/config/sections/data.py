@@ -204,17 +204,19 @@ def normalize_env_sections(value: Any) -> Any:
         return value
     if not value:
         return {"arithmetic": {}}
+    if _SHORTHAND_NAME in value:  # one environment's section, whose own settings may nest (a composite's sources)
+        section = dict(value)
+        name = section.pop(_SHORTHAND_NAME)
+        if not isinstance(name, str):
+            raise ValueError(f"env.name must be an environment name, got {name!r}")
+        return {name: section}
     nested = {k for k, v in value.items() if isinstance(v, dict) or v is None}
     flat = set(value) - nested
-    if _SHORTHAND_NAME not in value and not flat:
+    if not flat:
         return {task: (section if section is not None else {}) for task, section in value.items()}
     if nested:
         raise ValueError(
             f"env mixes the single-environment shorthand (keys {sorted(flat)}) with per-task sections {sorted(nested)}; "
             "write one section per task: env: {<task>: {num_workers: ..., ...}}"
         )
-    section = dict(value)
-    name = section.pop(_SHORTHAND_NAME, "arithmetic")
-    if not isinstance(name, str):
-        raise ValueError(f"env.name must be an environment name, got {name!r}")
-    return {name: section}
+    return {"arithmetic": dict(value)}

@@ -37,7 +37,17 @@ def test_shorthand_and_empty_env_mean_one_section() -> None:
     assert list(MasterConfig().env_sections) == ["arithmetic"]
     assert list(load_config(None).env) == ["arithmetic"]
     with pytest.raises(Exception, match="mixes the single-environment shorthand"):
-        MasterConfig.model_validate({"env": {"name": "math", "arithmetic": {}}})
+        MasterConfig.model_validate({"env": {"num_workers": 2, "arithmetic": {}}})
+    # With a name the whole mapping is that environment's section, whose own settings may nest (it took a composite's
+    # sources and a reward model's normalize for per-task sections and refused them); a task's section is then a key
+    # the environment does not have.
+    sources = {"correct": {"class": "arithmetic"}, "short": {"class": "length_penalty", "free_length": 6}}
+    (composite,) = envs({"name": "composite", "num_workers": 2, "sources": sources}).values()
+    assert composite.num_workers == 2 and set(composite.kwargs["sources"]) == {"correct", "short"}
+    (scorer,) = envs({"name": "reward_model", "normalize": {"squash": "sigmoid"}}).values()
+    assert scorer.kwargs["normalize"]["squash"] == "sigmoid"
+    with pytest.raises(ConfigError, match="env.math.arithmetic: unknown key"):
+        envs({"name": "math", "arithmetic": {}})
 
 
 def test_a_custom_env_by_import_path_gets_its_section_keys() -> None:
