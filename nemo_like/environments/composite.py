@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_like.environments.agent import AgentEnvironment
-from nemo_like.environments.interface import RESERVED_COUNTERS, ActorNeeds, EnvironmentInterface, check_finite_rewards
+from nemo_like.environments.interface import RESERVED_COUNTERS, ActorNeeds, EnvironmentInterface, as_number, check_finite_rewards
 
 #: Keys of a source besides its environment's own settings.
 SOURCE_KEYS = ("class", "weight")
@@ -190,7 +190,7 @@ class CompositeEnvironment(EnvironmentInterface):
         total = [0.0] * len(responses)
         for name, (env, weight) in self.sources.items():
             with named_source(name, env):
-                rewards = [float(r) for r in env.score(responses, metadata)]
+                rewards = [as_number(r, f"reward source '{name}'", "reward") for r in env.score(responses, metadata)]
             if len(rewards) != len(responses):
                 raise ValueError(f"reward source '{name}' returned {len(rewards)} rewards for {len(responses)} responses")
             check_finite_rewards(f"reward source '{name}'", rewards, responses, metadata)
@@ -206,7 +206,7 @@ class CompositeEnvironment(EnvironmentInterface):
                     f"'{name}/num_samples' (its env/<task>/{name}/reward); rename them (e.g. 'scored')"
                 )
             for key, value in counters.items():
-                self._add(f"{name}/{key}", float(value))
+                self._add(f"{name}/{key}", as_number(value, f"reward source '{name}' metrics()", repr(key)))
         return total
 
     def _add(self, key: str, value: float) -> None:

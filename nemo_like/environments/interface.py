@@ -50,6 +50,15 @@ def preview(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def as_number(value: Any, who: str, what: str) -> float:
+    """``float(value)``, or a ValueError naming ``who`` (an environment, a composite's source) and ``what`` (a None
+    reward was a bare TypeError from float(), naming neither)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{who} returned {preview(value)}, not a number, as a {what}") from None
+
+
 def check_finite_rewards(who: str, rewards: list[float], responses: list[str], metadata: list[dict[str, Any]]) -> None:
     """``ValueError`` naming ``who`` (an environment, a composite's source) and the first sample when a reward is NaN or
     infinite (a weight-0 source's NaN still made its composite's reward NaN: ``0 * nan`` is NaN)."""

@@ -102,6 +102,10 @@ def import_environment_class(path: str, where: str) -> type[EnvironmentInterface
     return ENVIRONMENTS.get(path, where)
 
 
+#: The first line of a section's refusal (then one problem per line).
+INVALID_SECTION = "Invalid environment configuration:\n  "
+
+
 def check_constructor_kwargs(cls: type, kwargs: Mapping[str, Any], where: str, section_keys: Sequence[str] = ()) -> dict[str, Any]:
     """Validate an environment's section keys against ``cls.config_model`` (when declared) and its
     constructor signature; returns the keyword arguments to construct it with. ``section_keys``: the section's own
@@ -122,11 +126,11 @@ def check_constructor_kwargs(cls: type, kwargs: Mapping[str, Any], where: str, s
                 name = f"{where}.{key}" if key else where  # a check of the whole section has no key of its own
                 if err["type"] == "extra_forbidden":
                     problems.append(f"{name}: unknown key.{hint(key, model.model_fields)}")
-                elif err["type"] == "value_error":
-                    problems.append(f"{name}: {err['msg'].removeprefix('Value error, ')}")
+                elif err["type"] == "value_error":  # a nested section's (a composite's source): its problems, no header
+                    problems.append(f"{name}: {err['msg'].removeprefix('Value error, ').removeprefix(INVALID_SECTION)}")
                 else:
                     problems.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
-            raise ConfigError("Invalid environment configuration:\n  " + "\n  ".join(problems)) from None
+            raise ConfigError(INVALID_SECTION + "\n  ".join(problems)) from None
     params = inspect.signature(cls).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]

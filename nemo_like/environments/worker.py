@@ -17,6 +17,7 @@ from nemo_like.environments.interface import (
     RESERVED_COUNTERS,
     ActorNeeds,
     EnvironmentStep,
+    as_number,
     check_finite_rewards,
     preview,
 )
@@ -54,15 +55,7 @@ def checked_counters(task: str, counters: dict[str, Any]) -> dict[str, float]:
             f"environment '{task}': metrics() names {clash}, which the run keeps for env/{task}/reward and "
             f"env/{task}/num_samples; rename them (e.g. 'scored')"
         )
-    return {k: _as_float(v, f"environment '{task}' metrics()", repr(k)) for k, v in counters.items()}
-
-
-def _as_float(value: Any, who: str, what: str) -> float:
-    """``float(value)``, or a ValueError naming ``who`` and ``what`` (a None reward was a bare TypeError from float())."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{who} returned {preview(value)}, not a number, as a {what}") from None
+    return {k: as_number(v, f"environment '{task}' metrics()", repr(k)) for k, v in counters.items()}
 
 
 class EnvironmentWorker(Reinitializable):
@@ -93,7 +86,7 @@ class EnvironmentWorker(Reinitializable):
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> tuple[list[float], dict[str, float]]:
         raw = self._call("score", metadata[0] if metadata else None, lambda: self.env.score(responses, metadata))
-        rewards = [_as_float(value, f"environment '{self.task}'", "reward") for value in raw]
+        rewards = [as_number(value, f"environment '{self.task}'", "reward") for value in raw]
         if len(rewards) != len(responses):
             raise ValueError(f"environment '{self.task}' returned {len(rewards)} rewards for {len(responses)} responses")
         check_finite_rewards(f"environment '{self.task}'", rewards, responses, metadata)

@@ -105,7 +105,7 @@ def test_a_reward_model_reserves_at_most_one_gpu() -> None:
         ({"sources": {"x": {"class": "arithmetc"}}}, "sources.x.class must be a built-in environment"),
         (
             {"sources": {"x": {"class": "length_penalty", "free_lenght": 3}}},
-            "sources.x.free_lenght: unknown key. Did you mean 'sources.x.free_length'",
+            "env.arith.sources: sources.x.free_lenght: unknown key. Did you mean 'sources.x.free_length'",  # one header
         ),
         # a source's own keys are offered too (a misspelled weight had no hint)
         ({"sources": {"x": {"class": "length_penalty", "wieght": 2}}}, "sources.x.wieght: unknown key. Did you mean 'sources.x.weight'"),

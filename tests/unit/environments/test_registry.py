@@ -264,6 +264,14 @@ def test_an_environments_own_error_names_its_task_and_batch() -> None:
     bad_counter = EnvironmentWorker(0, 1, "gsm8k", "custom_envs:BuggyScorer", {"bad_counter": True})
     with pytest.raises(ValueError, match=r"environment 'gsm8k' metrics\(\) returned 'many', not a number, as a 'scored'"):
         bad_counter.score(["7"], [{"answer": "7"}])
+    # the same mistakes in a composite's source name it (they were bare TypeErrors from float())
+    composite = EnvironmentWorker(0, 1, "gsm8k", "composite", {"sources": {"buggy": {"class": "custom_envs:BuggyScorer"}}})
+    with pytest.raises(ValueError, match=r"reward source 'buggy' returned None, not a number, as a reward"):
+        composite.score(["none"], [{"answer": "7"}])
+    sources = {"buggy": {"class": "custom_envs:BuggyScorer", "bad_counter": True}}
+    composite = EnvironmentWorker(0, 1, "gsm8k", "composite", {"sources": sources})
+    with pytest.raises(ValueError, match=r"reward source 'buggy' metrics\(\) returned 'many', not a number, as a 'scored'"):
+        composite.score(["7"], [{"answer": "7"}])
 
 
 def test_an_async_runs_one_line_error_keeps_the_cause_before_the_environments_note() -> None:
