@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.types import Float, Int
-from nemo_like.environments.interface import EnvironmentInterface
+from nemo_like.environments.interface import ActorNeeds, EnvironmentInterface
 from nemo_like.environments.registry import ENVIRONMENTS, check_constructor_kwargs
 from nemo_like.utils.imports import import_object
 
@@ -107,6 +107,19 @@ class AgentEnvironment(EnvironmentInterface):
             return None
         problem = ENVIRONMENTS.get(verifier, "env.<task>.verifier").answer_problem(dict(settings.get("verifier_kwargs") or {}), answer)
         return None if problem is None else f"{problem}, for the verifier '{verifier}'"
+
+    @classmethod
+    def actor_needs(cls, settings: dict[str, Any]) -> ActorNeeds:
+        """The verifier's (it runs in this actor: a reward model's GPU, a judge's engine actors), CPU at least the
+        default's; the default without a verifier."""
+        verifier = settings.get("verifier")
+        if verifier is None:
+            return ActorNeeds()
+        verifier_cls = ENVIRONMENTS.get(verifier, "env.<task>.verifier")
+        needs = verifier_cls.actor_needs(
+            check_constructor_kwargs(verifier_cls, settings.get("verifier_kwargs") or {}, "env.<task>.verifier_kwargs")
+        )
+        return replace(needs, num_cpus=max(ActorNeeds().num_cpus, needs.num_cpus))
 
     @classmethod
     def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:

@@ -9,6 +9,7 @@ import pytest
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
+from nemo_like.distributed.worker_group import WorkerResources
 from nemo_like.environments.composite import CompositeEnvironment, source_devices
 from nemo_like.environments.length_penalty import LengthPenaltyEnvironment
 from nemo_like.environments.registry import resolve_environments
@@ -52,6 +53,23 @@ def test_sources_state_their_resources_together() -> None:
     roles = {r.role: r for r in environment_resources(cfg)}
     assert roles["environment:arith"].resources.num_cpus == pytest.approx(0.3)  # three sources at the default 0.1
     assert roles["judge:arith"].count == 1 and roles["judge:arith"].resources.num_cpus == 0.5
+
+
+def test_an_agent_tasks_actors_reserve_what_its_verifier_needs() -> None:
+    """The verifier runs in the agent task's environment actor, but the actor reserved the default 0.1 CPU: a reward
+    model verifier's GPU went unreserved and a judge verifier's engine actors uncounted by the capacity check."""
+    agent = {"class": "agent", "agent": "examples.agents.calculator_agent:run"}
+    rm = {"verifier": "reward_model", "verifier_kwargs": {"model_name": "embedded:tiny-reward-qwen2", "num_gpus": 1}}
+    judge = {"verifier": "judge", "verifier_kwargs": {"engine_num_cpus": 0.5, "engine_num_gpus": 1}}
+    sections = {"a": agent, "b": {**agent, **rm}, "c": {**agent, **judge}, "d": {**agent, "verifier": "arithmetic"}}
+    roles = {r.role: r.resources for r in environment_resources(MasterConfig.model_validate({"env": sections}))}
+    assert roles == {
+        "environment:a": WorkerResources(num_cpus=0.1, num_gpus=0.0),
+        "environment:b": WorkerResources(num_cpus=0.25, num_gpus=1.0),  # the reward model's own reservation
+        "environment:c": WorkerResources(num_cpus=0.1, num_gpus=0.0),
+        "judge:c": WorkerResources(num_cpus=0.5, num_gpus=1.0),
+        "environment:d": WorkerResources(num_cpus=0.1, num_gpus=0.0),
+    }
 
 
 def test_each_reward_model_source_runs_on_its_own_share_of_the_actors_gpus() -> None:
