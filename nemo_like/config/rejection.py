@@ -60,12 +60,23 @@ class RolloutRejectionConfig(BaseModel):
         """Whether the bounds are on a ratio (token level or a ratio statistic), not a KL value."""
         return self.level == "token" or self.sequence_statistic in RATIO_STATISTICS
 
+    @property
+    def lower_never_rejects(self) -> bool:
+        """A lower bound on k2 or k3 (each term >= 0, so their mean too): valid bounds are at most 0 (a KL of 0 must
+        pass), so it rejects nothing."""
+        return self.level == "sequence" and self.sequence_statistic in ("k2", "k3") and self.lower is not None
+
     @model_validator(mode="after")
     def _check(self) -> RolloutRejectionConfig:
         key = "grpo.rollout_rejection"
         problems = []
         if self.enabled and self.lower is None and self.upper is None:
             problems.append(f"{key}.level={self.level!r} needs {key}.lower and/or {key}.upper")
+        elif self.enabled and self.upper is None and self.lower_never_rejects:
+            problems.append(
+                f"{key}.sequence_statistic={self.sequence_statistic!r} needs {key}.upper: the statistic is never negative, so "
+                f"{key}.lower (at most 0, to keep on-policy samples) rejects nothing"
+            )
         if self.lower is not None and self.upper is not None and self.lower >= self.upper:
             problems.append(f"{key}.lower ({self.lower}) must be below {key}.upper ({self.upper})")
         if self.enabled and self.bounds_ratio:
@@ -93,6 +104,11 @@ class RolloutRejectionConfig(BaseModel):
             for name in ("lower", "upper"):
                 if getattr(self, name) is not None:
                     warnings.append(f"{key}.{name} has no effect because {key}.level is null (ignored)")
+        if self.lower_never_rejects:
+            warnings.append(
+                f"{key}.lower has no effect with {key}.sequence_statistic={self.sequence_statistic!r} (the statistic is never "
+                "negative) (ignored)"
+            )
         if self.level != "sequence" and self.sequence_statistic != "mean":
             warnings.append(
                 f"{key}.sequence_statistic has no effect because {key}.level is "

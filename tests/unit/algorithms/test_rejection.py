@@ -302,6 +302,9 @@ def test_a_failed_agent_sessions_placeholder_row_leaves_the_loss_normalisation()
         ({"level": "sequence", "upper": 0.9}, "grpo.rollout_rejection.upper (0.9) must be at least 1"),
         ({"level": "sequence", "sequence_statistic": "k3", "lower": 0.01}, "grpo.rollout_rejection.lower (0.01) must be at most 0"),
         ({"level": "sequence", "sequence_statistic": "k1", "upper": -0.01}, "grpo.rollout_rejection.upper (-0.01) must be at least 0"),
+        # k2 and k3 are never negative: a lower bound alone rejected nothing, at the cost of the prev-logprob pass
+        ({"level": "sequence", "sequence_statistic": "k2", "lower": -0.5}, "sequence_statistic='k2' needs grpo.rollout_rejection.upper"),
+        ({"level": "sequence", "sequence_statistic": "k3", "lower": 0.0}, "sequence_statistic='k3' needs grpo.rollout_rejection.upper"),
     ],
 )
 def test_invalid_rejection_configs(kwargs: dict, message: str) -> None:
@@ -326,6 +329,13 @@ def test_rejection_needs_the_prev_logprob_pass() -> None:
 def test_bounds_without_a_level_warn() -> None:
     cfg = load_config(None, ["grpo.rollout_rejection.upper=2.0"], warn=False)
     assert cfg.no_effect_warnings() == ["grpo.rollout_rejection.upper has no effect because grpo.rollout_rejection.level is null (ignored)"]
+    bounded = ["grpo.rollout_rejection.level=sequence", "grpo.rollout_rejection.upper=0.1", "grpo.rollout_rejection.lower=0"]
+    for statistic, warned in (("k1", False), ("k2", True), ("k3", True)):  # k1 can be negative
+        cfg = load_config(None, [*bounded, f"grpo.rollout_rejection.sequence_statistic={statistic}"], warn=False)
+        assert (
+            f"grpo.rollout_rejection.lower has no effect with grpo.rollout_rejection.sequence_statistic='{statistic}' (the statistic "
+            "is never negative) (ignored)" in cfg.no_effect_warnings()
+        ) == warned
 
 
 def test_the_sample_dump_keeps_a_rejected_tokens_logprobs_and_marks_it_untrained(tmp_path) -> None:
