@@ -545,7 +545,6 @@ def async_grpo_step(parts: GRPOComponents, rollouts: AsyncRollouts, step: int, t
     metrics.update(timed_refit(refit, timer))
     generated = rollouts.generation_stats()
     metrics.update(trajectory_age_metrics(taken.ages, cfg.grpo.async_grpo.max_trajectory_age_steps))
-    metrics.update(env_metrics_with_means(generated.env_counters))  # env/<task>/<counter> of the batches since the last step
     metrics.update(async_generation_metrics(taken, generated, parts.generation.weight_version))
     if rollout.reference_logprobs is not None:  # the collector ran the reference pass: its passes since the last step
         metrics["performance/forward_passes/reference_logprobs"] = generated.reference_passes

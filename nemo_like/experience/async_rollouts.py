@@ -29,7 +29,7 @@ from nemo_like.distributed import faults
 from nemo_like.distributed.supervision import ActorRestartsExhausted, ledger
 from nemo_like.distributed.worker_group import RayWorkerGroup, RoleResources, WorkerFailure, WorkerResources, get_with_context
 from nemo_like.experience.replay_buffer import ReplayBufferActor, TrajectoryGroup, trajectory_ages
-from nemo_like.experience.rollouts import Rollout
+from nemo_like.experience.rollouts import Rollout, add_batch_counters
 from nemo_like.experience.trajectory_collector import (
     AgentTrajectoryGroup,
     CollectorSettings,
@@ -82,17 +82,18 @@ class RefitTiming:
 
 
 def rollout_from_groups(groups: list[TrajectoryGroup]) -> Rollout:
-    """Concatenate groups into one prompt-major :class:`Rollout` (group ``i`` gets group id ``i``). Agent groups
-    (:class:`AgentTrajectoryGroup`) keep each row's session (numbered apart per group) and their batch's ``agent/*``
-    counters."""
+    """Concatenate groups into one prompt-major :class:`Rollout` (group ``i`` gets group id ``i``) with their batches'
+    counters (``batch_metrics``). Agent groups (:class:`AgentTrajectoryGroup`) keep each row's session (numbered apart
+    per group)."""
     sizes = [len(g.samples) for g in groups]
     reference = [g.reference_logprobs for g in groups]
     session_of_row, env_metrics = None, {}
     if groups and all(isinstance(g, AgentTrajectoryGroup) for g in groups):
         stride = 1 + max((s for g in groups for s in g.session_of_row), default=0)  # group i's sessions: i * stride + s
         session_of_row = torch.tensor([i * stride + s for i, g in enumerate(groups) for s in g.session_of_row], dtype=torch.long)
-        for g in groups:
-            env_metrics.update(g.batch_metrics)
+    for g in groups:
+        if g.batch_metrics:  # None: a group that is not its batch's first (or one a checkpoint saved before it had them)
+            add_batch_counters(env_metrics, g.batch_metrics)
     return Rollout(
         prompts=[g.prompt for g, n in zip(groups, sizes) for _ in range(n)],
         group_ids=torch.arange(len(groups)).repeat_interleave(torch.tensor(sizes)),

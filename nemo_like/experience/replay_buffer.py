@@ -38,6 +38,10 @@ class TrajectoryGroup:
     # [G, S]: the reference policy's logprobs of these samples, rows of their batch collated whole (S: the batch's
     # width), when the collector computed them ahead; None: the trainer runs the reference pass.
     reference_logprobs: torch.Tensor | None = None
+    # The counters of the batch the group was generated in (its environments' env/<task>/..., an agent batch's
+    # agent/*), on the batch's first group only: the step that trains the batch reports them. A step takes exactly the
+    # groups generated for it, so they describe the samples it trains.
+    batch_metrics: dict[str, float] | None = None
 
     @property
     def generation_version(self) -> int:

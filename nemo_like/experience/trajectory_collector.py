@@ -30,7 +30,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import ray
@@ -45,7 +45,7 @@ from nemo_like.distributed.worker_group import WorkerFailure, summed_over_worker
 from nemo_like.environments.worker import EnvironmentHandles
 from nemo_like.experience.pacing import StalenessPacer
 from nemo_like.experience.replay_buffer import TrajectoryGroup
-from nemo_like.experience.rollouts import Rollout, add_counters, collect_rollout
+from nemo_like.experience.rollouts import Rollout, collect_rollout
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, generate_on_group
 from nemo_like.models.loading import load_tokenizer
 from nemo_like.models.policy.sharded_logprobs import ShardedLogprobs
@@ -70,9 +70,15 @@ class GenerationStats:
     paused_for_refit: float = 0.0
     paused_for_checkpoint: float = 0.0
     paused_for_validation: float = 0.0
-    env_counters: dict[str, float] = field(default_factory=dict)  # env/<task>/<counter>
     retried_batches: int = 0  # batches whose calls were re-sent to a replaced actor (faults/retried_batches)
     seconds_lost: float = 0.0  # and the seconds that cost (faults/seconds_lost)
+
+    @classmethod
+    def restored(cls, saved: dict[str, Any] | None) -> GenerationStats:
+        """The counters a checkpoint saved (``unreported_generation``); keys of earlier versions are dropped (an
+        ``env_counters`` of the batches since the last step: the batches' counters now travel with their groups)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (saved or {}).items() if k in known})
 
     def add_pause(self, reason: str, seconds: float) -> None:
         name = f"paused_for_{reason}"
@@ -130,10 +136,9 @@ class EnvironmentGroup:
 class AgentTrajectoryGroup(TrajectoryGroup):
     """One prompt's agent sessions: ``session_of_row[i]`` is the session (its index in the batch) of sample ``i`` (a
     branched session has several rows and weighs once in its group's baseline), and the batch's first group carries
-    the batch's ``agent/*`` counters (``batch_metrics``), reported by the step that trains the batch."""
+    the batch's counters (``batch_metrics``: :func:`agent_batch_counters`), reported by the step that trains the batch."""
 
     session_of_row: list[int] = field(default_factory=list)
-    batch_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def split_into_groups(rollout: Rollout, target_step: int, reference_logprobs: torch.Tensor | None = None) -> list[TrajectoryGroup]:
@@ -159,18 +164,13 @@ def split_into_groups(rollout: Rollout, target_step: int, reference_logprobs: to
     return out
 
 
-def agent_batch_counters(rollout: Rollout) -> tuple[dict[str, float], dict[str, float]]:
-    """An agent batch's counters split in two: its ``agent/*`` counters (ratios among them, so they go with the batch to
-    the step that trains it instead of being summed over the batches generated between two steps), plus
-    ``agent/sessions_across_refits`` (sessions whose calls were sampled by more than one weight version: a refit
-    landed between two of their calls, or inside one with in-flight updates); and the rest (the verifier's
-    ``env/<task>/...`` sums, reported like any environment's)."""
-    agent = {k: v for k, v in rollout.env_metrics.items() if k.startswith("agent/")}
-    rest = {k: v for k, v in rollout.env_metrics.items() if not k.startswith("agent/")}
+def agent_batch_counters(rollout: Rollout) -> dict[str, float]:
+    """An agent batch's counters (its ``agent/*`` ones and the verifier's ``env/<task>/...``), plus
+    ``agent/sessions_across_refits``: sessions whose calls were sampled by more than one weight version (a refit
+    landed between two of their calls, or inside one with in-flight updates)."""
     owners = rollout.session_of_row.tolist() if rollout.session_of_row is not None else []
     spanning = {o for o, s in zip(owners, rollout.samples) if s.refitted_mid_sequence}
-    agent["agent/sessions_across_refits"] = float(len(spanning))
-    return agent, rest
+    return {**rollout.env_metrics, "agent/sessions_across_refits": float(len(spanning))}
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,7 @@ class TrajectoryCollector(Reinitializable):
         self.exhausted = False
         self.failure: str | None = None
         self.failed_worker: tuple[str | None, str | None] = (None, None)  # (role, actor id) of a dead actor that failed it
-        self.stats = GenerationStats(**(settings.unreported or {}))
+        self.stats = GenerationStats.restored(settings.unreported)
         self._pause_started: dict[str, tuple[float, bool, bool]] = {}  # reason -> (since, nothing left, held by the bound)
         # Dead actors: requests to the driver (``next_replacement_request``) and its answers (``answer_replacement``).
         self.replacements = threading.Condition()
@@ -383,9 +383,9 @@ class TrajectoryCollector(Reinitializable):
                 # Only this thread uses the reference actors in an async run, so the growth is this batch's passes.
                 reference_passes = self.reference_passes.take(self.reference.forward_pass_counts()["logprobs"])
                 reference_tokens = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in rollout.samples))
-            groups, counters = split_into_groups(rollout, target, reference), rollout.env_metrics
-            if rollout.session_of_row is not None:  # an agent batch (DriverTrajectoryCollector)
-                groups[0].batch_metrics, counters = agent_batch_counters(rollout)
+            groups = split_into_groups(rollout, target, reference)
+            agent_batch = rollout.session_of_row is not None  # (DriverTrajectoryCollector)
+            groups[0].batch_metrics = agent_batch_counters(rollout) if agent_batch else dict(rollout.env_metrics)
             ray.get(self.buffer.push.remote(groups))
         except BaseException as exc:
             with self.cond:
@@ -402,7 +402,6 @@ class TrajectoryCollector(Reinitializable):
             self.stats.reference_tokens += reference_tokens
             self.stats.generated_tokens += rollout.decoded_tokens
             self.stats.batches += 1
-            add_counters(self.stats.env_counters, counters)  # env/<task>/<counter>
             self.cond.notify_all()
 
     # -- control (called by the driver while run() is busy) ---------------------------------------------

@@ -75,9 +75,13 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
 
     monkeypatch.setattr(AsyncRollouts, "__init__", recording)
     ckpt = tmp_path / "ckpt"
+    # The arithmetic reward through a composite whose second source weighs 0: the same rewards, and per-source counters
+    composite = ("+env.arithmetic.class=composite", "+env.arithmetic.sources.correct.class=arithmetic",
+                 "+env.arithmetic.sources.length.class=length_penalty", "+env.arithmetic.sources.length.weight=0")  # fmt: skip
     overrides = (
         HF,
         *ASYNC,
+        *composite,
         "grpo.max_num_steps=5",
         "grpo.val_at_start=false",
         "grpo.val_at_end=false",
@@ -105,6 +109,10 @@ def test_one_step_stale_run_resumes_with_its_replay_buffer_exactly(ray_cluster, 
             assert key in r and r[key] >= 0.0
         # the wait for the batch in flight before a refit is a phase of the step (the shares left it out)
         assert r["timing/train/waiting_for_refit"] == r["idle/trainer_waiting_for_refit"]
+        # The environments' counters are the trained batch's, as its rewards are (they were the batches generated
+        # since the previous step: step 1 counted the two the collector ran ahead, the last step none)
+        assert r["env/arithmetic/correct/num_samples"] == r["performance/num_samples"] == 16, r["step"]
+        assert r["env/arithmetic/correct/reward"] == pytest.approx(r["env/arithmetic/reward"]), r["step"]
     from matplotlib.image import imread
 
     assert imread(tmp_path / "logs" / "metrics.png").shape[0] > 1000  # a third row: the async panel

@@ -94,13 +94,17 @@ def test_the_buffer_bounds_a_spanning_sessions_age_from_its_first_call():
 
 def test_agent_groups_come_out_of_the_buffer_with_their_sessions_and_counters():
     rollout = agent_rollout()
-    agent, rest = agent_batch_counters(rollout)
-    assert agent == {"agent/sessions": 4.0, "agent/rows_per_session": 1.25, "agent/sessions_across_refits": 2.0}
-    assert rest == {"env/agent/correct": 2.0}
+    counters = agent_batch_counters(rollout)
+    assert counters == {
+        "agent/sessions": 4.0,
+        "agent/rows_per_session": 1.25,
+        "agent/sessions_across_refits": 2.0,
+        "env/agent/correct": 2.0,
+    }
     groups = split_into_groups(rollout, target_step=1)
-    groups[0].batch_metrics = agent
+    groups[0].batch_metrics = counters
     back = rollout_from_groups(groups)
-    assert back.env_metrics == agent
+    assert back.env_metrics == counters
     first, row_index = per_session(back.session_of_row)
     assert len(first) == 4 and row_index.tolist() == [0, 1, 1, 2, 3]  # the branched session weighs once
     assert back.group_ids.tolist() == [0, 0, 0, 1, 1]
@@ -224,3 +228,13 @@ def test_rows_per_session_counts_the_rows_of_sessions_not_a_failed_sessions_plac
     assert rollout.env_metrics["agent/sessions_with_rows"] == 1.0 and rollout.env_metrics["agent/sessions"] == 2.0
     assert rollout.env_metrics["agent/failures/error"] == 1.0
     agents.close(join_s=1)
+
+
+def test_generation_counters_saved_before_the_batches_carried_their_env_counters_still_load():
+    """An async checkpoint's ``unreported_generation`` held ``env_counters`` (the batches since the last step) until the
+    counters moved onto the batches' groups: a resume from it must not fail on the key."""
+    from nemo_like.experience.trajectory_collector import GenerationStats
+
+    stats = GenerationStats.restored({"batches": 2, "generation_seconds": 1.5, "env_counters": {"env/arithmetic/x": 3.0}})
+    assert stats.batches == 2 and stats.generation_seconds == 1.5
+    assert GenerationStats.restored(None) == GenerationStats()
