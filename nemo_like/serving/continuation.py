@@ -9,8 +9,10 @@ then extends the earlier call exactly, and the session stays one row. A renderin
 template rewrote history) is tokenised whole and the session branches (:mod:`.trajectory`).
 
 It also maps every assistant message the server returned to the raw text the model sampled
-(:meth:`Continuations.raw_text`, keyed by :func:`message_keys`), so a message whose tool calls were parsed out is
-rendered back as the markup the model wrote, not as the template's re-serialisation of the parsed JSON.
+(:meth:`Continuations.raw_text`, keyed by :func:`message_keys` placed after the history it answered,
+:func:`placed_keys`), so a message whose tool calls were parsed out is rendered back as the markup the model wrote, not
+as the template's re-serialisation of the parsed JSON, and a message whose content another turn also returned (a stop
+string cut both to the same text) as its own sampled text, not the other turn's.
 
 An agent sends its whole history at every call, so whatever touches every message at every call costs a session time
 quadratic in its turns (a peer measured re-rendering at 56% of generation time at 128 turns, trl#6250). Normalising
@@ -23,6 +25,7 @@ still read the whole history: ``benchmarks/long_sessions.py``.)
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -52,6 +55,19 @@ def message_keys(content: str | None, tool_calls: Sequence[dict[str, Any]] | Non
     return json.dumps([content or "", [[call_id, name, arguments] for call_id, name, arguments in fields]]), without_ids
 
 
+def placed_keys(context: str, keys: Sequence[str]) -> tuple[str, ...]:
+    """``keys`` (:func:`message_keys`) of a message that follows the history whose digest is ``context``
+    (:meth:`Continuations.history_digests`), then the same keys anywhere: a client that edited the history before the
+    message still finds the raw text of the last returned message with that content and calls."""
+    return (*(f"{context}|{key}" for key in keys), *keys)
+
+
+def _extend_digest(digest: str, message: Any) -> str:
+    """The digest of a history extended by ``message`` (a request message: parsed JSON)."""
+    text = json.dumps(message, sort_keys=True, default=str)
+    return hashlib.blake2b(f"{digest}\n{text}".encode(), digest_size=16).hexdigest()
+
+
 @dataclass(frozen=True)
 class RawLookup:
     """What normalising an assistant message asked: the raw text remembered for the first of ``keys`` that has one
@@ -61,8 +77,9 @@ class RawLookup:
     raw_text: str | None
 
 
-#: Normalise one message (message, its index) -> (the template's form, the raw-text lookup it depended on or None).
-Normalize = Callable[[Any, int], tuple[dict[str, Any], RawLookup | None]]
+#: Normalise one message (message, its index, the digest of the messages before it) -> (the template's form, the
+#: raw-text lookup it depended on or None).
+Normalize = Callable[[Any, int, str], tuple[dict[str, Any], RawLookup | None]]
 
 
 class Continuations:
@@ -74,17 +91,31 @@ class Continuations:
         self._raw: dict[str, str] = {}
         self._last_sent: list[Any] = []  # the messages of the last chat call
         self._last_normalized: list[tuple[dict[str, Any], RawLookup | None]] = []  # theirs: (normalised, lookup)
+        self._last_digests: list[str] = [""]  # theirs: history_digests
 
     def add(self, text: str, ids: Sequence[int]) -> None:
         """Remember that ``ids`` (a prompt plus its completion) encode ``text``."""
         with self._lock:
             bisect.insort(self._encoded, (text, tuple(ids)), key=lambda entry: -len(entry[0]))
 
-    def remember_message(self, keys: Sequence[str], raw_text: str) -> None:
-        """The assistant message with :func:`message_keys` ``keys`` was sampled as ``raw_text``."""
+    def remember_message(self, keys: Sequence[str], raw_text: str, context: str = "") -> None:
+        """The assistant message with :func:`message_keys` ``keys`` was sampled as ``raw_text``, answering the history
+        with digest ``context`` (:meth:`history_digests`)."""
         with self._lock:
-            for key in keys:
+            for key in placed_keys(context, keys):
                 self._raw[key] = raw_text
+
+    def history_digests(self, messages: Sequence[Any]) -> list[str]:
+        """``digests[i]``: a digest of ``messages[:i]`` (``len(messages) + 1`` of them); the last call's are reused for
+        the history it shares, so a call hashes only its new messages."""
+        messages = list(messages)
+        with self._lock:
+            last_sent, last_digests = self._last_sent, self._last_digests
+        common = len(last_sent) if messages[: len(last_sent)] == last_sent else 0
+        digests = last_digests[: common + 1]
+        for message in messages[common:]:
+            digests.append(_extend_digest(digests[-1], message))
+        return digests
 
     def raw_text(self, keys: Sequence[str]) -> str | None:
         """The raw sampled text of a returned message (the first of its ``keys`` remembered), or None for a message the
@@ -96,22 +127,26 @@ class Continuations:
         return next((self._raw[key] for key in keys if key in self._raw), None)
 
     def normalized(self, messages: Sequence[Any], normalize: Normalize) -> list[dict[str, Any]]:
-        """``normalize(message, index)[0]`` of every message; the previous call's result is reused for a message equal
-        to the one at the same index then, unless its raw-text lookup would now answer differently."""
+        """``normalize(message, index, digest of the messages before it)[0]`` of every message; the previous call's
+        result is reused for a message equal to the one at the same index then, unless its raw-text lookup would now
+        answer differently (or was made after another history: the lookup is placed after it)."""
         messages = list(messages)
+        digests = self.history_digests(messages)
         with self._lock:
-            last_sent, last = self._last_sent, self._last_normalized
+            last_sent, last, last_digests = self._last_sent, self._last_normalized, self._last_digests
             # Usually the history is the last call's, extended: one comparison of the lists, then only the lookups.
             common = len(last_sent) if messages[: len(last_sent)] == last_sent else 0
+
+            def still_answers(lookup: RawLookup | None, index: int) -> bool:
+                return lookup is None or (digests[index] == last_digests[index] and self._find(lookup.keys) == lookup.raw_text)
+
             reuse = [
-                index < len(last)
-                and (index < common or messages[index] == last_sent[index])
-                and (last[index][1] is None or self._find(last[index][1].keys) == last[index][1].raw_text)
+                index < len(last) and (index < common or messages[index] == last_sent[index]) and still_answers(last[index][1], index)
                 for index in range(len(messages))
             ]
-        entries = [last[index] if reuse[index] else normalize(message, index) for index, message in enumerate(messages)]
+        entries = [last[index] if reuse[index] else normalize(message, index, digests[index]) for index, message in enumerate(messages)]
         with self._lock:
-            self._last_sent, self._last_normalized = messages, entries
+            self._last_sent, self._last_normalized, self._last_digests = messages, entries, digests
         return [form for form, _ in entries]
 
     def prompt_ids(

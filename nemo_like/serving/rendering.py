@@ -22,7 +22,7 @@ from typing import Any
 from nemo_like.environments.agent import ContentError, content_text
 from nemo_like.environments.tools.parsing import CLOSE_TAG, OPEN_TAG
 from nemo_like.models.loading import added_around, render_chat, renders_tools
-from nemo_like.serving.continuation import Continuations, RawLookup, message_keys
+from nemo_like.serving.continuation import Continuations, RawLookup, message_keys, placed_keys
 from nemo_like.serving.errors import bad_request, unsupported
 
 log = logging.getLogger("nemo_like.serving")
@@ -168,8 +168,9 @@ def normalize_message(message: Any, index: int, continuations: Continuations | N
     return _normalize(message, index, continuations)[0]
 
 
-def _normalize(message: Any, index: int, continuations: Continuations | None) -> tuple[dict[str, Any], RawLookup | None]:
-    """:func:`normalize_message`, and for an assistant message in a session the raw-text lookup it depended on."""
+def _normalize(message: Any, index: int, continuations: Continuations | None, context: str = "") -> tuple[dict[str, Any], RawLookup | None]:
+    """:func:`normalize_message`, and for an assistant message in a session the raw-text lookup it depended on
+    (``context``: the digest of the messages before it, :meth:`Continuations.history_digests`)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise bad_request(f"'{where}' needs a 'role' among {list(ROLES)}.", param=f"{where}.role")
@@ -186,7 +187,7 @@ def _normalize(message: Any, index: int, continuations: Continuations | None) ->
     if role == "assistant":
         tool_calls = message.get("tool_calls") or None
         if continuations is not None:
-            keys = message_keys(content, tool_calls)  # the text, however sent (a string or text parts)
+            keys = placed_keys(context, message_keys(content, tool_calls))  # the text, however sent (a string or parts)
             lookup = RawLookup(keys, continuations.raw_text(keys))
             if lookup.raw_text is not None:
                 return {"role": "assistant", "content": lookup.raw_text, **named}, lookup
@@ -386,7 +387,7 @@ class Renderer:
         if continuations is None:
             normalized = [normalize_message(m, i, None) for i, m in enumerate(messages)]
         else:  # a session's history is normalised once, not again at every call
-            normalized = continuations.normalized(messages, lambda m, i: _normalize(m, i, continuations))
+            normalized = continuations.normalized(messages, lambda m, i, context: _normalize(m, i, continuations, context))
         if any(m.get("tool_calls") for m in normalized) and not self.renders_tool_calls:
             normalized = [with_calls_as_text(m) if m.get("tool_calls") else m for m in normalized]
             self._warn_once("tool_calls", "an assistant's tool_calls: they are written into its content as Hermes text")

@@ -252,7 +252,8 @@ class CompletionService:
                 choice.finish_reason = "tool_calls"
             if session is not None and whole:
                 keys = message_keys(choice.parsed.content, choice.parsed.tool_calls)
-                session.continuations.remember_message(keys, self._raw_text(choice.completion_ids))
+                history = session.continuations.history_digests(req.messages)[-1]  # the history this message answers
+                session.continuations.remember_message(keys, self._raw_text(choice.completion_ids), history)
         return call
 
     def _parse(self, req: ChatCompletionRequest, text: str) -> tuple[ParsedTurn, bool]:

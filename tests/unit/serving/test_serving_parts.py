@@ -532,7 +532,7 @@ def test_a_sessions_history_is_normalised_once_unless_a_message_or_its_raw_text_
     continuations = Continuations()
     normalised: list[int] = []
 
-    def normalize(message, index):
+    def normalize(message, index, context):
         normalised.append(index)
         key = message["content"] if message["role"] == "assistant" else None
         lookup = RawLookup((key,), continuations.raw_text([key])) if key is not None else None
@@ -549,9 +549,32 @@ def test_a_sessions_history_is_normalised_once_unless_a_message_or_its_raw_text_
     forms = continuations.normalized(again, normalize)
     assert normalised == [0, 1, 2, 3, 1] and forms[1]["raw"] == "<raw a1>"
     edited = [user, answer, {"role": "tool", "content": "8"}, again[3]]  # a client that rewrote one message
-    assert continuations.normalized(edited, normalize)[2]["content"] == "8" and normalised == [0, 1, 2, 3, 1, 2]
+    # the rewritten message, and the assistant message after it, whose raw text is looked up after its history
+    assert continuations.normalized(edited, normalize)[2]["content"] == "8" and normalised == [0, 1, 2, 3, 1, 2, 3]
     shorter = [user, {"role": "user", "content": "other"}]  # not an extension: equal messages by index are reused
-    assert continuations.normalized(shorter, normalize)[1]["content"] == "other" and normalised == [0, 1, 2, 3, 1, 2, 1]
+    assert continuations.normalized(shorter, normalize)[1]["content"] == "other" and normalised == [0, 1, 2, 3, 1, 2, 3, 1]
+
+
+def test_two_turns_returning_the_same_content_each_render_as_their_own_sampled_text(renderer):
+    """A stop string cut turn 1's sampled '47' and turn 2's '40' to the same content '4': the session kept one raw text
+    per content, so turn 3 rendered turn 1 as '40' (a history the model never produced) and the session split."""
+    continuations = Continuations()
+    first = [{"role": "user", "content": "q"}]
+    renderer.chat_text(first, None, continuations)  # each call is rendered, then its answer remembered
+    continuations.remember_message(message_keys("4", None), "47", continuations.history_digests(first)[-1])
+    second = [*first, {"role": "assistant", "content": "4"}, {"role": "user", "content": "again?"}]
+    renderer.chat_text(second, None, continuations)
+    continuations.remember_message(message_keys("4", None), "40", continuations.history_digests(second)[-1])
+    third = [*second, {"role": "assistant", "content": "4"}, {"role": "user", "content": "final?"}]
+
+    def as_sampled(messages, *raw):
+        answers = iter(raw)
+        return [{**m, "content": next(answers)} if m["role"] == "assistant" else m for m in messages]
+
+    assert renderer.chat_text(third, None, continuations) == renderer.chat_text(as_sampled(third, "47", "40"), None, None)
+    # a client that edited the history before them: both fall back to the last returned message with that content
+    edited = [{"role": "user", "content": "q, edited"}, *third[1:]]
+    assert renderer.chat_text(edited, None, continuations) == renderer.chat_text(as_sampled(edited, "40", "40"), None, None)
 
 
 def test_a_renderings_text_does_not_depend_on_what_earlier_calls_normalised(renderer):
