@@ -130,3 +130,8 @@ class BuggyScorer(EnvironmentInterface):
 
     def metrics(self) -> dict[str, float]:
         return {"scored": "many"} if self.bad_counter else {}
+
+
+def reward_without_return(text: str, answer: Any) -> None:
+    """A ``custom_reward_fn`` that forgets to return its reward."""
+    float(text == str(answer))

@@ -102,11 +102,15 @@ def _environment_sources(cfg: MasterConfig) -> list[tuple[str, str, str, dict, i
     """``(where, role suffix, class, settings, actors, shared device, the actor's GPUs)`` of every environment the run
     loads: each task's, or each of a composite's sources (as the composite reads them; its actors each hold every
     source, those on a GPU placed as :func:`~nemo_like.environments.composite.place_sources` places them: ``<task>
-    cuda:<i>``, one device a composite actor's sources there share; the actor reserves the GPUs it says)."""
+    cuda:<i>``, one device a composite actor's sources there share; the actor reserves the GPUs it says). An agent
+    task's environment is its verifier (``verifier_kwargs``: its settings), which its actors load."""
     out = []
     for task, section in cfg.env_sections.items():
         settings, kind = section.model_dump(by_alias=True), section.env_class or task
         workers = int(settings.get("num_workers") or 1)
+        where = f"env.{task}"
+        if kind == "agent" and settings.get("verifier"):
+            where, kind, settings = f"{where}.verifier_kwargs", settings["verifier"], settings.get("verifier_kwargs") or {}
         if kind == "composite":
             sources = settings.get("sources") or {}
             placed, actor_gpus = source_placement(sources)
@@ -114,9 +118,9 @@ def _environment_sources(cfg: MasterConfig) -> list[tuple[str, str, str, dict, i
                 source_kind, _, values = split_source(name, source)
                 device = placed.get(name)
                 shared = f"{task} {device}" if device and device != "cpu" else None
-                out.append((f"env.{task}.sources.{name}", f"{task}.{name}", source_kind, values, workers, shared, actor_gpus))
+                out.append((f"{where}.sources.{name}", f"{task}.{name}", source_kind, values, workers, shared, actor_gpus))
         else:
-            out.append((f"env.{task}", task, kind, settings, workers, None, 0.0))
+            out.append((where, task, kind, settings, workers, None, 0.0))
     return out
 
 

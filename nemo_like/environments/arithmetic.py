@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_like.environments.arithmetic_reward import not_an_integer, score_response
-from nemo_like.environments.interface import EnvironmentInterface
+from nemo_like.environments.interface import EnvironmentInterface, as_number
 from nemo_like.utils.registry import PluginNameError, Registry
 
 RewardFn = Callable[[str, Any], float]
@@ -64,6 +64,7 @@ class ArithmeticEnvironment(EnvironmentInterface):
 
     def __init__(self, custom_reward_fn: str | None = None) -> None:
         self.reward_fn: RewardFn = import_reward_fn(custom_reward_fn) if custom_reward_fn else score_response
+        self.reward_fn_name = f"custom_reward_fn {custom_reward_fn!r}" if custom_reward_fn else "the built-in reward"
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
-        return [float(self.reward_fn(text, meta["answer"])) for text, meta in zip(responses, metadata)]
+        return [as_number(self.reward_fn(text, meta["answer"]), self.reward_fn_name, "reward") for text, meta in zip(responses, metadata)]

@@ -190,7 +190,8 @@ class CompositeEnvironment(EnvironmentInterface):
         total = [0.0] * len(responses)
         for name, (env, weight) in self.sources.items():
             with named_source(name, env):
-                rewards = [as_number(r, f"reward source '{name}'", "reward") for r in env.score(responses, metadata)]
+                raw = env.score(responses, metadata)
+            rewards = [as_number(r, f"reward source '{name}'", "reward") for r in raw]
             if len(rewards) != len(responses):
                 raise ValueError(f"reward source '{name}' returned {len(rewards)} rewards for {len(responses)} responses")
             check_finite_rewards(f"reward source '{name}'", rewards, responses, metadata)

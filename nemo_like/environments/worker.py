@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from nemo_like.config.errors import ConfigError
 from nemo_like.distributed.ray_env import NODE_PYTHONPATH
 from nemo_like.distributed.supervision import Replaceable
 from nemo_like.distributed.worker_group import Reinitializable, RoleResources, WorkerResources
@@ -30,7 +31,10 @@ ENV_WORKER_CPUS = DEFAULT_ENV_CPUS
 def actor_needs(spec: EnvSpec) -> ActorNeeds:
     """What each actor of ``spec`` reserves and starts, as its class states it (:meth:`EnvironmentInterface.actor_needs`)."""
     cls = import_environment_class(spec.class_path, f"env.{spec.task}")
-    return cls.actor_needs(dict(spec.kwargs))
+    try:
+        return cls.actor_needs(dict(spec.kwargs))
+    except ConfigError as exc:  # an agent's verifier settings, checked without its task's name
+        raise ConfigError(str(exc).replace("env.<task>", f"env.{spec.task}")) from None
 
 
 def environment_resources(cfg: Any) -> list[RoleResources]:

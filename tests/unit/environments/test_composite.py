@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+from nemo_like.algorithms.roles import scorer_specs
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import WorkerResources
@@ -70,6 +71,12 @@ def test_an_agent_tasks_actors_reserve_what_its_verifier_needs() -> None:
         "judge:c": WorkerResources(num_cpus=0.5, num_gpus=1.0),
         "environment:d": WorkerResources(num_cpus=0.1, num_gpus=0.0),
     }
+    # the memory plan counts the verifiers' models as it counts a task's own
+    assert [spec.role for spec in scorer_specs(MasterConfig.model_validate({"env": sections}))] == ["reward_model:b", "judge:c"]
+    # a verifier's bad key names its task (the check ran without it: 'env.<task>.verifier_kwargs')
+    bad = {"b": {**agent, "verifier": "reward_model", "verifier_kwargs": {"model_nam": "x"}}}
+    with pytest.raises(ConfigError, match=r"env.b.verifier_kwargs.model_nam: unknown key"):
+        environment_resources(MasterConfig.model_validate({"env": bad}))
 
 
 def test_each_reward_model_source_runs_on_its_own_share_of_the_actors_gpus() -> None:

@@ -264,7 +264,10 @@ def test_an_environments_own_error_names_its_task_and_batch() -> None:
     bad_counter = EnvironmentWorker(0, 1, "gsm8k", "custom_envs:BuggyScorer", {"bad_counter": True})
     with pytest.raises(ValueError, match=r"environment 'gsm8k' metrics\(\) returned 'many', not a number, as a 'scored'"):
         bad_counter.score(["7"], [{"answer": "7"}])
-    # the same mistakes in a composite's source name it (they were bare TypeErrors from float())
+    # the same mistakes in a composite's source, or a custom reward function's, name it (bare TypeErrors from float())
+    forgot = EnvironmentWorker(0, 1, "gsm8k", "arithmetic", {"custom_reward_fn": "custom_envs:reward_without_return"})
+    with pytest.raises(ValueError, match=r"custom_reward_fn 'custom_envs:reward_without_return' returned None, not a number, as a reward"):
+        forgot.score(["7"], [{"answer": "7"}])
     composite = EnvironmentWorker(0, 1, "gsm8k", "composite", {"sources": {"buggy": {"class": "custom_envs:BuggyScorer"}}})
     with pytest.raises(ValueError, match=r"reward source 'buggy' returned None, not a number, as a reward"):
         composite.score(["none"], [{"answer": "7"}])
