@@ -195,6 +195,12 @@ class EnvSectionConfig(BaseModel):
 _SHORTHAND_NAME = "name"
 
 
+def _looks_like_a_task_section(key: str, value: Any, name: str) -> bool:
+    """A key merged into a shorthand ``env`` that is a task's section, not one of the named environment's settings:
+    the task named like it, or a mapping with a section's own keys (no environment setting holds those)."""
+    return key == name or (isinstance(value, dict) and bool({"class", "num_workers"} & set(value)))
+
+
 def normalize_env_sections(value: Any) -> Any:
     """Accept the single-environment shorthand ``{name: X, num_workers: N, <X's keys>}`` as ``{X: {...}}``;
     an empty/missing ``env`` means one arithmetic environment with default settings."""
@@ -209,6 +215,12 @@ def normalize_env_sections(value: Any) -> Any:
         name = section.pop(_SHORTHAND_NAME)
         if not isinstance(name, str):
             raise ValueError(f"env.name must be an environment name, got {name!r}")
+        if merged := sorted(k for k, v in section.items() if _looks_like_a_task_section(k, v, name)):
+            raise ValueError(
+                f"env mixes the single-environment shorthand (env.name={name}) with per-task sections {merged} (a parent "
+                "recipe's env, or a '+env.<task>.<key>' override, merged into it); write one section per task, "
+                "env: {<task>: {class: ..., ...}}, or set '_override_: true' in the shorthand to replace the parent's env"
+            )
         return {name: section}
     nested = {k for k, v in value.items() if isinstance(v, dict) or v is None}
     flat = set(value) - nested

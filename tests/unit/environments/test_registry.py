@@ -48,6 +48,11 @@ def test_shorthand_and_empty_env_mean_one_section() -> None:
     assert scorer.kwargs["normalize"]["squash"] == "sigmoid"
     with pytest.raises(ConfigError, match="env.math.arithmetic: unknown key"):
         envs({"name": "math", "arithmetic": {}})
+    # but a parent recipe's section (or a '+env.<task>.<key>' override) merged into a shorthand is refused as a task's
+    # section: a custom environment taking **kwargs got it as a keyword argument, and the run ignored it
+    for merged in ({"arithmetic": {"num_workers": 2}}, {"gsm8k": {"class": "math"}}, {"math": {"timeout_s": 5}}):
+        with pytest.raises(Exception, match=r"env mixes the single-environment shorthand \(env.name=math\) with per-task sections"):
+            MasterConfig.model_validate({"env": {"name": "math", **merged}})
 
 
 def test_a_custom_env_by_import_path_gets_its_section_keys() -> None:
