@@ -431,6 +431,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         record_exit_status(1 if status is None else status)
 
 
+def console_main() -> None:
+    """The ``nemo-like`` command as a process: :func:`main`, then exit with its status; once the command is over a
+    SIGINT or SIGTERM leaves at once with that status (:func:`~nemo_like.utils.run_control.leave_at_once_on_stop_signals`:
+    the exit's teardown still shuts a private Ray cluster down)."""
+    from nemo_like.utils.run_control import leave_at_once_on_stop_signals
+
+    try:
+        status = main()
+    except SystemExit as exc:  # a stopped run (RunInterrupted), argparse's usage errors and --help
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    leave_at_once_on_stop_signals(status)
+    sys.exit(status)
+
+
 def record_exit_status(status: int) -> None:
     """Write ``status`` to ``$NEMO_LIKE_EXIT_STATUS_FILE`` when set (whole, or not at all); a failure only warns."""
     path = os.environ.get(EXIT_STATUS_FILE_ENV)
@@ -475,4 +489,4 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -275,6 +275,20 @@ def activate(control: RunControl | None) -> None:
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 
 
+def leave_at_once_on_stop_signals(status: int) -> None:
+    """From now on, SIGINT or SIGTERM ends the process at once with ``status``: for a command whose work is over and
+    whose exit still runs teardown (Ray's own exit hook shuts a private cluster down: 4-8 s). A second Ctrl-C there
+    raised KeyboardInterrupt inside that hook: a traceback after the run's last line, or a crash in Ray's native code
+    (exit status -11 instead of the run's)."""
+
+    def leave(signum: int, frame: FrameType | None) -> None:
+        _say(f"[stop] {signal.Signals(signum).name} while exiting: leaving now, the Ray cluster's shutdown cut short")
+        os._exit(status)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, leave)
+
+
 @contextmanager
 def new_threads_spared_stop_signals() -> Iterator[None]:
     """Threads started inside (a logger's: rich's refresh, TensorBoard's and W&B's writers) keep SIGTERM and SIGINT

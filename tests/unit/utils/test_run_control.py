@@ -227,6 +227,34 @@ def test_a_second_signal_exits_at_once_with_the_first_ones_status():
     assert status == EXIT_SIGINT and "SIGINT received during step 3" in err and "second SIGINT: exiting now" in err, err
 
 
+EXITING = """
+import atexit, sys, time
+atexit.register(lambda: (print("teardown", flush=True), time.sleep(20)))  # as Ray's exit hook shuts a private cluster down
+sys.argv = ["nemo-like", "plot", sys.argv[1]]  # a command that ends at once (status 2: no metrics there)
+from nemo_like.cli import console_main
+console_main()
+"""
+
+
+def test_a_signal_while_the_command_exits_leaves_at_once_with_its_status(tmp_path):
+    """A second Ctrl-C after a stopped run's last line landed in Ray's exit hook (the private cluster's shutdown, 4-8 s):
+    a KeyboardInterrupt traceback after the run's output, or a crash in Ray's native code (status -11, not 130)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EXITING, str(tmp_path / "nowhere")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "teardown"
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert status == 2 and "[stop] SIGINT while exiting: leaving now" in err and "Traceback" not in err, err
+
+
 TEED = """
 import sys, time
 from pathlib import Path
