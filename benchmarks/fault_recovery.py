@@ -79,7 +79,8 @@ TIMING_MARKS = ("seconds", "per_sec", "_mfu", "mfu", "run_start", "async/generat
 
 
 def compared(key: str) -> bool:
-    return not key.startswith(TIMING_PREFIXES) and not any(mark in key for mark in TIMING_MARKS)
+    """A logged number two runs should agree on: not a timing, and not ``step`` (records are paired by it)."""
+    return key != "step" and not key.startswith(TIMING_PREFIXES) and not any(mark in key for mark in TIMING_MARKS)
 
 
 def command(scenario: Scenario, log_dir: Path) -> list[str]:

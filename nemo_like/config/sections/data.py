@@ -197,8 +197,10 @@ _SHORTHAND_NAME = "name"
 
 def _looks_like_a_task_section(key: str, value: Any, name: str) -> bool:
     """A key merged into a shorthand ``env`` that is a task's section, not one of the named environment's settings:
-    the task named like it, or a mapping with a section's own keys (no environment setting holds those)."""
-    return key == name or (isinstance(value, dict) and bool({"class", "num_workers"} & set(value)))
+    a section (a mapping, or null) named like the environment (the agent environment's own ``agent`` setting is a
+    string), or a mapping with a section's own keys (no environment setting holds those)."""
+    section = value is None or isinstance(value, dict)
+    return (key == name and section) or (isinstance(value, dict) and bool({"class", "num_workers"} & set(value)))
 
 
 def normalize_env_sections(value: Any) -> Any:

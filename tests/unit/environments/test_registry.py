@@ -46,6 +46,8 @@ def test_shorthand_and_empty_env_mean_one_section() -> None:
     assert composite.num_workers == 2 and set(composite.kwargs["sources"]) == {"correct", "short"}
     (scorer,) = envs({"name": "reward_model", "normalize": {"squash": "sigmoid"}}).values()
     assert scorer.kwargs["normalize"]["squash"] == "sigmoid"
+    agent = {"name": "agent", "agent": "examples.agents.calculator_agent:run"}  # a setting named like its environment
+    assert MasterConfig.model_validate({"env": agent}).env_sections["agent"].model_dump()["agent"] == agent["agent"]
     with pytest.raises(ConfigError, match="env.math.arithmetic: unknown key"):
         envs({"name": "math", "arithmetic": {}})
     # but a parent recipe's section (or a '+env.<task>.<key>' override) merged into a shorthand is refused as a task's
