@@ -113,7 +113,9 @@ def ignored_validation_settings(cfg: MasterConfig) -> list[str]:
     defaults = type(cfg.grpo).model_fields
     lines = []
     for val_key, eval_key in VALIDATION_COUNTERPARTS:
-        value, used = getattr(cfg.grpo, val_key), getattr(cfg.eval, eval_key)
+        # eval's pass@k ks as it resolves them (eval.pass_k null: from its samples per prompt, which may be the same ks)
+        used = cfg.eval.resolved_pass_k if eval_key == "pass_k" else getattr(cfg.eval, eval_key)
+        value = getattr(cfg.grpo, val_key)
         if value != defaults[val_key].default and value != used:
             lines.append(
                 f"grpo.{val_key}={value} (training validation) has no effect in nemo-like eval, which uses eval.{eval_key}={used}; "

@@ -167,6 +167,11 @@ def test_validation_decoding_keys_that_eval_does_not_use_are_named() -> None:
     assert "uses eval.num_samples_per_prompt=1" in lines[1]
     same = ["eval.greedy=true", "eval.num_samples_per_prompt=4", "eval.pass_k=[1,4]"]
     assert ignored_validation_settings(load_config(None, changed + same, warn=False)) == []
+    # eval.pass_k unset reports the ks its samples per prompt give: the same as validation's, nothing to warn about
+    resolved = ["grpo.val_num_generations_per_prompt=4", "grpo.val_pass_k=[1,2,4]", "eval.num_samples_per_prompt=4"]
+    assert ignored_validation_settings(load_config(None, resolved, warn=False)) == []
+    lines = ignored_validation_settings(load_config(None, [*resolved[:2], "eval.num_samples_per_prompt=2"], warn=False))
+    assert "grpo.val_pass_k=[1, 2, 4] (training validation) has no effect in nemo-like eval, which uses eval.pass_k=[1, 2]" in lines[-1]
 
 
 def test_eval_refuses_what_it_cannot_serve_or_would_overwrite_before_any_actor(tmp_path, capsys) -> None:
