@@ -75,7 +75,7 @@ DEFAULT_SCENARIOS = [name for name, s in SCENARIOS.items() if not s.needs_vllm]
 #: Logged numbers that differ between any two runs of one recipe: times, rates, and the async collector's batch count
 #: (how many batches finished before a step's record depends on timing).
 TIMING_PREFIXES = ("timing/", "idle/", "faults/")
-TIMING_MARKS = ("seconds", "per_sec", "_mfu", "mfu", "run_start", "async/generation_batches", "elapsed")
+TIMING_MARKS = ("seconds", "per_sec", "mfu", "run_start", "async/generation_batches", "elapsed")
 
 
 def compared(key: str) -> bool:
