@@ -109,9 +109,17 @@ class Continuations:
         """``digests[i]``: a digest of ``messages[:i]`` (``len(messages) + 1`` of them); the last call's are reused for
         the history it shares, so a call hashes only its new messages."""
         messages = list(messages)
+        return self._digests(messages, *self._last_call(messages)[2:])
+
+    def _last_call(self, messages: list[Any]) -> tuple[list[Any], list[tuple[dict[str, Any], RawLookup | None]], list[str], int]:
+        """The last chat call's messages, normalised forms and digests, and how many leading ``messages`` it shares
+        (usually the history is the last call's, extended: one comparison of the lists)."""
         with self._lock:
-            last_sent, last_digests = self._last_sent, self._last_digests
-        common = len(last_sent) if messages[: len(last_sent)] == last_sent else 0
+            last_sent, last, last_digests = self._last_sent, self._last_normalized, self._last_digests
+        return last_sent, last, last_digests, len(last_sent) if messages[: len(last_sent)] == last_sent else 0
+
+    @staticmethod
+    def _digests(messages: list[Any], last_digests: list[str], common: int) -> list[str]:
         digests = last_digests[: common + 1]
         for message in messages[common:]:
             digests.append(_extend_digest(digests[-1], message))
@@ -131,11 +139,9 @@ class Continuations:
         result is reused for a message equal to the one at the same index then, unless its raw-text lookup would now
         answer differently (or was made after another history: the lookup is placed after it)."""
         messages = list(messages)
-        digests = self.history_digests(messages)
+        last_sent, last, last_digests, common = self._last_call(messages)
+        digests = self._digests(messages, last_digests, common)
         with self._lock:
-            last_sent, last, last_digests = self._last_sent, self._last_normalized, self._last_digests
-            # Usually the history is the last call's, extended: one comparison of the lists, then only the lookups.
-            common = len(last_sent) if messages[: len(last_sent)] == last_sent else 0
 
             def still_answers(lookup: RawLookup | None, index: int) -> bool:
                 return lookup is None or (digests[index] == last_digests[index] and self._find(lookup.keys) == lookup.raw_text)

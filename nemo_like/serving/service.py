@@ -246,13 +246,13 @@ class CompletionService:
             else self.renderer.tokenize(text)
         )
         call = await self._sample(req, text, ids, req.requested_max_tokens(), session, call_index, "messages")
+        history = continuations.history_digests(req.messages)[-1] if continuations else ""  # what the choices answer
         for choice in call.choices:
             choice.parsed, whole = self._parse(req, choice.text)
             if choice.parsed.tool_calls and choice.finish_reason != "length":  # a cut turn says so, calls or not
                 choice.finish_reason = "tool_calls"
             if session is not None and whole:
                 keys = message_keys(choice.parsed.content, choice.parsed.tool_calls)
-                history = session.continuations.history_digests(req.messages)[-1]  # the history this message answers
                 session.continuations.remember_message(keys, self._raw_text(choice.completion_ids), history)
         return call
 
