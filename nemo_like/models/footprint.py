@@ -209,8 +209,8 @@ def needs_teachers(cfg: Any, run_plan: Any) -> bool:
 def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
     """Bytes of weights the lean decoder's sampler copies for a call (:func:`~nemo_like.models.generation.lean_decoder.
     fused_step_copy_elements`: fused projections, and oneDNN-packed ones on a CPU), for the backend that samples with
-    it: the inline backend (copies of the policy's float32 masters, whatever the precision; its products run in
-    ``policy.precision``: a bfloat16 run samples under autocast, where nothing is packed for oneDNN) or the HF engine
+    it: the inline backend (copies of the policy's float32 masters in ``policy.precision``: a bfloat16 run samples
+    under autocast, with every projection cast to bf16 once per call and nothing packed for oneDNN) or the HF engine
     (copies of its weights, loaded at ``policy.precision``, for the rows it samples at once); 0 for vLLM."""
     backend = run_plan.backend.value
     if backend not in ("inline", "hf"):
@@ -220,20 +220,22 @@ def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
 
     products = compute_dtype(cfg.policy.precision)
     if backend == "inline":
-        return lean_decoder_copy_bytes(shape, inline_sampling_rows(cfg), products, MASTER_DTYPE.itemsize, on_cpu=True)
+        cast = products != MASTER_DTYPE
+        return lean_decoder_copy_bytes(shape, inline_sampling_rows(cfg), products, products.itemsize, on_cpu=True, cast=cast)
     return lean_decoder_copy_bytes(
         shape, hf_sampling_rows(cfg), products, DTYPE_BYTES[cfg.policy.precision], on_cpu=not cfg.cluster.gpus_per_node
     )
 
 
-def lean_decoder_copy_bytes(shape: Any, rows: int, products: torch.dtype, element_bytes: int, on_cpu: bool) -> int:
+def lean_decoder_copy_bytes(shape: Any, rows: int, products: torch.dtype, element_bytes: int, on_cpu: bool, cast: bool = False) -> int:
     """Bytes of the weight copies the lean decoder holds for a call of ``rows`` rows
-    (:func:`~nemo_like.models.generation.lean_decoder.fused_step_copy_elements`), its weights ``element_bytes`` each."""
+    (:func:`~nemo_like.models.generation.lean_decoder.fused_step_copy_elements`), its weights ``element_bytes`` each;
+    ``cast``: every projection cast to ``products`` (float32 weights sampled under autocast)."""
     from nemo_like.models.generation.lean_decoder import fused_step_copy_elements
 
     q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     elements = fused_step_copy_elements(
-        shape.layers, shape.hidden, shape.intermediate, q_width, kv_width, shape.vocab, rows, products, on_cpu
+        shape.layers, shape.hidden, shape.intermediate, q_width, kv_width, shape.vocab, rows, products, on_cpu, cast
     )
     return elements * element_bytes
 

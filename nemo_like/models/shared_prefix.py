@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from nemo_like.models.llama_family import rms_norm, rotary_tables, supported
+from nemo_like.models.llama_family import attention, rms_norm, rotary_tables, supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, processed_token_logprobs_with_outside
 from nemo_like.utils.cpu_linear import linear
 
@@ -194,13 +194,13 @@ def _attention(
     gqa = q.shape[1] != k.shape[1]
     own_q, own_k, own_v = (_to_blocks(x[n_prompt:], layout.own_slot, rows, layout.own_width) for x in (q, k, v))
     if not n_prompt:
-        attn = F.scaled_dot_product_attention(own_q, own_k, own_v, attn_mask=masks[1], enable_gqa=gqa)
+        attn = attention(own_q, own_k, own_v, masks[1], gqa)
         return _from_blocks(attn, layout.own_slot)
     p_q, p_k, p_v = (_to_blocks(x[:n_prompt], layout.prompt_slot, groups, layout.prompt_width) for x in (q, k, v))
-    prompt_attn = F.scaled_dot_product_attention(p_q, p_k, p_v, attn_mask=masks[0], enable_gqa=gqa)
+    prompt_attn = attention(p_q, p_k, p_v, masks[0], gqa)
     keys = torch.cat([p_k.index_select(0, layout.group), own_k], dim=2)
     values = torch.cat([p_v.index_select(0, layout.group), own_v], dim=2)
-    own_attn = F.scaled_dot_product_attention(own_q, keys, values, attn_mask=masks[1], enable_gqa=gqa)
+    own_attn = attention(own_q, keys, values, masks[1], gqa)
     return torch.cat([_from_blocks(prompt_attn, layout.prompt_slot), _from_blocks(own_attn, layout.own_slot)])
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, StopStringWatch, prompt_seeds, version_at
-from nemo_like.models.llama_family import rms_norm_with, rotary_tables
+from nemo_like.models.llama_family import attention, attention_dtype, rms_norm_with, rotary_tables
 from nemo_like.models.llama_family import supported as fused_step_supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, sampling_keep_mask
 from nemo_like.utils.cpu_linear import linear, packs, prepacked
@@ -92,12 +92,15 @@ class FusedLlamaStep:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.decode_rows = decode_rows or batch
+        param = next(model.parameters())
+        self.residual_dtype = param.dtype
+        self.compute_dtype = products_dtype(param)
         self.layers: list[tuple] = []
         self.refresh_weights()
-        param = next(model.parameters())
         shape = (batch, self.kv_heads, max_len, self.head_dim)
-        self.k_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
-        self.v_cache = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in self.layers]
+        cache_dtype = attention_dtype(param.device, self.residual_dtype, self.compute_dtype)
+        self.k_cache = [torch.empty(shape, dtype=cache_dtype, device=param.device) for _ in self.layers]
+        self.v_cache = [torch.empty(shape, dtype=cache_dtype, device=param.device) for _ in self.layers]
         self.intermediate = self.inner.layers[0].mlp.gate_proj.weight.shape[0]  # gate/up may be packed: read the module
         self.cos = self.signed_sin = None
 
@@ -105,30 +108,36 @@ class FusedLlamaStep:
         """(Re)build the fused projection weights from the model's parameters: at construction, and after the
         weights were replaced in place mid-call (an in-flight refit, see ``sample(between_steps=...)``)."""
         layers = []
-        rows = self.decode_rows
+
+        def product_weight(*weights: torch.Tensor) -> torch.Tensor:
+            # In the products' dtype once per call (autocast would cast each weight at every decode step), packed
+            # for oneDNN where it pays; the parts of a fused projection side by side.
+            cast = [w.to(self.compute_dtype) for w in weights]
+            return prepacked(cast[0] if len(cast) == 1 else torch.cat(cast), self.decode_rows)
+
         for layer in self.inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
             layers.append(
                 (
                     layer.input_layernorm.weight,
-                    prepacked(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), rows),
+                    product_weight(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
                     None if biases[0] is None else torch.cat(biases),
-                    prepacked(attn.o_proj.weight, rows),
+                    product_weight(attn.o_proj.weight),
                     attn.o_proj.bias,
                     layer.post_attention_layernorm.weight,
-                    prepacked(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rows),
-                    prepacked(mlp.down_proj.weight, rows),
+                    product_weight(mlp.gate_proj.weight, mlp.up_proj.weight),
+                    product_weight(mlp.down_proj.weight),
                 )
             )
         self.layers = layers
         head = self.model.lm_head
-        self.head = (prepacked(head.weight, rows), head.bias) if isinstance(head, torch.nn.Linear) else None
+        self.head = (product_weight(head.weight), head.bias) if isinstance(head, torch.nn.Linear) else None
 
     def set_positions(self, positions: torch.Tensor) -> None:
         """Rotary tables for ``positions`` (``[B, max_len]``: every column the call can fill), from the model's own
         rotary module, with the sign of ``rotate_half`` folded into the sine (:func:`~..llama_family.rotary_tables`)."""
-        cos, signed_sin = rotary_tables(self.inner.rotary_emb, positions, self.k_cache[0].dtype, self.head_dim)
+        cos, signed_sin = rotary_tables(self.inner.rotary_emb, positions, self.residual_dtype, self.head_dim)
         self.cos, self.signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # [B, 1, max_len, head_dim]
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -152,13 +161,7 @@ class FusedLlamaStep:
             qk = qk * cos + qk.roll(half, dims=-1) * signed_sin  # RoPE on queries and keys at once
             self.k_cache[i][:, :, start:end] = qk[:, heads:]
             self.v_cache[i][:, :, start:end] = qkv[:, qk_heads:]
-            attn = F.scaled_dot_product_attention(
-                qk[:, :heads],
-                self.k_cache[i][:, :, :end],
-                self.v_cache[i][:, :, :end],
-                attn_mask=attn_mask,
-                enable_gqa=self.kv_heads != heads,
-            )
+            attn = attention(qk[:, :heads], self.k_cache[i][:, :, :end], self.v_cache[i][:, :, :end], attn_mask, self.kv_heads != heads)
             h = h + linear(attn.transpose(1, 2).reshape(batch, width, heads * self.head_dim), o_w, o_b)
             gate, up = linear(rms_norm_with(h, ln2, self.eps), gate_up).split(self.intermediate, dim=-1)
             h = h + linear(F.silu(gate) * up, down)
@@ -166,17 +169,35 @@ class FusedLlamaStep:
         return linear(last, *self.head) if self.head is not None else self.model.lm_head(last)
 
 
+def products_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype the sampler's matmuls and KV cache run in for a model whose parameters are like ``param``: the
+    autocast dtype where autocast is on for its device (a ``policy.precision: bfloat16`` run samples its float32
+    masters under autocast, as its logprob passes run), else the parameters' own."""
+    device_type = param.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else param.dtype
+
+
 def fused_step_copy_elements(
-    layers: int, hidden: int, intermediate: int, q_width: int, kv_width: int, vocab: int, rows: int, dtype: torch.dtype, on_cpu: bool = True
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    q_width: int,
+    kv_width: int,
+    vocab: int,
+    rows: int,
+    dtype: torch.dtype,
+    on_cpu: bool = True,
+    cast: bool = False,
 ) -> int:
-    """Elements of the weight copies a :class:`FusedLlamaStep` holds during a call sampling ``rows`` rows (the memory
-    planner counts them): per layer the fused query/key/value and gate/up projections (always new tensors), the output
-    and down projections only where :func:`~nemo_like.utils.cpu_linear.packs` packs them (on a CPU: ``on_cpu``), and
-    the output head likewise (the fused query/key/value bias, a few values a layer, is left out)."""
+    """Elements of the weight copies a :class:`FusedLlamaStep` holds during a call sampling ``rows`` rows with products
+    in ``dtype`` (the memory planner counts them): per layer the fused query/key/value and gate/up projections (always
+    new tensors), the output and down projections only where they are ``cast`` to ``dtype`` (sampling float32 weights
+    under autocast) or :func:`~nemo_like.utils.cpu_linear.packs` packs them (on a CPU: ``on_cpu``), and the output head
+    likewise (the fused query/key/value bias, a few values a layer, is left out)."""
     fused = (q_width + 2 * kv_width) * hidden + 2 * intermediate * hidden
 
     def packed(out: int, inp: int) -> bool:
-        return on_cpu and packs(rows, out, inp, dtype)
+        return cast or (on_cpu and packs(rows, out, inp, dtype))
 
     per_layer = fused + sum(out * inp for out, inp in [(hidden, q_width), (hidden, intermediate)] if packed(out, inp))
     return layers * per_layer + (vocab * hidden if packed(vocab, hidden) else 0)

@@ -236,9 +236,12 @@ def test_the_planners_count_of_the_fused_steps_weight_copies_is_what_a_step_hold
         assert copies == fused_only  # products of 8 rows are too small to pack
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a bfloat16 run samples its float32 masters under autocast
         mixed = FusedLlamaStep(model, rows, 8, rows)
-    held = [t for layer in mixed.layers for t in layer if t is not None and t.dim() == 2 and t.data_ptr() not in own]
-    assert sum(t.numel() for t in held) == fused_step_copy_elements(2, 128, 512, 128, 64, 359, rows, torch.bfloat16) == fused_only
-    assert {t.dtype for t in held} == {torch.float32} and not any(t.is_mkldnn for t in held)  # 4-byte copies, none packed
+    held = [t for layer in mixed.layers for t in layer if t is not None and t.dim() == 2] + [mixed.head[0]]
+    assert not any(t.data_ptr() in own for t in held)  # every projection cast to bf16 once per call, not at every step
+    elements = fused_step_copy_elements(2, 128, 512, 128, 64, 359, rows, torch.bfloat16, cast=True)
+    assert sum(t.numel() for t in held) == elements == sum(p.numel() for p in model.parameters() if p.dim() == 2) - 359 * 128
+    assert {t.dtype for t in held} == {torch.bfloat16} and not any(t.is_mkldnn for t in held)  # 2-byte copies, none packed
+    assert {c.dtype for c in mixed.k_cache + mixed.v_cache} == {torch.float32}  # attention in float32 on a CPU
 
 
 def test_rows_stop_sampling_at_a_stop_string_and_keep_what_the_exact_cut_keeps() -> None:

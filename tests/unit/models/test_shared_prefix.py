@@ -200,3 +200,31 @@ def test_forcing_it_where_it_cannot_apply_is_an_error_naming_the_key():
             loss_fn=ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)), optimizer=OptimizerConfig(lr=1e-3),
             dtensor_cfg={"activation_checkpointing": True}, shared_prompt_forward=True,
         )  # fmt: skip
+
+
+def test_under_cpu_autocast_attention_runs_in_float32_forward_and_backward():
+    """A ``policy.precision: bfloat16`` run trains under CPU autocast, which ran attention in bf16: on a CPU the slower
+    kernel (its backward 3x float32's at the W2 shapes: ``benchmarks/cpu_attention.py``) and scores rounded to bf16.
+    The written-out forwards attend in float32 there: exactly a float32 attention of the same queries, keys and values,
+    and their gradients; a bf16 model (queries in bf16) attends as its own forward does."""
+    import torch.nn.functional as F
+
+    from nemo_like.models.llama_family import attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 6, 8, generator=g)  # rotated queries: float32 (the residual stream's dtype under autocast)
+    k, v = (torch.randn(3, 2, 6, 8, generator=g).bfloat16() for _ in range(2))  # bf16: the outputs of autocast's linears
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].expand(3, 1, 6, 6)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention(*leaves, mask, gqa=True)
+        in_bf16 = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out.square().sum().backward()
+    exact = [t.float().clone().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*exact, attn_mask=mask, enable_gqa=True)
+    reference.square().sum().backward()
+    assert out.dtype == torch.float32 and torch.equal(out, reference)
+    assert all(torch.equal(a.grad, b.grad.to(a.dtype)) for a, b in zip(leaves, exact, strict=True))
+    assert (in_bf16.float() - reference).abs().max() > 1e-3  # what autocast computed instead
+    bf16 = [t.bfloat16() for t in (q, k, v)]
+    assert torch.equal(attention(*bf16, mask, gqa=True), F.scaled_dot_product_attention(*bf16, attn_mask=mask, enable_gqa=True))

@@ -527,8 +527,10 @@ def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples
     assert policy.total == training.total - training.activations + sampling
     assert f"(kv cache of 256 sequences 0.500 + logits 0.000 + weight copies {copies / GIB:.3f})" in policy.line()
     bf16 = recipe(*long, *small, "policy.logprob_chunk_size=256", "policy.precision=bfloat16")
-    # bf16: copies of the float32 masters (4 bytes), never packed (the sampler runs under autocast)
-    assert sampler_copy_bytes(bf16, run_plan, shape) == 4 * 4 * ((128 + 2 * 64) * 128 + 2 * 512 * 128)
+    # bf16: every projection of the float32 masters cast once per call to bf16 (2 bytes), the head's too, never packed
+    # (the sampler runs under autocast)
+    every = 4 * ((128 + 2 * 64) * 128 + 128 * 128 + 2 * 512 * 128 + 512 * 128) + 359 * 128
+    assert sampler_copy_bytes(bf16, run_plan, shape) == 2 * every
     hf = recipe(*long, *small, "policy.generation.backend=hf")  # the HF engine samples with the same decoder, at 256 rows
     assert sampler_copy_bytes(hf, decide_run_plan(hf, (), 2), shape) == copies
     vllm = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", "policy.generation.backend=vllm")
