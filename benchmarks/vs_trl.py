@@ -124,7 +124,7 @@ def trl_worker(spec: dict) -> None:
     cfg = GRPOConfig(
         output_dir=os.path.join(spec["tmp"], "trl-out"),
         use_cpu=True,
-        bf16=False,
+        bf16=spec["precision"] == "bfloat16",  # TRL's own default is True: autocast over float32 weights, as ours
         fp16=False,
         use_vllm=False,
         report_to="none",
@@ -146,7 +146,10 @@ def trl_worker(spec: dict) -> None:
     trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[reward], args=cfg, train_dataset=Dataset.from_list(rows))
     trainer.add_callback(Gate())
     print(
-        TAG + json.dumps({"ready": True, "threads": torch.get_num_threads(), "gradient_checkpointing": cfg.gradient_checkpointing}),
+        TAG
+        + json.dumps(
+            {"ready": True, "threads": torch.get_num_threads(), "gradient_checkpointing": cfg.gradient_checkpointing, "bf16": cfg.bf16}
+        ),
         flush=True,
     )
     trainer.train()
@@ -357,10 +360,11 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
         "dataset": rows,
         "threads": args.trl_threads,
         "gradient_checkpointing": not args.trl_no_gradient_checkpointing,
+        "precision": args.precision,
         **work,
     }
     trl = TRLProcess(args.trl_python, spec)
-    ours = OurRun(model_dir, work, backend, f"{tmp}/ours-{name}-{backend}", args.ours)
+    ours = OurRun(model_dir, work, backend, f"{tmp}/ours-{name}-{backend}", [f"policy.precision={args.precision}", *args.ours])
     pairs, probes = [], []
     try:
         for i in range(args.warmup + args.steps):
@@ -376,7 +380,7 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
                     "same_prompts": set(trl_prompts) == set(our_prompts),
                 }
             )
-            probes.append(measure_matmul_flops(seconds=0.3, threads=2))  # the machine's matmul rate right now
+            probes.append(measure_matmul_flops(args.precision, seconds=0.3, threads=2))  # the machine's matmul rate now
             print_pair(
                 f"{name} {ours.backend}",
                 i,
@@ -477,6 +481,13 @@ def main() -> int:
     p.add_argument(
         "--peak-gflops", type=float, default=178.0, help="fixed fp32 matmul GFLOP/s of the floors (the rate is also probed between pairs)"
     )
+    p.add_argument(
+        "--precision",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="both sides' compute dtype over float32 weights (ours: policy.precision; TRL: bf16, its own default); "
+        "the matmul probe runs in it too",
+    )
     p.add_argument("--ours", nargs="*", default=[], help="extra key=value overrides for our side")
     args = p.parse_args()
     if not Path(args.trl_python).exists():
@@ -490,7 +501,7 @@ def main() -> int:
             model_dir, n_params = build_model(Path(tmp) / f"model-{work['size']}", work["size"])
             rows = prompt_rows(model_dir, PROMPT_SET, work["prompts"], args.warmup + args.steps)
             for backend in args.backends.split(","):
-                print(f"[{name}] {n_params / 1e6:.2f}M params, {work}, backend {backend}", flush=True)
+                print(f"[{name}] {n_params / 1e6:.2f}M params, {work}, backend {backend}, {args.precision}", flush=True)
                 results.append(run_pairs(name, work, backend, args, tmp, model_dir, n_params, rows))
                 print(report(results[-1:]), flush=True)
     print("\n=== vs TRL: all runs ===" + report(results))
