@@ -23,7 +23,9 @@ on both sides runs exactly ``max_new_tokens`` tokens (the script checks ours: "a
 Both train on the same prompts in the same order (the first ``PROMPT_SET`` = 64 of our arithmetic training prompts, chat
 template applied, in the order our loader draws them; TRL takes them in that order with ``shuffle_dataset=False``, and
 the script checks that every pair's two steps drew the same prompts: "same prompts each pair"), beta 0 (no
-reference model), one optimizer step per rollout over the whole batch, temperature 1, fp32, sync.
+reference model), one optimizer step per rollout over the whole batch, temperature 1, sync, fp32 (``--precision
+bfloat16``: both sides compute in bf16 over float32 weights, TRL's own default, and the matmul probe runs in bf16;
+docs/guides/performance.md, "bfloat16 on a CPU").
 TRL runs with its own defaults otherwise (HF ``generate``; note that TRL 1.x defaults to
 ``gradient_checkpointing=True``, which recomputes the forward in the backward, work ours does not do:
 ``--trl-no-gradient-checkpointing`` turns it off, see docs/guides/performance.md). Ours runs with the
