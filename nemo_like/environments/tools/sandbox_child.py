@@ -273,10 +273,13 @@ def main():
     global _REPORT_CHARS
     _REPORT_CHARS = min(1000, (file_size - 1) // 8)
     sys.stderr = _CappedText(sys.stderr, _REPORT_CHARS)
+    import builtins
+
+    builtins.exit = builtins.quit = sys.exit  # `python -S` skips site, which defines them: a snippet's exit() was a NameError
     try:
         _run(code)
         sys.stdout.flush()
-    except SystemExit as exc:  # sys.exit() / sys.exit(0) end a snippet normally
+    except SystemExit as exc:  # sys.exit() / sys.exit(0) (and exit(), quit()) end a snippet normally
         if exc.code not in (None, 0):
             _report(exc)
         sys.stdout.flush()
@@ -335,8 +338,9 @@ class _CappedText:
 def _report(exc):
     try:
         stream = sys.__stderr__
-        # the last line, one line whatever the message (the parent reports the last: a message's own lines lost its type)
-        report = f"{type(exc).__name__}: {exc}".replace("\n", " | ")
+        # the last line, one line whatever the message (the parent reports its last line: a message's own lines, or a
+        # "\r" or any other separator str.splitlines splits on, lost its type)
+        report = " | ".join(f"{type(exc).__name__}: {exc}".splitlines())
         stream.write("\n" + report[: _REPORT_CHARS - 1])
         stream.flush()
     finally:

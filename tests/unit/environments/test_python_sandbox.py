@@ -169,6 +169,18 @@ def test_a_snippet_that_ends_normally_is_an_answer_whatever_it_says_on_stderr(en
     handled = "try:\n    bytearray(1 << 30)\nexcept MemoryError:\n    import traceback; traceback.print_exc()\nprint(9716)"
     assert run(env, handled) == "9716"
     assert run(env, "import sys\nsys.exit(3)") == "error: python: SystemExit: 3"
+    # exit() and quit() as `python script.py` has them (the child runs without site, which defines them: a NameError)
+    assert run(env, "print(9716)\nexit()") == run(env, "print(9716)\nquit(0)") == "9716"
+    assert run(env, "exit(3)") == "error: python: SystemExit: 3"
+
+
+def test_an_exceptions_message_with_line_separators_keeps_its_type_in_one_line(env: ToolEnvironment) -> None:
+    """The child joined a message's "\n" lines but the parent reports the last of str.splitlines, which also splits on
+    "\r" and other separators: `ValueError('bad row: 3,4\r\n')` came back as "python:  |", its type and text lost."""
+    assert run(env, "raise ValueError('bad row: 3,4\\r\\n')") == "error: python: ValueError: bad row: 3,4"
+    assert run(env, "raise ValueError('line1\\r\\nline2')") == "error: python: ValueError: line1 | line2"
+    assert run(env, "raise KeyError('a\\x1cb')") == "error: python: KeyError: 'a\\x1cb'"
+    assert run(env, "raise ValueError('a\\x1cb')") == "error: python: ValueError: a | b"
 
 
 @pytest.mark.parametrize("code", ["while True:\n    pass", "import time; time.sleep(30)"])
