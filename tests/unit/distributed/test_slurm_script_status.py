@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "examples" / "cluster" / "slurm_grpo.sbatch"
 
@@ -71,21 +73,27 @@ def run_script(tmp_path: Path, env: dict[str, str], term_after: float | None = N
 def test_the_drivers_status_file_decides_the_exit_status_when_the_job_api_does_not_answer(tmp_path: Path) -> None:
     """The final job-status query failing (the `read` of its empty output failed under `set -e`) ended the script with 1
     before the status file was read: a saved signal stop (143) looked like a crash to a requeue rule."""
-    status, output, submitted = run_script(tmp_path, {"DRIVER_STATUS": "143"})
+    status, output, submitted = run_script(tmp_path, {"DRIVER_STATUS": "143", "SLURM_GPUS_PER_NODE": "h100:8"})
     assert status == 143 and "[slurm] exit status 143" in output, output
     # Every recipe saves on the signal: checkpointing is switched on (a recipe without it stopped with 143, nothing saved)
     assert "checkpointing.enabled=true" in submitted and f"checkpointing.checkpoint_dir={tmp_path}/runs/7/checkpoints" in submitted
+    # The cluster the recipe plans for is the allocation's: its node count, and its GPUs per node without the type
+    assert "cluster.num_nodes=1" in submitted and "cluster.gpus_per_node=8" in submitted, submitted
 
 
-def test_the_job_apis_status_is_the_exit_status_without_a_status_file(tmp_path: Path) -> None:
-    status, output, _ = run_script(tmp_path, {"DRIVER_STATUS": "", "JOB_INFO": "FAILED 2"})
-    assert status == 2 and "[slurm] exit status 2" in output, output
+@pytest.mark.parametrize(("job_info", "expected"), [("FAILED 2", 2), ("STOPPED ", 137)], ids=["failed", "stopped-unsaved"])
+def test_the_job_apis_status_is_the_exit_status_without_a_status_file(tmp_path: Path, job_info: str, expected: int) -> None:
+    """Without the driver's status file the job API decides: a failed driver's own status, and 137 for a job that
+    `ray job stop` stopped with no status written (its driver killed before it saved: nothing to resume from)."""
+    status, output, _ = run_script(tmp_path, {"DRIVER_STATUS": "", "JOB_INFO": job_info})
+    assert status == expected and f"[slurm] exit status {expected}" in output, output
 
 
 def test_a_failed_ray_job_stop_in_the_sigterm_trap_still_waits_for_the_driver(tmp_path: Path) -> None:
     """Under `set -e` a failing `ray job stop` in the trap ended the script at once: the driver's save and its status
-    were never waited for."""
-    env = {"DRIVER_STATUS": "143", "SUBMIT_SECONDS": "2", "STOP_FAILS": "1"}
+    were never waited for. The driver here fails its save (status 1, written 2 s after the job started): a script that
+    stopped waiting at the trap would exit with the signal's 143, which a requeue rule reads as "saved"."""
+    env = {"DRIVER_STATUS": "1", "SUBMIT_SECONDS": "2", "STOP_FAILS": "1"}
     status, output, _ = run_script(tmp_path, env, term_after=0.5)
     assert (tmp_path / "submit_args.stop").exists(), output  # the trap ran
-    assert "[slurm] warning: ray job stop failed" in output and status == 143 and "[slurm] exit status 143" in output, output
+    assert "[slurm] warning: ray job stop failed" in output and status == 1 and "[slurm] exit status 1" in output, output
