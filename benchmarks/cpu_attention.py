@@ -6,7 +6,7 @@ Usage: python benchmarks/cpu_attention.py [--reps 20]
 micro-batch's completions (64 rows, 64 queries over 85 keys, grouped-query, forward and backward) and a decode step (64
 rows, 1 query over 85 keys), with bf16 inputs (what CPU autocast gives it) and float32 inputs. Prints the milliseconds
 of each and the ratio bf16/fp32. On the machines measured bf16 was the slower one, which is why
-:func:`nemo_like.models.llama_family.attention` runs in float32 on a CPU under autocast
+:mod:`nemo_like.models.attention` runs attention in float32 on a CPU under autocast
 (docs/guides/performance.md, "bfloat16 on a CPU").
 """
 

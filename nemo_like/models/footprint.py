@@ -221,7 +221,8 @@ def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
     products = compute_dtype(cfg.policy.precision)
     if backend == "inline":
         cast = products != MASTER_DTYPE
-        return lean_decoder_copy_bytes(shape, inline_sampling_rows(cfg), products, products.itemsize, on_cpu=True, cast=cast)
+        on_cpu = not cfg.cluster.gpus_per_node
+        return lean_decoder_copy_bytes(shape, inline_sampling_rows(cfg), products, products.itemsize, on_cpu, cast=cast)
     return lean_decoder_copy_bytes(
         shape, hf_sampling_rows(cfg), products, DTYPE_BYTES[cfg.policy.precision], on_cpu=not cfg.cluster.gpus_per_node
     )

@@ -2,8 +2,7 @@
 
 Shared by the lean sampler's fused step (:mod:`.generation.lean_decoder`) and the shared-prompt training
 forward (:mod:`.shared_prefix`): which models they serve exactly (:func:`supported`), RMSNorm as the model
-computes it, rotary tables from the model's own rotary module (so every RoPE scaling variant is the model's), and
-attention in the dtype that is fast and exact on the device (:func:`attention`).
+computes it, and rotary tables from the model's own rotary module (so every RoPE scaling variant is the model's).
 """
 
 from __future__ import annotations
@@ -66,22 +65,3 @@ def rotary_tables(
     sign = torch.ones(head_dim, dtype=sin.dtype, device=sin.device)
     sign[: head_dim // 2] = -1
     return cos, sin * sign
-
-
-def attention_dtype(device: torch.device, residual: torch.dtype, compute: torch.dtype) -> torch.dtype:
-    """The dtype attention runs in for a residual stream in ``residual`` and products in ``compute``: float32 on a CPU
-    when the residual stream is float32 (autocast over float32 weights: there torch's bfloat16 attention is the slower
-    one, forward and backward at the vs-TRL W2 training shapes 74 ms against float32's 24 ms, a decode step 0.8
-    against 0.5 ms, and it rounds the scores: ``python benchmarks/cpu_attention.py``), else ``compute`` (a GPU's
-    autocast runs its fast bfloat16 kernels; a bfloat16 model attends as its own forward does)."""
-    return torch.float32 if device.type == "cpu" and residual == torch.float32 else compute
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` of rotated queries ``q`` (in the residual stream's dtype), keys and values,
-    in :func:`attention_dtype`: on a CPU with float32 queries, in float32 outside autocast (which would cast it to
-    bfloat16); otherwise as called."""
-    if q.device.type != "cpu" or q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    with torch.autocast("cpu", enabled=False):
-        return F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask, enable_gqa=gqa)

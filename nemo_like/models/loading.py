@@ -16,6 +16,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import EMBEDDED_MODEL
+from nemo_like.models.attention import attend_in_float32_on_cpu
 from nemo_like.models.rope import fixed_frequency_length, rope_parameters, rope_type
 
 HUB_PROBE_TIMEOUT_S = 5.0
@@ -236,7 +237,8 @@ def resolve_checkpoint_model(model_path: str, key: str) -> str:
 
 
 def load_causal_lm(model_name: str, precision: str = "float32"):
-    """Load a causal LM for training or inference (eager attention: exact and fine on CPU). A LoRA adapter
+    """Load a causal LM for training or inference, its attention in float32 on a CPU under autocast
+    (:func:`~nemo_like.models.attention.attend_in_float32_on_cpu`, as the written-out forwards attend). A LoRA adapter
     directory (``adapter_config.json``) loads as its base model with the adapters merged in."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -244,10 +246,10 @@ def load_causal_lm(model_name: str, precision: str = "float32"):
     hf_logging.disable_progress_bar()  # one bar per actor per load is noise in the driver's log
     path = resolve_model_path(model_name)
     if (Path(path) / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint's policy/: its base model, adapters merged
-        return load_merged(path, precision)
+        return load_merged(path, precision)  # its base model loads through this function
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[precision])
     model.config.use_cache = False
-    return model
+    return attend_in_float32_on_cpu(model)
 
 
 def adapter_base_model(adapter_dir: str | Path) -> str:

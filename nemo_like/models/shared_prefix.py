@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from nemo_like.models.llama_family import attention, rms_norm, rotary_tables, supported
+from nemo_like.models.attention import attention
+from nemo_like.models.llama_family import rms_norm, rotary_tables, supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, processed_token_logprobs_with_outside
 from nemo_like.utils.cpu_linear import linear
 

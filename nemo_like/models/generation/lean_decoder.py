@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from nemo_like.models.attention import attention, attention_dtype
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, StopStringWatch, prompt_seeds, version_at
-from nemo_like.models.llama_family import attention, attention_dtype, rms_norm_with, rotary_tables
+from nemo_like.models.llama_family import rms_norm_with, rotary_tables
 from nemo_like.models.llama_family import supported as fused_step_supported
 from nemo_like.models.processed_logprobs import SamplingDistribution, sampling_keep_mask
 from nemo_like.utils.cpu_linear import linear, packs, prepacked

@@ -209,7 +209,7 @@ def test_under_cpu_autocast_attention_runs_in_float32_forward_and_backward():
     and their gradients; a bf16 model (queries in bf16) attends as its own forward does."""
     import torch.nn.functional as F
 
-    from nemo_like.models.llama_family import attention
+    from nemo_like.models.attention import attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 4, 6, 8, generator=g)  # rotated queries: float32 (the residual stream's dtype under autocast)
@@ -228,3 +228,36 @@ def test_under_cpu_autocast_attention_runs_in_float32_forward_and_backward():
     assert (in_bf16.float() - reference).abs().max() > 1e-3  # what autocast computed instead
     bf16 = [t.bfloat16() for t in (q, k, v)]
     assert torch.equal(attention(*bf16, mask, gqa=True), F.scaled_dot_product_attention(*bf16, attn_mask=mask, enable_gqa=True))
+
+
+def test_a_loaded_models_own_forward_attends_as_the_written_out_forwards_under_cpu_autocast():
+    """The written-out forwards attend in float32 under CPU autocast; the model's own forward (the fallback of the
+    shared-prompt forward: activation checkpointing, ``shared_prompt_forward=false``; the reference beside a policy on
+    it) attended in bf16, so two passes over the same weights disagreed (a step-0 KL ~13x the float rounding one). A
+    model from ``load_causal_lm`` attends through the same float32 attention, with its padding masks."""
+    from nemo_like.models.attention import IMPLEMENTATION
+    from nemo_like.models.loading import load_causal_lm
+
+    model = load_causal_lm(EMBEDDED_MODEL, "float32").eval()
+    assert model.config._attn_implementation == IMPLEMENTATION
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (8, 30), generator=g)
+    mask = torch.ones_like(ids)
+    mask[4:, 25:] = 0
+    token_mask = torch.zeros_like(ids)
+    token_mask[:, 10:] = 1
+    token_mask *= mask
+    dist, trained = SamplingDistribution(), token_mask.bool()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        shared, _, _ = shared_prefix_token_logprobs(model, ids, mask, token_mask, dist)
+        own, _ = sequence_logprobs_with_outside(model, ids, mask, dist)
+    assert (shared - own)[trained].abs().max() < 1e-5  # was 0.13
+    # the padding masks still apply (an attention name transformers has no mask for gets none): a left-padded row
+    # scores its tokens as it does alone
+    left_ids, left_mask = torch.zeros(2, 12, dtype=torch.long), torch.zeros(2, 12, dtype=torch.long)
+    left_ids[0, 4:], left_mask[0, 4:] = ids[0, :8], 1
+    left_ids[1], left_mask[1] = ids[1, :12], 1
+    with torch.no_grad():
+        padded, _ = sequence_logprobs_with_outside(model, left_ids, left_mask, dist)
+        alone, _ = sequence_logprobs_with_outside(model, ids[:1, :8], torch.ones(1, 8, dtype=torch.long), dist)
+    assert (padded[0, 5:] - alone[0, 1:]).abs().max() < 1e-5
