@@ -40,7 +40,7 @@ Output: per workload and backend, each side's steady-state median s/step, the ra
 (ours/TRL), our phase breakdown (medians), the 1-minute load average around each pair, and the
 training FLOP floor (6 x params x trained tokens at ``--peak-gflops``; generation's: 2 x params x
 processed tokens). The machine's matmul rate moves during the day (by a third on the same day here), so the script
-also probes it between pairs (0.3 s of 1024^2 fp32 matmuls, 2 threads) and prints our training phase against the
+also probes it between pairs (0.3 s of 1024^2 matmuls in ``--precision``, 2 threads) and prints our training phase against the
 floor at that probed rate. The floors count every sequence's tokens (what TRL's forward computes); our forward runs each
 group's prompt once (``policy.shared_prompt_forward``), so the script also prints the tokens it ran per sequence token
 (``performance/training_forward_tokens_per_token``) and our training against the floor of those.
@@ -308,6 +308,7 @@ class OurRun:
         from nemo_like.plan.backend import resolve_backend
 
         self.backend = resolve_backend(self.parts.cfg)[0]  # what "auto" resolved to
+        self.precision = self.parts.cfg.policy.precision  # --precision, or an --ours override of it
         self.model_dir = model_dir
         self.count = 0
 
@@ -368,6 +369,12 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
     trl = TRLProcess(args.trl_python, spec)
     ours = OurRun(model_dir, work, backend, f"{tmp}/ours-{name}-{backend}", [f"policy.precision={args.precision}", *args.ours])
     pairs, probes = [], []
+    if ours.precision != args.precision:
+        print(
+            f"  note: ours runs {ours.precision} (an --ours override), TRL and the matmul probe {args.precision}: "
+            "the floors are at the probe's rate",
+            flush=True,
+        )
     try:
         for i in range(args.warmup + args.steps):
             (t_trl, trl_prompts), (t_ours, phases, tokens, forward_share, our_prompts), load = one_pair(i, trl, ours.step)
@@ -402,6 +409,7 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
     return {
         "workload": name,
         "backend": ours.backend,
+        "precisions": f"{'bfloat16' if trl.info['bf16'] else 'float32'} / {ours.precision}",
         "trl_info": trl.info,
         "trl": statistics.median(p["trl"] for p in steady),
         "ours": statistics.median(p["ours"] for p in steady),
@@ -436,14 +444,14 @@ def tokenizer(model_dir: str):
 def report(results: list[dict]) -> str:
     lines = [
         "",
-        "| workload | backend | TRL s/step | ours s/step | ours/TRL (pairs) | median ratio | load (1 min) |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | backend | precision (TRL / ours) | TRL s/step | ours s/step | ours/TRL (pairs) | median ratio | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ratios = " ".join(f"{x:.2f}" for x in r["ratios"])
         load = f"{min(r['load']):.1f}-{max(r['load']):.1f}"
         lines.append(
-            f"| {r['workload']} | {r['backend']} | {r['trl']:.3f} | {r['ours']:.3f} | {ratios} | "
+            f"| {r['workload']} | {r['backend']} | {r['precisions']} | {r['trl']:.3f} | {r['ours']:.3f} | {ratios} | "
             f"**{statistics.median(r['ratios']):.2f}** | {load} |"
         )
     lines += ["", "Our phases (median s) and FLOP floors (6 x params x trained tokens, 2 x params x generated+prompt tokens):", ""]
@@ -481,7 +489,10 @@ def main() -> int:
     p.add_argument("--trl-threads", type=int, default=None, help="torch threads of the TRL process (default: torch's)")
     p.add_argument("--trl-no-gradient-checkpointing", action="store_true")
     p.add_argument(
-        "--peak-gflops", type=float, default=178.0, help="fixed fp32 matmul GFLOP/s of the floors (the rate is also probed between pairs)"
+        "--peak-gflops",
+        type=float,
+        default=178.0,
+        help="fixed matmul GFLOP/s of the floors (178: this machine's fp32 rate once; the rate is also probed between pairs)",
     )
     p.add_argument(
         "--precision",
@@ -503,7 +514,7 @@ def main() -> int:
             model_dir, n_params = build_model(Path(tmp) / f"model-{work['size']}", work["size"])
             rows = prompt_rows(model_dir, PROMPT_SET, work["prompts"], args.warmup + args.steps)
             for backend in args.backends.split(","):
-                print(f"[{name}] {n_params / 1e6:.2f}M params, {work}, backend {backend}, {args.precision}", flush=True)
+                print(f"[{name}] {n_params / 1e6:.2f}M params, {work}, backend {backend}, --precision {args.precision}", flush=True)
                 results.append(run_pairs(name, work, backend, args, tmp, model_dir, n_params, rows))
                 print(report(results[-1:]), flush=True)
     print("\n=== vs TRL: all runs ===" + report(results))
