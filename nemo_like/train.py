@@ -299,7 +299,7 @@ def _train_attempt(
                     watch.enter_context(StallWatchdog(control, ft.setup_timeout_s, ft.on_stall, "setup_timeout_s", "set-up"))
                 parts = setup_grpo(cfg, ray_started=release, data=data)  # bad data fails here, before any actor starts
         except WorkerFailure as exc:
-            logger.close()
+            logger.close(failed=True)
             # A restart's workers can die while they start (the last attempt's memory not yet freed): that is a death as
             # any other, within the restart budget. A failure of the first start is not: the run stops (setup_grpo has
             # stopped the actors it started either way).
@@ -308,20 +308,23 @@ def _train_attempt(
                 raise
             return WorkerDeath(role, control.step, str(exc), exc, time.monotonic())
         except BaseException:
-            logger.close()
+            logger.close(failed=True)
             raise
     control.setup_finished(time.perf_counter() - since)  # a restart near a deadline must budget for another start
     ready = f"[setup] actors ready in {time.perf_counter() - since:.1f}s"
     logger.progress.message(ready if not deaths else ready + f" (restart {len(deaths)})")
     actor_ids = restartable_actor_ids(parts)
     stalled = False
+    failed = True  # until the loop returns: an error, a stall or a worker's death ends this attempt as failed
     try:
         with ExitStack() as stack:
             control.last_progress = time.monotonic()
             if ft.stall_timeout_s:
                 stack.enter_context(StallWatchdog(control, ft.stall_timeout_s, ft.on_stall))
             loop = async_grpo_train if cfg.grpo.async_grpo.enabled else grpo_train
-            return loop(parts, logger, resume_from)
+            history = loop(parts, logger, resume_from)
+            failed = False
+            return history
     except RunStalled:
         stalled = True
         raise
@@ -331,7 +334,7 @@ def _train_attempt(
             raise
         return WorkerDeath(role, control.step, str(exc), exc, time.monotonic())
     finally:
-        logger.close()
+        logger.close(failed=failed)
         with actors_not_kept() if stalled else nullcontext():  # a stalled run's actors are hung: never kept for another
             parts.shutdown()  # the actors (a dead one included), their placement groups, refit buffers, the rollout server
 

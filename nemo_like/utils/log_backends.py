@@ -37,8 +37,9 @@ class LogBackend:
     def log_hyperparams(self, config: dict[str, Any]) -> None:
         """Record the resolved config of the run."""
 
-    def close(self) -> None:
-        """Flush and release resources."""
+    def close(self, failed: bool = False) -> None:
+        """Flush and release resources; ``failed``: the run (or this attempt of it) ended with an error, which a
+        dashboard that records an outcome records."""
 
 
 def jsonable(value: Any) -> Any:
@@ -142,7 +143,7 @@ class JsonlBackend(LogBackend):
         self._mark_start = False
         self._file.write(json.dumps(record, allow_nan=False) + "\n")  # jsonable made every value JSON: a leak fails here
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._file.close()
 
 
@@ -172,10 +173,25 @@ class TensorBoardBackend(LogBackend):
         file_writer.add_summary(session_start)
         self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(config, sort_keys=False) + "```")
 
-    def close(self) -> None:
-        if self._session_end is not None:
-            self.writer._get_file_writer().add_summary(self._session_end)
+    def close(self, failed: bool = False) -> None:
+        if self._session_end is not None:  # the HParams view's outcome: hparams() writes a success
+            self.writer._get_file_writer().add_summary(failed_session_end(self._session_end) if failed else self._session_end)
         self.writer.close()
+
+
+def failed_session_end(success: Any) -> Any:
+    """A copy of TensorBoard's HParams session-end record ``success`` (what ``hparams()`` returns) saying the session
+    failed."""
+    from tensorboard.plugins.hparams.api_pb2 import Status
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    record = type(success)()
+    record.CopyFrom(success)
+    plugin_data = record.value[0].metadata.plugin_data
+    content = HParamsPluginData.FromString(plugin_data.content)
+    content.session_end_info.status = Status.Value("STATUS_FAILURE")
+    plugin_data.content = content.SerializeToString()
+    return record
 
 
 class WandbBackend(LogBackend):
@@ -207,8 +223,8 @@ class WandbBackend(LogBackend):
     def log_hyperparams(self, config: dict[str, Any]) -> None:
         self.run.config.update(config, allow_val_change=True)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a non-zero exit code marks the run failed
         _wandb_teardown(self._wandb)
 
 

@@ -75,10 +75,11 @@ class Logger:
         self.records.append({"step": step, **metrics})
         return self.records[-1]
 
-    def close(self) -> None:
-        """Stop the progress display and close every backend."""
+    def close(self, failed: bool = False) -> None:
+        """Stop the progress display and close every backend; ``failed``: the run (or this attempt) ended with an
+        error (W&B and TensorBoard's HParams view record the outcome)."""
         self.progress.close()
-        self._call_all("close")
+        self._call_all("close", failed)
 
     def _call_all(self, method: str, *args: Any, dashboards_only: bool = False) -> None:
         """Call ``method`` on each backend (``dashboards_only``: not on ``metrics.jsonl``); an optional one that raises

@@ -84,6 +84,37 @@ def test_tensorboard_backend_writes_scalars_and_config(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("train/reward")] == [(1, 0.75)]
 
 
+def test_a_failed_run_is_recorded_as_failed_by_the_dashboards_that_record_an_outcome(tmp_path, monkeypatch):
+    """A run that ended with an error (exit status 1) closed its W&B run with exit code 0 ("finished") and wrote
+    TensorBoard's HParams session end as a success: ``Logger.close(failed=True)`` records the failure."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.api_pb2 import Status
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    def session_status(log_dir: Path) -> str:
+        acc = EventAccumulator(str(log_dir / "tensorboard"))
+        acc.Reload()
+        content = acc.PluginTagToContent("hparams")["_hparams_/session_end_info"]
+        return Status.Name(HParamsPluginData.FromString(content).session_end_info.status)
+
+    for failed, status in ((False, "STATUS_SUCCESS"), (True, "STATUS_FAILURE")):
+        log_dir = tmp_path / status
+        logger = Logger(LoggerConfig(log_dir=str(log_dir), tensorboard_enabled=True, progress_bar=False), total_steps=2)
+        logger.save_config({"grpo": {"seed": 1}})
+        logger.log({"train/reward": 0.5}, step=1)
+        logger.close(failed=failed)
+        assert session_status(log_dir) == status
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for failed in (False, True):
+        log_dir = tmp_path / f"wandb-{failed}"
+        logger = Logger(LoggerConfig(log_dir=str(log_dir), wandb_enabled=True, progress_bar=False), total_steps=2)
+        logger.log({"train/reward": 0.5}, step=1)
+        logger.close(failed=failed)
+        (debug_log,) = log_dir.glob("wandb/offline-run-*/logs/debug.log")
+        assert f"got exitcode: {int(failed)}" in debug_log.read_text()  # wandb's record of run.finish(exit_code=...)
+
+
 def test_a_torn_last_line_is_cut_before_appending_and_the_plot_reads_the_last_run(tmp_path) -> None:
     """A process killed mid-write left '{"step": 2, "train/lo' without its newline: the next run's first record was
     written onto it (one invalid line), and `nemo-like plot` failed on it. A fresh run in the same directory starts its
