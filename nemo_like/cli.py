@@ -120,7 +120,7 @@ def run_merge(args: argparse.Namespace) -> int:
     from nemo_like.models.lora import merge_checkpoint, refuse_overwriting_base
     from nemo_like.utils.preflight import refuse_overwriting
 
-    out = Path(args.out)
+    out = Path(args.out).expanduser()  # `--out=~/x`: the shell leaves that ~ alone
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {args.out} is a file; the merged model is a directory")
     path = Path(args.checkpoint).expanduser()
@@ -138,7 +138,7 @@ def run_merge(args: argparse.Namespace) -> int:
     refuse_overwriting_base(out, adapter_dir, "--out", args.base_model)  # no adapters: merge_checkpoint says so
     if out.is_dir() and any(out.iterdir()):
         raise ConfigError(f"--out {args.out} is not empty; merge into a new directory (or remove this one first)")
-    print(merge_checkpoint(adapter_dir, args.out, args.base_model, tokenizer=args.tokenizer, precision=args.precision))
+    print(merge_checkpoint(adapter_dir, out, args.base_model, tokenizer=args.tokenizer, precision=args.precision))
     return 0
 
 
@@ -154,13 +154,13 @@ def run_plot(args: argparse.Namespace) -> int:
     """Render the metrics of a run to a PNG and print its path."""
     from nemo_like.utils.plot import plot_metrics
 
-    path = Path(args.log_dir)
+    path = Path(args.log_dir).expanduser()
     metrics_path = path if path.is_file() else path / "metrics.jsonl"
     if not metrics_path.is_file():
         print(f"nemo-like: error: no metrics.jsonl at {metrics_path}", file=sys.stderr)
         return 2
     try:
-        print(plot_metrics(metrics_path, args.out, args.metrics))
+        print(plot_metrics(metrics_path, args.out and str(Path(args.out).expanduser()), args.metrics))
     except ValueError as exc:  # a line that is not JSON, or a --metrics name the file does not hold
         raise ConfigError(str(exc)) from None
     except OSError as exc:  # the figure's place not writable (--out, or the run's log directory)

@@ -252,9 +252,29 @@ def load_causal_lm(model_name: str, precision: str = "float32"):
     return attend_in_float32_on_cpu(model)
 
 
+def adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a PEFT adapter directory; a :class:`ConfigError` naming the file when it is no
+    JSON object (a damaged checkpoint: a traceback, or a merge blaming the base model, before)."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} is not readable JSON ({exc}): the LoRA checkpoint is damaged") from None
+    if not isinstance(content, dict):
+        raise ConfigError(f"{path} holds a JSON {type(content).__name__}, not the object of a PEFT adapter config")
+    return content
+
+
 def adapter_base_model(adapter_dir: str | Path) -> str:
-    """The base model a LoRA adapter directory names (``base_model_name_or_path`` of its adapter config)."""
-    return json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    """The base model a LoRA adapter directory names (``base_model_name_or_path`` of its adapter config); a
+    :class:`ConfigError` when it names none."""
+    base = adapter_config(adapter_dir).get("base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        raise ConfigError(
+            f"{Path(adapter_dir) / ADAPTER_CONFIG} names no base model (base_model_name_or_path is {base!r}): "
+            "nemo-like merge --base-model MODEL says which the adapters were trained on"
+        )
+    return base
 
 
 def check_adapter_dir(adapter_dir: str | Path) -> None:
@@ -262,6 +282,7 @@ def check_adapter_dir(adapter_dir: str | Path) -> None:
     so when it is a whole model already (nothing to merge)."""
     adapter_dir = Path(adapter_dir)
     if (adapter_dir / ADAPTER_CONFIG).is_file():
+        adapter_config(adapter_dir)  # readable, or the error names the file
         return
     whole = (adapter_dir / "config.json").is_file() and any(adapter_dir.glob("*.safetensors"))
     hint = (

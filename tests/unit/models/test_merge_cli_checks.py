@@ -151,14 +151,17 @@ def test_a_failed_or_interrupted_merge_leaves_no_out_and_the_tokenizer_is_named_
     torch.testing.assert_close(logprobs(load_causal_lm(str(out))), logprobs(adapted), atol=1e-5, rtol=1e-6)
 
 
-def test_a_checkpoint_directory_merges_its_latest_valid_step_as_eval_and_serve_take_it(tmp_path, capsys) -> None:
+def test_a_checkpoint_directory_merges_its_latest_valid_step_as_eval_and_serve_take_it(tmp_path, capsys, monkeypatch) -> None:
     ckdir = tmp_path / "checkpoints"
     steps = {n: write_checkpoint(ckdir / f"step_{n}", seed=n) for n in (1, 2, 3)}
     (ckdir / "step_3" / STATE_FILE).unlink()  # an interrupted save: not a valid step
-    assert main(["merge", str(ckdir), "--out", str(tmp_path / "merged")]) == 0
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(ckdir)
+    # `--out=~/merged`: the shell leaves that ~ to us (it wrote ./~/merged), as it does CHECKPOINT's in quotes
+    assert main(["merge", str(ckdir), "--out=~/merged"]) == 0
     captured = capsys.readouterr()
     assert f"merging its latest valid step, {ckdir / 'step_2' / 'policy'}" in captured.err
-    assert captured.out.strip() == str(tmp_path / "merged")
+    assert captured.out.strip() == str(tmp_path / "merged") and not (ckdir / "~").exists()
     merged = logprobs(load_causal_lm(str(tmp_path / "merged")))
     gaps = {n: (merged - logprobs(model)).abs().max().item() for n, model in steps.items()}
     assert gaps[2] < 1e-4 and gaps[1] > 1e-2 and gaps[3] > 1e-2, gaps
@@ -168,6 +171,32 @@ def test_a_checkpoint_directory_merges_its_latest_valid_step_as_eval_and_serve_t
         assert main(["merge", str(path), "--out", str(tmp_path / "merged2")]) == 2
         err = capsys.readouterr().err
         assert message in err and str(path) in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("content", "problem", "flags"),
+    [
+        (
+            '{"base_model_name_or_path": "x',
+            r"adapter_config.json is not readable JSON \(Unterminated string",
+            ["--base-model", EMBEDDED_MODEL],
+        ),
+        ("[]", r"adapter_config.json holds a JSON list, not the object of a PEFT adapter config", ["--base-model", EMBEDDED_MODEL]),
+        ('{"r": 4}', r"adapter_config.json names no base model \(base_model_name_or_path is None\): nemo-like merge --base-model", []),
+        ('{"base_model_name_or_path": null}', r"names no base model \(base_model_name_or_path is None\)", []),
+    ],
+    ids=["truncated", "not-an-object", "no-key", "null"],
+)
+def test_a_damaged_adapter_config_is_one_line_naming_the_file(tmp_path, capsys, content, problem, flags) -> None:
+    """A truncated or hand-edited adapter_config.json gave a JSONDecodeError, KeyError or AttributeError traceback,
+    or (with --base-model) blamed the base model the adapters "do not fit"."""
+    write_checkpoint(tmp_path / "step_1")
+    (tmp_path / "step_1" / "policy" / "adapter_config.json").write_text(content)
+    for extra in ([], flags) if flags else ([],):
+        assert main(["merge", str(tmp_path / "step_1"), "--out", str(tmp_path / "merged"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and re.search(problem, err), err
+    assert not (tmp_path / "merged").exists()
 
 
 @pytest.mark.parametrize("save_embedding_layers", [False, True])
