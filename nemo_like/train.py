@@ -315,7 +315,7 @@ def _train_attempt(
     logger.progress.message(ready if not deaths else ready + f" (restart {len(deaths)})")
     actor_ids = restartable_actor_ids(parts)
     stalled = False
-    failed = True  # until the loop returns: an error, a stall or a worker's death ends this attempt as failed
+    failed = True  # until the loop returns or stops as asked: an error, a stall or a worker's death is a failure
     try:
         with ExitStack() as stack:
             control.last_progress = time.monotonic()
@@ -325,6 +325,9 @@ def _train_attempt(
             history = loop(parts, logger, resume_from)
             failed = False
             return history
+    except RunInterrupted:  # a stop (a signal, the deadline) after its save: the run ended as asked
+        failed = False
+        raise
     except RunStalled:
         stalled = True
         raise

@@ -56,6 +56,19 @@ def read_metrics(log_dir: Path) -> list[dict]:
     return read_jsonl(Path(log_dir) / "metrics.jsonl")
 
 
+def tensorboard_session_status(log_dir: Path) -> str:
+    """The outcome a run wrote to TensorBoard's HParams view under ``<log_dir>/tensorboard`` (``STATUS_SUCCESS``,
+    ``STATUS_FAILURE``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.api_pb2 import Status
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    events = EventAccumulator(str(Path(log_dir) / "tensorboard"))
+    events.Reload()
+    content = events.PluginTagToContent("hparams")["_hparams_/session_end_info"]
+    return Status.Name(HParamsPluginData.FromString(content).session_end_info.status)
+
+
 # -- a CLI run's sockets (tests/functional/test_fault_tolerance.py, test_local_cluster_address.py) --------------
 #: What the CLI printed when ray was imported first and the private cluster bound the network address (the old bug).
 OLD_WARNING = "ray was imported before nemo_like.distributed"

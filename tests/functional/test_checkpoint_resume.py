@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from functional.helpers import TINY_RECIPE, ckpt_overrides, read_metrics, tiny_config
+from functional.helpers import TINY_RECIPE, ckpt_overrides, read_metrics, tensorboard_session_status, tiny_config
 from safetensors.torch import load_file
 
 from nemo_like.algorithms.grpo import NonFiniteTrainingError
@@ -232,14 +232,7 @@ def test_nonfinite_updates_are_skipped_and_the_run_stops_after_the_limit_across_
     with pytest.raises(NonFiniteTrainingError, match="stopping at step 3 .*grpo.max_consecutive_nonfinite_steps=2"):
         run(tmp_path, "grpo.max_num_steps=8", *nan, *ckpt_overrides(tmp_path / "ckpt", 1), "logger.tensorboard_enabled=true")
     # The failed run is recorded as failed where a dashboard records an outcome (TensorBoard's HParams view said success)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.hparams.api_pb2 import Status
-    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
-
-    events = EventAccumulator(str(tmp_path / "logs" / "tensorboard"))
-    events.Reload()
-    session_end = HParamsPluginData.FromString(events.PluginTagToContent("hparams")["_hparams_/session_end_info"])
-    assert Status.Name(session_end.session_end_info.status) == "STATUS_FAILURE"
+    assert tensorboard_session_status(tmp_path / "logs") == "STATUS_FAILURE"
     logged = read_metrics(tmp_path / "logs")
     assert [r["step"] for r in logged] == [1, 2, 3]
     assert [r["train/nonfinite_steps_skipped"] for r in logged] == [0.0, 1.0, 1.0]

@@ -37,6 +37,7 @@ from functional.helpers import (
     is_loopback,
     listeners,
     read_metrics,
+    tensorboard_session_status,
     tiny_config,
     tree,
 )  # fmt: skip
@@ -189,10 +190,15 @@ def test_save_before_auto_reads_slurm_end_time_and_stops_in_time(ray_cluster, tm
     ckpt = tmp_path / "ckpt"
     end = time.time() + 30  # setup takes 1-20 s here (a cold session cluster on a shared machine); then steps until the deadline nears
     monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(end)))
-    cfg = tiny_config(tmp_path, "grpo.max_num_steps=100000", *FAST, "checkpointing.save_before=auto", *ckpt_overrides(ckpt, 100000))
+    cfg = tiny_config(
+        tmp_path, "grpo.max_num_steps=100000", *FAST, "checkpointing.save_before=auto", *ckpt_overrides(ckpt, 100000),
+        "logger.tensorboard_enabled=true",
+    )  # fmt: skip
     with pytest.raises(RunInterrupted) as stopped:
         train(cfg)
     assert stopped.value.code == 75 and "checkpointing.save_before" in stopped.value.reason.what
+    # A stop that saved is no failure in the dashboards that record an outcome (a failed run's is: test_checkpoint_resume)
+    assert tensorboard_session_status(tmp_path / "logs") == "STATUS_SUCCESS"
     steps = checkpoint_steps(ckpt)
     # Two saves: after the first step (to measure a save) and the deadline's, of the last logged step.
     # (On a slow machine the deadline may already be near after step 1: then both saves are step 1's.)
