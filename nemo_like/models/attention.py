@@ -26,15 +26,9 @@ import torch.nn.functional as F
 IMPLEMENTATION = "nemo_like_sdpa"
 
 
-def attention_dtype(device: torch.device, residual: torch.dtype, compute: torch.dtype) -> torch.dtype:
-    """The dtype attention runs in for a residual stream in ``residual`` and products in ``compute``: float32 on a CPU
-    when the residual stream is float32, else ``compute``."""
-    return torch.float32 if device.type == "cpu" and residual == torch.float32 else compute
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` of rotated queries ``q`` (in the residual stream's dtype), keys and values,
-    in :func:`attention_dtype`: on a CPU with float32 queries, in float32 outside autocast; otherwise as called."""
+    """``F.scaled_dot_product_attention`` of rotated queries ``q`` (in the residual stream's dtype), keys and values:
+    on a CPU with float32 queries in float32 outside autocast (bf16 keys and values cast up); otherwise as called."""
     if q.device.type != "cpu" or q.dtype != torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     with torch.autocast("cpu", enabled=False):

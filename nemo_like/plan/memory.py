@@ -489,14 +489,13 @@ def with_teacher_copy(cfg: Any, policy: RoleMemory, params: list[ParameterSpec],
 def with_inline_sampling(cfg: Any, policy: RoleMemory, shape: ModelShape, weight_copies: int = 0) -> RoleMemory:
     """The one policy worker of the inline backend, which also samples: holding its parameters, gradients (kept
     between steps) and AdamW state, it samples up to :data:`~nemo_like.plan.backend.INLINE_GENERATION_BATCH` sequences
-    at once (a rollout batch at most), with their KV cache in the dtype the lean decoder attends in (float32 on a CPU,
-    ``policy.precision`` on a GPU: ``attention_dtype`` in :mod:`nemo_like.models.attention`), the float32 logits of their next token and ``weight_copies`` bytes of weights the
+    at once (a rollout batch at most), with their KV cache in the parameters' dtype (float32 masters: the lean decoder
+    allocates it like the residual stream), the float32 logits of their next token and ``weight_copies`` bytes of weights the
     sampler copies for the call (fused projections, oneDNN-packed ones: :func:`inline_sampling_rows` rows, see
     ``fused_step_copy_elements`` in :mod:`nemo_like.models.generation.lean_decoder`). Its activation-time peak is the
     larger of that and the training / logprob passes' activations."""
     batch = inline_sampling_rows(cfg)
-    kv_value_bytes = DTYPE_BYTES[cfg.policy.precision] if cfg.cluster.gpus_per_node else 4  # over float32 masters
-    kv = batch * shape.kv_bytes_per_token(kv_value_bytes) * cfg.policy.max_total_sequence_length
+    kv = batch * shape.kv_bytes_per_token(DTYPE_BYTES["float32"]) * cfg.policy.max_total_sequence_length
     logits = batch * shape.vocab * 4
     sampling = kv + logits + weight_copies
     note = (

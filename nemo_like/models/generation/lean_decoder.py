@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from nemo_like.models.attention import attention, attention_dtype
+from nemo_like.models.attention import attention
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, StopStringWatch, prompt_seeds, version_at
 from nemo_like.models.llama_family import rms_norm_with, rotary_tables
 from nemo_like.models.llama_family import supported as fused_step_supported
@@ -99,9 +99,10 @@ class FusedLlamaStep:
         self.layers: list[tuple] = []
         self.refresh_weights()
         shape = (batch, self.kv_heads, max_len, self.head_dim)
-        cache_dtype = attention_dtype(param.device, self.residual_dtype, self.compute_dtype)
-        self.k_cache = [torch.empty(shape, dtype=cache_dtype, device=param.device) for _ in self.layers]
-        self.v_cache = [torch.empty(shape, dtype=cache_dtype, device=param.device) for _ in self.layers]
+        # keys and values as the residual stream holds them (the parameters' dtype): float32 under autocast, which
+        # attention reads as it is on a CPU (models.attention) and casts to bf16 itself elsewhere
+        self.k_cache = [torch.empty(shape, dtype=self.residual_dtype, device=param.device) for _ in self.layers]
+        self.v_cache = [torch.empty(shape, dtype=self.residual_dtype, device=param.device) for _ in self.layers]
         self.intermediate = self.inner.layers[0].mlp.gate_proj.weight.shape[0]  # gate/up may be packed: read the module
         self.cos = self.signed_sin = None
 

@@ -241,7 +241,7 @@ def test_the_planners_count_of_the_fused_steps_weight_copies_is_what_a_step_hold
     elements = fused_step_copy_elements(2, 128, 512, 128, 64, 359, rows, torch.bfloat16, cast=True)
     assert sum(t.numel() for t in held) == elements == sum(p.numel() for p in model.parameters() if p.dim() == 2) - 359 * 128
     assert {t.dtype for t in held} == {torch.bfloat16} and not any(t.is_mkldnn for t in held)  # 2-byte copies, none packed
-    assert {c.dtype for c in mixed.k_cache + mixed.v_cache} == {torch.float32}  # attention in float32 on a CPU
+    assert {c.dtype for c in mixed.k_cache + mixed.v_cache} == {torch.float32}  # as the residual stream (the planner's)
 
 
 def test_rows_stop_sampling_at_a_stop_string_and_keep_what_the_exact_cut_keeps() -> None:

@@ -531,17 +531,6 @@ def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples
     # (the sampler runs under autocast)
     every = 4 * ((128 + 2 * 64) * 128 + 128 * 128 + 2 * 512 * 128 + 512 * 128) + 359 * 128
     assert sampler_copy_bytes(bf16, run_plan, shape) == 2 * every
-    # inline on a GPU under bf16: the lean decoder's cache is in the autocast dtype there (attention_dtype), half of the
-    # CPU's float32 one (it was planned at the masters' 4 bytes)
-    import torch
-
-    from nemo_like.models.attention import attention_dtype
-
-    on_gpu = recipe(*long, *small, "cluster.gpus_per_node=1", "policy.generation.backend=inline", "policy.precision=bfloat16")
-    gpu_plan = decide_run_plan(on_gpu, (), 2)
-    gpu_policy = plan_memory(on_gpu, gpu_plan, params, shape, sampler_weight_copies=sampler_copy_bytes(on_gpu, gpu_plan, shape))
-    assert attention_dtype(torch.device("cuda"), torch.float32, torch.bfloat16).itemsize == 2
-    assert "(kv cache of 256 sequences 0.250 + " in gpu_policy.roles[0].line()
     hf = recipe(*long, *small, "policy.generation.backend=hf")  # the HF engine samples with the same decoder, at 256 rows
     assert sampler_copy_bytes(hf, decide_run_plan(hf, (), 2), shape) == copies
     vllm = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", "policy.generation.backend=vllm")
