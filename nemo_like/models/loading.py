@@ -334,16 +334,37 @@ def _saved_adapter_shapes(adapter_dir: Path) -> dict[str, tuple[int, ...]]:
     raise ConfigError(f"{adapter_dir} holds no adapter weights (none of {list(_ADAPTER_WEIGHT_FILES)} beside {ADAPTER_CONFIG})")
 
 
+def peft_adapter_config(adapter_dir: str | Path) -> Any:
+    """PEFT's reading of ``adapter_dir``'s adapter config; a :class:`ConfigError` naming the file when PEFT cannot read
+    it (no ``peft_type``, a value of the wrong type: a TypeError traceback, or a merge blaming the base model, before)."""
+    from peft import PeftConfig
+
+    try:
+        return PeftConfig.from_pretrained(str(adapter_dir))
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        reason = " ".join(str(exc).split())
+        raise ConfigError(
+            f"{Path(adapter_dir) / ADAPTER_CONFIG} is no adapter config PEFT can read ({reason}): the LoRA checkpoint is damaged"
+        ) from None
+
+
 def _expected_adapter_shapes(adapter_dir: Path, base: str) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
     """The adapter tensors (saved names -> shapes) that ``adapter_dir``'s adapter config puts on ``base``: those PEFT
     always saves, and those it may save too (an adapted embedding's full weights, ``save_embedding_layers``), from a
     meta-device skeleton of the base (no weights are loaded; saved explicitly, PEFT asks the hub nothing)."""
-    from peft import PeftConfig, PeftModel, get_peft_model_state_dict
+    from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    config = PeftConfig.from_pretrained(str(adapter_dir))
+    config = peft_adapter_config(adapter_dir)
     with torch.device("meta"):
-        skeleton = PeftModel(AutoModelForCausalLM.from_config(model_config(base)), config)
+        base_skeleton = AutoModelForCausalLM.from_config(model_config(base))
+        try:
+            skeleton = PeftModel(base_skeleton, config)
+        except TypeError as exc:  # a value of the wrong type (a rank written as text)
+            reason = " ".join(str(exc).split())
+            raise ConfigError(
+                f"{adapter_dir / ADAPTER_CONFIG} holds a value PEFT cannot use ({reason}): the LoRA checkpoint is damaged"
+            ) from None
 
     def shapes(with_embeddings: bool) -> dict[str, tuple[int, ...]]:
         state = get_peft_model_state_dict(skeleton, save_embedding_layers=with_embeddings)

@@ -183,9 +183,16 @@ def test_a_checkpoint_directory_merges_its_latest_valid_step_as_eval_and_serve_t
         ),
         ("[]", r"adapter_config.json holds a JSON list, not the object of a PEFT adapter config", ["--base-model", EMBEDDED_MODEL]),
         ('{"r": 4}', r"adapter_config.json names no base model \(base_model_name_or_path is None\): nemo-like merge --base-model", []),
+        # PEFT's own reading: no peft_type (a TypeError traceback with --base-model), a rank that is text
+        ('{"base_model_name_or_path": "embedded:tiny-arith-qwen2", "r": 4}', r"is no adapter config PEFT can read \(.*peft_type", []),
+        (
+            '{"base_model_name_or_path": "embedded:tiny-arith-qwen2", "peft_type": "LORA", "r": "4"}',
+            r"holds a value PEFT cannot use",
+            [],
+        ),
         ('{"base_model_name_or_path": null}', r"names no base model \(base_model_name_or_path is None\)", []),
     ],
-    ids=["truncated", "not-an-object", "no-key", "null"],
+    ids=["truncated", "not-an-object", "no-key", "no-peft-type", "text-rank", "null"],
 )
 def test_a_damaged_adapter_config_is_one_line_naming_the_file(tmp_path, capsys, content, problem, flags) -> None:
     """A truncated or hand-edited adapter_config.json gave a JSONDecodeError, KeyError or AttributeError traceback,
