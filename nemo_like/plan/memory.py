@@ -17,7 +17,8 @@ What is exact and what is estimated:
   with ``policy.logprob_chunk_size``); with activation checkpointing each layer's input plus the larger of the logits'
   share and one layer's recomputed activations (the backward recomputes a layer after the output head's backward has
   freed the logits: the two never coexist). Values at the compute dtype, except under autocast (``bfloat16`` on one
-  unsharded rank, :func:`runs_autocast`): the ``8H`` values (residual stream, norms) and the layer inputs at float32,
+  unsharded rank, :func:`runs_autocast`): the ``8H`` values (residual stream, norms) and the layer inputs at float32
+  (on a CPU attention's too, :func:`cpu_float32_attention`),
   plus the bf16 copy autocast keeps of every trainable matmul weight (:func:`autocast_weight_copies`). Packed or
   token-budget micro-batches are at least ``policy.max_total_sequence_length`` tokens (:func:`micro_batch_tokens`);
   packing adds its dense block-causal mask (:func:`packed_mask_bytes`). A top-k / top-p truncated distribution
@@ -126,18 +127,21 @@ class ModelShape:
         """Values one layer saves for backward per token (see the module docstring)."""
         return 8 * self.hidden + 4 * self.kv_heads * self.head_dim + 4 * self.intermediate
 
-    def layer_bytes_per_token(self, value_bytes: int, hidden_bytes: int | None = None, tp: int = 1) -> int:
+    def layer_bytes_per_token(self, value_bytes: int, hidden_bytes: int | None = None, tp: int = 1, float32_attention: bool = False) -> int:
         """Bytes one layer saves for backward per token: :meth:`layer_values_per_token` at ``value_bytes``, its ``8H``
         hidden-sized values (the residual stream, the norms' inputs and outputs) at ``hidden_bytes`` (default: the
         same), which :func:`activation_bytes` sets to 4 under autocast. On a rank of ``tp`` tensor-parallel ranks the
         values of the split projections are ``1/tp`` wide: of the ``8H``, the query, the rotated query and the
         attention output (``3H``), and the keys' and values' ``4KD`` and the MLP's ``4I``; the residual stream and the
         norms (``5H``) stay whole (no sequence parallelism). Measured on a (dp 1, tp 2) gloo rank in
-        ``tests/unit/models/test_sharding.py``."""
+        ``tests/unit/models/test_sharding.py``. ``float32_attention``: attention runs in float32 under a lower
+        ``value_bytes`` (CPU autocast, :func:`cpu_float32_attention`): its ``3H`` values at 4 bytes, and float32 copies
+        of the keys and values (``2KD``), measured in ``tests/unit/plan/test_memory_plan.py``."""
         hidden_bytes = value_bytes if hidden_bytes is None else hidden_bytes
         split = 4 * self.kv_heads * self.head_dim + 4 * self.intermediate
         if tp <= 1:
-            return 8 * self.hidden * hidden_bytes + split * value_bytes
+            attention = (3 * self.hidden + 2 * self.kv_heads * self.head_dim) * (4 - value_bytes) if float32_attention else 0
+            return 8 * self.hidden * hidden_bytes + split * value_bytes + attention
         return 5 * self.hidden * hidden_bytes + math.ceil((3 * self.hidden + split) / tp) * value_bytes
 
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:
@@ -277,6 +281,12 @@ def runs_autocast(cfg: Any) -> bool:
     return DTYPE_BYTES[pc.precision] != 4 and pc.dp_size * pc.dtensor_cfg.tensor_parallel_size == 1
 
 
+def cpu_float32_attention(cfg: Any) -> bool:
+    """Whether the policy's attention runs in float32 under a lower compute precision: under autocast
+    (:func:`runs_autocast`) on a CPU (``nemo_like.models.attention``)."""
+    return runs_autocast(cfg) and not cfg.cluster.gpus_per_node
+
+
 def activation_bytes(cfg: Any) -> tuple[int, int]:
     """Bytes of a value a layer saves for backward and of its hidden-sized values (the ``8H`` of
     :meth:`ModelShape.layer_values_per_token`): both the compute dtype's, except under autocast (:func:`runs_autocast`),
@@ -337,7 +347,7 @@ def _training_activations(
     hidden_bytes = value_bytes if hidden_bytes is None else hidden_bytes
     tokens = micro_batch_tokens(cfg, training=True)
     tp = pc.dtensor_cfg.tensor_parallel_size
-    per_layer = tokens * (shape.layer_bytes_per_token(value_bytes, hidden_bytes, tp) + dropout_bytes)
+    per_layer = tokens * (shape.layer_bytes_per_token(value_bytes, hidden_bytes, tp, cpu_float32_attention(cfg)) + dropout_bytes)
     logit_rows = min(tokens, pc.logprob_chunk_size) if pc.logprob_chunk_size else tokens
     # float32 logits, log-softmax, gradient; a chunk's recompute in the backward holds one more float32 copy (the scaled
     # logits logsumexp saves, the gather's dense gradient, exp(x - lse), the logits' gradient: 16 measured on a CPU)
@@ -358,7 +368,8 @@ def _logprob_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_b
     tokens = micro_batch_tokens(cfg, training=False)
     chunk = cfg.policy.logprob_chunk_size
     logit_rows = min(tokens, chunk) if chunk else tokens
-    per_layer = tokens * shape.layer_bytes_per_token(value_bytes, hidden_bytes, cfg.policy.dtensor_cfg.tensor_parallel_size)
+    tp = cfg.policy.dtensor_cfg.tensor_parallel_size
+    per_layer = tokens * shape.layer_bytes_per_token(value_bytes, hidden_bytes, tp, cpu_float32_attention(cfg))
     return with_packed_mask(cfg, per_layer + logit_rows * shape.vocab * 8, False, shape.packed_masks)  # logits + log-softmax
 
 

@@ -155,17 +155,19 @@ def saved_for_backward(model, ids, precision: str, sharded: bool = False) -> int
 
 
 def tiny_model(layers: int | None = None):
-    """The embedded model, random float32 masters, in training mode; ``layers``: only its first few decoder layers."""
+    """The embedded model, random float32 masters, in training mode, attending as a run's models do
+    (:func:`~nemo_like.models.attention.attend_in_float32_on_cpu`); ``layers``: only its first few decoder layers."""
     import json
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from nemo_like.models.attention import attend_in_float32_on_cpu
     from nemo_like.models.loading import resolve_model_path
 
     torch.manual_seed(0)
     config = json.loads((Path(resolve_model_path(EMBEDDED_MODEL)) / "config.json").read_text())
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).float().train()
+    model = attend_in_float32_on_cpu(AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).float().train())
     if layers is not None:
         model.model.layers = model.model.layers[:layers]
     return model
@@ -175,11 +177,13 @@ def test_one_rank_bfloat16_counts_autocasts_weight_copies_and_a_float32_residual
     import torch
 
     # dp 1, bfloat16: the forward runs under torch.autocast over float32 masters. Measured on the real model, a layer
-    # saves per token (8H at 4 bytes + (4KD + 4I) at 2) at most, and per layer its weights' bf16 copies, whatever the
-    # tokens; the whole model also the (tied) head's copy.
+    # saves per token (8H at 4 bytes + (4KD + 4I) at 2, and attention in float32 on a CPU: its 3H and the keys' and
+    # values' float32 copies at 2 bytes more) at most, and per layer its weights' bf16 copies, whatever the tokens; the
+    # whole model also the (tied) head's copy.
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
     h, kd, i = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate
-    per_token = 8 * h * 4 + (4 * kd + 4 * i) * 2
+    per_token = 8 * h * 4 + (4 * kd + 4 * i) * 2 + (3 * h + 2 * kd) * 2
+    assert shape.layer_bytes_per_token(2, 4, float32_attention=True) == per_token
     ids = {t: torch.randint(0, shape.vocab, (1, t)) for t in (128, 256)}
     one, two = tiny_model(1), tiny_model(2)
     layer = {t: saved_for_backward(two, ids[t], "bfloat16") - saved_for_backward(one, ids[t], "bfloat16") for t in ids}
