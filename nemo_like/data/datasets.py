@@ -256,6 +256,41 @@ def open_text(path: Path, encoding: str = "utf-8", newline: str | None = None) -
     return fsspec.open(str(path), mode="rt", compression="infer", encoding=encoding, errors="replace", newline=newline).open()
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if twice := next((key for key in keys if keys.count(key) > 1), None):
+        raise ValueError(f"the key {twice!r} appears twice in one object")
+    return dict(pairs)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is beyond a 64-bit float")
+    return value
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if not -(1 << 63) <= value < 1 << 63:
+        raise ValueError(f"the integer {text} is beyond 64 bits")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
+#: What pyarrow's JSON reader refuses and Python's json module takes: a duplicate key, a float literal past a double
+#: (``1e400``), an integer past 64 bits, ``NaN`` / ``Infinity``. Without these the line finder found no bad line.
+_STRICT_JSON: dict[str, Any] = {
+    "object_pairs_hook": _unique_keys,
+    "parse_float": _finite_float,
+    "parse_int": _int64,
+    "parse_constant": _no_constant,
+}
+
+
 def first_bad_json_line(path: Path) -> str | None:
     """``line N: <what is wrong>`` for the first line of a JSONL file that is not one JSON object (blank lines are
     allowed), or ``None``. The ``datasets`` loader's own message points into pandas' fallback parser, at a byte
@@ -265,10 +300,10 @@ def first_bad_json_line(path: Path) -> str | None:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, **_STRICT_JSON)
             except json.JSONDecodeError as exc:
                 return f"line {number}, column {exc.colno}: not valid JSON ({exc.msg})"
-            except ValueError as exc:  # e.g. an integer of more digits than Python converts
+            except ValueError as exc:  # e.g. an integer of more digits than Python converts, or a _STRICT_JSON refusal
                 return f"line {number}: not valid JSON ({exc})"
             if not isinstance(row, dict):
                 return f"line {number}: a JSON {type(row).__name__}, expected an object (one row per line)"

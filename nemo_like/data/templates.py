@@ -81,7 +81,7 @@ def dropped_message_keys(chat: list[Any]) -> set[str]:
 
 def _read_text(path: str, key: str) -> str:
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8-sig")  # an editor's byte-order mark is not part of the text
     except OSError as exc:
         raise ConfigError(f"{key}: cannot read {path!r} ({exc.strerror or exc}); the path is relative to the working directory") from None
 

@@ -199,9 +199,9 @@ def test_messages_column_is_found_and_formatted(tmp_path, tok):
 def test_prompt_file_and_system_prompt_file(tmp_path, tok):
     path = write_jsonl(tmp_path / "t.jsonl", rows(3))
     template = tmp_path / "cot.txt"
-    template.write_text("Solve. Put the answer in \\boxed{{}}:\n{}")
-    system = tmp_path / "sys.txt"
-    system.write_text("You are careful.\n")
+    template.write_text("Solve. Put the answer in \\boxed{{}}:\n{}", encoding="utf-8-sig")  # "UTF-8 with BOM" (its U+FEFF
+    system = tmp_path / "sys.txt"  # led every prompt, unseen)
+    system.write_text("You are careful.\n", encoding="utf-8-sig")
     cfg = data_cfg(path, path, prompt_file=str(template), system_prompt_file=str(system))
     rec = next(r for r in build(cfg, tok, budget=200) if r.id == "train-1")
     assert rec.messages == [
@@ -428,6 +428,17 @@ def test_bad_files_name_the_file_and_key(tmp_path, tok):
     deep.write_text("".join(f'{{"q": "x{i}", "a": "{i}"}}\n' for i in range(40)) + '{"q": "y" "a": "1"}\n' + '{"q": "z", "a": "2"}\n')
     with pytest.raises(ConfigError, match=r"deep.jsonl'?: line 41, column 11: not valid JSON \(Expecting ',' delimiter\)"):
         build(data_cfg(deep, deep), tok)
+    # Lines Python's json module takes and pyarrow's reader does not: no bad line was found, and the message pointed at
+    # line 1 ("Trailing data at position 31") or gave a 0-based row and another cause
+    for name, bad, cause in [
+        ("dup_key", '{"q": "y", "a": "1", "a": "2"}', r"the key 'a' appears twice in one object"),
+        ("overflow", '{"q": "y", "a": 1e400}', r"the number 1e400 is beyond a 64-bit float"),
+        ("hugeint", '{"q": "y", "a": 123456789012345678901234}', r"the integer 123456789012345678901234 is beyond 64 bits"),
+    ]:
+        odd = tmp_path / f"{name}.jsonl"
+        odd.write_text("".join(f'{{"q": "x{i}", "a": "{i}"}}\n' for i in range(40)) + bad + "\n")
+        with pytest.raises(ConfigError, match=rf"{name}.jsonl'?: line 41: not valid JSON \({cause}\)"):
+            build(data_cfg(odd, odd), tok)
     lines_json = tmp_path / "lines.json"  # JSON Lines under .json (datasets reads both): pandas said "position 28"
     lines_json.write_text('{"q": "x", "a": "1"}\n{"q": "y" "a": "2"}\n')
     with pytest.raises(ConfigError, match=r"lines.json'?: line 2, column 11: not valid JSON \(Expecting ',' delimiter\)"):
