@@ -17,6 +17,7 @@ Every error is a :class:`ConfigError` naming the file/set, the row and the key t
 from __future__ import annotations
 
 import csv
+import glob
 import hashlib
 import json
 import math
@@ -421,6 +422,11 @@ def _load_local(source: Source, key: str):
         raise ConfigError(f"{key}: {str(path)!r} does not exist (relative paths are resolved from the working directory {os.getcwd()})")
     try:
         if path.is_dir():
+            if re.search(r"[*?[]", str(path)):  # datasets resolves a folder's files by glob patterns under it
+                raise ConfigError(
+                    f"{key}: {str(path)!r} has a glob character (* ? [) in its path, which the datasets loader reads as a "
+                    "pattern; rename the folder, or point at one data file in it"
+                )
             saved = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
             if saved:
                 if source.config:
@@ -456,7 +462,9 @@ def _load_local(source: Source, key: str):
             if path.stat().st_size == 0:
                 raise ConfigError(f"{key}: {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
             kwargs = _csv_kwargs(csv_header(path, key)) if builder == "csv" else _json_kwargs([path])
-            ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+            # data_files is a glob pattern: `rows[12].jsonl` read rows1.jsonl and rows2.jsonl, a `sweep[lr=1e-6]/` folder
+            # nothing; escaped, it is the one file named
+            ds = datasets.load_dataset(builder, data_files=glob.escape(str(path)), split="train", **kwargs)
     except ConfigError:
         raise
     except Exception as exc:  # datasets/pyarrow raise many types for one cause: an unreadable file

@@ -942,3 +942,20 @@ def test_a_json_column_that_changes_type_past_the_first_10_mb_loads(tmp_path, to
     write_jsonl(tmp_path / "split" / "b.jsonl", [{"q": "What is 1 over 2?", "a": "1/2"}])
     with pytest.raises(ConfigError, match=r"data\.train\.data_path: .* change type between the files .* every answer as a string"):
         build(data_cfg(tmp_path / "split", path, prompt_key="q", answer_key="a"), tok)
+
+
+def test_a_data_path_with_glob_characters_is_the_file_it_names(tmp_path, tok):
+    """The datasets loader takes a data path as a glob pattern: `rows[12].jsonl` trained on rows1.jsonl and rows2.jsonl
+    (the labels still naming rows[12].jsonl), a file in a `sweep[lr=1e-6]/` folder failed with "StopIteration", and the
+    folder itself with a resolver's repr."""
+    named = write_jsonl(tmp_path / "rows[12].jsonl", rows(3))
+    write_jsonl(tmp_path / "rows1.jsonl", [{"q": "other 1?", "a": "1"}])
+    write_jsonl(tmp_path / "rows2.jsonl", [{"q": "other 2?", "a": "2"}])
+    prompts = {r.messages[-1]["content"] for r in build(data_cfg(named, named), tok)}
+    assert prompts == {r["q"] for r in rows(3)}
+    sweep = tmp_path / "sweep[lr=1e-6]"
+    sweep.mkdir()
+    inside = write_jsonl(sweep / "train.jsonl", rows(3))
+    assert {r.messages[-1]["content"] for r in build(data_cfg(inside, inside), tok)} == prompts
+    with pytest.raises(ConfigError, match=r"data.train.data_path: .*sweep\[lr=1e-6\]' has a glob character .*point at one data file"):
+        build(data_cfg(sweep, inside), tok)
