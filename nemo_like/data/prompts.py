@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ def build_prompt_dataset(
     check_chat_template(tokenizer)
     fmt = prompt_format(data)
     problems = _arithmetic_problems(data, split, fmt) if is_arithmetic(data, split) else load_problems(data, split, fmt)
+    refuse_special_token_texts(tokenizer, problems, split, data.prompt_key)
     records, dropped = [], []
     conversations = [p.messages for p in problems]
     tools = [tools_of(p.task_name) if tools_of is not None else None for p in problems]
@@ -93,6 +95,26 @@ def build_prompt_dataset(
     if not records:
         raise ConfigError(f"data.{split}: every prompt is longer than {max_prompt_tokens} tokens; raise policy.max_total_sequence_length")
     return records
+
+
+def refuse_special_token_texts(tokenizer, problems: list, split: str, prompt_key: str | None) -> None:
+    """A :class:`ConfigError` naming the first problem whose messages hold the text of one of ``tokenizer``'s special
+    tokens (``<|im_start|>``, an eos): a prompt column that holds text the chat template already rendered was rendered
+    again around it, silently (its control tokens then stood inside the user's turn as real special-token ids)."""
+    specials = sorted({t for t in getattr(tokenizer, "all_special_tokens", ()) if t}, key=len, reverse=True)
+    if not specials:
+        return
+    pattern = re.compile("|".join(map(re.escape, specials)))
+    for problem in problems:
+        for message in problem.messages:
+            content = message.get("content")
+            if isinstance(content, str) and (found := pattern.search(content)):
+                raise ConfigError(
+                    f"The prompt of {problem.where} (data.{split}) holds the tokenizer's special token {found.group()!r} in its "
+                    f"{message.get('role', '')} message: the chat template renders every prompt, so text it rendered already "
+                    f"would be wrapped twice. Store the problem's text (data.prompt_key={prompt_key!r}) or its chat messages "
+                    "(a list of role/content), or the system prompt without it"
+                )
 
 
 def _refusal_cause(

@@ -959,3 +959,16 @@ def test_a_data_path_with_glob_characters_is_the_file_it_names(tmp_path, tok):
     assert {r.messages[-1]["content"] for r in build(data_cfg(inside, inside), tok)} == prompts
     with pytest.raises(ConfigError, match=r"data.train.data_path: .*sweep\[lr=1e-6\]' has a glob character .*point at one data file"):
         build(data_cfg(sweep, inside), tok)
+
+
+def test_a_prompt_holding_text_the_chat_template_rendered_is_refused_naming_the_row(tmp_path, tok):
+    """A prompt column exported with apply_chat_template(..., tokenize=False) was rendered again around itself, with no
+    word: four turn starts instead of two, the inner ones real special-token ids inside the user's turn."""
+    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], tokenize=False, add_generation_prompt=True)
+    path = write_jsonl(tmp_path / "rendered.jsonl", [*rows(2), {"q": rendered, "a": "5"}])
+    with pytest.raises(ConfigError, match=r"row 3 of .*rendered.jsonl.*holds the tokenizer's special token '<\|im_start\|>' in its user"):
+        build(data_cfg(path, path), tok)
+    system = data_cfg(write_jsonl(tmp_path / "plain.jsonl", rows(2)), None, system_prompt="Be brief.<|im_end|>")
+    with pytest.raises(ConfigError, match=r"special token '<\|im_end\|>' in its system message"):
+        build(system, tok)
+    assert len(build(data_cfg(tmp_path / "plain.jsonl", tmp_path / "plain.jsonl"), tok)) == 2  # plain text passes
