@@ -160,7 +160,7 @@ def run_plot(args: argparse.Namespace) -> int:
         print(f"nemo-like: error: no metrics.jsonl at {metrics_path}", file=sys.stderr)
         return 2
     try:
-        print(plot_metrics(metrics_path, args.out and str(Path(args.out).expanduser()), args.metrics))
+        print(plot_metrics(metrics_path, args.out and os.path.expanduser(args.out), args.metrics))  # keeps a trailing "/"
     except ValueError as exc:  # a line that is not JSON, or a --metrics name the file does not hold
         raise ConfigError(str(exc)) from None
     except OSError as exc:  # the figure's place not writable (--out, or the run's log directory)

@@ -219,9 +219,11 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
     assert out_of_range.value.code == 2 and "expected a port number 0..65535, got 70000" in capsys.readouterr().err
 
 
-def test_plot_out_is_the_file_it_writes(tmp_path, capsys) -> None:
-    """``--out figs`` printed ``figs`` and wrote ``figs.png`` (beside the directory ``figs`` when it was one)."""
+def test_plot_out_is_the_file_it_writes(tmp_path, capsys, monkeypatch) -> None:
+    """``--out figs`` printed ``figs`` and wrote ``figs.png`` (beside the directory ``figs`` when it was one); ``--out=~/x``
+    (a ~ the shell leaves alone) wrote ``./~/x.png``."""
     pytest.importorskip("matplotlib")
+    monkeypatch.setenv("HOME", str(tmp_path))
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(f'{{"step": {s}, "train/reward": {s / 4}}}\n' for s in (1, 2)))
     (tmp_path / "figs").mkdir()
@@ -229,6 +231,7 @@ def test_plot_out_is_the_file_it_writes(tmp_path, capsys) -> None:
         (str(tmp_path / "figs"), tmp_path / "figs" / "metrics.png"),
         (str(tmp_path / "panel"), tmp_path / "panel.png"),
         (f"{tmp_path / 'new'}/", tmp_path / "new" / "metrics.png"),  # a new directory, named as one: was new.png
+        ("~/tilde", tmp_path / "tilde.png"),
     ]
     for out, written in cases:
         assert main(["plot", str(metrics), "--out", out]) == 0
