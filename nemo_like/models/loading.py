@@ -388,6 +388,8 @@ def _check_adapters_fit(adapter_dir: Path, base: str, given: bool) -> None:
     )
     try:
         required, allowed = _expected_adapter_shapes(adapter_dir, base)
+    except ConfigError:  # the adapter config itself (a ValueError too): the base is not to blame
+        raise
     except (ValueError, RuntimeError, KeyError) as exc:  # PEFT: a target module the base does not have
         reason = " ".join(str(exc).split())
         raise ConfigError(f"the LoRA adapters of {adapter_dir} do not fit {source}: {reason}; {remedy}") from None

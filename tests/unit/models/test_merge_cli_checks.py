@@ -203,6 +203,7 @@ def test_a_damaged_adapter_config_is_one_line_naming_the_file(tmp_path, capsys, 
         assert main(["merge", str(tmp_path / "step_1"), "--out", str(tmp_path / "merged"), *extra]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and re.search(problem, err), err
+        assert re.match(r"nemo-like: error: \S+adapter_config.json ", err), err  # the file, not "do not fit" the base
     assert not (tmp_path / "merged").exists()
 
 
