@@ -271,43 +271,36 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _int64(text: str) -> int:
+def _64_bit_int(text: str) -> int:
     value = int(text)
-    if not -(1 << 63) <= value < 1 << 63:
+    if not -(1 << 63) <= value < 1 << 64:  # pyarrow reads up to uint64
         raise ValueError(f"the integer {text} is beyond 64 bits")
     return value
 
 
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not JSON")
-
-
 #: What pyarrow's JSON reader refuses and Python's json module takes: a duplicate key, a float literal past a double
-#: (``1e400``), an integer past 64 bits, ``NaN`` / ``Infinity``. Without these the line finder found no bad line.
-_STRICT_JSON: dict[str, Any] = {
-    "object_pairs_hook": _unique_keys,
-    "parse_float": _finite_float,
-    "parse_int": _int64,
-    "parse_constant": _no_constant,
-}
+#: (``1e400``), an integer past 64 bits. Looked for only where no line is malformed (:func:`first_bad_json_line`).
+_STRICT_JSON: dict[str, Any] = {"object_pairs_hook": _unique_keys, "parse_float": _finite_float, "parse_int": _64_bit_int}
 
 
 def first_bad_json_line(path: Path) -> str | None:
     """``line N: <what is wrong>`` for the first line of a JSONL file that is not one JSON object (blank lines are
-    allowed), or ``None``. The ``datasets`` loader's own message points into pandas' fallback parser, at a byte
-    offset of the wrong line."""
-    with open_text(path) as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line, **_STRICT_JSON)
-            except json.JSONDecodeError as exc:
-                return f"line {number}, column {exc.colno}: not valid JSON ({exc.msg})"
-            except ValueError as exc:  # e.g. an integer of more digits than Python converts, or a _STRICT_JSON refusal
-                return f"line {number}: not valid JSON ({exc})"
-            if not isinstance(row, dict):
-                return f"line {number}: a JSON {type(row).__name__}, expected an object (one row per line)"
+    allowed), or failing that the first that pyarrow's reader refuses (:data:`_STRICT_JSON`); ``None`` when there is
+    none. The ``datasets`` loader's own message points into pandas' fallback parser, at a byte offset of the wrong
+    line."""
+    for strict in ({}, _STRICT_JSON):  # a malformed line first: a line the strict reading refuses may load
+        with open_text(path) as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line, **strict)
+                except json.JSONDecodeError as exc:
+                    return f"line {number}, column {exc.colno}: not valid JSON ({exc.msg})"
+                except ValueError as exc:  # an integer of more digits than Python converts, or a _STRICT_JSON refusal
+                    return f"line {number}: not valid JSON ({exc})"
+                if not isinstance(row, dict):
+                    return f"line {number}: a JSON {type(row).__name__}, expected an object (one row per line)"
     return None
 
 
@@ -422,11 +415,6 @@ def _load_local(source: Source, key: str):
         raise ConfigError(f"{key}: {str(path)!r} does not exist (relative paths are resolved from the working directory {os.getcwd()})")
     try:
         if path.is_dir():
-            if re.search(r"[*?[]", str(path)):  # datasets resolves a folder's files by glob patterns under it
-                raise ConfigError(
-                    f"{key}: {str(path)!r} has a glob character (* ? [) in its path, which the datasets loader reads as a "
-                    "pattern; rename the folder, or point at one data file in it"
-                )
             saved = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
             if saved:
                 if source.config:
@@ -441,6 +429,11 @@ def _load_local(source: Source, key: str):
                 except IndexError:  # a saved dataset of 0 rows (no arrow shard): "list index out of range"
                     raise ConfigError(f"{key}: {str(path)!r} has no rows; it must hold at least one prompt row") from None
             else:
+                if re.search(r"[*?[]", str(path.resolve())):  # datasets finds a folder's files by glob patterns under it
+                    raise ConfigError(
+                        f"{key}: {str(path)!r} has a glob character (* ? [) in its path ({path.resolve()}), which the "
+                        "datasets loader reads as a pattern; rename the folder, or point at one data file in it"
+                    )
                 subset = _subset_kwargs(path, source.config)
                 _refuse_skipped_files(path, source, key, subset)
                 data_files = directory_data_files(path)
@@ -464,7 +457,7 @@ def _load_local(source: Source, key: str):
             kwargs = _csv_kwargs(csv_header(path, key)) if builder == "csv" else _json_kwargs([path])
             # data_files is a glob pattern: `rows[12].jsonl` read rows1.jsonl and rows2.jsonl, a `sweep[lr=1e-6]/` folder
             # nothing; escaped, it is the one file named
-            ds = datasets.load_dataset(builder, data_files=glob.escape(str(path)), split="train", **kwargs)
+            ds = datasets.load_dataset(builder, data_files=glob.escape(str(path.resolve())), split="train", **kwargs)
     except ConfigError:
         raise
     except Exception as exc:  # datasets/pyarrow raise many types for one cause: an unreadable file

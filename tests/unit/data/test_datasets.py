@@ -439,6 +439,11 @@ def test_bad_files_name_the_file_and_key(tmp_path, tok):
         odd.write_text("".join(f'{{"q": "x{i}", "a": "{i}"}}\n' for i in range(40)) + bad + "\n")
         with pytest.raises(ConfigError, match=rf"{name}.jsonl'?: line 41: not valid JSON \({cause}\)"):
             build(data_cfg(odd, odd), tok)
+    # a line pyarrow reads (NaN, a uint64) before the malformed one is not blamed for it
+    nan_first = tmp_path / "nan_first.jsonl"
+    nan_first.write_text('{"q": "x", "a": "1"}\n{"q": "y", "a": "2", "w": NaN, "n": 9223372036854775808}\n{"q": "z" "a": "3"}\n')
+    with pytest.raises(ConfigError, match=r"nan_first.jsonl'?: line 3, column 11: not valid JSON \(Expecting ',' delimiter\)"):
+        build(data_cfg(nan_first, nan_first), tok)
     lines_json = tmp_path / "lines.json"  # JSON Lines under .json (datasets reads both): pandas said "position 28"
     lines_json.write_text('{"q": "x", "a": "1"}\n{"q": "y" "a": "2"}\n')
     with pytest.raises(ConfigError, match=r"lines.json'?: line 2, column 11: not valid JSON \(Expecting ',' delimiter\)"):
@@ -944,7 +949,7 @@ def test_a_json_column_that_changes_type_past_the_first_10_mb_loads(tmp_path, to
         build(data_cfg(tmp_path / "split", path, prompt_key="q", answer_key="a"), tok)
 
 
-def test_a_data_path_with_glob_characters_is_the_file_it_names(tmp_path, tok):
+def test_a_data_path_with_glob_characters_is_the_file_it_names(tmp_path, tok, monkeypatch):
     """The datasets loader takes a data path as a glob pattern: `rows[12].jsonl` trained on rows1.jsonl and rows2.jsonl
     (the labels still naming rows[12].jsonl), a file in a `sweep[lr=1e-6]/` folder failed with "StopIteration", and the
     folder itself with a resolver's repr."""
@@ -959,6 +964,14 @@ def test_a_data_path_with_glob_characters_is_the_file_it_names(tmp_path, tok):
     assert {r.messages[-1]["content"] for r in build(data_cfg(inside, inside), tok)} == prompts
     with pytest.raises(ConfigError, match=r"data.train.data_path: .*sweep\[lr=1e-6\]' has a glob character .*point at one data file"):
         build(data_cfg(sweep, inside), tok)
+    # relative to a working directory with glob characters (datasets joins it on unescaped), and a save_to_disk folder
+    # under it (read without patterns: not refused)
+    import datasets
+
+    datasets.Dataset.from_list(rows(3)).save_to_disk(str(sweep / "saved"))
+    monkeypatch.chdir(sweep)
+    assert {r.messages[-1]["content"] for r in build(data_cfg(Path("train.jsonl"), Path("train.jsonl")), tok)} == prompts
+    assert {r.messages[-1]["content"] for r in build(data_cfg(Path("saved"), Path("saved")), tok)} == prompts
 
 
 def test_a_prompt_holding_text_the_chat_template_rendered_is_refused_naming_the_row(tmp_path, tok):
