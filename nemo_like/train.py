@@ -325,8 +325,8 @@ def _train_attempt(
             history = loop(parts, logger, resume_from)
             failed = False
             return history
-    except RunInterrupted:  # a stop (a signal, the deadline) after its save: the run ended as asked
-        failed = False
+    except RunInterrupted as stop:  # a stop (a signal, the deadline): the run ended as asked, a success once saved
+        failed = stop.checkpoint is None
         raise
     except RunStalled:
         stalled = True
