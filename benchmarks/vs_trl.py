@@ -19,7 +19,8 @@ Workloads (the issue's):
 The same workload: both sides load the same Hugging Face model directory (random init, the shipped tiny
 model's tokenizer), whose stop token is never sampled (its logit sits 39 / 23 / 11 nats below the mean of the
 others in W1 / W2 / W3: ``python benchmarks/stop_token_gap.py W1 W2 W3``; see :func:`build_model`), so every completion
-on both sides runs exactly ``max_new_tokens`` tokens (the script checks ours: "all completions full length").
+on both sides runs exactly ``max_new_tokens`` tokens (the script checks both: "all completions full length", ours / TRL;
+a pair whose TRL step stopped early says so: its model drifted to the stop token, seen at W3 in bf16 after 5 steps).
 Both train on the same prompts in the same order (the first ``PROMPT_SET`` = 64 of our arithmetic training prompts, chat
 template applied, in the order our loader draws them; TRL takes them in that order with ``shuffle_dataset=False``, and
 the script checks that every pair's two steps drew the same prompts: "same prompts each pair"), beta 0 (no
@@ -99,10 +100,12 @@ def trl_worker(spec: dict) -> None:
     rows = [{"prompt": text, "answer": str(answer)} for text, answer in spec["dataset"]]
 
     step_prompts: list[str] = []  # the distinct prompts of the step in flight, for the driver's same-prompts check
+    step_tokens: list[int] = []  # its completions' token counts, for the driver's full-length check
 
     def reward(completions, answer, prompts, **kwargs):
         """1 if the last integer is the answer: rewards that never depend on the (fixed) length."""
         step_prompts.extend(p for p in prompts if p not in step_prompts)
+        step_tokens.extend(len(ids) for ids in kwargs["completion_ids"])
         out = []
         for c, a in zip(completions, answer):
             nums = re.findall(r"-?\d+", c if isinstance(c, str) else c[-1]["content"])
@@ -120,8 +123,9 @@ def trl_worker(spec: dict) -> None:
 
         def on_step_end(self, args, state, control, **kw):
             seconds = time.perf_counter() - self.start
-            print(TAG + json.dumps({"trl_step_s": seconds, "prompts": step_prompts}), flush=True)
+            print(TAG + json.dumps({"trl_step_s": seconds, "prompts": step_prompts, "tokens": sum(step_tokens)}), flush=True)
             step_prompts.clear()
+            step_tokens.clear()
 
     cfg = GRPOConfig(
         output_dir=os.path.join(spec["tmp"], "trl-out"),
@@ -178,12 +182,12 @@ class TRLProcess:
             if line.startswith(TAG):
                 return json.loads(line[len(TAG) :])
 
-    def step(self) -> tuple[float, list[str]]:
-        """``(seconds, the step's distinct prompt texts)`` of one TRL step."""
+    def step(self) -> tuple[float, list[str], int]:
+        """``(seconds, the step's distinct prompt texts, its completions' tokens)`` of one TRL step."""
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
         result = self._read()
-        return result["trl_step_s"], result["prompts"]
+        return result["trl_step_s"], result["prompts"], result["tokens"]
 
     def close(self) -> None:
         try:
@@ -340,7 +344,7 @@ def print_pair(label: str, i: int, warmup: int, text: str) -> None:
     print(f"  [{label}] pair {i + 1}: {text}" + ("  (warm-up)" if i < warmup else ""), flush=True)
 
 
-def one_pair(i: int, trl: TRLProcess, ours: Callable[[], Any]) -> tuple[tuple[float, list[str]], Any, float]:
+def one_pair(i: int, trl: TRLProcess, ours: Callable[[], Any]) -> tuple[tuple[float, list[str], int], Any, float]:
     """Pair ``i``: one TRL step and one of ``ours``, TRL first in even pairs (both sides see the same load); returns what
     TRL's step returned, what ``ours`` returned and the mean 1-minute load around the pair."""
     load_before = load1()
@@ -369,6 +373,8 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
     trl = TRLProcess(args.trl_python, spec)
     ours = OurRun(model_dir, work, backend, f"{tmp}/ours-{name}-{backend}", [f"policy.precision={args.precision}", *args.ours])
     pairs, probes = [], []
+    batch = work["prompts"] * work["generations"]
+    expected = batch * work["new_tokens"]  # generated tokens a step of either side should run
     if ours.precision != args.precision:
         print(
             f"  note: ours runs {ours.precision} (an --ours override), TRL and the matmul probe {args.precision}: "
@@ -377,13 +383,14 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
         )
     try:
         for i in range(args.warmup + args.steps):
-            (t_trl, trl_prompts), (t_ours, phases, tokens, forward_share, our_prompts), load = one_pair(i, trl, ours.step)
+            (t_trl, trl_prompts, trl_tokens), (t_ours, phases, tokens, forward_share, our_prompts), load = one_pair(i, trl, ours.step)
             pairs.append(
                 {
                     "trl": t_trl,
                     "ours": t_ours,
                     "phases": phases,
                     "tokens": tokens,
+                    "trl_tokens": trl_tokens,
                     "forward": forward_share,
                     "load": load,
                     "same_prompts": set(trl_prompts) == set(our_prompts),
@@ -394,14 +401,13 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
                 f"{name} {ours.backend}",
                 i,
                 args.warmup,
-                f"TRL {t_trl:.3f}s  ours {t_ours:.3f}s  ratio {t_ours / t_trl:.2f}  load {load:.2f}",
+                f"TRL {t_trl:.3f}s  ours {t_ours:.3f}s  ratio {t_ours / t_trl:.2f}  load {load:.2f}"
+                + ("" if trl_tokens == expected else f"  (TRL's completions stopped early: {trl_tokens} of {expected} tokens)"),
             )
     finally:
         trl.close()
         ours.close()
     steady = pairs[args.warmup :]
-    batch = work["prompts"] * work["generations"]
-    expected = batch * work["new_tokens"]
     # Over every prompt both sides draw in the pairs (the first step's prompts alone put W1's floor 9% high)
     mean_prompt = statistics.mean(len_tokens(model_dir, r[0]) for r in rows)
     trained_tokens = batch * (mean_prompt + work["new_tokens"])
@@ -415,7 +421,7 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
         "ours": statistics.median(p["ours"] for p in steady),
         "ratios": [p["ours"] / p["trl"] for p in steady],
         "phases": {k: statistics.median(p["phases"].get(k, 0.0) for p in steady) for k in OUR_PHASES},
-        "tokens_ok": all(p["tokens"] == expected for p in pairs),
+        "tokens_ok": f"{all(p['tokens'] == expected for p in pairs)} / {all(p['trl_tokens'] == expected for p in pairs)}",
         "same_prompts": all(p["same_prompts"] for p in pairs),
         "load": [p["load"] for p in steady],
         "params": n_params,
@@ -456,7 +462,9 @@ def report(results: list[dict]) -> str:
         )
     lines += ["", "Our phases (median s) and FLOP floors (6 x params x trained tokens, 2 x params x generated+prompt tokens):", ""]
     lines.append(
-        "| workload | backend | " + " | ".join(OUR_PHASES) + " | training floor | generation floor | all completions full length "
+        "| workload | backend | "
+        + " | ".join(OUR_PHASES)
+        + " | training floor | generation floor | all completions full length (ours / TRL) "
         "| same prompts each pair | matmul GFLOP/s probed between pairs | training / floor at the probed rate | training forward tokens per token "
         "| training / floor of the tokens computed, probed rate | generation / floor at the probed rate "
         "| generation / floor of the tokens computed, probed rate | step / both floors at the probed rate |"
