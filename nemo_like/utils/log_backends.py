@@ -13,6 +13,7 @@ import netrc
 import numbers
 import os
 import sys
+import time
 import urllib.parse
 import warnings
 from collections.abc import Callable
@@ -147,6 +148,16 @@ class JsonlBackend(LogBackend):
         self._file.close()
 
 
+def wait_past_event_files(directory: Path) -> None:
+    """Sleep until the clock's second is past that of the newest event file in ``directory`` (at most a second):
+    TensorBoard reads a directory's event files in name order, and a name is the second it was made in, then a
+    per-process counter, which sorts 10 before 9 (a resumed run's file, whose purge hides the steps an earlier run
+    logged, was read before that run's)."""
+    seconds = [int(part) for p in directory.glob("events.out.tfevents.*") if (part := p.name.split(".")[3]).isdigit()]
+    if seconds:
+        time.sleep(max(0.0, max(seconds) + 1 - time.time()))
+
+
 class TensorBoardBackend(LogBackend):
     """Scalars, plus the config as HParams and as text, in ``<log_dir>/tensorboard``."""
 
@@ -156,6 +167,7 @@ class TensorBoardBackend(LogBackend):
         """``purge_step``: a resumed run's first step; TensorBoard hides what earlier runs logged from that step on."""
         from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
 
+        wait_past_event_files(Path(log_dir))
         self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
         self._session_end = None
 

@@ -120,10 +120,15 @@ def test_resuming_after_another_run_logged_in_the_same_dir_continues_the_checkpo
     assert trim_metrics_after(path, 12) is None  # resuming again: the last run is the checkpoint's
 
 
-def test_tensorboard_of_a_resume_after_another_run_shows_the_checkpoints_own_run(tmp_path):
+def test_tensorboard_of_a_resume_after_another_run_shows_the_checkpoints_own_run(tmp_path, monkeypatch):
     """As above, with the dashboards: TensorBoard hid only the steps after the checkpoint, so it drew run B's steps 0-5
-    (B hid A's) and then A's 11-12. The resumed run's logger hides every earlier step and logs A's records again."""
+    (B hid A's) and then A's 11-12. The resumed run's logger hides every earlier step and logs A's records again.
+    The three event files are the process's 8th to 10th: made in one second, the 10th's name sorted first (a flake of
+    the suite, where a worker's count passed 9 there), and TensorBoard read the purge before the run it hides."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(8))
 
     cfg = LoggerConfig(log_dir=str(tmp_path), tensorboard_enabled=True, progress_bar=False)
     for run, last in (("A", 10), ("B", 5)):
