@@ -334,6 +334,11 @@ def _saved_adapter_shapes(adapter_dir: Path) -> dict[str, tuple[int, ...]]:
     raise ConfigError(f"{adapter_dir} holds no adapter weights (none of {list(_ADAPTER_WEIGHT_FILES)} beside {ADAPTER_CONFIG})")
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (PEFT's and transformers' span several)."""
+    return " ".join(str(exc).split())
+
+
 def peft_adapter_config(adapter_dir: str | Path) -> Any:
     """PEFT's reading of ``adapter_dir``'s adapter config; a :class:`ConfigError` naming the file when PEFT cannot read
     it (no ``peft_type``, a value of the wrong type: a TypeError traceback, or a merge blaming the base model, before)."""
@@ -342,9 +347,8 @@ def peft_adapter_config(adapter_dir: str | Path) -> Any:
     try:
         return PeftConfig.from_pretrained(str(adapter_dir))
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        reason = " ".join(str(exc).split())
         raise ConfigError(
-            f"{Path(adapter_dir) / ADAPTER_CONFIG} is no adapter config PEFT can read ({reason}): the LoRA checkpoint is damaged"
+            f"{Path(adapter_dir) / ADAPTER_CONFIG} is no adapter config PEFT can read ({one_line(exc)}): the LoRA checkpoint is damaged"
         ) from None
 
 
@@ -361,9 +365,8 @@ def _expected_adapter_shapes(adapter_dir: Path, base: str) -> tuple[dict[str, tu
         try:
             skeleton = PeftModel(base_skeleton, config)
         except TypeError as exc:  # a value of the wrong type (a rank written as text)
-            reason = " ".join(str(exc).split())
             raise ConfigError(
-                f"{adapter_dir / ADAPTER_CONFIG} holds a value PEFT cannot use ({reason}): the LoRA checkpoint is damaged"
+                f"{adapter_dir / ADAPTER_CONFIG} holds a value PEFT cannot use ({one_line(exc)}): the LoRA checkpoint is damaged"
             ) from None
 
     def shapes(with_embeddings: bool) -> dict[str, tuple[int, ...]]:
@@ -391,8 +394,7 @@ def _check_adapters_fit(adapter_dir: Path, base: str, given: bool) -> None:
     except ConfigError:  # the adapter config itself (a ValueError too): the base is not to blame
         raise
     except (ValueError, RuntimeError, KeyError) as exc:  # PEFT: a target module the base does not have
-        reason = " ".join(str(exc).split())
-        raise ConfigError(f"the LoRA adapters of {adapter_dir} do not fit {source}: {reason}; {remedy}") from None
+        raise ConfigError(f"the LoRA adapters of {adapter_dir} do not fit {source}: {one_line(exc)}; {remedy}") from None
 
     def sample(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
