@@ -258,10 +258,12 @@ def open_text(path: Path, encoding: str = "utf-8", newline: str | None = None) -
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    if twice := next((key for key in keys if keys.count(key) > 1), None):
+    row = dict(pairs)
+    if len(row) < len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
         raise ValueError(f"the key {twice!r} appears twice in one object")
-    return dict(pairs)
+    return row
 
 
 def _finite_float(text: str) -> float:

@@ -26,10 +26,15 @@ import torch.nn.functional as F
 IMPLEMENTATION = "nemo_like_sdpa"
 
 
+def _in_float32(queries: torch.Tensor) -> bool:
+    """Whether attention over ``queries`` runs in float32 outside autocast: float32 queries on a CPU."""
+    return queries.device.type == "cpu" and queries.dtype == torch.float32
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of rotated queries ``q`` (in the residual stream's dtype), keys and values:
     on a CPU with float32 queries in float32 outside autocast (bf16 keys and values cast up); otherwise as called."""
-    if q.device.type != "cpu" or q.dtype != torch.float32:
+    if not _in_float32(q):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     with torch.autocast("cpu", enabled=False):
         return F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask, enable_gqa=gqa)
@@ -40,7 +45,7 @@ def float32_cpu_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     float32 outside autocast (an additive mask cast to float32 with them), otherwise unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.device.type != "cpu" or query.dtype != torch.float32:
+    if not _in_float32(query):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.float()

@@ -216,29 +216,25 @@ def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
     if backend not in ("inline", "hf"):
         return 0
     from nemo_like.models.precision import MASTER_DTYPE, compute_dtype
-    from nemo_like.plan.memory import DTYPE_BYTES, hf_sampling_rows, inline_sampling_rows
+    from nemo_like.plan.memory import hf_sampling_rows, inline_sampling_rows
 
-    products = compute_dtype(cfg.policy.precision)
+    products, on_cpu = compute_dtype(cfg.policy.precision), not cfg.cluster.gpus_per_node
     if backend == "inline":
-        cast = products != MASTER_DTYPE
-        on_cpu = not cfg.cluster.gpus_per_node
-        return lean_decoder_copy_bytes(shape, inline_sampling_rows(cfg), products, products.itemsize, on_cpu, cast=cast)
-    return lean_decoder_copy_bytes(
-        shape, hf_sampling_rows(cfg), products, DTYPE_BYTES[cfg.policy.precision], on_cpu=not cfg.cluster.gpus_per_node
-    )
+        return lean_decoder_copy_bytes(shape, inline_sampling_rows(cfg), products, on_cpu, cast=products != MASTER_DTYPE)
+    return lean_decoder_copy_bytes(shape, hf_sampling_rows(cfg), products, on_cpu)
 
 
-def lean_decoder_copy_bytes(shape: Any, rows: int, products: torch.dtype, element_bytes: int, on_cpu: bool, cast: bool = False) -> int:
+def lean_decoder_copy_bytes(shape: Any, rows: int, products: torch.dtype, on_cpu: bool, cast: bool = False) -> int:
     """Bytes of the weight copies the lean decoder holds for a call of ``rows`` rows
-    (:func:`~nemo_like.models.generation.lean_decoder.fused_step_copy_elements`), its weights ``element_bytes`` each;
-    ``cast``: every projection cast to ``products`` (float32 weights sampled under autocast)."""
+    (:func:`~nemo_like.models.generation.lean_decoder.fused_step_copy_elements`), each in ``products``, the dtype its
+    matmuls run in; ``cast``: every projection cast to it (float32 weights sampled under autocast)."""
     from nemo_like.models.generation.lean_decoder import fused_step_copy_elements
 
     q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     elements = fused_step_copy_elements(
         shape.layers, shape.hidden, shape.intermediate, q_width, kv_width, shape.vocab, rows, products, on_cpu, cast
     )
-    return elements * element_bytes
+    return elements * products.itemsize
 
 
 def scorer_roles(specs: Sequence[ScorerSpec | JudgeSpec], device_bytes: float | None = None) -> tuple[list[RoleMemory], list[str]]:
@@ -281,8 +277,7 @@ def judge_role(spec: JudgeSpec, device_bytes: float | None) -> RoleMemory:
     parameters = sum(math.prod(p.shape) for p in params)
     copies = 0
     if spec.backend == "hf":
-        products, value_bytes = compute_dtype(spec.precision), DTYPE_BYTES[spec.precision]
-        copies = lean_decoder_copy_bytes(shape, spec.max_batch_size, products, value_bytes, on_cpu=not spec.num_gpus)
+        copies = lean_decoder_copy_bytes(shape, spec.max_batch_size, compute_dtype(spec.precision), on_cpu=not spec.num_gpus)
     return judge_memory(spec, parameters, shape, device_bytes, copies)
 
 

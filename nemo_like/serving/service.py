@@ -251,9 +251,9 @@ class CompletionService:
             choice.parsed, whole = self._parse(req, choice.text)
             if choice.parsed.tool_calls and choice.finish_reason != "length":  # a cut turn says so, calls or not
                 choice.finish_reason = "tool_calls"
-            if session is not None and whole:
+            if continuations is not None and whole:
                 keys = message_keys(choice.parsed.content, choice.parsed.tool_calls)
-                session.continuations.remember_message(keys, self._raw_text(choice.completion_ids), history)
+                continuations.remember_message(keys, self._raw_text(choice.completion_ids), history)
         return call
 
     def _parse(self, req: ChatCompletionRequest, text: str) -> tuple[ParsedTurn, bool]:

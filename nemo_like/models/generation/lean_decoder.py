@@ -172,9 +172,9 @@ class FusedLlamaStep:
 
 
 def products_dtype(param: torch.Tensor) -> torch.dtype:
-    """The dtype the sampler's matmuls and KV cache run in for a model whose parameters are like ``param``: the
-    autocast dtype where autocast is on for its device (a ``policy.precision: bfloat16`` run samples its float32
-    masters under autocast, as its logprob passes run), else the parameters' own."""
+    """The dtype the sampler's matmuls run in for a model whose parameters are like ``param``: the autocast dtype
+    where autocast is on for its device (a ``policy.precision: bfloat16`` run samples its float32 masters under
+    autocast, as its logprob passes run), else the parameters' own."""
     device_type = param.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else param.dtype
 

@@ -420,14 +420,27 @@ def test_bad_files_name_the_file_and_key(tmp_path, tok):
     header_only.write_text("q,a\n")
     with pytest.raises(ConfigError, match=r"data.train.data_path: .*h.csv' has no rows"):
         build(data_cfg(header_only, header_only), tok)
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"q": "x", "a": "1"}\n{"q": "y", "a": \n')
-    with pytest.raises(ConfigError, match=r"data.train.data_path: cannot read .*broken.jsonl'?: line 2, column \d+: not valid JSON"):
-        build(data_cfg(broken, broken), tok)
-    deep = tmp_path / "deep.jsonl"  # the bad line far into the file, and not the last (pandas' message named line 1)
-    deep.write_text("".join(f'{{"q": "x{i}", "a": "{i}"}}\n' for i in range(40)) + '{"q": "y" "a": "1"}\n' + '{"q": "z", "a": "2"}\n')
-    with pytest.raises(ConfigError, match=r"deep.jsonl'?: line 41, column 11: not valid JSON \(Expecting ',' delimiter\)"):
-        build(data_cfg(deep, deep), tok)
+
+    def refused(name: str, text: str, message: str) -> Path:
+        """``text`` written to ``name`` and used as both splits: a ConfigError matching ``message``."""
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            build(data_cfg(path, path), tok)
+        return path
+
+    broken = refused(
+        "broken.jsonl",
+        '{"q": "x", "a": "1"}\n{"q": "y", "a": \n',
+        r"data.train.data_path: cannot read .*broken.jsonl'?: line 2, column \d+: not valid JSON",
+    )
+    forty = "".join(f'{{"q": "x{i}", "a": "{i}"}}\n' for i in range(40))
+    # the bad line far into the file, and not the last (pandas' message named line 1)
+    deep = refused(
+        "deep.jsonl",
+        forty + '{"q": "y" "a": "1"}\n' + '{"q": "z", "a": "2"}\n',
+        r"deep.jsonl'?: line 41, column 11: not valid JSON \(Expecting ',' delimiter\)",
+    )
     # Lines Python's json module takes and pyarrow's reader does not: no bad line was found, and the message pointed at
     # line 1 ("Trailing data at position 31") or gave a 0-based row and another cause
     for name, bad, cause in [
@@ -435,19 +448,19 @@ def test_bad_files_name_the_file_and_key(tmp_path, tok):
         ("overflow", '{"q": "y", "a": 1e400}', r"the number 1e400 is beyond a 64-bit float"),
         ("hugeint", '{"q": "y", "a": 123456789012345678901234}', r"the integer 123456789012345678901234 is beyond 64 bits"),
     ]:
-        odd = tmp_path / f"{name}.jsonl"
-        odd.write_text("".join(f'{{"q": "x{i}", "a": "{i}"}}\n' for i in range(40)) + bad + "\n")
-        with pytest.raises(ConfigError, match=rf"{name}.jsonl'?: line 41: not valid JSON \({cause}\)"):
-            build(data_cfg(odd, odd), tok)
+        refused(f"{name}.jsonl", forty + bad + "\n", rf"{name}.jsonl'?: line 41: not valid JSON \({cause}\)")
     # a line pyarrow reads (NaN, a uint64) before the malformed one is not blamed for it
-    nan_first = tmp_path / "nan_first.jsonl"
-    nan_first.write_text('{"q": "x", "a": "1"}\n{"q": "y", "a": "2", "w": NaN, "n": 9223372036854775808}\n{"q": "z" "a": "3"}\n')
-    with pytest.raises(ConfigError, match=r"nan_first.jsonl'?: line 3, column 11: not valid JSON \(Expecting ',' delimiter\)"):
-        build(data_cfg(nan_first, nan_first), tok)
-    lines_json = tmp_path / "lines.json"  # JSON Lines under .json (datasets reads both): pandas said "position 28"
-    lines_json.write_text('{"q": "x", "a": "1"}\n{"q": "y" "a": "2"}\n')
-    with pytest.raises(ConfigError, match=r"lines.json'?: line 2, column 11: not valid JSON \(Expecting ',' delimiter\)"):
-        build(data_cfg(lines_json, lines_json), tok)
+    refused(
+        "nan_first.jsonl",
+        '{"q": "x", "a": "1"}\n{"q": "y", "a": "2", "w": NaN, "n": 9223372036854775808}\n{"q": "z" "a": "3"}\n',
+        r"nan_first.jsonl'?: line 3, column 11: not valid JSON \(Expecting ',' delimiter\)",
+    )
+    # JSON Lines under .json (datasets reads both): pandas said "position 28"
+    refused(
+        "lines.json",
+        '{"q": "x", "a": "1"}\n{"q": "y" "a": "2"}\n',
+        r"lines.json'?: line 2, column 11: not valid JSON \(Expecting ',' delimiter\)",
+    )
     folder = tmp_path / "jdir"  # a directory of JSON Lines files: the message named neither file nor line
     folder.mkdir()
     (folder / "test.jsonl").write_text('{"q": "x", "a": "1"}\n')
