@@ -94,13 +94,14 @@ def run_pairs(name: str, args: argparse.Namespace, tmp: str) -> dict:
     work = WORKLOADS[name]
     model_dir, n_params = build_model(Path(tmp) / f"model-{work['size']}", work["size"])
     rows = prompt_rows(model_dir, 64, work["prompts"], args.warmup + args.steps)
-    spec = {"model_dir": model_dir, "tmp": tmp, "dataset": rows, "threads": None, "gradient_checkpointing": True, **work}
+    spec = {"model_dir": model_dir, "tmp": tmp, "dataset": rows, "threads": None, "gradient_checkpointing": True,
+            "precision": "float32", **work}
     trl = TRLProcess(args.trl_python, spec)
     bare = BareStep(model_dir, work, [text for text, _ in rows])
     pairs = []
     try:
         for i in range(args.warmup + args.steps):
-            (t_trl, _), parts, load = one_pair(i, trl, bare.step)  # both take the rows in order
+            (t_trl, _, _), parts, load = one_pair(i, trl, bare.step)  # both take the rows in order
             pairs.append({"trl": t_trl, "sample": parts[0], "update": parts[1], "load": load})
             bare_s = sum(parts)
             text = f"TRL {t_trl:.3f}s  bare {bare_s:.3f}s (sample {parts[0]:.3f}, update {parts[1]:.3f})  ratio {bare_s / t_trl:.2f}"
