@@ -1,11 +1,18 @@
-"""Float32 linear layers on an x86 CPU through oneDNN instead of torch's BLAS (MKL), forward and backward.
+"""Float32 linear layers on an x86 CPU through oneDNN instead of torch's BLAS (MKL), forward and backward, where
+oneDNN is the faster of the two.
 
-On this project's CPU machines (AMD EPYC, 2 cores) ``F.linear`` in float32 runs at ~160-190 GFLOP/s whatever the
-shape, while oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op Inductor's CPU backend emits) runs the
-same product at ~350-400 GFLOP/s (in the machine's slow stretches ~125-130 against ~175-190), to float32 rounding
-(relative difference ~1e-6): ``python benchmarks/cpu_linear.py`` measures both side by side. On small products
-oneDNN's per-call cost (~15-25 us) loses, so products under :data:`ONEDNN_MIN_MACS` multiply-accumulates keep
-``F.linear``.
+On AMD CPUs (the project's earlier machines: AMD EPYC, 2 cores) ``F.linear`` in float32 ran at ~160-190 GFLOP/s
+whatever the shape, while oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op Inductor's CPU backend
+emits) ran the same product at ~350-400 GFLOP/s, to float32 rounding (relative difference ~1e-6). On Intel CPUs MKL
+takes its own fast code paths: on a 2-core Intel Xeon (AMX) ``F.linear`` matched oneDNN on the W2 and W3 products
+(0.92-1.17x oneDNN's time) and beat it 1.4-2.8x on the tiny model's, so there products stay with ``F.linear``
+(:func:`onednn_beats_blas`), and a W1 training update took 0.024-0.026 s against oneDNN's 0.037-0.043 s.
+``python benchmarks/cpu_linear.py`` measures both side by side. On small products oneDNN's per-call cost (~15-25 us)
+loses everywhere, so products under :data:`ONEDNN_MIN_MACS` multiply-accumulates keep ``F.linear``.
+
+A weight packed once into oneDNN's layout for many products (:func:`prepacked`: the lean sampler's decode products)
+is the faster product on both vendors above :data:`PACK_MIN_MACS` (Intel, W2's decode: 0.77-0.98x ``F.linear``'s
+time), so packing does not depend on the vendor.
 
 The op has no autograd formula; :class:`OneDNNLinear` gives it one: the input gradient is one more oneDNN product, the
 weight gradient ``dy.T @ x`` goes to BLAS, which reads both transposed operands in place (oneDNN would first copy the
@@ -23,6 +30,8 @@ import platform
 import torch
 import torch.nn.functional as F
 
+from nemo_like.utils.cpus import cpuinfo_field
+
 ONEDNN_MIN_MACS = 1 << 21  # measured crossover: 64x128x256 (2.1M) breaks even, 8x128x256 (0.26M) loses 1.9x
 # Packing a weight (prepacked) costs ~125-210 us on small weights (360 us on W2's gate/up) and saves 0-6 us per
 # product up to 2^23 multiply-accumulates (64 rows x 128 -> 256 ... 1024: the tiny model's products; its sampling with
@@ -39,6 +48,19 @@ def onednn_linear_available() -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+#: CPU vendors (``vendor_id`` in ``/proc/cpuinfo``) on which MKL's float32 GEMM runs well below oneDNN's.
+SLOW_BLAS_VENDORS = frozenset({"AuthenticAMD"})
+
+
+@functools.cache
+def onednn_beats_blas() -> bool:
+    """Whether :func:`linear` sends larger unpacked float32 products to oneDNN on this machine: where oneDNN's op is
+    available and the CPU is one on which MKL runs its slower generic code (:data:`SLOW_BLAS_VENDORS`: AMD). Decided
+    by the vendor, not by timing both at start-up, so that a machine always computes with the same kernels (a timed
+    choice would flip between runs on a busy machine, and with it the last bits of every product)."""
+    return onednn_linear_available() and cpuinfo_field("vendor_id") in SLOW_BLAS_VENDORS
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -69,29 +91,37 @@ class OneDNNLinear(torch.autograd.Function):
 
 
 def _onednn_takes(macs: int, dtype: torch.dtype) -> bool:
-    """Whether oneDNN serves a CPU product of ``macs`` multiply-accumulates in ``dtype``: float32, no CPU autocast, at
-    least :data:`ONEDNN_MIN_MACS`, on a machine where it was measured to win."""
+    """Whether oneDNN can serve a CPU product of ``macs`` multiply-accumulates in ``dtype``: float32, no CPU autocast, at
+    least :data:`ONEDNN_MIN_MACS`, on an x86 machine with the op."""
     return macs >= ONEDNN_MIN_MACS and dtype == torch.float32 and not torch.is_autocast_enabled("cpu") and onednn_linear_available()
 
 
 def _onednn_serves(rows: int, weight: torch.Tensor) -> bool:
-    """Whether a product of ``rows`` rows with the plain float32 CPU ``weight`` goes to oneDNN (no CPU autocast). The
-    size test comes first: most products of a small model stop there, and :func:`linear` asks for every one."""
+    """Whether a product of ``rows`` rows with the plain (unpacked) float32 CPU ``weight`` goes to oneDNN (no CPU
+    autocast, :func:`onednn_beats_blas`). The size test comes first: most products of a small model stop there, and
+    :func:`linear` asks for every one."""
     macs = rows * weight.shape[0] * weight.shape[1]
-    return macs >= ONEDNN_MIN_MACS and type(weight) in _PLAIN and weight.device.type == "cpu" and _onednn_takes(macs, weight.dtype)
+    return (
+        macs >= ONEDNN_MIN_MACS
+        and type(weight) in _PLAIN
+        and weight.device.type == "cpu"
+        and _onednn_takes(macs, weight.dtype)
+        and onednn_beats_blas()
+    )
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` sends this product to oneDNN: plain (not DTensor) float32 CPU tensors, no CPU autocast,
-    and at least :data:`ONEDNN_MIN_MACS` multiply-accumulates."""
+    """Whether :func:`linear` sends this product with an unpacked weight to oneDNN: plain (not DTensor) float32 CPU
+    tensors, no CPU autocast, at least :data:`ONEDNN_MIN_MACS` multiply-accumulates, on a machine where oneDNN beats
+    torch's BLAS (:func:`onednn_beats_blas`)."""
     rows = x.numel() // max(x.shape[-1], 1)
     return _onednn_serves(rows, weight) and type(x) in _PLAIN and x.device.type == "cpu" and x.dtype == torch.float32
 
 
 def packs(rows: int, out_features: int, in_features: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether :func:`prepacked` packs a plain CPU weight ``[out_features, in_features]`` of ``dtype`` for products of
-    ``rows`` rows (more than :data:`PACK_MIN_MACS` multiply-accumulates, on a product :func:`linear` sends to oneDNN);
-    the memory planner asks it too: a packed weight is a second copy of it for the call."""
+    ``rows`` rows (more than :data:`PACK_MIN_MACS` multiply-accumulates, in float32 outside autocast, on an x86 machine
+    with oneDNN's op: on either vendor, see the module docstring); the memory planner asks it too: a packed weight is a second copy of it for the call."""
     macs = rows * out_features * in_features
     return macs > PACK_MIN_MACS and _onednn_takes(macs, dtype)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 #: scope or ``docker --cgroupns=host``, its quota is set on that cgroup, not at the top).
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 SELF_CGROUP = Path("/proc/self/cgroup")
+CPUINFO = Path("/proc/cpuinfo")
 
 
 def cgroup_cpu_limit(root: Path | None = None) -> int | None:
@@ -83,3 +84,17 @@ def local_cores() -> int:
         cores = os.cpu_count() or 1
     limit = cgroup_cpu_limit()
     return max(1, min(cores, limit) if limit is not None else cores)
+
+
+def cpuinfo_field(name: str, cpuinfo: Path = CPUINFO) -> str | None:
+    """The first ``name`` line's value in ``/proc/cpuinfo`` (``"model name"``, ``"vendor_id"``); ``None`` where there is
+    no such file (not Linux) or no such line."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None

@@ -160,9 +160,9 @@ def flops_metrics(metrics: Mapping[str, float], spec: FlopsSpec) -> dict[str, fl
 
 def measure_matmul_flops(dtype: str = "float32", size: int = PROBE_SIZE, seconds: float = 0.5, threads: int | None = None) -> float:
     """Best FLOP/s of ``size x size`` matmuls in ``dtype`` over about ``seconds`` (``threads``: torch threads, default
-    all cores), through :func:`~nemo_like.utils.cpu_linear.linear`: the GEMM our passes run (oneDNN for float32 on an
-    x86 CPU: 1.1-2x torch's BLAS on the machines measured, docs/guides/performance.md), so a floor or an MFU is measured
-    against what the code can reach."""
+    all cores), through :func:`~nemo_like.utils.cpu_linear.linear`: the GEMM our passes run (for float32 oneDNN on an AMD CPU, 1.1-2x
+    torch's BLAS there; torch's BLAS elsewhere: :func:`~nemo_like.utils.cpu_linear.onednn_beats_blas`), so a floor or
+    an MFU is measured against what the code can reach."""
     import torch
 
     from nemo_like.utils.cpu_linear import linear
@@ -187,17 +187,11 @@ def cpu_key(dtype: str) -> str:
     """Cache key of a CPU probe: CPU model, cores, torch version and dtype."""
     import torch
 
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    from nemo_like.utils.cpu_linear import onednn_linear_available
+    from nemo_like.utils.cpu_linear import onednn_beats_blas
+    from nemo_like.utils.cpus import cpuinfo_field
 
-    gemm = "onednn" if dtype == "float32" and onednn_linear_available() else "blas"  # probes before oneDNN: BLAS only
+    model = cpuinfo_field("model name") or platform.processor() or platform.machine()
+    gemm = "onednn" if dtype == "float32" and onednn_beats_blas() else "blas"  # the GEMM linear() runs a square product on
     return f"{model}|{local_cores()} cores|torch {torch.__version__}|{dtype}|{gemm}"
 
 

@@ -11,8 +11,8 @@ Two step functions share one loop (:func:`sample`):
   the transformer's math written out on the model's own parameters, with the query/key/value and the
   gate/up projections fused into one matmul each (fused copies are built once per call), a preallocated KV
   cache, and the model's own rotary embedding module (so every RoPE scaling variant is the model's); on an x86 CPU
-  its larger float32 matmuls run through oneDNN (:mod:`~nemo_like.utils.cpu_linear`, 1.3-2x torch's BLAS there), on
-  weights packed once per call into oneDNN's layout;
+  its larger float32 matmuls run through oneDNN on weights packed once per call into oneDNN's layout
+  (:mod:`~nemo_like.utils.cpu_linear`: faster than torch's BLAS there on AMD and Intel CPUs alike);
 * :class:`HFModelStep` for anything else: the model's forward with a transformers ``DynamicCache``.
 
 ``tests/unit/models/test_lean_decoder.py`` checks the fused step's logits against the model's own forward,

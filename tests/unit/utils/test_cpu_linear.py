@@ -18,6 +18,49 @@ from nemo_like.utils.cpu_linear import ONEDNN_MIN_MACS, linear, onednn_linear_av
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN's linear op is used on x86-64 only")
 
 
+@pytest.fixture(autouse=True)
+def onednn_as_on_amd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here routes products as an AMD machine does (oneDNN for larger unpacked products), whatever vendor
+    runs the suite; :func:`test_the_vendor_decides_where_unpacked_products_go` checks the vendor rule itself."""
+    monkeypatch.setattr(cpu_linear, "onednn_beats_blas", onednn_linear_available)
+
+
+@needs_onednn
+def test_the_vendor_decides_where_unpacked_products_go(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """AMD: larger unpacked float32 products through oneDNN; Intel (MKL's own fast paths) and an unknown vendor:
+    ``F.linear``, bitwise. Packing (the sampler's decode weights) is the same on both."""
+    from nemo_like.utils import cpus
+
+    monkeypatch.undo()  # the real rule, not the fixture's
+    x, weight = torch.randn(64, 384), torch.randn(3584, 384)
+    for vendor, onednn in (("AuthenticAMD", True), ("GenuineIntel", False), (None, False)):
+        cpuinfo = tmp_path / f"cpuinfo-{vendor}"
+        cpuinfo.write_text("processor\t: 0\n" + (f"vendor_id\t: {vendor}\n" if vendor else "") + "model name\t: some CPU\n")
+        monkeypatch.setattr(cpus, "CPUINFO", cpuinfo)
+        monkeypatch.setattr(cpu_linear, "cpuinfo_field", lambda name, path=cpuinfo: cpus.cpuinfo_field(name, path))
+        cpu_linear.onednn_beats_blas.cache_clear()
+        try:
+            assert cpu_linear.onednn_beats_blas() is onednn, vendor
+            assert uses_onednn(x, weight) is onednn
+            with torch.no_grad():
+                if not onednn:
+                    assert torch.equal(linear(x, weight), F.linear(x, weight))
+                assert prepacked(weight, 64).is_mkldnn  # packing pays on both vendors
+        finally:
+            cpu_linear.onednn_beats_blas.cache_clear()
+
+
+def test_cpuinfo_field_reads_the_first_matching_line(tmp_path) -> None:
+    from nemo_like.utils.cpus import cpuinfo_field
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon: fast\n\nprocessor\t: 1\nvendor_id\t: X\n")
+    assert cpuinfo_field("vendor_id", cpuinfo) == "GenuineIntel"
+    assert cpuinfo_field("model name", cpuinfo) == "Xeon: fast"  # a colon in the value stays
+    assert cpuinfo_field("model", cpuinfo) is None  # a whole key, not a prefix of one
+    assert cpuinfo_field("vendor_id", tmp_path / "missing") is None
+
+
 @needs_onednn
 @pytest.mark.parametrize("shape", [(64, 384, 3584), (3, 50, 128, 512), (1344, 1792, 384)], ids=["decode", "3d", "prefill"])
 @pytest.mark.parametrize("with_bias", [False, True])
