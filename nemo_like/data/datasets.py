@@ -405,6 +405,48 @@ def _json_kwargs(files: list[Path]) -> dict[str, Any]:
     return {"chunksize": min(max(10 << 20, max(f.stat().st_size for f in files) + 1), WHOLE_JSON_CHUNK_MAX)}
 
 
+def _raw_json_rows(file: Path) -> list[dict[str, Any]] | None:
+    """The rows of a plain (uncompressed) JSON or JSON Lines file as Python's ``json`` reads them: a top-level list of
+    objects, or one object a line; ``None`` for any other shape (read as ``datasets`` reads it, not re-read)."""
+    text = file.read_text(encoding="utf-8-sig")
+    try:
+        whole = json.loads(text)
+        rows = whole if isinstance(whole, list) else None
+    except json.JSONDecodeError:
+        try:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError:
+            return None
+    return rows if rows is not None and all(isinstance(r, dict) for r in rows) else None
+
+
+def json_typed_columns_as_written(ds: Any, source: Source, names: list[str]) -> dict[str, list[Any]]:
+    """The values of ``names``' columns that ``datasets`` typed ``Json`` (a column mixing numbers and text in a JSON
+    file), re-read from the file as written. ``datasets`` stores a text cell of such a column as it is when it parses
+    as JSON, and gives it back parsed: the answer ``"007"`` came back as ``7``, ``"1.50"`` as ``1.5``, ``"true"`` as
+    ``True`` (then refused as not text), ``"[1, 2]"`` as a list. Re-read for a local source of one plain JSON / JSON
+    Lines file (a file, or a directory holding one) whose rows are the loaded set's, in order; ``{}`` otherwise
+    (no such column, or a source this cannot re-read: its values stay as ``datasets`` gives them)."""
+    import datasets
+
+    typed = [name for name in names if isinstance(ds.features.get(name), datasets.Json)]
+    if not typed or source.data_path is None or source.config:
+        return {}
+    path = Path(source.data_path)
+    files = [path] if path.is_file() else [] if _saved_dataset(path) else directory_data_files(path)
+    if len(files) != 1 or FILE_BUILDERS.get(data_suffix(files[0])) != "json" or data_suffix(files[0]) != files[0].suffix.lower():
+        return {}
+    rows = _raw_json_rows(files[0])
+    if rows is None or len(rows) != len(ds):
+        return {}
+    return {name: [row.get(name) for row in rows] for name in typed}
+
+
+def _saved_dataset(path: Path) -> bool:
+    """Whether directory ``path`` holds a ``save_to_disk`` dataset (or dataset dict)."""
+    return any((path / name).is_file() for name in ("dataset_info.json", "dataset_dict.json", "state.json"))
+
+
 def _is_offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in {"1", "true", "yes", "on"} for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
@@ -417,8 +459,7 @@ def _load_local(source: Source, key: str):
         raise ConfigError(f"{key}: {str(path)!r} does not exist (relative paths are resolved from the working directory {os.getcwd()})")
     try:
         if path.is_dir():
-            saved = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-            if saved:
+            if _saved_dataset(path):
                 if source.config:
                     warnings.warn(
                         f"data.{source.role}.dataset_config={source.config!r} has no effect: {str(path)!r} is a save_to_disk "
@@ -702,7 +743,9 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
     columns = resolve_columns(data, source, list(ds.column_names))
     if len(ds) == 0:
         raise ConfigError(f"{source.label} has no rows; data.{role} needs at least one prompt")
-    prompts = _decoded(lambda: list(ds[columns.prompt]), source, role)
+    needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
+    as_written = json_typed_columns_as_written(ds, source, needed)
+    prompts = as_written.get(columns.prompt) or _decoded(lambda: list(ds[columns.prompt]), source, role)
     # data.shuffle=false trains in file order (a curriculum); validation's selection stays seeded.
     rows = select_rows(prompts, role, split_cfg, data.validation.split_fraction, shuffle=data.shuffle or role != "train")
     if not rows:
@@ -712,9 +755,9 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
     spec, task_default = source.spec, data.default_task_name or (source.spec.task_name if source.spec else DEFAULT_TASK)
     # The spec's extraction (GSM8K's '####') is for its own answer column; an explicit data.answer_key elsewhere wins.
     transform = spec.answer_transform if spec and columns.answer == spec.answer_key else None
-    needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
     problems, dropped = [], set()
     for i, row in zip(rows, _decoded(lambda: ds.select_columns(needed).select(rows).to_list(), source, role)):
+        row.update({name: values[i] for name, values in as_written.items()})
         where = f"row {i + 1} of {source.label}"  # data rows counted from 1 (a CSV header and blank lines are not rows)
         if isinstance(row[columns.prompt], list):
             dropped |= dropped_message_keys(row[columns.prompt])

@@ -998,3 +998,20 @@ def test_a_prompt_holding_text_the_chat_template_rendered_is_refused_naming_the_
     with pytest.raises(ConfigError, match=r"special token '<\|im_end\|>' in its system message"):
         build(system, tok)
     assert len(build(data_cfg(tmp_path / "plain.jsonl", tmp_path / "plain.jsonl"), tok)) == 2  # plain text passes
+
+
+def test_a_column_mixing_numbers_and_text_keeps_each_text_as_written(tmp_path, tok):
+    """``datasets`` types a JSON column of numbers and text ``Json`` and gives back a text cell that parses as JSON
+    parsed: ``"007"`` came back as 7, ``"1.50"`` as 1.5, ``"true"`` as True (then refused), ``"[1, 2]"`` as a list; the
+    columns a run reads are re-read as written (a JSON Lines file, a directory of one, a JSON array)."""
+    answers = [7, "007", "1.50", "true", "[1, 2]", "\\frac{1}{2}", 2.5]
+    items = [{"q": f"Question {i}?", "a": a} for i, a in enumerate(answers)]
+    items.append({"q": "123", "a": "x"})  # a text prompt that parses as JSON ...
+    items.append({"q": [{"role": "user", "content": "Chat?"}], "a": "y"})  # ... in a column mixing text and chats
+    expected = {f"Question {i}?": a if isinstance(a, str) else str(a) for i, a in enumerate(answers)} | {"123": "x", "Chat?": "y"}
+    (tmp_path / "one").mkdir()
+    (tmp_path / "array.json").write_text(json.dumps(items))
+    for path in (write_jsonl(tmp_path / "rows.jsonl", items), write_jsonl(tmp_path / "one" / "rows.jsonl", items), tmp_path / "array.json"):
+        records = [*build(data_cfg(path, path), tok), *build(data_cfg(path, path), tok, "validation")]
+        got = {r.metadata["prompt"]: r.metadata["answer"] for r in records}
+        assert got == expected, path
