@@ -50,7 +50,8 @@ def refuse_replacing_a_model_eval_did_not_merge(out: Path) -> None:
         last = json.loads((out / "summary.json").read_text()).get("model_dir")
     except (OSError, ValueError, AttributeError):
         last = None
-    if last != str(merged):
+    # resolved: the last eval may have spelled the directory otherwise (relative, ./out, through a link)
+    if not isinstance(last, str) or Path(last).expanduser().resolve() != merged.resolve():
         raise ConfigError(
             f"eval.output_dir: {merged} holds a model eval did not merge there (the last eval's summary.json does not name "
             "it); choose another eval.output_dir or move it"
@@ -225,7 +226,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         warnings.warn(trimming, RuntimeWarning, stacklevel=2)
     prompts = load_validation_prompts(cfg, tokenizer)
     check_environments(specs, {"validation": prompts})
-    out = Path(ev.output_dir)
+    out = Path(ev.output_dir).expanduser()  # as training's log and checkpoint directories (a literal ./~ otherwise)
     if checkpoint_dir is not None:  # output_dir at a checkpoint step: its config.yaml (what a resume reads) was replaced
         refuse_results_over_model(out, Path(checkpoint_dir))
     if lora_base is not None:  # the merged model replaces output_dir/merged_model: never the adapters or their base
@@ -239,7 +240,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)
         if lora_base is not None:  # a LoRA checkpoint: serve its merged model
             tokenizer_name = cfg.policy.tokenizer_name or cfg.policy.model_name
-            model_dir = str(merge_checkpoint(model_dir, out / "merged_model", tokenizer=tokenizer_name, replace=True))
+            merged = merge_checkpoint(model_dir, out / "merged_model", tokenizer=tokenizer_name, replace=True)
+            model_dir = str(Path(merged).absolute())  # summary.json names it whatever directory the next eval runs from
         run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
 
         import ray

@@ -294,7 +294,7 @@ def test_eval_results_replace_an_earlier_evals_whole_and_the_output_dir_may_hold
             refuse_results_over_model(out, step / "policy")
 
 
-def test_a_merged_model_eval_did_not_merge_is_refused_not_replaced(tmp_path, capsys) -> None:
+def test_a_merged_model_eval_did_not_merge_is_refused_not_replaced(tmp_path, capsys, monkeypatch) -> None:
     """A LoRA eval replaced output_dir/merged_model whatever it held: a model the user merged there (`nemo-like merge
     --out merged_model`, as lora.md shows) and their notes were deleted. The last eval's own merge is replaced."""
     from nemo_like.cli import main
@@ -309,8 +309,23 @@ def test_a_merged_model_eval_did_not_merge_is_refused_not_replaced(tmp_path, cap
     assert main(["eval", f"eval.model_path={adapters}", f"eval.output_dir={out}"]) == 2
     assert "holds a model eval did not merge there" in capsys.readouterr().err
     assert (out / "merged_model" / "NOTES.txt").read_text() == "my step-1 merge"
+    # ~ is the home directory, as in training's directories (eval wrote a literal ./~/out and never saw this model)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "step_2")
+    assert main(["eval", f"eval.model_path={adapters}", "eval.output_dir='~/out'"]) == 2
+    assert f"{out / 'merged_model'} holds a model eval did not merge there" in capsys.readouterr().err
+    assert not (tmp_path / "step_2" / "~").exists()
     (out / "summary.json").write_text(json.dumps({"model_dir": str(tmp_path / "elsewhere")}))
     with pytest.raises(ConfigError, match="holds a model eval did not merge there"):
         refuse_replacing_a_model_eval_did_not_merge(out)
     (out / "summary.json").write_text(json.dumps({"model_dir": str(out / "merged_model")}))  # the last eval merged it
     refuse_replacing_a_model_eval_did_not_merge(out)
+    # however either eval spelled the directory: relative to the working directory, with ./, through a link
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link").symlink_to(out)
+    for written, spelled in [("out/merged_model", out), (str(out / "merged_model"), Path("./out")), ("link/merged_model", Path("out"))]:
+        (out / "summary.json").write_text(json.dumps({"model_dir": written}))
+        refuse_replacing_a_model_eval_did_not_merge(spelled)
+    (out / "summary.json").write_text(json.dumps({"model_dir": ["not", "a", "path"]}))
+    with pytest.raises(ConfigError, match="holds a model eval did not merge there"):
+        refuse_replacing_a_model_eval_did_not_merge(out)
