@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -19,7 +20,8 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse as StarletteJSON
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,6 +31,49 @@ from nemo_like.serving.responses import chat_response, completion_response, mode
 from nemo_like.serving.service import CompletionService
 
 log = logging.getLogger("nemo_like.serving")
+
+
+class JSONResponse(StarletteJSON):
+    """A JSON answer that can echo any string the client sent. Text with a lone UTF-16 surrogate is valid JSON
+    (``"\\ud800"``: a client that cut a string inside an emoji) but cannot be UTF-8 encoded, so such an answer is
+    written with ASCII escapes instead: it was a 500 (an unknown model's name in the message, a session id), after
+    the call had taken effect (a session opened, a call recorded)."""
+
+    def render(self, content: Any) -> bytes:  # noqa: D102
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+class AnswerFailures:
+    """ASGI middleware: an unexpected error in a route becomes a 500 ``server_error`` answer here, the connection kept.
+    Starlette's catch-all (where an ``Exception`` handler runs) answers, then re-raises, and uvicorn closes the
+    connection: a client's next call on that keep-alive connection could be reset (the shipped agent does not retry)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:  # part of an answer is out: nothing to do but end the connection
+                raise
+            log.exception("rollout server: %s %s failed", scope.get("method"), scope.get("path"))
+            body = error_body(f"The server failed on this request: {type(exc).__name__}: {exc}", "server_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send)
+
 
 SESSION_HEADER = "X-Session-Id"
 #: What a call whose client left answers (nginx's "client closed request"): nobody reads it; uvicorn drops it.
@@ -134,11 +179,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def client_left(request: Request, exc: ClientLeft) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("rollout server: %s %s failed", request.method, request.url.path)
-        return JSONResponse(error_body(f"The server failed on this request: {type(exc).__name__}: {exc}", "server_error"), 500)
-
 
 class RequireKey:
     """ASGI middleware: answer 401 unless ``Authorization: Bearer <key>`` matches (constant-time), before any route
@@ -163,8 +203,9 @@ def create_app(service: CompletionService, api_key: str) -> FastAPI:
     """The server's ASGI app over ``service``; every route requires ``api_key``."""
     if not api_key:
         raise ValueError("the rollout server needs a non-empty API key")
-    app = FastAPI(title="nemo_like rollout server", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="nemo_like rollout server", docs_url=None, redoc_url=None, openapi_url=None, default_response_class=JSONResponse)
     _install_error_handlers(app)
+    app.add_middleware(AnswerFailures)  # inside the key check: an unauthorised call never reaches a route
     app.add_middleware(RequireKey, api_key=api_key)
     created = int(time.time())
     sessions = service.sessions

@@ -110,3 +110,66 @@ def test_a_call_given_up_while_it_waits_is_never_sampled(served) -> None:
     assert engine.calls == calls + 1  # the first call only
     result = server.sessions.end(waiting, 0.0)
     assert result.rows == [] and result.abandoned_calls == 1
+
+
+def raw_calls(server: RolloutServer, bodies: list[bytes], path: str = "/v1/chat/completions") -> list[bytes]:
+    """POST each body in turn on ONE keep-alive connection; each answer's bytes (b"" once the server closed it)."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(server.base_url)
+    answers = []
+    with socket.create_connection((url.hostname, url.port), timeout=20) as sock:
+        reader = sock.makefile("rb")
+        for body in bodies:
+            head = (
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            try:
+                sock.sendall(head.encode() + body)
+                status = reader.readline()
+                headers = {}
+                while (line := reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.decode().partition(":")
+                    headers[name.strip().lower()] = value.strip()
+                answers.append(status + reader.read(int(headers.get("content-length", 0))) if status else b"")
+            except (ConnectionError, OSError):
+                answers.append(b"")
+    return answers
+
+
+def test_a_500_keeps_the_connection_and_echoed_text_with_a_lone_surrogate_is_answered(served, monkeypatch) -> None:
+    """An unexpected error was answered 500 by Starlette's catch-all, which then re-raised: uvicorn closed the
+    connection, and the client's next call on it could be reset. A lone UTF-16 surrogate (valid JSON: a client that
+    cut a string inside an emoji) in a string the answer echoes could not be UTF-8 encoded: a 500, after the call had
+    taken effect."""
+    import json
+
+    import httpx
+
+    server, engine = served
+    engine.gate.set()
+    ok = json.dumps({"model": "policy", "messages": USER, "max_tokens": 2}).encode()
+    real_chat = server.service.chat
+    calls = {"n": 0}
+
+    def failing_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("an engine bug")
+        return real_chat(*args, **kwargs)
+
+    monkeypatch.setattr(server.service, "chat", failing_once)
+    failed, after = raw_calls(server, [ok, ok])
+    assert failed.startswith(b"HTTP/1.1 500") and b'"type":"server_error"' in failed and b"an engine bug" in failed
+    assert after.startswith(b"HTTP/1.1 200"), after  # the same connection answered the next call
+    monkeypatch.setattr(server.service, "chat", real_chat)
+
+    headers = {"Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=20) as http:
+        unknown = http.post("/chat/completions", content=b'{"model": "x\\ud800", "messages": [{"role": "user", "content": "hi"}]}')
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        opened = http.post("/sessions", content=b'{"session_id": "s\\ud800"}')
+        assert opened.status_code == 200 and opened.json()["id"] == "s\ud800"
+        assert server.sessions.end("s\ud800", reward=0.0).num_calls == 0
