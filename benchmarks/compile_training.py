@@ -50,10 +50,9 @@ def time_updates(model: torch.nn.Module, ids: torch.Tensor, micro: int, steps: i
     return times[0], times[1:]
 
 
-def time_policy_worker(model_dir: str, ids: torch.Tensor, steps: int, threads: int, shared_prompt_forward: bool) -> float:
-    """Median seconds of our own update of ``ids`` (:class:`PolicyWorker` in-process, the default recipe's loss and
-    optimizer settings, micro-batches of 32, the responses being the last 64 tokens), with the shared-prompt forward
-    or the model's own."""
+def policy_worker_and_batch(model_dir: str, ids: torch.Tensor, threads: int, shared_prompt_forward: bool, responses: int = 64):
+    """Our :class:`PolicyWorker` in-process, built as a run builds it (the default recipe's loss and optimizer settings,
+    micro-batches of 32), and a training batch of ``ids`` whose last ``responses`` tokens are the responses."""
     from recipe_runs import quiet_config
 
     from nemo_like.algorithms.loss_functions import ClippedPGLossFn
@@ -67,7 +66,7 @@ def time_policy_worker(model_dir: str, ids: torch.Tensor, steps: int, threads: i
     cfg = quiet_config(tempfile.gettempdir(), overrides)
     worker = PolicyWorker(0, 1, PolicyWorkerSpec.from_config(cfg, True, ClippedPGLossFn(cfg.loss_fn), threads))  # as a run builds it
     token_mask = torch.zeros(ids.shape)
-    token_mask[:, -64:] = 1
+    token_mask[:, -responses:] = 1
     batch = {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
@@ -78,6 +77,13 @@ def time_policy_worker(model_dir: str, ids: torch.Tensor, steps: int, threads: i
         "global_valid_toks": token_mask.sum(),
         "global_valid_seqs": torch.tensor(float(ids.shape[0])),
     }
+    return worker, batch
+
+
+def time_policy_worker(model_dir: str, ids: torch.Tensor, steps: int, threads: int, shared_prompt_forward: bool) -> float:
+    """Median seconds of our own update of ``ids`` (:func:`policy_worker_and_batch`, the responses being the last 64
+    tokens), with the shared-prompt forward or the model's own."""
+    worker, batch = policy_worker_and_batch(model_dir, ids, threads, shared_prompt_forward)
     times = []
     for _ in range(steps + 1):
         start = time.perf_counter()

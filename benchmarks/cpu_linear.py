@@ -3,6 +3,7 @@
 same inputs, alternating, side by side in one run.
 
 Usage: python benchmarks/cpu_linear.py [--threads 2] [--repeats 7]   (about 3 minutes on a 2-core machine)
+       python benchmarks/cpu_linear.py --updates [--repeats 7]       (whole training updates, about 1 minute)
 
 Shapes ``M x K -> N``: the decode and prefill products of the vs-TRL W2 model (10M, hidden 384, 64 rows), W3's decode
 products (35M, hidden 768), those of the tiny recipe's model (hidden 128) and of W1 (8 rows), and a 1024^3 square.
@@ -10,6 +11,12 @@ Prints each side's median microseconds and GFLOP/s, oneDNN's time on a weight pa
 (:func:`~nemo_like.utils.cpu_linear.prepacked`, what the lean decoder's decode products use), the ratio (oneDNN /
 F.linear time, unpacked) and whether :func:`~nemo_like.utils.cpu_linear.uses_onednn` takes oneDNN for that product
 under ``torch.no_grad()`` (its threshold: ``ONEDNN_MIN_MACS``).
+
+``--updates`` times whole training updates instead: our ``PolicyWorker.train`` in-process (the default recipe's loss
+and optimizer; ``benchmarks/compile_training.py`` builds it) on the W1 and W2 batches of ``benchmarks/vs_trl.py``
+(1 prompt x 8 completions x 16 tokens; 8 x 8 x 64), update by update alternating between the two routes of an
+unpacked product (:func:`~nemo_like.utils.cpu_linear.onednn_beats_blas` forced true, then false), one warm-up
+update each, and prints each route's median and their ratio (oneDNN / F.linear): what the vendor rule chooses between.
 
 A second table times the weight gradient ``dy.T @ x`` of training's products (``M`` = tokens of a W2 / W3 training
 forward): through oneDNN on the transposed operands (which it first copies into its own layout) against BLAS's
@@ -68,14 +75,57 @@ def seconds_per_call(fn, budget_s: float = 0.2) -> float:
     return statistics.median(times)
 
 
+def time_updates(threads: int, repeats: int) -> None:
+    """``--updates``: W1- and W2-sized training updates, unpacked products through oneDNN against F.linear, alternating."""
+    import tempfile
+    from pathlib import Path
+
+    from compile_training import policy_worker_and_batch
+    from transformers import AutoConfig
+    from vs_trl import WORKLOADS, build_model
+
+    from nemo_like.utils import cpu_linear
+    from nemo_like.utils.cpus import cpuinfo_field
+
+    print(f"{threads} threads, {repeats} updates each way, alternating; this CPU: {cpuinfo_field('vendor_id')}, "
+          f"the rule takes {'oneDNN' if cpu_linear.onednn_beats_blas() else 'F.linear'}")  # fmt: skip
+    print(f"{'workload':9s} {'oneDNN s':>9s} {'F.linear s':>11s} {'oneDNN / F.linear':>18s}")
+    for name in ("W1", "W2"):
+        work = WORKLOADS[name]
+        with tempfile.TemporaryDirectory(prefix="cpu_linear_") as tmp:
+            model_dir, _ = build_model(Path(tmp) / "model", work["size"])
+            vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+            torch.manual_seed(0)
+            prompts = torch.randint(0, vocab - 1, (work["prompts"], 21)).repeat_interleave(work["generations"], dim=0)
+            ids = torch.cat([prompts, torch.randint(0, vocab - 1, (prompts.shape[0], work["new_tokens"]))], dim=1)
+            worker, batch = policy_worker_and_batch(model_dir, ids, threads, True, work["new_tokens"])
+            times: dict[bool, list[float]] = {True: [], False: []}
+            rule = cpu_linear.onednn_beats_blas
+            try:
+                for i in range(2 * (repeats + 1)):
+                    onednn = i % 2 == 0
+                    cpu_linear.onednn_beats_blas = functools.partial(bool, onednn)
+                    start = time.perf_counter()
+                    worker.train([batch])
+                    times[onednn].append(time.perf_counter() - start)
+            finally:
+                cpu_linear.onednn_beats_blas = rule
+            o, b = statistics.median(times[True][1:]), statistics.median(times[False][1:])
+            print(f"{name:9s} {o:9.4f} {b:11.4f} {o / b:18.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--updates", action="store_true", help="time whole training updates both ways instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not onednn_linear_available():
         raise SystemExit("oneDNN's linear op is not used on this machine (x86-64 with a oneDNN torch build only)")
+    if args.updates:
+        time_updates(args.threads, args.repeats)
+        return
     print(f"{args.threads} threads, median of {args.repeats} alternating rounds")
     print(
         f"{'product':22s} {'M x K -> N':>18s} {'F.linear us':>12s} {'oneDNN us':>10s} {'packed us':>10s} {'GFLOP/s':>17s} "

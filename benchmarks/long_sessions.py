@@ -51,7 +51,9 @@ class AnswersAtOnce:
 
 def normalize_every_message(self: Continuations, messages, normalize) -> list[dict]:
     """The server before it kept a session's normalised messages: every message, every call."""
-    return [normalize(message, index)[0] for index, message in enumerate(messages)]
+    messages = list(messages)
+    digests = Continuations._digests(messages, [""], 0)  # every history digest from scratch too
+    return [normalize(message, index, digests[index])[0] for index, message in enumerate(messages)]
 
 
 def one_session(server: RolloutServer, client: StdlibClient, turns: int, seed: int) -> list[float]:

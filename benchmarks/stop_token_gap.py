@@ -29,7 +29,7 @@ def main(names: list[str]) -> None:
             work = vs_trl.WORKLOADS[name]
             directory, params = vs_trl.build_model(Path(tmp) / name, work["size"])
             model, tok = AutoModelForCausalLM.from_pretrained(directory).eval(), vs_trl.tokenizer(directory)
-            prompt = torch.tensor([tok(vs_trl.prompt_rows(directory, 1)[0][0], add_special_tokens=False)["input_ids"]])
+            prompt = torch.tensor([tok(vs_trl.prompt_rows(directory, 1, 1, 1)[0][0], add_special_tokens=False)["input_ids"]])
             torch.manual_seed(0)
             out = model.generate(prompt, do_sample=True, temperature=1.0, max_new_tokens=work["new_tokens"], top_k=0, top_p=1.0)
             with torch.no_grad():

@@ -335,6 +335,22 @@ class OurRun:
         self.parts.shutdown()
 
 
+def trl_spec(
+    model_dir: str, tmp: str, rows: list, work: dict, threads: int | None, gradient_checkpointing: bool, precision: str
+) -> dict[str, Any]:
+    """What :func:`trl_worker` reads: the model, a scratch folder, the prompt rows in order, the workload and TRL's
+    settings (torch threads, None: torch's default; gradient checkpointing; precision)."""
+    return {
+        "model_dir": model_dir,
+        "tmp": tmp,
+        "dataset": rows,
+        "threads": threads,
+        "gradient_checkpointing": gradient_checkpointing,
+        "precision": precision,
+        **work,
+    }
+
+
 def load1() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
@@ -361,15 +377,7 @@ def run_pairs(name: str, work: dict, backend: str, args, tmp: str, model_dir: st
     """Alternate TRL and our steps on one workload; returns the figures."""
     from nemo_like.utils.flops import measure_matmul_flops
 
-    spec = {
-        "model_dir": model_dir,
-        "tmp": tmp,
-        "dataset": rows,
-        "threads": args.trl_threads,
-        "gradient_checkpointing": not args.trl_no_gradient_checkpointing,
-        "precision": args.precision,
-        **work,
-    }
+    spec = trl_spec(model_dir, tmp, rows, work, args.trl_threads, not args.trl_no_gradient_checkpointing, args.precision)
     trl = TRLProcess(args.trl_python, spec)
     ours = OurRun(model_dir, work, backend, f"{tmp}/ours-{name}-{backend}", [f"policy.precision={args.precision}", *args.ours])
     pairs, probes = [], []

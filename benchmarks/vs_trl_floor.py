@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from vs_trl import PROMPT_BUDGET, WORKLOADS, TRLProcess, build_model, one_pair, print_pair, prompt_rows, tokenizer
+from vs_trl import PROMPT_BUDGET, WORKLOADS, TRLProcess, build_model, one_pair, print_pair, prompt_rows, tokenizer, trl_spec
 
 from nemo_like.models.generation.lean_decoder import sample
 from nemo_like.models.processed_logprobs import SamplingDistribution
@@ -94,9 +94,7 @@ def run_pairs(name: str, args: argparse.Namespace, tmp: str) -> dict:
     work = WORKLOADS[name]
     model_dir, n_params = build_model(Path(tmp) / f"model-{work['size']}", work["size"])
     rows = prompt_rows(model_dir, 64, work["prompts"], args.warmup + args.steps)
-    spec = {"model_dir": model_dir, "tmp": tmp, "dataset": rows, "threads": None, "gradient_checkpointing": True,
-            "precision": "float32", **work}
-    trl = TRLProcess(args.trl_python, spec)
+    trl = TRLProcess(args.trl_python, trl_spec(model_dir, tmp, rows, work, None, True, "float32"))
     bare = BareStep(model_dir, work, [text for text, _ in rows])
     pairs = []
     try:
