@@ -207,6 +207,26 @@ def test_save_before_auto_reads_slurm_end_time_and_stops_in_time(ray_cluster, tm
     print(f"save_before: step_{steps[-1]} saved {margin:.1f}s before the deadline")
     assert margin > 0  # saved before the deadline
 
+    # A stop with checkpointing off saves nothing, so nothing can resume: the dashboards record a failure. (A deadline
+    # without checkpoints is refused at start; a signal is what stops such a run: asked here as its handler asks.)
+    from nemo_like.utils import run_control
+
+    started = run_control.RunControl.step_started
+
+    def signalled_in_step_2(self, step: int) -> None:
+        started(self, step)
+        if step == 2:
+            self.requested = run_control.StopReason("SIGTERM", 143)
+
+    monkeypatch.delenv("SLURM_JOB_END_TIME")
+    monkeypatch.setattr(run_control.RunControl, "step_started", signalled_in_step_2)
+    unsaved = tiny_config(tmp_path / "unsaved", "grpo.max_num_steps=5", *FAST, "logger.tensorboard_enabled=true")
+    with pytest.raises(RunInterrupted) as stopped:
+        train(unsaved)
+    assert (stopped.value.code, stopped.value.step, stopped.value.checkpoint) == (143, 2, None)
+    assert [r["step"] for r in read_metrics(tmp_path / "unsaved" / "logs")] == [1, 2]  # the step in progress finished
+    assert tensorboard_session_status(tmp_path / "unsaved" / "logs") == "STATUS_FAILURE"
+
 
 STALL = "cluster.fault_tolerance.stall_timeout_s=4"
 ABORTED = "nemo-like: error: the run stalled and was aborted (cluster.fault_tolerance.on_stall=abort)"
