@@ -413,23 +413,23 @@ def _raw_json_rows(file: Path) -> list[dict[str, Any]] | None:
         whole = json.loads(text)
         rows = whole if isinstance(whole, list) else None
     except json.JSONDecodeError:
-        try:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        try:  # lines end at "\n" only: JSON strings may hold U+2028, U+2029 and U+0085 raw, which splitlines() splits at
+            rows = [json.loads(line) for line in text.split("\n") if line.strip()]
         except json.JSONDecodeError:
             return None
     return rows if rows is not None and all(isinstance(r, dict) for r in rows) else None
 
 
 def json_typed_columns_as_written(ds: Any, source: Source, names: list[str]) -> dict[str, list[Any]]:
-    """The values of ``names``' columns that ``datasets`` typed ``Json`` (a column mixing numbers and text in a JSON
-    file), re-read from the file as written. ``datasets`` stores a text cell of such a column as it is when it parses
+    """The values of ``names``' columns that ``datasets`` typed ``Json``, at any depth (a column mixing numbers and text
+    in a JSON file), re-read from the file as written. ``datasets`` stores a text cell of such a column as it is when it parses
     as JSON, and gives it back parsed: the answer ``"007"`` came back as ``7``, ``"1.50"`` as ``1.5``, ``"true"`` as
     ``True`` (then refused as not text), ``"[1, 2]"`` as a list. Re-read for a local source of one plain JSON / JSON
     Lines file (a file, or a directory holding one) whose rows are the loaded set's, in order; ``{}`` otherwise
     (no such column, or a source this cannot re-read: its values stay as ``datasets`` gives them)."""
     import datasets
 
-    typed = [name for name in names if isinstance(ds.features.get(name), datasets.Json)]
+    typed = [name for name in names if _holds_json(ds.features.get(name), datasets.Json)]
     if not typed or source.data_path is None or source.config:
         return {}
     path = Path(source.data_path)
@@ -440,6 +440,17 @@ def json_typed_columns_as_written(ds: Any, source: Source, names: list[str]) -> 
     if rows is None or len(rows) != len(ds):
         return {}
     return {name: [row.get(name) for row in rows] for name in typed}
+
+
+def _holds_json(feature: Any, json_type: type) -> bool:
+    """Whether a column's ``datasets`` feature is ``Json`` or holds one at any depth (``{"b": Json}``: the rows'
+    ``{"a": {"b": ...}}`` with mixed ``b`` values, read through ``data.answer_key=a.b``)."""
+    if isinstance(feature, json_type):
+        return True
+    if isinstance(feature, dict):
+        return any(_holds_json(inner, json_type) for inner in feature.values())
+    inner = getattr(feature, "feature", None)  # List / Sequence / LargeList
+    return inner is not None and _holds_json(inner, json_type)
 
 
 def _saved_dataset(path: Path) -> bool:

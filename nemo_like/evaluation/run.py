@@ -42,12 +42,13 @@ from nemo_like.utils.seeds import eval_seed
 
 def refuse_replacing_a_model_eval_did_not_merge(out: Path) -> None:
     """``out/merged_model`` holding files is replaced only when the last eval there merged it (its ``summary.json``'s
-    ``model_dir`` names it): a model the user merged there (``nemo-like merge --out merged_model``) was deleted."""
+    ``merged_model`` names it): a model the user merged there (``nemo-like merge --out merged_model``) was deleted.
+    Not ``model_dir``, the model an eval scored: a plain eval of the user's own ``out/merged_model`` names it too."""
     merged = out / "merged_model"
     if not merged.is_dir() or not any(merged.iterdir()):
         return
     try:
-        last = json.loads((out / "summary.json").read_text()).get("model_dir")
+        last = json.loads((out / "summary.json").read_text()).get("merged_model")
     except (OSError, ValueError, AttributeError):
         last = None
     # resolved: the last eval may have spelled the directory otherwise (relative, ./out, through a link)
@@ -287,6 +288,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         summary = {
             "model": ev.model_path or cfg.policy.model_name,
             "model_dir": model_dir,
+            "merged_model": model_dir if lora_base is not None else None,  # what the next LoRA eval here may replace
             "checkpoint_dir": checkpoint_dir,
             "num_prompts": len(prompts),
             "num_samples_per_prompt": n,

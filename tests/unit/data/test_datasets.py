@@ -1008,10 +1008,18 @@ def test_a_column_mixing_numbers_and_text_keeps_each_text_as_written(tmp_path, t
     items = [{"q": f"Question {i}?", "a": a} for i, a in enumerate(answers)]
     items.append({"q": "123", "a": "x"})  # a text prompt that parses as JSON ...
     items.append({"q": [{"role": "user", "content": "Chat?"}], "a": "y"})  # ... in a column mixing text and chats
-    expected = {f"Question {i}?": a if isinstance(a, str) else str(a) for i, a in enumerate(answers)} | {"123": "x", "Chat?": "y"}
+    items.append({"q": "Two\u2028lines?", "a": "z"})  # a raw line separator inside a JSON string is no line end
+    expected = {f"Question {i}?": a if isinstance(a, str) else str(a) for i, a in enumerate(answers)}
+    expected |= {"123": "x", "Chat?": "y", "Two\u2028lines?": "z"}
     (tmp_path / "one").mkdir()
     (tmp_path / "array.json").write_text(json.dumps(items))
-    for path in (write_jsonl(tmp_path / "rows.jsonl", items), write_jsonl(tmp_path / "one" / "rows.jsonl", items), tmp_path / "array.json"):
+    raw = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in items)  # U+2028 written raw, as JSON allows
+    (tmp_path / "raw.jsonl").write_text(raw, encoding="utf-8")
+    for path in (tmp_path / "raw.jsonl", write_jsonl(tmp_path / "one" / "rows.jsonl", items), tmp_path / "array.json"):
         records = [*build(data_cfg(path, path), tok), *build(data_cfg(path, path), tok, "validation")]
         got = {r.metadata["prompt"]: r.metadata["answer"] for r in records}
         assert got == expected, path
+    # a nested answer (data.answer_key=a.b): datasets types the leaf Json inside a struct column
+    nested = write_jsonl(tmp_path / "nested.jsonl", [{"q": f"Question {i}?", "a": {"b": a}} for i, a in enumerate(answers)])
+    records = build(data_cfg(nested, nested, answer_key="a.b"), tok)
+    assert {r.metadata["prompt"]: r.metadata["answer"] for r in records} == {k: v for k, v in expected.items() if k.startswith("Q")}

@@ -315,17 +315,29 @@ def test_a_merged_model_eval_did_not_merge_is_refused_not_replaced(tmp_path, cap
     assert main(["eval", f"eval.model_path={adapters}", "eval.output_dir='~/out'"]) == 2
     assert f"{out / 'merged_model'} holds a model eval did not merge there" in capsys.readouterr().err
     assert not (tmp_path / "step_2" / "~").exists()
-    (out / "summary.json").write_text(json.dumps({"model_dir": str(tmp_path / "elsewhere")}))
+    (out / "summary.json").write_text(json.dumps({"merged_model": str(tmp_path / "elsewhere")}))
     with pytest.raises(ConfigError, match="holds a model eval did not merge there"):
         refuse_replacing_a_model_eval_did_not_merge(out)
-    (out / "summary.json").write_text(json.dumps({"model_dir": str(out / "merged_model")}))  # the last eval merged it
+    # A plain eval of the user's own out/merged_model scored it (model_dir names it) but merged nothing: still theirs
+    scored = {"model_dir": str(out / "merged_model"), "merged_model": None}
+    (out / "summary.json").write_text(json.dumps(scored))
+    with pytest.raises(ConfigError, match="holds a model eval did not merge there"):
+        refuse_replacing_a_model_eval_did_not_merge(out)
+    (out / "summary.json").write_text(json.dumps({"merged_model": str(out / "merged_model")}))  # the last eval merged it
     refuse_replacing_a_model_eval_did_not_merge(out)
     # however either eval spelled the directory: relative to the working directory, with ./, through a link
     monkeypatch.chdir(tmp_path)
     (tmp_path / "link").symlink_to(out)
     for written, spelled in [("out/merged_model", out), (str(out / "merged_model"), Path("./out")), ("link/merged_model", Path("out"))]:
-        (out / "summary.json").write_text(json.dumps({"model_dir": written}))
+        (out / "summary.json").write_text(json.dumps({"merged_model": written}))
         refuse_replacing_a_model_eval_did_not_merge(spelled)
-    (out / "summary.json").write_text(json.dumps({"model_dir": ["not", "a", "path"]}))
+    (out / "summary.json").write_text(json.dumps({"merged_model": ["not", "a", "path"]}))
     with pytest.raises(ConfigError, match="holds a model eval did not merge there"):
         refuse_replacing_a_model_eval_did_not_merge(out)
+    # A real LoRA eval (one prompt) into an emptied out: its summary names its merge, so a rerun there may replace it
+    shutil.rmtree(out)
+    small = ["data.validation.num_problems=1", "eval.num_samples_per_prompt=1", "policy.generation.max_new_tokens=4"]
+    assert main(["eval", f"eval.model_path={adapters}", "eval.output_dir=out", *small]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert Path(summary["merged_model"]) == out / "merged_model" == Path(summary["model_dir"])
+    refuse_replacing_a_model_eval_did_not_merge(Path("./out"))
