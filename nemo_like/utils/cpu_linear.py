@@ -6,8 +6,8 @@ whatever the shape, while oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise`
 emits) ran the same product at ~350-400 GFLOP/s, to float32 rounding (relative difference ~1e-6). On Intel CPUs MKL
 takes its own fast code paths: on a 2-core Intel Xeon (AMX) ``F.linear`` matched oneDNN on the W2 and W3 products
 (0.92-1.17x oneDNN's time) and beat it 1.4-2.8x on the tiny model's, so there products stay with ``F.linear``
-(:func:`onednn_beats_blas`), and a W1 training update took 0.024-0.026 s against oneDNN's 0.037-0.043 s.
-``python benchmarks/cpu_linear.py`` measures both side by side. On small products oneDNN's per-call cost (~15-25 us)
+(:func:`onednn_beats_blas`): whole training updates took oneDNN 1.18-1.19x ``F.linear``'s time at W1 and 1.05-1.17x
+at W2 (``python benchmarks/cpu_linear.py --updates``). ``python benchmarks/cpu_linear.py`` measures the products. On small products oneDNN's per-call cost (~15-25 us)
 loses everywhere, so products under :data:`ONEDNN_MIN_MACS` multiply-accumulates keep ``F.linear``.
 
 A weight packed once into oneDNN's layout for many products (:func:`prepacked`: the lean sampler's decode products)
@@ -121,7 +121,8 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def packs(rows: int, out_features: int, in_features: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether :func:`prepacked` packs a plain CPU weight ``[out_features, in_features]`` of ``dtype`` for products of
     ``rows`` rows (more than :data:`PACK_MIN_MACS` multiply-accumulates, in float32 outside autocast, on an x86 machine
-    with oneDNN's op: on either vendor, see the module docstring); the memory planner asks it too: a packed weight is a second copy of it for the call."""
+    with oneDNN's op: on either vendor, see the module docstring); the memory planner asks it too: a packed weight is
+    a second copy of it for the call."""
     macs = rows * out_features * in_features
     return macs > PACK_MIN_MACS and _onednn_takes(macs, dtype)
 

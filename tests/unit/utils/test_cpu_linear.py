@@ -36,7 +36,6 @@ def test_the_vendor_decides_where_unpacked_products_go(monkeypatch: pytest.Monke
     for vendor, onednn in (("AuthenticAMD", True), ("GenuineIntel", False), (None, False)):
         cpuinfo = tmp_path / f"cpuinfo-{vendor}"
         cpuinfo.write_text("processor\t: 0\n" + (f"vendor_id\t: {vendor}\n" if vendor else "") + "model name\t: some CPU\n")
-        monkeypatch.setattr(cpus, "CPUINFO", cpuinfo)
         monkeypatch.setattr(cpu_linear, "cpuinfo_field", lambda name, path=cpuinfo: cpus.cpuinfo_field(name, path))
         cpu_linear.onednn_beats_blas.cache_clear()
         try:
