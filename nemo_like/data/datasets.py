@@ -442,6 +442,11 @@ def json_typed_columns_as_written(ds: Any, source: Source, names: list[str]) -> 
     return {name: [row.get(name) for row in rows] for name in typed}
 
 
+def _has_blank_line(file: Path) -> bool:
+    """Whether a plain text file has a line of only whitespace (its last line break aside)."""
+    return any(not line.strip() for line in file.read_text(encoding="utf-8-sig", errors="replace").rstrip("\n").split("\n"))
+
+
 def _holds_json(feature: Any, json_type: type) -> bool:
     """Whether a column's ``datasets`` feature is ``Json`` or holds one at any depth (``{"b": Json}``: the rows'
     ``{"a": {"b": ...}}`` with mixed ``b`` values, read through ``data.answer_key=a.b``)."""
@@ -528,6 +533,9 @@ def _load_local(source: Source, key: str):
                 message = place if file == path else f"{file}: {place}"
                 break
         subset = f" (subset data.{source.role}.dataset_config={source.config!r})" if source.config else ""
+        if ") changed from" in message and any(_has_blank_line(f) for f in json_files if data_suffix(f) == ".jsonl"):
+            # datasets reads a column mixing types line by line, and a blank line fails that read with pyarrow's error
+            message += "; a JSON Lines file whose column mixes numbers and text cannot have blank lines: remove them"
         if "as a scalar of type" in message or "Couldn't cast" in message:  # typed from one file or chunk, cast in another
             message += (
                 "; a column's values change type between the files (or, in a file, past its first chunk: 10 MB of a "

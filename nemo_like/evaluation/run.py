@@ -39,24 +39,35 @@ from nemo_like.utils.files import replace_file
 from nemo_like.utils.run_lock import hold_run_locks
 from nemo_like.utils.seeds import eval_seed
 
+#: In ``eval.output_dir``: the absolute path of the ``merged_model/`` a LoRA eval merges into, written before the merge,
+#: so that an eval stopped after it (before its summary.json) can still be rerun there.
+MERGE_MARKER = ".nemo_like_eval_merge"
+
 
 def refuse_replacing_a_model_eval_did_not_merge(out: Path) -> None:
-    """``out/merged_model`` holding files is replaced only when the last eval there merged it (its ``summary.json``'s
-    ``merged_model`` names it): a model the user merged there (``nemo-like merge --out merged_model``) was deleted.
-    Not ``model_dir``, the model an eval scored: a plain eval of the user's own ``out/merged_model`` names it too."""
+    """``out/merged_model`` holding files is replaced only when an eval merged it (:data:`MERGE_MARKER` names it): a model
+    the user merged there (``nemo-like merge --out merged_model``) was deleted. Not ``summary.json``'s ``model_dir``,
+    the model an eval scored: a plain eval of the user's own ``out/merged_model`` names it too."""
     merged = out / "merged_model"
     if not merged.is_dir() or not any(merged.iterdir()):
         return
     try:
-        last = json.loads((out / "summary.json").read_text()).get("merged_model")
-    except (OSError, ValueError, AttributeError):
-        last = None
+        recorded = (out / MERGE_MARKER).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        recorded = ""
     # resolved: the last eval may have spelled the directory otherwise (relative, ./out, through a link)
-    if not isinstance(last, str) or Path(last).expanduser().resolve() != merged.resolve():
+    if not recorded or Path(recorded).expanduser().resolve() != merged.resolve():
         raise ConfigError(
-            f"eval.output_dir: {merged} holds a model eval did not merge there (the last eval's summary.json does not name "
-            "it); choose another eval.output_dir or move it"
+            f"eval.output_dir: {merged} holds a model no eval merged there (no {out / MERGE_MARKER} names it); choose "
+            "another eval.output_dir or move it (one an eval of an earlier version merged is safe to delete)"
         )
+
+
+def record_merge(out: Path) -> Path:
+    """Write :data:`MERGE_MARKER` for ``out/merged_model`` (before merging into it); returns that directory."""
+    merged = out / "merged_model"
+    (out / MERGE_MARKER).write_text(str(merged.absolute()) + "\n")
+    return merged
 
 
 def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
@@ -241,7 +252,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)
         if lora_base is not None:  # a LoRA checkpoint: serve its merged model
             tokenizer_name = cfg.policy.tokenizer_name or cfg.policy.model_name
-            merged = merge_checkpoint(model_dir, out / "merged_model", tokenizer=tokenizer_name, replace=True)
+            merged = merge_checkpoint(model_dir, record_merge(out), tokenizer=tokenizer_name, replace=True)
             model_dir = str(Path(merged).absolute())  # summary.json names it whatever directory the next eval runs from
         run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
 

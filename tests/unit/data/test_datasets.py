@@ -1023,3 +1023,14 @@ def test_a_column_mixing_numbers_and_text_keeps_each_text_as_written(tmp_path, t
     nested = write_jsonl(tmp_path / "nested.jsonl", [{"q": f"Question {i}?", "a": {"b": a}} for i, a in enumerate(answers)])
     records = build(data_cfg(nested, nested, answer_key="a.b"), tok)
     assert {r.metadata["prompt"]: r.metadata["answer"] for r in records} == {k: v for k, v in expected.items() if k.startswith("Q")}
+
+
+def test_a_mixed_column_in_json_lines_with_a_blank_line_says_to_remove_it(tmp_path, tok):
+    """datasets reads a JSON Lines column mixing numbers and text line by line, and a blank line failed that with
+    pyarrow's bare 'changed from number to string'; the error says what to change."""
+    path = tmp_path / "blank.jsonl"
+    path.write_text('{"q": "A?", "a": 7}\n\n{"q": "B?", "a": "007"}\n')
+    with pytest.raises(ConfigError, match=r"blank\.jsonl.*changed from.*cannot have blank lines: remove them"):
+        build(data_cfg(path, path), tok)
+    path.write_text('{"q": "A?", "a": 7}\n{"q": "B?", "a": "007"}\n')
+    assert {r.metadata["answer"] for r in build(data_cfg(path, path), tok, "validation")} == {"7", "007"}

@@ -298,7 +298,7 @@ def test_a_merged_model_eval_did_not_merge_is_refused_not_replaced(tmp_path, cap
     """A LoRA eval replaced output_dir/merged_model whatever it held: a model the user merged there (`nemo-like merge
     --out merged_model`, as lora.md shows) and their notes were deleted. The last eval's own merge is replaced."""
     from nemo_like.cli import main
-    from nemo_like.evaluation.run import refuse_replacing_a_model_eval_did_not_merge
+    from nemo_like.evaluation.run import MERGE_MARKER, refuse_replacing_a_model_eval_did_not_merge
     from nemo_like.models.assets import default_model_path
 
     adapters = lora_checkpoint(tmp_path / "step_2" / "policy", default_model_path())
@@ -307,36 +307,41 @@ def test_a_merged_model_eval_did_not_merge_is_refused_not_replaced(tmp_path, cap
     refuse_replacing_a_model_eval_did_not_merge(out)  # empty: nothing to lose
     (out / "merged_model" / "NOTES.txt").write_text("my step-1 merge")
     assert main(["eval", f"eval.model_path={adapters}", f"eval.output_dir={out}"]) == 2
-    assert "holds a model eval did not merge there" in capsys.readouterr().err
+    assert "holds a model no eval merged there" in capsys.readouterr().err
     assert (out / "merged_model" / "NOTES.txt").read_text() == "my step-1 merge"
     # ~ is the home directory, as in training's directories (eval wrote a literal ./~/out and never saw this model)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path / "step_2")
     assert main(["eval", f"eval.model_path={adapters}", "eval.output_dir='~/out'"]) == 2
-    assert f"{out / 'merged_model'} holds a model eval did not merge there" in capsys.readouterr().err
+    assert f"{out / 'merged_model'} holds a model no eval merged there" in capsys.readouterr().err
     assert not (tmp_path / "step_2" / "~").exists()
-    (out / "summary.json").write_text(json.dumps({"merged_model": str(tmp_path / "elsewhere")}))
-    with pytest.raises(ConfigError, match="holds a model eval did not merge there"):
+    (out / MERGE_MARKER).write_text(str(tmp_path / "elsewhere"))  # an eval merged somewhere else
+    with pytest.raises(ConfigError, match="holds a model no eval merged there"):
         refuse_replacing_a_model_eval_did_not_merge(out)
-    # A plain eval of the user's own out/merged_model scored it (model_dir names it) but merged nothing: still theirs
-    scored = {"model_dir": str(out / "merged_model"), "merged_model": None}
-    (out / "summary.json").write_text(json.dumps(scored))
-    with pytest.raises(ConfigError, match="holds a model eval did not merge there"):
+    # A plain eval of the user's own out/merged_model scored it (summary.json's model_dir names it) and merged nothing
+    (out / MERGE_MARKER).unlink()
+    (out / "summary.json").write_text(json.dumps({"model_dir": str(out / "merged_model"), "merged_model": None}))
+    with pytest.raises(ConfigError, match="holds a model no eval merged there"):
         refuse_replacing_a_model_eval_did_not_merge(out)
-    (out / "summary.json").write_text(json.dumps({"merged_model": str(out / "merged_model")}))  # the last eval merged it
-    refuse_replacing_a_model_eval_did_not_merge(out)
-    # however either eval spelled the directory: relative to the working directory, with ./, through a link
+    # An eval's merge is replaced, however either eval spelled the directory: relative, with ./, through a link
     monkeypatch.chdir(tmp_path)
     (tmp_path / "link").symlink_to(out)
     for written, spelled in [("out/merged_model", out), (str(out / "merged_model"), Path("./out")), ("link/merged_model", Path("out"))]:
-        (out / "summary.json").write_text(json.dumps({"merged_model": written}))
+        (out / MERGE_MARKER).write_text(written)
         refuse_replacing_a_model_eval_did_not_merge(spelled)
-    (out / "summary.json").write_text(json.dumps({"merged_model": ["not", "a", "path"]}))
-    with pytest.raises(ConfigError, match="holds a model eval did not merge there"):
-        refuse_replacing_a_model_eval_did_not_merge(out)
-    # A real LoRA eval (one prompt) into an emptied out: its summary names its merge, so a rerun there may replace it
+    # A real LoRA eval (one prompt) into an emptied out, stopped after its merge (before its summary.json): the rerun
+    # replaces that merge; then one to the end, whose summary names what it merged
     shutil.rmtree(out)
     small = ["data.validation.num_problems=1", "eval.num_samples_per_prompt=1", "policy.generation.max_new_tokens=4"]
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as stop:
+        stop.setattr("nemo_like.distributed.ray_init.init_ray", stopped)  # evaluate imports it when it runs
+        with pytest.raises(KeyboardInterrupt):
+            main(["eval", f"eval.model_path={adapters}", "eval.output_dir=out", *small])
+    assert any((out / "merged_model").iterdir()) and not (out / "summary.json").exists()
     assert main(["eval", f"eval.model_path={adapters}", "eval.output_dir=out", *small]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert Path(summary["merged_model"]) == out / "merged_model" == Path(summary["model_dir"])
