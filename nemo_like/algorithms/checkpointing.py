@@ -14,12 +14,15 @@ import torch
 import yaml
 
 from nemo_like.algorithms.setup import GRPOComponents
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.experience.async_rollouts import BUFFER_FILE
 from nemo_like.models.loading import save_generation_config
-from nemo_like.models.policy.checkpoints import checkpoint_files
+from nemo_like.models.lora import ADAPTER_CONFIG, check_lora_targets
+from nemo_like.models.policy.checkpoints import POLICY_DIR, checkpoint_files
 from nemo_like.utils.checkpoint import (
+    MODULE_SET_KEYS,
     VALIDATED_AT_STEP,
     CheckpointError,
     CheckpointInfo,
@@ -112,6 +115,22 @@ def load_checkpoint_file(checkpoint: CheckpointInfo, name: str) -> Any:
     return torch.load(path, weights_only=False) if path.exists() else None
 
 
+def adapts_the_same_modules(step_dir: Path, cfg: MasterConfig) -> bool:
+    """Whether the LoRA checkpoint in ``step_dir`` holds adapters on exactly the modules ``policy.lora_cfg`` resolves to
+    now: ``target_modules: null`` (every decoder linear layer) and the list of those layers are the same adapters,
+    which the keys' comparison alone refused. Its ``adapter_config.json`` names them as PEFT saved them (the fewest
+    name suffixes that match exactly the adapted modules), resolved here against the model as a target list."""
+    name, lora_cfg = cfg.policy.model_name, cfg.policy.lora_cfg
+    try:
+        saved = json.loads((step_dir / POLICY_DIR / ADAPTER_CONFIG).read_text())["target_modules"]
+        if not isinstance(saved, list):  # a regular expression: not resolved here
+            return False
+        as_saved = lora_cfg.model_copy(update={"target_modules": saved, "exclude_modules": None})
+        return sorted(check_lora_targets(name, as_saved)) == sorted(check_lora_targets(name, lora_cfg))
+    except (OSError, ValueError, KeyError, ConfigError):
+        return False  # unreadable, or names no module of the model now: the keys' comparison stands
+
+
 def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
     """The checkpoint a run will resume from (``None`` for a fresh start). Removes partial saves and
     refuses a checkpoint written by an incompatible config, naming the differing keys."""
@@ -135,6 +154,8 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
     if not isinstance(saved_config, dict):
         raise CheckpointError(f"Checkpoint {checkpoint.path} cannot be resumed: {config_file} holds no config mapping")
     diffs = incompatible_differences(saved_config, cfg.model_dump(mode="json"))
+    if any(d.startswith(MODULE_SET_KEYS) for d in diffs) and adapts_the_same_modules(checkpoint.path, cfg):
+        diffs = [d for d in diffs if not d.startswith(MODULE_SET_KEYS)]  # spelled otherwise (null, short names, a list)
     if diffs:  # first: a key changed since (LoRA turned on) leaves other files expected, and "incomplete" misleads
         raise CheckpointError(
             f"Checkpoint {checkpoint.path} was written by an incompatible config; differing keys: "

@@ -523,3 +523,35 @@ def test_a_saved_policy_stops_where_the_run_stopped(tmp_path):
     write_stop_ids(tmp_path, (2, 5))
     saved = GenerationConfig.from_pretrained(tmp_path)
     assert saved.eos_token_id == [2, 5] and saved.temperature == 0.7
+
+
+def test_a_lora_checkpoint_resumes_when_its_modules_are_spelled_otherwise(tmp_path):
+    """target_modules: null (every decoder linear layer) and the list of those layers are the same adapters: resuming
+    across the two spellings was refused as an incompatible config. Other modules are still refused."""
+    from peft import get_peft_model
+
+    from nemo_like.algorithms.checkpointing import checkpoint_files, find_resume_checkpoint
+    from nemo_like.config import load_config
+    from nemo_like.models import lora
+    from nemo_like.models.loading import load_causal_lm
+
+    ck = tmp_path / "ck"
+    base = ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ck}", "policy.lora_cfg.enabled=true"]
+    saved_cfg = load_config(None, [*base, "policy.lora_cfg.target_modules=null"], warn=False)
+    model = load_causal_lm(saved_cfg.policy.model_name)
+    targets = lora.resolve_target_modules(model, saved_cfg.policy.lora_cfg)
+    adapted = get_peft_model(model, lora.peft_config(saved_cfg.policy.lora_cfg, targets))
+
+    def write(tmp):
+        for name in (*checkpoint_files(True), "worker_rng.pt"):
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_bytes(b"")
+        (tmp / "policy" / lora.ADAPTER_CONFIG).write_text(json.dumps(lora.adapter_config_dict(adapted)))
+
+    CheckpointManager(ck).save(2, write, {"metrics": {}, "step": 2}, saved_cfg.model_dump(mode="json"))
+    short = sorted({t.rsplit(".", 1)[-1] for t in targets})  # q_proj, k_proj, ...: every linear layer, by short name
+    for same in (f"policy.lora_cfg.target_modules={short}", f"policy.lora_cfg.target_modules={short[::-1]}"):
+        assert find_resume_checkpoint(load_config(None, [*base, same], warn=False)).step == 2, same
+    for other in ("policy.lora_cfg.target_modules=[q_proj]", "policy.lora_cfg.exclude_modules=[layers.0.mlp.down_proj]"):
+        with pytest.raises(CheckpointError, match=r"incompatible config; differing keys: policy\.lora_cfg\."):
+            find_resume_checkpoint(load_config(None, [*base, other], warn=False))
