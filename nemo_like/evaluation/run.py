@@ -299,7 +299,6 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         summary = {
             "model": ev.model_path or cfg.policy.model_name,
             "model_dir": model_dir,
-            "merged_model": model_dir if lora_base is not None else None,  # what the next LoRA eval here may replace
             "checkpoint_dir": checkpoint_dir,
             "num_prompts": len(prompts),
             "num_samples_per_prompt": n,
