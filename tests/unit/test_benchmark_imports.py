@@ -1,7 +1,8 @@
 """The benchmarks import what they name from the package: a function renamed or moved broke ``refit.py`` and
 ``generation.py`` (``eos_token_ids``) and nothing noticed until a reader ran a command the docs print. Every
 ``from nemo_like... import name`` in ``benchmarks/*.py`` (at any depth of the code) must resolve to an attribute or a
-submodule. Nothing is run: the benchmarks themselves take minutes."""
+submodule, and every call to such a name (or to a sibling benchmark's function) must fit its signature. Nothing is
+run: the benchmarks themselves take minutes."""
 
 from __future__ import annotations
 
@@ -41,3 +42,68 @@ def test_the_check_reads_nested_imports_and_would_catch_a_stale_one(tmp_path: Pa
     stale.write_text("def main():\n    from nemo_like.algorithms.setup import eos_token_ids\n")
     assert package_imports(stale) == [(2, "nemo_like.algorithms.setup", "eos_token_ids")]
     assert not hasattr(importlib.import_module("nemo_like.algorithms.setup"), "eos_token_ids")
+
+
+def called_with_wrong_arguments(path: Path) -> list[str]:
+    """``file:line: call`` of every call in ``path`` to a function it imports (from the package or a sibling benchmark:
+    ``from vs_trl import f``, ``import vs_trl`` then ``vs_trl.f``) whose arguments that function's signature cannot bind
+    (a parameter added or removed since: ``stop_token_gap.py`` called ``vs_trl.prompt_rows`` with two of its four for
+    weeks). Calls with ``*args`` or ``**kwargs`` and objects without a signature are skipped."""
+    import inspect
+
+    siblings = {p.stem for p in BENCHMARKS}
+    tree = ast.parse(path.read_text())
+    names: dict[str, object] = {}
+    modules: dict[str, object] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            root = node.module.split(".")[0]
+            if root == "nemo_like" or node.module in siblings:
+                owner = importlib.import_module(node.module)
+                names.update({a.asname or a.name: getattr(owner, a.name, None) for a in node.names})
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in siblings:
+                    modules[alias.asname or alias.name] = importlib.import_module(alias.name)
+    wrong = []
+    for node in ast.walk(tree):
+        if (
+            not isinstance(node, ast.Call)
+            or any(isinstance(a, ast.Starred) for a in node.args)
+            or any(k.arg is None for k in node.keywords)
+        ):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name):
+            target = names.get(func.id)
+        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in modules:
+            target = getattr(modules[func.value.id], func.attr, None)
+        else:
+            continue
+        if not callable(target):
+            continue
+        try:
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):
+            continue
+        try:
+            signature.bind(*node.args, **{k.arg: k.value for k in node.keywords})
+        except TypeError as exc:
+            wrong.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]} ({exc})")
+    return wrong
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=[p.name for p in BENCHMARKS])
+def test_every_call_a_benchmark_makes_to_an_imported_function_fits_its_signature(path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(path.parent))  # the benchmarks import each other as top-level modules
+    assert not called_with_wrong_arguments(path)
+
+
+def test_the_signature_check_would_catch_a_stale_call(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS[0].parent))
+    stale = tmp_path / "stale.py"
+    stale.write_text(
+        "import vs_trl\nfrom vs_trl import prompt_rows\n\ndef main(d):\n    vs_trl.prompt_rows(d, 1)\n    prompt_rows(d, 1, 1, 1)\n"
+    )
+    (found,) = called_with_wrong_arguments(stale)
+    assert found.startswith("stale.py:5: vs_trl.prompt_rows(d, 1) (missing a required argument")
