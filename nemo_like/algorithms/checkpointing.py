@@ -19,7 +19,7 @@ from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed.worker_group import WorkerFailure
 from nemo_like.experience.async_rollouts import BUFFER_FILE
 from nemo_like.models.loading import save_generation_config
-from nemo_like.models.lora import ADAPTER_CONFIG, check_lora_targets
+from nemo_like.models.lora import ADAPTER_CONFIG, same_adapted_modules
 from nemo_like.models.policy.checkpoints import POLICY_DIR, checkpoint_files
 from nemo_like.utils.checkpoint import (
     MODULE_SET_KEYS,
@@ -120,13 +120,13 @@ def adapts_the_same_modules(step_dir: Path, cfg: MasterConfig) -> bool:
     now: ``target_modules: null`` (every decoder linear layer) and the list of those layers are the same adapters,
     which the keys' comparison alone refused. Its ``adapter_config.json`` names them as PEFT saved them (the fewest
     name suffixes that match exactly the adapted modules), resolved here against the model as a target list."""
-    name, lora_cfg = cfg.policy.model_name, cfg.policy.lora_cfg
+    lora_cfg = cfg.policy.lora_cfg
     try:
         saved = json.loads((step_dir / POLICY_DIR / ADAPTER_CONFIG).read_text())["target_modules"]
         if not isinstance(saved, list):  # a regular expression: not resolved here
             return False
         as_saved = lora_cfg.model_copy(update={"target_modules": saved, "exclude_modules": None})
-        return sorted(check_lora_targets(name, as_saved)) == sorted(check_lora_targets(name, lora_cfg))
+        return same_adapted_modules(cfg.policy.model_name, lora_cfg, as_saved)
     except (OSError, ValueError, KeyError, ConfigError):
         return False  # unreadable, or names no module of the model now: the keys' comparison stands
 

@@ -394,13 +394,18 @@ def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
 WHOLE_JSON_CHUNK_MAX = 256 << 20
 
 
+def _plain_json_file(file: Path) -> bool:
+    """Whether ``file`` is a JSON or JSON Lines file, not compressed (``.jsonl``, not ``.jsonl.gz``)."""
+    return FILE_BUILDERS.get(data_suffix(file)) == "json" and data_suffix(file) == file.suffix.lower()
+
+
 def _json_kwargs(files: list[Path]) -> dict[str, Any]:
     """For JSON files (and directories of them) up to :data:`WHOLE_JSON_CHUNK_MAX`, read each file as one chunk:
     ``datasets`` types a column from its first 10 MB, and a value of another type past that (integer answers, then
     ``"\\frac{1}{2}"``) failed the load with a cast error naming neither the row nor the key, where the same values in a
     smaller file load (the column becomes JSON, whose values the answer reader takes). Larger and compressed files
     (whose read size is unknown) keep the default; such a cast error then says what to change (:func:`_load_local`)."""
-    if not files or any(FILE_BUILDERS.get(data_suffix(f)) != "json" or data_suffix(f) != f.suffix.lower() for f in files):
+    if not files or not all(map(_plain_json_file, files)):
         return {}
     return {"chunksize": min(max(10 << 20, max(f.stat().st_size for f in files) + 1), WHOLE_JSON_CHUNK_MAX)}
 
@@ -434,7 +439,7 @@ def json_typed_columns_as_written(ds: Any, source: Source, names: list[str]) -> 
         return {}
     path = Path(source.data_path)
     files = [path] if path.is_file() else [] if _saved_dataset(path) else directory_data_files(path)
-    if len(files) != 1 or FILE_BUILDERS.get(data_suffix(files[0])) != "json" or data_suffix(files[0]) != files[0].suffix.lower():
+    if len(files) != 1 or not _plain_json_file(files[0]):
         return {}
     rows = _raw_json_rows(files[0])
     if rows is None or len(rows) != len(ds):

@@ -51,6 +51,7 @@ __all__ = [
     "adapter_config_dict",
     "apply_lora",
     "check_lora_targets",
+    "same_adapted_modules",
     "decoder_linear_modules",
     "exclusions_without_effect",
     "expected_adapter_names",
@@ -253,11 +254,7 @@ def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False)
     """Resolve the targets against the model's architecture before any actor starts (a meta-device skeleton of
     :func:`~nemo_like.models.loading.model_config`'s config; ``local_only`` as there); returns the adapted module names.
     A bad key is a :class:`ConfigError`."""
-    from transformers import AutoModelForCausalLM
-
-    config = model_config(model_name, local_only)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+    skeleton = _meta_skeleton(model_name, local_only)
     chosen = resolve_target_modules(skeleton, lora_cfg)
     for entry in exclusions_without_effect(skeleton, lora_cfg):
         warnings.warn(
@@ -267,6 +264,22 @@ def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False)
             stacklevel=2,
         )
     return chosen
+
+
+def same_adapted_modules(model_name: str, lora_cfg: Any, other: Any) -> bool:
+    """Whether two ``policy.lora_cfg`` resolve to the same modules of model ``model_name`` (one meta-device skeleton;
+    a bad key in either is a :class:`ConfigError`)."""
+    skeleton = _meta_skeleton(model_name)
+    return sorted(resolve_target_modules(skeleton, lora_cfg)) == sorted(resolve_target_modules(skeleton, other))
+
+
+def _meta_skeleton(model_name: str, local_only: bool = False) -> torch.nn.Module:
+    """Model ``model_name`` built on the meta device from its config (no weights), to resolve module names against."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(model_name, local_only)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def exclusions_without_effect(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
