@@ -410,41 +410,75 @@ def _json_kwargs(files: list[Path]) -> dict[str, Any]:
     return {"chunksize": min(max(10 << 20, max(f.stat().st_size for f in files) + 1), WHOLE_JSON_CHUNK_MAX)}
 
 
-def _raw_json_rows(file: Path) -> list[dict[str, Any]] | None:
-    """The rows of a plain (uncompressed) JSON or JSON Lines file as Python's ``json`` reads them: a top-level list of
-    objects, or one object a line; ``None`` for any other shape (read as ``datasets`` reads it, not re-read)."""
+def _raw_json_rows(file: Path, keep: set[str]) -> list[dict[str, Any]] | None:
+    """The rows of a plain (uncompressed) JSON or JSON Lines file as Python's ``json`` reads them (a top-level list of
+    objects, or one object a line), each cut to its ``keep`` keys; ``None`` for any other shape (read as ``datasets``
+    reads it, not re-read)."""
     text = file.read_text(encoding="utf-8-sig")
     try:
         whole = json.loads(text)
-        rows = whole if isinstance(whole, list) else None
+        rows = whole if isinstance(whole, list) else [whole]  # a JSON Lines file of one row
     except json.JSONDecodeError:
         try:  # lines end at "\n" only: JSON strings may hold U+2028, U+2029 and U+0085 raw, which splitlines() splits at
             rows = [json.loads(line) for line in text.split("\n") if line.strip()]
         except json.JSONDecodeError:
             return None
-    return rows if rows is not None and all(isinstance(r, dict) for r in rows) else None
+    if rows is None or not all(isinstance(r, dict) for r in rows):
+        return None
+    return [{k: v for k, v in row.items() if k in keep} for row in rows]
 
 
-def json_typed_columns_as_written(ds: Any, source: Source, names: list[str]) -> dict[str, list[Any]]:
-    """The values of ``names``' columns that ``datasets`` typed ``Json``, at any depth (a column mixing numbers and text
-    in a JSON file), re-read from the file as written. ``datasets`` stores a text cell of such a column as it is when it parses
-    as JSON, and gives it back parsed: the answer ``"007"`` came back as ``7``, ``"1.50"`` as ``1.5``, ``"true"`` as
-    ``True`` (then refused as not text), ``"[1, 2]"`` as a list. Re-read for a local source of one plain JSON / JSON
-    Lines file (a file, or a directory holding one) whose rows are the loaded set's, in order; ``{}`` otherwise
-    (no such column, or a source this cannot re-read: its values stay as ``datasets`` gives them)."""
+def _split_data_files(path: Path, split: str | None) -> list[Path]:
+    """The files ``datasets.load_dataset(path)`` reads for ``split`` (the only split when ``None``), in the order their
+    rows come; ``[]`` when that is not one split."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    base = str(path.resolve())
+    by_split = DataFilesDict.from_patterns(get_data_patterns(base), base)
+    if split is None:
+        split = next(iter(by_split)) if len(by_split) == 1 else None
+    return [Path(f) for f in by_split.get(split, [])]
+
+
+def json_columns_as_written(ds: Any, source: Source, names: list[str]) -> dict[str, list[Any]]:
+    """The values of ``names``' columns re-read from a local JSON source as written, where ``datasets`` may have
+    changed them; ``{}`` where it cannot have, or for a source this cannot re-read (its values stay as ``datasets``
+    gives them).
+
+    * A column mixing numbers and text in a file is typed ``Json`` (at any depth), and a text cell that parses as JSON
+      comes back parsed: the answer ``"007"`` came back as ``7``, ``"1.50"`` as ``1.5``, ``"true"`` as ``True`` (then
+      refused as not text), ``"[1, 2]"`` as a list. Such columns are re-read.
+    * A folder's files (its splits' shards) are cast to one type a column, its first file's: after a file of text
+      answers, another file's ``Json`` column came back JSON-encoded (``"x"`` as ``'"x"'``, so no answer matched) and its
+      numbers as text. Every column of ``names`` of a folder is re-read.
+
+    Re-read for a local source of plain JSON / JSON Lines files (one file, or the files ``datasets`` reads for the
+    split from a folder) whose rows are the loaded set's, in order."""
     import datasets
 
-    typed = [name for name in names if _holds_json(ds.features.get(name), datasets.Json)]
-    if not typed or source.data_path is None or source.config:
+    if source.data_path is None or source.config:
         return {}
     path = Path(source.data_path)
-    files = [path] if path.is_file() else [] if _saved_dataset(path) else directory_data_files(path)
-    if len(files) != 1 or not _plain_json_file(files[0]):
+    if path.is_file():
+        files = [path]
+    elif _saved_dataset(path) or _card_declares_subsets(path):
         return {}
-    rows = _raw_json_rows(files[0])
-    if rows is None or len(rows) != len(ds):
+    else:
+        files = _split_data_files(path, source.split)
+    if not files or not all(map(_plain_json_file, files)):
         return {}
-    return {name: [row.get(name) for row in rows] for name in typed}
+    reread = names if path.is_dir() else [name for name in names if _holds_json(ds.features.get(name), datasets.Json)]
+    if not reread:
+        return {}
+    rows: list[dict[str, Any]] = []
+    for file in files:
+        file_rows = _raw_json_rows(file, set(reread))
+        if file_rows is None:
+            return {}
+        rows += file_rows
+    if len(rows) != len(ds):
+        return {}
+    return {name: [row.get(name) for row in rows] for name in reread}
 
 
 def _has_blank_line(file: Path) -> bool:
@@ -768,7 +802,7 @@ def load_problems(data: DataConfig, role: str, fmt: PromptFormat) -> list[Proble
     if len(ds) == 0:
         raise ConfigError(f"{source.label} has no rows; data.{role} needs at least one prompt")
     needed = sorted({columns.prompt, columns.answer.split(".")[0], *([columns.task] if columns.task else [])})
-    as_written = json_typed_columns_as_written(ds, source, needed)
+    as_written = json_columns_as_written(ds, source, needed)
     prompts = as_written.get(columns.prompt) or _decoded(lambda: list(ds[columns.prompt]), source, role)
     # data.shuffle=false trains in file order (a curriculum); validation's selection stays seeded.
     rows = select_rows(prompts, role, split_cfg, data.validation.split_fraction, shuffle=data.shuffle or role != "train")

@@ -1023,6 +1023,17 @@ def test_a_column_mixing_numbers_and_text_keeps_each_text_as_written(tmp_path, t
     nested = write_jsonl(tmp_path / "nested.jsonl", [{"q": f"Question {i}?", "a": {"b": a}} for i, a in enumerate(answers)])
     records = build(data_cfg(nested, nested, answer_key="a.b"), tok)
     assert {r.metadata["prompt"]: r.metadata["answer"] for r in records} == {k: v for k, v in expected.items() if k.startswith("Q")}
+    # a folder's shards: datasets cast each file's column to the first file's type (here text), and the mixed file's
+    # "x" came back JSON-encoded ('"x"'), its 7 as "7"; each split reads its own files (test.jsonl is validation's)
+    shards = tmp_path / "shards"
+    (shards / "sub").mkdir(parents=True)
+    write_jsonl(shards / "sub" / "train-00002.jsonl", [{"q": "Text?", "a": "t"}])
+    write_jsonl(shards / "train-00000.jsonl", items[:5])
+    write_jsonl(shards / "train-00001.jsonl", items[5:])
+    write_jsonl(shards / "test.jsonl", [{"q": "Held out?", "a": 3}, {"q": "Also?", "a": "x"}])
+    cfg = data_cfg(shards, shards, train={"split": "train"}, validation={"split": "test"})
+    assert {r.metadata["prompt"]: r.metadata["answer"] for r in build(cfg, tok)} == expected | {"Text?": "t"}
+    assert {r.metadata["prompt"]: r.metadata["answer"] for r in build(cfg, tok, "validation")} == {"Held out?": "3", "Also?": "x"}
 
 
 def test_a_mixed_column_in_json_lines_with_a_blank_line_says_to_remove_it(tmp_path, tok):
