@@ -21,7 +21,7 @@ varied (and no validation, a 512-problem training set and quiet logging, none of
 
 The models are random-init Qwen2 configs built locally (no download) with the shipped tiny model's tokenizer and
 vocabulary (359 tokens), and the end-of-sequence token is never sampled (the trick of ``benchmarks/vs_trl.py``: every
-input embedding carries ``+2`` in dimension 0, the stop token's ``-2``, so under the tied head its logit sits tens of
+input embedding carries ``+4`` in dimension 0, the stop token's ``-4``, so under the tied head its logit sits tens of
 nats below every other): every completion is exactly ``max_new_tokens`` long (the script checks
 ``train/truncated_fraction`` = 1). The rewards are ~0 (a random model), which changes nothing a step computes.
 

@@ -17,10 +17,11 @@ Workloads (the issue's):
   inside ``benchmarks/scaling.py``'s range), 8 prompts x 8 completions x 128 tokens.
 
 The same workload: both sides load the same Hugging Face model directory (random init, the shipped tiny
-model's tokenizer), whose stop token is never sampled (its logit sits 39 / 23 / 11 nats below the mean of the
+model's tokenizer), whose stop token is never sampled (its logit sits 86 / 84 / 46 nats below the mean of the
 others in W1 / W2 / W3: ``python benchmarks/stop_token_gap.py W1 W2 W3``; see :func:`build_model`), so every completion
 on both sides runs exactly ``max_new_tokens`` tokens (the script checks both: "all completions full length", ours / TRL;
-a pair whose TRL step stopped early says so: its model drifted to the stop token, seen at W3 in bf16 after 5 steps).
+a pair whose TRL step stopped early says so: its model drifted to the stop token, seen at W3 with the 11 nats of
+:data:`STOP_OFFSET` 2).
 Both train on the same prompts in the same order (the first ``PROMPT_SET`` = 64 of our arithmetic training prompts, chat
 template applied, in the order our loader draws them; TRL takes them in that order with ``shuffle_dataset=False``, and
 the script checks that every pair's two steps drew the same prompts: "same prompts each pair"), beta 0 (no
@@ -209,16 +210,22 @@ def build_model(directory: Path, size: str) -> tuple[str, int]:
     return save_random_qwen2(directory, **SIZES[size])
 
 
+#: The constant in every input embedding's dimension 0 (the stop token's negated) of :func:`save_random_qwen2`.
+STOP_OFFSET = 4.0
+
+
 def save_random_qwen2(directory: Path, **shape) -> tuple[str, int]:
     """A random Qwen2 of ``shape`` (``Qwen2Config`` fields; the vocabulary, special tokens and, unless given,
     ``max_position_embeddings`` are the shipped tiny model's) with its tokenizer, whose stop token is never sampled;
     returns its directory and parameter count.
 
-    Every input embedding gets a constant ``+2`` in dimension 0 except the stop token's, which gets ``-2``.
+    Every input embedding gets the constant :data:`STOP_OFFSET` in dimension 0 except the stop token's, which gets its
+    negative.
     With the tied head every ordinary token's logit gains about the same from dimension 0 after the final RMSNorm
     (little effect on their relative probabilities) and the stop token's loses it: measured at the sampled positions
-    (``benchmarks/stop_token_gap.py``) it sits 39 (1M) / 23 (10M) / 11 (35M) nats below the mean of the others (the
-    gap shrinks as the random layers' own contribution to the residual stream grows), and no completion ends early
+    (``benchmarks/stop_token_gap.py``) it sits 86 (1M) / 84 (10M) / 46 (35M) nats below the mean of the others (the
+    gap shrinks as the random layers' own contribution to the residual stream grows; with 2, 39 / 23 / 11 nats, and at
+    W3 TRL's model drifted to the stop token within a few steps), and no completion ends early
     (checked on every run). The FLOPs are those of a plain random model."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -237,8 +244,8 @@ def save_random_qwen2(directory: Path, **shape) -> tuple[str, int]:
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
-        emb[:, 0] = 2.0
-        emb[tok.eos_token_id, 0] = -2.0
+        emb[:, 0] = STOP_OFFSET
+        emb[tok.eos_token_id, 0] = -STOP_OFFSET
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(directory)
