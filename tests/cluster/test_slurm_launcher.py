@@ -71,7 +71,7 @@ def test_the_slurm_script_starts_two_nodes_trains_and_saves_on_the_walltime_sign
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_CPUS_PER_TASK": "1",
         "RECIPE": str(ROOT / "examples/configs/grpo_tiny_cpu.yaml"),  # absolute (a relative one is read from REPO)
-        "RUN_ROOT": str(tmp_path),
+        "RUN_ROOT": "runs",  # relative: read from the submit dir (it had been passed on, and the driver ran in Ray's copy)
         "GCS_PORT": str(gcs_port),
         "DASHBOARD_PORT": str(dashboard_port),
         "RAY_AUTH_MODE": "disabled",
@@ -89,10 +89,12 @@ def test_the_slurm_script_starts_two_nodes_trains_and_saves_on_the_walltime_sign
         "checkpointing.save_period=1000",  # the only checkpoint is the one the signal asks for
         "policy.num_threads_per_worker=1",
     ]
-    run_dir = tmp_path / "4242"
+    run_dir = tmp_path / "runs" / "4242"
     log_path = tmp_path / "slurm-4242.out"
     with log_path.open("w") as log:
-        script = subprocess.Popen(["bash", str(SCRIPT), *overrides], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        script = subprocess.Popen(
+            ["bash", str(SCRIPT), *overrides], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 300
         while not logged_steps(run_dir / "logs" / "metrics.jsonl"):
