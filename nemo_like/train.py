@@ -29,6 +29,7 @@ from nemo_like.algorithms.restarts import (
 from nemo_like.algorithms.setup import GRPOComponents, TrainingData, setup_grpo, training_data
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed import faults, supervision
+from nemo_like.distributed.ray_env import in_ray_job
 from nemo_like.distributed.watchdog import RunStalled, StallWatchdog
 from nemo_like.distributed.worker_group import WorkerFailure, actors_not_kept
 from nemo_like.models.loading import check_model_source, check_tokenizer_source, refuse_checkpoint_as_model
@@ -59,6 +60,7 @@ def train(cfg: MasterConfig, command_line: list[str] | None = None) -> list[dict
             f"train() takes a MasterConfig, e.g. load_config('recipe.yaml', ['grpo.max_num_steps=2']); got {type(cfg).__name__}"
         )
     start = time.perf_counter()
+    warn_relative_run_dirs_in_a_job(cfg)
     cfg = absolute_run_dirs(cfg)
     check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed
     check_run_inputs(cfg)
@@ -110,6 +112,27 @@ def absolute_run_dirs(cfg: MasterConfig, cwd: str | Path | None = None) -> Maste
             "checkpointing": cfg.checkpointing.model_copy(update={"checkpoint_dir": absolute(cfg.checkpointing.checkpoint_dir)}),
         }
     )
+
+
+def warn_relative_run_dirs_in_a_job(cfg: MasterConfig, cwd: str | Path | None = None, environ: dict[str, str] | None = None) -> None:
+    """Warn about a relative ``logger.log_dir`` / ``checkpointing.checkpoint_dir`` (when enabled) in a ``ray job submit``
+    entrypoint: it resolves against the job's working directory, Ray's unpacked copy of ``--working-dir`` inside its
+    session directory, which a new Ray session or a clean-up of the temp dir deletes (with the checkpoints a resubmitted
+    job would resume from)."""
+    if not in_ray_job(environ):
+        return
+    base = Path(os.getcwd() if cwd is None else cwd)
+    keys = {"logger.log_dir": cfg.logger.log_dir}
+    if cfg.checkpointing.enabled:
+        keys["checkpointing.checkpoint_dir"] = cfg.checkpointing.checkpoint_dir
+    for key, path in keys.items():
+        if not Path(path).expanduser().is_absolute():
+            print(
+                f"[setup] warning: {key}={path!r} is relative: in this Ray job it is {base / path}, under the job's "
+                "working directory (Ray's unpacked copy, inside its session directory, which a new Ray session or a "
+                "clean-up of its temp dir deletes); give an absolute path on storage that outlives the job",
+                file=sys.stderr,
+            )
 
 
 def check_run_inputs(cfg: MasterConfig) -> None:

@@ -269,7 +269,7 @@ def test_job_submit_trains_and_an_over_asking_job_fails_fast(ray_head: LocalHead
     ray_head.submit("nl-tiny", working_dir, [*train, f"logger.log_dir={log_dir}"])
     submit_s = time.monotonic() - start
     start_big = time.monotonic()
-    ray_head.submit("nl-too-many-gpus", working_dir, [*train, f"logger.log_dir={tmp_path / 'big'}", "cluster.gpus_per_node=8"])
+    ray_head.submit("nl-too-many-gpus", working_dir, [*train, "cluster.gpus_per_node=8"])  # the recipe's relative log_dir
 
     # Fails fast = at the capacity check, before any actor starts (no wall-clock bound: on a loaded machine the job's
     # runtime env and imports alone took over a minute in CI).
@@ -280,6 +280,8 @@ def test_job_submit_trains_and_an_over_asking_job_fails_fast(ray_head: LocalHead
     assert "short by GPU 8" in big_logs, big_logs[-3000:]
     assert "actors ready" not in big_logs, big_logs[-3000:]
     assert "The cluster has in total: CPU 2, GPU 0." in big_logs, big_logs[-3000:]
+    assert "warning: logger.log_dir='logs/grpo_tiny_cpu' is relative: in this Ray job it is " in big_logs, big_logs[-3000:]
+    assert "_ray_pkg_" in big_logs.split("logger.log_dir=")[1].split("\n")[0], big_logs[-3000:]  # Ray's unpacked copy
 
     status, _ = ray_head.wait("nl-tiny", timeout_s=240)
     tiny_s = time.monotonic() - start

@@ -28,3 +28,21 @@ def test_train_hands_absolute_run_dirs_resolved_against_the_drivers_cwd(tmp_path
         seen[0].checkpointing.checkpoint_dir,
         seen[0].logger.log_dir,
     )
+
+
+def test_relative_run_dirs_in_a_ray_job_are_warned_about(tmp_path, capsys):
+    """In a submitted job a relative directory lands in Ray's unpacked working dir, deleted with the session."""
+    from nemo_like import train as train_module
+    from nemo_like.distributed.ray_env import JOB_CONFIG_VAR
+
+    cfg = load_config(
+        DEFAULT_RECIPE, ["checkpointing.enabled=true", "checkpointing.checkpoint_dir=results/run1", "logger.log_dir=/abs/logs"]
+    )
+    train_module.warn_relative_run_dirs_in_a_job(cfg, cwd=tmp_path, environ={JOB_CONFIG_VAR: "{}"})
+    err = capsys.readouterr().err
+    assert f"checkpointing.checkpoint_dir='results/run1' is relative: in this Ray job it is {tmp_path / 'results/run1'}" in err
+    assert "logger.log_dir" not in err  # absolute
+    train_module.warn_relative_run_dirs_in_a_job(cfg, cwd=tmp_path, environ={})  # not a job: the driver's cwd is the user's
+    off = load_config(DEFAULT_RECIPE, ["checkpointing.enabled=false", "logger.log_dir=/abs/logs"])
+    train_module.warn_relative_run_dirs_in_a_job(off, cwd=tmp_path, environ={JOB_CONFIG_VAR: "{}"})  # nothing is saved
+    assert capsys.readouterr().err == ""
