@@ -281,7 +281,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     """Print the run plan and the memory plan; exit 3 when a device is over ``--device-memory-gib``."""
     from nemo_like.algorithms.names import check_plugin_names
-    from nemo_like.algorithms.roles import idle_gpus_warning, private_cpus_problem, reserved_gpus_problem, scorer_specs
+    from nemo_like.algorithms.roles import declared_cluster_problem, idle_gpus_warning, scorer_specs
     from nemo_like.algorithms.setup import check_policy_model, multi_turn_warnings
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.models.footprint import memory_report, model_config_here, model_config_warning
@@ -312,7 +312,7 @@ def run_plan(args: argparse.Namespace) -> int:
     plan = plan_on_cluster(cfg, turn_end_ids(cfg))
     lines, fits = memory_report(
         cfg, plan, args.device_memory_gib, peak, mfu, args.model_config, teacher_configs,
-        lambda config: reserved_gpus_problem(config, plan) or private_cpus_problem(config, plan), scorer_specs(cfg),
+        lambda config: declared_cluster_problem(config, plan), scorer_specs(cfg),
     )  # fmt: skip
     if args.model_config and (line := model_config_warning(cfg.policy.model_name, args.model_config)):
         print(f"[plan] warning: {line}", file=sys.stderr, flush=True)  # before the figures it is about

@@ -8,11 +8,12 @@ and checks them against the connected cluster before any actor starts.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from nemo_like.config.schema import ClusterConfig, MasterConfig
 from nemo_like.distributed.capacity import check_cluster_capacity, check_node_placement, private_cluster_hint, sum_resources
-from nemo_like.distributed.worker_group import RoleResources
+from nemo_like.distributed.worker_group import PlacementError, RoleResources, WorkerResources
 from nemo_like.environments.composite import source_placement, split_source
 from nemo_like.environments.worker import environment_resources
 from nemo_like.experience.async_rollouts import async_actor_resources
@@ -46,10 +47,10 @@ def declared_resources(cfg: MasterConfig) -> dict[str, float]:
 def idle_gpus_warning(cfg: MasterConfig, plan: RunPlan) -> str | None:
     """A line when the recipe declares more GPUs (``cluster.num_nodes`` x ``cluster.gpus_per_node``, what a launcher
     allocates) than the run's actors reserve: the rest would sit idle for the whole run (nothing scales
-    ``policy.dp_size`` with the nodes). ``None`` otherwise."""
+    ``policy.dp_size`` with the nodes). ``None`` otherwise, or when the declared nodes cannot place the GPU bundles."""
     declared = declared_resources(cfg).get("GPU", 0.0)
     reserved = sum_resources(r.total() for r in role_requests(cfg, plan)).get("GPU", 0.0)
-    if declared <= reserved:
+    if declared <= reserved or declared_placement_problem(cfg, plan):  # shares that cannot share a GPU leave none idle
         return None
     return (
         f"cluster.num_nodes x cluster.gpus_per_node = {declared:g} GPUs, but the run's actors reserve {reserved:g}: "
@@ -74,6 +75,32 @@ def reserved_gpus_problem(cfg: MasterConfig, plan: RunPlan) -> str | None:
         f"the run's actors reserve {reserved:g} GPUs ({per_role}) but cluster.num_nodes x cluster.gpus_per_node declares "
         f"{declared:g}: short by {reserved - declared:g}"
     )
+
+
+def declared_cluster_problem(cfg: MasterConfig, plan: RunPlan) -> str | None:
+    """Why the run's capacity checks would refuse it on the cluster the recipe declares (``nemo-like plan``'s fit
+    verdict): GPUs short in total, GPU bundles the declared nodes cannot place, CPUs short on a private local cluster;
+    ``None`` when none of them is."""
+    return reserved_gpus_problem(cfg, plan) or declared_placement_problem(cfg, plan) or private_cpus_problem(cfg, plan)
+
+
+def declared_placement_problem(cfg: MasterConfig, plan: RunPlan) -> str | None:
+    """A line when the declared nodes (``cluster.num_nodes`` of ``cluster.gpus_per_node`` GPUs each) cannot place the
+    run's GPU bundles whatever the totals say (:func:`~nemo_like.distributed.capacity.check_node_placement`, the check a
+    run makes once Ray has started: GPU shares above one half that cannot share a GPU, a bundle no node holds, a strict
+    placement strategy). ``None`` when they can, or when the recipe declares no GPU. The nodes' CPUs are not declared:
+    they are not checked here."""
+    if not cfg.cluster.gpus_per_node:
+        return None
+    roles = [  # the GPUs alone: the nodes' CPUs are not declared
+        replace(r, resources=WorkerResources(num_cpus=0.0, num_gpus=r.resources.num_gpus)) for r in role_requests(cfg, plan)
+    ]
+    nodes = [{"GPU": float(cfg.cluster.gpus_per_node)}] * cfg.cluster.num_nodes
+    try:
+        check_node_placement(roles, nodes, placement_strategies(cfg, roles))
+    except PlacementError as exc:
+        return str(exc)
+    return None
 
 
 def private_cpus_problem(cfg: MasterConfig, plan: RunPlan) -> str | None:

@@ -124,7 +124,10 @@ def refuse_checkpoint_as_model(name: str, key: str, trained: bool = True) -> Non
     down; both failed only after the actors started. A :class:`ConfigError` naming ``key`` and the fix. Not
     ``trained`` (a teacher): a LoRA checkpoint's ``policy/`` is a model (its base with the adapters merged), a step
     directory is still refused."""
-    path = Path(resolve_model_path(name)).expanduser()
+    try:
+        path = Path(resolve_model_path(name)).expanduser()
+    except ValueError as exc:  # an embedded: name that is not shipped
+        raise ConfigError(f"{key}={name!r}: {exc}") from None
     if (path / "config.json").is_file():
         return
     model = path / "policy" if (path / "policy").is_dir() else path  # a checkpoint step holds its model in policy/

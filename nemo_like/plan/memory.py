@@ -510,7 +510,7 @@ def with_inline_sampling(cfg: Any, policy: RoleMemory, shape: ModelShape, weight
     logits = batch * shape.vocab * 4
     sampling = kv + logits + weight_copies
     note = (
-        f"activations: the larger of training {policy.activations / GIB:.3f} and inline sampling {sampling / GIB:.3f} "
+        f"activations: the larger of training / logprob passes {policy.activations / GIB:.3f} and inline sampling {sampling / GIB:.3f} "
         f"(kv cache of {batch} sequences {kv / GIB:.3f} + logits {logits / GIB:.3f} + weight copies {weight_copies / GIB:.3f})"
     )
     return replace(
@@ -874,7 +874,8 @@ def _plan_devices(
         roles.append(policy_memory(cfg, params, shape, "reference"))
     if run_plan.logprobs.compute_teacher and teachers:
         roles += [policy_memory(cfg.teacher_config(name), *teachers[name], role) for name, role in teacher_roles(cfg).items()]
-    parameters = sum(math.prod(p.shape) for p in params)
+    merged = cfg.policy.lora_cfg.enabled and run_plan.refit.value != "adapter"  # the engine holds base-shaped weights
+    parameters = sum(math.prod(p.shape) for p in params if not (merged and p.trainable))
     hf_copies = sampler_weight_copies if run_plan.backend.value == "hf" else 0
     roles.append(generation_memory(cfg, run_plan.backend.value, parameters, shape, device_bytes, hf_copies))
     roles += scorers
@@ -1163,11 +1164,12 @@ def fit_advice(
                 for k in ("train_micro_batch_size", "logprob_batch_size")
                 if getattr(pc, k) > 1 and shrinks(_with(cfg, "policy", **{k: 1}))
             ]
-        sizes.append(("max_total_sequence_length", pc.max_total_sequence_length))
+        if shrinks(_with(cfg, "policy", max_total_sequence_length=max(1, pc.max_total_sequence_length // 2))):
+            sizes.append(("max_total_sequence_length", pc.max_total_sequence_length))
         lower = "lower " + " or ".join(f"policy.{k} (now {v})" for k, v in sizes)
-        if dp_short:
+        if sizes and dp_short:
             advice.append(f"{lower}: these need no more GPUs")
-        else:
+        elif sizes:
             why = "every rank shares the node's RAM" if not cluster.gpus_per_node else "the devices over would hold no less"
             advice.append(f"{lower}: a larger policy.dp_size (now {pc.dp_size}) would not help ({why})")
     prompts, per_prompt = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt

@@ -926,6 +926,23 @@ def test_the_plan_command_refuses_what_the_declared_cluster_or_the_models_heads_
     tp4 = ["policy.dp_size=1", "policy.dtensor_cfg.tensor_parallel_size=4", "loss_fn.reference_policy_kl_penalty=0"]
     assert main(["plan", *recipe_1b, *model, *teacher, *tp4]) == 3
     assert "teacher T: policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads=14" in capsys.readouterr().out
+    # GPU shares the declared node cannot place (three of 0.6 on 4 GPUs beside two whole ones: 3.8 <= 4 in total),
+    # which a run refuses once Ray has started; no GPU is idle then
+    shares = [
+        "--config",
+        REWARDS_RECIPE,
+        "cluster.gpus_per_node=4",
+        "env.arithmetic.num_workers=3",
+        "+env.arithmetic.sources.rm.num_gpus=0.6",
+    ]
+    assert main(["plan", *shares, "--device-memory-gib", "8"]) == 3
+    out, err = capsys.readouterr()
+    assert "fits: NO: The cluster cannot place this recipe on its nodes: 3 bundles ask for more than half a GPU" in out, out
+    assert "short by GPU 1" in out and "would stay idle" not in err, (out, err)
+    assert main(["plan", "policy.model_name=embedded:tiny-arith-qwen"]) == 2  # a typo: one line naming the key
+    assert (
+        "error: policy.model_name='embedded:tiny-arith-qwen': 'embedded:tiny-arith-qwen' is not a shipped model" in capsys.readouterr().err
+    )
 
 
 REWARDS_RECIPE = "examples/configs/grpo_tiny_rewards_cpu.yaml"
@@ -952,6 +969,12 @@ def test_a_reward_model_is_planned_with_the_weights_its_actor_loads(precision: s
     assert fits and any(line.startswith("memory on reward_model:arithmetic cuda:0 GPU: ") for line in lines)  # the actor's GPU 0
     lines, fits = memory_report(on_gpu, run_plan, 0.02, None, 0.4, scorers=scorer_specs(on_gpu))  # 20 MiB: all over
     assert fits is False and "reward_model:arithmetic cuda:0 GPU: lower its environment's max_tokens_per_batch" in lines[-1]
+    huge = load_config(
+        REWARDS_RECIPE,
+        ["cluster.gpus_per_node=4", "+env.arithmetic.sources.rm.num_gpus=1", "+env.arithmetic.sources.rm.max_tokens_per_batch=10000000"],
+    )
+    lines, fits = memory_report(huge, decide_run_plan(huge, (), 2), 8, None, 0.4, scorers=scorer_specs(huge))  # the scorer alone over
+    assert fits is False and "max_tokens_per_batch" in lines[-1] and "policy." not in lines[-1], lines[-1]  # no policy advice
     on_cpu = load_config(REWARDS_RECIPE, ["cluster.gpus_per_node=4"])  # num_gpus 0: its node's RAM, no GPU of its own
     lines, _ = memory_report(on_cpu, decide_run_plan(on_cpu, (), 2), 80, None, 0.4, scorers=scorer_specs(on_cpu))
     assert not any("reward_model" in line and "GPU" in line for line in lines)
@@ -1052,3 +1075,18 @@ def test_the_plan_reads_a_cached_hub_models_config(cached_hub_model) -> None:
     assert model_config_path("acme/tiny-chat") == cached_hub_model / "config.json"
     with pytest.raises(ConfigError, match="policy.model_name='acme/other': its config.json is not on this machine"):
         model_config_path("acme/other")
+
+
+def test_a_merged_lora_refit_plans_the_engine_and_its_refit_buffer_with_the_bases_weights(capsys) -> None:
+    """The engine of a merged refit serves base-shaped weights; its parameters and the refit buffer had counted the
+    adapters too (0.015 GiB against the base's 0.004 at dim 256)."""
+    from nemo_like.cli import main
+
+    engine_lines = {}
+    for lora in ((), ("policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=256")):
+        assert main(["plan", "policy.generation.backend=hf", *lora]) == 0
+        out = capsys.readouterr().out.splitlines()
+        engine_lines[lora] = [line.split(" GiB")[0] for line in out if "memory generation" in line or "memory refit buffer" in line]
+        policy = next(line for line in out if "memory policy" in line)
+    assert len(engine_lines[()]) == 2 and engine_lines[lora] == engine_lines[()], engine_lines
+    assert "params 0.015" in policy, policy  # the policy itself holds the adapters
