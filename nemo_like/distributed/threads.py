@@ -15,13 +15,11 @@ def node_cpus(cluster: Any = None) -> int:
     """CPUs of the smallest alive node of the running Ray cluster, capped on this process's own node by the CPUs it
     may use (:func:`local_cores`: its affinity and cgroup CPU quota; a local cluster started with more logical CPUs than
     that does not get more threads). Before
-    Ray starts: what the private cluster ``cluster`` (the ``cluster`` config section) will have, else this machine's
-    cores."""
+    Ray starts: :func:`declared_node_cpus`."""
     import ray
 
     if not ray.is_initialized():
-        declared = getattr(cluster, "num_cpus", None) or local_cores()
-        return max(1, min(declared, local_cores()))
+        return declared_node_cpus(cluster)
     here = ray.get_runtime_context().get_node_id()
     counts = []
     for node in ray.nodes():
@@ -30,6 +28,16 @@ def node_cpus(cluster: Any = None) -> int:
         cpus = int(node["Resources"]["CPU"])
         counts.append(min(cpus, local_cores()) if node.get("NodeID") == here else cpus)
     return max(1, min(counts, default=local_cores()))
+
+
+def declared_node_cpus(cluster: Any = None) -> int:
+    """A node's CPUs before Ray starts: what the private cluster ``cluster`` (the ``cluster`` config section) will have
+    (``cluster.num_cpus``, at most this machine's cores), else this machine's cores; for several nodes, ``num_cpus`` as
+    declared (the nodes are not this machine: a plan of them had changed with the cores of the machine that made it)."""
+    declared = getattr(cluster, "num_cpus", None)
+    if declared and getattr(cluster, "num_nodes", 1) > 1:
+        return declared
+    return max(1, min(declared or local_cores(), local_cores()))
 
 
 def use_threads(num_threads: int) -> None:

@@ -801,6 +801,8 @@ def plan_memory(
     teachers = teachers or {}
     roles, per_device, colocated = _plan_devices(cfg, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies, scorers)
     notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
+    if (node := node_note(cfg, run_plan.threads.cpus)) and NODE_RAM in per_device:
+        notes[NODE_RAM] = node
     over = over_budget(per_device, device_bytes)
     engine = engine_problems(cfg, roles, device_bytes)
     advice = []
@@ -937,6 +939,10 @@ def colocated_note(cfg: Any, roles: list[RoleMemory]) -> str:
     )
 
 
+#: The device of a CPU cluster: a node's RAM, which its workers share.
+NODE_RAM = "each node (RAM)"
+
+
 def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False, node_cpus: int | None = None) -> dict[str, int]:
     """What each device holds: on GPUs every worker has its own (a ``colocated`` vLLM engine shares policy rank 0's:
     :func:`colocated_peak`; a composite actor's reward models placed on one GPU share it, and actors of a fraction of
@@ -962,7 +968,17 @@ def devices(cfg: Any, roles: list[RoleMemory], colocated: bool = False, node_cpu
         workers = sorted((r.total for r in by_role.values() if r.role != REFIT_BUFFER for _ in range(r.workers)), reverse=True)
         buffer = sum(r.total for r in by_role.values() if r.role == REFIT_BUFFER)
         total = max(total, sum(workers[:fit]) + buffer)
-    return {"each node (RAM)": total}
+    return {NODE_RAM: total}
+
+
+def node_note(cfg: Any, node_cpus: int | None) -> str | None:
+    """The node size a CPU cluster's PACK bound assumed (:func:`devices`): ``None`` where no node size entered it."""
+    if not node_cpus or cfg.cluster.num_nodes == 1 or cfg.cluster.placement_strategy not in PACKING_STRATEGIES:
+        return None
+    return (
+        f"{cfg.cluster.placement_strategy}: up to {bundles_per_node(cfg, node_cpus)} workers on one node of {node_cpus} CPUs; "
+        "a run reads the cluster's nodes, a plan before it takes cluster.num_cpus, else this machine's cores"
+    )
 
 
 def over_budget(per_device: dict[str, int], device_bytes: float | None) -> dict[str, str]:

@@ -193,7 +193,10 @@ class ClusterConfig(Section):
     num_nodes: Int = Field(1, gt=0, description="Nodes to use.")
     gpus_per_node: Int = Field(0, ge=0, description="GPUs per node; 0 runs on CPU bundles.")
     num_cpus: Int | None = Field(
-        None, gt=0, description="CPUs for a private local Ray cluster (default: those this process may use, a cgroup CPU quota included)."
+        None,
+        gt=0,
+        description="CPUs for a private local Ray cluster (default: those this process may use, a cgroup CPU quota included); "
+        "with several nodes, each node's CPUs as `nemo-like plan` assumes them (a run reads the cluster's).",
     )
     object_store_memory_mb: Int = Field(512, gt=0, description="Object store size for a private local cluster.")
     ray_address: OptStr = Field(None, description="Join this Ray cluster (default: $RAY_ADDRESS, else start a private local one).")

@@ -14,6 +14,7 @@ from unit.models.test_policy_worker import make_worker, random_batch, with_globa
 
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
+from nemo_like.distributed.threads import declared_node_cpus, local_cores
 from nemo_like.models.footprint import model_footprint, sampler_copy_bytes
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
@@ -383,6 +384,14 @@ def test_a_cpu_nodes_ram_counts_the_workers_packing_may_put_there_and_the_refits
     assert packed.per_device["each node (RAM)"] == sum(heaviest) + buffer
     assert spread.per_device["each node (RAM)"] == sum(r.total * -(-r.workers // 2) for r in spread.roles)
     assert spread.per_device["each node (RAM)"] < packed.per_device["each node (RAM)"]
+    assert "(PACK: up to 4 workers on one node of 2 CPUs; a run reads" in packed.lines()[-1], packed.lines()
+    assert not any("workers on one node" in line for line in spread.lines())
+    # before a cluster is reached its nodes' CPUs are cluster.num_cpus as declared, not capped by this machine's (the
+    # plan of several nodes had changed with the cores of the machine that made it)
+    big = recipe(*two, "cluster.num_cpus=64")
+    assert (declared_node_cpus(big.cluster), declared_node_cpus(recipe("cluster.num_cpus=64").cluster)) == (64, local_cores())
+    big_plan = decide_run_plan(big, (), declared_node_cpus(big.cluster))
+    assert "up to 128 workers on one node of 64 CPUs" in plan_memory(big, big_plan, params, shape).lines()[-1]
     weights = sum(math.prod(p.shape) for p in params)
     buffer = {r.role: r for r in planned("policy.generation.backend=hf").roles}["refit buffer"]
     assert (buffer.total, buffer.workers) == (4 * weights, 1) and "in /dev/shm, kept between refits" in buffer.line()
