@@ -29,7 +29,7 @@ from nemo_like.algorithms.restarts import (
 from nemo_like.algorithms.setup import GRPOComponents, TrainingData, setup_grpo, training_data
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed import faults, supervision
-from nemo_like.distributed.ray_env import in_ray_job
+from nemo_like.distributed.ray_env import job_working_dir
 from nemo_like.distributed.watchdog import RunStalled, StallWatchdog
 from nemo_like.distributed.worker_group import WorkerFailure, actors_not_kept
 from nemo_like.models.loading import check_model_source, check_tokenizer_source, refuse_checkpoint_as_model
@@ -116,10 +116,10 @@ def absolute_run_dirs(cfg: MasterConfig, cwd: str | Path | None = None) -> Maste
 
 def warn_relative_run_dirs_in_a_job(cfg: MasterConfig, cwd: str | Path | None = None, environ: dict[str, str] | None = None) -> None:
     """Warn about a relative ``logger.log_dir`` / ``checkpointing.checkpoint_dir`` (when enabled) in a ``ray job submit``
-    entrypoint: it resolves against the job's working directory, Ray's unpacked copy of ``--working-dir`` inside its
-    session directory, which a new Ray session or a clean-up of the temp dir deletes (with the checkpoints a resubmitted
-    job would resume from)."""
-    if not in_ray_job(environ):
+    entrypoint with a ``--working-dir``: it resolves against Ray's unpacked copy of it inside its session directory,
+    which a new Ray session or a clean-up of the temp dir deletes (with the checkpoints a resubmitted job would resume
+    from). A job without one runs where ``ray start`` ran: not warned about."""
+    if not job_working_dir(environ):
         return
     base = Path(os.getcwd() if cwd is None else cwd)
     keys = {"logger.log_dir": cfg.logger.log_dir}

@@ -20,6 +20,7 @@ import csv
 import glob
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -411,30 +412,45 @@ def _json_kwargs(files: list[Path]) -> dict[str, Any]:
 
 
 def _raw_json_rows(file: Path, keep: set[str]) -> list[dict[str, Any]] | None:
-    """The rows of a plain (uncompressed) JSON or JSON Lines file as Python's ``json`` reads them (a top-level list of
-    objects, or one object a line), each cut to its ``keep`` keys; ``None`` for any other shape (read as ``datasets``
-    reads it, not re-read)."""
-    text = file.read_text(encoding="utf-8-sig")
+    """The rows of a plain (uncompressed) JSON or JSON Lines file as Python's ``json`` reads them (one object a line,
+    a top-level list of objects, or one object), each cut to its ``keep`` keys as it is read; ``None`` for any other
+    shape or text that is not UTF-8 (read as ``datasets`` reads it, not re-read: its errors name the key)."""
+
+    def cut(row: Any) -> dict[str, Any] | None:
+        return {k: v for k, v in row.items() if k in keep} if isinstance(row, dict) else None
+
     try:
-        whole = json.loads(text)
-        rows = whole if isinstance(whole, list) else [whole]  # a JSON Lines file of one row
+        with file.open(encoding="utf-8-sig", newline="\n") as lines:  # lines end at "\n" only: JSON strings may hold
+            rows = [cut(json.loads(line)) for line in lines if line.strip()]  # U+2028, U+2029, U+0085 (and \r) raw
+        if all(row is not None for row in rows):
+            return rows
     except json.JSONDecodeError:
-        try:  # lines end at "\n" only: JSON strings may hold U+2028, U+2029 and U+0085 raw, which splitlines() splits at
-            rows = [json.loads(line) for line in text.split("\n") if line.strip()]
-        except json.JSONDecodeError:
-            return None
-    if rows is None or not all(isinstance(r, dict) for r in rows):
+        pass  # a JSON document over several lines (or a list on one)
+    except UnicodeDecodeError:
         return None
-    return [{k: v for k, v in row.items() if k in keep} for row in rows]
+    try:
+        whole = json.loads(file.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError:
+        return None
+    rows = [cut(row) for row in (whole if isinstance(whole, list) else [whole])]
+    return rows if all(row is not None for row in rows) else None
 
 
 def _split_data_files(path: Path, split: str | None) -> list[Path]:
     """The files ``datasets.load_dataset(path)`` reads for ``split`` (the only split when ``None``), in the order their
-    rows come; ``[]`` when that is not one split."""
-    from datasets.data_files import DataFilesDict, get_data_patterns
+    rows come, as its builder resolves them (split-named files, a README card's ``configs``, other files skipped);
+    ``[]`` when that is not one split."""
+    import datasets
 
-    base = str(path.resolve())
-    by_split = DataFilesDict.from_patterns(get_data_patterns(base), base)
+    card_log = logging.getLogger("huggingface_hub.repocard")  # its notice of a README without metadata: said by the load
+    level = card_log.level
+    card_log.setLevel(logging.ERROR)
+    try:
+        by_split = datasets.load_dataset_builder(str(path.resolve())).config.data_files or {}
+    except Exception:  # noqa: BLE001 - a folder the builder cannot resolve is read as load_dataset reads it, not re-read
+        return []
+    finally:
+        card_log.setLevel(level)
     if split is None:
         split = next(iter(by_split)) if len(by_split) == 1 else None
     return [Path(f) for f in by_split.get(split, [])]
@@ -461,7 +477,7 @@ def json_columns_as_written(ds: Any, source: Source, names: list[str]) -> dict[s
     path = Path(source.data_path)
     if path.is_file():
         files = [path]
-    elif _saved_dataset(path) or _card_declares_subsets(path):
+    elif _saved_dataset(path):
         return {}
     else:
         files = _split_data_files(path, source.split)

@@ -62,6 +62,18 @@ def in_ray_job(environ: Mapping[str, str] | None = None) -> bool:
     return JOB_CONFIG_VAR in (os.environ if environ is None else environ)
 
 
+def job_working_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """The working dir of the job this process runs in (its runtime env's ``working_dir``: ``gcs://_ray_pkg_...zip``
+    once uploaded), unpacked into Ray's session directory as the entrypoint's current directory; ``None`` outside a
+    job or for a job without one (its entrypoint runs where ``ray start`` ran)."""
+    raw = (os.environ if environ is None else environ).get(JOB_CONFIG_VAR)
+    try:
+        working_dir = json.loads(raw or "{}").get("runtime_env", {}).get("working_dir")
+    except (ValueError, AttributeError):
+        return None
+    return working_dir or None
+
+
 def job_submission_id(environ: Mapping[str, str] | None = None) -> str | None:
     """The submission id of the job this process runs in (``raysubmit_...`` or ``--submission-id``)."""
     raw = (os.environ if environ is None else environ).get(JOB_CONFIG_VAR)

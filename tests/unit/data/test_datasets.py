@@ -668,6 +668,10 @@ def test_a_large_integer_answer_read_as_a_float_is_refused(tmp_path, tok) -> Non
     (tmp_path / "latin1.jsonl").write_bytes('{"q": "café", "a": "1"}\n'.encode("latin-1"))
     with pytest.raises(ConfigError, match=r"latin1.jsonl.* is not UTF-8 text .*re-encode it as UTF-8 \(data.train.data_path\)"):
         build(data_cfg(tmp_path / "latin1.jsonl", small), tok)
+    (tmp_path / "latin").mkdir()  # in a folder too (the re-read of a folder's files met it first: a bare error)
+    (tmp_path / "latin" / "rows.jsonl").write_bytes((tmp_path / "latin1.jsonl").read_bytes())
+    with pytest.raises(ConfigError, match=r"latin.* is not UTF-8 text .*re-encode it as UTF-8 \(data.train.data_path\)"):
+        build(data_cfg(tmp_path / "latin", small), tok)
 
 
 def test_a_dataset_cut_by_num_problems_says_so(tmp_path, tok, capsys) -> None:
@@ -1012,10 +1016,11 @@ def test_a_column_mixing_numbers_and_text_keeps_each_text_as_written(tmp_path, t
     expected = {f"Question {i}?": a if isinstance(a, str) else str(a) for i, a in enumerate(answers)}
     expected |= {"123": "x", "Chat?": "y", "Two\u2028lines?": "z"}
     (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "LICENSE").write_text("MIT")  # a file datasets does not read: the re-read had stopped at it
     (tmp_path / "array.json").write_text(json.dumps(items))
     raw = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in items)  # U+2028 written raw, as JSON allows
     (tmp_path / "raw.jsonl").write_text(raw, encoding="utf-8")
-    for path in (tmp_path / "raw.jsonl", write_jsonl(tmp_path / "one" / "rows.jsonl", items), tmp_path / "array.json"):
+    for path in (tmp_path / "raw.jsonl", write_jsonl(tmp_path / "one" / "rows.jsonl", items).parent, tmp_path / "array.json"):
         records = [*build(data_cfg(path, path), tok), *build(data_cfg(path, path), tok, "validation")]
         got = {r.metadata["prompt"]: r.metadata["answer"] for r in records}
         assert got == expected, path
@@ -1034,6 +1039,12 @@ def test_a_column_mixing_numbers_and_text_keeps_each_text_as_written(tmp_path, t
     cfg = data_cfg(shards, shards, train={"split": "train"}, validation={"split": "test"})
     assert {r.metadata["prompt"]: r.metadata["answer"] for r in build(cfg, tok)} == expected | {"Text?": "t"}
     assert {r.metadata["prompt"]: r.metadata["answer"] for r in build(cfg, tok, "validation")} == {"Held out?": "3", "Also?": "x"}
+    # a hub snapshot whose README card declares its files: the card's files, re-read
+    card = tmp_path / "card"
+    card.mkdir()
+    (card / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: rows.jsonl\n---\n")
+    write_jsonl(card / "rows.jsonl", items)
+    assert {r.metadata["prompt"]: r.metadata["answer"] for r in build(data_cfg(card, card), tok)} == expected
 
 
 def test_a_mixed_column_in_json_lines_with_a_blank_line_says_to_remove_it(tmp_path, tok):
