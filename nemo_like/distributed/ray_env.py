@@ -62,27 +62,26 @@ def in_ray_job(environ: Mapping[str, str] | None = None) -> bool:
     return JOB_CONFIG_VAR in (os.environ if environ is None else environ)
 
 
+def _job_config_field(section: str, key: str, environ: Mapping[str, str] | None) -> str | None:
+    """``key`` of ``section`` (``runtime_env``, ``metadata``) in the job config Ray hands a job's entrypoint
+    (:data:`JOB_CONFIG_VAR`); ``None`` outside a job, or where it is not set."""
+    raw = (os.environ if environ is None else environ).get(JOB_CONFIG_VAR)
+    try:
+        return json.loads(raw or "{}").get(section, {}).get(key) or None
+    except (ValueError, AttributeError):
+        return None
+
+
 def job_working_dir(environ: Mapping[str, str] | None = None) -> str | None:
     """The working dir of the job this process runs in (its runtime env's ``working_dir``: ``gcs://_ray_pkg_...zip``
     once uploaded), unpacked into Ray's session directory as the entrypoint's current directory; ``None`` outside a
     job or for a job without one (its entrypoint runs where ``ray start`` ran)."""
-    raw = (os.environ if environ is None else environ).get(JOB_CONFIG_VAR)
-    try:
-        working_dir = json.loads(raw or "{}").get("runtime_env", {}).get("working_dir")
-    except (ValueError, AttributeError):
-        return None
-    return working_dir or None
+    return _job_config_field("runtime_env", "working_dir", environ)
 
 
 def job_submission_id(environ: Mapping[str, str] | None = None) -> str | None:
     """The submission id of the job this process runs in (``raysubmit_...`` or ``--submission-id``)."""
-    raw = (os.environ if environ is None else environ).get(JOB_CONFIG_VAR)
-    if not raw:
-        return None
-    try:
-        return json.loads(raw).get("metadata", {}).get("job_submission_id")
-    except (ValueError, AttributeError):
-        return None
+    return _job_config_field("metadata", "job_submission_id", environ)
 
 
 def address_from_env(environ: Mapping[str, str] | None = None) -> str | None:

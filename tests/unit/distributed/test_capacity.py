@@ -14,7 +14,14 @@ from nemo_like.algorithms.roles import declared_resources
 from nemo_like.config import MasterConfig, load_config
 from nemo_like.config.errors import ConfigError
 from nemo_like.distributed.capacity import check_cluster_capacity, private_cluster_hint, shortfall
-from nemo_like.distributed.ray_env import address_from_env, apply_driver_defaults, in_ray_job, job_submission_id, worker_env_vars
+from nemo_like.distributed.ray_env import (
+    address_from_env,
+    apply_driver_defaults,
+    in_ray_job,
+    job_submission_id,
+    job_working_dir,
+    worker_env_vars,
+)
 from nemo_like.distributed.worker_group import PlacementError
 from nemo_like.models.generation.vllm import vllm_available
 from nemo_like.plan.logprob_passes import LogprobPlan
@@ -159,7 +166,7 @@ def test_a_plain_local_run_starts_a_private_cluster() -> None:
 
 def test_a_submitted_job_joins_its_cluster() -> None:
     assert in_ray_job(JOB_ENV) and address_from_env(JOB_ENV) == "127.0.0.1:6390"
-    assert job_submission_id(JOB_ENV) == "raysubmit_abc"
+    assert job_submission_id(JOB_ENV) == "raysubmit_abc" and job_working_dir(JOB_ENV) == "gcs://_ray_pkg_x.zip"
     without_address = {k: v for k, v in JOB_ENV.items() if k != "RAY_ADDRESS"}
     assert address_from_env(without_address) == "auto"
 
@@ -168,6 +175,7 @@ def test_ray_address_alone_joins_that_cluster() -> None:
     assert address_from_env({"RAY_ADDRESS": "10.0.0.1:6379"}) == "10.0.0.1:6379"
     assert address_from_env({"RAY_ADDRESS": ""}) is None
     assert job_submission_id({"RAY_JOB_CONFIG_JSON_ENV_VAR": "not json"}) is None
+    assert job_working_dir({"RAY_JOB_CONFIG_JSON_ENV_VAR": "not json"}) is job_working_dir({}) is None
 
 
 def test_local_defaults_fill_gaps_only_and_are_taken_back_when_joining(monkeypatch: pytest.MonkeyPatch) -> None:
