@@ -479,7 +479,11 @@ def reference_kl_per_token(
     # Estimators of KL(pi || pi_ref) from log_ratio = log pi_ref - log pi on tokens x ~ pi.
     kl = (estimator or KL_ESTIMATORS.get(cfg.reference_policy_kl_type))(log_ratio)
     baseline = inputs.gen if cfg.use_on_policy_kl_approximation else inputs.curr.detach()
-    weights = torch.nan_to_num(torch.exp(inputs.curr - baseline), nan=0.0, posinf=0.0, neginf=0.0)
+    # A weight past exp's range (a generation logprob of -inf or below ~-88 in float32) or NaN is 0, and so is its
+    # gradient: zeroing exp's value after it (nan_to_num) left exp's infinite derivative, a NaN that skipped the step.
+    log_weight = inputs.curr - baseline
+    finite = torch.isfinite(log_weight.detach()) & (log_weight.detach() < math.log(torch.finfo(log_weight.dtype).max) - 1.0)
+    weights = torch.where(finite, torch.exp(torch.where(finite, log_weight, 0.0)), 0.0)
     pathwise = cfg.reference_policy_kl_type in PATHWISE_KL_ESTIMATORS
     kl = kl * (weights.detach() if pathwise else torch.where(input_clamped, weights.detach(), weights))
     if cfg.kl_output_clamp_value is not None:

@@ -364,6 +364,12 @@ def test_on_policy_kl_approximation_weights_by_curr_over_gen() -> None:
     assert float(loss) == pytest.approx(0.0375)
     # d/dc [w k3] = w (k3 + dk3/dc) = 1.5 * (-x)
     torch.testing.assert_close(grad, _grad([[0.1 * 1.5 * -LOG(2) / 2, 0.1 * 1.5 * LOG(2) / 2]]))
+    # a generation logprob of -inf (past exp's range): that token's weight is 0, its gradient 0, the others' finite
+    # (the weight had been zeroed after exp, whose infinite derivative made the whole gradient NaN)
+    for extreme in (-math.inf,):
+        loss, m, grad = _run(cfg, *_kl_batch([[extreme, KL_CURR[0][1] - LOG(1.5)]]))
+        assert m["kl_penalty"] == pytest.approx(1.5 * (0.5 - 1 + LOG(2)) / 2)  # the other token's weighted k3, over both
+        torch.testing.assert_close(grad, _grad([[0.0, 0.1 * 1.5 * LOG(2) / 2]]))
 
 
 def test_kl_input_and_output_clamps_zero_the_gradient() -> None:
