@@ -268,6 +268,13 @@ class MasterConfig(BaseModel):
                 "gradient are estimated under the sampler's distribution, not pi_curr's (biased); set it to true"
             )
         lines += self.data.no_effect_warnings()
+        warmup, optimizer_steps = self.policy.scheduler.warmup_steps, self.grpo.max_num_steps * self.optimizer_steps_per_rollout
+        if warmup >= optimizer_steps > 0:  # warm-up lr factor (step + 1) / (warmup + 1), 0-based steps
+            lines.append(
+                f"policy.scheduler.warmup_steps={warmup} is not shorter than the run's {optimizer_steps} optimizer steps "
+                f"(grpo.max_num_steps x {self.optimizer_steps_per_rollout} per rollout): its last step trains at "
+                f"{optimizer_steps / (warmup + 1):.3g} x policy.optimizer.lr, never at the peak"
+            )
         val_rows, val_cap = self.data.validation.num_problems, self.grpo.max_val_samples
         if val_rows is not None and val_rows > val_cap:  # null (all rows): the cut, if any, is printed where it happens
             lines.append(

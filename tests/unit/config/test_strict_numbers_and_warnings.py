@@ -563,3 +563,19 @@ def test_seeds_outside_what_the_samplers_take_are_refused_by_key(key: str, value
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}: Input should be {bound}"):
         load_config(None, [f"{key}={value}"], warn=False)
     assert load_config(None, ["grpo.seed=4294967295"], warn=False).grpo.seed == 2**32 - 1
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about() -> None:
+    """policy.scheduler.warmup_steps=1000 in a 100-step run trained every step below a tenth of policy.optimizer.lr,
+    and nothing said so. The lr factor of 0-based optimizer step s is (s + 1) / (warmup + 1)."""
+
+    def warmup_lines(overrides: list[str]) -> list[str]:
+        return [w for w in load_config(None, overrides, warn=False).no_effect_warnings() if w.startswith("policy.scheduler")]
+
+    assert warmup_lines(["policy.scheduler.warmup_steps=1000", "grpo.max_num_steps=100"]) == [
+        "policy.scheduler.warmup_steps=1000 is not shorter than the run's 100 optimizer steps (grpo.max_num_steps x 1 per "
+        "rollout): its last step trains at 0.0999 x policy.optimizer.lr, never at the peak"
+    ]
+    assert warmup_lines(["policy.scheduler.warmup_steps=99", "grpo.max_num_steps=100"]) == []  # step 99 trains at the peak
+    two_per_rollout = ["policy.scheduler.warmup_steps=150", "grpo.max_num_steps=100", "policy.train_global_batch_size=32"]
+    assert warmup_lines(two_per_rollout) == []  # 200 optimizer steps
