@@ -35,7 +35,7 @@ def import_object(path: str) -> object:
         else:
             module = importlib.import_module(module_name)
     except (ImportError, OSError) as exc:
-        raise ValueError(f"cannot import {module_name!r} (from {path!r}): {exc}") from None
+        raise ValueError(f"cannot import {module_name!r} (from {path!r}): {exc}{_not_on_path_hint(exc)}") from None
     obj: object = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -43,6 +43,21 @@ def import_object(path: str) -> object:
             raise ValueError(f"{module_name!r} has no attribute {attr!r}.{did_you_mean(part, names)}")
         obj = getattr(obj, part)
     return obj
+
+
+def _not_on_path_hint(exc: BaseException) -> str:
+    """A hint when a module that is not found sits in the working directory, which is not on ``sys.path`` under the
+    ``nemo-like`` command (``python -m`` puts it there)."""
+    top = (getattr(exc, "name", None) or "").split(".")[0]
+    here = Path.cwd()
+    if not isinstance(exc, ModuleNotFoundError) or not top or not ((here / top).is_dir() or (here / f"{top}.py").is_file()):
+        return ""
+    if any(Path(entry or ".").resolve() == here for entry in sys.path):
+        return ""
+    return (
+        f"; {top!r} is in the working directory {here}, which is not on the import path of the nemo-like command: run "
+        "with PYTHONPATH=$PWD (the actors inherit it), or name the file (path/to/module.py:object)"
+    )
 
 
 #: Held while a file module executes: agent sessions run on threads and import their helpers by file path at the

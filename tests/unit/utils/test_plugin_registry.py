@@ -54,6 +54,24 @@ def test_errors_are_config_errors_naming_the_key(name: str, message: str) -> Non
     assert message in str(excinfo.value)
 
 
+def test_a_module_in_the_working_directory_off_the_import_path_gets_the_fix(tmp_path: Path, monkeypatch) -> None:
+    """The nemo-like command does not put the working directory on sys.path (``python -m`` does): the docs' own
+    ``my_project.estimators:best_of_group`` failed with a bare 'No module named' from there."""
+    import sys
+
+    (tmp_path / "my_project_x").mkdir()
+    (tmp_path / "my_project_x" / "widgets.py").write_text("def f(x):\n    return x\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != tmp_path.resolve()])
+    with pytest.raises(PluginNameError, match=r"'my_project_x' is in the working directory .* PYTHONPATH=\$PWD"):
+        make().get("my_project_x.widgets:f")
+    with pytest.raises(PluginNameError) as elsewhere:  # a package that is nowhere: no hint
+        make().get("no_such_pkg_xyz.mod:fn")
+    assert "PYTHONPATH" not in str(elsewhere.value)
+    monkeypatch.syspath_prepend(str(tmp_path))  # on the path: it imports
+    assert make().get("my_project_x.widgets:f")(4) == 4
+
+
 def test_the_key_can_be_given_per_lookup_and_messages_customised() -> None:
     registry: Registry = Registry("gadget", "x", unknown=lambda name, key, names: f"{key}: no {name!r} among {names}")
     registry.add("a", double)
