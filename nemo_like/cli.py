@@ -309,7 +309,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print("[plan] warning: --mfu has no effect without --peak-tflops (no step time is estimated)", file=sys.stderr, flush=True)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     mfu = DEFAULT_MFU if args.mfu is None else args.mfu
-    plan = plan_on_cluster(cfg, turn_end_ids(cfg))
+    plan = plan_on_cluster(cfg, turn_end_ids(cfg), planning_only=True)
     lines, fits = memory_report(
         cfg, plan, args.device_memory_gib, peak, mfu, args.model_config, teacher_configs,
         lambda config: declared_cluster_problem(config, plan), scorer_specs(cfg),

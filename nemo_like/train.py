@@ -118,10 +118,11 @@ def warn_relative_run_dirs_in_a_job(cfg: MasterConfig, cwd: str | Path | None = 
     """Warn about a relative ``logger.log_dir`` / ``checkpointing.checkpoint_dir`` (when enabled) in a ``ray job submit``
     entrypoint with a ``--working-dir``: it resolves against Ray's unpacked copy of it inside its session directory,
     which a new Ray session or a clean-up of the temp dir deletes (with the checkpoints a resubmitted job would resume
-    from). A job without one runs where ``ray start`` ran: not warned about."""
-    if not job_working_dir(environ):
-        return
+    from). A job without one runs where ``ray start`` ran, and an entrypoint that changed directory out of the copy is
+    elsewhere: not warned about."""
     base = Path(os.getcwd() if cwd is None else cwd)
+    if not job_working_dir(environ) or "working_dir_files" not in base.parts:  # not in Ray's unpacked copy (cd'd out)
+        return
     keys = {"logger.log_dir": cfg.logger.log_dir}
     if cfg.checkpointing.enabled:
         keys["checkpointing.checkpoint_dir"] = cfg.checkpointing.checkpoint_dir

@@ -15,11 +15,12 @@ def node_cpus(cluster: Any = None) -> int:
     """CPUs of the smallest alive node of the running Ray cluster, capped on this process's own node by the CPUs it
     may use (:func:`local_cores`: its affinity and cgroup CPU quota; a local cluster started with more logical CPUs than
     that does not get more threads). Before
-    Ray starts: :func:`declared_node_cpus`."""
+    Ray starts: what the private cluster ``cluster`` (the ``cluster`` config section) will have, else this machine's
+    cores (``nemo-like plan`` of several nodes: :func:`declared_node_cpus`)."""
     import ray
 
-    if not ray.is_initialized():
-        return declared_node_cpus(cluster)
+    if not ray.is_initialized():  # a run's private cluster is this machine, whatever cluster.num_nodes says
+        return max(1, min(getattr(cluster, "num_cpus", None) or local_cores(), local_cores()))
     here = ray.get_runtime_context().get_node_id()
     counts = []
     for node in ray.nodes():
@@ -31,9 +32,9 @@ def node_cpus(cluster: Any = None) -> int:
 
 
 def declared_node_cpus(cluster: Any = None) -> int:
-    """A node's CPUs before Ray starts: what the private cluster ``cluster`` (the ``cluster`` config section) will have
-    (``cluster.num_cpus``, at most this machine's cores), else this machine's cores; for several nodes, ``num_cpus`` as
-    declared (the nodes are not this machine: a plan of them had changed with the cores of the machine that made it)."""
+    """A node's CPUs as ``nemo-like plan`` takes them, with no cluster reached: for several nodes ``cluster.num_cpus``
+    as declared (the nodes are not this machine: a plan of them had changed with the cores of the machine that made
+    it), else :func:`node_cpus` before Ray starts (the private cluster on this machine)."""
     declared = getattr(cluster, "num_cpus", None)
     if declared and getattr(cluster, "num_nodes", 1) > 1:
         return declared

@@ -49,10 +49,17 @@ def _not_on_path_hint(exc: BaseException) -> str:
     """A hint when a module that is not found sits in the working directory, which is not on ``sys.path`` under the
     ``nemo-like`` command (``python -m`` puts it there)."""
     top = (getattr(exc, "name", None) or "").split(".")[0]
-    here = Path.cwd()
-    if not isinstance(exc, ModuleNotFoundError) or not top or not ((here / top).is_dir() or (here / f"{top}.py").is_file()):
+    if not isinstance(exc, ModuleNotFoundError) or not top:
         return ""
-    if any(Path(entry or ".").resolve() == here for entry in sys.path):
+    try:
+        if top in sys.modules or importlib.util.find_spec(top) is not None:
+            return ""  # the package imports (a submodule is missing): not a path problem
+        here = Path.cwd()
+        if not ((here / top).is_dir() or (here / f"{top}.py").is_file()):
+            return ""
+        if any(Path(entry or ".").resolve() == here for entry in sys.path):
+            return ""
+    except (ImportError, ValueError, OSError):  # a deleted working directory, an unreadable one: the plain error
         return ""
     return (
         f"; {top!r} is in the working directory {here}, which is not on the import path of the nemo-like command: run "

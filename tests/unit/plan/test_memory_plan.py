@@ -14,7 +14,7 @@ from unit.models.test_policy_worker import make_worker, random_batch, with_globa
 
 from nemo_like.config import DEFAULT_RECIPE, load_config
 from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
-from nemo_like.distributed.threads import declared_node_cpus, local_cores
+from nemo_like.distributed.threads import declared_node_cpus, local_cores, node_cpus
 from nemo_like.models.footprint import model_footprint, sampler_copy_bytes
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
@@ -390,6 +390,7 @@ def test_a_cpu_nodes_ram_counts_the_workers_packing_may_put_there_and_the_refits
     # plan of several nodes had changed with the cores of the machine that made it)
     big = recipe(*two, "cluster.num_cpus=64")
     assert (declared_node_cpus(big.cluster), declared_node_cpus(recipe("cluster.num_cpus=64").cluster)) == (64, local_cores())
+    assert node_cpus(big.cluster) <= local_cores()  # a run's threads: its private cluster is this machine, or Ray's nodes
     big_plan = decide_run_plan(big, (), declared_node_cpus(big.cluster))
     assert "up to 128 workers on one node of 64 CPUs" in plan_memory(big, big_plan, params, shape).lines()[-1]
     weights = sum(math.prod(p.shape) for p in params)

@@ -68,6 +68,10 @@ def test_a_module_in_the_working_directory_off_the_import_path_gets_the_fix(tmp_
     with pytest.raises(PluginNameError) as elsewhere:  # a package that is nowhere: no hint
         make().get("no_such_pkg_xyz.mod:fn")
     assert "PYTHONPATH" not in str(elsewhere.value)
+    (tmp_path / "yaml").mkdir()  # a checkout of an installed package: a missing submodule is a typo, not the path
+    with pytest.raises(PluginNameError) as typo:
+        make().get("yaml.no_such_submodule:f")
+    assert "PYTHONPATH" not in str(typo.value)
     monkeypatch.syspath_prepend(str(tmp_path))  # on the path: it imports
     assert make().get("my_project_x.widgets:f")(4) == 4
 
