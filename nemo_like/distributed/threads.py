@@ -20,7 +20,7 @@ def node_cpus(cluster: Any = None) -> int:
     import ray
 
     if not ray.is_initialized():  # a run's private cluster is this machine, whatever cluster.num_nodes says
-        return max(1, min(getattr(cluster, "num_cpus", None) or local_cores(), local_cores()))
+        return _private_cluster_cpus(cluster)
     here = ray.get_runtime_context().get_node_id()
     counts = []
     for node in ray.nodes():
@@ -38,7 +38,12 @@ def declared_node_cpus(cluster: Any = None) -> int:
     declared = getattr(cluster, "num_cpus", None)
     if declared and getattr(cluster, "num_nodes", 1) > 1:
         return declared
-    return max(1, min(declared or local_cores(), local_cores()))
+    return _private_cluster_cpus(cluster)
+
+
+def _private_cluster_cpus(cluster: Any) -> int:
+    """The CPUs of a private local cluster: ``cluster.num_cpus``, at most this machine's cores."""
+    return max(1, min(getattr(cluster, "num_cpus", None) or local_cores(), local_cores()))
 
 
 def use_threads(num_threads: int) -> None:

@@ -54,10 +54,8 @@ def _not_on_path_hint(exc: BaseException) -> str:
     try:
         if top in sys.modules or importlib.util.find_spec(top) is not None:
             return ""  # the package imports (a submodule is missing): not a path problem
-        here = Path.cwd()
+        here = Path.cwd()  # not on sys.path, or find_spec would have found it there
         if not ((here / top).is_dir() or (here / f"{top}.py").is_file()):
-            return ""
-        if any(Path(entry or ".").resolve() == here for entry in sys.path):
             return ""
     except (ImportError, ValueError, OSError):  # a deleted working directory, an unreadable one: the plain error
         return ""
