@@ -4,7 +4,8 @@ teacher of the distillation demo (``examples/configs/distill_tiny_cpu.yaml``).
 
 It runs ``nemo-like train`` exactly as ``make demo`` does (the default recipe, 100 steps, seed 42: held-out accuracy
 0.223 -> 0.691, bitwise reproducible run to run on one stack; the weights move with the kernels' rounding: a rebuild
-on 2026-12-05 differed from the shipped ones by at most 2.2e-5, with the same accuracies), with a checkpoint after the last step, then copies that
+on 2026-12-05 differed from the shipped ones by at most 2.2e-5, one on an Intel Xeon on 2026-12-07 by 7.8e-5, with the same
+accuracies; ``--out`` is replaced whole, so it must be new, empty or a teacher this script wrote), with a checkpoint after the last step, then copies that
 checkpoint's HF-format ``policy/`` and the tokenizer into the asset directory and records the run's validation
 accuracy in ``build_info.json``.
 
@@ -57,6 +58,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--work", type=Path, default=None, help="where the run's logs and checkpoint go (default: a temp dir)")
     args = parser.parse_args()
+    if args.out.exists() and any(args.out.iterdir()) and not (args.out / "build_info.json").is_file():
+        parser.error(
+            f"--out {args.out} holds files and is not a teacher this script wrote (no build_info.json), which it replaces whole: pass a new or empty directory"
+        )
     from nemo_like.models.assets import default_model_path
     from nemo_like.models.loading import load_tokenizer
 
