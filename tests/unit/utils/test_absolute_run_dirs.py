@@ -45,9 +45,9 @@ def test_relative_run_dirs_in_a_ray_job_are_warned_about(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"checkpointing.checkpoint_dir='results/run1' is relative: in this Ray job it is {unpacked / 'results/run1'}" in err
     assert "logger.log_dir" not in err  # absolute
-    train_module.warn_relative_run_dirs_in_a_job(cfg, cwd=tmp_path, environ={})  # not a job: the driver's cwd is the user's
+    train_module.warn_relative_run_dirs_in_a_job(cfg, cwd=unpacked, environ={})  # not a job: the driver's cwd is the user's
     no_working_dir = {JOB_CONFIG_VAR: json.dumps({"runtime_env": {}, "metadata": {}})}  # it runs where `ray start` ran
-    train_module.warn_relative_run_dirs_in_a_job(cfg, cwd=tmp_path, environ=no_working_dir)
+    train_module.warn_relative_run_dirs_in_a_job(cfg, cwd=unpacked, environ=no_working_dir)
     train_module.warn_relative_run_dirs_in_a_job(cfg, cwd=tmp_path, environ=job)  # the entrypoint cd'd out of the copy
     off = load_config(DEFAULT_RECIPE, ["checkpointing.enabled=false", "logger.log_dir=/abs/logs"])
     train_module.warn_relative_run_dirs_in_a_job(off, cwd=unpacked, environ=job)  # nothing is saved
