@@ -225,6 +225,11 @@ class Surrogate(NamedTuple):
 SurrogateFn = Callable[[torch.Tensor, LossInputs, ClippedPGLossConfig], Surrogate]
 
 
+def exp_limit(dtype: torch.dtype) -> float:
+    """The largest ``x`` whose ``exp(x)`` stays a margin (a factor e) inside ``dtype``'s range (~87.7 in float32)."""
+    return math.log(torch.finfo(dtype).max) - 1.0
+
+
 def ratio_of(log_ratio: torch.Tensor, advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(exp(log_ratio), held)``: where ``|A| r`` could overflow the loss (its dtype's largest value over e and over
     the tokens of the batch, so that their sum cannot either; a log-ratio above ~77 nats in float32 at 64k tokens and
@@ -232,7 +237,7 @@ def ratio_of(log_ratio: torch.Tensor, advantages: torch.Tensor | None = None) ->
     clipped token's zero gradient (or an importance weight of 0) times inf was a NaN that skipped the whole step; just
     below it, ``-A r`` overflowed instead. A held token gets no gradient (as the KL term's overflowing tokens), its loss
     is held at 0 by the surrogates and it counts as clipped; ``advantages``: the ``A`` the ratio is multiplied by."""
-    limit = math.log(torch.finfo(log_ratio.dtype).max) - 1.0 - math.log(max(log_ratio.numel(), 1))
+    limit = exp_limit(log_ratio.dtype) - math.log(max(log_ratio.numel(), 1))
     size = log_ratio.detach() if advantages is None else log_ratio.detach() + advantages.detach().abs().clamp(min=1.0).log()
     held = size > limit
     kept = torch.where(held, log_ratio.detach().clamp(max=limit), log_ratio)  # no host sync on a GPU
@@ -473,7 +478,7 @@ def reference_kl_per_token(
         log_ratio = log_ratio.clamp(-bound, bound)
     # Past exp's range (no input clamp) k3's value is inf and its derivative too: the output clamp's zero gradient times
     # inf made a NaN that skipped the whole step. Such a token is treated as clamped: its value detached, no gradient.
-    overflow = log_ratio.detach() > math.log(torch.finfo(log_ratio.dtype).max) - 1.0
+    overflow = log_ratio.detach() > exp_limit(log_ratio.dtype)
     log_ratio = torch.where(overflow, log_ratio.detach(), log_ratio)  # no host sync on a GPU: always
     input_clamped = input_clamped | overflow
     # Estimators of KL(pi || pi_ref) from log_ratio = log pi_ref - log pi on tokens x ~ pi.
@@ -482,7 +487,7 @@ def reference_kl_per_token(
     # A weight past exp's range (a generation logprob of -inf or below ~-88 in float32) or NaN is 0, and so is its
     # gradient: zeroing exp's value after it (nan_to_num) left exp's infinite derivative, a NaN that skipped the step.
     log_weight = inputs.curr - baseline
-    finite = torch.isfinite(log_weight.detach()) & (log_weight.detach() < math.log(torch.finfo(log_weight.dtype).max) - 1.0)
+    finite = torch.isfinite(log_weight.detach()) & (log_weight.detach() < exp_limit(log_weight.dtype))
     weights = torch.where(finite, torch.exp(torch.where(finite, log_weight, 0.0)), 0.0)
     pathwise = cfg.reference_policy_kl_type in PATHWISE_KL_ESTIMATORS
     kl = kl * (weights.detach() if pathwise else torch.where(input_clamped, weights.detach(), weights))

@@ -436,24 +436,28 @@ def _raw_json_rows(file: Path, keep: set[str]) -> list[dict[str, Any]] | None:
     return rows if all(row is not None for row in rows) else None
 
 
-def _split_data_files(path: Path, split: str | None) -> list[Path]:
-    """The files ``datasets.load_dataset(path)`` reads for ``split`` (the only split when ``None``), in the order their
-    rows come, as its builder resolves them (split-named files, a README card's ``configs``, other files skipped);
-    ``[]`` when that is not one split."""
+def _builder_data_files(path: Path, load_kwargs: dict[str, Any] | None = None) -> dict[str, list[str]]:
+    """The data files ``datasets.load_dataset(path, **load_kwargs)`` reads, by split, in the order their rows come, as
+    its builder resolves them (split-named files, a README card's ``configs``, other files skipped)."""
     import datasets
 
     card_log = logging.getLogger("huggingface_hub.repocard")  # its notice of a README without metadata: said by the load
     level = card_log.level
     card_log.setLevel(logging.ERROR)
     try:
-        by_split = datasets.load_dataset_builder(str(path.resolve())).config.data_files or {}
-    except Exception:  # noqa: BLE001 - a folder the builder cannot resolve is read as load_dataset reads it, not re-read
-        return []
+        return dict(datasets.load_dataset_builder(str(path), **(load_kwargs or {})).config.data_files or {})
     finally:
         card_log.setLevel(level)
-    if split is None:
-        split = next(iter(by_split)) if len(by_split) == 1 else None
-    return [Path(f) for f in by_split.get(split, [])]
+
+
+def _split_data_files(path: Path, source: Source) -> list[Path]:
+    """The files ``datasets`` reads for ``source``'s split of folder ``path`` (:func:`_builder_data_files`, the split
+    :func:`_chosen_split` picks); ``[]`` when that is not one split, or the builder cannot resolve the folder."""
+    try:
+        by_split = _builder_data_files(path.resolve())
+    except Exception:  # noqa: BLE001 - a folder the builder cannot resolve is read as load_dataset reads it, not re-read
+        return []
+    return [Path(f) for f in by_split.get(_chosen_split(list(by_split), source), [])]
 
 
 def json_columns_as_written(ds: Any, source: Source, names: list[str]) -> dict[str, list[Any]]:
@@ -480,7 +484,7 @@ def json_columns_as_written(ds: Any, source: Source, names: list[str]) -> dict[s
     elif _saved_dataset(path):
         return {}
     else:
-        files = _split_data_files(path, source.split)
+        files = _split_data_files(path, source)
     if not files or not all(map(_plain_json_file, files)):
         return {}
     reread = names if path.is_dir() else [name for name in names if _holds_json(ds.features.get(name), datasets.Json)]
@@ -625,15 +629,12 @@ def _refuse_skipped_files(path: Path, source: Source, key: str, load_kwargs: dic
     """Raise when ``datasets`` would leave out data files of directory ``path``: it splits a directory by file names
     (``train.jsonl`` beside ``extra.jsonl`` reads only the first) and reads one file type (the most common), silently.
     With a subset chosen by the card (README), the card's patterns decide and nothing is checked."""
-    import datasets
-
     if source.config is not None and "data_dir" not in load_kwargs:
         return
     if "data_dir" not in load_kwargs and _card_declares_subsets(path):  # the card's default subset, by its patterns
         return
     root = path / load_kwargs["data_dir"] if "data_dir" in load_kwargs else path
-    builder = datasets.load_dataset_builder(str(path), **load_kwargs)
-    used = {Path(file).resolve() for files in (builder.config.data_files or {}).values() for file in files}
+    used = {Path(file).resolve() for files in _builder_data_files(path, load_kwargs).values() for file in files}
     skipped = [str(file) for file in directory_data_files(root) if file.resolve() not in used]
     if skipped:
         raise ConfigError(
@@ -651,11 +652,16 @@ def _subset_kwargs(path: Path, config: str | None) -> dict[str, Any]:
     return {"data_dir": config} if (path / config).is_dir() else {"name": config}
 
 
+def _chosen_split(splits: list[str], source: Source) -> str | None:
+    """The split a source reads of ``splits``: its ``split``, else the only one (``None`` when there are several)."""
+    return source.split if source.split is not None else (splits[0] if len(splits) == 1 else None)
+
+
 def _pick_split(ds, source: Source, key: str):
     import datasets
 
     if isinstance(ds, datasets.DatasetDict):
-        split = source.split if source.split is not None else (next(iter(ds)) if len(ds) == 1 else None)
+        split = _chosen_split(list(ds), source)
         if split not in ds:
             role_key = f"data.{source.role}.split"
             raise ConfigError(f"{key}: {source.data_path!r} holds splits {sorted(ds)}; choose one with {role_key}")
