@@ -143,16 +143,14 @@ def test_a_pause_or_stop_at_the_data_end_is_served(ray_cluster) -> None:
 def test_a_failed_last_push_is_a_failure_not_the_data_end(ray_cluster) -> None:
     """The loop marked the data exhausted after a failed push: the trainer's take raised DataExhausted, a normal end,
     and the lost batch and its error went unreported."""
-    from nemo_like.data.prompts import DataExhausted
-
     reference = Reference(fail=True)
     collector, buffer, loop = collector_at_data_end(reference)
     reference.release.set()
     loop.join(30)
     assert not loop.is_alive() and "reference worker died" in str(collector.failure)
-    with pytest.raises(Exception) as taken:  # the buffer was never told the data ended: no step 2 arrives
+    # the buffer was never told the data ended: the take still waits for step 2 (DataExhausted would be a normal end)
+    with pytest.raises(ray.exceptions.GetTimeoutError):
         ray.get(buffer.take.remote(2, 0), timeout=3)
-    assert not isinstance(taken.value, DataExhausted)
 
 
 def test_a_refit_pause_of_a_collector_held_by_the_bound_is_pacing_not_held_generation(ray_cluster) -> None:
