@@ -266,17 +266,30 @@ def test_evals_over_consecutive_seeds_share_no_request_seed() -> None:
     assert set(prompt_seeds(0, requests)) & set(prompt_seeds(1, requests))  # the overlap the hash removes
 
 
-def test_eval_results_replace_an_earlier_evals_whole_and_the_output_dir_may_hold_the_model(tmp_path) -> None:
+def test_eval_results_replace_an_earlier_evals_whole_and_the_output_dir_may_hold_the_model(tmp_path, monkeypatch) -> None:
     """An interrupted write had left new rows beside the earlier eval's summary (written in place, summary last); an
     output_dir with the evaluated model somewhere below it was refused though eval writes nothing there."""
+    from nemo_like.evaluation import run
     from nemo_like.evaluation.run import refuse_results_over_model, write_results
 
     (tmp_path / "summary.json").write_text('{"model": "OLD"}')
     (tmp_path / "results.jsonl").write_text('{"old": 1}\n')
     unwritable = {"prompt_id": "p", "reward": object()}  # json cannot write it: nothing may change
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="not JSON serializable"):
         write_results(tmp_path, [{"prompt_id": "q"}, unwritable], {"model": "NEW"}, "config: 1\n")
     assert (tmp_path / "summary.json").read_text() == '{"model": "OLD"}' and (tmp_path / "results.jsonl").read_text() == '{"old": 1}\n'
+    real_replace = run.replace_file
+
+    def interrupted_before_the_summary(path, text):
+        if Path(path).name == "summary.json":
+            raise KeyboardInterrupt
+        return real_replace(path, text)
+
+    monkeypatch.setattr(run, "replace_file", interrupted_before_the_summary)
+    with pytest.raises(KeyboardInterrupt):  # the new rows are in, the new summary is not: no summary at all
+        write_results(tmp_path, [{"prompt_id": "q"}], {"model": "NEW"}, "config: 1\n")
+    assert not (tmp_path / "summary.json").exists() and (tmp_path / "results.jsonl").read_text() == '{"prompt_id": "q"}\n'
+    monkeypatch.setattr(run, "replace_file", real_replace)
     summary = {"model": "NEW", "num_prompts": 1, "num_samples_per_prompt": 1, "greedy": False, "accuracy": 1.0}
     summary.update(mean_reward=1.0, accuracy_per_task={"t": 1.0}, env_metrics={})
     write_results(tmp_path, [{"prompt_id": "q"}], summary, "config: 1\n")

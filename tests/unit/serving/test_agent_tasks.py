@@ -284,14 +284,27 @@ def test_bad_seeds_prompts_and_rewards_are_400s_and_a_sessions_seed_beats_the_ag
     assert len(set(drawn)) > 1
 
 
-def test_a_server_that_cannot_bind_releases_its_socket_and_engine_thread(server) -> None:
+def test_a_server_that_cannot_bind_releases_its_socket_and_engine_thread(server, monkeypatch) -> None:
+    import socket
+
+    from nemo_like.serving import server as server_module
     from nemo_like.serving.server import RolloutServer, ServerConfig
+
+    opened: list[socket.socket] = []
+    real_socket = socket.socket
+
+    def recorded_socket(*args, **kwargs) -> socket.socket:
+        opened.append(real_socket(*args, **kwargs))
+        return opened[-1]
 
     engine_threads = lambda: sum(t.name == "rollout-server-engine" for t in threading.enumerate())  # noqa: E731
     before = engine_threads()
     clash = RolloutServer(server.queue.engine, server.service.renderer.tokenizer, ServerConfig(port=server.port))
-    with pytest.raises(OSError):
+    monkeypatch.setattr(server_module.socket, "socket", recorded_socket)
+    with pytest.raises(OSError, match="in use"):
         clash.start()
+    monkeypatch.undo()
+    assert opened and all(sock.fileno() == -1 for sock in opened)  # every socket the failed start opened is closed
     assert engine_threads() == before
 
 

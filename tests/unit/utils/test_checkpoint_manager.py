@@ -218,8 +218,9 @@ def test_a_resave_killed_between_its_two_renames_keeps_step_n(tmp_path, monkeypa
 
 def test_metric_key_and_incompatible_differences():
     assert metric_key("val:accuracy") == "validation/accuracy" and metric_key("train:reward") == "train/reward"
-    with pytest.raises(ValueError):
-        metric_key("accuracy")
+    for bad in ("accuracy", "val:", "valid:accuracy"):
+        with pytest.raises(ValueError, match=rf"checkpointing.metric_name must look like 'val:<metric>'.*got '{bad}'"):
+            metric_key(bad)
     saved = {"policy": {"model_name": "a", "optimizer": {"lr": 1}}, "grpo": {"num_prompts_per_step": 8, "max_num_steps": 3}}
     current = {"policy": {"model_name": "b", "optimizer": {"lr": 2}}, "grpo": {"num_prompts_per_step": 4, "max_num_steps": 6}}
     diffs = incompatible_differences(saved, current)
