@@ -410,6 +410,7 @@ def test_the_exit_status_is_written_where_the_launcher_asks(tmp_path, monkeypatc
     monkeypatch.setenv("NEMO_LIKE_EXIT_STATUS_FILE", str(status_file))
     assert main(["plan", "--mfu", "0", "--peak-tflops", "100"]) == 2
     assert status_file.read_text() == "2\n"
+    status_file.write_text("stale\n")  # the call above wrote 2: the usage error must write its own
     with pytest.raises(SystemExit):
         main(["plan", "--no-such-flag"])  # argparse's usage error: SystemExit(2)
     assert status_file.read_text() == "2\n"

@@ -109,11 +109,11 @@ def test_problem_is_frozen() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="split must be 'train' or 'validation', got 'test'"):
         make_arithmetic_problems(3, 0, "test")  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n must be >= 0, got -1"):
         make_arithmetic_problems(-1, 0, "train")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unsupported op '/'"):
         compute_answer("/", 1, 2)
     assert make_arithmetic_problems(0, 0, "train") == []
 
