@@ -45,6 +45,7 @@ from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 from nemo_like.plan.memory import tensor_parallel_problems
 from nemo_like.plan.run_plan import RunPlan
+from nemo_like.plan.threads import node_count_warning
 from nemo_like.utils.run_control import run_control
 
 
@@ -369,6 +370,8 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     # fails here, before any actor starts).
     eos_ids = end_of_sequence_ids(tokenizer, cfg.policy.model_name)  # the tokenizer's and the generation config's
     plan = plan_on_cluster(cfg, tuple(eos_ids))
+    if nodes := node_count_warning(cfg, plan.nodes):
+        warnings.warn(nodes, RuntimeWarning, stacklevel=2)
     ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts
     if idle := idle_gpus_warning(cfg, plan):
         warnings.warn(idle, RuntimeWarning, stacklevel=2)

@@ -8,7 +8,7 @@ from typing import Any
 
 from nemo_like.utils.cpus import local_cores  # also importable from here
 
-__all__ = ["apply_thread_count", "local_cores", "node_cpus"]
+__all__ = ["apply_thread_count", "cpu_node_count", "local_cores", "node_cpus"]
 
 
 def node_cpus(cluster: Any = None) -> int:
@@ -29,6 +29,16 @@ def node_cpus(cluster: Any = None) -> int:
         cpus = int(node["Resources"]["CPU"])
         counts.append(min(cpus, local_cores()) if node.get("NodeID") == here else cpus)
     return max(1, min(counts, default=local_cores()))
+
+
+def cpu_node_count() -> int:
+    """Alive nodes with CPUs in the running Ray cluster (a head started with ``--num-cpus=0`` holds no actor); before
+    Ray starts 1: a run's private cluster is this machine, whatever ``cluster.num_nodes`` says."""
+    import ray
+
+    if not ray.is_initialized():
+        return 1
+    return max(1, sum(1 for node in ray.nodes() if node.get("Alive") and node.get("Resources", {}).get("CPU")))
 
 
 def declared_node_cpus(cluster: Any = None) -> int:

@@ -12,6 +12,7 @@ generation backend  the engine factory (``models/engines.py``)          :func:`.
 LoRA refit mode     the policy (what a refit sends)                     :func:`.refit.refit_mode`
 thread split        every actor's thread count; the oversubscription    :func:`.threads.thread_split`
                     warning
+CPU nodes           the thread split; the MFU's devices on CPU           ``distributed.planning.plan_on_cluster``
 multi-turn          the rollout loops (sync, async collector, eval)     :func:`.multi_turn.multi_turn_settings`
 scoring overlap     the sync step (score while logprob passes run)      ``MasterConfig.scoring_overlap_blocker``
 agent tasks         setup (start the rollout server), the rollouts      :func:`agent_tasks`
@@ -52,6 +53,7 @@ class RunPlan:
     actors: PhaseActors  # actors of each role on one node (what the thread split was computed from)
     multi_turn: MultiTurnSettings | None
     overlap_scoring: bool  # the sync step scores while the logprob passes run
+    nodes: int  # the nodes the thread split spread the actors over (on CPU: the cluster's own; see plan_on_cluster)
     oversubscription: str | None = None  # a warning when explicit thread counts oversubscribe a node
     forward: str | None = None  # the policy's logprob and training forward, as its workers chose it
     agent_tasks: tuple[str, ...] = ()  # env sections with class 'agent': rolled out by the user's agent over HTTP
@@ -91,9 +93,12 @@ class RunPlan:
         return out
 
 
-def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int, with_policy: bool = True) -> RunPlan:
+def decide_run_plan(
+    cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int, with_policy: bool = True, nodes: int | None = None
+) -> RunPlan:
     """Every run-level decision for the validated config ``cfg``: ``eos_token_ids`` (the tokenizer's, for the turn
-    loop), ``cpus_per_node`` (the smallest node's CPUs, read from the cluster once). ``with_policy=False``: a command
+    loop), ``cpus_per_node`` (the smallest node's CPUs, read from the cluster once), ``nodes`` (how many nodes the
+    actors can land on, read with them; default ``cluster.num_nodes``). ``with_policy=False``: a command
     without a trainable policy (``nemo-like eval``). Raises :class:`~nemo_like.config.errors.ConfigError` for a
     requested backend or LoRA refit mode the run cannot honour."""
     logprobs = decide_logprob_passes(cfg)
@@ -101,8 +106,9 @@ def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int
     check_backend_settings(cfg, backend.value)
     refit = Decision(*refit_mode(cfg, backend.value)) if with_policy else Decision("full", "no trainable policy")
     inline = backend.value == "inline"
-    actors = phase_actors(cfg, logprobs, cpus_per_node, inline)
-    threads = thread_split(cfg, cpus_per_node, logprobs, inline)
+    nodes = cfg.cluster.num_nodes if nodes is None else nodes
+    actors = phase_actors(cfg, logprobs, cpus_per_node, inline, nodes)
+    threads = thread_split(cfg, cpus_per_node, logprobs, inline, nodes)
     return RunPlan(
         logprobs=logprobs,
         backend=backend,
@@ -111,6 +117,7 @@ def decide_run_plan(cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int
         actors=actors,
         multi_turn=multi_turn_settings(cfg, eos_token_ids),
         overlap_scoring=bool(cfg.grpo.overlap_scoring) and cfg.scoring_overlap_blocker() is None,
+        nodes=nodes,
         oversubscription=oversubscription_warning(cfg, threads, actors),
         agent_tasks=agent_tasks(cfg),
         refit_warning=merged_precision_warning(cfg, refit.value),

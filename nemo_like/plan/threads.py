@@ -222,13 +222,15 @@ def explicit_count(value: Any) -> int | None:
     return None if value in (AUTO, None) else int(value)
 
 
-def phase_actors(cfg: Any, logprobs: LogprobPlan, cpus: int, inline: bool = False) -> PhaseActors:
+def phase_actors(cfg: Any, logprobs: LogprobPlan, cpus: int, inline: bool = False, nodes: int | None = None) -> PhaseActors:
     """Actors of each role on one node of ``cpus`` CPUs (the most that may land there: :func:`ranks_per_node`) for the
-    run ``cfg`` describes, with its decided logprob passes; ``inline``: the policy worker samples (no engine actor)."""
+    run ``cfg`` describes, with its decided logprob passes; ``inline``: the policy worker samples (no engine actor);
+    ``nodes``: the nodes they can land on (default ``cluster.num_nodes``; a run passes its cluster's)."""
     strategy, fit = cfg.cluster.placement_strategy, bundles_per_node(cfg, cpus)
+    nodes = cfg.cluster.num_nodes if nodes is None else nodes
 
     def on_one_node(count: int) -> int:
-        return ranks_per_node(count, cfg.cluster.num_nodes, strategy, fit)
+        return ranks_per_node(count, nodes, strategy, fit)
 
     ranks = cfg.policy.dp_size * cfg.policy.dtensor_cfg.tensor_parallel_size
     return PhaseActors(
@@ -241,14 +243,27 @@ def phase_actors(cfg: Any, logprobs: LogprobPlan, cpus: int, inline: bool = Fals
     )
 
 
-def thread_split(cfg: Any, cpus: int, logprobs: LogprobPlan, inline: bool = False) -> ThreadSplit:
-    """The run's split: ``cfg``'s explicit counts, its roles and mode, on ``cpus`` per node (``inline``: no engine)."""
+def thread_split(cfg: Any, cpus: int, logprobs: LogprobPlan, inline: bool = False, nodes: int | None = None) -> ThreadSplit:
+    """The run's split: ``cfg``'s explicit counts, its roles and mode, on ``cpus`` per node of ``nodes`` (default
+    ``cluster.num_nodes``; ``inline``: no engine)."""
     return split_threads(
         cpus,
-        phase_actors(cfg, logprobs, cpus, inline),
+        phase_actors(cfg, logprobs, cpus, inline, nodes),
         cfg.grpo.async_grpo.enabled,
         explicit_count(cfg.policy.num_threads_per_worker),
         explicit_count(cfg.policy.generation.num_threads_per_worker),
+    )
+
+
+def node_count_warning(cfg: Any, nodes: int) -> str | None:
+    """A warning when a CPU run's cluster has another number of nodes than ``cluster.num_nodes`` declares (``nodes``:
+    the run plan's, the cluster's own): the run splits threads over the cluster's."""
+    if cfg.cluster.gpus_per_node or nodes == cfg.cluster.num_nodes:
+        return None
+    return (
+        f"cluster.num_nodes is {cfg.cluster.num_nodes}, but the Ray cluster has {nodes} node(s) with CPUs: the thread split "
+        f"and performance/*_mfu count {nodes} (Ray may place the actors on any of them); set cluster.num_nodes={nodes} "
+        "(nemo-like plan and the [plan] memory lines take the declared count)"
     )
 
 

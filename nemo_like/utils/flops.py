@@ -24,7 +24,8 @@ the generation seconds of :func:`generation_seconds`.
 Devices: on GPU, the policy ranks' GPUs, the reference ranks' (when a reference model is loaded), each teacher
 model's ranks (when the teacher pass runs) and the generation engine's (none for a colocated vLLM engine or inline
 sampling); on CPU a
-device is one node with all its cores (every actor of a node shares them), so devices = ``cluster.num_nodes``.
+device is one node with all its cores (every actor of a node shares them), so devices = the run's nodes (``RunPlan.nodes``:
+the cluster's CPU nodes in a run, ``cluster.num_nodes`` in a plan).
 Peak FLOP/s per device: ``cluster.peak_flops_per_device`` when set; else, on GPU, the dense peak of
 :data:`GPU_PEAK_FLOPS` for the driver's GPU and the run's precision; on CPU, a matmul probe on the
 driver's node with all its cores, measured once and cached (:func:`cpu_peak_flops`).
@@ -257,7 +258,7 @@ def flops_spec(cfg: Any, model_path: str, plan: Any, teacher_paths: Sequence[str
             name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU on the driver"
             peak, source = gpu_peak_flops(name, pc.precision), f"table: {name}, {pc.precision}"
     else:
-        devices, training, generation = cfg.cluster.num_nodes, min(cfg.cluster.num_nodes, ranks), 1
+        devices, training, generation = plan.nodes, min(plan.nodes, ranks), 1  # the nodes the run's actors share
         if peak is None:
             peak, source = cpu_peak_flops(pc.precision), f"CPU matmul probe, cached in {CACHE_FILE}"
     n = matmul_params(AutoConfig.from_pretrained(model_path))

@@ -24,7 +24,7 @@ def test_policy_ranks_on_two_nodes_train_two_steps(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["cluster_nodes"] == 2
+    assert result["cluster_nodes"] == 2 and result["laptop_recipe_nodes"] == 2  # the run's plan reads the nodes Ray has
     assert len(set(result["nodes"])) == 2  # STRICT_SPREAD: one policy rank per node
     assert len(result["grad_norms"]) == 2 and all(math.isfinite(g) and g > 0 for g in result["grad_norms"])
     assert result["before"][0] == result["before"][1] and result["after"][0] == result["after"][1]

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from functional.helpers import tiny_config  # noqa: E402
 
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
+from nemo_like.distributed.planning import plan_on_cluster
 from nemo_like.models.policy.policy import Policy  # noqa: E402
 
 
@@ -51,6 +52,9 @@ def main(tmp: str, strategy: str) -> None:
             "cluster.num_nodes=2",
             f"cluster.placement_strategy={strategy}",
         )
+        # a laptop recipe (cluster.num_nodes 1) on these two nodes: the run's split counts the cluster's nodes
+        laptop = tiny_config(Path(tmp), "policy.dp_size=2", "cluster.placement_strategy=SPREAD")
+        laptop_nodes = plan_on_cluster(laptop).nodes
         policy = Policy(cfg, loss_fn=ClippedPGLossFn(cfg.loss_fn))
         nodes = [info["node_id"] for info in ray.get(policy.group.run_all("device_info"))]
         before = policy.parameter_checksums()
@@ -62,6 +66,7 @@ def main(tmp: str, strategy: str) -> None:
                 {
                     "nodes": nodes,
                     "cluster_nodes": len(ray.nodes()),
+                    "laptop_recipe_nodes": laptop_nodes,
                     "before": before,
                     "after": after,
                     "grad_norms": result.grad_norms,

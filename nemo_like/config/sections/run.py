@@ -190,7 +190,9 @@ class FaultInjectionConfig(Section):
 
 
 class ClusterConfig(Section):
-    num_nodes: Int = Field(1, gt=0, description="Nodes to use.")
+    num_nodes: Int = Field(
+        1, gt=0, description="Nodes of the cluster (a CPU run splits threads over the nodes Ray has, and warns when they differ)."
+    )
     gpus_per_node: Int = Field(0, ge=0, description="GPUs per node; 0 runs on CPU bundles.")
     num_cpus: Int | None = Field(
         None,

@@ -162,3 +162,32 @@ def test_bad_thread_counts_name_the_key(value):
         load_config(SYNC, [f"policy.generation.num_threads_per_worker={value}"])
     with pytest.raises(ConfigError, match=r"policy\.num_threads_per_worker: expected an integer, not a boolean"):
         load_config(SYNC, ["policy.num_threads_per_worker=true"])
+
+
+def test_a_cpu_run_splits_threads_over_the_nodes_its_cluster_has(ray_cluster):
+    """The split counted cluster.num_nodes as declared: a laptop recipe's 1 on two nodes gave each of two SPREAD ranks 1
+    of its node's 2 cores; a recipe of 2 nodes on one machine's private cluster gave two ranks 2 threads each on 2."""
+    from nemo_like.distributed.planning import plan_on_cluster
+    from nemo_like.models.loading import resolve_model_path
+    from nemo_like.plan.run_plan import decide_run_plan
+    from nemo_like.plan.threads import node_count_warning
+    from nemo_like.utils.flops import flops_spec
+
+    spread = ["policy.dp_size=2", "cluster.placement_strategy=SPREAD", "loss_fn.reference_policy_kl_penalty=0"]
+    laptop = load_config(SYNC, spread, warn=False)  # cluster.num_nodes 1
+    assert decide_run_plan(laptop, (), 2).threads.policy == 1  # two ranks on one node of 2 CPUs
+    on_two = decide_run_plan(laptop, (), 2, nodes=2)  # the same recipe on a cluster of two nodes
+    assert (on_two.nodes, on_two.threads.policy) == (2, 2)
+    assert flops_spec(laptop, resolve_model_path(laptop.policy.model_name), on_two).devices == 2
+    assert node_count_warning(laptop, 2) == (
+        "cluster.num_nodes is 1, but the Ray cluster has 2 node(s) with CPUs: the thread split and performance/*_mfu "
+        "count 2 (Ray may place the actors on any of them); set cluster.num_nodes=2 (nemo-like plan and the [plan] "
+        "memory lines take the declared count)"
+    )
+    cluster_recipe = load_config(SYNC, [*spread, "cluster.num_nodes=2"], warn=False)
+    run = plan_on_cluster(cluster_recipe)  # this session's cluster: one node
+    assert (run.nodes, run.threads.policy) == (1, 1) and "has 1 node(s)" in node_count_warning(cluster_recipe, run.nodes)
+    planned = plan_on_cluster(cluster_recipe, planning_only=True)  # nemo-like plan: the declared nodes
+    assert (planned.nodes, planned.threads.policy) == (2, 2) and node_count_warning(cluster_recipe, planned.nodes) is None
+    gpu = load_config(SYNC, [*spread, "cluster.num_nodes=2", "cluster.gpus_per_node=1"], warn=False)
+    assert node_count_warning(gpu, 1) is None  # GPU clusters keep the declared count (capacity compares the GPUs)
