@@ -149,13 +149,23 @@ BASELINES = {name: OWN_FORWARD for name, variant in VARIANTS.items() if variant.
 
 @pytest.mark.slow  # six workers x three optimizer steps: ~15 s of CPU per variant
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_every_grouping_trains_like_fixed_micro_batches(variant):
+def test_every_grouping_trains_like_fixed_micro_batches(variant, monkeypatch):
+    from nemo_like.models import chunked_logprobs
+
     base, other = make_worker(**BASELINES.get(variant, {})), make_worker(**VARIANTS[variant])
     own = VARIANTS[variant].get("shared_prompt_forward") is False
     assert other.shared_forward is not own, "the variant runs the forward it is named for"
+    # a variant whose setting were dropped would compute what the baseline computes: each one's mechanism must run
+    assert other.model.is_gradient_checkpointing is (variant == "activation_checkpointing")
+    chunked_calls = []
+    chunked_head = chunked_logprobs.ChunkedTokenLogprobs.apply
+    monkeypatch.setattr(chunked_logprobs.ChunkedTokenLogprobs, "apply", lambda *a: chunked_calls.append(1) or chunked_head(*a))
     probe = long_tailed_batch(50)
     # float32 rounding scales with the value: 1e-5 on the typical logprob, relative 1e-6 on the long tail's (~ -37)
-    torch.testing.assert_close(base.get_logprobs(probe), other.get_logprobs(probe), atol=1e-5, rtol=1e-6)
+    expected = base.get_logprobs(probe)
+    assert not chunked_calls  # the baseline's head is the plain one
+    torch.testing.assert_close(expected, other.get_logprobs(probe), atol=1e-5, rtol=1e-6)
+    assert bool(chunked_calls) is variant.startswith("chunked"), "the chunked output head runs in the chunked variants only"
     for step in range(3):
         a, b = base.train([long_tailed_batch(step)]), other.train([long_tailed_batch(step)])
         assert abs(a["metrics"]["loss"] - b["metrics"]["loss"]) <= 1e-5 * max(1.0, abs(a["metrics"]["loss"]))

@@ -125,8 +125,10 @@ def test_bfloat16_follows_the_models_own_forward():
     with torch.no_grad():
         own, _ = sequence_logprobs_with_outside(model, batch["input_ids"], batch["attention_mask"], dist)
         lp, _, _ = shared_prefix_token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["token_mask"], dist)
-    # bf16 rounds each matmul's output; the float32 result differs from it by more than this.
-    assert (lp - own).abs().max() < 0.05
+    # bf16 rounds each matmul's output, in another order here than in the model's forward: their largest gap (~1e-3) is
+    # also a float32 forward's from the bf16 one, so the mean decides (~2e-5 here, ~4e-4 for a forward run in float32)
+    diff = (lp - own)[batch["attention_mask"].bool()].abs()
+    assert diff.mean() < 1e-4 and diff.max() < 5e-3, (diff.mean(), diff.max())
 
 
 def test_layout_by_hand():
