@@ -799,6 +799,8 @@ def plan_memory(
     ``scorers``: the reward models and LLM judges the environments load (:func:`scorer_memory`, :func:`judge_memory`),
     each actor on a GPU of its own, as many as Ray may pack of fractional ones (or in its node's RAM)."""
     teachers = teachers or {}
+    if not cfg.cluster.gpus_per_node and run_plan.nodes != cfg.cluster.num_nodes:
+        cfg = _with(cfg, "cluster", num_nodes=run_plan.nodes)  # a CPU run plans its cluster's own nodes (plan_on_cluster)
     roles, per_device, colocated = _plan_devices(cfg, run_plan, params, shape, device_bytes, teachers, sampler_weight_copies, scorers)
     notes = {"policy GPU": colocated_note(cfg, roles)} if colocated and "policy GPU" in per_device else {}
     if (node := node_note(cfg, run_plan.threads.cpus)) and NODE_RAM in per_device:

@@ -261,9 +261,9 @@ def node_count_warning(cfg: Any, nodes: int) -> str | None:
     if cfg.cluster.gpus_per_node or nodes == cfg.cluster.num_nodes:
         return None
     return (
-        f"cluster.num_nodes is {cfg.cluster.num_nodes}, but the Ray cluster has {nodes} node(s) with CPUs: the thread split "
-        f"and performance/*_mfu count {nodes} (Ray may place the actors on any of them); set cluster.num_nodes={nodes} "
-        "(nemo-like plan and the [plan] memory lines take the declared count)"
+        f"cluster.num_nodes is {cfg.cluster.num_nodes}, but the Ray cluster has {nodes} node(s) with CPUs, any of which Ray "
+        f"may place the actors on: the run plans for {nodes} (the thread split, the MFU's devices, the [plan] memory "
+        f"lines); set cluster.num_nodes={nodes} (nemo-like plan takes the declared count)"
     )
 
 

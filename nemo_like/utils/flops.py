@@ -24,8 +24,9 @@ the generation seconds of :func:`generation_seconds`.
 Devices: on GPU, the policy ranks' GPUs, the reference ranks' (when a reference model is loaded), each teacher
 model's ranks (when the teacher pass runs) and the generation engine's (none for a colocated vLLM engine or inline
 sampling); on CPU a
-device is one node with all its cores (every actor of a node shares them), so devices = the run's nodes (``RunPlan.nodes``:
-the cluster's CPU nodes in a run, ``cluster.num_nodes`` in a plan).
+device is one node with all its cores (every actor of a node shares them), so devices = training devices = the nodes the
+policy ranks span: ``ceil(ranks / ranks on one node)``, the thread split's count (``RunPlan.actors.policy``: with
+``PACK`` as many as a node holds, with ``SPREAD`` an even share of the run's nodes, the Ray cluster's CPU nodes).
 Peak FLOP/s per device: ``cluster.peak_flops_per_device`` when set; else, on GPU, the dense peak of
 :data:`GPU_PEAK_FLOPS` for the driver's GPU and the run's precision; on CPU, a matmul probe on the
 driver's node with all its cores, measured once and cached (:func:`cpu_peak_flops`).
@@ -258,7 +259,9 @@ def flops_spec(cfg: Any, model_path: str, plan: Any, teacher_paths: Sequence[str
             name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU on the driver"
             peak, source = gpu_peak_flops(name, pc.precision), f"table: {name}, {pc.precision}"
     else:
-        devices, training, generation = plan.nodes, min(plan.nodes, ranks), 1  # the nodes the run's actors share
+        # a device is a node: the policy ranks span as many as the thread split spread them over (PACK fills one first)
+        training = -(-ranks // max(1, plan.actors.policy))
+        devices, generation = training, 1
         if peak is None:
             peak, source = cpu_peak_flops(pc.precision), f"CPU matmul probe, cached in {CACHE_FILE}"
     n = matmul_params(AutoConfig.from_pretrained(model_path))

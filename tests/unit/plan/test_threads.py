@@ -168,6 +168,7 @@ def test_a_cpu_run_splits_threads_over_the_nodes_its_cluster_has(ray_cluster):
     """The split counted cluster.num_nodes as declared: a laptop recipe's 1 on two nodes gave each of two SPREAD ranks 1
     of its node's 2 cores; a recipe of 2 nodes on one machine's private cluster gave two ranks 2 threads each on 2."""
     from nemo_like.distributed.planning import plan_on_cluster
+    from nemo_like.models.footprint import planned_memory_lines
     from nemo_like.models.loading import resolve_model_path
     from nemo_like.plan.run_plan import decide_run_plan
     from nemo_like.plan.threads import node_count_warning
@@ -178,16 +179,40 @@ def test_a_cpu_run_splits_threads_over_the_nodes_its_cluster_has(ray_cluster):
     assert decide_run_plan(laptop, (), 2).threads.policy == 1  # two ranks on one node of 2 CPUs
     on_two = decide_run_plan(laptop, (), 2, nodes=2)  # the same recipe on a cluster of two nodes
     assert (on_two.nodes, on_two.threads.policy) == (2, 2)
-    assert flops_spec(laptop, resolve_model_path(laptop.policy.model_name), on_two).devices == 2
+    model = resolve_model_path(laptop.policy.model_name)
+    assert flops_spec(laptop, model, on_two).devices == 2  # SPREAD: a rank on each node, each node a device
+    packed = load_config(SYNC, [*spread, "cluster.placement_strategy=PACK"], warn=False)
+    assert flops_spec(packed, model, decide_run_plan(packed, (), 2, nodes=2)).devices == 1  # PACK: both ranks on one node
     assert node_count_warning(laptop, 2) == (
-        "cluster.num_nodes is 1, but the Ray cluster has 2 node(s) with CPUs: the thread split and performance/*_mfu "
-        "count 2 (Ray may place the actors on any of them); set cluster.num_nodes=2 (nemo-like plan and the [plan] "
-        "memory lines take the declared count)"
+        "cluster.num_nodes is 1, but the Ray cluster has 2 node(s) with CPUs, any of which Ray may place the actors on: "
+        "the run plans for 2 (the thread split, the MFU's devices, the [plan] memory lines); set cluster.num_nodes=2 "
+        "(nemo-like plan takes the declared count)"
     )
     cluster_recipe = load_config(SYNC, [*spread, "cluster.num_nodes=2"], warn=False)
     run = plan_on_cluster(cluster_recipe)  # this session's cluster: one node
     assert (run.nodes, run.threads.policy) == (1, 1) and "has 1 node(s)" in node_count_warning(cluster_recipe, run.nodes)
+    one_node = load_config(SYNC, spread, warn=False)
+    memory = [line for line in planned_memory_lines(cluster_recipe, run) if "on each node" in line]
+    assert memory and memory == [line for line in planned_memory_lines(one_node, plan_on_cluster(one_node)) if "on each node" in line]
     planned = plan_on_cluster(cluster_recipe, planning_only=True)  # nemo-like plan: the declared nodes
     assert (planned.nodes, planned.threads.policy) == (2, 2) and node_count_warning(cluster_recipe, planned.nodes) is None
     gpu = load_config(SYNC, [*spread, "cluster.num_nodes=2", "cluster.gpus_per_node=1"], warn=False)
     assert node_count_warning(gpu, 1) is None  # GPU clusters keep the declared count (capacity compares the GPUs)
+
+
+def test_a_run_warns_at_start_when_its_cluster_has_other_nodes_than_declared(ray_cluster, monkeypatch):
+    from nemo_like.algorithms import setup
+
+    class PolicyStarted(Exception):
+        pass
+
+    def policy_starts(*_args, **_kwargs):
+        raise PolicyStarted
+
+    monkeypatch.setattr(setup, "init_ray", lambda *_: "local")
+    monkeypatch.setattr(setup, "ensure_cluster_capacity", lambda *_, **__: None)
+    monkeypatch.setattr(setup, "Policy", policy_starts)  # the warning comes before any actor starts
+    cfg = load_config(SYNC, ["cluster.num_nodes=2", "loss_fn.reference_policy_kl_penalty=0"], warn=False)
+    with pytest.warns(RuntimeWarning, match=r"cluster.num_nodes is 2, but the Ray cluster has 1 node\(s\) with CPUs"):
+        with pytest.raises(PolicyStarted):
+            setup.setup_grpo(cfg)
