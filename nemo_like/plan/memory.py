@@ -57,7 +57,7 @@ from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE
 from nemo_like.plan.threads import PACKING_STRATEGIES, bundles_per_node, per_node
 
 if TYPE_CHECKING:
-    from nemo_like.plan.logprob_passes import LogprobPlan
+    pass
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -626,7 +626,7 @@ def generation_memory(
 
 def step_estimate(
     cfg: Any,
-    logprobs: LogprobPlan,
+    run_plan: Any,
     matmul_parameters: int,
     peak_flops: float,
     mfu: float,
@@ -645,16 +645,17 @@ def step_estimate(
     the KL loss term's teacher copy (``distillation.kl_weight``) runs a forward of ``teacher.model_name`` per trained
     token on the policy ranks.
 
-    On a CPU cluster a device is a node (all its cores: what the peak is measured on), so a phase runs on at most
-    ``cluster.num_nodes`` of them however many ranks share a node. With ``grpo.use_dynamic_sampling`` a step may generate
+    On a CPU cluster a device is a node (all its cores: what the peak is measured on), so a phase of ranks runs on the
+    nodes they span as the run plan's thread split places them (``run_plan.policy_nodes``; PACK fills a node first),
+    however many ranks share a node. With ``grpo.use_dynamic_sampling`` a step may generate
     up to ``dynamic_sampling_max_gen_batches`` batches; activation checkpointing runs each training forward twice (2N
     more per trained token)."""
-    pc = cfg.policy
+    pc, logprobs = cfg.policy, run_plan.logprobs
     tokens = cfg.rollout_batch_size * pc.max_total_sequence_length
     ranks = pc.dp_size * pc.dtensor_cfg.tensor_parallel_size
     engines = GENERATION_ENGINES
     if not cfg.cluster.gpus_per_node:  # the ranks of a node share its cores
-        ranks, engines = min(ranks, cfg.cluster.num_nodes), min(engines, cfg.cluster.num_nodes)
+        ranks, engines = run_plan.policy_nodes, min(engines, run_plan.nodes)
     teachers = teacher_parameters or {}
     n = matmul_parameters
     batches = cfg.grpo.dynamic_sampling_max_gen_batches if cfg.grpo.use_dynamic_sampling else 1

@@ -12,7 +12,8 @@ generation backend  the engine factory (``models/engines.py``)          :func:`.
 LoRA refit mode     the policy (what a refit sends)                     :func:`.refit.refit_mode`
 thread split        every actor's thread count; the oversubscription    :func:`.threads.thread_split`
                     warning
-CPU nodes           the thread split; the MFU's devices on CPU           ``distributed.planning.plan_on_cluster``
+CPU nodes           the thread split; the MFU's devices and the step     ``distributed.planning.plan_on_cluster``
+                    estimate's on CPU (``policy_nodes``)
 multi-turn          the rollout loops (sync, async collector, eval)     :func:`.multi_turn.multi_turn_settings`
 scoring overlap     the sync step (score while logprob passes run)      ``MasterConfig.scoring_overlap_blocker``
 agent tasks         setup (start the rollout server), the rollouts      :func:`agent_tasks`
@@ -31,7 +32,7 @@ from nemo_like.plan.backend import check_backend_settings, resolve_backend
 from nemo_like.plan.logprob_passes import LogprobPlan, decide_logprob_passes
 from nemo_like.plan.multi_turn import MultiTurnSettings, multi_turn_settings
 from nemo_like.plan.refit import merged_precision_warning, refit_mode
-from nemo_like.plan.threads import PhaseActors, ThreadSplit, oversubscription_warning, phase_actors, thread_split
+from nemo_like.plan.threads import PhaseActors, ThreadSplit, nodes_holding, oversubscription_warning, phase_actors, thread_split
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class RunPlan:
     multi_turn: MultiTurnSettings | None
     overlap_scoring: bool  # the sync step scores while the logprob passes run
     nodes: int  # the nodes the thread split spread the actors over (on CPU: the cluster's own; see plan_on_cluster)
+    policy_nodes: int  # the nodes the policy ranks span as the split places them (on CPU, the training phase's devices)
     oversubscription: str | None = None  # a warning when explicit thread counts oversubscribe a node
     forward: str | None = None  # the policy's logprob and training forward, as its workers chose it
     agent_tasks: tuple[str, ...] = ()  # env sections with class 'agent': rolled out by the user's agent over HTTP
@@ -118,6 +120,7 @@ def decide_run_plan(
         multi_turn=multi_turn_settings(cfg, eos_token_ids),
         overlap_scoring=bool(cfg.grpo.overlap_scoring) and cfg.scoring_overlap_blocker() is None,
         nodes=nodes,
+        policy_nodes=nodes_holding(cfg.policy.dp_size * cfg.policy.dtensor_cfg.tensor_parallel_size, actors.policy),
         oversubscription=oversubscription_warning(cfg, threads, actors),
         agent_tasks=agent_tasks(cfg),
         refit_warning=merged_precision_warning(cfg, refit.value),

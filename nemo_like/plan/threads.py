@@ -198,6 +198,12 @@ def per_node(count: int, num_nodes: int) -> int:
 PACKING_STRATEGIES = ("PACK", "STRICT_PACK")
 
 
+def nodes_holding(count: int, on_one_node: int) -> int:
+    """Nodes ``count`` actors of a role occupy with at most ``on_one_node`` on each (:func:`ranks_per_node`): on a CPU
+    cluster, where a device is a node, the devices a phase of those ranks runs on (the MFU, the step estimate)."""
+    return -(-count // max(1, on_one_node))
+
+
 def ranks_per_node(count: int, num_nodes: int, strategy: str, fit: int) -> int:
     """The most of ``count`` actors (one bundle each) that may run on one node under the Ray placement ``strategy``:
     spread evenly for ``SPREAD`` / ``STRICT_SPREAD``; for ``PACK`` / ``STRICT_PACK``, whose bundles fill a node before

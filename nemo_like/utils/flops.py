@@ -25,8 +25,8 @@ Devices: on GPU, the policy ranks' GPUs, the reference ranks' (when a reference 
 model's ranks (when the teacher pass runs) and the generation engine's (none for a colocated vLLM engine or inline
 sampling); on CPU a
 device is one node with all its cores (every actor of a node shares them), so devices = training devices = the nodes the
-policy ranks span: ``ceil(ranks / ranks on one node)``, the thread split's count (``RunPlan.actors.policy``: with
-``PACK`` as many as a node holds, with ``SPREAD`` an even share of the run's nodes, the Ray cluster's CPU nodes).
+policy ranks span (``RunPlan.policy_nodes``: as the thread split places them, with ``PACK`` as many as a node holds on
+each, with ``SPREAD`` an even share of the run's nodes, the Ray cluster's CPU nodes).
 Peak FLOP/s per device: ``cluster.peak_flops_per_device`` when set; else, on GPU, the dense peak of
 :data:`GPU_PEAK_FLOPS` for the driver's GPU and the run's precision; on CPU, a matmul probe on the
 driver's node with all its cores, measured once and cached (:func:`cpu_peak_flops`).
@@ -259,9 +259,7 @@ def flops_spec(cfg: Any, model_path: str, plan: Any, teacher_paths: Sequence[str
             name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU on the driver"
             peak, source = gpu_peak_flops(name, pc.precision), f"table: {name}, {pc.precision}"
     else:
-        # a device is a node: the policy ranks span as many as the thread split spread them over (PACK fills one first)
-        training = -(-ranks // max(1, plan.actors.policy))
-        devices, generation = training, 1
+        devices, training, generation = plan.policy_nodes, plan.policy_nodes, 1  # a device is a node
         if peak is None:
             peak, source = cpu_peak_flops(pc.precision), f"CPU matmul probe, cached in {CACHE_FILE}"
     n = matmul_params(AutoConfig.from_pretrained(model_path))

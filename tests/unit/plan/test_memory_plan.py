@@ -18,7 +18,6 @@ from nemo_like.distributed.threads import declared_node_cpus, local_cores, node_
 from nemo_like.models.footprint import model_footprint, sampler_copy_bytes
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
-from nemo_like.plan.logprob_passes import decide_logprob_passes
 from nemo_like.plan.memory import (
     GIB,
     VLLM_NON_TORCH_BYTES,
@@ -718,7 +717,7 @@ def test_gpu_engines_hold_weights_and_kv_at_the_policys_precision_and_hf_only_it
 def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> None:
     cfg = recipe("grpo.skip_prev_logprobs=false")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
-    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5, trained_token_flops=6000.0)
+    step = step_estimate(cfg, decide_run_plan(cfg, (), 2), matmul_parameters=1000, peak_flops=1e9, mfu=0.5, trained_token_flops=6000.0)
     scored = 2000.0 * tokens
     assert step.flops == {"generation": scored, "prev logprobs": scored, "reference logprobs": scored, "training": 6000.0 * tokens}
     assert step.seconds == pytest.approx(12000.0 * tokens / 5e8)  # one policy rank, one reference rank, one engine
@@ -726,7 +725,7 @@ def test_step_estimate_counts_2n_per_scored_token_and_6n_per_trained_token() -> 
     # checkpointing runs each training forward again (2N more per trained token)
     bound = recipe("grpo.skip_prev_logprobs=false", "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=3",
                    "policy.dtensor_cfg.activation_checkpointing=true")  # fmt: skip
-    step = step_estimate(bound, decide_logprob_passes(bound), 1000, 1e9, 0.5, trained_token_flops=6000.0)
+    step = step_estimate(bound, decide_run_plan(bound, (), 2), 1000, 1e9, 0.5, trained_token_flops=6000.0)
     assert step.flops["generation"] == 3 * scored and step.flops["training"] == 8000.0 * tokens
 
 
@@ -735,13 +734,17 @@ def test_step_estimate_spreads_each_phase_over_the_ranks_or_engines_that_run_it(
     ranks = (f"policy.dp_size={dp}", f"policy.dtensor_cfg.tensor_parallel_size={tp}")
     # On a CPU cluster a device is a node: ranks sharing one run no faster than one (a dp of 4 had been 4x faster)
     cpu = recipe("grpo.skip_prev_logprobs=false", *ranks)
-    on_cpu = step_estimate(cpu, decide_logprob_passes(cpu), 1000, 1e9, 0.5, trained_token_flops=6000.0)
+    on_cpu = step_estimate(cpu, decide_run_plan(cpu, (), 2), 1000, 1e9, 0.5, trained_token_flops=6000.0)
     assert set(on_cpu.devices.values()) == {1}
-    two_nodes = recipe("grpo.skip_prev_logprobs=false", *ranks, "cluster.num_nodes=2")
-    assert step_estimate(two_nodes, decide_logprob_passes(two_nodes), 1000, 1e9, 0.5, trained_token_flops=6000.0).devices["training"] == 2
+    # two nodes of 2 CPUs: PACK puts the four ranks (0.5 CPU each) on one of them, as the thread split counts them
+    # (the estimate had spread them over both); SPREAD puts two on each
+    for strategy, nodes in (("PACK", 1), ("SPREAD", 2)):
+        two_nodes = recipe("grpo.skip_prev_logprobs=false", *ranks, "cluster.num_nodes=2", f"cluster.placement_strategy={strategy}")
+        step = step_estimate(two_nodes, decide_run_plan(two_nodes, (), 2), 1000, 1e9, 0.5, trained_token_flops=6000.0)
+        assert step.devices["training"] == nodes, strategy
     cfg = recipe("grpo.skip_prev_logprobs=false", *ranks, "cluster.gpus_per_node=8")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
-    step = step_estimate(cfg, decide_logprob_passes(cfg), matmul_parameters=1000, peak_flops=1e9, mfu=0.5, trained_token_flops=6000.0)
+    step = step_estimate(cfg, decide_run_plan(cfg, (), 2), matmul_parameters=1000, peak_flops=1e9, mfu=0.5, trained_token_flops=6000.0)
     assert step.devices == {"generation": 1, "prev logprobs": 4, "reference logprobs": 4, "training": 4}
     # the one engine generates every token; the policy and reference ranks split the passes and the training
     assert step.seconds == pytest.approx((2000.0 + (2000.0 + 2000.0 + 6000.0) / 4) * tokens / 5e8)
@@ -752,11 +755,11 @@ def test_teacher_passes_cost_each_teachers_own_parameters() -> None:
     cfg = recipe("teacher.model_name=embedded:tiny-arith-teacher", "+teacher.by_task.math=big", "+env.math.num_workers=1")
     tokens = cfg.rollout_batch_size * cfg.policy.max_total_sequence_length
     teachers = {"embedded:tiny-arith-teacher": 3000, "big": 7000}
-    step = step_estimate(cfg, decide_logprob_passes(cfg), 1000, 1e9, 0.5, teachers, trained_token_flops=6000.0)
+    step = step_estimate(cfg, decide_run_plan(cfg, (), 2), 1000, 1e9, 0.5, teachers, trained_token_flops=6000.0)
     # the teachers score disjoint rows at the same time: at most the largest one scoring every row
     assert step.flops["teacher logprobs"] == 2.0 * 7000 * tokens and step.devices["teacher logprobs"] == 1
     kl = recipe("teacher.model_name=embedded:tiny-arith-teacher", "distillation.kl_weight=0.5", "distillation.advantage_weight=0")
-    step = step_estimate(kl, decide_logprob_passes(kl), 1000, 1e9, 0.5, {"embedded:tiny-arith-teacher": 3000}, trained_token_flops=6000.0)
+    step = step_estimate(kl, decide_run_plan(kl, (), 2), 1000, 1e9, 0.5, {"embedded:tiny-arith-teacher": 3000}, trained_token_flops=6000.0)
     assert "teacher logprobs" not in step.flops and step.flops["teacher copy (KL term)"] == 2.0 * 3000 * tokens
 
 
