@@ -113,10 +113,21 @@ def test_prev_logprob_pass_is_skipped_with_one_optimizer_step_and_the_loss_is_un
         assert abs(s[key] - c[key]) < 1e-6, key
 
 
-def test_scoring_while_the_logprob_passes_run_gives_the_same_update(ray_cluster, tmp_path):
+def test_scoring_while_the_logprob_passes_run_gives_the_same_update(ray_cluster, tmp_path, monkeypatch):
     """grpo.overlap_scoring (the default): the environments score while the prev and reference passes run, then the
     rewards are shaped (overlong shaping on, so a deferred reward that skipped it would show); three steps equal the
     score-first run bitwise."""
+    from nemo_like.algorithms import grpo
+
+    scores_pending = []  # per step: whether the rollout came back with its scores still to gather (the overlap)
+    collect = grpo.collect_rollout
+
+    def recorded(*args, **kwargs):
+        rollout = collect(*args, **kwargs)
+        scores_pending.append(rollout.pending_scores is not None)
+        return rollout
+
+    monkeypatch.setattr(grpo, "collect_rollout", recorded)
     common = (
         "grpo.max_num_steps=3",
         "grpo.val_at_start=false",
@@ -127,6 +138,7 @@ def test_scoring_while_the_logprob_passes_run_gives_the_same_update(ray_cluster,
     )
     overlapped = train(tiny_config(tmp_path / "overlap", *common))
     first = train(tiny_config(tmp_path / "first", *common, "grpo.overlap_scoring=false"))
+    assert scores_pending == [True] * 3 + [False] * 3  # the runs took the two paths (equal results prove nothing else)
     assert [r["step"] for r in overlapped] == [r["step"] for r in first] == [1, 2, 3]
     for a, b in zip(overlapped, first):
         for key in ("train/reward", "train/loss", "train/kl_penalty", "train/grad_norm", "train/advantages/mean", "train/gen_kl"):
