@@ -26,14 +26,14 @@ import os
 import random
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import DataConfig, DatasetSplitConfig
-from nemo_like.config.sections.data import FILE_BUILDERS, data_suffix
+from nemo_like.config.sections.data import FILE_BUILDERS, UNREAD_TABLE_SUFFIXES, data_suffix
 from nemo_like.data.templates import PromptFormat, dropped_message_keys
 from nemo_like.environments.math_verify_process import number_text
 
@@ -145,6 +145,7 @@ class Source:
     hub_id: str | None = None
     config: str | None = None
     split: str | None = None
+    split_given: bool = False  # ``data.<role>.split`` set (else ``split`` is the default: train, or the spec's)
 
     @property
     def label(self) -> str:
@@ -199,7 +200,7 @@ def resolve_source(data: DataConfig, role: str) -> Source:
         config = split_cfg.dataset_config or (None if split_cfg.dataset_name else data.dataset_config)
         if config is None and spec and spec.config and has_subset(Path(split_cfg.data_path), spec.config):
             config = spec.config  # a local snapshot of the spec's hub set: its subset, as the hub load takes
-        return Source(role, spec, data_path=split_cfg.data_path, config=config, split=split)
+        return Source(role, spec, data_path=split_cfg.data_path, config=config, split=split, split_given=split_cfg.split is not None)
     if spec and role in spec.local_files and not split_cfg.split:
         return Source(role, spec, data_path=spec.local_files[role])
     if spec and spec.local_files and not spec.hub_id:  # a shipped set: its splits are its files
@@ -251,11 +252,11 @@ def unreadable_compression(file: Path) -> str | None:
     return None
 
 
-def open_text(path: Path, encoding: str = "utf-8", newline: str | None = None) -> IO[str]:
+def open_text(path: Path, encoding: str = "utf-8", newline: str | None = None, errors: str = "replace") -> IO[str]:
     """``path`` opened as text, decompressed as its suffix says (``.jsonl.gz``: gzip; what ``datasets`` reads through)."""
     import fsspec
 
-    return fsspec.open(str(path), mode="rt", compression="infer", encoding=encoding, errors="replace", newline=newline).open()
+    return fsspec.open(str(path), mode="rt", compression="infer", encoding=encoding, errors=errors, newline=newline).open()
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -326,9 +327,22 @@ def first_bad_json_place(path: Path) -> str | None:
     return None
 
 
+def _wide_unicode(path: Path) -> str | None:
+    """``"UTF-16"`` / ``"UTF-32"`` when ``path`` (decompressed) starts with that encoding's byte-order mark, else None."""
+    import fsspec
+
+    with fsspec.open(str(path), "rb", compression="infer") as handle:
+        start = handle.read(4)
+    if start in (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff"):
+        return "UTF-32"
+    return "UTF-16" if start[:2] in (b"\xff\xfe", b"\xfe\xff") else None
+
+
 def csv_header(path: Path, key: str) -> list[str]:
     """The column names of a CSV file, after checking that every record has as many fields as the header (an unquoted
     comma shifts a row's columns; pandas silently made the extra first field an index). Blank lines are skipped."""
+    if encoding := _wide_unicode(path):  # read as UTF-8 it had "fields" the header had not
+        raise ConfigError(f"{key}: {str(path)!r} is {encoding} text (a spreadsheet's 'Unicode text' export?); save it as UTF-8 CSV")
     with open_text(path, encoding="utf-8-sig", newline="") as handle:
         reader = csv.reader(handle)
         header: list[str] | None = None
@@ -358,8 +372,8 @@ def _csv_kwargs(header: list[str]) -> dict[str, Any]:
     return {"features": strings, "keep_default_na": False, "index_col": False}
 
 
-def directory_data_files(path: Path) -> list[Path]:
-    """The data files ``datasets`` reads from a directory: supported suffixes (compressed ones too), hidden and ``__``
+def directory_data_files(path: Path, suffixes: Collection[str] = tuple(FILE_BUILDERS)) -> list[Path]:
+    """The data files ``datasets`` reads from a directory: ``suffixes`` (ours; compressed ones too), hidden and ``__``
     parts and the metadata files ``datasets`` never reads as data (its ``FILES_TO_IGNORE``: a hub snapshot's
     ``dataset_infos.json`` beside its ``train.jsonl`` was counted a data file) skipped."""
     from datasets.data_files import FILES_TO_IGNORE
@@ -368,10 +382,57 @@ def directory_data_files(path: Path) -> list[Path]:
         file
         for file in sorted(path.rglob("*"))
         if file.is_file()
-        and data_suffix(file) in FILE_BUILDERS
+        and data_suffix(file) in suffixes
         and file.name not in FILES_TO_IGNORE
         and not any(part.startswith((".", "__")) for part in file.relative_to(path).parts)
     ]
+
+
+def parquet_shard_mismatch(path: Path, load_kwargs: dict[str, Any], types: bool = False) -> str | None:
+    """Where the Parquet shards of one split of folder ``path`` stop agreeing with its first shard: other columns, or
+    (``types``) a column of another type; ``None`` when they agree (or the split is not all Parquet). ``datasets``
+    casts every shard to the first one's schema: an extra column failed with advice about value types, and a float
+    where the first shard had integers named neither the file nor the column."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    for files in _builder_data_files(path, load_kwargs).values():
+        if len(files) < 2 or any(FILE_BUILDERS.get(data_suffix(f)) != "parquet" for f in files):
+            continue
+        schemas = []
+        for file in files:
+            with fsspec.open(file, "rb", compression="infer") as handle:
+                schemas.append(pq.read_schema(handle))
+        first = schemas[0]
+        for file, schema in zip(files[1:], schemas[1:]):
+            if schema.names != first.names:
+                return f"{file!r} has the columns {schema.names}, {files[0]!r} {first.names}: every shard of a split needs the same columns"
+            if types:
+                for name in first.names:
+                    if schema.field(name).type != first.field(name).type:
+                        return f"column {name!r} is {schema.field(name).type} in {file!r}, {first.field(name).type} in {files[0]!r}"
+    return None
+
+
+def _shard_types_mismatch(path: Path, source: Source) -> str | None:
+    """:func:`parquet_shard_mismatch` with types, for a folder whose load failed (``None`` where it cannot say)."""
+    try:
+        return parquet_shard_mismatch(path.resolve(), _subset_kwargs(path, source.config), types=True)
+    except Exception:  # noqa: BLE001 - the load's own error is reported; this only adds where it can
+        return None
+
+
+def _refuse_unread_table_files(path: Path, key: str) -> None:
+    """Raise for a directory holding tables of a type ``datasets`` reads and we do not (:data:`UNREAD_TABLE_SUFFIXES`):
+    ``datasets`` reads one file type a folder, so beside JSON Lines files a ``.arrow`` shard's rows were dropped
+    silently, and a folder of ``.tsv`` files was read with type guessing (``007`` as 7) a single file is refused for."""
+    unread = directory_data_files(path, UNREAD_TABLE_SUFFIXES)
+    if unread:
+        raise ConfigError(
+            f"{key}: {str(unread[0])!r} in {str(path)!r} is a {data_suffix(unread[0])} file"
+            f"{f' (and {len(unread) - 1} more of such types)' if len(unread) > 1 else ''}, which is not read here; data files "
+            f"are {', '.join(sorted(FILE_BUILDERS))} (compressed too): convert it (a .tsv as .csv) or move it out of the folder"
+        )
 
 
 def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
@@ -395,9 +456,14 @@ def _csv_directory_kwargs(path: Path, key: str) -> dict[str, Any]:
 WHOLE_JSON_CHUNK_MAX = 256 << 20
 
 
+def _json_file(file: Path) -> bool:
+    """Whether ``file`` is a JSON or JSON Lines file, compressed or not (``.jsonl``, ``.jsonl.gz``)."""
+    return FILE_BUILDERS.get(data_suffix(file)) == "json"
+
+
 def _plain_json_file(file: Path) -> bool:
     """Whether ``file`` is a JSON or JSON Lines file, not compressed (``.jsonl``, not ``.jsonl.gz``)."""
-    return FILE_BUILDERS.get(data_suffix(file)) == "json" and data_suffix(file) == file.suffix.lower()
+    return _json_file(file) and data_suffix(file) == file.suffix.lower()
 
 
 def _json_kwargs(files: list[Path]) -> dict[str, Any]:
@@ -412,16 +478,19 @@ def _json_kwargs(files: list[Path]) -> dict[str, Any]:
 
 
 def _raw_json_rows(file: Path, keep: set[str]) -> list[dict[str, Any]] | None:
-    """The rows of a plain (uncompressed) JSON or JSON Lines file as Python's ``json`` reads them (one object a line,
-    a top-level list of objects, or one object), each cut to its ``keep`` keys as it is read; ``None`` for any other
-    shape or text that is not UTF-8 (read as ``datasets`` reads it, not re-read: its errors name the key)."""
+    """The rows of a JSON or JSON Lines file (decompressed as its suffix says) as Python's ``json`` reads them (one
+    object a line, a top-level list of objects, or one object), each cut to its ``keep`` keys as it is read; ``None``
+    for any other shape or text that is not UTF-8 (read as ``datasets`` reads it, not re-read: its errors name the key)."""
 
     def cut(row: Any) -> dict[str, Any] | None:
         return {k: v for k, v in row.items() if k in keep} if isinstance(row, dict) else None
 
+    def text() -> IO[str]:  # lines end at "\n" only: JSON strings may hold U+2028, U+2029, U+0085 (and \r) raw
+        return open_text(file, encoding="utf-8-sig", newline="\n", errors="strict")
+
     try:
-        with file.open(encoding="utf-8-sig", newline="\n") as lines:  # lines end at "\n" only: JSON strings may hold
-            rows = [cut(json.loads(line)) for line in lines if line.strip()]  # U+2028, U+2029, U+0085 (and \r) raw
+        with text() as lines:
+            rows = [cut(json.loads(line)) for line in lines if line.strip()]
         if all(row is not None for row in rows):
             return rows
     except json.JSONDecodeError:
@@ -429,8 +498,9 @@ def _raw_json_rows(file: Path, keep: set[str]) -> list[dict[str, Any]] | None:
     except UnicodeDecodeError:
         return None
     try:
-        whole = json.loads(file.read_text(encoding="utf-8-sig"))
-    except json.JSONDecodeError:
+        with text() as whole_text:
+            whole = json.loads(whole_text.read())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     rows = [cut(row) for row in (whole if isinstance(whole, list) else [whole])]
     return rows if all(row is not None for row in rows) else None
@@ -451,10 +521,11 @@ def _builder_data_files(path: Path, load_kwargs: dict[str, Any] | None = None) -
 
 
 def _split_data_files(path: Path, source: Source) -> list[Path]:
-    """The files ``datasets`` reads for ``source``'s split of folder ``path`` (:func:`_builder_data_files`, the split
-    :func:`_chosen_split` picks); ``[]`` when that is not one split, or the builder cannot resolve the folder."""
+    """The files ``datasets`` reads for ``source``'s split of folder ``path`` (:func:`_builder_data_files`, its subset
+    ``data.<role>.dataset_config`` if any, the split :func:`_chosen_split` picks); ``[]`` when that is not one split, or
+    the builder cannot resolve the folder."""
     try:
-        by_split = _builder_data_files(path.resolve())
+        by_split = _builder_data_files(path.resolve(), _subset_kwargs(path, source.config))
     except Exception:  # noqa: BLE001 - a folder the builder cannot resolve is read as load_dataset reads it, not re-read
         return []
     return [Path(f) for f in by_split.get(_chosen_split(list(by_split), source), [])]
@@ -472,11 +543,11 @@ def json_columns_as_written(ds: Any, source: Source, names: list[str]) -> dict[s
       answers, another file's ``Json`` column came back JSON-encoded (``"x"`` as ``'"x"'``, so no answer matched) and its
       numbers as text. Every column of ``names`` of a folder is re-read.
 
-    Re-read for a local source of plain JSON / JSON Lines files (one file, or the files ``datasets`` reads for the
-    split from a folder) whose rows are the loaded set's, in order."""
+    Re-read for a local source of JSON / JSON Lines files, compressed or not (one file, or the files ``datasets`` reads
+    for the subset's split from a folder) whose rows are the loaded set's, in order."""
     import datasets
 
-    if source.data_path is None or source.config:
+    if source.data_path is None:
         return {}
     path = Path(source.data_path)
     if path.is_file():
@@ -485,7 +556,7 @@ def json_columns_as_written(ds: Any, source: Source, names: list[str]) -> dict[s
         return {}
     else:
         files = _split_data_files(path, source)
-    if not files or not all(map(_plain_json_file, files)):
+    if not files or not all(map(_json_file, files)):
         return {}
     reread = names if path.is_dir() else [name for name in names if _holds_json(ds.features.get(name), datasets.Json)]
     if not reread:
@@ -553,7 +624,10 @@ def _load_local(source: Source, key: str):
                         "datasets loader reads as a pattern; rename the folder, or point at one data file in it"
                     )
                 subset = _subset_kwargs(path, source.config)
+                _refuse_unread_table_files(path, key)
                 _refuse_skipped_files(path, source, key, subset)
+                if mismatch := parquet_shard_mismatch(path.resolve(), subset):
+                    raise ConfigError(f"{key}: cannot read {str(path)!r}: {mismatch}")
                 data_files = directory_data_files(path)
                 for file in data_files:
                     if problem := unreadable_compression(file):
@@ -595,7 +669,9 @@ def _load_local(source: Source, key: str):
         if ") changed from" in message and any(_has_blank_line(f) for f in json_files if data_suffix(f) == ".jsonl"):
             # datasets reads a column mixing types line by line, and a blank line fails that read with pyarrow's error
             message += "; a JSON Lines file whose column mixes numbers and text cannot have blank lines: remove them"
-        if "as a scalar of type" in message or "Couldn't cast" in message:  # typed from one file or chunk, cast in another
+        if path.is_dir() and not _saved_dataset(path) and (mismatch := _shard_types_mismatch(path, source)):
+            message += f"; {mismatch}: write every value of a column as one type"
+        elif "as a scalar of type" in message or "Couldn't cast" in message:  # typed from one file or chunk, cast in another
             message += (
                 "; a column's values change type between the files (or, in a file, past its first chunk: 10 MB of a "
                 f"compressed file, {WHOLE_JSON_CHUNK_MAX >> 20} MB of another): "
@@ -660,12 +736,22 @@ def _chosen_split(splits: list[str], source: Source) -> str | None:
 def _pick_split(ds, source: Source, key: str):
     import datasets
 
+    role_key = f"data.{source.role}.split"
     if isinstance(ds, datasets.DatasetDict):
         split = _chosen_split(list(ds), source)
         if split not in ds:
-            role_key = f"data.{source.role}.split"
+            if source.split is not None:
+                raise ConfigError(
+                    f"{key}: {source.data_path!r} has no split {source.split!r}; its splits are {sorted(ds)}: set {role_key} to one of them"
+                )
             raise ConfigError(f"{key}: {source.data_path!r} holds splits {sorted(ds)}; choose one with {role_key}")
         return ds[split]
+    if source.split_given:  # a saved Dataset (one split), like a single file: its rows are the split
+        warnings.warn(
+            f"{role_key}={source.split!r} has no effect: {source.data_path!r} holds one dataset (no splits); all its rows are read",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return ds
 
 
@@ -868,10 +954,32 @@ def _decoded(read: Callable[[], list], source: Source, role: str) -> list:
         raise ConfigError(f"{source.label} is not UTF-8 text ({exc}); re-encode it as UTF-8 (data.{role}.data_path)") from None
 
 
+def _chat_written_as_text(value: str) -> bool:
+    """Whether a text cell is a list of chat messages written out (JSON, or Python's repr as pandas' CSV export writes
+    it): read as the problem's text, the model would be prompted with the list, its system turn and all."""
+    import ast
+
+    if not value.lstrip().startswith("["):
+        return False
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            parsed = parse(value)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            continue
+        return isinstance(parsed, list) and bool(parsed) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in parsed)
+    return False
+
+
 def _messages(value: Any, fmt: PromptFormat, where: str, column: str) -> list[dict[str, str]]:
     if isinstance(value, str):
         if not value.strip():
             raise ConfigError(f"{where}: the prompt (column {column!r}, data.prompt_key) is empty")
+        if _chat_written_as_text(value):
+            raise ConfigError(
+                f"{where}: the prompt (column {column!r}, data.prompt_key) holds chat messages written as text "
+                f"({value[:60]!r}...; a CSV export?), which would be the problem's text, list and all: store them as a list "
+                "of {role, content} objects (JSON Lines or Parquet), or point data.prompt_key at a column of plain text"
+            )
         return fmt.messages_for_text(value)
     if isinstance(value, list):
         return fmt.messages_for_chat(value, where)

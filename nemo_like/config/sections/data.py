@@ -12,6 +12,9 @@ from nemo_like.config.types import Float, Int, OptStr
 
 #: The single-file prompt sources (one file is one split): suffix -> the ``datasets`` builder that reads it.
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+#: Tables ``datasets`` reads that we do not (a folder holding one is refused, naming it: ``datasets`` would read it, or
+#: drop it for the folder's most common type).
+UNREAD_TABLE_SUFFIXES = (".tsv", ".ndjson", ".arrow", ".geoparquet", ".gpq")
 #: Compression suffixes ``datasets`` reads through (``train-00000.jsonl.gz`` is a ``.jsonl`` data file).
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 

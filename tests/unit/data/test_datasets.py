@@ -115,7 +115,7 @@ def test_save_to_disk_dataset_dict_picks_the_split(tmp_path, tok):
         train={"data_path": str(tmp_path / "dd")},
         validation={"data_path": str(tmp_path / "dd"), "split": "dev"},
     )
-    with pytest.raises(ConfigError, match=r"holds splits \['test', 'train'\].*data.validation.split"):
+    with pytest.raises(ConfigError, match=r"has no split 'dev'; its splits are \['test', 'train'\]: set data.validation.split"):
         build(bad, tok, "validation")
 
 
@@ -1045,6 +1045,26 @@ def test_a_column_mixing_numbers_and_text_keeps_each_text_as_written(tmp_path, t
     (card / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: rows.jsonl\n---\n")
     write_jsonl(card / "rows.jsonl", items)
     assert {r.metadata["prompt"]: r.metadata["answer"] for r in build(data_cfg(card, card), tok)} == expected
+    # compressed files, alone and as a folder's shards, and a subset folder of a snapshot (data.*.dataset_config):
+    # they had been left as datasets gave them ('"x"' for "x", 2108 for "02108")
+    import gzip
+
+    def gzipped(path: Path, part: list[dict]) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in part).encode()))
+        return path
+
+    one = gzipped(tmp_path / "one.jsonl.gz", items)
+    gz_shards = gzipped(tmp_path / "gz" / "train-00000.jsonl.gz", items[:5]).parent
+    gzipped(gz_shards / "train-00001.jsonl.gz", items[5:])
+    subsets = tmp_path / "snapshot"
+    (subsets / "main").mkdir(parents=True)
+    (subsets / "other").mkdir()
+    write_jsonl(subsets / "main" / "train-00000.jsonl", items[:5])
+    write_jsonl(subsets / "main" / "train-00001.jsonl", items[5:])
+    write_jsonl(subsets / "other" / "train.jsonl", [{"q": "Other?", "a": 1}])
+    for cfg in (data_cfg(one, one), data_cfg(gz_shards, gz_shards), data_cfg(subsets, subsets, dataset_config="main")):
+        assert {r.metadata["prompt"]: r.metadata["answer"] for r in build(cfg, tok)} == expected, cfg.train.data_path
 
 
 def test_a_mixed_column_in_json_lines_with_a_blank_line_says_to_remove_it(tmp_path, tok):
@@ -1056,3 +1076,80 @@ def test_a_mixed_column_in_json_lines_with_a_blank_line_says_to_remove_it(tmp_pa
         build(data_cfg(path, path), tok)
     path.write_text('{"q": "A?", "a": 7}\n{"q": "B?", "a": "007"}\n')
     assert {r.metadata["answer"] for r in build(data_cfg(path, path), tok, "validation")} == {"7", "007"}
+
+
+def test_a_folder_holding_tables_we_do_not_read_is_refused_naming_the_file(tmp_path, tok):
+    """datasets reads one file type a folder: a .arrow shard beside JSON Lines files was dropped silently, and a folder of
+    .tsv files was read with type guessing ("007" as 7) where a single .tsv file is refused."""
+    import datasets
+
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    write_jsonl(mixed / "train-00001.jsonl", rows(3))
+    write_jsonl(mixed / "train-00002.jsonl", rows(3))
+    datasets.Dataset.from_list(rows(10)).to_pandas().to_csv(mixed / "notes.tsv", sep="\t", index=False)
+    with pytest.raises(ConfigError, match=r"notes\.tsv' in '.*mixed' is a \.tsv file, which is not read here; .*convert it"):
+        build(data_cfg(mixed, mixed), tok)
+    (mixed / "notes.tsv").unlink()
+    assert len(build(data_cfg(mixed, mixed), tok)) == 6  # the same folder without it
+
+
+def test_chat_messages_written_as_text_are_refused_naming_the_row(tmp_path, tok):
+    """A messages column exported to CSV (pandas writes each list as its repr) or stored as a JSON string was read as the
+    problem's text: the model was prompted with the printed list, its system turn included."""
+    import pandas as pd
+
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i}+{i}?"}] for i in range(3)]
+    pd.DataFrame({"messages": chats, "a": ["0", "2", "4"]}).to_csv(tmp_path / "chats.csv", index=False)
+    write_jsonl(tmp_path / "chats.jsonl", [{"messages": json.dumps(c), "a": "0"} for c in chats])
+    for path in (tmp_path / "chats.csv", tmp_path / "chats.jsonl"):
+        with pytest.raises(ConfigError, match=r"row \d+ of .*chats.*holds chat messages written as text .*store them as a list"):
+            build(data_cfg(path, path, prompt_key=None), tok)
+    write_jsonl(tmp_path / "plain.jsonl", [{"q": "[1, 2, 3]: the largest?", "a": "3"}] * 4)  # a problem that starts with [
+    assert len(build(data_cfg(tmp_path / "plain.jsonl", tmp_path / "plain.jsonl"), tok, "validation")) == 4
+
+
+def test_parquet_shards_that_disagree_name_the_shard_and_the_column(tmp_path, tok):
+    """datasets casts a split's shards to the first one's schema: an extra column failed with advice about value types,
+    integers then a float failed naming neither the file nor the column."""
+    import pandas as pd
+
+    extra, kinds = tmp_path / "extra", tmp_path / "kinds"
+    for folder in (extra, kinds):
+        folder.mkdir()
+        pd.DataFrame({"q": ["A?", "B?"], "a": [1, 2]}).to_parquet(folder / "train-00000-of-00002.parquet")
+    pd.DataFrame({"q": ["C?"], "a": [3], "level": ["easy"]}).to_parquet(extra / "train-00001-of-00002.parquet")
+    pd.DataFrame({"q": ["C?"], "a": [2.5]}).to_parquet(kinds / "train-00001-of-00002.parquet")
+    with pytest.raises(ConfigError, match=r"train-00001-of-00002\.parquet' has the columns \['q', 'a', 'level'\].*same columns"):
+        build(data_cfg(extra, extra), tok)
+    with pytest.raises(ConfigError, match=r"column 'a' is double in '.*train-00001-of-00002\.parquet', int64 in '.*00000.*one type"):
+        build(data_cfg(kinds, kinds), tok)
+
+
+def test_a_split_a_saved_dataset_lacks_says_which_it_has_and_a_saved_datasets_split_has_no_effect(tmp_path, tok):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows(6)), "valid": datasets.Dataset.from_list(rows(4))}).save_to_disk(
+        str(tmp_path / "dd")
+    )
+    datasets.Dataset.from_list(rows(5)).save_to_disk(str(tmp_path / "one"))
+    dd, one = tmp_path / "dd", tmp_path / "one"
+    with pytest.raises(
+        ConfigError, match=r"'.*dd' has no split 'validation'; its splits are \['train', 'valid'\]: set data.validation.split"
+    ):
+        build(data_cfg(dd, dd, validation={"split": "validation"}), tok, "validation")
+    with pytest.warns(RuntimeWarning, match=r"data.validation.split='test' has no effect: '.*one' holds one dataset \(no splits\)"):
+        assert len(build(data_cfg(one, one, validation={"split": "test"}), tok, "validation")) == 5
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default split (train) of a saved Dataset warns of nothing
+        assert len(build(data_cfg(one, one), tok)) == 5
+
+
+def test_a_utf16_csv_is_named_as_such(tmp_path, tok):
+    """Read as UTF-8 (errors replaced), a spreadsheet's UTF-16 export was refused for an unquoted comma it did not have."""
+    path = tmp_path / "sheet.csv"
+    path.write_text("q,a\nWhat is 1+1?,2\n", encoding="utf-16")
+    with pytest.raises(ConfigError, match=r"sheet\.csv' is UTF-16 text .*save it as UTF-8 CSV"):
+        build(data_cfg(path, path), tok)
