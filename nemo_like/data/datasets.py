@@ -388,11 +388,11 @@ def directory_data_files(path: Path, suffixes: Collection[str] = tuple(FILE_BUIL
     ]
 
 
-def parquet_shard_mismatch(path: Path, load_kwargs: dict[str, Any], types: bool = False) -> str | None:
-    """Where the Parquet shards of one split of folder ``path`` stop agreeing with its first shard: other columns, or
-    (``types``) a column of another type; ``None`` when they agree (or the split is not all Parquet). ``datasets``
-    casts every shard to the first one's schema: an extra column failed with advice about value types, and a float
-    where the first shard had integers named neither the file nor the column."""
+def parquet_shard_mismatch(path: Path, load_kwargs: dict[str, Any]) -> str | None:
+    """Where the Parquet shards of one split of folder ``path`` stop agreeing with its first shard, for a load that
+    failed: other columns, or a column of another type; ``None`` when they agree (or the split is not all Parquet).
+    ``datasets`` casts every shard to the first one's schema (columns in any order): an extra column failed with advice
+    about value types, a float where the first shard had integers named neither the file nor the column."""
     import fsspec
     import pyarrow.parquet as pq
 
@@ -405,33 +405,38 @@ def parquet_shard_mismatch(path: Path, load_kwargs: dict[str, Any], types: bool 
                 schemas.append(pq.read_schema(handle))
         first = schemas[0]
         for file, schema in zip(files[1:], schemas[1:]):
-            if schema.names != first.names:
+            if set(schema.names) != set(first.names):
                 return f"{file!r} has the columns {schema.names}, {files[0]!r} {first.names}: every shard of a split needs the same columns"
-            if types:
-                for name in first.names:
-                    if schema.field(name).type != first.field(name).type:
-                        return f"column {name!r} is {schema.field(name).type} in {file!r}, {first.field(name).type} in {files[0]!r}"
+            for name in first.names:
+                if schema.field(name).type != first.field(name).type:
+                    return f"column {name!r} is {schema.field(name).type} in {file!r}, {first.field(name).type} in {files[0]!r}"
     return None
 
 
 def _shard_types_mismatch(path: Path, source: Source) -> str | None:
-    """:func:`parquet_shard_mismatch` with types, for a folder whose load failed (``None`` where it cannot say)."""
+    """:func:`parquet_shard_mismatch` for a folder whose load failed (``None`` where it cannot say)."""
     try:
-        return parquet_shard_mismatch(path.resolve(), _subset_kwargs(path, source.config), types=True)
+        return parquet_shard_mismatch(path.resolve(), _subset_kwargs(path, source.config))
     except Exception:  # noqa: BLE001 - the load's own error is reported; this only adds where it can
         return None
 
 
-def _refuse_unread_table_files(path: Path, key: str) -> None:
-    """Raise for a directory holding tables of a type ``datasets`` reads and we do not (:data:`UNREAD_TABLE_SUFFIXES`):
-    ``datasets`` reads one file type a folder, so beside JSON Lines files a ``.arrow`` shard's rows were dropped
-    silently, and a folder of ``.tsv`` files was read with type guessing (``007`` as 7) a single file is refused for."""
-    unread = directory_data_files(path, UNREAD_TABLE_SUFFIXES)
+def _refuse_unread_table_files(path: Path, source: Source, key: str, load_kwargs: dict[str, Any]) -> None:
+    """Raise for a directory (the part :func:`_folder_to_check` names) holding tables ``datasets`` reads and we do not
+    read as it would (:data:`UNREAD_TABLE_SUFFIXES`): ``.tsv`` / ``.ndjson`` (type-guessed cells, ``007`` as 7, where a
+    single file is refused), and ``.arrow`` / ``.geoparquet`` beside our data files (``datasets`` reads one file type a
+    folder: an ``.arrow`` shard beside JSON Lines files had its rows dropped silently; a folder of them alone loads)."""
+    root = _folder_to_check(path, source, load_kwargs)
+    if root is None:
+        return
+    mixed = bool(directory_data_files(root))
+    unread = [f for f in directory_data_files(root, UNREAD_TABLE_SUFFIXES) if mixed or data_suffix(f) in (".tsv", ".ndjson")]
     if unread:
         raise ConfigError(
             f"{key}: {str(unread[0])!r} in {str(path)!r} is a {data_suffix(unread[0])} file"
             f"{f' (and {len(unread) - 1} more of such types)' if len(unread) > 1 else ''}, which is not read here; data files "
-            f"are {', '.join(sorted(FILE_BUILDERS))} (compressed too): convert it (a .tsv as .csv) or move it out of the folder"
+            f"are {', '.join(sorted(FILE_BUILDERS))} (compressed too): convert it (a .tsv as .csv, an .ndjson named .jsonl) "
+            "or move it out of the folder"
         )
 
 
@@ -624,10 +629,8 @@ def _load_local(source: Source, key: str):
                         "datasets loader reads as a pattern; rename the folder, or point at one data file in it"
                     )
                 subset = _subset_kwargs(path, source.config)
-                _refuse_unread_table_files(path, key)
+                _refuse_unread_table_files(path, source, key, subset)
                 _refuse_skipped_files(path, source, key, subset)
-                if mismatch := parquet_shard_mismatch(path.resolve(), subset):
-                    raise ConfigError(f"{key}: cannot read {str(path)!r}: {mismatch}")
                 data_files = directory_data_files(path)
                 for file in data_files:
                     if problem := unreadable_compression(file):
@@ -637,6 +640,8 @@ def _load_local(source: Source, key: str):
                     raise ConfigError(f"{key}: {empty[0]!r} in {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
                 plain = not subset and not _card_declares_subsets(path)  # builder settings would replace a card's subsets
                 kwargs = {**_csv_directory_kwargs(path, key), **(_json_kwargs(data_files) if plain else {})}
+                if _card_declares_subsets(path):
+                    kwargs["cache_dir"] = _card_folder_cache(path)
                 ds = datasets.load_dataset(str(path), **subset, **kwargs)
         else:
             builder = FILE_BUILDERS.get(data_suffix(path))
@@ -670,7 +675,7 @@ def _load_local(source: Source, key: str):
             # datasets reads a column mixing types line by line, and a blank line fails that read with pyarrow's error
             message += "; a JSON Lines file whose column mixes numbers and text cannot have blank lines: remove them"
         if path.is_dir() and not _saved_dataset(path) and (mismatch := _shard_types_mismatch(path, source)):
-            message += f"; {mismatch}: write every value of a column as one type"
+            message += f"; {mismatch}"
         elif "as a scalar of type" in message or "Couldn't cast" in message:  # typed from one file or chunk, cast in another
             message += (
                 "; a column's values change type between the files (or, in a file, past its first chunk: 10 MB of a "
@@ -695,21 +700,41 @@ def has_subset(path: Path, config: str) -> bool:
     )
 
 
+def _card_folder_cache(path: Path) -> str:
+    """A ``datasets`` cache directory for folder ``path`` as its files are now (their paths, sizes and times). For a
+    folder whose README card declares its configs, ``datasets`` keys the cache by the card alone (the configs' file
+    patterns, not the files): a data file edited since, or another folder of the same name and card, loaded the rows
+    cached before, silently. Each version of the folder gets its own cache; an unchanged one reuses it."""
+    import datasets.config
+
+    files = sorted(f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts))
+    stamp = hashlib.sha256(repr([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).hexdigest()
+    return str(Path(datasets.config.HF_DATASETS_CACHE) / "nemo_like_card_folders" / stamp[:16])
+
+
 def _card_declares_subsets(path: Path) -> bool:
     """Whether directory ``path``'s README card declares its subsets (a ``configs:`` list in its YAML header)."""
     readme = path / "README.md"
     return readme.is_file() and re.search(r"^configs:\s*$", readme.read_text(errors="replace"), re.M) is not None
 
 
+def _folder_to_check(path: Path, source: Source, load_kwargs: dict[str, Any]) -> Path | None:
+    """The part of directory ``path`` whose every data file the load must read: the chosen subset's folder, else all of
+    it; ``None`` where a README card's patterns choose the files (a subset it declares, or its default)."""
+    if source.config is not None and "data_dir" not in load_kwargs:
+        return None
+    if "data_dir" not in load_kwargs and _card_declares_subsets(path):  # the card's default subset, by its patterns
+        return None
+    return path / load_kwargs["data_dir"] if "data_dir" in load_kwargs else path
+
+
 def _refuse_skipped_files(path: Path, source: Source, key: str, load_kwargs: dict[str, Any]) -> None:
     """Raise when ``datasets`` would leave out data files of directory ``path``: it splits a directory by file names
     (``train.jsonl`` beside ``extra.jsonl`` reads only the first) and reads one file type (the most common), silently.
     With a subset chosen by the card (README), the card's patterns decide and nothing is checked."""
-    if source.config is not None and "data_dir" not in load_kwargs:
+    root = _folder_to_check(path, source, load_kwargs)
+    if root is None:
         return
-    if "data_dir" not in load_kwargs and _card_declares_subsets(path):  # the card's default subset, by its patterns
-        return
-    root = path / load_kwargs["data_dir"] if "data_dir" in load_kwargs else path
     used = {Path(file).resolve() for files in _builder_data_files(path, load_kwargs).values() for file in files}
     skipped = [str(file) for file in directory_data_files(root) if file.resolve() not in used]
     if skipped:
@@ -746,7 +771,7 @@ def _pick_split(ds, source: Source, key: str):
                 )
             raise ConfigError(f"{key}: {source.data_path!r} holds splits {sorted(ds)}; choose one with {role_key}")
         return ds[split]
-    if source.split_given:  # a saved Dataset (one split), like a single file: its rows are the split
+    if source.split_given and Path(source.data_path).is_dir():  # a saved Dataset (a single file: DataConfig warns)
         warnings.warn(
             f"{role_key}={source.split!r} has no effect: {source.data_path!r} holds one dataset (no splits); all its rows are read",
             RuntimeWarning,
@@ -959,12 +984,12 @@ def _chat_written_as_text(value: str) -> bool:
     it): read as the problem's text, the model would be prompted with the list, its system turn and all."""
     import ast
 
-    if not value.lstrip().startswith("["):
+    if not value.lstrip().startswith("[") or "role" not in value or "content" not in value:
         return False
     for parse in (json.loads, ast.literal_eval):
         try:
             parsed = parse(value)
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
+        except Exception:  # noqa: BLE001 - not a literal (literal_eval raises several types: an unhashable key, ...)
             continue
         return isinstance(parsed, list) and bool(parsed) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in parsed)
     return False
