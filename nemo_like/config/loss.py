@@ -436,6 +436,17 @@ class ClippedPGLossConfig(BaseModel):
         cispo, cispo_key = self._chosen("cispo", "use_cispo")
         if cispo and one_step_per_rollout and not self.force_on_policy_ratio:  # with the flag: an error (_ratio_rules)
             warnings["use_cispo"] = f"{cispo_key} has no effect because {ONE_STEP_REASON}: CISPO is plain REINFORCE at a ratio of 1"
+        # At a ratio of 1 every built-in surrogate has PPO's gradient, -A grad log pi (no ratio leaves the clip band): an
+        # ablation flipping one of them trained the same weights, and only train/loss's value told them apart.
+        if one_step_per_rollout and reinforce:
+            warnings["disable_ppo_ratio"] = (
+                f"{reinforce_key} has no effect on the update because {ONE_STEP_REASON}: PPO's gradient at a ratio of 1 is "
+                "REINFORCE's (train/loss differs: -A log pi against -A r)"
+            )
+        if one_step_per_rollout and self.surrogate == "unclipped":
+            warnings["surrogate"] = f"loss_fn.surrogate='unclipped' has no effect because {ONE_STEP_REASON}: no ratio leaves the clip band"
+        if one_step_per_rollout and self.force_on_policy_ratio:
+            warnings["force_on_policy_ratio"] = f"loss_fn.force_on_policy_ratio has no effect because {ONE_STEP_REASON} already"
         ratio_one = one_step_per_rollout or self.force_on_policy_ratio
         if self.sequence_level_importance_ratios and ratio_one and not per_token_advantages and not self.use_importance_sampling_correction:
             reason = ONE_STEP_REASON if one_step_per_rollout else "loss_fn.force_on_policy_ratio=true"

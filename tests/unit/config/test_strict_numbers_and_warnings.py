@@ -325,7 +325,10 @@ def test_force_on_policy_ratio_on_a_clip_higher_recipe_warns(tmp_path: Path, cap
         assert main(["train", "--config", recipe, *argv, "loss_fn.force_on_policy_ratio=true"]) == 0
         err = capsys.readouterr().err
         assert err.splitlines() == [
-            "[config] warning: loss_fn.ratio_clip_max has no effect because loss_fn.force_on_policy_ratio=true (ignored)"
+            "[config] warning: loss_fn.ratio_clip_max has no effect because loss_fn.force_on_policy_ratio=true (ignored)",
+            "[config] warning: loss_fn.force_on_policy_ratio has no effect because the run takes one optimizer step per rollout "
+            "(policy.train_global_batch_size = grpo.num_prompts_per_step x grpo.num_generations_per_prompt), so pi/pi_prev = 1 "
+            "on every token already",
         ]
 
 
@@ -516,10 +519,23 @@ def test_training_on_a_file_while_validation_stays_the_arithmetic_task_warns() -
         assert lines(quiet) == [], quiet
 
 
-@pytest.mark.parametrize("key", ["loss_fn.ratio_clip_max=0.28", "loss_fn.ratio_clip_c=3.0", "loss_fn.use_cispo=true"])
-def test_clip_and_cispo_settings_warn_when_every_ratio_is_one(key: str) -> None:
+@pytest.mark.parametrize(
+    "key",
+    [
+        "loss_fn.ratio_clip_max=0.28",
+        "loss_fn.ratio_clip_c=3.0",
+        "loss_fn.use_cispo=true",
+        "loss_fn.disable_ppo_ratio=true",
+        "loss_fn.surrogate=reinforce",
+        "loss_fn.surrogate=unclipped",
+        "loss_fn.force_on_policy_ratio=true",
+    ],
+)
+def test_clip_and_surrogate_settings_warn_when_every_ratio_is_one(key: str) -> None:
     """One optimizer step per rollout (the default) skips the prev pass: pi/pi_prev is exactly 1, as with
-    force_on_policy_ratio, which warned (CISPO: refused) while the default case accepted a ported clip-higher silently."""
+    force_on_policy_ratio, which warned (CISPO: refused) while the default case accepted a ported clip-higher silently.
+    At a ratio of 1 every built-in surrogate has PPO's gradient: a PPO-against-REINFORCE ablation trained the same
+    weights (only train/loss's value differed) without a word."""
     name = key.split("=")[0]
     one_step = load_config(None, [key], warn=False)
     assert one_step.optimizer_steps_per_rollout == 1
@@ -528,6 +544,8 @@ def test_clip_and_cispo_settings_warn_when_every_ratio_is_one(key: str) -> None:
     # the ratio is not 1 then, and the clip bounds it.
     dropout = ["policy.lora_cfg.enabled=true", "policy.lora_cfg.dropout=0.1", "grpo.seq_logprob_error_threshold=2.0"]
     assert not [line for line in load_config(None, [key, *dropout], warn=False).no_effect_warnings() if line.startswith(name)]
+    if name == "loss_fn.force_on_policy_ratio":
+        return  # it requires one step per rollout (refused with two)
     half = one_step.rollout_batch_size // 2
     two_steps = load_config(None, [key, f"policy.train_global_batch_size={half}"], warn=False)
     assert not [line for line in two_steps.no_effect_warnings() if line.startswith(name)]
