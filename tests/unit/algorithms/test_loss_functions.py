@@ -132,6 +132,21 @@ def test_cispo_keeps_bounded_gradient_on_clipped_tokens() -> None:
     assert m["clip_fraction"] == pytest.approx(1.0)
 
 
+def test_at_a_ratio_of_one_every_built_in_surrogate_has_ppos_gradient() -> None:
+    """What the one-step-per-rollout warnings claim (config/loss.py): with the prev pass skipped, pi_prev is pi_curr
+    detached, and PPO-clip, unclipped, CISPO and REINFORCE all give -A d log pi / N (A = [1, -1, 2, 0.5], N = 4); only
+    the loss value differs (-mean A r = -mean A for the ratio surrogates, -mean A log pi for REINFORCE and CISPO)."""
+    curr_values, advantages = [[LOG(0.3), LOG(0.6), LOG(0.9), LOG(0.2)]], [[1.0, -1.0, 2.0, 0.5]]
+    expected = _grad([[-1.0 / 4, 1.0 / 4, -2.0 / 4, -0.5 / 4]])
+    for options in ({}, {"surrogate": "unclipped"}, {"use_cispo": True}, {"disable_ppo_ratio": True}, {"ratio_clip_c": 3.0}):
+        curr, data = _batch(curr_values, advantages)  # no prev: the skipped pass, pi_prev = pi_curr detached
+        loss, _, grad = _run(ClippedPGLossConfig(**options), curr, data)
+        torch.testing.assert_close(grad, expected, msg=str(options))
+        reinforce_like = options.get("use_cispo") or options.get("disable_ppo_ratio")
+        logp = sum(a * c for a, c in zip(advantages[0], curr_values[0]))
+        assert float(loss) == pytest.approx(-(logp if reinforce_like else sum(advantages[0])) / 4), options
+
+
 def test_disable_ppo_ratio_is_reinforce() -> None:
     # loss = mean(-A logp) = -(2 log .5 - 1 log .25)/2 = 0 ; grad -A/2 = [-1, 0.5]
     curr, data = _batch([[LOG(0.5), LOG(0.25)]], [[2.0, -1.0]], prev=[[LOG(0.1)] * 2])
