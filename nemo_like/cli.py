@@ -283,7 +283,9 @@ def run_plan(args: argparse.Namespace) -> int:
     from nemo_like.algorithms.names import check_plugin_names
     from nemo_like.algorithms.roles import declared_cluster_problem, idle_gpus_warning, scorer_specs
     from nemo_like.algorithms.setup import check_policy_model, multi_turn_warnings
+    from nemo_like.data.datasets import is_arithmetic, resolve_source
     from nemo_like.distributed.planning import plan_on_cluster
+    from nemo_like.models.engines import ignored_engine_keys
     from nemo_like.models.footprint import memory_report, model_config_here, model_config_warning
     from nemo_like.models.loading import refuse_checkpoint_as_model
 
@@ -309,7 +311,12 @@ def run_plan(args: argparse.Namespace) -> int:
         print("[plan] warning: --mfu has no effect without --peak-tflops (no step time is estimated)", file=sys.stderr, flush=True)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     mfu = DEFAULT_MFU if args.mfu is None else args.mfu
+    for role in ("train", "validation"):  # where each split's prompts come from (train's check at its data's load)
+        if not is_arithmetic(cfg.data, role):
+            resolve_source(cfg.data, role)
     plan = plan_on_cluster(cfg, turn_end_ids(cfg), planning_only=True)
+    for line in ignored_engine_keys(cfg, plan.backend.value):  # the engine keys train warns about when it builds it
+        print(f"[plan] warning: {line}", file=sys.stderr, flush=True)
     lines, fits = memory_report(
         cfg, plan, args.device_memory_gib, peak, mfu, args.model_config, teacher_configs,
         lambda config: declared_cluster_problem(config, plan), scorer_specs(cfg),

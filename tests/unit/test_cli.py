@@ -324,6 +324,14 @@ def test_the_projects_warnings_are_one_line_and_plan_prints_the_turns_warning(ca
     err = capsys.readouterr().err
     assert "[plan] warning: grpo.max_rollout_turns=2 has no effect for env.arithmetic: it is single-turn" in err
     assert "(it still turns grpo.overlap_scoring off" in err
+    # the engine keys the chosen backend ignores: train warned when it built the engine, plan said nothing
+    assert main(["plan", "policy.generation.num_threads_per_worker=1", "policy.generation.vllm_cfg.kv_cache_space_gib=2"]) == 0
+    err = capsys.readouterr().err
+    assert "[plan] warning: policy.generation.num_threads_per_worker=1 has no effect with inline generation" in err
+    assert "[plan] warning: policy.generation.vllm_cfg.kv_cache_space_gib has no effect with inline generation" in err
+    # a split without a prompt source: train refuses it when it loads the data, plan (which loads none) had passed it
+    assert main(["plan", "data.dataset_name=null", "data.validation.data_path=val.jsonl"]) == 2
+    assert "data.train: no prompt source. Set data.train.data_path" in capsys.readouterr().err
 
 
 def test_plan_warns_when_model_config_describes_another_model_than_the_one_here(tmp_path, capsys) -> None:
