@@ -400,6 +400,12 @@ class MasterConfig(BaseModel):
                 f"policy.{key} has no effect with policy.{budgets[0]}.enabled=true (micro-batches are token budgets: "
                 f"policy.{budgets[0]}.train_mb_tokens / logprob_mb_tokens)"
             )
+        share = self.policy.train_global_batch_size // self.policy.dp_size  # a rank's samples of one optimizer step
+        if not budgets and self.policy.train_micro_batch_size > share:
+            lines.append(
+                f"policy.train_micro_batch_size={self.policy.train_micro_batch_size} is more than a rank's share of an optimizer "
+                f"step (policy.train_global_batch_size / policy.dp_size = {share}): its micro-batches hold {share} samples"
+            )
         if not self.grpo.use_dynamic_sampling and changed_from_defaults(self.grpo, ["dynamic_sampling_max_gen_batches"]):
             lines.append("grpo.dynamic_sampling_max_gen_batches has no effect with grpo.use_dynamic_sampling=false")
         estimator = self.grpo.adv_estimator.name

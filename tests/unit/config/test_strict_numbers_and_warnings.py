@@ -598,3 +598,16 @@ def test_a_warmup_as_long_as_the_run_is_warned_about() -> None:
     assert warmup_lines(["policy.scheduler.warmup_steps=99", "grpo.max_num_steps=100"]) == []  # step 99 trains at the peak
     two_per_rollout = ["policy.scheduler.warmup_steps=150", "grpo.max_num_steps=100", "policy.train_global_batch_size=32"]
     assert warmup_lines(two_per_rollout) == []  # 200 optimizer steps
+
+
+def test_a_micro_batch_larger_than_a_ranks_share_of_a_step_says_what_it_holds() -> None:
+    """An ablation of the global batch (64 -> 16) kept the recipe's micro-batch of 32, capped at 16 without a word."""
+    lines = load_config(None, ["policy.train_global_batch_size=16"], warn=False).no_effect_warnings()
+    assert (
+        "policy.train_micro_batch_size=32 is more than a rank's share of an optimizer step (policy.train_global_batch_size / "
+        "policy.dp_size = 16): its micro-batches hold 16 samples"
+    ) in lines
+    quiet = load_config(None, ["policy.train_global_batch_size=32"], warn=False).no_effect_warnings()
+    assert not [line for line in quiet if "train_micro_batch_size" in line]
+    packed = ["policy.train_global_batch_size=16", "policy.sequence_packing.enabled=true"]  # token budgets: another line
+    assert not [line for line in load_config(None, packed, warn=False).no_effect_warnings() if "rank's share" in line]
