@@ -285,6 +285,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from nemo_like.algorithms.setup import check_policy_model, multi_turn_warnings
     from nemo_like.data.datasets import is_arithmetic, resolve_source
     from nemo_like.distributed.planning import plan_on_cluster
+    from nemo_like.experience.agent_rollouts import load_agents
     from nemo_like.models.engines import ignored_engine_keys
     from nemo_like.models.footprint import memory_report, model_config_here, model_config_warning
     from nemo_like.models.loading import refuse_checkpoint_as_model
@@ -315,6 +316,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if not is_arithmetic(cfg.data, role):
             resolve_source(cfg.data, role)
     plan = plan_on_cluster(cfg, turn_end_ids(cfg), planning_only=True)
+    load_agents(env_specs, plan.agent_tasks)  # an agent that does not import: train refuses it before any actor starts
     for line in ignored_engine_keys(cfg, plan.backend.value):  # the engine keys train warns about when it builds it
         print(f"[plan] warning: {line}", file=sys.stderr, flush=True)
     lines, fits = memory_report(

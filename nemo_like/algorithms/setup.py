@@ -106,6 +106,7 @@ def check_environments(specs: dict[str, EnvSpec], datasets: dict[str, list[Promp
 def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[str]:
     """``grpo.max_rollout_turns`` and the environments' kind disagree: the setting (or the env's ``step``) has no effect;
     and each environment's own no-effect lines (:meth:`EnvironmentInterface.config_warnings`)."""
+    from nemo_like.environments.agent import AgentEnvironment
     from nemo_like.environments.interface import EnvironmentInterface
     from nemo_like.environments.registry import import_environment_class
 
@@ -115,7 +116,13 @@ def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[st
         env_class = import_environment_class(spec.class_path, f"env.{task}")
         lines += env_class.config_warnings(task, spec.kwargs, turns)
         multi = env_class.step is not EnvironmentInterface.step
-        if multi and turns == 1:
+        if issubclass(env_class, AgentEnvironment):
+            if turns > 1:  # its agent decides the calls: the turn loop never runs for it
+                lines.append(
+                    f"grpo.max_rollout_turns={turns} has no effect for agent task env.{task}: its agent decides how many model "
+                    f"calls a session makes (bounded by env.{task}.max_tokens_per_session)"
+                )
+        elif multi and turns == 1:
             lines.append(
                 f"env.{task} is a multi-turn environment (it overrides step) but grpo.max_rollout_turns=1: the run scores "
                 "single responses with its score(); set grpo.max_rollout_turns > 1 to use its turns"

@@ -24,7 +24,6 @@ verifier's margin, a penalty (a length penalty, a negative weight) included, or 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -90,13 +89,12 @@ class CompositeEnvConfig(BaseModel):
                     f"sources.{name}: {source_cls.__name__} is a multi-turn environment (it overrides step); a composite "
                     "scores single-turn responses only, so its turns would never run. Use it as the task's own environment"
                 )
-            if weight == 0:
-                warnings.warn(
-                    f"source {name!r} has weight 0: it is computed and logged but does not change the reward (a NaN or infinite one still stops the run)",
-                    UserWarning,
-                    stacklevel=2,
-                )
             checked[name] = {**settings, "class": section.get("class", name), "weight": weight}
+        if all(source["weight"] == 0 for source in checked.values()):
+            raise ValueError(
+                f"every source of sources has weight 0: the reward is 0 for every sample (no training signal, the models "
+                f"still scoring); give one of {sorted(checked)} a weight"
+            )
         return checked
 
 
@@ -151,6 +149,16 @@ class CompositeEnvironment(EnvironmentInterface):
     """See the module docstring."""
 
     config_model: ClassVar[type[BaseModel]] = CompositeEnvConfig
+
+    @classmethod
+    def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:
+        """A source of weight 0 (printed once at start-up; every source at 0 is an error of the section)."""
+        return [
+            f"env.{task}.sources.{name}.weight=0: the source is computed and logged but does not change the reward (a NaN "
+            "or infinite one still stops the run)"
+            for name, section in settings["sources"].items()
+            if split_source(name, section)[1] == 0
+        ]
 
     @classmethod
     def answer_problem(cls, settings: dict[str, Any], answer: Any) -> str | None:

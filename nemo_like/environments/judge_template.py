@@ -69,9 +69,12 @@ class JudgeTemplate:
     """A checked template; :meth:`render` fills it for one sample."""
 
     def __init__(self, text: str, fmt: TemplateFormat = "format") -> None:
-        unknown = sorted(template_fields(text, fmt) - set(TEMPLATE_FIELDS))
+        fields = template_fields(text, fmt)
+        unknown = sorted(fields - set(TEMPLATE_FIELDS))
         if unknown:
             raise ValueError(f"the template uses unknown field(s) {unknown}; available: {list(TEMPLATE_FIELDS)}")
+        if "response" not in fields:  # the judge scored one text for every sample: a reward constant in each group
+            raise ValueError("the template never uses {response}: the judge would score the same text for every sample; add {response}")
         self.text, self.fmt = text, fmt
         self._jinja = None
         if fmt == "jinja":

@@ -79,7 +79,7 @@ class RunPlan:
         if self.refit_warning:
             out.append(self.refit_warning)
         out.append(self.threads.describe(this_machine))
-        if self.multi_turn is not None:
+        if self.multi_turn is not None and not self.agent_tasks:  # an agent decides its session's calls
             ids = list(self.multi_turn.eos_token_ids) or "(the tokenizer's eos: not read here)"
             out.append(f"multi-turn: up to {self.multi_turn.max_turns} model turns per sample, end-of-turn ids {ids}")
         if self.overlap_scoring:

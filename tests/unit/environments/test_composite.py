@@ -148,7 +148,14 @@ def test_bad_sections_name_the_key(section: dict, message: str) -> None:
 
 
 def test_options_that_change_nothing_or_mislead_warn() -> None:
-    with pytest.warns(UserWarning, match="weight 0"):
+    # a source at weight 0 beside others: one start-up line (it was a Python warning, twice, located in pydantic)
+    section = {"sources": {"x": {"class": "arithmetic", "weight": 0}, "y": {"class": "arithmetic"}}}
+    assert CompositeEnvironment.config_warnings("arith", resolve(section).kwargs, 1) == [
+        "env.arith.sources.x.weight=0: the source is computed and logged but does not change the reward (a NaN or "
+        "infinite one still stops the run)"
+    ]
+    # every source at weight 0: every reward 0, no training signal (a run trained nothing, its models scoring on)
+    with pytest.raises(ConfigError, match=r"every source of sources has weight 0.*give one of \['x'\] a weight"):
         resolve({"sources": {"x": {"class": "arithmetic", "weight": 0}}})
     with warnings.catch_warnings():  # several actors are fine: the run derives each source's mean after summing
         warnings.simplefilter("error")
@@ -182,10 +189,9 @@ def test_a_sources_non_finite_reward_stops_the_run_naming_the_source_even_at_wei
         def metrics(self):
             return {}
 
-    with pytest.warns(UserWarning, match="weight 0"):
-        env = CompositeEnvironment(
-            **resolve({"sources": {"correct": {"class": "arithmetic"}, "custom": {"class": "arithmetic", "weight": 0}}}).kwargs
-        )
+    env = CompositeEnvironment(
+        **resolve({"sources": {"correct": {"class": "arithmetic"}, "custom": {"class": "arithmetic", "weight": 0}}}).kwargs
+    )
     env.sources["custom"] = (NanOnEmpty(), 0.0)
     assert env.score(["7"], [{"answer": 7}]) == [1.0]
     with pytest.raises(

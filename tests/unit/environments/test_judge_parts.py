@@ -22,7 +22,7 @@ def test_format_and_jinja_templates_render_the_same_fields() -> None:
     jinja = JudgeTemplate("Q: {{ prompt }} A: {{ response }} gold {{ answer }} ({{ metadata.level }})", "jinja")
     expected = "Q: 3+4? A: 7 gold 7 (easy)"
     assert fmt.render("3+4?", "7", META) == expected == jinja.render("3+4?", "7", META)
-    assert JudgeTemplate("{answer}|").render("", "", {"task_name": "t"}) == "|"  # no gold answer: empty
+    assert JudgeTemplate("{answer}|{response}").render("", "", {"task_name": "t"}) == "|"  # no gold answer: empty
 
 
 def test_template_from_a_file_or_the_default(tmp_path) -> None:
@@ -43,6 +43,9 @@ def test_template_from_a_file_or_the_default(tmp_path) -> None:
         ("{}", "format", "positional field"),
         ("{{ reponse }}", "jinja", r"unknown field\(s\) \['reponse'\]"),
         ("{% if %}", "jinja", "does not parse"),
+        # the same text for every sample: one verdict a step, constant within every group (no advantage)
+        ("Is this right? {prompt}", "format", r"never uses \{response\}: the judge would score the same text for every sample"),
+        ("{{ prompt }} {{ answer }}", "jinja", r"never uses \{response\}"),
         # passed the check, then failed on every sample ('dict' object has no attribute 'level'): Jinja's spelling
         ("Level {metadata.level}: {response}", "format", r"\{metadata.level\} reads an attribute.*write \{metadata\[level\]\}"),
     ],

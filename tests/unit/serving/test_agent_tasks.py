@@ -319,6 +319,19 @@ def test_verifier_kwargs_without_a_verifier_warn_that_nothing_reads_them() -> No
     assert warnings_of() == []  # the recipe's verifier reads them
     (line,) = warnings_of("env.tool.verifier=null")
     assert line.startswith("env.tool.verifier_kwargs has no effect: env.tool.verifier is not set")
+    # turns: an agent decides its session's calls (the line had called the task single-turn, overlap scoring and all)
+    cfg = load_config(RECIPE, ["grpo.max_rollout_turns=3"], warn=False)
+    assert multi_turn_warnings(cfg, resolve_environments(cfg.env_sections)) == [
+        "grpo.max_rollout_turns=3 has no effect for agent task env.tool: its agent decides how many model calls a session "
+        "makes (bounded by env.tool.max_tokens_per_session)"
+    ]
+
+
+def test_plan_refuses_an_agent_that_does_not_import_as_train_does(capsys) -> None:
+    from nemo_like.cli import main
+
+    assert main(["plan", "--config", str(RECIPE), "env.tool.agent=examples/agents/calculator_agent.py:solv"]) == 2
+    assert "env.tool.agent: cannot import 'examples/agents/calculator_agent.py:solv'" in capsys.readouterr().err
 
 
 def test_ending_a_session_does_not_hold_up_the_servers_other_requests(server, monkeypatch) -> None:
