@@ -638,9 +638,10 @@ def _load_local(source: Source, key: str):
                 empty = [str(f) for f in data_files if f.stat().st_size == 0]
                 if empty:  # datasets' own error was a bare StopIteration
                     raise ConfigError(f"{key}: {empty[0]!r} in {str(path)!r} is empty (0 bytes); it must hold at least one prompt row")
-                plain = not subset and not _card_declares_subsets(path)  # builder settings would replace a card's subsets
+                card = _card_declares_subsets(path)
+                plain = not subset and not card  # builder settings would replace a card's subsets
                 kwargs = {**_csv_directory_kwargs(path, key), **(_json_kwargs(data_files) if plain else {})}
-                if _card_declares_subsets(path):
+                if card:
                     kwargs["cache_dir"] = _card_folder_cache(path)
                 ds = datasets.load_dataset(str(path), **subset, **kwargs)
         else:

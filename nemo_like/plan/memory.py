@@ -51,13 +51,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE_GENERATION_BATCH
 from nemo_like.plan.threads import PACKING_STRATEGIES, bundles_per_node, per_node
-
-if TYPE_CHECKING:
-    pass
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
