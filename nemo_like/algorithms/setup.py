@@ -119,8 +119,8 @@ def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[st
         if issubclass(env_class, AgentEnvironment):
             if turns > 1:  # its agent decides the calls: the turn loop never runs for it
                 lines.append(
-                    f"grpo.max_rollout_turns={turns} has no effect for agent task env.{task}: its agent decides how many model "
-                    f"calls a session makes (bounded by env.{task}.max_tokens_per_session)"
+                    f"grpo.max_rollout_turns={turns} does not bound agent task env.{task}: its agent decides how many model "
+                    f"calls a session makes (bounded by env.{task}.max_tokens_per_session); it adds the multi_turn/* metrics only"
                 )
         elif multi and turns == 1:
             lines.append(

@@ -642,7 +642,7 @@ def _load_local(source: Source, key: str):
                 plain = not subset and not card  # builder settings would replace a card's subsets
                 kwargs = {**_csv_directory_kwargs(path, key), **(_json_kwargs(data_files) if plain else {})}
                 if card:
-                    kwargs["cache_dir"] = _card_folder_cache(path)
+                    kwargs["cache_dir"] = _card_folder_cache(path, subset)
                 ds = datasets.load_dataset(str(path), **subset, **kwargs)
         else:
             builder = FILE_BUILDERS.get(data_suffix(path))
@@ -701,15 +701,17 @@ def has_subset(path: Path, config: str) -> bool:
     )
 
 
-def _card_folder_cache(path: Path) -> str:
-    """A ``datasets`` cache directory for folder ``path`` as its files are now (their paths, sizes and times). For a
-    folder whose README card declares its configs, ``datasets`` keys the cache by the card alone (the configs' file
-    patterns, not the files): a data file edited since, or another folder of the same name and card, loaded the rows
-    cached before, silently. Each version of the folder gets its own cache; an unchanged one reuses it."""
+def _card_folder_cache(path: Path, load_kwargs: dict[str, Any]) -> str:
+    """A ``datasets`` cache directory for folder ``path`` as the files the load reads are now (the card and the data
+    files its builder resolves, links followed: their paths, sizes and times). For a folder whose README card declares
+    its configs, ``datasets`` keys the cache by the card alone (the configs' file patterns, not the files): a data file
+    edited since, or another folder of the same name and card, loaded the rows cached before, silently. Each version of
+    the folder gets its own cache; an unchanged one reuses it."""
     import datasets.config
 
-    files = sorted(f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts))
-    stamp = hashlib.sha256(repr([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).hexdigest()
+    read = {Path(f).resolve() for files in _builder_data_files(path.resolve(), load_kwargs).values() for f in files}
+    files = sorted(read | {(path / "README.md").resolve()})
+    stamp = hashlib.sha256(repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).hexdigest()
     return str(Path(datasets.config.HF_DATASETS_CACHE) / "nemo_like_card_folders" / stamp[:16])
 
 

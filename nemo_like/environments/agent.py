@@ -123,10 +123,15 @@ class AgentEnvironment(EnvironmentInterface):
 
     @classmethod
     def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:
-        """``verifier_kwargs`` set without a ``verifier``: nothing reads them."""
-        if settings.get("verifier_kwargs") and settings.get("verifier") is None:
-            return [f"env.{task}.verifier_kwargs has no effect: env.{task}.verifier is not set (the kwargs are the verifier's)"]
-        return []
+        """``verifier_kwargs`` set without a ``verifier``: nothing reads them; with one, the verifier's own lines (named
+        ``env.<task>.verifier_kwargs.<key>``)."""
+        verifier = settings.get("verifier")
+        if verifier is None:
+            if settings.get("verifier_kwargs"):
+                return [f"env.{task}.verifier_kwargs has no effect: env.{task}.verifier is not set (the kwargs are the verifier's)"]
+            return []
+        verifier_cls = ENVIRONMENTS.get(verifier, "env.<task>.verifier")
+        return verifier_cls.config_warnings(f"{task}.verifier_kwargs", settings.get("verifier_kwargs") or {}, max_rollout_turns)
 
     def __init__(self, **settings: Any) -> None:
         self.config = AgentConfig.model_validate(settings)

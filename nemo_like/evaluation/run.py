@@ -189,7 +189,7 @@ def format_table(summary: dict[str, Any]) -> str:
 def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     """Run the evaluation ``cfg.eval`` describes; returns the summary (also written to ``summary.json``)."""
     from nemo_like.algorithms.names import check_plugin_names
-    from nemo_like.algorithms.setup import check_environments, load_validation_prompts
+    from nemo_like.algorithms.setup import check_environments, load_validation_prompts, multi_turn_warnings
     from nemo_like.distributed.capacity import check_cluster_capacity, sum_resources
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.distributed.ray_init import init_ray
@@ -238,6 +238,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         warnings.warn(trimming, RuntimeWarning, stacklevel=2)
     prompts = load_validation_prompts(cfg, tokenizer)
     check_environments(specs, {"validation": prompts})
+    for line in multi_turn_warnings(cfg, specs):  # the environments' no-effect lines, as train prints them
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
     out = Path(ev.output_dir).expanduser()  # as training's log and checkpoint directories (a literal ./~ otherwise)
     if checkpoint_dir is not None:  # output_dir at a checkpoint step: its config.yaml (what a resume reads) was replaced
         refuse_results_over_model(out, Path(checkpoint_dir))

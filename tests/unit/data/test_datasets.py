@@ -1126,7 +1126,7 @@ def test_chat_messages_written_as_text_are_refused_naming_the_row(tmp_path, tok)
     for path in (tmp_path / "chats.csv", tmp_path / "chats.jsonl"):
         with pytest.raises(ConfigError, match=r"row \d+ of .*chats.*holds chat messages written as text .*store them as a list"):
             build(data_cfg(path, path, prompt_key=None), tok)
-    plain = ["[1, 2, 3]: the largest?", "[{[1, 2]: 'role', 'content': 1}] is what error?", "[Physics] role and content?"]
+    plain = ["[1, 2, 3]: the largest?", "[{[1, 2]: 'role', 'content': 1}]", "[Physics] role and content?"]  # the 2nd: a TypeError
     write_jsonl(tmp_path / "plain.jsonl", [{"q": q, "a": "3"} for q in plain])  # problems that start with [
     assert len(build(data_cfg(tmp_path / "plain.jsonl", tmp_path / "plain.jsonl"), tok, "validation")) == 3
 
@@ -1200,3 +1200,14 @@ def test_a_card_folder_edited_or_another_of_its_name_loads_its_own_rows(tmp_path
     write_jsonl(first / "rows.jsonl", rows(9))
     os.utime(first / "rows.jsonl", ns=(1, 1))  # a time of its own, whatever the clock's resolution
     assert len(build(data_cfg(first, first), tok)) == 9  # had been the 4 loaded before the edit
+    # the card's files through a linked folder (the folder walk did not follow links: the edit was not seen)
+    linked = tmp_path / "c" / "snap"
+    (tmp_path / "c" / "elsewhere").mkdir(parents=True)
+    linked.mkdir()
+    (linked / "README.md").write_text(card.replace("path: rows.jsonl", "path: data/rows.jsonl"))
+    (linked / "data").symlink_to(tmp_path / "c" / "elsewhere", target_is_directory=True)
+    write_jsonl(linked / "data" / "rows.jsonl", rows(3))
+    assert len(build(data_cfg(linked, linked), tok)) == 3
+    write_jsonl(linked / "data" / "rows.jsonl", rows(7))
+    os.utime(linked / "data" / "rows.jsonl", ns=(2, 2))
+    assert len(build(data_cfg(linked, linked), tok)) == 7

@@ -322,8 +322,21 @@ def test_verifier_kwargs_without_a_verifier_warn_that_nothing_reads_them() -> No
     # turns: an agent decides its session's calls (the line had called the task single-turn, overlap scoring and all)
     cfg = load_config(RECIPE, ["grpo.max_rollout_turns=3"], warn=False)
     assert multi_turn_warnings(cfg, resolve_environments(cfg.env_sections)) == [
-        "grpo.max_rollout_turns=3 has no effect for agent task env.tool: its agent decides how many model calls a session "
-        "makes (bounded by env.tool.max_tokens_per_session)"
+        "grpo.max_rollout_turns=3 does not bound agent task env.tool: its agent decides how many model calls a session "
+        "makes (bounded by env.tool.max_tokens_per_session); it adds the multi_turn/* metrics only"
+    ]
+    # a composite verifier's own lines (a source at weight 0), named under verifier_kwargs
+    cfg = load_config(
+        RECIPE,
+        [
+            "env.tool.verifier=composite",
+            "+env.tool.verifier_kwargs.sources={correct: {class: arithmetic}, length: {class: length_penalty, weight: 0}}",
+        ],
+        warn=False,
+    )
+    assert [w for w in multi_turn_warnings(cfg, resolve_environments(cfg.env_sections)) if "weight=0" in w] == [
+        "env.tool.verifier_kwargs.sources.length.weight=0: the source is computed and logged but does not change the reward "
+        "(a NaN or infinite one still stops the run)"
     ]
 
 
