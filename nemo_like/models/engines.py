@@ -111,13 +111,22 @@ def vllm_keys_for_the_other_device(cfg: Any) -> list[str]:
         section = getattr(g, section_name)
         if getattr(section, key) != getattr(type(section)(), key):
             where = "a GPU cluster (it sizes the CPU engine's KV cache)" if on_gpu else "a CPU cluster (GPU only)"
-            lines.append(f"policy.generation.{dotted}={getattr(section, key)} has no effect with the vLLM engine on {where}")
+            value = getattr(section, key)
+            written = str(value).lower() if isinstance(value, bool) else value  # as a recipe writes it
+            lines.append(f"policy.generation.{dotted}={written} has no effect with the vLLM engine on {where}")
     colocated = g.colocated
-    if on_gpu and not colocated.enabled and colocated.offload_optimizer != type(colocated)().offload_optimizer:
-        lines.append(
-            f"policy.generation.colocated.offload_optimizer={colocated.offload_optimizer} has no effect with "
-            "policy.generation.colocated.enabled=false (the engine has GPUs of its own: nothing is offloaded to make room)"
-        )
+    if on_gpu and colocated.offload_optimizer != type(colocated)().offload_optimizer:
+        value = str(colocated.offload_optimizer).lower()
+        if not colocated.enabled:
+            lines.append(
+                f"policy.generation.colocated.offload_optimizer={value} has no effect with "
+                "policy.generation.colocated.enabled=false (the engine has GPUs of its own: nothing is offloaded to make room)"
+            )
+        elif cfg.offloads_to_cpu():
+            lines.append(
+                f"policy.generation.colocated.offload_optimizer={value} has no effect with policy.dtensor_cfg.cpu_offload=true "
+                "(FSDP2 keeps the AdamW state in host RAM already)"
+            )
     return lines
 
 

@@ -51,11 +51,18 @@ def merged_precision_warning(cfg: Any, mode: str) -> str | None:
     policy adds the adapters' product in full; generation then samples from another policy than training scores."""
     if mode != "merged" or cfg.policy.precision != "bfloat16":
         return None
+    # the adapter refit is advice only where the run could take it (it was advised where the same plan refuses it)
+    blocker = vllm_adapter_blocker(cfg)
+    remedy = (
+        f"use policy.precision=float32 (the vLLM adapter refit is not possible here: {blocker})"
+        if blocker
+        else "use policy.precision=float32, or the vLLM backend's adapter refit (docs/guides/lora.md)"
+    )
     return (
         "WARNING: merged LoRA refit with policy.precision=bfloat16: the engine's weights are W + B @ A * alpha / dim "
         "rounded to bf16, which drops adapter updates below bf16's resolution of W (the policy adds them in full), so "
-        "generation samples from an older policy than training scores (train/gen_kl, train/token_mult_prob_error show "
-        "it); use policy.precision=float32, or the vLLM backend's adapter refit (docs/guides/lora.md)"
+        f"generation samples from an older policy than training scores (train/gen_kl, train/token_mult_prob_error show "
+        f"it); {remedy}"
     )
 
 

@@ -144,7 +144,7 @@ def test_engine_options_that_the_chosen_engine_ignores_are_named() -> None:
     # On a CPU cluster the vLLM engine reads neither the colocated offload nor the GPU memory share; on a GPU cluster
     # it does not read the CPU KV-cache size (each was ignored silently).
     assert ignored_engine_keys(colocated, "vllm") == [
-        "policy.generation.colocated.offload_optimizer=False has no effect with the vLLM engine on a CPU cluster (GPU only)"
+        "policy.generation.colocated.offload_optimizer=false has no effect with the vLLM engine on a CPU cluster (GPU only)"
     ]
     share = recipe("policy.generation.vllm_cfg.gpu_memory_utilization=0.9")
     assert ignored_engine_keys(share, "vllm") == [
@@ -159,10 +159,17 @@ def test_engine_options_that_the_chosen_engine_ignores_are_named() -> None:
     # On a GPU cluster the offload serves a colocated engine only (an engine on GPUs of its own ignored it silently)
     own_gpus = recipe(*gpu, "policy.generation.colocated.offload_optimizer=false", "policy.generation.colocated.enabled=false")
     assert ignored_engine_keys(own_gpus, "vllm") == [
-        "policy.generation.colocated.offload_optimizer=False has no effect with policy.generation.colocated.enabled=false "
+        "policy.generation.colocated.offload_optimizer=false has no effect with policy.generation.colocated.enabled=false "
         "(the engine has GPUs of its own: nothing is offloaded to make room)"
     ]
     assert ignored_engine_keys(recipe(*gpu, "policy.generation.colocated.offload_optimizer=false"), "vllm") == []
+    # FSDP2's CPU offload keeps the AdamW state in host RAM already: the colocated offload moves nothing
+    offloaded = recipe(*gpu, "cluster.gpus_per_node=2", "policy.dp_size=2", "policy.dtensor_cfg.cpu_offload=true",
+                       "policy.generation.colocated.offload_optimizer=false")  # fmt: skip
+    assert ignored_engine_keys(offloaded, "vllm") == [
+        "policy.generation.colocated.offload_optimizer=false has no effect with policy.dtensor_cfg.cpu_offload=true "
+        "(FSDP2 keeps the AdamW state in host RAM already)"
+    ]
 
 
 def test_every_backend_the_config_allows_is_one_registration() -> None:

@@ -69,6 +69,13 @@ def test_a_merged_lora_refit_in_bf16_is_warned_about_in_the_plan() -> None:
     merged_bf16 = plan_of("grpo_tiny_cpu_lora.yaml", "policy.generation.backend=hf", "policy.precision=bfloat16")
     assert merged_bf16.refit.value == "merged"
     assert sum("merged LoRA refit with policy.precision=bfloat16" in line for line in merged_bf16.lines()) == 1
+    assert merged_bf16.refit_warning.endswith("use policy.precision=float32, or the vLLM backend's adapter refit (docs/guides/lora.md)")
+    # where the adapter refit is refused (a rank vLLM cannot serve), it is not advised
+    too_wide = plan_of("grpo_tiny_cpu_lora.yaml", "policy.generation.backend=hf", "policy.precision=bfloat16", "policy.lora_cfg.dim=1024")
+    assert too_wide.refit_warning.endswith(
+        "use policy.precision=float32 (the vLLM adapter refit is not possible here: vLLM serves adapters up to rank 512, "
+        "policy.lora_cfg.dim=1024)"
+    )
     assert plan_of("grpo_tiny_cpu_lora.yaml", "policy.generation.backend=hf").refit_warning is None  # fp32: exact
     assert plan_of("grpo_tiny_cpu.yaml", "policy.precision=bfloat16").refit_warning is None  # no LoRA: the same cast
 
