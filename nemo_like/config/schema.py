@@ -400,7 +400,7 @@ class MasterConfig(BaseModel):
                 f"policy.{key} has no effect with policy.{budgets[0]}.enabled=true (micro-batches are token budgets: "
                 f"policy.{budgets[0]}.train_mb_tokens / logprob_mb_tokens)"
             )
-        share = self.policy.train_global_batch_size // self.policy.dp_size  # a rank's samples of one optimizer step
+        share = self.policy.rank_step_samples
         if not budgets and self.policy.train_micro_batch_size > share:
             lines.append(
                 f"policy.train_micro_batch_size={self.policy.train_micro_batch_size} is more than a rank's share of an optimizer "

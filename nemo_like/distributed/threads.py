@@ -23,22 +23,25 @@ def node_cpus(cluster: Any = None) -> int:
         return _private_cluster_cpus(cluster)
     here = ray.get_runtime_context().get_node_id()
     counts = []
-    for node in ray.nodes():
-        if not node.get("Alive") or not node.get("Resources", {}).get("CPU"):
-            continue
+    for node in _alive_cpu_nodes():
         cpus = int(node["Resources"]["CPU"])
         counts.append(min(cpus, local_cores()) if node.get("NodeID") == here else cpus)
     return max(1, min(counts, default=local_cores()))
 
 
-def cpu_node_count() -> int:
-    """Alive nodes with CPUs in the running Ray cluster (a head started with ``--num-cpus=0`` holds no actor); before
-    Ray starts 1: a run's private cluster is this machine, whatever ``cluster.num_nodes`` says."""
+def _alive_cpu_nodes() -> list[dict[str, Any]]:
+    """The running Ray cluster's alive nodes with CPUs (a head started with ``--num-cpus=0`` holds no actor)."""
     import ray
 
-    if not ray.is_initialized():
-        return 1
-    return max(1, sum(1 for node in ray.nodes() if node.get("Alive") and node.get("Resources", {}).get("CPU")))
+    return [node for node in ray.nodes() if node.get("Alive") and node.get("Resources", {}).get("CPU")]
+
+
+def cpu_node_count() -> int:
+    """Alive nodes with CPUs in the running Ray cluster (:func:`_alive_cpu_nodes`); before Ray starts 1: a run's private
+    cluster is this machine, whatever ``cluster.num_nodes`` says."""
+    import ray
+
+    return max(1, len(_alive_cpu_nodes())) if ray.is_initialized() else 1
 
 
 def declared_node_cpus(cluster: Any = None) -> int:

@@ -95,6 +95,11 @@ def ignored_engine_keys(cfg: Any, backend: str) -> list[str]:
     return lines
 
 
+def _as_written(value: Any) -> Any:
+    """A config value as a recipe or an override writes it (``false``, not Python's ``False``)."""
+    return str(value).lower() if isinstance(value, bool) else value
+
+
 #: vLLM options that apply on one kind of device only (the engine reads them there alone).
 VLLM_GPU_ONLY = ("vllm_cfg.gpu_memory_utilization", "colocated.offload_optimizer")
 VLLM_CPU_ONLY = ("vllm_cfg.kv_cache_space_gib",)
@@ -111,12 +116,10 @@ def vllm_keys_for_the_other_device(cfg: Any) -> list[str]:
         section = getattr(g, section_name)
         if getattr(section, key) != getattr(type(section)(), key):
             where = "a GPU cluster (it sizes the CPU engine's KV cache)" if on_gpu else "a CPU cluster (GPU only)"
-            value = getattr(section, key)
-            written = str(value).lower() if isinstance(value, bool) else value  # as a recipe writes it
-            lines.append(f"policy.generation.{dotted}={written} has no effect with the vLLM engine on {where}")
+            lines.append(f"policy.generation.{dotted}={_as_written(getattr(section, key))} has no effect with the vLLM engine on {where}")
     colocated = g.colocated
     if on_gpu and colocated.offload_optimizer != type(colocated)().offload_optimizer:
-        value = str(colocated.offload_optimizer).lower()
+        value = _as_written(colocated.offload_optimizer)
         if not colocated.enabled:
             lines.append(
                 f"policy.generation.colocated.offload_optimizer={value} has no effect with "

@@ -256,6 +256,11 @@ class PolicyConfig(Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
 
+    @property
+    def rank_step_samples(self) -> int:
+        """A data-parallel rank's samples of one optimizer step: a larger ``train_micro_batch_size`` holds this many."""
+        return self.train_global_batch_size // self.dp_size
+
     @model_validator(mode="after")
     def _micro_divides_global(self) -> PolicyConfig:
         per_rank = self.train_global_batch_size / self.dp_size

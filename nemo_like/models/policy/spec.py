@@ -108,7 +108,7 @@ class PolicyWorkerSpec:
         """The policy's (``trainable``) or the reference's workers of run config ``cfg``; ``logprob_threads``: the
         thread split's count for the logprob phase, when it differs from ``num_threads``."""
         pc = cfg.policy
-        micro = min(pc.train_micro_batch_size, pc.train_global_batch_size // pc.dp_size)
+        micro = min(pc.train_micro_batch_size, pc.rank_step_samples)
         return cls.from_kwargs(
             model_name=actor_model_source(pc.model_name),
             precision=pc.precision,
