@@ -282,12 +282,12 @@ def run_plan(args: argparse.Namespace) -> int:
     """Print the run plan and the memory plan; exit 3 when a device is over ``--device-memory-gib``."""
     from nemo_like.algorithms.names import check_plugin_names
     from nemo_like.algorithms.roles import declared_cluster_problem, idle_gpus_warning, scorer_specs
-    from nemo_like.algorithms.setup import check_policy_model, multi_turn_warnings
+    from nemo_like.algorithms.setup import multi_turn_warnings, plan_model_checks
     from nemo_like.data.datasets import is_arithmetic, resolve_source
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.experience.agent_rollouts import load_agents
     from nemo_like.models.engines import ignored_engine_keys
-    from nemo_like.models.footprint import memory_report, model_config_here, model_config_warning
+    from nemo_like.models.footprint import memory_report, model_config_warning
     from nemo_like.models.loading import refuse_checkpoint_as_model
 
     for flag, value, low_open, high in (("--mfu", args.mfu, 0.0, 1.0), ("--peak-tflops", args.peak_tflops, 0.0, None),
@@ -306,8 +306,8 @@ def run_plan(args: argparse.Namespace) -> int:
     refuse_checkpoint_as_model(cfg.policy.model_name, "policy.model_name")
     for line in multi_turn_warnings(cfg, env_specs):  # the turns' no-effect lines train prints
         print(f"[plan] warning: {line}", file=sys.stderr, flush=True)
-    if model_config_here(cfg.policy.model_name):  # train's checks, when the model's config is on this machine
-        check_policy_model(cfg, local_only=True)
+    for line in plan_model_checks(cfg, args.model_config, teacher_configs):  # train's checks of the models' configs
+        print(f"[plan] warning: {line}", file=sys.stderr, flush=True)
     if args.mfu is not None and not args.peak_tflops:
         print("[plan] warning: --mfu has no effect without --peak-tflops (no step time is estimated)", file=sys.stderr, flush=True)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None

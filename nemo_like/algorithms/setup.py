@@ -25,7 +25,7 @@ from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
 from nemo_like.experience.multi_turn import trimming_template_warning
 from nemo_like.models.engines import build_generation
-from nemo_like.models.footprint import teacher_key
+from nemo_like.models.footprint import check_teacher_config_names, model_config_here, model_config_path, teacher_key
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.loading import (
     check_chunkable_head,
@@ -37,6 +37,7 @@ from nemo_like.models.loading import (
     holds_tokenizer,
     load_tokenizer,
     model_config,
+    model_configs_given,
     model_vocab_size,
     renders_tools,
     resolve_model_path,
@@ -308,15 +309,46 @@ def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
                 "the teacher's pass"
             )
         if name not in unreadable:  # the same config.json
-            check_generative(name, key)
-            check_tensor_parallel_heads(cfg, name, key)
-            check_chunkable_head(name, cfg.policy.logprob_chunk_size, key)
+            check_teacher_model(cfg, name, key)
     d = cfg.distillation
     if d.kl_weight > 0 and cfg.teacher.model_name is not None:  # the KL term's teacher copy: teacher.model_name
         shared = [r for r in (student_rows, teacher_rows.get(cfg.teacher.model_name)) if r is not None]
         if shared and (line := d.top_k_vocab_warning(min(shared))):  # the term compares the rows both heads have
             lines.append(line)
     return lines
+
+
+def check_teacher_model(cfg: MasterConfig, name: str, key: str, local_only: bool = False) -> None:
+    """What a teacher's config.json alone decides (``key``: the config key naming it): a causal language model, heads
+    that ``policy.dtensor_cfg.tensor_parallel_size`` divides, a head ``policy.logprob_chunk_size`` can chunk."""
+    check_generative(name, key, local_only)
+    check_tensor_parallel_heads(cfg, name, key, local_only)
+    check_chunkable_head(name, cfg.policy.logprob_chunk_size, key, local_only)
+
+
+def plan_model_checks(cfg: MasterConfig, policy_config: str | None = None, teacher_configs: dict[str, str] | None = None) -> list[str]:
+    """``nemo-like plan``'s run of train's checks of the models (:func:`check_policy_model`, :func:`check_teachers`) on
+    what this machine holds, never the hub: a model's own config.json when it is here (what a run reads), else the file
+    given for it (``policy_config``: ``--model-config``; ``teacher_configs``: ``--teacher-config NAME=PATH``); a model
+    with neither is not checked. The teachers' tokenizers against the student's, and their vocabularies against its
+    ids, only where the student's tokenizer and every teacher are local directories. Returns check_teachers' warnings."""
+    teacher_configs = teacher_configs or {}
+    check_teacher_config_names(cfg, teacher_configs)
+    policy_name = cfg.policy.model_name
+    given = {policy_name: model_config_path(policy_name, policy_config)} if policy_config and not model_config_here(policy_name) else {}
+    for name, path in teacher_configs.items():
+        if not model_config_here(name):
+            given[name] = model_config_path(name, path, teacher_key(cfg, name), f"--teacher-config {name}=PATH")
+    local = [cfg.policy.tokenizer_name or policy_name, *cfg.teacher.models(), *filter(None, [cfg.teacher.tokenizer_name])]
+    with model_configs_given(given):
+        if policy_name in given or model_config_here(policy_name):
+            check_policy_model(cfg, local_only=True)
+        if cfg.teacher.models() and all(Path(resolve_model_path(name)).expanduser().is_dir() for name in local):
+            return check_teachers(cfg, _driver_tokenizer(cfg))
+        for name in cfg.teacher.models():
+            if name in given or model_config_here(name):
+                check_teacher_model(cfg, name, teacher_key(cfg, name), local_only=True)
+    return []
 
 
 def checked_tokenizer(cfg: MasterConfig) -> Any:

@@ -4,7 +4,6 @@ FSDP2's root unit (outside the decoder layers), which dim tensor parallelism spl
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -16,9 +15,9 @@ import torch
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.loading import (
     ADAPTER_CONFIG,
-    UNREADABLE_CONFIG_ERRORS,
     adapter_base_model,
     local_config_file,
+    read_model_config,
     resolve_model_path,
 )
 from nemo_like.plan.memory import DTYPE_BYTES, JudgeSpec, ModelShape, ParameterSpec, RoleMemory, ScorerSpec, judge_memory, scorer_memory
@@ -92,20 +91,6 @@ def _shape_value(config: Any, key: str) -> Any:
     if key == "head_dim" and value is None and getattr(config, "num_attention_heads", None):
         return config.hidden_size // config.num_attention_heads
     return value
-
-
-def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
-    """``path``'s JSON and the ``transformers`` config it describes; a ConfigError naming the file when it is not a
-    model's ``config.json`` (not JSON, no or an unknown ``model_type``: a generation_config.json, say)."""
-    from transformers import AutoConfig
-
-    try:
-        raw = json.loads(path.read_text())
-        if not isinstance(raw, dict) or "model_type" not in raw:
-            raise ValueError("it has no 'model_type'")
-        return raw, AutoConfig.for_model(**raw)
-    except UNREADABLE_CONFIG_ERRORS as exc:  # JSONDecodeError is a ValueError
-        raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
 
 
 class UnplannableLayout(ConfigError):

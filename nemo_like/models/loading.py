@@ -6,7 +6,9 @@ import functools
 import json
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -520,13 +522,46 @@ def load_tokenizer(name: str, fix: str = "name the tokenizer's model with policy
 UNREADABLE_CONFIG_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, TypeError, KeyError, StrictDataclassError)
 
 
-def model_config(model_name: str, local_only: bool = False) -> Any:
-    """The model's ``config.json`` as transformers reads it; a LoRA checkpoint: its base model's. ``local_only``: a hub
-    id's cached copy, never the hub (``nemo-like plan``; otherwise transformers checks the cache against the hub, as
-    the actors' loads do). A config.json on this machine that transformers cannot read is a :class:`ConfigError`
-    naming the file (it was a transformers traceback)."""
+def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
+    """``path``'s JSON and the ``transformers`` config it describes; a ConfigError naming the file when it is not a
+    model's ``config.json`` (not JSON, no or an unknown ``model_type``: a generation_config.json, say)."""
     from transformers import AutoConfig
 
+    try:
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict) or "model_type" not in raw:
+            raise ValueError("it has no 'model_type'")
+        return raw, AutoConfig.for_model(**raw)
+    except UNREADABLE_CONFIG_ERRORS as exc:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
+
+
+#: The config.json files that stand in for models not on this machine (``nemo-like plan --model-config`` and
+#: ``--teacher-config``), by model name: :func:`model_config` reads these.
+_GIVEN_CONFIGS: ContextVar[Mapping[str, Path] | None] = ContextVar("given_model_configs", default=None)
+
+
+@contextmanager
+def model_configs_given(configs: Mapping[str, Path]) -> Iterator[None]:
+    """Within the block, :func:`model_config` (and so every check of a recipe against a model's config) reads
+    ``configs[name]`` for model ``name``: ``nemo-like plan`` runs train's checks on the config files it was given."""
+    token = _GIVEN_CONFIGS.set(dict(configs))
+    try:
+        yield
+    finally:
+        _GIVEN_CONFIGS.reset(token)
+
+
+def model_config(model_name: str, local_only: bool = False) -> Any:
+    """The model's ``config.json`` as transformers reads it; a LoRA checkpoint: its base model's; a model given a
+    config file by :func:`model_configs_given`: that file's. ``local_only``: a hub id's cached copy, never the hub
+    (``nemo-like plan``; otherwise transformers checks the cache against the hub, as the actors' loads do). A
+    config.json on this machine that transformers cannot read is a :class:`ConfigError` naming the file (it was a
+    transformers traceback)."""
+    from transformers import AutoConfig
+
+    if (given := (_GIVEN_CONFIGS.get() or {}).get(model_name)) is not None:
+        return read_model_config(given)[1]
     path = Path(resolve_model_path(model_name)).expanduser()
     if (path / ADAPTER_CONFIG).is_file():
         return model_config(adapter_base_model(path), local_only)

@@ -19,6 +19,8 @@ SCRIPT = Path(sys.executable).parent / "nemo-like"
 
 
 DISTILL = Path(__file__).resolve().parents[2] / "examples" / "configs" / "distill_tiny_cpu.yaml"
+TINY_CONFIG = REPO / "nemo_like" / "assets" / "tiny-arith-qwen2" / "config.json"
+REWARD_CONFIG = REPO / "nemo_like" / "assets" / "tiny-reward-qwen2" / "config.json"
 
 
 def nemo_like(*args: str) -> subprocess.CompletedProcess[str]:
@@ -141,6 +143,24 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["plan", "--model-config", str(bert)], "not a causal language model's config.json (Unrecognized configuration class"),
         (["plan", "--model-config", str(falcon)], "the memory plan cannot lay out FalconForCausalLM"),
         (["train", "--dry-run", "--config", str(utf16)], "is not UTF-8 text"),
+        # plan ran train's checks of the models only on a config.json it found itself: with --model-config (the model
+        # not here) or for a teacher it said "fits: yes" to what train refuses at once
+        *[
+            (["plan", "policy.model_name=acme/absent", "--model-config", str(config), *overrides], message)
+            for config, overrides, message in (
+                (TINY_CONFIG, ["policy.max_total_sequence_length=4096"], "is longer than acme/absent's context (256 positions"),
+                (TINY_CONFIG, ["policy.generation.stop_token_ids=[5000]"], "[5000] are outside acme/absent's vocabulary"),
+                (REWARD_CONFIG, [], "policy.model_name=acme/absent is not a causal language model (Qwen2ForSequenceClassification"),
+            )
+        ],
+        (
+            ["plan", "--config", str(DISTILL), "teacher.model_name=embedded:tiny-reward-qwen2"],
+            "teacher.model_name=embedded:tiny-reward-qwen2 is not a causal language model",
+        ),
+        (
+            ["plan", "--config", str(DISTILL), "teacher.model_name=acme/teacher", "--teacher-config", f"acme/teacher={REWARD_CONFIG}"],
+            "teacher.model_name=acme/teacher is not a causal language model",
+        ),
         # plan printed a plan (exit 0) for recipes train refuses at once, and ignored a --teacher-config of no teacher
         (["plan", "--teacher-config", f"nosuch={tmp_path / 'afile'}"], "--teacher-config nosuch=...: not a teacher model of this run"),
         (["merge", str(tmp_path), "--out", str(tmp_path / "afile")], "is a file; the merged model is a directory"),

@@ -4,6 +4,7 @@ LoRA, one rank and FSDP2 shards); the estimates follow their formulas; the fit c
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tempfile
 from dataclasses import replace
@@ -915,7 +916,7 @@ def test_a_smaller_engine_share_is_advised_only_where_it_shrinks_the_gpu_that_is
         assert "policy GPU over by" in fit and "lower policy.generation.vllm_cfg.gpu_memory_utilization" not in fit, fit
 
 
-def test_the_plan_command_refuses_what_the_declared_cluster_or_the_models_heads_cannot_hold(capsys) -> None:
+def test_the_plan_command_refuses_what_the_declared_cluster_or_the_models_heads_cannot_hold(tmp_path, capsys) -> None:
     """It printed "fits: yes" (exit 0) for recipes the run refuses: actors reserving more GPUs than cluster.num_nodes x
     cluster.gpus_per_node declares, and a tensor-parallel degree that does not divide the KV heads (refused only
     after the workers started)."""
@@ -930,15 +931,21 @@ def test_the_plan_command_refuses_what_the_declared_cluster_or_the_models_heads_
         "[plan] fits: NO: the run's actors reserve 16 GPUs (policy 8, reference 8) but cluster.num_nodes x "
         "cluster.gpus_per_node declares 8: short by 8"
     ) in capsys.readouterr().out
-    assert main(["plan", *recipe_1b, *model, "policy.dp_size=1", "policy.dtensor_cfg.tensor_parallel_size=4"]) == 3
-    assert "fits: NO: policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads=12 and num_key_value_heads=2" in (
-        capsys.readouterr().out
+    # refused as train refuses it (exit 2), on the --model-config file as on a model here
+    assert main(["plan", *recipe_1b, *model, "policy.dp_size=1", "policy.dtensor_cfg.tensor_parallel_size=4"]) == 2
+    assert "error: policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads=12 and num_key_value_heads=2" in (
+        capsys.readouterr().err
     )
     # a teacher's workers take the student's tensor-parallel degree: its heads are checked too, the teacher named
     teacher = ["--teacher-config", "T=examples/cluster/model_configs/Qwen2.5-0.5B-Instruct.json", "teacher.model_name=T"]
     tp4 = ["policy.dp_size=1", "policy.dtensor_cfg.tensor_parallel_size=4", "loss_fn.reference_policy_kl_penalty=0"]
-    assert main(["plan", *recipe_1b, *model, *teacher, *tp4]) == 3
-    assert "teacher T: policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads=14" in capsys.readouterr().out
+    divisible = json.loads(Path("examples/cluster/model_configs/Qwen2.5-1.5B-Instruct.json").read_text())
+    divisible["num_key_value_heads"] = 4  # a student whose heads 4 ranks divide
+    (tmp_path / "config.json").write_text(json.dumps(divisible))
+    assert main(["plan", *recipe_1b, "--model-config", str(tmp_path / "config.json"), *teacher, *tp4]) == 2
+    assert "teacher.model_name='T': policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads=14" in (
+        capsys.readouterr().err
+    )
     # GPU shares the declared node cannot place (three of 0.6 on 4 GPUs beside two whole ones: 3.8 <= 4 in total),
     # which a run refuses once Ray has started; no GPU is idle then
     shares = [
