@@ -246,7 +246,7 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
     if resume_from is not None and run_is_complete(cfg, resume_from):  # a rerun of a finished run: start nothing
         print(
             f"[checkpoint] {resume_from.path} is at grpo.max_num_steps={cfg.grpo.max_num_steps}: the run is complete, "
-            "nothing to train. Raise grpo.max_num_steps to train on, or set checkpointing.resume=false to start afresh",
+            "nothing to train. Raise grpo.max_num_steps to train on, or use another checkpointing.checkpoint_dir to start afresh",
             file=sys.stderr,
         )
         return []

@@ -36,7 +36,7 @@ from nemo_like.utils.log_backends import starts_new_run
 
 #: The policy workers' RNG states, beside the policy's files.
 WORKER_RNG_FILE = "worker_rng.pt"
-MOVE_IT_AWAY = "Move it away (the previous step_N is then used) or set checkpointing.resume=false."
+MOVE_IT_AWAY = "Move it away (the previous step_N is then used) or use another checkpointing.checkpoint_dir."
 
 
 def checkpoint_manager(parts: GRPOComponents) -> CheckpointManager | None:
@@ -140,7 +140,11 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
     manager = CheckpointManager(ck.checkpoint_dir)
     for path in manager.remove_partial_saves():
         print(f"[checkpoint] removed an interrupted save: {path}")
-    checkpoint = manager.latest() if ck.resume else None
+    if not ck.resume:
+        if earlier := manager.valid_checkpoints():
+            raise CheckpointError(fresh_run_refusal(ck.checkpoint_dir, earlier))
+        return None
+    checkpoint = manager.latest()
     if checkpoint is None:
         return None
     config_file = checkpoint.path / "config.yaml"
@@ -149,7 +153,7 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
     except (OSError, yaml.YAMLError) as exc:
         raise CheckpointError(
             f"Checkpoint {checkpoint.path} cannot be resumed: {config_file} cannot be read ({exc}). "
-            "Move the checkpoint away or set checkpointing.resume=false."
+            "Move the checkpoint away or use another checkpointing.checkpoint_dir."
         ) from exc
     if not isinstance(saved_config, dict):
         raise CheckpointError(f"Checkpoint {checkpoint.path} cannot be resumed: {config_file} holds no config mapping")
@@ -160,7 +164,7 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
         raise CheckpointError(
             f"Checkpoint {checkpoint.path} was written by an incompatible config; differing keys: "
             + "; ".join(diffs)
-            + ". Use another checkpointing.checkpoint_dir or set checkpointing.resume=false."
+            + ". Use another checkpointing.checkpoint_dir, or move its step_* directories away."
         )
     expected = (*checkpoint_files(cfg.policy.lora_cfg.enabled), WORKER_RNG_FILE)
     if cfg.grpo.async_grpo.enabled:  # the same on both sides (pinned above): an async checkpoint holds its replay buffer
@@ -171,9 +175,23 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
     if checkpoint.step > cfg.grpo.max_num_steps:  # the loop would train nothing and exit 0
         raise CheckpointError(
             f"Checkpoint {checkpoint.path} is at step {checkpoint.step}, past grpo.max_num_steps={cfg.grpo.max_num_steps}: "
-            "nothing to train. Raise grpo.max_num_steps, or set checkpointing.resume=false or another checkpointing.checkpoint_dir."
+            "nothing to train. Raise grpo.max_num_steps, or use another checkpointing.checkpoint_dir."
         )
     return checkpoint
+
+
+def fresh_run_refusal(checkpoint_dir: str, earlier: Sequence[CheckpointInfo]) -> str:
+    """Why ``checkpointing.resume=false`` is refused in a directory holding ``earlier`` checkpoints: the fresh run's
+    ``step_N`` would replace theirs (saved over, pruned with them by ``keep_top_k``), and a later resume takes the newest
+    of either run."""
+    names = [c.path.name for c in earlier]
+    listed = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])}, ..., {names[-1]} ({len(names)} in all)"
+    return (
+        f"checkpointing.resume=false starts a fresh run, but checkpointing.checkpoint_dir={checkpoint_dir} holds an "
+        f"earlier run's checkpoints ({listed}): the fresh run would save over those of the same steps and prune them as "
+        "its own, and a later resume would take the newest of either run. Use another checkpointing.checkpoint_dir or "
+        "move those away (drop checkpointing.resume=false to resume them)"
+    )
 
 
 def run_is_complete(cfg: MasterConfig, checkpoint: CheckpointInfo) -> bool:

@@ -296,7 +296,7 @@ class PromptDataLoader:
                     if any(r.tools for r in self.records)
                     else ""
                 )
-                + ". Restore the data, or start a new run (checkpointing.checkpoint_dir / checkpointing.resume=false)"
+                + ". Restore the data, or start a new run in another checkpointing.checkpoint_dir"
             )
         saved = state.get("answers_fingerprint")  # absent from checkpoints saved before it was kept
         if saved is not None and saved != self.answers_fingerprint:
@@ -304,7 +304,7 @@ class PromptDataLoader:
                 "The training prompts' gold answers or tasks differ from the ones the checkpoint was trained on "
                 f"(fingerprint {saved} != {self.answers_fingerprint}): the data files changed (data.answer_key's column, "
                 "data.task_key's), so the resumed steps would be scored against other answers or by other environments. "
-                "Restore the data, or start a new run (checkpointing.checkpoint_dir / checkpointing.resume=false)"
+                "Restore the data, or start a new run in another checkpointing.checkpoint_dir"
             )
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:

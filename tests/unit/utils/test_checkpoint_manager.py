@@ -318,6 +318,31 @@ def test_resume_names_a_damaged_config_and_an_async_checkpoint_without_its_buffe
         restored_async_state(manager.latest())  # its loader position is ahead by the buffered batches: never skip them
 
 
+def test_a_fresh_run_is_refused_where_another_runs_checkpoints_are(tmp_path):
+    """checkpointing.resume=false (which every refusal advised) in a directory holding another run's step_2..4: the fresh
+    run saved its step_2 over the other's without a word, keep_top_k pruned the two runs' checkpoints together, and a
+    later resume took the newest of either run (another run's weights under this run's config)."""
+    from nemo_like.algorithms.checkpointing import find_resume_checkpoint
+    from nemo_like.config import load_config
+
+    ck = tmp_path / "ck"
+    fresh = load_config(
+        None, ["checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ck}", "checkpointing.resume=false"], warn=False
+    )
+    assert find_resume_checkpoint(fresh) is None  # nothing there yet: a fresh run
+    for step in range(2, 8):
+        CheckpointManager(ck).save(step, write_blob(1), {"metrics": {}}, {})
+    with pytest.raises(CheckpointError) as refused:
+        find_resume_checkpoint(fresh)
+    assert str(refused.value) == (
+        f"checkpointing.resume=false starts a fresh run, but checkpointing.checkpoint_dir={ck} holds an earlier run's "
+        "checkpoints (step_2, step_3, ..., step_7 (6 in all)): the fresh run would save over those of the same steps and "
+        "prune them as its own, and a later resume would take the newest of either run. Use another "
+        "checkpointing.checkpoint_dir or move those away (drop checkpointing.resume=false to resume them)"
+    )
+    assert sorted(p.name for p in ck.iterdir()) == [f"step_{s}" for s in range(2, 8)]  # nothing touched
+
+
 def test_a_ranking_metric_that_the_saves_never_hold_warns_once_with_the_logged_names(tmp_path):
     """checkpointing.metric_name=val:acc (a typo): every checkpoint ranked as if unmeasured and the top-k silently kept
     the latest ones; the first save whose metrics hold other validation metrics now says so."""
