@@ -41,8 +41,9 @@ def resolve_config_dict(path: str | Path | None, overrides: Sequence[str] = ()) 
             f"installed package ({DEFAULT_RECIPE.parent.parent.parent}): pass --config FILE (the repository's "
             "examples/configs/ has the shipped recipes), or install nemo_like editable from a clone (make setup)"
         )
-    recipe = load_recipe_dict(path if path is not None else DEFAULT_RECIPE)
-    cfg = OmegaConf.create(merge_dicts(MasterConfig().model_dump(mode="json"), recipe))
+    recipe_path = Path(path).expanduser() if path is not None else DEFAULT_RECIPE
+    recipe = load_recipe_dict(recipe_path)
+    cfg = OmegaConf.create(merge_dicts(MasterConfig().model_dump(mode="json"), recipe, str(recipe_path)))
     apply_overrides(cfg, overrides)
     try:
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

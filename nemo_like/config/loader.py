@@ -127,6 +127,8 @@ def read_yaml_file(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"Recipe {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
+    except OSError as exc:  # not readable by this user
+        raise ConfigError(f"Cannot read recipe {path}: {exc.strerror or exc}") from None
     try:
         data = yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
@@ -141,8 +143,11 @@ def read_yaml_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def merge_dicts(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
-    """Deep-merge ``child`` into ``base`` (child wins); honour ``_override_: true`` sections."""
+def merge_dicts(base: dict[str, Any], child: dict[str, Any], source: str = "the recipe", prefix: str = "") -> dict[str, Any]:
+    """Deep-merge ``child`` (from ``source``, named in errors) into ``base`` (child wins); honour ``_override_: true``
+    sections. A value that is not a mapping over a section ``base`` gives keys is a ConfigError: a section left empty
+    (``grpo:`` with its keys commented out, YAML's null) had dropped every key before it, and the error came later,
+    from an interpolation elsewhere or a default environment."""
     merged = dict(base)
     for key, value in child.items():
         if isinstance(value, dict):
@@ -151,10 +156,16 @@ def merge_dicts(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(replace, bool):  # bool("false") is True: the parent's section was dropped
                 raise ConfigError(f"'{key}.{_OVERRIDE_MARKER}' must be true or false, got {replace!r}")
             if not replace and isinstance(merged.get(key), dict):
-                merged[key] = merge_dicts(merged[key], value)
+                merged[key] = merge_dicts(merged[key], value, source, f"{prefix}{key}.")
             else:
                 merged[key] = _strip_markers(value)
         else:
+            if isinstance(merged.get(key), dict) and merged[key]:
+                written = "is empty (null)" if value is None else f"is {value!r}, not a mapping"
+                raise ConfigError(
+                    f"{source}: '{prefix}{key}' {written}, which would drop the whole section the recipes before it "
+                    f"give (its defaults included): give it keys, remove the line, or write '{key}: {{}}' to keep them"
+                )
             merged[key] = value
     return merged
 
@@ -171,13 +182,14 @@ def load_recipe_dict(path: str | Path) -> dict[str, Any]:
     came before. Two parents sharing a base apply it once: loaded with each parent, the second copy of the base had
     undone the first parent's keys (a LoRA recipe's lr reverted by an async recipe that never set it)."""
     merged: dict[str, Any] = {}
-    for data in _linearized(Path(path).resolve(), (), set()):
-        merged = merge_dicts(merged, data)
+    for source, data in _linearized(Path(path).resolve(), (), set()):
+        merged = merge_dicts(merged, data, str(source))
     return merged
 
 
-def _linearized(path: Path, chain: tuple[Path, ...], seen: set[Path]) -> list[dict[str, Any]]:
-    """The own keys of ``path`` and of every parent it names (not already in ``seen``), parents first."""
+def _linearized(path: Path, chain: tuple[Path, ...], seen: set[Path]) -> list[tuple[Path, dict[str, Any]]]:
+    """The own keys of ``path`` and of every parent it names (not already in ``seen``), each with its file, parents
+    first."""
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ConfigError(f"Cyclic 'defaults:' inheritance: {cycle}")
@@ -189,7 +201,7 @@ def _linearized(path: Path, chain: tuple[Path, ...], seen: set[Path]) -> list[di
         parents = [parents]
     elif not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
         raise ConfigError(f"{path}: 'defaults' must be a file name or a list of file names, got {parents!r}")
-    ordered: list[dict[str, Any]] = []
+    ordered: list[tuple[Path, dict[str, Any]]] = []
     for parent in parents:
         parent_path = (path.parent / parent).resolve()
         if not parent_path.is_file():
@@ -200,4 +212,4 @@ def _linearized(path: Path, chain: tuple[Path, ...], seen: set[Path]) -> list[di
     if path in seen:
         return ordered
     seen.add(path)
-    return [*ordered, data]
+    return [*ordered, (path, data)]

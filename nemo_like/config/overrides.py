@@ -10,6 +10,7 @@ A sweep (``a=1,2``, ``range()``, ``choice()``) is an error: quote a value with a
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +35,9 @@ def leaf_keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
             yield from leaf_keys(node, dotted + ".")
 
 
-def _exists(cfg: DictConfig, key: str) -> bool:
-    """Whether ``key`` is in ``cfg``, read from the raw nodes: a value whose interpolation fails to resolve (an unset
-    ``${oc.env:...}``) still exists and can be overridden."""
+def _raw_node(cfg: DictConfig, key: str) -> Any:
+    """The node of ``key`` in ``cfg`` (``_MISSING`` where there is none), read from the raw nodes: a value whose
+    interpolation fails to resolve (an unset ``${oc.env:...}``) still exists and can be overridden."""
     node: Any = cfg
     for part in key.split("."):
         if isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):  # an element: betas.1
@@ -44,8 +45,8 @@ def _exists(cfg: DictConfig, key: str) -> bool:
         elif isinstance(node, DictConfig) and part in node:
             node = node._get_node(part)  # noqa: SLF001 - the raw node: its interpolation stays unresolved
         else:
-            return False
-    return True
+            return _MISSING
+    return node
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[Override]:
@@ -65,8 +66,32 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
         try:
             parsed.extend(parser.parse_overrides([text]))
         except OverrideParseException as exc:
-            raise ConfigError(f"Cannot parse override '{text}': {exc}") from None
+            hint = quoting_hint(parser, key, value) if sep else ""
+            raise ConfigError(f"Cannot parse override '{text}'{': ' + hint if hint else ''}\n{exc}") from None  # the caret under its line
     return parsed
+
+
+#: Characters Hydra's override grammar reads only inside a quoted value.
+QUOTED_ONLY = set("~'#&;!^>\"`")
+
+
+def quoting_hint(parser: Any, key: str, value: str) -> str:
+    """What to write when ``key=value`` holds a character of :data:`QUOTED_ONLY` and parses once its value is quoted;
+    ``""`` otherwise. A leading ``~/`` gets ``$HOME``: no shell expands ``~`` after ``key=``, and a quoted one is a
+    directory named ``~``."""
+    from hydra.errors import OverrideParseException
+
+    if value.startswith("~/"):
+        return f"no shell expands '~' after '=': write {key}=$HOME/{value[2:]}"
+    quoted = f"{key}='{value}'" if "'" not in value else f'{key}="{value}"' if '"' not in value else None
+    if quoted is None or not QUOTED_ONLY & set(value):
+        return ""
+    try:
+        parser.parse_overrides([quoted])
+    except OverrideParseException:
+        return ""
+    in_shell = f'"{quoted}"' if not set(quoted) & set('"$`\\!') else shlex.quote(quoted)
+    return f"quote the value: {quoted} (in a shell: {in_shell})"
 
 
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
@@ -82,7 +107,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
                 f"Override '{text}': a comma, range() or choice() makes a sweep, which nemo-like does not run; "
                 f"quote the value ({key}='a, b') or write a list ({key}=[1,2])"
             )
-        exists = _exists(cfg, key)
+        node = _raw_node(cfg, key)
+        exists = node is not _MISSING
         if override.is_delete():
             if not exists:
                 raise ConfigError(f"Override '{text}': cannot delete '{key}', it is not in the recipe.{did_you_mean(key, leaf_keys(cfg))}")
@@ -92,6 +118,13 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
             deleted_env = deleted_env or key == "env" or key.startswith("env.")
             continue
         value = override.value()
+        if isinstance(node, DictConfig) and node and not isinstance(value, dict):  # grpo=null dropped every grpo key
+            keys = [str(k) for k in node.keys()]
+            listed = ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+            raise ConfigError(
+                f"Override '{text}': '{key}' is a section ({listed}), which {'null' if value is None else repr(value)} would "
+                f"replace whole: set its keys ({key}.KEY=...), or replace it with a mapping ({key}={{...}})"
+            )
         if override.is_add() and exists:
             raise ConfigError(f"Override '{text}': '{key}' already exists; use '{key}=...' to change it or '++{key}=...' to force.")
         parent_key, _, leaf = key.rpartition(".")

@@ -30,7 +30,7 @@ def model_config_path(
     else the model's own (a local directory, a shipped or cached model). A model whose config is not on this machine
     is a ConfigError naming the config ``key`` that names it and the ``flag`` that passes one."""
     if config_path is not None:
-        path = Path(config_path)
+        path = Path(config_path).expanduser()  # --model-config=~/x: no shell expands it after '='
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
             raise ConfigError(f"{flag.split()[0]} {config_path}: no config.json there")

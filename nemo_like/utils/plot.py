@@ -46,6 +46,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         text = Path(path).read_text()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
+    except OSError as exc:  # not "cannot write the plot": the caller's OSError is the figure's
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
     lines = text.splitlines()
     runs: list[dict[int, dict[str, Any]]] = [{}]
     last_step = None

@@ -5,6 +5,7 @@ subprocess where the case starts Ray) on real files and directories."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 from pathlib import Path
 
@@ -181,3 +182,41 @@ def test_dynamic_sampling_that_finds_no_signal_stops_with_the_key_and_the_fixes(
         "grpo.use_dynamic_sampling=false",
         "0/2 prompt groups",
     )
+
+
+def test_recipe_and_override_mistakes_name_the_file_the_key_and_the_fix(capsys, tmp_path, monkeypatch):
+    """A recipe this user cannot read was a PermissionError traceback; a section left empty in a child recipe
+    (``grpo:`` with its keys commented out) or set to null on the command line dropped every key the recipes before it
+    gave, and the error blamed an interpolation of another key (or an empty ``env:`` became the default arithmetic
+    one); a value Hydra reads only quoted (``You're``, ``~/runs``) got its lexer's caret under the wrong character and
+    no word about quoting; ``--config=~/r.yaml`` (no shell expands ``~`` after ``=``) was looked for under ``./~``."""
+
+    def train(*args: str) -> tuple[int, str]:
+        return main(["train", "--dry-run", *args]), capsys.readouterr().err
+
+    child = tmp_path / "child.yaml"
+    child.write_text(f"defaults: {TINY}\ngrpo:\n  # max_num_steps: 10\n")
+    code, err = train("--config", str(child))
+    assert_clean(code, err, 2, f"{child}: 'grpo' is empty (null), which would drop the whole section", "write 'grpo: {}'")
+    child.write_text(f"defaults: {TINY}\npolicy:\n  generation: 5\n")
+    code, err = train("--config", str(child))
+    assert_clean(code, err, 2, f"{child}: 'policy.generation' is 5, not a mapping")
+    code, err = run_cli(capsys, tmp_path, "env=null")
+    assert_clean(code, err, 2, "Override 'env=null': 'env' is a section (arithmetic), which null would replace whole")
+    child.write_text(f"defaults: {TINY}\ngrpo: {{}}\n")  # {} keeps the section
+    assert main(["train", "--dry-run", "--config", str(child)]) == 0
+    assert "max_num_steps: 100" in capsys.readouterr().out
+    code, err = run_cli(capsys, tmp_path, "data.system_prompt=You're a calculator")
+    assert_clean(code, err, 2, """quote the value: data.system_prompt="You're a calculator" (in a shell: """)
+    code, err = run_cli(capsys, tmp_path, "logger.log_dir=~/runs/x")
+    assert_clean(code, err, 2, "no shell expands '~' after '=': write logger.log_dir=$HOME/runs/x")
+    caret = err.splitlines()[1:3]  # Hydra's own line, the caret under its '~'
+    assert caret[0].startswith("LexerNoViableAltException: ") and caret[0][caret[1].index("^")] == "~", caret
+    code, err = train("--config", "/proc/self/mem")  # a regular file no read() can take
+    assert_clean(code, err, 2, f"Cannot read recipe /proc/{os.getpid()}/mem: ")  # resolved: self is this process
+    assert main(["plot", "/proc/self/mem"]) == 2
+    assert "cannot read /proc/self/mem: " in capsys.readouterr().err  # it said "cannot write the plot"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "mine.yaml").write_text(f"defaults: {TINY}\ngrpo:\n  max_num_steps: 7\n")
+    assert main(["train", "--dry-run", "--config=~/mine.yaml"]) == 0
+    assert "max_num_steps: 7" in capsys.readouterr().out
