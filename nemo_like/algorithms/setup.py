@@ -331,7 +331,8 @@ def plan_model_checks(cfg: MasterConfig, policy_config: str | None = None, teach
     what this machine holds, never the hub: a model's own config.json when it is here (what a run reads), else the file
     given for it (``policy_config``: ``--model-config``; ``teacher_configs``: ``--teacher-config NAME=PATH``); a model
     with neither is not checked. The teachers' tokenizers against the student's, and their vocabularies against its
-    ids, only where the student's tokenizer and every teacher are local directories. Returns check_teachers' warnings."""
+    ids, only where the student, its tokenizer and every teacher are local directories (check_teachers reads them
+    without ``local_only``). Returns check_teachers' warnings."""
     teacher_configs = teacher_configs or {}
     check_teacher_config_names(cfg, teacher_configs)
     policy_name = cfg.policy.model_name
@@ -339,7 +340,7 @@ def plan_model_checks(cfg: MasterConfig, policy_config: str | None = None, teach
     for name, path in teacher_configs.items():
         if not model_config_here(name):
             given[name] = model_config_path(name, path, teacher_key(cfg, name), f"--teacher-config {name}=PATH")
-    local = [cfg.policy.tokenizer_name or policy_name, *cfg.teacher.models(), *filter(None, [cfg.teacher.tokenizer_name])]
+    local = [policy_name, cfg.policy.tokenizer_name or policy_name, *cfg.teacher.models(), *filter(None, [cfg.teacher.tokenizer_name])]
     with model_configs_given(given):
         if policy_name in given or model_config_here(policy_name):
             check_policy_model(cfg, local_only=True)

@@ -14,12 +14,15 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
 from nemo_like.config.errors import ConfigError, did_you_mean
-from nemo_like.config.loader import load_recipe_dict, merge_dicts, register_resolvers
+from nemo_like.config.loader import load_recipe_dict, merge_dicts, register_resolvers, schema_sections
 from nemo_like.config.overrides import apply_overrides
 from nemo_like.config.schema import MasterConfig
 
 # The embedded default recipe lives with the other recipes (the package is installed editable).
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
+
+#: The recipe's sections (dotted keys that hold a mapping of keys), which a recipe or an override must not set to null.
+SECTIONS = schema_sections(MasterConfig)
 
 __all__ = ["ConfigError", "MasterConfig", "load_config", "resolve_config_dict", "DEFAULT_RECIPE"]
 
@@ -42,9 +45,9 @@ def resolve_config_dict(path: str | Path | None, overrides: Sequence[str] = ()) 
             "examples/configs/ has the shipped recipes), or install nemo_like editable from a clone (make setup)"
         )
     recipe_path = Path(path).expanduser() if path is not None else DEFAULT_RECIPE
-    recipe = load_recipe_dict(recipe_path)
-    cfg = OmegaConf.create(merge_dicts(MasterConfig().model_dump(mode="json"), recipe, str(recipe_path)))
-    apply_overrides(cfg, overrides)
+    recipe = load_recipe_dict(recipe_path, SECTIONS)
+    cfg = OmegaConf.create(merge_dicts(MasterConfig().model_dump(mode="json"), recipe))
+    apply_overrides(cfg, overrides, SECTIONS)
     try:
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
+from pydantic import BaseModel
 
 from nemo_like.config.errors import ConfigError
 
@@ -143,11 +144,14 @@ def read_yaml_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def merge_dicts(base: dict[str, Any], child: dict[str, Any], source: str = "the recipe", prefix: str = "") -> dict[str, Any]:
+def merge_dicts(
+    base: dict[str, Any], child: dict[str, Any], source: str = "the recipe", sections: frozenset[str] = frozenset(), prefix: str = ""
+) -> dict[str, Any]:
     """Deep-merge ``child`` (from ``source``, named in errors) into ``base`` (child wins); honour ``_override_: true``
-    sections. A value that is not a mapping over a section ``base`` gives keys is a ConfigError: a section left empty
-    (``grpo:`` with its keys commented out, YAML's null) had dropped every key before it, and the error came later,
-    from an interpolation elsewhere or a default environment."""
+    sections. A value that is neither a mapping nor an interpolation for one of ``sections`` (dotted keys: the
+    schema's, :func:`schema_sections`) is a ConfigError: a section left empty (``grpo:`` with its keys commented out,
+    YAML's null) had dropped every key before it, and the error came later, from an interpolation elsewhere or a
+    default environment."""
     merged = dict(base)
     for key, value in child.items():
         if isinstance(value, dict):
@@ -156,11 +160,11 @@ def merge_dicts(base: dict[str, Any], child: dict[str, Any], source: str = "the 
             if not isinstance(replace, bool):  # bool("false") is True: the parent's section was dropped
                 raise ConfigError(f"'{key}.{_OVERRIDE_MARKER}' must be true or false, got {replace!r}")
             if not replace and isinstance(merged.get(key), dict):
-                merged[key] = merge_dicts(merged[key], value, source, f"{prefix}{key}.")
+                merged[key] = merge_dicts(merged[key], value, source, sections, f"{prefix}{key}.")
             else:
                 merged[key] = _strip_markers(value)
         else:
-            if isinstance(merged.get(key), dict) and merged[key]:
+            if f"{prefix}{key}" in sections and not is_interpolation(value):
                 written = "is empty (null)" if value is None else f"is {value!r}, not a mapping"
                 raise ConfigError(
                     f"{source}: '{prefix}{key}' {written}, which would drop the whole section the recipes before it "
@@ -170,20 +174,38 @@ def merge_dicts(base: dict[str, Any], child: dict[str, Any], source: str = "the 
     return merged
 
 
+def is_interpolation(value: Any) -> bool:
+    """Whether ``value`` is an OmegaConf interpolation (``${data.train}``), resolved later."""
+    return isinstance(value, str) and value.lstrip().startswith("${")
+
+
+def schema_sections(model: type[BaseModel], prefix: str = "") -> frozenset[str]:
+    """The dotted keys of ``model`` that hold a mapping of keys: at the top level every field (``env`` too, a mapping of
+    environments), below it the fields that are models themselves."""
+    found: set[str] = set()
+    for name, field in model.model_fields.items():
+        nested = isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        if nested or not prefix:
+            found.add(prefix + name)
+        if nested:
+            found |= schema_sections(field.annotation, f"{prefix}{name}.")
+    return frozenset(found)
+
+
 def _strip_markers(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _strip_markers(v) for k, v in value.items() if k != _OVERRIDE_MARKER}
     return value
 
 
-def load_recipe_dict(path: str | Path) -> dict[str, Any]:
+def load_recipe_dict(path: str | Path, sections: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Load ``path`` and its ``defaults:`` parents into one plain dict (interpolations unresolved): every file of the
     chain once, parents before the files that name them (depth first, in the order listed), each merged over what
     came before. Two parents sharing a base apply it once: loaded with each parent, the second copy of the base had
     undone the first parent's keys (a LoRA recipe's lr reverted by an async recipe that never set it)."""
     merged: dict[str, Any] = {}
     for source, data in _linearized(Path(path).resolve(), (), set()):
-        merged = merge_dicts(merged, data, str(source))
+        merged = merge_dicts(merged, data, str(source), sections)
     return merged
 
 

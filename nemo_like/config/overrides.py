@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_like.config.errors import ConfigError, closest_keys, did_you_mean
+from nemo_like.config.loader import is_interpolation
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
@@ -94,8 +95,9 @@ def quoting_hint(parser: Any, key: str, value: str) -> str:
     return f"quote the value: {quoted} (in a shell: {in_shell})"
 
 
-def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
-    """Return ``cfg`` with ``overrides`` applied in order (the input is modified in place too)."""
+def apply_overrides(cfg: DictConfig, overrides: Sequence[str], sections: frozenset[str] = frozenset()) -> DictConfig:
+    """Return ``cfg`` with ``overrides`` applied in order (the input is modified in place too); ``sections``: the dotted
+    keys of the recipe's sections, which only a mapping (merged into it) or an interpolation may set."""
     deleted_env = False
     for override in parse_overrides(overrides):
         key = override.key_or_group
@@ -118,12 +120,12 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
             deleted_env = deleted_env or key == "env" or key.startswith("env.")
             continue
         value = override.value()
-        if isinstance(node, DictConfig) and node and not isinstance(value, dict):  # grpo=null dropped every grpo key
-            keys = [str(k) for k in node.keys()]
-            listed = ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+        if key in sections and not isinstance(value, dict) and not is_interpolation(value):  # grpo=null dropped every key
+            keys = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+            listed = f" ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})" if keys else ""
             raise ConfigError(
-                f"Override '{text}': '{key}' is a section ({listed}), which {'null' if value is None else repr(value)} would "
-                f"replace whole: set its keys ({key}.KEY=...), or replace it with a mapping ({key}={{...}})"
+                f"Override '{text}': '{key}' is a section{listed}, which {'null' if value is None else repr(value)} would "
+                f"replace whole: set its keys ({key}.KEY=...), or merge a mapping into it ({key}={{KEY: ...}})"
             )
         if override.is_add() and exists:
             raise ConfigError(f"Override '{text}': '{key}' already exists; use '{key}=...' to change it or '++{key}=...' to force.")

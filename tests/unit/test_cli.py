@@ -153,6 +153,10 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
                 (REWARD_CONFIG, [], "policy.model_name=acme/absent is not a causal language model (Qwen2ForSequenceClassification"),
             )
         ],
+        (  # the student's tokenizer here but not its model: the teacher check read the model's config from the hub
+            ["plan", "--config", str(DISTILL), "policy.model_name=acme/absent", "policy.tokenizer_name=embedded:tiny-arith-qwen2"],
+            "policy.model_name='acme/absent': its config.json is not on this machine",
+        ),
         (
             ["plan", "--config", str(DISTILL), "teacher.model_name=embedded:tiny-reward-qwen2"],
             "teacher.model_name=embedded:tiny-reward-qwen2 is not a causal language model",

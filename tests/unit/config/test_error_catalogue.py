@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from nemo_like.cli import main
+from nemo_like.config import load_config
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "configs" / "grpo_tiny_cpu.yaml"
@@ -203,9 +204,20 @@ def test_recipe_and_override_mistakes_name_the_file_the_key_and_the_fix(capsys, 
     assert_clean(code, err, 2, f"{child}: 'policy.generation' is 5, not a mapping")
     code, err = run_cli(capsys, tmp_path, "env=null")
     assert_clean(code, err, 2, "Override 'env=null': 'env' is a section (arithmetic), which null would replace whole")
-    child.write_text(f"defaults: {TINY}\ngrpo: {{}}\n")  # {} keeps the section
-    assert main(["train", "--dry-run", "--config", str(child)]) == 0
-    assert "max_num_steps: 100" in capsys.readouterr().out
+    code, err = run_cli(capsys, tmp_path, "policy.optimizer=adamw")
+    assert_clean(code, err, 2, "Override 'policy.optimizer=adamw': 'policy.optimizer' is a section (")
+    parent = tmp_path / "parent.yaml"  # the file that holds the null is named, not the recipe given
+    parent.write_text(f"defaults: {TINY}\nlogger:\n")
+    child.write_text("defaults: parent.yaml\n")
+    code, err = train("--config", str(child))
+    assert_clean(code, err, 2, f"{parent}: 'logger' is empty (null)")
+    # what still sets a section or a key below one without a mapping: {} (keeps it), an interpolation of another
+    # section, a free-form environment key (a tool list over a parent's tool mapping)
+    parent.write_text(f"defaults: {TINY}\nenv:\n  arithmetic:\n    tools: {{calc: calculator}}\n")
+    child.write_text("defaults: parent.yaml\ngrpo: {}\ndata:\n  validation: ${data.train}\nenv:\n  arithmetic:\n    tools: [calculator]\n")
+    config = load_config(child, ["data.validation=${data.train}"])
+    assert config.grpo.max_num_steps == 100 and config.data.validation.seed == config.data.train.seed
+    assert config.env["arithmetic"].model_dump()["tools"] == ["calculator"]
     code, err = run_cli(capsys, tmp_path, "data.system_prompt=You're a calculator")
     assert_clean(code, err, 2, """quote the value: data.system_prompt="You're a calculator" (in a shell: """)
     code, err = run_cli(capsys, tmp_path, "logger.log_dir=~/runs/x")
