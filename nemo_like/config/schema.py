@@ -53,6 +53,7 @@ from nemo_like.config.sections.policy import (  # noqa: F401  (re-exported)
     SchedulerConfig,
     SequencePackingConfig,
     VllmConfig,
+    vllm_available,
 )
 from nemo_like.config.sections.run import (  # noqa: F401  (re-exported)
     CheckpointingConfig,
@@ -522,7 +523,8 @@ class MasterConfig(BaseModel):
 
     def _check_async(self) -> None:
         generation = self.policy.generation  # the HF engine is never colocated (a device of its own): nothing to refuse
-        if self.cluster.gpus_per_node and generation.colocated.enabled and generation.backend != "hf":
+        vllm = generation.backend == "vllm" or (generation.backend == "auto" and vllm_available())  # auto's GPU choice
+        if self.cluster.gpus_per_node and generation.colocated.enabled and vllm:
             raise ValueError(
                 "grpo.async_grpo.enabled=true cannot run with policy.generation.colocated.enabled=true on GPUs "
                 f"(cluster.gpus_per_node={self.cluster.gpus_per_node}): async generation runs while the policy trains, and a "

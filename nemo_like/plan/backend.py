@@ -5,10 +5,10 @@ does not import it."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
+from nemo_like.config.sections.policy import vllm_available
 
 #: Generation engines a run starts (HF or vLLM; the engine factory, :mod:`nemo_like.models.engines`, builds this many
 #: workers); the inline backend samples in the one policy worker instead.
@@ -28,11 +28,6 @@ INSTALL_HINT = (
     "`pip uninstall -y torchvision torchaudio torchcodec triton` on a CPU machine (or `make setup`), "
     "or `pip install -e '.[vllm]'` on a GPU machine; or switch to policy.generation.backend=hf"
 )
-
-
-def vllm_available() -> bool:
-    """True when the ``vllm`` package can be imported (checked without importing it)."""
-    return importlib.util.find_spec("vllm") is not None
 
 
 def require_vllm() -> None:

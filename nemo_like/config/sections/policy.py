@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -25,11 +26,17 @@ class SchedulerConfig(Section):
     warmup_steps: Int = Field(0, ge=0, description="Linear warm-up (optimizer steps) to optimizer.lr, then constant.")
 
 
+def vllm_available() -> bool:
+    """True when the ``vllm`` package can be imported (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
 class ColocatedConfig(Section):
     enabled: bool = Field(
         True,
         description="Generation shares the training devices (GPU only; ignored on CPU): the vLLM engine sleeps while the policy "
-        "trains and the policy hands its memory back before the engine wakes. Sync GRPO only (async overlaps the two).",
+        "trains and the policy hands its memory back before the engine wakes. vLLM only (the HF engine always takes a GPU "
+        "of its own); sync GRPO only (async overlaps the two).",
     )
     offload_optimizer: bool = Field(
         True,
@@ -56,8 +63,9 @@ class GenerationConfig(Section):
         "auto",
         description="Generation engine: 'inline' (the policy worker samples with its own weights: no engine actor, no "
         "refit; sync runs with one policy worker, no LoRA), 'vllm' (vLLM, in-process in a Ray actor), 'hf' (a transformers "
-        "model in a Ray actor, sampled with our own loop); 'auto' = on CPU clusters inline where it applies, else hf; on "
-        "GPU clusters vllm when the vllm package is importable, else hf (see docs/guides/generation.md).",
+        "model in a Ray actor, sampled with our own loop); 'auto' = on CPU clusters inline where it applies, else vllm for a "
+        "LoRA run whose adapters vLLM can serve when the vllm package is importable, else hf; on GPU clusters vllm when the "
+        "vllm package is importable, else hf (see docs/guides/generation.md).",
     )
     max_new_tokens: Int = Field(16, gt=0, description="Maximum response tokens.")
     temperature: Float = Field(

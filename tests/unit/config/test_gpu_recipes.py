@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -55,10 +56,18 @@ def test_one_gpu_recipe_takes_the_cuda_ipc_path():
     assert cfg.loss_fn.reference_policy_kl_penalty == 0  # no reference: it would need a second GPU
 
 
-def test_async_with_a_colocated_engine_on_gpus_is_an_error():
+def test_async_with_a_colocated_engine_on_gpus_is_an_error(monkeypatch):
+    from nemo_like.config import schema
+
     overrides = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true", "cluster.gpus_per_node=1"]
     with pytest.raises(ConfigError, match=r"policy\.generation\.colocated\.enabled=true"):
-        load_config(str(RECIPES / "grpo_tiny_cpu.yaml"), overrides)
+        load_config(str(RECIPES / "grpo_tiny_cpu.yaml"), [*overrides, "policy.generation.backend=vllm"])
+    # auto picks vLLM on GPUs where it is installed, else the HF engine, which is never colocated: the same recipe was
+    # refused without vLLM, though it would run
+    for installed in (True, False):
+        monkeypatch.setattr(schema, "vllm_available", lambda installed=installed: installed)
+        with pytest.raises(ConfigError) if installed else contextlib.nullcontext():
+            load_config(str(RECIPES / "grpo_tiny_cpu.yaml"), overrides)
     cfg = load_config(str(RECIPES / "grpo_tiny_cpu.yaml"), [*overrides, "policy.generation.colocated.enabled=false"])
     assert cfg.grpo.async_grpo.enabled
     # The HF engine always has a GPU of its own: the (default) colocation key does nothing there, no error
