@@ -34,6 +34,7 @@ driver's node with all its cores, measured once and cached (:func:`cpu_peak_flop
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_like.utils.cpus import local_cores
+from nemo_like.utils.files import replace_file
 from nemo_like.utils.throughput import TIMING_PREFIX, generation_seconds, rate, trained_tokens, training_seconds
 
 # Dense (no sparsity) peak FLOP/s by GPU name fragment and precision (vendor data sheets; a bare name is the SXM part,
@@ -223,13 +225,26 @@ def cpu_peak_flops(dtype: str = "float32", cache: Path = CACHE_FILE) -> float:
         return earlier  # no quieter than at the provisional probe: a new one would read no higher
     best = max(measure_matmul_flops(dtype), earlier)
     busy = {"flops": best, "load": round(load, 2), "provisional": f"measured at load {load:.1f}"}
-    cached[key] = best if load <= local_cores() / 2 else busy
+    store_cache_entry(cache, key, best if load <= local_cores() / 2 else busy)
+    return best
+
+
+def store_cache_entry(cache: Path, key: str, entry: Any) -> None:
+    """Set ``key`` in the JSON file ``cache``, keeping the other keys: read again under an exclusive lock (a sibling
+    ``.lock`` file) and replaced in one rename, so that runs probing at once (a sweep) neither lose each other's
+    entries nor read a half-written file (read as empty, which dropped every other entry at the next write). A
+    read-only home is not an error: the next run measures again."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(cached, indent=1))
+        with open(cache.with_name(cache.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                cached = json.loads(cache.read_text())
+            except (OSError, ValueError):
+                cached = {}
+            replace_file(cache, json.dumps({**(cached if isinstance(cached, dict) else {}), key: entry}, indent=1))
     except OSError:
-        pass  # read-only home: measure again next run
-    return best
+        pass
 
 
 def gpu_peak_flops(device_name: str, precision: str) -> float | None:

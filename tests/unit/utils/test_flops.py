@@ -180,6 +180,43 @@ def test_cpu_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert measured > 0 and json.loads(cache.read_text()) == {cpu_key("bfloat16"): 123.0, cpu_key("float32"): measured}
 
 
+def test_runs_probing_at_once_keep_each_others_entries_and_never_read_a_partial_file(tmp_path):
+    """Runs of a sweep write the cache together: a plain read-modify-write lost the other run's entry, and a reader that
+    caught the file mid-write read it as empty and dropped every entry at its next write."""
+    import threading
+
+    from nemo_like.utils.flops import store_cache_entry
+
+    cache = tmp_path / "peak.json"
+    torn: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                json.loads(cache.read_text())
+            except FileNotFoundError:
+                pass
+            except ValueError as exc:
+                torn.append(str(exc))
+
+    def write(prefix: str) -> None:
+        for i in range(60):
+            store_cache_entry(cache, f"{prefix}{i}", float(i) * 1e9 + 0.123456789)  # ~60 bytes an entry: a slow write
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(prefix,)) for prefix in ("a", "b")]
+    for thread in writers:
+        thread.start()
+    for thread in writers:
+        thread.join()
+    done.set()
+    reader.join()
+    assert torn == []
+    assert sorted(json.loads(cache.read_text())) == sorted(f"{p}{i}" for p in "ab" for i in range(60))
+
+
 def test_a_probe_on_a_busy_machine_is_provisional_and_the_best_later_probe_replaces_it(tmp_path, monkeypatch):
     from nemo_like.distributed.threads import local_cores
 
