@@ -21,7 +21,7 @@ from nemo_like.config.schema import MasterConfig
 # The embedded default recipe lives with the other recipes (the package is installed editable).
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_tiny_cpu.yaml"
 
-#: The recipe's sections (dotted keys that hold a mapping of keys), which a recipe or an override must not set to null.
+#: The recipe's sections (dotted keys that hold a mapping of keys), which only a mapping or an interpolation may set.
 SECTIONS = schema_sections(MasterConfig)
 
 __all__ = ["ConfigError", "MasterConfig", "load_config", "resolve_config_dict", "DEFAULT_RECIPE"]

@@ -225,26 +225,48 @@ def cpu_peak_flops(dtype: str = "float32", cache: Path = CACHE_FILE) -> float:
         return earlier  # no quieter than at the provisional probe: a new one would read no higher
     best = max(measure_matmul_flops(dtype), earlier)
     busy = {"flops": best, "load": round(load, 2), "provisional": f"measured at load {load:.1f}"}
-    store_cache_entry(cache, key, best if load <= local_cores() / 2 else busy)
-    return best
+    kept = store_cache_entry(cache, key, best if load <= local_cores() / 2 else busy)
+    return float(kept) if isinstance(kept, (int, float)) else float(kept["flops"])  # another run's better probe, if any
 
 
-def store_cache_entry(cache: Path, key: str, entry: Any) -> None:
-    """Set ``key`` in the JSON file ``cache``, keeping the other keys: read again under an exclusive lock (a sibling
-    ``.lock`` file) and replaced in one rename, so that runs probing at once (a sweep) neither lose each other's
-    entries nor read a half-written file (read as empty, which dropped every other entry at the next write). A
-    read-only home is not an error: the next run measures again."""
+def store_cache_entry(cache: Path, key: str, entry: Any) -> Any:
+    """Set ``key`` in the JSON file ``cache`` to the better of ``entry`` and what it holds there
+    (:func:`better_entry`), keeping the other keys: read again under an exclusive lock (a ``.lock`` file beside the
+    real file) and replaced in one rename, so that runs probing at once (a sweep) neither lose each other's entries,
+    nor store a busy probe over a quiet one, nor read a half-written file (read as empty, which dropped every other
+    entry at the next write). Returns the entry kept. A filesystem without locks still gets the one-rename write; a
+    read-only home is not an error (``entry`` is returned): the next run measures again."""
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        with open(cache.with_name(cache.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        target = Path(os.path.realpath(cache))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.with_name(target.name + ".lock"), "a") as lock:
             try:
-                cached = json.loads(cache.read_text())
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError:
+                pass  # no locks here (NFS without lockd): the replace below is still atomic
+            try:
+                cached = json.loads(target.read_text())
             except (OSError, ValueError):
                 cached = {}
-            replace_file(cache, json.dumps({**(cached if isinstance(cached, dict) else {}), key: entry}, indent=1))
+            cached = cached if isinstance(cached, dict) else {}
+            kept = better_entry(cached.get(key), entry)
+            replace_file(target, json.dumps({**cached, key: kept}, indent=1))
+            return kept
     except OSError:
-        pass
+        return entry
+
+
+def better_entry(old: Any, new: Any) -> Any:
+    """The entry to keep of two probes of one key: a final figure (a number) over a provisional one (a mapping with
+    ``flops``), and the higher of two of a kind (a probe reads low, never high); anything else in the file yields."""
+
+    def rank(entry: Any) -> tuple[int, float]:
+        if isinstance(entry, (int, float)):
+            return (2, float(entry))
+        flops = entry.get("flops") if isinstance(entry, dict) else None
+        return (1, float(flops)) if isinstance(flops, (int, float)) else (0, 0.0)
+
+    return old if rank(old) > rank(new) else new
 
 
 def gpu_peak_flops(device_name: str, precision: str) -> float | None:

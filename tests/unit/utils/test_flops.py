@@ -217,6 +217,32 @@ def test_runs_probing_at_once_keep_each_others_entries_and_never_read_a_partial_
     assert sorted(json.loads(cache.read_text())) == sorted(f"{p}{i}" for p in "ab" for i in range(60))
 
 
+def test_a_busy_probe_stored_after_a_quiet_one_of_the_same_key_keeps_the_quiet_one(tmp_path, monkeypatch):
+    """Runs of a sweep probe the same key: the last writer won, so a busy (provisional, lower) probe stored over a quiet
+    final one halved the peak every later run reused (their MFU read twice too high). Without file locks (NFS without
+    lockd) the entry is still written, in one rename."""
+    import fcntl
+
+    from nemo_like.utils.flops import store_cache_entry
+
+    cache = tmp_path / "peak.json"
+    busy = {"flops": 2e11, "load": 2.0, "provisional": "measured at load 2.0"}
+    assert store_cache_entry(cache, "k", 4.2e11) == 4.2e11
+    assert store_cache_entry(cache, "k", busy) == 4.2e11 and json.loads(cache.read_text()) == {"k": 4.2e11}
+    assert store_cache_entry(cache, "k", 3e11) == 4.2e11  # of two final figures, the higher (a probe reads low)
+    assert store_cache_entry(cache, "p", busy) == busy
+    assert store_cache_entry(cache, "p", {**busy, "flops": 1e11}) == busy  # of two provisional ones, the higher
+    assert store_cache_entry(cache, "p", 1e11) == 1e11  # a final figure over a provisional one
+    assert json.loads(cache.read_text()) == {"k": 4.2e11, "p": 1e11}
+
+    def no_locks(*args):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert store_cache_entry(tmp_path / "nfs.json", "k", 5e11) == 5e11
+    assert json.loads((tmp_path / "nfs.json").read_text()) == {"k": 5e11}
+
+
 def test_a_probe_on_a_busy_machine_is_provisional_and_the_best_later_probe_replaces_it(tmp_path, monkeypatch):
     from nemo_like.distributed.threads import local_cores
 
