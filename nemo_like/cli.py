@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nemo_like.config import ConfigError, MasterConfig, load_config
+from nemo_like.config.loader import recipe_yaml
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
@@ -208,7 +207,7 @@ def load_checked_recipe(args: argparse.Namespace) -> MasterConfig | None:
     cfg = load_config(args.config, args.overrides)
     check_plugin_names(cfg)  # a wrong plug-in name (estimator, loss plug-in, env class, tool) or env key fails here
     if args.dry_run:
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        print(recipe_yaml(cfg.model_dump(mode="json")), end="")
         return None
     return cfg
 

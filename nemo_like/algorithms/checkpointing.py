@@ -149,7 +149,7 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
         return None
     config_file = checkpoint.path / "config.yaml"
     try:
-        saved_config = yaml.safe_load(config_file.read_text())
+        saved_config = yaml.safe_load(config_file.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
         raise CheckpointError(
             f"Checkpoint {checkpoint.path} cannot be resumed: {config_file} cannot be read ({exc}). "

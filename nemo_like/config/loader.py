@@ -116,6 +116,12 @@ def _fold(op, xs):
     return result
 
 
+def recipe_yaml(resolved: dict[str, Any]) -> str:
+    """A resolved recipe as YAML, in its keys' order and with non-ASCII text as written (a path or a prompt in French
+    or Chinese read ``"/Users/Jos\\xE9"`` in ``config.yaml`` and ``--dry-run``); write it as UTF-8."""
+    return yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
+
+
 def read_yaml_file(path: Path) -> dict[str, Any]:
     """Parse one YAML file into a dict; errors name the file and the line."""
     if path.is_dir():

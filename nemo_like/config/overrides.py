@@ -72,20 +72,17 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
     return parsed
 
 
-#: Characters Hydra's override grammar reads only inside a quoted value.
-QUOTED_ONLY = set("~'#&;!^>\"`")
-
-
 def quoting_hint(parser: Any, key: str, value: str) -> str:
-    """What to write when ``key=value`` holds a character of :data:`QUOTED_ONLY` and parses once its value is quoted;
-    ``""`` otherwise. A leading ``~/`` gets ``$HOME``: no shell expands ``~`` after ``key=``, and a quoted one is a
-    directory named ``~``."""
+    """What to write when ``key=value`` parses once its value is quoted (Hydra reads ``~ ' # & ; ! ^ > "``, non-ASCII
+    letters and a ``(`` or ``=`` inside a value only quoted: ``/Users/José``, ``ML (old)``); ``""`` otherwise, and for
+    a value that opens a list, a mapping or a function call (``[``, ``{``, ``(``), a typo there rather than text. A
+    leading ``~/`` gets ``$HOME``: no shell expands ``~`` after ``key=``, and a quoted one is a directory named ``~``."""
     from hydra.errors import OverrideParseException
 
     if value.startswith("~/"):
         return f"no shell expands '~' after '=': write {key}=$HOME/{value[2:]}"
     quoted = f"{key}='{value}'" if "'" not in value else f'{key}="{value}"' if '"' not in value else None
-    if quoted is None or not QUOTED_ONLY & set(value):
+    if quoted is None or value.lstrip().startswith(("[", "{", "(")):
         return ""
     try:
         parser.parse_overrides([quoted])

@@ -25,10 +25,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nemo_like.algorithms.pass_at_k import correct_counts, mean_pass_at_k
 from nemo_like.config.errors import ConfigError
+from nemo_like.config.loader import recipe_yaml
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.models.loading import ADAPTER_CONFIG, holds_tokenizer
@@ -314,7 +313,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             **({"multi_turn_metrics": multi_turn_metrics(rollout.samples, rollout.rewards)} if plan.multi_turn else {}),
             "seconds": time.perf_counter() - start,
         }
-        write_results(out, rows, summary, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        write_results(out, rows, summary, recipe_yaml(cfg.model_dump(mode="json")))
         return summary
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -136,11 +137,15 @@ def refuse_checkpoint_as_model(name: str, key: str, trained: bool = True) -> Non
     if trained and (model / ADAPTER_CONFIG).is_file():
         raise ConfigError(
             f"{key}={name} is a LoRA checkpoint (adapters only, {ADAPTER_CONFIG}): merge it into a whole model first "
-            f"(`nemo-like merge {name} --out DIR`) and train from DIR, or resume the run that wrote it (its "
+            f"(`nemo-like merge {shlex.quote(name)} --out DIR`) and train from DIR, or resume the run that wrote it (its "
             "checkpointing.checkpoint_dir)"
         )
     if model != path and ((model / "config.json").is_file() or (model / ADAPTER_CONFIG).is_file()):
-        resume = " (or resume the run that wrote it, from its checkpointing.checkpoint_dir)" if trained else f": set {key}={model}"
+        resume = (
+            " (or resume the run that wrote it, from its checkpointing.checkpoint_dir)"
+            if trained
+            else f": set {shlex.quote(f'{key}={model}')}"
+        )
         raise ConfigError(f"{key}={name} is a checkpoint step: its model is {model}{resume}")
 
 

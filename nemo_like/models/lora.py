@@ -354,7 +354,7 @@ def checkpoint_stop_token_ids(adapter_dir: str | Path) -> list[int]:
     import yaml
 
     try:
-        saved = yaml.safe_load((Path(adapter_dir).parent / "config.yaml").read_text())
+        saved = yaml.safe_load((Path(adapter_dir).parent / "config.yaml").read_text(encoding="utf-8"))
         ids = saved["policy"]["generation"].get("stop_token_ids") or []
         return [int(i) for i in ids]
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError):

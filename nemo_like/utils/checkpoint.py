@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from nemo_like.config.errors import did_you_mean
+from nemo_like.config.loader import recipe_yaml
 from nemo_like.utils.files import fsync_dir
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -261,7 +261,7 @@ class CheckpointManager:
             tmp.mkdir()
             write_contents(tmp)
             check_written(tmp, expected_files)
-            (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            (tmp / "config.yaml").write_text(recipe_yaml(config), encoding="utf-8")
             (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}))
             fsync_tree(tmp)
             _pause_for_crash_tests(step)

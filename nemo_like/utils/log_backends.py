@@ -20,8 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from nemo_like.config.loader import recipe_yaml
 from nemo_like.config.schema import LoggerConfig
 
 Scalar = int | float
@@ -183,7 +182,7 @@ class TensorBoardBackend(LogBackend):
         file_writer = self.writer._get_file_writer()
         file_writer.add_summary(experiment)
         file_writer.add_summary(session_start)
-        self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(config, sort_keys=False) + "```")
+        self.writer.add_text("config", "```yaml\n" + recipe_yaml(config) + "```")
 
     def close(self, failed: bool = False) -> None:
         if self._session_end is not None:  # the HParams view's outcome: hparams() writes a success

@@ -14,8 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from nemo_like.config.loader import recipe_yaml
 from nemo_like.config.schema import LoggerConfig
 from nemo_like.utils.log_backends import JsonlBackend, LogBackend, from_jsonable, start_backends, warn_backend
 from nemo_like.utils.run_control import new_threads_spared_stop_signals
@@ -63,7 +62,7 @@ class Logger:
     def save_config(self, resolved: dict[str, Any]) -> Path:
         """Write ``config.yaml`` and hand the config to the backends as hyperparameters."""
         path = self.log_dir / "config.yaml"
-        path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+        path.write_text(recipe_yaml(resolved), encoding="utf-8")
         self._call_all("log_hyperparams", resolved)
         return path
 

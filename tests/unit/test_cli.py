@@ -117,7 +117,7 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
     results = tmp_path / "results.jsonl"  # eval's per-sample file, plotted by mistake
     results.write_text('{"prompt_id": "0", "reward": 1.0}\n')
     (tmp_path / "afile").write_text("")
-    adapters = tmp_path / "step_2" / "policy"
+    adapters = tmp_path / "my runs" / "step_2" / "policy"  # the merge command it prints must paste as one path
     adapters.mkdir(parents=True)
     (adapters / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     full = tmp_path / "step_3" / "policy"  # a full checkpoint's policy/: a plain HF model
@@ -187,7 +187,7 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         *[
             (
                 [command, f"policy.model_name={adapters}", f"logger.log_dir={tmp_path}"],
-                "is a LoRA checkpoint (adapters only, adapter_config.json): merge",
+                f"is a LoRA checkpoint (adapters only, adapter_config.json): merge it into a whole model first (`nemo-like merge '{adapters}' --out DIR`)",
             )
             for command in ("train", "plan")
         ],

@@ -220,6 +220,10 @@ def test_recipe_and_override_mistakes_name_the_file_the_key_and_the_fix(capsys, 
     assert config.env["arithmetic"].model_dump()["tools"] == ["calculator"]
     code, err = run_cli(capsys, tmp_path, "data.system_prompt=You're a calculator")
     assert_clean(code, err, 2, """quote the value: data.system_prompt="You're a calculator" (in a shell: """)
+    code, err = run_cli(capsys, tmp_path, "logger.log_dir=/Users/José/ML (old)/runs")  # a laptop's path: no hint before
+    assert_clean(code, err, 2, """quote the value: logger.log_dir='/Users/José/ML (old)/runs' (in a shell: "logger""")
+    assert main(["train", "--dry-run", "data.system_prompt='Réponds en français, 中文.'"]) == 0
+    assert "system_prompt: Réponds en français, 中文." in capsys.readouterr().out  # it read "R\xE9ponds en fran\xE7ais"
     code, err = run_cli(capsys, tmp_path, "logger.log_dir=~/runs/x")
     assert_clean(code, err, 2, "no shell expands '~' after '=': write logger.log_dir=$HOME/runs/x")
     caret = err.splitlines()[1:3]  # Hydra's own line, the caret under its '~'
