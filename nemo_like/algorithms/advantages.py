@@ -18,6 +18,7 @@ from nemo_like.algorithms.utils import (
     calculate_baseline_and_std_per_prompt,
     normalize_advantages_with_epsilon,
 )
+from nemo_like.config.errors import ConfigError
 from nemo_like.utils.registry import Registry
 
 
@@ -89,9 +90,12 @@ def compute_advantages(
 
     Raises:
         ValueError: unknown ``name`` (the message suggests the closest and lists the registered names).
+        ConfigError: the estimator (a user's, by import path) returned no :class:`AdvantageResult`, advantages of
+            another shape than ``rewards`` or non-finite ones (they had failed deep in the loop, or skipped every
+            update as a "non-finite loss" that blamed the learning rate).
     """
     estimator = ADVANTAGE_ESTIMATORS.get(name)
-    return estimator(
+    result = estimator(
         rewards=rewards,
         prompt_ids=prompt_ids,
         valid_mask=valid_mask,
@@ -99,6 +103,15 @@ def compute_advantages(
         use_leave_one_out_baseline=use_leave_one_out_baseline,
         epsilon=epsilon,
     )
+    key = f"grpo.adv_estimator.name={name!r}"
+    if not isinstance(result, AdvantageResult):
+        raise ConfigError(f"{key} returned a {type(result).__name__}, not an AdvantageResult(advantages, baseline, std)")
+    if tuple(result.advantages.shape) != tuple(rewards.shape):
+        raise ConfigError(f"{key} returned advantages of shape {tuple(result.advantages.shape)}, not the rewards' {tuple(rewards.shape)}")
+    if not bool(torch.isfinite(result.advantages).all()):
+        bad = int((~torch.isfinite(result.advantages)).sum())
+        raise ConfigError(f"{key} returned {bad} non-finite advantages of {result.advantages.numel()} (finite rewards in)")
+    return result
 
 
 def _baseline_advantages(

@@ -213,6 +213,13 @@ def ppo_log_ratio(inputs: LossInputs, sequence_level: bool) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def plugin_output_error(key: str, value: object, expected: str) -> ValueError:
+    """The error for a loss plug-in (a user's, named by import path) whose output is not what the loss uses: it had
+    failed deep in the loss (an AttributeError, a dtype error), or, broadcast, computed another loss."""
+    shape = f" of shape [{', '.join(map(str, value.shape))}] and dtype {value.dtype}" if isinstance(value, torch.Tensor) else ""
+    return ValueError(f"{key} returned a {type(value).__name__}{shape}, not {expected}")
+
+
 class Surrogate(NamedTuple):
     """Per-token policy-gradient loss, the ratio and clamped ratio it used, and where it clipped."""
 
@@ -483,6 +490,9 @@ def reference_kl_per_token(
     input_clamped = input_clamped | overflow
     # Estimators of KL(pi || pi_ref) from log_ratio = log pi_ref - log pi on tokens x ~ pi.
     kl = (estimator or KL_ESTIMATORS.get(cfg.reference_policy_kl_type))(log_ratio)
+    if not isinstance(kl, torch.Tensor) or kl.shape != log_ratio.shape:  # a scalar had been broadcast: a wrong penalty
+        expected = f"a per-token tensor of the log-ratio's shape [{', '.join(map(str, log_ratio.shape))}]"
+        raise plugin_output_error(f"loss_fn.reference_policy_kl_type={cfg.reference_policy_kl_type!r}", kl, expected)
     baseline = inputs.gen if cfg.use_on_policy_kl_approximation else inputs.curr.detach()
     # A weight past exp's range (a generation logprob of -inf or below ~-88 in float32) or NaN is 0, and so is its
     # gradient: zeroing exp's value after it (nan_to_num) left exp's infinite derivative, a NaN that skipped the step.
@@ -609,6 +619,9 @@ class ClippedPGLossFn:
 
         surrogate_fn = self._surrogate or SURROGATES.get(self.surrogate_name)
         surrogate = surrogate_fn(ppo_log_ratio(inputs, cfg.sequence_level_importance_ratios), inputs, cfg)
+        if not isinstance(surrogate, Surrogate) or surrogate.loss.shape != inputs.curr.shape:  # a user's, by import path
+            raise plugin_output_error(f"loss_fn.surrogate={self.surrogate_name!r}", surrogate, "a Surrogate(loss, ratio, "
+                                      f"ratio_clamped, clipped) of per-token [{', '.join(map(str, inputs.curr.shape))}] tensors")  # fmt: skip
         weights = importance_weights(inputs, cfg, self._truncate)
         per_token = surrogate.loss
         if cfg.use_importance_sampling_correction:
@@ -664,7 +677,11 @@ class ClippedPGLossFn:
         if self.cfg.trust_region_type is None:
             return inputs.valid
         trust_region = self._trust_region or TRUST_REGIONS.get(self.cfg.trust_region_type)
-        return trust_region(inputs, self.cfg.trust_region_low, self.cfg.trust_region_high)
+        keep = trust_region(inputs, self.cfg.trust_region_low, self.cfg.trust_region_high)
+        if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.shape != inputs.valid.shape:
+            expected = f"a bool keep mask of shape [{', '.join(map(str, inputs.valid.shape))}]"
+            raise plugin_output_error(f"loss_fn.trust_region_type={self.cfg.trust_region_type!r}", keep, expected)
+        return keep
 
     @staticmethod
     def _ratio_metrics(inputs: LossInputs, surrogate: Surrogate) -> dict[str, torch.Tensor]:

@@ -131,6 +131,8 @@ class ToolRegistry:
             pass  # builtins without a signature: let the call decide
         try:
             value = tool(**arguments)
+            if value is None:  # a tool that forgot its return: the model was shown "None" as a successful call
+                return self._bounded(ToolResult(False, f"{name}: returned None, not the observation text", "bad_return"))
             text = value if isinstance(value, str) else str(value)  # str() raises too: an int past 4300 digits
         except ToolError as exc:
             return self._bounded(ToolResult(False, f"{name}: {exc}", exc.kind))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -385,3 +386,32 @@ def test_every_built_in_estimator_is_a_group_baseline_that_zeroes_groups_of_one(
                 use_leave_one_out_baseline=leave_one_out,
             )
             assert result.advantages.tolist() == [0.0, 0.0, 0.0], (name, leave_one_out)
+
+
+def test_a_user_estimators_output_is_checked_naming_the_key(tmp_path, monkeypatch):
+    """A user's estimator (by import path) returning a bare tensor, advantages of another length or NaN failed deep in
+    the loop (an AttributeError, a size mismatch) or, NaN, skipped every update as a "non-finite loss" that advised a
+    lower learning rate."""
+    from nemo_like.algorithms.advantages import AdvantageResult
+    from nemo_like.config.errors import ConfigError
+
+    (tmp_path / "my_estimators.py").write_text(
+        "import torch\n"
+        "from nemo_like.algorithms.advantages import AdvantageResult\n"
+        "def bare(rewards, **kw):\n    return rewards - rewards.mean()\n"
+        "def short(rewards, **kw):\n    z = torch.zeros(len(rewards) // 2)\n    return AdvantageResult(z, z, z)\n"
+        "def nan(rewards, **kw):\n    z = torch.zeros_like(rewards)\n    return AdvantageResult(z / 0, z, z)\n"
+        "def fine(rewards, **kw):\n    z = torch.zeros_like(rewards)\n    return AdvantageResult(rewards - rewards.mean(), z, z)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    args = {"rewards": rewards, "prompt_ids": torch.tensor([0, 0, 1, 1]), "valid_mask": torch.ones(4)}
+    args |= {"normalize_rewards": True, "use_leave_one_out_baseline": False}
+    for name, message in (
+        ("bare", "returned a Tensor, not an AdvantageResult"),
+        ("short", "returned advantages of shape (2,), not the rewards' (4,)"),
+        ("nan", "returned 4 non-finite advantages of 4"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"grpo.adv_estimator.name='my_estimators:{name}' {message}")):
+            compute_advantages(f"my_estimators:{name}", **args)
+    assert isinstance(compute_advantages("my_estimators:fine", **args), AdvantageResult)

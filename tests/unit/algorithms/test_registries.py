@@ -81,6 +81,28 @@ def test_user_kl_estimator_by_import_path_is_used_in_the_loss() -> None:
     assert fragments["kl_penalty"] == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"reference_policy_kl_type": f"{PLUGINS}:mean_kl"}, f"loss_fn.reference_policy_kl_type='{PLUGINS}:mean_kl' returned a "
+         "Tensor of shape [] and dtype torch.float64, not a per-token tensor of the log-ratio's shape [1, 2]"),
+        ({"trust_region_type": f"{PLUGINS}:float_keep"}, f"loss_fn.trust_region_type='{PLUGINS}:float_keep' returned a Tensor "
+         "of shape [1, 2] and dtype torch.float32, not a bool keep mask of shape [1, 2]"),
+        ({"surrogate": f"{PLUGINS}:bare_surrogate"}, f"loss_fn.surrogate='{PLUGINS}:bare_surrogate' returned a Tensor of shape "
+         "[1, 2] and dtype torch.float64, not a Surrogate(loss, ratio, ratio_clamped, clipped) of per-token [1, 2] tensors"),
+    ],
+)  # fmt: skip
+def test_a_loss_plugins_output_is_checked_naming_the_key(keys: dict, message: str) -> None:
+    """A user's surrogate returning a bare tensor or a trust region's float mask failed deep in the loss (an
+    AttributeError, a dtype error, in a policy worker's traceback); a KL estimator's scalar was broadcast into another
+    penalty, silently."""
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.1, **keys)
+    curr, data = one_token()
+    with pytest.raises(ValueError) as excinfo:
+        ClippedPGLossFn(cfg)(curr, data, 1, 1)
+    assert str(excinfo.value) == message
+
+
 def test_plugins_registered_in_the_users_process_reach_the_policy_workers(tmp_path, monkeypatch) -> None:
     """A KL estimator or trust region added to its registry in the driver's process passed the name check, then the
     policy worker (a process whose registries never saw it) failed at the first step: the loss now carries the

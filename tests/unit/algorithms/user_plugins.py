@@ -35,3 +35,18 @@ NOT_CALLABLE = 3
 def keep_every_token(inputs, low: float, high: float) -> torch.Tensor:
     """A user trust region that masks nothing."""
     return inputs.valid
+
+
+def mean_kl(log_ratio: torch.Tensor) -> torch.Tensor:
+    """A mistaken 'KL' estimator: one number, not per token (broadcast, it computed another penalty)."""
+    return log_ratio.abs().mean()
+
+
+def float_keep(inputs, low: float, high: float) -> torch.Tensor:
+    """A mistaken trust region: a float mask, not a bool one."""
+    return inputs.valid.float()
+
+
+def bare_surrogate(log_ratio, inputs, cfg) -> torch.Tensor:
+    """A mistaken surrogate: the per-token loss alone, not a Surrogate."""
+    return -inputs.advantages * log_ratio.exp()

@@ -160,9 +160,15 @@ def test_calculator_rejects_everything_but_bounded_arithmetic(expression: str, m
 
 
 def test_registry_built_ins_custom_tools_by_import_path_and_errors(tmp_path) -> None:
-    (tmp_path / "my_tools.py").write_text("def reverse(text: str) -> str:\n    return text[::-1]\n\ndef boom():\n    raise KeyError('x')\n")
-    registry = ToolRegistry.from_config(["calculator", f"{tmp_path}/my_tools.py:reverse", f"{tmp_path}/my_tools.py:boom"])
-    assert sorted(registry.tools) == ["boom", "calculator", "reverse"]
+    (tmp_path / "my_tools.py").write_text(
+        "def reverse(text: str) -> str:\n    return text[::-1]\n\ndef boom():\n    raise KeyError('x')\n\n"
+        "def forgot(x: int):\n    x * 2\n"  # no return: the model was shown "None" as a successful call
+    )
+    tools = ["calculator", *(f"{tmp_path}/my_tools.py:{name}" for name in ("reverse", "boom", "forgot"))]
+    registry = ToolRegistry.from_config(tools)
+    assert sorted(registry.tools) == ["boom", "calculator", "forgot", "reverse"]
+    forgot = registry.call("forgot", {"x": 3})
+    assert (forgot.ok, forgot.error_kind, forgot.text) == (False, "bad_return", "forgot: returned None, not the observation text")
     assert registry.call("reverse", {"text": "abc"}).text == "cba"
     assert registry.call("calculator", {"expression": "6*7"}).text == "42"
     assert registry.call("reverse", {"txt": "abc"}).error_kind == "bad_arguments"
