@@ -216,8 +216,13 @@ def ppo_log_ratio(inputs: LossInputs, sequence_level: bool) -> torch.Tensor:
 def plugin_output_error(key: str, value: object, expected: str) -> ValueError:
     """The error for a loss plug-in (a user's, named by import path) whose output is not what the loss uses: it had
     failed deep in the loss (an AttributeError, a dtype error), or, broadcast, computed another loss."""
-    shape = f" of shape [{', '.join(map(str, value.shape))}] and dtype {value.dtype}" if isinstance(value, torch.Tensor) else ""
+    shape = f" of shape {dims(value.shape)} and dtype {value.dtype}" if isinstance(value, torch.Tensor) else ""
     return ValueError(f"{key} returned a {type(value).__name__}{shape}, not {expected}")
+
+
+def dims(shape: torch.Size) -> str:
+    """A shape as the errors write it: ``[8, 40]``."""
+    return f"[{', '.join(map(str, shape))}]"
 
 
 class Surrogate(NamedTuple):
@@ -491,7 +496,7 @@ def reference_kl_per_token(
     # Estimators of KL(pi || pi_ref) from log_ratio = log pi_ref - log pi on tokens x ~ pi.
     kl = (estimator or KL_ESTIMATORS.get(cfg.reference_policy_kl_type))(log_ratio)
     if not isinstance(kl, torch.Tensor) or kl.shape != log_ratio.shape:  # a scalar had been broadcast: a wrong penalty
-        expected = f"a per-token tensor of the log-ratio's shape [{', '.join(map(str, log_ratio.shape))}]"
+        expected = f"a per-token tensor of the log-ratio's shape {dims(log_ratio.shape)}"
         raise plugin_output_error(f"loss_fn.reference_policy_kl_type={cfg.reference_policy_kl_type!r}", kl, expected)
     baseline = inputs.gen if cfg.use_on_policy_kl_approximation else inputs.curr.detach()
     # A weight past exp's range (a generation logprob of -inf or below ~-88 in float32) or NaN is 0, and so is its
@@ -621,7 +626,7 @@ class ClippedPGLossFn:
         surrogate = surrogate_fn(ppo_log_ratio(inputs, cfg.sequence_level_importance_ratios), inputs, cfg)
         if not isinstance(surrogate, Surrogate) or surrogate.loss.shape != inputs.curr.shape:  # a user's, by import path
             raise plugin_output_error(f"loss_fn.surrogate={self.surrogate_name!r}", surrogate, "a Surrogate(loss, ratio, "
-                                      f"ratio_clamped, clipped) of per-token [{', '.join(map(str, inputs.curr.shape))}] tensors")  # fmt: skip
+                                      f"ratio_clamped, clipped) of per-token {dims(inputs.curr.shape)} tensors")  # fmt: skip
         weights = importance_weights(inputs, cfg, self._truncate)
         per_token = surrogate.loss
         if cfg.use_importance_sampling_correction:
@@ -679,7 +684,7 @@ class ClippedPGLossFn:
         trust_region = self._trust_region or TRUST_REGIONS.get(self.cfg.trust_region_type)
         keep = trust_region(inputs, self.cfg.trust_region_low, self.cfg.trust_region_high)
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.shape != inputs.valid.shape:
-            expected = f"a bool keep mask of shape [{', '.join(map(str, inputs.valid.shape))}]"
+            expected = f"a bool keep mask of shape {dims(inputs.valid.shape)}"
             raise plugin_output_error(f"loss_fn.trust_region_type={self.cfg.trust_region_type!r}", keep, expected)
         return keep
 
