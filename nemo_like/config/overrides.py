@@ -10,6 +10,7 @@ A sweep (``a=1,2``, ``range()``, ``choice()``) is an error: quote a value with a
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -72,24 +73,38 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
     return parsed
 
 
+#: A value that opens one of Hydra's functions (``int(3``): a typo in a call, not text to quote.
+HYDRA_CALL = re.compile(r"\s*(choice|range|interval|sort|shuffle|tag|glob|int|float|str|bool|json_str)\s*\(")
+
+
 def quoting_hint(parser: Any, key: str, value: str) -> str:
     """What to write when ``key=value`` parses once its value is quoted (Hydra reads ``~ ' # & ; ! ^ > "``, non-ASCII
     letters and a ``(`` or ``=`` inside a value only quoted: ``/Users/José``, ``ML (old)``); ``""`` otherwise, and for
-    a value that opens a list, a mapping or a function call (``[``, ``{``, ``(``), a typo there rather than text. A
-    leading ``~/`` gets ``$HOME``: no shell expands ``~`` after ``key=``, and a quoted one is a directory named ``~``."""
+    a value that opens a list, a mapping, a function call or an interpolation (``[``, ``{``, ``(``, ``int(``,
+    ``${``), a typo there rather than text. A leading ``~/`` gets ``$HOME``: no shell expands ``~`` after ``key=``, and a
+    quoted one is a directory named ``~``."""
     from hydra.errors import OverrideParseException
 
     if value.startswith("~/"):
         return f"no shell expands '~' after '=': write {key}=$HOME/{value[2:]}"
-    quoted = f"{key}='{value}'" if "'" not in value else f'{key}="{value}"' if '"' not in value else None
-    if quoted is None or value.lstrip().startswith(("[", "{", "(")):
+    written = quoted_override(key, value)
+    if written is None or value.lstrip().startswith(("[", "{", "(")) or HYDRA_CALL.match(value) or "${" in value:
         return ""
+    quoted, in_shell = written
     try:
         parser.parse_overrides([quoted])
     except OverrideParseException:
         return ""
-    in_shell = f'"{quoted}"' if not set(quoted) & set('"$`\\!') else shlex.quote(quoted)
     return f"quote the value: {quoted} (in a shell: {in_shell})"
+
+
+def quoted_override(key: str, value: str) -> tuple[str, str] | None:
+    """``key=value`` with the value quoted for Hydra's grammar, and that override as one shell word (double quotes
+    where nothing in it expands there); ``None`` for a value holding both kinds of quote."""
+    quoted = f"{key}='{value}'" if "'" not in value else f'{key}="{value}"' if '"' not in value else None
+    if quoted is None:
+        return None
+    return quoted, f'"{quoted}"' if not set(quoted) & set('"$`\\!') else shlex.quote(quoted)
 
 
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str], sections: frozenset[str] = frozenset()) -> DictConfig:

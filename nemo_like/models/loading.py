@@ -18,6 +18,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from nemo_like.config.errors import ConfigError
+from nemo_like.config.overrides import quoted_override
 from nemo_like.config.schema import EMBEDDED_MODEL
 from nemo_like.models.attention import attend_in_float32_on_cpu
 from nemo_like.models.rope import fixed_frequency_length, rope_parameters, rope_type
@@ -141,10 +142,11 @@ def refuse_checkpoint_as_model(name: str, key: str, trained: bool = True) -> Non
             "checkpointing.checkpoint_dir)"
         )
     if model != path and ((model / "config.json").is_file() or (model / ADAPTER_CONFIG).is_file()):
+        written = quoted_override(key, str(model))  # Hydra reads non-ASCII and '(' quoted only, then the shell
         resume = (
             " (or resume the run that wrote it, from its checkpointing.checkpoint_dir)"
             if trained
-            else f": set {shlex.quote(f'{key}={model}')}"
+            else f": set {written[1] if written else shlex.quote(f'{key}={model}')}"
         )
         raise ConfigError(f"{key}={name} is a checkpoint step: its model is {model}{resume}")
 

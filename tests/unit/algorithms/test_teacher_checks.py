@@ -4,6 +4,7 @@ teacher model's own vocabulary, and the warning for a top-k KL support that cove
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -156,9 +157,11 @@ def test_a_teacher_directory_without_a_tokenizer_a_checkpoint_step_or_a_reward_m
     assert "a teacher.by_task model's directory must hold its tokenizer" in by_task, by_task
     step = tmp_path / "ckpt" / "step_3"
     shutil.copytree(embedded_model_path(TEACHER), step / "policy")
-    for overrides in ([f"teacher.model_name={step}"], [f"+teacher.by_task.arithmetic={step}"]):
-        with pytest.raises(ConfigError, match=rf"is a checkpoint step: its model is {step / 'policy'}: set teacher"):
-            check_run_inputs(recipe(*overrides, f"logger.log_dir={tmp_path / 'logs'}"))
+    for key in ("teacher.model_name", "+teacher.by_task.arithmetic"):  # the fix, quoted to paste into a shell as Hydra reads it
+        policy = step / "policy"
+        fix = f"is a checkpoint step: its model is {policy}: set \"{key.lstrip('+')}='{policy}'\""
+        with pytest.raises(ConfigError, match=re.escape(fix)):
+            check_run_inputs(recipe(f"{key}={step}", f"logger.log_dir={tmp_path / 'logs'}"))
     # a directory that holds a tokenizer but no model (the vocabulary check read no config.json): refused, not a warning
     load_tokenizer(STUDENT).save_pretrained(tmp_path / "tokenizer-only")
     assert refusal(f"teacher.model_name={tmp_path / 'tokenizer-only'}").startswith(

@@ -224,6 +224,9 @@ def test_recipe_and_override_mistakes_name_the_file_the_key_and_the_fix(capsys, 
     assert_clean(code, err, 2, """quote the value: logger.log_dir='/Users/José/ML (old)/runs' (in a shell: "logger""")
     assert main(["train", "--dry-run", "data.system_prompt='Réponds en français, 中文.'"]) == 0
     assert "system_prompt: Réponds en français, 中文." in capsys.readouterr().out  # it read "R\xE9ponds en fran\xE7ais"
+    for typo in ("grpo.max_num_steps=int(3", "logger.log_dir=${oc.env:HOME"):  # a typo in a call: quoting makes it text
+        code, err = run_cli(capsys, tmp_path, typo)
+        assert_clean(code, err, 2, f"Cannot parse override '{typo}'\n")
     code, err = run_cli(capsys, tmp_path, "logger.log_dir=~/runs/x")
     assert_clean(code, err, 2, "no shell expands '~' after '=': write logger.log_dir=$HOME/runs/x")
     caret = err.splitlines()[1:3]  # Hydra's own line, the caret under its '~'
