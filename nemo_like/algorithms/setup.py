@@ -25,7 +25,13 @@ from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
 from nemo_like.experience.multi_turn import trimming_template_warning
 from nemo_like.models.engines import build_generation
-from nemo_like.models.footprint import check_teacher_config_names, model_config_here, model_config_path, teacher_key
+from nemo_like.models.footprint import (
+    check_teacher_config_names,
+    model_config_here,
+    model_config_path,
+    teacher_config_path,
+    teacher_key,
+)
 from nemo_like.models.generation.hf import HFGeneration
 from nemo_like.models.loading import (
     check_chunkable_head,
@@ -339,7 +345,7 @@ def plan_model_checks(cfg: MasterConfig, policy_config: str | None = None, teach
     given = {policy_name: model_config_path(policy_name, policy_config)} if policy_config and not model_config_here(policy_name) else {}
     for name, path in teacher_configs.items():
         if not model_config_here(name):
-            given[name] = model_config_path(name, path, teacher_key(cfg, name), f"--teacher-config {name}=PATH")
+            given[name] = teacher_config_path(cfg, name, path)
     local = [policy_name, cfg.policy.tokenizer_name or policy_name, *cfg.teacher.models(), *filter(None, [cfg.teacher.tokenizer_name])]
     with model_configs_given(given):
         if policy_name in given or model_config_here(policy_name):

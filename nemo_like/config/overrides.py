@@ -73,8 +73,9 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
     return parsed
 
 
-#: A value that opens one of Hydra's functions (``int(3``): a typo in a call, not text to quote.
-HYDRA_CALL = re.compile(r"\s*(choice|range|interval|sort|shuffle|tag|glob|int|float|str|bool|json_str)\s*\(")
+#: A value that opens a list, a mapping, a group or one of Hydra's functions (``[1,``, ``int(3``): a typo in them, not
+#: text to quote.
+OPENS_STRUCTURE = re.compile(r"\s*([\[{(]|(choice|range|interval|sort|shuffle|tag|glob|int|float|str|bool|json_str)\s*\()")
 
 
 def quoting_hint(parser: Any, key: str, value: str) -> str:
@@ -88,7 +89,7 @@ def quoting_hint(parser: Any, key: str, value: str) -> str:
     if value.startswith("~/"):
         return f"no shell expands '~' after '=': write {key}=$HOME/{value[2:]}"
     written = quoted_override(key, value)
-    if written is None or value.lstrip().startswith(("[", "{", "(")) or HYDRA_CALL.match(value) or "${" in value:
+    if written is None or OPENS_STRUCTURE.match(value) or "${" in value:
         return ""
     quoted, in_shell = written
     try:

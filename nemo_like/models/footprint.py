@@ -175,8 +175,12 @@ def teacher_config_paths(cfg: Any, configs: Mapping[str, str] | None = None) -> 
     ConfigError."""
     configs = configs or {}
     check_teacher_config_names(cfg, configs)
-    models = cfg.teacher.models()
-    return {name: model_config_path(name, configs.get(name), teacher_key(cfg, name), f"--teacher-config {name}=PATH") for name in models}
+    return {name: teacher_config_path(cfg, name, configs.get(name)) for name in cfg.teacher.models()}
+
+
+def teacher_config_path(cfg: Any, name: str, config_path: str | Path | None = None) -> Path:
+    """Teacher model ``name``'s ``config.json``: :func:`model_config_path` with the teacher's key and flag."""
+    return model_config_path(name, config_path, teacher_key(cfg, name), f"--teacher-config {name}=PATH")
 
 
 def teacher_footprints(cfg: Any, paths: Mapping[str, Path]) -> dict[str, tuple[list[ParameterSpec], ModelShape]]:
