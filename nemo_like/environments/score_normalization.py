@@ -54,8 +54,8 @@ class ScoreNormalization(BaseModel):
 
     def __call__(self, raw: float) -> float:
         """The reward of one raw score."""
-        if math.isnan(raw):  # no squash or clip bounds it: the advice below would be wrong
-            raise ValueError("the raw score is NaN (the model or parser produced a non-finite score)")
+        if not math.isfinite(raw):  # an overflow, not a score: a squash or clip would make inf the top reward
+            raise ValueError(f"the raw score is {raw} (the model or parser produced a non-finite score)")
         z = (raw - self.shift) * self.scale
         if self.squash == "sigmoid":
             z = 0.5 * (1.0 + math.tanh(0.5 * z))  # the logistic function, without overflow for large |z|

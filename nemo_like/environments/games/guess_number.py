@@ -77,8 +77,10 @@ class GuessNumberEnvironment(EnvironmentInterface):
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
-        """Single-turn use: 1.0 for guessing the secret at the first try."""
-        return [step.reward for step in self.step([[{"role": "assistant", "content": r}] for r in responses], metadata)]
+        """Single-turn use: 1.0 for guessing the secret at the first try (the only turn is the final one: a wrong guess
+        counts in ``turn_limit``)."""
+        final = [{**meta, FINAL_TURN: True} for meta in metadata]
+        return [step.reward for step in self.step([[{"role": "assistant", "content": r}] for r in responses], final)]
 
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> list[EnvironmentStep]:
         return [self._one(log[-1]["content"] if log else "", meta) for log, meta in zip(message_logs, metadata)]

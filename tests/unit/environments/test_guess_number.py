@@ -71,3 +71,12 @@ def test_steps_are_a_pure_function_of_the_turn_and_metadata() -> None:
     assert env.score(["20", "19"], [{"answer": "20"}] * 2) == [1.0, 0.0]
     with pytest.raises(ValueError, match="must be an integer"):
         env.step([log], [{"answer": "twenty"}])
+
+
+def test_a_single_turn_game_counts_a_wrong_guess_at_the_turn_limit() -> None:
+    """score() (grpo.max_rollout_turns=1) is the game's only turn: a wrong guess was counted nowhere (turn_limit stayed
+    0 while the start-up warning said these games are counted there)."""
+    env = GuessNumberEnvironment(max_guesses=7)
+    assert env.score(["50", "37", "no idea"], [{"answer": 37}] * 3) == [0.0, 1.0, 0.0]
+    counts = env.metrics()
+    assert (counts["turn_limit"], counts["solved"], counts["malformed"], counts["out_of_guesses"]) == (1.0, 1.0, 1.0, 0.0)

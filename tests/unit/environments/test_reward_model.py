@@ -298,8 +298,13 @@ def test_normalisation_steps() -> None:
     with pytest.raises(ValueError, match=r"score 1e\+308 normalises to inf .*add a squash or a clip"):
         ScoreNormalization(scale=10.0)(1e308)  # a finite score, an inf reward
     assert ScoreNormalization(scale=10.0, squash="tanh")(1e308) == 1.0 and ScoreNormalization(scale=10.0, clip=(0, 5))(1e308) == 5
-    with pytest.raises(ValueError, match="the raw score is NaN"):  # it advised 'add a squash or a clip' with both set
+    with pytest.raises(ValueError, match="the raw score is nan"):  # it advised 'add a squash or a clip' with both set
         ScoreNormalization(squash="tanh", clip=(-0.9, 0.9))(float("nan"))
+    for normalization in (ScoreNormalization(squash="sigmoid"), ScoreNormalization(clip=(-1.0, 1.0)), ScoreNormalization()):
+        with pytest.raises(ValueError, match="the raw score is -?inf .*non-finite"):  # an overflow was the top reward
+            normalization(float("inf"))
+        with pytest.raises(ValueError, match="the raw score is -inf"):
+            normalization(float("-inf"))
     # A clip around the squash's whole range never binds: a warning (it was silent), not an error (ablations flip keys)
     for squash, clip in (("tanh", (-5.0, 5.0)), ("sigmoid", (-1.0, 2.0)), ("tanh", (-1.0, 1.0))):
         with pytest.warns(UserWarning, match="has no effect"):
