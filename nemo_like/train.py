@@ -37,6 +37,7 @@ from nemo_like.utils.checkpoint import CheckpointInfo, CheckpointManager
 from nemo_like.utils.deadline import resolve_run_deadline
 from nemo_like.utils.log_backends import drop_torn_tail
 from nemo_like.utils.logger import Logger
+from nemo_like.utils.machine_runs import registered_run
 from nemo_like.utils.preflight import ensure_writable_dir
 from nemo_like.utils.run_control import STOP_SIGNALS, RunControl, RunInterrupted, activate
 from nemo_like.utils.run_lock import hold_run_locks, run_directories
@@ -74,7 +75,7 @@ def train(cfg: MasterConfig, command_line: list[str] | None = None) -> list[dict
     faults.arm(cfg.cluster.fault_injection)
     control.install_signal_handlers()
     try:
-        with hold_run_locks(run_directories(cfg)):
+        with hold_run_locks(run_directories(cfg)), registered_run(cfg.logger.log_dir):
             return _train_locked(cfg, start, control)
     except RunInterrupted as stop:
         print(stop_message(cfg, stop, command_line), file=sys.stderr, flush=True)

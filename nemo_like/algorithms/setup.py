@@ -52,7 +52,8 @@ from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 from nemo_like.plan.memory import tensor_parallel_problems
 from nemo_like.plan.run_plan import RunPlan
-from nemo_like.plan.threads import node_count_warning
+from nemo_like.plan.threads import node_count_warning, shared_cores_warning
+from nemo_like.utils.machine_runs import other_live_runs
 from nemo_like.utils.run_control import run_control
 
 
@@ -410,7 +411,8 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     if cfg.grpo.max_rollout_turns > 1 and (trimming := trimming_template_warning(tokenizer)):
         warnings.warn(trimming, RuntimeWarning, stacklevel=2)
-    if joins_existing_cluster(cfg.cluster):  # the plan's thread split needs the joined cluster's node CPUs
+    joins = joins_existing_cluster(cfg.cluster)
+    if joins:  # the plan's thread split needs the joined cluster's node CPUs
         init_ray(cfg.cluster)
     # Every run-level decision, made once here and handed down (an impossible requested backend or LoRA refit mode
     # fails here, before any actor starts).
@@ -421,6 +423,10 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts
     if idle := idle_gpus_warning(cfg, plan):
         warnings.warn(idle, RuntimeWarning, stacklevel=2)
+    # a private cluster's CPUs are the machine's, whatever else runs there (a joined cluster's Ray counts them)
+    others = [] if joins else [run.describe() for run in other_live_runs()]
+    if shared := shared_cores_warning(cfg, plan.threads, plan.actors, others):
+        warnings.warn(shared, RuntimeWarning, stacklevel=2)
     agent_settings = load_agents(env_specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
     mode = init_ray(cfg.cluster)
     run_control().stage_finished()  # each stage of the start is watched on its own (setup_timeout_s)

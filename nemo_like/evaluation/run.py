@@ -35,6 +35,7 @@ from nemo_like.models.lora import merge_checkpoint, refuse_overwriting_base
 from nemo_like.models.policy.checkpoints import POLICY_DIR
 from nemo_like.utils import preflight
 from nemo_like.utils.files import replace_file
+from nemo_like.utils.machine_runs import registered_run
 from nemo_like.utils.run_lock import hold_run_locks
 from nemo_like.utils.seeds import eval_seed
 
@@ -248,7 +249,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         refuse_replacing_a_model_eval_did_not_merge(out)
     preflight.ensure_writable_dir(out, "eval.output_dir")  # a file there was a FileExistsError traceback
     # Two evals (or an eval and a run) writing one directory interleaved their files: a summary beside another's rows
-    with hold_run_locks({"eval.output_dir": out}):
+    with hold_run_locks({"eval.output_dir": out}), registered_run(out):  # a training run starting meanwhile sees it
         if (out / "summary.json").is_file():
             warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)
         if lora_base is not None:  # a LoRA checkpoint: serve its merged model

@@ -288,3 +288,21 @@ def oversubscription_warning(cfg: Any, split: ThreadSplit, actors: PhaseActors) 
         f"leave policy.num_threads_per_worker and policy.generation.num_threads_per_worker at auto "
         f"(here: policy {suggestion.policy}, generation {suggestion.generation})"
     )
+
+
+def shared_cores_warning(cfg: Any, split: ThreadSplit, actors: PhaseActors, others: list[str]) -> str | None:
+    """A warning when other nemo-like runs (``others``: one description each) are alive on the machine of a CPU run
+    with an automatic thread count: ``auto`` gives this run every core of the node, as it gives the others, and their
+    OpenMP teams spin against each other. It advises the counts ``auto`` would pick on the run's share of the cores."""
+    roles = ["policy"] if split.inline else ["policy", "generation"]  # inline: the policy worker samples on its threads
+    if cfg.cluster.gpus_per_node or not others or set(roles) <= set(split.explicit):
+        return None
+    share = split_threads(max(1, split.cpus // (len(others) + 1)), actors, split.async_mode)
+    keys = {"policy": "policy.num_threads_per_worker", "generation": "policy.generation.num_threads_per_worker"}
+    runs = "another nemo-like run is" if len(others) == 1 else f"{len(others)} other nemo-like runs are"
+    return (
+        f"{runs} alive on this machine ({'; '.join(others)}): with an automatic thread count each run takes all "
+        f"{split.cpus} CPUs, and their threads spin against each other (two runs of the default recipe at once on 2 "
+        "cores took 54 s, longer than one after the other, 48 s, and 32 s with one thread each: docs/guides/scaling.md); "
+        "give each run its share: " + " ".join(f"{keys[r]}={getattr(share, r)}" for r in roles)
+    )

@@ -46,6 +46,7 @@ from nemo_like.distributed import faults
 from nemo_like.distributed.supervision import ActorRestartsExhausted
 from nemo_like.distributed.watchdog import RunStalled
 from nemo_like.train import train
+from nemo_like.utils.machine_runs import registered_run
 from nemo_like.utils.run_control import RunInterrupted
 
 pytestmark = pytest.mark.slow
@@ -139,25 +140,28 @@ def checkpoint_steps(ckpt: Path) -> list[int]:
 
 def test_sigterm_at_a_random_moment_saves_exits_143_and_resumes_bitwise(ray_cluster, tmp_path):
     """Run as a user runs it (the installed script, no Makefile exports), which also checks that every socket of its
-    private cluster listens on the loopback address only (tests/functional/test_local_cluster_address.py has why)."""
+    private cluster listens on the loopback address only (tests/functional/test_local_cluster_address.py has why), and
+    that it warns of another run alive on the machine (this process registers one) with each run's share of the cores."""
     ckpt = tmp_path / "ckpt"
-    run = Run(tmp_path, "grpo.max_num_steps=200", *ckpt_overrides(ckpt, 100), as_a_user=True)  # only the stop saves
-    found: dict[tuple[int, str, int], str] = {}  # (pid, ip, port) -> process name, while the run was polled
+    with registered_run(tmp_path / "other-logs"):  # held until the run has started (it looks while it sets up)
+        tmp = {"TMPDIR": tempfile.gettempdir()}  # where runs register
+        run = Run(tmp_path, "grpo.max_num_steps=200", *ckpt_overrides(ckpt, 100), env=tmp, as_a_user=True)  # only the stop saves
+        found: dict[tuple[int, str, int], str] = {}  # (pid, ip, port) -> process name, while the run was polled
 
-    def record_listeners() -> None:
-        found.update(listeners(tree(run.proc.pid)))
+        def record_listeners() -> None:
+            found.update(listeners(tree(run.proc.pid)))
 
-    try:
-        metrics = tmp_path / "logs" / "metrics.jsonl"
-        run.wait_for(lambda: metrics.exists() and metrics.read_text().strip() != "", 240, every=record_listeners)
-        record_listeners()
-        delay = random.Random().uniform(0.0, 1.0)
-        print(f"SIGTERM {delay:.2f}s after the first step")
-        time.sleep(delay)
-        sent = run.signal(signal.SIGTERM)
-        status = run.finish(120)
-    finally:
-        run.cleanup()
+        try:
+            metrics = tmp_path / "logs" / "metrics.jsonl"
+            run.wait_for(lambda: metrics.exists() and metrics.read_text().strip() != "", 240, every=record_listeners)
+            record_listeners()
+            delay = random.Random().uniform(0.0, 1.0)
+            print(f"SIGTERM {delay:.2f}s after the first step")
+            time.sleep(delay)
+            sent = run.signal(signal.SIGTERM)
+            status = run.finish(120)
+        finally:
+            run.cleanup()
     seconds = run.ended_at - sent
     print(f"SIGTERM -> exit: {seconds:.1f}s, status {status}")
     assert status == 143, run.output
@@ -167,6 +171,8 @@ def test_sigterm_at_a_random_moment_saves_exits_143_and_resumes_bitwise(ray_clus
     exposed = sorted((name, ip, port, pid) for (pid, ip, port), name in found.items() if not is_loopback(ip))
     assert not exposed, f"listening beyond the loopback address: {exposed}"
     assert OLD_WARNING not in run.output
+    shared = re.search(rf"nemo-like runs? (is|are) alive on this machine \(.*pid {os.getpid()}, started .*", run.output)
+    assert shared and shared.group(0).endswith("give each run its share: policy.num_threads_per_worker=1"), run.output
     logged = [r["step"] for r in read_metrics(tmp_path / "logs")]
     stopped = logged[-1]
     assert checkpoint_steps(ckpt) == [stopped]  # the step in progress was finished, then saved

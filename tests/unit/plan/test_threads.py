@@ -14,6 +14,7 @@ from nemo_like.plan.threads import (
     oversubscription_warning,
     per_node,
     phase_actors,
+    shared_cores_warning,
     split_threads,
     thread_split,
 )
@@ -216,3 +217,30 @@ def test_a_run_warns_at_start_when_its_cluster_has_other_nodes_than_declared(ray
     with pytest.warns(RuntimeWarning, match=r"cluster.num_nodes is 2, but the Ray cluster has 1 node\(s\) with CPUs"):
         with pytest.raises(PolicyStarted):
             setup.setup_grpo(cfg)
+
+
+def test_other_runs_on_the_machine_get_a_warning_with_each_runs_share_of_the_cores():
+    """Two runs at once each took every core with 'auto' (their OpenMP teams spun against each other), silently."""
+    other = ["pid 41, started 09:00:00, writing to /tmp/a"]
+    cfg = load_config(ASYNC)  # an engine actor: both counts are advised
+    split, actors = split_of(cfg, 12), actors_of(cfg, 12)
+    assert threads(split) == (4, 4, 4)  # async: the policy, the reference and the engine share the 12 CPUs
+    line = shared_cores_warning(cfg, split, actors, other)
+    assert line.startswith("another nemo-like run is alive on this machine (pid 41, started 09:00:00, writing to /tmp/a)")
+    assert "each run takes all 12 CPUs" in line  # on its half of the cores (6), auto gives each 2
+    assert line.endswith("give each run its share: policy.num_threads_per_worker=2 policy.generation.num_threads_per_worker=2")
+    three = shared_cores_warning(cfg, split_of(cfg, 2), actors_of(cfg, 2), other * 2)
+    assert three.startswith("2 other nemo-like runs are alive") and "policy.num_threads_per_worker=1 " in three  # never 0
+    # the inline backend samples in the policy worker: only its count is advised; sync gives the training phase all
+    inline = load_config(SYNC, ["policy.generation.backend=inline", "loss_fn.reference_policy_kl_penalty=0"])
+    logprobs = decide_logprob_passes(inline)
+    inline_split = thread_split(inline, 8, logprobs, inline=True)
+    line = shared_cores_warning(inline, inline_split, phase_actors(inline, logprobs, 8, inline=True), other)
+    assert line.endswith("give each run its share: policy.num_threads_per_worker=4")
+    explicit = load_config(ASYNC, ["policy.num_threads_per_worker=2", "policy.generation.num_threads_per_worker=2"])
+    assert shared_cores_warning(explicit, split_of(explicit, 8), actors_of(explicit, 8), other) is None  # the user's choice
+    half = load_config(ASYNC, ["policy.num_threads_per_worker=2"])  # the engine's count is still automatic
+    assert shared_cores_warning(half, split_of(half, 8), actors_of(half, 8), other) is not None
+    assert shared_cores_warning(cfg, split, actors, []) is None
+    gpus = load_config(SYNC, ["cluster.gpus_per_node=1"])
+    assert shared_cores_warning(gpus, split, actors, other) is None  # a GPU run's speed is its GPUs'
