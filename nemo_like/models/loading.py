@@ -127,14 +127,21 @@ def refuse_checkpoint_as_model(name: str, key: str, trained: bool = True) -> Non
     loaded frozen (nothing to train) and vLLM refused it, and a checkpoint step ``step_N/`` holds its model one level
     down; both failed only after the actors started. A :class:`ConfigError` naming ``key`` and the fix. Not
     ``trained`` (a teacher): a LoRA checkpoint's ``policy/`` is a model (its base with the adapters merged), a step
-    directory is still refused."""
+    directory is still refused. A ``checkpointing.checkpoint_dir`` (as ``nemo-like eval`` takes one) is refused as its
+    latest valid step is (it was blamed for holding no tokenizer or config.json)."""
     try:
         path = Path(resolve_model_path(name)).expanduser()
     except ValueError as exc:  # an embedded: name that is not shipped
         raise ConfigError(f"{key}={name!r}: {exc}") from None
     if (path / "config.json").is_file():
         return
-    model = path / "policy" if (path / "policy").is_dir() else path  # a checkpoint step holds its model in policy/
+    from nemo_like.utils.checkpoint import CheckpointManager
+
+    # a checkpoint step holds its model in policy/; a checkpoint directory, in its latest valid step's
+    latest = None if (path / "policy").is_dir() else CheckpointManager(path).latest()
+    step = path if latest is None else latest.path
+    model = step / "policy" if (step / "policy").is_dir() else path
+    what = "a checkpoint step" if latest is None else f"a checkpointing.checkpoint_dir (latest valid step: {latest.path.name})"
     if trained and (model / ADAPTER_CONFIG).is_file():
         raise ConfigError(
             f"{key}={name} is a LoRA checkpoint (adapters only, {ADAPTER_CONFIG}): merge it into a whole model first "
@@ -148,7 +155,7 @@ def refuse_checkpoint_as_model(name: str, key: str, trained: bool = True) -> Non
             if trained
             else f": set {written[1] if written else shlex.quote(f'{key}={model}')}"
         )
-        raise ConfigError(f"{key}={name} is a checkpoint step: its model is {model}{resume}")
+        raise ConfigError(f"{key}={name} is {what}: its model is {model}{resume}")
 
 
 #: Heads that score or classify text instead of predicting its next token: a model listing only these loads as a causal

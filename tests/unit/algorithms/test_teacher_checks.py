@@ -162,6 +162,16 @@ def test_a_teacher_directory_without_a_tokenizer_a_checkpoint_step_or_a_reward_m
         fix = f"is a checkpoint step: its model is {policy}: set \"{key.lstrip('+')}='{policy}'\""
         with pytest.raises(ConfigError, match=re.escape(fix)):
             check_run_inputs(recipe(f"{key}={step}", f"logger.log_dir={tmp_path / 'logs'}"))
+    # the run's checkpoint directory (eval, serve and merge take its latest valid step): it was blamed for holding no
+    # tokenizer, or no config.json
+    (step / "trainer_state.json").write_text("{}")
+    shutil.copytree(step, tmp_path / "ckpt" / "step_1")
+    latest = "a checkpointing.checkpoint_dir (latest valid step: step_3): its model is"
+    fix = f"{latest} {step / 'policy'}: set \"teacher.model_name='{step / 'policy'}'\""
+    with pytest.raises(ConfigError, match=re.escape(fix)):
+        check_run_inputs(recipe(f"teacher.model_name={tmp_path / 'ckpt'}", f"logger.log_dir={tmp_path / 'logs'}"))
+    with pytest.raises(ConfigError, match=re.escape(f"policy.model_name={tmp_path / 'ckpt'} is {latest} {step / 'policy'} (or resume")):
+        check_run_inputs(recipe(f"policy.model_name={tmp_path / 'ckpt'}", f"logger.log_dir={tmp_path / 'logs'}"))
     # a directory that holds a tokenizer but no model (the vocabulary check read no config.json): refused, not a warning
     load_tokenizer(STUDENT).save_pretrained(tmp_path / "tokenizer-only")
     assert refusal(f"teacher.model_name={tmp_path / 'tokenizer-only'}").startswith(
