@@ -242,6 +242,12 @@ def exp_limit(dtype: torch.dtype) -> float:
     return math.log(torch.finfo(dtype).max) - 1.0
 
 
+def hold_limit(values: torch.Tensor) -> float:
+    """The largest log-value ``values`` may hold so that a sum over all of them stays finite: :func:`exp_limit` less
+    the log of their count (~77 nats at 64k float32 tokens)."""
+    return exp_limit(values.dtype) - math.log(max(values.numel(), 1))
+
+
 def ratio_of(log_ratio: torch.Tensor, advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(exp(log_ratio), held)``: where ``|A| r`` could overflow the loss (its dtype's largest value over e and over
     the tokens of the batch, so that their sum cannot either; a log-ratio above ~77 nats in float32 at 64k tokens and
@@ -249,7 +255,7 @@ def ratio_of(log_ratio: torch.Tensor, advantages: torch.Tensor | None = None) ->
     clipped token's zero gradient (or an importance weight of 0) times inf was a NaN that skipped the whole step; just
     below it, ``-A r`` overflowed instead. A held token gets no gradient (as the KL term's overflowing tokens), its loss
     is held at 0 by the surrogates and it counts as clipped; ``advantages``: the ``A`` the ratio is multiplied by."""
-    limit = exp_limit(log_ratio.dtype) - math.log(max(log_ratio.numel(), 1))
+    limit = hold_limit(log_ratio)
     size = log_ratio.detach() if advantages is None else log_ratio.detach() + advantages.detach().abs().clamp(min=1.0).log()
     held = size > limit
     kept = torch.where(held, log_ratio.detach().clamp(max=limit), log_ratio)  # no host sync on a GPU
@@ -257,9 +263,10 @@ def ratio_of(log_ratio: torch.Tensor, advantages: torch.Tensor | None = None) ->
 
 
 def _reported(ratio: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """The ratio as the metrics report it: its dtype's largest value where it was held (a finite mark: an infinite
-    minimum reads as "no valid token" in the combined metrics)."""
-    return torch.where(held, torch.finfo(ratio.dtype).max, ratio.detach())
+    """The ratio as the metrics report it: ``exp(hold_limit)`` where it was held, a finite mark that reads as huge and
+    that a mean over the tokens cannot overflow (an infinite minimum reads as "no valid token" in the combined metrics,
+    and a mark of the dtype's largest value made the mean inf with two held tokens)."""
+    return torch.where(held, math.exp(hold_limit(ratio)), ratio.detach())
 
 
 def _clamp_ratio(ratio: torch.Tensor, cfg: ClippedPGLossConfig) -> torch.Tensor:
@@ -393,7 +400,8 @@ TRUNCATIONS.add("seq-mask-tis", seq_mask_tis_truncation)
 
 
 class ImportanceWeights(NamedTuple):
-    """Raw and truncated pi_prev/pi_gen weights ([B, S] or [B]) and the out-of-bounds flags."""
+    """Raw and truncated pi_prev/pi_gen weights ([B, S] or [B]) and the out-of-bounds flags (the raw ones for the
+    metrics: held at ``exp(hold_limit)``)."""
 
     raw: torch.Tensor
     truncated: torch.Tensor
@@ -412,7 +420,10 @@ def importance_weights(inputs: LossInputs, cfg: ClippedPGLossConfig, truncate: T
         cfg.truncated_importance_sampling_ratio_min,
         cfg.truncated_importance_sampling_ratio,
     )
-    return ImportanceWeights(_finite_exp(log_w), truncated, out_of_bounds)
+    # The raw weights, for the metric only: an overflowing one (the loss drops it: _finite_exp) read as 0, a healthy
+    # mean; held at exp(hold_limit) it reads as huge, and a mean over the batch's tokens stays finite.
+    raw = torch.exp(log_w.clamp(max=hold_limit(inputs.mask))).nan_to_num(nan=0.0)
+    return ImportanceWeights(raw, truncated, out_of_bounds)
 
 
 # --------------------------------------------------------------------------------------------

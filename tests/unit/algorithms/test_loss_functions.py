@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from nemo_like.algorithms.loss_functions import ClippedPGLossFn, combine_metric_fragments
+from nemo_like.algorithms.loss_functions import ClippedPGLossFn, combine_metric_fragments, exp_limit
 from nemo_like.config.loss import ClippedPGLossConfig
 
 LOG = math.log
@@ -206,7 +206,8 @@ def test_a_ratio_past_exps_range_gets_no_gradient_and_leaves_the_others_finite(s
     loss, metrics = ClippedPGLossFn(options)(curr, data, 1, 3)
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(curr.grad).all()
-    assert metrics["probs_ratio_max"] == torch.finfo(torch.float32).max  # held: reported at the dtype's largest value
+    held = math.exp(exp_limit(torch.float32) - math.log(3))  # the dtype's largest value over e and the 3 tokens
+    assert metrics["probs_ratio_max"] == pytest.approx(held, rel=1e-6)  # held: reported as huge, finite
     assert (curr.grad[0, :2] != 0).all()  # the other tokens still train
     if surrogate != "cispo":  # CISPO's clipped token keeps its bounded gradient -A clamp(r) (by design)
         assert curr.grad[0, 2] == 0.0
@@ -293,6 +294,28 @@ def test_gspo_importance_weights_are_sequence_products() -> None:
     loss, m, _ = _run(cfg, curr, data)
     assert float(loss) == pytest.approx(-1.6)
     assert m["sampling_importance_ratio"] == pytest.approx(1.6)
+
+
+def test_held_ratios_and_overflowing_weights_read_as_huge_finite_means() -> None:
+    """Two held tokens made probs_ratio inf (each reported at float32's largest value, and their mean overflowed); a
+    sequence weight past exp's range, dropped by the loss, read as 0 in sampling_importance_ratio_untruncated (0.5
+    here: a healthy mean, hiding it)."""
+    prev = torch.tensor([[-95.0, -95.0, -1.0]])
+    curr = (prev + torch.tensor([[90.0, 90.0, 0.0]])).requires_grad_(True)
+    data = dict(prev_logprobs=prev, generation_logprobs=prev, advantages=torch.ones(1, 3), token_mask=torch.ones(1, 3),
+                sample_mask=torch.ones(1))  # fmt: skip
+    loss, metrics = ClippedPGLossFn({})(curr, data, 1, 3)
+    held = math.exp(exp_limit(torch.float32) - math.log(3))
+    assert math.isfinite(loss.item()) and metrics["probs_ratio"] == pytest.approx((2 * held + 1) / 3, rel=1e-5)
+    gen = torch.tensor([[-1.0, -1.0], [-95.0, -1.0]])  # row 2: log(prev / gen) sums to 94 nats, exp's float32 limit ~88.7
+    curr = torch.full((2, 2), -1.0, requires_grad=True)
+    data = dict(prev_logprobs=curr.detach().clone(), generation_logprobs=gen, advantages=torch.ones(2, 2),
+                token_mask=torch.ones(2, 2), sample_mask=torch.ones(2))  # fmt: skip
+    cfg = {"sequence_level_importance_ratios": True, "token_level_loss": False, "use_importance_sampling_correction": True}
+    loss, metrics = ClippedPGLossFn(cfg)(curr, data, 2, 4)
+    assert loss.item() == pytest.approx(-0.5)  # the overflowing sequence is dropped (weight 0); the other trains
+    huge = math.exp(exp_limit(torch.float32) - math.log(4))  # held over the micro-batch's 4 tokens
+    assert metrics["sampling_importance_ratio_untruncated"] == pytest.approx((1 + huge) / 2, rel=1e-5)
 
 
 def test_token_versus_sequence_level_normalisation() -> None:
