@@ -6,6 +6,7 @@ import argparse
 import difflib
 import math
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from typing import Any
 
 from nemo_like.config import ConfigError, MasterConfig, load_config
 from nemo_like.config.loader import recipe_yaml
+from nemo_like.utils.run_control import CommandStopped, stop_signals_raise
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
@@ -425,17 +427,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``nemo-like`` command; returns its exit status (also written to ``$NEMO_LIKE_EXIT_STATUS_FILE`` when set)."""
     status: int | None = None
     python_format, warnings.formatwarning = warnings.formatwarning, format_warning
+    previous = stop_signals_raise()  # every command's cleanups run on SIGTERM too (train stops between steps instead)
     try:
         status = _main(argv)
         return status
     except SystemExit as exc:  # argparse's usage errors and --help
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         raise
-    except KeyboardInterrupt:  # a SIGINT before the run's own handlers: Python dies of it, which the shell sees as 130
-        status = 130
-        raise
+    except KeyboardInterrupt as exc:  # a Ctrl-C or SIGTERM outside a training run's own handlers: one line, no traceback
+        stopped = exc if isinstance(exc, CommandStopped) else CommandStopped(signal.SIGINT)
+        status = stopped.status
+        print(f"nemo-like: stopped by {stopped.signal.name} (exit status {status})", file=sys.stderr, flush=True)
+        return status
     finally:
-        warnings.formatwarning = python_format  # in-process callers (tests) get Python's format back
+        for signum, handler in previous.items():  # in-process callers (tests) get their own handlers back
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        warnings.formatwarning = python_format  # and Python's format
         record_exit_status(1 if status is None else status)
 
 

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import sys
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +36,7 @@ from nemo_like.utils.log_backends import drop_torn_tail
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.machine_runs import registered_run
 from nemo_like.utils.preflight import ensure_writable_dir
-from nemo_like.utils.run_control import STOP_SIGNALS, RunControl, RunInterrupted, activate
+from nemo_like.utils.run_control import RunControl, RunInterrupted, activate, stop_signals_held
 from nemo_like.utils.run_lock import hold_run_locks, run_directories
 
 
@@ -152,35 +149,6 @@ def check_run_inputs(cfg: MasterConfig) -> None:
             refuse_checkpoint_as_model(name, f"teacher.by_task.{task}", trained=False)
     for key, directory in run_directories(cfg).items():
         ensure_writable_dir(directory, key)
-
-
-@contextmanager
-def stop_signals_held(control: RunControl) -> Iterator[Callable[[], None]]:
-    """Hold SIGTERM and SIGINT until Ray has started: until the yielded ``release`` is called (``setup_grpo`` calls it
-    right after ``ray.init``, before any model loads or actor starts) or the block ends; then handle what arrived.
-
-    Processes inherit a blocked-signal mask across ``exec``: the private cluster's processes (GCS, raylet, agents, the
-    workers it forks) then ignore a SIGTERM or Ctrl-C sent to the driver's whole process group (Slurm's ``srun``, a
-    terminal), which would otherwise kill the GCS under the driver while it saves. ``ray.init`` also replaces SIGTERM's
-    handler with Ray's (it prints the signal and aborts: status 134), so the run's handlers are installed again after
-    it, before a held signal is let through. The mask is taken before setup's data and tokenizer work too, so that the
-    threads started there inherit it and none can take a signal while Ray's handler is installed. After the release a
-    second signal exits at once, also while models load or an actor's constructor hangs."""
-    held = threading.current_thread() is threading.main_thread()
-    if held:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-
-    def release() -> None:
-        nonlocal held
-        if held:
-            held = False
-            control.install_signal_handlers()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-
-    try:
-        yield release
-    finally:
-        release()
 
 
 def stop_message(cfg: MasterConfig, stop: RunInterrupted, command_line: list[str] | None = None) -> str:
@@ -318,7 +286,9 @@ def _train_attempt(
     ft = cfg.cluster.fault_tolerance
     with ExitStack() as watch:  # the start has a watchdog of its own (setup_timeout_s): a hung one hung the run silently
         try:
-            with stop_signals_held(control) as release:  # Ray's processes inherit the mask: a signal to the group spares them
+            with stop_signals_held(
+                control.install_signal_handlers
+            ) as release:  # Ray's processes inherit the mask: a signal to the group spares them
                 control.last_progress = time.monotonic()
                 if ft.setup_timeout_s:  # started under the mask: its thread never takes a stop signal (see the helper)
                     watch.enter_context(StallWatchdog(control, ft.setup_timeout_s, ft.on_stall, "setup_timeout_s", "set-up"))

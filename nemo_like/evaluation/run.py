@@ -36,6 +36,7 @@ from nemo_like.models.policy.checkpoints import POLICY_DIR
 from nemo_like.utils import preflight
 from nemo_like.utils.files import replace_file
 from nemo_like.utils.machine_runs import registered_run
+from nemo_like.utils.run_control import stop_signals_kept
 from nemo_like.utils.run_lock import hold_run_locks
 from nemo_like.utils.seeds import eval_seed
 
@@ -260,7 +261,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
 
         import ray
 
-        init_ray(cfg.cluster)
+        with stop_signals_kept():  # Ray's handler would abort on SIGTERM (134): the command's again after it
+            init_ray(cfg.cluster)
         eos_ids = end_of_sequence_ids(tokenizer, model_dir)
         plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False)  # decided once, handed down
         roles = [generation_resources(run_cfg, plan), *environment_resources(run_cfg)]
@@ -366,18 +368,25 @@ def result_rows(rollout: Any, specs: Any, n: int) -> list[dict[str, Any]]:
 
 
 def write_results(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any], config_yaml: str) -> None:
-    """``results.jsonl``, ``config.yaml`` and ``summary.json`` in ``out``, and the table on stderr. Each file is written
-    whole beside its place and renamed into it; an earlier eval's ``summary.json`` goes first and the new one comes
-    last, so an interrupted write never leaves new rows beside an old summary (they had been written in place)."""
+    """The table on stderr, then ``results.jsonl``, ``config.yaml`` and ``summary.json`` in ``out``. Each file is
+    written whole beside its place and renamed into it; an earlier eval's ``summary.json`` goes first and the new one
+    comes last, so an interrupted write never leaves new rows beside an old summary (they had been written in place).
+    The table comes first so that a filesystem that refuses the files (full, read-only since the start) loses none of
+    the figures: that is one line naming the file, after them."""
     texts = {
         "results.jsonl": "".join(json.dumps(row) + "\n" for row in rows),  # a row json cannot write fails before any file
         "config.yaml": config_yaml,
         "summary.json": json.dumps(summary, indent=2) + "\n",
     }
+    print(format_table(summary), file=sys.stderr, flush=True)
     (out / "summary.json").unlink(missing_ok=True)
     for name, text in texts.items():
-        replace_file(out / name, text)
-    print(format_table(summary), file=sys.stderr)
+        try:
+            replace_file(out / name, text)
+        except OSError as exc:  # a full disk after hours of sampling: the table above has the figures
+            raise ConfigError(
+                f"eval.output_dir={str(out)!r}: cannot write {name} ({exc.strerror or exc}); the figures above were not saved"
+            ) from None
     print(f"[done] {out / 'summary.json'}, {out / 'results.jsonl'}", file=sys.stderr)
 
 

@@ -388,7 +388,7 @@ def _fill_in_place(target: Path, final: Path, write: Callable[[Path], None], rep
         for path in list(stage.iterdir()):
             os.rename(path, final / path.name)
             moved.append(final / path.name)
-    except BaseException:
+    except BaseException as exc:
         for path in moved:
             with contextlib.suppress(OSError):  # the old entries go back whatever the new ones do
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
@@ -396,6 +396,8 @@ def _fill_in_place(target: Path, final: Path, write: Callable[[Path], None], rep
             os.rename(path, final / path.name)
         shutil.rmtree(stage, ignore_errors=True)
         shutil.rmtree(aside, ignore_errors=True)
+        if problem := write_problem(exc):
+            raise cannot_write(target, problem) from None
         raise
     stage.rmdir()
     shutil.rmtree(aside, ignore_errors=True)
@@ -414,23 +416,17 @@ def _recover_leftovers(final: Path) -> None:
     """What a killed :func:`_fill_in_place` left in ``final`` (its process gone): a new model's hidden stage is removed;
     the old entries moved aside come back when ``final`` holds nothing else (it was killed before the new ones moved
     up), else (they were replaced) they are removed."""
-    import os
     import shutil
 
-    from nemo_like.utils.files import partial_owner
+    from nemo_like.utils.files import partial_owner, process_gone
 
     for path in list(final.iterdir()):
         for kind in ("merged", "replaced"):
             pid = partial_owner(path.name, kind)
             if pid is None:
                 continue
-            try:
-                os.kill(pid, 0)
+            if not process_gone(pid):
                 break  # its process runs (another merge's): not a leftover
-            except ProcessLookupError:
-                pass
-            except PermissionError:  # another user's live process
-                break
             if kind == "replaced" and not _contents(final):
                 for entry in list(path.iterdir()):
                     entry.rename(final / entry.name)
@@ -462,6 +458,23 @@ def _check_tokenizer_source(source: str, given: bool, adapter_dir: str | Path) -
     )
 
 
+def cannot_write(target: Path, problem: str) -> ConfigError:
+    """The error of a merged model ``target`` the filesystem refused (:func:`write_problem`)."""
+    return ConfigError(f"{target}: cannot write the merged model ({problem}); nothing of it was left")
+
+
+def write_problem(exc: BaseException) -> str | None:
+    """Why writing a model failed, when ``exc`` is a filesystem's refusal (a read-only or full one; safetensors reports
+    its own I/O errors as ``SafetensorError``); None for anything else."""
+    from safetensors import SafetensorError
+
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    if isinstance(exc, SafetensorError) and "I/O error" in str(exc):
+        return str(exc).split("I/O error: ", 1)[-1]
+    return None
+
+
 def _save_directory_atomically(target: Path, write: Callable[[Path], None], replace: bool = False) -> Path:
     """``write(tmp)`` into a temporary sibling directory of ``target`` (:func:`~nemo_like.utils.files.partial_path`),
     fsync it, rename it to ``target`` and fsync the parent; returns ``target``. ``target`` must be absent or an empty
@@ -473,10 +486,13 @@ def _save_directory_atomically(target: Path, write: Callable[[Path], None], repl
     import shutil
 
     from nemo_like.utils.checkpoint import fsync_tree
-    from nemo_like.utils.files import fsync_dir, partial_path
+    from nemo_like.utils.files import fsync_dir, partial_path, remove_dead_partial_dirs
 
     final = Path(os.path.realpath(target))  # the rename stays on the target's filesystem
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise cannot_write(target, write_problem(exc)) from None
     if final.is_dir() and (os.path.ismount(final) or final.stat().st_dev != final.parent.stat().st_dev):
         return _fill_in_place(target, final, write, replace)  # no rename reaches it
     tmp, old = partial_path(final), None
@@ -492,12 +508,15 @@ def _save_directory_atomically(target: Path, write: Callable[[Path], None], repl
         except OSError as exc:
             raise ConfigError(f"{target}: cannot move the merged model into place ({exc.strerror}); merge into a new directory") from None
         fsync_dir(final.parent)
-    except BaseException:  # an interrupt between the two renames too: the old model goes back
+    except BaseException as exc:  # an interrupt between the two renames too: the old model goes back
         if old is not None and not final.exists():
             os.rename(old, final)
             old = None
         shutil.rmtree(tmp, ignore_errors=True)
+        if problem := write_problem(exc):  # a read-only or full filesystem: one line, not a traceback
+            raise cannot_write(target, problem) from None
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    remove_dead_partial_dirs(final)  # an earlier merge's, killed mid-write: a hidden full-size copy
     return target

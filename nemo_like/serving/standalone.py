@@ -27,6 +27,7 @@ from nemo_like.models.loading import (
 from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
+from nemo_like.utils.run_control import STOP_SIGNALS, CommandStopped
 
 STANDALONE_KEPT_RESULTS = 1000  # ended sessions whose result a repeated end still returns
 
@@ -78,9 +79,10 @@ def unused_settings(cfg: Any) -> list[str]:
 
 
 def serve(cfg: Any, port: int = 0, stop: threading.Event | None = None) -> int:
-    """Serve until Ctrl-C (or ``stop`` is set); prints ``base_url`` and ``api_key`` lines to stdout first. A second
-    Ctrl-C while the server stops (it serves what was queued, up to a minute) exits at once with status 130 (it raised
-    out of the stop with a traceback)."""
+    """Serve until Ctrl-C or SIGTERM (or ``stop`` is set); prints ``base_url`` and ``api_key`` lines to stdout first.
+    Returns 0, or 130 / 143 when a signal stopped it (after the server's stop: it serves what was queued, up to a
+    minute). A second signal while the server stops exits at once with its status (it raised out of the stop with a
+    traceback)."""
     for line in unused_settings(cfg):
         print(f"warning: {line}", file=sys.stderr, flush=True)
     server = build_server(cfg, port).start()
@@ -89,28 +91,33 @@ def serve(cfg: Any, port: int = 0, stop: threading.Event | None = None) -> int:
         print(f"api_key: {server.api_key}", flush=True)
         print(f"model: {server.config.model_name} (serving {served_model(cfg)}); Ctrl-C stops", file=sys.stderr, flush=True)
         (stop or threading.Event()).wait()
-    except KeyboardInterrupt:
-        print("stopping the server (Ctrl-C again exits at once)", file=sys.stderr, flush=True)
+        status = 0
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM under the CLI (CommandStopped): the server stops as asked
+        stopped = exc if isinstance(exc, CommandStopped) else CommandStopped(signal.SIGINT)
+        status = stopped.status
+        print(f"stopping the server ({stopped.signal.name}; send it again to exit at once)", file=sys.stderr, flush=True)
     finally:
         with interrupt_exits_at_once():
             server.stop()
-    return 0
+    return status
 
 
 def _exit_at_once(signum: int, frame: Any) -> None:
-    print("stopped at once (a second Ctrl-C)", file=sys.stderr, flush=True)
-    os._exit(128 + signal.SIGINT)
+    name = signal.Signals(signum).name
+    print(f"stopped at once (a second {name})", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 @contextlib.contextmanager
 def interrupt_exits_at_once() -> Iterator[None]:
-    """Inside, SIGINT ends the process at once with status 130 and one line, no traceback (restored after); only
-    where this is the main thread (only it can set handlers)."""
+    """Inside, SIGINT and SIGTERM end the process at once with status 130 / 143 and one line, no traceback (restored
+    after); only where this is the main thread (only it can set handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, _exit_at_once)
+    previous = {signum: signal.signal(signum, _exit_at_once) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)

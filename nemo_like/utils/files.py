@@ -25,6 +25,46 @@ def partial_owner(name: str, of: str) -> int | None:
     return int(match.group(1)) if match and name.startswith(f".{of}.") else None
 
 
+def process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this machine (another user's live process runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+#: A dead process's partial directory is only removed once nothing in it changed for this long: the pid may be another
+#: machine's (a shared filesystem), whose writer is alive and still filling it.
+PARTIAL_QUIET_S = 600.0
+
+
+def remove_dead_partial_dirs(path: Path) -> list[Path]:
+    """Remove the temporary directories of :func:`partial_path` (``path``'s siblings) that a process now gone left
+    (killed between writing and renaming: a SIGKILL or an out-of-memory kill skips the cleanup), once nothing in one
+    changed for :data:`PARTIAL_QUIET_S`; returns what was removed. One that cannot be removed is left alone."""
+    import shutil
+    import time
+
+    removed = []
+    for entry in path.parent.iterdir() if path.parent.is_dir() else []:
+        pid = partial_owner(entry.name, path.name)
+        if pid is None or not entry.is_dir() or entry.is_symlink() or not process_gone(pid):
+            continue
+        try:
+            if entry.lstat().st_uid != os.getuid():
+                continue
+            newest = max([entry.stat().st_mtime, *(p.stat().st_mtime for p in entry.rglob("*"))])
+        except OSError:  # gone meanwhile
+            continue
+        if time.time() - newest > PARTIAL_QUIET_S:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
 def remove_partial_files(directory: str | Path, pid: int) -> int:
     """Remove the temporary files of :func:`replace_file` that process ``pid`` left in ``directory`` (killed between a
     write and its rename: a SIGKILL skips the cleanup); returns how many. Only for a process known to be gone: a run

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
@@ -275,6 +275,74 @@ def activate(control: RunControl | None) -> None:
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 
 
+class CommandStopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT stopped a command other than ``train`` (which stops between steps: :class:`RunControl`). A
+    ``KeyboardInterrupt``, so that it unwinds as a Ctrl-C does (every ``finally`` and cleanup runs; Ray's waits let it
+    through); ``status``: 128 + the signal's number (130, 143)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signal = signal.Signals(signum)
+        self.status = _STATUS[self.signal]
+        super().__init__(self.signal.name)
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    raise CommandStopped(signum)
+
+
+def stop_signals_raise() -> dict[int, Any]:
+    """In the main thread, SIGINT and SIGTERM raise :class:`CommandStopped` (SIGTERM killed the process, its cleanups
+    skipped: a merge's temporary copy stayed). Call it again after ``ray.init``: Ray's C++ failure handler takes
+    SIGTERM (it prints the signal and aborts: status 134). Returns the handlers it replaced (empty off the main
+    thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, _raise_stopped) for signum in STOP_SIGNALS}
+
+
+@contextmanager
+def stop_signals_held(install: Callable[[], Any]) -> Iterator[Callable[[], None]]:
+    """Hold SIGTERM and SIGINT until Ray has started: until the yielded ``release`` is called (right after
+    ``ray.init``) or the block ends; then ``install`` the command's handlers and handle what arrived.
+
+    Processes inherit a blocked-signal mask across ``exec``: the private cluster's processes (GCS, raylet, agents, the
+    workers it forks) then ignore a SIGTERM or Ctrl-C sent to the driver's whole process group (Slurm's ``srun``, a
+    terminal), which would otherwise kill the GCS under the driver while it saves. ``ray.init`` also replaces SIGTERM's
+    handler with Ray's (it prints the signal and aborts: status 134), and a Ctrl-C inside it could crash Ray's native
+    code (status 139), so the handlers are installed after it, before a held signal is let through. Threads started
+    under the mask inherit it, so none can take a signal while Ray's handler is installed."""
+    held = threading.current_thread() is threading.main_thread()
+    if held:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+    def release() -> None:
+        nonlocal held
+        if held:
+            held = False
+            install()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+    try:
+        yield release
+    finally:
+        release()
+
+
+@contextmanager
+def stop_signals_kept() -> Iterator[None]:
+    """Through the block (``ray.init``), hold SIGTERM and SIGINT (:func:`stop_signals_held`), and put back the
+    handlers there were before it (Ray's replaces SIGTERM's with one that aborts: status 134); a signal that arrived
+    meanwhile goes to them."""
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+
+    def restore() -> None:
+        for signum, handler in before.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    with stop_signals_held(restore):
+        yield
+
+
 def leave_at_once_on_stop_signals(status: int) -> None:
     """From now on, SIGINT or SIGTERM ends the process at once with ``status``: for a command whose work is over and
     whose exit still runs teardown (Ray's own exit hook shuts a private cluster down: 4-8 s). A second Ctrl-C there
@@ -282,7 +350,9 @@ def leave_at_once_on_stop_signals(status: int) -> None:
     (exit status -11 instead of the run's)."""
 
     def leave(signum: int, frame: FrameType | None) -> None:
-        _say(f"[stop] {signal.Signals(signum).name} while exiting: leaving now, the Ray cluster's shutdown cut short")
+        ray = sys.modules.get("ray")
+        cut = ", the Ray cluster's shutdown cut short" if ray is not None and ray.is_initialized() else ""
+        _say(f"[stop] {signal.Signals(signum).name} while exiting: leaving now{cut}")
         os._exit(status)
 
     for signum in STOP_SIGNALS:

@@ -59,13 +59,16 @@ COMPARED = ("train/reward", "train/loss", "train/grad_norm", "train/gen_kl")
 class Run:
     """``nemo-like train`` in its own session and its own Ray temp dir; output lines collected with arrival times."""
 
-    def __init__(self, tmp_path: Path, *overrides: str, env: dict[str, str] | None = None, as_a_user: bool = False) -> None:
+    def __init__(
+        self, tmp_path: Path, *overrides: str, env: dict[str, str] | None = None, as_a_user: bool = False, command: str = "train"
+    ) -> None:
         """``as_a_user``: the installed ``nemo-like`` script with only PATH and HOME set (none of the Makefile's exports),
-        as the README's "Running your own recipe" runs it; else ``python -m nemo_like.cli`` with this process's env."""
+        as the README's "Running your own recipe" runs it; else ``python -m nemo_like.cli`` with this process's env.
+        ``command``: another than ``train`` gets only the recipe and ``overrides``."""
         self.ray_tmp = Path(tempfile.mkdtemp(prefix="nlft", dir="/tmp"))  # Ray's socket paths must stay short
         cli = cli_command() if as_a_user else [sys.executable, "-m", "nemo_like.cli"]
-        self.args = [*cli, "train", "--config", str(TINY_RECIPE), *TINY_OVERRIDES]
-        self.args += [f"logger.log_dir={tmp_path / 'logs'}", *FAST, *overrides]
+        self.args = [*cli, command, "--config", str(TINY_RECIPE), *TINY_OVERRIDES]
+        self.args += [f"logger.log_dir={tmp_path / 'logs'}", *FAST, *overrides] if command == "train" else list(overrides)
         base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", str(tmp_path)), "HF_HUB_OFFLINE": "1"}
         full_env = {**(base if as_a_user else os.environ), "RAY_TMPDIR": str(self.ray_tmp), **(env or {})}
         self.proc = subprocess.Popen(
@@ -382,3 +385,21 @@ def test_a_death_past_max_actor_restarts_stops_the_run_listing_every_cause(ray_c
     assert [(n, retry) for n, retry, _ in deaths] == [("1", ""), ("2", ", re-send 1")], message
     assert deaths[0][2] == "no answer within cluster.fault_tolerance.call_timeout_s=3s (killed as hung)"
     assert "died" in deaths[1][2], message
+
+
+def test_sigterm_and_ctrl_c_stop_an_eval_with_one_line_and_their_status(ray_cluster, tmp_path):
+    """SIGTERM to `nemo-like eval` met Ray's native handler (an abort: a stack dump, status 134); Ctrl-C printed a
+    traceback through ray.get, status 1. Its own private cluster, in a process of its own."""
+    for name, signum in (("SIGTERM", signal.SIGTERM), ("SIGINT", signal.SIGINT)):
+        out = tmp_path / name
+        run = Run(tmp_path, f"eval.output_dir={out}", "eval.num_samples_per_prompt=8", command="eval")
+        try:
+            run.wait_for_line(r"^\[setup\] generation backend", 120)  # its cluster is up; sampling begins
+            run.signal(signum)
+            status = run.finish(60)
+        finally:
+            run.cleanup()
+        assert status == 128 + signum, run.output
+        assert run.output.splitlines()[-1] == f"nemo-like: stopped by {name} (exit status {128 + signum})", run.output
+        assert "Traceback" not in run.output and "received at time" not in run.output
+        assert not (out / "summary.json").exists() and not (out / "results.jsonl").exists()

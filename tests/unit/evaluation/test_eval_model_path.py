@@ -266,7 +266,7 @@ def test_evals_over_consecutive_seeds_share_no_request_seed() -> None:
     assert set(prompt_seeds(0, requests)) & set(prompt_seeds(1, requests))  # the overlap the hash removes
 
 
-def test_eval_results_replace_an_earlier_evals_whole_and_the_output_dir_may_hold_the_model(tmp_path, monkeypatch) -> None:
+def test_eval_results_replace_an_earlier_evals_whole_and_the_output_dir_may_hold_the_model(tmp_path, monkeypatch, capsys) -> None:
     """An interrupted write had left new rows beside the earlier eval's summary (written in place, summary last); an
     output_dir with the evaluated model somewhere below it was refused though eval writes nothing there."""
     from nemo_like.evaluation import run
@@ -279,6 +279,8 @@ def test_eval_results_replace_an_earlier_evals_whole_and_the_output_dir_may_hold
         write_results(tmp_path, [{"prompt_id": "q"}, unwritable], {"model": "NEW"}, "config: 1\n")
     assert (tmp_path / "summary.json").read_text() == '{"model": "OLD"}' and (tmp_path / "results.jsonl").read_text() == '{"old": 1}\n'
     real_replace = run.replace_file
+    summary = {"model": "NEW", "num_prompts": 1, "num_samples_per_prompt": 1, "greedy": False, "accuracy": 0.625}
+    summary.update(mean_reward=1.0, accuracy_per_task={"t": 1.0}, env_metrics={})
 
     def interrupted_before_the_summary(path, text):
         if Path(path).name == "summary.json":
@@ -287,11 +289,19 @@ def test_eval_results_replace_an_earlier_evals_whole_and_the_output_dir_may_hold
 
     monkeypatch.setattr(run, "replace_file", interrupted_before_the_summary)
     with pytest.raises(KeyboardInterrupt):  # the new rows are in, the new summary is not: no summary at all
-        write_results(tmp_path, [{"prompt_id": "q"}], {"model": "NEW"}, "config: 1\n")
+        write_results(tmp_path, [{"prompt_id": "q"}], summary, "config: 1\n")
     assert not (tmp_path / "summary.json").exists() and (tmp_path / "results.jsonl").read_text() == '{"prompt_id": "q"}\n'
+    capsys.readouterr()
+
+    def full(path, text):
+        raise OSError(28, "No space left on device")
+
+    # A full disk after the whole eval: a traceback, and the figures (printed after the files) were never seen
+    monkeypatch.setattr(run, "replace_file", full)
+    with pytest.raises(ConfigError, match=r"cannot write results.jsonl \(No space left on device\); the figures above were not saved"):
+        write_results(tmp_path, [{"prompt_id": "q"}], summary, "config: 1\n")
+    assert "accuracy                    0.6250" in capsys.readouterr().err
     monkeypatch.setattr(run, "replace_file", real_replace)
-    summary = {"model": "NEW", "num_prompts": 1, "num_samples_per_prompt": 1, "greedy": False, "accuracy": 1.0}
-    summary.update(mean_reward=1.0, accuracy_per_task={"t": 1.0}, env_metrics={})
     write_results(tmp_path, [{"prompt_id": "q"}], summary, "config: 1\n")
     assert json.loads((tmp_path / "summary.json").read_text())["model"] == "NEW"
     assert (tmp_path / "results.jsonl").read_text() == '{"prompt_id": "q"}\n' and (tmp_path / "config.yaml").read_text() == "config: 1\n"
@@ -351,8 +361,7 @@ def test_a_merged_model_eval_did_not_merge_is_refused_not_replaced(tmp_path, cap
 
     with monkeypatch.context() as stop:
         stop.setattr("nemo_like.distributed.ray_init.init_ray", stopped)  # evaluate imports it when it runs
-        with pytest.raises(KeyboardInterrupt):
-            main(["eval", f"eval.model_path={adapters}", "eval.output_dir=out"])
+        assert main(["eval", f"eval.model_path={adapters}", "eval.output_dir=out"]) == 130  # one line, no traceback
     assert any((out / "merged_model").iterdir()) and not (out / "summary.json").exists()
     assert Path((out / MERGE_MARKER).read_text().strip()) == out / "merged_model"
     refuse_replacing_a_model_eval_did_not_merge(Path("./out"))

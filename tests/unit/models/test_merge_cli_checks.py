@@ -276,7 +276,7 @@ def test_a_directory_no_rename_reaches_is_filled_in_place_and_a_failed_write_lea
         (directory / "config.json").write_text("{}")
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ConfigError, match=r"volume: cannot write the merged model \(No space left on device\); nothing of it was left"):
         lora._fill_in_place(final, final, failing, replace=True)
     assert [p.name for p in final.iterdir()] == ["old.txt"]
     with pytest.raises(ConfigError, match="is not empty"):
@@ -306,7 +306,7 @@ def test_a_directory_no_rename_reaches_is_filled_in_place_and_a_failed_write_lea
         return real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", failing_third)
-    with pytest.raises(PermissionError):
+    with pytest.raises(ConfigError, match=r"cannot write the merged model \(Permission denied\)"):
         lora._fill_in_place(volume, volume, half_written, replace=True)
     monkeypatch.setattr(os, "rename", real_rename)
     assert sorted(p.name for p in volume.iterdir()) == ["lost+found", "model.safetensors"]
@@ -332,3 +332,91 @@ def test_what_a_killed_in_place_merge_left_is_recovered_or_removed_by_the_next(t
     (replaced / "model.safetensors").write_text("older")  # killed after: the new model is in place, the aside goes
     lora._fill_in_place(volume, volume, lambda d: (d / "model.safetensors").write_text("new"), replace=True)
     assert [p.name for p in volume.iterdir()] == ["model.safetensors"] and (volume / "model.safetensors").read_text() == "new"
+
+
+SLOW_WRITE = """
+import sys, time
+import nemo_like.utils.checkpoint as checkpoint_utils
+from nemo_like.cli import console_main
+
+def slow(root):  # every file of the merged model written, not yet renamed into place
+    print("written", flush=True)
+    time.sleep(60)
+
+checkpoint_utils.fsync_tree = slow
+sys.argv = ["nemo-like", "merge", *sys.argv[1:]]
+console_main()
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_mid_merge_ends_it_with_one_line_its_status_and_no_partial_copy(tmp_path, signum) -> None:
+    """SIGTERM killed a merge mid-write with its cleanup skipped: a hidden full-size copy stayed beside --out (28 GB
+    for a 7B float32 model), and Ctrl-C printed a traceback, exit 1. A real process and real signals."""
+    import signal
+    import subprocess
+    import sys
+
+    write_checkpoint(tmp_path / "step_1")
+    results = tmp_path / "results"
+    args = [str(tmp_path / "step_1"), "--out", str(results / "merged"), "--tokenizer", EMBEDDED_MODEL]
+    process = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "written"
+        assert leftovers(results)  # the copy being written
+        process.send_signal(getattr(signal, signum))
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    status = 128 + getattr(signal, signum)
+    assert process.returncode == status, err
+    assert err.strip().splitlines() == [f"nemo-like: stopped by {signum} (exit status {status})"]
+    assert sorted(p.name for p in results.iterdir()) == []  # no --out, no hidden copy
+
+
+def test_a_refused_write_is_one_line_and_a_dead_merges_copy_is_removed_once_quiet(tmp_path, capsys, monkeypatch) -> None:
+    """A read-only or full filesystem under --out was a traceback (exit 1; safetensors reports its own I/O errors); a
+    copy a killed merge left (SIGKILL, out of memory) stayed for good."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from safetensors import SafetensorError
+
+    import nemo_like.utils.checkpoint as checkpoint_utils
+
+    write_checkpoint(tmp_path / "step_1")
+    results = tmp_path / "results"
+    command = ["merge", str(tmp_path / "step_1"), "--out", str(results / "merged"), "--tokenizer", EMBEDDED_MODEL]
+    for error, problem in (
+        (OSError(28, "No space left on device"), "No space left on device"),
+        (
+            SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+            "No space left on device (os error 28)",
+        ),
+        (OSError(30, "Read-only file system"), "Read-only file system"),
+    ):
+
+        def refused(root: Path, error: BaseException = error) -> None:
+            raise error
+
+        monkeypatch.setattr(checkpoint_utils, "fsync_tree", refused)
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert f"{results / 'merged'}: cannot write the merged model ({problem}); nothing of it was left" in err, err
+        assert "Traceback" not in err and leftovers(results) == []
+    monkeypatch.undo()
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True).stdout)
+    old, young, live = (
+        results / f".merged.{pid}.{tag}.tmp" for pid, tag in ((dead, "0123abcd"), (dead, "89abcdef"), (os.getpid(), "fedcba98"))
+    )
+    for stage in (old, young, live):
+        stage.mkdir()
+        (stage / "model.safetensors").write_text("partial")
+    long_ago = time.time() - 3600
+    for path in (old, old / "model.safetensors"):
+        os.utime(path, (long_ago, long_ago))
+    assert main(command) == 0
+    # the dead process's quiet copy goes; a recent one may be another machine's writer (a shared filesystem), a live one's is its own
+    assert leftovers(results) == sorted([young.name, live.name])

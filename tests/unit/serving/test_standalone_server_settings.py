@@ -11,6 +11,8 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 from nemo_like.config import load_config
 from nemo_like.serving.standalone import unused_settings
 
@@ -33,6 +35,8 @@ SLOW_STOP = textwrap.dedent(
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a parent that ignores SIGINT passes that on
     from nemo_like.config import load_config
     import nemo_like.serving.standalone as standalone
+    from nemo_like.utils.run_control import stop_signals_raise
+    stop_signals_raise()  # as the CLI does for every command
 
     class SlowToStop:  # the server's stop serves what was queued: up to a minute
         base_url, api_key = "http://127.0.0.1:1/v1", "key"
@@ -51,10 +55,13 @@ SLOW_STOP = textwrap.dedent(
 )
 
 
-def test_serve_warns_and_a_second_interrupt_while_it_stops_exits_at_once() -> None:
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_serve_warns_and_a_second_interrupt_while_it_stops_exits_at_once(name: str) -> None:
     """serve's stop ran with SIGINT armed: a second Ctrl-C during it raised KeyboardInterrupt out of the thread join (a
-    traceback, exit 1). It now exits at once with 130 and one line; the unused settings were named at start-up. A
+    traceback, exit 1). It now exits at once with 130 and one line; the unused settings were named at start-up. SIGTERM
+    killed it without stopping the server (what was queued was dropped); it now stops as Ctrl-C does, 143. A
     subprocess: the handler ends the process it runs in. Every wait has a deadline (a broken child fails, never hangs)."""
+    signum = getattr(signal, name)
     process = subprocess.Popen([sys.executable, "-c", SLOW_STOP], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True)
@@ -67,11 +74,11 @@ def test_serve_warns_and_a_second_interrupt_while_it_stops_exits_at_once() -> No
 
     try:
         read_until("model: policy")
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signum)
         read_until("stop began")
         started = time.monotonic()
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 130
+        process.send_signal(signum)
+        assert process.wait(timeout=30) == 128 + signum
         assert time.monotonic() - started < 30  # not the stop's 60 s
         reader.join(timeout=30)
     finally:
@@ -79,5 +86,5 @@ def test_serve_warns_and_a_second_interrupt_while_it_stops_exits_at_once() -> No
     err += list(lines.queue)
     text = "".join(err)
     assert "warning: eval.greedy has no effect in nemo-like serve" in text
-    assert "stopping the server (Ctrl-C again exits at once)" in text and "stopped at once (a second Ctrl-C)" in text
+    assert f"stopping the server ({name}; send it again to exit at once)" in text and f"stopped at once (a second {name})" in text
     assert "Traceback" not in text
