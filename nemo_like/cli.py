@@ -15,7 +15,7 @@ from typing import Any
 
 from nemo_like.config import ConfigError, MasterConfig, load_config
 from nemo_like.config.loader import recipe_yaml
-from nemo_like.utils.run_control import CommandStopped, stop_signals_raise
+from nemo_like.utils.run_control import CommandStopped, restore_handlers, stop_signals_raise
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
@@ -440,8 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nemo-like: stopped by {stopped.signal.name} (exit status {status})", file=sys.stderr, flush=True)
         return status
     finally:
-        for signum, handler in previous.items():  # in-process callers (tests) get their own handlers back
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        restore_handlers(previous)  # in-process callers (tests) get their own handlers back
         warnings.formatwarning = python_format  # and Python's format
         record_exit_status(1 if status is None else status)
 

@@ -27,7 +27,7 @@ from nemo_like.models.loading import (
 from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
-from nemo_like.utils.run_control import STOP_SIGNALS, CommandStopped
+from nemo_like.utils.run_control import STOP_SIGNALS, CommandStopped, restore_handlers
 
 STANDALONE_KEPT_RESULTS = 1000  # ended sessions whose result a repeated end still returns
 
@@ -119,5 +119,4 @@ def interrupt_exits_at_once() -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        restore_handlers(previous)

@@ -146,11 +146,10 @@ class RunControl:
                 self._previous.setdefault(signum, previous)
 
     def restore_signal_handlers(self) -> None:
-        """Put back what :meth:`install_signal_handlers` replaced first (Python's defaults for a CLI run)."""
+        """Put back what :meth:`install_signal_handlers` replaced first (the CLI's: :func:`stop_signals_raise`)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+        restore_handlers(self._previous)
         self._previous.clear()
         # The caller's own streams again where a stop wrapped them (a script or notebook goes on after train()); a stream
         # replaced since (a progress bar's, restored when it stopped) is left as it is.
@@ -292,12 +291,18 @@ def _raise_stopped(signum: int, frame: FrameType | None) -> None:
 
 def stop_signals_raise() -> dict[int, Any]:
     """In the main thread, SIGINT and SIGTERM raise :class:`CommandStopped` (SIGTERM killed the process, its cleanups
-    skipped: a merge's temporary copy stayed). Call it again after ``ray.init``: Ray's C++ failure handler takes
-    SIGTERM (it prints the signal and aborts: status 134). Returns the handlers it replaced (empty off the main
-    thread)."""
+    skipped: a merge's temporary copy stayed). ``ray.init`` replaces SIGTERM's handler (:func:`stop_signals_kept`
+    puts it back). Returns the handlers it replaced, for :func:`restore_handlers` (empty off the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {signum: signal.signal(signum, _raise_stopped) for signum in STOP_SIGNALS}
+
+
+def restore_handlers(previous: dict[int, Any]) -> None:
+    """Install again the ``{signal: handler}`` that a ``signal.signal`` call returned (None, a handler set outside
+    Python: the default)."""
+    for signum, handler in previous.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 @contextmanager
@@ -334,12 +339,7 @@ def stop_signals_kept() -> Iterator[None]:
     handlers there were before it (Ray's replaces SIGTERM's with one that aborts: status 134); a signal that arrived
     meanwhile goes to them."""
     before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-
-    def restore() -> None:
-        for signum, handler in before.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-
-    with stop_signals_held(restore):
+    with stop_signals_held(lambda: restore_handlers(before)):
         yield
 
 
