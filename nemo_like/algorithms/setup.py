@@ -395,6 +395,15 @@ def training_data(cfg: MasterConfig) -> TrainingData:
     return TrainingData(tokenizer, train, val, loader)
 
 
+def warn_of_runs_sharing_cores(cfg: MasterConfig, plan: RunPlan, private: bool, trains: bool = True) -> None:
+    """Warn when other nemo-like runs alive on this machine may run on this CPU run's cores (``private``: it starts a
+    cluster of its own, whose CPUs are the machine's whatever else runs there; a joined cluster's Ray schedules its
+    CPUs); ``trains`` False: ``nemo-like eval`` (:func:`~nemo_like.plan.threads.shared_cores_warning`)."""
+    others = [run.describe() for run in other_live_runs()] if private else []
+    if line := shared_cores_warning(cfg, plan.threads, plan.actors, others, trains):
+        warnings.warn(line, RuntimeWarning, stacklevel=3)
+
+
 def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None, data: TrainingData | None = None) -> GRPOComponents:
     """Start Ray (or join it), load data, start the policy, reference, generation and reward actors.
 
@@ -423,10 +432,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts
     if idle := idle_gpus_warning(cfg, plan):
         warnings.warn(idle, RuntimeWarning, stacklevel=2)
-    # a private cluster's CPUs are the machine's, whatever else runs there (a joined cluster's Ray counts them)
-    others = [] if joins else [run.describe() for run in other_live_runs()]
-    if shared := shared_cores_warning(cfg, plan.threads, plan.actors, others):
-        warnings.warn(shared, RuntimeWarning, stacklevel=2)
+    warn_of_runs_sharing_cores(cfg, plan, private=not joins)
     agent_settings = load_agents(env_specs, plan.agent_tasks)  # a wrong agent path fails before any actor starts
     mode = init_ray(cfg.cluster)
     run_control().stage_finished()  # each stage of the start is watched on its own (setup_timeout_s)

@@ -190,10 +190,10 @@ def format_table(summary: dict[str, Any]) -> str:
 def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     """Run the evaluation ``cfg.eval`` describes; returns the summary (also written to ``summary.json``)."""
     from nemo_like.algorithms.names import check_plugin_names
-    from nemo_like.algorithms.setup import check_environments, load_validation_prompts, multi_turn_warnings
+    from nemo_like.algorithms.setup import check_environments, load_validation_prompts, multi_turn_warnings, warn_of_runs_sharing_cores
     from nemo_like.distributed.capacity import check_cluster_capacity, sum_resources
     from nemo_like.distributed.planning import plan_on_cluster
-    from nemo_like.distributed.ray_init import init_ray
+    from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
     from nemo_like.environments.worker import Environments, environment_resources
     from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
     from nemo_like.experience.multi_turn import multi_turn_metrics, trimming_template_warning
@@ -261,10 +261,12 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
 
         import ray
 
+        private = not joins_existing_cluster(cfg.cluster)
         with stop_signals_kept():  # Ray's handler would abort on SIGTERM (134): the command's again after it
             init_ray(cfg.cluster)
         eos_ids = end_of_sequence_ids(tokenizer, model_dir)
         plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False)  # decided once, handed down
+        warn_of_runs_sharing_cores(run_cfg, plan, private, trains=False)
         roles = [generation_resources(run_cfg, plan), *environment_resources(run_cfg)]
         check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
 

@@ -290,11 +290,13 @@ def oversubscription_warning(cfg: Any, split: ThreadSplit, actors: PhaseActors) 
     )
 
 
-def shared_cores_warning(cfg: Any, split: ThreadSplit, actors: PhaseActors, others: list[str]) -> str | None:
+def shared_cores_warning(cfg: Any, split: ThreadSplit, actors: PhaseActors, others: list[str], trains: bool = True) -> str | None:
     """A warning when other nemo-like runs (``others``: one description each) are alive on the machine of a CPU run
     with an automatic thread count: ``auto`` gives this run every core of the node, as it gives the others, and their
-    OpenMP teams spin against each other. It advises the counts ``auto`` would pick on the run's share of the cores."""
-    roles = ["policy"] if split.inline else ["policy", "generation"]  # inline: the policy worker samples on its threads
+    OpenMP teams spin against each other. It advises the counts ``auto`` would pick on the run's share of the cores
+    (``trains`` False: ``nemo-like eval``, whose only workers are its engines)."""
+    # inline: the policy worker samples on its threads
+    roles = ["policy"] if split.inline else ["policy", "generation"] if trains else ["generation"]
     if cfg.cluster.gpus_per_node or not others or set(roles) <= set(split.explicit):
         return None
     share = split_threads(max(1, split.cpus // (len(others) + 1)), actors, split.async_mode)

@@ -306,9 +306,9 @@ def restore_handlers(previous: dict[int, Any]) -> None:
 
 
 @contextmanager
-def stop_signals_held(install: Callable[[], Any]) -> Iterator[Callable[[], None]]:
-    """Hold SIGTERM and SIGINT until Ray has started: until the yielded ``release`` is called (right after
-    ``ray.init``) or the block ends; then ``install`` the command's handlers and handle what arrived.
+def stop_signals_held(install: Callable[[], Any], signals: frozenset[int] = STOP_SIGNALS) -> Iterator[Callable[[], None]]:
+    """Hold ``signals`` (SIGTERM and SIGINT) until Ray has started: until the yielded ``release`` is called (right
+    after ``ray.init``) or the block ends; then ``install`` the command's handlers and handle what arrived.
 
     Processes inherit a blocked-signal mask across ``exec``: the private cluster's processes (GCS, raylet, agents, the
     workers it forks) then ignore a SIGTERM or Ctrl-C sent to the driver's whole process group (Slurm's ``srun``, a
@@ -318,14 +318,14 @@ def stop_signals_held(install: Callable[[], Any]) -> Iterator[Callable[[], None]
     under the mask inherit it, so none can take a signal while Ray's handler is installed."""
     held = threading.current_thread() is threading.main_thread()
     if held:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
 
     def release() -> None:
         nonlocal held
         if held:
             held = False
             install()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
     try:
         yield release
@@ -335,11 +335,13 @@ def stop_signals_held(install: Callable[[], Any]) -> Iterator[Callable[[], None]
 
 @contextmanager
 def stop_signals_kept() -> Iterator[None]:
-    """Through the block (``ray.init``), hold SIGTERM and SIGINT (:func:`stop_signals_held`), and put back the
-    handlers there were before it (Ray's replaces SIGTERM's with one that aborts: status 134); a signal that arrived
-    meanwhile goes to them."""
+    """Through the block (``ray.init``), hold SIGINT (a Ctrl-C inside ``ray.init`` could crash Ray's native code: 139)
+    and afterwards put back the handlers there were before it (Ray replaces SIGTERM's with one that aborts: 134). A
+    command that saves nothing (``eval``) does not hold SIGTERM as ``train`` does: Ray's processes would inherit it
+    held, and every exit would wait ~4 s for them (Ray's shutdown gives each 1 s to end before it kills it; they block
+    SIGINT themselves). A SIGTERM during ``ray.init`` meets Ray's handler."""
     before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    with stop_signals_held(lambda: restore_handlers(before)):
+    with stop_signals_held(lambda: restore_handlers(before), frozenset({signal.SIGINT})):
         yield
 
 

@@ -389,16 +389,20 @@ def test_a_death_past_max_actor_restarts_stops_the_run_listing_every_cause(ray_c
 
 def test_sigterm_and_ctrl_c_stop_an_eval_with_one_line_and_their_status(ray_cluster, tmp_path):
     """SIGTERM to `nemo-like eval` met Ray's native handler (an abort: a stack dump, status 134); Ctrl-C printed a
-    traceback through ray.get, status 1. Its own private cluster, in a process of its own."""
+    traceback through ray.get, status 1. Its own private cluster, in a process of its own. It warns of another run alive
+    on the machine (this process registers one), as a training run does."""
     for name, signum in (("SIGTERM", signal.SIGTERM), ("SIGINT", signal.SIGINT)):
         out = tmp_path / name
-        run = Run(tmp_path, f"eval.output_dir={out}", "eval.num_samples_per_prompt=8", command="eval")
-        try:
-            run.wait_for_line(r"^\[setup\] generation backend", 120)  # its cluster is up; sampling begins
-            run.signal(signum)
-            status = run.finish(60)
-        finally:
-            run.cleanup()
+        with registered_run(tmp_path / "other-logs"):
+            run = Run(tmp_path, f"eval.output_dir={out}", "eval.num_samples_per_prompt=8", command="eval")
+            try:
+                run.wait_for_line(r"^\[setup\] generation backend", 120)  # its cluster is up; sampling begins
+                run.signal(signum)
+                status = run.finish(60)
+            finally:
+                run.cleanup()
+        shared = re.search(rf"nemo-like runs? (is|are) alive on this machine \(.*pid {os.getpid()}, started .*", run.output)
+        assert shared and shared.group(0).endswith("give each run its share: policy.generation.num_threads_per_worker=1"), run.output
         assert status == 128 + signum, run.output
         assert run.output.splitlines()[-1] == f"nemo-like: stopped by {name} (exit status {128 + signum})", run.output
         assert "Traceback" not in run.output and "received at time" not in run.output

@@ -242,5 +242,7 @@ def test_other_runs_on_the_machine_get_a_warning_with_each_runs_share_of_the_cor
     half = load_config(ASYNC, ["policy.num_threads_per_worker=2"])  # the engine's count is still automatic
     assert shared_cores_warning(half, split_of(half, 8), actors_of(half, 8), other) is not None
     assert shared_cores_warning(cfg, split, actors, []) is None
+    evaluating = shared_cores_warning(cfg, split, actors, other, trains=False)  # nemo-like eval: its engines only
+    assert evaluating.endswith("give each run its share: policy.generation.num_threads_per_worker=2")
     gpus = load_config(SYNC, ["cluster.gpus_per_node=1"])
     assert shared_cores_warning(gpus, split, actors, other) is None  # a GPU run's speed is its GPUs'

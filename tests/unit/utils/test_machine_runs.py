@@ -64,3 +64,55 @@ def test_a_file_being_created_is_not_removed_and_an_unwritable_directory_does_no
     blocked.write_text("")
     with registered_run("/logs", blocked / "runs"):  # the directory cannot be made: the run goes on unregistered
         assert other_live_runs(blocked / "runs") == []
+
+
+PINNED = """
+import os, sys
+from pathlib import Path
+from nemo_like.utils.machine_runs import registered_run
+os.sched_setaffinity(0, {int(sys.argv[3])})
+with registered_run(sys.argv[2], Path(sys.argv[1])):
+    print("registered", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_run_on_other_cpus_is_not_counted_and_storage_without_locks_fails_nothing(tmp_path, monkeypatch):
+    """Jobs pinned to their own cores (Slurm's cgroups, taskset) were warned of each other and advised a fraction of
+    their threads; a temp dir whose storage refuses flock (NFSv3 without lockd: ENOLCK) failed every run's set-up."""
+    import errno
+
+    import pytest
+
+    from nemo_like.utils import machine_runs
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs to pin two runs apart")
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PINNED, str(runs), "/logs/pinned", str(cpus[1])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "registered"
+        assert [r.cpus for r in other_live_runs(runs)] == [frozenset({cpus[1]})]  # it may run on one of ours
+        os.sched_setaffinity(0, {cpus[0]})
+        try:
+            assert other_live_runs(runs) == []  # on its own core
+        finally:
+            os.sched_setaffinity(0, cpus)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    real_flock = machine_runs.fcntl.flock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(machine_runs.fcntl, "flock", no_locks)
+    with registered_run("/logs/mine", tmp_path / "nolocks"):
+        assert list((tmp_path / "nolocks").iterdir()) == []  # unregistered: its file removed
+    (tmp_path / "nolocks" / f"1-abc{SUFFIX}").write_text('{"pid": 1}')
+    assert other_live_runs(tmp_path / "nolocks") == []  # nothing can be told: no error, nothing removed
+    assert (tmp_path / "nolocks" / f"1-abc{SUFFIX}").exists()
+    monkeypatch.setattr(machine_runs.fcntl, "flock", real_flock)
