@@ -559,6 +559,16 @@ def validates_at(cfg: MasterConfig, step: int) -> bool:
     return periodic or (step == cfg.grpo.max_num_steps and cfg.grpo.val_at_end)
 
 
+def validations_after(cfg: MasterConfig, step: int, last: int) -> int:
+    """Validation passes the steps after ``step`` up to ``last`` (the run's last step) end with, as
+    :func:`validates_at` decides them with ``last`` as the end (the progress line's ETA counts them)."""
+    if step >= last:
+        return 0
+    period = cfg.grpo.val_period
+    periodic = last // period - step // period if period else 0
+    return periodic + int(cfg.grpo.val_at_end and not (period and last % period == 0))
+
+
 class StepRunner(Protocol):
     """What differs between the sync and async loops."""
 
@@ -687,6 +697,9 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     lora = parts.policy.trainable_params if cfg.policy.lora_cfg.enabled else None  # the adapters: LoRA trains only them
     flops = flops_spec(cfg, resolve_model_path(cfg.policy.model_name), parts.plan, [resolve_model_path(m) for m in teachers], lora)
     logger.progress.message(f"[plan] {flops.describe()}")
+    # grpo.max_num_epochs may end the run first: the count and ETA said 4/100 (an upper bound with dynamic sampling,
+    # whose refills take batches of their own)
+    logger.progress.set_total(min(cfg.grpo.max_num_steps, parts.train_loader.batches_in(cfg.grpo.max_num_epochs)))
     manager = checkpoint_manager(parts)
     last_step = restore_run(parts, resume_from) if resume_from is not None else 0
     # The latest validation/* values, saved with each checkpoint until the next validation (best-k ranks by them).
@@ -774,7 +787,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             metrics.update(throughput_metrics(metrics))
             metrics.update(flops_metrics(metrics, flops))
             history.append(logger.log(metrics, step))  # one record, shared with the logger's (a restart keeps those)
-            logger.progress.update(step, progress_info(metrics))
+            validated = metrics["timing/train/validation"]
+            logger.progress.update(step, progress_info(metrics), validated, validations_after(cfg, step, logger.progress.total))
             if cfg.logger.console_timing_period and step % cfg.logger.console_timing_period == 0:
                 logger.progress.message(format_timing(metrics))
             if nonfinite_streak >= cfg.grpo.max_consecutive_nonfinite_steps:

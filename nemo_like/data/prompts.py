@@ -258,6 +258,10 @@ class PromptDataLoader:
         start = epoch * (n - n % self.batch_size) % n
         return [*range(start, n), *range(start)]
 
+    def batches_in(self, epochs: int) -> int:
+        """Batches ``epochs`` passes hold (each epoch's incomplete tail is skipped)."""
+        return epochs * (len(self.records) // self.batch_size)
+
     @property
     def next_batch_epoch(self) -> int:
         """The epoch the next batch comes from (the next one once this epoch has no full batch left)."""

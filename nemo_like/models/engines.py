@@ -150,7 +150,8 @@ def build_generation(cfg, pad_token_id: int, eos_token_ids: list[int], policy: A
     backend = plan.backend.value
     message = f"[setup] generation backend: {backend} ({plan.backend.reason})"
     log.info(message)
-    print(message, file=sys.stderr)
+    if policy is None:  # a training run's [plan] lines say it (it was printed twice, word for word)
+        print(message, file=sys.stderr)
     for line in ignored_engine_keys(cfg, backend):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     return BACKENDS[backend].build(cfg, pad_token_id, eos_token_ids, policy, plan)

@@ -101,16 +101,25 @@ class Logger:
 ETA_WINDOW = 8  # steps whose durations the ETA averages
 
 
-def eta_seconds(step_seconds: Sequence[float], remaining: int, window: int = ETA_WINDOW) -> float | None:
-    """Seconds left: the mean of the last ``window`` step durations times the ``remaining`` steps; ``None``
-    while no step duration is known. Only step durations count, so the start-up before the first step
-    (actors, model loading, the step-0 validation) never inflates it."""
+def eta_seconds(
+    step_seconds: Sequence[float],
+    remaining: int,
+    window: int = ETA_WINDOW,
+    validation_seconds: Sequence[float] = (),
+    validations: int = 0,
+) -> float | None:
+    """Seconds left: the mean of the last ``window`` step durations (validations left out) times the ``remaining``
+    steps, plus the mean of the last ``window`` validations times the ``validations`` still to come (none until one
+    was measured); ``None`` while no step duration is known. Only step durations count, so the start-up before the
+    first step (actors, model loading, the step-0 validation) never inflates it."""
     if remaining <= 0:
         return 0.0
     recent = list(step_seconds)[-window:]
     if not recent:
         return None
-    return sum(recent) / len(recent) * remaining
+    validated = list(validation_seconds)[-window:]
+    ahead = sum(validated) / len(validated) * validations if validated else 0.0
+    return sum(recent) / len(recent) * remaining + ahead
 
 
 def format_seconds(seconds: float) -> str:
@@ -131,40 +140,59 @@ class ConsoleProgress:
     """A live bar (step, reward, ETA) on a terminal; one plain line per step elsewhere (CI logs).
 
     A step's duration is the time between two consecutive updates, so the first update of a run (or of a
-    resumed run) has none yet and shows ``eta ?``; the ETA is :func:`eta_seconds` of the recent ones."""
+    resumed run) has none yet and shows ``eta ?``; the ETA is :func:`eta_seconds` of the recent ones. The bar starts at
+    the first update: the set-up's lines (Ray's, the data's, a user's reward function's prints) were glued onto a bar
+    that had nothing to show yet. While it is up, what the run writes to stdout goes above it when stdout is a terminal
+    too (Ray's actors print there); stdout sent elsewhere (`train > run.log`) stays untouched."""
 
     def __init__(self, total: int, enabled: bool = True, clock: Callable[[], float] = time.monotonic, elapsed_s: float = 0.0) -> None:
         """``elapsed_s``: seconds the run ran before this display started (an in-process restart's)."""
         self.total, self.enabled, self.clock = total, enabled, clock
         self.start = clock() - elapsed_s
         self.step_seconds: deque[float] = deque(maxlen=ETA_WINDOW)
+        self.validation_seconds: deque[float] = deque(maxlen=ETA_WINDOW)
         self._last_update: tuple[int, float] | None = None  # (step, time) of the previous update
         self._rich = None
-        if enabled and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        self._live = enabled and sys.stderr.isatty()  # a bar, from the first update on
 
-            self._rich = Progress(
-                TextColumn("GRPO"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}", markup=False),
-                TextColumn("{task.fields[eta]}", markup=False),
-                console=Console(stderr=True),  # the stream whose terminal turned it on (rich's default is stdout)
-                redirect_stdout=False,  # stdout stays where the user sent it (`train > run.log`); stderr is the bar's
-            )
-            self._task = self._rich.add_task("train", total=total, info="", eta=format_eta(None))
-            self._rich.start()
+    def _start_bar(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    def update(self, step: int, info: str) -> None:
+        self._rich = Progress(
+            TextColumn("GRPO"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}", markup=False),
+            TextColumn("{task.fields[eta]}", markup=False),
+            console=Console(stderr=True),  # the stream whose terminal turned it on (rich's default is stdout)
+            redirect_stdout=sys.stdout.isatty(),  # above the bar on the terminal; a file (`train > run.log`) untouched
+        )
+        self._task = self._rich.add_task("train", total=self.total, info="", eta=format_eta(None))
+        self._rich.start()
+
+    def set_total(self, total: int) -> None:
+        """The last step the run can reach, once known (``grpo.max_num_epochs`` may end it before ``max_num_steps``)."""
+        self.total = total
+        if self._rich is not None:
+            self._rich.update(self._task, total=total)
+
+    def update(self, step: int, info: str, validation_s: float = 0.0, validations_left: int = 0) -> None:
+        """Step ``step`` ended: its line (``info``); ``validation_s``: the seconds of the validation it ended with,
+        counted apart from the steps' (a 60 s validation every 20 steps swung the ETA by a third); ``validations_left``:
+        the validations the steps still to run end with."""
         if not self.enabled:
             return
+        if self._live and self._rich is None:
+            self._start_bar()
         now = self.clock()
         if self._last_update is not None and step > self._last_update[0]:
             last_step, last_time = self._last_update
-            self.step_seconds.append((now - last_time) / (step - last_step))
+            self.step_seconds.append(max(0.0, now - last_time - validation_s) / (step - last_step))
+        if validation_s > 0:
+            self.validation_seconds.append(validation_s)
         self._last_update = (step, now)
-        eta = format_eta(eta_seconds(self.step_seconds, self.total - step))
+        eta = format_eta(eta_seconds(self.step_seconds, self.total - step, ETA_WINDOW, self.validation_seconds, validations_left))
         if self._rich is not None:
             self._rich.update(self._task, completed=step, info=info, eta=eta)
             return
@@ -177,6 +205,7 @@ class ConsoleProgress:
             print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        self._live = False
         if self._rich is not None:
             self._rich.stop()
             self._rich = None

@@ -5,6 +5,7 @@ replay buffer and continues exactly, both loops stop alike when the data runs ou
 refitting in flight), a dead collector fails loudly, and the tiny recipe learns as well async as sync."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -195,6 +196,7 @@ def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, t
         "grpo.max_num_steps=10",
         "grpo.val_at_start=false",
         "loss_fn.use_importance_sampling_correction=true",
+        "logger.progress_bar=true",  # the step lines count to the epochs' last step (they said 2/10)
         *ckpt_overrides(tmp_path / "ckpt", period=5),
     ]
     if async_enabled:
@@ -208,8 +210,10 @@ def test_both_loops_stop_at_the_same_step_when_the_epochs_run_out(ray_cluster, t
     history = train(tiny_config(tmp_path, *overrides, *([] if async_enabled else ["grpo.val_at_end=false"])))
     # 8 prompts, 4 per step: steps 1-2 are epoch 0, the one epoch allowed; step 3 would start epoch 1.
     assert [r["step"] for r in history] == [1, 2]
+    err = capfd.readouterr().err.splitlines()
+    assert [line.split("]")[0] for line in err if re.match(r"\[step \d+/", line)] == ["[step 1/2", "[step 2/2"], err
     if async_enabled:  # one line (it was Ray's error of the buffer actor: its repr and the whole traceback)
-        done = [line for line in capfd.readouterr().err.splitlines() if "max_num_epochs=1 reached" in line]
+        done = [line for line in err if "max_num_epochs=1 reached" in line]
         assert done == ["[done] no data for step 3: grpo.max_num_epochs=1 reached"], done
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_2"]
     if not async_enabled:

@@ -76,6 +76,7 @@ def loop_parts(tmp_path, monkeypatch, *overrides: str) -> SimpleNamespace:
         cfg=cfg,
         policy=SimpleNamespace(take_refit_bytes=lambda: 0),
         plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)),
+        train_loader=SimpleNamespace(batches_in=lambda epochs: epochs * 1000),  # the data outlasts the steps
     )
 
 

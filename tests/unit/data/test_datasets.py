@@ -649,6 +649,7 @@ def test_the_loader_says_which_epoch_its_next_batch_comes_from(tmp_path, tok):
         epochs.append((loader.next_batch_epoch, loader.epoch))
         loader.next_batch()
     assert epochs == [(0, 0), (0, 0), (1, 0)] and loader.epoch == 1  # the incomplete tail (2 prompts) is skipped
+    assert loader.batches_in(1) == 2 and loader.batches_in(3) == 6  # the progress line's last step
 
 
 def test_a_large_integer_answer_read_as_a_float_is_refused(tmp_path, tok) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -95,26 +96,75 @@ def test_on_a_terminal_the_bar_and_messages_go_to_stderr_as_plain_text(tmp_path)
     child = (
         "from nemo_like.utils.logger import ConsoleProgress\n"
         "p = ConsoleProgress(3)\n"
-        "assert p._rich is not None\n"
         "p.message('[setup] logging to logs/sweep[lr=1e-5]/metrics.jsonl')\n"
+        "print('a set-up line on stdout', flush=True)\n"
+        "assert p._rich is None\n"  # no bar before the first step
         "p.message('[checkpoint] saved results/[/tmp]/step_3')\n"
         "p.update(1, 'reward=[0.5]')\n"
+        "assert p._rich is not None\n"
         "print('to stdout', flush=True)\n"
+        "p.update(2, 'reward=[0.6]')\n"
         "p.close()\n"
     )
-    master, slave = pty.openpty()
-    proc = subprocess.run([sys.executable, "-c", child], stderr=slave, stdout=subprocess.PIPE, timeout=60, cwd=REPO)
-    os.close(slave)
-    terminal = b""
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # EIO: the child's end is closed and everything was read
-            break
-        if not chunk:
-            break
-        terminal += chunk
-    os.close(master)
-    assert proc.returncode == 0 and proc.stdout == b"to stdout\n"  # where the user sent stdout, not onto the terminal
-    text = terminal.decode(errors="replace")
+
+    def run(stdout_on_the_terminal: bool) -> tuple[subprocess.CompletedProcess, str]:
+        master, slave = pty.openpty()
+        stdout = slave if stdout_on_the_terminal else subprocess.PIPE
+        proc = subprocess.run([sys.executable, "-c", child], stderr=slave, stdout=stdout, timeout=60, cwd=REPO)
+        os.close(slave)
+        terminal = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child's end is closed and everything was read
+                break
+            if not chunk:
+                break
+            terminal += chunk
+        os.close(master)
+        return proc, terminal.decode(errors="replace")
+
+    proc, text = run(stdout_on_the_terminal=False)
+    assert proc.returncode == 0 and proc.stdout == b"a set-up line on stdout\nto stdout\n"  # where the user sent it
     assert "[setup] logging to logs/sweep[lr=1e-5]/metrics.jsonl" in text and "[checkpoint] saved results/[/tmp]/step_3" in text
+    # stdout on the same terminal (Ray's actors print there): each line above the bar, none glued after its text
+    proc, text = run(stdout_on_the_terminal=True)
+    assert proc.returncode == 0 and "GRPO" in text
+    assert text.index("a set-up line on stdout") < text.index("GRPO")  # the bar waits for the first step
+    assert re.search(r"eta [^\r\n]*to stdout", text) is None, repr(text)  # was "... eta ?to stdout"
+
+
+def test_a_run_that_its_epochs_end_first_counts_to_its_last_step(capsys) -> None:
+    """grpo.max_num_epochs ending a run at step 4 of max_num_steps=100: the lines said 4/100 and an ETA for 96 steps
+    that never ran (run_training sets the total from the loader: PromptDataLoader.batches_in)."""
+    clock = SteppedClock()
+    progress = ConsoleProgress(100, enabled=True, clock=clock)
+    progress.set_total(4)
+    for step in (1, 2, 3):
+        clock.now += 5.0
+        progress.update(step, "r")
+    assert capsys.readouterr().err.splitlines()[1:] == ["[step 2/4] r | elapsed 10s eta 10s", "[step 3/4] r | elapsed 15s eta 5s"]
+
+
+def test_validations_ahead_count_apart_from_the_steps(capsys) -> None:
+    """10 s steps, a 60 s validation every 20 steps, 100 steps (the reviewer's case): at step 19 the ETA was 13m30s for
+    18m30s left, and 23m20s for 17m20s just after step 20's validation (it swung by a third around each)."""
+    from nemo_like.algorithms.grpo import validations_after
+    from nemo_like.config import load_config
+
+    cfg = load_config(None, ["grpo.val_period=20", "grpo.val_at_end=true"])
+    clock = SteppedClock()
+    progress = ConsoleProgress(100, enabled=True, clock=clock)
+    lines = {}
+    for step in range(1, 41):
+        validation = 60.0 if step % 20 == 0 else 0.0
+        clock.now += 10.0 + validation
+        progress.update(step, "r", validation, validations_after(cfg, step, 100))
+        lines[step] = capsys.readouterr().err.strip()
+    assert lines[19].endswith("eta 13m30s")  # no validation measured yet: 81 x 10 s
+    assert lines[20].endswith("eta 17m20s")  # 80 x 10 s + 4 validations x 60 s: the time left
+    assert lines[39].endswith("eta 14m10s") and lines[40].endswith("eta 13m00s")  # 61 x 10 + 4 x 60; 60 x 10 + 3 x 60
+    assert [validations_after(cfg, s, 100) for s in (0, 19, 20, 99, 100)] == [5, 5, 4, 1, 0]
+    assert validations_after(cfg, 90, 95) == 1 and validations_after(cfg, 95, 95) == 0  # the last step's, off the period
+    never = load_config(None, ["grpo.val_period=0", "grpo.val_at_end=false"])
+    assert validations_after(never, 0, 100) == 0
