@@ -23,7 +23,7 @@ from nemo_like.distributed.worker_group import actors_not_kept
 from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments, import_environment_class, resolve_environments, task_of
 from nemo_like.environments.worker import Environments
 from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
-from nemo_like.experience.multi_turn import trimming_template_warning
+from nemo_like.experience.multi_turn import template_warnings
 from nemo_like.models.engines import build_generation
 from nemo_like.models.footprint import (
     check_teacher_config_names,
@@ -418,8 +418,8 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     check_environments(env_specs, {"train": train, "validation": val})
     for line in multi_turn_warnings(cfg, env_specs):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
-    if cfg.grpo.max_rollout_turns > 1 and (trimming := trimming_template_warning(tokenizer)):
-        warnings.warn(trimming, RuntimeWarning, stacklevel=2)
+    for line in template_warnings(tokenizer) if cfg.grpo.max_rollout_turns > 1 else []:
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
     joins = joins_existing_cluster(cfg.cluster)
     if joins:  # the plan's thread split needs the joined cluster's node CPUs
         init_ray(cfg.cluster)

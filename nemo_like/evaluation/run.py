@@ -196,7 +196,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
     from nemo_like.environments.worker import Environments, environment_resources
     from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
-    from nemo_like.experience.multi_turn import multi_turn_metrics, trimming_template_warning
+    from nemo_like.experience.multi_turn import multi_turn_metrics, template_warnings
     from nemo_like.experience.rollouts import collect_rollout, env_metrics_with_means
     from nemo_like.models.engines import build_generation, generation_resources
     from nemo_like.models.generation.interface import sampling_params
@@ -235,8 +235,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     check_context_length(model_dir, cfg.policy.max_total_sequence_length)
     check_stop_token_ids(model_dir, cfg.policy.generation.stop_token_ids)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
-    if cfg.grpo.max_rollout_turns > 1 and (trimming := trimming_template_warning(tokenizer)):
-        warnings.warn(trimming, RuntimeWarning, stacklevel=2)
+    for line in template_warnings(tokenizer) if cfg.grpo.max_rollout_turns > 1 else []:
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
     prompts = load_validation_prompts(cfg, tokenizer)
     check_environments(specs, {"validation": prompts})
     for line in multi_turn_warnings(cfg, specs):  # the environments' no-effect lines, as train prints them

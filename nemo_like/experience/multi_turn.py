@@ -390,6 +390,33 @@ def trimming_template_warning(tokenizer) -> str | None:
     )
 
 
+def rewriting_template_warning(tokenizer) -> str | None:
+    """A warning for multi-turn runs when the chat template renders an earlier assistant turn otherwise than it was
+    sampled once a user message follows (Qwen3's, DeepSeek-R1's: they drop the reasoning block from earlier turns, the
+    empty one their generation prompt opens included): an episode whose environment then replies as a user stops the
+    run at that turn (:class:`TemplateRewriteError`), after the actors started."""
+    prompt = [{"role": "user", "content": "q"}]
+    opened = render_chat(tokenizer, prompt, add_generation_prompt=True)
+    cases = (("x", "the reasoning block its generation prompt opens"), ("<think>\nr\n</think>\n\nx", "a reasoning block the model writes"))
+    for sampled, what in cases:
+        history = [*prompt, {"role": "assistant", "content": sampled}, {"role": "user", "content": "z"}]
+        if not render_chat(tokenizer, history, add_generation_prompt=True).startswith(opened + sampled):
+            return (
+                f"the chat template renders an earlier assistant turn otherwise than it was sampled once a user message "
+                f"follows (it drops {what}): a multi-turn episode whose environment replies as a user stops the run at "
+                "that turn (an environment replying as a tool is not affected). Set policy.tokenizer_name to a tokenizer "
+                "whose template keeps earlier turns as they were, or roll the episodes out through the rollout server "
+                "(agent tasks, docs/guides/agents.md: it starts a new row where the history was rewritten)"
+            )
+    return None
+
+
+def template_warnings(tokenizer) -> list[str]:
+    """What a multi-turn run should know of its chat template: :func:`trimming_template_warning`,
+    :func:`rewriting_template_warning`."""
+    return [line for line in (trimming_template_warning(tokenizer), rewriting_template_warning(tokenizer)) if line]
+
+
 def finished_sample(conv: Conversation) -> GeneratedSample:
     """The conversation as one training row (its turns after the prompt as ``messages``)."""
     return GeneratedSample(

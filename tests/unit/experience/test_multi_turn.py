@@ -30,8 +30,10 @@ from nemo_like.experience.multi_turn import (
     apply_stop_strings,
     local_stepper,
     multi_turn_metrics,
+    rewriting_template_warning,
     run_multi_turn,
     stop_string_cut,
+    template_warnings,
     trimming_template_warning,
     turn_ends,
     writes_back,
@@ -360,6 +362,25 @@ def test_a_runs_prompts_list_its_tool_environments_tools_and_a_template_that_can
     with pytest.raises(ConfigError) as refused:  # prompts without tool lists: the data alone is blamed
         shipped.loader.check_resumable(listed.loader.state_dict())
     assert "tools_in_prompt" not in str(refused.value)
+
+
+def test_a_template_that_drops_earlier_reasoning_is_named_before_the_run_starts(tokenizer):
+    """A Qwen3-style template renders earlier assistant turns without their reasoning block once a user message
+    follows: a multi-turn run (guess_number replies as a user) stopped at its first rollout's second turn, after every
+    actor had started, with nothing said at start-up."""
+    think = copy.deepcopy(tokenizer)
+    think.chat_template = (Path(__file__).resolve().parents[2] / "fixtures" / "qwen3_style_think.jinja").read_text()
+    assert "it drops the reasoning block its generation prompt opens" in rewriting_template_warning(think)
+    writes = copy.deepcopy(tokenizer)  # its generation prompt opens nothing; the model's own <think> is dropped later
+    writes.chat_template = think.chat_template.replace(
+        "'<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' -}}{%- endif", "'<|im_start|>assistant\\n' -}}{%- endif"
+    )
+    assert writes.chat_template != think.chat_template
+    assert "it drops a reasoning block the model writes" in rewriting_template_warning(writes)
+    assert template_warnings(tokenizer) == []  # the shipped ChatML template keeps every turn as sampled
+    assert [line.split(":")[0] for line in template_warnings(think)] == [
+        "the chat template renders an earlier assistant turn otherwise than it was sampled once a user message follows (it drops the reasoning block its generation prompt opens)"
+    ]
 
 
 def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(tokenizer, prompts):
