@@ -6,7 +6,6 @@ import argparse
 import difflib
 import math
 import os
-import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from typing import Any
 
 from nemo_like.config import ConfigError, MasterConfig, load_config
 from nemo_like.config.loader import recipe_yaml
-from nemo_like.utils.run_control import CommandStopped, restore_handlers, stop_signals_raise
+from nemo_like.utils.run_control import command_stop, stop_signals_raise, stop_signals_restored
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
@@ -427,20 +426,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``nemo-like`` command; returns its exit status (also written to ``$NEMO_LIKE_EXIT_STATUS_FILE`` when set)."""
     status: int | None = None
     python_format, warnings.formatwarning = warnings.formatwarning, format_warning
-    previous = stop_signals_raise()  # every command's cleanups run on SIGTERM too (train stops between steps instead)
+    previous: dict[int, Any] = {}  # the handlers _main replaced
     try:
-        status = _main(argv)
+        status = _main(argv, previous)
         return status
     except SystemExit as exc:  # argparse's usage errors and --help
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         raise
     except KeyboardInterrupt as exc:  # a Ctrl-C or SIGTERM outside a training run's own handlers: one line, no traceback
-        stopped = exc if isinstance(exc, CommandStopped) else CommandStopped(signal.SIGINT)
+        stopped = command_stop(exc)
         status = stopped.status
         print(f"nemo-like: stopped by {stopped.signal.name} (exit status {status})", file=sys.stderr, flush=True)
         return status
     finally:
-        restore_handlers(previous)  # in-process callers (tests) get their own handlers back
+        stop_signals_restored(previous)  # in-process callers (tests) get their own handlers back
         warnings.formatwarning = python_format  # and Python's format
         record_exit_status(1 if status is None else status)
 
@@ -472,13 +471,17 @@ def record_exit_status(status: int) -> None:
         print(f"nemo-like: warning: cannot write the exit status to {path}: {exc}", file=sys.stderr)
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _main(argv: Sequence[str] | None, replaced: dict[int, Any]) -> int:
+    """The command ``argv`` names; ``replaced`` receives the signal handlers it replaced (for :func:`main` to put back)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     implicit_train = not argv or (argv[0] not in TOP_LEVEL_FLAGS and (argv[0].startswith(("-", "~")) or "=" in argv[0]))
     if implicit_train:
         argv = ["train", *argv]  # `nemo-like` alone, or with train's options / overrides only, means train
     args = parse_arguments(build_parser(), argv)
     RUN_ERRORS = _run_errors()
+    # Every command's cleanups run on SIGTERM too (train stops between steps instead); installed after the heavy imports
+    # above: a handler that raises inside torch's import of numpy was swallowed there, and the command went on.
+    replaced.update(stop_signals_raise())
     try:
         if args.command == "train":
             return run_train(args)

@@ -36,7 +36,7 @@ from nemo_like.utils.log_backends import drop_torn_tail
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.machine_runs import registered_run
 from nemo_like.utils.preflight import ensure_writable_dir
-from nemo_like.utils.run_control import RunControl, RunInterrupted, activate, stop_signals_held
+from nemo_like.utils.run_control import RunControl, RunInterrupted, activate, raise_if_stopped, stop_signals_held
 from nemo_like.utils.run_lock import hold_run_locks, run_directories
 
 
@@ -72,6 +72,7 @@ def train(cfg: MasterConfig, command_line: list[str] | None = None) -> list[dict
     faults.arm(cfg.cluster.fault_injection)
     control.install_signal_handlers()
     try:
+        raise_if_stopped()  # a SIGTERM before the run's handlers whose exception C code swallowed: stop before anything
         with hold_run_locks(run_directories(cfg)), registered_run(cfg.logger.log_dir):
             return _train_locked(cfg, start, control)
     except RunInterrupted as stop:

@@ -36,7 +36,7 @@ from nemo_like.models.policy.checkpoints import POLICY_DIR
 from nemo_like.utils import preflight
 from nemo_like.utils.files import replace_file
 from nemo_like.utils.machine_runs import registered_run
-from nemo_like.utils.run_control import stop_signals_kept
+from nemo_like.utils.run_control import raise_if_stopped, stop_signals_kept
 from nemo_like.utils.run_lock import hold_run_locks
 from nemo_like.utils.seeds import eval_seed
 
@@ -264,6 +264,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         private = not joins_existing_cluster(cfg.cluster)
         with stop_signals_kept():  # Ray's handler would abort on SIGTERM (134): the command's again after it
             init_ray(cfg.cluster)
+        raise_if_stopped()  # a signal whose exception C code swallowed (an import): stop before the sampling
         eos_ids = end_of_sequence_ids(tokenizer, model_dir)
         plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False)  # decided once, handed down
         warn_of_runs_sharing_cores(run_cfg, plan, private, trains=False)

@@ -27,7 +27,7 @@ from nemo_like.models.loading import (
 from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
-from nemo_like.utils.run_control import STOP_SIGNALS, CommandStopped, restore_handlers
+from nemo_like.utils.run_control import STOP_SIGNALS, command_stop, restore_handlers
 
 STANDALONE_KEPT_RESULTS = 1000  # ended sessions whose result a repeated end still returns
 
@@ -93,7 +93,7 @@ def serve(cfg: Any, port: int = 0, stop: threading.Event | None = None) -> int:
         (stop or threading.Event()).wait()
         status = 0
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM under the CLI (CommandStopped): the server stops as asked
-        stopped = exc if isinstance(exc, CommandStopped) else CommandStopped(signal.SIGINT)
+        stopped = command_stop(exc)
         status = stopped.status
         print(f"stopping the server ({stopped.signal.name}; send it again to exit at once)", file=sys.stderr, flush=True)
     finally:

@@ -285,17 +285,46 @@ class CommandStopped(KeyboardInterrupt):
         super().__init__(self.signal.name)
 
 
+#: The stop :func:`stop_signals_raise`'s handler raised last: its exception may lose its type (``ray.get`` re-raises a
+#: plain ``KeyboardInterrupt``: a SIGTERM read as a Ctrl-C) or be swallowed (an import in C code that catches it).
+_RAISED: list[CommandStopped] = []
+
+
 def _raise_stopped(signum: int, frame: FrameType | None) -> None:
-    raise CommandStopped(signum)
+    _RAISED[:] = [CommandStopped(signum)]
+    raise _RAISED[0]
 
 
 def stop_signals_raise() -> dict[int, Any]:
     """In the main thread, SIGINT and SIGTERM raise :class:`CommandStopped` (SIGTERM killed the process, its cleanups
     skipped: a merge's temporary copy stayed). ``ray.init`` replaces SIGTERM's handler (:func:`stop_signals_kept`
     puts it back). Returns the handlers it replaced, for :func:`restore_handlers` (empty off the main thread)."""
+    _RAISED.clear()
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {signum: signal.signal(signum, _raise_stopped) for signum in STOP_SIGNALS}
+
+
+def stop_signals_restored(previous: dict[int, Any]) -> None:
+    """Undo :func:`stop_signals_raise`: ``previous`` handlers back, the stop it recorded forgotten (an in-process
+    caller's next command, or ``train()``, starts clean)."""
+    restore_handlers(previous)
+    _RAISED.clear()
+
+
+def command_stop(exc: BaseException) -> CommandStopped:
+    """The stop a ``KeyboardInterrupt`` ``exc`` stands for: itself, else the signal :func:`stop_signals_raise`'s handler
+    raised last, else a Ctrl-C."""
+    if isinstance(exc, CommandStopped):
+        return exc
+    return _RAISED[-1] if _RAISED else CommandStopped(signal.SIGINT)
+
+
+def raise_if_stopped() -> None:
+    """Raise the stop a signal asked for where its exception was swallowed (by C code it was raised in), before a
+    command's long work starts (the whole training ran after a SIGTERM that way)."""
+    if _RAISED:
+        raise _RAISED[-1]
 
 
 def restore_handlers(previous: dict[int, Any]) -> None:

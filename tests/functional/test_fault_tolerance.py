@@ -394,9 +394,10 @@ def test_sigterm_and_ctrl_c_stop_an_eval_with_one_line_and_their_status(ray_clus
     for name, signum in (("SIGTERM", signal.SIGTERM), ("SIGINT", signal.SIGINT)):
         out = tmp_path / name
         with registered_run(tmp_path / "other-logs"):
-            run = Run(tmp_path, f"eval.output_dir={out}", "eval.num_samples_per_prompt=8", command="eval")
+            run = Run(tmp_path, f"eval.output_dir={out}", "eval.num_samples_per_prompt=16", command="eval")
             try:
                 run.wait_for_line(r"^\[setup\] generation backend", 120)  # its cluster is up; sampling begins
+                time.sleep(2.0)  # inside ray.get, which re-raises the handler's exception as a plain KeyboardInterrupt
                 run.signal(signum)
                 status = run.finish(60)
             finally:

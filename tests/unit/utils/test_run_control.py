@@ -401,3 +401,31 @@ def test_after_a_stop_a_write_to_an_output_whose_reader_left_is_dropped_not_rais
     assert os.path.realpath(f"/proc/self/fd/{write}") == os.devnull and quiet.fileno() == write
     assert _QuietOnBrokenPipe.wrap(quiet) is quiet
     stream.close()
+
+
+def test_a_stop_whose_exception_was_swallowed_or_lost_its_type_is_still_the_signals(tmp_path) -> None:
+    """A SIGTERM whose exception C code swallowed (torch's import of numpy catches it) let the command go on: a whole
+    training ran and exited 0; ray.get re-raises the exception as a plain KeyboardInterrupt, so a SIGTERM during an eval's
+    sampling was reported as a Ctrl-C (130). The real handler, a real signal to this process."""
+    from nemo_like.train import train
+    from nemo_like.utils.run_control import CommandStopped, command_stop, raise_if_stopped, stop_signals_raise, stop_signals_restored
+
+    previous = stop_signals_raise()
+    try:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except CommandStopped:
+            pass  # swallowed, as C code that catches it does
+        assert command_stop(KeyboardInterrupt()).status == EXIT_SIGTERM  # a plain one stands for the signal raised
+        with pytest.raises(CommandStopped) as stopped:
+            raise_if_stopped()
+        assert stopped.value.signal == signal.SIGTERM
+        cfg = load_config(None, [f"logger.log_dir={tmp_path / 'logs'}", "grpo.max_num_steps=1"])
+        with pytest.raises(CommandStopped):  # before the run: no lock, no record, no cluster
+            train(cfg)
+        assert not (tmp_path / "logs" / "metrics.jsonl").exists() and not (tmp_path / "logs" / ".nemo_like.lock").exists()
+    finally:
+        stop_signals_restored(previous)
+    raise_if_stopped()  # forgotten: an in-process caller's next command starts clean
+    assert command_stop(KeyboardInterrupt()).status == EXIT_SIGINT and signal.getsignal(signal.SIGTERM) == previous[signal.SIGTERM]
