@@ -18,6 +18,7 @@ from nemo_like.algorithms.kl import KL_ESTIMATORS
 from nemo_like.algorithms.loss_functions import SURROGATES, TRUNCATIONS, TRUST_REGIONS
 from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
+from nemo_like.environments.agent import load_agent_settings
 from nemo_like.environments.registry import EnvSpec, resolve_environments
 from nemo_like.utils.registry import PluginNameError, Registry
 
@@ -52,10 +53,13 @@ def check_algorithm_names(cfg: MasterConfig) -> None:
 
 def check_plugin_names(cfg: MasterConfig) -> dict[str, EnvSpec]:
     """Check every plug-in name of ``cfg`` (algorithms first, then the environments, their tools and reward
-    functions); returns the resolved environment specs.
+    functions, and the agent tasks' agents); returns the resolved environment specs.
 
     Raises:
         ConfigError: a name that does not resolve, naming its config key.
     """
     check_algorithm_names(cfg)
-    return resolve_environments(cfg.env_sections)
+    specs = resolve_environments(cfg.env_sections)
+    for task in cfg.agent_task_names():  # a user's agent imports here too: --dry-run passed a path that did not resolve
+        load_agent_settings(task, specs[task].kwargs)
+    return specs

@@ -81,7 +81,9 @@ def load_agent_settings(task: str, kwargs: dict[str, Any]) -> AgentSettings:
     try:
         function = import_object(config.agent)
     except (ValueError, ImportError) as exc:
-        raise ConfigError(f"{where}: cannot import {config.agent!r} ({exc}); expected 'package.module:function'") from None
+        raise ConfigError(
+            f"{where}: cannot import {config.agent!r} ({exc}); expected 'package.module:function' or 'path/to/file.py:function'"
+        ) from None
     if not callable(function):
         raise ConfigError(f"{where}: {config.agent!r} is a {type(function).__name__}, not a function")
     params = inspect.signature(function).parameters

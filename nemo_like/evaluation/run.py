@@ -96,6 +96,36 @@ def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
     return str(scratch)
 
 
+def eval_tokenizer(cfg: MasterConfig, model_dir: str) -> tuple[Any, str]:
+    """``(tokenizer, source)`` eval tokenizes with: ``policy.tokenizer_name`` when set, else the one the evaluated
+    model's directory holds (a checkpoint's: the tokenizer of the run that wrote it, which the engine loads too), else
+    ``policy.model_name``'s. One that cannot be the model's (another vocabulary than its directory's, or ids past its
+    vocabulary rows) is a :class:`ConfigError` naming the keys, before Ray starts: a checkpoint of another model than
+    the recipe's failed in the sampler's actor with an IndexError."""
+    from nemo_like.algorithms.distillation import token_id_count
+    from nemo_like.models.loading import load_tokenizer, model_vocab_size
+
+    own = model_dir if Path(model_dir).is_dir() and holds_tokenizer(Path(model_dir)) else None
+    # a tokenizer_name that names the recipe's model (the tiny recipe's ${policy.model_name}) means "the model's own"
+    named = cfg.policy.tokenizer_name if cfg.policy.tokenizer_name not in (None, cfg.policy.model_name) else None
+    key = "policy.tokenizer_name" if named else "policy.model_name"
+    source = named or own or cfg.policy.model_name
+    tokenizer = load_tokenizer(source)
+    if own is not None and source != own and load_tokenizer(own).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"{key}={source!r} has another tokenizer than the one {own} holds (the run's that wrote it): set "
+            "policy.tokenizer_name=null to evaluate with the model's own"
+        )
+    rows = model_vocab_size(model_dir)
+    if rows is not None and token_id_count(tokenizer) > rows:
+        raise ConfigError(
+            f"the tokenizer of {key}={source!r} has ids up to {token_id_count(tokenizer) - 1}, past the {rows} vocabulary "
+            f"rows of {model_dir}: evaluate with the tokenizer of the run that trained it (its config.yaml's "
+            "policy.model_name, or policy.tokenizer_name)"
+        )
+    return tokenizer, source
+
+
 def refuse_results_over_model(out: Path, model_dir: Path) -> None:
     """Eval writes ``config.yaml``, ``summary.json`` and ``results.jsonl`` into ``out`` (``eval.output_dir``; its
     ``model/`` and ``merged_model/`` have their own checks): a :class:`ConfigError` when ``out`` is the model directory,
@@ -207,7 +237,6 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         check_stop_token_ids,
         check_tokenizer_source,
         end_of_sequence_ids,
-        load_tokenizer,
         resolve_checkpoint_model,
     )
 
@@ -234,7 +263,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         check_model_source(lora_base, f"{Path(model_dir) / ADAPTER_CONFIG} base_model_name_or_path")
     check_context_length(model_dir, cfg.policy.max_total_sequence_length)
     check_stop_token_ids(model_dir, cfg.policy.generation.stop_token_ids)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    tokenizer, tokenizer_source = eval_tokenizer(cfg, model_dir)
     for line in template_warnings(tokenizer) if cfg.grpo.max_rollout_turns > 1 else []:
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     prompts = load_validation_prompts(cfg, tokenizer)
@@ -254,8 +283,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         if (out / "summary.json").is_file():
             warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)
         if lora_base is not None:  # a LoRA checkpoint: serve its merged model
-            tokenizer_name = cfg.policy.tokenizer_name or cfg.policy.model_name
-            merged = merge_checkpoint(model_dir, record_merge(out), tokenizer=tokenizer_name, replace=True)
+            merged = merge_checkpoint(model_dir, record_merge(out), tokenizer=tokenizer_source, replace=True)
             model_dir = str(Path(merged).absolute())  # summary.json names it whatever directory the next eval runs from
         run_cfg = eval_config(cfg, with_tokenizer(model_dir, tokenizer, out / "model"))
 

@@ -82,7 +82,12 @@ def _import_file(file: Path) -> object:
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, resolved)
         if spec is None or spec.loader is None or not resolved.is_file():
-            raise ImportError(f"no Python file at {file}")
+            relative = (
+                ""
+                if file.is_absolute()
+                else f" (relative to the working directory {Path.cwd()}: give an absolute path, or run from the directory it is relative to)"
+            )
+            raise ImportError(f"no Python file at {file}{relative}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         try:

@@ -11,7 +11,7 @@ import pytest
 from nemo_like.config import ConfigError, load_config
 from nemo_like.config.schema import default_pass_k
 from nemo_like.evaluation.run import summarize
-from nemo_like.models.loading import resolve_checkpoint_model
+from nemo_like.models.loading import load_tokenizer, resolve_checkpoint_model, resolve_model_path
 from nemo_like.serving.standalone import served_model
 
 
@@ -365,3 +365,27 @@ def test_a_merged_model_eval_did_not_merge_is_refused_not_replaced(tmp_path, cap
     assert any((out / "merged_model").iterdir()) and not (out / "summary.json").exists()
     assert Path((out / MERGE_MARKER).read_text().strip()) == out / "merged_model"
     refuse_replacing_a_model_eval_did_not_merge(Path("./out"))
+
+
+def test_eval_tokenizes_with_the_checkpoints_own_tokenizer_and_refuses_one_that_cannot_be_the_models(tmp_path) -> None:
+    """A checkpoint of another shipped model (embedded:tiny-tool-qwen2, 315 rows) evaluated with the recipe, as the
+    README shows: its prompts were tokenized with the recipe's tokenizer (359 ids) and the sampler's actor failed with an
+    IndexError after Ray started. The checkpoint's own tokenizer is used; an explicit other one, or one whose ids pass
+    the model's rows, is refused before Ray starts, naming the key."""
+    from nemo_like.evaluation.run import eval_tokenizer
+
+    tool = Path(resolve_model_path("embedded:tiny-tool-qwen2"))
+    step = tmp_path / "ckpt" / "step_2" / "policy"
+    shutil.copytree(tool, step)
+    tokenizer, source = eval_tokenizer(load_config(None, []), str(step))
+    assert source == str(step) and len(tokenizer.get_vocab()) == len(load_tokenizer(str(tool)).get_vocab())
+    named = load_config(None, ["policy.model_name=embedded:tiny-arith-teacher", "policy.tokenizer_name=embedded:tiny-arith-qwen2"])
+    with pytest.raises(ConfigError, match=r"policy.tokenizer_name=.* has another tokenizer than the one .*step_2/policy holds"):
+        eval_tokenizer(named, str(step))
+    bare = tmp_path / "bare"  # a checkpoint written before it held the run's tokenizer
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(tool / name, bare / name)
+    with pytest.raises(ConfigError, match=r"the tokenizer of policy.model_name=.* has ids up to 358, past the 315 vocabulary rows of"):
+        eval_tokenizer(load_config(None, []), str(bare))
+    assert eval_tokenizer(load_config(None, ["policy.model_name=embedded:tiny-tool-qwen2"]), str(bare))[1] == "embedded:tiny-tool-qwen2"

@@ -167,6 +167,13 @@ def test_agent_settings_errors_name_the_key() -> None:
     assert load_agent_settings("tool", {"agent": AGENT, "verifier": "tool"}).function.__name__ == "solve"
     with pytest.raises(ConfigError, match=r"env\.tool\.agent: cannot import"):
         load_agent_settings("tool", {"agent": "no_such_pkg.mod:solve"})
+    # a recipe's relative agent path run from elsewhere: the error named neither the directory nor the file form
+    with pytest.raises(ConfigError) as missing:
+        load_agent_settings("tool", {"agent": "agents/nowhere.py:solve"})
+    assert f"no Python file at agents/nowhere.py (relative to the working directory {Path.cwd()}: give an absolute path" in str(
+        missing.value
+    )
+    assert str(missing.value).endswith("expected 'package.module:function' or 'path/to/file.py:function'")
     with pytest.raises(ConfigError, match=r"env\.tool\.agent: .*must accept \(base_url, api_key, session_id, prompt, metadata\)"):
         load_agent_settings("tool", {"agent": "examples/agents/calculator_agent.py:run_tool"})
     with pytest.raises(ConfigError, match=r"env\.tool\.verifier"):
