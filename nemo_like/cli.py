@@ -14,7 +14,7 @@ from typing import Any
 
 from nemo_like.config import ConfigError, MasterConfig, load_config
 from nemo_like.config.loader import recipe_yaml
-from nemo_like.utils.run_control import command_stop, stop_signals_raise, stop_signals_restored
+from nemo_like.utils.run_control import command_stop, raise_if_stopped, signals_ignored, stop_signals_raise, stop_signals_restored
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
@@ -426,9 +426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``nemo-like`` command; returns its exit status (also written to ``$NEMO_LIKE_EXIT_STATUS_FILE`` when set)."""
     status: int | None = None
     python_format, warnings.formatwarning = warnings.formatwarning, format_warning
-    previous: dict[int, Any] = {}  # the handlers _main replaced
+    previous = stop_signals_raise()  # every command's cleanups run on SIGTERM too (train stops between steps instead)
     try:
-        status = _main(argv, previous)
+        status = _main(argv)
         return status
     except SystemExit as exc:  # argparse's usage errors and --help
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -439,9 +439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nemo-like: stopped by {stopped.signal.name} (exit status {status})", file=sys.stderr, flush=True)
         return status
     finally:
+        with signals_ignored():  # the status is decided: a signal now killed the process mid-write of the status file
+            record_exit_status(1 if status is None else status)
         stop_signals_restored(previous)  # in-process callers (tests) get their own handlers back
         warnings.formatwarning = python_format  # and Python's format
-        record_exit_status(1 if status is None else status)
 
 
 def console_main() -> None:
@@ -471,17 +472,14 @@ def record_exit_status(status: int) -> None:
         print(f"nemo-like: warning: cannot write the exit status to {path}: {exc}", file=sys.stderr)
 
 
-def _main(argv: Sequence[str] | None, replaced: dict[int, Any]) -> int:
-    """The command ``argv`` names; ``replaced`` receives the signal handlers it replaced (for :func:`main` to put back)."""
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     implicit_train = not argv or (argv[0] not in TOP_LEVEL_FLAGS and (argv[0].startswith(("-", "~")) or "=" in argv[0]))
     if implicit_train:
         argv = ["train", *argv]  # `nemo-like` alone, or with train's options / overrides only, means train
     args = parse_arguments(build_parser(), argv)
     RUN_ERRORS = _run_errors()
-    # Every command's cleanups run on SIGTERM too (train stops between steps instead); installed after the heavy imports
-    # above: a handler that raises inside torch's import of numpy was swallowed there, and the command went on.
-    replaced.update(stop_signals_raise())
+    raise_if_stopped()  # a signal whose exception torch's import of numpy swallowed: the whole command ran after it
     try:
         if args.command == "train":
             return run_train(args)

@@ -390,24 +390,38 @@ def trimming_template_warning(tokenizer) -> str | None:
     )
 
 
-def rewriting_template_warning(tokenizer) -> str | None:
-    """A warning for multi-turn runs when the chat template renders an earlier assistant turn otherwise than it was
-    sampled once a user message follows (Qwen3's, DeepSeek-R1's: they drop the reasoning block from earlier turns, the
-    empty one their generation prompt opens included): an episode whose environment then replies as a user stops the
-    run at that turn (:class:`TemplateRewriteError`), after the actors started."""
-    prompt = [{"role": "user", "content": "q"}]
+def _keeps_turn(tokenizer, prompt: list[dict[str, str]], sampled: str, reply_role: str) -> bool:
+    """Whether the template renders ``prompt``, the sampled assistant turn and a ``reply_role`` reply starting with
+    what the sequence holds after the turn (whitespace aside: the turn loop ends such an episode, counted)."""
     opened = render_chat(tokenizer, prompt, add_generation_prompt=True)
-    cases = (("x", "the reasoning block its generation prompt opens"), ("<think>\nr\n</think>\n\nx", "a reasoning block the model writes"))
-    for sampled, what in cases:
-        history = [*prompt, {"role": "assistant", "content": sampled}, {"role": "user", "content": "z"}]
-        if not render_chat(tokenizer, history, add_generation_prompt=True).startswith(opened + sampled):
-            return (
-                f"the chat template renders an earlier assistant turn otherwise than it was sampled once a user message "
-                f"follows (it drops {what}): a multi-turn episode whose environment replies as a user stops the run at "
-                "that turn (an environment replying as a tool is not affected). Set policy.tokenizer_name to a tokenizer "
-                "whose template keeps earlier turns as they were, or roll the episodes out through the rollout server "
-                "(agent tasks, docs/guides/agents.md: it starts a new row where the history was rewritten)"
-            )
+    history = [*prompt, {"role": "assistant", "content": sampled}, {"role": reply_role, "content": "z"}]
+    full = render_chat(tokenizer, history, add_generation_prompt=True)
+    return _without_whitespace(full).startswith(_without_whitespace(opened + sampled))
+
+
+def rewriting_template_warning(tokenizer) -> str | None:
+    """A warning for multi-turn runs when the chat template renders an earlier assistant turn, or the prompt, otherwise
+    than the sequence holds them once a user message follows (Qwen3's and DeepSeek-R1's drop the reasoning block from
+    earlier turns, the empty one their generation prompt opens included; Mistral's move the system message before the
+    last user message): such an episode stops the run at that turn (:class:`TemplateRewriteError`), after the actors
+    started. Whitespace-only rewrites are :func:`trimming_template_warning`'s."""
+    user, system = {"role": "user", "content": "q"}, {"role": "system", "content": "s"}
+    cases = (
+        ([user], "x", "it drops the reasoning block its generation prompt opens"),
+        ([user], "<think>\nr\n</think>\n\nx", "it drops a reasoning block the model writes"),
+        ([system, user], "x", "it moves the system message"),
+    )
+    for prompt, sampled, what in cases:
+        if _keeps_turn(tokenizer, prompt, sampled, "user"):
+            continue
+        tool = "; an environment replying as a tool is not affected" if _keeps_turn(tokenizer, prompt, sampled, "tool") else ""
+        return (
+            f"the chat template renders an earlier assistant turn or the prompt otherwise than the sequence holds them "
+            f"once a user message follows ({what}): a multi-turn episode whose environment replies as a user stops the "
+            f"run at that turn{tool}. Set policy.tokenizer_name to a tokenizer whose template keeps earlier turns as "
+            "they were, or roll the episodes out through the rollout server (agent tasks, docs/guides/agents.md: it "
+            "starts a new row where the history was rewritten)"
+        )
     return None
 
 

@@ -101,8 +101,8 @@ def replace_file(path: str | Path, data: str | bytes) -> Path:
     target = Path(os.path.realpath(path))  # beside the link's target: the rename stays on its filesystem
     payload = data if isinstance(data, bytes) else data.encode("utf-8")
     partial = partial_path(target)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
+    try:  # the open too: a stop handled as it returns left the new empty file behind
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as out:
             _keep_permissions(out.fileno(), target)
             out.write(payload)

@@ -312,6 +312,20 @@ def stop_signals_restored(previous: dict[int, Any]) -> None:
     _RAISED.clear()
 
 
+@contextmanager
+def signals_ignored() -> Iterator[None]:
+    """SIGTERM and SIGINT ignored through the block (in the main thread): work whose outcome is already decided (the
+    exit status file) is not cut off mid-write."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        restore_handlers(before)
+
+
 def command_stop(exc: BaseException) -> CommandStopped:
     """The stop a ``KeyboardInterrupt`` ``exc`` stands for: itself, else the signal :func:`stop_signals_raise`'s handler
     raised last, else a Ctrl-C."""
@@ -368,10 +382,16 @@ def stop_signals_kept() -> Iterator[None]:
     and afterwards put back the handlers there were before it (Ray replaces SIGTERM's with one that aborts: 134). A
     command that saves nothing (``eval``) does not hold SIGTERM as ``train`` does: Ray's processes would inherit it
     held, and every exit would wait ~4 s for them (Ray's shutdown gives each 1 s to end before it kills it; they block
-    SIGINT themselves). A SIGTERM during ``ray.init`` meets Ray's handler."""
+    SIGINT themselves). A SIGTERM during ``ray.init`` meets Ray's handler, whose ``sys.exit(15)`` is turned into the
+    command's stop (143, one line)."""
     before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     with stop_signals_held(lambda: restore_handlers(before), frozenset({signal.SIGINT})):
-        yield
+        try:
+            yield
+        except SystemExit as exc:  # Ray's Python handler during ray.init: sys.exit(15), silently
+            if exc.code != signal.SIGTERM:
+                raise
+            raise CommandStopped(signal.SIGTERM) from None
 
 
 def leave_at_once_on_stop_signals(status: int) -> None:

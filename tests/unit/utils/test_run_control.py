@@ -429,3 +429,34 @@ def test_a_stop_whose_exception_was_swallowed_or_lost_its_type_is_still_the_sign
         stop_signals_restored(previous)
     raise_if_stopped()  # forgotten: an in-process caller's next command starts clean
     assert command_stop(KeyboardInterrupt()).status == EXIT_SIGINT and signal.getsignal(signal.SIGTERM) == previous[signal.SIGTERM]
+
+
+def test_ray_inits_exit_on_sigterm_is_the_commands_stop_and_a_decided_status_is_written_whole(tmp_path, monkeypatch) -> None:
+    """Ray's Python handler during ray.init calls sys.exit(15): eval exited 15 with no line. A SIGTERM while the CLI wrote
+    the exit status file (its handlers already the caller's: the default action) killed it mid-write: no status."""
+    from nemo_like.utils import files
+    from nemo_like.utils.run_control import CommandStopped, signals_ignored, stop_signals_kept
+
+    with pytest.raises(CommandStopped) as stopped:
+        with stop_signals_kept():
+            raise SystemExit(signal.SIGTERM)
+    assert stopped.value.status == EXIT_SIGTERM
+    with pytest.raises(SystemExit, match="2"), stop_signals_kept():
+        raise SystemExit(2)  # any other exit is left alone
+    before = signal.getsignal(signal.SIGTERM)
+    with signals_ignored():
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored: this process goes on
+        time.sleep(0.05)
+    assert signal.getsignal(signal.SIGTERM) == before
+    # A stop handled as replace_file's open returned left the new empty partial file behind
+    real_open = os.open
+
+    def opened_then_stopped(*args, **kwargs):
+        real_open(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files.os, "open", opened_then_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        files.replace_file(tmp_path / "status", "0\n")
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
