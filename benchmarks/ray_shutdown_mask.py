@@ -17,7 +17,7 @@ import sys
 CASE = """
 import signal, sys, time
 import ray
-from nemo_like.utils.run_control import stop_signals_held
+from nemo_like.utils.stop_signals import stop_signals_held
 held = {"none": frozenset(), "sigint": frozenset({signal.SIGINT}), "sigterm+sigint": frozenset({signal.SIGINT, signal.SIGTERM})}
 with stop_signals_held(lambda: None, held[sys.argv[1]]):
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)

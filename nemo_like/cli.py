@@ -14,7 +14,7 @@ from typing import Any
 
 from nemo_like.config import ConfigError, MasterConfig, load_config
 from nemo_like.config.loader import recipe_yaml
-from nemo_like.utils.run_control import command_stop, raise_if_stopped, signals_ignored, stop_signals_raise, stop_signals_restored
+from nemo_like.utils.stop_signals import command_stop, raise_if_stopped, signals_ignored, stop_signals_raise, stop_signals_restored
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:

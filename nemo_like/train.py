@@ -36,8 +36,9 @@ from nemo_like.utils.log_backends import drop_torn_tail
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.machine_runs import registered_run
 from nemo_like.utils.preflight import ensure_writable_dir
-from nemo_like.utils.run_control import RunControl, RunInterrupted, activate, raise_if_stopped, stop_signals_held
+from nemo_like.utils.run_control import RunControl, RunInterrupted, activate
 from nemo_like.utils.run_lock import hold_run_locks, run_directories
+from nemo_like.utils.stop_signals import raise_if_stopped, stop_signals_held
 
 
 def train(cfg: MasterConfig, command_line: list[str] | None = None) -> list[dict[str, Any]]:
@@ -287,9 +288,8 @@ def _train_attempt(
     ft = cfg.cluster.fault_tolerance
     with ExitStack() as watch:  # the start has a watchdog of its own (setup_timeout_s): a hung one hung the run silently
         try:
-            with stop_signals_held(
-                control.install_signal_handlers
-            ) as release:  # Ray's processes inherit the mask: a signal to the group spares them
+            # Ray's processes inherit the mask: a signal to the group spares them
+            with stop_signals_held(control.install_signal_handlers) as release:
                 control.last_progress = time.monotonic()
                 if ft.setup_timeout_s:  # started under the mask: its thread never takes a stop signal (see the helper)
                     watch.enter_context(StallWatchdog(control, ft.setup_timeout_s, ft.on_stall, "setup_timeout_s", "set-up"))

@@ -36,9 +36,9 @@ from nemo_like.models.policy.checkpoints import POLICY_DIR
 from nemo_like.utils import preflight
 from nemo_like.utils.files import replace_file
 from nemo_like.utils.machine_runs import registered_run
-from nemo_like.utils.run_control import raise_if_stopped, stop_signals_kept
 from nemo_like.utils.run_lock import hold_run_locks
 from nemo_like.utils.seeds import eval_seed
+from nemo_like.utils.stop_signals import raise_if_stopped, stop_signals_kept
 
 #: In ``eval.output_dir``: the absolute path of the ``merged_model/`` a LoRA eval merges into, written before the merge,
 #: so that an eval stopped after it (before its summary.json) can still be rerun there.

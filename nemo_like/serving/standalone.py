@@ -27,7 +27,7 @@ from nemo_like.models.loading import (
 from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
-from nemo_like.utils.run_control import STOP_SIGNALS, command_stop, restore_handlers
+from nemo_like.utils.stop_signals import STOP_SIGNALS, command_stop, restore_handlers
 
 STANDALONE_KEPT_RESULTS = 1000  # ended sessions whose result a repeated end still returns
 

@@ -87,10 +87,10 @@ def other_live_runs(directory: Path | None = None) -> list[LiveRun]:
         files = sorted(directory.glob(f"*{SUFFIX}"))
     except OSError:
         return []
-    runs = []
+    runs, cpus = [], _own_cpus()
     for path in files:
         run = _live_run(path)
-        if run is not None and run.pid != os.getpid() and run.shares_cpus(_own_cpus()):
+        if run is not None and run.pid != os.getpid() and run.shares_cpus(cpus):
             runs.append(run)
     return sorted(runs, key=lambda r: r.started)
 

@@ -19,11 +19,13 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
+
+from nemo_like.utils.stop_signals import STOP_SIGNALS, restore_handlers
 
 # Exit statuses (documented in docs/guides/fault-tolerance.md).
 EXIT_SIGTERM = 143  # 128 + SIGTERM: stopped by SIGTERM after saving
@@ -268,130 +270,6 @@ def activate(control: RunControl | None) -> None:
     """Make ``control`` the active one (``None``: a fresh inert one)."""
     global _ACTIVE
     _ACTIVE = control if control is not None else RunControl()
-
-
-#: The signals that request a stop (the run's handlers turn them into a save and an exit status).
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
-
-
-class CommandStopped(KeyboardInterrupt):
-    """SIGTERM or SIGINT stopped a command other than ``train`` (which stops between steps: :class:`RunControl`). A
-    ``KeyboardInterrupt``, so that it unwinds as a Ctrl-C does (every ``finally`` and cleanup runs; Ray's waits let it
-    through); ``status``: 128 + the signal's number (130, 143)."""
-
-    def __init__(self, signum: int) -> None:
-        self.signal = signal.Signals(signum)
-        self.status = _STATUS[self.signal]
-        super().__init__(self.signal.name)
-
-
-#: The stop :func:`stop_signals_raise`'s handler raised last: its exception may lose its type (``ray.get`` re-raises a
-#: plain ``KeyboardInterrupt``: a SIGTERM read as a Ctrl-C) or be swallowed (an import in C code that catches it).
-_RAISED: list[CommandStopped] = []
-
-
-def _raise_stopped(signum: int, frame: FrameType | None) -> None:
-    _RAISED[:] = [CommandStopped(signum)]
-    raise _RAISED[0]
-
-
-def stop_signals_raise() -> dict[int, Any]:
-    """In the main thread, SIGINT and SIGTERM raise :class:`CommandStopped` (SIGTERM killed the process, its cleanups
-    skipped: a merge's temporary copy stayed). ``ray.init`` replaces SIGTERM's handler (:func:`stop_signals_kept`
-    puts it back). Returns the handlers it replaced, for :func:`restore_handlers` (empty off the main thread)."""
-    _RAISED.clear()
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {signum: signal.signal(signum, _raise_stopped) for signum in STOP_SIGNALS}
-
-
-def stop_signals_restored(previous: dict[int, Any]) -> None:
-    """Undo :func:`stop_signals_raise`: ``previous`` handlers back, the stop it recorded forgotten (an in-process
-    caller's next command, or ``train()``, starts clean)."""
-    restore_handlers(previous)
-    _RAISED.clear()
-
-
-@contextmanager
-def signals_ignored() -> Iterator[None]:
-    """SIGTERM and SIGINT ignored through the block (in the main thread): work whose outcome is already decided (the
-    exit status file) is not cut off mid-write."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        restore_handlers(before)
-
-
-def command_stop(exc: BaseException) -> CommandStopped:
-    """The stop a ``KeyboardInterrupt`` ``exc`` stands for: itself, else the signal :func:`stop_signals_raise`'s handler
-    raised last, else a Ctrl-C."""
-    if isinstance(exc, CommandStopped):
-        return exc
-    return _RAISED[-1] if _RAISED else CommandStopped(signal.SIGINT)
-
-
-def raise_if_stopped() -> None:
-    """Raise the stop a signal asked for where its exception was swallowed (by C code it was raised in), before a
-    command's long work starts (the whole training ran after a SIGTERM that way)."""
-    if _RAISED:
-        raise _RAISED[-1]
-
-
-def restore_handlers(previous: dict[int, Any]) -> None:
-    """Install again the ``{signal: handler}`` that a ``signal.signal`` call returned (None, a handler set outside
-    Python: the default)."""
-    for signum, handler in previous.items():
-        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-
-
-@contextmanager
-def stop_signals_held(install: Callable[[], Any], signals: frozenset[int] = STOP_SIGNALS) -> Iterator[Callable[[], None]]:
-    """Hold ``signals`` (SIGTERM and SIGINT) until Ray has started: until the yielded ``release`` is called (right
-    after ``ray.init``) or the block ends; then ``install`` the command's handlers and handle what arrived.
-
-    Processes inherit a blocked-signal mask across ``exec``: the private cluster's processes (GCS, raylet, agents, the
-    workers it forks) then ignore a SIGTERM or Ctrl-C sent to the driver's whole process group (Slurm's ``srun``, a
-    terminal), which would otherwise kill the GCS under the driver while it saves. ``ray.init`` also replaces SIGTERM's
-    handler with Ray's (it prints the signal and aborts: status 134), and a Ctrl-C inside it could crash Ray's native
-    code (status 139), so the handlers are installed after it, before a held signal is let through. Threads started
-    under the mask inherit it, so none can take a signal while Ray's handler is installed."""
-    held = threading.current_thread() is threading.main_thread()
-    if held:
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-
-    def release() -> None:
-        nonlocal held
-        if held:
-            held = False
-            install()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
-
-    try:
-        yield release
-    finally:
-        release()
-
-
-@contextmanager
-def stop_signals_kept() -> Iterator[None]:
-    """Through the block (``ray.init``), hold SIGINT (a Ctrl-C inside ``ray.init`` could crash Ray's native code: 139)
-    and afterwards put back the handlers there were before it (Ray replaces SIGTERM's with one that aborts: 134). A
-    command that saves nothing (``eval``) does not hold SIGTERM as ``train`` does: Ray's processes would inherit it
-    held, and every exit would wait ~4 s for them (Ray's shutdown gives each 1 s to end before it kills it; they block
-    SIGINT themselves). A SIGTERM during ``ray.init`` meets Ray's handler, whose ``sys.exit(15)`` is turned into the
-    command's stop (143, one line)."""
-    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    with stop_signals_held(lambda: restore_handlers(before), frozenset({signal.SIGINT})):
-        try:
-            yield
-        except SystemExit as exc:  # Ray's Python handler during ray.init: sys.exit(15), silently
-            if exc.code != signal.SIGTERM:
-                raise
-            raise CommandStopped(signal.SIGTERM) from None
 
 
 def leave_at_once_on_stop_signals(status: int) -> None:

@@ -35,7 +35,7 @@ SLOW_STOP = textwrap.dedent(
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a parent that ignores SIGINT passes that on
     from nemo_like.config import load_config
     import nemo_like.serving.standalone as standalone
-    from nemo_like.utils.run_control import stop_signals_raise
+    from nemo_like.utils.stop_signals import stop_signals_raise
     stop_signals_raise()  # as the CLI does for every command
 
     class SlowToStop:  # the server's stop serves what was queued: up to a minute

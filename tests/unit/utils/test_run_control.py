@@ -408,7 +408,7 @@ def test_a_stop_whose_exception_was_swallowed_or_lost_its_type_is_still_the_sign
     training ran and exited 0; ray.get re-raises the exception as a plain KeyboardInterrupt, so a SIGTERM during an eval's
     sampling was reported as a Ctrl-C (130). The real handler, a real signal to this process."""
     from nemo_like.train import train
-    from nemo_like.utils.run_control import CommandStopped, command_stop, raise_if_stopped, stop_signals_raise, stop_signals_restored
+    from nemo_like.utils.stop_signals import CommandStopped, command_stop, raise_if_stopped, stop_signals_raise, stop_signals_restored
 
     previous = stop_signals_raise()
     try:
@@ -435,7 +435,7 @@ def test_ray_inits_exit_on_sigterm_is_the_commands_stop_and_a_decided_status_is_
     """Ray's Python handler during ray.init calls sys.exit(15): eval exited 15 with no line. A SIGTERM while the CLI wrote
     the exit status file (its handlers already the caller's: the default action) killed it mid-write: no status."""
     from nemo_like.utils import files
-    from nemo_like.utils.run_control import CommandStopped, signals_ignored, stop_signals_kept
+    from nemo_like.utils.stop_signals import CommandStopped, signals_ignored, stop_signals_kept
 
     with pytest.raises(CommandStopped) as stopped:
         with stop_signals_kept():
