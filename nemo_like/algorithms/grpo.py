@@ -115,7 +115,7 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
     metrics = validation_metrics(rollout, parts.environment.tasks, cfg.grpo.resolved_val_pass_k if n > 1 else [])
     metrics.update({f"validation/{k}": v for k, v in env_metrics_with_means(rollout.env_metrics).items()})
     if parts.plan.multi_turn is not None:
-        metrics.update(multi_turn_metrics(rollout.samples, rollout.rewards, prefix="validation/multi_turn"))
+        metrics.update(multi_turn_metrics(rollout.samples, rollout.rewards, "validation/multi_turn", rollout.session_of_row))
     return metrics
 
 
@@ -179,6 +179,15 @@ def sample_response_lengths(rollout: Rollout) -> torch.Tensor:
         return rollout.response_lengths
     first, row_index = per_session(rollout.session_of_row)
     return torch.zeros(len(first)).index_add_(0, row_index, rollout.response_lengths)
+
+
+def session_truncated(rollout: Rollout) -> torch.Tensor:
+    """1 per sample cut by its token budget: per row, or per session where one of its rows was (a branched multi-turn
+    episode's earlier rows never are: per row, its rows diluted the fraction)."""
+    if rollout.session_of_row is None:
+        return rollout.truncated
+    first, row_index = per_session(rollout.session_of_row)
+    return torch.zeros(len(first)).scatter_reduce_(0, row_index, rollout.truncated, reduce="amax")
 
 
 def shaping_lengths(rollout: Rollout) -> torch.Tensor:
@@ -309,7 +318,7 @@ def collect_training_rollout(
             "task_rewards": rollout.task_rewards,
             "group_ids": group_ids,
         }
-        if rollout.session_of_row is not None:  # agent rows: each batch's sessions numbered apart, as its groups are
+        if rollout.session_of_row is not None:  # sessions' rows: each batch's sessions numbered apart, as its groups are
             sessions_per_batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt  # ids 0.. of a batch
             payload["session_of_row"] = rollout.session_of_row + batch_index * sessions_per_batch
         try:
@@ -438,7 +447,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     batch_tokens = float(batch["attention_mask"].sum())
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
     metrics["train/mean_response_length"] = sample_response_lengths(rollout).mean().item()
-    metrics["train/truncated_fraction"] = rollout.truncated.mean().item()
+    metrics["train/truncated_fraction"] = session_truncated(rollout).mean().item()
     metrics["performance/num_samples"] = float(len(rollout.samples))
     metrics["performance/num_batch_tokens"] = batch_tokens
     metrics.update(update_metrics(result, parts.policy.weight_version, parts.policy.trainable_params, parts.policy.total_params))
@@ -448,7 +457,7 @@ def train_on_rollout(parts: GRPOComponents, step: int, timer: StepTimer, rollout
     metrics.update(training_reward_metrics(rollout, parts.environment.tasks, cfg.grpo.reward_shaping.enabled))
     metrics.update(env_metrics_with_means(rollout.env_metrics))
     if cfg.grpo.max_rollout_turns > 1:
-        metrics.update(multi_turn_metrics(rollout.samples, rollout.raw_rewards))
+        metrics.update(multi_turn_metrics(rollout.samples, rollout.raw_rewards, session_of_row=rollout.session_of_row))
     # The policy reports its logprob passes since its previous update with the training result (no extra round trip).
     metrics["performance/forward_passes/prev_logprobs"] = float(result.logprob_passes_since_last_update)
     metrics["performance/forward_passes/reference_logprobs"] = float(reference_passes)

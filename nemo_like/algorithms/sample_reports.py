@@ -45,8 +45,9 @@ def report_val_samples(parts: GRPOComponents, step: int, rollout: Rollout) -> No
 
 
 def turn_columns(rollout: Rollout) -> dict[str, list]:
-    """Multi-turn and agent dump columns (none for single-turn samples): each sample's turn count and the per-token
-    mask of its response (1 sampled, 0 observation); the turns as messages and the environment steps' metrics where
+    """Multi-turn and agent dump columns (none for single-turn samples): each row's turn count, the per-token mask of its
+    response (1 sampled, 0 observation) and its episode or session (``session``: a branched one has several rows); the
+    turns as messages and the environment steps' metrics where
     the environment's turns made them (an agent's rows hold the tokens of its calls, not their messages)."""
     samples = rollout.samples
     if all(s.response_mask is None and s.messages is None for s in samples):
@@ -56,6 +57,8 @@ def turn_columns(rollout: Rollout) -> dict[str, list]:
         "response_mask": [s.sampled_mask for s in samples],
         "length_truncated": [s.length_truncated for s in samples],
     }
+    if rollout.session_of_row is not None:  # a branched episode's (an agent session's) rows share it
+        columns["session"] = rollout.session_of_row.tolist()
     if any(s.messages is not None for s in samples):
         columns.update(turns=[s.messages for s in samples], step_metrics=[s.step_metrics for s in samples])
     return columns
@@ -64,7 +67,7 @@ def turn_columns(rollout: Rollout) -> dict[str, list]:
 def response_columns(parts: GRPOComponents, rollout: Rollout) -> dict[str, list]:
     """``response``, the decoded response; for agent tasks (whose scored text is the answer the agent returned, not the
     tokens sampled) the decoded tokens, and that answer as ``answer``."""
-    if rollout.session_of_row is None:
+    if rollout.session_of_row is None or not parts.plan.agent_tasks:  # multi-turn rows have sessions too
         return {"response": rollout.response_texts}
     decoded = parts.tokenizer.batch_decode([s.response_ids for s in rollout.samples], skip_special_tokens=False)
     return {"response": decoded, "answer": rollout.response_texts}

@@ -344,7 +344,11 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             **summarize(rows, ev.resolved_pass_k),
             "env_metrics": env_metrics_with_means(rollout.env_metrics),  # per-source means of a composed reward, as training logs
             # turns, length cuts and the episodes the chat template ended (multi_turn/*, as training logs them)
-            **({"multi_turn_metrics": multi_turn_metrics(rollout.samples, rollout.rewards)} if plan.multi_turn else {}),
+            **(
+                {"multi_turn_metrics": multi_turn_metrics(rollout.samples, rollout.rewards, session_of_row=rollout.session_of_row)}
+                if plan.multi_turn
+                else {}
+            ),
             "seconds": time.perf_counter() - start,
         }
         write_results(out, rows, summary, recipe_yaml(cfg.model_dump(mode="json")))

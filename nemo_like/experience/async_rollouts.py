@@ -83,14 +83,16 @@ class RefitTiming:
 
 def rollout_from_groups(groups: list[TrajectoryGroup]) -> Rollout:
     """Concatenate groups into one prompt-major :class:`Rollout` (group ``i`` gets group id ``i``) with their batches'
-    counters (``batch_metrics``). Agent groups (:class:`AgentTrajectoryGroup`) keep each row's session (numbered apart
-    per group)."""
+    counters (``batch_metrics``). Groups of sessions (:class:`AgentTrajectoryGroup`) keep each row's session (numbered
+    apart per group); beside them, a plain group's rows are a session each (a multi-turn batch a checkpoint saved
+    before multi-turn rows had sessions)."""
     sizes = [len(g.samples) for g in groups]
     reference = [g.reference_logprobs for g in groups]
     session_of_row, env_metrics = None, {}
-    if groups and all(isinstance(g, AgentTrajectoryGroup) for g in groups):
-        stride = 1 + max((s for g in groups for s in g.session_of_row), default=0)  # group i's sessions: i * stride + s
-        session_of_row = torch.tensor([i * stride + s for i, g in enumerate(groups) for s in g.session_of_row], dtype=torch.long)
+    if any(isinstance(g, AgentTrajectoryGroup) for g in groups):
+        owners = [g.session_of_row if isinstance(g, AgentTrajectoryGroup) else list(range(len(g.samples))) for g in groups]
+        stride = 1 + max((s for o in owners for s in o), default=0)  # group i's sessions: i * stride + s
+        session_of_row = torch.tensor([i * stride + s for i, o in enumerate(owners) for s in o], dtype=torch.long)
     for g in groups:
         if g.batch_metrics:  # None: a group that is not its batch's first (or one a checkpoint saved before it had them)
             add_batch_counters(env_metrics, g.batch_metrics)

@@ -14,12 +14,15 @@ The result is one :class:`~nemo_like.models.generation.interface.GeneratedSample
 ``response_ids`` are everything after the prompt and whose ``response_mask`` is 1 on sampled ids and 0
 on observation ids, so the training batch, the loss and the logprob passes need no special case.
 
-The template must not rewrite what the sequence already holds (e.g. drop the reasoning of earlier
-assistant turns): the loop checks that every rendering extends the text the sequence encodes and raises
-:class:`TemplateRewriteError` otherwise, rather than training on a context the model never saw. Two rewrites of one
-sample's last turn end that episode instead, counted: a turn ended on an end token the template replaces with its own
-(:data:`FOREIGN_END`) and whitespace the template drops or adds around it (:data:`WHITESPACE_REWRITE`: Llama 3.x's,
-Gemma's and Mistral's ``| trim``, Llama 2's ``' ' + content + ' '``).
+The loop checks that every rendering extends the text the sequence encodes. Where the template rewrites what the
+sequence already holds, the sample **branches** (:func:`start_row`), as the rollout server's sessions do: its row ends
+after the model's turn, and a new row starts whose prompt is the template's whole rendering of the conversation and the
+observation (masked out), so every sampled token is trained once, in the context it was sampled in, and no context the
+model never saw is trained on. The episode goes on; all its rows share its reward and weigh once in its group's
+baseline (``Rollout.session_of_row``). Counted per cause: a turn ended on an end token the template replaces with its
+own (:data:`FOREIGN_END`), whitespace the template drops or adds around it (:data:`WHITESPACE_REWRITE`: Llama 3.x's,
+Gemma's and Mistral's ``| trim``, Llama 2's ``' ' + content + ' '``), any other rewrite (:data:`TEMPLATE_REWRITE`:
+Qwen3's and DeepSeek-R1's templates drop earlier turns' reasoning once a user message follows).
 
 Turns are batched across the samples still running; a sample ends when its environment says
 ``terminated``, when ``max_turns`` model turns are done, when a turn ends without a stop (hit its token
@@ -81,42 +84,81 @@ class Conversation:
     length_truncated: bool = False
     turn_start: int = 0  # where the last model turn's text starts in ``text``
     foreign_end: bool = False  # the last turn ended on an eos the template does not write: it cannot be continued
-    decoded_tokens: int = 0  # tokens the engine decoded over the turns (stop-string cuts included)
+    decoded_tokens: int = 0  # tokens the engine decoded over the row's turns (stop-string cuts included)
+    prompt_ids: list[int] = field(default_factory=list)  # the row's prompt: the prompt's ids, or a branch's rendering
+    rows: list[GeneratedSample] = field(default_factory=list)  # the rows finished before the row being built
+    row_first_turn: int = 0  # the first model turn of the row being built
 
     @property
     def length(self) -> int:
-        return len(self.prompt.prompt_token_ids) + len(self.response_ids)
+        """Tokens in the row being built (what ``policy.max_total_sequence_length`` bounds)."""
+        return len(self.prompt_ids) + len(self.response_ids)
 
 
 @dataclass
 class MultiTurnResult:
-    """The finished samples (prompt order), their total rewards, decoded responses and counters."""
+    """The finished rows (prompt order; a branched sample's rows adjacent), each its sample's total reward and index
+    (``session_of_row``), its decoded response, and the counters."""
 
     samples: list[GeneratedSample]
-    rewards: torch.Tensor  # [B] sum of each sample's step rewards
-    texts: list[str]  # everything after the prompt, decoded with special tokens (what was trained on)
+    rewards: torch.Tensor  # [R] sum of each row's sample's step rewards
+    texts: list[str]  # everything after each row's prompt, decoded with special tokens (what was trained on)
     env_metrics: dict[str, float]
     generation_seconds: float
     env_seconds: float
+    session_of_row: list[int] = field(default_factory=list)  # [R] the sample (its index in ``prompts``) of each row
 
 
-def multi_turn_metrics(samples: Sequence[GeneratedSample], rewards: torch.Tensor, prefix: str = "multi_turn") -> dict[str, float]:
-    """Turns per sample (mean, max), the fraction cut by the length limit, the mean reward of the samples
-    with each turn count (``<prefix>/reward_turns_<k>``), and per step metric name (``EnvironmentStep.metrics``)
+@dataclass
+class EpisodeTotals:
+    """One sample's episode over its rows (one row unless it branched: :func:`start_row`)."""
+
+    turns: int = 0
+    rows: int = 0
+    length_truncated: bool = False  # its last row's
+    observation_tokens: int = 0
+    step_metrics: dict[str, float] = field(default_factory=dict)
+    reward: float = 0.0
+
+
+def episode_totals(samples: Sequence[GeneratedSample], rewards: torch.Tensor, session_of_row: Sequence[int] | None) -> list[EpisodeTotals]:
+    """Rows -> episodes (first-seen order): turns, observation tokens and step metrics summed over an episode's rows;
+    its reward its first row's (every row holds it). ``session_of_row`` None: one row per episode."""
+    owners = range(len(samples)) if session_of_row is None else [int(o) for o in session_of_row]
+    episodes: dict[int, EpisodeTotals] = {}
+    for owner, sample, reward in zip(owners, samples, rewards.tolist()):
+        episode = episodes.setdefault(owner, EpisodeTotals(reward=float(reward)))
+        episode.turns += sample.num_turns
+        episode.rows += 1
+        episode.length_truncated = sample.length_truncated
+        episode.observation_tokens += len(sample.response_ids) - sample.num_sampled_tokens
+        for name, value in (sample.step_metrics or {}).items():
+            episode.step_metrics[name] = episode.step_metrics.get(name, 0.0) + value
+    return list(episodes.values())
+
+
+def multi_turn_metrics(
+    samples: Sequence[GeneratedSample], rewards: torch.Tensor, prefix: str = "multi_turn", session_of_row: Sequence[int] | None = None
+) -> dict[str, float]:
+    """Per sample (an episode, over its rows where it branched: ``session_of_row``): turns (mean, max), rows (mean),
+    the fraction cut by the length limit, observation tokens (mean), the mean reward of the samples with each turn count
+    (``<prefix>/reward_turns_<k>``), and per step metric name (``EnvironmentStep.metrics`` and the loop's own counters)
     its mean per sample and the share of samples where it is non-zero."""
-    turns = torch.tensor([s.num_turns for s in samples], dtype=torch.float32)
+    episodes = episode_totals(samples, rewards, session_of_row)
+    turns = torch.tensor([e.turns for e in episodes], dtype=torch.float32)
+    episode_rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
     metrics = {
         f"{prefix}/turns_per_sample_mean": turns.mean().item(),
         f"{prefix}/turns_per_sample_max": turns.max().item(),
-        f"{prefix}/truncated_by_length_fraction": sum(s.length_truncated for s in samples) / len(samples),
-        f"{prefix}/observation_tokens_per_sample": sum(len(s.response_ids) - s.num_sampled_tokens for s in samples) / len(samples),
+        f"{prefix}/rows_per_sample": sum(e.rows for e in episodes) / len(episodes),
+        f"{prefix}/truncated_by_length_fraction": sum(e.length_truncated for e in episodes) / len(episodes),
+        f"{prefix}/observation_tokens_per_sample": sum(e.observation_tokens for e in episodes) / len(episodes),
     }
     for k in sorted({int(t) for t in turns.tolist()}):
-        metrics[f"{prefix}/reward_turns_{k}"] = rewards[turns == k].mean().item()
+        metrics[f"{prefix}/reward_turns_{k}"] = episode_rewards[turns == k].mean().item()
         metrics[f"{prefix}/fraction_turns_{k}"] = (turns == k).float().mean().item()
-    names = sorted({name for s in samples for name in (s.step_metrics or {})})
-    for name in names:
-        values = [(s.step_metrics or {}).get(name, 0.0) for s in samples]
+    for name in sorted({name for e in episodes for name in e.step_metrics}):
+        values = [e.step_metrics.get(name, 0.0) for e in episodes]
         metrics[f"{prefix}/{name}_per_sample"] = sum(values) / len(values)
         metrics[f"{prefix}/{name}_sample_fraction"] = sum(v != 0 for v in values) / len(values)
     return metrics
@@ -135,27 +177,35 @@ def start_conversation(tokenizer, prompt: PromptRecord) -> Conversation:
             f"prompt {prompt.id}: its token ids are not the chat template's rendering of its messages; multi-turn rollouts "
             "append observations to the template's text, so the prompt must be tokenised by the same template"
         )
-    return Conversation(prompt, [dict(m) for m in prompt.messages], dict(prompt.metadata), text)
+    return Conversation(prompt, [dict(m) for m in prompt.messages], dict(prompt.metadata), text, prompt_ids=list(prompt.prompt_token_ids))
 
 
-def observation_tokens(tokenizer, conv: Conversation, observation: dict[str, str] | None) -> tuple[str, list[int]]:
-    """``(text, ids)`` appended after the model's turn: the template's rendering of the conversation plus
-    ``observation`` (and the next generation prompt) minus the text the sequence already holds.
+@dataclass(frozen=True)
+class Continuation:
+    """What follows the model's turn (:func:`continuation`): ``ids`` (``text``) appended to the row, or, where the
+    template cannot extend the row token-exactly, ``branch`` (the cause's step counter) with the template's whole
+    rendering as the prompt of the row that starts (:func:`start_row`)."""
 
-    Raises :class:`TemplateRewriteError` when that rendering does not start with the sequence's text."""
-    messages = conv.messages + ([observation] if observation is not None else [])
-    full = render(tokenizer, messages, conv.prompt.tools)
-    if not full.startswith(conv.text):
-        at = next((i for i, (a, b) in enumerate(zip(full, conv.text)) if a != b), min(len(full), len(conv.text)))
-        raise TemplateRewriteError(
-            f"prompt {conv.prompt.id}, after model turn {conv.turns}: the chat template rewrites the conversation so far "
-            f"(its rendering differs from the tokens already generated at character {at}: template has "
-            f"{full[max(0, at - 20) : at + 20]!r}, sequence has {conv.text[max(0, at - 20) : at + 20]!r}). Multi-turn training "
-            "needs a template whose rendering of earlier turns never changes (e.g. one that does not strip earlier reasoning); "
-            "set policy.tokenizer_name to a tokenizer with such a template"
-        )
-    text = full[len(conv.text) :]
-    return text, in_context_ids(tokenizer, conv.text, text, searched_from=conv.turn_start - ADDED_TOKEN_WINDOW)
+    text: str
+    ids: list[int]
+    branch: str | None = None
+
+    def length_after(self, conv: Conversation) -> int:
+        """The tokens of the row that holds the continuation."""
+        return len(self.ids) if self.branch else conv.length + len(self.ids)
+
+
+def continuation(tokenizer, conv: Conversation, observation: dict[str, str] | None) -> Continuation:
+    """The template's rendering of the conversation plus ``observation`` (and the next generation prompt): minus the
+    text the row already holds, tokenised in context, where it starts with that text and the last turn did not end on
+    a foreign end id; else the whole rendering, a branch, its cause :data:`FOREIGN_END`, :data:`WHITESPACE_REWRITE`
+    or :data:`TEMPLATE_REWRITE`."""
+    full = render(tokenizer, conv.messages + ([observation] if observation is not None else []), conv.prompt.tools)
+    if not conv.foreign_end and full.startswith(conv.text):
+        text = full[len(conv.text) :]
+        return Continuation(text, in_context_ids(tokenizer, conv.text, text, searched_from=conv.turn_start - ADDED_TOKEN_WINDOW))
+    cause = FOREIGN_END if conv.foreign_end else WHITESPACE_REWRITE if rewrote_only_whitespace(conv, full) else TEMPLATE_REWRITE
+    return Continuation(full, list(tokenizer(full, add_special_tokens=False)["input_ids"]), cause)
 
 
 def in_context_ids(tokenizer, before: str, text: str, searched_from: int | None = None) -> list[int]:
@@ -265,7 +315,7 @@ def decode_in_context(tokenizer, before: Sequence[int], ids: Sequence[int]) -> s
 def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, ends: TurnEnds, recipe_stops: Sequence[str] = ()) -> None:
     """Append one model turn's sampled ids, logprobs and message, cut at the recipe's stop strings and the ones
     the sample's last environment step added; ``ends`` says whether its last token belongs to the message."""
-    before = (conv.response_ids or list(conv.prompt.prompt_token_ids))[-1:]  # the sequence's last id: the turn's context
+    before = (conv.response_ids or conv.prompt_ids)[-1:]  # the sequence's last id: the turn's context
     sample = apply_stop_strings(tokenizer, sample, [*recipe_stops, *(conv.stop_strings or ())], before)
     ids, logprobs, truncated = list(sample.response_ids), list(sample.response_logprobs), sample.truncated
     conv.decoded_tokens += sample.num_decoded_tokens
@@ -293,11 +343,10 @@ def ends_after_step(tokenizer, conv: Conversation, last_turn: bool, max_total_le
     length limit (its final-turn outcome never counted, its observation built for nothing)."""
     if last_turn or conv.truncated:
         return True
-    try:
-        shortest = max(1, len(observation_tokens(tokenizer, conv, None)[1]))
-    except TemplateRewriteError:
-        shortest = 1  # a turn the template cannot continue or a rewrite: apply_step ends the episode or raises
-    return conv.length + shortest >= max_total_length
+    shortest = continuation(tokenizer, conv, None)
+    if shortest.branch:  # the new row: its prompt and one sampled token
+        return shortest.length_after(conv) >= max_total_length
+    return conv.length + max(1, len(shortest.ids)) >= max_total_length
 
 
 def apply_step(
@@ -316,57 +365,63 @@ def apply_step(
     if told_final:  # no room for even the shortest observation: the environment knew (and counted its own outcome)
         conv.done = conv.length_truncated = True  # truncated stays the turn's own: did it stop
         return
-    # Where the environment goes on but the template cannot continue the turn token-exactly, the episode ends here,
-    # counted: a foreign end id, or the template writing the turn back with other whitespace. Any other rewrite raises.
-    if conv.foreign_end:
-        return end_counted(conv, FOREIGN_END)
-    try:
-        text, ids = observation_tokens(tokenizer, conv, step.observation)
-    except TemplateRewriteError:
-        if not rewrote_only_whitespace(tokenizer, conv, step.observation):
-            raise
-        return end_counted(conv, WHITESPACE_REWRITE)
-    if conv.length + len(ids) >= max_total_length:  # no room for the observation and one more sampled token
+    follows = continuation(tokenizer, conv, step.observation)
+    if follows.length_after(conv) >= max_total_length:  # no room for the observation and one more sampled token
         conv.done = conv.length_truncated = True  # truncated stays the turn's own: did it stop
         # The environment was told "not final" (the shortest observation fit), so it ran the turn (a tool call, say)
         # for an observation the sample never sees: counted, so a budget too tight for the observations shows.
-        conv.step_metrics[OBSERVATION_DROPPED] = conv.step_metrics.get(OBSERVATION_DROPPED, 0.0) + 1.0
+        count(conv, OBSERVATION_DROPPED)
         return
+    if follows.branch:
+        start_row(conv, follows)
+    else:
+        conv.response_ids += follows.ids
+        conv.response_mask += [0] * len(follows.ids)
+        conv.response_logprobs += [0.0] * len(follows.ids)
+        conv.text += follows.text
     if step.observation is not None:
         conv.messages.append(dict(step.observation))
-    conv.response_ids += ids
-    conv.response_mask += [0] * len(ids)
-    conv.response_logprobs += [0.0] * len(ids)
-    conv.text += text
     conv.stop_strings = step.stop_strings
 
 
-#: Step counter (``multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): episodes ended because a
-#: turn ended on an end-of-turn id the chat template does not write back, so the conversation could not go on where the
-#: environment went on (it failed the whole rollout before).
+def start_row(conv: Conversation, follows: Continuation) -> None:
+    """Branch: the row built so far ends after the model's turn (:func:`finished_sample`) and a new one starts whose
+    prompt is the template's whole rendering (``follows``: the conversation and the observation, masked out), as a
+    server that renders the conversation feeds the model; counted in ``follows.branch``. The earlier turns' sampled
+    ids stay trained in the row they were sampled in; the episode, its reward and its turn budget go on."""
+    count(conv, follows.branch)
+    conv.rows.append(finished_sample(conv))
+    conv.prompt_ids, conv.text, conv.turn_start = list(follows.ids), follows.text, len(follows.text)
+    conv.response_ids, conv.response_mask, conv.response_logprobs = [], [], []
+    conv.step_metrics, conv.decoded_tokens, conv.row_first_turn = {}, 0, conv.turns
+
+
+#: Step counter (``multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): branches (:func:`start_row`)
+#: where a turn ended on an end-of-turn id the chat template does not write back (Qwen's ``<|endoftext|>`` beside
+#: ``<|im_end|>``) and the environment went on.
 FOREIGN_END = "foreign_end_of_turn"
-#: Step counter (``multi_turn/template_whitespace_rewrite_per_sample``): episodes ended because the chat template
-#: writes the last turn back with other whitespace around its content than the sequence holds (``| trim``: Llama 3.x,
-#: Gemma, Mistral; a space it adds: Mistral's and Llama 2's), where the environment went on (it failed the whole rollout
-#: with a template error).
+#: Step counter (``multi_turn/template_whitespace_rewrite_per_sample``): branches where the chat template writes the
+#: last turn back with other whitespace around its content than the sequence holds (``| trim``: Llama 3.x, Gemma,
+#: Mistral; a space it adds: Mistral's and Llama 2's).
 WHITESPACE_REWRITE = "template_whitespace_rewrite"
+#: Step counter (``multi_turn/template_rewrite_per_sample``): branches where the chat template renders the conversation
+#: so far otherwise than the sequence holds it (Qwen3's and DeepSeek-R1's drop earlier turns' reasoning once a user
+#: message follows; Mistral's move the system message).
+TEMPLATE_REWRITE = "template_rewrite"
 #: Step counter (``multi_turn/observation_dropped_for_length_per_sample``): observations built by an environment
 #: told the turn was not final, then dropped because they did not fit ``policy.max_total_sequence_length``.
 OBSERVATION_DROPPED = "observation_dropped_for_length"
 
 
-def end_counted(conv: Conversation, counter: str) -> None:
-    """End the episode here, adding 1 to its step counter ``counter``."""
-    conv.done = True
+def count(conv: Conversation, counter: str) -> None:
+    """Add 1 to the row's step counter ``counter``."""
     conv.step_metrics[counter] = conv.step_metrics.get(counter, 0.0) + 1.0
 
 
-def rewrote_only_whitespace(tokenizer, conv: Conversation, observation: dict[str, str] | None) -> bool:
-    """Whether the template's rendering of the conversation and ``observation`` (as :func:`observation_tokens` renders
-    it) keeps the earlier turns and differs from the last turn's text (with its end) only in whitespace: a trimming
-    template, or one that adds a space. A template that rewrites more (drops earlier turns' or this turn's reasoning,
-    changes the content) is not, and fails loudly."""
-    full = render(tokenizer, conv.messages + ([observation] if observation is not None else []), conv.prompt.tools)
+def rewrote_only_whitespace(conv: Conversation, full: str) -> bool:
+    """Whether the template's rendering ``full`` of the conversation (and the observation) keeps the earlier turns and
+    differs from the last turn's text (with its end) only in whitespace: a trimming template, or one that adds a space.
+    A template that rewrites more (drops earlier turns' or this turn's reasoning, changes the content) is not."""
     if not full.startswith(conv.text[: conv.turn_start]):
         return False
     return _without_whitespace(full[conv.turn_start :]).startswith(_without_whitespace(conv.text[conv.turn_start :]))
@@ -378,15 +433,16 @@ def _without_whitespace(text: str) -> str:
 
 def trimming_template_warning(tokenizer) -> str | None:
     """A warning for multi-turn runs when the chat template trims message content (Llama 3.x, Gemma: ``| trim``):
-    a turn that begins or ends with whitespace then ends its episode (:data:`WHITESPACE_REWRITE`)."""
+    a turn that begins or ends with whitespace then branches its episode (:func:`start_row`, :data:`WHITESPACE_REWRITE`)."""
     turn = " x \n"
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": turn}]
     if turn in render_chat(tokenizer, messages, add_generation_prompt=False):
         return None
     return (
         "the chat template trims message content (it does not write back an assistant turn ' x \\n' as sampled): in "
-        "multi-turn rollouts a turn that begins or ends with whitespace ends its episode there (counted in "
-        f"multi_turn/{WHITESPACE_REWRITE}_per_sample); a template that keeps content as it is avoids it"
+        "multi-turn rollouts an episode goes on after a turn that begins or ends with whitespace in a new training row "
+        f"whose prompt is the whole conversation (counted in multi_turn/{WHITESPACE_REWRITE}_per_sample): more rows and "
+        "prompt tokens to train on; a template that keeps content as it is avoids it"
     )
 
 
@@ -403,8 +459,8 @@ def rewriting_template_warning(tokenizer) -> str | None:
     """A warning for multi-turn runs when the chat template renders an earlier assistant turn, or the prompt, otherwise
     than the sequence holds them once a user message follows (Qwen3's and DeepSeek-R1's drop the reasoning block from
     earlier turns, the empty one their generation prompt opens included; Mistral's move the system message before the
-    last user message): such an episode stops the run at that turn (:class:`TemplateRewriteError`), after the actors
-    started. Whitespace-only rewrites are :func:`trimming_template_warning`'s."""
+    last user message): such an episode goes on in a new row at that turn (:func:`start_row`, :data:`TEMPLATE_REWRITE`).
+    Whitespace-only rewrites are :func:`trimming_template_warning`'s."""
     user, system = {"role": "user", "content": "q"}, {"role": "system", "content": "s"}
     cases = (
         ([user], "x", "it drops the reasoning block its generation prompt opens"),
@@ -417,10 +473,10 @@ def rewriting_template_warning(tokenizer) -> str | None:
         tool = "; an environment replying as a tool is not affected" if _keeps_turn(tokenizer, prompt, sampled, "tool") else ""
         return (
             f"the chat template renders an earlier assistant turn or the prompt otherwise than the sequence holds them "
-            f"once a user message follows ({what}): a multi-turn episode whose environment replies as a user stops the "
-            f"run at that turn{tool}. Set policy.tokenizer_name to a tokenizer whose template keeps earlier turns as "
-            "they were, or roll the episodes out through the rollout server (agent tasks, docs/guides/agents.md: it "
-            "starts a new row where the history was rewritten)"
+            f"once a user message follows ({what}): a multi-turn episode whose environment replies as a user goes on "
+            "from that turn in a new training row whose prompt is the whole conversation as the template renders it "
+            f"(counted in multi_turn/{TEMPLATE_REWRITE}_per_sample): more rows and prompt tokens to train on{tool}. A "
+            "tokenizer whose template keeps earlier turns as they were (policy.tokenizer_name) trains each episode as one row"
         )
     return None
 
@@ -432,16 +488,17 @@ def template_warnings(tokenizer) -> list[str]:
 
 
 def finished_sample(conv: Conversation) -> GeneratedSample:
-    """The conversation as one training row (its turns after the prompt as ``messages``)."""
+    """The row being built as a training row (the conversation's turns after the prompt so far as ``messages``; its
+    own turns, step counters and decoded tokens: an episode's are the sums over its rows)."""
     return GeneratedSample(
-        prompt_ids=list(conv.prompt.prompt_token_ids),
+        prompt_ids=list(conv.prompt_ids),
         response_ids=conv.response_ids,
         response_logprobs=conv.response_logprobs,
         truncated=conv.truncated,
         weight_version=conv.weight_version if conv.weight_version is not None else 0,
         final_weight_version=conv.final_weight_version,
         response_mask=conv.response_mask,
-        num_turns=conv.turns,
+        num_turns=conv.turns - conv.row_first_turn,
         length_truncated=conv.length_truncated,
         messages=conv.messages[len(conv.prompt.messages) :],
         step_metrics=dict(conv.step_metrics),
@@ -459,7 +516,7 @@ def generate_turn(
         by_budget[min(params.max_new_tokens, max_total_length - conv.length)].append(index)
     out: list[GeneratedSample | None] = [None] * len(active)
     for group, (budget, rows) in enumerate(sorted(by_budget.items(), reverse=True)):
-        prompts = [active[i].prompt.prompt_token_ids + active[i].response_ids for i in rows]
+        prompts = [active[i].prompt_ids + active[i].response_ids for i in rows]
         samples = generation.generate(prompts, replace(params, max_new_tokens=budget), turn_seed(seed, turn, group))
         for i, sample in zip(rows, samples):
             out[i] = sample
@@ -509,10 +566,15 @@ def run_multi_turn(
             counters[name] = counters.get(name, 0.0) + value
         for conv, step, final in zip(active, steps, finals):
             apply_step(tokenizer, conv, step, last_turn, max_total_length, told_final=final)
-    samples = [finished_sample(c) for c in convs]
+    samples, session_of_row = [], []
+    for index, conv in enumerate(convs):
+        last = finished_sample(conv)
+        # Every row of an episode is as old as its first turn (what a staleness bound counts from), as a session's.
+        samples += [replace(row, weight_version=last.weight_version) for row in conv.rows] + [last]
+        session_of_row += [index] * (len(conv.rows) + 1)
     texts = [decode_in_context(tokenizer, s.prompt_ids, s.response_ids) for s in samples]
-    rewards = torch.tensor([c.reward for c in convs], dtype=torch.float32)
-    return MultiTurnResult(samples, rewards, texts, counters, gen_s, env_s)
+    rewards = torch.tensor([convs[i].reward for i in session_of_row], dtype=torch.float32)
+    return MultiTurnResult(samples, rewards, texts, counters, gen_s, env_s, session_of_row)
 
 
 def local_stepper(envs: dict[str, Any]) -> EnvironmentStepper:

@@ -29,7 +29,7 @@ class Rollout:
     env_metrics: dict[str, float] = field(default_factory=dict)  # environments' counters, env/<task>/<name>, summed
     reference_logprobs: torch.Tensor | None = None  # [B, S] of the collated samples, when computed ahead (async)
     pending_scores: PendingScores | None = None  # scoring requested, not yet gathered (``rewards`` are NaN until then)
-    session_of_row: torch.Tensor | None = None  # [B] agent tasks: each row's session (a branched session has several rows)
+    session_of_row: torch.Tensor | None = None  # [B] agent and multi-turn tasks: each row's session (a branched one has several)
     task_rewards: torch.Tensor | None = None  # [B] the environments' rewards once ``rewards`` are shaped (DAPO overlong)
 
     def set_shaped_rewards(self, shaped: torch.Tensor) -> None:
@@ -219,11 +219,14 @@ def collect_multi_turn_rollout(
     timings: dict[str, float] | None,
     settings: MultiTurnSettings,
 ) -> Rollout:
-    """:func:`collect_rollout` for multi-turn runs: every sample runs its turns against its task's environment actors."""
+    """:func:`collect_rollout` for multi-turn runs: every sample runs its turns against its task's environment actors.
+    Its rows are sessions' (``session_of_row``): a sample whose chat template rewrote its history has several rows."""
     expanded, group_ids = expand_groups(prompts, num_generations)
     result = run_multi_turn(generation, ray_stepper(envs), tokenizer, expanded, params, seed, settings)
     if timings is not None:
         timings["generation"] = result.generation_seconds
         timings["reward"] = result.env_seconds
     metrics = {**result.env_metrics, "multi_turn/env_seconds": result.env_seconds}
-    return Rollout(expanded, group_ids, result.samples, result.texts, result.rewards, metrics)
+    owners = torch.tensor(result.session_of_row, dtype=torch.long)
+    prompts_of_rows = [expanded[i] for i in result.session_of_row]
+    return Rollout(prompts_of_rows, group_ids[owners], result.samples, result.texts, result.rewards, metrics, session_of_row=owners)

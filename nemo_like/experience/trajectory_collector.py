@@ -134,16 +134,15 @@ class EnvironmentGroup:
 
 @dataclass
 class AgentTrajectoryGroup(TrajectoryGroup):
-    """One prompt's agent sessions: ``session_of_row[i]`` is the session (its index in the batch) of sample ``i`` (a
-    branched session has several rows and weighs once in its group's baseline), and the batch's first group carries
-    the batch's counters (``batch_metrics``: :func:`agent_batch_counters`), reported by the step that trains the batch."""
+    """One prompt's sessions (agent or multi-turn tasks): ``session_of_row[i]`` is the session (its index in the batch)
+    of sample ``i`` (a branched session has several rows and weighs once in its group's baseline)."""
 
     session_of_row: list[int] = field(default_factory=list)
 
 
 def split_into_groups(rollout: Rollout, target_step: int, reference_logprobs: torch.Tensor | None = None) -> list[TrajectoryGroup]:
-    """One :class:`TrajectoryGroup` per prompt of a prompt-major rollout (with its rows of ``reference_logprobs``); an
-    agent batch's (``rollout.session_of_row`` set) are :class:`AgentTrajectoryGroup` s."""
+    """One :class:`TrajectoryGroup` per prompt of a prompt-major rollout (with its rows of ``reference_logprobs``); a
+    batch of sessions' (``rollout.session_of_row`` set: agent and multi-turn tasks) are :class:`AgentTrajectoryGroup` s."""
     groups: dict[int, list[int]] = defaultdict(list)
     for index, group_id in enumerate(rollout.group_ids.tolist()):
         groups[group_id].append(index)
@@ -369,6 +368,10 @@ class TrajectoryCollector(Reinitializable):
         loop between batches."""
         return self.generation.mid_generation_seconds() if self.in_flight_refits else 0.0
 
+    def _batch_counters(self, rollout: Rollout) -> dict[str, float]:
+        """The counters a batch's step reports: its environments'."""
+        return dict(rollout.env_metrics)
+
     def _mark_step(self, target: int) -> None:
         """This process's step: the one its batch is for (fault injection, deaths' reports)."""
         run_control().step = target
@@ -384,8 +387,7 @@ class TrajectoryCollector(Reinitializable):
                 reference_passes = self.reference_passes.take(self.reference.forward_pass_counts()["logprobs"])
                 reference_tokens = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in rollout.samples))
             groups = split_into_groups(rollout, target, reference)
-            agent_batch = rollout.session_of_row is not None  # (DriverTrajectoryCollector)
-            groups[0].batch_metrics = agent_batch_counters(rollout) if agent_batch else dict(rollout.env_metrics)
+            groups[0].batch_metrics = self._batch_counters(rollout)
             ray.get(self.buffer.push.remote(groups))
         except BaseException as exc:
             with self.cond:
@@ -539,6 +541,10 @@ class DriverTrajectoryCollector(TrajectoryCollector):
 
     # Built from the driver's own objects: only the loop's state (the actor's __init__ builds those objects from names).
     __init__ = TrajectoryCollector._setup
+
+    def _batch_counters(self, rollout: Rollout) -> dict[str, float]:
+        """An agent batch's: :func:`agent_batch_counters` (a batch of tasks no agent serves: its environments')."""
+        return agent_batch_counters(rollout) if rollout.session_of_row is not None else super()._batch_counters(rollout)
 
     def _mark_step(self, target: int) -> None:
         """Nothing: in the driver, the run control's step is the trainer's."""

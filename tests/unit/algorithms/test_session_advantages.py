@@ -3,6 +3,7 @@ session's advantage; validation and `nemo-like eval` count it as one sample."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -111,6 +112,15 @@ def test_training_reward_metrics_count_a_branched_session_once_as_validation_doe
     assert grpo.training_reward_metrics(shaped, ["arithmetic"], shaped=True)["train/shaped_reward"] == pytest.approx(1.5 / 4)
     shaped.set_shaped_rewards(torch.tensor([0.5, 0.5, 0.5, 0.5, 0.0, 0.0]))
     assert grpo.training_reward_metrics(shaped, ["arithmetic"], shaped=True)["train/shaped_reward"] == pytest.approx(1.0 / 4)
+
+
+def test_a_session_is_truncated_where_one_of_its_rows_is() -> None:
+    """train/truncated_fraction per session: a branched multi-turn episode's earlier rows are never cut (a cut turn
+    ends it), so per row its last row's cut was diluted by its other rows (2/6 here against 2/4)."""
+    rollout = branched_rollout()
+    rollout.samples = [replace(s, truncated=i in (2, 5)) for i, s in enumerate(rollout.samples)]
+    assert grpo.session_truncated(rollout).tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert grpo.session_truncated(branched_rollout(None)).tolist() == [0.0] * 6
 
 
 def test_dynamic_sampling_counts_a_generated_branched_session_once(monkeypatch) -> None:

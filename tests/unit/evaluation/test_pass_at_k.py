@@ -63,8 +63,8 @@ def test_summary_accuracy_is_over_samples_and_rewards_below_one_are_not_correct(
 
 
 def test_a_multi_turn_row_carries_its_episodes_step_metrics() -> None:
-    """An episode the chat template ended (a whitespace rewrite, a foreign end token) looked like a wrong answer in
-    results.jsonl: the row now carries the sample's step counters (what training logs as multi_turn/*)."""
+    """A row of an episode the chat template rewrote (a whitespace rewrite, a foreign end token: the episode branched)
+    looked like a short answer in results.jsonl: the row carries its step counters (what training logs as multi_turn/*)."""
     import torch
 
     from nemo_like.data.prompts import PromptRecord

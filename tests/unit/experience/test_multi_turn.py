@@ -25,9 +25,10 @@ from nemo_like.environments.interface import FINAL_TURN, EnvironmentStep
 from nemo_like.environments.tools.environment import ToolEnvironment
 from nemo_like.environments.worker import check_step
 from nemo_like.experience.multi_turn import (
-    TemplateRewriteError,
     TurnEnds,
     apply_stop_strings,
+    continuation,
+    episode_totals,
     local_stepper,
     multi_turn_metrics,
     rewriting_template_warning,
@@ -45,6 +46,7 @@ from nemo_like.models.generation.interface import GeneratedSample, SamplingParam
 from nemo_like.models.loading import decode_exact, load_causal_lm, load_tokenizer, render_chat, resolve_model_path
 from nemo_like.models.logprobs import SamplingDistribution, processed_token_logprobs
 from nemo_like.plan.multi_turn import MultiTurnSettings, multi_turn_settings
+from nemo_like.serving.trajectory import CallRecord, unsampled_positions
 
 EOS = 2  # <|im_end|> of the tiny model's Qwen-style template
 SHORTEST_OBSERVATION = 4  # what the template appends after a turn's <|im_end|> with no message: "\n<|im_start|>assistant\n"
@@ -186,46 +188,95 @@ def test_each_turn_is_a_prefix_of_the_next_and_one_turn_is_the_single_turn_rollo
     assert runs[1].rewards.tolist() == arithmetic.score(texts, [p.metadata for p in prompts])
 
 
-def test_a_template_that_rewrites_earlier_turns_is_an_error_not_training_data(worker, tokenizer, prompts):
+def assert_rows_trained_as_sampled(result, calls: list[tuple[list[int], GeneratedSample]]) -> None:
+    """Every row masks in only tokens sampled in exactly that context, with their logprobs (the rollout server's check,
+    ``unsampled_positions``), every token the engine returned is masked in exactly once, and an episode's rows are
+    adjacent and share its reward."""
+    records = [CallRecord(tuple(p), tuple(s.response_ids), tuple(s.response_logprobs), 0, 0) for p, s in calls]
+    logprobs = {r.full_ids: r.logprobs for r in records}
+    for sample in result.samples:
+        ids, mask = sample.prompt_ids + sample.response_ids, [0] * len(sample.prompt_ids) + sample.sampled_mask
+        assert unsampled_positions(ids, mask, records) == []
+        ends = [i + 1 for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]  # each turn's end
+        trained = [lp for lp, m in zip(sample.response_logprobs, sample.sampled_mask) if m]
+        assert trained == [lp for end in ends for lp in logprobs[tuple(ids[:end])]]
+    assert sum(s.num_sampled_tokens for s in result.samples) == sum(len(s.response_ids) for _, s in calls)
+    owners = result.session_of_row
+    assert owners == sorted(owners) and len(owners) == len(result.samples)
+    for owner in set(owners):
+        assert len({result.rewards[i].item() for i, o in enumerate(owners) if o == owner}) == 1
+
+
+def assert_branches_restart_from_the_rendering(result, tokenizer, prompts) -> None:
+    """A branched episode's later row's prompt is the template's whole rendering of the conversation up to the
+    observation that followed the earlier row's last turn (tokenised whole, masked out), as a server would feed it."""
+    owners = result.session_of_row
+    for i in range(1, len(owners)):
+        if owners[i] != owners[i - 1]:
+            continue
+        before, row, prompt = result.samples[i - 1], result.samples[i], prompts[owners[i]]
+        history = [*prompt.messages, *row.messages[: len(before.messages) + 1]]  # the observation that branched it
+        rendering = render_chat(tokenizer, history, tools=prompt.tools, add_generation_prompt=True)
+        assert row.prompt_ids == tokenizer(rendering, add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_that_rewrites_earlier_turns_branches_each_episode_into_rows_trained_as_sampled(worker, tokenizer, prompts):
+    """Like Qwen3's and DeepSeek-R1's templates, which drop earlier turns' reasoning: assistant turns before the last
+    one render empty, so no observation can extend the sequence. Each such turn branches its episode (it stopped the
+    run): a new row whose prompt is the whole rendering, the earlier turns' sampled ids trained in the rows they were
+    sampled in, the episode's turns and reward unchanged (the real tiny model and HF worker, every call recorded)."""
     rewriting = copy.deepcopy(tokenizer)
-    # Like templates that drop earlier reasoning: assistant turns before the last user/tool message render empty.
     rewriting.chat_template = (
         "{% for message in messages %}{% if message['role'] == 'assistant' and not loop.last %}"
         "{{ '<|im_start|>assistant\n<|im_end|>\n' }}{% else %}"
         "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
-    with pytest.raises(TemplateRewriteError, match="rewrites the conversation so far"):
-        run(worker, rewriting, prompts[:4], CountdownEnv(turns=3), max_turns=3)
+    assert "template_rewrite" in rewriting_template_warning(rewriting)
+    result, generation = run(worker, rewriting, prompts, CountdownEnv(turns=3), max_turns=3)
+    assert_rows_trained_as_sampled(result, [(p, s) for inputs, outs, _ in generation.calls for p, s in zip(inputs, outs)])
+    assert_branches_restart_from_the_rendering(result, rewriting, prompts)
+    episodes = episode_totals(result.samples, result.rewards, result.session_of_row)
+    assert len(episodes) == len(prompts) and max(e.rows for e in episodes) == 3  # the data has three-turn episodes
+    # An episode branches after every turn the environment answers whose rendering the template changed (not an empty
+    # one, which renders as it was): one row more each.
+    last_rows = dict(zip(result.session_of_row, result.samples)).values()  # each episode's last row: all its messages
+    rewritten = [sum(1 for m in row.messages[:-1] if m["role"] == "assistant" and m["content"]) for row in last_rows]
+    assert [e.rows - 1 for e in episodes] == rewritten == [e.step_metrics.get("template_rewrite", 0) for e in episodes]
+    assert sum(rewritten) >= len(prompts)
+    metrics = multi_turn_metrics(result.samples, result.rewards, session_of_row=result.session_of_row)
+    assert metrics["multi_turn/rows_per_sample"] == pytest.approx(sum(e.rows for e in episodes) / len(prompts))
+    assert metrics["multi_turn/turns_per_sample_max"] == 3.0
 
 
-def test_a_turn_ended_on_an_end_token_the_template_does_not_write_ends_its_episode(tokenizer, prompts):
+def test_a_turn_ended_on_an_end_token_the_template_does_not_write_branches_its_episode(tokenizer, prompts):
     """<|endoftext|> as an end-of-turn id beside <|im_end|> (Qwen2.5-Instruct's generation_config; a base model's eos):
     the template writes the turn back with <|im_end|>, so the next observation cannot extend the sequence (two-turn
-    episodes here). The episode
-    ends there, counted (it raised TemplateRewriteError for the whole rollout); a turn ended on <|im_end|> goes on."""
+    episodes here). The episode goes on in a new row, counted (it raised TemplateRewriteError for the whole rollout, then
+    ended the episode); a turn ended on <|im_end|> goes on in its row."""
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert eot != EOS
+    calls = []
 
     class Scripted:
         weight_version = 0
 
-        def generate(self, batch, params, seed):  # the first sample's turn ends on <|endoftext|>, the others' on <|im_end|>
-            return [GeneratedSample(list(q), [11, 12, eot if i == 0 else EOS], [-0.1] * 3, False, 0) for i, q in enumerate(batch)]
+        def generate(self, batch, params, seed):  # the first sample's turns end on <|endoftext|>, the others' on <|im_end|>
+            out = [GeneratedSample(list(q), [11, 12, eot if i == 0 else EOS], [-0.1, -0.2, -0.3], False, 0) for i, q in enumerate(batch)]
+            calls.extend(zip(batch, out))
+            return out
 
     settings = MultiTurnSettings(2, 128, (EOS, eot))
+    rows = prompts[2:5]
     result = run_multi_turn(
-        Scripted(),
-        local_stepper({"arithmetic": CountdownEnv(turns=3)}),
-        tokenizer,
-        prompts[2:5],
-        SamplingParams(max_new_tokens=4),
-        0,
-        settings,
+        Scripted(), local_stepper({"arithmetic": CountdownEnv(turns=3)}), tokenizer, rows, SamplingParams(max_new_tokens=4), 0, settings
     )
     turns = [sum(1 for a, b in zip([0, *s.response_mask], s.response_mask) if b and not a) for s in result.samples]
-    assert turns == [1, 2, 2]
-    assert multi_turn_metrics(result.samples, result.rewards)["multi_turn/foreign_end_of_turn_sample_fraction"] == 1 / 3
+    assert result.session_of_row == [0, 0, 1, 2] and turns == [1, 1, 2, 2] == [s.num_turns for s in result.samples]
+    assert_rows_trained_as_sampled(result, calls)
+    assert_branches_restart_from_the_rendering(result, tokenizer, rows)
+    metrics = multi_turn_metrics(result.samples, result.rewards, session_of_row=result.session_of_row)
+    assert metrics["multi_turn/foreign_end_of_turn_sample_fraction"] == 1 / 3 and metrics["multi_turn/rows_per_sample"] == 4 / 3
 
 
 class ScriptedTurns:
@@ -234,10 +285,12 @@ class ScriptedTurns:
     weight_version = 0
 
     def __init__(self, turns: list[list[int]]) -> None:
-        self.turns = list(turns)
+        self.turns, self.calls = list(turns), []
 
     def generate(self, batch, params, seed):
-        return [GeneratedSample(list(q), (ids := self.turns.pop(0)), [-0.1] * len(ids), False, 0) for q in batch]
+        out = [GeneratedSample(list(q), (ids := self.turns.pop(0)), [-0.1] * len(ids), False, 0) for q in batch]
+        self.calls.extend(zip(batch, out))
+        return out
 
 
 def sentencepiece_tokenizer(legacy: bool, special_tokens: list[str], chat_template: str):
@@ -367,7 +420,7 @@ def test_a_runs_prompts_list_its_tool_environments_tools_and_a_template_that_can
 def test_a_template_that_drops_earlier_reasoning_is_named_before_the_run_starts(tokenizer):
     """A Qwen3-style template renders earlier assistant turns without their reasoning block once a user message
     follows: a multi-turn run (guess_number replies as a user) stopped at its first rollout's second turn, after every
-    actor had started, with nothing said at start-up."""
+    actor had started, with nothing said at start-up. Now such episodes branch, and the start-up line says so."""
     think = copy.deepcopy(tokenizer)
     think.chat_template = (Path(__file__).resolve().parents[2] / "fixtures" / "qwen3_style_think.jinja").read_text()
     assert "it drops the reasoning block its generation prompt opens" in rewriting_template_warning(think)
@@ -381,6 +434,20 @@ def test_a_template_that_drops_earlier_reasoning_is_named_before_the_run_starts(
     (line,) = template_warnings(think)
     assert line.startswith("the chat template renders an earlier assistant turn or the prompt otherwise than the sequence")
     assert "an environment replying as a tool is not affected" in line  # the reasoning after the last user message stays
+    # What the line says is what the loop does: a user reply branches the episode (a new row whose prompt renders the
+    # first turn without its reasoning block), a tool reply extends the row.
+    encode = lambda text: think(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for role, rows in (("user", 2), ("tool", 1)):
+        prompt = chat_prompt(think, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})  # two turns
+        turns = ScriptedTurns([encode("7") + [EOS], encode("7") + [EOS]])
+        result = run_multi_turn(
+            turns, local_stepper({"arithmetic": CountdownEnv(turns=3, observation_role=role)}), think, [prompt],
+            SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 256, (EOS,)),
+        )  # fmt: skip
+        assert len(result.samples) == rows and result.rewards.tolist() == [1.0] * rows
+        assert_rows_trained_as_sampled(result, turns.calls)
+        assert_branches_restart_from_the_rendering(result, think, [prompt])
+        assert decode_exact(think, result.samples[-1].prompt_ids + result.samples[-1].response_ids).count("<think>") == 3 - rows
     # Mistral's style moves the system message before the last user message: a prompt with one stopped the run, unwarned
     moving = copy.deepcopy(tokenizer)
     moving.chat_template = (Path(__file__).resolve().parents[2] / "fixtures" / "system_before_last_user.jinja").read_text()
@@ -392,10 +459,11 @@ def test_a_template_that_drops_earlier_reasoning_is_named_before_the_run_starts(
     assert spaced.chat_template != tokenizer.chat_template and rewriting_template_warning(spaced) is None
 
 
-def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(tokenizer, prompts):
+def test_a_turn_a_trimming_template_rewrites_branches_its_episode_and_the_run_warns(tokenizer, prompts):
     """Llama 3.x and Gemma templates render ``message['content'] | trim``: a turn that ends (or begins) with whitespace is
-    written back without it, so the next observation cannot extend the sequence. That episode ends, counted (it raised
-    TemplateRewriteError for the whole rollout: one sample's text stopped the run); the others go on; the probe warns."""
+    written back without it, so the next observation cannot extend the sequence. That episode goes on in a new row,
+    counted by cause (it raised TemplateRewriteError for the whole rollout, then ended the episode); the probe warns.
+    So does any other rewrite (an earlier turn upper-cased, reasoning dropped), counted apart."""
     trimming = copy.deepcopy(tokenizer)
     trimming.chat_template = (
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>\n' }}"
@@ -405,7 +473,7 @@ def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(
     assert "template_whitespace_rewrite" in trimming_template_warning(trimming)
     encode = lambda text: trimming(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rows = [chat_prompt(trimming, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"}, f"p{i}") for i in range(3)]
-    generation = ScriptedTurns([encode("7\n") + [EOS], encode(" 7") + [EOS], encode("7") + [EOS], encode("7") + [EOS]])
+    generation = ScriptedTurns([encode("7\n") + [EOS], encode(" 7") + [EOS], encode("7") + [EOS]] + [encode("7") + [EOS]] * 3)
     step_countdown = local_stepper({"arithmetic": CountdownEnv(turns=3)})
     told_final: list[list[bool]] = []
 
@@ -414,10 +482,13 @@ def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(
         return step_countdown(prompts, message_logs, metadata)
 
     result = run_multi_turn(generation, stepper, trimming, rows, SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 128, (EOS,)))
-    assert [s.num_turns for s in result.samples] == [1, 1, 2]  # answer 7: a two-turn episode when it goes on
-    assert told_final == [[False, False, False], [False]]  # not final for the rewritten turns (it counted as a turn limit)
-    assert [s.step_metrics.get("template_whitespace_rewrite", 0.0) for s in result.samples] == [1.0, 1.0, 0.0]
-    assert multi_turn_metrics(result.samples, result.rewards)["multi_turn/template_whitespace_rewrite_sample_fraction"] == 2 / 3
+    assert result.session_of_row == [0, 0, 1, 1, 2] and [s.num_turns for s in result.samples] == [1, 1, 1, 1, 2]  # answer 7: two turns
+    assert told_final == [[False, False, False], [False, False, False]] and result.rewards.tolist() == [1.0] * 5
+    assert [s.step_metrics.get("template_whitespace_rewrite", 0.0) for s in result.samples] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert_rows_trained_as_sampled(result, generation.calls)
+    assert_branches_restart_from_the_rendering(result, trimming, rows)
+    metrics = multi_turn_metrics(result.samples, result.rewards, session_of_row=result.session_of_row)
+    assert metrics["multi_turn/template_whitespace_rewrite_sample_fraction"] == 2 / 3 and metrics["multi_turn/turns_per_sample_mean"] == 2
     # An episode the environment ends there anyway (answer 9: one turn) is not one the template ended: not counted.
     single = run_multi_turn(
         ScriptedTurns([encode("9\n") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}), trimming,
@@ -425,16 +496,17 @@ def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(
         MultiTurnSettings(3, 128, (EOS,)),
     )  # fmt: skip
     assert single.rewards.tolist() == [1.0] and "template_whitespace_rewrite" not in single.samples[0].step_metrics
-    # A turn both trimmed and ended on a foreign end token (<|endoftext|>) ends as a foreign end (it raised).
+    # A turn both trimmed and ended on a foreign end token (<|endoftext|>) branches as a foreign end.
     eot = trimming.convert_tokens_to_ids("<|endoftext|>")
     both = run_multi_turn(
-        ScriptedTurns([encode("7\n") + [eot], encode("7") + [EOS], encode("7") + [EOS]]),
+        ScriptedTurns([encode("7\n") + [eot], encode("7") + [EOS], encode("7") + [EOS], encode("7") + [EOS]]),
         local_stepper({"arithmetic": CountdownEnv(turns=3)}), trimming, rows[:2], SamplingParams(max_new_tokens=8), 0,
         MultiTurnSettings(3, 128, (EOS, eot)),
     )  # fmt: skip
-    assert [s.num_turns for s in both.samples] == [1, 2]
-    assert [s.step_metrics.get("foreign_end_of_turn", 0.0) for s in both.samples] == [1.0, 0.0]
-    # A template that also rewrites an earlier turn once a later one exists is still an error, trimmed last turn or not.
+    assert both.session_of_row == [0, 0, 1] and [s.num_turns for s in both.samples] == [1, 1, 2]
+    assert [s.step_metrics or {} for s in both.samples] == [{"foreign_end_of_turn": 1.0, "observations": 1.0}, {}, {"observations": 1.0}]
+    # A template that also rewrites an earlier turn once a later one exists rewrites more than the last turn's
+    # whitespace, trimmed last turn or not: counted as a template rewrite.
     rewriting = copy.deepcopy(trimming)
     rewriting.chat_template = (
         "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'assistant' %}{% set ns.last = loop.index0 %}"
@@ -444,25 +516,34 @@ def test_a_turn_a_trimming_template_rewrites_ends_its_episode_and_the_run_warns(
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
     three_turns = chat_prompt(rewriting, "What is 4 + 4?", {"answer": 8, "task_name": "arithmetic"})  # 1 + 8 % 3 turns
-    with pytest.raises(TemplateRewriteError, match="rewrites the conversation so far"):
-        run_multi_turn(
-            ScriptedTurns([encode("eight") + [EOS], encode("eight\n") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}),
-            rewriting, [three_turns], SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 128, (EOS,)),
-        )  # fmt: skip
+    upper = run_multi_turn(
+        ScriptedTurns([encode("eight") + [EOS], encode("eight\n") + [EOS], encode("8") + [EOS]]),
+        local_stepper({"arithmetic": CountdownEnv(turns=3)}), rewriting, [three_turns], SamplingParams(max_new_tokens=8), 0,
+        MultiTurnSettings(3, 128, (EOS,)),
+    )  # fmt: skip
+    assert [s.num_turns for s in upper.samples] == [2, 1] and upper.rewards.tolist() == [1.0, 1.0]
+    assert episode_totals(upper.samples, upper.rewards, upper.session_of_row)[0].step_metrics == {
+        "observations": 2.0,
+        "template_rewrite": 1.0,
+    }
     # A template that drops the turn's reasoning (DeepSeek-R1's split on </think>) also drops a leading newline; that
-    # rewrite is more than trimming (it ended the episode as a trimmed turn): still an error.
+    # rewrite is more than trimming (it ended the episode as a trimmed turn): a template rewrite.
     reasoning = copy.deepcopy(trimming)
     reasoning.chat_template = (
         "{% for m in messages %}{% set c = m['content'] %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}"
         "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
-    with pytest.raises(TemplateRewriteError, match="rewrites the conversation so far"):
-        run_multi_turn(
-            ScriptedTurns([encode("\n<think>a</think>7") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}),
-            reasoning, [chat_prompt(reasoning, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})],
-            SamplingParams(max_new_tokens=16), 0, MultiTurnSettings(3, 128, (EOS,)),
-        )  # fmt: skip
+    thinking = ScriptedTurns([encode("\n<think>a</think>7") + [EOS], encode("7") + [EOS]])
+    reasoned = chat_prompt(reasoning, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})
+    dropped = run_multi_turn(
+        thinking, local_stepper({"arithmetic": CountdownEnv(turns=3)}), reasoning, [reasoned], SamplingParams(max_new_tokens=16), 0,
+        MultiTurnSettings(3, 128, (EOS,)),
+    )  # fmt: skip
+    assert [s.step_metrics for s in dropped.samples] == [{"observations": 1.0, "template_rewrite": 1.0}, {}]
+    assert "<think>" not in decode_exact(reasoning, dropped.samples[1].prompt_ids)  # the rendering the model sees next
+    assert_rows_trained_as_sampled(dropped, thinking.calls)
+    assert_branches_restart_from_the_rendering(dropped, reasoning, [reasoned])
 
 
 def test_an_environment_is_told_which_step_ends_its_sample(worker, tokenizer, prompts):
@@ -689,10 +770,10 @@ def test_a_turn_with_no_room_for_the_shortest_observation_is_the_final_one(token
             assert dropped == 1.0
 
 
-def test_a_rewritten_turn_with_no_room_left_is_a_length_cut_and_an_earlier_turn_re_trimmed_still_raises(tokenizer):
-    """A turn ended on a foreign end id (or rewritten in its whitespace) with no room left for an observation is a
-    length cut, not counted as the template's (it was counted besides the cut). A template that trims an earlier turn
-    only once a later one exists rewrites more than the last turn's whitespace: an error, not a counted episode end."""
+def test_a_rewritten_turn_with_no_room_left_is_a_length_cut_and_an_earlier_turn_re_trimmed_is_a_template_rewrite(tokenizer):
+    """A turn ended on a foreign end id (or rewritten in its whitespace) with no room left for the branch's row is a
+    length cut, not counted as a branch (it was counted besides the cut). A template that trims an earlier turn only
+    once a later one exists rewrites more than the last turn's whitespace: a template rewrite, not a whitespace one."""
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     row = chat_prompt(tokenizer, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})
@@ -712,11 +793,15 @@ def test_a_rewritten_turn_with_no_room_left_is_a_length_cut_and_an_earlier_turn_
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
     three_turns = chat_prompt(retrimming, "What is 4 + 4?", {"answer": 8, "task_name": "arithmetic"})
-    with pytest.raises(TemplateRewriteError, match="rewrites the conversation so far"):
-        run_multi_turn(
-            ScriptedTurns([encode("8\n") + [EOS], encode("8") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}),
-            retrimming, [three_turns], SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 256, (EOS,)),
-        )  # fmt: skip
+    retrimmed = run_multi_turn(
+        ScriptedTurns([encode("8\n") + [EOS], encode("8") + [EOS], encode("8") + [EOS]]),
+        local_stepper({"arithmetic": CountdownEnv(turns=3)}), retrimming, [three_turns], SamplingParams(max_new_tokens=8), 0,
+        MultiTurnSettings(3, 256, (EOS,)),
+    )  # fmt: skip
+    assert [s.step_metrics.get("template_rewrite") for s in retrimmed.samples] == [1.0, None]
+    assert (
+        "template_whitespace_rewrite" not in episode_totals(retrimmed.samples, retrimmed.rewards, retrimmed.session_of_row)[0].step_metrics
+    )
 
 
 def test_end_ids_are_judged_where_the_conversation_goes_on(tokenizer):
@@ -745,7 +830,7 @@ def test_a_sentencepiece_turn_keeps_the_space_of_its_first_token(legacy):
     """Mistral's template writes an answer as ``[/INST] 7</s>``; the model samples ``▁7``. Decoded alone a SentencePiece
     tokenizer drops that first ``▁``, so the sequence's text read ``[/INST]7</s>`` and every turn failed the whole
     rollout as a template rewrite. Each turn is decoded after the sequence's last id (``decode_in_context``); a turn
-    with a trailing newline still ends its episode as a trimmed one."""
+    with a trailing newline, or without the space the template writes, branches its episode as a trimmed one."""
     sp = sentencepiece_tokenizer(
         legacy,
         ["[INST]", "[/INST]"],
@@ -759,11 +844,12 @@ def test_a_sentencepiece_turn_keeps_the_space_of_its_first_token(legacy):
     newline = sp.encode("\n", add_special_tokens=False)[-1:]
     unspaced = [sp.convert_tokens_to_ids("7"), sp.eos_token_id]  # the template writes a space the model did not sample
     result = run_multi_turn(
-        ScriptedTurns([answer, answer[:-1] + newline + answer[-1:], unspaced, answer]),
+        ScriptedTurns([answer, answer[:-1] + newline + answer[-1:], unspaced, answer, answer, answer]),
         local_stepper({"arithmetic": CountdownEnv(turns=3, observation_role="user")}), sp, [row, row, row],
         SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 256, (sp.eos_token_id,)),
     )  # fmt: skip
-    assert [s.num_turns for s in result.samples] == [2, 1, 1] and result.rewards.tolist() == [1.0, 0.0, 0.0]
+    assert result.session_of_row == [0, 1, 1, 2, 2] and [s.num_turns for s in result.samples] == [2, 1, 1, 1, 1]
+    assert result.rewards.tolist() == [1.0] * 5
     assert [m["content"] for m in result.samples[0].messages if m["role"] == "assistant"] == [" 7", " 7"]
     assert result.texts[0] == " 7</s>[INST] 1 left[/INST] 7</s>"  # what was trained on (decoded alone it lost the space)
     # A stop string led by a space ends the turn where its text has it (decoded alone, the first '▁7' had no space)
@@ -774,7 +860,7 @@ def test_a_sentencepiece_turn_keeps_the_space_of_its_first_token(legacy):
         SamplingParams(max_new_tokens=16, stop_strings=[" 7"]), 0, MultiTurnSettings(1, 256, (sp.eos_token_id,)),
     )  # fmt: skip
     assert cut.texts == [" 7"] and cut.samples[0].messages[0]["content"] == " 7"
-    assert [s.step_metrics.get("template_whitespace_rewrite") for s in result.samples] == [None, 1.0, 1.0]
+    assert [s.step_metrics.get("template_whitespace_rewrite") for s in result.samples] == [None, 1.0, None, 1.0, None]
 
 
 def test_a_response_is_decoded_after_its_context_whole_characters_only():
@@ -828,7 +914,7 @@ def test_a_sentencepiece_observation_holds_the_ids_it_has_in_the_whole_rendering
     never sees at deployment (``legacy=False``; a legacy tokenizer puts the ``▁`` after every special token, in the whole
     rendering too, so there the observation keeps it). The rollout appends the observation's ids in context: the ids the
     whole rendering has after the sequence so far, tokenised from the sequence's last added token on."""
-    from nemo_like.experience.multi_turn import Conversation, observation_tokens, render
+    from nemo_like.experience.multi_turn import Conversation, render
 
     sp = sentencepiece_tokenizer(
         legacy,
@@ -840,7 +926,9 @@ def test_a_sentencepiece_observation_holds_the_ids_it_has_in_the_whole_rendering
     prompt = PromptRecord(id="0", messages=messages, prompt_token_ids=[], metadata={})
     conv = Conversation(prompt, [*messages, {"role": "assistant", "content": "call it"}], {}, render(sp, messages) + "call it<|im_end|>")
     for observation in ({"role": "tool", "content": "4"}, {"role": "tool", "content": " leading space, then more"}):
-        text, ids = observation_tokens(sp, conv, observation)
+        follows = continuation(sp, conv, observation)
+        assert follows.branch is None
+        text, ids = follows.text, follows.ids
         before = sp(conv.text, add_special_tokens=False)["input_ids"]
         whole = sp(conv.text + text, add_special_tokens=False)["input_ids"]
         assert whole[: len(before)] == before  # the observation starts after a special token: nothing merges across
