@@ -288,6 +288,9 @@ def _train_attempt(
     ft = cfg.cluster.fault_tolerance
     with ExitStack() as watch:  # the start has a watchdog of its own (setup_timeout_s): a hung one hung the run silently
         try:
+            # The prompts first, outside the watchdog and the held signals: reading and tokenising a large set is the
+            # driver's own work, no stall (a 200k-row file was aborted by setup_timeout_s=15), and Ctrl-C stops it at once.
+            data = data or training_data(cfg)
             # Ray's processes inherit the mask: a signal to the group spares them
             with stop_signals_held(control.install_signal_handlers) as release:
                 control.last_progress = time.monotonic()

@@ -45,6 +45,10 @@ def last_user_message(messages: list[dict[str, str]]) -> str:
     return next((m.get("content", "") for m in reversed(messages) if m.get("role") == "user"), "")
 
 
+#: A prompt count whose loading and tokenising the run announces (``data.<split>: rendering and tokenising N prompts``).
+LARGE_SET = 10_000
+
+
 def build_prompt_dataset(
     data: DataConfig, tokenizer, split: str, max_prompt_tokens: int, tools_of: ToolsOf | None = None
 ) -> list[PromptRecord]:
@@ -63,6 +67,8 @@ def build_prompt_dataset(
     fmt = prompt_format(data)
     problems = _arithmetic_problems(data, split, fmt) if is_arithmetic(data, split) else load_problems(data, split, fmt)
     refuse_special_token_texts(tokenizer, problems, split, data.prompt_key)
+    if len(problems) >= LARGE_SET:  # seconds per 10,000 on 2 cores: said, so a long start is not taken for a hang
+        print(f"data.{split}: rendering and tokenising {len(problems):,} prompts", flush=True)
     records, dropped = [], []
     conversations = [p.messages for p in problems]
     tools = [tools_of(p.task_name) if tools_of is not None else None for p in problems]

@@ -665,10 +665,19 @@ def test_a_large_integer_answer_read_as_a_float_is_refused(tmp_path, tok) -> Non
         (tmp_path / "n.jsonl").write_text(f'{{"q": "1+1?", "a": 2}}\n{{"q": "lost", "a": {constant}}}\n')
         with pytest.raises(ConfigError, match=r"row 2 of .*n.jsonl: the gold answer \(data.answer_key\) is (nan|inf) \(a missing"):
             build(data_cfg(tmp_path / "n.jsonl", tmp_path / "n.jsonl"), tok)
-    # a file that is not UTF-8 is an error naming it (pyarrow reads the bytes; decoding them raised a bare error)
-    (tmp_path / "latin1.jsonl").write_bytes('{"q": "café", "a": "1"}\n'.encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"latin1.jsonl.* is not UTF-8 text .*re-encode it as UTF-8 \(data.train.data_path\)"):
+    # a file that is not UTF-8 is an error naming it and its line (pyarrow reads the bytes; decoding them raised a bare
+    # error whose position was inside one cell)
+    (tmp_path / "latin1.jsonl").write_bytes('{"q": "1+1?", "a": "2"}\n{"q": "café", "a": "1"}\n'.encode("latin-1"))
+    with pytest.raises(
+        ConfigError, match=r"latin1.jsonl is not UTF-8 text \(line 2, byte 11: .*re-encode it as UTF-8 \(data.train.data_path\)"
+    ):
         build(data_cfg(tmp_path / "latin1.jsonl", small), tok)
+    # Without a carved validation split only the chosen rows are read (every prompt was, one row at a time: 18 s for a
+    # million rows to use 20,000): here the first, in file order; a carved split reads every prompt, and meets the byte.
+    (first,) = build(data_cfg(tmp_path / "latin1.jsonl", small, shuffle=False, train={"num_problems": 1}), tok)
+    assert first.metadata["answer"] == "2"
+    with pytest.raises(ConfigError, match=r"latin1.jsonl is not UTF-8 text \(line 2, byte 11"):
+        build(data_cfg(tmp_path / "latin1.jsonl", validation={"split_fraction": 0.5}), tok)
     (tmp_path / "latin").mkdir()  # in a folder too (the re-read of a folder's files met it first: a bare error)
     (tmp_path / "latin" / "rows.jsonl").write_bytes((tmp_path / "latin1.jsonl").read_bytes())
     with pytest.raises(ConfigError, match=r"latin.* is not UTF-8 text .*re-encode it as UTF-8 \(data.train.data_path\)"):
