@@ -143,7 +143,7 @@ def model_footprint(
     ]
     from nemo_like.models.policy.batching import sliding_window
 
-    shape = replace(ModelShape.from_hf_config(raw), packed_masks=2 if sliding_window(config) is not None else 1)
+    shape = replace(ModelShape.from_hf_config(config.get_text_config()), packed_masks=2 if sliding_window(config) is not None else 1)
     return specs, shape
 
 

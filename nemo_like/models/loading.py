@@ -536,18 +536,39 @@ def load_tokenizer(name: str, fix: str = "name the tokenizer's model with policy
 UNREADABLE_CONFIG_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, TypeError, KeyError, StrictDataclassError)
 
 
+#: The sizes a model's text config must give as positive integers (the plan and the model are built from them).
+SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_key_value_heads")
+
+
 def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
     """``path``'s JSON and the ``transformers`` config it describes; a ConfigError naming the file when it is not a
-    model's ``config.json`` (not JSON, no or an unknown ``model_type``: a generation_config.json, say)."""
+    model's ``config.json`` (not JSON, no or an unknown ``model_type``: a generation_config.json, say), or naming the
+    field where a size of :data:`SIZE_FIELDS` it gives or its class defaults is not a positive integer (a negative one
+    was a torch traceback; 0 layers a plan that read "short -38489 MiB")."""
     from transformers import AutoConfig
 
     try:
         raw = json.loads(path.read_text())
         if not isinstance(raw, dict) or "model_type" not in raw:
             raise ValueError("it has no 'model_type'")
-        return raw, AutoConfig.for_model(**raw)
+        _check_sizes(path, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw)  # as written first:
+        config = AutoConfig.for_model(**raw)  # transformers' own validation of a size says less
     except UNREADABLE_CONFIG_ERRORS as exc:  # JSONDecodeError is a ValueError
         raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
+    text = config.get_text_config()
+    _check_sizes(path, {name: getattr(text, name) for name in SIZE_FIELDS if hasattr(text, name)})  # its class's defaults
+    if not hasattr(text, "num_attention_heads") or not hasattr(text, "hidden_size"):
+        raise ConfigError(f"{path}: not a causal language model's config.json (no hidden_size or num_attention_heads)")
+    return raw, config
+
+
+def _check_sizes(path: Path, fields: Mapping[str, Any]) -> None:
+    """A :class:`ConfigError` naming ``path`` and the field where one of :data:`SIZE_FIELDS` in ``fields`` is given
+    and is not a positive integer (None: the class's default applies)."""
+    for name in SIZE_FIELDS:
+        value = fields.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{path}: {name} must be a positive integer, got {value!r}")
 
 
 #: The config.json files that stand in for models not on this machine (``nemo-like plan --model-config`` and

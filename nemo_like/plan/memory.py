@@ -53,7 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE_GENERATION_BATCH
+from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE_GENERATION_BATCH, resolve_backend
 from nemo_like.plan.threads import PACKING_STRATEGIES, bundles_per_node, per_node
 
 GIB = 1024**3
@@ -107,17 +107,18 @@ class ModelShape:
     packed_masks: int = 1  # a packed row's [T, T] masks: 2 where some layers slide (one per layer type)
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
-        """From a ``config.json``'s fields."""
-        heads = config["num_attention_heads"]
+    def from_hf_config(cls, config: Any) -> ModelShape:
+        """From a ``transformers`` text config (its class's defaults and attribute names resolved: the model built from
+        it has these sizes; a ``config.json``'s own dict lacked the defaults)."""
+        hidden, heads = config.hidden_size, config.num_attention_heads
         return cls(
-            layers=config["num_hidden_layers"],
-            hidden=config["hidden_size"],
-            intermediate=config.get("intermediate_size", 4 * config["hidden_size"]),
+            layers=config.num_hidden_layers,
+            hidden=hidden,
+            intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
             heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            vocab=config["vocab_size"],
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or hidden // heads,
+            vocab=config.vocab_size,
         )
 
     def layer_values_per_token(self) -> int:
@@ -309,6 +310,12 @@ def autocast_weight_copies(cfg: Any, params: list[ParameterSpec]) -> int:
 #: float32 copy of the logits and its bool mask (``token_logprobs_from_logits``; measured 5 on a CPU).
 TRUNCATION_BYTES_PER_LOGIT = 5
 
+#: Bytes per output-head weight a CPU worker with a chunked head holds in MKL's buffers: a chunk's matmul has few rows,
+#: so MKL packs the head for it and its memory manager keeps the buffer (measured 24-28 MiB for a 31 MiB float32 head,
+#: from the first chunk on; ``MKL_DISABLE_FAST_MM=1`` gives it back, at a cost in speed). An unchunked head's matmul
+#: of a whole micro-batch keeps none (1 MiB at 1,024 rows).
+MKL_PACKED_HEAD_BYTES = 4
+
 #: Bytes per logit of a chunked training head (``policy.logprob_chunk_size``) at its peak: the backward recomputes
 #: each chunk's logits and holds them, their log-softmax pieces and their gradient at once (measured on a CPU).
 CHUNK_RECOMPUTE_BYTES_PER_LOGIT = 16
@@ -356,6 +363,7 @@ def _training_activations(
         # every layer's activations at the start of the backward
         head_bytes = value_bytes if value_bytes < 4 and not runs_autocast(cfg) else 4
         logits += shape.vocab * shape.hidden * (4 + head_bytes)
+    logits += mkl_packed_head(cfg, shape)
     if pc.dtensor_cfg.activation_checkpointing:  # each layer's input; a layer is recomputed after the logits are freed
         return with_packed_mask(cfg, tokens * shape.hidden * hidden_bytes * shape.layers + max(per_layer, logits), True, shape.packed_masks)
     return with_packed_mask(cfg, per_layer * shape.layers + logits, True, shape.packed_masks)
@@ -367,7 +375,16 @@ def _logprob_activations(cfg: Any, shape: ModelShape, value_bytes: int, hidden_b
     logit_rows = min(tokens, chunk) if chunk else tokens
     tp = cfg.policy.dtensor_cfg.tensor_parallel_size
     per_layer = tokens * shape.layer_bytes_per_token(value_bytes, hidden_bytes, tp, cpu_float32_attention(cfg))
-    return with_packed_mask(cfg, per_layer + logit_rows * shape.vocab * 8, False, shape.packed_masks)  # logits + log-softmax
+    logits = logit_rows * shape.vocab * 8 + mkl_packed_head(cfg, shape)  # logits + log-softmax
+    return with_packed_mask(cfg, per_layer + logits, False, shape.packed_masks)
+
+
+def mkl_packed_head(cfg: Any, shape: ModelShape) -> int:
+    """The bytes of MKL's packed copy of the output head a CPU worker with a chunked head keeps
+    (:data:`MKL_PACKED_HEAD_BYTES`); 0 on a GPU or unchunked."""
+    if not cfg.policy.logprob_chunk_size or cfg.cluster.gpus_per_node:
+        return 0
+    return shape.vocab * shape.hidden * MKL_PACKED_HEAD_BYTES
 
 
 def micro_batch_tokens(cfg: Any, training: bool) -> int:
@@ -820,7 +837,7 @@ def plan_memory(
         backend = run_plan.backend.value  # where the KV cache of the sequences sampled at once lies: is it over?
         inline_kv = backend == "inline" and policy_over and roles[0].samples_at_peak  # sampling, not training, is its peak
         kv_over = "generation GPU" in over or inline_kv or (backend == "hf" and not cfg.cluster.gpus_per_node)
-        advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over, cluster_problem)
+        advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over, cluster_problem, backend)
         hints = {r.gpu: r.fit_hint for r in scorers}
         advice += [f"{device}: {hints[device]}" for device in sorted(scorer_devices & set(over))]
     advice += kv_advice(cfg, roles, device_bytes, shape) if engine else []
@@ -1112,6 +1129,7 @@ def fit_advice(
     policy_over: bool = True,
     kv_over: bool = False,
     cluster_problem: Callable[[Any], str | None] | None = None,
+    backend: str = "",
 ) -> list[str]:
     """What to change when a device is over its memory, the cheapest first: only changes that ``shrinks`` (a plan of
     the changed config holds no more on every device that is over, and less on one) says help. ``share_may_help``: the
@@ -1119,7 +1137,8 @@ def fit_advice(
     policy ranks is over (LoRA, whose shrinking the plan cannot re-derive without the model, shrinks only those);
     ``kv_over``: a device that holds the KV cache of the sequences sampled at once (the HF engine's, the inline
     backend's) is over; ``cluster_problem(config)``: why ``config`` does not fit the declared GPUs (a larger dp's ranks
-    may not), ``None`` if it does."""
+    may not), ``None`` if it does; ``backend``: the run's generation backend (on a CPU, vLLM's KV space is in the node's
+    RAM: a plan of another backend cannot be re-derived here, so that advice is given whole)."""
     pc, cluster = cfg.policy, cfg.cluster
     advice = []
     util = pc.generation.vllm_cfg.gpu_memory_utilization
@@ -1163,8 +1182,19 @@ def fit_advice(
             f"raise cluster.num_nodes (now {cluster.num_nodes}) with cluster.placement_strategy=SPREAD: the workers of a node "
             f"share its RAM, and {cluster.placement_strategy} may place a role's workers on one node"
         )
+    kv_space = f"policy.generation.vllm_cfg.kv_cache_space_gib, now {pc.generation.vllm_cfg.kv_cache_space_gib} GiB"
     if not pc.lora_cfg.enabled and policy_over:
-        advice.append("train LoRA adapters (policy.lora_cfg.enabled=true): no full gradients or AdamW state")
+        lora = _with(cfg, "policy", lora_cfg=pc.lora_cfg.model_copy(update={"enabled": True}))
+        if not cluster.gpus_per_node and backend != "vllm" and resolve_backend(lora)[0] == "vllm":
+            # auto picks vLLM for a LoRA run on a CPU: its KV space would take more of the node than LoRA saves
+            advice.append(
+                "train LoRA adapters (policy.lora_cfg.enabled=true) with policy.generation.backend=hf: no full gradients "
+                f"or AdamW state (auto would pick vLLM, whose KV space, {kv_space}, is held in the node's RAM)"
+            )
+        else:
+            advice.append("train LoRA adapters (policy.lora_cfg.enabled=true): no full gradients or AdamW state")
+    if not cluster.gpus_per_node and backend == "vllm":  # a CPU node is over, and vLLM's KV space is in its RAM
+        advice.append(f"set policy.generation.backend=hf: vLLM's KV space ({kv_space}) is held in the node's RAM")
     if not dp_helps:
         budgets = next((m for m in ("sequence_packing", "dynamic_batching") if getattr(pc, m).enabled), None)
         if budgets is not None:  # micro-batches are token budgets there, not row counts

@@ -3,6 +3,7 @@ invocations that mean `train` keep working. The help and version run the install
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -112,6 +113,8 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
     bert.write_text('{"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 2, "d_ff": 128}')  # an encoder-decoder
     falcon = tmp_path / "falcon.json"  # a causal LM, laid out as transformer.h: it was called "not a causal language model"
     falcon.write_text('{"model_type": "falcon", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 100}')
+    for name, field, value in (("negative", "hidden_size", -896), ("no_layers", "num_hidden_layers", 0), ("fractional", "vocab_size", 1.5)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**json.loads(Path(TINY_CONFIG).read_text()), field: value}))
     utf16 = tmp_path / "recipe.yaml"
     utf16.write_text("grpo:\n  seed: 1\n", encoding="utf-16")
     results = tmp_path / "results.jsonl"  # eval's per-sample file, plotted by mistake
@@ -142,6 +145,15 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["plan", "--model-config", str(tmp_path / "afile")], "not a causal language model's config.json (Expecting value"),
         (["plan", "--model-config", str(bert)], "not a causal language model's config.json (Unrecognized configuration class"),
         (["plan", "--model-config", str(falcon)], "the memory plan cannot lay out FalconForCausalLM"),
+        # a size that is not a positive integer: a torch traceback (negative), a plan of "short -38489 MiB" (0 layers)
+        *[
+            (["plan", "--model-config", str(shaped)], f"{shaped}: {field} must be a positive integer, got {value!r}")
+            for shaped, field, value in (
+                (tmp_path / "negative.json", "hidden_size", -896),
+                (tmp_path / "no_layers.json", "num_hidden_layers", 0),
+                (tmp_path / "fractional.json", "vocab_size", 1.5),
+            )
+        ],
         (["train", "--dry-run", "--config", str(utf16)], "is not UTF-8 text"),
         # plan ran train's checks of the models only on a config.json it found itself: with --model-config (the model
         # not here) or for a teacher it said "fits: yes" to what train refuses at once

@@ -29,6 +29,7 @@ from nemo_like.plan.memory import (
     colocated_peak,
     generation_memory,
     micro_batch_tokens,
+    mkl_packed_head,
     over_budget,
     plan_memory,
     policy_memory,
@@ -96,19 +97,27 @@ def test_activations_follow_their_formula_and_chunking_bounds_the_logits() -> No
     plain, summed = (policy_memory(recipe(*sharded, *chunk), params, shape) for chunk in ((), ("policy.logprob_chunk_size=16",)))
     one = recipe(*sharded, "policy.logprob_chunk_size=16")
     rows = micro_batch_tokens(one, training=True)
-    # a chunk's recompute holds 16 bytes a logit (12 unchunked); the head's gradient: a float32 sum and one chunk's bf16
-    assert summed.activations - plain.activations == shape.vocab * shape.hidden * (4 + 2) - (rows * 12 - 16 * 16) * shape.vocab
+    # a chunk's recompute holds 16 bytes a logit (12 unchunked); the head's gradient: a float32 sum and one chunk's bf16;
+    # on a CPU, MKL's packed copy of the head a chunk's few-row matmul leaves (4 bytes a weight: measured 24-28 MiB for 31)
+    assert mkl_packed_head(one, shape) == shape.vocab * shape.hidden * 4
+    assert (
+        mkl_packed_head(recipe(*sharded), shape)
+        == 0
+        == mkl_packed_head(recipe("cluster.gpus_per_node=1", "policy.logprob_chunk_size=16"), shape)
+    )
+    head_terms = shape.vocab * shape.hidden * (4 + 2 + 4)
+    assert summed.activations - plain.activations == head_terms - (rows * 12 - 16 * 16) * shape.vocab
     # float32 (and autocast: a float32 master head): the chunk's head gradient is float32 too
     fp32_plain, fp32_chunked = (policy_memory(recipe(*chunk), params, shape) for chunk in ((), ("policy.logprob_chunk_size=16",)))
     fp32_rows = micro_batch_tokens(cfg, training=True)
     per_layer = fp32_plain.activations - fp32_rows * shape.vocab * 12
-    assert fp32_chunked.activations == per_layer + 16 * shape.vocab * 16 + shape.vocab * shape.hidden * (4 + 4)
+    assert fp32_chunked.activations == per_layer + 16 * shape.vocab * 16 + shape.vocab * shape.hidden * (4 + 4 + 4)
     lora = ("policy.lora_cfg.enabled=true", "policy.lora_cfg.dim=4")  # a frozen head: no gradient, no sum
     lora_params, _ = model_footprint(EMBEDDED_MODEL, "bfloat16", recipe(*lora).policy.lora_cfg)
     no_sum, chunked_lora = (
         policy_memory(recipe(*sharded, *lora, *chunk), lora_params, shape) for chunk in ((), ("policy.logprob_chunk_size=16",))
     )
-    assert chunked_lora.activations - no_sum.activations == -(rows * 12 - 16 * 16) * shape.vocab
+    assert chunked_lora.activations - no_sum.activations == shape.vocab * shape.hidden * 4 - (rows * 12 - 16 * 16) * shape.vocab
 
 
 def test_checkpointing_keeps_each_layer_input_and_the_larger_of_the_logits_and_one_recomputed_layer() -> None:
@@ -900,6 +909,32 @@ def test_the_plan_command_prints_the_plan_checks_the_fit_and_names_a_missing_mod
     config = "examples/cluster/model_configs/Qwen2.5-0.5B-Instruct.json"
     assert main(["plan", "--config", gpu_recipe, "--model-config", config, "--device-memory-gib", "139"]) == 0
     assert "params 1.840 + grads 1.840 + optimizer 3.681" in capsys.readouterr().out  # 494,032,768 fp32 values: 1.840 GiB
+
+
+def test_lora_advice_on_a_cpu_keeps_the_engine_and_a_vllm_node_is_told_its_kv_space(capsys) -> None:
+    """On a CPU, auto picks vLLM for a LoRA run, whose KV space (at least 1 GiB) is in the node's RAM: "train LoRA
+    adapters" made the tiny recipe's node 5x fuller (0.19 -> 1.12 GiB), and a vLLM node over was never told the KV
+    space was what filled it. LoRA is advised with the HF engine, which shrinks the node, and a vLLM run is told."""
+    from nemo_like.cli import main
+    from nemo_like.plan.backend import vllm_available
+
+    tiny = ["plan", "--config", "examples/configs/grpo_tiny_cpu.yaml", "--device-memory-gib", "0.15"]
+
+    def node_and_fit(*overrides: str) -> tuple[float, str]:
+        assert main([*tiny, *overrides]) == 3
+        out = capsys.readouterr().out.splitlines()
+        node = next(line for line in out if line.startswith("[plan] memory on each node (RAM): "))
+        return float(node.split(": ")[1].split()[0]), next(line for line in out if "fits: NO" in line)
+
+    full, advice = node_and_fit()
+    if not vllm_available():
+        assert "train LoRA adapters (policy.lora_cfg.enabled=true): no full" in advice
+        return
+    assert "train LoRA adapters (policy.lora_cfg.enabled=true) with policy.generation.backend=hf: no full" in advice
+    with_hf, _ = node_and_fit("policy.lora_cfg.enabled=true", "policy.generation.backend=hf")
+    on_vllm, vllm_advice = node_and_fit("policy.lora_cfg.enabled=true")
+    assert with_hf < full < 1 < on_vllm  # the advice as given shrinks the node; LoRA alone filled it
+    assert "set policy.generation.backend=hf: vLLM's KV space (policy.generation.vllm_cfg.kv_cache_space_gib, now 1 GiB)" in vllm_advice
 
 
 def test_a_smaller_engine_share_is_advised_only_where_it_shrinks_the_gpu_that_is_over(capsys) -> None:
