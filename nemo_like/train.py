@@ -289,8 +289,11 @@ def _train_attempt(
     with ExitStack() as watch:  # the start has a watchdog of its own (setup_timeout_s): a hung one hung the run silently
         try:
             # The prompts first, outside the watchdog and the held signals: reading and tokenising a large set is the
-            # driver's own work, no stall (a 200k-row file was aborted by setup_timeout_s=15), and Ctrl-C stops it at once.
+            # driver's own work, no stall (a 200k-row file was aborted by setup_timeout_s=15); a stop asked meanwhile
+            # ends the run here, before Ray starts (it trained a whole step first).
             data = data or training_data(cfg)
+            if (stop := control.requested) is not None:
+                raise RunInterrupted(stop, resume_from.step if resume_from else 0, str(resume_from.path) if resume_from else None)
             # Ray's processes inherit the mask: a signal to the group spares them
             with stop_signals_held(control.install_signal_handlers) as release:
                 control.last_progress = time.monotonic()

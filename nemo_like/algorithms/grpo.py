@@ -122,9 +122,10 @@ def validate(parts: GRPOComponents, step: int) -> dict[str, float]:
 def validation_metrics(rollout: Rollout, tasks: list[str], pass_k: list[int]) -> dict[str, float]:
     """A validation rollout's scores: ``validation/accuracy``, ``/reward``, ``/num_samples``, ``/pass@k`` (each k of
     ``pass_k``; none when empty) and ``validation/env/<task>/reward`` and ``/num_samples``, over its samples; and
-    ``validation/mean_response_length`` (:func:`sample_response_lengths`). A sample is a row, except in agent tasks
-    (``rollout.session_of_row`` set), where it is a session: a session that branched into several rows (each with the
-    session's reward) counts once, by its first row, and ``validation/num_rows`` counts the rows."""
+    ``validation/mean_response_length`` (:func:`sample_response_lengths`). A sample is a row, except in agent and
+    multi-turn tasks (``rollout.session_of_row`` set), where it is a session (an episode): a session that branched into
+    several rows (each with the session's reward) counts once, by its first row, and ``validation/num_rows`` counts the
+    rows."""
     prompts, rewards, groups = rollout.prompts, rollout.rewards, rollout.group_ids
     if rollout.session_of_row is not None:
         first, _ = per_session(rollout.session_of_row)

@@ -992,10 +992,14 @@ def _decoded(read: Callable[[], list], source: Source, role: str) -> list:
         raise ConfigError(f"{source.label} is not UTF-8 text ({where or exc}); re-encode it as UTF-8 (data.{role}.data_path)") from None
 
 
+#: The files whose lines :func:`_first_undecodable_line` reads (a compressed or parquet file's bytes are no text).
+TEXT_SUFFIXES = (".json", ".jsonl", ".csv", ".txt")
+
+
 def _first_undecodable_line(path: str) -> str | None:
     """``line N, byte M`` of the first byte of the text file ``path`` that is not UTF-8 (counted from 1); None for a
-    directory, or where every line decodes."""
-    if not Path(path).is_file():
+    directory, a file that is not text (:data:`TEXT_SUFFIXES`), or where every line decodes."""
+    if not Path(path).is_file() or not path.lower().endswith(TEXT_SUFFIXES):
         return None
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):

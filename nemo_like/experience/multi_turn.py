@@ -33,6 +33,7 @@ everywhere: ``train/truncated_fraction`` had counted turns that stopped on their
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -88,6 +89,7 @@ class Conversation:
     prompt_ids: list[int] = field(default_factory=list)  # the row's prompt: the prompt's ids, or a branch's rendering
     rows: list[GeneratedSample] = field(default_factory=list)  # the rows finished before the row being built
     row_first_turn: int = 0  # the first model turn of the row being built
+    prompt_observation_tokens: int = 0  # a branch's row: the tokens of its prompt the branching observation added
 
     @property
     def length(self) -> int:
@@ -131,7 +133,7 @@ def episode_totals(samples: Sequence[GeneratedSample], rewards: torch.Tensor, se
         episode.turns += sample.num_turns
         episode.rows += 1
         episode.length_truncated = sample.length_truncated
-        episode.observation_tokens += len(sample.response_ids) - sample.num_sampled_tokens
+        episode.observation_tokens += len(sample.response_ids) - sample.num_sampled_tokens + sample.prompt_observation_tokens
         for name, value in (sample.step_metrics or {}).items():
             episode.step_metrics[name] = episode.step_metrics.get(name, 0.0) + value
     return list(episodes.values())
@@ -184,11 +186,14 @@ def start_conversation(tokenizer, prompt: PromptRecord) -> Conversation:
 class Continuation:
     """What follows the model's turn (:func:`continuation`): ``ids`` (``text``) appended to the row, or, where the
     template cannot extend the row token-exactly, ``branch`` (the cause's step counter) with the template's whole
-    rendering as the prompt of the row that starts (:func:`start_row`)."""
+    rendering as the prompt of the row that starts (:func:`start_row`), of which ``appended`` tokens follow where its
+    ids stop agreeing with the row's (the observation, its role markers and the next generation prompt, and
+    what the template wrote otherwise of the turn: what ``multi_turn/observation_tokens_per_sample`` counts there)."""
 
     text: str
     ids: list[int]
     branch: str | None = None
+    appended: int = 0
 
     def length_after(self, conv: Conversation) -> int:
         """The tokens of the row that holds the continuation."""
@@ -205,7 +210,9 @@ def continuation(tokenizer, conv: Conversation, observation: dict[str, str] | No
         text = full[len(conv.text) :]
         return Continuation(text, in_context_ids(tokenizer, conv.text, text, searched_from=conv.turn_start - ADDED_TOKEN_WINDOW))
     cause = FOREIGN_END if conv.foreign_end else WHITESPACE_REWRITE if rewrote_only_whitespace(conv, full) else TEMPLATE_REWRITE
-    return Continuation(full, list(tokenizer(full, add_special_tokens=False)["input_ids"]), cause)
+    ids = list(tokenizer(full, add_special_tokens=False)["input_ids"])
+    agreed = len(os.path.commonprefix([ids, conv.prompt_ids + conv.response_ids]))
+    return Continuation(full, ids, cause, len(ids) - agreed)
 
 
 def in_context_ids(tokenizer, before: str, text: str, searched_from: int | None = None) -> list[int]:
@@ -340,13 +347,36 @@ def ends_after_step(tokenizer, conv: Conversation, last_turn: bool, max_total_le
     by its token budget, or no room left for the shortest observation plus one sampled token. The shortest is what the
     template appends with no new message (the turn's end and the next generation prompt); any observation adds its
     message to that. Counting one token for it had told an environment "not final" for turns that then ended on the
-    length limit (its final-turn outcome never counted, its observation built for nothing)."""
+    length limit (its final-turn outcome never counted, its observation built for nothing). Where the row is full, a
+    reply the template rewrites the history for (an empty one of each of :data:`REPLY_ROLES`) starts a new row, which
+    may hold it: a long reasoning turn a Qwen3-style template then drops (it was told final, and ended with no reward)."""
     if last_turn or conv.truncated:
         return True
     shortest = continuation(tokenizer, conv, None)
     if shortest.branch:  # the new row: its prompt and one sampled token
         return shortest.length_after(conv) >= max_total_length
-    return conv.length + max(1, len(shortest.ids)) >= max_total_length
+    if conv.length + max(1, len(shortest.ids)) < max_total_length:
+        return False
+    return not any(branch.length_after(conv) < max_total_length for branch in reply_branches(tokenizer, conv))
+
+
+#: The roles of an environment's reply :func:`ends_after_step` probes for a branch (a user's and a tool's: templates
+#: rewrite the history for the one and not the other).
+REPLY_ROLES = ("user", "tool")
+
+
+def reply_branches(tokenizer, conv: Conversation) -> list[Continuation]:
+    """The branches an empty reply of each of :data:`REPLY_ROLES` would start (none where it extends the row, or where
+    the template refuses that role)."""
+    branches = []
+    for role in REPLY_ROLES:
+        try:
+            follows = continuation(tokenizer, conv, {"role": role, "content": ""})
+        except Exception:  # noqa: BLE001 - a template that refuses the role: no such reply
+            continue
+        if follows.branch:
+            branches.append(follows)
+    return branches
 
 
 def apply_step(
@@ -391,6 +421,7 @@ def start_row(conv: Conversation, follows: Continuation) -> None:
     ids stay trained in the row they were sampled in; the episode, its reward and its turn budget go on."""
     count(conv, follows.branch)
     conv.rows.append(finished_sample(conv))
+    conv.prompt_observation_tokens = follows.appended
     conv.prompt_ids, conv.text, conv.turn_start = list(follows.ids), follows.text, len(follows.text)
     conv.response_ids, conv.response_mask, conv.response_logprobs = [], [], []
     conv.step_metrics, conv.decoded_tokens, conv.row_first_turn = {}, 0, conv.turns
@@ -499,6 +530,7 @@ def finished_sample(conv: Conversation) -> GeneratedSample:
         final_weight_version=conv.final_weight_version,
         response_mask=conv.response_mask,
         num_turns=conv.turns - conv.row_first_turn,
+        prompt_observation_tokens=conv.prompt_observation_tokens,
         length_truncated=conv.length_truncated,
         messages=conv.messages[len(conv.prompt.messages) :],
         step_metrics=dict(conv.step_metrics),

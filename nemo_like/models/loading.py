@@ -553,6 +553,8 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
             raise ValueError("it has no 'model_type'")
         _check_sizes(path, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw)  # as written first:
         config = AutoConfig.for_model(**raw)  # transformers' own validation of a size says less
+    except ConfigError:  # a size, named (a ConfigError is a ValueError too)
+        raise
     except UNREADABLE_CONFIG_ERRORS as exc:  # JSONDecodeError is a ValueError
         raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
     text = config.get_text_config()
@@ -564,10 +566,12 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
 
 def _check_sizes(path: Path, fields: Mapping[str, Any]) -> None:
     """A :class:`ConfigError` naming ``path`` and the field where one of :data:`SIZE_FIELDS` in ``fields`` is given
-    and is not a positive integer (None: the class's default applies)."""
+    and is not a positive integer (None: the class's default applies; ``intermediate_size`` may be one per layer, as
+    Gemma-3n's)."""
     for name in SIZE_FIELDS:
         value = fields.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        values = value if name == "intermediate_size" and isinstance(value, list) and value else [value]
+        if value is not None and any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
             raise ConfigError(f"{path}: {name} must be a positive integer, got {value!r}")
 
 

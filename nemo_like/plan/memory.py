@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from nemo_like.config.errors import ConfigError
 from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE_GENERATION_BATCH, resolve_backend
 from nemo_like.plan.threads import PACKING_STRATEGIES, bundles_per_node, per_node
 
@@ -93,6 +94,11 @@ class ParameterSpec:
         return replace(self, trainable=trainable, bytes_per_element=bytes_per_element)
 
 
+def _largest(size: int | list[int] | None) -> int | None:
+    """A config's size, or the largest of its per-layer sizes (Gemma-3n's ``intermediate_size``)."""
+    return max(size) if isinstance(size, list) and size else size  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What activations and the KV cache depend on (a Llama-family decoder's HF config)."""
@@ -114,7 +120,7 @@ class ModelShape:
         return cls(
             layers=config.num_hidden_layers,
             hidden=hidden,
-            intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
+            intermediate=_largest(getattr(config, "intermediate_size", None)) or 4 * hidden,  # per layer: the largest
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or hidden // heads,
@@ -1122,6 +1128,26 @@ def _more_gpus(dp_size: int, short: str | None) -> str:
     return f", on more GPUs than declared (at policy.dp_size={dp_size} {short})" if short else ""
 
 
+def lora_advice(cfg: Any, backend: str, kv_space: str) -> str:
+    """Train LoRA adapters: on a CPU with the engine the run has, where LoRA would change it (auto picks vLLM for a LoRA
+    run, whose KV space would take more of the node than LoRA saves; inline generation does not serve LoRA)."""
+    lora = _with(cfg, "policy", lora_cfg=cfg.policy.lora_cfg.model_copy(update={"enabled": True}))
+    try:
+        with_lora = resolve_backend(lora)[0]
+    except ConfigError:  # the requested backend (inline) cannot serve adapters
+        engine = "hf" if not cfg.cluster.gpus_per_node else "auto"
+        return (
+            f"train LoRA adapters (policy.lora_cfg.enabled=true) with policy.generation.backend={engine}: no full "
+            "gradients or AdamW state (inline generation does not serve adapters)"
+        )
+    if not cfg.cluster.gpus_per_node and backend != "vllm" and with_lora == "vllm":
+        return (
+            "train LoRA adapters (policy.lora_cfg.enabled=true) with policy.generation.backend=hf: no full gradients or "
+            f"AdamW state (auto would pick vLLM, whose KV space, {kv_space}, is held in the node's RAM)"
+        )
+    return "train LoRA adapters (policy.lora_cfg.enabled=true): no full gradients or AdamW state"
+
+
 def fit_advice(
     cfg: Any,
     shrinks: Callable[[Any], bool],
@@ -1184,15 +1210,7 @@ def fit_advice(
         )
     kv_space = f"policy.generation.vllm_cfg.kv_cache_space_gib, now {pc.generation.vllm_cfg.kv_cache_space_gib} GiB"
     if not pc.lora_cfg.enabled and policy_over:
-        lora = _with(cfg, "policy", lora_cfg=pc.lora_cfg.model_copy(update={"enabled": True}))
-        if not cluster.gpus_per_node and backend != "vllm" and resolve_backend(lora)[0] == "vllm":
-            # auto picks vLLM for a LoRA run on a CPU: its KV space would take more of the node than LoRA saves
-            advice.append(
-                "train LoRA adapters (policy.lora_cfg.enabled=true) with policy.generation.backend=hf: no full gradients "
-                f"or AdamW state (auto would pick vLLM, whose KV space, {kv_space}, is held in the node's RAM)"
-            )
-        else:
-            advice.append("train LoRA adapters (policy.lora_cfg.enabled=true): no full gradients or AdamW state")
+        advice.append(lora_advice(cfg, backend, kv_space))
     if not cluster.gpus_per_node and backend == "vllm":  # a CPU node is over, and vLLM's KV space is in its RAM
         advice.append(f"set policy.generation.backend=hf: vLLM's KV space ({kv_space}) is held in the node's RAM")
     if not dp_helps:

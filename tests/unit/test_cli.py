@@ -147,7 +147,7 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["plan", "--model-config", str(falcon)], "the memory plan cannot lay out FalconForCausalLM"),
         # a size that is not a positive integer: a torch traceback (negative), a plan of "short -38489 MiB" (0 layers)
         *[
-            (["plan", "--model-config", str(shaped)], f"{shaped}: {field} must be a positive integer, got {value!r}")
+            (["plan", "--model-config", str(shaped)], f"error: {shaped}: {field} must be a positive integer, got {value!r}")
             for shaped, field, value in (
                 (tmp_path / "negative.json", "hidden_size", -896),
                 (tmp_path / "no_layers.json", "num_hidden_layers", 0),

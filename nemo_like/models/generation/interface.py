@@ -76,6 +76,9 @@ class GeneratedSample:
     # The in-flight refits its tokens saw: (first response position the new weights produced, their version), in
     # order; () none; None: not known (vLLM reports the last token's version only, ``final_weight_version``).
     weight_version_changes: tuple[tuple[int, int], ...] | None = None
+    # Multi-turn: a branched episode's later row (its prompt is the whole conversation, rendered): the tokens of that
+    # prompt the observation that branched it added (what an unbranched row holds as masked-out response tokens).
+    prompt_observation_tokens: int = 0
 
     def version_at(self, position: int) -> int | None:
         """The weight version that produced response token ``position`` (None when the engine does not say)."""

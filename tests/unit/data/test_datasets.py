@@ -678,6 +678,13 @@ def test_a_large_integer_answer_read_as_a_float_is_refused(tmp_path, tok) -> Non
     assert first.metadata["answer"] == "2"
     with pytest.raises(ConfigError, match=r"latin1.jsonl is not UTF-8 text \(line 2, byte 11"):
         build(data_cfg(tmp_path / "latin1.jsonl", validation={"split_fraction": 0.5}), tok)
+    # a compressed file's lines are no text: the decoder's own words (it named a "line 1, byte 2" of the gzip header)
+    import gzip
+
+    with gzip.open(tmp_path / "latin1.jsonl.gz", "wb") as compressed:
+        compressed.write((tmp_path / "latin1.jsonl").read_bytes())
+    with pytest.raises(ConfigError, match=r"latin1.jsonl.gz is not UTF-8 text \('utf-8' codec can't decode"):
+        build(data_cfg(tmp_path / "latin1.jsonl.gz", validation={"split_fraction": 0.5}), tok)
     (tmp_path / "latin").mkdir()  # in a folder too (the re-read of a folder's files met it first: a bare error)
     (tmp_path / "latin" / "rows.jsonl").write_bytes((tmp_path / "latin1.jsonl").read_bytes())
     with pytest.raises(ConfigError, match=r"latin.* is not UTF-8 text .*re-encode it as UTF-8 \(data.train.data_path\)"):

@@ -935,6 +935,10 @@ def test_lora_advice_on_a_cpu_keeps_the_engine_and_a_vllm_node_is_told_its_kv_sp
     on_vllm, vllm_advice = node_and_fit("policy.lora_cfg.enabled=true")
     assert with_hf < full < 1 < on_vllm  # the advice as given shrinks the node; LoRA alone filled it
     assert "set policy.generation.backend=hf: vLLM's KV space (policy.generation.vllm_cfg.kv_cache_space_gib, now 1 GiB)" in vllm_advice
+    # inline generation does not serve adapters: the advice names the engine that does (the plan failed: "inline is not
+    # possible here", for a LoRA the user had not enabled)
+    _, inline_advice = node_and_fit("policy.generation.backend=inline")
+    assert "train LoRA adapters (policy.lora_cfg.enabled=true) with policy.generation.backend=hf: no full" in inline_advice
 
 
 def test_a_smaller_engine_share_is_advised_only_where_it_shrinks_the_gpu_that_is_over(capsys) -> None:

@@ -342,7 +342,9 @@ def test_a_second_signal_exits_at_once_while_models_load_and_ray_starts_with_the
     args = [sys.executable, "-c", SLOW_SETUP, str(tmp_path / "logs"), str(recipe)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "ray starting; signals held: True"  # Ray's processes inherit the mask
+        lines = iter(proc.stdout.readline, "")
+        first = next(line for line in lines if not line.startswith("data."))  # the prompts load first, unmasked
+        assert first.strip() == "ray starting; signals held: True"  # Ray's processes inherit the mask
         assert proc.stdout.readline().strip() == "models loading"
         proc.send_signal(signal.SIGINT)  # the first: a stop request (after the first step)
         time.sleep(0.3)
@@ -460,3 +462,32 @@ def test_ray_inits_exit_on_sigterm_is_the_commands_stop_and_a_decided_status_is_
         files.replace_file(tmp_path / "status", "0\n")
     monkeypatch.undo()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stop_while_the_prompts_load_ends_the_run_before_ray_starts(tmp_path):
+    """Loading the prompts runs outside the held signals (a large set's loading is no stall): a Ctrl-C there let the
+    run start Ray and its actors and train a whole step before it stopped."""
+    import json
+    import subprocess
+    import sys
+
+    from nemo_like.data.prompts import LARGE_SET
+
+    data = tmp_path / "large.jsonl"
+    data.write_text("".join(json.dumps({"q": f"What is {i} plus {i + 1}?", "a": str(2 * i + 1)}) + "\n" for i in range(LARGE_SET * 2)))
+    overrides = [f"data.train.data_path={data}", "data.dataset_name=null", "data.prompt_key=q", "data.answer_key=a"]
+    overrides += ["data.train.num_problems=null", "data.validation.split_fraction=0.01", f"logger.log_dir={tmp_path / 'logs'}"]
+    command = [str(Path(sys.executable).with_name("nemo-like")), "train", *overrides]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "rendering and tokenising" in line:  # the prompts are loading
+                proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    out = "".join(lines)
+    assert status == EXIT_SIGINT and "[stop] stopped after step 0 (SIGINT)" in out, out
+    assert "[setup] actors ready" not in out and "[step" not in out, out
