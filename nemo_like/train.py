@@ -309,6 +309,9 @@ def _train_attempt(
             if role is None:
                 raise
             return WorkerDeath(role, control.step, str(exc), exc, time.monotonic())
+        except RunInterrupted as stopped:  # asked to stop while the prompts loaded: resumable from its checkpoint, as after a step
+            logger.close(failed=stopped.checkpoint is None)
+            raise
         except BaseException:
             logger.close(failed=True)
             raise

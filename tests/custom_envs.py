@@ -72,6 +72,10 @@ class CountdownEnv(EnvironmentInterface):
         self.turns, self.role, self.stop_strings = turns, observation_role, stop_strings
         self.steps = 0
 
+    @classmethod
+    def reply_roles(cls, settings: dict[str, Any]) -> tuple[str, ...]:
+        return (settings.get("observation_role", "tool"),)
+
     def score(self, responses: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         return [1.0 if str(m["answer"]) in r else 0.0 for r, m in zip(responses, metadata)]
 

@@ -6,7 +6,7 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from nemo_like.models.loading import (
 from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 from nemo_like.plan.memory import tensor_parallel_problems
+from nemo_like.plan.multi_turn import with_reply_roles
 from nemo_like.plan.run_plan import RunPlan
 from nemo_like.plan.threads import node_count_warning, shared_cores_warning
 from nemo_like.utils.machine_runs import other_live_runs
@@ -109,6 +110,14 @@ def check_environments(specs: dict[str, EnvSpec], datasets: dict[str, list[Promp
             f"section{'s' if len(unused) > 1 else ''} with {' '.join(repr('~env.' + t) for t in unused)})",
             file=sys.stderr,
         )
+
+
+def environment_reply_roles(specs: dict[str, EnvSpec]) -> dict[str, tuple[str, ...]]:
+    """Per task, the roles its environment's observations take (:meth:`EnvironmentInterface.reply_roles`): what the
+    multi-turn loop probes where a row is full (``MultiTurnSettings.reply_roles``)."""
+    from nemo_like.environments.registry import import_environment_class
+
+    return {task: tuple(import_environment_class(spec.class_path, f"env.{task}").reply_roles(spec.kwargs)) for task, spec in specs.items()}
 
 
 def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[str]:
@@ -427,6 +436,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     # fails here, before any actor starts).
     eos_ids = end_of_sequence_ids(tokenizer, cfg.policy.model_name)  # the tokenizer's and the generation config's
     plan = plan_on_cluster(cfg, tuple(eos_ids))
+    plan = replace(plan, multi_turn=with_reply_roles(plan.multi_turn, environment_reply_roles(env_specs)))
     if nodes := node_count_warning(cfg, plan.nodes):
         warnings.warn(nodes, RuntimeWarning, stacklevel=2)
     ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts

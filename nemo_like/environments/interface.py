@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
+from nemo_like.plan.multi_turn import ANY_REPLY_ROLES
+
 #: Reward at or above which a sample counts as correct (accuracy and pass@k).
 CORRECT_REWARD = 1.0
 #: Key of the metadata a multi-turn step receives: ``True`` when the run ends the sample after this step whatever the
@@ -133,6 +135,14 @@ class EnvironmentInterface(ABC):
         """Lines for keys of the section ``env.<task>`` (``settings``: the constructor's keyword arguments as the recipe
         sets them) that have no effect in this run (printed at start-up, never an error). The default: none."""
         return []
+
+    @classmethod
+    def reply_roles(cls, settings: dict[str, Any]) -> tuple[str, ...]:
+        """The roles of the observations this environment's ``step`` returns, given its section ``settings``. Where a
+        sample's sequence is full, the turn loop tells the environment the turn is final unless a reply of one of these
+        roles would make the chat template rewrite the history into a new row with room (a Qwen3-style template does
+        for a user's reply, not for a tool's). The default: a user's or a tool's (not known)."""
+        return ANY_REPLY_ROLES
 
     @classmethod
     def prompt_tools(cls, settings: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -178,8 +178,8 @@ def eval_config(cfg: MasterConfig, model_dir: str) -> MasterConfig:
 
 def summarize(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
     """Accuracy (mean correctness over samples), mean reward, pass@k (mean over prompts) and per-task accuracy. A
-    sample is a row, except in agent tasks (rows with a ``session``): a session that branched into several rows (each
-    with the session's reward) counts once, by its first row, and ``num_rows`` counts the rows."""
+    sample is a row, except in agent and multi-turn tasks (rows with a ``session``): a session that branched into
+    several rows (each with the session's reward) counts once, by its first row, and ``num_rows`` counts the rows."""
     sessions = any("session" in row for row in rows)
     num_rows = len(rows)
     if sessions:
@@ -220,7 +220,13 @@ def format_table(summary: dict[str, Any]) -> str:
 def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     """Run the evaluation ``cfg.eval`` describes; returns the summary (also written to ``summary.json``)."""
     from nemo_like.algorithms.names import check_plugin_names
-    from nemo_like.algorithms.setup import check_environments, load_validation_prompts, multi_turn_warnings, warn_of_runs_sharing_cores
+    from nemo_like.algorithms.setup import (
+        check_environments,
+        environment_reply_roles,
+        load_validation_prompts,
+        multi_turn_warnings,
+        warn_of_runs_sharing_cores,
+    )
     from nemo_like.distributed.capacity import check_cluster_capacity, sum_resources
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
@@ -239,6 +245,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         end_of_sequence_ids,
         resolve_checkpoint_model,
     )
+    from nemo_like.plan.multi_turn import with_reply_roles
 
     start = time.perf_counter()
     ev = cfg.eval
@@ -295,6 +302,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         raise_if_stopped()  # a signal whose exception C code swallowed (an import): stop before the sampling
         eos_ids = end_of_sequence_ids(tokenizer, model_dir)
         plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False)  # decided once, handed down
+        plan = replace(plan, multi_turn=with_reply_roles(plan.multi_turn, environment_reply_roles(specs)))
         warn_of_runs_sharing_cores(run_cfg, plan, private, trains=False)
         roles = [generation_resources(run_cfg, plan), *environment_resources(run_cfg)]
         check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
@@ -365,7 +373,7 @@ def used_sampling(params: Any) -> dict[str, Any]:
 
 def result_rows(rollout: Any, specs: Any, n: int) -> list[dict[str, Any]]:
     """One ``results.jsonl`` row per sample: its prompt, task, reward, response and lengths (and turns, multi-turn).
-    Agent tasks: one row per row of a session, with its ``session`` and, as ``sample_index``, the session's index
+    Agent and multi-turn tasks: one row per row of a session, with its ``session`` and, as ``sample_index``, the session's index
     among its prompt's sessions (a session that branched has several rows with the same index)."""
     from nemo_like.environments.registry import task_of
 

@@ -33,7 +33,6 @@ everywhere: ``train/truncated_fraction`` had counted turns that stopped on their
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -45,9 +44,10 @@ import torch
 from nemo_like.config.errors import ConfigError
 from nemo_like.data.prompts import PromptRecord
 from nemo_like.environments.interface import FINAL_TURN, EnvironmentStep
+from nemo_like.environments.registry import TASK_KEY
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams, stop_string_prefix
 from nemo_like.models.loading import added_token_texts, decode_exact, render_chat
-from nemo_like.plan.multi_turn import MultiTurnSettings
+from nemo_like.plan.multi_turn import ANY_REPLY_ROLES, MultiTurnSettings
 from nemo_like.utils.seeds import turn_seed
 
 
@@ -89,7 +89,7 @@ class Conversation:
     prompt_ids: list[int] = field(default_factory=list)  # the row's prompt: the prompt's ids, or a branch's rendering
     rows: list[GeneratedSample] = field(default_factory=list)  # the rows finished before the row being built
     row_first_turn: int = 0  # the first model turn of the row being built
-    prompt_observation_tokens: int = 0  # a branch's row: the tokens of its prompt the branching observation added
+    prompt_observation_tokens: int = 0  # a branch's row: its prompt's tokens of the branching observation's content
 
     @property
     def length(self) -> int:
@@ -186,14 +186,11 @@ def start_conversation(tokenizer, prompt: PromptRecord) -> Conversation:
 class Continuation:
     """What follows the model's turn (:func:`continuation`): ``ids`` (``text``) appended to the row, or, where the
     template cannot extend the row token-exactly, ``branch`` (the cause's step counter) with the template's whole
-    rendering as the prompt of the row that starts (:func:`start_row`), of which ``appended`` tokens follow where its
-    ids stop agreeing with the row's (the observation, its role markers and the next generation prompt, and
-    what the template wrote otherwise of the turn: what ``multi_turn/observation_tokens_per_sample`` counts there)."""
+    rendering as the prompt of the row that starts (:func:`start_row`)."""
 
     text: str
     ids: list[int]
     branch: str | None = None
-    appended: int = 0
 
     def length_after(self, conv: Conversation) -> int:
         """The tokens of the row that holds the continuation."""
@@ -210,9 +207,7 @@ def continuation(tokenizer, conv: Conversation, observation: dict[str, str] | No
         text = full[len(conv.text) :]
         return Continuation(text, in_context_ids(tokenizer, conv.text, text, searched_from=conv.turn_start - ADDED_TOKEN_WINDOW))
     cause = FOREIGN_END if conv.foreign_end else WHITESPACE_REWRITE if rewrote_only_whitespace(conv, full) else TEMPLATE_REWRITE
-    ids = list(tokenizer(full, add_special_tokens=False)["input_ids"])
-    agreed = len(os.path.commonprefix([ids, conv.prompt_ids + conv.response_ids]))
-    return Continuation(full, ids, cause, len(ids) - agreed)
+    return Continuation(full, list(tokenizer(full, add_special_tokens=False)["input_ids"]), cause)
 
 
 def in_context_ids(tokenizer, before: str, text: str, searched_from: int | None = None) -> list[int]:
@@ -342,14 +337,18 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, ends: Tu
     conv.truncated = truncated
 
 
-def ends_after_step(tokenizer, conv: Conversation, last_turn: bool, max_total_length: int) -> bool:
+def ends_after_step(
+    tokenizer, conv: Conversation, last_turn: bool, max_total_length: int, reply_roles: Sequence[str] = ANY_REPLY_ROLES
+) -> bool:
     """Whether :func:`apply_step` ends the sample whatever its environment answers: its last allowed turn, a turn cut
     by its token budget, or no room left for the shortest observation plus one sampled token. The shortest is what the
     template appends with no new message (the turn's end and the next generation prompt); any observation adds its
     message to that. Counting one token for it had told an environment "not final" for turns that then ended on the
     length limit (its final-turn outcome never counted, its observation built for nothing). Where the row is full, a
-    reply the template rewrites the history for (an empty one of each of :data:`REPLY_ROLES`) starts a new row, which
-    may hold it: a long reasoning turn a Qwen3-style template then drops (it was told final, and ended with no reward)."""
+    reply the template rewrites the history for (an empty one of each role of ``reply_roles``, the environment's
+    :meth:`~nemo_like.environments.interface.EnvironmentInterface.reply_roles`) starts a new row, which may hold it: a
+    long reasoning turn a Qwen3-style template then drops for a user's reply (it was told final, and ended with no
+    reward); a tool's reply it keeps, so a tool environment's full row stays final."""
     if last_turn or conv.truncated:
         return True
     shortest = continuation(tokenizer, conv, None)
@@ -357,19 +356,14 @@ def ends_after_step(tokenizer, conv: Conversation, last_turn: bool, max_total_le
         return shortest.length_after(conv) >= max_total_length
     if conv.length + max(1, len(shortest.ids)) < max_total_length:
         return False
-    return not any(branch.length_after(conv) < max_total_length for branch in reply_branches(tokenizer, conv))
+    return not any(branch.length_after(conv) < max_total_length for branch in reply_branches(tokenizer, conv, reply_roles))
 
 
-#: The roles of an environment's reply :func:`ends_after_step` probes for a branch (a user's and a tool's: templates
-#: rewrite the history for the one and not the other).
-REPLY_ROLES = ("user", "tool")
-
-
-def reply_branches(tokenizer, conv: Conversation) -> list[Continuation]:
-    """The branches an empty reply of each of :data:`REPLY_ROLES` would start (none where it extends the row, or where
-    the template refuses that role)."""
+def reply_branches(tokenizer, conv: Conversation, roles: Sequence[str]) -> list[Continuation]:
+    """The branches an empty reply of each of ``roles`` would start (none where it extends the row, or where the
+    template refuses that role)."""
     branches = []
-    for role in REPLY_ROLES:
+    for role in roles:
         try:
             follows = continuation(tokenizer, conv, {"role": role, "content": ""})
         except Exception:  # noqa: BLE001 - a template that refuses the role: no such reply
@@ -404,6 +398,7 @@ def apply_step(
         return
     if follows.branch:
         start_row(conv, follows)
+        conv.prompt_observation_tokens = content_tokens(tokenizer, conv, step.observation, follows)
     else:
         conv.response_ids += follows.ids
         conv.response_mask += [0] * len(follows.ids)
@@ -421,10 +416,20 @@ def start_row(conv: Conversation, follows: Continuation) -> None:
     ids stay trained in the row they were sampled in; the episode, its reward and its turn budget go on."""
     count(conv, follows.branch)
     conv.rows.append(finished_sample(conv))
-    conv.prompt_observation_tokens = follows.appended
     conv.prompt_ids, conv.text, conv.turn_start = list(follows.ids), follows.text, len(follows.text)
     conv.response_ids, conv.response_mask, conv.response_logprobs = [], [], []
     conv.step_metrics, conv.decoded_tokens, conv.row_first_turn = {}, 0, conv.turns
+
+
+def content_tokens(tokenizer, conv: Conversation, observation: dict[str, str] | None, follows: Continuation) -> int:
+    """The tokens ``observation``'s content takes in a branch's rendering ``follows`` of the conversation and it (0
+    without one): that rendering's length less the same conversation's with the content empty (what
+    ``multi_turn/observation_tokens_per_sample`` counts for a branch; its role markers, counted in an unbranched row,
+    are not: the rest of the rendering is the history, rewritten)."""
+    if observation is None:
+        return 0
+    empty = render(tokenizer, conv.messages + [{**observation, "content": ""}], conv.prompt.tools)
+    return max(0, len(follows.ids) - len(tokenizer(empty, add_special_tokens=False)["input_ids"]))
 
 
 #: Step counter (``multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): branches (:func:`start_row`)
@@ -538,6 +543,11 @@ def finished_sample(conv: Conversation) -> GeneratedSample:
     )
 
 
+def task_name(conv: Conversation) -> str | None:
+    """The task of the conversation's prompt (``metadata["task_name"]``), if it names one."""
+    return conv.prompt.metadata.get(TASK_KEY)
+
+
 def generate_turn(
     generation: GenerationInterface, active: list[Conversation], params: SamplingParams, seed: int, turn: int, max_total_length: int
 ) -> list[GeneratedSample]:
@@ -590,7 +600,7 @@ def run_multi_turn(
         gen_s += time.perf_counter() - start
         start = time.perf_counter()
         last_turn = turn == max_turns - 1
-        finals = [ends_after_step(tokenizer, c, last_turn, max_total_length) for c in active]
+        finals = [ends_after_step(tokenizer, c, last_turn, max_total_length, settings.reply_roles_of(task_name(c))) for c in active]
         metadata = [{**c.metadata, FINAL_TURN: final} for c, final in zip(active, finals)]
         steps, step_counters = step_environments([c.prompt for c in active], [c.messages for c in active], metadata)
         env_s += time.perf_counter() - start

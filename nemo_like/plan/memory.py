@@ -316,10 +316,10 @@ def autocast_weight_copies(cfg: Any, params: list[ParameterSpec]) -> int:
 #: float32 copy of the logits and its bool mask (``token_logprobs_from_logits``; measured 5 on a CPU).
 TRUNCATION_BYTES_PER_LOGIT = 5
 
-#: Bytes per output-head weight a CPU worker with a chunked head holds in MKL's buffers: a chunk's matmul has few rows,
-#: so MKL packs the head for it and its memory manager keeps the buffer (measured 24-28 MiB for a 31 MiB float32 head,
-#: from the first chunk on; ``MKL_DISABLE_FAST_MM=1`` gives it back, at a cost in speed). An unchunked head's matmul
-#: of a whole micro-batch keeps none (1 MiB at 1,024 rows).
+#: Bytes per output-head weight a CPU worker with a chunked head holds in MKL's buffers: MKL packs the head for a
+#: matmul and its memory manager keeps the buffer (measured 24 MiB for a 31 MiB float32 head with 2 threads, one more
+#: for a matmul of another shape; ``MKL_DISABLE_FAST_MM=1`` gives it back, at a cost in speed). An unchunked head keeps
+#: it too, inside its 12 bytes a logit (measured 9.6-11.2 with it): not added there (docs/guides/planning.md).
 MKL_PACKED_HEAD_BYTES = 4
 
 #: Bytes per logit of a chunked training head (``policy.logprob_chunk_size``) at its peak: the backward recomputes

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+#: The roles an environment's observations may take when it does not say (``EnvironmentInterface.reply_roles``).
+ANY_REPLY_ROLES = ("user", "tool")
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,21 @@ class MultiTurnSettings:
     # The recipe's stop ids that are not the tokenizer's eos: a turn ending on one keeps it in its message's text unless
     # the chat template writes it with an assistant turn (<|im_end|> for a base tokenizer, not </tool_call>: turn_ends)
     recipe_stop_ids: tuple[int, ...] = ()
+    # Per task, the roles its environment's observations take (``EnvironmentInterface.reply_roles``): where a row is
+    # full, the turn loop asks whether such a reply would branch into a row with room (``ends_after_step``).
+    reply_roles: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def reply_roles_of(self, task: str | None) -> tuple[str, ...]:
+        """The roles the observations of ``task``'s environment take (:data:`ANY_REPLY_ROLES` when not known); a prompt
+        naming no task goes to the only environment."""
+        if task is None and len(self.reply_roles) == 1:
+            return self.reply_roles[0][1]
+        return dict(self.reply_roles).get(task, ANY_REPLY_ROLES) if task is not None else ANY_REPLY_ROLES
+
+
+def with_reply_roles(settings: MultiTurnSettings | None, roles: dict[str, tuple[str, ...]]) -> MultiTurnSettings | None:
+    """``settings`` with each task's reply roles (``None`` stays ``None``: a single-turn run)."""
+    return None if settings is None else replace(settings, reply_roles=tuple(sorted(roles.items())))
 
 
 def multi_turn_settings(cfg: Any, eos_token_ids: tuple[int, ...]) -> MultiTurnSettings | None:

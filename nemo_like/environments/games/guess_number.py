@@ -62,6 +62,11 @@ class GuessNumberEnvironment(EnvironmentInterface):
         return not_an_integer(answer, "the game's secret number")
 
     @classmethod
+    def reply_roles(cls, settings: dict[str, Any]) -> tuple[str, ...]:
+        """``feedback_role``'s (a user's by default)."""
+        return (settings.get("feedback_role", "user"),)
+
+    @classmethod
     def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:
         """``max_guesses`` above ``grpo.max_rollout_turns``: the turn limit ends the games first."""
         max_guesses = GuessNumberConfig.model_validate(settings).max_guesses

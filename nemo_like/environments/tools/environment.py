@@ -162,6 +162,11 @@ class ToolEnvironment(EnvironmentInterface):
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 
     @classmethod
+    def reply_roles(cls, settings: dict[str, Any]) -> tuple[str, ...]:
+        """A tool's: its observations are the tools' results."""
+        return ("tool",)
+
+    @classmethod
     def config_warnings(cls, task: str, settings: dict[str, Any], max_rollout_turns: int) -> list[str]:
         """The ``python_*`` limits set while no tool is the built-in ``python`` sandbox."""
         cfg = ToolEnvConfig.model_validate(settings)

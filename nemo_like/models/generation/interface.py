@@ -77,7 +77,7 @@ class GeneratedSample:
     # order; () none; None: not known (vLLM reports the last token's version only, ``final_weight_version``).
     weight_version_changes: tuple[tuple[int, int], ...] | None = None
     # Multi-turn: a branched episode's later row (its prompt is the whole conversation, rendered): the tokens of that
-    # prompt the observation that branched it added (what an unbranched row holds as masked-out response tokens).
+    # prompt that are the content of the observation that branched it (an unbranched row holds it as response tokens).
     prompt_observation_tokens: int = 0
 
     def version_at(self, position: int) -> int | None:

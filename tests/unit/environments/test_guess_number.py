@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +81,21 @@ def test_a_single_turn_game_counts_a_wrong_guess_at_the_turn_limit() -> None:
     assert env.score(["50", "37", "no idea"], [{"answer": 37}] * 3) == [0.0, 1.0, 0.0]
     counts = env.metrics()
     assert (counts["turn_limit"], counts["solved"], counts["malformed"], counts["out_of_guesses"]) == (1.0, 1.0, 1.0, 0.0)
+
+
+def test_the_turn_loop_knows_the_role_each_environment_replies_with() -> None:
+    """Where a row is full, the turn loop probes only the roles an environment replies with (a tool environment's full
+    row was told "not final" because a user's reply would have branched, and its tool ran for nothing)."""
+    from nemo_like.algorithms.names import check_plugin_names
+    from nemo_like.algorithms.setup import environment_reply_roles
+    from nemo_like.config import load_config
+    from nemo_like.plan.multi_turn import ANY_REPLY_ROLES, MultiTurnSettings, with_reply_roles
+
+    recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_multiturn_tiny_cpu.yaml"
+    overrides = ["+env.game.class=guess_number", "+env.game.feedback_role=environment", "+env.plain.class=custom_envs:FirstOfFour"]
+    roles = environment_reply_roles(check_plugin_names(load_config(recipe, overrides, warn=False)))
+    assert roles == {"tool": ("tool",), "game": ("environment",), "plain": ANY_REPLY_ROLES}
+    settings = with_reply_roles(MultiTurnSettings(3, 64, (2,)), roles)
+    assert settings.reply_roles_of("game") == ("environment",) and settings.reply_roles_of(None) == ANY_REPLY_ROLES
+    assert with_reply_roles(MultiTurnSettings(3, 64, (2,)), {"tool": ("tool",)}).reply_roles_of(None) == ("tool",)  # the only one
+    assert with_reply_roles(None, roles) is None

@@ -277,42 +277,54 @@ def test_a_turn_ended_on_an_end_token_the_template_does_not_write_branches_its_e
     assert_branches_restart_from_the_rendering(result, tokenizer, rows)
     metrics = multi_turn_metrics(result.samples, result.rewards, session_of_row=result.session_of_row)
     assert metrics["multi_turn/foreign_end_of_turn_sample_fraction"] == 1 / 3 and metrics["multi_turn/rows_per_sample"] == 4 / 3
-    # The branched episode's observation counts too (it read 0: the observation is in its new row's prompt): as an
-    # unbranched one's, plus the <|im_end|> the template wrote in place of the foreign id.
+    # The branched episode's observation counts too (it read 0: the observation is in its new row's prompt): its
+    # content's tokens (its role markers are in an unbranched row's count, not in a branch's)
     branched, unbranched, _ = episode_totals(result.samples, result.rewards, result.session_of_row)
-    assert branched.observation_tokens == unbranched.observation_tokens + 1 > 1
+    content = len(tokenizer("1 left", add_special_tokens=False)["input_ids"])
+    assert branched.observation_tokens == content and unbranched.observation_tokens > content
 
 
 def test_a_full_row_whose_reply_would_branch_into_a_row_with_room_is_not_the_final_turn(tokenizer):
-    """A long first turn leaves no room in its row for even the shortest continuation, but a user's reply makes a
-    template that drops earlier turns start a new, short row: the environment was told the turn was final and the
-    episode ended length-truncated with no reward; it goes on in the new row. With a template that keeps the turn, the
-    same row is full: final, as before."""
-    dropping = copy.deepcopy(tokenizer)
-    dropping.chat_template = (
-        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\n<|im_end|>\n' }}"
-        "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    """A long reasoning turn leaves no room in its row for even the shortest continuation, but a user's reply makes a
+    Qwen3-style template drop that reasoning and start a new, short row: the environment was told the turn was final
+    and the episode ended length-truncated with no reward; it goes on in the new row. A tool's reply keeps the
+    reasoning (it follows the last user message), so for an environment that replies as a tool the full row stays
+    final (probing a user's reply there had run its tool for an observation dropped for length)."""
+    from nemo_like.plan.multi_turn import ANY_REPLY_ROLES
+
+    think = copy.deepcopy(tokenizer)  # Qwen3's rule: a turn keeps its <think> block until a user message follows it
+    think.chat_template = (
+        "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+        "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for m in messages -%}"
+        "{%- set c = m['content'] -%}{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in c -%}"
+        "{%- set c = c.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+        "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
     )
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    long_turn = encode("9 " * 60 + "7") + [EOS]
-    for template, rows in ((dropping, 2), (tokenizer, 1)):
-        prompt = chat_prompt(template, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})  # two turns
+    encode = lambda text: think(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    long_turn = encode("<think>\n" + "9 " * 60 + "</think>\n\n7") + [EOS]
+    cases = (("user", ("user",), False), ("tool", ("tool",), True), ("tool", ANY_REPLY_ROLES, False))
+    for role, reply_roles, final in cases:
+        prompt = chat_prompt(think, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})  # two turns
         told_final: list[list[bool]] = []
-        step_countdown = local_stepper({"arithmetic": CountdownEnv(turns=3, observation_role="user")})
+        step_countdown = local_stepper({"arithmetic": CountdownEnv(turns=3, observation_role=role)})
 
         def stepper(prompts, message_logs, metadata, step=step_countdown, told=told_final):
             told.append([m[FINAL_TURN] for m in metadata])
             return step(prompts, message_logs, metadata)
 
         limit = len(prompt.prompt_token_ids) + len(long_turn) + 3  # the row: 3 tokens left, under the shortest 4
+        settings = MultiTurnSettings(3, limit, (EOS,), reply_roles=(("arithmetic", reply_roles),))
         result = run_multi_turn(
-            ScriptedTurns([long_turn, encode("7") + [EOS]]), stepper, template, [prompt], SamplingParams(max_new_tokens=256), 0,
-            MultiTurnSettings(3, limit, (EOS,)),
-        )  # fmt: skip
-        assert len(result.samples) == rows and told_final[0] == [rows == 1]
-        assert result.rewards.tolist() == [1.0 if rows == 2 else 0.0] * rows
-        assert result.samples[-1].length_truncated == (rows == 1)
+            ScriptedTurns([long_turn, encode("7") + [EOS]]), stepper, think, [prompt], SamplingParams(max_new_tokens=256), 0, settings
+        )
+        assert told_final[0] == [final], (role, reply_roles)
+        rows = 1 if role == "tool" else 2
+        assert len(result.samples) == rows and result.samples[-1].length_truncated == (role == "tool")
+        assert result.rewards.tolist() == [0.0 if role == "tool" else 1.0] * rows
+        # told "not final" though its reply could not fit: the observation was built for nothing, and counted
+        dropped = (result.samples[-1].step_metrics or {}).get("observation_dropped_for_length", 0.0)
+        assert dropped == (1.0 if role == "tool" and not final else 0.0)
 
 
 class ScriptedTurns:
