@@ -84,6 +84,7 @@ class Conversation:
     truncated: bool = False
     length_truncated: bool = False
     turn_start: int = 0  # where the last model turn's text starts in ``text``
+    turn_start_id: int = 0  # where its ids start in the row's ids (``prompt_ids + response_ids``)
     foreign_end: bool = False  # the last turn ended on an eos the template does not write: it cannot be continued
     decoded_tokens: int = 0  # tokens the engine decoded over the row's turns (stop-string cuts included)
     prompt_ids: list[int] = field(default_factory=list)  # the row's prompt: the prompt's ids, or a branch's rendering
@@ -201,12 +202,17 @@ def continuation(tokenizer, conv: Conversation, observation: dict[str, str] | No
     """The template's rendering of the conversation plus ``observation`` (and the next generation prompt): minus the
     text the row already holds, tokenised in context, where it starts with that text and the last turn did not end on
     a foreign end id; else the whole rendering, a branch, its cause :data:`FOREIGN_END`, :data:`WHITESPACE_REWRITE`
-    or :data:`TEMPLATE_REWRITE`."""
+    or :data:`TEMPLATE_REWRITE`, tokenised as the rollout server does: where the rendering keeps the row up to the last
+    turn (a trimmed turn, a foreign end), those ids as sampled and the rest in context; else whole."""
     full = render(tokenizer, conv.messages + ([observation] if observation is not None else []), conv.prompt.tools)
     if not conv.foreign_end and full.startswith(conv.text):
         text = full[len(conv.text) :]
         return Continuation(text, in_context_ids(tokenizer, conv.text, text, searched_from=conv.turn_start - ADDED_TOKEN_WINDOW))
     cause = FOREIGN_END if conv.foreign_end else WHITESPACE_REWRITE if rewrote_only_whitespace(conv, full) else TEMPLATE_REWRITE
+    kept = conv.text[: conv.turn_start]
+    if conv.turn_start and full.startswith(kept):  # an earlier turn re-tokenised lost the ids the model sampled
+        rest = in_context_ids(tokenizer, kept, full[len(kept) :], searched_from=conv.turn_start - ADDED_TOKEN_WINDOW)
+        return Continuation(full, (conv.prompt_ids + conv.response_ids)[: conv.turn_start_id] + rest, cause)
     return Continuation(full, list(tokenizer(full, add_special_tokens=False)["input_ids"]), cause)
 
 
@@ -321,6 +327,7 @@ def append_turn(tokenizer, conv: Conversation, sample: GeneratedSample, ends: Tu
     sample = apply_stop_strings(tokenizer, sample, [*recipe_stops, *(conv.stop_strings or ())], before)
     ids, logprobs, truncated = list(sample.response_ids), list(sample.response_logprobs), sample.truncated
     conv.decoded_tokens += sample.num_decoded_tokens
+    conv.turn_start_id = len(conv.prompt_ids) + len(conv.response_ids)
     conv.response_ids += ids
     conv.response_mask += [1] * len(ids)
     conv.response_logprobs += logprobs
@@ -416,7 +423,7 @@ def start_row(conv: Conversation, follows: Continuation) -> None:
     ids stay trained in the row they were sampled in; the episode, its reward and its turn budget go on."""
     count(conv, follows.branch)
     conv.rows.append(finished_sample(conv))
-    conv.prompt_ids, conv.text, conv.turn_start = list(follows.ids), follows.text, len(follows.text)
+    conv.prompt_ids, conv.text, conv.turn_start, conv.turn_start_id = list(follows.ids), follows.text, len(follows.text), len(follows.ids)
     conv.response_ids, conv.response_mask, conv.response_logprobs = [], [], []
     conv.step_metrics, conv.decoded_tokens, conv.row_first_turn = {}, 0, conv.turns
 

@@ -209,7 +209,9 @@ def assert_rows_trained_as_sampled(result, calls: list[tuple[list[int], Generate
 
 def assert_branches_restart_from_the_rendering(result, tokenizer, prompts) -> None:
     """A branched episode's later row's prompt is the template's whole rendering of the conversation up to the
-    observation that followed the earlier row's last turn (tokenised whole, masked out), as a server would feed it."""
+    observation that followed the earlier row's last turn (masked out), as the rollout server feeds it: where the
+    rendering keeps the earlier row up to its last turn (a trimmed turn, a foreign end), its ids as sampled (the
+    server reuses them; tokenised afresh, a turn sampled in a non-canonical split lost its ids), else tokenised whole."""
     owners = result.session_of_row
     for i in range(1, len(owners)):
         if owners[i] != owners[i - 1]:
@@ -217,7 +219,14 @@ def assert_branches_restart_from_the_rendering(result, tokenizer, prompts) -> No
         before, row, prompt = result.samples[i - 1], result.samples[i], prompts[owners[i]]
         history = [*prompt.messages, *row.messages[: len(before.messages) + 1]]  # the observation that branched it
         rendering = render_chat(tokenizer, history, tools=prompt.tools, add_generation_prompt=True)
-        assert row.prompt_ids == tokenizer(rendering, add_special_tokens=False)["input_ids"]
+        assert decode_exact(tokenizer, row.prompt_ids) == rendering
+        mask = [0] * len(before.prompt_ids) + before.sampled_mask
+        last_turn = max(j for j, m in enumerate(mask) if m and not mask[j - 1])
+        kept = (before.prompt_ids + before.response_ids)[:last_turn]
+        if rendering.startswith(decode_exact(tokenizer, kept)):
+            assert row.prompt_ids[: len(kept)] == kept
+        else:
+            assert row.prompt_ids == tokenizer(rendering, add_special_tokens=False)["input_ids"]
 
 
 def test_a_template_that_rewrites_earlier_turns_branches_each_episode_into_rows_trained_as_sampled(worker, tokenizer, prompts):
@@ -537,6 +546,18 @@ def test_a_turn_a_trimming_template_rewrites_branches_its_episode_and_the_run_wa
     assert_branches_restart_from_the_rendering(result, trimming, rows)
     metrics = multi_turn_metrics(result.samples, result.rewards, session_of_row=result.session_of_row)
     assert metrics["multi_turn/template_whitespace_rewrite_sample_fraction"] == 2 / 3 and metrics["multi_turn/turns_per_sample_mean"] == 2
+    # The branch keeps the turns before the rewritten one as sampled, as the rollout server does: "What" sampled as
+    # Wh + at (tokenised afresh it became What, a spelling the model did not produce, in every later turn's context)
+    split = [trimming.convert_tokens_to_ids("Wh"), trimming.convert_tokens_to_ids("at")]
+    assert encode("What") == [trimming.convert_tokens_to_ids("What")] != split
+    three = chat_prompt(trimming, "What is 4 + 4?", {"answer": 8, "task_name": "arithmetic"})  # three turns
+    spelled = ScriptedTurns([[*split, EOS], encode("8\n") + [EOS], encode("8") + [EOS]])
+    kept = run_multi_turn(
+        spelled, step_countdown, trimming, [three], SamplingParams(max_new_tokens=8), 0, MultiTurnSettings(3, 128, (EOS,))
+    )
+    assert [s.num_turns for s in kept.samples] == [2, 1] and kept.samples[1].prompt_ids[len(three.prompt_token_ids) :][:3] == [*split, EOS]
+    assert_rows_trained_as_sampled(kept, spelled.calls)
+    assert_branches_restart_from_the_rendering(kept, trimming, [three])
     # An episode the environment ends there anyway (answer 9: one turn) is not one the template ended: not counted.
     single = run_multi_turn(
         ScriptedTurns([encode("9\n") + [EOS]]), local_stepper({"arithmetic": CountdownEnv(turns=3)}), trimming,
