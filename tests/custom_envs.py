@@ -139,3 +139,11 @@ class BuggyScorer(EnvironmentInterface):
 def reward_without_return(text: str, answer: Any) -> None:
     """A ``custom_reward_fn`` that forgets to return its reward."""
     float(text == str(answer))
+
+
+class StringReplyRoles(CountdownEnv):
+    """Declares its reply roles as a bare string (what ``("user")``, without its comma, is), not a tuple."""
+
+    @classmethod
+    def reply_roles(cls, settings: dict[str, Any]) -> tuple[str, ...]:
+        return "user"  # type: ignore[return-value]  # the mistake under test

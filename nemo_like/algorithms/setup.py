@@ -117,7 +117,17 @@ def environment_reply_roles(specs: dict[str, EnvSpec]) -> dict[str, tuple[str, .
     multi-turn loop probes where a row is full (``MultiTurnSettings.reply_roles``)."""
     from nemo_like.environments.registry import import_environment_class
 
-    return {task: tuple(import_environment_class(spec.class_path, f"env.{task}").reply_roles(spec.kwargs)) for task, spec in specs.items()}
+    roles = {}
+    for task, spec in specs.items():
+        env_class = import_environment_class(spec.class_path, f"env.{task}")
+        declared = env_class.reply_roles(spec.kwargs)
+        if isinstance(declared, str) or not declared or not all(isinstance(role, str) and role for role in declared):
+            raise ConfigError(
+                f"env.{task}: {spec.class_path}.reply_roles returned {declared!r}; expected a non-empty tuple of role "
+                'names, e.g. ("user",) (a bare string is not one: ("user") is the string "user")'
+            )
+        roles[task] = tuple(declared)
+    return roles
 
 
 def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[str]:

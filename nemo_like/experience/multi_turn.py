@@ -513,7 +513,10 @@ def rewriting_template_warning(tokenizer) -> str | None:
     for prompt, sampled, what in cases:
         if _keeps_turn(tokenizer, prompt, sampled, "user"):
             continue
-        tool = "; an environment replying as a tool is not affected" if _keeps_turn(tokenizer, prompt, sampled, "tool") else ""
+        # a tool's reply is spared only where it keeps every case (Qwen3's drops the empty block for a user only, and a
+        # block the model writes for either)
+        spared = all(_keeps_turn(tokenizer, p, s, "tool") for p, s, _ in cases)
+        tool = "; an environment replying as a tool is not affected" if spared else ""
         return (
             f"the chat template renders an earlier assistant turn or the prompt otherwise than the sequence holds them "
             f"once a user message follows ({what}): a multi-turn episode whose environment replies as a user goes on "

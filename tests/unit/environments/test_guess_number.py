@@ -99,3 +99,10 @@ def test_the_turn_loop_knows_the_role_each_environment_replies_with() -> None:
     assert settings.reply_roles_of("game") == ("environment",) and settings.reply_roles_of(None) == ANY_REPLY_ROLES
     assert with_reply_roles(MultiTurnSettings(3, 64, (2,)), {"tool": ("tool",)}).reply_roles_of(None) == ("tool",)  # the only one
     assert with_reply_roles(None, roles) is None
+    # ("user") is a string: split into letters it silently told a full row "final" where a user's reply would branch
+    from nemo_like.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"env.plain: custom_envs:StringReplyRoles.reply_roles returned 'user'; expected a non-empty tuple"
+    ):
+        environment_reply_roles(check_plugin_names(load_config(recipe, ["+env.plain.class=custom_envs:StringReplyRoles"], warn=False)))

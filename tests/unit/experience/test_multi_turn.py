@@ -490,9 +490,22 @@ def test_a_template_that_drops_earlier_reasoning_is_named_before_the_run_starts(
     assert template_warnings(tokenizer) == []  # the shipped ChatML template keeps every turn as sampled
     (line,) = template_warnings(think)
     assert line.startswith("the chat template renders an earlier assistant turn or the prompt otherwise than the sequence")
-    assert "an environment replying as a tool is not affected" in line  # the reasoning after the last user message stays
+    # This template drops a reasoning block the model writes whoever replies: a tool's reply is affected too (the line
+    # said it was not, from the first case alone); a template that keeps the block until a user replies (Qwen3's) spares it
+    assert "replying as a tool" not in line
+    qwen3 = copy.deepcopy(tokenizer)
+    qwen3.chat_template = (
+        "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+        "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for m in messages -%}"
+        "{%- set c = m['content'] -%}{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in c -%}"
+        "{%- set c = c.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+        "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+    (spared,) = template_warnings(qwen3)
+    assert "it drops a reasoning block the model writes" in spared and "an environment replying as a tool is not affected" in spared
     # What the line says is what the loop does: a user reply branches the episode (a new row whose prompt renders the
-    # first turn without its reasoning block), a tool reply extends the row.
+    # first turn without its empty reasoning block), a tool reply after a turn with no reasoning extends the row.
     encode = lambda text: think(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     for role, rows in (("user", 2), ("tool", 1)):
         prompt = chat_prompt(think, "What is 3 + 4?", {"answer": 7, "task_name": "arithmetic"})  # two turns
