@@ -52,6 +52,17 @@ EOS = 2  # <|im_end|> of the tiny model's Qwen-style template
 SHORTEST_OBSERVATION = 4  # what the template appends after a turn's <|im_end|> with no message: "\n<|im_start|>assistant\n"
 
 
+#: Qwen3's rule for reasoning: an assistant turn keeps the <think> block it wrote until a user message follows it.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+    "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for m in messages -%}"
+    "{%- set c = m['content'] -%}{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in c -%}"
+    "{%- set c = c.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(EMBEDDED_MODEL)
@@ -302,14 +313,7 @@ def test_a_full_row_whose_reply_would_branch_into_a_row_with_room_is_not_the_fin
     from nemo_like.plan.multi_turn import ANY_REPLY_ROLES
 
     think = copy.deepcopy(tokenizer)  # Qwen3's rule: a turn keeps its <think> block until a user message follows it
-    think.chat_template = (
-        "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
-        "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for m in messages -%}"
-        "{%- set c = m['content'] -%}{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in c -%}"
-        "{%- set c = c.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
-        "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' -}}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-    )
+    think.chat_template = QWEN3_TEMPLATE
     encode = lambda text: think(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     long_turn = encode("<think>\n" + "9 " * 60 + "</think>\n\n7") + [EOS]
     cases = (("user", ("user",), False), ("tool", ("tool",), True), ("tool", ANY_REPLY_ROLES, False))
@@ -494,14 +498,7 @@ def test_a_template_that_drops_earlier_reasoning_is_named_before_the_run_starts(
     # said it was not, from the first case alone); a template that keeps the block until a user replies (Qwen3's) spares it
     assert "replying as a tool" not in line
     qwen3 = copy.deepcopy(tokenizer)
-    qwen3.chat_template = (
-        "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
-        "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for m in messages -%}"
-        "{%- set c = m['content'] -%}{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in c -%}"
-        "{%- set c = c.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
-        "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' -}}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-    )
+    qwen3.chat_template = QWEN3_TEMPLATE
     (spared,) = template_warnings(qwen3)
     assert "it drops a reasoning block the model writes" in spared and "an environment replying as a tool is not affected" in spared
     # What the line says is what the loop does: a user reply branches the episode (a new row whose prompt renders the
