@@ -115,8 +115,6 @@ def check_environments(specs: dict[str, EnvSpec], datasets: dict[str, list[Promp
 def environment_reply_roles(specs: dict[str, EnvSpec]) -> dict[str, tuple[str, ...]]:
     """Per task, the roles its environment's observations take (:meth:`EnvironmentInterface.reply_roles`): what the
     multi-turn loop probes where a row is full (``MultiTurnSettings.reply_roles``)."""
-    from nemo_like.environments.registry import import_environment_class
-
     roles = {}
     for task, spec in specs.items():
         env_class = import_environment_class(spec.class_path, f"env.{task}")
@@ -130,12 +128,17 @@ def environment_reply_roles(specs: dict[str, EnvSpec]) -> dict[str, tuple[str, .
     return roles
 
 
+def with_environments(plan: RunPlan, specs: dict[str, EnvSpec]) -> RunPlan:
+    """``plan`` with what the environments decide for the run: each task's reply roles (:func:`environment_reply_roles`)
+    in its multi-turn settings (train and eval hand the same plan down)."""
+    return replace(plan, multi_turn=with_reply_roles(plan.multi_turn, environment_reply_roles(specs)))
+
+
 def multi_turn_warnings(cfg: MasterConfig, specs: dict[str, EnvSpec]) -> list[str]:
     """``grpo.max_rollout_turns`` and the environments' kind disagree: the setting (or the env's ``step``) has no effect;
     and each environment's own no-effect lines (:meth:`EnvironmentInterface.config_warnings`)."""
     from nemo_like.environments.agent import AgentEnvironment
     from nemo_like.environments.interface import EnvironmentInterface
-    from nemo_like.environments.registry import import_environment_class
 
     turns = cfg.grpo.max_rollout_turns
     lines = []
@@ -446,7 +449,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     # fails here, before any actor starts).
     eos_ids = end_of_sequence_ids(tokenizer, cfg.policy.model_name)  # the tokenizer's and the generation config's
     plan = plan_on_cluster(cfg, tuple(eos_ids))
-    plan = replace(plan, multi_turn=with_reply_roles(plan.multi_turn, environment_reply_roles(env_specs)))
+    plan = with_environments(plan, env_specs)
     if nodes := node_count_warning(cfg, plan.nodes):
         warnings.warn(nodes, RuntimeWarning, stacklevel=2)
     ensure_private_cluster_gpus(cfg, plan)  # a GPU recipe on a machine without them: fail before Ray starts

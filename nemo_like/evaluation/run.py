@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -222,10 +222,10 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.algorithms.names import check_plugin_names
     from nemo_like.algorithms.setup import (
         check_environments,
-        environment_reply_roles,
         load_validation_prompts,
         multi_turn_warnings,
         warn_of_runs_sharing_cores,
+        with_environments,
     )
     from nemo_like.distributed.capacity import check_cluster_capacity, sum_resources
     from nemo_like.distributed.planning import plan_on_cluster
@@ -245,7 +245,6 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         end_of_sequence_ids,
         resolve_checkpoint_model,
     )
-    from nemo_like.plan.multi_turn import with_reply_roles
 
     start = time.perf_counter()
     ev = cfg.eval
@@ -302,7 +301,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         raise_if_stopped()  # a signal whose exception C code swallowed (an import): stop before the sampling
         eos_ids = end_of_sequence_ids(tokenizer, model_dir)
         plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False)  # decided once, handed down
-        plan = replace(plan, multi_turn=with_reply_roles(plan.multi_turn, environment_reply_roles(specs)))
+        plan = with_environments(plan, specs)
         warn_of_runs_sharing_cores(run_cfg, plan, private, trains=False)
         roles = [generation_resources(run_cfg, plan), *environment_resources(run_cfg)]
         check_cluster_capacity(sum_resources(r.total() for r in roles), ray.cluster_resources(), roles)
