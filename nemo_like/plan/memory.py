@@ -39,6 +39,7 @@ What is exact and what is estimated:
   gradients and AdamW state in host RAM; the device holds the activations, the unsharded root and the largest
   decoder layer, unsharded while it computes.
 * **KV cache** of a generation engine: ``2 x layers x kv_heads x head_dim x bytes`` per token at ``policy.precision``
+  (latent attention: ``layers x (kv_lora_rank + qk_rope_head_dim) x bytes``, :attr:`ModelShape.latent_kv_width`)
   (the engines load the model at that dtype); vLLM's budget is ``gpu_memory_utilization x device`` minus the weights
   (GPU), or ``kv_cache_space_gib`` (CPU); the HF engine holds the sequences it samples at once.
 * **step time**: FLOPs (``2N`` per generated or scored token, ``6N`` per trained token, ``4N + 6 N_lora`` with LoRA,
@@ -111,20 +112,32 @@ class ModelShape:
     head_dim: int
     vocab: int
     packed_masks: int = 1  # a packed row's [T, T] masks: 2 where some layers slide (one per layer type)
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, MiniCPM3, ...: a config with kv_lora_rank): the values a
+    # layer caches per token, one compressed latent (kv_lora_rank) and the shared rotary key (qk_rope_head_dim), which
+    # vLLM and transformers both cache in place of per-head keys and values; 0 for the usual attention
+    latent_kv_width: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
         """From a ``transformers`` text config (its class's defaults and attribute names resolved: the model built from
-        it has these sizes; a ``config.json``'s own dict lacked the defaults)."""
+        it has these sizes; a ``config.json``'s own dict lacked the defaults). Latent attention expands the latent into
+        keys of ``qk_nope_head_dim + qk_rope_head_dim`` for every head (its config's ``head_dim`` is the rotary part)."""
         hidden, heads = config.hidden_size, config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        latent = getattr(config, "kv_lora_rank", None) or 0
+        if latent:
+            kv_heads, head_dim = heads, config.qk_nope_head_dim + config.qk_rope_head_dim
+            latent += config.qk_rope_head_dim
         return cls(
             layers=config.num_hidden_layers,
             hidden=hidden,
             intermediate=_largest(getattr(config, "intermediate_size", None)) or 4 * hidden,  # per layer: the largest
             heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or hidden // heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
             vocab=config.vocab_size,
+            latent_kv_width=latent,
         )
 
     def layer_values_per_token(self) -> int:
@@ -149,8 +162,9 @@ class ModelShape:
         return 5 * self.hidden * hidden_bytes + math.ceil((3 * self.hidden + split) / tp) * value_bytes
 
     def kv_bytes_per_token(self, bytes_per_value: int) -> int:
-        """KV-cache bytes per token of one sequence."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
+        """KV-cache bytes per token of one sequence: each layer's keys and values, or its latent (``latent_kv_width``)."""
+        per_layer = self.latent_kv_width or 2 * self.kv_heads * self.head_dim
+        return self.layers * per_layer * bytes_per_value
 
 
 #: The role of the refit's copy of the weights in a CPU node's RAM (:func:`refit_buffer_memory`): no actor, no bundle.

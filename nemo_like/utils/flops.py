@@ -96,7 +96,8 @@ class FlopsSpec:
 
 
 def matmul_params(config: Any) -> int:
-    """``N`` of the module docstring for an HF model config (built on the meta device, nothing loaded)."""
+    """``N`` of the module docstring for an HF model config (built on the meta device, nothing loaded); a
+    mixture-of-experts model's routed experts count at the share a token runs through (:func:`routed_expert_params`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -106,7 +107,34 @@ def matmul_params(config: Any) -> int:
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding
+    routed, experts = routed_expert_params(model)
+    top_k = getattr(config.get_text_config(), "num_experts_per_tok", None)
+    if routed and top_k:  # unknown top-k: every expert counted (an upper bound)
+        total -= routed - routed * min(int(top_k), experts) // experts
     return total if tied else total - embedding.numel()
+
+
+def routed_expert_params(model: Any) -> tuple[int, int]:
+    """The parameters of a mixture-of-experts model's routed experts and how many experts a layer routes among: a
+    module named ``experts`` holds them, fused (each parameter ``[experts, ...]``: transformers' Mixtral, Qwen-MoE,
+    DeepSeek, gpt-oss) or one submodule per expert (a ``ModuleList``). Shared experts (``shared_expert(s)``) and the
+    router, which every token runs through, are not counted. ``(0, 0)`` for a dense model."""
+    import torch
+
+    routed, experts = 0, 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "experts":
+            continue
+        params = list(module.parameters())
+        if isinstance(module, torch.nn.ModuleList):
+            count = len(module)
+        elif params and len({p.shape[0] for p in params}) == 1:
+            count = params[0].shape[0]
+        else:  # no experts' dimension to read: counted in full (an upper bound)
+            continue
+        routed += sum(p.numel() for p in params)
+        experts = max(experts, count)
+    return routed, experts
 
 
 def training_flops_per_token(n: int, lora_params: int | None = None) -> float:

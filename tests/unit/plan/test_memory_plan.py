@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from unit.models.test_policy_worker import make_worker, random_batch, with_global_counts
 
 from nemo_like.config import DEFAULT_RECIPE, load_config
@@ -606,6 +607,30 @@ def test_vllm_kv_budget_counts_full_length_sequences() -> None:
     assert vllm_overhead_bytes(shape, 4, 80 * GIB) == GIB // 2 + 16384 * 1792 * 4 + 1024 * 359 * 8  # 16,384 and 1,024 at 70+
     assert engine.kv_cache == int(cfg.policy.generation.vllm_cfg.gpu_memory_utilization * 8 * GIB) - engine.params - own
     assert f"holds {engine.kv_cache // per_sequence} sequences" in engine.note and "vLLM's own 0.555 GiB" in engine.note
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_kv_bytes_per_token_equal_what_a_transformers_model_caches(latent: bool) -> None:
+    # Latent attention (DeepSeek-V2/V3's MLA) caches one latent of kv_lora_rank + qk_rope_head_dim values a layer, not
+    # per-head keys and values (vLLM too: its MLA cache is one head of that width); planned as keys and values of its
+    # config's head_dim (the rotary part) x 4 heads, the cache was 2 x 4 x 8 / (16 + 8) = 2.7x over here, 28x for V3
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
+
+    layers = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 50}
+    config = (
+        DeepseekV3Config(**layers, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                         n_group=1, topk_group=1)
+        if latent else LlamaConfig(**layers, num_key_value_heads=2)
+    )  # fmt: skip
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 1
+    tokens = 7
+    with torch.no_grad():
+        cache = AutoModelForCausalLM.from_config(config).eval()(torch.randint(2, 50, (1, tokens)), use_cache=True).past_key_values
+    cached = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    shape = ModelShape.from_hf_config(config)
+    assert shape.kv_bytes_per_token(4) * tokens == cached
+    assert shape.latent_kv_width == (16 + 8 if latent else 0) and shape.head_dim == (16 if latent else 8)
 
 
 def test_a_vllm_engine_whose_kv_budget_holds_no_full_length_sequence_does_not_fit() -> None:

@@ -4,7 +4,9 @@ import json
 from dataclasses import replace
 
 import pytest
-from transformers import Qwen2Config
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig
 
 from nemo_like.config import load_config
 from nemo_like.models.loading import resolve_model_path
@@ -17,6 +19,7 @@ from nemo_like.utils.flops import (
     flops_spec,
     gpu_peak_flops,
     matmul_params,
+    routed_expert_params,
     step_flops,
 )
 
@@ -38,6 +41,48 @@ def test_matmul_params_by_hand():
     # final norm 8; output projection 32*8 = 256 (the tied embedding, or lm_head with the embedding left out).
     assert matmul_params(qwen2(tied=True)) == 608 + 8 + 256
     assert matmul_params(qwen2(tied=False)) == 608 + 8 + 256
+
+
+MOE_LAYERS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
+MOE_CONFIGS = {  # top-k of E routed experts, shared experts, dense first layers, fused expert biases
+    "mixtral": MixtralConfig(**MOE_LAYERS, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": Qwen2MoeConfig(**MOE_LAYERS, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48),
+    "deepseek_v3": DeepseekV3Config(**MOE_LAYERS, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                    v_head_dim=8, n_group=1, topk_group=1),
+    "gpt_oss": GptOssConfig(**MOE_LAYERS, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_a_mixture_of_experts_counts_the_experts_a_token_runs_through(name):
+    # Against the matmul FLOPs torch counts in a real forward (the experts' eager loop runs each token through its
+    # top-k experts): 2N per token, but for the norms' and biases' few parameters (within 2%). Counting every expert
+    # was 1.7x to 6x over (MFU and the planner's step time).
+    config, tokens = MOE_CONFIGS[name], 16
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 1
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager").eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(2, 100, (1, tokens)))
+    counted = sum(v for op, v in counter.get_flop_counts()["Global"].items() if str(op) in ("aten.mm", "aten.addmm"))
+    n = matmul_params(config)
+    assert counted == pytest.approx(2 * n * tokens, rel=0.02)
+    routed, experts = routed_expert_params(model)
+    assert experts == 8 and n < sum(p.numel() for p in model.parameters()) - routed * 0.5
+
+
+def test_experts_held_one_module_each_are_routed_experts_too():
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(4, 3, bias=False)  # the router: every token
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 5, bias=False) for _ in range(3))
+            self.shared_experts = torch.nn.Linear(4, 5, bias=False)  # every token
+
+    assert routed_expert_params(torch.nn.Sequential(Block(), Block())) == (2 * 3 * 20, 3)
+    assert routed_expert_params(torch.nn.Linear(4, 4)) == (0, 0)
 
 
 def step(**extra: float) -> dict[str, float]:
