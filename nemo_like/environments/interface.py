@@ -46,6 +46,28 @@ HELPER_PLACEMENT = {"timeout_s": 60.0}
 RESERVED_COUNTERS = frozenset({"reward", "num_samples", "reward_sum"})
 
 
+# The turn loop's own step counters (:mod:`nemo_like.experience.multi_turn`), summed per row like an environment's
+# ``EnvironmentStep.metrics``:
+#: Step counter (``multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): branches (:func:`start_row`)
+#: where a turn ended on an end-of-turn id the chat template does not write back (Qwen's ``<|endoftext|>`` beside
+#: ``<|im_end|>``) and the environment went on.
+FOREIGN_END = "foreign_end_of_turn"
+#: Step counter (``multi_turn/template_whitespace_rewrite_per_sample``): branches where the chat template writes the
+#: last turn back with other whitespace around its content than the sequence holds (``| trim``: Llama 3.x, Gemma,
+#: Mistral; a space it adds: Mistral's and Llama 2's).
+WHITESPACE_REWRITE = "template_whitespace_rewrite"
+#: Step counter (``multi_turn/template_rewrite_per_sample``): branches where the chat template renders the conversation
+#: so far otherwise than the sequence holds it (Qwen3's and DeepSeek-R1's drop earlier turns' reasoning once a user
+#: message follows; Mistral's move the system message).
+TEMPLATE_REWRITE = "template_rewrite"
+#: Step counter (``multi_turn/observation_dropped_for_length_per_sample``): observations built by an environment
+#: told the turn was not final, then dropped because they did not fit ``policy.max_total_sequence_length``.
+OBSERVATION_DROPPED = "observation_dropped_for_length"
+#: Step metric names an environment's ``EnvironmentStep.metrics`` may not use: the loop's counters above and the names
+#: whose ``multi_turn/<name>_per_sample`` the loop logs itself (rows and observation tokens per episode).
+RESERVED_STEP_METRICS = frozenset({FOREIGN_END, WHITESPACE_REWRITE, TEMPLATE_REWRITE, OBSERVATION_DROPPED, "rows", "observation_tokens"})
+
+
 def preview(value: Any, limit: int = 120) -> str:
     """``repr(value)`` cut to ``limit`` characters: enough to find a sample in the data."""
     text = repr(value)

@@ -16,6 +16,7 @@ from nemo_like.environments.interface import (
     DEFAULT_ENV_CPUS,
     HELPER_PLACEMENT,
     RESERVED_COUNTERS,
+    RESERVED_STEP_METRICS,
     ActorNeeds,
     EnvironmentStep,
     as_number,
@@ -155,6 +156,11 @@ def check_step(step: Any, where: str) -> None:
         isinstance(numbers, dict) and all(isinstance(k, str) and is_finite_number(v) for k, v in numbers.items())
     ):
         raise ValueError(f"{where}: metrics must be None or a dict of name -> finite number, got {numbers!r}")
+    if numbers and (taken := sorted(RESERVED_STEP_METRICS.intersection(numbers))):
+        raise ValueError(
+            f"{where}: metrics name {taken[0]!r}, which the turn loop logs itself (multi_turn/{taken[0]}_per_sample); "
+            f"rename it (reserved: {sorted(RESERVED_STEP_METRICS)})"
+        )
 
 
 @dataclass

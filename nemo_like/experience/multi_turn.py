@@ -43,7 +43,14 @@ import torch
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.data.prompts import PromptRecord
-from nemo_like.environments.interface import FINAL_TURN, EnvironmentStep
+from nemo_like.environments.interface import (
+    FINAL_TURN,
+    FOREIGN_END,
+    OBSERVATION_DROPPED,
+    TEMPLATE_REWRITE,
+    WHITESPACE_REWRITE,
+    EnvironmentStep,
+)
 from nemo_like.environments.registry import TASK_KEY
 from nemo_like.models.generation.interface import GeneratedSample, GenerationInterface, SamplingParams, stop_string_prefix
 from nemo_like.models.loading import added_token_texts, decode_exact, render_chat
@@ -437,23 +444,6 @@ def content_tokens(tokenizer, conv: Conversation, observation: dict[str, str] | 
         return 0
     empty = render(tokenizer, conv.messages + [{**observation, "content": ""}], conv.prompt.tools)
     return max(0, len(follows.ids) - len(tokenizer(empty, add_special_tokens=False)["input_ids"]))
-
-
-#: Step counter (``multi_turn/foreign_end_of_turn_per_sample`` and ``_sample_fraction``): branches (:func:`start_row`)
-#: where a turn ended on an end-of-turn id the chat template does not write back (Qwen's ``<|endoftext|>`` beside
-#: ``<|im_end|>``) and the environment went on.
-FOREIGN_END = "foreign_end_of_turn"
-#: Step counter (``multi_turn/template_whitespace_rewrite_per_sample``): branches where the chat template writes the
-#: last turn back with other whitespace around its content than the sequence holds (``| trim``: Llama 3.x, Gemma,
-#: Mistral; a space it adds: Mistral's and Llama 2's).
-WHITESPACE_REWRITE = "template_whitespace_rewrite"
-#: Step counter (``multi_turn/template_rewrite_per_sample``): branches where the chat template renders the conversation
-#: so far otherwise than the sequence holds it (Qwen3's and DeepSeek-R1's drop earlier turns' reasoning once a user
-#: message follows; Mistral's move the system message).
-TEMPLATE_REWRITE = "template_rewrite"
-#: Step counter (``multi_turn/observation_dropped_for_length_per_sample``): observations built by an environment
-#: told the turn was not final, then dropped because they did not fit ``policy.max_total_sequence_length``.
-OBSERVATION_DROPPED = "observation_dropped_for_length"
 
 
 def count(conv: Conversation, counter: str) -> None:

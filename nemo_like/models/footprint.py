@@ -142,8 +142,14 @@ def model_footprint(
         for p in model.parameters()
     ]
     from nemo_like.models.policy.batching import sliding_window
+    from nemo_like.utils.experts import expert_block_values_per_token, top_k
 
-    shape = replace(ModelShape.from_hf_config(config.get_text_config()), packed_masks=2 if sliding_window(config) is not None else 1)
+    text = config.get_text_config()
+    shape = replace(
+        ModelShape.from_hf_config(text),
+        packed_masks=2 if sliding_window(config) is not None else 1,
+        expert_block_values=expert_block_values_per_token(model, text.hidden_size, top_k(config)),
+    )
     return specs, shape
 
 

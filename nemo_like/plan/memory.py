@@ -11,7 +11,9 @@ What is exact and what is estimated:
   float32 adapters, gradients and two AdamW moments for trainable parameters only. Tests compare them with
   :meth:`PolicyWorker.memory_footprint` (dp 1 and 2, tp 2).
 * **activations** are an estimate of the peak of one training micro-batch (tokens x layers x what a Llama-family
-  layer saves for backward: ``8H + 4 K D + 4I`` values per token, the attention kernel keeping no score matrix;
+  layer saves for backward: ``8H + 4 K D + 4I`` values per token, the attention kernel keeping no score matrix; a
+  mixture of experts' block in place of ``4I`` where larger, ``k (4 I_e + 3H) + E + 4 I_shared``
+  (:func:`~nemo_like.utils.experts.expert_block_values_per_token`);
   ``5H + (3H + 4 K D + 4I) / t`` on a rank of ``t`` tensor-parallel ranks),
   plus the float32 logits, their log-softmax and its gradient (``tokens x vocab x 12`` bytes, or ``chunk x vocab x 12``
   with ``policy.logprob_chunk_size``); with activation checkpointing each layer's input plus the larger of the logits'
@@ -116,6 +118,9 @@ class ModelShape:
     # layer caches per token, one compressed latent (kv_lora_rank) and the shared rotary key (qk_rope_head_dim), which
     # vLLM and transformers both cache in place of per-head keys and values; 0 for the usual attention
     latent_kv_width: int = 0
+    # A mixture of experts: the most values one of its blocks saves for backward per token
+    # (:func:`~nemo_like.utils.experts.expert_block_values_per_token`), in place of a dense MLP's 4I where larger
+    expert_block_values: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -142,7 +147,12 @@ class ModelShape:
 
     def layer_values_per_token(self) -> int:
         """Values one layer saves for backward per token (see the module docstring)."""
-        return 8 * self.hidden + 4 * self.kv_heads * self.head_dim + 4 * self.intermediate
+        return 8 * self.hidden + 4 * self.kv_heads * self.head_dim + self.mlp_values_per_token()
+
+    def mlp_values_per_token(self) -> int:
+        """Values a layer's MLP saves per token: a dense one's ``4I`` (gate, up, the activation, their product), or a
+        mixture-of-experts block's (``expert_block_values``) where larger."""
+        return max(4 * self.intermediate, self.expert_block_values)
 
     def layer_bytes_per_token(self, value_bytes: int, hidden_bytes: int | None = None, tp: int = 1, float32_attention: bool = False) -> int:
         """Bytes one layer saves for backward per token: :meth:`layer_values_per_token` at ``value_bytes``, its ``8H``
@@ -155,7 +165,7 @@ class ModelShape:
         ``value_bytes`` (CPU autocast, :func:`cpu_float32_attention`): its ``3H`` values at 4 bytes, and float32 copies
         of the keys and values (``2KD``), measured in ``tests/unit/plan/test_memory_plan.py``."""
         hidden_bytes = value_bytes if hidden_bytes is None else hidden_bytes
-        split = 4 * self.kv_heads * self.head_dim + 4 * self.intermediate
+        split = 4 * self.kv_heads * self.head_dim + self.mlp_values_per_token()
         if tp <= 1:
             attention = (3 * self.hidden + 2 * self.kv_heads * self.head_dim) * (4 - value_bytes) if float32_attention else 0
             return 8 * self.hidden * hidden_bytes + split * value_bytes + attention

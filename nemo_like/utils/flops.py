@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_like.utils.cpus import local_cores
+from nemo_like.utils.experts import active_share, experts_of, top_k
 from nemo_like.utils.files import replace_file
 from nemo_like.utils.throughput import TIMING_PREFIX, generation_seconds, rate, trained_tokens, training_seconds
 
@@ -97,7 +98,8 @@ class FlopsSpec:
 
 def matmul_params(config: Any) -> int:
     """``N`` of the module docstring for an HF model config (built on the meta device, nothing loaded); a
-    mixture-of-experts model's routed experts count at the share a token runs through (:func:`routed_expert_params`)."""
+    mixture-of-experts model's routed experts count at the share a token runs through
+    (:func:`~nemo_like.utils.experts.active_share`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -107,34 +109,9 @@ def matmul_params(config: Any) -> int:
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding
-    routed, experts = routed_expert_params(model)
-    top_k = getattr(config.get_text_config(), "num_experts_per_tok", None)
-    if routed and top_k:  # unknown top-k: every expert counted (an upper bound)
-        total -= routed - routed * min(int(top_k), experts) // experts
+    routed, experts = experts_of(model)
+    total += active_share(routed, experts, top_k(config)) - routed
     return total if tied else total - embedding.numel()
-
-
-def routed_expert_params(model: Any) -> tuple[int, int]:
-    """The parameters of a mixture-of-experts model's routed experts and how many experts a layer routes among: a
-    module named ``experts`` holds them, fused (each parameter ``[experts, ...]``: transformers' Mixtral, Qwen-MoE,
-    DeepSeek, gpt-oss) or one submodule per expert (a ``ModuleList``). Shared experts (``shared_expert(s)``) and the
-    router, which every token runs through, are not counted. ``(0, 0)`` for a dense model."""
-    import torch
-
-    routed, experts = 0, 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] != "experts":
-            continue
-        params = list(module.parameters())
-        if isinstance(module, torch.nn.ModuleList):
-            count = len(module)
-        elif params and len({p.shape[0] for p in params}) == 1:
-            count = params[0].shape[0]
-        else:  # no experts' dimension to read: counted in full (an upper bound)
-            continue
-        routed += sum(p.numel() for p in params)
-        experts = max(experts, count)
-    return routed, experts
 
 
 def training_flops_per_token(n: int, lora_params: int | None = None) -> float:

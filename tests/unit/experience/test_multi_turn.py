@@ -21,7 +21,7 @@ from nemo_like.config.schema import EMBEDDED_MODEL, MasterConfig
 from nemo_like.data.collate import collate_samples
 from nemo_like.data.prompts import PromptRecord, build_prompt_dataset
 from nemo_like.environments.arithmetic import ArithmeticEnvironment
-from nemo_like.environments.interface import FINAL_TURN, EnvironmentStep
+from nemo_like.environments.interface import FINAL_TURN, RESERVED_STEP_METRICS, EnvironmentStep
 from nemo_like.environments.tools.environment import ToolEnvironment
 from nemo_like.environments.worker import check_step
 from nemo_like.experience.multi_turn import (
@@ -761,6 +761,10 @@ def test_malformed_environment_steps_are_rejected_with_the_reason():
         (EnvironmentStep(0.0, False, {"role": "tool"}), "observation"),
         (EnvironmentStep(0.0, False, None, None, "</x>"), "stop_strings"),
         (EnvironmentStep(0.0, metrics={"calls": float("inf")}), "metrics"),
+        # the loop's own per-episode names: an environment's "rows" replaced multi_turn/rows_per_sample, its
+        # "template_rewrite" added to the loop's branch count
+        (EnvironmentStep(0.0, metrics={"calls": 1.0, "rows": 4.0}), r"metrics name 'rows', which the turn loop logs itself"),
+        (EnvironmentStep(0.0, metrics={"template_rewrite": 1.0}), "rename it"),
         (EnvironmentStep("1.0"), "finite"),
         (EnvironmentStep(torch.ones(2)), "finite"),
         ((0.0, True), "EnvironmentStep"),
@@ -772,6 +776,11 @@ def test_malformed_environment_steps_are_rejected_with_the_reason():
 
     from nemo_like.environments.worker import as_python_numbers
 
+    # every name the loop logs per sample of its own is reserved (a new one must be added to RESERVED_STEP_METRICS)
+    sample = GeneratedSample([1], [2, 3], [-0.5, -0.5], truncated=False, weight_version=0, num_turns=1, step_metrics={"calls": 1.0})
+    logged = multi_turn_metrics([sample], torch.zeros(1))
+    own = {key.removeprefix("multi_turn/").removesuffix("_per_sample") for key in logged if key.endswith("_per_sample")}
+    assert own - {"calls"} == {"rows", "observation_tokens"} and own - {"calls"} <= RESERVED_STEP_METRICS
     step = EnvironmentStep(np.float32(0.5), metrics={"calls": np.int64(2), "t": torch.tensor(1.5)})
     check_step(step, "w")
     step = as_python_numbers(step)

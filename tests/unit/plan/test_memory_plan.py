@@ -151,6 +151,43 @@ def saved_bytes(model, forward) -> int:
     return sum(size for ptr, size in seen.items() if ptr not in parameters)
 
 
+@pytest.mark.parametrize("moe", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_layer_saves_what_each_token_runs_through(moe: str) -> None:
+    # What the last layer of a real model saves per token (transformers' eager experts: each token's top-k experts),
+    # against the plan: a token's gathered input, gate/up output, activation, product and weighted output for each of
+    # its k experts (4 I_e + 3H), the router's E logits, a shared expert's 4 I_s. A dense MLP's 4I was 0.53-0.57 of it.
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig
+
+    from nemo_like.models.attention import attend_in_float32_on_cpu
+    from nemo_like.utils.experts import expert_block_values_per_token, top_k
+
+    layers = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 100, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}  # fmt: skip
+    config = {
+        "mixtral": MixtralConfig(**layers, num_local_experts=8, num_experts_per_tok=2),
+        "qwen2_moe": Qwen2MoeConfig(
+            **layers, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=48
+        ),
+    }[moe]
+    torch.manual_seed(0)
+    model = attend_in_float32_on_cpu(AutoModelForCausalLM.from_config(config, experts_implementation="eager").train())
+    ids = torch.randint(2, 100, (1, 256))
+
+    def forward() -> None:
+        model(input_ids=ids).logits.float().sum()
+
+    block = expert_block_values_per_token(model, 64, top_k(config))
+    assert block == {"mixtral": 2 * (4 * 128 + 3 * 64) + 8, "qwen2_moe": 4 * (4 * 32 + 3 * 64) + 8 + 4 * 48}[moe]
+    every_layer = saved_bytes(model, forward)
+    model.model.layers = model.model.layers[:2]
+    measured = (every_layer - saved_bytes(model, forward)) / 256 / 4
+    planned = replace(ModelShape.from_hf_config(config), expert_block_values=block).layer_values_per_token()
+    assert planned == pytest.approx(measured, rel=0.05)
+    with tempfile.TemporaryDirectory() as config_dir:  # what `nemo-like plan --model-config` plans with
+        config.save_pretrained(config_dir)
+        assert model_footprint(moe, "float32", config_path=config_dir)[1].expert_block_values == block
+
+
 def saved_for_backward(model, ids, precision: str, sharded: bool = False) -> int:
     """Bytes autograd keeps for backward in one training forward of ``model`` on ``ids`` under the run's
     :func:`~nemo_like.models.precision.compute_context`."""

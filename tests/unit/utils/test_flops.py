@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, M
 from nemo_like.config import load_config
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.plan.run_plan import decide_run_plan
+from nemo_like.utils.experts import experts_of
 from nemo_like.utils.flops import (
     FlopsSpec,
     cpu_key,
@@ -19,7 +20,6 @@ from nemo_like.utils.flops import (
     flops_spec,
     gpu_peak_flops,
     matmul_params,
-    routed_expert_params,
     step_flops,
 )
 
@@ -69,7 +69,7 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_runs_through(name):
     counted = sum(v for op, v in counter.get_flop_counts()["Global"].items() if str(op) in ("aten.mm", "aten.addmm"))
     n = matmul_params(config)
     assert counted == pytest.approx(2 * n * tokens, rel=0.02)
-    routed, experts = routed_expert_params(model)
+    routed, experts = experts_of(model)
     assert experts == 8 and n < sum(p.numel() for p in model.parameters()) - routed * 0.5
 
 
@@ -81,8 +81,8 @@ def test_experts_held_one_module_each_are_routed_experts_too():
             self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 5, bias=False) for _ in range(3))
             self.shared_experts = torch.nn.Linear(4, 5, bias=False)  # every token
 
-    assert routed_expert_params(torch.nn.Sequential(Block(), Block())) == (2 * 3 * 20, 3)
-    assert routed_expert_params(torch.nn.Linear(4, 4)) == (0, 0)
+    assert experts_of(torch.nn.Sequential(Block(), Block())) == (2 * 3 * 20, 3)
+    assert experts_of(torch.nn.Linear(4, 4)) == (0, 0)
 
 
 def step(**extra: float) -> dict[str, float]:
