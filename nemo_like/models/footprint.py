@@ -121,6 +121,9 @@ def model_footprint(
             f"{path}: the memory plan cannot lay out {type(model).__name__} ({str(exc).splitlines()[0]}); it plans models "
             "whose decoder layers are model.model.layers (Llama, Qwen, Mistral, Gemma, ...)"
         ) from None
+    from nemo_like.models.llama_family import supported as fused_sampler
+
+    fused = fused_sampler(model)  # the base model the engines sample with (the inline backend takes no LoRA)
     lora = lora_cfg is not None and lora_cfg.enabled
     if lora:
         from nemo_like.models.lora import apply_lora
@@ -149,6 +152,7 @@ def model_footprint(
         ModelShape.from_hf_config(text),
         packed_masks=2 if sliding_window(config) is not None else 1,
         expert_block_values=expert_block_values_per_token(model, text.hidden_size, top_k(config)),
+        fused_sampler=fused,
     )
     return specs, shape
 
@@ -206,9 +210,10 @@ def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
     fused_step_copy_elements`: fused projections, and oneDNN-packed ones on a CPU), for the backend that samples with
     it: the inline backend (copies of the policy's float32 masters in ``policy.precision``: a bfloat16 run samples
     under autocast, with every projection cast to bf16 once per call and nothing packed for oneDNN) or the HF engine
-    (copies of its weights, loaded at ``policy.precision``, for the rows it samples at once); 0 for vLLM."""
+    (copies of its weights, loaded at ``policy.precision``, for the rows it samples at once); 0 for vLLM, and for a model
+    the fused step does not serve (``shape.fused_sampler``: its own forward samples)."""
     backend = run_plan.backend.value
-    if backend not in ("inline", "hf"):
+    if backend not in ("inline", "hf") or not shape.fused_sampler:
         return 0
     from nemo_like.models.precision import MASTER_DTYPE, compute_dtype
     from nemo_like.plan.memory import hf_sampling_rows, inline_sampling_rows

@@ -121,6 +121,9 @@ class ModelShape:
     # A mixture of experts: the most values one of its blocks saves for backward per token
     # (:func:`~nemo_like.utils.experts.expert_block_values_per_token`), in place of a dense MLP's 4I where larger
     expert_block_values: int = 0
+    # The lean decoder's fused step samples the model (the Llama family: ``llama_family.supported``) and copies its
+    # weights for a call; any other model samples with its own forward, copying nothing
+    fused_sampler: bool = True
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:

@@ -596,6 +596,15 @@ def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples
     assert sampler_copy_bytes(hf, decide_run_plan(hf, (), 2), shape) == copies
     vllm = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false", "policy.generation.backend=vllm")
     assert sampler_copy_bytes(vllm, with_vllm(vllm), shape) == 0
+    # a model the fused step does not serve (Qwen3: norms on the queries and keys) samples with its own forward: no copies
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**json.loads((Path(resolve_model_path(EMBEDDED_MODEL)) / "config.json").read_text()))
+    qwen3 = AutoConfig.for_model("qwen3", **{k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")})
+    with tempfile.TemporaryDirectory() as config_dir:
+        qwen3.save_pretrained(config_dir)
+        other = model_footprint("qwen3-shaped", "float32", config_path=config_dir)[1]
+    assert shape.fused_sampler and not other.fused_sampler and sampler_copy_bytes(cfg, run_plan, other) == 0
 
 
 def test_cpu_offload_keeps_params_grads_and_adamw_state_in_host_ram_and_turns_a_refusal_into_a_fit() -> None:
