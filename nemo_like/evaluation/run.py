@@ -9,7 +9,9 @@ routing (:func:`~nemo_like.experience.rollouts.score_with_environment`). Outputs
   accuracy, mean reward, pass@k, per-task accuracy, the environments' counters (timeouts, parse failures) and the
   seconds taken;
 * ``results.jsonl``: one row per sample (prompt id, sample index, task, reward, correct, response);
-* ``config.yaml``: the resolved config, as training writes it beside its logs.
+* ``config.yaml``: the resolved config, as training writes it beside its logs;
+* ``results.partial.jsonl`` while it runs: the rows of the chunks done so far (:mod:`nemo_like.evaluation.chunks`),
+  kept by an eval that stops.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.config.loader import recipe_yaml
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
+from nemo_like.evaluation.chunks import PARTIAL_RESULTS, EvalChunks, prompt_chunks, seed_of_chunk
 from nemo_like.models.loading import ADAPTER_CONFIG, holds_tokenizer
 from nemo_like.models.lora import merge_checkpoint, refuse_overwriting_base
 from nemo_like.models.policy.checkpoints import POLICY_DIR
@@ -232,7 +235,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
     from nemo_like.environments.worker import Environments, environment_resources
     from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
-    from nemo_like.experience.multi_turn import multi_turn_metrics, template_warnings
+    from nemo_like.experience.multi_turn import episode_metrics, template_warnings
     from nemo_like.experience.rollouts import collect_rollout, env_metrics_with_means
     from nemo_like.models.engines import build_generation, generation_resources
     from nemo_like.models.generation.interface import sampling_params
@@ -320,16 +323,25 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             if plan.agent_tasks:  # agent tasks are rolled out by their agents, through a rollout server, as in training
                 agents = start_agent_rollouts(run_cfg, tokenizer, generation, eos_ids, agent_settings)
                 handles = AgentHandles(environments.handles.workers, agents)
-            rollout = collect_rollout(
-                generation,
-                handles,
-                tokenizer,
-                prompts,
-                n,
-                params,
-                eval_seed(seed),  # hashed: eval.seed s + 1 had redrawn (n - 1)/n of seed s's samples
-                multi_turn=plan.multi_turn,  # grpo.max_rollout_turns > 1: each sample runs its turns
-            )
+            gathered = EvalChunks(out / PARTIAL_RESULTS, len(prompts))
+            try:
+                for first, end in prompt_chunks(len(prompts), n, ev.samples_per_chunk):
+                    rollout = collect_rollout(
+                        generation,
+                        handles,
+                        tokenizer,
+                        prompts[first:end],
+                        n,
+                        params,
+                        # hashed: eval.seed s + 1 had redrawn (n - 1)/n of seed s's samples
+                        seed_of_chunk(eval_seed(seed), first, n),
+                        multi_turn=plan.multi_turn,  # grpo.max_rollout_turns > 1: each sample runs its turns
+                    )
+                    gathered.add(end, rollout, result_rows(rollout, specs, n, first), plan.multi_turn is not None)
+            except BaseException:
+                if gathered.rows:
+                    print(gathered.stopped_line(), file=sys.stderr, flush=True)
+                raise
         finally:
             if agents is not None:
                 agents.server.stop()
@@ -337,7 +349,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
                 if part is not None:
                     part.shutdown()
 
-        rows = result_rows(rollout, specs, n)
+        rows = gathered.rows
         summary = {
             "model": ev.model_path or cfg.policy.model_name,
             "model_dir": model_dir,
@@ -349,16 +361,13 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             "sampling": used_sampling(params),
             "pass_k": ev.resolved_pass_k,
             **summarize(rows, ev.resolved_pass_k),
-            "env_metrics": env_metrics_with_means(rollout.env_metrics),  # per-source means of a composed reward, as training logs
+            "env_metrics": env_metrics_with_means(gathered.env_metrics),  # per-source means of a composed reward, as training logs
             # turns, length cuts and the episodes the chat template ended (multi_turn/*, as training logs them)
-            **(
-                {"multi_turn_metrics": multi_turn_metrics(rollout.samples, rollout.rewards, session_of_row=rollout.session_of_row)}
-                if plan.multi_turn
-                else {}
-            ),
+            **({"multi_turn_metrics": episode_metrics(gathered.episodes)} if plan.multi_turn else {}),
             "seconds": time.perf_counter() - start,
         }
         write_results(out, rows, summary, recipe_yaml(cfg.model_dump(mode="json")))
+        gathered.finish()
         return summary
 
 
@@ -370,18 +379,21 @@ def used_sampling(params: Any) -> dict[str, Any]:
     return sampling
 
 
-def result_rows(rollout: Any, specs: Any, n: int) -> list[dict[str, Any]]:
+def result_rows(rollout: Any, specs: Any, n: int, first_prompt: int = 0) -> list[dict[str, Any]]:
     """One ``results.jsonl`` row per sample: its prompt, task, reward, response and lengths (and turns, multi-turn).
     Agent and multi-turn tasks: one row per row of a session, with its ``session`` and, as ``sample_index``, the session's index
-    among its prompt's sessions (a session that branched has several rows with the same index)."""
+    among its prompt's sessions (a session that branched has several rows with the same index). ``first_prompt``: the
+    rollout's first prompt in the eval's (a chunk's: its prompt indices and sessions counted from the eval's first)."""
     from nemo_like.environments.registry import task_of
 
     sessions = rollout.session_of_row.tolist() if rollout.session_of_row is not None else None
+    if sessions is not None:
+        sessions = [first_prompt * n + session for session in sessions]
     sample_of_session: dict[int, dict[int, int]] = {}  # prompt index -> session -> its index among the prompt's sessions
     rows = []
     for i, (prompt, sample, text) in enumerate(zip(rollout.prompts, rollout.samples, rollout.response_texts)):
         reward = float(rollout.rewards[i])
-        group = int(rollout.group_ids[i])
+        group = first_prompt + int(rollout.group_ids[i])
         if sessions is None:
             index = {"sample_index": i % n}
         else:

@@ -154,7 +154,11 @@ def multi_turn_metrics(
     the fraction cut by the length limit, observation tokens (mean), the mean reward of the samples with each turn count
     (``<prefix>/reward_turns_<k>``), and per step metric name (``EnvironmentStep.metrics`` and the loop's own counters)
     its mean per sample and the share of samples where it is non-zero."""
-    episodes = episode_totals(samples, rewards, session_of_row)
+    return episode_metrics(episode_totals(samples, rewards, session_of_row), prefix)
+
+
+def episode_metrics(episodes: Sequence[EpisodeTotals], prefix: str = "multi_turn") -> dict[str, float]:
+    """:func:`multi_turn_metrics` of ``episodes`` (:func:`episode_totals`: an eval gathers its chunks' episodes)."""
     turns = torch.tensor([e.turns for e in episodes], dtype=torch.float32)
     episode_rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
     metrics = {

@@ -220,7 +220,10 @@ def test_nemo_like_eval_rolls_agent_tasks_out_through_their_agents(ray_cluster, 
     demo, whose agent calls the calculator): it must run each sample's session through the recipe's agent."""
     from nemo_like.evaluation.run import evaluate
 
-    cfg = load_config(RECIPE, ["grpo.max_val_samples=4", "eval.num_samples_per_prompt=2", f"eval.output_dir={tmp_path}"])
+    # in two chunks of 2 prompts (4 sessions): their sessions and prompts are counted from the eval's first
+    cfg = load_config(
+        RECIPE, ["grpo.max_val_samples=4", "eval.num_samples_per_prompt=2", f"eval.output_dir={tmp_path}", "eval.samples_per_chunk=5"]
+    )
     summary = evaluate(cfg)
     metrics = summary["env_metrics"]
     assert metrics["agent/sessions"] == 8 and metrics["agent/failures"] == 0 and metrics["agent/calls_per_session"] >= 1
@@ -229,6 +232,7 @@ def test_nemo_like_eval_rolls_agent_tasks_out_through_their_agents(ray_cluster, 
     # Each row names its session; sample_index numbers a prompt's sessions (not its rows), and the summary counts sessions.
     sessions = {(r["prompt_index"], r["session"]): r["sample_index"] for r in rows}
     assert len(sessions) == 8 and sorted(sessions.values()) == [0, 0, 0, 0, 1, 1, 1, 1] and summary["num_rows"] == 8
+    assert {r["session"] for r in rows} == set(range(8)) and {r["prompt_index"] for r in rows} == {0, 1, 2, 3}
     assert summary["checkpoint_dir"] is None and summary["seed"] == cfg.grpo.seed  # the embedded model: no directory
 
 

@@ -95,9 +95,17 @@ def test_eval_of_a_checkpoint_reports_exact_pass_at_k(ray_cluster, tmp_path, cap
             "+env.arithmetic.class=custom_envs:FirstOfFour",
             "policy.generation.backend=hf",
             "policy.num_cpus_per_worker=0.25",
+            "eval.samples_per_chunk=12",  # chunks of 3, 3 and 2 prompts, each one call, with its progress line
         ]
     )
     assert rc == 0
+    err = capsys.readouterr().err
+    assert [line.split(" | ")[0] for line in err.splitlines() if line.startswith("[eval] ")] == [
+        "[eval] 3/8 prompts (12 rows)",
+        "[eval] 6/8 prompts (24 rows)",
+        "[eval] 8/8 prompts (32 rows)",
+    ]
+    assert not (out / "results.partial.jsonl").exists()  # results.jsonl holds them now
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert summary["model_dir"] == str(policy_dir) and (out / "model" / "tokenizer_config.json").is_file()
@@ -107,7 +115,7 @@ def test_eval_of_a_checkpoint_reports_exact_pass_at_k(ray_cluster, tmp_path, cap
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["eval"]["seed"] == 5 and config["eval"]["model_path"] == str(tmp_path / "ckpt" / "step_3")
     assert config["policy"]["generation"]["top_k"] == 5 and config["env"]["arithmetic"]["class"] == "custom_envs:FirstOfFour"
-    assert len(rows) == 32 and {r["sample_index"] for r in rows} == {0, 1, 2, 3}
+    assert len(rows) == 32 and {r["sample_index"] for r in rows} == {0, 1, 2, 3} and {r["prompt_index"] for r in rows} == set(range(8))
     by_prompt: dict[str, list[bool]] = {}
     for row in rows:
         by_prompt.setdefault(row["prompt_id"], []).append(row["correct"])
@@ -117,4 +125,4 @@ def test_eval_of_a_checkpoint_reports_exact_pass_at_k(ray_cluster, tmp_path, cap
         assert summary[f"pass@{k}"] == pytest.approx(expected)
     assert summary["pass@1"] == pytest.approx(0.25) and summary["pass@2"] == pytest.approx(0.5) and summary["pass@4"] == 1.0
     assert summary["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / 32) == pytest.approx(0.25)
-    assert "pass@4" in capsys.readouterr().err  # the console table
+    assert "pass@4" in err  # the console table

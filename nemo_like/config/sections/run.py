@@ -243,6 +243,13 @@ class EvalConfig(Section):
     )
     output_dir: str = Field("results/eval", description="Where summary.json and results.jsonl are written.")
     seed: Int | None = Field(None, ge=0, lt=2**32, description="Sampling seed (0 <= seed < 2**32); default grpo.seed.")
+    samples_per_chunk: Int = Field(
+        4096,
+        gt=0,
+        description="Samples generated and scored per call (whole prompts: at least one prompt's num_samples_per_prompt): "
+        "after each chunk the eval prints its progress and appends the chunk's rows to results.partial.jsonl, which an "
+        "eval that stops keeps. Larger chunks keep a GPU engine's batch fuller at a chunk's end.",
+    )
 
     @model_validator(mode="after")
     def _k_within_n(self) -> EvalConfig:
