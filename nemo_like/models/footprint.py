@@ -210,18 +210,21 @@ def sampler_copy_bytes(cfg: Any, run_plan: Any, shape: Any) -> int:
     fused_step_copy_elements`: fused projections, and oneDNN-packed ones on a CPU), for the backend that samples with
     it: the inline backend (copies of the policy's float32 masters in ``policy.precision``: a bfloat16 run samples
     under autocast, with every projection cast to bf16 once per call and nothing packed for oneDNN) or the HF engine
-    (copies of its weights, loaded at ``policy.precision``, for the rows it samples at once); 0 for vLLM, and for a model
-    the fused step does not serve (``shape.fused_sampler``: its own forward samples)."""
+    (copies of its weights, loaded at ``policy.precision``, for the rows it samples at once); 0 for vLLM. A model the
+    fused step does not serve (``shape.fused_sampler``) samples with its own forward: it copies nothing, but under the
+    inline backend's autocast, which casts every projection and the head once per call as the fused step does."""
     backend = run_plan.backend.value
-    if backend not in ("inline", "hf") or not shape.fused_sampler:
+    if backend not in ("inline", "hf"):
         return 0
     from nemo_like.models.precision import MASTER_DTYPE, compute_dtype
     from nemo_like.plan.memory import hf_sampling_rows, inline_sampling_rows
 
     products, on_cpu = compute_dtype(cfg.policy.precision), not cfg.cluster.gpus_per_node
-    if backend == "inline":
-        return lean_decoder_copy_bytes(shape, inline_sampling_rows(cfg), products, on_cpu, cast=products != MASTER_DTYPE)
-    return lean_decoder_copy_bytes(shape, hf_sampling_rows(cfg), products, on_cpu)
+    cast = backend == "inline" and products != MASTER_DTYPE
+    if not shape.fused_sampler and not cast:
+        return 0
+    rows = inline_sampling_rows(cfg) if backend == "inline" else hf_sampling_rows(cfg)
+    return lean_decoder_copy_bytes(shape, rows, products, on_cpu, cast=cast)
 
 
 def lean_decoder_copy_bytes(shape: Any, rows: int, products: torch.dtype, on_cpu: bool, cast: bool = False) -> int:

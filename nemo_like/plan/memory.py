@@ -97,6 +97,15 @@ class ParameterSpec:
         return replace(self, trainable=trainable, bytes_per_element=bytes_per_element)
 
 
+#: The model types whose latent attention vLLM caches as one latent per layer (vLLM 0.32's ``is_deepseek_mla``); vLLM
+#: builds other configs with ``kv_lora_rank`` (MiniCPM3) with per-head keys and values.
+VLLM_LATENT_MODEL_TYPES = frozenset({
+    "axk1", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41", "dots3_note", "deepseek_mtp", "k3_dspark",
+    "glm5_next", "glm5_next_text", "glm_moe_dsa", "glm4_moe_lite", "glm4_moe_lite_mtp", "kimi_k2", "kimi_linear", "longcat_flash",
+    "pangu_ultra_moe", "pangu_ultra_moe_mtp", "bailing_hybrid", "bailing_hybrid_mtp", "bailing_hybrid_v3_mtp", "hy_v4", "hy_v4_mtp",
+})  # fmt: skip
+
+
 def _largest(size: int | list[int] | None) -> int | None:
     """A config's size, or the largest of its per-layer sizes (Gemma-3n's ``intermediate_size``)."""
     return max(size) if isinstance(size, list) and size else size  # type: ignore[return-value]
@@ -116,8 +125,10 @@ class ModelShape:
     packed_masks: int = 1  # a packed row's [T, T] masks: 2 where some layers slide (one per layer type)
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, MiniCPM3, ...: a config with kv_lora_rank): the values a
     # layer caches per token, one compressed latent (kv_lora_rank) and the shared rotary key (qk_rope_head_dim), which
-    # vLLM and transformers both cache in place of per-head keys and values; 0 for the usual attention
+    # transformers caches in place of per-head keys and values; 0 for the usual attention
     latent_kv_width: int = 0
+    # vLLM caches the latent too (its MLA models: VLLM_LATENT_MODEL_TYPES); else per-head keys and values (MiniCPM3)
+    vllm_caches_latent: bool = False
     # A mixture of experts: the most values one of its blocks saves for backward per token
     # (:func:`~nemo_like.utils.experts.expert_block_values_per_token`), in place of a dense MLP's 4I where larger
     expert_block_values: int = 0
@@ -134,7 +145,7 @@ class ModelShape:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         latent = getattr(config, "kv_lora_rank", None) or 0
-        if latent:
+        if latent:  # its keys: qk_nope_head_dim + qk_rope_head_dim wide, for every head
             kv_heads, head_dim = heads, config.qk_nope_head_dim + config.qk_rope_head_dim
             latent += config.qk_rope_head_dim
         return cls(
@@ -146,6 +157,7 @@ class ModelShape:
             head_dim=head_dim,
             vocab=config.vocab_size,
             latent_kv_width=latent,
+            vllm_caches_latent=bool(latent) and getattr(config, "model_type", None) in VLLM_LATENT_MODEL_TYPES,
         )
 
     def layer_values_per_token(self) -> int:
@@ -174,10 +186,11 @@ class ModelShape:
             return 8 * self.hidden * hidden_bytes + split * value_bytes + attention
         return 5 * self.hidden * hidden_bytes + math.ceil((3 * self.hidden + split) / tp) * value_bytes
 
-    def kv_bytes_per_token(self, bytes_per_value: int) -> int:
-        """KV-cache bytes per token of one sequence: each layer's keys and values, or its latent (``latent_kv_width``)."""
-        per_layer = self.latent_kv_width or 2 * self.kv_heads * self.head_dim
-        return self.layers * per_layer * bytes_per_value
+    def kv_bytes_per_token(self, bytes_per_value: int, engine: str = "hf") -> int:
+        """KV-cache bytes per token of one sequence in ``engine``'s cache (``hf``: transformers', as the inline backend's;
+        ``vllm``): each layer's keys and values, or its latent (``latent_kv_width``) where the engine caches it."""
+        latent = self.latent_kv_width if engine != "vllm" or self.vllm_caches_latent else 0
+        return self.layers * (latent or 2 * self.kv_heads * self.head_dim) * bytes_per_value
 
 
 #: The role of the refit's copy of the weights in a CPU node's RAM (:func:`refit_buffer_memory`): no actor, no bundle.
@@ -641,7 +654,7 @@ def generation_memory(
         return RoleMemory("generation", 0, note="inline: the policy worker samples")
     value_bytes = DTYPE_BYTES[pc.precision]
     weights = parameters * value_bytes
-    per_sequence = shape.kv_bytes_per_token(value_bytes) * pc.max_total_sequence_length
+    per_sequence = shape.kv_bytes_per_token(value_bytes, backend) * pc.max_total_sequence_length
     if backend == "hf":
         batch = hf_sampling_rows(cfg)
         logits = batch * shape.vocab * 4
@@ -790,7 +803,7 @@ def judge_memory(spec: JudgeSpec, parameters: int, shape: ModelShape, device_byt
     ``kv_cache_space_gib``. A vLLM budget that holds no sequence of ``context`` tokens is a :attr:`RoleMemory.problem`."""
     value_bytes = DTYPE_BYTES[spec.precision]
     weights = parameters * value_bytes
-    per_sequence = shape.kv_bytes_per_token(value_bytes) * spec.context
+    per_sequence = shape.kv_bytes_per_token(value_bytes, spec.backend) * spec.context
     on_gpu = spec.num_gpus > 0
     common = dict(on_host=not on_gpu, per_device=_packed_per_gpu(spec.num_gpus, spec.workers))
     if spec.backend == "hf":

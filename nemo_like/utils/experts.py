@@ -16,28 +16,45 @@ import torch
 
 def experts_of(module: torch.nn.Module) -> tuple[int, int]:
     """``(parameters, experts)`` of the routed experts in ``module`` (a model or one block), ``experts`` the most a
-    block routes among; ``(0, 0)`` where there are none, or where a fused module's parameters share no leading
-    experts' dimension (nothing to read: counted as dense, an upper bound)."""
+    block routes among; ``(0, 0)`` where there are none."""
     routed, experts = 0, 0
     for name, child in module.named_modules():
-        if name.rsplit(".", 1)[-1] != "experts":
-            continue
-        params = list(child.parameters())
-        if isinstance(child, torch.nn.ModuleList):
-            count = len(child)
-        elif params and len({p.shape[0] for p in params}) == 1:
-            count = params[0].shape[0]
-        else:
-            continue
-        routed += sum(p.numel() for p in params)
-        experts = max(experts, count)
+        if name.rsplit(".", 1)[-1] == "experts":
+            params, count = routed_experts(child)
+            routed, experts = routed + params, max(experts, count)
     return routed, experts
 
 
+def routed_experts(experts: torch.nn.Module) -> tuple[int, int]:
+    """``(parameters, experts)`` of one ``experts`` module: one submodule per expert (a ``ModuleList``) or fused
+    parameters sharing a leading experts' dimension; ``(0, 0)`` where none is to be read (counted as dense, an upper
+    bound)."""
+    params = list(experts.parameters())
+    if isinstance(experts, torch.nn.ModuleList):
+        count = len(experts)
+    elif params and len({p.shape[0] for p in params}) == 1:
+        count = params[0].shape[0]
+    else:
+        return 0, 0
+    return sum(p.numel() for p in params), count
+
+
+#: The config keys that say how many experts a token runs through: most models', Gemma 4's, DBRX's (in its
+#: ``ffn_config``), Aria's and Hunyuan's.
+TOP_K_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_top_k", "moe_topk")
+
+
 def top_k(config: Any) -> int | None:
-    """How many experts a token runs through (``num_experts_per_tok`` of the text config); ``None`` when not said."""
-    k = getattr(config.get_text_config(), "num_experts_per_tok", None)
-    return int(k) if k else None
+    """How many experts a token runs through (:data:`TOP_K_KEYS` of the text config or its ``ffn_config``; a per-layer
+    list: its largest); ``None`` when not said."""
+    text = config.get_text_config()
+    for where in (text, getattr(text, "ffn_config", None)):
+        for key in TOP_K_KEYS:
+            k = getattr(where, key, None)
+            k = max(k) if isinstance(k, (list, tuple)) and k else k
+            if isinstance(k, int) and k > 0:
+                return k
+    return None
 
 
 def active_share(routed: int, experts: int, k: int | None) -> int:
@@ -49,21 +66,25 @@ def active_share(routed: int, experts: int, k: int | None) -> int:
 
 
 def expert_block_values_per_token(model: torch.nn.Module, hidden: int, k: int | None) -> int:
-    """The most values a mixture-of-experts block saves for backward per token (0 for a dense model): per expert a
-    token runs through ``4 I_e + 3 H`` (its gathered input, the gate/up output, the activation and its product, the
-    weighted output; ``I_e`` an expert's width, its parameters over ``3 H``: gate, up, down), the router's ``E``
-    logits, and a shared expert's ``4 I_s`` (the rest of the block over ``3 H``). Measured on a CPU with transformers'
-    eager experts: 1.006-1.019 of this on Mixtral-shaped blocks (``tests/unit/plan/test_memory_plan.py``)."""
+    """The most values a mixture-of-experts block saves for backward per token (0 for a dense model, or where ``k`` is
+    not known: the planner's dense MLP then): per expert a token runs through ``4 I_e + 3 H`` (its gathered input, the
+    gate/up output, the activation and its product, the weighted output; ``I_e`` an expert's width, its parameters over
+    ``3 H``: gate, up, down), the router's ``E`` logits, and ``4 I_s`` for the MLPs beside the experts that every token
+    runs through (a child named ``shared...`` or ``mlp``: shared experts, Gemma 4's dense MLP; ``I_s`` their parameters
+    over ``3 H``). Measured on a CPU with transformers' eager experts: 1.006-1.019 of this on Mixtral-shaped blocks
+    (``tests/unit/plan/test_memory_plan.py``)."""
+    if not k:
+        return 0
     widest = 0
     for _, block in model.named_modules():
         experts_module = getattr(block, "experts", None)
         if not isinstance(experts_module, torch.nn.Module):
             continue
-        routed, count = experts_of(block)
+        routed, count = routed_experts(experts_module)
         if not count:
             continue
         expert_width = routed // (count * 3 * hidden)
-        shared_width = max(0, sum(p.numel() for p in block.parameters()) - routed - count * hidden) // (3 * hidden)
-        runs = min(k, count) if k else count
-        widest = max(widest, runs * (4 * expert_width + 3 * hidden) + count + 4 * shared_width)
+        beside = [child for name, child in block.named_children() if name.startswith("shared") or name == "mlp"]
+        shared_width = sum(p.numel() for child in beside for p in child.parameters()) // (3 * hidden)
+        widest = max(widest, min(k, count) * (4 * expert_width + 3 * hidden) + count + 4 * shared_width)
     return widest

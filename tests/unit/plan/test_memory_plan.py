@@ -605,6 +605,8 @@ def test_the_inline_backends_policy_worker_holds_the_kv_cache_of_what_it_samples
         qwen3.save_pretrained(config_dir)
         other = model_footprint("qwen3-shaped", "float32", config_path=config_dir)[1]
     assert shape.fused_sampler and not other.fused_sampler and sampler_copy_bytes(cfg, run_plan, other) == 0
+    # ... but for autocast's bf16 casts of every projection and the head, held for the call as the fused step's are
+    assert sampler_copy_bytes(bf16, run_plan, other) == sampler_copy_bytes(bf16, run_plan, replace(other, fused_sampler=True)) > 0
 
 
 def test_cpu_offload_keeps_params_grads_and_adamw_state_in_host_ram_and_turns_a_refusal_into_a_fit() -> None:
@@ -677,6 +679,20 @@ def test_kv_bytes_per_token_equal_what_a_transformers_model_caches(latent: bool)
     shape = ModelShape.from_hf_config(config)
     assert shape.kv_bytes_per_token(4) * tokens == cached
     assert shape.latent_kv_width == (16 + 8 if latent else 0) and shape.head_dim == (16 if latent else 8)
+    # vLLM caches the latent of its MLA models (DeepSeek's) but builds MiniCPM3 with per-head keys and values
+    per_head = 2 * 2 * 4 * 16 * 4 if latent else cached // tokens
+    assert shape.kv_bytes_per_token(4, "vllm") * tokens == (cached if latent else per_head * tokens)
+    if latent:
+        minicpm3 = replace(shape, vllm_caches_latent=False)  # as from_hf_config reads a minicpm3 config
+        assert minicpm3.kv_bytes_per_token(4, "vllm") == per_head and minicpm3.kv_bytes_per_token(4) * tokens == cached
+        assert not ModelShape.from_hf_config(replace_model_type(config, "minicpm3")).vllm_caches_latent
+
+
+def replace_model_type(config, model_type: str):
+    """``config`` read as another model type's (the planner reads ``model_type`` and sizes only)."""
+    copy = type(config).from_dict(config.to_dict())
+    copy.model_type = model_type
+    return copy
 
 
 def test_a_vllm_engine_whose_kv_budget_holds_no_full_length_sequence_does_not_fit() -> None:

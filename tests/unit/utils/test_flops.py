@@ -85,6 +85,28 @@ def test_experts_held_one_module_each_are_routed_experts_too():
     assert experts_of(torch.nn.Linear(4, 4)) == (0, 0)
 
 
+def test_top_k_is_read_under_each_models_name_for_it():
+    from transformers import DbrxConfig, Gemma4TextConfig, HunYuanMoEV1Config, LlamaConfig
+
+    from nemo_like.utils.experts import expert_block_values_per_token, top_k
+
+    assert top_k(MOE_CONFIGS["mixtral"]) == 2 and top_k(Gemma4TextConfig(top_k_experts=3, enable_moe_block=True)) == 3
+    assert top_k(DbrxConfig(ffn_config={"moe_top_k": 4})) == 4 and top_k(HunYuanMoEV1Config(moe_topk=[2, 5])) == 5
+    assert top_k(LlamaConfig()) is None
+    # not known: the experts count in full for N (an upper bound), and the planner keeps a dense MLP's activations
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(MOE_CONFIGS["mixtral"])
+    assert expert_block_values_per_token(model, 64, None) == 0 < expert_block_values_per_token(model, 64, 2)
+    # Gemma 4: the experts sit in the decoder layer beside its dense MLP, which every token runs through (the layer's
+    # attention is no shared expert): 2 experts of width 32 and the MLP of width 128 a token
+    gemma4 = Gemma4TextConfig(**MOE_LAYERS, num_key_value_heads=2, head_dim=16, global_head_dim=16, enable_moe_block=True,
+                              num_experts=16, top_k_experts=2, moe_intermediate_size=32, hidden_size_per_layer_input=0,
+                              layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(gemma4)
+    assert expert_block_values_per_token(model, 64, top_k(gemma4)) == 2 * (4 * 32 + 3 * 64) + 16 + 4 * 128
+
+
 def step(**extra: float) -> dict[str, float]:
     return {
         "performance/num_batch_tokens": 100.0,
