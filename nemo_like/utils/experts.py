@@ -27,12 +27,12 @@ def experts_of(module: torch.nn.Module) -> tuple[int, int]:
 
 def routed_experts(experts: torch.nn.Module) -> tuple[int, int]:
     """``(parameters, experts)`` of one ``experts`` module: one submodule per expert (a ``ModuleList``) or fused
-    parameters sharing a leading experts' dimension; ``(0, 0)`` where none is to be read (counted as dense, an upper
-    bound)."""
+    parameters sharing a leading experts' dimension (weights ``[experts, out, in]``); ``(0, 0)`` where none is to be
+    read (counted as dense, an upper bound: DBRX's experts stacked into ``[experts x width, hidden]`` matrices)."""
     params = list(experts.parameters())
     if isinstance(experts, torch.nn.ModuleList):
         count = len(experts)
-    elif params and len({p.shape[0] for p in params}) == 1:
+    elif any(p.dim() >= 3 for p in params) and len({p.shape[0] for p in params}) == 1:
         count = params[0].shape[0]
     else:
         return 0, 0

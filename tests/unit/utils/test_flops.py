@@ -84,6 +84,14 @@ def test_experts_held_one_module_each_are_routed_experts_too():
     assert experts_of(torch.nn.Sequential(Block(), Block())) == (2 * 3 * 20, 3)
     assert experts_of(torch.nn.Linear(4, 4)) == (0, 0)
 
+    class Stacked(torch.nn.Module):  # DBRX's experts: [experts x width, hidden] matrices, no experts' dimension to read
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = torch.nn.Module()
+            self.experts.w1, self.experts.w2 = (torch.nn.Parameter(torch.zeros(3 * 5, 4)) for _ in range(2))
+
+    assert experts_of(Stacked()) == (0, 0)
+
 
 def test_top_k_is_read_under_each_models_name_for_it():
     from transformers import DbrxConfig, Gemma4TextConfig, HunYuanMoEV1Config, LlamaConfig
