@@ -20,7 +20,17 @@ from nemo_like.models.loading import (
     read_model_config,
     resolve_model_path,
 )
-from nemo_like.plan.memory import DTYPE_BYTES, JudgeSpec, ModelShape, ParameterSpec, RoleMemory, ScorerSpec, judge_memory, scorer_memory
+from nemo_like.plan.memory import (
+    DTYPE_BYTES,
+    JudgeSpec,
+    ModelShape,
+    ParameterSpec,
+    RoleMemory,
+    ScorerSpec,
+    config_value,
+    judge_memory,
+    scorer_memory,
+)
 
 
 def model_config_path(
@@ -87,7 +97,7 @@ def model_config_warning(model_name: str, config_path: str | Path) -> str | None
 def _shape_value(config: Any, key: str) -> Any:
     """``config``'s ``key`` as the model uses it: ``head_dim`` defaults to ``hidden_size // num_attention_heads``
     (Qwen2's and Llama's configs may leave it out or write it)."""
-    value = getattr(config, key, None)
+    value = config_value(config, key)
     if key == "head_dim" and value is None and getattr(config, "num_attention_heads", None):
         return config.hidden_size // config.num_attention_heads
     return value

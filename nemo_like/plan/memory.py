@@ -111,6 +111,16 @@ def _largest(size: int | list[int] | None) -> int | None:
     return max(size) if isinstance(size, list) and size else size  # type: ignore[return-value]
 
 
+def config_value(config: Any, key: str) -> Any:
+    """``config``'s ``key``, or where its layers differ in it (a heterogeneous transformers config, Gemma 4's
+    ``head_dim``: reading it whole raises) the largest of its layers' (an upper bound)."""
+    try:
+        return getattr(config, key, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        values = [getattr(layer, key, None) for layer in config.per_layer_config]
+        return max((v for v in values if v is not None), default=None)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What activations and the KV cache depend on (a Llama-family decoder's HF config)."""
@@ -141,9 +151,9 @@ class ModelShape:
         """From a ``transformers`` text config (its class's defaults and attribute names resolved: the model built from
         it has these sizes; a ``config.json``'s own dict lacked the defaults). Latent attention expands the latent into
         keys of ``qk_nope_head_dim + qk_rope_head_dim`` for every head (its config's ``head_dim`` is the rotary part)."""
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        hidden, heads = config.hidden_size, config_value(config, "num_attention_heads")
+        kv_heads = config_value(config, "num_key_value_heads") or heads
+        head_dim = config_value(config, "head_dim") or hidden // heads
         latent = getattr(config, "kv_lora_rank", None) or 0
         if latent:  # its keys: qk_nope_head_dim + qk_rope_head_dim wide, for every head
             kv_heads, head_dim = heads, config.qk_nope_head_dim + config.qk_rope_head_dim
@@ -151,7 +161,7 @@ class ModelShape:
         return cls(
             layers=config.num_hidden_layers,
             hidden=hidden,
-            intermediate=_largest(getattr(config, "intermediate_size", None)) or 4 * hidden,  # per layer: the largest
+            intermediate=_largest(config_value(config, "intermediate_size")) or 4 * hidden,  # per layer: the largest
             heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,

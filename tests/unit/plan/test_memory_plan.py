@@ -688,6 +688,17 @@ def test_kv_bytes_per_token_equal_what_a_transformers_model_caches(latent: bool)
         assert not ModelShape.from_hf_config(replace_model_type(config, "minicpm3")).vllm_caches_latent
 
 
+def test_a_config_whose_layers_differ_in_head_dim_is_planned_at_the_largest() -> None:
+    # Gemma 4: sliding layers of head_dim 64, full-attention layers of global_head_dim 128; reading head_dim raises
+    from transformers import Gemma4TextConfig
+
+    config = Gemma4TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=64, global_head_dim=128, layer_types=["sliding_attention", "full_attention"], vocab_size=100)  # fmt: skip
+    with pytest.raises(RuntimeError):
+        _ = config.head_dim
+    assert ModelShape.from_hf_config(config).head_dim == 128
+
+
 def replace_model_type(config, model_type: str):
     """``config`` read as another model type's (the planner reads ``model_type`` and sizes only)."""
     copy = type(config).from_dict(config.to_dict())
