@@ -47,6 +47,7 @@ from nemo_like.models.loading import (
     model_vocab_size,
     renders_tools,
     resolve_model_path,
+    routes_experts,
 )
 from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
@@ -448,7 +449,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     # Every run-level decision, made once here and handed down (an impossible requested backend or LoRA refit mode
     # fails here, before any actor starts).
     eos_ids = end_of_sequence_ids(tokenizer, cfg.policy.model_name)  # the tokenizer's and the generation config's
-    plan = plan_on_cluster(cfg, tuple(eos_ids))
+    plan = plan_on_cluster(cfg, tuple(eos_ids), experts=routes_experts(cfg.policy.model_name))
     plan = with_environments(plan, env_specs)
     if nodes := node_count_warning(cfg, plan.nodes):
         warnings.warn(nodes, RuntimeWarning, stacklevel=2)

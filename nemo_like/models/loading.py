@@ -613,6 +613,17 @@ def model_config(model_name: str, local_only: bool = False) -> Any:
         raise ConfigError(f"{model_name}: cannot read its config.json {local} ({str(exc).splitlines()[0]})") from None
 
 
+def routes_experts(model_name: str, local_only: bool = False) -> bool:
+    """Whether the model is a mixture of experts: its config says how many experts a token runs through
+    (:func:`~nemo_like.utils.experts.top_k`). A model whose config is not to be read: ``False``."""
+    from nemo_like.utils.experts import top_k
+
+    try:
+        return top_k(model_config(model_name, local_only)) is not None
+    except (OSError, ValueError, ConfigError):
+        return False
+
+
 def model_context_length(model_name: str, local_only: bool = False) -> int | None:
     """The longest sequence the model's positions cover: ``max_position_embeddings`` (times a RoPE scaling factor,
     as vLLM derives ``max_model_len``), or ``None`` when its config states none. A LoRA checkpoint: its base model's."""

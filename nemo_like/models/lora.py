@@ -42,6 +42,7 @@ from nemo_like.models.loading import (
     save_generation_config,
 )
 from nemo_like.models.precision import refit_dtype
+from nemo_like.utils.experts import experts_of
 from nemo_like.utils.preflight import refuse_overwriting
 
 __all__ = [
@@ -256,6 +257,17 @@ def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False)
     A bad key is a :class:`ConfigError`."""
     skeleton = _meta_skeleton(model_name, local_only)
     chosen = resolve_target_modules(skeleton, lora_cfg)
+    routed, experts = experts_of(skeleton)
+    if routed and not any(
+        ".experts." in name for name in chosen
+    ):  # transformers fuses them into [experts, out, in] parameters: no linear layer to put an adapter on
+        warnings.warn(
+            f"policy.lora_cfg: {model_name}'s {experts} routed experts per layer ({routed:,} parameters in all) get no adapters "
+            "(fused expert parameters, no linear layers): LoRA adapts the linear layers around them "
+            f"({len(chosen)} modules, e.g. {chosen[0].rsplit('.', 2)[-2]}.{chosen[0].rsplit('.', 1)[-1]}), the experts stay frozen",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     for entry in exclusions_without_effect(skeleton, lora_cfg):
         warnings.warn(
             f"policy.lora_cfg.exclude_modules: {entry!r} has no effect: it names no module of policy.lora_cfg.target_modules="

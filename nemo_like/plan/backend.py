@@ -70,13 +70,25 @@ def vllm_adapter_blocker(cfg: Any) -> str | None:
     return None
 
 
-def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
+#: Why a training run on a CPU cluster does not generate a mixture-of-experts policy with vLLM's CPU build: a refit
+#: goes through vLLM's layer-wise ``reload_weights``, after which the engine samples from other weights than those sent
+#: (0.010-0.023 nats a token on a tiny Qwen3-MoE refitted with its own unchanged weights), and its LoRA path for
+#: experts calls Triton, which the CPU build lacks. Its first weights, read from the model's files, are right: an eval
+#: (no refit) may use it.
+VLLM_CPU_EXPERTS_BLOCKER = (
+    "vLLM's CPU build does not refit a mixture of experts (after a refit its engine samples from other weights than the "
+    "policy's), and its LoRA layers for experts need Triton"
+)
+
+
+def resolve_backend(cfg: Any, with_policy: bool = True, experts: bool = False) -> tuple[str, str]:
     """``(backend, reason)`` for ``policy.generation.backend``. ``auto`` on a CPU cluster: ``inline`` when the run
     allows it (:func:`inline_blocker`), else ``vllm`` for a LoRA run when the package is importable and can serve
     its adapters (:func:`vllm_adapter_blocker`; a refit then sends only them), else ``hf`` (an engine actor with our sampling loop: it generated
     the tiny recipe's batches 1.5-2.7x faster than vLLM's CPU build, ``benchmarks/async_vs_sync.py``); on a GPU
     cluster ``vllm`` when the package is importable, else ``hf``. ``with_policy=False``: the caller has no trainable
-    policy (evaluation), so ``inline`` is impossible."""
+    policy (evaluation), so ``inline`` is impossible. ``experts``: the policy is a mixture of experts, which a training
+    run on a CPU cluster does not generate with vLLM (:data:`VLLM_CPU_EXPERTS_BLOCKER`)."""
     requested = cfg.policy.generation.backend
     if requested == "inline":
         blocker = inline_blocker(cfg, with_policy)
@@ -95,15 +107,19 @@ def resolve_backend(cfg: Any, with_policy: bool = True) -> tuple[str, str]:
         # vLLM's CPU build is the slower engine here: worth it only where it serves the adapters (a refit sends them only)
         adapters = lora.enabled and with_policy and lora.refit != "merged"
         adapter_blocker = vllm_adapter_blocker(cfg) if adapters else None
+        if adapters and experts:
+            adapter_blocker = f"the policy is a mixture of experts: {VLLM_CPU_EXPERTS_BLOCKER}"
         if adapters and adapter_blocker is None and vllm_available():
             return "vllm", f"auto: not inline ({blocker}); vLLM serves the LoRA adapters, so a refit sends only them"
         unserved = f"; vLLM cannot serve these adapters ({adapter_blocker})" if adapter_blocker else ""
-        return (
-            "hf",
-            f"auto: not inline ({blocker}){unserved}; the HF engine, a CPU cluster's default (policy.generation.backend=vllm "
-            "for vLLM's CPU build)",
-        )
+        alternative = "" if experts else " (policy.generation.backend=vllm for vLLM's CPU build)"
+        return "hf", f"auto: not inline ({blocker}){unserved}; the HF engine, a CPU cluster's default{alternative}"
     if requested == "vllm":
+        if experts and with_policy and not cfg.cluster.gpus_per_node:
+            raise ConfigError(
+                f"policy.generation.backend=vllm on a CPU cluster: policy.model_name={cfg.policy.model_name!r} is a mixture of "
+                f"experts; {VLLM_CPU_EXPERTS_BLOCKER}; use policy.generation.backend=hf (or auto)"
+            )
         require_vllm()
     return requested, "requested"
 

@@ -96,15 +96,16 @@ class RunPlan:
 
 
 def decide_run_plan(
-    cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int, with_policy: bool = True, nodes: int | None = None
+    cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int, with_policy: bool = True, nodes: int | None = None, experts: bool = False
 ) -> RunPlan:
     """Every run-level decision for the validated config ``cfg``: ``eos_token_ids`` (the tokenizer's, for the turn
     loop), ``cpus_per_node`` (the smallest node's CPUs, read from the cluster once), ``nodes`` (how many nodes the
     actors can land on, read with them; default ``cluster.num_nodes``). ``with_policy=False``: a command
     without a trainable policy (``nemo-like eval``). Raises :class:`~nemo_like.config.errors.ConfigError` for a
-    requested backend or LoRA refit mode the run cannot honour."""
+    requested backend or LoRA refit mode the run cannot honour. ``experts``: the policy model is a mixture of experts
+    (:func:`~nemo_like.plan.backend.resolve_backend`)."""
     logprobs = decide_logprob_passes(cfg)
-    backend = Decision(*resolve_backend(cfg, with_policy))
+    backend = Decision(*resolve_backend(cfg, with_policy, experts))
     check_backend_settings(cfg, backend.value)
     refit = Decision(*refit_mode(cfg, backend.value)) if with_policy else Decision("full", "no trainable policy")
     inline = backend.value == "inline"

@@ -260,3 +260,13 @@ def test_a_relative_base_model_path_is_recorded_absolute_and_a_missing_base_is_o
         ConfigError, match=r"adapter_config.json base_model_name_or_path \(override it with --base-model\)='gone/base/model'"
     ):
         lora.merge_checkpoint(policy, tmp_path / "merged2")
+
+
+def test_a_mixture_of_experts_says_its_fused_experts_get_no_adapters(tmp_path):
+    from transformers import MixtralConfig
+
+    MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  vocab_size=359, num_local_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"4 routed experts per layer \(24,576 parameters in all\) get no adapters"):
+        chosen = lora.check_lora_targets(str(tmp_path), LoraConfig(enabled=True))
+    assert chosen and not any(".experts" in name for name in chosen)

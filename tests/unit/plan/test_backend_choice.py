@@ -237,3 +237,27 @@ def test_a_temperature_vllm_refuses_is_a_config_error_before_any_actor_starts() 
         plan_of(recipe("policy.generation.backend=vllm", "policy.generation.temperature=0.005"))
     assert plan_of(recipe("policy.generation.backend=vllm", "policy.generation.temperature=0.01")).backend.value == "vllm"
     assert plan_of(recipe("policy.generation.backend=hf", "policy.generation.temperature=0.005")).backend.value == "hf"
+
+
+def test_a_cpu_training_run_of_a_mixture_of_experts_does_not_generate_with_vllm(tmp_path) -> None:
+    # vLLM's CPU build samples from other weights than a refit sent (a tiny Qwen3-MoE refitted with its own weights
+    # moved 0.01-0.02 nats a token) and its LoRA layers for experts need Triton: auto takes the HF engine, and an
+    # explicit vllm is refused before any actor starts; an eval (no refit) and a GPU cluster keep it
+    from transformers import MixtralConfig
+
+    from nemo_like.config.schema import EMBEDDED_MODEL
+    from nemo_like.models.loading import routes_experts
+
+    MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  vocab_size=359, num_local_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)  # fmt: skip
+    assert routes_experts(str(tmp_path)) and not routes_experts(EMBEDDED_MODEL)
+    lora = recipe("policy.lora_cfg.enabled=true")
+    backend, reason = resolve_backend(lora, experts=True)
+    assert backend == "hf" and "mixture of experts" in reason and "backend=vllm for" not in reason
+    if vllm_available():
+        assert resolve_backend(lora)[0] == "vllm"  # a dense policy's adapters: vLLM serves them
+        assert resolve_backend(recipe("policy.generation.backend=vllm"), with_policy=False, experts=True)[0] == "vllm"
+        gpu = recipe("policy.generation.backend=vllm", "cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
+        assert resolve_backend(gpu, experts=True)[0] == "vllm"
+    with pytest.raises(ConfigError, match=r"backend=vllm on a CPU cluster: .* is a mixture of experts.*use policy.generation.backend=hf"):
+        decide_run_plan(recipe("policy.generation.backend=vllm"), (), cpus_per_node=2, experts=True)
