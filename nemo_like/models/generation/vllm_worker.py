@@ -27,6 +27,7 @@ from nemo_like.distributed.reinit import Reinitializable
 from nemo_like.models.generation.interface import GeneratedSample, SamplingParams, Seeds, prompt_seeds
 from nemo_like.models.loading import resolve_model_path
 from nemo_like.models.refit.buckets import WeightBuckets
+from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, skeleton
 from nemo_like.models.refit.cpu_reload import reload_in_place
 from nemo_like.models.refit.gate import WeightUpdateGate
 from nemo_like.models.refit.manifest import RefitManifestError, check_manifest, expected_weight_names
@@ -313,6 +314,7 @@ class VLLMGenerationWorker(Reinitializable):
         self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], check_intact: Callable[[], None] = lambda: None
     ) -> int:
         self._wake_up(tags=["weights"])
+        tensors = checkpoint_tensors(skeleton(self.model_path), tensors)  # the names and layout vLLM loads
         if self.in_place_reload_unsupported is None:
             items = list(tensors)
             self.in_place_reload_unsupported = self.llm.collective_rpc(reload_in_place, args=(items,))[0]

@@ -74,7 +74,8 @@ def policy_broadcast(group, state: dict[str, torch.Tensor]) -> int:
 
 # -- vLLM side -----------------------------------------------------------------------------------
 class VllmRefitExtension:
-    """Mixed into vLLM's GPU worker (``self.device``, ``self.model_runner`` and ``self.reload_weights`` come from it)."""
+    """Mixed into vLLM's GPU worker (``self.device``, ``self.model_config``, ``self.model_runner`` and
+    ``self.reload_weights`` come from it)."""
 
     def report_device_uuid(self) -> str:
         """UUID of the GPU this vLLM worker runs on."""
@@ -90,9 +91,16 @@ class VllmRefitExtension:
             args = list(args)
             args[_DEVICE_ARG] = self.device.index  # the sender numbers devices by its own CUDA_VISIBLE_DEVICES
             weights.append((name, rebuild(*args)))
-        self.reload_weights(weights_iterator=weights)
+        self.reload_weights(weights_iterator=self._as_checkpoint(weights))
         torch.cuda.synchronize()
         return len(weights)
+
+    def _as_checkpoint(self, weights: list[tuple[str, torch.Tensor]]) -> Any:
+        """The policy's tensors as the model's checkpoint holds them, which vLLM's loader reads (a mixture of experts'
+        experts unfused: :mod:`nemo_like.models.refit.checkpoint_format`)."""
+        from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, skeleton
+
+        return checkpoint_tensors(skeleton(self.model_config.model), weights)
 
     def init_weight_update_group(self, address: str, port: int, rank: int, world_size: int) -> None:
         """Join the NCCL group in which policy rank 0 (rank 0) broadcasts the weights."""
@@ -108,5 +116,5 @@ class VllmRefitExtension:
             group.broadcast(buffer, src=0, stream=stream)
             weights.append((name, buffer))
         stream.synchronize()
-        self.reload_weights(weights_iterator=weights)
+        self.reload_weights(weights_iterator=self._as_checkpoint(weights))
         return len(weights)

@@ -1,0 +1,35 @@
+"""A refit into vLLM reverts transformers 5's fused experts to the checkpoint's layout, tensor by tensor: exactly the
+names and values ``save_pretrained`` writes (what vLLM loaded at start-up); a model held as saved passes unchanged."""
+
+import glob
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen2Config, Qwen3MoeConfig
+
+from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, converts, skeleton
+
+LAYERS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 50}
+CONFIGS = {
+    "qwen2": Qwen2Config(**LAYERS, num_key_value_heads=1),
+    "mixtral": MixtralConfig(**LAYERS, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": Qwen3MoeConfig(**LAYERS, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "deepseek_v3": DeepseekV3Config(**LAYERS, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                    v_head_dim=8, n_group=1, topk_group=1),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_refit_reverts_to_the_files_save_pretrained_writes(name, tmp_path):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name])
+    model.save_pretrained(tmp_path)
+    files = {k: v for f in glob.glob(f"{tmp_path}/*.safetensors") for k, v in load_file(f).items()}
+    engine_side = skeleton(str(tmp_path))  # the vLLM worker's: built on the meta device from the model's config
+    sent = list(model.state_dict().items())  # what the policy sends: the weights as it holds them
+    received = dict(checkpoint_tensors(engine_side, iter(sent)))
+    assert received.keys() == files.keys() and all(torch.equal(received[k], files[k]) for k in files)
+    held_as_saved = name == "qwen2"
+    assert converts(engine_side) is not held_as_saved and (dict(sent).keys() == files.keys()) is held_as_saved
