@@ -1,8 +1,9 @@
 """An eval in chunks of whole prompts: each chunk is sampled and scored by one call, its rows appended to
 ``results.partial.jsonl`` and its progress printed; the summary is built from every chunk's rows at the end.
 
-A chunk starting at prompt ``p`` samples with ``chunk_seed(seed, p x n)``, the seed a single call's request ``p x n``
-took (vLLM seeds request ``i`` of a call with ``seed + i``): an eval of one chunk samples as one call did."""
+A chunk starting at prompt ``p`` samples with ``chunk_seed(seed, p x n)``, the seed a single call gave its request
+``p x n``: an eval of one chunk samples as one call did; with several, the samples depend on ``eval.samples_per_chunk``
+(deterministic for it: a call's later requests take ``chunk_seed`` of the chunk's seed, hashed past an offset of 100)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_like.experience.multi_turn import EpisodeTotals, episode_totals
+from nemo_like.experience.rollouts import add_batch_counters
 from nemo_like.utils.logger import format_eta, format_seconds
 from nemo_like.utils.seeds import chunk_seed
 
@@ -53,8 +55,7 @@ class EvalChunks:
     def add(self, end_prompt: int, rollout: Any, rows: list[dict[str, Any]], multi_turn: bool) -> None:
         """Keep a chunk's rows and counters (the rollout's samples are not kept), append its rows, print progress."""
         self.rows.extend(rows)
-        for name, value in rollout.env_metrics.items():
-            self.env_metrics[name] = self.env_metrics.get(name, 0.0) + value
+        add_batch_counters(self.env_metrics, rollout.env_metrics)  # sums, but the agents' per-session means
         if multi_turn:
             self.episodes.extend(episode_totals(rollout.samples, rollout.rewards, rollout.session_of_row))
         self.done = end_prompt
@@ -72,7 +73,9 @@ class EvalChunks:
     def stopped_line(self) -> str:
         """What a stopped eval kept (printed before the stop's own line)."""
         where = f"in {self.partial}" if self._writable else f"lost ({self.partial} could not be written)"
-        return f"[eval] stopped after {self.done:,} of {self.num_prompts:,} prompts: their {len(self.rows):,} rows are {where} (no summary.json)"
+        earlier = (self.partial.parent / "summary.json").is_file()  # an earlier eval's, which this one was to replace
+        summary = "the summary.json and results.jsonl there are an earlier eval's" if earlier else "no summary.json"
+        return f"[eval] stopped after {self.done:,} of {self.num_prompts:,} prompts: their {len(self.rows):,} rows are {where} ({summary})"
 
     def finish(self) -> None:
         """``results.jsonl`` is written: the partial rows go."""

@@ -615,11 +615,19 @@ def model_config(model_name: str, local_only: bool = False) -> Any:
 
 def routes_experts(model_name: str, local_only: bool = False) -> bool:
     """Whether the model is a mixture of experts: its config says how many experts a token runs through
-    (:func:`~nemo_like.utils.experts.top_k`). A model whose config is not to be read: ``False``."""
-    from nemo_like.utils.experts import top_k
+    (:func:`~nemo_like.utils.experts.top_k`) and its layers hold routed experts (a meta-device skeleton: some dense
+    models' config classes carry a default top-k, Doge's and Nemotron-H's). A model whose config is not to be read:
+    ``False``."""
+    from transformers import AutoModelForCausalLM
+
+    from nemo_like.utils.experts import experts_of, top_k
 
     try:
-        return top_k(model_config(model_name, local_only)) is not None
+        config = model_config(model_name, local_only)
+        if top_k(config) is None:
+            return False
+        with torch.device("meta"):
+            return experts_of(AutoModelForCausalLM.from_config(config))[0] > 0
     except (OSError, ValueError, ConfigError):
         return False
 

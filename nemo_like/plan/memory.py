@@ -893,7 +893,7 @@ def plan_memory(
         backend = run_plan.backend.value  # where the KV cache of the sequences sampled at once lies: is it over?
         inline_kv = backend == "inline" and policy_over and roles[0].samples_at_peak  # sampling, not training, is its peak
         kv_over = "generation GPU" in over or inline_kv or (backend == "hf" and not cfg.cluster.gpus_per_node)
-        advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over, cluster_problem, backend)
+        advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over, cluster_problem, backend, run_plan.experts)
         hints = {r.gpu: r.fit_hint for r in scorers}
         advice += [f"{device}: {hints[device]}" for device in sorted(scorer_devices & set(over))]
     advice += kv_advice(cfg, roles, device_bytes, shape) if engine else []
@@ -1178,12 +1178,12 @@ def _more_gpus(dp_size: int, short: str | None) -> str:
     return f", on more GPUs than declared (at policy.dp_size={dp_size} {short})" if short else ""
 
 
-def lora_advice(cfg: Any, backend: str, kv_space: str) -> str:
+def lora_advice(cfg: Any, backend: str, kv_space: str, experts: bool = False) -> str:
     """Train LoRA adapters: on a CPU with the engine the run has, where LoRA would change it (auto picks vLLM for a LoRA
     run, whose KV space would take more of the node than LoRA saves; inline generation does not serve LoRA)."""
     lora = _with(cfg, "policy", lora_cfg=cfg.policy.lora_cfg.model_copy(update={"enabled": True}))
     try:
-        with_lora = resolve_backend(lora)[0]
+        with_lora = resolve_backend(lora, experts=experts)[0]
     except ConfigError:  # the requested backend (inline) cannot serve adapters
         engine = "hf" if not cfg.cluster.gpus_per_node else "auto"
         return (
@@ -1206,6 +1206,7 @@ def fit_advice(
     kv_over: bool = False,
     cluster_problem: Callable[[Any], str | None] | None = None,
     backend: str = "",
+    experts: bool = False,
 ) -> list[str]:
     """What to change when a device is over its memory, the cheapest first: only changes that ``shrinks`` (a plan of
     the changed config holds no more on every device that is over, and less on one) says help. ``share_may_help``: the
@@ -1214,7 +1215,8 @@ def fit_advice(
     ``kv_over``: a device that holds the KV cache of the sequences sampled at once (the HF engine's, the inline
     backend's) is over; ``cluster_problem(config)``: why ``config`` does not fit the declared GPUs (a larger dp's ranks
     may not), ``None`` if it does; ``backend``: the run's generation backend (on a CPU, vLLM's KV space is in the node's
-    RAM: a plan of another backend cannot be re-derived here, so that advice is given whole)."""
+    RAM: a plan of another backend cannot be re-derived here, so that advice is given whole); ``experts``: the policy is a
+    mixture of experts (the run plan's: where LoRA would take the engine)."""
     pc, cluster = cfg.policy, cfg.cluster
     advice = []
     util = pc.generation.vllm_cfg.gpu_memory_utilization
@@ -1260,7 +1262,7 @@ def fit_advice(
         )
     kv_space = f"policy.generation.vllm_cfg.kv_cache_space_gib, now {pc.generation.vllm_cfg.kv_cache_space_gib} GiB"
     if not pc.lora_cfg.enabled and policy_over:
-        advice.append(lora_advice(cfg, backend, kv_space))
+        advice.append(lora_advice(cfg, backend, kv_space, experts))
     if not cluster.gpus_per_node and backend == "vllm":  # a CPU node is over, and vLLM's KV space is in its RAM
         advice.append(f"set policy.generation.backend=hf: vLLM's KV space ({kv_space}) is held in the node's RAM")
     if not dp_helps:

@@ -59,6 +59,7 @@ class RunPlan:
     oversubscription: str | None = None  # a warning when explicit thread counts oversubscribe a node
     forward: str | None = None  # the policy's logprob and training forward, as its workers chose it
     agent_tasks: tuple[str, ...] = ()  # env sections with class 'agent': rolled out by the user's agent over HTTP
+    experts: bool = False  # the policy model is a mixture of experts (resolve_backend: no vLLM for a CPU training run)
     refit_warning: str | None = None  # a merged LoRA refit in bf16 (refit.merged_precision_warning)
     async_staleness: str | None = None  # an async run: how old a sample may be and how refits meet the batch in flight
     # What ends a response: the eos ids (the tokenizer's and the generation config's) and policy.generation.stop_token_ids;
@@ -124,6 +125,7 @@ def decide_run_plan(
         policy_nodes=nodes_holding(cfg.policy.dp_size * cfg.policy.dtensor_cfg.tensor_parallel_size, actors.policy),
         oversubscription=oversubscription_warning(cfg, threads, actors),
         agent_tasks=agent_tasks(cfg),
+        experts=experts,
         refit_warning=merged_precision_warning(cfg, refit.value),
         end_of_response_ids=tuple(dict.fromkeys([*eos_token_ids, *(cfg.policy.generation.stop_token_ids or ())])),
         async_staleness=async_staleness(cfg.grpo.async_grpo),

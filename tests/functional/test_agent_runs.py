@@ -233,6 +233,7 @@ def test_nemo_like_eval_rolls_agent_tasks_out_through_their_agents(ray_cluster, 
     sessions = {(r["prompt_index"], r["session"]): r["sample_index"] for r in rows}
     assert len(sessions) == 8 and sorted(sessions.values()) == [0, 0, 0, 0, 1, 1, 1, 1] and summary["num_rows"] == 8
     assert {r["session"] for r in rows} == set(range(8)) and {r["prompt_index"] for r in rows} == {0, 1, 2, 3}
+    assert metrics["agent/rows_per_session"] == summary["num_rows"] / 8  # a mean over both chunks' sessions, not their sum
     assert summary["checkpoint_dir"] is None and summary["seed"] == cfg.grpo.seed  # the embedded model: no directory
 
 

@@ -39,11 +39,18 @@ def test_rows_are_appended_per_chunk_and_kept_when_the_eval_stops(tmp_path, caps
     chunks.add(3, rollout([1.0], sessions=[0], metrics={"env/x/calls": 3.0, "env/x/errors": 1.0}), second, multi_turn=True)
     assert [json.loads(line) for line in (tmp_path / PARTIAL_RESULTS).read_text().splitlines()] == first + second
     assert chunks.env_metrics == {"env/x/calls": 5.0, "env/x/errors": 1.0}  # summed over chunks
+    # ... but an agent task's per-session means, which average over the chunks' sessions (a sum multiplied them)
+    agents = EvalChunks(tmp_path / "agents.jsonl", num_prompts=2)
+    for sessions, per_session in ((2.0, 1.0), (6.0, 2.0)):
+        agents.add(1, rollout([1.0], metrics={"agent/sessions": sessions, "agent/rows_per_session": per_session}), [{}], multi_turn=False)
+    assert agents.env_metrics == {"agent/sessions": 8.0, "agent/rows_per_session": (2 * 1.0 + 6 * 2.0) / 8}
     err = capsys.readouterr().err
     assert "[eval] 2/4 prompts (2 rows) | elapsed" in err and "[eval] 3/4 prompts (3 rows)" in err
     assert chunks.stopped_line() == (
         f"[eval] stopped after 3 of 4 prompts: their 3 rows are in {tmp_path / PARTIAL_RESULTS} (no summary.json)"
     )
+    (tmp_path / "summary.json").write_text("{}")  # an earlier eval's, beside the partial rows
+    assert chunks.stopped_line().endswith("(the summary.json and results.jsonl there are an earlier eval's)")
     # the episodes of both chunks, as one rollout of all their rows would give them (the first chunk's one branched)
     whole = rollout([1.0, 0.0, 1.0], sessions=[0, 0, 1])
     assert episode_metrics(chunks.episodes) == multi_turn_metrics(whole.samples, whole.rewards, session_of_row=[0, 0, 1])

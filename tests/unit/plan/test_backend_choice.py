@@ -251,6 +251,12 @@ def test_a_cpu_training_run_of_a_mixture_of_experts_does_not_generate_with_vllm(
     MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   vocab_size=359, num_local_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)  # fmt: skip
     assert routes_experts(str(tmp_path)) and not routes_experts(EMBEDDED_MODEL)
+    from transformers import DogeConfig  # dense, but its config class carries a default num_experts_per_tok
+
+    dense = tmp_path / "doge"
+    DogeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+               vocab_size=359, is_moe=False).save_pretrained(dense)  # fmt: skip
+    assert not routes_experts(str(dense))
     lora = recipe("policy.lora_cfg.enabled=true")
     backend, reason = resolve_backend(lora, experts=True)
     assert backend == "hf" and "mixture of experts" in reason and "backend=vllm for" not in reason

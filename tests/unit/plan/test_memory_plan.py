@@ -29,6 +29,7 @@ from nemo_like.plan.memory import (
     activation_bytes,
     colocated_peak,
     generation_memory,
+    lora_advice,
     micro_batch_tokens,
     mkl_packed_head,
     over_budget,
@@ -1037,6 +1038,10 @@ def test_lora_advice_on_a_cpu_keeps_the_engine_and_a_vllm_node_is_told_its_kv_sp
     # possible here", for a LoRA the user had not enabled)
     _, inline_advice = node_and_fit("policy.generation.backend=inline")
     assert "train LoRA adapters (policy.lora_cfg.enabled=true) with policy.generation.backend=hf: no full" in inline_advice
+    # a mixture of experts' LoRA run keeps the HF engine on a CPU (the run plan's experts): no "auto would pick vLLM"
+    cfg = load_config(DEFAULT_RECIPE, [], warn=False)
+    kv = "policy.generation.vllm_cfg.kv_cache_space_gib, now 1 GiB"
+    assert "auto would pick vLLM" in lora_advice(cfg, "hf", kv) and "auto would pick vLLM" not in lora_advice(cfg, "hf", kv, experts=True)
 
 
 def test_a_smaller_engine_share_is_advised_only_where_it_shrinks_the_gpu_that_is_over(capsys) -> None:
