@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.plan.backend import VLLM_MAX_LORA_RANKS, resolve_backend, vllm_adapter_blocker, vllm_available, vllm_max_lora_rank  # noqa: F401
+from nemo_like.plan.backend import (
+    VLLM_CPU_EXPERTS_BLOCKER,
+    resolve_backend,
+    vllm_adapter_blocker,
+    vllm_available,
+)  # noqa: F401
 
 
 def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
@@ -45,14 +50,17 @@ def chose_another_for_adapters(cfg: Any) -> bool:
     return cfg.policy.generation.backend == "auto" and not cfg.cluster.gpus_per_node and vllm_available()
 
 
-def merged_precision_warning(cfg: Any, mode: str) -> str | None:
+def merged_precision_warning(cfg: Any, mode: str, experts: bool = False) -> str | None:
     """A warning for a merged LoRA refit in bf16: the engine holds ``W + scale * B @ A`` rounded to bf16, which drops
     the part of the adapters' product below bf16's resolution of ``W`` (early in training, most of it), while the
-    policy adds the adapters' product in full; generation then samples from another policy than training scores."""
+    policy adds the adapters' product in full; generation then samples from another policy than training scores.
+    ``experts``: the policy is a mixture of experts (no vLLM for it on a CPU cluster: :func:`~.backend.resolve_backend`)."""
     if mode != "merged" or cfg.policy.precision != "bfloat16":
         return None
     # the adapter refit is advice only where the run could take it (it was advised where the same plan refuses it)
     blocker = vllm_adapter_blocker(cfg)
+    if experts and not cfg.cluster.gpus_per_node:
+        blocker = f"the policy is a mixture of experts: {VLLM_CPU_EXPERTS_BLOCKER}"
     remedy = (
         f"use policy.precision=float32 (the vLLM adapter refit is not possible here: {blocker})"
         if blocker

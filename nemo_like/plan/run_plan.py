@@ -126,7 +126,7 @@ def decide_run_plan(
         oversubscription=oversubscription_warning(cfg, threads, actors),
         agent_tasks=agent_tasks(cfg),
         experts=experts,
-        refit_warning=merged_precision_warning(cfg, refit.value),
+        refit_warning=merged_precision_warning(cfg, refit.value, experts),
         end_of_response_ids=tuple(dict.fromkeys([*eos_token_ids, *(cfg.policy.generation.stop_token_ids or ())])),
         async_staleness=async_staleness(cfg.grpo.async_grpo),
     )
