@@ -4,7 +4,7 @@ through, for the FLOPs of :mod:`nemo_like.utils.flops` and the activations of th
 A module named ``experts`` holds a block's routed experts, fused (each parameter ``[experts, ...]``: transformers'
 Mixtral, Qwen-MoE, DeepSeek, gpt-oss) or one submodule per expert (a ``ModuleList``); its parent, the block, also holds
 the router and any shared experts, which every token runs through. A token runs through ``top_k`` of a block's experts
-(its config's ``num_experts_per_tok``).
+(its config's ``num_experts_per_tok`` or another of :data:`TOP_K_KEYS`).
 """
 
 from __future__ import annotations
