@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.plan.backend import (
+from nemo_like.plan.backend import (  # noqa: F401 (VLLM_MAX_LORA_RANKS, vllm_max_lora_rank: the old import path)
     VLLM_CPU_EXPERTS_BLOCKER,
+    VLLM_MAX_LORA_RANKS,
     resolve_backend,
     vllm_adapter_blocker,
     vllm_available,
-)  # noqa: F401
+    vllm_max_lora_rank,
+)
 
 
 def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
