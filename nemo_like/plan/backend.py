@@ -72,7 +72,7 @@ def vllm_adapter_blocker(cfg: Any) -> str | None:
 
 #: Why a training run on a CPU cluster does not generate a mixture-of-experts policy with vLLM's CPU build: a refit
 #: goes through vLLM's layer-wise ``reload_weights``, after which the engine samples from other weights than those sent
-#: (0.010-0.023 nats a token on a tiny Qwen3-MoE refitted with its own unchanged weights), and its LoRA path for
+#: (a tiny Qwen3-MoE refitted with its own unchanged weights: its logprobs moved by hundredths of a nat), and its LoRA path for
 #: experts calls Triton, which the CPU build lacks. Its first weights, read from the model's files, are right: an eval
 #: (no refit) may use it.
 VLLM_CPU_EXPERTS_BLOCKER = (

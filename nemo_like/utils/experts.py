@@ -71,8 +71,8 @@ def expert_block_values_per_token(model: torch.nn.Module, hidden: int, k: int | 
     gate/up output, the activation and its product, the weighted output; ``I_e`` an expert's width, its parameters over
     ``3 H``: gate, up, down), the router's ``E`` logits, and ``4 I_s`` for the MLPs beside the experts that every token
     runs through (a child named ``shared...`` or ``mlp``: shared experts, Gemma 4's dense MLP; ``I_s`` their parameters
-    over ``3 H``). Measured on a CPU with transformers' eager experts: 1.006-1.019 of this on Mixtral-shaped blocks
-    (``tests/unit/plan/test_memory_plan.py``)."""
+    over ``3 H``). Checked on a CPU with transformers' eager experts against what Mixtral- and Qwen2-MoE-shaped layers
+    save (``tests/unit/plan/test_memory_plan.py``)."""
     if not k:
         return 0
     widest = 0
