@@ -613,21 +613,27 @@ def model_config(model_name: str, local_only: bool = False) -> Any:
         raise ConfigError(f"{model_name}: cannot read its config.json {local} ({str(exc).splitlines()[0]})") from None
 
 
+def meta_skeleton(model_name: str, local_only: bool = False) -> torch.nn.Module:
+    """Model ``model_name`` built on the meta device from its config (:func:`model_config`; no weights), to read its
+    modules' names and shapes."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(model_name, local_only)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def routes_experts(model_name: str, local_only: bool = False) -> bool:
     """Whether the model is a mixture of experts: its config says how many experts a token runs through
     (:func:`~nemo_like.utils.experts.top_k`) and its layers hold routed experts (a meta-device skeleton: some dense
     models' config classes carry a default top-k, Doge's and Nemotron-H's). A model whose config is not to be read:
     ``False``."""
-    from transformers import AutoModelForCausalLM
-
     from nemo_like.utils.experts import experts_of, top_k
 
     try:
-        config = model_config(model_name, local_only)
-        if top_k(config) is None:
+        if top_k(model_config(model_name, local_only)) is None:
             return False
-        with torch.device("meta"):
-            return experts_of(AutoModelForCausalLM.from_config(config))[0] > 0
+        return experts_of(meta_skeleton(model_name, local_only))[0] > 0
     except (OSError, ValueError, ConfigError):
         return False
 

@@ -37,7 +37,7 @@ from nemo_like.models.loading import (
     load_merged,
     load_tokenizer,
     looks_like_path,
-    model_config,
+    meta_skeleton,
     resolve_model_path,
     save_generation_config,
 )
@@ -255,12 +255,11 @@ def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False)
     """Resolve the targets against the model's architecture before any actor starts (a meta-device skeleton of
     :func:`~nemo_like.models.loading.model_config`'s config; ``local_only`` as there); returns the adapted module names.
     A bad key is a :class:`ConfigError`."""
-    skeleton = _meta_skeleton(model_name, local_only)
+    skeleton = meta_skeleton(model_name, local_only)
     chosen = resolve_target_modules(skeleton, lora_cfg)
     routed, experts = experts_of(skeleton)
-    if routed and not any(
-        ".experts." in name for name in chosen
-    ):  # transformers fuses them into [experts, out, in] parameters: no linear layer to put an adapter on
+    adapted_experts = any(".experts." in name for name in chosen)  # one linear layer per expert (a ModuleList)
+    if routed and not adapted_experts:  # transformers fuses them into [experts, out, in] parameters: no linear layer
         warnings.warn(
             f"policy.lora_cfg: {model_name}'s {experts} routed experts per layer ({routed:,} parameters in all) get no adapters "
             "(fused expert parameters, no linear layers): LoRA adapts the linear layers around them "
@@ -281,17 +280,8 @@ def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False)
 def same_adapted_modules(model_name: str, lora_cfg: Any, other: Any) -> bool:
     """Whether two ``policy.lora_cfg`` resolve to the same modules of model ``model_name`` (one meta-device skeleton;
     a bad key in either is a :class:`ConfigError`)."""
-    skeleton = _meta_skeleton(model_name)
+    skeleton = meta_skeleton(model_name)
     return sorted(resolve_target_modules(skeleton, lora_cfg)) == sorted(resolve_target_modules(skeleton, other))
-
-
-def _meta_skeleton(model_name: str, local_only: bool = False) -> torch.nn.Module:
-    """Model ``model_name`` built on the meta device from its config (no weights), to resolve module names against."""
-    from transformers import AutoModelForCausalLM
-
-    config = model_config(model_name, local_only)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
 
 
 def exclusions_without_effect(model: torch.nn.Module, lora_cfg: Any) -> list[str]:

@@ -60,16 +60,6 @@ def vllm_max_lora_rank(dim: int) -> int | None:
     return next((r for r in VLLM_MAX_LORA_RANKS if r >= dim), None)
 
 
-def vllm_adapter_blocker(cfg: Any) -> str | None:
-    """Why a vLLM engine could not serve this LoRA run's adapters (a refit then sends merged weights), or None. One
-    answer for the backend choice (:func:`resolve_backend`) and the refit mode (:func:`~.refit.refit_mode`)."""
-    if cfg.grpo.async_grpo.refits_mid_generation:
-        return "grpo.async_grpo.in_flight_weight_updates=true: a new adapter cannot take over running requests mid-sequence"
-    if vllm_max_lora_rank(cfg.policy.lora_cfg.dim) is None:
-        return f"vLLM serves adapters up to rank {VLLM_MAX_LORA_RANKS[-1]}, policy.lora_cfg.dim={cfg.policy.lora_cfg.dim}"
-    return None
-
-
 #: Why a training run on a CPU cluster does not generate a mixture-of-experts policy with vLLM's CPU build: a refit
 #: goes through vLLM's layer-wise ``reload_weights``, after which the engine samples from other weights than those sent
 #: (a tiny Qwen3-MoE refitted with its own unchanged weights: its logprobs moved by hundredths of a nat), and its LoRA path for
@@ -79,6 +69,20 @@ VLLM_CPU_EXPERTS_BLOCKER = (
     "vLLM's CPU build does not refit a mixture of experts (after a refit its engine samples from other weights than the "
     "policy's), and its LoRA layers for experts need Triton"
 )
+
+
+def vllm_adapter_blocker(cfg: Any, experts: bool = False) -> str | None:
+    """Why a vLLM engine could not serve this LoRA run's adapters (a refit then sends merged weights), or None. One
+    answer for the backend choice (:func:`resolve_backend`), the refit mode (:func:`~.refit.refit_mode`) and its
+    warning. ``experts``: the policy is a mixture of experts, which vLLM's CPU build does not train
+    (:data:`VLLM_CPU_EXPERTS_BLOCKER`)."""
+    if experts and not cfg.cluster.gpus_per_node:
+        return f"the policy is a mixture of experts: {VLLM_CPU_EXPERTS_BLOCKER}"
+    if cfg.grpo.async_grpo.refits_mid_generation:
+        return "grpo.async_grpo.in_flight_weight_updates=true: a new adapter cannot take over running requests mid-sequence"
+    if vllm_max_lora_rank(cfg.policy.lora_cfg.dim) is None:
+        return f"vLLM serves adapters up to rank {VLLM_MAX_LORA_RANKS[-1]}, policy.lora_cfg.dim={cfg.policy.lora_cfg.dim}"
+    return None
 
 
 def resolve_backend(cfg: Any, with_policy: bool = True, experts: bool = False) -> tuple[str, str]:
@@ -106,9 +110,7 @@ def resolve_backend(cfg: Any, with_policy: bool = True, experts: bool = False) -
         lora = cfg.policy.lora_cfg
         # vLLM's CPU build is the slower engine here: worth it only where it serves the adapters (a refit sends them only)
         adapters = lora.enabled and with_policy and lora.refit != "merged"
-        adapter_blocker = vllm_adapter_blocker(cfg) if adapters else None
-        if adapters and experts:
-            adapter_blocker = f"the policy is a mixture of experts: {VLLM_CPU_EXPERTS_BLOCKER}"
+        adapter_blocker = vllm_adapter_blocker(cfg, experts) if adapters else None
         if adapters and adapter_blocker is None and vllm_available():
             return "vllm", f"auto: not inline ({blocker}); vLLM serves the LoRA adapters, so a refit sends only them"
         unserved = f"; vLLM cannot serve these adapters ({adapter_blocker})" if adapter_blocker else ""

@@ -11,7 +11,6 @@ from typing import Any
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.plan.backend import (  # noqa: F401 (VLLM_MAX_LORA_RANKS, vllm_max_lora_rank: the old import path)
-    VLLM_CPU_EXPERTS_BLOCKER,
     VLLM_MAX_LORA_RANKS,
     resolve_backend,
     vllm_adapter_blocker,
@@ -60,9 +59,7 @@ def merged_precision_warning(cfg: Any, mode: str, experts: bool = False) -> str 
     if mode != "merged" or cfg.policy.precision != "bfloat16":
         return None
     # the adapter refit is advice only where the run could take it (it was advised where the same plan refuses it)
-    blocker = vllm_adapter_blocker(cfg)
-    if experts and not cfg.cluster.gpus_per_node:
-        blocker = f"the policy is a mixture of experts: {VLLM_CPU_EXPERTS_BLOCKER}"
+    blocker = vllm_adapter_blocker(cfg, experts)
     remedy = (
         f"use policy.precision=float32 (the vLLM adapter refit is not possible here: {blocker})"
         if blocker

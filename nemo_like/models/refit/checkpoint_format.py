@@ -18,13 +18,14 @@ import torch
 
 @functools.cache
 def skeleton(model_path: str) -> torch.nn.Module:
-    """The HF model of ``model_path`` on the meta device (its conversions are read from it; no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The HF model of ``model_path`` on the meta device (its conversions are read from it; no weights), once per
+    engine process."""
+    from nemo_like.models.loading import meta_skeleton
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return meta_skeleton(model_path)
 
 
+@functools.cache
 def converts(model: torch.nn.Module) -> bool:
     """Whether transformers holds ``model``'s weights otherwise than its checkpoint does."""
     from transformers.conversion_mapping import get_model_conversion_mapping
