@@ -27,7 +27,13 @@ from nemo_like.models.loading import (
 from nemo_like.serving.local_engine import LocalGeneration
 from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
-from nemo_like.utils.stop_signals import STOP_SIGNALS, command_stop, restore_handlers
+from nemo_like.utils.stop_signals import (
+    STOP_SIGNALS,
+    call_handling_signals,
+    command_stop,
+    restore_handlers,
+    wait_handling_signals,
+)
 
 STANDALONE_KEPT_RESULTS = 1000  # ended sessions whose result a repeated end still returns
 
@@ -90,7 +96,7 @@ def serve(cfg: Any, port: int = 0, stop: threading.Event | None = None) -> int:
         print(f"base_url: {server.base_url}", flush=True)
         print(f"api_key: {server.api_key}", flush=True)
         print(f"model: {server.config.model_name} (serving {served_model(cfg)}); Ctrl-C stops", file=sys.stderr, flush=True)
-        (stop or threading.Event()).wait()
+        wait_handling_signals(stop or threading.Event())
         status = 0
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM under the CLI (CommandStopped): the server stops as asked
         stopped = command_stop(exc)
@@ -98,7 +104,7 @@ def serve(cfg: Any, port: int = 0, stop: threading.Event | None = None) -> int:
         print(f"stopping the server ({stopped.signal.name}; send it again to exit at once)", file=sys.stderr, flush=True)
     finally:
         with interrupt_exits_at_once():
-            server.stop()
+            call_handling_signals(server.stop)
     return status
 
 

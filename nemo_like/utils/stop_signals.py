@@ -11,7 +11,9 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: The signals that request a stop (the run's handlers turn them into a save and an exit status).
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
@@ -27,6 +29,42 @@ class CommandStopped(KeyboardInterrupt):
         self.signal = signal.Signals(signum)
         self.status = 128 + self.signal.value  # 130, 143 (the shell's status of a process the signal ended)
         super().__init__(self.signal.name)
+
+
+#: How often a main thread that waits wakes to run the signal handlers. Python runs them in the main thread only, when it
+#: runs Python code; the kernel may hand a process's signal to any of its threads, and one handed to another thread does
+#: not interrupt the main thread's wait (a Ctrl-C then did nothing until the wait ended: forever, for an event).
+SIGNAL_POLL_S = 0.1
+
+
+def wait_handling_signals(event: threading.Event) -> None:
+    """``event.wait()`` that runs the signal handlers within :data:`SIGNAL_POLL_S` of a signal (their exceptions raise
+    out of it), whichever thread the kernel handed the signal to."""
+    while not event.wait(SIGNAL_POLL_S):
+        pass
+
+
+def call_handling_signals(fn: Callable[[], T]) -> T:
+    """``fn()`` in a helper thread while the calling (main) thread waits in :func:`wait_handling_signals`: a signal
+    during a long blocking call (a server's stop that joins its threads) is handled within :data:`SIGNAL_POLL_S`
+    instead of when the call returns. Returns what ``fn`` returned, raises what it raised; a handler's exception
+    raises here and leaves the helper (a daemon) running."""
+    done = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"{getattr(fn, '__name__', 'call')}-handling-signals", daemon=True).start()
+    wait_handling_signals(done)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 #: The stop :func:`stop_signals_raise`'s handler raised last: its exception may lose its type (``ray.get`` re-raises a
