@@ -57,6 +57,7 @@ from nemo_like.plan.run_plan import RunPlan
 from nemo_like.plan.threads import node_count_warning, shared_cores_warning
 from nemo_like.utils.machine_runs import other_live_runs
 from nemo_like.utils.run_control import run_control
+from nemo_like.utils.stop_signals import call_handling_signals
 
 
 @dataclass
@@ -77,11 +78,13 @@ class GRPOComponents:
 
     def shutdown(self) -> None:
         """Stop the rollout server, kill every actor of the run (the Ray cluster itself stays up)."""
-        if self.agents is not None:
-            self.agents.server.stop()
-        for part in (self.generation, self.policy, self.reference, self.teacher, self.environments):
-            if part is not None:
-                part.shutdown()
+        try:
+            if self.agents is not None:  # serves what was queued (up to a minute): a second signal must get through
+                call_handling_signals(self.agents.server.stop)
+        finally:
+            for part in (self.generation, self.policy, self.reference, self.teacher, self.environments):
+                if part is not None:
+                    part.shutdown()
 
     @property
     def environment(self):

@@ -41,7 +41,7 @@ from nemo_like.utils.files import replace_file
 from nemo_like.utils.machine_runs import registered_run
 from nemo_like.utils.run_lock import hold_run_locks
 from nemo_like.utils.seeds import eval_seed
-from nemo_like.utils.stop_signals import raise_if_stopped, stop_signals_kept
+from nemo_like.utils.stop_signals import call_handling_signals, raise_if_stopped, stop_signals_kept
 
 #: In ``eval.output_dir``: the absolute path of the ``merged_model/`` a LoRA eval merges into, written before the merge,
 #: so that an eval stopped after it (before its summary.json) can still be rerun there.
@@ -343,11 +343,13 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
                     print(gathered.stopped_line(), file=sys.stderr, flush=True)
                 raise
         finally:
-            if agents is not None:
-                agents.server.stop()
-            for part in (generation, environments):
-                if part is not None:
-                    part.shutdown()
+            try:
+                if agents is not None:  # serves what was queued (up to a minute): a second signal must get through
+                    call_handling_signals(agents.server.stop)
+            finally:
+                for part in (generation, environments):
+                    if part is not None:
+                        part.shutdown()
 
         rows = gathered.rows
         summary = {

@@ -46,6 +46,7 @@ from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
 from nemo_like.serving.sessions import BUDGET_KEY, GREEDY_KEY, SEED_KEY
 from nemo_like.utils.seeds import agent_session_seed
+from nemo_like.utils.stop_signals import wake_for_signals
 
 AGENT_THREAD = "agent-session"  # the name of a sync agent's thread (abandoned past its deadline; joined briefly at close)
 
@@ -273,9 +274,12 @@ class AgentRollouts:
             if self._closed:
                 raise AgentRolloutsClosed("the run is stopping: no new agent sessions")
             self._running.add(running)
+        woken = asyncio.create_task(wake_for_signals()) if threading.current_thread() is threading.main_thread() else None
         try:
             await asyncio.gather(*(one(s) for s in sessions))
         finally:
+            if woken is not None:
+                woken.cancel()
             with self._lock:
                 self._running.discard(running)
             for s in sessions:

@@ -41,6 +41,7 @@ from nemo_like.models.generation.interface import sampling_params
 from nemo_like.models.loading import tokenizer_source
 from nemo_like.models.policy.policy import Policy
 from nemo_like.models.policy.sharded_logprobs import ShardedLogprobs
+from nemo_like.utils.stop_signals import join_handling_signals
 
 BUFFER_FILE = "replay_buffer.pt"
 ASYNC_ACTOR_CPUS = 0.05  # the trajectory collector and the replay buffer mostly wait
@@ -426,7 +427,7 @@ class DriverCollectorThread:
     def stop(self, timeout_s: float) -> None:
         """End the loop (cancelling an agent batch in flight), wait for the thread, and for the agents' threads briefly."""
         self.collector.stop()
-        self.thread.join(timeout_s)
+        join_handling_signals(self.thread, timeout_s)
         agents = getattr(self.collector.environment, "agents", None)
         if agents is not None:
             left = agents.close()

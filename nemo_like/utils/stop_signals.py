@@ -6,8 +6,10 @@ write. See docs/guides/fault-tolerance.md.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -42,6 +44,21 @@ def wait_handling_signals(event: threading.Event) -> None:
     out of it), whichever thread the kernel handed the signal to."""
     while not event.wait(SIGNAL_POLL_S):
         pass
+
+
+def join_handling_signals(thread: threading.Thread, timeout_s: float) -> None:
+    """``thread.join(timeout_s)`` that runs the signal handlers within :data:`SIGNAL_POLL_S` of a signal."""
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+        thread.join(min(left, SIGNAL_POLL_S))
+
+
+async def wake_for_signals() -> None:
+    """A task for an event loop run in the main thread: it wakes the loop every :data:`SIGNAL_POLL_S` so that the
+    signal handlers run (a loop waiting only on other threads' futures slept through a signal handed to another
+    thread; ``asyncio.run`` wakes itself only where SIGINT's handler is Python's default). Cancel it when done."""
+    while True:
+        await asyncio.sleep(SIGNAL_POLL_S)
 
 
 def call_handling_signals(fn: Callable[[], T]) -> T:

@@ -3,9 +3,6 @@ it stops exits at once."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import platform
 import queue
 import signal
 import subprocess
@@ -15,6 +12,7 @@ import threading
 import time
 
 import pytest
+from thread_signals import signal_thread, skip_without_tgkill
 
 from nemo_like.config import load_config
 from nemo_like.serving.standalone import unused_settings
@@ -62,16 +60,6 @@ SLOW_STOP = textwrap.dedent(
 )
 
 
-#: tgkill's system call number: a signal to one thread of another process (Python has no call for it).
-TGKILL = {"x86_64": 234, "aarch64": 131}
-
-
-def signal_thread(pid: int, tid: int, signum: int) -> None:
-    """Send ``signum`` to thread ``tid`` of process ``pid``, as the kernel may hand a process's signal to any thread."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.syscall(TGKILL[platform.machine()], pid, tid, signum) == 0, os.strerror(ctypes.get_errno())
-
-
 @pytest.mark.parametrize("to_other_thread", [False, True], ids=["main-thread", "other-thread"])
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_serve_warns_and_a_second_interrupt_while_it_stops_exits_at_once(name: str, to_other_thread: bool) -> None:
@@ -83,8 +71,8 @@ def test_serve_warns_and_a_second_interrupt_while_it_stops_exits_at_once(name: s
     A signal the kernel handed to another of the server's threads did not wake the main thread, which alone runs
     Python's handlers: a first one was never seen (serve waited on an event forever), a second one waited for the
     stop's end (CI's run failed on it); both are now handled within 0.1 s of arriving."""
-    if to_other_thread and platform.machine() not in TGKILL:
-        pytest.skip(f"tgkill's number on {platform.machine()} is not in TGKILL")
+    if to_other_thread:
+        skip_without_tgkill()
     signum = getattr(signal, name)
     process = subprocess.Popen([sys.executable, "-c", SLOW_STOP], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str] = queue.Queue()
