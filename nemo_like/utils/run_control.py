@@ -165,10 +165,14 @@ class RunControl:
             finally:
                 os._exit(self.requested.status if self.requested.status in _STATUS.values() else _STATUS[signal.Signals(signum)])
         self.requested = StopReason(name, _STATUS[signal.Signals(signum)])
-        saving = "saving a checkpoint" if self.saves else "no checkpoint to save (checkpointing.enabled=false)"
+        if self.step == 0:  # set-up, or step 0's validation: the run stops before its first step, with nothing new to save
+            doing = "before the first step: stopping there, nothing to save"
+        else:
+            saving = "saving a checkpoint" if self.saves else "no checkpoint to save (checkpointing.enabled=false)"
+            doing = f"during step {self.step}: finishing it, {saving}"
         _say(
-            f"[stop] {name} received during step {self.step}: finishing it, {saving}, then exiting with status "
-            f"{self.requested.status} (send it again to exit at once without saving)"
+            f"[stop] {name} received {doing}, then exiting with status {self.requested.status} (send it again to exit at "
+            "once without saving)"
         )
         _watch_outputs()
         sys.stdout, sys.stderr = _QuietOnBrokenPipe.wrap(sys.stdout), _QuietOnBrokenPipe.wrap(sys.stderr)

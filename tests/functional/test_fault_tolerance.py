@@ -236,6 +236,19 @@ def test_save_before_auto_reads_slurm_end_time_and_stops_in_time(ray_cluster, tm
     assert [r["step"] for r in read_metrics(tmp_path / "unsaved" / "logs")] == [1, 2]  # the step in progress finished
     assert tensorboard_session_status(tmp_path / "unsaved" / "logs") == "STATUS_FAILURE"
 
+    # A stop asked during step 0's validation (or the set-up) stops there: it said "finishing step 0", then trained and
+    # saved a whole step 1 (past a Slurm grace period, or for nothing with checkpointing off).
+    def signalled_in_validation(self, seconds: float) -> None:
+        self.requested = run_control.StopReason("SIGTERM", 143)
+
+    monkeypatch.setattr(run_control.RunControl, "validation_finished", signalled_in_validation)
+    at_zero = tmp_path / "at_zero"
+    validated = tiny_config(at_zero, "grpo.max_num_steps=5", *FAST, "grpo.val_at_start=true", *ckpt_overrides(at_zero / "ckpt", 1))
+    with pytest.raises(RunInterrupted) as stopped:
+        train(validated)
+    assert (stopped.value.code, stopped.value.step, stopped.value.checkpoint) == (143, 0, None)
+    assert [r["step"] for r in read_metrics(at_zero / "logs")] == [0] and checkpoint_steps(at_zero / "ckpt") == []
+
 
 STALL = "cluster.fault_tolerance.stall_timeout_s=4"
 ABORTED = "nemo-like: error: the run stalled and was aborted (cluster.fault_tolerance.on_stall=abort)"

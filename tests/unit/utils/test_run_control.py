@@ -35,11 +35,20 @@ def test_a_first_signal_requests_a_stop_with_its_status(signum, status, capsys):
     quiet = RunControl(saves=False)  # checkpointing off: the first line said it was saving one
     quiet.install_signal_handlers()
     try:
+        quiet.step_started(3)
         os.kill(os.getpid(), signum)
         time.sleep(0.01)
     finally:
         quiet.restore_signal_handlers()
     assert "finishing it, no checkpoint to save (checkpointing.enabled=false)" in capsys.readouterr().err
+    early = RunControl()  # set-up or step 0's validation: it said "finishing step 0, saving", then ran step 1
+    early.install_signal_handlers()
+    try:
+        os.kill(os.getpid(), signum)
+        time.sleep(0.01)
+    finally:
+        early.restore_signal_handlers()
+    assert "received before the first step: stopping there, nothing to save, then exiting" in capsys.readouterr().err
     # The stop's output watchers block the stop signals: a second one must reach the main thread (it exits at once)
     watchers = [t for t in __import__("threading").enumerate() if t.name.startswith("stop-output-watch-")]
     assert watchers
