@@ -15,6 +15,7 @@ from nemo_like.models import lora as lora_lib
 from nemo_like.models.dropout import config_rates_restored
 from nemo_like.models.loading import save_generation_config
 from nemo_like.models.policy import sharding
+from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, held_tensors
 
 #: Where :meth:`Checkpoints.save_checkpoint` puts the weights (``policy/``) and the optimizer state, in a step directory.
 POLICY_DIR = "policy"
@@ -56,7 +57,10 @@ class Checkpoints:
             path.mkdir(parents=True, exist_ok=True)
             if getattr(self.model.config, "tie_word_embeddings", False):
                 weights.pop("lm_head.weight", None)  # HF convention: the tied head is not stored
-            save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+            # In the layout the model's own files have (fused experts split back), as save_pretrained writes: vLLM and
+            # other loaders read it (transformers 5's held layout failed to load in vLLM)
+            files = checkpoint_tensors(self.model, weights.items())
+            save_file({k: v.contiguous() for k, v in files}, str(path / "model.safetensors"), metadata={"format": "pt"})
             with config_rates_restored(self.dropout_rates):
                 self.model.config.save_pretrained(path)
             if getattr(self.model, "generation_config", None) is not None:
@@ -95,7 +99,7 @@ class Checkpoints:
             missing, unexpected = sharding.load_model_state(self.model, {lora_lib.model_name(k): v for k, v in saved.items()})
             missing = [k for k in missing if lora_lib.is_adapter(k)]  # the frozen base comes from policy.model_name
         else:
-            weights = load_file(str(path / "policy" / "model.safetensors"))
+            weights = held_tensors(self.model, load_file(str(path / "policy" / "model.safetensors")))
             tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
             missing, unexpected = sharding.load_model_state(self.model, weights)
             missing = sorted(set(missing) - tied)

@@ -1,17 +1,22 @@
-"""A refit's tensors as the model's checkpoint files hold them, which is what vLLM's ``load_weights`` reads.
+"""A model's tensors as its checkpoint files hold them (what vLLM's ``load_weights`` reads, what a run's checkpoint
+writes) and back.
 
 transformers 5 holds some models' weights otherwise than it saves them: a mixture of experts' experts fused into
 ``[experts, out, in]`` parameters under other names (Mixtral's ``mlp.experts.gate_up_proj`` for the checkpoint's
 ``block_sparse_moe.experts.<e>.w1.weight`` and ``w3``), and ``save_pretrained`` reverts that. The policy sends the weights
 it holds; the vLLM engine reverts them the same way, a tensor at a time, before loading them (transformers'
 ``revert_weight_conversion``; nothing to do for a model it holds as saved: the Llama family, Qwen2, Gemma).
+A run's checkpoint (``policy/model.safetensors``) is written in that layout too, so that vLLM and any loader of the
+original layout load it, and :func:`held_tensors` converts it back on resume.
 ``tests/unit/models/test_refit_checkpoint_format.py`` checks the result against ``save_pretrained``'s files.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -25,16 +30,22 @@ def skeleton(model_path: str) -> torch.nn.Module:
     return meta_skeleton(model_path)
 
 
-@functools.cache
-def converts(model: torch.nn.Module) -> bool:
-    """Whether transformers holds ``model``'s weights otherwise than its checkpoint does."""
+def _conversions(model: torch.nn.Module) -> list[Any]:
+    """transformers' conversions from ``model``'s checkpoint layout to the one it holds (as ``revert_weight_conversion``
+    reads them)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange
 
     conversions = getattr(model, "_weight_conversions", None)
-    if conversions is None:  # built from a config (as revert_weight_conversion reads it then)
+    if conversions is None:  # built from a config
         conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
-    return bool(conversions)
+    return list(conversions)
+
+
+@functools.cache
+def converts(model: torch.nn.Module) -> bool:
+    """Whether transformers holds ``model``'s weights otherwise than its checkpoint does."""
+    return bool(_conversions(model))
 
 
 def checkpoint_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -47,3 +58,31 @@ def checkpoint_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torc
 
     for name, tensor in tensors:
         yield from revert_weight_conversion(model, {name: tensor}).items()
+
+
+def held_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`checkpoint_tensors`: a whole checkpoint's ``tensors`` under ``model``'s state-dict names and
+    layout (transformers' forward conversions, as ``from_pretrained`` applies them: Mixtral's per-expert ``w1``/``w3``
+    stacked into ``gate_up_proj``). Names already held as the model holds them pass unchanged (a checkpoint written in
+    the held layout still loads)."""
+    if not converts(model):
+        return tensors
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    conversions = _conversions(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    targets: dict[str, Any] = {}  # held name -> the transform collecting its checkpoint tensors
+    for name, tensor in sorted(tensors.items(), key=lambda item: dot_natural_key(item[0])):
+        held, pattern = rename_source_key(name, renamings, converters)
+        if pattern is None:
+            target, pattern = targets.setdefault(held, WeightRenaming(name, held)), name
+        else:
+            target = targets.setdefault(held, copy.deepcopy(by_pattern[pattern]))
+        target.add_tensor(held, name, pattern, tensor)
+    out = {}
+    for first, target in targets.items():
+        for held, value in target.convert(first, model=model, config=model.config).items():
+            out[held] = value[0] if isinstance(value, list) else value
+    return out

@@ -250,6 +250,33 @@ def test_the_training_forward_runs_without_the_models_own_dropout(tmp_path, caps
     assert worker.model.config.attention_dropout == 0.0
 
 
+def test_a_mixture_of_experts_checkpoint_is_written_as_save_pretrained_writes_and_resumes_exactly(tmp_path) -> None:
+    """transformers 5 holds Mixtral's experts fused (``mlp.experts.gate_up_proj``); the checkpoint wrote that held
+    layout, which vLLM (eval, serve of a checkpoint) refused: "no module or parameter named 'layers.0.mlp'". It now holds
+    the names and values save_pretrained writes, and a resumed worker gets back every trained weight."""
+    from safetensors.torch import load_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    MixtralForCausalLM(config).save_pretrained(tmp_path / "base")
+    first = make_worker(3, model_name=str(tmp_path / "base"))
+    first.train([with_global_counts(random_batch())])
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    written = load_file(str(tmp_path / "ckpt" / "policy" / "model.safetensors"))
+    trained = MixtralForCausalLM(config)
+    trained.load_state_dict(first.model.state_dict())
+    trained.save_pretrained(tmp_path / "expected")
+    expected = load_file(str(tmp_path / "expected" / "model.safetensors"))
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in written
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
+    resumed = make_worker(3, model_name=str(tmp_path / "base"))
+    resumed.load_checkpoint(str(tmp_path / "ckpt"), None)
+    held = first.model.state_dict()
+    assert all(torch.equal(resumed.model.state_dict()[k], held[k]) for k in held)
+
+
 @torch.no_grad()
 def test_a_routers_input_jitter_is_off_too() -> None:
     """Mixtral's router_jitter_noise multiplies the router's input by noise in train mode only, as dropout does."""

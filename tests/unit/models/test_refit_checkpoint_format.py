@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
-from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, converts, skeleton
+from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, converts, held_tensors, skeleton
 
 LAYERS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 50}
 CONFIGS = {
@@ -33,3 +33,16 @@ def test_a_refit_reverts_to_the_files_save_pretrained_writes(name, tmp_path):
     assert received.keys() == files.keys() and all(torch.equal(received[k], files[k]) for k in files)
     held_as_saved = name == "qwen2"
     assert converts(engine_side) is not held_as_saved and (dict(sent).keys() == files.keys()) is held_as_saved
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_checkpoint_tensors_convert_back_to_the_held_layout(name):
+    """A run's checkpoint is written in the files' layout and converted back on resume: every tensor returns under its
+    held name with its values; a checkpoint already in the held layout (written before) loads unchanged."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name])
+    held = model.state_dict()
+    files = dict(checkpoint_tensors(model, iter(held.items())))
+    for tensors in (files, held):
+        back = held_tensors(model, tensors)
+        assert back.keys() == held.keys() and all(torch.equal(back[k], held[k]) for k in held)
