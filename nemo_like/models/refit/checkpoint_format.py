@@ -50,14 +50,33 @@ def converts(model: torch.nn.Module) -> bool:
 
 def checkpoint_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``tensors`` (``model``'s state-dict names and layout) as its checkpoint holds them, a tensor at a time (a
-    streamed refit stays bucket by bucket); unchanged for a model held as saved."""
+    streamed refit stays bucket by bucket), except where one file tensor is built of several held ones (HRM's
+    ``gate_up_proj``, held as ``gate_proj`` and ``up_proj``): those wait for their parts (reverted one at a time, each
+    part was written under the file's name in turn, the last one left). Unchanged for a model held as saved."""
     if not converts(model):
         yield from tensors
         return
-    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key, revert_weight_conversion
 
+    reverse = [c.reverse_transform() for c in _conversions(model)[::-1]]  # as revert_weight_conversion orders them
+    renamings = [c for c in reverse if isinstance(c, WeightRenaming)]
+    converters = [c for c in reverse if isinstance(c, WeightConverter)]
+    parts_of = {pattern: len(c.source_patterns) for c in converters for pattern in c.source_patterns}
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # a file tensor of several held ones -> its parts so far
     for name, tensor in tensors:
-        yield from revert_weight_conversion(model, {name: tensor}).items()
+        file_name, pattern = rename_source_key(name, renamings, converters, reverse=True)
+        parts = parts_of.get(pattern, 1) if pattern is not None else 1
+        if parts == 1:
+            yield from revert_weight_conversion(model, {name: tensor}).items()
+            continue
+        group = waiting.setdefault(file_name, {})
+        group[name] = tensor
+        if len(group) == parts:
+            yield from revert_weight_conversion(model, waiting.pop(file_name)).items()
+    if waiting:
+        raise ValueError(
+            f"tensors {sorted(waiting)} are built from several of the model's tensors; only some came: {sorted(n for g in waiting.values() for n in g)}"
+        )
 
 
 def held_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,9 +92,12 @@ def held_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> di
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    model_names = set(model.state_dict())
     targets: dict[str, Any] = {}  # held name -> the transform collecting its checkpoint tensors
     for name, tensor in sorted(tensors.items(), key=lambda item: dot_natural_key(item[0])):
         held, pattern = rename_source_key(name, renamings, converters)
+        if held not in model_names and name in model_names:  # a renaming caught a name the model holds (as from_pretrained)
+            held, pattern = name, None
         if pattern is None:
             target, pattern = targets.setdefault(held, WeightRenaming(name, held)), name
         else:

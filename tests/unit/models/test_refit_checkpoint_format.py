@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen2Config, Qwen3MoeConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, converts, held_tensors, skeleton
 
@@ -18,13 +19,32 @@ CONFIGS = {
     "deepseek_v3": DeepseekV3Config(**LAYERS, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                     first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                     v_head_dim=8, n_group=1, topk_group=1),
+    # one file tensor of several held ones (gate_up_proj of gate_proj and up_proj): reverted one at a time, the last won
+    "hrm_text": CONFIG_MAPPING["hrm_text"](**LAYERS, head_dim=16),
+    # renamings that also match names the model holds (\.norm\. -> .kv_norm.; post_mlp_layernorm -> mlp.post_...)
+    "deepseek_v4": CONFIG_MAPPING["deepseek_v4"](**{**LAYERS, "intermediate_size": 16}, head_dim=16, q_lora_rank=16,
+                                                 num_experts_per_tok=2, n_routed_experts=4, qk_rope_head_dim=8,
+                                                 layer_types=["heavily_compressed_attention"] * 2, mlp_layer_types=["hash_moe"] * 2,
+                                                 moe_intermediate_size=16, index_n_heads=2, index_head_dim=16, index_topk=4),
+    "axk1": CONFIG_MAPPING["axk1"](**LAYERS, num_key_value_heads=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                   kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                   n_group=1, topk_group=1, head_dim=16),
 }  # fmt: skip
+
+
+def random_model(name: str) -> torch.nn.Module:
+    """The ``CONFIGS[name]`` model, every tensor of its own random values (inits of ones and zeros hide a mix-up)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name])
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn_like(parameter))
+    return model
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_a_refit_reverts_to_the_files_save_pretrained_writes(name, tmp_path):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name])
+    model = random_model(name)
     model.save_pretrained(tmp_path)
     files = {k: v for f in glob.glob(f"{tmp_path}/*.safetensors") for k, v in load_file(f).items()}
     engine_side = skeleton(str(tmp_path))  # the vLLM worker's: built on the meta device from the model's config
@@ -39,8 +59,7 @@ def test_a_refit_reverts_to_the_files_save_pretrained_writes(name, tmp_path):
 def test_checkpoint_tensors_convert_back_to_the_held_layout(name):
     """A run's checkpoint is written in the files' layout and converted back on resume: every tensor returns under its
     held name with its values; a checkpoint already in the held layout (written before) loads unchanged."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name])
+    model = random_model(name)
     held = model.state_dict()
     files = dict(checkpoint_tensors(model, iter(held.items())))
     for tensors in (files, held):
