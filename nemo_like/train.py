@@ -283,6 +283,7 @@ def _train_attempt(
     """Set the run up and train: the records, or the :class:`WorkerDeath` of a policy or reference worker (every actor of
     the attempt is stopped either way; any other error propagates). ``data``: the prompts, when already built."""
     since = time.perf_counter() if deaths else start
+    control.attempt_started()
     logger.save_config(cfg.model_dump(mode="json"))
     logger.progress.message(f"[setup] logging to {logger.metrics_path}")
     ft = cfg.cluster.fault_tolerance

@@ -63,6 +63,7 @@ class RunControl:
         self.saves = saves  # a stop saves a checkpoint (checkpointing.enabled): what the first signal's line says
         self.requested: StopReason | None = None
         self.step = 0  # the step in progress (0: before the first)
+        self.stepping = False  # a step of this attempt (the first, or a restart's) has started: a stop finishes it
         self.last_progress = time.monotonic()
         self.step_started_at = self.step_ended_at = self.last_progress
         self._steps: deque[float] = deque(maxlen=history)
@@ -72,8 +73,13 @@ class RunControl:
         self._previous: dict[int, object] = {}
 
     # -- progress, read by the stall watchdog and the fault injector ---------------------------------------------
+    def attempt_started(self) -> None:
+        """An attempt (the first, or a restart's after a worker's death) begins its set-up: until its first step starts,
+        a stop ends the run before any step (``self.step`` keeps the step a dead attempt was in, for its report)."""
+        self.stepping = False
+
     def step_started(self, step: int) -> None:
-        self.step = step
+        self.step, self.stepping = step, True
         self.last_progress = self.step_started_at = time.monotonic()
 
     def step_finished(self, validation_s: float = 0.0) -> None:
@@ -165,8 +171,12 @@ class RunControl:
             finally:
                 os._exit(self.requested.status if self.requested.status in _STATUS.values() else _STATUS[signal.Signals(signum)])
         self.requested = StopReason(name, _STATUS[signal.Signals(signum)])
-        if self.step == 0:  # set-up, or step 0's validation: the run stops before its first step, with nothing new to save
-            doing = "before the first step: stopping there, nothing to save"
+        if not self.stepping:  # set-up, step 0's validation, a restart's set-up: the run stops before a step, nothing new to save
+            doing = (
+                "before the first step: stopping there, nothing to save"
+                if self.step == 0
+                else "before a step began: stopping there, nothing new to save"
+            )
         else:
             saving = "saving a checkpoint" if self.saves else "no checkpoint to save (checkpointing.enabled=false)"
             doing = f"during step {self.step}: finishing it, {saving}"

@@ -49,6 +49,16 @@ def test_a_first_signal_requests_a_stop_with_its_status(signum, status, capsys):
     finally:
         early.restore_signal_handlers()
     assert "received before the first step: stopping there, nothing to save, then exiting" in capsys.readouterr().err
+    restart = RunControl()  # a restart's set-up after a death in step 5: it said "finishing step 5, saving" (no step came)
+    restart.step_started(5)
+    restart.attempt_started()
+    restart.install_signal_handlers()
+    try:
+        os.kill(os.getpid(), signum)
+        time.sleep(0.01)
+    finally:
+        restart.restore_signal_handlers()
+    assert "received before a step began: stopping there, nothing new to save, then exiting" in capsys.readouterr().err
     # The stop's output watchers block the stop signals: a second one must reach the main thread (it exits at once)
     watchers = [t for t in __import__("threading").enumerate() if t.name.startswith("stop-output-watch-")]
     assert watchers
