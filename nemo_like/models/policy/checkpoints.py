@@ -15,7 +15,7 @@ from nemo_like.models import lora as lora_lib
 from nemo_like.models.dropout import config_rates_restored
 from nemo_like.models.loading import save_generation_config
 from nemo_like.models.policy import sharding
-from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, held_tensors
+from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, held_tensor_batches
 
 #: Where :meth:`Checkpoints.save_checkpoint` puts the weights (``policy/``) and the optimizer state, in a step directory.
 POLICY_DIR = "policy"
@@ -59,7 +59,7 @@ class Checkpoints:
                 weights.pop("lm_head.weight", None)  # HF convention: the tied head is not stored
             # In the layout the model's own files have (fused experts split back), as save_pretrained writes: vLLM and
             # other loaders read it (transformers 5's held layout failed to load in vLLM)
-            files = checkpoint_tensors(self.model, weights.items())
+            files = checkpoint_tensors(self.model, ((name, weights.pop(name)) for name in list(weights)))  # each freed once converted
             save_file({k: v.contiguous() for k, v in files}, str(path / "model.safetensors"), metadata={"format": "pt"})
             with config_rates_restored(self.dropout_rates):
                 self.model.config.save_pretrained(path)
@@ -99,10 +99,12 @@ class Checkpoints:
             missing, unexpected = sharding.load_model_state(self.model, {lora_lib.model_name(k): v for k, v in saved.items()})
             missing = [k for k in missing if lora_lib.is_adapter(k)]  # the frozen base comes from policy.model_name
         else:
-            weights = held_tensors(self.model, load_file(str(path / "policy" / "model.safetensors")))
             tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-            missing, unexpected = sharding.load_model_state(self.model, weights)
-            missing = sorted(set(missing) - tied)
+            expected, loaded, unexpected = set(self.model.state_dict()) - tied, set(), []
+            for batch in held_tensor_batches(self.model, load_file(str(path / "policy" / "model.safetensors"))):
+                unexpected += sharding.load_model_state(self.model, batch)[1]  # a collective: the same batches on every rank
+                loaded |= batch.keys()
+            missing = sorted(expected - loaded)
         if unexpected or missing:
             raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}")
         state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)

@@ -7,7 +7,7 @@ transformers 5 holds some models' weights otherwise than it saves them: a mixtur
 it holds; the vLLM engine reverts them the same way, a tensor at a time, before loading them (transformers'
 ``revert_weight_conversion``; nothing to do for a model it holds as saved: the Llama family, Qwen2, Gemma).
 A run's checkpoint (``policy/model.safetensors``) is written in that layout too, so that vLLM and any loader of the
-original layout load it, and :func:`held_tensors` converts it back on resume.
+original layout load it, and :func:`held_tensor_batches` converts it back on resume.
 ``tests/unit/models/test_refit_checkpoint_format.py`` checks the result against ``save_pretrained``'s files.
 """
 
@@ -79,13 +79,23 @@ def checkpoint_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torc
         )
 
 
-def held_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+#: The most bytes of converted tensors :func:`held_tensor_batches` holds at once: every rank of a resume converts the
+#: whole file (a batch is loaded and freed before the next), so a mixture of experts' stacked copies stay bounded per
+#: rank instead of doubling the model in each rank's private memory (the file itself is memory-mapped, shared).
+HELD_BATCH_BYTES = 1 << 30
+
+
+def held_tensor_batches(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], max_bytes: int = HELD_BATCH_BYTES
+) -> Iterator[dict[str, torch.Tensor]]:
     """The inverse of :func:`checkpoint_tensors`: a whole checkpoint's ``tensors`` under ``model``'s state-dict names and
     layout (transformers' forward conversions, as ``from_pretrained`` applies them: Mixtral's per-expert ``w1``/``w3``
-    stacked into ``gate_up_proj``). Names already held as the model holds them pass unchanged (a checkpoint written in
-    the held layout still loads)."""
+    stacked into ``gate_up_proj``), in batches of about ``max_bytes`` to load one after the other. A name the model
+    holds passes unchanged (a checkpoint written in the held layout still loads). One batch, ``tensors`` itself, for a
+    model held as saved."""
     if not converts(model):
-        return tensors
+        yield tensors
+        return
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     conversions = _conversions(model)
@@ -103,8 +113,14 @@ def held_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> di
         else:
             target = targets.setdefault(held, copy.deepcopy(by_pattern[pattern]))
         target.add_tensor(held, name, pattern, tensor)
-    out = {}
+    batch: dict[str, torch.Tensor] = {}
+    size = 0
     for first, target in targets.items():
         for held, value in target.convert(first, model=model, config=model.config).items():
-            out[held] = value[0] if isinstance(value, list) else value
-    return out
+            batch[held] = value = value[0] if isinstance(value, list) else value
+            size += value.numel() * value.element_size()
+        if size >= max_bytes:
+            yield batch
+            batch, size = {}, 0
+    if batch:
+        yield batch

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, converts, held_tensors, skeleton
+from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, converts, held_tensor_batches, skeleton
 
 LAYERS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 50}
 CONFIGS = {
@@ -63,5 +63,8 @@ def test_checkpoint_tensors_convert_back_to_the_held_layout(name):
     held = model.state_dict()
     files = dict(checkpoint_tensors(model, iter(held.items())))
     for tensors in (files, held):
-        back = held_tensors(model, tensors)
-        assert back.keys() == held.keys() and all(torch.equal(back[k], held[k]) for k in held)
+        for max_bytes in (1 << 30, 1):  # one batch; a batch a held tensor (each loaded and freed before the next)
+            batches = list(held_tensor_batches(model, tensors, max_bytes))
+            back = {name: tensor for batch in batches for name, tensor in batch.items()}
+            assert back.keys() == held.keys() and all(torch.equal(back[k], held[k]) for k in held)
+            assert (len(batches) > 1) is (max_bytes == 1 and converts(model))
