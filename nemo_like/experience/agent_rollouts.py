@@ -46,7 +46,7 @@ from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
 from nemo_like.serving.sessions import BUDGET_KEY, GREEDY_KEY, SEED_KEY
 from nemo_like.utils.seeds import agent_session_seed
-from nemo_like.utils.stop_signals import wake_for_signals
+from nemo_like.utils.stop_signals import wait_for_handling_signals, wake_for_signals
 
 AGENT_THREAD = "agent-session"  # the name of a sync agent's thread (abandoned past its deadline; joined briefly at close)
 
@@ -465,7 +465,7 @@ class EngineGate:
             if self.held_since is not None:
                 raise RuntimeError("the engine gate is already held")
             self.held_since = start
-            self.cond.wait_for(lambda: self.calls == 0)
+            wait_for_handling_signals(self.cond, lambda: self.calls == 0)  # the driver's main thread: an engine call's length
         return time.perf_counter() - start
 
     def release(self) -> float:

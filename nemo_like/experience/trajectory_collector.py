@@ -53,6 +53,7 @@ from nemo_like.plan.multi_turn import MultiTurnSettings
 from nemo_like.utils.counters import Increments
 from nemo_like.utils.run_control import run_control
 from nemo_like.utils.seeds import rollout_seed
+from nemo_like.utils.stop_signals import wait_for_handling_signals
 
 
 @dataclass
@@ -427,7 +428,8 @@ class TrajectoryCollector(Reinitializable):
         with self.cond:
             self.pause_reasons.add(reason)
             self.cond.notify_all()
-            self.cond.wait_for(lambda: self.failure is not None or held())
+            # the driver's main thread where the collector is the driver's (agent tasks): up to an agent batch's deadline_s
+            wait_for_handling_signals(self.cond, lambda: self.failure is not None or held())
             if self.failure is not None:
                 raise self._failure_error()
             idle = self._nothing_left_to_generate()

@@ -46,6 +46,16 @@ def wait_handling_signals(event: threading.Event) -> None:
         pass
 
 
+def wait_for_handling_signals(cond: threading.Condition, predicate: Callable[[], bool]) -> None:
+    """``cond.wait_for(predicate)`` (``cond`` held) that runs the signal handlers within :data:`SIGNAL_POLL_S` of a
+    signal where it waits in the main thread (elsewhere no thread runs them: it waits as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        cond.wait_for(predicate)
+        return
+    while not cond.wait_for(predicate, SIGNAL_POLL_S):
+        pass
+
+
 def join_handling_signals(thread: threading.Thread, timeout_s: float) -> None:
     """``thread.join(timeout_s)`` that runs the signal handlers within :data:`SIGNAL_POLL_S` of a signal."""
     deadline = time.monotonic() + timeout_s
