@@ -102,8 +102,8 @@ class Checkpoints:
             tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
             expected, loaded, unexpected = set(self.model.state_dict()) - tied, set(), []
             for batch in held_tensor_batches(self.model, load_file(str(path / "policy" / "model.safetensors"))):
+                loaded |= batch.keys()  # first: a sharded load fills the dict it is given with every key of the model
                 unexpected += sharding.load_model_state(self.model, batch)[1]  # a collective: the same batches on every rank
-                loaded |= batch.keys()
             missing = sorted(expected - loaded)
         if unexpected or missing:
             raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}")

@@ -9,6 +9,7 @@ the expensive part.
 
 from __future__ import annotations
 
+import shutil
 import socket
 
 import pytest
@@ -78,6 +79,21 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, worker_kwargs: di
     results.append(worker.train([rank_rows(step_batch(STEPS - 1), rank, world)]))
     _, final = worker.get_state_dict()
     footprint = worker.memory_footprint()
+    # A checkpoint missing a tensor is refused on every rank (a sharded load fills the dict it is given with every key
+    # of the model: counted after it, nothing was ever missing, and the fresh tensor stayed)
+    if rank == 0:
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(f"{out_dir}/ckpt", f"{out_dir}/truncated")
+        weights = load_file(f"{out_dir}/truncated/policy/model.safetensors")
+        del weights["model.layers.1.mlp.down_proj.weight"]
+        save_file(weights, f"{out_dir}/truncated/policy/model.safetensors")
+    torch.distributed.barrier()
+    try:
+        worker.load_checkpoint(f"{out_dir}/truncated", None)
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
     worker.load_checkpoint(f"{out_dir}/ckpt", None)
     worker.train([rank_rows(step_batch(STEPS - 1), rank, world)])
     _, resumed = worker.get_state_dict()
@@ -88,11 +104,13 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, worker_kwargs: di
     if rank == 0:
         torch.save(
             {"logprobs": logprobs, "results": results, "final": final, "resumed": resumed, "buckets": buckets, "footprint": footprint,
-             "uneven": uneven, "after_uneven": after_uneven},
+             "uneven": uneven, "after_uneven": after_uneven, "refused": refused},
             f"{out_dir}/rank0.pt",
         )  # fmt: skip
     else:
-        torch.save({"logprobs": logprobs, "results": results, "footprint": footprint, "uneven": uneven}, f"{out_dir}/rank1.pt")
+        torch.save(
+            {"logprobs": logprobs, "results": results, "footprint": footprint, "uneven": uneven, "refused": refused}, f"{out_dir}/rank1.pt"
+        )
 
 
 #: A sequence-level aggregation for the odd batch (the steps above use the default token-mean): its normaliser is the
@@ -156,6 +174,8 @@ def check_fsdp(out_dir) -> None:
         assert combined[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     assert r0["uneven"]["grad_norms"] == pytest.approx(alone["grad_norms"], rel=1e-5) and len(alone["grad_norms"]) == 2
     assert_states_close(r0["after_uneven"], single.get_state_dict()[1], atol=1e-5)
+    for r in (r0, r1):
+        assert "missing=['model.layers.1.mlp.down_proj.weight'] unexpected=[]" in r["refused"], r["refused"]
     # Resuming the two-rank checkpoint replays step 3 exactly.
     assert_states_close(r0["resumed"], r0["final"], atol=0.0)
     # Each rank holds half of the parameters, gradients and AdamW moments.
