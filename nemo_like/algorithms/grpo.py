@@ -761,12 +761,12 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
 
     runner.start(last_step, resume_from)
     try:
+        # Asked before this attempt's first step (set-up, step 0's validation, the runner's start): none ran, none is saved
+        if (stop := control.requested) is not None:
+            raise RunInterrupted(stop, last_step, str(resume_from.path) if last_step else None)
         if last_step and last_step == cfg.grpo.max_num_steps:  # resumed at the last step: its validation may be left
             finish_run(last_step, saved_step, last_validation)
         for step in range(last_step + 1, cfg.grpo.max_num_steps + 1):
-            # Asked before this attempt's first step (set-up, step 0's validation, the runner's start): none ran, none is saved
-            if not control.stepping and (stop := control.requested) is not None:
-                raise RunInterrupted(stop, last_step, str(resume_from.path) if last_step else None)
             timer.reset()
             start = time.perf_counter()
             control.step_started(step)

@@ -1,6 +1,6 @@
 """The main thread's long waits run the signal handlers within 0.1 s of a signal the kernel handed to another thread
 (Python runs them in the main thread only, once it wakes): an agent batch's event loop, the teardown's rollout-server
-stop, the async collector's join and pause. Each in a real process whose other thread is sent the signal with tgkill."""
+stop, the async collector's join and pause, the engine gate's hold. Each in a real process whose other thread is sent the signal with tgkill."""
 
 from __future__ import annotations
 
@@ -70,36 +70,55 @@ CHILD = textwrap.dedent(
         except CommandStopped as exc:
             print(f"stopped: {exc.signal.name}", flush=True)
 
-    def collector_pause():  # an async agent run's checkpoint or validation holds the collector: it waits out the batch
-        from nemo_like.utils.stop_signals import CommandStopped, stop_signals_raise, wait_for_handling_signals
+    def collector_pause():  # an async agent run's checkpoint or validation holds the driver's collector: the batch in flight
+        from nemo_like.experience.trajectory_collector import TrajectoryCollector
+        from nemo_like.utils.stop_signals import CommandStopped, stop_signals_raise
 
         stop_signals_raise()
-        cond, held = threading.Condition(), []
+        cond = threading.Condition()
+        collector = SimpleNamespace(cond=cond, pause_reasons=set(), failure=None, in_flight=True, paused=False, stopping=False,
+                                    pushing=0, version=0, _pause_started={}, _nothing_left_to_generate=lambda: False,
+                                    pacer=SimpleNamespace(can_start=lambda version: True))
 
         def batch_in_flight():
             slow()
             with cond:
-                held.append(True)
+                collector.in_flight, collector.paused = False, True
                 cond.notify_all()
 
         threading.Thread(target=batch_in_flight, daemon=True).start()
         try:
-            with cond:
-                wait_for_handling_signals(cond, lambda: bool(held))
+            TrajectoryCollector.pause(collector, "checkpoint")
         except CommandStopped as exc:
             print(f"stopped: {exc.signal.name}", flush=True)
 
-    waits = {"agent_batch": agent_batch, "teardown": teardown, "collector_join": collector_join, "collector_pause": collector_pause}
+    def engine_hold():  # a refit of an agent run holds the rollout server's engine: the engine call in flight
+        from nemo_like.experience.agent_rollouts import EngineGate
+        from nemo_like.utils.stop_signals import CommandStopped, stop_signals_raise
+
+        stop_signals_raise()
+        gate = EngineGate(SimpleNamespace(generate=lambda *args: slow()))
+        threading.Thread(target=gate.generate, args=([[1]], None, 0), daemon=True).start()
+        while gate.calls == 0:
+            time.sleep(0.01)
+        try:
+            gate.hold()
+        except CommandStopped as exc:
+            print(f"stopped: {exc.signal.name}", flush=True)
+
+    waits = {"agent_batch": agent_batch, "teardown": teardown, "collector_join": collector_join, "collector_pause": collector_pause,
+             "engine_hold": engine_hold}
     waits[sys.argv[1]]()
     """
 )
 
 
-@pytest.mark.parametrize("wait", ["agent_batch", "teardown", "collector_join", "collector_pause"])
+@pytest.mark.parametrize("wait", ["agent_batch", "teardown", "collector_join", "collector_pause", "engine_hold"])
 def test_a_signal_handed_to_another_thread_stops_the_main_threads_wait_at_once(wait: str) -> None:
     """Before: the agent batch's loop (sync agents: nothing woke it) missed the signal until the session ended (its
     deadline_s: 60 s by default), the teardown's server stop (up to 90 s), the collector's join (30 s) and its pause for
-    a checkpoint or a validation (an agent batch's deadline_s: the collector is the driver's in agent runs) held a second
+    a checkpoint or a validation (an agent batch's deadline_s: the collector is the driver's in agent runs) and a refit's
+    hold of the engine (an engine call) held a second
     one ("exit at once") until they returned. Each wait here is 20 s; the signal must act before it ends."""
     skip_without_tgkill()
     process = subprocess.Popen([sys.executable, "-c", CHILD, wait], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
