@@ -211,7 +211,8 @@ class HFModelStep:
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int) -> None:
         from transformers import DynamicCache
 
-        self.model, self.cache = model, DynamicCache()
+        # The config gives each layer its cache as generate() does: a hybrid model's linear-attention layers need theirs
+        self.model, self.cache = model, DynamicCache(config=model.config)
         self.positions: torch.Tensor | None = None
 
     def refresh_weights(self) -> None:

@@ -40,7 +40,31 @@ def gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
 
 
-MODELS = {"qwen2": qwen2, "llama": llama, "gpt2": gpt2}
+def qwen3_5() -> torch.nn.Module:
+    """A hybrid: a linear-attention layer (a recurrent state, not keys and values) and a full-attention one. The model's
+    own forward needs the cache its config describes (a bare DynamicCache failed: IndexError)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(3)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+    return Qwen3_5ForCausalLM(cfg).eval()
+
+
+def mistral_sliding() -> torch.nn.Module:
+    """A sliding window shorter than the rows: with its config the cache keeps the window (as generate()'s does)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(4)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, sliding_window=5)  # fmt: skip
+    return MistralForCausalLM(cfg).eval()
+
+
+MODELS = {"qwen2": qwen2, "llama": llama, "gpt2": gpt2, "qwen3_5": qwen3_5, "mistral_sliding": mistral_sliding}
 
 
 def full_forward_logprobs(
