@@ -62,6 +62,8 @@ class Checkpoints:
             files = checkpoint_tensors(self.model, ((name, weights.pop(name)) for name in list(weights)))  # each freed once converted
             save_file({k: v.contiguous() for k, v in files}, str(path / "model.safetensors"), metadata={"format": "pt"})
             with config_rates_restored(self.dropout_rates):
+                if not getattr(self.model.config, "architectures", None):  # a text sub-config (Qwen3.5's): vLLM reads the class here
+                    self.model.config.architectures = [type(self.model).__name__.removeprefix("FSDP")]
                 self.model.config.save_pretrained(path)
             if getattr(self.model, "generation_config", None) is not None:
                 save_generation_config(self.model.generation_config, path)

@@ -1,5 +1,7 @@
 """The policy worker in-process (no Ray): logprob layout and gradient accumulation."""
 
+import json
+
 import pytest
 import torch
 from policy_batches import random_rows, with_global_counts
@@ -263,7 +265,10 @@ def test_a_mixture_of_experts_checkpoint_is_written_as_save_pretrained_writes_an
     MixtralForCausalLM(config).save_pretrained(tmp_path / "base")
     first = make_worker(3, model_name=str(tmp_path / "base"))
     first.train([with_global_counts(random_batch())])
+    first.model.config.architectures = None  # as a text sub-config holds it (Qwen3.5's): vLLM fell back to its generic class
     first.save_checkpoint(str(tmp_path / "ckpt"))
+    saved_config = json.loads((tmp_path / "ckpt" / "policy" / "config.json").read_text())
+    assert saved_config["architectures"] == ["MixtralForCausalLM"]
     written = load_file(str(tmp_path / "ckpt" / "policy" / "model.safetensors"))
     trained = MixtralForCausalLM(config)
     trained.load_state_dict(first.model.state_dict())
