@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,10 +26,45 @@ import torch
 @functools.cache
 def skeleton(model_path: str) -> torch.nn.Module:
     """The HF model of ``model_path`` on the meta device (its conversions are read from it; no weights), once per
-    engine process."""
+    engine process. Its conversions are those ``from_pretrained`` keeps for the model's own files, read from their
+    tensor names where the directory has safetensors files: a model built from a config drops every ``PrefixChange``,
+    while Qwen3.5's multimodal-layout files (``model.language_model.*``) need theirs (vLLM refused the text names)."""
     from nemo_like.models.loading import meta_skeleton
 
-    return meta_skeleton(model_path)
+    model = meta_skeleton(model_path)
+    names = file_tensor_names(model_path)
+    if names:
+        model._weight_conversions = conversions_used_by(model, names)
+    return model
+
+
+def file_tensor_names(model_path: str) -> list[str] | None:
+    """The tensor names of a model directory's safetensors files (the shard index's, or the single file's header);
+    ``None`` where there are none to read (``.bin`` weights, not a directory)."""
+    directory = Path(model_path)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(single), "pt") as handle:
+        return list(handle.keys())
+
+
+def conversions_used_by(model: torch.nn.Module, names: Iterable[str]) -> list[Any]:
+    """``model``'s conversions that apply to checkpoint tensors named ``names``, as ``from_pretrained`` keeps them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    for name in names:
+        rename_source_key(name, renamings, converters)  # marks each transform that matches as used
+    return [c for c in conversions if c.was_used()]
 
 
 def _conversions(model: torch.nn.Module) -> list[Any]:

@@ -68,3 +68,27 @@ def test_checkpoint_tensors_convert_back_to_the_held_layout(name):
             back = {name: tensor for batch in batches for name, tensor in batch.items()}
             assert back.keys() == held.keys() and all(torch.equal(back[k], held[k]) for k in held)
             assert (len(batches) > 1) is (max_bytes == 1 and converts(model))
+
+
+def test_a_text_model_in_multimodal_files_is_refitted_under_the_files_names(tmp_path):
+    """Qwen3.5's files hold the text model under ``model.language_model.*`` (a multimodal layout), which transformers
+    loads as ``Qwen3_5ForCausalLM`` holding ``model.*``. The engine's skeleton, built from a config, dropped that
+    ``PrefixChange``: vLLM refused the first refit ("no module or parameter named 'model'"). It now keeps the
+    conversions the files' names use, as ``from_pretrained`` does."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from nemo_like.models.loading import load_causal_lm
+
+    torch.manual_seed(0)
+    text = dict(**LAYERS, num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)).save_pretrained(
+        tmp_path
+    )
+    files = load_file(f"{tmp_path}/model.safetensors")
+    held = load_causal_lm(str(tmp_path)).state_dict()  # what the policy holds and sends
+    assert "model.embed_tokens.weight" in held and "model.language_model.embed_tokens.weight" in files
+    sent = dict(checkpoint_tensors(skeleton(str(tmp_path)), iter(held.items())))
+    assert set(sent) <= set(files) and all(torch.equal(sent[k], files[k]) for k in sent)
+    assert {k for k in files if k not in sent} == {k for k in files if k.startswith("model.visual.")}  # the text model, whole
