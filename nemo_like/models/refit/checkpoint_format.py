@@ -17,7 +17,6 @@ import copy
 import functools
 import json
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,9 +38,15 @@ def skeleton(model_path: str) -> torch.nn.Module:
 
 
 def file_tensor_names(model_path: str) -> list[str] | None:
-    """The tensor names of a model directory's safetensors files (the shard index's, or the single file's header);
-    ``None`` where there are none to read (``.bin`` weights, not a directory)."""
-    directory = Path(model_path)
+    """The tensor names of a model's safetensors files (the shard index's, or the single file's header), found beside
+    its ``config.json`` (a directory, a shipped model, a hub id's snapshot in the local cache); ``None`` where there are
+    none to read (``.bin`` weights, nothing on this machine)."""
+    from nemo_like.models.loading import local_config_file
+
+    config = local_config_file(model_path)
+    if config is None:
+        return None
+    directory = config.parent
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         return list(json.loads(index.read_text())["weight_map"])

@@ -2,6 +2,7 @@
 names and values ``save_pretrained`` writes (what vLLM loaded at start-up); a model held as saved passes unchanged."""
 
 import glob
+import shutil
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, converts, held_tensor_batches, skeleton
+from nemo_like.models.refit.checkpoint_format import checkpoint_tensors, converts, file_tensor_names, held_tensor_batches, skeleton
 
 LAYERS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 50}
 CONFIGS = {
@@ -70,7 +71,7 @@ def test_checkpoint_tensors_convert_back_to_the_held_layout(name):
             assert (len(batches) > 1) is (max_bytes == 1 and converts(model))
 
 
-def test_a_text_model_in_multimodal_files_is_refitted_under_the_files_names(tmp_path):
+def test_a_text_model_in_multimodal_files_is_refitted_under_the_files_names(tmp_path, monkeypatch):
     """Qwen3.5's files hold the text model under ``model.language_model.*`` (a multimodal layout), which transformers
     loads as ``Qwen3_5ForCausalLM`` holding ``model.*``. The engine's skeleton, built from a config, dropped that
     ``PrefixChange``: vLLM refused the first refit ("no module or parameter named 'model'"). It now keeps the
@@ -92,3 +93,10 @@ def test_a_text_model_in_multimodal_files_is_refitted_under_the_files_names(tmp_
     sent = dict(checkpoint_tensors(skeleton(str(tmp_path)), iter(held.items())))
     assert set(sent) <= set(files) and all(torch.equal(sent[k], files[k]) for k in sent)
     assert {k for k in files if k not in sent} == {k for k in files if k.startswith("model.visual.")}  # the text model, whole
+    # Named by a hub id (as policy.model_name usually is), its files are the snapshot's in the local cache
+    snapshot = tmp_path / "hub" / "models--acme--tiny-qwen35" / "snapshots" / "abc"
+    shutil.copytree(tmp_path, snapshot, ignore=shutil.ignore_patterns("hub"))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert sorted(file_tensor_names("acme/tiny-qwen35")) == sorted(files)
