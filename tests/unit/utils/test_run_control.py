@@ -32,33 +32,25 @@ def test_a_first_signal_requests_a_stop_with_its_status(signum, status, capsys):
         control.restore_signal_handlers()
     assert signal.getsignal(signum) is before
     assert "received during step 7: finishing it, saving a checkpoint" in capsys.readouterr().err
+
+    def first_line(control: RunControl) -> str:
+        control.install_signal_handlers()
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(0.01)
+        finally:
+            control.restore_signal_handlers()
+        return capsys.readouterr().err
+
     quiet = RunControl(saves=False)  # checkpointing off: the first line said it was saving one
-    quiet.install_signal_handlers()
-    try:
-        quiet.step_started(3)
-        os.kill(os.getpid(), signum)
-        time.sleep(0.01)
-    finally:
-        quiet.restore_signal_handlers()
-    assert "finishing it, no checkpoint to save (checkpointing.enabled=false)" in capsys.readouterr().err
-    early = RunControl()  # set-up or step 0's validation: it said "finishing step 0, saving", then ran step 1
-    early.install_signal_handlers()
-    try:
-        os.kill(os.getpid(), signum)
-        time.sleep(0.01)
-    finally:
-        early.restore_signal_handlers()
-    assert "received before the first step: stopping there, nothing to save, then exiting" in capsys.readouterr().err
+    quiet.step_started(3)
+    assert "finishing it, no checkpoint to save (checkpointing.enabled=false)" in first_line(quiet)
+    # set-up or step 0's validation: it said "finishing step 0, saving", then ran step 1
+    assert "received before the first step: stopping there, nothing to save, then exiting" in first_line(RunControl())
     restart = RunControl()  # a restart's set-up after a death in step 5: it said "finishing step 5, saving" (no step came)
     restart.step_started(5)
     restart.attempt_started()
-    restart.install_signal_handlers()
-    try:
-        os.kill(os.getpid(), signum)
-        time.sleep(0.01)
-    finally:
-        restart.restore_signal_handlers()
-    assert "received before a step began: stopping there, nothing new to save, then exiting" in capsys.readouterr().err
+    assert "received before a step began: stopping there, nothing new to save, then exiting" in first_line(restart)
     # The stop's output watchers block the stop signals: a second one must reach the main thread (it exits at once)
     watchers = [t for t in __import__("threading").enumerate() if t.name.startswith("stop-output-watch-")]
     assert watchers
