@@ -21,6 +21,7 @@ CHILD = textwrap.dedent(
         ended = threading.Event()
 
         def other_thread():  # says so before the wait ends: a handler run at the wait's end comes after that line
+            time.sleep(0.5)  # the signal is sent on the next line: the main thread is in its wait by then
             print(f"other thread: {threading.get_native_id()}", flush=True)
             time.sleep(20)
             print("the wait ended", flush=True)
@@ -34,7 +35,7 @@ CHILD = textwrap.dedent(
         from nemo_like.environments.agent import AgentConfig, AgentSettings
         from nemo_like.experience.agent_rollouts import AgentRollouts
         from nemo_like.serving.sessions import SessionStore
-        from nemo_like.utils.stop_signals import CommandStopped, stop_signals_raise
+        from nemo_like.utils.stop_signals import stop_signals_raise
 
         stop_signals_raise()  # as the CLI's eval does
         agent = lambda base_url, api_key, session_id, prompt, metadata: slow() or 1.0
@@ -43,10 +44,7 @@ CHILD = textwrap.dedent(
         settings = {"t": AgentSettings("t", AgentConfig(agent="x:y", deadline_s=60.0), agent)}
         agents = AgentRollouts(server, settings, SimpleNamespace(pad_token_id=0), SimpleNamespace(weight_version=0))
         prompt = PromptRecord("p", [{"role": "user", "content": "q"}], [1, 2], {"task_name": "t"})
-        try:
-            agents.collect(SimpleNamespace(tasks=["t"]), [prompt], 1, seed=0)
-        except CommandStopped as exc:
-            print(f"stopped: {exc.signal.name}", flush=True)
+        agents.collect(SimpleNamespace(tasks=["t"]), [prompt], 1, seed=0)
 
     def teardown():  # a run's teardown after a first stop: the rollout server serves what was queued
         from nemo_like.algorithms.setup import GRPOComponents
@@ -60,19 +58,16 @@ CHILD = textwrap.dedent(
         GRPOComponents.shutdown(parts)
 
     def collector_join():  # the async run's stop waits for its collector thread
-        from nemo_like.utils.stop_signals import CommandStopped, join_handling_signals, stop_signals_raise
+        from nemo_like.utils.stop_signals import join_handling_signals, stop_signals_raise
 
         stop_signals_raise()
         thread = threading.Thread(target=slow, daemon=True)
         thread.start()
-        try:
-            join_handling_signals(thread, 30)
-        except CommandStopped as exc:
-            print(f"stopped: {exc.signal.name}", flush=True)
+        join_handling_signals(thread, 30)
 
     def collector_pause():  # an async agent run's checkpoint or validation holds the driver's collector: the batch in flight
         from nemo_like.experience.trajectory_collector import TrajectoryCollector
-        from nemo_like.utils.stop_signals import CommandStopped, stop_signals_raise
+        from nemo_like.utils.stop_signals import stop_signals_raise
 
         stop_signals_raise()
         cond = threading.Condition()
@@ -87,28 +82,27 @@ CHILD = textwrap.dedent(
                 cond.notify_all()
 
         threading.Thread(target=batch_in_flight, daemon=True).start()
-        try:
-            TrajectoryCollector.pause(collector, "checkpoint")
-        except CommandStopped as exc:
-            print(f"stopped: {exc.signal.name}", flush=True)
+        TrajectoryCollector.pause(collector, "checkpoint")
 
     def engine_hold():  # a refit of an agent run holds the rollout server's engine: the engine call in flight
         from nemo_like.experience.agent_rollouts import EngineGate
-        from nemo_like.utils.stop_signals import CommandStopped, stop_signals_raise
+        from nemo_like.utils.stop_signals import stop_signals_raise
 
         stop_signals_raise()
         gate = EngineGate(SimpleNamespace(generate=lambda *args: slow()))
         threading.Thread(target=gate.generate, args=([[1]], None, 0), daemon=True).start()
         while gate.calls == 0:
             time.sleep(0.01)
-        try:
-            gate.hold()
-        except CommandStopped as exc:
-            print(f"stopped: {exc.signal.name}", flush=True)
+        gate.hold()
 
     waits = {"agent_batch": agent_batch, "teardown": teardown, "collector_join": collector_join, "collector_pause": collector_pause,
              "engine_hold": engine_hold}
-    waits[sys.argv[1]]()
+    from nemo_like.utils.stop_signals import CommandStopped
+
+    try:
+        waits[sys.argv[1]]()
+    except CommandStopped as exc:  # the CLI's handler raised it (wherever the main thread was)
+        print(f"stopped: {exc.signal.name}", flush=True)
     """
 )
 
