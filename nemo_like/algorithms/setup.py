@@ -22,7 +22,7 @@ from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
 from nemo_like.distributed.worker_group import actors_not_kept
 from nemo_like.environments.registry import EnvSpec, check_tasks_have_environments, import_environment_class, resolve_environments, task_of
 from nemo_like.environments.worker import Environments
-from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
+from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, shut_down, start_agent_rollouts
 from nemo_like.experience.multi_turn import template_warnings
 from nemo_like.models.engines import build_generation
 from nemo_like.models.footprint import (
@@ -57,7 +57,6 @@ from nemo_like.plan.run_plan import RunPlan
 from nemo_like.plan.threads import node_count_warning, shared_cores_warning
 from nemo_like.utils.machine_runs import other_live_runs
 from nemo_like.utils.run_control import run_control
-from nemo_like.utils.stop_signals import call_handling_signals
 
 
 @dataclass
@@ -78,13 +77,7 @@ class GRPOComponents:
 
     def shutdown(self) -> None:
         """Stop the rollout server, kill every actor of the run (the Ray cluster itself stays up)."""
-        try:
-            if self.agents is not None:  # serves what was queued (up to a minute): a second signal must get through
-                call_handling_signals(self.agents.server.stop)
-        finally:
-            for part in (self.generation, self.policy, self.reference, self.teacher, self.environments):
-                if part is not None:
-                    part.shutdown()
+        shut_down(self.agents, (self.generation, self.policy, self.reference, self.teacher, self.environments))
 
     @property
     def environment(self):

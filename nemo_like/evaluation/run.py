@@ -41,7 +41,7 @@ from nemo_like.utils.files import replace_file
 from nemo_like.utils.machine_runs import registered_run
 from nemo_like.utils.run_lock import hold_run_locks
 from nemo_like.utils.seeds import eval_seed
-from nemo_like.utils.stop_signals import call_handling_signals, raise_if_stopped, stop_signals_kept
+from nemo_like.utils.stop_signals import raise_if_stopped, stop_signals_kept
 
 #: In ``eval.output_dir``: the absolute path of the ``merged_model/`` a LoRA eval merges into, written before the merge,
 #: so that an eval stopped after it (before its summary.json) can still be rerun there.
@@ -234,7 +234,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.distributed.ray_init import init_ray, joins_existing_cluster
     from nemo_like.environments.worker import Environments, environment_resources
-    from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, start_agent_rollouts
+    from nemo_like.experience.agent_rollouts import AgentHandles, load_agents, shut_down, start_agent_rollouts
     from nemo_like.experience.multi_turn import episode_metrics, template_warnings
     from nemo_like.experience.rollouts import collect_rollout, env_metrics_with_means
     from nemo_like.models.engines import build_generation, generation_resources
@@ -343,13 +343,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
                     print(gathered.stopped_line(), file=sys.stderr, flush=True)
                 raise
         finally:
-            try:
-                if agents is not None:  # serves what was queued (up to a minute): a second signal must get through
-                    call_handling_signals(agents.server.stop)
-            finally:
-                for part in (generation, environments):
-                    if part is not None:
-                        part.shutdown()
+            shut_down(agents, (generation, environments))
 
         rows = gathered.rows
         summary = {

@@ -27,7 +27,7 @@ import numbers
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,7 +46,7 @@ from nemo_like.serving.server import RolloutServer, ServerConfig
 from nemo_like.serving.service import run_sampling
 from nemo_like.serving.sessions import BUDGET_KEY, GREEDY_KEY, SEED_KEY
 from nemo_like.utils.seeds import agent_session_seed
-from nemo_like.utils.stop_signals import wait_for_handling_signals, wake_for_signals
+from nemo_like.utils.stop_signals import call_handling_signals, wait_for_handling_signals, wake_for_signals
 
 AGENT_THREAD = "agent-session"  # the name of a sync agent's thread (abandoned past its deadline; joined briefly at close)
 
@@ -514,3 +514,16 @@ def start_agent_rollouts(
     gate = EngineGate(engine)  # a pass-through until an async refit holds it
     server = RolloutServer(gate, tokenizer, config, eos_token_ids=list(eos_token_ids)).start()
     return AgentRollouts(server, settings, tokenizer, gate)
+
+
+def shut_down(agents: AgentRollouts | None, parts: Iterable[Any]) -> None:
+    """End a run's or an eval's rollouts: the rollout server first (it serves what was queued, up to a minute: a second
+    signal gets through, :func:`~nemo_like.utils.stop_signals.call_handling_signals`), then every part that is not
+    ``None`` (``shutdown()``), even when the server's stop raised."""
+    try:
+        if agents is not None:
+            call_handling_signals(agents.server.stop)
+    finally:
+        for part in parts:
+            if part is not None:
+                part.shutdown()
