@@ -712,13 +712,19 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
     logger.progress.set_total(min(cfg.grpo.max_num_steps, parts.train_loader.batches_in(cfg.grpo.max_num_epochs)))
     manager = checkpoint_manager(parts)
     last_step = restore_run(parts, resume_from) if resume_from is not None else 0
+
+    def validate_at(step: int, timer: StepTimer) -> dict[str, float]:
+        """The runner's validation pass, announced on the console first (it may run for minutes between two lines)."""
+        logger.progress.activity(validation_start_line(step, len(parts.val_prompts), cfg.grpo.val_num_generations_per_prompt))
+        return runner.validate(step, timer)
+
     # The latest validation/* values, saved with each checkpoint until the next validation (best-k ranks by them).
     last_validation: dict[str, Any] = validation_of(resume_from.state.get("metrics", {})) if last_step else {}
     if last_step:
         logger.progress.message(f"[checkpoint] resumed from {resume_from.path} (step {last_step})")
     elif cfg.grpo.val_at_start:
         started = time.perf_counter()
-        val = runner.validate(0, StepTimer())
+        val = validate_at(0, StepTimer())
         control.validation_finished(time.perf_counter() - started)
         history.append(logger.log(val, step=0))
         logger.progress.message(validation_line(0, val))
@@ -738,7 +744,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
         validated = False
         if cfg.grpo.val_at_end and final >= 1 and not already:
             # A validation-only record of the last step, as step 0's is (its refit's seconds belong to no step)
-            val = validation_of(runner.validate(final, StepTimer()))
+            val = validation_of(validate_at(final, StepTimer()))
             record = logger.log(val, final)
             if ran_here:  # a new dict: the step's record is the logger's too, which keeps what was logged
                 history[-1] = {**history[-1], **val}
@@ -780,7 +786,7 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
             # (found at the next step instead, the run logged a second record of it and saved it twice)
             last = step == cfg.grpo.max_num_steps or runner.data_ends_after()
             if validates_at(cfg, step) or (last and cfg.grpo.val_at_end):
-                metrics.update(runner.validate(step, timer))
+                metrics.update(validate_at(step, timer))
                 last_validation = validation_of(metrics, step)
             nonfinite_streak = nonfinite_streak + 1 if metrics["train/nonfinite_steps_skipped"] else 0
             if metrics.get("train/empty_steps_skipped"):
@@ -851,6 +857,11 @@ def progress_info(metrics: dict[str, Any]) -> str:
     if "validation/accuracy" in metrics:
         info += f" val_acc={metrics['validation/accuracy']:.3f}"
     return info
+
+
+def validation_start_line(step: int, num_prompts: int, responses_per_prompt: int) -> str:
+    """The console line (or the bar's text) while step ``step``'s validation pass runs."""
+    return f"[step {step}] validating: {num_prompts:,} prompts x {responses_per_prompt} responses"
 
 
 def validation_line(step: int, val: dict[str, Any]) -> str:

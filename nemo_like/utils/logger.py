@@ -198,6 +198,16 @@ class ConsoleProgress:
             return
         print(f"[step {step}/{self.total}] {info} | elapsed {format_seconds(now - self.start)} {eta}", file=sys.stderr, flush=True)
 
+    def activity(self, text: str) -> None:
+        """Long work between two steps' updates began (a validation pass): with the bar up, it shows ``text`` in the
+        step's place until the next update; without one, ``text`` is a line (the work may last minutes, silent)."""
+        if not self.enabled:
+            return
+        if self._rich is not None:
+            self._rich.update(self._task, info=text, refresh=True)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
     def message(self, text: str) -> None:
         if self._rich is not None:
             self._rich.console.print(text, markup=False, highlight=False)  # "[setup] ..." is text, not rich markup

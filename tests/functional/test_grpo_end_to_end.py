@@ -51,13 +51,25 @@ SCALED = (
 def test_two_step_run_writes_metrics_config_and_validation(ray_cluster, tmp_path, capfd, monkeypatch):
     # The scaled policy (dp 2 FSDP2, packing, chunked logprobs, refit gathered from shards) with HF generation sampling
     # under top-k, top-p and a temperature (vLLM: test_vllm_backend.py's GRPO run).
-    cfg = tiny_config(tmp_path, *SCALED, "policy.generation.backend=hf", "grpo.val_num_generations_per_prompt=2", *TRUNCATED_SAMPLING)
+    cfg = tiny_config(
+        tmp_path,
+        *SCALED,
+        "policy.generation.backend=hf",
+        "grpo.val_num_generations_per_prompt=2",
+        *TRUNCATED_SAMPLING,
+        "logger.progress_bar=true",
+    )
     waited = record_model_starts(monkeypatch, grpo_setup)  # setup starts every role's workers before it waits for any
     history = train(cfg)
     everything = ["policy", "reference", "environments"]
     assert waited[:2] == [("policy", everything), ("reference", everything)]
     # The run prints the memory planner's lines, the numbers `nemo-like plan` gives for the same recipe and cluster.
-    printed = [line.removeprefix("[plan] ") for line in capfd.readouterr().err.splitlines() if line.startswith("[plan] memory")]
+    err = capfd.readouterr().err.splitlines()
+    printed = [line.removeprefix("[plan] ") for line in err if line.startswith("[plan] memory")]
+    # Each validation pass is announced before it runs (minutes of silence on a large validation set), then reported
+    announced = [line for line in err if "validating" in line]
+    assert announced == [f"[step {s}] validating: 32 prompts x 2 responses" for s in (0, 2)], announced
+    assert err.index(announced[0]) < err.index("[step 0] validation/accuracy=" + f"{history[0]['validation/accuracy']:.3f}")
     assert printed and printed == planned_memory_lines(cfg, plan_on_cluster(cfg)), printed
     assert any(line.startswith("memory policy x2:") for line in printed)  # dp 2: two policy workers
     log_dir = tmp_path / "logs"

@@ -103,6 +103,7 @@ def test_on_a_terminal_the_bar_and_messages_go_to_stderr_as_plain_text(tmp_path)
         "p.update(1, 'reward=[0.5]')\n"
         "assert p._rich is not None\n"
         "print('to stdout', flush=True)\n"
+        "p.activity('[step 1] validating: 3 prompts x 2 responses')\n"
         "p.update(2, 'reward=[0.6]')\n"
         "p.close()\n"
     )
@@ -132,6 +133,19 @@ def test_on_a_terminal_the_bar_and_messages_go_to_stderr_as_plain_text(tmp_path)
     assert proc.returncode == 0 and "GRPO" in text
     assert text.index("a set-up line on stdout") < text.index("GRPO")  # the bar waits for the first step
     assert re.search(r"eta [^\r\n]*to stdout", text) is None, repr(text)  # was "... eta ?to stdout"
+    # a validation pass between two steps shows in the bar's text, not as a line that would scroll the bar away
+    assert re.search(r"GRPO[^\r\n]*\[step 1\] validating: 3 prompts x 2 responses", text), repr(text)
+
+
+def test_without_a_bar_a_validation_pass_is_announced_by_a_line(capsys) -> None:
+    progress = ConsoleProgress(10, enabled=True, clock=SteppedClock())
+    progress.activity("[step 0] validating: 500 prompts x 4 responses")  # before the first step: no bar yet
+    progress.update(1, "r")
+    progress.activity("[step 1] validating: 500 prompts x 4 responses")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == lines[2].replace("step 1", "step 0") == "[step 0] validating: 500 prompts x 4 responses"
+    ConsoleProgress(10, enabled=False).activity("[step 0] validating: 1 prompts x 1 responses")  # logger.progress_bar=false
+    assert capsys.readouterr().err == ""
 
 
 def test_a_run_that_its_epochs_end_first_counts_to_its_last_step(capsys) -> None:
