@@ -144,8 +144,10 @@ def held_tensor_batches(
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    model_names = set(model.state_dict())
+    held_shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    model_names = set(held_shapes)
     targets: dict[str, Any] = {}  # held name -> the transform collecting its checkpoint tensors
+    sources: dict[str, list[str]] = {}  # held name -> the checkpoint's names it is made of
     for name, tensor in sorted(tensors.items(), key=lambda item: dot_natural_key(item[0])):
         held, pattern = rename_source_key(name, renamings, converters)
         if held not in model_names and name in model_names:  # a renaming caught a name the model holds (as from_pretrained)
@@ -155,14 +157,30 @@ def held_tensor_batches(
         else:
             target = targets.setdefault(held, copy.deepcopy(by_pattern[pattern]))
         target.add_tensor(held, name, pattern, tensor)
+        sources.setdefault(held, []).append(name)
     batch: dict[str, torch.Tensor] = {}
     size = 0
     for first, target in targets.items():
-        for held, value in target.convert(first, model=model, config=model.config).items():
+        try:
+            converted = target.convert(first, model=model, config=model.config)
+        except (RuntimeError, ValueError, IndexError) as exc:  # torch's "Sizes of tensors must match ..." of a stack
+            raise ValueError(_unconverted(first, sources[first], str(exc))) from exc
+        for held, value in converted.items():
             batch[held] = value = value[0] if isinstance(value, list) else value
+            if held in held_shapes and tuple(value.shape) != held_shapes[held]:  # e.g. 3 of 4 experts' down_proj stacked
+                raise ValueError(_unconverted(held, sources[first], f"shape {tuple(value.shape)}, the model's {held_shapes[held]}"))
             size += value.numel() * value.element_size()
         if size >= max_bytes:
             yield batch
             batch, size = {}, 0
     if batch:
         yield batch
+
+
+def _unconverted(held: str, names: list[str], why: str) -> str:
+    """The error of checkpoint tensors that do not make the model's tensor ``held``."""
+    shown = ", ".join(names) if len(names) <= 4 else f"{names[0]}, ..., {names[-1]}"
+    return (
+        f"the checkpoint's {len(names)} tensor(s) for the model's {held} ({shown}) do not make it: {why.rstrip('.')}. "
+        "A tensor is missing from the checkpoint, or one has another shape (a checkpoint of another model?)"
+    )

@@ -71,6 +71,18 @@ def test_checkpoint_tensors_convert_back_to_the_held_layout(name):
             assert (len(batches) > 1) is (max_bytes == 1 and converts(model))
 
 
+@pytest.mark.parametrize("dropped", ["experts.1.gate_proj", "experts.1.down_proj"])
+def test_a_checkpoint_missing_one_experts_tensor_is_refused_naming_it(dropped):
+    """One expert's projection missing from a checkpoint: stacking the others raised torch's "Sizes of tensors must
+    match" (gate_up_proj), or made a (3, ...) tensor for the model's (4, ...) one (down_proj)."""
+    model = random_model("qwen3_moe")
+    files = dict(checkpoint_tensors(model, iter(model.state_dict().items())))
+    del files[f"model.layers.0.mlp.{dropped}.weight"]
+    fused = "gate_up_proj" if "gate" in dropped else "down_proj"
+    with pytest.raises(ValueError, match=rf"tensor\(s\) for the model's model.layers.0.mlp.experts.{fused} .*A tensor is missing"):
+        list(held_tensor_batches(model, files))
+
+
 def test_a_text_model_in_multimodal_files_is_refitted_under_the_files_names(tmp_path, monkeypatch):
     """Qwen3.5's files hold the text model under ``model.language_model.*`` (a multimodal layout), which transformers
     loads as ``Qwen3_5ForCausalLM`` holding ``model.*``. The engine's skeleton, built from a config, dropped that
