@@ -13,7 +13,8 @@ advantage is kept beside it:
     A_t = task_advantage_weight * A_task + advantage_weight * G_t,   G_t = r_t  or  sum_{t' >= t} r_t' (reward_to_go)
 
 ``log pi_S`` is the prev-logprob pass (the policy's own logprob forward, the same computation as the teacher's), so a
-teacher identical to the student gives exactly 0. ``distillation/teacher_kl`` is the per-token mean of
+teacher identical to the student gives exactly 0 where the student samples untruncated (the teacher scores under its
+full distribution, so under top-k/top-p the two differ by the truncation). ``distillation/teacher_kl`` is the per-token mean of
 ``log pi_S - log pi_T`` over sampled tokens: the k1 estimator, unbiased for the per-token reverse KL under the
 student's samples.
 """

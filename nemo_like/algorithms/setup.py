@@ -50,6 +50,7 @@ from nemo_like.models.loading import (
     routes_experts,
 )
 from nemo_like.models.lora import check_lora_targets, refit_bytes
+from nemo_like.models.policy.batching import packing_problem
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 from nemo_like.plan.memory import tensor_parallel_problems
 from nemo_like.plan.multi_turn import with_reply_roles
@@ -256,7 +257,8 @@ def check_policy_model(cfg: MasterConfig, local_only: bool = False) -> None:
     """The recipe against ``policy.model_name``'s config (train before any actor starts, ``nemo-like plan`` when the
     model's config is on the machine, with ``local_only``: a hub id's cached copy, never the hub): the sequence length
     within its context (and a position-dependent RoPE's pretrained one), ``policy.logprob_chunk_size`` against a head
-    whose logits its forward post-processes, the stop ids within its vocabulary, the LoRA targets among its modules."""
+    whose logits its forward post-processes, the stop ids within its vocabulary, the LoRA targets among its modules, its
+    layers packable with ``policy.sequence_packing``."""
     name = cfg.policy.model_name
     check_context_length(name, cfg.policy.max_total_sequence_length, local_only=local_only)
     check_trained_length(name, cfg.policy.max_total_sequence_length, local_only=local_only)
@@ -264,8 +266,17 @@ def check_policy_model(cfg: MasterConfig, local_only: bool = False) -> None:
     check_stop_token_ids(name, cfg.policy.generation.stop_token_ids, local_only=local_only)
     check_generative(name, "policy.model_name", local_only)
     check_tensor_parallel_heads(cfg, name, local_only=local_only)
+    check_packable(cfg, name, "policy.model_name", local_only)
     if cfg.policy.lora_cfg.enabled:
         check_lora_targets(name, cfg.policy.lora_cfg, local_only)
+
+
+def check_packable(cfg: MasterConfig, name: str, key: str, local_only: bool = False) -> None:
+    """A :class:`ConfigError` naming ``key`` when ``policy.sequence_packing`` is on and model ``name`` has layers a
+    packed row cannot keep to each sample (:func:`~nemo_like.models.policy.batching.packing_problem`): its logprobs
+    were silently wrong for every sample after a row's first."""
+    if cfg.policy.sequence_packing.enabled and (problem := packing_problem(model_config(name, local_only))):
+        raise ConfigError(f"policy.sequence_packing.enabled=true with {key}={name!r}: {problem}")
 
 
 def check_tensor_parallel_heads(cfg: MasterConfig, name: str, key: str | None = None, local_only: bool = False) -> None:
@@ -346,10 +357,12 @@ def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
 
 def check_teacher_model(cfg: MasterConfig, name: str, key: str, local_only: bool = False) -> None:
     """What a teacher's config.json alone decides (``key``: the config key naming it): a causal language model, heads
-    that ``policy.dtensor_cfg.tensor_parallel_size`` divides, a head ``policy.logprob_chunk_size`` can chunk."""
+    that ``policy.dtensor_cfg.tensor_parallel_size`` divides, a head ``policy.logprob_chunk_size`` can chunk, layers
+    ``policy.sequence_packing`` can pack."""
     check_generative(name, key, local_only)
     check_tensor_parallel_heads(cfg, name, key, local_only)
     check_chunkable_head(name, cfg.policy.logprob_chunk_size, key, local_only)
+    check_packable(cfg, name, key, local_only)
 
 
 def plan_model_checks(cfg: MasterConfig, policy_config: str | None = None, teacher_configs: dict[str, str] | None = None) -> list[str]:

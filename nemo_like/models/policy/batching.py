@@ -147,12 +147,31 @@ def sliding_window(config: Any) -> int | None:
     return int(window) if window and (layer_types is None or "sliding_attention" in layer_types) else None
 
 
+#: The ``layer_types`` a packed row's 4D mask keeps inside each sample: attention layers. A linear-attention, conv or
+#: state-space layer (Qwen3-Next/3.5's gated delta net, Mamba, LFM2's conv) runs over the whole row, carrying state from
+#: one sample into the next (every sample after a row's first scored wrong, silently).
+PACKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def packing_problem(config: Any) -> str | None:
+    """Why a packed row cannot score ``config``'s model exactly (``None``: it can): layers a mask does not reach."""
+    unknown = sorted(set(getattr(_text_config(config), "layer_types", None) or []) - PACKABLE_LAYER_TYPES)
+    if not unknown:
+        return None
+    return (
+        f"this model's layers include {unknown}, which run over a packed row's every token, carrying state from one "
+        "sample into the next (only attention keeps to a sample's tokens); use policy.dynamic_batching instead"
+    )
+
+
 def packed_model_mask(packed: PackedRow, config: Any, device: torch.device | str | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
     """The packed row's mask as ``config``'s model takes it (on ``device``). transformers hands a ready 4D mask to every
     layer as it is, so a layer that attends within a sliding window (Gemma 2/3, gpt-oss, Mistral v0.1, Qwen2 with
     ``use_sliding_window``) saw each whole sample: a model whose ``layer_types`` list ``sliding_attention`` gets a mask
     per layer type, the sliding one also blocking keys ``sliding_window`` or more positions back (positions restart in
     each sample); one without ``layer_types`` but with a ``sliding_window`` (Mistral) applies it to every layer."""
+    if problem := packing_problem(config):  # the driver refuses it first (check_policy_model, check_teachers)
+        raise ValueError(f"policy.sequence_packing.enabled=true: {problem}")
     mask = packed.attention_mask.to(device) if device is not None else packed.attention_mask
     window = sliding_window(config)
     if window is None:
@@ -160,15 +179,8 @@ def packed_model_mask(packed: PackedRow, config: Any, device: torch.device | str
     positions = packed.position_ids[0].to(mask.device)
     far = positions[:, None] >= positions[None, :] + window  # bool from the start: an int64 [T, T] difference was 8 bytes an entry
     windowed = mask.masked_fill(far, torch.finfo(mask.dtype).min)
-    layer_types = getattr(_text_config(config), "layer_types", None)
-    if layer_types is None:
+    if getattr(_text_config(config), "layer_types", None) is None:
         return windowed
-    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ValueError(
-            f"policy.sequence_packing.enabled=true: this model's layers attend as {unknown}, which a packed row's mask "
-            "cannot express; use policy.dynamic_batching instead"
-        )
     return {"full_attention": mask, "sliding_attention": windowed}
 
 

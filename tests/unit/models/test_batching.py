@@ -267,3 +267,49 @@ def test_packed_rows_keep_a_sliding_window_models_windows() -> None:
         worker.model = qwen2
         logprobs[mode] = worker.get_logprobs(batch)
     assert (logprobs["packed"] - logprobs["fixed"]).abs().max() < 1e-5
+
+
+def qwen3_next_model(path) -> torch.nn.Module:
+    """A small random Qwen3-Next (three gated-delta-net linear-attention layers, then a full-attention one), saved to
+    ``path`` for the driver's check to read."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(vocab_size=359, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                             linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                             layer_types=["linear_attention"] * 3 + ["full_attention"])  # fmt: skip
+    model = Qwen3NextForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@torch.no_grad()
+def test_a_model_with_layers_no_mask_reaches_is_refused_packing(tmp_path) -> None:
+    """A linear-attention (or conv, or state-space) layer runs over a packed row's every token: each sample after a row's
+    first was scored with the state the ones before it left (silently wrong logprobs, the run went on). The driver
+    refuses the recipe naming the key before any actor starts; the worker's mask refuses it too."""
+    from nemo_like.algorithms.setup import check_policy_model, check_teacher_model
+    from nemo_like.config import ConfigError, load_config
+    from nemo_like.models.policy.batching import packed_model_mask
+
+    hybrid = qwen3_next_model(tmp_path / "qwen3_next")
+    batch = rows_of_different_lengths(load_causal_lm(EMBEDDED_MODEL).eval())
+    unpacked = sequence_logprobs(hybrid, batch["input_ids"], batch["attention_mask"], TEMPERATURE)
+    packed = pack_rows(batch)
+    leaked = model_token_logprobs(hybrid, packed.input_ids, packed.attention_mask, packed.position_ids, TEMPERATURE)
+    wrong = (unpack_logprobs(leaked, packed, batch["input_ids"].shape) - unpacked).abs().amax(1)
+    first = int(packed.rows[0])  # the row packed first: nothing before it to leak from
+    assert wrong[first] < 1e-5 and all(wrong[r] > 1e-4 for r in range(4) if r != first), wrong
+    with pytest.raises(ValueError, match=r"policy.sequence_packing.enabled=true: .*'linear_attention'.*policy.dynamic_batching"):
+        packed_model_mask(packed, hybrid.config)
+    name = str(tmp_path / "qwen3_next")
+    packing = load_config(None, [f"policy.model_name={name}", "policy.sequence_packing.enabled=true"])
+    with pytest.raises(ConfigError, match=rf"policy.sequence_packing.enabled=true with policy.model_name='{name}': .*linear_attention"):
+        check_policy_model(packing)
+    check_policy_model(load_config(None, [f"policy.model_name={name}"]))  # packing off: nothing to refuse
+    with pytest.raises(ConfigError, match=rf"with teacher.model_name='{name}': .*linear_attention"):  # a teacher's rows pack too
+        check_teacher_model(load_config(None, ["policy.sequence_packing.enabled=true"]), name, "teacher.model_name")
+    for attention_only in sliding_window_models().values():  # windows too are kept within a sample (the test above)
+        packed_model_mask(packed, attention_only.config)
