@@ -21,6 +21,7 @@ prefill and decode, with left padding, and the sampler's logprobs against :func:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -214,6 +215,14 @@ class HFModelStep:
         # The config gives each layer its cache as generate() does: a hybrid model's linear-attention layers need theirs
         self.model, self.cache = model, DynamicCache(config=model.config)
         self.positions: torch.Tensor | None = None
+        # A state-space model (Mamba, Mamba2, FalconMamba) takes its cache as ``cache_params``: under the other name it
+        # fell into **kwargs and each call built a fresh, empty state. It masks the current tokens' columns only.
+        taken = inspect.signature(model.forward).parameters
+        self.recurrent = "past_key_values" not in taken
+        if self.recurrent and "cache_params" not in taken:
+            raise ValueError(
+                f"{type(model).__name__}'s forward takes neither past_key_values nor cache_params: it cannot be sampled step by step"
+            )
 
     def refresh_weights(self) -> None:
         """Nothing to rebuild: every step runs the model's own forward on its current parameters."""
@@ -225,14 +234,11 @@ class HFModelStep:
     def forward(self, input_ids: torch.Tensor, start: int, attn_mask: torch.Tensor) -> torch.Tensor:
         key_valid = attn_mask[:, 0, -1, :]  # the last query row sees every valid key
         positions = self.positions[:, start : start + input_ids.shape[1]]
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=key_valid.long(),
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        if self.recurrent:
+            cache, mask = {"cache_params": self.cache}, key_valid[:, -input_ids.shape[1] :]
+        else:
+            cache, mask = {"past_key_values": self.cache}, key_valid
+        out = self.model(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, use_cache=True, logits_to_keep=1, **cache)
         return out.logits[:, -1]
 
 

@@ -64,7 +64,28 @@ def mistral_sliding() -> torch.nn.Module:
     return MistralForCausalLM(cfg).eval()
 
 
-MODELS = {"qwen2": qwen2, "llama": llama, "gpt2": gpt2, "qwen3_5": qwen3_5, "mistral_sliding": mistral_sliding}
+def mamba2() -> torch.nn.Module:
+    """A state-space model: its forward takes ``cache_params``, not ``past_key_values`` (handed the cache under that
+    name, the model built a fresh one each call: every token after the first was drawn with an empty state)."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(5)
+    cfg = Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=1)
+    return Mamba2ForCausalLM(cfg).eval()
+
+
+def mamba() -> torch.nn.Module:
+    """Mamba v1 also masks by the current tokens' columns only (the whole key mask put decoding off from its 2nd step)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(6)
+    return MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()
+
+
+MODELS = {
+    "qwen2": qwen2, "llama": llama, "gpt2": gpt2, "qwen3_5": qwen3_5, "mistral_sliding": mistral_sliding, "mamba2": mamba2,
+    "mamba": mamba,
+}  # fmt: skip
 
 
 def full_forward_logprobs(
