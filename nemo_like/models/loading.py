@@ -545,10 +545,12 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
     model's ``config.json`` (not JSON, no or an unknown ``model_type``: a generation_config.json, say), or naming the
     field where a size of :data:`SIZE_FIELDS` it gives or its class defaults is not a positive integer (a negative one
     was a torch traceback; 0 layers a plan that read "short -38489 MiB")."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     try:
-        raw = json.loads(path.read_text())
+        # transformers' reader: save_pretrained writes an infinite float as {"__float__": "Infinity"} (Mamba2's
+        # time_step_limit), which plain JSON leaves a dict that the config's validation refused
+        raw = PretrainedConfig._dict_from_json_file(path)
         if not isinstance(raw, dict) or "model_type" not in raw:
             raise ValueError("it has no 'model_type'")
         _check_sizes(path, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw)  # as written first:
@@ -560,7 +562,10 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
     text = config.get_text_config()
     _check_sizes(path, {name: getattr(text, name) for name in SIZE_FIELDS if hasattr(text, name)})  # its class's defaults
     if not hasattr(text, "num_attention_heads") or not hasattr(text, "hidden_size"):
-        raise ConfigError(f"{path}: not a causal language model's config.json (no hidden_size or num_attention_heads)")
+        raise ConfigError(
+            f"{path}: its {raw['model_type']} config has no hidden_size or num_attention_heads, which the memory plan is "
+            "counted from (a model without attention layers, such as Mamba, is not planned)"
+        )
     return raw, config
 
 

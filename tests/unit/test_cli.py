@@ -120,6 +120,10 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
     results = tmp_path / "results.jsonl"  # eval's per-sample file, plotted by mistake
     results.write_text('{"prompt_id": "0", "reward": 1.0}\n')
     (tmp_path / "afile").write_text("")
+    mamba2 = tmp_path / "mamba2.json"  # as save_pretrained writes it: time_step_limit's infinity as {"__float__": "Infinity"}
+    mamba2.write_text(
+        '{"model_type": "mamba2", "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 16, "time_step_limit": [0.0, {"__float__": "Infinity"}]}'
+    )
     adapters = tmp_path / "my runs" / "step_2" / "policy"  # the merge command it prints must paste as one path
     adapters.mkdir(parents=True)
     (adapters / "adapter_config.json").write_text('{"peft_type": "LORA"}')
@@ -145,6 +149,8 @@ def test_bad_arguments_of_plot_plan_merge_and_eval_exit_2_with_one_line(tmp_path
         (["plan", "--model-config", str(tmp_path / "afile")], "not a causal language model's config.json (Expecting value"),
         (["plan", "--model-config", str(bert)], "not a causal language model's config.json (Unrecognized configuration class"),
         (["plan", "--model-config", str(falcon)], "the memory plan cannot lay out FalconForCausalLM"),
+        # read as plain JSON, refused as "not a causal language model's config.json (Validation error ... time_step_limit"
+        (["plan", "--model-config", str(mamba2)], "its mamba2 config has no hidden_size or num_attention_heads, which the memory plan"),
         # a size that is not a positive integer: a torch traceback (negative), a plan of "short -38489 MiB" (0 layers)
         *[
             (["plan", "--model-config", str(shaped)], f"error: {shaped}: {field} must be a positive integer, got {value!r}")
