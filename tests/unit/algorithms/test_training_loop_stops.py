@@ -77,6 +77,7 @@ def loop_parts(tmp_path, monkeypatch, *overrides: str) -> SimpleNamespace:
         policy=SimpleNamespace(take_refit_bytes=lambda: 0),
         plan=SimpleNamespace(lines=lambda: [], logprobs=SimpleNamespace(compute_teacher=False)),
         train_loader=SimpleNamespace(batches_in=lambda epochs: epochs * 1000),  # the data outlasts the steps
+        val_prompts=[],  # the validation pass's announcement counts them
     )
 
 
