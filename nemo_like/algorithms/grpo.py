@@ -715,8 +715,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
 
     def validate_at(step: int, timer: StepTimer) -> dict[str, float]:
         """The runner's validation pass, announced on the console first (it may run for minutes between two lines)."""
-        logger.progress.activity(validation_start_line(step, len(parts.val_prompts), cfg.grpo.val_num_generations_per_prompt))
-        return runner.validate(step, timer)
+        with logger.progress.during(validation_start_line(step, len(parts.val_prompts), cfg.grpo.val_num_generations_per_prompt)):
+            return runner.validate(step, timer)
 
     # The latest validation/* values, saved with each checkpoint until the next validation (best-k ranks by them).
     last_validation: dict[str, Any] = validation_of(resume_from.state.get("metrics", {})) if last_step else {}

@@ -275,7 +275,8 @@ def check_packable(cfg: MasterConfig, name: str, key: str, local_only: bool = Fa
     """A :class:`ConfigError` naming ``key`` when ``policy.sequence_packing`` is on and model ``name`` has layers a
     packed row cannot keep to each sample (:func:`~nemo_like.models.policy.batching.packing_problem`): its logprobs
     were silently wrong for every sample after a row's first."""
-    if cfg.policy.sequence_packing.enabled and (problem := packing_problem(model_config(name, local_only))):
+    longest = cfg.policy.max_total_sequence_length
+    if cfg.policy.sequence_packing.enabled and (problem := packing_problem(model_config(name, local_only), longest)):
         raise ConfigError(f"policy.sequence_packing.enabled=true with {key}={name!r}: {problem}")
 
 

@@ -154,7 +154,7 @@ def model_footprint(
         )
         for p in model.parameters()
     ]
-    from nemo_like.models.policy.batching import sliding_window
+    from nemo_like.models.layer_kinds import sliding_window
     from nemo_like.utils.experts import expert_block_values_per_token, top_k
 
     text = config.get_text_config()

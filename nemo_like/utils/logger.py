@@ -7,10 +7,11 @@ metric names and step; a backend that fails warns once and is dropped, training 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,7 @@ class ConsoleProgress:
         self.validation_seconds: deque[float] = deque(maxlen=ETA_WINDOW)
         self._last_update: tuple[int, float] | None = None  # (step, time) of the previous update
         self._rich = None
+        self._info = ""  # the last update's text
         self._live = enabled and sys.stderr.isatty()  # a bar, from the first update on
 
     def _start_bar(self) -> None:
@@ -193,20 +195,29 @@ class ConsoleProgress:
             self.validation_seconds.append(validation_s)
         self._last_update = (step, now)
         eta = format_eta(eta_seconds(self.step_seconds, self.total - step, ETA_WINDOW, self.validation_seconds, validations_left))
+        self._info = info
         if self._rich is not None:
             self._rich.update(self._task, completed=step, info=info, eta=eta)
             return
         print(f"[step {step}/{self.total}] {info} | elapsed {format_seconds(now - self.start)} {eta}", file=sys.stderr, flush=True)
 
-    def activity(self, text: str) -> None:
-        """Long work between two steps' updates began (a validation pass): with the bar up, it shows ``text`` in the
-        step's place until the next update; without one, ``text`` is a line (the work may last minutes, silent)."""
+    @contextlib.contextmanager
+    def during(self, text: str) -> Iterator[None]:
+        """Long work between two steps' updates (a validation pass, minutes of silence otherwise): with the bar up, it
+        shows ``text`` in the last step's place while the block runs; without one, ``text`` is a line."""
         if not self.enabled:
+            yield
             return
-        if self._rich is not None:
-            self._rich.update(self._task, info=text, refresh=True)
-        else:
+        if self._rich is None:
             print(text, file=sys.stderr, flush=True)
+            yield
+            return
+        self._rich.update(self._task, info=text, refresh=True)
+        try:
+            yield
+        finally:
+            if self._rich is not None:  # the last step's text again (an end-of-run validation has no update after it)
+                self._rich.update(self._task, info=self._info)
 
     def message(self, text: str) -> None:
         if self._rich is not None:

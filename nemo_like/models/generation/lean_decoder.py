@@ -217,12 +217,9 @@ class HFModelStep:
         self.positions: torch.Tensor | None = None
         # A state-space model (Mamba, Mamba2, FalconMamba) takes its cache as ``cache_params``: under the other name it
         # fell into **kwargs and each call built a fresh, empty state. It masks the current tokens' columns only.
+        # A wrapper's forward(*args, **kwargs) (PEFT's) passes past_key_values on to a model that takes it.
         taken = inspect.signature(model.forward).parameters
-        self.recurrent = "past_key_values" not in taken
-        if self.recurrent and "cache_params" not in taken:
-            raise ValueError(
-                f"{type(model).__name__}'s forward takes neither past_key_values nor cache_params: it cannot be sampled step by step"
-            )
+        self.recurrent = "cache_params" in taken and "past_key_values" not in taken
 
     def refresh_weights(self) -> None:
         """Nothing to rebuild: every step runs the model's own forward on its current parameters."""

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import torch
 
+from nemo_like.models.layer_kinds import layer_kinds, sliding_window, stateful_kinds, text_config
+
 Batch = dict[str, torch.Tensor]
 Mode = Literal["fixed", "token_budget", "packed"]
 
@@ -134,34 +136,23 @@ def pack_rows(batch: Batch, dtype: torch.dtype = torch.float32, block_diagonal: 
     )
 
 
-def _text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def sliding_window(config: Any) -> int | None:
-    """The window of ``config``'s sliding-window layers (transformers' loaded config: it clears an unused
-    ``sliding_window``), ``None`` when no layer slides: those listed ``sliding_attention`` in ``layer_types``, or every
-    layer of a config with a window and no ``layer_types`` (Mistral)."""
-    text = _text_config(config)
-    window, layer_types = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
-    return int(window) if window and (layer_types is None or "sliding_attention" in layer_types) else None
-
-
-#: The ``layer_types`` a packed row's 4D mask keeps inside each sample: attention layers. A linear-attention, conv or
-#: state-space layer (Qwen3-Next/3.5's gated delta net, Mamba, LFM2's conv) runs over the whole row, carrying state from
-#: one sample into the next (every sample after a row's first scored wrong, silently).
-PACKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-
-
-def packing_problem(config: Any) -> str | None:
-    """Why a packed row cannot score ``config``'s model exactly (``None``: it can): layers a mask does not reach."""
-    unknown = sorted(set(getattr(_text_config(config), "layer_types", None) or []) - PACKABLE_LAYER_TYPES)
-    if not unknown:
-        return None
-    return (
-        f"this model's layers include {unknown}, which run over a packed row's every token, carrying state from one "
-        "sample into the next (only attention keeps to a sample's tokens); use policy.dynamic_batching instead"
-    )
+def packing_problem(config: Any, longest: int) -> str | None:
+    """Why a packed row cannot score ``config``'s model exactly with samples of up to ``longest`` tokens (``None``: it
+    can): layers that carry a state along the row (:func:`~nemo_like.models.layer_kinds.stateful_kinds`: from one
+    sample into the next, every sample after a row's first scored wrong, silently), or Llama 4's chunked attention on
+    samples longer than its chunk (the mask keeps a sample whole, the model attends within chunks)."""
+    if stateful := stateful_kinds(config):
+        return (
+            f"this model's {stateful} layers carry a state along a packed row, from one sample into the next (a mask "
+            "keeps only attention to a sample's tokens); use policy.dynamic_batching instead"
+        )
+    chunk = getattr(text_config(config), "attention_chunk_size", None)
+    if "chunked_attention" in layer_kinds(config) and chunk and longest > chunk:
+        return (
+            f"this model's chunked-attention layers attend within chunks of {chunk} tokens, which a packed row's mask "
+            f"cannot express for samples of up to {longest} tokens; use policy.dynamic_batching instead"
+        )
+    return None
 
 
 def packed_model_mask(packed: PackedRow, config: Any, device: torch.device | str | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -170,7 +161,8 @@ def packed_model_mask(packed: PackedRow, config: Any, device: torch.device | str
     ``use_sliding_window``) saw each whole sample: a model whose ``layer_types`` list ``sliding_attention`` gets a mask
     per layer type, the sliding one also blocking keys ``sliding_window`` or more positions back (positions restart in
     each sample); one without ``layer_types`` but with a ``sliding_window`` (Mistral) applies it to every layer."""
-    if problem := packing_problem(config):  # the driver refuses it first (check_policy_model, check_teachers)
+    longest = int(packed.position_ids.max()) + 1 if packed.position_ids.numel() else 0
+    if problem := packing_problem(config, longest):  # the driver refuses it first (check_policy_model, check_teachers)
         raise ValueError(f"policy.sequence_packing.enabled=true: {problem}")
     mask = packed.attention_mask.to(device) if device is not None else packed.attention_mask
     window = sliding_window(config)
@@ -179,7 +171,7 @@ def packed_model_mask(packed: PackedRow, config: Any, device: torch.device | str
     positions = packed.position_ids[0].to(mask.device)
     far = positions[:, None] >= positions[None, :] + window  # bool from the start: an int64 [T, T] difference was 8 bytes an entry
     windowed = mask.masked_fill(far, torch.finfo(mask.dtype).min)
-    if getattr(_text_config(config), "layer_types", None) is None:
+    if getattr(text_config(config), "layer_types", None) is None:
         return windowed
     return {"full_attention": mask, "sliding_attention": windowed}
 

@@ -313,3 +313,62 @@ def test_a_model_with_layers_no_mask_reaches_is_refused_packing(tmp_path) -> Non
         check_teacher_model(load_config(None, ["policy.sequence_packing.enabled=true"]), name, "teacher.model_name")
     for attention_only in sliding_window_models().values():  # windows too are kept within a sample (the test above)
         packed_model_mask(packed, attention_only.config)
+
+
+def other_attention_models() -> dict[str, torch.nn.Module]:
+    """Attention layers transformers names otherwise, which a packed row's mask reaches: DeepSeek-V3.2's indexed
+    attention (its indexer applies the mask before its top-k) and Llama 4's chunked attention (samples within a chunk)."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(0)
+    deepseek = DeepseekV32Config(
+        vocab_size=359,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        head_dim=8,
+        index_topk=64,
+        index_head_dim=16,
+        index_n_heads=2,
+        first_k_dense_replace=1,
+        attn_implementation="eager",
+    )
+    llama4 = Llama4TextConfig(vocab_size=359, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2, attention_chunk_size=32,
+                              attn_implementation="sdpa")  # fmt: skip
+    return {"deepseek_v32": DeepseekV32ForCausalLM(deepseek).eval(), "llama4_text": Llama4ForCausalLM(llama4).eval()}
+
+
+@torch.no_grad()
+def test_attention_layers_of_other_names_pack_exactly_and_only_stateful_layers_are_refused() -> None:
+    from transformers import NemotronHConfig, RecurrentGemmaConfig
+
+    from nemo_like.models.policy.batching import packed_model_mask, packing_problem
+
+    batch = rows_of_different_lengths(load_causal_lm(EMBEDDED_MODEL).eval())  # rows of 23, 3, 11 and 2 tokens
+    for name, model in other_attention_models().items():
+        unpacked = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], TEMPERATURE)
+        packed = pack_rows(batch)
+        lp = model_token_logprobs(model, packed.input_ids, packed_model_mask(packed, model.config), packed.position_ids, TEMPERATURE)
+        assert (unpack_logprobs(lp, packed, batch["input_ids"].shape) - unpacked).abs().max() < 1e-5, name
+    llama4 = other_attention_models()["llama4_text"].config  # chunks of 32: a longer sample attends within them
+    assert packing_problem(llama4, 32) is None and "chunks of 32 tokens" in packing_problem(llama4, 33)
+    # RecurrentGemma lists its layers as block_types (no layer_types); Nemotron-H's MLP and MoE layers act per token
+    recurrent_gemma = RecurrentGemmaConfig(num_hidden_layers=3)
+    assert recurrent_gemma.block_types[:3] == ["recurrent", "recurrent", "attention"]
+    assert "this model's ['recurrent'] layers carry a state" in packing_problem(recurrent_gemma, 8)
+    nemotron_h = NemotronHConfig(layers_block_type=["mamba", "attention", "mlp", "moe"], num_hidden_layers=4)
+    assert "this model's ['linear_attention'] layers carry a state" in packing_problem(nemotron_h, 8), nemotron_h.layer_types

@@ -103,8 +103,11 @@ def test_on_a_terminal_the_bar_and_messages_go_to_stderr_as_plain_text(tmp_path)
         "p.update(1, 'reward=[0.5]')\n"
         "assert p._rich is not None\n"
         "print('to stdout', flush=True)\n"
-        "p.activity('[step 1] validating: 3 prompts x 2 responses')\n"
+        "with p.during('[step 1] validating: 3 prompts x 2 responses'):\n"
+        "    pass\n"
         "p.update(2, 'reward=[0.6]')\n"
+        "with p.during('[step 2] validating: 3 prompts x 2 responses'):\n"  # the end-of-run one: no update after it
+        "    pass\n"
         "p.close()\n"
     )
 
@@ -135,16 +138,21 @@ def test_on_a_terminal_the_bar_and_messages_go_to_stderr_as_plain_text(tmp_path)
     assert re.search(r"eta [^\r\n]*to stdout", text) is None, repr(text)  # was "... eta ?to stdout"
     # a validation pass between two steps shows in the bar's text, not as a line that would scroll the bar away
     assert re.search(r"GRPO[^\r\n]*\[step 1\] validating: 3 prompts x 2 responses", text), repr(text)
+    last_bar = text.rsplit("GRPO", 1)[1]  # as the run leaves it: the last step's text, not "validating" (was)
+    assert "reward=[0.6]" in last_bar and "validating" not in last_bar, repr(last_bar)
 
 
 def test_without_a_bar_a_validation_pass_is_announced_by_a_line(capsys) -> None:
     progress = ConsoleProgress(10, enabled=True, clock=SteppedClock())
-    progress.activity("[step 0] validating: 500 prompts x 4 responses")  # before the first step: no bar yet
+    with progress.during("[step 0] validating: 500 prompts x 4 responses"):  # before the first step: no bar yet
+        pass
     progress.update(1, "r")
-    progress.activity("[step 1] validating: 500 prompts x 4 responses")
+    with progress.during("[step 1] validating: 500 prompts x 4 responses"):
+        pass
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == lines[2].replace("step 1", "step 0") == "[step 0] validating: 500 prompts x 4 responses"
-    ConsoleProgress(10, enabled=False).activity("[step 0] validating: 1 prompts x 1 responses")  # logger.progress_bar=false
+    with ConsoleProgress(10, enabled=False).during("[step 0] validating: 1 prompts x 1 responses"):  # logger.progress_bar=false
+        pass
     assert capsys.readouterr().err == ""
 
 

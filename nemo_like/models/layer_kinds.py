@@ -1,0 +1,60 @@
+"""What each decoder layer of a model is, read from its transformers config: attention (full, within a sliding window,
+...), a layer that carries a state along the sequence (linear attention, convolution, state space: Qwen3-Next/3.5's
+gated delta nets, Mamba, LFM2), or a per-token block (an MLP-only layer). Sequence packing (which a mask keeps to
+each sample only in attention layers) and the memory planner (whose KV cache grows with the sequence only in
+attention layers, up to the window in sliding ones) both decide from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Layer kinds that attend through the attention mask transformers hands them (a packed row's 4D mask reaches them)
+#: and cache keys and values per token: DeepSeek-V3.2's indexed attention applies the mask before its top-k.
+ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "attention", "indexed_attention", "chunked_attention"})
+#: Layer kinds that act on each token alone (Nemotron-H's MLP-only and MoE-only layers): no mask, no cache.
+PER_TOKEN_KINDS = frozenset({"mlp", "moe"})
+
+
+def text_config(config: Any) -> Any:
+    """The text model's config of ``config`` (itself for a text-only model)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """Each decoder layer's kind as the config lists it (``layer_types``; RecurrentGemma's ``block_types``; empty when it
+    lists none: every layer is then attention)."""
+    text = text_config(config)
+    for key in ("layer_types", "block_types"):
+        kinds = getattr(text, key, None)
+        if isinstance(kinds, (list, tuple)) and kinds:
+            return [str(kind) for kind in kinds]
+    return []
+
+
+def stateful_kinds(config: Any) -> list[str]:
+    """The kinds of ``config``'s layers that carry a state along the sequence (neither attention nor per-token), sorted."""
+    return sorted(set(layer_kinds(config)) - ATTENTION_KINDS - PER_TOKEN_KINDS)
+
+
+def sliding_window(config: Any) -> int | None:
+    """The window of ``config``'s sliding-window layers (transformers' loaded config: it clears an unused
+    ``sliding_window``), ``None`` when no layer slides: those listed ``sliding_attention`` in ``layer_types``, or every
+    layer of a config with a window and no ``layer_types`` (Mistral)."""
+    text = text_config(config)
+    window, layer_types = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
+    return int(window) if window and (layer_types is None or "sliding_attention" in layer_types) else None
+
+
+def linear_attention_state_values(config: Any) -> int:
+    """Values one gated-delta-net layer (Qwen3-Next, Qwen3.5: ``linear_*`` sizes in the config) keeps per sequence
+    whatever its length, as transformers' cache holds them: the convolution's window over the query, key and value
+    channels (``conv_dim x linear_conv_kernel_dim``) and the recurrent state (``value heads x key dim x value dim``);
+    0 for a config without those sizes (the state is then not known here)."""
+    text = text_config(config)
+    sizes = [getattr(text, f"linear_{name}", None) for name in ("num_key_heads", "key_head_dim", "num_value_heads", "value_head_dim")]
+    kernel = getattr(text, "linear_conv_kernel_dim", None)
+    if not all(sizes) or not kernel:
+        return 0
+    key_heads, key_dim, value_heads, value_dim = sizes
+    conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
+    return conv_dim * kernel + value_heads * key_dim * value_dim
