@@ -13,6 +13,14 @@ from typing import Any
 import torch
 
 from nemo_like.config.errors import ConfigError
+from nemo_like.models.layer_kinds import (
+    ATTENTION_KINDS,
+    layer_kinds,
+    linear_attention_state_values,
+    sliding_window,
+    stateful_kinds,
+    text_config,
+)
 from nemo_like.models.loading import (
     ADAPTER_CONFIG,
     adapter_base_model,
@@ -154,7 +162,6 @@ def model_footprint(
         )
         for p in model.parameters()
     ]
-    from nemo_like.models.layer_kinds import sliding_window
     from nemo_like.utils.experts import expert_block_values_per_token, top_k
 
     text = config.get_text_config()
@@ -163,8 +170,25 @@ def model_footprint(
         packed_masks=2 if sliding_window(config) is not None else 1,
         expert_block_values=expert_block_values_per_token(model, text.hidden_size, top_k(config)),
         fused_sampler=fused,
+        **cache_layout(config),
     )
     return specs, shape
+
+
+def cache_layout(config: Any) -> dict[str, int | None]:
+    """:class:`~nemo_like.plan.memory.ModelShape`'s cache fields of ``config``'s layers (:mod:`~nemo_like.models.layer_kinds`):
+    the attention layers (all, when the config lists no kinds), the sliding ones and their window, the stateful ones
+    and the state a gated delta net keeps."""
+    kinds, window = layer_kinds(config), sliding_window(config)
+    stateful = sum(kind in stateful_kinds(config) for kind in kinds)
+    sliding = (kinds.count("sliding_attention") if kinds else text_config(config).num_hidden_layers) if window else 0
+    return {
+        "cached_layers": sum(kind in ATTENTION_KINDS for kind in kinds) if kinds else None,
+        "window_layers": sliding,
+        "window": window or 0,
+        "state_layers": stateful,
+        "state_values": linear_attention_state_values(config) if stateful else 0,
+    }
 
 
 def matmul_parameters(model_name: str, config_path: str | Path | None = None) -> int:
@@ -307,7 +331,8 @@ def planned_memory_lines(cfg: Any, run_plan: Any, scorers: Sequence[ScorerSpec] 
     except Exception as exc:  # noqa: BLE001 - an estimate, never a reason to stop
         return [f"memory: not estimated ({type(exc).__name__}: {exc})"]
     copies = sampler_copy_bytes(cfg, run_plan, shape)
-    return [*plan_memory(cfg, run_plan, params, shape, None, teachers, None, copies, scorers=scorer_memories).lines(), *unplanned]
+    memory = plan_memory(cfg, run_plan, params, shape, None, teachers, None, copies, scorers=scorer_memories)
+    return [*memory.lines(), *shape.unplanned(), *unplanned]
 
 
 def memory_report(
@@ -346,4 +371,4 @@ def memory_report(
     device_bytes = device_gib * GIB if device_gib else None
     scorer_memories, unplanned = scorer_roles(scorers, device_bytes)
     memory = plan_memory(cfg, run_plan, params, shape, device_bytes, teachers, step, copies, cluster_problem, scorer_memories)
-    return [*run_plan.lines(this_machine=True), *memory.lines(), *unplanned], memory.fits
+    return [*run_plan.lines(this_machine=True), *memory.lines(), *shape.unplanned(), *unplanned], memory.fits

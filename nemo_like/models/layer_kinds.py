@@ -24,10 +24,11 @@ def layer_kinds(config: Any) -> list[str]:
     """Each decoder layer's kind as the config lists it (``layer_types``; RecurrentGemma's ``block_types``; empty when it
     lists none: every layer is then attention)."""
     text = text_config(config)
+    layers = getattr(text, "num_hidden_layers", None)
     for key in ("layer_types", "block_types"):
         kinds = getattr(text, key, None)
         if isinstance(kinds, (list, tuple)) and kinds:
-            return [str(kind) for kind in kinds]
+            return [str(kind) for kind in kinds][:layers]  # RecurrentGemma's block_types cycle past its layers
     return []
 
 

@@ -145,6 +145,15 @@ class ModelShape:
     # The lean decoder's fused step samples the model (the Llama family: ``llama_family.supported``) and copies its
     # weights for a call; any other model samples with its own forward, copying nothing
     fused_sampler: bool = True
+    # What each layer caches (:mod:`~nemo_like.models.layer_kinds`): ``cached_layers`` of the ``layers`` keep keys and
+    # values per token (None: every one), ``window_layers`` of those the last ``window - 1`` tokens at most (sliding-window
+    # attention, as transformers' cache keeps them); ``state_layers`` (linear attention, state space) a fixed state of
+    # ``state_values`` values each whatever the length (0: not known)
+    cached_layers: int | None = None
+    window_layers: int = 0
+    window: int = 0
+    state_layers: int = 0
+    state_values: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -196,11 +205,29 @@ class ModelShape:
             return 8 * self.hidden * hidden_bytes + split * value_bytes + attention
         return 5 * self.hidden * hidden_bytes + math.ceil((3 * self.hidden + split) / tp) * value_bytes
 
-    def kv_bytes_per_token(self, bytes_per_value: int, engine: str = "hf") -> int:
-        """KV-cache bytes per token of one sequence in ``engine``'s cache (``hf``: transformers', as the inline backend's;
-        ``vllm``): each layer's keys and values, or its latent (``latent_kv_width``) where the engine caches it."""
+    def kv_bytes_per_sequence(self, bytes_per_value: int, tokens: int, engine: str = "hf") -> int:
+        """KV-cache bytes of one sequence of ``tokens`` tokens in ``engine``'s cache (``hf``: transformers', as the inline
+        backend's; ``vllm``): each attention layer's keys and values, or its latent (``latent_kv_width``) where the engine
+        caches it, per token (a sliding-window layer's for its last ``window - 1`` tokens at most; vLLM also holds the
+        tokens of the chunk in flight there, not counted), and each linear-attention / state-space layer's fixed state."""
         latent = self.latent_kv_width if engine != "vllm" or self.vllm_caches_latent else 0
-        return self.layers * (latent or 2 * self.kv_heads * self.head_dim) * bytes_per_value
+        width = latent or 2 * self.kv_heads * self.head_dim
+        full = (self.layers if self.cached_layers is None else self.cached_layers) - self.window_layers
+        cached_tokens = full * tokens + self.window_layers * min(tokens, max(self.window - 1, 0))
+        return (cached_tokens * width + self.state_layers * self.state_values) * bytes_per_value
+
+    def unplanned(self) -> list[str]:
+        """``not planned`` lines for what this shape leaves out of the estimate."""
+        if not self.state_layers:
+            return []
+        lines = [
+            f"not planned: what the model's {self.state_layers} linear-attention / state-space layers keep for backward "
+            "beyond an attention layer's (a Qwen3.5-shaped gated delta net keeps 2-3x as much on a CPU): the training "
+            "and logprob activations above are a lower bound"
+        ]
+        if not self.state_values:
+            lines.append(f"not planned: the fixed state each of those {self.state_layers} layers caches per sequence")
+        return lines
 
 
 #: The role of the refit's copy of the weights in a CPU node's RAM (:func:`refit_buffer_memory`): no actor, no bundle.
@@ -576,7 +603,7 @@ def with_inline_sampling(cfg: Any, policy: RoleMemory, shape: ModelShape, weight
     ``fused_step_copy_elements`` in :mod:`nemo_like.models.generation.lean_decoder`). Its activation-time peak is the
     larger of that and the training / logprob passes' activations."""
     batch = inline_sampling_rows(cfg)
-    kv = batch * shape.kv_bytes_per_token(DTYPE_BYTES["float32"]) * cfg.policy.max_total_sequence_length
+    kv = batch * shape.kv_bytes_per_sequence(DTYPE_BYTES["float32"], cfg.policy.max_total_sequence_length)
     logits = batch * shape.vocab * 4
     sampling = kv + logits + weight_copies
     note = (
@@ -664,7 +691,7 @@ def generation_memory(
         return RoleMemory("generation", 0, note="inline: the policy worker samples")
     value_bytes = DTYPE_BYTES[pc.precision]
     weights = parameters * value_bytes
-    per_sequence = shape.kv_bytes_per_token(value_bytes, backend) * pc.max_total_sequence_length
+    per_sequence = shape.kv_bytes_per_sequence(value_bytes, pc.max_total_sequence_length, backend)
     if backend == "hf":
         batch = hf_sampling_rows(cfg)
         logits = batch * shape.vocab * 4
@@ -813,7 +840,7 @@ def judge_memory(spec: JudgeSpec, parameters: int, shape: ModelShape, device_byt
     ``kv_cache_space_gib``. A vLLM budget that holds no sequence of ``context`` tokens is a :attr:`RoleMemory.problem`."""
     value_bytes = DTYPE_BYTES[spec.precision]
     weights = parameters * value_bytes
-    per_sequence = shape.kv_bytes_per_token(value_bytes, spec.backend) * spec.context
+    per_sequence = shape.kv_bytes_per_sequence(value_bytes, spec.context, spec.backend)
     on_gpu = spec.num_gpus > 0
     common = dict(on_host=not on_gpu, per_device=_packed_per_gpu(spec.num_gpus, spec.workers))
     if spec.backend == "hf":

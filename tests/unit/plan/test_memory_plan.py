@@ -647,7 +647,7 @@ def test_vllm_kv_budget_counts_full_length_sequences() -> None:
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
     memory = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=8 * GIB)
     engine = memory.roles[-1]
-    per_sequence = shape.kv_bytes_per_token(4) * cfg.policy.max_total_sequence_length  # float32: the engine's dtype
+    per_sequence = shape.kv_bytes_per_sequence(4, cfg.policy.max_total_sequence_length)  # float32: the engine's dtype
     # vLLM's own memory comes out of its share first: 0.5 GiB of non-torch memory, and its profile run's activations at
     # the LLM class's batch defaults (8,192 tokens, 256 sequences under 70 GiB): 8,192 x (3 x 512 + 2 x 128) x 4 bytes
     # + 256 x 359 x 4 x 2 (float32 logits and softmax) = 58,720,256 + 735,232
@@ -659,7 +659,7 @@ def test_vllm_kv_budget_counts_full_length_sequences() -> None:
 
 
 @pytest.mark.parametrize("latent", [False, True])
-def test_kv_bytes_per_token_equal_what_a_transformers_model_caches(latent: bool) -> None:
+def test_kv_bytes_equal_what_a_transformers_model_caches(latent: bool) -> None:
     # Latent attention (DeepSeek-V2/V3's MLA) caches one latent of kv_lora_rank + qk_rope_head_dim values a layer, not
     # per-head keys and values (vLLM too: its MLA cache is one head of that width); planned as keys and values of its
     # config's head_dim (the rotary part) x 4 heads, the cache was 2 x 4 x 8 / (16 + 8) = 2.7x over here, 28x for V3
@@ -678,15 +678,57 @@ def test_kv_bytes_per_token_equal_what_a_transformers_model_caches(latent: bool)
         cache = AutoModelForCausalLM.from_config(config).eval()(torch.randint(2, 50, (1, tokens)), use_cache=True).past_key_values
     cached = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     shape = ModelShape.from_hf_config(config)
-    assert shape.kv_bytes_per_token(4) * tokens == cached
+    assert shape.kv_bytes_per_sequence(4, tokens) == cached
     assert shape.latent_kv_width == (16 + 8 if latent else 0) and shape.head_dim == (16 if latent else 8)
     # vLLM caches the latent of its MLA models (DeepSeek's) but builds MiniCPM3 with per-head keys and values
     per_head = 2 * 2 * 4 * 16 * 4 if latent else cached // tokens
-    assert shape.kv_bytes_per_token(4, "vllm") * tokens == (cached if latent else per_head * tokens)
+    assert shape.kv_bytes_per_sequence(4, tokens, "vllm") == (cached if latent else per_head * tokens)
     if latent:
         minicpm3 = replace(shape, vllm_caches_latent=False)  # as from_hf_config reads a minicpm3 config
-        assert minicpm3.kv_bytes_per_token(4, "vllm") == per_head and minicpm3.kv_bytes_per_token(4) * tokens == cached
+        assert minicpm3.kv_bytes_per_sequence(4, 1, "vllm") == per_head and minicpm3.kv_bytes_per_sequence(4, tokens) == cached
         assert not ModelShape.from_hf_config(replace_model_type(config, "minicpm3")).vllm_caches_latent
+
+
+def cached_bytes(cache) -> int:
+    """Every tensor a transformers cache holds: keys and values, a linear-attention layer's convolution and recurrent states."""
+    total = 0
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            tensors = value.values() if isinstance(value, dict) else [value]
+            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return total
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "qwen3_next"])
+def test_a_cache_that_does_not_grow_with_every_layer_is_planned_as_transformers_holds_it(family: str, tmp_path) -> None:
+    """Sliding-window layers keep their last window - 1 tokens, a gated delta net a fixed state: planned as a full
+    layer's keys and values for every token, Qwen3.5-9B's 32k-token sequence was 4 GiB (1.03 GiB; vLLM "held no
+    sequence", exit 3) and Mistral v0.1's 8x its cache."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Qwen3NextConfig
+
+    from nemo_like.models.footprint import model_footprint
+
+    layers = {"vocab_size": 50, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8}  # fmt: skip
+    config = {
+        "mistral": lambda: MistralConfig(**layers, sliding_window=5),
+        "gemma3": lambda: Gemma3TextConfig(**layers, sliding_window=5, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        "qwen3_next": lambda: Qwen3NextConfig(**layers, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                                              num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2,
+                                              linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                                              layer_types=["linear_attention"] * 3 + ["full_attention"]),
+    }[family]()  # fmt: skip
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 1
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    shape = model_footprint(str(tmp_path), "float32")[1]
+    full = ModelShape.from_hf_config(config)  # every layer planned as a full-attention one
+    for tokens in (3, 12):  # within the window; past it
+        with torch.no_grad():
+            cached = cached_bytes(model(torch.randint(2, 50, (1, tokens)), use_cache=True).past_key_values)
+        assert shape.kv_bytes_per_sequence(4, tokens) == cached, (tokens, cached)
+        assert (full.kv_bytes_per_sequence(4, tokens) == cached) is (tokens == 3 and family != "qwen3_next")  # off but within a window
+    assert bool(shape.unplanned()) is (family == "qwen3_next")  # the gated delta net's activations: a lower bound
 
 
 def test_a_config_whose_layers_differ_in_head_dim_is_planned_at_the_largest() -> None:
@@ -803,7 +845,7 @@ def test_gpu_engines_hold_weights_and_kv_at_the_policys_precision_and_hf_only_it
     params, shape = model_footprint(EMBEDDED_MODEL, "float32")
     parameters = sum(p.shard_bytes(1) for p in params) // 4
     value_bytes = {"float32": 4, "bfloat16": 2}[precision]
-    per_sequence = shape.kv_bytes_per_token(value_bytes) * 64  # the tiny recipe's max_total_sequence_length
+    per_sequence = shape.kv_bytes_per_sequence(value_bytes, 64)  # the tiny recipe's max_total_sequence_length
     # 64 prompts x 8 responses = 512 sequences: the HF engine samples them in batches of HF_MAX_BATCH_SIZE (256)
     cfg = recipe("cluster.gpus_per_node=1", f"policy.precision={precision}", "grpo.num_prompts_per_step=64")
     hf_plan = decide_run_plan(recipe("cluster.gpus_per_node=1", f"policy.precision={precision}", "policy.generation.backend=hf"), (), 2)
