@@ -89,6 +89,11 @@ def resolve_target_modules(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
     """The full names of the modules that get adapters under ``policy.lora_cfg``; a target or exclusion that
     names no decoder linear layer of ``model`` is a :class:`ConfigError` listing the names that exist."""
     linear = decoder_linear_modules(model)
+    if not linear:  # GPT-2 (Conv1D projections), Falcon and Bloom (blocks under transformer.h): an IndexError below
+        raise ConfigError(
+            f"policy.lora_cfg.enabled=true: {type(model).__name__} has no torch.nn.Linear layer in decoder blocks under "
+            "'.layers.' (model.layers.N, as Llama, Qwen, Mistral and Gemma lay them out), the modules LoRA adapts here"
+        )
     short = sorted({name.rsplit(".", 1)[-1] for name in linear})
     for key in ("target_modules", "exclude_modules"):
         for entry in getattr(lora_cfg, key) or []:
@@ -102,7 +107,44 @@ def resolve_target_modules(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
     chosen = [m for m in chosen if not any(_matches(e, m) for e in lora_cfg.exclude_modules or [])]
     if not chosen:
         raise ConfigError("policy.lora_cfg.exclude_modules removes every module of policy.lora_cfg.target_modules: no adapter is left")
+    if moved := peft_expert_targets(model, chosen):
+        if targets is not None:
+            raise ConfigError(
+                f"policy.lora_cfg.target_modules: PEFT would put the adapters of {len(moved)} of the named layers (e.g. "
+                f"{moved[0]!r}) on the {model.config.model_type} model's fused experts instead (on transformers 5 it maps "
+                "every target named like an expert projection onto them): leave them out with policy.lora_cfg.exclude_modules"
+            )
+        chosen = [m for m in chosen if m not in moved]  # the default: check_lora_targets says which are left out
+        if not chosen:
+            raise ConfigError(
+                f"policy.lora_cfg: every linear layer of the {model.config.model_type} model's decoder is one PEFT maps onto its experts"
+            )
     return chosen
+
+
+def peft_expert_targets(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """The ``names`` whose adapters PEFT would put on a mixture of experts' fused expert parameters: on transformers 5
+    it maps a target named like a transformers 4 expert projection (``gate_proj``/``up_proj``/``down_proj``,
+    Mixtral's ``w1``/``w2``/``w3``) onto them for the model types it converts (Qwen2/3-MoE, Qwen3-Next, DeepSeek,
+    Mixtral, ...), whatever module it names: a shared expert's, a dense layer's. Those layers then got no adapter, the
+    experts did, and the first refit failed. PEFT's own conversion decides, one name at a time."""
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers, get_model_conversion_mapping
+    except ImportError:  # a PEFT without it converts nothing
+        return []
+    conversions = get_model_conversion_mapping(model)
+    moved = []
+    for name in names:
+        config = LoraConfig(target_modules=[name])
+        try:
+            convert_peft_config_for_transformers(config, model, conversions)
+        except ValueError:  # "cannot convert gate_proj without also targeting up_proj": it converts it with up_proj
+            moved.append(name)
+            continue
+        if name not in (config.target_modules or ()):
+            moved.append(name)
+    return moved
 
 
 def peft_config(lora_cfg: Any, targets: list[str]):
@@ -117,7 +159,14 @@ def apply_lora(model: torch.nn.Module, lora_cfg: Any) -> torch.nn.Module:
     the base); only the adapter parameters require gradients. Seed torch first for identical adapters."""
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config(lora_cfg, resolve_target_modules(model, lora_cfg)))
+    targets = resolve_target_modules(model, lora_cfg)
+    wrapped = get_peft_model(model, peft_config(lora_cfg, targets))
+    adapted = sorted(
+        name.removeprefix(_PEFT_PREFIX) for name, module in wrapped.named_modules() if hasattr(module, "lora_A") and module.lora_A
+    )
+    if adapted != sorted(targets):  # PEFT moved or added a target (resolve_target_modules keeps those out)
+        raise RuntimeError(f"PEFT adapted {sorted(set(adapted) ^ set(targets))[:4]} against the resolved targets")
+    return wrapped
 
 
 def scaling(lora_cfg: Any) -> float:
@@ -264,6 +313,15 @@ def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False)
             f"policy.lora_cfg: {model_name}'s {experts} routed experts per layer ({routed:,} parameters in all) get no adapters "
             "(fused expert parameters, no linear layers): LoRA adapts the linear layers around them "
             f"({len(chosen)} modules, e.g. {chosen[0].rsplit('.', 2)[-2]}.{chosen[0].rsplit('.', 1)[-1]}), the experts stay frozen",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if lora_cfg.target_modules is None and (moved := peft_expert_targets(skeleton, decoder_linear_modules(skeleton))):
+        kinds = sorted({".".join(name.split(".")[-2:]) for name in moved})
+        warnings.warn(
+            f"policy.lora_cfg: {len(moved)} linear layers of {model_name} get no adapters ({', '.join(kinds[:4])}"
+            f"{', ...' if len(kinds) > 4 else ''}): PEFT on transformers 5 would put their adapters on the model's fused "
+            "experts instead (it maps layers named like expert projections onto them)",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -270,3 +270,35 @@ def test_a_mixture_of_experts_says_its_fused_experts_get_no_adapters(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"4 routed experts per layer \(24,576 parameters in all\) get no adapters"):
         chosen = lora.check_lora_targets(str(tmp_path), LoraConfig(enabled=True))
     assert chosen and not any(".experts" in name for name in chosen)
+
+
+def test_layers_peft_would_move_onto_the_experts_get_no_adapters_or_are_refused(tmp_path):
+    """On transformers 5, PEFT maps a target named like an expert projection (a shared expert's gate_proj, a dense
+    layer's) onto a mixture of experts' fused experts: the announced layers got no adapter, the routed experts did, and
+    the first merged refit failed ("incomplete LoRA layers in the weight stream"). By default they are left out (a
+    warning lists them); named, they are refused; what PEFT adapts is exactly what was resolved."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    # layer 0 dense (mlp.gate_proj, up_proj, down_proj: linear layers), layer 1 a mixture of experts
+    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, vocab_size=359, num_experts=4, num_experts_per_tok=2,
+                            mlp_only_layers=[0])  # fmt: skip
+    config.save_pretrained(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"3 linear layers of .* get no adapters \(mlp.down_proj, mlp.gate_proj, mlp.up_proj\)"):
+        chosen = lora.check_lora_targets(str(tmp_path), LoraConfig(enabled=True))
+    assert "model.layers.0.self_attn.q_proj" in chosen and not any(".mlp." in name for name in chosen)
+    model = lora.apply_lora(AutoModelForCausalLM.from_config(config), LoraConfig(enabled=True))
+    assert not model.peft_config["default"].target_parameters  # the routed experts got none
+    named = LoraConfig(enabled=True, target_modules=["q_proj", "gate_proj", "up_proj"])
+    with pytest.raises(ConfigError, match=r"target_modules: PEFT would put the adapters of 2 of the named layers .* fused experts"):
+        lora.check_lora_targets(str(tmp_path), named)
+
+
+def test_a_model_without_linear_decoder_layers_is_refused_naming_the_key():
+    """GPT-2 (Conv1D projections under transformer.h): an IndexError, or an error blaming the unset exclude_modules."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2))
+    for targets in (None, ["c_attn"]):
+        with pytest.raises(ConfigError, match=r"lora_cfg.enabled=true: GPT2LMHeadModel has no torch.nn.Linear layer in decoder blocks"):
+            lora.resolve_target_modules(gpt2, LoraConfig(enabled=True, target_modules=targets))
