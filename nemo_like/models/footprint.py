@@ -14,7 +14,7 @@ import torch
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.layer_kinds import (
-    ATTENTION_KINDS,
+    caches_per_token,
     layer_kinds,
     linear_attention_state_values,
     sliding_window,
@@ -181,13 +181,15 @@ def cache_layout(config: Any) -> dict[str, int | None]:
     and the state a gated delta net keeps."""
     kinds, window = layer_kinds(config), sliding_window(config)
     stateful = sum(kind in stateful_kinds(config) for kind in kinds)
-    sliding = (kinds.count("sliding_attention") if kinds else text_config(config).num_hidden_layers) if window else 0
+    windowed = kinds.count("sliding_attention") + kinds.count("hybrid_sliding") if kinds else text_config(config).num_hidden_layers
+    convolution, recurrent = linear_attention_state_values(config) if stateful else (0, 0)
     return {
-        "cached_layers": sum(kind in ATTENTION_KINDS for kind in kinds) if kinds else None,
-        "window_layers": sliding,
+        "cached_layers": sum(map(caches_per_token, kinds)) if kinds else None,
+        "window_layers": windowed if window else 0,
         "window": window or 0,
         "state_layers": stateful,
-        "state_values": linear_attention_state_values(config) if stateful else 0,
+        "state_values": convolution,
+        "state_float32_values": recurrent,
     }
 
 

@@ -13,6 +13,11 @@ from typing import Any
 ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "attention", "indexed_attention", "chunked_attention"})
 #: Layer kinds that act on each token alone (Nemotron-H's MLP-only and MoE-only layers): no mask, no cache.
 PER_TOKEN_KINDS = frozenset({"mlp", "moe"})
+#: Layer kinds that carry a fixed-size state along the sequence instead of caching each token: linear attention
+#: (gated delta nets; transformers lists Mamba layers so too), LFM2's convolutions, RecurrentGemma's recurrent blocks.
+STATE_KINDS = frozenset({"linear_attention", "conv", "recurrent", "mamba"})
+#: Layer kinds that run attention and a state-space block side by side (Falcon-H1, Zamba): a state and a per-token cache.
+HYBRID_KINDS = frozenset({"hybrid", "hybrid_sliding"})
 
 
 def text_config(config: Any) -> Any:
@@ -33,8 +38,19 @@ def layer_kinds(config: Any) -> list[str]:
 
 
 def stateful_kinds(config: Any) -> list[str]:
-    """The kinds of ``config``'s layers that carry a state along the sequence (neither attention nor per-token), sorted."""
-    return sorted(set(layer_kinds(config)) - ATTENTION_KINDS - PER_TOKEN_KINDS)
+    """The kinds of ``config``'s layers that carry a state along the sequence, sorted."""
+    return sorted(set(layer_kinds(config)) & (STATE_KINDS | HYBRID_KINDS))
+
+
+def unknown_kinds(config: Any) -> list[str]:
+    """The kinds of ``config``'s layers this module does not know (DeepSeek-V4's compressed attention), sorted: they
+    may attend in ways a mask does not express; the memory plan counts them as full attention."""
+    return sorted(set(layer_kinds(config)) - ATTENTION_KINDS - PER_TOKEN_KINDS - STATE_KINDS - HYBRID_KINDS)
+
+
+def caches_per_token(kind: str) -> bool:
+    """Whether a layer of ``kind`` caches keys and values for each token (attention, a hybrid's, an unknown kind's)."""
+    return kind not in STATE_KINDS and kind not in PER_TOKEN_KINDS
 
 
 def sliding_window(config: Any) -> int | None:
@@ -46,16 +62,17 @@ def sliding_window(config: Any) -> int | None:
     return int(window) if window and (layer_types is None or "sliding_attention" in layer_types) else None
 
 
-def linear_attention_state_values(config: Any) -> int:
+def linear_attention_state_values(config: Any) -> tuple[int, int]:
     """Values one gated-delta-net layer (Qwen3-Next, Qwen3.5: ``linear_*`` sizes in the config) keeps per sequence
-    whatever its length, as transformers' cache holds them: the convolution's window over the query, key and value
-    channels (``conv_dim x linear_conv_kernel_dim``) and the recurrent state (``value heads x key dim x value dim``);
-    0 for a config without those sizes (the state is then not known here)."""
+    whatever its length, as transformers' cache holds them: ``(convolution, recurrent)``, the convolution's window
+    over the query, key and value channels (``conv_dim x linear_conv_kernel_dim``, in the model's dtype) and the
+    recurrent state (``value heads x key dim x value dim``, which transformers keeps in float32); ``(0, 0)`` for a
+    config without those sizes (the state is then not known here)."""
     text = text_config(config)
     sizes = [getattr(text, f"linear_{name}", None) for name in ("num_key_heads", "key_head_dim", "num_value_heads", "value_head_dim")]
     kernel = getattr(text, "linear_conv_kernel_dim", None)
     if not all(sizes) or not kernel:
-        return 0
+        return 0, 0
     key_heads, key_dim, value_heads, value_dim = sizes
     conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
-    return conv_dim * kernel + value_heads * key_dim * value_dim
+    return conv_dim * kernel, value_heads * key_dim * value_dim

@@ -147,13 +147,15 @@ class ModelShape:
     fused_sampler: bool = True
     # What each layer caches (:mod:`~nemo_like.models.layer_kinds`): ``cached_layers`` of the ``layers`` keep keys and
     # values per token (None: every one), ``window_layers`` of those the last ``window - 1`` tokens at most (sliding-window
-    # attention, as transformers' cache keeps them); ``state_layers`` (linear attention, state space) a fixed state of
-    # ``state_values`` values each whatever the length (0: not known)
+    # attention, as transformers' cache keeps them); ``state_layers`` (linear attention, state space) a fixed state
+    # whatever the length, of ``state_values`` values in the model's dtype and ``state_float32_values`` values that
+    # transformers keeps in float32 (a gated delta net's recurrent state; vLLM in the model's dtype); both 0: not known
     cached_layers: int | None = None
     window_layers: int = 0
     window: int = 0
     state_layers: int = 0
     state_values: int = 0
+    state_float32_values: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -214,7 +216,8 @@ class ModelShape:
         width = latent or 2 * self.kv_heads * self.head_dim
         full = (self.layers if self.cached_layers is None else self.cached_layers) - self.window_layers
         cached_tokens = full * tokens + self.window_layers * min(tokens, max(self.window - 1, 0))
-        return (cached_tokens * width + self.state_layers * self.state_values) * bytes_per_value
+        float32_state = self.state_float32_values * (bytes_per_value if engine == "vllm" else 4)
+        return (cached_tokens * width + self.state_layers * self.state_values) * bytes_per_value + self.state_layers * float32_state
 
     def unplanned(self) -> list[str]:
         """``not planned`` lines for what this shape leaves out of the estimate."""
@@ -225,7 +228,7 @@ class ModelShape:
             "beyond an attention layer's (a Qwen3.5-shaped gated delta net keeps 2-3x as much on a CPU): the training "
             "and logprob activations above are a lower bound"
         ]
-        if not self.state_values:
+        if not self.state_values and not self.state_float32_values:
             lines.append(f"not planned: the fixed state each of those {self.state_layers} layers caches per sequence")
         return lines
 
@@ -705,8 +708,8 @@ def generation_memory(
         return RoleMemory("generation", GENERATION_ENGINES, params=weights, note=note)
     budget, overhead = vllm_kv_budget(shape, value_bytes, weights, share, device_bytes if on_gpu else None, g.vllm_cfg.kv_cache_space_gib)
     budget = max(0, budget)
-    sequences = budget // per_sequence if per_sequence else 0
-    note = f"vLLM, KV budget holds {sequences} sequences of {pc.max_total_sequence_length} tokens"
+    sequences = budget // per_sequence if per_sequence else None  # None: no layer's cache is known (not a refusal)
+    note = f"vLLM, KV budget holds {'an unknown number of' if sequences is None else sequences} sequences of {pc.max_total_sequence_length} tokens"
     if on_gpu:
         note += f"; vLLM's own {overhead / GIB:.3f} GiB (profile-run activations and non-torch memory, estimated) in activations"
     return RoleMemory(
@@ -862,8 +865,9 @@ def judge_memory(spec: JudgeSpec, parameters: int, shape: ModelShape, device_byt
         shape, value_bytes, weights, spec.gpu_memory_utilization, device_bytes if on_gpu else None, spec.kv_cache_space_gib
     )
     how = "engine_gpu_memory_utilization x device - weights - vLLM's own" if on_gpu else "engine_kv_cache_space_gib"
-    sequences = max(0, budget) // per_sequence if per_sequence else 0
-    note = f"an LLM judge, vLLM: KV budget holds {sequences} sequences of {spec.context} tokens ({spec.context_note})"
+    sequences = max(0, budget) // per_sequence if per_sequence else None  # None: no layer's cache is known
+    held = "an unknown number of" if sequences is None else sequences
+    note = f"an LLM judge, vLLM: KV budget holds {held} sequences of {spec.context} tokens ({spec.context_note})"
     problem = (
         f"{spec.role}'s vLLM KV budget ({_size(max(0, budget))} = {how}) holds no sequence of {spec.context} tokens "
         f"({_size(per_sequence)} each)"

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from nemo_like.models.layer_kinds import layer_kinds, sliding_window, stateful_kinds, text_config
+from nemo_like.models.layer_kinds import layer_kinds, sliding_window, stateful_kinds, text_config, unknown_kinds
 
 Batch = dict[str, torch.Tensor]
 Mode = Literal["fixed", "token_budget", "packed"]
@@ -146,6 +146,8 @@ def packing_problem(config: Any, longest: int) -> str | None:
             f"this model's {stateful} layers carry a state along a packed row, from one sample into the next (a mask "
             "keeps only attention to a sample's tokens); use policy.dynamic_batching instead"
         )
+    if unknown := unknown_kinds(config):
+        return f"this model's {unknown} layers may attend in ways a packed row's mask does not express; use policy.dynamic_batching instead"
     chunk = getattr(text_config(config), "attention_chunk_size", None)
     if "chunked_attention" in layer_kinds(config) and chunk and longest > chunk:
         return (

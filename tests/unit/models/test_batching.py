@@ -372,3 +372,11 @@ def test_attention_layers_of_other_names_pack_exactly_and_only_stateful_layers_a
     assert "this model's ['recurrent'] layers carry a state" in packing_problem(recurrent_gemma, 8)
     nemotron_h = NemotronHConfig(layers_block_type=["mamba", "attention", "mlp", "moe"], num_hidden_layers=4)
     assert "this model's ['linear_attention'] layers carry a state" in packing_problem(nemotron_h, 8), nemotron_h.layer_types
+    from transformers import FalconH1Config
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    assert "this model's ['hybrid'] layers carry a state" in packing_problem(
+        FalconH1Config(num_hidden_layers=2), 8
+    )  # Mamba beside attention
+    compressed = packing_problem(CONFIG_MAPPING["deepseek_v4"](), 8)  # DeepSeek-V4's compressed attention: not a mask's to say
+    assert "['compressed_sparse_attention', 'heavily_compressed_attention'] layers may attend in ways" in compressed

@@ -729,6 +729,25 @@ def test_a_cache_that_does_not_grow_with_every_layer_is_planned_as_transformers_
         assert shape.kv_bytes_per_sequence(4, tokens) == cached, (tokens, cached)
         assert (full.kv_bytes_per_sequence(4, tokens) == cached) is (tokens == 3 and family != "qwen3_next")  # off but within a window
     assert bool(shape.unplanned()) is (family == "qwen3_next")  # the gated delta net's activations: a lower bound
+    if family == "qwen3_next":  # in bfloat16 transformers keeps the recurrent state in float32 (vLLM: the model's dtype)
+        with torch.no_grad():
+            cached = cached_bytes(model.to(torch.bfloat16)(torch.randint(2, 50, (1, 12)), use_cache=True).past_key_values)
+        assert shape.kv_bytes_per_sequence(2, 12) == cached > shape.kv_bytes_per_sequence(2, 12, "vllm")
+
+
+def test_attention_beside_a_state_space_block_is_planned_with_its_keys_and_values() -> None:
+    """Falcon-H1's "hybrid" layers run attention and a Mamba block side by side: counted as state only, their cache was
+    0 bytes a sequence and the plan refused the run ("holds no sequence ... needs 0.000 MiB")."""
+    from transformers import FalconH1Config
+
+    from nemo_like.models.footprint import cache_layout
+
+    config = FalconH1Config(num_hidden_layers=4)
+    layout = cache_layout(config)
+    assert layout["cached_layers"] == 4 and layout["state_layers"] == 4 and layout["state_values"] == 0
+    shape = replace(ModelShape.from_hf_config(config), **layout)
+    assert shape.kv_bytes_per_sequence(2, 100) == replace(ModelShape.from_hf_config(config)).kv_bytes_per_sequence(2, 100) > 0
+    assert any("fixed state each of those 4 layers" in line for line in shape.unplanned())
 
 
 def test_a_config_whose_layers_differ_in_head_dim_is_planned_at_the_largest() -> None:
