@@ -528,7 +528,9 @@ def death_reason(exc: BaseException) -> str:
     if not lines:
         return type(exc).__name__
     if "error raised in its creation task" in lines[0] and len(lines) > 1:
-        return f"its constructor raised {lines[-1]}"
+        # a pydantic ValidationError (vLLM's configs) ends with a link; the line above it says what was invalid
+        detail = [line for line in lines if not line.startswith("For further information visit")]
+        return f"its constructor raised {detail[-1]}"
     if lines[0] == ray.exceptions.ActorDiedError.BASE_ERROR_MSG and len(lines) > 1:
         # Ray's fixed first line of every system-level death: its cause (out of memory, a signal, a lost node) is last
         cause = lines[-1]

@@ -561,10 +561,10 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
         raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
     text = config.get_text_config()
     _check_sizes(path, {name: getattr(text, name) for name in SIZE_FIELDS if hasattr(text, name)})  # its class's defaults
-    if not hasattr(text, "num_attention_heads") or not hasattr(text, "hidden_size"):
+    if missing := [name for name in ("hidden_size", "num_attention_heads") if not hasattr(text, name)]:
         raise ConfigError(
-            f"{path}: its {raw['model_type']} config has no hidden_size or num_attention_heads, which the memory plan is "
-            "counted from (a model without attention layers, such as Mamba, is not planned)"
+            f"{path}: its {raw['model_type']} config has no {' or '.join(missing)}, which the memory plan is counted from "
+            "(a model without attention layers, such as Mamba, is not planned)"
         )
     return raw, config
 

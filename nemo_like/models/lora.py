@@ -107,44 +107,63 @@ def resolve_target_modules(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
     chosen = [m for m in chosen if not any(_matches(e, m) for e in lora_cfg.exclude_modules or [])]
     if not chosen:
         raise ConfigError("policy.lora_cfg.exclude_modules removes every module of policy.lora_cfg.target_modules: no adapter is left")
-    if moved := peft_expert_targets(model, chosen):
+    if left_out := peft_left_out(model, chosen):
         if targets is not None:
+            name, why = next(iter(left_out.items()))
             raise ConfigError(
-                f"policy.lora_cfg.target_modules: PEFT would put the adapters of {len(moved)} of the named layers (e.g. "
-                f"{moved[0]!r}) on the {model.config.model_type} model's fused experts instead (on transformers 5 it maps "
-                "every target named like an expert projection onto them): leave them out with policy.lora_cfg.exclude_modules"
+                f"policy.lora_cfg.target_modules: {len(left_out)} of the named layers cannot take adapters as named (e.g. "
+                f"{name!r}: {why}): leave them out with policy.lora_cfg.exclude_modules"
             )
-        chosen = [m for m in chosen if m not in moved]  # the default: check_lora_targets says which are left out
+        chosen = [m for m in chosen if m not in left_out]  # the default: check_lora_targets says which are left out
         if not chosen:
             raise ConfigError(
-                f"policy.lora_cfg: every linear layer of the {model.config.model_type} model's decoder is one PEFT maps onto its experts"
+                f"policy.lora_cfg: no linear layer of the {model.config.model_type} model's decoder can take adapters as named"
             )
     return chosen
 
 
-def peft_expert_targets(model: torch.nn.Module, names: list[str]) -> list[str]:
-    """The ``names`` whose adapters PEFT would put on a mixture of experts' fused expert parameters: on transformers 5
-    it maps a target named like a transformers 4 expert projection (``gate_proj``/``up_proj``/``down_proj``,
-    Mixtral's ``w1``/``w2``/``w3``) onto them for the model types it converts (Qwen2/3-MoE, Qwen3-Next, DeepSeek,
-    Mixtral, ...), whatever module it names: a shared expert's, a dense layer's. Those layers then got no adapter, the
-    experts did, and the first refit failed. PEFT's own conversion decides, one name at a time."""
+#: Why :func:`peft_left_out` leaves a layer out.
+MOVED_ONTO_EXPERTS = (
+    "PEFT on transformers 5 would put its adapters on the model's fused experts instead (it maps layers named like a "
+    "transformers 4 expert projection onto them)"
+)
+REFUSED_FOR_MAMBA = "PEFT refuses adapters on a Mamba block's out_proj and conv1d"
+
+
+def peft_left_out(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
+    """The ``names`` PEFT would not adapt as named, each with why (:func:`check_lora_targets` warns of them):
+
+    * on a mixture of experts PEFT converts (Qwen2/3-MoE, Qwen3-Next, DeepSeek, Mixtral, ...), a layer named like a
+      transformers 4 expert projection (``gate_proj``/``up_proj``/``down_proj``, Mixtral's ``w1``/``w2``/``w3``):
+      PEFT maps it onto the fused expert parameters, whatever module it names (a shared expert's, a dense layer's),
+      so that layer got no adapter, the experts did, and the first refit failed;
+    * on a Mamba model (Mamba, Mamba2, FalconMamba, Falcon-H1, Nemotron-H), a block's ``out_proj`` and ``conv1d``:
+      PEFT refuses them (in the policy actor, after Ray had started).
+
+    PEFT's own rules decide, one name at a time; a PEFT without them leaves nothing out."""
     try:
         from peft import LoraConfig
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers, get_model_conversion_mapping
-    except ImportError:  # a PEFT without it converts nothing
-        return []
+    except ImportError:
+        return {}
     conversions = get_model_conversion_mapping(model)
-    moved = []
+    left_out = {}
     for name in names:
         config = LoraConfig(target_modules=[name])
         try:
+            _check_lora_target_modules_mamba(config, model, name.rsplit(".", 1)[-1])
+        except ValueError:
+            left_out[name] = REFUSED_FOR_MAMBA
+            continue
+        try:
             convert_peft_config_for_transformers(config, model, conversions)
         except ValueError:  # "cannot convert gate_proj without also targeting up_proj": it converts it with up_proj
-            moved.append(name)
+            left_out[name] = MOVED_ONTO_EXPERTS
             continue
         if name not in (config.target_modules or ()):
-            moved.append(name)
-    return moved
+            left_out[name] = MOVED_ONTO_EXPERTS
+    return left_out
 
 
 def peft_config(lora_cfg: Any, targets: list[str]):
@@ -316,12 +335,13 @@ def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False)
             RuntimeWarning,
             stacklevel=2,
         )
-    if lora_cfg.target_modules is None and (moved := peft_expert_targets(skeleton, decoder_linear_modules(skeleton))):
-        kinds = sorted({".".join(name.split(".")[-2:]) for name in moved})
+    left_out = peft_left_out(skeleton, decoder_linear_modules(skeleton)) if lora_cfg.target_modules is None else {}
+    for why in dict.fromkeys(left_out.values()):
+        kinds = sorted({".".join(name.split(".")[-2:]) for name, reason in left_out.items() if reason == why})
+        count = sum(reason == why for reason in left_out.values())
         warnings.warn(
-            f"policy.lora_cfg: {len(moved)} linear layers of {model_name} get no adapters ({', '.join(kinds[:4])}"
-            f"{', ...' if len(kinds) > 4 else ''}): PEFT on transformers 5 would put their adapters on the model's fused "
-            "experts instead (it maps layers named like expert projections onto them)",
+            f"policy.lora_cfg: {count} linear layers of {model_name} get no adapters ({', '.join(kinds[:4])}"
+            f"{', ...' if len(kinds) > 4 else ''}): {why}",
             RuntimeWarning,
             stacklevel=2,
         )

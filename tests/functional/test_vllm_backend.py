@@ -306,3 +306,28 @@ def test_a_kept_engine_that_saw_nonfinite_weights_serves_the_next_run_cleanly(ra
     finally:
         again.shutdown()
     assert all(math.isfinite(lp) for s in clean for lp in s.response_logprobs)
+
+
+def test_an_engine_that_cannot_build_the_model_names_the_key_that_samples_it_with_transformers(ray_cluster, cfg, tok, tmp_path):
+    """vLLM refusing a model at start (an architecture its CPU build cannot import, as Qwen3.5's needs torchvision; a
+    LoRA its Mamba models assert against) died in the actor with vLLM's own words only."""
+    import json
+    import shutil
+
+    from nemo_like.distributed.worker_group import WorkerFailure
+    from nemo_like.models.assets import embedded_model_path
+    from nemo_like.models.generation.vllm import VLLMGeneration
+
+    model = tmp_path / "unbuildable"
+    shutil.copytree(embedded_model_path(cfg.policy.model_name), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchArchitectureForCausalLM"]}))
+    unbuildable = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"model_name": str(model)})})
+    gen = VLLMGeneration(unbuildable, tok.pad_token_id, [tok.eos_token_id], 1, name="unbuildable_vllm")
+    try:
+        # the line that says why (not pydantic's closing "For further information visit ..."), then the way out
+        why = r"its constructor raised .*NoSuchArchitectureForCausalLM.*; vLLM could not start the model: policy.generation.backend=hf"
+        with pytest.raises(WorkerFailure, match=why):
+            gen.wait_ready()
+    finally:
+        gen.shutdown()

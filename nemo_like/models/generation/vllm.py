@@ -263,8 +263,14 @@ class VLLMGeneration:
         return summed_over_workers(self.group.workers, "mid_generation_seconds", "generation: counters")
 
     def wait_ready(self) -> None:
-        """Wait until every engine actor is built (its start-up never counts against a call's deadline)."""
-        self.group.wait_started()
+        """Wait until every engine actor is built (its start-up never counts against a call's deadline). An engine that
+        could not start (vLLM does not build this model here: an architecture its CPU build cannot import, a LoRA its
+        Mamba models refuse) says which key samples it with transformers instead."""
+        try:
+            self.group.wait_started()
+        except WorkerFailure as exc:
+            hint = "; vLLM could not start the model: policy.generation.backend=hf samples it with transformers instead"
+            raise WorkerFailure(f"{exc}{hint}", exc.role, exc.actor_id) from exc
 
     def shutdown(self) -> None:
         """Release the actors."""

@@ -290,7 +290,7 @@ def test_layers_peft_would_move_onto_the_experts_get_no_adapters_or_are_refused(
     model = lora.apply_lora(AutoModelForCausalLM.from_config(config), LoraConfig(enabled=True))
     assert not model.peft_config["default"].target_parameters  # the routed experts got none
     named = LoraConfig(enabled=True, target_modules=["q_proj", "gate_proj", "up_proj"])
-    with pytest.raises(ConfigError, match=r"target_modules: PEFT would put the adapters of 2 of the named layers .* fused experts"):
+    with pytest.raises(ConfigError, match=r"target_modules: 2 of the named layers cannot take adapters as named .*fused experts"):
         lora.check_lora_targets(str(tmp_path), named)
 
 
@@ -302,3 +302,18 @@ def test_a_model_without_linear_decoder_layers_is_refused_naming_the_key():
     for targets in (None, ["c_attn"]):
         with pytest.raises(ConfigError, match=r"lora_cfg.enabled=true: GPT2LMHeadModel has no torch.nn.Linear layer in decoder blocks"):
             lora.resolve_target_modules(gpt2, LoraConfig(enabled=True, target_modules=targets))
+
+
+def test_a_mamba_blocks_out_proj_is_left_out_by_default_and_refused_when_named(tmp_path):
+    """PEFT refuses adapters on a Mamba block's out_proj (and conv1d): the default targets took every decoder linear
+    layer, and the policy actor died with PEFT's message naming its own target_modules, after Ray had started."""
+    from transformers import AutoModelForCausalLM, Mamba2Config
+
+    config = Mamba2Config(vocab_size=359, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=1)
+    config.save_pretrained(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"2 linear layers of .* get no adapters \(mixer.out_proj\): PEFT refuses adapters"):
+        chosen = lora.check_lora_targets(str(tmp_path), LoraConfig(enabled=True))
+    assert chosen == ["backbone.layers.0.mixer.in_proj", "backbone.layers.1.mixer.in_proj"]
+    lora.apply_lora(AutoModelForCausalLM.from_config(config), LoraConfig(enabled=True))  # PEFT accepts what is left
+    with pytest.raises(ConfigError, match=r"target_modules: 2 of the named layers cannot take adapters as named .*out_proj"):
+        lora.check_lora_targets(str(tmp_path), LoraConfig(enabled=True, target_modules=["out_proj"]))
