@@ -131,6 +131,15 @@ def adapts_the_same_modules(step_dir: Path, cfg: MasterConfig) -> bool:
         return False  # unreadable, or names no module of the model now: the keys' comparison stands
 
 
+def adapted_expert_parameters(step_dir: Path) -> list[str]:
+    """The fused expert parameters a LoRA checkpoint's adapters sit on (PEFT's ``target_parameters``; none for a
+    checkpoint of this version, whose targets PEFT adapts as named: :func:`~nemo_like.models.lora.peft_left_out`)."""
+    try:
+        return sorted(json.loads((step_dir / POLICY_DIR / ADAPTER_CONFIG).read_text()).get("target_parameters") or [])
+    except (OSError, ValueError):
+        return []
+
+
 def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
     """The checkpoint a run will resume from (``None`` for a fresh start). Removes partial saves and
     refuses a checkpoint written by an incompatible config, naming the differing keys."""
@@ -165,6 +174,12 @@ def find_resume_checkpoint(cfg: MasterConfig) -> CheckpointInfo | None:
             f"Checkpoint {checkpoint.path} was written by an incompatible config; differing keys: "
             + "; ".join(diffs)
             + ". Use another checkpointing.checkpoint_dir, or move its step_* directories away."
+        )
+    if cfg.policy.lora_cfg.enabled and (fused := adapted_expert_parameters(checkpoint.path)):
+        raise CheckpointError(
+            f"Checkpoint {checkpoint.path} cannot be resumed: its adapters sit on fused expert parameters ({', '.join(fused)}), "
+            "where PEFT put the adapters of layers named like expert projections before such layers were left out "
+            "(docs/guides/lora.md); nemo-like eval and merge still read it. Use another checkpointing.checkpoint_dir."
         )
     expected = (*checkpoint_files(cfg.policy.lora_cfg.enabled), WORKER_RNG_FILE)
     if cfg.grpo.async_grpo.enabled:  # the same on both sides (pinned above): an async checkpoint holds its replay buffer

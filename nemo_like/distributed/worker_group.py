@@ -528,11 +528,16 @@ def death_reason(exc: BaseException) -> str:
     if not lines:
         return type(exc).__name__
     if "error raised in its creation task" in lines[0] and len(lines) > 1:
-        # a pydantic ValidationError (vLLM's configs) ends with a link; the line above it says what was invalid
-        detail = [line for line in lines if not line.startswith("For further information visit")]
-        return f"its constructor raised {detail[-1]}"
+        # a pydantic ValidationError (vLLM's configs) ends with a link; the line above it says what was invalid, then
+        # echoes the input (" [type=value_error, input_value=...]"); vLLM's lists every architecture it supports
+        detail = next(line for line in reversed(lines) if not line.startswith("For further information visit")).split(" [type=")[0]
+        return f"its constructor raised {_capped(detail)}"
     if lines[0] == ray.exceptions.ActorDiedError.BASE_ERROR_MSG and len(lines) > 1:
         # Ray's fixed first line of every system-level death: its cause (out of memory, a signal, a lost node) is last
-        cause = lines[-1]
-        return cause if len(cause) <= 400 else cause[:397] + "..."
+        return _capped(lines[-1])
     return lines[0]
+
+
+def _capped(line: str, limit: int = 400) -> str:
+    """``line``, cut to ``limit`` characters."""
+    return line if len(line) <= limit else line[: limit - 3] + "..."

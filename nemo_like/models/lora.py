@@ -335,7 +335,8 @@ def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False)
             RuntimeWarning,
             stacklevel=2,
         )
-    left_out = peft_left_out(skeleton, decoder_linear_modules(skeleton)) if lora_cfg.target_modules is None else {}
+    kept = [m for m in decoder_linear_modules(skeleton) if not any(_matches(e, m) for e in lora_cfg.exclude_modules or [])]
+    left_out = peft_left_out(skeleton, kept) if lora_cfg.target_modules is None else {}  # what the user excluded: no warning
     for why in dict.fromkeys(left_out.values()):
         kinds = sorted({".".join(name.split(".")[-2:]) for name, reason in left_out.items() if reason == why})
         count = sum(reason == why for reason in left_out.values())

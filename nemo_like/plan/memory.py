@@ -708,7 +708,8 @@ def generation_memory(
         return RoleMemory("generation", GENERATION_ENGINES, params=weights, note=note)
     budget, overhead = vllm_kv_budget(shape, value_bytes, weights, share, device_bytes if on_gpu else None, g.vllm_cfg.kv_cache_space_gib)
     budget = max(0, budget)
-    sequences = budget // per_sequence if per_sequence else None  # None: no layer's cache is known (not a refusal)
+    # A per-sequence size not known (no layer's cache is): no sequence count, unless no budget is left at all
+    sequences = budget // per_sequence if per_sequence else (0 if budget <= 0 else None)
     note = f"vLLM, KV budget holds {'an unknown number of' if sequences is None else sequences} sequences of {pc.max_total_sequence_length} tokens"
     if on_gpu:
         note += f"; vLLM's own {overhead / GIB:.3f} GiB (profile-run activations and non-torch memory, estimated) in activations"

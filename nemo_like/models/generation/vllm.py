@@ -263,13 +263,15 @@ class VLLMGeneration:
         return summed_over_workers(self.group.workers, "mid_generation_seconds", "generation: counters")
 
     def wait_ready(self) -> None:
-        """Wait until every engine actor is built (its start-up never counts against a call's deadline). An engine that
-        could not start (vLLM does not build this model here: an architecture its CPU build cannot import, a LoRA its
-        Mamba models refuse) says which key samples it with transformers instead."""
+        """Wait until every engine actor is built (its start-up never counts against a call's deadline). An engine whose
+        constructor raised for the model (vLLM does not build it here: an architecture its CPU build cannot import, a LoRA
+        its Mamba models refuse) says which key samples it with transformers instead."""
         try:
             self.group.wait_started()
         except WorkerFailure as exc:
-            hint = "; vLLM could not start the model: policy.generation.backend=hf samples it with transformers instead"
+            if "its constructor raised" not in str(exc) or "memory" in str(exc):  # a death, or a budget the keys it names fix
+                raise
+            hint = "; if vLLM does not build this model here, policy.generation.backend=hf samples it with transformers"
             raise WorkerFailure(f"{exc}{hint}", exc.role, exc.actor_id) from exc
 
     def shutdown(self) -> None:

@@ -144,6 +144,16 @@ def test_a_system_level_death_is_reported_with_its_cause_not_rays_fixed_first_li
     assert death_reason(error) == oom
     long = ActorDiedError(ActorDiedErrorContext(error_message="x" * 1000, class_name="PolicyWorker", actor_id=b"\x01" * 16, pid=42))
     assert len(death_reason(long)) == 400 and death_reason(long).endswith("...")
+    # A constructor's pydantic error (vLLM's configs): the line saying what was invalid, without the input it echoes or
+    # the closing link ("its constructor raised For further information visit https://errors.pydantic.dev/...")
+    pydantic = RuntimeError(
+        "The actor died because of an error raised in its creation task, ray::VLLMGenerationWorker.__init__()\n"
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        f"  Value error, Model architectures ['X'] are not supported for now. Supported: {'A' * 5000} [type=value_error, input_value=...]\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error"
+    )
+    reason = death_reason(pydantic)
+    assert reason.startswith("its constructor raised Value error, Model architectures ['X'] are not supported") and len(reason) < 450
 
 
 def test_two_dead_actors_in_one_batch_are_two_deaths_one_retried_batch_and_only_their_calls_re_sent(ray_cluster, tmp_path, capsys):

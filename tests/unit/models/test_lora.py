@@ -289,6 +289,10 @@ def test_layers_peft_would_move_onto_the_experts_get_no_adapters_or_are_refused(
     assert "model.layers.0.self_attn.q_proj" in chosen and not any(".mlp." in name for name in chosen)
     model = lora.apply_lora(AutoModelForCausalLM.from_config(config), LoraConfig(enabled=True))
     assert not model.peft_config["default"].target_parameters  # the routed experts got none
+    excluded = LoraConfig(enabled=True, exclude_modules=["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
+    with pytest.warns(RuntimeWarning) as caught:  # the routed experts' warning; none for the layers the user excluded
+        assert lora.check_lora_targets(str(tmp_path), excluded) == chosen
+    assert not any("linear layers of" in str(w.message) for w in caught), [str(w.message) for w in caught]
     named = LoraConfig(enabled=True, target_modules=["q_proj", "gate_proj", "up_proj"])
     with pytest.raises(ConfigError, match=r"target_modules: 2 of the named layers cannot take adapters as named .*fused experts"):
         lora.check_lora_targets(str(tmp_path), named)

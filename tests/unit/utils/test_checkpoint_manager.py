@@ -581,3 +581,10 @@ def test_a_lora_checkpoint_resumes_when_its_modules_are_spelled_otherwise(tmp_pa
     for other in ("policy.lora_cfg.target_modules=[q_proj]", "policy.lora_cfg.exclude_modules=[layers.0.mlp.down_proj]"):
         with pytest.raises(CheckpointError, match=r"incompatible config; differing keys: policy\.lora_cfg\."):
             find_resume_checkpoint(load_config(None, [*base, other], warn=False))
+    # A checkpoint whose adapters PEFT put on fused experts (target_parameters: written before such layers were left
+    # out) passed this check and failed in the policy actor ("does not match the model: unexpected=[...experts...]")
+    config = json.loads((ck / "step_2" / "policy" / lora.ADAPTER_CONFIG).read_text())
+    (ck / "step_2" / "policy" / lora.ADAPTER_CONFIG).write_text(json.dumps({**config, "target_parameters": ["gate_up_proj", "down_proj"]}))
+    for spelling in ("policy.lora_cfg.target_modules=null", f"policy.lora_cfg.target_modules={short}"):
+        with pytest.raises(CheckpointError, match=r"its adapters sit on fused expert parameters \(down_proj, gate_up_proj\)"):
+            find_resume_checkpoint(load_config(None, [*base, spelling], warn=False))
