@@ -816,6 +816,11 @@ def test_a_vllm_share_smaller_than_the_weights_says_by_how_much_and_advises_no_s
         "the vLLM engine's weights (0.004 GiB) and its own memory (0.612 GiB) exceed "
         "policy.generation.vllm_cfg.gpu_memory_utilization x device = 0.003 GiB on the generation GPU (short 0.613 GiB)"
     ) in fit
+    # a model whose per-sequence cache is not known (every layer a state of unknown size): still over its share
+    unknown = replace(shape, cached_layers=0, state_layers=shape.layers)
+    assert plan_memory(cfg, with_vllm(cfg), params, unknown, device_bytes=80 * GIB).lines()[-1] == fit
+    assert "holds an unknown number of sequences" in plan_memory(roomy := recipe("cluster.gpus_per_node=1"), with_vllm(roomy), params,
+                                                                 unknown, device_bytes=80 * GIB).roles[-1].note  # fmt: skip
     colocated = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=true", share)
     assert (
         "0.003 GiB on the policy GPU (colocated) (short"
