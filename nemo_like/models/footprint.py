@@ -15,10 +15,10 @@ import torch
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.layer_kinds import (
     caches_per_token,
+    holds_state,
     layer_kinds,
     linear_attention_state_values,
     sliding_window,
-    stateful_kinds,
     text_config,
 )
 from nemo_like.models.loading import (
@@ -180,7 +180,7 @@ def cache_layout(config: Any) -> dict[str, int | None]:
     the attention layers (all, when the config lists no kinds), the sliding ones and their window, the stateful ones
     and the state a gated delta net keeps."""
     kinds, window = layer_kinds(config), sliding_window(config)
-    stateful = sum(kind in stateful_kinds(config) for kind in kinds)
+    stateful = sum(map(holds_state, kinds))
     windowed = kinds.count("sliding_attention") + kinds.count("hybrid_sliding") if kinds else text_config(config).num_hidden_layers
     convolution, recurrent = linear_attention_state_values(config) if stateful else (0, 0)
     return {

@@ -37,9 +37,14 @@ def layer_kinds(config: Any) -> list[str]:
     return []
 
 
+def holds_state(kind: str) -> bool:
+    """Whether a layer of ``kind`` carries a state along the sequence (alone, or beside attention)."""
+    return kind in STATE_KINDS or kind in HYBRID_KINDS
+
+
 def stateful_kinds(config: Any) -> list[str]:
     """The kinds of ``config``'s layers that carry a state along the sequence, sorted."""
-    return sorted(set(layer_kinds(config)) & (STATE_KINDS | HYBRID_KINDS))
+    return sorted(filter(holds_state, set(layer_kinds(config))))
 
 
 def unknown_kinds(config: Any) -> list[str]:

@@ -225,7 +225,7 @@ class ModelShape:
             return []
         lines = [
             f"not planned: what the model's {self.state_layers} linear-attention / state-space layers keep for backward "
-            "beyond an attention layer's (a Qwen3.5-shaped gated delta net keeps 2-3x as much on a CPU): the training "
+            "beyond an attention layer's (a gated delta net keeps more: wider projections, its convolution's inputs): the training "
             "and logprob activations above are a lower bound"
         ]
         if not self.state_values and not self.state_float32_values:
