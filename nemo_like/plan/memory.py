@@ -866,12 +866,13 @@ def judge_memory(spec: JudgeSpec, parameters: int, shape: ModelShape, device_byt
         shape, value_bytes, weights, spec.gpu_memory_utilization, device_bytes if on_gpu else None, spec.kv_cache_space_gib
     )
     how = "engine_gpu_memory_utilization x device - weights - vLLM's own" if on_gpu else "engine_kv_cache_space_gib"
-    sequences = max(0, budget) // per_sequence if per_sequence else None  # None: no layer's cache is known
+    # A per-sequence size not known (no layer's cache is): no sequence count, unless no budget is left at all
+    sequences = max(0, budget) // per_sequence if per_sequence else (0 if budget <= 0 else None)
     held = "an unknown number of" if sequences is None else sequences
     note = f"an LLM judge, vLLM: KV budget holds {held} sequences of {spec.context} tokens ({spec.context_note})"
+    each = f"{_size(per_sequence)} each" if per_sequence else "its weights and vLLM's own memory leave none"
     problem = (
-        f"{spec.role}'s vLLM KV budget ({_size(max(0, budget))} = {how}) holds no sequence of {spec.context} tokens "
-        f"({_size(per_sequence)} each)"
+        f"{spec.role}'s vLLM KV budget ({_size(max(0, budget))} = {how}) holds no sequence of {spec.context} tokens ({each})"
         if sequences == 0
         else ""
     )

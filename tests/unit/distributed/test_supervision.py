@@ -154,6 +154,10 @@ def test_a_system_level_death_is_reported_with_its_cause_not_rays_fixed_first_li
     )
     reason = death_reason(pydantic)
     assert reason.startswith("its constructor raised Value error, Model architectures ['X'] are not supported") and len(reason) < 450
+    short = RuntimeError(str(pydantic).replace("A" * 5000, "['LlamaForCausalLM']"))
+    assert death_reason(short) == (
+        "its constructor raised Value error, Model architectures ['X'] are not supported for now. Supported: ['LlamaForCausalLM']"
+    )
 
 
 def test_two_dead_actors_in_one_batch_are_two_deaths_one_retried_batch_and_only_their_calls_re_sent(ray_cluster, tmp_path, capsys):

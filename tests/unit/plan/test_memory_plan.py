@@ -1318,3 +1318,15 @@ def test_a_merged_lora_refit_plans_the_engine_and_its_refit_buffer_with_the_base
         policy = next(line for line in out if "memory policy" in line)
     assert len(engine_lines[()]) == 2 and engine_lines[lora] == engine_lines[()], engine_lines
     assert "params 0.015" in policy, policy  # the policy itself holds the adapters
+
+
+def test_a_vllm_judge_whose_cache_size_is_unknown_is_refused_only_when_its_weights_leave_no_budget() -> None:
+    from nemo_like.plan.memory import JudgeSpec, judge_memory
+
+    shape = ModelShape(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=4, head_dim=16, vocab=359, cached_layers=0, state_layers=4)
+    assert shape.kv_bytes_per_sequence(2, 4096) == 0  # every layer a state of unknown size (LFM2's conv layers)
+    spec = JudgeSpec("judge:t", "m", "bfloat16", 1, 1.0, "vllm", 8, 4096, "engine_max_model_len", 4, 0.3)
+    over = judge_memory(spec, 15 * GIB, shape, 80 * GIB)  # 30 GiB of bf16 weights over 0.3 x 80 GiB
+    assert "holds no sequence of 4096 tokens (its weights and vLLM's own memory leave none)" in over.problem
+    roomy = judge_memory(spec, GIB // 2, shape, 80 * GIB)
+    assert not roomy.problem and "holds an unknown number of sequences" in roomy.note
