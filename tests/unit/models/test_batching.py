@@ -359,12 +359,13 @@ def test_attention_layers_of_other_names_pack_exactly_and_only_stateful_layers_a
     from nemo_like.models.policy.batching import packed_model_mask, packing_problem
 
     batch = rows_of_different_lengths(load_causal_lm(EMBEDDED_MODEL).eval())  # rows of 23, 3, 11 and 2 tokens
-    for name, model in other_attention_models().items():
+    models = other_attention_models()
+    for name, model in models.items():
         unpacked = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], TEMPERATURE)
         packed = pack_rows(batch)
         lp = model_token_logprobs(model, packed.input_ids, packed_model_mask(packed, model.config), packed.position_ids, TEMPERATURE)
         assert (unpack_logprobs(lp, packed, batch["input_ids"].shape) - unpacked).abs().max() < 1e-5, name
-    llama4 = other_attention_models()["llama4_text"].config  # chunks of 32: a longer sample attends within them
+    llama4 = models["llama4_text"].config  # chunks of 32: a longer sample attends within them
     assert packing_problem(llama4, 32) is None and "chunks of 32 tokens" in packing_problem(llama4, 33)
     # RecurrentGemma lists its layers as block_types (no layer_types); Nemotron-H's MLP and MoE layers act per token
     recurrent_gemma = RecurrentGemmaConfig(num_hidden_layers=3)
