@@ -206,6 +206,11 @@ def fused_step_copy_elements(
     return layers * per_layer + (vocab * hidden if packed(vocab, hidden) else 0)
 
 
+#: Model types whose forward refuses a transformers ``DynamicCache`` for a cache of its own (MiniMax's lightning
+#: attention, which also lets left padding into its state).
+OWN_CACHE_MODEL_TYPES = frozenset({"minimax"})
+
+
 class HFModelStep:
     """The same interface on the model's own forward and a transformers ``DynamicCache`` (any architecture)."""
 
@@ -217,9 +222,15 @@ class HFModelStep:
         self.positions: torch.Tensor | None = None
         # A state-space model (Mamba, Mamba2, FalconMamba) takes its cache as ``cache_params``: under the other name it
         # fell into **kwargs and each call built a fresh, empty state. It masks the current tokens' columns only.
-        # A wrapper's forward(*args, **kwargs) (PEFT's) passes past_key_values on to a model that takes it.
+        # A wrapper's forward(*args, **kwargs) (PEFT's) counts as taking past_key_values (no engine samples a wrapped
+        # model: they load merged weights).
         taken = inspect.signature(model.forward).parameters
         self.recurrent = "cache_params" in taken and "past_key_values" not in taken
+        if getattr(model.config, "model_type", None) in OWN_CACHE_MODEL_TYPES:
+            raise ValueError(
+                f"{type(model).__name__}: its lightning-attention layers keep a cache of their own and let a left-padded "
+                "row's padding into their state, so this sampler cannot sample it; use policy.generation.backend=vllm"
+            )
 
     def refresh_weights(self) -> None:
         """Nothing to rebuild: every step runs the model's own forward on its current parameters."""

@@ -318,3 +318,15 @@ def test_rows_stop_sampling_at_a_stop_string_and_keep_what_the_exact_cut_keeps()
         cut_early += cut is not None and cut < full.lengths[row]
     assert cut_early >= 3  # rows that stopped sampling early
     assert sum(watched.lengths) < sum(full.lengths)
+
+
+def test_a_model_with_a_cache_of_its_own_is_refused_naming_the_engine_that_samples_it() -> None:
+    """MiniMax's forward refuses a DynamicCache (the first generate call died inside the actor with transformers' words),
+    and its lightning attention lets a left-padded row's padding into its state."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    config = MiniMaxConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                           num_local_experts=2, num_experts_per_tok=1, block_size=16)  # fmt: skip
+    with pytest.raises(ValueError, match=r"MiniMaxForCausalLM: its lightning-attention layers .* policy.generation.backend=vllm"):
+        sample(MiniMaxForCausalLM(config).eval(), PROMPTS, 4, SamplingDistribution(), [], 0, seed=0)
