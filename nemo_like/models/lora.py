@@ -88,6 +88,12 @@ def _matches(entry: str, module: str) -> bool:
 def resolve_target_modules(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
     """The full names of the modules that get adapters under ``policy.lora_cfg``; a target or exclusion that
     names no decoder linear layer of ``model`` is a :class:`ConfigError` listing the names that exist."""
+    return _resolved_targets(model, lora_cfg)[0]
+
+
+def _resolved_targets(model: torch.nn.Module, lora_cfg: Any) -> tuple[list[str], dict[str, str]]:
+    """:func:`resolve_target_modules`'s modules, and the ones ``target_modules: null`` left out because PEFT would not
+    adapt them as named (:func:`peft_left_out`, with why: :func:`check_lora_targets` warns of them)."""
     linear = decoder_linear_modules(model)
     if not linear:  # GPT-2 (Conv1D projections), Falcon and Bloom (blocks under transformer.h): an IndexError below
         raise ConfigError(
@@ -119,7 +125,7 @@ def resolve_target_modules(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
             raise ConfigError(
                 f"policy.lora_cfg: no linear layer of the {model.config.model_type} model's decoder can take adapters as named"
             )
-    return chosen
+    return chosen, left_out
 
 
 #: Why :func:`peft_left_out` leaves a layer out.
@@ -324,7 +330,7 @@ def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False)
     :func:`~nemo_like.models.loading.model_config`'s config; ``local_only`` as there); returns the adapted module names.
     A bad key is a :class:`ConfigError`."""
     skeleton = meta_skeleton(model_name, local_only)
-    chosen = resolve_target_modules(skeleton, lora_cfg)
+    chosen, left_out = _resolved_targets(skeleton, lora_cfg)
     routed, experts = experts_of(skeleton)
     adapted_experts = any(".experts." in name for name in chosen)  # one linear layer per expert (a ModuleList)
     if routed and not adapted_experts:  # transformers fuses them into [experts, out, in] parameters: no linear layer
@@ -335,9 +341,7 @@ def check_lora_targets(model_name: str, lora_cfg: Any, local_only: bool = False)
             RuntimeWarning,
             stacklevel=2,
         )
-    kept = [m for m in decoder_linear_modules(skeleton) if not any(_matches(e, m) for e in lora_cfg.exclude_modules or [])]
-    left_out = peft_left_out(skeleton, kept) if lora_cfg.target_modules is None else {}  # what the user excluded: no warning
-    for why in dict.fromkeys(left_out.values()):
+    for why in dict.fromkeys(left_out.values()):  # what the user excluded is not among them: no warning for it
         kinds = sorted({".".join(name.split(".")[-2:]) for name, reason in left_out.items() if reason == why})
         count = sum(reason == why for reason in left_out.values())
         warnings.warn(

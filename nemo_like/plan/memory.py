@@ -708,9 +708,8 @@ def generation_memory(
         return RoleMemory("generation", GENERATION_ENGINES, params=weights, note=note)
     budget, overhead = vllm_kv_budget(shape, value_bytes, weights, share, device_bytes if on_gpu else None, g.vllm_cfg.kv_cache_space_gib)
     budget = max(0, budget)
-    # A per-sequence size not known (no layer's cache is): no sequence count, unless no budget is left at all
-    sequences = budget // per_sequence if per_sequence else (0 if budget <= 0 else None)
-    note = f"vLLM, KV budget holds {'an unknown number of' if sequences is None else sequences} sequences of {pc.max_total_sequence_length} tokens"
+    sequences = sequences_held(budget, per_sequence)
+    note = f"vLLM, KV budget holds {sequences_text(sequences)} sequences of {pc.max_total_sequence_length} tokens"
     if on_gpu:
         note += f"; vLLM's own {overhead / GIB:.3f} GiB (profile-run activations and non-torch memory, estimated) in activations"
     return RoleMemory(
@@ -836,6 +835,19 @@ class JudgeSpec:
     gpu_memory_utilization: float
 
 
+def sequences_held(budget: int, per_sequence: int) -> int | None:
+    """Full-length sequences a vLLM KV ``budget`` holds at ``per_sequence`` bytes each; ``None`` where the size of a
+    sequence's cache is not known (no layer's is), unless no budget is left at all (0: the weights leave none)."""
+    if per_sequence:
+        return max(0, budget) // per_sequence
+    return 0 if budget <= 0 else None
+
+
+def sequences_text(sequences: int | None) -> str:
+    """:func:`sequences_held` as a plan line says it."""
+    return "an unknown number of" if sequences is None else str(sequences)
+
+
 def judge_memory(spec: JudgeSpec, parameters: int, shape: ModelShape, device_bytes: float | None, weight_copies: int = 0) -> RoleMemory:
     """One judge generation actor: its weights at ``spec.precision`` (exact: the model's ``parameters``) and, with the
     ``hf`` engine, the KV cache of ``max_batch_size`` sequences of ``context`` tokens, the lean decoder's
@@ -866,10 +878,8 @@ def judge_memory(spec: JudgeSpec, parameters: int, shape: ModelShape, device_byt
         shape, value_bytes, weights, spec.gpu_memory_utilization, device_bytes if on_gpu else None, spec.kv_cache_space_gib
     )
     how = "engine_gpu_memory_utilization x device - weights - vLLM's own" if on_gpu else "engine_kv_cache_space_gib"
-    # A per-sequence size not known (no layer's cache is): no sequence count, unless no budget is left at all
-    sequences = max(0, budget) // per_sequence if per_sequence else (0 if budget <= 0 else None)
-    held = "an unknown number of" if sequences is None else sequences
-    note = f"an LLM judge, vLLM: KV budget holds {held} sequences of {spec.context} tokens ({spec.context_note})"
+    sequences = sequences_held(budget, per_sequence)
+    note = f"an LLM judge, vLLM: KV budget holds {sequences_text(sequences)} sequences of {spec.context} tokens ({spec.context_note})"
     each = f"{_size(per_sequence)} each" if per_sequence else "its weights and vLLM's own memory leave none"
     problem = (
         f"{spec.role}'s vLLM KV budget ({_size(max(0, budget))} = {how}) holds no sequence of {spec.context} tokens ({each})"

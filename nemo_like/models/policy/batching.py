@@ -163,7 +163,9 @@ def packed_model_mask(packed: PackedRow, config: Any, device: torch.device | str
     ``use_sliding_window``) saw each whole sample: a model whose ``layer_types`` list ``sliding_attention`` gets a mask
     per layer type, the sliding one also blocking keys ``sliding_window`` or more positions back (positions restart in
     each sample); one without ``layer_types`` but with a ``sliding_window`` (Mistral) applies it to every layer."""
-    longest = int(packed.position_ids.max()) + 1 if packed.position_ids.numel() else 0
+    # the longest sample only where chunked attention needs it: reading it syncs a GPU at every micro-batch
+    chunked = "chunked_attention" in layer_kinds(config) and packed.position_ids.numel()
+    longest = int(packed.position_ids.max()) + 1 if chunked else 0
     if problem := packing_problem(config, longest):  # the driver refuses it first (check_policy_model, check_teachers)
         raise ValueError(f"policy.sequence_packing.enabled=true: {problem}")
     mask = packed.attention_mask.to(device) if device is not None else packed.attention_mask

@@ -62,14 +62,20 @@ def file_tensor_names(model_path: str) -> list[str] | None:
 def conversions_used_by(model: torch.nn.Module, names: Iterable[str]) -> list[Any]:
     """``model``'s conversions that apply to checkpoint tensors named ``names``, as ``from_pretrained`` keeps them."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import rename_source_key
 
     conversions = get_model_conversion_mapping(model, add_legacy=False)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    renamings, converters = _split(conversions)
     for name in names:
         rename_source_key(name, renamings, converters)  # marks each transform that matches as used
     return [c for c in conversions if c.was_used()]
+
+
+def _split(conversions: list[Any]) -> tuple[list[Any], list[Any]]:
+    """``conversions`` as ``rename_source_key`` takes them: the renamings, then the converters (each in order)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    return [c for c in conversions if isinstance(c, WeightRenaming)], [c for c in conversions if isinstance(c, WeightConverter)]
 
 
 def _conversions(model: torch.nn.Module) -> list[Any]:
@@ -98,11 +104,10 @@ def checkpoint_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torc
     if not converts(model):
         yield from tensors
         return
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key, revert_weight_conversion
+    from transformers.core_model_loading import rename_source_key, revert_weight_conversion
 
     reverse = [c.reverse_transform() for c in _conversions(model)[::-1]]  # as revert_weight_conversion orders them
-    renamings = [c for c in reverse if isinstance(c, WeightRenaming)]
-    converters = [c for c in reverse if isinstance(c, WeightConverter)]
+    renamings, converters = _split(reverse)
     parts_of = {pattern: len(c.source_patterns) for c in converters for pattern in c.source_patterns}
     waiting: dict[str, dict[str, torch.Tensor]] = {}  # a file tensor of several held ones -> its parts so far
     for name, tensor in tensors:
@@ -138,11 +143,10 @@ def held_tensor_batches(
     if not converts(model):
         yield tensors
         return
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    from transformers.core_model_loading import WeightRenaming, dot_natural_key, rename_source_key
 
     conversions = _conversions(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    renamings, converters = _split(conversions)
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     held_shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     model_names = set(held_shapes)
