@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 from thread_signals import signal_thread, skip_without_tgkill
@@ -94,10 +93,8 @@ def test_serve_warns_and_a_second_interrupt_while_it_stops_exits_at_once(name: s
         read_until("model: policy")
         send()
         read_until("stop began")
-        started = time.monotonic()
         send()
-        assert process.wait(timeout=30) == 128 + signum
-        assert time.monotonic() - started < 30  # not the stop's 60 s
+        assert process.wait(timeout=30) == 128 + signum  # within the wait, not after the stop's 60 s
         reader.join(timeout=30)
     finally:
         process.kill()
