@@ -315,7 +315,7 @@ def judge_role(spec: JudgeSpec, device_bytes: float | None) -> RoleMemory:
     params, shape = model_footprint(spec.model_name, spec.precision)
     parameters = sum(math.prod(p.shape) for p in params)
     copies = 0
-    if spec.backend == "hf":
+    if spec.backend == "hf" and shape.fused_sampler:  # another family samples with its own forward: it copies nothing
         copies = lean_decoder_copy_bytes(shape, spec.max_batch_size, compute_dtype(spec.precision), on_cpu=not spec.num_gpus)
     return judge_memory(spec, parameters, shape, device_bytes, copies)
 

@@ -1294,6 +1294,32 @@ def test_an_llm_judge_is_planned_with_what_its_engine_allocates() -> None:
     assert "judge:arithmetic.judge GPU: lower its environment's engine_gpu_memory_utilization" in lines[-1]
 
 
+def test_an_hf_judge_the_fused_step_does_not_serve_is_planned_without_its_weight_copies(tmp_path) -> None:
+    """The lean decoder's fused weight copies were counted for every HF judge: a Gemma2 judge (its own forward, no
+    copies) was planned 10 GiB over at 9B parameters, as the policy's sampler was before."""
+    from transformers import Gemma2Config, LlamaConfig
+
+    from nemo_like.models.footprint import judge_role
+    from nemo_like.plan.memory import JudgeSpec
+
+    size = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=359,
+    )
+    activations = {}
+    for name, config in (("gemma2", Gemma2Config(**size)), ("llama", LlamaConfig(**size))):
+        config.save_pretrained(tmp_path / name)
+        spec = JudgeSpec("judge:t", str(tmp_path / name), "float32", 1, 0.0, "hf", 8, 64, "given", 1, 0.3)
+        activations[name] = judge_role(spec, None).activations
+    logits = 8 * 359 * 4
+    assert activations["gemma2"] == logits < activations["llama"], activations
+
+
 def test_the_plan_reads_a_cached_hub_models_config(cached_hub_model) -> None:
     """The planner looked for a hub id's config.json under the name as a path: a model in the local cache (what an
     offline cluster node holds) was 'not on this machine'."""
