@@ -282,12 +282,12 @@ def run_plan(args: argparse.Namespace) -> int:
     """Print the run plan and the memory plan; exit 3 when a device is over ``--device-memory-gib``."""
     from nemo_like.algorithms.names import check_plugin_names
     from nemo_like.algorithms.roles import declared_cluster_problem, idle_gpus_warning, scorer_specs
-    from nemo_like.algorithms.setup import multi_turn_warnings, plan_model_checks
+    from nemo_like.algorithms.setup import check_sampled_model, multi_turn_warnings, plan_model_checks
     from nemo_like.data.datasets import is_arithmetic, resolve_source
     from nemo_like.distributed.planning import plan_on_cluster
     from nemo_like.experience.agent_rollouts import load_agents
     from nemo_like.models.engines import ignored_engine_keys
-    from nemo_like.models.footprint import memory_report, model_config_path, model_config_warning
+    from nemo_like.models.footprint import memory_report, model_config_here, model_config_path, model_config_warning
     from nemo_like.models.loading import model_configs_given, refuse_checkpoint_as_model, routes_experts
 
     for flag, value, low_open, high in (("--mfu", args.mfu, 0.0, 1.0), ("--peak-tflops", args.peak_tflops, 0.0, None),
@@ -316,9 +316,13 @@ def run_plan(args: argparse.Namespace) -> int:
         if not is_arithmetic(cfg.data, role):
             resolve_source(cfg.data, role)
     policy_name = cfg.policy.model_name
-    with model_configs_given({policy_name: model_config_path(policy_name, args.model_config)} if args.model_config else {}):
+    given = {policy_name: model_config_path(policy_name, args.model_config)} if args.model_config else {}
+    with model_configs_given(given):
         experts = routes_experts(policy_name, local_only=True)  # a mixture of experts: no vLLM on a CPU cluster
     plan = plan_on_cluster(cfg, turn_end_ids(cfg), planning_only=True, experts=experts)
+    if given or model_config_here(policy_name):  # train's refusal of a model its resolved sampler cannot sample
+        with model_configs_given(given):
+            check_sampled_model(cfg, plan.backend.value, local_only=True)
     load_agents(env_specs, plan.agent_tasks)  # an agent that does not import: train refuses it before any actor starts
     for line in ignored_engine_keys(cfg, plan.backend.value):  # the engine keys train warns about when it builds it
         print(f"[plan] warning: {line}", file=sys.stderr, flush=True)

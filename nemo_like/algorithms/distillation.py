@@ -98,11 +98,6 @@ def check_teacher_tokenizer(
         )
 
 
-def token_id_count(tokenizer: Any) -> int:
-    """The student's token-id range ``0..n-1``: every id its tokenizer can produce (added tokens included)."""
-    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
-
-
 def check_teacher_vocab(
     teacher_rows: int | None, teacher_name: str, teacher_key: str, student_ids: int, student_name: str, student_key: str
 ) -> None:

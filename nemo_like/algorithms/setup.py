@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from nemo_like.algorithms.distillation import Teachers, check_teacher_tokenizer, check_teacher_vocab, token_id_count
+from nemo_like.algorithms.distillation import Teachers, check_teacher_tokenizer, check_teacher_vocab
 from nemo_like.algorithms.loss_functions import ClippedPGLossFn
 from nemo_like.algorithms.names import check_plugin_names
 from nemo_like.algorithms.roles import ensure_cluster_capacity, ensure_private_cluster_gpus, idle_gpus_warning
@@ -33,6 +33,7 @@ from nemo_like.models.footprint import (
     teacher_key,
 )
 from nemo_like.models.generation.hf import HFGeneration
+from nemo_like.models.generation.lean_decoder import model_sampling_problem
 from nemo_like.models.loading import (
     check_chunkable_head,
     check_context_length,
@@ -48,6 +49,7 @@ from nemo_like.models.loading import (
     renders_tools,
     resolve_model_path,
     routes_experts,
+    token_id_count,
 )
 from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.batching import packing_problem
@@ -271,6 +273,22 @@ def check_policy_model(cfg: MasterConfig, local_only: bool = False) -> None:
         check_lora_targets(name, cfg.policy.lora_cfg, local_only)
 
 
+def check_sampled_model(cfg: MasterConfig, backend: str, key: str = "policy.model_name", local_only: bool = False) -> None:
+    """A :class:`ConfigError` naming ``key`` when ``backend`` (the run's resolved one) samples ``policy.model_name``
+    with the HF sampler (``hf``, ``inline``) and that cannot sample it
+    (:func:`~nemo_like.models.generation.lean_decoder.sampling_problem`): its actor refused it at the first generate
+    call, after every actor had started. ``key``: where the model was named (``eval.model_path`` for an eval)."""
+    if backend not in ("hf", "inline"):
+        return
+    name, requested = cfg.policy.model_name, cfg.policy.generation.backend
+    if problem := model_sampling_problem(name, local_only):
+        chose = f"policy.generation.backend={requested}" + (f" chose {backend}" if requested != backend else "")
+        raise ConfigError(
+            f"{key}={name!r} with {chose}: the HF sampler cannot sample {problem}; vLLM's engine "
+            "(policy.generation.backend=vllm) samples the architectures vLLM supports"
+        )
+
+
 def check_packable(cfg: MasterConfig, name: str, key: str, local_only: bool = False) -> None:
     """A :class:`ConfigError` naming ``key`` when ``policy.sequence_packing`` is on and model ``name`` has layers a
     packed row cannot keep to each sample (:func:`~nemo_like.models.policy.batching.packing_problem`): its logprobs
@@ -460,6 +478,7 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     # fails here, before any actor starts).
     eos_ids = end_of_sequence_ids(tokenizer, cfg.policy.model_name)  # the tokenizer's and the generation config's
     plan = plan_on_cluster(cfg, tuple(eos_ids), experts=routes_experts(cfg.policy.model_name))
+    check_sampled_model(cfg, plan.backend.value)
     plan = with_environments(plan, env_specs)
     if nodes := node_count_warning(cfg, plan.nodes):
         warnings.warn(nodes, RuntimeWarning, stacklevel=2)

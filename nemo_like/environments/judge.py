@@ -38,6 +38,8 @@ from nemo_like.environments.learned_inputs import ModelName, cut_from_left, prom
 from nemo_like.environments.score_normalization import ScoreNormalization
 from nemo_like.environments.scored_text import chat_ids_of_untrusted_text, control_token_ids, ids_of_pieces, template_pieces
 from nemo_like.models.generation.interface import SamplingParams
+from nemo_like.models.generation.lean_decoder import model_sampling_problem
+from nemo_like.models.loading import local_config_file
 from nemo_like.utils.seeds import judge_seed
 
 COUNTERS = (
@@ -129,6 +131,12 @@ class JudgeEnvConfig(BaseModel):
         if self.engine_max_model_len is not None:
             check_verdict_room(self.max_new_tokens, self.engine_max_model_len, "engine_max_model_len")
         if self.engine_backend == "hf":
+            # the actor refused it at every call: every sample got parse_failure_reward, the engine restarted each step
+            if local_config_file(self.model_name) and (problem := model_sampling_problem(self.model_name, local_only=True)):
+                raise ValueError(
+                    f"engine_backend='hf' cannot sample the judge {self.model_name!r}: {problem}; engine_backend='vllm' "
+                    "samples the architectures vLLM supports"
+                )
             for key in changed_from_defaults(self, ("engine_kv_cache_space_gib", "engine_gpu_memory_utilization")):
                 warnings.warn(f"{key} has no effect with engine_backend='hf' (a vLLM setting)", UserWarning, stacklevel=2)
         if self.greedy and self.temperature != 1.0:

@@ -33,7 +33,7 @@ from nemo_like.config.loader import recipe_yaml
 from nemo_like.config.schema import ColocatedConfig, MasterConfig
 from nemo_like.environments.interface import CORRECT_REWARD
 from nemo_like.evaluation.chunks import PARTIAL_RESULTS, EvalChunks, prompt_chunks, seed_of_chunk
-from nemo_like.models.loading import ADAPTER_CONFIG, holds_tokenizer
+from nemo_like.models.loading import ADAPTER_CONFIG, eval_tokenizer, holds_tokenizer
 from nemo_like.models.lora import merge_checkpoint, refuse_overwriting_base
 from nemo_like.models.policy.checkpoints import POLICY_DIR
 from nemo_like.utils import preflight
@@ -97,36 +97,6 @@ def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
         if not (scratch / item.name).exists():
             os.symlink(item.resolve(), scratch / item.name)
     return str(scratch)
-
-
-def eval_tokenizer(cfg: MasterConfig, model_dir: str) -> tuple[Any, str]:
-    """``(tokenizer, source)`` eval tokenizes with: ``policy.tokenizer_name`` when set, else the one the evaluated
-    model's directory holds (a checkpoint's: the tokenizer of the run that wrote it, which the engine loads too), else
-    ``policy.model_name``'s. One that cannot be the model's (another vocabulary than its directory's, or ids past its
-    vocabulary rows) is a :class:`ConfigError` naming the keys, before Ray starts: a checkpoint of another model than
-    the recipe's failed in the sampler's actor with an IndexError."""
-    from nemo_like.algorithms.distillation import token_id_count
-    from nemo_like.models.loading import load_tokenizer, model_vocab_size
-
-    own = model_dir if Path(model_dir).is_dir() and holds_tokenizer(Path(model_dir)) else None
-    # a tokenizer_name that names the recipe's model (the tiny recipe's ${policy.model_name}) means "the model's own"
-    named = cfg.policy.tokenizer_name if cfg.policy.tokenizer_name not in (None, cfg.policy.model_name) else None
-    key = "policy.tokenizer_name" if named else "policy.model_name"
-    source = named or own or cfg.policy.model_name
-    tokenizer = load_tokenizer(source)
-    if own is not None and source != own and load_tokenizer(own).get_vocab() != tokenizer.get_vocab():
-        raise ConfigError(
-            f"{key}={source!r} has another tokenizer than the one {own} holds (the run's that wrote it): set "
-            "policy.tokenizer_name=null to evaluate with the model's own"
-        )
-    rows = model_vocab_size(model_dir)
-    if rows is not None and token_id_count(tokenizer) > rows:
-        raise ConfigError(
-            f"the tokenizer of {key}={source!r} has ids up to {token_id_count(tokenizer) - 1}, past the {rows} vocabulary "
-            f"rows of {model_dir}: evaluate with the tokenizer of the run that trained it (its config.yaml's "
-            "policy.model_name, or policy.tokenizer_name)"
-        )
-    return tokenizer, source
 
 
 def refuse_results_over_model(out: Path, model_dir: Path) -> None:
@@ -225,6 +195,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.algorithms.names import check_plugin_names
     from nemo_like.algorithms.setup import (
         check_environments,
+        check_sampled_model,
         load_validation_prompts,
         multi_turn_warnings,
         warn_of_runs_sharing_cores,
@@ -242,6 +213,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     from nemo_like.models.loading import (
         adapter_base_model,
         check_context_length,
+        check_generative,
         check_model_source,
         check_stop_token_ids,
         check_tokenizer_source,
@@ -262,9 +234,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     for line in ignored_validation_settings(cfg):
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     specs = check_plugin_names(cfg)
-    model_dir = resolve_checkpoint_model(
-        ev.model_path or cfg.policy.model_name, "eval.model_path" if ev.model_path else "policy.model_name"
-    )
+    model_key = "eval.model_path" if ev.model_path else "policy.model_name"
+    model_dir = resolve_checkpoint_model(ev.model_path or cfg.policy.model_name, model_key)
     check_tokenizer_source(cfg, model_checked=ev.model_path is None)  # a bad path was a transformers traceback
     checkpoint_dir = os.path.abspath(model_dir) if Path(model_dir).is_dir() else None  # before a LoRA merge; hub id: None
     lora_base = adapter_base_model(model_dir) if (Path(model_dir) / ADAPTER_CONFIG).is_file() else None
@@ -272,7 +243,13 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         check_model_source(lora_base, f"{Path(model_dir) / ADAPTER_CONFIG} base_model_name_or_path")
     check_context_length(model_dir, cfg.policy.max_total_sequence_length)
     check_stop_token_ids(model_dir, cfg.policy.generation.stop_token_ids)
+    check_generative(model_dir, model_key)  # a reward model's score head was read as random logits, the eval went on
     tokenizer, tokenizer_source = eval_tokenizer(cfg, model_dir)
+    # The plan's refusals (the backend's settings, a model its sampler cannot sample) before a LoRA merge (minutes for a
+    # large model) and Ray's start; it is decided again on the cluster, whose CPUs split the threads
+    sampled = eval_config(cfg, model_dir)
+    declared = plan_on_cluster(sampled, tuple(end_of_sequence_ids(tokenizer, model_dir)), with_policy=False, planning_only=True)
+    check_sampled_model(sampled, declared.backend.value, model_key)
     for line in template_warnings(tokenizer) if cfg.grpo.max_rollout_turns > 1 else []:
         warnings.warn(line, RuntimeWarning, stacklevel=2)
     prompts = load_validation_prompts(cfg, tokenizer)

@@ -26,14 +26,17 @@ def text_config(config: Any) -> Any:
 
 
 def layer_kinds(config: Any) -> list[str]:
-    """Each decoder layer's kind as the config lists it (``layer_types``; RecurrentGemma's ``block_types``; empty when it
-    lists none: every layer is then attention)."""
+    """Each decoder layer's kind as the config lists it (``layer_types``; RecurrentGemma's ``block_types``); a config
+    that lists none and has no attention heads (RWKV, xLSTM): every layer ``recurrent``; else empty (every layer is
+    then attention)."""
     text = text_config(config)
     layers = getattr(text, "num_hidden_layers", None)
     for key in ("layer_types", "block_types"):
         kinds = getattr(text, key, None)
         if isinstance(kinds, (list, tuple)) and kinds:
             return [str(kind) for kind in kinds][:layers]  # RecurrentGemma's block_types cycle past its layers
+    if isinstance(layers, int) and getattr(text, "num_attention_heads", None) is None:
+        return ["recurrent"] * layers
     return []
 
 

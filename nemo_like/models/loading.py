@@ -802,3 +802,36 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     drops them, which leaves inference engines with a stale output head.
     """
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def token_id_count(tokenizer: Any) -> int:
+    """The student's token-id range ``0..n-1``: every id its tokenizer can produce (added tokens included)."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
+def eval_tokenizer(cfg: Any, model_dir: str) -> tuple[Any, str]:
+    """``(tokenizer, source)`` ``nemo-like eval`` and ``serve`` tokenize with: ``policy.tokenizer_name`` when set, else the one the evaluated
+    model's directory holds (a checkpoint's: the tokenizer of the run that wrote it, which the engine loads too), else
+    ``policy.model_name``'s. One that cannot be the model's (another vocabulary than its directory's, or ids past its
+    vocabulary rows) is a :class:`ConfigError` naming the keys, before Ray starts: a checkpoint of another model than
+    the recipe's failed in the sampler's actor with an IndexError."""
+    directory = Path(resolve_model_path(model_dir)).expanduser()  # a shipped model's too (embedded:...)
+    own = str(directory) if directory.is_dir() and holds_tokenizer(directory) else None
+    # a tokenizer_name that names the recipe's model (the tiny recipe's ${policy.model_name}) means "the model's own"
+    named = cfg.policy.tokenizer_name if cfg.policy.tokenizer_name not in (None, cfg.policy.model_name) else None
+    key = "policy.tokenizer_name" if named else "policy.model_name"
+    source = named or own or cfg.policy.model_name
+    tokenizer = load_tokenizer(source)
+    if own is not None and source != own and load_tokenizer(own).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"{key}={source!r} has another tokenizer than the one {own} holds (the run's that wrote it): set "
+            "policy.tokenizer_name=null to evaluate with the model's own"
+        )
+    rows = model_vocab_size(model_dir)
+    if rows is not None and token_id_count(tokenizer) > rows:
+        raise ConfigError(
+            f"the tokenizer of {key}={source!r} has ids up to {token_id_count(tokenizer) - 1}, past the {rows} vocabulary "
+            f"rows of {model_dir}: evaluate with the tokenizer of the run that trained it (its config.yaml's "
+            "policy.model_name, or policy.tokenizer_name)"
+        )
+    return tokenizer, source

@@ -16,11 +16,14 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from nemo_like.config.errors import ConfigError
+from nemo_like.models.generation.lean_decoder import model_sampling_problem
 from nemo_like.models.loading import (
     check_context_length,
+    check_generative,
     check_stop_token_ids,
     end_of_sequence_ids,
-    load_tokenizer,
+    eval_tokenizer,
     model_vocab_size,
     resolve_checkpoint_model,
 )
@@ -48,10 +51,14 @@ def served_model(cfg: Any) -> str:
 def build_server(cfg: Any, port: int = 0) -> RolloutServer:
     """The server over the recipe's model (not started): the recipe's tokenizer, context (``policy.max_total_sequence_length``)
     and seed; sessions are created by their first call."""
-    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     model = served_model(cfg)
+    key = "policy.model_name" if getattr(cfg.eval, "model_path", None) is None else "eval.model_path"
     check_context_length(model, cfg.policy.max_total_sequence_length)  # the server's context
     check_stop_token_ids(model, cfg.policy.generation.stop_token_ids)
+    check_generative(model, key)  # a reward model's score head was served as random logits
+    if problem := model_sampling_problem(model):  # every request failed with the sampler's refusal
+        raise ConfigError(f"{key}={model!r}: nemo-like serve samples with the HF sampler, which cannot sample {problem}")
+    tokenizer, _ = eval_tokenizer(cfg, model)  # as nemo-like eval: the model directory's own, checked against its rows
     eos_ids = end_of_sequence_ids(tokenizer, model)
     engine = LocalGeneration.load(model, tokenizer.pad_token_id, eos_ids, cfg.policy.precision, tokenizer)
     config = ServerConfig(

@@ -206,9 +206,45 @@ def fused_step_copy_elements(
     return layers * per_layer + (vocab * hidden if packed(vocab, hidden) else 0)
 
 
-#: Model types whose forward refuses a transformers ``DynamicCache`` for a cache of its own (MiniMax's lightning
-#: attention, which also lets left padding into its state).
-OWN_CACHE_MODEL_TYPES = frozenset({"minimax"})
+#: Model types this sampler cannot sample, and why: their state is not kept to each row of a left-padded batch (a
+#: row's padding enters it) or lives in a cache of their own that a transformers ``DynamicCache`` cannot stand for.
+UNSAMPLED_MODEL_TYPES = {
+    "minimax": "its lightning-attention layers keep a cache of their own and let a left-padded row's padding into their state",
+    "recurrent_gemma": "its recurrent blocks let a left-padded row's padding into their state",
+    "rwkv": "its forward ignores the attention mask (a left-padded row's padding enters its state) and takes its state "
+    "under a name of its own",
+    "xlstm": "it keeps its state in a cache class of its own",
+}
+
+
+def sampling_problem(model_type: str | None, forward: Callable[..., object]) -> str | None:
+    """Why :func:`sample` cannot sample a model of ``model_type`` whose forward is ``forward`` (its signature is read),
+    or ``None``: a listed type (:data:`UNSAMPLED_MODEL_TYPES`), or a forward that takes neither ``past_key_values`` nor
+    ``cache_params`` (each step would start from an empty cache). A wrapper's ``forward(*args, **kwargs)`` (PEFT's)
+    passes: no engine samples a wrapped model (they load merged weights)."""
+    if model_type in UNSAMPLED_MODEL_TYPES:
+        return UNSAMPLED_MODEL_TYPES[model_type]
+    taken = inspect.signature(forward).parameters
+    delegates = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in taken.values())
+    if not delegates and "past_key_values" not in taken and "cache_params" not in taken:
+        return "its forward takes no cache (neither past_key_values nor cache_params), so every step would start afresh"
+    return None
+
+
+def model_sampling_problem(model_name: str, local_only: bool = False) -> str | None:
+    """:func:`sampling_problem` for model ``model_name`` read from its config on the driver (its causal-LM class, not
+    built), or ``None``; a model whose class transformers does not map (remote code) is not judged here."""
+    from transformers import AutoModelForCausalLM
+
+    from nemo_like.models.loading import model_config
+
+    config = model_config(model_name, local_only)
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return None
+    problem = sampling_problem(getattr(config, "model_type", None), model_class.forward)
+    return f"{model_class.__name__}: {problem}" if problem else None
 
 
 class HFModelStep:
@@ -226,11 +262,8 @@ class HFModelStep:
         # model: they load merged weights).
         taken = inspect.signature(model.forward).parameters
         self.recurrent = "cache_params" in taken and "past_key_values" not in taken
-        if getattr(model.config, "model_type", None) in OWN_CACHE_MODEL_TYPES:
-            raise ValueError(
-                f"{type(model).__name__}: its lightning-attention layers keep a cache of their own and let a left-padded "
-                "row's padding into their state, so this sampler cannot sample it; use policy.generation.backend=vllm"
-            )
+        if problem := sampling_problem(getattr(model.config, "model_type", None), model.forward):
+            raise ValueError(f"{type(model).__name__}: this sampler cannot sample it: {problem}")
 
     def refresh_weights(self) -> None:
         """Nothing to rebuild: every step runs the model's own forward on its current parameters."""

@@ -138,6 +138,24 @@ def test_bad_judge_sections_name_the_key(section: dict, message: str) -> None:
         resolve_environments(cfg.env_sections)
 
 
+def test_a_judge_the_hf_sampler_cannot_drive_is_refused_naming_its_engine_backend(tmp_path) -> None:
+    """A MiniMax judge on the HF engine was accepted: its actor refused every call, so every sample got
+    parse_failure_reward and the engine restarted each step."""
+    from transformers import MiniMaxConfig
+
+    MiniMaxConfig(vocab_size=359, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1).save_pretrained(
+        tmp_path
+    )
+    cfg = MasterConfig.model_validate({"env": {"j": {"class": "judge", "model_name": str(tmp_path)}}})
+    with pytest.raises(
+        ConfigError,
+        match=r"env.j: engine_backend='hf' cannot sample the judge .*MiniMaxForCausalLM: its lightning-attention layers.*engine_backend='vllm' samples",
+    ):
+        resolve_environments(cfg.env_sections)
+    vllm = MasterConfig.model_validate({"env": {"j": {"class": "judge", "model_name": str(tmp_path), "engine_backend": "vllm"}}})
+    resolve_environments(vllm.env_sections)
+
+
 def test_the_default_template_bounds_its_scores_and_another_template_only_by_score_range() -> None:
     """The default template asks for 0-10; a parsed 2024 ("2024 was a good year; 7") became a reward of 202 at scale 0.1."""
     assert JudgeEnvConfig().score_bounds == (0.0, 10.0)

@@ -191,6 +191,16 @@ def test_eval_refuses_what_it_cannot_serve_or_would_overwrite_before_any_actor(t
     with pytest.warns(RuntimeWarning, match=r"grpo.val_greedy=True"):
         assert main(["eval", out, "grpo.val_greedy=true", "policy.generation.stop_token_ids=[359]"]) == 2
     assert "policy.generation.stop_token_ids: [359] are outside" in capsys.readouterr().err
+    # a reward model's score head was evaluated as random logits (accuracy 0.125, exit 0); a model the HF sampler cannot
+    # sample failed inside the engine actor, the refusal naming policy.model_name
+    assert main(["eval", out, "eval.model_path=embedded:tiny-reward-qwen2"]) == 2
+    assert "eval.model_path=embedded:tiny-reward-qwen2 is not a causal language model" in capsys.readouterr().err
+    from transformers import MiniMaxConfig
+
+    MiniMaxConfig(vocab_size=359, hidden_size=32, num_hidden_layers=2, num_attention_heads=2).save_pretrained(tmp_path / "minimax")
+    assert main(["eval", out, f"eval.model_path={tmp_path / 'minimax'}"]) == 2
+    refusal = f"eval.model_path='{tmp_path / 'minimax'}' with policy.generation.backend=auto chose hf: the HF sampler cannot sample MiniMax"
+    assert refusal in capsys.readouterr().err
 
 
 def lora_checkpoint(where: Path, base: Path) -> Path:
@@ -227,6 +237,10 @@ def test_eval_never_writes_into_the_base_model_or_a_directory_it_did_not_make(tm
     gone = lora_checkpoint(tmp_path / "orphan", tmp_path / "moved_base")
     assert main(["eval", f"eval.model_path={gone}", f"eval.output_dir={tmp_path / 'out'}"]) == 2
     assert "adapter_config.json base_model_name_or_path" in capsys.readouterr().err
+    # the backend's refusals come before the merge (minutes and gigabytes for a large model) and Ray's start
+    hot = ["policy.generation.backend=vllm", "policy.generation.temperature=3.0", f"eval.output_dir={tmp_path / 'hot'}"]
+    assert main(["eval", f"eval.model_path={lora_checkpoint(tmp_path / 'run' / 'policy', base)}", *hot]) == 2
+    assert "policy.generation." in capsys.readouterr().err and not (tmp_path / "hot" / "merged_model").exists()
     # output_dir/model/ of files eval did not write is refused, not deleted
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     model = tmp_path / "ckpt" / "policy"
@@ -389,3 +403,5 @@ def test_eval_tokenizes_with_the_checkpoints_own_tokenizer_and_refuses_one_that_
     with pytest.raises(ConfigError, match=r"the tokenizer of policy.model_name=.* has ids up to 358, past the 315 vocabulary rows of"):
         eval_tokenizer(load_config(None, []), str(bare))
     assert eval_tokenizer(load_config(None, ["policy.model_name=embedded:tiny-tool-qwen2"]), str(bare))[1] == "embedded:tiny-tool-qwen2"
+    # a shipped model named as such holds its tokenizer too (the recipe's had been taken: accuracy 0.00 against 0.91)
+    assert eval_tokenizer(load_config(None, []), "embedded:tiny-tool-qwen2")[1] == str(tool)

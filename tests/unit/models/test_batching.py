@@ -313,6 +313,11 @@ def test_a_model_with_layers_no_mask_reaches_is_refused_packing(tmp_path) -> Non
         check_teacher_model(load_config(None, ["policy.sequence_packing.enabled=true"]), name, "teacher.model_name")
     for attention_only in sliding_window_models().values():  # windows too are kept within a sample (the test above)
         packed_model_mask(packed, attention_only.config)
+    from transformers import RwkvConfig, xLSTMConfig
+
+    for headless in (RwkvConfig(num_hidden_layers=2), xLSTMConfig(num_hidden_layers=2)):  # no layer kinds listed, no heads:
+        with pytest.raises(ValueError, match=r"'recurrent'"):  # RWKV's second packed sample was scored with the first's state
+            packed_model_mask(packed, headless)
 
 
 def other_attention_models() -> dict[str, torch.nn.Module]:

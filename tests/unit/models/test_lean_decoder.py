@@ -320,13 +320,47 @@ def test_rows_stop_sampling_at_a_stop_string_and_keep_what_the_exact_cut_keeps()
     assert sum(watched.lengths) < sum(full.lengths)
 
 
-def test_a_model_with_a_cache_of_its_own_is_refused_naming_the_engine_that_samples_it() -> None:
+def test_models_whose_state_the_sampler_cannot_keep_per_row_are_refused_in_the_actor_and_on_the_driver(tmp_path) -> None:
     """MiniMax's forward refuses a DynamicCache (the first generate call died inside the actor with transformers' words),
-    and its lightning attention lets a left-padded row's padding into its state."""
-    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+    and its lightning attention lets a left-padded row's padding into its state; RecurrentGemma's recurrent blocks let it
+    in silently (a padded row's logprobs 0.48 off the trainer's); RWKV's forward ignores the mask and took no cache under
+    our name (every step started afresh: gen_kl 0.18 at step 1); xLSTM needs a cache class of its own (an
+    AttributeError). The driver refuses them before any actor starts, naming the backend; vLLM's engine is not judged."""
+    from transformers import (
+        MiniMaxConfig,
+        MiniMaxForCausalLM,
+        RecurrentGemmaConfig,
+        RecurrentGemmaForCausalLM,
+        RwkvConfig,
+        RwkvForCausalLM,
+        xLSTMForCausalLM,
+    )
 
-    config = MiniMaxConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
-                           num_local_experts=2, num_experts_per_tok=1, block_size=16)  # fmt: skip
-    with pytest.raises(ValueError, match=r"MiniMaxForCausalLM: its lightning-attention layers .* policy.generation.backend=vllm"):
-        sample(MiniMaxForCausalLM(config).eval(), PROMPTS, 4, SamplingDistribution(), [], 0, seed=0)
+    from nemo_like.algorithms.setup import check_sampled_model
+    from nemo_like.config import ConfigError, load_config
+    from nemo_like.models.generation.lean_decoder import sampling_problem
+
+    minimax = MiniMaxConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                            num_local_experts=2, num_experts_per_tok=1, block_size=16)  # fmt: skip
+    gemma = RecurrentGemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=16, lru_width=32, attention_window_size=8)  # fmt: skip
+    rwkv = RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)
+    for model, why in (
+        (MiniMaxForCausalLM(minimax), r"its lightning-attention layers keep a cache of their own"),
+        (RecurrentGemmaForCausalLM(gemma), r"its recurrent blocks let a left-padded row's padding into their state"),
+        (RwkvForCausalLM(rwkv), r"its forward ignores the attention mask"),
+    ):
+        with pytest.raises(ValueError, match=rf"{type(model).__name__}: this sampler cannot sample it: {why}"):
+            sample(model.eval(), PROMPTS, 4, SamplingDistribution(), [], 0, seed=0)
+    assert sampling_problem("xlstm", xLSTMForCausalLM.forward) == "it keeps its state in a cache class of its own"
+    assert sampling_problem("llama", lambda input_ids, attention_mask: None).startswith("its forward takes no cache")
+    assert sampling_problem("llama", lambda *args, **kwargs: None) is None  # a wrapper (PEFT's) delegates
+    rwkv.save_pretrained(tmp_path)
+    cfg = load_config(None, [f"policy.model_name={tmp_path}"])
+    with pytest.raises(
+        ConfigError,
+        match=rf"policy.model_name='{tmp_path}' with policy.generation.backend=auto chose hf: the HF sampler cannot sample RwkvForCausalLM: its forward ignores",
+    ):
+        check_sampled_model(cfg, "hf")
+    check_sampled_model(cfg, "vllm")  # vLLM's engine samples with its own kernels

@@ -220,7 +220,7 @@ def test_stop_settings_no_engine_can_honour_are_config_errors_naming_the_key(tmp
     from nemo_like.algorithms.setup import setup_grpo
     from nemo_like.config import load_config
     from nemo_like.config.schema import EMBEDDED_MODEL
-    from nemo_like.models.loading import check_stop_token_ids
+    from nemo_like.models.loading import check_stop_token_ids, load_tokenizer
     from nemo_like.serving.standalone import build_server
 
     with pytest.raises(ConfigError, match=r"policy.generation.stop_strings: every stop string must be non-empty, got \['\.', ''\]"):
@@ -234,6 +234,23 @@ def test_stop_settings_no_engine_can_honour_are_config_errors_naming_the_key(tmp
     bad = ["policy.generation.stop_token_ids=[359]"]
     with pytest.raises(ConfigError, match=outside):  # `nemo-like serve`
         build_server(load_config(None, bad))
+    # serve answered from a reward model's random output head (HTTP 200), and every request to a model its sampler
+    # cannot sample failed (HTTP 500), advising a backend serve does not have
+    with pytest.raises(ConfigError, match=r"eval.model_path=embedded:tiny-reward-qwen2 is not a causal language model"):
+        build_server(load_config(None, ["eval.model_path=embedded:tiny-reward-qwen2"]))
+    from transformers import MiniMaxConfig
+
+    MiniMaxConfig(vocab_size=359, hidden_size=32, num_hidden_layers=2, num_attention_heads=2).save_pretrained(tmp_path / "minimax")
+    with pytest.raises(
+        ConfigError, match=r"eval.model_path='.*minimax': nemo-like serve samples with the HF sampler, which cannot sample Mini"
+    ):
+        build_server(load_config(None, [f"eval.model_path={tmp_path / 'minimax'}"]))
+    # the served model's own tokenizer, as eval's (the recipe's 359 ids failed every request to a 315-row model with an
+    # IndexError), and a named other one refused
+    tool = load_config(None, ["eval.model_path=embedded:tiny-tool-qwen2"])
+    assert build_server(tool).service.renderer.tokenizer.get_vocab() == load_tokenizer("embedded:tiny-tool-qwen2").get_vocab()
+    with pytest.raises(ConfigError, match=r"policy.tokenizer_name='embedded:tiny-arith-teacher' has another tokenizer than the one"):
+        build_server(load_config(None, ["eval.model_path=embedded:tiny-tool-qwen2", "policy.tokenizer_name=embedded:tiny-arith-teacher"]))
     with pytest.raises(ConfigError, match=outside):  # a run: before Ray or any actor
         setup_grpo(load_config(None, [*bad, f"logger.log_dir={tmp_path / 'logs'}"]))
 
