@@ -33,13 +33,14 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (``model.model.layers``)."""
+    """The decoder blocks of a Hugging Face causal LM: its base model's ``layers`` (``model.model.layers``; a
+    state-space model's ``backbone.layers``)."""
     if hasattr(model, "get_base_model"):  # a PEFT model (LoRA): the layers are the wrapped model's
         model = model.get_base_model()
-    base = getattr(model, "model", None)
+    base = getattr(model, "base_model", None)  # transformers' base_model_prefix module: model (Llama), backbone (Mamba)
     layers = getattr(base, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected model.model.layers)")
+        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected model.model.layers or backbone.layers)")
     return list(layers)
 
 

@@ -208,3 +208,16 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_befo
     assert message.startswith(
         f"teacher.model_name={str(tmp_path / 'three-heads')!r}: policy.dtensor_cfg.tensor_parallel_size=2 must divide num_attention_heads=3"
     )
+    # a state-space model has no heads to split: the workers' plan failed on them after every actor started; its layers
+    # (backbone.layers, not model.model.layers) shard over policy.dp_size
+    from transformers import AutoModelForCausalLM, Mamba2Config
+
+    from nemo_like.models.policy.sharding import decoder_layers
+
+    mamba = Mamba2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=1)
+    mamba.save_pretrained(tmp_path / "mamba2")
+    with pytest.raises(
+        ConfigError, match=r"tensor_parallel_size=2 with teacher.model_name=.*mamba2': tensor parallelism splits attention heads"
+    ):
+        check_tensor_parallel_heads(recipe("policy.dtensor_cfg.tensor_parallel_size=2"), str(tmp_path / "mamba2"), "teacher.model_name")
+    assert len(decoder_layers(AutoModelForCausalLM.from_config(mamba))) == 2
