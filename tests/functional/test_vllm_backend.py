@@ -322,11 +322,15 @@ def test_an_engine_that_cannot_build_the_model_names_the_key_that_samples_it_wit
     shutil.copytree(embedded_model_path(cfg.policy.model_name), model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchArchitectureForCausalLM"]}))
-    unbuildable = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"model_name": str(model)})})
-    gen = VLLMGeneration(unbuildable, tok.pad_token_id, [tok.eos_token_id], 1, name="unbuildable_vllm")
+    lora = cfg.policy.lora_cfg.model_copy(update={"enabled": True})
+    unbuildable = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"model_name": str(model), "lora_cfg": lora})})
+    gen = VLLMGeneration(unbuildable, tok.pad_token_id, [tok.eos_token_id], 1, name="unbuildable_vllm", refit_mode="adapter")
     try:
-        # the line that says why (not pydantic's closing "For further information visit ..."), then the way out
-        why = r"its constructor raised .*NoSuchArchitectureForCausalLM.*; if vLLM does not build this model here, policy.generation.backend=hf"
+        # the line that says why (not pydantic's closing "For further information visit ..."), then the ways out
+        why = (
+            r"its constructor raised .*NoSuchArchitectureForCausalLM.*; if vLLM does not build this model here, "
+            r"policy.generation.backend=hf .*; if vLLM's class for it takes no LoRA adapters, policy.lora_cfg.refit=merged"
+        )
         with pytest.raises(WorkerFailure, match=why):
             gen.wait_ready()
     finally:

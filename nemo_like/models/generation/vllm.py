@@ -150,6 +150,7 @@ class VLLMGeneration:
         self.policy = policy
         self.on_gpu = on_gpu
         self.lora = pc.lora_cfg.enabled  # LoRA refits (adapters or merged weights) go through the object store
+        self.serves_adapters = refit_mode == "adapter"
         init = dict(
             model_name=actor_model_source(pc.model_name),
             precision=pc.precision,
@@ -265,13 +266,16 @@ class VLLMGeneration:
     def wait_ready(self) -> None:
         """Wait until every engine actor is built (its start-up never counts against a call's deadline). An engine whose
         constructor raised for the model (vLLM does not build it here: an architecture its CPU build cannot import, a LoRA
-        its Mamba models refuse) says which key samples it with transformers instead."""
+        its Mamba models refuse) says which key samples it with transformers instead, and with adapters, which key sends
+        merged weights."""
         try:
             self.group.wait_started()
         except WorkerFailure as exc:
             if "its constructor raised" not in str(exc) or "memory" in str(exc):  # a death, or a budget the keys it names fix
                 raise
             hint = "; if vLLM does not build this model here, policy.generation.backend=hf samples it with transformers"
+            if self.serves_adapters:  # vLLM's Mamba, Mamba2, Zamba2, Bamba, MiniMax ... classes take no LoRA (on GPUs too)
+                hint += "; if vLLM's class for it takes no LoRA adapters, policy.lora_cfg.refit=merged serves it merged weights"
             raise WorkerFailure(f"{exc}{hint}", exc.role, exc.actor_id) from exc
 
     def shutdown(self) -> None:
