@@ -43,6 +43,7 @@ from nemo_like.models.loading import (
     end_of_sequence_ids,
     holds_tokenizer,
     load_tokenizer,
+    meta_skeleton,
     model_config,
     model_configs_given,
     model_vocab_size,
@@ -54,6 +55,7 @@ from nemo_like.models.loading import (
 from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.batching import packing_problem
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
+from nemo_like.models.policy.sharding import decoder_layers, tensor_parallel_problem
 from nemo_like.plan.memory import tensor_parallel_problems
 from nemo_like.plan.multi_turn import with_reply_roles
 from nemo_like.plan.run_plan import RunPlan
@@ -268,6 +270,7 @@ def check_policy_model(cfg: MasterConfig, local_only: bool = False) -> None:
     check_stop_token_ids(name, cfg.policy.generation.stop_token_ids, local_only=local_only)
     check_generative(name, "policy.model_name", local_only)
     check_tensor_parallel_heads(cfg, name, local_only=local_only)
+    check_shardable(cfg, name, "policy.model_name", local_only)
     check_packable(cfg, name, "policy.model_name", local_only)
     if cfg.policy.lora_cfg.enabled:
         check_lora_targets(name, cfg.policy.lora_cfg, local_only)
@@ -315,6 +318,28 @@ def check_tensor_parallel_heads(cfg: MasterConfig, name: str, key: str | None = 
         )
     if problems := tensor_parallel_problems(cfg, heads, getattr(text, "num_key_value_heads", None) or heads):
         raise ConfigError(f"{key}={name!r}: {problems[0]}" if key else problems[0])
+
+
+def check_shardable(cfg: MasterConfig, name: str, key: str, local_only: bool = False) -> None:
+    """A :class:`ConfigError` naming ``key`` when the workers would shard model ``name`` (``policy.dp_size`` x
+    ``tensor_parallel_size`` above 1) and cannot: no decoder layers where FSDP2 looks for them, or a tensor-parallel
+    plan that does not fit its layers (:func:`~nemo_like.models.policy.sharding.tensor_parallel_problem`). Both failed
+    inside the workers after every actor had started; a per-head query/key norm trained silently wrong."""
+    dp, tp = cfg.policy.dp_size, cfg.policy.dtensor_cfg.tensor_parallel_size
+    if dp * tp == 1:
+        return
+    skeleton = meta_skeleton(name, local_only)
+    try:
+        decoder_layers(skeleton)  # FSDP2 shards each block
+        problem = tensor_parallel_problem(skeleton) if tp > 1 else None
+    except ValueError as exc:
+        problem = str(exc)
+    if problem:
+        keys = "policy.dtensor_cfg.tensor_parallel_size" if tp > 1 else "policy.dp_size"
+        raise ConfigError(
+            f"{key}={name!r} with policy.dp_size={dp} and policy.dtensor_cfg.tensor_parallel_size={tp}: the workers cannot "
+            f"shard it: {problem}; lower {keys} to 1"
+        )
 
 
 def check_teachers(cfg: MasterConfig, tokenizer: Any) -> list[str]:
@@ -385,6 +410,7 @@ def check_teacher_model(cfg: MasterConfig, name: str, key: str, local_only: bool
     ``policy.sequence_packing`` can pack."""
     check_generative(name, key, local_only)
     check_tensor_parallel_heads(cfg, name, key, local_only)
+    check_shardable(cfg, name, key, local_only)
     check_chunkable_head(name, cfg.policy.logprob_chunk_size, key, local_only)
     check_packable(cfg, name, key, local_only)
 

@@ -133,7 +133,7 @@ def model_footprint(
     except ValueError as exc:  # an encoder (bert): no causal-LM class
         raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
     try:
-        layers = decoder_layers(model)  # the same modules once LoRA wraps them
+        layers = decoder_layers(model, ("layers",))  # the same modules once LoRA wraps them
     except ValueError as exc:  # a causal LM laid out otherwise (Falcon: transformer.h)
         raise UnplannableLayout(
             f"{path}: the memory plan cannot lay out {type(model).__name__} ({str(exc).splitlines()[0]}); it plans models "

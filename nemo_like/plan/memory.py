@@ -195,17 +195,19 @@ class ModelShape:
         hidden-sized values (the residual stream, the norms' inputs and outputs) at ``hidden_bytes`` (default: the
         same), which :func:`activation_bytes` sets to 4 under autocast. On a rank of ``tp`` tensor-parallel ranks the
         values of the split projections are ``1/tp`` wide: of the ``8H``, the query, the rotated query and the
-        attention output (``3H``), and the keys' and values' ``4KD`` and the MLP's ``4I``; the residual stream and the
-        norms (``5H``) stay whole (no sequence parallelism). Measured on a (dp 1, tp 2) gloo rank in
+        attention output (``3H``), and the keys' and values' ``4KD`` and a dense MLP's ``4I`` (a mixture of experts' block
+        runs whole on every rank); the residual stream and the norms (``5H``) stay whole (no sequence parallelism). Measured on a (dp 1, tp 2) gloo rank in
         ``tests/unit/models/test_sharding.py``. ``float32_attention``: attention runs in float32 under a lower
         ``value_bytes`` (CPU autocast, :func:`cpu_float32_attention`): its ``3H`` values at 4 bytes, and float32 copies
         of the keys and values (``2KD``), measured in ``tests/unit/plan/test_memory_plan.py``."""
         hidden_bytes = value_bytes if hidden_bytes is None else hidden_bytes
-        split = 4 * self.kv_heads * self.head_dim + self.mlp_values_per_token()
+        mlp = self.mlp_values_per_token()
         if tp <= 1:
             attention = (3 * self.hidden + 2 * self.kv_heads * self.head_dim) * (4 - value_bytes) if float32_attention else 0
-            return 8 * self.hidden * hidden_bytes + split * value_bytes + attention
-        return 5 * self.hidden * hidden_bytes + math.ceil((3 * self.hidden + split) / tp) * value_bytes
+            return 8 * self.hidden * hidden_bytes + (4 * self.kv_heads * self.head_dim + mlp) * value_bytes + attention
+        whole = mlp if self.expert_block_values else 0  # experts run whole on every tp rank (the plan splits dense MLPs)
+        split = 3 * self.hidden + 4 * self.kv_heads * self.head_dim + mlp - whole
+        return 5 * self.hidden * hidden_bytes + whole * value_bytes + math.ceil(split / tp) * value_bytes
 
     def kv_bytes_per_sequence(self, bytes_per_value: int, tokens: int, engine: str = "hf") -> int:
         """KV-cache bytes of one sequence of ``tokens`` tokens in ``engine``'s cache (``hf``: transformers', as the inline

@@ -32,16 +32,26 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder blocks of a Hugging Face causal LM: its base model's ``layers`` (``model.model.layers``; a
-    state-space model's ``backbone.layers``)."""
+#: Where a Hugging Face causal LM keeps its decoder blocks under its base model (transformers' ``base_model_prefix``
+#: module): Llama's ``model.layers``, Mamba's ``backbone.layers``, a vision-language model's ``language_model.layers``,
+#: GPT-2's and Falcon's ``transformer.h``, OPT's ``model.decoder.layers``.
+DECODER_LAYER_PATHS = ("layers", "language_model.layers", "h", "decoder.layers")
+
+
+def decoder_layers(model: torch.nn.Module, paths: tuple[str, ...] = DECODER_LAYER_PATHS) -> list[torch.nn.Module]:
+    """The decoder blocks of a Hugging Face causal LM: the first of ``paths`` under its base model that is a module list."""
     if hasattr(model, "get_base_model"):  # a PEFT model (LoRA): the layers are the wrapped model's
         model = model.get_base_model()
-    base = getattr(model, "base_model", None)  # transformers' base_model_prefix module: model (Llama), backbone (Mamba)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected model.model.layers or backbone.layers)")
-    return list(layers)
+    base = getattr(model, "base_model", model)
+    for path in paths:
+        try:
+            layers = base.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(layers, torch.nn.ModuleList):
+            return list(layers)
+    where = " or ".join(f"{type(base).__name__}.{path}" for path in paths)
+    raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected {where})")
 
 
 def build_mesh(dp_size: int, tp_size: int, device_type: str):
@@ -65,6 +75,39 @@ TENSOR_PARALLEL_STYLES = {
     "mlp.up_proj": "colwise",
     "mlp.down_proj": "rowwise",
 }
+
+
+def tensor_parallel_problem(model: torch.nn.Module) -> str | None:
+    """Why :data:`TENSOR_PARALLEL_STYLES` cannot split ``model``'s decoder layers exactly, or ``None``. Each layer needs
+    the attention's four projections and no other parameter in its attention module (a per-head query/key norm or
+    sink stays whole on every tp rank while each rank trains its copy on its own heads: Qwen3's copies drifted apart
+    silently), no head count of its own to reshape with (StableLM's), and in its MLP the three projections and nothing
+    else, or none of them (experts, or another layout, then run whole on every rank: Phi-3's fused gate_up_proj beside
+    a row-wise down_proj crashed)."""
+    groups = {group: [k for k in TENSOR_PARALLEL_STYLES if k.startswith(group + ".")] for group in ("self_attn", "mlp")}
+    for index, layer in enumerate(decoder_layers(model)):
+        for group, keys in groups.items():
+            found = [k for k in keys if _has_submodule(layer, k)]
+            if group == "mlp" and not found:
+                continue
+            if len(found) < len(keys):
+                missing = ", ".join(k for k in keys if k not in found)
+                return f"layer {index} has no {missing} (the plan splits Llama-layout projections: {', '.join(keys)})"
+            split = {f"{k.split('.', 1)[1]}.{name}" for k in keys for name, _ in layer.get_submodule(k).named_parameters()}
+            others = [name for name, _ in layer.get_submodule(group).named_parameters() if name not in split]
+            if others:
+                return f"layer {index}'s {group} holds parameters the plan does not split ({', '.join(others)})"
+        if hasattr(layer.get_submodule("self_attn"), "num_heads"):
+            return f"layer {index}'s attention reshapes with a head count of its own (num_heads), which the split does not change"
+    return None
+
+
+def _has_submodule(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def tensor_parallel_dims(model: torch.nn.Module) -> dict[int, int]:
@@ -92,13 +135,16 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
     num_key_value_heads must be divisible by the tp degree."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    cfg = model.config
+    text = model.config.get_text_config()
     tp = tp_mesh.size()
-    if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % tp or kv_heads % tp:
         raise ValueError(
-            f"policy.dtensor_cfg.tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_attention_heads} "
-            f"and num_key_value_heads={cfg.num_key_value_heads}"
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} must divide num_attention_heads={heads} and num_key_value_heads={kv_heads}"
         )
+    if problem := tensor_parallel_problem(model):
+        raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size={tp}: {type(model).__name__}: {problem}")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {name: styles[style]() for name, style in TENSOR_PARALLEL_STYLES.items()}
     for layer in decoder_layers(model):

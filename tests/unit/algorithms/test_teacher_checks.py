@@ -199,7 +199,7 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_befo
     tokenizer.save_pretrained(tmp_path / "three-heads")
     from transformers import GPT2Config
 
-    from nemo_like.algorithms.setup import check_tensor_parallel_heads
+    from nemo_like.algorithms.setup import check_shardable, check_tensor_parallel_heads
 
     GPT2Config(n_head=3).save_pretrained(tmp_path / "gpt2")  # n_head, which transformers reads as num_attention_heads
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 must divide num_attention_heads=3 and num_key_value_heads=3"):
@@ -221,3 +221,26 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_befo
     ):
         check_tensor_parallel_heads(recipe("policy.dtensor_cfg.tensor_parallel_size=2"), str(tmp_path / "mamba2"), "teacher.model_name")
     assert len(decoder_layers(AutoModelForCausalLM.from_config(mamba))) == 2
+    # Layouts the workers cannot shard, refused before any actor starts: a per-head query/key norm stays whole on every
+    # tp rank while each trains its copy on its own heads (Qwen3's drifted apart, its logprobs 0.1 off a plain rank's in
+    # 5 steps, silently); Phi-3's fused qkv_proj beside a row-wise o_proj crashed in the workers; RWKV's blocks are not
+    # where FSDP2 looks for them. Falcon's (transformer.h) now shard over dp.
+    from transformers import FalconConfig, Phi3Config, Qwen3Config, RwkvConfig
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    for name, config in (("qwen3", Qwen3Config(**shape)), ("phi3", Phi3Config(**shape)), ("falcon", FalconConfig(hidden_size=32, num_attention_heads=4)),
+                         ("rwkv", RwkvConfig(hidden_size=32, num_hidden_layers=2))):  # fmt: skip
+        config.save_pretrained(tmp_path / name)
+    tp2 = recipe("policy.dtensor_cfg.tensor_parallel_size=2")
+    with pytest.raises(
+        ConfigError,
+        match=r"teacher.model_name=.*qwen3' with policy.dp_size=1 and policy.dtensor_cfg.tensor_parallel_size=2: the workers cannot shard it: layer 0's self_attn holds parameters the plan does not split \(q_norm.weight, k_norm.weight\); lower policy.dtensor_cfg.tensor_parallel_size to 1",
+    ):
+        check_shardable(tp2, str(tmp_path / "qwen3"), "teacher.model_name")
+    with pytest.raises(ConfigError, match=r"layer 0 has no self_attn.q_proj"):
+        check_shardable(tp2, str(tmp_path / "phi3"), "policy.model_name")
+    dp2 = recipe("policy.dp_size=2")
+    check_shardable(dp2, str(tmp_path / "qwen3"), "policy.model_name")  # FSDP2 alone shards any layout it finds
+    check_shardable(dp2, str(tmp_path / "falcon"), "policy.model_name")
+    with pytest.raises(ConfigError, match=r"policy.model_name=.*rwkv'.*cannot find the decoder layers.*; lower policy.dp_size to 1"):
+        check_shardable(dp2, str(tmp_path / "rwkv"), "policy.model_name")
