@@ -322,7 +322,7 @@ def run_plan(args: argparse.Namespace) -> int:
     plan = plan_on_cluster(cfg, turn_end_ids(cfg), planning_only=True, experts=experts)
     if given or model_config_here(policy_name):  # train's refusal of a model its resolved sampler cannot sample
         with model_configs_given(given):
-            check_sampled_model(cfg, plan.backend.value, local_only=True)
+            check_sampled_model(cfg, plan.backend.value, local_only=True, experts=experts)
     load_agents(env_specs, plan.agent_tasks)  # an agent that does not import: train refuses it before any actor starts
     for line in ignored_engine_keys(cfg, plan.backend.value):  # the engine keys train warns about when it builds it
         print(f"[plan] warning: {line}", file=sys.stderr, flush=True)

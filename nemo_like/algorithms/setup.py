@@ -56,6 +56,7 @@ from nemo_like.models.lora import check_lora_targets, refit_bytes
 from nemo_like.models.policy.batching import packing_problem
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 from nemo_like.models.policy.sharding import decoder_layers, tensor_parallel_problem
+from nemo_like.plan.backend import VLLM_CPU_EXPERTS_BLOCKER
 from nemo_like.plan.memory import tensor_parallel_problems
 from nemo_like.plan.multi_turn import with_reply_roles
 from nemo_like.plan.run_plan import RunPlan
@@ -276,20 +277,24 @@ def check_policy_model(cfg: MasterConfig, local_only: bool = False) -> None:
         check_lora_targets(name, cfg.policy.lora_cfg, local_only)
 
 
-def check_sampled_model(cfg: MasterConfig, backend: str, key: str = "policy.model_name", local_only: bool = False) -> None:
+def check_sampled_model(
+    cfg: MasterConfig, backend: str, key: str = "policy.model_name", local_only: bool = False, experts: bool = False
+) -> None:
     """A :class:`ConfigError` naming ``key`` when ``backend`` (the run's resolved one) samples ``policy.model_name``
     with the HF sampler (``hf``, ``inline``) and that cannot sample it
     (:func:`~nemo_like.models.generation.lean_decoder.sampling_problem`): its actor refused it at the first generate
-    call, after every actor had started. ``key``: where the model was named (``eval.model_path`` for an eval)."""
+    call, after every actor had started. ``key``: where the model was named (``eval.model_path`` for an eval);
+    ``experts``: a training run's policy is a mixture of experts (no vLLM for it on a CPU cluster)."""
     if backend not in ("hf", "inline"):
         return
     name, requested = cfg.policy.model_name, cfg.policy.generation.backend
     if problem := model_sampling_problem(name, local_only):
         chose = f"policy.generation.backend={requested}" + (f" chose {backend}" if requested != backend else "")
-        raise ConfigError(
-            f"{key}={name!r} with {chose}: the HF sampler cannot sample {problem}; vLLM's engine "
-            "(policy.generation.backend=vllm) samples the architectures vLLM supports"
-        )
+        if experts and not cfg.cluster.gpus_per_node:
+            way_out = f"nor can vLLM train it on a CPU cluster ({VLLM_CPU_EXPERTS_BLOCKER}): train it on a GPU cluster"
+        else:
+            way_out = "vLLM's engine (policy.generation.backend=vllm) samples the architectures vLLM supports"
+        raise ConfigError(f"{key}={name!r} with {chose}: the HF sampler cannot sample {problem}; {way_out}")
 
 
 def check_packable(cfg: MasterConfig, name: str, key: str, local_only: bool = False) -> None:
@@ -508,8 +513,9 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     # Every run-level decision, made once here and handed down (an impossible requested backend or LoRA refit mode
     # fails here, before any actor starts).
     eos_ids = end_of_sequence_ids(tokenizer, cfg.policy.model_name)  # the tokenizer's and the generation config's
-    plan = plan_on_cluster(cfg, tuple(eos_ids), experts=routes_experts(cfg.policy.model_name))
-    check_sampled_model(cfg, plan.backend.value)
+    experts = routes_experts(cfg.policy.model_name)
+    plan = plan_on_cluster(cfg, tuple(eos_ids), experts=experts)
+    check_sampled_model(cfg, plan.backend.value, experts=experts)
     plan = with_environments(plan, env_specs)
     if nodes := node_count_warning(cfg, plan.nodes):
         warnings.warn(nodes, RuntimeWarning, stacklevel=2)

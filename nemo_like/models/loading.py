@@ -824,14 +824,14 @@ def eval_tokenizer(cfg: Any, model_dir: str) -> tuple[Any, str]:
     tokenizer = load_tokenizer(source)
     if own is not None and source != own and load_tokenizer(own).get_vocab() != tokenizer.get_vocab():
         raise ConfigError(
-            f"{key}={source!r} has another tokenizer than the one {own} holds (the run's that wrote it): set "
-            "policy.tokenizer_name=null to evaluate with the model's own"
+            f"{key}={source!r} has another tokenizer than the one {own} holds (a checkpoint's: the run's that wrote "
+            "it): set policy.tokenizer_name=null to use the model's own"
         )
     rows = model_vocab_size(model_dir)
     if rows is not None and token_id_count(tokenizer) > rows:
         raise ConfigError(
             f"the tokenizer of {key}={source!r} has ids up to {token_id_count(tokenizer) - 1}, past the {rows} vocabulary "
-            f"rows of {model_dir}: evaluate with the tokenizer of the run that trained it (its config.yaml's "
+            f"rows of {model_dir}: use the tokenizer of the run that trained it (its config.yaml's "
             "policy.model_name, or policy.tokenizer_name)"
         )
     return tokenizer, source

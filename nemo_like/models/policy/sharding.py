@@ -39,18 +39,20 @@ DECODER_LAYER_PATHS = ("layers", "language_model.layers", "h", "decoder.layers")
 
 
 def decoder_layers(model: torch.nn.Module, paths: tuple[str, ...] = DECODER_LAYER_PATHS) -> list[torch.nn.Module]:
-    """The decoder blocks of a Hugging Face causal LM: the first of ``paths`` under its base model that is a module list."""
+    """The decoder blocks of a Hugging Face causal LM: the first of ``paths`` that is a module list under its ``model``
+    (Llama 4's text class names ``language_model`` its base model but keeps ``model``) or its base model."""
     if hasattr(model, "get_base_model"):  # a PEFT model (LoRA): the layers are the wrapped model's
         model = model.get_base_model()
-    base = getattr(model, "base_model", model)
-    for path in paths:
-        try:
-            layers = base.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(layers, torch.nn.ModuleList):
-            return list(layers)
-    where = " or ".join(f"{type(base).__name__}.{path}" for path in paths)
+    bases = [base for base in (getattr(model, "model", None), getattr(model, "base_model", None)) if isinstance(base, torch.nn.Module)]
+    for base in bases:
+        for path in paths:
+            try:
+                layers = base.get_submodule(path)
+            except AttributeError:
+                continue
+            if isinstance(layers, torch.nn.ModuleList):
+                return list(layers)
+    where = " or ".join(f"<base model>.{path}" for path in paths)
     raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected {where})")
 
 

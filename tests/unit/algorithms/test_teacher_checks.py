@@ -242,5 +242,9 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_befo
     dp2 = recipe("policy.dp_size=2")
     check_shardable(dp2, str(tmp_path / "qwen3"), "policy.model_name")  # FSDP2 alone shards any layout it finds
     check_shardable(dp2, str(tmp_path / "falcon"), "policy.model_name")
+    from transformers import Llama4TextConfig
+
+    llama4 = Llama4TextConfig(**shape, intermediate_size_mlp=64, num_local_experts=2)  # its text class: model.model.layers,
+    assert len(decoder_layers(AutoModelForCausalLM.from_config(llama4))) == 2  # base_model_prefix 'language_model'
     with pytest.raises(ConfigError, match=r"policy.model_name=.*rwkv'.*cannot find the decoder layers.*; lower policy.dp_size to 1"):
         check_shardable(dp2, str(tmp_path / "rwkv"), "policy.model_name")
