@@ -336,14 +336,17 @@ def check_shardable(cfg: MasterConfig, name: str, key: str, local_only: bool = F
     skeleton = meta_skeleton(name, local_only)
     try:
         decoder_layers(skeleton)  # FSDP2 shards each block
-        problem = tensor_parallel_problem(skeleton) if tp > 1 else None
-    except ValueError as exc:
-        problem = str(exc)
+    except ValueError as exc:  # neither degree can shard it
+        problem, keys = (
+            str(exc),
+            [k for k, degree in (("policy.dp_size", dp), ("policy.dtensor_cfg.tensor_parallel_size", tp)) if degree > 1],
+        )
+    else:
+        problem, keys = tensor_parallel_problem(skeleton) if tp > 1 else None, ["policy.dtensor_cfg.tensor_parallel_size"]
     if problem:
-        keys = "policy.dtensor_cfg.tensor_parallel_size" if tp > 1 else "policy.dp_size"
         raise ConfigError(
             f"{key}={name!r} with policy.dp_size={dp} and policy.dtensor_cfg.tensor_parallel_size={tp}: the workers cannot "
-            f"shard it: {problem}; lower {keys} to 1"
+            f"shard it: {problem}; lower {' and '.join(keys)} to 1"
         )
 
 

@@ -170,6 +170,7 @@ def model_footprint(
         packed_masks=2 if sliding_window(config) is not None else 1,
         expert_block_values=expert_block_values_per_token(model, text.hidden_size, top_k(config)),
         fused_sampler=fused,
+        mlp_splits=all(any(id(p) in tp_dims for p in getattr(layer, "mlp", torch.nn.Module()).parameters()) for layer in layers),
         **cache_layout(config),
     )
     return specs, shape

@@ -142,6 +142,9 @@ class ModelShape:
     # A mixture of experts: the most values one of its blocks saves for backward per token
     # (:func:`~nemo_like.utils.experts.expert_block_values_per_token`), in place of a dense MLP's 4I where larger
     expert_block_values: int = 0
+    # Tensor parallelism splits every layer's MLP projections (the Llama layout's mlp.*_proj); else the MLP runs whole
+    # on every tp rank (a mixture of experts, Falcon-H1's feed_forward)
+    mlp_splits: bool = True
     # The lean decoder's fused step samples the model (the Llama family: ``llama_family.supported``) and copies its
     # weights for a call; any other model samples with its own forward, copying nothing
     fused_sampler: bool = True
@@ -195,8 +198,8 @@ class ModelShape:
         hidden-sized values (the residual stream, the norms' inputs and outputs) at ``hidden_bytes`` (default: the
         same), which :func:`activation_bytes` sets to 4 under autocast. On a rank of ``tp`` tensor-parallel ranks the
         values of the split projections are ``1/tp`` wide: of the ``8H``, the query, the rotated query and the
-        attention output (``3H``), and the keys' and values' ``4KD`` and a dense MLP's ``4I`` (a mixture of experts' block
-        runs whole on every rank); the residual stream and the norms (``5H``) stay whole (no sequence parallelism). Measured on a (dp 1, tp 2) gloo rank in
+        attention output (``3H``), and the keys' and values' ``4KD`` and a dense MLP's ``4I`` where the plan splits it
+        (``mlp_splits``; a mixture of experts' block runs whole on every rank); the residual stream and the norms (``5H``) stay whole (no sequence parallelism). Measured on a (dp 1, tp 2) gloo rank in
         ``tests/unit/models/test_sharding.py``. ``float32_attention``: attention runs in float32 under a lower
         ``value_bytes`` (CPU autocast, :func:`cpu_float32_attention`): its ``3H`` values at 4 bytes, and float32 copies
         of the keys and values (``2KD``), measured in ``tests/unit/plan/test_memory_plan.py``."""
@@ -205,7 +208,7 @@ class ModelShape:
         if tp <= 1:
             attention = (3 * self.hidden + 2 * self.kv_heads * self.head_dim) * (4 - value_bytes) if float32_attention else 0
             return 8 * self.hidden * hidden_bytes + (4 * self.kv_heads * self.head_dim + mlp) * value_bytes + attention
-        whole = mlp if self.expert_block_values else 0  # experts run whole on every tp rank (the plan splits dense MLPs)
+        whole = mlp if self.expert_block_values or not self.mlp_splits else 0  # experts, another layout: whole on a tp rank
         split = 3 * self.hidden + 4 * self.kv_heads * self.head_dim + mlp - whole
         return 5 * self.hidden * hidden_bytes + whole * value_bytes + math.ceil(split / tp) * value_bytes
 

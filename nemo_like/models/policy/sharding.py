@@ -12,6 +12,7 @@ process group.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -92,14 +93,16 @@ def tensor_parallel_problem(model: torch.nn.Module) -> str | None:
             found = [k for k in keys if _has_submodule(layer, k)]
             if group == "mlp" and not found:
                 continue
-            if len(found) < len(keys):
-                missing = ", ".join(k for k in keys if k not in found)
-                return f"layer {index} has no {missing} (the plan splits Llama-layout projections: {', '.join(keys)})"
-            split = {f"{k.split('.', 1)[1]}.{name}" for k in keys for name, _ in layer.get_submodule(k).named_parameters()}
+            # an MLP without a gate (Arcee, Nemotron: up_proj, down_proj) splits exactly as a gated one
+            needed = keys if group == "self_attn" else ["mlp.down_proj"] if set(found) & {"mlp.gate_proj", "mlp.up_proj"} else keys
+            if missing := [k for k in needed if k not in found]:
+                return f"layer {index} has no {', '.join(missing)} (the plan splits Llama-layout projections: {', '.join(keys)})"
+            split = {f"{k.split('.', 1)[1]}.{name}" for k in found for name, _ in layer.get_submodule(k).named_parameters()}
             others = [name for name, _ in layer.get_submodule(group).named_parameters() if name not in split]
             if others:
                 return f"layer {index}'s {group} holds parameters the plan does not split ({', '.join(others)})"
-        if hasattr(layer.get_submodule("self_attn"), "num_heads"):
+        attention = layer.get_submodule("self_attn")
+        if "self.num_heads" in inspect.getsource(type(attention).forward):
             return f"layer {index}'s attention reshapes with a head count of its own (num_heads), which the split does not change"
     return None
 

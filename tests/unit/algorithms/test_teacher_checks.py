@@ -239,6 +239,16 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_befo
         check_shardable(tp2, str(tmp_path / "qwen3"), "teacher.model_name")
     with pytest.raises(ConfigError, match=r"layer 0 has no self_attn.q_proj"):
         check_shardable(tp2, str(tmp_path / "phi3"), "policy.model_name")
+    from transformers import ArceeConfig
+
+    ArceeConfig(**shape).save_pretrained(tmp_path / "arcee")  # an MLP without a gate (up_proj, down_proj) splits exactly
+    check_shardable(tp2, str(tmp_path / "arcee"), "policy.model_name")
+    with pytest.raises(
+        ConfigError, match=r"cannot find the decoder layers.*; lower policy.dp_size and policy.dtensor_cfg.tensor_parallel_size to 1"
+    ):
+        check_shardable(
+            recipe("policy.dp_size=2", "policy.dtensor_cfg.tensor_parallel_size=2"), str(tmp_path / "rwkv"), "policy.model_name"
+        )
     dp2 = recipe("policy.dp_size=2")
     check_shardable(dp2, str(tmp_path / "qwen3"), "policy.model_name")  # FSDP2 alone shards any layout it finds
     check_shardable(dp2, str(tmp_path / "falcon"), "policy.model_name")

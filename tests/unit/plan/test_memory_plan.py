@@ -74,7 +74,7 @@ def test_tensor_parallel_splits_the_projections_and_fsdp2_shards_the_rest_over_d
     split = sum(p.shard_bytes(1) for p in params if p.tp_dim is not None)  # q/k/v/o, gate/up/down (and q/k/v biases)
     whole = sum(p.shard_bytes(1) for p in params if p.tp_dim is None)  # embeddings (tied head), norms
     tp2 = policy_memory(recipe("policy.dtensor_cfg.tensor_parallel_size=2"), params, shape)
-    assert tp2.params == whole + split // 2 == 2_156_544  # what each rank of a real (dp 1, tp 2) gloo worker holds
+    assert shape.mlp_splits and tp2.params == whole + split // 2 == 2_156_544  # what each rank of a real (dp 1, tp 2) gloo worker holds
     assert (tp2.grads, tp2.optimizer, tp2.workers) == (2_156_544, 2 * 2_156_544, 2)
     # dp 2 x tp 2: the embeddings' 359 rows in ceil(359 / 2) = 180 on rank 0, a q_proj's 128 rows in 64, then 32
     both = policy_memory(recipe("policy.dp_size=2", "policy.dtensor_cfg.tensor_parallel_size=2"), params, shape)
@@ -190,7 +190,8 @@ def test_a_mixture_of_experts_layer_saves_what_each_token_runs_through(moe: str)
     assert shape.layer_bytes_per_token(4, tp=2) == (5 * 64 + block + math.ceil((3 * 64 + kv) / 2)) * 4
     with tempfile.TemporaryDirectory() as config_dir:  # what `nemo-like plan --model-config` plans with
         config.save_pretrained(config_dir)
-        assert model_footprint(moe, "float32", config_path=config_dir)[1].expert_block_values == block
+        planned = model_footprint(moe, "float32", config_path=config_dir)[1]
+        assert planned.expert_block_values == block and not planned.mlp_splits  # no mlp.*_proj for the plan to split
 
 
 def saved_for_backward(model, ids, precision: str, sharded: bool = False) -> int:
