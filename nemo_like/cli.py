@@ -288,7 +288,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from nemo_like.experience.agent_rollouts import load_agents
     from nemo_like.models.engines import ignored_engine_keys
     from nemo_like.models.footprint import memory_report, model_config_here, model_config_path, model_config_warning
-    from nemo_like.models.loading import model_configs_given, refuse_checkpoint_as_model, routes_experts
+    from nemo_like.models.loading import model_configs_given, policy_model, refuse_checkpoint_as_model
 
     for flag, value, low_open, high in (("--mfu", args.mfu, 0.0, 1.0), ("--peak-tflops", args.peak_tflops, 0.0, None),
                                          ("--device-memory-gib", args.device_memory_gib, 0.0, None)):  # fmt: skip
@@ -318,11 +318,11 @@ def run_plan(args: argparse.Namespace) -> int:
     policy_name = cfg.policy.model_name
     given = {policy_name: model_config_path(policy_name, args.model_config)} if args.model_config else {}
     with model_configs_given(given):
-        experts = routes_experts(policy_name, local_only=True)  # a mixture of experts: no vLLM on a CPU cluster
-    plan = plan_on_cluster(cfg, turn_end_ids(cfg), planning_only=True, experts=experts)
+        model = policy_model(policy_name, local_only=True)  # a mixture of experts: no vLLM on a CPU cluster, ...
+    plan = plan_on_cluster(cfg, turn_end_ids(cfg), planning_only=True, model=model)
     if given or model_config_here(policy_name):  # train's refusal of a model its resolved sampler cannot sample
         with model_configs_given(given):
-            check_sampled_model(cfg, plan.backend.value, local_only=True, experts=experts)
+            check_sampled_model(cfg, plan.backend.value, local_only=True, experts=model.experts)
     load_agents(env_specs, plan.agent_tasks)  # an agent that does not import: train refuses it before any actor starts
     for line in ignored_engine_keys(cfg, plan.backend.value):  # the engine keys train warns about when it builds it
         print(f"[plan] warning: {line}", file=sys.stderr, flush=True)

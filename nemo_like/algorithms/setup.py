@@ -47,9 +47,9 @@ from nemo_like.models.loading import (
     model_config,
     model_configs_given,
     model_vocab_size,
+    policy_model,
     renders_tools,
     resolve_model_path,
-    routes_experts,
     token_id_count,
 )
 from nemo_like.models.lora import check_lora_targets, refit_bytes
@@ -516,9 +516,9 @@ def setup_grpo(cfg: MasterConfig, ray_started: Callable[[], None] | None = None,
     # Every run-level decision, made once here and handed down (an impossible requested backend or LoRA refit mode
     # fails here, before any actor starts).
     eos_ids = end_of_sequence_ids(tokenizer, cfg.policy.model_name)  # the tokenizer's and the generation config's
-    experts = routes_experts(cfg.policy.model_name)
-    plan = plan_on_cluster(cfg, tuple(eos_ids), experts=experts)
-    check_sampled_model(cfg, plan.backend.value, experts=experts)
+    model = policy_model(cfg.policy.model_name)  # what the backend and refit choices need to know of it
+    plan = plan_on_cluster(cfg, tuple(eos_ids), model=model)
+    check_sampled_model(cfg, plan.backend.value, experts=model.experts)
     plan = with_environments(plan, env_specs)
     if nodes := node_count_warning(cfg, plan.nodes):
         warnings.warn(nodes, RuntimeWarning, stacklevel=2)

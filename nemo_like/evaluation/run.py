@@ -218,6 +218,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         check_stop_token_ids,
         check_tokenizer_source,
         end_of_sequence_ids,
+        policy_model,
         resolve_checkpoint_model,
     )
 
@@ -247,8 +248,10 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     tokenizer, tokenizer_source = eval_tokenizer(cfg, model_dir)
     # The plan's refusals (the backend's settings, a model its sampler cannot sample) before a LoRA merge (minutes for a
     # large model) and Ray's start; it is decided again on the cluster, whose CPUs split the threads
-    sampled = eval_config(cfg, model_dir)
-    declared = plan_on_cluster(sampled, tuple(end_of_sequence_ids(tokenizer, model_dir)), with_policy=False, planning_only=True)
+    sampled, model = eval_config(cfg, model_dir), policy_model(model_dir)
+    declared = plan_on_cluster(
+        sampled, tuple(end_of_sequence_ids(tokenizer, model_dir)), with_policy=False, planning_only=True, model=model
+    )
     check_sampled_model(sampled, declared.backend.value, model_key)
     for line in template_warnings(tokenizer) if cfg.grpo.max_rollout_turns > 1 else []:
         warnings.warn(line, RuntimeWarning, stacklevel=2)
@@ -280,7 +283,7 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
             init_ray(cfg.cluster)
         raise_if_stopped()  # a signal whose exception C code swallowed (an import): stop before the sampling
         eos_ids = end_of_sequence_ids(tokenizer, model_dir)
-        plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False)  # decided once, handed down
+        plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False, model=model)  # decided once, handed down
         plan = with_environments(plan, specs)
         warn_of_runs_sharing_cores(run_cfg, plan, private, trains=False)
         roles = [generation_resources(run_cfg, plan), *environment_resources(run_cfg)]

@@ -22,6 +22,7 @@ from nemo_like.config.overrides import quoted_override
 from nemo_like.config.schema import EMBEDDED_MODEL
 from nemo_like.models.attention import attend_in_float32_on_cpu
 from nemo_like.models.rope import fixed_frequency_length, rope_parameters, rope_type
+from nemo_like.plan.backend import PolicyModel
 
 HUB_PROBE_TIMEOUT_S = 5.0
 _TRUE = ("1", "true", "yes", "on")
@@ -641,6 +642,22 @@ def routes_experts(model_name: str, local_only: bool = False) -> bool:
         return experts_of(meta_skeleton(model_name, local_only))[0] > 0
     except (OSError, ValueError, ConfigError):
         return False
+
+
+def policy_model(model_name: str, local_only: bool = False) -> PolicyModel:
+    """What the backend and refit choices need to know of model ``model_name`` (:class:`~nemo_like.plan.backend.PolicyModel`),
+    read from its config once on the driver; a model whose config is not to be read: the defaults."""
+    try:
+        config = model_config(model_name, local_only)
+    except (OSError, ValueError, ConfigError):
+        return PolicyModel()
+    text = config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = (
+        (getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads or None) if heads else None
+    )  # Mamba2's head_dim is its SSM's
+    architecture = next(iter(getattr(config, "architectures", None) or []), None)
+    return PolicyModel(routes_experts(model_name, local_only), architecture, head_dim)
 
 
 def model_context_length(model_name: str, local_only: bool = False) -> int | None:

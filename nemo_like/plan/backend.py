@@ -5,6 +5,7 @@ does not import it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
@@ -71,13 +72,50 @@ VLLM_CPU_EXPERTS_BLOCKER = (
 )
 
 
-def vllm_adapter_blocker(cfg: Any, experts: bool = False) -> str | None:
+#: vLLM's classes (0.32) that take no LoRA adapters (no ``SupportsLoRA``; Mamba2's and Zamba2's assert it at start, on
+#: GPUs too), by the ``architectures`` name a config.json gives (FalconMamba's maps onto vLLM's Mamba class).
+VLLM_ADAPTERLESS_ARCHITECTURES = frozenset({"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM"})
+#: The head sizes vLLM's CPU attention computes (0.32, ``CPUAttentionBackend.get_supported_head_sizes``): another
+#: failed the engine's first step ("Unsupported CPU attention configuration").
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+@dataclass(frozen=True)
+class PolicyModel:
+    """What the backend and refit choices know of the policy model, read once from its config on the driver
+    (:func:`~nemo_like.models.loading.policy_model`) and handed down; the defaults: a dense model vLLM serves."""
+
+    experts: bool = False  # a mixture of experts (vLLM's CPU build does not refit one: VLLM_CPU_EXPERTS_BLOCKER)
+    architecture: str | None = None  # its config.json's architectures[0]
+    head_dim: int | None = None  # its attention's head size (None: no attention heads, or not read)
+
+    def vllm_adapters_problem(self) -> str | None:
+        """Why vLLM's class for this model takes no LoRA adapters, or ``None``."""
+        if self.architecture in VLLM_ADAPTERLESS_ARCHITECTURES:
+            return f"vLLM's class for {self.architecture} takes no LoRA adapters"
+        return None
+
+    def vllm_cpu_problem(self) -> str | None:
+        """Why vLLM's CPU build cannot run this model, or ``None``."""
+        if self.head_dim is not None and self.head_dim not in VLLM_CPU_HEAD_SIZES:
+            return f"vLLM's CPU attention computes head sizes {list(VLLM_CPU_HEAD_SIZES)}, and the model's is {self.head_dim}"
+        return None
+
+
+#: What a caller that read no model assumes: a dense model vLLM serves every way.
+PLAIN_MODEL = PolicyModel()
+
+
+def vllm_adapter_blocker(cfg: Any, model: PolicyModel = PLAIN_MODEL) -> str | None:
     """Why a vLLM engine could not serve this LoRA run's adapters (a refit then sends merged weights), or None. One
     answer for the backend choice (:func:`resolve_backend`), the refit mode (:func:`~.refit.refit_mode`) and its
-    warning. ``experts``: the policy is a mixture of experts, which vLLM's CPU build does not train
-    (:data:`VLLM_CPU_EXPERTS_BLOCKER`)."""
-    if experts and not cfg.cluster.gpus_per_node:
+    warning. ``model``: the policy model's facts (a mixture of experts, which vLLM's CPU build does not train:
+    :data:`VLLM_CPU_EXPERTS_BLOCKER`; a class that takes no adapters; a head size vLLM's CPU attention lacks)."""
+    on_cpu = not cfg.cluster.gpus_per_node
+    if model.experts and on_cpu:
         return f"the policy is a mixture of experts: {VLLM_CPU_EXPERTS_BLOCKER}"
+    if problem := model.vllm_adapters_problem() or (model.vllm_cpu_problem() if on_cpu else None):
+        return problem
     if cfg.grpo.async_grpo.refits_mid_generation:
         return "grpo.async_grpo.in_flight_weight_updates=true: a new adapter cannot take over running requests mid-sequence"
     if vllm_max_lora_rank(cfg.policy.lora_cfg.dim) is None:
@@ -85,14 +123,15 @@ def vllm_adapter_blocker(cfg: Any, experts: bool = False) -> str | None:
     return None
 
 
-def resolve_backend(cfg: Any, with_policy: bool = True, experts: bool = False) -> tuple[str, str]:
+def resolve_backend(cfg: Any, with_policy: bool = True, model: PolicyModel = PLAIN_MODEL) -> tuple[str, str]:
     """``(backend, reason)`` for ``policy.generation.backend``. ``auto`` on a CPU cluster: ``inline`` when the run
     allows it (:func:`inline_blocker`), else ``vllm`` for a LoRA run when the package is importable and can serve
     its adapters (:func:`vllm_adapter_blocker`; a refit then sends only them), else ``hf`` (an engine actor with our sampling loop: it generated
     the tiny recipe's batches 1.5-2.7x faster than vLLM's CPU build, ``benchmarks/async_vs_sync.py``); on a GPU
     cluster ``vllm`` when the package is importable, else ``hf``. ``with_policy=False``: the caller has no trainable
-    policy (evaluation), so ``inline`` is impossible. ``experts``: the policy is a mixture of experts, which a training
-    run on a CPU cluster does not generate with vLLM (:data:`VLLM_CPU_EXPERTS_BLOCKER`)."""
+    policy (evaluation), so ``inline`` is impossible. ``model``: the policy model's facts (:class:`PolicyModel`): a
+    mixture of experts, which a training run on a CPU cluster does not generate with vLLM
+    (:data:`VLLM_CPU_EXPERTS_BLOCKER`); a head size vLLM's CPU attention lacks, refused there."""
     requested = cfg.policy.generation.backend
     if requested == "inline":
         blocker = inline_blocker(cfg, with_policy)
@@ -110,14 +149,20 @@ def resolve_backend(cfg: Any, with_policy: bool = True, experts: bool = False) -
         lora = cfg.policy.lora_cfg
         # vLLM's CPU build is the slower engine here: worth it only where it serves the adapters (a refit sends them only)
         adapters = lora.enabled and with_policy and lora.refit != "merged"
-        adapter_blocker = vllm_adapter_blocker(cfg, experts) if adapters else None
+        adapter_blocker = vllm_adapter_blocker(cfg, model) if adapters else None
         if adapters and adapter_blocker is None and vllm_available():
             return "vllm", f"auto: not inline ({blocker}); vLLM serves the LoRA adapters, so a refit sends only them"
         unserved = f"; vLLM cannot serve these adapters ({adapter_blocker})" if adapter_blocker else ""
-        alternative = "" if experts else " (policy.generation.backend=vllm for vLLM's CPU build)"
+        runs_here = not (model.experts or model.vllm_cpu_problem() or model.vllm_adapters_problem())  # known to run it here
+        alternative = " (policy.generation.backend=vllm for vLLM's CPU build)" if runs_here else ""
         return "hf", f"auto: not inline ({blocker}){unserved}; the HF engine, a CPU cluster's default{alternative}"
     if requested == "vllm":
-        if experts and with_policy and not cfg.cluster.gpus_per_node:
+        if not cfg.cluster.gpus_per_node and (problem := model.vllm_cpu_problem()):
+            raise ConfigError(
+                f"policy.generation.backend=vllm on a CPU cluster: policy.model_name={cfg.policy.model_name!r}: {problem}; "
+                "use policy.generation.backend=hf (or auto)"
+            )
+        if model.experts and with_policy and not cfg.cluster.gpus_per_node:
             raise ConfigError(
                 f"policy.generation.backend=vllm on a CPU cluster: policy.model_name={cfg.policy.model_name!r} is a mixture of "
                 f"experts; {VLLM_CPU_EXPERTS_BLOCKER}; use policy.generation.backend=hf (or auto)"

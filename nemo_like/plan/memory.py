@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE_GENERATION_BATCH, resolve_backend
+from nemo_like.plan.backend import GENERATION_ENGINES, HF_MAX_BATCH_SIZE, INLINE_GENERATION_BATCH, PLAIN_MODEL, PolicyModel, resolve_backend
 from nemo_like.plan.threads import PACKING_STRATEGIES, bundles_per_node, per_node
 
 GIB = 1024**3
@@ -941,7 +941,7 @@ def plan_memory(
         backend = run_plan.backend.value  # where the KV cache of the sequences sampled at once lies: is it over?
         inline_kv = backend == "inline" and policy_over and roles[0].samples_at_peak  # sampling, not training, is its peak
         kv_over = "generation GPU" in over or inline_kv or (backend == "hf" and not cfg.cluster.gpus_per_node)
-        advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over, cluster_problem, backend, run_plan.experts)
+        advice = fit_advice(cfg, shrinks, share_may_help, policy_over, kv_over, cluster_problem, backend, run_plan.model)
         hints = {r.gpu: r.fit_hint for r in scorers}
         advice += [f"{device}: {hints[device]}" for device in sorted(scorer_devices & set(over))]
     advice += kv_advice(cfg, roles, device_bytes, shape) if engine else []
@@ -1226,12 +1226,12 @@ def _more_gpus(dp_size: int, short: str | None) -> str:
     return f", on more GPUs than declared (at policy.dp_size={dp_size} {short})" if short else ""
 
 
-def lora_advice(cfg: Any, backend: str, kv_space: str, experts: bool = False) -> str:
+def lora_advice(cfg: Any, backend: str, kv_space: str, model: PolicyModel = PLAIN_MODEL) -> str:
     """Train LoRA adapters: on a CPU with the engine the run has, where LoRA would change it (auto picks vLLM for a LoRA
     run, whose KV space would take more of the node than LoRA saves; inline generation does not serve LoRA)."""
     lora = _with(cfg, "policy", lora_cfg=cfg.policy.lora_cfg.model_copy(update={"enabled": True}))
     try:
-        with_lora = resolve_backend(lora, experts=experts)[0]
+        with_lora = resolve_backend(lora, model=model)[0]
     except ConfigError:  # the requested backend (inline) cannot serve adapters
         engine = "hf" if not cfg.cluster.gpus_per_node else "auto"
         return (
@@ -1254,7 +1254,7 @@ def fit_advice(
     kv_over: bool = False,
     cluster_problem: Callable[[Any], str | None] | None = None,
     backend: str = "",
-    experts: bool = False,
+    model: PolicyModel = PLAIN_MODEL,
 ) -> list[str]:
     """What to change when a device is over its memory, the cheapest first: only changes that ``shrinks`` (a plan of
     the changed config holds no more on every device that is over, and less on one) says help. ``share_may_help``: the
@@ -1310,7 +1310,7 @@ def fit_advice(
         )
     kv_space = f"policy.generation.vllm_cfg.kv_cache_space_gib, now {pc.generation.vllm_cfg.kv_cache_space_gib} GiB"
     if not pc.lora_cfg.enabled and policy_over:
-        advice.append(lora_advice(cfg, backend, kv_space, experts))
+        advice.append(lora_advice(cfg, backend, kv_space, model))
     if not cluster.gpus_per_node and backend == "vllm":  # a CPU node is over, and vLLM's KV space is in its RAM
         advice.append(f"set policy.generation.backend=hf: vLLM's KV space ({kv_space}) is held in the node's RAM")
     if not dp_helps:

@@ -11,7 +11,9 @@ from typing import Any
 
 from nemo_like.config.errors import ConfigError
 from nemo_like.plan.backend import (  # noqa: F401 (VLLM_MAX_LORA_RANKS, vllm_max_lora_rank: the old import path)
+    PLAIN_MODEL,
     VLLM_MAX_LORA_RANKS,
+    PolicyModel,
     resolve_backend,
     vllm_adapter_blocker,
     vllm_available,
@@ -19,12 +21,12 @@ from nemo_like.plan.backend import (  # noqa: F401 (VLLM_MAX_LORA_RANKS, vllm_ma
 )
 
 
-def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
+def refit_mode(cfg: Any, backend: str | None, model: PolicyModel = PLAIN_MODEL) -> tuple[str, str]:
     """``(mode, reason)``: ``"full"`` (no LoRA), ``"adapter"`` (vLLM serves the adapters as a LoRA request) or
     ``"merged"`` (merged weights through the full-weight refit). ``backend``: the generation backend the run
     resolved to (``inline``, ``hf`` or ``vllm``; the caller decides it once); ``None`` only where the mode does not
     depend on it (no LoRA, or ``policy.lora_cfg.refit=merged``). An explicit ``policy.lora_cfg.refit=adapter``
-    the engine cannot honour is a :class:`ConfigError`."""
+    the engine cannot honour is a :class:`ConfigError`. ``model``: the policy model's facts (:class:`~.backend.PolicyModel`)."""
     lora = cfg.policy.lora_cfg
     if not lora.enabled:
         return "full", "policy.lora_cfg.enabled=false"
@@ -33,8 +35,8 @@ def refit_mode(cfg: Any, backend: str | None) -> tuple[str, str]:
     if backend is None:
         raise ValueError(f"the LoRA refit mode (policy.lora_cfg.refit={lora.refit}) depends on the generation backend: pass it")
     if backend == "vllm":
-        blocker = vllm_adapter_blocker(cfg)
-    elif chose_another_for_adapters(cfg) and (unserved := vllm_adapter_blocker(cfg)):  # why auto chose another
+        blocker = vllm_adapter_blocker(cfg, model)
+    elif chose_another_for_adapters(cfg) and (unserved := vllm_adapter_blocker(cfg, model)):  # why auto chose another
         blocker = f"{unserved} (so the auto backend chose {backend}, which serves plain weights)"
     else:
         blocker = "the HF generation backend serves plain weights"
@@ -51,15 +53,15 @@ def chose_another_for_adapters(cfg: Any) -> bool:
     return cfg.policy.generation.backend == "auto" and not cfg.cluster.gpus_per_node and vllm_available()
 
 
-def merged_precision_warning(cfg: Any, mode: str, experts: bool = False) -> str | None:
+def merged_precision_warning(cfg: Any, mode: str, model: PolicyModel = PLAIN_MODEL) -> str | None:
     """A warning for a merged LoRA refit in bf16: the engine holds ``W + scale * B @ A`` rounded to bf16, which drops
     the part of the adapters' product below bf16's resolution of ``W`` (early in training, most of it), while the
     policy adds the adapters' product in full; generation then samples from another policy than training scores.
-    ``experts``: the policy is a mixture of experts (no vLLM for it on a CPU cluster: :func:`~.backend.resolve_backend`)."""
+    ``model``: the policy model's facts (where the vLLM adapter refit is impossible: :func:`~.backend.vllm_adapter_blocker`)."""
     if mode != "merged" or cfg.policy.precision != "bfloat16":
         return None
     # the adapter refit is advice only where the run could take it (it was advised where the same plan refuses it)
-    blocker = vllm_adapter_blocker(cfg, experts)
+    blocker = vllm_adapter_blocker(cfg, model)
     remedy = (
         f"use policy.precision=float32 (the vLLM adapter refit is not possible here: {blocker})"
         if blocker

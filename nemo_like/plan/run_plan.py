@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nemo_like.config.errors import ConfigError
-from nemo_like.plan.backend import check_backend_settings, resolve_backend
+from nemo_like.plan.backend import PLAIN_MODEL, PolicyModel, check_backend_settings, resolve_backend
 from nemo_like.plan.logprob_passes import LogprobPlan, decide_logprob_passes
 from nemo_like.plan.multi_turn import MultiTurnSettings, multi_turn_settings
 from nemo_like.plan.refit import merged_precision_warning, refit_mode
@@ -59,7 +59,7 @@ class RunPlan:
     oversubscription: str | None = None  # a warning when explicit thread counts oversubscribe a node
     forward: str | None = None  # the policy's logprob and training forward, as its workers chose it
     agent_tasks: tuple[str, ...] = ()  # env sections with class 'agent': rolled out by the user's agent over HTTP
-    experts: bool = False  # the policy model is a mixture of experts (resolve_backend: no vLLM for a CPU training run)
+    model: PolicyModel = PLAIN_MODEL  # what the backend and refit choices knew of the policy model
     refit_warning: str | None = None  # a merged LoRA refit in bf16 (refit.merged_precision_warning)
     async_staleness: str | None = None  # an async run: how old a sample may be and how refits meet the batch in flight
     # What ends a response: the eos ids (the tokenizer's and the generation config's) and policy.generation.stop_token_ids;
@@ -97,18 +97,23 @@ class RunPlan:
 
 
 def decide_run_plan(
-    cfg: Any, eos_token_ids: tuple[int, ...], cpus_per_node: int, with_policy: bool = True, nodes: int | None = None, experts: bool = False
+    cfg: Any,
+    eos_token_ids: tuple[int, ...],
+    cpus_per_node: int,
+    with_policy: bool = True,
+    nodes: int | None = None,
+    model: PolicyModel = PLAIN_MODEL,
 ) -> RunPlan:
     """Every run-level decision for the validated config ``cfg``: ``eos_token_ids`` (the tokenizer's, for the turn
     loop), ``cpus_per_node`` (the smallest node's CPUs, read from the cluster once), ``nodes`` (how many nodes the
     actors can land on, read with them; default ``cluster.num_nodes``). ``with_policy=False``: a command
     without a trainable policy (``nemo-like eval``). Raises :class:`~nemo_like.config.errors.ConfigError` for a
-    requested backend or LoRA refit mode the run cannot honour. ``experts``: the policy model is a mixture of experts
-    (:func:`~nemo_like.plan.backend.resolve_backend`)."""
+    requested backend or LoRA refit mode the run cannot honour. ``model``: the policy model's facts
+    (:class:`~nemo_like.plan.backend.PolicyModel`)."""
     logprobs = decide_logprob_passes(cfg)
-    backend = Decision(*resolve_backend(cfg, with_policy, experts))
+    backend = Decision(*resolve_backend(cfg, with_policy, model))
     check_backend_settings(cfg, backend.value)
-    refit = Decision(*refit_mode(cfg, backend.value)) if with_policy else Decision("full", "no trainable policy")
+    refit = Decision(*refit_mode(cfg, backend.value, model)) if with_policy else Decision("full", "no trainable policy")
     inline = backend.value == "inline"
     nodes = cfg.cluster.num_nodes if nodes is None else nodes
     actors = phase_actors(cfg, logprobs, cpus_per_node, inline, nodes)
@@ -125,8 +130,8 @@ def decide_run_plan(
         policy_nodes=nodes_holding(cfg.policy.dp_size * cfg.policy.dtensor_cfg.tensor_parallel_size, actors.policy),
         oversubscription=oversubscription_warning(cfg, threads, actors),
         agent_tasks=agent_tasks(cfg),
-        experts=experts,
-        refit_warning=merged_precision_warning(cfg, refit.value, experts),
+        model=model,
+        refit_warning=merged_precision_warning(cfg, refit.value, model),
         end_of_response_ids=tuple(dict.fromkeys([*eos_token_ids, *(cfg.policy.generation.stop_token_ids or ())])),
         async_staleness=async_staleness(cfg.grpo.async_grpo),
     )

@@ -274,7 +274,7 @@ class VLLMGeneration:
             if "its constructor raised" not in str(exc) or "memory" in str(exc):  # a death, or a budget the keys it names fix
                 raise
             hint = "; if vLLM does not build this model here, policy.generation.backend=hf samples it with transformers"
-            if self.serves_adapters:  # vLLM's Mamba, Mamba2, Zamba2, Bamba, MiniMax ... classes take no LoRA (on GPUs too)
+            if self.serves_adapters:  # a class the plan does not know takes no adapters (VLLM_ADAPTERLESS_ARCHITECTURES)
                 hint += "; if vLLM's class for it takes no LoRA adapters, policy.lora_cfg.refit=merged serves it merged weights"
             raise WorkerFailure(f"{exc}{hint}", exc.role, exc.actor_id) from exc
 

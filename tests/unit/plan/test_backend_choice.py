@@ -9,8 +9,10 @@ import pytest
 from nemo_like.config import DEFAULT_RECIPE, MasterConfig, load_config
 from nemo_like.config.errors import ConfigError
 from nemo_like.models.engines import generation_resources
-from nemo_like.plan.backend import resolve_backend, vllm_adapter_blocker, vllm_available
+from nemo_like.plan.backend import PolicyModel, resolve_backend, vllm_adapter_blocker, vllm_available
 from nemo_like.plan.run_plan import Decision, RunPlan, decide_run_plan
+
+MOE = PolicyModel(experts=True)
 
 
 def recipe(*overrides: str) -> MasterConfig:
@@ -258,12 +260,69 @@ def test_a_cpu_training_run_of_a_mixture_of_experts_does_not_generate_with_vllm(
                vocab_size=359, is_moe=False).save_pretrained(dense)  # fmt: skip
     assert not routes_experts(str(dense))
     lora = recipe("policy.lora_cfg.enabled=true")
-    backend, reason = resolve_backend(lora, experts=True)
+    backend, reason = resolve_backend(lora, model=MOE)
     assert backend == "hf" and "mixture of experts" in reason and "backend=vllm for" not in reason
     if vllm_available():
         assert resolve_backend(lora)[0] == "vllm"  # a dense policy's adapters: vLLM serves them
-        assert resolve_backend(recipe("policy.generation.backend=vllm"), with_policy=False, experts=True)[0] == "vllm"
+        assert resolve_backend(recipe("policy.generation.backend=vllm"), with_policy=False, model=MOE)[0] == "vllm"
         gpu = recipe("policy.generation.backend=vllm", "cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
-        assert resolve_backend(gpu, experts=True)[0] == "vllm"
+        assert resolve_backend(gpu, model=MOE)[0] == "vllm"
     with pytest.raises(ConfigError, match=r"backend=vllm on a CPU cluster: .* is a mixture of experts.*use policy.generation.backend=hf"):
-        decide_run_plan(recipe("policy.generation.backend=vllm"), (), cpus_per_node=2, experts=True)
+        decide_run_plan(recipe("policy.generation.backend=vllm"), (), cpus_per_node=2, model=MOE)
+
+
+def test_the_auto_backend_and_refit_keep_lora_off_vllm_where_vllm_cannot_serve_the_model(tmp_path) -> None:
+    """A LoRA run on CPU with auto picked vLLM's CPU build to serve the adapters for any model: a Mamba2's engine
+    asserted at start (vLLM's class takes no adapters, on GPUs too), a head size of 16 failed its first step after every
+    actor had started. The facts are read once from the model's config; auto takes the HF engine (CPU) or the merged
+    refit (GPU), and what cannot work is refused before any actor starts."""
+    from transformers import Mamba2Config, Qwen2Config
+
+    from nemo_like.models.loading import policy_model
+    from nemo_like.plan.refit import refit_mode
+
+    Mamba2Config(vocab_size=359, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=1,
+                 architectures=["Mamba2ForCausalLM"]).save_pretrained(tmp_path / "mamba2")  # fmt: skip
+    Qwen2Config(vocab_size=359, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, architectures=["Qwen2ForCausalLM"]).save_pretrained(tmp_path / "heads16")  # fmt: skip
+    mamba, narrow = policy_model(str(tmp_path / "mamba2")), policy_model(str(tmp_path / "heads16"))
+    assert (mamba.architecture, mamba.head_dim, narrow.head_dim) == ("Mamba2ForCausalLM", None, 16)
+    assert policy_model("embedded:tiny-arith-qwen2") == PolicyModel(False, "Qwen2ForCausalLM", 32)  # vLLM serves it every way
+    lora = recipe("policy.lora_cfg.enabled=true")
+    for model, why in ((mamba, "vLLM's class for Mamba2ForCausalLM takes no LoRA adapters"), (narrow, "the model's is 16")):
+        backend, reason = resolve_backend(lora, model=model)
+        assert backend == "hf" and why in reason and "backend=vllm for" not in reason, reason
+        assert refit_mode(lora, backend, model)[0] == "merged"
+    with pytest.raises(
+        ConfigError, match=r"backend=vllm on a CPU cluster: .*vLLM's CPU attention computes head sizes \[32, .*the model's is 16"
+    ):
+        resolve_backend(recipe("policy.generation.backend=vllm"), with_policy=False, model=narrow)
+    on_gpu = recipe("policy.lora_cfg.enabled=true", "cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
+    assert refit_mode(on_gpu, "vllm", mamba) == ("merged", "auto: vLLM's class for Mamba2ForCausalLM takes no LoRA adapters")
+    assert refit_mode(on_gpu, "vllm", narrow)[0] == "adapter"  # vLLM's GPU attention computes it
+    adapter = recipe("policy.lora_cfg.enabled=true", "policy.lora_cfg.refit=adapter", "cluster.gpus_per_node=1")
+    with pytest.raises(ConfigError, match=r"policy.lora_cfg.refit=adapter is not possible here: vLLM's class for Mamba2"):
+        refit_mode(adapter, "vllm", mamba)
+
+
+def test_the_vllm_facts_the_backend_choice_keeps_are_the_installed_vllms() -> None:
+    """VLLM_CPU_HEAD_SIZES and VLLM_ADAPTERLESS_ARCHITECTURES against the installed vLLM's sources (read, not imported:
+    the driver never imports vLLM): a vLLM upgrade that changes either fails here."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from nemo_like.plan.backend import VLLM_ADAPTERLESS_ARCHITECTURES, VLLM_CPU_HEAD_SIZES
+
+    if not vllm_available():
+        pytest.skip("vllm is not installed")
+    root = Path(importlib.util.find_spec("vllm").origin).parent
+    cpu_attention = (root / "v1" / "attention" / "backends" / "cpu_attn.py").read_text()
+    sizes = re.search(r"def get_supported_head_sizes\(cls\) -> list\[int\]:\s+return \[([\d, ]+)\]", cpu_attention)
+    assert sizes and tuple(int(n) for n in sizes.group(1).split(",")) == VLLM_CPU_HEAD_SIZES
+    registry = (root / "model_executor" / "models" / "registry.py").read_text()
+    for architecture in VLLM_ADAPTERLESS_ARCHITECTURES:
+        module, cls = re.search(rf'"{architecture}": \("(\w+)", "(\w+)"\)', registry).groups()
+        source = (root / "model_executor" / "models" / f"{module}.py").read_text()
+        header = re.search(rf"^class {cls}\((.*?)\):", source, re.S | re.M).group(1)
+        assert "SupportsLoRA" not in header and "supports_lora" not in source.split(f"class {cls}(")[1].split("\nclass ")[0], architecture

@@ -19,7 +19,7 @@ from nemo_like.config.schema import EMBEDDED_MODEL, LoraConfig
 from nemo_like.distributed.threads import declared_node_cpus, local_cores, node_cpus
 from nemo_like.models.footprint import model_footprint, sampler_copy_bytes
 from nemo_like.models.loading import resolve_model_path
-from nemo_like.plan.backend import HF_MAX_BATCH_SIZE
+from nemo_like.plan.backend import HF_MAX_BATCH_SIZE, PolicyModel
 from nemo_like.plan.memory import (
     GIB,
     VLLM_NON_TORCH_BYTES,
@@ -1112,7 +1112,9 @@ def test_lora_advice_on_a_cpu_keeps_the_engine_and_a_vllm_node_is_told_its_kv_sp
     # a mixture of experts' LoRA run keeps the HF engine on a CPU (the run plan's experts): no "auto would pick vLLM"
     cfg = load_config(DEFAULT_RECIPE, [], warn=False)
     kv = "policy.generation.vllm_cfg.kv_cache_space_gib, now 1 GiB"
-    assert "auto would pick vLLM" in lora_advice(cfg, "hf", kv) and "auto would pick vLLM" not in lora_advice(cfg, "hf", kv, experts=True)
+    assert "auto would pick vLLM" in lora_advice(cfg, "hf", kv) and "auto would pick vLLM" not in lora_advice(
+        cfg, "hf", kv, PolicyModel(experts=True)
+    )
 
 
 def test_a_smaller_engine_share_is_advised_only_where_it_shrinks_the_gpu_that_is_over(capsys) -> None:

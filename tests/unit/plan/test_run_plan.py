@@ -10,7 +10,7 @@ import pytest
 
 from nemo_like.config import load_config
 from nemo_like.config.errors import ConfigError
-from nemo_like.plan.backend import vllm_available
+from nemo_like.plan.backend import PolicyModel, vllm_available
 from nemo_like.plan.run_plan import decide_run_plan
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -79,8 +79,8 @@ def test_a_merged_lora_refit_in_bf16_is_warned_about_in_the_plan() -> None:
     assert plan_of("grpo_tiny_cpu_lora.yaml", "policy.generation.backend=hf").refit_warning is None  # fp32: exact
     # nor for a mixture of experts on a CPU, which vLLM's CPU build does not generate for training
     cfg = load_config(RECIPES / "grpo_tiny_cpu_lora.yaml", ["policy.generation.backend=hf", "policy.precision=bfloat16"], warn=False)
-    moe = decide_run_plan(cfg, EOS, 2, experts=True)
-    assert moe.experts and "(the vLLM adapter refit is not possible here: the policy is a mixture of experts" in moe.refit_warning
+    moe = decide_run_plan(cfg, EOS, 2, model=PolicyModel(experts=True))
+    assert moe.model.experts and "(the vLLM adapter refit is not possible here: the policy is a mixture of experts" in moe.refit_warning
     assert plan_of("grpo_tiny_cpu.yaml", "policy.precision=bfloat16").refit_warning is None  # no LoRA: the same cast
 
 
