@@ -318,10 +318,9 @@ def run_plan(args: argparse.Namespace) -> int:
     policy_name = cfg.policy.model_name
     given = {policy_name: model_config_path(policy_name, args.model_config)} if args.model_config else {}
     with model_configs_given(given):
-        model = policy_model(policy_name, local_only=True)  # a mixture of experts: no vLLM on a CPU cluster, ...
-    plan = plan_on_cluster(cfg, turn_end_ids(cfg), planning_only=True, model=model)
-    if given or model_config_here(policy_name):  # train's refusal of a model its resolved sampler cannot sample
-        with model_configs_given(given):
+        model = policy_model(policy_name, local_only=True)  # what the backend and refit choices need to know of it
+        plan = plan_on_cluster(cfg, turn_end_ids(cfg), planning_only=True, model=model)
+        if given or model_config_here(policy_name):  # train's refusal of a model its resolved sampler cannot sample
             check_sampled_model(cfg, plan.backend.value, local_only=True, experts=model.experts)
     load_agents(env_specs, plan.agent_tasks)  # an agent that does not import: train refuses it before any actor starts
     for line in ignored_engine_keys(cfg, plan.backend.value):  # the engine keys train warns about when it builds it

@@ -314,13 +314,8 @@ def check_tensor_parallel_heads(cfg: MasterConfig, name: str, key: str | None = 
         return
     text = model_config(name, local_only).get_text_config()
     heads = getattr(text, "num_attention_heads", None)  # transformers maps a GPT-2's n_head onto it
-    if heads is None:  # the workers' plan split heads it does not have (an AttributeError after every actor started)
-        tp = cfg.policy.dtensor_cfg.tensor_parallel_size
-        raise ConfigError(
-            f"policy.dtensor_cfg.tensor_parallel_size={tp} with {key or 'policy.model_name'}={name!r}: tensor parallelism "
-            "splits attention heads, and its config has no num_attention_heads (a state-space model); use "
-            "policy.dtensor_cfg.tensor_parallel_size=1 (policy.dp_size shards it)"
-        )
+    if heads is None:  # no attention to split (Mamba): check_shardable refuses it
+        return
     if problems := tensor_parallel_problems(cfg, heads, getattr(text, "num_key_value_heads", None) or heads):
         raise ConfigError(f"{key}={name!r}: {problems[0]}" if key else problems[0])
 

@@ -652,10 +652,9 @@ def policy_model(model_name: str, local_only: bool = False) -> PolicyModel:
     except (OSError, ValueError, ConfigError):
         return PolicyModel()
     text = config.get_text_config()
-    heads = getattr(text, "num_attention_heads", None)
-    head_dim = (
-        (getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads or None) if heads else None
-    )  # Mamba2's head_dim is its SSM's
+    heads, head_dim = getattr(text, "num_attention_heads", None), None
+    if heads:  # attention heads (Mamba2's head_dim is its state-space heads')
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     architecture = next(iter(getattr(config, "architectures", None) or []), None)
     return PolicyModel(routes_experts(model_name, local_only), architecture, head_dim)
 
@@ -827,9 +826,9 @@ def token_id_count(tokenizer: Any) -> int:
 
 
 def eval_tokenizer(cfg: Any, model_dir: str) -> tuple[Any, str]:
-    """``(tokenizer, source)`` ``nemo-like eval`` and ``serve`` tokenize with: ``policy.tokenizer_name`` when set, else the one the evaluated
-    model's directory holds (a checkpoint's: the tokenizer of the run that wrote it, which the engine loads too), else
-    ``policy.model_name``'s. One that cannot be the model's (another vocabulary than its directory's, or ids past its
+    """``(tokenizer, source)`` ``nemo-like eval`` and ``serve`` tokenize with: ``policy.tokenizer_name`` when set, else
+    the one the model's directory holds (a checkpoint's: the tokenizer of the run that wrote it, which the engine loads
+    too; a shipped model's, named ``embedded:...``), else ``policy.model_name``'s. One that cannot be the model's (another vocabulary than its directory's, or ids past its
     vocabulary rows) is a :class:`ConfigError` naming the keys, before Ray starts: a checkpoint of another model than
     the recipe's failed in the sampler's actor with an IndexError."""
     directory = Path(resolve_model_path(model_dir)).expanduser()  # a shipped model's too (embedded:...)

@@ -84,9 +84,9 @@ def tensor_parallel_problem(model: torch.nn.Module) -> str | None:
     """Why :data:`TENSOR_PARALLEL_STYLES` cannot split ``model``'s decoder layers exactly, or ``None``. Each layer needs
     the attention's four projections and no other parameter in its attention module (a per-head query/key norm or
     sink stays whole on every tp rank while each rank trains its copy on its own heads: Qwen3's copies drifted apart
-    silently), no head count of its own to reshape with (StableLM's), and in its MLP the three projections and nothing
-    else, or none of them (experts, or another layout, then run whole on every rank: Phi-3's fused gate_up_proj beside
-    a row-wise down_proj crashed)."""
+    silently), no head count of its own to reshape with (StableLM's), and in its MLP ``down_proj`` with ``gate_proj``
+    and/or ``up_proj`` and nothing else, or none of them (experts, or another layout, then run whole on every rank:
+    Phi-3's fused gate_up_proj beside a row-wise down_proj crashed)."""
     groups = {group: [k for k in TENSOR_PARALLEL_STYLES if k.startswith(group + ".")] for group in ("self_attn", "mlp")}
     for index, layer in enumerate(decoder_layers(model)):
         for group, keys in groups.items():
