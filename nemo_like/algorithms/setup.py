@@ -291,7 +291,7 @@ def check_sampled_model(
     if problem := model_sampling_problem(name, local_only):
         chose = f"policy.generation.backend={requested}" + (f" chose {backend}" if requested != backend else "")
         if experts and not cfg.cluster.gpus_per_node:
-            way_out = f"nor can vLLM train it on a CPU cluster ({VLLM_CPU_EXPERTS_BLOCKER}): train it on a GPU cluster"
+            way_out = f"nor can vLLM train it on a CPU cluster ({VLLM_CPU_EXPERTS_BLOCKER})"
         else:
             way_out = "vLLM's engine (policy.generation.backend=vllm) samples the architectures vLLM supports"
         raise ConfigError(f"{key}={name!r} with {chose}: the HF sampler cannot sample {problem}; {way_out}")

@@ -652,11 +652,15 @@ def policy_model(model_name: str, local_only: bool = False) -> PolicyModel:
     except (OSError, ValueError, ConfigError):
         return PolicyModel()
     text = config.get_text_config()
-    heads, head_dim = getattr(text, "num_attention_heads", None), None
+    heads, sizes = getattr(text, "num_attention_heads", None), set()
     if heads:  # attention heads (Mamba2's head_dim is its state-space heads')
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        try:
+            sizes = {getattr(text, "head_dim", None)}
+        except RuntimeError:  # a head size per layer (Gemma 4): transformers refuses the whole config's
+            sizes = {getattr(layer, "head_dim", None) for layer in text.per_layer_config}
+    head_dims = tuple(sorted({size or text.hidden_size // heads for size in sizes}))
     architecture = next(iter(getattr(config, "architectures", None) or []), None)
-    return PolicyModel(routes_experts(model_name, local_only), architecture, head_dim)
+    return PolicyModel(routes_experts(model_name, local_only), architecture, head_dims)
 
 
 def model_context_length(model_name: str, local_only: bool = False) -> int | None:

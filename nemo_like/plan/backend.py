@@ -72,9 +72,15 @@ VLLM_CPU_EXPERTS_BLOCKER = (
 )
 
 
-#: vLLM's classes (0.32) that take no LoRA adapters (no ``SupportsLoRA``; Mamba2's and Zamba2's assert it at start, on
-#: GPUs too), by the ``architectures`` name a config.json gives (FalconMamba's maps onto vLLM's Mamba class).
-VLLM_ADAPTERLESS_ARCHITECTURES = frozenset({"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM"})
+#: vLLM's text-generation classes (0.32) that take no LoRA adapters (``supports_lora`` is false: the engine refuses
+#: ``enable_lora`` at start, on GPUs too), by the ``architectures`` name a config.json gives.
+VLLM_ADAPTERLESS_ARCHITECTURES = frozenset({
+    "BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM", "BloomForCausalLM", "Cohere2MoeForCausalLM", "DbrxForCausalLM",
+    "FalconForCausalLM", "FalconMambaForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM", "Gemma3nForCausalLM",
+    "HrmTextForCausalLM", "IQuestLoopCoderForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM", "MiMoV2FlashForCausalLM",
+    "MiMoV2ForCausalLM", "OrionForCausalLM", "StableLmForCausalLM", "Step1ForCausalLM", "Step3TextForCausalLM",
+    "Step3p5ForCausalLM", "Zamba2ForCausalLM",
+})  # fmt: skip
 #: The head sizes vLLM's CPU attention computes (0.32, ``CPUAttentionBackend.get_supported_head_sizes``): another
 #: failed the engine's first step ("Unsupported CPU attention configuration").
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -87,7 +93,7 @@ class PolicyModel:
 
     experts: bool = False  # a mixture of experts (vLLM's CPU build does not refit one: VLLM_CPU_EXPERTS_BLOCKER)
     architecture: str | None = None  # its config.json's architectures[0]
-    head_dim: int | None = None  # its attention's head size (None: no attention heads, or not read)
+    head_dims: tuple[int, ...] = ()  # its attention layers' head sizes (none: no attention heads, or not read)
 
     def vllm_adapters_problem(self) -> str | None:
         """Why vLLM's class for this model takes no LoRA adapters, or ``None``."""
@@ -97,8 +103,8 @@ class PolicyModel:
 
     def vllm_cpu_problem(self) -> str | None:
         """Why vLLM's CPU build cannot run this model, or ``None``."""
-        if self.head_dim is not None and self.head_dim not in VLLM_CPU_HEAD_SIZES:
-            return f"vLLM's CPU attention computes head sizes {list(VLLM_CPU_HEAD_SIZES)}, and the model's is {self.head_dim}"
+        if unsupported := [size for size in self.head_dims if size not in VLLM_CPU_HEAD_SIZES]:
+            return f"vLLM's CPU attention computes head sizes {list(VLLM_CPU_HEAD_SIZES)}, and the model's is {unsupported[0]}"
         return None
 
 
@@ -159,7 +165,7 @@ def resolve_backend(cfg: Any, with_policy: bool = True, model: PolicyModel = PLA
     if requested == "vllm":
         if not cfg.cluster.gpus_per_node and (problem := model.vllm_cpu_problem()):
             raise ConfigError(
-                f"policy.generation.backend=vllm on a CPU cluster: policy.model_name={cfg.policy.model_name!r}: {problem}; "
+                f"policy.generation.backend=vllm on a CPU cluster: the model {cfg.policy.model_name!r}: {problem}; "
                 "use policy.generation.backend=hf (or auto)"
             )
         if model.experts and with_policy and not cfg.cluster.gpus_per_node:

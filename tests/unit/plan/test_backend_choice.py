@@ -286,8 +286,14 @@ def test_the_auto_backend_and_refit_keep_lora_off_vllm_where_vllm_cannot_serve_t
     Qwen2Config(vocab_size=359, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2, architectures=["Qwen2ForCausalLM"]).save_pretrained(tmp_path / "heads16")  # fmt: skip
     mamba, narrow = policy_model(str(tmp_path / "mamba2")), policy_model(str(tmp_path / "heads16"))
-    assert (mamba.architecture, mamba.head_dim, narrow.head_dim) == ("Mamba2ForCausalLM", None, 16)
-    assert policy_model("embedded:tiny-arith-qwen2") == PolicyModel(False, "Qwen2ForCausalLM", 32)  # vLLM serves it every way
+    assert (mamba.architecture, mamba.head_dims, narrow.head_dims) == ("Mamba2ForCausalLM", (), (16,))
+    assert policy_model("embedded:tiny-arith-qwen2") == PolicyModel(False, "Qwen2ForCausalLM", (32,))  # vLLM serves it every way
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    gemma4 = CONFIG_MAPPING["gemma4_text"](hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                           num_key_value_heads=1, head_dim=32, vocab_size=359)  # fmt: skip
+    gemma4.save_pretrained(tmp_path / "gemma4")  # a head size per layer: reading the config's whole raised, and plan crashed
+    assert policy_model(str(tmp_path / "gemma4")).head_dims == (32, 512)
     lora = recipe("policy.lora_cfg.enabled=true")
     for model, why in ((mamba, "vLLM's class for Mamba2ForCausalLM takes no LoRA adapters"), (narrow, "the model's is 16")):
         backend, reason = resolve_backend(lora, model=model)
