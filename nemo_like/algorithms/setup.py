@@ -42,6 +42,7 @@ from nemo_like.models.loading import (
     check_trained_length,
     end_of_sequence_ids,
     holds_tokenizer,
+    layer_values,
     load_tokenizer,
     meta_skeleton,
     model_config,
@@ -316,8 +317,9 @@ def check_tensor_parallel_heads(cfg: MasterConfig, name: str, key: str | None = 
     heads = getattr(text, "num_attention_heads", None)  # transformers maps a GPT-2's n_head onto it
     if heads is None:  # no attention to split (Mamba): check_shardable refuses it
         return
-    if problems := tensor_parallel_problems(cfg, heads, getattr(text, "num_key_value_heads", None) or heads):
-        raise ConfigError(f"{key}={name!r}: {problems[0]}" if key else problems[0])
+    for kv_heads in sorted(set(layer_values(text, "num_key_value_heads"))) or [None]:  # Gemma 4's differ per layer
+        if problems := tensor_parallel_problems(cfg, heads, kv_heads or heads):
+            raise ConfigError(f"{key}={name!r}: {problems[0]}" if key else problems[0])
 
 
 def check_shardable(cfg: MasterConfig, name: str, key: str, local_only: bool = False) -> None:

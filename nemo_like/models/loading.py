@@ -541,6 +541,15 @@ UNREADABLE_CONFIG_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, Ty
 SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_key_value_heads")
 
 
+def layer_values(config: Any, name: str) -> list[Any]:
+    """``config``'s ``name`` as a list: its one value, or each layer's where transformers keeps one per layer (Gemma 4's
+    ``head_dim`` and ``num_key_value_heads``: reading the whole raises a RuntimeError); empty where it has none."""
+    try:
+        return [getattr(config, name)] if hasattr(config, name) else []
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return [getattr(layer, name, None) for layer in config.per_layer_config]
+
+
 def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
     """``path``'s JSON and the ``transformers`` config it describes; a ConfigError naming the file when it is not a
     model's ``config.json`` (not JSON, no or an unknown ``model_type``: a generation_config.json, say), or naming the
@@ -561,7 +570,9 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
     except UNREADABLE_CONFIG_ERRORS as exc:  # JSONDecodeError is a ValueError
         raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
     text = config.get_text_config()
-    _check_sizes(path, {name: getattr(text, name) for name in SIZE_FIELDS if hasattr(text, name)})  # its class's defaults
+    for name in SIZE_FIELDS:  # its class's defaults (each layer's, where it keeps one per layer)
+        for value in layer_values(text, name):
+            _check_sizes(path, {name: value})
     if missing := [name for name in ("hidden_size", "num_attention_heads") if not hasattr(text, name)]:
         raise ConfigError(
             f"{path}: its {raw['model_type']} config has no {' or '.join(missing)}, which the memory plan is counted from "
@@ -652,12 +663,8 @@ def policy_model(model_name: str, local_only: bool = False) -> PolicyModel:
     except (OSError, ValueError, ConfigError):
         return PolicyModel()
     text = config.get_text_config()
-    heads, sizes = getattr(text, "num_attention_heads", None), set()
-    if heads:  # attention heads (Mamba2's head_dim is its state-space heads')
-        try:
-            sizes = {getattr(text, "head_dim", None)}
-        except RuntimeError:  # a head size per layer (Gemma 4): transformers refuses the whole config's
-            sizes = {getattr(layer, "head_dim", None) for layer in text.per_layer_config}
+    heads = getattr(text, "num_attention_heads", None)  # none: no attention (Mamba2's head_dim is its state-space heads')
+    sizes = (layer_values(text, "head_dim") or [None]) if heads else []
     head_dims = tuple(sorted({size or text.hidden_size // heads for size in sizes}))
     architecture = next(iter(getattr(config, "architectures", None) or []), None)
     return PolicyModel(routes_experts(model_name, local_only), architecture, head_dims)

@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from nemo_like.models.loading import layer_values
+
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """True when ``model`` holds DTensor (sharded) parameters."""
@@ -143,11 +145,11 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
     text = model.config.get_text_config()
     tp = tp_mesh.size()
     heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads % tp or kv_heads % tp:
-        raise ValueError(
-            f"policy.dtensor_cfg.tensor_parallel_size={tp} must divide num_attention_heads={heads} and num_key_value_heads={kv_heads}"
-        )
+    for kv_heads in layer_values(text, "num_key_value_heads") or [heads]:  # Gemma 4's differ per layer
+        if heads % tp or (kv_heads or heads) % tp:
+            raise ValueError(
+                f"policy.dtensor_cfg.tensor_parallel_size={tp} must divide num_attention_heads={heads} and num_key_value_heads={kv_heads or heads}"
+            )
     if problem := tensor_parallel_problem(model):
         raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size={tp}: {type(model).__name__}: {problem}")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

@@ -238,6 +238,17 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_refused_befo
         check_shardable(tp2, str(tmp_path / "qwen3"), "teacher.model_name")
     with pytest.raises(ConfigError, match=r"layer 0 has no self_attn.q_proj"):
         check_shardable(tp2, str(tmp_path / "phi3"), "policy.model_name")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from nemo_like.models.loading import read_model_config
+
+    gemma4 = CONFIG_MAPPING["gemma4_text"](hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                           num_key_value_heads=2, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                           head_dim=32, vocab_size=359)  # fmt: skip
+    gemma4.save_pretrained(tmp_path / "gemma4")  # its key/value heads differ per layer: reading the whole count raised
+    read_model_config(tmp_path / "gemma4" / "config.json")  # plan, train and eval had died with a traceback here
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 must divide num_attention_heads=2 and num_key_value_heads=1"):
+        check_tensor_parallel_heads(tp2, str(tmp_path / "gemma4"))
     from transformers import ArceeConfig
 
     ArceeConfig(**shape).save_pretrained(tmp_path / "arcee")  # an MLP without a gate (up_proj, down_proj) splits exactly
