@@ -279,11 +279,20 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
     An empty saved state (the optimizer had not stepped yet) leaves the optimizer with no state, as a fresh one: its param
     groups load, and neither the fake step torch runs to initialise the state nor a state this optimizer held before
-    stays (see :func:`_undo_state_init`)."""
+    stays (see :func:`_undo_state_init`). A trainable parameter the saved groups list without a state never had a
+    gradient (a multimodal model's vision tower in a text run): it loads without one, as it was saved (torch's strict
+    load refused every such checkpoint); one the saved groups do not list is another model's checkpoint."""
+    saved = set(state.get("state") or {}) | {name for group in state.get("param_groups", []) for name in group.get("params", [])}
+    if state.get("state") and (unknown := [n for n, p in model.named_parameters() if p.requires_grad and n not in saved]):
+        raise RuntimeError(f"the saved optimizer state does not list {len(unknown)} trainable parameters, e.g. {unknown[:3]}")
     grads = _grads(optimizer)
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True, strict=False))
     if not state.get("state"):
         _undo_state_init(optimizer, grads)
+        return
+    for name, param in model.named_parameters():  # the fake step's state (step 1, zero moments) of those saved without
+        if name not in state["state"]:
+            optimizer.state.pop(param, None)
 
 
 def iter_full_tensors(

@@ -196,3 +196,27 @@ def test_a_non_finite_step_leaves_the_grad_norms_of_the_steps_that_updated() -> 
     assert result["grad_norms"] == alone["grad_norms"]
     only_nonfinite = make_worker().train([skipped_step("nonfinite")])
     assert only_nonfinite["nonfinite_steps_skipped"] == 1 and only_nonfinite["grad_norms"] == []  # train/grad_norm NaN
+
+
+def test_a_parameter_that_never_had_a_gradient_resumes_without_a_state_and_another_models_state_is_refused() -> None:
+    """A multimodal policy trained on text (Gemma 3's vision tower) saves no optimizer state for the parameters that
+    never got a gradient: torch's strict load refused every such checkpoint ("Missing optimizer state"). They resume
+    without one, as saved; a state whose groups do not list a trainable parameter is another model's, refused."""
+
+    def model_and_optimizer(second: str = "unused") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), second: torch.nn.Linear(4, 4)})
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, optimizer = model_and_optimizer()
+    model["used"](torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    state = sharding.gather_optimizer_state(model, optimizer)
+    assert set(state["state"]) == {"used.weight", "used.bias"}
+    fresh, fresh_optimizer = model_and_optimizer()
+    sharding.load_optimizer_state(fresh, fresh_optimizer, state)
+    moments = {name: fresh_optimizer.state[p].get("exp_avg") for name, p in fresh.named_parameters()}
+    assert torch.equal(moments["used.weight"], state["state"]["used.weight"]["exp_avg"]) and moments["unused.weight"] is None
+    other, other_optimizer = model_and_optimizer("renamed")
+    with pytest.raises(RuntimeError, match=r"the saved optimizer state does not list 2 trainable parameters, e.g. \['renamed.weight'"):
+        sharding.load_optimizer_state(other, other_optimizer, state)
