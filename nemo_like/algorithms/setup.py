@@ -42,7 +42,6 @@ from nemo_like.models.loading import (
     check_trained_length,
     end_of_sequence_ids,
     holds_tokenizer,
-    layer_values,
     load_tokenizer,
     meta_skeleton,
     model_config,
@@ -58,7 +57,7 @@ from nemo_like.models.policy.batching import packing_problem
 from nemo_like.models.policy.policy import AdapterDisabledReference, Policy
 from nemo_like.models.policy.sharding import decoder_layers, tensor_parallel_problem
 from nemo_like.plan.backend import VLLM_CPU_EXPERTS_BLOCKER
-from nemo_like.plan.memory import tensor_parallel_problems
+from nemo_like.plan.memory import layer_values, tensor_parallel_problems
 from nemo_like.plan.multi_turn import with_reply_roles
 from nemo_like.plan.run_plan import RunPlan
 from nemo_like.plan.threads import node_count_warning, shared_cores_warning

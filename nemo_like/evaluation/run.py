@@ -248,10 +248,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     tokenizer, tokenizer_source = eval_tokenizer(cfg, model_dir)
     # The plan's refusals (the backend's settings, a model its sampler cannot sample) before a LoRA merge (minutes for a
     # large model) and Ray's start; it is decided again on the cluster, whose CPUs split the threads
-    sampled, model = eval_config(cfg, model_dir), policy_model(model_dir)
-    declared = plan_on_cluster(
-        sampled, tuple(end_of_sequence_ids(tokenizer, model_dir)), with_policy=False, planning_only=True, model=model
-    )
+    sampled, model, eos_ids = eval_config(cfg, model_dir), policy_model(model_dir), end_of_sequence_ids(tokenizer, model_dir)
+    declared = plan_on_cluster(sampled, tuple(eos_ids), with_policy=False, planning_only=True, model=model)
     check_sampled_model(sampled, declared.backend.value, model_key)
     for line in template_warnings(tokenizer) if cfg.grpo.max_rollout_turns > 1 else []:
         warnings.warn(line, RuntimeWarning, stacklevel=2)
@@ -282,7 +280,6 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
         with stop_signals_kept():  # Ray's handler would abort on SIGTERM (134): the command's again after it
             init_ray(cfg.cluster)
         raise_if_stopped()  # a signal whose exception C code swallowed (an import): stop before the sampling
-        eos_ids = end_of_sequence_ids(tokenizer, model_dir)
         plan = plan_on_cluster(run_cfg, tuple(eos_ids), with_policy=False, model=model)  # decided once, handed down
         plan = with_environments(plan, specs)
         warn_of_runs_sharing_cores(run_cfg, plan, private, trains=False)

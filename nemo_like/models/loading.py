@@ -23,6 +23,7 @@ from nemo_like.config.schema import EMBEDDED_MODEL
 from nemo_like.models.attention import attend_in_float32_on_cpu
 from nemo_like.models.rope import fixed_frequency_length, rope_parameters, rope_type
 from nemo_like.plan.backend import PolicyModel
+from nemo_like.plan.memory import layer_values
 
 HUB_PROBE_TIMEOUT_S = 5.0
 _TRUE = ("1", "true", "yes", "on")
@@ -541,15 +542,6 @@ UNREADABLE_CONFIG_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, Ty
 SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_key_value_heads")
 
 
-def layer_values(config: Any, name: str) -> list[Any]:
-    """``config``'s ``name`` as a list: its one value, or each layer's where transformers keeps one per layer (Gemma 4's
-    ``head_dim`` and ``num_key_value_heads``: reading the whole raises a RuntimeError); empty where it has none."""
-    try:
-        return [getattr(config, name)] if hasattr(config, name) else []
-    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
-        return [getattr(layer, name, None) for layer in config.per_layer_config]
-
-
 def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
     """``path``'s JSON and the ``transformers`` config it describes; a ConfigError naming the file when it is not a
     model's ``config.json`` (not JSON, no or an unknown ``model_type``: a generation_config.json, say), or naming the
@@ -839,9 +831,10 @@ def token_id_count(tokenizer: Any) -> int:
 def eval_tokenizer(cfg: Any, model_dir: str) -> tuple[Any, str]:
     """``(tokenizer, source)`` ``nemo-like eval`` and ``serve`` tokenize with: ``policy.tokenizer_name`` when set, else
     the one the model's directory holds (a checkpoint's: the tokenizer of the run that wrote it, which the engine loads
-    too; a shipped model's, named ``embedded:...``), else ``policy.model_name``'s. One that cannot be the model's (another vocabulary than its directory's, or ids past its
-    vocabulary rows) is a :class:`ConfigError` naming the keys, before Ray starts: a checkpoint of another model than
-    the recipe's failed in the sampler's actor with an IndexError."""
+    too; a shipped model's, named ``embedded:...``), else ``policy.model_name``'s. One that cannot be the model's
+    (another vocabulary than its directory's, or ids past its vocabulary rows) is a :class:`ConfigError` naming the
+    keys, before Ray starts: a checkpoint of another model than the recipe's failed in the sampler's actor with an
+    IndexError."""
     directory = Path(resolve_model_path(model_dir)).expanduser()  # a shipped model's too (embedded:...)
     own = str(directory) if directory.is_dir() and holds_tokenizer(directory) else None
     # a tokenizer_name that names the recipe's model (the tiny recipe's ${policy.model_name}) means "the model's own"

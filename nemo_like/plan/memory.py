@@ -111,14 +111,20 @@ def _largest(size: int | list[int] | None) -> int | None:
     return max(size) if isinstance(size, list) and size else size  # type: ignore[return-value]
 
 
-def config_value(config: Any, key: str) -> Any:
-    """``config``'s ``key``, or where its layers differ in it (a heterogeneous transformers config, Gemma 4's
-    ``head_dim``: reading it whole raises) the largest of its layers' (an upper bound)."""
+def layer_values(config: Any, key: str) -> list[Any]:
+    """``config``'s ``key`` as a list: its one value (none where it has no such key), or each layer's where transformers
+    keeps one per layer (a heterogeneous config, Gemma 4's ``head_dim`` and ``num_key_value_heads``: reading the whole
+    raises a RuntimeError)."""
     try:
-        return getattr(config, key, None)
+        return [getattr(config, key)] if hasattr(config, key) else []
     except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
-        values = [getattr(layer, key, None) for layer in config.per_layer_config]
-        return max((v for v in values if v is not None), default=None)
+        return [getattr(layer, key, None) for layer in config.per_layer_config]
+
+
+def config_value(config: Any, key: str) -> Any:
+    """``config``'s ``key`` (:func:`layer_values`), or where its layers differ in it the largest of its layers' (an
+    upper bound); ``None`` where it has none."""
+    return max((v for v in layer_values(config, key) if v is not None), default=None)
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,8 @@ class ModelShape:
         same), which :func:`activation_bytes` sets to 4 under autocast. On a rank of ``tp`` tensor-parallel ranks the
         values of the split projections are ``1/tp`` wide: of the ``8H``, the query, the rotated query and the
         attention output (``3H``), and the keys' and values' ``4KD`` and a dense MLP's ``4I`` where the plan splits it
-        (``mlp_splits``; a mixture of experts' block runs whole on every rank); the residual stream and the norms (``5H``) stay whole (no sequence parallelism). Measured on a (dp 1, tp 2) gloo rank in
+        (``mlp_splits``; a mixture of experts' block runs whole on every rank); the residual stream and the norms
+        (``5H``) stay whole (no sequence parallelism). Measured on a (dp 1, tp 2) gloo rank in
         ``tests/unit/models/test_sharding.py``. ``float32_attention``: attention runs in float32 under a lower
         ``value_bytes`` (CPU autocast, :func:`cpu_float32_attention`): its ``3H`` values at 4 bytes, and float32 copies
         of the keys and values (``2KD``), measured in ``tests/unit/plan/test_memory_plan.py``."""

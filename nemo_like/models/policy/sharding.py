@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from nemo_like.models.loading import layer_values
+from nemo_like.plan.memory import layer_values
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
