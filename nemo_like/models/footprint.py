@@ -17,8 +17,8 @@ from nemo_like.models.layer_kinds import (
     caches_per_token,
     holds_state,
     layer_kinds,
-    linear_attention_state_values,
     sliding_window,
+    state_values,
     text_config,
 )
 from nemo_like.models.loading import (
@@ -179,11 +179,11 @@ def model_footprint(
 def cache_layout(config: Any) -> dict[str, int | None]:
     """:class:`~nemo_like.plan.memory.ModelShape`'s cache fields of ``config``'s layers (:mod:`~nemo_like.models.layer_kinds`):
     the attention layers (all, when the config lists no kinds), the sliding ones and their window, the stateful ones
-    and the state a gated delta net keeps."""
+    and the state a gated delta net or a Mamba block keeps (:func:`~nemo_like.models.layer_kinds.state_values`)."""
     kinds, window = layer_kinds(config), sliding_window(config)
     stateful = sum(map(holds_state, kinds))
     windowed = kinds.count("sliding_attention") + kinds.count("hybrid_sliding") if kinds else text_config(config).num_hidden_layers
-    convolution, recurrent = linear_attention_state_values(config) if stateful else (0, 0)
+    convolution, recurrent = state_values(config) if stateful else (0, 0)
     return {
         "cached_layers": sum(map(caches_per_token, kinds)) if kinds else None,
         "window_layers": windowed if window else 0,
@@ -335,7 +335,7 @@ def planned_memory_lines(cfg: Any, run_plan: Any, scorers: Sequence[ScorerSpec] 
         return [f"memory: not estimated ({type(exc).__name__}: {exc})"]
     copies = sampler_copy_bytes(cfg, run_plan, shape)
     memory = plan_memory(cfg, run_plan, params, shape, None, teachers, None, copies, scorers=scorer_memories)
-    return [*memory.lines(), *shape.unplanned(), *unplanned]
+    return [*memory.lines(), *unplanned_lines(shape, teachers), *unplanned]
 
 
 def memory_report(
@@ -374,4 +374,12 @@ def memory_report(
     device_bytes = device_gib * GIB if device_gib else None
     scorer_memories, unplanned = scorer_roles(scorers, device_bytes)
     memory = plan_memory(cfg, run_plan, params, shape, device_bytes, teachers, step, copies, cluster_problem, scorer_memories)
-    return [*run_plan.lines(this_machine=True), *memory.lines(), *shape.unplanned(), *unplanned], memory.fits
+    return [*run_plan.lines(this_machine=True), *memory.lines(), *unplanned_lines(shape, teachers), *unplanned], memory.fits
+
+
+def unplanned_lines(shape: ModelShape, teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]]) -> list[str]:
+    """The ``not planned`` lines of the policy model's shape and each teacher model's (named)."""
+    lines = shape.unplanned()
+    for name, (_, teacher_shape) in teachers.items():
+        lines += [line.replace("not planned: ", f"not planned: teacher {name}: ", 1) for line in teacher_shape.unplanned()]
+    return lines

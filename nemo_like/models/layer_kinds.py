@@ -56,6 +56,13 @@ def unknown_kinds(config: Any) -> list[str]:
     return sorted(set(layer_kinds(config)) - ATTENTION_KINDS - PER_TOKEN_KINDS - STATE_KINDS - HYBRID_KINDS)
 
 
+def attention_free(config: Any) -> bool:
+    """Whether no layer of ``config`` attends: each carries a state or acts on each token alone (Mamba, Mamba-2; a
+    config that lists no kinds has attention layers)."""
+    kinds = layer_kinds(config)
+    return bool(kinds) and not any(map(caches_per_token, kinds))
+
+
 def caches_per_token(kind: str) -> bool:
     """Whether a layer of ``kind`` caches keys and values for each token (attention, a hybrid's, an unknown kind's)."""
     return kind not in STATE_KINDS and kind not in PER_TOKEN_KINDS
@@ -68,6 +75,57 @@ def sliding_window(config: Any) -> int | None:
     text = text_config(config)
     window, layer_types = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
     return int(window) if window and (layer_types is None or "sliding_attention" in layer_types) else None
+
+
+#: The config keys of a Mamba block's sizes, by model type, as transformers' modeling reads them: the inner width (the
+#: first of its keys the config sets; an ``expand`` key is a factor of ``hidden_size``; none: heads x head size), then
+#: heads, head size, state size, groups and convolution kernel. A Mamba-1 block has no heads or groups.
+MAMBA_BLOCK_KEYS: dict[str, tuple[tuple[str, ...], str | None, str | None, str, str | None, str]] = {
+    "mamba": (("intermediate_size",), None, None, "state_size", None, "conv_kernel"),
+    "falcon_mamba": (("intermediate_size",), None, None, "state_size", None, "conv_kernel"),
+    "jamba": (("mamba_expand",), None, None, "mamba_d_state", None, "mamba_d_conv"),
+    "mamba2": (("expand",), "num_heads", "head_dim", "state_size", "n_groups", "conv_kernel"),
+    "falcon_h1": (("mamba_d_ssm", "mamba_expand"), "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"),
+    "bamba": (("mamba_expand",), "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"),
+    "granitemoehybrid": (("mamba_expand",), "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"),
+    "nemotron_h": ((), "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel"),
+    "zamba2": (("mamba_expand",), "n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv"),
+}  # fmt: skip
+
+
+def state_values(config: Any) -> tuple[int, int]:
+    """Values one stateful layer of ``config`` keeps per sequence whatever its length, as transformers' cache holds them:
+    ``(convolution, recurrent)``, the convolution's window (in the model's dtype) and the recurrent state (which
+    transformers keeps in float32): a gated delta net's (:func:`linear_attention_state_values`) or a Mamba block's
+    (:func:`mamba_state_values`); ``(0, 0)`` where neither is known here."""
+    return (
+        linear_attention_state_values(config)
+        if getattr(text_config(config), "linear_conv_kernel_dim", None)
+        else mamba_state_values(config)
+    )
+
+
+def mamba_state_values(config: Any) -> tuple[int, int]:
+    """A Mamba block's ``(convolution, recurrent)`` values per sequence (:data:`MAMBA_BLOCK_KEYS`): the convolution's
+    ``kernel`` columns of its channels (the inner width, and a Mamba-2 block's ``2 x groups x state`` of B and C) and
+    the state, ``inner x state`` (Mamba-1) or ``heads x head size x state`` (Mamba-2); ``(0, 0)`` for another model
+    type or a size the config does not set."""
+    text = text_config(config)
+    if (keys := MAMBA_BLOCK_KEYS.get(getattr(text, "model_type", ""))) is None:
+        return 0, 0
+    inner_keys, heads_key, head_key, state_key, groups_key, kernel_key = keys
+    heads, head_dim, groups = (getattr(text, key, None) if key else None for key in (heads_key, head_key, groups_key))
+    state, kernel = getattr(text, state_key, None), getattr(text, kernel_key, None)
+    inner = (heads or 0) * (head_dim or 0)
+    for key in inner_keys:
+        if value := getattr(text, key, None):
+            inner = int(value * text.hidden_size) if key.endswith("expand") else value
+            break
+    if not inner or not state or not kernel or (heads_key and not (heads and head_dim and groups)):
+        return 0, 0
+    if heads_key is None:  # Mamba-1
+        return inner * kernel, inner * state
+    return (inner + 2 * groups * state) * kernel, heads * head_dim * state
 
 
 def linear_attention_state_values(config: Any) -> tuple[int, int]:

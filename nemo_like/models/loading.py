@@ -21,6 +21,7 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.config.overrides import quoted_override
 from nemo_like.config.schema import EMBEDDED_MODEL
 from nemo_like.models.attention import attend_in_float32_on_cpu
+from nemo_like.models.layer_kinds import attention_free
 from nemo_like.models.rope import fixed_frequency_length, rope_parameters, rope_type
 from nemo_like.plan.backend import PolicyModel
 from nemo_like.plan.memory import layer_values
@@ -565,11 +566,10 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], Any]:
     for name in SIZE_FIELDS:  # its class's defaults (each layer's, where it keeps one per layer)
         for value in layer_values(text, name):
             _check_sizes(path, {name: value})
-    if missing := [name for name in ("hidden_size", "num_attention_heads") if not hasattr(text, name)]:
-        raise ConfigError(
-            f"{path}: its {raw['model_type']} config has no {' or '.join(missing)}, which the memory plan is counted from "
-            "(a model without attention layers, such as Mamba, is not planned)"
-        )
+    # a model whose every layer carries a state (Mamba, Mamba-2) has no attention heads to count
+    needed = ("hidden_size",) if attention_free(config) else ("hidden_size", "num_attention_heads")
+    if missing := [name for name in needed if not hasattr(text, name)]:
+        raise ConfigError(f"{path}: its {raw['model_type']} config has no {' or '.join(missing)}, which the memory plan is counted from")
     return raw, config
 
 

@@ -171,9 +171,9 @@ class ModelShape:
         """From a ``transformers`` text config (its class's defaults and attribute names resolved: the model built from
         it has these sizes; a ``config.json``'s own dict lacked the defaults). Latent attention expands the latent into
         keys of ``qk_nope_head_dim + qk_rope_head_dim`` for every head (its config's ``head_dim`` is the rotary part)."""
-        hidden, heads = config.hidden_size, config_value(config, "num_attention_heads")
+        hidden, heads = config.hidden_size, config_value(config, "num_attention_heads") or 0  # 0: no attention (Mamba)
         kv_heads = config_value(config, "num_key_value_heads") or heads
-        head_dim = config_value(config, "head_dim") or hidden // heads
+        head_dim = config_value(config, "head_dim") or (hidden // heads if heads else 0)
         latent = getattr(config, "kv_lora_rank", None) or 0
         if latent:  # its keys: qk_nope_head_dim + qk_rope_head_dim wide, for every head
             kv_heads, head_dim = heads, config.qk_nope_head_dim + config.qk_rope_head_dim

@@ -740,6 +740,73 @@ def test_a_cache_that_does_not_grow_with_every_layer_is_planned_as_transformers_
         assert shape.kv_bytes_per_sequence(2, 12) == cached > shape.kv_bytes_per_sequence(2, 12, "vllm")
 
 
+MAMBA_SIZES = {"vocab_size": 60, "hidden_size": 64, "num_hidden_layers": 2}
+MAMBA2_SIZES = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_d_conv": 4}
+ATTENTION_SIZES = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+
+
+def mamba_family_config(family: str):
+    """A tiny config of one of the families whose Mamba blocks the plan sizes (``MAMBA_BLOCK_KEYS``): pure state-space
+    models and hybrids with attention layers beside (Jamba, Bamba, Granite 4, Nemotron-H) or in the same layer
+    (Falcon-H1, Zamba2)."""
+    import transformers as t
+
+    sizes, mamba1 = MAMBA_SIZES, {"state_size": 16, "expand": 2, "conv_kernel": 4}
+    return {
+        "mamba": lambda: t.MambaConfig(**sizes, **mamba1),
+        "falcon_mamba": lambda: t.FalconMambaConfig(**sizes, **mamba1),
+        "mamba2": lambda: t.Mamba2Config(**sizes, num_heads=8, head_dim=16, state_size=16, n_groups=2, expand=2, conv_kernel=4),
+        "jamba": lambda: t.JambaConfig(**sizes, **ATTENTION_SIZES, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                                       attn_layer_period=2, attn_layer_offset=1, num_experts=1),
+        "falcon_h1": lambda: t.FalconH1Config(**sizes, **ATTENTION_SIZES, **MAMBA2_SIZES, mamba_d_ssm=128),
+        "bamba": lambda: t.BambaConfig(**sizes, **ATTENTION_SIZES, **MAMBA2_SIZES, mamba_expand=2, attn_layer_indices=[1]),
+        "granitemoehybrid": lambda: t.GraniteMoeHybridConfig(**sizes, **ATTENTION_SIZES, **MAMBA2_SIZES, mamba_expand=2,
+                                                             layer_types=["mamba", "attention"]),
+        "nemotron_h": lambda: t.NemotronHConfig(**sizes, **ATTENTION_SIZES, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+                                                n_groups=2, conv_kernel=4, expand=2, layers_block_type=["mamba", "attention"]),
+        "zamba2": lambda: t.Zamba2Config(**sizes, **ATTENTION_SIZES, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2,
+                                         n_mamba_heads=8, mamba_headdim=16, layers_block_type=["mamba", "hybrid"]),
+    }[family]()  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(__import__("nemo_like.models.layer_kinds").models.layer_kinds.MAMBA_BLOCK_KEYS))
+def test_a_mamba_blocks_state_is_planned_as_transformers_caches_it(family: str, tmp_path, capsys) -> None:
+    """Each Mamba block keeps a convolution window (the model's dtype) and a recurrent state (float32) per sequence:
+    the plan's cache of a sequence equals what transformers' cache holds after a bfloat16 forward, attention layers'
+    keys and values included; a pure state-space model (no attention heads in its config) is planned too (its
+    config was refused: "a model without attention layers, such as Mamba, is not planned")."""
+    from transformers import AutoModelForCausalLM
+
+    from nemo_like.models.footprint import cache_layout
+
+    config = mamba_family_config(family)
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 1
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    shape = replace(ModelShape.from_hf_config(config), **cache_layout(config))
+    assert shape.state_values and shape.state_float32_values and not any("fixed state" in line for line in shape.unplanned())
+    for tokens in (3, 9):
+        with torch.no_grad():
+            out = model(torch.randint(2, 50, (1, tokens)), use_cache=True)
+        cached = cached_bytes(getattr(out, "past_key_values", None) or out.cache_params)
+        assert shape.kv_bytes_per_sequence(2, tokens) == cached, (tokens, cached)
+    if not shape.heads:  # its config.json is read and planned as a run's
+        from nemo_like.models.footprint import model_footprint
+
+        config.save_pretrained(tmp_path)
+        params, planned = model_footprint(str(tmp_path), "float32")
+        assert planned == replace(
+            shape, fused_sampler=False, expert_block_values=planned.expert_block_values, mlp_splits=planned.mlp_splits
+        )
+        assert sum(math.prod(p.shape) for p in params) == sum(p.numel() for p in model.parameters())
+        if family == "mamba2":  # as a teacher: `nemo-like plan` plans it and says what it leaves out
+            from nemo_like.cli import main
+
+            teacher = ("--teacher-config", f"org/mamba2={tmp_path / 'config.json'}", "teacher.model_name=org/mamba2")
+            assert main(["plan", "--config", "examples/configs/distill_tiny_cpu.yaml", *teacher]) == 0
+            out = capsys.readouterr().out
+            assert "[plan] memory teacher x1:" in out and "[plan] not planned: teacher org/mamba2: what the model's 2" in out
+
+
 def test_attention_beside_a_state_space_block_is_planned_with_its_keys_and_values() -> None:
     """Falcon-H1's "hybrid" layers run attention and a Mamba block side by side: counted as state only, their cache was
     0 bytes a sequence and the plan refused the run ("holds no sequence ... needs 0.000 MiB")."""
@@ -749,10 +816,10 @@ def test_attention_beside_a_state_space_block_is_planned_with_its_keys_and_value
 
     config = FalconH1Config(num_hidden_layers=4)
     layout = cache_layout(config)
-    assert layout["cached_layers"] == 4 and layout["state_layers"] == 4 and layout["state_values"] == 0
+    assert layout["cached_layers"] == 4 and layout["state_layers"] == 4 and layout["state_values"] > 0
     shape = replace(ModelShape.from_hf_config(config), **layout)
-    assert shape.kv_bytes_per_sequence(2, 100) == replace(ModelShape.from_hf_config(config)).kv_bytes_per_sequence(2, 100) > 0
-    assert any("fixed state each of those 4 layers" in line for line in shape.unplanned())
+    state = 4 * (layout["state_values"] * 2 + layout["state_float32_values"] * 4)
+    assert shape.kv_bytes_per_sequence(2, 100) - state == ModelShape.from_hf_config(config).kv_bytes_per_sequence(2, 100) > 0
 
 
 def test_a_config_whose_layers_differ_in_head_dim_is_planned_at_the_largest() -> None:
