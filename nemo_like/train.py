@@ -24,6 +24,7 @@ from nemo_like.algorithms.restarts import (
     restart_line,
 )
 from nemo_like.algorithms.setup import GRPOComponents, TrainingData, setup_grpo, training_data
+from nemo_like.config.errors import ConfigError
 from nemo_like.config.schema import MasterConfig
 from nemo_like.distributed import faults, supervision
 from nemo_like.distributed.ray_env import job_working_dir
@@ -35,7 +36,7 @@ from nemo_like.utils.deadline import resolve_run_deadline
 from nemo_like.utils.log_backends import drop_torn_tail
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.machine_runs import registered_run
-from nemo_like.utils.preflight import ensure_writable_dir
+from nemo_like.utils.preflight import directories_to_create, ensure_writable_dir, remove_refused_run_dirs
 from nemo_like.utils.run_control import RunControl, RunInterrupted, activate
 from nemo_like.utils.run_lock import hold_run_locks, run_directories
 from nemo_like.utils.stop_signals import raise_if_stopped, stop_signals_held
@@ -61,6 +62,16 @@ def train(cfg: MasterConfig, command_line: list[str] | None = None) -> list[dict
     start = time.perf_counter()
     warn_relative_run_dirs_in_a_job(cfg)
     cfg = absolute_run_dirs(cfg)
+    created = directories_to_create(run_directories(cfg).values())
+    try:
+        return _train_checked(cfg, start, command_line)
+    except ConfigError:  # refused: the directories it created go again
+        remove_refused_run_dirs(created)
+        raise
+
+
+def _train_checked(cfg: MasterConfig, start: float, command_line: list[str] | None) -> list[dict[str, Any]]:
+    """:func:`train` once the run's directories are absolute: the inputs checked, the directories locked, then train."""
     check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed
     check_run_inputs(cfg)
     deadline, source = resolve_run_deadline(cfg.checkpointing, time.time())  # auto + Slurm + checkpointing off: a ConfigError

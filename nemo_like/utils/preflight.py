@@ -7,7 +7,9 @@ naming the key.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from nemo_like.config.errors import ConfigError
@@ -34,3 +36,28 @@ def refuse_overwriting(target: Path, protected: Path, key: str, what: str) -> No
     written, kept = target.resolve(), protected.resolve()
     if written == kept or kept.is_relative_to(written) or written.is_relative_to(kept):
         raise ConfigError(f"{key}: writing {target} would overwrite {what} ({protected}); choose a directory outside it")
+
+
+def directories_to_create(directories: Iterable[Path]) -> list[Path]:
+    """The outermost missing directory on the way to each of ``directories`` (none where it exists): what a run that
+    creates them adds to the filesystem."""
+    created = []
+    for directory in directories:
+        missing = None
+        for path in (directory, *directory.parents):
+            if path.exists():
+                break
+            missing = path
+        if missing is not None and missing not in created:
+            created.append(missing)
+    return created
+
+
+def remove_refused_run_dirs(created: Iterable[Path]) -> None:
+    """Remove the directories a refused run created (``created``: :func:`directories_to_create` before it started)
+    while they hold no step's record or checkpoint: a run refused at set-up left ``config.yaml``, an empty
+    ``metrics.jsonl`` and lock files in new directories, which read as a run that had started."""
+    for directory in created:
+        if any(path.stat().st_size for path in directory.rglob("metrics.jsonl")) or any(directory.rglob("step_*")):
+            continue
+        shutil.rmtree(directory, ignore_errors=True)

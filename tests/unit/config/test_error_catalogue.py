@@ -95,6 +95,28 @@ def test_a_missing_model_directory_names_the_key_and_the_path(capsys, tmp_path):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_run_refused_at_set_up_removes_the_directories_it_created_and_keeps_existing_ones(capsys, tmp_path):
+    """The tokenizer is loaded after logging starts: the refused run left config.yaml, an empty metrics.jsonl and lock
+    files in directories it had created, which read as a run that had started."""
+    import shutil
+
+    model = tmp_path / "model"  # a model's config and weights, no tokenizer
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(REPO / "nemo_like" / "assets" / "tiny-arith-qwen2" / name, model)
+    new = tmp_path / "new" / "logs"
+    code, err = run_cli(capsys, tmp_path, f"policy.model_name={model}", f"logger.log_dir={new}", f"checkpointing.checkpoint_dir={new}/ckpt")
+    assert_clean(code, err, 2, f"policy.tokenizer_name={str(model)!r}", "holds no tokenizer")  # the recipe's ${policy.model_name}
+    assert "logging to" in err and not (tmp_path / "new").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    code, err = run_cli(
+        capsys, tmp_path, f"policy.model_name={model}", f"logger.log_dir={existing}", f"checkpointing.checkpoint_dir={existing}/ckpt"
+    )
+    assert code == 2 and (existing / "notes.txt").read_text() == "mine" and not (existing / "ckpt").exists()
+
+
 def test_a_hub_id_offline_and_not_cached_says_how_to_use_a_local_copy(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
