@@ -165,9 +165,21 @@ def gather(calls: Sequence[Call], refs: list[Any], what: str) -> list[Any]:
     timeout = _LEDGER.call_timeout_s
     started = time.monotonic()
     try:
-        return ray.get(list(refs), timeout=timeout)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return _recover(calls, list(refs), what, started)
+        try:
+            return ray.get(list(refs), timeout=timeout)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return _recover(calls, list(refs), what, started)
+    except ray.exceptions.RayTaskError as exc:  # the actor's own error: raised as it is, each note once
+        drop_echoed_notes(exc)
+        raise
+
+
+def drop_echoed_notes(error: BaseException) -> None:
+    """Remove from ``error`` (an actor's exception as Ray re-raises it) the notes its message already holds: Ray's
+    message is the actor's formatted traceback, notes included, and the notes came along too (each was printed twice)."""
+    if notes := getattr(error, "__notes__", None):  # the cause's: Ray's error reads what it lacks from its cause
+        message = str(error)
+        error.__notes__ = [note for note in notes if note not in message]  # its own, even when empty
 
 
 def _recover(calls: Sequence[Call], refs: list[Any], what: str, started: float) -> list[Any]:

@@ -301,3 +301,15 @@ def test_an_async_runs_one_line_error_keeps_the_cause_before_the_environments_no
         error = RayTaskError("score", "".join(traceback.format_exception(exc)), exc).as_instanceof_cause()
     line = loop_failure_cause(error)
     assert line.startswith("KeyError: 'answer'; raised by environment 'gsm8k' score"), line
+    # the sync loop's gather re-raises it with the note once: Ray's message holds it already (it was printed twice)
+    from nemo_like.distributed.supervision import drop_echoed_notes
+
+    printed = "".join(traceback.format_exception(error))
+    assert printed.count("raised by environment 'gsm8k' score") == 2
+    drop_echoed_notes(error)
+    assert (
+        "".join(traceback.format_exception(error)).count("raised by environment 'gsm8k' score") == 1 and loop_failure_cause(error) == line
+    )
+    error.__notes__ = ["raised by environment 'gsm8k' score", "a note the message lacks"]
+    drop_echoed_notes(error)
+    assert error.__notes__ == ["a note the message lacks"]
