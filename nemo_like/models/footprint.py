@@ -358,10 +358,13 @@ def memory_report(
     ``scorers``: the reward models the environments load (:func:`scorer_roles`)."""
     from nemo_like.plan.memory import GIB, plan_memory, step_estimate
 
-    params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
     check_teacher_config_names(cfg, teacher_configs or {})  # also where the run holds no teacher (the flag did nothing)
     paths = teacher_config_paths(cfg, teacher_configs) if needs_teachers(cfg, run_plan) else {}
-    teachers = teacher_footprints(cfg, paths)
+    try:
+        params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
+        teachers = teacher_footprints(cfg, paths)
+    except UnplannableLayout as exc:  # a layout train runs but the plan cannot lay out (GPT-2's transformer.h): no figures
+        return [*run_plan.lines(this_machine=True), f"not planned: the memory of every role and the fit ({exc})"], None
     step = None
     if peak_flops:
         from nemo_like.utils.flops import training_flops_per_token

@@ -1097,6 +1097,30 @@ def test_a_teacher_not_on_this_machine_is_named_by_its_key_and_planned_with_teac
     assert "[plan] memory teacher x1:" in capsys.readouterr().out
 
 
+def test_a_model_whose_layers_the_plan_cannot_lay_out_is_planned_without_memory_figures(capsys, tmp_path) -> None:
+    """GPT-2's layers are transformer.h: train runs it ("memory: not estimated") and plan stopped with exit 2, printing
+    nothing of the run plan; as a teacher too."""
+    from transformers import GPT2Config
+
+    from nemo_like.cli import main
+
+    GPT2Config(vocab_size=359, n_embd=32, n_layer=2, n_head=2).save_pretrained(tmp_path)
+    config = str(tmp_path / "config.json")
+    policy = ["--model-config", config, "policy.model_name=org/gpt2"]
+    teacher = [
+        "--config",
+        "examples/configs/distill_tiny_cpu.yaml",
+        "--teacher-config",
+        f"org/gpt2={config}",
+        "teacher.model_name=org/gpt2",
+    ]
+    for args in (policy, teacher):
+        assert main(["plan", *args, "--device-memory-gib", "8"]) == 0
+        out = capsys.readouterr().out
+        assert "[plan] generation backend:" in out and "memory policy" not in out and "fits" not in out
+        assert out.splitlines()[-1].startswith("[plan] not planned: the memory of every role and the fit (") and "GPT2LMHeadModel" in out
+
+
 def test_the_plan_commands_training_time_falls_with_more_policy_ranks() -> None:
     import re
 
