@@ -28,6 +28,7 @@ from nemo_like.models.loading import (
     read_model_config,
     resolve_model_path,
 )
+from nemo_like.models.text_path import freeze_outside_text_path
 from nemo_like.plan.memory import (
     DTYPE_BYTES,
     JudgeSpec,
@@ -133,7 +134,7 @@ def model_footprint(
     except ValueError as exc:  # an encoder (bert): no causal-LM class
         raise ConfigError(f"{path}: not a causal language model's config.json ({str(exc).splitlines()[0]})") from None
     try:
-        layers = decoder_layers(model, ("layers",))  # the same modules once LoRA wraps them
+        layers = decoder_layers(model, ("layers", "language_model.layers"))  # the same modules once LoRA wraps them
     except ValueError as exc:  # a causal LM laid out otherwise (Falcon: transformer.h)
         raise UnplannableLayout(
             f"{path}: the memory plan cannot lay out {type(model).__name__} ({str(exc).splitlines()[0]}); it plans models "
@@ -142,6 +143,7 @@ def model_footprint(
     from nemo_like.models.llama_family import supported as fused_sampler
 
     fused = fused_sampler(model)  # the base model the engines sample with (the inline backend takes no LoRA)
+    freeze_outside_text_path(model)  # as the policy workers do
     lora = lora_cfg is not None and lora_cfg.enabled
     if lora:
         from nemo_like.models.lora import apply_lora

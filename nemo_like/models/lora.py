@@ -42,6 +42,7 @@ from nemo_like.models.loading import (
     save_generation_config,
 )
 from nemo_like.models.precision import refit_dtype
+from nemo_like.models.text_path import text_path_parameters
 from nemo_like.utils.experts import experts_of
 from nemo_like.utils.preflight import refuse_overwriting
 
@@ -76,8 +77,15 @@ _PEFT_PREFIX = "base_model.model."
 
 
 def decoder_linear_modules(model: torch.nn.Module) -> list[str]:
-    """Full names of the ``nn.Linear`` modules inside the decoder blocks (the modules adapters may go on)."""
-    return [name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}"]
+    """Full names of the ``nn.Linear`` modules inside the decoder blocks (the modules adapters may go on), on the text
+    path of a multimodal model (:func:`~nemo_like.models.text_path.text_path_parameters`: a vision tower's blocks are
+    ``layers`` too, and a text run gives their adapters no gradient)."""
+    reached = text_path_parameters(model)
+    return [
+        name
+        for name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}" and (reached is None or id(mod.weight) in reached)
+    ]
 
 
 def _matches(entry: str, module: str) -> bool:
@@ -134,6 +142,10 @@ MOVED_ONTO_EXPERTS = (
     "transformers 4 expert projection onto them)"
 )
 REFUSED_FOR_MAMBA = "PEFT refuses adapters on a Mamba block's out_proj and conv1d"
+NOT_A_PROJECTION = (
+    "a torch.nn.Linear with a forward of its own (Llama 4's router returns scores and logits): an adapter assumes the "
+    "layer computes x W^T + b, and PEFT's wrapper failed on its output"
+)
 
 
 def peft_left_out(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
@@ -144,7 +156,8 @@ def peft_left_out(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
       PEFT maps it onto the fused expert parameters, whatever module it names (a shared expert's, a dense layer's),
       so that layer got no adapter, the experts did, and the first refit failed;
     * on a Mamba model (Mamba, Mamba2, FalconMamba, Falcon-H1, Nemotron-H), a block's ``out_proj`` and ``conv1d``:
-      PEFT refuses them (in the policy actor, after Ray had started).
+      PEFT refuses them (in the policy actor, after Ray had started);
+    * a ``torch.nn.Linear`` subclass with its own ``forward`` (:data:`NOT_A_PROJECTION`).
 
     PEFT's own rules decide, one name at a time; a PEFT without them leaves nothing out."""
     try:
@@ -154,8 +167,12 @@ def peft_left_out(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
     except ImportError:
         return {}
     conversions = get_model_conversion_mapping(model)
+    modules = dict(model.named_modules())
     left_out = {}
     for name in names:
+        if type(modules[name]).forward is not torch.nn.Linear.forward:
+            left_out[name] = NOT_A_PROJECTION
+            continue
         config = LoraConfig(target_modules=[name])
         try:
             _check_lora_target_modules_mamba(config, model, name.rsplit(".", 1)[-1])

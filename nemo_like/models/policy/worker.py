@@ -34,6 +34,7 @@ from nemo_like.models.policy.forward import INLINE_GENERATION_BATCH, Batch, Forw
 from nemo_like.models.policy.spec import PolicyWorkerSpec
 from nemo_like.models.policy.training import TrainingStep, local_bytes
 from nemo_like.models.policy.weight_export import WeightExport
+from nemo_like.models.text_path import freeze_outside_text_path
 from nemo_like.utils.seeds import worker_seed
 
 __all__ = ["INLINE_GENERATION_BATCH", "Batch", "PolicyWorker", "PolicyWorkerSpec"]
@@ -101,6 +102,7 @@ class PolicyWorker(ForwardPasses, TrainingStep, WeightExport, Checkpoints, Reini
         # stays in the compute dtype (the adapters PEFT adds to it are fp32).
         weights_dtype = "float32" if self.lora_cfg is None else spec.precision
         model = load_causal_lm(spec.model_name, weights_dtype).to(self.device)
+        freeze_outside_text_path(model)  # a multimodal model's towers: a text run never reaches them
         self.dropout_rates = disable_dropout(model) if spec.trainable else []  # before LoRA (PEFT's is the recipe's)
         if self.dropout_rates and self.rank == 0:
             rates = ", ".join(map(str, self.dropout_rates))

@@ -220,3 +220,14 @@ def test_a_parameter_that_never_had_a_gradient_resumes_without_a_state_and_anoth
     other, other_optimizer = model_and_optimizer("renamed")
     with pytest.raises(RuntimeError, match=r"the saved optimizer state does not list 2 trainable parameters, e.g. \['renamed.weight'"):
         sharding.load_optimizer_state(other, other_optimizer, state)
+    # such a checkpoint resumes where those parameters are now frozen (models.text_path): its groups list them, the
+    # optimizer does not
+    frozen, _ = model_and_optimizer()
+    frozen["unused"].requires_grad_(False)
+    frozen_optimizer = torch.optim.AdamW([p for p in frozen.parameters() if p.requires_grad], lr=1e-2)
+    sharding.load_optimizer_state(frozen, frozen_optimizer, state)
+    assert torch.equal(frozen_optimizer.state[frozen["used"].weight]["exp_avg"], state["state"]["used.weight"]["exp_avg"])
+    assert len(frozen_optimizer.state) == 2 and sharding.gather_optimizer_state(frozen, frozen_optimizer)["param_groups"][0]["params"] == [
+        "used.weight",
+        "used.bias",
+    ]
