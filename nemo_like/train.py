@@ -36,7 +36,7 @@ from nemo_like.utils.deadline import resolve_run_deadline
 from nemo_like.utils.log_backends import drop_torn_tail
 from nemo_like.utils.logger import Logger
 from nemo_like.utils.machine_runs import registered_run
-from nemo_like.utils.preflight import directories_to_create, ensure_writable_dir, remove_refused_run_dirs
+from nemo_like.utils.preflight import clear_refused_run, directories_to_create, ensure_writable_dir, remove_empty_dirs
 from nemo_like.utils.run_control import RunControl, RunInterrupted, activate
 from nemo_like.utils.run_lock import hold_run_locks, run_directories
 from nemo_like.utils.stop_signals import raise_if_stopped, stop_signals_held
@@ -64,14 +64,15 @@ def train(cfg: MasterConfig, command_line: list[str] | None = None) -> list[dict
     cfg = absolute_run_dirs(cfg)
     created = directories_to_create(run_directories(cfg).values())
     try:
-        return _train_checked(cfg, start, command_line)
-    except ConfigError:  # refused: the directories it created go again
-        remove_refused_run_dirs(created)
+        return _train_checked(cfg, start, command_line, created)
+    except ConfigError:  # refused: the directories it created go again, where nothing else has been written into them
+        remove_empty_dirs(created)
         raise
 
 
-def _train_checked(cfg: MasterConfig, start: float, command_line: list[str] | None) -> list[dict[str, Any]]:
-    """:func:`train` once the run's directories are absolute: the inputs checked, the directories locked, then train."""
+def _train_checked(cfg: MasterConfig, start: float, command_line: list[str] | None, created: list[Path]) -> list[dict[str, Any]]:
+    """:func:`train` once the run's directories are absolute: the inputs checked, the directories locked, then train;
+    ``created``: the directories it creates (:func:`~nemo_like.utils.preflight.directories_to_create`)."""
     check_plugin_names(cfg)  # every plug-in name resolves (and user code imports) before anything is locked or trimmed
     check_run_inputs(cfg)
     deadline, source = resolve_run_deadline(cfg.checkpointing, time.time())  # auto + Slurm + checkpointing off: a ConfigError
@@ -86,7 +87,11 @@ def _train_checked(cfg: MasterConfig, start: float, command_line: list[str] | No
     try:
         raise_if_stopped()  # a SIGTERM before the run's handlers whose exception C code swallowed: stop before anything
         with hold_run_locks(run_directories(cfg)), registered_run(cfg.logger.log_dir):
-            return _train_locked(cfg, start, control)
+            try:
+                return _train_locked(cfg, start, control)
+            except ConfigError:  # refused at set-up: what it wrote in the directories it created and locks
+                clear_refused_run(d for d in run_directories(cfg).values() if d in created)
+                raise
     except RunInterrupted as stop:
         print(stop_message(cfg, stop, command_line), file=sys.stderr, flush=True)
         raise

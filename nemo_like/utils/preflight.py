@@ -39,25 +39,39 @@ def refuse_overwriting(target: Path, protected: Path, key: str, what: str) -> No
 
 
 def directories_to_create(directories: Iterable[Path]) -> list[Path]:
-    """The outermost missing directory on the way to each of ``directories`` (none where it exists): what a run that
-    creates them adds to the filesystem."""
-    created = []
+    """Every missing directory on the way to each of ``directories``, deepest first: what a run that creates them adds
+    to the filesystem."""
+    created: list[Path] = []
     for directory in directories:
-        missing = None
         for path in (directory, *directory.parents):
             if path.exists():
                 break
-            missing = path
-        if missing is not None and missing not in created:
-            created.append(missing)
-    return created
+            if path not in created:
+                created.append(path)
+    return sorted(created, key=lambda path: len(path.parts), reverse=True)
 
 
-def remove_refused_run_dirs(created: Iterable[Path]) -> None:
-    """Remove the directories a refused run created (``created``: :func:`directories_to_create` before it started)
-    while they hold no step's record or checkpoint: a run refused at set-up left ``config.yaml``, an empty
-    ``metrics.jsonl`` and lock files in new directories, which read as a run that had started."""
-    for directory in created:
+def clear_refused_run(directories: Iterable[Path]) -> None:
+    """Empty the run directories a refused run created and still locks (``directories``) while they hold no step's
+    record or checkpoint: a run refused at set-up left ``config.yaml``, an empty ``metrics.jsonl`` and its lock file
+    there, which read as a run that had started. Only under the run's lock: no other run writes there."""
+    for directory in directories:
+        if not directory.is_dir() or directory.is_symlink():
+            continue
         if any(path.stat().st_size for path in directory.rglob("metrics.jsonl")) or any(directory.rglob("step_*")):
             continue
-        shutil.rmtree(directory, ignore_errors=True)
+        for entry in directory.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def remove_empty_dirs(directories: Iterable[Path]) -> None:
+    """Remove each of ``directories`` (deepest first) that is empty: what a refused run created and left empty, never a
+    directory someone else has written into since."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (another run's files), or gone
+            pass

@@ -115,6 +115,20 @@ def test_a_run_refused_at_set_up_removes_the_directories_it_created_and_keeps_ex
         capsys, tmp_path, f"policy.model_name={model}", f"logger.log_dir={existing}", f"checkpointing.checkpoint_dir={existing}/ckpt"
     )
     assert code == 2 and (existing / "notes.txt").read_text() == "mine" and not (existing / "ckpt").exists()
+    # a directory it created above its own, which another run (a sweep's sibling) has written into since, stays
+    from nemo_like.utils.preflight import clear_refused_run, directories_to_create, remove_empty_dirs
+
+    sweep = tmp_path / "sweep"
+    created = directories_to_create([sweep / "run_b" / "logs", sweep / "run_b" / "ckpt"])
+    assert created[-1] == sweep and set(created) == {sweep, sweep / "run_b", sweep / "run_b" / "logs", sweep / "run_b" / "ckpt"}
+    for directory in created:
+        directory.mkdir(parents=True, exist_ok=True)
+    (sweep / "run_a").mkdir()
+    (sweep / "run_a" / "config.yaml").write_text("a sibling's")
+    (sweep / "run_b" / "logs" / "config.yaml").write_text("b's")
+    clear_refused_run([sweep / "run_b" / "logs"])
+    remove_empty_dirs(created)
+    assert not (sweep / "run_b").exists() and (sweep / "run_a" / "config.yaml").read_text() == "a sibling's"
 
 
 def test_a_hub_id_offline_and_not_cached_says_how_to_use_a_local_copy(capsys, tmp_path, monkeypatch):
