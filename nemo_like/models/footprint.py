@@ -366,7 +366,10 @@ def memory_report(
         params, shape = model_footprint(cfg.policy.model_name, cfg.policy.precision, cfg.policy.lora_cfg, config_path)
         teachers = teacher_footprints(cfg, paths)
     except UnplannableLayout as exc:  # a layout train runs but the plan cannot lay out (GPT-2's transformer.h): no figures
-        return [*run_plan.lines(this_machine=True), f"not planned: the memory of every role and the fit ({exc})"], None
+        lines = [*run_plan.lines(this_machine=True), f"not planned: the memory of every role and the fit ({exc})"]
+        if (problem := cluster_problem(cfg) if cluster_problem is not None else None) is not None:  # whatever the memory
+            return [*lines, f"fits: NO: {problem}"], False
+        return lines, None
     step = None
     if peak_flops:
         from nemo_like.utils.flops import training_flops_per_token

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import traceback
 
 import pytest
 import yaml
@@ -33,6 +34,7 @@ def test_each_sample_is_scored_by_the_environment_of_its_task(ray_cluster):
                 "arithmetic": {"num_workers": 1},
                 "parity": {"class": "custom_envs:LengthParityEnv", "num_workers": 2, "bonus": 0.25},
                 "math": {"num_workers": 1, "timeout_s": 2.0},
+                "buggy": {"class": "custom_envs:BuggyScorer", "num_workers": 1},
             }
         }
     )
@@ -51,6 +53,12 @@ def test_each_sample_is_scored_by_the_environment_of_its_task(ray_cluster):
                 texts.append("\\boxed{9^{9^{9^{9}}}}" if i == 2 else "\\boxed{\\frac{1}{2}}")
                 prompts.append(record(i, task, "0.5"))
         scores = score_with_environment(environments.handles, texts, prompts)
+        # an environment's own error reaches the driver as its type, its note printed once (Ray's message holds the
+        # actor's traceback, note included, and the note came along too: printed twice)
+        with pytest.raises(KeyError) as raised:
+            score_with_environment(environments.handles, ["7"], [PromptRecord("p", [], [1], {"task_name": "buggy"})])
+        printed = "".join(traceback.format_exception(raised.value))
+        assert printed.count("raised by environment 'buggy' score") == 1, printed
     finally:
         environments.shutdown()
     for text, prompt, reward in zip(texts, prompts, scores.rewards.tolist()):

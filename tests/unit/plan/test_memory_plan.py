@@ -758,7 +758,7 @@ def mamba_family_config(family: str):
         "mamba2": lambda: t.Mamba2Config(**sizes, num_heads=8, head_dim=16, state_size=16, n_groups=2, expand=2, conv_kernel=4),
         "jamba": lambda: t.JambaConfig(**sizes, **ATTENTION_SIZES, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
                                        attn_layer_period=2, attn_layer_offset=1, num_experts=1),
-        "falcon_h1": lambda: t.FalconH1Config(**sizes, **ATTENTION_SIZES, **MAMBA2_SIZES, mamba_d_ssm=128),
+        "falcon_h1": lambda: t.FalconH1Config(**sizes, **ATTENTION_SIZES, **{**MAMBA2_SIZES, "mamba_d_head": 12}, mamba_d_ssm=96),  # not expand x H
         "bamba": lambda: t.BambaConfig(**sizes, **ATTENTION_SIZES, **MAMBA2_SIZES, mamba_expand=2, attn_layer_indices=[1]),
         "granitemoehybrid": lambda: t.GraniteMoeHybridConfig(**sizes, **ATTENTION_SIZES, **MAMBA2_SIZES, mamba_expand=2,
                                                              layer_types=["mamba", "attention"]),
@@ -1119,6 +1119,9 @@ def test_a_model_whose_layers_the_plan_cannot_lay_out_is_planned_without_memory_
         out = capsys.readouterr().out
         assert "[plan] generation backend:" in out and "memory policy" not in out and "fits" not in out
         assert out.splitlines()[-1].startswith("[plan] not planned: the memory of every role and the fit (") and "GPT2LMHeadModel" in out
+    # what does not fit the declared cluster whatever the memory is still refused (the 1B recipe's actors take 8 GPUs)
+    assert main(["plan", "--config", "examples/configs/grpo_math_1B.yaml", *policy, "cluster.gpus_per_node=4"]) == 3
+    assert capsys.readouterr().out.splitlines()[-1].startswith("[plan] fits: NO: the run's actors reserve 8 GPUs")
 
 
 def test_the_plan_commands_training_time_falls_with_more_policy_ranks() -> None:
