@@ -39,7 +39,7 @@ from nemo_like.environments.score_normalization import ScoreNormalization
 from nemo_like.environments.scored_text import chat_ids_of_untrusted_text, control_token_ids, ids_of_pieces, template_pieces
 from nemo_like.models.generation.interface import SamplingParams
 from nemo_like.models.generation.lean_decoder import model_sampling_problem
-from nemo_like.models.loading import local_config_file
+from nemo_like.models.loading import local_config_file, policy_model
 from nemo_like.utils.seeds import judge_seed
 
 COUNTERS = (
@@ -139,6 +139,12 @@ class JudgeEnvConfig(BaseModel):
                 )
             for key in changed_from_defaults(self, ("engine_kv_cache_space_gib", "engine_gpu_memory_utilization")):
                 warnings.warn(f"{key} has no effect with engine_backend='hf' (a vLLM setting)", UserWarning, stacklevel=2)
+        elif not self.engine_num_gpus and local_config_file(self.model_name):
+            # the engine started, then failed every call: every sample got parse_failure_reward, nothing on the console
+            if problem := policy_model(self.model_name, local_only=True).vllm_cpu_problem(self.precision):
+                raise ValueError(
+                    f"engine_backend='vllm' on a CPU cannot run the judge {self.model_name!r}: {problem}; use engine_backend='hf'"
+                )
         if self.greedy and self.temperature != 1.0:
             warnings.warn(
                 f"temperature={self.temperature} has no effect with greedy=true (the judge decodes greedily)", UserWarning, stacklevel=2

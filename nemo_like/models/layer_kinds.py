@@ -98,11 +98,13 @@ def state_values(config: Any) -> tuple[int, int]:
     ``(convolution, recurrent)``, the convolution's window (in the model's dtype) and the recurrent state (which
     transformers keeps in float32): a gated delta net's (:func:`linear_attention_state_values`) or a Mamba block's
     (:func:`mamba_state_values`); ``(0, 0)`` where neither is known here."""
-    return (
-        linear_attention_state_values(config)
-        if getattr(text_config(config), "linear_conv_kernel_dim", None)
-        else mamba_state_values(config)
-    )
+    return linear_attention_state_values(config) if gated_delta_net(config) else mamba_state_values(config)
+
+
+def gated_delta_net(config: Any) -> bool:
+    """Whether ``config``'s linear-attention layers are gated delta nets (Qwen3-Next, Qwen3.5: ``linear_*`` sizes in
+    the config; transformers lists Mamba layers as ``linear_attention`` too)."""
+    return "linear_attention" in layer_kinds(config) and bool(getattr(text_config(config), "linear_conv_kernel_dim", None))
 
 
 def mamba_state_values(config: Any) -> tuple[int, int]:

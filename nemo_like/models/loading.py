@@ -21,7 +21,7 @@ from nemo_like.config.errors import ConfigError
 from nemo_like.config.overrides import quoted_override
 from nemo_like.config.schema import EMBEDDED_MODEL
 from nemo_like.models.attention import attend_in_float32_on_cpu
-from nemo_like.models.layer_kinds import attention_free
+from nemo_like.models.layer_kinds import attention_free, gated_delta_net
 from nemo_like.models.rope import fixed_frequency_length, rope_parameters, rope_type
 from nemo_like.plan.backend import PolicyModel
 from nemo_like.plan.memory import layer_values
@@ -659,7 +659,7 @@ def policy_model(model_name: str, local_only: bool = False) -> PolicyModel:
     sizes = (layer_values(text, "head_dim") or [None]) if heads else []
     head_dims = tuple(sorted({size or text.hidden_size // heads for size in sizes}))
     architecture = next(iter(getattr(config, "architectures", None) or []), None)
-    return PolicyModel(routes_experts(model_name, local_only), architecture, head_dims)
+    return PolicyModel(routes_experts(model_name, local_only), architecture, head_dims, gated_delta_net(config))
 
 
 def model_context_length(model_name: str, local_only: bool = False) -> int | None:

@@ -94,6 +94,7 @@ class PolicyModel:
     experts: bool = False  # a mixture of experts (vLLM's CPU build does not refit one: VLLM_CPU_EXPERTS_BLOCKER)
     architecture: str | None = None  # its config.json's architectures[0]
     head_dims: tuple[int, ...] = ()  # its attention layers' head sizes (none: no attention heads, or not read)
+    gated_delta_net: bool = False  # linear attention of gated delta nets (Qwen3-Next, Qwen3.5): vLLM's CPU build runs it in bf16
 
     def vllm_adapters_problem(self) -> str | None:
         """Why vLLM's class for this model takes no LoRA adapters, or ``None``."""
@@ -101,10 +102,13 @@ class PolicyModel:
             return f"vLLM's class for {self.architecture} takes no LoRA adapters"
         return None
 
-    def vllm_cpu_problem(self) -> str | None:
-        """Why vLLM's CPU build cannot run this model, or ``None``."""
+    def vllm_cpu_problem(self, precision: str) -> str | None:
+        """Why vLLM's CPU build cannot run this model loaded at ``precision``, or ``None`` (each failed the engine's first
+        step: "Unsupported CPU attention configuration", "CPU GDN attention requires BF16")."""
         if unsupported := [size for size in self.head_dims if size not in VLLM_CPU_HEAD_SIZES]:
             return f"vLLM's CPU attention computes head sizes {list(VLLM_CPU_HEAD_SIZES)}, and the model's is {unsupported[0]}"
+        if self.gated_delta_net and precision != "bfloat16":
+            return f"vLLM's CPU build runs the model's gated delta nets in bfloat16 only, and it would load it in {precision}"
         return None
 
 
@@ -120,7 +124,7 @@ def vllm_adapter_blocker(cfg: Any, model: PolicyModel = PLAIN_MODEL) -> str | No
     on_cpu = not cfg.cluster.gpus_per_node
     if model.experts and on_cpu:
         return f"the policy is a mixture of experts: {VLLM_CPU_EXPERTS_BLOCKER}"
-    if problem := model.vllm_adapters_problem() or (model.vllm_cpu_problem() if on_cpu else None):
+    if problem := model.vllm_adapters_problem() or (model.vllm_cpu_problem(cfg.policy.precision) if on_cpu else None):
         return problem
     if cfg.grpo.async_grpo.refits_mid_generation:
         return "grpo.async_grpo.in_flight_weight_updates=true: a new adapter cannot take over running requests mid-sequence"
@@ -159,11 +163,13 @@ def resolve_backend(cfg: Any, with_policy: bool = True, model: PolicyModel = PLA
         if adapters and adapter_blocker is None and vllm_available():
             return "vllm", f"auto: not inline ({blocker}); vLLM serves the LoRA adapters, so a refit sends only them"
         unserved = f"; vLLM cannot serve these adapters ({adapter_blocker})" if adapter_blocker else ""
-        runs_here = not (model.experts or model.vllm_cpu_problem() or model.vllm_adapters_problem())  # known to run it here
+        runs_here = not (
+            model.experts or model.vllm_cpu_problem(cfg.policy.precision) or model.vllm_adapters_problem()
+        )  # known to run it here
         alternative = " (policy.generation.backend=vllm for vLLM's CPU build)" if runs_here else ""
         return "hf", f"auto: not inline ({blocker}){unserved}; the HF engine, a CPU cluster's default{alternative}"
     if requested == "vllm":
-        if not cfg.cluster.gpus_per_node and (problem := model.vllm_cpu_problem()):
+        if not cfg.cluster.gpus_per_node and (problem := model.vllm_cpu_problem(cfg.policy.precision)):
             raise ConfigError(
                 f"policy.generation.backend=vllm on a CPU cluster: the model {cfg.policy.model_name!r}: {problem}; "
                 "use policy.generation.backend=hf (or auto)"

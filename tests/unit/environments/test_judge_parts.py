@@ -143,7 +143,7 @@ def test_a_judge_the_hf_sampler_cannot_drive_is_refused_naming_its_engine_backen
     parse_failure_reward and the engine restarted each step."""
     from transformers import MiniMaxConfig
 
-    MiniMaxConfig(vocab_size=359, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1).save_pretrained(
+    MiniMaxConfig(vocab_size=359, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1).save_pretrained(
         tmp_path
     )
     cfg = MasterConfig.model_validate({"env": {"j": {"class": "judge", "model_name": str(tmp_path)}}})
@@ -154,6 +154,33 @@ def test_a_judge_the_hf_sampler_cannot_drive_is_refused_naming_its_engine_backen
         resolve_environments(cfg.env_sections)
     vllm = MasterConfig.model_validate({"env": {"j": {"class": "judge", "model_name": str(tmp_path), "engine_backend": "vllm"}}})
     resolve_environments(vllm.env_sections)
+
+
+def test_a_judge_vllms_cpu_build_cannot_run_is_refused_and_a_gpu_engine_is_not(tmp_path) -> None:
+    """A head size vLLM's CPU attention lacks, and a gated delta net in float32 (the judge's default precision): the
+    engine started, then failed every call ("Unsupported CPU attention configuration", "CPU GDN attention requires
+    BF16"), so every sample got parse_failure_reward with nothing on the console."""
+    from transformers import Qwen2Config, Qwen3NextConfig
+
+    small_heads, delta_net = tmp_path / "head16", tmp_path / "next"
+    Qwen2Config(vocab_size=359, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1).save_pretrained(
+        small_heads
+    )
+    Qwen3NextConfig(vocab_size=359, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                    layer_types=["linear_attention", "full_attention"]).save_pretrained(delta_net)  # fmt: skip
+
+    def judge(model, **section):
+        cfg = MasterConfig.model_validate({"env": {"j": {"class": "judge", "model_name": str(model), "engine_backend": "vllm", **section}}})
+        return resolve_environments(cfg.env_sections)
+
+    with pytest.raises(
+        ConfigError, match=r"env.j: engine_backend='vllm' on a CPU cannot run the judge .*head sizes \[32, .*the model's is 16"
+    ):
+        judge(small_heads)
+    with pytest.raises(ConfigError, match=r"gated delta nets in bfloat16 only, and it would load it in float32; use engine_backend='hf'"):
+        judge(delta_net)
+    judge(delta_net, precision="bfloat16")
+    judge(small_heads, engine_num_gpus=1)  # vLLM's GPU attention
 
 
 def test_the_default_template_bounds_its_scores_and_another_template_only_by_score_range() -> None:

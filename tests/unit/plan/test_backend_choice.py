@@ -303,6 +303,17 @@ def test_the_auto_backend_and_refit_keep_lora_off_vllm_where_vllm_cannot_serve_t
         ConfigError, match=r"backend=vllm on a CPU cluster: .*vLLM's CPU attention computes head sizes \[32, .*the model's is 16"
     ):
         resolve_backend(recipe("policy.generation.backend=vllm"), with_policy=False, model=narrow)
+    # a gated delta net: vLLM's CPU build asserted bf16 in its first step ("CPU GDN attention requires BF16")
+    from transformers import Qwen3NextConfig
+
+    Qwen3NextConfig(vocab_size=359, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                    layer_types=["linear_attention", "full_attention"]).save_pretrained(tmp_path / "next")  # fmt: skip
+    delta_net = policy_model(str(tmp_path / "next"))
+    assert delta_net.gated_delta_net and not mamba.gated_delta_net and not narrow.gated_delta_net
+    with pytest.raises(ConfigError, match=r"gated delta nets in bfloat16 only, and it would load it in float32"):
+        resolve_backend(recipe("policy.generation.backend=vllm"), model=delta_net)
+    bf16 = recipe("policy.generation.backend=vllm", "policy.precision=bfloat16")
+    assert resolve_backend(bf16, with_policy=False, model=delta_net)[0] == "vllm"  # (an eval's: Qwen3-Next routes experts)
     on_gpu = recipe("policy.lora_cfg.enabled=true", "cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
     assert refit_mode(on_gpu, "vllm", mamba) == ("merged", "auto: vLLM's class for Mamba2ForCausalLM takes no LoRA adapters")
     assert refit_mode(on_gpu, "vllm", narrow)[0] == "adapter"  # vLLM's GPU attention computes it
