@@ -17,6 +17,7 @@ them). A restart not placed yet counts the call's samples as engine errors and i
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -101,6 +102,7 @@ class JudgeEngine:
         self.max_batch_size = max_batch_size
         self.group: Any = None
         self.restarts = 0
+        self._failure_reported = False  # the first failed call is printed; the rest are counted (engine_errors)
         self._loading: list[Any] = []  # readiness refs of a restarted engine no call has yet seen loaded
         self._start()
         self.group.wait_started()  # set-up's time, not a call's: a model that cannot load fails here, naming the group
@@ -166,8 +168,9 @@ class JudgeEngine:
                 continue
             try:
                 samples = ray.get(ref)
-            except Exception:  # noqa: BLE001 - an actor failure scores as a judge failure, never crashes the run
+            except Exception as exc:  # noqa: BLE001 - an actor failure scores as a judge failure, never crashes the run
                 result.failures[rows.start : rows.stop] = ["error"] * len(rows)
+                self._report_first_failure(exc)
                 continue
             for j, sample in zip(rows, samples):
                 result.responses[j] = list(sample["response_ids"])
@@ -175,6 +178,20 @@ class JudgeEngine:
         if "error" in result.failures or ("timeout" in result.failures and not loading):
             self.kill()
         return result
+
+    def _report_first_failure(self, error: Exception) -> None:
+        """Print the engine's first failed call (its error's last line): a judge that fails every call otherwise showed
+        only as engine_errors in the metrics, each sample scored parse_failure_reward."""
+        if self._failure_reported:
+            return
+        self._failure_reported = True
+        cause = next((line for line in reversed(str(error).splitlines()) if line.strip()), type(error).__name__)
+        print(
+            f"[judge] warning: the judge {self.spec.model_name!r} failed a call ({cause.strip()}): its samples get "
+            "parse_failure_reward and the engine restarts; later failures are counted in env/<task>/engine_errors",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def kill(self) -> None:
         """Kill the actors now and start fresh ones, which load while the run goes on; their resources (just freed) are

@@ -32,7 +32,7 @@ def plain_greedy_verdict(model, tok, text: str) -> str:
     return tok.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
 
 
-def test_tiny_model_as_judge_template_parse_failure_deadline_and_cache(ray_cluster) -> None:
+def test_tiny_model_as_judge_template_parse_failure_deadline_and_cache(ray_cluster, capfd) -> None:
     from nemo_like.models.loading import load_causal_lm, load_tokenizer
 
     env = JudgeEnvironment(
@@ -86,6 +86,17 @@ def test_tiny_model_as_judge_template_parse_failure_deadline_and_cache(ray_clust
         assert env.score(responses, metadata) == pytest.approx(expected)
         counters = env.metrics()
         assert counters["engine_restarts"] == 0 and counters["timeouts"] == 0 and counters["judged"] == 4
+
+        # A failed call (its actor died) is printed: a judge failing every call showed only in the metrics
+        import ray
+
+        capfd.readouterr()
+        ray.kill(env.engine.group.workers[0])
+        assert env.score(["4"], [{"answer": 9, "task_name": "t"}]) == [-1.0]  # not cached: judged now, lost
+        assert env.metrics()["engine_errors"] == 1
+        err = capfd.readouterr().err
+        assert err.count("[judge] warning: the judge 'embedded:tiny-arith-qwen2' failed a call (") == 1, err
+        env.engine.group.wait_started()
 
         # A finite verdict that normalises past float range (9 x 1e308) is a counted parse failure: it was an inf reward,
         # which stops the run in the environment worker
