@@ -193,14 +193,10 @@ def judge_spec(cfg: MasterConfig, role: str, judge: Any, env_workers: int) -> Ju
 def judge_tokenizer_context(judge: Any) -> int | None:
     """The context a vLLM judge engine is started with when ``engine_max_model_len`` is null: its tokenizer's stated
     limit (None when it states none, or the tokenizer is not on this machine)."""
-    from nemo_like.environments.judge import judge_context
-    from nemo_like.models.loading import load_tokenizer
+    from nemo_like.environments.judge import judge_context, loaded_tokenizer
 
-    try:
-        tokenizer = load_tokenizer(judge.model_name)
-    except (OSError, ValueError):
-        return None
-    return judge_context(judge, getattr(tokenizer, "model_max_length", None))
+    tokenizer = loaded_tokenizer(judge.model_name)
+    return None if tokenizer is None else judge_context(judge, getattr(tokenizer, "model_max_length", None))
 
 
 def required_resources(cfg: MasterConfig, plan: RunPlan) -> dict[str, float]:

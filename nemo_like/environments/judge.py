@@ -139,11 +139,17 @@ class JudgeEnvConfig(BaseModel):
                 )
             for key in changed_from_defaults(self, ("engine_kv_cache_space_gib", "engine_gpu_memory_utilization")):
                 warnings.warn(f"{key} has no effect with engine_backend='hf' (a vLLM setting)", UserWarning, stacklevel=2)
-        elif not self.engine_num_gpus and local_config_file(self.model_name):
+        elif local_config_file(self.model_name):
             # the engine started, then failed every call: every sample got parse_failure_reward, nothing on the console
-            if problem := policy_model(self.model_name, local_only=True).vllm_cpu_problem(self.precision):
+            if not self.engine_num_gpus and (problem := policy_model(self.model_name, local_only=True).vllm_cpu_problem(self.precision)):
                 raise ValueError(
                     f"engine_backend='vllm' on a CPU cannot run the judge {self.model_name!r}: {problem}; use engine_backend='hf'"
+                )
+            tokenizer = None if self.engine_max_model_len is not None else loaded_tokenizer(self.model_name)
+            if tokenizer is not None and judge_context(self, getattr(tokenizer, "model_max_length", None)) is None:
+                raise ValueError(  # the environment actor refused it, after Ray and every other actor had started
+                    f"the judge {self.model_name!r}'s tokenizer states no context length (model_max_length): set "
+                    "engine_max_model_len for engine_backend='vllm'"
                 )
         if self.greedy and self.temperature != 1.0:
             warnings.warn(
@@ -228,6 +234,16 @@ def checked_context(cfg: JudgeEnvConfig, tokenizer: Any) -> int | None:
             stacklevel=2,
         )
     return context
+
+
+def loaded_tokenizer(model_name: str) -> Any:
+    """The tokenizer of ``model_name``, or ``None`` where it does not load (the run's own load names the problem)."""
+    from nemo_like.models.loading import load_tokenizer
+
+    try:
+        return load_tokenizer(model_name)
+    except (OSError, ValueError):
+        return None
 
 
 def judge_context(cfg: JudgeEnvConfig, tokenizer_limit: Any) -> int | None:

@@ -156,7 +156,7 @@ def test_a_judge_the_hf_sampler_cannot_drive_is_refused_naming_its_engine_backen
     resolve_environments(vllm.env_sections)
 
 
-def test_a_judge_vllms_cpu_build_cannot_run_is_refused_and_a_gpu_engine_is_not(tmp_path) -> None:
+def test_a_vllm_judge_that_cannot_start_or_run_is_refused_when_the_recipe_loads(tmp_path) -> None:
     """A head size vLLM's CPU attention lacks, and a gated delta net in float32 (the judge's default precision): the
     engine started, then failed every call ("Unsupported CPU attention configuration", "CPU GDN attention requires
     BF16"), so every sample got parse_failure_reward with nothing on the console."""
@@ -181,6 +181,21 @@ def test_a_judge_vllms_cpu_build_cannot_run_is_refused_and_a_gpu_engine_is_not(t
         judge(delta_net)
     judge(delta_net, precision="bfloat16")
     judge(small_heads, engine_num_gpus=1)  # vLLM's GPU attention
+    # a tokenizer that states no context length: the environment actor refused it, after Ray and the other actors started
+    import json
+    import shutil
+
+    from nemo_like.models.assets import default_model_path
+
+    unbounded = tmp_path / "unbounded"
+    shutil.copytree(default_model_path(), unbounded)
+    settings = json.loads((unbounded / "tokenizer_config.json").read_text())
+    settings.pop("model_max_length")
+    (unbounded / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ConfigError, match=r"the judge .*unbounded'.s tokenizer states no context length .*set engine_max_model_len"):
+        judge(unbounded)
+    judge(unbounded, engine_max_model_len=128)
+    judge(default_model_path())  # the shipped tokenizer states 256
 
 
 def test_the_default_template_bounds_its_scores_and_another_template_only_by_score_range() -> None:
