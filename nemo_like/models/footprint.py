@@ -289,7 +289,9 @@ def scorer_roles(specs: Sequence[ScorerSpec | JudgeSpec], device_bytes: float | 
     for spec in specs:
         if isinstance(spec, JudgeSpec):
             try:
-                roles.append(judge_role(spec, device_bytes))
+                footprint = model_footprint(spec.model_name, spec.precision)
+                roles.append(judge_role(spec, device_bytes, footprint))
+                lines += role_unplanned(spec.role, footprint[1], activations=False)
             except UnplannableLayout as exc:
                 lines.append(f"not planned: {spec.role} loads {spec.model_name!r} ({exc})")
             except (OSError, ConfigError, ValueError) as exc:
@@ -310,12 +312,13 @@ def scorer_roles(specs: Sequence[ScorerSpec | JudgeSpec], device_bytes: float | 
     return roles, lines
 
 
-def judge_role(spec: JudgeSpec, device_bytes: float | None) -> RoleMemory:
+def judge_role(spec: JudgeSpec, device_bytes: float | None, footprint: tuple[list[ParameterSpec], ModelShape] | None = None) -> RoleMemory:
     """One judge's memory (:func:`~nemo_like.plan.memory.judge_memory`): its model's parameters and shape as loaded at
-    ``spec.precision``, and with the HF engine the weights its lean decoder copies for up to ``max_batch_size`` rows."""
+    ``spec.precision`` (``footprint``: :func:`model_footprint`'s, when read already), and with the HF engine the
+    weights its lean decoder copies for up to ``max_batch_size`` rows."""
     from nemo_like.models.precision import compute_dtype
 
-    params, shape = model_footprint(spec.model_name, spec.precision)
+    params, shape = footprint or model_footprint(spec.model_name, spec.precision)
     parameters = sum(math.prod(p.shape) for p in params)
     copies = 0
     if spec.backend == "hf" and shape.fused_sampler:  # another family samples with its own forward: it copies nothing
@@ -387,7 +390,9 @@ def memory_report(
 
 def unplanned_lines(shape: ModelShape, teachers: Mapping[str, tuple[list[ParameterSpec], ModelShape]]) -> list[str]:
     """The ``not planned`` lines of the policy model's shape and each teacher model's (named)."""
-    lines = shape.unplanned()
-    for name, (_, teacher_shape) in teachers.items():
-        lines += [line.replace("not planned: ", f"not planned: teacher {name}: ", 1) for line in teacher_shape.unplanned()]
-    return lines
+    return [*shape.unplanned(), *(line for name, (_, t) in teachers.items() for line in role_unplanned(f"teacher {name}", t))]
+
+
+def role_unplanned(role: str, shape: ModelShape, activations: bool = True) -> list[str]:
+    """``shape``'s ``not planned`` lines (:meth:`~nemo_like.plan.memory.ModelShape.unplanned`), naming ``role``."""
+    return [line.replace("not planned: ", f"not planned: {role}: ", 1) for line in shape.unplanned(activations)]

@@ -231,17 +231,23 @@ class ModelShape:
         float32_state = self.state_float32_values * (bytes_per_value if engine == "vllm" else 4)
         return (cached_tokens * width + self.state_layers * self.state_values) * bytes_per_value + self.state_layers * float32_state
 
-    def unplanned(self) -> list[str]:
-        """``not planned`` lines for what this shape leaves out of the estimate."""
+    @property
+    def state_known(self) -> bool:
+        """Whether the plan knows what every layer caches: no layer keeps a state, or the state's size is known."""
+        return not self.state_layers or bool(self.state_values or self.state_float32_values)
+
+    def unplanned(self, activations: bool = True) -> list[str]:
+        """``not planned`` lines for what this shape leaves out of the estimate; ``activations=False``: a role that
+        only samples (a judge), whose plan holds no training or logprob activations."""
         if not self.state_layers:
             return []
         lines = [
             f"not planned: what the model's {self.state_layers} linear-attention / state-space layers keep for backward "
             "beyond an attention layer's (a gated delta net keeps more: wider projections, its convolution's inputs): the training "
             "and logprob activations above are a lower bound"
-        ]
-        if not self.state_values and not self.state_float32_values:
-            lines.append(f"not planned: the fixed state each of those {self.state_layers} layers caches per sequence")
+        ][: int(activations)]
+        if not self.state_known:
+            lines.append(f"not planned: the fixed state each of the model's {self.state_layers} stateful layers caches per sequence")
         return lines
 
 
@@ -720,7 +726,7 @@ def generation_memory(
         return RoleMemory("generation", GENERATION_ENGINES, params=weights, note=note)
     budget, overhead = vllm_kv_budget(shape, value_bytes, weights, share, device_bytes if on_gpu else None, g.vllm_cfg.kv_cache_space_gib)
     budget = max(0, budget)
-    sequences = sequences_held(budget, per_sequence)
+    sequences = sequences_held(budget, per_sequence if shape.state_known else 0)
     note = f"vLLM, KV budget holds {sequences_text(sequences)} sequences of {pc.max_total_sequence_length} tokens"
     if on_gpu:
         note += f"; vLLM's own {overhead / GIB:.3f} GiB (profile-run activations and non-torch memory, estimated) in activations"
@@ -849,7 +855,8 @@ class JudgeSpec:
 
 def sequences_held(budget: int, per_sequence: int) -> int | None:
     """Full-length sequences a vLLM KV ``budget`` holds at ``per_sequence`` bytes each; ``None`` where the size of a
-    sequence's cache is not known (no layer's is), unless no budget is left at all (0: the weights leave none)."""
+    sequence's cache is not known (0: no layer's is, or a state's is not: :attr:`ModelShape.state_known`), unless no
+    budget is left at all (0: the weights leave none)."""
     if per_sequence:
         return max(0, budget) // per_sequence
     return 0 if budget <= 0 else None
@@ -890,7 +897,7 @@ def judge_memory(spec: JudgeSpec, parameters: int, shape: ModelShape, device_byt
         shape, value_bytes, weights, spec.gpu_memory_utilization, device_bytes if on_gpu else None, spec.kv_cache_space_gib
     )
     how = "engine_gpu_memory_utilization x device - weights - vLLM's own" if on_gpu else "engine_kv_cache_space_gib"
-    sequences = sequences_held(budget, per_sequence)
+    sequences = sequences_held(budget, per_sequence if shape.state_known else 0)
     note = f"an LLM judge, vLLM: KV budget holds {sequences_text(sequences)} sequences of {spec.context} tokens ({spec.context_note})"
     each = f"{_size(per_sequence)} each" if per_sequence else "its weights and vLLM's own memory leave none"
     problem = (

@@ -1421,6 +1421,23 @@ def test_an_hf_judge_the_fused_step_does_not_serve_is_planned_without_its_weight
     assert activations["gemma2"] == logits < activations["llama"], activations
 
 
+def test_a_state_the_plan_does_not_size_leaves_a_vllm_judges_sequences_unknown_and_says_so(tmp_path) -> None:
+    """LFM2's convolution layers keep a state the plan does not size: a vLLM judge's budget was said to hold a count of
+    sequences from the attention layers' cache alone (4x vLLM's for a Falcon-H1 judge, before Mamba states were
+    planned), and the judge's 'not planned' line was the policy's only."""
+    from transformers import Lfm2Config
+
+    from nemo_like.models.footprint import scorer_roles
+    from nemo_like.plan.memory import JudgeSpec
+
+    Lfm2Config(vocab_size=359, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+               layer_types=["conv", "full_attention"]).save_pretrained(tmp_path)  # fmt: skip
+    spec = JudgeSpec("judge:t", str(tmp_path), "float32", 1, 0.0, "vllm", 8, 64, "given", 1, 0.3)
+    (role,), lines = scorer_roles([spec])
+    assert role.kv_sequences is None and "KV budget holds an unknown number of sequences" in role.note
+    assert lines == ["not planned: judge:t: the fixed state each of the model's 1 stateful layers caches per sequence"]
+
+
 def test_the_plan_reads_a_cached_hub_models_config(cached_hub_model) -> None:
     """The planner looked for a hub id's config.json under the name as a path: a model in the local cache (what an
     offline cluster node holds) was 'not on this machine'."""
