@@ -381,6 +381,8 @@ def memory_report(
         teacher_n = {name: matmul_parameters(name, config_path=path) for name, path in paths.items()}
         lora = sum(math.prod(p.shape) for p in params if p.trainable) if cfg.policy.lora_cfg.enabled else None
         step = step_estimate(cfg, run_plan, n, peak_flops, mfu, teacher_n, trained_token_flops=training_flops_per_token(n, lora))
+        if scorers:
+            step = replace(step, left_out=f"the scoring of {', '.join(spec.role for spec in scorers)}")
     copies = sampler_copy_bytes(cfg, run_plan, shape)
     device_bytes = device_gib * GIB if device_gib else None
     scorer_memories, unplanned = scorer_roles(scorers, device_bytes)

@@ -327,6 +327,7 @@ class StepEstimate:
     peak_flops: float
     mfu: float
     devices: dict[str, int] = field(default_factory=dict)
+    left_out: str = ""  # what a step runs that no phase counts (the environments' judges and reward models)
 
     def phase_seconds(self, phase: str) -> float:
         """Seconds of ``phase``: its FLOPs over its devices at ``peak_flops x mfu`` each."""
@@ -338,7 +339,8 @@ class StepEstimate:
 
     def line(self) -> str:
         phases = ", ".join(f"{k} {self.phase_seconds(k):.2f}s on {_devices(self.devices.get(k, 1))}" for k in self.flops)
-        return f"step time at most ~{self.seconds:.2f}s at {self.peak_flops:.3g} FLOP/s per device x MFU {self.mfu}: {phases}"
+        left_out = f"; not counted: {self.left_out}" if self.left_out else ""
+        return f"step time at most ~{self.seconds:.2f}s at {self.peak_flops:.3g} FLOP/s per device x MFU {self.mfu}: {phases}{left_out}"
 
 
 @dataclass(frozen=True)

@@ -1296,6 +1296,10 @@ def test_a_reward_model_is_planned_with_the_weights_its_actor_loads(precision: s
     run_plan = decide_run_plan(on_gpu, (), 2)
     lines, fits = memory_report(on_gpu, run_plan, 80, None, 0.4, scorers=scorer_specs(on_gpu))
     assert fits and any(line.startswith("memory on reward_model:arithmetic cuda:0 GPU: ") for line in lines)  # the actor's GPU 0
+    timed, _ = memory_report(on_gpu, run_plan, 80, 1e15, 0.4, scorers=scorer_specs(on_gpu))  # the step time leaves them out
+    assert timed[-1].startswith("step time at most") and timed[-1].endswith(
+        "; not counted: the scoring of reward_model:arithmetic.rm, judge:arithmetic.judge"
+    )
     lines, fits = memory_report(on_gpu, run_plan, 0.02, None, 0.4, scorers=scorer_specs(on_gpu))  # 20 MiB: all over
     assert fits is False and "reward_model:arithmetic cuda:0 GPU: lower its environment's max_tokens_per_batch" in lines[-1]
     huge = load_config(
