@@ -720,6 +720,8 @@ def run_training(parts: GRPOComponents, logger: Logger, resume_from: CheckpointI
 
     # The latest validation/* values, saved with each checkpoint until the next validation (best-k ranks by them).
     last_validation: dict[str, Any] = validation_of(resume_from.state.get("metrics", {})) if last_step else {}
+    if (stop := control.requested) is not None:  # asked while the actors started: not after step 0's validation (minutes)
+        raise RunInterrupted(stop, last_step, str(resume_from.path) if last_step else None)
     if last_step:
         logger.progress.message(f"[checkpoint] resumed from {resume_from.path} (step {last_step})")
     elif cfg.grpo.val_at_start:

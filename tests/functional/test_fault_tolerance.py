@@ -248,6 +248,18 @@ def test_save_before_auto_reads_slurm_end_time_and_stops_in_time(ray_cluster, tm
         train(validated)
     assert (stopped.value.code, stopped.value.step, stopped.value.checkpoint) == (143, 0, None)
     assert [r["step"] for r in read_metrics(at_zero / "logs")] == [0] and checkpoint_steps(at_zero / "ckpt") == []
+    # ... and one asked while the actors start stops before step 0's validation (it ran it first: minutes on a real set)
+    setup_done = run_control.RunControl.setup_finished
+
+    def signalled_in_setup(self, seconds: float) -> None:
+        setup_done(self, seconds)
+        self.requested = run_control.StopReason("SIGINT", 130)
+
+    monkeypatch.setattr(run_control.RunControl, "setup_finished", signalled_in_setup)
+    in_setup = tmp_path / "in_setup"
+    with pytest.raises(RunInterrupted) as stopped:
+        train(tiny_config(in_setup, "grpo.max_num_steps=5", *FAST, "grpo.val_at_start=true"))
+    assert (stopped.value.code, stopped.value.step) == (130, 0) and read_metrics(in_setup / "logs") == []
 
 
 STALL = "cluster.fault_tolerance.stall_timeout_s=4"
