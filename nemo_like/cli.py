@@ -7,6 +7,7 @@ import difflib
 import math
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -461,6 +462,9 @@ def console_main() -> None:
         status = main()
     except SystemExit as exc:  # a stopped run (RunInterrupted), argparse's usage errors and --help
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except Exception:  # a crash: its traceback and status 1, as Python's; a signal during the teardown no longer
+        traceback.print_exc()  # printed a KeyboardInterrupt traceback (SIGINT) or turned the status into 143 (SIGTERM)
+        status = 1
     leave_at_once_on_stop_signals(status)
     sys.exit(status)
 

@@ -241,20 +241,27 @@ def test_a_second_signal_exits_at_once_with_the_first_ones_status():
 EXITING = """
 import atexit, sys, time
 atexit.register(lambda: (print("teardown", flush=True), time.sleep(20)))  # as Ray's exit hook shuts a private cluster down
-sys.argv = ["nemo-like", "plot", sys.argv[1]]  # a command that ends at once (status 2: no metrics there)
-from nemo_like.cli import console_main
-console_main()
+ending = sys.argv[1]
+sys.argv = ["nemo-like", "plot", ending]  # a command that ends at once (status 2: no metrics there)
+import nemo_like.cli
+if ending.endswith("crash"):  # a command that crashes (an environment's error, say): its traceback, status 1
+    def crash():
+        raise RuntimeError("the environment raised")
+    nemo_like.cli.main = crash
+nemo_like.cli.console_main()
 """
 
 
-def test_a_signal_while_the_command_exits_leaves_at_once_with_its_status(tmp_path):
+@pytest.mark.parametrize("ending", ["nowhere", "crash"])
+def test_a_signal_while_the_command_exits_leaves_at_once_with_its_status(tmp_path, ending):
     """A second Ctrl-C after a stopped run's last line landed in Ray's exit hook (the private cluster's shutdown, 4-8 s):
-    a KeyboardInterrupt traceback after the run's output, or a crash in Ray's native code (status -11, not 130)."""
+    a KeyboardInterrupt traceback after the run's output, or a crash in Ray's native code (status -11, not 130). After
+    a crash too: a SIGTERM there made the status 143, a clean stop's to a requeue rule."""
     import subprocess
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-c", EXITING, str(tmp_path / "nowhere")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", EXITING, str(tmp_path / ending)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout.readline().strip() == "teardown"
@@ -263,7 +270,11 @@ def test_a_signal_while_the_command_exits_leaves_at_once_with_its_status(tmp_pat
     finally:
         proc.kill()
     err = proc.stderr.read()
-    assert status == 2 and "[stop] SIGINT while exiting: leaving now" in err and "Traceback" not in err, err
+    assert "[stop] SIGINT while exiting: leaving now" in err and "KeyboardInterrupt" not in err, err
+    if ending == "crash":
+        assert status == 1 and err.count("Traceback") == 1 and "RuntimeError: the environment raised" in err, err
+    else:
+        assert status == 2 and "Traceback" not in err, err
     assert "Ray cluster" not in err  # plot starts none: its shutdown was said to be cut short
 
 
