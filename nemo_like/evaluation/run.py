@@ -99,6 +99,17 @@ def with_tokenizer(model_dir: str, tokenizer, scratch: Path) -> str:
     return str(scratch)
 
 
+def keep_stopped_rows(out: Path) -> Path | None:
+    """Move a stopped eval's rows (a non-empty ``results.partial.jsonl`` in ``out``) aside, named by when it was last
+    written; the new path, or ``None`` where there were none."""
+    partial = out / PARTIAL_RESULTS
+    if not partial.is_file() or not partial.stat().st_size:
+        return None
+    kept = partial.with_name(f"results.partial.{time.strftime('%Y%m%d-%H%M%S', time.localtime(partial.stat().st_mtime))}.jsonl")
+    partial.rename(kept)
+    return kept
+
+
 def refuse_results_over_model(out: Path, model_dir: Path) -> None:
     """Eval writes ``config.yaml``, ``summary.json`` and ``results.jsonl`` into ``out`` (``eval.output_dir``; its
     ``model/`` and ``merged_model/`` have their own checks): a :class:`ConfigError` when ``out`` is the model directory,
@@ -269,6 +280,8 @@ def evaluate(cfg: MasterConfig) -> dict[str, Any]:
     with hold_run_locks({"eval.output_dir": out}), registered_run(out):  # a training run starting meanwhile sees it
         if (out / "summary.json").is_file():
             warnings.warn(f"eval.output_dir={out} holds an earlier eval's results: this one replaces them", RuntimeWarning, stacklevel=2)
+        if kept := keep_stopped_rows(out):  # this eval's rows start the file afresh: a stopped eval's were lost silently
+            warnings.warn(f"eval.output_dir={out} holds a stopped eval's rows: kept as {kept.name}", RuntimeWarning, stacklevel=2)
         if lora_base is not None:  # a LoRA checkpoint: serve its merged model
             merged = merge_checkpoint(model_dir, record_merge(out), tokenizer=tokenizer_source, replace=True)
             model_dir = str(Path(merged).absolute())  # summary.json names it whatever directory the next eval runs from

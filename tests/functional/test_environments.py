@@ -87,25 +87,29 @@ def test_eval_of_a_checkpoint_reports_exact_pass_at_k(ray_cluster, tmp_path, cap
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         shutil.copy(f"{default_model_path()}/{name}", policy_dir / name)
     out = tmp_path / "eval"
-    rc = main(
-        [
-            "eval",
-            "--config",
-            str(TINY_RECIPE),
-            f"eval.model_path={tmp_path / 'ckpt' / 'step_3'}",
-            "eval.num_samples_per_prompt=4",
-            "eval.pass_k=[1,2,4]",
-            f"eval.output_dir={out}",
-            "grpo.max_val_samples=8",
-            "eval.seed=5",
-            "policy.generation.temperature=0.7",
-            "policy.generation.top_k=5",
-            "+env.arithmetic.class=custom_envs:FirstOfFour",
-            "policy.generation.backend=hf",
-            "policy.num_cpus_per_worker=0.25",
-            "eval.samples_per_chunk=12",  # chunks of 3, 3 and 2 prompts, each one call, with its progress line
-        ]
-    )
+    out.mkdir()
+    (out / "results.partial.jsonl").write_text('{"a stopped eval\'s row": 1}\n')  # kept aside: they were lost silently
+    kept_warning = pytest.warns(RuntimeWarning, match=r"holds a stopped eval's rows: kept as results\.partial\.\d{8}-\d{6}\.jsonl")
+    with kept_warning:
+        rc = main(
+            [
+                "eval",
+                "--config",
+                str(TINY_RECIPE),
+                f"eval.model_path={tmp_path / 'ckpt' / 'step_3'}",
+                "eval.num_samples_per_prompt=4",
+                "eval.pass_k=[1,2,4]",
+                f"eval.output_dir={out}",
+                "grpo.max_val_samples=8",
+                "eval.seed=5",
+                "policy.generation.temperature=0.7",
+                "policy.generation.top_k=5",
+                "+env.arithmetic.class=custom_envs:FirstOfFour",
+                "policy.generation.backend=hf",
+                "policy.num_cpus_per_worker=0.25",
+                "eval.samples_per_chunk=12",  # chunks of 3, 3 and 2 prompts, each one call, with its progress line
+            ]
+        )
     assert rc == 0
     err = capsys.readouterr().err
     assert [line.split(" | ")[0] for line in err.splitlines() if line.startswith("[eval] ")] == [
@@ -114,6 +118,8 @@ def test_eval_of_a_checkpoint_reports_exact_pass_at_k(ray_cluster, tmp_path, cap
         "[eval] 8/8 prompts (32 rows)",
     ]
     assert not (out / "results.partial.jsonl").exists()  # results.jsonl holds them now
+    (kept,) = out.glob("results.partial.*.jsonl")
+    assert kept.read_text() == '{"a stopped eval\'s row": 1}\n'
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert summary["model_dir"] == str(policy_dir) and (out / "model" / "tokenizer_config.json").is_file()
