@@ -281,6 +281,7 @@ def _train_locked(cfg: MasterConfig, start: float, control: RunControl) -> list[
         trim_metrics_after(metrics_path, resumed_step, from_byte=metrics_start)
         kept = [r for r in kept + logger.records if r["step"] <= resumed_step]
         print(restart_line(outcome, len(deaths), cfg.cluster.fault_tolerance.max_restarts, resume_from), file=sys.stderr, flush=True)
+    control.run_finished()  # a signal from here on stops nothing: the status stays 0
     print(summarise(history, time.perf_counter() - start), file=sys.stderr)
     if cfg.logger.plot_at_end:
         write_plot(logger.metrics_path)

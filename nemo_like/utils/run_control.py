@@ -71,6 +71,13 @@ class RunControl:
         self._validations: deque[float] = deque(maxlen=history)
         self._setups: deque[float] = deque(maxlen=history)
         self._previous: dict[int, object] = {}
+        self.finished = False  # the run's last step and save are done: only its summary and plot are left
+        self._signalled_after_finish = False
+
+    def run_finished(self) -> None:
+        """The run is over (its records final, its last checkpoint written): a signal no longer stops a step, and the
+        status stays 0 (one after the last step said "finishing step N" and exited 130 before the plot was written)."""
+        self.finished = True
 
     # -- progress, read by the stall watchdog and the fault injector ---------------------------------------------
     def attempt_started(self) -> None:
@@ -165,6 +172,15 @@ class RunControl:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        if self.finished:
+            if self._signalled_after_finish:
+                _say(f"[stop] second {name} after the run finished: leaving now (exit status 0)")
+                os._exit(0)
+            self._signalled_after_finish = True
+            _say(
+                f"[stop] {name} received after the run finished: exiting with status 0 once its plot is written (send it again to leave at once)"
+            )
+            return
         if self.requested is not None:  # the second one: leave now, the last atomic checkpoint is intact
             try:
                 _say(f"[stop] second {name}: exiting now without saving (the last complete checkpoint is kept)")

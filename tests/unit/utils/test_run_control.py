@@ -238,6 +238,42 @@ def test_a_second_signal_exits_at_once_with_the_first_ones_status():
     assert status == EXIT_SIGINT and "SIGINT received during step 3" in err and "second SIGINT: exiting now" in err, err
 
 
+AFTER_THE_RUN = """
+import sys, time
+from nemo_like.utils.run_control import RunControl
+control = RunControl()
+control.install_signal_handlers()
+control.step_started(2)
+control.step_finished()
+control.run_finished()
+print("ready", flush=True)  # the run's summary line; its plot is being written
+time.sleep(float(sys.argv[1]))
+print("plot written", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_signal_after_the_run_finished_leaves_its_status_0(signals):
+    """Ctrl-C after the run's [done] line, while its plot was written: 'during step 2: finishing it, saving a
+    checkpoint', then exit 130 and no plot. Now the plot is written and the status is 0; a second signal leaves at once."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", AFTER_THE_RUN, "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        for _ in range(signals):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        status = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert status == 0 and "received after the run finished: exiting with status 0 once its plot is written" in err, err
+    assert ("plot written" in out) is (signals == 1) and ("second SIGINT after the run finished: leaving now" in err) is (signals == 2)
+    assert "step 2" not in err
+
+
 EXITING = """
 import atexit, sys, time
 atexit.register(lambda: (print("teardown", flush=True), time.sleep(20)))  # as Ray's exit hook shuts a private cluster down
