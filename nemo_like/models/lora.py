@@ -221,6 +221,22 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def untrained_extra_adapters(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> list[str]:
+    """The names in ``saved`` (model state-dict names) of adapters on modules ``model`` does not adapt whose ``lora_B``
+    is all zero (as initialised: they never had a gradient). Checkpoints written before a multimodal model's vision
+    tower was left out of the targets (:func:`decoder_linear_modules`) hold such adapters: they change nothing."""
+    own = set(model.state_dict())
+    extra: dict[str, list[str]] = {}
+    for name in saved:
+        if is_adapter(name) and name not in own:
+            extra.setdefault(name.split(".lora_")[0], []).append(name)
+    untrained = []
+    for names in extra.values():
+        if all(not torch.count_nonzero(saved[n]) for n in names if ".lora_B." in n) and any(".lora_B." in n for n in names):
+            untrained += names
+    return sorted(untrained)
+
+
 def saved_name(name: str) -> str:
     """PEFT's saved name of an adapter tensor (the adapter name removed): ``...lora_A.default.weight`` -> ``...lora_A.weight``."""
     return name.replace(f".{ADAPTER_NAME}.", ".")

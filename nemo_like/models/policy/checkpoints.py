@@ -6,6 +6,7 @@ A mixin of :class:`~nemo_like.models.policy.worker.PolicyWorker`.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +98,18 @@ class Checkpoints:
 
         path = Path(directory)
         if self.lora_cfg is not None:
-            saved = load_file(str(path / "policy" / lora_lib.ADAPTER_WEIGHTS))
-            missing, unexpected = sharding.load_model_state(self.model, {lora_lib.model_name(k): v for k, v in saved.items()})
+            saved = {lora_lib.model_name(k): v for k, v in load_file(str(path / "policy" / lora_lib.ADAPTER_WEIGHTS)).items()}
+            if untrained := lora_lib.untrained_extra_adapters(self.model, saved):  # a vision tower's, from an older run
+                for name in untrained:
+                    del saved[name]
+                if self.rank == 0:
+                    print(
+                        f"[checkpoint] {len(untrained)} adapter tensors of modules this run does not adapt (a multimodal "
+                        "model's vision tower, adapted by runs before 2026-12-08) are left out: their lora_B is zero",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            missing, unexpected = sharding.load_model_state(self.model, saved)
             missing = [k for k in missing if lora_lib.is_adapter(k)]  # the frozen base comes from policy.model_name
         else:
             tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()

@@ -63,3 +63,49 @@ def test_exactly_the_parameters_a_text_forward_gives_no_gradient_are_frozen(fami
     adapted(input_ids=torch.randint(3, 90, (2, 6))).logits.float().sum().backward()
     adapters = [(name, p) for name, p in adapted.named_parameters() if p.requires_grad]
     assert adapters and all(".lora_" in name and p.grad is not None for name, p in adapters), [n for n, p in adapters if p.grad is None][:3]
+
+
+def test_a_gemma3_policy_worker_trains_the_text_path_and_resumes_an_older_lora_checkpoint(tmp_path, capsys) -> None:
+    """The policy worker freezes the tower (its start-up line counted it as trained); a LoRA checkpoint written when
+    the tower's blocks got adapters (never trained: lora_B zero) resumes without them, and one whose extra adapters
+    are not zero is still another run's."""
+    from peft import get_peft_model
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from unit.models.test_sharding import make_worker, step_batch
+
+    from nemo_like.config.schema import LoraConfig
+    from nemo_like.models.assets import default_model_path
+    from nemo_like.models.loading import load_tokenizer
+    from nemo_like.models.lora import ADAPTER_WEIGHTS, peft_config
+
+    config = config_of("gemma3")
+    config.text_config.vocab_size = config.vocab_size = 359  # the shipped tokenizer's
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma3")
+    load_tokenizer(default_model_path()).save_pretrained(tmp_path / "gemma3")
+    full = make_worker(model_name=str(tmp_path / "gemma3"))
+    tower = [p for name, p in full.model.named_parameters() if "vision_tower" in name or "multi_modal" in name]
+    counts = full.parameter_counts()  # the start-up line's "trainable parameters: X of Y"
+    assert tower and not any(p.requires_grad for p in tower) and counts["trainable"] == counts["total"] - sum(p.numel() for p in tower)
+    del full
+    worker = make_worker(model_name=str(tmp_path / "gemma3"), lora_cfg=LoraConfig(enabled=True))
+    worker.train([step_batch(0)])
+    worker.save_checkpoint(str(tmp_path / "ckpt"))
+    weights = tmp_path / "ckpt" / "policy" / ADAPTER_WEIGHTS
+    own = load_file(str(weights))
+    # the adapters an older run put on the tower: those PEFT gives every linear layer of its blocks
+    torch.manual_seed(0)
+    older = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config(LoraConfig(enabled=True), ["fc1", "fc2"]))
+    tower_adapters = {
+        name.replace(".default.", ".").removeprefix("base_model.model."): p.detach().clone()
+        for name, p in older.named_parameters()
+        if ".lora_" in name
+    }
+    assert tower_adapters and all("vision_tower" in name for name in tower_adapters)
+    save_file({**own, **{f"base_model.model.{k}": v for k, v in tower_adapters.items()}}, str(weights))
+    worker.load_checkpoint(str(tmp_path / "ckpt"), None)
+    assert f"[checkpoint] {len(tower_adapters)} adapter tensors of modules this run does not adapt" in capsys.readouterr().err
+    trained = {k: (v + 1 if ".lora_B." in k else v) for k, v in tower_adapters.items()}
+    save_file({**own, **{f"base_model.model.{k}": v for k, v in trained.items()}}, str(weights))
+    with pytest.raises(RuntimeError, match=r"does not match the model: missing=\[\] unexpected=\[.*vision_tower"):
+        worker.load_checkpoint(str(tmp_path / "ckpt"), None)
