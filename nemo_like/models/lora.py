@@ -143,9 +143,21 @@ MOVED_ONTO_EXPERTS = (
 )
 REFUSED_FOR_MAMBA = "PEFT refuses adapters on a Mamba block's out_proj and conv1d"
 NOT_A_PROJECTION = (
-    "a torch.nn.Linear with a forward of its own (Llama 4's router returns scores and logits): an adapter assumes the "
-    "layer computes x W^T + b, and PEFT's wrapper failed on its output"
+    "a torch.nn.Linear whose forward returns no single [..., out_features] tensor (Llama 4's router returns scores and "
+    "logits): PEFT's wrapper adds the adapter's output to it, and failed"
 )
+
+
+def not_a_projection(module: torch.nn.Module) -> bool:
+    """Whether ``module``, a ``torch.nn.Linear`` subclass with a ``forward`` of its own, returns something else than one
+    tensor of ``out_features`` values per row (one row of zeros on its own device, without gradients: a quantised
+    projection such as BitNet's ``AutoBitLinear`` returns one and takes adapters)."""
+    if type(module).forward is torch.nn.Linear.forward:
+        return False
+    weight = module.weight
+    with torch.no_grad():
+        out = module(torch.zeros(1, module.in_features, dtype=weight.dtype, device=weight.device))
+    return not isinstance(out, torch.Tensor) or out.shape != (1, module.out_features)
 
 
 def peft_left_out(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
@@ -157,7 +169,7 @@ def peft_left_out(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
       so that layer got no adapter, the experts did, and the first refit failed;
     * on a Mamba model (Mamba, Mamba2, FalconMamba, Falcon-H1, Nemotron-H), a block's ``out_proj`` and ``conv1d``:
       PEFT refuses them (in the policy actor, after Ray had started);
-    * a ``torch.nn.Linear`` subclass with its own ``forward`` (:data:`NOT_A_PROJECTION`).
+    * a ``torch.nn.Linear`` whose output is not a projection's (:func:`not_a_projection`).
 
     PEFT's own rules decide, one name at a time; a PEFT without them leaves nothing out."""
     try:
@@ -170,7 +182,7 @@ def peft_left_out(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
     modules = dict(model.named_modules())
     left_out = {}
     for name in names:
-        if type(modules[name]).forward is not torch.nn.Linear.forward:
+        if not_a_projection(modules[name]):
             left_out[name] = NOT_A_PROJECTION
             continue
         config = LoraConfig(target_modules=[name])

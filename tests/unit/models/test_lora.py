@@ -321,3 +321,32 @@ def test_a_mamba_blocks_out_proj_is_left_out_by_default_and_refused_when_named(t
     lora.apply_lora(AutoModelForCausalLM.from_config(config), LoraConfig(enabled=True))  # PEFT accepts what is left
     with pytest.raises(ConfigError, match=r"target_modules: 2 of the named layers cannot take adapters as named .*out_proj"):
         lora.check_lora_targets(str(tmp_path), LoraConfig(enabled=True, target_modules=["out_proj"]))
+
+
+def test_a_quantised_projection_with_a_forward_of_its_own_takes_adapters_and_a_router_does_not(tmp_path) -> None:
+    """BitNet's online-quantised AutoBitLinear projections are Linear subclasses with a forward of their own that
+    returns x W^T + b: they take adapters (a rule by class had left every one out and refused the run); Llama 4's router,
+    whose forward returns scores and logits, is left out (PEFT's wrapper failed on it in the first forward)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, BitNetConfig
+
+    from nemo_like.models.loading import load_causal_lm
+    from nemo_like.models.lora import NOT_A_PROJECTION, _resolved_targets
+
+    config = BitNetConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    written["quantization_config"] = {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    model = load_causal_lm(str(tmp_path))
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "AutoBitLinear"
+    targets, left_out = _resolved_targets(model, LoraConfig(enabled=True))
+    assert len(targets) == 14 and not left_out  # 7 projections in each of 2 layers
+    from unit.models.test_text_path import config_of
+
+    llama4 = AutoModelForCausalLM.from_config(config_of("llama4"))
+    targets, left_out = _resolved_targets(llama4, LoraConfig(enabled=True))
+    assert set(left_out.values()) == {NOT_A_PROJECTION} and all(name.endswith("feed_forward.router") for name in left_out)
+    assert len(left_out) == 2 and not any(name.endswith("router") for name in targets)
