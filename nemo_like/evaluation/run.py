@@ -105,7 +105,11 @@ def keep_stopped_rows(out: Path) -> Path | None:
     partial = out / PARTIAL_RESULTS
     if not partial.is_file() or not partial.stat().st_size:
         return None
-    kept = partial.with_name(f"results.partial.{time.strftime('%Y%m%d-%H%M%S', time.localtime(partial.stat().st_mtime))}.jsonl")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(partial.stat().st_mtime))
+    kept, n = partial.with_name(f"results.partial.{stamp}.jsonl"), 1
+    while kept.exists():  # rows kept from another stopped eval's same second: a rename would replace them
+        n += 1
+        kept = partial.with_name(f"results.partial.{stamp}.{n}.jsonl")
     partial.rename(kept)
     return kept
 

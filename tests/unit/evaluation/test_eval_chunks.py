@@ -63,3 +63,24 @@ def test_a_partial_file_that_cannot_be_written_is_a_warning_not_a_stop(tmp_path)
         chunks = EvalChunks(tmp_path / "missing" / PARTIAL_RESULTS, num_prompts=2)
     chunks.add(2, rollout([1.0]), [{"prompt_index": 0}], multi_turn=False)
     assert len(chunks.rows) == 1 and "rows are lost" in chunks.stopped_line()
+
+
+def test_a_stopped_evals_rows_are_kept_aside_under_a_name_no_other_kept_rows_have(tmp_path):
+    """Rows of two stopped evals whose last writes fell in the same second: the second replaced the first's kept file."""
+    import os
+
+    from nemo_like.evaluation.run import keep_stopped_rows
+
+    assert keep_stopped_rows(tmp_path) is None  # nothing to keep
+    (tmp_path / PARTIAL_RESULTS).write_text("")
+    assert keep_stopped_rows(tmp_path) is None and (tmp_path / PARTIAL_RESULTS).exists()  # empty: nothing kept
+    kept = []
+    for rows in ("a\n", "b\n", "c\n"):
+        (tmp_path / PARTIAL_RESULTS).write_text(rows)
+        os.utime(tmp_path / PARTIAL_RESULTS, (1_700_000_000, 1_700_000_000))
+        kept.append(keep_stopped_rows(tmp_path))
+    assert [path.read_text() for path in kept] == ["a\n", "b\n", "c\n"] and not (tmp_path / PARTIAL_RESULTS).exists()
+    assert [path.name.split(".")[2:] for path in kept][1:] == [
+        [kept[0].name.split(".")[2], "2", "jsonl"],
+        [kept[0].name.split(".")[2], "3", "jsonl"],
+    ]

@@ -1440,6 +1440,10 @@ def test_a_state_the_plan_does_not_size_leaves_a_vllm_judges_sequences_unknown_a
     (role,), lines = scorer_roles([spec])
     assert role.kv_sequences is None and "KV budget holds an unknown number of sequences" in role.note
     assert lines == ["not planned: judge:t: the fixed state each of the model's 1 stateful layers caches per sequence"]
+    params, shape = model_footprint(str(tmp_path), "float32")  # the same model as the policy, on a vLLM engine
+    cfg = recipe("cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
+    engine = plan_memory(cfg, with_vllm(cfg), params, shape, device_bytes=80 * GIB).roles[-1]
+    assert engine.kv_sequences is None and "KV budget holds an unknown number of sequences" in engine.note
 
 
 def test_the_plan_reads_a_cached_hub_models_config(cached_hub_model) -> None:
