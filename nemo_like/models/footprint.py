@@ -173,9 +173,34 @@ def model_footprint(
         expert_block_values=expert_block_values_per_token(model, text.hidden_size, top_k(config)),
         fused_sampler=fused,
         mlp_splits=all(any(id(p) in tp_dims for p in getattr(layer, "mlp", torch.nn.Module()).parameters()) for layer in layers),
+        norm_values=max(extra_norm_values(layer, text) for layer in layers),
         **cache_layout(config),
     )
     return specs, shape
+
+
+#: The hidden-sized norms of a Llama layer (its input and post-attention norms), whose values the plan's ``8H`` holds.
+LLAMA_LAYER_NORMS = 2
+
+
+def extra_norm_values(layer: torch.nn.Module, config: Any) -> int:
+    """Values per token the norms of decoder ``layer`` save beyond a Llama layer's two (:data:`LLAMA_LAYER_NORMS`): each
+    norm its input and output, ``2 x`` the width it normalises: ``hidden_size``, or a per-head query/key norm's heads x
+    its size (Gemma 3's pre/post-feedforward norms and Qwen3's ``q_norm``/``k_norm``; measured against the bytes a
+    layer saves in ``tests/unit/plan/test_memory_plan.py``)."""
+    heads = config_value(config, "num_attention_heads") or 0
+    kv_heads = config_value(config, "num_key_value_heads") or heads
+    head_dim = _shape_value(config, "head_dim")
+    widths = []
+    for name, module in layer.named_modules():
+        weight = getattr(module, "weight", None)
+        if not name or "norm" not in type(module).__name__.lower() or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            continue
+        size, leaf = weight.numel(), name.rsplit(".", 1)[-1]
+        if size == head_dim and size != config.hidden_size and leaf in ("q_norm", "k_norm"):  # one per head
+            size *= kv_heads if leaf == "k_norm" else heads
+        widths.append(size)
+    return max(0, 2 * sum(widths) - 2 * LLAMA_LAYER_NORMS * config.hidden_size)
 
 
 def cache_layout(config: Any) -> dict[str, int | None]:

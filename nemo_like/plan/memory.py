@@ -151,6 +151,9 @@ class ModelShape:
     # Tensor parallelism splits every layer's MLP projections (the Llama layout's mlp.*_proj); else the MLP runs whole
     # on every tp rank (a mixture of experts, Falcon-H1's feed_forward)
     mlp_splits: bool = True
+    # What a layer's norms beyond a Llama layer's two save per token (:func:`~nemo_like.models.footprint.extra_norm_values`):
+    # Gemma's pre/post-feedforward norms, Qwen3's and Gemma 3's per-head query/key norms, each its input and output
+    norm_values: int = 0
     # The lean decoder's fused step samples the model (the Llama family: ``llama_family.supported``) and copies its
     # weights for a call; any other model samples with its own forward, copying nothing
     fused_sampler: bool = True
@@ -192,7 +195,7 @@ class ModelShape:
 
     def layer_values_per_token(self) -> int:
         """Values one layer saves for backward per token (see the module docstring)."""
-        return 8 * self.hidden + 4 * self.kv_heads * self.head_dim + self.mlp_values_per_token()
+        return 8 * self.hidden + self.norm_values + 4 * self.kv_heads * self.head_dim + self.mlp_values_per_token()
 
     def mlp_values_per_token(self) -> int:
         """Values a layer's MLP saves per token: a dense one's ``4I`` (gate, up, the activation, their product), or a
@@ -212,12 +215,13 @@ class ModelShape:
         of the keys and values (``2KD``), measured in ``tests/unit/plan/test_memory_plan.py``."""
         hidden_bytes = value_bytes if hidden_bytes is None else hidden_bytes
         mlp = self.mlp_values_per_token()
+        norms = self.norm_values * hidden_bytes  # (a model with per-head query/key norms takes no tensor parallelism)
         if tp <= 1:
             attention = (3 * self.hidden + 2 * self.kv_heads * self.head_dim) * (4 - value_bytes) if float32_attention else 0
-            return 8 * self.hidden * hidden_bytes + (4 * self.kv_heads * self.head_dim + mlp) * value_bytes + attention
+            return 8 * self.hidden * hidden_bytes + norms + (4 * self.kv_heads * self.head_dim + mlp) * value_bytes + attention
         whole = mlp if self.expert_block_values or not self.mlp_splits else 0  # experts, another layout: whole on a tp rank
         split = 3 * self.hidden + 4 * self.kv_heads * self.head_dim + mlp - whole
-        return 5 * self.hidden * hidden_bytes + whole * value_bytes + math.ceil(split / tp) * value_bytes
+        return 5 * self.hidden * hidden_bytes + norms + whole * value_bytes + math.ceil(split / tp) * value_bytes
 
     def kv_bytes_per_sequence(self, bytes_per_value: int, tokens: int, engine: str = "hf") -> int:
         """KV-cache bytes of one sequence of ``tokens`` tokens in ``engine``'s cache (``hf``: transformers', as the inline

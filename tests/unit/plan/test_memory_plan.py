@@ -194,6 +194,36 @@ def test_a_mixture_of_experts_layer_saves_what_each_token_runs_through(moe: str)
         assert planned.expert_block_values == block and not planned.mlp_splits  # no mlp.*_proj for the plan to split
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "gemma2", "gemma3_text"])
+def test_a_layers_norms_beyond_llamas_two_are_planned_with_what_they_save(family: str, tmp_path) -> None:
+    """Gemma's pre/post-feedforward norms and the per-head query/key norms of Qwen3, OLMo 2 and Gemma 3 each save
+    their input and output: planned as a Llama layer, a Gemma 3 layer saved 1.51x its plan, a Qwen3 layer 1.31x
+    (1.18x at Gemma-3-1B's widths). Each layer's measured bytes within 2% of the plan (heads x head size != hidden)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from nemo_like.models.attention import attend_in_float32_on_cpu
+
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 32, "vocab_size": 100, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}  # fmt: skip
+    config = CONFIG_MAPPING[family](**sizes, **({"sliding_window": 512} if family.startswith("gemma") else {}))
+    torch.manual_seed(0)
+    model = attend_in_float32_on_cpu(AutoModelForCausalLM.from_config(config).train())
+    ids = torch.randint(2, 100, (1, 256))
+
+    def forward() -> None:
+        model(input_ids=ids).logits.float().sum()
+
+    every_layer = saved_bytes(model, forward)
+    model.model.layers = model.model.layers[:2]
+    measured = (every_layer - saved_bytes(model, forward)) / 256
+    config.save_pretrained(tmp_path)
+    shape = model_footprint(str(tmp_path), "float32")[1]
+    assert shape.norm_values == {"llama": 0, "qwen3": 2 * (4 + 2) * 32, "olmo2": 2 * (4 + 2) * 32, "gemma2": 4 * 64,
+                                 "gemma3_text": 4 * 64 + 2 * (4 + 2) * 32}[family]  # fmt: skip
+    assert measured == pytest.approx(shape.layer_bytes_per_token(4), rel=0.02)
+
+
 def saved_for_backward(model, ids, precision: str, sharded: bool = False) -> int:
     """Bytes autograd keeps for backward in one training forward of ``model`` on ``ids`` under the run's
     :func:`~nemo_like.models.precision.compute_context`."""
