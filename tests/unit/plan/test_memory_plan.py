@@ -824,9 +824,8 @@ def test_a_mamba_blocks_state_is_planned_as_transformers_caches_it(family: str, 
 
         config.save_pretrained(tmp_path)
         params, planned = model_footprint(str(tmp_path), "float32")
-        assert planned == replace(
-            shape, fused_sampler=False, expert_block_values=planned.expert_block_values, mlp_splits=planned.mlp_splits
-        )
+        layer_facts = {key: getattr(planned, key) for key in ("expert_block_values", "mlp_splits", "norm_values")}  # from modules
+        assert planned == replace(shape, fused_sampler=False, **layer_facts)
         assert sum(math.prod(p.shape) for p in params) == sum(p.numel() for p in model.parameters())
         if family == "mamba2":  # as a teacher: `nemo-like plan` plans it and says what it leaves out
             from nemo_like.cli import main
