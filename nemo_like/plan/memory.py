@@ -245,11 +245,13 @@ class ModelShape:
         only samples (a judge), whose plan holds no training or logprob activations."""
         if not self.state_layers:
             return []
-        lines = [
-            f"not planned: what the model's {self.state_layers} linear-attention / state-space layers keep for backward "
-            "beyond an attention layer's (a gated delta net keeps more: wider projections, its convolution's inputs): the training "
-            "and logprob activations above are a lower bound"
-        ][: int(activations)]
+        lines = []
+        if activations:
+            lines.append(
+                f"not planned: what the model's {self.state_layers} linear-attention / state-space layers keep for backward "
+                "beyond an attention layer's (a gated delta net keeps more: wider projections, its convolution's inputs): the "
+                "training and logprob activations above are a lower bound"
+            )
         if not self.state_known:
             lines.append(f"not planned: the fixed state each of the model's {self.state_layers} stateful layers caches per sequence")
         return lines
