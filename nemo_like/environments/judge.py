@@ -148,7 +148,7 @@ class JudgeEnvConfig(BaseModel):
             tokenizer = None if self.engine_max_model_len is not None else loaded_tokenizer(self.model_name)
             if tokenizer is not None and judge_context(self, getattr(tokenizer, "model_max_length", None)) is None:
                 raise ValueError(  # the environment actor refused it, after Ray and every other actor had started
-                    f"the judge {self.model_name!r}'s tokenizer states no context length (model_max_length): set "
+                    f"the tokenizer of the judge {self.model_name!r} states no context length (model_max_length): set "
                     "engine_max_model_len for engine_backend='vllm'"
                 )
         if self.greedy and self.temperature != 1.0:

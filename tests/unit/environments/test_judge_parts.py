@@ -192,7 +192,7 @@ def test_a_vllm_judge_that_cannot_start_or_run_is_refused_when_the_recipe_loads(
     settings = json.loads((unbounded / "tokenizer_config.json").read_text())
     settings.pop("model_max_length")
     (unbounded / "tokenizer_config.json").write_text(json.dumps(settings))
-    with pytest.raises(ConfigError, match=r"the judge .*unbounded'.s tokenizer states no context length .*set engine_max_model_len"):
+    with pytest.raises(ConfigError, match=r"the tokenizer of the judge .*unbounded' states no context length .*set engine_max_model_len"):
         judge(unbounded)
     judge(unbounded, engine_max_model_len=128)
     judge(default_model_path())  # the shipped tokenizer states 256
