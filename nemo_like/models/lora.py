@@ -143,20 +143,24 @@ MOVED_ONTO_EXPERTS = (
 )
 REFUSED_FOR_MAMBA = "PEFT refuses adapters on a Mamba block's out_proj and conv1d"
 NOT_A_PROJECTION = (
-    "a torch.nn.Linear whose forward returns no single [..., out_features] tensor (Llama 4's router returns scores and "
-    "logits): PEFT's wrapper adds the adapter's output to it, and failed"
+    "a torch.nn.Linear whose forward is no projection of a row (Llama 4's router returns scores and logits; DeepSeek-V4's "
+    "grouped o_a_proj projects groups of its input): PEFT's wrapper adds a row's adapter output to it, and failed"
 )
 
 
 def not_a_projection(module: torch.nn.Module) -> bool:
     """Whether ``module``, a ``torch.nn.Linear`` subclass with a ``forward`` of its own, returns something else than one
-    tensor of ``out_features`` values per row (one row of zeros on its own device, without gradients: a quantised
-    projection such as BitNet's ``AutoBitLinear`` returns one and takes adapters)."""
+    tensor of ``out_features`` values per row, or cannot take one row of ``in_features`` (probed with zeros on its own
+    device, without gradients: a quantised projection such as BitNet's ``AutoBitLinear`` returns one and takes adapters;
+    DeepSeek-V4's grouped ``o_a_proj`` reshapes its input into groups and cannot)."""
     if type(module).forward is torch.nn.Linear.forward:
         return False
     weight = module.weight
-    with torch.no_grad():
-        out = module(torch.zeros(1, module.in_features, dtype=weight.dtype, device=weight.device))
+    try:
+        with torch.no_grad():
+            out = module(torch.zeros(1, module.in_features, dtype=weight.dtype, device=weight.device))
+    except Exception:  # noqa: BLE001 - a layer that cannot take such a row (DeepSeek-V4's grouped o_a_proj): no plain projection
+        return True
     return not isinstance(out, torch.Tensor) or out.shape != (1, module.out_features)
 
 

@@ -350,3 +350,13 @@ def test_a_quantised_projection_with_a_forward_of_its_own_takes_adapters_and_a_r
     targets, left_out = _resolved_targets(llama4, LoraConfig(enabled=True))
     assert set(left_out.values()) == {NOT_A_PROJECTION} and all(name.endswith("feed_forward.router") for name in left_out)
     assert len(left_out) == 2 and not any(name.endswith("router") for name in targets)
+    # DeepSeek-V4's grouped o_a_proj reshapes its input into groups: the probe's row raised on the driver (a traceback)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    v4 = CONFIG_MAPPING["deepseek_v4"](vocab_size=100, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       head_dim=32, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2, o_groups=2, o_lora_rank=16,
+                                       index_n_heads=2, index_head_dim=16, index_topk=4, num_nextn_predict_layers=0)  # fmt: skip
+    with torch.device("meta"):
+        grouped = AutoModelForCausalLM.from_config(v4)
+    targets, left_out = _resolved_targets(grouped, LoraConfig(enabled=True))
+    assert sorted(left_out) == [f"model.layers.{i}.self_attn.o_a_proj" for i in range(2)] and targets
