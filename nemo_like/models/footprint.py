@@ -184,23 +184,28 @@ LLAMA_LAYER_NORMS = 2
 
 
 def extra_norm_values(layer: torch.nn.Module, config: Any) -> int:
-    """Values per token the norms of decoder ``layer`` save beyond a Llama layer's two (:data:`LLAMA_LAYER_NORMS`): each
-    norm its input and output, ``2 x`` the width it normalises: ``hidden_size``, or a per-head query/key norm's heads x
-    its size (Gemma 3's pre/post-feedforward norms and Qwen3's ``q_norm``/``k_norm``; measured against the bytes a
-    layer saves in ``tests/unit/plan/test_memory_plan.py``)."""
+    """Values per token the norms of decoder ``layer`` save beyond its first two hidden-sized ones (the plan's ``8H``
+    holds a Llama layer's two, :data:`LLAMA_LAYER_NORMS`): an RMS norm its input and output, ``2 x`` the width it
+    normalises, a ``torch.nn.LayerNorm`` its input; the width ``hidden_size``, a per-head query/key norm's heads x its
+    size (``q_norm``, ``query_layernorm``, ...; a ``[heads, head size]`` weight, Cohere's, or one norm per head,
+    StableLM's, as it is). Gemma 2/3's pre/post-feedforward norms, the query/key norms of Qwen3, OLMo 2, Gemma 3, Cohere
+    and StableLM: measured against the bytes a layer saves in ``tests/unit/plan/test_memory_plan.py``."""
     heads = config_value(config, "num_attention_heads") or 0
     kv_heads = config_value(config, "num_key_value_heads") or heads
     head_dim = _shape_value(config, "head_dim")
-    widths = []
+    values, hidden_norms = 0, 0
     for name, module in layer.named_modules():
         weight = getattr(module, "weight", None)
-        if not name or "norm" not in type(module).__name__.lower() or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        if not name or "norm" not in type(module).__name__.lower() or not isinstance(weight, torch.Tensor) or not weight.dim():
             continue
-        size, leaf = weight.numel(), name.rsplit(".", 1)[-1]
-        if size == head_dim and size != config.hidden_size and leaf in ("q_norm", "k_norm"):  # one per head
-            size *= kv_heads if leaf == "k_norm" else heads
-        widths.append(size)
-    return max(0, 2 * sum(widths) - 2 * LLAMA_LAYER_NORMS * config.hidden_size)
+        width, leaf = weight.numel(), name.rsplit(".", 1)[-1]
+        if weight.dim() == 1 and width == config.hidden_size and hidden_norms < LLAMA_LAYER_NORMS:  # one of the 8H's two
+            hidden_norms += 1
+            continue
+        if weight.dim() == 1 and width == head_dim != config.hidden_size and heads:  # applied to each head
+            width *= kv_heads if leaf.startswith(("k_", "key")) else heads if leaf.startswith(("q_", "query")) else 1
+        values += width * (1 if isinstance(module, torch.nn.LayerNorm) else 2)
+    return values
 
 
 def cache_layout(config: Any) -> dict[str, int | None]:
