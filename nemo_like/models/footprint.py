@@ -28,7 +28,6 @@ from nemo_like.models.loading import (
     read_model_config,
     resolve_model_path,
 )
-from nemo_like.models.text_path import freeze_outside_text_path
 from nemo_like.plan.memory import (
     DTYPE_BYTES,
     JudgeSpec,
@@ -40,6 +39,7 @@ from nemo_like.plan.memory import (
     judge_memory,
     scorer_memory,
 )
+from nemo_like.utils.text_path import freeze_outside_text_path
 
 
 def model_config_path(

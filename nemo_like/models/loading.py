@@ -659,7 +659,8 @@ def policy_model(model_name: str, local_only: bool = False) -> PolicyModel:
     sizes = (layer_values(text, "head_dim") or [None]) if heads else []
     head_dims = tuple(sorted({size or text.hidden_size // heads for size in sizes}))
     architecture = next(iter(getattr(config, "architectures", None) or []), None)
-    return PolicyModel(routes_experts(model_name, local_only), architecture, head_dims, gated_delta_net(config))
+    multimodal = config.get_text_config() is not config
+    return PolicyModel(routes_experts(model_name, local_only), architecture, head_dims, gated_delta_net(config), multimodal)
 
 
 def model_context_length(model_name: str, local_only: bool = False) -> int | None:

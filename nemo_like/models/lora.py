@@ -42,9 +42,9 @@ from nemo_like.models.loading import (
     save_generation_config,
 )
 from nemo_like.models.precision import refit_dtype
-from nemo_like.models.text_path import text_path_parameters
 from nemo_like.utils.experts import experts_of
 from nemo_like.utils.preflight import refuse_overwriting
+from nemo_like.utils.text_path import text_path_parameters
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -78,7 +78,7 @@ _PEFT_PREFIX = "base_model.model."
 
 def decoder_linear_modules(model: torch.nn.Module) -> list[str]:
     """Full names of the ``nn.Linear`` modules inside the decoder blocks (the modules adapters may go on), on the text
-    path of a multimodal model (:func:`~nemo_like.models.text_path.text_path_parameters`: a vision tower's blocks are
+    path of a multimodal model (:func:`~nemo_like.utils.text_path.text_path_parameters`: a vision tower's blocks are
     ``layers`` too, and a text run gives their adapters no gradient)."""
     reached = text_path_parameters(model)
     return [

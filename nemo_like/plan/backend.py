@@ -5,6 +5,7 @@ does not import it."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,7 @@ class PolicyModel:
     architecture: str | None = None  # its config.json's architectures[0]
     head_dims: tuple[int, ...] = ()  # its attention layers' head sizes (none: no attention heads, or not read)
     gated_delta_net: bool = False  # linear attention of gated delta nets (Qwen3-Next, Qwen3.5): vLLM's CPU build runs it in bf16
+    multimodal: bool = False  # a config with a text config of its own (Gemma 3, Qwen3.5): vLLM's classes import torchvision
 
     def vllm_adapters_problem(self) -> str | None:
         """Why vLLM's class for this model takes no LoRA adapters, or ``None``."""
@@ -103,12 +105,15 @@ class PolicyModel:
         return None
 
     def vllm_cpu_problem(self, precision: str) -> str | None:
-        """Why vLLM's CPU build cannot run this model loaded at ``precision``, or ``None`` (each failed the engine's first
-        step: "Unsupported CPU attention configuration", "CPU GDN attention requires BF16")."""
+        """Why vLLM's CPU build cannot run this model loaded at ``precision``, or ``None`` (each failed the engine's start
+        or first step: "Unsupported CPU attention configuration", "CPU GDN attention requires BF16", "No module named
+        'torchvision'")."""
         if unsupported := [size for size in self.head_dims if size not in VLLM_CPU_HEAD_SIZES]:
             return f"vLLM's CPU attention computes head sizes {list(VLLM_CPU_HEAD_SIZES)}, and the model's is {unsupported[0]}"
         if self.gated_delta_net and precision != "bfloat16":
             return f"vLLM's CPU build runs the model's gated delta nets in bfloat16 only, and it would load it in {precision}"
+        if self.multimodal and importlib.util.find_spec("torchvision") is None:
+            return "vLLM's classes for a multimodal model import torchvision, which the CPU install removes"
         return None
 
 

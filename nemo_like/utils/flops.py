@@ -47,6 +47,7 @@ from typing import Any
 from nemo_like.utils.cpus import local_cores
 from nemo_like.utils.experts import active_share, experts_of, top_k
 from nemo_like.utils.files import replace_file
+from nemo_like.utils.text_path import text_path_parameters
 from nemo_like.utils.throughput import TIMING_PREFIX, generation_seconds, rate, trained_tokens, training_seconds
 
 # Dense (no sparsity) peak FLOP/s by GPU name fragment and precision (vendor data sheets; a bare name is the SXM part,
@@ -97,15 +98,16 @@ class FlopsSpec:
 
 
 def matmul_params(config: Any) -> int:
-    """``N`` of the module docstring for an HF model config (built on the meta device, nothing loaded); a
-    mixture-of-experts model's routed experts count at the share a token runs through
-    (:func:`~nemo_like.utils.experts.active_share`)."""
+    """``N`` of the module docstring for an HF model config (built on the meta device, nothing loaded): a multimodal
+    model's text path (:func:`~nemo_like.utils.text_path.text_path_parameters`); a mixture-of-experts model's routed
+    experts count at the share a token runs through (:func:`~nemo_like.utils.experts.active_share`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    total = sum(p.numel() for p in model.parameters())  # tied weights are one parameter, counted once
+    reached = text_path_parameters(model)  # a multimodal model's vision tower never runs in a text run
+    total = sum(p.numel() for p in model.parameters() if reached is None or id(p) in reached)  # tied: counted once
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding

@@ -34,8 +34,8 @@ from nemo_like.models.policy.forward import INLINE_GENERATION_BATCH, Batch, Forw
 from nemo_like.models.policy.spec import PolicyWorkerSpec
 from nemo_like.models.policy.training import TrainingStep, local_bytes
 from nemo_like.models.policy.weight_export import WeightExport
-from nemo_like.models.text_path import freeze_outside_text_path
 from nemo_like.utils.seeds import worker_seed
+from nemo_like.utils.text_path import freeze_outside_text_path
 
 __all__ = ["INLINE_GENERATION_BATCH", "Batch", "PolicyWorker", "PolicyWorkerSpec"]
 

@@ -314,6 +314,22 @@ def test_the_auto_backend_and_refit_keep_lora_off_vllm_where_vllm_cannot_serve_t
         resolve_backend(recipe("policy.generation.backend=vllm"), model=delta_net)
     bf16 = recipe("policy.generation.backend=vllm", "policy.precision=bfloat16")
     assert resolve_backend(bf16, with_policy=False, model=delta_net)[0] == "vllm"  # (an eval's: Qwen3-Next routes experts)
+    # a multimodal class: vLLM imports torchvision for it, which the CPU install removes (auto had picked vLLM to serve
+    # a Gemma 3 LoRA run's adapters, and its engine died at start: "No module named 'torchvision'")
+    import dataclasses
+    import importlib.util
+
+    from unit.models.test_text_path import config_of
+
+    config_of("gemma3").save_pretrained(tmp_path / "gemma3")
+    gemma3 = policy_model(str(tmp_path / "gemma3"))
+    assert gemma3.multimodal and not delta_net.multimodal and not narrow.multimodal
+    vision = dataclasses.replace(gemma3, head_dims=(32,))  # a head size vLLM's CPU attention computes: torchvision alone decides
+    backend, reason = resolve_backend(lora, model=vision)
+    if importlib.util.find_spec("torchvision") is None:
+        assert backend == "hf" and "import torchvision, which the CPU install removes" in reason, reason
+    else:
+        assert vision.vllm_cpu_problem("float32") is None
     on_gpu = recipe("policy.lora_cfg.enabled=true", "cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
     assert refit_mode(on_gpu, "vllm", mamba) == ("merged", "auto: vLLM's class for Mamba2ForCausalLM takes no LoRA adapters")
     assert refit_mode(on_gpu, "vllm", narrow)[0] == "adapter"  # vLLM's GPU attention computes it
