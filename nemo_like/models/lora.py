@@ -159,7 +159,9 @@ def not_a_projection(module: torch.nn.Module) -> bool:
     try:
         with torch.no_grad():
             out = module(torch.zeros(1, module.in_features, dtype=weight.dtype, device=weight.device))
-    except Exception:  # noqa: BLE001 - a layer that cannot take such a row (DeepSeek-V4's grouped o_a_proj): no plain projection
+    except (RuntimeError, ValueError) as exc:  # a row of in_features it cannot take (DeepSeek-V4's grouped o_a_proj)
+        if isinstance(exc, torch.OutOfMemoryError) or "CUDA" in str(exc):  # the device's, not the layer's: raised
+            raise
         return True
     return not isinstance(out, torch.Tensor) or out.shape != (1, module.out_features)
 

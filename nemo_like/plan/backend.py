@@ -82,6 +82,9 @@ VLLM_ADAPTERLESS_ARCHITECTURES = frozenset({
     "MiMoV2ForCausalLM", "OrionForCausalLM", "StableLmForCausalLM", "Step1ForCausalLM", "Step3TextForCausalLM",
     "Step3p5ForCausalLM", "Zamba2ForCausalLM",
 })  # fmt: skip
+#: Text-only classes whose vLLM module is also its multimodal class's and imports torchvision (0.32: ``qwen3_5``), by the
+#: ``architectures`` name a config.json gives; a multimodal config's classes do too (:attr:`PolicyModel.multimodal`).
+VLLM_TORCHVISION_TEXT_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})
 #: The head sizes vLLM's CPU attention computes (0.32, ``CPUAttentionBackend.get_supported_head_sizes``): another
 #: failed the engine's first step ("Unsupported CPU attention configuration").
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -112,8 +115,10 @@ class PolicyModel:
             return f"vLLM's CPU attention computes head sizes {list(VLLM_CPU_HEAD_SIZES)}, and the model's is {unsupported[0]}"
         if self.gated_delta_net and precision != "bfloat16":
             return f"vLLM's CPU build runs the model's gated delta nets in bfloat16 only, and it would load it in {precision}"
-        if self.multimodal and importlib.util.find_spec("torchvision") is None:
-            return "vLLM's classes for a multimodal model import torchvision, which the CPU install removes"
+        if (self.multimodal or self.architecture in VLLM_TORCHVISION_TEXT_ARCHITECTURES) and importlib.util.find_spec(
+            "torchvision"
+        ) is None:
+            return "vLLM's class for the model imports torchvision (a multimodal model's), which the CPU install removes"
         return None
 
 

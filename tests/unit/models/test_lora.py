@@ -360,3 +360,12 @@ def test_a_quantised_projection_with_a_forward_of_its_own_takes_adapters_and_a_r
         grouped = AutoModelForCausalLM.from_config(v4)
     targets, left_out = _resolved_targets(grouped, LoraConfig(enabled=True))
     assert sorted(left_out) == [f"model.layers.{i}.self_attn.o_a_proj" for i in range(2)] and targets
+    # a forward that fails for another reason (an FP8 layer whose kernel is not installed) says so: it was "no projection"
+    from nemo_like.models.lora import not_a_projection
+
+    class WithoutItsKernel(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ImportError("finegrained-fp8 kernel unavailable")
+
+    with pytest.raises(ImportError, match="kernel unavailable"):
+        not_a_projection(WithoutItsKernel(4, 4))

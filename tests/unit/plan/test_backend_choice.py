@@ -326,10 +326,12 @@ def test_the_auto_backend_and_refit_keep_lora_off_vllm_where_vllm_cannot_serve_t
     assert gemma3.multimodal and not delta_net.multimodal and not narrow.multimodal
     vision = dataclasses.replace(gemma3, head_dims=(32,))  # a head size vLLM's CPU attention computes: torchvision alone decides
     backend, reason = resolve_backend(lora, model=vision)
+    qwen35 = PolicyModel(architecture="Qwen3_5ForCausalLM", head_dims=(32,))  # a text class in vLLM's qwen3_5 module
     if importlib.util.find_spec("torchvision") is None:
-        assert backend == "hf" and "import torchvision, which the CPU install removes" in reason, reason
+        assert backend == "hf" and "imports torchvision (a multimodal model's), which the CPU install removes" in reason, reason
+        assert "imports torchvision" in qwen35.vllm_cpu_problem("bfloat16")
     else:
-        assert vision.vllm_cpu_problem("float32") is None
+        assert vision.vllm_cpu_problem("float32") is None and qwen35.vllm_cpu_problem("bfloat16") is None
     on_gpu = recipe("policy.lora_cfg.enabled=true", "cluster.gpus_per_node=1", "policy.generation.colocated.enabled=false")
     assert refit_mode(on_gpu, "vllm", mamba) == ("merged", "auto: vLLM's class for Mamba2ForCausalLM takes no LoRA adapters")
     assert refit_mode(on_gpu, "vllm", narrow)[0] == "adapter"  # vLLM's GPU attention computes it
