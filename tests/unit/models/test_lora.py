@@ -323,27 +323,19 @@ def test_a_mamba_blocks_out_proj_is_left_out_by_default_and_refused_when_named(t
         lora.check_lora_targets(str(tmp_path), LoraConfig(enabled=True, target_modules=["out_proj"]))
 
 
-def test_a_quantised_projection_with_a_forward_of_its_own_takes_adapters_and_a_router_does_not(tmp_path) -> None:
-    """BitNet's online-quantised AutoBitLinear projections are Linear subclasses with a forward of their own that
-    returns x W^T + b: they take adapters (a rule by class had left every one out and refused the run); Llama 4's router,
+def test_a_quantised_projection_with_a_forward_of_its_own_takes_adapters_and_a_router_does_not() -> None:
+    """A Linear subclass with a forward of its own that returns x W^T + b (BitNet's online-quantised AutoBitLinear is
+    one) takes adapters: a rule by class had left every BitNet projection out and refused the run; Llama 4's router,
     whose forward returns scores and logits, is left out (PEFT's wrapper failed on it in the first forward)."""
-    import json
+    from transformers import AutoModelForCausalLM
 
-    from transformers import AutoModelForCausalLM, BitNetConfig
+    from nemo_like.models.lora import NOT_A_PROJECTION, _resolved_targets, not_a_projection
 
-    from nemo_like.models.loading import load_causal_lm
-    from nemo_like.models.lora import NOT_A_PROJECTION, _resolved_targets
+    class RoundedLinear(torch.nn.Linear):  # as a quantised projection: its own forward, a projection's output
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, self.weight.round(), self.bias)
 
-    config = BitNetConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    written = json.loads((tmp_path / "config.json").read_text())
-    written["quantization_config"] = {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}
-    (tmp_path / "config.json").write_text(json.dumps(written))
-    model = load_causal_lm(str(tmp_path))
-    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "AutoBitLinear"
-    targets, left_out = _resolved_targets(model, LoraConfig(enabled=True))
-    assert len(targets) == 14 and not left_out  # 7 projections in each of 2 layers
+    assert not not_a_projection(RoundedLinear(8, 4)) and not not_a_projection(torch.nn.Linear(8, 4))
     from unit.models.test_text_path import config_of
 
     llama4 = AutoModelForCausalLM.from_config(config_of("llama4"))
@@ -360,9 +352,8 @@ def test_a_quantised_projection_with_a_forward_of_its_own_takes_adapters_and_a_r
         grouped = AutoModelForCausalLM.from_config(v4)
     targets, left_out = _resolved_targets(grouped, LoraConfig(enabled=True))
     assert sorted(left_out) == [f"model.layers.{i}.self_attn.o_a_proj" for i in range(2)] and targets
-    # a forward that fails for another reason (an FP8 layer whose kernel is not installed) says so: it was "no projection"
-    from nemo_like.models.lora import not_a_projection
 
+    # a forward that fails for another reason (an FP8 layer whose kernel is not installed) says so: it was "no projection"
     class WithoutItsKernel(torch.nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             raise ImportError("finegrained-fp8 kernel unavailable")

@@ -259,7 +259,7 @@ def test_a_signal_after_the_run_finished_leaves_its_status_0(signals):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", AFTER_THE_RUN, "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", AFTER_THE_RUN, "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         for _ in range(signals):
