@@ -25,6 +25,7 @@ from nemo_like.models.layer_kinds import attention_free, gated_delta_net
 from nemo_like.models.rope import fixed_frequency_length, rope_parameters, rope_type
 from nemo_like.plan.backend import PolicyModel
 from nemo_like.plan.memory import layer_values
+from nemo_like.utils.text_path import multimodal
 
 HUB_PROBE_TIMEOUT_S = 5.0
 _TRUE = ("1", "true", "yes", "on")
@@ -659,8 +660,7 @@ def policy_model(model_name: str, local_only: bool = False) -> PolicyModel:
     sizes = (layer_values(text, "head_dim") or [None]) if heads else []
     head_dims = tuple(sorted({size or text.hidden_size // heads for size in sizes}))
     architecture = next(iter(getattr(config, "architectures", None) or []), None)
-    multimodal = config.get_text_config() is not config
-    return PolicyModel(routes_experts(model_name, local_only), architecture, head_dims, gated_delta_net(config), multimodal)
+    return PolicyModel(routes_experts(model_name, local_only), architecture, head_dims, gated_delta_net(config), multimodal(config))
 
 
 def model_context_length(model_name: str, local_only: bool = False) -> int | None:

@@ -5,15 +5,20 @@ groups listed them (their update was already none: AdamW skips a parameter witho
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
+def multimodal(config: Any) -> bool:
+    """Whether a transformers ``config`` is a multimodal model's: it holds a text config of its own."""
+    return config is not None and hasattr(config, "get_text_config") and config.get_text_config() is not config
+
+
 def text_path_parameters(model: torch.nn.Module) -> set[int] | None:
-    """The ids of ``model``'s parameters on its text path when its config is multimodal (a text config of its own):
-    those of the decoder ``get_decoder()`` returns and of the input and output embeddings; ``None`` (every one) for a
-    text model."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config") or config.get_text_config() is config:
+    """The ids of ``model``'s parameters on its text path when its config is :func:`multimodal`: those of the decoder
+    ``get_decoder()`` returns and of the input and output embeddings; ``None`` (every one) for a text model."""
+    if not multimodal(getattr(model, "config", None)):
         return None
     path = (model.get_decoder(), model.get_input_embeddings(), model.get_output_embeddings())
     return {id(p) for module in path if module is not None for p in module.parameters()}
